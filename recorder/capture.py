@@ -1,0 +1,215 @@
+"""What a step needs to be re-run: RNG states, nested batches as (JSON tree, tensors), environment.
+
+Everything here is plain data: trees become JSON with tensor leaves named by key, so a bundle
+never needs pickle to say what the batch looked like.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# RNG states
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG a training step may draw from, as it is now. Draws nothing itself."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch_cpu": torch.get_rng_state()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_rng` (or :func:`rng_from_bundle`) returned."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "numpy" in state:
+        import numpy as np  # only when the recorded run used it
+
+        np.random.set_state(state["numpy"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        for i, s in enumerate(cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+def rng_to_bundle(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Split an RNG state into JSON metadata and tensors for the bundle."""
+    meta: dict[str, Any] = {}
+    tensors = {"rng/torch_cpu": state["torch_cpu"].clone()}
+    version, internal, gauss = state["python"]
+    meta["python"] = {"version": version, "gauss": gauss}
+    tensors["rng/python"] = torch.tensor(internal, dtype=torch.int64)
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        meta["numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss),
+                         "cached_gaussian": float(cached)}
+        tensors["rng/numpy"] = torch.tensor(keys.tolist(), dtype=torch.int64)
+    for i, s in enumerate(state.get("cuda", [])):
+        tensors[f"rng/cuda/{i}"] = s.cpu().clone()
+    meta["cuda_devices"] = len(state.get("cuda", []))
+    return meta, tensors
+
+
+def rng_from_bundle(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Inverse of :func:`rng_to_bundle`."""
+    py = meta["python"]
+    state: dict[str, Any] = {
+        "python": (py["version"], tuple(tensors["rng/python"].tolist()), py["gauss"]),
+        "torch_cpu": tensors["rng/torch_cpu"],
+    }
+    if "numpy" in meta:
+        import numpy as np
+
+        npm = meta["numpy"]
+        keys = np.array(tensors["rng/numpy"].tolist(), dtype=np.uint32)
+        state["numpy"] = (npm["name"], keys, npm["pos"], npm["has_gauss"], npm["cached_gaussian"])
+    if meta.get("cuda_devices"):
+        state["cuda"] = [tensors[f"rng/cuda/{i}"] for i in range(meta["cuda_devices"])]
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested batches <-> JSON tree + named tensors
+
+
+def _json_float(x: float) -> Any:
+    return x if math.isfinite(x) else {"$float": repr(x)}
+
+
+def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
+    """Encode ``obj`` as JSON; tensor leaves are returned under keys ``prefix/<n>``.
+
+    Also returns a readable path for each key, such as ``[0]["image"]``. Leaves that are neither
+    tensors nor JSON scalars are kept as their ``repr`` and marked, so the replay can say it
+    cannot rebuild them instead of guessing.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    paths: dict[str, str] = {}
+
+    def walk(o: Any, path: str) -> Any:
+        if isinstance(o, torch.Tensor):
+            node = leaf(o) if leaf is not None else None
+            if node is not None:
+                return node
+            key = f"{prefix}/{len(tensors)}"
+            tensors[key] = o
+            paths[key] = path
+            return {"$t": key}
+        if o is None or isinstance(o, (bool, int, str)):
+            return o
+        if isinstance(o, float):
+            return _json_float(o)
+        if isinstance(o, (list, tuple)):
+            items = [walk(v, f"{path}[{i}]") for i, v in enumerate(o)]
+            return {"$list": items} if isinstance(o, list) else {"$tuple": items}
+        if isinstance(o, dict):
+            items = []
+            for k, v in o.items():
+                jk = k if k is None or isinstance(k, (str, int, float, bool)) else {"$repr": repr(k)}
+                items.append([jk, walk(v, f"{path}[{k!r}]")])
+            return {"$dict": items}
+        if isinstance(o, torch.dtype):
+            return {"$dtype": str(o).removeprefix("torch.")}
+        if isinstance(o, torch.device):
+            return {"$device": str(o)}
+        return {"$repr": repr(o)[:200], "$type": type(o).__qualname__}
+
+    return walk(obj, ""), tensors, paths
+
+
+class UnrebuildableLeaf(ValueError):
+    """A batch leaf that was saved as its repr only (an arbitrary Python object)."""
+
+
+def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten_tree`. Raises :class:`UnrebuildableLeaf` for repr-only leaves."""
+    if isinstance(node, dict):
+        if "$t" in node:
+            return tensors[node["$t"]]
+        if "$list" in node:
+            return [unflatten_tree(v, tensors) for v in node["$list"]]
+        if "$tuple" in node:
+            return tuple(unflatten_tree(v, tensors) for v in node["$tuple"])
+        if "$dict" in node:
+            return {(_key(k)): unflatten_tree(v, tensors) for k, v in node["$dict"]}
+        if "$float" in node:
+            return float(node["$float"])
+        if "$dtype" in node:
+            return getattr(torch, node["$dtype"])
+        if "$device" in node:
+            return torch.device(node["$device"])
+        raise UnrebuildableLeaf(f"{node.get('$type', 'object')} {node.get('$repr', '')}")
+    return node
+
+
+def _key(k: Any) -> Any:
+    if isinstance(k, dict):
+        raise UnrebuildableLeaf(f"dict key {k.get('$repr')}")
+    return k
+
+
+def tensor_leaves(obj: Any):
+    """Yield every tensor in a nested structure of tuples, lists and dicts (and dataclass-like
+    objects exposing ``values()``, as Hugging Face ``ModelOutput`` does)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensor_leaves(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensor_leaves(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+
+
+def git_commit(cwd: str | None = None) -> str | None:
+    """The commit checked out in ``cwd``, or None when it is not a git working tree."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def distributed_rank() -> tuple[int, int]:
+    """(rank, world size): from torch.distributed when initialised, else torchrun's variables."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def environment(rank: int, world_size: int, commit: str | None) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if cuda else [],
+        "rank": rank,
+        "world_size": world_size,
+        "argv": list(sys.argv),
+        "cwd": os.getcwd(),
+        "git_commit": commit,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "num_threads": torch.get_num_threads(),
+    }

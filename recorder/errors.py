@@ -1,0 +1,21 @@
+"""The two exceptions of the project: one for training-time events, one for bad bundles."""
+
+from __future__ import annotations
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by the recorder on the first NaN/Inf event, after the bundle is written.
+
+    ``bundle_path`` is the written bundle (``None`` when writing it failed; the write error is
+    then the ``__cause__`` and ``write_error``). ``event`` is the event as a JSON-able dict.
+    """
+
+    def __init__(self, message: str, *, bundle_path=None, event=None, write_error=None):
+        super().__init__(message)
+        self.bundle_path = bundle_path
+        self.event = event or {}
+        self.write_error = write_error
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be read: the message names the file, what is wrong and what to do."""

@@ -1,0 +1,196 @@
+"""Turning a non-finite step row into an event: which phase, module, call, tensor, samples.
+
+Runs only on the slow path, after the step's single sync said something is not finite, so it
+may read whatever it needs from the device.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .capture import flatten_tree
+from .ring import StepLayout, decode_call
+from .tape import Tape
+
+
+def _kind(d: dict[str, Any]) -> str:
+    if d["nan"]:
+        return "nan"
+    if d["posinf"]:
+        return "+inf"
+    return "-inf"
+
+
+def bad_rows(t: torch.Tensor) -> list[int]:
+    """Indices along dim 0 holding a non-finite value (all of a 0-d/1-row tensor: [0])."""
+    if not t.is_floating_point() and not t.is_complex():
+        return []
+    bad = ~torch.isfinite(t.detach())
+    if t.dim() == 0:
+        return [0] if bool(bad) else []
+    return bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+
+
+def _first_bad_tensor(obj: Any, prefix: str, skip=()) -> tuple[str, list[int], str] | None:
+    _, tensors, paths = flatten_tree(obj, "x")
+    for key, t in tensors.items():
+        if any(t is s for s in skip):
+            continue
+        rows = bad_rows(t)
+        if rows:
+            flat = t.detach()[~torch.isfinite(t.detach())]
+            kind = "nan" if torch.isnan(flat).any() else ("+inf" if (flat > 0).any() else "-inf")
+            return prefix + paths[key], rows, kind
+    return None
+
+
+def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
+               module_names: list[str], module_types: list[str], param_names: list[str],
+               params_from_update: bool, allowed: set[int]) -> dict[str, Any]:
+    """The first offender of a step, in the order a value flows: input, forward, loss,
+    backward, update."""
+    ev: dict[str, Any] = {"step": tape.step, "reason": reason, "phase": None, "module": None,
+                          "module_type": None, "call": None, "micro_batch": None,
+                          "inputs_finite": None, "kind": None, "params": [], "tensor": None,
+                          "samples": [], "detail": ""}
+    if reason in ("scale_collapse", "scale_skipping"):
+        ev.update(phase="backward", kind="scale",
+                  detail=f"GradScaler scale {layout.scale} after skipping steps "
+                         f"(reason {reason})")
+        return ev
+    calls = [decode_call(row, c) for c in layout.calls]
+    by_start = sorted(calls, key=lambda d: (d["micro_batch"], d["start"]))
+
+    def call_index(d):
+        return sum(1 for o in by_start if o["module"] == d["module"]
+                   and o["micro_batch"] == d["micro_batch"] and o["start"] < d["start"])
+
+    def name_call(d, phase):
+        ev.update(phase=phase, module=module_names[d["module"]],
+                  module_type=module_types[d["module"]], call=call_index(d),
+                  micro_batch=d["micro_batch"], inputs_finite=d["inputs_finite"], kind=_kind(d))
+
+    # 1. bad data: the root call's inputs
+    for d in calls:
+        if d["module"] == 0 and not d["inputs_finite"]:
+            mb = tape.micro_batches[d["micro_batch"]]
+            found = _first_bad_tensor((mb.args, mb.kwargs), "batch")
+            name_call(d, "input")
+            if found:
+                ev.update(tensor=_batch_path(found[0]), samples=found[1], kind=found[2])
+            ev["detail"] = f"non-finite value in the model's input {ev['tensor']}"
+            return ev
+    # 2. forward: the first call (in completion order) to make a non-finite output from
+    #    finite inputs: a parent's own code counts, a module that passed a NaN on does not.
+    bad = [d for d in calls if not d["outputs_finite"]
+           and not (d["module"] in allowed and not d["nan"])]
+    if bad:
+        made = [d for d in bad if d["inputs_finite"]]
+        d = made[0] if made else bad[0]
+        name_call(d, "forward")
+        mb = tape.micro_batches[d["micro_batch"]] if tape.micro_batches else None
+        if mb is not None:
+            ev["samples"] = _output_samples(mb, d)
+        ev["detail"] = (f"{ev['kind']} first in the output of {ev['module'] or '<root>'} "
+                        f"({ev['module_type']}), call {ev['call']}")
+        return ev
+    # 3. loss
+    for mb_i, lo, hi in layout.loss:
+        if not (math.isfinite(row[lo]) and math.isfinite(row[hi])):
+            mb = tape.micro_batches[mb_i]
+            outs = list(_tensors(mb.outputs))
+            found = _first_bad_tensor((mb.loss_args, mb.loss_kwargs), "target", skip=outs)
+            ev.update(micro_batch=mb_i, module="<loss>",
+                      kind="nan" if math.isnan(row[lo]) or math.isnan(row[hi]) else "inf")
+            if found:
+                ev.update(phase="input", tensor=found[0], samples=found[1], kind=found[2],
+                          detail=f"non-finite value in the loss target {found[0]}")
+            else:
+                ev.update(phase="loss", detail="the loss is non-finite while the model "
+                                               "output is finite")
+            return ev
+    # 4. gradients
+    bad_grads = [param_names[i] for i, k in layout.grads if not math.isfinite(row[k])]
+    if bad_grads:
+        ev.update(phase="backward", params=bad_grads, kind=_param_kind(row, layout.grads),
+                  detail=f"non-finite gradient in {len(bad_grads)} parameter(s), first "
+                         f"{bad_grads[0]}")
+        return ev
+    # 5. weights: made by the last update, or already there
+    bad_params = [param_names[i] for i, k in layout.params if not math.isfinite(row[k])]
+    if bad_params:
+        if params_from_update:
+            return optimizer_event(tape.step - 1, bad_params, after_update=True,
+                                   kind=_param_kind(row, layout.params))
+        ev.update(phase="weights", params=bad_params, kind=_param_kind(row, layout.params),
+                  detail=f"non-finite values already in {len(bad_params)} parameter(s), first "
+                         f"{bad_params[0]}")
+        return ev
+    ev.update(phase="forward", detail="non-finite statistic with no identifiable source")
+    return ev
+
+
+def optimizer_event(step: int, params: list[str], *, after_update: bool,
+                    kind: str = "nan") -> dict[str, Any]:
+    """An update that turned finite weights non-finite. ``after_update``: the bundle holds the
+    state after it (caught at the next step), not before (caught by ``guard_optimizer``)."""
+    return {"step": step, "reason": "non_finite", "phase": "optimizer", "module": None,
+            "module_type": None, "call": None, "micro_batch": None, "inputs_finite": True,
+            "kind": kind, "params": params, "tensor": None, "samples": [],
+            "after_update": after_update,
+            "detail": f"optimizer.step() made {len(params)} parameter(s) non-finite, first "
+                      f"{params[0]}"}
+
+
+def _param_kind(row, pairs) -> str:
+    vals = [row[k] for _, k in pairs if not math.isfinite(row[k])]
+    return "nan" if any(math.isnan(v) for v in vals) else "inf"
+
+
+def _tensors(obj):
+    _, tensors, _ = flatten_tree(obj, "x")
+    return tensors.values()
+
+
+def _output_samples(mb, d) -> list[int]:
+    """Batch rows of the root output that are non-finite (the samples the event touched)."""
+    for t in _tensors(mb.outputs):
+        if t.is_floating_point():
+            rows = bad_rows(t)
+            if rows:
+                return rows
+    return []
+
+
+def _batch_path(path: str) -> str:
+    """``batch(args, kwargs)`` paths as a user writes them: ``batch[0]["image"]`` becomes
+    ``batch["image"]`` when the model takes the batch as its only argument."""
+    if path.startswith("batch[0]"):
+        return "batch" + path[len("batch[0]"):]
+    if path.startswith("batch[1]"):
+        return "kwargs" + path[len("batch[1]"):]
+    return path
+
+
+def summary(event: dict[str, Any], path: Path | None) -> str:
+    """The one-paragraph message of :class:`~recorder.NonFiniteError`."""
+    where = ""
+    if event.get("module") is not None:
+        name = event["module"] or "<root>"
+        where = (f" First made by module '{name}' ({event.get('module_type')}, call "
+                 f"{event.get('call')}, micro-batch {event.get('micro_batch')})"
+                 + (", whose inputs were finite." if event.get("inputs_finite") else "."))
+    if event.get("tensor"):
+        where += f" Tensor {event['tensor']}, samples {event['samples'][:8]}."
+    if event.get("params"):
+        where += f" Parameters: {', '.join(event['params'][:4])}."
+    kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf", "inf": "Inf", "scale": "AMP scale"}
+    head = (f"nanreplay: non-finite value ({kind.get(event.get('kind'), event.get('kind'))}) at "
+            f"step {event['step']}, phase {event['phase']}.{where}")
+    if path is None:
+        return head
+    return f"{head} Bundle: {path}; run `nanreplay {path}` to find the op and the cause."

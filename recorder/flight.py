@@ -1,0 +1,694 @@
+"""``FlightRecorder``: module hooks, the step lifecycle, and the one host sync per step.
+
+A step opens at the first root-module forward after the previous step closed, capturing the RNG
+states and the pre-step value of buffers that change. Each module call adds 0-d statistics to the
+step's :class:`~recorder.tape.Tape` on the device. The step closes at ``optimizer.step()`` (its
+pre-hook, so a bad step never updates the weights), or, for loops without an optimizer or steps
+that a ``GradScaler`` skipped, when the next step opens. Closing stacks the statistics into one
+row of the ring buffer and reads a single flag back: that read is the only host-device sync.
+Only when the flag says "non-finite" does the slow path run, which finds the first offender and
+writes the bundle.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import logging
+import math
+import os
+import tempfile
+import threading
+import weakref
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import events
+from .capture import capture_rng, distributed_rank, git_commit, tensor_leaves
+from .errors import NonFiniteError
+from .ring import RingBuffer, StepLayout
+from .snapshot import build_bundle
+from .tape import LOOSE, NAN_ONLY, STRICT, MicroBatch, Tape
+
+log = logging.getLogger("nanreplay")
+
+_ON_EVENT = ("raise", "warn")
+
+
+class _CallableLoss(nn.Module):
+    """Gives a plain loss function the hooks a loss module has (call it as ``recorder.loss_fn``)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+class FlightRecorder:
+    """Records per-layer statistics every step and writes a bundle at the first NaN/Inf.
+
+    >>> with FlightRecorder(model, optimizer, loss_fn=criterion,    # doctest: +SKIP
+    ...                     out_dir="nan-bundles", factory="mypkg.train:make_model"):
+    ...     for x, y in loader:
+    ...         optimizer.zero_grad()
+    ...         loss = criterion(model(x), y)
+    ...         loss.backward()
+    ...         optimizer.step()   # raises NonFiniteError(bundle_path=...) on the first event
+
+    Args:
+        model: the root module; its forward is one micro-batch of a step.
+        optimizer: optional; ``optimizer.step()`` closes a step. Without one, a step is one
+            root forward (closed when the next begins, at :meth:`end_step` or at detach).
+        loss_fn: optional loss module or callable. A module is hooked in place; a plain
+            function must be called through :attr:`loss_fn` to be seen.
+        out_dir: where bundles go (created if missing).
+        factory: ``"module:function"`` that rebuilds the model, for ``nanreplay``.
+        history: steps kept in the ring buffer.
+        on_event: ``"raise"`` (write the bundle, raise :class:`NonFiniteError`) or ``"warn"``
+            (write it once, log, keep training).
+        allow_inf: name patterns (fnmatch) of modules whose outputs, and buffers whose values,
+            may hold +-Inf on purpose (masks). NaN is always an event.
+        scaler: the ``torch.amp.GradScaler`` in use: steps it skips are not events, but a scale
+            below ``min_scale`` or more than ``max_skipped_steps`` skips in a row are.
+        lr_scheduler: saved in the bundle when given.
+        guard_optimizer: keep a device copy of the weights, gradients and optimizer state
+            before each ``optimizer.step()`` and check the weights right after it (a second
+            sync), so a bundle can re-run an update that made weights non-finite. Off by
+            default; without it such an event is caught at the next step and the bundle holds
+            the state after the update.
+        start_step: the index of the first recorded step (when attaching mid-run).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 loss_fn=None, out_dir: str | os.PathLike = "nan-bundles",
+                 factory: str | None = None, history: int = 64, on_event: str = "raise",
+                 allow_inf: list[str] | tuple[str, ...] = (), scaler=None, lr_scheduler=None,
+                 min_scale: float = 1.0, max_skipped_steps: int = 50,
+                 guard_optimizer: bool = False, start_step: int = 0,
+                 max_micro_batches: int = 1024):
+        _validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, allow_inf,
+                  scaler)
+        self.out_dir = Path(out_dir)
+        self.factory = factory
+        self.history = history
+        self.on_event = on_event
+        self.allow_inf = tuple(allow_inf)
+        self.min_scale = float(min_scale)
+        self.max_skipped_steps = int(max_skipped_steps)
+        self.guard_optimizer = bool(guard_optimizer)
+        self.max_micro_batches = int(max_micro_batches)
+        self.bundle_path: Path | None = None
+        self.event: dict[str, Any] | None = None
+
+        self._model = weakref.ref(model)
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        self._scaler = weakref.ref(scaler) if scaler is not None else None
+        self._scheduler = weakref.ref(lr_scheduler) if lr_scheduler is not None else None
+        if loss_fn is None or isinstance(loss_fn, nn.Module):
+            self.loss_fn = loss_fn
+        else:
+            self.loss_fn = _CallableLoss(loss_fn)
+        self._loss_is_wrapped = isinstance(self.loss_fn, _CallableLoss)
+
+        self._step = int(start_step)
+        self._tape: Tape | None = None
+        self._ring = RingBuffer(history)
+        self._handles: list = []
+        self._attached = False
+        self._active = False
+        self._fired = False
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._pending_param_norms: list[tuple[int, torch.Tensor]] | None = None
+        self._params_from_update = False
+        self._skips = 0
+        self._buffer_copies: dict[str, torch.Tensor] = {}
+        self._buffer_versions: dict[str, int] = {}
+        self._guard: dict[str, Any] | None = None
+        self._last_tape: Tape | None = None
+        self._buffers: list = []
+        self._commit = git_commit()
+        self._internal_errors = 0
+
+    # ------------------------------------------------------------------------------------------
+    # public surface
+
+    def __enter__(self) -> FlightRecorder:
+        self.attach()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._close_open_step(at="detach")
+        finally:
+            self.detach()
+
+    def attach(self) -> FlightRecorder:
+        """Register every hook. Idempotent."""
+        if self._attached:
+            return self
+        model = self._model()
+        if model is None:
+            raise RuntimeError("FlightRecorder.attach: the model no longer exists")
+        named = list(model.named_modules())
+        self._module_names = [n for n, _ in named]
+        self._module_types = [type(m).__module__ + "." + type(m).__qualname__ for _, m in named]
+        self._params = list(model.named_parameters())
+        self._param_index = {id(p): i for i, (_, p) in enumerate(self._params)}
+        self._buffers = list(model.named_buffers())
+        self._allowed_buffers = {id(b): weakref.ref(b) for n, b in self._buffers
+                                 if self._is_allowed(n)}
+        for idx, (name, module) in enumerate(named):
+            allowed = self._is_allowed(name)
+            self._handles.append(module.register_forward_pre_hook(
+                partial(self._pre_hook, idx), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                partial(self._post_hook, idx, allowed), with_kwargs=True))
+        if self.loss_fn is not None:
+            self._handles.append(self.loss_fn.register_forward_pre_hook(
+                self._loss_pre_hook, with_kwargs=True))
+            self._handles.append(self.loss_fn.register_forward_hook(
+                self._loss_post_hook, with_kwargs=True))
+        opt = self._optimizer() if self._optimizer else None
+        if opt is not None:
+            self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
+            self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
+        self._attached = self._active = True
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook and drop every reference to the model, optimizer and batches."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._tape = None
+        self._guard = None
+        self._pending_param_norms = None
+        self._buffer_copies.clear()
+        self._buffer_versions.clear()
+        self._last_tape = None
+        self._buffers = []
+        self._params = []
+        self._param_index = {}
+        self._allowed_buffers = {}
+        self._attached = self._active = False
+
+    def end_step(self) -> None:
+        """Close the current step now (for loops without an optimizer that update by hand)."""
+        self._close_open_step(at="end_step")
+
+    @property
+    def step(self) -> int:
+        """Index of the step being recorded (or the next one, between steps)."""
+        return self._step
+
+    @property
+    def memory_bytes(self) -> dict[str, int]:
+        """Device memory the recorder holds: ring buffer, buffer copies, optimizer guard."""
+        guard = 0
+        if self._guard:
+            guard = sum(t.numel() * t.element_size() for t in self._guard["tensors"])
+        return {"ring": self._ring.nbytes,
+                "buffer_copies": sum(t.numel() * t.element_size()
+                                     for t in self._buffer_copies.values()),
+                "optimizer_guard": guard}
+
+    # ------------------------------------------------------------------------------------------
+    # hooks: each one is a no-op after an internal error rather than a crash of training
+
+    def _stack(self) -> list:
+        s = getattr(self._local, "stack", None)
+        if s is None:
+            s = self._local.stack = []
+        return s
+
+    def _pre_hook(self, idx: int, module, args, kwargs):
+        if not self._active:
+            return None
+        try:
+            with torch.no_grad():
+                if idx == 0:
+                    self._stack().clear()
+                    self._begin_micro_batch(args, kwargs)
+                tape = self._tape
+                if tape is None:
+                    return None
+                ins = self._input_refs(tape, args, kwargs, root=idx == 0)
+                with tape.lock:
+                    start = tape.starts
+                    tape.starts += 1
+                self._stack().append((tape, idx, tape.micro_batch, start, ins))
+        except NonFiniteError:
+            raise
+        except Exception as e:  # never let the recorder's own bug stop training
+            self._internal_error(e)
+        return None
+
+    def _post_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
+        if not self._active:
+            return None
+        try:
+            stack = self._stack()
+            if not stack or stack[-1][1] != idx:
+                return None
+            tape, _, mb, start, ins = stack.pop()
+            if tape is not self._tape:
+                return None
+            with torch.no_grad():
+                outs, stats = self._output_refs(tape, output, allowed)
+            with tape.lock:
+                tape.calls.append((idx, mb, start, outs, stats, ins))
+            if idx == 0:
+                self._end_micro_batch(tape, output)
+        except Exception as e:
+            self._internal_error(e)
+        return None
+
+    def _input_refs(self, tape: Tape, args, kwargs, root: bool) -> tuple:
+        refs = []
+        for t in _leaves(args, kwargs):
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            hit = tape.cache.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] == t._version:
+                refs.append((hit[2], hit[3], hit[4]))
+                continue
+            buf = self._allowed_buffers.get(id(t))
+            allowed = buf is not None and buf() is t
+            lo, hi = torch.aminmax(t)
+            code = STRICT if root and not allowed else LOOSE
+            with tape.lock:
+                refs.append((tape.add(code, lo), tape.add(code, hi), allowed))
+        return tuple(refs)
+
+    def _output_refs(self, tape: Tape, output, allowed: bool):
+        outs, stats = [], None
+        code = NAN_ONLY if allowed else STRICT
+        for t in tensor_leaves(output):
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            lo, hi = torch.aminmax(t)
+            if stats is None:
+                std, mean = torch.std_mean(t, correction=0)
+            with tape.lock:
+                a, b = tape.add(code, lo), tape.add(code, hi)
+                if stats is None:
+                    stats = (tape.add(LOOSE, mean), tape.add(LOOSE, std))
+                tape.cache[id(t)] = (weakref.ref(t), t._version, a, b, allowed)
+            outs.append((a, b))
+        return tuple(outs), stats
+
+    def _loss_pre_hook(self, module, args, kwargs):
+        tape = self._tape
+        if not self._active or tape is None or not tape.micro_batches:
+            return None
+        mb = tape.micro_batches[-1]
+        mb.loss_args, mb.loss_kwargs = args, kwargs
+        return None
+
+    def _loss_post_hook(self, module, args, kwargs, output):
+        tape = self._tape
+        if not self._active or tape is None or not tape.micro_batches:
+            return None
+        try:
+            tape.micro_batches[-1].loss_out = output
+            with torch.no_grad():
+                for t in tensor_leaves(output):
+                    if t.is_floating_point() and t.numel():
+                        lo, hi = torch.aminmax(t)
+                        with tape.lock:
+                            tape.loss.append((tape.micro_batch, tape.add(STRICT, lo),
+                                              tape.add(STRICT, hi)))
+        except Exception as e:
+            self._internal_error(e)
+        return None
+
+    def _optimizer_pre_hook(self, optimizer, args, kwargs):
+        if not self._active or self._tape is None:
+            return None
+        tape = self._tape
+        self._close_tape(at="optimizer")
+        if self.guard_optimizer and not self._fired:
+            self._guard = _copy_for_guard(optimizer, self._params)
+            self._last_tape = tape
+        return None
+
+    def _optimizer_post_hook(self, optimizer, args, kwargs):
+        if not self._active:
+            return None
+        try:
+            params = [(i, p) for i, (_, p) in enumerate(self._params)]
+            self._pending_param_norms = _norms(params, lambda p: p)
+            self._params_from_update = True
+        except Exception as e:
+            self._internal_error(e)
+            return None
+        if self.guard_optimizer and self._guard is not None and not self._fired:
+            values = torch.stack([n for _, n in self._pending_param_norms]).tolist()  # 2nd sync
+            if not all(math.isfinite(v) for v in values):
+                self._optimizer_event(values)
+        return None
+
+    # ------------------------------------------------------------------------------------------
+    # step lifecycle
+
+    def _begin_micro_batch(self, args, kwargs) -> None:
+        with self._lock:
+            tape = self._tape
+            if tape is not None and self._step_ended_without_optimizer(tape):
+                self._close_tape(at="forward")
+                tape = None
+            if tape is None:
+                tape = self._open_tape()
+            tape.micro_batches.append(MicroBatch(
+                args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
+                autocast=_autocast_state()))
+
+    def _step_ended_without_optimizer(self, tape: Tape) -> bool:
+        if self._optimizer is None:
+            return True
+        if self._scaler is not None and tape.scaler_token != _scaler_token(self._scaler()):
+            return True  # scaler.update() ran without optimizer.step(): a skipped step
+        return len(tape.micro_batches) >= self.max_micro_batches
+
+    def _open_tape(self) -> Tape:
+        token = _scaler_token(self._scaler()) if self._scaler is not None else None
+        tape = Tape(self._step, capture_rng(), token)
+        with torch.no_grad():
+            self._snapshot_buffers(tape)
+        self._tape = tape
+        return tape
+
+    def _snapshot_buffers(self, tape: Tape) -> None:
+        """Keep the pre-step value of buffers that forwards change (BatchNorm statistics).
+
+        A buffer is copied at the start of a step when it is new or changed since the last
+        start (its version counter moved), so static ones (masks) cost nothing.
+        """
+        src, dst = [], []
+        for name, b in self._buffers:
+            if b.numel() == 0 or self._buffer_versions.get(name) == b._version:
+                continue
+            copy = self._buffer_copies.get(name)
+            if copy is None or copy.shape != b.shape or copy.dtype != b.dtype:
+                copy = self._buffer_copies[name] = torch.empty_like(b)
+            src.append(b)
+            dst.append(copy)
+            self._buffer_versions[name] = b._version
+            tape.copied_buffers.add(name)
+        if src:
+            torch._foreach_copy_(dst, src)
+
+    def _end_micro_batch(self, tape: Tape, output) -> None:
+        mb = tape.micro_batches[-1]
+        mb.outputs = output
+        if torch.is_grad_enabled():
+            for i, t in enumerate(tensor_leaves(output)):
+                if t.requires_grad:
+                    t.register_hook(partial(_keep_grad, mb.out_grads, i))
+
+    def _close_open_step(self, at: str) -> None:
+        if self._active and self._tape is not None:
+            self._close_tape(at=at)
+
+    def _close_tape(self, at: str) -> None:
+        """Check the step with one host read; on an event, write the bundle."""
+        with self._lock:
+            tape = self._tape
+            if tape is None:
+                return
+            self._tape = None
+            self._step += 1
+        try:
+            layout, row, summary = self._build_row(tape, skipped=at == "forward"
+                                                   and self._optimizer is not None)
+        except Exception as e:
+            self._internal_error(e)
+            return
+        values = summary.tolist()  # the one host-device sync of the step
+        ok = values[0] == 1.0
+        if len(values) > 1:
+            layout.scale = values[1]
+        self._ring.append(layout, row)
+        reason = None
+        if not ok:
+            reason = "non_finite"
+        elif self._scaler is not None:
+            self._skips = self._skips + 1 if layout.skipped else 0
+            if layout.scale is not None and layout.scale < self.min_scale:
+                reason = "scale_collapse"
+            elif self._skips > self.max_skipped_steps:
+                reason = "scale_skipping"
+        if reason is not None and not self._fired:
+            self._event(tape, layout, row, reason)
+
+    def _build_row(self, tape: Tape, skipped: bool):
+        opt = self._optimizer() if self._optimizer else None
+        lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
+        layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped)
+        grad_code = LOOSE if skipped else STRICT
+        grads = _norms([(i, p) for i, (_, p) in enumerate(self._params)], lambda p: p.grad)
+        grad_refs = [(i, tape.add(grad_code, n)) for i, n in grads]
+        if self._pending_param_norms is None:
+            self._pending_param_norms = _norms(
+                [(i, p) for i, (_, p) in enumerate(self._params)], lambda p: p)
+            self._params_from_update = False
+        tape.params_from_update = self._params_from_update
+        param_refs = [(i, tape.add(STRICT, n)) for i, n in self._pending_param_norms]
+        self._pending_param_norms = None
+        off = tape.offsets()
+        r = Tape.resolve
+        layout.calls = [(m, mb, st, tuple((r(a, off), r(b, off)) for a, b in outs),
+                         None if stats is None else (r(stats[0], off), r(stats[1], off)),
+                         tuple((r(a, off), r(b, off), al) for a, b, al in ins))
+                        for m, mb, st, outs, stats, ins in tape.calls]
+        layout.loss = [(mb, r(a, off), r(b, off)) for mb, a, b in tape.loss]
+        layout.grads = [(i, r(ref, off)) for i, ref in grad_refs]
+        layout.params = [(i, r(ref, off)) for i, ref in param_refs]
+        strict, nan_only, loose = tape.parts
+        device = tape.device or torch.device("cpu")
+        pieces = []
+        ok = torch.ones((), dtype=torch.bool, device=device)
+        if strict:
+            s = torch.stack(strict)
+            ok = torch.isfinite(s).all()
+            pieces.append(s.float())
+        if nan_only:
+            n = torch.stack(nan_only)
+            ok = ok & ~torch.isnan(n).any()
+            pieces.append(n.float())
+        if loose:
+            pieces.append(torch.stack(loose).float())
+        row = torch.cat(pieces) if pieces else torch.zeros(0, device=device)
+        summary = ok.float().reshape(1)
+        scaler = self._scaler() if self._scaler is not None else None
+        scale = getattr(scaler, "_scale", None)
+        if scale is not None:
+            summary = torch.cat([summary.to(scale.device), scale.float().reshape(1)])
+        return layout, row, summary
+
+    # ------------------------------------------------------------------------------------------
+    # events
+
+    def _event(self, tape: Tape, layout: StepLayout, row: torch.Tensor, reason: str) -> None:
+        with self._lock:
+            if self._fired:
+                return
+            self._fired = True
+        host = row.tolist()
+        event = events.find_event(
+            host, layout, tape, reason=reason, module_names=self._module_names,
+            module_types=self._module_types, param_names=[n for n, _ in self._params],
+            params_from_update=tape.params_from_update,
+            allowed={i for i, n in enumerate(self._module_names) if self._is_allowed(n)})
+        self._write_and_report(tape, event)
+
+    def _optimizer_event(self, values: list[float]) -> None:
+        with self._lock:
+            if self._fired:
+                return
+            self._fired = True
+        bad = [self._params[i][0] for i, v in enumerate(values) if not math.isfinite(v)]
+        event = events.optimizer_event(self._step - 1, bad, after_update=False)
+        tape = self._last_tape
+        self._write_and_report(tape, event, guard=self._guard)
+
+    def _write_and_report(self, tape: Tape | None, event: dict[str, Any], guard=None) -> None:
+        self.event = event
+        rank, world = distributed_rank()
+        try:
+            meta, tensors = build_bundle(self, tape, event, guard=guard, rank=rank,
+                                         world_size=world)
+            from .bundle import write_bundle
+
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            path = write_bundle(self.out_dir, f"step{event['step']:08d}-rank{rank}", meta,
+                                tensors)
+        except Exception as e:
+            msg = events.summary(event, None) + f" Writing the bundle failed: {e}"
+            if self.on_event == "raise":
+                raise NonFiniteError(msg, event=event, write_error=e) from e
+            log.warning(msg)
+            return
+        self.bundle_path = path
+        msg = events.summary(event, path)
+        if self.on_event == "raise":
+            self._active = False
+            raise NonFiniteError(msg, bundle_path=path, event=event)
+        log.warning(msg)
+
+    def _internal_error(self, e: Exception) -> None:
+        self._internal_errors += 1
+        if self._internal_errors == 1:
+            log.warning("nanreplay: recorder disabled after an internal error (%s: %s); "
+                        "training continues unrecorded", type(e).__name__, e)
+        self._active = False
+
+    def _is_allowed(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pat) for pat in self.allow_inf)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _leaves(args, kwargs):
+    for a in args:
+        if type(a) is torch.Tensor or isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple, dict)):
+            yield from tensor_leaves(a)
+    if kwargs:
+        yield from tensor_leaves(kwargs)
+
+
+def _keep_grad(store: dict, i: int, grad: torch.Tensor) -> None:
+    store[i] = grad
+
+
+def _norms(indexed_params, get) -> list[tuple[int, torch.Tensor]]:
+    idx, tensors = [], []
+    for i, p in indexed_params:
+        t = get(p)
+        if t is None or t.layout != torch.strided or t.numel() == 0:
+            continue
+        idx.append(i)
+        tensors.append(t.detach())
+    if not tensors:
+        return []
+    with torch.no_grad():
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return list(zip(idx, norms))
+
+
+def _host_float(x) -> float:
+    if isinstance(x, torch.Tensor):
+        return float(x) if x.device.type == "cpu" else math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _scaler_token(scaler) -> int | None:
+    # GradScaler.update() replaces this dict; seeing a new one means a step ended, skipped or not.
+    return id(getattr(scaler, "_per_optimizer_states", None)) if scaler is not None else None
+
+
+def _autocast_state() -> dict[str, Any]:
+    out = {}
+    for dev in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(dev):
+            out[dev] = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+    return out
+
+
+def _copy_for_guard(optimizer, params) -> dict[str, Any]:
+    names = {id(p): n for n, p in params}
+    copies: dict[str, Any] = {"weights": {}, "grads": {}, "state": {}, "tensors": []}
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                n = names.get(id(p))
+                if n is None:
+                    continue
+                copies["weights"][n] = p.detach().clone()
+                if p.grad is not None:
+                    copies["grads"][n] = p.grad.detach().clone()
+                st = optimizer.state.get(p, {})
+                copies["state"][n] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                      for k, v in st.items()}
+    for d in (copies["weights"], copies["grads"]):
+        copies["tensors"].extend(d.values())
+    for st in copies["state"].values():
+        copies["tensors"].extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    copies["hyper"] = [{k: v for k, v in g.items() if k != "params"}
+                       for g in optimizer.param_groups]
+    return copies
+
+
+def _validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, allow_inf,
+              scaler) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"FlightRecorder: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}; pass the module whose forward runs the step")
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}; pass None for loops without one")
+        own = {id(p) for p in model.parameters()}
+        stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+        if stray:
+            shapes = ", ".join(str(list(p.shape)) for p in stray[:3])
+            raise ValueError(f"FlightRecorder: {len(stray)} optimizer parameter(s) are not "
+                             f"parameters of the model (shapes {shapes}); build the optimizer "
+                             "from this model's parameters()")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"FlightRecorder: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if on_event not in _ON_EVENT:
+        raise ValueError(f"FlightRecorder: on_event must be 'raise' or 'warn', got {on_event!r}")
+    if not isinstance(history, int) or history < 1:
+        raise ValueError(f"FlightRecorder: history must be a positive int, got {history!r}")
+    if isinstance(allow_inf, str) or not all(isinstance(p, str) for p in allow_inf):
+        raise TypeError("FlightRecorder: allow_inf must be a list of name patterns such as "
+                        "['*.attn.mask']")
+    if scaler is not None and not hasattr(scaler, "_per_optimizer_states"):
+        raise TypeError(f"FlightRecorder: scaler must be a torch.amp.GradScaler, got "
+                        f"{type(scaler).__name__}")
+    _check_writable(Path(out_dir))
+    if factory is not None:
+        _check_factory(factory)
+
+
+def _check_writable(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".nanreplay-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"FlightRecorder: out_dir '{out_dir}' is not writable "
+                         f"({e.strerror or e}); pass a directory this process can write") from None
+
+
+def _check_factory(factory: str) -> None:
+    mod, _, fn = factory.partition(":")
+    if not mod or not fn:
+        raise ValueError(f"FlightRecorder: factory {factory!r} is not of the form "
+                         "'module:function' (e.g. 'mypkg.train:make_model')")
+    try:
+        obj = importlib.import_module(mod)
+        for part in fn.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:
+        raise ValueError(f"FlightRecorder: factory {factory!r} cannot be imported "
+                         f"({type(e).__name__}: {e}); pass 'module:function' importable from "
+                         "this process") from None
+    if not callable(obj):
+        raise ValueError(f"FlightRecorder: factory {factory!r} is not callable")

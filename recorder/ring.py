@@ -1,0 +1,160 @@
+"""The ring buffer: the last ``history`` steps of statistics, kept on the model's device.
+
+Each step appends one row, a flat float32 vector the hooks filled (``Tape.row``), and a small
+host-side :class:`StepLayout` saying which entry of the row is what. Rows stay on the device;
+they are decoded into a fixed table only when a bundle is written, so recording costs one
+device copy per step and no host transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+CALL_FIELDS = ("min", "max", "absmax", "mean", "rms", "nan", "posinf", "neginf", "inputs_finite")
+
+
+@dataclass
+class StepLayout:
+    """Where each statistic of one step lives in that step's row (all indices into the row)."""
+
+    step: int
+    lrs: list[float]
+    skipped: bool = False
+    scale: float | None = None
+    # (module index, micro-batch, start order, ((min, max), ...) per output tensor,
+    #  (mean, std) | None,
+    #  ((min, max, from_allowed), ...) per input tensor)
+    calls: list[tuple] = field(default_factory=list)
+    loss: list[tuple[int, int, int]] = field(default_factory=list)  # (micro-batch, min, max)
+    grads: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
+    params: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
+    length: int = 0
+
+
+def _finite_pair(row: list[float], lo: int, hi: int, allowed: bool = False) -> bool:
+    a, b = row[lo], row[hi]
+    if allowed:
+        return not (math.isnan(a) or math.isnan(b))
+    return math.isfinite(a) and math.isfinite(b)
+
+
+def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
+    """One call's statistics from a host copy of its row."""
+    midx, mb, start, outs, stats, ins = call
+    lo = min((row[a] for a, _ in outs), default=math.nan)
+    hi = max((row[b] for _, b in outs), default=math.nan)
+    if any(math.isnan(row[a]) or math.isnan(row[b]) for a, b in outs):
+        lo = hi = math.nan
+    mean = std = math.nan
+    if stats is not None:
+        mean, std = row[stats[0]], row[stats[1]]
+    nan = math.isnan(lo)
+    return {
+        "module": midx, "micro_batch": mb, "start": start, "min": lo, "max": hi,
+        "absmax": math.nan if nan else max(abs(lo), abs(hi)),
+        "mean": mean, "rms": math.sqrt(std * std + mean * mean),
+        "nan": nan,
+        "posinf": None if nan else any(row[b] == math.inf for _, b in outs),
+        "neginf": None if nan else any(row[a] == -math.inf for a, _ in outs),
+        "inputs_finite": all(_finite_pair(row, a, b, al) for a, b, al in ins),
+        "outputs_finite": all(_finite_pair(row, a, b) for a, b in outs),
+    }
+
+
+def _norm(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values)) if values else math.nan
+
+
+class RingBuffer:
+    """Fixed-size device ring of per-step rows plus their host layouts.
+
+    Memory is allocated once, at the first step, as ``history x capacity`` float32 where
+    capacity is twice the first row's length; a later, longer row is stored truncated (and
+    counted in ``truncated``) so memory never grows.
+    """
+
+    def __init__(self, history: int):
+        self.history = history
+        self.rows: torch.Tensor | None = None
+        self.layouts: deque[StepLayout] = deque(maxlen=history)
+        self._next = 0
+        self.truncated = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
+
+    def append(self, layout: StepLayout, row: torch.Tensor) -> None:
+        n = row.numel()
+        if self.rows is None:
+            self.rows = torch.full((self.history, max(256, 2 * n)), math.nan,
+                                   dtype=torch.float32, device=row.device)
+        cap = self.rows.shape[1]
+        if n > cap:
+            self.truncated += 1
+            n = cap
+        self.rows[self._next, :n].copy_(row[:n])
+        layout.length = n
+        self.layouts.append(layout)
+        self._next = (self._next + 1) % self.history
+
+    def ordered_rows(self) -> list[list[float]]:
+        """Host copies of the stored rows, oldest first (a transfer: event time only)."""
+        if self.rows is None:
+            return []
+        k = len(self.layouts)
+        idx = [(self._next - k + i) % self.history for i in range(k)]
+        host = self.rows[idx].cpu().tolist()
+        return [r[: lay.length] + [math.nan] * (len(r) - lay.length)
+                for r, lay in zip(host, self.layouts)]
+
+    def export(self, n_params: int, n_groups: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Decode every stored step into the fixed tables the bundle holds (``ring/*``)."""
+        rows = self.ordered_rows()
+        h = len(rows)
+        width = max((len(lay.calls) for lay in self.layouts), default=0)
+        calls = torch.full((h, width, len(CALL_FIELDS)), math.nan)
+        call_module = torch.full((h, width), -1, dtype=torch.int32)
+        call_mb = torch.full((h, width), -1, dtype=torch.int32)
+        grad_norms = torch.full((h, n_params), math.nan)
+        param_norms = torch.full((h, n_params), math.nan)
+        lr = torch.full((h, max(n_groups, 1)), math.nan, dtype=torch.float64)
+        loss = torch.full((h,), math.nan, dtype=torch.float64)
+        scale = torch.full((h,), math.nan, dtype=torch.float64)
+        grad_total = torch.full((h,), math.nan, dtype=torch.float64)
+        param_total = torch.full((h,), math.nan, dtype=torch.float64)
+        for i, (row, lay) in enumerate(zip(rows, self.layouts)):
+            for j, call in enumerate(lay.calls):
+                d = decode_call(row, call)
+                calls[i, j] = torch.tensor([d[f] if d[f] is not None else math.nan
+                                            for f in CALL_FIELDS], dtype=torch.float32)
+                call_module[i, j], call_mb[i, j] = d["module"], d["micro_batch"]
+            if lay.loss:
+                vals = [row[b] for _, _, b in lay.loss]
+                loss[i] = sum(vals) / len(vals)
+            for p, k in lay.grads:
+                grad_norms[i, p] = row[k]
+            for p, k in lay.params:
+                param_norms[i, p] = row[k]
+            grad_total[i] = _norm([row[k] for _, k in lay.grads])
+            param_total[i] = _norm([row[k] for _, k in lay.params])
+            for g, v in enumerate(lay.lrs[: lr.shape[1]]):
+                lr[i, g] = v
+            if lay.scale is not None:
+                scale[i] = lay.scale
+        tensors = {
+            "ring/steps": torch.tensor([lay.step for lay in self.layouts], dtype=torch.int64),
+            "ring/calls": calls, "ring/call_module": call_module, "ring/call_micro_batch": call_mb,
+            "ring/grad_norms": grad_norms, "ring/param_norms": param_norms,
+            "ring/grad_norm": grad_total, "ring/param_norm": param_total,
+            "ring/loss": loss, "ring/lr": lr, "ring/scale": scale,
+            "ring/skipped": torch.tensor([lay.skipped for lay in self.layouts], dtype=torch.bool),
+        }
+        meta = {"history": self.history, "stored": h, "call_fields": list(CALL_FIELDS),
+                "truncated_rows": self.truncated, "device_bytes": self.nbytes}
+        return meta, tensors

@@ -1,0 +1,208 @@
+"""Gathering a step into bundle contents: tensors by key and one JSON metadata tree.
+
+Tensor keys (the format is specified in ``docs/bundle-format.md``):
+``weights/<param>``, ``buffers/<buffer>``, ``grads/<param>``, ``optim/<param>/<state key>``,
+``optim_group/<group>/<key>``, ``batch/<micro-batch>/<n>``, ``loss_in/<micro-batch>/<n>``,
+``outgrad/<micro-batch>/<n>``, ``loss/<buffer>``, ``sched/<n>``, ``scaler/<n>``, ``rng/*``,
+``ring/*``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .bundle import FORMAT, VERSION
+from .capture import environment, flatten_tree, rng_to_bundle, tensor_leaves
+
+if TYPE_CHECKING:
+    from .flight import FlightRecorder
+    from .tape import Tape
+
+
+def qualname(obj: Any) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _json_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _jsonish(v: Any) -> bool:
+    if _json_scalar(v):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_jsonish(x) for x in v)
+    return False
+
+
+def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], *,
+                 guard: dict[str, Any] | None, rank: int, world_size: int
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    model = rec._model()
+    opt = rec._optimizer() if rec._optimizer else None
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {
+        "format": f"{FORMAT}/{VERSION}",
+        "event": event,
+        "factory": rec.factory,
+        "state": "after_update" if event.get("after_update") else "before_update",
+        "allow_inf": list(rec.allow_inf),
+    }
+    # -- model: weights, buffers, gradients, modules in call order
+    params = rec._params
+    meta["params"] = [n for n, _ in params]
+    for name, p in params:
+        w = guard["weights"].get(name, p) if guard else p
+        tensors[f"weights/{name}"] = w.detach()
+        g = guard["grads"].get(name) if guard else p.grad
+        if g is not None:
+            tensors[f"grads/{name}"] = g.detach()
+    meta["buffers"] = []
+    for name, b in rec._buffers:
+        copied = tape is not None and name in tape.copied_buffers
+        tensors[f"buffers/{name}"] = (rec._buffer_copies[name] if copied else b).detach()
+        meta["buffers"].append(name)
+    if model is not None:
+        meta["model"] = {"class": qualname(model), "training": model.training}
+        meta["modules"] = [_module_info(n, m) for n, m in model.named_modules()]
+    if tape is not None:
+        meta["call_order"] = [[m, mb] for m, mb, *_ in sorted(
+            tape.calls, key=lambda c: (c[1], c[2]))]
+        rng_meta, rng_tensors = rng_to_bundle(tape.rng)
+        meta["rng"] = rng_meta
+        tensors.update(rng_tensors)
+        meta["micro_batches"] = [_micro_batch(i, mb, tensors)
+                                 for i, mb in enumerate(tape.micro_batches)]
+    # -- optimizer, scheduler, scaler, loss
+    if opt is not None:
+        meta["optimizer"] = _optimizer(opt, params, guard, tensors)
+    sched = rec._scheduler() if rec._scheduler else None
+    if sched is not None:
+        tree, ts, _ = flatten_tree(sched.state_dict(), "sched")
+        tensors.update(ts)
+        meta["lr_scheduler"] = {"class": qualname(sched), "state": tree}
+    scaler = rec._scaler() if rec._scaler else None
+    if scaler is not None:
+        tree, ts, _ = flatten_tree(scaler.state_dict(), "scaler")
+        tensors.update(ts)
+        meta["grad_scaler"] = {"class": qualname(scaler), "state": tree}
+    if rec.loss_fn is not None:
+        meta["loss"] = _loss(rec.loss_fn, tensors)
+    # -- history and environment
+    n_groups = len(opt.param_groups) if opt is not None else 0
+    ring_meta, ring_tensors = rec._ring.export(len(params), n_groups)
+    meta["ring"] = ring_meta
+    tensors.update(ring_tensors)
+    meta["recorder"] = {"history": rec.history, "memory_bytes": rec.memory_bytes,
+                        "guard_optimizer": rec.guard_optimizer}
+    meta["env"] = environment(rank, world_size, rec._commit)
+    return meta, tensors
+
+
+def _module_info(name: str, m: nn.Module) -> dict[str, Any]:
+    t = next(iter(m.parameters(recurse=False)), None)
+    if t is None:
+        t = next(iter(m.buffers(recurse=False)), None)
+    return {"name": name, "type": qualname(m), "training": m.training,
+            "dtype": str(t.dtype).removeprefix("torch.") if t is not None else None,
+            "device": str(t.device) if t is not None else None}
+
+
+def _micro_batch(i: int, mb, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    tree, ts, paths = flatten_tree([list(mb.args), mb.kwargs], f"batch/{i}")
+    tensors.update(ts)
+    out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
+                           "autocast": mb.autocast}
+    outs = list(tensor_leaves(mb.outputs))
+    if mb.loss_args is not None:
+        ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],
+                                          f"loss_in/{i}", leaf=partial_leaf(outs))
+        tensors.update(lts)
+        out["loss_inputs"], out["loss_paths"] = ltree, lpaths
+    grads = {}
+    for j, g in mb.out_grads.items():
+        key = f"outgrad/{i}/{j}"
+        tensors[key] = g.detach()
+        grads[str(j)] = key
+    out["output_grads"] = grads
+    out["n_outputs"] = len(outs)
+    return out
+
+
+def partial_leaf(outs: list[torch.Tensor]):
+    """Stand-in for loss inputs that are the model output or a view of it, so the replay feeds
+    the loss its own re-computed output instead of a recorded copy."""
+
+    def leaf(t: torch.Tensor):
+        for i, o in enumerate(outs):
+            if t is o:
+                return {"$out": i}
+        for i, o in enumerate(outs):
+            if (t.device == o.device and t.dtype == o.dtype
+                    and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()):
+                return {"$out": i, "view": [list(t.shape), list(t.stride()),
+                                            t.storage_offset() - o.storage_offset()]}
+        return None
+
+    return leaf
+
+
+def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
+    names = {id(p): n for n, p in params}
+    groups = []
+    hyper = guard["hyper"] if guard else [{k: v for k, v in g.items() if k != "params"}
+                                          for g in opt.param_groups]
+    for gi, (g, h) in enumerate(zip(opt.param_groups, hyper)):
+        entry: dict[str, Any] = {"params": [names.get(id(p)) for p in g["params"]]}
+        for k, v in h.items():
+            if isinstance(v, torch.Tensor):
+                key = f"optim_group/{gi}/{k}"
+                tensors[key] = v.detach()
+                entry[k] = {"$t": key}
+            elif _jsonish(v):
+                entry[k] = list(v) if isinstance(v, tuple) else v
+            else:
+                entry[k] = {"$repr": repr(v)[:200]}
+        groups.append(entry)
+    scalars: dict[str, dict[str, Any]] = {}
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        name = names.get(id(p))
+        if name is None:
+            continue
+        state = guard["state"].get(name, {}) if guard else opt.state.get(p, {})
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"optim/{name}/{k}"] = v.detach()
+            elif _jsonish(v):
+                scalars.setdefault(name, {})[k] = v
+    defaults = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opt.defaults.items()
+                if _jsonish(v)}
+    return {"class": qualname(opt), "defaults": defaults, "param_groups": groups,
+            "state_scalars": scalars}
+
+
+def _loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    fn = getattr(loss_fn, "fn", None)
+    if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
+        return {"kind": "function", "name": f"{getattr(fn, '__module__', '?')}."
+                                            f"{getattr(fn, '__qualname__', repr(fn))}"}
+    config = {}
+    try:
+        accepted = set(inspect.signature(type(loss_fn).__init__).parameters)
+    except (TypeError, ValueError):
+        accepted = set()
+    for k, v in vars(loss_fn).items():
+        if k.startswith("_") or k == "training" or not _jsonish(v):
+            continue
+        config[k] = list(v) if isinstance(v, tuple) else v
+    buffers = []
+    for name, b in loss_fn.named_buffers():
+        tensors[f"loss/{name}"] = b.detach()
+        buffers.append(name)
+    return {"kind": "module", "class": qualname(loss_fn), "config": config,
+            "init_args": sorted(accepted - {"self", "args", "kwargs"}), "buffers": buffers}
