@@ -63,11 +63,11 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
                          f"(reason {reason})")
         return ev
     calls = [decode_call(row, c) for c in layout.calls]
-    by_start = sorted(calls, key=lambda d: (d["micro_batch"], d["start"]))
+    by_order = sorted(calls, key=lambda d: (d["micro_batch"], d["order"]))
 
     def call_index(d):
-        return sum(1 for o in by_start if o["module"] == d["module"]
-                   and o["micro_batch"] == d["micro_batch"] and o["start"] < d["start"])
+        return sum(1 for o in by_order if o["module"] == d["module"]
+                   and o["micro_batch"] == d["micro_batch"] and o["order"] < d["order"])
 
     def name_call(d, phase):
         ev.update(phase=phase, module=module_names[d["module"]],

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import events
-from .capture import capture_rng, distributed_rank, git_commit, tensor_leaves
+from .capture import RngCapture, distributed_rank, git_commit, tensor_leaves
 from .errors import NonFiniteError
 from .ring import RingBuffer, StepLayout
 from .snapshot import build_bundle
@@ -82,6 +82,8 @@ class FlightRecorder:
             sync), so a bundle can re-run an update that made weights non-finite. Off by
             default; without it such an event is caught at the next step and the bundle holds
             the state after the update.
+        stats: ``"minmax"`` (default) records min, max, absmax and NaN/+-Inf flags of every
+            call's output, one reduction per call; ``"full"`` adds mean and RMS (two more).
         start_step: the index of the first recorded step (when attaching mid-run).
     """
 
@@ -90,7 +92,7 @@ class FlightRecorder:
                  factory: str | None = None, history: int = 64, on_event: str = "raise",
                  allow_inf: list[str] | tuple[str, ...] = (), scaler=None, lr_scheduler=None,
                  min_scale: float = 1.0, max_skipped_steps: int = 50,
-                 guard_optimizer: bool = False, start_step: int = 0,
+                 guard_optimizer: bool = False, stats: str = "minmax", start_step: int = 0,
                  max_micro_batches: int = 1024):
         _validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, allow_inf,
                   scaler)
@@ -102,6 +104,9 @@ class FlightRecorder:
         self.min_scale = float(min_scale)
         self.max_skipped_steps = int(max_skipped_steps)
         self.guard_optimizer = bool(guard_optimizer)
+        if stats not in ("minmax", "full"):
+            raise ValueError(f"FlightRecorder: stats must be 'minmax' or 'full', got {stats!r}")
+        self.stats = stats
         self.max_micro_batches = int(max_micro_batches)
         self.bundle_path: Path | None = None
         self.event: dict[str, Any] | None = None
@@ -124,9 +129,7 @@ class FlightRecorder:
         self._active = False
         self._fired = False
         self._lock = threading.RLock()
-        self._local = threading.local()
-        self._pending_param_norms: list[tuple[int, torch.Tensor]] | None = None
-        self._params_from_update = False
+        self._updated = False  # an optimizer step ran since the last step opened
         self._skips = 0
         self._buffer_copies: dict[str, torch.Tensor] = {}
         self._buffer_versions: dict[str, int] = {}
@@ -134,6 +137,7 @@ class FlightRecorder:
         self._last_tape: Tape | None = None
         self._buffers: list = []
         self._commit = git_commit()
+        self._capture_rng = RngCapture()
         self._internal_errors = 0
 
     # ------------------------------------------------------------------------------------------
@@ -165,18 +169,23 @@ class FlightRecorder:
         self._buffers = list(model.named_buffers())
         self._allowed_buffers = {id(b): weakref.ref(b) for n, b in self._buffers
                                  if self._is_allowed(n)}
+        # Only the root needs a pre-hook (it opens steps); every call is recorded when it
+        # returns, with its inputs' statistics looked up from the calls that produced them.
+        self._handles.append(model.register_forward_pre_hook(self._root_pre_hook,
+                                                             with_kwargs=True))
         for idx, (name, module) in enumerate(named):
-            allowed = self._is_allowed(name)
-            self._handles.append(module.register_forward_pre_hook(
-                partial(self._pre_hook, idx), with_kwargs=True))
             self._handles.append(module.register_forward_hook(
-                partial(self._post_hook, idx, allowed), with_kwargs=True))
+                partial(self._post_hook, idx, self._is_allowed(name)), with_kwargs=True))
         if self.loss_fn is not None:
             self._handles.append(self.loss_fn.register_forward_pre_hook(
                 self._loss_pre_hook, with_kwargs=True))
             self._handles.append(self.loss_fn.register_forward_hook(
                 self._loss_post_hook, with_kwargs=True))
         opt = self._optimizer() if self._optimizer else None
+        for i, (_, p) in enumerate(self._params):
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    partial(self._grad_hook, i)))
         if opt is not None:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
             self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
@@ -190,7 +199,6 @@ class FlightRecorder:
         self._handles.clear()
         self._tape = None
         self._guard = None
-        self._pending_param_norms = None
         self._buffer_copies.clear()
         self._buffer_versions.clear()
         self._last_tape = None
@@ -223,28 +231,11 @@ class FlightRecorder:
     # ------------------------------------------------------------------------------------------
     # hooks: each one is a no-op after an internal error rather than a crash of training
 
-    def _stack(self) -> list:
-        s = getattr(self._local, "stack", None)
-        if s is None:
-            s = self._local.stack = []
-        return s
-
-    def _pre_hook(self, idx: int, module, args, kwargs):
+    def _root_pre_hook(self, module, args, kwargs):
         if not self._active:
             return None
         try:
-            with torch.no_grad():
-                if idx == 0:
-                    self._stack().clear()
-                    self._begin_micro_batch(args, kwargs)
-                tape = self._tape
-                if tape is None:
-                    return None
-                ins = self._input_refs(tape, args, kwargs, root=idx == 0)
-                with tape.lock:
-                    start = tape.starts
-                    tape.starts += 1
-                self._stack().append((tape, idx, tape.micro_batch, start, ins))
+            self._begin_micro_batch(args, kwargs)
         except NonFiniteError:
             raise
         except Exception as e:  # never let the recorder's own bug stop training
@@ -252,56 +243,59 @@ class FlightRecorder:
         return None
 
     def _post_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
-        if not self._active:
+        tape = self._tape
+        if not self._active or tape is None:
             return None
         try:
-            stack = self._stack()
-            if not stack or stack[-1][1] != idx:
-                return None
-            tape, _, mb, start, ins = stack.pop()
-            if tape is not self._tape:
-                return None
-            with torch.no_grad():
-                outs, stats = self._output_refs(tape, output, allowed)
-            with tape.lock:
-                tape.calls.append((idx, mb, start, outs, stats, ins))
+            mb = tape.micro_batch
+            if idx == 0:
+                ins = tape.micro_batches[mb].input_refs
+            else:
+                ins = self._input_refs(tape, args, kwargs, code=LOOSE)
+            outs, stats = self._output_refs(tape, output, allowed)
+            tape.calls.append((idx, mb, len(tape.calls), outs, stats, ins))
             if idx == 0:
                 self._end_micro_batch(tape, output)
         except Exception as e:
             self._internal_error(e)
         return None
 
-    def _input_refs(self, tape: Tape, args, kwargs, root: bool) -> tuple:
+    def _input_refs(self, tape: Tape, args, kwargs, code: int) -> tuple:
+        """(min, max, allowed) refs of each floating input; an input that an earlier call
+        produced reuses that call's statistics, so a chain of modules costs nothing here."""
         refs = []
         for t in _leaves(args, kwargs):
             if not t.is_floating_point() or t.numel() == 0:
                 continue
             hit = tape.cache.get(id(t))
-            if hit is not None and hit[0]() is t and hit[1] == t._version:
-                refs.append((hit[2], hit[3], hit[4]))
+            if hit is not None and hit[0]() is t:
+                refs.append(hit[1:])
                 continue
             buf = self._allowed_buffers.get(id(t))
             allowed = buf is not None and buf() is t
-            lo, hi = torch.aminmax(t)
-            code = STRICT if root and not allowed else LOOSE
+            lo, hi = torch.aminmax(t.detach())
             with tape.lock:
-                refs.append((tape.add(code, lo), tape.add(code, hi), allowed))
+                refs.append((tape.add(LOOSE if allowed else code, lo),
+                             tape.add(LOOSE if allowed else code, hi), allowed))
         return tuple(refs)
 
     def _output_refs(self, tape: Tape, output, allowed: bool):
         outs, stats = [], None
         code = NAN_ONLY if allowed else STRICT
-        for t in tensor_leaves(output):
+        for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
             if not t.is_floating_point() or t.numel() == 0:
                 continue
-            lo, hi = torch.aminmax(t)
-            if stats is None:
-                std, mean = torch.std_mean(t, correction=0)
+            d = t.detach()
+            lo, hi = torch.aminmax(d)
+            full = self.stats == "full" and stats is None
+            if full:  # sum and 2-norm: far cheaper than std_mean's Welford pass
+                total = torch.sum(d, dtype=torch.float32)
+                norm = torch.linalg.vector_norm(d, dtype=torch.float32)
             with tape.lock:
                 a, b = tape.add(code, lo), tape.add(code, hi)
-                if stats is None:
-                    stats = (tape.add(LOOSE, mean), tape.add(LOOSE, std))
-                tape.cache[id(t)] = (weakref.ref(t), t._version, a, b, allowed)
+                if full:
+                    stats = (tape.add(LOOSE, total), tape.add(LOOSE, norm), t.numel())
+            tape.cache[id(t)] = (weakref.ref(t), a, b, allowed)
             outs.append((a, b))
         return tuple(outs), stats
 
@@ -319,16 +313,30 @@ class FlightRecorder:
             return None
         try:
             tape.micro_batches[-1].loss_out = output
-            with torch.no_grad():
-                for t in tensor_leaves(output):
-                    if t.is_floating_point() and t.numel():
-                        lo, hi = torch.aminmax(t)
-                        with tape.lock:
-                            tape.loss.append((tape.micro_batch, tape.add(STRICT, lo),
-                                              tape.add(STRICT, hi)))
+            for t in tensor_leaves(output):
+                if t.is_floating_point() and t.numel():
+                    lo, hi = torch.aminmax(t.detach())
+                    with tape.lock:
+                        tape.loss.append((tape.micro_batch, tape.add(STRICT, lo),
+                                          tape.add(STRICT, hi)))
         except Exception as e:
             self._internal_error(e)
         return None
+
+    def _grad_hook(self, i: int, p: torch.Tensor) -> None:
+        """Squared norms of a parameter and its gradient, taken the moment backward has
+        written the gradient: both are still in cache, so this costs far less than a pass at
+        step end. The parameter norm doubles as the check that the last update left it finite."""
+        tape = self._tape
+        if not self._active or tape is None or p.grad is None or p.grad.layout != torch.strided:
+            return
+        try:
+            g, w = _sq_norm(p.grad.detach()), _sq_norm(p.detach())
+            with tape.lock:  # accumulation: the last call sees the accumulated gradient
+                tape.grad_norms[i] = g
+                tape.param_norms[i] = w
+        except Exception as e:
+            self._internal_error(e)
 
     def _optimizer_pre_hook(self, optimizer, args, kwargs):
         if not self._active or self._tape is None:
@@ -343,17 +351,14 @@ class FlightRecorder:
     def _optimizer_post_hook(self, optimizer, args, kwargs):
         if not self._active:
             return None
-        try:
-            params = [(i, p) for i, (_, p) in enumerate(self._params)]
-            self._pending_param_norms = _norms(params, lambda p: p)
-            self._params_from_update = True
-        except Exception as e:
-            self._internal_error(e)
-            return None
+        self._updated = True
         if self.guard_optimizer and self._guard is not None and not self._fired:
-            values = torch.stack([n for _, n in self._pending_param_norms]).tolist()  # 2nd sync
-            if not all(math.isfinite(v) for v in values):
-                self._optimizer_event(values)
+            norms = _norms([(i, p) for i, (_, p) in enumerate(self._params)])
+            values = torch.stack([n for _, n in norms]).tolist()  # guard mode's 2nd sync
+            bad = [self._params[i][0] for (i, _), v in zip(norms, values)
+                   if not math.isfinite(v)]
+            if bad:
+                self._optimizer_event(bad)
         return None
 
     # ------------------------------------------------------------------------------------------
@@ -367,9 +372,10 @@ class FlightRecorder:
                 tape = None
             if tape is None:
                 tape = self._open_tape()
-            tape.micro_batches.append(MicroBatch(
-                args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
-                autocast=_autocast_state()))
+            mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
+                            autocast=_autocast_state())
+            mb.input_refs = self._input_refs(tape, args, kwargs, code=STRICT)
+            tape.micro_batches.append(mb)
 
     def _step_ended_without_optimizer(self, tape: Tape) -> bool:
         if self._optimizer is None:
@@ -380,7 +386,8 @@ class FlightRecorder:
 
     def _open_tape(self) -> Tape:
         token = _scaler_token(self._scaler()) if self._scaler is not None else None
-        tape = Tape(self._step, capture_rng(), token)
+        tape = Tape(self._step, self._capture_rng(), token)
+        tape.params_from_update, self._updated = self._updated, False
         with torch.no_grad():
             self._snapshot_buffers(tape)
         self._tape = tape
@@ -454,19 +461,13 @@ class FlightRecorder:
         lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped)
         grad_code = LOOSE if skipped else STRICT
-        grads = _norms([(i, p) for i, (_, p) in enumerate(self._params)], lambda p: p.grad)
-        grad_refs = [(i, tape.add(grad_code, n)) for i, n in grads]
-        if self._pending_param_norms is None:
-            self._pending_param_norms = _norms(
-                [(i, p) for i, (_, p) in enumerate(self._params)], lambda p: p)
-            self._params_from_update = False
-        tape.params_from_update = self._params_from_update
-        param_refs = [(i, tape.add(STRICT, n)) for i, n in self._pending_param_norms]
-        self._pending_param_norms = None
+        grad_refs = [(i, tape.add(grad_code, n)) for i, n in sorted(tape.grad_norms.items())]
+        param_refs = [(i, tape.add(STRICT, n)) for i, n in sorted(tape.param_norms.items())]
         off = tape.offsets()
         r = Tape.resolve
         layout.calls = [(m, mb, st, tuple((r(a, off), r(b, off)) for a, b in outs),
-                         None if stats is None else (r(stats[0], off), r(stats[1], off)),
+                         None if stats is None else (r(stats[0], off), r(stats[1], off),
+                                                     stats[2]),
                          tuple((r(a, off), r(b, off), al) for a, b, al in ins))
                         for m, mb, st, outs, stats, ins in tape.calls]
         layout.loss = [(mb, r(a, off), r(b, off)) for mb, a, b in tape.loss]
@@ -510,12 +511,11 @@ class FlightRecorder:
             allowed={i for i, n in enumerate(self._module_names) if self._is_allowed(n)})
         self._write_and_report(tape, event)
 
-    def _optimizer_event(self, values: list[float]) -> None:
+    def _optimizer_event(self, bad: list[str]) -> None:
         with self._lock:
             if self._fired:
                 return
             self._fired = True
-        bad = [self._params[i][0] for i, v in enumerate(values) if not math.isfinite(v)]
         event = events.optimizer_event(self._step - 1, bad, after_update=False)
         tape = self._last_tape
         self._write_and_report(tape, event, guard=self._guard)
@@ -573,10 +573,18 @@ def _keep_grad(store: dict, i: int, grad: torch.Tensor) -> None:
     store[i] = grad
 
 
-def _norms(indexed_params, get) -> list[tuple[int, torch.Tensor]]:
+def _sq_norm(t: torch.Tensor) -> torch.Tensor:
+    """Squared 2-norm in float32: a dot product (twice as fast as vector_norm on CPU) for
+    float32/64, an upcast norm for half types whose dot would overflow."""
+    if t.dtype in (torch.float32, torch.float64):
+        flat = t.reshape(-1)
+        return torch.dot(flat, flat)
+    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+
+
+def _norms(indexed_params) -> list[tuple[int, torch.Tensor]]:
     idx, tensors = [], []
-    for i, p in indexed_params:
-        t = get(p)
+    for i, t in indexed_params:
         if t is None or t.layout != torch.strided or t.numel() == 0:
             continue
         idx.append(i)

@@ -26,8 +26,8 @@ class StepLayout:
     lrs: list[float]
     skipped: bool = False
     scale: float | None = None
-    # (module index, micro-batch, start order, ((min, max), ...) per output tensor,
-    #  (mean, std) | None,
+    # (module index, micro-batch, completion order, ((min, max), ...) per output tensor,
+    #  (sum, 2-norm, numel) | None,
     #  ((min, max, from_allowed), ...) per input tensor)
     calls: list[tuple] = field(default_factory=list)
     loss: list[tuple[int, int, int]] = field(default_factory=list)  # (micro-batch, min, max)
@@ -45,19 +45,20 @@ def _finite_pair(row: list[float], lo: int, hi: int, allowed: bool = False) -> b
 
 def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
     """One call's statistics from a host copy of its row."""
-    midx, mb, start, outs, stats, ins = call
+    midx, mb, order, outs, stats, ins = call
     lo = min((row[a] for a, _ in outs), default=math.nan)
     hi = max((row[b] for _, b in outs), default=math.nan)
     if any(math.isnan(row[a]) or math.isnan(row[b]) for a, b in outs):
         lo = hi = math.nan
-    mean = std = math.nan
+    mean = rms = math.nan
     if stats is not None:
-        mean, std = row[stats[0]], row[stats[1]]
+        n = stats[2]
+        mean, rms = row[stats[0]] / n, row[stats[1]] / math.sqrt(n)
     nan = math.isnan(lo)
     return {
-        "module": midx, "micro_batch": mb, "start": start, "min": lo, "max": hi,
+        "module": midx, "micro_batch": mb, "order": order, "min": lo, "max": hi,
         "absmax": math.nan if nan else max(abs(lo), abs(hi)),
-        "mean": mean, "rms": math.sqrt(std * std + mean * mean),
+        "mean": mean, "rms": rms,
         "nan": nan,
         "posinf": None if nan else any(row[b] == math.inf for _, b in outs),
         "neginf": None if nan else any(row[a] == -math.inf for a, _ in outs),
@@ -66,8 +67,8 @@ def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
     }
 
 
-def _norm(values: list[float]) -> float:
-    return math.sqrt(sum(v * v for v in values)) if values else math.nan
+def _root_sum(squares: list[float]) -> float:
+    return math.sqrt(sum(squares)) if squares else math.nan
 
 
 class RingBuffer:
@@ -137,12 +138,14 @@ class RingBuffer:
             if lay.loss:
                 vals = [row[b] for _, _, b in lay.loss]
                 loss[i] = sum(vals) / len(vals)
+            # rows hold squared norms; gradients as backward wrote them (scaled under AMP)
+            unscale = lay.scale if lay.scale else 1.0
             for p, k in lay.grads:
-                grad_norms[i, p] = row[k]
+                grad_norms[i, p] = math.sqrt(row[k]) / unscale
             for p, k in lay.params:
-                param_norms[i, p] = row[k]
-            grad_total[i] = _norm([row[k] for _, k in lay.grads])
-            param_total[i] = _norm([row[k] for _, k in lay.params])
+                param_norms[i, p] = math.sqrt(row[k])
+            grad_total[i] = _root_sum([row[k] for _, k in lay.grads]) / unscale
+            param_total[i] = _root_sum([row[k] for _, k in lay.params])
             for g, v in enumerate(lay.lrs[: lr.shape[1]]):
                 lr[i, g] = v
             if lay.scale is not None:

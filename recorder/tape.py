@@ -35,6 +35,7 @@ class MicroBatch:
     loss_kwargs: dict | None = None
     loss_out: Any = None
     out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    input_refs: tuple = ()
 
 
 class Tape:
@@ -46,17 +47,19 @@ class Tape:
         self.scaler_token = scaler_token
         self.parts: tuple[list, list, list] = ([], [], [])
         self.device: torch.device | None = None
-        # (module index, micro-batch, start order, outs, stats, ins) in completion order
+        # (module index, micro-batch, completion order, outs, stats, ins)
         self.calls: list[tuple] = []
-        self.starts = 0
         self.micro_batches: list[MicroBatch] = []
         self.loss: list[tuple[int, tuple, tuple]] = []
-        # id(tensor) -> (weakref, version, min ref, max ref, allowed): outputs seen this step,
+        # id(tensor) -> (weakref, min ref, max ref, allowed): outputs seen this step,
         # so a module whose input is an earlier output costs no extra reduction.
         self.cache: dict[int, tuple] = {}
         self.lock = threading.Lock()
         self.copied_buffers: set[str] = set()  # buffers whose pre-step value is in the copies
-        self.params_from_update = False  # parameter norms were taken right after an update
+        self.params_from_update = False  # an optimizer step ran since the previous step
+        # per-parameter norms taken as backward wrote each gradient (see FlightRecorder)
+        self.grad_norms: dict[int, torch.Tensor] = {}
+        self.param_norms: dict[int, torch.Tensor] = {}
 
     def add(self, code: int, t: torch.Tensor) -> tuple[int, int]:
         if self.device is None:
