@@ -7,6 +7,7 @@ never needs pickle to say what the batch looked like.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import os
 import platform
@@ -153,7 +154,7 @@ def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch
             items = []
             for k, v in o.items():
                 jk = k if k is None or isinstance(k, (str, int, float, bool)) else {"$repr": repr(k)}
-                items.append([jk, walk(v, f"{path}[{k!r}]")])
+                items.append([jk, walk(v, f"{path}[{json.dumps(k) if isinstance(k, str) else k!r}]")])
             return {"$dict": items}
         if isinstance(o, torch.dtype):
             return {"$dtype": str(o).removeprefix("torch.")}
@@ -162,6 +163,18 @@ def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch
         return {"$repr": repr(o)[:200], "$type": type(o).__qualname__}
 
     return walk(obj, ""), tensors, paths
+
+
+def batch_path(raw: str, n_args: int) -> str:
+    """A readable name for a path into ``[list(args), kwargs]`` of a model call: the only
+    positional argument is ``batch`` (``batch["image"]``), others ``args[1]``, keywords
+    ``kwargs["mask"]``."""
+    if raw.startswith("[0]["):
+        i, _, rest = raw[4:].partition("]")
+        return ("batch" if n_args == 1 and i == "0" else f"args[{i}]") + rest
+    if raw.startswith("[1]"):
+        return "kwargs" + raw[3:]
+    return "batch" + raw
 
 
 class UnrebuildableLeaf(ValueError):

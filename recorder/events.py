@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .capture import flatten_tree
+from .capture import batch_path, flatten_tree
 from .ring import StepLayout, decode_call
 from .tape import Tape
 
@@ -78,10 +78,11 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
     for d in calls:
         if d["module"] == 0 and not d["inputs_finite"]:
             mb = tape.micro_batches[d["micro_batch"]]
-            found = _first_bad_tensor((mb.args, mb.kwargs), "batch")
+            found = _first_bad_tensor([list(mb.args), mb.kwargs], "")
             name_call(d, "input")
             if found:
-                ev.update(tensor=_batch_path(found[0]), samples=found[1], kind=found[2])
+                ev.update(tensor=batch_path(found[0], len(mb.args)), samples=found[1],
+                          kind=found[2])
             ev["detail"] = f"non-finite value in the model's input {ev['tensor']}"
             return ev
     # 2. forward: the first call (in completion order) to make a non-finite output from
@@ -164,16 +165,6 @@ def _output_samples(mb, d) -> list[int]:
             if rows:
                 return rows
     return []
-
-
-def _batch_path(path: str) -> str:
-    """``batch(args, kwargs)`` paths as a user writes them: ``batch[0]["image"]`` becomes
-    ``batch["image"]`` when the model takes the batch as its only argument."""
-    if path.startswith("batch[0]"):
-        return "batch" + path[len("batch[0]"):]
-    if path.startswith("batch[1]"):
-        return "kwargs" + path[len("batch[1]"):]
-    return path
 
 
 def summary(event: dict[str, Any], path: Path | None) -> str:

@@ -1,0 +1,354 @@
+"""From a rebuilt step to the report: reproduce, localise, name the op, classify the cause.
+
+>>> step = read_step("nan-bundles/step00000006-rank0.nan")     # doctest: +SKIP
+>>> build(step, factory=None, device=None)
+>>> report = analyze(step)
+>>> report["origin"]["module"], report["origin"]["op"], report["cause"]
+('encoder.2.act', 'aten.log', 'invalid')
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import os
+from typing import Any
+
+import torch
+
+from recorder.capture import batch_path, flatten_tree
+from recorder.events import bad_rows
+
+from . import cause as causes
+from .backward import find_backward_origin
+from .load import Step, micro_batch_inputs
+from .ops import OpFinder, user_source
+from .precursors import find_precursors, history
+from .rerun import Run, Runner, StopRun
+
+FORMAT = "nanreplay-report/1"
+
+
+def _origin(**kw) -> dict[str, Any]:
+    base = {"phase": None, "module": None, "call": None, "op": None, "param": None,
+            "params": [], "tensor": None, "samples": [], "source": None, "chain": [],
+            "micro_batch": None, "inputs_finite": None, "made": None}
+    base.update(kw)
+    return base
+
+
+def base_report(step: Step) -> dict[str, Any]:
+    meta = step.meta
+    ev = step.event
+    env = meta.get("env", {})
+    hist = history(meta, step.tensors)
+    dtypes = {m["name"]: m.get("dtype") for m in meta.get("modules", [])}
+    return {
+        "format": FORMAT,
+        "bundle": {"path": str(step.path), "rank": env.get("rank", 0), "torch": env.get("torch"),
+                   "stripped": step.stripped},
+        "event": {"step": ev.get("step"), "phase": ev.get("phase"), "module": ev.get("module"),
+                  "call": ev.get("call"), "micro_batch": ev.get("micro_batch"),
+                  "kind": ev.get("kind"), "params": ev.get("params", []),
+                  "tensor": ev.get("tensor"), "samples": ev.get("samples", []),
+                  "detail": ev.get("detail")},
+        "reproduced": False,
+        "origin": _origin(),
+        "cause": None,
+        "hint": None,
+        "precursors": find_precursors(hist, dtypes=dtypes),
+        "bisection": None,
+        "problems": list(step.problems),
+        "history": hist,
+    }
+
+
+def analyze(step: Step) -> dict[str, Any]:
+    """The report for one bundle (``step`` already passed through :func:`load.build`)."""
+    report = base_report(step)
+    phase = step.event.get("phase")
+    if phase == "input" or _batch_non_finite(step, ("batch/",)):
+        return _finish(report, _input_origin(step, report), "input", reproduced=True)
+    bad_weights = _non_finite_weights(step)
+    if bad_weights and not (phase == "optimizer" and step.meta.get("state") == "after_update"):
+        return _finish(report, _origin(phase="weights", params=bad_weights,
+                                       param=bad_weights[0]), "weights", reproduced=True)
+    if phase == "optimizer" and step.meta.get("state") == "after_update":
+        report["problems"].append(
+            "the bundle holds the weights after the update that made them non-finite, so the "
+            "update cannot be re-run; record with FlightRecorder(..., guard_optimizer=True) to "
+            "replay it")
+        return _finish(report, _origin(phase="optimizer", params=bad_weights,
+                                       param=(bad_weights or [None])[0]), "optimizer",
+                       reproduced=False)
+    if step.model is None or step.problems and phase in ("forward", "loss", "backward"):
+        if step.model is None:
+            report["problems"].append("no model to re-run: " + "; ".join(step.problems or
+                                                                          ["no factory"]))
+            return _finish(report, _origin(phase=phase, module=step.event.get("module")),
+                           "not_reproduced", reproduced=False)
+    runner = Runner(step)
+    run1 = runner.run()
+    run2 = runner.run()
+    if run1.signature() != run2.signature():
+        report["problems"].append("two re-runs of the step disagree: nondeterminism")
+        return _finish(report, _origin(), "not_reproduced", reproduced=False)
+    origin = run1.forward_origin()
+    if origin is not None:
+        return _forward(report, step, runner, run1, origin)
+    if run1.loss_finite and not all(run1.loss_finite):
+        return _loss(report, step, runner, run1)
+    if run1.bad_grads:
+        return _backward(report, runner)
+    if phase == "optimizer" and step.optimizer is not None:
+        return _optimizer(report, step, runner)
+    report["problems"].append(f"the recorded {phase} event did not come back in the re-run")
+    return _finish(report, _origin(), "not_reproduced", reproduced=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# phases
+
+
+def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
+    probe_at, probes = runner.bisect(len(run.calls))
+    agrees = False
+    if probe_at is not None:
+        found = runner.probe_origin(probe_at)
+        probes += 1
+        agrees = found == (o.module, o.call, o.micro_batch)
+    report["bisection"] = {"probes": probes, "agrees": agrees, "calls": len(run.calls),
+                           "limit": _log2_ceil(len(run.calls)) + 2}
+    finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
+    hit = finder.origin()
+    samples = o.bad_rows if _is_batch_dim(step, o) else _root_rows(run)
+    origin = _origin(phase="forward", module=o.module, call=o.call, micro_batch=o.micro_batch,
+                     inputs_finite=o.inputs_finite, made=o.kind, samples=samples,
+                     op=hit.op if hit else None,
+                     source=(hit.source if hit and hit.source else _module_source(step, o.module)),
+                     chain=finder.chain(),
+                     input_range=[hit.input_min, hit.input_max] if hit else None)
+    cause = causes.classify(runner, "forward")
+    return _finish(report, origin, cause, reproduced=_matches(step, origin))
+
+
+def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
+    finder = OpFinder()
+
+    def loss_only(model):  # watch ops only while the loss runs
+        return []
+
+    mb = next(i for i, ok in enumerate(run.loss_finite) if not ok)
+    with finder:
+        loss = step.loss_fn(*_loss_args(step, run, mb))
+    del loss
+    hit = finder.origin()
+    origin = _origin(phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
+                     source=hit.source if hit else None, chain=finder.chain(),
+                     samples=_loss_samples(step, run, mb), made="nan")
+    cause = causes.classify(runner, "loss")
+    return _finish(report, origin, cause, reproduced=step.event.get("phase") == "loss")
+
+
+def _backward(report, runner: Runner) -> dict[str, Any]:
+    b = find_backward_origin(runner)
+    origin = _origin(phase="backward", module=b.module, op=b.node, source=b.source,
+                     params=b.params, param=(b.params or [None])[0], made=b.made,
+                     anomaly_node=b.anomaly_node,
+                     chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
+    cause = causes.classify(runner, "backward")
+    return _finish(report, origin, cause,
+                   reproduced=runner.step.event.get("phase") == "backward")
+
+
+def _optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
+    runner.run(instrument=False)
+    finder = OpFinder()
+    with finder:
+        step.optimizer.step()
+    bad = [n for n, p in step.model.named_parameters() if not bool(torch.isfinite(p).all())]
+    hit = finder.origin()
+    origin = _origin(phase="optimizer", params=bad, param=(bad or [None])[0],
+                     op=hit.op if hit else None, source=hit.source if hit else None,
+                     chain=finder.chain())
+    return _finish(report, origin, "optimizer", reproduced=bool(bad))
+
+
+def _input_origin(step: Step, report) -> dict[str, Any]:
+    """The batch tensor (or loss target) holding the non-finite values, and its rows."""
+    for i, mb in enumerate(step.micro_batches):
+        if "inputs" not in mb:
+            continue
+        args, kwargs = micro_batch_inputs(step, i)
+        _, tensors, paths = flatten_tree([list(args), kwargs], "x")
+        for key, t in tensors.items():
+            rows = bad_rows(t)
+            if rows:
+                return _origin(phase="input", tensor=batch_path(paths[key], len(args)),
+                               samples=rows, micro_batch=i, made=_made(t))
+        for key, raw in mb.get("loss_paths", {}).items():
+            t = step.tensors.get(key)
+            if t is not None and bad_rows(t):
+                return _origin(phase="input", tensor="target" + raw, samples=bad_rows(t),
+                               micro_batch=i, made=_made(t))
+    ev = step.event
+    return _origin(phase="input", tensor=ev.get("tensor"), samples=ev.get("samples", []),
+                   micro_batch=ev.get("micro_batch"), made=ev.get("kind"))
+
+
+def _finish(report, origin, cause, *, reproduced: bool) -> dict[str, Any]:
+    report["origin"] = origin
+    report["cause"] = cause
+    report["reproduced"] = reproduced
+    report["hint"] = causes.HINTS.get(cause if cause != "invalid" or origin["phase"] != "loss"
+                                      else "loss")
+    src = origin.get("source")
+    if src:
+        path, _, line = src.rpartition(":")
+        text = linecache.getline(path, int(line)) if line.isdigit() else ""
+        report["source_lines"] = {src: text.rstrip()} if text else {}
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _log2_ceil(n: int) -> int:
+    return max(0, (n - 1).bit_length())
+
+
+def _matches(step: Step, origin) -> bool:
+    ev = step.event
+    return ev.get("phase") == "forward" and ev.get("module") == origin["module"]
+
+
+def _find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder:
+    """Re-run the forward with the op finder active during one module call only."""
+    finder = OpFinder()
+    state = {"count": 0, "active": False}
+
+    def hooks(model):
+        hs = []
+        target = model.get_submodule(module) if module else model
+
+        def pre(m, args):
+            if runner._mb == mb:
+                if state["count"] == call:
+                    state["active"] = True
+                    finder.__enter__()
+                state["count"] += 1
+
+        def post(m, args, out):
+            if state["active"]:
+                state["active"] = False
+                finder.__exit__(None, None, None)
+                raise StopRun
+
+        for name, m in model.named_modules():
+            if name in runner.allowed:
+                hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
+                hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
+        hs.append(target.register_forward_pre_hook(pre))
+        hs.append(target.register_forward_hook(post))
+        return hs
+
+    try:
+        runner.run(backward=False, instrument=False, hooks=hooks)
+    finally:
+        if state["active"]:
+            finder.__exit__(None, None, None)
+    return finder
+
+
+def _bump(finder: OpFinder, d: int) -> None:
+    finder.allowed_depth += d
+
+
+def _is_batch_dim(step: Step, o) -> bool:
+    return bool(o.bad_rows) and o.bad_rows[-1] < _batch_size(step)
+
+
+def _batch_size(step: Step) -> int:
+    mb = step.micro_batches[0] if step.micro_batches else {}
+    paths = mb.get("paths", {})
+    for key in paths:
+        t = step.tensors.get(key)
+        if t is not None and t.dim() > 0:
+            return int(t.shape[0])
+    return 0
+
+
+def _root_rows(run: Run) -> list[int]:
+    for outs in run.outputs:
+        for t in outs:
+            if t.is_floating_point():
+                rows = bad_rows(t)
+                if rows:
+                    return rows
+    return []
+
+
+def _loss_args(step: Step, run: Run, mb: int):
+    from .load import loss_inputs
+
+    args, kwargs = loss_inputs(step, mb, [t.detach() for t in run.outputs[mb]])
+    return args, kwargs
+
+
+def _loss_samples(step: Step, run: Run, mb: int) -> list[int]:
+    """Rows whose own loss is non-finite (the loss re-run with reduction='none')."""
+    fn = step.loss_fn
+    if not hasattr(fn, "reduction"):
+        return []
+    args, kwargs = _loss_args(step, run, mb)
+    saved = fn.reduction
+    try:
+        fn.reduction = "none"
+        with torch.no_grad():
+            per = fn(*args, **kwargs)
+        return bad_rows(per) if isinstance(per, torch.Tensor) and per.dim() else []
+    except Exception:
+        return []
+    finally:
+        fn.reduction = saved
+
+
+def _module_source(step: Step, module: str) -> str | None:
+    try:
+        m = step.model.get_submodule(module) if module else step.model
+        fn = type(m).forward
+        path = inspect.getsourcefile(fn)
+        _, line = inspect.getsourcelines(fn)
+        return f"{os.path.relpath(path)}:{line}" if path else None
+    except (TypeError, OSError, AttributeError):
+        return user_source([])
+
+
+def _batch_non_finite(step: Step, prefixes) -> bool:
+    return any(k.startswith(prefixes) and t.is_floating_point() and
+               not bool(torch.isfinite(t).all()) for k, t in step.tensors.items())
+
+
+def _non_finite_weights(step: Step) -> list[str]:
+    out = []
+    for k, t in step.tensors.items():
+        if k.startswith(("weights/", "buffers/")) and t.is_floating_point() \
+                and not bool(torch.isfinite(t).all()):
+            name = k.split("/", 1)[1]
+            if k.startswith("buffers/") and _allowed(step, name):
+                continue
+            out.append(name)
+    return out
+
+
+def _allowed(step: Step, name: str) -> bool:
+    import fnmatch
+
+    return any(fnmatch.fnmatchcase(name, p) for p in step.meta.get("allow_inf", []))
+
+
+def _made(t: torch.Tensor) -> str:
+    if torch.isnan(t).any():
+        return "nan"
+    return "+inf" if torch.isposinf(t).any() else "-inf"

@@ -1,0 +1,139 @@
+"""Naming the first backward node to return a non-finite gradient, and where it came from.
+
+Two independent checks run, because anomaly mode alone sees NaN only:
+
+- hooks on every autograd node of the graph, firing after the node: the first node whose
+  incoming gradients were finite and whose returned gradients are not (NaN or Inf);
+- ``torch.autograd.detect_anomaly(check_nan=True)``: the node it raises on, if any.
+
+The forward runs under anomaly mode too, so each node carries the traceback of the forward
+call that created it (the user's source line), and module hooks label each node with the
+innermost module whose forward created it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recorder.capture import tensor_leaves
+
+from .ops import _short
+from .rerun import Runner, finite, kind_of
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+@dataclass
+class BackwardOrigin:
+    node: str | None = None
+    module: str | None = None
+    source: str | None = None
+    made: str | None = None
+    anomaly_node: str | None = None  # what detect_anomaly raised on (NaN only)
+    params: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _anomaly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
+        with torch.autograd.detect_anomaly(check_nan=True):
+            yield
+
+
+def _source(node) -> str | None:
+    tb = (getattr(node, "metadata", None) or {}).get("traceback_")
+    if not tb:
+        return None
+    text = "".join(tb) if isinstance(tb, list) else str(tb)
+    from .ops import _OWN_DIRS, _TORCH_DIR
+
+    for path, line in reversed(_FRAME.findall(text)):
+        if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIRS) or path.startswith("<"):
+            continue
+        return f"{_short(path)}:{line}"
+    return None
+
+
+def find_backward_origin(runner: Runner) -> BackwardOrigin:
+    found = BackwardOrigin()
+    labels: dict[Any, str] = {}
+    hooked: set[int] = set()
+    handles: list = []
+
+    def on_node(node, name):
+        def hook(grad_inputs, grad_outputs):
+            if found.node is not None:
+                return
+            incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
+            returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
+            if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
+                found.node = node.name()
+                found.module = name
+                found.source = _source(node)
+                found.made = next((kind_of(g) for g in returned if not finite(g)), None)
+        handles.append(node.register_hook(hook))
+
+    def label(outputs, name):
+        todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in labels:
+                continue
+            labels[node] = name
+            if id(node) not in hooked:
+                hooked.add(id(node))
+                on_node(node, name)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+
+    def hooks(model):
+        hs = []
+        for name, m in model.named_modules():
+            def post(module, args, output, name=name):
+                label(list(tensor_leaves(output)), name)
+            hs.append(m.register_forward_hook(post))
+        return hs
+
+    # Loss nodes are created after the root's forward hook: label them at backward time.
+    loss_ctx = _LossLabeller(label)
+    run = runner.run(instrument=False, hooks=hooks, forward_ctx=_anomaly,
+                     backward_ctx=loss_ctx.ctx(runner))
+    for h in handles:
+        h.remove()
+    found.params = run.bad_grads
+    # Second opinion from anomaly mode (NaN only).
+    try:
+        runner.run(instrument=False, forward_ctx=_anomaly, backward_ctx=_anomaly)
+    except RuntimeError as e:
+        m = re.search(r"Function '(\w+)' returned nan", str(e))
+        found.anomaly_node = m.group(1) if m else None
+    return found
+
+
+class _LossLabeller:
+    """Labels the loss's autograd nodes ``<loss>`` just before backward runs."""
+
+    def __init__(self, label):
+        self.label = label
+
+    def ctx(self, runner: Runner):
+        labeller = self
+
+        @contextlib.contextmanager
+        def ctx():
+            losses = [t for t in tensor_leaves(runner_last_losses(runner))
+                      if isinstance(t, torch.Tensor)]
+            labeller.label(losses, "<loss>")
+            yield
+
+        return ctx
+
+
+def runner_last_losses(runner: Runner):
+    return getattr(runner, "last_loss", None)

@@ -1,0 +1,82 @@
+"""Why the value went non-finite: invalid math or a dtype's range exceeded.
+
+The step is re-run in float64 (weights converted in place and back, which is lossless for
+float16, bfloat16 and float32; autocast off). Still non-finite: the math is invalid whatever
+the precision (log of a negative, 0/0, inf - inf). Finite: the value only overflowed the
+recorded dtype's range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .rerun import Runner
+
+HINTS = {
+    "input": "the batch itself holds NaN/Inf: check the data pipeline for these samples "
+             "(bad files, division by zero in normalisation) or filter them before the model",
+    "weights": "the weights were already non-finite when the step began: resume from an "
+               "earlier checkpoint and find what wrote them (the precursors show when)",
+    "optimizer": "finite gradients became non-finite weights in optimizer.step(): check the "
+                 "learning rate and schedule, eps, and clip gradients",
+    "invalid": "invalid math that float64 does not fix: guard the op's domain (clamp before "
+               "log/sqrt, add eps to denominators, avoid fully masked softmax rows)",
+    "overflow": "the value exceeds the dtype's range but is finite in float64: rescale, compute "
+                "this op in float32 (outside autocast), lower the learning rate, or clip",
+    "not_reproduced": "re-running the step did not give the same result: suspect "
+                      "nondeterminism or a transient hardware fault; re-run on another device",
+    "loss": "the loss is non-finite from finite model outputs: check the loss inputs "
+            "(targets out of range, log of zero probabilities)",
+}
+
+
+@contextlib.contextmanager
+def float64(runner: Runner):
+    """Run ``runner`` in float64 inside the block; restore every dtype after."""
+    model = runner.model
+    dtypes = {}
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_floating_point() and t.dtype != torch.float64:
+                dtypes[name] = t.dtype
+                t.data = t.data.double()
+    saved = runner._buffers
+    runner._buffers = {n: (b.double() if b.is_floating_point() else b) for n, b in saved.items()}
+    loss = runner.step.loss_fn
+    loss_dtypes = {}
+    if isinstance(loss, torch.nn.Module):
+        for name, b in loss.named_buffers():
+            if b.is_floating_point():
+                loss_dtypes[name] = b.dtype
+                b.data = b.data.double()
+    runner.cast = torch.float64
+    try:
+        yield
+    finally:
+        runner.cast = None
+        runner._buffers = saved
+        with torch.no_grad():
+            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+                if name in dtypes:
+                    t.data = t.data.to(dtypes[name])
+                    if t.grad is not None:
+                        t.grad = None
+            if isinstance(loss, torch.nn.Module):
+                for name, b in loss.named_buffers():
+                    if name in loss_dtypes:
+                        b.data = b.data.to(loss_dtypes[name])
+
+
+def classify(runner: Runner, phase: str) -> str:
+    """'invalid' or 'overflow' for a forward, loss or backward origin."""
+    with float64(runner):
+        run = runner.run(backward=phase == "backward", instrument=phase == "forward")
+    if phase == "forward":
+        still = any(not c.outputs_finite for c in run.calls)
+    elif phase == "loss":
+        still = not all(run.loss_finite)
+    else:
+        still = bool(run.bad_grads)
+    return "invalid" if still else "overflow"

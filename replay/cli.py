@@ -1,0 +1,89 @@
+"""``nanreplay BUNDLE``: re-run the recorded step and say which op made the first NaN/Inf.
+
+Exit codes: 0 reproduced and localised, 1 replayed but not reproduced, 2 bad usage or bundle.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from recorder.errors import BundleError
+
+from .errors import FactoryRefused, ReplayError
+
+
+def _fail(message: str) -> None:
+    click.echo(f"nanreplay: {message}", err=True)
+    sys.exit(2)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("bundle", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the machine-readable report on stdout, nothing else.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write a self-contained HTML report to this file.")
+@click.option("--info", is_flag=True,
+              help="Summarise the bundle (event, sizes, environment) without running code.")
+@click.option("--factory", metavar="MOD:FN",
+              help="The function that builds the model (trusted; overrides the recorded one).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]),
+              help="Replay on this device (e.g. a GPU bundle on a CPU machine).")
+@click.option("--strip", "strip_parts", multiple=True, type=click.Choice(["batch", "weights"]),
+              help="With -o: write a shareable copy without the batch and/or the weights.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Where --strip writes the copy.")
+@click.option("--debug", is_flag=True, hidden=True, help="Show tracebacks of internal errors.")
+def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factory: str | None,
+         device: str | None, strip_parts: tuple[str, ...], output: Path | None,
+         debug: bool) -> None:
+    """Replay the step recorded in BUNDLE and report the op, module, samples and cause of its
+    first non-finite value."""
+    try:
+        code = _run(bundle, as_json, html_path, info, factory, device, strip_parts, output)
+    except (BundleError, ReplayError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted")
+    except Exception as e:  # a bug of ours or of the replayed model's code
+        if debug:
+            traceback.print_exc()
+        _fail(f"replay failed ({type(e).__name__}: {e}); re-run with --debug for the traceback")
+    sys.exit(code)
+
+
+def _run(bundle, as_json, html_path, info, factory, device, strip_parts, output) -> int:
+    from . import report as reports
+
+    if strip_parts or output:
+        if not (strip_parts and output):
+            raise click.UsageError("--strip and -o/--output go together: "
+                                   "nanreplay B.nan --strip batch -o shareable.nan")
+        from .strip import strip
+
+        path = strip(bundle, output, list(strip_parts))
+        click.echo(f"wrote {path} without {', '.join(strip_parts)}")
+        return 0
+    if info:
+        d = reports.info(bundle)
+        click.echo(reports.to_json(d) if as_json else reports.info_text(d))
+        return 0
+    from .analyze import analyze
+    from .load import build, read_step
+
+    step = read_step(bundle)
+    try:
+        build(step, factory, device)
+    except FactoryRefused as e:
+        step.problems.append(str(e))
+    report = analyze(step)
+    if html_path is not None:
+        from .html import render_html
+
+        html_path.write_text(render_html(report, report["history"]), encoding="utf-8")
+    click.echo(reports.to_json(report) if as_json else reports.to_text(report))
+    return 0 if report["reproduced"] and report["origin"].get("phase") else 1

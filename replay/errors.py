@@ -1,0 +1,13 @@
+"""The replay's one exception: something outside the bundle stops the replay (a factory that
+does not import, weights that do not fit the model). The CLI prints it as one line, exit 2."""
+
+from __future__ import annotations
+
+
+class ReplayError(Exception):
+    """Says what went wrong, why, and which option fixes it."""
+
+
+class FactoryRefused(ReplayError):
+    """The bundle's recorded factory is not trusted (not under the current directory): the
+    replay reports what the ring buffer can tell and which option to pass."""

@@ -1,0 +1,405 @@
+"""Rebuilding a recorded step: model, weights, loss, optimizer, batches, from a bundle.
+
+Safety: a bundle never makes the replay import or call anything by itself. The recorded
+factory is used only when its top-level module lives under the current working directory (it
+is the user's own code, run where they run it) or when it is passed with ``--factory``; loss
+and optimizer classes are rebuilt from the bundle only when they are ``torch.nn`` /
+``torch.optim`` built-ins, looked up by attribute, never imported by a recorded name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from recorder.bundle import read_bundle
+from recorder.capture import UnrebuildableLeaf, rng_from_bundle, unflatten_tree
+
+from .errors import FactoryRefused, ReplayError
+
+WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/")
+BATCH_PREFIXES = ("batch/", "loss_in/", "outgrad/")
+
+
+@dataclass
+class Step:
+    """Everything needed to re-run the recorded step."""
+
+    path: Path
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    model: nn.Module | None = None
+    loss_fn: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    problems: list[str] = field(default_factory=list)  # why parts cannot be re-run
+
+    @property
+    def event(self) -> dict[str, Any]:
+        return self.meta.get("event", {})
+
+    @property
+    def stripped(self) -> list[str]:
+        return list(self.meta.get("stripped", []))
+
+    @property
+    def micro_batches(self) -> list[dict[str, Any]]:
+        return self.meta.get("micro_batches", [])
+
+    def module_names(self) -> list[str]:
+        return [m["name"] for m in self.meta.get("modules", [])]
+
+
+def read_step(path: str | os.PathLike) -> Step:
+    meta, tensors = read_bundle(path)
+    return Step(Path(path), meta, tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# factory resolution
+
+
+def resolve_factory(spec: str, *, explicit: bool) -> Any:
+    """The callable named by ``module:function``.
+
+    A recorded (not ``explicit``) factory is refused unless its top-level module is found
+    under the current directory, so a bundle from elsewhere cannot make us import code.
+    """
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise ReplayError(f"factory {spec!r} is not of the form 'module:function'; "
+                          "pass --factory mypkg.train:make_model")
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    if not explicit:
+        top = mod_name.split(".")[0]
+        loaded = sys.modules.get(top)
+        origin = getattr(loaded, "__file__", None) if loaded else None
+        if loaded is None:
+            try:
+                found = importlib.util.find_spec(top)
+            except (ImportError, ValueError):
+                found = None
+            origin = found.origin if found and found.origin else None
+            if found is not None and found.submodule_search_locations:
+                origin = next(iter(found.submodule_search_locations), origin)
+        if origin is None or not _under(Path(origin), Path(cwd)):
+            raise FactoryRefused(
+                f"the bundle's factory {spec!r} is not a module under the current directory "
+                f"({cwd}); nanreplay imports a recorded factory only from there. Run from the "
+                f"project root, or pass --factory {spec} to trust it")
+    try:
+        obj = importlib.import_module(mod_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:
+        raise ReplayError(f"factory {spec!r} cannot be imported ({type(e).__name__}: {e}); "
+                          "run from the directory that holds it or pass --factory MOD:FN") from None
+    if not callable(obj):
+        raise ReplayError(f"factory {spec!r} is not callable; pass --factory MOD:FN naming a "
+                          "function that returns the model")
+    return obj
+
+
+def _under(p: Path, root: Path) -> bool:
+    try:
+        p.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+
+def build(step: Step, factory: str | None, device: str | None) -> None:
+    """Fill ``step.model``, ``step.loss_fn``, ``step.optimizer`` (or say in ``step.problems``
+    why they cannot be rebuilt)."""
+    meta = step.meta
+    step.device = torch.device(device) if device else _recorded_device(meta)
+    if step.device.type == "cuda" and not torch.cuda.is_available():
+        raise ReplayError(f"the bundle was recorded on {step.device} and this machine has no "
+                          "CUDA device; pass --device cpu")
+    if "weights" in step.stripped:
+        step.problems.append("the weights were stripped from this bundle")
+        return
+    spec = factory or meta.get("factory")
+    if not spec:
+        raise ReplayError("the bundle names no model factory; pass --factory MOD:FN "
+                          "(a function returning the model)")
+    fn = resolve_factory(spec, explicit=factory is not None)
+    # Build on the meta device so loading the bundle's weights does not hold two copies; fall
+    # back to a real build for factories that need real tensors.
+    try:
+        made = _call_factory(fn, spec, on_meta=True)
+        if _meta_attributes(made["model"]):
+            raise _MetaUnsupported
+    except _MetaUnsupported:
+        made = _call_factory(fn, spec, on_meta=False)
+    model = made["model"]
+    _load_weights(step, model)
+    step.model = model
+    step.loss_fn = made.get("loss_fn") or _builtin_loss(step)
+    opt_factory = made.get("optimizer")
+    step.optimizer = _build_optimizer(step, model, opt_factory)
+
+
+def _call_factory(fn, spec: str, on_meta: bool) -> dict[str, Any]:
+    def call():
+        made = fn()
+        if isinstance(made, nn.Module):
+            return {"model": made}
+        if isinstance(made, dict) and isinstance(made.get("model"), nn.Module):
+            return made
+        raise ReplayError(f"factory {spec!r} returned {type(made).__name__}; it must return an "
+                          "nn.Module or a dict with 'model' (and optionally 'loss_fn', "
+                          "'optimizer')")
+
+    try:
+        if on_meta:
+            with torch.device("meta"):
+                return call()
+        return call()
+    except ReplayError:
+        raise
+    except Exception as e:
+        if on_meta:
+            raise _MetaUnsupported from None
+        raise ReplayError(f"factory {spec!r} failed ({type(e).__name__}: {e}); pass --factory "
+                          "MOD:FN that builds the recorded model") from None
+
+
+class _MetaUnsupported(Exception):
+    """The factory cannot build on the meta device; build it for real instead."""
+
+
+def _meta_attributes(model: nn.Module) -> bool:
+    """Plain tensor attributes (neither parameter nor buffer) left on the meta device."""
+    return any(isinstance(v, torch.Tensor) and v.is_meta
+               for m in model.modules() for v in vars(m).values())
+
+
+def _recorded_device(meta: dict[str, Any]) -> torch.device:
+    for m in meta.get("modules", []):
+        if m.get("device"):
+            dev = torch.device(m["device"])
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                return dev
+            return dev
+    return torch.device("cpu")
+
+
+def _load_weights(step: Step, model: nn.Module) -> None:
+    """Assign the bundle's tensors as the model's parameters and buffers (no second copy)."""
+    t, meta, dev = step.tensors, step.meta, step.device
+    names_by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(p), []).append(name)
+    expected = set(meta.get("params", []))
+    have = {n for names in names_by_id.values() for n in names}
+    missing = sorted(n for n in expected if n not in have)
+    if missing:
+        raise ReplayError(f"the model from the factory has no parameter {missing[0]!r} "
+                          f"(and {len(missing) - 1} more) that the bundle holds; pass --factory "
+                          "MOD:FN building the recorded model")
+    done: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in done:
+            _set(model, name, done[id(p)], param=True)
+            continue
+        src = next((n for n in names_by_id[id(p)] if f"weights/{n}" in t), None)
+        if src is None:
+            raise ReplayError(f"the bundle holds no weights for parameter {name!r} of the model "
+                              "from the factory; pass --factory MOD:FN building the recorded "
+                              "model")
+        w = t[f"weights/{src}"]
+        if tuple(w.shape) != tuple(p.shape):
+            raise ReplayError(f"weights/{src} has shape {list(w.shape)} in the bundle but "
+                              f"{list(p.shape)} in the model from the factory; the factory "
+                              "builds a different model: pass --factory MOD:FN")
+        new = nn.Parameter(w.to(dev), requires_grad=p.requires_grad)
+        done[id(p)] = new
+        _set(model, name, new, param=True)
+    for name in meta.get("buffers", []):
+        key = f"buffers/{name}"
+        if key in t:
+            _set(model, name, t[key].to(dev), param=False)
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise ReplayError(f"buffer {name!r} of the model is not in the bundle; pass "
+                              "--factory MOD:FN building the recorded model")
+    model.train(meta.get("model", {}).get("training", True))
+    flags = {m["name"]: m.get("training") for m in meta.get("modules", [])}
+    for name, m in model.named_modules():
+        if flags.get(name) is not None:
+            m.training = flags[name]
+
+
+def _set(model: nn.Module, name: str, value, *, param: bool) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if param:
+        mod._parameters[attr] = value
+    else:
+        mod._buffers[attr] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# loss and optimizer
+
+
+def _builtin_loss(step: Step):
+    info = step.meta.get("loss")
+    if not info:
+        return None
+    if info["kind"] == "function":
+        name = info["name"]
+        if name.startswith("torch.nn.functional."):
+            fn = getattr(torch.nn.functional, name.rpartition(".")[2], None)
+            if fn is not None:
+                return fn
+        step.problems.append(f"the loss function {name} is not a torch built-in; return it from "
+                             "the factory as {'model': ..., 'loss_fn': ...}")
+        return None
+    cls_path = info["class"]
+    cls = getattr(nn, cls_path.rpartition(".")[2], None) if cls_path.startswith("torch.nn.") else None
+    if cls is None:
+        step.problems.append(f"the loss {cls_path} is not a torch.nn built-in; return it from the "
+                             "factory as {'model': ..., 'loss_fn': ...}")
+        return None
+    kwargs = {k: v for k, v in info.get("config", {}).items()
+              if k in info.get("init_args", []) and k not in ("size_average", "reduce")}
+    for b in info.get("buffers", []):
+        if b in info.get("init_args", []):
+            kwargs[b] = step.tensors[f"loss/{b}"].to(step.device)
+    return cls(**kwargs)
+
+
+def _build_optimizer(step: Step, model: nn.Module, opt_factory):
+    info = step.meta.get("optimizer")
+    if not info:
+        return None
+    params = dict(model.named_parameters())
+    cls = None
+    path = info["class"]
+    if opt_factory is None:
+        if path.startswith("torch.optim."):
+            cls = getattr(torch.optim, path.rpartition(".")[2], None)
+        if cls is None:
+            step.problems.append(f"the optimizer {path} is not a torch.optim built-in; return "
+                                 "{'model': ..., 'optimizer': lambda params: ...} from the factory")
+            return None
+    groups = []
+    for g in info["param_groups"]:
+        group = {"params": [params[n] for n in g["params"] if n in params]}
+        for k, v in g.items():
+            if k == "params" or (isinstance(v, dict) and "$repr" in v):
+                continue
+            if isinstance(v, dict) and "$t" in v:
+                v = step.tensors[v["$t"]].to(step.device)
+            elif isinstance(v, list) and k == "betas":
+                v = tuple(v)
+            group[k] = v
+        groups.append(group)
+    try:
+        opt = opt_factory(groups) if opt_factory is not None else cls(groups)
+    except Exception as e:
+        step.problems.append(f"the optimizer {path} could not be rebuilt ({type(e).__name__}: {e})")
+        return None
+    scalars = info.get("state_scalars", {})
+    for name, p in params.items():
+        state = {}
+        prefix = f"optim/{name}/"
+        for key, t in step.tensors.items():
+            if key.startswith(prefix):
+                state[key[len(prefix):]] = t.to(step.device) if t.dim() else t
+        state.update(scalars.get(name, {}))
+        if state:
+            opt.state[p] = state
+    return opt
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+
+
+def micro_batch_inputs(step: Step, i: int) -> tuple[list, dict]:
+    mb = step.micro_batches[i]
+    try:
+        args, kwargs = unflatten_tree(mb["inputs"], step.tensors)
+    except (UnrebuildableLeaf, KeyError) as e:
+        raise ReplayError(f"micro-batch {i} holds an input that cannot be rebuilt ({e}); only "
+                          "tensors and JSON values are replayable") from None
+    return _to(args, step.device), _to(kwargs, step.device)
+
+
+def loss_inputs(step: Step, i: int, outputs: list[torch.Tensor]) -> tuple[list, dict] | None:
+    """The loss's recorded arguments, with the model output swapped for the re-computed one."""
+    tree = step.micro_batches[i].get("loss_inputs")
+    if tree is None:
+        return None
+
+    def sub(node):
+        if isinstance(node, dict):
+            if "$out" in node:
+                o = outputs[node["$out"]]
+                if "view" in node:
+                    shape, stride, off = node["view"]
+                    return o.as_strided(shape, stride, o.storage_offset() + off)
+                return o
+            if "$list" in node:
+                return [sub(v) for v in node["$list"]]
+            if "$tuple" in node:
+                return tuple(sub(v) for v in node["$tuple"])
+            if "$dict" in node:
+                return {k: sub(v) for k, v in node["$dict"]}
+        return _to(unflatten_tree(node, step.tensors), step.device)
+
+    args, kwargs = sub(tree)
+    return args, kwargs
+
+
+def output_grads(step: Step, i: int) -> dict[int, torch.Tensor]:
+    keys = step.micro_batches[i].get("output_grads", {})
+    return {int(j): step.tensors[k].to(step.device) for j, k in keys.items() if k in step.tensors}
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        return [_to(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to(v, device) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def rng_state(step: Step) -> dict[str, Any] | None:
+    if "rng" not in step.meta:
+        return None
+    return rng_from_bundle(step.meta["rng"], step.tensors)
+
+
+@contextlib.contextmanager
+def autocast_as_recorded(mb: dict[str, Any], device: torch.device):
+    """Re-enter the autocast region the micro-batch ran under (on the replay device)."""
+    rec = mb.get("autocast") or {}
+    if not rec:
+        yield
+        return
+    dtype = getattr(torch, next(iter(rec.values())))
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        yield

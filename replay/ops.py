@@ -1,0 +1,166 @@
+"""Naming the aten op that made a non-finite value, with the user's source line.
+
+This is the only module that imports private PyTorch APIs (the dispatch mode), so a torch
+upgrade touches one file. :class:`OpFinder` wraps a private ``TorchDispatchMode`` subclass:
+inside it every aten op is checked, before it runs, for finite inputs and, after, for its
+output. Two offenders are kept:
+
+- the first op with all-finite inputs and a non-finite output (``first``), unless the
+  infinity is intentional: a literal +-inf argument (``masked_fill(mask, -inf)``, ``full``) or
+  an op inside a module allowed to hold infinities; those are remembered as the chain's start;
+- the first op with NaN-free inputs and a NaN output (``first_nan``): the op that turned
+  infinities, intentional or not, into NaN (``inf - inf``, ``0 * inf``, softmax of a -inf row).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
+                  for d in ("replay", "recorder"))
+_UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                  "resize_", "set_"}
+
+
+@dataclass
+class OpHit:
+    op: str  # e.g. "aten.log"
+    made: str  # "nan", "+inf", "-inf"
+    source: str | None  # "model.py:42"
+    input_min: float | None
+    input_max: float | None
+    intentional: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {"op": self.op, "made": self.made, "source": self.source,
+                "input_min": _num(self.input_min), "input_max": _num(self.input_max),
+                "intentional": self.intentional}
+
+
+def _num(x: float | None):
+    if x is None:
+        return None
+    return x if math.isfinite(x) else repr(x)
+
+
+def user_source(stack=None) -> str | None:
+    """``file:line`` of the innermost frame that is neither torch nor nanreplay."""
+    frames = stack if stack is not None else traceback.extract_stack()
+    for fr in reversed(frames):
+        f = fr.filename
+        if f.startswith(_TORCH_DIR) or f.startswith(_OWN_DIRS) or f.startswith("<"):
+            continue
+        if os.sep + "contextlib.py" in f or os.sep + "threading.py" in f:
+            continue
+        return f"{_short(f)}:{fr.lineno}"
+    return None
+
+
+def _short(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+def _kind(ts: list[torch.Tensor]) -> str | None:
+    for t in ts:
+        if torch.isnan(t).any():
+            return "nan"
+    for t in ts:
+        if torch.isposinf(t).any():
+            return "+inf"
+        if torch.isneginf(t).any():
+            return "-inf"
+    return None
+
+
+class _Watch(TorchDispatchMode):
+    def __init__(self, finder: OpFinder):
+        super().__init__()
+        self.finder = finder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        f = self.finder
+        if f.first is not None and f.first_nan is not None:
+            return func(*args, **kwargs)
+        leaves = tree_leaves((args, kwargs))
+        ins = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()
+               and t.numel() and not t.is_meta]
+        in_finite = all(bool(torch.isfinite(t).all()) for t in ins)
+        in_nan_free = in_finite or all(not bool(torch.isnan(t).any()) for t in ins)
+        lo = min((float(t.min()) for t in ins), default=None) if in_nan_free and ins else None
+        hi = max((float(t.max()) for t in ins), default=None) if in_nan_free and ins else None
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in _UNINITIALISED:
+            return out
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                and t.is_floating_point() and t.numel()]
+        made = _kind(outs) if outs else None
+        if made is None:
+            return out
+        op = f"aten.{name}"
+        literal_inf = any(isinstance(a, float) and math.isinf(a) for a in leaves)
+        intentional = literal_inf or f.in_allowed_module()
+        if in_finite and f.first is None:
+            hit = OpHit(op, made, user_source(), lo, hi, intentional)
+            if intentional:
+                if f.intentional is None:
+                    f.intentional = hit
+            else:
+                f.first = hit
+        if made == "nan" and in_nan_free and f.first_nan is None:
+            f.first_nan = OpHit(op, "nan", user_source(), lo, hi)
+        return out
+
+
+class OpFinder:
+    """Context manager: ``with OpFinder() as f: run(); f.first, f.first_nan, f.chain()``.
+
+    ``allowed_depth`` is raised by the caller while code of a module allowed to hold
+    infinities runs, so infinities made there count as intentional.
+    """
+
+    def __init__(self):
+        self.first: OpHit | None = None
+        self.first_nan: OpHit | None = None
+        self.intentional: OpHit | None = None
+        self.allowed_depth = 0
+        self._mode = _Watch(self)
+
+    def in_allowed_module(self) -> bool:
+        return self.allowed_depth > 0
+
+    def __enter__(self) -> OpFinder:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+    def origin(self) -> OpHit | None:
+        """The op to blame: the first unintentional non-finite maker, else the NaN maker."""
+        return self.first or self.first_nan
+
+    def chain(self) -> list[dict[str, Any]]:
+        """Where the first non-finite value came from and where the first NaN was made."""
+        out = []
+        start = self.first or self.intentional
+        if start is not None:
+            out.append(start.as_json())
+        if self.first_nan is not None and (start is None or start.made != "nan"
+                                           or start.op != self.first_nan.op):
+            out.append(self.first_nan.as_json())
+        return out

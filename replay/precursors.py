@@ -1,0 +1,98 @@
+"""Precursors: what jumped in the recorded steps before the event.
+
+From the ring buffer: learning rate, gradient norm, loss and each layer's absmax per step. A
+value at least ``factor`` times the median of the earlier recorded values is a jump; a float16
+layer whose absmax passes half the float16 maximum is drifting towards overflow.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import torch
+
+FP16_MAX = 65504.0
+
+
+def history(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The ring buffer as plain lists: steps, loss, grad/param norm, lr, per-layer absmax."""
+    if "ring/steps" not in tensors:
+        return {"steps": [], "loss": [], "grad_norm": [], "param_norm": [], "lr": [],
+                "layers": [], "absmax": [], "event_step": meta.get("event", {}).get("step"),
+                "skipped": []}
+    names = [m["name"] for m in meta.get("modules", [])]
+    calls = tensors["ring/calls"]
+    mods = tensors["ring/call_module"]
+    absmax_idx = meta.get("ring", {}).get("call_fields", []).index("absmax") \
+        if "absmax" in meta.get("ring", {}).get("call_fields", []) else 2
+    nan_idx = 5
+    layers_seen: list[int] = sorted({int(m) for m in mods.flatten().tolist() if m >= 0})
+    absmax = []
+    for i in range(mods.shape[0]):
+        row: dict[int, float] = {}
+        for j in range(mods.shape[1]):
+            m = int(mods[i, j])
+            if m < 0:
+                continue
+            v = float(calls[i, j, absmax_idx])
+            if float(calls[i, j, nan_idx]) == 1.0:
+                v = math.nan
+            prev = row.get(m)
+            row[m] = v if prev is None or math.isnan(v) or (not math.isnan(prev) and v > prev) \
+                else prev
+        absmax.append([row.get(m) for m in layers_seen])
+    return {
+        "steps": tensors["ring/steps"].tolist(),
+        "loss": tensors["ring/loss"].tolist(),
+        "grad_norm": tensors["ring/grad_norm"].tolist(),
+        "param_norm": tensors["ring/param_norm"].tolist(),
+        "lr": tensors["ring/lr"].tolist(),
+        "layers": [names[m] if m < len(names) else str(m) for m in layers_seen],
+        "absmax": absmax,
+        "event_step": meta.get("event", {}).get("step"),
+        "skipped": tensors["ring/skipped"].tolist(),
+    }
+
+
+def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
+                    dtypes: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    steps = hist["steps"]
+    event = hist.get("event_step")
+    out: list[dict[str, Any]] = []
+
+    def scan(values, kind, what):
+        seen = []
+        for s, v in zip(steps, values):
+            if event is not None and s > event:
+                break
+            if v is None or not math.isfinite(v):
+                continue
+            if len(seen) >= 2:
+                med = statistics.median(seen)
+                if med > 0 and v >= factor * med:
+                    out.append({"step": s, "kind": kind,
+                                "detail": f"{what} {v:.4g} is {v / med:.3g}x the median "
+                                          f"{med:.4g} of the {len(seen)} steps before"})
+            seen.append(abs(v))
+
+    groups = len(hist["lr"][0]) if hist["lr"] else 0
+    for g in range(groups):
+        scan([row[g] for row in hist["lr"]], "lr_jump",
+             "learning rate" + (f" (group {g})" if groups > 1 else ""))
+    scan(hist["grad_norm"], "grad_norm_jump", "gradient norm")
+    scan(hist["loss"], "loss_jump", "loss")
+    for li, layer in enumerate(hist["layers"]):
+        col = [row[li] for row in hist["absmax"]]
+        scan(col, "absmax_jump", f"absmax of {layer or '<root>'}")
+        if dtypes and dtypes.get(layer) == "float16":
+            for s, v in zip(steps, col):
+                if v is not None and math.isfinite(v) and v > FP16_MAX / 2 and \
+                        (event is None or s <= event):
+                    out.append({"step": s, "kind": "near_fp16_max",
+                                "detail": f"absmax of {layer} is {v:.4g}, past half the "
+                                          f"float16 maximum {FP16_MAX:g}"})
+                    break
+    out.sort(key=lambda p: (p["step"], p["kind"]))
+    return out

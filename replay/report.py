@@ -1,0 +1,131 @@
+"""The report as text (for people), JSON (for tools) and a bundle summary (``--info``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from recorder.bundle import BundleReader, jsonable
+
+_GROUPS = {"weights/": "weights", "buffers/": "buffers", "grads/": "gradients",
+           "optim/": "optimizer state", "optim_group/": "optimizer state",
+           "batch/": "batch", "loss_in/": "loss targets", "outgrad/": "output gradients",
+           "rng/": "RNG states", "ring/": "ring buffer", "loss/": "loss buffers",
+           "sched/": "scheduler", "scaler/": "grad scaler"}
+
+
+def to_json(report: dict[str, Any]) -> str:
+    """The ``--json`` document: the stable keys and more; non-finite numbers as strings."""
+    out = {k: v for k, v in report.items() if k != "history"}
+    return json.dumps(jsonable(out), indent=2, allow_nan=False)
+
+
+def _where(o: dict[str, Any]) -> str:
+    if o.get("phase") == "input":
+        return f"the input {o.get('tensor')}"
+    if o.get("phase") in ("weights", "optimizer"):
+        params = o.get("params") or []
+        more = f" (+{len(params) - 1} more)" if len(params) > 1 else ""
+        return f"parameter {params[0]}{more}" if params else "the parameters"
+    mod = o.get("module")
+    name = "<root>" if mod == "" else mod
+    call = f", call {o['call']}" if o.get("call") is not None else ""
+    mb = f", micro-batch {o['micro_batch']}" if o.get("micro_batch") else ""
+    return f"{name}{call}{mb}"
+
+
+def to_text(report: dict[str, Any]) -> str:
+    ev, o = report["event"], report["origin"]
+    lines = []
+    state = "reproduced" if report["reproduced"] else "NOT reproduced"
+    lines.append(f"nanreplay: step {ev.get('step')}, {ev.get('phase')} event — {state}")
+    made = o.get("made") or ev.get("kind") or "non-finite value"
+    if o.get("phase"):
+        op = f"{o['op']} in " if o.get("op") else ""
+        fin = ", inputs finite" if o.get("inputs_finite") else ""
+        lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o)}{fin}")
+    if o.get("source"):
+        text = report.get("source_lines", {}).get(o["source"], "").strip()
+        lines.append(f"  source     {o['source']}" + (f"    {text}" if text else ""))
+    chain = o.get("chain") or []
+    if len(chain) > 1:
+        lines.append("  chain      " + " -> ".join(
+            f"{c['op']} made {c['made']}" + (f" ({c['source']})" if c.get("source") else "")
+            + (" [intentional]" if c.get("intentional") else "") for c in chain))
+    if o.get("anomaly_node") and o.get("anomaly_node") != o.get("op"):
+        lines.append(f"  anomaly    detect_anomaly names {o['anomaly_node']}")
+    if o.get("samples"):
+        s = o["samples"]
+        lines.append(f"  samples    {s[:16]}" + (f" (+{len(s) - 16})" if len(s) > 16 else ""))
+    if report.get("cause"):
+        lines.append(f"  cause      {report['cause']} — {report.get('hint') or ''}".rstrip(" —"))
+    b = report.get("bisection")
+    if b:
+        agree = "agrees with" if b["agrees"] else "DISAGREES with"
+        lines.append(f"  bisection  {b['probes']} re-runs over {b['calls']} calls "
+                     f"(limit {b['limit']}), {agree} the instrumented pass")
+    for p in report.get("problems", []):
+        lines.append(f"  note       {p}")
+    pre = report.get("precursors", [])
+    if pre:
+        lines.append("  precursors")
+        for p in pre[:10]:
+            lines.append(f"    step {p['step']:>6}  {p['kind']:<15} {p['detail']}")
+        if len(pre) > 10:
+            lines.append(f"    ... {len(pre) - 10} more")
+    return "\n".join(lines)
+
+
+def info(path) -> dict[str, Any]:
+    """What a bundle holds, from its header alone: nothing is imported or re-run."""
+    with BundleReader(path) as r:
+        meta, entries = r.meta, r.entries
+    sizes: dict[str, dict[str, int]] = {}
+    for name, _dtype, _shape, n in entries:
+        group = next((g for p, g in _GROUPS.items() if name.startswith(p)), "other")
+        s = sizes.setdefault(group, {"tensors": 0, "bytes": 0})
+        s["tensors"] += 1
+        s["bytes"] += n
+    env = meta.get("env", {})
+    return {
+        "path": str(path),
+        "format": meta.get("format"),
+        "event": meta.get("event"),
+        "state": meta.get("state"),
+        "factory": meta.get("factory"),
+        "model": meta.get("model", {}).get("class"),
+        "modules": len(meta.get("modules", [])),
+        "parameters": len(meta.get("params", [])),
+        "optimizer": (meta.get("optimizer") or {}).get("class"),
+        "loss": (meta.get("loss") or {}).get("class") or (meta.get("loss") or {}).get("name"),
+        "micro_batches": len(meta.get("micro_batches", [])),
+        "history_steps": meta.get("ring", {}).get("stored"),
+        "stripped": meta.get("stripped", []),
+        "sizes": sizes,
+        "env": env,
+    }
+
+
+def info_text(d: dict[str, Any]) -> str:
+    ev = d.get("event") or {}
+    env = d.get("env", {})
+    mod = ev.get("module")
+    lines = [
+        f"bundle     {d['path']} ({d['format']})",
+        f"event      step {ev.get('step')}, phase {ev.get('phase')}, {ev.get('kind')}"
+        + (f", module {'<root>' if mod == '' else mod}" if mod is not None else ""),
+        f"detail     {ev.get('detail')}",
+        f"model      {d['model']} ({d['modules']} modules, {d['parameters']} parameters), "
+        f"factory {d['factory']}",
+        f"training   optimizer {d['optimizer']}, loss {d['loss']}, "
+        f"{d['micro_batches']} micro-batch(es), {d['history_steps']} steps of history",
+        f"env        python {env.get('python')}, torch {env.get('torch')}, cuda {env.get('cuda')}"
+        f" {env.get('cuda_devices') or ''}, rank {env.get('rank')}/{env.get('world_size')}",
+        f"run        {' '.join(env.get('argv', []))} (commit {env.get('git_commit')})",
+    ]
+    if d["stripped"]:
+        lines.append(f"stripped   {', '.join(d['stripped'])}")
+    lines.append("holds")
+    for group, s in sorted(d["sizes"].items()):
+        lines.append(f"  {group:<18} {s['tensors']:>5} tensors {s['bytes'] / 1e6:>10.2f} MB")
+    return "\n".join(lines)

@@ -1,0 +1,354 @@
+"""Re-running the recorded step, deterministically, as often as the analysis needs.
+
+Every run starts from the same state: RNG states from the bundle, buffers as recorded,
+gradients cleared. A run is forward (each micro-batch), loss, backward; optional hooks watch it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from recorder.capture import restore_rng, tensor_leaves
+
+from .load import (
+    Step,
+    autocast_as_recorded,
+    loss_inputs,
+    micro_batch_inputs,
+    output_grads,
+    rng_state,
+)
+
+
+class StopRun(Exception):
+    """Raised from a hook to end a probe run early (its answer is known)."""
+
+
+def finite(t: torch.Tensor, allow_inf: bool = False) -> bool:
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    if allow_inf:
+        return not bool(torch.isnan(t).any())
+    return bool(torch.isfinite(t).all())
+
+
+def kind_of(t: torch.Tensor) -> str | None:
+    """'nan', '+inf' or '-inf' for the first kind of non-finite value present (NaN first)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return None
+    if torch.isnan(t).any():
+        return "nan"
+    if torch.isposinf(t).any():
+        return "+inf"
+    if torch.isneginf(t).any():
+        return "-inf"
+    return None
+
+
+@dataclass
+class Call:
+    """One module call of a run, in completion order."""
+
+    index: int  # completion order across the step
+    module: str
+    call: int  # k-th call of this module in its micro-batch
+    micro_batch: int
+    inputs_finite: bool
+    outputs_finite: bool
+    kind: str | None
+    minmax: tuple  # exact (min, max) of each output, as strings, to compare runs
+    parents: tuple[int, ...] = ()  # module-call ids enclosing it (outermost first)
+    call_id: int = 0  # start order, for parent links
+    bad_rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    calls: list[Call] = field(default_factory=list)
+    loss_finite: list[bool] = field(default_factory=list)
+    loss_values: list[str] = field(default_factory=list)
+    bad_grads: list[str] = field(default_factory=list)
+    outputs: list[list[torch.Tensor]] = field(default_factory=list)
+    losses: list[Any] = field(default_factory=list)
+    error: str | None = None
+
+    def forward_origin(self) -> Call | None:
+        """First call (completion order) to make a non-finite output from finite inputs."""
+        bad = [c for c in self.calls if not c.outputs_finite]
+        made = [c for c in bad if c.inputs_finite]
+        return made[0] if made else (bad[0] if bad else None)
+
+    def signature(self) -> tuple:
+        """What two runs of a deterministic step must agree on, bit for bit."""
+        return (tuple((c.module, c.call, c.micro_batch, c.minmax) for c in self.calls),
+                tuple(self.loss_values), tuple(self.bad_grads))
+
+
+class Runner:
+    """Runs the step of a rebuilt bundle; see :meth:`run`."""
+
+    def __init__(self, step: Step):
+        self.step = step
+        self.model: nn.Module = step.model
+        patterns = step.meta.get("allow_inf", [])
+        names = list(dict(self.model.named_modules()))
+        self.allowed = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+        self.allowed_buffers = {id(b) for n, b in self.model.named_buffers()
+                                if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+        self._buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        self._rng = rng_state(step)
+        self.n_micro = len(step.micro_batches)
+        self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
+        self.last_loss = None
+
+    # -- state reset -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            for n, b in self.model.named_buffers():
+                if n in self._buffers:
+                    b.copy_(self._buffers[n])
+        self.model.zero_grad(set_to_none=True)
+        if self._rng is not None:
+            restore_rng(self._rng)
+
+    # -- one run -----------------------------------------------------------------------------
+
+    def run(self, *, backward: bool = True, instrument: bool = True, hooks=None,
+            forward_ctx=None, backward_ctx=None, loss_scale: float | None = None) -> Run:
+        """Forward every micro-batch, the loss, and (``backward``) the backward pass.
+
+        ``instrument`` records every module call (with syncs: this is the replay, not the
+        recorder). ``hooks(model)`` may install extra hooks and must return their handles.
+        """
+        self.reset()
+        result = Run()
+        handles = self._instrument(result) if instrument else []
+        if hooks is not None:
+            handles += hooks(self.model)
+        try:
+            for i, mb in enumerate(self.step.micro_batches):
+                self._mb = i
+                args, kwargs = micro_batch_inputs(self.step, i)
+                if self.cast is not None:
+                    args, kwargs = _cast((args, kwargs), self.cast)
+                with torch.set_grad_enabled(mb.get("grad_enabled", True)), \
+                        (autocast_as_recorded(mb, self.step.device) if self.cast is None
+                         else _null()), \
+                        (forward_ctx() if forward_ctx else _null()):
+                    out = self.model(*args, **kwargs)
+                outs = list(tensor_leaves(out))
+                result.outputs.append(outs)
+                loss = self._loss(i, outs, result)
+                if backward and mb.get("grad_enabled", True):
+                    with backward_ctx() if backward_ctx else _null():
+                        self._backward(i, outs, loss, loss_scale)
+        except StopRun:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        if backward:
+            result.bad_grads = [n for n, p in self.model.named_parameters()
+                                if p.grad is not None and not finite(p.grad)]
+        return result
+
+    def _loss(self, i: int, outs: list[torch.Tensor], result: Run):
+        if self.step.loss_fn is None:
+            return None
+        li = loss_inputs(self.step, i, outs)
+        if li is None:
+            return None
+        args, kwargs = li
+        if self.cast is not None:
+            args, kwargs = _cast((args, kwargs), self.cast)
+            loss = self.step.loss_fn(*args, **kwargs)
+        else:
+            with autocast_as_recorded(self.step.micro_batches[i], self.step.device):
+                loss = self.step.loss_fn(*args, **kwargs)
+        self.last_loss = loss
+        vals = [t for t in tensor_leaves(loss) if t.is_floating_point()]
+        result.losses.append(loss)
+        result.loss_finite.append(all(finite(t) for t in vals))
+        result.loss_values.append(";".join(repr(t.detach().double().sum().item()) for t in vals))
+        return loss
+
+    def _backward(self, i: int, outs, loss, loss_scale) -> None:
+        grads = output_grads(self.step, i)
+        pairs = [(o, grads[j]) for j, o in enumerate(outs) if j in grads and o.requires_grad]
+        if pairs and all(finite(g) for _, g in pairs):
+            # The recorded gradient of the model output is exact whatever the loop did to the
+            # loss (scaling, division for accumulation); prefer it.
+            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+        elif isinstance(loss, torch.Tensor) and loss.requires_grad:
+            (loss * loss_scale if loss_scale else loss).backward()
+
+    # -- instrumentation -----------------------------------------------------------------------
+
+    def _instrument(self, result: Run) -> list:
+        handles = []
+        stack: list[int] = []
+        counts: dict[tuple[str, int], int] = {}
+        produced_allowed: dict[int, Any] = {}
+        starts = [0]
+        pending: dict[int, tuple] = {}
+
+        def inputs_ok(args, kwargs) -> bool:
+            for t in tensor_leaves([list(args), kwargs]):
+                soft = id(t) in self.allowed_buffers or (
+                    id(t) in produced_allowed and produced_allowed[id(t)]() is t)
+                if not finite(t, allow_inf=soft):
+                    return False
+            return True
+
+        def pre(name):
+            def hook(module, args, kwargs):
+                call_id = starts[0]
+                starts[0] += 1
+                pending[call_id] = (inputs_ok(args, kwargs), tuple(stack))
+                stack.append(call_id)
+            return hook
+
+        def post(name):
+            def hook(module, args, kwargs, output):
+                if not stack:
+                    return
+                call_id = stack.pop()
+                ok_in, parents = pending.pop(call_id)
+                outs = [t for t in tensor_leaves(output) if t.is_floating_point() and t.numel()]
+                allowed = name in self.allowed
+                ok_out = all(finite(t, allow_inf=allowed) for t in outs)
+                kind = next((kind_of(t) for t in outs if not finite(t)), None)
+                if allowed:
+                    for t in outs:
+                        produced_allowed[id(t)] = weakref.ref(t)
+                mm = tuple(tuple(repr(v) for v in torch.aminmax(t.detach().double()))
+                           if t.numel() else () for t in outs)
+                key = (name, self._mb)
+                k = counts.get(key, 0)
+                counts[key] = k + 1
+                rows = _bad_rows(outs[0]) if outs and not ok_out else []
+                result.calls.append(Call(len(result.calls), name, k, self._mb, ok_in, ok_out,
+                                         kind, mm, parents, call_id, rows))
+            return hook
+
+        for name, m in self.model.named_modules():
+            handles.append(m.register_forward_pre_hook(pre(name), with_kwargs=True))
+            handles.append(m.register_forward_hook(post(name), with_kwargs=True))
+        return handles
+
+    # -- bisection -----------------------------------------------------------------------------
+
+    def probe(self, k: int, allowed: set[str]) -> bool:
+        """One fresh run, one host read: has any call up to completion index ``k`` made a
+        non-finite output? Flags accumulate on the device; the read happens at call ``k``."""
+        state: dict[str, Any] = {"i": 0, "flag": None, "answer": None}
+
+        def hooks(model):
+            hs = []
+            for name, m in model.named_modules():
+                def post(module, args, output, name=name):
+                    i = state["i"]
+                    state["i"] += 1
+                    for t in tensor_leaves(output):
+                        if t.is_floating_point() and t.numel():
+                            bad = (torch.isnan(t).any() if name in allowed
+                                   else ~torch.isfinite(t).all())
+                            state["flag"] = bad if state["flag"] is None else state["flag"] | bad
+                    if i == k:
+                        flag = state["flag"]
+                        state["answer"] = bool(flag) if flag is not None else False
+                        raise StopRun
+                hs.append(m.register_forward_hook(post))
+            return hs
+
+        self.run(backward=False, instrument=False, hooks=hooks)
+        return bool(state["answer"])
+
+    def probe_origin(self, k: int) -> tuple[str, int, int] | None:
+        """One fresh run, one host read: for the call at completion index ``k`` (the first
+        non-finite output), whether its inputs and those of each enclosing call were finite.
+        The innermost of them with finite inputs made the value: ``(module, call, micro-batch)``.
+        """
+        state: dict[str, Any] = {"i": 0, "stack": [], "starts": {}, "answer": None}
+
+        def hooks(model):
+            hs = []
+            for name, m in model.named_modules():
+                def pre(module, args, kwargs, name=name):
+                    key = (name, self._mb)
+                    call = state["starts"].get(key, 0)
+                    state["starts"][key] = call + 1
+                    flags = [torch.isfinite(t).all() for t in tensor_leaves([list(args), kwargs])
+                             if t.is_floating_point() and t.numel()
+                             and id(t) not in self.allowed_buffers]
+                    ok = torch.stack(flags).all() if flags else torch.tensor(True)
+                    state["stack"].append((name, call, self._mb, ok))
+
+                def post(module, args, kwargs, output, name=name):
+                    i = state["i"]
+                    state["i"] += 1
+                    frame = state["stack"].pop()
+                    if i == k:
+                        chain = state["stack"] + [frame]
+                        oks = torch.stack([f[3] for f in chain]).tolist()  # the one read
+                        for (mod, call, mb, _), ok in reversed(list(zip(chain, oks))):
+                            if ok:
+                                state["answer"] = (mod, call, mb)
+                                break
+                        raise StopRun
+                hs.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+                hs.append(m.register_forward_hook(post, with_kwargs=True))
+            return hs
+
+        self.run(backward=False, instrument=False, hooks=hooks)
+        return state["answer"]
+
+    def bisect(self, n_calls: int) -> tuple[int | None, int]:
+        """Smallest completion index whose prefix holds a non-finite output, and the number of
+        probes used (ceil(log2(n)) at most). The caller knows some output is non-finite."""
+        lo, hi, probes = 0, n_calls - 1, 0
+        if n_calls == 0:
+            return None, 0
+        while lo < hi:
+            mid = (lo + hi) // 2
+            probes += 1
+            if self.probe(mid, self.allowed):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, probes
+
+
+def _cast(obj, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, list):
+        return [_cast(v, dtype) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_cast(v, dtype) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _bad_rows(t: torch.Tensor) -> list[int]:
+    bad = ~torch.isfinite(t.detach())
+    if t.dim() == 0:
+        return [0] if bool(bad) else []
+    return bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+

@@ -1,0 +1,25 @@
+"""Shareable copies of a bundle without the batch and/or the weights (training data may be
+private; weights may be proprietary). The ring buffer, event and environment stay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recorder.bundle import BundleReader, write_bundle
+
+from .load import BATCH_PREFIXES, WEIGHT_PREFIXES
+
+PARTS = {"batch": BATCH_PREFIXES, "weights": WEIGHT_PREFIXES + ("loss/",)}
+
+
+def strip(src: str | Path, dst: str | Path, parts: list[str]) -> Path:
+    """Write ``dst`` (a ``.nan`` path) as ``src`` without ``parts`` ("batch", "weights")."""
+    drop = tuple(p for part in parts for p in PARTS[part])
+    dst = Path(dst)
+    stem = dst.name[:-4] if dst.name.endswith(".nan") else dst.name
+    with BundleReader(src) as r:
+        meta = dict(r.meta)
+        tensors = dict(r.tensors(lambda name: not name.startswith(drop)))
+    meta["stripped"] = sorted(set(meta.get("stripped", [])) | set(parts))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return write_bundle(dst.parent, stem, meta, tensors)
