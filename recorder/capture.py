@@ -154,7 +154,8 @@ def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch
             items = []
             for k, v in o.items():
                 jk = k if k is None or isinstance(k, (str, int, float, bool)) else {"$repr": repr(k)}
-                items.append([jk, walk(v, f"{path}[{json.dumps(k) if isinstance(k, str) else k!r}]")])
+                key = json.dumps(k) if isinstance(k, str) else repr(k)  # no !r: it would apply to both
+                items.append([jk, walk(v, f"{path}[{key}]")])
             return {"$dict": items}
         if isinstance(o, torch.dtype):
             return {"$dtype": str(o).removeprefix("torch.")}

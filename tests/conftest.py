@@ -1,0 +1,23 @@
+"""Shared fixtures of the recorder tests: a seeded global RNG and a fresh bundle directory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # `import models` from every test file
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same global torch RNG state (deterministic weights)."""
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    return tmp_path / "bundles"

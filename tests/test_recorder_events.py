@@ -1,0 +1,478 @@
+"""Planted bugs at a known step: the event names the exact step, phase, module, call and kind.
+
+Each test trains a tiny model for a few real steps, turns a bug on at step 3, and checks what
+``NonFiniteError.event`` and the bundle say about it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import models as M
+import pytest
+import torch
+from models import bundles, check_event, identical
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
+
+K = 3  # the step at which every planted bug first fires
+
+
+def run_until_event(model, *, steps=6, at=None, make_batch=M.batch, loss_fn=None,
+                    optimizer=None, out_dir, **rec_kwargs) -> NonFiniteError:
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.05)
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, optimizer, loss_fn=loss_fn, out_dir=out_dir,
+                            **rec_kwargs) as rec:
+            M.train(model, optimizer, loss_fn, steps, at=at, make_batch=make_batch,
+                    rec=rec if not isinstance(loss_fn, nn.Module) else None)
+    err = info.value
+    assert err.bundle_path is not None and err.bundle_path.exists()
+    assert bundles(out_dir) == [err.bundle_path]
+    assert rec.event == err.event and rec.bundle_path == err.bundle_path
+    return err
+
+
+def nan_row_batch(row: int, col: int = 1, value: float = float("nan")):
+    def make(step):
+        x, y = M.batch(step)
+        if step == K:
+            x[row, col] = value
+        return x, y
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. forward: a custom op
+
+
+def test_custom_op_nan_mid_network(out_dir):
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), nn.ReLU(), M.LogOf(),
+                          nn.Linear(M.HIDDEN, M.N_CLASSES))
+    err = run_until_event(model, at=M.arm_at(K, model[2]), out_dir=out_dir)
+    check_event(err.event, step=K, reason="non_finite", phase="forward", module="2",
+                module_type="models.LogOf", call=0, micro_batch=0, inputs_finite=True,
+                kind="nan", params=[], tensor=None)
+    assert err.event["samples"] == list(range(M.BATCH))  # every row went NaN
+    msg = str(err)
+    assert "\n" not in msg
+    for phrase in (f"step {K}", "phase forward", "module '2'", str(err.bundle_path)):
+        assert phrase in msg
+
+
+def test_bundle_of_forward_event_holds_the_step(out_dir):
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), nn.ReLU(), M.LogOf(),
+                          nn.Linear(M.HIDDEN, M.N_CLASSES))
+    err = run_until_event(model, at=M.arm_at(K, model[2]), out_dir=out_dir,
+                          factory="models:mlp")
+    meta, t = read_bundle(err.bundle_path)
+    assert meta["event"] == err.event
+    assert meta["factory"] == "models:mlp"
+    assert meta["state"] == "before_update"
+    assert meta["params"] == ["0.weight", "0.bias", "3.weight", "3.bias"]
+    assert [m["name"] for m in meta["modules"]] == ["", "0", "1", "2", "3"]
+    # the step's own batch, and the weights it ran with (the failed step never updated them)
+    x, y = M.batch(K)
+    assert torch.equal(t["batch/0/0"], x)
+    assert torch.equal(t["loss_in/0/0"], y)
+    for name, p in model.named_parameters():
+        assert torch.equal(t[f"weights/{name}"], p.detach())
+        assert identical(t[f"grads/{name}"], p.grad)
+    # call order: children then the root, all in micro-batch 0
+    assert meta["call_order"] == [[1, 0], [2, 0], [3, 0], [4, 0], [0, 0]]
+    assert meta["optimizer"]["class"] == "torch.optim.sgd.SGD"
+    assert meta["optimizer"]["param_groups"][0]["params"] == meta["params"]
+    assert meta["optimizer"]["param_groups"][0]["lr"] == 0.05
+    # ring: the steps before the event and the event step
+    assert t["ring/steps"].tolist() == list(range(K + 1))
+    calls = t["ring/calls"]
+    assert calls.shape == (K + 1, 5, 9)
+    assert t["ring/call_module"][K].tolist() == [1, 2, 3, 4, 0]
+    # fields: min, max, absmax, mean, rms, nan, posinf, neginf, inputs_finite; the calls of
+    # step K: modules "0", "1" (ReLU) finite, "2" (LogOf) NaN from finite inputs, then "3", root
+    assert calls[K, :, 5].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert calls[K, :, 8].tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
+    assert calls[K - 1, 1, 0] >= 0.0  # the ReLU's min
+    assert not calls[:K, :, 5].any()  # no NaN before it
+    assert torch.isfinite(t["ring/loss"][:K]).all()
+    assert torch.isfinite(t["ring/grad_norm"][:K]).all()
+    assert t["ring/lr"][:, 0].tolist() == [0.05] * (K + 1)
+    assert t["ring/grad_norms"].shape == (K + 1, 4)
+    env = meta["env"]
+    for key in ("python", "torch", "rank", "world_size", "argv", "git_commit"):
+        assert key in env
+    assert (env["rank"], env["world_size"]) == (0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. bad data
+
+
+def test_nan_in_one_input_sample(out_dir):
+    err = run_until_event(M.mlp(), make_batch=nan_row_batch(5), out_dir=out_dir)
+    check_event(err.event, step=K, phase="input", module="", call=0, micro_batch=0,
+                inputs_finite=False, kind="nan", tensor="batch", samples=[5])
+    assert "Tensor batch," in str(err) and "samples [5]" in str(err)
+
+
+@pytest.mark.parametrize("value, kind", [(float("inf"), "+inf"), (-float("inf"), "-inf")])
+def test_inf_in_input_sample_kind(out_dir, value, kind):
+    err = run_until_event(M.mlp(), make_batch=nan_row_batch(2, value=value), out_dir=out_dir)
+    check_event(err.event, step=K, phase="input", kind=kind, samples=[2], tensor="batch")
+
+
+def test_nan_in_loss_target_is_an_input_event(out_dir):
+    def make(step):
+        x, _ = M.batch(step)
+        y = torch.ones(M.BATCH, M.N_CLASSES)
+        if step == K:
+            y[4, 0] = float("nan")
+        return x, y
+
+    err = run_until_event(M.mlp(), make_batch=make, loss_fn=nn.MSELoss(), out_dir=out_dir)
+    check_event(err.event, step=K, phase="input", module="<loss>", micro_batch=0, kind="nan",
+                samples=[4])
+
+
+def test_nan_made_by_the_loss_function(out_dir):
+    """A plain-function loss called through ``rec.loss_fn``: sqrt of a negative number."""
+    shift = {"value": 0.0}
+
+    def sqrt_ce(out, y):
+        return torch.sqrt(nn.functional.cross_entropy(out, y) - shift["value"])
+
+    def at(step):
+        shift["value"] = 100.0 if step == K else 0.0
+
+    err = run_until_event(M.mlp(), at=at, loss_fn=sqrt_ce, out_dir=out_dir)
+    check_event(err.event, step=K, phase="loss", module="<loss>", micro_batch=0, kind="nan")
+    meta, _ = read_bundle(err.bundle_path)
+    assert meta["loss"]["kind"] == "function"
+    assert meta["loss"]["name"].endswith("sqrt_ce")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. backward only
+
+
+def test_backward_only_nan_names_the_params(out_dir):
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.SqrtOf(),
+                          nn.Linear(M.HIDDEN, M.N_CLASSES))
+    err = run_until_event(model, at=M.arm_at(K, model[1]), out_dir=out_dir)
+    check_event(err.event, step=K, phase="backward", kind="nan",
+                params=["0.weight", "0.bias"], module=None)
+    _, t = read_bundle(err.bundle_path)
+    assert not torch.isfinite(t["grads/0.weight"]).all()
+    assert torch.isfinite(t["grads/2.weight"]).all()
+    assert torch.isfinite(t["ring/calls"][-1, :, :5].nan_to_num(0.0, 0.0, 0.0)).all()
+    assert not t["ring/calls"][-1, :, 5].any()  # the forward of step K was NaN-free
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. float16 overflow
+
+
+def test_float16_overflow_is_plus_inf_in_that_module(out_dir):
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.HalfAmplify(),
+                          nn.Linear(M.HIDDEN, M.N_CLASSES))
+    err = run_until_event(model, at=M.arm_at(K, model[1]), out_dir=out_dir)
+    check_event(err.event, step=K, phase="forward", module="1", module_type="models.HalfAmplify",
+                call=0, inputs_finite=True, kind="+inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. a NaN that depends on the dropout draw
+
+
+def test_dropout_dependent_nan_and_rng_state(out_dir):
+    model = M.DropoutNet()
+    rng_at_start: dict[int, torch.Tensor] = {}
+    masks: dict[int, torch.Tensor] = {}
+    arm = M.arm_at(K, model.logd)
+
+    def at(step):
+        arm(step)
+        rng_at_start[step] = torch.get_rng_state()
+
+    model.logd.register_forward_hook(lambda m, a, out: masks.__setitem__(0, out.isnan()))
+    err = run_until_event(model, at=at, out_dir=out_dir)
+    check_event(err.event, step=K, phase="forward", module="logd",
+                module_type="models.LogOfDropped", call=0, inputs_finite=True, kind="nan")
+    nan_mask = masks[0]
+    assert 0 < int(nan_mask.sum()) < nan_mask.numel()  # some elements, where dropout hit
+
+    meta, t = read_bundle(err.bundle_path)
+    assert torch.equal(t["rng/torch_cpu"], rng_at_start[K])
+
+    # re-run the step's forward from the bundle: same weights, same batch, same RNG -> same NaN
+    replay = M.DropoutNet()
+    replay.load_state_dict({k.removeprefix("weights/"): v for k, v in t.items()
+                            if k.startswith("weights/")})
+    replay.train()
+    replay.logd.armed = True
+    torch.set_rng_state(t["rng/torch_cpu"])
+    h = replay.logd(replay.drop(replay.pos(replay.lin(t["batch/0/0"]))))
+    assert torch.equal(h.isnan(), nan_mask)
+    # and the NaN really depends on the draw: another RNG state puts it elsewhere
+    torch.manual_seed(12345)
+    h2 = replay.logd(replay.drop(replay.pos(replay.lin(t["batch/0/0"]))))
+    assert not torch.equal(h2.isnan(), nan_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. a module called several times per forward
+
+
+def test_third_call_of_a_shared_module(out_dir):
+    model = M.SharedNet()
+    err = run_until_event(model, at=M.arm_at(K, model), out_dir=out_dir)
+    check_event(err.event, step=K, phase="forward", module="shared",
+                module_type="models.SharedLog", call=2, micro_batch=0, inputs_finite=True,
+                kind="nan")
+    assert "call 2" in str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. functional code in a parent's own forward
+
+
+def test_parent_own_code_is_blamed_not_the_child(out_dir):
+    model = M.ParentNet()
+    err = run_until_event(model, at=M.arm_at(K, model.parent), out_dir=out_dir)
+    check_event(err.event, step=K, phase="forward", module="parent",
+                module_type="models.ParentOwnCode", call=0, inputs_finite=True, kind="nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. dict / tuple / keyword batches
+
+
+def _run_batches(model, make_args, out_dir):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            for step in range(6):
+                args, kwargs, y = make_args(step)
+                opt.zero_grad()
+                crit(model(*args, **kwargs), y).backward()
+                opt.step()
+    return info.value
+
+
+def test_dict_batch_path_names_the_key(out_dir):
+    def make(step):
+        x, y = M.batch(step)
+        extra = M.batch(step + 100)[0]
+        if step == K:
+            extra[6, 1] = float("nan")
+        return ({"image": x, "extra": extra},), {}, y
+
+    err = _run_batches(M.DictNet(), make, out_dir)
+    check_event(err.event, step=K, phase="input", module="", tensor='batch["extra"]',
+                samples=[6], kind="nan")
+    meta, t = read_bundle(err.bundle_path)
+    mb = meta["micro_batches"][0]
+    assert sorted(mb["paths"].values()) == ['[0][0]["extra"]', '[0][0]["image"]']
+    key = next(k for k, p in mb["paths"].items() if p.endswith('["extra"]'))
+    assert torch.isnan(t[key][6, 1]) and torch.isfinite(t[key][:6]).all()
+
+
+def test_tuple_batch_path_names_the_element(out_dir):
+    class PairNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(M.D_IN, M.N_CLASSES)
+
+        def forward(self, pair):
+            x, scale = pair
+            return self.a(x) * scale
+
+    def make(step):
+        x, y = M.batch(step)
+        scale = torch.ones(M.BATCH, 1)
+        if step == K:
+            scale[3] = float("nan")
+        return ((x, scale),), {}, y
+
+    err = _run_batches(PairNet(), make, out_dir)
+    check_event(err.event, step=K, phase="input", tensor="batch[1]", samples=[3])
+
+
+def test_positional_args_are_numbered(out_dir):
+    class TwoArgs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(M.D_IN, M.N_CLASSES)
+
+        def forward(self, x, scale):
+            return self.a(x) * scale
+
+    def make(step):
+        x, y = M.batch(step)
+        scale = torch.ones(M.BATCH, 1)
+        if step == K:
+            scale[7] = -float("inf")
+        return (x, scale), {}, y
+
+    err = _run_batches(TwoArgs(), make, out_dir)
+    check_event(err.event, step=K, phase="input", tensor="args[1]", samples=[7], kind="-inf")
+
+
+def test_keyword_batch_path_names_the_key(out_dir):
+    def make(step):
+        x, y = M.batch(step)
+        mask = torch.ones(M.BATCH, M.HIDDEN)
+        if step == K:
+            mask[1, 0] = float("nan")
+        return (x,), {"mask": mask}, y
+
+    err = _run_batches(M.KwargNet(), make, out_dir)
+    check_event(err.event, step=K, phase="input", module="", tensor='kwargs["mask"]',
+                samples=[1], kind="nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. gradient accumulation
+
+
+def test_gradient_accumulation_micro_batch(out_dir):
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    n_micro = 4
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            for step in range(6):
+                opt.zero_grad()
+                for mb in range(n_micro):
+                    x, y = M.batch(10 * step + mb)
+                    if step == K and mb == 2:
+                        x[5, 0] = float("nan")
+                    (crit(model(x), y) / n_micro).backward()
+                opt.step()
+    err = info.value
+    check_event(err.event, step=K, phase="input", module="", micro_batch=2, tensor="batch",
+                samples=[5])
+    assert rec.step == K + 1
+    meta, t = read_bundle(err.bundle_path)
+    assert len(meta["micro_batches"]) == n_micro
+    for mb in range(n_micro):
+        x, y = M.batch(10 * K + mb)
+        got = t[f"batch/{mb}/0"]
+        if mb == 2:
+            assert torch.isnan(got[5, 0])
+            got = got.clone()
+            got[5, 0] = x[5, 0]
+        assert torch.equal(got, x)
+        assert torch.equal(t[f"loss_in/{mb}/0"], y)
+        assert f"outgrad/{mb}/0" in t
+    assert {mb for _, mb in meta["call_order"]} == set(range(n_micro))
+
+
+def test_gradient_accumulation_forward_nan_in_third_micro_batch(out_dir):
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf(),
+                          nn.Linear(M.HIDDEN, M.N_CLASSES))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            for step in range(6):
+                opt.zero_grad()
+                for mb in range(4):
+                    model[1].armed = step == K and mb == 2
+                    x, y = M.batch(10 * step + mb)
+                    (crit(model(x), y) / 4).backward()
+                opt.step()
+    check_event(info.value.event, step=K, phase="forward", module="1", micro_batch=2, call=0,
+                inputs_finite=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# allow_inf, on_event="warn"
+
+
+def test_allow_inf_lets_masks_hold_inf_but_not_nan(out_dir):
+    class Mask(nn.Module):
+        """-inf on the upper triangle of an 8 x 8 score matrix; armed: NaN instead."""
+
+        def __init__(self):
+            super().__init__()
+            self.armed = False
+
+        def forward(self, h):
+            fill = float("nan") if self.armed else -float("inf")
+            return h + torch.full((M.HIDDEN,), 0.0).masked_fill(
+                torch.arange(M.HIDDEN) >= M.HIDDEN - 2, fill)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(M.D_IN, M.HIDDEN)
+            self.mask = Mask()
+            self.head = nn.Linear(M.HIDDEN, M.N_CLASSES)
+
+        def forward(self, x):
+            return self.head(torch.softmax(self.mask(self.lin(x)), dim=-1))
+
+    # -inf allowed: trains without an event
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, allow_inf=["mask"]) as rec:
+        M.train(model, opt, crit, 5)
+    assert rec.event is None and bundles(out_dir) == []
+    # the same model without allow_inf: the mask's -inf is an event, blamed on the mask
+    model = Net()
+    err = run_until_event(model, out_dir=out_dir / "strict")
+    check_event(err.event, step=0, phase="forward", module="mask", kind="-inf",
+                inputs_finite=True)
+    # allowed, but a NaN: always an event
+    model = Net()
+    err = run_until_event(model, at=M.arm_at(K, model.mask), out_dir=out_dir / "nan",
+                          allow_inf=["mask"])
+    check_event(err.event, step=K, phase="forward", module="mask", kind="nan",
+                inputs_finite=True)
+
+
+def test_warn_mode_writes_once_and_keeps_training(out_dir, caplog):
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf(),
+                          nn.Linear(M.HIDDEN, M.N_CLASSES))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    steps_done = []
+    with caplog.at_level(logging.WARNING, logger="nanreplay"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, on_event="warn") as rec:
+            for step in range(7):
+                model[1].armed = step in (K, K + 2)  # two bad steps: one bundle
+                x, y = M.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+                steps_done.append(step)
+    assert steps_done == list(range(7))
+    assert rec.step == 7
+    assert len(bundles(out_dir)) == 1 and rec.bundle_path == bundles(out_dir)[0]
+    check_event(rec.event, step=K, phase="forward", module="1")
+    records = [r for r in caplog.records if r.name == "nanreplay"]
+    assert len(records) == 1
+    assert records[0].levelno == logging.WARNING
+    assert f"step {K}" in records[0].getMessage()
+    assert str(rec.bundle_path) in records[0].getMessage()
+
+
+def test_no_optimizer_steps_are_root_forwards(out_dir):
+    """Without an optimizer a step is one root forward, closed when the next one starts."""
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf())
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, out_dir=out_dir) as rec:
+            for step in range(6):
+                model[1].armed = step == K
+                with torch.no_grad():
+                    model(M.batch(step)[0])
+    check_event(info.value.event, step=K, phase="forward", module="1")
+    assert rec.step == K + 1
