@@ -51,8 +51,8 @@ def _first_bad_tensor(obj: Any, prefix: str, skip=()) -> tuple[str, list[int], s
 def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
                module_names: list[str], module_types: list[str], param_names: list[str],
                params_from_update: bool, allowed: set[int]) -> dict[str, Any]:
-    """The first offender of a step, in the order a value flows: input, forward, loss,
-    backward, update."""
+    """The first offender of a step, in the order a value flows: weights (left by the last
+    update), input, forward, loss, backward."""
     ev: dict[str, Any] = {"step": tape.step, "reason": reason, "phase": None, "module": None,
                           "module_type": None, "call": None, "micro_batch": None,
                           "inputs_finite": None, "kind": None, "params": [], "tensor": None,
@@ -61,6 +61,18 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
         ev.update(phase="backward", kind="scale",
                   detail=f"GradScaler scale {layout.scale} after skipping steps "
                          f"(reason {reason})")
+        return ev
+    # 0. weights: made by the last update, or already there. They were in place before this
+    #    step began, so they come first: NaN weights make every later check fail too (the
+    #    first Linear's output, the loss, the gradients) and would be blamed on those.
+    bad_params = [param_names[i] for i, k in layout.params if not math.isfinite(row[k])]
+    if bad_params:
+        if params_from_update:
+            return optimizer_event(tape.step - 1, bad_params, after_update=True,
+                                   kind=_param_kind(row, layout.params))
+        ev.update(phase="weights", params=bad_params, kind=_param_kind(row, layout.params),
+                  detail=f"non-finite values already in {len(bad_params)} parameter(s), first "
+                         f"{bad_params[0]}")
         return ev
     calls = [decode_call(row, c) for c in layout.calls]
     by_order = sorted(calls, key=lambda d: (d["micro_batch"], d["order"]))
@@ -120,16 +132,6 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
         ev.update(phase="backward", params=bad_grads, kind=_param_kind(row, layout.grads),
                   detail=f"non-finite gradient in {len(bad_grads)} parameter(s), first "
                          f"{bad_grads[0]}")
-        return ev
-    # 5. weights: made by the last update, or already there
-    bad_params = [param_names[i] for i, k in layout.params if not math.isfinite(row[k])]
-    if bad_params:
-        if params_from_update:
-            return optimizer_event(tape.step - 1, bad_params, after_update=True,
-                                   kind=_param_kind(row, layout.params))
-        ev.update(phase="weights", params=bad_params, kind=_param_kind(row, layout.params),
-                  detail=f"non-finite values already in {len(bad_params)} parameter(s), first "
-                         f"{bad_params[0]}")
         return ev
     ev.update(phase="forward", detail="non-finite statistic with no identifiable source")
     return ev
