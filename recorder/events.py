@@ -50,9 +50,11 @@ def _first_bad_tensor(obj: Any, prefix: str, skip=()) -> tuple[str, list[int], s
 
 def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
                module_names: list[str], module_types: list[str], param_names: list[str],
-               params_from_update: bool, allowed: set[int]) -> dict[str, Any]:
+               params_from_update: bool, allowed: set[int],
+               param_tensors: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """The first offender of a step, in the order a value flows: weights (left by the last
-    update), input, forward, loss, backward."""
+    update), input, forward, loss, backward. ``param_tensors`` (the live parameters, in
+    ``param_names`` order) lets a gradient or weight event tell +Inf from -Inf."""
     ev: dict[str, Any] = {"step": tape.step, "reason": reason, "phase": None, "module": None,
                           "module_type": None, "call": None, "micro_batch": None,
                           "inputs_finite": None, "kind": None, "params": [], "tensor": None,
@@ -69,8 +71,9 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
     if bad_params:
         if params_from_update:
             return optimizer_event(tape.step - 1, bad_params, after_update=True,
-                                   kind=_param_kind(row, layout.params))
-        ev.update(phase="weights", params=bad_params, kind=_param_kind(row, layout.params),
+                                   kind=_param_kind(row, layout.params, param_tensors))
+        ev.update(phase="weights", params=bad_params,
+                  kind=_param_kind(row, layout.params, param_tensors),
                   detail=f"non-finite values already in {len(bad_params)} parameter(s), first "
                          f"{bad_params[0]}")
         return ev
@@ -129,7 +132,8 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
     # 4. gradients
     bad_grads = [param_names[i] for i, k in layout.grads if not math.isfinite(row[k])]
     if bad_grads:
-        ev.update(phase="backward", params=bad_grads, kind=_param_kind(row, layout.grads),
+        ev.update(phase="backward", params=bad_grads,
+                  kind=_param_kind(row, layout.grads, param_tensors, grads=True),
                   detail=f"non-finite gradient in {len(bad_grads)} parameter(s), first "
                          f"{bad_grads[0]}")
         return ev
@@ -149,9 +153,30 @@ def optimizer_event(step: int, params: list[str], *, after_update: bool,
                       f"{params[0]}"}
 
 
-def _param_kind(row, pairs) -> str:
-    vals = [row[k] for _, k in pairs if not math.isfinite(row[k])]
-    return "nan" if any(math.isnan(v) for v in vals) else "inf"
+def _param_kind(row, pairs, param_tensors=None, grads=False) -> str:
+    """"nan", "+inf" or "-inf" of the non-finite parameters (or their gradients). The row only
+    holds squared norms, which lose the sign, so the tensors are read when given."""
+    bad = [i for i, k in pairs if not math.isfinite(row[k])]
+    if any(math.isnan(row[k]) for _, k in pairs):
+        return "nan"
+    if param_tensors is not None:
+        ts = [param_tensors[i].grad if grads else param_tensors[i] for i in bad]
+        kind = tensors_kind([t for t in ts if t is not None])
+        if kind is not None:
+            return kind
+    return "inf"
+
+
+def tensors_kind(tensors) -> str | None:
+    """"nan" if any tensor holds a NaN, else "+inf" if any holds +Inf, else "-inf" if any
+    holds -Inf; None when all are finite. Slow path only (reads the values)."""
+    flags = [(bool(torch.isnan(t).any()), bool(torch.isposinf(t).any()),
+              bool(torch.isneginf(t).any())) for t in (t.detach() for t in tensors)
+             if t.is_floating_point()]
+    for i, kind in enumerate(("nan", "+inf", "-inf")):
+        if any(f[i] for f in flags):
+            return kind
+    return None
 
 
 def _tensors(obj):

@@ -508,7 +508,8 @@ class FlightRecorder:
             host, layout, tape, reason=reason, module_names=self._module_names,
             module_types=self._module_types, param_names=[n for n, _ in self._params],
             params_from_update=tape.params_from_update,
-            allowed={i for i, n in enumerate(self._module_names) if self._is_allowed(n)})
+            allowed={i for i, n in enumerate(self._module_names) if self._is_allowed(n)},
+            param_tensors=[p for _, p in self._params])
         self._write_and_report(tape, event)
 
     def _optimizer_event(self, bad: list[str]) -> None:
@@ -516,7 +517,10 @@ class FlightRecorder:
             if self._fired:
                 return
             self._fired = True
-        event = events.optimizer_event(self._step - 1, bad, after_update=False)
+        names = set(bad)
+        live = [p for n, p in self._params if n in names]
+        event = events.optimizer_event(self._step - 1, bad, after_update=False,
+                                       kind=events.tensors_kind(live) or "nan")
         tape = self._last_tape
         self._write_and_report(tape, event, guard=self._guard)
 

@@ -1,0 +1,141 @@
+"""Updates that turn finite gradients into non-finite weights (phase "optimizer").
+
+By default the recorder notices at the next step's check and blames the step whose update did
+it, with ``after_update`` True and the post-update state in the bundle. ``guard_optimizer=True``
+checks right after ``optimizer.step()`` and the bundle holds the pre-update weights.
+"""
+
+from __future__ import annotations
+
+import models as M
+import pytest
+import torch
+from models import check_event, identical
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
+
+K = 3
+PARAMS = ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+class AddConstant(torch.optim.Optimizer):
+    """SGD that also adds ``push`` to every weight when ``push`` is set (a broken update)."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr, "push": 0.0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["count"] = st.get("count", torch.zeros(())) + 1
+                p.add_(p.grad, alpha=-group["lr"])
+                if group["push"]:
+                    p.add_(group["push"])
+
+
+def _train(model, opt, out_dir, steps=6, at=None, snapshot=None, **kw):
+    """Run the loop; ``snapshot[step]`` gets the weights just before that step's update."""
+    crit = nn.CrossEntropyLoss()
+    steps_run = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, **kw) as rec:
+            for step in range(steps):
+                if at is not None:
+                    at(step)
+                x, y = M.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                if snapshot is not None:
+                    snapshot[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+                steps_run.append(step)
+                opt.step()
+    return info.value, rec, steps_run
+
+
+def _nan_lr_at(opt, k):
+    def at(step):
+        if step == k:
+            opt.param_groups[0]["lr"] = float("nan")
+
+    return at
+
+
+def test_nan_lr_default_mode_blames_the_update_at_the_next_check(out_dir):
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    err, rec, steps_run = _train(model, opt, out_dir, at=_nan_lr_at(opt, K))
+    check_event(err.event, step=K, phase="optimizer", params=PARAMS, kind="nan",
+                after_update=True, module=None)
+    assert steps_run[-1] == K + 1  # noticed at the next step's check
+    assert "phase optimizer" in str(err) and f"step {K}" in str(err)
+    meta, t = read_bundle(err.bundle_path)
+    assert meta["state"] == "after_update"
+    assert meta["event"] == err.event
+    for name in PARAMS:
+        assert torch.isnan(t[f"weights/{name}"]).all()
+    assert meta["optimizer"]["param_groups"][0]["lr"] == "nan"  # JSON spelling of NaN
+
+
+def test_nan_lr_guard_mode_catches_it_right_after_the_update(out_dir):
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    before: dict = {}
+    err, rec, steps_run = _train(model, opt, out_dir, at=_nan_lr_at(opt, K), snapshot=before,
+                                 guard_optimizer=True)
+    check_event(err.event, step=K, phase="optimizer", params=PARAMS, kind="nan",
+                after_update=False)
+    assert steps_run[-1] == K  # raised by optimizer.step() of step K itself
+    assert rec.memory_bytes["optimizer_guard"] == 0  # released at detach
+    meta, t = read_bundle(err.bundle_path)
+    assert meta["state"] == "before_update"
+    for name in PARAMS:
+        w = t[f"weights/{name}"]
+        assert torch.isfinite(w).all()
+        assert identical(w, before[K][name])  # the pre-update weights, not the live NaN ones
+        assert torch.isfinite(t[f"grads/{name}"]).all()
+        assert torch.isfinite(t[f"optim/{name}/momentum_buffer"]).all()
+    for p in model.parameters():
+        assert torch.isnan(p).all()  # the update itself did happen
+    assert meta["micro_batches"] and torch.equal(t["batch/0/0"], M.batch(K)[0])
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_inf_update_kind(out_dir, guard):
+    model = M.mlp()
+    opt = AddConstant(model.parameters())
+
+    def at(step):
+        if step == K:
+            opt.param_groups[0]["push"] = float("inf")
+
+    err, _, steps_run = _train(model, opt, out_dir, at=at, guard_optimizer=guard)
+    check_event(err.event, step=K, phase="optimizer", params=PARAMS, kind="+inf",
+                after_update=not guard)
+    assert steps_run[-1] == (K if guard else K + 1)
+
+
+def test_guard_mode_trains_cleanly_without_event(out_dir):
+    model = M.mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True) as rec:
+        M.train(model, opt, crit, 4)
+        assert rec.memory_bytes["optimizer_guard"] > 0
+    assert rec.event is None and rec.step == 4
+
+
+def test_weights_already_non_finite_at_attach(out_dir):
+    """Not made by a recorded update: phase "weights"."""
+    model = M.mlp()
+    with torch.no_grad():
+        model[2].bias[1] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    err, _, steps_run = _train(model, opt, out_dir)
+    check_event(err.event, step=0, phase="weights", params=["2.bias"], kind="nan")
+    assert steps_run == [0]
