@@ -215,6 +215,9 @@ class FlightRecorder:
     @property
     def step(self) -> int:
         """Index of the step being recorded (or the next one, between steps)."""
+        tape = self._tape
+        if tape is not None and self._skipped_by_scaler(tape):
+            return self._step + 1  # scaler.update() ended it; it is closed at the next forward
         return self._step
 
     @property
@@ -380,9 +383,16 @@ class FlightRecorder:
     def _step_ended_without_optimizer(self, tape: Tape) -> bool:
         if self._optimizer is None:
             return True
-        if self._scaler is not None and tape.scaler_token != _scaler_token(self._scaler()):
-            return True  # scaler.update() ran without optimizer.step(): a skipped step
+        if self._skipped_by_scaler(tape):
+            return True
         return len(tape.micro_batches) >= self.max_micro_batches
+
+    def _skipped_by_scaler(self, tape: Tape) -> bool:
+        """scaler.update() ran since the step opened and optimizer.step() did not (it would
+        have closed the step): a step the GradScaler skipped, wherever it gets closed (the
+        next forward, or detach when it was the loop's last)."""
+        return (self._optimizer is not None and self._scaler is not None
+                and tape.scaler_token != _scaler_token(self._scaler()))
 
     def _open_tape(self) -> Tape:
         token = _scaler_token(self._scaler()) if self._scaler is not None else None
@@ -434,8 +444,7 @@ class FlightRecorder:
             self._tape = None
             self._step += 1
         try:
-            layout, row, summary = self._build_row(tape, skipped=at == "forward"
-                                                   and self._optimizer is not None)
+            layout, row, summary = self._build_row(tape, skipped=self._skipped_by_scaler(tape))
         except Exception as e:
             self._internal_error(e)
             return
