@@ -159,7 +159,7 @@ def _heatmap(history: dict) -> str:
            f'aria-label="per-layer absmax heatmap">']
     for j, name in enumerate(layers):
         name = str(name)
-        short = name if len(name) * 6.7 + 16 <= label_w else "…" + name[-int((label_w - 22) / 6.7):]
+        short = "(model)" if not name else name if len(name) * 6.7 + 16 <= label_w else "…" + name[-int((label_w - 22) / 6.7):]
         out.append(f'<text x="{label_w - 6:.0f}" y="{top + ch * j + ch // 2 + 3}" text-anchor="end">'
                    f"<title>{_e(name)}</title>{_e(short)}</text>")
     every = max(1, math.ceil(28 / cw))
@@ -181,7 +181,7 @@ def _heatmap(history: dict) -> str:
         y_lab = top + ch * len(layers) + 13
         if s % every == 0 or step == event:
             out.append(f'<text x="{x + cw / 2:.1f}" y="{y_lab}" text-anchor="middle">{_e(step)}</text>')
-        if s < len(skipped) and skipped[s] is True:
+        if s < len(skipped) and skipped[s] in (True, 1):
             out.append(f'<text class="skipped" x="{x + cw / 2:.1f}" y="{y_lab + 14}" '
                        'text-anchor="middle" style="fill:#868e96">s<title>optimizer step '
                        "skipped</title></text>")
@@ -245,7 +245,8 @@ def _line_plot(pid: str, title: str, steps: Sequence[Any], series: list[list[flo
                    f'<text x="{L - 5}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
     every = max(1, math.ceil(len(steps) / 16))
     for i, s in enumerate(steps):
-        if i % every == 0 or i == len(steps) - 1:
+        last = i == len(steps) - 1
+        if last or (i % every == 0 and len(steps) - 1 - i >= every / 2):
             out.append(f'<text x="{px(xs[i]):.1f}" y="{H - 8}" text-anchor="middle">{_e(s)}</text>')
     if event is not None and event in steps:
         x = px(xs[list(steps).index(event)])
@@ -297,7 +298,7 @@ def _plots(history: dict) -> str:
 
 def _source(report: dict, src: Any) -> str:
     line = _get(report, "source_lines", str(src)) if src else None
-    return f"<pre>{_e(src)}:  {_e(line)}</pre>" if line else ""
+    return f"<pre>{_e(src)}:  {_e(str(line).strip())}</pre>" if line else ""
 
 
 def _origin(report: dict) -> str:
@@ -319,7 +320,7 @@ def _origin(report: dict) -> str:
         out.append("<h2>Chain</h2><table><tr><th>#</th><th>op</th><th>made</th><th>source</th></tr>")
         for i, c in enumerate(chain):
             line = _get(report, "source_lines", str(c.get("source")))
-            code = f"<br><code>{_e(line)}</code>" if line else ""
+            code = f"<br><code>{_e(str(line).strip())}</code>" if line else ""
             out.append(f"<tr><td>{i}</td><td><code>{_e(c.get('op'))}</code></td><td>{_e(c.get('made'))}"
                        f"</td><td><code>{_e(c.get('source'))}</code>{code}</td></tr>")
         out.append("</table>")
