@@ -10,6 +10,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import models` from every test file
 
+# The models are tiny: one intra-op thread is faster than two fighting over a busy machine.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seeded():

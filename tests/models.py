@@ -302,3 +302,9 @@ def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
                        b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+
+
+def bn_mlp(d_in: int = D_IN, hidden: int = HIDDEN, d_out: int = N_CLASSES) -> nn.Sequential:
+    """An MLP with BatchNorm (buffers that every training forward changes) and dropout."""
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+                         nn.Dropout(0.2), nn.Linear(hidden, d_out))

@@ -1,0 +1,262 @@
+"""The public surface: construction checks, attach/detach, the context manager, the error."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import models as M
+import pytest
+import torch
+from models import bundles, check_event
+from torch import nn
+
+import recorder
+from recorder import BundleError, FlightRecorder, NonFiniteError
+
+# ---------------------------------------------------------------------------------------------
+# construction: clear one-line errors, nothing attached
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    assert msg.startswith("FlightRecorder: "), msg
+    return msg
+
+
+def test_public_names():
+    assert set(recorder.__all__) == {"FlightRecorder", "NonFiniteError", "BundleError"}
+    assert issubclass(NonFiniteError, RuntimeError)
+    assert issubclass(BundleError, ValueError)
+
+
+def test_model_must_be_a_module(out_dir):
+    with pytest.raises(TypeError) as info:
+        FlightRecorder(lambda x: x, out_dir=out_dir)
+    msg = _one_line(info)
+    assert "model must be a torch.nn.Module, got function" in msg
+
+
+def test_optimizer_must_be_an_optimizer(out_dir):
+    with pytest.raises(TypeError) as info:
+        FlightRecorder(M.mlp(), object(), out_dir=out_dir)
+    assert "optimizer must be a torch.optim.Optimizer, got object" in _one_line(info)
+
+
+def test_optimizer_params_not_in_the_model(out_dir):
+    model, other = M.mlp(), nn.Linear(5, 7)
+    opt = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+    with pytest.raises(ValueError) as info:
+        FlightRecorder(model, opt, out_dir=out_dir)
+    msg = _one_line(info)
+    assert "2 optimizer parameter(s) are not parameters of the model" in msg
+    assert "[7, 5]" in msg  # the stray shapes are named
+    assert "build the optimizer from this model's parameters()" in msg
+
+
+def test_out_dir_not_writable(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError) as info:
+        FlightRecorder(M.mlp(), out_dir=blocker / "bundles")
+    msg = _one_line(info)
+    assert f"out_dir '{blocker / 'bundles'}' is not writable" in msg
+    assert "pass a directory this process can write" in msg
+
+
+def test_out_dir_created_and_left_clean(tmp_path):
+    d = tmp_path / "new" / "bundles"
+    FlightRecorder(M.mlp(), out_dir=d)
+    assert d.is_dir() and list(d.iterdir()) == []  # the write probe is gone
+
+
+@pytest.mark.parametrize("factory", ["mypkg.train", "mypkg.train:", ":make_model"])
+def test_factory_malformed(out_dir, factory):
+    with pytest.raises(ValueError) as info:
+        FlightRecorder(M.mlp(), out_dir=out_dir, factory=factory)
+    msg = _one_line(info)
+    assert f"factory {factory!r} is not of the form 'module:function'" in msg
+
+
+@pytest.mark.parametrize("factory, error", [
+    ("no_such_package_nanreplay:make_model", "ModuleNotFoundError"),
+    ("models:no_such_builder", "AttributeError"),
+])
+def test_factory_not_importable(out_dir, factory, error):
+    with pytest.raises(ValueError) as info:
+        FlightRecorder(M.mlp(), out_dir=out_dir, factory=factory)
+    msg = _one_line(info)
+    assert f"factory {factory!r} cannot be imported ({error}" in msg
+
+
+def test_factory_not_callable(out_dir):
+    with pytest.raises(ValueError) as info:
+        FlightRecorder(M.mlp(), out_dir=out_dir, factory="models:D_IN")
+    assert "factory 'models:D_IN' is not callable" in _one_line(info)
+
+
+def test_factory_dotted_attribute_accepted(out_dir):
+    rec = FlightRecorder(M.mlp(), out_dir=out_dir, factory="models:TinyGPT.forward")
+    assert rec.factory == "models:TinyGPT.forward"
+
+
+@pytest.mark.parametrize("kwargs, exc, phrase", [
+    ({"on_event": "ignore"}, ValueError, "on_event must be 'raise' or 'warn', got 'ignore'"),
+    ({"history": 0}, ValueError, "history must be a positive int, got 0"),
+    ({"allow_inf": "*.mask"}, TypeError, "allow_inf must be a list of name patterns"),
+    ({"allow_inf": [3]}, TypeError, "allow_inf must be a list of name patterns"),
+    ({"scaler": object()}, TypeError, "scaler must be a torch.amp.GradScaler, got object"),
+    ({"loss_fn": 3}, TypeError, "loss_fn must be callable, got int"),
+    ({"stats": "all"}, ValueError, "stats must be 'minmax' or 'full', got 'all'"),
+])
+def test_bad_arguments(out_dir, kwargs, exc, phrase):
+    model = M.mlp()
+    with pytest.raises(exc) as info:
+        FlightRecorder(model, out_dir=out_dir, **kwargs)
+    assert phrase in _one_line(info)
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_construction_does_not_attach(out_dir):
+    model = M.mlp()
+    FlightRecorder(model, torch.optim.SGD(model.parameters(), lr=0.1), out_dir=out_dir)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------
+# attach / detach
+
+
+def _hook_counts(model, opt, loss_fn):
+    return {
+        "forward": sum(len(m._forward_hooks) for m in model.modules()),
+        "forward_pre": sum(len(m._forward_pre_hooks) for m in model.modules()),
+        "loss": len(loss_fn._forward_hooks) + len(loss_fn._forward_pre_hooks),
+        "grad": sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()),
+        "opt": len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks),
+    }
+
+
+def _no_hooks_left(model, opt, loss_fn):
+    for m in [*model.modules(), loss_fn]:
+        assert not m._forward_hooks and not m._forward_pre_hooks
+        assert not m._forward_hooks_with_kwargs and not m._forward_pre_hooks_with_kwargs
+        assert not m._backward_hooks and not m._backward_pre_hooks
+    for p in model.parameters():
+        assert not p._post_accumulate_grad_hooks
+        assert not p._backward_hooks
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_attach_is_idempotent_and_detach_removes_every_hook(out_dir):
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir)
+    assert rec.attach() is rec
+    counts = _hook_counts(model, opt, crit)
+    rec.attach()
+    assert _hook_counts(model, opt, crit) == counts
+    assert counts == {"forward": 4, "forward_pre": 1, "loss": 2, "grad": 4, "opt": 2}
+    M.train(model, opt, crit, 3)
+    rec.detach()
+    _no_hooks_left(model, opt, crit)
+    rec.detach()  # twice is fine
+    # detached: a NaN goes unnoticed, the step counter stands still
+    x, y = M.batch(9)
+    x[0, 0] = float("nan")
+    opt.zero_grad()
+    crit(model(x), y).backward()
+    opt.zero_grad()
+    opt.step()
+    assert rec.step == 3 and rec.event is None
+    # and it can be attached again
+    with rec:
+        M.train(model, opt, crit, 1, make_batch=lambda s: M.batch(10 + s))
+    assert rec.step == 4
+
+
+def _train_then_detach(out_dir, plain_loss: bool):
+    model = M.mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = nn.functional.cross_entropy if plain_loss else nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, guard_optimizer=True,
+                        factory="models:mlp") as rec:
+        M.train(model, opt, loss_fn, 3, rec=rec if plain_loss else None)
+    return rec, model, opt
+
+
+@pytest.mark.parametrize("plain_loss", [False, True])
+def test_detach_keeps_no_reference(out_dir, plain_loss):
+    rec, model, opt = _train_then_detach(out_dir, plain_loss)
+    _no_hooks_left(model, opt, rec.loss_fn if plain_loss else nn.Module())
+    wm, wo = weakref.ref(model), weakref.ref(opt)
+    wp = [weakref.ref(p) for p in model.parameters()]
+    del model, opt
+    gc.collect()
+    assert wm() is None and wo() is None
+    assert all(w() is None for w in wp)
+    assert rec.step == 3  # the recorder itself is still usable
+    with pytest.raises(RuntimeError, match="the model no longer exists"):
+        rec.attach()
+
+
+def _event_then_drop(out_dir):
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = weakref.ref(model), weakref.ref(opt)
+    try:
+        with FlightRecorder(model, opt, loss_fn=lambda out, y: out.mean(), out_dir=out_dir) as rec:
+            M.train(model, opt, None, 4, at=M.arm_at(2, model[1]), rec=rec)
+    except NonFiniteError as e:
+        event, path = e.event, e.bundle_path
+    return rec, refs, event, path
+
+
+def test_no_reference_after_an_event(out_dir):
+    rec, (wm, wo), event, path = _event_then_drop(out_dir)
+    gc.collect()
+    assert wm() is None and wo() is None
+    check_event(event, step=2, phase="forward", module="1")
+    assert rec.event == event and rec.bundle_path == path and path.exists()
+
+
+def test_context_manager_detaches_on_user_exception(out_dir):
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(KeyError, match="user bug"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            M.train(model, opt, crit, 2)
+            raise KeyError("user bug")
+    _no_hooks_left(model, opt, crit)
+    assert bundles(out_dir) == []
+
+
+def test_start_step_offsets_step_numbers(out_dir):
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=lambda o, y: o.mean(), out_dir=out_dir,
+                            start_step=100) as rec:
+            assert rec.step == 100
+            M.train(model, opt, None, 4, at=M.arm_at(2, model[1]), rec=rec)
+    check_event(info.value.event, step=102, phase="forward", module="1")
+    assert info.value.bundle_path.name == "step00000102-rank0.nan"
+
+
+def test_non_finite_error_fields(out_dir):
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=lambda o, y: o.mean(), out_dir=out_dir) as rec:
+            M.train(model, opt, None, 4, at=M.arm_at(1, model[1]), rec=rec)
+    err = info.value
+    assert err.write_error is None and err.__cause__ is None
+    assert set(err.event) >= {"step", "reason", "phase", "module", "module_type", "call",
+                              "micro_batch", "inputs_finite", "kind", "params", "tensor",
+                              "samples", "detail"}
+    msg = str(err)
+    assert msg.startswith("nanreplay: non-finite value (NaN) at step 1, phase forward.")
+    assert "First made by module '1' (models.LogOf, call 0, micro-batch 0)" in msg
+    assert "whose inputs were finite" in msg
+    assert f"nanreplay {err.bundle_path}" in msg
