@@ -1,0 +1,212 @@
+"""Real and deliberately broken ``.nan`` bundles for the CLI tests.
+
+``toy_bundle`` runs ``examples/train_toy.py``'s own loop under the flight recorder (in process,
+a second or two) and returns the bundle it wrote. Every other helper starts from such a real
+bundle and breaks one thing: through ``recorder.bundle.write_bundle`` when the damage is in the
+contents (meta, a tensor), or on the raw bytes when it is in the container (zstd frame,
+safetensors header).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import zstandard
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle, write_bundle
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+TOY_SOURCE = EXAMPLES / "toy_model.py"
+
+
+def toy_bundle(out_dir: Path) -> Path:
+    """The bundle of ``examples/train_toy.py`` (step 37, NaN made by ``aten.div`` in ``norm``)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from toy_model import make_model
+    from train_toy import batches
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    criterion = nn.CrossEntropyLoss()
+    try:
+        with FlightRecorder(model, optimizer, loss_fn=criterion, out_dir=out_dir,
+                            factory="toy_model:make_model"):
+            for x, y in batches(100):
+                optimizer.zero_grad()
+                loss = criterion(model(x), y)
+                loss.backward()
+                optimizer.step()
+    except NonFiniteError as e:
+        return Path(e.bundle_path)
+    raise AssertionError("the toy example's planted NaN did not fire")
+
+
+# The text report of the toy bundle, replayed from ``examples/`` (its golden output).
+TOY_REPORT = [
+    "nanreplay: step 37, forward event — reproduced",
+    "  origin     forward: nan made by aten.div in norm, call 0, inputs finite",
+    "  source     toy_model.py:17    return (x - mean) / std  "
+    "# the bug: no eps, 0/0 when a row is constant",
+    "  samples    [5]",
+    "  cause      invalid — invalid math that float64 does not fix: guard the op's domain (clamp "
+    "before log/sqrt, add eps to denominators, avoid fully masked softmax rows)",
+    "  bisection  4 re-runs over 8 calls (limit 5), agrees with the instrumented pass",
+]
+
+_SHARED: dict[str, Path] = {}
+
+
+def shared_toy_bundle(tmp_path_factory) -> Path:
+    """One toy bundle per test session, shared by every test file (read it, never write it)."""
+    if "toy" not in _SHARED:
+        _SHARED["toy"] = toy_bundle(tmp_path_factory.mktemp("toy-bundle"))
+    return _SHARED["toy"]
+
+
+def with_precursor(src: Path, dst: Path, step: int = 30, factor: float = 100.0) -> Path:
+    """``src`` with the recorded loss of ``step`` made ``factor`` times the loss before it, so
+    the ring buffer holds a ``loss_jump`` precursor."""
+    def edit(t):
+        steps = t["ring/steps"].tolist()
+        loss = t["ring/loss"].clone()
+        i = steps.index(step)
+        loss[i] = loss[i - 1] * factor
+        t["ring/loss"] = loss
+        return t
+
+    return rewrite(src, dst, tensors=edit)
+
+
+# ---------------------------------------------------------------------------------------------
+# rewriting the contents
+
+
+def rewrite(src: Path, dst: Path, *, meta=None, tensors=None) -> Path:
+    """``src`` written again as ``dst`` with ``meta(meta)`` / ``tensors(tensors)`` applied."""
+    m, t = read_bundle(src)
+    if meta is not None:
+        m = meta(m)
+    if tensors is not None:
+        t = tensors(t)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    stem = dst.name.removesuffix(".nan")
+    path = write_bundle(dst.parent, stem, m, t)
+    assert path == dst, f"{dst} already existed"
+    return path
+
+
+def with_factory(src: Path, dst: Path, factory: str | None) -> Path:
+    def edit(m):
+        m["factory"] = factory
+        return m
+
+    return rewrite(src, dst, meta=edit)
+
+
+def factory_module(directory: Path, name: str, marker: Path) -> Path:
+    """``directory/name.py``: the toy model's code, plus a line that creates ``marker`` when the
+    module is imported (the proof that nanreplay ran it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    code = (f"from pathlib import Path as _P\n_P({str(marker)!r}).write_text('imported')\n\n"
+            + TOY_SOURCE.read_text())
+    path = directory / f"{name}.py"
+    path.write_text(code)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# rewriting the container
+
+
+def decompressed(src: Path) -> tuple[dict[str, Any], bytes]:
+    """The safetensors header (as JSON) and the tensor bytes inside ``src``."""
+    data = zstandard.ZstdDecompressor().decompress(src.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def recompress(dst: Path, header: dict[str, Any], body: bytes) -> Path:
+    """A bundle file from a (possibly edited) safetensors header and tensor bytes."""
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    payload = len(head).to_bytes(8, "little") + head + body
+    dst.write_bytes(zstandard.ZstdCompressor(write_content_size=True,
+                                             write_checksum=True).compress(payload))
+    return dst
+
+
+def edit_header(src: Path, dst: Path, edit) -> Path:
+    header, body = decompressed(src)
+    edit(header)
+    return recompress(dst, header, body)
+
+
+def _blocks(frame: bytes, start: int) -> list[bytes]:
+    """The raw blocks of the zstd frame whose first block header is at ``start``."""
+    out, i = [], start
+    while True:
+        h = int.from_bytes(frame[i:i + 3], "little")
+        last, kind, size = h & 1, (h >> 1) & 3, h >> 3
+        n = 3 + (1 if kind == 1 else size)  # an RLE block stores one byte
+        out.append(frame[i:i + n])
+        i += n
+        if last:
+            return out
+
+
+def frame_with_content_size(payload: bytes, declared: int, *, keep_last_block: bool) -> bytes:
+    """``payload`` compressed into a zstd frame whose header declares ``declared`` bytes.
+
+    The frame header is hand-built: descriptor ``0xC0`` (8-byte content size, no single segment,
+    no checksum), the compressor's own window descriptor, then ``declared``. Without the last
+    block the frame just stops, as if the file were cut short while the decoder still expects
+    ``declared`` bytes.
+    """
+    c = zstandard.ZstdCompressor(write_content_size=False, write_checksum=False).compress(payload)
+    assert c[4] == 0, "expected a frame without content size, checksum or dictionary"
+    blocks = _blocks(c, 6)
+    if not keep_last_block:
+        assert len(blocks) > 1, "payload too small to span several blocks"
+        blocks = blocks[:-1]
+    return c[:4] + b"\xc0" + c[5:6] + declared.to_bytes(8, "little") + b"".join(blocks)
+
+
+def lying_frame(src: Path, dst: Path, declared: int) -> Path:
+    """``src``'s exact contents in a frame whose header claims ``declared`` bytes."""
+    payload = zstandard.ZstdDecompressor().decompress(src.read_bytes())
+    dst.write_bytes(frame_with_content_size(payload, declared, keep_last_block=True))
+    return dst
+
+
+def huge_tensor_bundle(dst: Path, nbytes: int, factory: str | None = None) -> Path:
+    """A bundle whose header and frame consistently claim one ``nbytes`` tensor, of which the
+    file holds only the first MiB: reading it must neither allocate nor touch ``nbytes``."""
+    meta = {"format": "nanreplay-bundle/1", "event": {"step": 1, "phase": "forward"},
+            "factory": factory, "params": []}
+    header = {"__metadata__": {"format": "nanreplay-bundle", "version": "1", "complex": "[]",
+                               "meta": json.dumps(meta)},
+              "x": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    prefix = len(head).to_bytes(8, "little") + head
+    frame = frame_with_content_size(prefix + bytes(1 << 20), len(prefix) + nbytes,
+                                    keep_last_block=False)
+    dst.write_bytes(frame)
+    return dst
+
+
+def copy(src: Path, dst: Path) -> Path:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    return dst

@@ -1,0 +1,378 @@
+"""Bad bundles: each gives exit 2 and one ``nanreplay: ...`` line on stderr, no traceback, and
+nothing runs.
+
+Every bad file here is made from a real bundle whose recorded factory is a module *in the
+current directory* (so nanreplay would trust and import it), and that module creates a marker
+file when imported: a bad bundle that got as far as rebuilding the model would leave the marker.
+A control test shows that the intact bundle does import it.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import zstandard
+from bundles import (
+    EXAMPLES,
+    decompressed,
+    edit_header,
+    factory_module,
+    lying_frame,
+    rewrite,
+    shared_toy_bundle,
+    with_factory,
+)
+from click.testing import CliRunner
+
+from replay.cli import main
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory) -> Path:
+    return shared_toy_bundle(tmp_path_factory)
+
+
+class Evil:
+    """A directory holding a factory module that leaves ``marker`` when imported."""
+
+    def __init__(self, root: Path, toy: Path):
+        self.name = f"evil_{uuid.uuid4().hex[:12]}"
+        self.dir = root / "project"
+        self.marker = root / "markers" / "imported"
+        self.marker.parent.mkdir(parents=True)
+        factory_module(self.dir, self.name, self.marker)
+        self.bundle = with_factory(toy, root / "base" / "evil.nan", f"{self.name}:make_model")
+
+    def assert_untouched(self) -> None:
+        assert not self.marker.exists(), "nanreplay imported the bundle's factory"
+        assert self.name not in sys.modules
+
+
+@pytest.fixture(scope="module")
+def evil(tmp_path_factory, toy) -> Evil:
+    return Evil(tmp_path_factory.mktemp("evil"), toy)
+
+
+@pytest.fixture
+def in_project(evil, monkeypatch):
+    """cwd = the directory of the evil factory: nanreplay would trust it there."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(evil.dir)
+    yield
+    evil.assert_untouched()
+
+
+def run(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"nanreplay raised {result.exception!r}") from result.exception
+    assert "Traceback" not in result.stdout + result.stderr
+    return result
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("nanreplay: "), lines[0]
+    return lines[0]
+
+
+def test_control_the_intact_bundle_imports_its_factory_from_cwd(tmp_path, toy, monkeypatch):
+    """The marker works: the same kind of bundle, intact, does import the module (which is why
+    the bad ones must fail before that point)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    e = Evil(tmp_path, toy)
+    monkeypatch.chdir(e.dir)
+    try:
+        r = run(e.bundle)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert e.marker.read_text() == "imported"
+    finally:
+        sys.modules.pop(e.name, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the bad files: (name, builder(base bundle, tmp dir) -> path, message after "<path>: ",
+# whether --info fails too (the damage is in the header))
+
+
+def _truncate(keep):
+    def make(base: Path, d: Path) -> Path:
+        raw = base.read_bytes()
+        out = d / "truncated.nan"
+        out.write_bytes(raw[:keep(len(raw))])
+        return out
+    return make
+
+
+def _flip(where):
+    def make(base: Path, d: Path) -> Path:
+        raw = bytearray(base.read_bytes())
+        i = where(len(raw))
+        for j in range(i, i + 16):
+            raw[j] ^= 0xFF
+        out = d / "flipped.nan"
+        out.write_bytes(bytes(raw))
+        return out
+    return make
+
+
+def _file(content: bytes, name: str = "bad.nan"):
+    def make(base: Path, d: Path) -> Path:
+        out = d / name
+        out.write_bytes(content)
+        return out
+    return make
+
+
+def _header(edit):
+    def make(base: Path, d: Path) -> Path:
+        return edit_header(base, d / "edited.nan", edit)
+    return make
+
+
+def _set_md(key, value):
+    def edit(h):
+        if value is _DELETE:
+            del h["__metadata__"][key]
+        else:
+            h["__metadata__"][key] = value
+    return _header(edit)
+
+
+_DELETE = object()
+
+
+def _first_tensor(edit):
+    def e(h):
+        name = next(k for k in h if k != "__metadata__")
+        edit(h[name])
+    return _header(e)
+
+
+def _raw_header(head: bytes):
+    def make(base: Path, d: Path) -> Path:
+        _, body = decompressed(base)
+        out = d / "rawheader.nan"
+        head_padded = head + b" " * (-len(head) % 8)
+        out.write_bytes(zstandard.ZstdCompressor().compress(
+            len(head_padded).to_bytes(8, "little") + head_padded + body))
+        return out
+    return make
+
+
+def _huge_declared(base: Path, d: Path) -> Path:
+    return lying_frame(base, d / "huge.nan", 1 << 50)
+
+
+def _huge_single_segment(base: Path, d: Path) -> Path:
+    """Frame descriptor with the single-segment flag: the window is the declared size."""
+    raw = base.read_bytes()
+    params = zstandard.get_frame_parameters(raw[:18])
+    assert raw[4] == 0b10100100 and params.has_checksum  # 4-byte size, single segment, checksum
+    out = d / "huge-window.nan"
+    out.write_bytes(raw[:4] + bytes([0b11100100]) + (1 << 50).to_bytes(8, "little") + raw[9:])
+    return out
+
+
+def _plain_safetensors(base: Path, d: Path) -> Path:
+    """The bundle's safetensors file as it is inside the frame, without the zstd frame."""
+    out = d / "plain.nan"
+    out.write_bytes(zstandard.ZstdDecompressor().decompress(base.read_bytes()))
+    return out
+
+
+PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(64)
+
+NOT_A_BUNDLE = ("not a nanreplay bundle (no zstd frame at the start); pass the .nan file the "
+                "recorder wrote")
+
+CASES = [
+    ("empty file", _file(b""), NOT_A_BUNDLE, True),
+    ("png image", _file(PNG, "picture.nan"), NOT_A_BUNDLE, True),
+    ("text file", _file(b"step,loss\n0,1.38\n", "notes.nan"), NOT_A_BUNDLE, True),
+    ("plain safetensors, not zstd", _plain_safetensors, NOT_A_BUNDLE, True),
+    ("truncated inside the frame header", _truncate(lambda n: 7),
+     "corrupted zstd frame header", True),
+    ("truncated after the frame header", _truncate(lambda n: 12),
+     "truncated while reading header size (0 of 8 bytes); the file is incomplete; copy it "
+     "again", True),
+    ("truncated in half", _truncate(lambda n: n // 2), "truncated while reading ", False),
+    ("last bytes cut", _truncate(lambda n: n - 40), "truncated while reading ", False),
+    ("bytes flipped in the middle", _flip(lambda n: n // 2), "corrupted data while reading ",
+     False),
+    ("bytes flipped near the end", _flip(lambda n: n - 30), "corrupted data while reading ",
+     False),
+    ("newer format version", _set_md("version", "2"),
+     "format version 2 is newer than this nanreplay reads (1); upgrade nanreplay: pip install "
+     "-U nanreplay", True),
+    ("version not a number", _set_md("version", "one"),
+     "format version 'one' is not a number", True),
+    ("meta not JSON", _set_md("meta", "{'event': 1"),
+     "metadata 'meta' is missing or not JSON; the file is corrupted", True),
+    ("meta missing", _set_md("meta", _DELETE),
+     "metadata 'meta' is missing or not JSON; the file is corrupted", True),
+    ("meta a JSON list", _set_md("meta", "[1, 2]"),
+     "metadata 'meta' is not a JSON object; the file is corrupted", True),
+    ("no nanreplay metadata", _header(lambda h: h.pop("__metadata__")),
+     "safetensors file without nanreplay metadata; pass a bundle written by the recorder",
+     True),
+    ("another format's metadata", _set_md("format", "pt"),
+     "safetensors file without nanreplay metadata; pass a bundle written by the recorder",
+     True),
+    ("tensor entry without dtype", _first_tensor(lambda e: e.pop("dtype")),
+     "has a malformed entry; the file is corrupted", True),
+    ("tensor entry without offsets", _first_tensor(lambda e: e.pop("data_offsets")),
+     "has a malformed entry; the file is corrupted", True),
+    ("tensor entry with an unknown dtype", _first_tensor(lambda e: e.update(dtype="F128")),
+     "has a malformed entry; the file is corrupted", True),
+    ("tensor shape that does not fit its bytes", _first_tensor(lambda e: e.update(shape=[7])),
+     "but its shape [7] needs 28 bytes at 0; the file is corrupted", True),
+    ("tensor with a negative dimension", _first_tensor(lambda e: e.update(shape=[-1, 4])),
+     "has a negative dimension", True),
+    ("header not JSON", _raw_header(b"{this is not json"), "header is not JSON", True),
+    ("header a JSON list", _raw_header(b"[1, 2, 3]"),
+     "header is not a JSON object; the file is corrupted", True),
+    ("zstd frame declaring a huge size", _huge_declared,
+     "zstd frame declares 1125899906842624 bytes but the header describes ", True),
+    ("zstd frame whose window is a huge declared size", _huge_single_segment,
+     "corrupted data while reading header size (zstd decompress error: Frame requires too "
+     "much memory for decoding)", True),
+]
+
+
+def _contains(line: str, path: Path, message: str) -> None:
+    prefix = f"nanreplay: {path}: "
+    assert line.startswith(prefix), line
+    assert message in line[len(prefix):], line
+
+
+@pytest.fixture(params=CASES, ids=[c[0] for c in CASES])
+def bad(request, evil, tmp_path):
+    name, make, message, header_level = request.param
+    return make(evil.bundle, tmp_path), message, header_level
+
+
+def test_replay_refuses(bad, in_project):
+    path, message, _ = bad
+    _contains(one_error_line(run(path)), path, message)
+
+
+def test_json_refuses_and_prints_nothing_on_stdout(bad, in_project):
+    path, message, _ = bad
+    _contains(one_error_line(run("--json", path)), path, message)
+
+
+def test_strip_refuses_and_writes_nothing(bad, in_project, tmp_path):
+    path, message, _ = bad
+    out = tmp_path / "out" / "share.nan"
+    _contains(one_error_line(run("--strip", "batch", "-o", out, path)), path, message)
+    assert not out.parent.exists() or not list(out.parent.iterdir())
+
+
+def test_info_refuses_a_bad_header(bad, in_project):
+    path, message, header_level = bad
+    r = run("--info", path)
+    if header_level:
+        _contains(one_error_line(r), path, message)
+    else:  # --info reads the header only; the damage is further in: it must still import nothing
+        assert r.exit_code in (0, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad contents: the model and the factory
+
+
+@pytest.fixture
+def in_examples(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(EXAMPLES)
+
+
+def test_weights_whose_shape_does_not_fit_the_model(toy, tmp_path, in_examples):
+    import torch
+
+    def edit(t):
+        t["weights/head.weight"] = torch.zeros(5, 64)
+        return t
+
+    b = rewrite(toy, tmp_path / "shapes.nan", tensors=edit)
+    for args in ((b,), ("--json", b)):
+        assert one_error_line(run(*args)) == (
+            "nanreplay: weights/head.weight has shape [5, 64] in the bundle but [4, 64] in the "
+            "model from the factory; the factory builds a different model: pass --factory MOD:FN")
+
+
+def test_factory_option_that_does_not_import(toy, in_examples):
+    spec = f"nosuch_{uuid.uuid4().hex[:8]}:make_model"
+    line = one_error_line(run("--factory", spec, toy))
+    mod = spec.partition(":")[0]
+    assert line == (f"nanreplay: factory '{spec}' cannot be imported (ModuleNotFoundError: No "
+                    f"module named '{mod}'); run from the directory that holds it or pass "
+                    "--factory MOD:FN")
+
+
+def test_factory_option_naming_a_missing_function(toy, in_examples):
+    line = one_error_line(run("--factory", "toy_model:no_such_fn", toy))
+    assert line == ("nanreplay: factory 'toy_model:no_such_fn' cannot be imported "
+                    "(AttributeError: module 'toy_model' has no attribute 'no_such_fn'); run "
+                    "from the directory that holds it or pass --factory MOD:FN")
+
+
+def test_factory_option_without_a_colon(toy, in_examples):
+    assert one_error_line(run("--factory", "toy_model", toy)) == (
+        "nanreplay: factory 'toy_model' is not of the form 'module:function'; pass --factory "
+        "mypkg.train:make_model")
+
+
+def test_recorded_factory_that_does_not_import(toy, tmp_path, monkeypatch):
+    """Under cwd (so trusted), but its import fails: one line, exit 2."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    name = f"broken_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text("import no_such_dependency_xyz\n")
+    b = with_factory(toy, tmp_path / "b" / "broken.nan", f"{name}:make_model")
+    monkeypatch.chdir(tmp_path)
+    assert one_error_line(run(b)) == (
+        f"nanreplay: factory '{name}:make_model' cannot be imported (ModuleNotFoundError: No "
+        "module named 'no_such_dependency_xyz'); run from the directory that holds it or pass "
+        "--factory MOD:FN")
+    sys.modules.pop(name, None)
+
+
+def test_recorded_factory_that_returns_no_model(toy, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    name = f"nomodel_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text("def make():\n    return 42\n")
+    b = with_factory(toy, tmp_path / "b" / "nomodel.nan", f"{name}:make")
+    monkeypatch.chdir(tmp_path)
+    assert one_error_line(run(b)) == (
+        f"nanreplay: factory '{name}:make' returned int; it must return an nn.Module or a dict "
+        "with 'model' (and optionally 'loss_fn', 'optimizer')")
+    sys.modules.pop(name, None)
+
+
+def test_bundle_without_a_factory_asks_for_one(toy, tmp_path, in_examples):
+    b = with_factory(toy, tmp_path / "nofactory.nan", None)
+    assert one_error_line(run(b)) == (
+        "nanreplay: the bundle names no model factory; pass --factory MOD:FN (a function "
+        "returning the model)")
+
+
+def test_console_script_gives_the_same_single_line(tmp_path):
+    """The installed ``nanreplay`` entry point, as a user runs it."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nanreplay")
+    assert exe is not None, "the nanreplay console script is not installed"
+    bad = tmp_path / "notes.nan"
+    bad.write_text("not a bundle\n")
+    proc = subprocess.run([exe, str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [f"nanreplay: {bad}: {NOT_A_BUNDLE}"]

@@ -1,0 +1,295 @@
+"""The ``nanreplay`` command through click's CliRunner: exit codes, stdout and stderr apart.
+
+The toy bundle is the one ``examples/train_toy.py`` writes (its factory is
+``toy_model:make_model``), so a replay that should rebuild the model runs from ``examples/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from bundles import EXAMPLES, ROOT, TOY_REPORT, rewrite, shared_toy_bundle, with_precursor
+from click.testing import CliRunner
+
+from recorder.bundle import read_bundle
+from replay.cli import main
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory) -> Path:
+    return shared_toy_bundle(tmp_path_factory)
+
+
+@pytest.fixture
+def in_examples(monkeypatch):
+    """Run from ``examples/`` (where the toy factory lives); sys.path is restored afterwards."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(EXAMPLES)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"nanreplay raised {result.exception!r}") from result.exception
+    assert "Traceback" not in result.stdout + result.stderr
+    return result
+
+
+def one_error_line(result) -> str:
+    """The single ``nanreplay: ...`` line of a failed run (exit 2, nothing on stdout)."""
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("nanreplay: ")
+    return lines[0]
+
+
+TOY_TEXT = TOY_REPORT
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def test_replay_prints_the_short_report_and_exits_0(toy, in_examples):
+    r = invoke(toy)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == TOY_TEXT
+    assert r.stderr == ""
+
+
+def _check_stable_keys(d: dict, bundle: Path) -> None:
+    """The documented stable keys of ``--json``, each with its type."""
+    assert d["format"] == "nanreplay-report/1"
+    assert d["bundle"]["path"] == str(bundle)
+    assert isinstance(d["bundle"]["rank"], int)
+    assert isinstance(d["bundle"]["torch"], str)
+    ev = d["event"]
+    assert isinstance(ev["step"], int) and isinstance(ev["phase"], str)
+    assert ev["module"] is None or isinstance(ev["module"], str)
+    assert isinstance(d["reproduced"], bool)
+    o = d["origin"]
+    for key in ("phase", "module", "op", "param", "tensor", "source"):
+        assert o[key] is None or isinstance(o[key], str), key
+    assert o["call"] is None or isinstance(o["call"], int)
+    assert isinstance(o["samples"], list) and all(isinstance(s, int) for s in o["samples"])
+    assert isinstance(o["chain"], list) and all(isinstance(c, dict) for c in o["chain"])
+    assert d["cause"] is None or isinstance(d["cause"], str)
+    assert d["hint"] is None or isinstance(d["hint"], str)
+    assert isinstance(d["precursors"], list)
+    for p in d["precursors"]:
+        assert isinstance(p["step"], int) and isinstance(p["kind"], str)
+        assert isinstance(p["detail"], str)
+    b = d["bisection"]
+    assert b is None or (isinstance(b["probes"], int) and isinstance(b["agrees"], bool))
+
+
+def test_json_is_the_only_thing_on_stdout_and_has_the_stable_keys(toy, in_examples):
+    r = invoke("--json", toy)
+    assert r.exit_code == 0, r.stderr
+    assert r.stderr == ""
+    d = json.loads(r.stdout)  # the whole of stdout is one JSON document
+    _check_stable_keys(d, toy)
+    assert (d["event"]["step"], d["event"]["phase"], d["event"]["module"]) == (37, "forward",
+                                                                                 "norm")
+    assert d["reproduced"] is True
+    o = d["origin"]
+    assert (o["phase"], o["module"], o["call"], o["op"]) == ("forward", "norm", 0, "aten.div")
+    assert o["samples"] == [5]
+    assert o["source"] == "toy_model.py:17"
+    assert [c["op"] for c in o["chain"]] == ["aten.div"]
+    assert d["cause"] == "invalid"
+    assert d["hint"].startswith("invalid math that float64 does not fix")
+    assert d["precursors"] == []
+    assert (d["bisection"]["probes"], d["bisection"]["agrees"]) == (4, True)
+    assert "history" not in d
+
+
+def test_json_lists_precursors_from_the_ring_buffer(toy, in_examples, tmp_path):
+    b = with_precursor(toy, tmp_path / "jump.nan", step=30)
+    r = invoke("--json", b)
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    _check_stable_keys(d, b)
+    assert [(p["step"], p["kind"]) for p in d["precursors"]] == [(30, "loss_jump")]
+    assert d["precursors"][0]["detail"].startswith("loss ")
+
+
+def test_html_writes_a_page_and_still_prints_the_report(toy, in_examples, tmp_path):
+    page = tmp_path / "report.html"
+    r = invoke("--html", page, toy)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == TOY_TEXT
+    text = page.read_text(encoding="utf-8")
+    assert text.lstrip().lower().startswith("<!doctype html>")
+    assert "aten.div" in text and 'id="verdict"' in text
+
+
+def test_python_dash_m_replay_runs_the_same_command(toy):
+    proc = subprocess.run([sys.executable, "-m", "replay", "--json", str(toy)], cwd=EXAMPLES,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    d = json.loads(proc.stdout)
+    assert (d["origin"]["op"], d["origin"]["module"], d["cause"]) == ("aten.div", "norm",
+                                                                      "invalid")
+
+
+# ---------------------------------------------------------------------------------------------
+# --info
+
+
+def test_info_summarises_event_sizes_and_environment(toy):
+    r = invoke("--info", toy)
+    assert r.exit_code == 0, r.stderr
+    assert r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"bundle     {toy} (nanreplay-bundle/1)"
+    assert lines[1] == "event      step 37, phase forward, nan, module norm"
+    assert f"torch {torch.__version__}" in lines[5]
+    assert "  weights                6 tensors       0.03 MB" in lines
+    assert "  batch                  1 tensors       0.00 MB" in lines
+    assert any(line.startswith("  ring buffer           12 tensors") for line in lines)
+
+
+def test_info_json_is_one_document(toy):
+    r = invoke("--info", "--json", toy)
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["event"]["step"] == 37 and d["factory"] == "toy_model:make_model"
+    assert d["sizes"]["weights"]["tensors"] == 6
+    assert d["env"]["torch"] == torch.__version__
+    assert d["stripped"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# --device
+
+
+def _on_cuda(src: Path, dst: Path) -> Path:
+    """``src`` as if it had been recorded on ``cuda:0`` (the tensors are the same bytes)."""
+    def edit(m):
+        for mod in m["modules"]:
+            if mod.get("device"):
+                mod["device"] = "cuda:0"
+        m["modules"][0]["device"] = "cuda:0"
+        return m
+
+    return rewrite(src, dst, meta=edit)
+
+
+def test_device_cpu_on_a_cpu_bundle(toy, in_examples):
+    r = invoke("--device", "cpu", toy)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == TOY_TEXT
+
+
+def test_device_cpu_replays_a_gpu_bundle_without_cuda(toy, in_examples, no_cuda, tmp_path):
+    b = _on_cuda(toy, tmp_path / "gpu.nan")
+    r = invoke("--device", "cpu", b)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == TOY_TEXT
+
+
+def test_gpu_bundle_without_cuda_asks_for_device_cpu(toy, in_examples, no_cuda, tmp_path):
+    b = _on_cuda(toy, tmp_path / "gpu.nan")
+    line = one_error_line(invoke(b))
+    assert line == ("nanreplay: the bundle was recorded on cuda:0 and this machine has no CUDA "
+                    "device; pass --device cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# --strip
+
+
+def _strip(toy: Path, out: Path, *parts: str):
+    args = [a for p in parts for a in ("--strip", p)]
+    return invoke(*args, "-o", out, toy)
+
+
+@pytest.mark.parametrize("parts, gone", [
+    (("batch",), ("batch/", "loss_in/", "outgrad/")),
+    (("weights",), ("weights/", "grads/", "optim/", "optim_group/", "buffers/", "loss/")),
+    (("batch", "weights"), ("batch/", "loss_in/", "outgrad/", "weights/", "grads/", "optim/")),
+])
+def test_strip_writes_a_copy_without_those_tensors(toy, tmp_path, parts, gone):
+    out = tmp_path / "share.nan"
+    r = _strip(toy, out, *parts)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == [f"wrote {out} without {', '.join(parts)}"]
+    assert r.stderr == ""
+    meta, tensors = read_bundle(out)
+    orig_meta, orig = read_bundle(toy)
+    assert not [k for k in tensors if k.startswith(gone)]
+    kept = {k for k in orig if not k.startswith(gone)}
+    assert set(tensors) == kept
+    assert {k for k in tensors if k.startswith("ring/")} == \
+        {k for k in orig if k.startswith("ring/")}
+    for k in kept:
+        torch.testing.assert_close(tensors[k], orig[k], rtol=0, atol=0, equal_nan=True,
+                                   msg=k)
+    assert meta["stripped"] == sorted(parts)
+    assert meta["event"] == orig_meta["event"]
+    assert meta["env"] == orig_meta["env"]
+
+
+def test_strip_never_overwrites(toy, tmp_path):
+    out = tmp_path / "share.nan"
+    out.write_bytes(b"someone else's file")
+    r = _strip(toy, out, "batch")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == [f"wrote {tmp_path / 'share-1.nan'} without batch"]
+    assert out.read_bytes() == b"someone else's file"
+
+
+def test_replaying_a_weight_stripped_copy_reports_the_ring_buffer(toy, in_examples, tmp_path):
+    jump = with_precursor(toy, tmp_path / "jump.nan", step=30)
+    out = tmp_path / "share.nan"
+    assert _strip(jump, out, "weights").exit_code == 0
+    r = invoke(out)
+    assert r.exit_code == 1, r.stderr
+    assert r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert lines[0] == "nanreplay: step 37, forward event — NOT reproduced"
+    assert "  origin     forward: nan made by norm" in lines
+    assert any("weights" in line and "stripped" in line for line in lines)
+    assert "  precursors" in lines
+    assert any(line.startswith("    step     30  loss_jump") for line in lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# usage
+
+
+def test_missing_file_is_a_usage_error(tmp_path):
+    r = invoke(tmp_path / "nope.nan")
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    assert f"'{tmp_path / 'nope.nan'}' does not exist" in r.stderr
+
+
+def test_unknown_device_is_a_usage_error(toy):
+    r = invoke("--device", "tpu", toy)
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    assert "Invalid value for '--device'" in r.stderr
+
+
+def test_help_names_every_option():
+    r = invoke("--help")
+    assert r.exit_code == 0
+    for opt in ("--json", "--html", "--info", "--factory", "--device", "--strip", "--output"):
+        assert opt in r.stdout, opt

@@ -1,0 +1,205 @@
+"""A bundle never makes nanreplay import or call anything by itself.
+
+The recorded factory is used only when it resolves to a module under the current working
+directory, or when it is passed with ``--factory``; otherwise the report says which option to
+pass (exit 1). Each factory module here is the toy model's code plus a line that leaves a marker
+file when the module is imported, so "not imported" is checked on disk and in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from bundles import factory_module, shared_toy_bundle, with_factory, with_precursor
+from click.testing import CliRunner
+
+from replay.cli import main
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory) -> Path:
+    return shared_toy_bundle(tmp_path_factory)
+
+
+class Factory:
+    """``<dir>/<name>.py`` building the toy model; ``marker`` appears when it is imported."""
+
+    def __init__(self, root: Path, toy: Path):
+        self.name = f"fact_{uuid.uuid4().hex[:12]}"
+        self.spec = f"{self.name}:make_model"
+        self.dir = root / "code"
+        self.marker = root / "marker"
+        factory_module(self.dir, self.name, self.marker)
+        self.bundle = with_factory(toy, root / "bundles" / "b.nan", self.spec)
+
+    @property
+    def imported(self) -> bool:
+        assert self.marker.exists() == (self.name in sys.modules)
+        return self.marker.exists()
+
+
+@pytest.fixture
+def fac(tmp_path, toy, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    f = Factory(tmp_path, toy)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not the factory's directory unless a test moves
+    yield f
+    sys.modules.pop(f.name, None)
+
+
+def run(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"nanreplay raised {result.exception!r}") from result.exception
+    assert "Traceback" not in result.stdout + result.stderr
+    return result
+
+
+def refusal(spec: str) -> str:
+    return (f"the bundle's factory {spec!r} is not a module under the current directory "
+            f"({Path.cwd()}); nanreplay imports a recorded factory only from there. Run from "
+            f"the project root, or pass --factory {spec} to trust it")
+
+
+def test_factory_outside_cwd_is_not_imported_and_the_report_names_the_option(fac):
+    r = run(fac.bundle)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert lines[0] == "nanreplay: step 37, forward event — NOT reproduced"
+    assert "  origin     forward: nan made by norm" in lines
+    assert f"  note       {refusal(fac.spec)}" in lines
+    assert not fac.imported
+
+
+def test_factory_outside_cwd_but_on_sys_path_is_not_imported(fac, monkeypatch):
+    monkeypatch.syspath_prepend(str(fac.dir))
+    r = run(fac.bundle)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert f"  note       {refusal(fac.spec)}" in r.stdout.splitlines()
+    assert not fac.imported
+
+
+def test_json_report_of_a_refused_factory(fac):
+    r = run("--json", fac.bundle)
+    assert r.exit_code == 1
+    d = json.loads(r.stdout)
+    assert d["reproduced"] is False
+    assert refusal(fac.spec) in d["problems"]
+    assert (d["event"]["step"], d["event"]["module"]) == (37, "norm")
+    assert not fac.imported
+
+
+def test_refused_factory_still_reports_the_ring_buffer(fac, tmp_path):
+    b = with_precursor(fac.bundle, tmp_path / "jump.nan", step=30)
+    r = run(b)
+    assert r.exit_code == 1
+    lines = r.stdout.splitlines()
+    assert "  precursors" in lines
+    assert any(line.startswith("    step     30  loss_jump") for line in lines)
+    assert not fac.imported
+
+
+def test_factory_under_cwd_is_used(fac, monkeypatch):
+    monkeypatch.chdir(fac.dir)
+    r = run(fac.bundle)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "nanreplay: step 37, forward event — reproduced"
+    assert lines[1] == "  origin     forward: nan made by aten.div in norm, call 0, inputs finite"
+    assert lines[2].startswith(f"  source     {fac.name}.py:")
+    assert fac.imported
+
+
+def test_factory_in_a_package_under_cwd_is_used(fac, monkeypatch, tmp_path, toy):
+    pkg = f"proj_{uuid.uuid4().hex[:12]}"
+    inner = Factory(tmp_path / "pkgroot", toy)
+    (inner.dir / "__init__.py").write_text("")
+    inner.dir.rename(tmp_path / "pkgroot" / pkg)
+    monkeypatch.chdir(tmp_path / "pkgroot")
+    b = with_factory(inner.bundle, tmp_path / "pkg.nan", f"{pkg}.{inner.spec}")
+    try:
+        r = run(b)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert inner.marker.exists()
+    finally:
+        sys.modules.pop(f"{pkg}.{inner.name}", None)
+        sys.modules.pop(pkg, None)
+
+
+def test_recorded_factory_named_like_a_stdlib_module_is_refused(fac, monkeypatch, tmp_path):
+    """``code`` is the standard library's module, already imported from outside cwd: a
+    ``./code/`` directory does not make ``code.x:make`` trusted."""
+    root = tmp_path / "stdlib-name"
+    (root / "code").mkdir(parents=True)
+    (root / "code" / "anything.py").write_text("raise SystemExit('imported')\n")
+    monkeypatch.chdir(root)
+    spec = "code.anything:make_model"
+    r = run(with_factory(fac.bundle, root / "sub.nan", spec))
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert f"  note       {refusal(spec)}" in r.stdout.splitlines()
+
+
+def test_factory_option_is_trusted_from_anywhere(fac, monkeypatch):
+    monkeypatch.syspath_prepend(str(fac.dir))
+    r = run("--factory", fac.spec, fac.bundle)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[1] == ("  origin     forward: nan made by aten.div in norm, "
+                                        "call 0, inputs finite")
+    assert fac.imported
+
+
+def test_factory_option_overrides_the_recorded_one(fac, tmp_path, toy, monkeypatch):
+    """The bundle names one module, the user trusts another: only the user's is imported."""
+    other = Factory(tmp_path / "other", toy)
+    monkeypatch.syspath_prepend(str(fac.dir))
+    monkeypatch.syspath_prepend(str(other.dir))
+    try:
+        r = run("--factory", other.spec, fac.bundle)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert other.imported
+        assert not fac.imported
+    finally:
+        sys.modules.pop(other.name, None)
+
+
+@pytest.mark.parametrize("spec", ["os:getcwd", "json:loads", "builtins:exec", "shutil:rmtree"])
+def test_recorded_library_factory_is_refused(fac, tmp_path, spec):
+    """Modules already imported from outside cwd (stdlib, builtins) are not trusted either."""
+    b = with_factory(fac.bundle, tmp_path / "lib.nan", spec)
+    r = run(b)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert f"  note       {refusal(spec)}" in r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("cwd", ["project", "elsewhere"])
+def test_info_imports_nothing(fac, monkeypatch, cwd):
+    if cwd == "project":
+        monkeypatch.chdir(fac.dir)
+    for args in (("--info",), ("--info", "--json")):
+        r = run(*args, fac.bundle)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert fac.spec in r.stdout
+    assert not fac.imported
+
+
+def test_strip_imports_nothing(fac, monkeypatch, tmp_path):
+    monkeypatch.chdir(fac.dir)
+    r = run("--strip", "batch", "--strip", "weights", "-o", tmp_path / "s.nan", fac.bundle)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert not fac.imported
+
+
+def test_weight_stripped_copy_imports_nothing_even_from_cwd(fac, monkeypatch, tmp_path):
+    monkeypatch.chdir(fac.dir)
+    out = tmp_path / "s.nan"
+    assert run("--strip", "weights", "-o", out, fac.bundle).exit_code == 0
+    r = run(out)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert not fac.imported
