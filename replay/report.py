@@ -110,6 +110,8 @@ def info_text(d: dict[str, Any]) -> str:
     ev = d.get("event") or {}
     env = d.get("env", {})
     mod = ev.get("module")
+    devices = env.get("cuda_devices") or []
+    cuda = f"cuda {env.get('cuda')}" + (f" ({', '.join(map(str, devices))})" if devices else "")
     lines = [
         f"bundle     {d['path']} ({d['format']})",
         f"event      step {ev.get('step')}, phase {ev.get('phase')}, {ev.get('kind')}"
@@ -119,8 +121,8 @@ def info_text(d: dict[str, Any]) -> str:
         f"factory {d['factory']}",
         f"training   optimizer {d['optimizer']}, loss {d['loss']}, "
         f"{d['micro_batches']} micro-batch(es), {d['history_steps']} steps of history",
-        f"env        python {env.get('python')}, torch {env.get('torch')}, cuda {env.get('cuda')}"
-        f" {env.get('cuda_devices') or ''}, rank {env.get('rank')}/{env.get('world_size')}",
+        f"env        python {env.get('python')}, torch {env.get('torch')}, {cuda}, "
+        f"rank {env.get('rank')}/{env.get('world_size')}",
         f"run        {' '.join(env.get('argv', []))} (commit {env.get('git_commit')})",
     ]
     if d["stripped"]:
