@@ -45,6 +45,8 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
     first non-finite value."""
     try:
         code = _run(bundle, as_json, html_path, info, factory, device, strip_parts, output)
+    except click.ClickException:
+        raise  # bad usage: click prints it (with the usage line) and exits 2
     except (BundleError, ReplayError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
@@ -62,7 +64,8 @@ def _run(bundle, as_json, html_path, info, factory, device, strip_parts, output)
     if strip_parts or output:
         if not (strip_parts and output):
             raise click.UsageError("--strip and -o/--output go together: "
-                                   "nanreplay B.nan --strip batch -o shareable.nan")
+                                   "nanreplay B.nan --strip batch -o shareable.nan",
+                                   ctx=click.get_current_context())
         from .strip import strip
 
         path = strip(bundle, output, list(strip_parts))

@@ -288,6 +288,20 @@ def test_unknown_device_is_a_usage_error(toy):
     assert "Invalid value for '--device'" in r.stderr
 
 
+@pytest.mark.parametrize("args", [("--strip", "batch"), ("-o", "share.nan")])
+def test_strip_and_output_go_together(toy, tmp_path, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    r = invoke(*args, toy)
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert lines[0] == "Usage: main [OPTIONS] BUNDLE"
+    assert lines[-1] == ("Error: --strip and -o/--output go together: nanreplay B.nan --strip "
+                         "batch -o shareable.nan")
+    assert "replay failed" not in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_help_names_every_option():
     r = invoke("--help")
     assert r.exit_code == 0
