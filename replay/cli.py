@@ -17,6 +17,8 @@ from .errors import FactoryRefused, ReplayError
 
 
 def _fail(message: str) -> None:
+    # One line, whatever the message (exception texts from model code often span several).
+    message = " ".join(part.strip() for part in message.splitlines() if part.strip())
     click.echo(f"nanreplay: {message}", err=True)
     sys.exit(2)
 

@@ -344,6 +344,39 @@ def test_recorded_factory_that_does_not_import(toy, tmp_path, monkeypatch):
     sys.modules.pop(name, None)
 
 
+def test_factory_whose_import_error_spans_lines_still_gives_one_line(toy, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    name = f"multiline_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "raise ImportError('needs the GPU build\\n  pip install thing\\n\\n  then retry')\n")
+    b = with_factory(toy, tmp_path / "b" / "multi.nan", f"{name}:make_model")
+    monkeypatch.chdir(tmp_path)
+    assert one_error_line(run(b)) == (
+        f"nanreplay: factory '{name}:make_model' cannot be imported (ImportError: needs the GPU "
+        "build pip install thing then retry); run from the directory that holds it or pass "
+        "--factory MOD:FN")
+    sys.modules.pop(name, None)
+
+
+def test_model_error_spanning_lines_gives_one_line(toy, tmp_path, monkeypatch):
+    """An exception from the replayed model's own code (torch's are often multi-line)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    name = f"raising_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import toy_model\n\n"
+        "class Boom(toy_model.Classifier):\n"
+        "    def forward(self, x):\n"
+        "        raise RuntimeError('shape mismatch\\n  expected [4]\\n  got [5]')\n\n"
+        "def make_model():\n    return Boom()\n")
+    b = with_factory(toy, tmp_path / "b" / "boom.nan", f"{name}:make_model")
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.chdir(tmp_path)
+    assert one_error_line(run(b)) == (
+        "nanreplay: replay failed (RuntimeError: shape mismatch expected [4] got [5]); re-run "
+        "with --debug for the traceback")
+    sys.modules.pop(name, None)
+
+
 def test_recorded_factory_that_returns_no_model(toy, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     name = f"nomodel_{uuid.uuid4().hex[:8]}"
