@@ -202,7 +202,7 @@ class BundleReader:
         self._consumed = False
         try:
             self._open()
-        except BundleError:
+        except BaseException:  # not only BundleError: never leave the file open
             self.close()
             raise
 
@@ -259,7 +259,7 @@ class BundleReader:
                              "pass a bundle written by the recorder")
         try:
             version = int(md.get("version", ""))
-        except ValueError:
+        except (TypeError, ValueError):  # a JSON list, object or null is no version either
             raise self._fail(f"format version {md.get('version')!r} is not a number") from None
         if version > VERSION:
             raise self._fail(f"format version {version} is newer than this nanreplay reads "
