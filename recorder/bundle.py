@@ -334,14 +334,33 @@ class BundleReader:
             if n == 0:
                 t = torch.empty(shape, dtype=dtype)
             else:
-                buf = bytearray(n)
-                self._readinto(memoryview(buf), f"tensor {name!r}")
-                t = torch.frombuffer(buf, dtype=dtype).reshape(shape)
+                buf, view = self._buffer(n, name)
+                self._readinto(view, f"tensor {name!r}")
+                del view
+                t = buf.view(dtype).reshape(shape)
             if name in self._complex:
                 t = torch.view_as_complex(t)
             yield name, t
         if self._stream.read(1):
             raise self._fail("trailing data after the last tensor", "the file is corrupted")
+
+    def _buffer(self, n: int, name: str) -> tuple[torch.Tensor, memoryview]:
+        """An uninitialised ``n``-byte host tensor and a view of its bytes to read into.
+
+        Nothing is written to it before the data arrives (``bytearray(n)`` zero-fills), so a
+        header that claims a huge tensor the file does not hold costs no memory: the read stops
+        at the end of the file. A claim larger than the machine's memory is refused up front.
+        """
+        mem = _physical_memory()
+        if mem is not None and n > mem:
+            raise self._fail(f"tensor {name!r} claims {n} bytes, more than this machine's "
+                             f"memory ({mem} bytes)", "the file is corrupted or not a bundle")
+        try:
+            buf = torch.empty(n, dtype=torch.uint8)
+        except (RuntimeError, MemoryError):
+            raise self._fail(f"tensor {name!r} claims {n} bytes, which cannot be allocated "
+                             "here", "the file is corrupted or not a bundle") from None
+        return buf, memoryview((ctypes.c_ubyte * n).from_address(buf.data_ptr())).cast("B")
 
     def _skip(self, n: int, name: str) -> None:
         scratch = memoryview(bytearray(min(n, _CHUNK)))
@@ -355,4 +374,18 @@ class BundleReader:
 def read_bundle(path: str | os.PathLike, want=None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read a whole bundle: ``(meta, tensors)``. Raises :class:`BundleError` on anything bad."""
     with BundleReader(path) as r:
+        total = sum(n for name, _, _, n in r.entries if want is None or want(name))
+        mem = _physical_memory()
+        if mem is not None and total > mem:
+            raise r._fail(f"its tensors claim {total} bytes, more than this machine's memory "
+                          f"({mem} bytes)", "the file is corrupted, or read it on a larger "
+                          "machine")
         return r.meta, dict(r.tensors(want))
+
+
+def _physical_memory() -> int | None:
+    """Bytes of RAM on this machine (``None`` where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None

@@ -9,6 +9,8 @@ A control test shows that the intact bundle does import it.
 
 from __future__ import annotations
 
+import os
+import resource
 import sys
 import uuid
 from pathlib import Path
@@ -20,6 +22,7 @@ from bundles import (
     decompressed,
     edit_header,
     factory_module,
+    huge_tensor_bundle,
     lying_frame,
     rewrite,
     shared_toy_bundle,
@@ -286,6 +289,43 @@ def test_info_refuses_a_bad_header(bad, in_project):
         _contains(one_error_line(r), path, message)
     else:  # --info reads the header only; the damage is further in: it must still import nothing
         assert r.exit_code in (0, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# a zstd frame and a header that agree on a huge size the file does not hold
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_huge_claimed_tensor_is_refused_before_reading(evil, tmp_path, in_project):
+    n = 1 << 44  # 16 TiB: more than any machine this runs on
+    b = huge_tensor_bundle(tmp_path / "bomb.nan", n, factory=f"{evil.name}:make_model")
+    mem = _physical_memory()
+    for args in ((b,), ("--json", b)):
+        assert one_error_line(run(*args)) == (
+            f"nanreplay: {b}: its tensors claim {n} bytes, more than this machine's memory "
+            f"({mem} bytes); the file is corrupted, or read it on a larger machine")
+    out = tmp_path / "out.nan"
+    assert one_error_line(run("--strip", "batch", "-o", out, b)) == (
+        f"nanreplay: {b}: tensor 'x' claims {n} bytes, more than this machine's memory "
+        f"({mem} bytes); the file is corrupted or not a bundle")
+    assert not out.exists()
+
+
+def test_huge_claimed_tensor_costs_no_memory_when_the_file_is_short(evil, tmp_path, in_project):
+    """A claim that fits in memory is read as far as the file goes: it must not be allocated
+    and zero-filled first (peak RSS stays far below the claim)."""
+    n = min(1 << 31, _physical_memory() // 4)
+    b = huge_tensor_bundle(tmp_path / "short.nan", n, factory=f"{evil.name}:make_model")
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    line = one_error_line(run(b))
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale - before
+    assert line.startswith(f"nanreplay: {b}: truncated while reading tensor 'x' ("), line
+    assert line.endswith(f" of {n} bytes); the file is incomplete; copy it again"), line
+    assert grown < n // 4, f"peak memory grew by {grown} bytes for a {n}-byte claim"
 
 
 # ---------------------------------------------------------------------------------------------
