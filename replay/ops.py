@@ -53,11 +53,23 @@ def _num(x: float | None):
 
 
 def user_source(stack=None) -> str | None:
-    """``file:line`` of the innermost frame that is neither torch nor nanreplay."""
+    """``file:line`` of the innermost frame that is neither torch nor nanreplay.
+
+    Walking out from the op: the watcher's own frames, then torch's; the first other frame is
+    the user's code that called into torch. Reaching a frame of nanreplay instead means the
+    replay itself called torch there (``optimizer.step()`` of a built-in optimizer): no user
+    line made the op, and the replay's callers (a test, the CLI) are not it either.
+    """
     frames = stack if stack is not None else traceback.extract_stack()
+    left_own = False
     for fr in reversed(frames):
         f = fr.filename
-        if f.startswith(_TORCH_DIR) or f.startswith(_OWN_DIRS) or f.startswith("<"):
+        if f.startswith(_OWN_DIRS):
+            if left_own:
+                return None
+            continue
+        left_own = True
+        if f.startswith(_TORCH_DIR) or f.startswith("<"):
             continue
         if os.sep + "contextlib.py" in f or os.sep + "threading.py" in f:
             continue
