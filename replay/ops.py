@@ -110,17 +110,30 @@ class _Watch(TorchDispatchMode):
         leaves = tree_leaves((args, kwargs))
         ins = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()
                and t.numel() and not t.is_meta]
-        in_finite = all(bool(torch.isfinite(t).all()) for t in ins)
-        in_nan_free = in_finite or all(not bool(torch.isnan(t).any()) for t in ins)
-        lo = min((float(t.min()) for t in ins), default=None) if in_nan_free and ins else None
-        hi = max((float(t.max()) for t in ins), default=None) if in_nan_free and ins else None
+        # one reduction and one read for all inputs: min/max say NaN (propagated) and Inf too
+        lo = hi = None
+        in_finite = in_nan_free = True
+        if ins:
+            with torch.no_grad():
+                ends = torch.stack([torch.stack(torch.aminmax(t.detach())).double()
+                                    for t in ins]).tolist()
+            in_finite = all(math.isfinite(a) and math.isfinite(b) for a, b in ends)
+            in_nan_free = not any(math.isnan(a) or math.isnan(b) for a, b in ends)
+            if in_nan_free:
+                lo, hi = min(a for a, _ in ends), max(b for _, b in ends)
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         if name in _UNINITIALISED:
             return out
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                 and t.is_floating_point() and t.numel()]
-        made = _kind(outs) if outs else None
+        if not outs:
+            return out
+        with torch.no_grad():
+            done = torch.stack([torch.isfinite(t.detach()).all() for t in outs]).all()
+        if bool(done):
+            return out
+        made = _kind(outs)
         if made is None:
             return out
         op = f"aten.{name}"
