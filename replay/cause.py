@@ -1,7 +1,8 @@
 """Why the value went non-finite: invalid math or a dtype's range exceeded.
 
 The step is re-run in float64 (weights converted in place and back, which is lossless for
-float16, bfloat16 and float32; autocast off). Still non-finite: the math is invalid whatever
+float16, bfloat16 and float32; autocast off; every op upcast, so casts in the model's own code,
+such as a layer run with ``.half()``, compute in float64 too). Still non-finite: the math is invalid whatever
 the precision (log of a negative, 0/0, inf - inf). Finite: the value only overflowed the
 recorded dtype's range.
 """
@@ -12,6 +13,7 @@ import contextlib
 
 import torch
 
+from .ops import Float64
 from .rerun import Runner
 
 HINTS = {
@@ -71,7 +73,7 @@ def float64(runner: Runner):
 
 def classify(runner: Runner, phase: str) -> str:
     """'invalid' or 'overflow' for a forward, loss or backward origin."""
-    with float64(runner):
+    with float64(runner), Float64():
         run = runner.run(backward=phase == "backward", instrument=phase == "forward")
     if phase == "forward":
         still = any(not c.outputs_finite for c in run.calls)

@@ -151,6 +151,60 @@ class _Watch(TorchDispatchMode):
         return out
 
 
+_HALF_TO_FLOAT = {"_softmax", "_log_softmax"}
+
+
+class Float64(TorchDispatchMode):
+    """Every aten op computes in float64: floating inputs are upcast, floating ``dtype=``
+    arguments (``x.half()``, ``x.float()``, ``sum(dtype=...)``) become float64, and factory ops
+    use float64 as the default dtype. Model code that casts on its own (a layer run with
+    ``.half()``) then still runs in float64 instead of mixing dtypes and failing."""
+
+    def __enter__(self):
+        self._default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch.set_default_dtype(self._default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func.overloadpacket.__name__ in _HALF_TO_FLOAT and len(args) > 2:
+            args = (*args[:2], False, *args[3:])
+        dt = kwargs.get("dtype")
+        if isinstance(dt, torch.dtype) and dt.is_floating_point:
+            kwargs["dtype"] = torch.float64
+        if not _mutates(func):
+            args, kwargs = _upcast(args), _upcast(kwargs)
+        return func(*args, **kwargs)
+
+
+_MUTATES: dict[Any, bool] = {}
+
+
+def _mutates(func) -> bool:
+    """In-place and out= ops write into an argument: leave their arguments as they are."""
+    hit = _MUTATES.get(func)
+    if hit is None:
+        hit = _MUTATES[func] = any(a.alias_info is not None and a.alias_info.is_write
+                                   for a in func._schema.arguments)
+    return hit
+
+
+def _upcast(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.double() if obj.is_floating_point() and obj.dtype != torch.float64 else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_upcast(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _upcast(v) for k, v in obj.items()}
+    return obj
+
+
 class OpFinder:
     """Context manager: ``with OpFinder() as f: run(); f.first, f.first_nan, f.chain()``.
 
