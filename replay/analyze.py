@@ -162,6 +162,7 @@ def _backward(report, runner: Runner) -> dict[str, Any]:
 
 
 def _optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
+    _decode_non_finite_hyper(step.optimizer)
     runner.run(instrument=False)
     finder = OpFinder()
     with finder:
@@ -172,6 +173,17 @@ def _optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
                      op=hit.op if hit else None, source=hit.source if hit else None,
                      chain=finder.chain())
     return _finish(report, origin, "optimizer", reproduced=bool(bad))
+
+
+def _decode_non_finite_hyper(opt) -> None:
+    """The bundle's JSON spells non-finite floats as 'nan', 'inf', '-inf' (``jsonable``); a
+    NaN learning rate is exactly what this replay must re-run, so turn them back into floats
+    where the optimizer's own default for that hyper-parameter is a float."""
+    for group in opt.param_groups:
+        for k, v in group.items():
+            if isinstance(v, str) and v in ("nan", "inf", "-inf") \
+                    and isinstance(opt.defaults.get(k), float):
+                group[k] = float(v)
 
 
 def _input_origin(step: Step, report) -> dict[str, Any]:
