@@ -277,6 +277,13 @@ class Runner:
         The innermost of them with finite inputs made the value: ``(module, call, micro-batch)``.
         """
         state: dict[str, Any] = {"i": 0, "stack": [], "starts": {}, "answer": None}
+        produced_allowed: dict[int, Any] = {}  # outputs of allow_inf modules: -inf is fine
+
+        def input_ok(t: torch.Tensor) -> torch.Tensor:
+            if id(t) in self.allowed_buffers or (
+                    id(t) in produced_allowed and produced_allowed[id(t)]() is t):
+                return ~torch.isnan(t).any()
+            return torch.isfinite(t).all()
 
         def hooks(model):
             hs = []
@@ -285,9 +292,8 @@ class Runner:
                     key = (name, self._mb)
                     call = state["starts"].get(key, 0)
                     state["starts"][key] = call + 1
-                    flags = [torch.isfinite(t).all() for t in tensor_leaves([list(args), kwargs])
-                             if t.is_floating_point() and t.numel()
-                             and id(t) not in self.allowed_buffers]
+                    flags = [input_ok(t) for t in tensor_leaves([list(args), kwargs])
+                             if t.is_floating_point() and t.numel()]
                     ok = torch.stack(flags).all() if flags else torch.tensor(True)
                     state["stack"].append((name, call, self._mb, ok))
 
@@ -295,6 +301,9 @@ class Runner:
                     i = state["i"]
                     state["i"] += 1
                     frame = state["stack"].pop()
+                    if name in self.allowed:
+                        for t in tensor_leaves(output):
+                            produced_allowed[id(t)] = weakref.ref(t)
                     if i == k:
                         chain = state["stack"] + [frame]
                         oks = torch.stack([f[3] for f in chain]).tolist()  # the one read
