@@ -1,0 +1,465 @@
+"""Models with planted bugs for the end-to-end replay tests (``tests/test_replay_e2e.py``).
+
+Unlike ``models.py`` (recorder tests), nothing here is switched on by a flag that the training
+loop flips: a replay rebuilds the model from its factory, so every bug must come back from what
+a bundle holds, the weights, the batch and the RNG states. Each bug therefore fires on data the
+loop feeds at a known step (a scaled batch, a zero row, a padded sequence), on the dropout
+draw, or on a hyper-parameter; only ``CountedNet`` depends on hidden process state, on purpose,
+to make an event the replay cannot reproduce.
+
+Every factory is named ``make_*`` and returns a fresh model; the tests pass
+``factory="replay_models:make_*"`` to the recorder and replay from this directory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+D_IN, HIDDEN, N_CLASSES, BATCH = 4, 8, 3, 8
+
+
+def batch(step: int, n: int = BATCH, d_in: int = D_IN, n_classes: int = N_CLASSES):
+    """The (x, y) of a step: deterministic, independent of the global RNG."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(n, d_in, generator=g)
+    y = torch.randint(0, n_classes, (n,), generator=g)
+    return x, y
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) a custom op: log of a value that goes negative when the batch is scaled up
+
+
+class ShiftedLog(nn.Module):
+    """log(x + 3): finite for the small activations of normal batches, NaN below -3."""
+
+    def forward(self, x):
+        return torch.log(x + 3.0)  # BUG: no clamp, x < -3 gives NaN
+
+
+class LogNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.act = ShiftedLog()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.act(self.lin(x)))
+
+
+def make_log_net() -> nn.Module:
+    return LogNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) plain MLP (bad data) and (i) structured batches
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLASSES))
+
+
+class DictNet(nn.Module):
+    """Takes ``{"image": ..., "extra": ...}``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D_IN, HIDDEN)
+        self.b = nn.Linear(D_IN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, batch):
+        return self.head(torch.relu(self.a(batch["image"]) + self.b(batch["extra"])))
+
+
+def make_dict_net() -> nn.Module:
+    return DictNet()
+
+
+class TupleNet(nn.Module):
+    """Takes ``(x, extra)`` as one positional argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D_IN, HIDDEN)
+        self.b = nn.Linear(D_IN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, pair):
+        x, extra = pair
+        return self.head(torch.relu(self.a(x) + self.b(extra)))
+
+
+def make_tuple_net() -> nn.Module:
+    return TupleNet()
+
+
+class KwargNet(nn.Module):
+    """``model(x, scale=s)``: log of the scaled hidden features, NaN where they pass -3."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.act = ShiftedLog()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x, *, scale=None):
+        h = self.lin(x)
+        if scale is not None:
+            h = h * scale
+        return self.head(self.act(h))
+
+
+def make_kwarg_net() -> nn.Module:
+    return KwargNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) backward only: the length of a feature vector, sqrt at 0 for an all-zero row
+
+
+class WithLength(nn.Module):
+    """Appends each row's Euclidean length. Forward finite for every input; the derivative of
+    sqrt at 0 is +inf, so an all-zero row gives inf (SqrtBackward0), then 0 * inf = NaN."""
+
+    def forward(self, h):
+        length = torch.sqrt((h * h).sum(dim=-1, keepdim=True))  # BUG: no eps under the sqrt
+        return torch.cat([h, length], dim=-1)
+
+
+class LengthNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN, bias=False)  # a zero input row stays zero
+        self.feat = WithLength()
+        self.head = nn.Linear(HIDDEN + 1, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.feat(self.lin(x)))
+
+
+def make_length_net() -> nn.Module:
+    return LengthNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) a tiny custom optimizer
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """Steps by the gradient's direction: p -= lr * g / |g|, 0/0 = NaN for a zero gradient."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                direction = p.grad / p.grad.norm()  # BUG: no eps
+                p.sub_(direction, alpha=group["lr"])
+
+
+class DeadUnitNet(nn.Module):
+    """A bias that receives no gradient once its unit is cut off: ``gate`` is 0 for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.side = nn.Linear(D_IN, 1)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x, gate):
+        return self.head(torch.relu(self.lin(x))) + self.side(x) * gate
+
+
+def make_dead_unit_net() -> dict:
+    return {"model": DeadUnitNet(), "optimizer": lambda groups: NormalizedSGD(groups)}
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) float16 overflow in one layer; (l) the same model under an LR spike
+
+
+class Fp16Net(nn.Module):
+    """The first layer runs in float16 (``.half()``): past 65504 its output is +-inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.half_lin = nn.Linear(D_IN, HIDDEN)
+        nn.init.normal_(self.half_lin.weight)  # unit variance: a gain above 1 for big inputs
+        self.half_lin.half()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        h = self.half_lin(x.half())  # float16: overflows when the batch holds large values
+        return self.head(torch.relu(h).float())
+
+
+def make_fp16_net() -> nn.Module:
+    return Fp16Net()
+
+
+class AmpNet(nn.Module):
+    """Trained under ``torch.autocast(dtype=float16)``: the first layer's matmul runs in
+    float16 and overflows for large inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        nn.init.normal_(self.lin.weight)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.lin(x)))
+
+
+def make_amp_net() -> nn.Module:
+    return AmpNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) a NaN that depends on the dropout draw
+
+
+class XLogX(nn.Module):
+    """x * log(x) for positive x: 0 * -inf = NaN where dropout zeroed an element."""
+
+    def forward(self, x):
+        return x * torch.log(x)  # BUG: 0 * log(0)
+
+
+class DropoutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.pos = nn.Softplus()
+        self.drop = nn.Dropout(0.05)
+        self.ent = XLogX()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.ent(self.drop(self.pos(self.lin(x)))))
+
+
+def make_dropout_net() -> nn.Module:
+    return DropoutNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) one module called three times per forward
+
+
+class SharedNet(nn.Module):
+    """``act`` (log(x + 3)) runs three times; only its third call (index 2) sees a signed
+    input, the first two see ReLU outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(D_IN, HIDDEN)
+        self.l2 = nn.Linear(HIDDEN, HIDDEN)
+        self.l3 = nn.Linear(D_IN, HIDDEN)
+        self.act = ShiftedLog()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        h = self.act(torch.relu(self.l1(x)))
+        h = self.act(torch.relu(self.l2(h)))
+        h = self.act(self.l3(x) + h)
+        return self.head(h)
+
+
+def make_shared_net() -> nn.Module:
+    return SharedNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# (h) functional code in a parent's own forward (a submodule, and the root)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        h = torch.log(self.inner(x) + 3.0)  # BUG: the block's own code, no child made it
+        return self.out(h)
+
+
+class ParentNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.block = Block()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.block(self.lin(x)))
+
+
+def make_parent_net() -> nn.Module:
+    return ParentNet()
+
+
+class RootNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        h = torch.log(self.lin(x) + 3.0)  # BUG: in the root's own forward
+        return self.head(h)
+
+
+def make_root_net() -> nn.Module:
+    return RootNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# (k) a causal transformer whose -inf mask leaves a fully masked row
+
+
+class MaskScores(nn.Module):
+    """Scores of hidden keys set to -inf; recorded with ``allow_inf=["*.mask"]``."""
+
+    def forward(self, scores, hidden):
+        return scores.masked_fill(hidden, float("-inf"))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, ctx: int, modules: bool = False):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("future", torch.ones(ctx, ctx, dtype=torch.bool).triu(1))
+        self.mask = MaskScores() if modules else None
+        self.softmax = nn.Softmax(dim=-1) if modules else None
+
+    def forward(self, x, pad):
+        t = x.shape[1]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        hidden = self.future[:t, :t] | pad[:, None, :]  # (B, T, T): future or padding keys
+        if self.mask is not None:  # the same, through modules
+            attn = self.softmax(self.mask(scores, hidden))  # BUG: as below
+            return self.proj(attn @ v)
+        scores = scores.masked_fill(hidden, float("-inf"))  # intentional -inf
+        attn = torch.softmax(scores, dim=-1)  # BUG: a row with every key hidden is NaN
+        return self.proj(attn @ v)
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, dim: int, ctx: int, modules: bool = False):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, ctx, modules)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x, pad):
+        x = x + self.attn(self.ln1(x), pad)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Token ids and a key-padding mask (True = padding) in, next-token logits out."""
+
+    def __init__(self, vocab: int = 11, dim: int = 16, ctx: int = 8, layers: int = 2,
+                 modules: bool = False):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(ctx, dim) * 0.02)
+        self.blocks = nn.ModuleList(TinyBlock(dim, ctx, modules) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx, pad):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for b in self.blocks:
+            x = b(x, pad)
+        return self.head(self.ln(x))
+
+
+def make_tiny_gpt() -> nn.Module:
+    return TinyGPT()
+
+
+def make_tiny_gpt_modules() -> nn.Module:
+    """Masking and softmax done by modules: ``blocks.<i>.attn.mask``, ``...attn.softmax``."""
+    return TinyGPT(modules=True)
+
+
+def token_batch(step: int, n: int = 4, ctx: int = 8, vocab: int = 11):
+    """(ids, pad mask, targets); no padding."""
+    g = torch.Generator().manual_seed(2000 + step)
+    seq = torch.randint(0, vocab, (n, ctx + 1), generator=g)
+    pad = torch.zeros(n, ctx, dtype=torch.bool)
+    return seq[:, :-1], pad, seq[:, 1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# (m) exp overflow, then inf - inf
+
+
+class ExpCentered(nn.Module):
+    """exp(x) minus its row mean: exp overflows float32 past 88.7, then inf - inf = NaN."""
+
+    def forward(self, x):
+        e = torch.exp(x)  # BUG: no max subtraction
+        return e - e.mean(dim=-1, keepdim=True)
+
+
+class ExpNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.expc = ExpCentered()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.expc(self.lin(x)))
+
+
+def make_exp_net() -> nn.Module:
+    return ExpNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# (n) a NaN that depends on hidden process state: not reproducible from a bundle
+
+CALLS = {"n": 0, "fire_at": -1, "every": 0}
+
+
+class Flaky(nn.Module):
+    """NaN on the forward whose number (a process-wide counter) is ``fire_at`` and, with
+    ``every`` set, on every ``every``-th forward after it: a stand-in for a transient fault or
+    a race, which a replay does not see again (or sees on one re-run and not the next)."""
+
+    def forward(self, x):
+        CALLS["n"] += 1
+        since = CALLS["n"] - CALLS["fire_at"]
+        if since == 0 or (CALLS["every"] and since > 0 and since % CALLS["every"] == 0):
+            return x * float("nan")
+        return x
+
+
+class CountedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.flaky = Flaky()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.flaky(self.lin(x)))
+
+
+def make_counted_net() -> nn.Module:
+    return CountedNet()

@@ -1,0 +1,567 @@
+"""End to end: record a real training loop until a planted bug fires, replay the bundle, and
+check what the report says about it.
+
+Every test trains a tiny model from ``replay_models`` with a real optimizer and a real loss under
+:class:`~recorder.FlightRecorder`, catches the :class:`~recorder.NonFiniteError`, replays the
+bundle with :func:`replay.replay` (the recorded factory is trusted because the tests run from
+this directory, where ``replay_models.py`` lives) and asserts the origin's phase, module, call,
+op, source line, samples and cause, and whether the event was reproduced.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from pathlib import Path
+
+import pytest
+import replay_models as R
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay import replay
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+K = 3  # the step at which the planted bugs fire
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    """Replay from the directory holding the factories' module, as a user runs nanreplay from
+    their project root."""
+    monkeypatch.chdir(HERE)
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def single(make):
+    """Turn ``make(step) -> (x, y)`` into the loop's micro-batch list ``[((x,), {}, y)]``."""
+
+    def batches(step):
+        x, y = make(step)
+        return [((x,), {}, y)]
+
+    return batches
+
+
+def record(factory: str, batches, out_dir: Path, *, steps: int = 6, lr: float = 0.05,
+           optimizer=None, loss_fn=None, at=None, autocast=None, **rec_kwargs):
+    """Train ``replay_models.<factory>()`` until the recorder raises; return (error, model,
+    optimizer). ``batches(step)`` gives the step's micro-batches as ``(args, kwargs, target)``;
+    the loss of each is divided by their number (gradient accumulation). ``at(step, opt)`` runs
+    before each step; ``autocast`` (a dtype): forward and loss run under CPU autocast."""
+    made = getattr(R, factory)()
+    model = made["model"] if isinstance(made, dict) else made
+    if optimizer is None:
+        optimizer = (made["optimizer"](model.parameters()) if isinstance(made, dict)
+                     else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    opt = optimizer
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                            factory=f"replay_models:{factory}", **rec_kwargs):
+            for step in range(steps):
+                if at is not None:
+                    at(step, opt)
+                mbs = batches(step)
+                opt.zero_grad()
+                for args, kwargs, y in mbs:
+                    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                        out = model(*args, **kwargs)
+                        loss = loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1)) / len(mbs)
+                    loss.backward()
+                opt.step()
+    err = info.value
+    assert err.bundle_path is not None and err.bundle_path.exists(), err
+    return err, model, opt
+
+
+def scaled_row(row: int, factor: float, step: int = K):
+    """Batches of ``replay_models.batch`` with one row multiplied by ``factor`` at ``step``."""
+
+    def make(s):
+        x, y = R.batch(s)
+        if s == step:
+            x[row] *= factor
+        return x, y
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------
+# assertions
+
+
+def source_of(obj, marker: str) -> str:
+    """``replay_models.py:<line>`` of the first line of ``obj``'s source containing ``marker``."""
+    lines, start = inspect.getsourcelines(obj)
+    hits = [start + i for i, text in enumerate(lines) if marker in text]
+    assert hits, f"{marker!r} not in the source of {obj}"
+    return f"{Path(inspect.getsourcefile(obj)).name}:{hits[0]}"
+
+
+def check_source(got: str | None, expected: str) -> None:
+    """Same file name and line number (the report's path is relative to the working dir)."""
+    assert got is not None, "the report names no source line"
+    path, _, line = got.rpartition(":")
+    assert (Path(path).name, line) == tuple(expected.split(":")), (got, expected)
+    assert Path(path).resolve() == (HERE / Path(path).name).resolve(), got
+
+
+def check(report: dict, **expected) -> None:
+    """Assert origin fields, reporting the whole origin on a mismatch."""
+    o = report["origin"]
+    got = {k: o.get(k) for k in expected}
+    assert got == expected, json.dumps({k: v for k, v in report.items() if k != "history"},
+                                       indent=1, default=str)
+
+
+def check_bisection(report: dict) -> None:
+    b = report["bisection"]
+    assert b is not None, "no bisection for a forward origin"
+    assert b["agrees"] is True, b
+    assert b["calls"] > 0
+    assert b["probes"] <= math.ceil(math.log2(b["calls"])) + 2, b
+
+
+def exit_code(bundle: Path) -> int:
+    """What ``nanreplay BUNDLE`` exits with (0 reproduced and localised, 1 not reproduced)."""
+    res = CliRunner().invoke(cli, [str(bundle), "--json"])
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.output
+    return res.exit_code
+
+
+def ops(chain: list[dict]) -> list[tuple[str, str]]:
+    return [(c["op"], c["made"]) for c in chain]
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) a custom op making NaN mid-network
+
+
+def test_custom_op_log_of_negative(tmp_path):
+    err, _, _ = record("make_log_net", single(scaled_row(5, 100.0)), tmp_path)
+    assert err.event["step"] == K and err.event["phase"] == "forward"
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="act", call=0, micro_batch=0, op="aten.log",
+          made="nan", inputs_finite=True, samples=[5])
+    check_source(rep["origin"]["source"], source_of(R.ShiftedLog, "torch.log"))
+    lo, hi = rep["origin"]["input_range"]  # what aten.log was given: x + 3 < 0 somewhere
+    assert lo < 0 < hi and math.isfinite(lo) and math.isfinite(hi)
+    assert ops(rep["origin"]["chain"]) == [("aten.log", "nan")]
+    assert rep["hint"] and "log" in rep["hint"]
+    check_bisection(rep)
+    assert exit_code(err.bundle_path) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) a NaN in one input sample
+
+
+def test_nan_in_one_input_sample(tmp_path):
+    def make(s):
+        x, y = R.batch(s)
+        if s == K:
+            x[2, 1] = float("nan")
+        return x, y
+
+    err, _, _ = record("make_mlp", single(make), tmp_path)
+    assert err.event["phase"] == "input"
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "input" and rep["reproduced"] is True
+    check(rep, phase="input", tensor="batch", samples=[2], micro_batch=0, made="nan")
+    assert "data" in rep["hint"]
+    assert exit_code(err.bundle_path) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) backward only: sqrt at 0
+
+
+def test_backward_only_sqrt_at_zero(tmp_path):
+    def make(s):
+        x, y = R.batch(s)
+        if s == K:
+            x[6] = 0.0  # an all-zero row: its hidden features are 0, their length sqrt(0)
+        return x, y
+
+    err, _, _ = record("make_length_net", single(make), tmp_path)
+    assert err.event["phase"] == "backward"
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True
+    check(rep, phase="backward", module="feat", op="SqrtBackward0", made="+inf")
+    check_source(rep["origin"]["source"], source_of(R.WithLength, "torch.sqrt"))
+    assert "lin.weight" in rep["origin"]["params"]
+    # anomaly mode only sees the NaN one node later (0 * inf in the square's backward)
+    assert rep["origin"]["anomaly_node"] != "SqrtBackward0"
+    assert rep["cause"] == "invalid"
+    assert exit_code(err.bundle_path) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) the optimizer turning finite gradients into NaN weights
+
+
+def nan_lr_at(k: int):
+    """A broken schedule: the learning rate becomes NaN at step ``k``."""
+
+    def at(step, opt):
+        if step == k:
+            for g in opt.param_groups:
+                g["lr"] = float("nan")
+
+    return at
+
+
+MLP_PARAMS = ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_optimizer_nan_lr_default_mode(tmp_path):
+    err, _, _ = record("make_mlp", single(R.batch), tmp_path, at=nan_lr_at(K))
+    assert err.event["phase"] == "optimizer" and err.event["step"] == K
+    rep = replay(err.bundle_path)
+    # the bundle holds the weights after the bad update: named, but the update is not re-run
+    assert rep["cause"] == "optimizer" and rep["reproduced"] is False
+    check(rep, phase="optimizer", params=MLP_PARAMS, param="0.weight")
+    assert any("guard_optimizer" in p for p in rep["problems"])
+    assert exit_code(err.bundle_path) == 1
+
+
+def test_optimizer_nan_lr_guarded(tmp_path):
+    err, _, _ = record("make_mlp", single(R.batch), tmp_path, at=nan_lr_at(K),
+                       guard_optimizer=True)
+    assert err.event["phase"] == "optimizer" and err.event["step"] == K
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "optimizer" and rep["reproduced"] is True
+    check(rep, phase="optimizer", params=MLP_PARAMS, param="0.weight")
+    assert rep["origin"]["op"] in ("aten.add_", "aten._foreach_add_"), rep["origin"]
+    # torch.optim.SGD's own code made it: no line of the user's (nor the replay's caller's)
+    assert rep["origin"]["source"] is None, rep["origin"]
+    assert exit_code(err.bundle_path) == 0
+
+
+def gate_off_at(k: int):
+    """The side branch is gated off (gate 0) at step ``k``: its gradient is exactly zero."""
+
+    def batches(step):
+        x, y = R.batch(step)
+        gate = torch.tensor(0.0 if step == k else 1.0)
+        return [((x, gate), {}, y)]
+
+    return batches
+
+
+def test_custom_optimizer_default_mode(tmp_path):
+    err, _, _ = record("make_dead_unit_net", gate_off_at(K), tmp_path)
+    assert err.event["phase"] == "optimizer"
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "optimizer" and rep["reproduced"] is False
+    check(rep, phase="optimizer", params=["side.weight", "side.bias"], param="side.weight")
+
+
+def test_custom_optimizer_guarded(tmp_path):
+    err, _, _ = record("make_dead_unit_net", gate_off_at(K), tmp_path, guard_optimizer=True)
+    assert err.event["phase"] == "optimizer" and err.event["step"] == K
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "optimizer" and rep["reproduced"] is True
+    check(rep, phase="optimizer", params=["side.weight", "side.bias"], param="side.weight",
+          op="aten.div")
+    check_source(rep["origin"]["source"], source_of(R.NormalizedSGD, "p.grad.norm()"))
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) float16 overflow in one layer
+
+
+def big_row(row: int, value: float, step: int = K):
+    def make(s):
+        x, y = R.batch(s)
+        if s == step:
+            x[row] = value  # finite in float16 (max 65504); the layer's output is not
+        return x, y
+
+    return make
+
+
+def test_float16_layer_overflow(tmp_path):
+    err, _, _ = record("make_fp16_net", single(big_row(4, 6e4)), tmp_path)
+    assert err.event["phase"] == "forward"
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "overflow"
+    check(rep, phase="forward", module="half_lin", call=0, op="aten.addmm", made="+inf",
+          samples=[4])
+    check_source(rep["origin"]["source"], source_of(R.Fp16Net.forward, "self.half_lin("))
+    assert rep["origin"]["input_range"][1] == 6e4
+    check_bisection(rep)
+
+
+def test_autocast_float16_overflow(tmp_path):
+    err, _, _ = record("make_amp_net", single(big_row(5, 6e4)), tmp_path,
+                       autocast=torch.float16)
+    assert err.event["phase"] == "forward" and err.event["module"] == "lin"
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "overflow"
+    check(rep, phase="forward", module="lin", call=0, op="aten.addmm", samples=[5])
+    check_source(rep["origin"]["source"], source_of(R.AmpNet.forward, "self.lin(x)"))
+    check_bisection(rep)
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) a NaN that depends on the dropout draw
+
+
+def test_dropout_dependent_nan_is_reproduced(tmp_path):
+    err, _, _ = record("make_dropout_net", single(R.batch), tmp_path, steps=30)
+    assert err.event["phase"] == "forward" and err.event["module"] == "ent"
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True  # the RNG state was restored: same dropout mask
+    check(rep, phase="forward", module="ent", call=0, op="aten.log", made="nan")
+    # the same rows as in training: the ones where dropout zeroed an element
+    assert rep["origin"]["samples"] == err.event["samples"] != []
+    assert len(rep["origin"]["samples"]) < R.BATCH
+    assert ops(rep["origin"]["chain"]) == [("aten.log", "-inf"), ("aten.mul", "nan")]
+    check_source(rep["origin"]["source"], source_of(R.XLogX, "torch.log"))
+    assert rep["cause"] == "invalid"
+    check_bisection(rep)
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) a module called three times per forward, NaN on the third call
+
+
+def test_shared_module_nan_on_call_2(tmp_path):
+    err, _, _ = record("make_shared_net", single(scaled_row(1, 100.0)), tmp_path)
+    assert err.event["call"] == 2
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="act", call=2, op="aten.log", samples=[1])
+    check_source(rep["origin"]["source"], source_of(R.ShiftedLog, "torch.log"))
+    check_bisection(rep)
+
+
+# ---------------------------------------------------------------------------------------------
+# (h) functional code in a parent's own forward
+
+
+def test_nan_in_parents_own_code(tmp_path):
+    err, _, _ = record("make_parent_net", single(scaled_row(1, 100.0)), tmp_path)
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    # the block made it (its child "inner" returned finite values, "out" only passed it on)
+    check(rep, phase="forward", module="block", call=0, op="aten.log", samples=[1])
+    check_source(rep["origin"]["source"], source_of(R.Block, "torch.log"))
+    check_bisection(rep)
+
+
+def test_nan_in_roots_own_code(tmp_path):
+    err, _, _ = record("make_root_net", single(scaled_row(1, 100.0)), tmp_path)
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True
+    check(rep, phase="forward", module="", call=0, op="aten.log", samples=[1])
+    check_source(rep["origin"]["source"], source_of(R.RootNet, "torch.log"))
+    check_bisection(rep)
+
+
+# ---------------------------------------------------------------------------------------------
+# (i) dict, tuple and keyword batches
+
+
+def test_dict_batch_input_path(tmp_path):
+    def batches(step):
+        x, y = R.batch(step)
+        extra = torch.ones_like(x)
+        if step == K:
+            x[3, 0] = float("inf")
+        return [(({"image": x, "extra": extra},), {}, y)]
+
+    err, _, _ = record("make_dict_net", batches, tmp_path)
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "input" and rep["reproduced"] is True
+    check(rep, phase="input", tensor='batch["image"]', samples=[3], made="+inf")
+
+
+def test_tuple_batch_input_path(tmp_path):
+    def batches(step):
+        x, y = R.batch(step)
+        extra = torch.ones_like(x)
+        if step == K:
+            extra[0, 2] = float("nan")
+            extra[6, 1] = float("-inf")
+        return [(((x, extra),), {}, y)]
+
+    err, _, _ = record("make_tuple_net", batches, tmp_path)
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "input"
+    check(rep, phase="input", tensor="batch[1]", samples=[0, 6], made="nan")
+
+
+def test_keyword_input_path(tmp_path):
+    def batches(step):
+        x, y = R.batch(step)
+        scale = torch.ones(R.BATCH, 1)
+        if step == K:
+            scale[4] = float("nan")
+        return [((x,), {"scale": scale}, y)]
+
+    err, _, _ = record("make_kwarg_net", batches, tmp_path)
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "input"
+    check(rep, phase="input", tensor='kwargs["scale"]', samples=[4], made="nan")
+
+
+def test_keyword_batch_forward_origin(tmp_path):
+    """A finite keyword argument that makes the forward NaN: the replay must pass it again."""
+
+    def batches(step):
+        x, y = R.batch(step)
+        scale = torch.ones(R.BATCH, 1)
+        if step == K:
+            scale[7] = 100.0
+        return [((x,), {"scale": scale}, y)]
+
+    err, _, _ = record("make_kwarg_net", batches, tmp_path)
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="act", call=0, op="aten.log", samples=[7])
+    check_bisection(rep)
+
+
+# ---------------------------------------------------------------------------------------------
+# (j) gradient accumulation, NaN in micro-batch 2
+
+
+def test_grad_accumulation_micro_batch_2(tmp_path):
+    def batches(step):
+        mbs = []
+        for i in range(3):
+            x, y = R.batch(10 * step + i)
+            if step == K and i == 2:
+                x[3] *= 100.0
+            mbs.append(((x,), {}, y))
+        return mbs
+
+    err, _, _ = record("make_log_net", batches, tmp_path)
+    assert err.event["micro_batch"] == 2
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="act", call=0, micro_batch=2, op="aten.log",
+          samples=[3])
+    check_source(rep["origin"]["source"], source_of(R.ShiftedLog, "torch.log"))
+    check_bisection(rep)
+
+
+# ---------------------------------------------------------------------------------------------
+# (k) the -inf mask of a causal transformer leaves a fully masked row: softmax makes NaN
+
+
+def test_fully_masked_row_softmax(tmp_path):
+    def batches(step):
+        idx, pad, y = R.token_batch(step)
+        if step == K:
+            pad[2, :2] = True  # left padding: query 0 of row 2 sees only a padding key
+        return [((idx, pad), {}, y)]
+
+    err, _, _ = record("make_tiny_gpt", batches, tmp_path, lr=0.01)
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="blocks.0.attn", call=0, samples=[2])
+    assert rep["origin"]["op"] in ("aten._softmax", "aten.softmax")
+    check_source(rep["origin"]["source"], source_of(R.Attention, "torch.softmax"))
+    chain = rep["origin"]["chain"]
+    assert [c["op"] for c in chain] == ["aten.masked_fill", rep["origin"]["op"]], chain
+    assert chain[0]["made"] == "-inf" and chain[0]["intentional"] is True
+    check_source(chain[0]["source"], source_of(R.Attention, "masked_fill"))
+    assert chain[1]["made"] == "nan" and chain[1]["intentional"] is False
+    check_bisection(rep)
+
+
+def test_allowed_inf_module_does_not_hide_softmax(tmp_path):
+    """The mask comes from a module allowed to hold -inf, and an ``nn.Softmax`` module takes
+    it: the -inf it receives is intentional, so the softmax module made the NaN, and the op
+    that turned the infinities into NaN is still named."""
+
+    def batches(step):
+        idx, pad, y = R.token_batch(step)
+        if step == K:
+            pad[1, :3] = True
+        return [((idx, pad), {}, y)]
+
+    err, _, _ = record("make_tiny_gpt_modules", batches, tmp_path, lr=0.01,
+                       allow_inf=["*.mask"])
+    assert err.event["step"] == K and err.event["module"] == "blocks.0.attn.softmax"
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="blocks.0.attn.softmax", call=0, samples=[1])
+    assert rep["origin"]["op"] in ("aten._softmax", "aten.softmax")
+    check_source(rep["origin"]["source"], source_of(R.Attention, "self.softmax(self.mask"))
+    chain = rep["origin"]["chain"]
+    assert (chain[-1]["op"], chain[-1]["made"]) == (rep["origin"]["op"], "nan"), chain
+    assert all(c["intentional"] for c in chain[:-1]), chain
+    check_bisection(rep)
+
+
+# ---------------------------------------------------------------------------------------------
+# (l) an LR spike three steps before an overflow
+
+
+def test_lr_spike_precursor(tmp_path):
+    def at(step, opt):
+        for g in opt.param_groups:
+            g["lr"] = 5.0 if step == K else 0.05  # a one-step spike (a schedule bug)
+
+    err, _, _ = record("make_fp16_net", single(big_row(4, 6e4, step=K + 3)), tmp_path,
+                       steps=K + 6, at=at)
+    assert err.event["step"] == K + 3
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "overflow" and rep["reproduced"] is True
+    check(rep, phase="forward", module="half_lin")
+    lr_jumps = [p for p in rep["precursors"] if p["kind"] == "lr_jump"]
+    assert [p["step"] for p in lr_jumps] == [K], rep["precursors"]
+    assert all(set(p) == {"step", "kind", "detail"} for p in rep["precursors"])
+    assert all(p["step"] <= K + 3 for p in rep["precursors"])
+
+
+# ---------------------------------------------------------------------------------------------
+# (m) exp overflows to +inf, then inf - inf makes NaN
+
+
+def test_exp_overflow_then_inf_minus_inf(tmp_path):
+    err, _, _ = record("make_exp_net", single(scaled_row(1, 100.0)), tmp_path)
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "overflow"
+    check(rep, phase="forward", module="expc", call=0, op="aten.exp", samples=[1])
+    chain = rep["origin"]["chain"]
+    assert ops(chain) == [("aten.exp", "+inf"), ("aten.sub", "nan")], chain
+    check_source(chain[0]["source"], source_of(R.ExpCentered, "torch.exp"))
+    check_source(chain[1]["source"], source_of(R.ExpCentered, "e - e.mean"))
+    check_bisection(rep)
+
+
+# ---------------------------------------------------------------------------------------------
+# (n) not reproducible
+
+
+def test_not_reproduced_when_the_nan_does_not_come_back(tmp_path):
+    R.CALLS.update(n=0, fire_at=K + 1, every=0)  # the 4th forward of the process: step 3
+    err, _, _ = record("make_counted_net", single(R.batch), tmp_path)
+    assert err.event["step"] == K and err.event["module"] == "flaky"
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is False and rep["cause"] == "not_reproduced"
+    assert rep["hint"] and rep["problems"]
+    assert exit_code(err.bundle_path) == 1
+
+
+def test_not_reproduced_when_reruns_disagree(tmp_path):
+    R.CALLS.update(n=0, fire_at=K + 1, every=2)  # from step 3 on, every other forward
+    err, _, _ = record("make_counted_net", single(R.batch), tmp_path)
+    assert err.event["step"] == K
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is False and rep["cause"] == "not_reproduced"
+    assert any("disagree" in p for p in rep["problems"]), rep["problems"]
