@@ -78,8 +78,11 @@ def to_text(report: dict[str, Any]) -> str:
 
 def info(path) -> dict[str, Any]:
     """What a bundle holds, from its header alone: nothing is imported or re-run."""
+    from .load import check_meta
+
     with BundleReader(path) as r:
         meta, entries = r.meta, r.entries
+    check_meta(meta, path)
     sizes: dict[str, dict[str, int]] = {}
     for name, _dtype, _shape, n in entries:
         group = next((g for p, g in _GROUPS.items() if name.startswith(p)), "other")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from recorder.bundle import BundleReader, write_bundle
 
-from .load import BATCH_PREFIXES, WEIGHT_PREFIXES
+from .load import BATCH_PREFIXES, WEIGHT_PREFIXES, check_meta
 
 PARTS = {"batch": BATCH_PREFIXES, "weights": WEIGHT_PREFIXES + ("loss/",)}
 
@@ -18,6 +18,7 @@ def strip(src: str | Path, dst: str | Path, parts: list[str]) -> Path:
     dst = Path(dst)
     stem = dst.name[:-4] if dst.name.endswith(".nan") else dst.name
     with BundleReader(src) as r:
+        check_meta(r.meta, src)
         meta = dict(r.meta)
         tensors = dict(r.tensors(lambda name: not name.startswith(drop)))
     meta["stripped"] = sorted(set(meta.get("stripped", [])) | set(parts))

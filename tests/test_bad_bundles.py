@@ -169,6 +169,34 @@ def _raw_header(head: bytes):
     return make
 
 
+def _meta(edit):
+    """Through write_bundle: a well-formed file whose JSON metadata is wrong."""
+    def make(base: Path, d: Path) -> Path:
+        def e(m):
+            edit(m)
+            return m
+        return rewrite(base, d / "meta.nan", meta=e)
+    return make
+
+
+def _set_event(key, value):
+    def edit(m):
+        if value is _DELETE:
+            del m["event"][key]
+        else:
+            m["event"][key] = value
+    return _meta(edit)
+
+
+def _set_meta(key, value):
+    def edit(m):
+        if value is _DELETE:
+            del m[key]
+        else:
+            m[key] = value
+    return _meta(edit)
+
+
 def _huge_declared(base: Path, d: Path) -> Path:
     return lying_frame(base, d / "huge.nan", 1 << 50)
 
@@ -226,6 +254,27 @@ CASES = [
      "metadata 'meta' is missing or not JSON; the file is corrupted", True),
     ("meta a JSON list", _set_md("meta", "[1, 2]"),
      "metadata 'meta' is not a JSON object; the file is corrupted", True),
+    ("meta without the event", _set_meta("event", _DELETE), "metadata lacks 'event'", True),
+    ("meta empty", _meta(lambda m: m.clear()), "metadata lacks 'event'", True),
+    ("event not an object", _set_meta("event", "step 37"),
+     "metadata 'event' is a string, not an object", True),
+    ("event without its step", _set_event("step", _DELETE), "metadata 'event' lacks 'step'",
+     True),
+    ("event step not an integer", _set_event("step", "37"),
+     "metadata 'event.step' is a string, not an integer", True),
+    ("event phase a list", _set_event("phase", ["forward"]),
+     "metadata 'event.phase' is a list, not a string or null", True),
+    ("model null", _set_meta("model", None), "metadata 'model' is null, not an object", True),
+    ("params an object", _set_meta("params", {"a": 1}),
+     "metadata 'params' is an object, not a list", True),
+    ("module entry without a name", _meta(lambda m: m["modules"][1].pop("name")),
+     "metadata 'modules' entry name is null, not a string", True),
+    ("micro-batch entry a number", _set_meta("micro_batches", [3]),
+     "metadata 'micro_batches' entry is an integer, not an object", True),
+    ("stripped entry a number", _set_meta("stripped", [1]),
+     "metadata 'stripped' entry is an integer, not a string", True),
+    ("factory a list", _set_meta("factory", ["evil", "make"]),
+     "metadata 'factory' is a list, not a string or null", True),
     ("no nanreplay metadata", _header(lambda h: h.pop("__metadata__")),
      "safetensors file without nanreplay metadata; pass a bundle written by the recorder",
      True),
