@@ -184,8 +184,10 @@ def build(step: Step, factory: str | None, device: str | None) -> None:
     if step.device.type == "cuda" and not torch.cuda.is_available():
         raise ReplayError(f"the bundle was recorded on {step.device} and this machine has no "
                           "CUDA device; pass --device cpu")
-    if "weights" in step.stripped:
-        step.problems.append("the weights were stripped from this bundle")
+    if step.stripped:  # the step cannot be re-run: report what the ring buffer tells
+        parts = sorted(set(step.stripped))
+        verb = "was" if parts == ["batch"] else "were"
+        step.problems.append(f"the {' and the '.join(parts)} {verb} stripped from this bundle")
         return
     spec = factory or meta.get("factory")
     if not spec:

@@ -255,19 +255,32 @@ def test_strip_never_overwrites(toy, tmp_path):
     assert out.read_bytes() == b"someone else's file"
 
 
-def test_replaying_a_weight_stripped_copy_reports_the_ring_buffer(toy, in_examples, tmp_path):
+@pytest.mark.parametrize("parts, note", [
+    (("batch",), "the batch was stripped from this bundle"),
+    (("weights",), "the weights were stripped from this bundle"),
+    (("batch", "weights"), "the batch and the weights were stripped from this bundle"),
+])
+def test_replaying_a_stripped_copy_exits_1_and_says_what_was_stripped(toy, in_examples, tmp_path,
+                                                                      parts, note):
     jump = with_precursor(toy, tmp_path / "jump.nan", step=30)
     out = tmp_path / "share.nan"
-    assert _strip(jump, out, "weights").exit_code == 0
+    assert _strip(jump, out, *parts).exit_code == 0
     r = invoke(out)
-    assert r.exit_code == 1, r.stderr
+    assert r.exit_code == 1, r.stdout + r.stderr
     assert r.stderr == ""
     lines = r.stdout.splitlines()
     assert lines[0] == "nanreplay: step 37, forward event — NOT reproduced"
-    assert "  origin     forward: nan made by norm" in lines
-    assert any("weights" in line and "stripped" in line for line in lines)
-    assert "  precursors" in lines
-    assert any(line.startswith("    step     30  loss_jump") for line in lines)
+    assert lines[1] == "  origin     forward: nan made by norm"
+    assert f"  note       {note}" in lines
+    assert lines[-2:] == ["  precursors", lines[-1]]
+    assert lines[-1].startswith("    step     30  loss_jump       loss ")
+    j = invoke("--json", out)
+    assert j.exit_code == 1
+    d = json.loads(j.stdout)
+    assert d["bundle"]["stripped"] == sorted(parts)
+    assert note in d["problems"]
+    assert d["reproduced"] is False
+    assert [p["kind"] for p in d["precursors"]] == ["loss_jump"]
 
 
 # ---------------------------------------------------------------------------------------------
