@@ -182,6 +182,9 @@ def build(step: Step, factory: str | None, device: str | None) -> None:
     meta = step.meta
     step.device = torch.device(device) if device else _recorded_device(meta)
     if step.device.type == "cuda" and not torch.cuda.is_available():
+        if device:
+            raise ReplayError(f"--device {device}: this machine has no CUDA device; pass "
+                              "--device cpu")
         raise ReplayError(f"the bundle was recorded on {step.device} and this machine has no "
                           "CUDA device; pass --device cpu")
     if step.stripped:  # the step cannot be re-run: report what the ring buffer tells

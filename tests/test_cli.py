@@ -211,6 +211,13 @@ def test_gpu_bundle_without_cuda_asks_for_device_cpu(toy, in_examples, no_cuda, 
                     "device; pass --device cpu")
 
 
+@pytest.mark.parametrize("recorded_on", ["cpu", "cuda"])
+def test_device_cuda_without_cuda_is_one_line(toy, in_examples, no_cuda, tmp_path, recorded_on):
+    b = toy if recorded_on == "cpu" else _on_cuda(toy, tmp_path / "gpu.nan")
+    assert one_error_line(invoke("--device", "cuda", b)) == (
+        "nanreplay: --device cuda: this machine has no CUDA device; pass --device cpu")
+
+
 # ---------------------------------------------------------------------------------------------
 # --strip
 
