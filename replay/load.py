@@ -181,17 +181,20 @@ def build(step: Step, factory: str | None, device: str | None) -> None:
     why they cannot be rebuilt)."""
     meta = step.meta
     step.device = torch.device(device) if device else _recorded_device(meta)
-    if step.device.type == "cuda" and not torch.cuda.is_available():
-        if device:
-            raise ReplayError(f"--device {device}: this machine has no CUDA device; pass "
-                              "--device cpu")
-        raise ReplayError(f"the bundle was recorded on {step.device} and this machine has no "
-                          "CUDA device; pass --device cpu")
+    no_cuda = step.device.type == "cuda" and not torch.cuda.is_available()
+    if no_cuda and device:
+        raise ReplayError(f"--device {device}: this machine has no CUDA device; pass "
+                          "--device cpu")
     if step.stripped:  # the step cannot be re-run: report what the ring buffer tells
+        if no_cuda:  # nothing runs, so a GPU bundle's copy is read here without --device cpu
+            step.device = torch.device("cpu")
         parts = sorted(set(step.stripped))
         verb = "was" if parts == ["batch"] else "were"
         step.problems.append(f"the {' and the '.join(parts)} {verb} stripped from this bundle")
         return
+    if no_cuda:
+        raise ReplayError(f"the bundle was recorded on {step.device} and this machine has no "
+                          "CUDA device; pass --device cpu")
     spec = factory or meta.get("factory")
     if not spec:
         raise ReplayError("the bundle names no model factory; pass --factory MOD:FN "

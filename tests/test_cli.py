@@ -290,6 +290,21 @@ def test_replaying_a_stripped_copy_exits_1_and_says_what_was_stripped(toy, in_ex
     assert [p["kind"] for p in d["precursors"]] == ["loss_jump"]
 
 
+def test_stripped_copy_of_a_gpu_bundle_reads_without_cuda_or_device_option(toy, in_examples,
+                                                                           no_cuda, tmp_path):
+    """Nothing is re-run from a stripped copy, so it needs no CUDA and no --device cpu."""
+    gpu = _on_cuda(with_precursor(toy, tmp_path / "jump.nan", step=30), tmp_path / "gpu.nan")
+    out = tmp_path / "share.nan"
+    assert _strip(gpu, out, "weights").exit_code == 0
+    r = invoke(out)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert lines[0] == "nanreplay: step 37, forward event — NOT reproduced"
+    assert "  note       the weights were stripped from this bundle" in lines
+    assert lines[-1].startswith("    step     30  loss_jump       loss ")
+
+
 # ---------------------------------------------------------------------------------------------
 # usage
 
