@@ -143,10 +143,13 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
                 found = importlib.util.find_spec(top)
             except (ImportError, ValueError):
                 found = None
-            origin = found.origin if found and found.origin else None
+            # built-in and frozen modules have an origin ("built-in", "frozen") but no file
+            origin = found.origin if found and found.has_location else None
             if found is not None and found.submodule_search_locations:
                 origin = next(iter(found.submodule_search_locations), origin)
-        if origin is None or not _under(Path(origin), Path(cwd)):
+        trusted = origin is not None and Path(origin).is_absolute() \
+            and _under(Path(origin), Path(cwd))
+        if not trusted:
             raise FactoryRefused(
                 f"the bundle's factory {spec!r} is not a module under the current directory "
                 f"({cwd}); nanreplay imports a recorded factory only from there. Run from the "

@@ -178,6 +178,23 @@ def test_recorded_library_factory_is_refused(fac, tmp_path, spec):
     assert f"  note       {refusal(spec)}" in r.stdout.splitlines()
 
 
+@pytest.mark.parametrize("spec", ["__hello__:main", "xxsubtype:spamdict"])
+def test_recorded_frozen_or_builtin_module_is_refused(fac, tmp_path, spec):
+    """Frozen and built-in modules not imported yet have an origin ('frozen', 'built-in') that
+    is not a file: it must not count as 'under the current directory'."""
+    mod = spec.partition(":")[0]
+    assert mod not in sys.modules
+    b = with_factory(fac.bundle, tmp_path / "frozen.nan", spec)
+    try:
+        r = run(b)
+        assert r.exit_code == 1, r.stdout + r.stderr
+        assert f"  note       {refusal(spec)}" in r.stdout.splitlines()
+        assert "Hello world!" not in r.stdout
+        assert mod not in sys.modules
+    finally:
+        sys.modules.pop(mod, None)
+
+
 @pytest.mark.parametrize("cwd", ["project", "elsewhere"])
 def test_info_imports_nothing(fac, monkeypatch, cwd):
     if cwd == "project":
