@@ -341,7 +341,11 @@ class BundleReader:
             if name in self._complex:
                 t = torch.view_as_complex(t)
             yield name, t
-        if self._stream.read(1):
+        try:
+            trailing = self._stream.read(1)
+        except zstandard.ZstdError:  # bytes after the frame that are not a zstd frame
+            trailing = True
+        if trailing:
             raise self._fail("trailing data after the last tensor", "the file is corrupted")
 
     def _buffer(self, n: int, name: str) -> tuple[torch.Tensor, memoryview]:
