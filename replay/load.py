@@ -164,6 +164,17 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
     if not callable(obj):
         raise ReplayError(f"factory {spec!r} is not callable; pass --factory MOD:FN naming a "
                           "function that returns the model")
+    if not explicit:
+        # The attribute path may lead out of the trusted module ('mod:os.fork', 'mod:torch.x'):
+        # call only what is defined in a module under cwd as well.
+        home = getattr(obj, "__module__", None)
+        where = getattr(sys.modules.get(home) if isinstance(home, str) else None, "__file__",
+                        None)
+        if not (where and Path(where).is_absolute() and _under(Path(where), Path(cwd))):
+            raise FactoryRefused(
+                f"the bundle's factory {spec!r} is {home}.{getattr(obj, '__qualname__', '?')}, "
+                f"which is not defined under the current directory ({cwd}); nanreplay calls a "
+                f"recorded factory only from there. Pass --factory {spec} to trust it")
     return obj
 
 

@@ -195,6 +195,42 @@ def test_recorded_frozen_or_builtin_module_is_refused(fac, tmp_path, spec):
         sys.modules.pop(mod, None)
 
 
+def test_recorded_attribute_path_out_of_the_module_under_cwd_is_not_called(fac, tmp_path,
+                                                                            monkeypatch):
+    """``mod:helper.make`` where ``mod`` is under cwd but ``helper`` is code from elsewhere that
+    ``mod`` imported: the module is trusted, the function it leads to is not."""
+    outside = tmp_path / "site"
+    outside.mkdir()
+    helper = f"helper_{uuid.uuid4().hex[:12]}"
+    called = tmp_path / "called"
+    (outside / f"{helper}.py").write_text(
+        f"from pathlib import Path\n\ndef make():\n    Path({str(called)!r}).write_text('x')\n")
+    (fac.dir / f"{fac.name}_uses.py").write_text(f"import {helper}\n")
+    monkeypatch.syspath_prepend(str(outside))
+    monkeypatch.chdir(fac.dir)
+    spec = f"{fac.name}_uses:{helper}.make"
+    try:
+        r = run(with_factory(fac.bundle, tmp_path / "attr.nan", spec))
+        assert r.exit_code == 1, r.stdout + r.stderr
+        assert f"  note       the bundle's factory {spec!r} is {helper}.make, which is not " \
+            f"defined under the current directory ({fac.dir}); nanreplay calls a recorded " \
+            f"factory only from there. Pass --factory {spec} to trust it" in r.stdout.splitlines()
+        assert not called.exists()
+    finally:
+        sys.modules.pop(f"{fac.name}_uses", None)
+        sys.modules.pop(helper, None)
+
+
+def test_recorded_attribute_path_to_a_builtin_is_not_called(fac, monkeypatch, tmp_path):
+    """``os.getpid`` reached through torch, itself reached through the trusted module."""
+    monkeypatch.chdir(fac.dir)
+    spec = f"{fac.name}:torch.os.getpid"
+    r = run(with_factory(fac.bundle, tmp_path / "pid.nan", spec))
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert f"the bundle's factory {spec!r} is posix.getpid, which is not defined under the " \
+        "current directory" in r.stdout
+
+
 @pytest.mark.parametrize("cwd", ["project", "elsewhere"])
 def test_info_imports_nothing(fac, monkeypatch, cwd):
     if cwd == "project":
