@@ -10,6 +10,9 @@ from recorder.bundle import BundleReader, write_bundle
 from .load import BATCH_PREFIXES, WEIGHT_PREFIXES, check_meta
 
 PARTS = {"batch": BATCH_PREFIXES, "weights": WEIGHT_PREFIXES + ("loss/",)}
+# per micro-batch metadata that holds batch contents: the input and loss-argument trees (their
+# JSON leaves) and the readable paths (dict keys) of their tensors
+BATCH_META_KEYS = ("inputs", "loss_inputs", "paths", "loss_paths")
 
 
 def strip(src: str | Path, dst: str | Path, parts: list[str]) -> Path:
@@ -21,6 +24,10 @@ def strip(src: str | Path, dst: str | Path, parts: list[str]) -> Path:
         check_meta(r.meta, src)
         meta = dict(r.meta)
         tensors = dict(r.tensors(lambda name: not name.startswith(drop)))
+    if "batch" in parts:
+        # The batch's non-tensor values (strings, numbers, dict keys) live in the metadata.
+        meta["micro_batches"] = [{k: v for k, v in mb.items() if k not in BATCH_META_KEYS}
+                                 for mb in meta.get("micro_batches", [])]
     meta["stripped"] = sorted(set(meta.get("stripped", [])) | set(parts))
     dst.parent.mkdir(parents=True, exist_ok=True)
     return write_bundle(dst.parent, stem, meta, tensors)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 from bundles import EXAMPLES, ROOT, TOY_REPORT, rewrite, shared_toy_bundle, with_precursor
 from click.testing import CliRunner
 
@@ -251,6 +252,58 @@ def test_strip_writes_a_copy_without_those_tensors(toy, tmp_path, parts, gone):
     assert meta["stripped"] == sorted(parts)
     assert meta["event"] == orig_meta["event"]
     assert meta["env"] == orig_meta["env"]
+
+
+SECRET = "alice@example.com"
+
+
+def _batch_with_json_leaves(src: Path, dst: Path) -> Path:
+    """``src`` as the recorder writes a batch that holds non-tensor values: strings and numbers
+    travel in the metadata (``micro_batches[i]['inputs']``), not as tensors."""
+    def edit(m):
+        mb = m["micro_batches"][0]
+        mb["inputs"]["$list"][1] = {"$dict": [["note", SECRET], ["ids", {"$list": [17, 42]}]]}
+        mb["paths"]["batch/0/0"] = f'[0][{SECRET!r}]'
+        mb["loss_inputs"]["$list"][1] = {"$dict": [["tag", SECRET]]}
+        return m
+
+    return rewrite(src, dst, meta=edit)
+
+
+def test_strip_batch_drops_the_batch_values_kept_in_the_metadata(toy, tmp_path):
+    b = _batch_with_json_leaves(toy, tmp_path / "leafy.nan")
+    assert SECRET in json.dumps(read_bundle(b)[0])
+    out = tmp_path / "share.nan"
+    assert _strip(b, out, "batch").exit_code == 0
+    meta, _ = read_bundle(out)
+    assert SECRET not in json.dumps(meta)
+    assert SECRET.encode() not in zstandard.ZstdDecompressor().decompress(out.read_bytes())
+    assert meta["event"] == read_bundle(b)[0]["event"]
+    before = read_bundle(b)[0]["micro_batches"][0]
+    assert meta["micro_batches"] == [{k: v for k, v in before.items() if k not in (
+        "inputs", "loss_inputs", "paths", "loss_paths")}]
+
+
+def test_input_event_of_a_batch_stripped_copy_is_reported_from_the_event(toy, in_examples,
+                                                                          tmp_path):
+    def to_input(m):
+        m["event"].update(phase="input", module="", tensor="batch", samples=[5], kind="nan",
+                          detail="non-finite value in the model's input batch")
+        return m
+
+    def nan_row(t):
+        t["batch/0/0"] = t["batch/0/0"].clone()
+        t["batch/0/0"][5] = float("nan")
+        return t
+
+    b = rewrite(toy, tmp_path / "input.nan", meta=to_input, tensors=nan_row)
+    out = tmp_path / "share.nan"
+    assert _strip(b, out, "batch").exit_code == 0
+    r = invoke(out)
+    assert r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert lines[1:3] == ["  origin     input: nan made by the input batch", "  samples    [5]"]
+    assert "  note       the batch was stripped from this bundle" in lines
 
 
 def test_strip_never_overwrites(toy, tmp_path):
