@@ -15,6 +15,7 @@ import ctypes
 import json
 import math
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,9 @@ def write_bundle(out_dir: str | os.PathLike, stem: str, meta: dict[str, Any],
             complex_keys.append(name)
     head, data_size = header_bytes(meta, entries, complex_keys)
     total = 8 + len(head) + data_size
-    tmp = out_dir / f".{stem}.{os.getpid()}.tmp"
+    # one temporary per process *and thread*: two threads writing the same stem at once
+    # (two recorders in one process) must not share, truncate or unlink each other's file
+    tmp = out_dir / f".{stem}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         with open(tmp, "wb") as f:
             cctx = zstandard.ZstdCompressor(level=level, threads=-1, write_checksum=True,
