@@ -132,15 +132,17 @@ def write_bundle(out_dir: str | os.PathLike, stem: str, meta: dict[str, Any],
         with open(tmp, "wb") as f:
             cctx = zstandard.ZstdCompressor(level=level, threads=-1, write_checksum=True,
                                             write_content_size=True)
-            with cctx.stream_writer(f, size=total, closefd=False,
-                                    write_size=_CHUNK) as zf:
-                zf.write(len(head).to_bytes(8, "little"))
-                zf.write(head)
-                for _, t in entries:
-                    host, view = _host_bytes(t)
-                    for start in range(0, len(view), 64 * _CHUNK):
-                        zf.write(view[start:start + 64 * _CHUNK])
-                    del host, view
+            # no `with`: its exit would end the frame even after a failed write, and the
+            # frame's "Src size is incorrect" would replace the real error (ENOSPC, ...)
+            zf = cctx.stream_writer(f, size=total, closefd=False, write_size=_CHUNK)
+            zf.write(len(head).to_bytes(8, "little"))
+            zf.write(head)
+            for _, t in entries:
+                host, view = _host_bytes(t)
+                for start in range(0, len(view), 64 * _CHUNK):
+                    zf.write(view[start:start + 64 * _CHUNK])
+                del host, view
+            zf.close()  # ends the frame; f stays open (closefd=False)
             f.flush()
             os.fsync(f.fileno())
         path = _link_unique(tmp, out_dir, stem)
