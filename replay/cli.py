@@ -70,7 +70,10 @@ def _run(bundle, as_json, html_path, info, factory, device, strip_parts, output)
                                    ctx=click.get_current_context())
         from .strip import strip
 
-        path = strip(bundle, output, list(strip_parts))
+        try:
+            path = strip(bundle, output, list(strip_parts))
+        except OSError as e:  # reading errors are BundleErrors: this is the copy's path
+            raise ReplayError(f"cannot write {output} ({e.strerror or e})") from None
         click.echo(f"wrote {path} without {', '.join(strip_parts)}")
         return 0
     if info:
@@ -89,6 +92,10 @@ def _run(bundle, as_json, html_path, info, factory, device, strip_parts, output)
     if html_path is not None:
         from .html import render_html
 
-        html_path.write_text(render_html(report, report["history"]), encoding="utf-8")
+        try:
+            html_path.write_text(render_html(report, report["history"]), encoding="utf-8")
+        except OSError as e:
+            raise ReplayError(f"cannot write the HTML report to {html_path} "
+                              f"({e.strerror or e})") from None
     click.echo(reports.to_json(report) if as_json else reports.to_text(report))
     return 0 if report["reproduced"] and report["origin"].get("phase") else 1

@@ -138,6 +138,20 @@ def test_html_writes_a_page_and_still_prints_the_report(toy, in_examples, tmp_pa
     assert "aten.div" in text and 'id="verdict"' in text
 
 
+def test_html_to_a_path_that_cannot_be_written_is_one_line(toy, in_examples, tmp_path):
+    page = tmp_path / "no-such-dir" / "report.html"
+    assert one_error_line(invoke("--html", page, toy)) == (
+        f"nanreplay: cannot write the HTML report to {page} (No such file or directory)")
+
+
+def test_strip_to_a_path_that_cannot_be_written_is_one_line(toy, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "share.nan"
+    assert one_error_line(invoke("--strip", "batch", "-o", out, toy)) == (
+        f"nanreplay: cannot write {out} (File exists)")
+
+
 def test_python_dash_m_replay_runs_the_same_command(toy):
     proc = subprocess.run([sys.executable, "-m", "replay", "--json", str(toy)], cwd=EXAMPLES,
                           capture_output=True, text=True, timeout=120,
