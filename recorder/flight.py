@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from . import events
 from .capture import RngCapture, distributed_rank, git_commit, tensor_leaves
@@ -136,6 +137,7 @@ class FlightRecorder:
         self._guard: dict[str, Any] | None = None
         self._last_tape: Tape | None = None
         self._buffers: list = []
+        self._volatile_buffers: set[str] = set()
         self._commit = git_commit()
         self._capture_rng = RngCapture()
         self._internal_errors = 0
@@ -167,6 +169,11 @@ class FlightRecorder:
         self._params = list(model.named_parameters())
         self._param_index = {id(p): i for i, (_, p) in enumerate(self._params)}
         self._buffers = list(model.named_buffers())
+        # BatchNorm-style layers update their running statistics inside the kernel, which
+        # does not move the version counter: copy those at every step start.
+        self._volatile_buffers = {f"{n}.{b}" if n else b for n, m in named
+                                  if isinstance(m, _NormBase)
+                                  for b, _ in m.named_buffers(recurse=False)}
         self._allowed_buffers = {id(b): weakref.ref(b) for n, b in self._buffers
                                  if self._is_allowed(n)}
         # Only the root needs a pre-hook (it opens steps); every call is recorded when it
@@ -407,11 +414,14 @@ class FlightRecorder:
         """Keep the pre-step value of buffers that forwards change (BatchNorm statistics).
 
         A buffer is copied at the start of a step when it is new or changed since the last
-        start (its version counter moved), so static ones (masks) cost nothing.
+        start (its version counter moved), so static ones (masks) cost nothing; the copy of
+        one that did not move still holds its pre-step value. BatchNorm statistics, which
+        change without moving the counter, are copied every time.
         """
         src, dst = [], []
         for name, b in self._buffers:
-            if b.numel() == 0 or self._buffer_versions.get(name) == b._version:
+            if b.numel() == 0 or (self._buffer_versions.get(name) == b._version
+                                  and name not in self._volatile_buffers):
                 continue
             copy = self._buffer_copies.get(name)
             if copy is None or copy.shape != b.shape or copy.dtype != b.dtype:

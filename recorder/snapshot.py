@@ -64,8 +64,10 @@ def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], 
             tensors[f"grads/{name}"] = g.detach()
     meta["buffers"] = []
     for name, b in rec._buffers:
-        copied = tape is not None and name in tape.copied_buffers
-        tensors[f"buffers/{name}"] = (rec._buffer_copies[name] if copied else b).detach()
+        # the copy from the last step start at which the buffer had changed is its pre-step
+        # value, also when this step's forward changed it (even if it rarely changes)
+        copy = rec._buffer_copies.get(name) if tape is not None else None
+        tensors[f"buffers/{name}"] = (copy if copy is not None else b).detach()
         meta["buffers"].append(name)
     if model is not None:
         meta["model"] = {"class": qualname(model), "training": model.training}

@@ -1,0 +1,137 @@
+"""Hooks firing from several threads: one event, exactly one bundle."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import models as M
+import pytest
+import torch
+from models import bundles, check_event
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
+
+K = 3
+
+
+def test_branches_in_a_thread_pool_both_nan(out_dir):
+    """The model's forward runs two branches in worker threads; both make NaN at step K."""
+    model = M.TwoBranchThreaded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    try:
+        with pytest.raises(NonFiniteError) as info:
+            with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+                M.train(model, opt, crit, 6, at=M.arm_at(K, model.left[1], model.right[1]))
+    finally:
+        model.pool.shutdown()
+    err = info.value
+    assert bundles(out_dir) == [err.bundle_path]
+    check_event(err.event, step=K, phase="forward", call=0, micro_batch=0, inputs_finite=True,
+                kind="nan", module_type="models.LogOf")
+    assert err.event["module"] in ("left.1", "right.1")
+    meta, _ = read_bundle(err.bundle_path)
+    names = [m["name"] for m in meta["modules"]]
+    # every module call of the step was recorded, whichever thread ran it
+    assert sorted(names[i] for i, _ in meta["call_order"]) == sorted(names)
+
+
+def test_branches_in_a_thread_pool_train_cleanly(out_dir):
+    model = M.TwoBranchThreaded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    try:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            M.train(model, opt, crit, 5)
+    finally:
+        model.pool.shutdown()
+    assert rec.event is None and rec.step == 5 and bundles(out_dir) == []
+
+
+def test_two_threads_forward_backward_a_shared_model_warn(out_dir, caplog):
+    """Two threads run forward + backward at the same time (a barrier lines them up), the main
+    thread steps the optimizer; at step K both threads' batches hold a NaN."""
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    steps, n_threads = 6, 2
+    barrier = threading.Barrier(n_threads)
+    errors: list[BaseException] = []
+
+    def worker(step: int, t: int):
+        try:
+            x, y = M.batch(10 * step + t)
+            if step == K:
+                x[4, 0] = float("nan")
+            barrier.wait(timeout=30)
+            loss = crit(model(x), y) / n_threads
+            loss.backward()
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+            barrier.abort()
+
+    with caplog.at_level(logging.WARNING, logger="nanreplay"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, on_event="warn") as rec:
+            for step in range(steps):
+                opt.zero_grad()
+                threads = [threading.Thread(target=worker, args=(step, t))
+                           for t in range(n_threads)]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                opt.step()
+    assert errors == []
+    assert rec.step == steps
+    assert len(bundles(out_dir)) == 1 and rec.bundle_path == bundles(out_dir)[0]
+    check_event(rec.event, step=K, phase="input", module="", tensor="batch", samples=[4],
+                kind="nan")
+    assert rec.event["micro_batch"] in (0, 1)
+    warnings = [r for r in caplog.records if r.name == "nanreplay"]
+    assert len(warnings) == 1 and str(rec.bundle_path) in warnings[0].getMessage()
+    meta, t = read_bundle(rec.bundle_path)
+    assert len(meta["micro_batches"]) == n_threads  # one per thread's forward
+    for mb in range(n_threads):
+        assert torch.isnan(t[f"batch/{mb}/0"][4, 0])
+
+
+def test_two_threads_race_to_step_the_optimizer(out_dir):
+    """Both threads run forward + backward, then both call optimizer.step() at once: their
+    pre-hooks race to close the same step. A NaN at step K in both: one event, one bundle."""
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    crit = nn.CrossEntropyLoss()
+    barrier = threading.Barrier(2)
+    raised: list[NonFiniteError] = []
+    errors: list[BaseException] = []
+
+    def worker(t: int):
+        try:
+            for step in range(5):
+                x, y = M.batch(10 * step + t)
+                if step == K:
+                    x[1, 1] = float("nan")
+                barrier.wait(timeout=30)
+                crit(model(x), y).backward()
+                barrier.wait(timeout=30)  # no backward in flight while the weights change
+                try:
+                    opt.step()
+                except NonFiniteError as e:
+                    raised.append(e)
+        except BaseException as e:
+            errors.append(e)
+            barrier.abort()
+
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, on_event="warn") as rec:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert errors == [] and raised == []  # warn mode: nothing raised
+    assert len(bundles(out_dir)) == 1
+    assert rec.step == 5  # one step per iteration: the second pre-hook finds it closed
+    check_event(rec.event, step=K, phase="input", tensor="batch", samples=[1], kind="nan")

@@ -1,0 +1,114 @@
+"""A causal transformer whose attention mask holds -inf on purpose trains with no event."""
+
+from __future__ import annotations
+
+import models as M
+import pytest
+import torch
+from models import bundles, check_event
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+
+VOCAB = 11
+
+
+def _lm_train(model, steps, out_dir, **rec_kwargs):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, **rec_kwargs) as rec:
+        for step in range(steps):
+            idx, tgt = M.token_batch(step)
+            opt.zero_grad()
+            logits = model(idx)
+            loss = crit(logits.reshape(-1, VOCAB), tgt.reshape(-1))
+            loss.backward()
+            opt.step()
+    return rec
+
+
+@pytest.mark.parametrize("allow_inf", [[], ["*.mask"]])
+def test_inline_causal_mask_buffer_trains_without_event(out_dir, allow_inf):
+    model = M.TinyGPT(mask_module=False)
+    assert torch.isneginf(model.blocks[0].attn.mask).any()
+    rec = _lm_train(model, 4, out_dir, allow_inf=allow_inf)
+    assert rec.event is None and rec.step == 4 and bundles(out_dir) == []
+
+
+def test_mask_module_output_allowed_by_pattern(out_dir):
+    model = M.TinyGPT(mask_module=True)
+    rec = _lm_train(model, 4, out_dir, allow_inf=["*.mask"])
+    assert rec.event is None and rec.step == 4 and bundles(out_dir) == []
+
+
+def test_mask_module_output_without_pattern_is_an_event(out_dir):
+    with pytest.raises(NonFiniteError) as info:
+        _lm_train(M.TinyGPT(mask_module=True), 4, out_dir)
+    check_event(info.value.event, step=0, phase="forward", module="blocks.0.attn.mask",
+                module_type="models.MaskAdd", call=0, kind="-inf")
+
+
+def test_mask_module_nan_is_an_event_even_when_allowed(out_dir):
+    model = M.TinyGPT(mask_module=True)
+    mask = model.blocks[1].attn.mask
+
+    def poison(module, args, output):
+        if poison.armed:
+            return output.masked_fill(torch.isneginf(output), float("nan"))
+        return None
+
+    poison.armed = False
+    mask.register_forward_hook(poison)  # registered before the recorder's: it sees the NaN
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, allow_inf=["*.mask"]):
+            for step in range(5):
+                poison.armed = step == 2
+                idx, tgt = M.token_batch(step)
+                opt.zero_grad()
+                crit(model(idx).reshape(-1, VOCAB), tgt.reshape(-1)).backward()
+                opt.step()
+    check_event(info.value.event, step=2, phase="forward", module="blocks.1.attn.mask",
+                kind="nan", inputs_finite=True)
+
+
+class BufferMaskNet(nn.Module):
+    """Takes its own -inf ``mask`` buffer as a keyword input (as masks are passed to HF
+    models): a root input that may hold -inf when allowed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(M.D_IN, M.HIDDEN)
+        self.head = nn.Linear(M.HIDDEN, M.N_CLASSES)
+        mask = torch.zeros(M.HIDDEN)
+        mask[-2:] = -float("inf")
+        self.register_buffer("mask", mask)
+
+    def forward(self, x, mask):
+        return self.head(torch.softmax(self.lin(x) + mask, dim=-1))
+
+
+def _buffer_mask_train(out_dir, **kw):
+    model = BufferMaskNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, **kw) as rec:
+        for step in range(3):
+            x, y = M.batch(step)
+            opt.zero_grad()
+            crit(model(x, mask=model.mask), y).backward()
+            opt.step()
+    return rec
+
+
+def test_allowed_buffer_as_root_input(out_dir):
+    rec = _buffer_mask_train(out_dir, allow_inf=["mask"])
+    assert rec.event is None and rec.step == 3
+
+
+def test_buffer_as_root_input_not_allowed(out_dir):
+    with pytest.raises(NonFiniteError) as info:
+        _buffer_mask_train(out_dir)
+    check_event(info.value.event, step=0, phase="input", module="", tensor='kwargs["mask"]',
+                kind="-inf")
