@@ -219,33 +219,47 @@ class TwoBranchThreaded(nn.Module):
 
 
 class MaskAdd(nn.Module):
-    """Adds the -inf causal mask to attention scores: its output holds -inf by design."""
+    """Adds the -inf causal mask (its buffer ``causal``) to attention scores: its output holds
+    -inf by design."""
 
-    def forward(self, scores, mask):
-        return scores + mask
+    def __init__(self, ctx: int):
+        super().__init__()
+        self.register_buffer("causal", torch.full((ctx, ctx), -math.inf).triu(1))
+
+    def forward(self, scores):
+        t = scores.shape[-1]
+        return scores + self.causal[:t, :t]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, ctx: int):
+    """``mask_module=False``: a ``mask`` buffer added inline (GPT-2 style); True: a ``mask``
+    submodule (``MaskAdd``) whose output is the masked scores."""
+
+    def __init__(self, dim: int, ctx: int, mask_module: bool):
         super().__init__()
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
-        self.mask = MaskAdd()
-        self.register_buffer("causal", torch.full((ctx, ctx), -math.inf).triu(1))
+        if mask_module:
+            self.mask = MaskAdd(ctx)
+        else:
+            self.register_buffer("mask", torch.full((ctx, ctx), -math.inf).triu(1))
 
     def forward(self, x):
         t = x.shape[1]
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-        scores = self.mask(scores, self.causal[:t, :t])
+        if isinstance(self.mask, nn.Module):
+            scores = self.mask(scores)
+        else:
+            scores = scores + self.mask[:t, :t]
         return self.proj(torch.softmax(scores, dim=-1) @ v)
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, ctx: int):
+    def __init__(self, dim: int, ctx: int, mask_module: bool):
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, ctx)
+        self.attn = CausalSelfAttention(dim, ctx, mask_module)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
@@ -255,11 +269,12 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 11, dim: int = 16, ctx: int = 8, layers: int = 2):
+    def __init__(self, vocab: int = 11, dim: int = 16, ctx: int = 8, layers: int = 2,
+                 mask_module: bool = False):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(ctx, dim))
-        self.blocks = nn.ModuleList(Block(dim, ctx) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, ctx, mask_module) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
 
