@@ -29,10 +29,13 @@ TOY_SOURCE = EXAMPLES / "toy_model.py"
 
 def toy_bundle(out_dir: Path) -> Path:
     """The bundle of ``examples/train_toy.py`` (step 37, NaN made by ``aten.div`` in ``norm``)."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    from toy_model import make_model
-    from train_toy import batches
+    saved = list(sys.path)
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from toy_model import make_model  # stays in sys.modules, with its file in examples/
+        from train_toy import batches  # (which puts examples/ on sys.path too)
+    finally:
+        sys.path[:] = saved
 
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
