@@ -51,10 +51,12 @@ def _first_bad_tensor(obj: Any, prefix: str, skip=()) -> tuple[str, list[int], s
 def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
                module_names: list[str], module_types: list[str], param_names: list[str],
                params_from_update: bool, allowed: set[int],
-               param_tensors: list[torch.Tensor] | None = None) -> dict[str, Any]:
+               param_tensors: list[torch.Tensor] | None = None) -> dict[str, Any] | None:
     """The first offender of a step, in the order a value flows: weights (left by the last
     update), input, forward, loss, backward. ``param_tensors`` (the live parameters, in
-    ``param_names`` order) lets a gradient or weight event tell +Inf from -Inf."""
+    ``param_names`` order) lets a gradient or weight event tell +Inf from -Inf, and tells a
+    squared norm that overflowed float32 (finite values above ~1.8e19) from a non-finite
+    tensor: None when such overflows were the only non-finite statistics (no event)."""
     ev: dict[str, Any] = {"step": tape.step, "reason": reason, "phase": None, "module": None,
                           "module_type": None, "call": None, "micro_batch": None,
                           "inputs_finite": None, "kind": None, "params": [], "tensor": None,
@@ -67,7 +69,11 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
     # 0. weights: made by the last update, or already there. They were in place before this
     #    step began, so they come first: NaN weights make every later check fail too (the
     #    first Linear's output, the loss, the gradients) and would be blamed on those.
-    bad_params = [param_names[i] for i, k in layout.params if not math.isfinite(row[k])]
+    overflowed = False
+    bad_idx = [i for i, k in layout.params if not math.isfinite(row[k])]
+    really = _really_non_finite(bad_idx, param_tensors, grads=False)
+    overflowed |= len(really) < len(bad_idx)
+    bad_params = [param_names[i] for i in really]
     if bad_params:
         if params_from_update:
             return optimizer_event(tape.step - 1, bad_params, after_update=True,
@@ -130,15 +136,34 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
                                                "output is finite")
             return ev
     # 4. gradients
-    bad_grads = [param_names[i] for i, k in layout.grads if not math.isfinite(row[k])]
+    bad_idx = [i for i, k in layout.grads if not math.isfinite(row[k])]
+    really = _really_non_finite(bad_idx, param_tensors, grads=True)
+    overflowed |= len(really) < len(bad_idx)
+    bad_grads = [param_names[i] for i in really]
     if bad_grads:
         ev.update(phase="backward", params=bad_grads,
                   kind=_param_kind(row, layout.grads, param_tensors, grads=True),
                   detail=f"non-finite gradient in {len(bad_grads)} parameter(s), first "
                          f"{bad_grads[0]}")
         return ev
+    if overflowed:
+        return None  # only norms of huge but finite weights or gradients overflowed
     ev.update(phase="forward", detail="non-finite statistic with no identifiable source")
     return ev
+
+
+def _really_non_finite(indices: list[int], param_tensors, grads: bool) -> list[int]:
+    """Those of ``indices`` whose parameter (or gradient) holds a NaN/Inf. The row has their
+    squared norms, which overflow float32 for finite values above ~1.8e19; the tensors
+    decide (slow path). Without the tensors every index is taken at its word."""
+    if param_tensors is None:
+        return indices
+    out = []
+    for i in indices:
+        t = param_tensors[i].grad if grads else param_tensors[i]
+        if t is None or not bool(torch.isfinite(t.detach()).all()):
+            out.append(i)
+    return out
 
 
 def optimizer_event(step: int, params: list[str], *, after_update: bool,

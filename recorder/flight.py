@@ -529,15 +529,24 @@ class FlightRecorder:
             params_from_update=tape.params_from_update,
             allowed={i for i, n in enumerate(self._module_names) if self._is_allowed(n)},
             param_tensors=[p for _, p in self._params])
+        if event is None:  # false alarm: norms of huge but finite tensors overflowed
+            with self._lock:
+                self._fired = False
+            return
         self._write_and_report(tape, event)
 
     def _optimizer_event(self, bad: list[str]) -> None:
+        names = set(bad)
+        # norms overflow float32 for finite values above ~1.8e19: the weights decide
+        pairs = [(n, p) for n, p in self._params
+                 if n in names and not bool(torch.isfinite(p).all())]
+        if not pairs:
+            return
+        bad, live = [n for n, _ in pairs], [p for _, p in pairs]
         with self._lock:
             if self._fired:
                 return
             self._fired = True
-        names = set(bad)
-        live = [p for n, p in self._params if n in names]
         event = events.optimizer_event(self._step - 1, bad, after_update=False,
                                        kind=events.tensors_kind(live) or "nan")
         tape = self._last_tape

@@ -10,7 +10,7 @@ from __future__ import annotations
 import models as M
 import pytest
 import torch
-from models import check_event, identical
+from models import bundles, check_event, identical
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -139,3 +139,51 @@ def test_weights_already_non_finite_at_attach(out_dir):
     err, _, steps_run = _train(model, opt, out_dir)
     check_event(err.event, step=0, phase="weights", params=["2.bias"], kind="nan")
     assert steps_run == [0]
+
+
+# ---------------------------------------------------------------------------------------------
+# huge but finite: float32 squared norms overflow above ~1.8e19, the values do not
+
+
+def _huge_but_finite_model():
+    model = M.mlp()
+    with torch.no_grad():
+        model[2].bias[0] = 2e19  # finite; its square (4e38) is not
+    return model
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_huge_finite_weight_is_no_event(out_dir, guard):
+    model = _huge_but_finite_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=guard) as rec:
+        M.train(model, opt, crit, 3)
+        for p in model.parameters():
+            assert torch.isfinite(p).all() and torch.isfinite(p.grad).all()
+    assert rec.event is None and rec.step == 3 and bundles(out_dir) == []
+
+
+def test_huge_finite_gradient_is_no_event(out_dir):
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def huge_loss(out, y):
+        return out[:, 0].sum() * 1e19  # gradients of 1e19 * 8 rows: finite, square is not
+
+    with FlightRecorder(model, opt, loss_fn=huge_loss, out_dir=out_dir) as rec:
+        M.train(model, opt, huge_loss, 3, rec=rec)
+        assert torch.isfinite(model[2].weight.grad).all()
+        assert model[2].bias.grad.abs().max() > 2e19
+    assert rec.event is None and rec.step == 3 and bundles(out_dir) == []
+
+
+def test_huge_finite_weight_does_not_hide_a_real_nan(out_dir):
+    model = _huge_but_finite_model()
+    model = nn.Sequential(*model[:2], M.LogOf(), model[2])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            M.train(model, opt, crit, 6, at=M.arm_at(K, model[2]))
+    check_event(info.value.event, step=K, phase="forward", module="2", kind="nan")
