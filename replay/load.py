@@ -306,10 +306,20 @@ def _load_weights(step: Step, model: nn.Module) -> None:
         new = nn.Parameter(w.to(dev), requires_grad=p.requires_grad)
         done[id(p)] = new
         _set(model, name, new, param=True)
+    model_buffers = dict(model.named_buffers(remove_duplicate=False))
     for name in meta.get("buffers", []):
         key = f"buffers/{name}"
-        if key in t:
-            _set(model, name, t[key].to(dev), param=False)
+        if key not in t:
+            continue
+        if name not in model_buffers:
+            raise ReplayError(f"the model from the factory has no buffer {name!r} that the "
+                              "bundle holds; pass --factory MOD:FN building the recorded model")
+        b, have = t[key], model_buffers[name]
+        if tuple(b.shape) != tuple(have.shape):
+            raise ReplayError(f"{key} has shape {list(b.shape)} in the bundle but "
+                              f"{list(have.shape)} in the model from the factory; the factory "
+                              "builds a different model: pass --factory MOD:FN")
+        _set(model, name, b.to(dev), param=False)
     for name, b in model.named_buffers():
         if b.is_meta:
             raise ReplayError(f"buffer {name!r} of the model is not in the bundle; pass "

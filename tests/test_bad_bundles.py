@@ -401,6 +401,89 @@ def test_weights_whose_shape_does_not_fit_the_model(toy, tmp_path, in_examples):
             "model from the factory; the factory builds a different model: pass --factory MOD:FN")
 
 
+SCALED = """
+import toy_model
+
+
+class Scaled(toy_model.Classifier):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(32))
+
+    def forward(self, x):
+        return super().forward(x * self.scale)
+
+
+def make_model():
+    return Scaled()
+"""
+
+
+@pytest.mark.parametrize("buffers, message", [
+    ({"scale": [1]}, "buffers/scale has shape [1] in the bundle but [32] in the model from the "
+                     "factory; the factory builds a different model: pass --factory MOD:FN"),
+    ({"scale": [2, 32]}, "buffers/scale has shape [2, 32] in the bundle but [32] in the model "
+                         "from the factory; the factory builds a different model: pass "
+                         "--factory MOD:FN"),
+    ({"scale": [32], "ghost": [32]}, "the model from the factory has no buffer 'ghost' that the "
+                                     "bundle holds; pass --factory MOD:FN building the recorded "
+                                     "model"),
+])
+def test_buffers_that_do_not_fit_the_model(toy, tmp_path, monkeypatch, buffers, message):
+    """A buffer of another shape must not be broadcast into the replay ([1] would be, silently),
+    nor a buffer the model does not have be added to it."""
+    import torch
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    mod = f"scaled_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{mod}.py").write_text("import torch\n" + SCALED)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    def meta(m):
+        m["factory"] = f"{mod}:make_model"
+        m["buffers"] = list(buffers)
+        return m
+
+    def tensors(t):
+        t.update({f"buffers/{name}": torch.ones(shape) for name, shape in buffers.items()})
+        return t
+
+    b = rewrite(toy, tmp_path / "b" / "buffers.nan", meta=meta, tensors=tensors)
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert one_error_line(run(b)) == f"nanreplay: {message}"
+    finally:
+        sys.modules.pop(mod, None)
+
+
+def test_buffers_that_fit_are_loaded(toy, tmp_path, monkeypatch):
+    """The control: the same factory with a recorded buffer of the right shape replays."""
+    import torch
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    mod = f"scaled_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{mod}.py").write_text("import torch\n" + SCALED)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    def meta(m):
+        m["factory"] = f"{mod}:make_model"
+        m["buffers"] = ["scale"]
+        return m
+
+    def tensors(t):
+        t["buffers/scale"] = torch.ones(32)
+        return t
+
+    b = rewrite(toy, tmp_path / "b" / "buffers.nan", meta=meta, tensors=tensors)
+    monkeypatch.chdir(tmp_path)
+    try:
+        r = run(b)
+        assert r.exit_code == 0, r.stdout + r.stderr
+        assert "made by aten.div in norm" in r.stdout
+    finally:
+        sys.modules.pop(mod, None)
+
+
 def test_factory_option_that_does_not_import(toy, in_examples):
     spec = f"nosuch_{uuid.uuid4().hex[:8]}:make_model"
     line = one_error_line(run("--factory", spec, toy))
