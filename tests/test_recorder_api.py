@@ -260,3 +260,22 @@ def test_non_finite_error_fields(out_dir):
     assert "First made by module '1' (models.LogOf, call 0, micro-batch 0)" in msg
     assert "whose inputs were finite" in msg
     assert f"nanreplay {err.bundle_path}" in msg
+
+
+def test_end_step_closes_a_step_without_optimizer(out_dir):
+    """A loop that updates by hand: ``end_step()`` closes each step (and checks it)."""
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf())
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, out_dir=out_dir) as rec:
+            for step in range(5):
+                model[1].armed = step == 2
+                x, _ = M.batch(step)
+                model.zero_grad()
+                model(x).mean().backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.01 * p.grad
+                rec.end_step()
+                assert rec.step == step + 1
+    check_event(info.value.event, step=2, phase="forward", module="1")
+    assert info.value.bundle_path.name == "step00000002-rank0.nan"

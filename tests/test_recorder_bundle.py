@@ -397,24 +397,21 @@ def test_write_failure_mid_file_removes_it_and_raises(out_dir, monkeypatch):
     assert all_files(out_dir) == []  # nothing left behind, not even a hidden temporary
 
 
-def test_write_failure_leaves_training_state_untouched(out_dir, monkeypatch):
+def test_write_failure_at_fsync_removes_the_file(out_dir, monkeypatch):
+    """The whole frame was written, then fsync failed: the complete-looking temporary must
+    not stay, nor get its final name."""
+
     def break_it():
         def fail(*a, **k):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(errno.EIO, "Input/output error")
 
         monkeypatch.setattr(bundle_mod.os, "fsync", fail)
 
-    model_box = {}
-    real_train = M.train
-
-    def spy_train(model, *a, **k):
-        model_box["model"] = model
-        return real_train(model, *a, **k)
-
-    monkeypatch.setattr(M, "train", spy_train)
     with pytest.raises(NonFiniteError) as info:
         _train_with_failing_write(out_dir, break_it)
-    assert info.value.bundle_path is None and info.value.write_error is not None
+    err = info.value
+    assert err.bundle_path is None and err.write_error.errno == errno.EIO
+    assert "Input/output error" in str(err)
     assert all_files(out_dir) == []
 
 
