@@ -285,9 +285,10 @@ def _load_weights(step: Step, model: nn.Module) -> None:
     have = {n for names in names_by_id.values() for n in names}
     missing = sorted(n for n in expected if n not in have)
     if missing:
-        raise ReplayError(f"the model from the factory has no parameter {missing[0]!r} "
-                          f"(and {len(missing) - 1} more) that the bundle holds; pass --factory "
-                          "MOD:FN building the recorded model")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ReplayError(f"the model from the factory has no parameter {missing[0]!r}{more} "
+                          "that the bundle holds; pass --factory MOD:FN building the recorded "
+                          "model")
     done: dict[int, nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in done:

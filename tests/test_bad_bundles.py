@@ -484,6 +484,43 @@ def test_buffers_that_fit_are_loaded(toy, tmp_path, monkeypatch):
         sys.modules.pop(mod, None)
 
 
+OTHER_MODELS = """
+import toy_model
+from torch import nn
+
+
+def no_head_bias():
+    m = toy_model.Classifier()
+    m.head = nn.Linear(64, 4, bias=False)
+    return m
+
+
+def no_encoder():
+    m = toy_model.Classifier()
+    m.encoder = nn.Identity()
+    m.head = nn.Linear(32, 4)
+    return m
+"""
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("no_head_bias", "the model from the factory has no parameter 'head.bias' that the bundle "
+                     "holds; pass --factory MOD:FN building the recorded model"),
+    ("no_encoder", "the model from the factory has no parameter 'encoder.0.bias' (and 3 more) "
+                   "that the bundle holds; pass --factory MOD:FN building the recorded model"),
+])
+def test_factory_option_building_another_model(toy, tmp_path, monkeypatch, fn, message):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    mod = f"others_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{mod}.py").write_text(OTHER_MODELS)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert one_error_line(run("--factory", f"{mod}:{fn}", toy)) == f"nanreplay: {message}"
+    finally:
+        sys.modules.pop(mod, None)
+
+
 def test_factory_option_that_does_not_import(toy, in_examples):
     spec = f"nosuch_{uuid.uuid4().hex[:8]}:make_model"
     line = one_error_line(run("--factory", spec, toy))
