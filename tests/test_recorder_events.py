@@ -476,3 +476,49 @@ def test_no_optimizer_steps_are_root_forwards(out_dir):
                     model(M.batch(step)[0])
     check_event(info.value.event, step=K, phase="forward", module="1")
     assert rec.step == K + 1
+
+
+def test_ring_history_values(out_dir):
+    """The ring's loss, norms, lr and per-call statistics of the steps before an event are
+    the values training actually had."""
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    crit = nn.CrossEntropyLoss()
+    seen = {"loss": [], "grad": [], "param": [], "lr": [], "out": []}
+    model[2].register_forward_hook(lambda m, a, out: seen["out"].append(out.detach().clone()))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, stats="full",
+                            lr_scheduler=sched):
+            for step in range(6):
+                x, y = nan_row_batch(0)(step)
+                opt.zero_grad()
+                loss = crit(model(x), y)
+                loss.backward()
+                seen["loss"].append(loss.item())
+                seen["grad"].append([p.grad.norm().item() for p in model.parameters()])
+                seen["param"].append([p.norm().item() for p in model.parameters()])
+                seen["lr"].append(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+    meta, t = read_bundle(info.value.bundle_path)
+    assert t["ring/loss"][:K].tolist() == pytest.approx(seen["loss"][:K], rel=1e-6)
+    assert t["ring/grad_norms"][:K].tolist() == [pytest.approx(g, rel=1e-5)
+                                                 for g in seen["grad"][:K]]
+    assert t["ring/param_norms"][:K].tolist() == [pytest.approx(p, rel=1e-5)
+                                                  for p in seen["param"][:K]]
+    total = [sum(g * g for g in row) ** 0.5 for row in seen["grad"][:K]]
+    assert t["ring/grad_norm"][:K].tolist() == pytest.approx(total, rel=1e-5)
+    assert t["ring/lr"][:, 0].tolist() == seen["lr"][: K + 1]
+    assert not t["ring/skipped"].any()
+    # per-call statistics of the head (module "2", the third call): min, max, mean, rms
+    head = t["ring/call_module"][0].tolist().index(3)
+    for step in range(K):
+        out = seen["out"][step]
+        stats = t["ring/calls"][step, head]
+        assert stats[0].item() == out.min().item() and stats[1].item() == out.max().item()
+        assert stats[2].item() == out.abs().max().item()
+        assert stats[3].item() == pytest.approx(out.mean().item(), rel=1e-5, abs=1e-6)
+        assert stats[4].item() == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5)
+        assert stats[5:].tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert meta["lr_scheduler"]["class"].endswith("StepLR")
