@@ -78,11 +78,19 @@ def test_factory_outside_cwd_is_not_imported_and_the_report_names_the_option(fac
     assert not fac.imported
 
 
-def test_factory_outside_cwd_but_on_sys_path_is_not_imported(fac, monkeypatch):
-    monkeypatch.syspath_prepend(str(fac.dir))
+@pytest.mark.parametrize("on_path", [False, True], ids=["not-on-sys.path", "on-sys.path"])
+def test_factory_outside_cwd_is_never_imported(fac, monkeypatch, on_path):
+    if on_path:
+        monkeypatch.syspath_prepend(str(fac.dir))
     r = run(fac.bundle)
     assert r.exit_code == 1, r.stdout + r.stderr
     assert f"  note       {refusal(fac.spec)}" in r.stdout.splitlines()
+    j = run("--json", fac.bundle)
+    assert j.exit_code == 1
+    assert refusal(fac.spec) in json.loads(j.stdout)["problems"]
+    i = run("--info", fac.bundle)
+    assert i.exit_code == 0
+    assert f"factory {fac.spec}" in i.stdout
     assert not fac.imported
 
 
