@@ -24,7 +24,7 @@ from .backward import find_backward_origin
 from .load import Step, micro_batch_inputs
 from .ops import OpFinder, user_source
 from .precursors import find_precursors, history
-from .rerun import Run, Runner, StopRun
+from .rerun import Run, Runner, StopRun, finite
 
 FORMAT = "nanreplay-report/1"
 
@@ -128,7 +128,7 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
                      source=(hit.source if hit and hit.source else _module_source(step, o.module)),
                      chain=finder.chain(),
                      input_range=[hit.input_min, hit.input_max] if hit else None)
-    cause = causes.classify(runner, "forward")
+    cause = causes.classify(runner, "forward", until=(o.module, o.call, o.micro_batch))
     return _finish(report, origin, cause, reproduced=_matches(step, origin))
 
 
@@ -167,7 +167,7 @@ def _optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     finder = OpFinder()
     with finder:
         step.optimizer.step()
-    bad = [n for n, p in step.model.named_parameters() if not bool(torch.isfinite(p).all())]
+    bad = [n for n, p in step.model.named_parameters() if not finite(p)]
     hit = finder.origin()
     origin = _origin(phase="optimizer", params=bad, param=(bad or [None])[0],
                      op=hit.op if hit else None, source=hit.source if hit else None,
@@ -338,15 +338,13 @@ def _module_source(step: Step, module: str) -> str | None:
 
 
 def _batch_non_finite(step: Step, prefixes) -> bool:
-    return any(k.startswith(prefixes) and t.is_floating_point() and
-               not bool(torch.isfinite(t).all()) for k, t in step.tensors.items())
+    return any(k.startswith(prefixes) and not finite(t) for k, t in step.tensors.items())
 
 
 def _non_finite_weights(step: Step) -> list[str]:
     out = []
     for k, t in step.tensors.items():
-        if k.startswith(("weights/", "buffers/")) and t.is_floating_point() \
-                and not bool(torch.isfinite(t).all()):
+        if k.startswith(("weights/", "buffers/")) and not finite(t):
             name = k.split("/", 1)[1]
             if k.startswith("buffers/") and _allowed(step, name):
                 continue

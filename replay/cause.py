@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from .ops import Float64
-from .rerun import Runner
+from .rerun import Runner, StopRun
 
 HINTS = {
     "input": "the batch itself holds NaN/Inf: check the data pipeline for these samples "
@@ -71,10 +71,15 @@ def float64(runner: Runner):
                         b.data = b.data.to(loss_dtypes[name])
 
 
-def classify(runner: Runner, phase: str) -> str:
-    """'invalid' or 'overflow' for a forward, loss or backward origin."""
+def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None) -> str:
+    """'invalid' or 'overflow' for a forward, loss or backward origin. ``until``, for a forward
+    origin, is its ``(module, call, micro-batch)``: the float64 forward stops after that call,
+    as what comes later (made from the origin's value, or another problem) cannot say whether
+    the origin's value was invalid math or an overflow."""
+    hooks = _stop_after(runner, *until) if phase == "forward" and until else None
     with float64(runner), Float64():
-        run = runner.run(backward=phase == "backward", instrument=phase == "forward")
+        run = runner.run(backward=phase == "backward", instrument=phase == "forward",
+                         hooks=hooks)
     if phase == "forward":
         still = any(not c.outputs_finite for c in run.calls)
     elif phase == "loss":
@@ -82,3 +87,22 @@ def classify(runner: Runner, phase: str) -> str:
     else:
         still = bool(run.bad_grads)
     return "invalid" if still else "overflow"
+
+
+def _stop_after(runner: Runner, module: str, call: int, mb: int):
+    """Hooks ending a run once call ``call`` of ``module`` in micro-batch ``mb`` returned
+    (installed after the instrumentation's, so that call is recorded first)."""
+    def hooks(model):
+        target = model.get_submodule(module) if module else model
+        seen = {"n": 0}
+
+        def post(m, args, output):
+            if runner._mb != mb:
+                return
+            seen["n"] += 1
+            if seen["n"] > call:
+                raise StopRun
+
+        return [target.register_forward_hook(post)]
+
+    return hooks

@@ -7,6 +7,7 @@ gradients cleared. A run is forward (each micro-batch), loss, backward; optional
 from __future__ import annotations
 
 import fnmatch
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,23 +31,72 @@ class StopRun(Exception):
     """Raised from a hook to end a probe run early (its answer is known)."""
 
 
+def ends(t: torch.Tensor) -> torch.Tensor:
+    """(min, max) of a floating tensor as a float64 pair, on its device: NaN propagates, so
+    the pair says whether ``t`` holds NaN or +-Inf too. One reduction pass, where
+    ``isfinite(t).all()`` takes a full-size temporary and, on CPU, several times longer."""
+    return torch.stack(torch.aminmax(t.detach())).double()
+
+
+class _Ends:
+    """:func:`ends` of the tensors one run has seen, by identity and version: an output that a
+    parent passes on from its child, or that the next call takes as input, is reduced once (a
+    tensor modified in place since is reduced again)."""
+
+    def __init__(self):
+        self._seen: dict[int, tuple] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        e = ends(t)
+        self._seen[id(t)] = (weakref.ref(t), t._version, e)
+        return e
+
+
+def _flag(e: torch.Tensor, allow_inf: bool) -> torch.Tensor:
+    """Finite (NaN-free, with ``allow_inf``) from an :func:`ends` pair, on the device."""
+    return ~torch.isnan(e).any() if allow_inf else torch.isfinite(e).all()
+
+
+def pair_ok(lo: float, hi: float, allow_inf: bool = False) -> bool:
+    if allow_inf:
+        return not (math.isnan(lo) or math.isnan(hi))
+    return math.isfinite(lo) and math.isfinite(hi)
+
+
+def finite_flag(t: torch.Tensor, allow_inf: bool = False) -> torch.Tensor:
+    """:func:`finite` as a 0-d bool tensor on ``t``'s device (no host read)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    if t.is_complex():
+        flags = torch.isnan(t) if allow_inf else ~torch.isfinite(t)
+        return ~flags.any()
+    return _flag(ends(t), allow_inf)
+
+
 def finite(t: torch.Tensor, allow_inf: bool = False) -> bool:
+    """No NaN/Inf in ``t`` (no NaN only, with ``allow_inf``); True for non-floating tensors."""
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return True
-    if allow_inf:
-        return not bool(torch.isnan(t).any())
-    return bool(torch.isfinite(t).all())
+    return bool(finite_flag(t, allow_inf))
 
 
 def kind_of(t: torch.Tensor) -> str | None:
     """'nan', '+inf' or '-inf' for the first kind of non-finite value present (NaN first)."""
     if not t.is_floating_point() or t.numel() == 0:
         return None
-    if torch.isnan(t).any():
+    return _pair_kind(*ends(t).tolist())
+
+
+def _pair_kind(lo: float, hi: float) -> str | None:
+    """:func:`kind_of` from (min, max): NaN propagates through both; else they show +-Inf."""
+    if math.isnan(lo) or math.isnan(hi):
         return "nan"
-    if torch.isposinf(t).any():
+    if hi == math.inf:
         return "+inf"
-    if torch.isneginf(t).any():
+    if lo == -math.inf:
         return "-inf"
     return None
 
@@ -196,14 +246,31 @@ class Runner:
         stack: list[int] = []
         counts: dict[tuple[str, int], int] = {}
         produced_allowed: dict[int, Any] = {}
+        # outputs already checked: id -> (weakref, version, (min, max)); an input that an
+        # earlier call made costs nothing unless it was modified in place since
+        checked: dict[int, tuple] = {}
         starts = [0]
         pending: dict[int, tuple] = {}
 
+        def known(t: torch.Tensor) -> tuple[float, float] | None:
+            hit = checked.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] == t._version:
+                return hit[2]
+            return None
+
         def inputs_ok(args, kwargs) -> bool:
             for t in tensor_leaves([list(args), kwargs]):
+                if not t.is_floating_point() or t.numel() == 0:
+                    if t.is_complex() and not finite(t):
+                        return False
+                    continue
                 soft = id(t) in self.allowed_buffers or (
                     id(t) in produced_allowed and produced_allowed[id(t)]() is t)
-                if not finite(t, allow_inf=soft):
+                pair = known(t)
+                if pair is None:
+                    pair = tuple(ends(t).tolist())
+                    checked[id(t)] = (weakref.ref(t), t._version, pair)
+                if not pair_ok(*pair, allow_inf=soft):
                     return False
             return True
 
@@ -223,13 +290,20 @@ class Runner:
                 ok_in, parents = pending.pop(call_id)
                 outs = [t for t in tensor_leaves(output) if t.is_floating_point() and t.numel()]
                 allowed = name in self.allowed
-                ok_out = all(finite(t, allow_inf=allowed) for t in outs)
-                kind = next((kind_of(t) for t in outs if not finite(t)), None)
-                if allowed:
-                    for t in outs:
+                pairs = [known(t) for t in outs]
+                todo = [i for i, p in enumerate(pairs) if p is None]
+                if todo:
+                    fresh = torch.stack([ends(outs[i]) for i in todo]).tolist()
+                    for i, pair in zip(todo, fresh):
+                        pairs[i] = tuple(pair)
+                ok_out = all(pair_ok(lo, hi, allow_inf=allowed) for lo, hi in pairs)
+                kind = next((_pair_kind(lo, hi) for lo, hi in pairs if not pair_ok(lo, hi)),
+                            None)
+                for t, pair in zip(outs, pairs):
+                    checked[id(t)] = (weakref.ref(t), t._version, pair)
+                    if allowed:
                         produced_allowed[id(t)] = weakref.ref(t)
-                mm = tuple(tuple(repr(v) for v in torch.aminmax(t.detach().double()))
-                           if t.numel() else () for t in outs)
+                mm = tuple(tuple(repr(v) for v in pair) for pair in pairs)
                 key = (name, self._mb)
                 k = counts.get(key, 0)
                 counts[key] = k + 1
@@ -249,6 +323,7 @@ class Runner:
         """One fresh run, one host read: has any call up to completion index ``k`` made a
         non-finite output? Flags accumulate on the device; the read happens at call ``k``."""
         state: dict[str, Any] = {"i": 0, "flag": None, "answer": None}
+        seen = _Ends()
 
         def hooks(model):
             hs = []
@@ -258,8 +333,7 @@ class Runner:
                     state["i"] += 1
                     for t in tensor_leaves(output):
                         if t.is_floating_point() and t.numel():
-                            bad = (torch.isnan(t).any() if name in allowed
-                                   else ~torch.isfinite(t).all())
+                            bad = ~_flag(seen(t), allow_inf=name in allowed)
                             state["flag"] = bad if state["flag"] is None else state["flag"] | bad
                     if i == k:
                         flag = state["flag"]
@@ -278,12 +352,12 @@ class Runner:
         """
         state: dict[str, Any] = {"i": 0, "stack": [], "starts": {}, "answer": None}
         produced_allowed: dict[int, Any] = {}  # outputs of allow_inf modules: -inf is fine
+        seen = _Ends()
 
         def input_ok(t: torch.Tensor) -> torch.Tensor:
-            if id(t) in self.allowed_buffers or (
-                    id(t) in produced_allowed and produced_allowed[id(t)]() is t):
-                return ~torch.isnan(t).any()
-            return torch.isfinite(t).all()
+            soft = id(t) in self.allowed_buffers or (
+                id(t) in produced_allowed and produced_allowed[id(t)]() is t)
+            return _flag(seen(t), allow_inf=soft)
 
         def hooks(model):
             hs = []
@@ -356,8 +430,11 @@ class _null:
 
 
 def _bad_rows(t: torch.Tensor) -> list[int]:
-    bad = ~torch.isfinite(t.detach())
+    """Indices along dim 0 holding a non-finite value: one min/max pass per row."""
     if t.dim() == 0:
-        return [0] if bool(bad) else []
-    return bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+        return [] if finite(t) else [0]
+    if t.numel() == 0:
+        return []
+    lo, hi = torch.aminmax(t.detach().reshape(t.shape[0], -1), dim=1)
+    return (~(torch.isfinite(lo) & torch.isfinite(hi))).nonzero().flatten().tolist()
 
