@@ -112,6 +112,12 @@ class FlightRecorder:
         self.bundle_path: Path | None = None
         self.event: dict[str, Any] | None = None
 
+        # DistributedDataParallel / DataParallel: record the wrapped module, so names and the
+        # factory are the user's model; DDP all-reduces gradients after backward wrote them,
+        # so their norms are re-read before the update (see _optimizer_pre_hook).
+        self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
         self._model = weakref.ref(model)
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self._scaler = weakref.ref(scaler) if scaler is not None else None
@@ -341,16 +347,19 @@ class FlightRecorder:
         if not self._active or tape is None or p.grad is None or p.grad.layout != torch.strided:
             return
         try:
-            g, w = _sq_norm(p.grad.detach()), _sq_norm(p.detach())
+            grad = p.grad
+            g, w = _sq_norm(grad.detach()), _sq_norm(p.detach())
             with tape.lock:  # accumulation: the last call sees the accumulated gradient
                 tape.grad_norms[i] = g
                 tape.param_norms[i] = w
+                tape.grad_seen[i] = (id(grad), grad._version)
         except Exception as e:
             self._internal_error(e)
 
     def _optimizer_pre_hook(self, optimizer, args, kwargs):
         if not self._active or self._tape is None:
             return None
+        self._reread_changed_grads(self._tape)
         tape = self._tape
         self._close_tape(at="optimizer")
         if self.guard_optimizer and not self._fired:
@@ -475,10 +484,27 @@ class FlightRecorder:
         if reason is not None and not self._fired:
             self._event(tape, layout, row, reason)
 
+    def _reread_changed_grads(self, tape: Tape) -> None:
+        """Gradients the optimizer will use that differ from what backward wrote: DDP's
+        all-reduced average, GradScaler's unscaled values, clipping, a replaced tensor."""
+        try:
+            for i, (_, p) in enumerate(self._params):
+                grad = p.grad
+                if grad is None or grad.layout != torch.strided:
+                    continue
+                seen = tape.grad_seen.get(i)
+                if self._ddp or self._scaler is not None or seen is None \
+                        or seen != (id(grad), grad._version):
+                    tape.grad_norms[i] = _sq_norm(grad.detach())
+                    tape.grads_reread = True
+        except Exception as e:
+            self._internal_error(e)
+
     def _build_row(self, tape: Tape, skipped: bool):
         opt = self._optimizer() if self._optimizer else None
         lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
-        layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped)
+        layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
+                            grads_scaled=self._scaler is not None and not tape.grads_reread)
         grad_code = LOOSE if skipped else STRICT
         grad_refs = [(i, tape.add(grad_code, n)) for i, n in sorted(tape.grad_norms.items())]
         param_refs = [(i, tape.add(STRICT, n)) for i, n in sorted(tape.param_norms.items())]

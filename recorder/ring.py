@@ -25,6 +25,7 @@ class StepLayout:
     step: int
     lrs: list[float]
     skipped: bool = False
+    grads_scaled: bool = False  # gradient norms are of GradScaler-scaled gradients
     scale: float | None = None
     # (module index, micro-batch, completion order, ((min, max), ...) per output tensor,
     #  (sum, 2-norm, numel) | None,
@@ -139,7 +140,7 @@ class RingBuffer:
                 vals = [row[b] for _, _, b in lay.loss]
                 loss[i] = sum(vals) / len(vals)
             # rows hold squared norms; gradients as backward wrote them (scaled under AMP)
-            unscale = lay.scale if lay.scale else 1.0
+            unscale = lay.scale if lay.grads_scaled and lay.scale else 1.0
             for p, k in lay.grads:
                 grad_norms[i, p] = math.sqrt(row[k]) / unscale
             for p, k in lay.params:

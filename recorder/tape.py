@@ -60,6 +60,8 @@ class Tape:
         # per-parameter norms taken as backward wrote each gradient (see FlightRecorder)
         self.grad_norms: dict[int, torch.Tensor] = {}
         self.param_norms: dict[int, torch.Tensor] = {}
+        self.grad_seen: dict[int, tuple[int, int]] = {}  # (id, version) of the gradient read
+        self.grads_reread = False  # norms re-read before the update (not as backward wrote)
 
     def add(self, code: int, t: torch.Tensor) -> tuple[int, int]:
         if self.device is None:

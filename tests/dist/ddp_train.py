@@ -1,0 +1,50 @@
+"""Two-rank DDP training on CPU (gloo), launched by torchrun from tests/test_torchrun.py.
+
+Rank 1 gets a NaN feature in sample 2 at step 3. DDP averages gradients, so both ranks see the
+bad step: each must write its own bundle and stop at that step, none may hang.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def main(out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(rank)
+    try:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="ddp_train:make_model"):
+            for step in range(10):
+                x = torch.randn(6, 8, generator=g)
+                y = torch.randint(0, 4, (6,), generator=g)
+                if rank == 1 and step == 3:
+                    x[2, 5] = float("nan")
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+        print(f"rank {rank} no event", flush=True)
+    except NonFiniteError as e:
+        ev = e.event
+        print(f"rank {rank} event step={ev['step']} phase={ev['phase']} "
+              f"tensor={ev.get('tensor')} samples={ev.get('samples')} bundle={e.bundle_path}",
+              flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
