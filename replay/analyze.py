@@ -70,17 +70,23 @@ def analyze(step: Step) -> dict[str, Any]:
     if phase == "input" or _batch_non_finite(step, ("batch/",)):
         return _finish(report, _input_origin(step, report), "input", reproduced=True)
     bad_weights = _non_finite_weights(step)
-    if bad_weights and not (phase == "optimizer" and step.meta.get("state") == "after_update"):
+    after_update = phase == "optimizer" and step.meta.get("state") == "after_update"
+    if bad_weights and not after_update:
         return _finish(report, _origin(phase="weights", params=bad_weights,
                                        param=bad_weights[0]), "weights", reproduced=True)
-    if phase == "optimizer" and step.meta.get("state") == "after_update":
+    if after_update and (bad_weights or "weights" in step.stripped):
         report["problems"].append(
             "the bundle holds the weights after the update that made them non-finite, so the "
             "update cannot be re-run; record with FlightRecorder(..., guard_optimizer=True) to "
             "replay it")
-        return _finish(report, _origin(phase="optimizer", params=bad_weights,
-                                       param=(bad_weights or [None])[0]), "optimizer",
+        params = bad_weights or list(step.event.get("params", []))
+        return _finish(report, _origin(phase="optimizer", params=params,
+                                       param=(params or [None])[0]), "optimizer",
                        reproduced=False)
+    if after_update:
+        report["problems"].append(
+            "the recorded update left non-finite weights, yet every weight in the bundle is "
+            "finite: the event does not come back from the bundle; re-running the step instead")
     if step.model is None or step.problems and phase in ("forward", "loss", "backward"):
         if step.model is None:
             report["problems"].append("no model to re-run: " + "; ".join(step.problems or
@@ -100,7 +106,7 @@ def analyze(step: Step) -> dict[str, Any]:
         return _loss(report, step, runner, run1)
     if run1.bad_grads:
         return _backward(report, runner)
-    if phase == "optimizer" and step.optimizer is not None:
+    if phase == "optimizer" and not after_update and step.optimizer is not None:
         return _optimizer(report, step, runner)
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")
     return _finish(report, _origin(), "not_reproduced", reproduced=False)
