@@ -38,6 +38,7 @@ from .tape import LOOSE, NAN_ONLY, STRICT, MicroBatch, Tape
 log = logging.getLogger("nanreplay")
 
 _ON_EVENT = ("raise", "warn")
+_SMALL = 1 << 15  # parameters with fewer elements get batched norms (see attach)
 
 
 class _CallableLoss(nn.Module):
@@ -143,6 +144,8 @@ class FlightRecorder:
         self._guard: dict[str, Any] | None = None
         self._last_tape: Tape | None = None
         self._buffers: list = []
+        self._small: list[int] = []
+        self._small_set: set[int] = set()
         self._volatile_buffers: set[str] = set()
         self._commit = git_commit()
         self._capture_rng = RngCapture()
@@ -195,8 +198,13 @@ class FlightRecorder:
             self._handles.append(self.loss_fn.register_forward_hook(
                 self._loss_post_hook, with_kwargs=True))
         opt = self._optimizer() if self._optimizer else None
+        # Large parameters get their norms in a hook the moment backward writes the gradient
+        # (in cache then); small ones are batched into one foreach call per step instead.
+        self._small = [i for i, (_, p) in enumerate(self._params)
+                       if p.requires_grad and p.numel() < _SMALL]
+        self._small_set = set(self._small)
         for i, (_, p) in enumerate(self._params):
-            if p.requires_grad:
+            if p.requires_grad and p.numel() >= _SMALL:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     partial(self._grad_hook, i)))
         if opt is not None:
@@ -267,7 +275,7 @@ class FlightRecorder:
             if idx == 0:
                 ins = tape.micro_batches[mb].input_refs
             else:
-                ins = self._input_refs(tape, args, kwargs, code=LOOSE)
+                ins = self._input_refs(tape, args, kwargs, code=LOOSE, made_here=output)
             outs, stats = self._output_refs(tape, output, allowed)
             tape.calls.append((idx, mb, len(tape.calls), outs, stats, ins))
             if idx == 0:
@@ -276,16 +284,20 @@ class FlightRecorder:
             self._internal_error(e)
         return None
 
-    def _input_refs(self, tape: Tape, args, kwargs, code: int) -> tuple:
+    def _input_refs(self, tape: Tape, args, kwargs, code: int, made_here=None) -> tuple:
         """(min, max, allowed) refs of each floating input; an input that an earlier call
-        produced reuses that call's statistics, so a chain of modules costs nothing here."""
+        produced reuses that call's statistics, so a chain of modules costs nothing here.
+
+        Inputs are seen after the call: one changed in place since it was produced is
+        measured again, unless this call returned it (an in-place module: the produced
+        statistics are its input's)."""
         refs = []
         for t in _leaves(args, kwargs):
             if not t.is_floating_point() or t.numel() == 0:
                 continue
             hit = tape.cache.get(id(t))
-            if hit is not None and hit[0]() is t:
-                refs.append(hit[1:])
+            if hit is not None and hit[0]() is t and (hit[4] == t._version or t is made_here):
+                refs.append(hit[1:4])
                 continue
             buf = self._allowed_buffers.get(id(t))
             allowed = buf is not None and buf() is t
@@ -298,20 +310,26 @@ class FlightRecorder:
     def _output_refs(self, tape: Tape, output, allowed: bool):
         outs, stats = [], None
         code = NAN_ONLY if allowed else STRICT
+        full = self.stats == "full"
         for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
             if not t.is_floating_point() or t.numel() == 0:
                 continue
+            hit = tape.cache.get(id(t))
+            if (hit is not None and not full and hit[0]() is t and hit[4] == t._version
+                    and hit[3] == allowed):
+                outs.append(hit[1:3])  # passed through unchanged (a Sequential's output)
+                continue
             d = t.detach()
             lo, hi = torch.aminmax(d)
-            full = self.stats == "full" and stats is None
-            if full:  # sum and 2-norm: far cheaper than std_mean's Welford pass
+            first = full and stats is None
+            if first:  # sum and 2-norm: far cheaper than std_mean's Welford pass
                 total = torch.sum(d, dtype=torch.float32)
                 norm = torch.linalg.vector_norm(d, dtype=torch.float32)
             with tape.lock:
                 a, b = tape.add(code, lo), tape.add(code, hi)
-                if full:
+                if first:
                     stats = (tape.add(LOOSE, total), tape.add(LOOSE, norm), t.numel())
-            tape.cache[id(t)] = (weakref.ref(t), a, b, allowed)
+            tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
             outs.append((a, b))
         return tuple(outs), stats
 
@@ -357,10 +375,15 @@ class FlightRecorder:
             self._internal_error(e)
 
     def _optimizer_pre_hook(self, optimizer, args, kwargs):
-        if not self._active or self._tape is None:
+        tape = self._tape  # another thread may close it meanwhile: work on this one
+        if not self._active or tape is None:
             return None
-        self._reread_changed_grads(self._tape)
-        tape = self._tape
+        try:
+            with tape.lock:
+                self._small_param_norms(tape)
+            self._reread_changed_grads(tape)
+        except Exception as e:
+            self._internal_error(e)
         self._close_tape(at="optimizer")
         if self.guard_optimizer and not self._fired:
             self._guard = _copy_for_guard(optimizer, self._params)
@@ -484,23 +507,40 @@ class FlightRecorder:
         if reason is not None and not self._fired:
             self._event(tape, layout, row, reason)
 
+    def _small_param_norms(self, tape: Tape) -> None:
+        """Squared norms of the small parameters and their gradients, two foreach calls."""
+        idx = [i for i in self._small if i not in tape.grad_norms
+               and self._params[i][1].grad is not None
+               and self._params[i][1].grad.layout == torch.strided]
+        if not idx:
+            return
+        params = [self._params[i][1] for i in idx]
+        tensors = [p.grad.detach() for p in params] + [p.detach() for p in params]
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        squares = torch._foreach_mul(norms, norms)
+        n = len(idx)
+        for k, i in enumerate(idx):
+            tape.grad_norms[i] = squares[k]
+            tape.param_norms[i] = squares[n + k]
+
     def _reread_changed_grads(self, tape: Tape) -> None:
         """Gradients the optimizer will use that differ from what backward wrote: DDP's
         all-reduced average, GradScaler's unscaled values, clipping, a replaced tensor."""
-        try:
+        with tape.lock:
             for i, (_, p) in enumerate(self._params):
                 grad = p.grad
                 if grad is None or grad.layout != torch.strided:
                     continue
                 seen = tape.grad_seen.get(i)
+                if i in tape.grad_norms and (seen is None and i in self._small_set):
+                    continue  # measured just now by _small_param_norms
                 if self._ddp or self._scaler is not None or seen is None \
                         or seen != (id(grad), grad._version):
                     tape.grad_norms[i] = _sq_norm(grad.detach())
                     tape.grads_reread = True
-        except Exception as e:
-            self._internal_error(e)
 
     def _build_row(self, tape: Tape, skipped: bool):
+        self._small_param_norms(tape)
         opt = self._optimizer() if self._optimizer else None
         lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
