@@ -115,11 +115,13 @@ def check_source(got: str | None, expected: str) -> None:
 
 
 def check(report: dict, **expected) -> None:
-    """Assert origin fields, reporting the whole origin on a mismatch."""
+    """Assert origin fields, reporting the whole report on a mismatch; every cause comes with
+    a hint."""
     o = report["origin"]
     got = {k: o.get(k) for k in expected}
     assert got == expected, json.dumps({k: v for k, v in report.items() if k != "history"},
                                        indent=1, default=str)
+    assert report["cause"] and report["hint"], (report["cause"], report["hint"])
 
 
 def check_bisection(report: dict) -> None:
@@ -179,6 +181,36 @@ def test_nan_in_one_input_sample(tmp_path):
     check(rep, phase="input", tensor="batch", samples=[2], micro_batch=0, made="nan")
     assert "data" in rep["hint"]
     assert exit_code(err.bundle_path) == 0
+
+
+def test_nan_in_a_loaded_weight(tmp_path):
+    """Training resumes from a checkpoint holding a NaN weight: cause weights, named."""
+
+    def at(step, opt):
+        if step == 0:
+            with torch.no_grad():
+                opt.param_groups[0]["params"][2][1, 3] = float("nan")  # "2.weight"
+
+    err, _, _ = record("make_mlp", single(R.batch), tmp_path, at=at)
+    assert err.event["phase"] == "weights"
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "weights" and rep["reproduced"] is True
+    check(rep, phase="weights", params=["2.weight"], param="2.weight")
+    assert "checkpoint" in rep["hint"]
+    assert exit_code(err.bundle_path) == 0
+
+
+def test_recorded_factory_only_trusted_from_its_directory(tmp_path, monkeypatch):
+    err, _, _ = record("make_log_net", single(scaled_row(5, 100.0)), tmp_path / "b")
+    monkeypatch.chdir(tmp_path)  # replay_models.py is not under this directory
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is False and rep["cause"] == "not_reproduced"
+    assert any("replay_models:make_log_net" in p for p in rep["problems"]), rep["problems"]
+    assert exit_code(err.bundle_path) == 1
+    rep = replay(err.bundle_path, factory="replay_models:make_log_net")  # trusted explicitly
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="act", call=0, op="aten.log", samples=[5])
+    check_source(rep["origin"]["source"], source_of(R.ShiftedLog, "torch.log"))
 
 
 # ---------------------------------------------------------------------------------------------
