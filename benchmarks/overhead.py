@@ -1,0 +1,641 @@
+#!/usr/bin/env python
+"""Per-step overhead of NaN/Inf detectors, measured side by side in one process.
+
+For each model, one model + Adam copy is built per detector from the same seed. Single training
+steps (zero_grad, forward, loss, backward, optimizer.step) then alternate round-robin across the
+copies, on the same batch within a round and with the starting copy rotated every round, so slow
+drifts of a shared, noisy machine hit every detector alike. Each detector's step time is divided
+by the bare step time of the same round; the table reports the median of those ratios and their
+interquartile range, plus the median step time.
+
+Detectors:
+
+- ``bare``: no detection at all (the baseline);
+- ``hooks``: the usual recipe: a forward hook on every module doing
+  ``if torch.isnan(out).any() or torch.isinf(out).any(): raise`` and, after backward, a
+  total-gradient-norm check ``if not torch.isfinite(clip_grad_norm_(params, inf)): raise``;
+- ``anomaly``: ``torch.autograd.set_detect_anomaly(True)``, enabled only around this copy's steps;
+- ``debug_uo``: ``transformers.debug_utils.DebugUnderflowOverflow`` (skipped when transformers is
+  not installed);
+- ``recorder``: ``FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp).attach()``.
+
+After timing, a few more steps per copy count host reads (syncs): ``Tensor.item``, ``__bool__``,
+``tolist``, ``__float__``, ``__int__`` and ``__index__`` are wrapped with counters (reads of the
+optimizer's own CPU ``step`` counters, which Adam does every step and which never touch the
+device, are left out). On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` warnings are counted
+too. Counting runs in separate steps so the wrappers never slow the timed ones.
+
+    python benchmarks/overhead.py [--models mlp,cnn,transformer] [--rounds N]
+                                  [--device cpu|cuda] [--json out.json] [--quick]
+
+Progress goes to stderr, the markdown tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from recorder import FlightRecorder  # noqa: E402
+
+SEED = 1234
+DETECTORS = ("bare", "hooks", "anomaly", "debug_uo", "recorder")
+MODELS = ("mlp", "cnn", "transformer")
+# Timed rounds per model for a full CPU run (about 5-10 minutes on 2 cores in all).
+DEFAULT_ROUNDS = {"mlp": 600, "cnn": 120, "transformer": 80}
+RATIO_TARGET = 1.05
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+class MLP(nn.Module):
+    """5 Linear layers of width 512 with ReLU between; 10 classes."""
+
+    def __init__(self, width: int = 512, depth: int = 5, classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers.append(nn.Linear(width, classes if i == depth - 1 else width))
+            if i < depth - 1:
+                layers.append(nn.ReLU())
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """CIFAR-style ResNet: a 3x3 stem and 6 residual blocks (16, 16, 32, 32, 64, 64 channels)."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16),
+                                  nn.ReLU())
+        plan = [(16, 16, 1), (16, 16, 1), (16, 32, 2), (32, 32, 1), (32, 64, 2), (64, 64, 1)]
+        self.blocks = nn.Sequential(*(BasicBlock(a, b, s) for a, b, s in plan))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention with an additive causal mask of -inf above the diagonal."""
+
+    def __init__(self, d: int, heads: int, seq: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        mask = torch.full((seq, seq), float("-inf")).triu(1)
+        self.register_buffer("causal_mask", mask, persistent=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+        att = F.softmax(att + self.causal_mask[:t, :t], dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        return self.proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, seq: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads, seq)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Transformer(nn.Module):
+    """GPT-style decoder: 4 layers, d=256, 4 heads, learned positions, untied head."""
+
+    def __init__(self, vocab: int = 1024, d: int = 256, layers: int = 4, heads: int = 4,
+                 seq: int = 128):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(1, seq, d))
+        self.blocks = nn.Sequential(*(Block(d, heads, seq) for _ in range(layers)))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
+        return self.head(self.ln(self.blocks(x)))
+
+
+class ModelSpec:
+    """How to build one benchmark model, its batches and its loss arguments."""
+
+    def __init__(self, name, build, make_batch, describe, flatten=False):
+        self.name = name
+        self.build = build
+        self.make_batch = make_batch
+        self.describe = describe
+        self.flatten = flatten
+
+    def loss_args(self, out, y):
+        if self.flatten:  # next-token cross-entropy over every position
+            return out.reshape(-1, out.shape[-1]), y.reshape(-1)
+        return out, y
+
+
+def _mlp_batch(g, device):
+    return (torch.randn(64, 512, generator=g).to(device),
+            torch.randint(0, 10, (64,), generator=g).to(device))
+
+
+def _cnn_batch(g, device):
+    return (torch.randn(32, 3, 32, 32, generator=g).to(device),
+            torch.randint(0, 10, (32,), generator=g).to(device))
+
+
+def _lm_batch(g, device):
+    tokens = torch.randint(0, 1024, (8, 129), generator=g)
+    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+
+
+SPECS = {
+    "mlp": ModelSpec("mlp", MLP, _mlp_batch, "5-layer MLP, width 512, batch 64"),
+    "cnn": ModelSpec("cnn", ResNet, _cnn_batch,
+                     "ResNet-style CNN, 6 residual blocks, 32x32 images, batch 32"),
+    "transformer": ModelSpec("transformer", Transformer, _lm_batch,
+                             "4-layer causal transformer, d=256, seq 128, batch 8, -inf mask",
+                             flatten=True),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# detectors: one model + optimizer copy each
+
+
+class Trainer:
+    """The bare training step; subclasses add one detector each."""
+
+    name = "bare"
+
+    def __init__(self, spec: ModelSpec, device: torch.device, tmp: str):
+        torch.manual_seed(SEED)
+        self.spec = spec
+        self.model = spec.build().to(device)
+        self.crit = nn.CrossEntropyLoss()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.setup(tmp)
+
+    def setup(self, tmp: str) -> None:
+        pass
+
+    def step(self, x, y) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        out = self.model(x)
+        loss = self.crit(*self.spec.loss_args(out, y))
+        loss.backward()
+        self.after_backward()
+        self.opt.step()
+
+    def after_backward(self) -> None:
+        pass
+
+    def optimizer_counters(self) -> set[int]:
+        """ids of the optimizer's host-side step counters (Adam reads them every step)."""
+        return {id(st["step"]) for st in self.opt.state.values()
+                if isinstance(st.get("step"), torch.Tensor)}
+
+    def close(self) -> None:
+        pass
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _nan_inf_hook(module, inputs, output):
+    for t in _tensors(output):
+        if t.is_floating_point() and (torch.isnan(t).any() or torch.isinf(t).any()):
+            raise FloatingPointError(f"non-finite output from {type(module).__name__}")
+
+
+class HookRecipe(Trainer):
+    name = "hooks"
+
+    def setup(self, tmp):
+        self.handles = [m.register_forward_hook(_nan_inf_hook) for m in self.model.modules()]
+
+    def after_backward(self):
+        norm = torch.nn.utils.clip_grad_norm_(self.params, float("inf"))
+        if not torch.isfinite(norm):
+            raise FloatingPointError("non-finite gradient norm")
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+class Anomaly(Trainer):
+    name = "anomaly"
+
+    def step(self, x, y):
+        # set_detect_anomaly is global: on for this copy's step only, restored on exit.
+        with torch.autograd.set_detect_anomaly(True):
+            super().step(x, y)
+
+
+class DebugUO(Trainer):
+    name = "debug_uo"
+
+    def setup(self, tmp):
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        self.debug = DebugUnderflowOverflow(self.model)
+
+
+class Recorder(Trainer):
+    name = "recorder"
+
+    def setup(self, tmp):
+        out = os.path.join(tmp, f"bundles-{self.spec.name}")
+        self.recorder = FlightRecorder(self.model, self.opt, loss_fn=self.crit,
+                                       out_dir=out).attach()
+
+    def close(self):
+        self.recorder.detach()
+
+
+TRAINERS = {"bare": Trainer, "hooks": HookRecipe, "anomaly": Anomaly, "debug_uo": DebugUO,
+            "recorder": Recorder}
+
+
+def have_transformers() -> bool:
+    try:
+        from transformers.debug_utils import DebugUnderflowOverflow  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# counting host reads
+
+
+_READS = ("item", "__bool__", "tolist", "__float__", "__int__", "__index__")
+
+
+@contextlib.contextmanager
+def count_host_reads(exclude: set[int]):
+    """Count Python-level host reads of tensor values; ``exclude`` holds ids not to count."""
+    counter = {"n": 0}
+    saved = {}
+
+    def wrap(orig):
+        def counted(self, *args, **kwargs):
+            if id(self) not in exclude:
+                counter["n"] += 1
+            return orig(self, *args, **kwargs)
+        return counted
+
+    for name in _READS:
+        saved[name] = torch.Tensor.__dict__.get(name)
+        setattr(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
+    try:
+        yield counter
+    finally:
+        for name, orig in saved.items():
+            if orig is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, orig)
+
+
+@contextlib.contextmanager
+def count_cuda_syncs(device: torch.device):
+    """Count torch.cuda.set_sync_debug_mode('warn') warnings (CUDA only)."""
+    counter = {"n": 0}
+    if device.type != "cuda":
+        counter["n"] = None
+        yield counter
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counter
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
+    counter["n"] = sum("synchroniz" in str(w.message) for w in caught)
+
+
+# ----------------------------------------------------------------------------------------------
+# the measurement
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _quartiles(xs):
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_steps: int,
+            device: torch.device) -> dict:
+    spec = SPECS[model]
+    g = torch.Generator().manual_seed(SEED)
+    batches = [spec.make_batch(g, device) for _ in range(8)]
+    with tempfile.TemporaryDirectory(prefix="nanreplay-bench-") as tmp:
+        trainers = [TRAINERS[d](spec, device, tmp) for d in detectors]
+        n = len(trainers)
+        times: dict[str, list[float]] = {t.name: [] for t in trainers}
+        started = time.perf_counter()
+        total = warmup + rounds
+        for r in range(total):
+            x, y = batches[r % len(batches)]
+            for k in range(n):
+                t = trainers[(r + k) % n]  # rotate who goes first
+                _sync(device)
+                t0 = time.perf_counter()
+                t.step(x, y)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                if r >= warmup:
+                    times[t.name].append(dt)
+            if (r + 1) % max(1, total // 10) == 0 or r + 1 == total:
+                el = time.perf_counter() - started
+                print(f"  {model}: round {r + 1}/{total} ({'warm-up' if r < warmup else 'timed'}"
+                      f"), {el:.0f}s elapsed, ~{el / (r + 1) * (total - r - 1):.0f}s left",
+                      file=sys.stderr, flush=True)
+
+        reads: dict[str, float] = {}
+        syncs: dict[str, float | None] = {}
+        for t in trainers:
+            exclude = t.optimizer_counters()
+            with count_host_reads(exclude) as c, count_cuda_syncs(device) as s:
+                for i in range(count_steps):
+                    x, y = batches[i % len(batches)]
+                    t.step(x, y)
+                _sync(device)
+            reads[t.name] = c["n"] / count_steps
+            syncs[t.name] = None if s["n"] is None else s["n"] / count_steps
+        for t in trainers:
+            t.close()
+
+    bare = times["bare"]
+    rows = {}
+    for name in detectors:
+        ts = times[name]
+        ratios = [a / b for a, b in zip(ts, bare)]
+        q1, q3 = _quartiles(ratios)
+        rows[name] = {
+            "median_step_ms": statistics.median(ts) * 1e3,
+            "median_ratio": statistics.median(ratios),
+            "ratio_q1": q1,
+            "ratio_q3": q3,
+            "host_reads_per_step": reads[name],
+            "cuda_sync_warnings_per_step": syncs[name],
+        }
+    return {"model": model, "description": spec.describe, "rounds": rounds, "warmup": warmup,
+            "detectors": rows}
+
+
+# ----------------------------------------------------------------------------------------------
+# output
+
+
+def machine_info(device: torch.device) -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "device": str(device), "loadavg_start": list(os.getloadavg()),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    info["recorder_commit"] = recorder_commit()
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except Exception:
+        info["transformers"] = None
+    return info
+
+
+def recorder_commit() -> str | None:
+    """The last commit that touched recorder/ (+ '-dirty' with local changes), if in git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "log", "-1", "--format=%h", "--", "recorder"], cwd=root,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "recorder"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("-dirty" if dirty else "")) or None
+
+
+def _fmt_reads(v):
+    if v is None:
+        return "-"
+    return f"{v:g}"
+
+
+def render(results: list[dict], device: torch.device) -> str:
+    cuda = device.type == "cuda"
+    lines = ["| model | detector | median step (ms) | ratio to bare (median) | ratio IQR "
+             "| host reads/step |" + (" CUDA syncs/step |" if cuda else ""),
+             "|---|---|---:|---:|---|---:|" + ("---:|" if cuda else "")]
+    for res in results:
+        for name, row in res["detectors"].items():
+            line = (f"| {res['model']} | {name} | {row['median_step_ms']:.2f} "
+                    f"| {row['median_ratio']:.3f}x | {row['ratio_q1']:.3f}-{row['ratio_q3']:.3f} "
+                    f"| {_fmt_reads(row['host_reads_per_step'])} |")
+            if cuda:
+                line += f" {_fmt_reads(row['cuda_sync_warnings_per_step'])} |"
+            lines.append(line)
+    # compact matrix: median ratio per detector (rows) and model (columns)
+    names = []
+    for res in results:
+        names += [n for n in res["detectors"] if n not in names]
+    lines += ["", "| detector | " + " | ".join(r["model"] for r in results) + " |",
+              "|---|" + "---:|" * len(results)]
+    for name in names:
+        cells = []
+        for res in results:
+            row = res["detectors"].get(name)
+            cells.append("-" if row is None else f"{row['median_ratio']:.3f}x")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(results: list[dict]) -> list[str]:
+    out = []
+    for res in results:
+        rows = res["detectors"]
+        if "recorder" not in rows:
+            continue
+        rec = rows["recorder"]["median_ratio"]
+        ok = rec <= RATIO_TARGET
+        out.append(f"- {res['model']}: FlightRecorder {rec:.3f}x bare, target <= {RATIO_TARGET}x: "
+                   f"{'met' if ok else 'MISSED'}")
+        others = {n: r["median_ratio"] for n, r in rows.items() if n not in ("bare", "recorder")}
+        if others:
+            worse = [n for n, v in others.items() if v <= rec]
+            cheapest = min(others, key=others.get)
+            if worse:
+                out.append(f"- {res['model']}: FlightRecorder is NOT cheaper than "
+                           f"{', '.join(worse)} (cheapest other: {cheapest} "
+                           f"{others[cheapest]:.3f}x)")
+            else:
+                out.append(f"- {res['model']}: FlightRecorder is cheaper than every other "
+                           f"detector (next: {cheapest} {others[cheapest]:.3f}x)")
+        reads = rows["recorder"]["host_reads_per_step"]
+        syncs = rows["recorder"]["cuda_sync_warnings_per_step"]
+        out.append(f"- {res['model']}: FlightRecorder host reads/step = {reads:g} (expected 1)"
+                   + ("" if syncs is None else f", CUDA sync warnings/step = {syncs:g}"))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help="comma-separated subset of: " + ", ".join(MODELS))
+    ap.add_argument("--detectors", default=",".join(DETECTORS),
+                    help="comma-separated subset of: " + ", ".join(DETECTORS)
+                    + " (bare is always run)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed rounds per model (default: "
+                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_ROUNDS.items()) + ")")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 10)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads(N) first (default: torch's own). On a shared, "
+                    "busy CPU, 1 avoids OpenMP barrier stalls that swamp the measurement")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    ap.add_argument("--quick", action="store_true",
+                    help="a few rounds only: a smoke test, not a measurement")
+    args = ap.parse_args(argv)
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in models if m not in SPECS]
+    if bad:
+        ap.error(f"unknown model(s) {bad}; choose from {', '.join(MODELS)}")
+    detectors = [d.strip() for d in args.detectors.split(",") if d.strip()]
+    bad = [d for d in detectors if d not in TRAINERS]
+    if bad:
+        ap.error(f"unknown detector(s) {bad}; choose from {', '.join(DETECTORS)}")
+    detectors = ["bare"] + [d for d in DETECTORS if d in detectors and d != "bare"]
+    if "debug_uo" in detectors and not have_transformers():
+        print("transformers is not installed: skipping DebugUnderflowOverflow "
+              "(pip install transformers)", file=sys.stderr)
+        detectors.remove("debug_uo")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available")
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10)
+    count_steps = 1 if args.quick else 3
+    info = machine_info(device)
+    print(f"machine: {info['cpu']}, {info['cpu_count']} CPUs, torch {info['torch']} "
+          f"({info['torch_threads']} threads), device {device}", file=sys.stderr)
+
+    results = []
+    for m in models:
+        rounds = args.rounds if args.rounds is not None else (
+            3 if args.quick else DEFAULT_ROUNDS[m])
+        print(f"{m}: {SPECS[m].describe}; {len(detectors)} copies, {warmup} warm-up + "
+              f"{rounds} timed rounds", file=sys.stderr, flush=True)
+        results.append(measure(m, detectors, rounds, warmup, count_steps, device))
+        print(render(results[-1:], device), file=sys.stderr, flush=True)
+        if args.json:  # partial results survive an interrupted run
+            Path(args.json).write_text(json.dumps({"machine": info, "quick": args.quick,
+                                                   "complete": False, "results": results},
+                                                  indent=2))
+
+    info["loadavg_end"] = list(os.getloadavg())
+    print(f"Per-step overhead on {device} ({info['cpu']}, torch {info['torch']}, "
+          f"{info['torch_threads']} threads, recorder {info['recorder_commit']}, {info['date']})" + (" [--quick: not a measurement]" if args.quick else ""))
+    print()
+    print(render(results, device))
+    print()
+    print("Targets:")
+    for v in verdicts(results):
+        print(v)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "quick": args.quick,
+                                               "complete": True, "results": results},
+                                              indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Smoke tests of the benchmark scripts: they run and print their tables (no timing checks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\n" \
+                                 f"stderr:\n{proc.stderr}"
+    return proc
+
+
+def test_overhead_quick_mlp(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc = _run([str(BENCH / "overhead.py"), "--quick", "--models", "mlp", "--json", str(out)])
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| mlp |")]
+    names = [line.split("|")[2].strip() for line in rows]
+    expected = ["bare", "hooks", "anomaly", "recorder"]
+    if importlib.util.find_spec("transformers") is not None:
+        expected.insert(3, "debug_uo")
+    assert names == expected, proc.stdout
+    assert "| detector | mlp |" in proc.stdout
+    data = json.loads(out.read_text())
+    (res,) = data["results"]
+    assert res["model"] == "mlp"
+    assert set(res["detectors"]) == set(expected)
+    assert res["detectors"]["bare"]["median_ratio"] == 1.0
+    # bare reads no tensor value on the host; the recorder reads one flag per step
+    assert res["detectors"]["bare"]["host_reads_per_step"] == 0
+    assert res["detectors"]["recorder"]["host_reads_per_step"] >= 1
+
+
+def test_bundle_io_small(tmp_path):
+    out = tmp_path / "bundle.json"
+    proc = _run([str(BENCH / "bundle_io.py"), "--params", "200000", "--repeats", "1",
+                 "--out-dir", str(tmp_path), "--json", str(out)])
+    ops = [line.split("|")[2].strip() for line in proc.stdout.splitlines()
+           if line.startswith("| level=")]
+    assert ops == ["write", "read (streamed)", "read_bundle (whole)"], proc.stdout
+    data = json.loads(out.read_text())
+    (cfg,) = data["configs"]
+    assert cfg["write"]["mb_per_s"] > 0 and cfg["compressed_mb"] > 0
+    assert 150_000 < data["params"] < 250_000
+    assert not list(tmp_path.glob("nanreplay-bundle-io-*")), "temp dir left behind"
