@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from recorder.capture import batch_path, flatten_tree
+from recorder.capture import batch_path, flatten_tree, tensor_leaves
 from recorder.events import bad_rows
 
 from . import cause as causes
 from .backward import find_backward_origin
-from .load import Step, micro_batch_inputs
+from .load import Step, autocast_as_recorded, micro_batch_inputs
 from .ops import OpFinder, user_source
 from .precursors import find_precursors, history
-from .rerun import Run, Runner, StopRun, finite
+from .rerun import Run, Runner, StopRun, finite, kind_of
 
 FORMAT = "nanreplay-report/1"
 
@@ -140,18 +140,16 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
 
 def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     finder = OpFinder()
-
-    def loss_only(model):  # watch ops only while the loss runs
-        return []
-
     mb = next(i for i, ok in enumerate(run.loss_finite) if not ok)
-    with finder:
-        loss = step.loss_fn(*_loss_args(step, run, mb))
+    args, kwargs = _loss_args(step, run, mb)
+    with autocast_as_recorded(step.micro_batches[mb], step.device), finder:
+        loss = step.loss_fn(*args, **kwargs)
+    made = next((kind_of(t) for t in tensor_leaves(loss) if not finite(t)), None)
     del loss
     hit = finder.origin()
     origin = _origin(phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
                      source=hit.source if hit else None, chain=finder.chain(),
-                     samples=_loss_samples(step, run, mb), made="nan")
+                     samples=_loss_samples(step, run, mb), made=made)
     cause = causes.classify(runner, "loss")
     return _finish(report, origin, cause, reproduced=step.event.get("phase") == "loss")
 
