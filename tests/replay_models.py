@@ -116,6 +116,24 @@ def make_kwarg_net() -> nn.Module:
     return KwargNet()
 
 
+class NaiveNLL(nn.Module):
+    """Cross entropy written as -log(softmax(x)[target]): a target probability that underflows
+    to 0 gives log(0) = -inf (``log_softmax`` would not). ``reduction`` as torch losses have it."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits, target):
+        p = logits.softmax(dim=-1).gather(1, target[:, None]).squeeze(1)
+        per_row = -torch.log(p)  # BUG: log of a probability that can be exactly 0
+        return per_row.mean() if self.reduction == "mean" else per_row
+
+
+def make_mlp_naive_nll() -> dict:
+    return {"model": make_mlp(), "loss_fn": NaiveNLL()}
+
+
 # ---------------------------------------------------------------------------------------------
 # (c) backward only: the length of a feature vector, sqrt at 0 for an all-zero row
 

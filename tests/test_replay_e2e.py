@@ -23,6 +23,7 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 from replay import replay
+from replay.cause import HINTS
 from replay.cli import main as cli
 
 HERE = Path(__file__).parent
@@ -57,12 +58,14 @@ def record(factory: str, batches, out_dir: Path, *, steps: int = 6, lr: float = 
     the loss of each is divided by their number (gradient accumulation). ``at(step, opt)`` runs
     before each step; ``autocast`` (a dtype): forward and loss run under CPU autocast."""
     made = getattr(R, factory)()
-    model = made["model"] if isinstance(made, dict) else made
+    if not isinstance(made, dict):
+        made = {"model": made}
+    model = made["model"]
     if optimizer is None:
-        optimizer = (made["optimizer"](model.parameters()) if isinstance(made, dict)
+        optimizer = (made["optimizer"](model.parameters()) if "optimizer" in made
                      else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     opt = optimizer
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    loss_fn = loss_fn or made.get("loss_fn") or nn.CrossEntropyLoss()
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
                             factory=f"replay_models:{factory}", **rec_kwargs):
@@ -211,6 +214,22 @@ def test_recorded_factory_only_trusted_from_its_directory(tmp_path, monkeypatch)
     assert rep["reproduced"] is True and rep["cause"] == "invalid"
     check(rep, phase="forward", module="act", call=0, op="aten.log", samples=[5])
     check_source(rep["origin"]["source"], source_of(R.ShiftedLog, "torch.log"))
+
+
+def test_loss_log_of_zero_probability(tmp_path):
+    """The model output is finite, the loss is not: phase loss, the op and line in the loss,
+    the rows whose own loss is infinite (re-run with reduction='none')."""
+    err, _, _ = record("make_mlp_naive_nll", single(scaled_row(2, 1000.0)), tmp_path)
+    assert err.event["phase"] == "loss" and err.event["step"] == K
+    rep = replay(err.bundle_path)
+    # the target's probability, exp(-286) or so, is 0 in float32 but not in float64
+    assert rep["reproduced"] is True and rep["cause"] == "overflow"
+    check(rep, phase="loss", module="<loss>", micro_batch=0, op="aten.log", made="+inf",
+          samples=[2])
+    check_source(rep["origin"]["source"], source_of(R.NaiveNLL, "torch.log"))
+    assert ops(rep["origin"]["chain"]) == [("aten.log", "-inf")]
+    assert rep["hint"] == HINTS["overflow"]
+    assert exit_code(err.bundle_path) == 0
 
 
 # ---------------------------------------------------------------------------------------------
