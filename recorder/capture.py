@@ -178,6 +178,15 @@ def batch_path(raw: str, n_args: int) -> str:
     return "batch" + raw
 
 
+def loss_path(raw: str) -> str:
+    """A readable name for a path into ``[list(args), kwargs]`` of a loss call."""
+    if raw.startswith("[0]["):
+        return "loss_args" + raw[3:]
+    if raw.startswith("[1]"):
+        return "loss_kwargs" + raw[3:]
+    return "loss_args" + raw
+
+
 class UnrebuildableLeaf(ValueError):
     """A batch leaf that was saved as its repr only (an arbitrary Python object)."""
 

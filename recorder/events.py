@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .capture import batch_path, flatten_tree
+from .capture import batch_path, flatten_tree, loss_path
 from .ring import StepLayout, decode_call
 from .tape import Tape
 
@@ -38,8 +38,8 @@ def bad_rows(t: torch.Tensor) -> list[int]:
 def _first_bad_tensor(obj: Any, prefix: str, skip=()) -> tuple[str, list[int], str] | None:
     _, tensors, paths = flatten_tree(obj, "x")
     for key, t in tensors.items():
-        if any(t is s for s in skip):
-            continue
+        if any(t is s for s in skip) or t.grad_fn is not None:
+            continue  # the model output, or computed from it: not data
         rows = bad_rows(t)
         if rows:
             flat = t.detach()[~torch.isfinite(t.detach())]
@@ -125,12 +125,15 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
         if not (math.isfinite(row[lo]) and math.isfinite(row[hi])):
             mb = tape.micro_batches[mb_i]
             outs = list(_tensors(mb.outputs))
-            found = _first_bad_tensor((mb.loss_args, mb.loss_kwargs), "target", skip=outs)
-            ev.update(micro_batch=mb_i, module="<loss>",
-                      kind="nan" if math.isnan(row[lo]) or math.isnan(row[hi]) else "inf")
+            found = _first_bad_tensor([list(mb.loss_args or ()), mb.loss_kwargs or {}], "",
+                                      skip=outs)
+            kind = ("nan" if math.isnan(row[lo]) or math.isnan(row[hi])
+                    else "+inf" if row[hi] == math.inf else "-inf")
+            ev.update(micro_batch=mb_i, module="<loss>", kind=kind)
             if found:
-                ev.update(phase="input", tensor=found[0], samples=found[1], kind=found[2],
-                          detail=f"non-finite value in the loss target {found[0]}")
+                path = loss_path(found[0])
+                ev.update(phase="input", tensor=path, samples=found[1], kind=found[2],
+                          detail=f"non-finite value in the loss target {path}")
             else:
                 ev.update(phase="loss", detail="the loss is non-finite while the model "
                                                "output is finite")
@@ -222,7 +225,9 @@ def _output_samples(mb, d) -> list[int]:
 def summary(event: dict[str, Any], path: Path | None) -> str:
     """The one-paragraph message of :class:`~recorder.NonFiniteError`."""
     where = ""
-    if event.get("module") is not None:
+    if event.get("module") == "<loss>":
+        where = f" Made in the loss of micro-batch {event.get('micro_batch')}."
+    elif event.get("module") is not None:
         name = event["module"] or "<root>"
         where = (f" First made by module '{name}' ({event.get('module_type')}, call "
                  f"{event.get('call')}, micro-batch {event.get('micro_batch')})"

@@ -401,6 +401,8 @@ class FlightRecorder:
                    if not math.isfinite(v)]
             if bad:
                 self._optimizer_event(bad)
+            else:
+                self._updated = False  # verified: weights bad by the next step were not its doing
         return None
 
     # ------------------------------------------------------------------------------------------

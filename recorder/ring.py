@@ -55,7 +55,7 @@ def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
     if stats is not None:
         n = stats[2]
         mean, rms = row[stats[0]] / n, row[stats[1]] / math.sqrt(n)
-    nan = math.isnan(lo)
+    nan = bool(outs) and math.isnan(lo)  # no floating output: nothing to be non-finite
     return {
         "module": midx, "micro_batch": mb, "order": order, "min": lo, "max": hi,
         "absmax": math.nan if nan else max(abs(lo), abs(hi)),

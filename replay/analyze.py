@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from recorder.capture import batch_path, flatten_tree, tensor_leaves
+from recorder.capture import batch_path, flatten_tree, loss_path, tensor_leaves
 from recorder.events import bad_rows
 
 from . import cause as causes
@@ -205,7 +205,7 @@ def _input_origin(step: Step, report) -> dict[str, Any]:
         for key, raw in mb.get("loss_paths", {}).items():
             t = step.tensors.get(key)
             if t is not None and bad_rows(t):
-                return _origin(phase="input", tensor="target" + raw, samples=bad_rows(t),
+                return _origin(phase="input", tensor=loss_path(raw), samples=bad_rows(t),
                                micro_batch=i, made=_made(t))
     ev = step.event
     return _origin(phase="input", tensor=ev.get("tensor"), samples=ev.get("samples", []),
