@@ -87,12 +87,20 @@ def analyze(step: Step) -> dict[str, Any]:
         report["problems"].append(
             "the recorded update left non-finite weights, yet every weight in the bundle is "
             "finite: the event does not come back from the bundle; re-running the step instead")
-    if step.model is None or step.problems and phase in ("forward", "loss", "backward"):
-        if step.model is None:
-            report["problems"].append("no model to re-run: " + "; ".join(step.problems or
-                                                                          ["no factory"]))
-            return _finish(report, _origin(phase=phase, module=step.event.get("module")),
-                           "not_reproduced", reproduced=False)
+    if step.model is None:
+        # Nothing can be re-run (weights stripped, factory refused): say what the recorder saw
+        # and leave the cause open rather than guess.
+        ev = step.event
+        report = _finish(report, _origin(
+            phase=phase, module=ev.get("module"), call=ev.get("call"),
+            micro_batch=ev.get("micro_batch"), tensor=ev.get("tensor"),
+            samples=ev.get("samples", []), params=ev.get("params", []),
+            param=(ev.get("params") or [None])[0], made=ev.get("kind"),
+            inputs_finite=ev.get("inputs_finite")), None, reproduced=False)
+        report["hint"] = ("nothing was re-run, so the op and the cause are unknown: the origin "
+                          "above is what the recorder saw; replay the full bundle where its "
+                          "factory can be imported to name the op")
+        return report
     runner = Runner(step)
     run1 = runner.run()
     run2 = runner.run()
@@ -127,6 +135,13 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
                            "limit": _log2_ceil(len(run.calls)) + 2}
     finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()
+    if hit is None and finder.intentional is not None:
+        # The only non-finite value is a literal +-inf fill that leaves the module as it is.
+        hit = finder.intentional
+        report["problems"].append(
+            f"{hit.op} fills a literal {hit.made} that reaches the output of "
+            f"'{o.module or '<root>'}'; if that infinity is intended, record with "
+            f"FlightRecorder(..., allow_inf=['{o.module or '*'}'])")
     samples = o.bad_rows if _is_batch_dim(step, o) else _root_rows(run)
     origin = _origin(phase="forward", module=o.module, call=o.call, micro_batch=o.micro_batch,
                      inputs_finite=o.inputs_finite, made=o.kind, samples=samples,

@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = ["render_html"]
 
-CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"  # no script at all
 BAD = "#e03131"  # non-finite values, in every plot
 EVENT = "#1c1c1c"  # the event step, dashed, in every plot
 MISSING = "#e9ecef"  # not recorded

@@ -153,7 +153,8 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
             raise FactoryRefused(
                 f"the bundle's factory {spec!r} is not a module under the current directory "
                 f"({cwd}); nanreplay imports a recorded factory only from there. Run from the "
-                f"project root, or pass --factory {spec} to trust it")
+                f"directory that holds the factory's module, or pass --factory {spec} to "
+                "trust it")
     try:
         obj = importlib.import_module(mod_name)
         for part in attr.split("."):

@@ -344,7 +344,7 @@ def test_replaying_a_stripped_copy_exits_1_and_says_what_was_stripped(toy, in_ex
     assert r.stderr == ""
     lines = r.stdout.splitlines()
     assert lines[0] == "nanreplay: step 37, forward event — NOT reproduced"
-    assert lines[1] == "  origin     forward: nan made by norm"
+    assert lines[1] == "  origin     forward: nan made by norm, call 0, inputs finite"
     assert f"  note       {note}" in lines
     assert lines[-2:] == ["  precursors", lines[-1]]
     assert lines[-1].startswith("    step     30  loss_jump       loss ")

@@ -64,7 +64,7 @@ def run(*args):
 def refusal(spec: str) -> str:
     return (f"the bundle's factory {spec!r} is not a module under the current directory "
             f"({Path.cwd()}); nanreplay imports a recorded factory only from there. Run from "
-            f"the project root, or pass --factory {spec} to trust it")
+            f"the directory that holds the factory's module, or pass --factory {spec} to trust it")
 
 
 def test_factory_outside_cwd_is_not_imported_and_the_report_names_the_option(fac):
@@ -73,7 +73,7 @@ def test_factory_outside_cwd_is_not_imported_and_the_report_names_the_option(fac
     assert r.stderr == ""
     lines = r.stdout.splitlines()
     assert lines[0] == "nanreplay: step 37, forward event — NOT reproduced"
-    assert "  origin     forward: nan made by norm" in lines
+    assert "  origin     forward: nan made by norm, call 0, inputs finite" in lines
     assert f"  note       {refusal(fac.spec)}" in lines
     assert not fac.imported
 

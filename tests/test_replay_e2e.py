@@ -207,7 +207,8 @@ def test_recorded_factory_only_trusted_from_its_directory(tmp_path, monkeypatch)
     err, _, _ = record("make_log_net", single(scaled_row(5, 100.0)), tmp_path / "b")
     monkeypatch.chdir(tmp_path)  # replay_models.py is not under this directory
     rep = replay(err.bundle_path)
-    assert rep["reproduced"] is False and rep["cause"] == "not_reproduced"
+    assert rep["reproduced"] is False and rep["cause"] is None  # nothing re-run: no guess
+    assert rep["origin"]["module"] == "act" and "unknown" in rep["hint"]
     assert any("replay_models:make_log_net" in p for p in rep["problems"]), rep["problems"]
     assert exit_code(err.bundle_path) == 1
     rep = replay(err.bundle_path, factory="replay_models:make_log_net")  # trusted explicitly
