@@ -61,6 +61,7 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
                           "module_type": None, "call": None, "micro_batch": None,
                           "inputs_finite": None, "kind": None, "params": [], "tensor": None,
                           "samples": [], "detail": ""}
+    layout.materialize()
     if reason in ("scale_collapse", "scale_skipping"):
         ev.update(phase="backward", kind="scale",
                   detail=f"GradScaler scale {layout.scale} after skipping steps "

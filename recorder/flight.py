@@ -145,6 +145,8 @@ class FlightRecorder:
         self._last_tape: Tape | None = None
         self._buffers: list = []
         self._small: list[int] = []
+        self._volatile_copies = None
+        self._steady_buffers: list = []
         self._small_set: set[int] = set()
         self._volatile_buffers: set[str] = set()
         self._commit = git_commit()
@@ -185,6 +187,15 @@ class FlightRecorder:
                                   for b, _ in m.named_buffers(recurse=False)}
         self._allowed_buffers = {id(b): weakref.ref(b) for n, b in self._buffers
                                  if self._is_allowed(n)}
+        volatile = [(n, b) for n, b in self._buffers
+                    if n in self._volatile_buffers and b.numel()]
+        self._volatile_buffers = {n for n, _ in volatile}
+        for n, b in volatile:
+            self._buffer_copies[n] = torch.empty_like(b)
+        self._volatile_copies = ([b for _, b in volatile],
+                                 [self._buffer_copies[n] for n, _ in volatile]) if volatile else None
+        self._steady_buffers = [(n, b) for n, b in self._buffers
+                                if n not in self._volatile_buffers]
         # Only the root needs a pre-hook (it opens steps); every call is recorded when it
         # returns, with its inputs' statistics looked up from the calls that produced them.
         self._handles.append(model.register_forward_pre_hook(self._root_pre_hook,
@@ -301,6 +312,14 @@ class FlightRecorder:
                 continue
             buf = self._allowed_buffers.get(id(t))
             allowed = buf is not None and buf() is t
+            if code == LOOSE:
+                # Only "were they finite" matters for an inner call's inputs: a sum says it
+                # in half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
+                total = torch.sum(t.detach(), dtype=torch.float32)
+                with tape.lock:
+                    ref = tape.add(LOOSE, total)
+                refs.append((ref, ref, allowed))
+                continue
             lo, hi = torch.aminmax(t.detach())
             with tape.lock:
                 refs.append((tape.add(LOOSE if allowed else code, lo),
@@ -452,10 +471,12 @@ class FlightRecorder:
         one that did not move still holds its pre-step value. BatchNorm statistics, which
         change without moving the counter, are copied every time.
         """
+        if self._volatile_copies:
+            torch._foreach_copy_(self._volatile_copies[1], self._volatile_copies[0])
+            tape.copied_buffers.update(self._volatile_buffers)
         src, dst = [], []
-        for name, b in self._buffers:
-            if b.numel() == 0 or (self._buffer_versions.get(name) == b._version
-                                  and name not in self._volatile_buffers):
+        for name, b in self._steady_buffers:
+            if b.numel() == 0 or self._buffer_versions.get(name) == b._version:
                 continue
             copy = self._buffer_copies.get(name)
             if copy is None or copy.shape != b.shape or copy.dtype != b.dtype:
@@ -519,7 +540,7 @@ class FlightRecorder:
         params = [self._params[i][1] for i in idx]
         tensors = [p.grad.detach() for p in params] + [p.detach() for p in params]
         norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        squares = torch._foreach_mul(norms, norms)
+        squares = torch.stack(norms).square().unbind()
         n = len(idx)
         for k, i in enumerate(idx):
             tape.grad_norms[i] = squares[k]
@@ -550,16 +571,8 @@ class FlightRecorder:
         grad_code = LOOSE if skipped else STRICT
         grad_refs = [(i, tape.add(grad_code, n)) for i, n in sorted(tape.grad_norms.items())]
         param_refs = [(i, tape.add(STRICT, n)) for i, n in sorted(tape.param_norms.items())]
-        off = tape.offsets()
-        r = Tape.resolve
-        layout.calls = [(m, mb, st, tuple((r(a, off), r(b, off)) for a, b in outs),
-                         None if stats is None else (r(stats[0], off), r(stats[1], off),
-                                                     stats[2]),
-                         tuple((r(a, off), r(b, off), al) for a, b, al in ins))
-                        for m, mb, st, outs, stats, ins in tape.calls]
-        layout.loss = [(mb, r(a, off), r(b, off)) for mb, a, b in tape.loss]
-        layout.grads = [(i, r(ref, off)) for i, ref in grad_refs]
-        layout.params = [(i, r(ref, off)) for i, ref in param_refs]
+        # Indices into the row are resolved only when a row is decoded (events, export).
+        layout.raw = (tape.calls, tape.loss, grad_refs, param_refs, tape.offsets())
         strict, nan_only, loose = tape.parts
         device = tape.device or torch.device("cpu")
         pieces = []

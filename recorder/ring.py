@@ -35,6 +35,27 @@ class StepLayout:
     grads: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
     params: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
     length: int = 0
+    # (tape calls, loss, grad refs, param refs, offsets): list-relative refs, resolved into
+    # the fields above by materialize() when the row is decoded
+    raw: tuple | None = None
+
+    def materialize(self) -> StepLayout:
+        if self.raw is None:
+            return self
+        calls, loss, grads, params, off = self.raw
+        self.raw = None
+
+        def r(ref):
+            return off[ref[0]] + ref[1]
+
+        self.calls = [(m, mb, st, tuple((r(a), r(b)) for a, b in outs),
+                       None if stats is None else (r(stats[0]), r(stats[1]), stats[2]),
+                       tuple((r(a), r(b), al) for a, b, al in ins))
+                      for m, mb, st, outs, stats, ins in calls]
+        self.loss = [(mb, r(a), r(b)) for mb, a, b in loss]
+        self.grads = [(i, r(ref)) for i, ref in grads]
+        self.params = [(i, r(ref)) for i, ref in params]
+        return self
 
 
 def _finite_pair(row: list[float], lo: int, hi: int, allowed: bool = False) -> bool:
@@ -119,6 +140,8 @@ class RingBuffer:
         """Decode every stored step into the fixed tables the bundle holds (``ring/*``)."""
         rows = self.ordered_rows()
         h = len(rows)
+        for lay in self.layouts:
+            lay.materialize()
         width = max((len(lay.calls) for lay in self.layouts), default=0)
         calls = torch.full((h, width, len(CALL_FIELDS)), math.nan)
         call_module = torch.full((h, width), -1, dtype=torch.int32)
