@@ -74,17 +74,24 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
     bad_idx = [i for i, k in layout.params if not math.isfinite(row[k])]
     really = _really_non_finite(bad_idx, param_tensors, grads=False)
     overflowed |= len(really) < len(bad_idx)
+    calls = [decode_call(row, c) for c in layout.calls]
+    bad_input = any(d["module"] == 0 and not d["inputs_finite"] for d in calls)
+    if param_tensors is not None and not bad_input:
+        # weights whose norms the step did not record: read them (bad data, when there is
+        # some, is blamed first: it is certain, and another thread may be updating weights)
+        recorded = {i for i, _ in layout.params}
+        really += [i for i, p in enumerate(param_tensors) if i not in recorded
+                   and p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
     bad_params = [param_names[i] for i in really]
     if bad_params:
+        kind = (tensors_kind([param_tensors[i] for i in really]) if param_tensors is not None
+                else None) or _param_kind(row, layout.params, param_tensors)
         if params_from_update:
-            return optimizer_event(tape.step - 1, bad_params, after_update=True,
-                                   kind=_param_kind(row, layout.params, param_tensors))
-        ev.update(phase="weights", params=bad_params,
-                  kind=_param_kind(row, layout.params, param_tensors),
+            return optimizer_event(tape.step - 1, bad_params, after_update=True, kind=kind)
+        ev.update(phase="weights", params=bad_params, kind=kind,
                   detail=f"non-finite values already in {len(bad_params)} parameter(s), first "
                          f"{bad_params[0]}")
         return ev
-    calls = [decode_call(row, c) for c in layout.calls]
     by_order = sorted(calls, key=lambda d: (d["micro_batch"], d["order"]))
 
     def call_index(d):

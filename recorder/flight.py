@@ -38,7 +38,8 @@ from .tape import LOOSE, NAN_ONLY, STRICT, MicroBatch, Tape
 log = logging.getLogger("nanreplay")
 
 _ON_EVENT = ("raise", "warn")
-_SMALL = 1 << 15  # parameters with fewer elements get batched norms (see attach)
+_SMALL = 1 << 15  # parameters with fewer elements get batched norms (see attach)...
+_FEW = 16  # ...when there are more than this many of them
 
 
 class _CallableLoss(nn.Module):
@@ -85,7 +86,9 @@ class FlightRecorder:
             default; without it such an event is caught at the next step and the bundle holds
             the state after the update.
         stats: ``"minmax"`` (default) records min, max, absmax and NaN/+-Inf flags of every
-            call's output, one reduction per call; ``"full"`` adds mean and RMS (two more).
+            call's output (one reduction per call) and every gradient's norm; ``"full"`` adds
+            each output's mean and RMS and every parameter's norm (the total parameter norm
+            per step), which costs another pass over the weights.
         start_step: the index of the first recorded step (when attaching mid-run).
     """
 
@@ -109,6 +112,9 @@ class FlightRecorder:
         if stats not in ("minmax", "full"):
             raise ValueError(f"FlightRecorder: stats must be 'minmax' or 'full', got {stats!r}")
         self.stats = stats
+        # A pass over every weight each step costs as much memory traffic as the gradient
+        # norms; by default weights are read only when an event needs them (slow path).
+        self._param_norms = stats == "full"
         self.max_micro_batches = int(max_micro_batches)
         self.bundle_path: Path | None = None
         self.event: dict[str, Any] | None = None
@@ -213,9 +219,12 @@ class FlightRecorder:
         # (in cache then); small ones are batched into one foreach call per step instead.
         self._small = [i for i, (_, p) in enumerate(self._params)
                        if p.requires_grad and p.numel() < _SMALL]
+        if len(self._small) <= _FEW:  # a foreach call only pays off for many
+            self._small = []
         self._small_set = set(self._small)
+        batched = set(self._small)
         for i, (_, p) in enumerate(self._params):
-            if p.requires_grad and p.numel() >= _SMALL:
+            if p.requires_grad and i not in batched:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     partial(self._grad_hook, i)))
         if opt is not None:
@@ -385,10 +394,12 @@ class FlightRecorder:
             return
         try:
             grad = p.grad
-            g, w = _sq_norm(grad.detach()), _sq_norm(p.detach())
+            g = _sq_norm(grad.detach())
+            w = _sq_norm(p.detach()) if self._param_norms else None
             with tape.lock:  # accumulation: the last call sees the accumulated gradient
                 tape.grad_norms[i] = g
-                tape.param_norms[i] = w
+                if w is not None:
+                    tape.param_norms[i] = w
                 tape.grad_seen[i] = (id(grad), grad._version)
         except Exception as e:
             self._internal_error(e)
@@ -538,13 +549,16 @@ class FlightRecorder:
         if not idx:
             return
         params = [self._params[i][1] for i in idx]
-        tensors = [p.grad.detach() for p in params] + [p.detach() for p in params]
+        tensors = [p.grad.detach() for p in params]
+        if self._param_norms:
+            tensors += [p.detach() for p in params]
         norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
         squares = torch.stack(norms).square().unbind()
         n = len(idx)
         for k, i in enumerate(idx):
             tape.grad_norms[i] = squares[k]
-            tape.param_norms[i] = squares[n + k]
+            if self._param_norms:
+                tape.param_norms[i] = squares[n + k]
 
     def _reread_changed_grads(self, tape: Tape) -> None:
         """Gradients the optimizer will use that differ from what backward wrote: DDP's

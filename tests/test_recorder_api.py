@@ -149,15 +149,20 @@ def _no_hooks_left(model, opt, loss_fn):
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
 
-def test_large_parameters_get_grad_hooks_that_detach_removes(out_dir):
-    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 3))  # 65536 weights
+def test_many_small_parameters_are_batched_large_ones_hooked(out_dir):
+    layers = [nn.Linear(4, 4) for _ in range(10)] + [nn.Linear(4, 256), nn.Linear(256, 256)]
+    model = nn.Sequential(*layers)  # 23 small parameters, one of 65536 elements
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = FlightRecorder(model, opt, out_dir=out_dir).attach()
-    assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == [1, 0, 0, 0]
-    opt.zero_grad()
-    model(torch.randn(4, 256)).square().mean().backward()
-    opt.step()
-    assert rec.step == 1
+    hooks = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    assert hooks == [0] * 22 + [1, 0]
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 4)).square().mean().backward()
+        opt.step()
+    assert rec.step == 2
+    layout = rec._ring.layouts[-1].materialize()
+    assert sorted(i for i, _ in layout.grads) == list(range(24))  # every gradient measured
     rec.detach()
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
 
@@ -170,8 +175,7 @@ def test_attach_is_idempotent_and_detach_removes_every_hook(out_dir):
     counts = _hook_counts(model, opt, crit)
     rec.attach()
     assert _hook_counts(model, opt, crit) == counts
-    # parameters this small get batched norms at step end, not per-parameter grad hooks
-    assert counts == {"forward": 4, "forward_pre": 1, "loss": 2, "grad": 0, "opt": 2}
+    assert counts == {"forward": 4, "forward_pre": 1, "loss": 2, "grad": 4, "opt": 2}
     M.train(model, opt, crit, 3)
     rec.detach()
     _no_hooks_left(model, opt, crit)
