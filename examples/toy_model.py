@@ -4,7 +4,6 @@
 that the data pipeline filled with zeros; one such sample turns the whole loss into NaN.
 """
 
-import torch
 from torch import nn
 
 

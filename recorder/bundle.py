@@ -110,7 +110,7 @@ def header_bytes(meta: dict[str, Any], entries: list[tuple[str, torch.Tensor]],
 
 
 def write_bundle(out_dir: str | os.PathLike, stem: str, meta: dict[str, Any],
-                 tensors: dict[str, torch.Tensor], *, level: int = 3) -> Path:
+                 tensors: dict[str, torch.Tensor], *, level: int = 1) -> Path:
     """Write ``tensors`` and ``meta`` as ``out_dir/stem.nan`` and return the path.
 
     Never overwrites: if the name exists, ``stem-1.nan``, ``stem-2.nan``... is used. On any error
@@ -346,6 +346,8 @@ class BundleReader:
             if name in self._complex:
                 t = torch.view_as_complex(t)
             yield name, t
+            del t  # the caller holds it if it wants it: never two tensors alive here
+            buf = None
         try:
             trailing = self._stream.read(1)
         except zstandard.ZstdError:  # bytes after the frame that are not a zstd frame
