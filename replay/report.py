@@ -59,6 +59,8 @@ def to_text(report: dict[str, Any]) -> str:
         lines.append(f"  samples    {s[:16]}" + (f" (+{len(s) - 16})" if len(s) > 16 else ""))
     if report.get("cause"):
         lines.append(f"  cause      {report['cause']} — {report.get('hint') or ''}".rstrip(" —"))
+    elif report.get("hint"):
+        lines.append(f"  cause      unknown — {report['hint']}")
     b = report.get("bisection")
     if b:
         agree = "agrees with" if b["agrees"] else "DISAGREES with"

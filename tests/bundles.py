@@ -59,7 +59,7 @@ def toy_bundle(out_dir: Path) -> Path:
 TOY_REPORT = [
     "nanreplay: step 37, forward event — reproduced",
     "  origin     forward: nan made by aten.div in norm, call 0, inputs finite",
-    "  source     toy_model.py:17    return (x - mean) / std  "
+    "  source     toy_model.py:16    return (x - mean) / std  "
     "# the bug: no eps, 0/0 when a row is constant",
     "  samples    [5]",
     "  cause      invalid — invalid math that float64 does not fix: guard the op's domain (clamp "
@@ -121,8 +121,10 @@ def factory_module(directory: Path, name: str, marker: Path) -> Path:
     """``directory/name.py``: the toy model's code, plus a line that creates ``marker`` when the
     module is imported (the proof that nanreplay ran it)."""
     directory.mkdir(parents=True, exist_ok=True)
-    code = (f"from pathlib import Path as _P\n_P({str(marker)!r}).write_text('imported')\n\n"
-            + TOY_SOURCE.read_text())
+    # "import torch" too: a trusted module's attributes lead to other modules (the safety
+    # tests walk from it to torch.os.getpid)
+    code = (f"from pathlib import Path as _P\n_P({str(marker)!r}).write_text('imported')\n"
+            "import torch  # noqa: F401\n\n" + TOY_SOURCE.read_text())
     path = directory / f"{name}.py"
     path.write_text(code)
     return path

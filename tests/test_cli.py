@@ -109,7 +109,7 @@ def test_json_is_the_only_thing_on_stdout_and_has_the_stable_keys(toy, in_exampl
     o = d["origin"]
     assert (o["phase"], o["module"], o["call"], o["op"]) == ("forward", "norm", 0, "aten.div")
     assert o["samples"] == [5]
-    assert o["source"] == "toy_model.py:17"
+    assert o["source"] == "toy_model.py:16"
     assert [c["op"] for c in o["chain"]] == ["aten.div"]
     assert d["cause"] == "invalid"
     assert d["hint"].startswith("invalid math that float64 does not fix")
