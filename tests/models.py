@@ -315,8 +315,14 @@ def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (NaN payloads included): bitwise equality."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
-                       b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    if a.numel() == 0:
+        return True
+
+    def raw(t):  # a fresh row-major copy: contiguous() keeps odd strides of size-1 dims
+        return torch.empty(t.shape, dtype=t.dtype).copy_(t.detach().cpu()).reshape(-1) \
+            .view(torch.uint8)
+
+    return torch.equal(raw(a), raw(b))
 
 
 def bn_mlp(d_in: int = D_IN, hidden: int = HIDDEN, d_out: int = N_CLASSES) -> nn.Sequential:
