@@ -133,7 +133,6 @@ class FlightRecorder:
             self.loss_fn = loss_fn
         else:
             self.loss_fn = _CallableLoss(loss_fn)
-        self._loss_is_wrapped = isinstance(self.loss_fn, _CallableLoss)
 
         self._step = int(start_step)
         self._tape: Tape | None = None
@@ -184,7 +183,6 @@ class FlightRecorder:
         self._module_names = [n for n, _ in named]
         self._module_types = [type(m).__module__ + "." + type(m).__qualname__ for _, m in named]
         self._params = list(model.named_parameters())
-        self._param_index = {id(p): i for i, (_, p) in enumerate(self._params)}
         self._buffers = list(model.named_buffers())
         # BatchNorm-style layers update their running statistics inside the kernel, which
         # does not move the version counter: copy those at every step start.
@@ -245,7 +243,6 @@ class FlightRecorder:
         self._last_tape = None
         self._buffers = []
         self._params = []
-        self._param_index = {}
         self._allowed_buffers = {}
         self._attached = self._active = False
 
@@ -374,7 +371,6 @@ class FlightRecorder:
         if not self._active or tape is None or not tape.micro_batches:
             return None
         try:
-            tape.micro_batches[-1].loss_out = output
             for t in tensor_leaves(output):
                 if t.is_floating_point() and t.numel():
                     lo, hi = torch.aminmax(t.detach())

@@ -33,7 +33,6 @@ class MicroBatch:
     outputs: Any = None
     loss_args: tuple | None = None
     loss_kwargs: dict | None = None
-    loss_out: Any = None
     out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     input_refs: tuple = ()
 

@@ -126,7 +126,6 @@ class Run:
     bad_grads: list[str] = field(default_factory=list)
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
     losses: list[Any] = field(default_factory=list)
-    error: str | None = None
 
     def forward_origin(self) -> Call | None:
         """First call (completion order) to make a non-finite output from finite inputs."""
@@ -153,7 +152,6 @@ class Runner:
                                 if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
         self._buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         self._rng = rng_state(step)
-        self.n_micro = len(step.micro_batches)
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
         self.last_loss = None
 
