@@ -1,0 +1,73 @@
+"""Constructor checks of :class:`~recorder.FlightRecorder`: every mistake is reported when the
+recorder is built, in one line saying what, why and what to do, never at the first event."""
+
+from __future__ import annotations
+
+import importlib
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ON_EVENT = ("raise", "warn")
+
+
+def validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, allow_inf,
+              scaler) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"FlightRecorder: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}; pass the module whose forward runs the step")
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}; pass None for loops without one")
+        own = {id(p) for p in model.parameters()}
+        stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+        if stray:
+            shapes = ", ".join(str(list(p.shape)) for p in stray[:3])
+            raise ValueError(f"FlightRecorder: {len(stray)} optimizer parameter(s) are not "
+                             f"parameters of the model (shapes {shapes}); build the optimizer "
+                             "from this model's parameters()")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"FlightRecorder: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if on_event not in ON_EVENT:
+        raise ValueError(f"FlightRecorder: on_event must be 'raise' or 'warn', got {on_event!r}")
+    if not isinstance(history, int) or history < 1:
+        raise ValueError(f"FlightRecorder: history must be a positive int, got {history!r}")
+    if isinstance(allow_inf, str) or not all(isinstance(p, str) for p in allow_inf):
+        raise TypeError("FlightRecorder: allow_inf must be a list of name patterns such as "
+                        "['*.attn.mask']")
+    if scaler is not None and not hasattr(scaler, "_per_optimizer_states"):
+        raise TypeError(f"FlightRecorder: scaler must be a torch.amp.GradScaler, got "
+                        f"{type(scaler).__name__}")
+    _check_writable(Path(out_dir))
+    if factory is not None:
+        _check_factory(factory)
+
+
+def _check_writable(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".nanreplay-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"FlightRecorder: out_dir '{out_dir}' is not writable "
+                         f"({e.strerror or e}); pass a directory this process can write") from None
+
+
+def _check_factory(factory: str) -> None:
+    mod, _, fn = factory.partition(":")
+    if not mod or not fn:
+        raise ValueError(f"FlightRecorder: factory {factory!r} is not of the form "
+                         "'module:function' (e.g. 'mypkg.train:make_model')")
+    try:
+        obj = importlib.import_module(mod)
+        for part in fn.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:
+        raise ValueError(f"FlightRecorder: factory {factory!r} cannot be imported "
+                         f"({type(e).__name__}: {e}); pass 'module:function' importable from "
+                         "this process") from None
+    if not callable(obj):
+        raise ValueError(f"FlightRecorder: factory {factory!r} is not callable")
