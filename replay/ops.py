@@ -17,16 +17,12 @@ from __future__ import annotations
 import math
 import os
 import traceback
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-with warnings.catch_warnings():  # torch warns here when NumPy (optional for us) is absent
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    from torch.utils._python_dispatch import TorchDispatchMode
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
