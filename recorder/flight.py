@@ -583,19 +583,25 @@ class FlightRecorder:
         layout.raw = (tape.calls, tape.loss, grad_refs, param_refs, tape.offsets())
         strict, nan_only, loose = tape.parts
         device = tape.device or torch.device("cpu")
-        pieces = []
-        ok = torch.ones((), dtype=torch.bool, device=device)
+        # as few ops as possible: this runs every step
+        pieces, ok = [], None
         if strict:
-            s = torch.stack(strict)
+            s = torch.stack(strict).float()
             ok = torch.isfinite(s).all()
-            pieces.append(s.float())
+            pieces.append(s)
         if nan_only:
-            n = torch.stack(nan_only)
-            ok = ok & ~torch.isnan(n).any()
-            pieces.append(n.float())
+            n = torch.stack(nan_only).float()
+            no_nan = ~torch.isnan(n).any()
+            ok = no_nan if ok is None else ok & no_nan
+            pieces.append(n)
         if loose:
             pieces.append(torch.stack(loose).float())
-        row = torch.cat(pieces) if pieces else torch.zeros(0, device=device)
+        if len(pieces) == 1:
+            row = pieces[0]
+        else:
+            row = torch.cat(pieces) if pieces else torch.zeros(0, device=device)
+        if ok is None:
+            ok = torch.ones((), dtype=torch.bool, device=device)
         summary = ok.float().reshape(1)
         scaler = self._scaler() if self._scaler is not None else None
         scale = getattr(scaler, "_scale", None)

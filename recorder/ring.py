@@ -117,11 +117,12 @@ class RingBuffer:
         if self.rows is None:
             self.rows = torch.full((self.history, max(256, 2 * n)), math.nan,
                                    dtype=torch.float32, device=row.device)
+            self._slots = self.rows.unbind(0)  # row views made once, not per step
         cap = self.rows.shape[1]
         if n > cap:
             self.truncated += 1
             n = cap
-        self.rows[self._next, :n].copy_(row[:n])
+        self._slots[self._next].narrow(0, 0, n).copy_(row if n == row.numel() else row[:n])
         layout.length = n
         self.layouts.append(layout)
         self._next = (self._next + 1) % self.history
