@@ -56,15 +56,22 @@ def _check_writable(out_dir: Path) -> None:
                          f"({e.strerror or e}); pass a directory this process can write") from None
 
 
+def import_object(module: str, attr: str):
+    """``module`` imported, then the dotted ``attr`` looked up in it (a factory's two parts).
+    Raises whatever the import or the lookup raises: callers add their own context."""
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _check_factory(factory: str) -> None:
     mod, _, fn = factory.partition(":")
     if not mod or not fn:
         raise ValueError(f"FlightRecorder: factory {factory!r} is not of the form "
                          "'module:function' (e.g. 'mypkg.train:make_model')")
     try:
-        obj = importlib.import_module(mod)
-        for part in fn.split("."):
-            obj = getattr(obj, part)
+        obj = import_object(mod, fn)
     except Exception as e:
         raise ValueError(f"FlightRecorder: factory {factory!r} cannot be imported "
                          f"({type(e).__name__}: {e}); pass 'module:function' importable from "

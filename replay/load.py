@@ -24,6 +24,7 @@ from torch import nn
 from recorder.bundle import read_bundle
 from recorder.capture import UnrebuildableLeaf, rng_from_bundle, unflatten_tree
 from recorder.errors import BundleError
+from recorder.validate import import_object
 
 from .errors import FactoryRefused, ReplayError
 
@@ -156,9 +157,7 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
                 f"directory that holds the factory's module, or pass --factory {spec} to "
                 "trust it")
     try:
-        obj = importlib.import_module(mod_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
+        obj = import_object(mod_name, attr)
     except Exception as e:
         raise ReplayError(f"factory {spec!r} cannot be imported ({type(e).__name__}: {e}); "
                           "run from the directory that holds it or pass --factory MOD:FN") from None
