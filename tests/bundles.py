@@ -215,3 +215,30 @@ def copy(src: Path, dst: Path) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, dst)
     return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# running the CLI
+
+
+def invoke_cli(*args):
+    """``nanreplay ARGS`` through click's runner; a raw exception or traceback fails the test."""
+    from click.testing import CliRunner
+
+    from replay.cli import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"nanreplay raised {result.exception!r}") from result.exception
+    assert "Traceback" not in result.stdout + result.stderr
+    return result
+
+
+def one_error_line(result) -> str:
+    """The single ``nanreplay: ...`` line of a failed run (exit 2, nothing on stdout)."""
+    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("nanreplay: "), lines[0]
+    return lines[0]

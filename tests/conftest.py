@@ -24,3 +24,11 @@ def _seeded():
 @pytest.fixture
 def out_dir(tmp_path: Path) -> Path:
     return tmp_path / "bundles"
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory) -> Path:
+    """The bundle of examples/train_toy.py, made once per session (see tests/bundles.py)."""
+    from bundles import shared_toy_bundle
+
+    return shared_toy_bundle(tmp_path_factory)

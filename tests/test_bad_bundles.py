@@ -24,18 +24,13 @@ from bundles import (
     factory_module,
     huge_tensor_bundle,
     lying_frame,
+    one_error_line,
     rewrite,
-    shared_toy_bundle,
     with_factory,
 )
-from click.testing import CliRunner
-
-from replay.cli import main
-
-
-@pytest.fixture(scope="session")
-def toy(tmp_path_factory) -> Path:
-    return shared_toy_bundle(tmp_path_factory)
+from bundles import (
+    invoke_cli as run,
+)
 
 
 class Evil:
@@ -66,23 +61,6 @@ def in_project(evil, monkeypatch):
     monkeypatch.chdir(evil.dir)
     yield
     evil.assert_untouched()
-
-
-def run(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"nanreplay raised {result.exception!r}") from result.exception
-    assert "Traceback" not in result.stdout + result.stderr
-    return result
-
-
-def one_error_line(result) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("nanreplay: "), lines[0]
-    return lines[0]
 
 
 def test_control_the_intact_bundle_imports_its_factory_from_cwd(tmp_path, toy, monkeypatch):

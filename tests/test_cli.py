@@ -15,16 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from bundles import EXAMPLES, ROOT, TOY_REPORT, rewrite, shared_toy_bundle, with_precursor
-from click.testing import CliRunner
+from bundles import (
+    EXAMPLES,
+    ROOT,
+    TOY_REPORT,
+    one_error_line,
+    rewrite,
+    with_precursor,
+)
+from bundles import invoke_cli as invoke
 
 from recorder.bundle import read_bundle
-from replay.cli import main
-
-
-@pytest.fixture(scope="session")
-def toy(tmp_path_factory) -> Path:
-    return shared_toy_bundle(tmp_path_factory)
 
 
 @pytest.fixture
@@ -37,24 +38,6 @@ def in_examples(monkeypatch):
 @pytest.fixture
 def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-def invoke(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"nanreplay raised {result.exception!r}") from result.exception
-    assert "Traceback" not in result.stdout + result.stderr
-    return result
-
-
-def one_error_line(result) -> str:
-    """The single ``nanreplay: ...`` line of a failed run (exit 2, nothing on stdout)."""
-    assert result.exit_code == 2, (result.stdout, result.stderr)
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("nanreplay: ")
-    return lines[0]
 
 
 TOY_TEXT = TOY_REPORT

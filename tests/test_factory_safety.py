@@ -14,15 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from bundles import factory_module, shared_toy_bundle, with_factory, with_precursor
-from click.testing import CliRunner
-
-from replay.cli import main
-
-
-@pytest.fixture(scope="session")
-def toy(tmp_path_factory) -> Path:
-    return shared_toy_bundle(tmp_path_factory)
+from bundles import factory_module, with_factory, with_precursor
+from bundles import invoke_cli as run
 
 
 class Factory:
@@ -51,14 +44,6 @@ def fac(tmp_path, toy, monkeypatch):
     monkeypatch.chdir(elsewhere)  # not the factory's directory unless a test moves
     yield f
     sys.modules.pop(f.name, None)
-
-
-def run(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"nanreplay raised {result.exception!r}") from result.exception
-    assert "Traceback" not in result.stdout + result.stderr
-    return result
 
 
 def refusal(spec: str) -> str:

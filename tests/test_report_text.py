@@ -11,24 +11,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-from bundles import EXAMPLES, TOY_REPORT, rewrite, shared_toy_bundle
-from click.testing import CliRunner
+from bundles import EXAMPLES, TOY_REPORT, rewrite
+from bundles import invoke_cli as run
 
-from replay.cli import main
 from replay.report import to_text
-
-
-@pytest.fixture(scope="session")
-def toy(tmp_path_factory) -> Path:
-    return shared_toy_bundle(tmp_path_factory)
-
-
-def run(*args):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"nanreplay raised {result.exception!r}") from result.exception
-    return result
 
 
 def test_toy_report_golden(toy, monkeypatch):
