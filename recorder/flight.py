@@ -150,7 +150,8 @@ class FlightRecorder:
         self._small: list[int] = []
         self._volatile_copies = None
         self._steady_buffers: list = []
-        self._small_set: set[int] = set()
+        self._large: list = []
+        self._grad_hooks = True
         self._volatile_buffers: set[str] = set()
         self._commit = git_commit()
         self._capture_rng = RngCapture()
@@ -211,16 +212,22 @@ class FlightRecorder:
             self._handles.append(self.loss_fn.register_forward_hook(
                 self._loss_post_hook, with_kwargs=True))
         opt = self._optimizer() if self._optimizer else None
-        # Large parameters get their norms in a hook the moment backward writes the gradient
-        # (in cache then); small ones are batched into one foreach call per step instead.
+        # Gradient norms are read once, right before the update, in a tight loop (cheaper than
+        # a hook per parameter, and they are then what the optimizer uses: after DDP's
+        # all-reduce, GradScaler's unscale, clipping). Backward hooks take them instead where
+        # that moment may never come: no optimizer (the step closes at the next forward, after
+        # the user's own update and zero_grad), or a GradScaler that may skip the update.
+        self._grad_hooks = opt is None or self._scaler is not None
+        # Many small parameters are batched into one foreach call per step.
         self._small = [i for i, (_, p) in enumerate(self._params)
                        if p.requires_grad and p.numel() < _SMALL]
         if len(self._small) <= _FEW:  # a foreach call only pays off for many
             self._small = []
-        self._small_set = set(self._small)
         batched = set(self._small)
-        for i, (_, p) in enumerate(self._params):
-            if p.requires_grad and i not in batched:
+        self._large = [(i, p) for i, (_, p) in enumerate(self._params)
+                       if p.requires_grad and i not in batched]
+        if self._grad_hooks:
+            for i, p in self._large:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     partial(self._grad_hook, i)))
         if opt is not None:
@@ -241,6 +248,7 @@ class FlightRecorder:
         self._last_tape = None
         self._buffers = []
         self._params = []
+        self._large = []
         self._allowed_buffers = {}
         self._attached = self._active = False
 
@@ -555,20 +563,22 @@ class FlightRecorder:
                 tape.param_norms[i] = squares[n + k]
 
     def _reread_changed_grads(self, tape: Tape) -> None:
-        """Gradients the optimizer will use that differ from what backward wrote: DDP's
-        all-reduced average, GradScaler's unscaled values, clipping, a replaced tensor."""
-        with tape.lock:
-            for i, (_, p) in enumerate(self._params):
+        """Norms of the gradients the optimizer will use. With backward hooks, only those that
+        changed since backward wrote them: DDP's all-reduced average, GradScaler's unscaled
+        values, clipping, a replaced tensor. Small parameters: see _small_param_norms."""
+        norms, seen = tape.grad_norms, tape.grad_seen
+        every = not self._grad_hooks or self._ddp or self._scaler is not None
+        strided = torch.strided
+        with tape.lock, torch.no_grad():
+            for i, p in self._large:
                 grad = p.grad
-                if grad is None or grad.layout != torch.strided:
+                if grad is None or grad.layout != strided:
                     continue
-                seen = tape.grad_seen.get(i)
-                if i in tape.grad_norms and (seen is None and i in self._small_set):
-                    continue  # measured just now by _small_param_norms
-                if self._ddp or self._scaler is not None or seen is None \
-                        or seen != (id(grad), grad._version):
-                    tape.grad_norms[i] = _sq_norm(grad.detach())
+                if every or seen.get(i) != (id(grad), grad._version):
+                    norms[i] = _sq_norm(grad)
                     tape.grads_reread = True
+                    if self._param_norms and not self._grad_hooks:
+                        tape.param_norms[i] = _sq_norm(p)
 
     def _build_row(self, tape: Tape, skipped: bool):
         self._small_param_norms(tape)
