@@ -291,15 +291,27 @@ class FlightRecorder:
 
     def _post_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
         tape = self._tape
-        if not self._active or tape is None:
+        if tape is None or not self._active:
             return None
         try:
-            mb = tape.micro_batch
+            mb = len(tape.micro_batches) - 1
             if idx == 0:
                 ins = tape.micro_batches[mb].input_refs
+            elif len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:
+                # one tensor in, most often the previous call's output: inlined (every call
+                # pays for this, so it is kept to a few dictionary and attribute reads)
+                a = args[0]
+                hit = tape.cache.get(id(a))
+                if hit is not None and hit[0]() is a and (hit[4] == a._version or a is output):
+                    ins = (hit[1:4],)
+                else:
+                    ins = self._input_refs(tape, args, kwargs, code=LOOSE, made_here=output)
             else:
                 ins = self._input_refs(tape, args, kwargs, code=LOOSE, made_here=output)
-            outs, stats = self._output_refs(tape, output, allowed)
+            if type(output) is torch.Tensor and not self._param_norms:
+                outs, stats = self._tensor_output_ref(tape, output, allowed), None
+            else:
+                outs, stats = self._output_refs(tape, output, allowed)
             tape.calls.append((idx, mb, len(tape.calls), outs, stats, ins))
             if idx == 0:
                 self._end_micro_batch(tape, output)
@@ -337,6 +349,21 @@ class FlightRecorder:
                 refs.append((tape.add(LOOSE if allowed else code, lo),
                              tape.add(LOOSE if allowed else code, hi), allowed))
         return tuple(refs)
+
+    @staticmethod
+    def _tensor_output_ref(tape: Tape, t: torch.Tensor, allowed: bool) -> tuple:
+        """:meth:`_output_refs` for a single-tensor output and ``stats="minmax"``."""
+        if not t.is_floating_point() or t.numel() == 0:
+            return ()
+        hit = tape.cache.get(id(t))
+        if hit is not None and hit[0]() is t and hit[4] == t._version and hit[3] == allowed:
+            return (hit[1:3],)  # passed through unchanged (a Sequential's output)
+        lo, hi = torch.aminmax(t.detach())
+        code = NAN_ONLY if allowed else STRICT
+        with tape.lock:
+            a, b = tape.add(code, lo), tape.add(code, hi)
+        tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
+        return ((a, b),)
 
     def _output_refs(self, tape: Tape, output, allowed: bool):
         outs, stats = [], None
@@ -522,15 +549,18 @@ class FlightRecorder:
             self._tape = None
             self._step += 1
         try:
-            layout, row, summary = self._build_row(tape, skipped=self._skipped_by_scaler(tape))
+            layout, row, probe, scale = self._build_row(tape,
+                                                        skipped=self._skipped_by_scaler(tape))
         except Exception as e:
             self._internal_error(e)
             return
-        values = summary.tolist()  # the one host-device sync of the step
-        ok = values[0] == 1.0
-        if len(values) > 1:
-            layout.scale = values[1]
-        self._ring.append(layout, row)
+        # the one host-device sync of the step
+        if scale is None:
+            ok = probe.item() == 0.0
+        else:
+            check, layout.scale = torch.stack([probe.to(scale.device), scale]).tolist()
+            ok = check == 0.0
+        self._ring.commit(layout)
         reason = None
         if not ok:
             reason = "non_finite"
@@ -581,43 +611,52 @@ class FlightRecorder:
                         tape.param_norms[i] = _sq_norm(p)
 
     def _build_row(self, tape: Tape, skipped: bool):
+        """Stack the step's statistics straight into the next ring row (as few ops as
+        possible: this runs every step) and compute, still on the device, a probe that is 0
+        when every entry that must be finite is and NaN (or > 0) otherwise. Returns (layout,
+        row, probe, scale): ``scale`` is the GradScaler's scale tensor when there is one, read
+        in the same sync as the probe."""
         self._small_param_norms(tape)
         opt = self._optimizer() if self._optimizer else None
         lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
                             grads_scaled=self._scaler is not None and not tape.grads_reread)
-        grad_code = LOOSE if skipped else STRICT
-        grad_refs = [(i, tape.add(grad_code, n)) for i, n in sorted(tape.grad_norms.items())]
-        param_refs = [(i, tape.add(STRICT, n)) for i, n in sorted(tape.param_norms.items())]
+        strict, nan_only, loose = tape.parts
+        # gradient norms of a step the scaler skipped are expected to overflow: kept, unchecked
+        target = loose if skipped else strict
+        code = LOOSE if skipped else STRICT
+        base = len(target)
+        grads = sorted(tape.grad_norms.items())
+        grad_refs = [(i, (code, base + k)) for k, (i, _) in enumerate(grads)]
+        target.extend(n for _, n in grads)
+        base = len(strict)
+        params = sorted(tape.param_norms.items())
+        param_refs = [(i, (STRICT, base + k)) for k, (i, _) in enumerate(params)]
+        strict.extend(n for _, n in params)
         # Indices into the row are resolved only when a row is decoded (events, export).
         layout.raw = (tape.calls, tape.loss, grad_refs, param_refs, tape.offsets())
-        strict, nan_only, loose = tape.parts
-        device = tape.device or torch.device("cpu")
-        # as few ops as possible: this runs every step
-        pieces, ok = [], None
-        if strict:
-            s = torch.stack(strict).float()
-            ok = torch.isfinite(s).all()
-            pieces.append(s)
-        if nan_only:
-            n = torch.stack(nan_only).float()
-            no_nan = ~torch.isnan(n).any()
-            ok = no_nan if ok is None else ok & no_nan
-            pieces.append(n)
-        if loose:
-            pieces.append(torch.stack(loose).float())
-        if len(pieces) == 1:
-            row = pieces[0]
-        else:
-            row = torch.cat(pieces) if pieces else torch.zeros(0, device=device)
-        if ok is None:
-            ok = torch.ones((), dtype=torch.bool, device=device)
-        summary = ok.float().reshape(1)
+        entries = strict + nan_only + loose
+        device = entries[0].device if entries else torch.device("cpu")
+        row = self._ring.reserve(len(entries), device)
+        try:
+            if entries:
+                torch.stack(entries, out=row)
+        except RuntimeError:  # entries on several devices, or a row longer than the ring's
+            full = torch.stack([t.to(device) for t in entries]).float()
+            row.copy_(full[: row.numel()])
+        s, n = len(strict), len(nan_only)
+        if s and row.numel() >= s:
+            probe = self._ring.probe_finite(s)
+        else:  # nothing to check, or a truncated row: check what was gathered
+            probe = torch.zeros((), device=device)
+            if s:
+                probe = probe + torch.stack([t.to(device) for t in strict]).float().mul(0).sum()
+        if n:  # outputs allowed to hold +-Inf: only NaN counts
+            nan = torch.stack([t.to(device) for t in nan_only]).isnan().any()
+            probe = probe + nan.float()
         scaler = self._scaler() if self._scaler is not None else None
         scale = getattr(scaler, "_scale", None)
-        if scale is not None:
-            summary = torch.cat([summary.to(scale.device), scale.float().reshape(1)])
-        return layout, row, summary
+        return layout, row, probe, None if scale is None else scale.float().reshape(())
 
     # ------------------------------------------------------------------------------------------
     # events

@@ -1,9 +1,10 @@
 """The ring buffer: the last ``history`` steps of statistics, kept on the model's device.
 
-Each step appends one row, a flat float32 vector the hooks filled (``Tape.row``), and a small
-host-side :class:`StepLayout` saying which entry of the row is what. Rows stay on the device;
-they are decoded into a fixed table only when a bundle is written, so recording costs one
-device copy per step and no host transfer.
+Each step stacks the 0-d statistics its hooks made straight into the next row (a flat float32
+vector: :meth:`RingBuffer.reserve`, then :meth:`RingBuffer.commit`) and keeps a small host-side
+:class:`StepLayout` saying which entry of the row is what. Rows stay on the device; they are
+decoded into a fixed table only when a bundle is written, so recording costs one device op per
+step and no host transfer.
 """
 
 from __future__ import annotations
@@ -112,18 +113,43 @@ class RingBuffer:
     def nbytes(self) -> int:
         return 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
 
-    def append(self, layout: StepLayout, row: torch.Tensor) -> None:
-        n = row.numel()
+    def reserve(self, n: int, device: torch.device) -> torch.Tensor:
+        """Storage for the next row's first ``n`` entries (allocated at the first step); a row
+        longer than the ring's width gets its first ``width`` entries (see ``truncated``)."""
         if self.rows is None:
-            self.rows = torch.full((self.history, max(256, 2 * n)), math.nan,
-                                   dtype=torch.float32, device=row.device)
+            width = max(256, 2 * n)
+            self.rows = torch.full((self.history, width), math.nan, dtype=torch.float32,
+                                   device=device)
             self._slots = self.rows.unbind(0)  # row views made once, not per step
-        cap = self.rows.shape[1]
-        if n > cap:
+            self._views: list = [None] * self.history
+            self._checked: list = [None] * self.history
+            self._zeros = torch.zeros(width, dtype=torch.float32, device=device)
+            self._zeros_view = self._zeros
+        if n > self.rows.shape[1]:
             self.truncated += 1
-            n = cap
-        self._slots[self._next].narrow(0, 0, n).copy_(row if n == row.numel() else row[:n])
-        layout.length = n
+            n = self.rows.shape[1]
+        view = self._views[self._next]
+        if view is None or view.numel() != n:  # the row length rarely changes between steps
+            view = self._views[self._next] = self._slots[self._next].narrow(0, 0, n)
+        self._length = n
+        return view
+
+    def probe_finite(self, s: int) -> torch.Tensor:
+        """A 0-d tensor that is 0 when the first ``s`` entries of the reserved row are all
+        finite and NaN otherwise, in one device op: ``x * 0`` is 0 for every finite ``x`` and
+        NaN for NaN and +-Inf, and a sum of zeros cannot overflow (``isfinite().all()`` is
+        several ops and allocations; on this path each one counts)."""
+        view = self._checked[self._next]
+        if view is None or view.numel() != s:
+            view = self._checked[self._next] = self._slots[self._next].narrow(0, 0, s)
+        zeros = self._zeros_view
+        if zeros.numel() != s:
+            zeros = self._zeros_view = self._zeros.narrow(0, 0, s)
+        return torch.dot(view, zeros)
+
+    def commit(self, layout: StepLayout) -> None:
+        """Keep the row last reserved, described by ``layout``."""
+        layout.length = self._length
         self.layouts.append(layout)
         self._next = (self._next + 1) % self.history
 

@@ -7,6 +7,7 @@ Each test trains a tiny model for a few real steps, turns a bug on at step 3, an
 from __future__ import annotations
 
 import logging
+import math
 
 import models as M
 import pytest
@@ -522,3 +523,43 @@ def test_ring_history_values(out_dir):
         assert stats[4].item() == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5)
         assert stats[5:].tolist() == [0.0, 0.0, 0.0, 1.0]
     assert meta["lr_scheduler"]["class"].endswith("StepLR")
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-step check itself
+
+
+class _Extreme(nn.Module):
+    """Fills its output with +-3.4e38, the float32 limit HF-style attention masks use."""
+
+    def forward(self, x):
+        return torch.where(x > 0, 3.4e38, -3.4e38) + 0 * x
+
+
+def test_values_at_the_float32_limit_are_not_events(out_dir):
+    model = nn.Sequential(nn.Linear(8, 64), _Extreme(), nn.Flatten())
+    with FlightRecorder(model, out_dir=out_dir) as rec:
+        for _ in range(4):
+            model(torch.randn(16, 8))
+    assert rec.event is None and bundles(out_dir) == []
+    layout = rec._ring.layouts[-1].materialize()
+    row = rec._ring.ordered_rows()[-1]
+    extreme = [c for c in layout.calls if c[0] == 2][0]
+    (lo, hi), = extreme[3]
+    assert (row[lo], row[hi]) == (pytest.approx(-3.4e38), pytest.approx(3.4e38))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_ring_probe_sees_any_non_finite_entry(value):
+    from recorder.ring import RingBuffer
+
+    ring = RingBuffer(4)
+    n = 37  # not a multiple of any vector width
+    for pos in range(n):
+        row = ring.reserve(n, torch.device("cpu"))
+        row.copy_(torch.full((n,), 3.0e38))
+        assert ring.probe_finite(n).item() == 0.0
+        row[pos] = value
+        assert math.isnan(ring.probe_finite(n).item())
+        if pos:  # the entries before it are still all finite
+            assert ring.probe_finite(pos).item() == 0.0
