@@ -25,15 +25,23 @@ import torch
 class RngCapture:
     """Captures every RNG a training step may draw from (see :meth:`__call__`).
 
-    NumPy's ``get_state()`` costs ~30 us, a large share of a small step, so the legacy global
-    generator's state is re-read only when a fingerprint of its raw MT19937 words (position
-    and three key words, read through numpy's documented ``ctypes`` interface) has moved.
+    ``random.getstate()`` (a 625-tuple, ~9 us) and NumPy's ``get_state()`` (~30 us) are a large
+    share of a small step, so each is re-read only when a fingerprint of the generator's raw
+    MT19937 words (position and three key words) has moved since the last read. Every draw
+    moves the position and every wrap regenerates the words, so an unchanged fingerprint means
+    an unchanged state (gaussian draws that use a cached second value are handled apart).
+    The words are read in place: NumPy's through its documented ``ctypes``
+    interface, CPython's at the ``RandomObject`` layout, used only after it is checked against
+    ``getstate()`` at the first capture.
     """
 
     def __init__(self):
         self._np_words = None
         self._np_last: tuple | None = None
         self._np_key: tuple | None = None
+        self._py_words = None
+        self._py_last: tuple | None = None
+        self._py_key: tuple | None = None
 
     def _numpy_state(self, np) -> Any:
         if self._np_words is None:
@@ -46,19 +54,54 @@ class RngCapture:
         if words is False:
             return np.random.get_state()
         key = (words[624], words[0], words[311], words[623])
-        if key != self._np_key or self._np_last is None:
+        last = self._np_last
+        # A legacy gaussian draw with a cached second value (``has_gauss``, not readable in
+        # place) uses it without moving the words: re-read while one is cached.
+        if key != self._np_key or last is None or last[3]:
             self._np_last, self._np_key = np.random.get_state(), key
         return self._np_last
 
+    def _python_state(self) -> tuple:
+        inst = random._inst
+        words = self._py_words
+        if words is None:
+            words = self._py_words = _python_mt_words(inst)
+        if words is False:
+            return random.getstate()
+        # gauss() keeps a second value outside the words: part of the state too
+        key = (words[0], words[1], words[312], words[624], inst.gauss_next)
+        if key != self._py_key or self._py_last is None:
+            self._py_last, self._py_key = random.getstate(), key
+        return self._py_last
+
     def __call__(self) -> dict[str, Any]:
         """Every RNG a training step may draw from, as it is now. Draws nothing itself."""
-        state: dict[str, Any] = {"python": random.getstate(), "torch_cpu": torch.get_rng_state()}
+        state: dict[str, Any] = {"python": self._python_state(),
+                                 "torch_cpu": torch.get_rng_state()}
         np = sys.modules.get("numpy")
         if np is not None:
             state["numpy"] = self._numpy_state(np)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
+
+
+def _python_mt_words(inst: random.Random):
+    """CPython's ``RandomObject`` after its object header: ``int index; uint32 state[624]``,
+    as 625 uint32 words (index first), or False where the layout is not that one (another
+    interpreter or build): checked against ``getstate()``, whose tuple is the state words
+    followed by the index."""
+    try:
+        if sys.implementation.name != "cpython" or type(inst) is not random.Random:
+            return False
+        header = object.__basicsize__  # refcount and type pointer
+        words = (ctypes.c_uint32 * 625).from_address(id(inst) + header)
+        version, internal, _ = inst.getstate()
+        if version == 3 and list(internal) == [*words[1:], words[0]]:
+            return words
+    except Exception:
+        pass
+    return False
 
 
 def capture_rng() -> dict[str, Any]:

@@ -346,8 +346,11 @@ class FlightRecorder:
                 continue
             lo, hi = torch.aminmax(t.detach())
             with tape.lock:
-                refs.append((tape.add(LOOSE if allowed else code, lo),
-                             tape.add(LOOSE if allowed else code, hi), allowed))
+                a = tape.add(LOOSE if allowed else code, lo)
+                b = tape.add(LOOSE if allowed else code, hi)
+            refs.append((a, b, allowed))
+            if not allowed:  # a root input: the first layers that take it reuse these
+                tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
         return tuple(refs)
 
     @staticmethod

@@ -161,6 +161,39 @@ def test_rng_states_round_trip(tmp_path):
     assert torch.equal(again[4], expected[4])
 
 
+_DRAWS = {
+    "random": lambda: random.random(),
+    "bits": lambda: random.getrandbits(32),
+    "many_bits": lambda: random.getrandbits(32 * 700),  # past a regeneration of the words
+    "gauss": lambda: random.gauss(0, 1),  # alternates drawing and using the cached value
+    "seed_py": lambda: random.seed(3),
+    "np_random": lambda: np.random.random(),
+    "np_normal": lambda: np.random.standard_normal(),
+    "np_many": lambda: np.random.random(700),
+    "seed_np": lambda: np.random.seed(3),
+    "torch": lambda: torch.rand(2),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(sorted(_DRAWS)), max_size=4), min_size=1, max_size=6))
+def test_a_reused_capture_always_matches_the_real_states(steps):
+    """The capture skips re-reading Python's and NumPy's states when their fingerprints did
+    not move: whatever was drawn in between, what it returns is the state right now."""
+    from recorder.capture import RngCapture
+
+    capture = RngCapture()
+    for draws in steps:
+        for d in draws:
+            _DRAWS[d]()
+        state = capture()
+        assert state["python"] == random.getstate()
+        ours, real = state["numpy"], np.random.get_state()
+        assert ours[0] == real[0] and np.array_equal(ours[1], real[1])
+        assert ours[2:] == real[2:]
+        assert torch.equal(state["torch_cpu"], torch.get_rng_state())
+
+
 def test_reader_streams_with_a_filter_and_iterates_once(tmp_path):
     tensors = {"weights/a": torch.arange(6.0), "grads/a": torch.ones(6), "ring/x": torch.zeros(2)}
     path = write_bundle(tmp_path, "f", {"k": 1}, tensors)
