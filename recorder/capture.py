@@ -81,7 +81,7 @@ class RngCapture:
         np = sys.modules.get("numpy")
         if np is not None:
             state["numpy"] = self._numpy_state(np)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # else no CUDA generator has drawn yet
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 

@@ -363,8 +363,17 @@ class FlightRecorder:
             return (hit[1:3],)  # passed through unchanged (a Sequential's output)
         lo, hi = torch.aminmax(t.detach())
         code = NAN_ONLY if allowed else STRICT
-        with tape.lock:
-            a, b = tape.add(code, lo), tape.add(code, hi)
+        if tape.device is None:
+            tape.device = lo.device
+        if lo.device == tape.device:
+            with tape.lock:  # Tape.add, inlined
+                part = tape.parts[code]
+                n = len(part)
+                part += (lo, hi)
+            a, b = (code, n), (code, n + 1)
+        else:
+            with tape.lock:
+                a, b = tape.add(code, lo), tape.add(code, hi)
         tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
         return ((a, b),)
 
@@ -501,8 +510,7 @@ class FlightRecorder:
         token = _scaler_token(self._scaler()) if self._scaler is not None else None
         tape = Tape(self._step, self._capture_rng(), token)
         tape.params_from_update, self._updated = self._updated, False
-        with torch.no_grad():
-            self._snapshot_buffers(tape)
+        self._snapshot_buffers(tape)
         self._tape = tape
         return tape
 
@@ -515,7 +523,8 @@ class FlightRecorder:
         change without moving the counter, are copied every time.
         """
         if self._volatile_copies:
-            torch._foreach_copy_(self._volatile_copies[1], self._volatile_copies[0])
+            with torch.no_grad():
+                torch._foreach_copy_(self._volatile_copies[1], self._volatile_copies[0])
             tape.copied_buffers.update(self._volatile_buffers)
         src, dst = [], []
         for name, b in self._steady_buffers:
@@ -529,14 +538,19 @@ class FlightRecorder:
             self._buffer_versions[name] = b._version
             tape.copied_buffers.add(name)
         if src:
-            torch._foreach_copy_(dst, src)
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
 
     def _end_micro_batch(self, tape: Tape, output) -> None:
         mb = tape.micro_batches[-1]
         mb.outputs = output
         if torch.is_grad_enabled():
-            for i, t in enumerate(tensor_leaves(output)):
-                if t.requires_grad:
+            for i, t in enumerate((output,) if type(output) is torch.Tensor
+                                  else tensor_leaves(output)):
+                fn = t.grad_fn
+                if fn is not None:  # a pre-hook on its node: a tenth of register_hook's Python
+                    fn.register_prehook(partial(_keep_out_grad, mb.out_grads, i, t.output_nr))
+                elif t.requires_grad:
                     t.register_hook(partial(_keep_grad, mb.out_grads, i))
 
     def _close_open_step(self, at: str) -> None:
@@ -602,16 +616,16 @@ class FlightRecorder:
         norms, seen = tape.grad_norms, tape.grad_seen
         every = not self._grad_hooks or self._ddp or self._scaler is not None
         strided = torch.strided
-        with tape.lock, torch.no_grad():
+        with tape.lock:
             for i, p in self._large:
                 grad = p.grad
                 if grad is None or grad.layout != strided:
                     continue
                 if every or seen.get(i) != (id(grad), grad._version):
-                    norms[i] = _sq_norm(grad)
+                    norms[i] = _sq_norm(grad.detach())
                     tape.grads_reread = True
                     if self._param_norms and not self._grad_hooks:
-                        tape.param_norms[i] = _sq_norm(p)
+                        tape.param_norms[i] = _sq_norm(p.detach())
 
     def _build_row(self, tape: Tape, skipped: bool):
         """Stack the step's statistics straight into the next ring row (as few ops as
@@ -750,6 +764,12 @@ def _leaves(args, kwargs):
 
 def _keep_grad(store: dict, i: int, grad: torch.Tensor) -> None:
     store[i] = grad
+
+
+def _keep_out_grad(store: dict, i: int, nr: int, grad_outputs: tuple) -> None:
+    grad = grad_outputs[nr]
+    if grad is not None:
+        store[i] = grad
 
 
 def _sq_norm(t: torch.Tensor) -> torch.Tensor:

@@ -639,3 +639,41 @@ def test_declared_content_size_mismatch(tmp_path):
     path = tmp_path / "c.nan"
     path.write_bytes(_frame(raw + b"\0" * 8))  # 8 bytes more than the header describes
     _reject(path, "zstd frame declares", "the file is corrupted")
+
+
+class _TwoHeads(nn.Module):
+    """Returns two tensors made by one autograd node (a split): output_nr 0 and 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = M.mlp(d_out=2 * M.N_CLASSES)
+
+    def forward(self, x):
+        return self.body(x).split(M.N_CLASSES, dim=1)
+
+
+@pytest.mark.parametrize("two_heads", [False, True])
+def test_output_gradients_are_the_ones_backward_sent(out_dir, two_heads):
+    """outgrad/<mb>/<j> holds exactly the gradient that reached the j-th output tensor."""
+    model = _TwoHeads() if two_heads else M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    seen = {}
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=out_dir):
+            for step in range(5):
+                x, y = M.batch(step)
+                if step == 2:
+                    x[1, 0] = float("nan")
+                opt.zero_grad()
+                outs = model(x)
+                outs = outs if two_heads else (outs,)
+                for j, o in enumerate(outs):
+                    o.register_hook(lambda g, j=j: seen.__setitem__(j, g.clone()))
+                sum(crit(o, y) * (j + 1) for j, o in enumerate(outs)).backward()
+                opt.step()
+    _, t = read_bundle(info.value.bundle_path)
+    assert sorted(k for k in t if k.startswith("outgrad/")) == \
+        [f"outgrad/0/{j}" for j in range(len(seen))]
+    for j, g in seen.items():
+        assert identical(t[f"outgrad/0/{j}"], g)
