@@ -31,6 +31,7 @@ from .capture import RngCapture, distributed_rank, git_commit, tensor_leaves
 from .errors import NonFiniteError
 from .ring import RingBuffer, StepLayout
 from .snapshot import build_bundle
+from .slots import Slots
 from .tape import LOOSE, NAN_ONLY, STRICT, MicroBatch, Tape
 from .validate import validate
 
@@ -38,6 +39,7 @@ log = logging.getLogger("nanreplay")
 
 _SMALL = 1 << 15  # parameters with fewer elements get batched norms (see attach)...
 _FEW = 16  # ...when there are more than this many of them
+_CPU = torch.device("cpu")
 
 
 class _CallableLoss(nn.Module):
@@ -151,6 +153,7 @@ class FlightRecorder:
         self._volatile_copies = None
         self._steady_buffers: list = []
         self._large: list = []
+        self._slots: Slots | None = None
         self._grad_hooks = True
         self._volatile_buffers: set[str] = set()
         self._commit = git_commit()
@@ -249,6 +252,7 @@ class FlightRecorder:
         self._buffers = []
         self._params = []
         self._large = []
+        self._slots = None
         self._allowed_buffers = {}
         self._attached = self._active = False
 
@@ -339,12 +343,12 @@ class FlightRecorder:
             if code == LOOSE:
                 # Only "were they finite" matters for an inner call's inputs: a sum says it
                 # in half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
-                total = torch.sum(t.detach(), dtype=torch.float32)
+                total = tape.slots.total(t.detach())
                 with tape.lock:
                     ref = tape.add(LOOSE, total)
                 refs.append((ref, ref, allowed))
                 continue
-            lo, hi = torch.aminmax(t.detach())
+            lo, hi = tape.slots.minmax(t.detach())
             with tape.lock:
                 a = tape.add(LOOSE if allowed else code, lo)
                 b = tape.add(LOOSE if allowed else code, hi)
@@ -361,7 +365,7 @@ class FlightRecorder:
         hit = tape.cache.get(id(t))
         if hit is not None and hit[0]() is t and hit[4] == t._version and hit[3] == allowed:
             return (hit[1:3],)  # passed through unchanged (a Sequential's output)
-        lo, hi = torch.aminmax(t.detach())
+        lo, hi = tape.slots.minmax(t.detach())
         code = NAN_ONLY if allowed else STRICT
         if tape.device is None:
             tape.device = lo.device
@@ -390,11 +394,11 @@ class FlightRecorder:
                 outs.append(hit[1:3])  # passed through unchanged (a Sequential's output)
                 continue
             d = t.detach()
-            lo, hi = torch.aminmax(d)
+            lo, hi = tape.slots.minmax(d)
             first = full and stats is None
             if first:  # sum and 2-norm: far cheaper than std_mean's Welford pass
-                total = torch.sum(d, dtype=torch.float32)
-                norm = torch.linalg.vector_norm(d, dtype=torch.float32)
+                total = tape.slots.total(d)
+                norm = tape.slots.norm(d)
             with tape.lock:
                 a, b = tape.add(code, lo), tape.add(code, hi)
                 if first:
@@ -418,7 +422,7 @@ class FlightRecorder:
         try:
             for t in tensor_leaves(output):
                 if t.is_floating_point() and t.numel():
-                    lo, hi = torch.aminmax(t.detach())
+                    lo, hi = tape.slots.minmax(t.detach())
                     with tape.lock:
                         tape.loss.append((tape.micro_batch, tape.add(STRICT, lo),
                                           tape.add(STRICT, hi)))
@@ -435,8 +439,8 @@ class FlightRecorder:
             return
         try:
             grad = p.grad
-            g = _sq_norm(grad.detach())
-            w = _sq_norm(p.detach()) if self._param_norms else None
+            g = tape.slots.sq_norm(grad.detach())
+            w = tape.slots.sq_norm(p.detach()) if self._param_norms else None
             with tape.lock:  # accumulation: the last call sees the accumulated gradient
                 tape.grad_norms[i] = g
                 if w is not None:
@@ -508,7 +512,12 @@ class FlightRecorder:
 
     def _open_tape(self) -> Tape:
         token = _scaler_token(self._scaler()) if self._scaler is not None else None
-        tape = Tape(self._step, self._capture_rng(), token)
+        slots = self._slots
+        device = self._params[0][1].device if self._params else _CPU
+        if slots is None or slots.device != device:  # first step, or the model moved
+            slots = self._slots = Slots(device)
+        slots.start_step()
+        tape = Tape(self._step, self._capture_rng(), token, slots)
         tape.params_from_update, self._updated = self._updated, False
         self._snapshot_buffers(tape)
         self._tape = tape
@@ -601,8 +610,7 @@ class FlightRecorder:
         tensors = [p.grad.detach() for p in params]
         if self._param_norms:
             tensors += [p.detach() for p in params]
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        squares = torch.stack(norms).square().unbind()
+        squares = tape.slots.sq_norms(tensors)
         n = len(idx)
         for k, i in enumerate(idx):
             tape.grad_norms[i] = squares[k]
@@ -622,10 +630,10 @@ class FlightRecorder:
                 if grad is None or grad.layout != strided:
                     continue
                 if every or seen.get(i) != (id(grad), grad._version):
-                    norms[i] = _sq_norm(grad.detach())
+                    norms[i] = tape.slots.sq_norm(grad.detach())
                     tape.grads_reread = True
                     if self._param_norms and not self._grad_hooks:
-                        tape.param_norms[i] = _sq_norm(p.detach())
+                        tape.param_norms[i] = tape.slots.sq_norm(p.detach())
 
     def _build_row(self, tape: Tape, skipped: bool):
         """Stack the step's statistics straight into the next ring row (as few ops as
@@ -770,15 +778,6 @@ def _keep_out_grad(store: dict, i: int, nr: int, grad_outputs: tuple) -> None:
     grad = grad_outputs[nr]
     if grad is not None:
         store[i] = grad
-
-
-def _sq_norm(t: torch.Tensor) -> torch.Tensor:
-    """Squared 2-norm in float32: a dot product (twice as fast as vector_norm on CPU) for
-    float32/64, an upcast norm for half types whose dot would overflow."""
-    if t.dtype in (torch.float32, torch.float64):
-        flat = t.reshape(-1)
-        return torch.dot(flat, flat)
-    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
 
 
 def _norms(indexed_params) -> list[tuple[int, torch.Tensor]]:

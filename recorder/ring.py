@@ -125,6 +125,7 @@ class RingBuffer:
             self._checked: list = [None] * self.history
             self._zeros = torch.zeros(width, dtype=torch.float32, device=device)
             self._zeros_view = self._zeros
+            self._probe = torch.zeros((), dtype=torch.float32, device=device)
         if n > self.rows.shape[1]:
             self.truncated += 1
             n = self.rows.shape[1]
@@ -145,7 +146,7 @@ class RingBuffer:
         zeros = self._zeros_view
         if zeros.numel() != s:
             zeros = self._zeros_view = self._zeros.narrow(0, 0, s)
-        return torch.dot(view, zeros)
+        return torch.dot(view, zeros, out=self._probe)
 
     def commit(self, layout: StepLayout) -> None:
         """Keep the row last reserved, described by ``layout``."""

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .slots import Slots
+
 STRICT, NAN_ONLY, LOOSE = 0, 1, 2
 
 
@@ -40,8 +42,9 @@ class MicroBatch:
 class Tape:
     """Everything recorded during one step (all micro-batches)."""
 
-    def __init__(self, step: int, rng: dict[str, Any], scaler_token: int | None):
+    def __init__(self, step: int, rng: dict[str, Any], scaler_token: int | None, slots: Slots):
         self.step = step
+        self.slots = slots  # where this step's statistics are computed
         self.rng = rng
         self.scaler_token = scaler_token
         self.parts: tuple[list, list, list] = ([], [], [])

@@ -1,0 +1,118 @@
+"""Statistics are written into preallocated slots: right values, no per-statistic allocation,
+and a step that needs more slots than there are still records everything."""
+
+from __future__ import annotations
+
+import models as M
+import pytest
+import torch
+from torch import nn
+
+from recorder import FlightRecorder
+from recorder.slots import Slots
+
+CPU = torch.device("cpu")
+
+
+def _in_slots(t: torch.Tensor, slots: Slots) -> bool:
+    return t.untyped_storage().data_ptr() == slots.data.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_reductions_match_torch(dtype):
+    slots = Slots(CPU, n=64)
+    x = torch.randn(5, 7).to(dtype)
+    lo, hi = slots.minmax(x)
+    assert (lo.item(), hi.item()) == (x.min().item(), x.max().item())
+    assert slots.total(x).item() == pytest.approx(x.float().sum().item(), rel=1e-5)
+    assert slots.norm(x).item() == pytest.approx(x.float().norm().item(), rel=1e-5)
+    assert slots.sq_norm(x).item() == pytest.approx(x.float().norm().item() ** 2, rel=1e-5)
+    small = [torch.randn(3).to(dtype) for _ in range(4)]
+    assert [s.item() for s in slots.sq_norms(small)] == \
+        pytest.approx([t.float().norm().item() ** 2 for t in small], rel=1e-5)
+    # aminmax cannot write a float32 slot from another dtype; everything else can
+    assert _in_slots(lo, slots) == (dtype is torch.float32)
+    assert _in_slots(slots.total(x), slots) and _in_slots(slots.sq_norms(small)[0], slots)
+
+
+def test_non_finite_values_survive_the_reductions():
+    slots = Slots(CPU)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(100)
+        x[37] = bad
+        lo, hi = slots.minmax(x)
+        assert not (torch.isfinite(lo) and torch.isfinite(hi))
+        assert not torch.isfinite(slots.total(x)) and not torch.isfinite(slots.sq_norm(x))
+
+
+def test_running_out_falls_back_then_grows():
+    slots = Slots(CPU, n=4)
+    slots.start_step()
+    outs = [slots.minmax(torch.tensor([float(i), i + 1.0])) for i in range(3)]
+    assert [(lo.item(), hi.item()) for lo, hi in outs] == [(0, 1), (1, 2), (2, 3)]
+    assert [_in_slots(lo, slots) for lo, _ in outs] == [True, True, False]
+    assert slots.short
+    slots.start_step()
+    assert len(slots.views) == 8 and not slots.short and slots.used == 0
+    # a step that wanted far more gets all of it next time, not just twice as many
+    for _ in range(20):
+        slots.minmax(torch.ones(2))
+    slots.start_step()
+    assert len(slots.views) >= 40
+
+
+def test_a_step_never_allocates_its_statistics(out_dir):
+    """Every statistic of a float32 CPU step lives in the recorder's slots."""
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+        seen = []
+        for step in range(3):
+            x, y = M.batch(step)
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            tape = rec._tape
+            opt.step()
+            seen.append([t for part in tape.parts for t in part])
+    assert all(len(ts) > 10 and all(_in_slots(t, rec_slots := tape.slots) for t in ts)
+               for ts in seen), rec_slots
+
+
+def test_more_statistics_than_slots(out_dir):
+    """A model needing more than the first allocation: the first step falls back, the ring
+    has every value, and the next step has room for all of them."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(200)])  # > 256 statistics
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    outs = []
+    model[150].register_forward_hook(lambda m, a, o: outs.append(o.detach().clone()))
+    with FlightRecorder(model, opt, out_dir=out_dir) as rec:
+        for step in range(2):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            if step == 0:
+                assert rec._slots.short
+        assert not rec._slots.short and len(rec._slots.views) >= rec._slots.used
+    rows = rec._ring.ordered_rows()
+    for row, layout, out in zip(rows, rec._ring.layouts, outs):
+        call = [c for c in layout.materialize().calls if c[0] == 151][0]
+        (lo, hi), = call[3]
+        assert (row[lo], row[hi]) == (out.min().item(), out.max().item())
+
+
+@pytest.mark.parametrize("stats", ["minmax", "full"])
+def test_float64_model_is_recorded(out_dir, stats):
+    """float64 weights, many small ones (one foreach call): norms in float64, stored float32."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(10)]).double()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with FlightRecorder(model, opt, out_dir=out_dir, stats=stats) as rec:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+            norms = [p.grad.norm().item() ** 2 for p in model.parameters()]
+            opt.step()
+    assert rec._internal_errors == 0
+    layout = rec._ring.layouts[-1].materialize()
+    row = rec._ring.ordered_rows()[-1]
+    assert [row[k] for _, k in sorted(layout.grads)] == pytest.approx(norms, rel=1e-5)
+    assert len(layout.params) == (20 if stats == "full" else 0)
