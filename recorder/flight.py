@@ -207,8 +207,9 @@ class FlightRecorder:
         self._handles.append(model.register_forward_pre_hook(self._root_pre_hook,
                                                              with_kwargs=True))
         for idx, (name, module) in enumerate(named):
+            hook = self._relu_hook if type(module) is nn.ReLU else self._post_hook
             self._handles.append(module.register_forward_hook(
-                partial(self._post_hook, idx, self._is_allowed(name)), with_kwargs=True))
+                partial(hook, idx, self._is_allowed(name)), with_kwargs=True))
         if self.loss_fn is not None:
             self._handles.append(self.loss_fn.register_forward_pre_hook(
                 self._loss_pre_hook, with_kwargs=True))
@@ -323,6 +324,57 @@ class FlightRecorder:
             self._internal_error(e)
         return None
 
+    def _relu_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
+        """An ``nn.ReLU`` call: its output's min and max are the ReLU of its input's (ReLU is
+        elementwise and non-decreasing; NaN stays NaN, -Inf becomes 0, +Inf stays), so they are
+        derived from the input's statistics with two 0-d ops instead of a pass over the
+        output. The input's come from the call that produced it, else from one ``aminmax``."""
+        tape = self._tape
+        if tape is None or not self._active:
+            return None
+        if len(args) != 1 or kwargs or type(args[0]) is not torch.Tensor \
+                or type(output) is not torch.Tensor or output.dtype is not torch.float32 \
+                or args[0].dtype is not torch.float32 or self._param_norms:
+            return self._post_hook(idx, allowed, module, args, kwargs, output)
+        try:
+            a, slots, parts = args[0], tape.slots, tape.parts
+            hit = self._produced(tape, a, output)
+            if hit is not None:
+                ins = (hit[1:4],)
+                (ca, ia), (cb, ib) = hit[1], hit[2]
+                lo, hi = parts[ca][ia], parts[cb][ib]
+            else:
+                lo, hi = slots.minmax(a.detach())
+                with tape.lock:
+                    ins = ((tape.add(LOOSE, lo), tape.add(LOOSE, hi), False),)
+            lo, hi = slots.relu(lo, hi)
+            code = NAN_ONLY if allowed else STRICT
+            with tape.lock:
+                ra, rb = tape.add(code, lo), tape.add(code, hi)
+            tape.cache[id(output)] = (weakref.ref(output), ra, rb, allowed, output._version)
+            mb = len(tape.micro_batches) - 1
+            tape.calls.append((idx, mb, len(tape.calls), ((ra, rb),), None, ins))
+        except Exception as e:
+            self._internal_error(e)
+        return None
+
+    @staticmethod
+    def _produced(tape: Tape, t: torch.Tensor, made_here=None) -> tuple | None:
+        """The cache entry of the output (or root input) ``t`` is, or is a whole view of,
+        if it is unchanged since (or changed in place by the call that returned it)."""
+        hit = tape.cache.get(id(t))
+        if hit is not None and hit[0]() is t and (hit[4] == t._version or t is made_here):
+            return hit
+        base = t._base  # a flatten/view of an output, covering exactly its elements
+        if base is None:
+            return None
+        hit = tape.cache.get(id(base))
+        if hit is not None and hit[0]() is base and hit[4] == base._version \
+                and t.numel() == base.numel() and t.storage_offset() == base.storage_offset() \
+                and t.is_contiguous() and base.is_contiguous():
+            return hit
+        return None
+
     def _input_refs(self, tape: Tape, args, kwargs, code: int, made_here=None) -> tuple:
         """(min, max, allowed) refs of each floating input; an input that an earlier call
         produced reuses that call's statistics, so a chain of modules costs nothing here.
@@ -334,8 +386,8 @@ class FlightRecorder:
         for t in _leaves(args, kwargs):
             if not t.is_floating_point() or t.numel() == 0:
                 continue
-            hit = tape.cache.get(id(t))
-            if hit is not None and hit[0]() is t and (hit[4] == t._version or t is made_here):
+            hit = self._produced(tape, t, made_here)
+            if hit is not None:
                 refs.append(hit[1:4])
                 continue
             buf = self._allowed_buffers.get(id(t))

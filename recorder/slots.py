@@ -96,6 +96,16 @@ class Slots:
             return torch.dot(flat, flat)
         return self.norm(t).square_()
 
+    def relu(self, lo: torch.Tensor, hi: torch.Tensor):
+        """ReLU of a (min, max) pair: the (min, max) of the ReLU of what they describe."""
+        if lo.device == self.device:
+            k = self.take(2)
+            if k is not None:
+                views = self.views
+                return (torch.clamp_min(lo, 0.0, out=views[k]),
+                        torch.clamp_min(hi, 0.0, out=views[k + 1]))
+        return lo.clamp_min(0.0), hi.clamp_min(0.0)
+
     def sq_norms(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Squared 2-norms of many (small) tensors: one foreach call."""
         wide = any(t.dtype is FLOAT64 for t in tensors)

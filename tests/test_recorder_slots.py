@@ -3,6 +3,8 @@ and a step that needs more slots than there are still records everything."""
 
 from __future__ import annotations
 
+import math
+
 import models as M
 import pytest
 import torch
@@ -116,3 +118,64 @@ def test_float64_model_is_recorded(out_dir, stats):
     row = rec._ring.ordered_rows()[-1]
     assert [row[k] for _, k in sorted(layout.grads)] == pytest.approx(norms, rel=1e-5)
     assert len(layout.params) == (20 if stats == "full" else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics derived or reused without a pass over the tensor
+
+
+class _AddThenReLU(nn.Module):
+    """A ReLU whose input is functional code's (no module produced it), then a flatten view."""
+
+    def __init__(self, inplace: bool):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.relu = nn.ReLU(inplace=inplace)
+        self.relu2 = nn.ReLU(inplace=inplace)
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, x):
+        h = self.relu(self.lin(x))  # input made by a module
+        h = self.relu2(h * self.poison - 1.0)  # input made by the parent's own code
+        return self.head(h.reshape(-1, 12))  # a whole view of relu2's output
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("poison", [1.0, float("nan"), float("inf"), -float("inf")])
+def test_relu_statistics_are_those_of_its_output(out_dir, inplace, poison):
+    model = _AddThenReLU(inplace)
+    model.poison = poison
+    outs = {}
+    for name in ("relu", "relu2"):
+        getattr(model, name).register_forward_hook(
+            lambda m, a, o, name=name: outs.__setitem__(name, o.detach().clone()))
+    on_event = "warn"  # NaN is an event; this test is about the numbers
+    with FlightRecorder(model, out_dir=out_dir, on_event=on_event) as rec:
+        model(torch.randn(4, 4))
+        rec.end_step()
+    layout = rec._ring.layouts[-1].materialize()
+    row = rec._ring.ordered_rows()[-1]
+    names = rec._module_names
+    calls = {names[c[0]]: c for c in layout.calls}
+    for name, out in outs.items():
+        (lo, hi), = calls[name][3]
+        want = (out.min().item(), out.max().item())
+        if out.isnan().any():
+            assert math.isnan(row[lo]) and math.isnan(row[hi])
+        else:
+            assert (row[lo], row[hi]) == want
+    # the head's input is a flatten of relu2's output: same statistics, no new reduction
+    assert calls["head"][5] == ((*calls["relu2"][3][0], False),)
+    if poison == 1.0:
+        assert rec.event is None
+    else:  # relu2's input was already non-finite: the parent's own code is blamed, not relu2
+        assert rec.event["module"] == "" and rec.event["phase"] == "forward"
+
+
+def test_relu_after_a_nan_blames_the_producer(out_dir):
+    model = nn.Sequential(nn.Linear(4, 4), M.LogOf(), nn.ReLU(), nn.Linear(4, 2))
+    model[1].armed = True
+    with FlightRecorder(model, out_dir=out_dir, on_event="warn") as rec:
+        model(torch.randn(8, 4))
+        rec.end_step()
+    assert rec.event["module"] == "1" and rec.event["phase"] == "forward"
