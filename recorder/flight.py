@@ -30,9 +30,9 @@ from . import events
 from .capture import RngCapture, distributed_rank, git_commit, tensor_leaves
 from .errors import NonFiniteError
 from .ring import RingBuffer, StepLayout
+from .slots import GRAD, LOOSE, NAN_ONLY, STRICT, Slots
 from .snapshot import build_bundle
-from .slots import Slots
-from .tape import LOOSE, NAN_ONLY, STRICT, MicroBatch, Tape
+from .tape import MicroBatch, Tape
 from .validate import validate
 
 log = logging.getLogger("nanreplay")
@@ -153,6 +153,7 @@ class FlightRecorder:
         self._volatile_copies = None
         self._steady_buffers: list = []
         self._large: list = []
+        self._large_reversed: list = []
         self._slots: Slots | None = None
         self._grad_hooks = True
         self._volatile_buffers: set[str] = set()
@@ -230,6 +231,7 @@ class FlightRecorder:
         batched = set(self._small)
         self._large = [(i, p) for i, (_, p) in enumerate(self._params)
                        if p.requires_grad and i not in batched]
+        self._large_reversed = self._large[::-1]
         if self._grad_hooks:
             for i, p in self._large:
                 self._handles.append(p.register_post_accumulate_grad_hook(
@@ -252,7 +254,7 @@ class FlightRecorder:
         self._last_tape = None
         self._buffers = []
         self._params = []
-        self._large = []
+        self._large = self._large_reversed = []
         self._slots = None
         self._allowed_buffers = {}
         self._attached = self._active = False
@@ -337,20 +339,15 @@ class FlightRecorder:
                 or args[0].dtype is not torch.float32 or self._param_norms:
             return self._post_hook(idx, allowed, module, args, kwargs, output)
         try:
-            a, slots, parts = args[0], tape.slots, tape.parts
+            a, slots = args[0], tape.slots
             hit = self._produced(tape, a, output)
             if hit is not None:
                 ins = (hit[1:4],)
-                (ca, ia), (cb, ib) = hit[1], hit[2]
-                lo, hi = parts[ca][ia], parts[cb][ib]
+                lo, hi = hit[1], hit[2]
             else:
-                lo, hi = slots.minmax(a.detach())
-                with tape.lock:
-                    ins = ((tape.add(LOOSE, lo), tape.add(LOOSE, hi), False),)
-            lo, hi = slots.relu(lo, hi)
-            code = NAN_ONLY if allowed else STRICT
-            with tape.lock:
-                ra, rb = tape.add(code, lo), tape.add(code, hi)
+                lo, hi = slots.minmax(a.detach(), LOOSE)
+                ins = ((lo, hi, False),)
+            ra, rb = slots.relu(lo, hi, NAN_ONLY if allowed else STRICT)
             tape.cache[id(output)] = (weakref.ref(output), ra, rb, allowed, output._version)
             mb = len(tape.micro_batches) - 1
             tape.calls.append((idx, mb, len(tape.calls), ((ra, rb),), None, ins))
@@ -395,15 +392,10 @@ class FlightRecorder:
             if code == LOOSE:
                 # Only "were they finite" matters for an inner call's inputs: a sum says it
                 # in half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
-                total = tape.slots.total(t.detach())
-                with tape.lock:
-                    ref = tape.add(LOOSE, total)
+                ref = tape.slots.total(t.detach(), LOOSE)
                 refs.append((ref, ref, allowed))
                 continue
-            lo, hi = tape.slots.minmax(t.detach())
-            with tape.lock:
-                a = tape.add(LOOSE if allowed else code, lo)
-                b = tape.add(LOOSE if allowed else code, hi)
+            a, b = tape.slots.minmax(t.detach(), LOOSE if allowed else code)
             refs.append((a, b, allowed))
             if not allowed:  # a root input: the first layers that take it reuse these
                 tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
@@ -417,19 +409,7 @@ class FlightRecorder:
         hit = tape.cache.get(id(t))
         if hit is not None and hit[0]() is t and hit[4] == t._version and hit[3] == allowed:
             return (hit[1:3],)  # passed through unchanged (a Sequential's output)
-        lo, hi = tape.slots.minmax(t.detach())
-        code = NAN_ONLY if allowed else STRICT
-        if tape.device is None:
-            tape.device = lo.device
-        if lo.device == tape.device:
-            with tape.lock:  # Tape.add, inlined
-                part = tape.parts[code]
-                n = len(part)
-                part += (lo, hi)
-            a, b = (code, n), (code, n + 1)
-        else:
-            with tape.lock:
-                a, b = tape.add(code, lo), tape.add(code, hi)
+        a, b = tape.slots.minmax(t.detach(), NAN_ONLY if allowed else STRICT)
         tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
         return ((a, b),)
 
@@ -446,15 +426,9 @@ class FlightRecorder:
                 outs.append(hit[1:3])  # passed through unchanged (a Sequential's output)
                 continue
             d = t.detach()
-            lo, hi = tape.slots.minmax(d)
-            first = full and stats is None
-            if first:  # sum and 2-norm: far cheaper than std_mean's Welford pass
-                total = tape.slots.total(d)
-                norm = tape.slots.norm(d)
-            with tape.lock:
-                a, b = tape.add(code, lo), tape.add(code, hi)
-                if first:
-                    stats = (tape.add(LOOSE, total), tape.add(LOOSE, norm), t.numel())
+            a, b = tape.slots.minmax(d, code)
+            if full and stats is None:  # sum and 2-norm: far cheaper than std_mean's Welford
+                stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
             tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
             outs.append((a, b))
         return tuple(outs), stats
@@ -474,10 +448,8 @@ class FlightRecorder:
         try:
             for t in tensor_leaves(output):
                 if t.is_floating_point() and t.numel():
-                    lo, hi = tape.slots.minmax(t.detach())
-                    with tape.lock:
-                        tape.loss.append((tape.micro_batch, tape.add(STRICT, lo),
-                                          tape.add(STRICT, hi)))
+                    lo, hi = tape.slots.minmax(t.detach(), STRICT)
+                    tape.loss.append((tape.micro_batch, lo, hi))
         except Exception as e:
             self._internal_error(e)
         return None
@@ -491,8 +463,8 @@ class FlightRecorder:
             return
         try:
             grad = p.grad
-            g = tape.slots.sq_norm(grad.detach())
-            w = tape.slots.sq_norm(p.detach()) if self._param_norms else None
+            g = tape.slots.sq_norm(grad.detach(), GRAD)
+            w = tape.slots.sq_norm(p.detach(), STRICT) if self._param_norms else None
             with tape.lock:  # accumulation: the last call sees the accumulated gradient
                 tape.grad_norms[i] = g
                 if w is not None:
@@ -659,15 +631,11 @@ class FlightRecorder:
         if not idx:
             return
         params = [self._params[i][1] for i in idx]
-        tensors = [p.grad.detach() for p in params]
+        tape.grad_norms.update(zip(idx, tape.slots.sq_norms([p.grad.detach() for p in params],
+                                                            GRAD)))
         if self._param_norms:
-            tensors += [p.detach() for p in params]
-        squares = tape.slots.sq_norms(tensors)
-        n = len(idx)
-        for k, i in enumerate(idx):
-            tape.grad_norms[i] = squares[k]
-            if self._param_norms:
-                tape.param_norms[i] = squares[n + k]
+            tape.param_norms.update(zip(idx, tape.slots.sq_norms([p.detach() for p in params],
+                                                                 STRICT)))
 
     def _reread_changed_grads(self, tape: Tape) -> None:
         """Norms of the gradients the optimizer will use. With backward hooks, only those that
@@ -677,60 +645,51 @@ class FlightRecorder:
         every = not self._grad_hooks or self._ddp or self._scaler is not None
         strided = torch.strided
         with tape.lock:
-            for i, p in self._large:
+            # last parameter first: the optimizer starts with the first, whose gradient is
+            # then the one still in cache
+            for i, p in self._large_reversed:
                 grad = p.grad
                 if grad is None or grad.layout != strided:
                     continue
                 if every or seen.get(i) != (id(grad), grad._version):
-                    norms[i] = tape.slots.sq_norm(grad.detach())
+                    norms[i] = tape.slots.sq_norm(grad.detach(), GRAD)
                     tape.grads_reread = True
                     if self._param_norms and not self._grad_hooks:
-                        tape.param_norms[i] = tape.slots.sq_norm(p.detach())
+                        tape.param_norms[i] = tape.slots.sq_norm(p.detach(), STRICT)
 
     def _build_row(self, tape: Tape, skipped: bool):
-        """Stack the step's statistics straight into the next ring row (as few ops as
-        possible: this runs every step) and compute, still on the device, a probe that is 0
-        when every entry that must be finite is and NaN (or > 0) otherwise. Returns (layout,
-        row, probe, scale): ``scale`` is the GradScaler's scale tensor when there is one, read
-        in the same sync as the probe."""
+        """Copy the step's statistics into the next ring row and compute, still on the device,
+        a probe that is 0 when every entry that must be finite is, NaN (or > 0) otherwise: two
+        device ops, as this runs every step. Returns (layout, row, probe, scale): ``scale`` is
+        the GradScaler's scale tensor when there is one, read in the same sync as the probe."""
         self._small_param_norms(tape)
         opt = self._optimizer() if self._optimizer else None
         lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
                             grads_scaled=self._scaler is not None and not tape.grads_reread)
-        strict, nan_only, loose = tape.parts
-        # gradient norms of a step the scaler skipped are expected to overflow: kept, unchecked
-        target = loose if skipped else strict
-        code = LOOSE if skipped else STRICT
-        base = len(target)
-        grads = sorted(tape.grad_norms.items())
-        grad_refs = [(i, (code, base + k)) for k, (i, _) in enumerate(grads)]
-        target.extend(n for _, n in grads)
-        base = len(strict)
-        params = sorted(tape.param_norms.items())
-        param_refs = [(i, (STRICT, base + k)) for k, (i, _) in enumerate(params)]
-        strict.extend(n for _, n in params)
+        slots = tape.slots
+        s, g, n, loose = slots.lengths()  # the regions, in row order
         # Indices into the row are resolved only when a row is decoded (events, export).
-        layout.raw = (tape.calls, tape.loss, grad_refs, param_refs, tape.offsets())
-        entries = strict + nan_only + loose
-        device = entries[0].device if entries else torch.device("cpu")
-        row = self._ring.reserve(len(entries), device)
-        try:
-            if entries:
-                torch.stack(entries, out=row)
-        except RuntimeError:  # entries on several devices, or a row longer than the ring's
-            full = torch.stack([t.to(device) for t in entries]).float()
+        layout.raw = (tape.calls, tape.loss, sorted(tape.grad_norms.items()),
+                      sorted(tape.param_norms.items()), (0, s, s + g, s + g + n))
+        total = s + g + n + loose
+        row = self._ring.reserve(total, slots.device)
+        pieces = slots.gather()
+        full = row
+        if row.numel() == total:
+            if pieces:
+                torch.cat(pieces, out=row)
+        else:  # a row longer than the ring is wide: stored truncated, checked whole
+            full = torch.cat(pieces)
             row.copy_(full[: row.numel()])
-        s, n = len(strict), len(nan_only)
-        if s and row.numel() >= s:
-            probe = self._ring.probe_finite(s)
-        else:  # nothing to check, or a truncated row: check what was gathered
-            probe = torch.zeros((), device=device)
-            if s:
-                probe = probe + torch.stack([t.to(device) for t in strict]).float().mul(0).sum()
+        # gradient norms of a step the GradScaler skipped are expected to overflow: unchecked
+        checked = s if skipped else s + g
+        if full is row and checked:
+            probe = self._ring.probe_finite(checked)
+        else:
+            probe = full[:checked].mul(0).sum()
         if n:  # outputs allowed to hold +-Inf: only NaN counts
-            nan = torch.stack([t.to(device) for t in nan_only]).isnan().any()
-            probe = probe + nan.float()
+            probe = probe + full[s + g: s + g + n].isnan().any().float()
         scaler = self._scaler() if self._scaler is not None else None
         scale = getattr(scaler, "_scale", None)
         return layout, row, probe, None if scale is None else scale.float().reshape(())

@@ -19,7 +19,7 @@ import torch
 CALL_FIELDS = ("min", "max", "absmax", "mean", "rms", "nan", "posinf", "neginf", "inputs_finite")
 
 
-@dataclass
+@dataclass(slots=True)
 class StepLayout:
     """Where each statistic of one step lives in that step's row (all indices into the row)."""
 

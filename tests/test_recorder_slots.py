@@ -11,30 +11,48 @@ import torch
 from torch import nn
 
 from recorder import FlightRecorder
-from recorder.slots import Slots
+from recorder.slots import GRAD, LOOSE, STRICT, Slots
 
 CPU = torch.device("cpu")
 
 
-def _in_slots(t: torch.Tensor, slots: Slots) -> bool:
-    return t.untyped_storage().data_ptr() == slots.data.untyped_storage().data_ptr()
+def _v(slots: Slots, ref) -> float:
+    return slots.value(ref).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_reductions_match_torch(dtype):
     slots = Slots(CPU, n=64)
     x = torch.randn(5, 7).to(dtype)
-    lo, hi = slots.minmax(x)
-    assert (lo.item(), hi.item()) == (x.min().item(), x.max().item())
-    assert slots.total(x).item() == pytest.approx(x.float().sum().item(), rel=1e-5)
-    assert slots.norm(x).item() == pytest.approx(x.float().norm().item(), rel=1e-5)
-    assert slots.sq_norm(x).item() == pytest.approx(x.float().norm().item() ** 2, rel=1e-5)
+    lo, hi = slots.minmax(x, STRICT)
+    assert (_v(slots, lo), _v(slots, hi)) == (x.min().item(), x.max().item())
+    assert _v(slots, slots.total(x, LOOSE)) == pytest.approx(x.float().sum().item(), rel=1e-5)
+    assert _v(slots, slots.norm(x, LOOSE)) == pytest.approx(x.float().norm().item(), rel=1e-5)
+    assert _v(slots, slots.sq_norm(x, GRAD)) == \
+        pytest.approx(x.float().norm().item() ** 2, rel=1e-5)
     small = [torch.randn(3).to(dtype) for _ in range(4)]
-    assert [s.item() for s in slots.sq_norms(small)] == \
+    assert [_v(slots, r) for r in slots.sq_norms(small, GRAD)] == \
         pytest.approx([t.float().norm().item() ** 2 for t in small], rel=1e-5)
-    # aminmax cannot write a float32 slot from another dtype; everything else can
-    assert _in_slots(lo, slots) == (dtype is torch.float32)
-    assert _in_slots(slots.total(x), slots) and _in_slots(slots.sq_norms(small)[0], slots)
+    # every statistic is in its region's slots, in order: one vector per region
+    assert slots.lengths() == (2, 5, 0, 2)
+    strict, grad, loose = slots.gather()
+    assert strict.tolist() == [_v(slots, lo), _v(slots, hi)]
+    assert grad.numel() == 5 and loose.numel() == 2
+    # ...read in place: gathering copies nothing
+    for vec, code in ((strict, STRICT), (grad, GRAD), (loose, LOOSE)):
+        assert vec.data_ptr() == slots._regions[code].data.data_ptr()
+
+
+def test_relu_of_a_pair():
+    slots = Slots(CPU)
+    for lo_v, hi_v in [(-2.0, 3.0), (-float("inf"), float("inf")), (float("nan"),) * 2,
+                       (-3.0, -1.0)]:
+        lo, hi = slots.minmax(torch.tensor([lo_v, hi_v]), LOOSE)
+        r_lo, r_hi = slots.relu(lo, hi, STRICT)
+        want = torch.relu(torch.tensor([lo_v, hi_v]))
+        got = torch.tensor([_v(slots, r_lo), _v(slots, r_hi)])
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def test_non_finite_values_survive_the_reductions():
@@ -42,42 +60,48 @@ def test_non_finite_values_survive_the_reductions():
     for bad in (float("nan"), float("inf"), -float("inf")):
         x = torch.randn(100)
         x[37] = bad
-        lo, hi = slots.minmax(x)
-        assert not (torch.isfinite(lo) and torch.isfinite(hi))
-        assert not torch.isfinite(slots.total(x)) and not torch.isfinite(slots.sq_norm(x))
+        lo, hi = slots.minmax(x, STRICT)
+        assert not (math.isfinite(_v(slots, lo)) and math.isfinite(_v(slots, hi)))
+        assert not math.isfinite(_v(slots, slots.total(x, LOOSE)))
+        assert not math.isfinite(_v(slots, slots.sq_norm(x, GRAD)))
 
 
-def test_running_out_falls_back_then_grows():
-    slots = Slots(CPU, n=4)
+def test_running_out_keeps_the_rest_apart_then_grows():
+    slots = Slots(CPU, n=5)
     slots.start_step()
-    outs = [slots.minmax(torch.tensor([float(i), i + 1.0])) for i in range(3)]
-    assert [(lo.item(), hi.item()) for lo, hi in outs] == [(0, 1), (1, 2), (2, 3)]
-    assert [_in_slots(lo, slots) for lo, _ in outs] == [True, True, False]
-    assert slots.short
+    refs = [slots.minmax(torch.tensor([float(i), i + 1.0]), STRICT) for i in range(4)]
+    assert [(_v(slots, a), _v(slots, b)) for a, b in refs] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # the third pair did not fit in the 5 slots: it and all after it are kept apart, numbered
+    # on from the used ones, so the gathered region stays in order
+    assert slots.short and slots.lengths()[STRICT] == 8
+    assert slots.gather()[0].tolist() == [0, 1, 1, 2, 2, 3, 3, 4]
     slots.start_step()
-    assert len(slots.views) == 8 and not slots.short and slots.used == 0
-    # a step that wanted far more gets all of it next time, not just twice as many
-    for _ in range(20):
-        slots.minmax(torch.ones(2))
-    slots.start_step()
-    assert len(slots.views) >= 40
+    assert not slots.short and slots.lengths() == (0, 0, 0, 0)
+    for i in range(4):
+        slots.minmax(torch.tensor([float(i), i + 1.0]), STRICT)
+    assert not slots.short and slots.gather()[0].tolist() == [0, 1, 1, 2, 2, 3, 3, 4]
+
+
+def test_values_from_other_dtypes_are_copied_into_slots():
+    slots = Slots(CPU)
+    lo, hi = slots.minmax(torch.tensor([1.0, 2.0], dtype=torch.float16), STRICT)
+    assert slots.value(lo).data_ptr() == slots.gather()[0].data_ptr()
+    assert slots.gather()[0].tolist() == [1.0, 2.0]
 
 
 def test_a_step_never_allocates_its_statistics(out_dir):
-    """Every statistic of a float32 CPU step lives in the recorder's slots."""
+    """Every statistic of a float32 CPU step lives in the recorder's preallocated slots."""
     model, crit = M.mlp(), nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
-        seen = []
         for step in range(3):
             x, y = M.batch(step)
             opt.zero_grad()
             crit(model(x), y).backward()
-            tape = rec._tape
+            slots = rec._tape.slots
             opt.step()
-            seen.append([t for part in tape.parts for t in part])
-    assert all(len(ts) > 10 and all(_in_slots(t, rec_slots := tape.slots) for t in ts)
-               for ts in seen), rec_slots
+            assert not slots.short and sum(slots.lengths()) > 10
+            assert all(not r.extra for r in slots._regions)
 
 
 def test_more_statistics_than_slots(out_dir):
@@ -94,7 +118,7 @@ def test_more_statistics_than_slots(out_dir):
             opt.step()
             if step == 0:
                 assert rec._slots.short
-        assert not rec._slots.short and len(rec._slots.views) >= rec._slots.used
+        assert not rec._slots.short
     rows = rec._ring.ordered_rows()
     for row, layout, out in zip(rows, rec._ring.layouts, outs):
         call = [c for c in layout.materialize().calls if c[0] == 151][0]
