@@ -668,16 +668,16 @@ class FlightRecorder:
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
                             grads_scaled=self._scaler is not None and not tape.grads_reread)
         slots = tape.slots
-        s, g, n, loose = slots.lengths()  # the regions, in row order
+        pieces = slots.gather()  # the regions, in row order
+        s, g, n, loose = (p.numel() for p in pieces)
         # Indices into the row are resolved only when a row is decoded (events, export).
-        layout.raw = (tape.calls, tape.loss, sorted(tape.grad_norms.items()),
+        layout.raw = (list(tape.calls), list(tape.loss), sorted(tape.grad_norms.items()),
                       sorted(tape.param_norms.items()), (0, s, s + g, s + g + n))
         total = s + g + n + loose
         row = self._ring.reserve(total, slots.device)
-        pieces = slots.gather()
         full = row
         if row.numel() == total:
-            if pieces:
+            if total:
                 torch.cat(pieces, out=row)
         else:  # a row longer than the ring is wide: stored truncated, checked whole
             full = torch.cat(pieces)

@@ -34,20 +34,31 @@ FLOAT32, FLOAT64 = torch.float32, torch.float64
 
 class _Region:
     def __init__(self, device: torch.device, n: int):
+        self.size = n
         self.data = torch.zeros(n, dtype=FLOAT32, device=device)
-        self.views = self.data.unbind(0)  # made once: a view per statistic is no allocation
-        self.used = 0
-        self.wanted = 0  # asked for this step, including what did not fit
-        # Once a request does not fit, the region is sealed for the step: what comes after
-        # is kept as separate 0-d tensors, numbered on from ``used``.
-        self.sealed = False
-        self.extra: list[torch.Tensor] = []
+        # views made once, so a statistic costs no allocation: each slot, each adjacent pair
+        self.views = self.data.unbind(0)
+        self.pairs = self.data.unfold(0, 2, 1).unbind(0)
+        # Slots not yet handed out this step, the next last: ``list.pop`` is atomic under the
+        # GIL, so hooks firing from several threads need no lock on the per-call path.
+        self._order = list(range(n - 1, -1, -1))
+        self.free = self._order.copy()
+        self.extra: list[torch.Tensor] = []  # what did not fit, numbered on from ``size``
         self._prefix = self.data
+
+    def reset(self) -> None:
+        self.free = self._order.copy()
+        self.extra = []
+
+    @property
+    def used(self) -> int:
+        return self.size - len(self.free)
 
     def prefix(self) -> torch.Tensor:
         """The used slots (and any overflow) as one vector."""
-        if self._prefix.numel() != self.used:  # the count rarely changes between steps
-            self._prefix = self.data.narrow(0, 0, self.used)
+        used = self.used
+        if self._prefix.numel() != used:  # the count rarely changes between steps
+            self._prefix = self.data.narrow(0, 0, used)
         if self.extra:
             return torch.cat([self._prefix, torch.stack(self.extra).float()])
         return self._prefix
@@ -58,63 +69,74 @@ class Slots:
 
     def __init__(self, device: torch.device, n: int = 256):
         self.device = device
-        self._lock = threading.Lock()  # hooks may fire from several threads
+        self._lock = threading.Lock()  # for the overflow list only
         self._regions = [_Region(device, n) for _ in REGIONS]
 
     @property
     def short(self) -> bool:
         """This step asked for more slots than there are (the next one will have them)."""
-        return any(r.wanted > len(r.views) for r in self._regions)
+        return any(r.extra for r in self._regions)
 
     def start_step(self) -> None:
         """Hand the slots out again from the first (the last step's values are in the ring);
         a region that ran short gets room for what it was asked plus a quarter."""
         for code, r in enumerate(self._regions):
-            if r.wanted > len(r.views):
-                r = self._regions[code] = _Region(self.device, r.wanted + r.wanted // 4)
-            r.used = r.wanted = 0
-            r.sealed = False
-            r.extra = []
-
-    def lengths(self) -> tuple[int, ...]:
-        """Entries per region this step, in row order."""
-        return tuple(r.used + len(r.extra) for r in self._regions)
+            if r.extra:
+                wanted = r.size + len(r.extra)
+                self._regions[code] = _Region(self.device, wanted + wanted // 4)
+            else:
+                r.reset()
 
     def gather(self) -> list[torch.Tensor]:
-        """Each non-empty region's entries as one vector, in row order."""
-        return [r.prefix() for r in self._regions if r.used or r.extra]
+        """Each region's entries so far as one vector, in row order (hooks of other threads
+        may still add entries; what they add after this is not part of the step's row)."""
+        return [r.prefix() for r in self._regions]
 
     def value(self, ref: tuple[int, int]) -> torch.Tensor:
         code, k = ref
         r = self._regions[code]
-        return r.views[k] if k < r.used else r.extra[k - r.used]
-
-    def _take(self, code: int, n: int) -> int | None:
-        r = self._regions[code]
-        with self._lock:
-            r.wanted += n
-            k = r.used
-            if r.sealed or k + n > len(r.views):
-                r.sealed = True
-                return None
-            r.used = k + n
-        return k
+        return r.views[k] if k < r.size else r.extra[k - r.size]
 
     def _put(self, code: int, values) -> list[tuple[int, int]]:
-        """Refs for values computed outside the slots (another device or dtype, or no room):
-        copied into free slots, else kept as overflow."""
+        """Refs for values computed outside the slots (another device or dtype, a step out of
+        room): copied into free slots in one foreach op, the rest kept as overflow."""
         r = self._regions[code]
-        n = len(values)
-        k = self._take(code, n) if values[0].device == self.device else None
-        if k is not None:
-            for j, v in enumerate(values):
-                r.views[k + j].copy_(v)
-            return [(code, k + j) for j in range(n)]
-        with self._lock:
-            r.sealed = True
-            base = r.used + len(r.extra)
-            r.extra.extend(v.to(self.device, FLOAT32) for v in values)
-        return [(code, base + j) for j in range(n)]
+        free, ks = r.free, []
+        for _ in values:
+            try:
+                ks.append(free.pop())
+            except IndexError:
+                break
+        m = len(ks)
+        if m:
+            torch._foreach_copy_([r.views[k] for k in ks], list(values[:m]))
+        refs = [(code, k) for k in ks]
+        if m < len(values):
+            with self._lock:
+                for v in values[m:]:
+                    refs.append((code, r.size + len(r.extra)))
+                    r.extra.append(v.detach().to(self.device, FLOAT32).reshape(()))
+        return refs
+
+    @staticmethod
+    def _one(r: _Region) -> int | None:
+        try:
+            return r.free.pop()
+        except IndexError:
+            return None
+
+    @staticmethod
+    def _two(r: _Region) -> tuple[int, int] | None:
+        free = r.free
+        try:
+            k = free.pop()
+        except IndexError:
+            return None
+        try:
+            return k, free.pop()
+        except IndexError:
+            free.append(k)  # give it back: the step is out of room for a pair
+            return None
 
     # ------------------------------------------------------------------------------------------
     # reductions: ``t`` is detached by the caller; each returns refs
@@ -122,21 +144,22 @@ class Slots:
     def minmax(self, t: torch.Tensor, code: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """``torch.aminmax(t)``: NaN anywhere makes both NaN; +-Inf shows as the extreme."""
         if t.dtype is FLOAT32 and t.device == self.device:
-            k = self._take(code, 2)
-            if k is not None:
-                views = self._regions[code].views
-                torch.aminmax(t, out=(views[k], views[k + 1]))
-                return (code, k), (code, k + 1)
+            r = self._regions[code]
+            pair = self._two(r)
+            if pair is not None:
+                k, k2 = pair
+                torch.aminmax(t, out=(r.views[k], r.views[k2]))
+                return (code, k), (code, k2)
         lo, hi = self._put(code, torch.aminmax(t))
         return lo, hi
 
     def total(self, t: torch.Tensor, code: int) -> tuple[int, int]:
         """Sum in float32 (NaN and +-Inf survive it)."""
         if t.ndim and t.device == self.device:
-            k = self._take(code, 1)
+            r = self._regions[code]
+            k = self._one(r)
             if k is not None:
-                torch.sum(t, dim=tuple(range(t.ndim)), dtype=FLOAT32,
-                          out=self._regions[code].views[k])
+                torch.sum(t, dim=tuple(range(t.ndim)), dtype=FLOAT32, out=r.views[k])
                 return code, k
         return self._put(code, [torch.sum(t, dtype=FLOAT32)])[0]
 
@@ -144,9 +167,10 @@ class Slots:
         """2-norm (or its square), accumulated in float32; float64 in float64 (torch refuses to
         narrow a norm)."""
         if t.dtype is not FLOAT64 and t.device == self.device:
-            k = self._take(code, 1)
+            r = self._regions[code]
+            k = self._one(r)
             if k is not None:
-                out = self._regions[code].views[k]
+                out = r.views[k]
                 torch.linalg.vector_norm(t, dtype=FLOAT32, out=out)
                 if square:
                     out.square_()
@@ -158,37 +182,37 @@ class Slots:
         """Squared 2-norm in float32: a dot product (twice as fast as ``vector_norm`` on CPU)
         for float32, an upcast norm for other dtypes (a half-precision dot would overflow)."""
         if t.dtype is FLOAT32 and t.device == self.device:
-            k = self._take(code, 1)
+            r = self._regions[code]
+            k = self._one(r)
             if k is not None:
                 flat = t.reshape(-1)
-                torch.dot(flat, flat, out=self._regions[code].views[k])
+                torch.dot(flat, flat, out=r.views[k])
                 return code, k
         return self.norm(t, code, square=True)
 
     def sq_norms(self, tensors: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
-        """Squared 2-norms of many (small) tensors: one foreach call."""
+        """Squared 2-norms of many (small) tensors: three foreach ops in all."""
         wide = any(t.dtype is FLOAT64 for t in tensors)
         norms = torch._foreach_norm(tensors, 2, dtype=None if wide else FLOAT32)
-        n = len(norms)
-        k = self._take(code, n) if norms[0].device == self.device else None
-        if k is not None:
-            try:
-                out = self._regions[code].data.narrow(0, k, n)
-                torch.stack(norms, out=out).square_()
-                return [(code, k + j) for j in range(n)]
-            except RuntimeError:  # spread over devices: through _put below
-                pass
-        return self._put(code, [t.float().square() for t in norms])
+        torch._foreach_mul_(norms, norms)
+        return self._put(code, norms)
 
     def relu(self, lo: tuple[int, int], hi: tuple[int, int], code: int):
-        """ReLU of a (min, max) pair: the (min, max) of the ReLU of what they describe."""
+        """ReLU of a (min, max) pair: the (min, max) of the ReLU of what they describe. One op
+        when both pairs sit in adjacent slots (the usual case), else two."""
         a, b = self.value(lo), self.value(hi)
         if a.device == self.device:
-            k = self._take(code, 2)
-            if k is not None:
-                views = self._regions[code].views
-                torch.clamp_min(a, 0.0, out=views[k])
-                torch.clamp_min(b, 0.0, out=views[k + 1])
-                return (code, k), (code, k + 1)
+            r = self._regions[code]
+            pair = self._two(r)
+            if pair is not None:
+                k, k2 = pair
+                src = self._regions[lo[0]]
+                i = lo[1]
+                if k2 == k + 1 and hi == (lo[0], i + 1) and i + 1 < src.size:
+                    torch.clamp_min(src.pairs[i], 0.0, out=r.pairs[k])
+                else:
+                    torch.clamp_min(a, 0.0, out=r.views[k])
+                    torch.clamp_min(b, 0.0, out=r.views[k2])
+                return (code, k), (code, k2)
         lo, hi = self._put(code, [a.clamp_min(0.0), b.clamp_min(0.0)])
         return lo, hi

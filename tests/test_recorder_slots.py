@@ -34,8 +34,8 @@ def test_reductions_match_torch(dtype):
     assert [_v(slots, r) for r in slots.sq_norms(small, GRAD)] == \
         pytest.approx([t.float().norm().item() ** 2 for t in small], rel=1e-5)
     # every statistic is in its region's slots, in order: one vector per region
-    assert slots.lengths() == (2, 5, 0, 2)
-    strict, grad, loose = slots.gather()
+    strict, grad, nan_only, loose = slots.gather()
+    assert (strict.numel(), grad.numel(), nan_only.numel(), loose.numel()) == (2, 5, 0, 2)
     assert strict.tolist() == [_v(slots, lo), _v(slots, hi)]
     assert grad.numel() == 5 and loose.numel() == 2
     # ...read in place: gathering copies nothing
@@ -73,10 +73,10 @@ def test_running_out_keeps_the_rest_apart_then_grows():
     assert [(_v(slots, a), _v(slots, b)) for a, b in refs] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     # the third pair did not fit in the 5 slots: it and all after it are kept apart, numbered
     # on from the used ones, so the gathered region stays in order
-    assert slots.short and slots.lengths()[STRICT] == 8
+    assert slots.short and slots.gather()[STRICT].numel() == 8
     assert slots.gather()[0].tolist() == [0, 1, 1, 2, 2, 3, 3, 4]
     slots.start_step()
-    assert not slots.short and slots.lengths() == (0, 0, 0, 0)
+    assert not slots.short and [v.numel() for v in slots.gather()] == [0, 0, 0, 0]
     for i in range(4):
         slots.minmax(torch.tensor([float(i), i + 1.0]), STRICT)
     assert not slots.short and slots.gather()[0].tolist() == [0, 1, 1, 2, 2, 3, 3, 4]
@@ -100,7 +100,7 @@ def test_a_step_never_allocates_its_statistics(out_dir):
             crit(model(x), y).backward()
             slots = rec._tape.slots
             opt.step()
-            assert not slots.short and sum(slots.lengths()) > 10
+            assert not slots.short and sum(v.numel() for v in slots.gather()) > 10
             assert all(not r.extra for r in slots._regions)
 
 
