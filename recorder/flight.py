@@ -329,8 +329,9 @@ class FlightRecorder:
     def _relu_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
         """An ``nn.ReLU`` call: its output's min and max are the ReLU of its input's (ReLU is
         elementwise and non-decreasing; NaN stays NaN, -Inf becomes 0, +Inf stays), so they are
-        derived from the input's statistics with two 0-d ops instead of a pass over the
-        output. The input's come from the call that produced it, else from one ``aminmax``."""
+        derived from the input's statistics with one op on two numbers instead of a pass over
+        the output. The input's come from the call that produced it, else from one
+        ``aminmax``."""
         tape = self._tape
         if tape is None or not self._active:
             return None
@@ -455,9 +456,9 @@ class FlightRecorder:
         return None
 
     def _grad_hook(self, i: int, p: torch.Tensor) -> None:
-        """Squared norms of a parameter and its gradient, taken the moment backward has
-        written the gradient: both are still in cache, so this costs far less than a pass at
-        step end. The parameter norm doubles as the check that the last update left it finite."""
+        """Squared norms of a gradient (and, with ``stats="full"``, its parameter) when backward
+        has written it: used where the optimizer's pre-hook may not run before the gradient is
+        gone (no optimizer; a GradScaler that skips the update), see ``attach``."""
         tape = self._tape
         if not self._active or tape is None or p.grad is None or p.grad.layout != torch.strided:
             return
