@@ -36,17 +36,22 @@ class RngCapture:
     """
 
     def __init__(self):
-        self._np_words = None
+        # the generator whose words are read is held, so they can never dangle; a generator
+        # replaced by another is looked at afresh
+        self._np_owner = self._np_words = None
         self._np_last: tuple | None = None
         self._np_key: tuple | None = None
-        self._py_words = None
+        self._py_owner = self._py_words = None
         self._py_last: tuple | None = None
         self._py_key: tuple | None = None
 
     def _numpy_state(self, np) -> Any:
-        if self._np_words is None:
+        # the generator behind np.random's functions (bound to it when NumPy was imported)
+        owner = getattr(getattr(np.random.get_state, "__self__", None), "_bit_generator", None)
+        if owner is not self._np_owner:
+            self._np_owner, self._np_last = owner, None
             try:
-                addr = np.random.mtrand._rand._bit_generator.ctypes.state_address
+                addr = owner.ctypes.state_address
                 self._np_words = (ctypes.c_uint32 * 625).from_address(addr)
             except Exception:
                 self._np_words = False
@@ -62,10 +67,11 @@ class RngCapture:
         return self._np_last
 
     def _python_state(self) -> tuple:
-        inst = random._inst
+        inst = random.getstate.__self__  # the instance behind random's functions
+        if inst is not self._py_owner:
+            self._py_owner, self._py_last = inst, None
+            self._py_words = _python_mt_words(inst)
         words = self._py_words
-        if words is None:
-            words = self._py_words = _python_mt_words(inst)
         if words is False:
             return random.getstate()
         # gauss() keeps a second value outside the words: part of the state too
