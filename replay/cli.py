@@ -23,7 +23,21 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineUsage(click.Command):
+    """Usage errors as one ``nanreplay:`` line, like every other error, instead of click's
+    three (usage, hint, error)."""
+
+    def main(self, *args, **kwargs):
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as e:
+            _fail(f"{e.format_message()} (nanreplay --help lists the options)")
+        except click.Abort:
+            _fail("interrupted")
+        sys.exit(rv if isinstance(rv, int) else 0)  # --help returns 0; the command exits itself
+
+
+@click.command(cls=_OneLineUsage, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("bundle", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True,
               help="Print the machine-readable report on stdout, nothing else.")
@@ -48,7 +62,7 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
     try:
         code = _run(bundle, as_json, html_path, info, factory, device, strip_parts, output)
     except click.ClickException:
-        raise  # bad usage: click prints it (with the usage line) and exits 2
+        raise  # bad usage: _OneLineUsage prints it
     except (BundleError, ReplayError) as e:
         _fail(str(e))
     except KeyboardInterrupt:
@@ -63,6 +77,9 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
 def _run(bundle, as_json, html_path, info, factory, device, strip_parts, output) -> int:
     from . import report as reports
 
+    if html_path is not None and (info or strip_parts or output):
+        raise click.UsageError("--html writes the report of a replay; --info and --strip do "
+                               "not replay: run them separately")
     if strip_parts or output:
         if not (strip_parts and output):
             raise click.UsageError("--strip and -o/--output go together: "

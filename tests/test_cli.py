@@ -360,31 +360,35 @@ def test_stripped_copy_of_a_gpu_bundle_reads_without_cuda_or_device_option(toy, 
 
 
 def test_missing_file_is_a_usage_error(tmp_path):
-    r = invoke(tmp_path / "nope.nan")
-    assert r.exit_code == 2
-    assert r.stdout == ""
-    assert f"'{tmp_path / 'nope.nan'}' does not exist" in r.stderr
+    line = one_error_line(invoke(tmp_path / "nope.nan"))
+    assert f"'{tmp_path / 'nope.nan'}' does not exist" in line
+
+
+def test_missing_bundle_argument_is_one_line():
+    line = one_error_line(invoke())
+    assert line == ("nanreplay: Missing argument 'BUNDLE'. "
+                    "(nanreplay --help lists the options)")
 
 
 def test_unknown_device_is_a_usage_error(toy):
-    r = invoke("--device", "tpu", toy)
-    assert r.exit_code == 2
-    assert r.stdout == ""
-    assert "Invalid value for '--device'" in r.stderr
+    assert "Invalid value for '--device'" in one_error_line(invoke("--device", "tpu", toy))
 
 
 @pytest.mark.parametrize("args", [("--strip", "batch"), ("-o", "share.nan")])
 def test_strip_and_output_go_together(toy, tmp_path, monkeypatch, args):
     monkeypatch.chdir(tmp_path)
-    r = invoke(*args, toy)
-    assert r.exit_code == 2
-    assert r.stdout == ""
-    lines = r.stderr.splitlines()
-    assert lines[0] == "Usage: main [OPTIONS] BUNDLE"
-    assert lines[-1] == ("Error: --strip and -o/--output go together: nanreplay B.nan --strip "
-                         "batch -o shareable.nan")
-    assert "replay failed" not in r.stderr
+    line = one_error_line(invoke(*args, toy))
+    assert line == ("nanreplay: --strip and -o/--output go together: nanreplay B.nan --strip "
+                    "batch -o shareable.nan (nanreplay --help lists the options)")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [("--info",), ("--strip", "batch", "-o", "share.nan")])
+def test_html_needs_a_replay(toy, tmp_path, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(invoke(*args, "--html", "r.html", toy))
+    assert "--html writes the report of a replay" in line
+    assert list(tmp_path.iterdir()) == []  # neither the report nor the copy
 
 
 def test_help_names_every_option():
