@@ -273,11 +273,13 @@ class FlightRecorder:
 
     @property
     def memory_bytes(self) -> dict[str, int]:
-        """Device memory the recorder holds: ring buffer, buffer copies, optimizer guard."""
+        """Device memory the recorder holds: ring buffer, the step's statistics slots, buffer
+        copies, optimizer guard."""
         guard = 0
         if self._guard:
             guard = sum(t.numel() * t.element_size() for t in self._guard["tensors"])
         return {"ring": self._ring.nbytes,
+                "statistics": self._slots.nbytes if self._slots is not None else 0,
                 "buffer_copies": sum(t.numel() * t.element_size()
                                      for t in self._buffer_copies.values()),
                 "optimizer_guard": guard}

@@ -73,6 +73,10 @@ class Slots:
         self._regions = [_Region(device, n) for _ in REGIONS]
 
     @property
+    def nbytes(self) -> int:
+        return sum(r.data.numel() * r.data.element_size() for r in self._regions)
+
+    @property
     def short(self) -> bool:
         """This step asked for more slots than there are (the next one will have them)."""
         return any(r.extra for r in self._regions)

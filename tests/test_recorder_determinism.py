@@ -103,6 +103,7 @@ def test_ring_memory_is_allocated_once(out_dir):
         M.train(model, opt, crit, 1)
         first = rec.memory_bytes
         assert first["ring"] > 0
+        assert first["statistics"] == 4 * 256 * 4  # the slots: four regions, none outgrown
         assert first["buffer_copies"] > 0  # BatchNorm's running statistics
         assert first["optimizer_guard"] == 0
         M.train(model, opt, crit, 12, make_batch=lambda s: M.batch(s + 1))
