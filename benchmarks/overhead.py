@@ -454,6 +454,41 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
             "detectors": rows}
 
 
+def measure_in_processes(model: str, detectors: list[str], rounds: int, warmup: int,
+                         args) -> dict:
+    """``measure`` in ``args.processes`` fresh processes: per detector the median, over the
+    processes, of each process's median ratio (and of its median step time), and their range."""
+    import subprocess
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="nanreplay-bench-") as tmp:
+        for i in range(args.processes):
+            out = os.path.join(tmp, f"{i}.json")
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--models", model,
+                   "--detectors", ",".join(detectors), "--rounds", str(rounds),
+                   "--warmup", str(warmup), "--device", args.device, "--json", out]
+            if args.threads is not None:
+                cmd += ["--threads", str(args.threads)]
+            print(f"  {model}: process {i + 1}/{args.processes}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            runs.append(json.loads(Path(out).read_text())["results"][0])
+    rows = {}
+    for name in detectors:
+        per = [r["detectors"][name] for r in runs]
+        ratios = [p["median_ratio"] for p in per]
+        rows[name] = {
+            "median_step_ms": statistics.median(p["median_step_ms"] for p in per),
+            "median_ratio": statistics.median(ratios),
+            "ratio_q1": min(ratios),  # shown as the range across processes
+            "ratio_q3": max(ratios),
+            "process_ratios": ratios,
+            "host_reads_per_step": max(p["host_reads_per_step"] for p in per),
+            "cuda_sync_warnings_per_step": per[0]["cuda_sync_warnings_per_step"],
+        }
+    return {"model": model, "description": SPECS[model].describe, "rounds": rounds,
+            "warmup": warmup, "processes": args.processes, "detectors": rows}
+
+
 # ----------------------------------------------------------------------------------------------
 # output
 
@@ -507,7 +542,9 @@ def _fmt_reads(v):
 
 def render(results: list[dict], device: torch.device) -> str:
     cuda = device.type == "cuda"
-    lines = ["| model | detector | median step (ms) | ratio to bare (median) | ratio IQR "
+    many = any("processes" in r for r in results)
+    spread = "ratio range over processes" if many else "ratio IQR"
+    lines = [f"| model | detector | median step (ms) | ratio to bare (median) | {spread} "
              "| host reads/step |" + (" CUDA syncs/step |" if cuda else ""),
              "|---|---|---:|---:|---|---:|" + ("---:|" if cuda else "")]
     for res in results:
@@ -580,7 +617,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     ap.add_argument("--quick", action="store_true",
                     help="a few rounds only: a smoke test, not a measurement")
+    ap.add_argument("--processes", type=int, default=1, metavar="N",
+                    help="measure each model in N fresh processes, one after the other, and "
+                    "report the median of their ratios and their range (default 1). Ratios "
+                    "move from process to process (heap and cache placement) more than within one")
     args = ap.parse_args(argv)
+    if args.processes < 1:
+        ap.error("--processes must be at least 1")
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in models if m not in SPECS]
@@ -613,7 +656,10 @@ def main(argv=None) -> int:
             3 if args.quick else DEFAULT_ROUNDS[m])
         print(f"{m}: {SPECS[m].describe}; {len(detectors)} copies, {warmup} warm-up + "
               f"{rounds} timed rounds", file=sys.stderr, flush=True)
-        results.append(measure(m, detectors, rounds, warmup, count_steps, device))
+        if args.processes == 1:
+            results.append(measure(m, detectors, rounds, warmup, count_steps, device))
+        else:
+            results.append(measure_in_processes(m, detectors, rounds, warmup, args))
         print(render(results[-1:], device), file=sys.stderr, flush=True)
         if args.json:  # partial results survive an interrupted run
             Path(args.json).write_text(json.dumps({"machine": info, "quick": args.quick,
