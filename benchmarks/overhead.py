@@ -27,6 +27,7 @@ too. Counting runs in separate steps so the wrappers never slow the timed ones.
 
     python benchmarks/overhead.py [--models mlp,cnn,transformer] [--rounds N]
                                   [--device cpu|cuda] [--json out.json] [--quick]
+                                  [--processes N]
 
 Progress goes to stderr, the markdown tables to stdout.
 """

@@ -40,6 +40,20 @@ def test_overhead_quick_mlp(tmp_path):
     assert res["detectors"]["recorder"]["host_reads_per_step"] >= 1
 
 
+def test_overhead_in_several_processes(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc = _run([str(BENCH / "overhead.py"), "--quick", "--models", "mlp", "--detectors",
+                 "recorder", "--processes", "2", "--json", str(out)], timeout=240)
+    assert "| model | detector | median step (ms) | ratio to bare (median) | ratio range over " \
+           "processes |" in proc.stdout
+    (res,) = json.loads(out.read_text())["results"]
+    rec = res["detectors"]["recorder"]
+    assert res["processes"] == 2 and len(rec["process_ratios"]) == 2
+    assert rec["ratio_q1"] == min(rec["process_ratios"]) <= rec["median_ratio"] \
+        <= max(rec["process_ratios"]) == rec["ratio_q3"]
+    assert rec["host_reads_per_step"] >= 1
+
+
 def test_bundle_io_small(tmp_path):
     out = tmp_path / "bundle.json"
     proc = _run([str(BENCH / "bundle_io.py"), "--params", "200000", "--repeats", "1",
