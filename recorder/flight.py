@@ -663,8 +663,9 @@ class FlightRecorder:
     def _build_row(self, tape: Tape, skipped: bool):
         """Copy the step's statistics into the next ring row and compute, still on the device,
         a probe that is 0 when every entry that must be finite is, NaN (or > 0) otherwise: two
-        device ops, as this runs every step. Returns (layout, row, probe, scale): ``scale`` is
-        the GradScaler's scale tensor when there is one, read in the same sync as the probe."""
+        device ops, as this runs every step. Returns (layout, row, probe, scale): ``row`` is the
+        whole step's (the ring keeps it cut when it is wider than the ring), ``scale`` the
+        GradScaler's scale tensor when there is one, read in the same sync as the probe."""
         self._small_param_norms(tape)
         opt = self._optimizer() if self._optimizer else None
         lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
@@ -679,11 +680,11 @@ class FlightRecorder:
         total = s + g + n + loose
         row = self._ring.reserve(total, slots.device)
         full = row
-        if row.numel() == total:
+        if row.numel() == total and row.device == slots.device:
             if total:
                 torch.cat(pieces, out=row)
-        else:  # a row longer than the ring is wide: stored truncated, checked whole
-            full = torch.cat(pieces)
+        else:  # a row longer than the ring is wide (stored truncated, checked whole), or a
+            full = torch.cat(pieces)  # model moved to another device after the first step
             row.copy_(full[: row.numel()])
         # gradient norms of a step the GradScaler skipped are expected to overflow: unchecked
         checked = s if skipped else s + g
@@ -695,7 +696,7 @@ class FlightRecorder:
             probe = probe + full[s + g: s + g + n].isnan().any().float()
         scaler = self._scaler() if self._scaler is not None else None
         scale = getattr(scaler, "_scale", None)
-        return layout, row, probe, None if scale is None else scale.float().reshape(())
+        return layout, full, probe, None if scale is None else scale.float().reshape(())
 
     # ------------------------------------------------------------------------------------------
     # events

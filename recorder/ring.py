@@ -90,6 +90,15 @@ def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
     }
 
 
+def _max_ref(call: tuple) -> int:
+    """The highest row index a decoded call reads."""
+    _, _, _, outs, stats, ins = call
+    refs = [k for pair in outs for k in pair] + [k for a, b, _ in ins for k in (a, b)]
+    if stats is not None:
+        refs += stats[:2]
+    return max(refs, default=-1)
+
+
 def _root_sum(squares: list[float]) -> float:
     return math.sqrt(sum(squares)) if squares else math.nan
 
@@ -182,22 +191,31 @@ class RingBuffer:
         grad_total = torch.full((h,), math.nan, dtype=torch.float64)
         param_total = torch.full((h,), math.nan, dtype=torch.float64)
         for i, (row, lay) in enumerate(zip(rows, self.layouts)):
+            # a step wider than the ring was stored cut at lay.length: what lies past the cut
+            # stays unknown (NaN, module -1), never a made-up value
+            n = lay.length
             for j, call in enumerate(lay.calls):
+                if _max_ref(call) >= n:
+                    continue
                 d = decode_call(row, call)
                 calls[i, j] = torch.tensor([d[f] if d[f] is not None else math.nan
                                             for f in CALL_FIELDS], dtype=torch.float32)
                 call_module[i, j], call_mb[i, j] = d["module"], d["micro_batch"]
-            if lay.loss:
+            if lay.loss and all(b < n for _, _, b in lay.loss):
                 vals = [row[b] for _, _, b in lay.loss]
                 loss[i] = sum(vals) / len(vals)
             # rows hold squared norms; gradients as backward wrote them (scaled under AMP)
             unscale = lay.scale if lay.grads_scaled and lay.scale else 1.0
             for p, k in lay.grads:
-                grad_norms[i, p] = math.sqrt(row[k]) / unscale
+                if k < n:
+                    grad_norms[i, p] = math.sqrt(row[k]) / unscale
             for p, k in lay.params:
-                param_norms[i, p] = math.sqrt(row[k])
-            grad_total[i] = _root_sum([row[k] for _, k in lay.grads]) / unscale
-            param_total[i] = _root_sum([row[k] for _, k in lay.params])
+                if k < n:
+                    param_norms[i, p] = math.sqrt(row[k])
+            if all(k < n for _, k in lay.grads):
+                grad_total[i] = _root_sum([row[k] for _, k in lay.grads]) / unscale
+            if all(k < n for _, k in lay.params):
+                param_total[i] = _root_sum([row[k] for _, k in lay.params])
             for g, v in enumerate(lay.lrs[: lr.shape[1]]):
                 lr[i, g] = v
             if lay.scale is not None:
