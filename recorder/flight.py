@@ -153,7 +153,6 @@ class FlightRecorder:
         self._volatile_copies = None
         self._steady_buffers: list = []
         self._large: list = []
-        self._large_reversed: list = []
         self._slots: Slots | None = None
         self._grad_hooks = True
         self._volatile_buffers: set[str] = set()
@@ -231,7 +230,6 @@ class FlightRecorder:
         batched = set(self._small)
         self._large = [(i, p) for i, (_, p) in enumerate(self._params)
                        if p.requires_grad and i not in batched]
-        self._large_reversed = self._large[::-1]
         if self._grad_hooks:
             for i, p in self._large:
                 self._handles.append(p.register_post_accumulate_grad_hook(
@@ -254,7 +252,7 @@ class FlightRecorder:
         self._last_tape = None
         self._buffers = []
         self._params = []
-        self._large = self._large_reversed = []
+        self._large = []
         self._slots = None
         self._allowed_buffers = {}
         self._attached = self._active = False
@@ -306,19 +304,13 @@ class FlightRecorder:
             mb = len(tape.micro_batches) - 1
             if idx == 0:
                 ins = tape.micro_batches[mb].input_refs
-            elif len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:
-                # one tensor in, most often the previous call's output: inlined (every call
-                # pays for this, so it is kept to a few dictionary and attribute reads)
-                a = args[0]
-                hit = tape.cache.get(id(a))
-                if hit is not None and hit[0]() is a and (hit[4] == a._version or a is output):
-                    ins = (hit[1:4],)
-                else:
-                    ins = self._input_refs(tape, args, kwargs, code=LOOSE, made_here=output)
+            elif len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and \
+                    (hit := self._produced(tape, args[0], output)) is not None:
+                ins = (hit[1:4],)  # one tensor in, an earlier call's output: the usual chain
             else:
                 ins = self._input_refs(tape, args, kwargs, code=LOOSE, made_here=output)
-            if type(output) is torch.Tensor and not self._param_norms:
-                outs, stats = self._tensor_output_ref(tape, output, allowed), None
+            if type(output) is torch.Tensor and not self._param_norms:  # the usual case
+                outs, stats = self._output_ref(tape, output, allowed, reuse=True), None
             else:
                 outs, stats = self._output_refs(tape, output, allowed)
             tape.calls.append((idx, mb, len(tape.calls), outs, stats, ins))
@@ -404,37 +396,33 @@ class FlightRecorder:
                 tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
         return tuple(refs)
 
+    def _output_refs(self, tape: Tape, output, allowed: bool):
+        """((min, max) refs per floating output tensor, (sum, 2-norm, numel) refs of the first
+        with ``stats="full"``)."""
+        full = self._param_norms
+        outs, stats = [], None
+        for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
+            ref = self._output_ref(tape, t, allowed, reuse=not full)
+            if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
+                d = t.detach()
+                stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
+            outs += ref
+        return tuple(outs), stats
+
     @staticmethod
-    def _tensor_output_ref(tape: Tape, t: torch.Tensor, allowed: bool) -> tuple:
-        """:meth:`_output_refs` for a single-tensor output and ``stats="minmax"``."""
+    def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, reuse: bool) -> tuple:
+        """``((min ref, max ref),)`` of one output tensor, or ``()`` if it is not floating.
+        ``reuse``: an output passed through unchanged (a Sequential's) keeps the statistics of
+        the call that made it."""
         if not t.is_floating_point() or t.numel() == 0:
             return ()
         hit = tape.cache.get(id(t))
-        if hit is not None and hit[0]() is t and hit[4] == t._version and hit[3] == allowed:
-            return (hit[1:3],)  # passed through unchanged (a Sequential's output)
+        if (reuse and hit is not None and hit[0]() is t and hit[4] == t._version
+                and hit[3] == allowed):
+            return (hit[1:3],)
         a, b = tape.slots.minmax(t.detach(), NAN_ONLY if allowed else STRICT)
         tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
         return ((a, b),)
-
-    def _output_refs(self, tape: Tape, output, allowed: bool):
-        outs, stats = [], None
-        code = NAN_ONLY if allowed else STRICT
-        full = self.stats == "full"
-        for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
-            if not t.is_floating_point() or t.numel() == 0:
-                continue
-            hit = tape.cache.get(id(t))
-            if (hit is not None and not full and hit[0]() is t and hit[4] == t._version
-                    and hit[3] == allowed):
-                outs.append(hit[1:3])  # passed through unchanged (a Sequential's output)
-                continue
-            d = t.detach()
-            a, b = tape.slots.minmax(d, code)
-            if full and stats is None:  # sum and 2-norm: far cheaper than std_mean's Welford
-                stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
-            tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
-            outs.append((a, b))
-        return tuple(outs), stats
 
     def _loss_pre_hook(self, module, args, kwargs):
         tape = self._tape
@@ -650,7 +638,7 @@ class FlightRecorder:
         with tape.lock:
             # last parameter first: the optimizer starts with the first, whose gradient is
             # then the one still in cache
-            for i, p in self._large_reversed:
+            for i, p in reversed(self._large):
                 grad = p.grad
                 if grad is None or grad.layout != strided:
                     continue

@@ -1,10 +1,10 @@
 """The ring buffer: the last ``history`` steps of statistics, kept on the model's device.
 
-Each step stacks the 0-d statistics its hooks made straight into the next row (a flat float32
-vector: :meth:`RingBuffer.reserve`, then :meth:`RingBuffer.commit`) and keeps a small host-side
-:class:`StepLayout` saying which entry of the row is what. Rows stay on the device; they are
-decoded into a fixed table only when a bundle is written, so recording costs one device op per
-step and no host transfer.
+Each step copies the statistics its hooks wrote into :mod:`recorder.slots` into the next row (a
+flat float32 vector: :meth:`RingBuffer.reserve`, then :meth:`RingBuffer.commit`) and keeps a
+small host-side :class:`StepLayout` saying which entry of the row is what. Rows stay on the
+device; they are decoded into a fixed table only when a bundle is written, so recording costs
+one device op per step and no host transfer.
 """
 
 from __future__ import annotations
