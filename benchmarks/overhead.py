@@ -55,6 +55,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from recorder import FlightRecorder  # noqa: E402
+from recorder.capture import tensor_leaves  # noqa: E402
 
 SEED = 1234
 DETECTORS = ("bare", "hooks", "anomaly", "debug_uo", "recorder")
@@ -252,19 +253,8 @@ class Trainer:
         pass
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
 def _nan_inf_hook(module, inputs, output):
-    for t in _tensors(output):
+    for t in tensor_leaves(output):
         if t.is_floating_point() and (torch.isnan(t).any() or torch.isinf(t).any()):
             raise FloatingPointError(f"non-finite output from {type(module).__name__}")
 

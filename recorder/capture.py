@@ -280,6 +280,20 @@ def tensor_leaves(obj: Any):
             yield from tensor_leaves(v)
 
 
+def map_tensors(obj: Any, fn) -> Any:
+    """``obj`` with every tensor in its tuples, lists and dicts replaced by ``fn(tensor)``;
+    other leaves kept as they are."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list):
+        return [map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
 # ---------------------------------------------------------------------------------------------
 # Environment
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from recorder.bundle import read_bundle
-from recorder.capture import UnrebuildableLeaf, rng_from_bundle, unflatten_tree
+from recorder.capture import UnrebuildableLeaf, map_tensors, rng_from_bundle, unflatten_tree
 from recorder.errors import BundleError
 from recorder.validate import import_object
 
@@ -462,15 +462,7 @@ def output_grads(step: Step, i: int) -> dict[int, torch.Tensor]:
 
 
 def _to(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, list):
-        return [_to(v, device) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to(v, device) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t.to(device))
 
 
 def rng_state(step: Step) -> dict[str, Any] | None:

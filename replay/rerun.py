@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recorder.capture import restore_rng, tensor_leaves
+from recorder.capture import map_tensors, restore_rng, tensor_leaves
 
 from .load import (
     Step,
@@ -408,15 +408,7 @@ class Runner:
 
 
 def _cast(obj, dtype):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, list):
-        return [_cast(v, dtype) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_cast(v, dtype) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 class _null:
