@@ -211,8 +211,6 @@ class FlightRecorder:
             self._handles.append(module.register_forward_hook(
                 partial(hook, idx, self._is_allowed(name)), with_kwargs=True))
         if self.loss_fn is not None:
-            self._handles.append(self.loss_fn.register_forward_pre_hook(
-                self._loss_pre_hook, with_kwargs=True))
             self._handles.append(self.loss_fn.register_forward_hook(
                 self._loss_post_hook, with_kwargs=True))
         opt = self._optimizer() if self._optimizer else None
@@ -236,7 +234,8 @@ class FlightRecorder:
                     partial(self._grad_hook, i)))
         if opt is not None:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
-            self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
+            if self.guard_optimizer:  # else the pre-hook marks the update (one hook less a step)
+                self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
         self._attached = self._active = True
         return self
 
@@ -424,18 +423,12 @@ class FlightRecorder:
         tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
         return ((a, b),)
 
-    def _loss_pre_hook(self, module, args, kwargs):
-        tape = self._tape
-        if not self._active or tape is None or not tape.micro_batches:
-            return None
-        mb = tape.micro_batches[-1]
-        mb.loss_args, mb.loss_kwargs = args, kwargs
-        return None
-
     def _loss_post_hook(self, module, args, kwargs, output):
         tape = self._tape
         if not self._active or tape is None or not tape.micro_batches:
             return None
+        mb = tape.micro_batches[-1]
+        mb.loss_args, mb.loss_kwargs = args, kwargs  # the targets, kept by reference
         try:
             for t in tensor_leaves(output):
                 if t.is_floating_point() and t.numel():
@@ -466,7 +459,10 @@ class FlightRecorder:
 
     def _optimizer_pre_hook(self, optimizer, args, kwargs):
         tape = self._tape  # another thread may close it meanwhile: work on this one
-        if not self._active or tape is None:
+        if not self._active:
+            return None
+        self._updated = True  # the next step's weights come from this update
+        if tape is None:
             return None
         try:
             with tape.lock:
@@ -481,10 +477,10 @@ class FlightRecorder:
         return None
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
+        """Guard mode only: check the weights the update wrote (the mode's second sync)."""
         if not self._active:
             return None
-        self._updated = True
-        if self.guard_optimizer and self._guard is not None and not self._fired:
+        if self._guard is not None and not self._fired:
             norms = _norms([(i, p) for i, (_, p) in enumerate(self._params)])
             values = torch.stack([n for _, n in norms]).tolist()  # guard mode's 2nd sync
             bad = [self._params[i][0] for (i, _), v in zip(norms, values)

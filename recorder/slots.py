@@ -23,6 +23,7 @@ and ``probe_finite``).
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -39,24 +40,20 @@ class _Region:
         # views made once, so a statistic costs no allocation: each slot, each adjacent pair
         self.views = self.data.unbind(0)
         self.pairs = self.data.unfold(0, 2, 1).unbind(0)
-        # Slots not yet handed out this step, the next last: ``list.pop`` is atomic under the
-        # GIL, so hooks firing from several threads need no lock on the per-call path.
-        self._order = list(range(n - 1, -1, -1))
-        self.free = self._order.copy()
+        # Slot numbers come from a counter: taking one is atomic under the GIL, so hooks firing
+        # from several threads need no lock on the per-call path; a new step, a new counter.
+        self.take = itertools.count().__next__
         self.extra: list[torch.Tensor] = []  # what did not fit, numbered on from ``size``
         self._prefix = self.data
 
     def reset(self) -> None:
-        self.free = self._order.copy()
-        self.extra = []
-
-    @property
-    def used(self) -> int:
-        return self.size - len(self.free)
+        self.take = itertools.count().__next__
+        if self.extra:
+            self.extra = []
 
     def prefix(self) -> torch.Tensor:
-        """The used slots (and any overflow) as one vector."""
-        used = self.used
+        """The slots handed out so far (and any overflow) as one vector."""
+        used = min(self.take.__self__.__reduce__()[1][0], self.size)  # the counter's next
         if self._prefix.numel() != used:  # the count rarely changes between steps
             self._prefix = self.data.narrow(0, 0, used)
         if self.extra:
@@ -105,12 +102,12 @@ class Slots:
         """Refs for values computed outside the slots (another device or dtype, a step out of
         room): copied into free slots in one foreach op, the rest kept as overflow."""
         r = self._regions[code]
-        free, ks = r.free, []
+        ks = []
         for _ in values:
-            try:
-                ks.append(free.pop())
-            except IndexError:
+            k = r.take()
+            if k >= r.size:
                 break
+            ks.append(k)
         m = len(ks)
         if m:
             torch._foreach_copy_([r.views[k] for k in ks], list(values[:m]))
@@ -124,23 +121,17 @@ class Slots:
 
     @staticmethod
     def _one(r: _Region) -> int | None:
-        try:
-            return r.free.pop()
-        except IndexError:
-            return None
+        k = r.take()
+        return k if k < r.size else None
 
     @staticmethod
     def _two(r: _Region) -> tuple[int, int] | None:
-        free = r.free
-        try:
-            k = free.pop()
-        except IndexError:
-            return None
-        try:
-            return k, free.pop()
-        except IndexError:
-            free.append(k)  # give it back: the step is out of room for a pair
-            return None
+        k, k2 = r.take(), r.take()
+        if k2 < r.size:
+            return k, k2
+        if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
+            r.views[k].zero_()
+        return None
 
     # ------------------------------------------------------------------------------------------
     # reductions: ``t`` is detached by the caller; each returns refs

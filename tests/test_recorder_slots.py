@@ -72,9 +72,13 @@ def test_running_out_keeps_the_rest_apart_then_grows():
     refs = [slots.minmax(torch.tensor([float(i), i + 1.0]), STRICT) for i in range(4)]
     assert [(_v(slots, a), _v(slots, b)) for a, b in refs] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     # the third pair did not fit in the 5 slots: it and all after it are kept apart, numbered
-    # on from the used ones, so the gathered region stays in order
-    assert slots.short and slots.gather()[STRICT].numel() == 8
-    assert slots.gather()[0].tolist() == [0, 1, 1, 2, 2, 3, 3, 4]
+    # on from the slots (the lone fifth slot is left zeroed, a finite value no ref names), so
+    # every ref indexes the gathered region
+    row = slots.gather()[STRICT]
+    assert slots.short and row.numel() == 5 + 4
+    assert [(row[a[1]].item(), row[b[1]].item()) for a, b in refs] == [(0, 1), (1, 2), (2, 3),
+                                                                       (3, 4)]
+    assert row[4].item() == 0.0
     slots.start_step()
     assert not slots.short and [v.numel() for v in slots.gather()] == [0, 0, 0, 0]
     for i in range(4):
