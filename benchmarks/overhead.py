@@ -305,8 +305,59 @@ class Recorder(Trainer):
         self.recorder.detach()
 
 
+class Floor(Trainer):
+    """Not a detector but a yardstick (opt in with ``--detectors floor``): the device work of the
+    recorder's default statistics and nothing else, with the barest hooks. One ``aminmax`` per
+    module output, the root input and the loss, one squared norm per gradient before the update,
+    one read of one flag per step; no call records, RNG states, batch references or output
+    gradients. The recorder's distance to it is what its bookkeeping costs."""
+
+    name = "floor"
+
+    def setup(self, tmp):
+        self.slots = torch.zeros(4096)
+        self.views = self.slots.unbind(0)
+        self.zeros = torch.zeros(4096)
+        self.flag = torch.zeros(())
+        self.k = 0
+        self.handles = [m.register_forward_hook(self._post) for m in self.model.modules()]
+        self.handles.append(self.crit.register_forward_hook(self._post))
+        self.handles.append(self.model.register_forward_pre_hook(self._pre))
+        self.handles.append(self.opt.register_step_pre_hook(self._check))
+
+    def _minmax(self, t):
+        if t.is_floating_point() and t.numel():
+            k = self.k
+            self.k = k + 2
+            torch.aminmax(t.detach(), out=(self.views[k], self.views[k + 1]))
+
+    def _pre(self, module, args):
+        self.k = 0
+        for t in tensor_leaves(args):
+            self._minmax(t)
+
+    def _post(self, module, args, output):
+        for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
+            self._minmax(t)
+
+    def _check(self, opt, args, kwargs):
+        for p in self.params:
+            if p.grad is not None:
+                g = p.grad.reshape(-1)
+                torch.dot(g, g, out=self.views[self.k])
+                self.k += 1
+        n = self.k
+        torch.dot(self.slots[:n], self.zeros[:n], out=self.flag)
+        if self.flag.item() != 0.0:
+            raise FloatingPointError("non-finite value in the step")
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 TRAINERS = {"bare": Trainer, "hooks": HookRecipe, "anomaly": Anomaly, "debug_uo": DebugUO,
-            "recorder": Recorder}
+            "recorder": Recorder, "floor": Floor}
 
 
 def have_transformers() -> bool:
@@ -571,7 +622,8 @@ def verdicts(results: list[dict]) -> list[str]:
         ok = rec <= RATIO_TARGET
         out.append(f"- {res['model']}: FlightRecorder {rec:.3f}x bare, target <= {RATIO_TARGET}x: "
                    f"{'met' if ok else 'MISSED'}")
-        others = {n: r["median_ratio"] for n, r in rows.items() if n not in ("bare", "recorder")}
+        others = {n: r["median_ratio"] for n, r in rows.items()
+                  if n not in ("bare", "recorder", "floor")}
         if others:
             worse = [n for n, v in others.items() if v <= rec]
             cheapest = min(others, key=others.get)
@@ -582,6 +634,11 @@ def verdicts(results: list[dict]) -> list[str]:
             else:
                 out.append(f"- {res['model']}: FlightRecorder is cheaper than every other "
                            f"detector (next: {cheapest} {others[cheapest]:.3f}x)")
+        if "floor" in rows:
+            floor = rows["floor"]["median_ratio"]
+            out.append(f"- {res['model']}: floor (the statistics' device work alone, bare hooks) "
+                       f"{floor:.3f}x; the recorder's bookkeeping adds {(rec - floor) * 100:.1f}% "
+                       "of a bare step")
         reads = rows["recorder"]["host_reads_per_step"]
         syncs = rows["recorder"]["cuda_sync_warnings_per_step"]
         out.append(f"- {res['model']}: FlightRecorder host reads/step = {reads:g} (expected 1)"
@@ -596,7 +653,8 @@ def main(argv=None) -> int:
                     help="comma-separated subset of: " + ", ".join(MODELS))
     ap.add_argument("--detectors", default=",".join(DETECTORS),
                     help="comma-separated subset of: " + ", ".join(DETECTORS)
-                    + " (bare is always run)")
+                    + " (bare is always run), and floor: a yardstick run only when named (the"
+                    " statistics' device work with the barest hooks)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed rounds per model (default: "
                     + ", ".join(f"{k} {v}" for k, v in DEFAULT_ROUNDS.items()) + ")")
@@ -624,7 +682,7 @@ def main(argv=None) -> int:
     bad = [d for d in detectors if d not in TRAINERS]
     if bad:
         ap.error(f"unknown detector(s) {bad}; choose from {', '.join(DETECTORS)}")
-    detectors = ["bare"] + [d for d in DETECTORS if d in detectors and d != "bare"]
+    detectors = ["bare"] + [d for d in (*DETECTORS, "floor") if d in detectors and d != "bare"]
     if "debug_uo" in detectors and not have_transformers():
         print("transformers is not installed: skipping DebugUnderflowOverflow "
               "(pip install transformers)", file=sys.stderr)

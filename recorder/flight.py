@@ -628,21 +628,27 @@ class FlightRecorder:
         """Norms of the gradients the optimizer will use. With backward hooks, only those that
         changed since backward wrote them: DDP's all-reduced average, GradScaler's unscaled
         values, clipping, a replaced tensor. Small parameters: see _small_param_norms."""
-        norms, seen = tape.grad_norms, tape.grad_seen
+        seen = tape.grad_seen
         every = not self._grad_hooks or self._ddp or self._scaler is not None
         strided = torch.strided
+        idx, grads = [], []
+        # last parameter first: the optimizer starts with the first, whose gradient is then
+        # the one still in cache
+        for i, p in reversed(self._large):
+            grad = p.grad
+            if grad is None or grad.layout is not strided:
+                continue
+            if every or seen.get(i) != (id(grad), grad._version):
+                idx.append(i)
+                grads.append(grad.detach() if grad.requires_grad else grad)
+        if not idx:
+            return
         with tape.lock:
-            # last parameter first: the optimizer starts with the first, whose gradient is
-            # then the one still in cache
-            for i, p in reversed(self._large):
-                grad = p.grad
-                if grad is None or grad.layout != strided:
-                    continue
-                if every or seen.get(i) != (id(grad), grad._version):
-                    norms[i] = tape.slots.sq_norm(grad.detach(), GRAD)
-                    tape.grads_reread = True
-                    if self._param_norms and not self._grad_hooks:
-                        tape.param_norms[i] = tape.slots.sq_norm(p.detach(), STRICT)
+            tape.grad_norms.update(zip(idx, tape.slots.sq_norm_each(grads, GRAD)))
+            tape.grads_reread = True
+            if self._param_norms and not self._grad_hooks:
+                weights = [self._params[i][1].detach() for i in idx]
+                tape.param_norms.update(zip(idx, tape.slots.sq_norm_each(weights, STRICT)))
 
     def _build_row(self, tape: Tape, skipped: bool):
         """Copy the step's statistics into the next ring row and compute, still on the device,

@@ -134,7 +134,8 @@ class Slots:
         return None
 
     # ------------------------------------------------------------------------------------------
-    # reductions: ``t`` is detached by the caller; each returns refs
+    # reductions: ``t`` is detached by the caller; each returns refs. They run a dozen to a few
+    # hundred times a step, where every Python call counts: the usual case comes first, inline.
 
     def minmax(self, t: torch.Tensor, code: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """``torch.aminmax(t)``: NaN anywhere makes both NaN; +-Inf shows as the extreme."""
@@ -174,16 +175,26 @@ class Slots:
         return self._put(code, [n.square() if square else n])[0]
 
     def sq_norm(self, t: torch.Tensor, code: int) -> tuple[int, int]:
-        """Squared 2-norm in float32: a dot product (twice as fast as ``vector_norm`` on CPU)
-        for float32, an upcast norm for other dtypes (a half-precision dot would overflow)."""
-        if t.dtype is FLOAT32 and t.device == self.device:
-            r = self._regions[code]
-            k = self._one(r)
-            if k is not None:
-                flat = t.reshape(-1)
-                torch.dot(flat, flat, out=r.views[k])
-                return code, k
-        return self.norm(t, code, square=True)
+        """Squared 2-norm in float32 (see :meth:`sq_norm_each`)."""
+        return self.sq_norm_each((t,), code)[0]
+
+    def sq_norm_each(self, tensors, code: int) -> list[tuple[int, int]]:
+        """Squared 2-norm of each tensor, in float32: a dot product (twice as fast as
+        ``vector_norm`` on CPU) for float32, an upcast norm for other dtypes (a half-precision
+        dot would overflow). One loop, as it runs over every gradient before every update."""
+        r = self._regions[code]
+        take, size, views, device = r.take, r.size, r.views, self.device
+        refs = []
+        for t in tensors:
+            if t.dtype is FLOAT32 and t.device == device:
+                k = take()
+                if k < size:
+                    flat = t.reshape(-1)
+                    torch.dot(flat, flat, out=views[k])
+                    refs.append((code, k))
+                    continue
+            refs.append(self.norm(t, code, square=True))
+        return refs
 
     def sq_norms(self, tensors: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
         """Squared 2-norms of many (small) tensors: three foreach ops in all."""
@@ -194,20 +205,19 @@ class Slots:
 
     def relu(self, lo: tuple[int, int], hi: tuple[int, int], code: int):
         """ReLU of a (min, max) pair: the (min, max) of the ReLU of what they describe. One op
-        when both pairs sit in adjacent slots (the usual case), else two."""
-        a, b = self.value(lo), self.value(hi)
-        if a.device == self.device:
-            r = self._regions[code]
-            pair = self._two(r)
-            if pair is not None:
-                k, k2 = pair
-                src = self._regions[lo[0]]
-                i = lo[1]
-                if k2 == k + 1 and hi == (lo[0], i + 1) and i + 1 < src.size:
-                    torch.clamp_min(src.pairs[i], 0.0, out=r.pairs[k])
-                else:
-                    torch.clamp_min(a, 0.0, out=r.views[k])
-                    torch.clamp_min(b, 0.0, out=r.views[k2])
-                return (code, k), (code, k2)
-        lo, hi = self._put(code, [a.clamp_min(0.0), b.clamp_min(0.0)])
+        when both pairs sit in adjacent slots (the usual case), else two. Every value lives
+        on this device (``_put`` moves what it keeps)."""
+        r = self._regions[code]
+        pair = self._two(r)
+        if pair is not None:
+            k, k2 = pair
+            i = lo[1]
+            src = self._regions[lo[0]]
+            if k2 == k + 1 and hi[1] == i + 1 and hi[0] == lo[0] and i + 1 < src.size:
+                torch.clamp_min(src.pairs[i], 0.0, out=r.pairs[k])
+            else:
+                torch.clamp_min(self.value(lo), 0.0, out=r.views[k])
+                torch.clamp_min(self.value(hi), 0.0, out=r.views[k2])
+            return (code, k), (code, k2)
+        lo, hi = self._put(code, [self.value(lo).clamp_min(0.0), self.value(hi).clamp_min(0.0)])
         return lo, hi

@@ -54,6 +54,18 @@ def test_overhead_in_several_processes(tmp_path):
     assert rec["host_reads_per_step"] >= 1
 
 
+def test_overhead_floor_yardstick_runs_only_when_named(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc = _run([str(BENCH / "overhead.py"), "--quick", "--models", "mlp", "--detectors",
+                 "recorder,floor", "--json", str(out)])
+    (res,) = json.loads(out.read_text())["results"]
+    assert list(res["detectors"]) == ["bare", "recorder", "floor"]
+    # the yardstick checks its step with one read too, and is not counted as a detector
+    assert res["detectors"]["floor"]["host_reads_per_step"] == 1
+    assert "- mlp: floor (the statistics' device work alone, bare hooks)" in proc.stdout
+    assert "NOT cheaper than floor" not in proc.stdout
+
+
 def test_bundle_io_small(tmp_path):
     out = tmp_path / "bundle.json"
     proc = _run([str(BENCH / "bundle_io.py"), "--params", "200000", "--repeats", "1",
