@@ -636,9 +636,10 @@ def verdicts(results: list[dict]) -> list[str]:
                            f"detector (next: {cheapest} {others[cheapest]:.3f}x)")
         if "floor" in rows:
             floor = rows["floor"]["median_ratio"]
+            gap = round((rec - floor) * 100, 1) + 0.0  # no "-0.0"
             out.append(f"- {res['model']}: floor (the statistics' device work alone, bare hooks) "
-                       f"{floor:.3f}x; the recorder's bookkeeping adds {(rec - floor) * 100:.1f}% "
-                       "of a bare step")
+                       f"{floor:.3f}x; recorder minus floor: {gap:+.1f}% of a bare step (its "
+                       "bookkeeping, less the reductions it reuses)")
         reads = rows["recorder"]["host_reads_per_step"]
         syncs = rows["recorder"]["cuda_sync_warnings_per_step"]
         out.append(f"- {res['model']}: FlightRecorder host reads/step = {reads:g} (expected 1)"

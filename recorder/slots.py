@@ -42,18 +42,21 @@ class _Region:
         self.pairs = self.data.unfold(0, 2, 1).unbind(0)
         # Slot numbers come from a counter: taking one is atomic under the GIL, so hooks firing
         # from several threads need no lock on the per-call path; a new step, a new counter.
-        self.take = itertools.count().__next__
+        self._counter = itertools.count()
+        self.take = self._counter.__next__
         self.extra: list[torch.Tensor] = []  # what did not fit, numbered on from ``size``
         self._prefix = self.data
 
     def reset(self) -> None:
-        self.take = itertools.count().__next__
+        self._counter = itertools.count()
+        self.take = self._counter.__next__
         if self.extra:
             self.extra = []
 
     def prefix(self) -> torch.Tensor:
         """The slots handed out so far (and any overflow) as one vector."""
-        used = min(self.take.__self__.__reduce__()[1][0], self.size)  # the counter's next
+        # the counter's next number, read without taking it: its repr is "count(N)"
+        used = min(int(repr(self._counter)[6:-1]), self.size)
         if self._prefix.numel() != used:  # the count rarely changes between steps
             self._prefix = self.data.narrow(0, 0, used)
         if self.extra:
