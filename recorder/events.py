@@ -245,8 +245,10 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
     if event.get("params"):
         where += f" Parameters: {', '.join(event['params'][:4])}."
     kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf", "inf": "Inf", "scale": "AMP scale"}
-    head = (f"nanreplay: non-finite value ({kind.get(event.get('kind'), event.get('kind'))}) at "
-            f"step {event['step']}, phase {event['phase']}.{where}")
+    when = (f"in an evaluation forward (eval mode, gradients off) before step {event['step']}"
+            if event.get("evaluation") else f"at step {event['step']}")
+    head = (f"nanreplay: non-finite value ({kind.get(event.get('kind'), event.get('kind'))}) "
+            f"{when}, phase {event['phase']}.{where}")
     if path is None:
         return head
     return f"{head} Bundle: {path}; run `nanreplay {path}` to find the op and the cause."

@@ -207,7 +207,7 @@ class FlightRecorder:
         self._handles.append(model.register_forward_pre_hook(self._root_pre_hook,
                                                              with_kwargs=True))
         for idx, (name, module) in enumerate(named):
-            hook = self._relu_hook if type(module) is nn.ReLU else self._post_hook
+            hook = self._relu_hook if type(module) is nn.ReLU and idx else self._post_hook
             self._handles.append(module.register_forward_hook(
                 partial(hook, idx, self._is_allowed(name)), with_kwargs=True))
         if self.loss_fn is not None:
@@ -288,7 +288,7 @@ class FlightRecorder:
         if not self._active:
             return None
         try:
-            self._begin_micro_batch(args, kwargs)
+            self._begin_micro_batch(args, kwargs, module.training)
         except NonFiniteError:
             raise
         except Exception as e:  # never let the recorder's own bug stop training
@@ -317,6 +317,8 @@ class FlightRecorder:
                 self._end_micro_batch(tape, output)
         except Exception as e:
             self._internal_error(e)
+        if idx == 0 and tape.evaluation and self._active:  # checked now, its batch let go
+            self._close_tape(at="evaluation")
         return None
 
     def _relu_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
@@ -494,14 +496,18 @@ class FlightRecorder:
     # ------------------------------------------------------------------------------------------
     # step lifecycle
 
-    def _begin_micro_batch(self, args, kwargs) -> None:
+    def _begin_micro_batch(self, args, kwargs, training: bool) -> None:
         with self._lock:
             tape = self._tape
-            if tape is not None and self._step_ended_without_optimizer(tape):
+            if tape is not None and (tape.evaluation  # one whose forward raised
+                                     or self._step_ended_without_optimizer(tape)):
                 self._close_tape(at="forward")
                 tape = None
             if tape is None:
-                tape = self._open_tape()
+                # Between steps, a forward in eval mode with gradients off is an evaluation:
+                # checked on its own when it returns, and part of no step (see _post_hook).
+                tape = self._open_tape(evaluation=self._optimizer is not None and not training
+                                       and not torch.is_grad_enabled())
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                             autocast=_autocast_state())
             mb.input_refs = self._input_refs(tape, args, kwargs, code=STRICT)
@@ -521,7 +527,7 @@ class FlightRecorder:
         return (self._optimizer is not None and self._scaler is not None
                 and tape.scaler_token != _scaler_token(self._scaler()))
 
-    def _open_tape(self) -> Tape:
+    def _open_tape(self, evaluation: bool = False) -> Tape:
         token = _scaler_token(self._scaler()) if self._scaler is not None else None
         slots = self._slots
         device = self._params[0][1].device if self._params else _CPU
@@ -529,7 +535,10 @@ class FlightRecorder:
             slots = self._slots = Slots(device)
         slots.start_step()
         tape = Tape(self._step, self._capture_rng(), token, slots)
-        tape.params_from_update, self._updated = self._updated, False
+        tape.evaluation = evaluation
+        tape.params_from_update = self._updated
+        if not evaluation:  # the next training step's weights still come from that update
+            self._updated = False
         self._snapshot_buffers(tape)
         self._tape = tape
         return tape
@@ -584,10 +593,11 @@ class FlightRecorder:
             if tape is None:
                 return
             self._tape = None
-            self._step += 1
+            if not tape.evaluation:
+                self._step += 1
         try:
-            layout, row, probe, scale = self._build_row(tape,
-                                                        skipped=self._skipped_by_scaler(tape))
+            layout, row, probe, scale = self._build_row(
+                tape, skipped=not tape.evaluation and self._skipped_by_scaler(tape))
         except Exception as e:
             self._internal_error(e)
             return
@@ -597,6 +607,10 @@ class FlightRecorder:
         else:
             check, layout.scale = torch.stack([probe.to(scale.device), scale]).tolist()
             ok = check == 0.0
+        if tape.evaluation:  # the ring is the training steps' history: its row is not kept
+            if not ok and not self._fired:
+                self._event(tape, layout, row, "non_finite")
+            return
         self._ring.commit(layout)
         reason = None
         if not ok:
@@ -707,6 +721,8 @@ class FlightRecorder:
             with self._lock:
                 self._fired = False
             return
+        if tape.evaluation:
+            event["evaluation"] = True
         self._write_and_report(tape, event)
 
     def _optimizer_event(self, bad: list[str]) -> None:

@@ -51,6 +51,7 @@ class Tape:
         self.param_norms: dict[int, tuple[int, int]] = {}
         self.grad_seen: dict[int, tuple[int, int]] = {}  # (id, version) of the gradient read
         self.grads_reread = False  # norms re-read before the update (not as backward wrote)
+        self.evaluation = False  # an evaluation forward between steps, not a training step
 
     @property
     def micro_batch(self) -> int:

@@ -51,7 +51,7 @@ def base_report(step: Step) -> dict[str, Any]:
                   "call": ev.get("call"), "micro_batch": ev.get("micro_batch"),
                   "kind": ev.get("kind"), "params": ev.get("params", []),
                   "tensor": ev.get("tensor"), "samples": ev.get("samples", []),
-                  "detail": ev.get("detail")},
+                  "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation"))},
         "reproduced": False,
         "origin": _origin(),
         "cause": None,

@@ -38,7 +38,9 @@ def to_text(report: dict[str, Any]) -> str:
     ev, o = report["event"], report["origin"]
     lines = []
     state = "reproduced" if report["reproduced"] else "NOT reproduced"
-    lines.append(f"nanreplay: step {ev.get('step')}, {ev.get('phase')} event — {state}")
+    when = (f"evaluation forward before step {ev.get('step')}" if ev.get("evaluation")
+            else f"step {ev.get('step')}")
+    lines.append(f"nanreplay: {when}, {ev.get('phase')} event — {state}")
     made = o.get("made") or ev.get("kind") or "non-finite value"
     if o.get("phase"):
         op = f"{o['op']} in " if o.get("op") else ""
@@ -119,7 +121,8 @@ def info_text(d: dict[str, Any]) -> str:
     cuda = f"cuda {env.get('cuda')}" + (f" ({', '.join(map(str, devices))})" if devices else "")
     lines = [
         f"bundle     {d['path']} ({d['format']})",
-        f"event      step {ev.get('step')}, phase {ev.get('phase')}, {ev.get('kind')}"
+        f"event      {'evaluation forward before ' if ev.get('evaluation') else ''}"
+        f"step {ev.get('step')}, phase {ev.get('phase')}, {ev.get('kind')}"
         + (f", module {'<root>' if mod == '' else mod}" if mod is not None else ""),
         f"detail     {ev.get('detail')}",
         f"model      {d['model']} ({d['modules']} modules, {d['parameters']} parameters), "

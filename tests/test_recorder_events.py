@@ -6,8 +6,10 @@ Each test trains a tiny model for a few real steps, turns a bug on at step 3, an
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import weakref
 
 import models as M
 import pytest
@@ -563,3 +565,83 @@ def test_ring_probe_sees_any_non_finite_entry(value):
         assert math.isnan(ring.probe_finite(n).item())
         if pos:  # the entries before it are still all finite
             assert ring.probe_finite(pos).item() == 0.0
+
+
+def test_evaluation_between_steps_is_checked_apart_and_let_go(out_dir):
+    """A validation loop between steps (eval mode, gradients off) is not part of the next step:
+    each forward is checked when it returns, its batch and output are let go, and the steps
+    are the training loop's alone (count, micro-batches, bundle)."""
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    refs = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            M.train(model, opt, crit, 2)
+            model.eval()
+            with torch.no_grad():
+                for i in range(30):
+                    x, y = M.batch(100 + i)
+                    out = model(x)
+                    crit(out, y)
+                    refs += [weakref.ref(x), weakref.ref(out)]
+            del x, y, out
+            gc.collect()
+            assert all(r() is None for r in refs)  # nothing of the validation is held
+            assert rec.step == 2
+            model.train()
+
+            def nan_at_second(s):
+                x, y = M.batch(10 + s)
+                if s == 1:
+                    x[0, 0] = float("nan")
+                return x, y
+
+            M.train(model, opt, crit, 2, make_batch=nan_at_second)
+    check_event(info.value.event, step=3, phase="input", micro_batch=0)
+    assert "evaluation" not in info.value.event
+    meta, _ = read_bundle(info.value.bundle_path)
+    assert len(meta["micro_batches"]) == 1 and meta["micro_batches"][0]["grad_enabled"] is True
+
+
+def test_nan_in_an_evaluation_forward_is_named_at_its_end(out_dir):
+    """A NaN made during validation raises when that forward returns (before the metric code
+    after it runs), naming the module; the bundle holds that one batch, gradients off."""
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf(), nn.Linear(M.HIDDEN, M.N_CLASSES))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    after = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            M.train(model, opt, crit, 2)
+            model.eval()
+            with torch.no_grad():
+                for i in range(5):
+                    model[1].armed = i == 3
+                    model(M.batch(100 + i)[0])
+                    after.append(i)
+    assert after == [0, 1, 2]
+    ev = info.value.event
+    check_event(ev, step=2, phase="forward", module="1", evaluation=True, inputs_finite=True)
+    assert "in an evaluation forward (eval mode, gradients off) before step 2" in str(info.value)
+    assert rec.step == 2
+    meta, tensors = read_bundle(info.value.bundle_path)
+    (mb,) = meta["micro_batches"]
+    assert mb["grad_enabled"] is False
+    (key,) = mb["paths"]  # the one input tensor: the fourth validation batch
+    assert identical(tensors[key], M.batch(103)[0])
+
+
+def test_no_grad_forwards_in_train_mode_stay_micro_batches(out_dir):
+    """A no-grad forward in train mode (targets from the model itself, say) may draw dropout
+    masks the step depends on: it stays a micro-batch of the step, as before."""
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+        x, y = M.batch(0)
+        with torch.no_grad():
+            model(x)
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        assert len(rec._tape.micro_batches) == 2
+        opt.step()
+        assert rec.step == 1

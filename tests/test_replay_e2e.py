@@ -186,6 +186,39 @@ def test_nan_in_one_input_sample(tmp_path):
     assert exit_code(err.bundle_path) == 0
 
 
+def test_nan_in_a_validation_batch(tmp_path):
+    """Validation between steps (eval mode, no_grad) with a NaN in one sample: caught when that
+    forward returns, replayed as bad input with the sample named, gradients off."""
+    model = R.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_mlp"):
+            for step in range(4):
+                x, y = R.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+                model.eval()
+                with torch.no_grad():
+                    for i in range(3):
+                        vx, vy = R.batch(100 + 10 * step + i)
+                        if (step, i) == (2, 1):
+                            vx[5, 0] = float("nan")
+                        crit(model(vx), vy)
+                model.train()
+    err = info.value
+    assert err.event["evaluation"] is True and err.event["step"] == 3
+    rep = replay(err.bundle_path)
+    assert rep["cause"] == "input" and rep["reproduced"] is True
+    check(rep, phase="input", tensor="batch", samples=[5], micro_batch=0, made="nan")
+    assert exit_code(err.bundle_path) == 0
+    res = CliRunner().invoke(cli, [str(err.bundle_path)])
+    assert res.output.startswith("nanreplay: evaluation forward before step 3, input event"), \
+        res.output
+
+
 def test_nan_in_a_loaded_weight(tmp_path):
     """Training resumes from a checkpoint holding a NaN weight: cause weights, named."""
 
