@@ -140,6 +140,28 @@ def test_one_host_read_per_step_with_a_dict_batch_and_a_plain_loss(out_dir):
     assert [len(c) for c in per_step] == [1] * 4, per_step
 
 
+def test_evaluation_forwards_read_once_each_and_steps_stay_at_one(out_dir):
+    """A validation loop between steps: one read when each evaluation forward returns (it is
+    checked apart, see the guide), and still exactly one per training step."""
+    model, crit = M.bn_mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    reads = []
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+        with count_host_reads() as calls:
+            for step in _loop(model, opt, crit, 3):
+                reads.append(("step", len(calls)))
+                model.eval()
+                with torch.no_grad():
+                    for i in range(4):
+                        model(M.batch(50 + i)[0])
+                        reads.append(("eval", len(calls)))
+                model.train()
+    counts = [(kind, n - prev) for (kind, n), (_, prev) in zip(reads, [("", 0)] + reads)]
+    assert counts == [("step", 1)] + [("eval", 1)] * 4 + ([("step", 1)] + [("eval", 1)] * 4) * 2
+    assert all(f == FLIGHT for _, f in calls)
+    assert rec.step == 3
+
+
 def test_guard_optimizer_costs_a_second_read(out_dir):
     model, crit = M.mlp(), nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
