@@ -132,7 +132,8 @@ def _verdict(report: dict) -> str:
             text += f" in parameter <code>{_e(param)}</code>"
         if phase and not op:
             text += f" during {_e(phase)}"
-        text += f" at step {_e(step)}."
+        text += (f" in an evaluation forward before step {_e(step)}."
+                 if _get(event, "evaluation") is True else f" at step {_e(step)}.")
     if cause:
         text = text.rstrip(".") + f" — cause: <b>{_e(cause)}</b>."
         if str(cause) in CAUSES:

@@ -123,6 +123,13 @@ def test_structure_ids_and_order() -> None:
     assert "5 probe(s)" in section_text(page, "bisection")
 
 
+def test_verdict_of_an_evaluation_forward() -> None:
+    report = make_report(event={"step": 6, "phase": "forward", "module": "encoder.2.act",
+                                "evaluation": True})
+    verdict = section_text(render_html(report, make_history()), "verdict")
+    assert "(call 0) in an evaluation forward before step 6 — cause: invalid." in verdict
+
+
 def test_strings_are_escaped() -> None:
     attr = '" onmouseover="alert(2)'
     report = make_report(
