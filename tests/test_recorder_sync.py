@@ -148,7 +148,7 @@ def test_evaluation_forwards_read_once_each_and_steps_stay_at_one(out_dir):
     reads = []
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
         with count_host_reads() as calls:
-            for step in _loop(model, opt, crit, 3):
+            for _ in _loop(model, opt, crit, 3):
                 reads.append(("step", len(calls)))
                 model.eval()
                 with torch.no_grad():
