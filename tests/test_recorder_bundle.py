@@ -677,3 +677,17 @@ def test_output_gradients_are_the_ones_backward_sent(out_dir, two_heads):
         [f"outgrad/0/{j}" for j in range(len(seen))]
     for j, g in seen.items():
         assert identical(t[f"outgrad/0/{j}"], g)
+
+
+def test_a_root_relu_ends_its_micro_batch(out_dir):
+    """A model that is one ``nn.ReLU`` (its own root): the bundle links the output like any."""
+    model = nn.ReLU()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, out_dir=out_dir):
+            for step in range(3):
+                x = torch.randn(4, 3)
+                if step == 2:
+                    x[1, 1] = float("nan")
+                model(x)
+    meta, _ = read_bundle(info.value.bundle_path)
+    assert info.value.event["phase"] == "input" and meta["micro_batches"][0]["n_outputs"] == 1
