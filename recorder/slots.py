@@ -138,7 +138,7 @@ class Slots:
 
     # ------------------------------------------------------------------------------------------
     # reductions: ``t`` is detached by the caller; each returns refs. They run a dozen to a few
-    # hundred times a step, where every Python call counts: the usual case comes first, inline.
+    # hundred times a step, so the usual case (float32, on this device, room left) comes first.
 
     def minmax(self, t: torch.Tensor, code: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """``torch.aminmax(t)``: NaN anywhere makes both NaN; +-Inf shows as the extreme."""
