@@ -344,7 +344,7 @@ class FlightRecorder:
                 lo, hi = slots.minmax(a.detach(), LOOSE)
                 ins = ((lo, hi, False),)
             ra, rb = slots.relu(lo, hi, NAN_ONLY if allowed else STRICT)
-            tape.cache[id(output)] = (weakref.ref(output), ra, rb, allowed, output._version)
+            tape.cache[id(output)] = (weakref.ref(output), ra, rb, allowed, _version_of(output))
             mb = len(tape.micro_batches) - 1
             tape.calls.append((idx, mb, len(tape.calls), ((ra, rb),), None, ins))
         except Exception as e:
@@ -356,13 +356,16 @@ class FlightRecorder:
         """The cache entry of the output (or root input) ``t`` is, or is a whole view of,
         if it is unchanged since (or changed in place by the call that returned it)."""
         hit = tape.cache.get(id(t))
-        if hit is not None and hit[0]() is t and (hit[4] == t._version or t is made_here):
+        # (a recorded version None: an inference-mode tensor, whose changes are unknown)
+        if hit is not None and hit[0]() is t and (
+                t is made_here or (hit[4] is not None and hit[4] == t._version)):
             return hit
         base = t._base  # a flatten/view of an output, covering exactly its elements
         if base is None:
             return None
         hit = tape.cache.get(id(base))
-        if hit is not None and hit[0]() is base and hit[4] == base._version \
+        if hit is not None and hit[0]() is base and hit[4] is not None \
+                and hit[4] == base._version \
                 and t.numel() == base.numel() and t.storage_offset() == base.storage_offset() \
                 and t.is_contiguous() and base.is_contiguous():
             return hit
@@ -394,7 +397,7 @@ class FlightRecorder:
             a, b = tape.slots.minmax(t.detach(), LOOSE if allowed else code)
             refs.append((a, b, allowed))
             if not allowed:  # a root input: the first layers that take it reuse these
-                tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
+                tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, _version_of(t))
         return tuple(refs)
 
     def _output_refs(self, tape: Tape, output, allowed: bool):
@@ -418,11 +421,11 @@ class FlightRecorder:
         if not t.is_floating_point() or t.numel() == 0:
             return ()
         hit = tape.cache.get(id(t))
-        if (reuse and hit is not None and hit[0]() is t and hit[4] == t._version
-                and hit[3] == allowed):
+        if (reuse and hit is not None and hit[0]() is t and hit[4] is not None
+                and hit[4] == t._version and hit[3] == allowed):
             return (hit[1:3],)
         a, b = tape.slots.minmax(t.detach(), NAN_ONLY if allowed else STRICT)
-        tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, t._version)
+        tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, _version_of(t))
         return ((a, b),)
 
     def _loss_post_hook(self, module, args, kwargs, output):
@@ -557,14 +560,16 @@ class FlightRecorder:
             tape.copied_buffers.update(self._volatile_buffers)
         src, dst = [], []
         for name, b in self._steady_buffers:
-            if b.numel() == 0 or self._buffer_versions.get(name) == b._version:
+            version = _version_of(b)
+            if b.numel() == 0 or (version is not None
+                                  and self._buffer_versions.get(name) == version):
                 continue
             copy = self._buffer_copies.get(name)
             if copy is None or copy.shape != b.shape or copy.dtype != b.dtype:
                 copy = self._buffer_copies[name] = torch.empty_like(b)
             src.append(b)
             dst.append(copy)
-            self._buffer_versions[name] = b._version
+            self._buffer_versions[name] = version
             tape.copied_buffers.add(name)
         if src:
             with torch.no_grad():
@@ -789,6 +794,12 @@ def _leaves(args, kwargs):
             yield from tensor_leaves(a)
     if kwargs:
         yield from tensor_leaves(kwargs)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, or None for an inference-mode tensor, which keeps no version counter (so
+    whether it changed in place is unknown: it is measured again, its buffer copied again)."""
+    return None if t.is_inference() else t._version
 
 
 def _keep_grad(store: dict, i: int, grad: torch.Tensor) -> None:

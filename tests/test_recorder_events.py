@@ -645,3 +645,40 @@ def test_no_grad_forwards_in_train_mode_stay_micro_batches(out_dir):
         assert len(rec._tape.micro_batches) == 2
         opt.step()
         assert rec.step == 1
+
+
+def test_inference_mode_forwards_are_recorded(out_dir):
+    """``torch.inference_mode()`` tensors keep no version counter: the recorder measures them
+    again instead of failing (it used to log an internal error and stop recording)."""
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf(), nn.Linear(M.HIDDEN, 3))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, out_dir=out_dir) as rec:
+            with torch.inference_mode():
+                for step in range(6):
+                    model[1].armed = step == K
+                    model(M.batch(step)[0])
+    check_event(info.value.event, step=K, phase="forward", module="1", inputs_finite=True)
+    assert rec._internal_errors == 0
+    meta, tensors = read_bundle(info.value.bundle_path)
+    (key,) = meta["micro_batches"][0]["paths"]
+    assert identical(tensors[key], M.batch(K)[0])
+
+
+def test_inference_mode_validation_between_steps(out_dir):
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            for step in range(3):
+                M.train(model, opt, crit, 1, make_batch=lambda s, step=step: M.batch(step))
+                model.eval()
+                with torch.inference_mode():
+                    for i in range(3):
+                        x = M.batch(100 + i)[0]
+                        if (step, i) == (2, 2):
+                            x[4, 2] = -float("inf")
+                        model(x)
+                model.train()
+    check_event(info.value.event, step=3, phase="input", evaluation=True, samples=[4],
+                kind="-inf")
+    assert rec._internal_errors == 0
