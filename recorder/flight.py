@@ -470,9 +470,7 @@ class FlightRecorder:
         if tape is None:
             return None
         try:
-            with tape.lock:
-                self._small_param_norms(tape)
-            self._reread_changed_grads(tape)
+            self._reread_changed_grads(tape)  # small parameters: when the row is built
         except Exception as e:
             self._internal_error(e)
         self._close_tape(at="optimizer")
@@ -637,11 +635,12 @@ class FlightRecorder:
         if not idx:
             return
         params = [self._params[i][1] for i in idx]
-        tape.grad_norms.update(zip(idx, tape.slots.sq_norms([p.grad.detach() for p in params],
-                                                            GRAD)))
-        if self._param_norms:
-            tape.param_norms.update(zip(idx, tape.slots.sq_norms([p.detach() for p in params],
-                                                                 STRICT)))
+        with tape.lock:
+            tape.grad_norms.update(zip(idx, tape.slots.sq_norms(
+                [p.grad.detach() for p in params], GRAD)))
+            if self._param_norms:
+                tape.param_norms.update(zip(idx, tape.slots.sq_norms(
+                    [p.detach() for p in params], STRICT)))
 
     def _reread_changed_grads(self, tape: Tape) -> None:
         """Norms of the gradients the optimizer will use. With backward hooks, only those that
@@ -675,7 +674,8 @@ class FlightRecorder:
         device ops, as this runs every step. Returns (layout, row, probe, scale): ``row`` is the
         whole step's (the ring keeps it cut when it is wider than the ring), ``scale`` the
         GradScaler's scale tensor when there is one, read in the same sync as the probe."""
-        self._small_param_norms(tape)
+        if not tape.evaluation:  # an evaluation's gradients are the last step's, already read
+            self._small_param_norms(tape)
         opt = self._optimizer() if self._optimizer else None
         lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
