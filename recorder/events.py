@@ -239,7 +239,9 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         name = event["module"] or "<root>"
         where = (f" First made by module '{name}' ({event.get('module_type')}, call "
                  f"{event.get('call')}, micro-batch {event.get('micro_batch')})"
-                 + (", whose inputs were finite." if event.get("inputs_finite") else "."))
+                 + (", whose inputs were finite." if event.get("inputs_finite") else ".")
+                 + (" It is torch.compile'd: its layers are not recorded one by one."
+                    if event.get("compiled") else ""))
     if event.get("tensor"):
         where += f" Tensor {event['tensor']}, samples {event['samples'][:8]}."
     if event.get("params"):

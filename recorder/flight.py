@@ -28,6 +28,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from . import events
 from .capture import RngCapture, distributed_rank, git_commit, tensor_leaves
+from .compiled import disabled, eager_name, hook_sites, unwrap
 from .errors import NonFiniteError
 from .ring import RingBuffer, StepLayout
 from .slots import GRAD, LOOSE, NAN_ONLY, STRICT, Slots
@@ -119,13 +120,12 @@ class FlightRecorder:
         self.bundle_path: Path | None = None
         self.event: dict[str, Any] | None = None
 
-        # DistributedDataParallel / DataParallel: record the wrapped module, so names and the
-        # factory are the user's model; DDP all-reduces gradients after backward wrote them,
-        # so their norms are re-read before the update (see _optimizer_pre_hook).
-        self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
+        # DistributedDataParallel / DataParallel / torch.compile: record the wrapped module, so
+        # names and the factory are the user's model; DDP all-reduces gradients after backward
+        # wrote them, so their norms are re-read before the update (see _optimizer_pre_hook).
+        model, wrapper, self._ddp = unwrap(model)
         self._model = weakref.ref(model)
+        self._wrapper = weakref.ref(wrapper) if wrapper is not None else None
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self._scaler = weakref.ref(scaler) if scaler is not None else None
         self._scheduler = weakref.ref(lr_scheduler) if lr_scheduler is not None else None
@@ -149,6 +149,7 @@ class FlightRecorder:
         self._guard: dict[str, Any] | None = None
         self._last_tape: Tape | None = None
         self._buffers: list = []
+        self._compiled: set[int] = set()  # indices of compiled regions (recorded as one call)
         self._small: list[int] = []
         self._volatile_copies = None
         self._steady_buffers: list = []
@@ -181,11 +182,13 @@ class FlightRecorder:
         model = self._model()
         if model is None:
             raise RuntimeError("FlightRecorder.attach: the model no longer exists")
-        named = list(model.named_modules())
+        sites = hook_sites(model, self._wrapper() if self._wrapper is not None else None)
+        named = [(s.name, s.module) for s in sites]
         self._module_names = [n for n, _ in named]
         self._module_types = [type(m).__module__ + "." + type(m).__qualname__ for _, m in named]
-        self._params = list(model.named_parameters())
-        self._buffers = list(model.named_buffers())
+        self._compiled = {i for i, s in enumerate(sites) if s.region}
+        self._params = [(eager_name(n), p) for n, p in model.named_parameters()]
+        self._buffers = [(eager_name(n), b) for n, b in model.named_buffers()]
         # BatchNorm-style layers update their running statistics inside the kernel, which
         # does not move the version counter: copy those at every step start.
         self._volatile_buffers = {f"{n}.{b}" if n else b for n, m in named
@@ -204,12 +207,19 @@ class FlightRecorder:
                                 if n not in self._volatile_buffers]
         # Only the root needs a pre-hook (it opens steps); every call is recorded when it
         # returns, with its inputs' statistics looked up from the calls that produced them.
-        self._handles.append(model.register_forward_pre_hook(self._root_pre_hook,
-                                                             with_kwargs=True))
-        for idx, (name, module) in enumerate(named):
-            hook = self._relu_hook if type(module) is nn.ReLU and idx else self._post_hook
-            self._handles.append(module.register_forward_hook(
-                partial(hook, idx, self._is_allowed(name)), with_kwargs=True))
+        # (A compiled region's hooks go where dynamo does not trace them, see recorder.compiled;
+        # the modules inside one are not hooked.)
+        root = sites[0]
+        pre = disabled(self._root_pre_hook) if root.disable else self._root_pre_hook
+        self._handles.append(root.target.register_forward_pre_hook(pre, with_kwargs=True))
+        for idx, site in enumerate(sites):
+            if site.target is None:
+                continue
+            relu = type(site.module) is nn.ReLU and idx
+            hook = partial(self._relu_hook if relu else self._post_hook, idx,
+                           self._is_allowed(site.name))
+            self._handles.append(site.target.register_forward_hook(
+                disabled(hook) if site.disable else hook, with_kwargs=True))
         if self.loss_fn is not None:
             self._handles.append(self.loss_fn.register_forward_hook(
                 self._loss_post_hook, with_kwargs=True))
@@ -288,7 +298,8 @@ class FlightRecorder:
         if not self._active:
             return None
         try:
-            self._begin_micro_batch(args, kwargs, module.training)
+            root = self._model()  # (``module`` may be a compile wrapper, whose mode can lag)
+            self._begin_micro_batch(args, kwargs, (root or module).training)
         except NonFiniteError:
             raise
         except Exception as e:  # never let the recorder's own bug stop training
@@ -728,6 +739,8 @@ class FlightRecorder:
             return
         if tape.evaluation:
             event["evaluation"] = True
+        if event.get("module") in {self._module_names[i] for i in self._compiled}:
+            event["compiled"] = True  # its layers were not recorded (see recorder.compiled)
         self._write_and_report(tape, event)
 
     def _optimizer_event(self, bad: list[str]) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree, rng_to_bundle, tensor_leaves
+from .compiled import hook_sites
 
 if TYPE_CHECKING:
     from .flight import FlightRecorder
@@ -71,7 +72,7 @@ def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], 
         meta["buffers"].append(name)
     if model is not None:
         meta["model"] = {"class": qualname(model), "training": model.training}
-        meta["modules"] = [_module_info(n, m) for n, m in model.named_modules()]
+        meta["modules"] = [_module_info(s.name, s.module) for s in hook_sites(model)]
     if tape is not None:
         meta["call_order"] = [[m, mb] for m, mb, *_ in sorted(
             tape.calls, key=lambda c: (c[1], c[2]))]

@@ -51,7 +51,8 @@ def base_report(step: Step) -> dict[str, Any]:
                   "call": ev.get("call"), "micro_batch": ev.get("micro_batch"),
                   "kind": ev.get("kind"), "params": ev.get("params", []),
                   "tensor": ev.get("tensor"), "samples": ev.get("samples", []),
-                  "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation"))},
+                  "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation")),
+                  "compiled": bool(ev.get("compiled"))},
         "reproduced": False,
         "origin": _origin(),
         "cause": None,
@@ -228,6 +229,12 @@ def _input_origin(step: Step, report) -> dict[str, Any]:
 
 
 def _finish(report, origin, cause, *, reproduced: bool) -> dict[str, Any]:
+    if report["event"].get("compiled") and not reproduced:
+        report["problems"].append(
+            "the event was recorded inside a torch.compile'd module and the replay runs it "
+            "eagerly: values only the compiled kernels make (fused arithmetic, inductor's own "
+            "dropout random numbers) do not come back; to make dropout replayable, train with "
+            "torch._inductor.config.fallback_random = True")
     report["origin"] = origin
     report["cause"] = cause
     report["reproduced"] = reproduced
@@ -251,7 +258,12 @@ def _log2_ceil(n: int) -> int:
 
 def _matches(step: Step, origin) -> bool:
     ev = step.event
-    return ev.get("phase") == "forward" and ev.get("module") == origin["module"]
+    if ev.get("phase") != "forward":
+        return False
+    recorded, found = ev.get("module"), origin["module"]
+    if ev.get("compiled") and isinstance(recorded, str):  # the origin lies inside the region
+        return found == recorded or recorded == "" or found.startswith(recorded + ".")
+    return recorded == found
 
 
 def _find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder:

@@ -23,6 +23,7 @@ from torch import nn
 
 from recorder.bundle import read_bundle
 from recorder.capture import UnrebuildableLeaf, map_tensors, rng_from_bundle, unflatten_tree
+from recorder.compiled import decompile
 from recorder.errors import BundleError
 from recorder.validate import import_object
 
@@ -222,7 +223,7 @@ def build(step: Step, factory: str | None, device: str | None) -> None:
             raise _MetaUnsupported
     except _MetaUnsupported:
         made = _call_factory(fn, spec, on_meta=False)
-    model = made["model"]
+    model = decompile(made["model"])  # a compiled model's layers re-run one by one
     _load_weights(step, model)
     step.model = model
     step.loss_fn = made.get("loss_fn") or _builtin_loss(step)

@@ -123,7 +123,8 @@ def info_text(d: dict[str, Any]) -> str:
         f"bundle     {d['path']} ({d['format']})",
         f"event      {'evaluation forward before ' if ev.get('evaluation') else ''}"
         f"step {ev.get('step')}, phase {ev.get('phase')}, {ev.get('kind')}"
-        + (f", module {'<root>' if mod == '' else mod}" if mod is not None else ""),
+        + (f", module {'<root>' if mod == '' else mod}" if mod is not None else "")
+        + (" (torch.compile'd: recorded as one call)" if ev.get("compiled") else ""),
         f"detail     {ev.get('detail')}",
         f"model      {d['model']} ({d['modules']} modules, {d['parameters']} parameters), "
         f"factory {d['factory']}",

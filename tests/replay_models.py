@@ -53,6 +53,11 @@ def make_log_net() -> nn.Module:
     return LogNet()
 
 
+def make_compiled_log_net() -> nn.Module:
+    """``LogNet`` as most training scripts now build it: ``torch.compile`` (inductor)."""
+    return torch.compile(LogNet())
+
+
 # ---------------------------------------------------------------------------------------------
 # (b) plain MLP (bad data) and (i) structured batches
 

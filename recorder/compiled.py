@@ -1,0 +1,110 @@
+"""``torch.compile``'d models: their names as written, and where the recorder's hooks may go.
+
+A compiled region is a module wrapped by ``torch.compile(m)`` (an ``OptimizedModule`` holding
+``m`` as ``_orig_mod``) or compiled in place by ``m.compile()``. Dynamo traces the hooks of the
+modules inside it into its graphs, where the recorder's Python (its records, counters, weak
+references) would break the graph at every layer or be replayed wrongly. So a region is
+recorded as one call, its hooks run outside the graph (on the wrapper, which is called
+eagerly, or disabled for dynamo when compiled in place), and the modules inside it are not
+hooked: their per-layer statistics are what ``nanreplay`` finds when it re-runs the step
+eagerly.
+
+Names leave out the wrappers (``blocks.1._orig_mod.fc.weight`` is ``blocks.1.fc.weight``), so a
+bundle fits the model its factory builds, compiled or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+try:
+    from torch._dynamo.eval_frame import OptimizedModule
+except ImportError:  # a torch without dynamo
+    OptimizedModule = ()
+
+WRAPPER = "_orig_mod"
+
+
+def eager_name(name: str) -> str:
+    """``name`` without the compile wrappers' ``_orig_mod`` parts."""
+    if WRAPPER not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != WRAPPER)
+
+
+def compiled_in_place(m: nn.Module) -> bool:
+    return getattr(m, "_compiled_call_impl", None) is not None
+
+
+@dataclass
+class HookSite:
+    """One module of the model as written, and where its hooks go."""
+
+    name: str
+    module: nn.Module
+    target: nn.Module | None  # None: inside a compiled region, not hooked
+    region: bool = False  # a compiled region, recorded as one call
+    disable: bool = False  # its hooks run where dynamo would trace them: registered disabled
+
+
+def hook_sites(root: nn.Module, wrapper: nn.Module | None = None) -> list[HookSite]:
+    """Every module under ``root`` (the model as written, see :func:`unwrap`; ``wrapper``: the
+    compile wrapper around it) in ``named_modules`` order, wrappers left out."""
+    sites: list[HookSite] = []
+    wrappers: dict[int, nn.Module] = {id(root): wrapper} if wrapper is not None else {}
+    regions: list[str] = []  # names of the compiled regions met so far (ancestors come first)
+    for raw, m in root.named_modules():
+        if isinstance(m, OptimizedModule):
+            wrappers[id(m._orig_mod)] = m
+            continue
+        name = eager_name(raw)
+        if any(name.startswith(r + ".") if r else name != "" for r in regions):
+            sites.append(HookSite(name, m, None))
+            continue
+        wrapped = wrappers.get(id(m))
+        if wrapped is not None:  # the wrapper is called eagerly, then runs the graph
+            sites.append(HookSite(name, m, wrapped, region=True))
+        elif compiled_in_place(m):
+            sites.append(HookSite(name, m, m, region=True, disable=True))
+        else:
+            sites.append(HookSite(name, m, m))
+        if sites[-1].region:
+            regions.append(name)
+    return sites
+
+
+def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None, bool]:
+    """(the model as written, the outermost compile wrapper, whether DistributedDataParallel
+    wraps it) for a model that ``torch.compile``, DDP or DataParallel may wrap, in any order."""
+    wrapper, ddp = None, False
+    while True:
+        if isinstance(model, OptimizedModule):
+            wrapper = wrapper or model  # everything under the outermost one is traced
+            model = model._orig_mod
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            ddp = ddp or isinstance(model, nn.parallel.DistributedDataParallel)
+            model = model.module
+        else:
+            return model, wrapper, ddp
+
+
+def decompile(model: nn.Module) -> nn.Module:
+    """The same model run eagerly: compile wrappers replaced by what they wrap, in-place
+    compilation undone (the replay instruments every layer, which a graph would hide)."""
+    while isinstance(model, OptimizedModule):
+        model = model._orig_mod
+    for m in list(model.modules()):
+        if compiled_in_place(m):
+            m._compiled_call_impl = None
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, OptimizedModule):
+                setattr(m, child_name, decompile(child))
+    return model
+
+
+def disabled(hook):
+    """``hook`` run eagerly when dynamo meets it (inside a compiled region's own call)."""
+    return torch.compiler.disable(hook)
