@@ -160,6 +160,8 @@ class FlightRecorder:
         self._commit = git_commit()
         self._capture_rng = RngCapture()
         self._internal_errors = 0
+        self._unrooted_call: int | None = None  # a submodule that ran while no step was open
+        self._unrooted_warned = False
 
     # ------------------------------------------------------------------------------------------
     # public surface
@@ -309,6 +311,8 @@ class FlightRecorder:
     def _post_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
         tape = self._tape
         if tape is None or not self._active:
+            if tape is None and idx and self._unrooted_call is None:  # see _unrooted
+                self._unrooted_call = idx
             return None
         try:
             mb = len(tape.micro_batches) - 1
@@ -340,6 +344,8 @@ class FlightRecorder:
         ``aminmax``."""
         tape = self._tape
         if tape is None or not self._active:
+            if tape is None and idx and self._unrooted_call is None:  # see _unrooted
+                self._unrooted_call = idx
             return None
         if len(args) != 1 or kwargs or type(args[0]) is not torch.Tensor \
                 or type(output) is not torch.Tensor or output.dtype is not torch.float32 \
@@ -479,6 +485,8 @@ class FlightRecorder:
             return None
         self._updated = True  # the next step's weights come from this update
         if tape is None:
+            if self._unrooted_call is not None:
+                self._unrooted()
             return None
         try:
             self._reread_changed_grads(tape)  # small parameters: when the row is built
@@ -553,6 +561,7 @@ class FlightRecorder:
             self._updated = False
         self._snapshot_buffers(tape)
         self._tape = tape
+        self._unrooted_call = None
         return tape
 
     def _snapshot_buffers(self, tape: Tape) -> None:
@@ -783,6 +792,20 @@ class FlightRecorder:
             self._active = False
             raise NonFiniteError(msg, bundle_path=path, event=event)
         log.warning(msg)
+
+    def _unrooted(self) -> None:
+        """An update with no forward of the recorded model since the last one, while one of its
+        submodules ran: the loop calls parts of the model (a LightningModule's training_step
+        calling ``self.encoder``), so no step ever opens and nothing is checked. Said once."""
+        name = self._module_names[self._unrooted_call]
+        self._unrooted_call = None
+        if self._unrooted_warned:
+            return
+        self._unrooted_warned = True
+        log.warning("nanreplay: optimizer.step() ran with no forward of the recorded model since "
+                    "the last step, while its submodule '%s' ran on its own: nothing is recorded "
+                    "or checked. Give FlightRecorder the module whose forward your training step "
+                    "calls (or call the model itself)", name)
 
     def _internal_error(self, e: Exception) -> None:
         self._internal_errors += 1

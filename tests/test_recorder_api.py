@@ -308,3 +308,44 @@ def test_end_step_closes_a_step_without_optimizer(out_dir):
                 assert rec.step == step + 1
     check_event(info.value.event, step=2, phase="forward", module="1")
     assert info.value.bundle_path.name == "step00000002-rank0.nan"
+
+
+class _Parts(nn.Module):
+    """A LightningModule-like model whose training step calls its parts, not its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(M.D_IN, M.HIDDEN)
+        self.dec = nn.Linear(M.HIDDEN, M.N_CLASSES)
+
+    def forward(self, x):
+        return self.dec(torch.relu(self.enc(x)))
+
+    def training_step(self, x):
+        return self.dec(torch.relu(self.enc(x)))
+
+
+@pytest.mark.parametrize("through_forward", [False, True])
+def test_a_loop_that_never_calls_the_model_is_told_once(out_dir, caplog, through_forward):
+    """Calling only submodules opens no step, so nothing would be checked: the first update
+    says so, once, naming the first submodule that ran; a loop through forward (with a
+    submodule called on its own between steps, for logging) is not warned."""
+    model = _Parts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            for step in range(3):
+                x, y = M.batch(step)
+                opt.zero_grad()
+                out = model(x) if through_forward else model.training_step(x)
+                crit(out, y).backward()
+                opt.step()
+                with torch.no_grad():
+                    model.enc(x)  # a probe between steps
+    said = [r.getMessage() for r in caplog.records if r.name == "nanreplay"]
+    if through_forward:
+        assert said == [] and rec.step == 3
+    else:
+        assert rec.step == 0 and len(said) == 1, said
+        assert "no forward of the recorded model" in said[0] and "'enc'" in said[0]
