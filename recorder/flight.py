@@ -162,6 +162,7 @@ class FlightRecorder:
         self._internal_errors = 0
         self._unrooted_call: int | None = None  # a submodule that ran while no step was open
         self._unrooted_warned = False
+        self._eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
 
     # ------------------------------------------------------------------------------------------
     # public surface
@@ -256,7 +257,7 @@ class FlightRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._tape = None
+        self._tape = self._eval_tail = None
         self._guard = None
         self._buffer_copies.clear()
         self._buffer_versions.clear()
@@ -334,6 +335,8 @@ class FlightRecorder:
             self._internal_error(e)
         if idx == 0 and tape.evaluation and self._active:  # checked now, its batch let go
             self._close_tape(at="evaluation")
+            if self.loss_fn is not None:  # ...once its loss is checked too (or none comes)
+                self._eval_tail = tape
         return None
 
     def _relu_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
@@ -447,6 +450,9 @@ class FlightRecorder:
 
     def _loss_post_hook(self, module, args, kwargs, output):
         tape = self._tape
+        if tape is None and self._eval_tail is not None and self._active:
+            tape, self._eval_tail = self._eval_tail, None
+            return self._check_evaluation_loss(tape, args, kwargs, output)
         if not self._active or tape is None or not tape.micro_batches:
             return None
         mb = tape.micro_batches[-1]
@@ -459,6 +465,25 @@ class FlightRecorder:
         except Exception as e:
             self._internal_error(e)
         return None
+
+    def _check_evaluation_loss(self, tape: Tape, args, kwargs, output) -> None:
+        """The loss of an evaluation forward (already checked and closed): its row again, with
+        the loss, and one more host read; the event is then a loss event of that forward."""
+        mb = tape.micro_batches[-1]
+        mb.loss_args, mb.loss_kwargs = args, kwargs
+        try:
+            for t in tensor_leaves(output):
+                if t.is_floating_point() and t.numel():
+                    lo, hi = tape.slots.minmax(t.detach(), STRICT)
+                    tape.loss.append((tape.micro_batch, lo, hi))
+            if not tape.loss:
+                return
+            layout, row, probe, _ = self._build_row(tape, skipped=False)
+        except Exception as e:
+            self._internal_error(e)
+            return
+        if probe.item() != 0.0 and not self._fired:  # the evaluation loss's own host read
+            self._event(tape, layout, row, "non_finite")
 
     def _grad_hook(self, i: int, p: torch.Tensor) -> None:
         """Squared norms of a gradient (and, with ``stats="full"``, its parameter) when backward
@@ -484,6 +509,7 @@ class FlightRecorder:
         if not self._active:
             return None
         self._updated = True  # the next step's weights come from this update
+        self._eval_tail = None
         if tape is None:
             if self._unrooted_call is not None:
                 self._unrooted()
@@ -517,6 +543,7 @@ class FlightRecorder:
     # step lifecycle
 
     def _begin_micro_batch(self, args, kwargs, training: bool) -> None:
+        self._eval_tail = None  # an evaluation forward whose loss never came
         with self._lock:
             tape = self._tape
             if tape is not None and (tape.evaluation  # one whose forward raised

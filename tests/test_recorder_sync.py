@@ -142,7 +142,8 @@ def test_one_host_read_per_step_with_a_dict_batch_and_a_plain_loss(out_dir):
 
 def test_evaluation_forwards_read_once_each_and_steps_stay_at_one(out_dir):
     """A validation loop between steps: one read when each evaluation forward returns (it is
-    checked apart, see the guide), and still exactly one per training step."""
+    checked apart, see the guide), one more when its loss is computed, and still exactly one
+    per training step."""
     model, crit = M.bn_mlp(), nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     reads = []
@@ -153,11 +154,16 @@ def test_evaluation_forwards_read_once_each_and_steps_stay_at_one(out_dir):
                 model.eval()
                 with torch.no_grad():
                     for i in range(4):
-                        model(M.batch(50 + i)[0])
+                        x, y = M.batch(50 + i)
+                        out = model(x)
                         reads.append(("eval", len(calls)))
+                        if i % 2 == 0:
+                            crit(out, y)
+                            reads.append(("loss", len(calls)))
                 model.train()
     counts = [(kind, n - prev) for (kind, n), (_, prev) in zip(reads, [("", 0)] + reads)]
-    assert counts == [("step", 1)] + [("eval", 1)] * 4 + ([("step", 1)] + [("eval", 1)] * 4) * 2
+    validation = [("eval", 1), ("loss", 1), ("eval", 1)] * 2
+    assert counts == ([("step", 1)] + validation) * 3
     assert all(f == FLIGHT for _, f in calls)
     assert rec.step == 3
 

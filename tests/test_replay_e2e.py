@@ -19,6 +19,7 @@ import pytest
 import replay_models as R
 import torch
 from click.testing import CliRunner
+from models import check_event
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -217,6 +218,39 @@ def test_nan_in_a_validation_batch(tmp_path):
     res = CliRunner().invoke(cli, [str(err.bundle_path)])
     assert res.output.startswith("nanreplay: evaluation forward before step 3, input event"), \
         res.output
+
+
+def test_nan_loss_of_an_all_padding_validation_batch(tmp_path):
+    """A validation batch whose targets are all ``ignore_index`` (padding): finite outputs, and
+    cross entropy's mean over no target is 0/0. The loss is checked when it is computed: a loss
+    event of that evaluation forward, raised in the loss call, replayed to the op."""
+    model, crit = R.make_mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_mlp") as rec:
+            for step in range(4):
+                x, y = R.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+                model.eval()
+                with torch.no_grad():
+                    for i in range(3):
+                        vx, vy = R.batch(100 + 10 * step + i)
+                        if (step, i) == (1, 2):
+                            vy[:] = crit.ignore_index
+                        losses.append(crit(model(vx), vy))
+                model.train()
+    err = info.value
+    assert len(losses) == 5 and rec.step == 2  # raised in the sixth batch's loss call
+    check_event(err.event, step=2, phase="loss", module="<loss>", evaluation=True, kind="nan")
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="loss", module="<loss>", micro_batch=0, op="aten.nll_loss_forward",
+          made="nan")
+    assert exit_code(err.bundle_path) == 0
 
 
 def test_nan_in_a_loaded_weight(tmp_path):
