@@ -27,7 +27,7 @@ too. Counting runs in separate steps so the wrappers never slow the timed ones.
 
     python benchmarks/overhead.py [--models mlp,cnn,transformer] [--rounds N]
                                   [--device cpu|cuda] [--json out.json] [--quick]
-                                  [--processes N]
+                                  [--processes N] [--compile]
 
 Progress goes to stderr, the markdown tables to stdout.
 """
@@ -221,10 +221,12 @@ class Trainer:
 
     name = "bare"
 
-    def __init__(self, spec: ModelSpec, device: torch.device, tmp: str):
+    def __init__(self, spec: ModelSpec, device: torch.device, tmp: str, compiled: bool = False):
         torch.manual_seed(SEED)
         self.spec = spec
         self.model = spec.build().to(device)
+        if compiled:  # every copy alike, so "bare" is the compiled model without a detector
+            self.model = torch.compile(self.model)
         self.crit = nn.CrossEntropyLoss()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -437,12 +439,12 @@ def _quartiles(xs):
 
 
 def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_steps: int,
-            device: torch.device) -> dict:
+            device: torch.device, compiled: bool = False) -> dict:
     spec = SPECS[model]
     g = torch.Generator().manual_seed(SEED)
     batches = [spec.make_batch(g, device) for _ in range(8)]
     with tempfile.TemporaryDirectory(prefix="nanreplay-bench-") as tmp:
-        trainers = [TRAINERS[d](spec, device, tmp) for d in detectors]
+        trainers = [TRAINERS[d](spec, device, tmp, compiled) for d in detectors]
         n = len(trainers)
         times: dict[str, list[float]] = {t.name: [] for t in trainers}
         started = time.perf_counter()
@@ -493,7 +495,7 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
             "cuda_sync_warnings_per_step": syncs[name],
         }
     return {"model": model, "description": spec.describe, "rounds": rounds, "warmup": warmup,
-            "detectors": rows}
+            "compiled": compiled, "detectors": rows}
 
 
 def measure_in_processes(model: str, detectors: list[str], rounds: int, warmup: int,
@@ -511,6 +513,8 @@ def measure_in_processes(model: str, detectors: list[str], rounds: int, warmup: 
                    "--warmup", str(warmup), "--device", args.device, "--json", out]
             if args.threads is not None:
                 cmd += ["--threads", str(args.threads)]
+            if args.compile:
+                cmd.append("--compile")
             print(f"  {model}: process {i + 1}/{args.processes}", file=sys.stderr, flush=True)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             runs.append(json.loads(Path(out).read_text())["results"][0])
@@ -528,7 +532,8 @@ def measure_in_processes(model: str, detectors: list[str], rounds: int, warmup: 
             "cuda_sync_warnings_per_step": per[0]["cuda_sync_warnings_per_step"],
         }
     return {"model": model, "description": SPECS[model].describe, "rounds": rounds,
-            "warmup": warmup, "processes": args.processes, "detectors": rows}
+            "warmup": warmup, "processes": args.processes, "compiled": args.compile,
+            "detectors": rows}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -671,6 +676,9 @@ def main(argv=None) -> int:
                     help="measure each model in N fresh processes, one after the other, and "
                     "report the median of their ratios and their range (default 1). Ratios "
                     "move from process to process (heap and cache placement) more than within one")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile every copy's model (inductor) and compare the recorder "
+                    "with the compiled bare model; the other detectors do not run")
     args = ap.parse_args(argv)
     if args.processes < 1:
         ap.error("--processes must be at least 1")
@@ -688,6 +696,8 @@ def main(argv=None) -> int:
         print("transformers is not installed: skipping DebugUnderflowOverflow "
               "(pip install transformers)", file=sys.stderr)
         detectors.remove("debug_uo")
+    if args.compile:  # the other detectors' per-module hooks would be traced into the graphs
+        detectors = [d for d in detectors if d in ("bare", "recorder")]
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available")
@@ -707,7 +717,8 @@ def main(argv=None) -> int:
         print(f"{m}: {SPECS[m].describe}; {len(detectors)} copies, {warmup} warm-up + "
               f"{rounds} timed rounds", file=sys.stderr, flush=True)
         if args.processes == 1:
-            results.append(measure(m, detectors, rounds, warmup, count_steps, device))
+            results.append(measure(m, detectors, rounds, warmup, count_steps, device,
+                                   args.compile))
         else:
             results.append(measure_in_processes(m, detectors, rounds, warmup, args))
         print(render(results[-1:], device), file=sys.stderr, flush=True)
@@ -718,7 +729,9 @@ def main(argv=None) -> int:
 
     info["loadavg_end"] = list(os.getloadavg())
     print(f"Per-step overhead on {device} ({info['cpu']}, torch {info['torch']}, "
-          f"{info['torch_threads']} threads, recorder {info['recorder_commit']}, {info['date']})" + (" [--quick: not a measurement]" if args.quick else ""))
+          f"{info['torch_threads']} threads, recorder {info['recorder_commit']}, {info['date']})"
+          + (", every model torch.compile'd" if args.compile else "")
+          + (" [--quick: not a measurement]" if args.quick else ""))
     print()
     print(render(results, device))
     print()

@@ -302,7 +302,7 @@ class FlightRecorder:
             return None
         try:
             root = self._model()  # (``module`` may be a compile wrapper, whose mode can lag)
-            self._begin_micro_batch(args, kwargs, (root or module).training)
+            self._begin_micro_batch(args, kwargs, (module if root is None else root).training)
         except NonFiniteError:
             raise
         except Exception as e:  # never let the recorder's own bug stop training

@@ -66,6 +66,16 @@ def test_overhead_floor_yardstick_runs_only_when_named(tmp_path):
     assert "NOT cheaper than floor" not in proc.stdout
 
 
+def test_overhead_compiled_runs_bare_and_recorder_only(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc = _run([str(BENCH / "overhead.py"), "--quick", "--compile", "--models", "mlp",
+                 "--json", str(out)], timeout=300)
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["compiled"] is True and list(res["detectors"]) == ["bare", "recorder"]
+    assert res["detectors"]["recorder"]["host_reads_per_step"] == 1
+    assert "every model torch.compile'd" in proc.stdout
+
+
 def test_bundle_io_small(tmp_path):
     out = tmp_path / "bundle.json"
     proc = _run([str(BENCH / "bundle_io.py"), "--params", "200000", "--repeats", "1",
