@@ -221,9 +221,10 @@ def _tensors(obj):
 
 
 def _output_samples(mb, d) -> list[int]:
-    """Batch rows of the root output that are non-finite (the samples the event touched)."""
+    """Batch rows of the root output that are non-finite (the samples the event touched); a
+    0-d output (a loss the model computes itself) names no row."""
     for t in _tensors(mb.outputs):
-        if t.is_floating_point():
+        if t.is_floating_point() and t.dim():
             rows = bad_rows(t)
             if rows:
                 return rows

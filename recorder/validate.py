@@ -29,6 +29,14 @@ def validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, all
             raise ValueError(f"FlightRecorder: {len(stray)} optimizer parameter(s) are not "
                              f"parameters of the model (shapes {shapes}); build the optimizer "
                              "from this model's parameters()")
+    validate_options(loss_fn, out_dir, factory, history, on_event, allow_inf)
+    if scaler is not None and not hasattr(scaler, "_per_optimizer_states"):
+        raise TypeError(f"FlightRecorder: scaler must be a torch.amp.GradScaler, got "
+                        f"{type(scaler).__name__}")
+
+
+def validate_options(loss_fn, out_dir, factory, history, on_event, allow_inf) -> None:
+    """The checks that need no model (a training-framework callback makes them when built)."""
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"FlightRecorder: loss_fn must be callable, got {type(loss_fn).__name__}")
     if on_event not in ON_EVENT:
@@ -38,9 +46,6 @@ def validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, all
     if isinstance(allow_inf, str) or not all(isinstance(p, str) for p in allow_inf):
         raise TypeError("FlightRecorder: allow_inf must be a list of name patterns such as "
                         "['*.attn.mask']")
-    if scaler is not None and not hasattr(scaler, "_per_optimizer_states"):
-        raise TypeError(f"FlightRecorder: scaler must be a torch.amp.GradScaler, got "
-                        f"{type(scaler).__name__}")
     _check_writable(Path(out_dir))
     if factory is not None:
         _check_factory(factory)

@@ -325,7 +325,7 @@ def _batch_size(step: Step) -> int:
 def _root_rows(run: Run) -> list[int]:
     for outs in run.outputs:
         for t in outs:
-            if t.is_floating_point():
+            if t.is_floating_point() and t.dim():  # a 0-d output (a loss) names no row
                 rows = bad_rows(t)
                 if rows:
                     return rows

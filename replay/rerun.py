@@ -305,7 +305,7 @@ class Runner:
                 key = (name, self._mb)
                 k = counts.get(key, 0)
                 counts[key] = k + 1
-                rows = _bad_rows(outs[0]) if outs and not ok_out else []
+                rows = _output_rows(outs) if not ok_out else []
                 result.calls.append(Call(len(result.calls), name, k, self._mb, ok_in, ok_out,
                                          kind, mm, parents, call_id, rows))
             return hook
@@ -417,6 +417,15 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+def _output_rows(outs: list[torch.Tensor]) -> list[int]:
+    """The non-finite rows of a call's first batched non-finite output: a 0-d one (a loss
+    computed in the model) names no row, unless the call returned nothing else."""
+    batched = [t for t in outs if t.dim()]
+    if not batched:
+        return _bad_rows(outs[0]) if outs else []
+    return next((_bad_rows(t) for t in batched if not finite(t)), [])
 
 
 def _bad_rows(t: torch.Tensor) -> list[int]:

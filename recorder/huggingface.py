@@ -1,0 +1,80 @@
+"""``transformers.Trainer`` integration: the flight recorder as a ``TrainerCallback``.
+
+    from recorder.huggingface import FlightRecorderCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[FlightRecorderCallback(factory="mypkg.train:make_model")])
+    trainer.train()     # raises NonFiniteError(bundle_path=...) at the first event
+
+The Trainer builds its optimizer, scheduler and (for fp16) GradScaler inside ``train()``, so the
+recorder is attached when training begins, with those (unwrapped from accelerate's wrappers),
+and detached when it ends. The model computes its own loss (``labels`` in the batch), which the
+recorder sees as part of the model's output; pass ``loss_fn=`` only for a loss module that a
+custom ``compute_loss`` calls. Importing this module needs ``transformers``; nothing else in
+``recorder`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from .flight import FlightRecorder
+from .validate import validate_options
+
+_FROM_TRAINER = ("optimizer", "scaler", "lr_scheduler", "start_step")
+
+
+class FlightRecorderCallback(TrainerCallback):
+    """Records every ``Trainer.train()`` step; ``options`` are :class:`FlightRecorder`'s
+    keyword arguments (``out_dir``, ``factory``, ``on_event``, ``allow_inf``, ...), checked
+    now. The optimizer, scheduler, GradScaler and the first step's index come from the
+    Trainer. ``self.recorder`` is the recorder of the current (or last) ``train()``."""
+
+    def __init__(self, **options: Any):
+        taken = sorted(set(options) & set(_FROM_TRAINER))
+        if taken:
+            raise TypeError(f"FlightRecorderCallback: {', '.join(taken)} come(s) from the "
+                            "Trainer; leave them out")
+        defaults = {"loss_fn": None, "out_dir": "nan-bundles", "factory": None, "history": 64,
+                    "on_event": "raise", "allow_inf": ()}
+        validate_options(*({**defaults, **options}[k] for k in defaults))
+        self.options = options
+        self.recorder: FlightRecorder | None = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None,
+                       lr_scheduler=None, **kwargs):
+        self.detach()  # a second train() on the same Trainer
+        if args.torch_compile:
+            raise RuntimeError("FlightRecorderCallback: TrainingArguments(torch_compile=True) "
+                               "compiles the model where callbacks cannot see it; compile the "
+                               "model yourself (torch.compile(model)) before the Trainer, or "
+                               "leave torch_compile off")
+        opt, scaler = _torch_optimizer(optimizer)
+        sched = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate's wrapper
+        self.recorder = FlightRecorder(model, opt, scaler=scaler, lr_scheduler=sched,
+                                       start_step=state.global_step, **self.options).attach()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.recorder is not None:
+            self.recorder.end_step()  # forwards after the last update, if any
+        self.detach()
+
+    def detach(self) -> None:
+        """Remove the recorder's hooks (done at the end of training; after a
+        ``NonFiniteError`` they are inert until this is called)."""
+        if self.recorder is not None:
+            self.recorder.detach()
+
+
+def _torch_optimizer(optimizer) -> tuple[torch.optim.Optimizer | None, Any]:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (whose ``step`` calls
+    it, so the recorder's hooks go there), and the GradScaler that wrapper holds for fp16."""
+    scaler = None
+    while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None),
+                                               torch.optim.Optimizer):
+        scaler = scaler or getattr(optimizer, "scaler", None)
+        optimizer = optimizer.optimizer
+    return optimizer, scaler

@@ -1,0 +1,120 @@
+"""``recorder.huggingface.FlightRecorderCallback`` in a real ``transformers.Trainer`` run.
+
+A tiny GPT-2 (built from a config, nothing downloaded) trains with the Trainer's own optimizer,
+scheduler and loop; the callback attaches the recorder when training begins and detaches it when
+it ends. The planted bug is a batch of padding: every label ``-100``, so the model's own loss is
+0 / 0 (transformers divides the summed loss by the number of labelled tokens).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import hf_models as H  # noqa: E402
+import torch  # noqa: E402
+
+from recorder import NonFiniteError  # noqa: E402
+from recorder.huggingface import FlightRecorderCallback  # noqa: E402
+from replay import replay  # noqa: E402
+
+HERE = Path(__file__).parent
+BATCH, K = 4, 3
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # the factory's module is trusted from here
+
+
+class InOrder(transformers.Trainer):
+    """Batches in dataset order, so the planted batch is step K's."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+def _trainer(tmp_path, dataset, callback, eval_dataset=None, **args):
+    torch.manual_seed(0)
+    defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
+                    max_steps=6, learning_rate=1e-3, report_to=[], save_strategy="no",
+                    use_cpu=True, disable_tqdm=True, logging_strategy="no", seed=0)
+    return InOrder(model=H.make_tiny_gpt2(), args=transformers.TrainingArguments(
+        **{**defaults, **args}), train_dataset=dataset, eval_dataset=eval_dataset,
+        callbacks=[callback])
+
+
+def test_padding_batch_is_caught_at_its_step_and_replayed(tmp_path):
+    cb = FlightRecorderCallback(out_dir=tmp_path / "b", factory="hf_models:make_tiny_gpt2")
+    trainer = _trainer(tmp_path, H.Tokens(padding=range(K * BATCH, (K + 1) * BATCH)), cb)
+    with pytest.raises(NonFiniteError) as info:
+        trainer.train()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (K, "forward", "", "nan")
+    assert ev["samples"] == []  # the model's 0-d loss names no row
+    assert trainer.state.global_step == K  # the bad update never ran
+    cb.detach()
+    assert not any(m._forward_hooks for m in trainer.model.modules())
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"]) == ("forward", "", "aten.div", "nan")
+    from transformers.loss import loss_utils
+
+    path, _, line = o["source"].rpartition(":")
+    assert Path(path).resolve() == Path(inspect.getsourcefile(loss_utils)).resolve()
+    assert "num_items_in_batch" in Path(path).read_text().splitlines()[int(line) - 1]
+
+
+def test_clean_run_with_accumulation_and_evaluation(tmp_path):
+    """No event; steps are the Trainer's optimizer steps (accumulated micro-batches and the
+    evaluation loop between them do not add any); every hook goes when training ends."""
+    cb = FlightRecorderCallback(out_dir=tmp_path / "b")
+    trainer = _trainer(tmp_path, H.Tokens(), cb, eval_dataset=H.Tokens(n=8),
+                       gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2,
+                       per_device_eval_batch_size=BATCH)
+    trainer.train()
+    rec = cb.recorder
+    assert trainer.state.global_step == 6 and rec.step == 6
+    assert sum("eval_loss" in h for h in trainer.state.log_history) == 3
+    assert rec._internal_errors == 0 and rec.event is None
+    assert list((tmp_path / "b").glob("*.nan")) == []
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in trainer.model.modules())
+
+
+def test_the_trainer_supplies_optimizer_and_schedule(tmp_path):
+    with pytest.raises(TypeError, match="optimizer come"):
+        FlightRecorderCallback(optimizer=None)
+    with pytest.raises(ValueError, match="on_event must be"):
+        FlightRecorderCallback(on_event="ignore")
+    with pytest.raises(ValueError, match="factory 'nope:make' cannot be imported"):
+        FlightRecorderCallback(out_dir=tmp_path, factory="nope:make")
+
+
+def test_accelerate_wrappers_are_seen_through():
+    """The Trainer hands callbacks accelerate's AcceleratedOptimizer, whose step calls the torch
+    optimizer inside (where the hooks must go) and which holds fp16's GradScaler."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from recorder.huggingface import _torch_optimizer
+
+    Accelerator(cpu=True)
+    opt = torch.optim.SGD(H.make_tiny_gpt2().parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    assert _torch_optimizer(AcceleratedOptimizer(opt, device_placement=False, scaler=scaler)) \
+        == (opt, scaler)
+    assert _torch_optimizer(opt) == (opt, None) and _torch_optimizer(None) == (None, None)
+
+
+def test_trainer_side_compilation_is_refused_with_a_way_out(tmp_path):
+    cb = FlightRecorderCallback(out_dir=tmp_path / "b")
+    trainer = _trainer(tmp_path, H.Tokens(), cb, torch_compile=True)
+    with pytest.raises(RuntimeError, match=r"torch_compile=True\) compiles the model where"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and cb.recorder is None
