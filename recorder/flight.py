@@ -505,15 +505,40 @@ class FlightRecorder:
             self._internal_error(e)
 
     def _optimizer_pre_hook(self, optimizer, args, kwargs):
-        tape = self._tape  # another thread may close it meanwhile: work on this one
         if not self._active:
             return None
+        # (``args`` holds the optimizer itself first: the hook wraps the unbound step)
+        closure = kwargs.get("closure") if "closure" in kwargs else (
+            args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # step(closure): the step's forward and backward run inside step(), in the closure
+            # (Lightning's automatic optimization, LBFGS): close the step when it returns,
+            # still before the update
+            wrapped = partial(self._after_closure, optimizer, closure, [False])
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        self._before_update(optimizer)
+        return None
+
+    def _after_closure(self, optimizer, closure, done: list, *args, **kwargs):
+        result = closure(*args, **kwargs)
+        if not done[0]:  # LBFGS evaluates again after updating: those join the next step
+            done[0] = True
+            self._before_update(optimizer)
+        return result
+
+    def _before_update(self, optimizer) -> None:
+        """Close the step right before ``optimizer`` updates the weights."""
+        tape = self._tape  # another thread may close it meanwhile: work on this one
+        if not self._active:
+            return
         self._updated = True  # the next step's weights come from this update
         self._eval_tail = None
         if tape is None:
             if self._unrooted_call is not None:
                 self._unrooted()
-            return None
+            return
         try:
             self._reread_changed_grads(tape)  # small parameters: when the row is built
         except Exception as e:
@@ -522,7 +547,6 @@ class FlightRecorder:
         if self.guard_optimizer and not self._fired:
             self._guard = _copy_for_guard(optimizer, self._params)
             self._last_tape = tape
-        return None
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
         """Guard mode only: check the weights the update wrote (the mode's second sync)."""

@@ -187,3 +187,73 @@ def test_huge_finite_weight_does_not_hide_a_real_nan(out_dir):
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
             M.train(model, opt, crit, 6, at=M.arm_at(K, model[2]))
     check_event(info.value.event, step=K, phase="forward", module="2", kind="nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer.step(closure): the step's forward and backward run inside step()
+
+
+def _closure_loop(model, opt, out_dir, steps, *, bad_step=None, accumulate=1, **kw):
+    """``opt.step(closure)`` as Lightning's automatic optimization calls it: the first
+    ``accumulate - 1`` micro-batches run before step(), the last inside the closure. Returns
+    (error or None, recorder, weights before each step's update)."""
+    crit = nn.CrossEntropyLoss()
+    before = {}
+    err = None
+    try:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, **kw) as rec:
+            for step in range(steps):
+                def micro(i, step=step):
+                    x, y = M.batch(10 * step + i)
+                    if step == bad_step and i == accumulate - 1:
+                        x[2, 1] = float("nan")
+                    (crit(model(x), y) / accumulate).backward()
+
+                opt.zero_grad()
+                for i in range(accumulate - 1):
+                    micro(i)
+                before[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+                def closure(step=step):
+                    micro(accumulate - 1)
+                    return torch.zeros(())
+
+                opt.step(closure)
+    except NonFiniteError as e:
+        err = e
+    return err, rec, before
+
+
+def test_closure_steps_are_checked_before_their_update(out_dir):
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    err, rec, before = _closure_loop(model, opt, out_dir, 6, bad_step=K)
+    check_event(err.event, step=K, phase="input", micro_batch=0, samples=[2])
+    # raised in step K's closure, before SGD touched the weights
+    assert all(identical(p.detach(), before[K][n]) for n, p in model.named_parameters())
+    meta, _ = read_bundle(err.bundle_path)
+    assert meta["state"] == "before_update" and len(meta["micro_batches"]) == 1
+
+
+def test_closure_step_with_accumulation_is_one_step(out_dir):
+    """Two micro-batches before step() and one inside its closure: one step of three."""
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    err, rec, _ = _closure_loop(model, opt, out_dir, 4, accumulate=3)
+    assert err is None and rec.step == 4
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    err, rec, _ = _closure_loop(model, opt, out_dir, 4, bad_step=2, accumulate=3)
+    check_event(err.event, step=2, phase="input", micro_batch=2, samples=[2])
+    meta, _ = read_bundle(err.bundle_path)
+    assert len(meta["micro_batches"]) == 3
+
+
+def test_lbfgs_first_evaluation_is_checked_before_the_update(out_dir):
+    """LBFGS evaluates its closure several times per step(), updating in between: the first
+    evaluation closes the step before any update; the later ones join the next step."""
+    model = M.mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    err, rec, before = _closure_loop(model, opt, out_dir, 5, bad_step=K)
+    check_event(err.event, step=K, phase="input", samples=[2])
+    assert all(identical(p.detach(), before[K][n]) for n, p in model.named_parameters())
