@@ -1,0 +1,91 @@
+"""Lightning integration: the flight recorder as a ``lightning.pytorch`` callback.
+
+    from recorder.lightning import FlightRecorderCallback
+
+    trainer = L.Trainer(callbacks=[FlightRecorderCallback(factory="mypkg.train:make_model")])
+    trainer.fit(model, train_loader, val_loader)   # raises NonFiniteError at the first event
+
+The recorder attaches when fitting starts (the optimizer, scheduler and GradScaler exist by
+then) and detaches when it ends or fails. It records the module whose forward the
+``training_step`` calls: the LightningModule itself (``self(x)``), or a submodule named by
+``module=`` (``self.model(x)``). Lightning runs each step's forward and backward inside
+``optimizer.step(closure)``; the recorder checks the step when that closure returns, before the
+update. Importing this module needs ``lightning``; nothing else in ``recorder`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from .flight import FlightRecorder
+from .validate import validate_options
+
+_FROM_TRAINER = ("optimizer", "scaler", "lr_scheduler", "start_step")
+
+
+class FlightRecorderCallback(Callback):
+    """Records every training step of ``Trainer.fit``.
+
+    Args:
+        module: dotted name of the submodule the ``training_step`` calls (``"model"`` for
+            ``self.model(x)``); ``None``: the LightningModule, whose ``forward`` it calls.
+        loss_fn: the loss module, or the dotted name of a LightningModule attribute holding it
+            (``"criterion"``), so the loss is checked (and replayed) on its own.
+        options: :class:`FlightRecorder`'s other keyword arguments (``out_dir``, ``factory``,
+            ``on_event``, ``allow_inf``, ...), checked now. The optimizer, scheduler, GradScaler
+            and the first step's index come from the Trainer.
+    """
+
+    def __init__(self, module: str | None = None, loss_fn: Any = None, **options: Any):
+        taken = sorted(set(options) & set(_FROM_TRAINER))
+        if taken:
+            raise TypeError(f"FlightRecorderCallback: {', '.join(taken)} come(s) from the "
+                            "Trainer; leave them out")
+        defaults = {"out_dir": "nan-bundles", "factory": None, "history": 64,
+                    "on_event": "raise", "allow_inf": ()}
+        validate_options(None if isinstance(loss_fn, str) else loss_fn,
+                         *({**defaults, **options}[k] for k in defaults))
+        self.module, self.loss_fn, self.options = module, loss_fn, options
+        self.recorder: FlightRecorder | None = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.detach()
+        if len(trainer.optimizers) > 1:
+            raise RuntimeError(f"FlightRecorderCallback: this LightningModule has "
+                               f"{len(trainer.optimizers)} optimizers; the recorder follows one. "
+                               "Use FlightRecorder(model, optimizer) for the one to watch")
+        opt = trainer.optimizers[0] if trainer.optimizers else None
+        configs = trainer.lr_scheduler_configs
+        loss_fn = self.loss_fn
+        if isinstance(loss_fn, str):
+            loss_fn = _attribute(pl_module, loss_fn, "loss_fn")
+        model = _attribute(pl_module, self.module, "module") if self.module else pl_module
+        self.recorder = FlightRecorder(
+            model, opt, loss_fn=loss_fn, scaler=getattr(trainer.precision_plugin, "scaler", None),
+            lr_scheduler=configs[0].scheduler if len(configs) == 1 else None,
+            start_step=trainer.global_step, **self.options).attach()
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.recorder is not None:
+            self.recorder.end_step()  # forwards after the last update, if any
+        self.detach()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.detach()
+
+    def detach(self) -> None:
+        if self.recorder is not None:
+            self.recorder.detach()
+
+
+def _attribute(root, dotted: str, what: str):
+    obj = root
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"FlightRecorderCallback: {what}={dotted!r}: "
+                                 f"{type(root).__name__} has no attribute {dotted!r}; name the "
+                                 "attribute that holds it (e.g. 'model')")
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,49 @@
+"""LightningModules for the Lightning callback tests: ``replay_models.LogNet`` (log of a value
+that goes negative when a sample is scaled up) trained through Lightning's loop."""
+
+from __future__ import annotations
+
+import lightning as L
+import replay_models as R
+import torch
+from torch import nn
+
+
+class LogNetModule(L.LightningModule):
+    """Its training_step calls ``self.net`` (record it with ``module="net"``); the loss module
+    is the attribute ``crit``."""
+
+    def __init__(self, optimizers: int = 1):
+        super().__init__()
+        self.net = R.make_log_net()
+        self.crit = nn.CrossEntropyLoss()
+        self.n_optimizers = optimizers
+        self.automatic_optimization = optimizers == 1
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.crit(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", self.crit(self.net(x), y))
+
+    def configure_optimizers(self):
+        opts = [torch.optim.SGD(self.parameters(), lr=0.05) for _ in range(self.n_optimizers)]
+        return opts[0] if len(opts) == 1 else opts
+
+
+class Rows(torch.utils.data.Dataset):
+    """``replay_models.batch`` rows, one per item; the items in ``scaled`` are multiplied by 100
+    (with batch size 8, item 8 * k + j is sample j of step k)."""
+
+    def __init__(self, n: int = 64, scaled=()):
+        self.n, self.scaled = n, set(scaled)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x, y = R.batch(i, n=1)
+        x, y = x[0], y[0]
+        return (x * 100.0 if i in self.scaled else x), y

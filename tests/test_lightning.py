@@ -1,0 +1,115 @@
+"""``recorder.lightning.FlightRecorderCallback`` in real ``lightning.Trainer.fit`` runs.
+
+Lightning calls the ``training_step`` (not the module's forward) inside
+``optimizer.step(closure)``; the callback records the submodule the step calls and the recorder
+checks each step when the closure returns, before the update.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+L = pytest.importorskip("lightning")
+
+import lightning_models as LM  # noqa: E402
+import torch  # noqa: E402
+
+from recorder import NonFiniteError  # noqa: E402
+from recorder.lightning import FlightRecorderCallback  # noqa: E402
+from replay import replay  # noqa: E402
+
+HERE = Path(__file__).parent
+K, BATCH = 3, 8
+pytestmark = [
+    # Lightning's own advice (worker counts, logging intervals) and its pytree shim's
+    # deprecation notice: not this project's to act on
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # the factories' module is trusted from here
+
+
+def _fit(module, callback, train, val=None, **trainer_args):
+    torch.manual_seed(0)
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback], **trainer_args)
+    loader = torch.utils.data.DataLoader(train, batch_size=BATCH)
+    val_loader = torch.utils.data.DataLoader(val, batch_size=BATCH) if val is not None else None
+    trainer.fit(module, loader, val_loader)
+    return trainer
+
+
+def test_nan_in_a_submodule_is_caught_before_its_update_and_replayed(tmp_path):
+    module = LM.LogNetModule()
+    cb = FlightRecorderCallback(module="net", loss_fn="crit", out_dir=tmp_path,
+                                factory="replay_models:make_log_net")
+    before = {}
+
+    class Snap(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            before[batch_idx] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    with pytest.raises(NonFiniteError) as info:
+        torch.manual_seed(0)
+        trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[cb, Snap()])
+        trainer.fit(module, torch.utils.data.DataLoader(LM.Rows(scaled={K * BATCH + 5}),
+                                                        batch_size=BATCH))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (K, "forward", "act", [5])
+    assert trainer.global_step == K  # the update of step K never ran:
+    assert all(torch.equal(p, before[K][n]) for n, p in module.named_parameters())
+    assert not any(m._forward_hooks for m in module.modules())  # detached on the exception
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == ("act", "aten.log", [5])
+
+
+def test_clean_fit_with_validation_and_accumulation(tmp_path):
+    """Steps are Lightning's optimizer steps: micro-batches before the closure belong to the
+    step, the validation loop and the sanity check are evaluation forwards."""
+    module = LM.LogNetModule()
+    cb = FlightRecorderCallback(module="net", loss_fn="crit", out_dir=tmp_path)
+    trainer = _fit(module, cb, LM.Rows(n=128), LM.Rows(n=16), accumulate_grad_batches=2,
+                   val_check_interval=4, limit_val_batches=2)
+    rec = cb.recorder
+    assert trainer.global_step == 6 and rec.step == 6
+    assert rec.event is None and rec._internal_errors == 0
+    assert list(tmp_path.glob("*.nan")) == []
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def test_lightning_module_itself_is_recorded_when_its_forward_runs_the_step(tmp_path):
+    class Forwarding(LM.LogNetModule):
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.crit(self(x), y)
+
+    cb = FlightRecorderCallback(loss_fn="crit", out_dir=tmp_path)
+    with pytest.raises(NonFiniteError) as info:
+        _fit(Forwarding(), cb, LM.Rows(scaled={K * BATCH + 2}))
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["samples"]) == (K, "net.act", [2])
+
+
+def test_what_the_callback_cannot_follow_is_said(tmp_path):
+    with pytest.raises(TypeError, match="optimizer, start_step come"):
+        FlightRecorderCallback(optimizer=None, start_step=3)
+    cb = FlightRecorderCallback(module="model", out_dir=tmp_path)
+    with pytest.raises(AttributeError, match="module='model': LogNetModule has no attribute"):
+        _fit(LM.LogNetModule(), cb, LM.Rows())
+    cb = FlightRecorderCallback(out_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="has 2 optimizers; the recorder follows one"):
+        _fit(LM.LogNetModule(optimizers=2), cb, LM.Rows())
