@@ -22,9 +22,7 @@ import torch
 from transformers import TrainerCallback
 
 from .flight import FlightRecorder
-from .validate import validate_options
-
-_FROM_TRAINER = ("optimizer", "scaler", "lr_scheduler", "start_step")
+from .validate import validate_callback_options
 
 
 class FlightRecorderCallback(TrainerCallback):
@@ -34,13 +32,7 @@ class FlightRecorderCallback(TrainerCallback):
     Trainer. ``self.recorder`` is the recorder of the current (or last) ``train()``."""
 
     def __init__(self, **options: Any):
-        taken = sorted(set(options) & set(_FROM_TRAINER))
-        if taken:
-            raise TypeError(f"FlightRecorderCallback: {', '.join(taken)} come(s) from the "
-                            "Trainer; leave them out")
-        defaults = {"loss_fn": None, "out_dir": "nan-bundles", "factory": None, "history": 64,
-                    "on_event": "raise", "allow_inf": ()}
-        validate_options(*({**defaults, **options}[k] for k in defaults))
+        validate_callback_options(options.get("loss_fn"), options)
         self.options = options
         self.recorder: FlightRecorder | None = None
 

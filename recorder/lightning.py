@@ -20,9 +20,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from .flight import FlightRecorder
-from .validate import validate_options
-
-_FROM_TRAINER = ("optimizer", "scaler", "lr_scheduler", "start_step")
+from .validate import validate_callback_options
 
 
 class FlightRecorderCallback(Callback):
@@ -39,14 +37,7 @@ class FlightRecorderCallback(Callback):
     """
 
     def __init__(self, module: str | None = None, loss_fn: Any = None, **options: Any):
-        taken = sorted(set(options) & set(_FROM_TRAINER))
-        if taken:
-            raise TypeError(f"FlightRecorderCallback: {', '.join(taken)} come(s) from the "
-                            "Trainer; leave them out")
-        defaults = {"out_dir": "nan-bundles", "factory": None, "history": 64,
-                    "on_event": "raise", "allow_inf": ()}
-        validate_options(None if isinstance(loss_fn, str) else loss_fn,
-                         *({**defaults, **options}[k] for k in defaults))
+        validate_callback_options(None if isinstance(loss_fn, str) else loss_fn, options)
         self.module, self.loss_fn, self.options = module, loss_fn, options
         self.recorder: FlightRecorder | None = None
 

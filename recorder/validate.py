@@ -35,6 +35,21 @@ def validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, all
                         f"{type(scaler).__name__}")
 
 
+FROM_TRAINER = ("optimizer", "scaler", "lr_scheduler", "start_step")
+
+
+def validate_callback_options(loss_fn, options: dict) -> None:
+    """A training-framework callback's options, checked when it is built: the Trainer supplies
+    the optimizer, scheduler, scaler and first step; the rest are FlightRecorder's."""
+    taken = [k for k in FROM_TRAINER if k in options]
+    if taken:
+        raise TypeError(f"FlightRecorderCallback: {', '.join(taken)} come(s) from the Trainer; "
+                        "leave them out")
+    validate_options(loss_fn, options.get("out_dir", "nan-bundles"), options.get("factory"),
+                     options.get("history", 64), options.get("on_event", "raise"),
+                     options.get("allow_inf", ()))
+
+
 def validate_options(loss_fn, out_dir, factory, history, on_event, allow_inf) -> None:
     """The checks that need no model (a training-framework callback makes them when built)."""
     if loss_fn is not None and not callable(loss_fn):

@@ -187,16 +187,17 @@ def test_nan_in_one_input_sample(tmp_path):
     assert exit_code(err.bundle_path) == 0
 
 
-def test_nan_in_a_validation_batch(tmp_path):
-    """Validation between steps (eval mode, no_grad) with a NaN in one sample: caught when that
-    forward returns, replayed as bad input with the sample named, gradients off."""
-    model = R.make_mlp()
+def train_and_validate(out_dir: Path, spoil, steps: int = 4):
+    """``make_mlp`` trained with SGD, three validation batches (eval mode, no_grad) after each
+    step; ``spoil(step, i, x, y)`` may plant a bug in batch i after step ``step``. Returns the
+    NonFiniteError, the recorder and the validation losses computed."""
+    model, crit = R.make_mlp(), nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    crit = nn.CrossEntropyLoss()
+    losses = []
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
-                            factory="replay_models:make_mlp"):
-            for step in range(4):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="replay_models:make_mlp") as rec:
+            for step in range(steps):
                 x, y = R.batch(step)
                 opt.zero_grad()
                 crit(model(x), y).backward()
@@ -205,11 +206,21 @@ def test_nan_in_a_validation_batch(tmp_path):
                 with torch.no_grad():
                     for i in range(3):
                         vx, vy = R.batch(100 + 10 * step + i)
-                        if (step, i) == (2, 1):
-                            vx[5, 0] = float("nan")
-                        crit(model(vx), vy)
+                        spoil(step, i, vx, vy)
+                        losses.append(crit(model(vx), vy))
                 model.train()
-    err = info.value
+    return info.value, rec, losses
+
+
+def test_nan_in_a_validation_batch(tmp_path):
+    """Validation between steps (eval mode, no_grad) with a NaN in one sample: caught when that
+    forward returns, replayed as bad input with the sample named, gradients off."""
+
+    def spoil(step, i, x, y):
+        if (step, i) == (2, 1):
+            x[5, 0] = float("nan")
+
+    err, _, _ = train_and_validate(tmp_path, spoil)
     assert err.event["evaluation"] is True and err.event["step"] == 3
     rep = replay(err.bundle_path)
     assert rep["cause"] == "input" and rep["reproduced"] is True
@@ -224,26 +235,12 @@ def test_nan_loss_of_an_all_padding_validation_batch(tmp_path):
     """A validation batch whose targets are all ``ignore_index`` (padding): finite outputs, and
     cross entropy's mean over no target is 0/0. The loss is checked when it is computed: a loss
     event of that evaluation forward, raised in the loss call, replayed to the op."""
-    model, crit = R.make_mlp(), nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
-                            factory="replay_models:make_mlp") as rec:
-            for step in range(4):
-                x, y = R.batch(step)
-                opt.zero_grad()
-                crit(model(x), y).backward()
-                opt.step()
-                model.eval()
-                with torch.no_grad():
-                    for i in range(3):
-                        vx, vy = R.batch(100 + 10 * step + i)
-                        if (step, i) == (1, 2):
-                            vy[:] = crit.ignore_index
-                        losses.append(crit(model(vx), vy))
-                model.train()
-    err = info.value
+
+    def spoil(step, i, x, y):
+        if (step, i) == (1, 2):
+            y[:] = nn.CrossEntropyLoss().ignore_index
+
+    err, rec, losses = train_and_validate(tmp_path, spoil)
     assert len(losses) == 5 and rec.step == 2  # raised in the sixth batch's loss call
     check_event(err.event, step=2, phase="loss", module="<loss>", evaluation=True, kind="nan")
     rep = replay(err.bundle_path)
