@@ -1,0 +1,49 @@
+"""A ``transformers.Trainer`` run on two CPU ranks (torchrun, gloo) with the recorder's callback
+in ``on_event="warn"`` mode, launched from tests/test_torchrun.py.
+
+accelerate hands rank r the global batches r, r + 2, ... in dataset order (sequential sampler),
+so the all-padding batch 7 is rank 1's step 3: with tokens counted per rank, its loss is 0/0
+there. The gradients stay finite (ignored tokens get zero gradient), so rank 0 sees nothing;
+in warn mode rank 1 writes its bundle and both ranks train on (a raising rank would leave the
+other waiting in the next all-reduce).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: hf_models
+import hf_models as H  # noqa: E402
+
+from recorder.huggingface import FlightRecorderCallback  # noqa: E402
+
+BATCH = 4
+
+
+class InOrder(Trainer):
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+def main(out_dir: str) -> None:
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(Path(out_dir) / "out"), per_device_train_batch_size=BATCH,
+                             max_steps=6, learning_rate=1e-3, report_to=[], save_strategy="no",
+                             use_cpu=True, disable_tqdm=True, logging_strategy="no", seed=0,
+                             ddp_backend="gloo", average_tokens_across_devices=False)
+    cb = FlightRecorderCallback(out_dir=out_dir, factory="hf_models:make_tiny_gpt2",
+                                on_event="warn")
+    trainer = InOrder(model=H.make_tiny_gpt2(), args=args, callbacks=[cb],
+                      train_dataset=H.Tokens(padding=range(7 * BATCH, 8 * BATCH)))
+    rank = args.process_index
+    trainer.train()
+    rec = cb.recorder
+    ev = rec.event or {}
+    print(f"rank {rank} steps={rec.step} event={ev.get('step')}/{ev.get('phase')} "
+          f"bundle={rec.bundle_path}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
