@@ -168,3 +168,20 @@ def test_compiled_dropout_replays_its_draw_with_fallback_random(tmp_path):
     rep = replay(info.value.bundle_path)
     assert rep["reproduced"] is True and rep["origin"]["module"] == "ent"
     assert rep["origin"]["op"] == "aten.log" and rep["origin"]["samples"] == ev["samples"]
+
+
+def test_a_compiled_only_nan_is_not_reproduced_and_says_why(tmp_path):
+    """A NaN that only the compiled kernels make does not come back in the eager replay: the
+    report says not reproduced and names compilation as the likely reason. (Simulated: the
+    recorded batch is replaced by one the model turns into finite values.)"""
+    from bundles import rewrite
+
+    model = torch.compile(R.LogNet(), backend="aot_eager")
+    _, err = _train(model, tmp_path, factory="replay_models:make_log_net")
+    (key,) = read_bundle(err.bundle_path)[0]["micro_batches"][0]["paths"]
+    finite = rewrite(err.bundle_path, tmp_path / "x" / "finite.nan",
+                     tensors=lambda t: {**t, key: R.batch(K)[0]})
+    rep = replay(finite)
+    assert rep["reproduced"] is False and rep["cause"] == "not_reproduced"
+    assert any("torch.compile'd module and the replay runs it eagerly" in p
+               for p in rep["problems"]), rep["problems"]
