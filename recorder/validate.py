@@ -18,6 +18,7 @@ def validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, all
     if not isinstance(model, nn.Module):
         raise TypeError(f"FlightRecorder: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}; pass the module whose forward runs the step")
+    _check_unsharded(model)
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "
@@ -64,6 +65,24 @@ def validate_options(loss_fn, out_dir, factory, history, on_event, allow_inf) ->
     _check_writable(Path(out_dir))
     if factory is not None:
         _check_factory(factory)
+
+
+def _check_unsharded(model: nn.Module) -> None:
+    """Sharded parameters (FSDP's ``fully_shard``, tensor parallel: DTensors; FSDP1's flat
+    parameters) are refused now: their statistics would run collectives from hooks, and writing
+    a bundle on the rank that saw an event would wait forever for the others' shards."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return
+    sharded = any(isinstance(m, FullyShardedDataParallel) for m in model.modules()) or \
+        any(isinstance(p, DTensor) for p in model.parameters())
+    if sharded:
+        raise ValueError("FlightRecorder: the model's parameters are sharded (FSDP or tensor "
+                         "parallel), which the recorder does not support: a bundle would need "
+                         "every rank's shards. Record the model unsharded (one process, or "
+                         "DistributedDataParallel)")
 
 
 def _check_writable(out_dir: Path) -> None:
