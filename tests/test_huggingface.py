@@ -118,3 +118,20 @@ def test_trainer_side_compilation_is_refused_with_a_way_out(tmp_path):
     with pytest.raises(RuntimeError, match=r"torch_compile=True\) compiles the model where"):
         trainer.train()
     assert trainer.state.global_step == 0 and cb.recorder is None
+
+
+def test_the_example_runs_end_to_end(tmp_path):
+    """``python examples/hf_trainer.py``: the Trainer stops at the padding batch and the replay
+    it runs names the op and the line in transformers' loss code (exit 0)."""
+    import subprocess
+    import sys
+
+    script = HERE.parent / "examples" / "hf_trainer.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "non-finite value (NaN) at step 3, phase forward" in proc.stdout
+    assert "nan made by aten.div in <root>" in proc.stdout
+    assert "loss_utils.py" in proc.stdout and "num_items_in_batch" in proc.stdout
+    assert (tmp_path / "nan-bundles" / "step00000003-rank0.nan").exists()
+    assert not (tmp_path / "hf-out").exists()
