@@ -4,6 +4,7 @@ recorder is built, in one line saying what, why and what to do, never at the fir
 from __future__ import annotations
 
 import importlib
+import inspect
 import tempfile
 from pathlib import Path
 
@@ -46,6 +47,13 @@ def validate_callback_options(loss_fn, options: dict) -> None:
     if taken:
         raise TypeError(f"FlightRecorderCallback: {', '.join(taken)} come(s) from the Trainer; "
                         "leave them out")
+    from .flight import FlightRecorder  # (flight imports this module)
+
+    known = set(inspect.signature(FlightRecorder).parameters) - {"model", "optimizer"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"FlightRecorderCallback: unknown option(s) {', '.join(unknown)}; it "
+                        f"takes FlightRecorder's: {', '.join(sorted(known - set(FROM_TRAINER)))}")
     validate_options(loss_fn, options.get("out_dir", "nan-bundles"), options.get("factory"),
                      options.get("history", 64), options.get("on_event", "raise"),
                      options.get("allow_inf", ()))

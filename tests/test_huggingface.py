@@ -92,6 +92,9 @@ def test_the_trainer_supplies_optimizer_and_schedule(tmp_path):
         FlightRecorderCallback(optimizer=None)
     with pytest.raises(ValueError, match="on_event must be"):
         FlightRecorderCallback(on_event="ignore")
+    with pytest.raises(TypeError, match="unknown option.s. out_dri; it takes FlightRecorder's: "
+                                        "allow_inf, factory"):
+        FlightRecorderCallback(out_dri=tmp_path)
     with pytest.raises(ValueError, match="factory 'nope:make' cannot be imported"):
         FlightRecorderCallback(out_dir=tmp_path, factory="nope:make")
 
