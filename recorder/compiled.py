@@ -50,9 +50,12 @@ class HookSite:
     disable: bool = False  # its hooks run where dynamo would trace them: registered disabled
 
 
-def hook_sites(root: nn.Module, wrapper: nn.Module | None = None) -> list[HookSite]:
+def hook_sites(root: nn.Module, wrapper: nn.Module | None = None,
+               compiled_elsewhere: bool = False) -> list[HookSite]:
     """Every module under ``root`` (the model as written, see :func:`unwrap`; ``wrapper``: the
-    compile wrapper around it) in ``named_modules`` order, wrappers left out."""
+    compile wrapper around it) in ``named_modules`` order, wrappers left out.
+    ``compiled_elsewhere``: ``root`` runs under a compile wrapper that is not at hand (one a
+    Trainer made): it is a region whose hooks are registered disabled."""
     sites: list[HookSite] = []
     wrappers: dict[int, nn.Module] = {id(root): wrapper} if wrapper is not None else {}
     regions: list[str] = []  # names of the compiled regions met so far (ancestors come first)
@@ -67,7 +70,7 @@ def hook_sites(root: nn.Module, wrapper: nn.Module | None = None) -> list[HookSi
         wrapped = wrappers.get(id(m))
         if wrapped is not None:  # the wrapper is called eagerly, then runs the graph
             sites.append(HookSite(name, m, wrapped, region=True))
-        elif compiled_in_place(m):
+        elif compiled_in_place(m) or (compiled_elsewhere and m is root):
             sites.append(HookSite(name, m, m, region=True, disable=True))
         else:
             sites.append(HookSite(name, m, m))

@@ -126,6 +126,7 @@ class FlightRecorder:
         model, wrapper, self._ddp = unwrap(model)
         self._model = weakref.ref(model)
         self._wrapper = weakref.ref(wrapper) if wrapper is not None else None
+        self._compiled_elsewhere = False  # set by a Trainer callback whose Trainer compiles
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self._scaler = weakref.ref(scaler) if scaler is not None else None
         self._scheduler = weakref.ref(lr_scheduler) if lr_scheduler is not None else None
@@ -185,7 +186,8 @@ class FlightRecorder:
         model = self._model()
         if model is None:
             raise RuntimeError("FlightRecorder.attach: the model no longer exists")
-        sites = hook_sites(model, self._wrapper() if self._wrapper is not None else None)
+        sites = hook_sites(model, self._wrapper() if self._wrapper is not None else None,
+                           self._compiled_elsewhere)
         named = [(s.name, s.module) for s in sites]
         self._module_names = [n for n, _ in named]
         self._module_types = [type(m).__module__ + "." + type(m).__qualname__ for _, m in named]

@@ -39,15 +39,14 @@ class FlightRecorderCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
         self.detach()  # a second train() on the same Trainer
-        if args.torch_compile:
-            raise RuntimeError("FlightRecorderCallback: TrainingArguments(torch_compile=True) "
-                               "compiles the model where callbacks cannot see it; compile the "
-                               "model yourself (torch.compile(model)) before the Trainer, or "
-                               "leave torch_compile off")
         opt, scaler = _torch_optimizer(optimizer)
         sched = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate's wrapper
         self.recorder = FlightRecorder(model, opt, scaler=scaler, lr_scheduler=sched,
-                                       start_step=state.global_step, **self.options).attach()
+                                       start_step=state.global_step, **self.options)
+        # torch_compile=True: accelerate compiled the model into a wrapper callbacks do not see,
+        # so the model is one compiled region with hooks dynamo leaves out (recorder.compiled)
+        self.recorder._compiled_elsewhere = bool(getattr(args, "torch_compile", False))
+        self.recorder.attach()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.recorder is not None:
