@@ -1,13 +1,13 @@
 """``torch.compile``'d models: their names as written, and where the recorder's hooks may go.
 
 A compiled region is a module wrapped by ``torch.compile(m)`` (an ``OptimizedModule`` holding
-``m`` as ``_orig_mod``) or compiled in place by ``m.compile()``. Dynamo traces the hooks of the
-modules inside it into its graphs, where the recorder's Python (its records, counters, weak
-references) would break the graph at every layer or be replayed wrongly. So a region is
-recorded as one call, its hooks run outside the graph (on the wrapper, which is called
-eagerly, or disabled for dynamo when compiled in place), and the modules inside it are not
-hooked: their per-layer statistics are what ``nanreplay`` finds when it re-runs the step
-eagerly.
+``m`` as ``_orig_mod``), compiled in place by ``m.compile()``, or whose ``forward`` was replaced
+by a compiled one. Dynamo traces the hooks of the modules inside it into its graphs, where the
+recorder's Python (its records, counters, weak references, locks) would break the graph at every
+layer or be replayed wrongly. So a region is recorded as one call, its hooks run outside the
+graph (on the wrapper, which is called eagerly, or disabled for dynamo where the region's own
+call may be traced), and the modules inside it are not hooked: their per-layer statistics are
+what ``nanreplay`` finds when it re-runs the step eagerly.
 
 Names leave out the wrappers (``blocks.1._orig_mod.fc.weight`` is ``blocks.1.fc.weight``), so a
 bundle fits the model its factory builds, compiled or not.
@@ -36,7 +36,10 @@ def eager_name(name: str) -> str:
 
 
 def compiled_in_place(m: nn.Module) -> bool:
-    return getattr(m, "_compiled_call_impl", None) is not None
+    """``m.compile()``, or ``m.forward = torch.compile(m.forward)`` (what Lightning does to a
+    compiled LightningModule, with its ``training_step``)."""
+    return getattr(m, "_compiled_call_impl", None) is not None or \
+        hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")
 
 
 @dataclass
@@ -102,6 +105,9 @@ def decompile(model: nn.Module) -> nn.Module:
     for m in list(model.modules()):
         if compiled_in_place(m):
             m._compiled_call_impl = None
+            forward = m.__dict__.get("forward")
+            if hasattr(forward, "_torchdynamo_orig_callable"):
+                m.forward = forward._torchdynamo_orig_callable
         for child_name, child in list(m.named_children()):
             if isinstance(child, OptimizedModule):
                 setattr(m, child_name, decompile(child))

@@ -33,6 +33,21 @@ class LogNetModule(L.LightningModule):
         return opts[0] if len(opts) == 1 else opts
 
 
+class Forwarding(LogNetModule):
+    """A LightningModule whose training_step runs its own forward (``self(x)``)."""
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.crit(self(x), y)
+
+
+def make_forwarding() -> Forwarding:
+    return Forwarding()
+
+
 class Rows(torch.utils.data.Dataset):
     """``replay_models.batch`` rows, one per item; the items in ``scaled`` are multiplied by 100
     (with batch size 8, item 8 * k + j is sample j of step k)."""

@@ -89,17 +89,9 @@ def test_clean_fit_with_validation_and_accumulation(tmp_path):
 
 
 def test_lightning_module_itself_is_recorded_when_its_forward_runs_the_step(tmp_path):
-    class Forwarding(LM.LogNetModule):
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return self.crit(self(x), y)
-
     cb = FlightRecorderCallback(loss_fn="crit", out_dir=tmp_path)
     with pytest.raises(NonFiniteError) as info:
-        _fit(Forwarding(), cb, LM.Rows(scaled={K * BATCH + 2}))
+        _fit(LM.Forwarding(), cb, LM.Rows(scaled={K * BATCH + 2}))
     ev = info.value.event
     assert (ev["step"], ev["module"], ev["samples"]) == (K, "net.act", [2])
 
@@ -113,3 +105,29 @@ def test_what_the_callback_cannot_follow_is_said(tmp_path):
     cb = FlightRecorderCallback(out_dir=tmp_path)
     with pytest.raises(RuntimeError, match="has 2 optimizers; the recorder follows one"):
         _fit(LM.LogNetModule(optimizers=2), cb, LM.Rows())
+
+
+def test_compiled_lightning_module_is_one_region(tmp_path):
+    """``trainer.fit(torch.compile(module))``: Lightning compiles the module's forward and
+    training_step in place; the module is one compiled region, its hooks run outside the graphs
+    (only the calls dynamo must skip for them split the training_step), the event says so, and
+    the replay finds the op inside it eagerly."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cb = FlightRecorderCallback(loss_fn="crit", out_dir=tmp_path,
+                                factory="lightning_models:make_forwarding")
+    try:
+        with pytest.raises(NonFiniteError) as info:
+            _fit(torch.compile(LM.Forwarding(), backend="aot_eager"), cb,
+                 LM.Rows(scaled={K * BATCH + 2}))
+        breaks = list(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    assert all("torch.compiler.disable" in b for b in breaks), breaks
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["compiled"], ev["samples"]) == (K, "", True, [2])
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True
+    assert (rep["origin"]["module"], rep["origin"]["op"]) == ("net.act", "aten.log")
