@@ -27,18 +27,18 @@ class RngCapture:
 
     ``random.getstate()`` (a 625-tuple, ~9 us) and NumPy's ``get_state()`` (~30 us) are a large
     share of a small step, so each is re-read only when a fingerprint of the generator's raw
-    MT19937 words (position and three key words) has moved since the last read. Every draw
-    moves the position and every wrap regenerates the words, so an unchanged fingerprint means
-    an unchanged state (gaussian draws that use a cached second value are handled apart).
-    The words are read in place: NumPy's through its documented ``ctypes``
-    interface, CPython's at the ``RandomObject`` layout, used only after it is checked against
-    ``getstate()`` at the first capture.
+    MT19937 words (position and three key words) and its cached gaussian has moved since the
+    last read. Every draw moves the position or the cached gaussian and every wrap regenerates
+    the words, so an unchanged fingerprint means an unchanged state. The words are read in
+    place: NumPy's through its documented ``ctypes`` interface (its cached gaussian inside the
+    ``RandomState`` object), CPython's at the ``RandomObject`` layout, each used only after it
+    is checked against the real state at the first capture.
     """
 
     def __init__(self):
         # the generator whose words are read is held, so they can never dangle; a generator
         # replaced by another is looked at afresh
-        self._np_owner = self._np_words = None
+        self._np_owner = self._np_words = self._np_gauss = None
         self._np_last: tuple | None = None
         self._np_key: tuple | None = None
         self._py_owner = self._py_words = None
@@ -47,22 +47,23 @@ class RngCapture:
 
     def _numpy_state(self, np) -> Any:
         # the generator behind np.random's functions (bound to it when NumPy was imported)
-        owner = getattr(getattr(np.random.get_state, "__self__", None), "_bit_generator", None)
+        rs = getattr(np.random.get_state, "__self__", None)
+        owner = getattr(rs, "_bit_generator", None)
         if owner is not self._np_owner:
             self._np_owner, self._np_last = owner, None
             try:
                 addr = owner.ctypes.state_address
                 self._np_words = (ctypes.c_uint32 * 625).from_address(addr)
+                self._np_gauss = _numpy_gauss_cells(rs, addr)
             except Exception:
                 self._np_words = False
-        words = self._np_words
-        if words is False:
+        words, gauss = self._np_words, self._np_gauss
+        if words is False or gauss is False:
             return np.random.get_state()
-        key = (words[624], words[0], words[311], words[623])
-        last = self._np_last
-        # A legacy gaussian draw with a cached second value (``has_gauss``, not readable in
-        # place) uses it without moving the words: re-read while one is cached.
-        if key != self._np_key or last is None or last[3]:
+        # A legacy gaussian draw leaves its second value cached (``has_gauss``, ``gauss``) and
+        # the next one uses it without moving the words: both are part of the key.
+        key = (words[624], words[0], words[311], words[623], gauss[0].value, gauss[1].value)
+        if key != self._np_key or self._np_last is None:
             self._np_last, self._np_key = np.random.get_state(), key
         return self._np_last
 
@@ -90,6 +91,30 @@ class RngCapture:
         if torch.cuda.is_initialized():  # else no CUDA generator has drawn yet
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
+
+
+def _numpy_gauss_cells(rs, state_address: int):
+    """(``has_gauss``, ``gauss``) of NumPy's legacy ``RandomState`` as ctypes cells over the
+    object itself, or False where they cannot be found. The object holds a ``bitgen_t`` whose
+    first field points at the bit generator's state (``state_address``) and, after it, an
+    ``aug_bitgen_t`` ``{bitgen_t *bit_generator; int has_gauss; double gauss}`` pointing back
+    at that ``bitgen_t``: both pointers are looked for within the object's own size, and the
+    cells are used only if they agree with ``get_state()`` now."""
+    try:
+        base, n = id(rs), type(rs).__basicsize__ // 8
+        words = (ctypes.c_uint64 * n).from_address(base)
+        bitgen = next(k for k in range(n) if words[k] == state_address)
+        aug = next(k for k in range(bitgen + 1, n) if words[k] == base + 8 * bitgen)
+        if 8 * aug + 24 > 8 * n:
+            return False
+        has = ctypes.c_int.from_address(base + 8 * aug + 8)
+        cached = ctypes.c_double.from_address(base + 8 * aug + 16)
+        _, _, _, has_gauss, gauss = rs.get_state()
+        if has.value == has_gauss and (not has_gauss or cached.value == gauss):
+            return has, cached
+    except Exception:
+        pass
+    return False
 
 
 def _python_mt_words(inst: random.Random):

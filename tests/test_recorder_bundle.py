@@ -18,7 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from models import all_files, bundles, check_event, identical
 from torch import nn
 
@@ -177,6 +177,8 @@ _DRAWS = {
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.sampled_from(sorted(_DRAWS)), max_size=4), min_size=1, max_size=6))
+# found by this test: re-seeding to the same words with a gaussian newly cached (once missed)
+@example([["seed_np", "np_normal", "np_normal"], ["seed_np", "np_normal"]])
 def test_a_reused_capture_always_matches_the_real_states(steps):
     """The capture skips re-reading Python's and NumPy's states when their fingerprints did
     not move: whatever was drawn in between, what it returns is the state right now."""
