@@ -35,14 +35,15 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # the factories' module is trusted from here
 
 
-def _fit(module, callback, train, val=None, **trainer_args):
+def _fit(module, callback, train, val=None, ckpt_path=None, **trainer_args):
     torch.manual_seed(0)
-    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[callback], **trainer_args)
+    trainer = L.Trainer(**{"accelerator": "cpu", "max_steps": 6, "logger": False,
+                           "enable_checkpointing": False, "enable_progress_bar": False,
+                           "enable_model_summary": False, "callbacks": [callback],
+                           **trainer_args})
     loader = torch.utils.data.DataLoader(train, batch_size=BATCH)
     val_loader = torch.utils.data.DataLoader(val, batch_size=BATCH) if val is not None else None
-    trainer.fit(module, loader, val_loader)
+    trainer.fit(module, loader, val_loader, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -131,3 +132,20 @@ def test_compiled_lightning_module_is_one_region(tmp_path):
     rep = replay(info.value.bundle_path)
     assert rep["reproduced"] is True
     assert (rep["origin"]["module"], rep["origin"]["op"]) == ("net.act", "aten.log")
+
+
+def test_a_resumed_fit_keeps_its_step_numbers(tmp_path):
+    """Fit 3 steps and checkpoint; resume to 6 from the checkpoint with every sample scaled up:
+    the first resumed step is global step 3, and so is the event and the bundle's name (the
+    recorder attaches after Lightning restored the step)."""
+    module = LM.LogNetModule()
+    ckpt = tmp_path / "three.ckpt"
+    trainer = _fit(module, FlightRecorderCallback(module="net", out_dir=tmp_path / "a"),
+                   LM.Rows(), max_steps=3)
+    trainer.save_checkpoint(ckpt)
+    cb = FlightRecorderCallback(module="net", out_dir=tmp_path / "b")
+    with pytest.raises(NonFiniteError) as info:
+        _fit(LM.LogNetModule(), cb, LM.Rows(scaled=range(64)), ckpt_path=str(ckpt))
+    ev = info.value.event
+    assert (ev["step"], ev["module"]) == (3, "act")
+    assert info.value.bundle_path.name == "step00000003-rank0.nan"
