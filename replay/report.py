@@ -46,6 +46,10 @@ def to_text(report: dict[str, Any]) -> str:
         op = f"{o['op']} in " if o.get("op") else ""
         fin = ", inputs finite" if o.get("inputs_finite") else ""
         lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o)}{fin}")
+    if ev.get("compiled"):
+        name = "<root>" if ev.get("module") == "" else ev.get("module")
+        lines.append(f"  recorded   '{name}' as one torch.compile'd call; this replay ran its "
+                     "layers eagerly")
     if o.get("source"):
         text = report.get("source_lines", {}).get(o["source"], "").strip()
         lines.append(f"  source     {o['source']}" + (f"    {text}" if text else ""))

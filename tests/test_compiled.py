@@ -75,6 +75,10 @@ def test_compiled_model_recorded_as_one_call_and_replayed_eagerly(tmp_path):
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["samples"]) == ("forward", "act", "aten.log", [5])
     assert rep["event"]["compiled"] is True
+    from replay.report import to_text
+
+    assert "  recorded   '<root>' as one torch.compile'd call; this replay ran its layers " \
+        "eagerly" in to_text(rep).splitlines()
 
 
 def _hooks(model: nn.Module) -> int:
