@@ -5,8 +5,9 @@
     trainer = L.Trainer(callbacks=[FlightRecorderCallback(factory="mypkg.train:make_model")])
     trainer.fit(model, train_loader, val_loader)   # raises NonFiniteError at the first event
 
-The recorder attaches when training starts (the optimizer, scheduler and GradScaler exist by
-then, and a resumed fit has restored its step) and detaches when fitting ends or fails. It records the module whose forward the
+The recorder attaches when fitting starts (the optimizer, scheduler and GradScaler exist by
+then; again when training starts if a resumed fit restored its step meanwhile) and detaches
+when fitting ends or fails. It records the module whose forward the
 ``training_step`` calls: the LightningModule itself (``self(x)``), or a submodule named by
 ``module=`` (``self.model(x)``). Lightning runs each step's forward and backward inside
 ``optimizer.step(closure)``; the recorder checks the step when that closure returns, before the
@@ -41,8 +42,15 @@ class FlightRecorderCallback(Callback):
         self.module, self.loss_fn, self.options = module, loss_fn, options
         self.recorder: FlightRecorder | None = None
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._attach(trainer, pl_module)  # so the sanity-check validation is watched too
+
     def on_train_start(self, trainer, pl_module) -> None:
-        # (not on_fit_start: a resumed fit restores global_step and the optimizer state after it)
+        # a resumed fit restores global_step after on_fit_start: number its steps from there
+        if self.recorder is None or self.recorder.step != trainer.global_step:
+            self._attach(trainer, pl_module)
+
+    def _attach(self, trainer, pl_module) -> None:
         self.detach()
         if len(trainer.optimizers) > 1:
             raise RuntimeError(f"FlightRecorderCallback: this LightningModule has "

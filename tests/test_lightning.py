@@ -149,3 +149,14 @@ def test_a_resumed_fit_keeps_its_step_numbers(tmp_path):
     ev = info.value.event
     assert (ev["step"], ev["module"]) == (3, "act")
     assert info.value.bundle_path.name == "step00000003-rank0.nan"
+
+
+def test_sanity_check_validation_is_watched(tmp_path):
+    """Lightning's sanity check runs validation batches before training starts: a NaN there is
+    an evaluation event before step 0, raised before any training step ran."""
+    cb = FlightRecorderCallback(module="net", loss_fn="crit", out_dir=tmp_path)
+    with pytest.raises(NonFiniteError) as info:
+        _fit(LM.LogNetModule(), cb, LM.Rows(), LM.Rows(n=16, scaled={9}),
+             num_sanity_val_steps=2)
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["evaluation"], ev["samples"]) == (0, "act", True, [1])
