@@ -159,3 +159,17 @@ def test_the_example_runs_end_to_end(tmp_path):
     assert "loss_utils.py" in proc.stdout and "num_items_in_batch" in proc.stdout
     assert (tmp_path / "nan-bundles" / "step00000003-rank0.nan").exists()
     assert not (tmp_path / "hf-out").exists()
+
+
+def test_a_resumed_run_keeps_its_step_numbers(tmp_path):
+    """Train 3 steps with a checkpoint, resume to 6 with every batch padding: the first resumed
+    step is global step 3, and so is the event and the bundle's name."""
+    first = _trainer(tmp_path, H.Tokens(), FlightRecorderCallback(out_dir=tmp_path / "a"),
+                     max_steps=3, save_strategy="steps", save_steps=3)
+    first.train()
+    cb = FlightRecorderCallback(out_dir=tmp_path / "b")
+    resumed = _trainer(tmp_path, H.Tokens(padding=range(64)), cb)
+    with pytest.raises(NonFiniteError) as info:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    assert info.value.event["step"] == 3
+    assert info.value.bundle_path.name == "step00000003-rank0.nan"
