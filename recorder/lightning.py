@@ -7,9 +7,9 @@
 
 The recorder attaches when fitting starts (the optimizer, scheduler and GradScaler exist by
 then; again when training starts if a resumed fit restored its step meanwhile) and detaches
-when fitting ends or fails. It records the module whose forward the
-``training_step`` calls: the LightningModule itself (``self(x)``), or a submodule named by
-``module=`` (``self.model(x)``). Lightning runs each step's forward and backward inside
+when fitting ends or fails. It records the module whose forward the ``training_step`` calls:
+the LightningModule itself (``self(x)``), or a submodule named by ``module=``
+(``self.model(x)``). Lightning runs each step's forward and backward inside
 ``optimizer.step(closure)``; the recorder checks the step when that closure returns, before the
 update. Importing this module needs ``lightning``; nothing else in ``recorder`` does.
 """
