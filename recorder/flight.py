@@ -150,7 +150,7 @@ class FlightRecorder:
         self._guard: dict[str, Any] | None = None
         self._last_tape: Tape | None = None
         self._buffers: list = []
-        self._compiled: set[int] = set()  # indices of compiled regions (recorded as one call)
+        self._compiled: set[str] = set()  # names of compiled regions (recorded as one call)
         self._small: list[int] = []
         self._volatile_copies = None
         self._steady_buffers: list = []
@@ -191,7 +191,7 @@ class FlightRecorder:
         named = [(s.name, s.module) for s in sites]
         self._module_names = [n for n, _ in named]
         self._module_types = [type(m).__module__ + "." + type(m).__qualname__ for _, m in named]
-        self._compiled = {i for i, s in enumerate(sites) if s.region}
+        self._compiled = {s.name for s in sites if s.region}
         self._params = [(eager_name(n), p) for n, p in model.named_parameters()]
         self._buffers = [(eager_name(n), b) for n, b in model.named_buffers()]
         # BatchNorm-style layers update their running statistics inside the kernel, which
@@ -314,9 +314,7 @@ class FlightRecorder:
     def _post_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
         tape = self._tape
         if tape is None or not self._active:
-            if tape is None and idx and self._unrooted_call is None:  # see _unrooted
-                self._unrooted_call = idx
-            return None
+            return self._outside_step(idx, tape)
         try:
             mb = len(tape.micro_batches) - 1
             if idx == 0:
@@ -341,6 +339,12 @@ class FlightRecorder:
                 self._eval_tail = tape
         return None
 
+    def _outside_step(self, idx: int, tape: Tape | None) -> None:
+        """A module hook with nothing to record: inactive, or no step open. A submodule called
+        while no step is open is remembered for :meth:`_unrooted`."""
+        if tape is None and idx and self._unrooted_call is None:
+            self._unrooted_call = idx
+
     def _relu_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
         """An ``nn.ReLU`` call: its output's min and max are the ReLU of its input's (ReLU is
         elementwise and non-decreasing; NaN stays NaN, -Inf becomes 0, +Inf stays), so they are
@@ -349,9 +353,7 @@ class FlightRecorder:
         ``aminmax``."""
         tape = self._tape
         if tape is None or not self._active:
-            if tape is None and idx and self._unrooted_call is None:  # see _unrooted
-                self._unrooted_call = idx
-            return None
+            return self._outside_step(idx, tape)
         if len(args) != 1 or kwargs or type(args[0]) is not torch.Tensor \
                 or type(output) is not torch.Tensor or output.dtype is not torch.float32 \
                 or args[0].dtype is not torch.float32 or self._param_norms:
@@ -457,27 +459,28 @@ class FlightRecorder:
             return self._check_evaluation_loss(tape, args, kwargs, output)
         if not self._active or tape is None or not tape.micro_batches:
             return None
-        mb = tape.micro_batches[-1]
-        mb.loss_args, mb.loss_kwargs = args, kwargs  # the targets, kept by reference
         try:
-            for t in tensor_leaves(output):
-                if t.is_floating_point() and t.numel():
-                    lo, hi = tape.slots.minmax(t.detach(), STRICT)
-                    tape.loss.append((tape.micro_batch, lo, hi))
+            self._record_loss(tape, args, kwargs, output)
         except Exception as e:
             self._internal_error(e)
         return None
 
+    @staticmethod
+    def _record_loss(tape: Tape, args, kwargs, output) -> None:
+        """The loss call's arguments (the targets, kept by reference) on the micro-batch, and
+        the (min, max) of each floating output among the step's must-be-finite statistics."""
+        mb = tape.micro_batches[-1]
+        mb.loss_args, mb.loss_kwargs = args, kwargs
+        for t in tensor_leaves(output):
+            if t.is_floating_point() and t.numel():
+                lo, hi = tape.slots.minmax(t.detach(), STRICT)
+                tape.loss.append((tape.micro_batch, lo, hi))
+
     def _check_evaluation_loss(self, tape: Tape, args, kwargs, output) -> None:
         """The loss of an evaluation forward (already checked and closed): its row again, with
         the loss, and one more host read; the event is then a loss event of that forward."""
-        mb = tape.micro_batches[-1]
-        mb.loss_args, mb.loss_kwargs = args, kwargs
         try:
-            for t in tensor_leaves(output):
-                if t.is_floating_point() and t.numel():
-                    lo, hi = tape.slots.minmax(t.detach(), STRICT)
-                    tape.loss.append((tape.micro_batch, lo, hi))
+            self._record_loss(tape, args, kwargs, output)
             if not tape.loss:
                 return
             layout, row, probe, _ = self._build_row(tape, skipped=False)
@@ -801,7 +804,7 @@ class FlightRecorder:
             return
         if tape.evaluation:
             event["evaluation"] = True
-        if event.get("module") in {self._module_names[i] for i in self._compiled}:
+        if event.get("module") in self._compiled:
             event["compiled"] = True  # its layers were not recorded (see recorder.compiled)
         self._write_and_report(tape, event)
 
