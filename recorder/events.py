@@ -221,9 +221,14 @@ def _tensors(obj):
 
 
 def _output_samples(mb, d) -> list[int]:
-    """Batch rows of the root output that are non-finite (the samples the event touched); a
-    0-d output (a loss the model computes itself) names no row."""
-    for t in _tensors(mb.outputs):
+    """Batch rows of the root output that are non-finite (the samples the event touched)."""
+    return first_bad_rows(_tensors(mb.outputs))
+
+
+def first_bad_rows(tensors) -> list[int]:
+    """The non-finite rows of the first floating tensor that has any; a 0-d one (a loss the
+    model computes itself) names no row."""
+    for t in tensors:
         if t.is_floating_point() and t.dim():
             rows = bad_rows(t)
             if rows:

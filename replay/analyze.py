@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from recorder.capture import batch_path, flatten_tree, loss_path, tensor_leaves
-from recorder.events import bad_rows
+from recorder.events import bad_rows, first_bad_rows
 
 from . import cause as causes
 from .backward import find_backward_origin
@@ -323,13 +323,7 @@ def _batch_size(step: Step) -> int:
 
 
 def _root_rows(run: Run) -> list[int]:
-    for outs in run.outputs:
-        for t in outs:
-            if t.is_floating_point() and t.dim():  # a 0-d output (a loss) names no row
-                rows = bad_rows(t)
-                if rows:
-                    return rows
-    return []
+    return first_bad_rows(t for outs in run.outputs for t in outs)
 
 
 def _loss_args(step: Step, run: Run, mb: int):
