@@ -36,9 +36,9 @@ class RngCapture:
     """
 
     def __init__(self):
-        # the generator whose words are read is held, so they can never dangle; a generator
-        # replaced by another is looked at afresh
-        self._np_owner = self._np_words = self._np_gauss = None
+        # the generator (and RandomState) whose memory is read is held, so it can never
+        # dangle; one replaced by another is looked at afresh
+        self._np_owner = self._np_rs = self._np_words = self._np_gauss = None
         self._np_last: tuple | None = None
         self._np_key: tuple | None = None
         self._py_owner = self._py_words = None
@@ -49,8 +49,8 @@ class RngCapture:
         # the generator behind np.random's functions (bound to it when NumPy was imported)
         rs = getattr(np.random.get_state, "__self__", None)
         owner = getattr(rs, "_bit_generator", None)
-        if owner is not self._np_owner:
-            self._np_owner, self._np_last = owner, None
+        if owner is not self._np_owner or rs is not self._np_rs:  # (the gauss cells are rs's)
+            self._np_owner, self._np_rs, self._np_last = owner, rs, None
             try:
                 addr = owner.ctypes.state_address
                 self._np_words = (ctypes.c_uint32 * 625).from_address(addr)
