@@ -164,6 +164,7 @@ class FlightRecorder:
         self._unrooted_call: int | None = None  # a submodule that ran while no step was open
         self._unrooted_warned = False
         self._eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
+        self._loss_recorded = False  # record_loss has been given a loss (no loss_fn to replay)
 
     # ------------------------------------------------------------------------------------------
     # public surface
@@ -274,6 +275,21 @@ class FlightRecorder:
     def end_step(self) -> None:
         """Close the current step now (for loops without an optimizer that update by hand)."""
         self._close_open_step(at="end_step")
+
+    def record_loss(self, loss) -> None:
+        """Check a loss computed outside :attr:`loss_fn` (an inline ``F.cross_entropy`` in a
+        Lightning ``training_step``; the Lightning callback calls this) with the open training
+        step: a NaN/Inf in it is a ``loss`` event when the step closes, with no extra host
+        read. Its inputs are not kept, so the replay re-runs the model but not the loss; a
+        ``loss_fn`` it can call names the op. Ignored outside a training step."""
+        tape = self._tape
+        if not self._active or tape is None or not tape.micro_batches or tape.evaluation:
+            return
+        try:
+            self._loss_recorded = True
+            self._loss_stats(tape, loss)
+        except Exception as e:
+            self._internal_error(e)
 
     @property
     def step(self) -> int:
@@ -471,6 +487,10 @@ class FlightRecorder:
         the (min, max) of each floating output among the step's must-be-finite statistics."""
         mb = tape.micro_batches[-1]
         mb.loss_args, mb.loss_kwargs = args, kwargs
+        FlightRecorder._loss_stats(tape, output)
+
+    @staticmethod
+    def _loss_stats(tape: Tape, output) -> None:
         for t in tensor_leaves(output):
             if t.is_floating_point() and t.numel():
                 lo, hi = tape.slots.minmax(t.detach(), STRICT)

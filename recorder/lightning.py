@@ -9,7 +9,8 @@ The recorder attaches when fitting starts (the optimizer, scheduler and GradScal
 then; again when training starts if a resumed fit restored its step meanwhile) and detaches
 when fitting ends or fails. It records the module whose forward the ``training_step`` calls:
 the LightningModule itself (``self(x)``), or a submodule named by ``module=``
-(``self.model(x)``). Lightning runs each step's forward and backward inside
+(``self.model(x)``), and the loss the ``training_step`` returns (through ``loss_fn`` when given,
+so the replay can re-run it). Lightning runs each step's forward and backward inside
 ``optimizer.step(closure)``; the recorder checks the step when that closure returns, before the
 update. Importing this module needs ``lightning``; nothing else in ``recorder`` does.
 """
@@ -66,6 +67,13 @@ class FlightRecorderCallback(Callback):
             model, opt, loss_fn=loss_fn, scaler=getattr(trainer.precision_plugin, "scaler", None),
             lr_scheduler=configs[0].scheduler if len(configs) == 1 else None,
             start_step=trainer.global_step, **self.options).attach()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        # The training_step's loss, whatever computed it: without loss_fn (an inline F.* loss)
+        # the recorder sees it only here; a NaN loss with zero gradients (every target
+        # ignored) would otherwise pass unseen.
+        if self.recorder is not None and self.recorder.loss_fn is None:
+            self.recorder.record_loss(loss)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.recorder is not None:

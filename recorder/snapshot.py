@@ -96,6 +96,8 @@ def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], 
         meta["grad_scaler"] = {"class": qualname(scaler), "state": tree}
     if rec.loss_fn is not None:
         meta["loss"] = _loss(rec.loss_fn, tensors)
+    elif rec._loss_recorded:  # given to record_loss: checked, but nothing to re-run it with
+        meta["loss"] = {"kind": "recorded"}
     # -- history and environment
     n_groups = len(opt.param_groups) if opt is not None else 0
     ring_meta, ring_tensors = rec._ring.export(len(params), n_groups)

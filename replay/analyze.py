@@ -113,6 +113,8 @@ def analyze(step: Step) -> dict[str, Any]:
         return _forward(report, step, runner, run1, origin)
     if run1.loss_finite and not all(run1.loss_finite):
         return _loss(report, step, runner, run1)
+    if phase == "loss" and step.loss_fn is None:
+        return _loss_not_in_bundle(report, step)
     if run1.bad_grads:
         return _backward(report, runner)
     if phase == "optimizer" and not after_update and step.optimizer is not None:
@@ -168,6 +170,25 @@ def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
                      samples=_loss_samples(step, run, mb), made=made)
     cause = causes.classify(runner, "loss")
     return _finish(report, origin, cause, reproduced=step.event.get("phase") == "loss")
+
+
+def _loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
+    """A loss event with no loss function to call: one computed inline and given to
+    ``record_loss`` (the Lightning callback's ``training_step`` loss). The model's outputs
+    re-ran finite, which is as far as the bundle goes."""
+    ev = step.event
+    report = _finish(report, _origin(phase="loss", module="<loss>",
+                                     micro_batch=ev.get("micro_batch"), made=ev.get("kind")),
+                     None, reproduced=False)
+    report["problems"].append(
+        "the loss was computed outside a loss function the recorder hooked (given to "
+        "record_loss, e.g. inline in a Lightning training_step), so the bundle cannot re-run "
+        "it; the model's outputs re-ran finite")
+    report["hint"] = ("the loss computation made the value from finite model outputs: check "
+                      "its inputs (every target ignored gives a 0/0 mean; log of a zero "
+                      "probability); to name the op, record with loss_fn= (the Lightning "
+                      "callback takes the attribute that holds the loss module)")
+    return report
 
 
 def _backward(report, runner: Runner) -> dict[str, Any]:

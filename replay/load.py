@@ -348,9 +348,10 @@ def _set(model: nn.Module, name: str, value, *, param: bool) -> None:
 
 def _builtin_loss(step: Step):
     info = step.meta.get("loss")
-    if not info:
-        return None
-    if info["kind"] == "function":
+    if not info or info.get("kind") == "recorded":  # "recorded": checked, nothing to re-run
+        return None  # (analyze says so)
+    kind = info.get("kind")
+    if kind == "function" and isinstance(info.get("name"), str):
         name = info["name"]
         if name.startswith("torch.nn.functional."):
             fn = getattr(torch.nn.functional, name.rpartition(".")[2], None)
@@ -359,7 +360,12 @@ def _builtin_loss(step: Step):
         step.problems.append(f"the loss function {name} is not a torch built-in; return it from "
                              "the factory as {'model': ..., 'loss_fn': ...}")
         return None
-    cls_path = info["class"]
+    cls_path = info.get("class") if kind == "module" else None
+    if not isinstance(cls_path, str):
+        step.problems.append(f"the bundle's loss entry is not one the recorder writes (kind "
+                             f"{kind!r}); return the loss from the factory as "
+                             "{'model': ..., 'loss_fn': ...}")
+        return None
     cls = getattr(nn, cls_path.rpartition(".")[2], None) if cls_path.startswith("torch.nn.") else None
     if cls is None:
         step.problems.append(f"the loss {cls_path} is not a torch.nn built-in; return it from the "

@@ -33,6 +33,15 @@ class LogNetModule(L.LightningModule):
         return opts[0] if len(opts) == 1 else opts
 
 
+class InlineLoss(LogNetModule):
+    """A training_step that computes its loss inline with ``F.cross_entropy`` (no loss
+    module the recorder could hook)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+
 class Forwarding(LogNetModule):
     """A LightningModule whose training_step runs its own forward (``self(x)``)."""
 
@@ -49,11 +58,12 @@ def make_forwarding() -> Forwarding:
 
 
 class Rows(torch.utils.data.Dataset):
-    """``replay_models.batch`` rows, one per item; the items in ``scaled`` are multiplied by 100
-    (with batch size 8, item 8 * k + j is sample j of step k)."""
+    """``replay_models.batch`` rows, one per item; the items in ``scaled`` are multiplied by 100,
+    those in ``ignored`` get the target -100 (cross-entropy's ``ignore_index``); with batch
+    size 8, item 8 * k + j is sample j of step k."""
 
-    def __init__(self, n: int = 64, scaled=()):
-        self.n, self.scaled = n, set(scaled)
+    def __init__(self, n: int = 64, scaled=(), ignored=()):
+        self.n, self.scaled, self.ignored = n, set(scaled), set(ignored)
 
     def __len__(self) -> int:
         return self.n
@@ -61,4 +71,5 @@ class Rows(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         x, y = R.batch(i, n=1)
         x, y = x[0], y[0]
-        return (x * 100.0 if i in self.scaled else x), y
+        return (x * 100.0 if i in self.scaled else x), (torch.tensor(-100) if i in self.ignored
+                                                         else y)

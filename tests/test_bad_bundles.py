@@ -462,6 +462,21 @@ def test_buffers_that_fit_are_loaded(toy, tmp_path, monkeypatch):
         sys.modules.pop(mod, None)
 
 
+@pytest.mark.parametrize("loss", [{"kind": "module"}, {"kind": "module", "class": 3},
+                                  {"kind": "plugin", "name": "x"}, {"class": "torch.nn.L1Loss"}])
+def test_a_loss_entry_the_recorder_never_writes_is_a_note(toy, tmp_path, in_examples, loss):
+    """The toy's event is in the forward, which needs no loss: a malformed ``loss`` entry is
+    said in the report (it names no loss to re-run) and the replay goes on."""
+    def meta(m):
+        m["loss"] = loss
+        return m
+
+    r = run(rewrite(toy, tmp_path / "loss.nan", meta=meta))
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "made by aten.div in norm" in r.stdout
+    assert "the bundle's loss entry is not one the recorder writes" in r.stdout
+
+
 OTHER_MODELS = """
 import toy_model
 from torch import nn

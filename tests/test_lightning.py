@@ -7,6 +7,7 @@ checks each step when the closure returns, before the update.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import lightning_models as LM  # noqa: E402
 import torch  # noqa: E402
 
 from recorder import NonFiniteError  # noqa: E402
+from recorder.bundle import read_bundle  # noqa: E402
 from recorder.lightning import FlightRecorderCallback  # noqa: E402
 from replay import replay  # noqa: E402
 
@@ -95,6 +97,40 @@ def test_lightning_module_itself_is_recorded_when_its_forward_runs_the_step(tmp_
         _fit(LM.Forwarding(), cb, LM.Rows(scaled={K * BATCH + 2}))
     ev = info.value.event
     assert (ev["step"], ev["module"], ev["samples"]) == (K, "net.act", [2])
+
+
+def test_an_inline_loss_is_checked_through_lightning(tmp_path):
+    """A training_step computing ``F.cross_entropy`` inline, whose batch at step K has every
+    target ignored: the mean over no targets is 0/0 = NaN while every gradient is 0, so only the
+    loss shows it. The callback hands the loss to ``record_loss``: a loss event at step K
+    before the update, and the replay re-runs the model (finite) and says the loss is not in
+    the bundle instead of guessing."""
+    module = LM.InlineLoss()
+    cb = FlightRecorderCallback(module="net", out_dir=tmp_path,
+                                factory="replay_models:make_log_net")
+    with pytest.raises(NonFiniteError) as info:
+        trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[cb])
+        trainer.fit(module, torch.utils.data.DataLoader(
+            LM.Rows(ignored=range(K * BATCH, (K + 1) * BATCH)), batch_size=BATCH))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (K, "loss", "<loss>", "nan")
+    assert trainer.global_step == K
+    rep = replay(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"]) == ("loss", "<loss>", None, None)
+    assert rep["reproduced"] is False
+    assert any("record_loss" in p for p in rep["problems"]), rep["problems"]
+    assert "loss_fn=" in rep["hint"]
+    _, tensors = read_bundle(info.value.bundle_path)  # the loss history the report plots
+    losses = tensors["ring/loss"].tolist()
+    assert len(losses) == K + 1 and all(0 < v < 10 for v in losses[:K]), losses
+    assert math.isnan(losses[K])
+    # the same fit with the targets intact: every step's loss checked, no event
+    cb = FlightRecorderCallback(module="net", out_dir=tmp_path / "clean")
+    _fit(LM.InlineLoss(), cb, LM.Rows())
+    assert cb.recorder.event is None and cb.recorder._internal_errors == 0
 
 
 def test_what_the_callback_cannot_follow_is_said(tmp_path):

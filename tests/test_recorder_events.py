@@ -158,6 +158,35 @@ def test_nan_made_by_the_loss_function(out_dir):
     assert meta["loss"]["name"].endswith("sqrt_ce")
 
 
+def test_an_inline_loss_given_to_record_loss(out_dir):
+    """``F.cross_entropy`` computed inline (no ``loss_fn``) and handed to ``record_loss``: at step
+    K every target is ignored, the mean over none is 0/0 = NaN and every gradient is 0, so only
+    the loss shows it: a loss event at K, before the update; the bundle says the loss was
+    recorded but cannot be re-run. Outside a step ``record_loss`` is a no-op."""
+    model = M.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = FlightRecorder(model, opt, out_dir=out_dir)
+    rec.record_loss(torch.tensor(math.nan))  # not attached: ignored
+    with pytest.raises(NonFiniteError) as info, rec:
+        rec.record_loss(torch.tensor(math.nan))  # attached, no step open: ignored
+        for step in range(K + 2):
+            x, y = M.batch(step)
+            if step == K:
+                y = torch.full_like(y, -100)
+                before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            rec.record_loss(loss)
+            loss.backward()
+            opt.step()
+    check_event(info.value.event, step=K, phase="loss", module="<loss>", micro_batch=0,
+                kind="nan")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    meta, tensors = read_bundle(info.value.bundle_path)
+    assert meta["loss"] == {"kind": "recorded"}
+    assert not any(name.startswith("loss_in/") for name in tensors)
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. backward only
 

@@ -140,6 +140,20 @@ def test_one_host_read_per_step_with_a_dict_batch_and_a_plain_loss(out_dir):
     assert [len(c) for c in per_step] == [1] * 4, per_step
 
 
+def test_one_host_read_per_step_with_a_loss_given_to_record_loss(out_dir):
+    model = M.mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    with FlightRecorder(model, opt, out_dir=out_dir) as rec:
+        def crit(out, y):
+            loss = nn.functional.cross_entropy(out, y)
+            rec.record_loss(loss)
+            return loss
+
+        per_step = _per_step(model, opt, crit, 4)
+    assert [len(c) for c in per_step] == [1] * 4, per_step
+    assert rec.event is None
+
+
 def test_evaluation_forwards_read_once_each_and_steps_stay_at_one(out_dir):
     """A validation loop between steps: one read when each evaluation forward returns (it is
     checked apart, see the guide), one more when its loss is computed, and still exactly one
