@@ -40,10 +40,10 @@ class BackwardOrigin:
 
 
 @contextlib.contextmanager
-def _anomaly():
+def _anomaly(check_nan: bool = True):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
-        with torch.autograd.detect_anomaly(check_nan=True):
+        with torch.autograd.detect_anomaly(check_nan=check_nan):
             yield
 
 
@@ -117,7 +117,8 @@ def find_backward_origin(runner: Runner) -> BackwardOrigin:
 
 
 class _LossLabeller:
-    """Labels the loss's autograd nodes ``<loss>`` just before backward runs."""
+    """Labels the loss's autograd nodes ``<loss>`` just before backward runs, and records the
+    forward traceback of nodes created during it."""
 
     def __init__(self, label):
         self.label = label
@@ -130,7 +131,10 @@ class _LossLabeller:
             losses = [t for t in tensor_leaves(runner_last_losses(runner))
                       if isinstance(t, torch.Tensor)]
             labeller.label(losses, "<loss>")
-            yield
+            # Nodes made during backward (reentrant checkpointing re-runs its blocks' forward
+            # there) get their source line too; NaN must not raise before the hooks see it.
+            with _anomaly(check_nan=False):
+                yield
 
         return ctx
 

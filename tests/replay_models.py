@@ -455,6 +455,42 @@ def make_exp_net() -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------
+# (o) activation checkpointing: blocks whose forward runs again during backward
+
+
+class CheckpointedNet(nn.Module):
+    """``LengthNet``'s features, then dropout and ``ShiftedLog``, in two blocks run under
+    ``torch.utils.checkpoint`` (as ``gradient_checkpointing_enable()`` does in Hugging Face
+    models): each block's modules are called again inside backward to remake the activations,
+    with the dropout draw of the forward. ``inp`` runs outside, so the blocks' input requires
+    grad, which the reentrant variant needs."""
+
+    def __init__(self, reentrant: bool = False):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(D_IN, HIDDEN, bias=False)  # a zero input row stays zero
+        self.feat = nn.Sequential(nn.Linear(HIDDEN, HIDDEN, bias=False), WithLength())
+        self.mix = nn.Sequential(nn.Linear(HIDDEN + 1, HIDDEN), nn.Dropout(0.2), ShiftedLog())
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for block in (self.feat, self.mix):
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.training else block(x)
+        return self.head(x)
+
+
+def make_checkpointed_net() -> nn.Module:
+    return CheckpointedNet()
+
+
+def make_reentrant_checkpointed_net() -> nn.Module:
+    return CheckpointedNet(reentrant=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # (n) a NaN that depends on hidden process state: not reproducible from a bundle
 
 CALLS = {"n": 0, "fire_at": -1, "every": 0}

@@ -49,17 +49,24 @@ def _trainer(tmp_path, dataset, callback, eval_dataset=None, **args):
         callbacks=[callback])
 
 
-def test_padding_batch_is_caught_at_its_step_and_replayed(tmp_path):
+@pytest.mark.parametrize("args", [{}, {"activation_checkpointing": True}],
+                         ids=["plain", "activation_checkpointing"])
+def test_padding_batch_is_caught_at_its_step_and_replayed(tmp_path, args):
+    """With ``activation_checkpointing`` (gradient checkpointing) the blocks' modules run again inside backward (recorded
+    as further calls): the event and the replay are the same."""
     cb = FlightRecorderCallback(out_dir=tmp_path / "b", factory="hf_models:make_tiny_gpt2")
-    trainer = _trainer(tmp_path, H.Tokens(padding=range(K * BATCH, (K + 1) * BATCH)), cb)
+    trainer = _trainer(tmp_path, H.Tokens(padding=range(K * BATCH, (K + 1) * BATCH)), cb,
+                       **args)
     with pytest.raises(NonFiniteError) as info:
         trainer.train()
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (K, "forward", "", "nan")
     assert ev["samples"] == []  # the model's 0-d loss names no row
     assert trainer.state.global_step == K  # the bad update never ran
-    cb.detach()
-    assert not any(m._forward_hooks for m in trainer.model.modules())
+    cb.detach()  # every hook left is the Trainer's own (checkpointing's input hook)
+    assert all(getattr(h, "__qualname__", "").endswith("make_inputs_require_grads")
+               for m in trainer.model.modules() for h in m._forward_hooks.values())
+    assert not any(m._forward_hooks for m in trainer.model.modules()) or args
     rep = replay(info.value.bundle_path)
     assert rep["reproduced"] is True and rep["cause"] == "invalid"
     o = rep["origin"]

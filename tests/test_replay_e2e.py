@@ -661,6 +661,47 @@ def test_exp_overflow_then_inf_minus_inf(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# (o) activation checkpointing: the forward's calls run again inside backward
+
+
+CHECKPOINTED = ["make_checkpointed_net", "make_reentrant_checkpointed_net"]
+
+
+@pytest.mark.parametrize("factory", CHECKPOINTED)
+def test_checkpointed_blocks_forward_nan(tmp_path, factory):
+    """A NaN in a checkpointed block's forward is the forward call's (call 0), not one of the
+    calls that recompute it in backward; the replay, whose backward recomputes too, names the
+    same call and op, with the forward's dropout draw."""
+    err, _, _ = record(factory, single(scaled_row(5, 100.0)), tmp_path, steps=8)
+    check_event(err.event, step=K, phase="forward", module="mix.2", call=0, samples=[5])
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="mix.2", call=0, op="aten.log", samples=[5])
+    check_bisection(rep)
+
+
+@pytest.mark.parametrize("factory", CHECKPOINTED)
+def test_checkpointed_blocks_backward_nan(tmp_path, factory):
+    """sqrt at 0 inside a checkpointed block: forward finite, backward (through the
+    recomputed activations) NaN. A backward event naming the block's parameters; the replay
+    finds SqrtBackward0 in ``feat.1``."""
+    def make(s):
+        x, y = R.batch(s)
+        if s == K:
+            x[6] = 0.0
+        return x, y
+
+    err, _, _ = record(factory, single(make), tmp_path, steps=8)
+    check_event(err.event, step=K, phase="backward")
+    assert {"inp.weight", "feat.0.weight"} <= set(err.event["params"])
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="backward", module="feat.1", op="SqrtBackward0")
+    assert rep["origin"]["made"] in ("+inf", "-inf")  # 1 / (2 sqrt(0)) times the incoming sign
+    check_source(rep["origin"]["source"], source_of(R.WithLength, "torch.sqrt"))
+
+
+# ---------------------------------------------------------------------------------------------
 # (n) not reproducible
 
 
