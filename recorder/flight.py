@@ -34,7 +34,7 @@ from .ring import RingBuffer, StepLayout
 from .slots import GRAD, LOOSE, NAN_ONLY, STRICT, Slots
 from .snapshot import build_bundle
 from .tape import MicroBatch, Tape
-from .validate import validate
+from .validate import validate, validate_settings
 
 log = logging.getLogger("nanreplay")
 
@@ -102,6 +102,9 @@ class FlightRecorder:
                  max_micro_batches: int = 1024):
         validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, allow_inf,
                   scaler)
+        validate_settings(stats=stats, min_scale=min_scale, start_step=start_step,
+                          max_skipped_steps=max_skipped_steps,
+                          max_micro_batches=max_micro_batches, lr_scheduler=lr_scheduler)
         self.out_dir = Path(out_dir)
         self.factory = factory
         self.history = history
@@ -110,8 +113,6 @@ class FlightRecorder:
         self.min_scale = float(min_scale)
         self.max_skipped_steps = int(max_skipped_steps)
         self.guard_optimizer = bool(guard_optimizer)
-        if stats not in ("minmax", "full"):
-            raise ValueError(f"FlightRecorder: stats must be 'minmax' or 'full', got {stats!r}")
         self.stats = stats
         # A pass over every weight each step costs as much memory traffic as the gradient
         # norms; by default weights are read only when an event needs them (slow path).

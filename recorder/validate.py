@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import tempfile
 from pathlib import Path
 
@@ -57,6 +58,31 @@ def validate_callback_options(loss_fn, options: dict) -> None:
     validate_options(loss_fn, options.get("out_dir", "nan-bundles"), options.get("factory"),
                      options.get("history", 64), options.get("on_event", "raise"),
                      options.get("allow_inf", ()))
+    validate_settings(**{k: v for k, v in options.items() if k in _SETTINGS})
+
+
+# the lowest value each integer setting takes
+_COUNTS = {"start_step": 0, "max_skipped_steps": 0, "max_micro_batches": 1}
+_SETTINGS = {*_COUNTS, "stats", "min_scale", "lr_scheduler"}
+
+
+def validate_settings(**settings) -> None:
+    """The settings with a range or a set of values (any subset of ``_SETTINGS``)."""
+    for name, low in _COUNTS.items():
+        v = settings.get(name, low)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"FlightRecorder: {name} must be an int >= {low}, got {v!r}")
+    stats = settings.get("stats", "minmax")
+    if stats not in ("minmax", "full"):
+        raise ValueError(f"FlightRecorder: stats must be 'minmax' or 'full', got {stats!r}")
+    v = settings.get("min_scale", 1.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"FlightRecorder: min_scale must be a finite number >= 0 (0 turns the "
+                         f"scale-collapse check off), got {v!r}")
+    sched = settings.get("lr_scheduler")
+    if sched is not None and not callable(getattr(sched, "state_dict", None)):
+        raise TypeError(f"FlightRecorder: lr_scheduler must be a scheduler with a state_dict() "
+                        f"(torch.optim.lr_scheduler), got {type(sched).__name__}")
 
 
 def validate_options(loss_fn, out_dir, factory, history, on_event, allow_inf) -> None:

@@ -99,6 +99,10 @@ def test_the_trainer_supplies_optimizer_and_schedule(tmp_path):
         FlightRecorderCallback(optimizer=None)
     with pytest.raises(ValueError, match="on_event must be"):
         FlightRecorderCallback(on_event="ignore")
+    with pytest.raises(ValueError, match="stats must be 'minmax' or 'full'"):
+        FlightRecorderCallback(stats="everything")
+    with pytest.raises(ValueError, match="max_micro_batches must be an int >= 1, got 0"):
+        FlightRecorderCallback(max_micro_batches=0)
     with pytest.raises(TypeError, match="unknown option.s. out_dri; it takes FlightRecorder's: "
                                         "allow_inf, factory"):
         FlightRecorderCallback(out_dri=tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import models as M
@@ -109,6 +110,13 @@ def test_factory_dotted_attribute_accepted(out_dir):
     ({"scaler": object()}, TypeError, "scaler must be a torch.amp.GradScaler, got object"),
     ({"loss_fn": 3}, TypeError, "loss_fn must be callable, got int"),
     ({"stats": "all"}, ValueError, "stats must be 'minmax' or 'full', got 'all'"),
+    ({"lr_scheduler": 3}, TypeError, "lr_scheduler must be a scheduler with a state_dict()"),
+    ({"min_scale": "x"}, ValueError, "min_scale must be a finite number >= 0"),
+    ({"min_scale": math.nan}, ValueError, "min_scale must be a finite number >= 0"),
+    ({"start_step": -1}, ValueError, "start_step must be an int >= 0, got -1"),
+    ({"start_step": 2.5}, ValueError, "start_step must be an int >= 0, got 2.5"),
+    ({"max_skipped_steps": -3}, ValueError, "max_skipped_steps must be an int >= 0, got -3"),
+    ({"max_micro_batches": 0}, ValueError, "max_micro_batches must be an int >= 1, got 0"),
 ])
 def test_bad_arguments(out_dir, kwargs, exc, phrase):
     model = M.mlp()
