@@ -178,6 +178,8 @@ class FlightRecorder:
         try:
             if exc_type is None:
                 self._close_open_step(at="detach")
+            else:
+                self._check_on_exception(exc)
         finally:
             self.detach()
 
@@ -291,6 +293,31 @@ class FlightRecorder:
             self._loss_stats(tape, loss)
         except Exception as e:
             self._internal_error(e)
+
+    def _check_on_exception(self, exc: BaseException) -> None:
+        """The loop raised ``exc`` while a step was open: the loop's own NaN guard (``if
+        loss.isnan(): raise``), ``clip_grad_norm_(..., error_if_nonfinite=True)``, a crash
+        mid-forward. Check what the step recorded so far (one host read) and, if it is
+        non-finite, write the bundle; ``exc`` goes on, with the recorder's summary added as a
+        note. The ``with`` block and the Lightning callback call this; a ``KeyboardInterrupt``
+        is left alone."""
+        if not isinstance(exc, Exception) or isinstance(exc, NonFiniteError):
+            return
+        tape = self._tape
+        if not self._active or tape is None or self._fired:
+            return
+        try:
+            if not tape.evaluation:  # gradients backward wrote, which no optimizer hook read
+                self._reread_changed_grads(tape)
+            self._close_tape(at="exception")
+        except NonFiniteError as e:
+            _add_note(exc, str(e))
+            return
+        except Exception as e:
+            self._internal_error(e)
+            return
+        if self._fired and self.event is not None:  # warn mode: logged, and noted here too
+            _add_note(exc, events.summary(self.event, self.bundle_path))
 
     @property
     def step(self) -> int:
@@ -951,6 +978,14 @@ def _host_float(x) -> float:
 def _scaler_token(scaler) -> int | None:
     # GradScaler.update() replaces this dict; seeing a new one means a step ended, skipped or not.
     return id(getattr(scaler, "_per_optimizer_states", None)) if scaler is not None else None
+
+
+def _add_note(exc: BaseException, text: str) -> None:
+    """``exc.add_note(text)`` (Python 3.11+), else a warning in the log."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:
+        log.warning(text)
 
 
 def _autocast_state() -> dict[str, Any]:

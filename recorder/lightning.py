@@ -81,6 +81,8 @@ class FlightRecorderCallback(Callback):
         self.detach()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if self.recorder is not None:  # the step the exception cut short: checked, noted
+            self.recorder._check_on_exception(exception)
         self.detach()
 
     def detach(self) -> None:

@@ -97,6 +97,30 @@ def _kind(ts: list[torch.Tensor]) -> str | None:
     return None
 
 
+def _op(func, args, kwargs):
+    """``func(*args, **kwargs)`` inside a dispatch mode. What it raises is the model's op failing
+    (``multinomial`` on NaN probabilities), marked so a re-run does not take it for the
+    replay's own error (see ``rerun.raised_by_model``)."""
+    try:
+        return func(*args, **kwargs)
+    except Exception as e:
+        e._nanreplay_op = True
+        raise
+
+
+def raised_by_model(e: BaseException) -> bool:
+    """Whether the model's (or its loss's) own code raised ``e`` during a re-run, rather than
+    the replay: an op failing inside a dispatch mode (marked by ``_op``), else the innermost
+    frame outside torch is not nanreplay's."""
+    if getattr(e, "_nanreplay_op", False):
+        return True
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        if frame.filename.startswith(_TORCH_DIR) or frame.filename.startswith("<"):
+            continue
+        return not frame.filename.startswith(_OWN_DIRS)
+    return False
+
+
 class _Watch(TorchDispatchMode):
     def __init__(self, finder: OpFinder):
         super().__init__()
@@ -106,7 +130,7 @@ class _Watch(TorchDispatchMode):
         kwargs = kwargs or {}
         f = self.finder
         if f.first is not None and f.first_nan is not None:
-            return func(*args, **kwargs)
+            return _op(func, args, kwargs)
         leaves = tree_leaves((args, kwargs))
         ins = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()
                and t.numel() and not t.is_meta]
@@ -121,7 +145,7 @@ class _Watch(TorchDispatchMode):
             in_nan_free = not any(math.isnan(a) or math.isnan(b) for a, b in ends)
             if in_nan_free:
                 lo, hi = min(a for a, _ in ends), max(b for _, b in ends)
-        out = func(*args, **kwargs)
+        out = _op(func, args, kwargs)
         name = func.overloadpacket.__name__
         if name in _UNINITIALISED:
             return out
@@ -180,7 +204,7 @@ class Float64(TorchDispatchMode):
             kwargs["dtype"] = torch.float64
         if not _mutates(func):
             args, kwargs = _upcast(args), _upcast(kwargs)
-        return func(*args, **kwargs)
+        return _op(func, args, kwargs)
 
 
 _MUTATES: dict[Any, bool] = {}

@@ -25,6 +25,7 @@ from .load import (
     output_grads,
     rng_state,
 )
+from .ops import raised_by_model
 
 
 class StopRun(Exception):
@@ -126,6 +127,8 @@ class Run:
     bad_grads: list[str] = field(default_factory=list)
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
     losses: list[Any] = field(default_factory=list)
+    raised: str | None = None  # what the model's own code raised, ending the run there
+    error: Exception | None = None  # ...the exception itself
 
     def forward_origin(self) -> Call | None:
         """First call (completion order) to make a non-finite output from finite inputs."""
@@ -136,7 +139,7 @@ class Run:
     def signature(self) -> tuple:
         """What two runs of a deterministic step must agree on, bit for bit."""
         return (tuple((c.module, c.call, c.micro_batch, c.minmax) for c in self.calls),
-                tuple(self.loss_values), tuple(self.bad_grads))
+                tuple(self.loss_values), tuple(self.bad_grads), self.raised)
 
 
 class Runner:
@@ -199,6 +202,10 @@ class Runner:
                         self._backward(i, outs, loss, loss_scale)
         except StopRun:
             pass
+        except Exception as e:  # the model's code raising (an assert on NaN, an op refusing
+            if not raised_by_model(e):  # NaN input) ends the run as it ended the step
+                raise
+            result.raised, result.error = " ".join(f"{type(e).__name__}: {e}".split()), e
         finally:
             for h in handles:
                 h.remove()

@@ -42,6 +42,17 @@ class InlineLoss(LogNetModule):
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
 
+class Guarded(LogNetModule):
+    """A training_step with its own NaN guard: it raises before Lightning's backward and the
+    optimizer step that would have closed the recorder's step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if not torch.isfinite(loss):
+            raise ValueError(f"non-finite loss at batch {batch_idx}")
+        return loss
+
+
 class Forwarding(LogNetModule):
     """A LightningModule whose training_step runs its own forward (``self(x)``)."""
 

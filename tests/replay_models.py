@@ -491,6 +491,25 @@ def make_reentrant_checkpointed_net() -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------
+# (p) a model whose own code raises on the NaN (an op refusing it)
+
+
+class SamplingNet(LogNet):
+    """``LogNet`` that also samples a class from its own prediction (a policy's action, a
+    sampled token): ``torch.multinomial`` raises on NaN probabilities, so the step that makes a
+    NaN in ``act`` ends in a RuntimeError inside the forward, in training and in the replay."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.sampled = torch.multinomial(torch.softmax(out.detach(), -1), 1)
+        return out
+
+
+def make_sampling_net() -> nn.Module:
+    return SamplingNet()
+
+
+# ---------------------------------------------------------------------------------------------
 # (n) a NaN that depends on hidden process state: not reproducible from a bundle
 
 CALLS = {"n": 0, "fire_at": -1, "every": 0}

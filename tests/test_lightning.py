@@ -133,6 +133,23 @@ def test_an_inline_loss_is_checked_through_lightning(tmp_path):
     assert cb.recorder.event is None and cb.recorder._internal_errors == 0
 
 
+def test_a_training_step_raising_on_its_nan_still_gets_the_bundle(tmp_path):
+    """The training_step's own guard raises before backward: Lightning reports the exception to
+    the callback, which checks the cut-short step, writes the bundle and notes it on the
+    exception that fit() raises."""
+    cb = FlightRecorderCallback(module="net", loss_fn="crit", out_dir=tmp_path,
+                                factory="replay_models:make_log_net")
+    with pytest.raises(ValueError, match=f"non-finite loss at batch {K}") as info:
+        _fit(LM.Guarded(), cb, LM.Rows(scaled={K * BATCH + 5}))
+    ev = cb.recorder.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (K, "forward", "act", [5])
+    [bundle] = tmp_path.glob("*.nan")
+    if hasattr(info.value, "add_note"):  # Python 3.11+
+        assert any(str(bundle) in n for n in info.value.__notes__)
+    rep = replay(bundle)
+    assert (rep["origin"]["module"], rep["origin"]["op"]) == ("act", "aten.log")
+
+
 def test_what_the_callback_cannot_follow_is_said(tmp_path):
     with pytest.raises(TypeError, match="optimizer, start_step come"):
         FlightRecorderCallback(optimizer=None, start_step=3)

@@ -269,6 +269,87 @@ def test_context_manager_detaches_on_user_exception(out_dir):
     assert bundles(out_dir) == []
 
 
+def _guarded_loop(model, opt, crit, steps, *, clip=False):
+    """A loop with the user's own NaN guards: it raises on a non-finite loss, and with
+    ``clip`` clips gradients with ``error_if_nonfinite=True``; either stops the loop before
+    ``optimizer.step()`` closes the step."""
+    for step in range(steps):
+        x, y = M.batch(step)
+        opt.zero_grad()
+        loss = crit(model(x), y)
+        if not clip and not torch.isfinite(loss):
+            raise ValueError(f"loss is {loss.item()} at step {step}")
+        loss.backward()
+        if clip:
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        opt.step()
+
+
+def _note(exc: BaseException) -> str | None:
+    if not hasattr(exc, "add_note"):  # Python 3.10: the summary goes to the log instead
+        pytest.skip("exception notes need Python 3.11")
+    notes = getattr(exc, "__notes__", [])
+    assert len(notes) <= 1, notes
+    return notes[0] if notes else None
+
+
+def test_the_loops_own_nan_guard_still_gets_the_bundle(out_dir):
+    """The loop raises on the NaN loss before optimizer.step() could close the step: leaving
+    the ``with`` block checks the step (one read), writes the bundle, and the loop's own
+    ValueError goes on with the recorder's summary as a note."""
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf(), nn.Linear(M.HIDDEN, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="loss is nan at step 0") as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            model[1].armed = False
+            _guarded_loop(model, opt, crit, 2)
+            model[1].armed = True
+            _guarded_loop(model, opt, crit, 1)  # its step 0 is the recorder's step 2
+    check_event(rec.event, step=2, phase="forward", module="1")
+    assert bundles(out_dir) == [rec.bundle_path]
+    note = _note(info.value)
+    assert note is not None and "at step 2, phase forward" in note
+    assert str(rec.bundle_path) in note
+    _no_hooks_left(model, opt, crit)
+
+
+def test_clip_grad_norm_error_if_nonfinite_still_gets_the_bundle(out_dir):
+    """``clip_grad_norm_(..., error_if_nonfinite=True)`` raises on the NaN gradient before the
+    optimizer's pre-hook would have read the gradients: they are read when the ``with`` block
+    sees the error, and the event names the parameters."""
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.SqrtOf(), nn.Linear(M.HIDDEN, 3))
+    model[1].armed = True
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped") as info:
+        with FlightRecorder(model, opt, loss_fn=nn.CrossEntropyLoss(), out_dir=out_dir) as rec:
+            _guarded_loop(model, opt, nn.CrossEntropyLoss(), 3, clip=True)
+    check_event(rec.event, step=0, phase="backward", params=["0.weight", "0.bias"])
+    note = _note(info.value)
+    assert note is not None and "at step 0, phase backward" in note
+
+
+def test_an_exception_with_nothing_non_finite_writes_nothing(out_dir):
+    """The check on the way out finds a finite step: no bundle, no note; a KeyboardInterrupt
+    is not checked at all (the user wants out), NaN or not."""
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf(), nn.Linear(M.HIDDEN, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="the user's own") as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            M.train(model, opt, crit, 2)
+            model(M.batch(2)[0])  # a step open, all finite
+            raise ValueError("the user's own")
+    assert rec.event is None and bundles(out_dir) == []
+    assert _note(info.value) is None
+    model[1].armed = True
+    with pytest.raises(KeyboardInterrupt):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            model(M.batch(0)[0])  # a NaN step open
+            raise KeyboardInterrupt
+    assert rec.event is None and bundles(out_dir) == []
+
+
 def test_start_step_offsets_step_numbers(out_dir):
     model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -702,6 +702,39 @@ def test_checkpointed_blocks_backward_nan(tmp_path, factory):
 
 
 # ---------------------------------------------------------------------------------------------
+# (p) the model's own code raises on the NaN
+
+
+def test_a_model_raising_on_its_own_nan(tmp_path):
+    """``SamplingNet``'s ``multinomial`` raises on the NaN that ``act`` made at step K: the loop
+    gets that RuntimeError (with the recorder's summary as a note, and the bundle written when
+    the ``with`` block saw it go); the replay's re-runs end at the same raise and still name
+    the op, module and sample, saying the model raised."""
+    model, crit = R.make_sampling_net(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(RuntimeError, match="probability tensor contains") as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_sampling_net"):
+            for step in range(6):
+                x, y = scaled_row(5, 100.0)(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    [bundle] = tmp_path.glob("*.nan")
+    assert bundle.name == f"step{K:08d}-rank0.nan"
+    if hasattr(info.value, "add_note"):  # Python 3.11+ (3.10: the summary is logged)
+        [note] = info.value.__notes__
+        assert f"at step {K}, phase forward" in note and "'act'" in note and str(bundle) in note
+    rep = replay(bundle)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="act", call=0, op="aten.log", samples=[5])
+    assert any("raised RuntimeError: probability tensor" in p for p in rep["problems"]), \
+        rep["problems"]
+    check_bisection(rep)
+    assert exit_code(bundle) == 0
+
+
+# ---------------------------------------------------------------------------------------------
 # (n) not reproducible
 
 
