@@ -30,6 +30,7 @@ from . import events
 from .capture import RngCapture, distributed_rank, git_commit, tensor_leaves
 from .compiled import disabled, eager_name, hook_sites, unwrap
 from .errors import NonFiniteError
+from .hooks import Hook
 from .ring import RingBuffer, StepLayout
 from .slots import GRAD, LOOSE, NAN_ONLY, STRICT, Slots
 from .snapshot import build_bundle
@@ -219,19 +220,21 @@ class FlightRecorder:
         # (A compiled region's hooks go where dynamo does not trace them, see recorder.compiled;
         # the modules inside one are not hooked.)
         root = sites[0]
+        # (every hook is a Hook: a copy of the model, an EMA average, gets inert ones)
         pre = disabled(self._root_pre_hook) if root.disable else self._root_pre_hook
-        self._handles.append(root.target.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(root.target.register_forward_pre_hook(Hook(pre), with_kwargs=True))
         for idx, site in enumerate(sites):
             if site.target is None:
                 continue
             relu = type(site.module) is nn.ReLU and idx
-            hook = partial(self._relu_hook if relu else self._post_hook, idx,
-                           self._is_allowed(site.name))
-            self._handles.append(site.target.register_forward_hook(
-                disabled(hook) if site.disable else hook, with_kwargs=True))
+            fn = self._relu_hook if relu else self._post_hook
+            allowed = self._is_allowed(site.name)
+            hook = (Hook(disabled(partial(fn, idx, allowed))) if site.disable
+                    else Hook(fn, idx, allowed))
+            self._handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
         if self.loss_fn is not None:
             self._handles.append(self.loss_fn.register_forward_hook(
-                self._loss_post_hook, with_kwargs=True))
+                Hook(self._loss_post_hook), with_kwargs=True))
         opt = self._optimizer() if self._optimizer else None
         # Gradient norms are read once, right before the update, in a tight loop (cheaper than
         # a hook per parameter, and they are then what the optimizer uses: after DDP's
@@ -250,11 +253,12 @@ class FlightRecorder:
         if self._grad_hooks:
             for i, p in self._large:
                 self._handles.append(p.register_post_accumulate_grad_hook(
-                    partial(self._grad_hook, i)))
+                    Hook(self._grad_hook, i)))
         if opt is not None:
-            self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
+            self._handles.append(opt.register_step_pre_hook(Hook(self._optimizer_pre_hook)))
             if self.guard_optimizer:  # else the pre-hook marks the update (one hook less a step)
-                self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
+                self._handles.append(opt.register_step_post_hook(
+                    Hook(self._optimizer_post_hook)))
         self._attached = self._active = True
         return self
 

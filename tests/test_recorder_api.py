@@ -350,6 +350,45 @@ def test_an_exception_with_nothing_non_finite_writes_nothing(out_dir):
     assert rec.event is None and bundles(out_dir) == []
 
 
+def test_copies_of_a_recorded_model_get_inert_hooks(out_dir, tmp_path):
+    """An EMA average built while recording (``AveragedModel`` deep-copies the model),
+    ``copy.deepcopy`` and ``torch.save(model)``: each worked without the recorder (its locks and
+    device buffers cannot be copied); the copies' hooks do nothing, so their forwards are not
+    recorded as the model's, and the model's own recording goes on (the NaN is still caught
+    at its step)."""
+    import copy
+
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf(), nn.Linear(M.HIDDEN, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            ema = torch.optim.swa_utils.AveragedModel(
+                model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+            twin = copy.deepcopy(model)
+            path = tmp_path / "whole.pt"
+            torch.save(model, path)
+            loaded = torch.load(path, weights_only=False)
+            for step in range(5):
+                model[1].armed = step >= 3
+                x, y = M.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+                ema.update_parameters(model)
+                for copy_ in (ema, twin, loaded):
+                    copy_.eval()
+                    with torch.no_grad():
+                        copy_(x)  # not recorded: would be an evaluation forward if it were
+                    assert rec.step == step + 1
+    check_event(info.value.event, step=3, phase="forward", module="1")
+    copies = [*ema.module.modules(), *twin.modules(), *loaded.modules()]
+    hooks = [h for m in copies for h in (*m._forward_hooks.values(),
+                                         *m._forward_pre_hooks.values())]
+    assert hooks and all(h is recorder.hooks.inert for h in hooks)
+    assert loaded[1].armed is False and torch.equal(loaded[0].weight, twin[0].weight)
+
+
 def test_start_step_offsets_step_numbers(out_dir):
     model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), M.LogOf())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

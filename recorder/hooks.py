@@ -1,0 +1,41 @@
+"""The recorder's hooks as registered on the model, the loss module, the optimizer and the
+parameters: what a *copy* of one of those gets.
+
+Training code copies models while they are recorded: ``copy.deepcopy(model)`` for an EMA or SWA
+average (``torch.optim.swa_utils.AveragedModel``, Lightning's ``StochasticWeightAveraging`` and
+``WeightAveraging``, timm's ``ModelEmaV2``), ``torch.save(model)`` for a whole-model checkpoint.
+Both copy the hook dictionaries. A plain bound method or ``partial`` would drag the recorder in
+(its locks and device buffers cannot be copied: the copy failed), and a shared one would record
+the copy's forwards as the recorded model's. A :class:`Hook` becomes :func:`inert` in a copy:
+the copy is not the recorded model.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+
+def inert(*args, **kwargs) -> None:
+    """What a copied recorder hook does: nothing (``None`` leaves outputs and steps as they
+    are)."""
+    return None
+
+
+def _inert() -> object:
+    return inert
+
+
+class Hook(partial):
+    """A recorder hook: ``partial(fn, *args)``, copied and pickled as :func:`inert` (a pickled
+    model then needs ``recorder`` importable to load, like any module whose hooks it holds)."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo) -> object:
+        return inert
+
+    def __copy__(self) -> object:
+        return inert
+
+    def __reduce__(self):
+        return (_inert, ())
