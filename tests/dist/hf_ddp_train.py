@@ -43,6 +43,11 @@ def main(out_dir: str) -> None:
     ev = rec.event or {}
     print(f"rank {rank} steps={rec.step} event={ev.get('step')}/{ev.get('phase')} "
           f"bundle={rec.bundle_path}", flush=True)
+    # The Trainer leaves the process group up; gloo's threads torn down by interpreter exit
+    # aborted a rank now and then ("terminate called without an active exception"). Both
+    # ranks meet first: destroying it while the other rank still trained hung.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
