@@ -21,6 +21,7 @@ def validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, all
         raise TypeError(f"FlightRecorder: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}; pass the module whose forward runs the step")
     _check_unsharded(model)
+    _check_not_replicated(model)
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "
@@ -117,6 +118,19 @@ def _check_unsharded(model: nn.Module) -> None:
                          "parallel), which the recorder does not support: a bundle would need "
                          "every rank's shards. Record the model unsharded (one process, or "
                          "DistributedDataParallel)")
+
+
+def _check_not_replicated(model: nn.Module) -> None:
+    """``nn.DataParallel`` over several devices copies the model onto each device at every
+    forward and runs the copies in threads; the copies share the hook dictionaries, so the
+    recorder would see each device's calls as the model's, with statistics on other devices.
+    (Over one device, or none, it just calls the module: fine.)"""
+    for m in model.modules():
+        if isinstance(m, nn.DataParallel) and len(m.device_ids) > 1:
+            raise ValueError(f"FlightRecorder: nn.DataParallel over {len(m.device_ids)} devices "
+                             "is not supported (it runs a copy of the model per device, in "
+                             "threads, every step); use DistributedDataParallel under torchrun "
+                             "(one process per device), or record on one device")
 
 
 def _check_writable(out_dir: Path) -> None:

@@ -126,6 +126,23 @@ def test_bad_arguments(out_dir, kwargs, exc, phrase):
     assert not model._forward_hooks and not model._forward_pre_hooks
 
 
+def test_data_parallel_over_several_devices_is_refused(out_dir):
+    """DataParallel replicates the model per device in threads every forward (its device_ids
+    set by hand here: this machine has no GPU, where DataParallel keeps none and just calls the
+    module, which is recorded as usual)."""
+    model = M.mlp()
+    dp = nn.DataParallel(model)
+    assert dp.device_ids == [] or torch.cuda.device_count() > 1
+    FlightRecorder(dp, out_dir=out_dir)  # no devices, or one: fine
+    dp.device_ids = [0, 1]
+    for wrapped in (dp, nn.Sequential(dp)):
+        with pytest.raises(ValueError) as info:
+            FlightRecorder(wrapped, out_dir=out_dir)
+        assert "nn.DataParallel over 2 devices is not supported" in _one_line(info)
+        assert "DistributedDataParallel" in _one_line(info)
+    assert not model._forward_hooks
+
+
 def test_construction_does_not_attach(out_dir):
     model = M.mlp()
     FlightRecorder(model, torch.optim.SGD(model.parameters(), lr=0.1), out_dir=out_dir)
