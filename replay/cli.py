@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import click
 
-from recorder.errors import BundleError
+# torch warns when it is imported where NumPy is not installed; nanreplay does not use NumPy
+# (not one of its dependencies), so on its command line that warning is only noise.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from .errors import FactoryRefused, ReplayError
+from recorder.errors import BundleError  # noqa: E402  (imports torch: after the filter)
+
+from .errors import FactoryRefused, ReplayError  # noqa: E402
 
 
 def _fail(message: str) -> None:
