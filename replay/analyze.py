@@ -108,14 +108,13 @@ def analyze(step: Step) -> dict[str, Any]:
     if run1.signature() != run2.signature():
         report["problems"].append("two re-runs of the step disagree: nondeterminism")
         return _finish(report, _origin(), "not_reproduced", reproduced=False)
-    if run1.raised and run1.forward_origin() is None and all(run1.loss_finite) \
-            and not run1.bad_grads:
-        raise run1.error  # it raised before anything went non-finite: the replay failed
-    if run1.raised:
+    origin = run1.forward_origin()
+    if run1.error is not None:
+        if origin is None and all(run1.loss_finite) and not run1.bad_grads:
+            raise run1.error  # it raised before anything went non-finite: the replay failed
         report["problems"].append(
             f"the model's code raised {run1.raised} in the re-run (likely as it did in "
             "training): the replay covers the step up to there")
-    origin = run1.forward_origin()
     if origin is not None:
         return _forward(report, step, runner, run1, origin)
     if run1.loss_finite and not all(run1.loss_finite):

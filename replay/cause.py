@@ -80,7 +80,7 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     with float64(runner), Float64():
         run = runner.run(backward=phase == "backward", instrument=phase == "forward",
                          hooks=hooks)
-    if run.raised and not (until and any((c.module, c.call, c.micro_batch) == until
+    if run.error is not None and not (until and any((c.module, c.call, c.micro_batch) == until
                                          for c in run.calls)):
         raise run.error  # float64 made the model raise before the origin: no answer
     if phase == "forward":

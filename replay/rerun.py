@@ -127,8 +127,13 @@ class Run:
     bad_grads: list[str] = field(default_factory=list)
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
     losses: list[Any] = field(default_factory=list)
-    raised: str | None = None  # what the model's own code raised, ending the run there
-    error: Exception | None = None  # ...the exception itself
+    error: Exception | None = None  # what the model's own code raised, ending the run there
+
+    @property
+    def raised(self) -> str | None:
+        """``error`` in one line (``"RuntimeError: ..."``), or None."""
+        e = self.error
+        return None if e is None else " ".join(f"{type(e).__name__}: {e}".split())
 
     def forward_origin(self) -> Call | None:
         """First call (completion order) to make a non-finite output from finite inputs."""
@@ -205,7 +210,7 @@ class Runner:
         except Exception as e:  # the model's code raising (an assert on NaN, an op refusing
             if not raised_by_model(e):  # NaN input) ends the run as it ended the step
                 raise
-            result.raised, result.error = " ".join(f"{type(e).__name__}: {e}".split()), e
+            result.error = e
         finally:
             for h in handles:
                 h.remove()
