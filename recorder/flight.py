@@ -74,6 +74,9 @@ class FlightRecorder:
             function must be called through :attr:`loss_fn` to be seen.
         out_dir: where bundles go (created if missing).
         factory: ``"module:function"`` that rebuilds the model, for ``nanreplay``.
+        factory_kwargs: keyword arguments (JSON values) the replay passes to ``factory``: the
+            run-time configuration (command-line flags, config files) the model was built
+            with, which the factory cannot see on its own. Stored in the bundle.
         history: steps kept in the ring buffer.
         on_event: ``"raise"`` (write the bundle, raise :class:`NonFiniteError`) or ``"warn"``
             (write it once, log, keep training).
@@ -100,14 +103,21 @@ class FlightRecorder:
                  allow_inf: list[str] | tuple[str, ...] = (), scaler=None, lr_scheduler=None,
                  min_scale: float = 1.0, max_skipped_steps: int = 50,
                  guard_optimizer: bool = False, stats: str = "minmax", start_step: int = 0,
-                 max_micro_batches: int = 1024):
+                 max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None):
         validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, allow_inf,
                   scaler)
         validate_settings(stats=stats, min_scale=min_scale, start_step=start_step,
                           max_skipped_steps=max_skipped_steps,
-                          max_micro_batches=max_micro_batches, lr_scheduler=lr_scheduler)
+                          max_micro_batches=max_micro_batches, lr_scheduler=lr_scheduler,
+                          factory_kwargs=factory_kwargs)
         self.out_dir = Path(out_dir)
         self.factory = factory
+        self.factory_kwargs = dict(factory_kwargs) if factory_kwargs is not None else None
+        # the training framework a callback records for ("huggingface", "lightning"): the
+        # replay's advice names its options
+        self.integration: str | None = None
+        self._unrooted_advice = ("Give FlightRecorder the module whose forward your training "
+                                 "step calls (or call the model itself)")
         self.history = history
         self.on_event = on_event
         self.allow_inf = tuple(allow_inf)
@@ -912,8 +922,7 @@ class FlightRecorder:
         self._unrooted_warned = True
         log.warning("nanreplay: optimizer.step() ran with no forward of the recorded model since "
                     "the last step, while its submodule '%s' ran on its own: nothing is recorded "
-                    "or checked. Give FlightRecorder the module whose forward your training step "
-                    "calls (or call the model itself)", name)
+                    "or checked. %s", name, self._unrooted_advice)
 
     def _internal_error(self, e: Exception) -> None:
         self._internal_errors += 1

@@ -9,7 +9,6 @@ Tensor keys (the format is specified in ``docs/bundle-format.md``):
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree, rng_to_bundle, tensor_leaves
 from .compiled import hook_sites
+from .lossdesc import describe_loss
 
 if TYPE_CHECKING:
     from .flight import FlightRecorder
@@ -51,6 +51,7 @@ def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], 
         "format": f"{FORMAT}/{VERSION}",
         "event": event,
         "factory": rec.factory,
+        "factory_kwargs": rec.factory_kwargs,
         "state": "after_update" if event.get("after_update") else "before_update",
         "allow_inf": list(rec.allow_inf),
     }
@@ -95,7 +96,7 @@ def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], 
         tensors.update(ts)
         meta["grad_scaler"] = {"class": qualname(scaler), "state": tree}
     if rec.loss_fn is not None:
-        meta["loss"] = _loss(rec.loss_fn, tensors)
+        meta["loss"] = describe_loss(rec.loss_fn, tensors)
     elif rec._loss_recorded:  # given to record_loss: checked, but nothing to re-run it with
         meta["loss"] = {"kind": "recorded"}
     # -- history and environment
@@ -104,7 +105,7 @@ def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], 
     meta["ring"] = ring_meta
     tensors.update(ring_tensors)
     meta["recorder"] = {"history": rec.history, "memory_bytes": rec.memory_bytes,
-                        "guard_optimizer": rec.guard_optimizer}
+                        "guard_optimizer": rec.guard_optimizer, "integration": rec.integration}
     meta["env"] = environment(rank, world_size, rec._commit)
     return meta, tensors
 
@@ -190,24 +191,3 @@ def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
     return {"class": qualname(opt), "defaults": defaults, "param_groups": groups,
             "state_scalars": scalars}
 
-
-def _loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    fn = getattr(loss_fn, "fn", None)
-    if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
-        return {"kind": "function", "name": f"{getattr(fn, '__module__', '?')}."
-                                            f"{getattr(fn, '__qualname__', repr(fn))}"}
-    config = {}
-    try:
-        accepted = set(inspect.signature(type(loss_fn).__init__).parameters)
-    except (TypeError, ValueError):
-        accepted = set()
-    for k, v in vars(loss_fn).items():
-        if k.startswith("_") or k == "training" or not _jsonish(v):
-            continue
-        config[k] = list(v) if isinstance(v, tuple) else v
-    buffers = []
-    for name, b in loss_fn.named_buffers():
-        tensors[f"loss/{name}"] = b.detach()
-        buffers.append(name)
-    return {"kind": "module", "class": qualname(loss_fn), "config": config,
-            "init_args": sorted(accepted - {"self", "args", "kwargs"}), "buffers": buffers}

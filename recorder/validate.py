@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -64,7 +65,7 @@ def validate_callback_options(loss_fn, options: dict) -> None:
 
 # the lowest value each integer setting takes
 _COUNTS = {"start_step": 0, "max_skipped_steps": 0, "max_micro_batches": 1}
-_SETTINGS = {*_COUNTS, "stats", "min_scale", "lr_scheduler"}
+_SETTINGS = {*_COUNTS, "stats", "min_scale", "lr_scheduler", "factory_kwargs"}
 
 
 def validate_settings(**settings) -> None:
@@ -84,6 +85,23 @@ def validate_settings(**settings) -> None:
     if sched is not None and not callable(getattr(sched, "state_dict", None)):
         raise TypeError(f"FlightRecorder: lr_scheduler must be a scheduler with a state_dict() "
                         f"(torch.optim.lr_scheduler), got {type(sched).__name__}")
+    check_factory_kwargs(settings.get("factory_kwargs"), "FlightRecorder: factory_kwargs")
+
+
+def check_factory_kwargs(kwargs, what: str) -> None:
+    """``kwargs`` is None or a dict of identifier keys and JSON values (the bundle stores it and
+    the replay passes it to the factory); ``what`` starts the one-line error."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier()
+                                               for k in kwargs):
+        raise TypeError(f"{what} must be a dict of keyword arguments for the factory (names as "
+                        f"keys), got {type(kwargs).__name__}: {str(kwargs)[:80]}")
+    try:
+        json.dumps(kwargs, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must hold JSON values only (numbers, strings, booleans, None, "
+                        f"lists, dicts), so the bundle can store them ({e})") from None
 
 
 def validate_options(loss_fn, out_dir, factory, history, on_event, allow_inf) -> None:

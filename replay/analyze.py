@@ -20,6 +20,7 @@ from recorder.capture import batch_path, flatten_tree, loss_path, tensor_leaves
 from recorder.events import bad_rows, first_bad_rows
 
 from . import cause as causes
+from . import fidelity, outside
 from .backward import find_backward_origin
 from .load import Step, autocast_as_recorded, micro_batch_inputs
 from .ops import OpFinder, user_source
@@ -59,6 +60,7 @@ def base_report(step: Step) -> dict[str, Any]:
         "hint": None,
         "precursors": find_precursors(hist, dtypes=dtypes),
         "bisection": None,
+        "fidelity": None,
         "problems": list(step.problems),
         "history": hist,
     }
@@ -91,23 +93,22 @@ def analyze(step: Step) -> dict[str, Any]:
     if step.model is None:
         # Nothing can be re-run (weights stripped, factory refused): say what the recorder saw
         # and leave the cause open rather than guess.
-        ev = step.event
-        report = _finish(report, _origin(
-            phase=phase, module=ev.get("module"), call=ev.get("call"),
-            micro_batch=ev.get("micro_batch"), tensor=ev.get("tensor"),
-            samples=ev.get("samples", []), params=ev.get("params", []),
-            param=(ev.get("params") or [None])[0], made=ev.get("kind"),
-            inputs_finite=ev.get("inputs_finite")), None, reproduced=False)
-        report["hint"] = ("nothing was re-run, so the op and the cause are unknown: the origin "
-                          "above is what the recorder saw; replay the full bundle where its "
-                          "factory can be imported to name the op")
-        return report
+        return _recorded_origin(report, step, (
+            "nothing was re-run, so the op and the cause are unknown: the origin above is what "
+            "the recorder saw; replay the full bundle where its factory can be imported to name "
+            "the op"))
     runner = Runner(step)
     run1 = runner.run()
     run2 = runner.run()
     if run1.signature() != run2.signature():
         report["problems"].append("two re-runs of the step disagree: nondeterminism")
         return _finish(report, _origin(), "not_reproduced", reproduced=False)
+    report["fidelity"] = fid = fidelity.compare(step, run1)
+    if fid is not None and not fid["matches"]:
+        # what the re-run shows is of another model: nothing it finds is evidence
+        return _recorded_origin(report, step, (
+            "the factory builds a different model, so the re-run says nothing about training: "
+            "the origin above is what the recorder saw; see the fidelity line"))
     origin = run1.forward_origin()
     if run1.error is not None:
         if origin is None and all(run1.loss_finite) and not run1.bad_grads:
@@ -119,6 +120,12 @@ def analyze(step: Step) -> dict[str, Any]:
         return _forward(report, step, runner, run1, origin)
     if run1.loss_finite and not all(run1.loss_finite):
         return _loss(report, step, runner, run1)
+    # the recording's forward and loss were finite (a backward event; a loss event of a loss
+    # the replay cannot re-run), the re-run's too: did the values enter from outside?
+    outside_loss = phase == "backward" or (phase == "loss" and step.loss_fn is None)
+    if outside_loss and not run1.bad_grads and \
+            (entered := _entering(report, step, runner)) is not None:
+        return entered
     if phase == "loss" and step.loss_fn is None:
         return _loss_not_in_bundle(report, step)
     if run1.bad_grads:
@@ -126,7 +133,68 @@ def analyze(step: Step) -> dict[str, Any]:
     if phase == "optimizer" and not after_update and step.optimizer is not None:
         return _optimizer(report, step, runner)
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")
-    return _finish(report, _origin(), "not_reproduced", reproduced=False)
+    report = _finish(report, _origin(), "not_reproduced", reproduced=False)
+    # the two re-runs agree with each other: no reason to suspect the hardware
+    report["hint"] = (
+        "the two re-runs agree with each other but not with the recording, which they otherwise "
+        "match: what decided the event is not in the bundle (state outside the model such as a "
+        "counter, a global or a random generator of your own; data-dependent code outside the "
+        "recorded model) or it was transient; re-run training from the step before with the "
+        "same data to tell which")
+    return report
+
+
+def _recorded_origin(report, step: Step, hint: str) -> dict[str, Any]:
+    """The origin the recorder saw, not reproduced and with no cause: nothing re-run is
+    evidence (the model could not be rebuilt, or was rebuilt differently)."""
+    ev = step.event
+    report = _finish(report, _origin(
+        phase=ev.get("phase"), module=ev.get("module"), call=ev.get("call"),
+        micro_batch=ev.get("micro_batch"), tensor=ev.get("tensor"),
+        samples=ev.get("samples", []), params=ev.get("params", []),
+        param=(ev.get("params") or [None])[0], made=ev.get("kind"),
+        inputs_finite=ev.get("inputs_finite")), None, reproduced=False)
+    report["hint"] = hint
+    return report
+
+
+def _entering(report, step: Step, runner: Runner) -> dict[str, Any] | None:
+    """The model re-ran finite and as recorded, its backward from the re-run loss (if any) too:
+    a non-finite gradient recorded at the model's output came from a loss the replay cannot
+    re-run (see replay.outside)."""
+    found = outside.entering_origin(step, runner)
+    if found is None:
+        grads = outside.recorded_output_grads(step)
+        if not outside.non_finite_entries(grads):
+            return None
+        # the model's backward makes non-finite values of its own as well: find them with
+        # the entering gradient's non-finite entries set to 0
+        runner.out_grads = outside.zeroed(grads)
+        try:
+            report = _backward(report, runner)
+        finally:
+            runner.out_grads = None
+        report["problems"].append(
+            "the gradient entering the model's output was non-finite too (the loss made it); "
+            "the backward origin above was found with those entries set to 0")
+        return report
+    fields, reproduced = found
+    report = _finish(report, _origin(**fields), None, reproduced=reproduced)
+    info = step.meta.get("loss") or {}
+    if info.get("kind") == "recorded":
+        report["problems"].append(
+            "the loss given to record_loss was computed outside the recorded model, so the "
+            "bundle holds its value but nothing to re-run it with")
+    elif step.loss_fn is not None:
+        report["problems"].append(
+            "the loss_fn the replay re-ran is finite with finite gradients: the loop's loss "
+            "holds terms computed outside it")
+    if not reproduced:
+        report["problems"].append(
+            "feeding the recorded output gradient through the model's backward did not give "
+            "the recorded non-finite parameter gradients back")
+    report["hint"] = outside.replayable_loss_hint(step)
+    return report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +231,7 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
 
 
 def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
-    finder = OpFinder()
+    finder = OpFinder(batch_size=_batch_size(step) or None)
     mb = next(i for i, ok in enumerate(run.loss_finite) if not ok)
     args, kwargs = _loss_args(step, run, mb)
     with autocast_as_recorded(step.micro_batches[mb], step.device), finder:
@@ -173,27 +241,29 @@ def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     hit = finder.origin()
     origin = _origin(phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
                      source=hit.source if hit else None, chain=finder.chain(),
-                     samples=_loss_samples(step, run, mb), made=made)
+                     samples=_loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
+                     made=made)
     cause = causes.classify(runner, "loss")
     return _finish(report, origin, cause, reproduced=step.event.get("phase") == "loss")
 
 
 def _loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
-    """A loss event with no loss function to call: one computed inline and given to
-    ``record_loss`` (the Lightning callback's ``training_step`` loss). The model's outputs
-    re-ran finite, which is as far as the bundle goes."""
+    """A loss event with no loss to call: one computed inline and given to ``record_loss``
+    (the Lightning callback's ``training_step`` loss), or a recorded loss that cannot be
+    rebuilt (its note says why). The model's outputs re-ran finite, which is as far as the
+    bundle goes."""
     ev = step.event
     report = _finish(report, _origin(phase="loss", module="<loss>",
                                      micro_batch=ev.get("micro_batch"), made=ev.get("kind")),
                      None, reproduced=False)
-    report["problems"].append(
-        "the loss was computed outside a loss function the recorder hooked (given to "
-        "record_loss, e.g. inline in a Lightning training_step), so the bundle cannot re-run "
-        "it; the model's outputs re-ran finite")
+    if (step.meta.get("loss") or {}).get("kind") == "recorded":
+        report["problems"].append(
+            "the loss was given to record_loss (computed outside the recorded model), so the "
+            "bundle holds its value but nothing to re-run it with; the model's outputs re-ran "
+            "finite")
     report["hint"] = ("the loss computation made the value from finite model outputs: check "
                       "its inputs (every target ignored gives a 0/0 mean; log of a zero "
-                      "probability); to name the op, record with loss_fn= (the Lightning "
-                      "callback takes the attribute that holds the loss module)")
+                      "probability); to name the op, " + outside.replayable_loss_hint(step))
     return report
 
 

@@ -2,16 +2,16 @@
 
 Safety: a bundle never makes the replay import or call anything by itself. The recorded
 factory is used only when its top-level module lives under the current working directory (it
-is the user's own code, run where they run it) or when it is passed with ``--factory``; loss
-and optimizer classes are rebuilt from the bundle only when they are ``torch.nn`` /
-``torch.optim`` built-ins, looked up by attribute, never imported by a recorded name.
+is the user's own code, run where they run it) or when it is passed with ``--factory``; a
+recorded loss class or function is imported only from there or from an installed package
+(``replay.trust``, ``replay.losses``), never unpickled; optimizers are rebuilt only when they
+are ``torch.optim`` built-ins, looked up by attribute.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -28,6 +28,8 @@ from recorder.errors import BundleError
 from recorder.validate import import_object
 
 from .errors import FactoryRefused, ReplayError
+from .losses import Unrebuildable, rebuild_loss
+from .trust import defined_in, module_origin, trusted_path
 
 WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/")
 BATCH_PREFIXES = ("batch/", "loss_in/", "outgrad/")
@@ -45,6 +47,7 @@ class Step:
     optimizer: torch.optim.Optimizer | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     problems: list[str] = field(default_factory=list)  # why parts cannot be re-run
+    factory_kwargs: dict[str, Any] = field(default_factory=dict)  # what the factory was given
 
     @property
     def event(self) -> dict[str, Any]:
@@ -76,6 +79,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "buffers": (_LIST,), "modules": (_LIST,), "micro_batches": (_LIST,), "model": (_DICT,),
     "optimizer": (_DICT, _NULL), "loss": (_DICT, _NULL), "ring": (_DICT,), "env": (_DICT,),
     "stripped": (_LIST,), "allow_inf": (_LIST,), "rng": (_DICT,),
+    "factory_kwargs": (_DICT, _NULL),
 }
 _EVENT_TYPES: dict[str, tuple[type, ...]] = {
     "step": (_INT,), "phase": (_STR, _NULL), "module": (_STR, _NULL), "samples": (_LIST,),
@@ -136,27 +140,11 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
     cwd = str(Path.cwd())
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
-    if not explicit:
-        top = mod_name.split(".")[0]
-        loaded = sys.modules.get(top)
-        origin = getattr(loaded, "__file__", None) if loaded else None
-        if loaded is None:
-            try:
-                found = importlib.util.find_spec(top)
-            except (ImportError, ValueError):
-                found = None
-            # built-in and frozen modules have an origin ("built-in", "frozen") but no file
-            origin = found.origin if found and found.has_location else None
-            if found is not None and found.submodule_search_locations:
-                origin = next(iter(found.submodule_search_locations), origin)
-        trusted = origin is not None and Path(origin).is_absolute() \
-            and _under(Path(origin), Path(cwd))
-        if not trusted:
-            raise FactoryRefused(
-                f"the bundle's factory {spec!r} is not a module under the current directory "
-                f"({cwd}); nanreplay imports a recorded factory only from there. Run from the "
-                f"directory that holds the factory's module, or pass --factory {spec} to "
-                "trust it")
+    if not explicit and not trusted_path(module_origin(mod_name), [Path(cwd)]):
+        raise FactoryRefused(
+            f"the bundle's factory {spec!r} is not a module under the current directory "
+            f"({cwd}); nanreplay imports a recorded factory only from there. Run from the "
+            f"directory that holds the factory's module, or pass --factory {spec} to trust it")
     try:
         obj = import_object(mod_name, attr)
     except Exception as e:
@@ -169,9 +157,7 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
         # The attribute path may lead out of the trusted module ('mod:os.fork', 'mod:torch.x'):
         # call only what is defined in a module under cwd as well.
         home = getattr(obj, "__module__", None)
-        where = getattr(sys.modules.get(home) if isinstance(home, str) else None, "__file__",
-                        None)
-        if not (where and Path(where).is_absolute() and _under(Path(where), Path(cwd))):
+        if not trusted_path(defined_in(obj), [Path(cwd)]):
             raise FactoryRefused(
                 f"the bundle's factory {spec!r} is {home}.{getattr(obj, '__qualname__', '?')}, "
                 f"which is not defined under the current directory ({cwd}); nanreplay calls a "
@@ -179,21 +165,14 @@ def resolve_factory(spec: str, *, explicit: bool) -> Any:
     return obj
 
 
-def _under(p: Path, root: Path) -> bool:
-    try:
-        p.resolve().relative_to(root.resolve())
-        return True
-    except ValueError:
-        return False
-
-
 # ---------------------------------------------------------------------------------------------
 # model
 
 
-def build(step: Step, factory: str | None, device: str | None) -> None:
+def build(step: Step, factory: str | None, device: str | None,
+          factory_kwargs: dict[str, Any] | None = None) -> None:
     """Fill ``step.model``, ``step.loss_fn``, ``step.optimizer`` (or say in ``step.problems``
-    why they cannot be rebuilt)."""
+    why they cannot be rebuilt). ``factory_kwargs`` replace the recorded ones."""
     meta = step.meta
     step.device = torch.device(device) if device else _recorded_device(meta)
     no_cuda = step.device.type == "cuda" and not torch.cuda.is_available()
@@ -215,25 +194,32 @@ def build(step: Step, factory: str | None, device: str | None) -> None:
         raise ReplayError("the bundle names no model factory; pass --factory MOD:FN "
                           "(a function returning the model)")
     fn = resolve_factory(spec, explicit=factory is not None)
+    kwargs = factory_kwargs if factory_kwargs is not None else meta.get("factory_kwargs") or {}
+    step.factory_kwargs = dict(kwargs)
     # Build on the meta device so loading the bundle's weights does not hold two copies; fall
     # back to a real build for factories that need real tensors.
     try:
-        made = _call_factory(fn, spec, on_meta=True)
+        made = _call_factory(fn, spec, kwargs, on_meta=True)
         if _meta_attributes(made["model"]):
             raise _MetaUnsupported
     except _MetaUnsupported:
-        made = _call_factory(fn, spec, on_meta=False)
+        made = _call_factory(fn, spec, kwargs, on_meta=False)
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
     _load_weights(step, model)
     step.model = model
-    step.loss_fn = made.get("loss_fn") or _builtin_loss(step)
+    step.loss_fn = made.get("loss_fn")
+    if step.loss_fn is None:
+        try:
+            step.loss_fn = rebuild_loss(meta.get("loss"), step.tensors, step.device)
+        except Unrebuildable as e:
+            step.problems.append(str(e))
     opt_factory = made.get("optimizer")
     step.optimizer = _build_optimizer(step, model, opt_factory)
 
 
-def _call_factory(fn, spec: str, on_meta: bool) -> dict[str, Any]:
+def _call_factory(fn, spec: str, kwargs: dict[str, Any], on_meta: bool) -> dict[str, Any]:
     def call():
-        made = fn()
+        made = fn(**kwargs)
         if isinstance(made, nn.Module):
             return {"model": made}
         if isinstance(made, dict) and isinstance(made.get("model"), nn.Module):
@@ -252,8 +238,10 @@ def _call_factory(fn, spec: str, on_meta: bool) -> dict[str, Any]:
     except Exception as e:
         if on_meta:
             raise _MetaUnsupported from None
-        raise ReplayError(f"factory {spec!r} failed ({type(e).__name__}: {e}); pass --factory "
-                          "MOD:FN that builds the recorded model") from None
+        given = f" with factory_kwargs {json.dumps(kwargs)}" if kwargs else ""
+        raise ReplayError(f"factory {spec!r} failed{given} ({type(e).__name__}: {e}); pass "
+                          "--factory MOD:FN (and --factory-kwargs) that builds the recorded "
+                          "model") from None
 
 
 class _MetaUnsupported(Exception):
@@ -344,39 +332,6 @@ def _set(model: nn.Module, name: str, value, *, param: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # loss and optimizer
-
-
-def _builtin_loss(step: Step):
-    info = step.meta.get("loss")
-    if not info or info.get("kind") == "recorded":  # "recorded": checked, nothing to re-run
-        return None  # (analyze says so)
-    kind = info.get("kind")
-    if kind == "function" and isinstance(info.get("name"), str):
-        name = info["name"]
-        if name.startswith("torch.nn.functional."):
-            fn = getattr(torch.nn.functional, name.rpartition(".")[2], None)
-            if fn is not None:
-                return fn
-        step.problems.append(f"the loss function {name} is not a torch built-in; return it from "
-                             "the factory as {'model': ..., 'loss_fn': ...}")
-        return None
-    cls_path = info.get("class") if kind == "module" else None
-    if not isinstance(cls_path, str):
-        step.problems.append(f"the bundle's loss entry is not one the recorder writes (kind "
-                             f"{kind!r}); return the loss from the factory as "
-                             "{'model': ..., 'loss_fn': ...}")
-        return None
-    cls = getattr(nn, cls_path.rpartition(".")[2], None) if cls_path.startswith("torch.nn.") else None
-    if cls is None:
-        step.problems.append(f"the loss {cls_path} is not a torch.nn built-in; return it from the "
-                             "factory as {'model': ..., 'loss_fn': ...}")
-        return None
-    kwargs = {k: v for k, v in info.get("config", {}).items()
-              if k in info.get("init_args", []) and k not in ("size_average", "reduce")}
-    for b in info.get("buffers", []):
-        if b in info.get("init_args", []):
-            kwargs[b] = step.tensors[f"loss/{b}"].to(step.device)
-    return cls(**kwargs)
 
 
 def _build_optimizer(step: Step, model: nn.Module, opt_factory):

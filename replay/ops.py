@@ -39,6 +39,7 @@ class OpHit:
     input_min: float | None
     input_max: float | None
     intentional: bool = False
+    rows: list[int] | None = None  # non-finite rows of its output (OpFinder(batch_size=...))
 
     def as_json(self) -> dict[str, Any]:
         return {"op": self.op, "made": self.made, "source": self.source,
@@ -164,7 +165,7 @@ class _Watch(TorchDispatchMode):
         literal_inf = any(isinstance(a, float) and math.isinf(a) for a in leaves)
         intentional = literal_inf or f.in_allowed_module()
         if in_finite and f.first is None:
-            hit = OpHit(op, made, user_source(), lo, hi, intentional)
+            hit = OpHit(op, made, user_source(), lo, hi, intentional, f.batch_rows(outs))
             if intentional:
                 if f.intentional is None:
                     f.intentional = hit
@@ -236,15 +237,25 @@ class OpFinder:
     infinities runs, so infinities made there count as intentional.
     """
 
-    def __init__(self):
+    def __init__(self, batch_size: int | None = None):
         self.first: OpHit | None = None
         self.first_nan: OpHit | None = None
         self.intentional: OpHit | None = None
         self.allowed_depth = 0
+        self.batch_size = batch_size  # name the rows of the first offender's output
         self._mode = _Watch(self)
 
     def in_allowed_module(self) -> bool:
         return self.allowed_depth > 0
+
+    def batch_rows(self, outs: list[torch.Tensor]) -> list[int] | None:
+        """Non-finite rows (dim 0) of the first output whose dim 0 is the batch size."""
+        n = self.batch_size
+        t = next((t for t in outs if n and t.dim() and t.shape[0] == n), None)
+        if t is None:
+            return None
+        bad = ~torch.isfinite(t.detach().reshape(n, -1)).all(dim=1)
+        return bad.nonzero().flatten().tolist()
 
     def __enter__(self) -> OpFinder:
         self._mode.__enter__()

@@ -42,10 +42,17 @@ def to_text(report: dict[str, Any]) -> str:
             else f"step {ev.get('step')}")
     lines.append(f"nanreplay: {when}, {ev.get('phase')} event — {state}")
     made = o.get("made") or ev.get("kind") or "non-finite value"
-    if o.get("phase"):
+    if o.get("phase") and o.get("detail"):  # a sentence instead of an op (replay.outside)
+        lines.append(f"  origin     {o['phase']}: {o['detail']}")
+    elif o.get("phase"):
         op = f"{o['op']} in " if o.get("op") else ""
         fin = ", inputs finite" if o.get("inputs_finite") else ""
         lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o)}{fin}")
+    fid = report.get("fidelity")
+    if fid and fid.get("matches") is False:
+        from .fidelity import describe
+
+        lines.append(f"  fidelity   {describe(fid)}")
     if ev.get("compiled"):
         name = "<root>" if ev.get("module") == "" else ev.get("module")
         lines.append(f"  recorded   '{name}' as one torch.compile'd call; this replay ran its "

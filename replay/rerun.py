@@ -161,6 +161,9 @@ class Runner:
         self._buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         self._rng = rng_state(step)
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
+        # gradients fed into the model outputs instead of the recorded ones, finite or not
+        # (micro-batch -> output index -> gradient): see replay.outside
+        self.out_grads: dict[int, dict[int, torch.Tensor]] | None = None
         self.last_loss = None
 
     # -- state reset -------------------------------------------------------------------------
@@ -201,7 +204,8 @@ class Runner:
                     out = self.model(*args, **kwargs)
                 outs = list(tensor_leaves(out))
                 result.outputs.append(outs)
-                loss = self._loss(i, outs, result)
+                with forward_ctx() if forward_ctx else _null():  # the loss's nodes too
+                    loss = self._loss(i, outs, result)
                 if backward and mb.get("grad_enabled", True):
                     with backward_ctx() if backward_ctx else _null():
                         self._backward(i, outs, loss, loss_scale)
@@ -240,9 +244,10 @@ class Runner:
         return loss
 
     def _backward(self, i: int, outs, loss, loss_scale) -> None:
-        grads = output_grads(self.step, i)
+        fed = self.out_grads is not None
+        grads = self.out_grads.get(i, {}) if fed else output_grads(self.step, i)
         pairs = [(o, grads[j]) for j, o in enumerate(outs) if j in grads and o.requires_grad]
-        if pairs and all(finite(g) for _, g in pairs):
+        if pairs and (fed or all(finite(g) for _, g in pairs)):
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])

@@ -1,0 +1,147 @@
+"""What rebuilds the loss at replay, written into the bundle without the user's help.
+
+A loss module is described by its class's import path (``"pkg.losses:FocalLoss"``), its plain
+JSON-valued attributes (``reduction``, ``ignore_index``, ``blank``, ``gamma``, ...), its tensors
+(buffers, parameters, plain tensor attributes such as class weights: stored as ``loss/<name>``)
+and its submodules, described the same way. A loss function is described by its
+``module:qualname`` when that path imports it back. Nothing is pickled: the replay imports the
+class or function under its trust rule and sets the recorded attributes
+(``replay.losses``). What cannot be imported (a lambda, a closure, a class defined in the
+training script itself) is described with the reason, so the replay can say so.
+
+>>> import torch.nn as nn                                            # doctest: +SKIP
+>>> describe_loss(nn.CrossEntropyLoss(ignore_index=0), {})["tree"]["config"]
+{'reduction': 'mean', 'ignore_index': 0, 'label_smoothing': 0.0}
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .validate import import_object
+
+
+def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The bundle's ``loss`` entry for the recorder's ``loss_fn`` (a module, or the module the
+    recorder wraps a plain function in); tensors go into ``tensors`` under ``loss/``."""
+    fn = getattr(loss_fn, "fn", None)
+    if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
+        return {"kind": "function", **describe_callable(fn)}
+    tree = _describe_module(loss_fn, "", tensors)
+    # the flat fields older replays read (a torch.nn built-in rebuilt from its arguments)
+    try:
+        accepted = set(inspect.signature(type(loss_fn).__init__).parameters)
+    except (TypeError, ValueError):
+        accepted = set()
+    return {"kind": "module", "class": tree["class"], "config": tree["config"],
+            "init_args": sorted(accepted - {"self", "args", "kwargs"}),
+            "buffers": [n for n, _ in loss_fn.named_buffers()], "tree": tree}
+
+
+def describe_callable(fn) -> dict[str, Any]:
+    """``{"name", "import"}`` of a function or class importable by ``module:qualname``, else
+    ``{"name", "why", "defined"}`` saying why not (``defined``: its ``file:line``)."""
+    module = getattr(fn, "__module__", None)
+    qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    out: dict[str, Any] = {"name": f"{module or '?'}.{qual}"}
+    why = _not_importable(fn, module, qual)
+    if why is None:
+        out["import"] = f"{module}:{qual}"
+        return out
+    out["why"] = why
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        out["defined"] = f"{_short(code.co_filename)}:{code.co_firstlineno}"
+    return out
+
+
+def _not_importable(fn, module: str | None, qual: str) -> str | None:
+    if "<lambda>" in qual:
+        return "lambda"
+    if "<locals>" in qual:
+        return "closure"  # defined inside a function: no import path leads to it
+    if not isinstance(module, str):
+        return "no module"
+    if module == "__main__":
+        return "script"  # the training script itself: importing it would run the training
+    try:
+        found = import_object(module, qual)
+    except Exception:
+        return "not importable"
+    return None if found is fn else "not importable"
+
+
+def _short(path: str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
+def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
+                     ) -> dict[str, Any]:
+    cls = type(m)
+    node: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}",
+                            "training": m.training, "config": {}, "tuples": [], "tensors": {},
+                            "functions": {}, "buffers": {}, "params": {}, "frozen": [],
+                            "non_persistent": sorted(m._non_persistent_buffers_set),
+                            "children": {}, "unrecorded": []}
+    where = describe_callable(cls)
+    node.update({k: v for k, v in where.items() if k in ("import", "why")})
+    for k, v in vars(m).items():
+        if k.startswith("_") or k == "training":
+            continue
+        if _plain(v):
+            node["config"][k] = _to_json(v)
+            if isinstance(v, tuple):
+                node["tuples"].append(k)
+        elif isinstance(v, torch.Tensor):
+            key = f"loss/{prefix}{k}"
+            tensors[key] = v.detach()
+            node["tensors"][k] = key
+        elif isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)) and \
+                "import" in describe_callable(v):
+            node["functions"][k] = describe_callable(v)["import"]
+        else:
+            node["unrecorded"].append(f"{k} ({type(v).__name__})")
+    for k, b in m._buffers.items():
+        key = None if b is None else f"loss/{prefix}{k}"
+        if b is not None:
+            tensors[key] = b.detach()
+        node["buffers"][k] = key
+    for k, p in m._parameters.items():
+        key = None if p is None else f"loss/{prefix}{k}"
+        if p is not None:
+            tensors[key] = p.detach()
+            if not p.requires_grad:
+                node["frozen"].append(k)
+        node["params"][k] = key
+    for k, c in m._modules.items():
+        node["children"][k] = None if c is None else _describe_module(c, f"{prefix}{k}.",
+                                                                      tensors)
+    return node
+
+
+def _plain(v: Any) -> bool:
+    """A value JSON holds as it is: scalars, and lists, tuples and string-keyed dicts of them."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _plain(x) for k, x in v.items())
+    return False
+
+
+def _to_json(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_to_json(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _to_json(x) for k, x in v.items()}
+    return v

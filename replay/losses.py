@@ -1,0 +1,183 @@
+"""Rebuilding the recorded loss from its description in the bundle (``recorder.lossdesc``).
+
+A loss class or function is imported by its recorded ``module:qualname`` under the trust rule
+(``replay.trust``: from under the current directory or an installed package, never unpickled).
+A class whose constructor needs arguments is not called: the object is made with
+``cls.__new__`` and ``nn.Module.__init__``; one whose arguments all have defaults is built with
+``cls()``. Either way the recorded attributes, tensors and submodules are then set on it, so it
+is the loss that ran. What cannot be rebuilt is said once, in one true sentence, with the way
+to make it replayable.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from recorder.validate import import_object
+
+from .trust import defined_in, installed_roots, module_origin, trusted_path
+
+_FACTORY_WAY = "or return it from the factory as {'model': ..., 'loss_fn': ...}"
+
+
+class Unrebuildable(Exception):
+    """The recorded loss cannot be rebuilt; the message says why and what to do."""
+
+
+def rebuild_loss(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor],
+                 device: torch.device):
+    """The loss described by the bundle's ``loss`` entry, or None when there is none to re-run
+    (no loss recorded, or one given to ``record_loss``). Raises :class:`Unrebuildable`."""
+    if not info or info.get("kind") == "recorded":
+        return None
+    kind = info.get("kind")
+    if kind == "function":
+        return _function(info)
+    if kind == "module" and isinstance(info.get("tree"), dict):
+        return _module(info["tree"], tensors, device, top=True)
+    if kind == "module" and isinstance(info.get("class"), str):
+        return _builtin_module(info, tensors, device)  # a bundle from before "tree"
+    raise Unrebuildable(f"the bundle's loss entry is not one the recorder writes (kind "
+                        f"{kind!r}); {_FACTORY_WAY[3:]}")
+
+
+def _function(info: dict[str, Any]):
+    name = info.get("name") or "?"
+    spec = info.get("import")
+    if isinstance(spec, str):
+        return _import(spec, f"loss function {name}")
+    if name.startswith("torch.nn.functional."):  # a bundle from before "import"
+        fn = getattr(torch.nn.functional, name.rpartition(".")[2], None)
+        if fn is not None:
+            return fn
+    raise Unrebuildable(_why(info, f"the loss function {name}", "def lm_loss(out, target): ..."))
+
+
+def _why(info: dict[str, Any], what: str, example: str) -> str:
+    why, where = info.get("why"), info.get("defined")
+    at = f" (defined at {where})" if where else ""
+    reason = {
+        "lambda": f"is a lambda{at}, which no import path leads to",
+        "closure": f"is defined inside a function{at}, which no import path leads to",
+        "script": f"is defined in the training script that ran as __main__{at}, which "
+                  "nanreplay does not import (importing a script runs it)",
+    }.get(why, f"cannot be imported by its name{at}")
+    return (f"{what} {reason}, so the loss was not re-run; define it at module level in a "
+            f"module importable from here ({example}) {_FACTORY_WAY} to replay it")
+
+
+def _import(spec: str, what: str):
+    """``module:qualname`` imported, when it lives under the current directory or in an
+    installed package and the object found is defined there too."""
+    mod, _, attr = spec.partition(":")
+    roots = [Path.cwd(), *installed_roots()]
+    if not mod or not attr or not trusted_path(module_origin(mod), roots):
+        raise Unrebuildable(f"the {what} is in {mod!r}, which is neither under the current "
+                            f"directory ({Path.cwd()}) nor an installed package, so nanreplay "
+                            f"does not import it; run from the directory that holds it "
+                            f"{_FACTORY_WAY}")
+    try:
+        obj = import_object(mod, attr)
+    except Exception as e:
+        raise Unrebuildable(f"the {what} cannot be imported as {spec} ({type(e).__name__}: "
+                            f"{e}); run from the directory that holds it {_FACTORY_WAY}") from None
+    if not trusted_path(defined_in(obj), roots):
+        raise Unrebuildable(f"the recorded path {spec} of the {what} leads to "
+                            f"{getattr(obj, '__module__', '?')}."
+                            f"{getattr(obj, '__qualname__', '?')}, defined outside the current "
+                            f"directory and installed packages; nanreplay does not call it")
+    return obj
+
+
+def _module(node: dict[str, Any], tensors, device, *, top: bool = False) -> nn.Module:
+    name = node.get("class", "?")
+    what = f"the loss {name}" if top else f"the loss's submodule {name}"
+    spec = node.get("import")
+    if not isinstance(spec, str):
+        raise Unrebuildable(_why(node, what, "class MyLoss(nn.Module): ..."))
+    cls = _import(spec, f"loss class {name}")
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise Unrebuildable(f"the recorded loss class {spec} is not an nn.Module subclass; "
+                            f"{_FACTORY_WAY[3:]}")
+    m = _instance(cls)
+    for k, v in node.get("config", {}).items():
+        _set_plain(m, k, tuple(v) if k in node.get("tuples", ()) else v)
+    for k, key in node.get("tensors", {}).items():
+        _set_plain(m, k, _tensor(tensors, key, device, name))
+    for k, ref in node.get("functions", {}).items():
+        _set_plain(m, k, _import(ref, f"function {ref} the loss {name} holds"))
+    skip = set(node.get("non_persistent", ()))
+    for k, key in node.get("buffers", {}).items():
+        _clear(m, k)
+        m.register_buffer(k, None if key is None else _tensor(tensors, key, device, name),
+                          persistent=k not in skip)
+    frozen = set(node.get("frozen", ()))
+    for k, key in node.get("params", {}).items():
+        _clear(m, k)
+        m.register_parameter(k, None if key is None else nn.Parameter(
+            _tensor(tensors, key, device, name), requires_grad=k not in frozen))
+    for k, child in node.get("children", {}).items():
+        _clear(m, k)
+        m.add_module(k, None if child is None else _module(child, tensors, device))
+    m.train(bool(node.get("training", True)))
+    return m
+
+
+def _instance(cls: type) -> nn.Module:
+    """``cls()`` when its constructor needs no argument, else an instance made without
+    calling it (the recorded attributes are set next)."""
+    try:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        params = None
+    needs = params is None or any(
+        p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+    if not needs:
+        try:
+            return cls()
+        except Exception:
+            pass  # made without it below, like a constructor that needs arguments
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    return m
+
+
+def _clear(m: nn.Module, k: str) -> None:
+    """Remove ``k`` wherever the default construction put it, so it can be set as recorded."""
+    for table in (m._parameters, m._buffers, m._modules):
+        table.pop(k, None)
+    m.__dict__.pop(k, None)
+
+
+def _set_plain(m: nn.Module, k: str, v) -> None:
+    _clear(m, k)
+    object.__setattr__(m, k, v)
+
+
+def _tensor(tensors, key: str, device, name: str) -> torch.Tensor:
+    if key not in tensors:
+        raise Unrebuildable(f"the bundle lacks the tensor {key} of the loss {name} (stripped "
+                            "weights?); replay the full bundle")
+    return tensors[key].to(device)
+
+
+def _builtin_module(info: dict[str, Any], tensors, device) -> nn.Module:
+    """A ``torch.nn`` built-in from the flat fields bundles had before ``tree``."""
+    cls_path = info["class"]
+    cls = getattr(nn, cls_path.rpartition(".")[2], None) if cls_path.startswith("torch.nn.") \
+        else None
+    if cls is None:
+        raise Unrebuildable(f"the loss {cls_path} is not a torch.nn built-in and this bundle "
+                            f"(from an older recorder) does not say how to import it; "
+                            f"{_FACTORY_WAY[3:]}")
+    kwargs = {k: v for k, v in info.get("config", {}).items()
+              if k in info.get("init_args", []) and k not in ("size_average", "reduce")}
+    for b in info.get("buffers", []):
+        if b in info.get("init_args", []):
+            kwargs[b] = _tensor(tensors, f"loss/{b}", device, cls_path)
+    return cls(**kwargs)

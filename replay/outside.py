@@ -1,0 +1,102 @@
+"""A loss the replay cannot re-run: one computed outside the recorded model and outside
+``loss_fn`` (a ``Trainer.compute_loss`` override, a Lightning ``training_step``'s inline
+``F.mse_loss``, a loop's masked mean over an all-zero mask), or one given to ``record_loss``.
+
+The recorder keeps the gradient that flowed into the model's output. When the model re-ran
+finite and as recorded but that gradient is non-finite, the values entered from the loss: the
+replay feeds the recorded gradient through the model's backward (the event comes back when the
+same parameters get non-finite gradients as in the bundle) and feeds it once more with its
+non-finite entries set to 0, which tells whether the model's backward makes any of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from recorder.events import first_bad_rows
+
+from .load import Step, output_grads
+from .rerun import Runner, finite, kind_of
+
+ENTERED = ("the gradient entering the model's output was non-finite; the model's backward made "
+           "none of its own")
+
+
+def recorded_output_grads(step: Step) -> dict[int, dict[int, torch.Tensor]]:
+    return {i: output_grads(step, i) for i in range(len(step.micro_batches))}
+
+
+def non_finite_entries(grads: dict[int, dict[int, torch.Tensor]]) -> list[tuple[int, int]]:
+    """(micro-batch, output index) of every non-finite recorded output gradient."""
+    return [(i, j) for i, gs in grads.items() for j, g in gs.items() if not finite(g)]
+
+
+def zeroed(grads: dict[int, dict[int, torch.Tensor]]) -> dict[int, dict[int, torch.Tensor]]:
+    """The gradients with every non-finite entry replaced by 0."""
+    return {i: {j: torch.where(torch.isfinite(g), g, torch.zeros((), dtype=g.dtype,
+                                                                 device=g.device))
+                for j, g in gs.items()} for i, gs in grads.items()}
+
+
+def feed(runner: Runner, grads: dict[int, dict[int, torch.Tensor]]) -> list[str]:
+    """Parameters with non-finite gradients after one re-run fed ``grads``."""
+    runner.out_grads = grads
+    try:
+        return runner.run(instrument=False).bad_grads
+    finally:
+        runner.out_grads = None
+
+
+def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] | None:
+    """The origin fields and ``reproduced`` for a non-finite gradient entering the model's
+    output, when the model's backward makes no non-finite value of its own; None when the
+    recorded output gradients are finite, or when the model's backward also makes its own
+    (then the backward analysis runs on the zeroed gradients: see :func:`zeroed`)."""
+    grads = recorded_output_grads(step)
+    bad = non_finite_entries(grads)
+    if not bad or feed(runner, zeroed(grads)):
+        return None
+    got = feed(runner, grads)
+    recorded = [k.split("/", 1)[1] for k, t in step.tensors.items()
+                if k.startswith("grads/") and not finite(t)]
+    reproduced = bool(got) and (set(got) == set(recorded) if recorded else True)
+    mb, j = bad[0]
+    g = grads[mb][j]
+    n_out = len(grads[mb])
+    fields = {
+        "phase": "loss", "module": "<loss>", "micro_batch": mb, "made": kind_of(g),
+        "detail": ENTERED, "params": got, "param": (got or [None])[0],
+        "tensor": "grad of the model output" + (f" {j}" if n_out > 1 else ""),
+        "samples": first_bad_rows(grads[mb][k] for k in sorted(grads[mb])),
+        "positions": {"non_finite": int((~torch.isfinite(g)).sum()), "of": g.numel()},
+    }
+    return fields, reproduced
+
+
+def replayable_loss_hint(step: Step) -> str:
+    """How to make the loss itself replayable, in the words of the integration that recorded
+    the bundle (plain loop, Hugging Face Trainer, Lightning)."""
+    info = step.meta.get("loss") or {}
+    integration = (step.meta.get("recorder") or {}).get("integration")
+    if info.get("kind") in ("module", "function"):
+        return ("the loss the recorder was given re-ran finite, so the value came from loss "
+                "terms computed outside it: compute the whole loss inside loss_fn so the replay "
+                "re-runs it and names the op" if step.loss_fn is not None else
+                "make the loss replayable as the note says, so the replay re-runs it and names "
+                "the op")
+    if integration == "huggingface":
+        return ("the Trainer computed this loss outside the model (a compute_loss override, "
+                "compute_loss_func, label smoothing): pass the loss module to "
+                "FlightRecorderCallback(loss_fn=...) and call it in compute_loss, or pass the "
+                "labels to the model so it computes the loss itself; the replay then re-runs "
+                "it and names the op")
+    if integration == "lightning":
+        return ("the training_step computed this loss inline: keep the loss module in an "
+                "attribute of the LightningModule and name it, FlightRecorderCallback("
+                "loss_fn=\"criterion\"), so the replay re-runs it and names the op")
+    return ("the loss was computed outside the recorder: pass it as FlightRecorder(..., "
+            "loss_fn=...) (a loss module, or a function called as rec.loss_fn) so the replay "
+            "re-runs it and names the op; rec.record_loss(loss) at least checks its value "
+            "every step")

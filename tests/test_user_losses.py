@@ -1,0 +1,294 @@
+"""End to end: the losses projects write themselves are replayed, not refused, and a loss
+computed outside the recorded model is named as such.
+
+Every test trains ``user_losses.Tagger`` with a real loop and SGD until a planted bug fires at
+step K, then runs ``nanreplay BUNDLE --json`` through the command line and checks the report:
+phase, step, module, op, samples, cause, notes, reproduced. Source lines are found by reading
+``user_losses.py`` (the line marked ``# BUG ...``), not by asking the tool.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import user_losses as UL
+from bundles import invoke_cli
+
+from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
+
+HERE = Path(__file__).parent
+K = 3  # the step the planted bugs fire at
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # the project root of these tests: user_losses.py is trusted here
+
+
+def train(out_dir: Path, step_loss, *, loss_fn=None, spoil=None, steps: int = 6):
+    """Train the tagger; ``step_loss(rec, out, y, step)`` computes the step's loss the way the
+    test's training code does; ``spoil(step, x, y)`` plants the bug. Returns the error."""
+    model = UL.make_tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                            factory="user_losses:make_tagger") as rec:
+            for step in range(steps):
+                x, y = UL.batch(step)
+                if spoil is not None:
+                    spoil(step, x, y)
+                opt.zero_grad()
+                out = model(x)
+                loss = step_loss(rec, out, y, step)
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert err.bundle_path is not None and err.event["step"] == K, err
+    return err
+
+
+def nanreplay_json(bundle: Path) -> tuple[dict, int]:
+    r = invoke_cli(bundle, "--json")
+    assert r.stderr == "", r.stderr
+    return json.loads(r.stdout), r.exit_code
+
+
+def bug_line(marker: str) -> str:
+    """``user_losses.py:<n>`` of the line holding ``# BUG <marker>``, read from the file."""
+    lines = (HERE / "user_losses.py").read_text().splitlines()
+    hits = [i + 1 for i, text in enumerate(lines) if f"# BUG {marker}" in text]
+    assert len(hits) == 1, marker
+    return f"user_losses.py:{hits[0]}"
+
+
+def origin(rep: dict, *keys: str) -> tuple:
+    return tuple(rep["origin"][k] for k in keys)
+
+
+def notes_about(rep: dict, *words: str) -> list[str]:
+    return [p for p in rep["problems"] if any(w in p for w in words)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. user-defined losses
+
+
+def test_ctc_subclass_taking_a_target_tuple(tmp_path):
+    """A ``CTCLoss`` subclass whose forward unpacks (targets, input lengths, target lengths):
+    sample 4's target is longer than its input, an alignment that does not exist (inf)."""
+    crit = UL.TupleCTC(blank=0, zero_infinity=False)
+    S = UL.T + 1
+
+    def step_loss(rec, out, y, step):
+        targets = torch.cat([y[:, :3], torch.ones(UL.B, S - 3, dtype=torch.long)], 1)
+        tgt_lens = torch.full((UL.B,), 3, dtype=torch.long)
+        if step == K:
+            tgt_lens[4] = S  # BUG: 7 labels cannot align to 6 frames
+        return crit(out, (targets, torch.full((UL.B,), UL.T, dtype=torch.long), tgt_lens))
+
+    err = train(tmp_path, step_loss, loss_fn=crit)
+    assert (err.event["phase"], err.event["module"]) == ("loss", "<loss>")
+    meta, _ = read_bundle(err.bundle_path)
+    assert meta["loss"]["tree"]["import"] == "user_losses:TupleCTC"
+    assert meta["loss"]["tree"]["config"]["blank"] == 0
+    rep, code = nanreplay_json(err.bundle_path)
+    assert rep["event"]["step"] == K
+    assert origin(rep, "phase", "module", "op", "made", "samples") == (
+        "loss", "<loss>", "aten._ctc_loss", "+inf", [4])
+    assert rep["origin"]["source"] == bug_line("ctc")
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert rep["problems"] == []
+    assert rep["fidelity"]["matches"] is True
+
+
+def test_focal_loss_whose_constructor_needs_arguments(tmp_path):
+    """A hand-written focal loss (``gamma`` and class weights required by ``__init__``) trained
+    on pseudo-labels taken from the model's own prediction: sample 2 is scaled up, its
+    prediction is certain (pt == 1 exactly) and ``(1 - pt) ** 0.5`` has an infinite
+    derivative there: a backward origin inside the loss."""
+    crit = UL.FocalLoss(gamma=0.5, alpha=torch.linspace(0.5, 1.5, UL.C))
+
+    def spoil(step, x, y):
+        if step == K:
+            x[2] *= 1000.0
+
+    def step_loss(rec, out, y, step):
+        y = y.clone()
+        y[2] = out[2].argmax(-1)  # pseudo-labels for the unlabelled sample
+        return crit(out, y)
+
+    err = train(tmp_path, step_loss, loss_fn=crit, spoil=spoil)
+    assert err.event["phase"] == "backward"
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op") == ("backward", "<loss>", "PowBackward0")
+    assert rep["origin"]["source"] == bug_line("focal")
+    assert "enc.weight" in rep["origin"]["params"]
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert rep["problems"] == []
+
+
+def test_cross_entropy_wrapper_over_an_all_padding_batch(tmp_path):
+    """A wrapper that reshapes for ``CrossEntropyLoss`` (a submodule with class weights and
+    ``ignore_index``); at step K every label is padding: the weighted mean over no token is
+    0/0, with zero gradients, so only the loss shows it."""
+    crit = UL.FlatCE(UL.C, weight=torch.linspace(1.0, 2.0, UL.C))
+
+    def spoil(step, x, y):
+        if step == K:
+            y.fill_(UL.PAD)
+
+    err = train(tmp_path, lambda rec, out, y, step: crit(out, y), loss_fn=crit, spoil=spoil)
+    assert (err.event["phase"], err.event["kind"]) == ("loss", "nan")
+    meta, tensors = read_bundle(err.bundle_path)
+    child = meta["loss"]["tree"]["children"]["ce"]
+    assert (child["import"], child["config"]["ignore_index"]) == (
+        "torch.nn.modules.loss:CrossEntropyLoss", UL.PAD)
+    assert torch.equal(tensors[child["buffers"]["weight"]], torch.linspace(1.0, 2.0, UL.C))
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "made") == (
+        "loss", "<loss>", "aten.nll_loss_forward", "nan")
+    assert rep["origin"]["source"] == bug_line("flat")
+    assert rep["origin"]["samples"] == []  # no sample's loss is NaN: the mean over none is
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert rep["problems"] == []
+
+
+def test_plain_function_loss_names_the_op_and_the_rows(tmp_path):
+    """``def lm_loss(out, labels)`` given as ``loss_fn`` and called as ``rec.loss_fn``: sample
+    5 is all padding, its per-sequence mean 0/0; the rows are those of the op's output."""
+
+    def spoil(step, x, y):
+        if step == K:
+            y[5] = UL.PAD
+
+    err = train(tmp_path, lambda rec, out, y, step: rec.loss_fn(out, y), loss_fn=UL.lm_loss,
+                spoil=spoil)
+    meta, _ = read_bundle(err.bundle_path)
+    assert meta["loss"]["import"] == "user_losses:lm_loss"
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "made", "samples") == (
+        "loss", "<loss>", "aten.div", "nan", [5])
+    assert rep["origin"]["source"] == bug_line("lm")
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert rep["problems"] == []
+
+
+def test_a_lambda_loss_gets_one_true_note(tmp_path):
+    """A lambda cannot be imported: one note says so, where it is defined and how to make it
+    replayable; the replay still says where the values entered (the recorded gradient of the
+    model output) and no note claims the loss was not given."""
+
+    def spoil(step, x, y):
+        if step == K:
+            y.fill_(UL.PAD)
+
+    crit = lambda out, y: UL.lm_loss(out, y).nansum() / (y != UL.PAD).sum()  # noqa: E731
+
+    err = train(tmp_path, lambda rec, out, y, step: rec.loss_fn(out, y), loss_fn=crit,
+                spoil=spoil)
+    rep, code = nanreplay_json(err.bundle_path)
+    [note] = rep["problems"]
+    assert note.startswith("the loss function test_user_losses.test_a_lambda_loss_gets_one_"
+                           "true_note.<locals>.<lambda> is a lambda (defined at "
+                           "test_user_losses.py:"), note
+    assert "define it at module level" in note and "'loss_fn'" in note
+    assert not notes_about(rep, "record_loss", "outside a loss function")
+    assert "record with loss_fn" not in (rep["hint"] or "")
+    assert origin(rep, "phase", "module") == ("loss", "<loss>")
+    assert rep["cause"] is None and "as the note says" in rep["hint"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. a loss computed outside the recorded model
+
+
+def masked_mean_loop(rec, out, y, step, *, hand_over: bool):
+    """The loop's own inline loss: the mean token loss over the unmasked tokens; the mask of
+    step K is all zero (every token masked), so it is 0/0 and every gradient NaN."""
+    mask = torch.ones_like(y, dtype=torch.float32)
+    if step == K:
+        mask.zero_()
+    tok = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    loss = (tok * mask).sum() / mask.sum()
+    if hand_over:
+        rec.record_loss(loss)
+    return loss
+
+
+@pytest.mark.parametrize("hand_over", [False, True], ids=["unseen", "record_loss"])
+def test_masked_mean_outside_the_model_is_named_as_the_loss(tmp_path, hand_over):
+    """Not 'not reproduced': the model re-runs finite and as recorded, the recorded gradient
+    of its output is NaN at every position, and feeding it back gives the NaN gradients."""
+    err = train(tmp_path, lambda rec, out, y, step: masked_mean_loop(rec, out, y, step,
+                                                                     hand_over=hand_over))
+    assert err.event["phase"] == ("loss" if hand_over else "backward")
+    rep, code = nanreplay_json(err.bundle_path)
+    assert rep["event"]["step"] == K
+    assert origin(rep, "phase", "module", "op", "made", "samples") == (
+        "loss", "<loss>", None, "nan", list(range(UL.B)))
+    assert rep["origin"]["detail"] == ("the gradient entering the model's output was "
+                                       "non-finite; the model's backward made none of its own")
+    assert rep["origin"]["positions"] == {"non_finite": UL.B * UL.T * UL.C,
+                                          "of": UL.B * UL.T * UL.C}
+    assert set(rep["origin"]["params"]) == {"enc.weight", "enc.bias", "head.weight",
+                                            "head.bias"}
+    assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
+    assert rep["fidelity"]["matches"] is True and rep["fidelity"]["calls"] > 0
+    assert "loss_fn=" in rep["hint"] and "record_loss" in rep["hint"]
+    assert "device" not in rep["hint"] and "hardware" not in rep["hint"]
+    if hand_over:
+        [note] = rep["problems"]
+        assert note.startswith("the loss given to record_loss was computed outside")
+    else:
+        assert rep["problems"] == []
+    text = invoke_cli(err.bundle_path)
+    assert text.exit_code == 0
+    assert ("  origin     loss: the gradient entering the model's output was non-finite; the "
+            "model's backward made none of its own") in text.stdout.splitlines()
+
+
+def test_loss_terms_outside_loss_fn(tmp_path):
+    """loss_fn is given, but the loop adds a term of its own (a masked mean over an all-zero
+    mask): the re-run loss_fn is finite, the recorded output gradient is not."""
+    crit = torch.nn.CrossEntropyLoss()
+
+    def step_loss(rec, out, y, step):
+        main = crit(out.flatten(0, 1), y.flatten())
+        return main + 0.1 * masked_mean_loop(rec, out, y, step, hand_over=False)
+
+    err = train(tmp_path, step_loss, loss_fn=crit)
+    assert err.event["phase"] == "backward"
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "samples") == ("loss", "<loss>", list(range(UL.B)))
+    assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
+    [note] = rep["problems"]
+    assert "loop's loss holds terms computed outside it" in note
+    assert "whole loss inside loss_fn" in rep["hint"]
+
+
+def test_not_reproduced_never_suggests_hardware_when_reruns_agree(tmp_path):
+    """A NaN made by state the bundle does not hold (a process-wide counter): the re-runs
+    agree with each other, so the hint speaks of that, not of the device."""
+    import replay_models as R
+
+    R.CALLS.update(n=0, fire_at=K + 1, every=0)
+    model = R.make_counted_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = torch.nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_counted_net"):
+            for step in range(6):
+                x, y = R.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    rep, code = nanreplay_json(info.value.bundle_path)
+    assert (rep["reproduced"], rep["cause"], code) == (False, "not_reproduced", 1)
+    assert "agree with each other" in rep["hint"]
+    assert "device" not in rep["hint"] and "hardware" not in rep["hint"]

@@ -1,0 +1,84 @@
+"""A token tagger and the losses projects write for it: a ``CTCLoss`` subclass taking its targets
+as a tuple, a focal loss whose constructor needs arguments, a ``CrossEntropyLoss`` wrapper that
+reshapes, a plain per-sequence loss function. Each line marked ``# BUG`` is where a planted bug
+makes the first non-finite value (the tests find the line by reading this file)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+B, T, F_IN, HIDDEN, C = 8, 6, 5, 16, 7  # batch, time, features, hidden, classes (0: blank/pad)
+PAD = 0
+
+
+class Tagger(nn.Module):
+    """(B, T, F_IN) features -> (B, T, C) logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(F_IN, HIDDEN)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(HIDDEN, C)
+
+    def forward(self, x):
+        return self.head(self.act(self.enc(x)))
+
+
+def make_tagger() -> nn.Module:
+    torch.manual_seed(0)
+    return Tagger()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and labels in 1..C-1 (no padding), the same for every run of a step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(B, T, F_IN, generator=g), torch.randint(1, C, (B, T), generator=g)
+
+
+class TupleCTC(nn.CTCLoss):
+    """CTC over (B, T, C) logits whose target is one tuple ``(targets, input_lengths,
+    target_lengths)``, as a data loader's collate function returns it."""
+
+    def forward(self, logits, target):
+        targets, input_lengths, target_lengths = target
+        log_probs = logits.log_softmax(-1).transpose(0, 1)  # (T, B, C)
+        return super().forward(log_probs, targets, input_lengths, target_lengths)  # BUG ctc
+
+
+class FocalLoss(nn.Module):
+    """Focal loss with per-class weights; ``gamma`` < 1 has an infinite derivative at a
+    probability of exactly 1."""
+
+    def __init__(self, gamma: float, alpha: torch.Tensor):
+        super().__init__()
+        self.gamma = gamma
+        self.register_buffer("alpha", alpha)
+
+    def forward(self, logits, labels):
+        logpt = F.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)  # (B, T)
+        pt = logpt.exp()
+        weight = (1 - pt) ** self.gamma  # BUG focal: d/dpt is infinite where pt == 1
+        return -(self.alpha[labels] * weight * logpt).mean()
+
+
+class FlatCE(nn.Module):
+    """``CrossEntropyLoss`` over (B, T, C) logits, reshaped to (B*T, C)."""
+
+    def __init__(self, num_classes: int, weight: torch.Tensor | None = None):
+        super().__init__()
+        self.num_classes = num_classes
+        self.ce = nn.CrossEntropyLoss(weight=weight, ignore_index=PAD)
+
+    def forward(self, logits, labels):
+        return self.ce(logits.reshape(-1, self.num_classes), labels.reshape(-1))  # BUG flat
+
+
+def lm_loss(out, labels):
+    """Token cross entropy averaged over each sequence's tokens, then over the batch."""
+    tok = F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    mask = (labels != PAD).float()
+    per_sequence = (tok * mask).sum(1) / mask.sum(1)  # BUG lm: 0/0 for an all-padding row
+    return per_sequence.mean()
+
