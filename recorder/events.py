@@ -251,7 +251,9 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
     if event.get("tensor"):
         where += f" Tensor {event['tensor']}, samples {event['samples'][:8]}."
     if event.get("params"):
-        where += f" Parameters: {', '.join(event['params'][:4])}."
+        params = event["params"]
+        more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""
+        where += f" Parameters: {', '.join(params[:4])}{more}."
     kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf", "inf": "Inf", "scale": "AMP scale"}
     when = (f"in an evaluation forward (eval mode, gradients off) before step {event['step']}"
             if event.get("evaluation") else f"at step {event['step']}")

@@ -10,8 +10,8 @@ The Trainer builds its optimizer, scheduler and (for fp16) GradScaler inside ``t
 recorder is attached when training begins, with those (unwrapped from accelerate's wrappers),
 and detached when it ends. The model computes its own loss (``labels`` in the batch), which the
 recorder sees as part of the model's output; pass ``loss_fn=`` only for a loss module that a
-custom ``compute_loss`` calls. Importing this module needs ``transformers``; nothing else in
-``recorder`` does.
+custom ``compute_loss`` calls. Importing this module needs ``transformers``, and building the
+callback ``accelerate`` (which the Trainer needs); nothing else in ``recorder`` does.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class FlightRecorderCallback(TrainerCallback):
     Trainer. ``self.recorder`` is the recorder of the current (or last) ``train()``."""
 
     def __init__(self, **options: Any):
+        _require_accelerate()
         validate_callback_options(options.get("loss_fn"), options)
         self.options = options
         self.recorder: FlightRecorder | None = None
@@ -46,6 +47,7 @@ class FlightRecorderCallback(TrainerCallback):
         # torch_compile=True: accelerate compiled the model into a wrapper callbacks do not see,
         # so the model is one compiled region with hooks dynamo leaves out (recorder.compiled)
         self.recorder._compiled_elsewhere = bool(getattr(args, "torch_compile", False))
+        self.recorder.integration = "huggingface"
         self.recorder.attach()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -58,6 +60,17 @@ class FlightRecorderCallback(TrainerCallback):
         ``NonFiniteError`` they are inert until this is called)."""
         if self.recorder is not None:
             self.recorder.detach()
+
+
+def _require_accelerate() -> None:
+    """The Trainer runs its loop through ``accelerate`` (and hands callbacks its wrappers):
+    without it, say so now rather than fail inside ``train()``."""
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise ImportError("FlightRecorderCallback: the Hugging Face Trainer integration needs "
+                          "the 'accelerate' package (transformers.Trainer runs its training "
+                          "loop through it); install it: pip install accelerate") from None
 
 
 def _torch_optimizer(optimizer) -> tuple[torch.optim.Optimizer | None, Any]:

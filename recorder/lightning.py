@@ -66,7 +66,13 @@ class FlightRecorderCallback(Callback):
         self.recorder = FlightRecorder(
             model, opt, loss_fn=loss_fn, scaler=getattr(trainer.precision_plugin, "scaler", None),
             lr_scheduler=configs[0].scheduler if len(configs) == 1 else None,
-            start_step=trainer.global_step, **self.options).attach()
+            start_step=trainer.global_step, **self.options)
+        self.recorder.integration = "lightning"
+        self.recorder._unrooted_advice = (
+            "Name the submodule your training_step calls with the callback's module= argument: "
+            "FlightRecorderCallback(module=\"model\") for a training_step calling "
+            "self.model(x)")
+        self.recorder.attach()
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # The training_step's loss, whatever computed it: without loss_fn (an inline F.* loss)

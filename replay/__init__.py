@@ -12,15 +12,17 @@ from __future__ import annotations
 from .errors import ReplayError
 
 
-def replay(path, *, factory: str | None = None, device: str | None = None) -> dict:
-    """The report for one bundle, as ``nanreplay --json`` prints it (plus ``history``)."""
+def replay(path, *, factory: str | None = None, device: str | None = None,
+           factory_kwargs: dict | None = None) -> dict:
+    """The report for one bundle, as ``nanreplay --json`` prints it (plus ``history``);
+    ``factory_kwargs`` replace the recorded ones."""
     from .analyze import analyze
     from .errors import FactoryRefused
     from .load import build, read_step
 
     step = read_step(path)
     try:
-        build(step, factory, device)
+        build(step, factory, device, factory_kwargs)
     except FactoryRefused as e:
         step.problems.append(str(e))
     return analyze(step)

@@ -52,6 +52,9 @@ class _OneLineUsage(click.Command):
               help="Summarise the bundle (event, sizes, environment) without running code.")
 @click.option("--factory", metavar="MOD:FN",
               help="The function that builds the model (trusted; overrides the recorded one).")
+@click.option("--factory-kwargs", "factory_kwargs", metavar="JSON",
+              help="Keyword arguments for the factory, as a JSON object (overrides the "
+                   "recorded factory_kwargs).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]),
               help="Replay on this device (e.g. a GPU bundle on a CPU machine).")
 @click.option("--strip", "strip_parts", multiple=True, type=click.Choice(["batch", "weights"]),
@@ -60,12 +63,13 @@ class _OneLineUsage(click.Command):
               help="Where --strip writes the copy.")
 @click.option("--debug", is_flag=True, hidden=True, help="Show tracebacks of internal errors.")
 def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factory: str | None,
-         device: str | None, strip_parts: tuple[str, ...], output: Path | None,
-         debug: bool) -> None:
+         factory_kwargs: str | None, device: str | None, strip_parts: tuple[str, ...],
+         output: Path | None, debug: bool) -> None:
     """Replay the step recorded in BUNDLE and report the op, module, samples and cause of its
     first non-finite value."""
     try:
-        code = _run(bundle, as_json, html_path, info, factory, device, strip_parts, output)
+        code = _run(bundle, as_json, html_path, info, factory, _kwargs(factory_kwargs), device,
+                    strip_parts, output)
     except click.ClickException:
         raise  # bad usage: _OneLineUsage prints it
     except (BundleError, ReplayError) as e:
@@ -79,7 +83,28 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
     sys.exit(code)
 
 
-def _run(bundle, as_json, html_path, info, factory, device, strip_parts, output) -> int:
+def _kwargs(text: str | None) -> dict | None:
+    """``--factory-kwargs``: a JSON object of keyword arguments, or None when not given."""
+    if text is None:
+        return None
+    import json
+
+    from recorder.validate import check_factory_kwargs
+
+    try:
+        kwargs = json.loads(text)
+    except ValueError as e:
+        raise click.UsageError(f"--factory-kwargs {text!r} is not JSON ({e}); pass a JSON "
+                               "object, e.g. --factory-kwargs '{\"scale\": 4.0}'") from None
+    try:
+        check_factory_kwargs(kwargs, "--factory-kwargs")
+    except TypeError as e:
+        raise click.UsageError(f"{e}; e.g. --factory-kwargs '{{\"scale\": 4.0}}'") from None
+    return kwargs
+
+
+def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, strip_parts,
+         output) -> int:
     from . import report as reports
 
     if html_path is not None and (info or strip_parts or output):
@@ -107,7 +132,7 @@ def _run(bundle, as_json, html_path, info, factory, device, strip_parts, output)
 
     step = read_step(bundle)
     try:
-        build(step, factory, device)
+        build(step, factory, device, factory_kwargs)
     except FactoryRefused as e:
         step.problems.append(str(e))
     report = analyze(step)

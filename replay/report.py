@@ -111,6 +111,7 @@ def info(path) -> dict[str, Any]:
         "event": meta.get("event"),
         "state": meta.get("state"),
         "factory": meta.get("factory"),
+        "factory_kwargs": meta.get("factory_kwargs"),
         "model": meta.get("model", {}).get("class"),
         "modules": len(meta.get("modules", [])),
         "parameters": len(meta.get("params", [])),
@@ -138,7 +139,8 @@ def info_text(d: dict[str, Any]) -> str:
         + (" (torch.compile'd: recorded as one call)" if ev.get("compiled") else ""),
         f"detail     {ev.get('detail')}",
         f"model      {d['model']} ({d['modules']} modules, {d['parameters']} parameters), "
-        f"factory {d['factory']}",
+        f"factory {d['factory']}"
+        + (f" {json.dumps(d['factory_kwargs'])}" if d.get("factory_kwargs") else ""),
         f"training   optimizer {d['optimizer']}, loss {d['loss']}, "
         f"{d['micro_batches']} micro-batch(es), {d['history_steps']} steps of history",
         f"env        python {env.get('python')}, torch {env.get('torch')}, {cuda}, "

@@ -1,0 +1,135 @@
+"""The replay checks that the factory rebuilt the model that trained.
+
+``fidelity_models.make_scaled_net`` reads a global that the training script sets from its
+command line (``--scale 0.5``). Recorded in one process and replayed in another, as users do
+(``python -m replay BUNDLE --json`` in a fresh interpreter), the factory builds the default
+model: the replay says the rebuilt model differs (first at module ``scale``), falls back to what
+the recorder saw and guesses no cause. ``factory_kwargs`` recorded with the run, or
+``--factory-kwargs`` on the command line, give the factory the setting back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import fidelity_models as FM
+import pytest
+import replay_models as R
+import torch
+from bundles import invoke_cli, one_error_line
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
+
+HERE = Path(__file__).parent
+K = 3
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)
+
+
+def train(out_dir: Path, monkeypatch, **rec_kwargs) -> Path:
+    """The training script run with ``--scale 0.5``; sample 5 of step K is scaled up, so the
+    log in ``act`` gets a negative input."""
+    monkeypatch.setitem(FM.CONFIG, "scale", 0.5)  # what argparse would have set
+    model = FM.make_scaled_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="fidelity_models:make_scaled_net", **rec_kwargs):
+            for step in range(6):
+                x, y = R.batch(step)
+                if step == K:
+                    x[5] *= 100.0
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (K, "forward", "act", [5])
+    return info.value.bundle_path
+
+
+def nanreplay(bundle: Path, *args: str) -> subprocess.CompletedProcess:
+    """``nanreplay`` in a fresh interpreter, from the project root (this directory)."""
+    return subprocess.run([sys.executable, "-m", "replay", str(bundle), *args], cwd=HERE,
+                          capture_output=True, text=True, timeout=300)
+
+
+def as_json(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.stderr == "", proc.stderr
+    return json.loads(proc.stdout)
+
+
+def log_line() -> str:
+    lines, start = __import__("inspect").getsourcelines(R.ShiftedLog)
+    return f"replay_models.py:{start + next(i for i, t in enumerate(lines) if 'torch.log' in t)}"
+
+
+def test_a_factory_building_another_model_is_caught_and_factory_kwargs_fix_it(tmp_path,
+                                                                              monkeypatch):
+    bundle = train(tmp_path, monkeypatch)
+    proc = nanreplay(bundle, "--json")
+    rep = as_json(proc)
+    fid = rep["fidelity"]
+    assert (fid["matches"], fid["module"], fid["call"], fid["micro_batch"]) == (
+        False, "scale", 0, 0)
+    # the re-run's scale is the default 1.0: twice the recorded values
+    assert math.isclose(fid["rerun"]["min"], 2 * fid["recorded"]["min"], rel_tol=1e-5)
+    assert math.isclose(fid["rerun"]["max"], 2 * fid["recorded"]["max"], rel_tol=1e-5)
+    o = rep["origin"]  # what the recorder saw, not a confident origin from another model
+    assert (o["phase"], o["module"], o["call"], o["samples"], o["op"], o["source"]) == (
+        "forward", "act", 0, [5], None, None)
+    assert (rep["reproduced"], rep["cause"], proc.returncode) == (False, None, 1)
+    text = nanreplay(bundle)
+    assert text.returncode == 1
+    [line] = [s for s in text.stdout.splitlines() if s.startswith("  fidelity")]
+    assert line.startswith("  fidelity   'scale' (call 0, micro-batch 0) gave [")
+    assert "the factory builds a different model than the one recorded" in line
+    assert "factory_kwargs" in line and "--factory-kwargs" in line
+    # the setting handed back on the command line: the same model, the op named
+    fixed = nanreplay(bundle, "--json", "--factory-kwargs", '{"scale": 0.5}')
+    rep = as_json(fixed)
+    assert rep["fidelity"]["matches"] is True and rep["fidelity"]["calls"] > 0
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], o["source"]) == (
+        "forward", "act", "aten.log", [5], log_line())
+    assert (rep["reproduced"], rep["cause"], fixed.returncode) == (True, "invalid", 0)
+
+
+def test_recorded_factory_kwargs_round_trip(tmp_path, monkeypatch):
+    bundle = train(tmp_path, monkeypatch, factory_kwargs={"scale": 0.5})
+    meta, _ = read_bundle(bundle)
+    assert meta["factory_kwargs"] == {"scale": 0.5}
+    info = invoke_cli("--info", bundle)
+    assert 'factory fidelity_models:make_scaled_net {"scale": 0.5}' in info.stdout
+    proc = nanreplay(bundle, "--json")
+    rep = as_json(proc)
+    assert rep["fidelity"]["matches"] is True
+    assert (rep["origin"]["module"], rep["origin"]["op"], rep["cause"], proc.returncode) == (
+        "act", "aten.log", "invalid", 0)
+    # --factory-kwargs overrides the recorded ones: the default model again
+    rep = as_json(nanreplay(bundle, "--json", "--factory-kwargs", '{"scale": 1.0}'))
+    assert (rep["fidelity"]["matches"], rep["fidelity"]["module"]) == (False, "scale")
+
+
+def test_bad_factory_kwargs_are_one_line_errors(tmp_path, monkeypatch):
+    model = FM.make_scaled_net()
+    with pytest.raises(TypeError, match="FlightRecorder: factory_kwargs must hold JSON values"):
+        FlightRecorder(model, out_dir=tmp_path, factory_kwargs={"scale": object()})
+    with pytest.raises(TypeError, match="factory_kwargs must be a dict of keyword arguments"):
+        FlightRecorder(model, out_dir=tmp_path, factory_kwargs={"not a name": 1})
+    bundle = train(tmp_path, monkeypatch)
+    line = one_error_line(invoke_cli(bundle, "--factory-kwargs", "{scale: 1}"))
+    assert line.startswith("nanreplay: --factory-kwargs '{scale: 1}' is not JSON (")
+    line = one_error_line(invoke_cli(bundle, "--factory-kwargs", "[0.5]"))
+    assert line.startswith("nanreplay: --factory-kwargs must be a dict of keyword arguments")
+    line = one_error_line(invoke_cli(bundle, "--factory-kwargs", '{"depth": 3}'))
+    assert "factory 'fidelity_models:make_scaled_net' failed with factory_kwargs" in line
