@@ -292,3 +292,32 @@ def test_not_reproduced_never_suggests_hardware_when_reruns_agree(tmp_path):
     assert (rep["reproduced"], rep["cause"], code) == (False, "not_reproduced", 1)
     assert "agree with each other" in rep["hint"]
     assert "device" not in rep["hint"] and "hardware" not in rep["hint"]
+
+
+# ---------------------------------------------------------------------------------------------
+# bundles written before the loss description
+
+
+def test_a_bundle_without_the_loss_description_is_still_replayed(tmp_path):
+    """A bundle of an earlier recorder has only the flat loss fields: a torch.nn built-in is
+    rebuilt from them as before (here a weighted CrossEntropyLoss over an all-padding batch)."""
+    from recorder.bundle import write_bundle
+
+    crit = torch.nn.CrossEntropyLoss(weight=torch.linspace(1.0, 2.0, UL.C), ignore_index=UL.PAD)
+
+    def spoil(step, x, y):
+        if step == K:
+            y.fill_(UL.PAD)
+
+    err = train(tmp_path, lambda rec, out, y, step: crit(out.flatten(0, 1), y.flatten()),
+                loss_fn=crit, spoil=spoil)
+    meta, tensors = read_bundle(err.bundle_path)
+    del meta["loss"]["tree"], meta["factory_kwargs"]
+    meta["recorder"].pop("integration")
+    (tmp_path / "old").mkdir()
+    old = write_bundle(tmp_path / "old", "old", meta, tensors)
+    rep, code = nanreplay_json(old)
+    assert origin(rep, "phase", "module", "op", "made") == (
+        "loss", "<loss>", "aten.nll_loss_forward", "nan")
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert rep["problems"] == []
