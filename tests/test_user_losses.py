@@ -181,26 +181,34 @@ def test_plain_function_loss_names_the_op_and_the_rows(tmp_path):
 def test_a_lambda_loss_gets_one_true_note(tmp_path):
     """A lambda cannot be imported: one note says so, where it is defined and how to make it
     replayable; the replay still says where the values entered (the recorded gradient of the
-    model output) and no note claims the loss was not given."""
+    model output: a masked mean over an all-padding batch) and no note claims the loss was not
+    given."""
 
     def spoil(step, x, y):
         if step == K:
             y.fill_(UL.PAD)
 
-    crit = lambda out, y: UL.lm_loss(out, y).nansum() / (y != UL.PAD).sum()  # noqa: E731
+    crit = lambda out, y: (F.cross_entropy(  # noqa: E731  (the lambda loss)
+        out.flatten(0, 1), y.flatten(), reduction="none") * (y != UL.PAD).flatten()).sum() / (
+        y != UL.PAD).sum()
 
     err = train(tmp_path, lambda rec, out, y, step: rec.loss_fn(out, y), loss_fn=crit,
                 spoil=spoil)
+    assert err.event["phase"] == "loss"
     rep, code = nanreplay_json(err.bundle_path)
+    lines = Path(__file__).read_text().splitlines()
+    at = next(i + 1 for i, t in enumerate(lines) if "(the lambda loss)" in t)
     [note] = rep["problems"]
     assert note.startswith("the loss function test_user_losses.test_a_lambda_loss_gets_one_"
-                           "true_note.<locals>.<lambda> is a lambda (defined at "
-                           "test_user_losses.py:"), note
-    assert "define it at module level" in note and "'loss_fn'" in note
+                           f"true_note.<locals>.<lambda> is a lambda (defined at "
+                           f"test_user_losses.py:{at}), which no import path leads to, so the "
+                           "loss was not re-run; define it at module level"), note
+    assert "{'model': ..., 'loss_fn': ...}" in note
     assert not notes_about(rep, "record_loss", "outside a loss function")
-    assert "record with loss_fn" not in (rep["hint"] or "")
-    assert origin(rep, "phase", "module") == ("loss", "<loss>")
-    assert rep["cause"] is None and "as the note says" in rep["hint"]
+    assert "loss_fn=" not in (rep["hint"] or "") and "as the note says" in rep["hint"]
+    assert origin(rep, "phase", "module", "samples") == ("loss", "<loss>", list(range(UL.B)))
+    assert rep["origin"]["detail"].startswith("the gradient entering the model's output")
+    assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,3 +329,52 @@ def test_a_bundle_without_the_loss_description_is_still_replayed(tmp_path):
         "loss", "<loss>", "aten.nll_loss_forward", "nan")
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
     assert rep["problems"] == []
+
+
+def test_loss_code_is_imported_only_under_the_trust_rule(tmp_path, monkeypatch):
+    """A loss class from a module neither under the current directory nor installed is not
+    imported by the replay (its import leaves a marker file), and a recorded path that leads
+    out of a trusted module (``user_losses:torch.os.system``) is not called: one note each."""
+    import sys
+
+    from recorder.bundle import write_bundle
+
+    code, marker = tmp_path / "elsewhere", tmp_path / "imported"
+    code.mkdir()
+    (code / "far_losses.py").write_text(
+        "import pathlib\nimport torch\n"
+        f"pathlib.Path({str(marker)!r}).touch()\n"
+        "class FarCE(torch.nn.CrossEntropyLoss):\n    pass\n")
+    monkeypatch.syspath_prepend(str(code))
+    import far_losses
+
+    crit = far_losses.FarCE(ignore_index=UL.PAD)
+
+    def spoil(step, x, y):
+        if step == K:
+            y.fill_(UL.PAD)
+
+    err = train(tmp_path / "b", lambda rec, out, y, step: crit(out.flatten(0, 1), y.flatten()),
+                loss_fn=crit, spoil=spoil)
+    monkeypatch.delitem(sys.modules, "far_losses")
+    marker.unlink()
+    rep, code_ = nanreplay_json(err.bundle_path)
+    assert not marker.exists() and "far_losses" not in sys.modules
+    [note] = rep["problems"]
+    assert note.startswith("the loss class far_losses.FarCE is in 'far_losses', which is neither "
+                           f"under the current directory ({HERE}) nor an installed package, so "
+                           "nanreplay does not import it"), note
+    assert (rep["origin"]["phase"], rep["reproduced"], rep["cause"], code_) == (
+        "loss", False, None, 1)
+    # a recorded path leading out of a trusted module
+    meta, tensors = read_bundle(err.bundle_path)
+    meta["loss"] = {"kind": "function", "name": "user_losses.torch.os.system",
+                    "import": "user_losses:torch.os.system"}
+    (tmp_path / "forged").mkdir()
+    forged = write_bundle(tmp_path / "forged", "forged", meta, tensors)
+    rep, _ = nanreplay_json(forged)
+    [note] = rep["problems"]
+    assert note.startswith("the recorded path user_losses:torch.os.system of the loss "
+                           "function user_losses.torch.os.system leads to posix.system, defined "
+                           "outside the current directory and installed packages; nanreplay "
+                           "does not call it"), note
