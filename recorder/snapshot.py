@@ -74,6 +74,7 @@ def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], 
     if model is not None:
         meta["model"] = {"class": qualname(model), "training": model.training}
         meta["modules"] = [_module_info(s.name, s.module) for s in hook_sites(model)]
+        meta["compiled_regions"] = sorted(rec._compiled)  # recorded as one call each
     if tape is not None:
         meta["call_order"] = [[m, mb] for m, mb, *_ in sorted(
             tape.calls, key=lambda c: (c[1], c[2]))]

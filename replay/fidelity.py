@@ -3,11 +3,13 @@
 A factory cannot see run-time configuration (command-line flags, globals, config files), so it
 may build a model other than the one that trained: same parameters, different computation.
 Before anything is localised, the instrumented re-run's (min, max) of every module call is
-compared with the recorded event step's, call by call (module, micro-batch, k-th call), up to
-the first call the recorder saw non-finite (what follows it depends on the bad value). A call
+compared with the recorded event step's, call by call (module, micro-batch, k-th call), over
+each micro-batch's forward (the calls that complete by the root's) up to the first call the
+recorder saw non-finite (what follows it depends on the bad value). A call
 whose values differ beyond float tolerance (1% relative on the recorded device), one missing
-from the re-run, or a module the recorded model did not have means the factory built a
-different model.
+from the re-run, a module the recorded model did not have, or one the re-run called but the
+recorded step did not (code that never ran in training) means the factory built a different
+model.
 
 >>> fid = compare(step, run)                                   # doctest: +SKIP
 >>> fid["matches"], fid["module"]
@@ -33,7 +35,8 @@ SAME_DEVICE, OTHER_DEVICE, ABS = 1e-2, 5e-2, 1e-5
 
 
 def compare(step: Step, run: Run) -> dict[str, Any] | None:
-    """``{"matches": bool, "module", "call", "micro_batch", "recorded", "rerun", "calls"}``,
+    """``{"matches", "module", "call", "micro_batch", "recorded", "rerun", "calls",
+    "difference"}``,
     or None when the bundle holds no recorded statistics of the event step to compare with
     (an evaluation forward is not in the ring; a bundle without history)."""
     t, meta = step.tensors, step.meta
@@ -60,13 +63,16 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
             rerun[(c.module, c.micro_batch, c.call)] = (min(a for a, _ in pairs),
                                                         max(b for _, b in pairs))
     seen: dict[tuple[str, int], int] = {}
+    done: set[int] = set()  # micro-batches whose root call completed
     compared = 0
     for (lo, hi), m, mb in zip(stats, mods, mbs):
-        if m < 0 or m >= len(names):  # past a truncated row's end
-            continue
+        if m < 0 or m >= len(names) or mb in done:  # past a truncated row's end; after the
+            continue  # forward (checkpointing's recomputation, a loop calling a submodule)
         name = names[m]
         k = seen.get((name, mb), 0)
         seen[(name, mb)] = k + 1
+        if name == "":
+            done.add(mb)
         soft = any(fnmatch.fnmatchcase(name, p) for p in allowed)
         if not (math.isfinite(lo) and math.isfinite(hi)):
             if soft and not (math.isnan(lo) or math.isnan(hi)):
@@ -76,17 +82,29 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
             break  # the first non-finite call: what follows depends on it
         got = rerun.get((name, mb, k))
         if got is None:
-            return _differs(name, k, mb, [lo, hi], None, compared)
+            return _differs(name, k, mb, [lo, hi], None, compared, "did not run in the re-run")
         if not (_close(lo, got[0], rel) and _close(hi, got[1], rel)):
-            return _differs(name, k, mb, [lo, hi], list(got), compared)
+            return _differs(name, k, mb, [lo, hi], list(got), compared, "values differ")
         compared += 1
-    extra = next((c for c in run.calls if c.module not in set(names)), None)
-    if extra is not None:
-        return _differs(extra.module, extra.call, extra.micro_batch, None,
-                        list(rerun.get((extra.module, extra.micro_batch, extra.call), ())),
-                        compared)
+    # a module the re-run called that training did not: code that never ran in training
+    called = {names[m] for m in mods if 0 <= m < len(names)}
+    regions = meta.get("compiled_regions")  # their insides are not recorded call by call
+    complete = (regions is not None and run.error is None
+                and not meta.get("ring", {}).get("truncated_rows"))
+    for c in run.calls:
+        why = ("not in the recorded model" if c.module not in names else
+               "did not run in training" if complete and c.module not in called
+               and not _inside(c.module, regions) else None)
+        if why is not None:
+            return _differs(c.module, c.call, c.micro_batch, None,
+                            list(rerun.get((c.module, c.micro_batch, c.call), ())), compared,
+                            why)
     return {"matches": True, "module": None, "call": None, "micro_batch": None,
-            "recorded": None, "rerun": None, "calls": compared, "step": ev.get("step")}
+            "recorded": None, "rerun": None, "calls": compared, "difference": None}
+
+
+def _inside(name: str, regions: list[str]) -> bool:
+    return any(name.startswith(r + ".") if r else name != "" for r in regions)
 
 
 def _had_float(rerun, name: str, mb: int, k: int) -> bool:
@@ -97,24 +115,27 @@ def _close(a: float, b: float, rel: float) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=ABS)
 
 
-def _differs(module: str, call: int, mb: int, recorded, rerun, compared: int) -> dict[str, Any]:
+def _differs(module: str, call: int, mb: int, recorded, rerun, compared: int,
+             difference: str) -> dict[str, Any]:
     return {"matches": False, "module": module, "call": call, "micro_batch": mb,
             "recorded": None if recorded is None else {"min": recorded[0], "max": recorded[1]},
             "rerun": None if not rerun else {"min": rerun[0], "max": rerun[1]},
-            "calls": compared}
+            "calls": compared, "difference": difference}
 
 
 def describe(fid: dict[str, Any]) -> str:
-    """One sentence for the text report and the note."""
+    """One sentence for the text report."""
     name = "<root>" if fid["module"] == "" else fid["module"]
-    rec, got = fid["recorded"], fid["rerun"]
-    if rec is None:
-        what = "ran in the re-run but is not in the recorded model"
-    elif got is None:
-        what = "did not run in the re-run although it ran in training"
-    else:
+    rec, got, diff = fid["recorded"], fid["rerun"], fid["difference"]
+    if diff == "values differ":
         what = (f"gave [{rec['min']:.6g}, {rec['max']:.6g}] in training but "
                 f"[{got['min']:.6g}, {got['max']:.6g}] in the re-run")
+    elif diff == "did not run in the re-run":
+        what = "did not run in the re-run although it ran in training"
+    elif diff == "did not run in training":
+        what = "ran in the re-run but not in the recorded step"
+    else:
+        what = "ran in the re-run but is not in the recorded model"
     return (f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}, after "
             f"{fid['calls']} call(s) that agree: the factory builds a different model than the "
             "one recorded (it cannot see run-time configuration: command-line flags, globals, "

@@ -6,9 +6,10 @@ factory (``factory_kwargs``)."""
 from __future__ import annotations
 
 import replay_models as R
+import torch
 from torch import nn
 
-CONFIG = {"scale": 1.0}  # set from the command line by the training script
+CONFIG = {"scale": 1.0, "sqrt_features": True}  # set from the command line by train.py
 
 
 class Scale(nn.Module):
@@ -37,3 +38,31 @@ class ScaledLogNet(nn.Module):
 def make_scaled_net(scale: float | None = None) -> nn.Module:
     """The factory: the scale from the keyword argument, else from the global config."""
     return ScaledLogNet(CONFIG["scale"] if scale is None else scale)
+
+
+class SqrtFeatures(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x)  # NaN for a negative feature: never ran with --no-sqrt-features
+
+
+class OptionalSqrtNet(nn.Module):
+    """``replay_models.LogNet`` with an optional parameter-free feature transform: the same
+    parameters either way, another computation."""
+
+    def __init__(self, sqrt_features: bool):
+        super().__init__()
+        self.use_sqrt = sqrt_features
+        self.lin = nn.Linear(R.D_IN, R.HIDDEN)
+        self.sqrt = SqrtFeatures()
+        self.act = R.ShiftedLog()
+        self.head = nn.Linear(R.HIDDEN, R.N_CLASSES)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.use_sqrt:
+            h = self.sqrt(h)
+        return self.head(self.act(h))
+
+
+def make_optional_sqrt_net(sqrt_features: bool | None = None) -> nn.Module:
+    return OptionalSqrtNet(CONFIG["sqrt_features"] if sqrt_features is None else sqrt_features)

@@ -35,16 +35,17 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)
 
 
-def train(out_dir: Path, monkeypatch, **rec_kwargs) -> Path:
-    """The training script run with ``--scale 0.5``; sample 5 of step K is scaled up, so the
-    log in ``act`` gets a negative input."""
-    monkeypatch.setitem(FM.CONFIG, "scale", 0.5)  # what argparse would have set
-    model = FM.make_scaled_net()
+def train(out_dir: Path, monkeypatch, factory: str = "make_scaled_net",
+          flag=("scale", 0.5), **rec_kwargs) -> Path:
+    """The training script run with ``--scale 0.5`` (``flag``); sample 5 of step K is scaled
+    up, so the log in ``act`` gets a negative input."""
+    monkeypatch.setitem(FM.CONFIG, *flag)  # what argparse would have set
+    model = getattr(FM, factory)()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     crit = nn.CrossEntropyLoss()
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory="fidelity_models:make_scaled_net", **rec_kwargs):
+                            factory=f"fidelity_models:{factory}", **rec_kwargs):
             for step in range(6):
                 x, y = R.batch(step)
                 if step == K:
@@ -79,8 +80,8 @@ def test_a_factory_building_another_model_is_caught_and_factory_kwargs_fix_it(tm
     proc = nanreplay(bundle, "--json")
     rep = as_json(proc)
     fid = rep["fidelity"]
-    assert (fid["matches"], fid["module"], fid["call"], fid["micro_batch"]) == (
-        False, "scale", 0, 0)
+    assert (fid["matches"], fid["module"], fid["call"], fid["micro_batch"], fid["difference"]) \
+        == (False, "scale", 0, 0, "values differ")
     # the re-run's scale is the default 1.0: twice the recorded values
     assert math.isclose(fid["rerun"]["min"], 2 * fid["recorded"]["min"], rel_tol=1e-5)
     assert math.isclose(fid["rerun"]["max"], 2 * fid["recorded"]["max"], rel_tol=1e-5)
@@ -102,6 +103,23 @@ def test_a_factory_building_another_model_is_caught_and_factory_kwargs_fix_it(tm
     assert (o["phase"], o["module"], o["op"], o["samples"], o["source"]) == (
         "forward", "act", "aten.log", [5], log_line())
     assert (rep["reproduced"], rep["cause"], fixed.returncode) == (True, "invalid", 0)
+
+
+def test_code_that_never_ran_in_training_is_not_blamed(tmp_path, monkeypatch):
+    """Trained with ``--no-sqrt-features``; the factory's default adds a sqrt before ``act``,
+    which the re-run would blame (NaN of a negative feature) although it never ran."""
+    bundle = train(tmp_path, monkeypatch, "make_optional_sqrt_net", ("sqrt_features", False))
+    rep = as_json(nanreplay(bundle, "--json"))
+    fid = rep["fidelity"]
+    assert (fid["matches"], fid["module"], fid["difference"], fid["recorded"]) == (
+        False, "sqrt", "did not run in training", None)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["reproduced"], rep["cause"]) == (
+        "act", None, [5], False, None)
+    rep = as_json(nanreplay(bundle, "--json", "--factory-kwargs", '{"sqrt_features": false}'))
+    assert rep["fidelity"]["matches"] is True
+    assert (rep["origin"]["module"], rep["origin"]["op"], rep["cause"]) == (
+        "act", "aten.log", "invalid")
 
 
 def test_recorded_factory_kwargs_round_trip(tmp_path, monkeypatch):
