@@ -33,7 +33,7 @@ FORMAT = "nanreplay-report/1"
 def _origin(**kw) -> dict[str, Any]:
     base = {"phase": None, "module": None, "call": None, "op": None, "param": None,
             "params": [], "tensor": None, "samples": [], "source": None, "chain": [],
-            "micro_batch": None, "inputs_finite": None, "made": None}
+            "micro_batch": None, "inputs_finite": None, "made": None, "detail": None}
     base.update(kw)
     return base
 

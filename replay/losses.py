@@ -60,10 +60,10 @@ def _function(info: dict[str, Any]):
 
 def _why(info: dict[str, Any], what: str, example: str) -> str:
     why, where = info.get("why"), info.get("defined")
-    at = f" (defined at {where})" if where else ""
+    at = f" ({where})" if where else ""
     reason = {
         "lambda": f"is a lambda{at}, which no import path leads to",
-        "closure": f"is defined inside a function{at}, which no import path leads to",
+        "closure": f"is defined inside another function{at}, which no import path leads to",
         "script": f"is defined in the training script that ran as __main__{at}, which "
                   "nanreplay does not import (importing a script runs it)",
     }.get(why, f"cannot be imported by its name{at}")

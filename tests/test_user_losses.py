@@ -200,8 +200,8 @@ def test_a_lambda_loss_gets_one_true_note(tmp_path):
     at = next(i + 1 for i, t in enumerate(lines) if "(the lambda loss)" in t)
     [note] = rep["problems"]
     assert note.startswith("the loss function test_user_losses.test_a_lambda_loss_gets_one_"
-                           f"true_note.<locals>.<lambda> is a lambda (defined at "
-                           f"test_user_losses.py:{at}), which no import path leads to, so the "
+                           f"true_note.<locals>.<lambda> is a lambda "
+                           f"(test_user_losses.py:{at}), which no import path leads to, so the "
                            "loss was not re-run; define it at module level"), note
     assert "{'model': ..., 'loss_fn': ...}" in note
     assert not notes_about(rep, "record_loss", "outside a loss function")
@@ -209,6 +209,36 @@ def test_a_lambda_loss_gets_one_true_note(tmp_path):
     assert origin(rep, "phase", "module", "samples") == ("loss", "<loss>", list(range(UL.B)))
     assert rep["origin"]["detail"].startswith("the gradient entering the model's output")
     assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
+
+
+def make_loss(ignore_index: int):
+    def padded_ce(out, y):  # (the closure loss)
+        return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=ignore_index)
+
+    return padded_ce
+
+
+def test_a_closure_loss_with_finite_gradients_gets_one_true_note(tmp_path):
+    """A loss made by a function (a closure over its settings): cross entropy over an
+    all-padding batch is 0/0 with zero gradients, so nothing entered the model; the report says
+    the loss could not be rebuilt, once, and never that it was not given."""
+
+    def spoil(step, x, y):
+        if step == K:
+            y.fill_(UL.PAD)
+
+    err = train(tmp_path, lambda rec, out, y, step: rec.loss_fn(out, y),
+                loss_fn=make_loss(UL.PAD), spoil=spoil)
+    rep, code = nanreplay_json(err.bundle_path)
+    lines = Path(__file__).read_text().splitlines()
+    at = next(i + 1 for i, t in enumerate(lines) if "(the closure loss)" in t)
+    [note] = rep["problems"]
+    assert note.startswith("the loss function test_user_losses.make_loss.<locals>.padded_ce is "
+                           f"defined inside another function (test_user_losses.py:{at}), which "
+                           "no import path leads to, so the loss was not re-run"), note
+    assert origin(rep, "phase", "module", "op", "detail") == ("loss", "<loss>", None, None)
+    assert (rep["reproduced"], rep["cause"], code) == (False, None, 1)
+    assert "as the note says" in rep["hint"] and "loss_fn=" not in rep["hint"]
 
 
 # ---------------------------------------------------------------------------------------------
