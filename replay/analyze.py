@@ -144,6 +144,10 @@ def analyze(step: Step) -> dict[str, Any]:
     return report
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _recorded_origin(report, step: Step, hint: str) -> dict[str, Any]:
     """The origin the recorder saw, not reproduced and with no cause: nothing re-run is
     evidence (the model could not be rebuilt, or was rebuilt differently)."""
@@ -263,7 +267,7 @@ def _loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
             "finite")
     report["hint"] = ("the loss computation made the value from finite model outputs: check "
                       "its inputs (every target ignored gives a 0/0 mean; log of a zero "
-                      "probability); to name the op, " + outside.replayable_loss_hint(step))
+                      "probability). " + _sentence(outside.replayable_loss_hint(step)))
     return report
 
 
