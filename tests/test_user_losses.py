@@ -408,3 +408,37 @@ def test_loss_code_is_imported_only_under_the_trust_rule(tmp_path, monkeypatch):
                            "function user_losses.torch.os.system leads to posix.system, defined "
                            "outside the current directory and installed packages; nanreplay "
                            "does not call it"), note
+
+
+def test_an_outside_loss_does_not_hide_the_models_own_backward_bug(tmp_path):
+    """The masked mean over an all-zero mask makes the gradient entering the model NaN, and the
+    model's own backward makes NaN too (sqrt at 0 for an all-zero row): fed the entering
+    gradient with its NaN entries set to 0, the model's backward still makes one, so the report
+    names that node, with a note about the entering gradient."""
+    import inspect
+
+    import replay_models as R
+
+    model = R.make_length_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory="replay_models:make_length_net"):
+            for step in range(6):
+                x, y = R.batch(step)
+                mask = torch.ones(R.BATCH)
+                if step == K:
+                    x[6] = 0.0
+                    mask.zero_()
+                opt.zero_grad()
+                tok = F.cross_entropy(model(x), y, reduction="none")
+                ((tok * mask).sum() / mask.sum()).backward()
+                opt.step()
+    assert info.value.event["phase"] == "backward"
+    rep, code = nanreplay_json(info.value.bundle_path)
+    assert origin(rep, "phase", "module", "op") == ("backward", "feat", "SqrtBackward0")
+    lines, start = inspect.getsourcelines(R.WithLength)
+    line = start + next(i for i, t in enumerate(lines) if "torch.sqrt" in t)
+    assert rep["origin"]["source"] == f"replay_models.py:{line}"
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    [note] = rep["problems"]
+    assert note.startswith("the gradient entering the model's output was non-finite too")
