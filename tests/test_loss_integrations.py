@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from bundles import invoke_cli
 from torch import nn
 
@@ -48,45 +47,55 @@ def nanreplay_json(bundle: Path) -> tuple[dict, int]:
 # Hugging Face Trainer: a compute_loss override
 
 
-def test_hf_compute_loss_override_over_a_padding_batch(tmp_path):
+HF_BATCH = 4
+
+
+def _hf_train(tmp_path, crit, **callback_options):
+    """A Trainer whose ``compute_loss`` override calls ``crit(logits, labels)`` (the project's
+    own loss); the batch of step K is all padding. Returns the NonFiniteError."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     import hf_models as H
 
     from recorder.huggingface import FlightRecorderCallback
 
-    batch = 4
-
-    class MaskedMeanTrainer(transformers.Trainer):
-        """The project's own loss: next-token cross entropy, mean over labelled tokens."""
-
+    class OwnLossTrainer(transformers.Trainer):
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             labels = inputs.pop("labels")
             out = model(**inputs)
-            logits, target = out.logits[:, :-1], labels[:, 1:]
-            mask = (target != -100).float()
-            tok = F.cross_entropy(logits.flatten(0, 1), target.clamp(min=0).flatten(),
-                                  reduction="none").view_as(target)
-            loss = (tok * mask).sum() / mask.sum()
+            loss = crit(out.logits, labels)
             return (loss, out) if return_outputs else loss
 
-    cb = FlightRecorderCallback(out_dir=tmp_path / "b", factory="hf_models:make_tiny_gpt2")
+    cb = FlightRecorderCallback(out_dir=tmp_path / "b", factory="hf_models:make_tiny_gpt2",
+                                **callback_options)
     torch.manual_seed(0)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch, max_steps=6,
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=HF_BATCH, max_steps=6,
         learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
         logging_strategy="no", seed=0)
-    trainer = MaskedMeanTrainer(model=H.make_tiny_gpt2(), args=args, callbacks=[cb],
-                                train_dataset=H.Tokens(padding=range(K * batch, (K + 1) * batch)))
+    trainer = OwnLossTrainer(model=H.make_tiny_gpt2(), args=args, callbacks=[cb],
+                             train_dataset=H.Tokens(padding=range(K * HF_BATCH,
+                                                                  (K + 1) * HF_BATCH)))
     with pytest.raises(NonFiniteError) as info:
         trainer.train()
-    ev = info.value.event
-    assert (ev["step"], ev["phase"]) == (K, "backward")  # the callback sees no loss
     assert trainer.state.global_step == K
-    rep, code = nanreplay_json(info.value.bundle_path)
+    return info.value
+
+
+def test_hf_compute_loss_override_over_a_padding_batch(tmp_path):
+    """The override's masked mean is 0/0 over the padding batch and every gradient NaN; the
+    callback sees no loss, so the event is a backward one."""
+    import hf_models as H
+    import user_losses as UL
+
+    batch = HF_BATCH
+    err = _hf_train(tmp_path, UL.ShiftedTokenCE())
+    ev = err.event
+    assert (ev["step"], ev["phase"]) == (K, "backward")  # the callback sees no loss
+    rep, code = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["detail"]) == ("loss", "<loss>", None, ENTERED)
     assert o["samples"] == list(range(batch))
@@ -98,6 +107,25 @@ def test_hf_compute_loss_override_over_a_padding_batch(tmp_path):
     assert rep["problems"] == []
     assert "FlightRecorderCallback(loss_fn=...)" in rep["hint"] and "compute_loss" in rep["hint"]
     assert "hardware" not in rep["hint"] and "device" not in rep["hint"]
+
+
+def test_hf_compute_loss_through_the_callbacks_loss_fn_is_replayed(tmp_path):
+    """The hint's advice followed: the loss module given to the callback (``loss_fn=``) and
+    called in compute_loss is checked (a loss event) and rebuilt from the bundle: op and line."""
+    import user_losses as UL
+
+    crit = UL.ShiftedTokenCE()
+    err = _hf_train(tmp_path, crit, loss_fn=crit)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (K, "loss", "<loss>")
+    rep, code = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "loss", "<loss>", "aten.div", "nan", [])
+    lines = (HERE / "user_losses.py").read_text().splitlines()
+    assert o["source"] == "user_losses.py:" + str(
+        next(i + 1 for i, t in enumerate(lines) if "# BUG shifted" in t))
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert rep["problems"] == []
 
 
 def test_hf_callback_without_accelerate_says_so_in_one_line(monkeypatch):

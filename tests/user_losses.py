@@ -82,3 +82,19 @@ def lm_loss(out, labels):
     per_sequence = (tok * mask).sum(1) / mask.sum(1)  # BUG lm: 0/0 for an all-padding row
     return per_sequence.mean()
 
+
+
+class ShiftedTokenCE(nn.Module):
+    """A causal LM's next-token cross entropy, mean over the labelled tokens (``ignore_index``
+    marks the others), as a ``Trainer.compute_loss`` override computes it."""
+
+    def __init__(self, ignore_index: int = -100):
+        super().__init__()
+        self.ignore_index = ignore_index
+
+    def forward(self, logits, labels):
+        logits, target = logits[:, :-1], labels[:, 1:]
+        mask = (target != self.ignore_index).float()
+        tok = F.cross_entropy(logits.flatten(0, 1), target.clamp(min=0).flatten(),
+                              reduction="none").view_as(target)
+        return (tok * mask).sum() / mask.sum()  # BUG shifted: 0/0 for a batch of padding
