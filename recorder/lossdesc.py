@@ -16,6 +16,7 @@ training script itself) is described with the reason, so the replay can say so.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from pathlib import Path
@@ -46,7 +47,18 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[
 
 def describe_callable(fn) -> dict[str, Any]:
     """``{"name", "import"}`` of a function or class importable by ``module:qualname``, else
-    ``{"name", "why", "defined"}`` saying why not (``defined``: its ``file:line``)."""
+    ``{"name", "why", "defined"}`` saying why not (``defined``: its ``file:line``). A
+    ``functools.partial`` of an importable function with JSON arguments adds ``"partial":
+    {"args", "keywords"}``."""
+    if isinstance(fn, functools.partial):
+        inner = describe_callable(fn.func)
+        if "import" in inner and _plain(list(fn.args)) and _plain(dict(fn.keywords)):
+            inner["partial"] = {"args": _to_json(list(fn.args)),
+                                "keywords": _to_json(dict(fn.keywords))}
+            inner["name"] = f"functools.partial({inner['name']})"
+            return inner
+        return {"name": f"functools.partial({inner['name']})", "why": "partial",
+                **{k: v for k, v in inner.items() if k == "defined"}}
     module = getattr(fn, "__module__", None)
     qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     out: dict[str, Any] = {"name": f"{module or '?'}.{qual}"}

@@ -11,6 +11,7 @@ to make it replayable.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,11 @@ def _function(info: dict[str, Any]):
     name = info.get("name") or "?"
     spec = info.get("import")
     if isinstance(spec, str):
-        return _import(spec, f"loss function {name}")
+        fn = _import(spec, f"loss function {name}")
+        bound = info.get("partial")
+        if isinstance(bound, dict):
+            return functools.partial(fn, *bound.get("args", []), **bound.get("keywords", {}))
+        return fn
     if name.startswith("torch.nn.functional."):  # a bundle from before "import"
         fn = getattr(torch.nn.functional, name.rpartition(".")[2], None)
         if fn is not None:
@@ -66,6 +71,8 @@ def _why(info: dict[str, Any], what: str, example: str) -> str:
         "closure": f"is defined inside another function{at}, which no import path leads to",
         "script": f"is defined in the training script that ran as __main__{at}, which "
                   "nanreplay does not import (importing a script runs it)",
+        "partial": f"is a functools.partial{at} of a function that cannot be imported, or "
+                   "with arguments that are not JSON values",
     }.get(why, f"cannot be imported by its name{at}")
     return (f"{what} {reason}, so the loss was not re-run; define it at module level in a "
             f"module importable from here ({example}) {_FACTORY_WAY} to replay it")

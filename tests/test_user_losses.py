@@ -442,3 +442,26 @@ def test_an_outside_loss_does_not_hide_the_models_own_backward_bug(tmp_path):
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
     [note] = rep["problems"]
     assert note.startswith("the gradient entering the model's output was non-finite too")
+
+
+def test_a_partial_of_a_torch_loss_is_rebuilt_with_its_arguments(tmp_path):
+    """``loss_fn=functools.partial(F.cross_entropy, ignore_index=PAD)`` over (B*T, C): the
+    bundle holds the function's path and its JSON arguments; an all-padding batch is 0/0."""
+    import functools
+
+    crit = functools.partial(F.cross_entropy, ignore_index=UL.PAD)
+
+    def spoil(step, x, y):
+        if step == K:
+            y.fill_(UL.PAD)
+
+    err = train(tmp_path, lambda rec, out, y, step: rec.loss_fn(out.flatten(0, 1), y.flatten()),
+                loss_fn=crit, spoil=spoil)
+    meta, _ = read_bundle(err.bundle_path)
+    assert (meta["loss"]["import"], meta["loss"]["partial"]) == (
+        "torch.nn.functional:cross_entropy", {"args": [], "keywords": {"ignore_index": UL.PAD}})
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "made") == (
+        "loss", "<loss>", "aten.nll_loss_forward", "nan")
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert rep["problems"] == []
