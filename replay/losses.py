@@ -132,6 +132,11 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False) -> nn.M
         _clear(m, k)
         m.add_module(k, None if child is None else _module(child, tensors, device))
     m.train(bool(node.get("training", True)))
+    lost = [a for a in node.get("unrecorded", ()) if not hasattr(m, a.split(" ")[0])]
+    if lost:  # (one its default construction set is kept)
+        raise Unrebuildable(f"{what} holds attribute(s) the bundle cannot store ("
+                            f"{', '.join(lost[:3])}: not JSON values, tensors, modules or "
+                            f"importable functions), so it was not rebuilt; {_FACTORY_WAY[3:]}")
     return m
 
 

@@ -465,3 +465,36 @@ def test_a_partial_of_a_torch_loss_is_rebuilt_with_its_arguments(tmp_path):
         "loss", "<loss>", "aten.nll_loss_forward", "nan")
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
     assert rep["problems"] == []
+
+
+class _Vocab:
+    """Not a JSON value, a tensor, a module or a function: the bundle cannot store it."""
+
+    pad = UL.PAD
+
+
+class VocabCE(torch.nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, out, y):
+        return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=self.vocab.pad)
+
+
+def test_a_loss_holding_an_object_the_bundle_cannot_store_is_said_not_rebuilt(tmp_path):
+    def spoil(step, x, y):
+        if step == K:
+            y.fill_(UL.PAD)
+
+    crit = VocabCE(_Vocab())
+    err = train(tmp_path, lambda rec, out, y, step: crit(out, y), loss_fn=crit, spoil=spoil)
+    meta, _ = read_bundle(err.bundle_path)
+    assert meta["loss"]["tree"]["unrecorded"] == ["vocab (_Vocab)"]
+    rep, code = nanreplay_json(err.bundle_path)
+    assert rep["problems"] == [
+        "the loss test_user_losses.VocabCE holds attribute(s) the bundle cannot store (vocab "
+        "(_Vocab): not JSON values, tensors, modules or importable functions), so it was not "
+        "rebuilt; return it from the factory as {'model': ..., 'loss_fn': ...}"]
+    assert (rep["origin"]["phase"], rep["reproduced"], rep["cause"], code) == (
+        "loss", False, None, 1)
