@@ -44,6 +44,10 @@ def to_text(report: dict[str, Any]) -> str:
     made = o.get("made") or ev.get("kind") or "non-finite value"
     if o.get("phase") and o.get("detail"):  # a sentence instead of an op (replay.outside)
         lines.append(f"  origin     {o['phase']}: {o['detail']}")
+        if o.get("positions"):
+            n = o["positions"]
+            lines.append(f"  entered    {made} in {n['non_finite']} of {n['of']} elements of the "
+                         f"recorded {o.get('tensor') or 'gradient'}")
     elif o.get("phase"):
         op = f"{o['op']} in " if o.get("op") else ""
         fin = ", inputs finite" if o.get("inputs_finite") else ""

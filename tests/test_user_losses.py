@@ -286,8 +286,11 @@ def test_masked_mean_outside_the_model_is_named_as_the_loss(tmp_path, hand_over)
         assert rep["problems"] == []
     text = invoke_cli(err.bundle_path)
     assert text.exit_code == 0
-    assert ("  origin     loss: the gradient entering the model's output was non-finite; the "
-            "model's backward made none of its own") in text.stdout.splitlines()
+    assert text.stdout.splitlines()[1:3] == [
+        "  origin     loss: the gradient entering the model's output was non-finite; the model's "
+        "backward made none of its own",
+        f"  entered    nan in {UL.B * UL.T * UL.C} of {UL.B * UL.T * UL.C} elements of the "
+        "recorded grad of the model output"]
 
 
 def test_loss_terms_outside_loss_fn(tmp_path):
