@@ -36,32 +36,38 @@ SAME_DEVICE, OTHER_DEVICE, ABS = 1e-2, 5e-2, 1e-5
 
 def compare(step: Step, run: Run) -> dict[str, Any] | None:
     """``{"matches", "module", "call", "micro_batch", "recorded", "rerun", "calls",
-    "difference"}``,
-    or None when the bundle holds no recorded statistics of the event step to compare with
-    (an evaluation forward is not in the ring; a bundle without history)."""
+    "difference", "basis"}``, or None when the bundle holds no recorded statistics to compare
+    with (no history). ``basis`` is ``"event step"`` (values, call by call) or, for an
+    evaluation forward, which the ring does not keep, ``"earlier steps"``: only which modules
+    the recorded training steps called."""
     t, meta = step.tensors, step.meta
     ev = step.event
-    if "ring/steps" not in t or ev.get("evaluation") or not run.calls:
-        return None
-    rows = [i for i, s in enumerate(t["ring/steps"].tolist()) if s == ev.get("step")]
     fields = meta.get("ring", {}).get("call_fields", [])
-    if not rows or "min" not in fields or "max" not in fields:
+    if "ring/steps" not in t or not run.calls or "min" not in fields or "max" not in fields:
         return None
-    r = rows[-1]
+    names = [m["name"] for m in meta.get("modules", [])]
+    rows = [] if ev.get("evaluation") else \
+        [i for i, s in enumerate(t["ring/steps"].tolist()) if s == ev.get("step")]
+    if rows:
+        found = _event_step(step, run, rows[-1], names, fields)
+    else:
+        found = _modules_called(step, run, range(t["ring/steps"].numel()), names, 0)
+    if found is None:
+        return None
+    found["basis"] = "event step" if rows else "earlier steps"
+    return found
+
+
+def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str]):
+    t, meta = step.tensors, step.meta
     recorded_on = next((m["device"] for m in meta.get("modules", []) if m.get("device")), None)
     rel = SAME_DEVICE if recorded_on is None or torch.device(recorded_on) == step.device \
         else OTHER_DEVICE
-    names = [m["name"] for m in meta.get("modules", [])]
     allowed = meta.get("allow_inf", [])
     stats = t["ring/calls"][r, :, [fields.index("min"), fields.index("max")]].tolist()
     mods = t["ring/call_module"][r].tolist()
     mbs = t["ring/call_micro_batch"][r].tolist()
-    rerun: dict[tuple[str, int, int], tuple[float, float]] = {}
-    for c in run.calls:
-        pairs = [(float(a), float(b)) for a, b in c.minmax]
-        if pairs:
-            rerun[(c.module, c.micro_batch, c.call)] = (min(a for a, _ in pairs),
-                                                        max(b for _, b in pairs))
+    rerun = _rerun_pairs(run)
     seen: dict[tuple[str, int], int] = {}
     done: set[int] = set()  # micro-batches whose root call completed
     compared = 0
@@ -86,11 +92,21 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
         if not (_close(lo, got[0], rel) and _close(hi, got[1], rel)):
             return _differs(name, k, mb, [lo, hi], list(got), compared, "values differ")
         compared += 1
-    # a module the re-run called that training did not: code that never ran in training
+    return _modules_called(step, run, [r], names, compared)
+
+
+def _modules_called(step: Step, run: Run, rows, names: list[str], compared: int):
+    """A module the re-run called that the recorded steps ``rows`` never did (code that did
+    not run in training), or one the recorded model does not have; else a match."""
+    meta = step.meta
+    mods = step.tensors["ring/call_module"][list(rows)].flatten().tolist()
     called = {names[m] for m in mods if 0 <= m < len(names)}
+    if not called:
+        return None
     regions = meta.get("compiled_regions")  # their insides are not recorded call by call
     complete = (regions is not None and run.error is None
                 and not meta.get("ring", {}).get("truncated_rows"))
+    rerun = _rerun_pairs(run)
     for c in run.calls:
         why = ("not in the recorded model" if c.module not in names else
                "did not run in training" if complete and c.module not in called
@@ -101,6 +117,17 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
                             why)
     return {"matches": True, "module": None, "call": None, "micro_batch": None,
             "recorded": None, "rerun": None, "calls": compared, "difference": None}
+
+
+def _rerun_pairs(run: Run) -> dict[tuple[str, int, int], tuple[float, float]]:
+    """(module, micro-batch, k-th call) -> (min, max) over the call's floating outputs."""
+    out = {}
+    for c in run.calls:
+        pairs = [(float(a), float(b)) for a, b in c.minmax]
+        if pairs:
+            out[(c.module, c.micro_batch, c.call)] = (min(a for a, _ in pairs),
+                                                      max(b for _, b in pairs))
+    return out
 
 
 def _inside(name: str, regions: list[str]) -> bool:
@@ -133,11 +160,14 @@ def describe(fid: dict[str, Any]) -> str:
     elif diff == "did not run in the re-run":
         what = "did not run in the re-run although it ran in training"
     elif diff == "did not run in training":
-        what = "ran in the re-run but not in the recorded step"
+        what = ("ran in the re-run but not in the recorded step"
+                if fid.get("basis") == "event step" else
+                "ran in the re-run but in none of the recorded training steps")
     else:
         what = "ran in the re-run but is not in the recorded model"
-    return (f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}, after "
-            f"{fid['calls']} call(s) that agree: the factory builds a different model than the "
+    after = f", after {fid['calls']} call(s) that agree" if fid["calls"] else ""
+    return (f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}{after}: "
+            "the factory builds a different model than the "
             "one recorded (it cannot see run-time configuration: command-line flags, globals, "
             "config files); record with FlightRecorder(..., factory_kwargs={...}) or pass "
             "--factory-kwargs '{...}' so it builds the same one")

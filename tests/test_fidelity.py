@@ -151,3 +151,41 @@ def test_bad_factory_kwargs_are_one_line_errors(tmp_path, monkeypatch):
     assert line.startswith("nanreplay: --factory-kwargs must be a dict of keyword arguments")
     line = one_error_line(invoke_cli(bundle, "--factory-kwargs", '{"depth": 3}'))
     assert "factory 'fidelity_models:make_scaled_net' failed with factory_kwargs" in line
+
+
+def test_an_evaluation_event_is_checked_against_the_modules_training_called(tmp_path,
+                                                                             monkeypatch):
+    """An evaluation forward is not in the ring, so its values cannot be compared: the modules
+    the recorded training steps called can. Trained with ``--no-sqrt-features``, the factory's
+    default model calls ``sqrt``, which no training step did."""
+    monkeypatch.setitem(FM.CONFIG, "sqrt_features", False)
+    model = FM.make_optional_sqrt_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="fidelity_models:make_optional_sqrt_net"):
+            for step in range(4):
+                x, y = R.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+                model.eval()
+                with torch.no_grad():
+                    vx, _ = R.batch(100 + step)
+                    if step == 2:
+                        vx[3] *= 100.0
+                    model(vx)
+                model.train()
+    ev = info.value.event
+    assert (ev["evaluation"], ev["module"], ev["samples"]) == (True, "act", [3])
+    rep = as_json(nanreplay(info.value.bundle_path, "--json"))
+    fid = rep["fidelity"]
+    assert (fid["matches"], fid["module"], fid["difference"], fid["basis"]) == (
+        False, "sqrt", "did not run in training", "earlier steps")
+    assert (rep["origin"]["module"], rep["origin"]["op"], rep["cause"]) == ("act", None, None)
+    rep = as_json(nanreplay(info.value.bundle_path, "--json", "--factory-kwargs",
+                            '{"sqrt_features": false}'))
+    assert (rep["fidelity"]["matches"], rep["fidelity"]["basis"]) == (True, "earlier steps")
+    assert (rep["origin"]["module"], rep["origin"]["op"], rep["reproduced"]) == (
+        "act", "aten.log", True)
