@@ -152,14 +152,17 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
             f"FlightRecorder(..., allow_inf=['{o.module or '*'}'])")
     samples = o.bad_rows if _is_batch_dim(step, o) else _root_rows(run)
+    # made: what the blamed op made (the chain's first entry), not what the call returned
     origin = _origin(phase="forward", module=o.module, call=o.call, micro_batch=o.micro_batch,
-                     inputs_finite=o.inputs_finite, made=o.kind, samples=samples,
+                     inputs_finite=o.inputs_finite, made=hit.made if hit else o.kind,
+                     samples=samples,
                      op=hit.op if hit else None,
                      source=(hit.source if hit and hit.source else _module_source(step, o.module)),
                      chain=finder.chain(),
                      input_range=[hit.input_min, hit.input_max] if hit else None)
-    cause = causes.classify(runner, "forward", until=(o.module, o.call, o.micro_batch))
-    return _finish(report, origin, cause, reproduced=_matches(step, origin))
+    cause = causes.classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=hit)
+    return _finish(report, origin, cause.name, reproduced=_matches(step, origin),
+                   hint=cause.hint)
 
 
 def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
@@ -173,9 +176,10 @@ def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     hit = finder.origin()
     origin = _origin(phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
                      source=hit.source if hit else None, chain=finder.chain(),
-                     samples=_loss_samples(step, run, mb), made=made)
-    cause = causes.classify(runner, "loss")
-    return _finish(report, origin, cause, reproduced=step.event.get("phase") == "loss")
+                     samples=_loss_samples(step, run, mb), made=hit.made if hit else made)
+    cause = causes.classify(runner, "loss", hit=hit, micro_batch=mb)
+    return _finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
+                   hint=cause.hint)
 
 
 def _loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
@@ -203,9 +207,9 @@ def _backward(report, runner: Runner) -> dict[str, Any]:
                      params=b.params, param=(b.params or [None])[0], made=b.made,
                      anomaly_node=b.anomaly_node,
                      chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
-    cause = causes.classify(runner, "backward")
-    return _finish(report, origin, cause,
-                   reproduced=runner.step.event.get("phase") == "backward")
+    cause = causes.classify(runner, "backward", node=b.node)
+    return _finish(report, origin, cause.name,
+                   reproduced=runner.step.event.get("phase") == "backward", hint=cause.hint)
 
 
 def _optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
@@ -255,7 +259,8 @@ def _input_origin(step: Step, report) -> dict[str, Any]:
                    micro_batch=ev.get("micro_batch"), made=ev.get("kind"))
 
 
-def _finish(report, origin, cause, *, reproduced: bool) -> dict[str, Any]:
+def _finish(report, origin, cause, *, reproduced: bool, hint: str | None = None
+            ) -> dict[str, Any]:
     if report["event"].get("compiled") and not reproduced:
         report["problems"].append(
             "the event was recorded inside a torch.compile'd module and the replay runs it "
@@ -265,8 +270,7 @@ def _finish(report, origin, cause, *, reproduced: bool) -> dict[str, Any]:
     report["origin"] = origin
     report["cause"] = cause
     report["reproduced"] = reproduced
-    report["hint"] = causes.HINTS.get(cause if cause != "invalid" or origin["phase"] != "loss"
-                                      else "loss")
+    report["hint"] = hint or causes.HINTS.get(cause)
     src = origin.get("source")
     if src:
         path, _, line = src.rpartition(":")

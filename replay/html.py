@@ -21,6 +21,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from .cause_text import MEANING as CAUSES
+
 __all__ = ["render_html"]
 
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"  # no script at all
@@ -29,14 +31,6 @@ EVENT = "#1c1c1c"  # the event step, dashed, in every plot
 MISSING = "#e9ecef"  # not recorded
 SERIES = ("#1971c2", "#2f9e44", "#f08c00", "#9c36b5", "#0c8599", "#c2255c")
 VIRIDIS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
-CAUSES = {
-    "input": "the input batch already held non-finite values",
-    "weights": "the parameters were already non-finite before the step",
-    "optimizer": "the optimizer update made the parameters non-finite",
-    "invalid": "an op made NaN from finite inputs (e.g. log/sqrt of a negative, 0/0, inf-inf)",
-    "overflow": "an op overflowed its dtype's range from finite inputs",
-    "not_reproduced": "replaying the step from the bundle did not make a non-finite value",
-}
 
 STYLE = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;
