@@ -202,9 +202,10 @@ def _loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
 
 
 def _backward(report, runner: Runner) -> dict[str, Any]:
-    b = find_backward_origin(runner)
+    b = find_backward_origin(runner, _batch_size(runner.step))
     origin = _origin(phase="backward", module=b.module, op=b.node, source=b.source,
                      params=b.params, param=(b.params or [None])[0], made=b.made,
+                     samples=b.samples, micro_batch=b.micro_batch,
                      anomaly_node=b.anomaly_node,
                      chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
     cause = causes.classify(runner, "backward", node=b.node)

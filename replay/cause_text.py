@@ -62,10 +62,9 @@ DO = {
            "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss",
     "no_target": "every target of the batch is ignored (ignore_index): skip such batches or "
                  "use reduction='sum' and divide by max(count, 1)",
-    "backward_pole": "the derivative is infinite there even if the forward masks the value "
-                     "out (torch.where, masked_fill: the gradient flows through both "
-                     "branches): make the op's input safe before the op "
-                     "(torch.where(mask, x, 1)) or add an eps",
+    "backward_pole": "a forward that masks the value out (torch.where, masked_fill) still "
+                     "sends the gradient through both branches, so make the op's input safe "
+                     "before the op (torch.where(mask, x, 1)) or add an eps",
     "wider": "compute this op in a wider type (float32 outside autocast, or float64) or "
              "rescale its inputs",
     "clamp": "clamp the exponent or the input range (subtract the row max before exp, "
