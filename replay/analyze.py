@@ -54,6 +54,7 @@ def base_report(step: Step) -> dict[str, Any]:
                   "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation")),
                   "compiled": bool(ev.get("compiled"))},
         "reproduced": False,
+        "not_rerun": None,  # why nothing was re-run ("batch and weights stripped"), if so
         "origin": _origin(),
         "cause": None,
         "hint": None,
@@ -66,6 +67,15 @@ def base_report(step: Step) -> dict[str, Any]:
 
 def analyze(step: Step) -> dict[str, Any]:
     """The report for one bundle (``step`` already passed through :func:`load.build`)."""
+    report = _analyze(step)
+    o = report["origin"]
+    # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
+    o["batch_size"] = _batch_size(step, o.get("micro_batch") or 0) or None
+    o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
+    return report
+
+
+def _analyze(step: Step) -> dict[str, Any]:
     report = base_report(step)
     phase = step.event.get("phase")
     if phase == "input" or _batch_non_finite(step, ("batch/",)):
@@ -98,6 +108,9 @@ def analyze(step: Step) -> dict[str, Any]:
             samples=ev.get("samples", []), params=ev.get("params", []),
             param=(ev.get("params") or [None])[0], made=ev.get("kind"),
             inputs_finite=ev.get("inputs_finite")), None, reproduced=False)
+        parts = sorted(set(step.stripped))
+        report["not_rerun"] = (f"{' and '.join(parts)} stripped" if parts
+                               else "factory not imported")
         report["hint"] = ("nothing was re-run, so the op and the cause are unknown: the origin "
                           "above is what the recorder saw; replay the full bundle where its "
                           "factory can be imported to name the op")
@@ -344,8 +357,8 @@ def _is_batch_dim(step: Step, o) -> bool:
     return bool(o.bad_rows) and o.bad_rows[-1] < _batch_size(step)
 
 
-def _batch_size(step: Step) -> int:
-    mb = step.micro_batches[0] if step.micro_batches else {}
+def _batch_size(step: Step, i: int = 0) -> int:
+    mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
     paths = mb.get("paths", {})
     for key in paths:
         t = step.tensors.get(key)

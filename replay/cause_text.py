@@ -52,8 +52,8 @@ DO = {
     "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",
     "divide": "add an eps to the denominator (std + eps, d.clamp_min(eps)) or skip the rows "
               "where it is 0",
-    "domain": "clamp the op's input into its domain (x.clamp_min(0) before sqrt) or fix what "
-              "makes it leave",
+    "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
+              "or fix what drives it out",
     "masked_row": "a fully masked row has no key to attend to: keep at least one key per "
                   "row, or mask with a large finite negative number instead of -inf",
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "

@@ -112,8 +112,11 @@ def _verdict(report: dict) -> str:
         text = "No non-finite value was recorded in this bundle."
     elif _get(report, "reproduced") is False or not origin:
         where = ", ".join(_e(x) for x in (_get(event, "phase"), _get(event, "module")) if x)
+        why = _get(report, "not_rerun")
+        state = (f"was <b>not re-run</b> ({_e(why)})" if why
+                 else "was <b>not reproduced</b> on replay")
         text = (f"The non-finite value recorded at step {_e(step)}{f' ({where})' if where else ''}"
-                " was <b>not reproduced</b> on replay.")
+                f" {state}.")
     else:
         op, module, call = _get(origin, "op"), _get(origin, "module"), _get(origin, "call")
         param, phase = _get(origin, "param"), _get(origin, "phase")
@@ -305,6 +308,8 @@ def _origin(report: dict) -> str:
     rows = []
     for key in ("phase", "module", "call", "op", "param", "tensor", "samples", "source"):
         v = origin.get(key)
+        if key == "samples" and origin.get("all_samples") is True and _list(v):
+            v = f"all {len(_list(v))} rows"
         if isinstance(v, (list, tuple)):
             v = ", ".join(str(x) for x in v) or None
         cell = f"<code>{_e(v)}</code>" if v is not None else '<span class="none">—</span>'

@@ -204,3 +204,22 @@ class SiameseNet(nn.Module):
 
 def make_siamese_net() -> nn.Module:
     return SiameseNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# a deep MLP that a badly scaled batch breaks at its last activation
+
+
+class ShiftedLog(nn.Module):
+    """log(x + 3): finite for the small activations of normal batches, NaN below -3."""
+
+    def forward(self, x):
+        return torch.log(x + 3.0)  # BUG: no clamp
+
+
+def make_deep_log_net(depth: int = 5) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(D_IN, HIDDEN), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(HIDDEN, HIDDEN), nn.ReLU()]
+    layers += [nn.Linear(HIDDEN, HIDDEN), ShiftedLog(), nn.Linear(HIDDEN, N_CLASSES)]
+    return nn.Sequential(*layers)

@@ -326,7 +326,8 @@ def test_replaying_a_stripped_copy_exits_1_and_says_what_was_stripped(toy, in_ex
     assert r.exit_code == 1, r.stdout + r.stderr
     assert r.stderr == ""
     lines = r.stdout.splitlines()
-    assert lines[0] == "nanreplay: step 37, forward event — NOT reproduced"
+    assert lines[0] == ("nanreplay: step 37, forward event — not re-run "
+                        f"({' and '.join(sorted(parts))} stripped)")
     assert lines[1] == "  origin     forward: nan made by norm, call 0, inputs finite"
     assert f"  note       {note}" in lines
     assert lines[-2:] == ["  precursors", lines[-1]]
@@ -350,7 +351,7 @@ def test_stripped_copy_of_a_gpu_bundle_reads_without_cuda_or_device_option(toy, 
     assert r.exit_code == 1, r.stdout + r.stderr
     assert r.stderr == ""
     lines = r.stdout.splitlines()
-    assert lines[0] == "nanreplay: step 37, forward event — NOT reproduced"
+    assert lines[0] == "nanreplay: step 37, forward event — not re-run (weights stripped)"
     assert "  note       the weights were stripped from this bundle" in lines
     assert lines[-1].startswith("    step     30  loss_jump       loss ")
 
