@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -221,13 +222,14 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         big = float(ev.local64.abs().max()) if ev.local64.numel() else math.inf
         return Cause("overflow", f"{op}'s true result (up to {_g(big)}) is finite but beyond "
                      f"{dt}'s largest value {_g(torch.finfo(ev.dtype).max)}; float64 holds it: "
-                     + DO["wider"])
+                     + _wider(ev.dtype))
     if _no_pole(name, ev):
         if ev.local64 is None and not still:  # a random op: the float64 step decides
             return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "
-                         "float64: " + DO["wider"])
-        return Cause("overflow", f"{op}'s true result is too large for {dt} and for float64 "
-                     "as well: " + DO["clamp"])
+                         "float64: " + _wider(ev.dtype))
+        also = "" if ev.dtype == torch.float64 else " and for float64 as well"
+        return Cause("overflow", f"{op}'s true result is too large for {dt}{also}: "
+                     + DO["clamp"])
     what, situation = _describe(name, ev)
     zero_from_exp = [i for i, v in enumerate(ev.inputs)
                      if ev.exp_made[i] and ev.elementwise[i] and bool((v == 0).any())]
@@ -256,15 +258,32 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
 
 
+def _wider(dtype: torch.dtype) -> str:
+    """What a wider type means from ``dtype``: float32 for the half types, else rescaling."""
+    return DO["wider"] if torch.finfo(dtype).bits < 32 else DO["wider64"]
+
+
 def _no_pole(name: str, ev: Evidence) -> bool:
+    if ev.empty:
+        return False  # a reduction over nothing: 0/0
     if name in _NO_POLE:
         return True
     ins = [v for v, e in zip(ev.inputs, ev.elementwise) if e]
     if name in ("pow", "pow_") and ins:
+        p = _exponent(ev)
+        if p is not None and (p >= 0 and (float(p).is_integer() or bool((ins[0] >= 0).all()))):
+            return True  # x**2, x**3, sqrt-like powers of non-negatives: only too large
         return bool((ins[0] > 0).all())  # a positive base: only too large a power
     if name in ("div", "div_") and len(ins) >= 2:
         return bool((ins[1] != 0).all())  # no division by 0: only too large a quotient
     return False
+
+
+def _exponent(ev: Evidence) -> float | None:
+    """The scalar exponent of ``pow(tensor, number)``, else None."""
+    args = list(ev.args)
+    p = args[1] if len(args) > 1 else None
+    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None
 
 
 def _float64_op_finite(capture: OpAt | None, ev: Evidence) -> bool | None:
@@ -310,6 +329,11 @@ def _describe(name: str, ev: Evidence) -> tuple[str, str]:
     zero, neg = bool((x == 0).any()), bool((x < 0).any())
     low = _g(float(x.min())) if x.numel() else "?"
     base = name.rstrip("_")
+    if ev.empty:
+        return f"{op} of an empty tensor (a mean over no element is 0/0)", "few"
+    if base in ("var", "std", "var_mean", "std_mean"):
+        return (f"{op} of too few values for its correction (a division by n - correction = "
+                "0)", "few")
     if "ctc_loss" in base:
         return _ctc(ev), "ctc"
     if base.startswith("nll_loss") and ev.others and bool((ev.others[0] == 0).all()):
@@ -334,11 +358,13 @@ def _describe(name: str, ev: Evidence) -> tuple[str, str]:
             return f"{op} of 0 by 0 (0/0)", "divide"
         return f"{op} by 0 (x/0, a pole)", "divide"
     if base == "pow" and ins:
-        if zero:
+        p = _exponent(ev)
+        if zero and (p is None or p < 0):
             return f"{op} of 0 to a negative power (a pole)", "pole"
         return f"{op} of a negative number to a fractional power", "domain"
     if base in ("acos", "asin", "atanh", "acosh"):
-        return f"{op} of a number outside its domain (from {low})", "domain"
+        top = _g(float(x.abs().max())) if x.numel() else "?"
+        return f"{op} of a number outside its domain (|x| up to {top})", "domain"
     if ins and (zero or neg):
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")
@@ -388,9 +414,11 @@ def _from_infinities(hit: OpHit) -> Cause:
 
 def _backward(node: str | None, still: bool) -> Cause:
     op = node or "the backward node"
+    m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
+    fn = f"the derivative of {m.group(1).lower()}" if m else "the derivative"
     if still:
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
-                     "gradients, in float64 too: the derivative has a pole at the op's input "
-                     "(sqrt or a norm at 0, log or division at 0); " + DO["backward_pole"])
+                     f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
+                     "a norm at 0, log or a division at 0); " + DO["backward_pole"])
     return Cause("overflow", f"{op}'s gradient is too large for its dtype and finite in "
                  "float64: " + DO["wider"])

@@ -65,8 +65,12 @@ DO = {
     "backward_pole": "a forward that masks the value out (torch.where, masked_fill) still "
                      "sends the gradient through both branches, so make the op's input safe "
                      "before the op (torch.where(mask, x, 1)) or add an eps",
-    "wider": "compute this op in a wider type (float32 outside autocast, or float64) or "
+    "few": "reduce over more than one value (a batch of 1, an empty selection), pass "
+           "correction=0 to var/std, or skip such batches",
+    "wider": "compute this op in float32 (outside autocast, or .float() before it) or "
              "rescale its inputs",
+    "wider64": "rescale its inputs (subtract the row max before exp, normalise before a "
+               "product or sum) or compute it in float64",
     "clamp": "clamp the exponent or the input range (subtract the row max before exp, "
              "clamp the input), or lower the learning rate",
     "log_space": "compute in log space (log_softmax instead of log(softmax), logsumexp) or "

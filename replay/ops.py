@@ -65,6 +65,7 @@ class Evidence:
     local64: torch.Tensor | None  # the op's float64 result at ``bad`` (same shape as ``bad``)
     others: list[torch.Tensor]  # the op's other outputs (nll_loss's total weight)
     output: int = 0  # which floating output ``bad`` is over
+    empty: bool = False  # a floating input has no element (the mean of nothing is 0/0)
     args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
 
 
@@ -264,6 +265,8 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder) -> Evidence:
                     input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
                     exp_made=[f.positive(t) for t in ins], local64=local,
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
+                    empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
+                              and t.numel() == 0 for t in tree_leaves((args, kwargs))),
                     args=plain)
 
 

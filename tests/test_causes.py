@@ -129,6 +129,24 @@ def test_ctc_target_longer_than_its_input_is_invalid(tmp_path):
     assert "row 2: target of 3 labels needs 3 frames, the input has 2" in hint, hint
 
 
+def test_std_of_a_one_sample_batch_is_invalid(tmp_path):
+    """The epoch's last batch holds one sample: torch.std over the batch divides by n - 1 = 0
+    (NaN, with torch's warning), the same in exact arithmetic."""
+
+    def make(s):
+        x, y = R.batch(s)
+        return ((x[:1],), y[:1]) if s == K else ((x,), y)
+
+    with pytest.warns(UserWarning, match="degrees of freedom"):  # torch's, in training...
+        err = train("make_batch_standardize", make, tmp_path)
+    with pytest.warns(UserWarning, match="degrees of freedom"):  # ...and in the re-runs
+        rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.std", samples=[0],
+          cause="invalid", made="nan")
+    assert "too few values" in rep["hint"] and "correction=0" in rep["hint"], rep["hint"]
+    assert rep["origin"]["all_samples"] is True
+
+
 # ---------------------------------------------------------------------------------------------
 # overflow
 
@@ -139,7 +157,8 @@ def test_exp_overflow_that_float64_holds(tmp_path):
     check(rep, err, phase="forward", module="0", op="aten.exp", samples=[ROW],
           cause="overflow", made="+inf")
     hint = rep["hint"]  # e^100 = 2.69e43 > float32's 3.4e38
-    assert "float64 holds it" in hint and "2.69e+43" in hint and "wider type" in hint, hint
+    assert "float64 holds it" in hint and "2.69e+43" in hint, hint
+    assert "subtract the row max" in hint and "compute it in float64" in hint, hint
 
 
 def test_exp_overflow_beyond_float64(tmp_path):
@@ -149,7 +168,33 @@ def test_exp_overflow_beyond_float64(tmp_path):
           cause="overflow", made="+inf")
     hint = rep["hint"]
     assert "for float64 as well" in hint and "clamp the exponent" in hint, hint
-    assert "wider type" not in hint, hint
+    assert "compute it in float64" not in hint, hint
+
+
+def test_autocast_float16_overflow_says_float32_holds_it(tmp_path):
+    """A matmul under float16 autocast past 65504: float32 (and float64) hold it, so the
+    hint is the wider type, outside autocast."""
+    model = R.make_amp_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_amp_net"):
+            for step in range(6):
+                x, y = R.batch(step)
+                if step == K:
+                    x[ROW] = 6e4
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = crit(model(x), y)
+                loss.backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    check(rep, info.value, phase="forward", module="lin", op="aten.addmm", samples=[ROW],
+          cause="overflow", made="+inf")
+    hint = rep["hint"]
+    assert "float16's largest value 6.55e+04; float64 holds it" in hint, hint
+    assert "compute this op in float32 (outside autocast" in hint, hint
 
 
 # ---------------------------------------------------------------------------------------------
