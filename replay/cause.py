@@ -102,7 +102,7 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     still = _float64_run(runner, phase, until, capture, micro_batch)
     if phase == "backward":
         return _backward(node, still)
-    if hit is None or hit.intentional:
+    if hit is None or hit.intentional or (hit.evidence is None and hit.inputs_finite):
         return (Cause("invalid", HINTS["loss" if phase == "loss" else "invalid"]) if still
                 else Cause("overflow", "the value is finite in float64: " + DO["wider"]))
     if hit.evidence is None:
@@ -154,15 +154,19 @@ class _Window:
                 self.active = True
             self.started += 1
 
+        def closing(m, args, output):  # first of the post hooks: the capture sees no op of
+            self.close()                  # the instrumentation's
+
         def post(m, args, output):
             if self.runner._mb != self.mb:
                 return
             self.ended += 1
-            self.close()
             if self.ended > self.call:
                 raise StopRun
 
-        return [target.register_forward_pre_hook(pre), target.register_forward_hook(post)]
+        return [target.register_forward_pre_hook(pre),
+                target.register_forward_hook(closing, prepend=True),
+                target.register_forward_hook(post)]
 
     def close(self) -> None:
         if self.active:

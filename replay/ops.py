@@ -41,6 +41,7 @@ class OpHit:
     input_max: float | None
     intentional: bool = False
     occurrence: int = 0  # how many calls of this op came before it in the watched code
+    inputs_finite: bool = False  # else it made NaN from infinities (inf - inf)
     evidence: Evidence | None = None  # what the cause needs, taken while the op's values live
 
     def as_json(self) -> dict[str, Any]:
@@ -207,16 +208,20 @@ class _Watch(TorchDispatchMode):
         literal_inf = any(isinstance(a, float) and math.isinf(a) for a in leaves)
         intentional = literal_inf or f.in_allowed_module()
         if in_finite and f.first is None:
-            hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence)
+            hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True)
             if intentional:
                 if f.intentional is None:
                     f.intentional = hit
             else:
                 given = before if before is not None else (args, kwargs)
-                hit.evidence = _evidence(func, given, outs, f)
+                try:
+                    hit.evidence = _evidence(func, given, outs, f)
+                except Exception:  # evidence helps the cause; the op is named without it
+                    hit.evidence = None
                 f.first = hit
         if made == "nan" and in_nan_free and f.first_nan is None:
-            f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence)
+            f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
+                                inputs_finite=in_finite)
         return out
 
 

@@ -148,6 +148,9 @@ def test_samples_that_are_the_whole_batch_say_so(tmp_path):
     assert o["samples"] == list(range(64)) and o["all_samples"] is True
     assert o["batch_size"] == 64
     assert "  samples    all 64 rows" in lines, lines
+    page = tmp_path / "r.html"
+    cli_run(err.bundle_path, "--html", page)
+    assert "<th>samples</th><td><code>all 64 rows</code></td>" in page.read_text()
 
 
 def test_samples_that_are_some_rows_are_listed(tmp_path):
