@@ -235,3 +235,28 @@ def make_deep_log_net(depth: int = 5) -> nn.Module:
         layers += [nn.Linear(HIDDEN, HIDDEN), nn.ReLU()]
     layers += [nn.Linear(HIDDEN, HIDDEN), ShiftedLog(), nn.Linear(HIDDEN, N_CLASSES)]
     return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# invalid: nn.MultiheadAttention over a sample that is all padding
+
+
+class PaddedAttentionNet(nn.Module):
+    """Token ids and a key-padding mask (True = padding) into nn.MultiheadAttention, as
+    PyTorch's tutorials write it: a sample that is padding only (an empty sequence) leaves its
+    queries no key, so the attention weights' softmax is NaN for that row."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.head = nn.Linear(dim, N_CLASSES)
+
+    def forward(self, ids, pad):
+        x = self.tok(ids)
+        h, _ = self.attn(x, x, x, key_padding_mask=pad)  # BUG: an all-padding row
+        return self.head(h.mean(dim=1))
+
+
+def make_padded_attention_net() -> nn.Module:
+    return PaddedAttentionNet()

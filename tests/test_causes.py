@@ -79,8 +79,8 @@ def check(rep: dict, err: NonFiniteError, *, phase, module, op, samples, cause, 
     got = (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"])
     assert got == (K, phase, module, op, samples, cause), json.dumps(rep, indent=1)
     assert err.event["step"] == K and rep["reproduced"] is True
-    if made is not None:
-        assert o["made"] == made == o["chain"][0]["made"], o
+    if made is not None:  # what the blamed op made, in the origin and in the chain alike
+        assert o["made"] == made == next(c["made"] for c in o["chain"] if c["op"] == o["op"]), o
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +145,29 @@ def test_std_of_a_one_sample_batch_is_invalid(tmp_path):
           cause="invalid", made="nan")
     assert "too few values" in rep["hint"] and "correction=0" in rep["hint"], rep["hint"]
     assert rep["origin"]["all_samples"] is True
+
+
+def test_multihead_attention_over_an_all_padding_sample_is_invalid(tmp_path):
+    """nn.MultiheadAttention (need_weights, the default) with a key-padding mask: a sample
+    that is padding only has no key; MHA fills -inf itself (intentional), its softmax is
+    NaN."""
+
+    def make(s):
+        g = torch.Generator().manual_seed(300 + s)
+        ids = torch.randint(0, 11, (6, 5), generator=g)
+        pad = torch.zeros(6, 5, dtype=torch.bool)
+        pad[:, 4] = True  # every sample has one padding position
+        if s == K:
+            pad[2] = True  # sample 2 is empty
+        return (ids, pad), torch.randint(0, C.N_CLASSES, (6,), generator=g)
+
+    err = train("make_padded_attention_net", make, tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="attn", op="aten._softmax", samples=[2],
+          cause="invalid", made="nan")
+    chain = rep["origin"]["chain"]
+    assert chain[0]["made"] == "-inf" and chain[0]["intentional"] is True, chain
+    assert "fully masked row" in rep["hint"] and "keep at least one key" in rep["hint"]
 
 
 # ---------------------------------------------------------------------------------------------
