@@ -113,8 +113,8 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
                        watched: dict[int, set[int]]) -> list[dict[str, Any]]:
     """Absmax jumps of several layers at one step are one jump seen through the layers after
     the first one called: one line for them, naming that first layer (the input batch when it
-    is the first layer of the forward and no learning-rate or gradient jump came just before,
-    which would point at the weights)."""
+    is the first layer of the forward and the update before that forward, which wrote its
+    weights, came with no learning-rate or gradient-norm jump)."""
     order = hist.get("call_order") or list(range(len(hist["layers"])))
     rank = {li: i for i, li in enumerate(order)}
     by_step: dict[int, list[dict[str, Any]]] = {}
@@ -131,8 +131,9 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
         name = hist["layers"][first["layer"]] or "<root>"
         every = {p["layer"] for p in group} >= watched.get(s, set())
         at = steps.index(s) if s in steps else None
+        # the update of the step before wrote the weights this forward used
         near = [q for q in out if q["kind"] in ("lr_jump", "grad_norm_jump")
-                and at is not None and q["step"] in steps[max(0, at - 1):at + 1]]
+                and at is not None and q["step"] in steps[max(0, at - 1):at]]
         if every and order and first["layer"] == order[0] and not near:
             detail = (f"the input batch's absmax jumped {first['ratio']:.3g}x (seen at {name}, "
                       f"the first layer called); every layer followed ({len(group)} layers)")

@@ -115,11 +115,22 @@ def test_a_jump_from_a_middle_layer_names_it_and_counts_the_followers():
 
 
 def test_a_jump_after_a_learning_rate_spike_is_not_blamed_on_the_batch():
+    """The update of step 2 ran with 50x the learning rate: the weights of step 3's forward
+    moved, so the first layer's jump is not the batch's."""
     rows = [[1, 1, 1]] * 3 + [[100, 100, 100]]
     lr = [0.1, 0.1, 5.0, 0.1]
     pre = find_precursors(_hist(["a", "b", "c"], rows, lr=lr))
     assert [p["kind"] for p in pre] == ["lr_jump", "absmax_jump"], pre
     assert pre[1]["detail"] == "absmax of a jumped 100x; every layer followed (3 layers)"
+
+
+def test_a_gradient_jump_of_the_same_step_does_not_hide_the_batch():
+    """A batch 100x too large makes that step's own gradient jump too (its backward comes
+    after the forward): the forward's jump is still the batch's."""
+    rows = [[1, 1, 1]] * 3 + [[100, 100, 100]]
+    pre = find_precursors(_hist(["a", "b", "c"], rows, grad=[1.0, 1.0, 1.0, 90.0]))
+    assert [p["kind"] for p in pre] == ["absmax_jump", "grad_norm_jump"], pre
+    assert pre[0]["detail"].startswith("the input batch's absmax jumped 100x (seen at a")
 
 
 def test_a_single_layer_jump_keeps_its_own_line():
