@@ -104,7 +104,10 @@ def _verdict(report: dict) -> str:
     event = _get(report, "event") or {}
     cause, hint = _get(report, "cause"), _get(report, "hint")
     chain = _list(_get(origin, "chain"))
-    made = str(_get(chain[0], "made") or "") if chain else ""
+    # what the blamed op made: its chain entry (an intentional -inf mask may come first)
+    blamed = [c for c in chain if isinstance(c, dict) and c.get("op") == _get(origin, "op")]
+    made = str(_get(origin, "made") or (_get(blamed[0], "made") if blamed else "")
+               or (_get(chain[0], "made") if chain else "") or "")
     what = {"nan": "NaN", "inf": "Inf", "-inf": "-Inf", "+inf": "Inf"}.get(made.lower(), made)
     what = what or "A non-finite value"
     step = _get(event, "step")

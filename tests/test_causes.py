@@ -168,6 +168,9 @@ def test_multihead_attention_over_an_all_padding_sample_is_invalid(tmp_path):
     chain = rep["origin"]["chain"]
     assert chain[0]["made"] == "-inf" and chain[0]["intentional"] is True, chain
     assert "fully masked row" in rep["hint"] and "keep at least one key" in rep["hint"]
+    page = tmp_path / "r.html"
+    assert CliRunner().invoke(cli, [str(err.bundle_path), "--html", str(page)]).exit_code == 0
+    assert "NaN first made by <code>aten._softmax</code>" in page.read_text()
 
 
 # ---------------------------------------------------------------------------------------------
