@@ -200,6 +200,7 @@ def _watch_loss(runner: Runner, capture: OpAt | None, mb: int):
 # ---------------------------------------------------------------------------------------------
 # deciding from the evidence
 
+
 def _name(op: str) -> str:
     return op.removeprefix("aten.")
 
