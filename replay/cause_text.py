@@ -75,6 +75,7 @@ DO = {
              "clamp the input), or lower the learning rate",
     "log_space": "compute in log space (log_softmax instead of log(softmax), logsumexp) or "
                  "clamp the value away from 0 (x.clamp_min(eps)) before log or division",
-    "stable": "use a numerically stable formula (torch.var / torch.std, or centre the data "
-              "before squaring) or clamp to the domain (x.clamp_min(0)) before the op",
+    "stable": "use a numerically stable formula (torch.var / torch.std or centring before "
+              "squaring for a variance; logsigmoid or binary_cross_entropy_with_logits for "
+              "log(1 - sigmoid(z)); log1p, expm1) or clamp to the domain before the op",
 }

@@ -12,6 +12,7 @@ below 0).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import cause_models as C
@@ -273,6 +274,36 @@ def test_sqrt_of_a_cancelled_variance_is_precision(tmp_path):
     hint = rep["hint"]
     assert "negative" in hint and "0.00314" in hint and "torch.var" in hint, hint
     assert "float32 (outside autocast)" not in hint, hint
+
+
+def test_log_of_one_minus_a_rounded_sigmoid_is_precision_not_underflow(tmp_path):
+    """A hand-written binary cross entropy: sigmoid(z) for z near 20 rounds to 1 in float32,
+    1 - p to 0, and log(0) is -inf. The 0 is a cancellation, not an underflow: float64 keeps
+    about 2e-9, far above float32's smallest normal number."""
+    made = C.make_naive_bce()
+    model, loss_fn = made["model"], made["loss_fn"]
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory="cause_models:make_naive_bce"):
+            for step in range(6):
+                x, _ = R.batch(step)
+                y = torch.zeros(len(x))  # every target is the negative class
+                if step == K:
+                    x[ROW] = 5.0  # z = 20: a confident, wrong prediction
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    check(rep, info.value, phase="loss", module="<loss>", op="aten.log", samples=[ROW],
+          cause="precision", made="-inf")
+    hint = rep["hint"]
+    m = re.search(r"float64 has (\S+) there", hint)
+    assert "aten.log of 0" in hint and m and 1e-10 < float(m.group(1)) < 1e-7, hint
+    assert "binary_cross_entropy_with_logits" in hint, hint
 
 
 # ---------------------------------------------------------------------------------------------
