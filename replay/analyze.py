@@ -55,6 +55,7 @@ def base_report(step: Step) -> dict[str, Any]:
                   "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation")),
                   "compiled": bool(ev.get("compiled"))},
         "reproduced": False,
+        "not_rerun": None,  # why nothing was re-run ("batch and weights stripped"), if so
         "origin": _origin(),
         "cause": None,
         "hint": None,
@@ -68,6 +69,15 @@ def base_report(step: Step) -> dict[str, Any]:
 
 def analyze(step: Step) -> dict[str, Any]:
     """The report for one bundle (``step`` already passed through :func:`load.build`)."""
+    report = _analyze(step)
+    o = report["origin"]
+    # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
+    o["batch_size"] = _batch_size(step, o.get("micro_batch") or 0) or None
+    o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
+    return report
+
+
+def _analyze(step: Step) -> dict[str, Any]:
     report = base_report(step)
     phase = step.event.get("phase")
     if phase == "input" or _batch_non_finite(step, ("batch/",)):
@@ -93,10 +103,14 @@ def analyze(step: Step) -> dict[str, Any]:
     if step.model is None:
         # Nothing can be re-run (weights stripped, factory refused): say what the recorder saw
         # and leave the cause open rather than guess.
-        return _recorded_origin(report, step, (
+        report = _recorded_origin(report, step, (
             "nothing was re-run, so the op and the cause are unknown: the origin above is what "
             "the recorder saw; replay the full bundle where its factory can be imported to name "
             "the op"))
+        parts = sorted(set(step.stripped))
+        report["not_rerun"] = (f"{' and '.join(parts)} stripped" if parts
+                               else "factory not imported")
+        return report
     runner = Runner(step)
     run1 = runner.run()
     run2 = runner.run()
@@ -224,14 +238,17 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
             f"FlightRecorder(..., allow_inf=['{o.module or '*'}'])")
     samples = o.bad_rows if _is_batch_dim(step, o) else _root_rows(run)
+    # made: what the blamed op made (the chain's first entry), not what the call returned
     origin = _origin(phase="forward", module=o.module, call=o.call, micro_batch=o.micro_batch,
-                     inputs_finite=o.inputs_finite, made=o.kind, samples=samples,
+                     inputs_finite=o.inputs_finite, made=hit.made if hit else o.kind,
+                     samples=samples,
                      op=hit.op if hit else None,
                      source=(hit.source if hit and hit.source else _module_source(step, o.module)),
                      chain=finder.chain(),
                      input_range=[hit.input_min, hit.input_max] if hit else None)
-    cause = causes.classify(runner, "forward", until=(o.module, o.call, o.micro_batch))
-    return _finish(report, origin, cause, reproduced=_matches(step, origin))
+    cause = causes.classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=hit)
+    return _finish(report, origin, cause.name, reproduced=_matches(step, origin),
+                   hint=cause.hint)
 
 
 def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
@@ -246,9 +263,10 @@ def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     origin = _origin(phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
                      source=hit.source if hit else None, chain=finder.chain(),
                      samples=_loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
-                     made=made)
-    cause = causes.classify(runner, "loss")
-    return _finish(report, origin, cause, reproduced=step.event.get("phase") == "loss")
+                     made=hit.made if hit else made)
+    cause = causes.classify(runner, "loss", hit=hit, micro_batch=mb)
+    return _finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
+                   hint=cause.hint)
 
 
 def _loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
@@ -272,14 +290,15 @@ def _loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
 
 
 def _backward(report, runner: Runner) -> dict[str, Any]:
-    b = find_backward_origin(runner)
+    b = find_backward_origin(runner, _batch_size(runner.step))
     origin = _origin(phase="backward", module=b.module, op=b.node, source=b.source,
                      params=b.params, param=(b.params or [None])[0], made=b.made,
+                     samples=b.samples, micro_batch=b.micro_batch,
                      anomaly_node=b.anomaly_node,
                      chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
-    cause = causes.classify(runner, "backward")
-    return _finish(report, origin, cause,
-                   reproduced=runner.step.event.get("phase") == "backward")
+    cause = causes.classify(runner, "backward", node=b.node)
+    return _finish(report, origin, cause.name,
+                   reproduced=runner.step.event.get("phase") == "backward", hint=cause.hint)
 
 
 def _optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
@@ -329,7 +348,8 @@ def _input_origin(step: Step, report) -> dict[str, Any]:
                    micro_batch=ev.get("micro_batch"), made=ev.get("kind"))
 
 
-def _finish(report, origin, cause, *, reproduced: bool) -> dict[str, Any]:
+def _finish(report, origin, cause, *, reproduced: bool, hint: str | None = None
+            ) -> dict[str, Any]:
     if report["event"].get("compiled") and not reproduced:
         report["problems"].append(
             "the event was recorded inside a torch.compile'd module and the replay runs it "
@@ -339,8 +359,7 @@ def _finish(report, origin, cause, *, reproduced: bool) -> dict[str, Any]:
     report["origin"] = origin
     report["cause"] = cause
     report["reproduced"] = reproduced
-    report["hint"] = causes.HINTS.get(cause if cause != "invalid" or origin["phase"] != "loss"
-                                      else "loss")
+    report["hint"] = hint or causes.HINTS.get(cause)
     src = origin.get("source")
     if src:
         path, _, line = src.rpartition(":")
@@ -413,8 +432,8 @@ def _is_batch_dim(step: Step, o) -> bool:
     return bool(o.bad_rows) and o.bad_rows[-1] < _batch_size(step)
 
 
-def _batch_size(step: Step) -> int:
-    mb = step.micro_batches[0] if step.micro_batches else {}
+def _batch_size(step: Step, i: int = 0) -> int:
+    mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
     paths = mb.get("paths", {})
     for key in paths:
         t = step.tensors.get(key)

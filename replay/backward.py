@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from recorder.capture import tensor_leaves
+from recorder.events import bad_rows
 
 from .ops import _short
 from .rerun import Runner, finite, kind_of
@@ -37,6 +38,8 @@ class BackwardOrigin:
     made: str | None = None
     anomaly_node: str | None = None  # what detect_anomaly raised on (NaN only)
     params: list[str] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)  # batch rows of its non-finite gradient
+    micro_batch: int | None = None
 
 
 @contextlib.contextmanager
@@ -61,7 +64,27 @@ def _source(node) -> str | None:
     return None
 
 
-def find_backward_origin(runner: Runner) -> BackwardOrigin:
+def batch_rows(node, returned: list, batch_size: int) -> list[int]:
+    """The rows (dim 0, when it has the batch's size) of the first non-finite gradient the
+    node returned for an activation; gradients bound for a parameter (an ``AccumulateGrad``)
+    are skipped, as their dim 0 is not the batch even when its size matches."""
+    if batch_size <= 0:
+        return []
+    nexts = list(node.next_functions)
+    for i, g in enumerate(returned):
+        if not isinstance(g, torch.Tensor) or g.dim() == 0 or g.shape[0] != batch_size:
+            continue
+        target = nexts[i][0] if i < len(nexts) else None
+        if target is not None and type(target).__name__ == "AccumulateGrad":
+            continue
+        if not finite(g):
+            return bad_rows(g)
+    return []
+
+
+def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
+    """The first node to make a non-finite gradient from finite ones; ``batch_size`` (the
+    batch's dim 0) to name the rows of its gradient."""
     found = BackwardOrigin()
     labels: dict[Any, str] = {}
     hooked: set[int] = set()
@@ -78,6 +101,8 @@ def find_backward_origin(runner: Runner) -> BackwardOrigin:
                 found.module = name
                 found.source = _source(node)
                 found.made = next((kind_of(g) for g in returned if not finite(g)), None)
+                found.samples = batch_rows(node, list(grad_inputs), batch_size)
+                found.micro_batch = runner._mb
         handles.append(node.register_hook(hook))
 
     def label(outputs, name):

@@ -1,37 +1,58 @@
-"""Why the value went non-finite: invalid math or a dtype's range exceeded.
+"""Why the value went non-finite, as IEEE 754 and numerical analysis name it.
 
-The step is re-run in float64 (weights converted in place and back, which is lossless for
-float16, bfloat16 and float32; autocast off; every op upcast, so casts in the model's own code,
-such as a layer run with ``.half()``, compute in float64 too). Still non-finite: the math is invalid whatever
-the precision (log of a negative, 0/0, inf - inf). Finite: the value only overflowed the
-recorded dtype's range.
+The origin op (found by :class:`~replay.ops.OpFinder`, its :class:`~replay.ops.Evidence` taken
+while it ran) and a re-run of the step in float64 tell the causes apart:
+
+- the op computed again in float64 on its very inputs is finite: the true result only
+  exceeded the dtype's range, ``overflow`` (float64 holds it: a wider type or rescaling);
+- still non-finite, and the op has no pole or domain edge (exp, mul, a sum, a matmul): the
+  true result is beyond float64 as well, ``overflow`` (clamp the exponent or the input range);
+- still non-finite for an op with a pole or a domain (log, sqrt, division, CTC): its inputs
+  are at the pole or outside the domain. The float64 re-run of the whole step, to that same op
+  call, says whether exact arithmetic puts them there too:
+
+  - the float64 op is finite: the dtype's rounding moved an input. An input that is 0 where
+    float64 holds a value below the dtype's smallest normal number underflowed,
+    ``underflow``; any other move (a cancelled variance below 0, a difference rounded to 0)
+    is ``precision``;
+  - non-finite in float64 too: an input that is 0 and came from exp, softmax or sigmoid of a
+    finite argument (directly, or gathered, sliced, divided) is positive in exact arithmetic,
+    ``underflow``; else exact arithmetic makes the value too, ``invalid`` (log(0), x/0,
+    log of a negative, 0/0, a CTC target that cannot be aligned);
+- the op was given infinities (a ``-inf`` mask) and made NaN (inf - inf, softmax of an all
+  ``-inf`` row): ``invalid``.
+
+A backward origin is ``invalid`` when the float64 re-run's gradients are non-finite too (the
+derivative has a pole there: sqrt at 0), else ``overflow``. Without an op (none found), the
+float64 re-run alone decides: ``invalid`` or ``overflow``.
+
+The float64 re-run converts weights in place and back, which is lossless for float16,
+bfloat16 and float32; autocast is off and every op upcast, so casts in the model's own code,
+such as a layer run with ``.half()``, compute in float64 too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import re
+from dataclasses import dataclass
 
 import torch
 
-from .ops import Float64
+from . import domains
+from .cause_text import DO, HINTS
+from .domains import g as _g
+from .ops import Evidence, Float64, OpAt, OpHit
 from .rerun import Runner, StopRun
 
-HINTS = {
-    "input": "the batch itself holds NaN/Inf: check the data pipeline for these samples "
-             "(bad files, division by zero in normalisation) or filter them before the model",
-    "weights": "the weights were already non-finite when the step began: resume from an "
-               "earlier checkpoint and find what wrote them (the precursors show when)",
-    "optimizer": "finite gradients became non-finite weights in optimizer.step(): check the "
-                 "learning rate and schedule, eps, and clip gradients",
-    "invalid": "invalid math that float64 does not fix: guard the op's domain (clamp before "
-               "log/sqrt, add eps to denominators, avoid fully masked softmax rows)",
-    "overflow": "the value exceeds the dtype's range but is finite in float64: rescale, compute "
-                "this op in float32 (outside autocast), lower the learning rate, or clip",
-    "not_reproduced": "re-running the step did not give the same result: suspect "
-                      "nondeterminism or a transient hardware fault; re-run on another device",
-    "loss": "the loss is non-finite from finite model outputs: check the loss inputs "
-            "(targets out of range, log of zero probabilities)",
-}
+__all__ = ["HINTS", "Cause", "classify", "float64"]
+
+
+@dataclass
+class Cause:
+    name: str  # "invalid", "overflow", "underflow", "precision"
+    hint: str  # what happened at the op, then what to do
 
 
 @contextlib.contextmanager
@@ -71,41 +92,227 @@ def float64(runner: Runner):
                         b.data = b.data.to(loss_dtypes[name])
 
 
-def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None) -> str:
-    """'invalid' or 'overflow' for a forward, loss or backward origin. ``until``, for a forward
-    origin, is its ``(module, call, micro-batch)``: the float64 forward stops after that call,
-    as what comes later (made from the origin's value, or another problem) cannot say whether
-    the origin's value was invalid math or an overflow."""
-    hooks = _stop_after(runner, *until) if phase == "forward" and until else None
-    with float64(runner), Float64():
-        run = runner.run(backward=phase == "backward", instrument=phase == "forward",
-                         hooks=hooks)
+def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None, *,
+             hit: OpHit | None = None, micro_batch: int = 0, node: str | None = None) -> Cause:
+    """The cause of a forward, loss or backward origin. ``until``, for a forward origin, is its
+    ``(module, call, micro-batch)``: the float64 forward stops after that call, as what comes
+    later (made from the origin's value, or another problem) cannot say what the origin's
+    value was. ``hit`` is the op blamed (its call is found again in the float64 re-run, in that
+    module call or, for a loss origin, in the loss of ``micro_batch``); ``node`` the backward
+    node."""
+    capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence else None
+    still = _float64_run(runner, phase, until, capture, micro_batch)
+    if phase == "backward":
+        return _backward(node, still)
+    if hit is None or hit.intentional or (hit.evidence is None and hit.inputs_finite):
+        return (Cause("invalid", HINTS["loss" if phase == "loss" else "invalid"]) if still
+                else Cause("overflow", "the value is finite in float64: " + DO["wider"]))
+    if hit.evidence is None:
+        return _from_infinities(hit)
+    return _from_evidence(hit, capture, still)
+
+
+def _float64_run(runner: Runner, phase: str, until, capture: OpAt | None, mb: int) -> bool:
+    """Re-run in float64 (forward: up to the origin's call; the blamed op's call captured);
+    whether it is still non-finite."""
+    window = _Window(runner, *until, capture) if phase == "forward" and until else None
+    with float64(runner), Float64(), _watch_loss(runner, capture if phase == "loss" else None,
+                                                 mb):
+        try:
+            run = runner.run(backward=phase == "backward", instrument=phase == "forward",
+                             hooks=window.hooks if window else None)
+        finally:
+            if window:
+                window.close()
     if run.error is not None and not (until and any((c.module, c.call, c.micro_batch) == until
                                          for c in run.calls)):
         raise run.error  # float64 made the model raise before the origin: no answer
     if phase == "forward":
-        still = any(not c.outputs_finite for c in run.calls)
-    elif phase == "loss":
-        still = not all(run.loss_finite)
-    else:
-        still = bool(run.bad_grads)
-    return "invalid" if still else "overflow"
+        return any(not c.outputs_finite for c in run.calls)
+    if phase == "loss":
+        return not all(run.loss_finite)
+    return bool(run.bad_grads)
 
 
-def _stop_after(runner: Runner, module: str, call: int, mb: int):
+class _Window:
     """Hooks ending a run once call ``call`` of ``module`` in micro-batch ``mb`` returned
-    (installed after the instrumentation's, so that call is recorded first)."""
-    def hooks(model):
-        target = model.get_submodule(module) if module else model
-        seen = {"n": 0}
+    (installed after the instrumentation's, so that call is recorded first), with ``capture``
+    active during that call."""
+
+    def __init__(self, runner: Runner, module: str, call: int, mb: int, capture):
+        self.runner, self.module, self.call, self.mb = runner, module, call, mb
+        self.capture = capture
+        self.started = self.ended = 0
+        self.active = False
+
+    def hooks(self, model):
+        target = model.get_submodule(self.module) if self.module else model
+
+        def pre(m, args):
+            if self.runner._mb != self.mb:
+                return
+            if self.started == self.call and self.capture is not None:
+                self.capture.__enter__()
+                self.active = True
+            self.started += 1
+
+        def closing(m, args, output):  # first of the post hooks: the capture sees no op of
+            self.close()                  # the instrumentation's
 
         def post(m, args, output):
-            if runner._mb != mb:
+            if self.runner._mb != self.mb:
                 return
-            seen["n"] += 1
-            if seen["n"] > call:
+            self.ended += 1
+            if self.ended > self.call:
                 raise StopRun
 
-        return [target.register_forward_hook(post)]
+        return [target.register_forward_pre_hook(pre),
+                target.register_forward_hook(closing, prepend=True),
+                target.register_forward_hook(post)]
 
-    return hooks
+    def close(self) -> None:
+        if self.active:
+            self.active = False
+            self.capture.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _watch_loss(runner: Runner, capture: OpAt | None, mb: int):
+    """``capture`` active while the loss of micro-batch ``mb`` is computed."""
+    fn = runner.step.loss_fn
+    if capture is None or fn is None:
+        yield
+        return
+
+    def watched(*args, **kwargs):
+        if runner._mb != mb:
+            return fn(*args, **kwargs)
+        with capture:
+            return fn(*args, **kwargs)
+
+    runner.step.loss_fn = watched
+    try:
+        yield
+    finally:
+        runner.step.loss_fn = fn
+
+
+# ---------------------------------------------------------------------------------------------
+# deciding from the evidence
+
+
+def _name(op: str) -> str:
+    return op.removeprefix("aten.")
+
+
+def _type(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
+    ev, op, name = hit.evidence, hit.op, _name(hit.op)
+    dt = _type(ev.dtype)
+    if ev.local64 is not None and bool(torch.isfinite(ev.local64).all()):
+        big = float(ev.local64.abs().max()) if ev.local64.numel() else math.inf
+        return Cause("overflow", f"{op}'s true result (up to {_g(big)}) is finite but beyond "
+                     f"{dt}'s largest value {_g(torch.finfo(ev.dtype).max)}; float64 holds it: "
+                     + _wider(ev.dtype))
+    if domains.no_pole(name, ev):
+        if ev.local64 is None and not still:  # a random op: the float64 step decides
+            return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "
+                         "float64: " + _wider(ev.dtype))
+        also = "" if ev.dtype == torch.float64 else " and for float64 as well"
+        return Cause("overflow", f"{op}'s true result is too large for {dt}{also}: "
+                     + DO["clamp"])
+    what, situation = domains.describe(name, ev)
+    zero_from_exp = [i for i, v in enumerate(ev.inputs)
+                     if ev.exp_made[i] and ev.elementwise[i] and bool((v == 0).any())]
+    rounded = _float64_op_finite(capture, ev)
+    moved = _moved(capture, ev) if rounded else None
+    if moved is not None and moved[0] == "underflow":
+        _, i, w = moved
+        it = ev.input_dtypes[i]
+        return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "
+                     f"{_type(it)}'s smallest normal number {_g(torch.finfo(it).tiny)}, and "
+                     "was rounded to 0: " + DO["log_space"])
+    if zero_from_exp:
+        src = "exp, softmax or sigmoid of a finite argument, positive in exact arithmetic"
+        also = "" if rounded else ", and below float64's range as well"
+        return Cause("underflow", f"{what}: that 0 came from {src}; it underflowed in "
+                     f"{_type(ev.input_dtypes[zero_from_exp[0]])}{also}: " + DO["log_space"])
+    if rounded or (rounded is None and not still):
+        if rounded is None and any(bool((v == 0).any()) for v in ev.inputs):
+            return Cause("underflow", f"{what}: float64 keeps the step finite, so that 0 is "
+                         "a value rounded to 0: " + DO["log_space"])
+        seen = f" (float64 has {_g(moved[2])} there)" if moved else ""
+        return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
+                     "pushed the input across the domain edge, which exact arithmetic does "
+                     "not cross (catastrophic cancellation, as in a variance E[x²] − E[x]²): "
+                     + DO["stable"])
+    return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
+
+
+def _wider(dtype: torch.dtype) -> str:
+    """What a wider type means from ``dtype``: float32 for the half types, else rescaling."""
+    return DO["wider"] if torch.finfo(dtype).bits < 32 else DO["wider64"]
+
+
+def _float64_op_finite(capture: OpAt | None, ev: Evidence) -> bool | None:
+    """Whether the blamed op's call, in the float64 re-run, is finite where it was not; None
+    when that call was not found again (another op sequence)."""
+    if capture is None or capture.outputs is None or ev.output >= len(capture.outputs):
+        return None
+    out = capture.outputs[ev.output]
+    if out.shape != ev.bad.shape:
+        return None
+    return bool(torch.isfinite(out[ev.bad.to(out.device)]).all())
+
+
+def _moved(capture: OpAt | None, ev: Evidence):
+    """How the float64 re-run's inputs differ where the op went non-finite: ("underflow", i,
+    value) for an input 0 in its type and below the type's smallest normal in float64, else
+    ("precision", i, value) for the first input that differs; None when unknown."""
+    if capture is None or capture.inputs is None or len(capture.inputs) != len(ev.inputs):
+        return None
+    first = None
+    for i, (v, t64) in enumerate(zip(ev.inputs, capture.inputs)):
+        if not ev.elementwise[i]:
+            continue
+        try:
+            w = torch.broadcast_to(t64.double(), ev.bad.shape)[ev.bad.to(t64.device)].cpu()
+        except RuntimeError:
+            continue
+        tiny = torch.finfo(ev.input_dtypes[i]).tiny
+        under = (v == 0) & (w != 0) & (w.abs() < tiny)
+        if bool(under.any()):
+            return "underflow", i, float(w[under][0])
+        differs = v != w
+        if first is None and bool(differs.any()):
+            first = ("precision", i, float(w[differs][0]))
+    return first
+
+
+def _from_infinities(hit: OpHit) -> Cause:
+    """The op made NaN from infinities it was given (a -inf mask, an earlier overflow that the
+    chain shows)."""
+    name = _name(hit.op).rstrip("_")
+    if name in ("_softmax", "softmax", "_log_softmax", "log_softmax",
+                "_safe_softmax", "logsumexp"):
+        return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "
+                     "row): " + DO["masked_row"])
+    what = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf",
+            "div": "inf / inf"}.get(name, "NaN from infinities")
+    return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too: "
+                 + DO["inf_arith"])
+
+
+def _backward(node: str | None, still: bool) -> Cause:
+    op = node or "the backward node"
+    m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
+    fn = f"the derivative of {m.group(1).lower()}" if m else "the derivative"
+    if still:
+        return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
+                     f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
+                     "a norm at 0, log or a division at 0); " + DO["backward_pole"])
+    return Cause("overflow", f"{op}'s gradient is too large for its dtype and finite in "
+                 "float64: " + DO["wider"])

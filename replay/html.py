@@ -21,6 +21,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from .cause_text import MEANING as CAUSES
+
 __all__ = ["render_html"]
 
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"  # no script at all
@@ -29,14 +31,6 @@ EVENT = "#1c1c1c"  # the event step, dashed, in every plot
 MISSING = "#e9ecef"  # not recorded
 SERIES = ("#1971c2", "#2f9e44", "#f08c00", "#9c36b5", "#0c8599", "#c2255c")
 VIRIDIS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
-CAUSES = {
-    "input": "the input batch already held non-finite values",
-    "weights": "the parameters were already non-finite before the step",
-    "optimizer": "the optimizer update made the parameters non-finite",
-    "invalid": "an op made NaN from finite inputs (e.g. log/sqrt of a negative, 0/0, inf-inf)",
-    "overflow": "an op overflowed its dtype's range from finite inputs",
-    "not_reproduced": "replaying the step from the bundle did not make a non-finite value",
-}
 
 STYLE = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;
@@ -110,7 +104,10 @@ def _verdict(report: dict) -> str:
     event = _get(report, "event") or {}
     cause, hint = _get(report, "cause"), _get(report, "hint")
     chain = _list(_get(origin, "chain"))
-    made = str(_get(chain[0], "made") or "") if chain else ""
+    # what the blamed op made: its chain entry (an intentional -inf mask may come first)
+    blamed = [c for c in chain if isinstance(c, dict) and c.get("op") == _get(origin, "op")]
+    made = str(_get(origin, "made") or (_get(blamed[0], "made") if blamed else "")
+               or (_get(chain[0], "made") if chain else "") or "")
     what = {"nan": "NaN", "inf": "Inf", "-inf": "-Inf", "+inf": "Inf"}.get(made.lower(), made)
     what = what or "A non-finite value"
     step = _get(event, "step")
@@ -118,8 +115,11 @@ def _verdict(report: dict) -> str:
         text = "No non-finite value was recorded in this bundle."
     elif _get(report, "reproduced") is False or not origin:
         where = ", ".join(_e(x) for x in (_get(event, "phase"), _get(event, "module")) if x)
+        why = _get(report, "not_rerun")
+        state = (f"was <b>not re-run</b> ({_e(why)})" if why
+                 else "was <b>not reproduced</b> on replay")
         text = (f"The non-finite value recorded at step {_e(step)}{f' ({where})' if where else ''}"
-                " was <b>not reproduced</b> on replay.")
+                f" {state}.")
     else:
         op, module, call = _get(origin, "op"), _get(origin, "module"), _get(origin, "call")
         param, phase = _get(origin, "param"), _get(origin, "phase")
@@ -311,6 +311,8 @@ def _origin(report: dict) -> str:
     rows = []
     for key in ("phase", "module", "call", "op", "param", "tensor", "samples", "source"):
         v = origin.get(key)
+        if key == "samples" and origin.get("all_samples") is True and _list(v):
+            v = f"all {len(_list(v))} rows"
         if isinstance(v, (list, tuple)):
             v = ", ".join(str(x) for x in v) or None
         cell = f"<code>{_e(v)}</code>" if v is not None else '<span class="none">—</span>'

@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 import os
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
@@ -39,12 +40,35 @@ class OpHit:
     input_min: float | None
     input_max: float | None
     intentional: bool = False
+    occurrence: int = 0  # how many calls of this op came before it in the watched code
+    inputs_finite: bool = False  # else it made NaN from infinities (inf - inf)
+    evidence: Evidence | None = None  # what the cause needs, taken while the op's values live
     rows: list[int] | None = None  # non-finite rows of its output (OpFinder(batch_size=...))
 
     def as_json(self) -> dict[str, Any]:
         return {"op": self.op, "made": self.made, "source": self.source,
                 "input_min": _num(self.input_min), "input_max": _num(self.input_max),
                 "intentional": self.intentional}
+
+
+@dataclass
+class Evidence:
+    """The op's values where its first non-finite output is non-finite (``bad``): each
+    floating input there (the whole input when it does not broadcast to the output), in
+    float64, and the op computed again in float64 on those very inputs (``local64``: None for
+    a random op). :mod:`replay.cause` reads it; nothing here decides the cause."""
+
+    dtype: torch.dtype  # of the non-finite output
+    bad: torch.Tensor  # bool mask over that output
+    inputs: list[torch.Tensor]  # float64 values at ``bad`` (or the whole input), per input
+    input_dtypes: list[torch.dtype]
+    elementwise: list[bool]  # whether inputs[i] is taken at ``bad`` (same positions)
+    exp_made: list[bool]  # inputs[i] came from exp/softmax/sigmoid of a finite argument
+    local64: torch.Tensor | None  # the op's float64 result at ``bad`` (same shape as ``bad``)
+    others: list[torch.Tensor]  # the op's other outputs (nll_loss's total weight)
+    output: int = 0  # which floating output ``bad`` is over
+    empty: bool = False  # a floating input has no element (the mean of nothing is 0/0)
+    args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
 
 
 def _num(x: float | None):
@@ -122,6 +146,20 @@ def raised_by_model(e: BaseException) -> bool:
     return False
 
 
+# Ops whose later outputs are workspaces for backward, partly uninitialised (CTC's log_alpha
+# beyond a row's input length): only the first outputs are results.
+_RESULTS = {"_ctc_loss": 1, "_cudnn_ctc_loss": 1}
+
+# Ops whose result is positive in exact arithmetic for every finite argument: a 0 they return
+# is an underflow. Ops that pass values on unchanged keep that mark (a gathered probability).
+_POSITIVE = {"exp", "exp2", "_softmax", "softmax", "sigmoid", "special_expit"}
+_PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", "reshape",
+            "squeeze", "unsqueeze", "clone", "_to_copy", "expand", "permute", "transpose", "t",
+            "contiguous", "alias", "narrow", "take_along_dim", "index", "unbind", "split",
+            "split_with_sizes", "detach", "masked_select", "flatten", "unflatten", "diagonal",
+            "as_strided", "div"}  # div: a positive value over a finite one stays non-zero
+
+
 class _Watch(TorchDispatchMode):
     def __init__(self, finder: OpFinder):
         super().__init__()
@@ -132,6 +170,9 @@ class _Watch(TorchDispatchMode):
         f = self.finder
         if f.first is not None and f.first_nan is not None:
             return _op(func, args, kwargs)
+        name = func.overloadpacket.__name__
+        occurrence = f.counts.get(name, 0)
+        f.counts[name] = occurrence + 1
         leaves = tree_leaves((args, kwargs))
         ins = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()
                and t.numel() and not t.is_meta]
@@ -146,33 +187,120 @@ class _Watch(TorchDispatchMode):
             in_nan_free = not any(math.isnan(a) or math.isnan(b) for a, b in ends)
             if in_nan_free:
                 lo, hi = min(a for a, _ in ends), max(b for _, b in ends)
+        # an op writing into its arguments: keep what it was given, for the evidence
+        before = _clone_args(args, kwargs) if in_finite and f.first is None \
+            and _mutates(func) else None
         out = _op(func, args, kwargs)
-        name = func.overloadpacket.__name__
         if name in _UNINITIALISED:
             return out
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                and t.is_floating_point() and t.numel()]
+                and t.is_floating_point() and t.numel()][:_RESULTS.get(name)]
         if not outs:
             return out
+        f.track(name, ins, outs, in_finite)
         with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
             ends = torch.stack([torch.stack(torch.aminmax(t.detach())).double() for t in outs])
         if bool(torch.isfinite(ends).all()):
             return out
-        made = _kind(outs)
+        made = next((k for k in map(_kind, ([t] for t in outs)) if k), None)
         if made is None:
             return out
         op = f"aten.{name}"
         literal_inf = any(isinstance(a, float) and math.isinf(a) for a in leaves)
         intentional = literal_inf or f.in_allowed_module()
         if in_finite and f.first is None:
-            hit = OpHit(op, made, user_source(), lo, hi, intentional, f.batch_rows(outs))
+            hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
+                        rows=f.batch_rows(outs))
             if intentional:
                 if f.intentional is None:
                     f.intentional = hit
             else:
+                given = before if before is not None else (args, kwargs)
+                try:
+                    hit.evidence = _evidence(func, given, outs, f)
+                except Exception:  # evidence helps the cause; the op is named without it
+                    hit.evidence = None
                 f.first = hit
         if made == "nan" and in_nan_free and f.first_nan is None:
-            f.first_nan = OpHit(op, "nan", user_source(), lo, hi)
+            f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
+                                inputs_finite=in_finite)
+        return out
+
+
+def _clone_args(args, kwargs):
+    def clone(v):
+        return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+    return tree_map(clone, (args, kwargs))
+
+
+def _floats(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
+            and t.is_floating_point() and t.numel() and not t.is_meta]
+
+
+def _at(t: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``t``'s float64 values where ``bad`` is set, when ``t`` broadcasts to its shape; else
+    every value of ``t``."""
+    t = t.detach()
+    try:
+        return torch.broadcast_to(t, bad.shape)[bad].double(), True
+    except RuntimeError:
+        return t.flatten().double(), False
+
+
+def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder) -> Evidence:
+    args, kwargs = given
+    k = next(i for i, t in enumerate(outs) if not bool(torch.isfinite(t).all()))
+    bad = ~torch.isfinite(outs[k].detach())
+    ins = _floats((args, kwargs))
+    taken = [_at(t, bad) for t in ins]
+    local = None
+    if torch.Tag.nondeterministic_seeded not in func.tags:  # a re-run would draw random numbers
+        a64, k64 = as_float64(func, _upcast(args), _upcast(kwargs))
+        try:
+            with torch.no_grad():
+                r = [t for t in tree_leaves(func(*a64, **k64)) if isinstance(t, torch.Tensor)
+                     and t.is_floating_point() and t.numel()]
+            if k < len(r) and r[k].shape == bad.shape:
+                local = r[k].detach()[bad]
+        except Exception:  # an op that refuses float64 (a fused kernel): no local answer
+            local = None
+    plain = tuple(tree_map(lambda v: None if isinstance(v, torch.Tensor)
+                           and v.is_floating_point() else v, list(args)))
+    return Evidence(dtype=outs[k].dtype, bad=bad, inputs=[v for v, _ in taken],
+                    input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
+                    exp_made=[f.positive(t) for t in ins], local64=local,
+                    others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
+                    empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
+                              and t.numel() == 0 for t in tree_leaves((args, kwargs))),
+                    args=plain)
+
+
+class OpAt(TorchDispatchMode):
+    """Keeps the inputs and outputs of the ``occurrence``-th call of ``op`` (``"aten.log"``)
+    made inside it: the float64 re-run's view of the op that :class:`OpFinder` blamed."""
+
+    def __init__(self, op: str, occurrence: int):
+        super().__init__()
+        self.name = op.removeprefix("aten.")
+        self.occurrence = occurrence
+        self.seen = 0
+        self.inputs: list[torch.Tensor] | None = None
+        self.outputs: list[torch.Tensor] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hit = func.overloadpacket.__name__ == self.name and self.inputs is None
+        if hit:
+            hit = self.seen == self.occurrence
+            self.seen += 1
+        given = _clone_args(args, kwargs) if hit and _mutates(func) else (args, kwargs)
+        out = _op(func, args, kwargs)
+        if hit:
+            self.inputs = [t.detach() for t in _floats(given)]
+            self.outputs = [t.detach() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                            and t.is_floating_point() and t.numel()]
         return out
 
 
@@ -197,15 +325,22 @@ class Float64(TorchDispatchMode):
             torch.set_default_dtype(self._default)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func.overloadpacket.__name__ in _HALF_TO_FLOAT and len(args) > 2:
-            args = (*args[:2], False, *args[3:])
-        dt = kwargs.get("dtype")
-        if isinstance(dt, torch.dtype) and dt.is_floating_point:
-            kwargs["dtype"] = torch.float64
+        args, kwargs = as_float64(func, args, kwargs)
         if not _mutates(func):
             args, kwargs = _upcast(args), _upcast(kwargs)
         return _op(func, args, kwargs)
+
+
+def as_float64(func, args, kwargs):
+    """``func``'s arguments with a floating ``dtype=`` (and softmax's half-to-float flag)
+    turned to float64: the op then computes, and returns, float64."""
+    kwargs = dict(kwargs or {})
+    if func.overloadpacket.__name__ in _HALF_TO_FLOAT and len(args) > 2:
+        args = (*args[:2], False, *args[3:])
+    dt = kwargs.get("dtype")
+    if isinstance(dt, torch.dtype) and dt.is_floating_point:
+        kwargs["dtype"] = torch.float64
+    return args, kwargs
 
 
 _MUTATES: dict[Any, bool] = {}
@@ -243,7 +378,22 @@ class OpFinder:
         self.intentional: OpHit | None = None
         self.allowed_depth = 0
         self.batch_size = batch_size  # name the rows of the first offender's output
+        self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
+        self._positive: dict[int, Any] = {}  # id -> weakref of tensors exact arithmetic keeps > 0
         self._mode = _Watch(self)
+
+    def positive(self, t: torch.Tensor) -> bool:
+        """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed."""
+        hit = self._positive.get(id(t))
+        return hit is not None and hit() is t
+
+    def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+              in_finite: bool) -> None:
+        if not in_finite:
+            return
+        if name in _POSITIVE or (name in _PASS_ON and ins and self.positive(ins[0])):
+            for t in outs:
+                self._positive[id(t)] = weakref.ref(t)
 
     def in_allowed_module(self) -> bool:
         return self.allowed_depth > 0

@@ -29,6 +29,11 @@ def history(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str,
         if "absmax" in meta.get("ring", {}).get("call_fields", []) else 2
     nan_idx = 5
     layers_seen: list[int] = sorted({int(m) for m in mods.flatten().tolist() if m >= 0})
+    order: list[int] = []  # layers by first call in the step, over the recorded steps
+    for i in range(mods.shape[0]):
+        for m in mods[i].tolist():
+            if m >= 0 and int(m) not in order:
+                order.append(int(m))
     absmax = []
     for i in range(mods.shape[0]):
         row: dict[int, float] = {}
@@ -51,6 +56,7 @@ def history(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str,
         "lr": tensors["ring/lr"].tolist(),
         "layers": [names[m] if m < len(names) else str(m) for m in layers_seen],
         "absmax": absmax,
+        "call_order": [layers_seen.index(m) for m in order],  # indices into "layers"
         "event_step": meta.get("event", {}).get("step"),
         "skipped": tensors["ring/skipped"].tolist(),
     }
@@ -62,7 +68,9 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
     event = hist.get("event_step")
     out: list[dict[str, Any]] = []
 
-    def scan(values, kind, what):
+    watched: dict[int, set[int]] = {}  # step -> layers with enough history to jump there
+
+    def scan(values, kind, what, layer=None):
         seen = []
         for s, v in zip(steps, values):
             if event is not None and s > event:
@@ -72,9 +80,11 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
             if len(seen) >= 2:
                 med = statistics.median(seen)
                 if med > 0 and v >= factor * med:
-                    out.append({"step": s, "kind": kind,
+                    out.append({"step": s, "kind": kind, "ratio": v / med, "layer": layer,
                                 "detail": f"{what} {v:.4g} is {v / med:.3g}x the median "
                                           f"{med:.4g} of the {len(seen)} steps before"})
+                if layer is not None:
+                    watched.setdefault(s, set()).add(layer)
             seen.append(abs(v))
 
     groups = len(hist["lr"][0]) if hist["lr"] else 0
@@ -85,7 +95,7 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
     scan(hist["loss"], "loss_jump", "loss")
     for li, layer in enumerate(hist["layers"]):
         col = [row[li] for row in hist["absmax"]]
-        scan(col, "absmax_jump", f"absmax of {layer or '<root>'}")
+        scan(col, "absmax_jump", f"absmax of {layer or '<root>'}", li)
         if dtypes and dtypes.get(layer) == "float16":
             for s, v in zip(steps, col):
                 if v is not None and math.isfinite(v) and v > FP16_MAX / 2 and \
@@ -94,5 +104,46 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
                                 "detail": f"absmax of {layer} is {v:.4g}, past half the "
                                           f"float16 maximum {FP16_MAX:g}"})
                     break
+    out = _one_line_per_jump(out, hist, watched)
     out.sort(key=lambda p: (p["step"], p["kind"]))
-    return out
+    return [{k: p[k] for k in ("step", "kind", "detail")} for p in out]
+
+
+def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
+                       watched: dict[int, set[int]]) -> list[dict[str, Any]]:
+    """Absmax jumps of several layers at one step are one jump seen through the layers after
+    the first one called: one line for them, naming that first layer (the input batch when it
+    is the first layer of the forward and the update before that forward, which wrote its
+    weights, came with no learning-rate or gradient-norm jump)."""
+    order = hist.get("call_order") or list(range(len(hist["layers"])))
+    rank = {li: i for i, li in enumerate(order)}
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for p in out:
+        if p["kind"] == "absmax_jump":
+            by_step.setdefault(p["step"], []).append(p)
+    steps = hist["steps"]
+    keep = [p for p in out if p["kind"] != "absmax_jump" or len(by_step[p["step"]]) == 1]
+    for s, group in by_step.items():
+        if len(group) == 1:
+            continue
+        group.sort(key=lambda p: rank.get(p["layer"], len(rank)))
+        first = group[0]
+        name = hist["layers"][first["layer"]] or "<root>"
+        every = {p["layer"] for p in group} >= watched.get(s, set())
+        at = steps.index(s) if s in steps else None
+        # the update of the step before wrote the weights this forward used
+        near = [q for q in out if q["kind"] in ("lr_jump", "grad_norm_jump")
+                and at is not None and q["step"] in steps[max(0, at - 1):at]]
+        if every and order and first["layer"] == order[0] and not near:
+            detail = (f"the input batch's absmax jumped {first['ratio']:.3g}x (seen at {name}, "
+                      f"the first layer called); every layer followed ({len(group)} layers)")
+        elif every:
+            detail = (f"absmax of {name} jumped {first['ratio']:.3g}x; every layer followed "
+                      f"({len(group)} layers)")
+        else:
+            detail = (f"absmax of {name} jumped {first['ratio']:.3g}x; {len(group) - 1} "
+                      f"layer{'s' if len(group) > 2 else ''} after it followed ("
+                      + ", ".join(hist["layers"][p["layer"]] or "<root>" for p in group[1:4])
+                      + (", ..." if len(group) > 4 else "") + ")")
+        keep.append({"step": s, "kind": "absmax_jump", "detail": detail})
+    return keep

@@ -37,7 +37,9 @@ def _where(o: dict[str, Any]) -> str:
 def to_text(report: dict[str, Any]) -> str:
     ev, o = report["event"], report["origin"]
     lines = []
-    state = "reproduced" if report["reproduced"] else "NOT reproduced"
+    state = ("reproduced" if report["reproduced"] else
+             f"not re-run ({report['not_rerun']})" if report.get("not_rerun") else
+             "NOT reproduced")
     when = (f"evaluation forward before step {ev.get('step')}" if ev.get("evaluation")
             else f"step {ev.get('step')}")
     lines.append(f"nanreplay: {when}, {ev.get('phase')} event — {state}")
@@ -73,7 +75,11 @@ def to_text(report: dict[str, Any]) -> str:
         lines.append(f"  anomaly    detect_anomaly names {o['anomaly_node']}")
     if o.get("samples"):
         s = o["samples"]
-        lines.append(f"  samples    {s[:16]}" + (f" (+{len(s) - 16})" if len(s) > 16 else ""))
+        if o.get("all_samples"):
+            lines.append(f"  samples    all {len(s)} rows" if len(s) > 1 else "  samples    [0]")
+        else:
+            lines.append(f"  samples    {s[:16]}" + (f" (+{len(s) - 16})" if len(s) > 16
+                                                      else ""))
     if report.get("cause"):
         lines.append(f"  cause      {report['cause']} — {report.get('hint') or ''}".rstrip(" —"))
     elif report.get("hint"):

@@ -62,8 +62,8 @@ TOY_REPORT = [
     "  source     toy_model.py:16    return (x - mean) / std  "
     "# the bug: no eps, 0/0 when a row is constant",
     "  samples    [5]",
-    "  cause      invalid — invalid math that float64 does not fix: guard the op's domain (clamp "
-    "before log/sqrt, add eps to denominators, avoid fully masked softmax rows)",
+    "  cause      invalid — aten.div of 0 by 0 (0/0), which exact arithmetic makes too: add an "
+    "eps to the denominator (std + eps, d.clamp_min(eps)) or skip the rows where it is 0",
     "  bisection  4 re-runs over 8 calls (limit 5), agrees with the instrumented pass",
 ]
 

@@ -57,7 +57,7 @@ def test_factory_outside_cwd_is_not_imported_and_the_report_names_the_option(fac
     assert r.exit_code == 1, r.stdout + r.stderr
     assert r.stderr == ""
     lines = r.stdout.splitlines()
-    assert lines[0] == "nanreplay: step 37, forward event — NOT reproduced"
+    assert lines[0] == "nanreplay: step 37, forward event — not re-run (factory not imported)"
     assert "  origin     forward: nan made by norm, call 0, inputs finite" in lines
     assert f"  note       {refusal(fac.spec)}" in lines
     assert not fac.imported

@@ -24,7 +24,6 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 from replay import replay
-from replay.cause import HINTS
 from replay.cli import main as cli
 
 HERE = Path(__file__).parent
@@ -288,12 +287,12 @@ def test_loss_log_of_zero_probability(tmp_path):
     assert err.event["phase"] == "loss" and err.event["step"] == K
     rep = replay(err.bundle_path)
     # the target's probability, exp(-286) or so, is 0 in float32 but not in float64
-    assert rep["reproduced"] is True and rep["cause"] == "overflow"
-    check(rep, phase="loss", module="<loss>", micro_batch=0, op="aten.log", made="+inf",
+    assert rep["reproduced"] is True and rep["cause"] == "underflow"
+    check(rep, phase="loss", module="<loss>", micro_batch=0, op="aten.log", made="-inf",
           samples=[2])
     check_source(rep["origin"]["source"], source_of(R.NaiveNLL, "torch.log"))
     assert ops(rep["origin"]["chain"]) == [("aten.log", "-inf")]
-    assert rep["hint"] == HINTS["overflow"]
+    assert "log_softmax" in rep["hint"], rep["hint"]
     assert exit_code(err.bundle_path) == 0
 
 
@@ -438,7 +437,7 @@ def test_dropout_dependent_nan_is_reproduced(tmp_path):
     assert err.event["phase"] == "forward" and err.event["module"] == "ent"
     rep = replay(err.bundle_path)
     assert rep["reproduced"] is True  # the RNG state was restored: same dropout mask
-    check(rep, phase="forward", module="ent", call=0, op="aten.log", made="nan")
+    check(rep, phase="forward", module="ent", call=0, op="aten.log", made="-inf")
     # the same rows as in training: the ones where dropout zeroed an element
     assert rep["origin"]["samples"] == err.event["samples"] != []
     assert len(rep["origin"]["samples"]) < R.BATCH

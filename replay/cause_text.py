@@ -1,0 +1,81 @@
+"""The words for each cause: one table, read by the text, JSON and HTML reports.
+
+``MEANING`` says in one line what each cause means (the HTML verdict shows it, the guide's
+table says the same); ``HINTS`` holds what to do, the report's ``hint`` when nothing more
+specific is known. :mod:`replay.cause` builds the specific hint of an op (which pole, which
+type overflowed, what float64 held) from the phrases below, so every report says it the same
+way. No torch here: the HTML page renders from a report alone.
+"""
+
+from __future__ import annotations
+
+CAUSES = ("input", "weights", "optimizer", "invalid", "overflow", "underflow", "precision",
+          "not_reproduced")
+
+MEANING = {
+    "input": "the input batch already held non-finite values",
+    "weights": "the parameters were already non-finite before the step",
+    "optimizer": "the optimizer update made the parameters non-finite",
+    "invalid": "an op made NaN/Inf that exact arithmetic makes too: a pole (log(0), x/0) or "
+               "an impossible value (log of a negative, 0/0, inf - inf)",
+    "overflow": "an op's true result is finite but too large for its dtype",
+    "underflow": "a value rounded to 0 that exact arithmetic keeps non-zero, then fed into "
+                 "log or a division",
+    "precision": "rounding pushed a value across a domain boundary exact arithmetic does not "
+                 "cross (a cancelled variance below 0)",
+    "not_reproduced": "replaying the step from the bundle did not make a non-finite value",
+}
+
+HINTS = {
+    "input": "the batch itself holds NaN/Inf: check the data pipeline for these samples "
+             "(bad files, division by zero in normalisation) or filter them before the model",
+    "weights": "the weights were already non-finite when the step began: resume from an "
+               "earlier checkpoint and find what wrote them (the precursors show when)",
+    "optimizer": "finite gradients became non-finite weights in optimizer.step(): check the "
+                 "learning rate and schedule, eps, and clip gradients",
+    "invalid": "invalid math that exact arithmetic makes too: guard the op's domain (clamp "
+               "before log/sqrt, add eps to denominators, avoid fully masked softmax rows)",
+    "overflow": "a result too large for its dtype: rescale, compute the op in a wider type, "
+                "clamp its input range, lower the learning rate, or clip",
+    "underflow": "a value rounded to 0 was fed into log or a division: compute in log space "
+                 "(log_softmax, logsumexp) or clamp the value away from 0",
+    "precision": "rounding crossed a domain boundary: use a numerically stable formula "
+                 "(torch.var, centre before squaring) or clamp to the domain",
+    "not_reproduced": "re-running the step did not give the same result: suspect "
+                      "nondeterminism or a transient hardware fault; re-run on another device",
+    "loss": "the loss is non-finite from finite model outputs: check the loss inputs "
+            "(targets out of range, log of zero probabilities)",
+}
+
+# What to do, by situation (the first half of the hint says what happened).
+DO = {
+    "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",
+    "divide": "add an eps to the denominator (std + eps, d.clamp_min(eps)) or skip the rows "
+              "where it is 0",
+    "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
+              "or fix what drives it out",
+    "masked_row": "a fully masked row has no key to attend to: keep at least one key per "
+                  "row, or mask with a large finite negative number instead of -inf",
+    "inf_arith": "an infinity met another in arithmetic: find the op that made the first "
+                 "infinity (the chain) and keep it finite",
+    "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "
+           "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss",
+    "no_target": "every target of the batch is ignored (ignore_index): skip such batches or "
+                 "use reduction='sum' and divide by max(count, 1)",
+    "backward_pole": "a forward that masks the value out (torch.where, masked_fill) still "
+                     "sends the gradient through both branches, so make the op's input safe "
+                     "before the op (torch.where(mask, x, 1)) or add an eps",
+    "few": "reduce over more than one value (a batch of 1, an empty selection), pass "
+           "correction=0 to var/std, or skip such batches",
+    "wider": "compute this op in float32 (outside autocast, or .float() before it) or "
+             "rescale its inputs",
+    "wider64": "rescale its inputs (subtract the row max before exp, normalise before a "
+               "product or sum) or compute it in float64",
+    "clamp": "clamp the exponent or the input range (subtract the row max before exp, "
+             "clamp the input), or lower the learning rate",
+    "log_space": "compute in log space (log_softmax instead of log(softmax), logsumexp) or "
+                 "clamp the value away from 0 (x.clamp_min(eps)) before log or division",
+    "stable": "use a numerically stable formula (torch.var / torch.std or centring before "
+              "squaring for a variance; logsigmoid or binary_cross_entropy_with_logits for "
+              "log(1 - sigmoid(z)); log1p, expm1) or clamp to the domain before the op",
+}

@@ -1,0 +1,129 @@
+"""What an op was given where it went non-finite: its pole or domain edge, in words.
+
+The ops' mathematics, apart from deciding the cause (:mod:`replay.cause`): which ops have
+neither a pole nor a domain edge (from finite inputs only a result too large for the type is
+non-finite), and, for the others, what the op's inputs were at the non-finite positions
+(``aten.log of 0``, ``aten.sqrt of a negative number``, a CTC target with too few frames) and
+which advice of :data:`replay.cause_text.DO` fits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import Evidence
+
+# Ops with neither a pole nor a domain edge: from finite inputs, only a result too large for
+# the type is non-finite (a NaN is inf - inf inside the op's own sum).
+_NO_POLE = {"exp", "exp2", "expm1", "mul", "add", "sub", "sum", "mean", "mm", "bmm", "addmm",
+            "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot", "linear", "convolution",
+            "_convolution", "cumsum", "prod", "cumprod", "sinh", "cosh", "square", "einsum",
+            "_to_copy", "copy_", "linalg_vector_norm", "norm", "ldexp", "addcmul", "lerp",
+            "_softmax", "_log_softmax", "logsumexp", "mul_", "add_", "sub_", "exp_"}
+
+
+def g(x: float) -> str:
+    """A number as the reports print it: three significant digits."""
+    return format(x, ".3g")
+
+
+def no_pole(name: str, ev: Evidence) -> bool:
+    """Whether op ``name`` (``"log"``, no ``aten.``), given these values, can only have made a
+    non-finite value by a result too large for its type."""
+    if ev.empty:
+        return False  # a reduction over nothing: 0/0
+    if name in _NO_POLE:
+        return True
+    ins = [v for v, e in zip(ev.inputs, ev.elementwise) if e]
+    if name in ("pow", "pow_") and ins:
+        p = exponent(ev)
+        if p is not None and (p >= 0 and (float(p).is_integer() or bool((ins[0] >= 0).all()))):
+            return True  # x**2, x**3, sqrt-like powers of non-negatives: only too large
+        return bool((ins[0] > 0).all())  # a positive base: only too large a power
+    if name in ("div", "div_") and len(ins) >= 2:
+        return bool((ins[1] != 0).all())  # no division by 0: only too large a quotient
+    return False
+
+
+def exponent(ev: Evidence) -> float | None:
+    """The scalar exponent of ``pow(tensor, number)``, else None."""
+    args = list(ev.args)
+    p = args[1] if len(args) > 1 else None
+    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None
+
+
+def describe(name: str, ev: Evidence) -> tuple[str, str]:
+    """What the op was given where it went non-finite, and which advice fits (a ``DO`` key)."""
+    op = f"aten.{name}"
+    ins = [v for v, e in zip(ev.inputs, ev.elementwise) if e] or ev.inputs
+    x = ins[0] if ins else torch.empty(0, dtype=torch.float64)
+    zero, neg = bool((x == 0).any()), bool((x < 0).any())
+    low = g(float(x.min())) if x.numel() else "?"
+    base = name.rstrip("_")
+    if ev.empty:
+        return f"{op} of an empty tensor (a mean over no element is 0/0)", "few"
+    if base in ("var", "std", "var_mean", "std_mean"):
+        return (f"{op} of too few values for its correction (a division by n - correction = "
+                "0)", "few")
+    if "ctc_loss" in base:
+        return _ctc(ev), "ctc"
+    if base.startswith("nll_loss") and ev.others and bool((ev.others[0] == 0).all()):
+        return f"{op} divided by a total target weight of 0 (0/0)", "no_target"
+    if base in ("log", "log2", "log10", "xlogy", "special_xlog1py"):
+        x = ins[-1] if base == "xlogy" and ins else x
+        zero, neg = bool((x == 0).any()), bool((x < 0).any())
+        if neg:
+            return f"{op} of a negative number (as low as {g(float(x.min()))})", "domain"
+        return f"{op} of 0 (log has a pole at 0: -inf)", "pole"
+    if base == "log1p":
+        return ((f"{op} of a number below -1 (as low as {low})", "domain") if bool(
+            (x < -1).any()) else (f"{op} of -1 (a pole: -inf)", "pole"))
+    if base == "sqrt":
+        return f"{op} of a negative number (as low as {low})", "domain"
+    if base in ("rsqrt", "reciprocal"):
+        return ((f"{op} of a negative number (as low as {low})", "domain") if neg and not zero
+                else (f"{op} of 0 (a pole: 1/0)", "divide"))
+    if base in ("div", "remainder", "fmod") and len(ins) >= 2:
+        num, den = ins[0], ins[1]
+        if bool(((num == 0) & (den == 0)).any()):
+            return f"{op} of 0 by 0 (0/0)", "divide"
+        return f"{op} by 0 (x/0, a pole)", "divide"
+    if base == "pow" and ins:
+        p = exponent(ev)
+        if zero and (p is None or p < 0):
+            return f"{op} of 0 to a negative power (a pole)", "pole"
+        return f"{op} of a negative number to a fractional power", "domain"
+    if base in ("acos", "asin", "atanh", "acosh"):
+        top = g(float(x.abs().max())) if x.numel() else "?"
+        return f"{op} of a number outside its domain (|x| up to {top})", "domain"
+    if ins and (zero or neg):
+        return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
+                "domain)", "pole" if zero else "domain")
+    return f"{op} at a pole or outside its domain", "pole"
+
+
+def _ctc(ev: Evidence) -> str:
+    """Which row of a CTC loss cannot be aligned: its target needs more frames than its input
+    has (one per label, plus a blank between repeated labels)."""
+    args = list(ev.args) + [None] * 4
+    targets, in_len, tg_len = args[1], args[2], args[3]
+    rows = ev.bad.nonzero().flatten().tolist() if ev.bad.dim() == 1 else []
+    text = ("CTC loss of a target that cannot be aligned to its input (longer than the input, "
+            "counting a blank between repeated labels): an impossible value, +inf")
+    try:
+        in_len, tg_len = [int(v) for v in in_len], [int(v) for v in tg_len]
+        i = rows[0]
+        if isinstance(targets, torch.Tensor) and targets.dim() == 2:
+            tgt = targets[i, :tg_len[i]].tolist()
+        elif isinstance(targets, torch.Tensor):
+            start = sum(tg_len[:i])
+            tgt = targets[start:start + tg_len[i]].tolist()
+        else:
+            return text
+        need = len(tgt) + sum(1 for a, b in zip(tgt, tgt[1:]) if a == b)
+    except (TypeError, IndexError, ValueError):
+        return text
+    if need > in_len[i]:
+        text += (f"; row {i}: target of {len(tgt)} labels needs {need} frames, the input has "
+                 f"{in_len[i]}")
+    return text

@@ -1,0 +1,285 @@
+"""Models with planted numerical bugs for the cause tests (``tests/test_causes.py``) and the
+backward-sample tests (``tests/test_backward_samples.py``).
+
+As in ``replay_models``, every bug comes back from what a bundle holds: it fires on a row the
+loop plants at a known step (a zero row, a large value, a duplicated pair), so the replay
+rebuilds it from the batch. Factories are named ``make_*``; tests record with
+``factory="cause_models:make_*"`` and replay from this directory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+D_IN, HIDDEN, N_CLASSES = 4, 8, 3
+
+
+# ---------------------------------------------------------------------------------------------
+# invalid: a pole (x/0 at 0/0, rsqrt(0))
+
+
+class RowShare(nn.Module):
+    """Each feature's share of its row's L1 norm: 0/0 for a row whose features are all 0."""
+
+    def forward(self, h):
+        h = h.abs()
+        return h / h.sum(dim=-1, keepdim=True)  # BUG: no eps in the denominator
+
+
+class ShareNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN, bias=False)  # a zero input row stays zero
+        self.share = RowShare()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.share(self.lin(x)))
+
+
+def make_share_net() -> nn.Module:
+    return ShareNet()
+
+
+class RMSNormNoEps(nn.Module):
+    """RMSNorm written without its eps: rsqrt(0) = inf for an all-zero row."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True))  # BUG: no eps
+
+
+class RMSNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN, bias=False)
+        self.norm = RMSNormNoEps()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.norm(self.lin(x)))
+
+
+def make_rms_net() -> nn.Module:
+    return RMSNet()
+
+
+class LogEnergy(nn.Module):
+    """Appends each row's log-energy (an audio feature): log(0) = -inf for a silent row,
+    whose energy is exactly 0, not rounded to it."""
+
+    def forward(self, h):
+        energy = (h * h).sum(dim=-1, keepdim=True)
+        return torch.cat([h, torch.log(energy)], dim=-1)  # BUG: no floor under the log
+
+
+class EnergyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN, bias=False)
+        self.energy = LogEnergy()
+        self.head = nn.Linear(HIDDEN + 1, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.energy(self.lin(x)))
+
+
+def make_energy_net() -> nn.Module:
+    return EnergyNet()
+
+
+class BatchStandardize(nn.Module):
+    """Standardises each feature over the batch with torch.std: a batch of one sample (the
+    last, short batch of an epoch) has no spread to divide by, std = 0/0."""
+
+    def forward(self, x):
+        return (x - x.mean(dim=0)) / (x.std(dim=0) + 1e-5)  # BUG: std of a 1-sample batch
+
+
+def make_batch_standardize() -> nn.Module:
+    return nn.Sequential(BatchStandardize(), nn.Linear(D_IN, N_CLASSES))
+
+
+# ---------------------------------------------------------------------------------------------
+# overflow: exp of a large input
+
+
+class Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x)  # BUG: unbounded
+
+
+def make_exp_first() -> nn.Module:
+    return nn.Sequential(Exp(), nn.Linear(D_IN, N_CLASSES))
+
+
+# ---------------------------------------------------------------------------------------------
+# underflow: log of a softmax probability
+
+
+class NaiveLogSoftmax(nn.Module):
+    """log(softmax(x)): a probability that underflows to 0 gives -inf (log_softmax does not)."""
+
+    def forward(self, x):
+        return torch.log(torch.softmax(x, dim=-1))  # BUG: log of a probability
+
+
+def make_naive_log_softmax() -> nn.Module:
+    return nn.Sequential(NaiveLogSoftmax(), nn.Linear(D_IN, N_CLASSES))
+
+
+# ---------------------------------------------------------------------------------------------
+# precision: a standard deviation from E[x²] - E[x]²
+
+
+class OnePassNorm(nn.Module):
+    """Normalises each row by a one-pass variance, E[x²] - E[x]²: for a row with a large
+    mean and a small spread, float32 cancels it below 0 and sqrt makes NaN."""
+
+    def forward(self, x):
+        mean = x.mean(dim=-1, keepdim=True)
+        var = (x * x).mean(dim=-1, keepdim=True) - mean * mean  # BUG: cancellation
+        return (x - mean) / torch.sqrt(var + 1e-6)
+
+
+def make_one_pass_norm() -> nn.Module:
+    return nn.Sequential(OnePassNorm(), nn.Linear(D_IN, N_CLASSES))
+
+
+# ---------------------------------------------------------------------------------------------
+# invalid: a CTC target that cannot be aligned
+
+
+class CTCNet(nn.Module):
+    """Frames (N, T, D) in, log-probabilities (T, N, C) out, as nn.CTCLoss takes them."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, classes)
+
+    def forward(self, x):
+        return self.lin(x).log_softmax(-1).transpose(0, 1)
+
+
+def make_ctc_net() -> nn.Module:
+    return CTCNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# backward only: the torch.where gradient trap, a distance between identical embeddings
+
+
+class MaskedLog(nn.Module):
+    """log where positive, 0 elsewhere: the forward is finite, but where's gradient flows into
+    the log branch too, and log's derivative 1/x is 0/0 where x = 0 and the incoming 0."""
+
+    def forward(self, x):
+        return torch.where(x > 0, torch.log(x), torch.zeros_like(x))  # BUG: the where trap
+
+
+class WhereNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN, bias=False)  # a zero input row stays zero
+        self.logf = MaskedLog()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.head(self.logf(h * h))
+
+
+def make_where_net() -> nn.Module:
+    return WhereNet()
+
+
+class Distance(nn.Module):
+    """Euclidean distance of two embeddings: sqrt at 0 when they are equal (derivative inf)."""
+
+    def forward(self, a, b):
+        return torch.sqrt(((a - b) ** 2).sum(dim=-1))  # BUG: no eps under the sqrt
+
+
+class SiameseNet(nn.Module):
+    """Embeds a pair of inputs and scores them by their distance (a metric-learning head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(D_IN, HIDDEN)
+        self.dist = Distance()
+        self.head = nn.Linear(1, N_CLASSES)
+
+    def forward(self, x1, x2):
+        d = self.dist(self.embed(x1), self.embed(x2))
+        return self.head(d[:, None])
+
+
+def make_siamese_net() -> nn.Module:
+    return SiameseNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# a deep MLP that a badly scaled batch breaks at its last activation
+
+
+class ShiftedLog(nn.Module):
+    """log(x + 3): finite for the small activations of normal batches, NaN below -3."""
+
+    def forward(self, x):
+        return torch.log(x + 3.0)  # BUG: no clamp
+
+
+def make_deep_log_net(depth: int = 5) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(D_IN, HIDDEN), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(HIDDEN, HIDDEN), nn.ReLU()]
+    layers += [nn.Linear(HIDDEN, HIDDEN), ShiftedLog(), nn.Linear(HIDDEN, N_CLASSES)]
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# invalid: nn.MultiheadAttention over a sample that is all padding
+
+
+class PaddedAttentionNet(nn.Module):
+    """Token ids and a key-padding mask (True = padding) into nn.MultiheadAttention, as
+    PyTorch's tutorials write it: a sample that is padding only (an empty sequence) leaves its
+    queries no key, so the attention weights' softmax is NaN for that row."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.head = nn.Linear(dim, N_CLASSES)
+
+    def forward(self, ids, pad):
+        x = self.tok(ids)
+        h, _ = self.attn(x, x, x, key_padding_mask=pad)  # BUG: an all-padding row
+        return self.head(h.mean(dim=1))
+
+
+def make_padded_attention_net() -> nn.Module:
+    return PaddedAttentionNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# precision: a hand-written binary cross entropy
+
+
+class NaiveBCE(nn.Module):
+    """-(y log p + (1 - y) log(1 - p)) with p = sigmoid(z): for a confident logit (z > 17),
+    p rounds to 1 in float32 and 1 - p to 0, so log(1 - p) = -inf; exact arithmetic, and
+    float64, keep 1 - p = 2e-9 > 0. ``reduction`` as torch losses have it."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, z, y):
+        p = torch.sigmoid(z.squeeze(-1))
+        per_row = -(y * torch.log(p) + (1 - y) * torch.log(1 - p))  # BUG: not in log space
+        return per_row.mean() if self.reduction == "mean" else per_row
+
+
+def make_naive_bce() -> dict:
+    return {"model": nn.Linear(D_IN, 1), "loss_fn": NaiveBCE()}

@@ -1,0 +1,132 @@
+"""Backward origins name their samples (issue 11, item 3).
+
+A NaN made only in backward (sqrt at 0, the ``torch.where(x > 0, log(x), 0)`` gradient trap,
+the distance of two equal embeddings) names the autograd node, its module and, as forward
+events do, the batch rows (dim 0 of the batch's size) of the first non-finite gradient that
+node returned. Each test trains as a user would, runs ``nanreplay BUNDLE --json`` and asserts
+phase, step, module, node, samples and cause.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import cause_models as C
+import pytest
+import replay_models as R
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+K = 3
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)
+
+
+def train(module, factory: str, batches, out_dir: Path, steps: int = 6) -> NonFiniteError:
+    """Train ``module.<factory>()`` (SGD with momentum, cross entropy) on ``batches(step)``, a
+    list of micro-batches ``(args, target)`` whose losses are averaged (accumulation)."""
+    model = getattr(module, factory)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory=f"{module.__name__}:{factory}"):
+            for step in range(steps):
+                mbs = batches(step)
+                opt.zero_grad()
+                for args, y in mbs:
+                    (crit(model(*args), y) / len(mbs)).backward()
+                opt.step()
+    assert info.value.event["phase"] == "backward", info.value.event
+    return info.value
+
+
+def nanreplay_json(bundle: Path) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def check(rep: dict, **expected) -> None:
+    o = rep["origin"]
+    got = {k: (rep[k] if k in ("cause", "reproduced") else
+               rep["event"]["step"] if k == "step" else o.get(k)) for k in expected}
+    assert got == expected, json.dumps({k: v for k, v in rep.items()}, indent=1)
+
+
+def zero_rows(rows, n: int = R.BATCH, step: int = K):
+    """One micro-batch of ``replay_models.batch``; at ``step`` the given rows are all zero."""
+
+    def batches(s):
+        x, y = R.batch(s, n=n)
+        if s == step:
+            x[list(rows)] = 0.0
+        return [((x,), y)]
+
+    return batches
+
+
+def test_where_gradient_trap_names_its_row(tmp_path):
+    """torch.where(h² > 0, log(h²), 0): finite forward; backward sends 0 into log's
+    derivative 1/x at x = 0, which is 0/0 (LogBackward0), for the zero row only."""
+    err = train(C, "make_where_net", zero_rows([5]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, step=K, phase="backward", module="logf", op="LogBackward0", made="nan",
+          samples=[5], micro_batch=0, cause="invalid", reproduced=True)
+    assert "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
+
+
+def test_sqrt_at_zero_names_its_row_not_the_weight_rows(tmp_path):
+    """LengthNet's sqrt of a zero row's squared length. Its weight's gradient also has 8 rows
+    (HIDDEN == BATCH), but only the activation's gradient names samples."""
+    assert R.HIDDEN == R.BATCH
+    err = train(R, "make_length_net", zero_rows([6]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, step=K, phase="backward", module="feat", op="SqrtBackward0", made="+inf",
+          samples=[6], cause="invalid", reproduced=True)
+
+
+def test_distance_of_a_duplicated_pair_names_the_pair(tmp_path):
+    """A metric-learning pair whose two inputs are the same sample: distance 0, sqrt's
+    derivative at 0 is inf. Two such pairs in a batch of 16: both rows named."""
+
+    def batches(s):
+        x1, y = R.batch(s, n=16)
+        x2, _ = R.batch(100 + s, n=16)
+        if s == K:
+            x2[[3, 11]] = x1[[3, 11]]
+        return [((x1, x2), y)]
+
+    err = train(C, "make_siamese_net", batches, tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, step=K, phase="backward", module="dist", op="SqrtBackward0",
+          samples=[3, 11], cause="invalid", reproduced=True)
+    assert rep["origin"]["made"] in ("+inf", "-inf", "nan")
+
+
+def test_backward_samples_in_the_micro_batch_that_made_them(tmp_path):
+    """Gradient accumulation over three micro-batches; a zero row in the second (rows of
+    that micro-batch, and its index, are named)."""
+
+    def batches(s):
+        mbs = []
+        for i in range(3):
+            x, y = R.batch(10 * s + i)
+            if s == K and i == 1:
+                x[2] = 0.0
+            mbs.append(((x,), y))
+        return mbs
+
+    err = train(C, "make_where_net", batches, tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, step=K, phase="backward", module="logf", op="LogBackward0", samples=[2],
+          micro_batch=1, cause="invalid", reproduced=True)

@@ -1,0 +1,321 @@
+"""Causes as IEEE 754 and numerical analysis name them (issue 11, item 4), end to end.
+
+Each test trains a model from ``cause_models`` as a user would (SGD with momentum, a real loss)
+until the recorder raises, runs ``nanreplay BUNDLE --json`` through the command line, and
+asserts the phase, step, module, op, samples and cause, and that the hint says what happened
+and what fixes it: ``invalid`` (a pole, 0/0, an impossible CTC alignment), ``overflow``
+(float64 holds the result, or does not), ``underflow`` (a softmax probability rounded to 0,
+in float32 only or in float64 too) and ``precision`` (a variance E[x²] − E[x]² cancelled
+below 0).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import cause_models as C
+import pytest
+import replay_models as R
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cause_text import CAUSES, HINTS, MEANING
+from replay.cli import main as cli
+from replay.html import render_html
+
+HERE = Path(__file__).parent
+K = 3  # the step at which every planted bug fires
+ROW = 5  # the row that carries it
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where cause_models.py, the factories' module, lives
+
+
+def train(factory: str, make, out_dir: Path, *, loss_fn=None, steps: int = 6,
+          call=None) -> NonFiniteError:
+    """Train ``cause_models.<factory>()`` until the recorder raises. ``make(step)`` gives
+    ``(model args, target)``; ``call(loss_fn, output, target)`` computes the loss."""
+    model = getattr(C, factory)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                            factory=f"cause_models:{factory}"):
+            for step in range(steps):
+                args, target = make(step)
+                opt.zero_grad()
+                out = model(*args)
+                loss = call(loss_fn, out, target) if call else loss_fn(out, target)
+                loss.backward()
+                opt.step()
+    return info.value
+
+
+def with_row(values, step: int = K, row: int = ROW):
+    """``replay_models.batch`` with row ``row`` set to ``values`` at ``step``."""
+
+    def make(s):
+        x, y = R.batch(s)
+        if s == step:
+            x[row] = torch.tensor(values)
+        return (x,), y
+
+    return make
+
+
+def nanreplay_json(bundle: Path) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def check(rep: dict, err: NonFiniteError, *, phase, module, op, samples, cause, made=None):
+    o = rep["origin"]
+    got = (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"])
+    assert got == (K, phase, module, op, samples, cause), json.dumps(rep, indent=1)
+    assert err.event["step"] == K and rep["reproduced"] is True
+    if made is not None:  # what the blamed op made, in the origin and in the chain alike
+        assert o["made"] == made == next(c["made"] for c in o["chain"] if c["op"] == o["op"]), o
+
+
+# ---------------------------------------------------------------------------------------------
+# invalid
+
+
+def test_zero_over_zero_is_invalid(tmp_path):
+    err = train("make_share_net", with_row([0.0] * 4), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="share", op="aten.div", samples=[ROW],
+          cause="invalid", made="nan")
+    assert "0/0" in rep["hint"] and "eps" in rep["hint"], rep["hint"]
+
+
+def test_rsqrt_of_zero_is_a_pole(tmp_path):
+    """RMSNorm without eps on an all-zero row: rsqrt(0) = +inf (then 0 * inf = NaN)."""
+    err = train("make_rms_net", with_row([0.0] * 4), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="norm", op="aten.rsqrt", samples=[ROW],
+          cause="invalid", made="+inf")
+    assert "rsqrt of 0" in rep["hint"] and "pole" in rep["hint"], rep["hint"]
+
+
+def ctc_batches(step: int):
+    """Frames (4, 6, D), targets of 2-3 labels; at step K row 2 has 2 frames for 3 labels."""
+    g = torch.Generator().manual_seed(500 + step)
+    n, t = 4, 6
+    x = torch.randn(n, t, C.D_IN, generator=g)
+    targets = torch.randint(1, 5, (n, 8), generator=g)
+    target_lengths = torch.tensor([3, 2, 3, 2])
+    input_lengths = torch.full((n,), t, dtype=torch.long)
+    if step == K:
+        input_lengths[2] = 2
+    return (x,), (targets, input_lengths, target_lengths)
+
+
+def test_ctc_target_longer_than_its_input_is_invalid(tmp_path):
+    err = train("make_ctc_net", ctc_batches, tmp_path, loss_fn=nn.CTCLoss(),
+                call=lambda fn, out, t: fn(out, *t))
+    assert err.event["phase"] == "loss"
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="loss", module="<loss>", op="aten._ctc_loss", samples=[2],
+          cause="invalid", made="+inf")
+    hint = rep["hint"]
+    assert "cannot be aligned" in hint and "zero_infinity=True" in hint, hint
+    assert "row 2: target of 3 labels needs 3 frames, the input has 2" in hint, hint
+
+
+def test_std_of_a_one_sample_batch_is_invalid(tmp_path):
+    """The epoch's last batch holds one sample: torch.std over the batch divides by n - 1 = 0
+    (NaN, with torch's warning), the same in exact arithmetic."""
+
+    def make(s):
+        x, y = R.batch(s)
+        return ((x[:1],), y[:1]) if s == K else ((x,), y)
+
+    with pytest.warns(UserWarning, match="degrees of freedom"):  # torch's, in training...
+        err = train("make_batch_standardize", make, tmp_path)
+    with pytest.warns(UserWarning, match="degrees of freedom"):  # ...and in the re-runs
+        rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.std", samples=[0],
+          cause="invalid", made="nan")
+    assert "too few values" in rep["hint"] and "correction=0" in rep["hint"], rep["hint"]
+    assert rep["origin"]["all_samples"] is True
+
+
+def test_multihead_attention_over_an_all_padding_sample_is_invalid(tmp_path):
+    """nn.MultiheadAttention (need_weights, the default) with a key-padding mask: a sample
+    that is padding only has no key; MHA fills -inf itself (intentional), its softmax is
+    NaN."""
+
+    def make(s):
+        g = torch.Generator().manual_seed(300 + s)
+        ids = torch.randint(0, 11, (6, 5), generator=g)
+        pad = torch.zeros(6, 5, dtype=torch.bool)
+        pad[:, 4] = True  # every sample has one padding position
+        if s == K:
+            pad[2] = True  # sample 2 is empty
+        return (ids, pad), torch.randint(0, C.N_CLASSES, (6,), generator=g)
+
+    err = train("make_padded_attention_net", make, tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="attn", op="aten._softmax", samples=[2],
+          cause="invalid", made="nan")
+    chain = rep["origin"]["chain"]
+    assert chain[0]["made"] == "-inf" and chain[0]["intentional"] is True, chain
+    assert "fully masked row" in rep["hint"] and "keep at least one key" in rep["hint"]
+    page = tmp_path / "r.html"
+    assert CliRunner().invoke(cli, [str(err.bundle_path), "--html", str(page)]).exit_code == 0
+    assert "NaN first made by <code>aten._softmax</code>" in page.read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# overflow
+
+
+def test_exp_overflow_that_float64_holds(tmp_path):
+    err = train("make_exp_first", with_row([100.0, 0.0, 0.0, 0.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.exp", samples=[ROW],
+          cause="overflow", made="+inf")
+    hint = rep["hint"]  # e^100 = 2.69e43 > float32's 3.4e38
+    assert "float64 holds it" in hint and "2.69e+43" in hint, hint
+    assert "subtract the row max" in hint and "compute it in float64" in hint, hint
+
+
+def test_exp_overflow_beyond_float64(tmp_path):
+    err = train("make_exp_first", with_row([1000.0, 0.0, 0.0, 0.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.exp", samples=[ROW],
+          cause="overflow", made="+inf")
+    hint = rep["hint"]
+    assert "for float64 as well" in hint and "clamp the exponent" in hint, hint
+    assert "compute it in float64" not in hint, hint
+
+
+def test_autocast_float16_overflow_says_float32_holds_it(tmp_path):
+    """A matmul under float16 autocast past 65504: float32 (and float64) hold it, so the
+    hint is the wider type, outside autocast."""
+    model = R.make_amp_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_amp_net"):
+            for step in range(6):
+                x, y = R.batch(step)
+                if step == K:
+                    x[ROW] = 6e4
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = crit(model(x), y)
+                loss.backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    check(rep, info.value, phase="forward", module="lin", op="aten.addmm", samples=[ROW],
+          cause="overflow", made="+inf")
+    hint = rep["hint"]
+    assert "float16's largest value 6.55e+04; float64 holds it" in hint, hint
+    assert "compute this op in float32 (outside autocast" in hint, hint
+
+
+# ---------------------------------------------------------------------------------------------
+# underflow
+
+
+def test_log_of_a_softmax_probability_rounded_to_zero_is_underflow(tmp_path):
+    """A logit 260 below the others: softmax gives 1.1e-114, 0 in float32, kept by float64."""
+    err = train("make_naive_log_softmax", with_row([0.0, -260.0, 1.0, 2.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.log", samples=[ROW],
+          cause="underflow", made="-inf")
+    hint = rep["hint"]
+    assert "1.09e-114 in float64" in hint and "log_softmax" in hint, hint
+    assert "float32 (outside autocast)" not in hint, hint  # the old advice fixes nothing here
+
+
+def test_underflow_that_float64_shares_is_still_underflow(tmp_path):
+    """A gap of 800: exp(-800) is 0 in float64 as well, but positive in exact arithmetic,
+    and the 0 came from softmax of a finite row."""
+    err = train("make_naive_log_softmax", with_row([0.0, -800.0, 1.0, 2.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.log", samples=[ROW],
+          cause="underflow", made="-inf")
+    assert "softmax" in rep["hint"] and "below float64's range as well" in rep["hint"]
+
+
+def test_log_of_an_exact_zero_is_invalid_not_underflow(tmp_path):
+    """The log-energy of a silent row: the energy is exactly 0 (a sum of squares of zeros),
+    in float64 too and in exact arithmetic, so log(0) is a pole, not an underflow."""
+    err = train("make_energy_net", with_row([0.0] * 4), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="energy", op="aten.log", samples=[ROW],
+          cause="invalid", made="-inf")
+    assert "log of 0" in rep["hint"] and "pole" in rep["hint"], rep["hint"]
+
+
+# ---------------------------------------------------------------------------------------------
+# precision
+
+
+def test_sqrt_of_a_cancelled_variance_is_precision(tmp_path):
+    """E[x²] − E[x]² of a row with mean 1e4 and spread 0.05: -8 in float32 (the squares'
+    rounding step is 8), 0.0031 in float64; sqrt of it is NaN."""
+    row = [1e4, 1e4 + 0.05, 1e4 + 0.1, 1e4 + 0.15]
+    err = train("make_one_pass_norm", with_row(row), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.sqrt", samples=[ROW],
+          cause="precision", made="nan")
+    hint = rep["hint"]
+    assert "negative" in hint and "0.00314" in hint and "torch.var" in hint, hint
+    assert "float32 (outside autocast)" not in hint, hint
+
+
+def test_log_of_one_minus_a_rounded_sigmoid_is_precision_not_underflow(tmp_path):
+    """A hand-written binary cross entropy: sigmoid(z) for z near 20 rounds to 1 in float32,
+    1 - p to 0, and log(0) is -inf. The 0 is a cancellation, not an underflow: float64 keeps
+    about 2e-9, far above float32's smallest normal number."""
+    made = C.make_naive_bce()
+    model, loss_fn = made["model"], made["loss_fn"]
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory="cause_models:make_naive_bce"):
+            for step in range(6):
+                x, _ = R.batch(step)
+                y = torch.zeros(len(x))  # every target is the negative class
+                if step == K:
+                    x[ROW] = 5.0  # z = 20: a confident, wrong prediction
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    check(rep, info.value, phase="loss", module="<loss>", op="aten.log", samples=[ROW],
+          cause="precision", made="-inf")
+    hint = rep["hint"]
+    m = re.search(r"float64 has (\S+) there", hint)
+    assert "aten.log of 0" in hint and m and 1e-10 < float(m.group(1)) < 1e-7, hint
+    assert "binary_cross_entropy_with_logits" in hint, hint
+
+
+# ---------------------------------------------------------------------------------------------
+# one table of cause texts
+
+
+def test_every_cause_has_one_meaning_and_one_hint_used_by_every_report():
+    assert set(MEANING) == set(CAUSES) and set(CAUSES) <= set(HINTS)
+    for cause in CAUSES:
+        page = render_html({"event": {"step": 1}, "origin": {"phase": "forward"},
+                            "reproduced": True, "cause": cause, "hint": HINTS[cause]}, {})
+        assert MEANING[cause].replace("'", "&#x27;") in page, cause
+    guide = (HERE.parent / "docs" / "guide.md").read_text()
+    for cause in CAUSES:
+        assert f"| `{cause}` |" in guide, cause
