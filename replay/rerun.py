@@ -448,4 +448,3 @@ def _bad_rows(t: torch.Tensor) -> list[int]:
         return []
     lo, hi = torch.aminmax(t.detach().reshape(t.shape[0], -1), dim=1)
     return (~(torch.isfinite(lo) & torch.isfinite(hi))).nonzero().flatten().tolist()
-

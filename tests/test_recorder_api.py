@@ -9,6 +9,7 @@ import weakref
 import models as M
 import pytest
 import torch
+from ci import NEEDS_PY311
 from models import bundles, check_event
 from torch import nn
 
@@ -304,7 +305,7 @@ def _guarded_loop(model, opt, crit, steps, *, clip=False):
 
 def _note(exc: BaseException) -> str | None:
     if not hasattr(exc, "add_note"):  # Python 3.10: the summary goes to the log instead
-        pytest.skip("exception notes need Python 3.11")
+        pytest.skip(f"exception notes: {NEEDS_PY311}")
     notes = getattr(exc, "__notes__", [])
     assert len(notes) <= 1, notes
     return notes[0] if notes else None
