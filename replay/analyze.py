@@ -140,8 +140,9 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
         found = runner.probe_origin(probe_at)
         probes += 1
         agrees = found == (o.module, o.call, o.micro_batch)
+    # at most ceil(log2 calls) bisection runs, then the one run that finds the origin call
     report["bisection"] = {"probes": probes, "agrees": agrees, "calls": len(run.calls),
-                           "limit": _log2_ceil(len(run.calls)) + 2}
+                           "limit": _log2_ceil(len(run.calls)) + 1}
     finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()
     if hit is None and finder.intentional is not None:

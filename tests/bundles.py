@@ -64,7 +64,7 @@ TOY_REPORT = [
     "  samples    [5]",
     "  cause      invalid — invalid math that float64 does not fix: guard the op's domain (clamp "
     "before log/sqrt, add eps to denominators, avoid fully masked softmax rows)",
-    "  bisection  4 re-runs over 8 calls (limit 5), agrees with the instrumented pass",
+    "  bisection  4 re-runs over 8 calls (limit 4), agrees with the instrumented pass",
 ]
 
 _SHARED: dict[str, Path] = {}

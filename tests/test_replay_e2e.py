@@ -133,7 +133,9 @@ def check_bisection(report: dict) -> None:
     assert b is not None, "no bisection for a forward origin"
     assert b["agrees"] is True, b
     assert b["calls"] > 0
-    assert b["probes"] <= math.ceil(math.log2(b["calls"])) + 2, b
+    # the documented bound: ceil(log2 calls) bisection runs, then one run for the origin call
+    assert b["limit"] == math.ceil(math.log2(b["calls"])) + 1, b
+    assert b["probes"] <= b["limit"], b
 
 
 def exit_code(bundle: Path) -> int:
