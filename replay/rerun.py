@@ -161,6 +161,9 @@ class Runner:
         self._buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         self._rng = rng_state(step)
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
+        # multiply the loss by this before backward, as the step's GradScaler did (only where
+        # no finite recorded output gradient, which holds the scale already, is used)
+        self.loss_scale: float | None = None
         self.last_loss = None
 
     # -- state reset -------------------------------------------------------------------------
@@ -184,6 +187,8 @@ class Runner:
         recorder). ``hooks(model)`` may install extra hooks and must return their handles.
         """
         self.reset()
+        if loss_scale is None:
+            loss_scale = self.loss_scale
         result = Run()
         handles = self._instrument(result) if instrument else []
         if hooks is not None:
