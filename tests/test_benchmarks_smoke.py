@@ -104,9 +104,6 @@ def test_overhead_quick_mlp(tmp_path):
     assert reads["hooks"] == HOOK_READS_MLP, reads
     if "debug_uo" in reads:
         assert reads["debug_uo"] > HOOK_READS_MLP, reads  # it reads every tensor's stats
-    for d in res["detectors"].values():
-        assert d["ratio_q1"] <= d["median_ratio"] <= d["ratio_q3"], d
-        assert d["median_step_ms"] > 0
     check_verdicts(proc.stdout, data["results"])
 
 

@@ -427,6 +427,7 @@ def test_non_finite_error_fields(out_dir):
             M.train(model, opt, None, 4, at=M.arm_at(1, model[1]), rec=rec)
     err = info.value
     assert err.write_error is None and err.__cause__ is None
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (1, "forward", "1")
     assert set(err.event) >= {"step", "reason", "phase", "module", "module_type", "call",
                               "micro_batch", "inputs_finite", "kind", "params", "tensor",
                               "samples", "detail"}

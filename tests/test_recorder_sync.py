@@ -74,7 +74,7 @@ def _caller() -> str:
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if not name.startswith(TORCH) and not (name == HERE and f.f_code in _COUNTER_CODE):
+        if not name.startswith(TORCH) and f.f_code not in _COUNTER_CODE:
             return str(Path(name).resolve())
         f = f.f_back
     return "?"
