@@ -44,7 +44,8 @@ def no_numpy(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("no-numpy")
     (d / "sitecustomize.py").write_text(
         "import sys\nsys.modules['numpy'] = None  # as if NumPy were not installed\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(d), os.environ.get("PYTHONPATH", "")]))
+    paths = [str(d), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     probe = subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True,
                            text=True, timeout=60)
     assert probe.returncode == 1 and "ModuleNotFoundError" in probe.stderr, probe.stderr
