@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import math
 import os
 from typing import Any
 
@@ -112,6 +113,8 @@ def _analyze(step: Step) -> dict[str, Any]:
                                else "factory not imported")
         return report
     runner = Runner(step)
+    if step.event.get("kind") == "scale":  # a GradScaler event: re-run the scaled backward
+        runner.loss_scale = scale_of_the_step(step)
     run1 = runner.run()
     run2 = runner.run()
     if run1.signature() != run2.signature():
@@ -226,8 +229,9 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
         found = runner.probe_origin(probe_at)
         probes += 1
         agrees = found == (o.module, o.call, o.micro_batch)
+    # at most ceil(log2 calls) bisection runs, then the one run that finds the origin call
     report["bisection"] = {"probes": probes, "agrees": agrees, "calls": len(run.calls),
-                           "limit": _log2_ceil(len(run.calls)) + 2}
+                           "limit": _log2_ceil(len(run.calls)) + 1}
     finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()
     if hit is None and finder.intentional is not None:
@@ -370,6 +374,26 @@ def _finish(report, origin, cause, *, reproduced: bool, hint: str | None = None
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def scale_of_the_step(step: Step) -> float | None:
+    """The loss scale the event step's backward ran with: the scale the ring recorded after
+    the step before (the scaler's update sets the next step's scale), else the step's own,
+    with the backoff undone when the scaler skipped it."""
+    t, k = step.tensors, step.event.get("step")
+    if "ring/scale" not in t or "ring/steps" not in t:
+        return None
+    steps, scales = t["ring/steps"].tolist(), t["ring/scale"].tolist()
+    if k - 1 in steps and math.isfinite(scales[steps.index(k - 1)]):
+        return scales[steps.index(k - 1)]
+    if k not in steps or not math.isfinite(scales[steps.index(k)]):
+        return None
+    i = steps.index(k)
+    state = (step.meta.get("grad_scaler") or {}).get("state") or {}
+    state = dict(state.get("$dict", [])) if isinstance(state, dict) else {}
+    backoff = state.get("backoff_factor", 0.5)
+    skipped = "ring/skipped" in t and bool(t["ring/skipped"][i])
+    return scales[i] / backoff if skipped and backoff else scales[i]
 
 
 def _log2_ceil(n: int) -> int:

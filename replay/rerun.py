@@ -164,6 +164,9 @@ class Runner:
         # gradients fed into the model outputs instead of the recorded ones, finite or not
         # (micro-batch -> output index -> gradient): see replay.outside
         self.out_grads: dict[int, dict[int, torch.Tensor]] | None = None
+        # multiply the loss by this before backward, as the step's GradScaler did (only where
+        # no finite recorded output gradient, which holds the scale already, is used)
+        self.loss_scale: float | None = None
         self.last_loss = None
 
     # -- state reset -------------------------------------------------------------------------
@@ -187,6 +190,8 @@ class Runner:
         recorder). ``hooks(model)`` may install extra hooks and must return their handles.
         """
         self.reset()
+        if loss_scale is None:
+            loss_scale = self.loss_scale
         result = Run()
         handles = self._instrument(result) if instrument else []
         if hooks is not None:
@@ -453,4 +458,3 @@ def _bad_rows(t: torch.Tensor) -> list[int]:
         return []
     lo, hi = torch.aminmax(t.detach().reshape(t.shape[0], -1), dim=1)
     return (~(torch.isfinite(lo) & torch.isfinite(hi))).nonzero().flatten().tolist()
-

@@ -64,7 +64,7 @@ TOY_REPORT = [
     "  samples    [5]",
     "  cause      invalid — aten.div of 0 by 0 (0/0), which exact arithmetic makes too: add an "
     "eps to the denominator (std + eps, d.clamp_min(eps)) or skip the rows where it is 0",
-    "  bisection  4 re-runs over 8 calls (limit 5), agrees with the instrumented pass",
+    "  bisection  4 re-runs over 8 calls (limit 4), agrees with the instrumented pass",
 ]
 
 _SHARED: dict[str, Path] = {}

@@ -1,17 +1,70 @@
-"""Shared fixtures of the recorder tests: a seeded global RNG and a fresh bundle directory."""
+"""Shared fixtures of the recorder tests: a seeded global RNG and a fresh bundle directory.
+
+Under ``CI=true`` the run also refuses to lose evidence quietly: a missing optional test
+dependency (transformers, accelerate, lightning, NumPy, headless Chromium) stops the run before
+any test instead of skipping the tests that need it; any other skip fails unless it says it
+needs a device or a Python this machine lacks (``ci.ACCEPTED_SKIPS``); Hypothesis runs
+derandomized and without a database. Hypothesis keeps its files under the user's cache
+directory, outside the checkout.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import models` from every test file
 
+from ci import ACCEPTED_SKIPS, CI  # noqa: E402
+
+# The test extras (pyproject.toml) whose absence would otherwise skip tests.
+OPTIONAL_MODULES = ("transformers", "accelerate", "lightning", "numpy")
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
+
+# Hypothesis's files (example database, constants cache) go to the user's cache, not the checkout.
+set_hypothesis_home_dir(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                        / "nanreplay-hypothesis")
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.load_profile("ci" if CI else "default")
+
 # The models are tiny: one intra-op thread is faster than two fighting over a busy machine.
 torch.set_num_threads(1)
+
+
+def missing_test_dependencies() -> list[str]:
+    missing = [m for m in OPTIONAL_MODULES if importlib.util.find_spec(m) is None]
+    if not any(shutil.which(n) for n in CHROMIUM_NAMES):
+        missing.append("chromium (apt-get install -y chromium chromium-driver)")
+    return missing
+
+
+def pytest_configure(config):
+    if CI and (missing := missing_test_dependencies()):
+        raise pytest.UsageError(f"CI=true and {', '.join(missing)} not installed: the tests "
+                                "that need them would be skipped; install the test extras "
+                                "(pip install -e \".[test]\") and Chromium, as the README's "
+                                "test command does")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI a skipped test is a failed one, unless it needs a device or a Python version
+    this machine lacks."""
+    outcome = yield
+    report = outcome.get_result()
+    if CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not any(ok in reason for ok in ACCEPTED_SKIPS):
+            report.outcome = "failed"
+            report.longrepr = f"skipped under CI=true, where nothing may be skipped: {reason}"
 
 
 @pytest.fixture(autouse=True)

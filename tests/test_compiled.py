@@ -71,6 +71,7 @@ def test_compiled_model_recorded_as_one_call_and_replayed_eagerly(tmp_path):
     assert counters["stats"]["unique_graphs"] == 1  # as without the recorder: no recompile
     assert _names(err.bundle_path) == CLEAN
     rep = replay(err.bundle_path)  # the factory returns a compiled model: replayed eagerly
+    assert rep["event"]["step"] == K
     assert rep["reproduced"] is True and rep["cause"] == "invalid"
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["samples"]) == ("forward", "act", "aten.log", [5])
@@ -96,8 +97,9 @@ def test_model_compiled_in_place(tmp_path):
     assert _names(err.bundle_path) == CLEAN
     assert _hooks(net) == 0  # detached
     rep = replay(err.bundle_path)
+    assert rep["event"]["step"] == K and rep["cause"] == "invalid"
     assert rep["reproduced"] is True and rep["origin"]["module"] == "act"
-    assert rep["origin"]["op"] == "aten.log"
+    assert rep["origin"]["op"] == "aten.log" and rep["origin"]["samples"] == [5]
 
 
 # dynamo reads .grad of the block's (non-leaf) input when guarding it, recorder or not; the
@@ -117,7 +119,9 @@ def test_compiled_submodule_keeps_per_layer_records_around_it(tmp_path):
     called = [meta["modules"][m]["name"] for m, _ in meta["call_order"]]
     assert called == ["lin", "act", "head", ""]  # every hooked call, in order
     rep = replay(err.bundle_path)
+    assert rep["event"]["step"] == K and rep["cause"] == "invalid"
     assert rep["reproduced"] is True and rep["origin"]["module"] == "act"
+    assert (rep["origin"]["call"], rep["origin"]["op"]) == (0, "aten.log")
 
 
 def test_compiled_model_validation_and_sync_budget(tmp_path):
@@ -170,6 +174,7 @@ def test_compiled_dropout_replays_its_draw_with_fallback_random(tmp_path):
     ev = info.value.event
     assert ev["compiled"] is True and ev["samples"]
     rep = replay(info.value.bundle_path)
+    assert rep["event"]["step"] == ev["step"] and rep["cause"] == "invalid"
     assert rep["reproduced"] is True and rep["origin"]["module"] == "ent"
     assert rep["origin"]["op"] == "aten.log" and rep["origin"]["samples"] == ev["samples"]
 
@@ -186,6 +191,7 @@ def test_a_compiled_only_nan_is_not_reproduced_and_says_why(tmp_path):
     finite = rewrite(err.bundle_path, tmp_path / "x" / "finite.nan",
                      tensors=lambda t: {**t, key: R.batch(K)[0]})
     rep = replay(finite)
+    assert rep["event"]["step"] == K
     assert rep["reproduced"] is False and rep["cause"] == "not_reproduced"
     assert any("torch.compile'd module and the replay runs it eagerly" in p
                for p in rep["problems"]), rep["problems"]

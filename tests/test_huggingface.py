@@ -68,6 +68,7 @@ def test_padding_batch_is_caught_at_its_step_and_replayed(tmp_path, args):
                for m in trainer.model.modules() for h in m._forward_hooks.values())
     assert not any(m._forward_hooks for m in trainer.model.modules()) or args
     rep = replay(info.value.bundle_path)
+    assert rep["event"]["step"] == K
     assert rep["reproduced"] is True and rep["cause"] == "invalid"
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["made"]) == ("forward", "", "aten.div", "nan")
@@ -152,6 +153,7 @@ def test_trainer_side_compilation_is_one_compiled_region(tmp_path):
     assert (ev["step"], ev["phase"], ev["module"], ev["compiled"]) == (K, "forward", "", True)
     assert trainer.state.global_step == K
     rep = replay(info.value.bundle_path)
+    assert rep["event"]["step"] == K and rep["cause"] == "invalid"
     assert rep["reproduced"] is True and rep["origin"]["op"] == "aten.div"
 
 

@@ -72,9 +72,10 @@ def test_nan_in_a_submodule_is_caught_before_its_update_and_replayed(tmp_path):
     assert all(torch.equal(p, before[K][n]) for n, p in module.named_parameters())
     assert not any(m._forward_hooks for m in module.modules())  # detached on the exception
     rep = replay(info.value.bundle_path)
+    assert rep["event"]["step"] == K
     assert rep["reproduced"] is True and rep["cause"] == "invalid"
     o = rep["origin"]
-    assert (o["module"], o["op"], o["samples"]) == ("act", "aten.log", [5])
+    assert (o["module"], o["call"], o["op"], o["samples"]) == ("act", 0, "aten.log", [5])
 
 
 def test_clean_fit_with_validation_and_accumulation(tmp_path):
@@ -118,6 +119,7 @@ def test_an_inline_loss_is_checked_through_lightning(tmp_path):
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (K, "loss", "<loss>", "nan")
     assert trainer.global_step == K
     rep = replay(info.value.bundle_path)
+    assert rep["event"]["step"] == K
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], rep["cause"]) == ("loss", "<loss>", None, None)
     assert rep["reproduced"] is False
@@ -147,7 +149,10 @@ def test_a_training_step_raising_on_its_nan_still_gets_the_bundle(tmp_path):
     if hasattr(info.value, "add_note"):  # Python 3.11+
         assert any(str(bundle) in n for n in info.value.__notes__)
     rep = replay(bundle)
+    assert rep["event"]["step"] == K
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
     assert (rep["origin"]["module"], rep["origin"]["op"]) == ("act", "aten.log")
+    assert rep["origin"]["samples"] == [5]
 
 
 def test_what_the_callback_cannot_follow_is_said(tmp_path):
@@ -183,8 +188,10 @@ def test_compiled_lightning_module_is_one_region(tmp_path):
     ev = info.value.event
     assert (ev["step"], ev["module"], ev["compiled"], ev["samples"]) == (K, "", True, [2])
     rep = replay(info.value.bundle_path)
-    assert rep["reproduced"] is True
+    assert rep["event"]["step"] == K
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
     assert (rep["origin"]["module"], rep["origin"]["op"]) == ("net.act", "aten.log")
+    assert rep["origin"]["samples"] == [2]
 
 
 def test_a_resumed_fit_keeps_its_step_numbers(tmp_path):

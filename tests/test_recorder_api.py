@@ -9,6 +9,7 @@ import weakref
 import models as M
 import pytest
 import torch
+from ci import NEEDS_PY311
 from models import bundles, check_event
 from torch import nn
 
@@ -304,7 +305,7 @@ def _guarded_loop(model, opt, crit, steps, *, clip=False):
 
 def _note(exc: BaseException) -> str | None:
     if not hasattr(exc, "add_note"):  # Python 3.10: the summary goes to the log instead
-        pytest.skip("exception notes need Python 3.11")
+        pytest.skip(f"exception notes: {NEEDS_PY311}")
     notes = getattr(exc, "__notes__", [])
     assert len(notes) <= 1, notes
     return notes[0] if notes else None
@@ -426,6 +427,7 @@ def test_non_finite_error_fields(out_dir):
             M.train(model, opt, None, 4, at=M.arm_at(1, model[1]), rec=rec)
     err = info.value
     assert err.write_error is None and err.__cause__ is None
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (1, "forward", "1")
     assert set(err.event) >= {"step", "reason", "phase", "module", "module_type", "call",
                               "micro_batch", "inputs_finite", "kind", "params", "tensor",
                               "samples", "detail"}

@@ -130,6 +130,7 @@ def test_ring_keeps_the_last_history_steps(out_dir):
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, history=4):
             M.train(model, opt, crit, 12, at=M.arm_at(9, model[1]))
+    assert (info.value.event["step"], info.value.event["module"]) == (9, "1")
     meta, t = read_bundle(info.value.bundle_path)
     assert t["ring/steps"].tolist() == [6, 7, 8, 9]
     assert meta["ring"]["history"] == 4 and meta["ring"]["stored"] == 4

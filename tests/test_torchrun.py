@@ -60,7 +60,8 @@ def test_two_ranks_each_write_their_bundle_and_stop(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=HERE)
     report = json.loads(rep.stdout)
     assert report["cause"] == "input" and report["origin"]["samples"] == [2]
-    assert report["bundle"]["rank"] == 1
+    assert report["bundle"]["rank"] == 1 and report["event"]["step"] == 3
+    assert report["reproduced"] is True
 
 
 def test_trainer_callback_on_two_ranks_in_warn_mode(tmp_path):
@@ -86,3 +87,4 @@ def test_trainer_callback_on_two_ranks_in_warn_mode(tmp_path):
     report = json.loads(rep.stdout)
     assert report["reproduced"] is True and report["cause"] == "invalid"
     assert report["origin"]["op"] == "aten.div" and report["bundle"]["rank"] == 1
+    assert report["event"]["step"] == 3

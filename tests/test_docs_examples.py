@@ -1,0 +1,122 @@
+"""The README's main command and the guide's first run say what ``examples/train_toy.py`` really
+prints, and the source lines they cite are the source's.
+
+The example runs as the README installs it: without NumPy (a ``sitecustomize`` makes ``numpy``
+unimportable in the child processes, as on a machine where it is not installed). ``.ci/run``
+runs the README's main command itself and compares its last lines with the README's report;
+these tests tie that report to the guide, the golden ``bundles.TOY_REPORT`` and the source.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from bundles import TOY_REPORT
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+GUIDE = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+BUNDLE = "nan-bundles/step00000037-rank0.nan"
+
+
+def console_block(doc: str, prompt: str) -> list[str]:
+    """The lines printed after ``$ <prompt>`` in a console block of ``doc``."""
+    head, sep, rest = doc.partition(f"$ {prompt}\n")
+    assert sep, f"no console block for {prompt!r}"
+    return rest.split("```", 1)[0].rstrip("\n").splitlines()
+
+
+def fenced_after(doc: str, marker: str) -> str:
+    return doc.split(marker, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
+
+
+@pytest.fixture(scope="module")
+def no_numpy(tmp_path_factory) -> dict[str, str]:
+    """An environment in which ``import numpy`` fails in every Python started with it."""
+    d = tmp_path_factory.mktemp("no-numpy")
+    (d / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['numpy'] = None  # as if NumPy were not installed\n")
+    paths = [str(d), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    probe = subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert probe.returncode == 1 and "ModuleNotFoundError" in probe.stderr, probe.stderr
+    return env
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, no_numpy) -> tuple[Path, subprocess.CompletedProcess]:
+    """``python examples/train_toy.py`` (the README main command's last step), in a fresh
+    directory, without NumPy."""
+    cwd = tmp_path_factory.mktemp("first-run")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_toy.py")], cwd=cwd,
+                          env=no_numpy, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return cwd, proc
+
+
+def test_readme_main_command_runs_the_example():
+    main = fenced_after(README, "<!-- main-command -->")
+    assert main.endswith("&& pip install -e . && python examples/train_toy.py"), main
+
+
+def test_the_example_ends_with_the_report_in_readme_guide_and_golden(first_run):
+    _, proc = first_run
+    out = proc.stdout.rstrip("\n").splitlines()
+    assert out[-len(TOY_REPORT):] == TOY_REPORT, proc.stdout
+    assert console_block(README, f"nanreplay {BUNDLE}") == TOY_REPORT
+    assert GUIDE.count("\n".join(TOY_REPORT)) == 1  # the first run's block ends with it
+
+
+def test_the_guides_first_run_is_what_the_example_prints(first_run):
+    """Line for line, except the three lines that name this machine: the bundle's absolute
+    path, the Python version and the script's path and commit."""
+    cwd, proc = first_run
+    out = proc.stdout.rstrip("\n").splitlines()
+    guide = console_block(GUIDE, "python examples/train_toy.py")
+    assert len(out) == len(guide), proc.stdout
+    machine = {
+        "bundle": f"bundle     {cwd / BUNDLE} (nanreplay-bundle/1)",
+        "env": f"env        python {platform.python_version()}, torch {torch.__version__}, "
+               "cuda None, rank 0/1",
+    }
+    for want, got in zip(guide, out):
+        key = want.split(" ", 1)[0]
+        if key in machine:
+            assert got == machine[key]
+        elif key == "run":
+            assert re.fullmatch(r"run {8}\S*examples/train_toy\.py \(commit \S+\)", got), got
+        else:
+            assert got == want
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_replay_prints_nothing_on_stderr_without_numpy(first_run, no_numpy):
+    """nanreplay needs no NumPy and says nothing about it (torch's own warning included)."""
+    cwd, _ = first_run
+    proc = subprocess.run([sys.executable, "-m", "replay", str(cwd / BUNDLE)], cwd=EXAMPLES,
+                          env=no_numpy, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.rstrip("\n").splitlines() == TOY_REPORT
+
+
+def test_cited_source_lines_are_the_sources():
+    """The guide's "``examples/F``, line N: ``code``" and the golden report's ``F:N  text``
+    name lines that hold that code (counted here from the file, not taken from the tool)."""
+    cited = re.findall(r"`examples/([\w.]+\.py)`, line (\d+): `([^`]+)`", GUIDE)
+    assert cited, "the guide cites no source line"
+    for name, line, code in cited:
+        text = (EXAMPLES / name).read_text().splitlines()[int(line) - 1]
+        assert code in text, (name, line, text)
+    [source] = [s for s in TOY_REPORT if s.startswith("  source")]
+    where, text = source.split()[1], source.split(None, 2)[2]
+    name, line = where.split(":")
+    assert (EXAMPLES / name).read_text().splitlines()[int(line) - 1].strip() == text

@@ -1,0 +1,141 @@
+"""Precursors found in the ring buffer of a real training run, checked against what the loop
+itself measured.
+
+``replay_models.Fp16Net`` trains with SGD; at step K-1 one sample is scaled so that the float16
+layer's output reaches about 45 000 (finite, past half the float16 maximum), and labelled with
+the class the model finds least likely, so the loss and the gradients jump too; at step K a larger sample overflows float16, the recorded event. The loop
+measures, with its own forward hooks and before each update, every module's largest absolute
+output, the total gradient norm and the loss; the expected precursors are computed from those
+numbers with the documented rule (a value at least 10x the median of at least two earlier finite
+values; a float16 module past 32 752), independently of the recorder and of ``replay``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import replay_models as R
+import torch
+import torch.nn.functional as F
+from models import check_event
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay import replay
+
+HERE = Path(__file__).parent
+K = 5
+TARGET_ABSMAX = 45_000.0  # past 65504 / 2, below 65504
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where the recorded factory's module lives
+
+
+def train(out_dir: Path):
+    """Returns the NonFiniteError and, per step, the loop's own measurements."""
+    model = R.make_fp16_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    absmax: dict[str, float] = {}
+
+    def measure(name):
+        def hook(module, args, out):
+            v = out.detach().abs().max().float().item()
+            absmax[name] = max(absmax.get(name, -math.inf), v)
+        return hook
+
+    handles = [m.register_forward_hook(measure(n)) for n, m in model.named_modules()]
+    seen: list[dict] = []
+    try:
+        with pytest.raises(NonFiniteError) as info:
+            with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                                factory="replay_models:make_fp16_net"):
+                for step in range(K + 3):
+                    x, y = R.batch(step)
+                    if step == K - 1:  # the float16 layer's output near 45 000, finite,
+                        w = model.half_lin.weight.detach().float()
+                        x[4] = TARGET_ABSMAX / w.sum(dim=1).abs().max().item()
+                        y[4] = _least_likely(model, x)[4]  # and its label wrong: big gradients
+                    if step == K:
+                        x[4] = 6e4  # past 65504 in float16
+                    absmax.clear()
+                    opt.zero_grad()
+                    loss = crit(model(x), y)
+                    loss.backward()
+                    grad_norm = math.sqrt(sum(p.grad.double().pow(2).sum().item()
+                                              for p in model.parameters()))
+                    seen.append({"step": step, "loss": loss.item(), "grad_norm": grad_norm,
+                                 "absmax": dict(absmax)})
+                    opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    return info.value, seen
+
+
+def _least_likely(model, x) -> torch.Tensor:
+    """The class each sample gets the lowest logit for, computed from the weights without
+    calling the modules (a call would be a micro-batch of the recorded step)."""
+    with torch.no_grad():
+        h = F.linear(x.half(), model.half_lin.weight, model.half_lin.bias).relu().float()
+        return F.linear(h, model.head.weight, model.head.bias).argmin(dim=1)
+
+
+def jumps(values: list[tuple[int, float]], factor: float = 10.0) -> list[int]:
+    """The documented rule, on the loop's own numbers: steps whose value is at least
+    ``factor`` times the median of the earlier finite values (two at least)."""
+    out, earlier = [], []
+    for step, v in values:
+        if not math.isfinite(v):
+            continue
+        if len(earlier) >= 2 and statistics.median(earlier) > 0 \
+                and v >= factor * statistics.median(earlier):
+            out.append(step)
+        earlier.append(abs(v))
+    return out
+
+
+def test_precursors_of_a_float16_overflow_are_the_measured_ones(out_dir):
+    err, seen = train(out_dir)
+    check_event(err.event, step=K, phase="forward", module="half_lin", kind="+inf")
+    rep = replay(err.bundle_path)
+    assert rep["event"]["step"] == K and rep["reproduced"] is True
+    assert (rep["origin"]["module"], rep["origin"]["op"], rep["cause"]) == \
+        ("half_lin", "aten.addmm", "overflow")
+
+    measured = [s for s in seen if s["step"] <= K]
+    expected = {(s, "grad_norm_jump", "gradient norm")
+                for s in jumps([(m["step"], m["grad_norm"]) for m in measured])}
+    expected |= {(s, "loss_jump", "loss") for s in jumps([(m["step"], m["loss"])
+                                                          for m in measured])}
+    for name in seen[0]["absmax"]:
+        col = [(m["step"], m["absmax"].get(name, math.nan)) for m in measured]
+        expected |= {(s, "absmax_jump", f"absmax of {name or '<root>'}") for s in jumps(col)}
+    first_near = next(m["step"] for m in measured if 65504 / 2 < m["absmax"]["half_lin"]
+                      < math.inf)
+    expected.add((first_near, "near_fp16_max", "absmax of half_lin"))
+
+    got = set()
+    for p in rep["precursors"]:  # "gradient norm 12.3 is 45x the median ...", "absmax of X is"
+        head = p["detail"].split(" is ")[0]
+        got.add((p["step"], p["kind"],
+                 head if p["kind"] == "near_fp16_max" else head.rsplit(" ", 1)[0]))
+    assert got == expected, (sorted(got), sorted(expected))
+    # the planted step K-1 shows all three kinds, for the float16 layer where it applies
+    kinds = {(k, s) for st, k, s in got if st == K - 1}
+    assert {("grad_norm_jump", "gradient norm"), ("absmax_jump", "absmax of half_lin"),
+            ("near_fp16_max", "absmax of half_lin")} <= kinds, kinds
+    assert first_near == K - 1
+
+    # and the numbers they quote are the loop's own
+    detail = {(p["step"], p["kind"]): p["detail"] for p in rep["precursors"]
+              if p["kind"] != "absmax_jump"}
+    assert detail[K - 1, "near_fp16_max"].startswith(
+        f"absmax of half_lin is {seen[K - 1]['absmax']['half_lin']:.4g}, past half"), detail
+    assert detail[K - 1, "grad_norm_jump"].startswith(
+        f"gradient norm {seen[K - 1]['grad_norm']:.4g} is "), detail

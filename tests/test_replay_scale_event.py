@@ -1,0 +1,67 @@
+"""Replaying a GradScaler event (reason ``scale_collapse`` or ``scale_skipping``, kind
+``scale``): float16 autocast with a scale so large that the scaled gradients overflow, so the
+scaler skips every update and halves the scale until the recorder calls it an event.
+
+The unscaled step is finite; what overflowed is its backward with the loss scaled. The replay
+re-runs the backward with the scale that step's backward used (read from the ring buffer) and
+names where the scaled gradient first overflows: the float16 cast of the model output inside
+the loss (``ToCopyBackward0``), cause ``overflow`` (finite in float64).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import replay_models as R
+import torch
+from bundles import invoke_cli
+from models import check_event
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay import replay
+from replay.analyze import scale_of_the_step
+from replay.load import read_step
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where the recorded factory's module lives
+
+
+@pytest.mark.parametrize("reason, settings, step", [
+    ("scale_collapse", {"min_scale": 2.0 ** 38}, 2),  # 2**39, 2**38, 2**37 < min_scale
+    ("scale_skipping", {"max_skipped_steps": 3}, 3),  # the fourth skip in a row
+])
+def test_a_scale_event_replays_to_the_overflowing_scaled_gradient(out_dir, reason, settings,
+                                                                   step):
+    model, crit = R.make_mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    used = []  # the scale each step's backward ran with, as the loop saw it
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler,
+                            factory="replay_models:make_mlp", **settings):
+            for s in range(8):
+                x, y = R.batch(s)
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = crit(model(x), y)
+                used.append(scaler.get_scale())
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    err = info.value
+    check_event(err.event, step=step, reason=reason, phase="backward", kind="scale")
+    assert scale_of_the_step(read_step(err.bundle_path)) == used[step]
+
+    rep = replay(err.bundle_path)
+    assert rep["event"]["step"] == step and rep["event"]["kind"] == "scale"
+    assert rep["reproduced"] is True and rep["cause"] == "overflow"
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"]) == \
+        ("backward", "<loss>", "ToCopyBackward0", "+inf"), o
+    assert invoke_cli(err.bundle_path).exit_code == 0
