@@ -122,7 +122,7 @@ def test_html_of_a_stripped_copy_shows_the_same_history(recorded, in_examples, t
         r.stdout.splitlines()
     page = share.read_text(encoding="utf-8")
     assert cells(page) == cells(full.read_text(encoding="utf-8")) != {}
-    assert "not reproduced" in section_text(page, "verdict")
+    assert "not re-run (batch and weights stripped)" in section_text(page, "verdict")
     els = Elements(page)
     for pid in ("plot-loss", "plot-grad-norm", "plot-lr"):
         assert els.find("path", "series", pid), pid

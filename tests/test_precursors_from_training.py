@@ -13,6 +13,7 @@ values; a float16 module past 32 752), independently of the recorder and of ``re
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -113,22 +114,38 @@ def test_precursors_of_a_float16_overflow_are_the_measured_ones(out_dir):
                 for s in jumps([(m["step"], m["grad_norm"]) for m in measured])}
     expected |= {(s, "loss_jump", "loss") for s in jumps([(m["step"], m["loss"])
                                                           for m in measured])}
+    # layers in the loop's own call order (hooks fire as calls return)
+    jumped: dict[int, list[str]] = {}
     for name in seen[0]["absmax"]:
         col = [(m["step"], m["absmax"].get(name, math.nan)) for m in measured]
-        expected |= {(s, "absmax_jump", f"absmax of {name or '<root>'}") for s in jumps(col)}
+        for s in jumps(col):
+            jumped.setdefault(s, []).append(name or "<root>")
+    # one jump seen through several layers is one line naming the first layer called
+    expected |= {(s, "absmax_jump", f"absmax of {names[0]}" if len(names) == 1
+                  else f"{names[0]}, {len(names)} layers") for s, names in jumped.items()}
     first_near = next(m["step"] for m in measured if 65504 / 2 < m["absmax"]["half_lin"]
                       < math.inf)
     expected.add((first_near, "near_fp16_max", "absmax of half_lin"))
 
     got = set()
     for p in rep["precursors"]:  # "gradient norm 12.3 is 45x the median ...", "absmax of X is"
+        group = re.search(r"(?:seen at (\S+), the first layer called|absmax of (\S+) jumped)"
+                          r".*?(?:every layer followed \((\d+) layers\)|(\d+) layers? after)",
+                          p["detail"])
+        if p["kind"] == "absmax_jump" and group:
+            first, count = group[1] or group[2], int(group[3] or int(group[4]) + 1)
+            got.add((p["step"], p["kind"], f"{first}, {count} layers"))
+            continue
         head = p["detail"].split(" is ")[0]
         got.add((p["step"], p["kind"],
                  head if p["kind"] == "near_fp16_max" else head.rsplit(" ", 1)[0]))
     assert got == expected, (sorted(got), sorted(expected))
     # the planted step K-1 shows all three kinds, for the float16 layer where it applies
     kinds = {(k, s) for st, k, s in got if st == K - 1}
-    assert {("grad_norm_jump", "gradient norm"), ("absmax_jump", "absmax of half_lin"),
+    # (the float16 layer is the first called; the layers after it followed its jump)
+    assert jumped[K - 1][0] == "half_lin" and len(jumped[K - 1]) > 1, jumped
+    assert {("grad_norm_jump", "gradient norm"),
+            ("absmax_jump", f"half_lin, {len(jumped[K - 1])} layers"),
             ("near_fp16_max", "absmax of half_lin")} <= kinds, kinds
     assert first_near == K - 1
 
