@@ -77,8 +77,17 @@ class FlightRecorder:
         history: steps kept in the ring buffer.
         on_event: ``"raise"`` (write the bundle, raise :class:`NonFiniteError`) or ``"warn"``
             (write it once, log, keep training).
-        allow_inf: name patterns (fnmatch) of modules whose outputs, and buffers whose values,
-            may hold +-Inf on purpose (masks). NaN is always an event.
+        strict_inf: what a +-Inf is. False (default): a NaN anywhere is an event, a +-Inf only
+            where it matters: in the root module's output, the loss, a gradient, a weight or
+            optimizer state, or when it turns into a NaN; one that stays inside the model (an
+            additive ``-inf`` mask passed to ``forward``, masked attention scores) is recorded
+            in the ring buffer but is no event. True: every +-Inf is an event, in every module
+            output and root input, except where ``allow_inf`` says.
+        allow_inf: name patterns (fnmatch) of modules whose outputs, buffers whose values and
+            root inputs (a keyword argument's name, or ``args[i]``) that may hold +-Inf on
+            purpose (masks). NaN is always an event. Mostly for ``strict_inf=True``; by default
+            the patterns also exempt the root module's output (pattern ``""``) and tell the
+            event finder which infinities are intentional.
         scaler: the ``torch.amp.GradScaler`` in use: steps it skips are not events, but a scale
             below ``min_scale`` or more than ``max_skipped_steps`` skips in a row are.
         lr_scheduler: saved in the bundle when given.
@@ -100,12 +109,14 @@ class FlightRecorder:
                  allow_inf: list[str] | tuple[str, ...] = (), scaler=None, lr_scheduler=None,
                  min_scale: float = 1.0, max_skipped_steps: int = 50,
                  guard_optimizer: bool = False, stats: str = "minmax", start_step: int = 0,
-                 max_micro_batches: int = 1024):
+                 max_micro_batches: int = 1024, strict_inf: bool = False):
         validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, allow_inf,
                   scaler)
         validate_settings(stats=stats, min_scale=min_scale, start_step=start_step,
                           max_skipped_steps=max_skipped_steps,
-                          max_micro_batches=max_micro_batches, lr_scheduler=lr_scheduler)
+                          max_micro_batches=max_micro_batches, lr_scheduler=lr_scheduler,
+                          strict_inf=strict_inf)
+        self.strict_inf = strict_inf
         self.out_dir = Path(out_dir)
         self.factory = factory
         self.history = history
@@ -228,7 +239,7 @@ class FlightRecorder:
                 continue
             relu = type(site.module) is nn.ReLU and idx
             fn = self._relu_hook if relu else self._post_hook
-            allowed = self._is_allowed(site.name)
+            allowed = self._inf_allowed(idx, site.name)
             hook = (Hook(disabled(partial(fn, idx, allowed))) if site.disable
                     else Hook(fn, idx, allowed))
             self._handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
@@ -371,7 +382,7 @@ class FlightRecorder:
                     (hit := self._produced(tape, args[0], output)) is not None:
                 ins = (hit[1:4],)  # one tensor in, an earlier call's output: the usual chain
             else:
-                ins = self._input_refs(tape, args, kwargs, code=LOOSE, made_here=output)
+                ins = self._input_refs(tape, args, kwargs, made_here=output)
             if type(output) is torch.Tensor and not self._param_norms:  # the usual case
                 outs, stats = self._output_ref(tape, output, allowed, reuse=True), None
             else:
@@ -443,9 +454,10 @@ class FlightRecorder:
             return hit
         return None
 
-    def _input_refs(self, tape: Tape, args, kwargs, code: int, made_here=None) -> tuple:
-        """(min, max, allowed) refs of each floating input; an input that an earlier call
-        produced reuses that call's statistics, so a chain of modules costs nothing here.
+    def _input_refs(self, tape: Tape, args, kwargs, made_here=None) -> tuple:
+        """(min, max, allowed) refs of each floating input of an inner call (kept, never
+        checked); an input that an earlier call produced reuses that call's statistics, so a
+        chain of modules costs nothing here.
 
         Inputs are seen after the call: one changed in place since it was produced is
         measured again, unless this call returned it (an in-place module: the produced
@@ -460,16 +472,34 @@ class FlightRecorder:
                 continue
             buf = self._allowed_buffers.get(id(t))
             allowed = buf is not None and buf() is t
-            if code == LOOSE:
-                # Only "were they finite" matters for an inner call's inputs: a sum says it
-                # in half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
-                ref = tape.slots.total(t.detach(), LOOSE)
-                refs.append((ref, ref, allowed))
+            # Only "were they finite" matters for an inner call's inputs: a sum says it in
+            # half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
+            ref = tape.slots.total(t.detach(), LOOSE)
+            refs.append((ref, ref, allowed))
+        return tuple(refs)
+
+    def _root_input_refs(self, tape: Tape, args, kwargs) -> tuple:
+        """(min, max, allowed) refs of each floating root input. NaN is always checked; +-Inf
+        only with ``strict_inf`` and outside ``allow_inf`` (by the argument's name, ``args[i]``
+        or a keyword, or an allowed buffer passed in): by default an infinity that comes in
+        (a float mask) is an event only where it leads (see ``strict_inf``). Each is cached,
+        so the first layers that take it reuse these."""
+        refs = []
+        for name, t in _named_leaves(args, kwargs):
+            if not t.is_floating_point() or t.numel() == 0:
                 continue
-            a, b = tape.slots.minmax(t.detach(), LOOSE if allowed else code)
-            refs.append((a, b, allowed))
-            if not allowed:  # a root input: the first layers that take it reuse these
-                tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, _version_of(t))
+            hit = self._produced(tape, t)
+            if hit is not None:
+                refs.append(hit[1:4])
+                continue
+            if self.strict_inf:
+                buf = self._allowed_buffers.get(id(t))
+                soft = (buf is not None and buf() is t) or self._is_allowed(name)
+            else:
+                soft = True
+            a, b = tape.slots.minmax(t.detach(), NAN_ONLY if soft else STRICT)
+            refs.append((a, b, soft))
+            tape.cache[id(t)] = (weakref.ref(t), a, b, soft, _version_of(t))
         return tuple(refs)
 
     def _output_refs(self, tape: Tape, output, allowed: bool):
@@ -638,7 +668,7 @@ class FlightRecorder:
                                        and not torch.is_grad_enabled())
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                             autocast=_autocast_state())
-            mb.input_refs = self._input_refs(tape, args, kwargs, code=STRICT)
+            mb.input_refs = self._root_input_refs(tape, args, kwargs)
             tape.micro_batches.append(mb)
 
     def _step_ended_without_optimizer(self, tape: Tape) -> bool:
@@ -849,6 +879,7 @@ class FlightRecorder:
             module_types=self._module_types, param_names=[n for n, _ in self._params],
             params_from_update=tape.params_from_update,
             allowed={i for i, n in enumerate(self._module_names) if self._is_allowed(n)},
+            strict_inf=self.strict_inf,
             param_tensors=[p for _, p in self._params])
         if event is None:  # false alarm: norms of huge but finite tensors overflowed
             with self._lock:
@@ -925,9 +956,31 @@ class FlightRecorder:
     def _is_allowed(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pat) for pat in self.allow_inf)
 
+    def _inf_allowed(self, idx: int, name: str) -> bool:
+        """Whether module ``idx``'s outputs may hold +-Inf (only NaN checked): any module but
+        the root by default, only ``allow_inf`` ones with ``strict_inf``."""
+        return (idx != 0 and not self.strict_inf) or self._is_allowed(name)
+
 
 # ----------------------------------------------------------------------------------------------
 # helpers
+
+
+def _named_leaves(args, kwargs):
+    """(top-level name, tensor) of every tensor in a call's arguments: ``args[i]`` or the
+    keyword, for tensors nested inside one too."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            yield f"args[{i}]", a
+        elif isinstance(a, (list, tuple, dict)):
+            for t in tensor_leaves(a):
+                yield f"args[{i}]", t
+    for k, v in (kwargs or {}).items():
+        if isinstance(v, torch.Tensor):
+            yield str(k), v
+        elif isinstance(v, (list, tuple, dict)):
+            for t in tensor_leaves(v):
+                yield str(k), t
 
 
 def _leaves(args, kwargs):

@@ -86,6 +86,9 @@ def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
         "posinf": None if nan else any(row[b] == math.inf for _, b in outs),
         "neginf": None if nan else any(row[a] == -math.inf for a, _ in outs),
         "inputs_finite": all(_finite_pair(row, a, b, al) for a, b, al in ins),
+        # the same, with every +-Inf counted (allowed or not) / with only NaN counted
+        "inputs_all_finite": all(_finite_pair(row, a, b) for a, b, _ in ins),
+        "inputs_nan_free": all(_finite_pair(row, a, b, True) for a, b, _ in ins),
         "outputs_finite": all(_finite_pair(row, a, b) for a, b in outs),
     }
 

@@ -68,7 +68,9 @@ def analyze(step: Step) -> dict[str, Any]:
     """The report for one bundle (``step`` already passed through :func:`load.build`)."""
     report = base_report(step)
     phase = step.event.get("phase")
-    if phase == "input" or _batch_non_finite(step, ("batch/",)):
+    # by the default policy a +-Inf in the batch (a float mask) is bad data only where it leads
+    strict = bool(step.meta.get("strict_inf", True))
+    if phase == "input" or _batch_non_finite(step, ("batch/",), nan_only=not strict):
         return _finish(report, _input_origin(step, report), "input", reproduced=True)
     bad_weights = _non_finite_weights(step)
     after_update = phase == "optimizer" and step.meta.get("state") == "after_update"
@@ -109,6 +111,8 @@ def analyze(step: Step) -> dict[str, Any]:
         report["problems"].append("two re-runs of the step disagree: nondeterminism")
         return _finish(report, _origin(), "not_reproduced", reproduced=False)
     origin = run1.forward_origin()
+    if not strict and run1.chain()[2]:  # the event's infinity came in with the batch
+        return _finish(report, _input_origin(step, report), "input", reproduced=True)
     if run1.error is not None:
         if origin is None and all(run1.loss_finite) and not run1.bad_grads:
             raise run1.error  # it raised before anything went non-finite: the replay failed
@@ -134,16 +138,27 @@ def analyze(step: Step) -> dict[str, Any]:
 
 
 def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
-    probe_at, probes = runner.bisect(len(run.calls))
+    # by the default policy a NaN made from NaN-free inputs is searched for as a NaN
+    nan_only = not run.strict_inf and o.nan and o.inputs_nan_free
+    probe_at, probes = runner.bisect(len(run.calls), nan_only=nan_only)
     agrees = False
     if probe_at is not None:
-        found = runner.probe_origin(probe_at)
+        found = runner.probe_origin(probe_at, nan_only=nan_only)
         probes += 1
         agrees = found == (o.module, o.call, o.micro_batch)
     report["bisection"] = {"probes": probes, "agrees": agrees, "calls": len(run.calls),
                            "limit": _log2_ceil(len(run.calls)) + 2}
+    recorded = o
     finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()
+    trigger = run.chain()[1] if not run.strict_inf else None
+    if hit is None and finder.intentional is not None and trigger not in (None, o):
+        # the call where the chain seemed to start only filled an intended +-inf (a mask):
+        # the event is the NaN made from it later
+        start, o = finder.intentional, trigger
+        finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
+        finder.intentional = finder.intentional or start
+        hit = finder.origin()
     if hit is None and finder.intentional is not None:
         # The only non-finite value is a literal +-inf fill that leaves the module as it is.
         hit = finder.intentional
@@ -159,7 +174,9 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
                      chain=finder.chain(),
                      input_range=[hit.input_min, hit.input_max] if hit else None)
     cause = causes.classify(runner, "forward", until=(o.module, o.call, o.micro_batch))
-    return _finish(report, origin, cause, reproduced=_matches(step, origin))
+    # (the recorder names the chain's start as module statistics show it: ``recorded``)
+    reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module})
+    return _finish(report, origin, cause, reproduced=reproduced)
 
 
 def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
@@ -234,13 +251,17 @@ def _decode_non_finite_hyper(opt) -> None:
 
 
 def _input_origin(step: Step, report) -> dict[str, Any]:
-    """The batch tensor (or loss target) holding the non-finite values, and its rows."""
+    """The batch tensor (or loss target) holding the non-finite values, and its rows: one
+    holding NaN first (a float -inf mask beside it is no bad data by itself)."""
+    nan = _batch_nan(step)
     for i, mb in enumerate(step.micro_batches):
         if "inputs" not in mb:
             continue
         args, kwargs = micro_batch_inputs(step, i)
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")
         for key, t in tensors.items():
+            if nan and not (t.is_floating_point() and bool(torch.isnan(t).any())):
+                continue
             rows = bad_rows(t)
             if rows:
                 return _origin(phase="input", tensor=batch_path(paths[key], len(args)),
@@ -389,16 +410,24 @@ def _module_source(step: Step, module: str) -> str | None:
         return user_source([])
 
 
-def _batch_non_finite(step: Step, prefixes) -> bool:
-    return any(k.startswith(prefixes) and not finite(t) for k, t in step.tensors.items())
+def _batch_nan(step: Step) -> bool:
+    return any(k.startswith("batch/") and t.is_floating_point() and bool(torch.isnan(t).any())
+               for k, t in step.tensors.items())
+
+
+def _batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
+    return any(k.startswith(prefixes) and not finite(t, allow_inf=nan_only)
+               for k, t in step.tensors.items())
 
 
 def _non_finite_weights(step: Step) -> list[str]:
+    # by the default policy a buffer may hold +-Inf (a causal mask), not NaN
+    soft = not step.meta.get("strict_inf", True)
     out = []
     for k, t in step.tensors.items():
         if k.startswith(("weights/", "buffers/")) and not finite(t):
             name = k.split("/", 1)[1]
-            if k.startswith("buffers/") and _allowed(step, name):
+            if k.startswith("buffers/") and (_allowed(step, name) or finite(t, allow_inf=soft)):
                 continue
             out.append(name)
     return out

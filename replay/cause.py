@@ -83,8 +83,9 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     if run.error is not None and not (until and any((c.module, c.call, c.micro_batch) == until
                                          for c in run.calls)):
         raise run.error  # float64 made the model raise before the origin: no answer
-    if phase == "forward":
-        still = any(not c.outputs_finite for c in run.calls)
+    if phase == "forward":  # the origin's own outputs (an earlier -inf mask stays in float64)
+        still = any(not c.outputs_finite for c in run.calls
+                    if until is None or (c.module, c.call, c.micro_batch) == until)
     elif phase == "loss":
         still = not all(run.loss_finite)
     else:
