@@ -74,7 +74,17 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
     # 0. weights: made by the last update, or already there. They were in place before this
     #    step began, so they come first: NaN weights make every later check fail too (the
     #    first Linear's output, the loss, the gradients) and would be blamed on those.
+    #    The last update's evidence (its weights' norms right after it) says which.
     overflowed = False
+    bad_idx = [i for i, k in layout.updates if not math.isfinite(row[k])]
+    really = _really_non_finite(bad_idx, param_tensors, grads=False)
+    overflowed |= len(really) < len(bad_idx)
+    if really:
+        kind = (tensors_kind([param_tensors[i] for i in really]) if param_tensors is not None
+                else None) or _param_kind(row, layout.updates)
+        return optimizer_event(layout.update_step, [param_names[i] for i in really],
+                               after_update=True, kind=kind)
+    left_finite = {i for i, _ in layout.updates}  # finite right after the last update
     bad_idx = [i for i, k in layout.params if not math.isfinite(row[k])]
     really = _really_non_finite(bad_idx, param_tensors, grads=False)
     overflowed |= len(really) < len(bad_idx)
@@ -90,11 +100,17 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
     if bad_params:
         kind = (tensors_kind([param_tensors[i] for i in really]) if param_tensors is not None
                 else None) or _param_kind(row, layout.params, param_tensors)
-        if params_from_update:
+        if params_from_update and not left_finite:  # an update ran, with no evidence of it
             return optimizer_event(tape.step - 1, bad_params, after_update=True, kind=kind)
-        ev.update(phase="weights", params=bad_params, kind=kind,
+        ev.update(phase="weights", params=bad_params, kind=kind, first_seen_step=tape.step,
                   detail=f"non-finite values already in {len(bad_params)} parameter(s), first "
-                         f"{bad_params[0]}")
+                         f"{bad_params[0]}, first seen at step {tape.step}")
+        if left_finite and all(i in left_finite for i in really):
+            # finite right after the last update, non-finite now: written outside it
+            ev["last_update_step"] = layout.update_step
+            ev["detail"] += (f"; the last update (step {layout.update_step}) left them finite, "
+                             "so they were written outside optimizer.step() since (an in-place "
+                             "edit, a checkpoint load, a bit flip)")
         return ev
     by_order = sorted(calls, key=lambda d: (d["micro_batch"], d["order"]))
 

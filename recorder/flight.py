@@ -178,6 +178,12 @@ class FlightRecorder:
         self._unrooted_warned = False
         self._eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self._loss_recorded = False  # record_loss has been given a loss (no loss_fn to replay)
+        # evidence right after each update: squared norms of the weights it wrote, taken in the
+        # optimizer's post-hook on the device and read with the next step's one host read
+        self._update_slots: Slots | None = None
+        self._update_large: list[tuple[int, torch.Tensor]] = []
+        self._update_small: list[tuple[int, torch.Tensor]] = []
+        self._pending_update: tuple[int, list] | None = None  # (step of the update, refs)
 
     # ------------------------------------------------------------------------------------------
     # public surface
@@ -190,6 +196,7 @@ class FlightRecorder:
         try:
             if exc_type is None:
                 self._close_open_step(at="detach")
+                self._check_last_update()
             else:
                 self._check_on_exception(exc)
         finally:
@@ -267,9 +274,15 @@ class FlightRecorder:
                     Hook(self._grad_hook, i)))
         if opt is not None:
             self._handles.append(opt.register_step_pre_hook(Hook(self._optimizer_pre_hook)))
-            if self.guard_optimizer:  # else the pre-hook marks the update (one hook less a step)
-                self._handles.append(opt.register_step_post_hook(
-                    Hook(self._optimizer_post_hook)))
+            self._handles.append(opt.register_step_post_hook(Hook(self._optimizer_post_hook)))
+            held = {id(p) for g in opt.param_groups for p in g["params"]}
+            mine = [(i, p) for i, (_, p) in enumerate(self._params)
+                    if id(p) in held and p.is_floating_point() and p.layout == torch.strided]
+            small = [(i, p) for i, p in mine if p.numel() < _SMALL]
+            if len(small) <= _FEW:  # (as for the gradient norms: foreach pays off for many)
+                small = []
+            self._update_small = small
+            self._update_large = [(i, p) for i, p in mine if p.numel() >= _SMALL or not small]
         self._attached = self._active = True
         return self
 
@@ -286,7 +299,8 @@ class FlightRecorder:
         self._buffers = []
         self._params = []
         self._large = []
-        self._slots = None
+        self._slots = self._update_slots = None
+        self._update_large, self._update_small, self._pending_update = [], [], None
         self._allowed_buffers = {}
         self._attached = self._active = False
 
@@ -636,8 +650,16 @@ class FlightRecorder:
             self._last_tape = tape
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
-        """Guard mode only: check the weights the update wrote (the mode's second sync)."""
+        """Evidence of what the update wrote: the squared norm of every weight the optimizer
+        holds, on the device, read with the next step's host read (see _build_row). Guard
+        mode checks them now instead (the mode's second sync)."""
         if not self._active:
+            return None
+        if not self.guard_optimizer:
+            try:
+                self._measure_update()
+            except Exception as e:
+                self._internal_error(e)
             return None
         if self._guard is not None and not self._fired:
             norms = _norms([(i, p) for i, (_, p) in enumerate(self._params)])
@@ -649,6 +671,38 @@ class FlightRecorder:
             else:
                 self._updated = False  # verified: weights bad by the next step were not its doing
         return None
+
+    def _measure_update(self) -> None:
+        """Squared norms of the weights right after an update into slots of their own (one dot
+        per large weight, one foreach call for many small ones); no host read."""
+        large, small = self._update_large, self._update_small
+        if not large and not small:
+            return
+        device = (large or small)[0][1].device
+        slots = self._update_slots
+        if slots is None or slots.device != device:
+            slots = self._update_slots = Slots(device, len(large) + len(small) + 8)
+        slots.start_step()
+        with torch.no_grad():
+            refs = list(zip((i for i, _ in large),
+                            slots.sq_norm_each([p.detach() for _, p in large], STRICT)))
+            if small:
+                refs += zip((i for i, _ in small),
+                            slots.sq_norms([p.detach() for _, p in small], STRICT))
+        # the update belongs to the step the pre-hook just closed
+        self._pending_update = (self._step - 1, refs)
+
+    def _check_last_update(self) -> None:
+        """At detach after a clean exit: the last update's evidence, which no next step will
+        read (one host read, once)."""
+        pending, self._pending_update = self._pending_update, None
+        if pending is None or self._fired or not self._active:
+            return
+        step, refs = pending
+        values = self._update_slots.gather()[STRICT].tolist()  # the detach's one read
+        bad = [self._params[i][0] for i, (_, k) in refs if not math.isfinite(values[k])]
+        if bad:
+            self._optimizer_event(bad, step=step, after_update=True)
 
     # ------------------------------------------------------------------------------------------
     # step lifecycle
@@ -841,9 +895,25 @@ class FlightRecorder:
         slots = tape.slots
         pieces = slots.gather()  # the regions, in row order
         s, g, n, loose = (p.numel() for p in pieces)
+        # the last update's evidence goes right after the must-be-finite entries, so the same
+        # probe checks it: [STRICT, update, GRAD, NAN_ONLY, LOOSE]
+        pending = None if tape.evaluation else self._pending_update
+        updates: list = []
+        u = 0
+        if pending is not None:
+            self._pending_update = None
+            layout.update_step, updates = pending
+            piece = self._update_slots.gather()[STRICT]
+            if piece.device == slots.device:
+                pieces.insert(1, piece)
+                u = piece.numel()
+            else:  # the model moved since: that evidence is void
+                updates = []
         # Indices into the row are resolved only when a row is decoded (events, export).
         layout.raw = (list(tape.calls), list(tape.loss), sorted(tape.grad_norms.items()),
-                      sorted(tape.param_norms.items()), (0, s, s + g, s + g + n))
+                      sorted(tape.param_norms.items()), (0, s + u, s + u + g, s + u + g + n),
+                      updates, s)
+        s += u  # from here, "s" spans the strict entries and the update's
         total = s + g + n + loose
         row = self._ring.reserve(total, slots.device)
         full = row
@@ -891,7 +961,8 @@ class FlightRecorder:
             event["compiled"] = True  # its layers were not recorded (see recorder.compiled)
         self._write_and_report(tape, event)
 
-    def _optimizer_event(self, bad: list[str]) -> None:
+    def _optimizer_event(self, bad: list[str], step: int | None = None,
+                         after_update: bool = False) -> None:
         names = set(bad)
         # norms overflow float32 for finite values above ~1.8e19: the weights decide
         pairs = [(n, p) for n, p in self._params
@@ -903,8 +974,12 @@ class FlightRecorder:
             if self._fired:
                 return
             self._fired = True
-        event = events.optimizer_event(self._step - 1, bad, after_update=False,
+        event = events.optimizer_event(self._step - 1 if step is None else step, bad,
+                                       after_update=after_update,
                                        kind=events.tensors_kind(live) or "nan")
+        if after_update:  # the weights are those the update left; no step's batch with them
+            self._write_and_report(None, event)
+            return
         tape = self._last_tape
         self._write_and_report(tape, event, guard=self._guard)
 

@@ -35,16 +35,21 @@ class StepLayout:
     loss: list[tuple[int, int, int]] = field(default_factory=list)  # (micro-batch, min, max)
     grads: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
     params: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
+    # (param index, squared norm) of the weights right after the previous step's update, the
+    # update of step ``update_step`` (None: no update since the previous step)
+    updates: list[tuple[int, int]] = field(default_factory=list)
+    update_step: int | None = None
     length: int = 0
-    # (tape calls, loss, grad refs, param refs, offsets): list-relative refs, resolved into
-    # the fields above by materialize() when the row is decoded
+    # (tape calls, loss, grad refs, param refs, offsets, update refs, update offset):
+    # list-relative refs, resolved into the fields above by materialize() when decoded
     raw: tuple | None = None
 
     def materialize(self) -> StepLayout:
         if self.raw is None:
             return self
-        calls, loss, grads, params, off = self.raw
+        calls, loss, grads, params, off, updates, u_off = self.raw
         self.raw = None
+        self.updates = [(i, u_off + ref[1]) for i, ref in updates]
 
         def r(ref):
             return off[ref[0]] + ref[1]
@@ -188,6 +193,7 @@ class RingBuffer:
         call_mb = torch.full((h, width), -1, dtype=torch.int32)
         grad_norms = torch.full((h, n_params), math.nan)
         param_norms = torch.full((h, n_params), math.nan)
+        update_norms = torch.full((h, n_params), math.nan)
         lr = torch.full((h, max(n_groups, 1)), math.nan, dtype=torch.float64)
         loss = torch.full((h,), math.nan, dtype=torch.float64)
         scale = torch.full((h,), math.nan, dtype=torch.float64)
@@ -215,6 +221,9 @@ class RingBuffer:
             for p, k in lay.params:
                 if k < n:
                     param_norms[i, p] = math.sqrt(row[k])
+            for p, k in lay.updates:
+                if k < n:
+                    update_norms[i, p] = math.sqrt(row[k])
             if all(k < n for _, k in lay.grads):
                 grad_total[i] = _root_sum([row[k] for _, k in lay.grads]) / unscale
             if all(k < n for _, k in lay.params):
@@ -227,6 +236,7 @@ class RingBuffer:
             "ring/steps": torch.tensor([lay.step for lay in self.layouts], dtype=torch.int64),
             "ring/calls": calls, "ring/call_module": call_module, "ring/call_micro_batch": call_mb,
             "ring/grad_norms": grad_norms, "ring/param_norms": param_norms,
+            "ring/update_norms": update_norms,
             "ring/grad_norm": grad_total, "ring/param_norm": param_total,
             "ring/loss": loss, "ring/lr": lr, "ring/scale": scale,
             "ring/skipped": torch.tensor([lay.skipped for lay in self.layouts], dtype=torch.bool),

@@ -75,8 +75,7 @@ def analyze(step: Step) -> dict[str, Any]:
     bad_weights = _non_finite_weights(step)
     after_update = phase == "optimizer" and step.meta.get("state") == "after_update"
     if bad_weights and not after_update:
-        return _finish(report, _origin(phase="weights", params=bad_weights,
-                                       param=bad_weights[0]), "weights", reproduced=True)
+        return _weights(report, step, bad_weights)
     if after_update and (bad_weights or "weights" in step.stripped):
         report["problems"].append(
             "the bundle holds the weights after the update that made them non-finite, so the "
@@ -177,6 +176,23 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
     # (the recorder names the chain's start as module statistics show it: ``recorded``)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module})
     return _finish(report, origin, cause, reproduced=reproduced)
+
+
+def _weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
+    """Weights non-finite when the step began. The recorder's evidence from right after the
+    last update (``last_update_step``) says the update left them finite: written since, outside
+    ``optimizer.step()``."""
+    ev = step.event
+    seen, last = ev.get("first_seen_step"), ev.get("last_update_step")
+    report = _finish(report, _origin(phase="weights", params=bad, param=bad[0],
+                                     first_seen_step=seen, last_update_step=last),
+                     "weights", reproduced=True)
+    if last is not None:
+        report["problems"].append(
+            f"{bad[0]} was first seen non-finite at step {seen}; the last update (step {last}) "
+            "left it finite, so it was written outside optimizer.step() since: an in-place "
+            "edit, a checkpoint or state_dict load, another process, a hardware fault")
+    return report
 
 
 def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:

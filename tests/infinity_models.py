@@ -132,3 +132,33 @@ class ExpOut(nn.Module):
 
 def make_exp_out() -> nn.Module:
     return ExpOut()
+
+
+# ---------------------------------------------------------------------------------------------
+# who wrote the non-finite weights
+
+
+def make_linear() -> nn.Module:
+    """Logistic regression: one Linear layer (parameters ``weight`` and ``bias``)."""
+    return nn.Linear(D_IN, N_CLASSES)
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, N_CLASSES))
+
+
+class TokenClassifier(nn.Module):
+    """Mean of token embeddings, then a linear head: an embedding row gets a gradient only at
+    steps whose batch holds its token."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.head = nn.Linear(D, N_CLASSES)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx).mean(dim=1))
+
+
+def make_token_classifier() -> nn.Module:
+    return TokenClassifier()
