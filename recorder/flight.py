@@ -181,6 +181,9 @@ class FlightRecorder:
         # evidence right after each update: squared norms of the weights it wrote, taken in the
         # optimizer's post-hook on the device and read with the next step's one host read
         self._update_slots: Slots | None = None
+        self._probe: torch.Tensor | None = None  # [strict check, NaN-only min, max, scale]
+        self._probe_views: tuple = ()
+        self._probe_nan_only = False  # its min/max hold this step's NaN-only entries
         self._update_large: list[tuple[int, torch.Tensor]] = []
         self._update_small: list[tuple[int, torch.Tensor]] = []
         self._pending_update: tuple[int, list] | None = None  # (step of the update, refs)
@@ -580,10 +583,11 @@ class FlightRecorder:
             if not tape.loss:
                 return
             layout, row, probe, _ = self._build_row(tape, skipped=False)
+            ok, _ = _read_probe(probe)  # the evaluation loss's own host read
         except Exception as e:
             self._internal_error(e)
             return
-        if probe.item() != 0.0 and not self._fired:  # the evaluation loss's own host read
+        if not ok and not self._fired:
             self._event(tape, layout, row, "non_finite")
 
     def _grad_hook(self, i: int, p: torch.Tensor) -> None:
@@ -816,12 +820,9 @@ class FlightRecorder:
         except Exception as e:
             self._internal_error(e)
             return
-        # the one host-device sync of the step
-        if scale is None:
-            ok = probe.item() == 0.0
-        else:
-            check, layout.scale = torch.stack([probe.to(scale.device), scale]).tolist()
-            ok = check == 0.0
+        ok, read_scale = _read_probe(probe)  # the one host-device sync of the step
+        if scale:
+            layout.scale = read_scale
         if tape.evaluation:  # the ring is the training steps' history: its row is not kept
             if not ok and not self._fired:
                 self._event(tape, layout, row, "non_finite")
@@ -882,10 +883,10 @@ class FlightRecorder:
 
     def _build_row(self, tape: Tape, skipped: bool):
         """Copy the step's statistics into the next ring row and compute, still on the device,
-        a probe that is 0 when every entry that must be finite is, NaN (or > 0) otherwise: two
-        device ops, as this runs every step. Returns (layout, row, probe, scale): ``row`` is the
-        whole step's (the ring keeps it cut when it is wider than the ring), ``scale`` the
-        GradScaler's scale tensor when there is one, read in the same sync as the probe."""
+        a probe (see :func:`_read_probe`): three device ops, as this runs every step. Returns
+        (layout, row, probe, scale): ``row`` is the whole step's (the ring keeps it cut when it
+        is wider than the ring), ``scale`` whether the probe carries the GradScaler's scale,
+        read in the same sync."""
         if not tape.evaluation:  # an evaluation's gradients are the last step's, already read
             self._small_param_norms(tape)
         opt = self._optimizer() if self._optimizer else None
@@ -925,15 +926,26 @@ class FlightRecorder:
             row.copy_(full[: row.numel()])
         # gradient norms of a step the GradScaler skipped are expected to overflow: unchecked
         checked = s if skipped else s + g
+        probe = self._probe
+        if probe is None or probe.device != full.device:
+            probe = self._probe = torch.zeros(4, dtype=torch.float32, device=full.device)
+            self._probe_views = probe.unbind(0)
+            self._probe_nan_only = False
+        finite, lo, hi, scale_out = self._probe_views
         if full is row and checked:
-            probe = self._ring.probe_finite(checked)
+            self._ring.probe_finite(checked, out=finite)
         else:
-            probe = full[:checked].mul(0).sum()
-        if n:  # outputs allowed to hold +-Inf: only NaN counts
-            probe = probe + full[s + g: s + g + n].isnan().any().float()
+            finite.copy_(full[:checked].mul(0).sum())
+        if n:  # entries that may hold +-Inf: only NaN counts, which aminmax propagates
+            torch.aminmax(full[s + g: s + g + n], out=(lo, hi))
+        elif self._probe_nan_only:  # the last step had such entries, this one has none
+            lo.zero_()
+        self._probe_nan_only = bool(n)
         scaler = self._scaler() if self._scaler is not None else None
         scale = getattr(scaler, "_scale", None)
-        return layout, full, probe, None if scale is None else scale.float().reshape(())
+        if scale is not None:
+            scale_out.copy_(scale.reshape(()))
+        return layout, full, probe, scale is not None
 
     # ------------------------------------------------------------------------------------------
     # events
@@ -1096,6 +1108,14 @@ def _norms(indexed_params) -> list[tuple[int, torch.Tensor]]:
     with torch.no_grad():
         norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return list(zip(idx, norms))
+
+
+def _read_probe(probe: torch.Tensor) -> tuple[bool, float]:
+    """The step's one host read: ``probe`` is [0 if every must-be-finite entry is finite else
+    NaN, min and max of the entries where only NaN counts, the GradScaler's scale]. Returns
+    (all checks pass, scale)."""
+    finite, lo, _, scale = probe.tolist()
+    return finite == 0.0 and not math.isnan(lo), scale
 
 
 def _host_float(x) -> float:

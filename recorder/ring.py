@@ -152,7 +152,7 @@ class RingBuffer:
         self._length = n
         return view
 
-    def probe_finite(self, s: int) -> torch.Tensor:
+    def probe_finite(self, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """A 0-d tensor that is 0 when the first ``s`` entries of the reserved row are all
         finite and NaN otherwise, in one device op: ``x * 0`` is 0 for every finite ``x`` and
         NaN for NaN and +-Inf, and a sum of zeros cannot overflow (``isfinite().all()`` is
@@ -163,7 +163,7 @@ class RingBuffer:
         zeros = self._zeros_view
         if zeros.numel() != s:
             zeros = self._zeros_view = self._zeros.narrow(0, 0, s)
-        return torch.dot(view, zeros, out=self._probe)
+        return torch.dot(view, zeros, out=self._probe if out is None else out)
 
     def commit(self, layout: StepLayout) -> None:
         """Keep the row last reserved, described by ``layout``."""
