@@ -276,7 +276,8 @@ def _input_origin(step: Step, report) -> dict[str, Any]:
         args, kwargs = micro_batch_inputs(step, i)
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")
         for key, t in tensors.items():
-            if nan and not (t.is_floating_point() and bool(torch.isnan(t).any())):
+            soft = nan or _allowed(step, _root_input_name(paths[key]))
+            if soft and not (t.is_floating_point() and bool(torch.isnan(t).any())):
                 continue
             rows = bad_rows(t)
             if rows:
@@ -432,8 +433,23 @@ def _batch_nan(step: Step) -> bool:
 
 
 def _batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
-    return any(k.startswith(prefixes) and not finite(t, allow_inf=nan_only)
+    """A recorded batch tensor holds NaN (or +-Inf, unless ``nan_only`` or ``allow_inf``
+    names the root input it is in)."""
+    soft = {k for mb in step.micro_batches for k, raw in mb.get("paths", {}).items()
+            if _allowed(step, _root_input_name(raw))}
+    return any(k.startswith(prefixes) and not finite(t, allow_inf=nan_only or k in soft)
                for k, t in step.tensors.items())
+
+
+def _root_input_name(raw: str) -> str:
+    """The root input a batch path (into ``[list(args), kwargs]``) lies in, as ``allow_inf``
+    names it: ``args[i]`` or the keyword."""
+    if raw.startswith("[0]["):
+        return f"args[{raw[4:].partition(']')[0]}]"
+    if raw.startswith("[1]["):
+        key = raw[4:].partition("]")[0]
+        return key.strip('"') if key.startswith('"') else key
+    return raw
 
 
 def _non_finite_weights(step: Step) -> list[str]:

@@ -162,3 +162,15 @@ class TokenClassifier(nn.Module):
 
 def make_token_classifier() -> nn.Module:
     return TokenClassifier()
+
+
+class MaskInputThenLog(MaskThenLog):
+    """MaskThenLog with its additive mask passed into forward (a root input) instead."""
+
+    def forward(self, x, mask):
+        p = self.attn(self.lin(x) + mask)
+        return self.head(torch.cat([p, self.feat(1 + x)], dim=-1))
+
+
+def make_mask_input_then_log() -> nn.Module:
+    return MaskInputThenLog()

@@ -244,3 +244,27 @@ def test_bundle_records_the_policy(out_dir):
                  out_dir / "strict", strict_inf=True)
     meta, _ = read_bundle(err.bundle_path)
     assert meta["strict_inf"] is True and err.event["step"] == 0
+
+
+def test_strict_allowed_mask_input_is_not_blamed_for_a_later_nan(out_dir):
+    """strict_inf with the mask input exempt by name: the log's NaN is the event, and the
+    replay does not take the mask's -inf in the batch for bad data."""
+    mask = torch.zeros(I.HIDDEN)
+    mask[-2:] = -math.inf
+    model = I.MaskInputThenLog()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, strict_inf=True,
+                            allow_inf=["mask"], factory="infinity_models:make_mask_input_then_log"):
+            for step in range(6):
+                x = torch.rand(16, I.D_IN, generator=torch.Generator().manual_seed(step))
+                if step == K:
+                    x[6] = -3.0
+                opt.zero_grad()
+                crit(model(x, mask=mask), torch.arange(16) % I.N_CLASSES).backward()
+                opt.step()
+    check_event(info.value.event, step=K, phase="forward", module="feat", kind="nan")
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["cause"], rep["origin"]["module"], rep["origin"]["op"]) == \
+        ("invalid", "feat", "aten.log"), rep["origin"]
