@@ -308,11 +308,12 @@ class Recorder(Trainer):
 
 
 class Floor(Trainer):
-    """Not a detector but a yardstick (opt in with ``--detectors floor``): the device work of the
-    recorder's default statistics and nothing else, with the barest hooks. One ``aminmax`` per
-    module output, the root input and the loss, one squared norm per gradient before the update,
-    one read of one flag per step; no call records, RNG states, batch references or output
-    gradients. The recorder's distance to it is what its bookkeeping costs."""
+    """Not a detector but a yardstick (opt in with ``--detectors floor``): exactly the device work
+    of the recorder's default checks and nothing else, with the barest hooks. One ``aminmax`` per
+    leaf module output, the root input and the loss; one squared norm per gradient before the
+    update and per weight right after it (its step post-hook; kept for the next step's check);
+    one read of one flag per step. No call records, RNG states, batch references or output
+    gradients: the recorder's distance to it is what its bookkeeping costs."""
 
     name = "floor"
 
@@ -321,11 +322,13 @@ class Floor(Trainer):
         self.views = self.slots.unbind(0)
         self.zeros = torch.zeros(4096)
         self.flag = torch.zeros(())
-        self.k = 0
-        self.handles = [m.register_forward_hook(self._post) for m in self.model.modules()]
+        self.k = self.base = 0
+        leaves = [m for m in self.model.modules() if next(m.children(), None) is None]
+        self.handles = [m.register_forward_hook(self._post) for m in leaves]
         self.handles.append(self.crit.register_forward_hook(self._post))
         self.handles.append(self.model.register_forward_pre_hook(self._pre))
         self.handles.append(self.opt.register_step_pre_hook(self._check))
+        self.handles.append(self.opt.register_step_post_hook(self._after_update))
 
     def _minmax(self, t):
         if t.is_floating_point() and t.numel():
@@ -334,7 +337,7 @@ class Floor(Trainer):
             torch.aminmax(t.detach(), out=(self.views[k], self.views[k + 1]))
 
     def _pre(self, module, args):
-        self.k = 0
+        self.k = self.base  # the last update's weight norms stay in front
         for t in tensor_leaves(args):
             self._minmax(t)
 
@@ -342,20 +345,53 @@ class Floor(Trainer):
         for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
             self._minmax(t)
 
+    def _sq_norm(self, t, k):
+        flat = t.detach().reshape(-1)
+        torch.dot(flat, flat, out=self.views[k])
+
     def _check(self, opt, args, kwargs):
         for p in self.params:
             if p.grad is not None:
-                g = p.grad.reshape(-1)
-                torch.dot(g, g, out=self.views[self.k])
+                self._sq_norm(p.grad, self.k)
                 self.k += 1
         n = self.k
         torch.dot(self.slots[:n], self.zeros[:n], out=self.flag)
         if self.flag.item() != 0.0:
             raise FloatingPointError("non-finite value in the step")
 
+    def _after_update(self, opt, args, kwargs):
+        for k, p in enumerate(self.params):
+            self._sq_norm(p, k)
+        self.base = len(self.params)
+
     def close(self):
         for h in self.handles:
             h.remove()
+
+
+def baseline_trainer(checkout: str) -> type[Trainer]:
+    """The ``recorder`` package of another checkout (``--baseline``), imported under another
+    name (its imports are relative), as detector ``recorder_base``: before/after in one run."""
+    import importlib.util
+
+    pkg = Path(checkout).resolve() / "recorder"
+    spec = importlib.util.spec_from_file_location(
+        "recorder_base", pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+    if spec is None or not (pkg / "__init__.py").exists():
+        raise SystemExit(f"--baseline {checkout}: no recorder/ package there")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["recorder_base"] = mod
+    spec.loader.exec_module(mod)
+
+    class BaseRecorder(Recorder):
+        name = "recorder_base"
+
+        def setup(self, tmp):
+            out = os.path.join(tmp, f"bundles-base-{self.spec.name}")
+            self.recorder = mod.FlightRecorder(self.model, self.opt, loss_fn=self.crit,
+                                               out_dir=out).attach()
+
+    return BaseRecorder
 
 
 TRAINERS = {"bare": Trainer, "hooks": HookRecipe, "anomaly": Anomaly, "debug_uo": DebugUO,
@@ -513,6 +549,8 @@ def measure_in_processes(model: str, detectors: list[str], rounds: int, warmup: 
                    "--warmup", str(warmup), "--device", args.device, "--json", out]
             if args.threads is not None:
                 cmd += ["--threads", str(args.threads)]
+            if args.baseline:
+                cmd += ["--baseline", args.baseline]
             if args.compile:
                 cmd.append("--compile")
             print(f"  {model}: process {i + 1}/{args.processes}", file=sys.stderr, flush=True)
@@ -685,6 +723,10 @@ def main(argv=None) -> int:
                     help="measure each model in N fresh processes, one after the other, and "
                     "report the median of their ratios and their range (default 1). Ratios "
                     "move from process to process (heap and cache placement) more than within one")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also time the recorder of another checkout (DIR holds its recorder/ "
+                    "package, e.g. a worktree of main) as detector recorder_base, interleaved "
+                    "with the others: a before/after comparison within one run")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every copy's model (inductor) and compare the recorder "
                     "with the compiled bare model; the other detectors do not run")
@@ -697,16 +739,21 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unknown model(s) {bad}; choose from {', '.join(MODELS)}")
     detectors = [d.strip() for d in args.detectors.split(",") if d.strip()]
+    if args.baseline:
+        TRAINERS["recorder_base"] = baseline_trainer(args.baseline)
+        if "recorder_base" not in detectors:
+            detectors.append("recorder_base")
     bad = [d for d in detectors if d not in TRAINERS]
     if bad:
         ap.error(f"unknown detector(s) {bad}; choose from {', '.join(DETECTORS)}")
-    detectors = ["bare"] + [d for d in (*DETECTORS, "floor") if d in detectors and d != "bare"]
+    detectors = ["bare"] + [d for d in (*DETECTORS, "recorder_base", "floor")
+                            if d in detectors and d != "bare"]
     if "debug_uo" in detectors and not have_transformers():
         print("transformers is not installed: skipping DebugUnderflowOverflow "
               "(pip install transformers)", file=sys.stderr)
         detectors.remove("debug_uo")
     if args.compile:  # the other detectors' per-module hooks would be traced into the graphs
-        detectors = [d for d in detectors if d in ("bare", "recorder")]
+        detectors = [d for d in detectors if d in ("bare", "recorder", "recorder_base")]
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available")

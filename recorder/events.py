@@ -35,11 +35,14 @@ def bad_rows(t: torch.Tensor) -> list[int]:
     return bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
 
 
-def _first_bad_tensor(obj: Any, prefix: str, skip=()) -> tuple[str, list[int], str] | None:
+def _first_bad_tensor(obj: Any, prefix: str, skip=(), nan_only: bool = False
+                      ) -> tuple[str, list[int], str] | None:
     _, tensors, paths = flatten_tree(obj, "x")
     for key, t in tensors.items():
         if any(t is s for s in skip) or t.grad_fn is not None:
             continue  # the model output, or computed from it: not data
+        if nan_only and not (t.is_floating_point() and bool(torch.isnan(t.detach()).any())):
+            continue
         rows = bad_rows(t)
         if rows:
             flat = t.detach()[~torch.isfinite(t.detach())]
@@ -51,7 +54,8 @@ def _first_bad_tensor(obj: Any, prefix: str, skip=()) -> tuple[str, list[int], s
 def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
                module_names: list[str], module_types: list[str], param_names: list[str],
                params_from_update: bool, allowed: set[int],
-               param_tensors: list[torch.Tensor] | None = None) -> dict[str, Any] | None:
+               param_tensors: list[torch.Tensor] | None = None,
+               strict_inf: bool = True) -> dict[str, Any] | None:
     """The first offender of a step, in the order a value flows: weights (left by the last
     update), input, forward, loss, backward. ``param_tensors`` (the live parameters, in
     ``param_names`` order) lets a gradient or weight event tell +Inf from -Inf, and tells a
@@ -70,7 +74,17 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
     # 0. weights: made by the last update, or already there. They were in place before this
     #    step began, so they come first: NaN weights make every later check fail too (the
     #    first Linear's output, the loss, the gradients) and would be blamed on those.
+    #    The last update's evidence (its weights' norms right after it) says which.
     overflowed = False
+    bad_idx = [i for i, k in layout.updates if not math.isfinite(row[k])]
+    really = _really_non_finite(bad_idx, param_tensors, grads=False)
+    overflowed |= len(really) < len(bad_idx)
+    if really:
+        kind = (tensors_kind([param_tensors[i] for i in really]) if param_tensors is not None
+                else None) or _param_kind(row, layout.updates)
+        return optimizer_event(layout.update_step, [param_names[i] for i in really],
+                               after_update=True, kind=kind)
+    left_finite = {i for i, _ in layout.updates}  # finite right after the last update
     bad_idx = [i for i, k in layout.params if not math.isfinite(row[k])]
     really = _really_non_finite(bad_idx, param_tensors, grads=False)
     overflowed |= len(really) < len(bad_idx)
@@ -86,11 +100,17 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
     if bad_params:
         kind = (tensors_kind([param_tensors[i] for i in really]) if param_tensors is not None
                 else None) or _param_kind(row, layout.params, param_tensors)
-        if params_from_update:
+        if params_from_update and not left_finite:  # an update ran, with no evidence of it
             return optimizer_event(tape.step - 1, bad_params, after_update=True, kind=kind)
-        ev.update(phase="weights", params=bad_params, kind=kind,
+        ev.update(phase="weights", params=bad_params, kind=kind, first_seen_step=tape.step,
                   detail=f"non-finite values already in {len(bad_params)} parameter(s), first "
-                         f"{bad_params[0]}")
+                         f"{bad_params[0]}, first seen at step {tape.step}")
+        if left_finite and all(i in left_finite for i in really):
+            # finite right after the last update, non-finite now: written outside it
+            ev["last_update_step"] = layout.update_step
+            ev["detail"] += (f"; the last update (step {layout.update_step}) left them finite, "
+                             "so they were written outside optimizer.step() since (an in-place "
+                             "edit, a checkpoint load, a bit flip)")
         return ev
     by_order = sorted(calls, key=lambda d: (d["micro_batch"], d["order"]))
 
@@ -103,24 +123,32 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
                   module_type=module_types[d["module"]], call=call_index(d),
                   micro_batch=d["micro_batch"], inputs_finite=d["inputs_finite"], kind=_kind(d))
 
-    # 1. bad data: the root call's inputs
+    def input_event(d, nan_only):
+        mb = tape.micro_batches[d["micro_batch"]]
+        found = _first_bad_tensor([list(mb.args), mb.kwargs], "", nan_only=nan_only)
+        name_call(d, "input")
+        if found:
+            ev.update(tensor=batch_path(found[0], len(mb.args)), samples=found[1],
+                      kind=found[2])
+        ev["detail"] = f"non-finite value in the model's input {ev['tensor']}"
+        return ev
+
+    # 1. bad data: the root call's inputs (NaN; +-Inf too with strict_inf, see _chain_origin)
     for d in calls:
         if d["module"] == 0 and not d["inputs_finite"]:
-            mb = tape.micro_batches[d["micro_batch"]]
-            found = _first_bad_tensor([list(mb.args), mb.kwargs], "")
-            name_call(d, "input")
-            if found:
-                ev.update(tensor=batch_path(found[0], len(mb.args)), samples=found[1],
-                          kind=found[2])
-            ev["detail"] = f"non-finite value in the model's input {ev['tensor']}"
-            return ev
+            return input_event(d, nan_only=not strict_inf)
     # 2. forward: the first call (in completion order) to make a non-finite output from
     #    finite inputs: a parent's own code counts, a module that passed a NaN on does not.
-    bad = [d for d in calls if not d["outputs_finite"]
-           and not (d["module"] in allowed and not d["nan"])]
-    if bad:
+    if strict_inf:
+        bad = [d for d in calls if not d["outputs_finite"]
+               and not (d["module"] in allowed and not d["nan"])]
         made = [d for d in bad if d["inputs_finite"]]
-        d = made[0] if made else bad[0]
+        d = (made[0] if made else bad[0]) if bad else None
+    else:
+        d, came_in = _chain_origin(by_order, allowed, module_names)
+        if came_in:
+            return input_event(d, nan_only=False)
+    if d is not None:
         name_call(d, "forward")
         mb = tape.micro_batches[d["micro_batch"]] if tape.micro_batches else None
         if mb is not None:
@@ -161,6 +189,46 @@ def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
         return None  # only norms of huge but finite weights or gradients overflowed
     ev.update(phase="forward", detail="non-finite statistic with no identifiable source")
     return ev
+
+
+def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str]):
+    """The call that started a forward event by the default policy (``strict_inf=False``),
+    from decoded calls in completion order, and whether the chain started in the batch (the
+    call is then the root call whose inputs held the infinity); (None, False): no forward
+    event.
+
+    The event itself is the first NaN made from NaN-free inputs (else the first NaN), or else a
+    +-Inf in the root output. Its chain starts at the first call, inside it (completed before
+    it), that made a non-finite value from finite inputs; when the event's own inputs held
+    +-Inf, at the first call of its micro-batch before it that made +-Inf from finite inputs
+    (an fp16 overflow that a later layer turns into NaN), else at the batch's own infinities.
+    ``allow_inf`` modules never start a chain: their infinities are intended."""
+    nan = [d for d in by_order if d["nan"]]
+    made = [d for d in nan if d["inputs_nan_free"]]
+    trigger = made[0] if made else (nan[0] if nan else None)
+    if trigger is None:
+        trigger = next((d for d in by_order if d["module"] == 0 and not d["outputs_finite"]
+                        and 0 not in allowed), None)
+    if trigger is None:
+        return None, False
+    mb, pos = trigger["micro_batch"], by_order.index(trigger)
+    before = [d for d in by_order[:pos] if d["micro_batch"] == mb
+              and not d["outputs_finite"] and d["inputs_all_finite"]
+              and d["module"] not in allowed]
+    if trigger["inputs_all_finite"]:
+        # inside it: calls of its submodules since its previous call completed
+        prev = max((i for i, d in enumerate(by_order[:pos]) if d["module"] == trigger["module"]
+                    and d["micro_batch"] == mb), default=-1)
+        own = names[trigger["module"]]
+        inside = [d for d in before if by_order.index(d) > prev
+                  and (own == "" or names[d["module"]].startswith(own + "."))]
+        return (inside[0] if inside else trigger), False
+    infs = [d for d in before if not d["nan"]]
+    if infs:
+        return infs[0], False
+    root = next((d for d in by_order if d["module"] == 0 and d["micro_batch"] == mb
+                 and not d["inputs_all_finite"]), None)
+    return (root, True) if root is not None else (trigger, False)
 
 
 def _really_non_finite(indices: list[int], param_tensors, grads: bool) -> list[int]:

@@ -80,8 +80,17 @@ class FlightRecorder:
         history: steps kept in the ring buffer.
         on_event: ``"raise"`` (write the bundle, raise :class:`NonFiniteError`) or ``"warn"``
             (write it once, log, keep training).
-        allow_inf: name patterns (fnmatch) of modules whose outputs, and buffers whose values,
-            may hold +-Inf on purpose (masks). NaN is always an event.
+        strict_inf: what a +-Inf is. False (default): a NaN anywhere is an event, a +-Inf only
+            where it matters: in the root module's output, the loss, a gradient, a weight or
+            optimizer state, or when it turns into a NaN; one that stays inside the model (an
+            additive ``-inf`` mask passed to ``forward``, masked attention scores) is recorded
+            in the ring buffer but is no event. True: every +-Inf is an event, in every module
+            output and root input, except where ``allow_inf`` says.
+        allow_inf: name patterns (fnmatch) of modules whose outputs, buffers whose values and
+            root inputs (a keyword argument's name, or ``args[i]``) that may hold +-Inf on
+            purpose (masks). NaN is always an event. Mostly for ``strict_inf=True``; by default
+            the patterns also exempt the root module's output (pattern ``""``) and tell the
+            event finder which infinities are intentional.
         scaler: the ``torch.amp.GradScaler`` in use: steps it skips are not events, but a scale
             below ``min_scale`` or more than ``max_skipped_steps`` skips in a row are.
         lr_scheduler: saved in the bundle when given.
@@ -103,13 +112,15 @@ class FlightRecorder:
                  allow_inf: list[str] | tuple[str, ...] = (), scaler=None, lr_scheduler=None,
                  min_scale: float = 1.0, max_skipped_steps: int = 50,
                  guard_optimizer: bool = False, stats: str = "minmax", start_step: int = 0,
-                 max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None):
+                 max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None,
+                 strict_inf: bool = False):
         validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, allow_inf,
                   scaler)
         validate_settings(stats=stats, min_scale=min_scale, start_step=start_step,
                           max_skipped_steps=max_skipped_steps,
                           max_micro_batches=max_micro_batches, lr_scheduler=lr_scheduler,
-                          factory_kwargs=factory_kwargs)
+                          factory_kwargs=factory_kwargs, strict_inf=strict_inf)
+        self.strict_inf = strict_inf
         self.out_dir = Path(out_dir)
         self.factory = factory
         self.factory_kwargs = dict(factory_kwargs) if factory_kwargs is not None else None
@@ -177,6 +188,15 @@ class FlightRecorder:
         self._unrooted_warned = False
         self._eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self._loss_recorded = False  # record_loss has been given a loss (no loss_fn to replay)
+        # evidence right after each update: squared norms of the weights it wrote, taken in the
+        # optimizer's post-hook on the device and read with the next step's one host read
+        self._update_slots: Slots | None = None
+        self._probe: torch.Tensor | None = None  # [strict check, NaN-only min, max, scale]
+        self._probe_views: tuple = ()
+        self._probe_nan_only = False  # its min/max hold this step's NaN-only entries
+        self._update_large: list[tuple[int, torch.Tensor]] = []
+        self._update_small: list[tuple[int, torch.Tensor]] = []
+        self._pending_update: tuple[int, list] | None = None  # (step of the update, refs)
 
     # ------------------------------------------------------------------------------------------
     # public surface
@@ -189,6 +209,7 @@ class FlightRecorder:
         try:
             if exc_type is None:
                 self._close_open_step(at="detach")
+                self._check_last_update()
             else:
                 self._check_on_exception(exc)
         finally:
@@ -238,7 +259,7 @@ class FlightRecorder:
                 continue
             relu = type(site.module) is nn.ReLU and idx
             fn = self._relu_hook if relu else self._post_hook
-            allowed = self._is_allowed(site.name)
+            allowed = self._inf_allowed(idx, site.name)
             hook = (Hook(disabled(partial(fn, idx, allowed))) if site.disable
                     else Hook(fn, idx, allowed))
             self._handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
@@ -266,9 +287,15 @@ class FlightRecorder:
                     Hook(self._grad_hook, i)))
         if opt is not None:
             self._handles.append(opt.register_step_pre_hook(Hook(self._optimizer_pre_hook)))
-            if self.guard_optimizer:  # else the pre-hook marks the update (one hook less a step)
-                self._handles.append(opt.register_step_post_hook(
-                    Hook(self._optimizer_post_hook)))
+            self._handles.append(opt.register_step_post_hook(Hook(self._optimizer_post_hook)))
+            held = {id(p) for g in opt.param_groups for p in g["params"]}
+            mine = [(i, p) for i, (_, p) in enumerate(self._params)
+                    if id(p) in held and p.is_floating_point() and p.layout == torch.strided]
+            small = [(i, p) for i, p in mine if p.numel() < _SMALL]
+            if len(small) <= _FEW:  # (as for the gradient norms: foreach pays off for many)
+                small = []
+            self._update_small = small
+            self._update_large = [(i, p) for i, p in mine if p.numel() >= _SMALL or not small]
         self._attached = self._active = True
         return self
 
@@ -285,7 +312,8 @@ class FlightRecorder:
         self._buffers = []
         self._params = []
         self._large = []
-        self._slots = None
+        self._slots = self._update_slots = None
+        self._update_large, self._update_small, self._pending_update = [], [], None
         self._allowed_buffers = {}
         self._attached = self._active = False
 
@@ -381,7 +409,7 @@ class FlightRecorder:
                     (hit := self._produced(tape, args[0], output)) is not None:
                 ins = (hit[1:4],)  # one tensor in, an earlier call's output: the usual chain
             else:
-                ins = self._input_refs(tape, args, kwargs, code=LOOSE, made_here=output)
+                ins = self._input_refs(tape, args, kwargs, made_here=output)
             if type(output) is torch.Tensor and not self._param_norms:  # the usual case
                 outs, stats = self._output_ref(tape, output, allowed, reuse=True), None
             else:
@@ -453,9 +481,10 @@ class FlightRecorder:
             return hit
         return None
 
-    def _input_refs(self, tape: Tape, args, kwargs, code: int, made_here=None) -> tuple:
-        """(min, max, allowed) refs of each floating input; an input that an earlier call
-        produced reuses that call's statistics, so a chain of modules costs nothing here.
+    def _input_refs(self, tape: Tape, args, kwargs, made_here=None) -> tuple:
+        """(min, max, allowed) refs of each floating input of an inner call (kept, never
+        checked); an input that an earlier call produced reuses that call's statistics, so a
+        chain of modules costs nothing here.
 
         Inputs are seen after the call: one changed in place since it was produced is
         measured again, unless this call returned it (an in-place module: the produced
@@ -470,16 +499,34 @@ class FlightRecorder:
                 continue
             buf = self._allowed_buffers.get(id(t))
             allowed = buf is not None and buf() is t
-            if code == LOOSE:
-                # Only "were they finite" matters for an inner call's inputs: a sum says it
-                # in half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
-                ref = tape.slots.total(t.detach(), LOOSE)
-                refs.append((ref, ref, allowed))
+            # Only "were they finite" matters for an inner call's inputs: a sum says it in
+            # half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
+            ref = tape.slots.total(t.detach(), LOOSE)
+            refs.append((ref, ref, allowed))
+        return tuple(refs)
+
+    def _root_input_refs(self, tape: Tape, args, kwargs) -> tuple:
+        """(min, max, allowed) refs of each floating root input. NaN is always checked; +-Inf
+        only with ``strict_inf`` and outside ``allow_inf`` (by the argument's name, ``args[i]``
+        or a keyword, or an allowed buffer passed in): by default an infinity that comes in
+        (a float mask) is an event only where it leads (see ``strict_inf``). Each is cached,
+        so the first layers that take it reuse these."""
+        refs = []
+        for name, t in _named_leaves(args, kwargs):
+            if not t.is_floating_point() or t.numel() == 0:
                 continue
-            a, b = tape.slots.minmax(t.detach(), LOOSE if allowed else code)
-            refs.append((a, b, allowed))
-            if not allowed:  # a root input: the first layers that take it reuse these
-                tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, _version_of(t))
+            hit = self._produced(tape, t)
+            if hit is not None:
+                refs.append(hit[1:4])
+                continue
+            if self.strict_inf:
+                buf = self._allowed_buffers.get(id(t))
+                soft = (buf is not None and buf() is t) or self._is_allowed(name)
+            else:
+                soft = True
+            a, b = tape.slots.minmax(t.detach(), NAN_ONLY if soft else STRICT)
+            refs.append((a, b, soft))
+            tape.cache[id(t)] = (weakref.ref(t), a, b, soft, _version_of(t))
         return tuple(refs)
 
     def _output_refs(self, tape: Tape, output, allowed: bool):
@@ -546,10 +593,11 @@ class FlightRecorder:
             if not tape.loss:
                 return
             layout, row, probe, _ = self._build_row(tape, skipped=False)
+            ok, _ = _read_probe(probe)  # the evaluation loss's own host read
         except Exception as e:
             self._internal_error(e)
             return
-        if probe.item() != 0.0 and not self._fired:  # the evaluation loss's own host read
+        if not ok and not self._fired:
             self._event(tape, layout, row, "non_finite")
 
     def _grad_hook(self, i: int, p: torch.Tensor) -> None:
@@ -616,8 +664,16 @@ class FlightRecorder:
             self._last_tape = tape
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
-        """Guard mode only: check the weights the update wrote (the mode's second sync)."""
+        """Evidence of what the update wrote: the squared norm of every weight the optimizer
+        holds, on the device, read with the next step's host read (see _build_row). Guard
+        mode checks them now instead (the mode's second sync)."""
         if not self._active:
+            return None
+        if not self.guard_optimizer:
+            try:
+                self._measure_update()
+            except Exception as e:
+                self._internal_error(e)
             return None
         if self._guard is not None and not self._fired:
             norms = _norms([(i, p) for i, (_, p) in enumerate(self._params)])
@@ -629,6 +685,38 @@ class FlightRecorder:
             else:
                 self._updated = False  # verified: weights bad by the next step were not its doing
         return None
+
+    def _measure_update(self) -> None:
+        """Squared norms of the weights right after an update into slots of their own (one dot
+        per large weight, one foreach call for many small ones); no host read."""
+        large, small = self._update_large, self._update_small
+        if not large and not small:
+            return
+        device = (large or small)[0][1].device
+        slots = self._update_slots
+        if slots is None or slots.device != device:
+            slots = self._update_slots = Slots(device, len(large) + len(small) + 8)
+        slots.start_step()
+        with torch.no_grad():
+            refs = list(zip((i for i, _ in large),
+                            slots.sq_norm_each([p.detach() for _, p in large], STRICT)))
+            if small:
+                refs += zip((i for i, _ in small),
+                            slots.sq_norms([p.detach() for _, p in small], STRICT))
+        # the update belongs to the step the pre-hook just closed
+        self._pending_update = (self._step - 1, refs)
+
+    def _check_last_update(self) -> None:
+        """At detach after a clean exit: the last update's evidence, which no next step will
+        read (one host read, once)."""
+        pending, self._pending_update = self._pending_update, None
+        if pending is None or self._fired or not self._active:
+            return
+        step, refs = pending
+        values = self._update_slots.gather()[STRICT].tolist()  # the detach's one read
+        bad = [self._params[i][0] for i, (_, k) in refs if not math.isfinite(values[k])]
+        if bad:
+            self._optimizer_event(bad, step=step, after_update=True)
 
     # ------------------------------------------------------------------------------------------
     # step lifecycle
@@ -648,7 +736,7 @@ class FlightRecorder:
                                        and not torch.is_grad_enabled())
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                             autocast=_autocast_state())
-            mb.input_refs = self._input_refs(tape, args, kwargs, code=STRICT)
+            mb.input_refs = self._root_input_refs(tape, args, kwargs)
             tape.micro_batches.append(mb)
 
     def _step_ended_without_optimizer(self, tape: Tape) -> bool:
@@ -742,12 +830,9 @@ class FlightRecorder:
         except Exception as e:
             self._internal_error(e)
             return
-        # the one host-device sync of the step
-        if scale is None:
-            ok = probe.item() == 0.0
-        else:
-            check, layout.scale = torch.stack([probe.to(scale.device), scale]).tolist()
-            ok = check == 0.0
+        ok, read_scale = _read_probe(probe)  # the one host-device sync of the step
+        if scale:
+            layout.scale = read_scale
         if tape.evaluation:  # the ring is the training steps' history: its row is not kept
             if not ok and not self._fired:
                 self._event(tape, layout, row, "non_finite")
@@ -808,10 +893,10 @@ class FlightRecorder:
 
     def _build_row(self, tape: Tape, skipped: bool):
         """Copy the step's statistics into the next ring row and compute, still on the device,
-        a probe that is 0 when every entry that must be finite is, NaN (or > 0) otherwise: two
-        device ops, as this runs every step. Returns (layout, row, probe, scale): ``row`` is the
-        whole step's (the ring keeps it cut when it is wider than the ring), ``scale`` the
-        GradScaler's scale tensor when there is one, read in the same sync as the probe."""
+        a probe (see :func:`_read_probe`): three device ops, as this runs every step. Returns
+        (layout, row, probe, scale): ``row`` is the whole step's (the ring keeps it cut when it
+        is wider than the ring), ``scale`` whether the probe carries the GradScaler's scale,
+        read in the same sync."""
         if not tape.evaluation:  # an evaluation's gradients are the last step's, already read
             self._small_param_norms(tape)
         opt = self._optimizer() if self._optimizer else None
@@ -821,9 +906,25 @@ class FlightRecorder:
         slots = tape.slots
         pieces = slots.gather()  # the regions, in row order
         s, g, n, loose = (p.numel() for p in pieces)
+        # the last update's evidence goes right after the must-be-finite entries, so the same
+        # probe checks it: [STRICT, update, GRAD, NAN_ONLY, LOOSE]
+        pending = None if tape.evaluation else self._pending_update
+        updates: list = []
+        u = 0
+        if pending is not None:
+            self._pending_update = None
+            layout.update_step, updates = pending
+            piece = self._update_slots.gather()[STRICT]
+            if piece.device == slots.device:
+                pieces.insert(1, piece)
+                u = piece.numel()
+            else:  # the model moved since: that evidence is void
+                updates = []
         # Indices into the row are resolved only when a row is decoded (events, export).
         layout.raw = (list(tape.calls), list(tape.loss), sorted(tape.grad_norms.items()),
-                      sorted(tape.param_norms.items()), (0, s, s + g, s + g + n))
+                      sorted(tape.param_norms.items()), (0, s + u, s + u + g, s + u + g + n),
+                      updates, s)
+        s += u  # from here, "s" spans the strict entries and the update's
         total = s + g + n + loose
         row = self._ring.reserve(total, slots.device)
         full = row
@@ -835,15 +936,26 @@ class FlightRecorder:
             row.copy_(full[: row.numel()])
         # gradient norms of a step the GradScaler skipped are expected to overflow: unchecked
         checked = s if skipped else s + g
+        probe = self._probe
+        if probe is None or probe.device != full.device:
+            probe = self._probe = torch.zeros(4, dtype=torch.float32, device=full.device)
+            self._probe_views = probe.unbind(0)
+            self._probe_nan_only = False
+        finite, lo, hi, scale_out = self._probe_views
         if full is row and checked:
-            probe = self._ring.probe_finite(checked)
+            self._ring.probe_finite(checked, out=finite)
         else:
-            probe = full[:checked].mul(0).sum()
-        if n:  # outputs allowed to hold +-Inf: only NaN counts
-            probe = probe + full[s + g: s + g + n].isnan().any().float()
+            finite.copy_(full[:checked].mul(0).sum())
+        if n:  # entries that may hold +-Inf: only NaN counts, which aminmax propagates
+            torch.aminmax(full[s + g: s + g + n], out=(lo, hi))
+        elif self._probe_nan_only:  # the last step had such entries, this one has none
+            lo.zero_()
+        self._probe_nan_only = bool(n)
         scaler = self._scaler() if self._scaler is not None else None
         scale = getattr(scaler, "_scale", None)
-        return layout, full, probe, None if scale is None else scale.float().reshape(())
+        if scale is not None:
+            scale_out.copy_(scale.reshape(()))
+        return layout, full, probe, scale is not None
 
     # ------------------------------------------------------------------------------------------
     # events
@@ -859,6 +971,7 @@ class FlightRecorder:
             module_types=self._module_types, param_names=[n for n, _ in self._params],
             params_from_update=tape.params_from_update,
             allowed={i for i, n in enumerate(self._module_names) if self._is_allowed(n)},
+            strict_inf=self.strict_inf,
             param_tensors=[p for _, p in self._params])
         if event is None:  # false alarm: norms of huge but finite tensors overflowed
             with self._lock:
@@ -870,7 +983,8 @@ class FlightRecorder:
             event["compiled"] = True  # its layers were not recorded (see recorder.compiled)
         self._write_and_report(tape, event)
 
-    def _optimizer_event(self, bad: list[str]) -> None:
+    def _optimizer_event(self, bad: list[str], step: int | None = None,
+                         after_update: bool = False) -> None:
         names = set(bad)
         # norms overflow float32 for finite values above ~1.8e19: the weights decide
         pairs = [(n, p) for n, p in self._params
@@ -882,8 +996,12 @@ class FlightRecorder:
             if self._fired:
                 return
             self._fired = True
-        event = events.optimizer_event(self._step - 1, bad, after_update=False,
+        event = events.optimizer_event(self._step - 1 if step is None else step, bad,
+                                       after_update=after_update,
                                        kind=events.tensors_kind(live) or "nan")
+        if after_update:  # the weights are those the update left; no step's batch with them
+            self._write_and_report(None, event)
+            return
         tape = self._last_tape
         self._write_and_report(tape, event, guard=self._guard)
 
@@ -934,9 +1052,31 @@ class FlightRecorder:
     def _is_allowed(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pat) for pat in self.allow_inf)
 
+    def _inf_allowed(self, idx: int, name: str) -> bool:
+        """Whether module ``idx``'s outputs may hold +-Inf (only NaN checked): any module but
+        the root by default, only ``allow_inf`` ones with ``strict_inf``."""
+        return (idx != 0 and not self.strict_inf) or self._is_allowed(name)
+
 
 # ----------------------------------------------------------------------------------------------
 # helpers
+
+
+def _named_leaves(args, kwargs):
+    """(top-level name, tensor) of every tensor in a call's arguments: ``args[i]`` or the
+    keyword, for tensors nested inside one too."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            yield f"args[{i}]", a
+        elif isinstance(a, (list, tuple, dict)):
+            for t in tensor_leaves(a):
+                yield f"args[{i}]", t
+    for k, v in (kwargs or {}).items():
+        if isinstance(v, torch.Tensor):
+            yield str(k), v
+        elif isinstance(v, (list, tuple, dict)):
+            for t in tensor_leaves(v):
+                yield str(k), t
 
 
 def _leaves(args, kwargs):
@@ -977,6 +1117,14 @@ def _norms(indexed_params) -> list[tuple[int, torch.Tensor]]:
     with torch.no_grad():
         norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return list(zip(idx, norms))
+
+
+def _read_probe(probe: torch.Tensor) -> tuple[bool, float]:
+    """The step's one host read: ``probe`` is [0 if every must-be-finite entry is finite else
+    NaN, min and max of the entries where only NaN counts, the GradScaler's scale]. Returns
+    (all checks pass, scale)."""
+    finite, lo, _, scale = probe.tolist()
+    return finite == 0.0 and not math.isnan(lo), scale
 
 
 def _host_float(x) -> float:

@@ -35,16 +35,21 @@ class StepLayout:
     loss: list[tuple[int, int, int]] = field(default_factory=list)  # (micro-batch, min, max)
     grads: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
     params: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
+    # (param index, squared norm) of the weights right after the previous step's update, the
+    # update of step ``update_step`` (None: no update since the previous step)
+    updates: list[tuple[int, int]] = field(default_factory=list)
+    update_step: int | None = None
     length: int = 0
-    # (tape calls, loss, grad refs, param refs, offsets): list-relative refs, resolved into
-    # the fields above by materialize() when the row is decoded
+    # (tape calls, loss, grad refs, param refs, offsets, update refs, update offset):
+    # list-relative refs, resolved into the fields above by materialize() when decoded
     raw: tuple | None = None
 
     def materialize(self) -> StepLayout:
         if self.raw is None:
             return self
-        calls, loss, grads, params, off = self.raw
+        calls, loss, grads, params, off, updates, u_off = self.raw
         self.raw = None
+        self.updates = [(i, u_off + ref[1]) for i, ref in updates]
 
         def r(ref):
             return off[ref[0]] + ref[1]
@@ -86,6 +91,9 @@ def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
         "posinf": None if nan else any(row[b] == math.inf for _, b in outs),
         "neginf": None if nan else any(row[a] == -math.inf for a, _ in outs),
         "inputs_finite": all(_finite_pair(row, a, b, al) for a, b, al in ins),
+        # the same, with every +-Inf counted (allowed or not) / with only NaN counted
+        "inputs_all_finite": all(_finite_pair(row, a, b) for a, b, _ in ins),
+        "inputs_nan_free": all(_finite_pair(row, a, b, True) for a, b, _ in ins),
         "outputs_finite": all(_finite_pair(row, a, b) for a, b in outs),
     }
 
@@ -144,7 +152,7 @@ class RingBuffer:
         self._length = n
         return view
 
-    def probe_finite(self, s: int) -> torch.Tensor:
+    def probe_finite(self, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """A 0-d tensor that is 0 when the first ``s`` entries of the reserved row are all
         finite and NaN otherwise, in one device op: ``x * 0`` is 0 for every finite ``x`` and
         NaN for NaN and +-Inf, and a sum of zeros cannot overflow (``isfinite().all()`` is
@@ -155,7 +163,7 @@ class RingBuffer:
         zeros = self._zeros_view
         if zeros.numel() != s:
             zeros = self._zeros_view = self._zeros.narrow(0, 0, s)
-        return torch.dot(view, zeros, out=self._probe)
+        return torch.dot(view, zeros, out=self._probe if out is None else out)
 
     def commit(self, layout: StepLayout) -> None:
         """Keep the row last reserved, described by ``layout``."""
@@ -185,6 +193,7 @@ class RingBuffer:
         call_mb = torch.full((h, width), -1, dtype=torch.int32)
         grad_norms = torch.full((h, n_params), math.nan)
         param_norms = torch.full((h, n_params), math.nan)
+        update_norms = torch.full((h, n_params), math.nan)
         lr = torch.full((h, max(n_groups, 1)), math.nan, dtype=torch.float64)
         loss = torch.full((h,), math.nan, dtype=torch.float64)
         scale = torch.full((h,), math.nan, dtype=torch.float64)
@@ -212,6 +221,9 @@ class RingBuffer:
             for p, k in lay.params:
                 if k < n:
                     param_norms[i, p] = math.sqrt(row[k])
+            for p, k in lay.updates:
+                if k < n:
+                    update_norms[i, p] = math.sqrt(row[k])
             if all(k < n for _, k in lay.grads):
                 grad_total[i] = _root_sum([row[k] for _, k in lay.grads]) / unscale
             if all(k < n for _, k in lay.params):
@@ -224,6 +236,7 @@ class RingBuffer:
             "ring/steps": torch.tensor([lay.step for lay in self.layouts], dtype=torch.int64),
             "ring/calls": calls, "ring/call_module": call_module, "ring/call_micro_batch": call_mb,
             "ring/grad_norms": grad_norms, "ring/param_norms": param_norms,
+            "ring/update_norms": update_norms,
             "ring/grad_norm": grad_total, "ring/param_norm": param_total,
             "ring/loss": loss, "ring/lr": lr, "ring/scale": scale,
             "ring/skipped": torch.tensor([lay.skipped for lay in self.layouts], dtype=torch.bool),

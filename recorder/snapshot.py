@@ -54,6 +54,7 @@ def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], 
         "factory_kwargs": rec.factory_kwargs,
         "state": "after_update" if event.get("after_update") else "before_update",
         "allow_inf": list(rec.allow_inf),
+        "strict_inf": rec.strict_inf,
     }
     # -- model: weights, buffers, gradients, modules in call order
     params = rec._params

@@ -65,7 +65,8 @@ def validate_callback_options(loss_fn, options: dict) -> None:
 
 # the lowest value each integer setting takes
 _COUNTS = {"start_step": 0, "max_skipped_steps": 0, "max_micro_batches": 1}
-_SETTINGS = {*_COUNTS, "stats", "min_scale", "lr_scheduler", "factory_kwargs"}
+_SETTINGS = {*_COUNTS, "stats", "min_scale", "lr_scheduler", "factory_kwargs",
+             "strict_inf"}
 
 
 def validate_settings(**settings) -> None:
@@ -81,6 +82,11 @@ def validate_settings(**settings) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise ValueError(f"FlightRecorder: min_scale must be a finite number >= 0 (0 turns the "
                          f"scale-collapse check off), got {v!r}")
+    strict = settings.get("strict_inf", False)
+    if not isinstance(strict, bool):
+        raise TypeError(f"FlightRecorder: strict_inf must be True (every +-Inf is an event) or "
+                        f"False (the default: only a +-Inf that reaches the output, the loss, a "
+                        f"gradient or a weight, or turns into NaN), got {strict!r}")
     sched = settings.get("lr_scheduler")
     if sched is not None and not callable(getattr(sched, "state_dict", None)):
         raise TypeError(f"FlightRecorder: lr_scheduler must be a scheduler with a state_dict() "

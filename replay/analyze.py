@@ -81,13 +81,14 @@ def analyze(step: Step) -> dict[str, Any]:
 def _analyze(step: Step) -> dict[str, Any]:
     report = base_report(step)
     phase = step.event.get("phase")
-    if phase == "input" or _batch_non_finite(step, ("batch/",)):
+    # by the default policy a +-Inf in the batch (a float mask) is bad data only where it leads
+    strict = bool(step.meta.get("strict_inf", True))
+    if phase == "input" or _batch_non_finite(step, ("batch/",), nan_only=not strict):
         return _finish(report, _input_origin(step, report), "input", reproduced=True)
     bad_weights = _non_finite_weights(step)
     after_update = phase == "optimizer" and step.meta.get("state") == "after_update"
     if bad_weights and not after_update:
-        return _finish(report, _origin(phase="weights", params=bad_weights,
-                                       param=bad_weights[0]), "weights", reproduced=True)
+        return _weights(report, step, bad_weights)
     if after_update and (bad_weights or "weights" in step.stripped):
         report["problems"].append(
             "the bundle holds the weights after the update that made them non-finite, so the "
@@ -127,6 +128,8 @@ def _analyze(step: Step) -> dict[str, Any]:
             "the factory builds a different model, so the re-run says nothing about training: "
             "the origin above is what the recorder saw; see the fidelity line"))
     origin = run1.forward_origin()
+    if not strict and run1.chain()[2]:  # the event's infinity came in with the batch
+        return _finish(report, _input_origin(step, report), "input", reproduced=True)
     if run1.error is not None:
         if origin is None and all(run1.loss_finite) and not run1.bad_grads:
             raise run1.error  # it raised before anything went non-finite: the replay failed
@@ -223,17 +226,28 @@ def _entering(report, step: Step, runner: Runner) -> dict[str, Any] | None:
 
 
 def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
-    probe_at, probes = runner.bisect(len(run.calls))
+    # by the default policy a NaN made from NaN-free inputs is searched for as a NaN
+    nan_only = not run.strict_inf and o.nan and o.inputs_nan_free
+    probe_at, probes = runner.bisect(len(run.calls), nan_only=nan_only)
     agrees = False
     if probe_at is not None:
-        found = runner.probe_origin(probe_at)
+        found = runner.probe_origin(probe_at, nan_only=nan_only)
         probes += 1
         agrees = found == (o.module, o.call, o.micro_batch)
     # at most ceil(log2 calls) bisection runs, then the one run that finds the origin call
     report["bisection"] = {"probes": probes, "agrees": agrees, "calls": len(run.calls),
                            "limit": _log2_ceil(len(run.calls)) + 1}
+    recorded = o
     finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()
+    trigger = run.chain()[1] if not run.strict_inf else None
+    if hit is None and finder.intentional is not None and trigger not in (None, o):
+        # the call where the chain seemed to start only filled an intended +-inf (a mask):
+        # the event is the NaN made from it later
+        start, o = finder.intentional, trigger
+        finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
+        finder.intentional = finder.intentional or start
+        hit = finder.origin()
     if hit is None and finder.intentional is not None:
         # The only non-finite value is a literal +-inf fill that leaves the module as it is.
         hit = finder.intentional
@@ -251,8 +265,26 @@ def _forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
                      chain=finder.chain(),
                      input_range=[hit.input_min, hit.input_max] if hit else None)
     cause = causes.classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=hit)
-    return _finish(report, origin, cause.name, reproduced=_matches(step, origin),
-                   hint=cause.hint)
+    # (the recorder names the chain's start as module statistics show it: ``recorded``)
+    reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module})
+    return _finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
+
+
+def _weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
+    """Weights non-finite when the step began. The recorder's evidence from right after the
+    last update (``last_update_step``) says the update left them finite: written since, outside
+    ``optimizer.step()``."""
+    ev = step.event
+    seen, last = ev.get("first_seen_step"), ev.get("last_update_step")
+    report = _finish(report, _origin(phase="weights", params=bad, param=bad[0],
+                                     first_seen_step=seen, last_update_step=last),
+                     "weights", reproduced=True)
+    if last is not None:
+        report["problems"].append(
+            f"{bad[0]} was first seen non-finite at step {seen}; the last update (step {last}) "
+            "left it finite, so it was written outside optimizer.step() since: an in-place "
+            "edit, a checkpoint or state_dict load, another process, a hardware fault")
+    return report
 
 
 def _loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
@@ -331,13 +363,18 @@ def _decode_non_finite_hyper(opt) -> None:
 
 
 def _input_origin(step: Step, report) -> dict[str, Any]:
-    """The batch tensor (or loss target) holding the non-finite values, and its rows."""
+    """The batch tensor (or loss target) holding the non-finite values, and its rows: one
+    holding NaN first (a float -inf mask beside it is no bad data by itself)."""
+    nan = _batch_nan(step)
     for i, mb in enumerate(step.micro_batches):
         if "inputs" not in mb:
             continue
         args, kwargs = micro_batch_inputs(step, i)
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")
         for key, t in tensors.items():
+            soft = nan or _allowed(step, _root_input_name(paths[key]))
+            if soft and not (t.is_floating_point() and bool(torch.isnan(t).any())):
+                continue
             rows = bad_rows(t)
             if rows:
                 return _origin(phase="input", tensor=batch_path(paths[key], len(args)),
@@ -506,16 +543,39 @@ def _module_source(step: Step, module: str) -> str | None:
         return user_source([])
 
 
-def _batch_non_finite(step: Step, prefixes) -> bool:
-    return any(k.startswith(prefixes) and not finite(t) for k, t in step.tensors.items())
+def _batch_nan(step: Step) -> bool:
+    return any(k.startswith("batch/") and t.is_floating_point() and bool(torch.isnan(t).any())
+               for k, t in step.tensors.items())
+
+
+def _batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
+    """A recorded batch tensor holds NaN (or +-Inf, unless ``nan_only`` or ``allow_inf``
+    names the root input it is in)."""
+    soft = {k for mb in step.micro_batches for k, raw in mb.get("paths", {}).items()
+            if _allowed(step, _root_input_name(raw))}
+    return any(k.startswith(prefixes) and not finite(t, allow_inf=nan_only or k in soft)
+               for k, t in step.tensors.items())
+
+
+def _root_input_name(raw: str) -> str:
+    """The root input a batch path (into ``[list(args), kwargs]``) lies in, as ``allow_inf``
+    names it: ``args[i]`` or the keyword."""
+    if raw.startswith("[0]["):
+        return f"args[{raw[4:].partition(']')[0]}]"
+    if raw.startswith("[1]["):
+        key = raw[4:].partition("]")[0]
+        return key.strip('"') if key.startswith('"') else key
+    return raw
 
 
 def _non_finite_weights(step: Step) -> list[str]:
+    # by the default policy a buffer may hold +-Inf (a causal mask), not NaN
+    soft = not step.meta.get("strict_inf", True)
     out = []
     for k, t in step.tensors.items():
         if k.startswith(("weights/", "buffers/")) and not finite(t):
             name = k.split("/", 1)[1]
-            if k.startswith("buffers/") and _allowed(step, name):
+            if k.startswith("buffers/") and (_allowed(step, name) or finite(t, allow_inf=soft)):
                 continue
             out.append(name)
     return out

@@ -127,8 +127,9 @@ def _float64_run(runner: Runner, phase: str, until, capture: OpAt | None, mb: in
     if run.error is not None and not (until and any((c.module, c.call, c.micro_batch) == until
                                          for c in run.calls)):
         raise run.error  # float64 made the model raise before the origin: no answer
-    if phase == "forward":
-        return any(not c.outputs_finite for c in run.calls)
+    if phase == "forward":  # the origin's own outputs (an earlier -inf mask stays in float64)
+        return any(not c.outputs_finite for c in run.calls
+                   if until is None or (c.module, c.call, c.micro_batch) == until)
     if phase == "loss":
         return not all(run.loss_finite)
     return bool(run.bad_grads)

@@ -29,8 +29,9 @@ MEANING = {
 HINTS = {
     "input": "the batch itself holds NaN/Inf: check the data pipeline for these samples "
              "(bad files, division by zero in normalisation) or filter them before the model",
-    "weights": "the weights were already non-finite when the step began: resume from an "
-               "earlier checkpoint and find what wrote them (the precursors show when)",
+    "weights": "the weights were already non-finite when the step began, and no recorded "
+               "update wrote them: find what writes weights outside optimizer.step() "
+               "(checkpoint loading, in-place edits) and resume from an earlier checkpoint",
     "optimizer": "finite gradients became non-finite weights in optimizer.step(): check the "
                  "learning rate and schedule, eps, and clip gradients",
     "invalid": "invalid math that exact arithmetic makes too: guard the op's domain (clamp "

@@ -78,7 +78,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "event": (_DICT,), "factory": (_STR, _NULL), "state": (_STR,), "params": (_LIST,),
     "buffers": (_LIST,), "modules": (_LIST,), "micro_batches": (_LIST,), "model": (_DICT,),
     "optimizer": (_DICT, _NULL), "loss": (_DICT, _NULL), "ring": (_DICT,), "env": (_DICT,),
-    "stripped": (_LIST,), "allow_inf": (_LIST,), "rng": (_DICT,),
+    "stripped": (_LIST,), "allow_inf": (_LIST,), "rng": (_DICT,), "strict_inf": (bool,),
     "factory_kwargs": (_DICT, _NULL),
 }
 _EVENT_TYPES: dict[str, tuple[type, ...]] = {

@@ -117,6 +117,9 @@ class Call:
     parents: tuple[int, ...] = ()  # module-call ids enclosing it (outermost first)
     call_id: int = 0  # start order, for parent links
     bad_rows: list[int] = field(default_factory=list)
+    nan: bool = False  # an output holds NaN
+    inputs_all_finite: bool = True  # no NaN/+-Inf in its inputs, allowed or not
+    inputs_nan_free: bool = True
 
 
 @dataclass
@@ -128,6 +131,8 @@ class Run:
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
     losses: list[Any] = field(default_factory=list)
     error: Exception | None = None  # what the model's own code raised, ending the run there
+    strict_inf: bool = True  # the recording's policy (see FlightRecorder's strict_inf)
+    allowed: frozenset = frozenset()  # modules allowed to hold +-Inf (allow_inf)
 
     @property
     def raised(self) -> str | None:
@@ -136,10 +141,40 @@ class Run:
         return None if e is None else " ".join(f"{type(e).__name__}: {e}".split())
 
     def forward_origin(self) -> Call | None:
-        """First call (completion order) to make a non-finite output from finite inputs."""
+        """First call (completion order) to make a non-finite output from finite inputs; by
+        the default policy, where the chain of the forward event starts (:meth:`chain`)."""
+        if not self.strict_inf:
+            return self.chain()[0]
         bad = [c for c in self.calls if not c.outputs_finite]
         made = [c for c in bad if c.inputs_finite]
         return made[0] if made else (bad[0] if bad else None)
+
+    def chain(self) -> tuple[Call | None, Call | None, bool]:
+        """By the default policy (``strict_inf=False``, as ``recorder.events`` decides): the
+        call where the forward event's chain starts, the event's call (the first NaN made from
+        NaN-free inputs, else a +-Inf in the root output), and whether the chain started in
+        the batch (+-Inf that came in; the first call is then the root's). Nones: no event."""
+        calls, allowed = self.calls, self.allowed
+        nan = [c for c in calls if c.nan]
+        made = [c for c in nan if c.inputs_nan_free]
+        trigger = made[0] if made else (nan[0] if nan else None)
+        if trigger is None:
+            trigger = next((c for c in calls if c.module == "" and not c.outputs_finite
+                            and "" not in allowed), None)
+        if trigger is None:
+            return None, None, False
+        before = [c for c in calls[:calls.index(trigger)]
+                  if c.micro_batch == trigger.micro_batch and not c.outputs_finite
+                  and c.inputs_all_finite and c.module not in allowed]
+        if trigger.inputs_all_finite:  # made inside it: by it, or by a call it encloses
+            inside = [c for c in before if trigger.call_id in c.parents]
+            return (inside[0] if inside else trigger), trigger, False
+        infs = [c for c in before if not c.nan]
+        if infs:  # it consumed an infinity made earlier (an overflow)
+            return infs[0], trigger, False
+        root = next((c for c in calls if c.module == "" and c.micro_batch == trigger.micro_batch
+                     and not c.inputs_all_finite), None)
+        return (root or trigger), trigger, root is not None
 
     def signature(self) -> tuple:
         """What two runs of a deterministic step must agree on, bit for bit."""
@@ -160,6 +195,8 @@ class Runner:
                                 if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
         self._buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         self._rng = rng_state(step)
+        # bundles from before the default policy were recorded with every +-Inf an event
+        self.strict_inf = bool(step.meta.get("strict_inf", True))
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
         # gradients fed into the model outputs instead of the recorded ones, finite or not
         # (micro-batch -> output index -> gradient): see replay.outside
@@ -192,7 +229,7 @@ class Runner:
         self.reset()
         if loss_scale is None:
             loss_scale = self.loss_scale
-        result = Run()
+        result = Run(strict_inf=self.strict_inf, allowed=frozenset(self.allowed))
         handles = self._instrument(result) if instrument else []
         if hooks is not None:
             handles += hooks(self.model)
@@ -278,11 +315,14 @@ class Runner:
                 return hit[2]
             return None
 
-        def inputs_ok(args, kwargs) -> bool:
+        def inputs_ok(args, kwargs) -> tuple[bool, bool, bool]:
+            """Finite (allow_inf honoured), finite (every +-Inf counted), NaN-free."""
+            ok = every = nan_free = True
             for t in tensor_leaves([list(args), kwargs]):
                 if not t.is_floating_point() or t.numel() == 0:
                     if t.is_complex() and not finite(t):
-                        return False
+                        ok = every = False
+                        nan_free = nan_free and not bool(torch.isnan(t).any())
                     continue
                 soft = id(t) in self.allowed_buffers or (
                     id(t) in produced_allowed and produced_allowed[id(t)]() is t)
@@ -290,9 +330,10 @@ class Runner:
                 if pair is None:
                     pair = tuple(ends(t).tolist())
                     checked[id(t)] = (weakref.ref(t), t._version, pair)
-                if not pair_ok(*pair, allow_inf=soft):
-                    return False
-            return True
+                ok = ok and pair_ok(*pair, allow_inf=soft)
+                every = every and pair_ok(*pair)
+                nan_free = nan_free and pair_ok(*pair, allow_inf=True)
+            return ok, every, nan_free
 
         def pre(name):
             def hook(module, args, kwargs):
@@ -307,7 +348,7 @@ class Runner:
                 if not stack:
                     return
                 call_id = stack.pop()
-                ok_in, parents = pending.pop(call_id)
+                (ok_in, every_in, nan_free_in), parents = pending.pop(call_id)
                 outs = [t for t in tensor_leaves(output) if t.is_floating_point() and t.numel()]
                 allowed = name in self.allowed
                 pairs = [known(t) for t in outs]
@@ -328,8 +369,10 @@ class Runner:
                 k = counts.get(key, 0)
                 counts[key] = k + 1
                 rows = _output_rows(outs) if not ok_out else []
+                nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs)
                 result.calls.append(Call(len(result.calls), name, k, self._mb, ok_in, ok_out,
-                                         kind, mm, parents, call_id, rows))
+                                         kind, mm, parents, call_id, rows, nan, every_in,
+                                         nan_free_in))
             return hook
 
         for name, m in self.model.named_modules():
@@ -365,17 +408,18 @@ class Runner:
         self.run(backward=False, instrument=False, hooks=hooks)
         return bool(state["answer"])
 
-    def probe_origin(self, k: int) -> tuple[str, int, int] | None:
+    def probe_origin(self, k: int, nan_only: bool = False) -> tuple[str, int, int] | None:
         """One fresh run, one host read: for the call at completion index ``k`` (the first
         non-finite output), whether its inputs and those of each enclosing call were finite.
         The innermost of them with finite inputs made the value: ``(module, call, micro-batch)``.
+        ``nan_only``: NaN-free inputs count as finite (the origin made a NaN).
         """
         state: dict[str, Any] = {"i": 0, "stack": [], "starts": {}, "answer": None}
         produced_allowed: dict[int, Any] = {}  # outputs of allow_inf modules: -inf is fine
         seen = _Ends()
 
         def input_ok(t: torch.Tensor) -> torch.Tensor:
-            soft = id(t) in self.allowed_buffers or (
+            soft = nan_only or id(t) in self.allowed_buffers or (
                 id(t) in produced_allowed and produced_allowed[id(t)]() is t)
             return _flag(seen(t), allow_inf=soft)
 
@@ -413,16 +457,18 @@ class Runner:
         self.run(backward=False, instrument=False, hooks=hooks)
         return state["answer"]
 
-    def bisect(self, n_calls: int) -> tuple[int | None, int]:
-        """Smallest completion index whose prefix holds a non-finite output, and the number of
-        probes used (ceil(log2(n)) at most). The caller knows some output is non-finite."""
+    def bisect(self, n_calls: int, nan_only: bool = False) -> tuple[int | None, int]:
+        """Smallest completion index whose prefix holds a non-finite output (a NaN, with
+        ``nan_only``), and the number of probes used (ceil(log2(n)) at most). The caller knows
+        some output is non-finite."""
+        allowed = set(dict(self.model.named_modules())) if nan_only else self.allowed
         lo, hi, probes = 0, n_calls - 1, 0
         if n_calls == 0:
             return None, 0
         while lo < hi:
             mid = (lo + hi) // 2
             probes += 1
-            if self.probe(mid, self.allowed):
+            if self.probe(mid, allowed):
                 hi = mid
             else:
                 lo = mid + 1

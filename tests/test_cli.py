@@ -160,7 +160,7 @@ def test_info_summarises_event_sizes_and_environment(toy):
     assert f"torch {torch.__version__}" in lines[5]
     assert "  weights                6 tensors       0.03 MB" in lines
     assert "  batch                  1 tensors       0.00 MB" in lines
-    assert any(line.startswith("  ring buffer           12 tensors") for line in lines)
+    assert any(line.startswith("  ring buffer           13 tensors") for line in lines)
 
 
 def test_info_json_is_one_document(toy):

@@ -207,11 +207,11 @@ def test_attach_is_idempotent_and_detach_removes_every_hook(out_dir):
     counts = _hook_counts(model, opt, crit)
     rec.attach()
     assert _hook_counts(model, opt, crit) == counts
-    # one post-hook per module (the loss's sees its targets too), a pre-hook on the root, one
-    # optimizer pre-hook: a post-hook checks the update only in guard mode
-    assert counts == {"forward": 4, "forward_pre": 1, "loss": 1, "grad": 0, "opt": 1}
+    # one post-hook per module (the loss's sees its targets too), a pre-hook on the root, an
+    # optimizer pre-hook (closes the step) and post-hook (measures what the update wrote)
+    assert counts == {"forward": 4, "forward_pre": 1, "loss": 1, "grad": 0, "opt": 2}
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True):
-        assert _hook_counts(model, opt, crit)["opt"] == 2 + 1
+        assert _hook_counts(model, opt, crit)["opt"] == 2 + 2
     assert _hook_counts(model, opt, crit) == counts
     M.train(model, opt, crit, 3)
     rec.detach()

@@ -458,9 +458,9 @@ def test_allow_inf_lets_masks_hold_inf_but_not_nan(out_dir):
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, allow_inf=["mask"]) as rec:
         M.train(model, opt, crit, 5)
     assert rec.event is None and bundles(out_dir) == []
-    # the same model without allow_inf: the mask's -inf is an event, blamed on the mask
+    # the same model without allow_inf, strict_inf: the mask's -inf is an event, blamed on it
     model = Net()
-    err = run_until_event(model, out_dir=out_dir / "strict")
+    err = run_until_event(model, out_dir=out_dir / "strict", strict_inf=True)
     check_event(err.event, step=0, phase="forward", module="mask", kind="-inf",
                 inputs_finite=True)
     # allowed, but a NaN: always an event

@@ -47,7 +47,7 @@ INFO_HOLDS = [
     "  loss targets           1 tensors       0.00 MB",
     "  optimizer state       18 tensors       0.05 MB",
     "  output gradients       1 tensors       0.00 MB",
-    "  ring buffer           12 tensors       0.02 MB",
+    "  ring buffer           13 tensors       0.02 MB",
     "  weights                6 tensors       0.03 MB",
 ]
 
@@ -92,7 +92,7 @@ def test_info_golden_of_a_stripped_copy(toy, tmp_path):
         "stripped   batch, weights",
         "holds",
         "  RNG states             3 tensors       0.02 MB",
-        "  ring buffer           12 tensors       0.02 MB",
+        "  ring buffer           13 tensors       0.02 MB",
     ]
 
 

@@ -1,0 +1,176 @@
+"""Models of the infinity-policy and weight-writer tests, with the factories their bundles name
+(``infinity_models:make_...``; replayed from this directory, as ``replay_models``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, D, CTX, BATCH = 16, 16, 8, 4
+D_IN, HIDDEN, N_CLASSES = 8, 16, 4
+
+
+def token_batch(step: int, n: int = BATCH, ctx: int = CTX):
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, VOCAB, (n, ctx + 1), generator=g)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def batch(step: int, n: int = 16):
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(n, D_IN, generator=g), torch.randint(0, N_CLASSES, (n,), generator=g)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch's nn.Transformer tutorial: a float -inf causal mask passed into forward
+
+
+class TutorialLM(nn.Module):
+    """``nn.TransformerEncoder`` language model as in PyTorch's tutorial: ``forward(src,
+    src_mask)`` with ``src_mask = nn.Transformer.generate_square_subsequent_mask(T)`` (-inf
+    above the diagonal), and a ``key_padding_mask`` for padded rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        layer = nn.TransformerEncoderLayer(D, nhead=2, dim_feedforward=32, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None):
+        h = self.encoder(self.emb(src), mask=src_mask,
+                         src_key_padding_mask=src_key_padding_mask)
+        return self.head(h)
+
+
+def make_tutorial_lm() -> nn.Module:
+    return TutorialLM()
+
+
+# ---------------------------------------------------------------------------------------------
+# an intended -inf mask made inside the model, then an unrelated NaN
+
+
+class MaskFill(nn.Module):
+    """Additive mask made in the model: -inf on the last two features (masked_fill)."""
+
+    def forward(self, h):
+        cut = torch.arange(h.shape[-1], device=h.device) >= h.shape[-1] - 2
+        return h.masked_fill(cut, float("-inf"))
+
+
+class LogFeature(nn.Module):
+    def forward(self, x):
+        return torch.log(x)  # BUG: no clamp; a negative input is NaN
+
+
+class MaskThenLog(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.mask = MaskFill()
+        self.attn = nn.Softmax(dim=-1)
+        self.feat = LogFeature()
+        self.head = nn.Linear(HIDDEN + D_IN, N_CLASSES)
+
+    def forward(self, x):
+        p = self.attn(self.mask(self.lin(x)))  # finite: the masked features get weight 0
+        return self.head(torch.cat([p, self.feat(1 + x)], dim=-1))  # x in [0, 1) when sane
+
+
+def make_mask_then_log() -> nn.Module:
+    return MaskThenLog()
+
+
+# ---------------------------------------------------------------------------------------------
+# a float16 overflow that a later layer turns into NaN
+
+
+class HalfThenNorm(nn.Module):
+    """The first layer runs in float16: past 65504 it makes +-inf, which LayerNorm then turns
+    into NaN (inf - inf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.half_lin = nn.Linear(D_IN, HIDDEN)
+        nn.init.normal_(self.half_lin.weight)
+        self.half_lin.half()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        h = self.half_lin(x.half())  # float16: overflows when the batch holds large values
+        return self.head(self.norm(h.float()))
+
+
+def make_half_then_norm() -> nn.Module:
+    return HalfThenNorm()
+
+
+class ExpHead(nn.Module):
+    """The logits are ``exp`` of a linear layer: past ~88 they overflow float32 to +inf, which
+    reaches the root output (and the loss) with no NaN in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, N_CLASSES)
+
+    def forward(self, x):
+        return torch.exp(self.lin(x))  # BUG: unbounded
+
+
+class ExpOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, D_IN), nn.Tanh())
+        self.out = ExpHead()
+
+    def forward(self, x):
+        return self.out(self.body(x) * x.abs().amax(dim=1, keepdim=True))
+
+
+def make_exp_out() -> nn.Module:
+    return ExpOut()
+
+
+# ---------------------------------------------------------------------------------------------
+# who wrote the non-finite weights
+
+
+def make_linear() -> nn.Module:
+    """Logistic regression: one Linear layer (parameters ``weight`` and ``bias``)."""
+    return nn.Linear(D_IN, N_CLASSES)
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, N_CLASSES))
+
+
+class TokenClassifier(nn.Module):
+    """Mean of token embeddings, then a linear head: an embedding row gets a gradient only at
+    steps whose batch holds its token."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.head = nn.Linear(D, N_CLASSES)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx).mean(dim=1))
+
+
+def make_token_classifier() -> nn.Module:
+    return TokenClassifier()
+
+
+class MaskInputThenLog(MaskThenLog):
+    """MaskThenLog with its additive mask passed into forward (a root input) instead."""
+
+    def forward(self, x, mask):
+        p = self.attn(self.lin(x) + mask)
+        return self.head(torch.cat([p, self.feat(1 + x)], dim=-1))
+
+
+def make_mask_input_then_log() -> nn.Module:
+    return MaskInputThenLog()

@@ -1,0 +1,270 @@
+"""Infinities: by default only the ones that matter are events (issue 11, item 1).
+
+A NaN anywhere is an event. A +-Inf is one when it reaches the root output, the loss, a gradient
+or a weight, or turns into a NaN; a +-Inf that stays inside the model (a float -inf mask passed
+into forward, masked attention scores, a mask made by the model) is recorded in the ring buffer
+and is no event. The replay still names the op that first made the infinity: a float16 overflow
+that a later layer turns into NaN is blamed on the overflowing op. ``strict_inf=True`` makes
+every +-Inf an event again, with ``allow_inf`` exempting names (root inputs included).
+
+Planted bugs train real loops and replay the bundle with ``nanreplay BUNDLE --json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import infinity_models as I
+import pytest
+import torch
+from click.testing import CliRunner
+from models import bundles, check_event
+from test_recorder_sync import FLIGHT, count_host_reads
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
+from recorder.huggingface import FlightRecorderCallback
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+K = 3
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # the factories' module imports from here, as a project root
+
+
+def nanreplay_json(bundle: Path) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json"])
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.output
+    return json.loads(res.output)
+
+
+def _lm_loop(model, rec_kwargs, out_dir, steps=4, pad=False):
+    """The tutorial loop: ``model(src, src_mask)`` with the square subsequent mask."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    mask = nn.Transformer.generate_square_subsequent_mask(I.CTX)
+    assert torch.isneginf(mask).any()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory="infinity_models:make_tutorial_lm", **rec_kwargs) as rec:
+        for step in range(steps):
+            src, tgt = I.token_batch(step)
+            kw = {}
+            if pad:  # the last two positions of row 0 are padding (a float mask, as src_mask)
+                kpm = torch.zeros(I.BATCH, I.CTX)
+                kpm[0, -2:] = -math.inf
+                kw["src_key_padding_mask"] = kpm
+            opt.zero_grad()
+            out = model(src, src_mask=mask, **kw)
+            crit(out.reshape(-1, I.VOCAB), tgt.reshape(-1)).backward()
+            opt.step()
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# infinities that stay inside: no event, but in the ring buffer
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_tutorial_transformer_with_float_inf_mask_trains_without_event(out_dir, pad):
+    rec = _lm_loop(I.TutorialLM(), {}, out_dir, pad=pad)
+    assert rec.event is None and rec.step == 4 and bundles(out_dir) == []
+
+
+def test_tutorial_mask_is_an_input_event_with_strict_inf(out_dir):
+    with pytest.raises(NonFiniteError) as info:
+        _lm_loop(I.TutorialLM(), {"strict_inf": True}, out_dir)
+    check_event(info.value.event, step=0, phase="input", module="",
+                tensor='kwargs["src_mask"]', kind="-inf")
+
+
+@pytest.mark.parametrize("pattern", ["src_mask", "src_*"])
+def test_strict_inf_allow_inf_exempts_a_root_input_by_name(out_dir, pattern):
+    rec = _lm_loop(I.TutorialLM(), {"strict_inf": True, "allow_inf": [pattern]}, out_dir)
+    assert rec.event is None and rec.step == 4
+
+
+def test_one_host_read_per_step_with_masks_inside(out_dir):
+    model = I.TutorialLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    crit = nn.CrossEntropyLoss()
+    mask = nn.Transformer.generate_square_subsequent_mask(I.CTX)
+    per_step = []
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+        with count_host_reads() as calls:
+            for step in range(4):
+                seen = len(calls)
+                src, tgt = I.token_batch(step)
+                opt.zero_grad()
+                crit(model(src, mask).reshape(-1, I.VOCAB), tgt.reshape(-1)).backward()
+                opt.step()
+                # (nn.TransformerEncoder reads the mask on the host itself: not counted)
+                per_step.append([c for c in calls[seen:] if c[1] == FLIGHT])
+    assert [len(c) for c in per_step] == [1] * 4, per_step
+    assert rec.event is None
+
+
+def test_inner_inf_is_recorded_in_the_ring_buffer(out_dir):
+    model = I.MaskThenLog()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+        for _ in range(3):
+            x, y = torch.rand(16, I.D_IN), torch.randint(0, I.N_CLASSES, (16,))
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+        assert rec.event is None
+        _, ring = rec._ring.export(len(rec._params), 1)
+        fields = ["min", "max", "absmax", "mean", "rms", "nan", "posinf", "neginf"]
+        mask = rec._module_names.index("mask")
+        calls = ring["ring/calls"][ring["ring/call_module"] == mask]
+        assert calls.shape[0] == 3  # one call per step, each with its -inf
+        assert (calls[:, fields.index("neginf")] == 1).all()
+        assert (calls[:, fields.index("min")] == -math.inf).all()
+        assert (calls[:, fields.index("nan")] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# infinities that matter: events, with the chain
+
+
+def _train(factory, make_batch, out_dir, steps=6, **rec_kwargs):
+    model = getattr(I, factory)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory=f"infinity_models:{factory}", **rec_kwargs):
+            for step in range(steps):
+                x, y = make_batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    return info.value
+
+
+def _big_row(row, value):
+    def make(step):
+        x, y = I.batch(step)
+        if step == K:
+            x[row] = value  # finite in float16 (max 65504); the float16 layer's output is not
+        return x, y
+    return make
+
+
+def test_float16_overflow_turned_into_nan_is_blamed_on_the_overflow(out_dir):
+    err = _train("make_half_then_norm", _big_row(5, 6e4), out_dir)
+    # the NaN is LayerNorm's (inf - inf), the chain starts at the float16 layer's +-inf
+    check_event(err.event, step=K, phase="forward", module="half_lin", call=0,
+                inputs_finite=True)
+    assert err.event["kind"] in ("+inf", "-inf")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == \
+        ("forward", "half_lin", "aten.addmm", [5]), o
+    assert rep["cause"] == "overflow" and rep["reproduced"] is True
+    assert [c["op"] for c in o["chain"]][0] == "aten.addmm"
+    assert rep["bisection"]["agrees"] is True
+
+
+def test_inf_reaching_the_root_output_is_an_event(out_dir):
+    def make(step):
+        x, y = I.batch(step)
+        if step == K:
+            x[2] *= 1e2  # exp of a few hundred: +inf in float32, finite in float64
+        return x, y
+
+    err = _train("make_exp_out", make, out_dir)
+    check_event(err.event, step=K, phase="forward", module="out", kind="+inf",
+                inputs_finite=True, samples=[2])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("out", "aten.exp", "+inf", [2])
+    assert rep["cause"] == "overflow" and rep["reproduced"] is True
+
+
+def test_nan_after_an_intended_mask_is_blamed_on_its_maker_not_the_mask(out_dir):
+    def make(step):
+        x, y = torch.rand(16, I.D_IN, generator=torch.Generator().manual_seed(step)), \
+            torch.randint(0, I.N_CLASSES, (16,), generator=torch.Generator().manual_seed(step))
+        if step == K:
+            x[6] = -3.0  # log(1 + x) of a negative
+        return x, y
+
+    err = _train("make_mask_then_log", make, out_dir)
+    check_event(err.event, step=K, phase="forward", module="feat", kind="nan",
+                inputs_finite=True, samples=[6])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("feat", "aten.log", "nan", [6])
+    assert rep["cause"] == "invalid" and rep["reproduced"] is True
+    # strict: the same model stops at step 0 on the mask, as before
+    strict = _train("make_mask_then_log", make, out_dir / "strict", strict_inf=True)
+    check_event(strict.event, step=0, phase="forward", module="mask", kind="-inf")
+
+
+def test_inf_in_the_data_that_turns_into_nan_is_an_input_event(out_dir):
+    def make(step):
+        x, y = I.batch(step)
+        if step == K:
+            x[3, 1] = math.inf
+        return x, y
+
+    err = _train("make_half_then_norm", make, out_dir)
+    check_event(err.event, step=K, phase="input", tensor="batch", samples=[3], kind="+inf")
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["cause"] == "input"
+    assert (rep["origin"]["tensor"], rep["origin"]["samples"]) == ("batch", [3])
+
+
+# ---------------------------------------------------------------------------------------------
+# the setting
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_strict_inf_is_validated(out_dir, bad):
+    with pytest.raises(TypeError, match=r"strict_inf must be True .* or False"):
+        FlightRecorder(nn.Linear(2, 2), out_dir=out_dir, strict_inf=bad)
+    with pytest.raises(TypeError, match="strict_inf must be"):
+        FlightRecorderCallback(strict_inf=bad)
+
+
+def test_bundle_records_the_policy(out_dir):
+    err = _train("make_exp_out", lambda s: (I.batch(s)[0] * (1e2 if s == K else 1),
+                                            I.batch(s)[1]), out_dir)
+    meta, _ = read_bundle(err.bundle_path)
+    assert meta["strict_inf"] is False
+    err = _train("make_mask_then_log", lambda s: (torch.rand(16, I.D_IN), I.batch(s)[1]),
+                 out_dir / "strict", strict_inf=True)
+    meta, _ = read_bundle(err.bundle_path)
+    assert meta["strict_inf"] is True and err.event["step"] == 0
+
+
+def test_strict_allowed_mask_input_is_not_blamed_for_a_later_nan(out_dir):
+    """strict_inf with the mask input exempt by name: the log's NaN is the event, and the
+    replay does not take the mask's -inf in the batch for bad data."""
+    mask = torch.zeros(I.HIDDEN)
+    mask[-2:] = -math.inf
+    model = I.MaskInputThenLog()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, strict_inf=True,
+                            allow_inf=["mask"], factory="infinity_models:make_mask_input_then_log"):
+            for step in range(6):
+                x = torch.rand(16, I.D_IN, generator=torch.Generator().manual_seed(step))
+                if step == K:
+                    x[6] = -3.0
+                opt.zero_grad()
+                crit(model(x, mask=mask), torch.arange(16) % I.N_CLASSES).backward()
+                opt.step()
+    check_event(info.value.event, step=K, phase="forward", module="feat", kind="nan")
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["cause"], rep["origin"]["module"], rep["origin"]["op"]) == \
+        ("invalid", "feat", "aten.log"), rep["origin"]
