@@ -5,9 +5,10 @@ states and the pre-step value of buffers that change. Each module call adds 0-d 
 step's :class:`~recorder.tape.Tape` on the device. The step closes at ``optimizer.step()`` (its
 pre-hook, so a bad step never updates the weights), or, for loops without an optimizer or steps
 that a ``GradScaler`` skipped, when the next step opens. Closing stacks the statistics into one
-row of the ring buffer and reads a single flag back: that read is the only host-device sync.
-Only when the flag says "non-finite" does the slow path run, which finds the first offender and
-writes the bundle.
+row of the ring buffer and reads one small probe back (finiteness of what must be finite, the
+NaN check of the rest, the GradScaler's scale; the last update's weight norms ride in the row):
+that read is the only host-device sync. Only when the probe says "non-finite" does the slow
+path run, which finds the first offender and writes the bundle.
 """
 
 from __future__ import annotations
