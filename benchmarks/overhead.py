@@ -669,8 +669,9 @@ def verdicts(results: list[dict]) -> list[str]:
         rec = rows["recorder"]["median_ratio"]
         out.append(f"- {m}: FlightRecorder {rec:.3f}x bare, target <= {RATIO_TARGET}x: "
                    f"{'met' if rec <= RATIO_TARGET else 'MISSED'}")
+        # (recorder_base is the recorder of another checkout, not another detector)
         others = {n: r["median_ratio"] for n, r in rows.items()
-                  if n not in ("bare", "recorder", "floor")}
+                  if n not in ("bare", "recorder", "floor", "recorder_base")}
         if others:
             worse = [n for n, v in others.items() if v <= rec]
             cheapest = min(others, key=others.get)
