@@ -192,4 +192,3 @@ def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
                 if _jsonish(v)}
     return {"class": qualname(opt), "defaults": defaults, "param_groups": groups,
             "state_scalars": scalars}
-

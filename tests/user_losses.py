@@ -83,7 +83,6 @@ def lm_loss(out, labels):
     return per_sequence.mean()
 
 
-
 class ShiftedTokenCE(nn.Module):
     """A causal LM's next-token cross entropy, mean over the labelled tokens (``ignore_index``
     marks the others), as a ``Trainer.compute_loss`` override computes it."""
