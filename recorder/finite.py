@@ -1,0 +1,106 @@
+"""What kind of non-finite value a tensor holds, and where: the one place both packages ask.
+
+Kinds are ``"nan"``, ``"+inf"`` and ``"-inf"``; NaN wins over an infinity (it is the worse
+news, and a NaN anywhere is an event under every policy). Functions that return a Python
+value read the device; the ``*_flag`` ones stay on it, for the recorder's hot path.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable
+
+import torch
+
+KINDS = ("nan", "+inf", "-inf")
+LABELS = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf", "inf": "Inf", "scale": "AMP scale"}
+
+
+def label(kind: str | None) -> str | None:
+    """How reports spell a kind: ``"nan"`` -> ``"NaN"``, ``"+inf"`` -> ``"+Inf"``."""
+    return LABELS.get(kind, kind) if kind is not None else None
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether ``name`` matches one of the ``allow_inf`` patterns (fnmatch, case-sensitive)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _checkable(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() or t.is_complex()) and t.numel() > 0
+
+
+def ends(t: torch.Tensor) -> torch.Tensor:
+    """(min, max) of a real floating tensor as a float64 pair, on its device. NaN propagates
+    into both and +-Inf shows as an extreme, so the pair tells every kind in one reduction
+    pass, where ``isfinite(t).all()`` takes a full-size temporary (and, on CPU, longer)."""
+    return torch.stack(torch.aminmax(t.detach())).double()
+
+
+def pair_kind(lo: float, hi: float) -> str | None:
+    """The kind an :func:`ends` pair shows, None when both are finite."""
+    if math.isnan(lo) or math.isnan(hi):
+        return "nan"
+    if hi == math.inf:
+        return "+inf"
+    if lo == -math.inf:
+        return "-inf"
+    return None
+
+
+def pair_ok(lo: float, hi: float, allow_inf: bool = False) -> bool:
+    """An :func:`ends` pair is finite (NaN-free, with ``allow_inf``)."""
+    if allow_inf:
+        return not (math.isnan(lo) or math.isnan(hi))
+    return math.isfinite(lo) and math.isfinite(hi)
+
+
+def finite_flag(t: torch.Tensor, allow_inf: bool = False) -> torch.Tensor:
+    """:func:`finite` as a 0-d bool tensor on ``t``'s device (no host read)."""
+    if not _checkable(t):
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    if t.is_complex():
+        return ~(torch.isnan(t) if allow_inf else ~torch.isfinite(t)).any()
+    e = ends(t)
+    return ~torch.isnan(e).any() if allow_inf else torch.isfinite(e).all()
+
+
+def finite(t: torch.Tensor, allow_inf: bool = False) -> bool:
+    """No NaN/Inf in ``t`` (no NaN, with ``allow_inf``); True for non-floating tensors."""
+    return not _checkable(t) or bool(finite_flag(t, allow_inf))
+
+
+def kind_of(t: torch.Tensor) -> str | None:
+    """The kind ``t`` holds (NaN first), None when finite or not floating."""
+    if not _checkable(t):
+        return None
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return pair_kind(*ends(t).tolist())
+
+
+def tensors_kind(tensors: Iterable[torch.Tensor]) -> str | None:
+    """The worst kind any of ``tensors`` holds: NaN if any has one, else +Inf, else -Inf."""
+    found = {kind_of(t.detach()) for t in tensors}
+    return next((k for k in KINDS if k in found), None)
+
+
+def bad_rows(t: torch.Tensor) -> list[int]:
+    """Indices along dim 0 holding a non-finite value (a 0-d tensor: ``[0]`` if it is)."""
+    if not _checkable(t):
+        return []
+    bad = ~torch.isfinite(t.detach())
+    if t.dim() == 0:
+        return [0] if bool(bad) else []
+    return bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+
+
+def first_bad_rows(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The non-finite rows of the first floating tensor with any; 0-d tensors name none."""
+    for t in tensors:
+        if t.is_floating_point() and t.dim():
+            rows = bad_rows(t)
+            if rows:
+                return rows
+    return []
