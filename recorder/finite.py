@@ -104,3 +104,9 @@ def first_bad_rows(tensors: Iterable[torch.Tensor]) -> list[int]:
             if rows:
                 return rows
     return []
+
+
+def pair_flag(e: torch.Tensor, allow_inf: bool = False) -> torch.Tensor:
+    """:func:`pair_ok` on the device: an :func:`ends` pair's finiteness (NaN-freedom, with
+    ``allow_inf``) as a 0-d bool tensor, for flags that accumulate before one host read."""
+    return ~torch.isnan(e).any() if allow_inf else torch.isfinite(e).all()

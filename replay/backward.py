@@ -22,12 +22,10 @@ from typing import Any
 import torch
 
 from recorder.capture import tensor_leaves
-from recorder.events import bad_rows
+from recorder.finite import bad_rows, finite, kind_of
 
-from .ops import _short
-from .rerun import Runner, finite, kind_of
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+from .rerun import Runner
+from .source import traceback_source
 
 
 @dataclass
@@ -54,14 +52,7 @@ def _source(node) -> str | None:
     tb = (getattr(node, "metadata", None) or {}).get("traceback_")
     if not tb:
         return None
-    text = "".join(tb) if isinstance(tb, list) else str(tb)
-    from .ops import _OWN_DIRS, _TORCH_DIR
-
-    for path, line in reversed(_FRAME.findall(text)):
-        if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIRS) or path.startswith("<"):
-            continue
-        return f"{_short(path)}:{line}"
-    return None
+    return traceback_source("".join(tb) if isinstance(tb, list) else str(tb))
 
 
 def batch_rows(node, returned: list, batch_size: int) -> list[int]:
@@ -102,7 +93,7 @@ def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
                 found.source = _source(node)
                 found.made = next((kind_of(g) for g in returned if not finite(g)), None)
                 found.samples = batch_rows(node, list(grad_inputs), batch_size)
-                found.micro_batch = runner._mb
+                found.micro_batch = runner.micro_batch
         handles.append(node.register_hook(hook))
 
     def label(outputs, name):
@@ -126,9 +117,8 @@ def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
         return hs
 
     # Loss nodes are created after the root's forward hook: label them at backward time.
-    loss_ctx = _LossLabeller(label)
     run = runner.run(instrument=False, hooks=hooks, forward_ctx=_anomaly,
-                     backward_ctx=loss_ctx.ctx(runner))
+                     backward_ctx=_loss_labeller(runner, label))
     for h in handles:
         h.remove()
     found.params = run.bad_grads
@@ -141,28 +131,15 @@ def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
     return found
 
 
-class _LossLabeller:
-    """Labels the loss's autograd nodes ``<loss>`` just before backward runs, and records the
-    forward traceback of nodes created during it."""
+def _loss_labeller(runner: Runner, label):
+    """The backward's context: labels the loss's autograd nodes ``<loss>`` just before backward
+    runs, and keeps the forward traceback of nodes created during it."""
+    @contextlib.contextmanager
+    def ctx():
+        label(list(tensor_leaves(runner.last_loss)), "<loss>")
+        # Nodes made during backward (reentrant checkpointing re-runs its blocks' forward
+        # there) get their source line too; NaN must not raise before the hooks see it.
+        with _anomaly(check_nan=False):
+            yield
 
-    def __init__(self, label):
-        self.label = label
-
-    def ctx(self, runner: Runner):
-        labeller = self
-
-        @contextlib.contextmanager
-        def ctx():
-            losses = [t for t in tensor_leaves(runner_last_losses(runner))
-                      if isinstance(t, torch.Tensor)]
-            labeller.label(losses, "<loss>")
-            # Nodes made during backward (reentrant checkpointing re-runs its blocks' forward
-            # there) get their source line too; NaN must not raise before the hooks see it.
-            with _anomaly(check_nan=False):
-                yield
-
-        return ctx
-
-
-def runner_last_losses(runner: Runner):
-    return getattr(runner, "last_loss", None)
+    return ctx

@@ -43,53 +43,17 @@ import torch
 from . import domains
 from .cause_text import DO, HINTS
 from .domains import g as _g
+from .errors import StopRun
 from .ops import Evidence, Float64, OpAt, OpHit
-from .rerun import Runner, StopRun
+from .rerun import Runner
 
-__all__ = ["HINTS", "Cause", "classify", "float64"]
+__all__ = ["Cause", "classify"]
 
 
 @dataclass
 class Cause:
     name: str  # "invalid", "overflow", "underflow", "precision"
     hint: str  # what happened at the op, then what to do
-
-
-@contextlib.contextmanager
-def float64(runner: Runner):
-    """Run ``runner`` in float64 inside the block; restore every dtype after."""
-    model = runner.model
-    dtypes = {}
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.is_floating_point() and t.dtype != torch.float64:
-                dtypes[name] = t.dtype
-                t.data = t.data.double()
-    saved = runner._buffers
-    runner._buffers = {n: (b.double() if b.is_floating_point() else b) for n, b in saved.items()}
-    loss = runner.step.loss_fn
-    loss_dtypes = {}
-    if isinstance(loss, torch.nn.Module):
-        for name, b in loss.named_buffers():
-            if b.is_floating_point():
-                loss_dtypes[name] = b.dtype
-                b.data = b.data.double()
-    runner.cast = torch.float64
-    try:
-        yield
-    finally:
-        runner.cast = None
-        runner._buffers = saved
-        with torch.no_grad():
-            for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-                if name in dtypes:
-                    t.data = t.data.to(dtypes[name])
-                    if t.grad is not None:
-                        t.grad = None
-            if isinstance(loss, torch.nn.Module):
-                for name, b in loss.named_buffers():
-                    if name in loss_dtypes:
-                        b.data = b.data.to(loss_dtypes[name])
 
 
 def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None, *,
@@ -116,7 +80,7 @@ def _float64_run(runner: Runner, phase: str, until, capture: OpAt | None, mb: in
     """Re-run in float64 (forward: up to the origin's call; the blamed op's call captured);
     whether it is still non-finite."""
     window = _Window(runner, *until, capture) if phase == "forward" and until else None
-    with float64(runner), Float64(), _watch_loss(runner, capture if phase == "loss" else None,
+    with runner.float64(), Float64(), _watch_loss(runner, capture if phase == "loss" else None,
                                                  mb):
         try:
             run = runner.run(backward=phase == "backward", instrument=phase == "forward",
@@ -150,7 +114,7 @@ class _Window:
         target = model.get_submodule(self.module) if self.module else model
 
         def pre(m, args):
-            if self.runner._mb != self.mb:
+            if self.runner.micro_batch != self.mb:
                 return
             if self.started == self.call and self.capture is not None:
                 self.capture.__enter__()
@@ -161,7 +125,7 @@ class _Window:
             self.close()                  # the instrumentation's
 
         def post(m, args, output):
-            if self.runner._mb != self.mb:
+            if self.runner.micro_batch != self.mb:
                 return
             self.ended += 1
             if self.ended > self.call:
@@ -186,7 +150,7 @@ def _watch_loss(runner: Runner, capture: OpAt | None, mb: int):
         return
 
     def watched(*args, **kwargs):
-        if runner._mb != mb:
+        if runner.micro_batch != mb:
             return fn(*args, **kwargs)
         with capture:
             return fn(*args, **kwargs)

@@ -11,3 +11,7 @@ class ReplayError(Exception):
 class FactoryRefused(ReplayError):
     """The bundle's recorded factory is not trusted (not under the current directory): the
     replay reports what the ring buffer can tell and which option to pass."""
+
+
+class StopRun(Exception):
+    """Raised from a hook to end a re-run early: what it was run for is known."""

@@ -18,14 +18,13 @@ model.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from typing import Any
 
-import torch
+from recorder.finite import matches
 
-from .load import Step
-from .rerun import Run
+from .load import Step, recorded_device
+from .run_result import Run
 
 # Float tolerance (relative, absolute). The same device may still differ a little: thread
 # counts reorder reductions, training may have run float32 matmuls as TF32 (about 1e-3
@@ -60,9 +59,8 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
 
 def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str]):
     t, meta = step.tensors, step.meta
-    recorded_on = next((m["device"] for m in meta.get("modules", []) if m.get("device")), None)
-    rel = SAME_DEVICE if recorded_on is None or torch.device(recorded_on) == step.device \
-        else OTHER_DEVICE
+    recorded_on = recorded_device(meta)
+    rel = SAME_DEVICE if recorded_on is None or recorded_on == step.device else OTHER_DEVICE
     allowed = meta.get("allow_inf", [])
     stats = t["ring/calls"][r, :, [fields.index("min"), fields.index("max")]].tolist()
     mods = t["ring/call_module"][r].tolist()
@@ -79,7 +77,7 @@ def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str
         seen[(name, mb)] = k + 1
         if name == "":
             done.add(mb)
-        soft = any(fnmatch.fnmatchcase(name, p) for p in allowed)
+        soft = matches(name, allowed)
         if not (math.isfinite(lo) and math.isfinite(hi)):
             if soft and not (math.isnan(lo) or math.isnan(hi)):
                 continue  # an intended -inf mask

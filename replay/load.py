@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from recorder.bundle import read_bundle
-from recorder.capture import UnrebuildableLeaf, map_tensors, rng_from_bundle, unflatten_tree
+from recorder.capture import UnrebuildableLeaf, rng_from_bundle, unflatten_tree
 from recorder.compiled import decompile
 from recorder.errors import BundleError
 from recorder.validate import import_object
 
+from .compat import set_buffer, set_parameter, tree_map
 from .errors import FactoryRefused, ReplayError
 from .losses import Unrebuildable, rebuild_loss
 from .trust import defined_in, module_origin, trusted_path
@@ -174,7 +175,7 @@ def build(step: Step, factory: str | None, device: str | None,
     """Fill ``step.model``, ``step.loss_fn``, ``step.optimizer`` (or say in ``step.problems``
     why they cannot be rebuilt). ``factory_kwargs`` replace the recorded ones."""
     meta = step.meta
-    step.device = torch.device(device) if device else _recorded_device(meta)
+    step.device = torch.device(device) if device else recorded_device(meta) or torch.device("cpu")
     no_cuda = step.device.type == "cuda" and not torch.cuda.is_available()
     if no_cuda and device:
         raise ReplayError(f"--device {device}: this machine has no CUDA device; pass "
@@ -254,14 +255,12 @@ def _meta_attributes(model: nn.Module) -> bool:
                for m in model.modules() for v in vars(m).values())
 
 
-def _recorded_device(meta: dict[str, Any]) -> torch.device:
+def recorded_device(meta: dict[str, Any]) -> torch.device | None:
+    """The device the recorded model ran on (its first module's), None when not recorded."""
     for m in meta.get("modules", []):
         if m.get("device"):
-            dev = torch.device(m["device"])
-            if dev.type == "cuda" and not torch.cuda.is_available():
-                return dev
-            return dev
-    return torch.device("cpu")
+            return torch.device(m["device"])
+    return None
 
 
 def _load_weights(step: Step, model: nn.Module) -> None:
@@ -324,10 +323,7 @@ def _load_weights(step: Step, model: nn.Module) -> None:
 def _set(model: nn.Module, name: str, value, *, param: bool) -> None:
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
-    if param:
-        mod._parameters[attr] = value
-    else:
-        mod._buffers[attr] = value
+    (set_parameter if param else set_buffer)(mod, attr, value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +420,9 @@ def output_grads(step: Step, i: int) -> dict[int, torch.Tensor]:
 
 
 def _to(obj, device):
-    return map_tensors(obj, lambda t: t.to(device))
+    """``obj`` (a tree rebuilt from the bundle: lists, tuples, dicts) with its tensors on
+    ``device``."""
+    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, obj)
 
 
 def rng_state(step: Step) -> dict[str, Any] | None:

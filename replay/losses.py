@@ -21,6 +21,7 @@ from torch import nn
 
 from recorder.validate import import_object
 
+from .compat import remove_member
 from .trust import defined_in, installed_roots, module_origin, trusted_path
 
 _FACTORY_WAY = "or return it from the factory as {'model': ..., 'loss_fn': ...}"
@@ -161,9 +162,7 @@ def _instance(cls: type) -> nn.Module:
 
 def _clear(m: nn.Module, k: str) -> None:
     """Remove ``k`` wherever the default construction put it, so it can be set as recorded."""
-    for table in (m._parameters, m._buffers, m._modules):
-        table.pop(k, None)
-    m.__dict__.pop(k, None)
+    remove_member(m, k)
 
 
 def _set_plain(m: nn.Module, k: str, v) -> None:

@@ -1,33 +1,33 @@
 """Naming the aten op that made a non-finite value, with the user's source line.
 
-This is the only module that imports private PyTorch APIs (the dispatch mode), so a torch
-upgrade touches one file. :class:`OpFinder` wraps a private ``TorchDispatchMode`` subclass:
-inside it every aten op is checked, before it runs, for finite inputs and, after, for its
-output. Two offenders are kept:
+:class:`OpFinder` wraps a private ``TorchDispatchMode`` subclass (the dispatch mode comes from
+:mod:`replay.compat`): inside it every aten op is checked, before it runs, for finite inputs
+and, after, for its output. Two offenders are kept:
 
 - the first op with all-finite inputs and a non-finite output (``first``), unless the
   infinity is intentional: a literal +-inf argument (``masked_fill(mask, -inf)``, ``full``) or
   an op inside a module allowed to hold infinities; those are remembered as the chain's start;
 - the first op with NaN-free inputs and a NaN output (``first_nan``): the op that turned
   infinities, intentional or not, into NaN (``inf - inf``, ``0 * inf``, softmax of a -inf row).
+
+:class:`OpAt` keeps one call's values again (the float64 re-run's view of the blamed op) and
+:class:`Float64` makes every op compute in float64.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import traceback
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
-                  for d in ("replay", "recorder"))
+from recorder.finite import bad_rows, ends, pair_kind, pair_ok
+
+from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
+from .memo import TensorSet
+from .source import OP_ERROR, user_source
+
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
 
@@ -77,73 +77,15 @@ def _num(x: float | None):
     return x if math.isfinite(x) else repr(x)
 
 
-def user_source(stack=None) -> str | None:
-    """``file:line`` of the innermost frame that is neither torch nor nanreplay.
-
-    Walking out from the op: the watcher's own frames, then torch's; the first other frame is
-    the user's code that called into torch. Reaching a frame of nanreplay instead means the
-    replay itself called torch there (``optimizer.step()`` of a built-in optimizer): no user
-    line made the op, and the replay's callers (a test, the CLI) are not it either.
-    """
-    frames = stack if stack is not None else traceback.extract_stack()
-    left_own = False
-    for fr in reversed(frames):
-        f = fr.filename
-        if f.startswith(_OWN_DIRS):
-            if left_own:
-                return None
-            continue
-        left_own = True
-        if f.startswith(_TORCH_DIR) or f.startswith("<"):
-            continue
-        if os.sep + "contextlib.py" in f or os.sep + "threading.py" in f:
-            continue
-        return f"{_short(f)}:{fr.lineno}"
-    return None
-
-
-def _short(path: str) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return rel if not rel.startswith("..") else path
-
-
-def _kind(ts: list[torch.Tensor]) -> str | None:
-    for t in ts:
-        if torch.isnan(t).any():
-            return "nan"
-    for t in ts:
-        if torch.isposinf(t).any():
-            return "+inf"
-        if torch.isneginf(t).any():
-            return "-inf"
-    return None
-
-
 def _op(func, args, kwargs):
     """``func(*args, **kwargs)`` inside a dispatch mode. What it raises is the model's op failing
     (``multinomial`` on NaN probabilities), marked so a re-run does not take it for the
-    replay's own error (see ``rerun.raised_by_model``)."""
+    replay's own error (see ``source.raised_by_model``)."""
     try:
         return func(*args, **kwargs)
     except Exception as e:
-        e._nanreplay_op = True
+        setattr(e, OP_ERROR, True)
         raise
-
-
-def raised_by_model(e: BaseException) -> bool:
-    """Whether the model's (or its loss's) own code raised ``e`` during a re-run, rather than
-    the replay: an op failing inside a dispatch mode (marked by ``_op``), else the innermost
-    frame outside torch is not nanreplay's."""
-    if getattr(e, "_nanreplay_op", False):
-        return True
-    for frame in reversed(traceback.extract_tb(e.__traceback__)):
-        if frame.filename.startswith(_TORCH_DIR) or frame.filename.startswith("<"):
-            continue
-        return not frame.filename.startswith(_OWN_DIRS)
-    return False
 
 
 # Ops whose later outputs are workspaces for backward, partly uninitialised (CTC's log_alpha
@@ -181,15 +123,14 @@ class _Watch(TorchDispatchMode):
         in_finite = in_nan_free = True
         if ins:
             with torch.no_grad():
-                ends = torch.stack([torch.stack(torch.aminmax(t.detach())).double()
-                                    for t in ins]).tolist()
-            in_finite = all(math.isfinite(a) and math.isfinite(b) for a, b in ends)
-            in_nan_free = not any(math.isnan(a) or math.isnan(b) for a, b in ends)
+                pairs = torch.stack([ends(t) for t in ins]).tolist()
+            in_finite = all(pair_ok(a, b) for a, b in pairs)
+            in_nan_free = all(pair_ok(a, b, allow_inf=True) for a, b in pairs)
             if in_nan_free:
-                lo, hi = min(a for a, _ in ends), max(b for _, b in ends)
+                lo, hi = min(a for a, _ in pairs), max(b for _, b in pairs)
         # an op writing into its arguments: keep what it was given, for the evidence
         before = _clone_args(args, kwargs) if in_finite and f.first is None \
-            and _mutates(func) else None
+            and writes_arguments(func) else None
         out = _op(func, args, kwargs)
         if name in _UNINITIALISED:
             return out
@@ -199,12 +140,11 @@ class _Watch(TorchDispatchMode):
             return out
         f.track(name, ins, outs, in_finite)
         with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
-            ends = torch.stack([torch.stack(torch.aminmax(t.detach())).double() for t in outs])
-        if bool(torch.isfinite(ends).all()):
+            out_ends = torch.stack([ends(t) for t in outs])
+        if bool(torch.isfinite(out_ends).all()):
             return out
-        made = next((k for k in map(_kind, ([t] for t in outs)) if k), None)
-        if made is None:
-            return out
+        # the first output's kind, NaN before +Inf before -Inf within it
+        made = next((k for k in (pair_kind(a, b) for a, b in out_ends.tolist()) if k), None)
         op = f"aten.{name}"
         literal_inf = any(isinstance(a, float) and math.isinf(a) for a in leaves)
         intentional = literal_inf or f.in_allowed_module()
@@ -295,7 +235,7 @@ class OpAt(TorchDispatchMode):
         if hit:
             hit = self.seen == self.occurrence
             self.seen += 1
-        given = _clone_args(args, kwargs) if hit and _mutates(func) else (args, kwargs)
+        given = _clone_args(args, kwargs) if hit and writes_arguments(func) else (args, kwargs)
         out = _op(func, args, kwargs)
         if hit:
             self.inputs = [t.detach() for t in _floats(given)]
@@ -326,7 +266,7 @@ class Float64(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         args, kwargs = as_float64(func, args, kwargs)
-        if not _mutates(func):
+        if not writes_arguments(func):
             args, kwargs = _upcast(args), _upcast(kwargs)
         return _op(func, args, kwargs)
 
@@ -343,26 +283,10 @@ def as_float64(func, args, kwargs):
     return args, kwargs
 
 
-_MUTATES: dict[Any, bool] = {}
-
-
-def _mutates(func) -> bool:
-    """In-place and out= ops write into an argument: leave their arguments as they are."""
-    hit = _MUTATES.get(func)
-    if hit is None:
-        hit = _MUTATES[func] = any(a.alias_info is not None and a.alias_info.is_write
-                                   for a in func._schema.arguments)
-    return hit
-
-
 def _upcast(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.double() if obj.is_floating_point() and obj.dtype != torch.float64 else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_upcast(v) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _upcast(v) for k, v in obj.items()}
-    return obj
+    """Floating tensors in ``obj`` (an op's arguments) as float64."""
+    return tree_map(lambda v: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                    and v.dtype != torch.float64 else v, obj)
 
 
 class OpFinder:
@@ -379,13 +303,12 @@ class OpFinder:
         self.allowed_depth = 0
         self.batch_size = batch_size  # name the rows of the first offender's output
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
-        self._positive: dict[int, Any] = {}  # id -> weakref of tensors exact arithmetic keeps > 0
+        self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self._mode = _Watch(self)
 
     def positive(self, t: torch.Tensor) -> bool:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed."""
-        hit = self._positive.get(id(t))
-        return hit is not None and hit() is t
+        return t in self._positive
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               in_finite: bool) -> None:
@@ -393,7 +316,7 @@ class OpFinder:
             return
         if name in _POSITIVE or (name in _PASS_ON and ins and self.positive(ins[0])):
             for t in outs:
-                self._positive[id(t)] = weakref.ref(t)
+                self._positive.add(t)
 
     def in_allowed_module(self) -> bool:
         return self.allowed_depth > 0
@@ -404,8 +327,7 @@ class OpFinder:
         t = next((t for t in outs if n and t.dim() and t.shape[0] == n), None)
         if t is None:
             return None
-        bad = ~torch.isfinite(t.detach().reshape(n, -1)).all(dim=1)
-        return bad.nonzero().flatten().tolist()
+        return bad_rows(t)
 
     def __enter__(self) -> OpFinder:
         self._mode.__enter__()

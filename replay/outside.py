@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from recorder.events import first_bad_rows
+from recorder.finite import finite, first_bad_rows, kind_of
 
 from .load import Step, output_grads
-from .rerun import Runner, finite, kind_of
+from .rerun import Runner
 
 ENTERED = ("the gradient entering the model's output was non-finite; the model's backward made "
            "none of its own")

@@ -1,0 +1,126 @@
+"""Finding the first module call with a non-finite output in few runs of one host read each.
+
+:func:`probe` answers whether any call up to completion index ``k`` made a non-finite output;
+:func:`search` bisects over ``k`` with it (``ceil(log2 n)`` probes at most); :func:`probe_origin`
+then names, for that call, the innermost of it and its enclosing calls whose inputs were
+finite. Flags accumulate on the device and are read once, where the answer is known, and the
+run stops there (:class:`~replay.errors.StopRun`). ``runner`` is a :class:`replay.rerun.Runner`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from recorder.capture import tensor_leaves
+from recorder.finite import ends, pair_flag
+
+from .errors import StopRun
+from .memo import TensorMemo, TensorSet
+
+
+def search(probe: Callable[[int], bool], n_calls: int) -> tuple[int | None, int]:
+    """Smallest completion index ``k`` with ``probe(k)`` true, and the number of probes used
+    (ceil(log2(n)) at most); ``probe(n_calls - 1)`` is known to be true."""
+    lo, hi, probes = 0, n_calls - 1, 0
+    if n_calls == 0:
+        return None, 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        probes += 1
+        if probe(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, probes
+
+
+def _ends_memo() -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`ends` of each tensor once per run (on the device, no read)."""
+    memo = TensorMemo()
+
+    def of(t: torch.Tensor) -> torch.Tensor:
+        e = memo.get(t)
+        return e if e is not None else memo.put(t, ends(t))
+    return of
+
+
+def probe(runner, k: int, allowed: set[str]) -> bool:
+    """One fresh run, one host read: has any call up to completion index ``k`` made a
+    non-finite output (+-Inf fine in the modules ``allowed``)?"""
+    state: dict[str, Any] = {"i": 0, "flag": None, "answer": None}
+    ends_of = _ends_memo()
+
+    def hooks(model):
+        hs = []
+        for name, m in model.named_modules():
+            def post(module, args, output, name=name):
+                i = state["i"]
+                state["i"] += 1
+                for t in tensor_leaves(output):
+                    if t.is_floating_point() and t.numel():
+                        bad = ~pair_flag(ends_of(t), allow_inf=name in allowed)
+                        state["flag"] = bad if state["flag"] is None else state["flag"] | bad
+                if i == k:
+                    flag = state["flag"]
+                    state["answer"] = bool(flag) if flag is not None else False
+                    raise StopRun
+            hs.append(m.register_forward_hook(post))
+        return hs
+
+    runner.run(backward=False, instrument=False, hooks=hooks)
+    return bool(state["answer"])
+
+
+def probe_origin(runner, k: int, nan_only: bool = False) -> tuple[str, int, int] | None:
+    """One fresh run, one host read: for the call at completion index ``k`` (the first
+    non-finite output), whether its inputs and those of each enclosing call were finite.
+    The innermost of them with finite inputs made the value: ``(module, call, micro-batch)``.
+    ``nan_only``: NaN-free inputs count as finite (the origin made a NaN).
+    """
+    state: dict[str, Any] = {"i": 0, "stack": [], "starts": {}, "answer": None}
+    produced_allowed = TensorSet()  # outputs of allow_inf modules: -inf is fine
+    ends_of = _ends_memo()
+
+    def input_ok(t: torch.Tensor) -> torch.Tensor:
+        soft = nan_only or id(t) in runner.allowed_buffers or t in produced_allowed
+        return pair_flag(ends_of(t), allow_inf=soft)
+
+    def pre(module, args, kwargs, name):
+        key = (name, runner.micro_batch)
+        call = state["starts"].get(key, 0)
+        state["starts"][key] = call + 1
+        flags = [input_ok(t) for t in tensor_leaves([list(args), kwargs])
+                 if t.is_floating_point() and t.numel()]
+        ok = torch.stack(flags).all() if flags else torch.tensor(True)
+        state["stack"].append((name, call, runner.micro_batch, ok))
+
+    def post(module, args, kwargs, output, name):
+        i = state["i"]
+        state["i"] += 1
+        frame = state["stack"].pop()
+        if name in runner.allowed:
+            for t in tensor_leaves(output):
+                produced_allowed.add(t)
+        if i == k:
+            chain = state["stack"] + [frame]
+            oks = torch.stack([f[3] for f in chain]).tolist()  # the one read
+            for (mod, call, mb, _), ok in reversed(list(zip(chain, oks))):
+                if ok:
+                    state["answer"] = (mod, call, mb)
+                    break
+            raise StopRun
+
+    def hooks(model):
+        hs = []
+        for name, m in model.named_modules():
+            hs.append(m.register_forward_pre_hook(
+                lambda mod, a, kw, name=name: pre(mod, a, kw, name), with_kwargs=True))
+            hs.append(m.register_forward_hook(
+                lambda mod, a, kw, out, name=name: post(mod, a, kw, out, name), with_kwargs=True))
+        return hs
+
+    runner.run(backward=False, instrument=False, hooks=hooks)
+    return state["answer"]

@@ -1,0 +1,60 @@
+"""Every private PyTorch API the replay uses, in one module, so a torch upgrade touches one file.
+
+- ``TorchDispatchMode`` (``torch.utils._python_dispatch``): the op finder, the float64 mode and
+  the op capture watch every aten op through it (:mod:`replay.ops`);
+- ``tree_leaves`` / ``tree_map`` (``torch.utils._pytree``): traversals of aten arguments and of
+  the plain lists, tuples and dicts a bundle's trees rebuild into;
+- :func:`version`: a tensor's in-place version counter (``_version``), so a value computed
+  from a tensor is reused only while the tensor is unmodified;
+- :func:`writes_arguments`: whether an aten op writes into an argument (``func._schema``);
+- :func:`set_parameter`, :func:`set_buffer`, :func:`remove_member`: an ``nn.Module``'s
+  parameter, buffer and submodule tables (``_parameters``, ``_buffers``, ``_modules``), written
+  directly to assign the bundle's tensors without a copy and to clear what a default
+  construction put there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "writes_arguments",
+           "set_parameter", "set_buffer", "remove_member"]
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter: it grows with every in-place write to ``t``."""
+    return t._version
+
+
+_WRITES: dict[Any, bool] = {}
+
+
+def writes_arguments(func) -> bool:
+    """Whether the aten op ``func`` is in-place or ``out=``: it writes into an argument."""
+    hit = _WRITES.get(func)
+    if hit is None:
+        hit = _WRITES[func] = any(a.alias_info is not None and a.alias_info.is_write
+                                  for a in func._schema.arguments)
+    return hit
+
+
+def set_parameter(module: nn.Module, name: str, value: nn.Parameter | None) -> None:
+    """``module.<name> = value`` as a parameter entry, without ``__setattr__``'s checks."""
+    module._parameters[name] = value
+
+
+def set_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """``module.<name> = value`` as a buffer entry (its persistence kept as it is)."""
+    module._buffers[name] = value
+
+
+def remove_member(module: nn.Module, name: str) -> None:
+    """Remove ``name`` from the module's parameters, buffers, submodules and plain attributes."""
+    for table in (module._parameters, module._buffers, module._modules):
+        table.pop(name, None)
+    module.__dict__.pop(name, None)

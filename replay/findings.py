@@ -1,0 +1,88 @@
+"""The report ``analyze`` returns, as a dict: its keys, the origin's fields, and finishing it
+with a finding (origin, cause, whether the event came back, the hint, the source line).
+
+:func:`base_report` holds everything known before a re-run (the event, the history and its
+precursors); each localisation fills the origin and the cause through :func:`finish`.
+"""
+
+from __future__ import annotations
+
+import linecache
+from typing import Any
+
+from .cause_text import HINTS
+from .load import Step
+from .precursors import find_precursors, history
+
+FORMAT = "nanreplay-report/1"
+
+
+def origin_fields(**kw) -> dict[str, Any]:
+    base = {"phase": None, "module": None, "call": None, "op": None, "param": None,
+            "params": [], "tensor": None, "samples": [], "source": None, "chain": [],
+            "micro_batch": None, "inputs_finite": None, "made": None, "detail": None}
+    base.update(kw)
+    return base
+
+
+def base_report(step: Step) -> dict[str, Any]:
+    meta = step.meta
+    ev = step.event
+    env = meta.get("env", {})
+    hist = history(meta, step.tensors)
+    dtypes = {m["name"]: m.get("dtype") for m in meta.get("modules", [])}
+    return {
+        "format": FORMAT,
+        "bundle": {"path": str(step.path), "rank": env.get("rank", 0), "torch": env.get("torch"),
+                   "stripped": step.stripped},
+        "event": {"step": ev.get("step"), "phase": ev.get("phase"), "module": ev.get("module"),
+                  "call": ev.get("call"), "micro_batch": ev.get("micro_batch"),
+                  "kind": ev.get("kind"), "params": ev.get("params", []),
+                  "tensor": ev.get("tensor"), "samples": ev.get("samples", []),
+                  "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation")),
+                  "compiled": bool(ev.get("compiled"))},
+        "reproduced": False,
+        "not_rerun": None,  # why nothing was re-run ("batch and weights stripped"), if so
+        "origin": origin_fields(),
+        "cause": None,
+        "hint": None,
+        "precursors": find_precursors(hist, dtypes=dtypes),
+        "bisection": None,
+        "fidelity": None,
+        "problems": list(step.problems),
+        "history": hist,
+    }
+
+
+def finish(report, origin, cause, *, reproduced: bool, hint: str | None = None
+           ) -> dict[str, Any]:
+    if report["event"].get("compiled") and not reproduced:
+        report["problems"].append(
+            "the event was recorded inside a torch.compile'd module and the replay runs it "
+            "eagerly: values only the compiled kernels make (fused arithmetic, inductor's own "
+            "dropout random numbers) do not come back; to make dropout replayable, train with "
+            "torch._inductor.config.fallback_random = True")
+    report["origin"] = origin
+    report["cause"] = cause
+    report["reproduced"] = reproduced
+    report["hint"] = hint or HINTS.get(cause)
+    src = origin.get("source")
+    if src:
+        path, _, line = src.rpartition(":")
+        text = linecache.getline(path, int(line)) if line.isdigit() else ""
+        report["source_lines"] = {src: text.rstrip()} if text else {}
+    return report
+
+
+def recorded_origin(report, step: Step, hint: str) -> dict[str, Any]:
+    """The origin the recorder saw, not reproduced and with no cause: nothing re-run is
+    evidence (the model could not be rebuilt, or was rebuilt differently)."""
+    ev = step.event
+    report = finish(report, origin_fields(
+        phase=ev.get("phase"), module=ev.get("module"), call=ev.get("call"),
+        micro_batch=ev.get("micro_batch"), tensor=ev.get("tensor"),
+        samples=ev.get("samples", []), params=ev.get("params", []),
+        param=(ev.get("params") or [None])[0], made=ev.get("kind"),
+        inputs_finite=ev.get("inputs_finite")), None, reproduced=False)
+    report["hint"] = hint
+    return report

@@ -1,0 +1,141 @@
+"""The origin of a forward event: the module call (bisection, then one probe run that names
+the innermost call with finite inputs), the aten op inside that call (the op finder), its rows,
+its source line and its cause.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+from recorder.finite import first_bad_rows
+
+from .cause import classify
+from .errors import StopRun
+from .findings import finish, origin_fields
+from .load import Step
+from .ops import OpFinder
+from .recorded import batch_size
+from .rerun import Runner
+from .run_result import Run
+from .source import user_source
+
+
+def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
+    # by the default policy a NaN made from NaN-free inputs is searched for as a NaN
+    nan_only = not run.strict_inf and o.nan and o.inputs_nan_free
+    probe_at, probes = runner.bisect(len(run.calls), nan_only=nan_only)
+    agrees = False
+    if probe_at is not None:
+        found = runner.probe_origin(probe_at, nan_only=nan_only)
+        probes += 1
+        agrees = found == (o.module, o.call, o.micro_batch)
+    # at most ceil(log2 calls) bisection runs, then the one run that finds the origin call
+    report["bisection"] = {"probes": probes, "agrees": agrees, "calls": len(run.calls),
+                           "limit": _log2_ceil(len(run.calls)) + 1}
+    recorded = o
+    finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
+    hit = finder.origin()
+    trigger = run.chain()[1] if not run.strict_inf else None
+    if hit is None and finder.intentional is not None and trigger not in (None, o):
+        # the call where the chain seemed to start only filled an intended +-inf (a mask):
+        # the event is the NaN made from it later
+        start, o = finder.intentional, trigger
+        finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
+        finder.intentional = finder.intentional or start
+        hit = finder.origin()
+    if hit is None and finder.intentional is not None:
+        # The only non-finite value is a literal +-inf fill that leaves the module as it is.
+        hit = finder.intentional
+        report["problems"].append(
+            f"{hit.op} fills a literal {hit.made} that reaches the output of "
+            f"'{o.module or '<root>'}'; if that infinity is intended, record with "
+            f"FlightRecorder(..., allow_inf=['{o.module or '*'}'])")
+    samples = o.bad_rows if _is_batch_dim(step, o) else _root_rows(run)
+    # made: what the blamed op made (the chain's first entry), not what the call returned
+    origin = origin_fields(
+        phase="forward", module=o.module, call=o.call, micro_batch=o.micro_batch,
+        inputs_finite=o.inputs_finite, made=hit.made if hit else o.kind, samples=samples,
+        op=hit.op if hit else None,
+        source=(hit.source if hit and hit.source else _module_source(step, o.module)),
+        chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None)
+    cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=hit)
+    # (the recorder names the chain's start as module statistics show it: ``recorded``)
+    reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module})
+    return finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
+
+
+def _find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder:
+    """Re-run the forward with the op finder active during one module call only."""
+    finder = OpFinder()
+    state = {"count": 0, "active": False}
+
+    def hooks(model):
+        hs = []
+        target = model.get_submodule(module) if module else model
+
+        def pre(m, args):
+            if runner.micro_batch == mb:
+                if state["count"] == call:
+                    state["active"] = True
+                    finder.__enter__()
+                state["count"] += 1
+
+        def post(m, args, out):
+            if state["active"]:
+                state["active"] = False
+                finder.__exit__(None, None, None)
+                raise StopRun
+
+        for name, m in model.named_modules():
+            if name in runner.allowed:
+                hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
+                hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
+        hs.append(target.register_forward_pre_hook(pre))
+        hs.append(target.register_forward_hook(post))
+        return hs
+
+    try:
+        runner.run(backward=False, instrument=False, hooks=hooks)
+    finally:
+        if state["active"]:
+            finder.__exit__(None, None, None)
+    return finder
+
+
+def _bump(finder: OpFinder, d: int) -> None:
+    finder.allowed_depth += d
+
+
+def _log2_ceil(n: int) -> int:
+    return max(0, (n - 1).bit_length())
+
+
+def _matches(step: Step, origin) -> bool:
+    ev = step.event
+    if ev.get("phase") != "forward":
+        return False
+    recorded, found = ev.get("module"), origin["module"]
+    if ev.get("compiled") and isinstance(recorded, str):  # the origin lies inside the region
+        return found == recorded or recorded == "" or found.startswith(recorded + ".")
+    return recorded == found
+
+
+def _is_batch_dim(step: Step, o) -> bool:
+    return bool(o.bad_rows) and o.bad_rows[-1] < batch_size(step)
+
+
+def _root_rows(run: Run) -> list[int]:
+    return first_bad_rows(t for outs in run.outputs for t in outs)
+
+
+def _module_source(step: Step, module: str) -> str | None:
+    try:
+        m = step.model.get_submodule(module) if module else step.model
+        fn = type(m).forward
+        path = inspect.getsourcefile(fn)
+        _, line = inspect.getsourcelines(fn)
+        return f"{os.path.relpath(path)}:{line}" if path else None
+    except (TypeError, OSError, AttributeError):
+        return user_source([])

@@ -1,0 +1,118 @@
+"""The instrumented pass: hooks on every module that record each call of a re-run as a
+:class:`~replay.run_result.Call` (inputs finite, outputs finite, exact (min, max), rows).
+
+This is the replay, not the recorder: every call reads its values on the host. A tensor that
+an earlier call made (the next call's input, an output a parent passes on) is reduced once,
+unless it was modified in place since (:class:`~replay.memo.TensorMemo`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from recorder.capture import tensor_leaves
+from recorder.finite import bad_rows, ends, finite, pair_kind, pair_ok
+
+from .memo import TensorMemo, TensorSet
+from .run_result import Call, Run
+
+# Model inputs and outputs are enumerated by the recorder's own walker, not pytree: the
+# replay's output index j must be the recorder's (recorded output gradients are keyed by it),
+# and pytree would leave a dict or tuple subclass it does not know unopened.
+
+
+class CallRecorder:
+    """Appends one :class:`Call` per module call to ``result``; ``runner`` says which modules
+    and buffers may hold +-Inf (``allowed``, ``allowed_buffers``) and which micro-batch runs
+    (``micro_batch``)."""
+
+    def __init__(self, runner, result: Run):
+        self.runner, self.result = runner, result
+        self.stack: list[int] = []  # call ids of the calls running, outermost first
+        self.counts: dict[tuple[str, int], int] = {}  # (module, micro-batch) -> calls so far
+        self.pending: dict[int, tuple] = {}  # call id -> (input flags, enclosing call ids)
+        self.started = 0
+        self.produced_allowed = TensorSet()  # outputs of modules allowed to hold +-Inf
+        self.checked = TensorMemo()  # tensor -> its (min, max) on the host
+
+    def install(self, model) -> list:
+        handles = []
+        for name, m in model.named_modules():
+            handles.append(m.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            handles.append(m.register_forward_hook(self._post(name), with_kwargs=True))
+        return handles
+
+    def _pair(self, t: torch.Tensor) -> tuple[float, float]:
+        pair = self.checked.get(t)
+        return pair if pair is not None else self.checked.put(t, tuple(ends(t).tolist()))
+
+    def _inputs_ok(self, args, kwargs) -> tuple[bool, bool, bool]:
+        """Finite (allow_inf honoured), finite (every +-Inf counted), NaN-free."""
+        ok = every = nan_free = True
+        for t in tensor_leaves([list(args), kwargs]):
+            if not t.is_floating_point() or t.numel() == 0:
+                if t.is_complex() and not finite(t):
+                    ok = every = False
+                    nan_free = nan_free and not bool(torch.isnan(t).any())
+                continue
+            soft = id(t) in self.runner.allowed_buffers or t in self.produced_allowed
+            pair = self._pair(t)
+            ok = ok and pair_ok(*pair, allow_inf=soft)
+            every = every and pair_ok(*pair)
+            nan_free = nan_free and pair_ok(*pair, allow_inf=True)
+        return ok, every, nan_free
+
+    def _pre(self, name: str):
+        def hook(module, args, kwargs):
+            call_id = self.started
+            self.started += 1
+            self.pending[call_id] = (self._inputs_ok(args, kwargs), tuple(self.stack))
+            self.stack.append(call_id)
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, kwargs, output):
+            if self.stack:
+                self._record(name, self.stack.pop(), output)
+        return hook
+
+    def _output_pairs(self, outs: list[torch.Tensor]) -> list[tuple[float, float]]:
+        """(min, max) of each output: one stacked read for those not seen before."""
+        pairs = [self.checked.get(t) for t in outs]
+        todo = [i for i, p in enumerate(pairs) if p is None]
+        if todo:
+            fresh = torch.stack([ends(outs[i]) for i in todo]).tolist()
+            for i, pair in zip(todo, fresh):
+                pairs[i] = tuple(pair)
+        return pairs
+
+    def _record(self, name: str, call_id: int, output) -> None:
+        (ok_in, every_in, nan_free_in), parents = self.pending.pop(call_id)
+        outs = [t for t in tensor_leaves(output) if t.is_floating_point() and t.numel()]
+        allowed = name in self.runner.allowed
+        pairs = self._output_pairs(outs)
+        ok_out = all(pair_ok(lo, hi, allow_inf=allowed) for lo, hi in pairs)
+        kind = next((pair_kind(lo, hi) for lo, hi in pairs if not pair_ok(lo, hi)), None)
+        for t, pair in zip(outs, pairs):
+            self.checked.put(t, pair)
+            if allowed:
+                self.produced_allowed.add(t)
+        mm = tuple(tuple(repr(v) for v in pair) for pair in pairs)
+        mb = self.runner.micro_batch
+        k = self.counts.get((name, mb), 0)
+        self.counts[(name, mb)] = k + 1
+        rows = _output_rows(outs) if not ok_out else []
+        nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs)
+        self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
+                                      mm, parents, call_id, rows, nan, every_in, nan_free_in))
+
+
+def _output_rows(outs: list[torch.Tensor]) -> list[int]:
+    """The non-finite rows of a call's first batched non-finite output: a 0-d one (a loss
+    computed in the model) names no row, unless the call returned nothing else."""
+    batched = [t for t in outs if t.dim()]
+    if not batched:
+        return bad_rows(outs[0]) if outs else []
+    return next((bad_rows(t) for t in batched if not finite(t)), [])

@@ -1,0 +1,48 @@
+"""A value computed from a tensor, remembered while that tensor lives unmodified.
+
+A module's output is often the next call's input, or passed on by its parent: one run reduces
+it once. The memo is keyed by identity and checked against a weak reference (an id is reused
+once its tensor is freed) and the version counter (an in-place write makes a new value).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from .compat import version
+
+
+class TensorMemo:
+    """``memo.get(t)`` is what ``memo.put(t, value)`` stored, None once ``t`` was freed or
+    written in place since."""
+
+    def __init__(self):
+        self._seen: dict[int, tuple[weakref.ref, int, Any]] = {}
+
+    def get(self, t: torch.Tensor) -> Any:
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == version(t):
+            return hit[2]
+        return None
+
+    def put(self, t: torch.Tensor, value: Any) -> Any:
+        self._seen[id(t)] = (weakref.ref(t), version(t), value)
+        return value
+
+
+class TensorSet:
+    """Tensors by identity, held weakly: whether ``t`` itself was added (an id is reused once
+    its tensor is freed)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        self._refs[id(t)] = weakref.ref(t)
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t

@@ -1,0 +1,182 @@
+"""The origin of the other events: weights non-finite before the step, a non-finite loss (re-run
+with the op finder), a loss the bundle cannot re-run, a gradient entering the model from
+outside, the backward (:mod:`replay.backward`), and the optimizer's update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from recorder.capture import tensor_leaves
+from recorder.finite import bad_rows, finite, kind_of
+
+from . import outside
+from .backward import find_backward_origin
+from .cause import classify
+from .findings import finish, origin_fields
+from .load import Step, autocast_as_recorded, loss_inputs
+from .ops import OpFinder
+from .recorded import batch_size
+from .rerun import Runner
+from .run_result import Run
+
+
+def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
+    """Weights non-finite when the step began. The recorder's evidence from right after the
+    last update (``last_update_step``) says the update left them finite: written since, outside
+    ``optimizer.step()``."""
+    ev = step.event
+    seen, last = ev.get("first_seen_step"), ev.get("last_update_step")
+    report = finish(report, origin_fields(phase="weights", params=bad, param=bad[0],
+                                          first_seen_step=seen, last_update_step=last),
+                    "weights", reproduced=True)
+    if last is not None:
+        report["problems"].append(
+            f"{bad[0]} was first seen non-finite at step {seen}; the last update (step {last}) "
+            "left it finite, so it was written outside optimizer.step() since: an in-place "
+            "edit, a checkpoint or state_dict load, another process, a hardware fault")
+    return report
+
+
+def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
+    finder = OpFinder(batch_size=batch_size(step) or None)
+    mb = next(i for i, ok in enumerate(run.loss_finite) if not ok)
+    args, kwargs = _loss_args(step, run, mb)
+    with autocast_as_recorded(step.micro_batches[mb], step.device), finder:
+        loss = step.loss_fn(*args, **kwargs)
+    made = next((kind_of(t) for t in tensor_leaves(loss) if not finite(t)), None)
+    del loss
+    hit = finder.origin()
+    origin = origin_fields(
+        phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
+        source=hit.source if hit else None, chain=finder.chain(),
+        samples=_loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
+        made=hit.made if hit else made)
+    cause = classify(runner, "loss", hit=hit, micro_batch=mb)
+    return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
+                  hint=cause.hint)
+
+
+def _loss_args(step: Step, run: Run, mb: int):
+    args, kwargs = loss_inputs(step, mb, [t.detach() for t in run.outputs[mb]])
+    return args, kwargs
+
+
+def _loss_samples(step: Step, run: Run, mb: int) -> list[int]:
+    """Rows whose own loss is non-finite (the loss re-run with reduction='none')."""
+    fn = step.loss_fn
+    if not hasattr(fn, "reduction"):
+        return []
+    args, kwargs = _loss_args(step, run, mb)
+    saved = fn.reduction
+    try:
+        fn.reduction = "none"
+        with torch.no_grad():
+            per = fn(*args, **kwargs)
+        return bad_rows(per) if isinstance(per, torch.Tensor) and per.dim() else []
+    except Exception:
+        return []
+    finally:
+        fn.reduction = saved
+
+
+def report_loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
+    """A loss event with no loss to call: one computed inline and given to ``record_loss``
+    (the Lightning callback's ``training_step`` loss), or a recorded loss that cannot be
+    rebuilt (its note says why). The model's outputs re-ran finite, which is as far as the
+    bundle goes."""
+    ev = step.event
+    report = finish(report, origin_fields(phase="loss", module="<loss>",
+                                          micro_batch=ev.get("micro_batch"), made=ev.get("kind")),
+                    None, reproduced=False)
+    if (step.meta.get("loss") or {}).get("kind") == "recorded":
+        report["problems"].append(
+            "the loss was given to record_loss (computed outside the recorded model), so the "
+            "bundle holds its value but nothing to re-run it with; the model's outputs re-ran "
+            "finite")
+    report["hint"] = ("the loss computation made the value from finite model outputs: check "
+                      "its inputs (every target ignored gives a 0/0 mean; log of a zero "
+                      "probability). " + _sentence(outside.replayable_loss_hint(step)))
+    return report
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None:
+    """The model re-ran finite and as recorded, its backward from the re-run loss (if any) too:
+    a non-finite gradient recorded at the model's output came from a loss the replay cannot
+    re-run (see replay.outside)."""
+    found = outside.entering_origin(step, runner)
+    if found is None:
+        grads = outside.recorded_output_grads(step)
+        if not outside.non_finite_entries(grads):
+            return None
+        # the model's backward makes non-finite values of its own as well: find them with
+        # the entering gradient's non-finite entries set to 0
+        runner.out_grads = outside.zeroed(grads)
+        try:
+            report = report_backward(report, runner)
+        finally:
+            runner.out_grads = None
+        report["problems"].append(
+            "the gradient entering the model's output was non-finite too (the loss made it); "
+            "the backward origin above was found with those entries set to 0")
+        return report
+    fields, reproduced = found
+    report = finish(report, origin_fields(**fields), None, reproduced=reproduced)
+    info = step.meta.get("loss") or {}
+    if info.get("kind") == "recorded":
+        report["problems"].append(
+            "the loss given to record_loss was computed outside the recorded model, so the "
+            "bundle holds its value but nothing to re-run it with")
+    elif step.loss_fn is not None:
+        report["problems"].append(
+            "the loss_fn the replay re-ran is finite with finite gradients: the loop's loss "
+            "holds terms computed outside it")
+    if not reproduced:
+        report["problems"].append(
+            "feeding the recorded output gradient through the model's backward did not give "
+            "the recorded non-finite parameter gradients back")
+    report["hint"] = outside.replayable_loss_hint(step)
+    return report
+
+
+def report_backward(report, runner: Runner) -> dict[str, Any]:
+    b = find_backward_origin(runner, batch_size(runner.step))
+    origin = origin_fields(
+        phase="backward", module=b.module, op=b.node, source=b.source, params=b.params,
+        param=(b.params or [None])[0], made=b.made, samples=b.samples,
+        micro_batch=b.micro_batch, anomaly_node=b.anomaly_node,
+        chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
+    cause = classify(runner, "backward", node=b.node)
+    return finish(report, origin, cause.name,
+                  reproduced=runner.step.event.get("phase") == "backward", hint=cause.hint)
+
+
+def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
+    _decode_non_finite_hyper(step.optimizer)
+    runner.run(instrument=False)
+    finder = OpFinder()
+    with finder:
+        step.optimizer.step()
+    bad = [n for n, p in step.model.named_parameters() if not finite(p)]
+    hit = finder.origin()
+    origin = origin_fields(phase="optimizer", params=bad, param=(bad or [None])[0],
+                           op=hit.op if hit else None, source=hit.source if hit else None,
+                           chain=finder.chain())
+    return finish(report, origin, "optimizer", reproduced=bool(bad))
+
+
+def _decode_non_finite_hyper(opt) -> None:
+    """The bundle's JSON spells non-finite floats as 'nan', 'inf', '-inf' (``jsonable``); a
+    NaN learning rate is exactly what this replay must re-run, so turn them back into floats
+    where the optimizer's own default for that hyper-parameter is a float."""
+    for group in opt.param_groups:
+        for k, v in group.items():
+            if isinstance(v, str) and v in ("nan", "inf", "-inf") \
+                    and isinstance(opt.defaults.get(k), float):
+                group[k] = float(v)

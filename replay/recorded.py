@@ -1,0 +1,116 @@
+"""What the bundle itself says, before anything is re-run: the batch size, non-finite batch
+tensors and weights (under the recording's +-Inf policy and ``allow_inf``), the input origin,
+and the loss scale the event step ran with.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from recorder.capture import batch_path, flatten_tree, loss_path
+from recorder.finite import bad_rows, finite, kind_of, matches
+
+from .findings import origin_fields
+from .load import Step, micro_batch_inputs
+
+
+def batch_size(step: Step, i: int = 0) -> int:
+    mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
+    paths = mb.get("paths", {})
+    for key in paths:
+        t = step.tensors.get(key)
+        if t is not None and t.dim() > 0:
+            return int(t.shape[0])
+    return 0
+
+
+def _batch_nan(step: Step) -> bool:
+    return any(k.startswith("batch/") and t.is_floating_point() and bool(torch.isnan(t).any())
+               for k, t in step.tensors.items())
+
+
+def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
+    """A recorded batch tensor holds NaN (or +-Inf, unless ``nan_only`` or ``allow_inf``
+    names the root input it is in)."""
+    soft = {k for mb in step.micro_batches for k, raw in mb.get("paths", {}).items()
+            if _allowed(step, _root_input_name(raw))}
+    return any(k.startswith(prefixes) and not finite(t, allow_inf=nan_only or k in soft)
+               for k, t in step.tensors.items())
+
+
+def _root_input_name(raw: str) -> str:
+    """The root input a batch path (into ``[list(args), kwargs]``) lies in, as ``allow_inf``
+    names it: ``args[i]`` or the keyword."""
+    if raw.startswith("[0]["):
+        return f"args[{raw[4:].partition(']')[0]}]"
+    if raw.startswith("[1]["):
+        key = raw[4:].partition("]")[0]
+        return key.strip('"') if key.startswith('"') else key
+    return raw
+
+
+def non_finite_weights(step: Step) -> list[str]:
+    # by the default policy a buffer may hold +-Inf (a causal mask), not NaN
+    soft = not step.meta.get("strict_inf", True)
+    out = []
+    for k, t in step.tensors.items():
+        if k.startswith(("weights/", "buffers/")) and not finite(t):
+            name = k.split("/", 1)[1]
+            if k.startswith("buffers/") and (_allowed(step, name) or finite(t, allow_inf=soft)):
+                continue
+            out.append(name)
+    return out
+
+
+def _allowed(step: Step, name: str) -> bool:
+    return matches(name, step.meta.get("allow_inf", []))
+
+
+def input_origin(step: Step) -> dict[str, Any]:
+    """The batch tensor (or loss target) holding the non-finite values, and its rows: one
+    holding NaN first (a float -inf mask beside it is no bad data by itself)."""
+    nan = _batch_nan(step)
+    for i, mb in enumerate(step.micro_batches):
+        if "inputs" not in mb:
+            continue
+        args, kwargs = micro_batch_inputs(step, i)
+        _, tensors, paths = flatten_tree([list(args), kwargs], "x")
+        for key, t in tensors.items():
+            soft = nan or _allowed(step, _root_input_name(paths[key]))
+            if soft and not (t.is_floating_point() and bool(torch.isnan(t).any())):
+                continue
+            rows = bad_rows(t)
+            if rows:
+                return origin_fields(phase="input", tensor=batch_path(paths[key], len(args)),
+                                     samples=rows, micro_batch=i, made=kind_of(t))
+        for key, raw in mb.get("loss_paths", {}).items():
+            t = step.tensors.get(key)
+            if t is not None and bad_rows(t):
+                return origin_fields(phase="input", tensor=loss_path(raw), samples=bad_rows(t),
+                                     micro_batch=i, made=kind_of(t))
+    ev = step.event
+    return origin_fields(phase="input", tensor=ev.get("tensor"), samples=ev.get("samples", []),
+                         micro_batch=ev.get("micro_batch"), made=ev.get("kind"))
+
+
+def scale_of_the_step(step: Step) -> float | None:
+    """The loss scale the event step's backward ran with: the scale the ring recorded after
+    the step before (the scaler's update sets the next step's scale), else the step's own,
+    with the backoff undone when the scaler skipped it."""
+    t, k = step.tensors, step.event.get("step")
+    if "ring/scale" not in t or "ring/steps" not in t:
+        return None
+    steps, scales = t["ring/steps"].tolist(), t["ring/scale"].tolist()
+    if k - 1 in steps and math.isfinite(scales[steps.index(k - 1)]):
+        return scales[steps.index(k - 1)]
+    if k not in steps or not math.isfinite(scales[steps.index(k)]):
+        return None
+    i = steps.index(k)
+    state = (step.meta.get("grad_scaler") or {}).get("state") or {}
+    state = dict(state.get("$dict", [])) if isinstance(state, dict) else {}
+    backoff = state.get("backoff_factor", 0.5)
+    skipped = "ring/skipped" in t and bool(t["ring/skipped"][i])
+    return scales[i] / backoff if skipped and backoff else scales[i]

@@ -1,0 +1,93 @@
+"""What one re-run of the step saw: its module calls in completion order, the loss, the
+parameters left with non-finite gradients, and what the model's own code raised.
+
+:meth:`Run.forward_origin` and :meth:`Run.chain` read the forward's origin from the calls;
+:meth:`Run.signature` is what two runs of a deterministic step agree on, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Call:
+    """One module call of a run, in completion order."""
+
+    index: int  # completion order across the step
+    module: str
+    call: int  # k-th call of this module in its micro-batch
+    micro_batch: int
+    inputs_finite: bool
+    outputs_finite: bool
+    kind: str | None
+    minmax: tuple  # exact (min, max) of each output, as strings, to compare runs
+    parents: tuple[int, ...] = ()  # module-call ids enclosing it (outermost first)
+    call_id: int = 0  # start order, for parent links
+    bad_rows: list[int] = field(default_factory=list)
+    nan: bool = False  # an output holds NaN
+    inputs_all_finite: bool = True  # no NaN/+-Inf in its inputs, allowed or not
+    inputs_nan_free: bool = True
+
+
+@dataclass
+class Run:
+    calls: list[Call] = field(default_factory=list)
+    loss_finite: list[bool] = field(default_factory=list)
+    loss_values: list[str] = field(default_factory=list)
+    bad_grads: list[str] = field(default_factory=list)
+    outputs: list[list[torch.Tensor]] = field(default_factory=list)
+    losses: list[Any] = field(default_factory=list)
+    error: Exception | None = None  # what the model's own code raised, ending the run there
+    strict_inf: bool = True  # the recording's policy (see FlightRecorder's strict_inf)
+    allowed: frozenset = frozenset()  # modules allowed to hold +-Inf (allow_inf)
+
+    @property
+    def raised(self) -> str | None:
+        """``error`` in one line (``"RuntimeError: ..."``), or None."""
+        e = self.error
+        return None if e is None else " ".join(f"{type(e).__name__}: {e}".split())
+
+    def forward_origin(self) -> Call | None:
+        """First call (completion order) to make a non-finite output from finite inputs; by
+        the default policy, where the chain of the forward event starts (:meth:`chain`)."""
+        if not self.strict_inf:
+            return self.chain()[0]
+        bad = [c for c in self.calls if not c.outputs_finite]
+        made = [c for c in bad if c.inputs_finite]
+        return made[0] if made else (bad[0] if bad else None)
+
+    def chain(self) -> tuple[Call | None, Call | None, bool]:
+        """By the default policy (``strict_inf=False``, as ``recorder.events`` decides): the
+        call where the forward event's chain starts, the event's call (the first NaN made from
+        NaN-free inputs, else a +-Inf in the root output), and whether the chain started in
+        the batch (+-Inf that came in; the first call is then the root's). Nones: no event."""
+        calls, allowed = self.calls, self.allowed
+        nan = [c for c in calls if c.nan]
+        made = [c for c in nan if c.inputs_nan_free]
+        trigger = made[0] if made else (nan[0] if nan else None)
+        if trigger is None:
+            trigger = next((c for c in calls if c.module == "" and not c.outputs_finite
+                            and "" not in allowed), None)
+        if trigger is None:
+            return None, None, False
+        before = [c for c in calls[:calls.index(trigger)]
+                  if c.micro_batch == trigger.micro_batch and not c.outputs_finite
+                  and c.inputs_all_finite and c.module not in allowed]
+        if trigger.inputs_all_finite:  # made inside it: by it, or by a call it encloses
+            inside = [c for c in before if trigger.call_id in c.parents]
+            return (inside[0] if inside else trigger), trigger, False
+        infs = [c for c in before if not c.nan]
+        if infs:  # it consumed an infinity made earlier (an overflow)
+            return infs[0], trigger, False
+        root = next((c for c in calls if c.module == "" and c.micro_batch == trigger.micro_batch
+                     and not c.inputs_all_finite), None)
+        return (root or trigger), trigger, root is not None
+
+    def signature(self) -> tuple:
+        """What two runs of a deterministic step must agree on, bit for bit."""
+        return (tuple((c.module, c.call, c.micro_batch, c.minmax) for c in self.calls),
+                tuple(self.loss_values), tuple(self.bad_grads), self.raised)

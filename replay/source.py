@@ -1,0 +1,78 @@
+"""Whose code it was: the user's source line of an op or an autograd node, and whether an
+exception came from the model's own code or from the replay.
+
+A frame is the user's when it is neither torch's nor nanreplay's (nor Python's own glue:
+``<string>``, ``contextlib``, ``threading``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import traceback
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
+                  for d in ("replay", "recorder"))
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+# set on an exception an aten op raised inside one of the replay's dispatch modes
+OP_ERROR = "nanreplay_op_error"
+
+
+def user_source(stack=None) -> str | None:
+    """``file:line`` of the innermost frame that is neither torch nor nanreplay.
+
+    Walking out from the op: the watcher's own frames, then torch's; the first other frame is
+    the user's code that called into torch. Reaching a frame of nanreplay instead means the
+    replay itself called torch there (``optimizer.step()`` of a built-in optimizer): no user
+    line made the op, and the replay's callers (a test, the CLI) are not it either.
+    """
+    frames = stack if stack is not None else traceback.extract_stack()
+    left_own = False
+    for fr in reversed(frames):
+        f = fr.filename
+        if f.startswith(_OWN_DIRS):
+            if left_own:
+                return None
+            continue
+        left_own = True
+        if f.startswith(_TORCH_DIR) or f.startswith("<"):
+            continue
+        if os.sep + "contextlib.py" in f or os.sep + "threading.py" in f:
+            continue
+        return f"{short_path(f)}:{fr.lineno}"
+    return None
+
+
+def traceback_source(text: str) -> str | None:
+    """``file:line`` of the innermost user frame in a formatted traceback (an autograd node's
+    forward traceback, as anomaly mode keeps it)."""
+    for path, line in reversed(_FRAME.findall(text)):
+        if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIRS) or path.startswith("<"):
+            continue
+        return f"{short_path(path)}:{line}"
+    return None
+
+
+def short_path(path: str) -> str:
+    """``path`` relative to the current directory when it lies below it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+def raised_by_model(e: BaseException) -> bool:
+    """Whether the model's (or its loss's) own code raised ``e`` during a re-run, rather than
+    the replay: an op failing inside a dispatch mode (marked :data:`OP_ERROR`), else the
+    innermost frame outside torch is not nanreplay's."""
+    if getattr(e, OP_ERROR, False):
+        return True
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        if frame.filename.startswith(_TORCH_DIR) or frame.filename.startswith("<"):
+            continue
+        return not frame.filename.startswith(_OWN_DIRS)
+    return False
