@@ -5,6 +5,26 @@ samples and cause of its first non-finite value. The command line is ``nanreplay
 >>> report = replay("nan-bundles/step00000006-rank0.nan")
 >>> report["origin"]["op"], report["cause"]
 ('aten.log', 'invalid')
+
+Layout, in the order a replay goes (each module imports only those before it):
+
+- ``compat``: every private PyTorch API used here (dispatch mode, pytree, version counters,
+  op schemas, module tables); ``errors``: ``ReplayError`` and the run-ending ``StopRun``;
+- ``trust``, ``losses``, ``load``, ``strip``: the trust rule for recorded names; rebuilding
+  the loss; ``read_step`` / ``build`` (model, weights, optimizer, batches); shareable copies;
+- ``source``, ``memo``, ``ops``: whose code a frame is; values kept per unmodified tensor; the
+  aten op finder (``OpFinder``), the float64 mode and the op capture;
+- ``run_result``, ``instrument``, ``bisection``, ``rerun``: what a re-run saw (``Run``,
+  ``Call``); the instrumented pass; the probes and the bisection; ``Runner``, which runs the
+  step as recorded (or in float64) with those hooks;
+- ``fidelity``, ``outside``, ``backward``, ``domains``, ``cause_text``, ``cause``: is the
+  rebuilt model the recorded one; a loss outside the model; the backward node finder; the cause
+  and its words;
+- ``precursors``, ``findings``, ``recorded``, ``forward``, ``origins``, ``analyze``: the
+  history; the report's fields; what the bundle alone says; localising each phase; the
+  analysis that picks the phase;
+- ``report``, ``html``, ``cli``: the text/JSON report and ``--info``, the HTML page, the
+  ``nanreplay`` command.
 """
 
 from __future__ import annotations

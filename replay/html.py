@@ -21,7 +21,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .cause_text import MEANING as CAUSES
+from recorder.finite import LABELS
+
+from .cause_text import MEANING
 
 __all__ = ["render_html"]
 
@@ -108,8 +110,8 @@ def _verdict(report: dict) -> str:
     blamed = [c for c in chain if isinstance(c, dict) and c.get("op") == _get(origin, "op")]
     made = str(_get(origin, "made") or (_get(blamed[0], "made") if blamed else "")
                or (_get(chain[0], "made") if chain else "") or "")
-    what = {"nan": "NaN", "inf": "Inf", "-inf": "-Inf", "+inf": "Inf"}.get(made.lower(), made)
-    what = what or "A non-finite value"
+    # the kind in words (recorder.finite's), +Inf without its sign: "Inf first made by"
+    what = LABELS.get(made.lower().removeprefix("+"), made) or "A non-finite value"
     step = _get(event, "step")
     if not event:
         text = "No non-finite value was recorded in this bundle."
@@ -136,8 +138,8 @@ def _verdict(report: dict) -> str:
                  if _get(event, "evaluation") is True else f" at step {_e(step)}.")
     if cause:
         text = text.rstrip(".") + f" — cause: <b>{_e(cause)}</b>."
-        if str(cause) in CAUSES:
-            text += f' <span class="meta">({_e(CAUSES[str(cause)])})</span>'
+        if str(cause) in MEANING:
+            text += f' <span class="meta">({_e(MEANING[str(cause)])})</span>'
     body = f"<p>{text}</p>" + (f'<p class="hint">Hint: {_e(hint)}</p>' if hint else "")
     cls = "" if _get(report, "reproduced") else ' class="ok"'
     return f'<section id="verdict"{cls}>{body}</section>'
@@ -255,22 +257,9 @@ def _line_plot(pid: str, title: str, steps: Sequence[Any], series: list[list[flo
                    f'stroke="{EVENT}" stroke-width="1.5" stroke-dasharray="5 3"><title>event step '
                    f"{_e(event)}</title></line>")
     for k, vals in enumerate(series or [[]]):
-        colour, d, pen = SERIES[k % len(SERIES)], [], "M"
-        for i, v in enumerate(vals[: len(xs)]):
-            if v is None or not math.isfinite(v) or (log and v <= 0):
-                pen = "M"
-                if v is not None and not math.isfinite(v):
-                    x = px(xs[i])
-                    out.append(f'<path class="nonfinite" d="M{x - 4:.1f} {T + 1}h8l-4 7z" '
-                               f'fill="{BAD}"><title>step {_e(steps[i])}: {_fmt(v)}</title></path>')
-                continue
-            d.append(f"{pen}{px(xs[i]):.1f} {py(v):.1f}")
-            pen = "L"
         name = names[k] if names and k < len(names) else title
-        out.append(f'<path class="series" data-series="{_e(name)}" d="{" ".join(d)}" fill="none" '
-                   f'stroke="{colour}" stroke-width="1.8" stroke-linejoin="round"/>')
-        if len(d) == 1:  # a lone point has no line: draw a dot
-            out.append(f'<circle cx="{d[0][1:].split()[0]}" cy="{d[0].split()[1]}" r="2.5" fill="{colour}"/>')
+        out.append(_series(vals[: len(xs)], [px(x) for x in xs], steps, py, log, T, name,
+                           SERIES[k % len(SERIES)]))
     if not fin:
         out.append(f'<text x="{(L + W) / 2}" y="{(T + H - B) / 2 + 4}" text-anchor="middle">'
                    "no finite values recorded</text>")
@@ -279,6 +268,28 @@ def _line_plot(pid: str, title: str, steps: Sequence[Any], series: list[list[flo
             out.append(f'<text x="{W - R - 110 * (len(names) - k)}" y="15" '
                        f'style="fill:{SERIES[k % len(SERIES)]}">■ {_e(n)}</text>')
     return "".join(out) + "</svg>"
+
+
+def _series(vals: list[float | None], xs: list[float], steps: Sequence[Any], py, log: bool,
+            top: float, name: str, colour: str) -> str:
+    """One series' path (gaps at missing or non-finite points, the latter as red ticks at the
+    ``top``) at x positions ``xs``, ``py`` mapping a value to y."""
+    out, d, pen = [], [], "M"
+    for i, v in enumerate(vals):
+        if v is None or not math.isfinite(v) or (log and v <= 0):
+            pen = "M"
+            if v is not None and not math.isfinite(v):
+                out.append(f'<path class="nonfinite" d="M{xs[i] - 4:.1f} {top + 1}h8l-4 7z" '
+                           f'fill="{BAD}"><title>step {_e(steps[i])}: {_fmt(v)}</title></path>')
+            continue
+        d.append(f"{pen}{xs[i]:.1f} {py(v):.1f}")
+        pen = "L"
+    out.append(f'<path class="series" data-series="{_e(name)}" d="{" ".join(d)}" fill="none" '
+               f'stroke="{colour}" stroke-width="1.8" stroke-linejoin="round"/>')
+    if len(d) == 1:  # a lone point has no line: draw a dot
+        out.append(f'<circle cx="{d[0][1:].split()[0]}" cy="{d[0].split()[1]}" r="2.5" '
+                   f'fill="{colour}"/>')
+    return "".join(out)
 
 
 def _plots(history: dict) -> str:

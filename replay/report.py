@@ -7,6 +7,9 @@ from typing import Any
 
 from recorder.bundle import BundleReader, jsonable
 
+from .fidelity import describe
+from .load import check_meta
+
 _GROUPS = {"weights/": "weights", "buffers/": "buffers", "grads/": "gradients",
            "optim/": "optimizer state", "optim_group/": "optimizer state",
            "batch/": "batch", "loss_in/": "loss targets", "outgrad/": "output gradients",
@@ -35,14 +38,32 @@ def _where(o: dict[str, Any]) -> str:
 
 
 def to_text(report: dict[str, Any]) -> str:
-    ev, o = report["event"], report["origin"]
-    lines = []
+    """The text report: the verdict line, then one labelled line per finding."""
+    ev = report["event"]
     state = ("reproduced" if report["reproduced"] else
              f"not re-run ({report['not_rerun']})" if report.get("not_rerun") else
              "NOT reproduced")
     when = (f"evaluation forward before step {ev.get('step')}" if ev.get("evaluation")
             else f"step {ev.get('step')}")
-    lines.append(f"nanreplay: {when}, {ev.get('phase')} event — {state}")
+    lines = [f"nanreplay: {when}, {ev.get('phase')} event — {state}"]
+    lines += _origin_lines(report)
+    lines += _cause_lines(report)
+    for p in report.get("problems", []):
+        lines.append(f"  note       {p}")
+    pre = report.get("precursors", [])
+    if pre:
+        lines.append("  precursors")
+        for p in pre[:10]:
+            lines.append(f"    step {p['step']:>6}  {p['kind']:<15} {p['detail']}")
+        if len(pre) > 10:
+            lines.append(f"    ... {len(pre) - 10} more")
+    return "\n".join(lines)
+
+
+def _origin_lines(report: dict[str, Any]) -> list[str]:
+    """Origin, fidelity, compiled region, source, chain, anomaly and samples lines."""
+    ev, o = report["event"], report["origin"]
+    lines = []
     made = o.get("made") or ev.get("kind") or "non-finite value"
     if o.get("phase") and o.get("detail"):  # a sentence instead of an op (replay.outside)
         lines.append(f"  origin     {o['phase']}: {o['detail']}")
@@ -56,8 +77,6 @@ def to_text(report: dict[str, Any]) -> str:
         lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o)}{fin}")
     fid = report.get("fidelity")
     if fid and fid.get("matches") is False:
-        from .fidelity import describe
-
         lines.append(f"  fidelity   {describe(fid)}")
     if ev.get("compiled"):
         name = "<root>" if ev.get("module") == "" else ev.get("module")
@@ -80,6 +99,13 @@ def to_text(report: dict[str, Any]) -> str:
         else:
             lines.append(f"  samples    {s[:16]}" + (f" (+{len(s) - 16})" if len(s) > 16
                                                       else ""))
+    return lines
+
+
+def _cause_lines(report: dict[str, Any]) -> list[str]:
+    """The cause with its hint (the wording is the report's, from replay.cause_text and
+    replay.cause), and the bisection."""
+    lines = []
     if report.get("cause"):
         lines.append(f"  cause      {report['cause']} — {report.get('hint') or ''}".rstrip(" —"))
     elif report.get("hint"):
@@ -89,22 +115,11 @@ def to_text(report: dict[str, Any]) -> str:
         agree = "agrees with" if b["agrees"] else "DISAGREES with"
         lines.append(f"  bisection  {b['probes']} re-runs over {b['calls']} calls "
                      f"(limit {b['limit']}), {agree} the instrumented pass")
-    for p in report.get("problems", []):
-        lines.append(f"  note       {p}")
-    pre = report.get("precursors", [])
-    if pre:
-        lines.append("  precursors")
-        for p in pre[:10]:
-            lines.append(f"    step {p['step']:>6}  {p['kind']:<15} {p['detail']}")
-        if len(pre) > 10:
-            lines.append(f"    ... {len(pre) - 10} more")
-    return "\n".join(lines)
+    return lines
 
 
 def info(path) -> dict[str, Any]:
     """What a bundle holds, from its header alone: nothing is imported or re-run."""
-    from .load import check_meta
-
     with BundleReader(path) as r:
         meta, entries = r.meta, r.entries
     check_meta(meta, path)
