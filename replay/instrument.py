@@ -12,15 +12,11 @@ import math
 
 import torch
 
-from recorder.capture import tensor_leaves
+from recorder.capture import tensor_leaves  # not pytree: see replay.rerun
 from recorder.finite import bad_rows, ends, finite, pair_kind, pair_ok
 
 from .memo import TensorMemo, TensorSet
 from .run_result import Call, Run
-
-# Model inputs and outputs are enumerated by the recorder's own walker, not pytree: the
-# replay's output index j must be the recorder's (recorded output gradients are keyed by it),
-# and pytree would leave a dict or tuple subclass it does not know unopened.
 
 
 class CallRecorder:

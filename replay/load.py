@@ -62,9 +62,6 @@ class Step:
     def micro_batches(self) -> list[dict[str, Any]]:
         return self.meta.get("micro_batches", [])
 
-    def module_names(self) -> list[str]:
-        return [m["name"] for m in self.meta.get("modules", [])]
-
 
 def read_step(path: str | os.PathLike) -> Step:
     meta, tensors = read_bundle(path)

@@ -13,6 +13,9 @@ import contextlib
 import torch
 from torch import nn
 
+# Model outputs and losses are walked with the recorder's own tensor_leaves, not pytree: output j
+# here must be the recorder's output j (recorded output gradients are keyed by it), and pytree
+# leaves a dict or tuple subclass it does not know (a user's output type) unopened.
 from recorder.capture import restore_rng, tensor_leaves
 from recorder.finite import finite, matches
 
@@ -130,7 +133,6 @@ class Runner:
                 loss = self.step.loss_fn(*args, **kwargs)
         self.last_loss = loss
         vals = [t for t in tensor_leaves(loss) if t.is_floating_point()]
-        result.losses.append(loss)
         result.loss_finite.append(all(finite(t) for t in vals))
         result.loss_values.append(";".join(repr(t.detach().double().sum().item()) for t in vals))
         return loss

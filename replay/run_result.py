@@ -8,7 +8,6 @@ parameters left with non-finite gradients, and what the model's own code raised.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -40,7 +39,6 @@ class Run:
     loss_values: list[str] = field(default_factory=list)
     bad_grads: list[str] = field(default_factory=list)
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
-    losses: list[Any] = field(default_factory=list)
     error: Exception | None = None  # what the model's own code raised, ending the run there
     strict_inf: bool = True  # the recording's policy (see FlightRecorder's strict_inf)
     allowed: frozenset = frozenset()  # modules allowed to hold +-Inf (allow_inf)
