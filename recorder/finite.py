@@ -104,3 +104,12 @@ def first_bad_rows(tensors: Iterable[torch.Tensor]) -> list[int]:
             if rows:
                 return rows
     return []
+
+
+def flags_kind(nan: bool, posinf: bool, neginf: bool) -> str | None:
+    """The kind that a call's decoded flags show (NaN first), None when none is set."""
+    if nan:
+        return "nan"
+    if posinf:
+        return "+inf"
+    return "-inf" if neginf else None

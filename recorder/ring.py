@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .finite import pair_ok
+
 CALL_FIELDS = ("min", "max", "absmax", "mean", "rms", "nan", "posinf", "neginf", "inputs_finite")
 
 
@@ -65,10 +67,7 @@ class StepLayout:
 
 
 def _finite_pair(row: list[float], lo: int, hi: int, allowed: bool = False) -> bool:
-    a, b = row[lo], row[hi]
-    if allowed:
-        return not (math.isnan(a) or math.isnan(b))
-    return math.isfinite(a) and math.isfinite(b)
+    return pair_ok(row[lo], row[hi], allowed)
 
 
 def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
