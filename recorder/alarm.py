@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from . import events
-from .bundle import write_bundle
+from . import bundle, events
 from .capture import distributed_rank
 from .errors import NonFiniteError
 from .events import Event, StepEvidence
@@ -98,7 +97,7 @@ class Alarm:
             meta, tensors = self._contents(tape, as_dict, guard, rank, world)
             out_dir = self.settings.out_dir
             out_dir.mkdir(parents=True, exist_ok=True)
-            path = write_bundle(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
+            path = bundle.write_bundle(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
         except Exception as e:
             msg = events.summary(as_dict, None) + f" Writing the bundle failed: {e}"
             if on_event == "raise":

@@ -11,6 +11,7 @@ non-persistent buffer names).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -36,14 +37,11 @@ def version_of(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def version(t: torch.Tensor) -> int:
-    """``t._version`` of a tensor known to keep one (a gradient, an output of this step)."""
-    return t._version
-
-
-def view_base(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor ``t`` is a view of (``t._base``), None when it is no view."""
-    return t._base
+# ``version(t)``: ``t._version`` of a tensor known to keep one (a gradient, an output of this
+# step); ``view_base(t)``: the tensor ``t`` is a view of, None when it is no view. (C-level
+# getters: they run in every module hook, where a Python function call would cost more.)
+version = operator.attrgetter("_version")
+view_base = operator.attrgetter("_base")
 
 
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
