@@ -11,7 +11,6 @@ non-persistent buffer names).
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -37,11 +36,16 @@ def version_of(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-# ``version(t)``: ``t._version`` of a tensor known to keep one (a gradient, an output of this
-# step); ``view_base(t)``: the tensor ``t`` is a view of, None when it is no view. (C-level
-# getters: they run in every module hook, where a Python function call would cost more.)
-version = operator.attrgetter("_version")
-view_base = operator.attrgetter("_base")
+def version(t: torch.Tensor) -> int:
+    """``t._version`` of a tensor known to keep one (a gradient, an output of this step). (A
+    function, not ``operator.attrgetter``: dynamo traces hooks that run inside a compiled
+    region, and it cannot trace an attrgetter.)"""
+    return t._version
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``t._base``), None when it is no view."""
+    return t._base
 
 
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -24,7 +24,6 @@ and ``probe_finite``).
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 
 import torch
@@ -34,7 +33,6 @@ from .compat import foreach_copy_, foreach_norm, foreach_square_
 STRICT, GRAD, NAN_ONLY, LOOSE = 0, 1, 2, 3
 REGIONS = (STRICT, GRAD, NAN_ONLY, LOOSE)  # their order in a row
 FLOAT32, FLOAT64 = torch.float32, torch.float64
-_IS_CPU = operator.attrgetter("is_cpu")
 
 
 class _Region:
@@ -73,9 +71,6 @@ class Slots:
 
     def __init__(self, device: torch.device, n: int = 256):
         self.device = device
-        # ``here(t)``: ``t`` lives on this device. On CPU a flag read (``Tensor.device`` builds a
-        # device object per call, and this runs for every statistic)
-        self.here = _IS_CPU if device.type == "cpu" else (lambda t: t.device == device)
         self._lock = threading.Lock()  # for the overflow list only
         self._regions = [_Region(device, n) for _ in REGIONS]
 
@@ -149,7 +144,7 @@ class Slots:
 
     def minmax(self, t: torch.Tensor, code: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """``torch.aminmax(t)``: NaN anywhere makes both NaN; +-Inf shows as the extreme."""
-        if t.dtype is FLOAT32 and self.here(t):
+        if t.dtype is FLOAT32 and t.device == self.device:
             r = self._regions[code]
             pair = self._two(r)
             if pair is not None:
@@ -161,7 +156,7 @@ class Slots:
 
     def total(self, t: torch.Tensor, code: int) -> tuple[int, int]:
         """Sum in float32 (NaN and +-Inf survive it)."""
-        if t.ndim and self.here(t):
+        if t.ndim and t.device == self.device:
             r = self._regions[code]
             k = self._one(r)
             if k is not None:
@@ -172,7 +167,7 @@ class Slots:
     def norm(self, t: torch.Tensor, code: int, square: bool = False) -> tuple[int, int]:
         """2-norm (or its square), accumulated in float32; float64 in float64 (torch refuses to
         narrow a norm)."""
-        if t.dtype is not FLOAT64 and self.here(t):
+        if t.dtype is not FLOAT64 and t.device == self.device:
             r = self._regions[code]
             k = self._one(r)
             if k is not None:
@@ -193,10 +188,10 @@ class Slots:
         ``vector_norm`` on CPU) for float32, an upcast norm for other dtypes (a half-precision
         dot would overflow). One loop, as it runs over every gradient before every update."""
         r = self._regions[code]
-        take, size, views, here = r.take, r.size, r.views, self.here
+        take, size, views, device = r.take, r.size, r.views, self.device
         refs = []
         for t in tensors:
-            if t.dtype is FLOAT32 and here(t):
+            if t.dtype is FLOAT32 and t.device == device:
                 k = take()
                 if k < size:
                     flat = t.reshape(-1)
