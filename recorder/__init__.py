@@ -3,6 +3,17 @@
 >>> from recorder import FlightRecorder, NonFiniteError      # doctest: +SKIP
 >>> with FlightRecorder(model, optimizer, loss_fn=criterion, out_dir="nan-bundles"):
 ...     train()   # raises NonFiniteError(bundle_path=...) at the first NaN/Inf
+
+Layout (dependencies run one way, top to bottom): :mod:`~recorder.flight` is the facade that
+builds the parts; :mod:`~recorder.guard` (optimizer hooks) and :mod:`~recorder.calls` (module,
+loss and gradient hooks) write into the step that :mod:`~recorder.cycle` opens and closes with
+one host read (helped by :mod:`~recorder.grads` and :mod:`~recorder.buffers`);
+:mod:`~recorder.alarm` turns a failed check into an :class:`~recorder.events.Event`
+(:mod:`~recorder.events`) and a bundle (:mod:`~recorder.snapshot`, :mod:`~recorder.bundle`);
+:mod:`~recorder.target` is what is recorded and :mod:`~recorder.settings` how.
+:mod:`~recorder.tape`, :mod:`~recorder.slots` and :mod:`~recorder.ring` hold the statistics,
+:mod:`~recorder.finite` says what is finite, and every private PyTorch API is in
+:mod:`~recorder.compat`.
 """
 
 from .errors import BundleError, NonFiniteError

@@ -226,64 +226,64 @@ class BundleReader:
             self._file.close()
             self._file = None
 
-    def _fail(self, what: str, fix: str = "") -> BundleError:
+    def error(self, what: str, fix: str = "") -> BundleError:
         return BundleError(f"{self.path}: {what}" + (f"; {fix}" if fix else ""))
 
     def _open(self) -> None:
         try:
             self._file = open(self.path, "rb")
         except OSError as e:
-            raise self._fail(f"cannot open ({e.strerror})") from None
+            raise self.error(f"cannot open ({e.strerror})") from None
         magic = self._file.read(4)
         if magic != _ZSTD_MAGIC:
-            raise self._fail("not a nanreplay bundle (no zstd frame at the start)",
+            raise self.error("not a nanreplay bundle (no zstd frame at the start)",
                              "pass the .nan file the recorder wrote")
         self._file.seek(0)
         try:
             params = zstandard.get_frame_parameters(self._file.read(18))
         except zstandard.ZstdError as e:
-            raise self._fail(f"corrupted zstd frame header ({e})") from None
+            raise self.error(f"corrupted zstd frame header ({e})") from None
         self._file.seek(0)
         declared = params.content_size
         self._stream = zstandard.ZstdDecompressor().stream_reader(
             self._file, read_size=_CHUNK, read_across_frames=False, closefd=False)
         size = int.from_bytes(self._read_exact(8, "header size"), "little")
         if size > _MAX_HEADER:
-            raise self._fail(f"header claims {size} bytes (limit {_MAX_HEADER})",
+            raise self.error(f"header claims {size} bytes (limit {_MAX_HEADER})",
                              "the file is corrupted or not a bundle")
         try:
             header = json.loads(self._read_exact(size, "header"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise self._fail(f"header is not JSON ({e.msg if hasattr(e, 'msg') else e})",
+            raise self.error(f"header is not JSON ({e.msg if hasattr(e, 'msg') else e})",
                              "the file is corrupted") from None
         if not isinstance(header, dict):
-            raise self._fail("header is not a JSON object", "the file is corrupted")
+            raise self.error("header is not a JSON object", "the file is corrupted")
         md = header.pop("__metadata__", None)
         if not isinstance(md, dict) or md.get("format") != FORMAT:
-            raise self._fail("safetensors file without nanreplay metadata",
+            raise self.error("safetensors file without nanreplay metadata",
                              "pass a bundle written by the recorder")
         try:
             version = int(md.get("version", ""))
         except (TypeError, ValueError):  # a JSON list, object or null is no version either
-            raise self._fail(f"format version {md.get('version')!r} is not a number") from None
+            raise self.error(f"format version {md.get('version')!r} is not a number") from None
         if version > VERSION:
-            raise self._fail(f"format version {version} is newer than this nanreplay reads "
+            raise self.error(f"format version {version} is newer than this nanreplay reads "
                              f"({VERSION})", "upgrade nanreplay: pip install -U nanreplay")
         self.format_version = version
         try:
             self.meta = json.loads(md["meta"])
             self._complex = set(json.loads(md.get("complex", "[]")))
         except (KeyError, TypeError, json.JSONDecodeError):
-            raise self._fail("metadata 'meta' is missing or not JSON",
+            raise self.error("metadata 'meta' is missing or not JSON",
                              "the file is corrupted") from None
         if not isinstance(self.meta, dict):
-            raise self._fail("metadata 'meta' is not a JSON object", "the file is corrupted")
+            raise self.error("metadata 'meta' is not a JSON object", "the file is corrupted")
         self.entries = self._check_table(header)
         data = sum(n for _, _, _, n in self.entries)
         expected = 8 + size + data
         if declared not in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) \
                 and declared != expected:
-            raise self._fail(f"zstd frame declares {declared} bytes but the header describes "
+            raise self.error(f"zstd frame declares {declared} bytes but the header describes "
                              f"{expected}", "the file is corrupted")
 
     def _check_table(self, header: dict[str, Any]) -> list[tuple[str, torch.dtype, list[int], int]]:
@@ -295,15 +295,15 @@ class BundleReader:
                 shape = [int(d) for d in spec["shape"]]
                 begin, end = (int(x) for x in spec["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise self._fail(f"tensor {name!r} has a malformed entry",
+                raise self.error(f"tensor {name!r} has a malformed entry",
                                  "the file is corrupted") from None
             if any(d < 0 for d in shape):
-                raise self._fail(f"tensor {name!r} has a negative dimension")
+                raise self.error(f"tensor {name!r} has a negative dimension")
             rows.append((begin, end, name, dtype, shape))
         for begin, end, name, dtype, shape in sorted(rows, key=lambda r: (r[0], r[1])):
             n = math.prod(shape) * _itemsize(dtype)
             if begin != offset or end - begin != n:
-                raise self._fail(f"tensor {name!r} has offsets [{begin}, {end}) but its shape "
+                raise self.error(f"tensor {name!r} has offsets [{begin}, {end}) but its shape "
                                  f"{shape} needs {n} bytes at {offset}", "the file is corrupted")
             offset = end
             entries.append((name, dtype, shape, n))
@@ -320,11 +320,11 @@ class BundleReader:
             while got < len(view):
                 k = self._stream.readinto(view[got:])
                 if not k:
-                    raise self._fail(f"truncated while reading {what} ({got} of {len(view)} "
+                    raise self.error(f"truncated while reading {what} ({got} of {len(view)} "
                                      "bytes)", "the file is incomplete; copy it again")
                 got += k
         except zstandard.ZstdError as e:
-            raise self._fail(f"corrupted data while reading {what} ({e})",
+            raise self.error(f"corrupted data while reading {what} ({e})",
                              "the file is damaged; copy it again") from None
 
     def tensors(self, want=None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -353,7 +353,7 @@ class BundleReader:
         except zstandard.ZstdError:  # bytes after the frame that are not a zstd frame
             trailing = True
         if trailing:
-            raise self._fail("trailing data after the last tensor", "the file is corrupted")
+            raise self.error("trailing data after the last tensor", "the file is corrupted")
 
     def _buffer(self, n: int, name: str) -> tuple[torch.Tensor, memoryview]:
         """An uninitialised ``n``-byte host tensor and a view of its bytes to read into.
@@ -364,12 +364,12 @@ class BundleReader:
         """
         mem = _physical_memory()
         if mem is not None and n > mem:
-            raise self._fail(f"tensor {name!r} claims {n} bytes, more than this machine's "
+            raise self.error(f"tensor {name!r} claims {n} bytes, more than this machine's "
                              f"memory ({mem} bytes)", "the file is corrupted or not a bundle")
         try:
             buf = torch.empty(n, dtype=torch.uint8)
         except (RuntimeError, MemoryError):
-            raise self._fail(f"tensor {name!r} claims {n} bytes, which cannot be allocated "
+            raise self.error(f"tensor {name!r} claims {n} bytes, which cannot be allocated "
                              "here", "the file is corrupted or not a bundle") from None
         return buf, memoryview((ctypes.c_ubyte * n).from_address(buf.data_ptr())).cast("B")
 
@@ -388,7 +388,7 @@ def read_bundle(path: str | os.PathLike, want=None) -> tuple[dict[str, Any], dic
         total = sum(n for name, _, _, n in r.entries if want is None or want(name))
         mem = _physical_memory()
         if mem is not None and total > mem:
-            raise r._fail(f"its tensors claim {total} bytes, more than this machine's memory "
+            raise r.error(f"its tensors claim {total} bytes, more than this machine's memory "
                           f"({mem} bytes)", "the file is corrupted, or read it on a larger "
                           "machine")
         return r.meta, dict(r.tensors(want))

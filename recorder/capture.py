@@ -208,6 +208,8 @@ def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch
     tensors: dict[str, torch.Tensor] = {}
     paths: dict[str, str] = {}
 
+    # (not torch.utils._pytree: the bundle's paths and $list/$tuple/$dict markers name each
+    # container as written, and pytree keeps dict/list subclasses it does not know as leaves)
     def walk(o: Any, path: str) -> Any:
         if isinstance(o, torch.Tensor):
             node = leaf(o) if leaf is not None else None
@@ -295,6 +297,8 @@ def _key(k: Any) -> Any:
 def tensor_leaves(obj: Any):
     """Yield every tensor in a nested structure of tuples, lists and dicts (and dataclass-like
     objects exposing ``values()``, as Hugging Face ``ModelOutput`` does)."""
+    # (not torch.utils._pytree.tree_leaves: it keeps dict and list subclasses it does not
+    # know, a user's ``class Batch(dict)``, as leaves, whose tensors would go unrecorded)
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -308,6 +312,8 @@ def tensor_leaves(obj: Any):
 def map_tensors(obj: Any, fn) -> Any:
     """``obj`` with every tensor in its tuples, lists and dicts replaced by ``fn(tensor)``;
     other leaves kept as they are."""
+    # (not torch.utils._pytree.tree_map: it leaves unknown dict/list subclasses unmapped and
+    # rebuilds namedtuples, where the replay has always fed plain tuples back)
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, list):

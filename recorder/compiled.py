@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-try:
-    from torch._dynamo.eval_frame import OptimizedModule
-except ImportError:  # a torch without dynamo
-    OptimizedModule = ()
-
-WRAPPER = "_orig_mod"
+from .compat import (
+    WRAPPER,
+    compiled_in_place,
+    compiled_module,
+    is_compile_wrapper,
+    undo_in_place_compile,
+)
 
 
 def eager_name(name: str) -> str:
@@ -33,13 +34,6 @@ def eager_name(name: str) -> str:
     if WRAPPER not in name:
         return name
     return ".".join(part for part in name.split(".") if part != WRAPPER)
-
-
-def compiled_in_place(m: nn.Module) -> bool:
-    """``m.compile()``, or ``m.forward = torch.compile(m.forward)`` (what Lightning does to a
-    compiled LightningModule, with its ``training_step``)."""
-    return getattr(m, "_compiled_call_impl", None) is not None or \
-        hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")
 
 
 @dataclass
@@ -63,8 +57,8 @@ def hook_sites(root: nn.Module, wrapper: nn.Module | None = None,
     wrappers: dict[int, nn.Module] = {id(root): wrapper} if wrapper is not None else {}
     regions: list[str] = []  # names of the compiled regions met so far (ancestors come first)
     for raw, m in root.named_modules():
-        if isinstance(m, OptimizedModule):
-            wrappers[id(m._orig_mod)] = m
+        if is_compile_wrapper(m):
+            wrappers[id(compiled_module(m))] = m
             continue
         name = eager_name(raw)
         if any(name.startswith(r + ".") if r else name != "" for r in regions):
@@ -87,9 +81,9 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None, bool]:
     wraps it) for a model that ``torch.compile``, DDP or DataParallel may wrap, in any order."""
     wrapper, ddp = None, False
     while True:
-        if isinstance(model, OptimizedModule):
+        if is_compile_wrapper(model):
             wrapper = wrapper or model  # everything under the outermost one is traced
-            model = model._orig_mod
+            model = compiled_module(model)
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             ddp = ddp or isinstance(model, nn.parallel.DistributedDataParallel)
             model = model.module
@@ -100,16 +94,13 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None, bool]:
 def decompile(model: nn.Module) -> nn.Module:
     """The same model run eagerly: compile wrappers replaced by what they wrap, in-place
     compilation undone (the replay instruments every layer, which a graph would hide)."""
-    while isinstance(model, OptimizedModule):
-        model = model._orig_mod
+    while is_compile_wrapper(model):
+        model = compiled_module(model)
     for m in list(model.modules()):
         if compiled_in_place(m):
-            m._compiled_call_impl = None
-            forward = m.__dict__.get("forward")
-            if hasattr(forward, "_torchdynamo_orig_callable"):
-                m.forward = forward._torchdynamo_orig_callable
+            undo_in_place_compile(m)
         for child_name, child in list(m.named_children()):
-            if isinstance(child, OptimizedModule):
+            if is_compile_wrapper(child):
                 setattr(m, child_name, decompile(child))
     return model
 

@@ -1,194 +1,260 @@
-"""Turning a non-finite step row into an event: which phase, module, call, tensor, samples.
+"""Turning a non-finite step row into an :class:`Event`: which phase, module, call, tensor, samples.
 
 Runs only on the slow path, after the step's single sync said something is not finite, so it
-may read whatever it needs from the device.
+may read whatever it needs from the device. :func:`find_event` asks one finder per phase, in
+the order a value flows: the last update, weights, input, forward, loss, backward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .capture import batch_path, flatten_tree, loss_path
+from .finite import (
+    bad_rows,
+    first_bad_rows,
+    flags_kind,
+    kind_of,
+    label,
+    pair_kind,
+    pair_ok,
+    tensors_kind,
+)
 from .ring import StepLayout, decode_call
 from .tape import Tape
 
+# (replay imports bad_rows and first_bad_rows from here until it asks recorder.finite)
+__all__ = ["Event", "StepEvidence", "bad_rows", "find_event", "first_bad_rows",
+           "optimizer_event", "summary"]
 
-def _kind(d: dict[str, Any]) -> str:
-    if d["nan"]:
-        return "nan"
-    if d["posinf"]:
-        return "+inf"
-    return "-inf"
-
-
-def bad_rows(t: torch.Tensor) -> list[int]:
-    """Indices along dim 0 holding a non-finite value (all of a 0-d/1-row tensor: [0])."""
-    if not t.is_floating_point() and not t.is_complex():
-        return []
-    bad = ~torch.isfinite(t.detach())
-    if t.dim() == 0:
-        return [0] if bool(bad) else []
-    return bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+# keys a bundle's event holds only when they are set
+_OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled")
 
 
-def _first_bad_tensor(obj: Any, prefix: str, skip=(), nan_only: bool = False
-                      ) -> tuple[str, list[int], str] | None:
-    _, tensors, paths = flatten_tree(obj, "x")
-    for key, t in tensors.items():
-        if any(t is s for s in skip) or t.grad_fn is not None:
-            continue  # the model output, or computed from it: not data
-        if nan_only and not (t.is_floating_point() and bool(torch.isnan(t.detach()).any())):
-            continue
-        rows = bad_rows(t)
-        if rows:
-            flat = t.detach()[~torch.isfinite(t.detach())]
-            kind = "nan" if torch.isnan(flat).any() else ("+inf" if (flat > 0).any() else "-inf")
-            return prefix + paths[key], rows, kind
-    return None
+@dataclass
+class Event:
+    """The first offender of a step. :meth:`as_dict` is the bundle's ``event`` and
+    :attr:`~recorder.FlightRecorder.event` (keys in this order; optional ones only when set)."""
+
+    step: int
+    reason: str = "non_finite"  # or "scale_collapse", "scale_skipping"
+    phase: str | None = None  # weights, input, forward, loss, backward, optimizer
+    module: str | None = None  # the module's name ("" the root, "<loss>" the loss)
+    module_type: str | None = None
+    call: int | None = None  # which call of that module in its micro-batch
+    micro_batch: int | None = None
+    inputs_finite: bool | None = None
+    kind: str | None = None  # "nan", "+inf", "-inf", "inf" (sign unknown), "scale"
+    params: list[str] = field(default_factory=list)
+    tensor: str | None = None  # the batch or loss-input path holding it
+    samples: list[int] = field(default_factory=list)
+    after_update: bool | None = None  # optimizer events: the bundle holds the state after it
+    detail: str = ""
+    first_seen_step: int | None = None
+    last_update_step: int | None = None
+    evaluation: bool | None = None  # in an evaluation forward between steps
+    compiled: bool | None = None  # the module is a torch.compile'd region
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if v is not None or k not in _OPTIONAL}
 
 
-def find_event(row: list[float], layout: StepLayout, tape: Tape, *, reason: str,
-               module_names: list[str], module_types: list[str], param_names: list[str],
-               params_from_update: bool, allowed: set[int],
-               param_tensors: list[torch.Tensor] | None = None,
-               strict_inf: bool = True) -> dict[str, Any] | None:
+@dataclass
+class StepEvidence:
+    """What the finders read: a host copy of the step's row and what its entries are."""
+
+    row: list[float]
+    layout: StepLayout
+    tape: Tape
+    module_names: list[str]
+    module_types: list[str]
+    param_names: list[str]
+    # the live parameters (in param_names order): they tell +Inf from -Inf and a squared norm
+    # that overflowed float32 (finite values above ~1.8e19) from a non-finite tensor
+    param_tensors: list[torch.Tensor] | None
+    allowed: set[int]  # modules whose outputs may hold +-Inf
+    strict_inf: bool = True
+    params_from_update: bool = False  # an optimizer step ran since the previous step
+    calls: list[dict[str, Any]] = field(default_factory=list)  # decoded, completion order
+    overflowed: bool = False  # some non-finite norm was an overflow of finite values
+
+    def really_bad(self, pairs: list[tuple[int, int]], grads: bool) -> list[int]:
+        """The parameters of ``pairs`` (index, row entry) whose norm is non-finite and whose
+        tensor (or gradient) holds a NaN/Inf; notes norms that only overflowed."""
+        bad = [i for i, k in pairs if not math.isfinite(self.row[k])]
+        really = bad
+        if self.param_tensors is not None:
+            really = []
+            for i in bad:
+                t = self.param_tensors[i].grad if grads else self.param_tensors[i]
+                if t is None or not bool(torch.isfinite(t.detach()).all()):
+                    really.append(i)
+        self.overflowed |= len(really) < len(bad)
+        return really
+
+    def kind(self, indices: list[int], pairs, grads: bool = False) -> str:
+        """The kind the parameters ``indices`` (or their gradients) hold: their tensors say it,
+        else the row's squared norms, which lose the sign."""
+        if self.param_tensors is not None:
+            ts = [self.param_tensors[i].grad if grads else self.param_tensors[i] for i in indices]
+            found = tensors_kind(t for t in ts if t is not None)
+            if found is not None:
+                return found
+        return "nan" if any(math.isnan(self.row[k]) for _, k in pairs) else "inf"
+
+
+def find_event(ev: StepEvidence, reason: str) -> Event | None:
     """The first offender of a step, in the order a value flows: weights (left by the last
-    update), input, forward, loss, backward. ``param_tensors`` (the live parameters, in
-    ``param_names`` order) lets a gradient or weight event tell +Inf from -Inf, and tells a
-    squared norm that overflowed float32 (finite values above ~1.8e19) from a non-finite
-    tensor: None when such overflows were the only non-finite statistics (no event)."""
-    ev: dict[str, Any] = {"step": tape.step, "reason": reason, "phase": None, "module": None,
-                          "module_type": None, "call": None, "micro_batch": None,
-                          "inputs_finite": None, "kind": None, "params": [], "tensor": None,
-                          "samples": [], "detail": ""}
-    layout.materialize()
+    update), input, forward, loss, backward. None when the only non-finite statistics were
+    norms of huge but finite tensors that overflowed (no event)."""
+    ev.layout.materialize()
     if reason in ("scale_collapse", "scale_skipping"):
-        ev.update(phase="backward", kind="scale",
-                  detail=f"GradScaler scale {layout.scale} after skipping steps "
-                         f"(reason {reason})")
-        return ev
-    # 0. weights: made by the last update, or already there. They were in place before this
-    #    step began, so they come first: NaN weights make every later check fail too (the
-    #    first Linear's output, the loss, the gradients) and would be blamed on those.
-    #    The last update's evidence (its weights' norms right after it) says which.
-    overflowed = False
-    bad_idx = [i for i, k in layout.updates if not math.isfinite(row[k])]
-    really = _really_non_finite(bad_idx, param_tensors, grads=False)
-    overflowed |= len(really) < len(bad_idx)
-    if really:
-        kind = (tensors_kind([param_tensors[i] for i in really]) if param_tensors is not None
-                else None) or _param_kind(row, layout.updates)
-        return optimizer_event(layout.update_step, [param_names[i] for i in really],
-                               after_update=True, kind=kind)
-    left_finite = {i for i, _ in layout.updates}  # finite right after the last update
-    bad_idx = [i for i, k in layout.params if not math.isfinite(row[k])]
-    really = _really_non_finite(bad_idx, param_tensors, grads=False)
-    overflowed |= len(really) < len(bad_idx)
-    calls = [decode_call(row, c) for c in layout.calls]
-    bad_input = any(d["module"] == 0 and not d["inputs_finite"] for d in calls)
-    if param_tensors is not None and not bad_input:
+        return Event(ev.tape.step, reason, phase="backward", kind="scale",
+                     detail=f"GradScaler scale {ev.layout.scale} after skipping steps "
+                            f"(reason {reason})")
+    ev.calls = [decode_call(ev.row, c) for c in ev.layout.calls]
+    for finder in (_update_event, _weights_event, _input_event, _forward_event, _loss_event,
+                   _backward_event):
+        event = finder(ev)
+        if event is not None:
+            return event
+    if ev.overflowed:
+        return None  # only norms of huge but finite weights or gradients overflowed
+    return Event(ev.tape.step, phase="forward",
+                 detail="non-finite statistic with no identifiable source")
+
+
+def _update_event(ev: StepEvidence) -> Event | None:
+    """The last update's evidence (its weights' norms right after it) shows non-finite
+    weights: the update made them. Weights come first: they were in place before this step
+    began, and NaN weights make every later check fail too."""
+    layout = ev.layout
+    really = ev.really_bad(layout.updates, grads=False)
+    if not really:
+        return None
+    return optimizer_event(layout.update_step, [ev.param_names[i] for i in really],
+                           after_update=True, kind=ev.kind(really, layout.updates))
+
+
+def _weights_event(ev: StepEvidence) -> Event | None:
+    """Weights already non-finite when the step began (not made by the last update)."""
+    layout, tape = ev.layout, ev.tape
+    really = ev.really_bad(layout.params, grads=False)
+    bad_input = any(d["module"] == 0 and not d["inputs_finite"] for d in ev.calls)
+    if ev.param_tensors is not None and not bad_input:
         # weights whose norms the step did not record: read them (bad data, when there is
         # some, is blamed first: it is certain, and another thread may be updating weights)
         recorded = {i for i, _ in layout.params}
-        really += [i for i, p in enumerate(param_tensors) if i not in recorded
+        really += [i for i, p in enumerate(ev.param_tensors) if i not in recorded
                    and p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
-    bad_params = [param_names[i] for i in really]
-    if bad_params:
-        kind = (tensors_kind([param_tensors[i] for i in really]) if param_tensors is not None
-                else None) or _param_kind(row, layout.params, param_tensors)
-        if params_from_update and not left_finite:  # an update ran, with no evidence of it
-            return optimizer_event(tape.step - 1, bad_params, after_update=True, kind=kind)
-        ev.update(phase="weights", params=bad_params, kind=kind, first_seen_step=tape.step,
-                  detail=f"non-finite values already in {len(bad_params)} parameter(s), first "
-                         f"{bad_params[0]}, first seen at step {tape.step}")
-        if left_finite and all(i in left_finite for i in really):
-            # finite right after the last update, non-finite now: written outside it
-            ev["last_update_step"] = layout.update_step
-            ev["detail"] += (f"; the last update (step {layout.update_step}) left them finite, "
-                             "so they were written outside optimizer.step() since (an in-place "
-                             "edit, a checkpoint load, a bit flip)")
-        return ev
-    by_order = sorted(calls, key=lambda d: (d["micro_batch"], d["order"]))
+    if not really:
+        return None
+    bad = [ev.param_names[i] for i in really]
+    kind = ev.kind(really, layout.params)
+    left_finite = {i for i, _ in layout.updates}  # finite right after the last update
+    if ev.params_from_update and not left_finite:  # an update ran, with no evidence of it
+        return optimizer_event(tape.step - 1, bad, after_update=True, kind=kind)
+    event = Event(tape.step, phase="weights", params=bad, kind=kind, first_seen_step=tape.step,
+                  detail=f"non-finite values already in {len(bad)} parameter(s), first "
+                         f"{bad[0]}, first seen at step {tape.step}")
+    if left_finite and all(i in left_finite for i in really):
+        # finite right after the last update, non-finite now: written outside it
+        event.last_update_step = layout.update_step
+        event.detail += (f"; the last update (step {layout.update_step}) left them finite, so "
+                         "they were written outside optimizer.step() since (an in-place edit, "
+                         "a checkpoint load, a bit flip)")
+    return event
 
-    def call_index(d):
-        return sum(1 for o in by_order if o["module"] == d["module"]
-                   and o["micro_batch"] == d["micro_batch"] and o["order"] < d["order"])
 
-    def name_call(d, phase):
-        ev.update(phase=phase, module=module_names[d["module"]],
-                  module_type=module_types[d["module"]], call=call_index(d),
-                  micro_batch=d["micro_batch"], inputs_finite=d["inputs_finite"], kind=_kind(d))
+def _call_event(ev: StepEvidence, d: dict[str, Any], phase: str) -> Event:
+    """An event at decoded call ``d``, numbered among its module's calls in its micro-batch."""
+    call = sum(1 for o in ev.calls if o["module"] == d["module"]
+               and o["micro_batch"] == d["micro_batch"] and o["order"] < d["order"])
+    return Event(ev.tape.step, phase=phase, module=ev.module_names[d["module"]],
+                 module_type=ev.module_types[d["module"]], call=call,
+                 micro_batch=d["micro_batch"], inputs_finite=d["inputs_finite"],
+                 kind=flags_kind(d["nan"], d["posinf"], d["neginf"]) or "-inf")
 
-    def input_event(d, nan_only):
-        mb = tape.micro_batches[d["micro_batch"]]
-        found = _first_bad_tensor([list(mb.args), mb.kwargs], "", nan_only=nan_only)
-        name_call(d, "input")
-        if found:
-            ev.update(tensor=batch_path(found[0], len(mb.args)), samples=found[1],
-                      kind=found[2])
-        ev["detail"] = f"non-finite value in the model's input {ev['tensor']}"
-        return ev
 
-    # 1. bad data: the root call's inputs (NaN; +-Inf too with strict_inf, see _chain_origin)
-    for d in calls:
+def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
+    """Bad data: the root call ``d``'s inputs held the value."""
+    mb = ev.tape.micro_batches[d["micro_batch"]]
+    found = _first_bad_tensor([list(mb.args), mb.kwargs], nan_only=nan_only)
+    event = _call_event(ev, d, "input")
+    if found:
+        event.tensor, event.samples, event.kind = batch_path(found[0], len(mb.args)), *found[1:]
+    event.detail = f"non-finite value in the model's input {event.tensor}"
+    return event
+
+
+def _input_event(ev: StepEvidence) -> Event | None:
+    """The root call's inputs: NaN; +-Inf too with ``strict_inf`` (else see _chain_origin)."""
+    for d in ev.calls:
         if d["module"] == 0 and not d["inputs_finite"]:
-            return input_event(d, nan_only=not strict_inf)
-    # 2. forward: the first call (in completion order) to make a non-finite output from
-    #    finite inputs: a parent's own code counts, a module that passed a NaN on does not.
-    if strict_inf:
-        bad = [d for d in calls if not d["outputs_finite"]
-               and not (d["module"] in allowed and not d["nan"])]
+            return _batch_event(ev, d, nan_only=not ev.strict_inf)
+    return None
+
+
+def _forward_event(ev: StepEvidence) -> Event | None:
+    """The first call (in completion order) to make a non-finite output from finite inputs: a
+    parent's own code counts, a module that passed a NaN on does not."""
+    if ev.strict_inf:
+        bad = [d for d in ev.calls if not d["outputs_finite"]
+               and not (d["module"] in ev.allowed and not d["nan"])]
         made = [d for d in bad if d["inputs_finite"]]
         d = (made[0] if made else bad[0]) if bad else None
     else:
-        d, came_in = _chain_origin(by_order, allowed, module_names)
+        by_order = sorted(ev.calls, key=lambda d: (d["micro_batch"], d["order"]))
+        d, came_in = _chain_origin(by_order, ev.allowed, ev.module_names)
         if came_in:
-            return input_event(d, nan_only=False)
-    if d is not None:
-        name_call(d, "forward")
-        mb = tape.micro_batches[d["micro_batch"]] if tape.micro_batches else None
-        if mb is not None:
-            ev["samples"] = _output_samples(mb, d)
-        ev["detail"] = (f"{ev['kind']} first in the output of {ev['module'] or '<root>'} "
-                        f"({ev['module_type']}), call {ev['call']}")
-        return ev
-    # 3. loss
-    for mb_i, lo, hi in layout.loss:
-        if not (math.isfinite(row[lo]) and math.isfinite(row[hi])):
-            mb = tape.micro_batches[mb_i]
-            outs = list(_tensors(mb.outputs))
-            found = _first_bad_tensor([list(mb.loss_args or ()), mb.loss_kwargs or {}], "",
-                                      skip=outs)
-            kind = ("nan" if math.isnan(row[lo]) or math.isnan(row[hi])
-                    else "+inf" if row[hi] == math.inf else "-inf")
-            ev.update(micro_batch=mb_i, module="<loss>", kind=kind)
-            if found:
-                path = loss_path(found[0])
-                ev.update(phase="input", tensor=path, samples=found[1], kind=found[2],
-                          detail=f"non-finite value in the loss target {path}")
-            else:
-                ev.update(phase="loss", detail="the loss is non-finite while the model "
-                                               "output is finite")
-            return ev
-    # 4. gradients
-    bad_idx = [i for i, k in layout.grads if not math.isfinite(row[k])]
-    really = _really_non_finite(bad_idx, param_tensors, grads=True)
-    overflowed |= len(really) < len(bad_idx)
-    bad_grads = [param_names[i] for i in really]
-    if bad_grads:
-        ev.update(phase="backward", params=bad_grads,
-                  kind=_param_kind(row, layout.grads, param_tensors, grads=True),
-                  detail=f"non-finite gradient in {len(bad_grads)} parameter(s), first "
-                         f"{bad_grads[0]}")
-        return ev
-    if overflowed:
-        return None  # only norms of huge but finite weights or gradients overflowed
-    ev.update(phase="forward", detail="non-finite statistic with no identifiable source")
-    return ev
+            return _batch_event(ev, d, nan_only=False)
+    if d is None:
+        return None
+    event = _call_event(ev, d, "forward")
+    if ev.tape.micro_batches:
+        event.samples = first_bad_rows(_tensors(ev.tape.micro_batches[d["micro_batch"]].outputs))
+    event.detail = (f"{event.kind} first in the output of {event.module or '<root>'} "
+                    f"({event.module_type}), call {event.call}")
+    return event
+
+
+def _loss_event(ev: StepEvidence) -> Event | None:
+    """A non-finite loss: from its targets (bad data), else made by the loss itself."""
+    row = ev.row
+    for mb_i, lo, hi in ev.layout.loss:
+        if pair_ok(row[lo], row[hi]):
+            continue
+        mb = ev.tape.micro_batches[mb_i]
+        found = _first_bad_tensor([list(mb.loss_args or ()), mb.loss_kwargs or {}],
+                                  skip=list(_tensors(mb.outputs)))
+        event = Event(ev.tape.step, micro_batch=mb_i, module="<loss>",
+                      kind=pair_kind(row[lo], row[hi]))
+        if found:
+            path = loss_path(found[0])
+            event.phase, event.tensor, event.samples, event.kind = "input", path, *found[1:]
+            event.detail = f"non-finite value in the loss target {path}"
+        else:
+            event.phase = "loss"
+            event.detail = "the loss is non-finite while the model output is finite"
+        return event
+    return None
+
+
+def _backward_event(ev: StepEvidence) -> Event | None:
+    really = ev.really_bad(ev.layout.grads, grads=True)
+    if not really:
+        return None
+    bad = [ev.param_names[i] for i in really]
+    return Event(ev.tape.step, phase="backward", params=bad,
+                 kind=ev.kind(really, ev.layout.grads, grads=True),
+                 detail=f"non-finite gradient in {len(bad)} parameter(s), first {bad[0]}")
 
 
 def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str]):
@@ -231,77 +297,34 @@ def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str]):
     return (root, True) if root is not None else (trigger, False)
 
 
-def _really_non_finite(indices: list[int], param_tensors, grads: bool) -> list[int]:
-    """Those of ``indices`` whose parameter (or gradient) holds a NaN/Inf. The row has their
-    squared norms, which overflow float32 for finite values above ~1.8e19; the tensors
-    decide (slow path). Without the tensors every index is taken at its word."""
-    if param_tensors is None:
-        return indices
-    out = []
-    for i in indices:
-        t = param_tensors[i].grad if grads else param_tensors[i]
-        if t is None or not bool(torch.isfinite(t.detach()).all()):
-            out.append(i)
-    return out
-
-
 def optimizer_event(step: int, params: list[str], *, after_update: bool,
-                    kind: str = "nan") -> dict[str, Any]:
+                    kind: str = "nan") -> Event:
     """An update that turned finite weights non-finite. ``after_update``: the bundle holds the
     state after it (caught at the next step), not before (caught by ``guard_optimizer``)."""
-    return {"step": step, "reason": "non_finite", "phase": "optimizer", "module": None,
-            "module_type": None, "call": None, "micro_batch": None, "inputs_finite": True,
-            "kind": kind, "params": params, "tensor": None, "samples": [],
-            "after_update": after_update,
-            "detail": f"optimizer.step() made {len(params)} parameter(s) non-finite, first "
-                      f"{params[0]}"}
+    return Event(step, phase="optimizer", inputs_finite=True, kind=kind, params=params,
+                 after_update=after_update,
+                 detail=f"optimizer.step() made {len(params)} parameter(s) non-finite, first "
+                        f"{params[0]}")
 
 
-def _param_kind(row, pairs, param_tensors=None, grads=False) -> str:
-    """"nan", "+inf" or "-inf" of the non-finite parameters (or their gradients). The row only
-    holds squared norms, which lose the sign, so the tensors are read when given."""
-    bad = [i for i, k in pairs if not math.isfinite(row[k])]
-    if any(math.isnan(row[k]) for _, k in pairs):
-        return "nan"
-    if param_tensors is not None:
-        ts = [param_tensors[i].grad if grads else param_tensors[i] for i in bad]
-        kind = tensors_kind([t for t in ts if t is not None])
-        if kind is not None:
-            return kind
-    return "inf"
-
-
-def tensors_kind(tensors) -> str | None:
-    """"nan" if any tensor holds a NaN, else "+inf" if any holds +Inf, else "-inf" if any
-    holds -Inf; None when all are finite. Slow path only (reads the values)."""
-    flags = [(bool(torch.isnan(t).any()), bool(torch.isposinf(t).any()),
-              bool(torch.isneginf(t).any())) for t in (t.detach() for t in tensors)
-             if t.is_floating_point()]
-    for i, kind in enumerate(("nan", "+inf", "-inf")):
-        if any(f[i] for f in flags):
-            return kind
+def _first_bad_tensor(obj: Any, skip=(), nan_only: bool = False
+                      ) -> tuple[str, list[int], str] | None:
+    """(path, rows, kind) of the first data tensor in ``obj`` holding a non-finite value."""
+    _, tensors, paths = flatten_tree(obj, "x")
+    for key, t in tensors.items():
+        if any(t is s for s in skip) or t.grad_fn is not None:
+            continue  # the model output, or computed from it: not data
+        if nan_only and not (t.is_floating_point() and bool(torch.isnan(t.detach()).any())):
+            continue
+        rows = bad_rows(t)
+        if rows:
+            return paths[key], rows, kind_of(t)
     return None
 
 
 def _tensors(obj):
     _, tensors, _ = flatten_tree(obj, "x")
     return tensors.values()
-
-
-def _output_samples(mb, d) -> list[int]:
-    """Batch rows of the root output that are non-finite (the samples the event touched)."""
-    return first_bad_rows(_tensors(mb.outputs))
-
-
-def first_bad_rows(tensors) -> list[int]:
-    """The non-finite rows of the first floating tensor that has any; a 0-d one (a loss the
-    model computes itself) names no row."""
-    for t in tensors:
-        if t.is_floating_point() and t.dim():
-            rows = bad_rows(t)
-            if rows:
-                return rows
-    return []
 
 
 def summary(event: dict[str, Any], path: Path | None) -> str:
@@ -322,11 +345,10 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         params = event["params"]
         more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""
         where += f" Parameters: {', '.join(params[:4])}{more}."
-    kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf", "inf": "Inf", "scale": "AMP scale"}
     when = (f"in an evaluation forward (eval mode, gradients off) before step {event['step']}"
             if event.get("evaluation") else f"at step {event['step']}")
-    head = (f"nanreplay: non-finite value ({kind.get(event.get('kind'), event.get('kind'))}) "
-            f"{when}, phase {event['phase']}.{where}")
+    head = (f"nanreplay: non-finite value ({label(event.get('kind'))}) {when}, phase "
+            f"{event['phase']}.{where}")
     if path is None:
         return head
     return f"{head} Bundle: {path}; run `nanreplay {path}` to find the op and the cause."

@@ -110,3 +110,12 @@ def pair_flag(e: torch.Tensor, allow_inf: bool = False) -> torch.Tensor:
     """:func:`pair_ok` on the device: an :func:`ends` pair's finiteness (NaN-freedom, with
     ``allow_inf``) as a 0-d bool tensor, for flags that accumulate before one host read."""
     return ~torch.isnan(e).any() if allow_inf else torch.isfinite(e).all()
+
+
+def flags_kind(nan: bool, posinf: bool, neginf: bool) -> str | None:
+    """The kind that a call's decoded flags show (NaN first), None when none is set."""
+    if nan:
+        return "nan"
+    if posinf:
+        return "+inf"
+    return "-inf" if neginf else None

@@ -7,12 +7,16 @@ average (``torch.optim.swa_utils.AveragedModel``, Lightning's ``StochasticWeight
 Both copy the hook dictionaries. A plain bound method or ``partial`` would drag the recorder in
 (its locks and device buffers cannot be copied: the copy failed), and a shared one would record
 the copy's forwards as the recorded model's. A :class:`Hook` becomes :func:`inert` in a copy:
-the copy is not the recorded model.
+the copy is not the recorded model. :class:`Health` is what every hook checks first, and what
+turns the recorder off after an error of its own.
 """
 
 from __future__ import annotations
 
+import logging
 from functools import partial
+
+log = logging.getLogger("nanreplay")
 
 
 def inert(*args, **kwargs) -> None:
@@ -39,3 +43,22 @@ class Hook(partial):
 
     def __reduce__(self):
         return (_inert, ())
+
+
+class Health:
+    """Whether the recorder records: on from attach to detach, off after a raised event or an
+    internal error of its own (a recorder bug must never stop training: logged once, and
+    training continues unrecorded)."""
+
+    __slots__ = ("active", "internal_errors")
+
+    def __init__(self):
+        self.active = False
+        self.internal_errors = 0
+
+    def internal_error(self, e: Exception) -> None:
+        self.internal_errors += 1
+        if self.internal_errors == 1:
+            log.warning("nanreplay: recorder disabled after an internal error (%s: %s); "
+                        "training continues unrecorded", type(e).__name__, e)
+        self.active = False

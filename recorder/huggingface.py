@@ -22,7 +22,7 @@ import torch
 from transformers import TrainerCallback
 
 from .flight import FlightRecorder
-from .validate import validate_callback_options
+from .settings import check_callback_options
 
 
 class FlightRecorderCallback(TrainerCallback):
@@ -33,7 +33,7 @@ class FlightRecorderCallback(TrainerCallback):
 
     def __init__(self, **options: Any):
         _require_accelerate()
-        validate_callback_options(options.get("loss_fn"), options)
+        check_callback_options(options.get("loss_fn"), options)
         self.options = options
         self.recorder: FlightRecorder | None = None
 
@@ -46,7 +46,7 @@ class FlightRecorderCallback(TrainerCallback):
                                        start_step=state.global_step, **self.options)
         # torch_compile=True: accelerate compiled the model into a wrapper callbacks do not see,
         # so the model is one compiled region with hooks dynamo leaves out (recorder.compiled)
-        self.recorder._compiled_elsewhere = bool(getattr(args, "torch_compile", False))
+        self.recorder.target.compiled_elsewhere = bool(getattr(args, "torch_compile", False))
         self.recorder.integration = "huggingface"
         self.recorder.attach()
 

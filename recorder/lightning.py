@@ -22,7 +22,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from .flight import FlightRecorder
-from .validate import validate_callback_options
+from .settings import check_callback_options
 
 
 class FlightRecorderCallback(Callback):
@@ -39,7 +39,7 @@ class FlightRecorderCallback(Callback):
     """
 
     def __init__(self, module: str | None = None, loss_fn: Any = None, **options: Any):
-        validate_callback_options(None if isinstance(loss_fn, str) else loss_fn, options)
+        check_callback_options(None if isinstance(loss_fn, str) else loss_fn, options)
         self.module, self.loss_fn, self.options = module, loss_fn, options
         self.recorder: FlightRecorder | None = None
 
@@ -68,7 +68,7 @@ class FlightRecorderCallback(Callback):
             lr_scheduler=configs[0].scheduler if len(configs) == 1 else None,
             start_step=trainer.global_step, **self.options)
         self.recorder.integration = "lightning"
-        self.recorder._unrooted_advice = (
+        self.recorder.target.unrooted_advice = (
             "Name the submodule your training_step calls with the callback's module= argument: "
             "FlightRecorderCallback(module=\"model\") for a training_step calling "
             "self.model(x)")
@@ -88,7 +88,7 @@ class FlightRecorderCallback(Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.recorder is not None:  # the step the exception cut short: checked, noted
-            self.recorder._check_on_exception(exception)
+            self.recorder.cycle.check_on_exception(exception)
         self.detach()
 
     def detach(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compat import own_slots
 from .validate import import_object
 
 
@@ -99,10 +100,11 @@ def _short(path: str) -> str:
 def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
                      ) -> dict[str, Any]:
     cls = type(m)
+    non_persistent, buffers, params, children = own_slots(m)
     node: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}",
                             "training": m.training, "config": {}, "tuples": [], "tensors": {},
                             "functions": {}, "buffers": {}, "params": {}, "frozen": [],
-                            "non_persistent": sorted(m._non_persistent_buffers_set),
+                            "non_persistent": sorted(non_persistent),
                             "children": {}, "unrecorded": []}
     where = describe_callable(cls)
     node.update({k: v for k, v in where.items() if k in ("import", "why")})
@@ -122,19 +124,19 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
             node["functions"][k] = describe_callable(v)["import"]
         else:
             node["unrecorded"].append(f"{k} ({type(v).__name__})")
-    for k, b in m._buffers.items():
+    for k, b in buffers.items():
         key = None if b is None else f"loss/{prefix}{k}"
         if b is not None:
             tensors[key] = b.detach()
         node["buffers"][k] = key
-    for k, p in m._parameters.items():
+    for k, p in params.items():
         key = None if p is None else f"loss/{prefix}{k}"
         if p is not None:
             tensors[key] = p.detach()
             if not p.requires_grad:
                 node["frozen"].append(k)
         node["params"][k] = key
-    for k, c in m._modules.items():
+    for k, c in children.items():
         node["children"][k] = None if c is None else _describe_module(c, f"{prefix}{k}.",
                                                                       tensors)
     return node

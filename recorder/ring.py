@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .finite import pair_ok
+
 CALL_FIELDS = ("min", "max", "absmax", "mean", "rms", "nan", "posinf", "neginf", "inputs_finite")
 
 
@@ -65,10 +67,7 @@ class StepLayout:
 
 
 def _finite_pair(row: list[float], lo: int, hi: int, allowed: bool = False) -> bool:
-    a, b = row[lo], row[hi]
-    if allowed:
-        return not (math.isnan(a) or math.isnan(b))
-    return math.isfinite(a) and math.isfinite(b)
+    return pair_ok(row[lo], row[hi], allowed)
 
 
 def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
@@ -188,59 +187,62 @@ class RingBuffer:
         for lay in self.layouts:
             lay.materialize()
         width = max((len(lay.calls) for lay in self.layouts), default=0)
-        calls = torch.full((h, width, len(CALL_FIELDS)), math.nan)
-        call_module = torch.full((h, width), -1, dtype=torch.int32)
-        call_mb = torch.full((h, width), -1, dtype=torch.int32)
-        grad_norms = torch.full((h, n_params), math.nan)
-        param_norms = torch.full((h, n_params), math.nan)
-        update_norms = torch.full((h, n_params), math.nan)
-        lr = torch.full((h, max(n_groups, 1)), math.nan, dtype=torch.float64)
-        loss = torch.full((h,), math.nan, dtype=torch.float64)
-        scale = torch.full((h,), math.nan, dtype=torch.float64)
-        grad_total = torch.full((h,), math.nan, dtype=torch.float64)
-        param_total = torch.full((h,), math.nan, dtype=torch.float64)
+        nan = math.nan
+        t = {"ring/calls": torch.full((h, width, len(CALL_FIELDS)), nan),
+             "ring/call_module": torch.full((h, width), -1, dtype=torch.int32),
+             "ring/call_micro_batch": torch.full((h, width), -1, dtype=torch.int32),
+             "ring/grad_norms": torch.full((h, n_params), nan),
+             "ring/param_norms": torch.full((h, n_params), nan),
+             "ring/update_norms": torch.full((h, n_params), nan),
+             "ring/grad_norm": torch.full((h,), nan, dtype=torch.float64),
+             "ring/param_norm": torch.full((h,), nan, dtype=torch.float64),
+             "ring/loss": torch.full((h,), nan, dtype=torch.float64),
+             "ring/lr": torch.full((h, max(n_groups, 1)), nan, dtype=torch.float64),
+             "ring/scale": torch.full((h,), nan, dtype=torch.float64)}
         for i, (row, lay) in enumerate(zip(rows, self.layouts)):
-            # a step wider than the ring was stored cut at lay.length: what lies past the cut
-            # stays unknown (NaN, module -1), never a made-up value
-            n = lay.length
-            for j, call in enumerate(lay.calls):
-                if _max_ref(call) >= n:
-                    continue
-                d = decode_call(row, call)
-                calls[i, j] = torch.tensor([d[f] if d[f] is not None else math.nan
-                                            for f in CALL_FIELDS], dtype=torch.float32)
-                call_module[i, j], call_mb[i, j] = d["module"], d["micro_batch"]
-            if lay.loss and all(b < n for _, _, b in lay.loss):
-                vals = [row[b] for _, _, b in lay.loss]
-                loss[i] = sum(vals) / len(vals)
-            # rows hold squared norms; gradients as backward wrote them (scaled under AMP)
-            unscale = lay.scale if lay.grads_scaled and lay.scale else 1.0
-            for p, k in lay.grads:
-                if k < n:
-                    grad_norms[i, p] = math.sqrt(row[k]) / unscale
-            for p, k in lay.params:
-                if k < n:
-                    param_norms[i, p] = math.sqrt(row[k])
-            for p, k in lay.updates:
-                if k < n:
-                    update_norms[i, p] = math.sqrt(row[k])
-            if all(k < n for _, k in lay.grads):
-                grad_total[i] = _root_sum([row[k] for _, k in lay.grads]) / unscale
-            if all(k < n for _, k in lay.params):
-                param_total[i] = _root_sum([row[k] for _, k in lay.params])
-            for g, v in enumerate(lay.lrs[: lr.shape[1]]):
-                lr[i, g] = v
-            if lay.scale is not None:
-                scale[i] = lay.scale
+            _export_step(i, row, lay, t)
+        order = ("ring/calls", "ring/call_module", "ring/call_micro_batch", "ring/grad_norms",
+                 "ring/param_norms", "ring/update_norms", "ring/grad_norm", "ring/param_norm",
+                 "ring/loss", "ring/lr", "ring/scale")
         tensors = {
             "ring/steps": torch.tensor([lay.step for lay in self.layouts], dtype=torch.int64),
-            "ring/calls": calls, "ring/call_module": call_module, "ring/call_micro_batch": call_mb,
-            "ring/grad_norms": grad_norms, "ring/param_norms": param_norms,
-            "ring/update_norms": update_norms,
-            "ring/grad_norm": grad_total, "ring/param_norm": param_total,
-            "ring/loss": loss, "ring/lr": lr, "ring/scale": scale,
+            **{k: t[k] for k in order},
             "ring/skipped": torch.tensor([lay.skipped for lay in self.layouts], dtype=torch.bool),
         }
         meta = {"history": self.history, "stored": h, "call_fields": list(CALL_FIELDS),
                 "truncated_rows": self.truncated, "device_bytes": self.nbytes}
         return meta, tensors
+
+
+def _export_step(i: int, row: list[float], lay: StepLayout, t: dict[str, torch.Tensor]) -> None:
+    """Fill row ``i`` of the export tables ``t`` from one stored step. A step wider than the
+    ring was stored cut at ``lay.length``: what lies past the cut stays unknown (NaN, module
+    -1), never a made-up value."""
+    n = lay.length
+    for j, call in enumerate(lay.calls):
+        if _max_ref(call) >= n:
+            continue
+        d = decode_call(row, call)
+        t["ring/calls"][i, j] = torch.tensor([d[f] if d[f] is not None else math.nan
+                                              for f in CALL_FIELDS], dtype=torch.float32)
+        t["ring/call_module"][i, j], t["ring/call_micro_batch"][i, j] = \
+            d["module"], d["micro_batch"]
+    if lay.loss and all(b < n for _, _, b in lay.loss):
+        vals = [row[b] for _, _, b in lay.loss]
+        t["ring/loss"][i] = sum(vals) / len(vals)
+    # rows hold squared norms; gradients as backward wrote them (scaled under AMP)
+    unscale = lay.scale if lay.grads_scaled and lay.scale else 1.0
+    for key, pairs, div in (("grad_norms", lay.grads, unscale), ("param_norms", lay.params, 1.0),
+                            ("update_norms", lay.updates, 1.0)):
+        for p, k in pairs:
+            if k < n:
+                t[f"ring/{key}"][i, p] = math.sqrt(row[k]) / div
+    if all(k < n for _, k in lay.grads):
+        t["ring/grad_norm"][i] = _root_sum([row[k] for _, k in lay.grads]) / unscale
+    if all(k < n for _, k in lay.params):
+        t["ring/param_norm"][i] = _root_sum([row[k] for _, k in lay.params])
+    lr = t["ring/lr"]
+    for g, v in enumerate(lay.lrs[: lr.shape[1]]):
+        lr[i, g] = v
+    if lay.scale is not None:
+        t["ring/scale"][i] = lay.scale

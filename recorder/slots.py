@@ -28,6 +28,8 @@ import threading
 
 import torch
 
+from .compat import foreach_copy_, foreach_norm, foreach_square_
+
 STRICT, GRAD, NAN_ONLY, LOOSE = 0, 1, 2, 3
 REGIONS = (STRICT, GRAD, NAN_ONLY, LOOSE)  # their order in a row
 FLOAT32, FLOAT64 = torch.float32, torch.float64
@@ -113,7 +115,7 @@ class Slots:
             ks.append(k)
         m = len(ks)
         if m:
-            torch._foreach_copy_([r.views[k] for k in ks], list(values[:m]))
+            foreach_copy_([r.views[k] for k in ks], list(values[:m]))
         refs = [(code, k) for k in ks]
         if m < len(values):
             with self._lock:
@@ -202,8 +204,8 @@ class Slots:
     def sq_norms(self, tensors: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
         """Squared 2-norms of many (small) tensors: three foreach ops in all."""
         wide = any(t.dtype is FLOAT64 for t in tensors)
-        norms = torch._foreach_norm(tensors, 2, dtype=None if wide else FLOAT32)
-        torch._foreach_mul_(norms, norms)
+        norms = foreach_norm(tensors, None if wide else FLOAT32)
+        foreach_square_(norms)
         return self._put(code, norms)
 
     def relu(self, lo: tuple[int, int], hi: tuple[int, int], code: int):

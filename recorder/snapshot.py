@@ -9,7 +9,8 @@ Tensor keys (the format is specified in ``docs/bundle-format.md``):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,10 +19,10 @@ from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree, rng_to_bundle, tensor_leaves
 from .compiled import hook_sites
 from .lossdesc import describe_loss
-
-if TYPE_CHECKING:
-    from .flight import FlightRecorder
-    from .tape import Tape
+from .ring import RingBuffer
+from .settings import Settings
+from .tape import Tape
+from .target import Target
 
 
 def qualname(obj: Any) -> str:
@@ -41,41 +42,40 @@ def _jsonish(v: Any) -> bool:
     return False
 
 
-def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], *,
+@dataclass
+class Sources:
+    """What a bundle is built from: the recorder's parts (not its private state)."""
+
+    settings: Settings
+    target: Target
+    ring: RingBuffer
+    buffer_copies: dict[str, torch.Tensor]  # pre-step values (recorder.buffers)
+    loss_fn: nn.Module | None
+    loss_recorded: bool  # a loss was given to record_loss (nothing to re-run it with)
+    recorder: dict[str, Any]  # the bundle's "recorder" entry
+    commit: str | None  # the git commit of the working directory
+
+
+def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
                  guard: dict[str, Any] | None, rank: int, world_size: int
                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    model = rec._model()
-    opt = rec._optimizer() if rec._optimizer else None
+    settings, target = src.settings, src.target
+    model, opt = target.model(), target.optimizer()
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {
         "format": f"{FORMAT}/{VERSION}",
         "event": event,
-        "factory": rec.factory,
-        "factory_kwargs": rec.factory_kwargs,
+        "factory": settings.factory,
+        "factory_kwargs": settings.factory_kwargs,
         "state": "after_update" if event.get("after_update") else "before_update",
-        "allow_inf": list(rec.allow_inf),
-        "strict_inf": rec.strict_inf,
+        "allow_inf": list(settings.allow_inf),
+        "strict_inf": settings.strict_inf,
     }
-    # -- model: weights, buffers, gradients, modules in call order
-    params = rec._params
-    meta["params"] = [n for n, _ in params]
-    for name, p in params:
-        w = guard["weights"].get(name, p) if guard else p
-        tensors[f"weights/{name}"] = w.detach()
-        g = guard["grads"].get(name) if guard else p.grad
-        if g is not None:
-            tensors[f"grads/{name}"] = g.detach()
-    meta["buffers"] = []
-    for name, b in rec._buffers:
-        # the copy from the last step start at which the buffer had changed is its pre-step
-        # value, also when this step's forward changed it (even if it rarely changes)
-        copy = rec._buffer_copies.get(name) if tape is not None else None
-        tensors[f"buffers/{name}"] = (copy if copy is not None else b).detach()
-        meta["buffers"].append(name)
+    _model(src, tape, guard, meta, tensors)
     if model is not None:
         meta["model"] = {"class": qualname(model), "training": model.training}
         meta["modules"] = [_module_info(s.name, s.module) for s in hook_sites(model)]
-        meta["compiled_regions"] = sorted(rec._compiled)  # recorded as one call each
+        meta["compiled_regions"] = sorted(target.compiled)  # recorded as one call each
     if tape is not None:
         meta["call_order"] = [[m, mb] for m, mb, *_ in sorted(
             tape.calls, key=lambda c: (c[1], c[2]))]
@@ -84,32 +84,57 @@ def build_bundle(rec: FlightRecorder, tape: Tape | None, event: dict[str, Any], 
         tensors.update(rng_tensors)
         meta["micro_batches"] = [_micro_batch(i, mb, tensors)
                                  for i, mb in enumerate(tape.micro_batches)]
-    # -- optimizer, scheduler, scaler, loss
+    _training_objects(src, guard, meta, tensors)
+    # -- history and environment
+    n_groups = len(opt.param_groups) if opt is not None else 0
+    ring_meta, ring_tensors = src.ring.export(len(target.params), n_groups)
+    meta["ring"] = ring_meta
+    tensors.update(ring_tensors)
+    meta["recorder"] = src.recorder
+    meta["env"] = environment(rank, world_size, src.commit)
+    return meta, tensors
+
+
+def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
+    """Weights, gradients (the guard's copies from before the update, when kept) and buffers
+    (their pre-step values)."""
+    params = src.target.params
+    meta["params"] = [n for n, _ in params]
+    for name, p in params:
+        w = guard["weights"].get(name, p) if guard else p
+        tensors[f"weights/{name}"] = w.detach()
+        g = guard["grads"].get(name) if guard else p.grad
+        if g is not None:
+            tensors[f"grads/{name}"] = g.detach()
+    meta["buffers"] = []
+    for name, b in src.target.buffers:
+        # the copy from the last step start at which the buffer had changed is its pre-step
+        # value, also when this step's forward changed it (even if it rarely changes)
+        copy = src.buffer_copies.get(name) if tape is not None else None
+        tensors[f"buffers/{name}"] = (copy if copy is not None else b).detach()
+        meta["buffers"].append(name)
+
+
+def _training_objects(src: Sources, guard, meta, tensors) -> None:
+    """The optimizer, scheduler, GradScaler and loss."""
+    target = src.target
+    opt = target.optimizer()
     if opt is not None:
-        meta["optimizer"] = _optimizer(opt, params, guard, tensors)
-    sched = rec._scheduler() if rec._scheduler else None
+        meta["optimizer"] = _optimizer(opt, target.params, guard, tensors)
+    sched = target.scheduler()
     if sched is not None:
         tree, ts, _ = flatten_tree(sched.state_dict(), "sched")
         tensors.update(ts)
         meta["lr_scheduler"] = {"class": qualname(sched), "state": tree}
-    scaler = rec._scaler() if rec._scaler else None
+    scaler = target.scaler()
     if scaler is not None:
         tree, ts, _ = flatten_tree(scaler.state_dict(), "scaler")
         tensors.update(ts)
         meta["grad_scaler"] = {"class": qualname(scaler), "state": tree}
-    if rec.loss_fn is not None:
-        meta["loss"] = describe_loss(rec.loss_fn, tensors)
-    elif rec._loss_recorded:  # given to record_loss: checked, but nothing to re-run it with
+    if src.loss_fn is not None:
+        meta["loss"] = describe_loss(src.loss_fn, tensors)
+    elif src.loss_recorded:  # given to record_loss: checked, but nothing to re-run it with
         meta["loss"] = {"kind": "recorded"}
-    # -- history and environment
-    n_groups = len(opt.param_groups) if opt is not None else 0
-    ring_meta, ring_tensors = rec._ring.export(len(params), n_groups)
-    meta["ring"] = ring_meta
-    tensors.update(ring_tensors)
-    meta["recorder"] = {"history": rec.history, "memory_bytes": rec.memory_bytes,
-                        "guard_optimizer": rec.guard_optimizer, "integration": rec.integration}
-    meta["env"] = environment(rank, world_size, rec._commit)
-    return meta, tensors
 
 
 def _module_info(name: str, m: nn.Module) -> dict[str, Any]:

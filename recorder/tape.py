@@ -44,7 +44,6 @@ class Tape:
         # so a module whose input is an earlier output costs no extra reduction.
         self.cache: dict[int, tuple] = {}
         self.lock = threading.Lock()
-        self.copied_buffers: set[str] = set()  # buffers whose pre-step value is in the copies
         self.params_from_update = False  # an optimizer step ran since the previous step
         # parameter index -> slot ref of its squared gradient / weight norm
         self.grad_norms: dict[int, tuple[int, int]] = {}

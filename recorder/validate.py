@@ -1,23 +1,24 @@
-"""Constructor checks of :class:`~recorder.FlightRecorder`: every mistake is reported when the
-recorder is built, in one line saying what, why and what to do, never at the first event."""
+"""Constructor checks of :class:`~recorder.FlightRecorder` on the objects it is given (model,
+optimizer, loss, GradScaler, scheduler) and on the paths it names (the output directory, the
+factory): every mistake is reported when the recorder is built, in one line saying what, why
+and what to do, never at the first event. The settings' own checks are in
+:mod:`recorder.settings`, which uses these."""
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
-import math
 import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-ON_EVENT = ("raise", "warn")
+from .compat import is_grad_scaler
 
 
-def validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, allow_inf,
-              scaler) -> None:
+def check_model(model, optimizer) -> None:
+    """The model is an unsharded, unreplicated module and the optimizer holds its parameters."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"FlightRecorder: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}; pass the module whose forward runs the step")
@@ -34,64 +35,21 @@ def validate(model, optimizer, loss_fn, out_dir, factory, history, on_event, all
             raise ValueError(f"FlightRecorder: {len(stray)} optimizer parameter(s) are not "
                              f"parameters of the model (shapes {shapes}); build the optimizer "
                              "from this model's parameters()")
-    validate_options(loss_fn, out_dir, factory, history, on_event, allow_inf)
-    if scaler is not None and not hasattr(scaler, "_per_optimizer_states"):
+
+
+def check_loss_fn(loss_fn) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"FlightRecorder: loss_fn must be callable, got {type(loss_fn).__name__}")
+
+
+def check_companions(scaler, lr_scheduler) -> None:
+    """The GradScaler and the learning-rate scheduler, when given, are what they claim."""
+    if scaler is not None and not is_grad_scaler(scaler):
         raise TypeError(f"FlightRecorder: scaler must be a torch.amp.GradScaler, got "
                         f"{type(scaler).__name__}")
-
-
-FROM_TRAINER = ("optimizer", "scaler", "lr_scheduler", "start_step")
-
-
-def validate_callback_options(loss_fn, options: dict) -> None:
-    """A training-framework callback's options, checked when it is built: the Trainer supplies
-    the optimizer, scheduler, scaler and first step; the rest are FlightRecorder's."""
-    taken = [k for k in FROM_TRAINER if k in options]
-    if taken:
-        raise TypeError(f"FlightRecorderCallback: {', '.join(taken)} come(s) from the Trainer; "
-                        "leave them out")
-    from .flight import FlightRecorder  # (flight imports this module)
-
-    known = set(inspect.signature(FlightRecorder).parameters) - {"model", "optimizer"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"FlightRecorderCallback: unknown option(s) {', '.join(unknown)}; it "
-                        f"takes FlightRecorder's: {', '.join(sorted(known - set(FROM_TRAINER)))}")
-    validate_options(loss_fn, options.get("out_dir", "nan-bundles"), options.get("factory"),
-                     options.get("history", 64), options.get("on_event", "raise"),
-                     options.get("allow_inf", ()))
-    validate_settings(**{k: v for k, v in options.items() if k in _SETTINGS})
-
-
-# the lowest value each integer setting takes
-_COUNTS = {"start_step": 0, "max_skipped_steps": 0, "max_micro_batches": 1}
-_SETTINGS = {*_COUNTS, "stats", "min_scale", "lr_scheduler", "factory_kwargs",
-             "strict_inf"}
-
-
-def validate_settings(**settings) -> None:
-    """The settings with a range or a set of values (any subset of ``_SETTINGS``)."""
-    for name, low in _COUNTS.items():
-        v = settings.get(name, low)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"FlightRecorder: {name} must be an int >= {low}, got {v!r}")
-    stats = settings.get("stats", "minmax")
-    if stats not in ("minmax", "full"):
-        raise ValueError(f"FlightRecorder: stats must be 'minmax' or 'full', got {stats!r}")
-    v = settings.get("min_scale", 1.0)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"FlightRecorder: min_scale must be a finite number >= 0 (0 turns the "
-                         f"scale-collapse check off), got {v!r}")
-    strict = settings.get("strict_inf", False)
-    if not isinstance(strict, bool):
-        raise TypeError(f"FlightRecorder: strict_inf must be True (every +-Inf is an event) or "
-                        f"False (the default: only a +-Inf that reaches the output, the loss, a "
-                        f"gradient or a weight, or turns into NaN), got {strict!r}")
-    sched = settings.get("lr_scheduler")
-    if sched is not None and not callable(getattr(sched, "state_dict", None)):
+    if lr_scheduler is not None and not callable(getattr(lr_scheduler, "state_dict", None)):
         raise TypeError(f"FlightRecorder: lr_scheduler must be a scheduler with a state_dict() "
-                        f"(torch.optim.lr_scheduler), got {type(sched).__name__}")
-    check_factory_kwargs(settings.get("factory_kwargs"), "FlightRecorder: factory_kwargs")
+                        f"(torch.optim.lr_scheduler), got {type(lr_scheduler).__name__}")
 
 
 def check_factory_kwargs(kwargs, what: str) -> None:
@@ -108,22 +66,6 @@ def check_factory_kwargs(kwargs, what: str) -> None:
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what} must hold JSON values only (numbers, strings, booleans, None, "
                         f"lists, dicts), so the bundle can store them ({e})") from None
-
-
-def validate_options(loss_fn, out_dir, factory, history, on_event, allow_inf) -> None:
-    """The checks that need no model (a training-framework callback makes them when built)."""
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"FlightRecorder: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if on_event not in ON_EVENT:
-        raise ValueError(f"FlightRecorder: on_event must be 'raise' or 'warn', got {on_event!r}")
-    if not isinstance(history, int) or history < 1:
-        raise ValueError(f"FlightRecorder: history must be a positive int, got {history!r}")
-    if isinstance(allow_inf, str) or not all(isinstance(p, str) for p in allow_inf):
-        raise TypeError("FlightRecorder: allow_inf must be a list of name patterns such as "
-                        "['*.attn.mask']")
-    _check_writable(Path(out_dir))
-    if factory is not None:
-        _check_factory(factory)
 
 
 def _check_unsharded(model: nn.Module) -> None:
@@ -157,7 +99,7 @@ def _check_not_replicated(model: nn.Module) -> None:
                              "(one process per device), or record on one device")
 
 
-def _check_writable(out_dir: Path) -> None:
+def check_writable(out_dir: Path) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".nanreplay-probe-"):
@@ -176,7 +118,7 @@ def import_object(module: str, attr: str):
     return obj
 
 
-def _check_factory(factory: str) -> None:
+def check_factory(factory: str) -> None:
     mod, _, fn = factory.partition(":")
     if not mod or not fn:
         raise ValueError(f"FlightRecorder: factory {factory!r} is not of the form "

@@ -49,7 +49,7 @@ class Runner:
         self.allowed_buffers = {id(b) for n, b in self.model.named_buffers()
                                 if matches(n, patterns)}
         self.micro_batch = 0  # the micro-batch running (hooks read it)
-        self._buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        self._initial_buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         self._rng = rng_state(step)
         # bundles from before the default policy were recorded with every +-Inf an event
         self.strict_inf = bool(step.meta.get("strict_inf", True))
@@ -67,8 +67,8 @@ class Runner:
     def reset(self) -> None:
         with torch.no_grad():
             for n, b in self.model.named_buffers():
-                if n in self._buffers:
-                    b.copy_(self._buffers[n])
+                if n in self._initial_buffers:
+                    b.copy_(self._initial_buffers[n])
         self.model.zero_grad(set_to_none=True)
         if self._rng is not None:
             restore_rng(self._rng)
@@ -158,14 +158,14 @@ class Runner:
         dtypes = _to_float64(list(model.named_parameters()) + list(model.named_buffers()))
         loss_dtypes = (_to_float64(list(loss.named_buffers()), even_float64=True)
                        if isinstance(loss, nn.Module) else {})
-        saved = self._buffers
-        self._buffers = {n: (b.double() if b.is_floating_point() else b) for n, b in saved.items()}
+        saved = self._initial_buffers
+        self._initial_buffers = {n: (b.double() if b.is_floating_point() else b) for n, b in saved.items()}
         self.cast = torch.float64
         try:
             yield
         finally:
             self.cast = None
-            self._buffers = saved
+            self._initial_buffers = saved
             with torch.no_grad():
                 for name, t in list(model.named_parameters()) + list(model.named_buffers()):
                     if name in dtypes:

@@ -113,7 +113,7 @@ def test_compiled_submodule_keeps_per_layer_records_around_it(tmp_path):
     rec, err = _train(net, tmp_path, factory="replay_models:make_log_net")
     ev = err.event
     assert (ev["step"], ev["module"], ev["compiled"], ev["inputs_finite"]) == (K, "act", True, True)
-    assert rec._module_names == CLEAN[0]
+    assert rec.target.module_names == CLEAN[0]
     assert _names(err.bundle_path) == CLEAN
     meta, tensors = read_bundle(err.bundle_path)
     called = [meta["modules"][m]["name"] for m, _ in meta["call_order"]]

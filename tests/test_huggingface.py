@@ -90,7 +90,7 @@ def test_clean_run_with_accumulation_and_evaluation(tmp_path):
     rec = cb.recorder
     assert trainer.state.global_step == 6 and rec.step == 6
     assert sum("eval_loss" in h for h in trainer.state.log_history) == 3
-    assert rec._internal_errors == 0 and rec.event is None
+    assert rec.health.internal_errors == 0 and rec.event is None
     assert list((tmp_path / "b").glob("*.nan")) == []
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in trainer.model.modules())
 

@@ -120,9 +120,9 @@ def test_inner_inf_is_recorded_in_the_ring_buffer(out_dir):
             crit(model(x), y).backward()
             opt.step()
         assert rec.event is None
-        _, ring = rec._ring.export(len(rec._params), 1)
+        _, ring = rec.cycle.ring.export(len(rec.target.params), 1)
         fields = ["min", "max", "absmax", "mean", "rms", "nan", "posinf", "neginf"]
-        mask = rec._module_names.index("mask")
+        mask = rec.target.module_names.index("mask")
         calls = ring["ring/calls"][ring["ring/call_module"] == mask]
         assert calls.shape[0] == 3  # one call per step, each with its -inf
         assert (calls[:, fields.index("neginf")] == 1).all()

@@ -87,7 +87,7 @@ def test_clean_fit_with_validation_and_accumulation(tmp_path):
                    val_check_interval=4, limit_val_batches=2)
     rec = cb.recorder
     assert trainer.global_step == 6 and rec.step == 6
-    assert rec.event is None and rec._internal_errors == 0
+    assert rec.event is None and rec.health.internal_errors == 0
     assert list(tmp_path.glob("*.nan")) == []
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
@@ -132,7 +132,7 @@ def test_an_inline_loss_is_checked_through_lightning(tmp_path):
     # the same fit with the targets intact: every step's loss checked, no event
     cb = FlightRecorderCallback(module="net", out_dir=tmp_path / "clean")
     _fit(LM.InlineLoss(), cb, LM.Rows())
-    assert cb.recorder.event is None and cb.recorder._internal_errors == 0
+    assert cb.recorder.event is None and cb.recorder.health.internal_errors == 0
 
 
 def test_a_training_step_raising_on_its_nan_still_gets_the_bundle(tmp_path):

@@ -193,7 +193,7 @@ def test_every_gradient_is_measured_small_ones_batched(out_dir, with_optimizer):
         else:
             rec.end_step()
     assert rec.step == 2
-    layout = rec._ring.layouts[-1].materialize()
+    layout = rec.cycle.ring.layouts[-1].materialize()
     assert sorted(i for i, _ in layout.grads) == list(range(24))  # every gradient measured
     rec.detach()
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())

@@ -154,12 +154,12 @@ def test_a_step_wider_than_the_ring_is_stored_truncated_and_checked_whole(out_di
                     crit(model(x), y).backward()
                 opt.step()
                 if step == 1:  # stored cut, no false alarm from the cut
-                    width = rec._ring.rows.shape[1]
-                    assert rec._ring.truncated == 1 and rec._ring.layouts[-1].length == width
+                    width = rec.cycle.ring.rows.shape[1]
+                    assert rec.cycle.ring.truncated == 1 and rec.cycle.ring.layouts[-1].length == width
     assert info.value.bundle_path is not None and info.value.bundle_path.exists()
     assert info.value.event["step"] == 2 and info.value.event["micro_batch"] == 39
     assert info.value.event["phase"] == "input" and info.value.event["samples"] == [3]
-    assert rec._ring.truncated == 2
+    assert rec.cycle.ring.truncated == 2
     # the bundle's ring keeps what fit of the cut steps, and marks nothing past the cut as NaN
     _, t = read_bundle(info.value.bundle_path)
     assert t["ring/steps"].tolist() == [0, 1, 2]

@@ -573,8 +573,8 @@ def test_values_at_the_float32_limit_are_not_events(out_dir):
         for _ in range(4):
             model(torch.randn(16, 8))
     assert rec.event is None and bundles(out_dir) == []
-    layout = rec._ring.layouts[-1].materialize()
-    row = rec._ring.ordered_rows()[-1]
+    layout = rec.cycle.ring.layouts[-1].materialize()
+    row = rec.cycle.ring.ordered_rows()[-1]
     extreme = [c for c in layout.calls if c[0] == 2][0]
     (lo, hi), = extreme[3]
     assert (row[lo], row[hi]) == (pytest.approx(-3.4e38), pytest.approx(3.4e38))
@@ -671,7 +671,7 @@ def test_no_grad_forwards_in_train_mode_stay_micro_batches(out_dir):
             model(x)
         opt.zero_grad()
         crit(model(x), y).backward()
-        assert len(rec._tape.micro_batches) == 2
+        assert len(rec.cycle.tape.micro_batches) == 2
         opt.step()
         assert rec.step == 1
 
@@ -687,7 +687,7 @@ def test_inference_mode_forwards_are_recorded(out_dir):
                     model[1].armed = step == K
                     model(M.batch(step)[0])
     check_event(info.value.event, step=K, phase="forward", module="1", inputs_finite=True)
-    assert rec._internal_errors == 0
+    assert rec.health.internal_errors == 0
     meta, tensors = read_bundle(info.value.bundle_path)
     (key,) = meta["micro_batches"][0]["paths"]
     assert identical(tensors[key], M.batch(K)[0])
@@ -710,4 +710,4 @@ def test_inference_mode_validation_between_steps(out_dir):
                 model.train()
     check_event(info.value.event, step=3, phase="input", evaluation=True, samples=[4],
                 kind="-inf")
-    assert rec._internal_errors == 0
+    assert rec.health.internal_errors == 0

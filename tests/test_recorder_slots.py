@@ -102,7 +102,7 @@ def test_a_step_never_allocates_its_statistics(out_dir):
             x, y = M.batch(step)
             opt.zero_grad()
             crit(model(x), y).backward()
-            slots = rec._tape.slots
+            slots = rec.cycle.tape.slots
             opt.step()
             assert not slots.short and sum(v.numel() for v in slots.gather()) > 10
             assert all(not r.extra for r in slots._regions)
@@ -121,10 +121,10 @@ def test_more_statistics_than_slots(out_dir):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
             if step == 0:
-                assert rec._slots.short
-        assert not rec._slots.short
-    rows = rec._ring.ordered_rows()
-    for row, layout, out in zip(rows, rec._ring.layouts, outs):
+                assert rec.cycle.slots.short
+        assert not rec.cycle.slots.short
+    rows = rec.cycle.ring.ordered_rows()
+    for row, layout, out in zip(rows, rec.cycle.ring.layouts, outs):
         call = [c for c in layout.materialize().calls if c[0] == 151][0]
         (lo, hi), = call[3]
         assert (row[lo], row[hi]) == (out.min().item(), out.max().item())
@@ -141,9 +141,9 @@ def test_float64_model_is_recorded(out_dir, stats):
             model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
             norms = [p.grad.norm().item() ** 2 for p in model.parameters()]
             opt.step()
-    assert rec._internal_errors == 0
-    layout = rec._ring.layouts[-1].materialize()
-    row = rec._ring.ordered_rows()[-1]
+    assert rec.health.internal_errors == 0
+    layout = rec.cycle.ring.layouts[-1].materialize()
+    row = rec.cycle.ring.ordered_rows()[-1]
     assert [row[k] for _, k in sorted(layout.grads)] == pytest.approx(norms, rel=1e-5)
     assert len(layout.params) == (20 if stats == "full" else 0)
 
@@ -181,9 +181,9 @@ def test_relu_statistics_are_those_of_its_output(out_dir, inplace, poison):
     with FlightRecorder(model, out_dir=out_dir, on_event=on_event) as rec:
         model(torch.randn(4, 4))
         rec.end_step()
-    layout = rec._ring.layouts[-1].materialize()
-    row = rec._ring.ordered_rows()[-1]
-    names = rec._module_names
+    layout = rec.cycle.ring.layouts[-1].materialize()
+    row = rec.cycle.ring.ordered_rows()[-1]
+    names = rec.target.module_names
     calls = {names[c[0]]: c for c in layout.calls}
     for name, out in outs.items():
         (lo, hi), = calls[name][3]

@@ -34,13 +34,15 @@ from ci import requires_cuda
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import recorder.flight
+import recorder.cycle
 from recorder import FlightRecorder
+from recorder.cycle import StepCycle
+from recorder.guard import OptimizerGuard
 from recorder.hooks import Hook
 
 aten = torch.ops.aten
-FLIGHT = str(Path(recorder.flight.__file__).resolve())
-RECORDER = str(Path(recorder.flight.__file__).resolve().parent)
+FLIGHT = str(Path(recorder.cycle.__file__).resolve())  # the module that reads the host
+RECORDER = str(Path(recorder.cycle.__file__).resolve().parent)
 TORCH = str(Path(torch.__file__).resolve().parent)
 HERE = str(Path(__file__).resolve())
 _MISSING = object()
@@ -364,7 +366,7 @@ def _ddp(device, out_dir):
                 crit(model(x), y).backward()
                 opt.step()
                 yield
-        assert rec.event is None and rec.step == STEPS and rec._ddp
+        assert rec.event is None and rec.step == STEPS and rec.target.ddp
     finally:
         dist.destroy_process_group()
 
@@ -476,10 +478,10 @@ def test_the_counter_catches_syncs_inside_the_recorder(out_dir, monkeypatch):
     """Control: a recorder that closed its step with C++ syncs (``equal``, ``nonzero``,
     boolean-mask indexing, ``unique``) or a host copy would be seen, each once per step and
     attributed to the recorder's code."""
-    original = FlightRecorder._before_update
+    original = OptimizerGuard.before_update
 
     def syncing(self, optimizer):
-        w = next(iter(self._params))[1].detach()
+        w = next(iter(self.target.params))[1].detach()
         torch.equal(w, w)
         w.nonzero()
         w[w > 0]
@@ -488,7 +490,7 @@ def test_the_counter_catches_syncs_inside_the_recorder(out_dir, monkeypatch):
         return original(self, optimizer)
 
     syncing.__code__ = syncing.__code__.replace(co_filename=FLIGHT)  # as if written there
-    monkeypatch.setattr(FlightRecorder, "_before_update", syncing)
+    monkeypatch.setattr(OptimizerGuard, "before_update", syncing)
     model, crit = M.mlp(), nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
@@ -501,10 +503,10 @@ def test_the_counter_catches_syncs_inside_the_recorder(out_dir, monkeypatch):
 def recorder_in_sync_error_mode(monkeypatch) -> Iterator[list[str]]:
     """Every entry into the recorder (its hooks, the closure it wraps, ``record_loss``) runs
     under ``torch.cuda.set_sync_debug_mode("error")``: any sync there raises, except the step's
-    one read in ``_close_tape``, let through and listed in the yielded list."""
+    one read in ``StepCycle.close_tape``, let through and listed in the yielded list."""
     allowed: list[str] = []
     # the step's probe, and the last update's evidence at the exit
-    READS = {recorder.flight._read_probe.__code__, FlightRecorder._check_last_update.__code__}
+    READS = {recorder.cycle._read_probe.__code__, StepCycle.check_last_update.__code__}
 
     def strict(fn):
         def entry(*args, **kwargs):
@@ -532,8 +534,8 @@ def recorder_in_sync_error_mode(monkeypatch) -> Iterator[list[str]]:
         return read
 
     monkeypatch.setattr(Hook, "__call__", strict(Hook.__call__))
-    for name in ("_after_closure", "record_loss"):
-        monkeypatch.setattr(FlightRecorder, name, strict(getattr(FlightRecorder, name)))
+    monkeypatch.setattr(OptimizerGuard, "after_closure", strict(OptimizerGuard.after_closure))
+    monkeypatch.setattr(FlightRecorder, "record_loss", strict(FlightRecorder.record_loss))
     for name in ("item", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, budget(name, getattr(torch.Tensor, name)))
     try:

@@ -203,7 +203,7 @@ def test_update_norms_are_in_the_ring_and_cost_no_read(out_dir):
                 opt.step()
                 reads.append([c for c in calls[seen:] if c[1] == FLIGHT])
                 after.append([p.detach().norm().item() for p in model.parameters()])
-        _, ring = rec._ring.export(len(rec._params), 1)
+        _, ring = rec.cycle.ring.export(len(rec.target.params), 1)
     assert [len(r) for r in reads] == [1] * 4
     norms = ring["ring/update_norms"]
     assert torch.isnan(norms[0]).all()  # step 0 follows no update

@@ -1,0 +1,112 @@
+"""The slow path: a check failed, so find the event, write the bundle, raise or warn. Once.
+
+Runs after the step's single host read said something is not finite (or the GradScaler's
+checks tripped), so it may read whatever it needs from the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import bundle, events
+from .capture import distributed_rank
+from .errors import NonFiniteError
+from .events import Event, StepEvidence
+from .finite import tensors_kind
+from .hooks import Health
+from .ring import StepLayout
+from .settings import Settings
+from .tape import Tape
+from .target import Target
+
+log = logging.getLogger("nanreplay")
+
+# (tape or None, event, optimizer guard's copies or None, rank, world size) -> (meta, tensors)
+Contents = Callable[[Tape | None, dict[str, Any], Any, int, int],
+                    tuple[dict[str, Any], dict[str, torch.Tensor]]]
+
+
+class Alarm:
+    """The first event of a recorder, its bundle and its message."""
+
+    def __init__(self, settings: Settings, target: Target, health: Health, contents: Contents):
+        self.settings, self.target, self.health = settings, target, health
+        self._contents = contents
+        self.fired = False
+        self.event: dict[str, Any] | None = None
+        self.bundle_path: Path | None = None
+        self._lock = threading.RLock()
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self.fired:
+                return False
+            self.fired = True
+            return True
+
+    def step_event(self, tape: Tape, layout: StepLayout, row: torch.Tensor, reason: str) -> None:
+        """A step whose probe failed: find its first offender and report it."""
+        if not self._claim():
+            return
+        target = self.target
+        evidence = StepEvidence(
+            row.tolist(), layout, tape, target.module_names, target.module_types,
+            target.param_names, [p for _, p in target.params], target.allowed_modules,
+            strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update)
+        event = events.find_event(evidence, reason)
+        if event is None:  # false alarm: norms of huge but finite tensors overflowed
+            with self._lock:
+                self.fired = False
+            return
+        if tape.evaluation:
+            event.evaluation = True
+        if event.module in target.compiled:
+            event.compiled = True  # its layers were not recorded (see recorder.compiled)
+        self._write_and_report(tape, event)
+
+    def optimizer_event(self, bad: list[str], step: int, after_update: bool,
+                        tape: Tape | None = None, guard=None) -> None:
+        """An update whose weights ``bad`` had non-finite norms right after it."""
+        names = set(bad)
+        # norms overflow float32 for finite values above ~1.8e19: the weights decide
+        pairs = [(n, p) for n, p in self.target.params
+                 if n in names and not bool(torch.isfinite(p).all())]
+        if not pairs or not self._claim():
+            return
+        event = events.optimizer_event(step, [n for n, _ in pairs], after_update=after_update,
+                                       kind=tensors_kind(p for _, p in pairs) or "nan")
+        if after_update:  # the weights are those the update left; no step's batch with them
+            self._write_and_report(None, event)
+        else:
+            self._write_and_report(tape, event, guard=guard)
+
+    def summary(self) -> str:
+        return events.summary(self.event, self.bundle_path)
+
+    def _write_and_report(self, tape: Tape | None, event: Event, guard=None) -> None:
+        self.event = as_dict = event.as_dict()
+        rank, world = distributed_rank()
+        on_event = self.settings.on_event
+        try:
+            meta, tensors = self._contents(tape, as_dict, guard, rank, world)
+            out_dir = self.settings.out_dir
+            out_dir.mkdir(parents=True, exist_ok=True)
+            path = bundle.write_bundle(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
+        except Exception as e:
+            msg = events.summary(as_dict, None) + f" Writing the bundle failed: {e}"
+            if on_event == "raise":
+                raise NonFiniteError(msg, event=as_dict, write_error=e) from e
+            log.warning(msg)
+            return
+        self.bundle_path = path
+        msg = events.summary(as_dict, path)
+        if on_event == "raise":
+            self.health.active = False
+            raise NonFiniteError(msg, bundle_path=path, event=as_dict)
+        log.warning(msg)

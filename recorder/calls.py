@@ -1,0 +1,355 @@
+"""The hooks that write each module call's statistics into the open step's tape.
+
+Only the root needs a pre-hook (it opens steps, see :mod:`recorder.cycle`); every call is
+recorded when it returns, with its inputs' statistics looked up from the calls that produced
+them, so a chain of modules costs one reduction per call. Every hook is a no-op while the
+recorder is inactive, and never lets an error of its own reach training (see
+:class:`~recorder.hooks.Health`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import tensor_leaves
+from .compat import version, version_of, view_base
+from .compiled import disabled
+from .cycle import StepCycle
+from .errors import NonFiniteError
+from .hooks import Health, Hook
+from .slots import GRAD, LOOSE, NAN_ONLY, STRICT
+from .tape import MicroBatch, Tape
+from .target import Target
+
+
+class CallHooks:
+    """Module, loss and gradient hooks of one recorder (see the module docstring)."""
+
+    def __init__(self, target: Target, cycle: StepCycle, health: Health, loss_fn, param_norms):
+        self.target, self.cycle, self.health = target, cycle, health
+        self.loss_fn = loss_fn
+        self.param_norms = param_norms  # stats="full": means, RMS and weight norms too
+        self.strict_inf = target.settings.strict_inf
+        self.loss_recorded = False  # record_loss has been given a loss (no loss_fn to replay)
+
+    def register(self) -> list:
+        """Hook every site of the bound target (and the loss module, and the gradients of the
+        large parameters where backward hooks take their norms); returns the handles."""
+        target = self.target
+        sites = target.sites
+        root = sites[0]
+        # (a compiled region's hooks go where dynamo does not trace them, see recorder.compiled;
+        # the modules inside one are not hooked)
+        pre = disabled(self.root_pre_hook) if root.disable else self.root_pre_hook
+        handles = [root.target.register_forward_pre_hook(Hook(pre), with_kwargs=True)]
+        for idx, site in enumerate(sites):
+            if site.target is None:
+                continue
+            relu = type(site.module) is nn.ReLU and idx
+            fn = self.relu_hook if relu else self.post_hook
+            allowed = target.inf_allowed(idx, site.name)
+            hook = (Hook(disabled(partial(fn, idx, allowed))) if site.disable
+                    else Hook(fn, idx, allowed))
+            handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
+        if self.loss_fn is not None:
+            handles.append(self.loss_fn.register_forward_hook(Hook(self.loss_post_hook),
+                                                              with_kwargs=True))
+        if target.grad_hooks:
+            for i, p in target.large:
+                handles.append(p.register_post_accumulate_grad_hook(Hook(self.grad_hook, i)))
+        return handles
+
+    # ------------------------------------------------------------------------------------------
+    # the root: a micro-batch begins
+
+    def root_pre_hook(self, module, args, kwargs):
+        if not self.health.active:
+            return None
+        try:
+            root = self.target.model()  # (``module`` may be a compile wrapper, whose mode can lag)
+            self._begin_micro_batch(args, kwargs, (module if root is None else root).training)
+        except NonFiniteError:
+            raise
+        except Exception as e:  # never let the recorder's own bug stop training
+            self.health.internal_error(e)
+        return None
+
+    def _begin_micro_batch(self, args, kwargs, training: bool) -> None:
+        cycle = self.cycle
+        cycle.eval_tail = None  # an evaluation forward whose loss never came
+        with cycle.lock:
+            tape = cycle.tape_for_forward(training)
+            mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
+                            autocast=_autocast_state())
+            mb.input_refs = self._root_input_refs(tape, args, kwargs)
+            tape.micro_batches.append(mb)
+
+    def _root_input_refs(self, tape: Tape, args, kwargs) -> tuple:
+        """(min, max, allowed) refs of each floating root input. NaN is always checked; +-Inf
+        only with ``strict_inf`` and outside ``allow_inf`` (by the argument's name, ``args[i]``
+        or a keyword, or an allowed buffer passed in): by default an infinity that comes in
+        (a float mask) is an event only where it leads (see ``strict_inf``). Each is cached,
+        so the first layers that take it reuse these."""
+        refs = []
+        for name, t in _named_leaves(args, kwargs):
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            hit = _produced(tape, t)
+            if hit is not None:
+                refs.append(hit[1:4])
+                continue
+            soft = not self.strict_inf or self.target.allowed_buffer(t) \
+                or self.target.is_allowed(name)
+            a, b = tape.slots.minmax(t.detach(), NAN_ONLY if soft else STRICT)
+            refs.append((a, b, soft))
+            tape.cache[id(t)] = (weakref.ref(t), a, b, soft, version_of(t))
+        return tuple(refs)
+
+    def _end_micro_batch(self, tape: Tape, output) -> None:
+        """Keep the root output, and the gradient backward brings to each of its tensors."""
+        mb = tape.micro_batches[-1]
+        mb.outputs = output
+        if torch.is_grad_enabled():
+            for i, t in enumerate((output,) if type(output) is torch.Tensor
+                                  else tensor_leaves(output)):
+                fn = t.grad_fn
+                if fn is not None:  # a pre-hook on its node: a tenth of register_hook's Python
+                    fn.register_prehook(partial(_keep_out_grad, mb.out_grads, i, t.output_nr))
+                elif t.requires_grad:
+                    t.register_hook(partial(_keep_grad, mb.out_grads, i))
+
+    # ------------------------------------------------------------------------------------------
+    # every module: a call returned
+
+    def post_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
+        tape = self.cycle.tape
+        if tape is None or not self.health.active:
+            return self.cycle.outside_step(idx, tape)
+        try:
+            mb = len(tape.micro_batches) - 1
+            if idx == 0:
+                ins = tape.micro_batches[mb].input_refs
+            elif len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and \
+                    (hit := _produced(tape, args[0], output)) is not None:
+                ins = (hit[1:4],)  # one tensor in, an earlier call's output: the usual chain
+            else:
+                ins = self._input_refs(tape, args, kwargs, made_here=output)
+            if type(output) is torch.Tensor and not self.param_norms:  # the usual case
+                outs, stats = _output_ref(tape, output, allowed, reuse=True), None
+            else:
+                outs, stats = self._output_refs(tape, output, allowed)
+            tape.calls.append((idx, mb, len(tape.calls), outs, stats, ins))
+            if idx == 0:
+                self._end_micro_batch(tape, output)
+        except Exception as e:
+            self.health.internal_error(e)
+        if idx == 0 and tape.evaluation and self.health.active:  # checked now, its batch let go
+            self.cycle.close_tape(at="evaluation")
+            if self.loss_fn is not None:  # ...once its loss is checked too (or none comes)
+                self.cycle.eval_tail = tape
+        return None
+
+    def relu_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
+        """An ``nn.ReLU`` call: its output's min and max are the ReLU of its input's (ReLU is
+        elementwise and non-decreasing; NaN stays NaN, -Inf becomes 0, +Inf stays), so they are
+        derived from the input's statistics with one op on two numbers instead of a pass over
+        the output. The input's come from the call that produced it, else from one
+        ``aminmax``."""
+        tape = self.cycle.tape
+        if tape is None or not self.health.active:
+            return self.cycle.outside_step(idx, tape)
+        if len(args) != 1 or kwargs or type(args[0]) is not torch.Tensor \
+                or type(output) is not torch.Tensor or output.dtype is not torch.float32 \
+                or args[0].dtype is not torch.float32 or self.param_norms:
+            return self.post_hook(idx, allowed, module, args, kwargs, output)
+        try:
+            a, slots = args[0], tape.slots
+            hit = _produced(tape, a, output)
+            if hit is not None:
+                ins = (hit[1:4],)
+                lo, hi = hit[1], hit[2]
+            else:
+                lo, hi = slots.minmax(a.detach(), LOOSE)
+                ins = ((lo, hi, False),)
+            ra, rb = slots.relu(lo, hi, NAN_ONLY if allowed else STRICT)
+            tape.cache[id(output)] = (weakref.ref(output), ra, rb, allowed, version_of(output))
+            tape.calls.append((idx, len(tape.micro_batches) - 1, len(tape.calls), ((ra, rb),),
+                               None, ins))
+        except Exception as e:
+            self.health.internal_error(e)
+        return None
+
+    def _input_refs(self, tape: Tape, args, kwargs, made_here=None) -> tuple:
+        """(min, max, allowed) refs of each floating input of an inner call (kept, never
+        checked); an input that an earlier call produced reuses that call's statistics, so a
+        chain of modules costs nothing here.
+
+        Inputs are seen after the call: one changed in place since it was produced is
+        measured again, unless this call returned it (an in-place module: the produced
+        statistics are its input's)."""
+        refs = []
+        for t in _leaves(args, kwargs):
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            hit = _produced(tape, t, made_here)
+            if hit is not None:
+                refs.append(hit[1:4])
+                continue
+            # Only "were they finite" matters for an inner call's inputs: a sum says it in
+            # half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
+            ref = tape.slots.total(t.detach(), LOOSE)
+            refs.append((ref, ref, self.target.allowed_buffer(t)))
+        return tuple(refs)
+
+    def _output_refs(self, tape: Tape, output, allowed: bool):
+        """((min, max) refs per floating output tensor, (sum, 2-norm, numel) refs of the first
+        with ``stats="full"``)."""
+        full = self.param_norms
+        outs, stats = [], None
+        for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
+            ref = _output_ref(tape, t, allowed, reuse=not full)
+            if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
+                d = t.detach()
+                stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
+            outs += ref
+        return tuple(outs), stats
+
+    # ------------------------------------------------------------------------------------------
+    # the loss and the gradients
+
+    def loss_post_hook(self, module, args, kwargs, output):
+        cycle = self.cycle
+        tape = cycle.tape
+        if tape is None and cycle.eval_tail is not None and self.health.active:
+            tape, cycle.eval_tail = cycle.eval_tail, None
+            try:
+                self.record_loss_call(tape, args, kwargs, output)
+            except Exception as e:
+                self.health.internal_error(e)
+                return None
+            cycle.check_evaluation_loss(tape)
+            return None
+        if not self.health.active or tape is None or not tape.micro_batches:
+            return None
+        try:
+            self.record_loss_call(tape, args, kwargs, output)
+        except Exception as e:
+            self.health.internal_error(e)
+        return None
+
+    def record_loss_call(self, tape: Tape, args, kwargs, output) -> None:
+        """The loss call's arguments (the targets, kept by reference) on the micro-batch, and
+        the (min, max) of each floating output among the step's must-be-finite statistics."""
+        mb = tape.micro_batches[-1]
+        mb.loss_args, mb.loss_kwargs = args, kwargs
+        self.loss_stats(tape, output)
+
+    @staticmethod
+    def loss_stats(tape: Tape, output) -> None:
+        for t in tensor_leaves(output):
+            if t.is_floating_point() and t.numel():
+                lo, hi = tape.slots.minmax(t.detach(), STRICT)
+                tape.loss.append((tape.micro_batch, lo, hi))
+
+    def grad_hook(self, i: int, p: torch.Tensor) -> None:
+        """Squared norms of a gradient (and, with ``stats="full"``, its parameter) when backward
+        has written it: used where the optimizer's pre-hook may not run before the gradient is
+        gone (no optimizer; a GradScaler that skips the update), see ``Target``."""
+        tape = self.cycle.tape
+        if not self.health.active or tape is None or p.grad is None \
+                or p.grad.layout != torch.strided:
+            return
+        try:
+            grad = p.grad
+            g = tape.slots.sq_norm(grad.detach(), GRAD)
+            w = tape.slots.sq_norm(p.detach(), STRICT) if self.param_norms else None
+            with tape.lock:  # accumulation: the last call sees the accumulated gradient
+                tape.grad_norms[i] = g
+                if w is not None:
+                    tape.param_norms[i] = w
+                tape.grad_seen[i] = (id(grad), version(grad))
+        except Exception as e:
+            self.health.internal_error(e)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _produced(tape: Tape, t: torch.Tensor, made_here=None) -> tuple | None:
+    """The cache entry of the output (or root input) ``t`` is, or is a whole view of, if it is
+    unchanged since (or changed in place by the call that returned it)."""
+    hit = tape.cache.get(id(t))
+    # (a recorded version None: an inference-mode tensor, whose changes are unknown)
+    if hit is not None and hit[0]() is t and (
+            t is made_here or (hit[4] is not None and hit[4] == version(t))):
+        return hit
+    base = view_base(t)  # a flatten/view of an output, covering exactly its elements
+    if base is None:
+        return None
+    hit = tape.cache.get(id(base))
+    if hit is not None and hit[0]() is base and hit[4] is not None \
+            and hit[4] == version(base) \
+            and t.numel() == base.numel() and t.storage_offset() == base.storage_offset() \
+            and t.is_contiguous() and base.is_contiguous():
+        return hit
+    return None
+
+
+def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, reuse: bool) -> tuple:
+    """``((min ref, max ref),)`` of one output tensor, or ``()`` if it is not floating.
+    ``reuse``: an output passed through unchanged (a Sequential's) keeps the statistics of the
+    call that made it."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return ()
+    hit = tape.cache.get(id(t))
+    if (reuse and hit is not None and hit[0]() is t and hit[4] is not None
+            and hit[4] == version(t) and hit[3] == allowed):
+        return (hit[1:3],)
+    a, b = tape.slots.minmax(t.detach(), NAN_ONLY if allowed else STRICT)
+    tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, version_of(t))
+    return ((a, b),)
+
+
+def _named_leaves(args, kwargs):
+    """(top-level name, tensor) of every tensor in a call's arguments: ``args[i]`` or the
+    keyword, for tensors nested inside one too."""
+    for i, a in enumerate(args):
+        for t in tensor_leaves(a):
+            yield f"args[{i}]", t
+    for k, v in (kwargs or {}).items():
+        for t in tensor_leaves(v):
+            yield str(k), t
+
+
+def _leaves(args, kwargs):
+    for a in args:
+        if type(a) is torch.Tensor or isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple, dict)):
+            yield from tensor_leaves(a)
+    if kwargs:
+        yield from tensor_leaves(kwargs)
+
+
+def _keep_grad(store: dict, i: int, grad: torch.Tensor) -> None:
+    store[i] = grad
+
+
+def _keep_out_grad(store: dict, i: int, nr: int, grad_outputs: tuple) -> None:
+    grad = grad_outputs[nr]
+    if grad is not None:
+        store[i] = grad
+
+
+def _autocast_state() -> dict[str, Any]:
+    out = {}
+    for dev in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(dev):
+            out[dev] = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+    return out

@@ -1,0 +1,119 @@
+"""Every private PyTorch API and attribute the recorder uses, in one place, so a torch upgrade
+touches this file only.
+
+Each name here wraps one private detail: version counters and view bases (how the recorder
+knows an output is unchanged), foreach kernels (one call for many small tensors), BatchNorm's
+base class (statistics that change without moving the version counter), GradScaler's scale and
+per-step state, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
+an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
+non-persistent buffer names).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+try:
+    from torch._dynamo.eval_frame import OptimizedModule
+except ImportError:  # a torch without dynamo
+    OptimizedModule = ()
+
+# the attribute of an OptimizedModule holding the module it compiled (and the name part it
+# adds to parameter names)
+WRAPPER = "_orig_mod"
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, or None for an inference-mode tensor, which keeps no version counter (so
+    whether it changed in place is unknown: it is measured again, its buffer copied again)."""
+    return None if t.is_inference() else t._version
+
+
+def version(t: torch.Tensor) -> int:
+    """``t._version`` of a tensor known to keep one (a gradient, an output of this step). (A
+    function, not ``operator.attrgetter``: dynamo traces hooks that run inside a compiled
+    region, and it cannot trace an attrgetter.)"""
+    return t._version
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``t._base``), None when it is no view."""
+    return t._base
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """2-norms of ``tensors`` in one kernel launch per dtype/device group."""
+    return torch._foreach_norm(tensors, 2, dtype=dtype)
+
+
+def foreach_square_(tensors: list[torch.Tensor]) -> None:
+    torch._foreach_mul_(tensors, tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# modules
+
+
+def is_norm_layer(m: nn.Module) -> bool:
+    """BatchNorm/InstanceNorm-style layers, which update running statistics inside the kernel
+    without moving their buffers' version counters."""
+    return isinstance(m, _NormBase)
+
+
+def own_slots(m: nn.Module) -> tuple[set[str], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(non-persistent buffer names, buffers, parameters, children) registered on ``m`` itself,
+    ``None`` entries included (``named_buffers`` and friends leave those out)."""
+    return m._non_persistent_buffers_set, m._buffers, m._parameters, m._modules
+
+
+def is_compile_wrapper(m: Any) -> bool:
+    return isinstance(m, OptimizedModule)
+
+
+def compiled_module(wrapper: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper compiled."""
+    return wrapper._orig_mod
+
+
+def compiled_in_place(m: nn.Module) -> bool:
+    """``m.compile()``, or ``m.forward = torch.compile(m.forward)`` (what Lightning does to a
+    compiled LightningModule, with its ``training_step``)."""
+    return getattr(m, "_compiled_call_impl", None) is not None or \
+        hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")
+
+
+def undo_in_place_compile(m: nn.Module) -> None:
+    """Make ``m`` run eagerly again after :func:`compiled_in_place` compilation."""
+    m._compiled_call_impl = None
+    forward = m.__dict__.get("forward")
+    if hasattr(forward, "_torchdynamo_orig_callable"):
+        m.forward = forward._torchdynamo_orig_callable
+
+
+# ---------------------------------------------------------------------------------------------
+# GradScaler
+
+
+def is_grad_scaler(obj: Any) -> bool:
+    return hasattr(obj, "_per_optimizer_states")
+
+
+def scaler_scale(scaler) -> torch.Tensor | None:
+    """The scale tensor (None before the first ``scale()``, or without a scaler)."""
+    return getattr(scaler, "_scale", None)
+
+
+def scaler_token(scaler) -> int | None:
+    """Changes exactly when a step ends for the scaler: ``update()`` replaces this dict."""
+    return id(getattr(scaler, "_per_optimizer_states", None)) if scaler is not None else None

@@ -1,0 +1,344 @@
+"""The step cycle: a step opens, collects its statistics, and closes with one host read.
+
+A step opens at the first root-module forward after the previous step closed, capturing the RNG
+states and the pre-step value of buffers that change. Each module call adds 0-d statistics to
+the step's :class:`~recorder.tape.Tape` on the device. The step closes at ``optimizer.step()``
+(its pre-hook, so a bad step never updates the weights), or, for loops without an optimizer or
+steps that a ``GradScaler`` skipped, when the next step opens. Closing stacks the statistics
+into one row of the ring buffer and reads one small probe back (finiteness of what must be
+finite, the NaN check of the rest, the GradScaler's scale; the last update's weight norms ride
+in the row): that read is the only host-device sync, and this module is the only one that
+makes it. Only when the probe says "non-finite" does the slow path run (:mod:`recorder.alarm`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import NamedTuple
+
+import torch
+
+from .alarm import Alarm
+from .buffers import BufferSnapshots
+from .capture import RngCapture
+from .compat import scaler_scale, scaler_token
+from .errors import NonFiniteError
+from .grads import reread_changed_grads, small_param_norms
+from .hooks import Health
+from .ring import RingBuffer, StepLayout
+from .settings import Settings
+from .slots import STRICT, Slots
+from .tape import Tape
+from .target import Target
+
+log = logging.getLogger("nanreplay")
+
+
+class UpdateEvidence(NamedTuple):
+    """Squared norms of the weights an update wrote, on the device, taken right after it."""
+
+    step: int  # the step whose update it was
+    refs: list  # (parameter index, slot ref)
+    slots: Slots
+
+
+class StepCycle:
+    """Opens and closes steps; owns the ring buffer, the slots and the buffer copies."""
+
+    def __init__(self, settings: Settings, target: Target, health: Health, alarm: Alarm):
+        self.settings, self.target, self.health, self.alarm = settings, target, health, alarm
+        self.step = settings.start_step  # index of the step being recorded (or the next)
+        self.tape: Tape | None = None
+        self.ring = RingBuffer(settings.history)
+        self.slots: Slots | None = None
+        self.buffers = BufferSnapshots()
+        self.lock = threading.RLock()
+        self.updated = False  # an optimizer step ran since the last step opened
+        self.skips = 0  # GradScaler skips in a row
+        self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
+        self.unrooted_call: int | None = None  # a submodule that ran while no step was open
+        self._unrooted_warned = False
+        self._capture_rng = RngCapture()
+        # the last update's evidence, read with the next step's one host read
+        self.pending_update: UpdateEvidence | None = None
+        self._probe: torch.Tensor | None = None  # [strict check, NaN-only min, max, scale]
+        self._probe_views: tuple = ()
+        self._probe_nan_only = False  # its min/max hold this step's NaN-only entries
+
+    def release(self) -> None:
+        """Let go of the open step, the copies and the evidence (at detach)."""
+        self.tape = self.eval_tail = None
+        self.buffers.clear()
+        self.slots = None
+        self.pending_update = None
+
+    # ------------------------------------------------------------------------------------------
+    # opening
+
+    def tape_for_forward(self, training: bool) -> Tape:
+        """The tape a root forward records into: the open step's, or a new one (closing first
+        a step that ended without an optimizer step). Called under :attr:`lock`."""
+        tape = self.tape
+        if tape is not None and (tape.evaluation  # one whose forward raised
+                                 or self._ended_without_optimizer(tape)):
+            self.close_tape(at="forward")
+            tape = None
+        if tape is None:
+            # Between steps, a forward in eval mode with gradients off is an evaluation:
+            # checked on its own when it returns, and part of no step.
+            tape = self._open_tape(evaluation=self.target.has_optimizer and not training
+                                   and not torch.is_grad_enabled())
+        return tape
+
+    def _ended_without_optimizer(self, tape: Tape) -> bool:
+        if not self.target.has_optimizer or self.skipped_by_scaler(tape):
+            return True
+        return len(tape.micro_batches) >= self.settings.max_micro_batches
+
+    def skipped_by_scaler(self, tape: Tape) -> bool:
+        """scaler.update() ran since the step opened and optimizer.step() did not (it would
+        have closed the step): a step the GradScaler skipped, wherever it gets closed (the
+        next forward, or detach when it was the loop's last)."""
+        return (self.target.has_optimizer and self.target.has_scaler
+                and tape.scaler_token != scaler_token(self.target.scaler()))
+
+    def _open_tape(self, evaluation: bool = False) -> Tape:
+        token = scaler_token(self.target.scaler()) if self.target.has_scaler else None
+        slots = self.slots
+        device = self.target.device()
+        if slots is None or slots.device != device:  # first step, or the model moved
+            slots = self.slots = Slots(device)
+        slots.start_step()
+        tape = Tape(self.step, self._capture_rng(), token, slots)
+        tape.evaluation = evaluation
+        tape.params_from_update = self.updated
+        if not evaluation:  # the next training step's weights still come from that update
+            self.updated = False
+        self.buffers.snapshot()
+        self.tape = tape
+        self.unrooted_call = None
+        return tape
+
+    def current_step(self) -> int:
+        tape = self.tape
+        if tape is not None and self.skipped_by_scaler(tape):
+            return self.step + 1  # scaler.update() ended it; it is closed at the next forward
+        return self.step
+
+    def outside_step(self, idx: int, tape: Tape | None) -> None:
+        """A module hook with nothing to record: inactive, or no step open. A submodule called
+        while no step is open is remembered for :meth:`unrooted`."""
+        if tape is None and idx and self.unrooted_call is None:
+            self.unrooted_call = idx
+
+    def unrooted(self) -> None:
+        """An update with no forward of the recorded model since the last one, while one of its
+        submodules ran: the loop calls parts of the model (a LightningModule's training_step
+        calling ``self.encoder``), so no step ever opens and nothing is checked. Said once."""
+        name = self.target.module_names[self.unrooted_call]
+        self.unrooted_call = None
+        if self._unrooted_warned:
+            return
+        self._unrooted_warned = True
+        log.warning("nanreplay: optimizer.step() ran with no forward of the recorded model since "
+                    "the last step, while its submodule '%s' ran on its own: nothing is recorded "
+                    "or checked. %s", name, self.target.unrooted_advice)
+
+    # ------------------------------------------------------------------------------------------
+    # closing
+
+    def close_open_step(self, at: str) -> None:
+        if self.health.active and self.tape is not None:
+            self.close_tape(at=at)
+
+    def close_tape(self, at: str) -> None:
+        """Check the step with one host read; on an event, write the bundle."""
+        with self.lock:
+            tape = self.tape
+            if tape is None:
+                return
+            self.tape = None
+            if not tape.evaluation:
+                self.step += 1
+        try:
+            layout, row, probe, scale = self.build_row(
+                tape, skipped=not tape.evaluation and self.skipped_by_scaler(tape))
+        except Exception as e:
+            self.health.internal_error(e)
+            return
+        ok, read_scale = _read_probe(probe)  # the one host-device sync of the step
+        if scale:
+            layout.scale = read_scale
+        if tape.evaluation:  # the ring is the training steps' history: its row is not kept
+            if not ok and not self.alarm.fired:
+                self.alarm.step_event(tape, layout, row, "non_finite")
+            return
+        self.ring.commit(layout)
+        reason = None
+        if not ok:
+            reason = "non_finite"
+        elif self.target.has_scaler:
+            self.skips = self.skips + 1 if layout.skipped else 0
+            if layout.scale is not None and layout.scale < self.settings.min_scale:
+                reason = "scale_collapse"
+            elif self.skips > self.settings.max_skipped_steps:
+                reason = "scale_skipping"
+        if reason is not None and not self.alarm.fired:
+            self.alarm.step_event(tape, layout, row, reason)
+
+    def build_row(self, tape: Tape, skipped: bool):
+        """Copy the step's statistics into the next ring row and compute, still on the device,
+        a probe (see :func:`_read_probe`): three device ops, as this runs every step. Returns
+        (layout, row, probe, scale): ``row`` is the whole step's (the ring keeps it cut when it
+        is wider than the ring), ``scale`` whether the probe carries the GradScaler's scale,
+        read in the same sync."""
+        if not tape.evaluation:  # an evaluation's gradients are the last step's, already read
+            small_param_norms(tape, self.target, self.settings.param_norms)
+        layout, pieces, (s, g, n) = self._layout(tape, skipped)
+        total = s + g + n + pieces[-1].numel()
+        row = self.ring.reserve(total, tape.slots.device)
+        full = row
+        if row.numel() == total and row.device == tape.slots.device:
+            if total:
+                torch.cat(pieces, out=row)
+        else:  # a row longer than the ring is wide (stored truncated, checked whole), or a
+            full = torch.cat(pieces)  # model moved to another device after the first step
+            row.copy_(full[: row.numel()])
+        # gradient norms of a step the GradScaler skipped are expected to overflow: unchecked
+        probe, scale = self._fill_probe(full, row, s if skipped else s + g, s + g, n)
+        return layout, full, probe, scale
+
+    def _layout(self, tape: Tape, skipped: bool):
+        """The step's layout, the row's pieces in order and the lengths (must-be-finite entries
+        and the update's, gradient norms, NaN-only entries)."""
+        opt = self.target.optimizer()
+        lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
+        layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
+                            grads_scaled=self.target.has_scaler and not tape.grads_reread)
+        slots = tape.slots
+        pieces = slots.gather()  # the regions, in row order
+        s, g, n, _ = (p.numel() for p in pieces)
+        # the last update's evidence goes right after the must-be-finite entries, so the same
+        # probe checks it: [STRICT, update, GRAD, NAN_ONLY, LOOSE]
+        pending = None if tape.evaluation else self.pending_update
+        updates: list = []
+        u = 0
+        if pending is not None:
+            self.pending_update = None
+            layout.update_step, updates = pending.step, pending.refs
+            piece = pending.slots.gather()[STRICT]
+            if piece.device == slots.device:
+                pieces.insert(1, piece)
+                u = piece.numel()
+            else:  # the model moved since: that evidence is void
+                updates = []
+        # Indices into the row are resolved only when a row is decoded (events, export).
+        layout.raw = (list(tape.calls), list(tape.loss), sorted(tape.grad_norms.items()),
+                      sorted(tape.param_norms.items()), (0, s + u, s + u + g, s + u + g + n),
+                      updates, s)
+        return layout, pieces, (s + u, g, n)
+
+    def _fill_probe(self, full: torch.Tensor, row: torch.Tensor, checked: int, start: int,
+                    n: int) -> tuple[torch.Tensor, bool]:
+        """The probe of a row whose first ``checked`` entries must be finite and whose ``n``
+        entries from ``start`` must not be NaN; whether it carries the GradScaler's scale."""
+        probe = self._probe
+        if probe is None or probe.device != full.device:
+            probe = self._probe = torch.zeros(4, dtype=torch.float32, device=full.device)
+            self._probe_views = probe.unbind(0)
+            self._probe_nan_only = False
+        finite, lo, hi, scale_out = self._probe_views
+        if full is row and checked:
+            self.ring.probe_finite(checked, out=finite)
+        else:
+            finite.copy_(full[:checked].mul(0).sum())
+        if n:  # entries that may hold +-Inf: only NaN counts, which aminmax propagates
+            torch.aminmax(full[start: start + n], out=(lo, hi))
+        elif self._probe_nan_only:  # the last step had such entries, this one has none
+            lo.zero_()
+        self._probe_nan_only = bool(n)
+        scale = scaler_scale(self.target.scaler()) if self.target.has_scaler else None
+        if scale is not None:
+            scale_out.copy_(scale.reshape(()))
+        return probe, scale is not None
+
+    # ------------------------------------------------------------------------------------------
+    # the other closings: an evaluation's loss, an exception, the last update at exit
+
+    def check_evaluation_loss(self, tape: Tape) -> None:
+        """The loss of an evaluation forward (already checked and closed): its row again, with
+        the loss, and one more host read; the event is then a loss event of that forward."""
+        try:
+            if not tape.loss:
+                return
+            layout, row, probe, _ = self.build_row(tape, skipped=False)
+            ok, _ = _read_probe(probe)  # the evaluation loss's own host read
+        except Exception as e:
+            self.health.internal_error(e)
+            return
+        if not ok and not self.alarm.fired:
+            self.alarm.step_event(tape, layout, row, "non_finite")
+
+    def check_on_exception(self, exc: BaseException) -> None:
+        """The loop raised ``exc`` while a step was open: the loop's own NaN guard (``if
+        loss.isnan(): raise``), ``clip_grad_norm_(..., error_if_nonfinite=True)``, a crash
+        mid-forward. Check what the step recorded so far (one host read) and, if it is
+        non-finite, write the bundle; ``exc`` goes on, with the recorder's summary added as a
+        note. The ``with`` block and the Lightning callback call this; a ``KeyboardInterrupt``
+        is left alone."""
+        if not isinstance(exc, Exception) or isinstance(exc, NonFiniteError):
+            return
+        tape = self.tape
+        if not self.health.active or tape is None or self.alarm.fired:
+            return
+        try:
+            if not tape.evaluation:  # gradients backward wrote, which no optimizer hook read
+                reread_changed_grads(tape, self.target, self.settings.param_norms)
+            self.close_tape(at="exception")
+        except NonFiniteError as e:
+            _add_note(exc, str(e))
+            return
+        except Exception as e:
+            self.health.internal_error(e)
+            return
+        if self.alarm.fired and self.alarm.event is not None:  # warn mode: noted here too
+            _add_note(exc, self.alarm.summary())
+
+    def check_last_update(self) -> None:
+        """At detach after a clean exit: the last update's evidence, which no next step will
+        read (one host read, once)."""
+        pending, self.pending_update = self.pending_update, None
+        if pending is None or self.alarm.fired or not self.health.active:
+            return
+        values = pending.slots.gather()[STRICT].tolist()  # the detach's one read
+        names = self.target.param_names
+        bad = [names[i] for i, (_, k) in pending.refs if not math.isfinite(values[k])]
+        if bad:
+            self.alarm.optimizer_event(bad, step=pending.step, after_update=True)
+
+
+def _read_probe(probe: torch.Tensor) -> tuple[bool, float]:
+    """The step's one host read: ``probe`` is [0 if every must-be-finite entry is finite else
+    NaN, min and max of the entries where only NaN counts, the GradScaler's scale]. Returns
+    (all checks pass, scale)."""
+    finite, lo, _, scale = probe.tolist()
+    return finite == 0.0 and not math.isnan(lo), scale
+
+
+def _host_float(x) -> float:
+    if isinstance(x, torch.Tensor):
+        return float(x) if x.device.type == "cpu" else math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _add_note(exc: BaseException, text: str) -> None:
+    """``exc.add_note(text)`` (Python 3.11+), else a warning in the log."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:
+        log.warning(text)

@@ -1,0 +1,56 @@
+"""Gradient (and, with ``stats="full"``, weight) norms taken when no hook fires for them: right
+before the update, for the parameters whose gradients no backward hook measured or that changed
+since, and for the many small parameters, batched into foreach calls when the row is built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compat import version
+from .slots import GRAD, STRICT
+from .tape import Tape
+from .target import Target
+
+
+def small_param_norms(tape: Tape, target: Target, param_norms: bool) -> None:
+    """Squared norms of the small parameters' gradients (and weights), two foreach calls."""
+    params = target.params
+    idx = [i for i in target.small if i not in tape.grad_norms
+           and params[i][1].grad is not None and params[i][1].grad.layout == torch.strided]
+    if not idx:
+        return
+    tensors = [params[i][1] for i in idx]
+    with tape.lock:
+        tape.grad_norms.update(zip(idx, tape.slots.sq_norms(
+            [p.grad.detach() for p in tensors], GRAD)))
+        if param_norms:
+            tape.param_norms.update(zip(idx, tape.slots.sq_norms(
+                [p.detach() for p in tensors], STRICT)))
+
+
+def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
+    """Norms of the gradients the optimizer will use. With backward hooks, only those that
+    changed since backward wrote them: DDP's all-reduced average, GradScaler's unscaled
+    values, clipping, a replaced tensor. Small parameters: see :func:`small_param_norms`."""
+    seen = tape.grad_seen
+    every = not target.grad_hooks or target.ddp or target.has_scaler
+    strided = torch.strided
+    idx, grads = [], []
+    # last parameter first: the optimizer starts with the first, whose gradient is then
+    # the one still in cache
+    for i, p in reversed(target.large):
+        grad = p.grad
+        if grad is None or grad.layout is not strided:
+            continue
+        if every or seen.get(i) != (id(grad), version(grad)):
+            idx.append(i)
+            grads.append(grad.detach() if grad.requires_grad else grad)
+    if not idx:
+        return
+    with tape.lock:
+        tape.grad_norms.update(zip(idx, tape.slots.sq_norm_each(grads, GRAD)))
+        tape.grads_reread = True
+        if param_norms and not target.grad_hooks:
+            weights = [target.params[i][1].detach() for i in idx]
+            tape.param_norms.update(zip(idx, tape.slots.sq_norm_each(weights, STRICT)))

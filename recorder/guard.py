@@ -1,0 +1,177 @@
+"""The optimizer's side of a step: its pre-hook closes the step before the update, its
+post-hook takes evidence of what the update wrote.
+
+By default that evidence is the squared norm of every weight the optimizer holds, computed on
+the device and read with the next step's one host read (see :mod:`recorder.cycle`).
+``guard_optimizer=True`` instead copies the weights, gradients and optimizer state before each
+update and checks the weights right after it (a second sync), so a bundle can re-run the update
+that made weights non-finite.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+
+from .alarm import Alarm
+from .compat import foreach_norm
+from .cycle import StepCycle, UpdateEvidence
+from .grads import reread_changed_grads
+from .hooks import Health, Hook
+from .slots import STRICT, Slots
+from .tape import Tape
+from .target import Target
+
+
+class OptimizerGuard:
+    """The optimizer hooks of one recorder."""
+
+    def __init__(self, target: Target, cycle: StepCycle, health: Health, alarm: Alarm):
+        self.target, self.cycle, self.health, self.alarm = target, cycle, health, alarm
+        self.settings = target.settings
+        self.copies: dict[str, Any] | None = None  # guard mode: the state before the update
+        self.last_tape: Tape | None = None  # guard mode: the step those copies belong to
+        self._slots: Slots | None = None  # where the update's evidence is computed
+
+    def register(self, optimizer) -> list:
+        return [optimizer.register_step_pre_hook(Hook(self.pre_hook)),
+                optimizer.register_step_post_hook(Hook(self.post_hook))]
+
+    def release(self) -> None:
+        self.copies = self.last_tape = self._slots = None
+
+    @property
+    def nbytes(self) -> int:
+        if not self.copies:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.copies["tensors"])
+
+    def pre_hook(self, optimizer, args, kwargs):
+        if not self.health.active:
+            return None
+        # (``args`` holds the optimizer itself first: the hook wraps the unbound step)
+        closure = kwargs.get("closure") if "closure" in kwargs else (
+            args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # step(closure): the step's forward and backward run inside step(), in the closure
+            # (Lightning's automatic optimization, LBFGS): close the step when it returns,
+            # still before the update
+            wrapped = partial(self.after_closure, optimizer, closure, [False])
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        self.before_update(optimizer)
+        return None
+
+    def after_closure(self, optimizer, closure, done: list, *args, **kwargs):
+        result = closure(*args, **kwargs)
+        if not done[0]:  # LBFGS evaluates again after updating: those join the next step
+            done[0] = True
+            self.before_update(optimizer)
+        return result
+
+    def before_update(self, optimizer) -> None:
+        """Close the step right before ``optimizer`` updates the weights."""
+        cycle = self.cycle
+        tape = cycle.tape  # another thread may close it meanwhile: work on this one
+        if not self.health.active:
+            return
+        cycle.updated = True  # the next step's weights come from this update
+        cycle.eval_tail = None
+        if tape is None:
+            if cycle.unrooted_call is not None:
+                cycle.unrooted()
+            return
+        try:  # (small parameters: when the row is built)
+            reread_changed_grads(tape, self.target, self.settings.param_norms)
+        except Exception as e:
+            self.health.internal_error(e)
+        cycle.close_tape(at="optimizer")
+        if self.settings.guard_optimizer and not self.alarm.fired:
+            self.copies = _copy_for_guard(optimizer, self.target.params)
+            self.last_tape = tape
+
+    def post_hook(self, optimizer, args, kwargs):
+        """Evidence of what the update wrote: the squared norm of every weight the optimizer
+        holds, on the device, read with the next step's host read. Guard mode checks them now
+        instead (the mode's second sync)."""
+        if not self.health.active:
+            return None
+        if not self.settings.guard_optimizer:
+            try:
+                self._measure_update()
+            except Exception as e:
+                self.health.internal_error(e)
+            return None
+        if self.copies is not None and not self.alarm.fired:
+            params = self.target.params
+            norms = _norms(list(enumerate(p for _, p in params)))
+            values = torch.stack([n for _, n in norms]).tolist()  # guard mode's 2nd sync
+            bad = [params[i][0] for (i, _), v in zip(norms, values) if not math.isfinite(v)]
+            if bad:
+                self.alarm.optimizer_event(bad, step=self.cycle.step - 1, after_update=False,
+                                           tape=self.last_tape, guard=self.copies)
+            else:
+                self.cycle.updated = False  # verified: weights bad later were not its doing
+        return None
+
+    def _measure_update(self) -> None:
+        """Squared norms of the weights right after an update into slots of their own (one dot
+        per large weight, one foreach call for many small ones); no host read."""
+        large, small = self.target.update_large, self.target.update_small
+        if not large and not small:
+            return
+        device = (large or small)[0][1].device
+        slots = self._slots
+        if slots is None or slots.device != device:
+            slots = self._slots = Slots(device, len(large) + len(small) + 8)
+        slots.start_step()
+        with torch.no_grad():
+            refs = list(zip((i for i, _ in large),
+                            slots.sq_norm_each([p.detach() for _, p in large], STRICT)))
+            if small:
+                refs += zip((i for i, _ in small),
+                            slots.sq_norms([p.detach() for _, p in small], STRICT))
+        # the update belongs to the step the pre-hook just closed
+        self.cycle.pending_update = UpdateEvidence(self.cycle.step - 1, refs, slots)
+
+
+def _norms(indexed_params) -> list[tuple[int, torch.Tensor]]:
+    idx, tensors = [], []
+    for i, t in indexed_params:
+        if t is None or t.layout != torch.strided or t.numel() == 0:
+            continue
+        idx.append(i)
+        tensors.append(t.detach())
+    if not tensors:
+        return []
+    with torch.no_grad():
+        norms = foreach_norm(tensors, torch.float32)
+    return list(zip(idx, norms))
+
+
+def _copy_for_guard(optimizer, params) -> dict[str, Any]:
+    names = {id(p): n for n, p in params}
+    copies: dict[str, Any] = {"weights": {}, "grads": {}, "state": {}, "tensors": []}
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                n = names.get(id(p))
+                if n is None:
+                    continue
+                copies["weights"][n] = p.detach().clone()
+                if p.grad is not None:
+                    copies["grads"][n] = p.grad.detach().clone()
+                st = optimizer.state.get(p, {})
+                copies["state"][n] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                      for k, v in st.items()}
+    for d in (copies["weights"], copies["grads"]):
+        copies["tensors"].extend(d.values())
+    for st in copies["state"].values():
+        copies["tensors"].extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    copies["hyper"] = [{k: v for k, v in g.items() if k != "params"}
+                       for g in optimizer.param_groups]
+    return copies

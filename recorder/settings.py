@@ -1,0 +1,112 @@
+"""The recorder's settings: one frozen dataclass, checked once when it is built.
+
+:class:`~recorder.FlightRecorder` takes these as keyword arguments (documented there) and builds
+a :class:`Settings`; the Trainer callbacks check their options with :func:`check_callback_options`
+when they are built, reading the same fields, so a mistake surfaces before training starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .validate import check_factory, check_factory_kwargs, check_loss_fn, check_writable
+
+ON_EVENT = ("raise", "warn")
+STATS = ("minmax", "full")
+# the lowest value each integer setting takes
+_COUNTS = {"start_step": 0, "max_skipped_steps": 0, "max_micro_batches": 1}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the recorder checks and keeps, as given to :class:`~recorder.FlightRecorder`."""
+
+    out_dir: Path = Path("nan-bundles")  # where bundles go (created if missing)
+    factory: str | None = None  # "module:function" that rebuilds the model for the replay
+    factory_kwargs: dict[str, Any] | None = None  # JSON keyword arguments for the factory
+    history: int = 64  # steps kept in the ring buffer
+    on_event: str = "raise"  # "raise" NonFiniteError, or "warn" (log once, keep training)
+    allow_inf: tuple[str, ...] = ()  # fnmatch patterns of names that may hold +-Inf
+    strict_inf: bool = False  # every +-Inf is an event (else only those that matter)
+    min_scale: float = 1.0  # a GradScaler scale below this is an event (0: never)
+    max_skipped_steps: int = 50  # more GradScaler skips in a row are an event
+    guard_optimizer: bool = False  # copy the update's inputs, check weights right after it
+    stats: str = "minmax"  # "full" adds means, RMS and parameter norms
+    start_step: int = 0  # index of the first recorded step
+    max_micro_batches: int = 1024  # a step without optimizer.step() closes after this many
+
+    def __post_init__(self):
+        self._check()
+        put = object.__setattr__  # (frozen: normalised once, here)
+        put(self, "out_dir", Path(self.out_dir))
+        put(self, "allow_inf", tuple(self.allow_inf))
+        put(self, "min_scale", float(self.min_scale))
+        put(self, "guard_optimizer", bool(self.guard_optimizer))
+        if self.factory_kwargs is not None:
+            put(self, "factory_kwargs", dict(self.factory_kwargs))
+
+    @property
+    def param_norms(self) -> bool:
+        """Every step reads every weight (``stats="full"``); by default weights are read only
+        when an event needs them, as a pass over them costs as much as the gradient norms."""
+        return self.stats == "full"
+
+    def _check(self) -> None:
+        if self.on_event not in ON_EVENT:
+            raise ValueError(f"FlightRecorder: on_event must be 'raise' or 'warn', got "
+                             f"{self.on_event!r}")
+        if not isinstance(self.history, int) or self.history < 1:
+            raise ValueError(f"FlightRecorder: history must be a positive int, got "
+                             f"{self.history!r}")
+        allow = self.allow_inf
+        if isinstance(allow, str) or not all(isinstance(p, str) for p in allow):
+            raise TypeError("FlightRecorder: allow_inf must be a list of name patterns such as "
+                            "['*.attn.mask']")
+        check_writable(Path(self.out_dir))
+        if self.factory is not None:
+            check_factory(self.factory)
+        for name, low in _COUNTS.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"FlightRecorder: {name} must be an int >= {low}, got {v!r}")
+        if self.stats not in STATS:
+            raise ValueError(f"FlightRecorder: stats must be 'minmax' or 'full', got "
+                             f"{self.stats!r}")
+        v = self.min_scale
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v < 0:
+            raise ValueError(f"FlightRecorder: min_scale must be a finite number >= 0 (0 turns "
+                             f"the scale-collapse check off), got {v!r}")
+        if not isinstance(self.strict_inf, bool):
+            raise TypeError(f"FlightRecorder: strict_inf must be True (every +-Inf is an event) "
+                            f"or False (the default: only a +-Inf that reaches the output, the "
+                            f"loss, a gradient or a weight, or turns into NaN), got "
+                            f"{self.strict_inf!r}")
+        check_factory_kwargs(self.factory_kwargs, "FlightRecorder: factory_kwargs")
+
+
+SETTINGS = tuple(f.name for f in dataclasses.fields(Settings))
+# FlightRecorder's keyword arguments that are objects, not settings
+OBJECTS = ("loss_fn", "scaler", "lr_scheduler")
+# what a Trainer callback takes from the Trainer instead of its options
+FROM_TRAINER = ("optimizer", "scaler", "lr_scheduler", "start_step")
+
+
+def check_callback_options(loss_fn, options: dict[str, Any]) -> None:
+    """A training-framework callback's options, checked when it is built: the Trainer supplies
+    the optimizer, scheduler, scaler and first step; the rest are FlightRecorder's."""
+    taken = [k for k in FROM_TRAINER if k in options]
+    if taken:
+        raise TypeError(f"FlightRecorderCallback: {', '.join(taken)} come(s) from the Trainer; "
+                        "leave them out")
+    known = set(SETTINGS) | set(OBJECTS)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"FlightRecorderCallback: unknown option(s) {', '.join(unknown)}; it "
+                        f"takes FlightRecorder's: {', '.join(sorted(known - set(FROM_TRAINER)))}")
+    check_loss_fn(loss_fn)
+    Settings(**{k: v for k, v in options.items() if k in SETTINGS})

@@ -1,0 +1,151 @@
+"""What is recorded: the model as written (unwrapped from DDP and compile wrappers), its hook
+sites, parameters, buffers and their names, and the optimizer, GradScaler and scheduler that
+go with it, all held weakly so the recorder never keeps a model alive.
+
+The names and index lists are fixed at :meth:`Target.bind` (the recorder's ``attach``): the
+statistics of every step refer to modules and parameters by their index in these lists.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .compat import is_norm_layer
+from .compiled import HookSite, eager_name, hook_sites, unwrap
+from .finite import matches
+from .settings import Settings
+
+_SMALL = 1 << 15  # parameters with fewer elements get batched norms...
+_FEW = 16  # ...when there are more than this many of them
+
+_UNROOTED_ADVICE = ("Give FlightRecorder the module whose forward your training step calls "
+                    "(or call the model itself)")
+
+
+def _ref(obj):
+    return weakref.ref(obj) if obj is not None else None
+
+
+def _deref(ref):
+    return ref() if ref is not None else None
+
+
+class Target:
+    """The recorded model and the objects that train it."""
+
+    def __init__(self, model: nn.Module, optimizer, scaler, lr_scheduler, settings: Settings):
+        # DistributedDataParallel / DataParallel / torch.compile: record the wrapped module, so
+        # names and the factory are the user's model; DDP all-reduces gradients after backward
+        # wrote them, so their norms are re-read before the update (see recorder.grads).
+        model, wrapper, self.ddp = unwrap(model)
+        self._model, self._wrapper = weakref.ref(model), _ref(wrapper)
+        self._optimizer, self._scaler = _ref(optimizer), _ref(scaler)
+        self._scheduler = _ref(lr_scheduler)
+        self.has_optimizer = optimizer is not None
+        self.has_scaler = scaler is not None
+        self.settings = settings
+        self.compiled_elsewhere = False  # set by a Trainer callback whose Trainer compiles
+        # what to do when only submodules run (a Trainer callback names its own option)
+        self.unrooted_advice = _UNROOTED_ADVICE
+        self.module_names: list[str] = []
+        self.module_types: list[str] = []
+        self.compiled: set[str] = set()
+        self.allowed_modules: set[int] = set()
+        self.grad_hooks = True
+        self.release()
+
+    def model(self) -> nn.Module | None:
+        return self._model()
+
+    def optimizer(self):
+        return _deref(self._optimizer)
+
+    def scaler(self):
+        return _deref(self._scaler)
+
+    def scheduler(self):
+        return _deref(self._scheduler)
+
+    def bind(self) -> list[HookSite]:
+        """Fix the names and index lists (at attach); returns the hook sites, root first."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("FlightRecorder.attach: the model no longer exists")
+        sites = hook_sites(model, _deref(self._wrapper), self.compiled_elsewhere)
+        self.sites = sites
+        self.module_names = [s.name for s in sites]
+        self.module_types = [type(s.module).__module__ + "." + type(s.module).__qualname__
+                             for s in sites]
+        self.compiled = {s.name for s in sites if s.region}  # recorded as one call each
+        self.allowed_modules = {i for i, n in enumerate(self.module_names) if self.is_allowed(n)}
+        self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
+        self.param_names = [n for n, _ in self.params]
+        self.buffers = [(eager_name(n), b) for n, b in model.named_buffers()]
+        # BatchNorm-style layers update their running statistics inside the kernel, which
+        # does not move the version counter: their buffers are copied at every step start.
+        self.norm_buffers = {f"{s.name}.{b}" if s.name else b for s in sites
+                             if is_norm_layer(s.module)
+                             for b, _ in s.module.named_buffers(recurse=False)}
+        self.allowed_buffers = {id(b): weakref.ref(b) for n, b in self.buffers
+                                if self.is_allowed(n)}
+        self._partition()
+        return sites
+
+    def _partition(self) -> None:
+        """Which parameters get which kind of norm (see recorder.grads)."""
+        opt = self.optimizer()
+        # Gradient norms are read once, right before the update, in a tight loop (cheaper than
+        # a hook per parameter, and they are then what the optimizer uses: after DDP's
+        # all-reduce, GradScaler's unscale, clipping). Backward hooks take them instead where
+        # that moment may never come: no optimizer (the step closes at the next forward, after
+        # the user's own update and zero_grad), or a GradScaler that may skip the update.
+        self.grad_hooks = opt is None or self.has_scaler
+        # Many small parameters are batched into one foreach call per step.
+        small = [i for i, (_, p) in enumerate(self.params)
+                 if p.requires_grad and p.numel() < _SMALL]
+        self.small = small if len(small) > _FEW else []  # foreach only pays off for many
+        batched = set(self.small)
+        self.large = [(i, p) for i, (_, p) in enumerate(self.params)
+                      if p.requires_grad and i not in batched]
+        self.update_small, self.update_large = [], []
+        if opt is not None:  # the weights an update writes (see recorder.guard)
+            held = {id(p) for g in opt.param_groups for p in g["params"]}
+            mine = [(i, p) for i, (_, p) in enumerate(self.params)
+                    if id(p) in held and p.is_floating_point() and p.layout == torch.strided]
+            few = [(i, p) for i, p in mine if p.numel() < _SMALL]
+            self.update_small = few if len(few) > _FEW else []
+            self.update_large = [(i, p) for i, p in mine
+                                 if p.numel() >= _SMALL or not self.update_small]
+
+    def release(self) -> None:
+        """Drop every reference to parameters and buffers (at detach)."""
+        self.sites: list[HookSite] = []
+        self.params: list[tuple[str, torch.Tensor]] = []
+        self.param_names: list[str] = []
+        self.buffers: list[tuple[str, torch.Tensor]] = []
+        self.large: list[tuple[int, torch.Tensor]] = []
+        self.small: list[int] = []
+        self.update_large: list[tuple[int, torch.Tensor]] = []
+        self.update_small: list[tuple[int, torch.Tensor]] = []
+        self.allowed_buffers: dict[int, weakref.ref] = {}
+        self.norm_buffers: set[str] = set()
+
+    def device(self) -> torch.device:
+        return self.params[0][1].device if self.params else torch.device("cpu")
+
+    def is_allowed(self, name: str) -> bool:
+        """``name`` matches an ``allow_inf`` pattern."""
+        return matches(name, self.settings.allow_inf)
+
+    def inf_allowed(self, idx: int, name: str) -> bool:
+        """Whether module ``idx``'s outputs may hold +-Inf (only NaN checked): any module but
+        the root by default, only ``allow_inf`` ones with ``strict_inf``."""
+        return (idx != 0 and not self.settings.strict_inf) or self.is_allowed(name)
+
+    def allowed_buffer(self, t: torch.Tensor) -> bool:
+        """``t`` is a buffer whose name ``allow_inf`` matches."""
+        ref = self.allowed_buffers.get(id(t))
+        return ref is not None and ref() is t
