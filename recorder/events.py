@@ -20,6 +20,7 @@ from .finite import (
     bad_rows,
     first_bad_rows,
     flags_kind,
+    has_nan,
     kind_of,
     label,
     pair_kind,
@@ -314,7 +315,7 @@ def _first_bad_tensor(obj: Any, skip=(), nan_only: bool = False
     for key, t in tensors.items():
         if any(t is s for s in skip) or t.grad_fn is not None:
             continue  # the model output, or computed from it: not data
-        if nan_only and not (t.is_floating_point() and bool(torch.isnan(t.detach()).any())):
+        if nan_only and not has_nan(t):
             continue
         rows = bad_rows(t)
         if rows:

@@ -119,3 +119,8 @@ def flags_kind(nan: bool, posinf: bool, neginf: bool) -> str | None:
     if posinf:
         return "+inf"
     return "-inf" if neginf else None
+
+
+def has_nan(t: torch.Tensor) -> bool:
+    """``t`` holds a NaN (the one non-finite value every policy counts); False if not floating."""
+    return _checkable(t) and bool(torch.isnan(t.detach()).any())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from recorder.finite import matches
+from recorder.finite import matches, pair_ok
 
 from .load import Step, recorded_device
 from .run_result import Run
@@ -78,8 +78,8 @@ def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str
         if name == "":
             done.add(mb)
         soft = matches(name, allowed)
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            if soft and not (math.isnan(lo) or math.isnan(hi)):
+        if not pair_ok(lo, hi):
+            if soft and pair_ok(lo, hi, allow_inf=True):
                 continue  # an intended -inf mask
             if math.isnan(lo) and math.isnan(hi) and not _had_float(rerun, name, mb, k):
                 continue  # a call with no floating output

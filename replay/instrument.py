@@ -13,7 +13,7 @@ import math
 import torch
 
 from recorder.capture import tensor_leaves  # not pytree: see replay.rerun
-from recorder.finite import bad_rows, ends, finite, pair_kind, pair_ok
+from recorder.finite import bad_rows, ends, finite, has_nan, pair_kind, pair_ok
 
 from .memo import TensorMemo, TensorSet
 from .run_result import Call, Run
@@ -51,7 +51,7 @@ class CallRecorder:
             if not t.is_floating_point() or t.numel() == 0:
                 if t.is_complex() and not finite(t):
                     ok = every = False
-                    nan_free = nan_free and not bool(torch.isnan(t).any())
+                    nan_free = nan_free and not has_nan(t)
                 continue
             soft = id(t) in self.runner.allowed_buffers or t in self.produced_allowed
             pair = self._pair(t)

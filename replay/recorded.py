@@ -8,10 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from recorder.capture import batch_path, flatten_tree, loss_path
-from recorder.finite import bad_rows, finite, kind_of, matches
+from recorder.finite import bad_rows, finite, has_nan, kind_of, matches
 
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
@@ -28,8 +26,7 @@ def batch_size(step: Step, i: int = 0) -> int:
 
 
 def _batch_nan(step: Step) -> bool:
-    return any(k.startswith("batch/") and t.is_floating_point() and bool(torch.isnan(t).any())
-               for k, t in step.tensors.items())
+    return any(k.startswith("batch/") and has_nan(t) for k, t in step.tensors.items())
 
 
 def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
@@ -80,7 +77,7 @@ def input_origin(step: Step) -> dict[str, Any]:
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")
         for key, t in tensors.items():
             soft = nan or _allowed(step, _root_input_name(paths[key]))
-            if soft and not (t.is_floating_point() and bool(torch.isnan(t).any())):
+            if soft and not has_nan(t):
                 continue
             rows = bad_rows(t)
             if rows:
