@@ -48,6 +48,11 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
     return t._base
 
 
+def any_autocast_enabled() -> bool:
+    """Autocast is on for some device type (one call instead of one per device type)."""
+    return torch._C._is_any_autocast_enabled()
+
+
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
 

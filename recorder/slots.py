@@ -98,6 +98,10 @@ class Slots:
         may still add entries; what they add after this is not part of the step's row)."""
         return [r.prefix() for r in self._regions]
 
+    def region(self, code: int) -> torch.Tensor:
+        """One region's entries so far (see :meth:`gather`)."""
+        return self._regions[code].prefix()
+
     def value(self, ref: tuple[int, int]) -> torch.Tensor:
         code, k = ref
         r = self._regions[code]
@@ -146,11 +150,14 @@ class Slots:
         """``torch.aminmax(t)``: NaN anywhere makes both NaN; +-Inf shows as the extreme."""
         if t.dtype is FLOAT32 and t.device == self.device:
             r = self._regions[code]
-            pair = self._two(r)
-            if pair is not None:
-                k, k2 = pair
-                torch.aminmax(t, out=(r.views[k], r.views[k2]))
+            take = r.take
+            k, k2 = take(), take()  # (``_two`` inlined: this runs for every call's output)
+            if k2 < r.size:
+                views = r.views
+                torch.aminmax(t, out=(views[k], views[k2]))
                 return (code, k), (code, k2)
+            if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
+                r.views[k].zero_()
         lo, hi = self._put(code, torch.aminmax(t))
         return lo, hi
 
