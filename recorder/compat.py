@@ -33,7 +33,10 @@ WRAPPER = "_orig_mod"
 def version_of(t: torch.Tensor) -> int | None:
     """``t._version``, or None for an inference-mode tensor, which keeps no version counter (so
     whether it changed in place is unknown: it is measured again, its buffer copied again)."""
-    return None if t.is_inference() else t._version
+    try:  # (no ``is_inference()`` call first: this runs for every output of every step)
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
 
 
 def version(t: torch.Tensor) -> int:

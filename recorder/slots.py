@@ -71,6 +71,7 @@ class Slots:
 
     def __init__(self, device: torch.device, n: int = 256):
         self.device = device
+        self._cpu = device.type == "cpu"  # (``t.is_cpu`` builds no device object per check)
         self._lock = threading.Lock()  # for the overflow list only
         self._regions = [_Region(device, n) for _ in REGIONS]
 
@@ -148,7 +149,7 @@ class Slots:
 
     def minmax(self, t: torch.Tensor, code: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """``torch.aminmax(t)``: NaN anywhere makes both NaN; +-Inf shows as the extreme."""
-        if t.dtype is FLOAT32 and t.device == self.device:
+        if t.dtype is FLOAT32 and (t.is_cpu if self._cpu else t.device == self.device):
             r = self._regions[code]
             take = r.take
             k, k2 = take(), take()  # (``_two`` inlined: this runs for every call's output)
@@ -195,10 +196,10 @@ class Slots:
         ``vector_norm`` on CPU) for float32, an upcast norm for other dtypes (a half-precision
         dot would overflow). One loop, as it runs over every gradient before every update."""
         r = self._regions[code]
-        take, size, views, device = r.take, r.size, r.views, self.device
+        take, size, views, device, cpu = r.take, r.size, r.views, self.device, self._cpu
         refs = []
         for t in tensors:
-            if t.dtype is FLOAT32 and t.device == device:
+            if t.dtype is FLOAT32 and (t.is_cpu if cpu else t.device == device):
                 k = take()
                 if k < size:
                     flat = t.reshape(-1)
