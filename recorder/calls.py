@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .capture import tensor_leaves
-from .compat import version, version_of, view_base
+from .compat import any_autocast_enabled, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
@@ -96,7 +96,8 @@ class CallHooks:
         (a float mask) is an event only where it leads (see ``strict_inf``). Each is cached,
         so the first layers that take it reuse these."""
         refs = []
-        for name, t in _named_leaves(args, kwargs):
+        one = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual batch
+        for name, t in (("args[0]", args[0]),) if one else _named_leaves(args, kwargs):
             if not t.is_floating_point() or t.numel() == 0:
                 continue
             hit = _produced(tape, t)
@@ -348,7 +349,9 @@ def _keep_out_grad(store: dict, i: int, nr: int, grad_outputs: tuple) -> None:
 
 
 def _autocast_state() -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
+    if not any_autocast_enabled():  # (one call where there is no autocast, the usual case)
+        return out
     for dev in ("cpu", "cuda"):
         if torch.is_autocast_enabled(dev):
             out[dev] = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")

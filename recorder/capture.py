@@ -84,7 +84,7 @@ class RngCapture:
     def __call__(self) -> dict[str, Any]:
         """Every RNG a training step may draw from, as it is now. Draws nothing itself."""
         state: dict[str, Any] = {"python": self._python_state(),
-                                 "torch_cpu": torch.get_rng_state()}
+                                 "torch_cpu": torch.default_generator.get_state()}
         np = sys.modules.get("numpy")
         if np is not None:
             state["numpy"] = self._numpy_state(np)

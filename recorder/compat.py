@@ -33,7 +33,10 @@ WRAPPER = "_orig_mod"
 def version_of(t: torch.Tensor) -> int | None:
     """``t._version``, or None for an inference-mode tensor, which keeps no version counter (so
     whether it changed in place is unknown: it is measured again, its buffer copied again)."""
-    return None if t.is_inference() else t._version
+    try:  # (no ``is_inference()`` call first: this runs for every output of every step)
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
 
 
 def version(t: torch.Tensor) -> int:
@@ -46,6 +49,11 @@ def version(t: torch.Tensor) -> int:
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of (``t._base``), None when it is no view."""
     return t._base
+
+
+def any_autocast_enabled() -> bool:
+    """Autocast is on for some device type (one call instead of one per device type)."""
+    return torch._C._is_any_autocast_enabled()
 
 
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

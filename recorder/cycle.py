@@ -194,8 +194,8 @@ class StepCycle:
         (layout, row, probe, scale): ``row`` is the whole step's (the ring keeps it cut when it
         is wider than the ring), ``scale`` whether the probe carries the GradScaler's scale,
         read in the same sync."""
-        if not tape.evaluation:  # an evaluation's gradients are the last step's, already read
-            small_param_norms(tape, self.target, self.settings.param_norms)
+        if not tape.evaluation and self.target.small:  # (an evaluation's gradients are the
+            small_param_norms(tape, self.target, self.settings.param_norms)  # last step's)
         layout, pieces, (s, g, n) = self._layout(tape, skipped)
         total = s + g + n + pieces[-1].numel()
         row = self.ring.reserve(total, tape.slots.device)
@@ -214,12 +214,13 @@ class StepCycle:
         """The step's layout, the row's pieces in order and the lengths (must-be-finite entries
         and the update's, gradient norms, NaN-only entries)."""
         opt = self.target.optimizer()
-        lrs = [_host_float(g["lr"]) for g in opt.param_groups] if opt is not None else []
+        lrs = [lr if type(lr := g["lr"]) is float else _host_float(lr)
+               for g in opt.param_groups] if opt is not None else []
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
                             grads_scaled=self.target.has_scaler and not tape.grads_reread)
         slots = tape.slots
         pieces = slots.gather()  # the regions, in row order
-        s, g, n, _ = (p.numel() for p in pieces)
+        s, g, n = pieces[0].numel(), pieces[1].numel(), pieces[2].numel()
         # the last update's evidence goes right after the must-be-finite entries, so the same
         # probe checks it: [STRICT, update, GRAD, NAN_ONLY, LOOSE]
         pending = None if tape.evaluation else self.pending_update
@@ -228,7 +229,7 @@ class StepCycle:
         if pending is not None:
             self.pending_update = None
             layout.update_step, updates = pending.step, pending.refs
-            piece = pending.slots.gather()[STRICT]
+            piece = pending.slots.region(STRICT)
             if piece.device == slots.device:
                 pieces.insert(1, piece)
                 u = piece.numel()
@@ -312,7 +313,7 @@ class StepCycle:
         pending, self.pending_update = self.pending_update, None
         if pending is None or self.alarm.fired or not self.health.active:
             return
-        values = pending.slots.gather()[STRICT].tolist()  # the detach's one read
+        values = pending.slots.region(STRICT).tolist()  # the detach's one read
         names = self.target.param_names
         bad = [names[i] for i, (_, k) in pending.refs if not math.isfinite(values[k])]
         if bad:

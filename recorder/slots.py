@@ -71,6 +71,7 @@ class Slots:
 
     def __init__(self, device: torch.device, n: int = 256):
         self.device = device
+        self._cpu = device.type == "cpu"  # (``t.is_cpu`` builds no device object per check)
         self._lock = threading.Lock()  # for the overflow list only
         self._regions = [_Region(device, n) for _ in REGIONS]
 
@@ -97,6 +98,10 @@ class Slots:
         """Each region's entries so far as one vector, in row order (hooks of other threads
         may still add entries; what they add after this is not part of the step's row)."""
         return [r.prefix() for r in self._regions]
+
+    def region(self, code: int) -> torch.Tensor:
+        """One region's entries so far (see :meth:`gather`)."""
+        return self._regions[code].prefix()
 
     def value(self, ref: tuple[int, int]) -> torch.Tensor:
         code, k = ref
@@ -144,13 +149,16 @@ class Slots:
 
     def minmax(self, t: torch.Tensor, code: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """``torch.aminmax(t)``: NaN anywhere makes both NaN; +-Inf shows as the extreme."""
-        if t.dtype is FLOAT32 and t.device == self.device:
+        if t.dtype is FLOAT32 and (t.is_cpu if self._cpu else t.device == self.device):
             r = self._regions[code]
-            pair = self._two(r)
-            if pair is not None:
-                k, k2 = pair
-                torch.aminmax(t, out=(r.views[k], r.views[k2]))
+            take = r.take
+            k, k2 = take(), take()  # (``_two`` inlined: this runs for every call's output)
+            if k2 < r.size:
+                views = r.views
+                torch.aminmax(t, out=(views[k], views[k2]))
                 return (code, k), (code, k2)
+            if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
+                r.views[k].zero_()
         lo, hi = self._put(code, torch.aminmax(t))
         return lo, hi
 
@@ -188,10 +196,10 @@ class Slots:
         ``vector_norm`` on CPU) for float32, an upcast norm for other dtypes (a half-precision
         dot would overflow). One loop, as it runs over every gradient before every update."""
         r = self._regions[code]
-        take, size, views, device = r.take, r.size, r.views, self.device
+        take, size, views, device, cpu = r.take, r.size, r.views, self.device, self._cpu
         refs = []
         for t in tensors:
-            if t.dtype is FLOAT32 and t.device == device:
+            if t.dtype is FLOAT32 and (t.is_cpu if cpu else t.device == device):
                 k = take()
                 if k < size:
                     flat = t.reshape(-1)
