@@ -50,6 +50,8 @@ def base_report(step: Step) -> dict[str, Any]:
         "bisection": None,
         "fidelity": None,
         "problems": list(step.problems),
+        "window": None,  # the rewind window re-run (replay.window_report)
+        "what_if": [],  # the --try what-ifs (replay.whatif)
         "history": hist,
     }
 
