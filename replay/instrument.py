@@ -112,3 +112,40 @@ def _output_rows(outs: list[torch.Tensor]) -> list[int]:
     if not batched:
         return bad_rows(outs[0]) if outs else []
     return next((bad_rows(t) for t in batched if not finite(t)), [])
+
+
+class OutputWatch:
+    """The plain pass's check: a device flag per module output from its sum (NaN when the
+    output holds a NaN, non-finite when it holds a +-Inf), all read once at the end
+    (:meth:`clean`). It passes a run only where the instrumented pass would find no forward
+    origin (every output NaN-free, and the root's, or with ``strict_inf`` every output, finite;
+    ``allow_inf`` is left to the instrumented pass), so a step it passes needs no instrumented
+    run; a false alarm (a sum that overflows, +Inf and -Inf in one output) costs one."""
+
+    def __init__(self, strict_inf: bool):
+        self.strict_inf = strict_inf
+        self.flags: list[torch.Tensor] = []  # True: this output may hold what the pass looks for
+
+    def install(self, model) -> list:
+        return [m.register_forward_hook(self._hook(name == "" or self.strict_inf))
+                for name, m in model.named_modules()]
+
+    def _hook(self, must_be_finite: bool):
+        def hook(module, args, output):
+            for t in tensor_leaves(output):
+                if t.is_floating_point() and t.numel():
+                    s = t.detach().sum(dtype=_WIDER.get(t.dtype))
+                    self.flags.append(s.isfinite().logical_not() if must_be_finite
+                                      else s.isnan())
+        return hook
+
+    def clean(self) -> bool:
+        """Every output passed (one host read)."""
+        if not self.flags:
+            return True
+        dev = self.flags[0].device
+        return not bool(torch.stack([f.to(dev) for f in self.flags]).any())
+
+
+# half-precision outputs are summed in float32, so a sum of finite values rarely overflows
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
