@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import fidelity
-from .findings import base_report, finish, origin_fields, recorded_origin
+from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .load import Step
 from .origins import (
@@ -82,10 +82,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if bad_weights and not after_update:
         return report_weights(report, step, bad_weights)
     if after_update and (bad_weights or "weights" in step.stripped):
-        report["problems"].append(
-            "the bundle holds the weights after the update that made them non-finite, so the "
-            "update cannot be re-run; record with FlightRecorder(..., guard_optimizer=True) to "
-            "replay it")
+        report["problems"].append(UPDATE_NOT_RERUN)
         params = bad_weights or list(step.event.get("params", []))
         return finish(report, origin_fields(phase="optimizer", params=params,
                                             param=(params or [None])[0]), "optimizer",

@@ -9,12 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from .cause_text import EPS0_UPDATE, HINTS
-from .findings import finish
+from .findings import UPDATE_NOT_RERUN, finish
 from .load import Step
 from .rewind_text import where
 from .window import matches_event, precursors_began, run_window, window_of
-
-_CANNOT = "the bundle holds the weights after the update that made them non-finite"
 
 
 def add_window(step: Step, report: dict[str, Any]) -> None:
@@ -51,7 +49,7 @@ def add_window(step: Step, report: dict[str, Any]) -> None:
 
 
 def _optimizer_origin(step: Step, report: dict[str, Any], o, ok: bool) -> None:
-    report["problems"] = [p for p in report["problems"] if not p.startswith(_CANNOT)]
+    report["problems"] = [p for p in report["problems"] if p != UPDATE_NOT_RERUN]
     origin = {**report["origin"], "phase": "optimizer", "params": o.params,
               "param": o.params[0], "op": o.op, "source": o.source, "chain": o.chain,
               "made": o.kind, "step": o.step}
