@@ -147,16 +147,16 @@ def record(out_dir: Path, bug: str, rewind: int | None = None) -> tuple[Path, fl
     raise SystemExit("the planted NaN did not fire")
 
 
-def instrumented_window_replay(replay, path: Path) -> tuple[dict, float]:
-    """The replay with every window step run instrumented; (report, seconds)."""
+def instrumented_window_replay(replay, path: Path) -> tuple[dict, float, float]:
+    """The replay with every window step run instrumented; (report, seconds, CPU seconds)."""
     from replay import window
 
     plain = window._run_step
     window._run_step = lambda runner: runner.run()
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         report = replay(path)
-        return report, time.perf_counter() - t0
+        return report, time.perf_counter() - t0, time.process_time() - c0
     finally:
         window._run_step = plain
 
@@ -200,15 +200,20 @@ def main() -> int:
         path, train_s = record(Path(tmp), args.bug, args.rewind)
         print(f"recorded {path.name} after {train_s:.1f} s of training", file=sys.stderr)
         times, report, every, every_report = [], None, [], None
+        cpu, every_cpu = [], []  # process CPU seconds: less swayed by other load than wall
         for i in range(args.repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             report = replay(path)
             times.append(time.perf_counter() - t0)
-            print(f"replay {i + 1}/{args.repeats}: {times[-1]:.2f} s", file=sys.stderr)
+            cpu.append(time.process_time() - c0)
+            print(f"replay {i + 1}/{args.repeats}: {times[-1]:.2f} s ({cpu[-1]:.2f} s CPU)",
+                  file=sys.stderr)
             if args.instrumented_window and args.rewind:
-                every_report, t = instrumented_window_replay(replay, path)
+                every_report, t, c = instrumented_window_replay(replay, path)
                 every.append(t)
-                print(f"  every window step instrumented: {t:.2f} s", file=sys.stderr)
+                every_cpu.append(c)
+                print(f"  every window step instrumented: {t:.2f} s ({c:.2f} s CPU)",
+                      file=sys.stderr)
         step_s = step_time(args.bug, args.repeats)
         if args.profile:
             prof = cProfile.Profile()
@@ -235,14 +240,17 @@ def main() -> int:
           f"({report['cause']}, bisection {report['bisection']['probes']} probes) |")
     if every:
         summary["instrumented_window_s"] = every
+        summary["replay_cpu_s"], summary["instrumented_window_cpu_s"] = cpu, every_cpu
         summary["instrumented_window_in_steps"] = statistics.median(every) / step_s
         summary["same_window"] = (json.dumps(every_report["window"], default=repr)
                                   == json.dumps(report["window"], default=repr))
         print(f"every window step instrumented: median {statistics.median(every):.2f} s "
               f"({summary['instrumented_window_in_steps']:.1f} training steps; runs "
               f"{', '.join(f'{t:.2f}' for t in every)}); plain/instrumented "
-              f"{statistics.median(times) / statistics.median(every):.3f}; same window "
-              f"report: {summary['same_window']}")
+              f"{statistics.median(times) / statistics.median(every):.3f} wall, "
+              f"{statistics.median(cpu) / statistics.median(every_cpu):.3f} CPU "
+              f"(medians {statistics.median(cpu):.1f} / {statistics.median(every_cpu):.1f} s); "
+              f"same window report: {summary['same_window']}")
     if args.rewind:
         print(f"rewind={args.rewind}: window of steps {summary['window']} re-run, event "
               f"{'reproduced' if summary['window_reproduced'] else 'NOT reproduced'}")
