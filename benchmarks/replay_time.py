@@ -20,9 +20,6 @@ most 10 s on a 2-core CPU. The bugs (``--bug``):
 ``--rewind N`` records with ``FlightRecorder(..., rewind=N)`` and plants the bug at step
 ``2N - 1``, so the bundle's window is the longest one (2N steps, from the copy at step 0): the
 replay then re-runs that window as well (``replay.window``), and its time is the window's cost.
-``--instrumented-window`` (with ``--rewind``) interleaves, in each repeat, a replay that runs
-every window step instrumented (as before the plain window steps of ``replay.window._run_step``),
-so the two are compared in one process.
 
 Wall times on a shared machine swing with its load (two threads of a CPU-bound process behind
 other work wait at every parallel region); the plain training step measured alongside gives
@@ -147,20 +144,6 @@ def record(out_dir: Path, bug: str, rewind: int | None = None) -> tuple[Path, fl
     raise SystemExit("the planted NaN did not fire")
 
 
-def instrumented_window_replay(replay, path: Path) -> tuple[dict, float, float]:
-    """The replay with every window step run instrumented; (report, seconds, CPU seconds)."""
-    from replay import window
-
-    plain = window._run_step
-    window._run_step = lambda runner: runner.run()
-    try:
-        t0, c0 = time.perf_counter(), time.process_time()
-        report = replay(path)
-        return report, time.perf_counter() - t0, time.process_time() - c0
-    finally:
-        window._run_step = plain
-
-
 def step_time(bug: str, repeats: int) -> float:
     """Median seconds of one plain training step (forward, loss, backward) of the same model
     on the same batch, no recorder: the unit to read the replay time in, on a noisy machine."""
@@ -183,9 +166,6 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rewind", type=int, default=None,
                     help="record with rewind=N, the bug at step 2N-1: the window is 2N steps")
-    ap.add_argument("--instrumented-window", action="store_true",
-                    help="with --rewind: also time, interleaved, replays that instrument every "
-                         "window step (the replay before plain window steps)")
     ap.add_argument("--profile", type=Path, help="write cProfile stats of one more replay here")
     ap.add_argument("--json", type=Path, help="also write the numbers as JSON")
     args = ap.parse_args()
@@ -199,8 +179,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="nanreplay-replay-time-") as tmp:
         path, train_s = record(Path(tmp), args.bug, args.rewind)
         print(f"recorded {path.name} after {train_s:.1f} s of training", file=sys.stderr)
-        times, report, every, every_report = [], None, [], None
-        cpu, every_cpu = [], []  # process CPU seconds: less swayed by other load than wall
+        times, report = [], None
+        cpu = []  # process CPU seconds (all threads): another view of a noisy machine
         for i in range(args.repeats):
             t0, c0 = time.perf_counter(), time.process_time()
             report = replay(path)
@@ -208,12 +188,6 @@ def main() -> int:
             cpu.append(time.process_time() - c0)
             print(f"replay {i + 1}/{args.repeats}: {times[-1]:.2f} s ({cpu[-1]:.2f} s CPU)",
                   file=sys.stderr)
-            if args.instrumented_window and args.rewind:
-                every_report, t, c = instrumented_window_replay(replay, path)
-                every.append(t)
-                every_cpu.append(c)
-                print(f"  every window step instrumented: {t:.2f} s ({c:.2f} s CPU)",
-                      file=sys.stderr)
         step_s = step_time(args.bug, args.repeats)
         if args.profile:
             prof = cProfile.Profile()
@@ -228,7 +202,7 @@ def main() -> int:
         "cpu": platform.processor() or platform.machine(),
         "bug": args.bug, "rewind": args.rewind,
         "window": (report.get("window") or {}).get("steps"),
-        "window_reproduced": (report.get("window") or {}).get("reproduced"), "replay_s": times, "train_step_s": step_s,
+        "window_reproduced": (report.get("window") or {}).get("reproduced"), "replay_s": times, "replay_cpu_s": cpu, "train_step_s": step_s,
         "replay_in_steps": statistics.median(times) / step_s, "median_s": statistics.median(times),
         "origin": {"module": o["module"], "op": o["op"], "cause": report["cause"],
                    "reproduced": report["reproduced"], "bisection": report["bisection"]},
@@ -238,19 +212,6 @@ def main() -> int:
           f"| {summary['model']} | {summary['median_s']:.2f} | "
           f"{', '.join(f'{t:.2f}' for t in times)} | {step_s:.2f} | {o['module']} {o['op']} "
           f"({report['cause']}, bisection {report['bisection']['probes']} probes) |")
-    if every:
-        summary["instrumented_window_s"] = every
-        summary["replay_cpu_s"], summary["instrumented_window_cpu_s"] = cpu, every_cpu
-        summary["instrumented_window_in_steps"] = statistics.median(every) / step_s
-        summary["same_window"] = (json.dumps(every_report["window"], default=repr)
-                                  == json.dumps(report["window"], default=repr))
-        print(f"every window step instrumented: median {statistics.median(every):.2f} s "
-              f"({summary['instrumented_window_in_steps']:.1f} training steps; runs "
-              f"{', '.join(f'{t:.2f}' for t in every)}); plain/instrumented "
-              f"{statistics.median(times) / statistics.median(every):.3f} wall, "
-              f"{statistics.median(cpu) / statistics.median(every_cpu):.3f} CPU "
-              f"(medians {statistics.median(cpu):.1f} / {statistics.median(every_cpu):.1f} s); "
-              f"same window report: {summary['same_window']}")
     if args.rewind:
         print(f"rewind={args.rewind}: window of steps {summary['window']} re-run, event "
               f"{'reproduced' if summary['window_reproduced'] else 'NOT reproduced'}")

@@ -5,8 +5,8 @@
 >>> result.first.step, result.first.phase, result.first.params
 (0, 'update', ['emb.weight'])
 
-Each step of the window is re-run as training ran it (plainly; instrumented only where it went
-wrong, see :func:`_run_step`): its recorded micro-batches and RNG states, forward and loss under the recorded autocast, backward (from the recorded output
+Each step of the window is re-run as training ran it: its recorded micro-batches and RNG
+states, forward and loss under the recorded autocast, backward (from the recorded output
 gradients when they are finite, as :class:`replay.rerun.Runner` does, else from the loss scaled
 by the recorded GradScaler scale), the gradients unscaled and a step with a non-finite gradient
 skipped as the GradScaler skips it, then ``optimizer.step()`` with the hyper-parameters the
@@ -34,11 +34,9 @@ import torch
 from recorder.capture import map_tensors
 from recorder.finite import finite, tensors_kind
 
-from .instrument import OutputWatch
 from .load import Step
 from .ops import OpFinder
 from .rerun import Runner
-from .run_result import Run
 
 
 @dataclass
@@ -134,7 +132,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         scale = record.get("scale")
         if scale is not None and math.isfinite(scale):
             runner.loss_scale = scale
-        run = _run_step(runner)
+        run = runner.run()
         o = _forward_outcome(record["step"], run)
         if run.error is not None and o is None:
             out.problems.append(f"the model's code raised {run.raised} at step "
@@ -174,19 +172,6 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             out.first = _update_outcome(record["step"], step, opt, before, bad)
             break
     return out
-
-
-def _run_step(runner: Runner) -> Run:
-    """One step of the window: run plainly, with one device check of every module output read
-    once (:class:`~replay.instrument.OutputWatch`), and instrumented (every call read on the
-    host: :mod:`replay.instrument`) only where that check, the loss or the model's own code says
-    something went wrong, which is where the calls are needed. A step the check passes has no
-    forward origin in the instrumented pass either, so the window's result is the same."""
-    watch = OutputWatch(runner.strict_inf)
-    run = runner.run(instrument=False, hooks=watch.install)
-    if run.error is None and all(run.loss_finite) and watch.clean():
-        return run
-    return runner.run()  # (it starts from the same state: RNG, buffers, no gradients)
 
 
 def _last_update_ran(step: Step, win: Window) -> bool:
