@@ -307,6 +307,18 @@ class Recorder(Trainer):
         self.recorder.detach()
 
 
+class RecorderRewind(Recorder):
+    """The recorder with ``rewind=16``: two copies of the training state every 16 steps and
+    each step's batch, RNG states and hyper-parameters since the older copy."""
+
+    name = "recorder_rewind16"
+
+    def setup(self, tmp):
+        out = os.path.join(tmp, f"bundles-rewind-{self.spec.name}")
+        self.recorder = FlightRecorder(self.model, self.opt, loss_fn=self.crit, out_dir=out,
+                                       rewind=16).attach()
+
+
 class Floor(Trainer):
     """Not a detector but a yardstick (opt in with ``--detectors floor``): exactly the device work
     of the recorder's default checks and nothing else, with the barest hooks. One ``aminmax`` per
@@ -395,7 +407,7 @@ def baseline_trainer(checkout: str) -> type[Trainer]:
 
 
 TRAINERS = {"bare": Trainer, "hooks": HookRecipe, "anomaly": Anomaly, "debug_uo": DebugUO,
-            "recorder": Recorder, "floor": Floor}
+            "recorder": Recorder, "floor": Floor, "recorder_rewind16": RecorderRewind}
 
 
 def have_transformers() -> bool:
@@ -513,6 +525,9 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
                 _sync(device)
             reads[t.name] = c["n"] / count_steps
             syncs[t.name] = None if s["n"] is None else s["n"] / count_steps
+        # what the recorders hold at the end (the rewind window's host copies, full by now)
+        memory = {t.name: dict(t.recorder.memory_bytes) for t in trainers
+                  if getattr(t, "recorder", None) is not None}
         for t in trainers:
             t.close()
 
@@ -529,6 +544,7 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
             "ratio_q3": q3,
             "host_reads_per_step": reads[name],
             "cuda_sync_warnings_per_step": syncs[name],
+            "memory_bytes": memory.get(name),
         }
     return {"model": model, "description": spec.describe, "rounds": rounds, "warmup": warmup,
             "compiled": compiled, "detectors": rows}
@@ -671,7 +687,8 @@ def verdicts(results: list[dict]) -> list[str]:
                    f"{'met' if rec <= RATIO_TARGET else 'MISSED'}")
         # (recorder_base is the recorder of another checkout, not another detector)
         others = {n: r["median_ratio"] for n, r in rows.items()
-                  if n not in ("bare", "recorder", "floor", "recorder_base")}
+                  if n not in ("bare", "recorder", "floor", "recorder_base",
+                               "recorder_rewind16")}
         if others:
             worse = [n for n, v in others.items() if v <= rec]
             cheapest = min(others, key=others.get)
@@ -708,7 +725,8 @@ def main(argv=None) -> int:
     ap.add_argument("--detectors", default=",".join(DETECTORS),
                     help="comma-separated subset of: " + ", ".join(DETECTORS)
                     + " (bare is always run), and floor: a yardstick run only when named (the"
-                    " statistics' device work with the barest hooks)")
+                    " statistics' device work with the barest hooks), and recorder_rewind16: the"
+                    " recorder with rewind=16, run only when named")
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed rounds per model (default: "
                     + ", ".join(f"{k} {v}" for k, v in DEFAULT_ROUNDS.items()) + ")")
@@ -747,14 +765,16 @@ def main(argv=None) -> int:
     bad = [d for d in detectors if d not in TRAINERS]
     if bad:
         ap.error(f"unknown detector(s) {bad}; choose from {', '.join(DETECTORS)}")
-    detectors = ["bare"] + [d for d in (*DETECTORS, "recorder_base", "floor")
+    detectors = ["bare"] + [d for d in (*DETECTORS, "recorder_base", "recorder_rewind16",
+                                        "floor")
                             if d in detectors and d != "bare"]
     if "debug_uo" in detectors and not have_transformers():
         print("transformers is not installed: skipping DebugUnderflowOverflow "
               "(pip install transformers)", file=sys.stderr)
         detectors.remove("debug_uo")
     if args.compile:  # the other detectors' per-module hooks would be traced into the graphs
-        detectors = [d for d in detectors if d in ("bare", "recorder", "recorder_base")]
+        detectors = [d for d in detectors if d in ("bare", "recorder", "recorder_base",
+                                                   "recorder_rewind16")]
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available")
@@ -791,6 +811,13 @@ def main(argv=None) -> int:
           + (" [--quick: not a measurement]" if args.quick else ""))
     print()
     print(render(results, device))
+    print()
+    for res in results:  # the rewind window's memory, when it was measured
+        mem = (res["detectors"].get("recorder_rewind16") or {}).get("memory_bytes")
+        if mem:
+            print(f"- {res['model']}: recorder_rewind16 holds {mem['rewind_host'] / 1e6:.2f} MB "
+                  f"of host memory (two state copies and the steps since the older one), "
+                  f"{mem['rewind_device'] / 1e6:.2f} MB on the device")
     print()
     print("Targets:")
     for v in verdicts(results):

@@ -15,7 +15,11 @@ most 10 s on a 2-core CPU. The bugs (``--bug``):
   finder and the float64 re-run go through most of the forward.
 
     python benchmarks/replay_time.py [--bug masked-row|late-masked-row] [--repeats 3]
-                                     [--profile out.pstats] [--json out.json]
+                                     [--rewind N] [--profile out.pstats] [--json out.json]
+
+``--rewind N`` records with ``FlightRecorder(..., rewind=N)`` and plants the bug at step
+``2N - 1``, so the bundle's window is the longest one (2N steps, from the copy at step 0): the
+replay then re-runs that window as well (``replay.window``), and its time is the window's cost.
 
 Wall times on a shared machine swing with its load (two threads of a CPU-bound process behind
 other work wait at every parallel region); the plain training step measured alongside gives
@@ -117,7 +121,7 @@ def batch(step: int):
     return seq[:, :-1], pad, seq[:, 1:]
 
 
-def record(out_dir: Path, bug: str) -> tuple[Path, float]:
+def record(out_dir: Path, bug: str, rewind: int | None = None) -> tuple[Path, float]:
     from recorder import FlightRecorder, NonFiniteError
 
     torch.manual_seed(0)
@@ -128,7 +132,7 @@ def record(out_dir: Path, bug: str) -> tuple[Path, float]:
     t0 = time.perf_counter()
     try:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory=f"replay_time:{factory}"):
+                            factory=f"replay_time:{factory}", rewind=rewind):
             for step in range(BAD_STEP + 3):
                 idx, pad, y = batch(step)
                 opt.zero_grad()
@@ -160,22 +164,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bug", choices=["masked-row", "late-masked-row"], default="masked-row")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rewind", type=int, default=None,
+                    help="record with rewind=N, the bug at step 2N-1: the window is 2N steps")
     ap.add_argument("--profile", type=Path, help="write cProfile stats of one more replay here")
     ap.add_argument("--json", type=Path, help="also write the numbers as JSON")
     args = ap.parse_args()
 
+    if args.rewind:
+        global BAD_STEP
+        BAD_STEP = 2 * args.rewind - 1
     os.chdir(HERE)  # the recorded factory is trusted from here
     from replay import replay
 
     with tempfile.TemporaryDirectory(prefix="nanreplay-replay-time-") as tmp:
-        path, train_s = record(Path(tmp), args.bug)
+        path, train_s = record(Path(tmp), args.bug, args.rewind)
         print(f"recorded {path.name} after {train_s:.1f} s of training", file=sys.stderr)
         times, report = [], None
+        cpu = []  # process CPU seconds (all threads): another view of a noisy machine
         for i in range(args.repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             report = replay(path)
             times.append(time.perf_counter() - t0)
-            print(f"replay {i + 1}/{args.repeats}: {times[-1]:.2f} s", file=sys.stderr)
+            cpu.append(time.process_time() - c0)
+            print(f"replay {i + 1}/{args.repeats}: {times[-1]:.2f} s ({cpu[-1]:.2f} s CPU)",
+                  file=sys.stderr)
         step_s = step_time(args.bug, args.repeats)
         if args.profile:
             prof = cProfile.Profile()
@@ -188,7 +200,9 @@ def main() -> int:
         "params": sum(p.numel() for p in make_model().parameters()),
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
-        "bug": args.bug, "replay_s": times, "train_step_s": step_s,
+        "bug": args.bug, "rewind": args.rewind,
+        "window": (report.get("window") or {}).get("steps"),
+        "window_reproduced": (report.get("window") or {}).get("reproduced"), "replay_s": times, "replay_cpu_s": cpu, "train_step_s": step_s,
         "replay_in_steps": statistics.median(times) / step_s, "median_s": statistics.median(times),
         "origin": {"module": o["module"], "op": o["op"], "cause": report["cause"],
                    "reproduced": report["reproduced"], "bisection": report["bisection"]},
@@ -198,6 +212,9 @@ def main() -> int:
           f"| {summary['model']} | {summary['median_s']:.2f} | "
           f"{', '.join(f'{t:.2f}' for t in times)} | {step_s:.2f} | {o['module']} {o['op']} "
           f"({report['cause']}, bisection {report['bisection']['probes']} probes) |")
+    if args.rewind:
+        print(f"rewind={args.rewind}: window of steps {summary['window']} re-run, event "
+              f"{'reproduced' if summary['window_reproduced'] else 'NOT reproduced'}")
     print(f"median replay time: {summary['median_s']:.2f} s "
           f"({summary['replay_in_steps']:.1f} training steps of {step_s:.2f} s)")
     if args.json:

@@ -7,9 +7,12 @@
 Layout (dependencies run one way, top to bottom): :mod:`~recorder.flight` is the facade that
 builds the parts; :mod:`~recorder.guard` (optimizer hooks) and :mod:`~recorder.calls` (module,
 loss and gradient hooks) write into the step that :mod:`~recorder.cycle` opens and closes with
-one host read (helped by :mod:`~recorder.grads` and :mod:`~recorder.buffers`);
+one host read (helped by :mod:`~recorder.grads` and :mod:`~recorder.buffers`; with
+``rewind=N`` it also keeps the copies and step log of :mod:`~recorder.rewind`);
 :mod:`~recorder.alarm` turns a failed check into an :class:`~recorder.events.Event`
-(:mod:`~recorder.events`) and a bundle (:mod:`~recorder.snapshot`, :mod:`~recorder.bundle`);
+(:mod:`~recorder.events`) and a bundle (:mod:`~recorder.snapshot`, :mod:`~recorder.bundle`;
+:mod:`~recorder.entries` writes a micro-batch and a parameter group the same way for the
+event step and the rewind window);
 :mod:`~recorder.target` is what is recorded and :mod:`~recorder.settings` how.
 :mod:`~recorder.tape`, :mod:`~recorder.slots` and :mod:`~recorder.ring` hold the statistics,
 :mod:`~recorder.finite` says what is finite, and every private PyTorch API is in

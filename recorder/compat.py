@@ -3,8 +3,8 @@ touches this file only.
 
 Each name here wraps one private detail: version counters and view bases (how the recorder
 knows an output is unchanged), foreach kernels (one call for many small tensors), BatchNorm's
-base class (statistics that change without moving the version counter), GradScaler's scale and
-per-step state, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
+base class (statistics that change without moving the version counter), GradScaler's scale, growth
+tracker and per-step state, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
 an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
 non-persistent buffer names).
 """
@@ -125,3 +125,12 @@ def scaler_scale(scaler) -> torch.Tensor | None:
 def scaler_token(scaler) -> int | None:
     """Changes exactly when a step ends for the scaler: ``update()`` replaces this dict."""
     return id(getattr(scaler, "_per_optimizer_states", None)) if scaler is not None else None
+
+
+def scaler_tensors(scaler) -> dict[str, torch.Tensor]:
+    """The scale and growth tracker as the tensors they are (``scale``, ``growth_tracker``;
+    absent before the first ``scale()``): ``state_dict()`` reads them with ``.item()``, a
+    sync, which the rewind window's copies must not make."""
+    found = {"scale": getattr(scaler, "_scale", None),
+             "growth_tracker": getattr(scaler, "_growth_tracker", None)}
+    return {k: t for k, t in found.items() if isinstance(t, torch.Tensor)}

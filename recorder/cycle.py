@@ -27,6 +27,7 @@ from .compat import scaler_scale, scaler_token
 from .errors import NonFiniteError
 from .grads import reread_changed_grads, small_param_norms
 from .hooks import Health
+from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
 from .settings import Settings
 from .slots import STRICT, Slots
@@ -45,7 +46,8 @@ class UpdateEvidence(NamedTuple):
 
 
 class StepCycle:
-    """Opens and closes steps; owns the ring buffer, the slots and the buffer copies."""
+    """Opens and closes steps; owns the ring buffer, the slots, the buffer copies and the
+    rewind window."""
 
     def __init__(self, settings: Settings, target: Target, health: Health, alarm: Alarm):
         self.settings, self.target, self.health, self.alarm = settings, target, health, alarm
@@ -54,6 +56,8 @@ class StepCycle:
         self.ring = RingBuffer(settings.history)
         self.slots: Slots | None = None
         self.buffers = BufferSnapshots()
+        # the copies and step log of FlightRecorder(rewind=N): taken as steps open and close
+        self.rewind = Rewind(settings.rewind) if settings.rewind else None
         self.lock = threading.RLock()
         self.updated = False  # an optimizer step ran since the last step opened
         self.skips = 0  # GradScaler skips in a row
@@ -73,6 +77,8 @@ class StepCycle:
         self.buffers.clear()
         self.slots = None
         self.pending_update = None
+        if self.rewind is not None:
+            self.rewind.clear()
 
     # ------------------------------------------------------------------------------------------
     # opening
@@ -117,6 +123,11 @@ class StepCycle:
         if not evaluation:  # the next training step's weights still come from that update
             self.updated = False
         self.buffers.snapshot()
+        if self.rewind is not None and not evaluation:
+            # the copy of step s: before its forward, after the last update and scheduler step
+            t = self.target
+            self.rewind.opened(self.step, t.params, t.buffers, t.optimizer(), t.scheduler(),
+                               t.scaler())
         self.tape = tape
         self.unrooted_call = None
         return tape
@@ -176,6 +187,8 @@ class StepCycle:
                 self.alarm.step_event(tape, layout, row, "non_finite")
             return
         self.ring.commit(layout)
+        if self.rewind is not None:  # before the event check: the event step is in the window
+            self.rewind.closed(tape, self.target.optimizer(), layout.scale, layout.skipped)
         reason = None
         if not ok:
             reason = "non_finite"

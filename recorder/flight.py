@@ -89,6 +89,12 @@ class FlightRecorder:
             each output's mean and RMS and every parameter's norm (the total parameter norm
             per step), which costs another pass over the weights.
         start_step: the index of the first recorded step (when attaching mid-run).
+        rewind: keep the last N to 2N steps replayable: a copy of the weights, buffers,
+            optimizer, scheduler and scaler state every ``rewind`` steps (two kept; pinned
+            host memory on CUDA, copied without a sync) and each step's micro-batches, RNG
+            states and hyper-parameters since the older copy; the bundle holds them and
+            ``nanreplay`` re-runs the window (see :mod:`recorder.rewind`). Off (None) by
+            default.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -98,7 +104,7 @@ class FlightRecorder:
                  min_scale: float = 1.0, max_skipped_steps: int = 50,
                  guard_optimizer: bool = False, stats: str = "minmax", start_step: int = 0,
                  max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None,
-                 strict_inf: bool = False):
+                 strict_inf: bool = False, rewind: int | None = None):
         check_model(model, optimizer)
         check_loss_fn(loss_fn)
         #: the settings, checked (read them as ``recorder.history`` etc. too)
@@ -107,7 +113,7 @@ class FlightRecorder:
             on_event=on_event, allow_inf=allow_inf, strict_inf=strict_inf,
             min_scale=min_scale, max_skipped_steps=max_skipped_steps,
             guard_optimizer=guard_optimizer, stats=stats, start_step=start_step,
-            max_micro_batches=max_micro_batches)
+            max_micro_batches=max_micro_batches, rewind=rewind)
         check_companions(scaler, lr_scheduler)
         # the training framework a callback records for ("huggingface", "lightning"): the
         # replay's advice names its options
@@ -158,6 +164,8 @@ class FlightRecorder:
         opt = target.optimizer()
         if opt is not None:
             self._handles += self.guard.register(opt)
+        if self.cycle.rewind is not None:
+            self.cycle.rewind.log_attached(target.params, target.buffers, opt)
         self._attached = self.health.active = True
         return self
 
@@ -207,13 +215,15 @@ class FlightRecorder:
 
     @property
     def memory_bytes(self) -> dict[str, int]:
-        """Device memory the recorder holds: ring buffer, the step's statistics slots, buffer
-        copies, optimizer guard."""
-        slots = self.cycle.slots
+        """Memory the recorder holds: on the device, ring buffer, the step's statistics slots,
+        buffer copies, optimizer guard; with ``rewind``, the window's bytes on the host
+        (``rewind_host``) and on the device (``rewind_device``)."""
+        slots, rewind = self.cycle.slots, self.cycle.rewind
         return {"ring": self.cycle.ring.nbytes,
                 "statistics": slots.nbytes if slots is not None else 0,
                 "buffer_copies": self.cycle.buffers.nbytes,
-                "optimizer_guard": self.guard.nbytes}
+                "optimizer_guard": self.guard.nbytes,
+                **(rewind.nbytes() if rewind is not None else {})}
 
     def _contents(self, tape: Tape | None, event: dict[str, Any], guard, rank: int,
                   world_size: int):
@@ -223,5 +233,5 @@ class FlightRecorder:
             self.calls.loss_recorded,
             {"history": self.settings.history, "memory_bytes": self.memory_bytes,
              "guard_optimizer": self.settings.guard_optimizer, "integration": self.integration},
-            self._commit)
+            self._commit, self.cycle.rewind)
         return build_bundle(sources, tape, event, guard=guard, rank=rank, world_size=world_size)

@@ -38,6 +38,7 @@ class Settings:
     stats: str = "minmax"  # "full" adds means, RMS and parameter norms
     start_step: int = 0  # index of the first recorded step
     max_micro_batches: int = 1024  # a step without optimizer.step() closes after this many
+    rewind: int | None = None  # steps between copies of the training state (None: off)
 
     def __post_init__(self):
         self._check()
@@ -87,6 +88,11 @@ class Settings:
                             f"loss, a gradient or a weight, or turns into NaN), got "
                             f"{self.strict_inf!r}")
         check_factory_kwargs(self.factory_kwargs, "FlightRecorder: factory_kwargs")
+        v = self.rewind
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"FlightRecorder: rewind must be an int >= 1 (steps between copies "
+                             f"of the training state; the window is rewind to 2*rewind steps) "
+                             f"or None to turn it off, got {v!r}")
 
 
 SETTINGS = tuple(f.name for f in dataclasses.fields(Settings))

@@ -4,7 +4,7 @@ Tensor keys (the format is specified in ``docs/bundle-format.md``):
 ``weights/<param>``, ``buffers/<buffer>``, ``grads/<param>``, ``optim/<param>/<state key>``,
 ``optim_group/<group>/<key>``, ``batch/<micro-batch>/<n>``, ``loss_in/<micro-batch>/<n>``,
 ``outgrad/<micro-batch>/<n>``, ``loss/<buffer>``, ``sched/<n>``, ``scaler/<n>``, ``rng/*``,
-``ring/*``.
+``ring/*``, and with ``rewind`` on, ``rewind/*`` (:mod:`recorder.rewind`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 from .bundle import FORMAT, VERSION
-from .capture import environment, flatten_tree, rng_to_bundle, tensor_leaves
+from .capture import environment, flatten_tree, rng_to_bundle
 from .compiled import hook_sites
+from .entries import hyper_entry, jsonish, micro_batch_entry
 from .lossdesc import describe_loss
+from .rewind import Rewind
 from .ring import RingBuffer
 from .settings import Settings
 from .tape import Tape
@@ -28,18 +30,6 @@ from .target import Target
 def qualname(obj: Any) -> str:
     cls = obj if isinstance(obj, type) else type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _json_scalar(v: Any) -> bool:
-    return v is None or isinstance(v, (bool, int, float, str))
-
-
-def _jsonish(v: Any) -> bool:
-    if _json_scalar(v):
-        return True
-    if isinstance(v, (list, tuple)):
-        return all(_jsonish(x) for x in v)
-    return False
 
 
 @dataclass
@@ -54,6 +44,7 @@ class Sources:
     loss_recorded: bool  # a loss was given to record_loss (nothing to re-run it with)
     recorder: dict[str, Any]  # the bundle's "recorder" entry
     commit: str | None  # the git commit of the working directory
+    rewind: Rewind | None  # the rewind window's copy and steps (recorder.rewind), if on
 
 
 def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
@@ -82,7 +73,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         rng_meta, rng_tensors = rng_to_bundle(tape.rng)
         meta["rng"] = rng_meta
         tensors.update(rng_tensors)
-        meta["micro_batches"] = [_micro_batch(i, mb, tensors)
+        meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors)
                                  for i, mb in enumerate(tape.micro_batches)]
     _training_objects(src, guard, meta, tensors)
     # -- history and environment
@@ -91,6 +82,8 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
     meta["ring"] = ring_meta
     tensors.update(ring_tensors)
     meta["recorder"] = src.recorder
+    if src.rewind is not None:  # the copy and the window of steps since
+        meta["rewind"] = src.rewind.export(tensors)
     meta["env"] = environment(rank, world_size, src.commit)
     return meta, tensors
 
@@ -146,45 +139,6 @@ def _module_info(name: str, m: nn.Module) -> dict[str, Any]:
             "device": str(t.device) if t is not None else None}
 
 
-def _micro_batch(i: int, mb, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    tree, ts, paths = flatten_tree([list(mb.args), mb.kwargs], f"batch/{i}")
-    tensors.update(ts)
-    out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
-                           "autocast": mb.autocast}
-    outs = list(tensor_leaves(mb.outputs))
-    if mb.loss_args is not None:
-        ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],
-                                          f"loss_in/{i}", leaf=partial_leaf(outs))
-        tensors.update(lts)
-        out["loss_inputs"], out["loss_paths"] = ltree, lpaths
-    grads = {}
-    for j, g in mb.out_grads.items():
-        key = f"outgrad/{i}/{j}"
-        tensors[key] = g.detach()
-        grads[str(j)] = key
-    out["output_grads"] = grads
-    out["n_outputs"] = len(outs)
-    return out
-
-
-def partial_leaf(outs: list[torch.Tensor]):
-    """Stand-in for loss inputs that are the model output or a view of it, so the replay feeds
-    the loss its own re-computed output instead of a recorded copy."""
-
-    def leaf(t: torch.Tensor):
-        for i, o in enumerate(outs):
-            if t is o:
-                return {"$out": i}
-        for i, o in enumerate(outs):
-            if (t.device == o.device and t.dtype == o.dtype
-                    and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()):
-                return {"$out": i, "view": [list(t.shape), list(t.stride()),
-                                            t.storage_offset() - o.storage_offset()]}
-        return None
-
-    return leaf
-
-
 def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
     names = {id(p): n for n, p in params}
     groups = []
@@ -192,16 +146,7 @@ def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
                                           for g in opt.param_groups]
     for gi, (g, h) in enumerate(zip(opt.param_groups, hyper)):
         entry: dict[str, Any] = {"params": [names.get(id(p)) for p in g["params"]]}
-        for k, v in h.items():
-            if isinstance(v, torch.Tensor):
-                key = f"optim_group/{gi}/{k}"
-                tensors[key] = v.detach()
-                entry[k] = {"$t": key}
-            elif _jsonish(v):
-                entry[k] = list(v) if isinstance(v, tuple) else v
-            else:
-                entry[k] = {"$repr": repr(v)[:200]}
-        groups.append(entry)
+        groups.append(hyper_entry(h, f"optim_group/{gi}", tensors, entry))
     scalars: dict[str, dict[str, Any]] = {}
     for p in (p for g in opt.param_groups for p in g["params"]):
         name = names.get(id(p))
@@ -211,9 +156,9 @@ def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 tensors[f"optim/{name}/{k}"] = v.detach()
-            elif _jsonish(v):
+            elif jsonish(v):
                 scalars.setdefault(name, {})[k] = v
     defaults = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opt.defaults.items()
-                if _jsonish(v)}
+                if jsonish(v)}
     return {"class": qualname(opt), "defaults": defaults, "param_groups": groups,
             "state_scalars": scalars}

@@ -20,9 +20,12 @@ Layout, in the order a replay goes (each module imports only those before it):
 - ``fidelity``, ``outside``, ``backward``, ``domains``, ``cause_text``, ``cause``: is the
   rebuilt model the recorded one; a loss outside the model; the backward node finder; the cause
   and its words;
-- ``precursors``, ``findings``, ``recorded``, ``forward``, ``origins``, ``analyze``: the
-  history; the report's fields; what the bundle alone says; localising each phase; the
-  analysis that picks the phase;
+- ``precursors``, ``findings``, ``recorded``, ``forward``, ``origins``: the history; the
+  report's fields; what the bundle alone says; localising each phase;
+- ``window``, ``rewind_text``, ``whatif``, ``window_report``: re-running a rewind window
+  (``FlightRecorder(rewind=N)``) or the recorded step with a ``Change``; their words in the
+  reports; the ``--try`` what-ifs; the report's ``window`` part;
+- ``analyze``: the analysis that picks the phase, then the window and the what-ifs;
 - ``report``, ``html``, ``cli``: the text/JSON report and ``--info``, the HTML page, the
   ``nanreplay`` command.
 """
@@ -33,9 +36,10 @@ from .errors import ReplayError
 
 
 def replay(path, *, factory: str | None = None, device: str | None = None,
-           factory_kwargs: dict | None = None) -> dict:
+           factory_kwargs: dict | None = None, tries: list[str] | None = None) -> dict:
     """The report for one bundle, as ``nanreplay --json`` prints it (plus ``history``);
-    ``factory_kwargs`` replace the recorded ones."""
+    ``factory_kwargs`` replace the recorded ones; ``tries`` are ``--try`` what-ifs
+    (``["lr=0.1x", "auto"]``)."""
     from .analyze import analyze
     from .errors import FactoryRefused
     from .load import build, read_step
@@ -45,7 +49,7 @@ def replay(path, *, factory: str | None = None, device: str | None = None,
         build(step, factory, device, factory_kwargs)
     except FactoryRefused as e:
         step.problems.append(str(e))
-    return analyze(step)
+    return analyze(step, tries or ())
 
 
 __all__ = ["replay", "ReplayError"]

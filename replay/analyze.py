@@ -8,15 +8,18 @@
 
 The bundle may decide alone (:mod:`replay.recorded`); else two re-runs must agree and match the
 recording (:mod:`replay.fidelity`), and the phase that made the first non-finite value is
-localised: the forward (:mod:`replay.forward`), the others (:mod:`replay.origins`).
+localised: the forward (:mod:`replay.forward`), the others (:mod:`replay.origins`). A rewind
+window is re-run from its copy (:mod:`replay.window_report`), and the what-ifs after
+(:mod:`replay.whatif`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from . import fidelity
-from .findings import base_report, finish, origin_fields, recorded_origin
+from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .load import Step
 from .origins import (
@@ -35,18 +38,25 @@ from .recorded import (
     scale_of_the_step,
 )
 from .rerun import Runner
+from .whatif import run_tries
+from .window_report import add_window
 
 __all__ = ["analyze", "scale_of_the_step"]
 
 
-def analyze(step: Step) -> dict[str, Any]:
-    """The report for one bundle (``step`` already passed through :func:`load.build`)."""
+def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
+    """The report for one bundle (``step`` already passed through :func:`load.build`); with a
+    rewind window, its re-run (which makes an optimizer event replayable); ``tries`` are the
+    ``--try`` what-ifs, run after the analysis whose cause ``auto`` reads."""
     report = base_report(step)
     report = _from_bundle(report, step) or _from_rerun(report, step)
+    add_window(step, report)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
     o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
+    if tries:
+        report["what_if"] = run_tries(step, report, list(tries))
     return report
 
 
@@ -72,10 +82,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if bad_weights and not after_update:
         return report_weights(report, step, bad_weights)
     if after_update and (bad_weights or "weights" in step.stripped):
-        report["problems"].append(
-            "the bundle holds the weights after the update that made them non-finite, so the "
-            "update cannot be re-run; record with FlightRecorder(..., guard_optimizer=True) to "
-            "replay it")
+        report["problems"].append(UPDATE_NOT_RERUN)
         params = bad_weights or list(step.event.get("params", []))
         return finish(report, origin_fields(phase="optimizer", params=params,
                                             param=(params or [None])[0]), "optimizer",

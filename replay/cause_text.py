@@ -48,6 +48,10 @@ HINTS = {
             "(targets out of range, log of zero probabilities)",
 }
 
+# An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (re-run from a rewind window)
+EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so "
+               "m / (sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8)")
+
 # What to do, by situation (the first half of the hint says what happened).
 DO = {
     "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",

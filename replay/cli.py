@@ -61,15 +61,20 @@ class _OneLineUsage(click.Command):
               help="With -o: write a shareable copy without the batch and/or the weights.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Where --strip writes the copy.")
+@click.option("--try", "tries", multiple=True, metavar="KEY=VALUE",
+              help="Re-run with one change and say if it stays finite (repeatable, each tried "
+                   "separately): lr=1e-4, lr=0.1x, eps=1e-8, clip=1.0, wd=0.01, "
+                   "dtype=float32|float64|bfloat16, drop=3,7, or auto.")
 @click.option("--debug", is_flag=True, hidden=True, help="Show tracebacks of internal errors.")
 def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factory: str | None,
          factory_kwargs: str | None, device: str | None, strip_parts: tuple[str, ...],
-         output: Path | None, debug: bool) -> None:
+         output: Path | None, tries: tuple[str, ...], debug: bool) -> None:
     """Replay the step recorded in BUNDLE and report the op, module, samples and cause of its
     first non-finite value."""
+    _check_tries(tries)
     try:
         code = _run(bundle, as_json, html_path, info, factory, _kwargs(factory_kwargs), device,
-                    strip_parts, output)
+                    strip_parts, output, tries)
     except click.ClickException:
         raise  # bad usage: _OneLineUsage prints it
     except (BundleError, ReplayError) as e:
@@ -103,8 +108,19 @@ def _kwargs(text: str | None) -> dict | None:
     return kwargs
 
 
+def _check_tries(tries) -> None:
+    """``--try`` values, checked before anything runs: a bad one is a usage error."""
+    from .whatif import TryError, parse_try
+
+    for t in tries:
+        try:
+            parse_try(t)
+        except TryError as e:
+            raise click.UsageError(str(e)) from None
+
+
 def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, strip_parts,
-         output) -> int:
+         output, tries=()) -> int:
     from . import report as reports
 
     if html_path is not None and (info or strip_parts or output):
@@ -135,7 +151,7 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
         build(step, factory, device, factory_kwargs)
     except FactoryRefused as e:
         step.problems.append(str(e))
-    report = analyze(step)
+    report = analyze(step, tries)
     if html_path is not None:
         from .html import render_html
 

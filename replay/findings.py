@@ -15,6 +15,11 @@ from .load import Step
 from .precursors import find_precursors, history
 
 FORMAT = "nanreplay-report/1"
+# the note of an optimizer event whose bundle holds the weights after the update (a rewind
+# window re-runs the update and takes the note back: replay.window_report)
+UPDATE_NOT_RERUN = ("the bundle holds the weights after the update that made them non-finite, "
+                    "so the update cannot be re-run; record with FlightRecorder(..., "
+                    "guard_optimizer=True) to replay it")
 
 
 def origin_fields(**kw) -> dict[str, Any]:
@@ -50,6 +55,8 @@ def base_report(step: Step) -> dict[str, Any]:
         "bisection": None,
         "fidelity": None,
         "problems": list(step.problems),
+        "window": None,  # the rewind window re-run (replay.window_report)
+        "what_if": [],  # the --try what-ifs (replay.whatif)
         "history": hist,
     }
 

@@ -24,6 +24,7 @@ from typing import Any
 from recorder.finite import LABELS
 
 from .cause_text import MEANING
+from .rewind_text import what_if_html, window_html
 
 __all__ = ["render_html"]
 
@@ -384,5 +385,6 @@ def render_html(report: dict, history: dict) -> str:
 <h2>Origin</h2>{_origin(report)}
 <h2>Precursors</h2>{_precursors(report)}
 <h2>Bisection</h2>{_bisection(report)}
+{window_html(report, _e)}{what_if_html(report, _e)}
 </main></body></html>
 """

@@ -9,6 +9,7 @@ from recorder.bundle import BundleReader, jsonable
 
 from .fidelity import describe
 from .load import check_meta
+from .rewind_text import what_if_lines, window_lines
 
 _GROUPS = {"weights/": "weights", "buffers/": "buffers", "grads/": "gradients",
            "optim/": "optimizer state", "optim_group/": "optimizer state",
@@ -48,6 +49,7 @@ def to_text(report: dict[str, Any]) -> str:
     lines = [f"nanreplay: {when}, {ev.get('phase')} event — {state}"]
     lines += _origin_lines(report)
     lines += _cause_lines(report)
+    lines += window_lines(report) + what_if_lines(report)
     for p in report.get("problems", []):
         lines.append(f"  note       {p}")
     pre = report.get("precursors", [])

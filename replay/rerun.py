@@ -132,6 +132,7 @@ class Runner:
             with autocast_as_recorded(self.step.micro_batches[i], self.step.device):
                 loss = self.step.loss_fn(*args, **kwargs)
         self.last_loss = loss
+        result.losses.append(loss)
         vals = [t for t in tensor_leaves(loss) if t.is_floating_point()]
         result.loss_finite.append(all(finite(t) for t in vals))
         result.loss_values.append(";".join(repr(t.detach().double().sum().item()) for t in vals))

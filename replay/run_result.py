@@ -37,6 +37,7 @@ class Run:
     calls: list[Call] = field(default_factory=list)
     loss_finite: list[bool] = field(default_factory=list)
     loss_values: list[str] = field(default_factory=list)
+    losses: list = field(default_factory=list)  # each micro-batch's loss (replay.window)
     bad_grads: list[str] = field(default_factory=list)
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
     error: Exception | None = None  # what the model's own code raised, ending the run there

@@ -1,0 +1,84 @@
+"""How a step's parts become bundle entries (JSON plus tensors by key): a micro-batch, the
+hyper-parameters of a parameter group, JSON-able values. One encoding for the event step
+(:mod:`recorder.snapshot`) and the rewind window's steps (:mod:`recorder.rewind`), so the
+replay reads both the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .capture import flatten_tree, tensor_leaves
+
+
+def json_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def jsonish(v: Any) -> bool:
+    if json_scalar(v):
+        return True
+    return isinstance(v, (list, tuple)) and all(jsonish(x) for x in v)
+
+
+def hyper_entry(h: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor],
+                entry: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A parameter group's hyper-parameters (``params`` left out) as JSON; a tensor value (a
+    learning rate a scheduler keeps as a tensor) goes into ``tensors`` as ``<prefix>/<key>``."""
+    out: dict[str, Any] = entry if entry is not None else {}
+    for k, v in h.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor):
+            tensors[f"{prefix}/{k}"] = v.detach()
+            out[k] = {"$t": f"{prefix}/{k}"}
+        elif jsonish(v):
+            out[k] = list(v) if isinstance(v, tuple) else v
+        else:
+            out[k] = {"$repr": repr(v)[:200]}
+    return out
+
+
+def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor]
+                      ) -> dict[str, Any]:
+    """Micro-batch ``i`` of a tape as the bundle's ``micro_batches[i]`` entry, its tensors
+    under ``<prefix>batch/<i>``, ``<prefix>loss_in/<i>`` and ``<prefix>outgrad/<i>`` (``prefix``
+    is ``""`` for the event step)."""
+    tree, ts, paths = flatten_tree([list(mb.args), mb.kwargs], f"{prefix}batch/{i}")
+    tensors.update(ts)
+    out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
+                           "autocast": mb.autocast}
+    outs = list(tensor_leaves(mb.outputs))
+    if mb.loss_args is not None:
+        ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],
+                                          f"{prefix}loss_in/{i}", leaf=partial_leaf(outs))
+        tensors.update(lts)
+        out["loss_inputs"], out["loss_paths"] = ltree, lpaths
+    grads = {}
+    for j, g in mb.out_grads.items():
+        key = f"{prefix}outgrad/{i}/{j}"
+        tensors[key] = g.detach()
+        grads[str(j)] = key
+    out["output_grads"] = grads
+    out["n_outputs"] = len(outs)
+    return out
+
+
+def partial_leaf(outs: list[torch.Tensor]):
+    """Stand-in for loss inputs that are the model output or a view of it, so the replay feeds
+    the loss its own re-computed output instead of a recorded copy."""
+
+    def leaf(t: torch.Tensor):
+        for i, o in enumerate(outs):
+            if t is o:
+                return {"$out": i}
+        for i, o in enumerate(outs):
+            if (t.device == o.device and t.dtype == o.dtype
+                    and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()):
+                return {"$out": i, "view": [list(t.shape), list(t.stride()),
+                                            t.storage_offset() - o.storage_offset()]}
+        return None
+
+    return leaf

@@ -1,0 +1,82 @@
+"""The rewind window's and the ``--try`` what-ifs' words: the text report's ``window``,
+``first``, ``began`` and ``what-if`` lines and the HTML page's two sections, from a report
+alone (no torch here, as for the rest of the page).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def where(o: dict[str, Any] | None) -> str:
+    """``update of emb.weight (aten.addcdiv_)``, ``forward, head call 0``."""
+    if not o:
+        return ""
+    if o["phase"] in ("update", "backward"):
+        params = o.get("params") or []
+        more = f" (+{len(params) - 1} more)" if len(params) > 1 else ""
+        what = f"{o['phase']} of {params[0]}{more}" if params else o["phase"]
+    else:
+        mod = "<root>" if o.get("module") == "" else o.get("module")
+        call = f" call {o['call']}" if o.get("call") is not None else ""
+        what = f"{o['phase']}, {mod}{call}" if mod is not None else o["phase"]
+    return what + (f" ({o['op']})" if o.get("op") else "")
+
+
+def window_lines(report: dict[str, Any]) -> list[str]:
+    w = report.get("window")
+    if not w:
+        return []
+    first, last = w["steps"]
+    got = ("the event came back at the recorded step" if w["reproduced"] else
+           f"first non-finite at step {w['event_step']}, not the recorded event"
+           if w["event_step"] is not None else "every value finite: the event did NOT come back")
+    lines = [f"  window     steps {first}-{last} re-run from the copy at step {w['copy_step']}: "
+             f"{got}"]
+    f = w.get("first_non_finite")
+    if f:
+        lines.append(f"  first      step {f['step']}: {f.get('kind') or 'non-finite'} in the "
+                     f"{where(f)}")
+    b = w.get("precursors_began")
+    if b:
+        lines.append(f"  began      step {b['step']}: {b['detail']}")
+    return lines
+
+
+def what_if_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for t in report.get("what_if") or []:
+        if t.get("finite") is None:
+            verdict = f"not re-run: {t.get('note')}"
+        elif t["finite"]:
+            verdict = f"finite through step {t['steps'][1]}"
+        else:
+            o = t["origin"]
+            verdict = f"{o.get('kind') or 'non-finite'} at step {o['step']} ({where(o)})"
+        lines.append(f"  what-if    {t['try']:<14} {verdict}")
+    return lines
+
+
+def window_html(report: dict[str, Any], esc) -> str:
+    lines = window_lines(report)
+    if not lines:
+        return ""
+    return "<h2>Rewind window</h2><pre>" + esc("\n".join(s.strip() for s in lines)) + "</pre>"
+
+
+def what_if_html(report: dict[str, Any], esc) -> str:
+    rows = report.get("what_if") or []
+    if not rows:
+        return ""
+    body = "".join(
+        f"<tr><td><code>{esc(t['try'])}</code></td><td>{_verdict(t)}</td>"
+        f"<td>{esc(t.get('event_step')) if t.get('event_step') is not None else '—'}</td>"
+        f"<td>{esc(where(t.get('origin')))}</td></tr>" for t in rows)
+    return ("<h2>What if</h2><table class=\"whatif\"><tr><th>try</th><th>result</th>"
+            f"<th>step</th><th>where</th></tr>{body}</table>")
+
+
+def _verdict(t: dict[str, Any]) -> str:
+    if t.get("finite") is None:
+        return "not re-run"
+    return "finite" if t["finite"] else "non-finite"

@@ -1,0 +1,173 @@
+"""``nanreplay BUNDLE --try KEY=VALUE``: would this change have kept training finite?
+
+>>> parse_try("lr=0.1x")                            # doctest: +SKIP
+('lr=0.1x', Change(lr_factor=0.1))
+>>> run_tries(step, report, ["eps=1e-8", "lr=0.1x"])  # doctest: +SKIP
+[{'try': 'eps=1e-8', 'finite': True, 'event_step': None, 'origin': None}, ...]
+
+Each try re-runs the bundle's window from its copy (``FlightRecorder(rewind=N)``), or, without
+one, the recorded step, with one change (see :class:`replay.window.Change`), and says whether
+a non-finite value still appears and where. ``lr``, ``eps``, ``wd`` and ``clip`` apply to every
+update of the run, ``dtype`` to every step's compute (weights, optimizer state and inputs cast,
+autocast off), ``drop`` to the batch of the event step (the step whose samples the report
+names). ``auto`` tries the remedies that fit the cause found (:func:`auto_tries`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .errors import ReplayError
+from .load import Step
+from .window import Change, run_window, step_as_window, window_of
+
+KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+class TryError(ValueError):
+    """A ``--try`` that cannot be parsed; the message is the one-line error."""
+
+
+def parse_try(text: str) -> tuple[str, Change | None]:
+    """``(label, change)``; ``change`` is None for ``auto``."""
+    text = text.strip()
+    if text == "auto":
+        return text, None
+    key, eq, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    if not eq or key not in KEYS or not value:
+        raise TryError(f"--try {text!r}: expected KEY=VALUE with KEY one of "
+                       f"{', '.join(KEYS)} (e.g. --try lr=0.1x, --try eps=1e-8), or auto")
+    if key == "lr":
+        if value.endswith("x"):
+            return text, Change(lr_factor=_number(text, value[:-1], "a factor such as 0.1x",
+                                                  positive=True))
+        return text, Change(lr=_number(text, value, "a learning rate such as 1e-4"))
+    if key == "eps":
+        return text, Change(eps=_number(text, value, "an epsilon such as 1e-8"))
+    if key == "wd":
+        return text, Change(weight_decay=_number(text, value, "a weight decay such as 0.01"))
+    if key == "clip":
+        return text, Change(clip=_number(text, value, "a maximum gradient norm such as 1.0",
+                                         positive=True))
+    if key == "dtype":
+        if value not in DTYPES:
+            raise TryError(f"--try {text!r}: dtype must be one of {', '.join(DTYPES)}")
+        return text, Change(dtype=DTYPES[value])
+    try:
+        rows = sorted({int(v) for v in value.split(",")})
+    except ValueError:
+        raise TryError(f"--try {text!r}: drop takes sample indices separated by commas "
+                       "(e.g. drop=3,7)") from None
+    if rows[0] < 0:
+        raise TryError(f"--try {text!r}: sample indices are >= 0")
+    return text, Change(drop=rows)
+
+
+def _number(text: str, value: str, what: str, positive: bool = False) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise TryError(f"--try {text!r}: {value!r} is not {what} (a finite number "
+                       f"{'> 0' if positive else '>= 0'})")
+    return v
+
+
+def check_applicable(step: Step, label: str, change: Change) -> None:
+    """Refuse (one line) a try the bundle cannot take: an optimizer setting without an
+    optimizer or a parameter group that has it, rows past the batch."""
+    opt = step.optimizer
+    needs = [k for k, v in (("lr", change.lr if change.lr is not None else change.lr_factor),
+                            ("eps", change.eps), ("weight_decay", change.weight_decay),
+                            ("clip", change.clip)) if v is not None]
+    if needs and opt is None:
+        raise ReplayError(f"--try {label}: the bundle's optimizer was not rebuilt, so there is "
+                          "no update to change")
+    for k in needs:
+        if k != "clip" and not all(k in g for g in opt.param_groups):
+            raise ReplayError(f"--try {label}: {type(opt).__name__} has no '{k}' setting; "
+                              f"try another key (lr, clip)")
+    if change.drop:
+        n = _batch_size(step)
+        if n and change.drop[-1] >= n:
+            raise ReplayError(f"--try {label}: the batch has {n} samples (0-{n - 1}); pass "
+                              "indices within it")
+        if n and len(change.drop) >= n:
+            raise ReplayError(f"--try {label}: that drops every sample of the batch")
+
+
+def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
+    """The remedies that fit the cause: drop the offending samples for bad input or an op's
+    domain, a wider compute type for an overflow (float32 under float16/bfloat16), a smaller
+    learning rate and clipping for an update or a growth that began steps before, a non-zero
+    eps for an optimizer with ``eps=0``."""
+    cause, o = report.get("cause"), report.get("origin") or {}
+    out: list[str] = []
+    samples = o.get("samples") or []
+    if cause in ("input", "invalid", "underflow", "precision") and samples \
+            and not o.get("all_samples"):
+        out.append("drop=" + ",".join(str(s) for s in samples))
+    low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \
+        or any(mb.get("autocast") for mb in step.micro_batches)
+    if cause == "overflow":
+        out.append("dtype=float32" if low else "dtype=float64")
+    began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")
+    grew = began is not None and began < (report.get("event") or {}).get("step", began)
+    if step.optimizer is not None and (cause in ("optimizer", "weights", "overflow") or grew):
+        out += ["lr=0.1x", "clip=1.0"]
+        if cause == "optimizer" and any(g.get("eps") == 0 for g in step.optimizer.param_groups):
+            out.append("eps=1e-8")
+    return out
+
+
+def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict[str, Any]]:
+    """Each try re-run separately: ``{"try", "finite", "event_step", "origin"}``."""
+    parsed: list[tuple[str, Change]] = []
+    for text in tries:
+        label, change = parse_try(text)
+        if change is None:
+            parsed += [parse_try(t) for t in auto_tries(step, report)]
+        else:
+            parsed.append((label, change))
+    seen: set[str] = set()  # (auto may propose what was asked for already)
+    parsed = [(label, c) for label, c in parsed if not (label in seen or seen.add(label))]
+    if step.model is None:
+        return [{"try": label, "finite": None, "event_step": None, "origin": None,
+                 "note": "nothing can be re-run from this bundle"} for label, _ in parsed]
+    for label, change in parsed:
+        check_applicable(step, label, change)
+    win = window_of(step) or step_as_window(step)
+    out = []
+    for label, change in parsed:
+        if change.drop:
+            change.drop_step = step.event.get("step")
+        res = run_window(step, win, change)
+        o = res.first
+        entry: dict[str, Any] = {"try": label, "finite": o is None,
+                                 "event_step": o.step if o else None,
+                                 "origin": _origin(o) if o else None,
+                                 "steps": [win.records[0]["step"], win.records[-1]["step"]]}
+        if res.problems:
+            entry["note"] = "; ".join(res.problems)
+        out.append(entry)
+    return out
+
+
+def _origin(o) -> dict[str, Any]:
+    return {"step": o.step, "phase": o.phase, "module": o.module, "call": o.call,
+            "params": o.params, "kind": o.kind, "op": o.op}
+
+
+def _batch_size(step: Step) -> int:
+    for mb in step.micro_batches[:1]:
+        for key in mb.get("paths", {}):
+            t = step.tensors.get(key)
+            if t is not None and t.dim():
+                return int(t.shape[0])
+    return 0

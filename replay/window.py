@@ -1,0 +1,436 @@
+"""Re-running a window of steps from a copy of the training state (``FlightRecorder(rewind=N)``).
+
+>>> win = window_of(step)                           # doctest: +SKIP
+>>> result = run_window(step, win)                  # forward, loss, backward, update, per step
+>>> result.first.step, result.first.phase, result.first.params
+(0, 'update', ['emb.weight'])
+
+Each step of the window is re-run as training ran it: its recorded micro-batches and RNG
+states, forward and loss under the recorded autocast, backward (from the recorded output
+gradients when they are finite, as :class:`replay.rerun.Runner` does, else from the loss scaled
+by the recorded GradScaler scale), the gradients unscaled and a step with a non-finite gradient
+skipped as the GradScaler skips it, then ``optimizer.step()`` with the hyper-parameters the
+recorded update used (so a scheduler's learning rates are the recorded ones, whatever the
+scheduler). The first thing to go non-finite ends the run: a forward output (by the bundle's
+infinity policy), the loss, a gradient, or the weights and optimizer state after an update. A
+bad update is then re-run from its own starting state under the op finder, with the
+optimizer's per-parameter (``foreach=False``, unfused) implementation, so the op that made the
+value is named.
+
+The same machinery runs a bundle without a window as a window of its one recorded step (the
+``--try`` what-ifs of ``replay.whatif``); a :class:`Change` alters a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recorder.capture import map_tensors
+from recorder.finite import finite, tensors_kind
+
+from .load import Step
+from .ops import OpFinder
+from .rerun import Runner
+
+
+@dataclass
+class Window:
+    """Where a window's state and steps are: ``prefix`` of the copy's tensor keys (``rewind/``,
+    or ``""`` for a bundle's own step), the copy's step and one record per step."""
+
+    prefix: str
+    copy_step: int
+    records: list[dict[str, Any]]
+    optimizer: dict[str, Any] | None  # state_scalars of the copy
+    from_rewind: bool
+
+
+@dataclass
+class Change:
+    """What a what-if changes in every step of a run (None: as recorded)."""
+
+    lr: float | None = None
+    lr_factor: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    clip: float | None = None
+    dtype: torch.dtype | None = None
+    drop: list[int] | None = None  # rows removed from the event step's batch
+    drop_step: int | None = None
+
+
+@dataclass
+class Outcome:
+    """The first non-finite value of a run."""
+
+    step: int
+    phase: str  # "input", "forward", "loss", "backward" or "update"
+    module: str | None = None
+    call: int | None = None
+    micro_batch: int | None = None
+    params: list[str] = field(default_factory=list)
+    kind: str | None = None
+    op: str | None = None
+    source: str | None = None
+    chain: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class WindowRun:
+    first: Outcome | None
+    per_step: list[dict[str, Any]]  # step, loss, grad_norm, param_norm, lr, skipped
+    problems: list[str] = field(default_factory=list)
+
+
+def window_of(step: Step) -> Window | None:
+    """The bundle's rewind window, or None (no ``meta.rewind``, or nothing in it)."""
+    rw = step.meta.get("rewind") or {}
+    if not rw.get("records") or step.event.get("evaluation"):
+        return None
+    return Window("rewind/", int(rw["copy_step"]), rw["records"],
+                  rw.get("optimizer"), True)
+
+
+def step_as_window(step: Step) -> Window:
+    """The bundle's own step as a window of one: its weights, batch, RNG and hyper-parameters."""
+    opt = step.meta.get("optimizer") or {}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.get("param_groups", [])]
+    record = {"step": step.event.get("step"), "rng": step.meta.get("rng"),
+              "micro_batches": step.micro_batches, "hyper": groups, "scale": None,
+              "skipped": False, "rng_prefix": ""}
+    return Window("", record["step"], [record], opt, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# a run
+
+
+def run_window(step: Step, win: Window, change: Change | None = None) -> WindowRun:
+    """Restore the window's copy into the rebuilt model and optimizer and re-run its steps
+    until the first non-finite value (or the end). ``step`` needs ``model`` (and
+    ``optimizer`` for updates); its tensors are never modified."""
+    change = change or Change()
+    out = WindowRun(None, [])
+    _restore(step, win, change.dtype)
+    opt = step.optimizer
+    if opt is None and step.meta.get("optimizer"):
+        out.problems.append("the optimizer could not be rebuilt, so the window's updates were "
+                            "not re-run")
+    for record in win.records:
+        sub = _sub_step(step, win, record, change)
+        runner = Runner(sub)
+        runner.cast = change.dtype
+        scale = record.get("scale")
+        if scale is not None and math.isfinite(scale):
+            runner.loss_scale = scale
+        run = runner.run()
+        o = _forward_outcome(record["step"], run)
+        if run.error is not None and o is None:
+            out.problems.append(f"the model's code raised {run.raised} at step "
+                                f"{record['step']} of the re-run")
+            break
+        stats = {"step": record["step"], "loss": _loss_value(run), "lr": _lr(record, change),
+                 "grad_norm": None, "param_norm": None, "skipped": False}
+        out.per_step.append(stats)
+        if o is not None:
+            out.first = o
+            break
+        if scale is not None and math.isfinite(scale):
+            _unscale(step.model, scale)
+        bad_grads = [n for n, p in step.model.named_parameters()
+                     if p.grad is not None and not finite(p.grad)]
+        stats["grad_norm"] = _total_norm(p.grad for p in step.model.parameters())
+        if bad_grads:
+            if scale is not None:  # the GradScaler skips this update
+                stats["skipped"] = True
+                continue
+            out.first = Outcome(record["step"], "backward", params=bad_grads,
+                                kind=_kind([p.grad for n, p in step.model.named_parameters()
+                                            if n in bad_grads]))
+            break
+        # (the GradScaler's skips follow the re-run's own gradients, as in training)
+        if opt is None or (record is win.records[-1] and not _last_update_ran(step, win)):
+            stats["param_norm"] = _total_norm(step.model.parameters())
+            continue
+        if change.clip is not None:
+            torch.nn.utils.clip_grad_norm_(step.model.parameters(), change.clip)
+        _set_hyper(opt, record, sub, change)
+        before = _state(step.model, opt)
+        opt.step()
+        stats["param_norm"] = _total_norm(step.model.parameters())
+        bad = _bad_after_update(step.model, opt)
+        if bad:
+            out.first = _update_outcome(record["step"], step, opt, before, bad)
+            break
+    return out
+
+
+def _last_update_ran(step: Step, win: Window) -> bool:
+    """Whether the window's last recorded step's update is part of the run: for a rewind
+    window, the last record is the step during which the event was detected, whose update
+    never ran (the recorder stops before it) unless the event is the update of that very
+    step; for a bundle's own step, the update is re-run (the what-if of an update)."""
+    ev = step.event
+    last = win.records[-1]["step"]
+    if not win.from_rewind:
+        return step.meta.get("state") != "after_update"
+    return ev.get("phase") == "optimizer" and ev.get("step") == last
+
+
+def matches_event(step: Step, o: Outcome | None) -> bool:
+    """The run's first non-finite value is the recorded event: same step, same phase."""
+    if o is None:
+        return False
+    ev = step.event
+    phase = {"optimizer": "update"}.get(ev.get("phase"), ev.get("phase"))
+    if o.step != ev.get("step") or o.phase != phase:
+        return False
+    return phase != "forward" or ev.get("module") in (None, o.module) or bool(ev.get("compiled"))
+
+
+# ---------------------------------------------------------------------------------------------
+# state
+
+
+def _restore(step: Step, win: Window, dtype: torch.dtype | None) -> None:
+    """Weights, buffers and optimizer state from the copy, as fresh tensors (the bundle's are
+    never written), cast to ``dtype`` when a what-if changes the compute dtype."""
+    t, dev, model = step.tensors, step.device, step.model
+
+    def fresh(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(dev, copy=True)
+        return x.to(dtype) if dtype is not None and x.is_floating_point() else x
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            key = f"{win.prefix}weights/{n}"
+            if key in t:
+                p.data = fresh(t[key])
+            p.grad = None
+        for n, b in model.named_buffers():
+            key = f"{win.prefix}buffers/{n}"
+            if key in t:
+                b.data = fresh(t[key])
+    opt = step.optimizer
+    if opt is None:
+        return
+    opt.state.clear()
+    names = dict(model.named_parameters())
+    scalars = (win.optimizer or {}).get("state_scalars", {})
+    prefix = f"{win.prefix}optim/"
+    states: dict[str, dict[str, Any]] = {}
+    for key, v in t.items():
+        if key.startswith(prefix):
+            name, _, k = key[len(prefix):].rpartition("/")
+            # Adam's step counter stays as it was (a float32 tensor), moments follow ``dtype``
+            states.setdefault(name, {})[k] = fresh(v) if k != "step" else v.to(dev, copy=True)
+    for name, st in scalars.items():
+        states.setdefault(name, {}).update(st)
+    for name, st in states.items():
+        if name in names:
+            opt.state[names[name]] = st
+
+
+def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -> Step:
+    """``step`` seen as the record's step: its micro-batches and RNG (a shallow view)."""
+    tensors = dict(step.tensors)
+    rng_prefix = record.get("rng_prefix", f"rewind/step/{record['step']}/")
+    if rng_prefix:
+        for k in [k for k in tensors if k.startswith(rng_prefix + "rng/")]:
+            tensors[k[len(rng_prefix):]] = tensors[k]
+    mbs = record["micro_batches"]
+    if change != Change() and step.loss_fn is not None:
+        # a faithful re-run may use the recorded output gradients; a what-if must not: they
+        # are the recorded run's (its backward starts from its own loss)
+        mbs = [{k: v for k, v in mb.items() if k != "output_grads"} for mb in mbs]
+    if change.drop and record["step"] == change.drop_step:
+        mbs = [{k: v for k, v in mb.items() if k != "output_grads"} for mb in mbs]
+        _drop_rows(tensors, mbs, change.drop)
+    meta = {**step.meta, "micro_batches": mbs, "rng": record.get("rng")}
+    if meta["rng"] is None:
+        meta.pop("rng")
+    return dataclasses.replace(step, meta=meta, tensors=tensors, problems=[])
+
+
+def _drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int]) -> None:
+    """Remove ``rows`` (dim 0) from every batch and loss-input tensor of the batch's size."""
+    for mb in mbs:
+        keys = list(mb.get("paths", {})) + list(mb.get("loss_paths", {}))
+        sizes = [tensors[k].shape[0] for k in mb.get("paths", {}) if k in tensors
+                 and tensors[k].dim()]
+        if not sizes:
+            continue
+        n = sizes[0]
+        keep = torch.tensor([i for i in range(n) if i not in set(rows)], dtype=torch.long)
+        for k in keys:
+            x = tensors.get(k)
+            if x is not None and x.dim() and x.shape[0] == n:
+                tensors[k] = x.index_select(0, keep)
+
+
+def _set_hyper(opt, record: dict[str, Any], sub: Step, change: Change) -> None:
+    for group, rec in zip(opt.param_groups, record.get("hyper") or []):
+        for k, v in rec.items():
+            if k == "params" or (isinstance(v, dict) and "$repr" in v):
+                continue
+            if isinstance(v, dict) and "$t" in v:
+                v = sub.tensors[v["$t"]].to(sub.device, copy=True)
+            elif isinstance(v, str) and v in ("nan", "inf", "-inf"):
+                v = float(v)
+            elif isinstance(v, list) and k == "betas":
+                v = tuple(v)
+            group[k] = v
+        if change.lr is not None:
+            group["lr"] = change.lr
+        if change.lr_factor is not None:
+            group["lr"] = group["lr"] * change.lr_factor
+        if change.eps is not None:
+            group["eps"] = change.eps
+        if change.weight_decay is not None:
+            group["weight_decay"] = change.weight_decay
+
+
+def _state(model, opt) -> dict[str, Any]:
+    """Weights and optimizer state before an update, to re-run it under the op finder."""
+    return {"weights": {id(p): p.detach().clone() for p in model.parameters()},
+            "state": {id(p): map_tensors(dict(st), lambda t: t.clone())
+                      for p, st in opt.state.items()},
+            "grads": {id(p): p.grad for p in model.parameters()}}
+
+
+def _bad_after_update(model, opt) -> list[str]:
+    bad = []
+    for n, p in model.named_parameters():
+        st = opt.state.get(p, {})
+        if not finite(p) or any(isinstance(v, torch.Tensor) and not finite(v)
+                                for v in st.values()):
+            bad.append(n)
+    return bad
+
+
+def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
+    """Re-run the bad update from its starting state under the op finder, with the
+    per-parameter implementation (fused and foreach kernels make many values in one op)."""
+    model = step.model
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(before["weights"][id(p)])
+            p.grad = before["grads"][id(p)]
+    for p in list(opt.state):
+        opt.state[p] = before["state"].get(id(p), {})
+    saved = [(g.get("foreach"), g.get("fused")) for g in opt.param_groups]
+    for g in opt.param_groups:
+        if "foreach" in g:
+            g["foreach"] = False
+        if "fused" in g:
+            g["fused"] = None
+    finder = OpFinder()
+    try:
+        with finder:
+            opt.step()
+    finally:
+        for g, (fe, fu) in zip(opt.param_groups, saved):
+            if "foreach" in g:
+                g["foreach"] = fe
+            if "fused" in g:
+                g["fused"] = fu
+    hit = finder.origin()
+    params = dict(model.named_parameters())
+    return Outcome(k, "update", params=bad, kind=_kind([params[n] for n in bad]),
+                   op=hit.op if hit else None, source=hit.source if hit else None,
+                   chain=finder.chain())
+
+
+def _forward_outcome(k: int, run) -> Outcome | None:
+    o = run.forward_origin()
+    if o is not None:
+        came_in = not run.strict_inf and run.chain()[2]
+        return Outcome(k, "input" if came_in else "forward", module=o.module, call=o.call,
+                       micro_batch=o.micro_batch, kind=o.kind or ("nan" if o.nan else None))
+    if run.loss_finite and not all(run.loss_finite):
+        mb = run.loss_finite.index(False)
+        loss = run.losses[mb] if mb < len(run.losses) else None
+        kind = _kind([loss]) if isinstance(loss, torch.Tensor) else None
+        return Outcome(k, "loss", module="<loss>", micro_batch=mb, kind=kind or "nan")
+    return None
+
+
+def _unscale(model, scale: float) -> None:
+    # as GradScaler.unscale_: multiply by the float32 reciprocal of the (float64) scale
+    inv = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(inv)
+
+
+def _kind(tensors) -> str | None:
+    return tensors_kind([t for t in tensors if t is not None])
+
+
+def _total_norm(tensors) -> float | None:
+    norms = [t.detach().double().norm() for t in tensors if t is not None and t.numel()]
+    return float(torch.stack(norms).norm()) if norms else None
+
+
+def _loss_value(run) -> float | None:
+    vals = [t for loss in run.losses for t in ([loss] if isinstance(loss, torch.Tensor) else [])
+            if t.numel() == 1]
+    return float(sum(float(t.detach()) for t in vals)) if vals else None
+
+
+def _lr(record: dict[str, Any], change: Change) -> float | None:
+    hyper = record.get("hyper") or []
+    if not hyper:
+        return None
+    v = hyper[0].get("lr")
+    v = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
+    if v is None:
+        return None
+    if change.lr is not None:
+        return change.lr
+    return v * change.lr_factor if change.lr_factor is not None else v
+
+
+# ---------------------------------------------------------------------------------------------
+# where the precursors began
+
+
+def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
+                     ) -> dict[str, Any] | None:
+    """The first step of the window where the trouble shows: a series (learning rate,
+    gradient norm, weight norm, loss) at least ``factor`` times the median of its earlier
+    values in the window, or one that rose at every step from the window's first step and
+    grew ``factor`` times by the last (already growing before the window: its first step)."""
+    found = []
+    for key, name in (("lr", "learning rate"), ("grad_norm", "gradient norm"),
+                      ("param_norm", "weight norm"), ("loss", "loss")):
+        pairs = [(s["step"], abs(s[key])) for s in per_step
+                 if s.get(key) is not None and math.isfinite(s[key])]
+        for i in range(1, len(pairs)):
+            base = statistics.median(v for _, v in pairs[:i])
+            s1, b = pairs[i]
+            if base > 0 and b >= factor * base:
+                found.append({"step": s1, "kind": f"{key}_jump",
+                              "detail": f"the {name} {b:.3g} is {b / base:.3g}x the median "
+                                        f"{base:.3g} of the window's steps before"})
+                break
+        rising = len(pairs) >= 3 and all(a[1] < b[1] for a, b in zip(pairs, pairs[1:]))
+        if rising and pairs[0][1] > 0 and pairs[-1][1] >= factor * pairs[0][1]:
+            (s0, a), (s1, b) = pairs[0], pairs[-1]
+            found.append({"step": s0, "kind": f"{key}_rise",
+                          "detail": f"the {name} rose at every step of the window, "
+                                    f"{b / a:.3g}x from step {s0} to step {s1} "
+                                    f"({a:.3g} -> {b:.3g}): it began before the window"})
+    if not found:
+        return None
+    return min(found, key=lambda f: f["step"])

@@ -1,0 +1,80 @@
+"""Models and loops of the rewind tests (``test_rewind.py``): planted bugs whose cause lies
+steps before the event. The factories are what the bundles name (``rewind_models:make_...``),
+replayed from this directory."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+D_IN, HIDDEN, N_CLASSES, BATCH = 8, 32, 4, 16
+
+
+def batch(step: int, n: int = BATCH):
+    g = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(n, D_IN, generator=g), torch.randint(0, N_CLASSES, (n,), generator=g)
+
+
+def regression_batch(step: int, n: int = BATCH):
+    """Standard normal features and a noisy linear target: E[x x^T] = I, so the MSE's Hessian
+    is 2I and SGD with lr > 1 diverges (each step multiplies the error by about |1 - 2 lr|)."""
+    g = torch.Generator().manual_seed(4000 + step)
+    x = torch.randn(n, D_IN, generator=g)
+    return x, x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g)
+
+
+class Classifier(nn.Module):
+    """An MLP with dropout (the replay must draw the same masks, step after step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Dropout(0.1))
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def make_classifier() -> nn.Module:
+    return Classifier()
+
+
+def make_regressor() -> nn.Module:
+    return nn.Linear(D_IN, 1)
+
+
+class Fusion(nn.Module):
+    """A main input and an auxiliary one that joins later (a second modality, a sensor that
+    comes online): ``forward(x, aux=None)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Linear(D_IN, N_CLASSES)
+        self.aux = nn.Linear(4, N_CLASSES)
+
+    def forward(self, x, aux=None):
+        out = self.main(x)
+        return out if aux is None else out + self.aux(aux)
+
+
+def make_fusion() -> nn.Module:
+    return Fusion()
+
+
+def aux_batch(step: int):
+    """Auxiliary features from step 5 on; its channel 2 is a dead sensor (always 0), so that
+    column of ``aux.weight`` always gets a gradient of exactly 0."""
+    x, y = batch(step)
+    if step < 5:
+        return (x,), {}, y
+    g = torch.Generator().manual_seed(5000 + step)
+    aux = torch.randn(BATCH, 4, generator=g)
+    aux[:, 2] = 0.0
+    return (x,), {"aux": aux}, y
+
+
+def drifting_batch(step: int):
+    """A feature scale that doubles every step (a sensor whose units drift): float16 matmuls
+    overflow long before float32 would."""
+    x, y = batch(step)
+    return x * 2.0 ** step, y

@@ -1,0 +1,487 @@
+"""Rewind and what-if (issue 15): ``FlightRecorder(..., rewind=N)`` keeps the last N to 2N steps
+replayable, ``nanreplay`` re-runs them from the copy to the first step where anything went
+non-finite, and ``--try KEY=VALUE`` re-runs them with one change.
+
+Planted bugs whose cause lies steps before the event, each in a real training loop, each
+replayed over the window to the right first step, with a try that makes it finite next to one
+that does not: an LR-schedule spike, weights growing to overflow under too large a learning
+rate, NaN written by Adam(eps=0) into embedding rows read later, Adam(eps=0) on an input that
+joins the model late.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import models as M
+import pytest
+import rewind_models as R
+import torch
+from bundles import invoke_cli, one_error_line
+from ci import requires_cuda
+from test_recorder_sync import FLIGHT, _per_step
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where the factories' modules live
+
+
+def nanreplay(bundle: Path, *tries: str) -> dict:
+    res = invoke_cli(bundle, "--json", *[a for t in tries for a in ("--try", t)])
+    assert res.exit_code in (0, 1), res.stderr
+    return json.loads(res.stdout)
+
+
+def what_if(report: dict) -> dict[str, dict]:
+    return {t["try"]: t for t in report["what_if"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# the loops
+
+
+def lr_spike(out_dir, rewind=8):
+    """A schedule whose multiplier is 1e4 from step 6 on (a warm restart with a wrong base):
+    the weights explode over the next steps and the head's matmul overflows at step 15."""
+    torch.manual_seed(0)
+    model = R.make_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e4 if s >= 6 else 1.0)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, lr_scheduler=sched,
+                            factory="rewind_models:make_classifier", rewind=rewind):
+            for s in range(40):
+                x, y = R.batch(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+                sched.step()
+    return info.value
+
+
+def divergent_regression(out_dir):
+    """SGD with lr 1.5 on a least-squares problem whose Hessian is 2I: the error doubles at
+    every step from the first, until the MSE overflows at step 40."""
+    torch.manual_seed(0)
+    model = R.make_regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=1.5)
+    crit = nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="rewind_models:make_regressor", rewind=16):
+            for s in range(300):
+                x, y = R.regression_batch(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    return info.value
+
+
+def rare_tokens(out_dir):
+    """Tokens 8-15 are absent until step 5: Adam(eps=0) makes their rows 0/0 at step 0."""
+    import infinity_models as I
+
+    def make(step):
+        idx, _ = I.token_batch(step)
+        idx = idx % 8
+        if step == 0:
+            idx[0, :8] = torch.arange(8)
+        if step == 5:
+            idx[2, 0] = 12
+        return idx, torch.arange(I.BATCH) % I.N_CLASSES
+
+    torch.manual_seed(0)
+    model = I.make_token_classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.0)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=2,
+                            factory="infinity_models:make_token_classifier"):
+            for s in range(8):
+                x, y = make(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    return info.value
+
+
+def late_input(out_dir):
+    """An auxiliary input joins at step 5 with a dead channel: Adam(eps=0)'s first update of
+    ``aux.weight`` is 0/0 in that column, caught with step 6's read."""
+    torch.manual_seed(0)
+    model = R.make_fusion()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.0)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                            factory="rewind_models:make_fusion"):
+            for s in range(20):
+                args, kwargs, y = R.aux_batch(s)
+                opt.zero_grad()
+                crit(model(*args, **kwargs), y).backward()
+                opt.step()
+    return info.value
+
+
+# ---------------------------------------------------------------------------------------------
+# planted bugs, replayed over the window
+
+
+def test_lr_schedule_spike_is_found_where_the_schedule_jumped(out_dir):
+    err = lr_spike(out_dir)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (15, "forward", "head")
+    meta, _ = read_bundle(err.bundle_path)
+    assert meta["rewind"]["copy_step"] == 0 and meta["rewind"]["steps"] == list(range(16))
+    rep = nanreplay(err.bundle_path, "lr=1e-4x", "drop=0")
+    assert rep["reproduced"] and rep["cause"] == "overflow"
+    assert (rep["origin"]["module"], rep["origin"]["op"]) == ("head", "aten.addmm")
+    w = rep["window"]
+    assert w["reproduced"] and w["steps"] == [0, 15] and w["event_step"] == 15
+    first = w["first_non_finite"]
+    assert (first["step"], first["phase"], first["module"], first["kind"]) == \
+        (15, "forward", "head", "+inf")
+    assert (w["precursors_began"]["step"], w["precursors_began"]["kind"]) == (6, "lr_jump")
+    # the recorded learning rates, step by step: the scheduler's, not re-derived
+    assert [s["lr"] for s in w["per_step"]] == [0.1] * 6 + [1000.0] * 10
+    tries = what_if(rep)
+    assert tries["lr=1e-4x"]["finite"] and tries["lr=1e-4x"]["event_step"] is None
+    assert not tries["drop=0"]["finite"]
+    assert tries["drop=0"]["origin"]["step"] == 15
+    assert tries["drop=0"]["origin"]["module"] == "head"
+
+
+def test_weights_growing_to_overflow_were_growing_before_the_window(out_dir):
+    err = divergent_regression(out_dir)
+    assert (err.event["step"], err.event["phase"]) == (40, "loss")
+    rep = nanreplay(err.bundle_path, "clip=1.0", "lr=2x")
+    assert rep["cause"] == "overflow" and rep["origin"]["op"] == "aten.mse_loss"
+    w = rep["window"]
+    assert w["reproduced"] and w["copy_step"] == 16 and w["steps"] == [16, 40]
+    first = w["first_non_finite"]
+    assert (first["step"], first["phase"], first["module"], first["kind"]) == \
+        (40, "loss", "<loss>", "+inf")
+    began = w["precursors_began"]
+    assert began["step"] == 16 and began["kind"].endswith("_rise")
+    tries = what_if(rep)
+    assert tries["clip=1.0"]["finite"]
+    # twice the learning rate: it still overflows, earlier
+    assert not tries["lr=2x"]["finite"]
+    assert tries["lr=2x"]["origin"]["phase"] == "loss"
+    assert 16 <= tries["lr=2x"]["event_step"] < 40
+
+
+def test_nan_written_into_embedding_rows_is_the_update_that_wrote_it(out_dir):
+    err = rare_tokens(out_dir)
+    assert (err.event["step"], err.event["phase"], err.event["after_update"]) == \
+        (0, "optimizer", True)
+    rep = nanreplay(err.bundle_path, "eps=1e-8", "lr=0.1x")
+    # without rewind this bundle holds the weights after the update and cannot re-run it
+    assert rep["reproduced"] and rep["cause"] == "optimizer"
+    o = rep["origin"]
+    assert (o["phase"], o["params"], o["op"], o["made"]) == \
+        ("optimizer", ["emb.weight"], "aten.addcdiv_", "nan")
+    assert not any("cannot be re-run" in p for p in rep["problems"])
+    assert rep["hint"].endswith("with eps=0 an element whose gradients have all been exactly 0 "
+                                "has m = v = 0, so m / (sqrt(v) + eps) is 0/0: set eps > 0 "
+                                "(the default 1e-8)")
+    w = rep["window"]
+    assert w["reproduced"] and w["steps"] == [0, 1]
+    first = w["first_non_finite"]
+    assert (first["step"], first["phase"], first["params"], first["op"]) == \
+        (0, "update", ["emb.weight"], "aten.addcdiv_")
+    tries = what_if(rep)
+    assert tries["eps=1e-8"]["finite"]
+    assert not tries["lr=0.1x"]["finite"]  # 0/0 whatever the learning rate
+    assert (tries["lr=0.1x"]["origin"]["step"], tries["lr=0.1x"]["origin"]["phase"]) == \
+        (0, "update")
+
+
+def test_adam_eps0_on_an_input_that_joins_late_is_the_update_at_that_step(out_dir):
+    err = late_input(out_dir)
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (5, "optimizer", ["aux.weight"])
+    rep = nanreplay(err.bundle_path, "eps=1e-8", "lr=0.1x", "clip=1.0")
+    w = rep["window"]
+    assert w["reproduced"] and w["copy_step"] == 0 and w["steps"] == [0, 6]
+    first = w["first_non_finite"]
+    assert (first["step"], first["phase"], first["params"], first["op"]) == \
+        (5, "update", ["aux.weight"], "aten.addcdiv_")
+    assert rep["origin"]["op"] == "aten.addcdiv_" and rep["cause"] == "optimizer"
+    assert [s["step"] for s in w["per_step"]] == [0, 1, 2, 3, 4, 5]
+    tries = what_if(rep)
+    assert tries["eps=1e-8"]["finite"]
+    for t in ("lr=0.1x", "clip=1.0"):
+        assert not tries[t]["finite"] and tries[t]["event_step"] == 5, tries[t]
+
+
+def drifting_fp16(out_dir):
+    """float16 autocast with a GradScaler: the feature scale doubles every step, the scaled
+    gradients overflow (the scaler skips every step) and at step 15 the first Linear's
+    float16 output overflows."""
+    torch.manual_seed(0)
+    model = R.make_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler,
+                            factory="rewind_models:make_classifier", rewind=4):
+            for s in range(40):
+                x, y = R.drifting_batch(s)
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = crit(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    return info.value
+
+
+def test_float16_overflow_under_a_grad_scaler_is_fixed_by_float32(out_dir):
+    err = drifting_fp16(out_dir)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == \
+        (15, "forward", "body.0")
+    meta, _ = read_bundle(err.bundle_path)
+    rep = nanreplay(err.bundle_path, "auto", "drop=0")
+    assert rep["cause"] == "overflow" and rep["origin"]["op"] == "aten._to_copy"
+    w = rep["window"]
+    assert w["reproduced"] and w["steps"] == [8, 15]
+    first = w["first_non_finite"]
+    assert (first["step"], first["phase"], first["module"]) == (15, "forward", "body.0")
+    # the steps the GradScaler skipped in training are skipped in the re-run
+    recorded = [r["skipped"] for r in meta["rewind"]["records"]]
+    assert [s["skipped"] for s in w["per_step"][:-1]] == recorded[:-1] == [True] * 7
+    assert w["precursors_began"]["kind"] == "loss_rise"
+    tries = what_if(rep)
+    assert list(tries) == ["dtype=float32", "lr=0.1x", "clip=1.0", "drop=0"]
+    assert tries["dtype=float32"]["finite"]
+    for t in ("lr=0.1x", "clip=1.0", "drop=0"):
+        assert not tries[t]["finite"] and tries[t]["event_step"] == 15
+        assert tries[t]["origin"]["module"] == "body.0"
+
+
+def test_weights_written_outside_the_optimizer_do_not_come_back_from_the_window(out_dir):
+    """A weight edited in place between steps 2 and 3: nothing the window re-runs writes it, so
+    the re-run stays finite and the report keeps the cause ``weights`` (issue 11, item 2)."""
+    import infinity_models as I
+
+    torch.manual_seed(0)
+    model = I.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=2,
+                            factory="infinity_models:make_mlp"):
+            for s in range(6):
+                if s == 3:
+                    with torch.no_grad():
+                        model[2].weight[1, 5] = float("nan")
+                x, y = I.batch(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "weights")
+    rep = nanreplay(err.bundle_path)
+    assert rep["cause"] == "weights" and rep["origin"]["params"] == ["2.weight"]
+    w = rep["window"]
+    assert w["steps"] == [0, 3] and not w["reproduced"] and w["first_non_finite"] is None
+    assert "re-running the window from the copy at step 0 reached step 3 with every value " \
+           "finite: the event does not come back from the window" in rep["problems"]
+
+
+def test_auto_tries_the_remedies_of_the_cause(out_dir):
+    rep = nanreplay(late_input(out_dir).bundle_path, "auto")
+    tries = what_if(rep)
+    assert list(tries) == ["lr=0.1x", "clip=1.0", "eps=1e-8"]
+    assert [t["finite"] for t in tries.values()] == [False, False, True]
+
+
+def test_text_report_has_one_line_per_try_and_the_window(out_dir):
+    err = rare_tokens(out_dir)
+    res = invoke_cli(err.bundle_path, "--try", "eps=1e-8", "--try", "lr=0.1x")
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    # the example of docs/cli.md, line for line
+    assert lines[:3] == [
+        "nanreplay: step 0, optimizer event — reproduced",
+        "  origin     optimizer: nan made by aten.addcdiv_ in parameter emb.weight",
+        "  cause      optimizer — aten.addcdiv_ in Adam's update at step 0 made nan in "
+        "emb.weight from finite gradients and weights (re-run from the rewind window); with "
+        "eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so m / "
+        "(sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8)"]
+    assert "  window     steps 0-1 re-run from the copy at step 0: the event came back at the " \
+           "recorded step" in lines
+    assert "  first      step 0: nan in the update of emb.weight (aten.addcdiv_)" in lines
+    assert [ln for ln in lines if ln.startswith("  what-if")] == [
+        "  what-if    eps=1e-8       finite through step 1",
+        "  what-if    lr=0.1x        nan at step 0 (update of emb.weight (aten.addcdiv_))"]
+
+
+def test_html_report_has_the_what_if_table(out_dir, tmp_path):
+    err = rare_tokens(out_dir)
+    page = tmp_path / "r.html"
+    res = invoke_cli(err.bundle_path, "--try", "eps=1e-8", "--html", page)
+    assert res.exit_code == 0, res.stderr
+    html = page.read_text()
+    assert "<h2>What if</h2>" in html and "<code>eps=1e-8</code></td><td>finite" in html
+    assert "<h2>Rewind window</h2>" in html
+
+
+def test_a_try_without_a_window_reruns_the_recorded_step(toy, monkeypatch):
+    monkeypatch.chdir(HERE.parent / "examples")
+    rep = nanreplay(toy, "drop=5", "lr=0.1x")
+    assert rep["window"] is None
+    tries = what_if(rep)
+    assert tries["drop=5"]["finite"] and tries["drop=5"]["steps"] == [37, 37]
+    assert not tries["lr=0.1x"]["finite"]
+    assert (tries["lr=0.1x"]["origin"]["module"], tries["lr=0.1x"]["event_step"]) == ("norm", 37)
+
+
+# ---------------------------------------------------------------------------------------------
+# the recorder side
+
+
+def test_rewind_changes_nothing_training_computes(out_dir):
+    def train(rewind):
+        torch.manual_seed(0)
+        model = R.make_classifier()  # dropout: the recorder must draw no random number
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        crit = nn.CrossEntropyLoss()
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=rewind):
+            for s in range(12):
+                x, y = R.batch(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+
+    (a, rng_a), (b, rng_b) = train(None), train(3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(rng_a, rng_b)
+
+
+def test_one_host_read_per_step_with_rewind(out_dir):
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=2) as rec:
+        per_step = _per_step(model, opt, crit, 7)
+    assert [len(c) for c in per_step] == [1] * 7, per_step
+    assert all(f == FLIGHT for c in per_step for _, f in c)
+    assert rec.event is None
+
+
+@pytest.mark.parametrize("name", ["grad_scaler", "ddp", "closure", "record_loss", "tensor_lr"])
+def test_one_host_read_per_step_on_every_step_path_with_rewind(out_dir, name, monkeypatch):
+    """The step paths of test_recorder_sync (GradScaler skips, DDP, step(closure),
+    record_loss, a tensor learning rate changed by a scheduler), recorded with rewind=2."""
+    import test_recorder_sync as S
+
+    init, made = FlightRecorder.__init__, []
+
+    def with_rewind(self, *args, **kwargs):
+        init(self, *args, rewind=2, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(FlightRecorder, "__init__", with_rewind)
+    per_step = S._recorder_syncs_per_step(S.SCENARIOS[name], torch.device("cpu"), out_dir)
+    assert len(made) == 1 and made[0].rewind == 2
+    assert all(read == ("tolist", FLIGHT) for window in per_step for read in window), per_step
+    if name != "grad_scaler":  # (its skipped steps' reads fall in the next step's window)
+        assert per_step == [[("tolist", FLIGHT)]] * S.STEPS + [[("tolist", FLIGHT)]], per_step
+
+
+def test_memory_is_bounded_and_reported(out_dir, caplog):
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    state = sum(p.numel() * p.element_size() for p in model.parameters())
+    with caplog.at_level(logging.INFO, logger="nanreplay"):
+        rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=3).attach()
+    assert f"rewind=3 keeps two copies of the training state ({state} bytes each now, in " \
+        "host memory; 0 bytes on the device)" in caplog.text
+    sizes = []
+    for s in range(20):
+        x, y = M.batch(s)
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+        sizes.append(rec.memory_bytes["rewind_host"])
+    rec.detach()
+    batch = sum(t.numel() * t.element_size() for t in M.batch(0)) + 4 * 16 * 4  # + outgrad
+    # two copies, and at most 2N steps of batches; the same from the first full window on
+    assert max(sizes) <= 2 * state + 6 * batch
+    assert len(set(sizes[8:])) <= 3 and sizes[-1] >= 2 * state
+    assert rec.memory_bytes["rewind_device"] == 0
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "8", True])
+def test_bad_rewind_values_are_one_line_errors(out_dir, value):
+    with pytest.raises(ValueError) as info:
+        FlightRecorder(M.mlp(), rewind=value, out_dir=out_dir)
+    msg = str(info.value)
+    assert msg.startswith("FlightRecorder: rewind must be an int >= 1") and "\n" not in msg
+    assert repr(value) in msg
+
+
+@pytest.mark.parametrize("value, says", [
+    ("foo=1", "expected KEY=VALUE with KEY one of lr, eps, clip, dtype, drop, wd"),
+    ("lr", "expected KEY=VALUE"),
+    ("lr=fast", "'fast' is not a learning rate such as 1e-4"),
+    ("lr=-1x", "is not a factor such as 0.1x"),
+    ("clip=0", "is not a maximum gradient norm such as 1.0 (a finite number > 0)"),
+    ("eps=nan", "is not an epsilon such as 1e-8"),
+    ("dtype=int8", "dtype must be one of float32, float64, bfloat16"),
+    ("drop=a,b", "drop takes sample indices separated by commas"),
+])
+def test_bad_try_values_are_one_line_errors(toy, value, says):
+    line = one_error_line(invoke_cli(toy, "--try", value))
+    assert line.startswith(f"nanreplay: --try {value!r}: ") and says in line, line
+
+
+def test_a_try_the_optimizer_cannot_take_is_a_one_line_error(out_dir):
+    err = lr_spike(out_dir, rewind=4)
+    line = one_error_line(invoke_cli(err.bundle_path, "--try", "eps=1e-8"))
+    assert line == "nanreplay: --try eps=1e-8: SGD has no 'eps' setting; try another key " \
+                   "(lr, clip)"
+    line = one_error_line(invoke_cli(err.bundle_path, "--try", "drop=16"))
+    assert line == "nanreplay: --try drop=16: the batch has 16 samples (0-15); pass indices " \
+                   "within it"
+
+
+def test_a_trainer_callback_refuses_a_bad_rewind_when_built():
+    pytest.importorskip("lightning")
+    from recorder.lightning import FlightRecorderCallback
+
+    with pytest.raises(ValueError, match="^FlightRecorder: rewind must be an int >= 1"):
+        FlightRecorderCallback(module="model", rewind=-1)
+    assert FlightRecorderCallback(module="model", rewind=4) is not None
+
+
+@requires_cuda
+def test_no_sync_in_the_recorders_hooks_on_cuda_with_rewind(out_dir, monkeypatch):
+    """On CUDA the copies and the log go to pinned host memory with non_blocking copies: every
+    entry into the recorder runs under sync debug mode "error" and only the step's one read
+    gets through (test_recorder_sync.recorder_in_sync_error_mode)."""
+    from test_recorder_sync import STEPS, recorder_in_sync_error_mode
+
+    device = torch.device("cuda")
+    model, crit = M.mlp().to(device), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    with recorder_in_sync_error_mode(monkeypatch) as allowed:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=2) as rec:
+            for step in range(STEPS):
+                x, y = (t.to(device) for t in M.batch(step))
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+            assert rec.memory_bytes["rewind_host"] > 0
+    assert len(allowed) == STEPS + 1, allowed
