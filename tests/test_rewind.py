@@ -485,3 +485,47 @@ def test_no_sync_in_the_recorders_hooks_on_cuda_with_rewind(out_dir, monkeypatch
                 opt.step()
             assert rec.memory_bytes["rewind_host"] > 0
     assert len(allowed) == STEPS + 1, allowed
+
+
+# ---------------------------------------------------------------------------------------------
+# where the precursors began
+
+
+def test_a_spike_one_step_into_the_window_is_named_not_the_weights_it_drove(out_dir):
+    """An LSTM forecaster whose schedule multiplies the LR by 1e7 from step 9; rewind=4 copies
+    at step 8, so the weight norm rises at every step of the window. The window must name the
+    spike at step 9, not "the weights began growing before the window"."""
+    torch.manual_seed(0)
+    model = R.make_forecaster()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e7 if s >= 9 else 1.0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, lr_scheduler=sched, factory="rewind_models:make_forecaster",
+                            out_dir=out_dir, rewind=4):
+            for _ in range(30):
+                x = torch.randn(16, 5, 8)
+                loss = nn.functional.mse_loss(model(x), x.sum(dim=(1, 2)).unsqueeze(1))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+    assert info.value.event["step"] == 13
+    w = nanreplay(info.value.bundle_path)["window"]
+    assert w["reproduced"] and w["steps"] == [8, 13]
+    norms = [s["param_norm"] for s in w["per_step"][:5]]
+    assert all(a < b for a, b in zip(norms, norms[1:]))  # the weights rose at every step
+    assert (w["precursors_began"]["step"], w["precursors_began"]["kind"]) == (9, "lr_jump")
+
+
+def test_a_rise_at_a_steady_pace_began_before_the_window_one_that_took_off_began_there():
+    from replay.window import precursors_began
+
+    steady = [{"step": 20 + i, "param_norm": 3.0 * 2.0 ** i} for i in range(8)]
+    began = precursors_began(steady)
+    assert (began["step"], began["kind"]) == (20, "param_norm_rise")
+    assert began["detail"].endswith("it began before the window")
+    took_off = [{"step": 20 + i, "loss": v}
+                for i, v in enumerate([1.0, 1.01, 1.02, 1.03, 1.9, 3.6, 6.9, 13.0, 25.0])]
+    began = precursors_began(took_off)
+    assert (began["step"], began["kind"]) == (24, "loss_rise")
+    assert "before the window" not in began["detail"]
