@@ -10,7 +10,9 @@ loss and gradient hooks) write into the step that :mod:`~recorder.cycle` opens a
 one host read (helped by :mod:`~recorder.grads` and :mod:`~recorder.buffers`);
 :mod:`~recorder.alarm` turns a failed check into an :class:`~recorder.events.Event`
 (:mod:`~recorder.events`) and a bundle (:mod:`~recorder.snapshot`, :mod:`~recorder.bundle`);
-:mod:`~recorder.target` is what is recorded and :mod:`~recorder.settings` how.
+:mod:`~recorder.target` is what is recorded and :mod:`~recorder.settings` how. Under
+torch.distributed, :mod:`~recorder.ranks` makes the ranks agree on each step's verdict and on
+who saw an event first, and :mod:`~recorder.shards` says what FSDP2's local shards are.
 :mod:`~recorder.tape`, :mod:`~recorder.slots` and :mod:`~recorder.ring` hold the statistics,
 :mod:`~recorder.finite` says what is finite, and every private PyTorch API is in
 :mod:`~recorder.compat`.

@@ -6,7 +6,7 @@ knows an output is unchanged), foreach kernels (one call for many small tensors)
 base class (statistics that change without moving the version counter), GradScaler's scale and
 per-step state, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
 an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
-non-persistent buffer names).
+non-persistent buffer names), and where a DTensor's local shard sits (the checkpoint protocol).
 """
 
 from __future__ import annotations
@@ -117,3 +117,15 @@ def scaler_scale(scaler) -> torch.Tensor | None:
 def scaler_token(scaler) -> int | None:
     """Changes exactly when a step ends for the scaler: ``update()`` replaces this dict."""
     return id(getattr(scaler, "_per_optimizer_states", None)) if scaler is not None else None
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor (FSDP2)
+
+
+def dtensor_chunk(t) -> tuple[list[int], list[int]]:
+    """(offset, shape) of DTensor ``t``'s local shard in the full tensor: the chunk list that
+    ``torch.distributed.checkpoint`` reads through ``DTensor.__create_chunk_list__`` (a
+    protocol method, not public API)."""
+    chunk = t.__create_chunk_list__()[0]
+    return list(chunk.offsets), list(chunk.sizes)
