@@ -202,7 +202,8 @@ class StepCycle:
             ok, scale, _ = _read_probe(probe)
             return ok, scale
         ok, scale, values = _read_probe(ranks.exchange(probe))
-        return ok and not ranks.read(values), scale
+        any_rank = ranks.read(values)  # (always: it keeps which ranks failed)
+        return ok and not any_rank, scale
 
     def build_row(self, tape: Tape, skipped: bool):
         """Copy the step's statistics into the next ring row and compute, still on the device,
