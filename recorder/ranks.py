@@ -13,23 +13,33 @@ every rank in the same order, tells all of them which rank saw the event first.
 >>> agreement.run_id, agreement.rank, agreement.world  # doctest: +SKIP
 ('9f0c2d5e7a31b4c8', 1, 2)
 
-``join`` is a collective (rank 0's run id is broadcast), so every rank must attach a recorder.
-The run id comes from ``os.urandom``: torch's RNG is never consumed.
+``join`` meets every rank in the process group's store (no device collective): rank 0's key
+holds the run id, from ``os.urandom`` (torch's RNG is never consumed). Every rank must attach a
+recorder; when one does not within ``NANREPLAY_ATTACH_TIMEOUT`` seconds (default 60), the
+others' ``attach`` fails in one line naming the missing ranks, instead of every rank waiting in
+its first step's collective until the process group's timeout.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
 
+from .compat import process_group_store
 from .events import Event
 
 # the order in which a step's phases run: an earlier phase saw the event first
 PHASE_ORDER = {"weights": 0, "input": 1, "forward": 2, "loss": 3, "backward": 4,
                "optimizer": 5}
 _LATE = len(PHASE_ORDER)  # a rank whose own values were finite, or an unknown phase
+
+TIMEOUT_ENV = "NANREPLAY_ATTACH_TIMEOUT"  # seconds a rank's attach waits for the others
+_TIMEOUT_S = 60.0
+_joins = itertools.count()  # every rank attaches its recorders in the same order
 
 
 class Agreement:
@@ -49,7 +59,8 @@ class Agreement:
     @classmethod
     def join(cls, device: torch.device, group=None) -> Agreement | None:
         """The agreement of the default process group (or ``group``) when torch.distributed
-        runs with more than one rank, else None. A collective: rank 0's run id is broadcast."""
+        runs with more than one rank, else None. Waits for every rank's attach (see the
+        module doc); a rank missing after the timeout is a one-line RuntimeError."""
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             return None
@@ -59,10 +70,7 @@ class Agreement:
         rank = dist.get_rank(group)
         if device.type == "meta":
             device = torch.device("cpu")
-        word = torch.tensor(list(os.urandom(8)), dtype=torch.uint8, device=device)
-        dist.broadcast(word, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                       group=group)
-        run_id = bytes(word.tolist()).hex()
+        run_id = _meet(process_group_store(group), next(_joins), rank, world)
         return cls(group, rank, world, device, run_id)
 
     def exchange(self, probe: torch.Tensor) -> torch.Tensor:
@@ -123,6 +131,34 @@ class Agreement:
         event.ranks = {"rank": self.rank, "world_size": self.world, "run_id": self.run_id,
                           "seen_by": seen, "first": first}
         return event
+
+
+def _meet(store, n: int, rank: int, world: int) -> str:
+    """The ``n``-th attach of every rank, met in ``store``; returns rank 0's run id."""
+    keys = [f"nanreplay/attach/{n}/{r}" for r in range(world)]
+    store.set(keys[rank], os.urandom(8).hex() if rank == 0 else "")
+    timeout = _timeout()
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError:  # DistStoreError: some rank has not attached
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeError(
+            f"FlightRecorder.attach: rank(s) {missing} of {world} attached no recorder within "
+            f"{timeout:g}s; under torch.distributed every rank must attach one (the ranks "
+            f"agree on each step's verdict, so one rank alone would wait for the others at "
+            f"every step): attach it on every rank, or set {TIMEOUT_ENV} to wait longer for "
+            "ranks that attach later") from None
+    return store.get(keys[0]).decode()
+
+
+def _timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        value = float(raw) if raw else _TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; set it to e.g. "
+                         "120, or unset it for the default (60)") from None
+    return value if value > 0 else _TIMEOUT_S
 
 
 def _order_key(event: Event) -> tuple[int, int, int, int]:

@@ -21,11 +21,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(script: str, out: Path, pythonpath: Path, *args: str
+def _torchrun(script: str, out: Path, pythonpath: Path, *args: str, **env_vars: str
               ) -> subprocess.CompletedProcess:
     """Two ranks of ``script OUT ARGS`` under torchrun; once more on a new port if the free one
     was taken before the rendezvous bound it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath), **env_vars}
     for _ in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={_free_port()}", str(HERE / script), str(out), *args]
@@ -249,3 +249,41 @@ def test_fsdp2_update_nan_in_one_ranks_shard_stops_both_ranks(tmp_path, mode):
                           capture_output=True, text=True, timeout=120, cwd=HERE).stdout
     assert "first seen on rank(s) [1], non-finite on [1]" in info
     assert "bundles of rank(s) 0, 1 beside it" in info
+
+
+def test_a_recorder_on_one_rank_only_fails_attach_quickly_in_one_line(tmp_path):
+    """Rank 1 attaches no recorder: rank 0's attach gives up after NANREPLAY_ATTACH_TIMEOUT
+    (3 s here) with one line naming rank 1, instead of its first step waiting for rank 1's
+    flags until the process group's timeout (30 min)."""
+    proc = _torchrun("partial_attach.py", tmp_path / "bundles", HERE.parent,
+                     NANREPLAY_ATTACH_TIMEOUT="3")
+    found = re.search(r"rank 0 waited=([\d.]+) error (.*)", proc.stdout)
+    assert found, proc.stdout
+    assert 3.0 <= float(found[1]) < 60, found[1]
+    assert found[2] == (
+        "FlightRecorder.attach: rank(s) [1] of 2 attached no recorder within 3s; under "
+        "torch.distributed every rank must attach one (the ranks agree on each step's verdict, "
+        "so one rank alone would wait for the others at every step): attach it on every rank, "
+        "or set NANREPLAY_ATTACH_TIMEOUT to wait longer for ranks that attach later")
+    assert not list(tmp_path.rglob("*.nan"))
+
+
+def test_ddp_evaluation_forward_nan_on_one_rank_stops_both_there(tmp_path):
+    """An evaluation forward between steps (eval mode, no gradients) whose batch holds a NaN
+    on rank 1 only: its check is agreed like a step's, so both ranks raise at that forward,
+    before step 3 trains, rank 0 with a peer event naming rank 1 (and neither is left waiting
+    in step 3's gradient all-reduce)."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("ddp_train.py", out, HERE, "eval")
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ tensor=\S+ samples=\S+)",
+                             proc.stdout))
+    assert events == {"0": "step=3 phase=peer tensor=None samples=[]",
+                      "1": "step=3 phase=input tensor=batch samples=[1]"}, proc.stdout
+    assert len(re.findall(r"rank \d first=\[1\] loop_step=3 ", proc.stdout)) == 2
+    assert len(re.findall(r"rank \d evaluation=True", proc.stdout)) == 2, proc.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["step00000003-rank0.nan", "step00000003-rank1.nan"]
+    m0, _ = read_bundle(out / names[0])
+    m1, _ = read_bundle(out / names[1])
+    assert m0["event"]["ranks"]["run_id"] == m1["event"]["ranks"]["run_id"]
+    assert m1["event"]["ranks"]["seen_by"] == [1] and m1["event"]["evaluation"] is True

@@ -4,7 +4,9 @@ Mode ``input`` (default): rank 1 gets a NaN feature in sample 2 at step 3. DDP a
 gradients, so both ranks see the bad step: each must write its own bundle and stop at that step,
 none may hang. Mode ``loss``: at step 3 every target of rank 1 is ``ignore_index``, so its mean
 loss is 0/0 while every gradient stays finite: only rank 1 sees a NaN, and rank 0 must still stop
-at the same step (else it would wait in step 4's all-reduce for a rank that raised).
+at the same step (else it would wait in step 4's all-reduce for a rank that raised). Mode
+``eval``: before step 3 each rank runs an evaluation forward (eval mode, no gradients) whose
+batch holds a NaN on rank 1 only: both ranks must stop at that forward (rank 0 with a peer event).
 """
 
 import sys
@@ -39,6 +41,14 @@ def main(out_dir: str, mode: str = "input") -> None:
                     x[2, 5] = float("nan")
                 if rank == 1 and step == 3 and mode == "loss":
                     y[:] = -100  # CrossEntropyLoss's ignore_index
+                if step == 3 and mode == "eval":
+                    model.eval()
+                    with torch.no_grad():
+                        xe = x.clone()
+                        if rank == 1:
+                            xe[1, 2] = float("nan")
+                        model(xe)
+                    model.train()
                 opt.zero_grad()
                 crit(model(x), y).backward()
                 opt.step()
@@ -50,6 +60,7 @@ def main(out_dir: str, mode: str = "input") -> None:
               flush=True)
         print(f"rank {rank} first={ev['ranks']['first']} loop_step={step} message {e}",
               flush=True)
+        print(f"rank {rank} evaluation={ev.get('evaluation')}", flush=True)
     finally:
         dist.destroy_process_group()
 
