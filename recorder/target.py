@@ -95,7 +95,7 @@ class Target:
         self.allowed_buffers = {id(b): weakref.ref(b) for n, b in self.buffers
                                 if self.is_allowed(n)}
         self._partition()
-        # under torch.distributed: the run id and each step's agreement (a collective)
+        # under torch.distributed: the run id and each step's agreement (waits for every rank)
         self.ranks = Agreement.join(self.device())
         return sites
 
