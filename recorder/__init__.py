@@ -13,7 +13,9 @@ one host read (helped by :mod:`~recorder.grads` and :mod:`~recorder.buffers`; wi
 (:mod:`~recorder.events`) and a bundle (:mod:`~recorder.snapshot`, :mod:`~recorder.bundle`;
 :mod:`~recorder.entries` writes a micro-batch and a parameter group the same way for the
 event step and the rewind window);
-:mod:`~recorder.target` is what is recorded and :mod:`~recorder.settings` how.
+:mod:`~recorder.target` is what is recorded and :mod:`~recorder.settings` how. Under
+torch.distributed, :mod:`~recorder.ranks` makes the ranks agree on each step's verdict and on
+who saw an event first, and :mod:`~recorder.shards` says what FSDP2's local shards are.
 :mod:`~recorder.tape`, :mod:`~recorder.slots` and :mod:`~recorder.ring` hold the statistics,
 :mod:`~recorder.finite` says what is finite, and every private PyTorch API is in
 :mod:`~recorder.compat`.

@@ -1,7 +1,10 @@
 """The slow path: a check failed, so find the event, write the bundle, raise or warn. Once.
 
 Runs after the step's single host read said something is not finite (or the GradScaler's
-checks tripped), so it may read whatever it needs from the device.
+checks tripped), so it may read whatever it needs from the device. Under torch.distributed
+every rank is here at the same step (the read carried the ranks' verdicts): each finds its own
+event, then :meth:`~recorder.ranks.Agreement.settle` tells them all which rank saw it first
+(a rank whose own values were finite writes a ``peer`` event), and each writes its own bundle.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import bundle, events
+from . import bundle, events, ranks
 from .capture import distributed_rank
 from .errors import NonFiniteError
 from .events import Event, StepEvidence
@@ -22,6 +25,7 @@ from .finite import tensors_kind
 from .hooks import Health
 from .ring import StepLayout
 from .settings import Settings
+from .shards import local
 from .tape import Tape
 from .target import Target
 
@@ -60,6 +64,9 @@ class Alarm:
             target.param_names, [p for _, p in target.params], target.allowed_modules,
             strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update)
         event = events.find_event(evidence, reason)
+        agreement = target.ranks
+        if agreement is not None and agreement.seen is not None:  # every rank is here
+            event = agreement.settle(event, tape.step)
         if event is None:  # false alarm: norms of huge but finite tensors overflowed
             with self._lock:
                 self.fired = False
@@ -75,19 +82,28 @@ class Alarm:
         """An update whose weights ``bad`` had non-finite norms right after it."""
         names = set(bad)
         # norms overflow float32 for finite values above ~1.8e19: the weights decide
-        pairs = [(n, p) for n, p in self.target.params
-                 if n in names and not bool(torch.isfinite(p).all())]
-        if not pairs or not self._claim():
+        pairs = [(n, local(p)) for n, p in self.target.params
+                 if n in names and not bool(torch.isfinite(local(p)).all())]
+        agreement = self.target.ranks
+        agreed = agreement is not None and agreement.seen is not None  # every rank is here
+        if (not pairs and not agreed) or not self._claim():
             return
         event = events.optimizer_event(step, [n for n, _ in pairs], after_update=after_update,
-                                       kind=tensors_kind(p for _, p in pairs) or "nan")
+                                       kind=tensors_kind(p for _, p in pairs) or "nan"
+                                       ) if pairs else None
+        if agreed:
+            event = agreement.settle(event, step)
+        if event is None:  # no rank's weights are non-finite (norms of huge values overflowed)
+            with self._lock:
+                self.fired = False
+            return
         if after_update:  # the weights are those the update left; no step's batch with them
             self._write_and_report(None, event)
         else:
             self._write_and_report(tape, event, guard=guard)
 
     def summary(self) -> str:
-        return events.summary(self.event, self.bundle_path)
+        return _message(self.event, self.bundle_path)
 
     def _write_and_report(self, tape: Tape | None, event: Event, guard=None) -> None:
         self.event = as_dict = event.as_dict()
@@ -99,14 +115,19 @@ class Alarm:
             out_dir.mkdir(parents=True, exist_ok=True)
             path = bundle.write_bundle(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
         except Exception as e:
-            msg = events.summary(as_dict, None) + f" Writing the bundle failed: {e}"
+            msg = _message(as_dict, None) + f" Writing the bundle failed: {e}"
             if on_event == "raise":
                 raise NonFiniteError(msg, event=as_dict, write_error=e) from e
             log.warning(msg)
             return
         self.bundle_path = path
-        msg = events.summary(as_dict, path)
+        msg = _message(as_dict, path)
         if on_event == "raise":
             self.health.active = False
             raise NonFiniteError(msg, bundle_path=path, event=as_dict)
         log.warning(msg)
+
+
+def _message(event: dict[str, Any], path: Path | None) -> str:
+    """The event's one paragraph, with who saw it first under torch.distributed."""
+    return ranks.summary(event, path, events.summary(event, path))

@@ -22,6 +22,7 @@ from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
 from .hooks import Health, Hook
+from .shards import local
 from .slots import GRAD, LOOSE, NAN_ONLY, STRICT
 from .tape import MicroBatch, Tape
 from .target import Target
@@ -267,8 +268,8 @@ class CallHooks:
             return
         try:
             grad = p.grad
-            g = tape.slots.sq_norm(grad.detach(), GRAD)
-            w = tape.slots.sq_norm(p.detach(), STRICT) if self.param_norms else None
+            g = tape.slots.sq_norm(local(grad).detach(), GRAD)  # (FSDP2: the local shard)
+            w = tape.slots.sq_norm(local(p).detach(), STRICT) if self.param_norms else None
             with tape.lock:  # accumulation: the last call sees the accumulated gradient
                 tape.grad_norms[i] = g
                 if w is not None:

@@ -6,7 +6,8 @@ knows an output is unchanged), foreach kernels (one call for many small tensors)
 base class (statistics that change without moving the version counter), GradScaler's scale, growth
 tracker and per-step state, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
 an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
-non-persistent buffer names).
+non-persistent buffer names), where a DTensor's local shard sits (the checkpoint protocol), and
+a process group's key-value store (where the ranks meet at attach).
 """
 
 from __future__ import annotations
@@ -134,3 +135,24 @@ def scaler_tensors(scaler) -> dict[str, torch.Tensor]:
     found = {"scale": getattr(scaler, "_scale", None),
              "growth_tracker": getattr(scaler, "_growth_tracker", None)}
     return {k: t for k, t in found.items() if isinstance(t, torch.Tensor)}
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor (FSDP2)
+
+
+def dtensor_chunk(t) -> tuple[list[int], list[int]]:
+    """(offset, shape) of DTensor ``t``'s local shard in the full tensor: the chunk list that
+    ``torch.distributed.checkpoint`` reads through ``DTensor.__create_chunk_list__`` (a
+    protocol method, not public API)."""
+    chunk = t.__create_chunk_list__()[0]
+    return list(chunk.offsets), list(chunk.sizes)
+
+
+def process_group_store(group=None):
+    """The key-value store of ``group`` (None: the default group's, from
+    ``init_process_group``): keys the ranks set and wait for with a timeout of their own,
+    without a device collective."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store() if group is None else c10d._get_process_group_store(group)

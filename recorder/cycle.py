@@ -9,6 +9,9 @@ into one row of the ring buffer and reads one small probe back (finiteness of wh
 finite, the NaN check of the rest, the GradScaler's scale; the last update's weight norms ride
 in the row): that read is the only host-device sync, and this module is the only one that
 makes it. Only when the probe says "non-finite" does the slow path run (:mod:`recorder.alarm`).
+Under torch.distributed the ranks' verdicts ride in that same read (one small all-reduce
+enqueued before it, :meth:`~recorder.ranks.Agreement.exchange`), so every rank enters the slow
+path at the same step.
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ class StepCycle:
         except Exception as e:
             self.health.internal_error(e)
             return
-        ok, read_scale = _read_probe(probe)  # the one host-device sync of the step
+        ok, read_scale = self._read(probe, agree=at != "exception")  # the step's one sync
         if scale:
             layout.scale = read_scale
         if tape.evaluation:  # the ring is the training steps' history: its row is not kept
@@ -200,6 +203,20 @@ class StepCycle:
                 reason = "scale_skipping"
         if reason is not None and not self.alarm.fired:
             self.alarm.step_event(tape, layout, row, reason)
+
+    def _read(self, probe: torch.Tensor, agree: bool = True) -> tuple[bool, float]:
+        """The probe's one host read; under torch.distributed with the ranks' flags folded in
+        by one all-reduce: not ok when any rank failed. A step cut short by an exception on
+        one rank is checked alone (the others are not in that read, nor in its slow path)."""
+        ranks = self.target.ranks
+        if ranks is None or not agree:
+            if ranks is not None:
+                ranks.seen = None  # (so the slow path runs no collective either)
+            ok, scale, _ = _read_probe(probe)
+            return ok, scale
+        ok, scale, values = _read_probe(ranks.exchange(probe))
+        any_rank = ranks.read(values)  # (always: it keeps which ranks failed)
+        return ok and not any_rank, scale
 
     def build_row(self, tape: Tape, skipped: bool):
         """Copy the step's statistics into the next ring row and compute, still on the device,
@@ -288,7 +305,7 @@ class StepCycle:
             if not tape.loss:
                 return
             layout, row, probe, _ = self.build_row(tape, skipped=False)
-            ok, _ = _read_probe(probe)  # the evaluation loss's own host read
+            ok, _ = self._read(probe)  # the evaluation loss's own host read
         except Exception as e:
             self.health.internal_error(e)
             return
@@ -326,19 +343,22 @@ class StepCycle:
         pending, self.pending_update = self.pending_update, None
         if pending is None or self.alarm.fired or not self.health.active:
             return
-        values = pending.slots.region(STRICT).tolist()  # the detach's one read
+        evidence, ranks = pending.slots.region(STRICT), self.target.ranks
+        # the detach's one read (with the ranks' flags: every rank stops if one must)
+        values = ranks.read_with(evidence) if ranks is not None else evidence.tolist()
         names = self.target.param_names
         bad = [names[i] for i, (_, k) in pending.refs if not math.isfinite(values[k])]
-        if bad:
+        if bad or (ranks is not None and ranks.seen):
             self.alarm.optimizer_event(bad, step=pending.step, after_update=True)
 
 
-def _read_probe(probe: torch.Tensor) -> tuple[bool, float]:
+def _read_probe(probe: torch.Tensor) -> tuple[bool, float, list[float]]:
     """The step's one host read: ``probe`` is [0 if every must-be-finite entry is finite else
-    NaN, min and max of the entries where only NaN counts, the GradScaler's scale]. Returns
-    (all checks pass, scale)."""
-    finite, lo, _, scale = probe.tolist()
-    return finite == 0.0 and not math.isnan(lo), scale
+    NaN, min and max of the entries where only NaN counts, the GradScaler's scale], the ranks'
+    flags after it under torch.distributed. Returns (all checks pass, scale, what was read)."""
+    values = probe.tolist()
+    finite, lo, _, scale = values[:4]
+    return finite == 0.0 and not math.isnan(lo), scale, values
 
 
 def _host_float(x) -> float:

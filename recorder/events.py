@@ -28,6 +28,7 @@ from .finite import (
     tensors_kind,
 )
 from .ring import StepLayout, decode_call
+from .shards import local
 from .tape import Tape
 
 # (replay imports bad_rows and first_bad_rows from here until it asks recorder.finite)
@@ -35,7 +36,8 @@ __all__ = ["Event", "StepEvidence", "bad_rows", "find_event", "first_bad_rows",
            "optimizer_event", "summary"]
 
 # keys a bundle's event holds only when they are set
-_OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled")
+_OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
+             "ranks")
 
 
 @dataclass
@@ -44,8 +46,8 @@ class Event:
     :attr:`~recorder.FlightRecorder.event` (keys in this order; optional ones only when set)."""
 
     step: int
-    reason: str = "non_finite"  # or "scale_collapse", "scale_skipping"
-    phase: str | None = None  # weights, input, forward, loss, backward, optimizer
+    reason: str = "non_finite"  # or "scale_collapse", "scale_skipping", "peer"
+    phase: str | None = None  # weights, input, forward, loss, backward, optimizer, peer
     module: str | None = None  # the module's name ("" the root, "<loss>" the loss)
     module_type: str | None = None
     call: int | None = None  # which call of that module in its micro-batch
@@ -61,6 +63,8 @@ class Event:
     last_update_step: int | None = None
     evaluation: bool | None = None  # in an evaluation forward between steps
     compiled: bool | None = None  # the module is a torch.compile'd region
+    # under torch.distributed: run id, rank, world size, who saw it (recorder.ranks)
+    ranks: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
@@ -94,7 +98,8 @@ class StepEvidence:
         if self.param_tensors is not None:
             really = []
             for i in bad:
-                t = self.param_tensors[i].grad if grads else self.param_tensors[i]
+                # (a DTensor's local shard: its own isfinite().all() would be a collective)
+                t = local(self.param_tensors[i].grad if grads else self.param_tensors[i])
                 if t is None or not bool(torch.isfinite(t.detach()).all()):
                     really.append(i)
         self.overflowed |= len(really) < len(bad)
@@ -104,7 +109,8 @@ class StepEvidence:
         """The kind the parameters ``indices`` (or their gradients) hold: their tensors say it,
         else the row's squared norms, which lose the sign."""
         if self.param_tensors is not None:
-            ts = [self.param_tensors[i].grad if grads else self.param_tensors[i] for i in indices]
+            ts = [local(self.param_tensors[i].grad if grads else self.param_tensors[i])
+                  for i in indices]
             found = tensors_kind(t for t in ts if t is not None)
             if found is not None:
                 return found
@@ -154,7 +160,8 @@ def _weights_event(ev: StepEvidence) -> Event | None:
         # some, is blamed first: it is certain, and another thread may be updating weights)
         recorded = {i for i, _ in layout.params}
         really += [i for i, p in enumerate(ev.param_tensors) if i not in recorded
-                   and p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
+                   and p.is_floating_point()
+                   and not bool(torch.isfinite(local(p).detach()).all())]
     if not really:
         return None
     bad = [ev.param_names[i] for i in really]

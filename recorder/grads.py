@@ -1,6 +1,8 @@
 """Gradient (and, with ``stats="full"``, weight) norms taken when no hook fires for them: right
 before the update, for the parameters whose gradients no backward hook measured or that changed
 since, and for the many small parameters, batched into foreach calls when the row is built.
+Under FSDP2 the norms are of the rank's local shards (:func:`recorder.shards.local`): a
+DTensor's own norm would be a collective.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .compat import version
+from .shards import local
 from .slots import GRAD, STRICT
 from .tape import Tape
 from .target import Target
@@ -23,10 +26,10 @@ def small_param_norms(tape: Tape, target: Target, param_norms: bool) -> None:
     tensors = [params[i][1] for i in idx]
     with tape.lock:
         tape.grad_norms.update(zip(idx, tape.slots.sq_norms(
-            [p.grad.detach() for p in tensors], GRAD)))
+            [local(p.grad).detach() for p in tensors], GRAD)))
         if param_norms:
             tape.param_norms.update(zip(idx, tape.slots.sq_norms(
-                [p.detach() for p in tensors], STRICT)))
+                [local(p).detach() for p in tensors], STRICT)))
 
 
 def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
@@ -45,12 +48,12 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
             continue
         if every or seen.get(i) != (id(grad), version(grad)):
             idx.append(i)
-            grads.append(grad.detach() if grad.requires_grad else grad)
+            grads.append(local(grad).detach() if grad.requires_grad else local(grad))
     if not idx:
         return
     with tape.lock:
         tape.grad_norms.update(zip(idx, tape.slots.sq_norm_each(grads, GRAD)))
         tape.grads_reread = True
         if param_norms and not target.grad_hooks:
-            weights = [target.params[i][1].detach() for i in idx]
+            weights = [local(target.params[i][1]).detach() for i in idx]
             tape.param_norms.update(zip(idx, tape.slots.sq_norm_each(weights, STRICT)))

@@ -21,6 +21,7 @@ from .compat import foreach_norm
 from .cycle import StepCycle, UpdateEvidence
 from .grads import reread_changed_grads
 from .hooks import Health, Hook
+from .shards import local
 from .slots import STRICT, Slots
 from .tape import Tape
 from .target import Target
@@ -108,10 +109,12 @@ class OptimizerGuard:
             return None
         if self.copies is not None and not self.alarm.fired:
             params = self.target.params
-            norms = _norms(list(enumerate(p for _, p in params)))
-            values = torch.stack([n for _, n in norms]).tolist()  # guard mode's 2nd sync
+            norms, ranks = _norms(list(enumerate(p for _, p in params))), self.target.ranks
+            stacked = torch.stack([n for _, n in norms])
+            # guard mode's 2nd sync (with the ranks' flags: every rank stops if one must)
+            values = ranks.read_with(stacked) if ranks is not None else stacked.tolist()
             bad = [params[i][0] for (i, _), v in zip(norms, values) if not math.isfinite(v)]
-            if bad:
+            if bad or (ranks is not None and ranks.seen):
                 self.alarm.optimizer_event(bad, step=self.cycle.step - 1, after_update=False,
                                            tape=self.last_tape, guard=self.copies)
             else:
@@ -131,10 +134,10 @@ class OptimizerGuard:
         slots.start_step()
         # (detached, so no ``no_grad`` context is needed: two Python calls fewer per step)
         refs = list(zip([i for i, _ in large],
-                        slots.sq_norm_each([p.detach() for _, p in large], STRICT)))
+                        slots.sq_norm_each([local(p).detach() for _, p in large], STRICT)))
         if small:
             refs += zip([i for i, _ in small],
-                        slots.sq_norms([p.detach() for _, p in small], STRICT))
+                        slots.sq_norms([local(p).detach() for _, p in small], STRICT))
         # the update belongs to the step the pre-hook just closed
         self.cycle.pending_update = UpdateEvidence(self.cycle.step - 1, refs, slots)
 
@@ -145,7 +148,7 @@ def _norms(indexed_params) -> list[tuple[int, torch.Tensor]]:
         if t is None or t.layout != torch.strided or t.numel() == 0:
             continue
         idx.append(i)
-        tensors.append(t.detach())
+        tensors.append(local(t).detach())  # (a DTensor: its local shard)
     if not tensors:
         return []
     with torch.no_grad():

@@ -23,6 +23,7 @@ from .lossdesc import describe_loss
 from .rewind import Rewind
 from .ring import RingBuffer
 from .settings import Settings
+from .shards import class_name, localize
 from .tape import Tape
 from .target import Target
 
@@ -64,7 +65,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
     }
     _model(src, tape, guard, meta, tensors)
     if model is not None:
-        meta["model"] = {"class": qualname(model), "training": model.training}
+        meta["model"] = {"class": class_name(model), "training": model.training}
         meta["modules"] = [_module_info(s.name, s.module) for s in hook_sites(model)]
         meta["compiled_regions"] = sorted(target.compiled)  # recorded as one call each
     if tape is not None:
@@ -85,6 +86,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
     if src.rewind is not None:  # the copy and the window of steps since
         meta["rewind"] = src.rewind.export(tensors)
     meta["env"] = environment(rank, world_size, src.commit)
+    localize(meta, tensors)  # FSDP2: this rank's local shards, and where they sit
     return meta, tensors
 
 
@@ -134,7 +136,7 @@ def _module_info(name: str, m: nn.Module) -> dict[str, Any]:
     t = next(iter(m.parameters(recurse=False)), None)
     if t is None:
         t = next(iter(m.buffers(recurse=False)), None)
-    return {"name": name, "type": qualname(m), "training": m.training,
+    return {"name": name, "type": class_name(m), "training": m.training,
             "dtype": str(t.dtype).removeprefix("torch.") if t is not None else None,
             "device": str(t.device) if t is not None else None}
 

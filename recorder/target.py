@@ -1,6 +1,8 @@
 """What is recorded: the model as written (unwrapped from DDP and compile wrappers), its hook
 sites, parameters, buffers and their names, and the optimizer, GradScaler and scheduler that
-go with it, all held weakly so the recorder never keeps a model alive.
+go with it, all held weakly so the recorder never keeps a model alive. Under torch.distributed,
+also the ranks it trains with (:mod:`recorder.ranks`); under FSDP2 its parameters are DTensors,
+of which the recorder measures the local shards only (:func:`recorder.shards.local`).
 
 The names and index lists are fixed at :meth:`Target.bind` (the recorder's ``attach``): the
 statistics of every step refer to modules and parameters by their index in these lists.
@@ -16,7 +18,9 @@ from torch import nn
 from .compat import is_norm_layer
 from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .finite import matches
+from .ranks import Agreement
 from .settings import Settings
+from .shards import class_name
 
 _SMALL = 1 << 15  # parameters with fewer elements get batched norms...
 _FEW = 16  # ...when there are more than this many of them
@@ -77,8 +81,7 @@ class Target:
         sites = hook_sites(model, _deref(self._wrapper), self.compiled_elsewhere)
         self.sites = sites
         self.module_names = [s.name for s in sites]
-        self.module_types = [type(s.module).__module__ + "." + type(s.module).__qualname__
-                             for s in sites]
+        self.module_types = [class_name(s.module) for s in sites]  # (not FSDP's FSDP<Class>)
         self.compiled = {s.name for s in sites if s.region}  # recorded as one call each
         self.allowed_modules = {i for i, n in enumerate(self.module_names) if self.is_allowed(n)}
         self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
@@ -92,6 +95,8 @@ class Target:
         self.allowed_buffers = {id(b): weakref.ref(b) for n, b in self.buffers
                                 if self.is_allowed(n)}
         self._partition()
+        # under torch.distributed: the run id and each step's agreement (waits for every rank)
+        self.ranks = Agreement.join(self.device())
         return sites
 
     def _partition(self) -> None:
@@ -132,6 +137,7 @@ class Target:
         self.update_small: list[tuple[int, torch.Tensor]] = []
         self.allowed_buffers: dict[int, weakref.ref] = {}
         self.norm_buffers: set[str] = set()
+        self.ranks: Agreement | None = None
 
     def device(self) -> torch.device:
         return self.params[0][1].device if self.params else torch.device("cpu")

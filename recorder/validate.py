@@ -15,14 +15,16 @@ import torch
 from torch import nn
 
 from .compat import is_grad_scaler
+from .shards import check_supported
 
 
 def check_model(model, optimizer) -> None:
-    """The model is an unsharded, unreplicated module and the optimizer holds its parameters."""
+    """The model is a module (unreplicated; sharded only by FSDP2) and the optimizer holds its
+    parameters."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"FlightRecorder: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}; pass the module whose forward runs the step")
-    _check_unsharded(model)
+    check_supported(model)  # FSDP2 is recorded; FSDP1 and tensor parallelism are refused
     _check_not_replicated(model)
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -66,24 +68,6 @@ def check_factory_kwargs(kwargs, what: str) -> None:
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what} must hold JSON values only (numbers, strings, booleans, None, "
                         f"lists, dicts), so the bundle can store them ({e})") from None
-
-
-def _check_unsharded(model: nn.Module) -> None:
-    """Sharded parameters (FSDP's ``fully_shard``, tensor parallel: DTensors; FSDP1's flat
-    parameters) are refused now: their statistics would run collectives from hooks, and writing
-    a bundle on the rank that saw an event would wait forever for the others' shards."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return
-    sharded = any(isinstance(m, FullyShardedDataParallel) for m in model.modules()) or \
-        any(isinstance(p, DTensor) for p in model.parameters())
-    if sharded:
-        raise ValueError("FlightRecorder: the model's parameters are sharded (FSDP or tensor "
-                         "parallel), which the recorder does not support: a bundle would need "
-                         "every rank's shards. Record the model unsharded (one process, or "
-                         "DistributedDataParallel)")
 
 
 def _check_not_replicated(model: nn.Module) -> None:

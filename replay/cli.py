@@ -131,13 +131,13 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
             raise click.UsageError("--strip and -o/--output go together: "
                                    "nanreplay B.nan --strip batch -o shareable.nan",
                                    ctx=click.get_current_context())
-        from .strip import strip
+        from .strip import strip_set
 
-        try:
-            path = strip(bundle, output, list(strip_parts))
+        try:  # (one rank's shards are stripped with their set: one copy per rank)
+            paths = strip_set(bundle, output, list(strip_parts))
         except OSError as e:  # reading errors are BundleErrors: this is the copy's path
             raise ReplayError(f"cannot write {output} ({e.strerror or e})") from None
-        click.echo(f"wrote {path} without {', '.join(strip_parts)}")
+        click.echo(f"wrote {', '.join(map(str, paths))} without {', '.join(strip_parts)}")
         return 0
     if info:
         d = reports.info(bundle)

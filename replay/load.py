@@ -30,6 +30,7 @@ from recorder.validate import import_object
 from .compat import set_buffer, set_parameter, tree_map
 from .errors import FactoryRefused, ReplayError
 from .losses import Unrebuildable, rebuild_loss
+from .shards import resolve
 from .trust import defined_in, module_origin, trusted_path
 
 WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/")
@@ -66,7 +67,9 @@ class Step:
 def read_step(path: str | os.PathLike) -> Step:
     meta, tensors = read_bundle(path)
     check_meta(meta, path)
-    return Step(Path(path), meta, tensors)
+    # one rank's bundle of a distributed event: the first rank's, full tensors from the shards
+    path, meta, tensors = resolve(Path(path), meta, tensors, check_meta)
+    return Step(path, meta, tensors)
 
 
 # The metadata keys the replay and --info rely on, with their JSON types (absent keys other than

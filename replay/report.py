@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from recorder.bundle import BundleReader, jsonable
@@ -10,6 +11,8 @@ from recorder.bundle import BundleReader, jsonable
 from .fidelity import describe
 from .load import check_meta
 from .rewind_text import what_if_lines, window_lines
+from .shards import describe as describe_shard_set
+from .shards import info_line
 
 _GROUPS = {"weights/": "weights", "buffers/": "buffers", "grads/": "gradients",
            "optim/": "optimizer state", "optim_group/": "optimizer state",
@@ -147,6 +150,7 @@ def info(path) -> dict[str, Any]:
         "micro_batches": len(meta.get("micro_batches", [])),
         "history_steps": meta.get("ring", {}).get("stored"),
         "stripped": meta.get("stripped", []),
+        "shard_set": describe_shard_set(Path(path), meta),
         "sizes": sizes,
         "env": env,
     }
@@ -176,6 +180,8 @@ def info_text(d: dict[str, Any]) -> str:
     ]
     if d["stripped"]:
         lines.append(f"stripped   {', '.join(d['stripped'])}")
+    if d.get("shard_set"):
+        lines.append(info_line(d["shard_set"]))
     lines.append("holds")
     for group, s in sorted(d["sizes"].items()):
         lines.append(f"  {group:<18} {s['tensors']:>5} tensors {s['bytes'] / 1e6:>10.2f} MB")

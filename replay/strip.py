@@ -1,5 +1,6 @@
 """Shareable copies of a bundle without the batch and/or the weights (training data may be
-private; weights may be proprietary). The ring buffer, event and environment stay."""
+private; weights may be proprietary). The ring buffer, event and environment stay. One rank's
+bundle of a sharded event is stripped with its set (:func:`strip_set`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from recorder.bundle import BundleReader, write_bundle
 
 from .load import BATCH_PREFIXES, WEIGHT_PREFIXES, check_meta
+from .shards import missing, ranks_of, shard_set
 
 PARTS = {"batch": BATCH_PREFIXES, "weights": WEIGHT_PREFIXES + ("loss/",)}
 # per micro-batch metadata that holds batch contents: the input and loss-argument trees (their
@@ -31,3 +33,19 @@ def strip(src: str | Path, dst: str | Path, parts: list[str]) -> Path:
     meta["stripped"] = sorted(set(meta.get("stripped", [])) | set(parts))
     dst.parent.mkdir(parents=True, exist_ok=True)
     return write_bundle(dst.parent, stem, meta, tensors)
+
+
+def strip_set(path: Path, dst: Path, parts: list[str]) -> list[Path]:
+    """``--strip``: ``dst`` as ``path`` without ``parts``; for one rank's shards, the whole
+    set (a copy of one rank's shards replays nothing): ``<dst stem>-rank<r>.nan`` per rank,
+    each keeping the run id, so the copies are a set again."""
+    with BundleReader(path) as r:
+        meta = r.meta
+    if "shards" not in meta or ranks_of(meta) is None:
+        return [strip(path, dst, parts)]
+    found = shard_set(path, meta)
+    if len(found) < int(ranks_of(meta)["world_size"]):
+        raise missing(path, meta, found)
+    stem = dst.name[:-4] if dst.name.endswith(".nan") else dst.name
+    return [strip(p, dst.with_name(f"{stem}-rank{r}.nan"), parts)
+            for r, p in sorted(found.items())]

@@ -21,13 +21,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(script: str, out: Path, pythonpath: Path) -> subprocess.CompletedProcess:
-    """Two ranks of ``script OUT`` under torchrun; once more on a new port if the free one
+def _torchrun(script: str, out: Path, pythonpath: Path, *args: str, **env_vars: str
+              ) -> subprocess.CompletedProcess:
+    """Two ranks of ``script OUT ARGS`` under torchrun; once more on a new port if the free one
     was taken before the rendezvous bound it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath), **env_vars}
     for _ in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-               f"--master_port={_free_port()}", str(HERE / script), str(out)]
+               f"--master_port={_free_port()}", str(HERE / script), str(out), *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
                               cwd=HERE)
         if "address already in use" not in proc.stderr.lower():
@@ -46,6 +47,11 @@ def test_two_ranks_each_write_their_bundle_and_stop(tmp_path):
     # rank 1 saw its own bad sample; rank 0 saw the averaged gradient it produced
     assert "step=3 phase=input" in events["1"] and "samples=[2]" in events["1"]
     assert "step=3 phase=backward" in events["0"]
+    # raise mode: both ranks raised at the same step, each saying rank 1 saw it first
+    said = dict(re.findall(r"rank (\d) first=\[1\] loop_step=3 message (nanreplay: [^\n]*"
+                           r"Rank \d of 2; first seen on rank\(s\) 1 \(non-finite on rank\(s\) "
+                           r"0, 1\))", proc.stdout))
+    assert set(said) == {"0", "1"}, proc.stdout
     names = sorted(p.name for p in out.iterdir())
     assert names == ["step00000003-rank0.nan", "step00000003-rank1.nan"]
     meta, tensors = read_bundle(out / "step00000003-rank1.nan")
@@ -66,8 +72,9 @@ def test_two_ranks_each_write_their_bundle_and_stop(tmp_path):
 
 def test_trainer_callback_on_two_ranks_in_warn_mode(tmp_path):
     """transformers.Trainer under torchrun (DDP, gloo): rank 1's all-padding batch at step 3 is
-    written to its bundle, in warn mode both ranks train to the end, and the bundle replays to
-    the op in transformers' loss code."""
+    written to its bundle, rank 0 (whose values stayed finite) learns of it at the same step
+    and writes its peer bundle, in warn mode both ranks train to the end, and either bundle
+    replays rank 1's step to the op in transformers' loss code."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     out = tmp_path / "bundles"
@@ -75,16 +82,208 @@ def test_trainer_callback_on_two_ranks_in_warn_mode(tmp_path):
     # the two ranks print concurrently: their lines may run into each other
     lines = dict(re.findall(r"rank (\d) (steps=\d+ event=\S+ bundle=(?:None|\S+?\.nan))",
                             proc.stdout))
-    assert lines == {"0": "steps=6 event=None/None bundle=None",
+    assert lines == {"0": f"steps=6 event=3/peer bundle={out / 'step00000003-rank0.nan'}",
                      "1": f"steps=6 event=3/forward bundle={out / 'step00000003-rank1.nan'}"}, \
         proc.stdout
     meta, _ = read_bundle(out / "step00000003-rank1.nan")
     assert meta["env"]["rank"] == 1 and meta["env"]["world_size"] == 2
     assert meta["factory"] == "hf_models:make_tiny_gpt2"
     rep = subprocess.run([sys.executable, "-m", "replay", "--json",
-                          str(out / "step00000003-rank1.nan")],
+                          str(out / "step00000003-rank0.nan")],
                          capture_output=True, text=True, timeout=120, cwd=HERE.parent)
     report = json.loads(rep.stdout)
     assert report["reproduced"] is True and report["cause"] == "invalid"
     assert report["origin"]["op"] == "aten.div" and report["bundle"]["rank"] == 1
     assert report["event"]["step"] == 3
+
+
+def test_ddp_nan_loss_on_one_rank_stops_both_at_that_step(tmp_path):
+    """Rank 1's loss is 0/0 at step 3 with finite gradients: only rank 1 sees a NaN. The
+    step's flags are all-reduced, so rank 0 raises at step 3 too (a peer event naming rank 1)
+    instead of waiting in step 4's all-reduce for a rank that is gone."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("ddp_train.py", out, HERE, "loss")
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+)", proc.stdout))
+    assert events == {"0": "step=3 phase=peer", "1": "step=3 phase=loss"}, proc.stdout
+    assert len(re.findall(r"rank \d first=\[1\] loop_step=3 ", proc.stdout)) == 2
+    assert "rank 0 first=[1] loop_step=3 message nanreplay: rank(s) 1 saw a non-finite value " \
+           "at step 3; this rank's own values were finite (step 3)." in proc.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["step00000003-rank0.nan", "step00000003-rank1.nan"]
+    m0, _ = read_bundle(out / names[0])
+    m1, _ = read_bundle(out / names[1])
+    assert m0["event"]["ranks"]["run_id"] == m1["event"]["ranks"]["run_id"]
+    assert m0["event"]["ranks"]["seen_by"] == [1] and m0["event"]["ranks"]["first"] == [1]
+    # rank 0's bundle replays rank 1's step: its loss of all-ignored targets
+    rep = subprocess.run([sys.executable, "-m", "replay", "--json", str(out / names[0])],
+                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    report = json.loads(rep.stdout)
+    assert report["bundle"]["rank"] == 1 and report["event"]["step"] == 3
+    assert report["event"]["phase"] == "loss" and report["reproduced"] is True
+    # rank 0's peer bundle alone has nothing of its own to replay: one line saying whose
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / names[0]).write_bytes((out / names[0]).read_bytes())
+    rep = subprocess.run([sys.executable, "-m", "replay", str(alone / names[0])],
+                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    run_id = m0["event"]["ranks"]["run_id"]
+    assert rep.returncode == 2 and rep.stderr == (
+        f"nanreplay: {alone / names[0]}: rank 0's own values were finite at step 3; rank(s) [1] "
+        f"saw the event first, and no bundle of rank 1 of run {run_id} is beside it: copy it "
+        f"into {alone}, or replay it directly\n")
+
+
+def test_fsdp2_nested_nan_on_rank_1_stops_both_ranks_and_replays_unsharded(tmp_path):
+    """FSDP2 (nested fully_shard, gloo, CPU): rank 1's blank record at step 3 makes 0/0 in
+    UnsafeNorm; rank 0 only gets NaN gradient shards from the reduce-scatter. Both raise at
+    step 3, each writes its bundle of local shards, and either bundle replays rank 1's step on
+    the reassembled model, in this process, without torchrun."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("fsdp_train.py", out, HERE)
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ module=\S+ first=\[[\d, ]*\] "
+                             r"loop_step=\d+)", proc.stdout))
+    assert events == {"1": "step=3 phase=forward module=norm first=[1] loop_step=3",
+                      "0": "step=3 phase=backward module=None first=[1] loop_step=3"}, \
+        proc.stdout
+    assert "rank 0 rng_unchanged=True" in proc.stdout
+    assert "rank 1 rng_unchanged=True" in proc.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["step00000003-rank0.nan", "step00000003-rank1.nan"]
+    m0, t0 = read_bundle(out / names[0])
+    m1, t1 = read_bundle(out / names[1])
+    assert m0["event"]["ranks"]["run_id"] == m1["event"]["ranks"]["run_id"]
+    # local shards (rows 0-5 on rank 0, 6-11 on rank 1 of a 12x12 weight) with their placement
+    w = "weights/blocks.0.fc.weight"
+    assert t0[w].shape == t1[w].shape == (6, 12)
+    assert m1["shards"][w] == {"global_shape": [12, 12], "offset": [6, 0], "local_shape": [6, 12],
+                               "placements": [{"shard": 0}], "mesh": [2], "mesh_dims": [],
+                               "coordinate": [1]}
+    assert set(m0["shards"]) == {k for k in t0 if k.startswith(("weights/", "grads/", "optim/"))
+                                 and not k.endswith("/step")}
+    # the user's classes, not FSDP's generated FSDPNet / FSDPBlock
+    assert m0["model"]["class"] == "__main__.Net"
+    assert m0["modules"][3]["type"] == "__main__.Block"
+    for name in names:  # either rank's bundle: rank 1's step is replayed
+        rep = subprocess.run([sys.executable, "-m", "replay", "--json", str(out / name)],
+                             capture_output=True, text=True, timeout=300, cwd=HERE)
+        report = json.loads(rep.stdout)
+        assert report["bundle"]["rank"] == 1 and report["event"]["step"] == 3
+        assert report["reproduced"] is True and report["cause"] == "invalid"
+        assert report["origin"]["module"] == "norm" and report["origin"]["op"] == "aten.div"
+        assert report["origin"]["samples"] == [5]
+    info = subprocess.run([sys.executable, "-m", "replay", "--info", str(out / names[0])],
+                          capture_output=True, text=True, timeout=120, cwd=HERE).stdout
+    run_id = m0["event"]["ranks"]["run_id"]
+    assert (f"ranks      rank 0 of 2, run {run_id}, first seen on rank(s) [1], non-finite on "
+            "[0, 1]; 24 sharded tensors; bundles of rank(s) 0, 1 beside it") in info
+    # --strip copies the whole set: one stripped copy per rank, still a set
+    shared = tmp_path / "shared"
+    strip = subprocess.run([sys.executable, "-m", "replay", str(out / names[1]), "--strip",
+                            "batch", "-o", str(shared / "share.nan")],
+                           capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert strip.returncode == 0, strip.stderr
+    assert sorted(p.name for p in shared.iterdir()) == ["share-rank0.nan", "share-rank1.nan"]
+    info = subprocess.run([sys.executable, "-m", "replay", "--info", str(shared / "share-rank0.nan")],
+                          capture_output=True, text=True, timeout=120, cwd=HERE).stdout
+    assert "bundles of rank(s) 0, 1 beside it" in info and "stripped   batch" in info
+    # a rank's bundle alone: one line naming the ranks found and missing
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / names[0]).write_bytes((out / names[0]).read_bytes())
+    rep = subprocess.run([sys.executable, "-m", "replay", str(alone / names[0])],
+                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert rep.returncode == 2 and rep.stdout == ""
+    assert rep.stderr == (f"nanreplay: {alone / names[0]}: this bundle is one of 2 ranks' shards "
+                          f"of run {run_id} step 3; found rank(s) [0] beside it, missing rank(s) "
+                          f"[1]: copy every rank's bundle of that step into {alone}\n")
+
+
+def test_lightning_fsdp2_strategy_on_two_ranks_stops_both_and_replays(tmp_path):
+    """Lightning's ModelParallelStrategy (FSDP2 fully_shard in configure_model, gloo, CPU) with
+    the recorder's callback: rank 1's blank record at step 3 stops both ranks at step 3, and
+    rank 0's bundle replays rank 1's step to the op."""
+    pytest.importorskip("lightning")
+    out = tmp_path / "bundles"
+    proc = _torchrun("lightning_fsdp_train.py", out, HERE)
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ module=\S+ first=\[[\d, ]*\] "
+                             r"global_step=\d+)", proc.stdout))
+    assert events == {"1": "step=3 phase=forward module=norm first=[1] global_step=3",
+                      "0": "step=3 phase=backward module=None first=[1] global_step=3"}, \
+        proc.stdout + proc.stderr[-3000:]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["step00000003-rank0.nan", "step00000003-rank1.nan"]
+    meta, _ = read_bundle(out / names[0])
+    assert meta["recorder"]["integration"] == "lightning" and "shards" in meta
+    rep = subprocess.run([sys.executable, "-m", "replay", "--json", str(out / names[0])],
+                         capture_output=True, text=True, timeout=300, cwd=HERE)
+    report = json.loads(rep.stdout)
+    assert report["bundle"]["rank"] == 1 and report["event"]["step"] == 3
+    assert (report["origin"]["module"], report["origin"]["op"], report["cause"]) == \
+        ("norm", "aten.div", "invalid")
+
+
+@pytest.mark.parametrize("mode", ["default", "guard", "exit"])
+def test_fsdp2_update_nan_in_one_ranks_shard_stops_both_ranks(tmp_path, mode):
+    """A hand-written Adam without eps writes NaN into rows 5-9 of an embedding (rank 1's
+    shard, rows never used so their gradient is 0: 0/sqrt(0)) at step 0. By default the
+    update's evidence rides in step 1's check, with guard_optimizer in the update's own read,
+    after a one-step loop in the with block's exit read: each carries the ranks' flags, so
+    rank 0 stops at the same point with a peer event of step 0, and the two bundles are one
+    set."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("fsdp_update_train.py", out, HERE, mode)
+    events = dict(re.findall(r"rank (\d) event (step=.*?loop_step=\d+)", proc.stdout))
+    loop, after = {"default": ("1", "True"), "guard": ("0", "False"), "exit": ("0", "True")}[mode]
+    assert events == {
+        "1": f"step=0 phase=optimizer params=['emb.weight'] after_update={after} first=[1] "
+             f"loop_step={loop}",
+        "0": f"step=0 phase=peer params=[] after_update=None first=[1] loop_step={loop}"}, \
+        proc.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["step00000000-rank0.nan", "step00000000-rank1.nan"]
+    meta, tensors = read_bundle(out / names[1])
+    assert meta["state"] == ("before_update" if mode == "guard" else "after_update")
+    assert tensors["weights/emb.weight"].shape == (5, 4)
+    assert bool(tensors["weights/emb.weight"].isnan().all()) == (mode != "guard")
+    info = subprocess.run([sys.executable, "-m", "replay", "--info", str(out / names[0])],
+                          capture_output=True, text=True, timeout=120, cwd=HERE).stdout
+    assert "first seen on rank(s) [1], non-finite on [1]" in info
+    assert "bundles of rank(s) 0, 1 beside it" in info
+
+
+def test_a_recorder_on_one_rank_only_fails_attach_quickly_in_one_line(tmp_path):
+    """Rank 1 attaches no recorder: rank 0's attach gives up after NANREPLAY_ATTACH_TIMEOUT
+    (3 s here) with one line naming rank 1, instead of its first step waiting for rank 1's
+    flags until the process group's timeout (30 min)."""
+    proc = _torchrun("partial_attach.py", tmp_path / "bundles", HERE.parent,
+                     NANREPLAY_ATTACH_TIMEOUT="3")
+    found = re.search(r"rank 0 waited=([\d.]+) error (.*)", proc.stdout)
+    assert found, proc.stdout
+    assert 3.0 <= float(found[1]) < 60, found[1]
+    assert found[2] == (
+        "FlightRecorder.attach: rank(s) [1] of 2 attached no recorder within 3s; under "
+        "torch.distributed every rank must attach one (the ranks agree on each step's verdict, "
+        "so one rank alone would wait for the others at every step): attach it on every rank, "
+        "or set NANREPLAY_ATTACH_TIMEOUT to wait longer for ranks that attach later")
+    assert not list(tmp_path.rglob("*.nan"))
+
+
+def test_ddp_evaluation_forward_nan_on_one_rank_stops_both_there(tmp_path):
+    """An evaluation forward between steps (eval mode, no gradients) whose batch holds a NaN
+    on rank 1 only: its check is agreed like a step's, so both ranks raise at that forward,
+    before step 3 trains, rank 0 with a peer event naming rank 1 (and neither is left waiting
+    in step 3's gradient all-reduce)."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("ddp_train.py", out, HERE, "eval")
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ tensor=\S+ samples=\S+)",
+                             proc.stdout))
+    assert events == {"0": "step=3 phase=peer tensor=None samples=[]",
+                      "1": "step=3 phase=input tensor=batch samples=[1]"}, proc.stdout
+    assert len(re.findall(r"rank \d first=\[1\] loop_step=3 ", proc.stdout)) == 2
+    assert len(re.findall(r"rank \d evaluation=True", proc.stdout)) == 2, proc.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["step00000003-rank0.nan", "step00000003-rank1.nan"]
+    m0, _ = read_bundle(out / names[0])
+    m1, _ = read_bundle(out / names[1])
+    assert m0["event"]["ranks"]["run_id"] == m1["event"]["ranks"]["run_id"]
+    assert m1["event"]["ranks"]["seen_by"] == [1] and m1["event"]["evaluation"] is True

@@ -1,7 +1,12 @@
 """Two-rank DDP training on CPU (gloo), launched by torchrun from tests/test_torchrun.py.
 
-Rank 1 gets a NaN feature in sample 2 at step 3. DDP averages gradients, so both ranks see the
-bad step: each must write its own bundle and stop at that step, none may hang.
+Mode ``input`` (default): rank 1 gets a NaN feature in sample 2 at step 3. DDP averages
+gradients, so both ranks see the bad step: each must write its own bundle and stop at that step,
+none may hang. Mode ``loss``: at step 3 every target of rank 1 is ``ignore_index``, so its mean
+loss is 0/0 while every gradient stays finite: only rank 1 sees a NaN, and rank 0 must still stop
+at the same step (else it would wait in step 4's all-reduce for a rank that raised). Mode
+``eval``: before step 3 each rank runs an evaluation forward (eval mode, no gradients) whose
+batch holds a NaN on rank 1 only: both ranks must stop at that forward (rank 0 with a peer event).
 """
 
 import sys
@@ -17,7 +22,7 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, mode: str = "input") -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -25,14 +30,25 @@ def main(out_dir: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     crit = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(rank)
+    step = -1
     try:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                             factory="ddp_train:make_model"):
             for step in range(10):
                 x = torch.randn(6, 8, generator=g)
                 y = torch.randint(0, 4, (6,), generator=g)
-                if rank == 1 and step == 3:
+                if rank == 1 and step == 3 and mode == "input":
                     x[2, 5] = float("nan")
+                if rank == 1 and step == 3 and mode == "loss":
+                    y[:] = -100  # CrossEntropyLoss's ignore_index
+                if step == 3 and mode == "eval":
+                    model.eval()
+                    with torch.no_grad():
+                        xe = x.clone()
+                        if rank == 1:
+                            xe[1, 2] = float("nan")
+                        model(xe)
+                    model.train()
                 opt.zero_grad()
                 crit(model(x), y).backward()
                 opt.step()
@@ -42,9 +58,12 @@ def main(out_dir: str) -> None:
         print(f"rank {rank} event step={ev['step']} phase={ev['phase']} "
               f"tensor={ev.get('tensor')} samples={ev.get('samples')} bundle={e.bundle_path}",
               flush=True)
+        print(f"rank {rank} first={ev['ranks']['first']} loop_step={step} message {e}",
+              flush=True)
+        print(f"rank {rank} evaluation={ev.get('evaluation')}", flush=True)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

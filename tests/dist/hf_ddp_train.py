@@ -3,9 +3,9 @@ in ``on_event="warn"`` mode, launched from tests/test_torchrun.py.
 
 accelerate hands rank r the global batches r, r + 2, ... in dataset order (sequential sampler),
 so the all-padding batch 7 is rank 1's step 3: with tokens counted per rank, its loss is 0/0
-there. The gradients stay finite (ignored tokens get zero gradient), so rank 0 sees nothing;
-in warn mode rank 1 writes its bundle and both ranks train on (a raising rank would leave the
-other waiting in the next all-reduce).
+there. The gradients stay finite (ignored tokens get zero gradient), so rank 0's own values
+are finite; the ranks' per-step agreement tells it of rank 1's event at the same step, and in
+warn mode each writes its bundle (rank 0's a peer event) and both ranks train on.
 """
 
 import sys

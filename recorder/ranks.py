@@ -1,0 +1,197 @@
+"""Agreement across the ranks of a distributed run: a run id, and one verdict per step.
+
+Under ``torch.distributed`` (DDP, FSDP2) a NaN seen on one rank must stop every rank at the
+same step: a rank that raised alone would leave the others waiting in their next collective
+(gloo fails it, NCCL hangs until the watchdog). So each step's local verdict (the probe, see
+``recorder.cycle``) is combined with one small all-reduce of per-rank flags, enqueued on the
+device before the step's single host read, which then reads the probe and the flags together:
+every rank learns at the same step which ranks saw a non-finite value, and all of them enter
+the slow path. There each rank finds its own event (or none) and one more all-reduce, run by
+every rank in the same order, tells all of them which rank saw the event first.
+
+>>> agreement = Agreement.join(torch.device("cpu"))   # doctest: +SKIP
+>>> agreement.run_id, agreement.rank, agreement.world  # doctest: +SKIP
+('9f0c2d5e7a31b4c8', 1, 2)
+
+``join`` meets every rank in the process group's store (no device collective): rank 0's key
+holds the run id, from ``os.urandom`` (torch's RNG is never consumed). Every rank must attach a
+recorder; when one does not within ``NANREPLAY_ATTACH_TIMEOUT`` seconds (default 60), the
+others' ``attach`` fails in one line naming the missing ranks, instead of every rank waiting in
+its first step's collective until the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .compat import process_group_store
+from .events import Event
+
+# the order in which a step's phases run: an earlier phase saw the event first
+PHASE_ORDER = {"weights": 0, "input": 1, "forward": 2, "loss": 3, "backward": 4,
+               "optimizer": 5}
+_LATE = len(PHASE_ORDER)  # a rank whose own values were finite, or an unknown phase
+
+TIMEOUT_ENV = "NANREPLAY_ATTACH_TIMEOUT"  # seconds a rank's attach waits for the others
+_TIMEOUT_S = 60.0
+_joins = itertools.count()  # every rank attaches its recorders in the same order
+
+
+class Agreement:
+    """One process group's ranks, agreeing on each step's verdict; None when not distributed
+    (see :meth:`join`)."""
+
+    def __init__(self, group, rank: int, world: int, device: torch.device, run_id: str):
+        self.group = group  # the process group (None: the default one)
+        self.rank = rank
+        self.world = world
+        self.device = device  # where the flags live: the probe's device (gloo: CPU, NCCL: GPU)
+        self.run_id = run_id
+        self._flags = torch.zeros(world, dtype=torch.float32, device=device)
+        self._mine = self._flags[rank]
+        self.seen: list[int] | None = None  # ranks whose checks failed, from the last read
+
+    @classmethod
+    def join(cls, device: torch.device, group=None) -> Agreement | None:
+        """The agreement of the default process group (or ``group``) when torch.distributed
+        runs with more than one rank, else None. Waits for every rank's attach (see the
+        module doc); a rank missing after the timeout is a one-line RuntimeError."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        world = dist.get_world_size(group)
+        if world < 2:
+            return None
+        rank = dist.get_rank(group)
+        if device.type == "meta":
+            device = torch.device("cpu")
+        run_id = _meet(process_group_store(group), next(_joins), rank, world)
+        return cls(group, rank, world, device, run_id)
+
+    def exchange(self, probe: torch.Tensor) -> torch.Tensor:
+        """``probe`` ([strict check, NaN-only min, max, scale], see ``recorder.cycle``) with
+        one flag per rank after it: 1 where that rank's checks failed. Device ops and one
+        all-reduce, no host read: the caller's read of the result is the step's one sync."""
+        flags = self._flags
+        if flags.device != probe.device:  # the model moved since attach
+            flags = self._flags = torch.zeros(self.world, dtype=torch.float32,
+                                              device=probe.device)
+            self._mine = flags[self.rank]
+        flags.zero_()
+        # the strict check is 0 or NaN, the NaN-only min is NaN when a NaN counts: their sum
+        # is NaN exactly when the step fails (as _read_probe decides on the host)
+        self._mine.copy_(torch.isnan(probe[0] + probe[1]))
+        torch.distributed.all_reduce(flags, group=self.group)
+        return torch.cat((probe, flags))
+
+    def read(self, values: list[float]) -> bool:
+        """Keep the flags read with the probe (``values[4:]``); True when any rank failed."""
+        self.seen = [r for r, f in enumerate(values[4:4 + self.world]) if f]
+        return bool(self.seen)
+
+    def read_with(self, values: torch.Tensor) -> list[float]:
+        """``values.tolist()`` (1-d, float, all must be finite: the update's weight norms) in
+        one host read with the ranks' flags, for the reads outside the step's probe (guard
+        mode's second read, the last update's at exit). Sets :attr:`seen`."""
+        probe = torch.zeros(4, dtype=torch.float32, device=values.device)
+        probe[0] = values.float().mul(0).sum()  # 0, or NaN when any is not finite
+        out = self.exchange(probe)
+        host = torch.cat((values.float(), out[4:])).tolist()
+        n = values.numel()
+        self.seen = [r for r, f in enumerate(host[n:]) if f]
+        return host[:n]
+
+    def settle(self, event: Event | None, step: int) -> Event | None:
+        """Slow path, every rank: which ranks saw the event first, by the step (an update's
+        event is its step's), then the phase, micro-batch and call each rank's own event
+        names. Sets ``event.ranks``; a rank whose own values were finite gets a ``peer``
+        event of the first ranks' step, naming them. One more all-reduce, which every rank
+        runs as every rank entered the slow path together."""
+        seen = self.seen or []
+        self.seen = None
+        if self.rank not in seen and event is not None and event.reason == "non_finite":
+            event = None  # only the others failed: what the finder made of finite values
+        row = torch.zeros(self.world, 4, dtype=torch.int64, device=self.device)
+        key = _order_key(event) if event is not None else (step, _LATE, 0, 0)
+        row[self.rank] = torch.tensor(key, dtype=torch.int64)
+        torch.distributed.all_reduce(row, group=self.group)
+        keys = [tuple(k) for k in row.tolist()]
+        with_event = [r for r, k in enumerate(keys) if k[1] < _LATE] or list(range(self.world))
+        best = min(keys[r] for r in with_event)
+        first = [r for r in with_event if keys[r] == best]
+        if event is None:
+            if not seen:
+                return None
+            event = peer_event(keys[first[0]][0], first)
+        event.ranks = {"rank": self.rank, "world_size": self.world, "run_id": self.run_id,
+                          "seen_by": seen, "first": first}
+        return event
+
+
+def _meet(store, n: int, rank: int, world: int) -> str:
+    """The ``n``-th attach of every rank, met in ``store``; returns rank 0's run id."""
+    keys = [f"nanreplay/attach/{n}/{r}" for r in range(world)]
+    store.set(keys[rank], os.urandom(8).hex() if rank == 0 else "")
+    timeout = _timeout()
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError:  # DistStoreError: some rank has not attached
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeError(
+            f"FlightRecorder.attach: rank(s) {missing} of {world} attached no recorder within "
+            f"{timeout:g}s; under torch.distributed every rank must attach one (the ranks "
+            f"agree on each step's verdict, so one rank alone would wait for the others at "
+            f"every step): attach it on every rank, or set {TIMEOUT_ENV} to wait longer for "
+            "ranks that attach later") from None
+    return store.get(keys[0]).decode()
+
+
+def _timeout() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        value = float(raw) if raw else _TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; set it to e.g. "
+                         "120, or unset it for the default (60)") from None
+    return value if value > 0 else _TIMEOUT_S
+
+
+def _order_key(event: Event) -> tuple[int, int, int, int]:
+    """(step, phase order, micro-batch, call) of an event: smaller saw it earlier."""
+    mb, call = event.micro_batch, event.call
+    return (int(event.step), PHASE_ORDER.get(event.phase, _LATE - 1),
+            mb if isinstance(mb, int) else 0, call if isinstance(call, int) else 0)
+
+
+def peer_event(step: int, first: list[int]) -> Event:
+    """The event of a rank whose own values were finite while another rank's were not: it
+    stops at the same step and writes its bundle (its shards complete the set)."""
+    return Event(step, reason="peer", phase="peer",
+                 detail=f"rank(s) {', '.join(map(str, first))} saw a non-finite value at step "
+                        f"{step}; this rank's own values were finite")
+
+
+def summary(event: dict[str, Any], path, text: str) -> str:
+    """The error's message on a rank: ``text`` (``events.summary``) with who saw the event
+    first; a peer event's own words."""
+    ranks = event.get("ranks")
+    if not ranks:
+        return text
+    if event.get("phase") == "peer":
+        text = f"nanreplay: {event['detail']} (step {event['step']})."
+        if path is not None:
+            text += f" Bundle: {path}; run `nanreplay {path}` on any rank's bundle."
+    return text + describe(ranks)
+
+
+def describe(ranks: dict[str, Any]) -> str:
+    """The sentence the error adds on every rank: who saw the event first."""
+    first = ", ".join(map(str, ranks["first"]))
+    seen = ", ".join(map(str, ranks["seen_by"]))
+    return (f" Rank {ranks['rank']} of {ranks['world_size']}; first seen on rank(s) {first} "
+            f"(non-finite on rank(s) {seen}); every rank stopped at this step.")
