@@ -92,7 +92,8 @@ def test_trainer_callback_on_two_ranks_in_warn_mode(tmp_path):
                           str(out / "step00000003-rank0.nan")],
                          capture_output=True, text=True, timeout=120, cwd=HERE.parent)
     report = json.loads(rep.stdout)
-    assert report["reproduced"] is True and report["cause"] == "invalid"
+    # (the report in the message: this check failed twice in ~10 loaded runs, cause not yet seen)
+    assert report["reproduced"] is True and report["cause"] == "invalid", rep.stdout[-3000:]
     assert report["origin"]["op"] == "aten.div" and report["bundle"]["rank"] == 1
     assert report["event"]["step"] == 3
 
