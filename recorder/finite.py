@@ -62,8 +62,7 @@ def finite_flag(t: torch.Tensor, allow_inf: bool = False) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool, device=t.device)
     if t.is_complex():
         return ~(torch.isnan(t) if allow_inf else ~torch.isfinite(t)).any()
-    e = ends(t)
-    return ~torch.isnan(e).any() if allow_inf else torch.isfinite(e).all()
+    return pair_flag(ends(t), allow_inf)
 
 
 def finite(t: torch.Tensor, allow_inf: bool = False) -> bool:
