@@ -25,7 +25,7 @@ optimizer's own CPU ``step`` counters, which Adam does every step and which neve
 device, are left out). On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` warnings are counted
 too. Counting runs in separate steps so the wrappers never slow the timed ones.
 
-    python benchmarks/overhead.py [--models mlp,cnn,transformer] [--rounds N]
+    python benchmarks/overhead.py [--models mlp,cnn,transformer,mlp16] [--rounds N]
                                   [--device cpu|cuda] [--json out.json] [--quick]
                                   [--processes N] [--compile]
 
@@ -61,7 +61,7 @@ SEED = 1234
 DETECTORS = ("bare", "hooks", "anomaly", "debug_uo", "recorder")
 MODELS = ("mlp", "cnn", "transformer")
 # Timed rounds per model for a full CPU run (about 5-10 minutes on 2 cores in all).
-DEFAULT_ROUNDS = {"mlp": 600, "cnn": 120, "transformer": 80}
+DEFAULT_ROUNDS = {"mlp": 600, "cnn": 120, "transformer": 80, "mlp16": 3000}
 RATIO_TARGET = 1.05
 
 
@@ -192,6 +192,11 @@ def _mlp_batch(g, device):
             torch.randint(0, 10, (64,), generator=g).to(device))
 
 
+def _mlp16_batch(g, device):
+    return (torch.randn(4, 16, generator=g).to(device),
+            torch.randint(0, 10, (4,), generator=g).to(device))
+
+
 def _cnn_batch(g, device):
     return (torch.randn(32, 3, 32, 32, generator=g).to(device),
             torch.randint(0, 10, (32,), generator=g).to(device))
@@ -209,6 +214,10 @@ SPECS = {
     "transformer": ModelSpec("transformer", Transformer, _lm_batch,
                              "4-layer causal transformer, d=256, seq 128, batch 8, -inf mask",
                              flatten=True),
+    # opt-in (--models mlp16): the same MLP at width 16, batch 4, where the device work is
+    # next to nothing, so a detector's extra step time is its Python bookkeeping, in us
+    "mlp16": ModelSpec("mlp16", lambda: MLP(width=16), _mlp16_batch,
+                       "5-layer MLP, width 16, batch 4 (bookkeeping only)"),
 }
 
 
@@ -721,7 +730,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS),
-                    help="comma-separated subset of: " + ", ".join(MODELS))
+                    help="comma-separated subset of: " + ", ".join(SPECS) + " (mlp16: the MLP "
+                    "at width 16, batch 4, where a step is mostly Python; not in the default)")
     ap.add_argument("--detectors", default=",".join(DETECTORS),
                     help="comma-separated subset of: " + ", ".join(DETECTORS)
                     + " (bare is always run), and floor: a yardstick run only when named (the"
@@ -756,7 +766,7 @@ def main(argv=None) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in models if m not in SPECS]
     if bad:
-        ap.error(f"unknown model(s) {bad}; choose from {', '.join(MODELS)}")
+        ap.error(f"unknown model(s) {bad}; choose from {', '.join(SPECS)}")
     detectors = [d.strip() for d in args.detectors.split(",") if d.strip()]
     if args.baseline:
         TRAINERS["recorder_base"] = baseline_trainer(args.baseline)

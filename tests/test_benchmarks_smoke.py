@@ -107,6 +107,20 @@ def test_overhead_quick_mlp(tmp_path):
     check_verdicts(proc.stdout, data["results"])
 
 
+def test_overhead_bookkeeping_model_is_opt_in(tmp_path):
+    """``--models mlp16`` (the MLP at width 16, batch 4: a step of Python) runs beside the
+    floor; it is not among the default models."""
+    out = tmp_path / "overhead.json"
+    proc = _run([str(BENCH / "overhead.py"), "--quick", "--models", "mlp16", "--detectors",
+                 "recorder,floor", "--json", str(out)])
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["model"] == "mlp16" and "width 16, batch 4" in res["description"]
+    reads = {n: d["host_reads_per_step"] for n, d in res["detectors"].items()}
+    assert reads == {"bare": 0, "recorder": 1, "floor": 1}, reads
+    assert "| mlp16 | recorder |" in proc.stdout
+    assert "mlp16" not in overhead.MODELS
+
+
 def test_overhead_in_several_processes(tmp_path):
     out = tmp_path / "overhead.json"
     proc = _run([str(BENCH / "overhead.py"), "--quick", "--models", "mlp", "--detectors",
