@@ -17,6 +17,7 @@ import contextlib
 import re
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.finite import bad_rows, finite, kind_of
 
+from .compat import sequence_nr
 from .rerun import Runner
 from .source import traceback_source
 
@@ -77,8 +79,6 @@ def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
     """The first node to make a non-finite gradient from finite ones; ``batch_size`` (the
     batch's dim 0) to name the rows of its gradient."""
     found = BackwardOrigin()
-    labels: dict[Any, str] = {}
-    hooked: set[int] = set()
     handles: list = []
 
     def on_node(node, name):
@@ -96,29 +96,10 @@ def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
                 found.micro_batch = runner.micro_batch
         handles.append(node.register_hook(hook))
 
-    def label(outputs, name):
-        todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn]
-        while todo:
-            node = todo.pop()
-            if node is None or node in labels:
-                continue
-            labels[node] = name
-            if id(node) not in hooked:
-                hooked.add(id(node))
-                on_node(node, name)
-            todo.extend(n for n, _ in node.next_functions if n is not None)
-
-    def hooks(model):
-        hs = []
-        for name, m in model.named_modules():
-            def post(module, args, output, name=name):
-                label(list(tensor_leaves(output)), name)
-            hs.append(m.register_forward_hook(post))
-        return hs
-
+    labels = _NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
-    run = runner.run(instrument=False, hooks=hooks, forward_ctx=_anomaly,
-                     backward_ctx=_loss_labeller(runner, label))
+    run = runner.run(instrument=False, hooks=labels.hooks, forward_ctx=_anomaly,
+                     backward_ctx=_loss_labeller(runner, labels.label))
     for h in handles:
         h.remove()
     found.params = run.bad_grads
@@ -131,12 +112,67 @@ def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
     return found
 
 
+class _NodeLabels:
+    """Which module's forward made each autograd node: the innermost module whose call made
+    it. A module's call made the nodes behind its outputs that are newer than its inputs'
+    (node numbers grow as nodes are made); older ones it meets there were made by its
+    parent's own code (a custom ``autograd.Function`` applied between two layers, say) and
+    are left to the parent's call. ``on_new(node, name)`` runs once per node labelled."""
+
+    def __init__(self, on_new):
+        self.on_new = on_new
+        self.names: dict[Any, str] = {}
+        # per open module call: its inputs' newest node number, and the older nodes its
+        # children's calls stopped at
+        self.calls: list[tuple[int, list]] = []
+
+    def label(self, nodes, name: str, before: int = -1) -> list:
+        """Label the nodes behind ``nodes`` newer than node number ``before``; returns the
+        unlabelled older ones it stopped at."""
+        todo, stopped = list(nodes), []
+        while todo:
+            node = todo.pop()
+            if node is None or node in self.names:
+                continue
+            if sequence_nr(node) <= before:
+                stopped.append(node)
+                continue
+            self.names[node] = name
+            self.on_new(node, name)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+        return stopped
+
+    def hooks(self, model) -> list:
+        handles = []
+        for name, m in model.named_modules():
+            handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            handles.append(m.register_forward_hook(partial(self._post, name)))
+        return handles
+
+    def _pre(self, module, args, kwargs) -> None:
+        newest = [sequence_nr(n) for n in grad_fns(tensor_leaves([args, kwargs]))]
+        self.calls.append((max(newest, default=-1), []))
+
+    def _post(self, name: str, module, args, output) -> None:
+        before, pending = self.calls.pop() if self.calls else (-1, [])
+        stopped = self.label(grad_fns(tensor_leaves(output)) + pending, name, before)
+        if self.calls:
+            self.calls[-1][1].extend(stopped)
+        else:  # made before the model's forward (from its inputs): the root's, as before
+            self.label(stopped, name)
+
+
+def grad_fns(tensors) -> list:
+    """The autograd nodes that made ``tensors`` (those that have one)."""
+    return [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn]
+
+
 def _loss_labeller(runner: Runner, label):
     """The backward's context: labels the loss's autograd nodes ``<loss>`` just before backward
     runs, and keeps the forward traceback of nodes created during it."""
     @contextlib.contextmanager
     def ctx():
-        label(list(tensor_leaves(runner.last_loss)), "<loss>")
+        label(grad_fns(tensor_leaves(runner.last_loss)), "<loss>")
         # Nodes made during backward (reentrant checkpointing re-runs its blocks' forward
         # there) get their source line too; NaN must not raise before the hooks see it.
         with _anomaly(check_nan=False):

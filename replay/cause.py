@@ -67,10 +67,11 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence else None
     still = _float64_run(runner, phase, until, capture, micro_batch)
     if phase == "backward":
-        return _backward(node, still)
+        return _backward(node, still, _step_dtype(runner, micro_batch))
     if hit is None or hit.intentional or (hit.evidence is None and hit.inputs_finite):
         return (Cause("invalid", HINTS["loss" if phase == "loss" else "invalid"]) if still
-                else Cause("overflow", "the value is finite in float64: " + DO["wider"]))
+                else Cause("overflow", "the value is finite in float64: "
+                           + _wider(_step_dtype(runner, micro_batch))))
     if hit.evidence is None:
         return _from_infinities(hit)
     return _from_evidence(hit, capture, still)
@@ -218,7 +219,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
 
 
 def _wider(dtype: torch.dtype) -> str:
-    """What a wider type means from ``dtype``: float32 for the half types, else rescaling."""
+    """What a wider type means from ``dtype``: float32 for the half types, else rescaling or
+    float64."""
     return DO["wider"] if torch.finfo(dtype).bits < 32 else DO["wider64"]
 
 
@@ -271,7 +273,18 @@ def _from_infinities(hit: OpHit) -> Cause:
                  + DO["inf_arith"])
 
 
-def _backward(node: str | None, still: bool) -> Cause:
+def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
+    """The narrowest floating type the micro-batch computed in: its autocast type, else its
+    parameters' (when the blamed op's own dtype is not at hand)."""
+    mbs = runner.step.micro_batches
+    cast = (mbs[micro_batch].get("autocast") or {}) if micro_batch < len(mbs) else {}
+    dtypes = [getattr(torch, d) for d in cast.values() if isinstance(getattr(torch, d, None),
+                                                                     torch.dtype)]
+    dtypes += [p.dtype for p in runner.model.parameters() if p.is_floating_point()]
+    return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
+
+
+def _backward(node: str | None, still: bool, dtype: torch.dtype) -> Cause:
     op = node or "the backward node"
     m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     fn = f"the derivative of {m.group(1).lower()}" if m else "the derivative"
@@ -280,4 +293,4 @@ def _backward(node: str | None, still: bool) -> Cause:
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
                      "a norm at 0, log or a division at 0); " + DO["backward_pole"])
     return Cause("overflow", f"{op}'s gradient is too large for its dtype and finite in "
-                 "float64: " + DO["wider"])
+                 "float64: " + _wider(dtype))

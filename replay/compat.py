@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "writes_arguments",
+__all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "sequence_nr",
+           "writes_arguments",
            "set_parameter", "set_buffer", "remove_member"]
 
 
@@ -32,6 +33,11 @@ def version(t: torch.Tensor) -> int:
 
 
 _WRITES: dict[Any, bool] = {}
+
+
+def sequence_nr(node) -> int:
+    """An autograd node's creation number: nodes made later (in one thread) have larger ones."""
+    return node._sequence_nr()
 
 
 def writes_arguments(func) -> bool:

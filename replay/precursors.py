@@ -71,7 +71,11 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
     watched: dict[int, set[int]] = {}  # step -> layers with enough history to jump there
 
     def scan(values, kind, what, layer=None):
+        """A jump (a value ``factor`` times the median of those before) is one line, however
+        many steps stay above that after it (a learning rate set higher, a runaway growth):
+        the line says through which step and how far it went."""
         seen = []
+        run = None  # the jump the steps since have stayed above the median with
         for s, v in zip(steps, values):
             if event is not None and s > event:
                 break
@@ -79,10 +83,17 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
                 continue
             if len(seen) >= 2:
                 med = statistics.median(seen)
-                if med > 0 and v >= factor * med:
-                    out.append({"step": s, "kind": kind, "ratio": v / med, "layer": layer,
-                                "detail": f"{what} {v:.4g} is {v / med:.3g}x the median "
-                                          f"{med:.4g} of the {len(seen)} steps before"})
+                if med > 0 and v >= factor * med and run is not None:
+                    run["more"], run["through"] = run["more"] + 1, s
+                    run["top"] = max(run["top"], v / med)
+                elif med > 0 and v >= factor * med:
+                    run = {"step": s, "kind": kind, "ratio": v / med, "layer": layer,
+                           "detail": f"{what} {v:.4g} is {v / med:.3g}x the median "
+                                     f"{med:.4g} of the {len(seen)} steps before",
+                           "more": 0, "through": s, "top": v / med}
+                    out.append(run)
+                else:
+                    run = None
                 if layer is not None:
                     watched.setdefault(s, set()).add(layer)
             seen.append(abs(v))
@@ -104,6 +115,8 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
                                 "detail": f"absmax of {layer} is {v:.4g}, past half the "
                                           f"float16 maximum {FP16_MAX:g}"})
                     break
+    for p in out:
+        p["detail"] += _held(p)
     out = _one_line_per_jump(out, hist, watched)
     out.sort(key=lambda p: (p["step"], p["kind"]))
     return [{k: p[k] for k in ("step", "kind", "detail")} for p in out]
@@ -145,5 +158,14 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
                       f"layer{'s' if len(group) > 2 else ''} after it followed ("
                       + ", ".join(hist["layers"][p["layer"]] or "<root>" for p in group[1:4])
                       + (", ..." if len(group) > 4 else "") + ")")
-        keep.append({"step": s, "kind": "absmax_jump", "detail": detail})
+        keep.append({"step": s, "kind": "absmax_jump", "detail": detail + _held(first)})
     return keep
+
+
+def _held(p: dict[str, Any]) -> str:
+    """How long a jump's steps stayed above the median after it, for its line."""
+    more = p.get("more", 0)
+    if not more:
+        return ""
+    top = f", up to {p['top']:.3g}x" if p["top"] > p["ratio"] else ""
+    return f"; above it through step {p['through']} ({more} more step{'s' if more > 1 else ''}{top})"

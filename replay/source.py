@@ -22,17 +22,29 @@ OP_ERROR = "nanreplay_op_error"
 
 
 def user_source(stack=None) -> str | None:
-    """``file:line`` of the innermost frame that is neither torch nor nanreplay.
+    """``file:line`` of the innermost frame that is neither torch nor nanreplay (see
+    :func:`_first_user`), from the current stack or ``stack``."""
+    frames = stack if stack is not None else traceback.extract_stack()
+    return _first_user((fr.filename, fr.lineno) for fr in reversed(frames))
+
+
+def traceback_source(text: str) -> str | None:
+    """``file:line`` of the innermost user frame in a formatted traceback (an autograd node's
+    forward traceback, as anomaly mode keeps it)."""
+    return _first_user((path, line) for path, line in reversed(_FRAME.findall(text)))
+
+
+def _first_user(frames) -> str | None:
+    """The first of ``(file, line)`` frames, innermost first, that is the user's.
 
     Walking out from the op: the watcher's own frames, then torch's; the first other frame is
     the user's code that called into torch. Reaching a frame of nanreplay instead means the
-    replay itself called torch there (``optimizer.step()`` of a built-in optimizer): no user
-    line made the op, and the replay's callers (a test, the CLI) are not it either.
+    replay itself called torch there (a model built of torch's modules only, ``optimizer.step()``
+    of a built-in optimizer): no user line made the op, and the replay's callers (the CLI,
+    click, a test) are not it either.
     """
-    frames = stack if stack is not None else traceback.extract_stack()
     left_own = False
-    for fr in reversed(frames):
-        f = fr.filename
+    for f, line in frames:
         if f.startswith(_OWN_DIRS):
             if left_own:
                 return None
@@ -42,17 +54,7 @@ def user_source(stack=None) -> str | None:
             continue
         if os.sep + "contextlib.py" in f or os.sep + "threading.py" in f:
             continue
-        return f"{short_path(f)}:{fr.lineno}"
-    return None
-
-
-def traceback_source(text: str) -> str | None:
-    """``file:line`` of the innermost user frame in a formatted traceback (an autograd node's
-    forward traceback, as anomaly mode keeps it)."""
-    for path, line in reversed(_FRAME.findall(text)):
-        if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIRS) or path.startswith("<"):
-            continue
-        return f"{short_path(path)}:{line}"
+        return f"{short_path(f)}:{line}"
     return None
 
 

@@ -283,3 +283,43 @@ class NaiveBCE(nn.Module):
 
 def make_naive_bce() -> dict:
     return {"model": nn.Linear(D_IN, 1), "loss_fn": NaiveBCE()}
+
+
+def make_tanh_regressor() -> nn.Module:
+    """PyTorch's own modules only, float32: a regressor whose learning rate a bad schedule
+    multiplies by 2000, so its weights and gradients grow until backward overflows."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 1))
+
+
+class _Sqrt(torch.autograd.Function):
+    """A hand-written sqrt whose backward forgets the pole at 0 (a custom op's usual bug)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.sqrt()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad / (2 * y)  # BUG: 1/0 where the input was 0
+
+
+class CustomFunctionNet(nn.Module):
+    """The custom function is applied by this module's own code, between two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN, bias=False)  # a zero input row stays zero
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(_Sqrt.apply(self.lin(x) ** 2))
+
+
+def make_custom_function_net() -> nn.Module:
+    torch.manual_seed(0)
+    return CustomFunctionNet()

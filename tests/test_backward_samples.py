@@ -75,6 +75,19 @@ def zero_rows(rows, n: int = R.BATCH, step: int = K):
     return batches
 
 
+def test_a_custom_function_applied_by_the_parent_is_the_parents(tmp_path):
+    """A custom ``autograd.Function`` whose backward divides by 0, applied by the root's own
+    code between two layers: its node is the root's (the next layer's walk back through the
+    graph stops at the nodes older than its input), with the zero row as the sample."""
+    err = train(C, "make_custom_function_net", zero_rows([5]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, step=K, phase="backward", module="", op="_SqrtBackward", samples=[5],
+          cause="invalid", reproduced=True)
+    line = next(i for i, text in enumerate((HERE / "cause_models.py").read_text().splitlines(), 1)
+                if "_Sqrt.apply(self.lin(x)" in text)
+    assert rep["origin"]["source"] == f"cause_models.py:{line}", rep["origin"]
+
+
 def test_where_gradient_trap_names_its_row(tmp_path):
     """torch.where(h² > 0, log(h²), 0): finite forward; backward sends 0 into log's
     derivative 1/x at x = 0, which is 0/0 (LogBackward0), for the zero row only."""

@@ -224,6 +224,37 @@ def test_autocast_float16_overflow_says_float32_holds_it(tmp_path):
     assert "compute this op in float32 (outside autocast" in hint, hint
 
 
+def test_float32_backward_overflow_after_a_learning_rate_jump(tmp_path):
+    """A float32 model of PyTorch's modules whose schedule multiplies the learning rate by
+    2000: backward overflows a few steps later. float64 holds the gradient, and the model is
+    float32 already, so the hint is rescaling or float64 (not "compute it in float32"); no
+    line of the user's made the node (the replay's own callers are not named); the jump is
+    one precursor line, however many steps it lasts."""
+    model = C.make_tanh_regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 20 else 2000.0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 8, generator=g)
+    y = (x ** 2).sum(1, keepdim=True)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory="cause_models:make_tanh_regressor"):
+            for _ in range(200):
+                idx = torch.randint(0, 512, (32,), generator=g)
+                loss = ((model(x[idx]) - y[idx]) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["origin"]["phase"], rep["cause"], rep["reproduced"]) == \
+        ("backward", "overflow", True), json.dumps(rep, indent=1)
+    assert "float64" in rep["hint"] and "in float32" not in rep["hint"], rep["hint"]
+    assert rep["origin"]["source"] is None, rep["origin"]
+    jumps = [p for p in rep["precursors"] if p["kind"] == "lr_jump"]
+    assert [p["step"] for p in jumps] == [20], rep["precursors"]
+    assert f"through step {rep['event']['step']}" in jumps[0]["detail"], jumps
+
+
 # ---------------------------------------------------------------------------------------------
 # underflow
 

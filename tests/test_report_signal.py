@@ -133,6 +133,19 @@ def test_a_gradient_jump_of_the_same_step_does_not_hide_the_batch():
     assert pre[0]["detail"].startswith("the input batch's absmax jumped 100x (seen at a")
 
 
+def test_a_level_held_or_a_runaway_growth_is_one_line():
+    """A learning rate set 2000x higher and kept there, and a gradient norm growing 100x a
+    step: each is one line at the step it began, saying how long and how far it went."""
+    n = 8
+    lr = [0.01] * 4 + [20.0] * (n - 4)
+    grad = [1.0] * 5 + [100.0 ** k for k in range(1, n - 4)]
+    pre = find_precursors(_hist(["a"], [[1]] * n, lr=lr, grad=grad))
+    assert [(p["step"], p["kind"]) for p in pre] == [(4, "lr_jump"), (5, "grad_norm_jump")], pre
+    assert pre[0]["detail"] == ("learning rate 20 is 2e+03x the median 0.01 of the 4 steps "
+                                "before; above it through step 7 (3 more steps)")
+    assert pre[1]["detail"].endswith("; above it through step 7 (2 more steps, up to 1e+06x)")
+
+
 def test_a_single_layer_jump_keeps_its_own_line():
     pre = find_precursors(_hist(["a", "b"], [[1, 1], [1, 1], [1, 1], [1, 80]]))
     assert pre == [{"step": 3, "kind": "absmax_jump",
