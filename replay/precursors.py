@@ -145,8 +145,10 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
         every = {p["layer"] for p in group} >= watched.get(s, set())
         at = steps.index(s) if s in steps else None
         # the update of the step before wrote the weights this forward used
+        # (or a jump held since: a learning rate set higher and kept there)
+        before = steps[at - 1] if at else None
         near = [q for q in out if q["kind"] in ("lr_jump", "grad_norm_jump")
-                and at is not None and q["step"] in steps[max(0, at - 1):at]]
+                and before is not None and q["step"] <= before <= q.get("through", q["step"])]
         if every and order and first["layer"] == order[0] and not near:
             detail = (f"the input batch's absmax jumped {first['ratio']:.3g}x (seen at {name}, "
                       f"the first layer called); every layer followed ({len(group)} layers)")

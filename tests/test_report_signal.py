@@ -146,6 +146,16 @@ def test_a_level_held_or_a_runaway_growth_is_one_line():
     assert pre[1]["detail"].endswith("; above it through step 7 (2 more steps, up to 1e+06x)")
 
 
+def test_a_jump_while_a_raised_learning_rate_holds_is_not_blamed_on_the_batch():
+    """The learning rate went 50x up at step 3 and stayed there (one line): every layer's jump
+    at step 5 follows updates made with it, not the batch."""
+    rows = [[1, 1, 1]] * 5 + [[100, 100, 100]]
+    lr = [0.1] * 3 + [5.0] * 3
+    pre = find_precursors(_hist(["a", "b", "c"], rows, lr=lr))
+    assert [(p["step"], p["kind"]) for p in pre] == [(3, "lr_jump"), (5, "absmax_jump")], pre
+    assert pre[1]["detail"] == "absmax of a jumped 100x; every layer followed (3 layers)"
+
+
 def test_a_single_layer_jump_keeps_its_own_line():
     pre = find_precursors(_hist(["a", "b"], [[1, 1], [1, 1], [1, 1], [1, 80]]))
     assert pre == [{"step": 3, "kind": "absmax_jump",
