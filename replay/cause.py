@@ -44,6 +44,7 @@ from . import domains
 from .cause_text import DO, HINTS
 from .domains import g as _g
 from .errors import StopRun
+from .load import autocast_dtype
 from .ops import Evidence, Float64, OpAt, OpHit
 from .rerun import Runner
 
@@ -277,9 +278,8 @@ def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
     """The narrowest floating type the micro-batch computed in: its autocast type, else its
     parameters' (when the blamed op's own dtype is not at hand)."""
     mbs = runner.step.micro_batches
-    cast = (mbs[micro_batch].get("autocast") or {}) if micro_batch < len(mbs) else {}
-    dtypes = [getattr(torch, d) for d in cast.values() if isinstance(getattr(torch, d, None),
-                                                                     torch.dtype)]
+    cast = autocast_dtype(mbs[micro_batch]) if micro_batch < len(mbs) else None
+    dtypes = [cast] if cast is not None else []
     dtypes += [p.dtype for p in runner.model.parameters() if p.is_floating_point()]
     return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 

@@ -431,13 +431,18 @@ def rng_state(step: Step) -> dict[str, Any] | None:
     return rng_from_bundle(step.meta["rng"], step.tensors)
 
 
+def autocast_dtype(mb: dict[str, Any]) -> torch.dtype | None:
+    """The autocast type the micro-batch ran under, None when it ran without autocast."""
+    rec = mb.get("autocast") or {}
+    return getattr(torch, next(iter(rec.values()))) if rec else None
+
+
 @contextlib.contextmanager
 def autocast_as_recorded(mb: dict[str, Any], device: torch.device):
     """Re-enter the autocast region the micro-batch ran under (on the replay device)."""
-    rec = mb.get("autocast") or {}
-    if not rec:
+    dtype = autocast_dtype(mb)
+    if dtype is None:
         yield
         return
-    dtype = getattr(torch, next(iter(rec.values())))
     with torch.autocast(device_type=device.type, dtype=dtype):
         yield
