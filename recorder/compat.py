@@ -47,6 +47,17 @@ def version(t: torch.Tensor) -> int:
     return t._version
 
 
+def sparse_values(t: torch.Tensor) -> torch.Tensor:
+    """The specified values of a sparse tensor (COO: uncoalesced, no copy)."""
+    return t._values() if t.layout == torch.sparse_coo else t.values()
+
+
+def sparse_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dim-0 index, value) of each specified element of a sparse COO tensor, coalesced."""
+    t = t.coalesce()
+    return t._indices()[0], t._values()
+
+
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of (``t._base``), None when it is no view."""
     return t._base

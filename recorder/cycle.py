@@ -26,7 +26,7 @@ import torch
 from .alarm import Alarm
 from .buffers import BufferSnapshots
 from .capture import RngCapture
-from .compat import scaler_scale, scaler_token
+from .compat import scaler_scale, scaler_token, version_of
 from .errors import NonFiniteError
 from .grads import reread_changed_grads, small_param_norms
 from .hooks import Health
@@ -123,6 +123,8 @@ class StepCycle:
         tape = Tape(self.step, self._capture_rng(), token, slots)
         tape.evaluation = evaluation
         tape.params_from_update = self.updated
+        if self.target.unowned:  # (none, the usual case: the optimizer holds every one)
+            tape.unowned_versions = [version_of(p) for _, p in self.target.unowned]
         if not evaluation:  # the next training step's weights still come from that update
             self.updated = False
         self.buffers.snapshot()
@@ -268,7 +270,7 @@ class StepCycle:
         # Indices into the row are resolved only when a row is decoded (events, export).
         layout.raw = (list(tape.calls), list(tape.loss), sorted(tape.grad_norms.items()),
                       sorted(tape.param_norms.items()), (0, s + u, s + u + g, s + u + g + n),
-                      updates, s)
+                      updates, s, list(tape.out_grad_norms))
         return layout, pieces, (s + u, g, n)
 
     def _fill_probe(self, full: torch.Tensor, row: torch.Tensor, checked: int, start: int,

@@ -18,6 +18,7 @@ import torch
 from .capture import batch_path, flatten_tree, loss_path
 from .finite import (
     bad_rows,
+    finite,
     first_bad_rows,
     flags_kind,
     has_nan,
@@ -88,6 +89,9 @@ class StepEvidence:
     strict_inf: bool = True
     params_from_update: bool = False  # an optimizer step ran since the previous step
     calls: list[dict[str, Any]] = field(default_factory=list)  # decoded, completion order
+    # parameters changed during the step, after the forward read them (another optimizer's
+    # step()): what they hold now is no evidence of what the step ran with
+    changed: set[int] = field(default_factory=set)
     overflowed: bool = False  # some non-finite norm was an overflow of finite values
 
     def really_bad(self, pairs: list[tuple[int, int]], grads: bool) -> list[int]:
@@ -100,7 +104,7 @@ class StepEvidence:
             for i in bad:
                 # (a DTensor's local shard: its own isfinite().all() would be a collective)
                 t = local(self.param_tensors[i].grad if grads else self.param_tensors[i])
-                if t is None or not bool(torch.isfinite(t.detach()).all()):
+                if t is None or not finite(t.detach()):
                     really.append(i)
         self.overflowed |= len(really) < len(bad)
         return really
@@ -153,12 +157,12 @@ def _update_event(ev: StepEvidence) -> Event | None:
 def _weights_event(ev: StepEvidence) -> Event | None:
     """Weights already non-finite when the step began (not made by the last update)."""
     layout, tape = ev.layout, ev.tape
-    really = ev.really_bad(layout.params, grads=False)
+    really = [i for i in ev.really_bad(layout.params, grads=False) if i not in ev.changed]
     bad_input = any(d["module"] == 0 and not d["inputs_finite"] for d in ev.calls)
     if ev.param_tensors is not None and not bad_input:
         # weights whose norms the step did not record: read them (bad data, when there is
         # some, is blamed first: it is certain, and another thread may be updating weights)
-        recorded = {i for i, _ in layout.params}
+        recorded = {i for i, _ in layout.params} | ev.changed
         really += [i for i, p in enumerate(ev.param_tensors) if i not in recorded
                    and p.is_floating_point()
                    and not bool(torch.isfinite(local(p).detach()).all())]
@@ -258,11 +262,33 @@ def _loss_event(ev: StepEvidence) -> Event | None:
 def _backward_event(ev: StepEvidence) -> Event | None:
     really = ev.really_bad(ev.layout.grads, grads=True)
     if not really:
-        return None
+        return _output_grad_event(ev)
     bad = [ev.param_names[i] for i in really]
     return Event(ev.tape.step, phase="backward", params=bad,
                  kind=ev.kind(really, ev.layout.grads, grads=True),
                  detail=f"non-finite gradient in {len(bad)} parameter(s), first {bad[0]}")
+
+
+def _output_grad_event(ev: StepEvidence) -> Event | None:
+    """Every parameter's gradient is finite, but the one backward brought to a root output is
+    not: a loss computed where the recorder cannot see it (``log`` of a ReLU output that is 0,
+    whose gradient ReLU then masks) that trains on while its value is non-finite."""
+    for mb_i, i, k in ev.layout.out_grads:
+        if math.isfinite(ev.row[k]):
+            continue
+        grad = ev.tape.micro_batches[mb_i].out_grads.get(i)
+        if grad is not None and bool(torch.isfinite(grad).all()):
+            ev.overflowed = True  # a huge but finite gradient whose squared norm overflowed
+            continue
+        event = Event(ev.tape.step, phase="backward", micro_batch=mb_i,
+                      tensor="grad of the model output" + (f" [{i}]" if i else ""),
+                      kind="inf" if grad is None else kind_of(grad) or "inf",
+                      samples=[] if grad is None else bad_rows(grad))
+        event.detail = (f"non-finite gradient entering the model output (micro-batch {mb_i}) "
+                        "while every parameter's gradient is finite: the loss, computed "
+                        "outside the recorder, is non-finite")
+        return event
+    return None
 
 
 def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str]):

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
+from .compat import sparse_rows, sparse_values
+
 KINDS = ("nan", "+inf", "-inf")
 LABELS = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf", "inf": "Inf", "scale": "AMP scale"}
 
@@ -27,15 +29,24 @@ def matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _checkable(t: torch.Tensor) -> bool:
-    return (t.is_floating_point() or t.is_complex()) and t.numel() > 0
+def checkable(t: torch.Tensor) -> bool:
+    """A floating (or complex) tensor with values to check: dense and non-empty, or sparse
+    with specified values."""
+    return (t.is_floating_point() or t.is_complex()) and t.numel() > 0 and (
+        t.layout == torch.strided or stored(t).numel() > 0)
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """The values a tensor stores: itself, or a sparse tensor's specified values (a sparse
+    gradient of ``nn.Embedding(sparse=True)``; its implicit zeros are finite)."""
+    return t if t.layout == torch.strided else sparse_values(t)
 
 
 def ends(t: torch.Tensor) -> torch.Tensor:
     """(min, max) of a real floating tensor as a float64 pair, on its device. NaN propagates
     into both and +-Inf shows as an extreme, so the pair tells every kind in one reduction
     pass, where ``isfinite(t).all()`` takes a full-size temporary (and, on CPU, longer)."""
-    return torch.stack(torch.aminmax(t.detach())).double()
+    return torch.stack(torch.aminmax(stored(t.detach()))).double()
 
 
 def pair_kind(lo: float, hi: float) -> str | None:
@@ -58,21 +69,22 @@ def pair_ok(lo: float, hi: float, allow_inf: bool = False) -> bool:
 
 def finite_flag(t: torch.Tensor, allow_inf: bool = False) -> torch.Tensor:
     """:func:`finite` as a 0-d bool tensor on ``t``'s device (no host read)."""
-    if not _checkable(t):
+    if not checkable(t):
         return torch.ones((), dtype=torch.bool, device=t.device)
     if t.is_complex():
+        t = stored(t)
         return ~(torch.isnan(t) if allow_inf else ~torch.isfinite(t)).any()
     return pair_flag(ends(t), allow_inf)
 
 
 def finite(t: torch.Tensor, allow_inf: bool = False) -> bool:
     """No NaN/Inf in ``t`` (no NaN, with ``allow_inf``); True for non-floating tensors."""
-    return not _checkable(t) or bool(finite_flag(t, allow_inf))
+    return not checkable(t) or bool(finite_flag(t, allow_inf))
 
 
 def kind_of(t: torch.Tensor) -> str | None:
     """The kind ``t`` holds (NaN first), None when finite or not floating."""
-    if not _checkable(t):
+    if not checkable(t):
         return None
     if t.is_complex():
         t = torch.view_as_real(t)
@@ -87,8 +99,14 @@ def tensors_kind(tensors: Iterable[torch.Tensor]) -> str | None:
 
 def bad_rows(t: torch.Tensor) -> list[int]:
     """Indices along dim 0 holding a non-finite value (a 0-d tensor: ``[0]`` if it is)."""
-    if not _checkable(t):
+    if not checkable(t):
         return []
+    if t.layout == torch.sparse_coo:  # the rows of the specified values that are not finite
+        rows, values = sparse_rows(t.detach())
+        bad = ~torch.isfinite(values).reshape(values.shape[0], -1).all(dim=1)
+        return rows[bad].unique().tolist()
+    if t.layout != torch.strided:
+        t = t.to_dense()
     bad = ~torch.isfinite(t.detach())
     if t.dim() == 0:
         return [0] if bool(bad) else []
@@ -122,4 +140,4 @@ def flags_kind(nan: bool, posinf: bool, neginf: bool) -> str | None:
 
 def has_nan(t: torch.Tensor) -> bool:
     """``t`` holds a NaN (the one non-finite value every policy counts); False if not floating."""
-    return _checkable(t) and bool(torch.isnan(t.detach()).any())
+    return checkable(t) and bool(torch.isnan(t.detach()).any())

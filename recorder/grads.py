@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .compat import version
+from .finite import checkable, stored
 from .shards import local
 from .slots import GRAD, STRICT
 from .tape import Tape
@@ -20,13 +21,13 @@ def small_param_norms(tape: Tape, target: Target, param_norms: bool) -> None:
     """Squared norms of the small parameters' gradients (and weights), two foreach calls."""
     params = target.params
     idx = [i for i in target.small if i not in tape.grad_norms
-           and params[i][1].grad is not None and params[i][1].grad.layout == torch.strided]
+           and params[i][1].grad is not None and checkable(params[i][1].grad)]
     if not idx:
         return
     tensors = [params[i][1] for i in idx]
     with tape.lock:
         tape.grad_norms.update(zip(idx, tape.slots.sq_norms(
-            [local(p.grad).detach() for p in tensors], GRAD)))
+            [stored(local(p.grad)).detach() for p in tensors], GRAD)))
         if param_norms:
             tape.param_norms.update(zip(idx, tape.slots.sq_norms(
                 [local(p).detach() for p in tensors], STRICT)))
@@ -44,8 +45,12 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
     # the one still in cache
     for i, p in reversed(target.large):
         grad = p.grad
-        if grad is None or grad.layout is not strided:
+        if grad is None:
             continue
+        if grad.layout is not strided:  # a sparse one (nn.Embedding(sparse=True)): its values
+            if not checkable(grad):
+                continue
+            grad = stored(grad)
         if every or seen.get(i) != (id(grad), version(grad)):
             idx.append(i)
             grads.append(local(grad).detach() if grad.requires_grad else local(grad))

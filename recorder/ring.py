@@ -41,15 +41,19 @@ class StepLayout:
     # update of step ``update_step`` (None: no update since the previous step)
     updates: list[tuple[int, int]] = field(default_factory=list)
     update_step: int | None = None
+    # (micro-batch, output index, squared norm) of the gradient backward brought to each
+    # root output
+    out_grads: list[tuple[int, int, int]] = field(default_factory=list)
     length: int = 0
-    # (tape calls, loss, grad refs, param refs, offsets, update refs, update offset):
+    # (tape calls, loss, grad refs, param refs, offsets, update refs, update offset,
+    #  output-gradient refs):
     # list-relative refs, resolved into the fields above by materialize() when decoded
     raw: tuple | None = None
 
     def materialize(self) -> StepLayout:
         if self.raw is None:
             return self
-        calls, loss, grads, params, off, updates, u_off = self.raw
+        calls, loss, grads, params, off, updates, u_off, out_grads = self.raw
         self.raw = None
         self.updates = [(i, u_off + ref[1]) for i, ref in updates]
 
@@ -63,6 +67,7 @@ class StepLayout:
         self.loss = [(mb, r(a), r(b)) for mb, a, b in loss]
         self.grads = [(i, r(ref)) for i, ref in grads]
         self.params = [(i, r(ref)) for i, ref in params]
+        self.out_grads = [(mb, i, r(ref)) for mb, i, ref in out_grads]
         return self
 
 

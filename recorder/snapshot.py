@@ -95,12 +95,17 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     (their pre-step values)."""
     params = src.target.params
     meta["params"] = [n for n, _ in params]
+    changed = src.target.changed_in_step(tape) if tape is not None else []
+    if changed:  # (not by the recorded optimizer, whose step has not run): their new values
+        meta["changed_in_step"] = [params[i][0] for i in changed]
     for name, p in params:
         w = guard["weights"].get(name, p) if guard else p
         tensors[f"weights/{name}"] = w.detach()
         g = guard["grads"].get(name) if guard else p.grad
         if g is not None:
-            tensors[f"grads/{name}"] = g.detach()
+            # a sparse gradient (nn.Embedding(sparse=True)) is stored dense: the weight beside
+            # it is as large, and its zeros compress to next to nothing
+            tensors[f"grads/{name}"] = (g if g.layout == torch.strided else g.to_dense()).detach()
     meta["buffers"] = []
     for name, b in src.target.buffers:
         # the copy from the last step start at which the buffer had changed is its pre-step

@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch import nn
 
-from .compat import is_norm_layer
+from .compat import is_norm_layer, version_of
 from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .finite import matches
 from .ranks import Agreement
@@ -115,9 +115,13 @@ class Target:
         batched = set(self.small)
         self.large = [(i, p) for i, (_, p) in enumerate(self.params)
                       if p.requires_grad and i not in batched]
-        self.update_small, self.update_large = [], []
+        self.update_small, self.update_large, self.unowned = [], [], []
         if opt is not None:  # the weights an update writes (see recorder.guard)
             held = {id(p) for g in opt.param_groups for p in g["params"]}
+            # trained parameters the optimizer does not hold: another optimizer's (a
+            # SparseAdam beside Adam) may update them before this one's step closes the step
+            self.unowned = [(i, p) for i, (_, p) in enumerate(self.params)
+                            if p.requires_grad and id(p) not in held]
             mine = [(i, p) for i, (_, p) in enumerate(self.params)
                     if id(p) in held and p.is_floating_point() and p.layout == torch.strided]
             few = [(i, p) for i, p in mine if p.numel() < _SMALL]
@@ -135,9 +139,16 @@ class Target:
         self.small: list[int] = []
         self.update_large: list[tuple[int, torch.Tensor]] = []
         self.update_small: list[tuple[int, torch.Tensor]] = []
+        self.unowned: list[tuple[int, torch.Tensor]] = []
         self.allowed_buffers: dict[int, weakref.ref] = {}
         self.norm_buffers: set[str] = set()
         self.ranks: Agreement | None = None
+
+    def changed_in_step(self, tape) -> list[int]:
+        """Indices of the trained parameters the optimizer does not hold that changed in place
+        since ``tape``'s step began (another optimizer's ``step()``, an in-place edit)."""
+        return [i for (i, p), v in zip(self.unowned, tape.unowned_versions)
+                if v is not None and version_of(p) != v]
 
     def device(self) -> torch.device:
         return self.params[0][1].device if self.params else torch.device("cpu")

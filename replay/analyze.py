@@ -49,6 +49,9 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     rewind window, its re-run (which makes an optimizer event replayable); ``tries`` are the
     ``--try`` what-ifs, run after the analysis whose cause ``auto`` reads."""
     report = base_report(step)
+    changed = step.meta.get("changed_in_step")
+    if changed:
+        report["problems"].append(fidelity.changed_note(changed))
     report = _from_bundle(report, step) or _from_rerun(report, step)
     add_window(step, report)
     o = report["origin"]
@@ -79,6 +82,14 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         return finish(report, input_origin(step), "input", reproduced=True)
     bad_weights = non_finite_weights(step)
     after_update = _after_update(step)
+    changed = set(step.meta.get("changed_in_step") or ())
+    if bad_weights and not after_update and set(bad_weights) <= changed:
+        # non-finite only after the step's forward ran (another optimizer's step() wrote
+        # them from this step's gradients): not what the step ran with, so nothing to re-run
+        return recorded_origin(report, step, (
+            "the step cannot be re-run as it ran, since the bundle holds weights written after "
+            "its forward: the origin above is what the recorder saw; call the recorded "
+            "optimizer's step() before the other one's (see the note) and record again"))
     if bad_weights and not after_update:
         return report_weights(report, step, bad_weights)
     if after_update and (bad_weights or "weights" in step.stripped):
@@ -119,9 +130,11 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     report["fidelity"] = fid = fidelity.compare(step, run1)
     if fid is not None and not fid["matches"]:
         # what the re-run shows is of another model: nothing it finds is evidence
+        what = ("its weights are not those the step ran with" if fid.get("changed") else
+                "the factory builds a different model")
         return recorded_origin(report, step, (
-            "the factory builds a different model, so the re-run says nothing about training: "
-            "the origin above is what the recorder saw; see the fidelity line"))
+            f"{what}, so the re-run says nothing about training: the origin above is what the "
+            "recorder saw; see the fidelity line"))
     origin = run1.forward_origin()
     if not _strict(step) and run1.chain()[2]:  # the event's infinity came in with the batch
         return finish(report, input_origin(step), "input", reproduced=True)

@@ -54,6 +54,7 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
     if found is None:
         return None
     found["basis"] = "event step" if rows else "earlier steps"
+    found["changed"] = list(meta.get("changed_in_step") or []) or None
     return found
 
 
@@ -164,8 +165,25 @@ def describe(fid: dict[str, Any]) -> str:
     else:
         what = "ran in the re-run but is not in the recorded model"
     after = f", after {fid['calls']} call(s) that agree" if fid["calls"] else ""
-    return (f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}{after}: "
-            "the factory builds a different model than the "
-            "one recorded (it cannot see run-time configuration: command-line flags, globals, "
-            "config files); record with FlightRecorder(..., factory_kwargs={...}) or pass "
-            "--factory-kwargs '{...}' so it builds the same one")
+    head = f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}{after}: "
+    if fid.get("changed"):
+        return head + _changed_params(fid["changed"]) + " changed during the step (see the note)"
+    return head + ("the factory builds a different model than the one recorded (it cannot see "
+                   "run-time configuration: command-line flags, globals, config files); record "
+                   "with FlightRecorder(..., factory_kwargs={...}) or pass --factory-kwargs "
+                   "'{...}' so it builds the same one")
+
+
+def changed_note(names: list[str]) -> str:
+    """The note for trained parameters that changed in place during the recorded step, before
+    the recorded optimizer's ``step()`` (the recorder's ``changed_in_step``)."""
+    return (f"{_changed_params(names)}, which the recorded optimizer does not hold, changed "
+            "during the step before its step() ran (another optimizer's step(), an in-place "
+            "edit): the bundle holds their new values, not those the step's forward used, so "
+            "the re-run may differ; call the recorded optimizer's step() first, or record the "
+            "optimizer that updates them")
+
+
+def _changed_params(names: list[str]) -> str:
+    more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+    return ("parameter " if len(names) == 1 else "parameters ") + ", ".join(names[:3]) + more

@@ -141,6 +141,10 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["problems"].append(
             "feeding the recorded output gradient through the model's backward did not give "
             "the recorded non-finite parameter gradients back")
+    elif not fields["params"]:
+        report["problems"].append(
+            "every parameter's gradient stayed finite: the model's backward drops those "
+            "entries (a ReLU at 0, a mask), so training went on while the loss was non-finite")
     report["hint"] = outside.replayable_loss_hint(step)
     return report
 

@@ -61,7 +61,10 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
     got = feed(runner, grads)
     recorded = [k.split("/", 1)[1] for k, t in step.tensors.items()
                 if k.startswith("grads/") and not finite(t)]
-    reproduced = bool(got) and (set(got) == set(recorded) if recorded else True)
+    if recorded or step.event.get("params"):
+        reproduced = bool(got) and (set(got) == set(recorded) if recorded else True)
+    else:  # the event was that gradient itself, every parameter's staying finite: as recorded
+        reproduced = not got
     mb, j = bad[0]
     g = grads[mb][j]
     n_out = len(grads[mb])

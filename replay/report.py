@@ -74,8 +74,17 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  origin     {o['phase']}: {o['detail']}")
         if o.get("positions"):
             n = o["positions"]
+            mb = f", micro-batch {o['micro_batch']}" if o.get("micro_batch") else ""
             lines.append(f"  entered    {made} in {n['non_finite']} of {n['of']} elements of the "
-                         f"recorded {o.get('tensor') or 'gradient'}")
+                         f"recorded {o.get('tensor') or 'gradient'}{mb}")
+    elif o.get("phase") and not o.get("op") and o.get("module") is None \
+            and o["phase"] not in ("input", "weights", "optimizer"):
+        # what the recorder saw, with no op or module to name (nothing re-run says more)
+        params = o.get("params") or []
+        more = f" (+{len(params) - 1} more)" if len(params) > 1 else ""
+        thing = (f"the gradient of {params[0]}{more}" if params else
+                 f"the {o['tensor']}" if o.get("tensor") else "a value no check names")
+        lines.append(f"  origin     {o['phase']}: {made} in {thing}")
     elif o.get("phase"):
         op = f"{o['op']} in " if o.get("op") else ""
         fin = ", inputs finite" if o.get("inputs_finite") else ""

@@ -583,6 +583,30 @@ def test_model_error_spanning_lines_gives_one_line(toy, tmp_path, monkeypatch):
     sys.modules.pop(name, None)
 
 
+def test_a_kilobytes_long_model_error_is_cut(toy, tmp_path, monkeypatch):
+    """torch's dispatcher errors ("Could not run 'aten::aminmax' with arguments from the
+    'SparseCPU' backend ... only available for these backends: [CPU, CUDA, ...]") run to
+    kilobytes: the line keeps their first 300 characters."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    name = f"raising_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import toy_model\n\n"
+        "class Boom(toy_model.Classifier):\n"
+        "    def forward(self, x):\n"
+        "        raise NotImplementedError('no kernel for this backend: ' + 'Backend, ' * 900)\n\n"
+        "def make_model():\n    return Boom()\n")
+    b = with_factory(toy, tmp_path / "b" / "boom.nan", f"{name}:make_model")
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(run(b))
+    assert line.startswith("nanreplay: replay failed (NotImplementedError: no kernel for this "
+                           "backend: Backend, Backend,"), line
+    assert line.endswith("...); re-run with --debug for the traceback"), line
+    assert len(line) == len("nanreplay: replay failed (NotImplementedError: ") + 300 + len(
+        "); re-run with --debug for the traceback"), len(line)
+    sys.modules.pop(name, None)
+
+
 def test_recorded_factory_that_returns_no_model(toy, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     name = f"nomodel_{uuid.uuid4().hex[:8]}"

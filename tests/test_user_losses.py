@@ -501,3 +501,89 @@ def test_a_loss_holding_an_object_the_bundle_cannot_store_is_said_not_rebuilt(tm
         "rebuilt; return it from the factory as {'model': ..., 'loss_fn': ...}"]
     assert (rep["origin"]["phase"], rep["reproduced"], rep["cause"], code) == (
         "loss", False, None, 1)
+
+
+def test_an_inline_loss_of_a_later_micro_batch_is_named_with_it(tmp_path):
+    """Gradient accumulation over two micro-batches with the loop's own masked mean: only the
+    second one's mask is all zero at step K, so its output gradient alone is NaN. The report
+    names that micro-batch (a GAN's discriminator, called on real and fake data in one step, is
+    the same shape), in JSON and in the text's 'entered' line."""
+    model = UL.make_tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory="user_losses:make_tagger"):
+            for step in range(6):
+                opt.zero_grad()
+                for micro in range(2):
+                    x, y = UL.batch(2 * step + micro)
+                    out = model(x)
+                    mask = torch.zeros_like(y, dtype=torch.float32) if (step, micro) == (K, 1) \
+                        else torch.ones_like(y, dtype=torch.float32)
+                    tok = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
+                    ((tok.view_as(y) * mask).sum() / mask.sum() / 2).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (K, "backward")
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "micro_batch", "made", "samples") == (
+        "loss", "<loss>", 1, "nan", list(range(UL.B)))
+    assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
+    text = invoke_cli(err.bundle_path).stdout.splitlines()
+    n = UL.B * UL.T * UL.C
+    assert text[2] == (f"  entered    nan in {n} of {n} elements of the recorded grad of the "
+                       "model output, micro-batch 1"), text
+
+
+def train_rater(out_dir: Path, *, hand_over: bool):
+    """The rater with the loop's own log-space loss (or, ``hand_over``, the same function as
+    ``rec.loss_fn``); at step K items 1 and 4 are marked absent, so their ratings are 0."""
+    model = UL.make_rater()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=out_dir, factory="user_losses:make_rater",
+                            loss_fn=UL.log_rating_loss if hand_over else None) as rec:
+            for step in range(6):
+                x, _ = UL.batch(step)
+                x, rating = x[:, 0], x[:, 1, 0].abs() + 1
+                present = torch.ones(UL.B)
+                if step == K:
+                    present[[1, 4]] = 0
+                opt.zero_grad()
+                pred = model(x, present)
+                loss = (rec.loss_fn if hand_over else UL.log_rating_loss)(pred, rating)
+                loss.backward()
+                opt.step()
+    return info.value
+
+
+def test_an_unseen_loss_whose_gradient_a_relu_drops_is_still_an_event(tmp_path):
+    """log(0) in a loss the recorder cannot see: the loss is +inf and its gradient entering the
+    model is -inf at the two zero ratings, but the final ReLU drops exactly those entries, so
+    every parameter's gradient is finite and training would go on with an infinite loss. The
+    gradient entering the output is checked like the parameters': a backward event at step K
+    naming those rows; the replay says where the values entered and that training went on."""
+    err = train_rater(tmp_path, hand_over=False)
+    assert (err.event["step"], err.event["phase"], err.event["kind"]) == (K, "backward", "-inf")
+    assert (err.event["params"], err.event["samples"]) == ([], [1, 4])
+    assert err.event["tensor"] == "grad of the model output"
+    assert "Tensor grad of the model output, samples [1, 4]" in str(err)
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "made", "samples", "params") == (
+        "loss", "<loss>", "-inf", [1, 4], [])
+    assert rep["origin"]["positions"] == {"non_finite": 2, "of": UL.B}
+    assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
+    assert rep["problems"] == [
+        "every parameter's gradient stayed finite: the model's backward drops those entries "
+        "(a ReLU at 0, a mask), so training went on while the loss was non-finite"]
+    assert "loss_fn=" in rep["hint"]
+
+
+def test_the_same_loss_given_as_loss_fn_names_the_log(tmp_path):
+    """The same bug with the function given as ``loss_fn``: the loss itself is checked (a loss
+    event), and the replay re-runs it: aten.log on rows 1 and 4, a pole (invalid)."""
+    err = train_rater(tmp_path, hand_over=True)
+    assert (err.event["step"], err.event["phase"]) == (K, "loss")
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "samples", "source") == (
+        "loss", "<loss>", "aten.log", [1, 4], bug_line("log0"))
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)

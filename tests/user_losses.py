@@ -97,3 +97,31 @@ class ShiftedTokenCE(nn.Module):
         tok = F.cross_entropy(logits.flatten(0, 1), target.clamp(min=0).flatten(),
                               reduction="none").view_as(target)
         return (tok * mask).sum() / mask.sum()  # BUG shifted: 0/0 for a batch of padding
+
+
+class Rater(nn.Module):
+    """(B, F_IN) features and a (B,) presence mask -> (B,) ratings through a final ReLU, as
+    rating and count models have; an item marked absent gives the head's bias, which is
+    negative, so its rating is exactly 0 (the head's positive weights keep the others above 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(F_IN, HIDDEN)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(HIDDEN, 1)
+        nn.init.constant_(self.head.weight, 0.5)
+        nn.init.constant_(self.head.bias, -0.5)
+        self.out = nn.ReLU()
+
+    def forward(self, x, present):
+        return self.out(self.head(self.act(self.enc(x)) * present[:, None])).squeeze(-1)
+
+
+def make_rater() -> nn.Module:
+    torch.manual_seed(0)
+    return Rater()
+
+
+def log_rating_loss(pred, rating):
+    """Squared error in log space: log(0) = -inf for a rating of exactly 0."""
+    return (torch.log(pred) - torch.log(rating)).pow(2).mean()  # BUG log0
