@@ -332,9 +332,10 @@ class Floor(Trainer):
     """Not a detector but a yardstick (opt in with ``--detectors floor``): exactly the device work
     of the recorder's default checks and nothing else, with the barest hooks. One ``aminmax`` per
     leaf module output, the root input and the loss; one squared norm per gradient before the
-    update and per weight right after it (its step post-hook; kept for the next step's check);
-    one read of one flag per step. No call records, RNG states, batch references or output
-    gradients: the recorder's distance to it is what its bookkeeping costs."""
+    update, of the gradient entering the model's output and per weight right after the update
+    (its step post-hook; kept for the next step's check); one read of one flag per step. No call
+    records, RNG states or batch references: the recorder's distance to it is what its
+    bookkeeping costs."""
 
     name = "floor"
 
@@ -348,6 +349,7 @@ class Floor(Trainer):
         self.handles = [m.register_forward_hook(self._post) for m in leaves]
         self.handles.append(self.crit.register_forward_hook(self._post))
         self.handles.append(self.model.register_forward_pre_hook(self._pre))
+        self.handles.append(self.model.register_forward_hook(self._root_out))
         self.handles.append(self.opt.register_step_pre_hook(self._check))
         self.handles.append(self.opt.register_step_post_hook(self._after_update))
 
@@ -365,6 +367,14 @@ class Floor(Trainer):
     def _post(self, module, args, output):
         for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
             self._minmax(t)
+
+    def _root_out(self, module, args, output):
+        if output.requires_grad:  # the gradient entering the model's output, in backward
+            output.register_hook(self._out_grad)
+
+    def _out_grad(self, grad):
+        self._sq_norm(grad, self.k)
+        self.k += 1
 
     def _sq_norm(self, t, k):
         flat = t.detach().reshape(-1)
