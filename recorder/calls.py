@@ -118,17 +118,15 @@ class CallHooks:
         mb = tape.micro_batches[-1]
         mb.outputs = output
         if torch.is_grad_enabled():
-            k = len(tape.micro_batches) - 1
+            # (kept by the micro-batch, and its norm taken when the step closes: see
+            # recorder.grads; the hooks hold that dict, never the tape)
             for i, t in enumerate((output,) if type(output) is torch.Tensor
                                   else tensor_leaves(output)):
                 fn = t.grad_fn
-                # (the hooks hold the tape's containers, not the tape: a graph never run
-                # backward would otherwise keep the tape, and through it the graph, alive)
-                hook = partial(self.out_grad_hook, mb.out_grads, tape.out_grad_norms, k, i)
                 if fn is not None:  # a pre-hook on its node: a tenth of register_hook's Python
-                    fn.register_prehook(partial(hook, t.output_nr))
+                    fn.register_prehook(partial(_keep_out_grad, mb.out_grads, i, t.output_nr))
                 elif t.requires_grad:
-                    t.register_hook(partial(hook, None))
+                    t.register_hook(partial(_keep_grad, mb.out_grads, i))
 
     # ------------------------------------------------------------------------------------------
     # every module: a call returned
@@ -263,26 +261,6 @@ class CallHooks:
                 lo, hi = tape.slots.minmax(t.detach(), STRICT)
                 tape.loss.append((tape.micro_batch, lo, hi))
 
-    def out_grad_hook(self, store: dict, norms: list, k: int, i: int, nr: int | None,
-                      grad) -> None:
-        """The gradient backward brings to output ``i`` of micro-batch ``k`` (``grad`` is the
-        node's grad_outputs, or with ``nr`` None the leaf output's own gradient): kept in
-        ``store`` for the replay, and its squared norm, in ``norms`` (the tape's
-        ``out_grad_norms``), checked with the parameters' gradients."""
-        if nr is not None:
-            grad = grad[nr]
-        if grad is None:
-            return
-        store[i] = grad
-        tape = self.cycle.tape
-        if tape is None or tape.out_grad_norms is not norms or not self.health.active:
-            return  # (a backward after its step closed: its slots are the next step's)
-        try:
-            if grad.layout == torch.strided and grad.is_floating_point() and grad.numel():
-                norms.append((k, i, tape.slots.sq_norm(local(grad).detach(), GRAD)))
-        except Exception as e:
-            self.health.internal_error(e)
-
     def grad_hook(self, i: int, p: torch.Tensor) -> None:
         """Squared norms of a gradient (and, with ``stats="full"``, its parameter) when backward
         has written it: used where the optimizer's pre-hook may not run before the gradient is
@@ -361,6 +339,16 @@ def _leaves(args, kwargs):
             yield from tensor_leaves(a)
     if kwargs:
         yield from tensor_leaves(kwargs)
+
+
+def _keep_grad(store: dict, i: int, grad: torch.Tensor) -> None:
+    store[i] = grad
+
+
+def _keep_out_grad(store: dict, i: int, nr: int, grad_outputs: tuple) -> None:
+    grad = grad_outputs[nr]
+    if grad is not None:
+        store[i] = grad
 
 
 def _autocast_state() -> dict[str, Any]:

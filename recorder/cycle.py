@@ -28,7 +28,7 @@ from .buffers import BufferSnapshots
 from .capture import RngCapture
 from .compat import scaler_scale, scaler_token, version_of
 from .errors import NonFiniteError
-from .grads import reread_changed_grads, small_param_norms
+from .grads import output_grad_norms, reread_changed_grads, small_param_norms
 from .hooks import Health
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
@@ -226,8 +226,10 @@ class StepCycle:
         (layout, row, probe, scale): ``row`` is the whole step's (the ring keeps it cut when it
         is wider than the ring), ``scale`` whether the probe carries the GradScaler's scale,
         read in the same sync."""
-        if not tape.evaluation and self.target.small:  # (an evaluation's gradients are the
-            small_param_norms(tape, self.target, self.settings.param_norms)  # last step's)
+        if not tape.evaluation:  # (an evaluation's gradients are the last step's)
+            output_grad_norms(tape)
+            if self.target.small:
+                small_param_norms(tape, self.target, self.settings.param_norms)
         layout, pieces, (s, g, n) = self._layout(tape, skipped)
         total = s + g + n + pieces[-1].numel()
         row = self.ring.reserve(total, tape.slots.device)

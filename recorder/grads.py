@@ -33,6 +33,22 @@ def small_param_norms(tape: Tape, target: Target, param_norms: bool) -> None:
                 [local(p).detach() for p in tensors], STRICT)))
 
 
+def output_grad_norms(tape: Tape) -> None:
+    """Squared norms of the gradients backward brought to the root outputs, which the
+    micro-batches keep for the replay: taken when the step closes, in one loop, and checked
+    with the parameters' gradients (a loss computed where the recorder cannot see it shows
+    here even when the model's backward drops its non-finite entries)."""
+    where, grads = [], []
+    for k, mb in enumerate(tape.micro_batches):
+        for i, g in list(mb.out_grads.items()):
+            if g.layout == torch.strided and g.is_floating_point() and g.numel():
+                where.append((k, i))
+                grads.append(local(g).detach())
+    if grads:
+        refs = tape.slots.sq_norm_each(grads, GRAD)
+        tape.out_grad_norms = [(k, i, ref) for (k, i), ref in zip(where, refs)]
+
+
 def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
     """Norms of the gradients the optimizer will use. With backward hooks, only those that
     changed since backward wrote them: DDP's all-reduced average, GradScaler's unscaled

@@ -50,8 +50,7 @@ class Tape:
         self.param_norms: dict[int, tuple[int, int]] = {}
         self.grad_seen: dict[int, tuple[int, int]] = {}  # (id, version) of the gradient read
         # (micro-batch, output index, slot ref of its squared norm): the gradient backward
-        # brought to each root output, checked like the parameters' (a loss the loop computes
-        # itself, unseen, shows here: its inf/NaN gradient, even where ReLU masks it later)
+        # brought to each root output, checked like the parameters' (recorder.grads)
         self.out_grad_norms: list[tuple[int, int, tuple[int, int]]] = []
         self.grads_reread = False  # norms re-read before the update (not as backward wrote)
         self.evaluation = False  # an evaluation forward between steps, not a training step
