@@ -258,6 +258,8 @@ class StepCycle:
         # the last update's evidence goes right after the must-be-finite entries, so the same
         # probe checks it: [STRICT, update, GRAD, NAN_ONLY, LOOSE]
         pending = None if tape.evaluation else self.pending_update
+        if pending is not None and pending.step >= tape.step:
+            pending = None  # made after this step closed (another thread's step()): the next's
         updates: list = []
         u = 0
         if pending is not None:
@@ -270,8 +272,9 @@ class StepCycle:
             else:  # the model moved since: that evidence is void
                 updates = []
         # Indices into the row are resolved only when a row is decoded (events, export).
+        end = s + u + g + n + pieces[-1].numel()
         layout.raw = (list(tape.calls), list(tape.loss), sorted(tape.grad_norms.items()),
-                      sorted(tape.param_norms.items()), (0, s + u, s + u + g, s + u + g + n),
+                      sorted(tape.param_norms.items()), (0, s + u, s + u + g, s + u + g + n, end),
                       updates, s, list(tape.out_grad_norms))
         return layout, pieces, (s + u, g, n)
 

@@ -35,14 +35,17 @@ class OptimizerGuard:
         self.settings = target.settings
         self.copies: dict[str, Any] | None = None  # guard mode: the state before the update
         self.last_tape: Tape | None = None  # guard mode: the step those copies belong to
-        self._slots: Slots | None = None  # where the update's evidence is computed
+        # where the updates' evidence is computed, two in turn: an update's evidence stays
+        # intact while the next update (another thread's step()) computes its own
+        self._slots: list[Slots | None] = [None, None]
 
     def register(self, optimizer) -> list:
         return [optimizer.register_step_pre_hook(Hook(self.pre_hook)),
                 optimizer.register_step_post_hook(Hook(self.post_hook))]
 
     def release(self) -> None:
-        self.copies = self.last_tape = self._slots = None
+        self.copies = self.last_tape = None
+        self._slots = [None, None]
 
     @property
     def nbytes(self) -> int:
@@ -128,9 +131,10 @@ class OptimizerGuard:
         if not large and not small:
             return
         device = (large or small)[0][1].device
-        slots = self._slots
+        self._slots.reverse()
+        slots = self._slots[0]
         if slots is None or slots.device != device:
-            slots = self._slots = Slots(device, len(large) + len(small) + 8)
+            slots = self._slots[0] = Slots(device, len(large) + len(small) + 8)
         slots.start_step()
         # (detached, so no ``no_grad`` context is needed: two Python calls fewer per step)
         refs = list(zip([i for i, _ in large],

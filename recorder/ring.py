@@ -56,19 +56,43 @@ class StepLayout:
         calls, loss, grads, params, off, updates, u_off, out_grads = self.raw
         self.raw = None
         self.updates = [(i, u_off + ref[1]) for i, ref in updates]
+        # where each region's gathered entries end: a slot another thread's hook took after the
+        # row was gathered holds no value of this step, so what refers to it is left out
+        ends = (u_off, off[2], off[3], off[4])
 
         def r(ref):
-            return off[ref[0]] + ref[1]
+            k = off[ref[0]] + ref[1]
+            if k >= ends[ref[0]]:
+                raise _Late
+            return k
 
-        self.calls = [(m, mb, st, tuple((r(a), r(b)) for a, b in outs),
-                       None if stats is None else (r(stats[0]), r(stats[1]), stats[2]),
-                       tuple((r(a), r(b), al) for a, b, al in ins))
-                      for m, mb, st, outs, stats, ins in calls]
-        self.loss = [(mb, r(a), r(b)) for mb, a, b in loss]
-        self.grads = [(i, r(ref)) for i, ref in grads]
-        self.params = [(i, r(ref)) for i, ref in params]
-        self.out_grads = [(mb, i, r(ref)) for mb, i, ref in out_grads]
+        self.calls = []
+        for m, mb, st, outs, stats, ins in calls:
+            try:
+                self.calls.append((m, mb, st, tuple((r(a), r(b)) for a, b in outs),
+                                   None if stats is None else (r(stats[0]), r(stats[1]), stats[2]),
+                                   tuple((r(a), r(b), al) for a, b, al in ins)))
+            except _Late:
+                pass
+        self.loss = _resolved(loss, lambda e: (e[0], r(e[1]), r(e[2])))
+        self.grads = _resolved(grads, lambda e: (e[0], r(e[1])))
+        self.params = _resolved(params, lambda e: (e[0], r(e[1])))
+        self.out_grads = _resolved(out_grads, lambda e: (e[0], e[1], r(e[2])))
         return self
+
+
+class _Late(Exception):
+    """A ref to a slot taken after its step's row was gathered."""
+
+
+def _resolved(entries: list, resolve) -> list:
+    out = []
+    for e in entries:
+        try:
+            out.append(resolve(e))
+        except _Late:
+            pass
+    return out
 
 
 def _finite_pair(row: list[float], lo: int, hi: int, allowed: bool = False) -> bool:
@@ -111,8 +135,14 @@ def _max_ref(call: tuple) -> int:
     return max(refs, default=-1)
 
 
+def _root(square: float) -> float:
+    """The norm of a squared norm; NaN for what no squared norm can be (a bundle is written
+    whatever a row holds)."""
+    return math.sqrt(square) if square >= 0 else math.nan
+
+
 def _root_sum(squares: list[float]) -> float:
-    return math.sqrt(sum(squares)) if squares else math.nan
+    return _root(sum(squares)) if squares else math.nan
 
 
 class RingBuffer:
@@ -241,7 +271,7 @@ def _export_step(i: int, row: list[float], lay: StepLayout, t: dict[str, torch.T
                             ("update_norms", lay.updates, 1.0)):
         for p, k in pairs:
             if k < n:
-                t[f"ring/{key}"][i, p] = math.sqrt(row[k]) / div
+                t[f"ring/{key}"][i, p] = _root(row[k]) / div
     if all(k < n for _, k in lay.grads):
         t["ring/grad_norm"][i] = _root_sum([row[k] for _, k in lay.grads]) / unscale
     if all(k < n for _, k in lay.params):

@@ -135,3 +135,31 @@ def test_two_threads_race_to_step_the_optimizer(out_dir):
     assert len(bundles(out_dir)) == 1
     assert rec.step == 5  # one step per iteration: the second pre-hook finds it closed
     check_event(rec.event, step=K, phase="input", tensor="batch", samples=[1], kind="nan")
+
+
+def test_a_slot_taken_after_the_row_was_gathered_is_left_out():
+    """A hook of another thread (the second optimizer.step() of the race above reading its
+    gradients into the step being closed) may take a slot after the row was gathered: that slot
+    holds no value of this step, so the layout leaves out what refers to it, and the bundle's
+    tables are written whatever a row holds."""
+    from recorder.ring import RingBuffer, StepLayout
+    from recorder.slots import GRAD, LOOSE, STRICT
+
+    # a row of 2 STRICT entries, 1 update, 2 GRAD, no NAN_ONLY, 1 LOOSE (a stale -3.0)
+    row = [1.0, 2.0, 9.0, 4.0, 16.0, -3.0]
+    first = (0, 0, 0, (((STRICT, 0), (STRICT, 1)),), None, (((LOOSE, 0), (LOOSE, 0), False),))
+    late_call = (1, 0, 1, (((STRICT, 0), (LOOSE, 1)),), None, ())  # LOOSE 1: past the row
+    grads = [(0, (GRAD, 0)), (1, (GRAD, 1)), (2, (GRAD, 2))]  # GRAD 2: taken after the gather
+    lay = StepLayout(step=5, lrs=[0.1], length=len(row))
+    lay.raw = ([first, late_call], [], grads, [], (0, 3, 5, 5, 6), [(0, (STRICT, 0))], 2, [])
+    lay.materialize()
+    assert lay.grads == [(0, 3), (1, 4)]
+    assert [c[0] for c in lay.calls] == [0] and lay.calls[0][5] == ((5, 5, False),)
+    assert lay.updates == [(0, 2)]
+    ring = RingBuffer(4)
+    ring.reserve(len(row), torch.device("cpu")).copy_(torch.tensor(row))
+    ring.commit(lay)
+    lay.grads.append((2, 5))  # a "squared norm" that is negative: NaN in the table, no error
+    _, tables = ring.export(n_params=3, n_groups=1)
+    norms = tables["ring/grad_norms"][0].tolist()
+    assert norms[:2] == [2.0, 4.0] and norms[2] != norms[2]
