@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import types
 import uuid
 from pathlib import Path
 
@@ -564,47 +565,46 @@ def test_factory_whose_import_error_spans_lines_still_gives_one_line(toy, tmp_pa
     sys.modules.pop(name, None)
 
 
-def test_model_error_spanning_lines_gives_one_line(toy, tmp_path, monkeypatch):
-    """An exception from the replayed model's own code (torch's are often multi-line)."""
+def _raising_model(toy, tmp_path, monkeypatch, statement: str) -> Path:
+    """The toy bundle with a factory whose model's forward runs ``statement`` (a raise)."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     name = f"raising_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(
         "import toy_model\n\n"
         "class Boom(toy_model.Classifier):\n"
         "    def forward(self, x):\n"
-        "        raise RuntimeError('shape mismatch\\n  expected [4]\\n  got [5]')\n\n"
+        f"        {statement}\n\n"
         "def make_model():\n    return Boom()\n")
-    b = with_factory(toy, tmp_path / "b" / "boom.nan", f"{name}:make_model")
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.chdir(tmp_path)
+    # the replay imports it: gone again at teardown (monkeypatch undoes in reverse: the
+    # placeholder comes back, then the absent key)
+    monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.delitem(sys.modules, name)
+    return with_factory(toy, tmp_path / "b" / "boom.nan", f"{name}:make_model")
+
+
+def test_model_error_spanning_lines_gives_one_line(toy, tmp_path, monkeypatch):
+    """An exception from the replayed model's own code (torch's are often multi-line)."""
+    b = _raising_model(toy, tmp_path, monkeypatch,
+                       "raise RuntimeError('shape mismatch\\n  expected [4]\\n  got [5]')")
     assert one_error_line(run(b)) == (
         "nanreplay: replay failed (RuntimeError: shape mismatch expected [4] got [5]); re-run "
         "with --debug for the traceback")
-    sys.modules.pop(name, None)
 
 
 def test_a_kilobytes_long_model_error_is_cut(toy, tmp_path, monkeypatch):
     """torch's dispatcher errors ("Could not run 'aten::aminmax' with arguments from the
     'SparseCPU' backend ... only available for these backends: [CPU, CUDA, ...]") run to
     kilobytes: the line keeps their first 300 characters."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    name = f"raising_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(
-        "import toy_model\n\n"
-        "class Boom(toy_model.Classifier):\n"
-        "    def forward(self, x):\n"
-        "        raise NotImplementedError('no kernel for this backend: ' + 'Backend, ' * 900)\n\n"
-        "def make_model():\n    return Boom()\n")
-    b = with_factory(toy, tmp_path / "b" / "boom.nan", f"{name}:make_model")
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    monkeypatch.chdir(tmp_path)
+    b = _raising_model(toy, tmp_path, monkeypatch, "raise NotImplementedError("
+                       "'no kernel for this backend: ' + 'Backend, ' * 900)")
     line = one_error_line(run(b))
     assert line.startswith("nanreplay: replay failed (NotImplementedError: no kernel for this "
                            "backend: Backend, Backend,"), line
     assert line.endswith("...); re-run with --debug for the traceback"), line
     assert len(line) == len("nanreplay: replay failed (NotImplementedError: ") + 300 + len(
         "); re-run with --debug for the traceback"), len(line)
-    sys.modules.pop(name, None)
 
 
 def test_recorded_factory_that_returns_no_model(toy, tmp_path, monkeypatch):
