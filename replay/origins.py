@@ -144,7 +144,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
     elif not fields["params"]:
         report["problems"].append(
             "every parameter's gradient stayed finite: the model's backward drops those "
-            "entries (a ReLU at 0, a mask), so training went on while the loss was non-finite")
+            "entries (a ReLU at 0, a mask), so the update would have gone ahead while the loss "
+            "was non-finite")
     report["hint"] = outside.replayable_loss_hint(step)
     return report
 

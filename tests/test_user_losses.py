@@ -574,7 +574,8 @@ def test_an_unseen_loss_whose_gradient_a_relu_drops_is_still_an_event(tmp_path):
     assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
     assert rep["problems"] == [
         "every parameter's gradient stayed finite: the model's backward drops those entries "
-        "(a ReLU at 0, a mask), so training went on while the loss was non-finite"]
+        "(a ReLU at 0, a mask), so the update would have gone ahead while the loss was "
+        "non-finite"]
     assert "loss_fn=" in rep["hint"]
 
 
