@@ -11,6 +11,7 @@ that made weights non-finite.
 from __future__ import annotations
 
 import math
+import threading
 from functools import partial
 from typing import Any
 
@@ -36,8 +37,10 @@ class OptimizerGuard:
         self.copies: dict[str, Any] | None = None  # guard mode: the state before the update
         self.last_tape: Tape | None = None  # guard mode: the step those copies belong to
         # where the updates' evidence is computed, two in turn: an update's evidence stays
-        # intact while the next update (another thread's step()) computes its own
+        # intact while the next update (another thread's step()) computes its own; the lock
+        # keeps two threads' post-hooks from taking the same one
         self._slots: list[Slots | None] = [None, None]
+        self._lock = threading.Lock()
 
     def register(self, optimizer) -> list:
         return [optimizer.register_step_pre_hook(Hook(self.pre_hook)),
@@ -131,19 +134,20 @@ class OptimizerGuard:
         if not large and not small:
             return
         device = (large or small)[0][1].device
-        self._slots.reverse()
-        slots = self._slots[0]
-        if slots is None or slots.device != device:
-            slots = self._slots[0] = Slots(device, len(large) + len(small) + 8)
-        slots.start_step()
-        # (detached, so no ``no_grad`` context is needed: two Python calls fewer per step)
-        refs = list(zip([i for i, _ in large],
-                        slots.sq_norm_each([local(p).detach() for _, p in large], STRICT)))
-        if small:
-            refs += zip([i for i, _ in small],
-                        slots.sq_norms([local(p).detach() for _, p in small], STRICT))
-        # the update belongs to the step the pre-hook just closed
-        self.cycle.pending_update = UpdateEvidence(self.cycle.step - 1, refs, slots)
+        with self._lock:
+            self._slots.reverse()
+            slots = self._slots[0]
+            if slots is None or slots.device != device:
+                slots = self._slots[0] = Slots(device, len(large) + len(small) + 8)
+            slots.start_step()
+            # (detached, so no ``no_grad`` context is needed: two Python calls fewer per step)
+            refs = list(zip([i for i, _ in large],
+                            slots.sq_norm_each([local(p).detach() for _, p in large], STRICT)))
+            if small:
+                refs += zip([i for i, _ in small],
+                            slots.sq_norms([local(p).detach() for _, p in small], STRICT))
+            # the update belongs to the step the pre-hook just closed
+            self.cycle.pending_update = UpdateEvidence(self.cycle.step - 1, refs, slots)
 
 
 def _norms(indexed_params) -> list[tuple[int, torch.Tensor]]:
