@@ -269,7 +269,7 @@ class CallHooks:
         if not self.health.active or tape is None or p.grad is None or not checkable(p.grad):
             return
         try:
-            grad = p.grad if p.grad.layout == torch.strided else stored(p.grad)  # (sparse)
+            grad = stored(p.grad)  # (a sparse one: its values)
             g = tape.slots.sq_norm(local(grad).detach(), GRAD)  # (FSDP2: the local shard)
             w = tape.slots.sq_norm(local(p).detach(), STRICT) if self.param_norms else None
             with tape.lock:  # accumulation: the last call sees the accumulated gradient

@@ -277,7 +277,7 @@ def _output_grad_event(ev: StepEvidence) -> Event | None:
         if math.isfinite(ev.row[k]):
             continue
         grad = ev.tape.micro_batches[mb_i].out_grads.get(i)
-        if grad is not None and bool(torch.isfinite(grad).all()):
+        if grad is not None and finite(grad):
             ev.overflowed = True  # a huge but finite gradient whose squared norm overflowed
             continue
         event = Event(ev.tape.step, phase="backward", micro_batch=mb_i,

@@ -41,9 +41,9 @@ def output_grad_norms(tape: Tape) -> None:
     where, grads = [], []
     for k, mb in enumerate(tape.micro_batches):
         for i, g in list(mb.out_grads.items()):
-            if g.layout == torch.strided and g.is_floating_point() and g.numel():
+            if checkable(g):
                 where.append((k, i))
-                grads.append(local(g).detach())
+                grads.append(stored(local(g)).detach())
     if grads:
         refs = tape.slots.sq_norm_each(grads, GRAD)
         tape.out_grad_norms = [(k, i, ref) for (k, i), ref in zip(where, refs)]

@@ -27,13 +27,17 @@ def to_json(report: dict[str, Any]) -> str:
     return json.dumps(jsonable(out), indent=2, allow_nan=False)
 
 
+def _first_param(params: list[str]) -> str:
+    """The first parameter's name, and how many more there are."""
+    return params[0] + (f" (+{len(params) - 1} more)" if len(params) > 1 else "")
+
+
 def _where(o: dict[str, Any]) -> str:
     if o.get("phase") == "input":
         return f"the input {o.get('tensor')}"
     if o.get("phase") in ("weights", "optimizer"):
         params = o.get("params") or []
-        more = f" (+{len(params) - 1} more)" if len(params) > 1 else ""
-        return f"parameter {params[0]}{more}" if params else "the parameters"
+        return f"parameter {_first_param(params)}" if params else "the parameters"
     mod = o.get("module")
     name = "<root>" if mod == "" else mod
     call = f", call {o['call']}" if o.get("call") is not None else ""
@@ -81,8 +85,7 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
             and o["phase"] not in ("input", "weights", "optimizer"):
         # what the recorder saw, with no op or module to name (nothing re-run says more)
         params = o.get("params") or []
-        more = f" (+{len(params) - 1} more)" if len(params) > 1 else ""
-        thing = (f"the gradient of {params[0]}{more}" if params else
+        thing = (f"the gradient of {_first_param(params)}" if params else
                  f"the {o['tensor']}" if o.get("tensor") else "a value no check names")
         lines.append(f"  origin     {o['phase']}: {made} in {thing}")
     elif o.get("phase"):
