@@ -11,7 +11,7 @@ import torch
 
 from .compat import version
 from .finite import checkable, stored
-from .shards import local
+from .shards import PLAIN, local
 from .slots import GRAD, STRICT
 from .tape import Tape
 from .target import Target
@@ -69,7 +69,9 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
             grad = stored(grad)
         if every or seen.get(i) != (id(grad), version(grad)):
             idx.append(i)
-            grads.append(local(grad).detach() if grad.requires_grad else local(grad))
+            if type(grad) not in PLAIN:  # (``local`` inlined: this runs for every gradient)
+                grad = local(grad)
+            grads.append(grad.detach() if grad.requires_grad else grad)
     if not idx:
         return
     with tape.lock:

@@ -23,7 +23,7 @@ from .cycle import StepCycle, UpdateEvidence
 from .grads import reread_changed_grads
 from .hooks import Health, Hook
 from .shards import local
-from .slots import STRICT, Slots
+from .slots import STRICT, FlatViews, Slots
 from .tape import Tape
 from .target import Target
 
@@ -41,6 +41,8 @@ class OptimizerGuard:
         # keeps two threads' post-hooks from taking the same one
         self._slots: list[Slots | None] = [None, None]
         self._lock = threading.Lock()
+        self._views: FlatViews | None = None  # of the large weights, kept between steps
+        self._viewed: list | None = None
 
     def register(self, optimizer) -> list:
         return [optimizer.register_step_pre_hook(Hook(self.pre_hook)),
@@ -49,6 +51,7 @@ class OptimizerGuard:
     def release(self) -> None:
         self.copies = self.last_tape = None
         self._slots = [None, None]
+        self._views = self._viewed = None
 
     @property
     def nbytes(self) -> int:
@@ -140,14 +143,28 @@ class OptimizerGuard:
             if slots is None or slots.device != device:
                 slots = self._slots[0] = Slots(device, len(large) + len(small) + 8)
             slots.start_step()
-            # (detached, so no ``no_grad`` context is needed: two Python calls fewer per step)
-            refs = list(zip([i for i, _ in large],
-                            slots.sq_norm_each([local(p).detach() for _, p in large], STRICT)))
+            refs = self._large_norms(slots, large, device)
             if small:
                 refs += zip([i for i, _ in small],
                             slots.sq_norms([local(p).detach() for _, p in small], STRICT))
             # the update belongs to the step the pre-hook just closed
             self.cycle.pending_update = UpdateEvidence(self.cycle.step - 1, refs, slots)
+
+
+    def _large_norms(self, slots: Slots, large: list, device: torch.device) -> list:
+        """(index, ref) of each large weight's squared norm: one dot over a view kept from
+        step to step (see :class:`~recorder.slots.FlatViews`) where it can be."""
+        views = self._views
+        if views is None or self._viewed is not large:
+            views = self._views = FlatViews([p for _, p in large])
+            self._viewed = large
+        flats = views.get(device)
+        if views.every:  # (the usual case)
+            return list(zip([i for i, _ in large], slots.sq_norm_flat(flats, STRICT)))
+        # (detached, so no ``no_grad`` context is needed)
+        return [(i, slots.sq_norm_flat([f], STRICT)[0] if f is not None
+                 else slots.sq_norm(local(p).detach(), STRICT))
+                for (i, p), f in zip(large, flats)]
 
 
 def _norms(indexed_params) -> list[tuple[int, torch.Tensor]]:

@@ -30,12 +30,12 @@ try:
 except ImportError:  # a torch built without distributed: nothing is ever sharded
     DTensor = FSDPModule = FullyShardedDataParallel = None
 
-_PLAIN = (torch.Tensor, nn.Parameter)
+PLAIN = (torch.Tensor, nn.Parameter)  # the types that are never a shard
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t``'s rank-local shard when it is a DTensor, else ``t`` (no copy, no collective)."""
-    if t is None or type(t) in _PLAIN or DTensor is None or not isinstance(t, DTensor):
+    if t is None or type(t) in PLAIN or DTensor is None or not isinstance(t, DTensor):
         return t
     return t.to_local()
 

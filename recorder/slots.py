@@ -29,6 +29,7 @@ import threading
 import torch
 
 from .compat import foreach_copy_, foreach_norm, foreach_square_
+from .shards import PLAIN
 
 STRICT, GRAD, NAN_ONLY, LOOSE = 0, 1, 2, 3
 REGIONS = (STRICT, GRAD, NAN_ONLY, LOOSE)  # their order in a row
@@ -209,6 +210,21 @@ class Slots:
             refs.append(self.norm(t, code, square=True))
         return refs
 
+    def sq_norm_flat(self, flats: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
+        """Squared 2-norms of flat float32 vectors on this device (see :class:`FlatViews`):
+        one dot each, no view made per step."""
+        r = self._regions[code]
+        take, size, views = r.take, r.size, r.views
+        refs = []
+        for flat in flats:
+            k = take()
+            if k >= size:
+                refs.append(self.norm(flat, code, square=True))
+                continue
+            torch.dot(flat, flat, out=views[k])
+            refs.append((code, k))
+        return refs
+
     def sq_norms(self, tensors: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
         """Squared 2-norms of many (small) tensors: three foreach ops in all."""
         wide = any(t.dtype is FLOAT64 for t in tensors)
@@ -234,3 +250,32 @@ class Slots:
             return (code, k), (code, k2)
         lo, hi = self._put(code, [self.value(lo).clamp_min(0.0), self.value(hi).clamp_min(0.0)])
         return lo, hi
+
+
+class FlatViews:
+    """Detached flat views of parameters, made once and reused while each parameter keeps its
+    storage: the weights' norms after every update then cost one dot each and no allocation
+    (a detach and a reshape per weight per step otherwise). A parameter whose data was replaced
+    (``p.data = ...``, ``model.to()``, ``.half()``) moves its data pointer, and the views are
+    made again; one that is not a plain contiguous float32 tensor on ``device`` (a DTensor
+    shard, a strided view, another dtype) is not viewed (``None``)."""
+
+    __slots__ = ("params", "ptrs", "flats", "every")
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.ptrs: list[int] = []
+        self.flats: list[torch.Tensor | None] = []
+        self.every = False  # every parameter has its view
+
+    def get(self, device: torch.device) -> list[torch.Tensor | None]:
+        ptrs = [p.data_ptr() for p in self.params]
+        if ptrs != self.ptrs:
+            self.ptrs = ptrs
+            self.flats = [p.detach().view(-1) if type(p) in PLAIN and p.dtype is FLOAT32
+                          and p.device == device and p.is_contiguous() else None
+                          for p in self.params]
+            # (never ``None in flats``: ``in`` compares each tensor with ``==``)
+            self.every = all(f is not None for f in self.flats)
+        return self.flats
+
