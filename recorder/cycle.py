@@ -293,7 +293,8 @@ class StepCycle:
         else:
             finite.copy_(full[:checked].mul(0).sum())
         if n:  # entries that may hold +-Inf: only NaN counts, which aminmax propagates
-            torch.aminmax(full[start: start + n], out=(lo, hi))
+            part = self.ring.part(start, n) if full is row else full[start: start + n]
+            torch.aminmax(part, out=(lo, hi))
         elif self._probe_nan_only:  # the last step had such entries, this one has none
             lo.zero_()
         self._probe_nan_only = bool(n)

@@ -40,10 +40,19 @@ def output_grad_norms(tape: Tape) -> None:
     here even when the model's backward drops its non-finite entries)."""
     where, grads = [], []
     for k, mb in enumerate(tape.micro_batches):
+        if not mb.out_grads:
+            continue
         for i, g in list(mb.out_grads.items()):
-            if checkable(g):
-                where.append((k, i))
-                grads.append(stored(local(g)).detach())
+            if type(g) not in PLAIN:
+                g = local(g)
+            if g.layout is not torch.strided:
+                if not checkable(g):
+                    continue
+                g = stored(g)
+            elif not (g.is_floating_point() or g.is_complex()) or not g.numel():
+                continue
+            where.append((k, i))
+            grads.append(g.detach() if g.requires_grad else g)
     if grads:
         refs = tape.slots.sq_norm_each(grads, GRAD)
         tape.out_grad_norms = [(k, i, ref) for (k, i), ref in zip(where, refs)]

@@ -150,7 +150,6 @@ class OptimizerGuard:
             # the update belongs to the step the pre-hook just closed
             self.cycle.pending_update = UpdateEvidence(self.cycle.step - 1, refs, slots)
 
-
     def _large_norms(self, slots: Slots, large: list, device: torch.device) -> list:
         """(index, ref) of each large weight's squared norm: one dot over a view kept from
         step to step (see :class:`~recorder.slots.FlatViews`) where it can be."""

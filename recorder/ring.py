@@ -174,6 +174,7 @@ class RingBuffer:
             self._slots = self.rows.unbind(0)  # row views made once, not per step
             self._views: list = [None] * self.history
             self._checked: list = [None] * self.history
+            self._parts: list = [(None, None)] * self.history
             self._zeros = torch.zeros(width, dtype=torch.float32, device=device)
             self._zeros_view = self._zeros
             self._probe = torch.zeros((), dtype=torch.float32, device=device)
@@ -184,6 +185,15 @@ class RingBuffer:
         if view is None or view.numel() != n:  # the row length rarely changes between steps
             view = self._views[self._next] = self._slots[self._next].narrow(0, 0, n)
         self._length = n
+        return view
+
+    def part(self, start: int, n: int) -> torch.Tensor:
+        """Entries ``start`` to ``start + n`` of the reserved row (a view made again only when
+        they move)."""
+        view, at = self._parts[self._next]
+        if at != (start, n):
+            view = self._slots[self._next].narrow(0, start, n)
+            self._parts[self._next] = (view, (start, n))
         return view
 
     def probe_finite(self, s: int, out: torch.Tensor | None = None) -> torch.Tensor:

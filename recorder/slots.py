@@ -278,4 +278,3 @@ class FlatViews:
             # (never ``None in flats``: ``in`` compares each tensor with ``==``)
             self.every = all(f is not None for f in self.flats)
         return self.flats
-
