@@ -138,6 +138,34 @@ def test_last_update_before_the_loop_ends_is_checked_at_exit(out_dir):
                 after_update=True)
 
 
+@pytest.mark.parametrize("replace", [
+    lambda w: w.detach().clone(),  # a checkpoint loaded by assignment: new storage
+    lambda w: w.detach().t().contiguous().t(),  # the same values in a transposed layout
+])
+def test_an_update_of_weights_given_new_storage_is_seen_there(out_dir, replace):
+    """``p.data = ...`` between steps moves a weight to new storage: the evidence after the
+    next update reads that storage (an update that makes it NaN is the optimizer's, at that
+    step), not the memory the weight left."""
+    model = I.make_mlp()
+    w = model[2].weight
+    opt = torch.optim.SGD([{"params": [w]},
+                           {"params": [p for p in model.parameters() if p is not w]}], lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="infinity_models:make_mlp"):
+            for step in range(6):
+                if step == K:
+                    w.data = replace(w)
+                    opt.param_groups[0]["lr"] = math.nan  # this update writes NaN into w
+                x, y = I.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    check_event(info.value.event, step=K, phase="optimizer", params=["2.weight"], kind="nan",
+                after_update=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # written outside optimizer.step()
 
