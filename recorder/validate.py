@@ -6,8 +6,13 @@ and what to do, never at the first event. The settings' own checks are in
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import json
+import logging
+import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,6 +21,8 @@ from torch import nn
 
 from .compat import is_grad_scaler
 from .shards import check_supported
+
+log = logging.getLogger("nanreplay")
 
 
 def check_model(model, optimizer) -> None:
@@ -108,10 +115,58 @@ def check_factory(factory: str) -> None:
         raise ValueError(f"FlightRecorder: factory {factory!r} is not of the form "
                          "'module:function' (e.g. 'mypkg.train:make_model')")
     try:
-        obj = import_object(mod, fn)
+        main = _running_script(mod)
+        if main is not None:  # importing it would run the script (the training) a second time
+            obj = main
+            for part in fn.split("."):
+                obj = getattr(obj, part)
+            if not _has_main_guard(main.__file__):
+                log.warning(
+                    "nanreplay: the factory %r is defined in the script being run (%s), whose "
+                    "code outside functions is not under `if __name__ == \"__main__\":`; "
+                    "nanreplay imports that module to rebuild the model, which would run that "
+                    "code (the training) again: put it under the guard", factory,
+                    os.path.basename(main.__file__))
+        else:
+            obj = import_object(mod, fn)
     except Exception as e:
         raise ValueError(f"FlightRecorder: factory {factory!r} cannot be imported "
                          f"({type(e).__name__}: {e}); pass 'module:function' importable from "
                          "this process") from None
     if not callable(obj):
         raise ValueError(f"FlightRecorder: factory {factory!r} is not callable")
+
+
+def _running_script(module: str):
+    """The ``__main__`` module when ``module`` names the script being run (``python train.py``
+    with ``factory="train:make_model"``, or ``python -m mypkg.train``) and is not imported
+    under its own name yet; else None. Found without importing it."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or module in sys.modules:
+        return None
+    try:
+        spec = importlib.util.find_spec(module)
+    except Exception:  # (an unimportable parent package: the import below says why)
+        return None
+    origin = getattr(spec, "origin", None)
+    if not origin or not os.path.exists(origin):
+        return None
+    return main if os.path.samefile(origin, path) else None
+
+
+def _has_main_guard(path: str) -> bool:
+    """The script has a top-level ``if __name__ == "__main__":`` (either way round)."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8", errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return True  # (unknown: say nothing)
+    for node in tree.body:
+        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and len(test.comparators) == 1:
+            sides = [test.left, test.comparators[0]]
+            names = {n.id for n in sides if isinstance(n, ast.Name)}
+            consts = {n.value for n in sides if isinstance(n, ast.Constant)}
+            if names == {"__name__"} and consts == {"__main__"}:
+                return True
+    return False

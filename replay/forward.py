@@ -123,7 +123,9 @@ def _matches(step: Step, origin) -> bool:
 
 
 def _is_batch_dim(step: Step, o) -> bool:
-    return bool(o.bad_rows) and o.bad_rows[-1] < batch_size(step)
+    """The call's bad rows are samples: its output's dim 0 is the batch's (a weight made in
+    the forward, 16 rows against a batch of 4, is not)."""
+    return bool(o.bad_rows) and o.rows_of == batch_size(step, o.micro_batch)
 
 
 def _root_rows(run: Run) -> list[int]:

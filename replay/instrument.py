@@ -99,16 +99,18 @@ class CallRecorder:
         mb = self.runner.micro_batch
         k = self.counts.get((name, mb), 0)
         self.counts[(name, mb)] = k + 1
-        rows = _output_rows(outs) if not ok_out else []
+        rows, length = _output_rows(outs) if not ok_out else ([], 0)
         nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs)
         self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
-                                      mm, parents, call_id, rows, nan, every_in, nan_free_in))
+                                      mm, parents, call_id, rows, nan, every_in, nan_free_in,
+                                      length))
 
 
-def _output_rows(outs: list[torch.Tensor]) -> list[int]:
-    """The non-finite rows of a call's first batched non-finite output: a 0-d one (a loss
-    computed in the model) names no row, unless the call returned nothing else."""
+def _output_rows(outs: list[torch.Tensor]) -> tuple[list[int], int]:
+    """The non-finite rows of a call's first batched non-finite output, and its length (dim
+    0): a 0-d one (a loss computed in the model) names no row, unless the call returned
+    nothing else."""
     batched = [t for t in outs if t.dim()]
     if not batched:
-        return bad_rows(outs[0]) if outs else []
-    return next((bad_rows(t) for t in batched if not finite(t)), [])
+        return (bad_rows(outs[0]), 0) if outs else ([], 0)
+    return next(((bad_rows(t), t.shape[0]) for t in batched if not finite(t)), ([], 0))

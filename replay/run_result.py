@@ -30,6 +30,7 @@ class Call:
     nan: bool = False  # an output holds NaN
     inputs_all_finite: bool = True  # no NaN/+-Inf in its inputs, allowed or not
     inputs_nan_free: bool = True
+    rows_of: int = 0  # the length (dim 0) of the output ``bad_rows`` index
 
 
 @dataclass

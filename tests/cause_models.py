@@ -42,6 +42,16 @@ def make_share_net() -> nn.Module:
     return ShareNet()
 
 
+def make_weight_norm_net() -> nn.Module:
+    """``weight_norm``'s weight, ``g * v / ||v||`` row by row, is made in the forward (by a
+    parametrization module): a row with ``g`` and ``v`` both 0 is 0/0 there. Its dim 0 (16
+    rows) is not the batch's."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    return nn.Sequential(weight_norm(nn.Linear(D_IN, 16)), nn.ReLU(), nn.Linear(16, N_CLASSES))
+
+
 class RMSNormNoEps(nn.Module):
     """RMSNorm written without its eps: rsqrt(0) = inf for an all-zero row."""
 

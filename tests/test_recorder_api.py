@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import gc
 import math
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import models as M
 import pytest
@@ -101,6 +105,40 @@ def test_factory_not_callable(out_dir):
 def test_factory_dotted_attribute_accepted(out_dir):
     rec = FlightRecorder(M.mlp(), out_dir=out_dir, factory="models:TinyGPT.forward")
     assert rec.factory == "models:TinyGPT.forward"
+
+
+SCRIPT = """
+import torch
+from torch import nn
+from recorder import FlightRecorder
+
+def make_model():
+    return nn.Linear(4, 2)
+
+{guard}
+    print("training starts")
+    model = make_model()
+    with FlightRecorder(model, out_dir="bundles", factory="train_script:make_model"):
+        model(torch.randn(2, 4))
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_factory_in_the_script_being_run_is_not_imported_again(tmp_path, guarded):
+    """``python train_script.py`` with ``factory="train_script:make_model"``: checking the
+    factory must not import the script under its own name, which would run the training a
+    second time inside the recorder's constructor. A script whose training is not under the
+    ``__main__`` guard is told that nanreplay's import of it would run it too."""
+    guard = 'if __name__ == "__main__":' if guarded else "if True:"
+    (tmp_path / "train_script.py").write_text(SCRIPT.format(guard=guard))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "train_script.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("training starts") == 1, res.stdout
+    warned = "is not under `if __name__ == \"__main__\":`" in res.stderr
+    assert warned is not guarded, res.stderr
 
 
 @pytest.mark.parametrize("kwargs, exc, phrase", [

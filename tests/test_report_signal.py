@@ -200,6 +200,35 @@ def test_samples_that_are_some_rows_are_listed(tmp_path):
     assert "  samples    [7, 40]" in lines, lines
 
 
+def test_rows_of_a_tensor_that_is_not_batched_are_not_samples(tmp_path):
+    """Row 2 of a weight-normed 16x4 weight is zeroed (its ``g`` and ``v``) between steps: the
+    parametrization makes that row 0/0 in the forward, and every sample of the 4-row batch
+    meets it. The samples are the batch's 4 rows, not the weight's row 2."""
+    model = C.make_weight_norm_net()
+    wn = model[0].parametrizations.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="cause_models:make_weight_norm_net"):
+            for step in range(6):
+                if step == K:
+                    with torch.no_grad():
+                        wn.original0[2] = 0.0
+                        wn.original1[2] = 0.0
+                x, y = R.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    assert info.value.event["step"] == K
+    lines, rep = report_of(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"]) == \
+        ("0.parametrizations.weight.0", "aten._weight_norm_interface", "invalid")
+    assert o["batch_size"] == R.BATCH and o["samples"] == list(range(R.BATCH))
+    assert f"  samples    all {R.BATCH} rows" in lines, lines
+
+
 # ---------------------------------------------------------------------------------------------
 # the kind of value
 
