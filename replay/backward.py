@@ -40,6 +40,10 @@ class BackwardOrigin:
     params: list[str] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)  # batch rows of its non-finite gradient
     micro_batch: int | None = None
+    # the kind of the first non-finite tensor the node saved in the forward ("+inf": a value
+    # the forward carried without an event, such as the batch's infinity that a tanh then
+    # saturated), None when it saved only finite ones
+    saved: str | None = None
 
 
 @contextlib.contextmanager
@@ -75,6 +79,25 @@ def batch_rows(node, returned: list, batch_size: int) -> list[int]:
     return []
 
 
+def saved_kind(node) -> str | None:
+    """The kind of the first non-finite tensor ``node`` saved for its backward (its
+    ``_saved_*`` attributes; a custom Function's ``saved_tensors``), None when all are finite
+    or none can be read. Read from the node's post-hook, before the engine frees them."""
+    try:
+        names = [n for n in dir(node) if n.startswith("_saved_")]
+        values = [getattr(node, n) for n in names]
+        if hasattr(node, "saved_tensors"):
+            values += list(node.saved_tensors)
+    except RuntimeError:  # freed already, or unreadable: unknown
+        return None
+    for v in values:
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) \
+                    and t.numel() and not finite(t):
+                return kind_of(t)
+    return None
+
+
 def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
     """The first node to make a non-finite gradient from finite ones; ``batch_size`` (the
     batch's dim 0) to name the rows of its gradient."""
@@ -94,6 +117,7 @@ def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
                 found.made = next((kind_of(g) for g in returned if not finite(g)), None)
                 found.samples = batch_rows(node, list(grad_inputs), batch_size)
                 found.micro_batch = runner.micro_batch
+                found.saved = saved_kind(node)
         handles.append(node.register_hook(hook))
 
     labels = _NodeLabels(on_node)

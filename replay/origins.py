@@ -10,15 +10,16 @@ from typing import Any
 import torch
 
 from recorder.capture import tensor_leaves
-from recorder.finite import bad_rows, finite, kind_of
+from recorder.finite import bad_rows, finite, kind_of, label
 
 from . import outside
 from .backward import find_backward_origin
 from .cause import classify
+from .cause_text import HINTS
 from .findings import finish, origin_fields
 from .load import Step, autocast_as_recorded, loss_inputs
 from .ops import OpFinder
-from .recorded import batch_size
+from .recorded import batch_non_finite, batch_size, input_origin
 from .rerun import Runner
 from .run_result import Run
 
@@ -157,9 +158,18 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
         param=(b.params or [None])[0], made=b.made, samples=b.samples,
         micro_batch=b.micro_batch, anomaly_node=b.anomaly_node,
         chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
+    reproduced = runner.step.event.get("phase") == "backward"
+    if b.saved is not None and batch_non_finite(runner.step, ("batch/",)):
+        # No pole: the node's derivative multiplied a non-finite value the forward carried
+        # from the batch without an event (saturated by a tanh, masked, summed away)
+        came = input_origin(runner.step)
+        origin["samples"] = origin["samples"] or came["samples"]
+        hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, which came "
+                f"in with the batch (rows {came['samples']} of {came['tensor'] or 'an input'}) "
+                "and which the forward carried without a non-finite output; " + HINTS["input"])
+        return finish(report, origin, "input", reproduced=reproduced, hint=hint)
     cause = classify(runner, "backward", node=b.node)
-    return finish(report, origin, cause.name,
-                  reproduced=runner.step.event.get("phase") == "backward", hint=cause.hint)
+    return finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
 
 
 def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:

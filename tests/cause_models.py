@@ -42,6 +42,13 @@ def make_share_net() -> nn.Module:
     return ShareNet()
 
 
+def make_tanh_net() -> nn.Module:
+    """A tanh after the first layer saturates an infinite input feature to +-1, so the forward
+    stays finite; the first layer's weight gradient, ``grad.T @ x``, meets the infinity."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, N_CLASSES))
+
+
 def make_weight_norm_net() -> nn.Module:
     """``weight_norm``'s weight, ``g * v / ||v||`` row by row, is made in the forward (by a
     parametrization module): a row with ``g`` and ``v`` both 0 is 0/0 there. Its dim 0 (16

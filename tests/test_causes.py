@@ -12,6 +12,7 @@ below 0).
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -82,6 +83,23 @@ def check(rep: dict, err: NonFiniteError, *, phase, module, op, samples, cause, 
     assert err.event["step"] == K and rep["reproduced"] is True
     if made is not None:  # what the blamed op made, in the origin and in the chain alike
         assert o["made"] == made == next(c["made"] for c in o["chain"] if c["op"] == o["op"]), o
+
+
+# ---------------------------------------------------------------------------------------------
+# input
+
+
+def test_a_batch_infinity_the_forward_saturated_is_input_in_backward(tmp_path):
+    """An +inf feature in one sample: Linear makes +-inf, tanh makes +-1, the loss is finite
+    (by default an infinity that stays inside is no event); the first layer's weight gradient
+    multiplies the saved input's +inf by gradients that include 0: NaN. Backward event, the
+    node that saved the infinity, the sample that brought it, cause ``input`` (no pole)."""
+    err = train("make_tanh_net", with_row([0.5, math.inf, -0.5, 1.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="backward", module="0", op="AddmmBackward0", samples=[ROW],
+          cause="input", made="nan")
+    assert "saved in the forward" in rep["hint"] and "+Inf" in rep["hint"], rep["hint"]
+    assert "pole" not in rep["hint"], rep["hint"]
 
 
 # ---------------------------------------------------------------------------------------------
