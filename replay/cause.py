@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from recorder.finite import label
+
 from . import domains
 from .cause_text import DO, HINTS
 from .domains import g as _g
@@ -58,17 +60,18 @@ class Cause:
 
 
 def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None, *,
-             hit: OpHit | None = None, micro_batch: int = 0, node: str | None = None) -> Cause:
+             hit: OpHit | None = None, micro_batch: int = 0, node: str | None = None,
+             saved: str | None = None) -> Cause:
     """The cause of a forward, loss or backward origin. ``until``, for a forward origin, is its
     ``(module, call, micro-batch)``: the float64 forward stops after that call, as what comes
     later (made from the origin's value, or another problem) cannot say what the origin's
     value was. ``hit`` is the op blamed (its call is found again in the float64 re-run, in that
     module call or, for a loss origin, in the loss of ``micro_batch``); ``node`` the backward
-    node."""
+    node, ``saved`` the kind of a non-finite value it saved in the forward."""
     capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence else None
     still = _float64_run(runner, phase, until, capture, micro_batch)
     if phase == "backward":
-        return _backward(node, still, _step_dtype(runner, micro_batch))
+        return _backward(node, still, _step_dtype(runner, micro_batch), saved)
     if hit is None or hit.intentional or (hit.evidence is None and hit.inputs_finite):
         return (Cause("invalid", HINTS["loss" if phase == "loss" else "invalid"]) if still
                 else Cause("overflow", "the value is finite in float64: "
@@ -284,10 +287,21 @@ def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
     return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 
 
-def _backward(node: str | None, still: bool, dtype: torch.dtype) -> Cause:
+def _backward(node: str | None, still: bool, dtype: torch.dtype,
+              saved: str | None = None) -> Cause:
     op = node or "the backward node"
     m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     fn = f"the derivative of {m.group(1).lower()}" if m else "the derivative"
+    if saved in ("+inf", "-inf"):
+        # no pole: the forward overflowed there and masked or saturated the infinity before
+        # anything checked it; the derivative multiplies it (by 0: NaN)
+        what = (f"{op} multiplied a {label(saved)} it saved in the forward, where a value "
+                "overflowed and was masked or saturated before the output (torch.where and "
+                "masked_fill still send the gradient through both branches, so mask the op's "
+                "input, not its output)")
+        if still:
+            return Cause("overflow", f"{what}; float64 overflows too: " + DO["clamp"])
+        return Cause("overflow", f"{what}; float64 holds it: " + _wider(dtype))
     if still:
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "

@@ -49,6 +49,25 @@ def make_tanh_net() -> nn.Module:
     return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, N_CLASSES))
 
 
+class SoftClip(nn.Module):
+    """exp below 20, the identity above: ``torch.where`` masks exp's overflow in the forward,
+    and exp's derivative meets it in the backward (inf * 0)."""
+
+    def forward(self, x):
+        return torch.where(x < 20, torch.exp(x), x)  # BUG: masks exp's output, not its input
+
+
+def make_soft_clip_net() -> nn.Module:
+    """An identity first layer (so the gradient has a weight to reach, and the clip sees the
+    batch's values), the clip, a head."""
+    torch.manual_seed(0)
+    first = nn.Linear(D_IN, D_IN)
+    with torch.no_grad():
+        first.weight.copy_(torch.eye(D_IN))
+        first.bias.zero_()
+    return nn.Sequential(first, SoftClip(), nn.Linear(D_IN, N_CLASSES))
+
+
 def make_weight_norm_net() -> nn.Module:
     """``weight_norm``'s weight, ``g * v / ||v||`` row by row, is made in the forward (by a
     parametrization module): a row with ``g`` and ``v`` both 0 is 0/0 there. Its dim 0 (16

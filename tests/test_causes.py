@@ -102,6 +102,21 @@ def test_a_batch_infinity_the_forward_saturated_is_input_in_backward(tmp_path):
     assert "pole" not in rep["hint"], rep["hint"]
 
 
+@pytest.mark.parametrize("value, wide", [(100.0, "float64 holds it"),
+                                          (1000.0, "float64 overflows too")])
+def test_an_overflow_masked_in_the_forward_is_overflow_in_backward(tmp_path, value, wide):
+    """``torch.where(x < 20, exp(x), x)``: exp(100) and exp(1000) overflow float32 and are
+    masked, so the forward is finite; exp's derivative multiplies the saved +inf by the
+    masked branch's 0. The node is ExpBackward0, the cause ``overflow`` (exp has no pole), and
+    the hint says whether float64 holds the value."""
+    err = train("make_soft_clip_net", with_row([0.5, value, -0.5, 1.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="backward", module="1", op="ExpBackward0", samples=[ROW],
+          cause="overflow", made="nan")
+    assert "saved in the forward" in rep["hint"] and wide in rep["hint"], rep["hint"]
+    assert "pole" not in rep["hint"], rep["hint"]
+
+
 # ---------------------------------------------------------------------------------------------
 # invalid
 
