@@ -15,11 +15,9 @@ from typing import Any
 
 import torch
 
-from .capture import batch_path, flatten_tree, loss_path
+from .capture import batch_path, flatten_tree, loss_path, tensor_leaves
 from .finite import (
-    bad_rows,
     finite,
-    first_bad_rows,
     flags_kind,
     has_nan,
     kind_of,
@@ -29,12 +27,11 @@ from .finite import (
     tensors_kind,
 )
 from .ring import StepLayout, decode_call
+from .samples import Samples, infer
 from .shards import local
 from .tape import Tape
 
-# (replay imports bad_rows and first_bad_rows from here until it asks recorder.finite)
-__all__ = ["Event", "StepEvidence", "bad_rows", "find_event", "first_bad_rows",
-           "optimizer_event", "summary"]
+__all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "summary"]
 
 # keys a bundle's event holds only when they are set
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
@@ -93,6 +90,14 @@ class StepEvidence:
     # step()): what they hold now is no evidence of what the step ran with
     changed: set[int] = field(default_factory=set)
     overflowed: bool = False  # some non-finite norm was an overflow of finite values
+    seq_first: bool = False  # the model takes sequences first (see recorder.samples)
+
+    def samples(self, mb: int) -> Samples:
+        """Where micro-batch ``mb``'s tensors hold their samples."""
+        m = self.tape.micro_batches[mb]
+        others = [*tensor_leaves(m.loss_args or ()), *tensor_leaves(m.loss_kwargs or {}),
+                  *tensor_leaves(m.outputs)]
+        return infer(tensor_leaves([list(m.args), m.kwargs]), others, self.seq_first)
 
     def really_bad(self, pairs: list[tuple[int, int]], grads: bool) -> list[int]:
         """The parameters of ``pairs`` (index, row entry) whose norm is non-finite and whose
@@ -198,7 +203,8 @@ def _call_event(ev: StepEvidence, d: dict[str, Any], phase: str) -> Event:
 def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
     """Bad data: the root call ``d``'s inputs held the value."""
     mb = ev.tape.micro_batches[d["micro_batch"]]
-    found = _first_bad_tensor([list(mb.args), mb.kwargs], nan_only=nan_only)
+    found = _first_bad_tensor([list(mb.args), mb.kwargs], ev.samples(d["micro_batch"]),
+                              nan_only=nan_only)
     event = _call_event(ev, d, "input")
     if found:
         event.tensor, event.samples, event.kind = batch_path(found[0], len(mb.args)), *found[1:]
@@ -231,7 +237,8 @@ def _forward_event(ev: StepEvidence) -> Event | None:
         return None
     event = _call_event(ev, d, "forward")
     if ev.tape.micro_batches:
-        event.samples = first_bad_rows(_tensors(ev.tape.micro_batches[d["micro_batch"]].outputs))
+        mb = d["micro_batch"]
+        event.samples = ev.samples(mb).first_rows(_tensors(ev.tape.micro_batches[mb].outputs))
     event.detail = (f"{event.kind} first in the output of {event.module or '<root>'} "
                     f"({event.module_type}), call {event.call}")
     return event
@@ -245,7 +252,7 @@ def _loss_event(ev: StepEvidence) -> Event | None:
             continue
         mb = ev.tape.micro_batches[mb_i]
         found = _first_bad_tensor([list(mb.loss_args or ()), mb.loss_kwargs or {}],
-                                  skip=list(_tensors(mb.outputs)))
+                                  ev.samples(mb_i), skip=list(_tensors(mb.outputs)))
         event = Event(ev.tape.step, micro_batch=mb_i, module="<loss>",
                       kind=pair_kind(row[lo], row[hi]))
         if found:
@@ -283,7 +290,7 @@ def _output_grad_event(ev: StepEvidence) -> Event | None:
         event = Event(ev.tape.step, phase="backward", micro_batch=mb_i,
                       tensor="grad of the model output" + (f" [{i}]" if i else ""),
                       kind="inf" if grad is None else kind_of(grad) or "inf",
-                      samples=[] if grad is None else bad_rows(grad))
+                      samples=[] if grad is None else ev.samples(mb_i).rows(grad))
         event.detail = (f"non-finite gradient entering the model output (micro-batch {mb_i}) "
                         "while every parameter's gradient is finite: the loss, computed "
                         "outside the recorder, is non-finite")
@@ -341,18 +348,18 @@ def optimizer_event(step: int, params: list[str], *, after_update: bool,
                         f"{params[0]}")
 
 
-def _first_bad_tensor(obj: Any, skip=(), nan_only: bool = False
+def _first_bad_tensor(obj: Any, samples: Samples, skip=(), nan_only: bool = False
                       ) -> tuple[str, list[int], str] | None:
-    """(path, rows, kind) of the first data tensor in ``obj`` holding a non-finite value."""
+    """(path, samples, kind) of the first data tensor in ``obj`` holding a non-finite
+    value."""
     _, tensors, paths = flatten_tree(obj, "x")
     for key, t in tensors.items():
         if any(t is s for s in skip) or t.grad_fn is not None:
             continue  # the model output, or computed from it: not data
         if nan_only and not has_nan(t):
             continue
-        rows = bad_rows(t)
-        if rows:
-            return paths[key], rows, kind_of(t)
+        if not finite(t):
+            return paths[key], samples.rows(t), kind_of(t)
     return None
 
 

@@ -97,11 +97,11 @@ def tensors_kind(tensors: Iterable[torch.Tensor]) -> str | None:
     return next((k for k in KINDS if k in found), None)
 
 
-def bad_rows(t: torch.Tensor) -> list[int]:
-    """Indices along dim 0 holding a non-finite value (a 0-d tensor: ``[0]`` if it is)."""
+def bad_rows(t: torch.Tensor, dim: int = 0) -> list[int]:
+    """Indices along ``dim`` holding a non-finite value (a 0-d tensor: ``[0]`` if it is)."""
     if not checkable(t):
         return []
-    if t.layout == torch.sparse_coo:  # the rows of the specified values that are not finite
+    if t.layout == torch.sparse_coo and dim == 0:  # the rows of the specified values
         rows, values = sparse_rows(t.detach())
         bad = ~torch.isfinite(values).reshape(values.shape[0], -1).all(dim=1)
         return rows[bad].unique().tolist()
@@ -110,17 +110,8 @@ def bad_rows(t: torch.Tensor) -> list[int]:
     bad = ~torch.isfinite(t.detach())
     if t.dim() == 0:
         return [0] if bool(bad) else []
-    return bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
-
-
-def first_bad_rows(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """The non-finite rows of the first floating tensor with any; 0-d tensors name none."""
-    for t in tensors:
-        if t.is_floating_point() and t.dim():
-            rows = bad_rows(t)
-            if rows:
-                return rows
-    return []
+    bad = bad.movedim(dim, 0)
+    return bad.reshape(bad.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
 
 
 def pair_flag(e: torch.Tensor, allow_inf: bool = False) -> torch.Tensor:

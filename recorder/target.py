@@ -19,6 +19,7 @@ from .compat import is_norm_layer, version_of
 from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .finite import matches
 from .ranks import Agreement
+from .samples import seq_first
 from .settings import Settings
 from .shards import class_name
 
@@ -58,6 +59,7 @@ class Target:
         self.module_types: list[str] = []
         self.compiled: set[str] = set()
         self.allowed_modules: set[int] = set()
+        self.seq_first = False
         self.grad_hooks = True
         self.release()
 
@@ -84,6 +86,7 @@ class Target:
         self.module_types = [class_name(s.module) for s in sites]  # (not FSDP's FSDP<Class>)
         self.compiled = {s.name for s in sites if s.region}  # recorded as one call each
         self.allowed_modules = {i for i, n in enumerate(self.module_names) if self.is_allowed(n)}
+        self.seq_first = seq_first(model)  # the samples of its batches are in dim 1
         self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
         self.param_names = [n for n, _ in self.params]
         self.buffers = [(eager_name(n), b) for n, b in model.named_buffers()]

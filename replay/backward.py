@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from recorder.capture import tensor_leaves
-from recorder.finite import bad_rows, finite, kind_of
+from recorder.finite import finite, kind_of
+from recorder.samples import Samples
 
 from .compat import sequence_nr
 from .rerun import Runner
@@ -61,21 +62,21 @@ def _source(node) -> str | None:
     return traceback_source("".join(tb) if isinstance(tb, list) else str(tb))
 
 
-def batch_rows(node, returned: list, batch_size: int) -> list[int]:
-    """The rows (dim 0, when it has the batch's size) of the first non-finite gradient the
-    node returned for an activation; gradients bound for a parameter (an ``AccumulateGrad``)
-    are skipped, as their dim 0 is not the batch even when its size matches."""
-    if batch_size <= 0:
+def batch_rows(node, returned: list, where: Samples) -> list[int]:
+    """The samples of the first non-finite gradient the node returned for an activation
+    (one with a dimension of the batch's size); gradients bound for a parameter (an
+    ``AccumulateGrad``) are skipped, as theirs is no batch even when a size matches."""
+    if not where.size:
         return []
     nexts = list(node.next_functions)
     for i, g in enumerate(returned):
-        if not isinstance(g, torch.Tensor) or g.dim() == 0 or g.shape[0] != batch_size:
+        if not isinstance(g, torch.Tensor) or where.dim(g) is None:
             continue
         target = nexts[i][0] if i < len(nexts) else None
         if target is not None and type(target).__name__ == "AccumulateGrad":
             continue
         if not finite(g):
-            return bad_rows(g)
+            return where.rows(g)
     return []
 
 
@@ -98,9 +99,9 @@ def saved_kind(node) -> str | None:
     return None
 
 
-def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
-    """The first node to make a non-finite gradient from finite ones; ``batch_size`` (the
-    batch's dim 0) to name the rows of its gradient."""
+def find_backward_origin(runner: Runner, where: Samples | None = None) -> BackwardOrigin:
+    """The first node to make a non-finite gradient from finite ones; ``where`` the batch's
+    samples, to name those of its gradient."""
     found = BackwardOrigin()
     handles: list = []
 
@@ -115,7 +116,7 @@ def find_backward_origin(runner: Runner, batch_size: int = 0) -> BackwardOrigin:
                 found.module = name
                 found.source = _source(node)
                 found.made = next((kind_of(g) for g in returned if not finite(g)), None)
-                found.samples = batch_rows(node, list(grad_inputs), batch_size)
+                found.samples = batch_rows(node, list(grad_inputs), where or Samples())
                 found.micro_batch = runner.micro_batch
                 found.saved = saved_kind(node)
         handles.append(node.register_hook(hook))

@@ -9,14 +9,12 @@ import inspect
 import os
 from typing import Any
 
-from recorder.finite import first_bad_rows
-
 from .cause import classify
 from .errors import StopRun
 from .findings import finish, origin_fields
 from .load import Step
 from .ops import OpFinder
-from .recorded import batch_size
+from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
 from .source import user_source
@@ -52,11 +50,11 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
             f"{hit.op} fills a literal {hit.made} that reaches the output of "
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
             f"FlightRecorder(..., allow_inf=['{o.module or '*'}'])")
-    samples = o.bad_rows if _is_batch_dim(step, o) else _root_rows(run)
+    rows = o.bad_rows or _root_rows(step, run)
     # made: what the blamed op made (the chain's first entry), not what the call returned
     origin = origin_fields(
         phase="forward", module=o.module, call=o.call, micro_batch=o.micro_batch,
-        inputs_finite=o.inputs_finite, made=hit.made if hit else o.kind, samples=samples,
+        inputs_finite=o.inputs_finite, made=hit.made if hit else o.kind, samples=rows,
         op=hit.op if hit else None,
         source=(hit.source if hit and hit.source else _module_source(step, o.module)),
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None)
@@ -122,14 +120,9 @@ def _matches(step: Step, origin) -> bool:
     return recorded == found
 
 
-def _is_batch_dim(step: Step, o) -> bool:
-    """The call's bad rows are samples: its output's dim 0 is the batch's (a weight made in
-    the forward, 16 rows against a batch of 4, is not)."""
-    return bool(o.bad_rows) and o.rows_of == batch_size(step, o.micro_batch)
-
-
-def _root_rows(run: Run) -> list[int]:
-    return first_bad_rows(t for outs in run.outputs for t in outs)
+def _root_rows(step: Step, run: Run) -> list[int]:
+    return next((rows for mb, outs in enumerate(run.outputs)
+                 if (rows := samples(step, mb).first_rows(outs))), [])
 
 
 def _module_source(step: Step, module: str) -> str | None:

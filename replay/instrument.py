@@ -13,9 +13,11 @@ import math
 import torch
 
 from recorder.capture import tensor_leaves  # not pytree: see replay.rerun
-from recorder.finite import bad_rows, ends, finite, has_nan, pair_kind, pair_ok
+from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok
+from recorder.samples import Samples
 
 from .memo import TensorMemo, TensorSet
+from .recorded import samples
 from .run_result import Call, Run
 
 
@@ -99,18 +101,14 @@ class CallRecorder:
         mb = self.runner.micro_batch
         k = self.counts.get((name, mb), 0)
         self.counts[(name, mb)] = k + 1
-        rows, length = _output_rows(outs) if not ok_out else ([], 0)
+        rows = _output_rows(outs, samples(self.runner.step, mb)) if not ok_out else []
         nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs)
         self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
-                                      mm, parents, call_id, rows, nan, every_in, nan_free_in,
-                                      length))
+                                      mm, parents, call_id, rows, nan, every_in, nan_free_in))
 
 
-def _output_rows(outs: list[torch.Tensor]) -> tuple[list[int], int]:
-    """The non-finite rows of a call's first batched non-finite output, and its length (dim
-    0): a 0-d one (a loss computed in the model) names no row, unless the call returned
-    nothing else."""
-    batched = [t for t in outs if t.dim()]
-    if not batched:
-        return (bad_rows(outs[0]), 0) if outs else ([], 0)
-    return next(((bad_rows(t), t.shape[0]) for t in batched if not finite(t)), ([], 0))
+def _output_rows(outs: list[torch.Tensor], where: Samples) -> list[int]:
+    """The non-finite samples of a call's first batched non-finite output (a weight made in the
+    forward, with no dimension of the batch's size, names none; nor does a 0-d output, a loss
+    computed in the model)."""
+    return next((where.rows(t) for t in outs if t.dim() and not finite(t)), [])

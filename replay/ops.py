@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from recorder.finite import bad_rows, ends, pair_kind, pair_ok
+from recorder.finite import ends, pair_kind, pair_ok
+from recorder.samples import Samples
 
 from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
 from .memo import TensorSet
@@ -43,7 +44,7 @@ class OpHit:
     occurrence: int = 0  # how many calls of this op came before it in the watched code
     inputs_finite: bool = False  # else it made NaN from infinities (inf - inf)
     evidence: Evidence | None = None  # what the cause needs, taken while the op's values live
-    rows: list[int] | None = None  # non-finite rows of its output (OpFinder(batch_size=...))
+    rows: list[int] | None = None  # non-finite samples of its output (OpFinder(samples=...))
 
     def as_json(self) -> dict[str, Any]:
         return {"op": self.op, "made": self.made, "source": self.source,
@@ -296,12 +297,12 @@ class OpFinder:
     infinities runs, so infinities made there count as intentional.
     """
 
-    def __init__(self, batch_size: int | None = None):
+    def __init__(self, samples: Samples | None = None):
         self.first: OpHit | None = None
         self.first_nan: OpHit | None = None
         self.intentional: OpHit | None = None
         self.allowed_depth = 0
-        self.batch_size = batch_size  # name the rows of the first offender's output
+        self.samples = samples  # name the samples of the first offender's output
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self._mode = _Watch(self)
@@ -322,12 +323,10 @@ class OpFinder:
         return self.allowed_depth > 0
 
     def batch_rows(self, outs: list[torch.Tensor]) -> list[int] | None:
-        """Non-finite rows (dim 0) of the first output whose dim 0 is the batch size."""
-        n = self.batch_size
-        t = next((t for t in outs if n and t.dim() and t.shape[0] == n), None)
-        if t is None:
-            return None
-        return bad_rows(t)
+        """Non-finite samples of the first output that has the batch's samples."""
+        s = self.samples
+        t = next((t for t in outs if s and s.size and s.dim(t) is not None), None)
+        return None if t is None else s.rows(t)
 
     def __enter__(self) -> OpFinder:
         self._mode.__enter__()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from recorder.capture import tensor_leaves
-from recorder.finite import bad_rows, finite, kind_of, label
+from recorder.finite import finite, kind_of, label
 
 from . import outside
 from .backward import find_backward_origin
@@ -19,7 +19,7 @@ from .cause_text import HINTS
 from .findings import finish, origin_fields
 from .load import Step, autocast_as_recorded, loss_inputs
 from .ops import OpFinder
-from .recorded import batch_non_finite, batch_size, input_origin
+from .recorded import batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
 
@@ -42,7 +42,7 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
 
 
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
-    finder = OpFinder(batch_size=batch_size(step) or None)
+    finder = OpFinder(samples=samples(step))
     mb = next(i for i, ok in enumerate(run.loss_finite) if not ok)
     args, kwargs = _loss_args(step, run, mb)
     with autocast_as_recorded(step.micro_batches[mb], step.device), finder:
@@ -76,7 +76,7 @@ def _loss_samples(step: Step, run: Run, mb: int) -> list[int]:
         fn.reduction = "none"
         with torch.no_grad():
             per = fn(*args, **kwargs)
-        return bad_rows(per) if isinstance(per, torch.Tensor) and per.dim() else []
+        return samples(step, mb).rows(per) if isinstance(per, torch.Tensor) and per.dim() else []
     except Exception:
         return []
     finally:
@@ -152,7 +152,7 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
 
 
 def report_backward(report, runner: Runner) -> dict[str, Any]:
-    b = find_backward_origin(runner, batch_size(runner.step))
+    b = find_backward_origin(runner, samples(runner.step))
     origin = origin_fields(
         phase="backward", module=b.module, op=b.node, source=b.source, params=b.params,
         param=(b.params or [None])[0], made=b.made, samples=b.samples,

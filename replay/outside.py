@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from recorder.finite import finite, first_bad_rows, kind_of
+from recorder.finite import finite, kind_of
 
 from .load import Step, output_grads
+from .recorded import samples
 from .rerun import Runner
 
 ENTERED = ("the gradient entering the model's output was non-finite; the model's backward made "
@@ -72,7 +73,7 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
         "phase": "loss", "module": "<loss>", "micro_batch": mb, "made": kind_of(g),
         "detail": ENTERED, "params": got, "param": (got or [None])[0],
         "tensor": "grad of the model output" + (f" {j}" if n_out > 1 else ""),
-        "samples": first_bad_rows(grads[mb][k] for k in sorted(grads[mb])),
+        "samples": samples(step, mb).first_rows(grads[mb][k] for k in sorted(grads[mb])),
         "positions": {"non_finite": int((~torch.isfinite(g)).sum()), "of": g.numel()},
     }
     return fields, reproduced

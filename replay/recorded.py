@@ -9,20 +9,25 @@ import math
 from typing import Any
 
 from recorder.capture import batch_path, flatten_tree, loss_path
-from recorder.finite import bad_rows, finite, has_nan, kind_of, matches
+from recorder.finite import finite, has_nan, kind_of, matches
+from recorder.samples import Samples, infer, seq_first
 
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
 
 
-def batch_size(step: Step, i: int = 0) -> int:
+def samples(step: Step, i: int = 0) -> Samples:
+    """Where micro-batch ``i``'s tensors hold their samples (see :mod:`recorder.samples`):
+    from its root inputs and loss targets, and whether the model takes sequences first."""
     mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
-    paths = mb.get("paths", {})
-    for key in paths:
-        t = step.tensors.get(key)
-        if t is not None and t.dim() > 0:
-            return int(t.shape[0])
-    return 0
+    inputs = [step.tensors.get(k) for k in mb.get("paths", {})]
+    targets = [step.tensors.get(k) for k in mb.get("loss_paths", {})]
+    return infer([t for t in inputs if t is not None], [t for t in targets if t is not None],
+                 seq_first(step.model))
+
+
+def batch_size(step: Step, i: int = 0) -> int:
+    return samples(step, i).size
 
 
 def _batch_nan(step: Step) -> bool:
@@ -75,18 +80,18 @@ def input_origin(step: Step) -> dict[str, Any]:
             continue
         args, kwargs = micro_batch_inputs(step, i)
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")
+        rows = samples(step, i).rows
         for key, t in tensors.items():
             soft = nan or _allowed(step, _root_input_name(paths[key]))
             if soft and not has_nan(t):
                 continue
-            rows = bad_rows(t)
-            if rows:
+            if not finite(t):
                 return origin_fields(phase="input", tensor=batch_path(paths[key], len(args)),
-                                     samples=rows, micro_batch=i, made=kind_of(t))
+                                     samples=rows(t), micro_batch=i, made=kind_of(t))
         for key, raw in mb.get("loss_paths", {}).items():
             t = step.tensors.get(key)
-            if t is not None and bad_rows(t):
-                return origin_fields(phase="input", tensor=loss_path(raw), samples=bad_rows(t),
+            if t is not None and not finite(t):
+                return origin_fields(phase="input", tensor=loss_path(raw), samples=rows(t),
                                      micro_batch=i, made=kind_of(t))
     ev = step.event
     return origin_fields(phase="input", tensor=ev.get("tensor"), samples=ev.get("samples", []),

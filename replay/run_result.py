@@ -26,11 +26,10 @@ class Call:
     minmax: tuple  # exact (min, max) of each output, as strings, to compare runs
     parents: tuple[int, ...] = ()  # module-call ids enclosing it (outermost first)
     call_id: int = 0  # start order, for parent links
-    bad_rows: list[int] = field(default_factory=list)
+    bad_rows: list[int] = field(default_factory=list)  # samples of its non-finite output
     nan: bool = False  # an output holds NaN
     inputs_all_finite: bool = True  # no NaN/+-Inf in its inputs, allowed or not
     inputs_nan_free: bool = True
-    rows_of: int = 0  # the length (dim 0) of the output ``bad_rows`` index
 
 
 @dataclass

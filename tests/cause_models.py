@@ -282,20 +282,47 @@ class PaddedAttentionNet(nn.Module):
     PyTorch's tutorials write it: a sample that is padding only (an empty sequence) leaves its
     queries no key, so the attention weights' softmax is NaN for that row."""
 
-    def __init__(self, vocab: int = 11, dim: int = 8):
+    def __init__(self, vocab: int = 11, dim: int = 8, batch_first: bool = True):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
-        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=batch_first)
         self.head = nn.Linear(dim, N_CLASSES)
+        self.time = 1 if batch_first else 0
 
     def forward(self, ids, pad):
         x = self.tok(ids)
         h, _ = self.attn(x, x, x, key_padding_mask=pad)  # BUG: an all-padding row
-        return self.head(h.mean(dim=1))
+        return self.head(h.mean(dim=self.time))
 
 
 def make_padded_attention_net() -> nn.Module:
     return PaddedAttentionNet()
+
+
+def make_seq_first_attention_net() -> nn.Module:
+    """The same as nn.MultiheadAttention's default takes it: ids ``(T, B)``, so the attention
+    output is ``(T, B, dim)`` and its samples are dim 1 (the mask stays ``(B, T)``)."""
+    torch.manual_seed(0)
+    return PaddedAttentionNet(batch_first=False)
+
+
+class SeqFirstLSTM(nn.Module):
+    """``nn.LSTM`` as it comes (``batch_first=False``): ``(T, B, F)`` in, the last step's
+    state classified."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(D_IN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        return self.head(h[-1])
+
+
+def make_seq_first_lstm() -> nn.Module:
+    torch.manual_seed(0)
+    return SeqFirstLSTM()
 
 
 # ---------------------------------------------------------------------------------------------

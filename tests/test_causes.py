@@ -207,6 +207,45 @@ def test_multihead_attention_over_an_all_padding_sample_is_invalid(tmp_path):
     assert "NaN first made by <code>aten._softmax</code>" in page.read_text()
 
 
+def test_an_all_padding_sample_of_a_sequence_first_batch_is_named_by_its_batch_index(tmp_path):
+    """The same bug with MultiheadAttention's default layout, ids ``(T, B)``: the samples are
+    the batch's dim 1, so the report names sample 2, not time steps (dim 0 is the sequence)."""
+
+    def make(s):
+        g = torch.Generator().manual_seed(300 + s)
+        ids = torch.randint(0, 11, (5, 6), generator=g)  # 5 positions of 6 samples
+        pad = torch.zeros(6, 5, dtype=torch.bool)
+        pad[:, 4] = True
+        if s == K:
+            pad[2] = True  # sample 2 is empty
+        return (ids, pad), torch.randint(0, C.N_CLASSES, (6,), generator=g)
+
+    err = train("make_seq_first_attention_net", make, tmp_path)
+    assert err.event["samples"] == [2], err.event
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="attn", op="aten._softmax", samples=[2],
+          cause="invalid", made="nan")
+    assert rep["origin"]["batch_size"] == 6 and rep["origin"]["all_samples"] is False
+
+
+def test_a_bad_sample_of_a_sequence_first_lstm_batch_is_named_by_its_batch_index(tmp_path):
+    """``nn.LSTM``'s default ``(T, B, F)``: sample 3's features are NaN at every time step.
+    The event and the report name sample 3 of 5, not the 7 time steps."""
+
+    def make(s):
+        g = torch.Generator().manual_seed(400 + s)
+        x = torch.randn(7, 5, C.D_IN, generator=g)
+        if s == K:
+            x[:, 3] = math.nan
+        return (x,), torch.randint(0, C.N_CLASSES, (5,), generator=g)
+
+    err = train("make_seq_first_lstm", make, tmp_path)
+    assert (err.event["phase"], err.event["samples"]) == ("input", [3]), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["phase"], o["samples"], o["batch_size"]) == ("input", "input", [3], 5)
+
+
 # ---------------------------------------------------------------------------------------------
 # overflow
 

@@ -1,0 +1,98 @@
+"""Which dimension of a tensor holds the samples, so events and reports name samples, not time
+steps.
+
+PyTorch's recurrent and attention modules take sequences first by default: ``nn.LSTM``,
+``nn.GRU``, ``nn.RNN``, ``nn.MultiheadAttention`` and ``nn.Transformer*`` with
+``batch_first=False`` take ``(T, B, ...)``, and ``nn.CTCLoss`` takes ``(T, B, C)``
+log-probabilities. The samples of such a batch are its dim 1.
+
+The batch size is the size that most of a step's tensors have in some dimension (the root
+inputs, the loss's targets, the root outputs; each tensor counts a size once): an LSTM batch
+``(10, 5, 6)`` with targets ``(5,)`` and logits ``(5, 3)`` is a batch of 5. A tie goes to the
+first input's dim 1 in a model with sequence-first modules, else to its dim 0. A tensor's
+samples are along its dim 0 when it has the batch's size there, or along its dim 1 in such a
+model; a tensor with neither (a weight) has none.
+
+>>> s = Samples(5, seq_first=True)
+>>> s.dim(torch.zeros(10, 5, 6)), s.dim(torch.zeros(5, 3)), s.dim(torch.zeros(16, 4))
+(1, 0, None)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .finite import bad_rows
+
+# the modules whose ``batch_first=False`` puts the batch in dim 1
+_SEQUENCE_MODULES = (nn.RNNBase, nn.MultiheadAttention, nn.Transformer,
+                     nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def seq_first(model: nn.Module | None) -> bool:
+    """``model`` holds a recurrent or attention module that takes sequences first."""
+    if model is None:
+        return False
+    return any(isinstance(m, _SEQUENCE_MODULES) and getattr(m, "batch_first", True) is False
+               for m in model.modules())
+
+
+@dataclass(frozen=True)
+class Samples:
+    """The batch's size (0: unknown) and whether the model takes sequences first."""
+
+    size: int = 0
+    seq_first: bool = False
+
+    def dim(self, t: torch.Tensor) -> int | None:
+        """The dimension of ``t`` that holds the samples; None when ``t`` has none (a 0-d
+        tensor, a weight), dim 0 when the batch size is unknown."""
+        if t.dim() == 0:
+            return None
+        if not self.size:
+            return 0
+        shape = t.shape
+        if self.seq_first and t.dim() > 1 and shape[1] == self.size:
+            return 1
+        # (dim 0 only: a weight's gradient, (4, 8) against a batch of 8, holds no samples)
+        return 0 if shape[0] == self.size else None
+
+    def rows(self, t: torch.Tensor) -> list[int]:
+        """The samples of ``t`` that hold a non-finite value ([] when ``t`` has no samples)."""
+        d = self.dim(t)
+        return [] if d is None else bad_rows(t, d)
+
+    def first_rows(self, tensors: Iterable[torch.Tensor]) -> list[int]:
+        """The non-finite samples of the first floating tensor with any."""
+        for t in tensors:
+            if t.is_floating_point() and t.dim():
+                rows = self.rows(t)
+                if rows:
+                    return rows
+        return []
+
+
+def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
+          sequence_first: bool = False) -> Samples:
+    """The :class:`Samples` of a micro-batch from its root ``inputs`` (in order) and
+    ``others`` (loss targets, root outputs), as the module docstring says."""
+    inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim()]
+    counts: Counter = Counter()
+    for t in inputs + [t for t in others if isinstance(t, torch.Tensor) and t.dim()]:
+        counts.update(set(t.shape))
+    if not counts:
+        return Samples(0, sequence_first)
+    top = max(counts.values())
+    tied = {n for n, c in counts.items() if c == top}
+    if len(tied) > 1 and inputs:
+        shape = inputs[0].shape
+        order = ([1, 0] if sequence_first else [0, 1]) + list(range(2, len(shape)))
+        pick = next((shape[d] for d in order if d < len(shape) and shape[d] in tied), None)
+        if pick is not None:
+            return Samples(int(pick), sequence_first)
+    return Samples(int(min(tied)), sequence_first)
