@@ -93,11 +93,12 @@ class StepEvidence:
     seq_first: bool = False  # the model takes sequences first (see recorder.samples)
 
     def samples(self, mb: int) -> Samples:
-        """Where micro-batch ``mb``'s tensors hold their samples."""
+        """Where micro-batch ``mb``'s tensors hold their samples: from its inputs and loss
+        targets, as the replay finds them in the bundle."""
         m = self.tape.micro_batches[mb]
-        others = [*tensor_leaves(m.loss_args or ()), *tensor_leaves(m.loss_kwargs or {}),
-                  *tensor_leaves(m.outputs)]
-        return infer(tensor_leaves([list(m.args), m.kwargs]), others, self.seq_first)
+        targets = [t for t in tensor_leaves([list(m.loss_args or ()), m.loss_kwargs or {}])
+                   if t.grad_fn is None]  # (not the model output, nor what it computes)
+        return infer(tensor_leaves([list(m.args), m.kwargs]), targets, self.seq_first)
 
     def really_bad(self, pairs: list[tuple[int, int]], grads: bool) -> list[int]:
         """The parameters of ``pairs`` (index, row entry) whose norm is non-finite and whose
