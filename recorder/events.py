@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .capture import batch_path, flatten_tree, loss_path, tensor_leaves
+from .capture import batch_path, flatten_tree, loss_path
 from .finite import (
     finite,
     flags_kind,
@@ -27,7 +27,7 @@ from .finite import (
     tensors_kind,
 )
 from .ring import StepLayout, decode_call
-from .samples import Samples, infer
+from .samples import Samples, of_micro_batch
 from .shards import local
 from .tape import Tape
 
@@ -93,12 +93,8 @@ class StepEvidence:
     seq_first: bool = False  # the model takes sequences first (see recorder.samples)
 
     def samples(self, mb: int) -> Samples:
-        """Where micro-batch ``mb``'s tensors hold their samples: from its inputs and loss
-        targets, as the replay finds them in the bundle."""
-        m = self.tape.micro_batches[mb]
-        targets = [t for t in tensor_leaves([list(m.loss_args or ()), m.loss_kwargs or {}])
-                   if t.grad_fn is None]  # (not the model output, nor what it computes)
-        return infer(tensor_leaves([list(m.args), m.kwargs]), targets, self.seq_first)
+        """Where micro-batch ``mb``'s tensors hold their samples."""
+        return of_micro_batch(self.tape.micro_batches[mb], self.seq_first)
 
     def really_bad(self, pairs: list[tuple[int, int]], grads: bool) -> list[int]:
         """The parameters of ``pairs`` (index, row entry) whose norm is non-finite and whose

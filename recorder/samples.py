@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .capture import tensor_leaves
 from .finite import bad_rows
 
 # the modules whose ``batch_first=False`` puts the batch in dim 1
@@ -75,6 +76,16 @@ class Samples:
                 if rows:
                     return rows
         return []
+
+
+def of_micro_batch(mb, sequence_first: bool) -> Samples:
+    """The :class:`Samples` of a recorded micro-batch (a :class:`~recorder.tape.MicroBatch`):
+    from its inputs, its loss targets (the loss's tensors not computed from the output) and
+    its outputs. Stored in the bundle, so the replay names the same samples."""
+    targets = [t for t in tensor_leaves([list(mb.loss_args or ()), mb.loss_kwargs or {}])
+               if t.grad_fn is None]
+    return infer(tensor_leaves([list(mb.args), mb.kwargs]),
+                 targets + list(tensor_leaves(mb.outputs)), sequence_first)
 
 
 def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),

@@ -22,6 +22,7 @@ from .entries import hyper_entry, jsonish, micro_batch_entry
 from .lossdesc import describe_loss
 from .rewind import Rewind
 from .ring import RingBuffer
+from .samples import of_micro_batch
 from .settings import Settings
 from .shards import class_name, localize
 from .tape import Tape
@@ -76,6 +77,9 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         tensors.update(rng_tensors)
         meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors)
                                  for i, mb in enumerate(tape.micro_batches)]
+        for entry, mb in zip(meta["micro_batches"], tape.micro_batches):
+            s = of_micro_batch(mb, target.seq_first)  # where the replay names samples
+            entry["samples"] = {"size": s.size, "seq_first": s.seq_first}
     _training_objects(src, guard, meta, tensors)
     # -- history and environment
     n_groups = len(opt.param_groups) if opt is not None else 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from recorder.capture import batch_path, flatten_tree, loss_path
 from recorder.finite import finite, has_nan, kind_of, matches
 from recorder.samples import Samples, infer, seq_first
@@ -17,13 +19,18 @@ from .load import Step, micro_batch_inputs
 
 
 def samples(step: Step, i: int = 0) -> Samples:
-    """Where micro-batch ``i``'s tensors hold their samples (see :mod:`recorder.samples`):
-    from its root inputs and loss targets, and whether the model takes sequences first."""
+    """Where micro-batch ``i``'s tensors hold their samples (see :mod:`recorder.samples`): as
+    the recorder found them, with the live outputs (``micro_batches[i].samples``), else (an
+    older bundle) from its inputs, loss targets and recorded output gradients."""
     mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
-    inputs = [step.tensors.get(k) for k in mb.get("paths", {})]
-    targets = [step.tensors.get(k) for k in mb.get("loss_paths", {})]
-    return infer([t for t in inputs if t is not None], [t for t in targets if t is not None],
-                 seq_first(step.model))
+    kept = mb.get("samples")
+    size = kept.get("size") if isinstance(kept, dict) else None
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+        return Samples(size, kept.get("seq_first") is True)
+    keys = [*mb.get("paths", {}), *mb.get("loss_paths", {}), *mb.get("output_grads", {}).values()]
+    found = [t for k in keys if isinstance(t := step.tensors.get(k), torch.Tensor)]
+    n_inputs = sum(1 for k in mb.get("paths", {}) if step.tensors.get(k) is not None)
+    return infer(found[:n_inputs], found[n_inputs:], seq_first(step.model))
 
 
 def batch_size(step: Step, i: int = 0) -> int:
