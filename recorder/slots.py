@@ -269,7 +269,8 @@ class FlatViews:
         self.every = False  # every parameter has its view
 
     def get(self, device: torch.device) -> list[torch.Tensor | None]:
-        ptrs = [p.data_ptr() for p in self.params]
+        # (a subclass, a DTensor, is never viewed: its pointer is not asked for)
+        ptrs = [p.data_ptr() if type(p) in PLAIN else 0 for p in self.params]
         if ptrs != self.ptrs:
             self.ptrs = ptrs
             self.flats = [p.detach().view(-1) if type(p) in PLAIN and p.dtype is FLOAT32

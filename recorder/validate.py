@@ -152,7 +152,10 @@ def _running_script(module: str):
     origin = getattr(spec, "origin", None)
     if not origin or not os.path.exists(origin):
         return None
-    return main if os.path.samefile(origin, path) else None
+    try:
+        return main if os.path.samefile(origin, path) else None
+    except OSError:  # (the script moved since it started: nothing to compare)
+        return None
 
 
 def _has_main_guard(path: str) -> bool:

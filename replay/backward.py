@@ -64,7 +64,7 @@ def _source(node) -> str | None:
 
 def batch_rows(node, returned: list, where: Samples) -> list[int]:
     """The samples of the first non-finite gradient the node returned for an activation
-    (one with a dimension of the batch's size); gradients bound for a parameter (an
+    (one that has the batch's samples); gradients bound for a parameter (an
     ``AccumulateGrad``) are skipped, as theirs is no batch even when a size matches."""
     if not where.size:
         return []
@@ -89,7 +89,7 @@ def saved_kind(node) -> str | None:
         values = [getattr(node, n) for n in names]
         if hasattr(node, "saved_tensors"):
             values += list(node.saved_tensors)
-    except RuntimeError:  # freed already, or unreadable: unknown
+    except Exception:  # freed already, or unreadable: unknown
         return None
     for v in values:
         for t in (v if isinstance(v, (tuple, list)) else (v,)):
