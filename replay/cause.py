@@ -302,6 +302,13 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         if still:
             return Cause("overflow", f"{what}; float64 overflows too: " + DO["clamp"])
         return Cause("overflow", f"{what}; float64 holds it: " + _wider(dtype))
+    if saved == "nan":
+        # the forward ran the op outside its domain in a branch it then masked out
+        return Cause("invalid", f"{op} used a NaN it saved in the forward, where the op ran "
+                     "outside its domain (sqrt or log of a negative, 0/0) in a branch masked "
+                     "before the output (torch.where and masked_fill still send the gradient "
+                     "through both branches): make the op's input safe before the op "
+                     "(torch.where(mask, x, 1)), not its output")
     if still:
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "

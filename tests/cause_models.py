@@ -68,6 +68,23 @@ def make_soft_clip_net() -> nn.Module:
     return nn.Sequential(first, SoftClip(), nn.Linear(D_IN, N_CLASSES))
 
 
+class MaskedSqrt(nn.Module):
+    """sqrt(x + 5) where that is defined, else 0: ``torch.where`` masks sqrt's NaN of a
+    negative in the forward, and sqrt's derivative meets it in the backward (0 / NaN)."""
+
+    def forward(self, x):
+        return torch.where(x >= -5, torch.sqrt(x + 5), 0.0)  # BUG: masks sqrt's output
+
+
+def make_masked_sqrt_net() -> nn.Module:
+    torch.manual_seed(0)
+    first = nn.Linear(D_IN, D_IN)
+    with torch.no_grad():
+        first.weight.copy_(torch.eye(D_IN))
+        first.bias.zero_()
+    return nn.Sequential(first, MaskedSqrt(), nn.Linear(D_IN, N_CLASSES))
+
+
 def make_weight_norm_net() -> nn.Module:
     """``weight_norm``'s weight, ``g * v / ||v||`` row by row, is made in the forward (by a
     parametrization module): a row with ``g`` and ``v`` both 0 is 0/0 there. Its dim 0 (16

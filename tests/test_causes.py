@@ -117,6 +117,18 @@ def test_an_overflow_masked_in_the_forward_is_overflow_in_backward(tmp_path, val
     assert "pole" not in rep["hint"], rep["hint"]
 
 
+def test_a_nan_masked_in_the_forward_is_invalid_in_backward_and_says_so(tmp_path):
+    """``torch.where(x >= -5, sqrt(x + 5), 0)`` at -9: sqrt's NaN is masked, so the forward
+    is finite; sqrt's derivative divides the masked 0 by the saved NaN. The cause is
+    ``invalid`` (a domain, in exact arithmetic too) and the hint says the NaN was saved in a
+    masked branch, not that the derivative has a pole."""
+    err = train("make_masked_sqrt_net", with_row([0.5, -9.0, 0.5, 1.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="backward", module="1", op="SqrtBackward0", samples=[ROW],
+          cause="invalid", made="nan")
+    assert "NaN it saved in the forward" in rep["hint"] and "pole" not in rep["hint"], rep["hint"]
+
+
 # ---------------------------------------------------------------------------------------------
 # invalid
 
