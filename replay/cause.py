@@ -292,6 +292,11 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
     op = node or "the backward node"
     m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     fn = f"the derivative of {m.group(1).lower()}" if m else "the derivative"
+    if saved in ("+inf", "-inf") and m and not domains.never_a_pole(m.group(1).lower()):
+        # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
+        return Cause("invalid", f"{op} multiplied a {label(saved)} it saved in the forward: "
+                     f"{m.group(1).lower()} at its pole, in a branch masked before the output; "
+                     + DO["backward_pole"])
     if saved in ("+inf", "-inf"):
         # no pole: the forward overflowed there and masked or saturated the infinity before
         # anything checked it; the derivative multiplies it (by 0: NaN)

@@ -27,6 +27,12 @@ def g(x: float) -> str:
     return format(x, ".3g")
 
 
+def never_a_pole(name: str) -> bool:
+    """Op ``name`` (``"exp"``; ``"softmax"`` for ``_softmax``) has no pole or domain edge for
+    any input: an infinity it made is an overflow."""
+    return name in _NO_POLE or f"_{name}" in _NO_POLE
+
+
 def no_pole(name: str, ev: Evidence) -> bool:
     """Whether op ``name`` (``"log"``, no ``aten.``), given these values, can only have made a
     non-finite value by a result too large for its type."""

@@ -85,6 +85,20 @@ def make_masked_sqrt_net() -> nn.Module:
     return nn.Sequential(first, MaskedSqrt(), nn.Linear(D_IN, N_CLASSES))
 
 
+class SafeInverse(nn.Module):
+    """1/h where h is not 0, else 0: ``torch.where`` masks 1/0 in the forward, and the
+    reciprocal's derivative multiplies the saved +inf by the masked 0."""
+
+    def forward(self, h):
+        return torch.where(h != 0, 1 / h, 0.0)  # BUG: masks the reciprocal's output
+
+
+def make_safe_inverse_net() -> nn.Module:
+    torch.manual_seed(0)  # (no bias: a zero input row stays exactly 0)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN, bias=False), SafeInverse(),
+                         nn.Linear(HIDDEN, N_CLASSES))
+
+
 def make_weight_norm_net() -> nn.Module:
     """``weight_norm``'s weight, ``g * v / ||v||`` row by row, is made in the forward (by a
     parametrization module): a row with ``g`` and ``v`` both 0 is 0/0 there. Its dim 0 (16

@@ -129,6 +129,16 @@ def test_a_nan_masked_in_the_forward_is_invalid_in_backward_and_says_so(tmp_path
     assert "NaN it saved in the forward" in rep["hint"] and "pole" not in rep["hint"], rep["hint"]
 
 
+def test_a_pole_masked_in_the_forward_is_invalid_not_overflow(tmp_path):
+    """``torch.where(h != 0, 1 / h, 0)`` at a zero row: the reciprocal saves its +inf result
+    (a pole, not an overflow), the masked branch's 0 meets it in the backward."""
+    err = train("make_safe_inverse_net", with_row([0.0] * 4), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="backward", module="1", op="ReciprocalBackward0", samples=[ROW],
+          cause="invalid", made="nan")
+    assert "reciprocal at its pole" in rep["hint"], rep["hint"]
+
+
 # ---------------------------------------------------------------------------------------------
 # invalid
 
