@@ -19,18 +19,26 @@ from .load import Step, micro_batch_inputs
 
 
 def samples(step: Step, i: int = 0) -> Samples:
-    """Where micro-batch ``i``'s tensors hold their samples (see :mod:`recorder.samples`): as
-    the recorder found them, with the live outputs (``micro_batches[i].samples``), else (an
-    older bundle) from its inputs, loss targets and recorded output gradients."""
+    """Where micro-batch ``i``'s tensors hold their samples (see :mod:`recorder.samples`)."""
     mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
+    return entry_samples(mb, step.tensors, step.model)
+
+
+def entry_samples(mb: dict[str, Any], tensors: dict[str, torch.Tensor], model) -> Samples:
+    """The samples of a bundle's micro-batch entry: as the recorder found them, with the live
+    outputs (``samples``), else (an older bundle, a rewind step) from its inputs, loss targets
+    and recorded output gradients."""
     kept = mb.get("samples")
     size = kept.get("size") if isinstance(kept, dict) else None
     if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
         return Samples(size, kept.get("seq_first") is True)
-    keys = [*mb.get("paths", {}), *mb.get("loss_paths", {}), *mb.get("output_grads", {}).values()]
-    found = [t for k in keys if isinstance(t := step.tensors.get(k), torch.Tensor)]
-    n_inputs = sum(1 for k in mb.get("paths", {}) if step.tensors.get(k) is not None)
-    return infer(found[:n_inputs], found[n_inputs:], seq_first(step.model))
+
+    def present(keys) -> list[torch.Tensor]:
+        return [t for k in keys if isinstance(t := tensors.get(k), torch.Tensor)]
+
+    return infer(present(mb.get("paths", {})),
+                 present([*mb.get("loss_paths", {}), *mb.get("output_grads", {}).values()]),
+                 seq_first(model))
 
 
 def batch_size(step: Step, i: int = 0) -> int:

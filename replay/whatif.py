@@ -22,6 +22,7 @@ import torch
 
 from .errors import ReplayError
 from .load import Step
+from .recorded import batch_size
 from .window import Change, run_window, step_as_window, window_of
 
 KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
@@ -94,7 +95,7 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
             raise ReplayError(f"--try {label}: {type(opt).__name__} has no '{k}' setting; "
                               f"try another key (lr, clip)")
     if change.drop:
-        n = _batch_size(step)
+        n = batch_size(step)
         if n and change.drop[-1] >= n:
             raise ReplayError(f"--try {label}: the batch has {n} samples (0-{n - 1}); pass "
                               "indices within it")
@@ -162,12 +163,3 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
 def _origin(o) -> dict[str, Any]:
     return {"step": o.step, "phase": o.phase, "module": o.module, "call": o.call,
             "params": o.params, "kind": o.kind, "op": o.op}
-
-
-def _batch_size(step: Step) -> int:
-    for mb in step.micro_batches[:1]:
-        for key in mb.get("paths", {}):
-            t = step.tensors.get(key)
-            if t is not None and t.dim():
-                return int(t.shape[0])
-    return 0

@@ -36,6 +36,7 @@ from recorder.finite import finite, tensors_kind
 
 from .load import Step
 from .ops import OpFinder
+from .recorded import entry_samples
 from .rerun import Runner
 
 
@@ -254,27 +255,27 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
         mbs = [{k: v for k, v in mb.items() if k != "output_grads"} for mb in mbs]
     if change.drop and record["step"] == change.drop_step:
         mbs = [{k: v for k, v in mb.items() if k != "output_grads"} for mb in mbs]
-        _drop_rows(tensors, mbs, change.drop)
+        _drop_rows(tensors, mbs, change.drop, step.model)
     meta = {**step.meta, "micro_batches": mbs, "rng": record.get("rng")}
     if meta["rng"] is None:
         meta.pop("rng")
     return dataclasses.replace(step, meta=meta, tensors=tensors, problems=[])
 
 
-def _drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int]) -> None:
-    """Remove ``rows`` (dim 0) from every batch and loss-input tensor of the batch's size."""
+def _drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model) -> None:
+    """Remove the samples ``rows`` from every batch and loss-input tensor that has the batch's
+    samples (along the dim the report named them in: dim 1 of a sequence-first ``(T, B, F)``)."""
     for mb in mbs:
-        keys = list(mb.get("paths", {})) + list(mb.get("loss_paths", {}))
-        sizes = [tensors[k].shape[0] for k in mb.get("paths", {}) if k in tensors
-                 and tensors[k].dim()]
-        if not sizes:
+        where = entry_samples(mb, tensors, model)
+        if not where.size:
             continue
-        n = sizes[0]
-        keep = torch.tensor([i for i in range(n) if i not in set(rows)], dtype=torch.long)
-        for k in keys:
+        keep = torch.tensor([i for i in range(where.size) if i not in set(rows)],
+                            dtype=torch.long)
+        for k in [*mb.get("paths", {}), *mb.get("loss_paths", {})]:
             x = tensors.get(k)
-            if x is not None and x.dim() and x.shape[0] == n:
-                tensors[k] = x.index_select(0, keep)
+            d = where.dim(x) if isinstance(x, torch.Tensor) else None
+            if d is not None:
+                tensors[k] = x.index_select(d, keep)
 
 
 def _set_hyper(opt, record: dict[str, Any], sub: Step, change: Change) -> None:

@@ -266,6 +266,12 @@ def test_a_bad_sample_of_a_sequence_first_lstm_batch_is_named_by_its_batch_index
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert (rep["cause"], o["phase"], o["samples"], o["batch_size"]) == ("input", "input", [3], 5)
+    # --try drop= removes the samples the report names, along the same dim
+    res = CliRunner().invoke(cli, [str(err.bundle_path), "--json", "--try", "drop=3",
+                                   "--try", "drop=4"])
+    tries = {t["try"]: t for t in json.loads(res.stdout)["what_if"]}
+    assert tries["drop=3"]["finite"] is True, tries
+    assert tries["drop=4"]["finite"] is False, tries
 
 
 # ---------------------------------------------------------------------------------------------
