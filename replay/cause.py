@@ -291,19 +291,18 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
               saved: str | None = None) -> Cause:
     op = node or "the backward node"
     m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
-    fn = f"the derivative of {m.group(1).lower()}" if m else "the derivative"
-    if saved in ("+inf", "-inf") and m and not domains.never_a_pole(m.group(1).lower()):
-        # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
-        return Cause("invalid", f"{op} multiplied a {label(saved)} it saved in the forward: "
-                     f"{m.group(1).lower()} at its pole, in a branch masked before the output; "
-                     + DO["backward_pole"])
+    name = m.group(1).lower() if m else None
+    fn = f"the derivative of {name}" if name else "the derivative"
     if saved in ("+inf", "-inf"):
+        if name and not domains.never_a_pole(name):
+            # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
+            return Cause("invalid", f"{op} multiplied a {label(saved)} it saved in the "
+                         f"forward: {name} at its pole, in a branch masked before the output; "
+                         + DO["backward_pole"])
         # no pole: the forward overflowed there and masked or saturated the infinity before
         # anything checked it; the derivative multiplies it (by 0: NaN)
         what = (f"{op} multiplied a {label(saved)} it saved in the forward, where a value "
-                "overflowed and was masked or saturated before the output (torch.where and "
-                "masked_fill still send the gradient through both branches, so mask the op's "
-                "input, not its output)")
+                f"overflowed and was masked or saturated before the output ({DO['masked']})")
         if still:
             return Cause("overflow", f"{what}; float64 overflows too: " + DO["clamp"])
         return Cause("overflow", f"{what}; float64 holds it: " + _wider(dtype))
@@ -311,9 +310,7 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         # the forward ran the op outside its domain in a branch it then masked out
         return Cause("invalid", f"{op} used a NaN it saved in the forward, where the op ran "
                      "outside its domain (sqrt or log of a negative, 0/0) in a branch masked "
-                     "before the output (torch.where and masked_fill still send the gradient "
-                     "through both branches): make the op's input safe before the op "
-                     "(torch.where(mask, x, 1)), not its output")
+                     f"before the output: {DO['masked']}")
     if still:
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "

@@ -67,6 +67,9 @@ DO = {
            "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss",
     "no_target": "every target of the batch is ignored (ignore_index): skip such batches or "
                  "use reduction='sum' and divide by max(count, 1)",
+    "masked": "torch.where and masked_fill still send the gradient through both branches, "
+              "so make the op's input safe before the op (torch.where(mask, x, 1)), not its "
+              "output",
     "backward_pole": "a forward that masks the value out (torch.where, masked_fill) still "
                      "sends the gradient through both branches, so make the op's input safe "
                      "before the op (torch.where(mask, x, 1)) or add an eps",

@@ -57,15 +57,19 @@ class SoftClip(nn.Module):
         return torch.where(x < 20, torch.exp(x), x)  # BUG: masks exp's output, not its input
 
 
-def make_soft_clip_net() -> nn.Module:
-    """An identity first layer (so the gradient has a weight to reach, and the clip sees the
-    batch's values), the clip, a head."""
+def _after_identity(middle: nn.Module) -> nn.Module:
+    """An identity first layer (so the gradient has a weight to reach, and ``middle`` sees the
+    batch's values), ``middle``, a head."""
     torch.manual_seed(0)
     first = nn.Linear(D_IN, D_IN)
     with torch.no_grad():
         first.weight.copy_(torch.eye(D_IN))
         first.bias.zero_()
-    return nn.Sequential(first, SoftClip(), nn.Linear(D_IN, N_CLASSES))
+    return nn.Sequential(first, middle, nn.Linear(D_IN, N_CLASSES))
+
+
+def make_soft_clip_net() -> nn.Module:
+    return _after_identity(SoftClip())
 
 
 class MaskedSqrt(nn.Module):
@@ -77,12 +81,7 @@ class MaskedSqrt(nn.Module):
 
 
 def make_masked_sqrt_net() -> nn.Module:
-    torch.manual_seed(0)
-    first = nn.Linear(D_IN, D_IN)
-    with torch.no_grad():
-        first.weight.copy_(torch.eye(D_IN))
-        first.bias.zero_()
-    return nn.Sequential(first, MaskedSqrt(), nn.Linear(D_IN, N_CLASSES))
+    return _after_identity(MaskedSqrt())
 
 
 class SafeInverse(nn.Module):
