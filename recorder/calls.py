@@ -52,7 +52,7 @@ class CallHooks:
         for idx, site in enumerate(sites):
             if site.target is None:
                 continue
-            if not idx:
+            if not idx or self.param_norms:  # (stats="full": means and spreads too)
                 fn = self.post_hook
             elif type(site.module) is nn.ReLU:
                 fn = self.relu_hook
@@ -172,7 +172,7 @@ class CallHooks:
         if tape is None or not self.health.active:
             return self.cycle.outside_step(idx, tape)
         if len(args) != 1 or kwargs or type(output) is not torch.Tensor \
-                or output.dtype is not FLOAT32 or self.param_norms:
+                or output.dtype is not FLOAT32:
             return self.post_hook(idx, allowed, module, args, kwargs, output)
         try:
             a, cache = args[0], tape.cache
@@ -198,8 +198,8 @@ class CallHooks:
         if tape is None or not self.health.active:
             return self.cycle.outside_step(idx, tape)
         if len(args) != 1 or kwargs or type(args[0]) is not torch.Tensor \
-                or type(output) is not torch.Tensor or output.dtype is not torch.float32 \
-                or args[0].dtype is not torch.float32 or self.param_norms:
+                or type(output) is not torch.Tensor or output.dtype is not FLOAT32 \
+                or args[0].dtype is not FLOAT32:
             return self.post_hook(idx, allowed, module, args, kwargs, output)
         try:
             a, slots = args[0], tape.slots

@@ -33,7 +33,7 @@ from .hooks import Health
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
 from .settings import Settings
-from .slots import STRICT, Slots
+from .slots import GRAD, LOOSE, NAN_ONLY, STRICT, Slots
 from .tape import Tape
 from .target import Target
 
@@ -230,53 +230,56 @@ class StepCycle:
             output_grad_norms(tape)
             if self.target.small:
                 small_param_norms(tape, self.target, self.settings.param_norms)
-        layout, pieces, (s, g, n) = self._layout(tape, skipped)
-        total = s + g + n + pieces[-1].numel()
+        layout, pieces, shift, starts, ends = self._layout(tape, skipped)
+        total = shift + ends[LOOSE]
         row = self.ring.reserve(total, tape.slots.device)
         full = row
         if row.numel() == total and row.device == tape.slots.device:
-            if total:
-                torch.cat(pieces, out=row)
+            torch.cat(pieces, out=row)
         else:  # a row longer than the ring is wide (stored truncated, checked whole), or a
             full = torch.cat(pieces)  # model moved to another device after the first step
             row.copy_(full[: row.numel()])
         # gradient norms of a step the GradScaler skipped are expected to overflow: unchecked
-        probe, scale = self._fill_probe(full, row, s if skipped else s + g, s + g, n)
+        # (and cleared, so that a later step that writes fewer does not find them)
+        if skipped:
+            tape.slots.zero(GRAD)
+        probe, scale = self._fill_probe(full, row, shift + ends[STRICT if skipped else GRAD],
+                                        shift + starts[NAN_ONLY],
+                                        ends[NAN_ONLY] - starts[NAN_ONLY])
         return layout, full, probe, scale
 
     def _layout(self, tape: Tape, skipped: bool):
-        """The step's layout, the row's pieces in order and the lengths (must-be-finite entries
-        and the update's, gradient norms, NaN-only entries)."""
+        """The step's layout, the row's pieces in order, and where the step's regions lie in
+        the row: behind the last update's evidence (``shift`` entries), from ``starts`` to
+        ``ends`` (see :meth:`Slots.row_pieces`)."""
         opt = self.target.optimizer()
         lrs = [lr if type(lr := g["lr"]) is float else _host_float(lr)
                for g in opt.param_groups] if opt is not None else []
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
                             grads_scaled=self.target.has_scaler and not tape.grads_reread)
         slots = tape.slots
-        pieces = slots.gather()  # the regions, in row order
-        s, g, n = pieces[0].numel(), pieces[1].numel(), pieces[2].numel()
-        # the last update's evidence goes right after the must-be-finite entries, so the same
-        # probe checks it: [STRICT, update, GRAD, NAN_ONLY, LOOSE]
+        pieces, starts, ends = slots.row_pieces()
+        # the last update's evidence goes first, so the probe that checks the must-be-finite
+        # entries checks it too: [update, STRICT, GRAD, NAN_ONLY, LOOSE]
         pending = None if tape.evaluation else self.pending_update
         if pending is not None and pending.step >= tape.step:
             pending = None  # made after this step closed (another thread's step()): the next's
         updates: list = []
-        u = 0
+        shift = 0
         if pending is not None:
             self.pending_update = None
             layout.update_step, updates = pending.step, pending.refs
-            piece = pending.slots.region(STRICT)
+            piece = pending.slots.row_pieces()[0][0]  # (its STRICT region is all it has)
             if piece.device == slots.device:
-                pieces.insert(1, piece)
-                u = piece.numel()
+                pieces = [piece, *pieces]
+                shift = piece.numel()
             else:  # the model moved since: that evidence is void
                 updates = []
         # Indices into the row are resolved only when a row is decoded (events, export).
-        end = s + u + g + n + pieces[-1].numel()
         layout.raw = (list(tape.calls), list(tape.loss), sorted(tape.grad_norms.items()),
-                      sorted(tape.param_norms.items()), (0, s + u, s + u + g, s + u + g + n, end),
-                      updates, s, list(tape.out_grad_norms))
-        return layout, pieces, (s + u, g, n)
+                      sorted(tape.param_norms.items()), (shift, starts, ends), updates,
+                      list(tape.out_grad_norms))
+        return layout, pieces, shift, starts, ends
 
     def _fill_probe(self, full: torch.Tensor, row: torch.Tensor, checked: int, start: int,
                     n: int) -> tuple[torch.Tensor, bool]:

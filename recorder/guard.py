@@ -141,7 +141,8 @@ class OptimizerGuard:
             self._slots.reverse()
             slots = self._slots[0]
             if slots is None or slots.device != device:
-                slots = self._slots[0] = Slots(device, len(large) + len(small) + 8)
+                n = len(large) + len(small) + 8  # (only STRICT slots: its row piece)
+                slots = self._slots[0] = Slots(device, sizes=(n, 0, 0, 0))
             slots.start_step()
             refs = self._large_norms(slots, large, device)
             if small:

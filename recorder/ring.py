@@ -45,26 +45,28 @@ class StepLayout:
     # root output
     out_grads: list[tuple[int, int, int]] = field(default_factory=list)
     length: int = 0
-    # (tape calls, loss, grad refs, param refs, offsets, update refs, update offset,
-    #  output-gradient refs):
-    # list-relative refs, resolved into the fields above by materialize() when decoded
+    # (tape calls, loss, grad refs, param refs, (update entries first, region starts, region
+    #  ends), update refs, output-gradient refs): slot refs, resolved into the fields above by
+    #  materialize() when decoded
     raw: tuple | None = None
 
     def materialize(self) -> StepLayout:
         if self.raw is None:
             return self
-        calls, loss, grads, params, off, updates, u_off, out_grads = self.raw
+        calls, loss, grads, params, (shift, starts, ends), updates, out_grads = self.raw
         self.raw = None
-        self.updates = [(i, u_off + ref[1]) for i, ref in updates]
-        # where each region's gathered entries end: a slot another thread's hook took after the
-        # row was gathered holds no value of this step, so what refers to it is left out
-        ends = (u_off, off[2], off[3], off[4])
+        self.updates = [(i, ref[1]) for i, ref in updates]  # (the row's first entries)
+        # where each region's entries end: in a row gathered region by region (a step that ran
+        # short), a slot another thread's hook took after the gather holds no value of this
+        # step, so what refers to it is left out (a whole-vector row has every slot a ref in
+        # the layout names: that ref was recorded after its value was written, before the copy)
 
         def r(ref):
-            k = off[ref[0]] + ref[1]
-            if k >= ends[ref[0]]:
+            code, k = ref
+            k += starts[code]
+            if k >= ends[code]:
                 raise _Late
-            return k
+            return shift + k
 
         self.calls = []
         for m, mb, st, outs, stats, ins in calls:

@@ -15,10 +15,13 @@ The slots are split into regions by how a statistic is checked at the step's end
 - ``NAN_ONLY``: must not be NaN (outputs of modules allowed to hold +-Inf);
 - ``LOOSE``: kept, never checked (inner calls' inputs, means, spreads).
 
-A statistic is named by a ref ``(region, index)``. Closing the step concatenates the used part
-of each region, in that order, into the next ring row (one device op) and checks the row's
-first ``STRICT`` (+ ``GRAD``) entries with one more (:meth:`recorder.ring.RingBuffer.reserve`
-and ``probe_finite``).
+A statistic is named by a ref ``(region, index)``. The regions are consecutive parts of one
+vector, so closing the step copies that whole vector into the next ring row in one device op,
+behind the last update's evidence, and checks the row's ``STRICT`` (+ ``GRAD``) part with one
+more and its ``NAN_ONLY`` part with a third (:meth:`recorder.ring.RingBuffer.reserve` and
+``probe_finite``). Slots a step did not use keep what an earlier step wrote there, which was
+checked then; a step that ran out of slots is gathered region by region instead (:meth:`gather`),
+and the next gets room for all of them.
 """
 
 from __future__ import annotations
@@ -37,18 +40,19 @@ FLOAT32, FLOAT64 = torch.float32, torch.float64
 
 
 class _Region:
-    def __init__(self, device: torch.device, n: int):
-        self.size = n
-        self.data = torch.zeros(n, dtype=FLOAT32, device=device)
+    """One region's slots: a part of the :class:`Slots` vector, with its one-element views."""
+
+    def __init__(self, data: torch.Tensor, views: tuple, pairs: tuple):
+        self.size = data.numel()
+        self.data = data
         # views made once, so a statistic costs no allocation: each slot, each adjacent pair
-        self.views = self.data.unbind(0)
-        self.pairs = self.data.unfold(0, 2, 1).unbind(0)
+        self.views, self.pairs = views, pairs
         # Slot numbers come from a counter: taking one is atomic under the GIL, so hooks firing
         # from several threads need no lock on the per-call path; a new step, a new counter.
         self._counter = itertools.count()
         self.take = self._counter.__next__
         self.extra: list[torch.Tensor] = []  # what did not fit, numbered on from ``size``
-        self._prefix = self.data
+        self._prefix = data
 
     def reset(self) -> None:
         self._counter = itertools.count()
@@ -68,41 +72,68 @@ class _Region:
 
 
 class Slots:
-    """Preallocated float32 slots on one device, handed out in order during a step."""
+    """Preallocated float32 slots on one device, handed out in order during a step: one vector,
+    ``sizes`` slots per region in row order."""
 
-    def __init__(self, device: torch.device, n: int = 256):
+    def __init__(self, device: torch.device, n: int = 256, sizes: tuple[int, ...] | None = None):
         self.device = device
         self._cpu = device.type == "cpu"  # (``t.is_cpu`` builds no device object per check)
         self._lock = threading.Lock()  # for the overflow list only
-        self._regions = [_Region(device, n) for _ in REGIONS]
+        self._build(sizes or (n,) * len(REGIONS))
+
+    def _build(self, sizes: tuple[int, ...]) -> None:
+        self.data = torch.zeros(sum(sizes), dtype=FLOAT32, device=self.device)
+        views = self.data.unbind(0)
+        pairs = self.data.unfold(0, 2, 1).unbind(0) if self.data.numel() > 1 else ()
+        self.starts: tuple[int, ...] = tuple(itertools.accumulate(sizes, initial=0))[:-1]
+        self.ends = tuple(a + n for a, n in zip(self.starts, sizes))
+        self.short = False  # this step asked for more slots than there are (see start_step)
+        self._regions = [_Region(self.data.narrow(0, at, size), views[at: at + size],
+                                 pairs[at: at + size - 1])
+                         for at, size in zip(self.starts, sizes)]
 
     @property
     def nbytes(self) -> int:
-        return sum(r.data.numel() * r.data.element_size() for r in self._regions)
+        return self.data.numel() * self.data.element_size()
 
-    @property
-    def short(self) -> bool:
-        """This step asked for more slots than there are (the next one will have them)."""
-        return any(r.extra for r in self._regions)
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(r.size for r in self._regions)
 
     def start_step(self) -> None:
         """Hand the slots out again from the first (the last step's values are in the ring);
-        a region that ran short gets room for what it was asked plus a quarter."""
-        for code, r in enumerate(self._regions):
-            if r.extra:
-                wanted = r.size + len(r.extra)
-                self._regions[code] = _Region(self.device, wanted + wanted // 4)
-            else:
-                r.reset()
+        after a step that ran short, a new vector, with room in each short region for what
+        it was asked plus a quarter."""
+        if self.short:
+            wanted = [r.size + len(r.extra) for r in self._regions]
+            self._build(tuple(w + w // 4 if r.extra else r.size
+                              for r, w in zip(self._regions, wanted)))
+            return
+        for r in self._regions:
+            r.reset()
 
     def gather(self) -> list[torch.Tensor]:
-        """Each region's entries so far as one vector, in row order (hooks of other threads
-        may still add entries; what they add after this is not part of the step's row)."""
+        """Each region's entries so far (and any overflow) as one vector, in row order: the
+        row of a step that ran short (hooks of other threads may still add entries; what they
+        add after this is not part of the step's row)."""
         return [r.prefix() for r in self._regions]
+
+    def row_pieces(self) -> tuple[list[torch.Tensor], tuple[int, ...], tuple[int, ...]]:
+        """This step's part of a row, as (pieces in row order, start and end of each region in
+        them): the whole vector, or, after running short, each region gathered (see
+        :meth:`gather`)."""
+        if not self.short:
+            return [self.data], self.starts, self.ends
+        pieces = self.gather()
+        ends = tuple(itertools.accumulate(p.numel() for p in pieces))
+        return pieces, (0, *ends[:-1]), ends
 
     def region(self, code: int) -> torch.Tensor:
         """One region's entries so far (see :meth:`gather`)."""
         return self._regions[code].prefix()
+
+    def zero(self, code: int) -> None:
+        """Clear one region's slots (values a later, smaller step would not overwrite)."""
+        self._regions[code].data.zero_()
 
     def value(self, ref: tuple[int, int]) -> torch.Tensor:
         code, k = ref
@@ -125,6 +156,7 @@ class Slots:
         refs = [(code, k) for k in ks]
         if m < len(values):
             with self._lock:
+                self.short = True
                 for v in values[m:]:
                     refs.append((code, r.size + len(r.extra)))
                     r.extra.append(v.detach().to(self.device, FLOAT32).reshape(()))

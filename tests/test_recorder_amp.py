@@ -143,3 +143,41 @@ def test_bf16_autocast_trains_without_event(out_dir):
             loss.backward()
             opt.step()
     assert rec.event is None and rec.step == 4
+
+
+class _TwoHeads(nn.Module):
+    """A trunk and two heads; the second, deeper one only runs while ``both`` is set (a branch
+    a loop turns off: a warm-up head, a layer-drop schedule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.a = nn.Linear(M.D_IN, 64), nn.Linear(64, M.N_CLASSES)
+        self.b = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                               nn.Linear(64, M.N_CLASSES))
+        self.both = True
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return self.a(h) + self.b(h) if self.both else self.a(h)
+
+
+def test_gradients_a_skipped_step_left_behind_are_not_read_by_a_later_smaller_step(out_dir):
+    """The skipped steps' overflowing gradient norms stay in that step's row; a later step
+    that writes fewer gradient norms (a head that stopped running) must not find them."""
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # overflows: skipped
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler) as rec:
+        for step in range(6):
+            model.both = step < 3
+            x, y = M.batch(step)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = crit(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            # from step 3 on, a scale that fits (and head b no longer runs)
+            scaler.update(1.0 if step == 2 else None)
+        assert [lay.skipped for lay in rec.cycle.ring.layouts] == [True] * 3 + [False] * 3
+    assert rec.event is None and bundles(out_dir) == []

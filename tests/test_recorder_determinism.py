@@ -140,12 +140,12 @@ def test_ring_keeps_the_last_history_steps(out_dir):
 
 def test_a_step_wider_than_the_ring_is_stored_truncated_and_checked_whole(out_dir):
     """The ring's width is fixed at the first step; a later step with many more entries (here
-    40 micro-batches) is stored cut at that width, but a NaN past the cut is still an event."""
+    200 micro-batches) is stored cut at that width, but a NaN past the cut is still an event."""
     model, crit = M.mlp(), nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
-            for step, n_micro in enumerate((1, 40, 40)):
+            for step, n_micro in enumerate((1, 200, 200)):
                 opt.zero_grad()
                 for mb in range(n_micro):
                     x, y = M.batch(100 * step + mb)
@@ -157,12 +157,12 @@ def test_a_step_wider_than_the_ring_is_stored_truncated_and_checked_whole(out_di
                     width = rec.cycle.ring.rows.shape[1]
                     assert rec.cycle.ring.truncated == 1 and rec.cycle.ring.layouts[-1].length == width
     assert info.value.bundle_path is not None and info.value.bundle_path.exists()
-    assert info.value.event["step"] == 2 and info.value.event["micro_batch"] == 39
+    assert info.value.event["step"] == 2 and info.value.event["micro_batch"] == 199
     assert info.value.event["phase"] == "input" and info.value.event["samples"] == [3]
     assert rec.cycle.ring.truncated == 2
     # the bundle's ring keeps what fit of the cut steps, and marks nothing past the cut as NaN
     _, t = read_bundle(info.value.bundle_path)
     assert t["ring/steps"].tolist() == [0, 1, 2]
     kept = (t["ring/call_module"] >= 0).sum(dim=1).tolist()
-    assert kept[0] == 4 and 0 < kept[1] < 40 * 4
+    assert kept[0] == 4 and 0 < kept[1] < 200 * 4
     assert not (t["ring/calls"][1, :, 5] == 1).any() and torch.isfinite(t["ring/loss"][0])

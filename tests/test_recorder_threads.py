@@ -145,17 +145,19 @@ def test_a_slot_taken_after_the_row_was_gathered_is_left_out():
     from recorder.ring import RingBuffer, StepLayout
     from recorder.slots import GRAD, LOOSE, STRICT
 
-    # a row of 2 STRICT entries, 1 update, 2 GRAD, no NAN_ONLY, 1 LOOSE (a stale -3.0)
-    row = [1.0, 2.0, 9.0, 4.0, 16.0, -3.0]
+    # a row gathered region by region: 1 update, 2 STRICT entries, 2 GRAD, no NAN_ONLY,
+    # 1 LOOSE (a stale -3.0)
+    row = [9.0, 1.0, 2.0, 4.0, 16.0, -3.0]
     first = (0, 0, 0, (((STRICT, 0), (STRICT, 1)),), None, (((LOOSE, 0), (LOOSE, 0), False),))
     late_call = (1, 0, 1, (((STRICT, 0), (LOOSE, 1)),), None, ())  # LOOSE 1: past the row
     grads = [(0, (GRAD, 0)), (1, (GRAD, 1)), (2, (GRAD, 2))]  # GRAD 2: taken after the gather
     lay = StepLayout(step=5, lrs=[0.1], length=len(row))
-    lay.raw = ([first, late_call], [], grads, [], (0, 3, 5, 5, 6), [(0, (STRICT, 0))], 2, [])
+    lay.raw = ([first, late_call], [], grads, [], (1, (0, 2, 4, 4), (2, 4, 4, 5)),
+               [(0, (STRICT, 0))], [])
     lay.materialize()
     assert lay.grads == [(0, 3), (1, 4)]
     assert [c[0] for c in lay.calls] == [0] and lay.calls[0][5] == ((5, 5, False),)
-    assert lay.updates == [(0, 2)]
+    assert lay.updates == [(0, 0)]
     ring = RingBuffer(4)
     ring.reserve(len(row), torch.device("cpu")).copy_(torch.tensor(row))
     ring.commit(lay)
