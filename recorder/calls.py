@@ -50,7 +50,7 @@ class CallHooks:
         pre = disabled(self.root_pre_hook) if root.disable else self.root_pre_hook
         handles = [root.target.register_forward_pre_hook(Hook(pre), with_kwargs=True)]
         for idx, site in enumerate(sites):
-            if site.target is None:
+            if site.target is None or site.name in target.passing:
                 continue
             if not idx or self.param_norms:  # (stats="full": means and spreads too)
                 fn = self.post_hook

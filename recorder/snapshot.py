@@ -69,6 +69,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         meta["model"] = {"class": class_name(model), "training": model.training}
         meta["modules"] = [_module_info(s.name, s.module) for s in hook_sites(model)]
         meta["compiled_regions"] = sorted(target.compiled)  # recorded as one call each
+        meta["passthrough_modules"] = sorted(target.passing)  # recorded as no call
     if tape is not None:
         meta["call_order"] = [[m, mb] for m, mb, *_ in sorted(
             tape.calls, key=lambda c: (c[1], c[2]))]

@@ -85,6 +85,8 @@ class Target:
         self.module_names = [s.name for s in sites]
         self.module_types = [class_name(s.module) for s in sites]  # (not FSDP's FSDP<Class>)
         self.compiled = {s.name for s in sites if s.region}  # recorded as one call each
+        self.passing = {s.name for s in sites[1:] if s.target is not None and not s.region
+                        and passes_through(s.module)}  # not hooked: their calls repeat others'
         self.allowed_modules = {i for i, n in enumerate(self.module_names) if self.is_allowed(n)}
         self.seq_first = seq_first(model)  # the samples of its batches are in dim 1
         self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
@@ -135,6 +137,7 @@ class Target:
     def release(self) -> None:
         """Drop every reference to parameters and buffers (at detach)."""
         self.sites: list[HookSite] = []
+        self.passing: set[str] = set()
         self.params: list[tuple[str, torch.Tensor]] = []
         self.param_names: list[str] = []
         self.buffers: list[tuple[str, torch.Tensor]] = []
@@ -169,3 +172,12 @@ class Target:
         """``t`` is a buffer whose name ``allow_inf`` matches."""
         ref = self.allowed_buffers.get(id(t))
         return ref is not None and ref() is t
+
+
+def passes_through(m: nn.Module) -> bool:
+    """A module whose output is by construction another call's, unchanged: a plain
+    ``nn.Sequential`` returns its last module's output, ``nn.Identity`` its input. Its record
+    would repeat that call's statistics, so it is not hooked (a hook also takes every call of
+    the module off PyTorch's fast path)."""
+    t = type(m)
+    return (t is nn.Sequential and len(m) > 0) or t is nn.Identity

@@ -105,11 +105,14 @@ def _modules_called(step: Step, run: Run, rows, names: list[str], compared: int)
     regions = meta.get("compiled_regions")  # their insides are not recorded call by call
     complete = (regions is not None and run.error is None
                 and not meta.get("ring", {}).get("truncated_rows"))
+    # modules whose output is another call's (a plain Sequential, an Identity) have no calls
+    # of their own (bundles of earlier recorders record them)
+    passing = set(meta.get("passthrough_modules", ()))
     rerun = _rerun_pairs(run)
     for c in run.calls:
         why = ("not in the recorded model" if c.module not in names else
                "did not run in training" if complete and c.module not in called
-               and not _inside(c.module, regions) else None)
+               and c.module not in passing and not _inside(c.module, regions) else None)
         if why is not None:
             return _differs(c.module, c.call, c.micro_batch, None,
                             list(rerun.get((c.module, c.micro_batch, c.call), ())), compared,

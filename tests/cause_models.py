@@ -42,6 +42,15 @@ def make_share_net() -> nn.Module:
     return ShareNet()
 
 
+def make_nested_share_net() -> nn.Module:
+    """:class:`ShareNet`'s row share two plain ``Sequential``s deep, behind ``nn.Identity``s:
+    containers whose output is always another call's, which the recorder does not hook."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Identity(), RowShare())
+    return nn.Sequential(nn.Identity(), nn.Sequential(nn.Linear(D_IN, HIDDEN, bias=False), inner),
+                         nn.Linear(HIDDEN, N_CLASSES))
+
+
 def make_tanh_net() -> nn.Module:
     """A tanh after the first layer saturates an infinite input feature to +-1, so the forward
     stays finite; the first layer's weight gradient, ``grad.T @ x``, meets the infinity."""

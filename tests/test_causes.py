@@ -24,6 +24,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 from replay.cause_text import CAUSES, HINTS, MEANING
 from replay.cli import main as cli
 from replay.html import render_html
@@ -149,6 +150,23 @@ def test_zero_over_zero_is_invalid(tmp_path):
     check(rep, err, phase="forward", module="share", op="aten.div", samples=[ROW],
           cause="invalid", made="nan")
     assert "0/0" in rep["hint"] and "eps" in rep["hint"], rep["hint"]
+
+
+def test_modules_that_pass_another_call_through_are_not_recorded_and_still_replay(tmp_path):
+    """Plain ``Sequential``s and ``Identity``s are not hooked (their output is another call's):
+    the bundle names them, the ring has no calls of theirs, the event names the leaf that made
+    the NaN, and the re-run, which calls them, still matches the recorded step."""
+    err = train("make_nested_share_net", with_row([0.0] * 4), tmp_path)
+    assert err.event["module"] == "1.1.1" and err.event["phase"] == "forward"
+    meta, tensors = read_bundle(err.bundle_path)
+    assert meta["passthrough_modules"] == ["0", "1", "1.1", "1.1.0"]
+    names = [m["name"] for m in meta["modules"]]
+    recorded = {names[i] for i in tensors["ring/call_module"].flatten().tolist() if i >= 0}
+    assert recorded == {"", "1.0", "1.1.1", "2"}
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="1.1.1", op="aten.div", samples=[ROW],
+          cause="invalid", made="nan")
+    assert rep["fidelity"]["matches"] is True, rep["fidelity"]
 
 
 def test_rsqrt_of_zero_is_a_pole(tmp_path):
