@@ -27,6 +27,7 @@ def _overhead_module():
 
 overhead = _overhead_module()
 TARGET = overhead.RATIO_TARGET
+FLOOR_GAP = overhead.FLOOR_GAP_TARGET
 # the usual recipe reads two flags per module output (isnan(...).any(), isinf(...).any()) and
 # one for the gradient norm: counted from the benchmark's own MLP, not taken from its output
 HOOK_READS_MLP = 2 * len(list(overhead.MLP().modules())) + 1
@@ -58,6 +59,14 @@ def expected_verdicts(res: dict) -> list[tuple[str, str]]:
                     rf"recorder on module hooks; recorder minus floor: {re.escape(f'{gap:+.1f}')}%"
                     r" of a bare step .*",
                     "within reach" if floor <= TARGET else "out of reach"))
+        # the same distance paired round by round, judged against the 0.02 target
+        paired = rows["recorder"]["minus_floor"]
+        q1, q3 = rows["recorder"]["minus_floor_q1"], rows["recorder"]["minus_floor_q3"]
+        assert q1 <= paired <= q3
+        out.append((rf"- {m}: recorder minus floor, paired round by round: "
+                    rf"{re.escape(f'{paired:+.3f}')} of a bare step \(IQR "
+                    rf"{re.escape(f'{q1:+.3f}')} to {re.escape(f'{q3:+.3f}')}\), target <= "
+                    rf"{FLOOR_GAP}: (met|MISSED)", "met" if paired <= FLOOR_GAP else "MISSED"))
     reads = rows["recorder"]["host_reads_per_step"]
     out.append((rf"- {m}: FlightRecorder host reads/step = {reads:g}, budget 1: (met|MISSED)",
                 "met" if reads == 1 else "MISSED"))
