@@ -232,7 +232,8 @@ class StepCycle:
                 small_param_norms(tape, self.target, self.settings.param_norms)
         layout, pieces, shift, starts, ends = self._layout(tape, skipped)
         total = shift + ends[LOOSE]
-        row = self.ring.reserve(total, tape.slots.device)
+        # (a whole-vector row: the slots' length, which the ring follows when they grow)
+        row = self.ring.reserve(total, tape.slots.device, grow=not tape.slots.short)
         full = row
         if row.numel() == total and row.device == tape.slots.device:
             torch.cat(pieces, out=row)

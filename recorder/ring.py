@@ -148,11 +148,13 @@ def _root_sum(squares: list[float]) -> float:
 
 
 class RingBuffer:
-    """Fixed-size device ring of per-step rows plus their host layouts.
+    """Device ring of per-step rows plus their host layouts.
 
-    Memory is allocated once, at the first step, as ``history x capacity`` float32 where
-    capacity is twice the first row's length; a later, longer row is stored truncated (and
-    counted in ``truncated``) so memory never grows.
+    Memory is allocated at the first step, as ``history x width`` float32 where width is twice
+    the first row's length. A row is a step's slots copied whole, so rows keep one length
+    while the slots do; when the slots grow (a step that asked for more than they had), the
+    ring is made wider once for the rows of that size (``grow``). A longer row of a step that
+    ran short is stored truncated (and counted in ``truncated``).
     """
 
     def __init__(self, history: int):
@@ -166,20 +168,14 @@ class RingBuffer:
     def nbytes(self) -> int:
         return 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
 
-    def reserve(self, n: int, device: torch.device) -> torch.Tensor:
+    def reserve(self, n: int, device: torch.device, grow: bool = True) -> torch.Tensor:
         """Storage for the next row's first ``n`` entries (allocated at the first step); a row
-        longer than the ring's width gets its first ``width`` entries (see ``truncated``)."""
+        longer than the ring's width makes it wider (``grow``), else gets its first ``width``
+        entries (see ``truncated``)."""
         if self.rows is None:
-            width = max(256, 2 * n)
-            self.rows = torch.full((self.history, width), math.nan, dtype=torch.float32,
-                                   device=device)
-            self._slots = self.rows.unbind(0)  # row views made once, not per step
-            self._views: list = [None] * self.history
-            self._checked: list = [None] * self.history
-            self._parts: list = [(None, None)] * self.history
-            self._zeros = torch.zeros(width, dtype=torch.float32, device=device)
-            self._zeros_view = self._zeros
-            self._probe = torch.zeros((), dtype=torch.float32, device=device)
+            self._allocate(max(256, 2 * n), device)
+        elif n > self.rows.shape[1] and grow:
+            self._allocate(n, device)
         if n > self.rows.shape[1]:
             self.truncated += 1
             n = self.rows.shape[1]
@@ -188,6 +184,21 @@ class RingBuffer:
             view = self._views[self._next] = self._slots[self._next].narrow(0, 0, n)
         self._length = n
         return view
+
+    def _allocate(self, width: int, device: torch.device) -> None:
+        """``history x width`` rows (the stored rows copied over, NaN past them), and the views
+        the per-step path reuses."""
+        rows = torch.full((self.history, width), math.nan, dtype=torch.float32, device=device)
+        if self.rows is not None:
+            rows[:, : self.rows.shape[1]].copy_(self.rows)
+        self.rows = rows
+        self._slots = rows.unbind(0)  # row views made once, not per step
+        self._views: list = [None] * self.history
+        self._checked: list = [None] * self.history
+        self._parts: list = [(None, None)] * self.history
+        self._zeros = torch.zeros(width, dtype=torch.float32, device=device)
+        self._zeros_view = self._zeros
+        self._probe = torch.zeros((), dtype=torch.float32, device=device)
 
     def part(self, start: int, n: int) -> torch.Tensor:
         """Entries ``start`` to ``start + n`` of the reserved row (a view made again only when

@@ -59,6 +59,7 @@ def expected_verdicts(res: dict) -> list[tuple[str, str]]:
                     rf"recorder on module hooks; recorder minus floor: {re.escape(f'{gap:+.1f}')}%"
                     r" of a bare step .*",
                     "within reach" if floor <= TARGET else "out of reach"))
+    if "floor" in rows and "minus_floor" in rows["recorder"]:
         # the same distance paired round by round, judged against the 0.02 target
         paired = rows["recorder"]["minus_floor"]
         q1, q3 = rows["recorder"]["minus_floor_q1"], rows["recorder"]["minus_floor_q3"]
@@ -190,16 +191,20 @@ def _row(ratio: float, reads: float = 0, syncs: float | None = None) -> dict:
             "host_reads_per_step": reads, "cuda_sync_warnings_per_step": syncs}
 
 
-@pytest.mark.parametrize("rec, floor, hooks, reads, outcomes", [
-    (1.02, 1.01, 1.30, 1, ["met", "cheaper than every other detector", "within reach", "met"]),
-    (1.08, 1.06, 1.05, 2, ["MISSED", "NOT cheaper than hooks", "out of reach", "MISSED"]),
-    (1.049, 1.051, 1.049, 1, ["met", "NOT cheaper than hooks", "out of reach", "met"]),
+@pytest.mark.parametrize("rec, floor, hooks, reads, gap, outcomes", [
+    (1.02, 1.01, 1.30, 1, 0.012,
+     ["met", "cheaper than every other detector", "within reach", "met", "met"]),
+    (1.08, 1.06, 1.05, 2, 0.021,
+     ["MISSED", "NOT cheaper than hooks", "out of reach", "MISSED", "MISSED"]),
+    (1.049, 1.051, 1.049, 1, 0.02,
+     ["met", "NOT cheaper than hooks", "out of reach", "met", "met"]),
 ])
-def test_verdicts_compare_the_numbers(rec, floor, hooks, reads, outcomes):
+def test_verdicts_compare_the_numbers(rec, floor, hooks, reads, gap, outcomes):
     """Both outcomes of every verdict, from numbers on either side of its threshold."""
+    recorder = {**_row(rec, reads), "minus_floor": gap, "minus_floor_q1": gap - 0.01,
+                "minus_floor_q3": gap + 0.01}
     res = {"model": "mlp", "detectors": {"bare": _row(1.0), "hooks": _row(hooks),
-                                         "recorder": _row(rec, reads),
-                                         "floor": _row(floor, 1)}}
+                                         "recorder": recorder, "floor": _row(floor, 1)}}
     lines = overhead.verdicts([res])
     check_verdicts("\nTargets:\n" + "\n".join(lines), [res])
     assert [re.fullmatch(p, line).group(1)

@@ -139,8 +139,10 @@ def test_ring_keeps_the_last_history_steps(out_dir):
 
 
 def test_a_step_wider_than_the_ring_is_stored_truncated_and_checked_whole(out_dir):
-    """The ring's width is fixed at the first step; a later step with many more entries (here
-    200 micro-batches) is stored cut at that width, but a NaN past the cut is still an event."""
+    """The ring's width is set at the first step; a later step with many more entries (here
+    200 micro-batches) is stored cut at that width, but a NaN past the cut is still an event.
+    The slots grow to hold that step, and the ring with them: the next such step is stored
+    whole."""
     model, crit = M.mlp(), nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with pytest.raises(NonFiniteError) as info:
@@ -159,10 +161,11 @@ def test_a_step_wider_than_the_ring_is_stored_truncated_and_checked_whole(out_di
     assert info.value.bundle_path is not None and info.value.bundle_path.exists()
     assert info.value.event["step"] == 2 and info.value.event["micro_batch"] == 199
     assert info.value.event["phase"] == "input" and info.value.event["samples"] == [3]
-    assert rec.cycle.ring.truncated == 2
-    # the bundle's ring keeps what fit of the cut steps, and marks nothing past the cut as NaN
+    assert rec.cycle.ring.truncated == 1 and rec.cycle.ring.rows.shape[1] > width
+    # the bundle's ring keeps what fit of the cut step, and marks nothing past the cut as NaN;
+    # the step after it, in the grown slots and ring, is whole
     _, t = read_bundle(info.value.bundle_path)
     assert t["ring/steps"].tolist() == [0, 1, 2]
     kept = (t["ring/call_module"] >= 0).sum(dim=1).tolist()
-    assert kept[0] == 4 and 0 < kept[1] < 200 * 4
+    assert kept[0] == 4 and 0 < kept[1] < 200 * 4 and kept[2] == 200 * 4
     assert not (t["ring/calls"][1, :, 5] == 1).any() and torch.isfinite(t["ring/loss"][0])

@@ -110,19 +110,21 @@ def test_a_step_never_allocates_its_statistics(out_dir):
 
 def test_more_statistics_than_slots(out_dir):
     """A model needing more than the first allocation: the first step falls back, the ring
-    has every value, and the next step has room for all of them."""
+    has every value, and the next steps have room for all of them; their rows, the grown slots
+    copied whole, are longer than the ring was made for it, which grows once to store them."""
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(200)])  # > 256 statistics
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     outs = []
     model[150].register_forward_hook(lambda m, a, o: outs.append(o.detach().clone()))
     with FlightRecorder(model, opt, out_dir=out_dir) as rec:
-        for step in range(2):
+        for step in range(3):
             opt.zero_grad()
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
             if step == 0:
                 assert rec.cycle.slots.short
         assert not rec.cycle.slots.short
+    assert rec.cycle.ring.truncated == 0
     rows = rec.cycle.ring.ordered_rows()
     for row, layout, out in zip(rows, rec.cycle.ring.layouts, outs):
         call = [c for c in layout.materialize().calls if c[0] == 151][0]
