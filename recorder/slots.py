@@ -96,9 +96,6 @@ class Slots:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(r.size for r in self._regions)
-
     def start_step(self) -> None:
         """Hand the slots out again from the first (the last step's values are in the ring);
         after a step that ran short, a new vector, with room in each short region for what
