@@ -36,7 +36,7 @@ from .shards import PLAIN
 
 STRICT, GRAD, NAN_ONLY, LOOSE = 0, 1, 2, 3
 REGIONS = (STRICT, GRAD, NAN_ONLY, LOOSE)  # their order in a row
-FLOAT32, FLOAT64 = torch.float32, torch.float64
+FLOAT32, FLOAT64, COMPLEX64 = torch.float32, torch.float64, torch.complex64
 
 
 class _Region:
@@ -204,17 +204,18 @@ class Slots:
 
     def norm(self, t: torch.Tensor, code: int, square: bool = False) -> tuple[int, int]:
         """2-norm (or its square), accumulated in float32; float64 in float64 (torch refuses to
-        narrow a norm)."""
-        if t.dtype is not FLOAT64 and t.device == self.device:
+        narrow a norm), a complex tensor in its real precision."""
+        dtype = _norm_dtype(t)
+        if (dtype is FLOAT32 or t.dtype is COMPLEX64) and t.device == self.device:
             r = self._regions[code]
             k = self._one(r)
             if k is not None:
                 out = r.views[k]
-                torch.linalg.vector_norm(t, dtype=FLOAT32, out=out)
+                torch.linalg.vector_norm(t, dtype=dtype, out=out)
                 if square:
                     out.square_()
                 return code, k
-        n = torch.linalg.vector_norm(t, dtype=None if t.dtype is FLOAT64 else FLOAT32)
+        n = torch.linalg.vector_norm(t, dtype=dtype)
         return self._put(code, [n.square() if square else n])[0]
 
     def sq_norm(self, t: torch.Tensor, code: int) -> tuple[int, int]:
@@ -255,9 +256,12 @@ class Slots:
         return refs
 
     def sq_norms(self, tensors: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
-        """Squared 2-norms of many (small) tensors: three foreach ops in all."""
-        wide = any(t.dtype is FLOAT64 for t in tensors)
-        norms = foreach_norm(tensors, None if wide else FLOAT32)
+        """Squared 2-norms of many (small) tensors: three foreach ops in all (one norm each
+        where some are float64 or complex, which a float32 norm refuses, and a norm in their
+        own type would overflow the half-precision ones)."""
+        if any(_norm_dtype(t) is None for t in tensors):
+            return [self.norm(t, code, square=True) for t in tensors]
+        norms = foreach_norm(tensors, FLOAT32)
         foreach_square_(norms)
         return self._put(code, norms)
 
@@ -308,3 +312,9 @@ class FlatViews:
             # (never ``None in flats``: ``in`` compares each tensor with ``==``)
             self.every = all(f is not None for f in self.flats)
         return self.flats
+
+
+def _norm_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype a norm of ``t`` accumulates in: float32, or ``t``'s own precision (None) for
+    float64 and complex tensors (their norm is real: float32 for complex64)."""
+    return None if t.dtype is FLOAT64 or t.is_complex() else FLOAT32

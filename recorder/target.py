@@ -128,7 +128,8 @@ class Target:
             self.unowned = [(i, p) for i, (_, p) in enumerate(self.params)
                             if p.requires_grad and id(p) not in held]
             mine = [(i, p) for i, (_, p) in enumerate(self.params)
-                    if id(p) in held and p.is_floating_point() and p.layout == torch.strided]
+                    if id(p) in held and (p.is_floating_point() or p.is_complex())
+                    and p.layout == torch.strided]
             few = [(i, p) for i, p in mine if p.numel() < _SMALL]
             self.update_small = few if len(few) > _FEW else []
             self.update_large = [(i, p) for i, p in mine

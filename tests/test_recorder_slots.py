@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from recorder import FlightRecorder
+from recorder import FlightRecorder, NonFiniteError
 from recorder.slots import GRAD, LOOSE, STRICT, Slots
 
 CPU = torch.device("cpu")
@@ -210,3 +210,42 @@ def test_relu_after_a_nan_blames_the_producer(out_dir):
         model(torch.randn(8, 4))
         rec.end_step()
     assert rec.event["module"] == "1" and rec.event["phase"] == "forward"
+
+
+class _ComplexLayer(nn.Module):
+    """A complex weight (a spectral or unitary layer), read out through its magnitude."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(M.D_IN, 8, dtype=torch.complex64))
+        self.head = nn.Linear(8, M.N_CLASSES)
+
+    def forward(self, x):
+        return self.head((x.to(torch.complex64) @ self.w).abs())
+
+
+def test_a_complex_parameter_is_recorded_and_checked(out_dir):
+    """A complex gradient's and weight's norms are real (float32 for complex64): recorded like
+    any other, and a NaN in the complex weight is an event naming it (the recorder used to ask
+    for a float32 norm of it, fail, and switch itself off)."""
+    model, crit = _ComplexLayer(), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    grad_norms = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            for step in range(5):
+                if step == 3:
+                    with torch.no_grad():
+                        model.w[2, 5] = complex(float("nan"), 0.0)
+                x, y = M.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                grad_norms.append(model.w.grad.abs().pow(2).sum().sqrt().item())
+                opt.step()
+    assert rec.health.internal_errors == 0
+    ev = info.value.event  # written between two updates, the last of which left it finite
+    assert (ev["step"], ev["phase"], ev["params"], ev["last_update_step"]) == (3, "weights",
+                                                                               ["w"], 2)
+    _, tables = rec.cycle.ring.export(n_params=3, n_groups=1)
+    assert tables["ring/grad_norms"][:3, 0].tolist() == pytest.approx(grad_norms[:3], rel=1e-5)
