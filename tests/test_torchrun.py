@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -29,8 +30,18 @@ def _torchrun(script: str, out: Path, pythonpath: Path, *args: str, **env_vars: 
     for _ in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={_free_port()}", str(HERE / script), str(out), *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
-                              cwd=HERE)
+        # (a session of its own: a hung run is killed with its ranks, which would otherwise
+        # live on and load the rest of the suite)
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=HERE, start_new_session=True) as p:
+            try:
+                out, err = p.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, err = p.communicate()
+                raise AssertionError(f"{script} hung: stdout:\n{out[-3000:]}\nstderr:\n"
+                                     f"{err[-3000:]}") from None
+        proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
         if "address already in use" not in proc.stderr.lower():
             break
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
