@@ -183,8 +183,12 @@ class StepCycle:
                 tape, skipped=not tape.evaluation and self.skipped_by_scaler(tape))
         except Exception as e:
             self.health.internal_error(e)
+            if at != "exception":
+                self.leave_ranks()  # (in place of this step's exchange)
             return
         ok, read_scale = self._read(probe, agree=at != "exception")  # the step's one sync
+        if self.peers_stopped():
+            return
         if scale:
             layout.scale = read_scale
         if tape.evaluation:  # the ring is the training steps' history: its row is not kept
@@ -205,6 +209,41 @@ class StepCycle:
                 reason = "scale_skipping"
         if reason is not None and not self.alarm.fired:
             self.alarm.step_event(tape, layout, row, reason)
+
+    def leave_ranks(self) -> None:
+        """Under torch.distributed, after an internal error stopped this rank's recorder: at
+        the point where its next exchange would run (a step's close), tell the other ranks,
+        which stop with it there (:meth:`peers_stopped`), instead of leaving them waiting in
+        a collective it no longer makes (their next one would meet the model's own, and gloo
+        aborts or NCCL hangs the training: the recorder's error would stop training)."""
+        if not self.owes_ranks():
+            return
+        try:
+            self.target.ranks.leave(self.target.device())
+        except Exception as e:  # (logged; there is nothing else to stop)
+            log.warning("nanreplay: could not tell the other ranks that this rank's recorder "
+                        "stopped (%s: %s)", type(e).__name__, e)
+
+    def owes_ranks(self) -> bool:
+        """This rank's recorder stopped after an internal error and has not told the other
+        ranks yet (see :meth:`leave_ranks`)."""
+        ranks = self.target.ranks
+        return ranks is not None and not ranks.left and self.health.internal_errors > 0 \
+            and not self.health.active
+
+    def peers_stopped(self) -> bool:
+        """Another rank's recorder stopped after an error of its own and said so in the read
+        just made: this rank's stops too, before any slow path (whose collectives that rank
+        no longer makes); training goes on, unrecorded on every rank."""
+        ranks = self.target.ranks
+        if ranks is None or not ranks.stopped:
+            return False
+        ranks.left = True  # (every rank stopped at this exchange: none makes another)
+        self.health.active = False
+        log.warning("nanreplay: the recorder of rank(s) %s stopped after an internal error; "
+                    "this rank's stops with it (its per-step checks would wait for that rank); "
+                    "training continues unrecorded", ", ".join(map(str, ranks.stopped)))
+        return True
 
     def _read(self, probe: torch.Tensor, agree: bool = True) -> tuple[bool, float]:
         """The probe's one host read; under torch.distributed with the ranks' flags folded in
@@ -358,6 +397,8 @@ class StepCycle:
         evidence, ranks = pending.slots.region(STRICT), self.target.ranks
         # the detach's one read (with the ranks' flags: every rank stops if one must)
         values = ranks.read_with(evidence) if ranks is not None else evidence.tolist()
+        if self.peers_stopped():
+            return
         names = self.target.param_names
         bad = [names[i] for i, (_, k) in pending.refs if not math.isfinite(values[k])]
         if bad or (ranks is not None and ranks.seen):

@@ -60,7 +60,7 @@ class OptimizerGuard:
         return sum(t.numel() * t.element_size() for t in self.copies["tensors"])
 
     def pre_hook(self, optimizer, args, kwargs):
-        if not self.health.active:
+        if not self.health.active and not self.cycle.owes_ranks():
             return None
         # (``args`` holds the optimizer itself first: the hook wraps the unbound step)
         closure = kwargs.get("closure") if "closure" in kwargs else (
@@ -88,6 +88,7 @@ class OptimizerGuard:
         cycle = self.cycle
         tape = cycle.tape  # another thread may close it meanwhile: work on this one
         if not self.health.active:
+            cycle.leave_ranks()  # (a step's close: where this rank's exchange would run)
             return
         cycle.updated = True  # the next step's weights come from this update
         cycle.eval_tail = None
@@ -122,6 +123,8 @@ class OptimizerGuard:
             stacked = torch.stack([n for _, n in norms])
             # guard mode's 2nd sync (with the ranks' flags: every rank stops if one must)
             values = ranks.read_with(stacked) if ranks is not None else stacked.tolist()
+            if self.cycle.peers_stopped():
+                return None
             bad = [params[i][0] for (i, _), v in zip(norms, values) if not math.isfinite(v)]
             if bad or (ranks is not None and ranks.seen):
                 self.alarm.optimizer_event(bad, step=self.cycle.step - 1, after_update=False,

@@ -36,6 +36,7 @@ from .events import Event
 PHASE_ORDER = {"weights": 0, "input": 1, "forward": 2, "loss": 3, "backward": 4,
                "optimizer": 5}
 _LATE = len(PHASE_ORDER)  # a rank whose own values were finite, or an unknown phase
+STOPPED = 2.0  # a rank's flag when its recorder stopped after an error of its own
 
 TIMEOUT_ENV = "NANREPLAY_ATTACH_TIMEOUT"  # seconds a rank's attach waits for the others
 _TIMEOUT_S = 60.0
@@ -55,6 +56,8 @@ class Agreement:
         self._flags = torch.zeros(world, dtype=torch.float32, device=device)
         self._mine = self._flags[rank]
         self.seen: list[int] | None = None  # ranks whose checks failed, from the last read
+        self.stopped: list[int] = []  # ranks whose recorders stopped, from the last read
+        self.left = False  # this rank told the others its recorder stopped (see leave)
 
     @classmethod
     def join(cls, device: torch.device, group=None) -> Agreement | None:
@@ -73,26 +76,43 @@ class Agreement:
         run_id = _meet(process_group_store(group), next(_joins), rank, world)
         return cls(group, rank, world, device, run_id)
 
-    def exchange(self, probe: torch.Tensor) -> torch.Tensor:
+    def exchange(self, probe: torch.Tensor, stopped: bool = False) -> torch.Tensor:
         """``probe`` ([strict check, NaN-only min, max, scale], see ``recorder.cycle``) with
-        one flag per rank after it: 1 where that rank's checks failed. Device ops and one
-        all-reduce, no host read: the caller's read of the result is the step's one sync."""
+        one flag per rank after it: 1 where that rank's checks failed, 2 where its recorder
+        stopped (``stopped``: this rank's, see :meth:`leave`). Device ops and one all-reduce,
+        no host read: the caller's read of the result is the step's one sync."""
         flags = self._flags
         if flags.device != probe.device:  # the model moved since attach
             flags = self._flags = torch.zeros(self.world, dtype=torch.float32,
                                               device=probe.device)
             self._mine = flags[self.rank]
         flags.zero_()
-        # the strict check is 0 or NaN, the NaN-only min is NaN when a NaN counts: their sum
-        # is NaN exactly when the step fails (as _read_probe decides on the host)
-        self._mine.copy_(torch.isnan(probe[0] + probe[1]))
+        if stopped:
+            self._mine.fill_(STOPPED)
+        else:  # the strict check is 0 or NaN, the NaN-only min is NaN when a NaN counts:
+            # their sum is NaN exactly when the step fails (as _read_probe decides on the host)
+            self._mine.copy_(torch.isnan(probe[0] + probe[1]))
         torch.distributed.all_reduce(flags, group=self.group)
         return torch.cat((probe, flags))
 
     def read(self, values: list[float]) -> bool:
         """Keep the flags read with the probe (``values[4:]``); True when any rank failed."""
-        self.seen = [r for r, f in enumerate(values[4:4 + self.world]) if f]
+        self._keep(values[4:4 + self.world])
         return bool(self.seen)
+
+    def _keep(self, flags: list[float]) -> None:
+        self.seen = [r for r, f in enumerate(flags) if f == 1]
+        self.stopped = [r for r, f in enumerate(flags) if f == STOPPED]
+
+    def leave(self, device: torch.device) -> None:
+        """This rank's recorder stopped (an error of its own) while the others record: at the
+        point where its next exchange would run, it sends "stopped" instead, so that every
+        rank stops at that same exchange (see ``stopped``) rather than wait in a collective
+        this rank no longer makes; then it never exchanges again."""
+        if self.left:
+            return
+        self.left = True
+        self.exchange(torch.zeros(4, dtype=torch.float32, device=device), stopped=True).tolist()
 
     def read_with(self, values: torch.Tensor) -> list[float]:
         """``values.tolist()`` (1-d, float, all must be finite: the update's weight norms) in
@@ -103,7 +123,7 @@ class Agreement:
         out = self.exchange(probe)
         host = torch.cat((values.float(), out[4:])).tolist()
         n = values.numel()
-        self.seen = [r for r, f in enumerate(host[n:]) if f]
+        self._keep(host[n:])
         return host[:n]
 
     def settle(self, event: Event | None, step: int) -> Event | None:

@@ -109,6 +109,23 @@ def test_trainer_callback_on_two_ranks_in_warn_mode(tmp_path):
     assert report["event"]["step"] == 3
 
 
+def test_an_internal_error_on_one_rank_stops_every_rank_recorder_and_training_goes_on(tmp_path):
+    """A recorder bug on rank 1 at step 3 (its RNG capture raises) switches its recorder off.
+    Before, rank 1 then made no more per-step exchanges: rank 0's next one met DDP's gradient
+    all-reduce and gloo aborted the training. Now rank 1 says so at that step's close, rank 0's
+    recorder stops there too, and both ranks train all 10 steps, unrecorded from step 3."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("ddp_train.py", out, HERE, "internal")
+    ends = dict(re.findall(r"rank (\d) (no event steps=\d+ active=\w+ errors=\d+)", proc.stdout))
+    assert ends == {"0": "no event steps=4 active=False errors=0",
+                    "1": "no event steps=3 active=False errors=1"}, proc.stdout + proc.stderr
+    assert "recorder disabled after an internal error (RuntimeError: a bug in the recorder)" \
+        in proc.stderr
+    assert "the recorder of rank(s) 1 stopped after an internal error; this rank's stops with " \
+        "it" in proc.stderr
+    assert not out.exists() or not list(out.iterdir())
+
+
 def test_ddp_nan_loss_on_one_rank_stops_both_at_that_step(tmp_path):
     """Rank 1's loss is 0/0 at step 3 with finite gradients: only rank 1 sees a NaN. The
     step's flags are all-reduced, so rank 0 raises at step 3 too (a peer event naming rank 1)

@@ -22,6 +22,10 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
+def _broken():
+    raise RuntimeError("a bug in the recorder")
+
+
 def main(out_dir: str, mode: str = "input") -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -33,8 +37,10 @@ def main(out_dir: str, mode: str = "input") -> None:
     step = -1
     try:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory="ddp_train:make_model"):
+                            factory="ddp_train:make_model") as rec:
             for step in range(10):
+                if rank == 1 and step == 3 and mode == "internal":
+                    rec.cycle._capture_rng = _broken  # a recorder bug, on one rank only
                 x = torch.randn(6, 8, generator=g)
                 y = torch.randint(0, 4, (6,), generator=g)
                 if rank == 1 and step == 3 and mode == "input":
@@ -52,7 +58,8 @@ def main(out_dir: str, mode: str = "input") -> None:
                 opt.zero_grad()
                 crit(model(x), y).backward()
                 opt.step()
-        print(f"rank {rank} no event", flush=True)
+        print(f"rank {rank} no event steps={rec.step} active={rec.health.active} "
+              f"errors={rec.health.internal_errors}", flush=True)
     except NonFiniteError as e:
         ev = e.event
         print(f"rank {rank} event step={ev['step']} phase={ev['phase']} "
