@@ -211,39 +211,16 @@ class StepCycle:
             self.alarm.step_event(tape, layout, row, reason)
 
     def leave_ranks(self) -> None:
-        """Under torch.distributed, after an internal error stopped this rank's recorder: at
-        the point where its next exchange would run (a step's close), tell the other ranks,
-        which stop with it there (:meth:`peers_stopped`), instead of leaving them waiting in
-        a collective it no longer makes (their next one would meet the model's own, and gloo
-        aborts or NCCL hangs the training: the recorder's error would stop training)."""
-        if not self.owes_ranks():
-            return
-        try:
-            self.target.ranks.leave(self.target.device())
-        except Exception as e:  # (logged; there is nothing else to stop)
-            log.warning("nanreplay: could not tell the other ranks that this rank's recorder "
-                        "stopped (%s: %s)", type(e).__name__, e)
-
-    def owes_ranks(self) -> bool:
-        """This rank's recorder stopped after an internal error and has not told the other
-        ranks yet (see :meth:`leave_ranks`)."""
+        """At a step's close, where this rank's exchange would run: tell the other ranks when
+        an internal error stopped this rank's recorder (see :meth:`Agreement.leave`)."""
         ranks = self.target.ranks
-        return ranks is not None and not ranks.left and self.health.internal_errors > 0 \
-            and not self.health.active
+        if ranks is not None and ranks.owes(self.health):
+            ranks.leave(self.target.device())
 
     def peers_stopped(self) -> bool:
-        """Another rank's recorder stopped after an error of its own and said so in the read
-        just made: this rank's stops too, before any slow path (whose collectives that rank
-        no longer makes); training goes on, unrecorded on every rank."""
+        """Another rank's recorder stopped, as the read just made says: this one stops too."""
         ranks = self.target.ranks
-        if ranks is None or not ranks.stopped:
-            return False
-        ranks.left = True  # (every rank stopped at this exchange: none makes another)
-        self.health.active = False
-        log.warning("nanreplay: the recorder of rank(s) %s stopped after an internal error; "
-                    "this rank's stops with it (its per-step checks would wait for that rank); "
-                    "training continues unrecorded", ", ".join(map(str, ranks.stopped)))
-        return True
+        return ranks is not None and ranks.stop_with_peers(self.health)
 
     def _read(self, probe: torch.Tensor, agree: bool = True) -> tuple[bool, float]:
         """The probe's one host read; under torch.distributed with the ranks' flags folded in

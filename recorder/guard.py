@@ -60,7 +60,8 @@ class OptimizerGuard:
         return sum(t.numel() * t.element_size() for t in self.copies["tensors"])
 
     def pre_hook(self, optimizer, args, kwargs):
-        if not self.health.active and not self.cycle.owes_ranks():
+        ranks = self.target.ranks
+        if not self.health.active and (ranks is None or not ranks.owes(self.health)):
             return None
         # (``args`` holds the optimizer itself first: the hook wraps the unbound step)
         closure = kwargs.get("closure") if "closure" in kwargs else (

@@ -23,6 +23,7 @@ its first step's collective until the process group's timeout.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from datetime import timedelta
 from typing import Any
@@ -37,6 +38,8 @@ PHASE_ORDER = {"weights": 0, "input": 1, "forward": 2, "loss": 3, "backward": 4,
                "optimizer": 5}
 _LATE = len(PHASE_ORDER)  # a rank whose own values were finite, or an unknown phase
 STOPPED = 2.0  # a rank's flag when its recorder stopped after an error of its own
+
+log = logging.getLogger("nanreplay")
 
 TIMEOUT_ENV = "NANREPLAY_ATTACH_TIMEOUT"  # seconds a rank's attach waits for the others
 _TIMEOUT_S = 60.0
@@ -104,15 +107,38 @@ class Agreement:
         self.seen = [r for r, f in enumerate(flags) if f == 1]
         self.stopped = [r for r, f in enumerate(flags) if f == STOPPED]
 
+    def owes(self, health) -> bool:
+        """An internal error stopped this rank's recorder (``health``) and the other ranks
+        have not been told (see :meth:`leave`)."""
+        return not self.left and health.internal_errors > 0 and not health.active
+
     def leave(self, device: torch.device) -> None:
         """This rank's recorder stopped (an error of its own) while the others record: at the
         point where its next exchange would run, it sends "stopped" instead, so that every
-        rank stops at that same exchange (see ``stopped``) rather than wait in a collective
-        this rank no longer makes; then it never exchanges again."""
-        if self.left:
-            return
+        rank stops at that same exchange (:meth:`stop_with_peers`) rather than wait in a
+        collective this rank no longer makes (their next one would meet the model's own:
+        gloo aborts, NCCL hangs, and the recorder's error would stop training). Then it never
+        exchanges again."""
         self.left = True
-        self.exchange(torch.zeros(4, dtype=torch.float32, device=device), stopped=True).tolist()
+        try:
+            self.exchange(torch.zeros(4, dtype=torch.float32, device=device),
+                          stopped=True).tolist()
+        except Exception as e:  # (logged: there is nothing else to stop)
+            log.warning("nanreplay: could not tell the other ranks that this rank's recorder "
+                        "stopped (%s: %s)", type(e).__name__, e)
+
+    def stop_with_peers(self, health) -> bool:
+        """Another rank's recorder stopped after an error of its own and said so in the read
+        just made: this rank's stops too (``health``), before any slow path, whose collectives
+        that rank no longer makes; training goes on, unrecorded on every rank."""
+        if not self.stopped:
+            return False
+        self.left = True  # (every rank stopped at this exchange: none makes another)
+        health.active = False
+        log.warning("nanreplay: the recorder of rank(s) %s stopped after an internal error; "
+                    "this rank's stops with it (its per-step checks would wait for that rank); "
+                    "training continues unrecorded", ", ".join(map(str, self.stopped)))
+        return True
 
     def read_with(self, values: torch.Tensor) -> list[float]:
         """``values.tolist()`` (1-d, float, all must be finite: the update's weight norms) in

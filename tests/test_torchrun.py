@@ -14,12 +14,23 @@ import pytest
 from recorder.bundle import read_bundle
 
 HERE = Path(__file__).parent / "dist"
+RUN_TIMEOUT_S = 300  # a two-rank run that takes longer hung
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _kill_ranks(marker: str) -> None:
+    """SIGKILL every process whose command line holds ``marker`` (a run's own directory)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes().decode(errors="replace"):
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # (gone meanwhile)
 
 
 def _torchrun(script: str, out: Path, pythonpath: Path, *args: str, **env_vars: str
@@ -30,18 +41,19 @@ def _torchrun(script: str, out: Path, pythonpath: Path, *args: str, **env_vars: 
     for _ in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={_free_port()}", str(HERE / script), str(out), *args]
-        # (a session of its own: a hung run is killed with its ranks, which would otherwise
-        # live on and load the rest of the suite)
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env, cwd=HERE, start_new_session=True) as p:
+                              env=env, cwd=HERE) as p:
             try:
-                out, err = p.communicate(timeout=300)
+                said, err = p.communicate(timeout=RUN_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                out, err = p.communicate()
-                raise AssertionError(f"{script} hung: stdout:\n{out[-3000:]}\nstderr:\n"
+                # a hung run is killed with its ranks (each in a session of its own), which
+                # would otherwise live on, load the rest of the suite and hold the pipes open
+                p.kill()
+                _kill_ranks(str(out))
+                said, err = p.communicate()
+                raise AssertionError(f"{script} hung: stdout:\n{said[-3000:]}\nstderr:\n"
                                      f"{err[-3000:]}") from None
-        proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+        proc = subprocess.CompletedProcess(cmd, p.returncode, said, err)
         if "address already in use" not in proc.stderr.lower():
             break
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -9,6 +9,7 @@ at the same step (else it would wait in step 4's all-reduce for a rank that rais
 batch holds a NaN on rank 1 only: both ranks must stop at that forward (rank 0 with a peer event).
 """
 
+import os
 import sys
 
 import torch
@@ -70,6 +71,11 @@ def main(out_dir: str, mode: str = "input") -> None:
         print(f"rank {rank} evaluation={ev.get('evaluation')}", flush=True)
     finally:
         dist.destroy_process_group()
+    # Leave before main's locals (the model, DDP's reducer, the process group) are torn down:
+    # that teardown hung a rank now and then under a loaded machine, after the run was done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ are finite; the ranks' per-step agreement tells it of rank 1's event at the same
 warn mode each writes its bundle (rank 0's a peer event) and both ranks train on.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,11 @@ def main(out_dir: str) -> None:
     # ranks meet first: destroying it while the other rank still trained hung.
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # Leave before main's locals (the model, DDP's reducer, the process group) are torn down:
+    # that teardown hung a rank now and then under a loaded machine, after the run was done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
