@@ -7,6 +7,7 @@ hands rank 0 NaN gradient shards. Both ranks must stop at step 3 in raise mode, 
 own bundle, and none may hang.
 """
 
+import os
 import sys
 
 import torch
@@ -89,6 +90,11 @@ def main(out_dir: str, steps: int = 10, bad_step: int = 3) -> None:
         print(f"rank {rank} message {e}", flush=True)
     finally:
         dist.destroy_process_group()
+    # Leave before main's locals (the model, the process group) are torn down: that teardown
+    # hung a rank now and then under a loaded machine, after the run was done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ step 0. Mode ``default``: the update's evidence is read with step 1's check; mod
 the ``with`` block's exit reads it. Either way both ranks must stop together.
 """
 
+import os
 import sys
 
 import torch
@@ -80,6 +81,11 @@ def main(out_dir: str, mode: str) -> None:
               f"loop_step={step}", flush=True)
     finally:
         dist.destroy_process_group()
+    # Leave before main's locals (the model, the process group) are torn down: that teardown
+    # hung a rank now and then under a loaded machine, after the run was done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

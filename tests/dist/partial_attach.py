@@ -2,6 +2,7 @@
 tests/test_torchrun.py with NANREPLAY_ATTACH_TIMEOUT=3: rank 0's attach must fail in one line
 naming rank 1 within seconds, not wait until the process group's timeout."""
 
+import os
 import sys
 import time
 
@@ -24,6 +25,11 @@ def main(out_dir: str) -> None:
             print(f"rank 0 waited={time.monotonic() - start:.1f} error {e}", flush=True)
     dist.barrier()  # (rank 1 waits here meanwhile)
     dist.destroy_process_group()
+    # Leave before main's locals (the model, the process group) are torn down: that teardown
+    # hung a rank now and then under a loaded machine, after the run was done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
