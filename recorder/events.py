@@ -166,8 +166,7 @@ def _weights_event(ev: StepEvidence) -> Event | None:
         # some, is blamed first: it is certain, and another thread may be updating weights)
         recorded = {i for i, _ in layout.params} | ev.changed
         really += [i for i, p in enumerate(ev.param_tensors) if i not in recorded
-                   and (p.is_floating_point() or p.is_complex())
-                   and not bool(torch.isfinite(local(p).detach()).all())]
+                   and not finite(local(p).detach())]
     if not really:
         return None
     bad = [ev.param_names[i] for i in really]

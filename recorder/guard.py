@@ -60,9 +60,10 @@ class OptimizerGuard:
         return sum(t.numel() * t.element_size() for t in self.copies["tensors"])
 
     def pre_hook(self, optimizer, args, kwargs):
-        ranks = self.target.ranks
-        if not self.health.active and (ranks is None or not ranks.owes(self.health)):
-            return None
+        if not self.health.active:  # (but a stopped rank may still owe the others a word)
+            ranks = self.target.ranks
+            if ranks is None or not ranks.owes(self.health):
+                return None
         # (``args`` holds the optimizer itself first: the hook wraps the unbound step)
         closure = kwargs.get("closure") if "closure" in kwargs else (
             args[1] if len(args) > 1 else None)

@@ -35,8 +35,10 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)
 
 
-def train(module, factory: str, make, out_dir: Path, *, loss_fn=None,
-          steps: int = 6) -> NonFiniteError:
+def train(module, factory: str, make, out_dir: Path, *, loss_fn=None, steps: int = 6,
+          at=None) -> NonFiniteError:
+    """Train ``module.<factory>()`` until the recorder raises; ``at(model, step)`` runs
+    before each step (to plant a bug in the model)."""
     model = getattr(module, factory)()
     if isinstance(model, dict):
         loss_fn, model = model["loss_fn"], model["model"]
@@ -46,6 +48,8 @@ def train(module, factory: str, make, out_dir: Path, *, loss_fn=None,
         with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
                             factory=f"{module.__name__}:{factory}"):
             for step in range(steps):
+                if at is not None:
+                    at(model, step)
                 x, y = make(step)
                 opt.zero_grad()
                 loss_fn(model(x), y).backward()
@@ -204,24 +208,16 @@ def test_rows_of_a_tensor_that_is_not_batched_are_not_samples(tmp_path):
     """Row 2 of a weight-normed 16x4 weight is zeroed (its ``g`` and ``v``) between steps: the
     parametrization makes that row 0/0 in the forward, and every sample of the 4-row batch
     meets it. The samples are the batch's 4 rows, not the weight's row 2."""
-    model = C.make_weight_norm_net()
-    wn = model[0].parametrizations.weight
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    crit = nn.CrossEntropyLoss()
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
-                            factory="cause_models:make_weight_norm_net"):
-            for step in range(6):
-                if step == K:
-                    with torch.no_grad():
-                        wn.original0[2] = 0.0
-                        wn.original1[2] = 0.0
-                x, y = R.batch(step)
-                opt.zero_grad()
-                crit(model(x), y).backward()
-                opt.step()
-    assert info.value.event["step"] == K
-    lines, rep = report_of(info.value.bundle_path)
+    def zero_row(model, step):
+        if step == K:
+            wn = model[0].parametrizations.weight
+            with torch.no_grad():
+                wn.original0[2] = 0.0
+                wn.original1[2] = 0.0
+
+    err = train(C, "make_weight_norm_net", R.batch, tmp_path, at=zero_row)
+    assert err.event["step"] == K
+    lines, rep = report_of(err.bundle_path)
     o = rep["origin"]
     assert (o["module"], o["op"], rep["cause"]) == \
         ("0.parametrizations.weight.0", "aten._weight_norm_interface", "invalid")
