@@ -148,8 +148,11 @@ def test_lr_schedule_spike_is_found_where_the_schedule_jumped(out_dir):
     w = rep["window"]
     assert w["reproduced"] and w["steps"] == [0, 15] and w["event_step"] == 15
     first = w["first_non_finite"]
-    assert (first["step"], first["phase"], first["module"], first["kind"]) == \
-        (15, "forward", "head", "+inf")
+    assert (first["step"], first["phase"], first["module"]) == (15, "forward", "head")
+    # the overflowing matmul's kind is the CPU's BLAS kernel's: +inf on the Intel machines this
+    # ran on before, NaN on an AMD EPYC, where a dot product's partial sums meet +inf and -inf;
+    # the window's re-run must say what the recorded step saw
+    assert first["kind"] == err.event["kind"] and first["kind"] in ("+inf", "nan")
     assert (w["precursors_began"]["step"], w["precursors_began"]["kind"]) == (6, "lr_jump")
     # the recorded learning rates, step by step: the scheduler's, not re-derived
     assert [s["lr"] for s in w["per_step"]] == [0.1] * 6 + [1000.0] * 10
