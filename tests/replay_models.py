@@ -541,3 +541,44 @@ class CountedNet(nn.Module):
 
 def make_counted_net() -> nn.Module:
     return CountedNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# a convolutional net in channels-last memory format (its activations are not contiguous)
+
+
+class ImageStandardize(nn.Module):
+    """Per-image standardisation of a feature map, written without an eps."""
+
+    def forward(self, x):
+        mean = x.mean(dim=(1, 2, 3), keepdim=True)
+        std = x.std(dim=(1, 2, 3), keepdim=True)
+        return (x - mean) / std  # BUG: no eps, a blank image's map is 0/0
+
+
+class ChannelsLastConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.norm = ImageStandardize()
+        self.act = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(16, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(torch.flatten(self.pool(self.act(self.norm(self.conv(x)))), 1))
+
+
+def make_channels_last_conv_net() -> nn.Module:
+    return ChannelsLastConvNet().to(memory_format=torch.channels_last)
+
+
+def image_batch(step: int, blank: int | None = None, at: int = 3):
+    """(images, labels) of a step, 8 RGB 16x16 images in channels-last memory format; image
+    ``blank`` is all zeros at step ``at``."""
+    g = torch.Generator().manual_seed(2000 + step)
+    x = torch.randn(BATCH, 3, 16, 16, generator=g)
+    y = torch.randint(0, N_CLASSES, (BATCH,), generator=g)
+    if blank is not None and step == at:
+        x[blank] = 0.0
+    return x.contiguous(memory_format=torch.channels_last), y

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
-from recorder.slots import GRAD, LOOSE, STRICT, Slots
+from recorder.slots import GRAD, LOOSE, STRICT, Slots, split_extrema
 
 CPU = torch.device("cpu")
 
@@ -64,6 +64,36 @@ def test_non_finite_values_survive_the_reductions():
         assert not (math.isfinite(_v(slots, lo)) and math.isfinite(_v(slots, hi)))
         assert not math.isfinite(_v(slots, slots.total(x, LOOSE)))
         assert not math.isfinite(_v(slots, slots.sq_norm(x, GRAD)))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_min_and_max_of_large_and_strided_outputs(layout, bad):
+    """Large or strided float32 outputs take two reductions (amin, amax) instead of one aminmax
+    on CPU: the same values, NaN anywhere still NaN in both, an infinity still the extreme."""
+    x = torch.randn(8, 16, 32, 32)  # 131072 elements: past the split
+    if bad is not None:
+        x.view(-1)[5001] = bad
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = x.view(-1)[:8192].view(64, 128).t()  # 8192 elements, not contiguous
+    assert split_extrema(x)
+    slots = Slots(CPU)
+    lo, hi = slots.minmax(x, STRICT)
+    want_lo, want_hi = torch.aminmax(x)
+    got = torch.tensor([_v(slots, lo), _v(slots, hi)])
+    want = torch.stack([want_lo, want_hi])
+    assert torch.equal(got.isnan(), want.isnan()) and \
+        torch.equal(got.nan_to_num(), want.nan_to_num())
+    if bad is not None:
+        assert not (math.isfinite(got[0]) and math.isfinite(got[1]))
+    if bad is not None and bad != bad:
+        assert got.isnan().all()
+    if bad == float("inf"):
+        assert got[1] == bad
+    if bad == -float("inf"):
+        assert got[0] == bad
 
 
 def test_running_out_keeps_the_rest_apart_then_grows():

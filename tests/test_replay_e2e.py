@@ -817,3 +817,30 @@ def test_not_reproduced_when_reruns_disagree(tmp_path):
     check_step(rep, K, err.event)
     assert rep["reproduced"] is False and rep["cause"] == "not_reproduced"
     assert any("disagree" in p for p in rep["problems"]), rep["problems"]
+
+
+# ---------------------------------------------------------------------------------------------
+# (q) a convolutional net in channels-last memory format
+
+
+def test_a_channels_last_conv_net_names_the_division_and_the_blank_image(tmp_path):
+    """Channels-last activations are not contiguous: the recorder takes their min and max with
+    two reductions on CPU (``recorder.slots.split_extrema``), and the NaN a blank image makes
+    is still the first event, in the module that made it, on that image."""
+    net = R.make_channels_last_conv_net()
+    x, _ = R.image_batch(0)
+    feature_map = net.conv(x)
+    assert not feature_map.is_contiguous() and feature_map.numel() >= 4096
+    err, model, _ = record("make_channels_last_conv_net",
+                           single(lambda s: R.image_batch(s, blank=5, at=K)), tmp_path)
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert (err.event["step"], err.event["phase"], err.event["module"], err.event["kind"]) == \
+        (K, "forward", "norm", "nan")
+    assert err.event["inputs_finite"] is True and err.event["samples"] == [5]
+    rep = replay(err.bundle_path)
+    check_step(rep, K, err.event)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="norm", call=0, op="aten.div", made="nan",
+          inputs_finite=True, samples=[5])
+    check_source(rep["origin"]["source"], source_of(R.ImageStandardize, "BUG"))
+    check_bisection(rep)
