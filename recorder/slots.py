@@ -237,7 +237,7 @@ class Slots:
             if t.dtype is FLOAT32 and (t.is_cpu if cpu else t.device == device):
                 k = take()
                 if k < size:
-                    flat = t.reshape(-1)
+                    flat = t.view(-1) if t.is_contiguous() else flat_view(t)
                     torch.dot(flat, flat, out=views[k])
                     refs.append((code, k))
                     continue
@@ -294,8 +294,9 @@ class FlatViews:
     storage: the weights' norms after every update then cost one dot each and no allocation
     (a detach and a reshape per weight per step otherwise). A parameter whose data was replaced
     (``p.data = ...``, ``model.to()``, ``.half()``) moves its data pointer, and the views are
-    made again; one that is not a plain contiguous float32 tensor on ``device`` (a DTensor
-    shard, a strided view, another dtype) is not viewed (``None``)."""
+    made again; one that is not a plain float32 tensor on ``device`` whose elements fill one
+    dense block (a DTensor shard, a strided slice, another dtype) is not viewed (``None``); a
+    channels-last or transposed one is viewed in memory order (see :func:`flat_view`)."""
 
     __slots__ = ("params", "ptrs", "flats", "every")
 
@@ -310,12 +311,24 @@ class FlatViews:
         ptrs = [p.data_ptr() if type(p) in PLAIN else 0 for p in self.params]
         if ptrs != self.ptrs:
             self.ptrs = ptrs
-            self.flats = [p.detach().view(-1) if type(p) in PLAIN and p.dtype is FLOAT32
-                          and p.device == device and p.is_contiguous() else None
+            self.flats = [flat_view(p.detach(), copy=False) if type(p) in PLAIN
+                          and p.dtype is FLOAT32 and p.device == device else None
                           for p in self.params]
             # (never ``None in flats``: ``in`` compares each tensor with ``==``)
             self.every = all(f is not None for f in self.flats)
         return self.flats
+
+
+def flat_view(t: torch.Tensor, copy: bool = True) -> torch.Tensor | None:
+    """Every element of ``t`` as one flat vector, in memory order: a view where they fill one
+    dense block (contiguous, channels-last, any permutation of a contiguous tensor), which a
+    norm or a sum reads as it would the tensor; else a copy (``None`` without ``copy``)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    p = t.permute(sorted(range(t.ndim), key=t.stride, reverse=True))
+    if p.is_contiguous():
+        return p.view(-1)
+    return t.reshape(-1) if copy else None
 
 
 def split_extrema(t: torch.Tensor) -> bool:

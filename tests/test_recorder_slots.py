@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
-from recorder.slots import GRAD, LOOSE, STRICT, Slots, split_extrema
+from recorder.slots import GRAD, LOOSE, STRICT, Slots, flat_view, split_extrema
 
 CPU = torch.device("cpu")
 
@@ -94,6 +94,22 @@ def test_min_and_max_of_large_and_strided_outputs(layout, bad):
         assert got[1] == bad
     if bad == -float("inf"):
         assert got[0] == bad
+
+
+def test_norms_of_channels_last_and_transposed_tensors_read_them_in_place():
+    """A gradient or weight whose elements fill one dense block (channels-last, transposed) is
+    normed through a flat view of that block, not a copy; a strided slice is copied."""
+    base = torch.randn(4, 3, 5, 5)
+    for t in (base, base.contiguous(memory_format=torch.channels_last),
+              base.reshape(12, 25).t()):
+        flat = flat_view(t, copy=False)
+        assert flat is not None and flat.data_ptr() == t.data_ptr()
+        assert sorted(flat.tolist()) == sorted(t.flatten().tolist())
+        slots = Slots(CPU)
+        assert _v(slots, slots.sq_norm(t, GRAD)) == pytest.approx(t.norm().item() ** 2, rel=1e-5)
+    sliced = base[:, :2]
+    assert flat_view(sliced, copy=False) is None
+    assert torch.equal(flat_view(sliced), sliced.reshape(-1))
 
 
 def test_running_out_keeps_the_rest_apart_then_grows():

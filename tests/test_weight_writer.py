@@ -237,3 +237,27 @@ def test_update_norms_are_in_the_ring_and_cost_no_read(out_dir):
     assert torch.isnan(norms[0]).all()  # step 0 follows no update
     for step in range(1, 4):  # step k's row holds the norms right after update k - 1
         assert norms[step].tolist() == pytest.approx(after[step - 1], rel=1e-5)
+
+
+def test_an_update_that_writes_nan_into_a_channels_last_conv_weight_is_the_optimizer(out_dir):
+    """A channels-last convolution's weight is read for the evidence through a view of its
+    memory (``recorder.slots.flat_view``): Adam(eps=0) on an input channel the pipeline zeroed
+    writes 0/0 into that channel's filters at the first update, and that update is the event."""
+    import replay_models as R
+
+    model = R.make_channels_last_conv_net()
+    opt = adam_eps0(model.parameters())
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="replay_models:make_channels_last_conv_net"):
+            for step in range(4):
+                x, y = R.image_batch(step)
+                x[:, 0] = 0.0  # a dead input channel: its filters' gradient is exactly 0
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    check_event(info.value.event, step=0, phase="optimizer", params=["conv.weight"], kind="nan",
+                after_update=True)
+    w = model.conv.weight.detach()
+    assert torch.isnan(w[:, 0]).all() and torch.isfinite(w[:, 1:]).all()
