@@ -6,10 +6,14 @@ PyTorch's recurrent and attention modules take sequences first by default: ``nn.
 ``batch_first=False`` take ``(T, B, ...)``, and ``nn.CTCLoss`` takes ``(T, B, C)``
 log-probabilities. The samples of such a batch are its dim 1.
 
-The batch size is the size that most of a step's tensors have in some dimension (the root
-inputs, the loss's targets, the root outputs; each tensor counts a size once): an LSTM batch
-``(10, 5, 6)`` with targets ``(5,)`` and logits ``(5, 3)`` is a batch of 5. A tie goes to the
-first input's dim 1 in a model with sequence-first modules, else to its dim 0. A tensor's
+The batch size is the size that most of a step's tensors have (the root inputs, the loss's
+targets, the root outputs), where the batch sits counting twice: each tensor gives each of its
+sizes 2 when it stands at dim 0 (or dim 1 in a model with sequence-first modules), else 1; a
+square matrix (an attention mask, ``(T, T)``) holds no batch and is not counted. An LSTM batch
+``(10, 5, 6)`` with targets ``(5,)`` and logits ``(5, 3)`` is a batch of 5; a batch-first
+``(8, 12, 4)`` series passed with a ``(12, 12)`` causal mask, and forecasting ``(8, 12, 1)``,
+is a batch of 8, not 12. A tie goes to the first input's dim 1 in a model with
+sequence-first modules, else to its dim 0. A tensor's
 samples are along its dim 0 when it has the batch's size there, or along its dim 1 in such a
 model; a tensor with neither (a weight) has none.
 
@@ -92,10 +96,12 @@ def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
           sequence_first: bool = False) -> Samples:
     """The :class:`Samples` of a micro-batch from its root ``inputs`` (in order) and
     ``others`` (loss targets, root outputs), as the module docstring says."""
-    inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim()]
+    inputs = [t for t in inputs if _batched(t)]
     counts: Counter = Counter()
-    for t in inputs + [t for t in others if isinstance(t, torch.Tensor) and t.dim()]:
-        counts.update(set(t.shape))
+    at = 2 if sequence_first else 1  # the dims where a batch stands
+    for t in inputs + [t for t in others if _batched(t)]:
+        shape = t.shape
+        counts.update({n: 2 if n in shape[:at] else 1 for n in set(shape)})
     if not counts:
         return Samples(0, sequence_first)
     top = max(counts.values())
@@ -107,3 +113,9 @@ def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
         if pick is not None:
             return Samples(int(pick), sequence_first)
     return Samples(int(min(tied)), sequence_first)
+
+
+def _batched(t) -> bool:
+    """``t`` may hold the batch: a tensor with dims, other than a square matrix."""
+    return isinstance(t, torch.Tensor) and t.dim() > 0 and not (
+        t.dim() == 2 and t.shape[0] == t.shape[1])

@@ -582,3 +582,39 @@ def image_batch(step: int, blank: int | None = None, at: int = 3):
     if blank is not None and step == at:
         x[blank] = 0.0
     return x.contiguous(memory_format=torch.channels_last), y
+
+
+# ---------------------------------------------------------------------------------------------
+# a batch-first forecaster passed a square causal mask
+
+
+class Forecaster(nn.Module):
+    """``nn.Transformer(batch_first=True)`` over a multivariate series; the loop passes the
+    ``(T, T)`` causal mask into ``forward``."""
+
+    def __init__(self, n_vars: int = 3, d: int = 16):
+        super().__init__()
+        self.enc_in = nn.Linear(n_vars, d)
+        self.dec_in = nn.Linear(n_vars, d)
+        self.transformer = nn.Transformer(d, 2, num_encoder_layers=1, num_decoder_layers=1,
+                                          dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(d, n_vars)
+
+    def forward(self, past, future_in, tgt_mask):
+        return self.out(self.transformer(self.enc_in(past), self.dec_in(future_in),
+                                         tgt_mask=tgt_mask))
+
+
+def make_forecaster() -> nn.Module:
+    return Forecaster()
+
+
+def series_batch(step: int, bad: int | None = None, at: int = 3, n: int = BATCH, t: int = 12):
+    """(past, decoder input, future) of 8 series of 12 steps; series ``bad`` has a missing
+    reading (NaN) at step ``at``."""
+    g = torch.Generator().manual_seed(3000 + step)
+    series = torch.cumsum(torch.randn(n, 2 * t + 1, 3, generator=g) * 0.1, 1)
+    if bad is not None and step == at:
+        series[bad, 4, 1] = float("nan")
+    past, future = series[:, :t], series[:, t:]
+    return past, future[:, :-1], future[:, 1:]

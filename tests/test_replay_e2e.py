@@ -844,3 +844,32 @@ def test_a_channels_last_conv_net_names_the_division_and_the_blank_image(tmp_pat
           inputs_finite=True, samples=[5])
     check_source(rep["origin"]["source"], source_of(R.ImageStandardize, "BUG"))
     check_bisection(rep)
+
+
+# ---------------------------------------------------------------------------------------------
+# (r) a batch-first model passed a square mask: the batch size is not the sequence length
+
+
+def test_a_square_mask_passed_to_forward_does_not_make_the_sequence_length_the_batch(tmp_path):
+    """Eight series of 12 steps and a (12, 12) causal mask: the batch is 8, and the series with
+    a missing reading is sample 3 (the mask once made 12 the batch size and named none)."""
+    torch.manual_seed(0)
+    model = R.make_forecaster()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.MSELoss()
+    mask = nn.Transformer.generate_square_subsequent_mask(12)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_forecaster"):
+            for step in range(6):
+                past, fut_in, fut = R.series_batch(step, bad=3, at=K)
+                opt.zero_grad()
+                crit(model(past, fut_in, mask), fut).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (K, "input", [3])
+    assert err.event["tensor"] == "args[0]"
+    rep = replay(err.bundle_path)
+    check_step(rep, K, err.event)
+    assert rep["cause"] == "input"
+    assert rep["origin"]["samples"] == [3] and rep["origin"]["batch_size"] == 8

@@ -35,6 +35,12 @@ def test_models_that_take_sequences_first(model, expected):
     ([(12, 4)], [(48,)], True, 4),  # a sequence-first LM, flattened targets: tie, dim 1
     ([(12, 4)], [(48,)], False, 12),  # ...the same ids in a batch-first model: dim 0
     ([(1, 6)], [(1,)], False, 1),  # a batch of one
+    ([(8, 12, 4), (12, 12)], [(8, 12, 1)], False, 8),  # a causal mask (T, T) beside (B, T, F)
+    ([(8, 12, 4), (12, 12)], [(8, 12, 1), (8, 12, 1)], False, 8),  # ...and targets
+    ([(10, 8, 4), (10, 10), (8, 10)], [(10, 8, 4)], True, 8),  # sequence-first, mask, padding
+    # nn.Transformer's own layout, source and target of one length: ids, masks, padding masks
+    ([(10, 8), (10, 8), (10, 10), (10, 10), (8, 10), (8, 10)], [(10, 8, 50), (80,)], True, 8),
+    ([(64,), (16,)], [(16, 4), (16,)], False, 16),  # EmbeddingBag: 64 ids in 16 bags
     ([], [], False, 0),  # nothing to go by
 ])
 def test_the_batch_size_is_the_size_most_tensors_share(inputs, others, first, size):
