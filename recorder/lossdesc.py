@@ -6,8 +6,10 @@ JSON-valued attributes (``reduction``, ``ignore_index``, ``blank``, ``gamma``, .
 and its submodules, described the same way. A loss function is described by its
 ``module:qualname`` when that path imports it back. Nothing is pickled: the replay imports the
 class or function under its trust rule and sets the recorded attributes
-(``replay.losses``). What cannot be imported (a lambda, a closure, a class defined in the
-training script itself) is described with the reason, so the replay can say so.
+(``replay.losses``). One defined in the training script itself (``python train.py``) is
+described by the script's module name (``train:my_loss``) when the script's training is under
+the ``__main__`` guard, so importing it runs none. What cannot be imported (a lambda, a
+closure, a script without that guard) is described with the reason, so the replay can say so.
 
 >>> import torch.nn as nn                                            # doctest: +SKIP
 >>> describe_loss(nn.CrossEntropyLoss(ignore_index=0), {})["tree"]["config"]
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,7 @@ import torch
 from torch import nn
 
 from .compat import own_slots
-from .validate import import_object
+from .validate import import_object, script_module
 
 
 def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -64,6 +67,11 @@ def describe_callable(fn) -> dict[str, Any]:
     qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     out: dict[str, Any] = {"name": f"{module or '?'}.{qual}"}
     why = _not_importable(fn, module, qual)
+    if why == "script" and (name := script_module()) is not None and _in_main(fn, qual):
+        # the training script, whose training is under the __main__ guard: the replay imports
+        # it under its own name, as it does the factory it defines (``train:make_model``)
+        out["import"] = f"{name}:{qual}"
+        return out
     if why is None:
         out["import"] = f"{module}:{qual}"
         return out
@@ -88,6 +96,14 @@ def _not_importable(fn, module: str | None, qual: str) -> str | None:
     except Exception:
         return "not importable"
     return None if found is fn else "not importable"
+
+
+def _in_main(fn, qual: str) -> bool:
+    """``__main__.<qual>`` is ``fn`` (looked up, never imported)."""
+    obj = sys.modules.get("__main__")
+    for part in qual.split("."):
+        obj = getattr(obj, part, None)
+    return obj is fn
 
 
 def _short(path: str) -> str:

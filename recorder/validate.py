@@ -158,6 +158,22 @@ def _running_script(module: str):
         return None
 
 
+def script_module() -> str | None:
+    """The name that imports the script running as ``__main__`` (its ``python -m`` name, else
+    its file's stem: ``python train.py`` puts its directory first on the path), when its code
+    outside functions is under the ``__main__`` guard, so that importing it runs no training;
+    else None."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str) or not path.endswith(".py"):
+        return None
+    spec = getattr(main, "__spec__", None)
+    name = spec.name if spec is not None and spec.name != "__main__" else Path(path).stem
+    if not all(part.isidentifier() for part in name.split(".")) or not _has_main_guard(path):
+        return None
+    return name
+
+
 def _has_main_guard(path: str) -> bool:
     """The script has a top-level ``if __name__ == "__main__":`` (either way round)."""
     try:

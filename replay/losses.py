@@ -70,13 +70,15 @@ def _why(info: dict[str, Any], what: str, example: str) -> str:
     reason = {
         "lambda": f"is a lambda{at}, which no import path leads to",
         "closure": f"is defined inside another function{at}, which no import path leads to",
-        "script": f"is defined in the training script that ran as __main__{at}, which "
-                  "nanreplay does not import (importing a script runs it)",
+        "script": f"is defined in the training script that ran as __main__{at}, whose "
+                  "training is not under `if __name__ == \"__main__\":`, so nanreplay does "
+                  "not import it (that would run the training)",
         "partial": f"is a functools.partial{at} of a function that cannot be imported, or "
                    "with arguments that are not JSON values",
     }.get(why, f"cannot be imported by its name{at}")
-    return (f"{what} {reason}, so the loss was not re-run; define it at module level in a "
-            f"module importable from here ({example}) {_FACTORY_WAY} to replay it")
+    guard = "put the training under that guard, or " if why == "script" else ""
+    return (f"{what} {reason}, so the loss was not re-run; {guard}define it at module level in "
+            f"a module importable from here ({example}) {_FACTORY_WAY} to replay it")
 
 
 def _import(spec: str, what: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import subprocess
@@ -19,6 +20,7 @@ from torch import nn
 
 import recorder
 from recorder import BundleError, FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 
 # ---------------------------------------------------------------------------------------------
 # construction: clear one-line errors, nothing attached
@@ -139,6 +141,68 @@ def test_a_factory_in_the_script_being_run_is_not_imported_again(tmp_path, guard
     assert res.stdout.count("training starts") == 1, res.stdout
     warned = "is not under `if __name__ == \"__main__\":`" in res.stderr
     assert warned is not guarded, res.stderr
+
+
+LOSS_SCRIPT = """
+import torch
+from torch import nn
+from recorder import FlightRecorder, NonFiniteError
+
+def make_model():
+    return nn.Linear(4, 2)
+
+def {loss}(out, y):
+    return torch.exp(out).mean() - out.gather(1, y[:, None]).mean()  # no max subtracted
+
+{guard}
+    print("training starts")
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        with FlightRecorder(model, opt, loss_fn={loss}, out_dir="bundles",
+                            factory="loss_script:make_model") as rec:
+            for step in range(6):
+                x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+                if step == 3:
+                    x[5] *= 1e4
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    except NonFiniteError as e:
+        print("BUNDLE", e.bundle_path)
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_loss_function_defined_in_the_script_being_run_is_replayed(tmp_path, guarded):
+    """``loss_fn`` defined in the training script run as ``python loss_script.py``: with the
+    training under the ``__main__`` guard, the bundle names it by the script's module name and
+    nanreplay imports it, as it does the factory, and re-runs it (the op and cause); without
+    the guard it is not imported (that would train again) and the note says why."""
+    guard = 'if __name__ == "__main__":' if guarded else "if True:"
+    (tmp_path / "loss_script.py").write_text(LOSS_SCRIPT.format(guard=guard, loss="exp_loss"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "loss_script.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.count("training starts") == 1, res.stderr
+    bundle = res.stdout.split("BUNDLE ", 1)[1].split()[0]
+    meta, _ = read_bundle(Path(tmp_path, bundle))
+    loss = meta["loss"]
+    assert loss["kind"] == "function" and loss["name"] == "__main__.exp_loss"
+    if not guarded:
+        assert "import" not in loss and loss["why"] == "script"
+        return
+    assert loss["import"] == "loss_script:exp_loss"
+    rep = subprocess.run([sys.executable, "-m", "replay", bundle, "--json"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert "training starts" not in rep.stdout, rep.stdout  # the import ran no training
+    report = json.loads(rep.stdout)
+    o = report["origin"]
+    assert (report["event"]["step"], o["phase"], o["op"], report["cause"]) == \
+        (3, "loss", "aten.exp", "overflow"), report
+    assert o["source"].endswith("loss_script.py:10") and o["samples"] == [5]
 
 
 @pytest.mark.parametrize("kwargs, exc, phrase", [
