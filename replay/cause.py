@@ -23,7 +23,9 @@ while it ran) and a re-run of the step in float64 tell the causes apart:
   ``-inf`` row): ``invalid``.
 
 A backward origin is ``invalid`` when the float64 re-run's gradients are non-finite too (the
-derivative has a pole there: sqrt at 0), else ``overflow``. Without an op (none found), the
+derivative has a pole there: sqrt at 0); when they are finite, ``precision`` for an op with a
+pole (rounding put its input on the pole: sqrt(1 - sigmoid(20)) at 0 in float32), else
+``overflow``. Without an op (none found), the
 float64 re-run alone decides: ``invalid`` or ``overflow``.
 
 The float64 re-run converts weights in place and back, which is lossless for float16,
@@ -315,5 +317,11 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
                      "a norm at 0, log or a division at 0); " + DO["backward_pole"])
+    if name and not domains.never_a_pole(name):
+        # finite in float64, so its input is off the pole there: rounding put it on (1 -
+        # sigmoid(20) is 0 in float32, 2e-9 in float64), not a gradient too large for the type
+        return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
+                     f"in float64: rounding put the op's input on its pole, where {fn} is "
+                     "infinite (sqrt, log or a division at 0); " + DO["stable"])
     return Cause("overflow", f"{op}'s gradient is too large for its dtype and finite in "
                  "float64: " + _wider(dtype))

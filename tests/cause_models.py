@@ -81,6 +81,19 @@ def make_soft_clip_net() -> nn.Module:
     return _after_identity(SoftClip())
 
 
+class NoiseScale(nn.Module):
+    """sqrt(1 - alpha_bar), alpha_bar = sigmoid(x): a diffusion schedule's noise scale. Near
+    x = 20, sigmoid(x) rounds to 1 in float32 and 1 - alpha_bar to 0 (float64 keeps 2e-9): the
+    forward is 0, sqrt's derivative at 0 is infinite."""
+
+    def forward(self, x):
+        return torch.sqrt(1 - torch.sigmoid(x))  # BUG: 1 - sigmoid(x) instead of sigmoid(-x)
+
+
+def make_noise_scale_net() -> nn.Module:
+    return _after_identity(NoiseScale())
+
+
 class MaskedSqrt(nn.Module):
     """sqrt(x + 5) where that is defined, else 0: ``torch.where`` masks sqrt's NaN of a
     negative in the forward, and sqrt's derivative meets it in the backward (0 / NaN)."""

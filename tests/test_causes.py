@@ -130,6 +130,18 @@ def test_a_nan_masked_in_the_forward_is_invalid_in_backward_and_says_so(tmp_path
     assert "NaN it saved in the forward" in rep["hint"] and "pole" not in rep["hint"], rep["hint"]
 
 
+def test_a_pole_that_rounding_reached_is_precision_in_backward(tmp_path):
+    """``sqrt(1 - sigmoid(x))`` at x = 20: 1 - sigmoid(20) is 0 in float32 and 2e-9 in float64,
+    so sqrt's derivative is infinite in float32 only. Not an overflow (no gradient too large
+    for the type) and not invalid (exact arithmetic stays off the pole): ``precision``."""
+    err = train("make_noise_scale_net", with_row([0.5, 20.0, -0.5, 1.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="backward", module="1", op="SqrtBackward0", samples=[ROW],
+          cause="precision", made="+inf")
+    hint = rep["hint"]
+    assert "pole" in hint and "finite in float64" in hint and "sigmoid" in hint, hint
+
+
 def test_a_pole_masked_in_the_forward_is_invalid_not_overflow(tmp_path):
     """``torch.where(h != 0, 1 / h, 0)`` at a zero row: the reciprocal saves its +inf result
     (a pole, not an overflow), the masked branch's 0 meets it in the backward."""
