@@ -89,8 +89,11 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
     if base in ("rsqrt", "reciprocal"):
         return ((f"{op} of a negative number (as low as {low})", "domain") if neg and not zero
                 else (f"{op} of 0 (a pole: 1/0)", "divide"))
-    if base in ("div", "remainder", "fmod") and len(ins) >= 2:
-        num, den = ins[0], ins[1]
+    den = None
+    if base in ("div", "remainder", "fmod") and ins:
+        den = ins[1] if len(ins) >= 2 else _integer_divisor(ev)
+    if den is not None:
+        num = ins[0]
         if bool(((num == 0) & (den == 0)).any()):
             return f"{op} of 0 by 0 (0/0)", "divide"
         return f"{op} by 0 (x/0, a pole)", "divide"
@@ -106,6 +109,19 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")
     return f"{op} at a pole or outside its domain", "pole"
+
+
+def _integer_divisor(ev: Evidence) -> torch.Tensor | None:
+    """An integer tensor divisor (``x / mask.sum(1)``, which the evidence's floating inputs
+    leave out) in float64, where the output went non-finite; None otherwise."""
+    args = list(ev.args)
+    d = args[1] if len(args) > 1 else None
+    if not isinstance(d, torch.Tensor) or d.is_floating_point() or d.is_complex():
+        return None
+    try:
+        return torch.broadcast_to(d.detach().cpu(), ev.bad.shape)[ev.bad.cpu()].double()
+    except RuntimeError:
+        return None
 
 
 def _ctc(ev: Evidence) -> str:

@@ -158,23 +158,27 @@ def test_cross_entropy_wrapper_over_an_all_padding_batch(tmp_path):
     assert rep["problems"] == []
 
 
-def test_plain_function_loss_names_the_op_and_the_rows(tmp_path):
+@pytest.mark.parametrize("name, bug", [("lm_loss", "lm"), ("lm_loss_counted", "counted")])
+def test_plain_function_loss_names_the_op_and_the_rows(tmp_path, name, bug):
     """``def lm_loss(out, labels)`` given as ``loss_fn`` and called as ``rec.loss_fn``: sample
-    5 is all padding, its per-sequence mean 0/0; the rows are those of the op's output."""
+    5 is all padding, its per-sequence mean 0/0; the rows are those of the op's output. The
+    hint says 0/0 also when the token count is an integer tensor (``mask.sum(1)`` of a bool
+    mask), which the op's floating inputs leave out."""
 
     def spoil(step, x, y):
         if step == K:
             y[5] = UL.PAD
 
-    err = train(tmp_path, lambda rec, out, y, step: rec.loss_fn(out, y), loss_fn=UL.lm_loss,
-                spoil=spoil)
+    err = train(tmp_path, lambda rec, out, y, step: rec.loss_fn(out, y),
+                loss_fn=getattr(UL, name), spoil=spoil)
     meta, _ = read_bundle(err.bundle_path)
-    assert meta["loss"]["import"] == "user_losses:lm_loss"
+    assert meta["loss"]["import"] == f"user_losses:{name}"
     rep, code = nanreplay_json(err.bundle_path)
     assert origin(rep, "phase", "module", "op", "made", "samples") == (
         "loss", "<loss>", "aten.div", "nan", [5])
-    assert rep["origin"]["source"] == bug_line("lm")
+    assert rep["origin"]["source"] == bug_line(bug)
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert "aten.div of 0 by 0 (0/0)" in rep["hint"], rep["hint"]
     assert rep["problems"] == []
 
 

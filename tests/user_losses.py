@@ -83,6 +83,14 @@ def lm_loss(out, labels):
     return per_sequence.mean()
 
 
+def lm_loss_counted(out, labels):
+    """``lm_loss`` dividing by each sequence's token count, an integer tensor."""
+    tok = F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    mask = labels != PAD
+    per_sequence = (tok * mask).sum(1) / mask.sum(1)  # BUG counted: 0/0 for an all-padding row
+    return per_sequence.mean()
+
+
 class ShiftedTokenCE(nn.Module):
     """A causal LM's next-token cross entropy, mean over the labelled tokens (``ignore_index``
     marks the others), as a ``Trainer.compute_loss`` override computes it."""
