@@ -59,9 +59,13 @@ class CallHooks:
             else:  # (a container's output is usually an inner call's, passed through)
                 fn = self.leaf_hook if next(site.module.children(), None) is None \
                     else self.post_hook
+            # allowed: its outputs are checked for NaN only; intended: an ``allow_inf`` module,
+            # whose +-Inf leave a later call's inputs finite (by default every module but the
+            # root is checked for NaN only, yet the +-Inf it returns are no finite input)
             allowed = target.inf_allowed(idx, site.name)
-            hook = (Hook(disabled(partial(fn, idx, allowed))) if site.disable
-                    else Hook(fn, idx, allowed))
+            intended = target.is_allowed(site.name)
+            hook = (Hook(disabled(partial(fn, idx, allowed, intended))) if site.disable
+                    else Hook(fn, idx, allowed, intended))
             handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
         if self.loss_fn is not None:
             handles.append(self.loss_fn.register_forward_hook(Hook(self.loss_post_hook),
@@ -109,13 +113,14 @@ class CallHooks:
                 continue
             hit = _produced(tape, t) if tape.cache else None  # (none at a step's start)
             if hit is not None:
-                refs.append(hit[1:4])
+                refs.append((hit[1], hit[2], hit[1][0] == NAN_ONLY))  # (checked as it was)
                 continue
-            soft = not self.strict_inf or self.target.allowed_buffer(t) \
-                or self.target.is_allowed(name)
+            intended = self.target.allowed_buffer(t) or self.target.is_allowed(name)
+            soft = not self.strict_inf or intended
             a, b = tape.slots.minmax(t.detach(), NAN_ONLY if soft else STRICT)
             refs.append((a, b, soft))
-            tape.cache[id(t)] = (weakref.ref(t), a, b, soft, version_of(t))
+            # (for the calls that take it, only an allow_inf input's +-Inf is finite)
+            tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version_of(t))
         return tuple(refs)
 
     def _end_micro_batch(self, tape: Tape, output) -> None:
@@ -136,7 +141,7 @@ class CallHooks:
     # ------------------------------------------------------------------------------------------
     # every module: a call returned
 
-    def post_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
+    def post_hook(self, idx: int, allowed: bool, intended: bool, module, args, kwargs, output):
         tape = self.cycle.tape
         if tape is None or not self.health.active:
             return self.cycle.outside_step(idx, tape)
@@ -150,9 +155,9 @@ class CallHooks:
             else:
                 ins = self._input_refs(tape, args, kwargs, made_here=output)
             if type(output) is torch.Tensor and not self.param_norms:  # the usual case
-                outs, stats = _output_ref(tape, output, allowed, reuse=True), None
+                outs, stats = _output_ref(tape, output, allowed, intended, reuse=True), None
             else:
-                outs, stats = self._output_refs(tape, output, allowed)
+                outs, stats = self._output_refs(tape, output, allowed, intended)
             tape.calls.append((idx, mb, len(tape.calls), outs, stats, ins))
             if idx == 0:
                 self._end_micro_batch(tape, output)
@@ -164,7 +169,7 @@ class CallHooks:
                 self.cycle.eval_tail = tape
         return None
 
-    def leaf_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
+    def leaf_hook(self, idx: int, allowed: bool, intended: bool, module, args, kwargs, output):
         """A leaf module's call: :meth:`post_hook`, with its usual case (one tensor in that an
         earlier call produced, one new non-empty float32 tensor out) taken in one frame, as it
         runs for most calls of most models (a Linear, a convolution, a norm)."""
@@ -173,22 +178,22 @@ class CallHooks:
             return self.cycle.outside_step(idx, tape)
         if len(args) != 1 or kwargs or type(output) is not torch.Tensor \
                 or output.dtype is not FLOAT32:
-            return self.post_hook(idx, allowed, module, args, kwargs, output)
+            return self.post_hook(idx, allowed, intended, module, args, kwargs, output)
         try:
             a, cache = args[0], tape.cache
             hit = cache.get(id(a))
             if hit is None or hit[0]() is not a or a is output or hit[4] is None \
                     or hit[4] != version(a) or not output.numel():
-                return self.post_hook(idx, allowed, module, args, kwargs, output)
+                return self.post_hook(idx, allowed, intended, module, args, kwargs, output)
             lo, hi = tape.slots.minmax(output.detach(), NAN_ONLY if allowed else STRICT)
-            cache[id(output)] = (weakref.ref(output), lo, hi, allowed, version_of(output))
+            cache[id(output)] = (weakref.ref(output), lo, hi, intended, version_of(output))
             tape.calls.append((idx, len(tape.micro_batches) - 1, len(tape.calls), ((lo, hi),),
                                None, (hit[1:4],)))
         except Exception as e:
             self.health.internal_error(e)
         return None
 
-    def relu_hook(self, idx: int, allowed: bool, module, args, kwargs, output):
+    def relu_hook(self, idx: int, allowed: bool, intended: bool, module, args, kwargs, output):
         """An ``nn.ReLU`` call: its output's min and max are the ReLU of its input's (ReLU is
         elementwise and non-decreasing; NaN stays NaN, -Inf becomes 0, +Inf stays), so they are
         derived from the input's statistics with one op on two numbers instead of a pass over
@@ -200,7 +205,7 @@ class CallHooks:
         if len(args) != 1 or kwargs or type(args[0]) is not torch.Tensor \
                 or type(output) is not torch.Tensor or output.dtype is not FLOAT32 \
                 or args[0].dtype is not FLOAT32:
-            return self.post_hook(idx, allowed, module, args, kwargs, output)
+            return self.post_hook(idx, allowed, intended, module, args, kwargs, output)
         try:
             a, slots = args[0], tape.slots
             hit = _produced(tape, a, output)
@@ -211,7 +216,7 @@ class CallHooks:
                 lo, hi = slots.minmax(a.detach(), LOOSE)
                 ins = ((lo, hi, False),)
             ra, rb = slots.relu(lo, hi, NAN_ONLY if allowed else STRICT)
-            tape.cache[id(output)] = (weakref.ref(output), ra, rb, allowed, version_of(output))
+            tape.cache[id(output)] = (weakref.ref(output), ra, rb, intended, version_of(output))
             tape.calls.append((idx, len(tape.micro_batches) - 1, len(tape.calls), ((ra, rb),),
                                None, ins))
         except Exception as e:
@@ -240,13 +245,13 @@ class CallHooks:
             refs.append((ref, ref, self.target.allowed_buffer(t)))
         return tuple(refs)
 
-    def _output_refs(self, tape: Tape, output, allowed: bool):
+    def _output_refs(self, tape: Tape, output, allowed: bool, intended: bool):
         """((min, max) refs per floating output tensor, (sum, 2-norm, numel) refs of the first
         with ``stats="full"``)."""
         full = self.param_norms
         outs, stats = [], None
         for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
-            ref = _output_ref(tape, t, allowed, reuse=not full)
+            ref = _output_ref(tape, t, allowed, intended, reuse=not full)
             if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
                 d = t.detach()
                 stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
@@ -334,18 +339,20 @@ def _produced(tape: Tape, t: torch.Tensor, made_here=None) -> tuple | None:
     return None
 
 
-def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, reuse: bool) -> tuple:
+def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reuse: bool
+                ) -> tuple:
     """``((min ref, max ref),)`` of one output tensor, or ``()`` if it is not floating.
     ``reuse``: an output passed through unchanged (a Sequential's) keeps the statistics of the
-    call that made it."""
+    call that made it, when they sit in the region this call's are checked in."""
     if not t.is_floating_point() or t.numel() == 0:
         return ()
+    code = NAN_ONLY if allowed else STRICT
     hit = tape.cache.get(id(t))
     if (reuse and hit is not None and hit[0]() is t and hit[4] is not None
-            and hit[4] == version(t) and hit[3] == allowed):
+            and hit[4] == version(t) and hit[1][0] == code and hit[3] == intended):
         return (hit[1:3],)
-    a, b = tape.slots.minmax(t.detach(), NAN_ONLY if allowed else STRICT)
-    tape.cache[id(t)] = (weakref.ref(t), a, b, allowed, version_of(t))
+    a, b = tape.slots.minmax(t.detach(), code)
+    tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version_of(t))
     return ((a, b),)
 
 

@@ -304,7 +304,9 @@ def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str]):
     +-Inf in the root output. Its chain starts at the first call, inside it (completed before
     it), that made a non-finite value from finite inputs; when the event's own inputs held
     +-Inf, at the first call of its micro-batch before it that made +-Inf from finite inputs
-    (an fp16 overflow that a later layer turns into NaN), else at the batch's own infinities.
+    (an fp16 overflow that a later layer turns into NaN), else, when no call made them, at the
+    innermost call enclosing the event whose inputs were finite (its own code made them:
+    ``log(0)`` in the root's forward before a submodule), else at the batch's own infinities.
     ``allow_inf`` modules never start a chain: their infinities are intended."""
     nan = [d for d in by_order if d["nan"]]
     made = [d for d in nan if d["inputs_nan_free"]]
@@ -329,9 +331,31 @@ def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str]):
     infs = [d for d in before if not d["nan"]]
     if infs:
         return infs[0], False
+    if not trigger["inputs_finite"]:
+        # no call made that infinity: the own code of a call enclosing the event did, between
+        # its children's calls (the root's forward included)
+        maker = _enclosing_maker(by_order, pos, names)
+        if maker is not None:
+            return maker, False
     root = next((d for d in by_order if d["module"] == 0 and d["micro_batch"] == mb
                  and not d["inputs_all_finite"]), None)
     return (root, True) if root is not None else (trigger, False)
+
+
+def _enclosing_maker(by_order: list[dict], pos: int, names: list[str]) -> dict | None:
+    """The innermost call enclosing call ``by_order[pos]`` whose inputs were all finite: the
+    calls of its micro-batch completed after it whose module contains it by name (the root
+    contains every module), innermost first."""
+    d = by_order[pos]
+    mb, inner = d["micro_batch"], names[d["module"]]
+    for e in by_order[pos + 1:]:
+        own = names[e["module"]]
+        if e["micro_batch"] != mb or not (own == "" or inner.startswith(own + ".")):
+            continue
+        if e["inputs_all_finite"]:
+            return e
+        inner = own  # (its own inputs held the infinity: further out)
+    return None
 
 
 def optimizer_event(step: int, params: list[str], *, after_update: bool,

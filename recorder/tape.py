@@ -40,8 +40,9 @@ class Tape:
         self.calls: list[tuple] = []
         self.micro_batches: list[MicroBatch] = []
         self.loss: list[tuple[int, tuple, tuple]] = []
-        # id(tensor) -> (weakref, min ref, max ref, allowed, version): outputs seen this step,
-        # so a module whose input is an earlier output costs no extra reduction.
+        # id(tensor) -> (weakref, min ref, max ref, intended, version): outputs seen this step,
+        # so a module whose input is an earlier output costs no extra reduction; intended: an
+        # allow_inf module's output (or input, buffer), whose +-Inf a later input may hold.
         self.cache: dict[int, tuple] = {}
         self.lock = threading.Lock()
         self.params_from_update = False  # an optimizer step ran since the previous step

@@ -21,8 +21,10 @@ from .source import user_source
 
 
 def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
-    # by the default policy a NaN made from NaN-free inputs is searched for as a NaN
-    nan_only = not run.strict_inf and o.nan and o.inputs_nan_free
+    trigger = run.chain()[1] if not run.strict_inf else None
+    # by the default policy a NaN made from NaN-free inputs is searched for as a NaN (not when
+    # the chain starts in a call enclosing the NaN's, whose own code made an infinity first)
+    nan_only = not run.strict_inf and o.nan and o.inputs_nan_free and trigger is o
     probe_at, probes = runner.bisect(len(run.calls), nan_only=nan_only)
     agrees = False
     if probe_at is not None:
@@ -35,7 +37,6 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     recorded = o
     finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()
-    trigger = run.chain()[1] if not run.strict_inf else None
     if hit is None and finder.intentional is not None and trigger not in (None, o):
         # the call where the chain seemed to start only filled an intended +-inf (a mask):
         # the event is the NaN made from it later
@@ -50,7 +51,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
             f"{hit.op} fills a literal {hit.made} that reaches the output of "
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
             f"FlightRecorder(..., allow_inf=['{o.module or '*'}'])")
-    rows = o.bad_rows or _root_rows(step, run)
+    rows = _origin_rows(step, run, o, hit)
     # made: what the blamed op made (the chain's first entry), not what the call returned
     origin = origin_fields(
         phase="forward", module=o.module, call=o.call, micro_batch=o.micro_batch,
@@ -60,13 +61,16 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=hit)
     # (the recorder names the chain's start as module statistics show it: ``recorded``)
-    reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module})
+    # (or the event's call: an older recorder named it when the infinity its inputs held was
+    # made by the own code of a call enclosing it)
+    reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
+        or (trigger is not None and _matches(step, {"module": trigger.module}))
     return finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
 
 
 def _find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder:
     """Re-run the forward with the op finder active during one module call only."""
-    finder = OpFinder()
+    finder = OpFinder(samples=samples(runner.step, mb))
     state = {"count": 0, "active": False}
 
     def hooks(model):
@@ -118,6 +122,13 @@ def _matches(step: Step, origin) -> bool:
     if ev.get("compiled") and isinstance(recorded, str):  # the origin lies inside the region
         return found == recorded or recorded == "" or found.startswith(recorded + ".")
     return recorded == found
+
+
+def _origin_rows(step: Step, run: Run, o, hit) -> list[int]:
+    """The samples of a forward origin: of the call's first non-finite output when it has the
+    batch's samples, else of the blamed op's output (the root's own code computing a loss in
+    the model, whose output is then 0-d), else of the model output."""
+    return o.bad_rows or (hit.rows if hit and hit.rows else []) or _root_rows(step, run)
 
 
 def _root_rows(step: Step, run: Run) -> list[int]:

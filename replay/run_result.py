@@ -63,7 +63,10 @@ class Run:
         """By the default policy (``strict_inf=False``, as ``recorder.events`` decides): the
         call where the forward event's chain starts, the event's call (the first NaN made from
         NaN-free inputs, else a +-Inf in the root output), and whether the chain started in
-        the batch (+-Inf that came in; the first call is then the root's). Nones: no event."""
+        the batch (+-Inf that came in; the first call is then the root's). When the event's
+        inputs held an infinity that no call made, the chain starts in the innermost call
+        enclosing it with finite inputs, whose own code made it (``log(0)`` in the root's
+        forward, passed to a submodule). Nones: no event."""
         calls, allowed = self.calls, self.allowed
         nan = [c for c in calls if c.nan]
         made = [c for c in nan if c.inputs_nan_free]
@@ -82,9 +85,18 @@ class Run:
         infs = [c for c in before if not c.nan]
         if infs:  # it consumed an infinity made earlier (an overflow)
             return infs[0], trigger, False
+        maker = None if trigger.inputs_finite else self._enclosing_maker(trigger)
+        if maker is not None:  # no call made it: the own code of one enclosing the event did
+            return maker, trigger, False
         root = next((c for c in calls if c.module == "" and c.micro_batch == trigger.micro_batch
                      and not c.inputs_all_finite), None)
         return (root or trigger), trigger, root is not None
+
+    def _enclosing_maker(self, call: Call) -> Call | None:
+        """The innermost call enclosing ``call`` whose inputs were all finite."""
+        by_id = {c.call_id: c for c in self.calls}
+        return next((p for i in reversed(call.parents)
+                     if (p := by_id.get(i)) is not None and p.inputs_all_finite), None)
 
     def signature(self) -> tuple:
         """What two runs of a deterministic step must agree on, bit for bit."""

@@ -345,6 +345,82 @@ def make_root_net() -> nn.Module:
     return RootNet()
 
 
+class RootLogFeatures(nn.Module):
+    """Log-magnitude features taken in the root's own forward: a feature of exactly 0 is
+    ``log(0) = -inf``, which ``lin`` spreads as +-inf and ``head`` sums to NaN (inf - inf). The
+    NaN is made inside a submodule, from an infinity no submodule made."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x):
+        feats = torch.log(x.abs())  # BUG: no floor, a zero feature is -inf
+        return self.head(self.lin(feats))
+
+
+def make_root_log_features() -> nn.Module:
+    return RootLogFeatures()
+
+
+SEQ_T, SEQ_D = 11, 16
+
+
+class RangeScaledAttention(nn.Module):
+    """Sequence-first self-attention over sensor readings ``(T, B, F)`` with a key padding
+    mask: each series' channels are scaled by their range over time in the root's own forward,
+    and a stuck sensor (a constant channel) is ``x / 0 = +inf`` there, which attention turns
+    into NaN while its masked_fill of the padded keys makes an intended -inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, SEQ_D)
+        self.attn = nn.MultiheadAttention(SEQ_D, 2)  # batch_first=False: (T, B, E)
+        self.head = nn.Linear(SEQ_D, N_CLASSES)
+
+    def forward(self, x, pad):  # x: (T, B, F), pad: (B, T), True at padding
+        x = x / (x.amax(0, keepdim=True) - x.amin(0, keepdim=True))  # BUG: no eps
+        h = self.inp(x)  # (T, B, E)
+        a, _ = self.attn(h, h, h, key_padding_mask=pad)
+        return self.head(a.mean(0))  # (B, C)
+
+
+def make_range_scaled_attention() -> nn.Module:
+    return RangeScaledAttention()
+
+
+def sensor_batch(step: int, stuck: int | None = None, at: int = 3, n: int = BATCH):
+    """(x, pad, y): ``n`` series of ``SEQ_T`` readings, sequence first, padded at the end;
+    series ``stuck`` reads a constant 0.7 on channel 1 at step ``at``."""
+    g = torch.Generator().manual_seed(4000 + step)
+    x = torch.randn(SEQ_T, n, D_IN, generator=g)
+    lengths = torch.randint(6, SEQ_T + 1, (n,), generator=g)
+    pad = torch.arange(SEQ_T)[None] >= lengths[:, None]  # (B, T)
+    if stuck is not None and step == at:
+        x[:, stuck, 1] = 0.7
+    return x, pad, torch.randint(0, N_CLASSES, (n,), generator=g)
+
+
+class RelativeErrorNet(nn.Module):
+    """A regression that returns its own loss, the mean squared relative error (a 0-d tensor,
+    so the model's output has no samples): a target of 0 divides by 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x, target):
+        pred = self.head(torch.relu(self.lin(x))).squeeze(-1)  # (B,)
+        rel = (pred - target) / target.abs()  # BUG: a target of 0
+        return rel.pow(2).mean()
+
+
+def make_relative_error_net() -> nn.Module:
+    return RelativeErrorNet()
+
+
 # ---------------------------------------------------------------------------------------------
 # (k) a causal transformer whose -inf mask leaves a fully masked row
 

@@ -23,6 +23,7 @@ from models import check_event
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 from replay import replay
 from replay.cli import main as cli
 
@@ -528,6 +529,95 @@ def test_nan_in_roots_own_code(tmp_path):
     assert rep["reproduced"] is True
     check(rep, phase="forward", module="", call=0, op="aten.log", samples=[1])
     check_source(rep["origin"]["source"], source_of(R.RootNet, "torch.log"))
+    check_bisection(rep)
+
+
+def test_an_infinity_of_roots_own_code_turned_into_nan_by_a_submodule(tmp_path):
+    """log(0) = -inf in the root's own forward, spread as +-inf by ``lin`` and summed to NaN by
+    ``head``: no submodule made the infinity, so the chain starts in the root's code. The root
+    is the origin with its aten.log (head's addmm, which only met the infinities, is second)."""
+
+    def make(s):
+        x, y = R.batch(s)
+        if s == K:
+            x[5, 1] = 0.0
+        return x, y
+
+    err, _, _ = record("make_root_log_features", single(make), tmp_path)
+    check_event(err.event, step=K, phase="forward", module="", call=0, inputs_finite=True,
+                kind="nan", samples=[5])
+    rep = replay(err.bundle_path)
+    check_step(rep, K, err.event)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="", call=0, op="aten.log", made="-inf",
+          inputs_finite=True, samples=[5])
+    check_source(rep["origin"]["source"], source_of(R.RootLogFeatures, "torch.log"))
+    assert ops(rep["origin"]["chain"]) == [("aten.log", "-inf"), ("aten.addmm", "nan")]
+    assert "aten.log of 0" in rep["hint"], rep["hint"]
+    check_bisection(rep)
+    assert exit_code(err.bundle_path) == 0
+
+
+def test_an_infinity_of_roots_own_code_before_multihead_attention(tmp_path):
+    """A stuck sensor scaled by its range in the root's forward, ``x / 0 = +inf``, then a
+    sequence-first nn.MultiheadAttention with a key padding mask (its masked_fill makes an
+    intended -inf) turns it into NaN. The recorder names the root, whose inputs were finite,
+    not attn, whose inputs held the infinity; the replay names the division, sample 5."""
+
+    def batches(step):
+        x, pad, y = R.sensor_batch(step, stuck=5)
+        return [((x, pad), {}, y)]
+
+    err, _, _ = record("make_range_scaled_attention", batches, tmp_path, lr=0.01)
+    check_event(err.event, step=K, phase="forward", module="", call=0, inputs_finite=True,
+                kind="nan", samples=[5])
+    meta, t = read_bundle(err.bundle_path)
+    names = [m["name"] for m in meta["modules"]]
+    row = t["ring/steps"].tolist().index(K)
+    at = t["ring/call_module"][row].tolist().index(names.index("attn"))
+    fields = meta["ring"]["call_fields"]
+    # attn's inputs held +-inf (inp's output): not finite, though +-Inf there is no event
+    assert t["ring/calls"][row, at, fields.index("inputs_finite")] == 0.0
+    rep = replay(err.bundle_path)
+    check_step(rep, K, err.event)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="", call=0, op="aten.div", made="+inf",
+          inputs_finite=True, samples=[5])
+    check_source(rep["origin"]["source"], source_of(R.RangeScaledAttention, "x.amax"))
+    chain = rep["origin"]["chain"]
+    assert chain[0]["op"] == "aten.div" and chain[-1]["made"] == "nan", chain
+    assert not any(c["intentional"] for c in chain), chain  # not the padding's masked_fill
+    assert "aten.div by 0" in rep["hint"], rep["hint"]
+    check_bisection(rep)
+    assert exit_code(err.bundle_path) == 0
+
+
+def test_samples_of_an_origin_in_roots_own_code_that_returns_the_loss(tmp_path):
+    """A model that returns its own loss (0-d): the relative error divides by a target of 0 in
+    sample 5. The model output names no sample, so the origin's samples are those of the
+    division's output, the op the root's own code ran."""
+    torch.manual_seed(0)
+    model = R.make_relative_error_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path,
+                            factory="replay_models:make_relative_error_net"):
+            for step in range(6):
+                x, _ = R.batch(step)
+                target = x.sum(1) + 3.0
+                if step == K:
+                    target[5] = 0.0
+                opt.zero_grad()
+                model(x, target).backward()
+                opt.step()
+    err = info.value
+    check_event(err.event, step=K, phase="forward", module="", call=0, inputs_finite=True)
+    rep = replay(err.bundle_path)
+    check_step(rep, K, err.event)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="", call=0, op="aten.div", samples=[5])
+    check_source(rep["origin"]["source"], source_of(R.RelativeErrorNet, "target.abs()"))
+    assert rep["origin"]["batch_size"] == 8
     check_bisection(rep)
 
 
