@@ -364,6 +364,23 @@ def make_root_log_features() -> nn.Module:
     return RootLogFeatures()
 
 
+class LogFeaturesNet(nn.Module):
+    """``RootLogFeatures`` as a submodule's code: ``feat``'s own forward takes the log and its
+    children spread it and sum it to NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.feat = RootLogFeatures()
+        self.head = nn.Linear(N_CLASSES, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.feat(x))
+
+
+def make_log_features_net() -> nn.Module:
+    return LogFeaturesNet()
+
+
 SEQ_T, SEQ_D = 11, 16
 
 

@@ -558,6 +558,28 @@ def test_an_infinity_of_roots_own_code_turned_into_nan_by_a_submodule(tmp_path):
     assert exit_code(err.bundle_path) == 0
 
 
+def test_an_infinity_of_a_submodules_own_code_turned_into_nan_by_its_child(tmp_path):
+    """The same log(0) in a submodule's own forward, between its children's calls: the
+    submodule is the origin, not its child that summed the infinities."""
+
+    def make(s):
+        x, y = R.batch(s)
+        if s == K:
+            x[5, 1] = 0.0
+        return x, y
+
+    err, _, _ = record("make_log_features_net", single(make), tmp_path)
+    check_event(err.event, step=K, phase="forward", module="feat", call=0, inputs_finite=True,
+                kind="nan", samples=[5])
+    rep = replay(err.bundle_path)
+    check_step(rep, K, err.event)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="feat", call=0, op="aten.log", made="-inf",
+          inputs_finite=True, samples=[5])
+    check_source(rep["origin"]["source"], source_of(R.RootLogFeatures, "torch.log"))
+    check_bisection(rep)
+
+
 def test_an_infinity_of_roots_own_code_before_multihead_attention(tmp_path):
     """A stuck sensor scaled by its range in the root's forward, ``x / 0 = +inf``, then a
     sequence-first nn.MultiheadAttention with a key padding mask (its masked_fill makes an
