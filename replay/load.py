@@ -264,7 +264,11 @@ def recorded_device(meta: dict[str, Any]) -> torch.device | None:
 
 
 def _load_weights(step: Step, model: nn.Module) -> None:
-    """Assign the bundle's tensors as the model's parameters and buffers (no second copy)."""
+    """Assign the bundle's tensors as the model's parameters (no second copy) and copies of
+    them as its buffers: every training forward writes buffers in place (running statistics),
+    and the bundle's values must stay the step's start for every re-run after it (the
+    ``--try`` what-ifs). Whatever updates the parameters in place gives them copies first
+    (``replay.origins.report_optimizer``, ``replay.window``)."""
     t, meta, dev = step.tensors, step.meta, step.device
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -308,7 +312,7 @@ def _load_weights(step: Step, model: nn.Module) -> None:
             raise ReplayError(f"{key} has shape {list(b.shape)} in the bundle but "
                               f"{list(have.shape)} in the model from the factory; the factory "
                               "builds a different model: pass --factory MOD:FN")
-        _set(model, name, b.to(dev), param=False)
+        _set(model, name, b.to(dev, copy=True), param=False)
     for name, b in model.named_buffers():
         if b.is_meta:
             raise ReplayError(f"buffer {name!r} of the model is not in the bundle; pass "

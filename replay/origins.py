@@ -175,6 +175,7 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
 def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     _decode_non_finite_hyper(step.optimizer)
     runner.run(instrument=False)
+    _own_copies(step.model, step.optimizer)
     finder = OpFinder()
     with finder:
         step.optimizer.step()
@@ -184,6 +185,18 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
                            op=hit.op if hit else None, source=hit.source if hit else None,
                            chain=finder.chain())
     return finish(report, origin, "optimizer", reproduced=bool(bad))
+
+
+def _own_copies(model, opt) -> None:
+    """Give the weights and the optimizer state copies of their own before an update writes
+    them in place: the rebuilt model shares the bundle's tensors (``replay.load``), which must
+    stay the state before the update for the what-ifs re-run after this one."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    for p, st in list(opt.state.items()):
+        opt.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in st.items()}
 
 
 def _decode_non_finite_hyper(opt) -> None:

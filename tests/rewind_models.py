@@ -61,6 +61,21 @@ def make_fusion() -> nn.Module:
     return Fusion()
 
 
+def make_normed_classifier() -> nn.Module:
+    """An MLP with BatchNorm: its running statistics are written in place by every training
+    forward."""
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, N_CLASSES))
+
+
+def dead_feature_batch(step: int):
+    """Feature 3 is always 0 (a column the pipeline zeroed): the gradient of the first layer's
+    weights in that column is exactly 0 at every step."""
+    x, y = batch(step)
+    x[:, 3] = 0.0
+    return x, y
+
+
 def aux_batch(step: int):
     """Auxiliary features from step 5 on; its channel 2 is a dead sensor (always 0), so that
     column of ``aux.weight`` always gets a gradient of exactly 0."""

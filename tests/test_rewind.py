@@ -87,7 +87,7 @@ def divergent_regression(out_dir):
     return info.value
 
 
-def rare_tokens(out_dir):
+def rare_tokens(out_dir, rewind=2, guard_optimizer=False):
     """Tokens 8-15 are absent until step 5: Adam(eps=0) makes their rows 0/0 at step 0."""
     import infinity_models as I
 
@@ -105,7 +105,8 @@ def rare_tokens(out_dir):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.0)
     crit = nn.CrossEntropyLoss()
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=2,
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=rewind,
+                            guard_optimizer=guard_optimizer,
                             factory="infinity_models:make_token_classifier"):
             for s in range(8):
                 x, y = make(s)
@@ -349,6 +350,59 @@ def test_a_try_without_a_window_reruns_the_recorded_step(toy, monkeypatch):
     assert tries["drop=5"]["finite"] and tries["drop=5"]["steps"] == [37, 37]
     assert not tries["lr=0.1x"]["finite"]
     assert (tries["lr=0.1x"]["origin"]["module"], tries["lr=0.1x"]["event_step"]) == ("norm", 37)
+
+
+def test_a_guard_bundles_tries_start_from_the_copies_before_the_update(out_dir):
+    """``guard_optimizer=True`` without a window: the bundle holds the weights, gradients and
+    optimizer state from before the update, and each try re-runs the update from them, not
+    from the weights the main replay's own re-run of the update left non-finite."""
+    err = rare_tokens(out_dir, rewind=None, guard_optimizer=True)
+    assert (err.event["step"], err.event["phase"], err.event["after_update"]) == \
+        (0, "optimizer", False)
+    rep = nanreplay(err.bundle_path, "eps=1e-8", "lr=0.1x")
+    assert rep["window"] is None and rep["reproduced"] and rep["cause"] == "optimizer"
+    assert (rep["origin"]["params"], rep["origin"]["op"]) == (["emb.weight"], "aten.addcdiv_")
+    tries = what_if(rep)
+    t = tries["eps=1e-8"]
+    assert (t["finite"], t["event_step"], t["origin"], t["steps"]) == (True, None, None, [0, 0])
+    t = tries["lr=0.1x"]  # 0/0 whatever the learning rate
+    assert (t["finite"], t["event_step"]) == (False, 0)
+    assert (t["origin"]["phase"], t["origin"]["params"], t["origin"]["op"]) == \
+        ("update", ["emb.weight"], "aten.addcdiv_")
+
+
+def test_the_replay_never_writes_the_bundles_tensors(out_dir):
+    """The rebuilt model shares the bundle's weights (no second copy): the main replay's re-run
+    of a guard bundle's update and its forwards (BatchNorm's running statistics) must leave
+    them as recorded, since every what-if starts from them."""
+    from replay.analyze import analyze
+    from replay.load import build, read_step
+
+    torch.manual_seed(0)
+    model = R.make_normed_classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.0)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
+                            factory="rewind_models:make_normed_classifier"):
+            for s in range(4):
+                x, y = R.dead_feature_batch(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    err = info.value
+    # (and the bias before the norm: it subtracts the batch mean, so that gradient is 0 too)
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (0, "optimizer", ["0.weight", "0.bias"])
+    step = read_step(err.bundle_path)
+    build(step, None, None)
+    rep = analyze(step, ["eps=1e-8"])
+    assert (rep["cause"], rep["origin"]["op"]) == ("optimizer", "aten.addcdiv_")
+    assert what_if(rep)["eps=1e-8"]["finite"] is True
+    _, recorded = read_bundle(err.bundle_path)
+    assert sorted(step.tensors) == sorted(recorded)
+    changed = [k for k in recorded if not M.identical(step.tensors[k], recorded[k])]
+    assert changed == []
 
 
 # ---------------------------------------------------------------------------------------------
