@@ -26,6 +26,11 @@ from .recorded import batch_size
 from .window import Change, run_window, step_as_window, window_of
 
 KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
+# the note of every try on an optimizer event's bundle that holds the weights after the update
+# and no window: nothing before the update to re-run it from
+AFTER_UPDATE = ("the bundle holds the weights after the update, not those before it: record "
+                "with FlightRecorder(..., guard_optimizer=True) or rewind=N to re-run it with a "
+                "change")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -138,12 +143,15 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             parsed.append((label, change))
     seen: set[str] = set()  # (auto may propose what was asked for already)
     parsed = [(label, c) for label, c in parsed if not (label in seen or seen.add(label))]
-    if step.model is None:
+    win = window_of(step)
+    why = ("nothing can be re-run from this bundle" if step.model is None else
+           AFTER_UPDATE if win is None and step.meta.get("state") == "after_update" else None)
+    if why:
         return [{"try": label, "finite": None, "event_step": None, "origin": None,
-                 "note": "nothing can be re-run from this bundle"} for label, _ in parsed]
+                 "note": why} for label, _ in parsed]
     for label, change in parsed:
         check_applicable(step, label, change)
-    win = window_of(step) or step_as_window(step)
+    win = win or step_as_window(step)
     out = []
     for label, change in parsed:
         if change.drop:

@@ -371,6 +371,24 @@ def test_a_guard_bundles_tries_start_from_the_copies_before_the_update(out_dir):
         ("update", ["emb.weight"], "aten.addcdiv_")
 
 
+def test_a_bundle_with_only_the_weights_after_the_update_re_runs_no_try(out_dir):
+    """Without guard_optimizer or a window the bundle holds the weights the bad update left and
+    no batch: there is nothing to re-run a change of that update from, so no try is a fix."""
+    err = rare_tokens(out_dir, rewind=None)
+    assert (err.event["step"], err.event["phase"], err.event["after_update"]) == \
+        (0, "optimizer", True)
+    res = invoke_cli(err.bundle_path, "--try", "eps=1e-8", "--try", "lr=0.1x")
+    assert res.exit_code == 1, res.stderr
+    note = ("the bundle holds the weights after the update, not those before it: record with "
+            "FlightRecorder(..., guard_optimizer=True) or rewind=N to re-run it with a change")
+    assert [ln for ln in res.stdout.splitlines() if ln.startswith("  what-if")] == [
+        f"  what-if    eps=1e-8       not re-run: {note}",
+        f"  what-if    lr=0.1x        not re-run: {note}"]
+    tries = what_if(nanreplay(err.bundle_path, "eps=1e-8"))
+    assert tries["eps=1e-8"] == {"try": "eps=1e-8", "finite": None, "event_step": None,
+                                 "origin": None, "note": note}
+
+
 def test_the_replay_never_writes_the_bundles_tensors(out_dir):
     """The rebuilt model shares the bundle's weights (no second copy): the main replay's re-run
     of a guard bundle's update and its forwards (BatchNorm's running statistics) must leave
