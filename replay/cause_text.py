@@ -48,7 +48,7 @@ HINTS = {
             "(targets out of range, log of zero probabilities)",
 }
 
-# An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (re-run from a rewind window)
+# An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (replay.origins.optimizer_hint)
 EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so "
                "m / (sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8)")
 

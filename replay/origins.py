@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from recorder.capture import tensor_leaves
-from recorder.finite import finite, kind_of, label
+from recorder.finite import finite, kind_of, label, tensors_kind
 
 from . import outside
 from .backward import find_backward_origin
 from .cause import classify
-from .cause_text import HINTS
+from .cause_text import EPS0_UPDATE, HINTS
 from .findings import finish, origin_fields
 from .load import Step, autocast_as_recorded, loss_inputs
 from .ops import OpFinder
@@ -179,12 +179,33 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     finder = OpFinder()
     with finder:
         step.optimizer.step()
-    bad = [n for n, p in step.model.named_parameters() if not finite(p)]
+    params = dict(step.model.named_parameters())
+    bad = [n for n, p in params.items() if not finite(p)]
     hit = finder.origin()
+    made = hit.made if hit else tensors_kind(params[n] for n in bad)
     origin = origin_fields(phase="optimizer", params=bad, param=(bad or [None])[0],
                            op=hit.op if hit else None, source=hit.source if hit else None,
-                           chain=finder.chain())
-    return finish(report, origin, "optimizer", reproduced=bool(bad))
+                           chain=finder.chain(), made=made)
+    hint = optimizer_hint(step, hit.op if hit else None, made, bad, step.event.get("step"),
+                          "re-run from the copies taken before the update") if bad else None
+    return finish(report, origin, "optimizer", reproduced=bool(bad), hint=hint)
+
+
+def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[str], at,
+                   rerun_from: str) -> str:
+    """The hint of an update re-run under the op finder that made ``made`` in ``params``: a
+    guard bundle's (:func:`report_optimizer`) or a rewind window's
+    (``replay.window_report``). An Adam-style update with ``eps=0`` in the bundle's
+    hyper-parameters that made NaN is the 0/0 of gradients that have all been exactly 0."""
+    opt = step.meta.get("optimizer") or {}
+    cls = opt.get("class", "the optimizer").rpartition(".")[2]
+    groups = opt.get("param_groups", [])
+    # (the groups holding the weights it made non-finite; every group when none is known)
+    own = [g for g in groups if set(g.get("params") or ()) & set(params)] or groups
+    why = EPS0_UPDATE if made == "nan" and any(g.get("eps") == 0 for g in own) \
+        else HINTS["optimizer"]
+    return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
+            f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
 
 
 def _own_copies(model, opt) -> None:

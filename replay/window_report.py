@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cause_text import EPS0_UPDATE, HINTS
 from .findings import UPDATE_NOT_RERUN, finish
 from .load import Step
+from .origins import optimizer_hint
 from .rewind_text import where
 from .window import matches_event, precursors_began, run_window, window_of
 
@@ -53,12 +53,6 @@ def _optimizer_origin(step: Step, report: dict[str, Any], o, ok: bool) -> None:
     origin = {**report["origin"], "phase": "optimizer", "params": o.params,
               "param": o.params[0], "op": o.op, "source": o.source, "chain": o.chain,
               "made": o.kind, "step": o.step}
-    opt = step.meta.get("optimizer") or {}
-    cls = opt.get("class", "the optimizer").rpartition(".")[2]
-    op = f"{o.op} in " if o.op else ""
-    why = HINTS["optimizer"]
-    if o.kind == "nan" and any(g.get("eps") == 0 for g in opt.get("param_groups", [])):
-        why = EPS0_UPDATE  # Adam-style: gradients exactly 0 so far leave m = v = 0
     finish(report, origin, "optimizer", reproduced=ok,
-           hint=f"{op}{cls}'s update at step {o.step} made {o.kind} in {o.params[0]} from "
-                f"finite gradients and weights (re-run from the rewind window); {why}")
+           hint=optimizer_hint(step, o.op, o.kind, o.params, o.step,
+                               "re-run from the rewind window"))

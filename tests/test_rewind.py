@@ -361,7 +361,14 @@ def test_a_guard_bundles_tries_start_from_the_copies_before_the_update(out_dir):
         (0, "optimizer", False)
     rep = nanreplay(err.bundle_path, "eps=1e-8", "lr=0.1x")
     assert rep["window"] is None and rep["reproduced"] and rep["cause"] == "optimizer"
-    assert (rep["origin"]["params"], rep["origin"]["op"]) == (["emb.weight"], "aten.addcdiv_")
+    assert (rep["origin"]["params"], rep["origin"]["op"], rep["origin"]["made"]) == \
+        (["emb.weight"], "aten.addcdiv_", "nan")
+    # the eps=0 explanation, as the rewind window's re-run of the same update gives it
+    assert rep["hint"] == (
+        "aten.addcdiv_ in Adam's update at step 0 made nan in emb.weight from finite gradients "
+        "and weights (re-run from the copies taken before the update); with eps=0 an element "
+        "whose gradients have all been exactly 0 has m = v = 0, so m / (sqrt(v) + eps) is 0/0: "
+        "set eps > 0 (the default 1e-8)")
     tries = what_if(rep)
     t = tries["eps=1e-8"]
     assert (t["finite"], t["event_step"], t["origin"], t["steps"]) == (True, None, None, [0, 0])
