@@ -53,6 +53,11 @@ def what_if_lines(report: dict[str, Any]) -> list[str]:
         else:
             o = t["origin"]
             verdict = f"{o.get('kind') or 'non-finite'} at step {o['step']} ({where(o)})"
+        if t.get("inconclusive"):
+            verdict = (f"inconclusive: {verdict}; the unchanged re-run is finite too: this try "
+                       "proves nothing" if t["finite"] else
+                       f"inconclusive: {verdict}; the unchanged re-run is finite: the change "
+                       "made it, not the recorded event")
         lines.append(f"  what-if    {t['try']:<14} {verdict}")
     return lines
 
@@ -79,4 +84,6 @@ def what_if_html(report: dict[str, Any], esc) -> str:
 def _verdict(t: dict[str, Any]) -> str:
     if t.get("finite") is None:
         return "not re-run"
-    return "finite" if t["finite"] else "non-finite"
+    verdict = "finite" if t["finite"] else "non-finite"
+    return f"inconclusive ({verdict}: the unchanged re-run is finite too)" \
+        if t.get("inconclusive") else verdict

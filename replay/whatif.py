@@ -3,14 +3,15 @@
 >>> parse_try("lr=0.1x")                            # doctest: +SKIP
 ('lr=0.1x', Change(lr_factor=0.1))
 >>> run_tries(step, report, ["eps=1e-8", "lr=0.1x"])  # doctest: +SKIP
-[{'try': 'eps=1e-8', 'finite': True, 'event_step': None, 'origin': None}, ...]
+[{'try': 'eps=1e-8', 'finite': True, 'inconclusive': False, 'event_step': None, ...}, ...]
 
 Each try re-runs the bundle's window from its copy (``FlightRecorder(rewind=N)``), or, without
 one, the recorded step, with one change (see :class:`replay.window.Change`), and says whether
 a non-finite value still appears and where. ``lr``, ``eps``, ``wd`` and ``clip`` apply to every
 update of the run, ``dtype`` to every step's compute (weights, optimizer state and inputs cast,
 autocast off), ``drop`` to the batch of the event step (the step whose samples the report
-names). ``auto`` tries the remedies that fit the cause found (:func:`auto_tries`).
+names). ``auto`` tries the remedies that fit the cause found (:func:`auto_tries`). A try is
+``inconclusive`` when the re-run without any change is finite too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from .errors import ReplayError
 from .load import Step
 from .recorded import batch_size
-from .window import Change, run_window, step_as_window, window_of
+from .window import Change, Window, run_window, step_as_window, window_of
 
 KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
 # the note of every try on an optimizer event's bundle that holds the weights after the update
@@ -112,7 +113,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     """The remedies that fit the cause: drop the offending samples for bad input or an op's
     domain, a wider compute type for an overflow (float32 under float16/bfloat16), a smaller
     learning rate and clipping for an update or a growth that began steps before, a non-zero
-    eps for an optimizer with ``eps=0``."""
+    eps for an optimizer with ``eps=0``. None for weights written outside
+    ``optimizer.step()``: no change to the steps a re-run replays reaches that write."""
     cause, o = report.get("cause"), report.get("origin") or {}
     out: list[str] = []
     samples = o.get("samples") or []
@@ -125,7 +127,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         out.append("dtype=float32" if low else "dtype=float64")
     began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")
     grew = began is not None and began < (report.get("event") or {}).get("step", began)
-    if step.optimizer is not None and (cause in ("optimizer", "weights", "overflow") or grew):
+    fits_update = cause in ("optimizer", "overflow") or (grew and cause != "weights")
+    if step.optimizer is not None and fits_update:
         out += ["lr=0.1x", "clip=1.0"]
         if cause == "optimizer" and any(g.get("eps") == 0 for g in step.optimizer.param_groups):
             out.append("eps=1e-8")
@@ -133,12 +136,18 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
 
 
 def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict[str, Any]]:
-    """Each try re-run separately: ``{"try", "finite", "event_step", "origin"}``."""
+    """Each try re-run separately: ``{"try", "finite", "inconclusive", "event_step", "origin",
+    "steps"}``. A try is inconclusive when the re-run without any change is finite too (a
+    weight edited by hand between steps, which no re-run replays): its result is no evidence
+    of a fix. ``auto`` proposing nothing adds a note to ``report["problems"]``."""
     parsed: list[tuple[str, Change]] = []
     for text in tries:
         label, change = parse_try(text)
         if change is None:
-            parsed += [parse_try(t) for t in auto_tries(step, report)]
+            proposed = auto_tries(step, report)
+            parsed += [parse_try(t) for t in proposed]
+            if not proposed:
+                report["problems"].append(_nothing_to_try(report.get("cause")))
         else:
             parsed.append((label, change))
     seen: set[str] = set()  # (auto may propose what was asked for already)
@@ -147,11 +156,14 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     why = ("nothing can be re-run from this bundle" if step.model is None else
            AFTER_UPDATE if win is None and step.meta.get("state") == "after_update" else None)
     if why:
-        return [{"try": label, "finite": None, "event_step": None, "origin": None,
-                 "note": why} for label, _ in parsed]
+        return [{"try": label, "finite": None, "inconclusive": None, "event_step": None,
+                 "origin": None, "note": why} for label, _ in parsed]
+    if not parsed:
+        return []
     for label, change in parsed:
         check_applicable(step, label, change)
     win = win or step_as_window(step)
+    unchanged_finite = _unchanged_finite(step, report, win)
     out = []
     for label, change in parsed:
         if change.drop:
@@ -159,6 +171,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
         res = run_window(step, win, change)
         o = res.first
         entry: dict[str, Any] = {"try": label, "finite": o is None,
+                                 "inconclusive": unchanged_finite,
                                  "event_step": o.step if o else None,
                                  "origin": _origin(o) if o else None,
                                  "steps": [win.records[0]["step"], win.records[-1]["step"]]}
@@ -166,6 +179,28 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["note"] = "; ".join(res.problems)
         out.append(entry)
     return out
+
+
+def _unchanged_finite(step: Step, report: dict[str, Any], win: Window) -> bool:
+    """Whether the re-run without any change stays finite to its last step: the rewind
+    window's own re-run (the report's ``window``), else the recorded step's, run here. (A run
+    the model's code ended by raising has no entry for that step.)"""
+    w = report.get("window")
+    if win.from_rewind and w is not None:
+        first, per_step = w["first_non_finite"], w["per_step"]
+    else:
+        res = run_window(step, win)
+        first, per_step = res.first, res.per_step
+    return first is None and len(per_step) == len(win.records)
+
+
+def _nothing_to_try(cause: str | None) -> str:
+    if cause == "weights":
+        return ("--try auto: no what-if fits a weights cause: the weights were written outside "
+                "optimizer.step(), which no re-run replays, so no change to the recorded steps "
+                "can test a fix")
+    return (f"--try auto: no what-if fits the cause ({cause or 'unknown'}); pass a change "
+            "with --try KEY=VALUE")
 
 
 def _origin(o) -> dict[str, Any]:

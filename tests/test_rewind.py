@@ -274,9 +274,8 @@ def test_float16_overflow_under_a_grad_scaler_is_fixed_by_float32(out_dir):
         assert tries[t]["origin"]["module"] == "body.0"
 
 
-def test_weights_written_outside_the_optimizer_do_not_come_back_from_the_window(out_dir):
-    """A weight edited in place between steps 2 and 3: nothing the window re-runs writes it, so
-    the re-run stays finite and the report keeps the cause ``weights`` (issue 11, item 2)."""
+def edited_weight(out_dir):
+    """A weight edited in place between steps 2 and 3 (a NaN written by hand)."""
     import infinity_models as I
 
     torch.manual_seed(0)
@@ -294,7 +293,13 @@ def test_weights_written_outside_the_optimizer_do_not_come_back_from_the_window(
                 opt.zero_grad()
                 crit(model(x), y).backward()
                 opt.step()
-    err = info.value
+    return info.value
+
+
+def test_weights_written_outside_the_optimizer_do_not_come_back_from_the_window(out_dir):
+    """Nothing the window re-runs writes the edited weight, so the re-run stays finite and the
+    report keeps the cause ``weights`` (issue 11, item 2)."""
+    err = edited_weight(out_dir)
     assert (err.event["step"], err.event["phase"]) == (3, "weights")
     rep = nanreplay(err.bundle_path)
     assert rep["cause"] == "weights" and rep["origin"]["params"] == ["2.weight"]
@@ -304,11 +309,44 @@ def test_weights_written_outside_the_optimizer_do_not_come_back_from_the_window(
            "finite: the event does not come back from the window" in rep["problems"]
 
 
+def test_a_try_on_weights_written_by_hand_is_inconclusive_and_auto_proposes_none(out_dir,
+                                                                              tmp_path):
+    """No re-run replays a weight written by hand: the unchanged window is finite, so a try's
+    finite window proves nothing (it was reported as a fix), and ``auto`` proposes no learning
+    rate or clipping for it (it proposed both), not even when the precursors began early."""
+    from replay.load import build, read_step
+    from replay.whatif import auto_tries
+
+    err = edited_weight(out_dir)
+    rep = nanreplay(err.bundle_path, "auto")
+    assert (rep["cause"], rep["what_if"]) == ("weights", [])
+    assert rep["problems"][-1] == (
+        "--try auto: no what-if fits a weights cause: the weights were written outside "
+        "optimizer.step(), which no re-run replays, so no change to the recorded steps can "
+        "test a fix")
+    step = read_step(err.bundle_path)
+    build(step, None, None)
+    rep["window"]["precursors_began"] = {"step": 0, "kind": "grad_norm_rise", "detail": ""}
+    assert auto_tries(step, rep) == []
+    tries = what_if(nanreplay(err.bundle_path, "lr=0.1x", "clip=1.0"))
+    for t in tries.values():
+        assert (t["finite"], t["inconclusive"], t["event_step"], t["steps"]) == \
+            (True, True, None, [0, 3])
+    page = tmp_path / "r.html"
+    res = invoke_cli(err.bundle_path, "--try", "lr=0.1x", "--html", page)
+    assert [ln for ln in res.stdout.splitlines() if ln.startswith("  what-if")] == [
+        "  what-if    lr=0.1x        inconclusive: finite through step 3; the unchanged re-run "
+        "is finite too: this try proves nothing"]
+    assert "<code>lr=0.1x</code></td><td>inconclusive (finite: the unchanged re-run is finite " \
+           "too)</td>" in page.read_text()
+
+
 def test_auto_tries_the_remedies_of_the_cause(out_dir):
     rep = nanreplay(late_input(out_dir).bundle_path, "auto")
     tries = what_if(rep)
     assert list(tries) == ["lr=0.1x", "clip=1.0", "eps=1e-8"]
     assert [t["finite"] for t in tries.values()] == [False, False, True]
+    assert [t["inconclusive"] for t in tries.values()] == [False, False, False]
 
 
 def test_text_report_has_one_line_per_try_and_the_window(out_dir):
@@ -348,6 +386,7 @@ def test_a_try_without_a_window_reruns_the_recorded_step(toy, monkeypatch):
     assert rep["window"] is None
     tries = what_if(rep)
     assert tries["drop=5"]["finite"] and tries["drop=5"]["steps"] == [37, 37]
+    assert (tries["drop=5"]["inconclusive"], tries["lr=0.1x"]["inconclusive"]) == (False, False)
     assert not tries["lr=0.1x"]["finite"]
     assert (tries["lr=0.1x"]["origin"]["module"], tries["lr=0.1x"]["event_step"]) == ("norm", 37)
 
@@ -371,7 +410,8 @@ def test_a_guard_bundles_tries_start_from_the_copies_before_the_update(out_dir):
         "set eps > 0 (the default 1e-8)")
     tries = what_if(rep)
     t = tries["eps=1e-8"]
-    assert (t["finite"], t["event_step"], t["origin"], t["steps"]) == (True, None, None, [0, 0])
+    assert (t["finite"], t["inconclusive"], t["event_step"], t["origin"], t["steps"]) == \
+        (True, False, None, None, [0, 0])
     t = tries["lr=0.1x"]  # 0/0 whatever the learning rate
     assert (t["finite"], t["event_step"]) == (False, 0)
     assert (t["origin"]["phase"], t["origin"]["params"], t["origin"]["op"]) == \
@@ -392,8 +432,8 @@ def test_a_bundle_with_only_the_weights_after_the_update_re_runs_no_try(out_dir)
         f"  what-if    eps=1e-8       not re-run: {note}",
         f"  what-if    lr=0.1x        not re-run: {note}"]
     tries = what_if(nanreplay(err.bundle_path, "eps=1e-8"))
-    assert tries["eps=1e-8"] == {"try": "eps=1e-8", "finite": None, "event_step": None,
-                                 "origin": None, "note": note}
+    assert tries["eps=1e-8"] == {"try": "eps=1e-8", "finite": None, "inconclusive": None,
+                                 "event_step": None, "origin": None, "note": note}
 
 
 def test_the_replay_never_writes_the_bundles_tensors(out_dir):
