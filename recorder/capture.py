@@ -6,8 +6,11 @@ never needs pickle to say what the batch looked like.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import functools
 import json
+import keyword
 import math
 import os
 import platform
@@ -17,6 +20,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 # ---------------------------------------------------------------------------------------------
 # RNG states
@@ -223,6 +227,11 @@ def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch
             return o
         if isinstance(o, float):
             return _json_float(o)
+        if namedtuple_like(o):  # (a PackedSequence) with its type, for the replay to rebuild
+            cls = type(o)
+            return {"$tuple": [walk(v, f"{path}.{f}") for f, v in zip(cls._fields, o)],
+                    "$namedtuple": f"{cls.__module__}:{cls.__qualname__}",
+                    "$fields": list(cls._fields)}
         if isinstance(o, (list, tuple)):
             items = [walk(v, f"{path}[{i}]") for i, v in enumerate(o)]
             return {"$list": items} if isinstance(o, list) else {"$tuple": items}
@@ -267,17 +276,21 @@ class UnrebuildableLeaf(ValueError):
     """A batch leaf that was saved as its repr only (an arbitrary Python object)."""
 
 
-def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`flatten_tree`. Raises :class:`UnrebuildableLeaf` for repr-only leaves."""
+def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> Any:
+    """Inverse of :func:`flatten_tree`. Raises :class:`UnrebuildableLeaf` for repr-only leaves.
+    ``leaf(node)``, when given, rebuilds the dict nodes it knows (it returns None for others)."""
     if isinstance(node, dict):
+        if leaf is not None and (made := leaf(node)) is not None:
+            return made
         if "$t" in node:
             return tensors[node["$t"]]
         if "$list" in node:
-            return [unflatten_tree(v, tensors) for v in node["$list"]]
+            return [unflatten_tree(v, tensors, leaf) for v in node["$list"]]
         if "$tuple" in node:
-            return tuple(unflatten_tree(v, tensors) for v in node["$tuple"])
+            items = [unflatten_tree(v, tensors, leaf) for v in node["$tuple"]]
+            return _namedtuple(node, items) if "$namedtuple" in node else tuple(items)
         if "$dict" in node:
-            return {(_key(k)): unflatten_tree(v, tensors) for k, v in node["$dict"]}
+            return {(_key(k)): unflatten_tree(v, tensors, leaf) for k, v in node["$dict"]}
         if "$float" in node:
             return float(node["$float"])
         if "$dtype" in node:
@@ -292,6 +305,53 @@ def _key(k: Any) -> Any:
     if isinstance(k, dict):
         raise UnrebuildableLeaf(f"dict key {k.get('$repr')}")
     return k
+
+
+def namedtuple_like(o: Any) -> bool:
+    """``o`` is an instance of a namedtuple type (a tuple subclass naming each of its items in
+    ``_fields``), as ``PackedSequence`` is."""
+    fields = getattr(type(o), "_fields", None)
+    return (isinstance(o, tuple) and isinstance(fields, tuple) and len(fields) == len(o)
+            and all(isinstance(f, str) for f in fields))
+
+
+def _namedtuple(node: dict[str, Any], items: list) -> tuple:
+    """A recorded namedtuple's ``items`` as an instance of :func:`_tuple_type`."""
+    name, fields = node["$namedtuple"], node.get("$fields")
+    if not (isinstance(name, str) and isinstance(fields, list) and len(fields) == len(items)
+            and all(isinstance(f, str) for f in fields)):
+        raise UnrebuildableLeaf(f"namedtuple {str(name)[:100]} with fields {str(fields)[:100]}")
+    cls = _tuple_type(name, tuple(fields))
+    try:
+        return cls(*items)
+    except (TypeError, ValueError) as e:  # (its own __new__ may check more, as PackedSequence's)
+        raise UnrebuildableLeaf(f"{name} ({type(e).__name__}: {e})") from None
+
+
+def _tuple_type(name: str, fields: tuple[str, ...]) -> type:
+    """The type to rebuild a namedtuple recorded as ``module:qualname`` with ``fields`` as: that
+    type when its module is already imported (``torch.nn.utils.rnn``, whose ``PackedSequence``
+    GRU and LSTM check for; the user's module the replay imported for the factory) and holds a
+    tuple type of that name with the same fields; else a ``collections.namedtuple`` of that
+    name and fields. Imports nothing and runs no module ``__getattr__``: a bundle's names are
+    data, they choose no code to run."""
+    module, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, "__dict__", {}).get(part)
+    if (isinstance(found, type) and issubclass(found, tuple)
+            and getattr(found, "_fields", None) == fields):
+        return found
+    return _stand_in(qualname.rpartition(".")[2], fields)
+
+
+@functools.lru_cache(maxsize=64)
+def _stand_in(name: str, fields: tuple[str, ...]) -> type:
+    """A namedtuple type for a recorded one whose own type is not at hand (one per name and
+    fields, so equal records rebuild as equal types): its items keep their names."""
+    if not name.isidentifier() or keyword.iskeyword(name):
+        name = "RecordedTuple"
+    return collections.namedtuple(name, fields, rename=True)
 
 
 def tensor_leaves(obj: Any):
@@ -311,13 +371,19 @@ def tensor_leaves(obj: Any):
 
 def map_tensors(obj: Any, fn) -> Any:
     """``obj`` with every tensor in its tuples, lists and dicts replaced by ``fn(tensor)``;
-    other leaves kept as they are."""
-    # (not torch.utils._pytree.tree_map: it leaves unknown dict/list subclasses unmapped and
-    # rebuilds namedtuples, where the replay has always fed plain tuples back)
+    other leaves kept as they are. A namedtuple keeps its type; a ``PackedSequence`` keeps its
+    ``batch_sizes`` as they are, on the CPU, as its own ``.to()`` does (GRU and LSTM read them
+    there, and its constructor refuses them elsewhere)."""
+    # (not torch.utils._pytree.tree_map: it leaves unknown dict/list subclasses unmapped)
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, list):
         return [map_tensors(v, fn) for v in obj]
+    if isinstance(obj, PackedSequence):
+        return type(obj)(map_tensors(obj.data, fn), obj.batch_sizes,
+                         map_tensors(obj.sorted_indices, fn), map_tensors(obj.unsorted_indices, fn))
+    if namedtuple_like(obj):
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, tuple):
         return tuple(map_tensors(v, fn) for v in obj)
     if isinstance(obj, dict):

@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from recorder.bundle import read_bundle
-from recorder.capture import UnrebuildableLeaf, rng_from_bundle, unflatten_tree
+from recorder.capture import UnrebuildableLeaf, map_tensors, rng_from_bundle, unflatten_tree
 from recorder.compiled import decompile
 from recorder.errors import BundleError
 from recorder.validate import import_object
 
-from .compat import set_buffer, set_parameter, tree_map
+from .compat import set_buffer, set_parameter
 from .errors import FactoryRefused, ReplayError
 from .losses import Unrebuildable, rebuild_loss
 from .shards import resolve
@@ -398,23 +398,17 @@ def loss_inputs(step: Step, i: int, outputs: list[torch.Tensor]) -> tuple[list, 
     if tree is None:
         return None
 
-    def sub(node):
-        if isinstance(node, dict):
-            if "$out" in node:
-                o = outputs[node["$out"]]
-                if "view" in node:
-                    shape, stride, off = node["view"]
-                    return o.as_strided(shape, stride, o.storage_offset() + off)
-                return o
-            if "$list" in node:
-                return [sub(v) for v in node["$list"]]
-            if "$tuple" in node:
-                return tuple(sub(v) for v in node["$tuple"])
-            if "$dict" in node:
-                return {k: sub(v) for k, v in node["$dict"]}
-        return _to(unflatten_tree(node, step.tensors), step.device)
+    def output(node):
+        if "$out" not in node:
+            return None
+        o = outputs[node["$out"]]
+        if "view" in node:
+            shape, stride, off = node["view"]
+            return o.as_strided(shape, stride, o.storage_offset() + off)
+        return o
 
-    args, kwargs = sub(tree)
+    # (the outputs are on the device already: moving them is a no-op)
+    args, kwargs = _to(unflatten_tree(tree, step.tensors, leaf=output), step.device)
     return args, kwargs
 
 
@@ -424,9 +418,9 @@ def output_grads(step: Step, i: int) -> dict[int, torch.Tensor]:
 
 
 def _to(obj, device):
-    """``obj`` (a tree rebuilt from the bundle: lists, tuples, dicts) with its tensors on
-    ``device``."""
-    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, obj)
+    """``obj`` (a tree rebuilt from the bundle: lists, tuples, namedtuples, dicts) with its
+    tensors on ``device`` (a ``PackedSequence``'s ``batch_sizes`` stay on the CPU)."""
+    return map_tensors(obj, lambda v: v.to(device))
 
 
 def rng_state(step: Step) -> dict[str, Any] | None:

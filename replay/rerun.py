@@ -16,11 +16,10 @@ from torch import nn
 # Model outputs and losses are walked with the recorder's own tensor_leaves, not pytree: output j
 # here must be the recorder's output j (recorded output gradients are keyed by it), and pytree
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
-from recorder.capture import restore_rng, tensor_leaves
+from recorder.capture import map_tensors, restore_rng, tensor_leaves
 from recorder.finite import finite, matches
 
 from . import bisection
-from .compat import tree_map
 from .errors import StopRun
 from .instrument import CallRecorder
 from .load import (
@@ -214,5 +213,4 @@ def _enter(ctx):
 
 def _cast(obj, dtype):
     """``obj`` (a micro-batch's arguments, rebuilt from the bundle) with floating tensors cast."""
-    return tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor)
-                    and v.is_floating_point() else v, obj)
+    return map_tensors(obj, lambda v: v.to(dtype) if v.is_floating_point() else v)

@@ -1,0 +1,93 @@
+"""Models fed a ``PackedSequence`` (variable-length sequences, ``pack_padded_sequence(...,
+enforce_sorted=False)``): the bundle keeps it a ``PackedSequence`` (GRU and LSTM check the
+type).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+from recorder.capture import UnrebuildableLeaf, flatten_tree, map_tensors, unflatten_tree
+
+
+class Span(NamedTuple):
+    """A namedtuple type of an imported module: the replay rebuilds it as itself."""
+
+    start: torch.Tensor
+    end: int
+
+
+def _packed() -> PackedSequence:
+    x = torch.arange(2 * 3 * 1, dtype=torch.float32).reshape(2, 3, 1)
+    return pack_padded_sequence(x, torch.tensor([1, 3]), batch_first=True, enforce_sorted=False)
+
+
+def _round_trip(obj):
+    """``obj`` through the bundle's tree encoding, its JSON included."""
+    tree, tensors, paths = flatten_tree(obj, "batch/0")
+    return unflatten_tree(json.loads(json.dumps(tree)), tensors), paths
+
+
+# ---------------------------------------------------------------------------------------------
+# the tree encoding
+
+
+def test_namedtuples_keep_their_type_through_the_bundle_tree():
+    seq, span = _packed(), Span(torch.ones(2), 7)
+    (args, kwargs), paths = _round_trip([[seq, span], {"pair": (1, 2)}])
+    got, got_span = args
+    assert type(got) is PackedSequence
+    assert all(a is b for a, b in zip(got, seq) if a is not None)
+    assert type(got_span) is Span and got_span.start is span.start and got_span.end == 7
+    assert type(kwargs["pair"]) is tuple and kwargs["pair"] == (1, 2)
+    assert sorted(paths.values()) == ["[0][0].batch_sizes", "[0][0].data",
+                                      "[0][0].sorted_indices", "[0][0].unsorted_indices",
+                                      "[0][1].start"]
+
+
+def test_an_unknown_namedtuple_type_is_rebuilt_by_its_fields_importing_nothing(monkeypatch):
+    t = torch.ones(3)
+    lazy = types.ModuleType("nanreplay_lazy_mod")
+    asked: list[str] = []
+    lazy.__getattr__ = lambda name: asked.append(name)  # a lazy-import hook: never called
+    monkeypatch.setitem(sys.modules, "nanreplay_lazy_mod", lazy)
+    for name in ("nanreplay_not_imported.sub:Batch", "nanreplay_lazy_mod:Batch",
+                 f"{__name__}:Span.Batch", f"{__name__}:make.<locals>.Batch"):
+        node = {"$tuple": [{"$t": "x/0"}, 3], "$namedtuple": name, "$fields": ["image", "label"]}
+        got = unflatten_tree(node, {"x/0": t})
+        assert type(got).__name__ == "Batch" and got._fields == ("image", "label"), name
+        assert got.image is t and got.label == 3 and isinstance(got, tuple)
+    assert "nanreplay_not_imported" not in sys.modules and "nanreplay_not_imported.sub" \
+        not in sys.modules
+    assert asked == []
+    # the type found, but other fields: not it
+    node = {"$tuple": [1, 2], "$namedtuple": f"{__name__}:Span", "$fields": ["a", "b"]}
+    got = unflatten_tree(node, {})
+    assert type(got) is not Span and type(got).__name__ == "Span" and got.b == 2
+
+
+def test_plain_and_malformed_tuples():
+    assert unflatten_tree({"$tuple": [1, 2]}, {}) == (1, 2)  # a bundle from before the key
+    bad = {"$tuple": [1, 2], "$namedtuple": "torch.nn.utils.rnn:PackedSequence",
+           "$fields": ["data"]}
+    with pytest.raises(UnrebuildableLeaf, match="PackedSequence"):
+        unflatten_tree(bad, {})
+
+
+def test_map_tensors_keeps_namedtuples_and_packed_batch_sizes():
+    seq, span = _packed(), Span(torch.ones(2), 7)
+    got, got_span = map_tensors([seq, span], lambda t: t.double())
+    assert type(got) is PackedSequence and got.data.dtype == torch.float64
+    assert got.batch_sizes is seq.batch_sizes  # not mapped: it stays on the CPU
+    assert got.sorted_indices.dtype == torch.float64  # (an index, mapped as any tensor)
+    assert type(got_span) is Span and got_span.start.dtype == torch.float64
+    # moved to another device (as the replay moves batches), batch_sizes stay on the CPU
+    moved = map_tensors(seq, lambda t: t.to("meta"))
+    assert moved.data.is_meta and moved.batch_sizes.device.type == "cpu"
