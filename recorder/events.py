@@ -27,7 +27,7 @@ from .finite import (
     tensors_kind,
 )
 from .ring import StepLayout, decode_call
-from .samples import Samples, of_micro_batch
+from .samples import Samples, of_micro_batch, packed_in
 from .shards import local
 from .tape import Tape
 
@@ -234,7 +234,8 @@ def _forward_event(ev: StepEvidence) -> Event | None:
     event = _call_event(ev, d, "forward")
     if ev.tape.micro_batches:
         mb = d["micro_batch"]
-        event.samples = ev.samples(mb).first_rows(_tensors(ev.tape.micro_batches[mb].outputs))
+        outputs = ev.tape.micro_batches[mb].outputs
+        event.samples = ev.samples(mb).first_rows(_tensors(outputs), packed_in(outputs))
     event.detail = (f"{event.kind} first in the output of {event.module or '<root>'} "
                     f"({event.module_type}), call {event.call}")
     return event
@@ -379,7 +380,7 @@ def _first_bad_tensor(obj: Any, samples: Samples, skip=(), nan_only: bool = Fals
         if nan_only and not has_nan(t):
             continue
         if not finite(t):
-            return paths[key], samples.rows(t), kind_of(t)
+            return paths[key], samples.rows(t, packed_in(obj)), kind_of(t)
     return None
 
 

@@ -17,6 +17,10 @@ sequence-first modules, else to its dim 0. A tensor's
 samples are along its dim 0 when it has the batch's size there, or along its dim 1 in such a
 model; a tensor with neither (a weight) has none.
 
+A ``PackedSequence`` (variable-length sequences for the recurrent modules) is a batch of
+``batch_sizes[0]``; its ``data`` is packed time-major, so the samples of its rows are found
+through ``batch_sizes`` and ``sorted_indices`` (:func:`packed_samples`), not along a dim.
+
 >>> s = Samples(5, seq_first=True)
 >>> s.dim(torch.zeros(10, 5, 6)), s.dim(torch.zeros(5, 3)), s.dim(torch.zeros(16, 4))
 (1, 0, None)
@@ -25,11 +29,13 @@ model; a tensor with neither (a weight) has none.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from .capture import tensor_leaves
 from .finite import bad_rows
@@ -67,25 +73,80 @@ class Samples:
         # (dim 0 only: a weight's gradient, (4, 8) against a batch of 8, holds no samples)
         return 0 if shape[0] == self.size else None
 
-    def rows(self, t: torch.Tensor) -> list[int]:
-        """The samples of ``t`` that hold a non-finite value ([] when ``t`` has no samples)."""
+    def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence] | None = None
+             ) -> list[int]:
+        """The samples of ``t`` that hold a non-finite value ([] when ``t`` has no samples);
+        through its ``PackedSequence`` when ``t`` is the ``data`` of one in ``packed`` (see
+        :func:`packed_in`)."""
+        seq = packed.get(id(t)) if packed else None
+        if seq is not None and seq.data is t:
+            return packed_samples(seq, bad_rows(t, 0))
         d = self.dim(t)
         return [] if d is None else bad_rows(t, d)
 
-    def first_rows(self, tensors: Iterable[torch.Tensor]) -> list[int]:
+    def first_rows(self, tensors: Iterable[torch.Tensor],
+                   packed: Mapping[int, PackedSequence] | None = None) -> list[int]:
         """The non-finite samples of the first floating tensor with any."""
         for t in tensors:
             if t.is_floating_point() and t.dim():
-                rows = self.rows(t)
+                rows = self.rows(t, packed)
                 if rows:
                     return rows
         return []
 
 
+def packed_in(obj: Any) -> dict[int, PackedSequence]:
+    """The ``PackedSequence`` objects in a nested structure of tuples, lists and dicts, by the
+    ``id`` of their ``data`` (as :meth:`Samples.rows` looks them up)."""
+    found: dict[int, PackedSequence] = {}
+
+    def walk(o: Any) -> None:
+        if isinstance(o, PackedSequence):
+            found.setdefault(id(o.data), o)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+
+    walk(obj)
+    return found
+
+
+def packed_samples(seq: PackedSequence, rows: list[int]) -> list[int]:
+    """The samples (indices into the batch as it was packed) that ``rows`` of ``seq.data``
+    belong to. Time step ``t`` holds rows ``sum(batch_sizes[:t])`` onwards, one for each of the
+    ``batch_sizes[t]`` longest sequences in sorted order; sorted position ``j`` is sample
+    ``sorted_indices[j]`` (``j`` when the batch was packed sorted, without indices).
+
+    >>> from torch.nn.utils.rnn import pack_sequence
+    >>> seq = pack_sequence([torch.ones(1), torch.ones(3), torch.ones(2)], enforce_sorted=False)
+    >>> seq.batch_sizes.tolist(), seq.sorted_indices.tolist()
+    ([3, 2, 1], [1, 2, 0])
+    >>> packed_samples(seq, [2, 5])  # rows 0-2: step 0 of samples 1, 2, 0; row 5: step 2 of 1
+    [0, 1]
+    """
+    if not rows:
+        return []
+    sizes = seq.batch_sizes.cpu()
+    # (N,): the sorted position of each row: time step t lists positions 0..batch_sizes[t]-1
+    span = torch.arange(int(sizes[0]))
+    position = span.expand(len(sizes), -1)[span < sizes[:, None]]
+    picked = position[torch.tensor(rows, dtype=torch.long)]
+    if seq.sorted_indices is not None:
+        picked = seq.sorted_indices.cpu()[picked]
+    return sorted(set(picked.tolist()))
+
+
 def of_micro_batch(mb, sequence_first: bool) -> Samples:
     """The :class:`Samples` of a recorded micro-batch (a :class:`~recorder.tape.MicroBatch`):
     from its inputs, its loss targets (the loss's tensors not computed from the output) and
-    its outputs. Stored in the bundle, so the replay names the same samples."""
+    its outputs; from its first input ``PackedSequence`` when it has one. Stored in the bundle,
+    so the replay names the same samples."""
+    seq = next(iter(packed_in([list(mb.args), mb.kwargs]).values()), None)
+    if seq is not None:  # (pack_padded_sequence refuses empty sequences: all have a step 0)
+        return Samples(int(seq.batch_sizes[0]), sequence_first)
     targets = [t for t in tensor_leaves([list(mb.loss_args or ()), mb.loss_kwargs or {}])
                if t.grad_fn is None]
     return infer(tensor_leaves([list(mb.args), mb.kwargs]),

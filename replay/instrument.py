@@ -14,7 +14,7 @@ import torch
 
 from recorder.capture import tensor_leaves  # not pytree: see replay.rerun
 from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok
-from recorder.samples import Samples
+from recorder.samples import Samples, packed_in
 
 from .memo import TensorMemo, TensorSet
 from .recorded import samples
@@ -101,14 +101,16 @@ class CallRecorder:
         mb = self.runner.micro_batch
         k = self.counts.get((name, mb), 0)
         self.counts[(name, mb)] = k + 1
-        rows = _output_rows(outs, samples(self.runner.step, mb)) if not ok_out else []
+        rows = (_output_rows(outs, samples(self.runner.step, mb), packed_in(output))
+                if not ok_out else [])
         nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs)
         self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
                                       mm, parents, call_id, rows, nan, every_in, nan_free_in))
 
 
-def _output_rows(outs: list[torch.Tensor], where: Samples) -> list[int]:
+def _output_rows(outs: list[torch.Tensor], where: Samples, packed: dict) -> list[int]:
     """The non-finite samples of a call's first batched non-finite output (a weight made in the
     forward, with no dimension of the batch's size, names none; nor does a 0-d output, a loss
-    computed in the model)."""
-    return next((where.rows(t) for t in outs if t.dim() and not finite(t)), [])
+    computed in the model); the ``data`` of a ``PackedSequence`` in ``packed`` names them
+    through it."""
+    return next((where.rows(t, packed) for t in outs if t.dim() and not finite(t)), [])

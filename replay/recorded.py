@@ -12,7 +12,7 @@ import torch
 
 from recorder.capture import batch_path, flatten_tree, loss_path
 from recorder.finite import finite, has_nan, kind_of, matches
-from recorder.samples import Samples, infer, seq_first
+from recorder.samples import Samples, infer, packed_in, seq_first
 
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
@@ -95,14 +95,14 @@ def input_origin(step: Step) -> dict[str, Any]:
             continue
         args, kwargs = micro_batch_inputs(step, i)
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")
-        rows = samples(step, i).rows
+        rows, packed = samples(step, i).rows, packed_in([args, kwargs])
         for key, t in tensors.items():
             soft = nan or _allowed(step, _root_input_name(paths[key]))
             if soft and not has_nan(t):
                 continue
             if not finite(t):
                 return origin_fields(phase="input", tensor=batch_path(paths[key], len(args)),
-                                     samples=rows(t), micro_batch=i, made=kind_of(t))
+                                     samples=rows(t, packed), micro_batch=i, made=kind_of(t))
         for key, raw in mb.get("loss_paths", {}).items():
             t = step.tensors.get(key)
             if t is not None and not finite(t):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 D_IN, HIDDEN, N_CLASSES, BATCH = 4, 8, 3, 8
 
@@ -711,3 +712,67 @@ def series_batch(step: int, bad: int | None = None, at: int = 3, n: int = BATCH,
         series[bad, 4, 1] = float("nan")
     past, future = series[:, :t], series[:, t:]
     return past, future[:, :-1], future[:, 1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# variable-length sequences fed as a PackedSequence (pack_padded_sequence, unsorted)
+
+SEQ_LENGTHS = (5, 9, 3, 12, 7, 4, 10, 6)  # sample 3 is the longest: sorted position 0
+
+
+def packed_batch(step: int, bad: int | None = None, value: float = float("nan"), at: int = 3):
+    """(PackedSequence, y) of 8 positive feature sequences of ``SEQ_LENGTHS``, packed with
+    ``enforce_sorted=False``; sequence ``bad`` holds ``value`` from its time step 2 on at
+    step ``at``."""
+    g = torch.Generator().manual_seed(4000 + step)
+    x = torch.rand(BATCH, max(SEQ_LENGTHS), D_IN, generator=g) + 0.05  # (B, T, F)
+    y = torch.randint(0, N_CLASSES, (BATCH,), generator=g)
+    if bad is not None and step == at:
+        x[bad, 2:SEQ_LENGTHS[bad]] = value
+    packed = pack_padded_sequence(x, torch.tensor(SEQ_LENGTHS), batch_first=True,
+                                  enforce_sorted=False)
+    return packed, y
+
+
+class PackedLSTMClassifier(nn.Module):
+    """Classifies each sequence by the LSTM's last hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(D_IN, HIDDEN, batch_first=True)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, packed):
+        _, (h, _) = self.rnn(packed)  # h: (layers, B, H), in the batch's own order
+        return self.head(h[-1])
+
+
+def make_packed_lstm() -> nn.Module:
+    return PackedLSTMClassifier()
+
+
+class PackedLog(nn.Module):
+    """Log features of a PackedSequence, kept packed."""
+
+    def forward(self, packed):
+        feats = torch.log(packed.data)  # BUG: no floor, NaN for a negative value
+        return PackedSequence(feats, packed.batch_sizes, packed.sorted_indices,
+                              packed.unsorted_indices)
+
+
+class PackedLogGRU(nn.Module):
+    """Log features, then a sequence-first GRU (its default) over the packed sequences."""
+
+    def __init__(self):
+        super().__init__()
+        self.feats = PackedLog()
+        self.rnn = nn.GRU(D_IN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, packed):
+        _, h = self.rnn(self.feats(packed))
+        return self.head(h[-1])
+
+
+def make_packed_log_gru() -> nn.Module:
+    return PackedLogGRU()

@@ -1,6 +1,10 @@
 """Models fed a ``PackedSequence`` (variable-length sequences, ``pack_padded_sequence(...,
 enforce_sorted=False)``): the bundle keeps it a ``PackedSequence`` (GRU and LSTM check the
-type).
+type), and the samples of its time-major ``data`` are the batch's indices, found through its
+``batch_sizes`` and ``sorted_indices``.
+
+The end-to-end tests train ``replay_models`` factories with the loop of ``test_replay_e2e``;
+the others pin the tree encoding and the row mapping.
 """
 
 from __future__ import annotations
@@ -8,13 +12,29 @@ from __future__ import annotations
 import json
 import sys
 import types
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import replay_models as R
 import torch
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+from models import check_event
+from test_replay_e2e import check, check_step, exit_code, record, single
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequence
 
 from recorder.capture import UnrebuildableLeaf, flatten_tree, map_tensors, unflatten_tree
+from recorder.samples import Samples, packed_in, packed_samples
+from replay import replay
+
+HERE = Path(__file__).parent
+K = 3  # the step at which the planted bugs fire (replay_models.packed_batch's ``at``)
+BAD = 3  # the sequence holding them: the longest, sorted position 0, not 3
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    """Replay from the directory holding the factories' module (see test_replay_e2e)."""
+    monkeypatch.chdir(HERE)
 
 
 class Span(NamedTuple):
@@ -91,3 +111,59 @@ def test_map_tensors_keeps_namedtuples_and_packed_batch_sizes():
     # moved to another device (as the replay moves batches), batch_sizes stay on the CPU
     moved = map_tensors(seq, lambda t: t.to("meta"))
     assert moved.data.is_meta and moved.batch_sizes.device.type == "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# samples of packed rows
+
+
+def test_packed_rows_name_the_samples_they_belong_to():
+    # lengths 1, 3, 2: sorted 1, 2, 0; rows: t0 -> samples 1, 2, 0; t1 -> 1, 2; t2 -> 1
+    seq = pack_sequence([torch.ones(1), torch.ones(3), torch.ones(2)], enforce_sorted=False)
+    assert [packed_samples(seq, [r]) for r in range(6)] == [[1], [2], [0], [1], [2], [1]]
+    assert packed_samples(seq, []) == []
+    # packed sorted, without indices: sorted positions are the samples
+    seq = pack_sequence([torch.ones(3), torch.ones(2), torch.ones(1)])
+    assert seq.sorted_indices is None
+    assert packed_samples(seq, [2, 5]) == [0, 2]  # t0 of sample 2, t2 of sample 0
+
+
+def test_samples_rows_of_packed_data():
+    seq = pack_sequence([torch.ones(1, 2), torch.ones(3, 2), torch.ones(2, 2)],
+                        enforce_sorted=False)
+    seq.data[4, 1] = float("nan")  # time step 1 of sample 2
+    where = Samples(3)
+    assert where.rows(seq.data, packed_in({"x": [seq]})) == [2]
+    assert where.rows(seq.data) == []  # (6, 2) rows are no batch of 3 by themselves
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_nan_in_a_packed_input_sequence(tmp_path):
+    err, _, _ = record("make_packed_lstm", single(lambda s: R.packed_batch(s, bad=BAD)),
+                       tmp_path, lr=0.01)
+    check_event(err.event, step=K, phase="input", module="", tensor="batch.data",
+                samples=[BAD], kind="nan")
+    rep = replay(err.bundle_path)
+    check_step(rep, K, err.event)
+    assert rep["reproduced"] is True and rep["cause"] == "input"
+    check(rep, phase="input", tensor="batch.data", samples=[BAD], micro_batch=0, made="nan")
+    assert rep["origin"]["batch_size"] == R.BATCH
+    assert exit_code(err.bundle_path) == 0
+
+
+def test_log_of_packed_features_in_a_submodule(tmp_path):
+    err, _, _ = record("make_packed_log_gru",
+                       single(lambda s: R.packed_batch(s, bad=BAD, value=-1.0)), tmp_path,
+                       lr=0.01)
+    check_event(err.event, step=K, phase="forward", module="feats", samples=[BAD])
+    rep = replay(err.bundle_path)
+    check_step(rep, K, err.event)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    check(rep, phase="forward", module="feats", call=0, op="aten.log", made="nan",
+          inputs_finite=True, samples=[BAD])
+    # the float64 re-run rebuilt the PackedSequence too: the cause comes from it
+    assert "log" in rep["hint"]
+    assert exit_code(err.bundle_path) == 0
