@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -404,6 +405,11 @@ def loss_inputs(step: Step, i: int, outputs: list[torch.Tensor]) -> tuple[list, 
         o = outputs[node["$out"]]
         if "view" in node:
             shape, stride, off = node["view"]
+            if shape and o.numel() != math.prod(shape) and not off and o.is_contiguous() \
+                    and list(stride) == _contiguous_strides(shape):
+                # a reshape of the whole output (logits.view(-1, V)) whose batch the replay
+                # changed (--try drop=): the same reshape of the output it has now
+                return o.reshape(-1, *shape[1:])
             return o.as_strided(shape, stride, o.storage_offset() + off)
         return o
 
@@ -444,3 +450,11 @@ def autocast_as_recorded(mb: dict[str, Any], device: torch.device):
         return
     with torch.autocast(device_type=device.type, dtype=dtype):
         yield
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    out, n = [], 1
+    for size in reversed(shape):
+        out.append(n)
+        n *= max(size, 1)
+    return out[::-1]

@@ -264,18 +264,55 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
 
 def _drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model) -> None:
     """Remove the samples ``rows`` from every batch and loss-input tensor that has the batch's
-    samples (along the dim the report named them in: dim 1 of a sequence-first ``(T, B, F)``)."""
+    samples (along the dim the report named them in: dim 1 of a sequence-first ``(T, B, F)``),
+    and from every ``PackedSequence``, packed again without them."""
     for mb in mbs:
         where = entry_samples(mb, tensors, model)
         if not where.size:
             continue
         keep = torch.tensor([i for i in range(where.size) if i not in set(rows)],
                             dtype=torch.long)
+        packed = [_repack(tensors, node, keep) for node in _packed_nodes(mb.get("inputs"))]
+        done = {k for keys in packed for k in keys}
         for k in [*mb.get("paths", {}), *mb.get("loss_paths", {})]:
             x = tensors.get(k)
-            d = where.dim(x) if isinstance(x, torch.Tensor) else None
+            d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
             if d is not None:
                 tensors[k] = x.index_select(d, keep)
+
+
+def _packed_nodes(tree):
+    """The ``PackedSequence`` nodes of a micro-batch's recorded inputs (``$namedtuple``)."""
+    if isinstance(tree, dict):
+        if str(tree.get("$namedtuple", "")).endswith(":PackedSequence") and "$tuple" in tree:
+            yield tree
+            return
+        for v in tree.values():
+            yield from _packed_nodes(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _packed_nodes(v)
+
+
+def _repack(tensors: dict[str, torch.Tensor], node: dict, keep: torch.Tensor) -> list[str]:
+    """The sequences of one recorded ``PackedSequence`` but those not in ``keep``, packed again
+    in place (its data rows are time steps of several samples: no row can be cut alone);
+    returns its tensors' keys."""
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+    keys = [item.get("$t") if isinstance(item, dict) else None for item in node["$tuple"]]
+    keys += [None] * (4 - len(keys))
+    if keys[0] is None or keys[1] is None:
+        return []
+    seq = PackedSequence(*(tensors[k] if k is not None else None for k in keys[:4]))
+    padded, lengths = pad_packed_sequence(seq, batch_first=True)
+    sorted_before = keys[2] is None  # packed sorted (enforce_sorted=True): it stays sorted
+    again = pack_padded_sequence(padded[keep], lengths[keep], batch_first=True,
+                                 enforce_sorted=sorted_before)
+    for k, t in zip(keys, again):
+        if k is not None and t is not None:
+            tensors[k] = t
+    return [k for k in keys if k is not None]
 
 
 def _set_hyper(opt, record: dict[str, Any], sub: Step, change: Change) -> None:

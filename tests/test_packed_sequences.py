@@ -152,6 +152,12 @@ def test_nan_in_a_packed_input_sequence(tmp_path):
     check(rep, phase="input", tensor="batch.data", samples=[BAD], micro_batch=0, made="nan")
     assert rep["origin"]["batch_size"] == R.BATCH
     assert exit_code(err.bundle_path) == 0
+    # dropping the sample packs the other sequences again (its rows are time steps shared
+    # with them); dropping another leaves the NaN in
+    tries = {t["try"]: t for t in replay(err.bundle_path, tries=[f"drop={BAD}", "drop=0"])
+             ["what_if"]}
+    assert tries[f"drop={BAD}"]["finite"] is True and tries[f"drop={BAD}"]["event_step"] is None
+    assert tries["drop=0"]["finite"] is False and tries["drop=0"]["event_step"] == K
 
 
 def test_log_of_packed_features_in_a_submodule(tmp_path):
