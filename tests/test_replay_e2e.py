@@ -985,3 +985,22 @@ def test_a_square_mask_passed_to_forward_does_not_make_the_sequence_length_the_b
     check_step(rep, K, err.event)
     assert rep["cause"] == "input"
     assert rep["origin"]["samples"] == [3] and rep["origin"]["batch_size"] == 8
+
+
+def test_dropping_a_sample_when_the_loss_takes_a_reshape_of_the_output(tmp_path):
+    """The loop's loss takes ``out.reshape(-1, C)``, a view of the model output: ``--try
+    drop=5`` re-runs with 7 rows and gives the loss the same reshape of them (it overran the
+    recorded 8-row view and raised)."""
+
+    def make(s):
+        x, y = R.batch(s)
+        if s == K:
+            x[5] = math.nan
+        return x, y
+
+    err, _, _ = record("make_mlp", single(make), tmp_path)
+    rep = replay(err.bundle_path, tries=["drop=5", "drop=2"])
+    assert rep["cause"] == "input" and rep["origin"]["samples"] == [5]
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert (tries["drop=5"]["finite"], tries["drop=5"]["event_step"]) == (True, None)
+    assert (tries["drop=2"]["finite"], tries["drop=2"]["event_step"]) == (False, K)
