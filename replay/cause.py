@@ -317,7 +317,7 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
                      "a norm at 0, log or a division at 0); " + DO["backward_pole"])
-    if name and not domains.never_a_pole(name):
+    if name and domains.derivative_pole(name):
         # finite in float64, so its input is off the pole there: rounding put it on (1 -
         # sigmoid(20) is 0 in float32, 2e-9 in float64), not a gradient too large for the type
         return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}, finite "

@@ -22,6 +22,13 @@ _NO_POLE = {"exp", "exp2", "expm1", "mul", "add", "sub", "sum", "mean", "mm", "b
             "_softmax", "_log_softmax", "logsumexp", "mul_", "add_", "sub_", "exp_"}
 
 
+# Ops whose derivative has a pole (a backward node's lower-cased name, ``SqrtBackward0``:
+# ``sqrt``): an infinite gradient from finite incoming ones means an input at the pole.
+_DERIVATIVE_POLES = {"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal",
+                     "pow", "acos", "asin", "atanh", "acosh", "xlogy", "norm",
+                     "linalgvectornorm", "cdist", "dist", "std", "var"}
+
+
 def g(x: float) -> str:
     """A number as the reports print it: three significant digits."""
     return format(x, ".3g")
@@ -31,6 +38,11 @@ def never_a_pole(name: str) -> bool:
     """Op ``name`` (``"exp"``; ``"softmax"`` for ``_softmax``) has no pole or domain edge for
     any input: an infinity it made is an overflow."""
     return name in _NO_POLE or f"_{name}" in _NO_POLE
+
+
+def derivative_pole(name: str) -> bool:
+    """Backward node ``name`` (lower case, no ``Backward0``) has a derivative with a pole."""
+    return name in _DERIVATIVE_POLES
 
 
 def no_pole(name: str, ev: Evidence) -> bool:
