@@ -45,6 +45,7 @@ class BackwardOrigin:
     # the forward carried without an event, such as the batch's infinity that a tanh then
     # saturated), None when it saved only finite ones
     saved: str | None = None
+    saved_zero: bool = False  # it saved an exact 0 (an input at its derivative's pole)
 
 
 @contextlib.contextmanager
@@ -80,23 +81,31 @@ def batch_rows(node, returned: list, where: Samples) -> list[int]:
     return []
 
 
-def saved_kind(node) -> str | None:
-    """The kind of the first non-finite tensor ``node`` saved for its backward (its
-    ``_saved_*`` attributes; a custom Function's ``saved_tensors``), None when all are finite
-    or none can be read. Read from the node's post-hook, before the engine frees them."""
+def _saved(node) -> list[torch.Tensor]:
+    """The floating tensors ``node`` saved for its backward (its ``_saved_*`` attributes; a
+    custom Function's ``saved_tensors``); none when they cannot be read. Read from the node's
+    post-hook, before the engine frees them."""
     try:
         names = [n for n in dir(node) if n.startswith("_saved_")]
         values = [getattr(node, n) for n in names]
         if hasattr(node, "saved_tensors"):
             values += list(node.saved_tensors)
     except Exception:  # freed already, or unreadable: unknown
-        return None
-    for v in values:
-        for t in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) \
-                    and t.numel() and not finite(t):
-                return kind_of(t)
-    return None
+        return []
+    return [t for v in values for t in (v if isinstance(v, (tuple, list)) else (v,))
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+            and t.numel()]
+
+
+def saved_kind(node) -> str | None:
+    """The kind of the first non-finite tensor ``node`` saved for its backward, None when all
+    are finite or none can be read."""
+    return next((kind_of(t) for t in _saved(node) if not finite(t)), None)
+
+
+def saved_zero(node) -> bool:
+    """``node`` saved an exact 0 (sqrt's result, log's input: the pole of its derivative)."""
+    return any(bool((t == 0).any()) for t in _saved(node))
 
 
 def find_backward_origin(runner: Runner, where: Samples | None = None) -> BackwardOrigin:
@@ -119,6 +128,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
                 found.samples = batch_rows(node, list(grad_inputs), where or Samples())
                 found.micro_batch = runner.micro_batch
                 found.saved = saved_kind(node)
+                found.saved_zero = saved_zero(node)
         handles.append(node.register_hook(hook))
 
     labels = _NodeLabels(on_node)
