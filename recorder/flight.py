@@ -26,7 +26,7 @@ from .settings import SETTINGS, Settings
 from .snapshot import Sources, build_bundle
 from .tape import Tape
 from .target import Target
-from .validate import check_companions, check_loss_fn, check_model
+from .validate import check_companions, check_loss_fn, check_model, torch_optimizer
 
 
 class _CallableLoss(nn.Module):
@@ -105,6 +105,7 @@ class FlightRecorder:
                  guard_optimizer: bool = False, stats: str = "minmax", start_step: int = 0,
                  max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None,
                  strict_inf: bool = False, rewind: int | None = None):
+        optimizer = torch_optimizer(optimizer)  # (a Lightning or accelerate wrapper's inner)
         check_model(model, optimizer)
         check_loss_fn(loss_fn)
         #: the settings, checked (read them as ``recorder.history`` etc. too)

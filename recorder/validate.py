@@ -25,6 +25,24 @@ from .shards import check_supported
 log = logging.getLogger("nanreplay")
 
 
+# Wrappers whose step() only calls the optimizer they hold as ``.optimizer``: Lightning's (what
+# a LightningModule's ``self.optimizers()`` returns) and accelerate's (``prepare(optimizer)``)
+_DELEGATING = ("LightningOptimizer", "AcceleratedOptimizer")
+
+
+def torch_optimizer(optimizer):
+    """The optimizer a delegating wrapper steps (see ``_DELEGATING``), which the recorder hooks
+    and records (the wrapper's own class, ``LightningAdam``, cannot be rebuilt); any other
+    optimizer as it is."""
+    while optimizer is not None and any(c.__name__ in _DELEGATING
+                                        for c in type(optimizer).__mro__):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def check_model(model, optimizer) -> None:
     """The model is a module (unreplicated; sharded only by FSDP2) and the optimizer holds its
     parameters."""

@@ -77,11 +77,19 @@ def _after_update(step: Step) -> bool:
 def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     """The report when the bundle alone decides (bad input, bad weights, an update that cannot
     be re-run, nothing to re-run), else None."""
+    bad_weights = non_finite_weights(step)
+    after_update = _after_update(step)
+    if after_update and (bad_weights or "weights" in step.stripped):
+        # the update's own evidence first: a batch that is non-finite too came after it (a
+        # GAN's fakes from a generator the same kind of update broke), not before
+        report["problems"].append(UPDATE_NOT_RERUN)
+        params = bad_weights or list(step.event.get("params", []))
+        return finish(report, origin_fields(phase="optimizer", params=params,
+                                            param=(params or [None])[0]), "optimizer",
+                      reproduced=False)
     if step.event.get("phase") == "input" or batch_non_finite(
             step, ("batch/",), nan_only=not _strict(step)):
         return finish(report, input_origin(step), "input", reproduced=True)
-    bad_weights = non_finite_weights(step)
-    after_update = _after_update(step)
     changed = set(step.meta.get("changed_in_step") or ())
     if bad_weights and not after_update and set(bad_weights) <= changed:
         # non-finite only after the step's forward ran (another optimizer's step() wrote
@@ -92,12 +100,6 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
             "optimizer's step() before the other one's (see the note) and record again"))
     if bad_weights and not after_update:
         return report_weights(report, step, bad_weights)
-    if after_update and (bad_weights or "weights" in step.stripped):
-        report["problems"].append(UPDATE_NOT_RERUN)
-        params = bad_weights or list(step.event.get("params", []))
-        return finish(report, origin_fields(phase="optimizer", params=params,
-                                            param=(params or [None])[0]), "optimizer",
-                      reproduced=False)
     if after_update:
         report["problems"].append(
             "the recorded update left non-finite weights, yet every weight in the bundle is "

@@ -84,3 +84,41 @@ class Rows(torch.utils.data.Dataset):
         x, y = x[0], y[0]
         return (x * 100.0 if i in self.scaled else x), (torch.tensor(-100) if i in self.ignored
                                                          else y)
+
+
+class ManualAdam(L.LightningModule):
+    """Manual optimization: ``training_step`` steps what ``self.optimizers()`` returns, a
+    ``LightningOptimizer`` wrapping ``Adam(eps=0)``, and a ``FlightRecorder`` is attached to
+    that wrapper when training starts (as one is for a GAN's discriminator, which the callback,
+    following one optimizer, cannot record)."""
+
+    def __init__(self, out_dir):
+        super().__init__()
+        self.net = R.make_mlp()
+        self.automatic_optimization = False
+        self.out_dir = out_dir
+        self.recorder = None
+
+    def on_train_start(self):
+        from recorder import FlightRecorder
+
+        self.recorder = FlightRecorder(self.net, self.optimizers(), out_dir=self.out_dir,
+                                       guard_optimizer=True,
+                                       factory="replay_models:make_mlp").attach()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(torch.nn.functional.cross_entropy(self.net(x), y))
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.parameters(), lr=1e-2, eps=0.0)
+
+
+def dead_feature_rows(n: int = 32) -> torch.utils.data.TensorDataset:
+    """``replay_models.batch`` rows with feature 3 always 0: its weights' gradient is 0."""
+    x, y = R.batch(0, n=n)
+    x[:, 3] = 0.0
+    return torch.utils.data.TensorDataset(x, y)

@@ -220,3 +220,25 @@ def test_sanity_check_validation_is_watched(tmp_path):
              num_sanity_val_steps=2)
     ev = info.value.event
     assert (ev["step"], ev["module"], ev["evaluation"], ev["samples"]) == (0, "act", True, [1])
+
+
+def test_a_recorder_given_self_optimizers_records_the_optimizer_inside(tmp_path):
+    """``FlightRecorder(net, self.optimizers())`` under manual optimization: the recorder hooks
+    and records the Adam inside Lightning's wrapper (``LightningAdam``, which no replay can
+    rebuild), so the update Adam(eps=0) breaks is re-run: cause optimizer, reproduced."""
+    module = LM.ManualAdam(tmp_path)
+    torch.manual_seed(0)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(NonFiniteError) as info:
+        trainer.fit(module, torch.utils.data.DataLoader(LM.dead_feature_rows(), batch_size=BATCH))
+    module.recorder.detach()
+    assert module.recorder.target.optimizer() is module.optimizers().optimizer
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"][0]) == (0, "optimizer", "0.weight")
+    meta, _ = read_bundle(info.value.bundle_path)
+    assert meta["optimizer"]["class"] == "torch.optim.adam.Adam"
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "optimizer", rep["problems"]
+    assert (rep["origin"]["op"], rep["origin"]["params"][0]) == ("aten.addcdiv_", "0.weight")
+    assert "eps=0" in rep["hint"], rep["hint"]

@@ -102,6 +102,24 @@ def test_update_turning_finite_gradients_into_nan_weights_is_the_optimizer(out_d
     assert (rep["origin"]["phase"], rep["origin"]["params"]) == ("optimizer", ["weight"])
 
 
+def test_an_update_event_stays_the_optimizer_when_the_next_batch_is_non_finite_too(out_dir):
+    """The update of step 0 writes NaN; the batch of step 1, whose read finds it, is NaN too
+    (a GAN's fakes from a generator the same kind of update broke, which the recorder does not
+    watch). The bundle's batch came after the update: the origin stays the optimizer's."""
+    def make(step):
+        x, y = dead_feature_batch(step)
+        if step == 1:
+            x[2] = math.nan
+        return x, y
+
+    err, _, ran = _train("make_linear", make, out_dir, opt_fn=adam_eps0)
+    check_event(err.event, step=0, phase="optimizer", params=["weight"], kind="nan",
+                after_update=True)
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["cause"], rep["origin"]["phase"], rep["origin"]["params"]) == \
+        ("optimizer", "optimizer", ["weight"]), rep["origin"]
+
+
 def test_embedding_rows_written_nan_long_before_they_are_read(out_dir):
     """Tokens 8-15 are absent until step 5: Adam(eps=0) makes their rows 0/0 at step 0."""
     def make(step):
