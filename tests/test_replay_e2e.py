@@ -532,10 +532,14 @@ def test_nan_in_roots_own_code(tmp_path):
     check_bisection(rep)
 
 
-def test_an_infinity_of_roots_own_code_turned_into_nan_by_a_submodule(tmp_path):
-    """log(0) = -inf in the root's own forward, spread as +-inf by ``lin`` and summed to NaN by
-    ``head``: no submodule made the infinity, so the chain starts in the root's code. The root
-    is the origin with its aten.log (head's addmm, which only met the infinities, is second)."""
+@pytest.mark.parametrize("factory, module", [("make_root_log_features", ""),
+                                             ("make_log_features_net", "feat")])
+def test_an_infinity_of_a_modules_own_code_turned_into_nan_by_its_child(tmp_path, factory,
+                                                                          module):
+    """log(0) = -inf in a module's own forward, between its children's calls (the root's, or
+    a submodule's), spread as +-inf by ``lin`` and summed to NaN by ``head``: no child made the
+    infinity, so the chain starts in that module's code. It is the origin with its aten.log
+    (head's addmm, which only met the infinities, is second)."""
 
     def make(s):
         x, y = R.batch(s)
@@ -543,41 +547,19 @@ def test_an_infinity_of_roots_own_code_turned_into_nan_by_a_submodule(tmp_path):
             x[5, 1] = 0.0
         return x, y
 
-    err, _, _ = record("make_root_log_features", single(make), tmp_path)
-    check_event(err.event, step=K, phase="forward", module="", call=0, inputs_finite=True,
+    err, _, _ = record(factory, single(make), tmp_path)
+    check_event(err.event, step=K, phase="forward", module=module, call=0, inputs_finite=True,
                 kind="nan", samples=[5])
     rep = replay(err.bundle_path)
     check_step(rep, K, err.event)
     assert rep["reproduced"] is True and rep["cause"] == "invalid"
-    check(rep, phase="forward", module="", call=0, op="aten.log", made="-inf",
+    check(rep, phase="forward", module=module, call=0, op="aten.log", made="-inf",
           inputs_finite=True, samples=[5])
     check_source(rep["origin"]["source"], source_of(R.RootLogFeatures, "torch.log"))
     assert ops(rep["origin"]["chain"]) == [("aten.log", "-inf"), ("aten.addmm", "nan")]
     assert "aten.log of 0" in rep["hint"], rep["hint"]
     check_bisection(rep)
     assert exit_code(err.bundle_path) == 0
-
-
-def test_an_infinity_of_a_submodules_own_code_turned_into_nan_by_its_child(tmp_path):
-    """The same log(0) in a submodule's own forward, between its children's calls: the
-    submodule is the origin, not its child that summed the infinities."""
-
-    def make(s):
-        x, y = R.batch(s)
-        if s == K:
-            x[5, 1] = 0.0
-        return x, y
-
-    err, _, _ = record("make_log_features_net", single(make), tmp_path)
-    check_event(err.event, step=K, phase="forward", module="feat", call=0, inputs_finite=True,
-                kind="nan", samples=[5])
-    rep = replay(err.bundle_path)
-    check_step(rep, K, err.event)
-    assert rep["reproduced"] is True and rep["cause"] == "invalid"
-    check(rep, phase="forward", module="feat", call=0, op="aten.log", made="-inf",
-          inputs_finite=True, samples=[5])
-    check_source(rep["origin"]["source"], source_of(R.RootLogFeatures, "torch.log"))
-    check_bisection(rep)
 
 
 def test_an_infinity_of_roots_own_code_before_multihead_attention(tmp_path):
