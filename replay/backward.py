@@ -97,15 +97,13 @@ def _saved(node) -> list[torch.Tensor]:
             and t.numel()]
 
 
-def saved_kind(node) -> str | None:
-    """The kind of the first non-finite tensor ``node`` saved for its backward, None when all
-    are finite or none can be read."""
-    return next((kind_of(t) for t in _saved(node) if not finite(t)), None)
-
-
-def saved_zero(node) -> bool:
-    """``node`` saved an exact 0 (sqrt's result, log's input: the pole of its derivative)."""
-    return any(bool((t == 0).any()) for t in _saved(node))
+def saved_facts(node) -> tuple[str | None, bool]:
+    """Of the tensors ``node`` saved for its backward: the kind of the first non-finite one
+    (None when all are finite or none can be read), and whether any holds an exact 0 (sqrt's
+    result, log's input: the pole of its derivative)."""
+    saved = _saved(node)
+    kind = next((kind_of(t) for t in saved if not finite(t)), None)
+    return kind, any(bool((t == 0).any()) for t in saved)
 
 
 def find_backward_origin(runner: Runner, where: Samples | None = None) -> BackwardOrigin:
@@ -127,8 +125,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
                 found.made = next((kind_of(g) for g in returned if not finite(g)), None)
                 found.samples = batch_rows(node, list(grad_inputs), where or Samples())
                 found.micro_batch = runner.micro_batch
-                found.saved = saved_kind(node)
-                found.saved_zero = saved_zero(node)
+                found.saved, found.saved_zero = saved_facts(node)
         handles.append(node.register_hook(hook))
 
     labels = _NodeLabels(on_node)
