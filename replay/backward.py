@@ -46,6 +46,9 @@ class BackwardOrigin:
     # saturated), None when it saved only finite ones
     saved: str | None = None
     saved_zero: bool = False  # it saved an exact 0 (an input at its derivative's pole)
+    # an input came from exp, softmax or sigmoid (positive in exact arithmetic), so a 0 there
+    # underflowed (see :func:`from_positive`)
+    positive_input: bool = False
 
 
 @contextlib.contextmanager
@@ -106,6 +109,47 @@ def saved_facts(node) -> tuple[str | None, bool]:
     return kind, any(bool((t == 0).any()) for t in saved)
 
 
+# Backward nodes of the ops whose result exact arithmetic keeps > 0 for a finite argument, and
+# of those that pass such a value on (the forward's rule, replay.ops._POSITIVE and _PASS_ON,
+# on the autograd graph: a node's name is its op's, CamelCase, ``Backward<n>`` dropped)
+_POSITIVE_NODES = {"Exp", "Exp2", "Softmax", "Sigmoid"}
+_PASS_ON_NODES = {"Gather", "IndexSelect", "Select", "Slice", "View", "UnsafeView",
+                  "ReshapeAlias", "Squeeze", "Unsqueeze", "Clone", "ToCopy", "Expand",
+                  "Permute", "Transpose", "T", "Alias", "Narrow", "Index", "Unbind", "Split",
+                  "SplitWithSizes", "MaskedSelect", "Diagonal", "AsStrided", "Div"}
+
+
+def from_positive(node, depth: int = 8) -> bool:
+    """Whether one of ``node``'s inputs came from exp, softmax or sigmoid of a finite argument
+    (directly, or viewed, gathered, sliced, divided): a 0 there is a positive value that
+    underflowed, so a derivative pole reached at it (``sqrt(exp(-120))``) is an underflow,
+    where ``sqrt(1 - sigmoid(20))`` is cancellation. ``depth`` bounds the walk."""
+    try:
+        nexts = [fn for fn, _ in node.next_functions]  # (None: an input without a gradient)
+    except Exception:  # not an autograd node, or one that cannot say
+        return False
+    for fn in nexts[1:2] if _node_op(node) == "Div" else nexts:  # (a quotient's pole: y = 0)
+        if fn is None:
+            continue
+        op = _node_op(fn)
+        for _ in range(depth):
+            if op in _POSITIVE_NODES:
+                return True
+            if op not in _PASS_ON_NODES:
+                break
+            inner = [f for f, _ in fn.next_functions if f is not None]
+            if not inner:
+                break
+            fn = inner[0]
+            op = _node_op(fn)
+    return False
+
+
+def _node_op(node) -> str:
+    name = node.name()
+    return name[: name.rfind("Backward")] if "Backward" in name else name
+
+
 def find_backward_origin(runner: Runner, where: Samples | None = None) -> BackwardOrigin:
     """The first node to make a non-finite gradient from finite ones; ``where`` the batch's
     samples, to name those of its gradient."""
@@ -126,6 +170,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
                 found.samples = batch_rows(node, list(grad_inputs), where or Samples())
                 found.micro_batch = runner.micro_batch
                 found.saved, found.saved_zero = saved_facts(node)
+                found.positive_input = from_positive(node)
         handles.append(node.register_hook(hook))
 
     labels = _NodeLabels(on_node)

@@ -23,10 +23,12 @@ while it ran) and a re-run of the step in float64 tell the causes apart:
   ``-inf`` row): ``invalid``.
 
 A backward origin is ``invalid`` when the float64 re-run's gradients are non-finite too (the
-derivative has a pole there: sqrt at 0); when they are finite, ``precision`` for an op with a
-pole that saved an exact 0 (rounding put its input on the pole: sqrt(1 - sigmoid(20)) at 0 in
-float32), else ``overflow``. Without an op (none found), the
-float64 re-run alone decides: ``invalid`` or ``overflow``.
+derivative has a pole there: sqrt at 0). When they are finite and an op with a pole saved an
+exact 0: ``underflow`` when that input came from exp, softmax or sigmoid of a finite argument
+(viewed, gathered, sliced, divided: sqrt(exp(-120)), positive in exact arithmetic), else
+``precision`` (rounding put its input on the pole: sqrt(1 - sigmoid(20)) at 0 in float32).
+Otherwise ``overflow``. Without an op (none found), the float64 re-run alone decides:
+``invalid`` or ``overflow``.
 
 The float64 re-run converts weights in place and back, which is lossless for float16,
 bfloat16 and float32; autocast is off and every op upcast, so casts in the model's own code,
@@ -63,18 +65,21 @@ class Cause:
 
 def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None, *,
              hit: OpHit | None = None, micro_batch: int = 0, node: str | None = None,
-             saved: str | None = None, at_pole: bool = False) -> Cause:
+             saved: str | None = None, at_pole: bool = False,
+             underflowed: bool = False) -> Cause:
     """The cause of a forward, loss or backward origin. ``until``, for a forward origin, is its
     ``(module, call, micro-batch)``: the float64 forward stops after that call, as what comes
     later (made from the origin's value, or another problem) cannot say what the origin's
     value was. ``hit`` is the op blamed (its call is found again in the float64 re-run, in that
     module call or, for a loss origin, in the loss of ``micro_batch``); ``node`` the backward
     node, ``saved`` the kind of a non-finite value it saved in the forward, ``at_pole``
-    whether it saved an exact 0."""
+    whether it saved an exact 0, ``underflowed`` whether an input of it came from exp,
+    softmax or sigmoid (a 0 there underflowed)."""
     capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence else None
     still = _float64_run(runner, phase, until, capture, micro_batch)
     if phase == "backward":
-        return _backward(node, still, _step_dtype(runner, micro_batch), saved, at_pole)
+        return _backward(node, still, _step_dtype(runner, micro_batch), saved, at_pole,
+                         underflowed)
     if hit is None or hit.intentional or (hit.evidence is None and hit.inputs_finite):
         return (Cause("invalid", HINTS["loss" if phase == "loss" else "invalid"]) if still
                 else Cause("overflow", "the value is finite in float64: "
@@ -291,7 +296,8 @@ def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
 
 
 def _backward(node: str | None, still: bool, dtype: torch.dtype,
-              saved: str | None = None, at_pole: bool = False) -> Cause:
+              saved: str | None = None, at_pole: bool = False,
+              underflowed: bool = False) -> Cause:
     op = node or "the backward node"
     m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     name = m.group(1).lower() if m else None
@@ -318,6 +324,13 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
                      "a norm at 0, log or a division at 0); " + DO["backward_pole"])
+    if at_pole and name and domains.derivative_pole(name) and underflowed:
+        # finite in float64, and the 0 on the pole came from exp/softmax/sigmoid: a positive
+        # value rounded to 0 (sqrt(exp(-120)): exp(-120) is 8e-53 in float64)
+        return Cause("underflow", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
+                     "in float64: the op's input came from exp, softmax or sigmoid of a finite "
+                     "argument, positive in exact arithmetic, and underflowed to 0, the pole "
+                     f"where {fn} is infinite; " + DO["log_space"])
     if at_pole and name and domains.derivative_pole(name):
         # finite in float64, so its input is off the pole there: rounding put it on (1 -
         # sigmoid(20) is 0 in float32, 2e-9 in float64), not a gradient too large for the type

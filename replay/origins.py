@@ -168,7 +168,8 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
                 f"in with the batch (rows {came['samples']} of {came['tensor'] or 'an input'}) "
                 "and which the forward carried without a non-finite output; " + HINTS["input"])
         return finish(report, origin, "input", reproduced=reproduced, hint=hint)
-    cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero)
+    cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
+                     underflowed=b.positive_input)
     return finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
 
 

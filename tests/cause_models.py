@@ -94,6 +94,19 @@ def make_noise_scale_net() -> nn.Module:
     return _after_identity(NoiseScale())
 
 
+class LogVarStd(nn.Module):
+    """A VAE's standard deviation from its log-variance, written ``sqrt(exp(logvar))``: at a
+    log-variance of -120, exp underflows to 0 in float32 (8e-53 in float64), the forward is
+    0 and finite, and sqrt's derivative at 0 is infinite."""
+
+    def forward(self, logvar):
+        return torch.sqrt(torch.exp(logvar))  # BUG: exp(0.5 * logvar) never reaches 0
+
+
+def make_logvar_std_net() -> nn.Module:
+    return _after_identity(LogVarStd())
+
+
 class MaskedSqrt(nn.Module):
     """sqrt(x + 5) where that is defined, else 0: ``torch.where`` masks sqrt's NaN of a
     negative in the forward, and sqrt's derivative meets it in the backward (0 / NaN)."""

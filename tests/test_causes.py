@@ -142,6 +142,18 @@ def test_a_pole_that_rounding_reached_is_precision_in_backward(tmp_path):
     assert "pole" in hint and "finite in float64" in hint and "sigmoid" in hint, hint
 
 
+def test_a_pole_that_underflow_reached_is_underflow_in_backward(tmp_path):
+    """``sqrt(exp(logvar))`` at logvar = -120: exp underflows to 0 in float32 (8e-53 in
+    float64), so sqrt's derivative is infinite in float32 only. The 0 on the pole came from
+    exp, positive in exact arithmetic: ``underflow`` (not the cancellation of 1 - sigmoid)."""
+    err = train("make_logvar_std_net", with_row([0.5, -120.0, -0.5, 1.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="backward", module="1", op="SqrtBackward0", samples=[ROW],
+          cause="underflow", made="+inf")
+    hint = rep["hint"]
+    assert "exp, softmax or sigmoid" in hint and "log space" in hint, hint
+
+
 def test_a_pole_masked_in_the_forward_is_invalid_not_overflow(tmp_path):
     """``torch.where(h != 0, 1 / h, 0)`` at a zero row: the reciprocal saves its +inf result
     (a pole, not an overflow), the masked branch's 0 meets it in the backward."""
