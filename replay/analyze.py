@@ -94,10 +94,12 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if bad_weights and not after_update and set(bad_weights) <= changed:
         # non-finite only after the step's forward ran (another optimizer's step() wrote
         # them from this step's gradients): not what the step ran with, so nothing to re-run
-        return recorded_origin(report, step, (
+        report = recorded_origin(report, step, (
             "the step cannot be re-run as it ran, since the bundle holds weights written after "
             "its forward: the origin above is what the recorder saw; call the recorded "
             "optimizer's step() before the other one's (see the note) and record again"))
+        report["not_rerun"] = "weights written after its forward"
+        return report
     if bad_weights and not after_update:
         return report_weights(report, step, bad_weights)
     if after_update:

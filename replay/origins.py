@@ -92,6 +92,8 @@ def report_loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
     report = finish(report, origin_fields(phase="loss", module="<loss>",
                                           micro_batch=ev.get("micro_batch"), made=ev.get("kind")),
                     None, reproduced=False)
+    # the model re-ran, its loss could not: "NOT reproduced" would read as nondeterminism
+    report["not_rerun"] = "its loss cannot be rebuilt from the bundle; see the note"
     if (step.meta.get("loss") or {}).get("kind") == "recorded":
         report["problems"].append(
             "the loss was given to record_loss (computed outside the recorded model), so the "

@@ -243,6 +243,10 @@ def test_a_closure_loss_with_finite_gradients_gets_one_true_note(tmp_path):
     assert origin(rep, "phase", "module", "op", "detail") == ("loss", "<loss>", None, None)
     assert (rep["reproduced"], rep["cause"], code) == (False, None, 1)
     assert "as the note says" in rep["hint"] and "loss_fn=" not in rep["hint"]
+    # the model re-ran as recorded, its loss could not: not "NOT reproduced" (nondeterminism)
+    assert invoke_cli(err.bundle_path).stdout.splitlines()[0] == (
+        f"nanreplay: step {K}, loss event — not re-run (its loss cannot be rebuilt from the "
+        "bundle; see the note)")
 
 
 # ---------------------------------------------------------------------------------------------
