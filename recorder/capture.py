@@ -57,8 +57,9 @@ class RngCapture:
             self._np_owner, self._np_rs, self._np_last = owner, rs, None
             try:
                 addr = owner.ctypes.state_address
-                self._np_words = (ctypes.c_uint32 * 625).from_address(addr)
-                self._np_gauss = _numpy_gauss_cells(rs, addr)
+                self._np_words = _uint32s((ctypes.c_uint32 * 625).from_address(addr))
+                cells = _numpy_gauss_cells(rs, addr)
+                self._np_gauss = cells and (_cell(cells[0], "i"), _cell(cells[1], "d"))
             except Exception:
                 self._np_words = False
         words, gauss = self._np_words, self._np_gauss
@@ -66,7 +67,7 @@ class RngCapture:
             return np.random.get_state()
         # A legacy gaussian draw leaves its second value cached (``has_gauss``, ``gauss``) and
         # the next one uses it without moving the words: both are part of the key.
-        key = (words[624], words[0], words[311], words[623], gauss[0].value, gauss[1].value)
+        key = (words[624], words[0], words[311], words[623], gauss[0][0], gauss[1][0])
         if key != self._np_key or self._np_last is None:
             self._np_last, self._np_key = np.random.get_state(), key
         return self._np_last
@@ -75,7 +76,8 @@ class RngCapture:
         inst = random.getstate.__self__  # the instance behind random's functions
         if inst is not self._py_owner:
             self._py_owner, self._py_last = inst, None
-            self._py_words = _python_mt_words(inst)
+            words = _python_mt_words(inst)
+            self._py_words = words and _uint32s(words)
         words = self._py_words
         if words is False:
             return random.getstate()
@@ -95,6 +97,18 @@ class RngCapture:
         if torch.cuda.is_initialized():  # else no CUDA generator has drawn yet
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
+
+
+def _uint32s(words) -> memoryview:
+    """A ctypes ``c_uint32`` array as a memoryview: indexing it is a plain C read, where a
+    ctypes index goes through ctypes' item machinery (a few us each when it runs once a step,
+    its code out of the CPU's caches after the step's kernels)."""
+    return memoryview(words).cast("B").cast("I")
+
+
+def _cell(cell, fmt: str) -> memoryview:
+    """A ctypes scalar as a one-element memoryview (see :func:`_uint32s`)."""
+    return memoryview(cell).cast("B").cast(fmt)
 
 
 def _numpy_gauss_cells(rs, state_address: int):

@@ -70,7 +70,7 @@ class StepCycle:
         self._capture_rng = RngCapture()
         # the last update's evidence, read with the next step's one host read
         self.pending_update: UpdateEvidence | None = None
-        self._probe: torch.Tensor | None = None  # [strict check, NaN-only min, max, scale]
+        self._probe: torch.Tensor | None = None  # [strict check, NaN-only check, 0, scale]
         self._probe_views: tuple = ()
         self._probe_nan_only = False  # its min/max hold this step's NaN-only entries
 
@@ -307,14 +307,17 @@ class StepCycle:
             probe = self._probe = torch.zeros(4, dtype=torch.float32, device=full.device)
             self._probe_views = probe.unbind(0)
             self._probe_nan_only = False
-        finite, lo, hi, scale_out = self._probe_views
+        finite, lo, _, scale_out = self._probe_views
         if full is row and checked:
             self.ring.probe_finite(checked, out=finite)
         else:
             finite.copy_(full[:checked].mul(0).sum())
-        if n:  # entries that may hold +-Inf: only NaN counts, which aminmax propagates
+        if n:  # entries that may hold +-Inf: only NaN counts. Their sum of squares is NaN
+            # exactly when one is NaN (+-Inf and overflow square to +Inf), and a dot is the
+            # kernel the gradient norms just ran (on CPU an idle kernel's first call after
+            # a training step costs tens of us in cache misses)
             part = self.ring.part(start, n) if full is row else full[start: start + n]
-            torch.aminmax(part, out=(lo, hi))
+            torch.dot(part, part, out=lo)
         elif self._probe_nan_only:  # the last step had such entries, this one has none
             lo.zero_()
         self._probe_nan_only = bool(n)
@@ -384,11 +387,12 @@ class StepCycle:
 
 def _read_probe(probe: torch.Tensor) -> tuple[bool, float, list[float]]:
     """The step's one host read: ``probe`` is [0 if every must-be-finite entry is finite else
-    NaN, min and max of the entries where only NaN counts, the GradScaler's scale], the ranks'
-    flags after it under torch.distributed. Returns (all checks pass, scale, what was read)."""
+    NaN, the sum of squares of the entries where only NaN counts (NaN if one is), 0, the
+    GradScaler's scale], the ranks' flags after it under torch.distributed. Returns (all
+    checks pass, scale, what was read)."""
     values = probe.tolist()
-    finite, lo, _, scale = values[:4]
-    return finite == 0.0 and not math.isnan(lo), scale, values
+    finite, nan_only, _, scale = values[:4]
+    return finite == 0.0 and not math.isnan(nan_only), scale, values
 
 
 def _host_float(x) -> float:

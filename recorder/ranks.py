@@ -80,7 +80,7 @@ class Agreement:
         return cls(group, rank, world, device, run_id)
 
     def exchange(self, probe: torch.Tensor, stopped: bool = False) -> torch.Tensor:
-        """``probe`` ([strict check, NaN-only min, max, scale], see ``recorder.cycle``) with
+        """``probe`` ([strict check, NaN-only check, 0, scale], see ``recorder.cycle``) with
         one flag per rank after it: 1 where that rank's checks failed, 2 where its recorder
         stopped (``stopped``: this rank's, see :meth:`leave`). Device ops and one all-reduce,
         no host read: the caller's read of the result is the step's one sync."""
@@ -92,7 +92,7 @@ class Agreement:
         flags.zero_()
         if stopped:
             self._mine.fill_(STOPPED)
-        else:  # the strict check is 0 or NaN, the NaN-only min is NaN when a NaN counts:
+        else:  # the strict check is 0 or NaN, the NaN-only check is NaN when a NaN counts:
             # their sum is NaN exactly when the step fails (as _read_probe decides on the host)
             self._mine.copy_(torch.isnan(probe[0] + probe[1]))
         torch.distributed.all_reduce(flags, group=self.group)

@@ -48,22 +48,16 @@ class _Region:
         # views made once, so a statistic costs no allocation: each slot, each adjacent pair
         self.views, self.pairs = views, pairs
         # Slot numbers come from a counter: taking one is atomic under the GIL, so hooks firing
-        # from several threads need no lock on the per-call path; a new step, a new counter.
-        self._counter = itertools.count()
-        self.take = self._counter.__next__
+        # from several threads need no lock on the per-call path; a new step, a new counter
+        # (see Slots.start_step).
+        self.take = itertools.count().__next__
         self.extra: list[torch.Tensor] = []  # what did not fit, numbered on from ``size``
         self._prefix = data
-
-    def reset(self) -> None:
-        self._counter = itertools.count()
-        self.take = self._counter.__next__
-        if self.extra:
-            self.extra = []
 
     def prefix(self) -> torch.Tensor:
         """The slots handed out so far (and any overflow) as one vector."""
         # the counter's next number, read without taking it: its repr is "count(N)"
-        used = min(int(repr(self._counter)[6:-1]), self.size)
+        used = min(int(repr(self.take.__self__)[6:-1]), self.size)
         if self._prefix.numel() != used:  # the count rarely changes between steps
             self._prefix = self.data.narrow(0, 0, used)
         if self.extra:
@@ -91,6 +85,7 @@ class Slots:
         self._regions = [_Region(self.data.narrow(0, at, size), views[at: at + size],
                                  pairs[at: at + size - 1])
                          for at, size in zip(self.starts, sizes)]
+        self._sized = [r for r in self._regions if r.size]  # (what a new step resets)
 
     @property
     def nbytes(self) -> int:
@@ -105,8 +100,11 @@ class Slots:
             self._build(tuple(w + w // 4 if r.extra else r.size
                               for r, w in zip(self._regions, wanted)))
             return
-        for r in self._regions:
-            r.reset()
+        # A new counter per region. Overflow is only ever added with ``short`` set, and a
+        # short step's successor is built anew above, so the overflow lists are empty here.
+        count = itertools.count
+        for r in self._sized:
+            r.take = count().__next__
 
     def gather(self) -> list[torch.Tensor]:
         """Each region's entries so far (and any overflow) as one vector, in row order: the
@@ -131,6 +129,17 @@ class Slots:
     def zero(self, code: int) -> None:
         """Clear one region's slots (values a later, smaller step would not overwrite)."""
         self._regions[code].data.zero_()
+
+    @property
+    def is_cpu(self) -> bool:
+        return self._cpu
+
+    def handout(self, code: int) -> tuple:
+        """(take, size, views) of one region, for a loop that writes float32 reductions on
+        this device into its slots itself: ``k = take()``; slot ``k`` is ``views[k]`` while
+        ``k < size``, and ref ``(code, k)`` names it."""
+        r = self._regions[code]
+        return r.take, r.size, r.views
 
     def value(self, ref: tuple[int, int]) -> torch.Tensor:
         code, k = ref
