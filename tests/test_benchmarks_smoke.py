@@ -117,6 +117,15 @@ def test_overhead_quick_mlp(tmp_path):
     check_verdicts(proc.stdout, data["results"])
 
 
+def test_cold_cost_prints_both_timings_and_the_opcode_counts():
+    proc = _run([str(BENCH / "cold_cost.py"), "--rounds", "3"])
+    rows = [line for line in proc.stdout.splitlines() if re.search(r"\d+\.\d\d +\d+\.\d\d$", line)]
+    assert len(rows) == 5, proc.stdout
+    m = re.search(r"floor (\d+), recorder (\d+)", proc.stdout)
+    # the recorder's bookkeeping runs in its own code; the floor's few hooks in overhead.py
+    assert m and 0 < int(m[1]) < int(m[2]), proc.stdout
+
+
 def test_overhead_bookkeeping_model_is_opt_in(tmp_path):
     """``--models mlp16`` (the MLP at width 16, batch 4: a step of Python) runs beside the
     floor; it is not among the default models."""
