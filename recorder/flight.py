@@ -106,7 +106,7 @@ class FlightRecorder:
                  max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None,
                  strict_inf: bool = False, rewind: int | None = None):
         optimizer = torch_optimizer(optimizer)  # (a Lightning or accelerate wrapper's inner)
-        check_model(model, optimizer)
+        check_model(model, optimizer, loss_fn)
         check_loss_fn(loss_fn)
         #: the settings, checked (read them as ``recorder.history`` etc. too)
         self.settings = Settings(
