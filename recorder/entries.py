@@ -41,11 +41,12 @@ def hyper_entry(h: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
     return out
 
 
-def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor]
-                      ) -> dict[str, Any]:
+def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
+                      earlier: list | tuple = ()) -> dict[str, Any]:
     """Micro-batch ``i`` of a tape as the bundle's ``micro_batches[i]`` entry, its tensors
     under ``<prefix>batch/<i>``, ``<prefix>loss_in/<i>`` and ``<prefix>outgrad/<i>`` (``prefix``
-    is ``""`` for the event step)."""
+    is ``""`` for the event step); ``earlier``: the micro-batches before it, whose outputs its
+    loss may take too (two views of a batch through one encoder, one contrastive loss)."""
     tree, ts, paths = flatten_tree([list(mb.args), mb.kwargs], f"{prefix}batch/{i}")
     tensors.update(ts)
     out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
@@ -53,7 +54,9 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor]
     outs = list(tensor_leaves(mb.outputs))
     if mb.loss_args is not None:
         ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],
-                                          f"{prefix}loss_in/{i}", leaf=partial_leaf(outs))
+                                          f"{prefix}loss_in/{i}", leaf=partial_leaf(
+                                              outs, [list(tensor_leaves(m.outputs))
+                                                     for m in earlier]))
         tensors.update(lts)
         out["loss_inputs"], out["loss_paths"] = ltree, lpaths
     grads = {}
@@ -66,19 +69,27 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor]
     return out
 
 
-def partial_leaf(outs: list[torch.Tensor]):
+def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = ()):
     """Stand-in for loss inputs that are the model output or a view of it, so the replay feeds
-    the loss its own re-computed output instead of a recorded copy."""
+    the loss its own re-computed output instead of a recorded copy: ``{"$out": j}``, with
+    ``"mb": k`` for an output of the step's earlier micro-batch ``k`` (``earlier``)."""
+    sources = [(None, outs), *((k, o) for k, o in reversed(list(enumerate(earlier))))]
 
     def leaf(t: torch.Tensor):
-        for i, o in enumerate(outs):
-            if t is o:
-                return {"$out": i}
-        for i, o in enumerate(outs):
-            if (t.device == o.device and t.dtype == o.dtype
-                    and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()):
-                return {"$out": i, "view": [list(t.shape), list(t.stride()),
-                                            t.storage_offset() - o.storage_offset()]}
+        for k, group in sources:
+            for i, o in enumerate(group):
+                if t is o:
+                    return _out_ref(i, k)
+        for k, group in sources:
+            for i, o in enumerate(group):
+                if (t.device == o.device and t.dtype == o.dtype
+                        and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()):
+                    return {**_out_ref(i, k), "view": [list(t.shape), list(t.stride()),
+                                                       t.storage_offset() - o.storage_offset()]}
         return None
 
     return leaf
+
+
+def _out_ref(i: int, mb: int | None) -> dict[str, int]:
+    return {"$out": i} if mb is None else {"$out": i, "mb": mb}

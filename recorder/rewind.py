@@ -101,7 +101,7 @@ class Rewind:
             return
         prefix = f"rewind/step/{tape.step}/"
         tensors: dict[str, torch.Tensor] = {}
-        mbs = [micro_batch_entry(prefix, i, mb, tensors)
+        mbs = [micro_batch_entry(prefix, i, mb, tensors, tape.micro_batches[:i])
                for i, mb in enumerate(tape.micro_batches)]
         for k in list(tensors):
             tensors[k] = _to_host(tensors[k])

@@ -76,8 +76,9 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         rng_meta, rng_tensors = rng_to_bundle(tape.rng)
         meta["rng"] = rng_meta
         tensors.update(rng_tensors)
-        meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors)
-                                 for i, mb in enumerate(tape.micro_batches)]
+        mbs = tape.micro_batches
+        meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors, mbs[:i])
+                                 for i, mb in enumerate(mbs)]
         for entry, mb in zip(meta["micro_batches"], tape.micro_batches):
             s = of_micro_batch(mb, target.seq_first)  # where the replay names samples
             entry["samples"] = {"size": s.size, "seq_first": s.seq_first}

@@ -103,7 +103,7 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
                 else (f"{op} of 0 (a pole: 1/0)", "divide"))
     den = None
     if base in ("div", "remainder", "fmod") and ins:
-        den = ins[1] if len(ins) >= 2 else _integer_divisor(ev)
+        den = ins[1] if len(ins) >= 2 else _divisor_not_taken(ev)
     if den is not None:
         num = ins[0]
         if bool(((num == 0) & (den == 0)).any()):
@@ -123,11 +123,14 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
     return f"{op} at a pole or outside its domain", "pole"
 
 
-def _integer_divisor(ev: Evidence) -> torch.Tensor | None:
-    """An integer tensor divisor (``x / mask.sum(1)``, which the evidence's floating inputs
-    leave out) in float64, where the output went non-finite; None otherwise."""
+def _divisor_not_taken(ev: Evidence) -> torch.Tensor | None:
+    """A divisor the evidence's floating inputs leave out, in float64, where the output went
+    non-finite: an integer tensor (``x / mask.sum(1)``) or a Python number (``x / self.t``, a
+    temperature a schedule brought to 0); None otherwise."""
     args = list(ev.args)
     d = args[1] if len(args) > 1 else None
+    if isinstance(d, (int, float)) and not isinstance(d, bool):
+        return torch.full((int(ev.bad.sum()),), float(d), dtype=torch.float64)
     if not isinstance(d, torch.Tensor) or d.is_floating_point() or d.is_complex():
         return None
     try:

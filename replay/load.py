@@ -393,8 +393,12 @@ def micro_batch_inputs(step: Step, i: int) -> tuple[list, dict]:
     return _to(args, step.device), _to(kwargs, step.device)
 
 
-def loss_inputs(step: Step, i: int, outputs: list[torch.Tensor]) -> tuple[list, dict] | None:
-    """The loss's recorded arguments, with the model output swapped for the re-computed one."""
+def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]]
+                ) -> tuple[list, dict] | None:
+    """The loss's recorded arguments for micro-batch ``i``, with the model outputs swapped for
+    the re-computed ones (``outputs[k]``: micro-batch ``k``'s, up to ``i``). An earlier micro-
+    batch's output (one loss over two forwards) is given detached: the gradient the loss sent
+    it reaches it from its own recorded output gradient, when its backward runs."""
     tree = step.micro_batches[i].get("loss_inputs")
     if tree is None:
         return None
@@ -402,7 +406,10 @@ def loss_inputs(step: Step, i: int, outputs: list[torch.Tensor]) -> tuple[list, 
     def output(node):
         if "$out" not in node:
             return None
-        o = outputs[node["$out"]]
+        k = node.get("mb", i)
+        o = outputs[k][node["$out"]]
+        if k != i:
+            o = o.detach()
         if "view" in node:
             shape, stride, off = node["view"]
             if shape and o.numel() != math.prod(shape) and not off and o.is_contiguous() \

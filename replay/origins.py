@@ -43,7 +43,7 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
 
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     finder = OpFinder(samples=samples(step))
-    mb = next(i for i, ok in enumerate(run.loss_finite) if not ok)
+    mb = run.loss_micro_batches[run.loss_finite.index(False)]
     args, kwargs = _loss_args(step, run, mb)
     with autocast_as_recorded(step.micro_batches[mb], step.device), finder:
         loss = step.loss_fn(*args, **kwargs)
@@ -61,7 +61,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
 
 
 def _loss_args(step: Step, run: Run, mb: int):
-    args, kwargs = loss_inputs(step, mb, [t.detach() for t in run.outputs[mb]])
+    args, kwargs = loss_inputs(step, mb, [[t.detach() for t in o] for o in run.outputs])
     return args, kwargs
 
 

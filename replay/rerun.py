@@ -120,7 +120,7 @@ class Runner:
     def _loss(self, i: int, outs: list[torch.Tensor], result: Run):
         if self.step.loss_fn is None:
             return None
-        li = loss_inputs(self.step, i, outs)
+        li = loss_inputs(self.step, i, result.outputs)
         if li is None:
             return None
         args, kwargs = li
@@ -133,6 +133,7 @@ class Runner:
         self.last_loss = loss
         result.losses.append(loss)
         vals = [t for t in tensor_leaves(loss) if t.is_floating_point()]
+        result.loss_micro_batches.append(i)
         result.loss_finite.append(all(finite(t) for t in vals))
         result.loss_values.append(";".join(repr(t.detach().double().sum().item()) for t in vals))
         return loss

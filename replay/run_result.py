@@ -35,7 +35,10 @@ class Call:
 @dataclass
 class Run:
     calls: list[Call] = field(default_factory=list)
+    # one entry per micro-batch that computed a loss, in order (not every micro-batch does:
+    # two forwards of one contrastive loss); loss_micro_batches[j] is entry j's micro-batch
     loss_finite: list[bool] = field(default_factory=list)
+    loss_micro_batches: list[int] = field(default_factory=list)
     loss_values: list[str] = field(default_factory=list)
     losses: list = field(default_factory=list)  # each micro-batch's loss (replay.window)
     bad_grads: list[str] = field(default_factory=list)

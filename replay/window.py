@@ -395,8 +395,9 @@ def _forward_outcome(k: int, run) -> Outcome | None:
         return Outcome(k, "input" if came_in else "forward", module=o.module, call=o.call,
                        micro_batch=o.micro_batch, kind=o.kind or ("nan" if o.nan else None))
     if run.loss_finite and not all(run.loss_finite):
-        mb = run.loss_finite.index(False)
-        loss = run.losses[mb] if mb < len(run.losses) else None
+        j = run.loss_finite.index(False)
+        mb = run.loss_micro_batches[j]
+        loss = run.losses[j] if j < len(run.losses) else None
         kind = _kind([loss]) if isinstance(loss, torch.Tensor) else None
         return Outcome(k, "loss", module="<loss>", micro_batch=mb, kind=kind or "nan")
     return None

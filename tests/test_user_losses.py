@@ -249,6 +249,37 @@ def test_a_closure_loss_with_finite_gradients_gets_one_true_note(tmp_path):
         "bundle; see the note)")
 
 
+def test_one_loss_over_two_forwards_names_the_loss_op_and_re_runs_both_views(tmp_path):
+    """A contrastive loss over two views, one forward each (two micro-batches), whose
+    temperature a schedule brings to 0: the loss event is in micro-batch 1, whose loss takes
+    micro-batch 0's output too. The bundle links that argument to micro-batch 0's output (the
+    replay feeds it the re-computed view, not a recorded copy), and the report names the
+    division by the Python number 0 in the loss. Before: the replay crashed (TypeError)."""
+    model, crit = UL.make_tagger(), UL.TwoViewContrastive()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="user_losses:make_tagger"):
+            for step in range(6):
+                x, _ = UL.batch(step)
+                crit.temperature = 0.5 * (1 - step / K)  # 0 at step K
+                opt.zero_grad()
+                loss = crit(model(x + 0.1), model(x - 0.1))
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (K, "loss", 1)
+    meta, _ = read_bundle(err.bundle_path)
+    assert meta["micro_batches"][1]["loss_inputs"]["$list"][0]["$list"] == [
+        {"$out": 0, "mb": 0}, {"$out": 0}]
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "micro_batch") == (
+        "loss", "<loss>", "aten.div", 1)
+    assert rep["origin"]["source"].startswith(bug_line("temperature")), rep["origin"]
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert "aten.div by 0 (x/0, a pole)" in rep["hint"], rep["hint"]
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. a loss computed outside the recorded model
 

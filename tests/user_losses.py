@@ -133,3 +133,21 @@ def make_rater() -> nn.Module:
 def log_rating_loss(pred, rating):
     """Squared error in log space: log(0) = -inf for a rating of exactly 0."""
     return (torch.log(pred) - torch.log(rating)).pow(2).mean()  # BUG log0
+
+
+class TwoViewContrastive(nn.Module):
+    """NT-Xent over two views of a batch, each through its own forward of the same model (as
+    SimCLR-style loops do: ``loss(model(v1), model(v2))``), with a temperature a schedule sets
+    on the loss module."""
+
+    def __init__(self, temperature: float = 0.5):
+        super().__init__()
+        self.temperature = temperature
+
+    def forward(self, z1, z2):
+        z = F.normalize(torch.cat([z1.flatten(1), z2.flatten(1)]), dim=1)
+        sim = z @ z.t() / self.temperature  # BUG temperature: x/0 once the schedule reaches 0
+        n = z1.shape[0]
+        sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), float("-inf"))
+        target = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]).to(z.device)
+        return F.cross_entropy(sim, target)
