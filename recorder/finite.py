@@ -37,8 +37,12 @@ def checkable(t: torch.Tensor) -> bool:
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:
-    """The values a tensor stores: itself, or a sparse tensor's specified values (a sparse
-    gradient of ``nn.Embedding(sparse=True)``; its implicit zeros are finite)."""
+    """The values a tensor stores: itself, a sparse tensor's specified values (a sparse
+    gradient of ``nn.Embedding(sparse=True)``; its implicit zeros are finite), or a nested
+    tensor's elements as one vector (``nn.TransformerEncoder``'s fast path, in eval mode with
+    a padding mask, passes its layers nested tensors, which most reductions refuse)."""
+    if t.is_nested:
+        return torch.cat([c.reshape(-1) for c in t.unbind()])
     return t if t.layout == torch.strided else sparse_values(t)
 
 

@@ -59,6 +59,8 @@ class Health:
     def internal_error(self, e: Exception) -> None:
         self.internal_errors += 1
         if self.internal_errors == 1:
+            # (one line: a dispatcher error's message lists every backend, 50 lines)
+            text = (str(e).strip().splitlines() or [""])[0][:300]
             log.warning("nanreplay: recorder disabled after an internal error (%s: %s); "
-                        "training continues unrecorded", type(e).__name__, e)
+                        "training continues unrecorded", type(e).__name__, text)
         self.active = False

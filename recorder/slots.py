@@ -32,6 +32,7 @@ import threading
 import torch
 
 from .compat import foreach_copy_, foreach_norm, foreach_square_
+from .finite import stored
 from .shards import PLAIN
 
 STRICT, GRAD, NAN_ONLY, LOOSE = 0, 1, 2, 3
@@ -188,7 +189,8 @@ class Slots:
 
     def minmax(self, t: torch.Tensor, code: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """``torch.aminmax(t)``: NaN anywhere makes both NaN; +-Inf shows as the extreme."""
-        if t.dtype is FLOAT32 and (t.is_cpu if self._cpu else t.device == self.device):
+        if t.dtype is FLOAT32 and (t.is_cpu if self._cpu else t.device == self.device) \
+                and not t.is_nested:
             r = self._regions[code]
             take = r.take
             k, k2 = take(), take()  # (``_two`` inlined: this runs for every call's output)
@@ -202,18 +204,18 @@ class Slots:
                 return (code, k), (code, k2)
             if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
                 r.views[k].zero_()
-        lo, hi = self._put(code, torch.aminmax(t))
+        lo, hi = self._put(code, torch.aminmax(stored(t)))
         return lo, hi
 
     def total(self, t: torch.Tensor, code: int) -> tuple[int, int]:
         """Sum in float32 (NaN and +-Inf survive it)."""
-        if t.ndim and t.device == self.device:
+        if t.ndim and t.device == self.device and not t.is_nested:
             r = self._regions[code]
             k = self._one(r)
             if k is not None:
                 torch.sum(t, dim=tuple(range(t.ndim)), dtype=FLOAT32, out=r.views[k])
                 return code, k
-        return self._put(code, [torch.sum(t, dtype=FLOAT32)])[0]
+        return self._put(code, [torch.sum(stored(t), dtype=FLOAT32)])[0]
 
     def norm(self, t: torch.Tensor, code: int, square: bool = False) -> tuple[int, int]:
         """2-norm (or its square), accumulated in float32; float64 in float64 (torch refuses to

@@ -329,3 +329,37 @@ def bn_mlp(d_in: int = D_IN, hidden: int = HIDDEN, d_out: int = N_CLASSES) -> nn
     """An MLP with BatchNorm (buffers that every training forward changes) and dropout."""
     return nn.Sequential(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
                          nn.Dropout(0.2), nn.Linear(hidden, d_out))
+
+
+class PaddedEncoder(nn.Module):
+    """``nn.TransformerEncoder`` over padded token sequences with a ``src_key_padding_mask``,
+    mean-pooled over the real tokens. In eval mode with gradients off the encoder takes its
+    fast path and hands its layers nested tensors. The pooling divides by the number of real
+    tokens with no guard: 0/0 for a sequence that is all padding."""
+
+    def __init__(self, vocab: int = 50, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(d, N_CLASSES)
+
+    def forward(self, tokens, pad_mask):
+        h = self.enc(self.emb(tokens), src_key_padding_mask=pad_mask)
+        keep = (~pad_mask).unsqueeze(-1).float()
+        return self.head((h * keep).sum(1) / keep.sum(1))  # BUG pooling: 0/0 when all padding
+
+
+def make_padded_encoder() -> nn.Module:
+    torch.manual_seed(0)
+    return PaddedEncoder()
+
+
+def padded_tokens(step: int, all_padding: int | None = None, n: int = 6, length: int = 9):
+    """(tokens, padding mask, labels) of a step; ``all_padding``: a row made all padding."""
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(1, 50, (n, length), generator=g)
+    pad = torch.arange(length)[None] >= torch.randint(3, length + 1, (n,), generator=g)[:, None]
+    if all_padding is not None:
+        pad[all_padding] = True
+    return tokens.masked_fill(pad, 0), pad, torch.randint(0, N_CLASSES, (n,), generator=g)

@@ -711,3 +711,23 @@ def test_inference_mode_validation_between_steps(out_dir):
     check_event(info.value.event, step=3, phase="input", evaluation=True, samples=[4],
                 kind="-inf")
     assert rec.health.internal_errors == 0
+
+
+def test_an_internal_error_is_logged_on_one_line(caplog):
+    """A recorder bug is logged once, in one line, however long the exception's message (a
+    dispatcher error lists every backend it knows, 50 lines), and turns the recorder off."""
+    from recorder.hooks import Health
+
+    health = Health()
+    health.active = True
+    message = "Could not run 'aten::sum.IntList_out' with arguments from the 'NestedTensorCPU'" \
+              " backend.\n\nCPU: registered at RegisterCPU.cpp\nMeta: registered at ..."
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        health.internal_error(NotImplementedError(message))
+        health.internal_error(NotImplementedError(message))
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "nanreplay: recorder disabled after an internal error (NotImplementedError: Could not "
+        "run 'aten::sum.IntList_out' with arguments from the 'NestedTensorCPU' backend.); "
+        "training continues unrecorded")
+    assert not health.active and health.internal_errors == 2

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+
 import models as M
 import pytest
 import torch
+from bundles import invoke_cli
 from models import bundles, check_event
 from torch import nn
 
@@ -112,3 +116,55 @@ def test_buffer_as_root_input_not_allowed(out_dir):
         _buffer_mask_train(out_dir, strict_inf=True)
     check_event(info.value.event, step=0, phase="input", module="", tensor='kwargs["mask"]',
                 kind="-inf")
+
+
+def _encoder_run(out_dir, recorded: bool, eval_all_padding_at: int | None = None):
+    """Train ``PaddedEncoder`` 4 steps, validating after each in eval mode with gradients off
+    (the encoder's nested-tensor fast path); returns (losses, recorder or None)."""
+    model = M.make_padded_encoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="models:make_padded_encoder") if recorded else None
+    losses = []
+    with rec if rec is not None else contextlib.nullcontext():
+        for step in range(4):
+            model.train()
+            tokens, pad, y = M.padded_tokens(step)
+            opt.zero_grad()
+            loss = crit(model(tokens, pad), y)
+            loss.backward()
+            opt.step()
+            model.eval()
+            with torch.no_grad():
+                tokens, pad, y = M.padded_tokens(100 + step, all_padding=(
+                    4 if step == eval_all_padding_at else None))
+                losses += [loss.item(), crit(model(tokens, pad), y).item()]
+    return losses, rec
+
+
+def test_encoder_fast_path_in_validation_keeps_recording(out_dir, caplog):
+    """``nn.TransformerEncoder``'s eval fast path passes nested tensors to its layers: the
+    recorder measures them (it was disabled by an internal error at the first validation,
+    'Could not run aten::sum.IntList_out with arguments from the NestedTensorCPU backend')
+    and training computes what it computes without the recorder."""
+    bare, _ = _encoder_run(out_dir, recorded=False)
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        recorded, rec = _encoder_run(out_dir, recorded=True)
+    assert recorded == bare
+    assert "internal error" not in caplog.text, caplog.text
+    assert rec.step == 4 and rec.event is None and bundles(out_dir) == []
+
+
+def test_a_nan_in_the_encoder_fast_path_is_found_and_replayed(out_dir):
+    """The 0/0 pooling of an all-padding sequence in a validation batch: an evaluation event;
+    the replay re-runs the fast path (nested tensors) and names the division, sample 4."""
+    with pytest.raises(NonFiniteError) as info:
+        _encoder_run(out_dir, recorded=True, eval_all_padding_at=2)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["evaluation"]) == (3, "forward", True), ev
+    r = invoke_cli(info.value.bundle_path, "--json")
+    rep = json.loads(r.stdout)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"], rep["reproduced"]) == (
+        "", "aten.div", [4], "invalid", True), rep
