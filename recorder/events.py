@@ -394,6 +394,10 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
     where = ""
     if event.get("module") == "<loss>":
         where = f" Made in the loss of micro-batch {event.get('micro_batch')}."
+    elif event.get("phase") == "input" and event.get("module") is not None:
+        # (the batch brought it: no module made it, and "whose inputs were finite" is moot)
+        name = event["module"] or "<root>"
+        where = f" It came in with the input of '{name}' (micro-batch {event.get('micro_batch')})."
     elif event.get("module") is not None:
         name = event["module"] or "<root>"
         where = (f" First made by module '{name}' ({event.get('module_type')}, call "

@@ -78,4 +78,7 @@ def test_control_with_notes_the_summary_is_a_note_not_a_log_line(out_dir, caplog
     exc, logged = _run(out_dir, caplog, on_event, NotedLossGuardError)
     [note] = exc.__notes__
     assert "at step 2, phase input" in note
+    # the batch brought it: no module "first made" it
+    assert "It came in with the input of '<root>' (micro-batch 0). Tensor batch, samples [3]." \
+        in note and "First made" not in note, note
     assert len(logged) == (0 if on_event == "raise" else 1), logged
