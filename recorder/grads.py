@@ -77,19 +77,20 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
     # the one still in cache
     for i, p in reversed(target.large):
         grad = p.grad
-        if grad is None or not (every or seen.get(i) != (id(grad), version(grad))):
-            continue
-        if type(grad) is plain and grad.dtype is FLOAT32 and grad.layout is strided \
-                and not grad.requires_grad and (grad.is_cpu if cpu else grad.device == device) \
-                and (k := take()) < size:
-            flat = grad.view(-1) if grad.is_contiguous() else flat_view(grad)
-            torch.dot(flat, flat, out=views[k])
-            norms[i] = (GRAD, k)
+        if grad is None:
             continue
         if grad.layout is not strided:  # a sparse one (nn.Embedding(sparse=True)): its values
             if not checkable(grad):
                 continue
             grad = stored(grad)
+        if not every and seen.get(i) == (id(grad), version(grad)):
+            continue  # (as backward wrote it, measured then)
+        if type(grad) is plain and grad.dtype is FLOAT32 and not grad.requires_grad \
+                and (grad.is_cpu if cpu else grad.device == device) and (k := take()) < size:
+            flat = grad.view(-1) if grad.is_contiguous() else flat_view(grad)
+            torch.dot(flat, flat, out=views[k])
+            norms[i] = (GRAD, k)
+            continue
         idx.append(i)
         if type(grad) not in PLAIN:
             grad = local(grad)
