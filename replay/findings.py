@@ -47,7 +47,7 @@ def base_report(step: Step) -> dict[str, Any]:
                   "detail": ev.get("detail"), "evaluation": bool(ev.get("evaluation")),
                   "compiled": bool(ev.get("compiled"))},
         "reproduced": False,
-        "not_rerun": None,  # why the step (or its loss) was not re-run ("batch and weights stripped")
+        "not_rerun": None,  # why the step, or its loss, was not re-run ("weights stripped")
         "origin": origin_fields(),
         "cause": None,
         "hint": None,
