@@ -222,12 +222,20 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         if rounded is None and any(bool((v == 0).any()) for v in ev.inputs):
             return Cause("underflow", f"{what}: float64 keeps the step finite, so that 0 is "
                          "a value rounded to 0: " + DO["log_space"])
-        seen = f" (float64 has {_g(moved[2])} there)" if moved else ""
+        # enough digits that the float64 value does not read as the value the op was given
+        seen = (f" (float64 has {domains.g_apart(moved[2], *_given(ev, moved[1]))} there)"
+                if moved else "")
+        how = ("" if situation == "unit" else " (catastrophic cancellation, as in a variance "
+               "E[x²] − E[x]²)")
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
-                     "not cross (catastrophic cancellation, as in a variance E[x²] − E[x]²): "
-                     + DO["stable"])
+                     f"not cross{how}: " + DO["unit" if situation == "unit" else "stable"])
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
+
+
+def _given(ev: Evidence, i: int) -> list[float]:
+    """The values input ``i`` had where the op went non-finite (a few)."""
+    return [float(v) for v in ev.inputs[i].flatten()[:8]]
 
 
 def _wider(dtype: torch.dtype) -> str:

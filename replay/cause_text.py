@@ -83,6 +83,9 @@ DO = {
              "clamp the input), or lower the learning rate",
     "log_space": "compute in log space (log_softmax instead of log(softmax), logsumexp) or "
                  "clamp the value away from 0 (x.clamp_min(eps)) before log or division",
+    "unit": "clamp the input into the domain (cos.clamp(-1 + eps, 1 - eps): a cosine of unit "
+            "vectors can round past 1, and the derivative is infinite at the edge) or use "
+            "atan2 for an angle",
     "stable": "use a numerically stable formula (torch.var / torch.std or centring before "
               "squaring for a variance; logsigmoid or binary_cross_entropy_with_logits for "
               "log(1 - sigmoid(z)); log1p, expm1) or clamp to the domain before the op",

@@ -34,6 +34,17 @@ def g(x: float) -> str:
     return format(x, ".3g")
 
 
+def g_apart(x: float, *others: float) -> str:
+    """``x`` with three significant digits, or as many more as it takes not to read as one of
+    ``others`` (a domain edge, the value float64 has): acos of 1.00000012, rounded from a
+    cosine of unit vectors, must not print as acos of 1, which is inside the domain."""
+    for digits in range(3, 18):
+        s = format(x, f".{digits}g")
+        if x in others or float(s) not in others:
+            return s
+    return repr(x)
+
+
 def never_a_pole(name: str) -> bool:
     """Op ``name`` (``"exp"``; ``"softmax"`` for ``_softmax``) has no pole or domain edge for
     any input: an infinity it made is an overflow."""
@@ -114,9 +125,15 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         if zero and (p is None or p < 0):
             return f"{op} of 0 to a negative power (a pole)", "pole"
         return f"{op} of a negative number to a fractional power", "domain"
-    if base in ("acos", "asin", "atanh", "acosh"):
-        top = g(float(x.abs().max())) if x.numel() else "?"
-        return f"{op} of a number outside its domain (|x| up to {top})", "domain"
+    if base in ("acos", "asin", "atanh") and x.numel():
+        top = float(x[x.abs().argmax()])
+        if base == "atanh" and abs(top) == 1:
+            return f"{op} of {g(top)} (a pole)", "unit"
+        edge = "[-1, 1]" if base != "atanh" else "(-1, 1)"
+        return f"{op} of a number outside {edge} ({g_apart(top, 1.0, -1.0)})", "unit"
+    if base == "acosh" and x.numel():
+        return (f"{op} of a number below 1 (as low as {g_apart(float(x.min()), 1.0)})",
+                "domain")
     if ins and (zero or neg):
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")

@@ -10,6 +10,7 @@ rebuilds it from the batch. Factories are named ``make_*``; tests record with
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 D_IN, HIDDEN, N_CLASSES = 4, 8, 3
@@ -451,3 +452,17 @@ class CustomFunctionNet(nn.Module):
 def make_custom_function_net() -> nn.Module:
     torch.manual_seed(0)
     return CustomFunctionNet()
+
+
+class Angle(nn.Module):
+    """The angle between the two halves of each row: acos of the cosine of their unit vectors,
+    without a clamp to [-1, 1] (a geodesic distance, an ArcFace margin)."""
+
+    def forward(self, x):
+        a, b = F.normalize(x[:, :2], dim=-1), F.normalize(x[:, 2:], dim=-1)
+        return torch.acos((a * b).sum(-1, keepdim=True))
+
+
+def make_angle_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Angle(), nn.Linear(1, N_CLASSES))

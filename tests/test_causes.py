@@ -479,6 +479,21 @@ def test_log_of_one_minus_a_rounded_sigmoid_is_precision_not_underflow(tmp_path)
     assert "binary_cross_entropy_with_logits" in hint, hint
 
 
+def test_acos_of_a_cosine_rounded_past_one_prints_the_value_past_the_edge(tmp_path):
+    """Two equal halves: the dot product of their unit vectors is 1.0000001 in float32 (1 in
+    float64), so acos is NaN. The hint must show the value past the edge, not round it to the
+    "1" it crossed ("|x| up to 1 (float64 has 1 there)" read as acos of 1, inside the domain),
+    and give the clamp for a cosine, not the variance advice."""
+    u = [0.8487103581428528, 0.6920091509819031]
+    err = train("make_angle_net", with_row(u + u), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.acos", samples=[ROW],
+          cause="precision", made="nan")
+    hint = rep["hint"]
+    assert "outside [-1, 1] (1.0000001)" in hint and "float64 has 1 there" in hint, hint
+    assert "clamp(-1 + eps, 1 - eps)" in hint and "variance" not in hint, hint
+
+
 # ---------------------------------------------------------------------------------------------
 # one table of cause texts
 
