@@ -494,6 +494,21 @@ def test_acos_of_a_cosine_rounded_past_one_prints_the_value_past_the_edge(tmp_pa
     assert "clamp(-1 + eps, 1 - eps)" in hint and "variance" not in hint, hint
 
 
+def test_a_cosine_that_float64_also_rounds_past_one_is_still_precision(tmp_path):
+    """The same equal halves, but a pair whose unit vectors' dot product is past 1 in float64
+    too (1.0000000000000004, against float32's 1.0000001): exact arithmetic gives exactly 1,
+    so acos's NaN is rounding, not invalid math. The margin past the edge shrank with the
+    type's epsilon, which is what tells it from a value truly outside the domain."""
+    u = [-0.07439491897821426, -1.0922236442565918]
+    err = train("make_angle_net", with_row(u + u), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.acos", samples=[ROW],
+          cause="precision", made="nan")
+    hint = rep["hint"]
+    assert "float64 is past the edge too, but by 4.44e-16 against float32's 1.19e-07" in hint, hint
+    assert "exact arithmetic makes too" not in hint, hint
+
+
 # ---------------------------------------------------------------------------------------------
 # one table of cause texts
 
