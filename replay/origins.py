@@ -136,6 +136,13 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["problems"].append(
             "the loss given to record_loss was computed outside the recorded model, so the "
             "bundle holds its value but nothing to re-run it with")
+    elif outside.loss_fn_not_called(step):
+        # not re-run at all: saying it "re-ran finite" would clear a loss that may hold the bug
+        report["problems"].append(
+            f"the loss_fn given to the recorder ({info.get('name')}) was not called in this "
+            "step, so the replay had no loss to re-run"
+            + (": a plain function is seen only when called as rec.loss_fn(...)"
+               if info.get("kind") == "function" else ""))
     elif step.loss_fn is not None:
         report["problems"].append(
             "the loss_fn the replay re-ran is finite with finite gradients: the loop's loss "

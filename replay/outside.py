@@ -79,11 +79,25 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
     return fields, reproduced
 
 
+def loss_fn_not_called(step: Step) -> bool:
+    """A loss_fn was given but no micro-batch of the step called it (nothing to re-run): a
+    plain function called directly instead of as ``rec.loss_fn``, or another loss computed."""
+    info = step.meta.get("loss") or {}
+    return info.get("kind") in ("module", "function") and bool(step.micro_batches) and not any(
+        mb.get("loss_inputs") for mb in step.micro_batches)
+
+
 def replayable_loss_hint(step: Step) -> str:
     """How to make the loss itself replayable, in the words of the integration that recorded
     the bundle (plain loop, Hugging Face Trainer, Lightning)."""
     info = step.meta.get("loss") or {}
     integration = (step.meta.get("recorder") or {}).get("integration")
+    if loss_fn_not_called(step):
+        return ("call the loss through the recorder, loss = rec.loss_fn(out, target) (a plain "
+                "function cannot be hooked, so one called directly is not seen), so the replay "
+                "re-runs it and names the op" if info.get("kind") == "function" else
+                "compute the step's loss with the loss module given as loss_fn, so the replay "
+                "re-runs it and names the op")
     if info.get("kind") in ("module", "function"):
         return ("the loss the recorder was given re-ran finite, so the value came from loss "
                 "terms computed outside it: compute the whole loss inside loss_fn so the replay "

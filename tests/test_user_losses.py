@@ -573,14 +573,16 @@ def test_an_inline_loss_of_a_later_micro_batch_is_named_with_it(tmp_path):
                        "model output, micro-batch 1"), text
 
 
-def train_rater(out_dir: Path, *, hand_over: bool):
+def train_rater(out_dir: Path, *, hand_over: bool, given: bool | None = None):
     """The rater with the loop's own log-space loss (or, ``hand_over``, the same function as
-    ``rec.loss_fn``); at step K items 1 and 4 are marked absent, so their ratings are 0."""
+    ``rec.loss_fn``); at step K items 1 and 4 are marked absent, so their ratings are 0.
+    ``given``: the function is given as ``loss_fn`` (default: when ``hand_over``)."""
     model = UL.make_rater()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, out_dir=out_dir, factory="user_losses:make_rater",
-                            loss_fn=UL.log_rating_loss if hand_over else None) as rec:
+                            loss_fn=UL.log_rating_loss if (hand_over if given is None
+                                                            else given) else None) as rec:
             for step in range(6):
                 x, _ = UL.batch(step)
                 x, rating = x[:, 0], x[:, 1, 0].abs() + 1
@@ -616,6 +618,22 @@ def test_an_unseen_loss_whose_gradient_a_relu_drops_is_still_an_event(tmp_path):
         "(a ReLU at 0, a mask), so the update would have gone ahead while the loss was "
         "non-finite"]
     assert "loss_fn=" in rep["hint"]
+
+
+def test_a_loss_fn_given_but_called_directly_is_not_said_to_have_re_run_finite(tmp_path):
+    """The function given as ``loss_fn`` but called directly, not as ``rec.loss_fn``: the
+    recorder never saw it (a backward event from the gradient entering the output), and the
+    replay had no loss to re-run. The report said "the loss_fn the replay re-ran is finite"
+    and blamed terms outside it, clearing the loss that holds the bug; it must say the
+    loss_fn was not called and how to call it."""
+    err = train_rater(tmp_path, hand_over=False, given=True)
+    assert (err.event["step"], err.event["phase"]) == (K, "backward")
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "samples") == ("loss", "<loss>", [1, 4])
+    assert not any("re-ran is finite" in p for p in rep["problems"]), rep["problems"]
+    assert any("user_losses.log_rating_loss) was not called in this step" in p
+               and "rec.loss_fn(...)" in p for p in rep["problems"]), rep["problems"]
+    assert "rec.loss_fn(out, target)" in rep["hint"] and "re-ran finite" not in rep["hint"]
 
 
 def test_the_same_loss_given_as_loss_fn_names_the_log(tmp_path):
