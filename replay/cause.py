@@ -327,6 +327,11 @@ def _from_infinities(hit: OpHit) -> Cause:
     """The op made NaN from infinities it was given (a -inf mask, an earlier overflow that the
     chain shows)."""
     name = _name(hit.op).rstrip("_")
+    if hit.made != "nan":  # OpFinder.first_reduced: an infinity it was given, summed in
+        return Cause("invalid", f"{hit.op} folded an infinity it was given into {hit.made} "
+                     "(one held on purpose, such as a -inf mask under allow_inf: a "
+                     "log-probability of exactly 0, infinite in exact arithmetic too): "
+                     + DO["inf_weight"])
     if name in ("_softmax", "softmax", "_log_softmax", "log_softmax",
                 "_safe_softmax", "logsumexp"):
         return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "

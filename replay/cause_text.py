@@ -59,6 +59,9 @@ DO = {
               "where it is 0",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
+    "inf_weight": "give the masked entries zero weight in the loss (label smoothing or soft "
+                  "targets spread over masked classes, a target on a masked class), or mask "
+                  "with a large finite negative number instead of -inf",
     "masked_row": "a fully masked row has no key to attend to: keep at least one key per "
                   "row, or mask with a large finite negative number instead of -inf",
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "

@@ -162,6 +162,11 @@ class _Watch(TorchDispatchMode):
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
+        if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
+                and outs[0].numel() < max(t.numel() for (a, b), t in zip(pairs, ins)
+                                          if not pair_ok(a, b)):
+            f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
+                                    rows=f.batch_rows(outs))
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
                                 inputs_finite=in_finite)
@@ -301,6 +306,9 @@ class OpFinder:
         self.first: OpHit | None = None
         self.first_nan: OpHit | None = None
         self.intentional: OpHit | None = None
+        # the first reduction (sum, mean, nll_loss) that folded an infinity it was given into
+        # a non-finite result: where a loss took in a -inf its inputs were allowed to hold
+        self.first_reduced: OpHit | None = None
         self.allowed_depth = 0
         self.samples = samples  # name the samples of the first offender's output
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again

@@ -49,7 +49,9 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         loss = step.loss_fn(*args, **kwargs)
     made = next((kind_of(t) for t in tensor_leaves(loss) if not finite(t)), None)
     del loss
-    hit = finder.origin()
+    # no op made the value from finite inputs: the loss folded in an infinity that the model
+    # output was allowed to hold (a -inf mask under allow_inf); name the reduction that did
+    hit = finder.origin() or finder.first_reduced
     origin = origin_fields(
         phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
         source=hit.source if hit else None, chain=finder.chain(),

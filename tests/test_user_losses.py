@@ -645,3 +645,32 @@ def test_the_same_loss_given_as_loss_fn_names_the_log(tmp_path):
     assert origin(rep, "phase", "module", "op", "samples", "source") == (
         "loss", "<loss>", "aten.log", [1, 4], bug_line("log0"))
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+
+
+def test_a_loss_that_sums_in_an_allowed_minus_inf_names_the_reduction_and_the_rows(tmp_path):
+    """Logits masked with -inf on purpose (``allow_inf=[""]`` lets the output hold them) and a
+    hand-written label smoothing that gives the masked classes weight: the loss is +inf at
+    step K, when sample 2 first has a mask. No op made a non-finite value from finite inputs,
+    so the report had no op, no samples and said the loss was non-finite "from finite model
+    outputs"; it must name the sum that folded the -inf in, its row, and what to do."""
+    model = UL.make_masked_tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=UL.SmoothedCE(), out_dir=tmp_path,
+                            factory="user_losses:make_masked_tagger", allow_inf=[""]) as rec:
+            for step in range(6):
+                x, y = UL.batch(step)
+                allowed = torch.ones(UL.B, UL.C, dtype=torch.bool)
+                if step == K:
+                    allowed[2] = F.one_hot(y[2], UL.C).sum(0) > 0  # only its own labels
+                opt.zero_grad()
+                rec.loss_fn(model(x, allowed), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (K, "loss")
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op", "made", "samples", "source") == (
+        "loss", "<loss>", "aten.sum", "+inf", [2], bug_line("smooth"))
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert "folded an infinity" in rep["hint"] and "zero weight" in rep["hint"], rep["hint"]
+    assert "finite model outputs" not in rep["hint"], rep["hint"]

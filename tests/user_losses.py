@@ -151,3 +151,32 @@ class TwoViewContrastive(nn.Module):
         sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), float("-inf"))
         target = torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]).to(z.device)
         return F.cross_entropy(sim, target)
+
+
+class MaskedTagger(Tagger):
+    """The tagger given a (B, C) mask of the classes each sequence allows (a dialogue state,
+    legal actions): the others' logits are -inf, on purpose."""
+
+    def forward(self, x, allowed):
+        return super().forward(x).masked_fill(~allowed[:, None, :], float("-inf"))
+
+
+def make_masked_tagger() -> nn.Module:
+    torch.manual_seed(0)
+    return MaskedTagger()
+
+
+class SmoothedCE(nn.Module):
+    """Label smoothing written by hand: the target distribution spreads ``smoothing`` over
+    every class, the masked ones too, whose log-probability is -inf."""
+
+    def __init__(self, smoothing: float = 0.1):
+        super().__init__()
+        self.smoothing = smoothing
+
+    def forward(self, logits, target):
+        logp = logits.log_softmax(-1)
+        with torch.no_grad():
+            dist = torch.full_like(logp, self.smoothing / (C - 1))
+            dist.scatter_(-1, target.unsqueeze(-1), 1 - self.smoothing)
+        return torch.sum(-dist * logp, dim=-1).mean()  # BUG smooth
