@@ -27,6 +27,7 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .compat import sequence_nr
+from .ops import OpFinder
 from .rerun import Runner
 from .source import traceback_source
 
@@ -49,6 +50,10 @@ class BackwardOrigin:
     # an input came from exp, softmax or sigmoid (positive in exact arithmetic), so a 0 there
     # underflowed (see :func:`from_positive`)
     positive_input: bool = False
+    # a custom autograd.Function's node: the aten op of its own backward code that made the
+    # value, and that code's line (the forward line above is where the node was made)
+    inner_op: str | None = None
+    inner_source: str | None = None
 
 
 @contextlib.contextmanager
@@ -171,7 +176,10 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
                 found.micro_batch = runner.micro_batch
                 found.saved, found.saved_zero = saved_facts(node)
                 found.positive_input = from_positive(node)
+                custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
         handles.append(node.register_hook(hook))
+
+    custom: list[bool] = []
 
     labels = _NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
@@ -180,6 +188,8 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
     for h in handles:
         h.remove()
     found.params = run.bad_grads
+    if custom and custom[0]:
+        _inside_custom(runner, found)
     # Second opinion from anomaly mode (NaN only).
     try:
         runner.run(instrument=False, forward_ctx=_anomaly, backward_ctx=_anomaly)
@@ -187,6 +197,42 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
         m = re.search(r"Function '(\w+)' returned nan", str(e))
         found.anomaly_node = m.group(1) if m else None
     return found
+
+
+def _inside_custom(runner: Runner, found: BackwardOrigin) -> None:
+    """Re-run with an op finder active while nodes named ``found.node`` (a custom
+    autograd.Function's) run their Python backward: the user's backward code made the value,
+    so name its op and line, not only the forward line that made the node."""
+    finder = OpFinder()
+    handles: list = []
+
+    def enter(grad_outputs):
+        if finder.first is None and finder.first_nan is None:
+            finder.__enter__()
+            active.append(True)
+
+    def leave(grad_inputs, grad_outputs):
+        if active:
+            active.clear()
+            finder.__exit__(None, None, None)
+
+    def on_node(node, name):
+        if node.name() == found.node:
+            handles.extend([node.register_prehook(enter), node.register_hook(leave)])
+
+    active: list[bool] = []
+    labels = _NodeLabels(on_node)
+    try:
+        runner.run(instrument=False, hooks=labels.hooks,
+                   backward_ctx=_loss_labeller(runner, labels.label))
+    finally:
+        for h in handles:
+            h.remove()
+        if active:
+            finder.__exit__(None, None, None)
+    hit = finder.origin()
+    if hit is not None and hit.source:
+        found.inner_op, found.inner_source = hit.op, hit.source
 
 
 class _NodeLabels:

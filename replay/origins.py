@@ -5,6 +5,7 @@ outside, the backward (:mod:`replay.backward`), and the optimizer's update.
 
 from __future__ import annotations
 
+import linecache
 from typing import Any
 
 import torch
@@ -181,7 +182,16 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
         return finish(report, origin, "input", reproduced=reproduced, hint=hint)
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                      underflowed=b.positive_input)
-    return finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
+    report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
+    if b.inner_op:  # a hand-written backward: the bug is in its formula, not the forward
+        path, _, line = b.inner_source.rpartition(":")
+        text = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
+        report["problems"].append(
+            f"{b.node} is a custom autograd.Function's backward: its own code made the "
+            f"{b.made}, {b.inner_op} at {b.inner_source}" + (f" ({text})" if text else "")
+            + "; fix that formula at this input (its limit's value there, torch.where on a "
+            "safe input, an eps)")
+    return report
 
 
 def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:

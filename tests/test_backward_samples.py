@@ -88,6 +88,22 @@ def test_a_custom_function_applied_by_the_parent_is_the_parents(tmp_path):
     assert rep["origin"]["source"] == f"cause_models.py:{line}", rep["origin"]
 
 
+def test_a_custom_functions_backward_names_the_op_and_line_of_its_own_code(tmp_path):
+    """The same hand-written backward: the node is made at the forward line, but the bug is in
+    the backward's formula (``grad / (2 * y)`` at y = 0). The report names that op and line
+    in a note (it named only the forward line, and its hint spoke of guarding the forward)."""
+    err = train(C, "make_custom_function_net", zero_rows([5]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, step=K, phase="backward", module="", op="_SqrtBackward", samples=[5],
+          cause="invalid", reproduced=True)
+    line = next(i for i, text in enumerate((HERE / "cause_models.py").read_text().splitlines(), 1)
+                if "return grad / (2 * y)" in text)
+    made = rep["origin"]["made"]
+    assert any(p.startswith(f"_SqrtBackward is a custom autograd.Function's backward: its own "
+                            f"code made the {made}, aten.div at cause_models.py:{line} "
+                            "(return grad / (2 * y)") for p in rep["problems"]), rep["problems"]
+
+
 def test_where_gradient_trap_names_its_row(tmp_path):
     """torch.where(h² > 0, log(h²), 0): finite forward; backward sends 0 into log's
     derivative 1/x at x = 0, which is 0/0 (LogBackward0), for the zero row only."""
