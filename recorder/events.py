@@ -22,6 +22,7 @@ from .finite import (
     has_nan,
     kind_of,
     label,
+    only_mask_infinities,
     pair_kind,
     pair_ok,
     tensors_kind,
@@ -226,7 +227,9 @@ def _forward_event(ev: StepEvidence) -> Event | None:
         d = (made[0] if made else bad[0]) if bad else None
     else:
         by_order = sorted(ev.calls, key=lambda d: (d["micro_batch"], d["order"]))
-        d, came_in = _chain_origin(by_order, ev.allowed, ev.module_names)
+        masked = {i for i, mb in enumerate(ev.tape.micro_batches)
+                  if only_mask_infinities(_tensors([list(mb.args), mb.kwargs]))}
+        d, came_in = _chain_origin(by_order, ev.allowed, ev.module_names, masked)
         if came_in:
             return _batch_event(ev, d, nan_only=False)
     if d is None:
@@ -295,7 +298,8 @@ def _output_grad_event(ev: StepEvidence) -> Event | None:
     return None
 
 
-def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str]):
+def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str],
+                  masked: set[int] = frozenset()):
     """The call that started a forward event by the default policy (``strict_inf=False``),
     from decoded calls in completion order, and whether the chain started in the batch (the
     call is then the root call whose inputs held the infinity); (None, False): no forward
@@ -307,7 +311,9 @@ def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str]):
     +-Inf, at the first call of its micro-batch before it that made +-Inf from finite inputs
     (an fp16 overflow that a later layer turns into NaN), else, when no call made them, at the
     innermost call enclosing the event whose inputs were finite (its own code made them:
-    ``log(0)`` in the root's forward before a submodule), else at the batch's own infinities.
+    ``log(0)`` in the root's forward before a submodule), else at the batch's own infinities,
+    unless all of them are additive masks (micro-batches in ``masked``): intended, as a
+    literal -inf fill is, so the event is the call that made the NaN from them.
     ``allow_inf`` modules never start a chain: their infinities are intended."""
     nan = [d for d in by_order if d["nan"]]
     made = [d for d in nan if d["inputs_nan_free"]]
@@ -340,6 +346,8 @@ def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str]):
             return maker, False
     root = next((d for d in by_order if d["module"] == 0 and d["micro_batch"] == mb
                  and not d["inputs_all_finite"]), None)
+    if mb in masked:  # a -inf mask passed in: softmax of an all -inf row made the NaN
+        return trigger, False
     return (root, True) if root is not None else (trigger, False)
 
 

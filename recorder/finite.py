@@ -136,3 +136,19 @@ def flags_kind(nan: bool, posinf: bool, neginf: bool) -> str | None:
 def has_nan(t: torch.Tensor) -> bool:
     """``t`` holds a NaN (the one non-finite value every policy counts); False if not floating."""
     return checkable(t) and bool(torch.isnan(t.detach()).any())
+
+
+def additive_mask(t: torch.Tensor) -> bool:
+    """``t`` is an additive attention mask: a real floating tensor whose values are all 0 or
+    -inf (``nn.Transformer.generate_square_subsequent_mask``, a padding mask built by hand)."""
+    if not (t.is_floating_point() and t.numel() and t.layout == torch.strided):
+        return False
+    d = t.detach()
+    return bool(((d == 0) | (d == -math.inf)).all())
+
+
+def only_mask_infinities(tensors: Iterable[torch.Tensor]) -> bool:
+    """Some of ``tensors`` hold a non-finite value, and each such is an additive mask: the
+    -inf there is intended (by the default policy, no event), unlike a data tensor's."""
+    bad = [t for t in tensors if isinstance(t, torch.Tensor) and checkable(t) and not finite(t)]
+    return bool(bad) and all(additive_mask(t) for t in bad)

@@ -17,7 +17,7 @@ from torch import nn
 # here must be the recorder's output j (recorded output gradients are keyed by it), and pytree
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
 from recorder.capture import map_tensors, restore_rng, tensor_leaves
-from recorder.finite import finite, matches
+from recorder.finite import finite, matches, only_mask_infinities
 
 from . import bisection
 from .errors import StopRun
@@ -90,6 +90,8 @@ class Runner:
             for i, mb in enumerate(self.step.micro_batches):
                 self.micro_batch = i
                 args, kwargs = micro_batch_inputs(self.step, i)
+                if only_mask_infinities(tensor_leaves((args, kwargs))):
+                    result.masked.add(i)
                 if self.cast is not None:
                     args, kwargs = _cast((args, kwargs), self.cast)
                 with torch.set_grad_enabled(mb.get("grad_enabled", True)), \

@@ -46,6 +46,8 @@ class Run:
     error: Exception | None = None  # what the model's own code raised, ending the run there
     strict_inf: bool = True  # the recording's policy (see FlightRecorder's strict_inf)
     allowed: frozenset = frozenset()  # modules allowed to hold +-Inf (allow_inf)
+    # micro-batches whose inputs' infinities are all additive -inf masks (intended)
+    masked: set = field(default_factory=set)
 
     @property
     def raised(self) -> str | None:
@@ -93,6 +95,8 @@ class Run:
             return maker, trigger, False
         root = next((c for c in calls if c.module == "" and c.micro_batch == trigger.micro_batch
                      and not c.inputs_all_finite), None)
+        if trigger.micro_batch in self.masked:  # a -inf mask came in: intended, as recorded
+            return trigger, trigger, False
         return (root or trigger), trigger, root is not None
 
     def _enclosing_maker(self, call: Call) -> Call | None:

@@ -174,3 +174,35 @@ class MaskInputThenLog(MaskThenLog):
 
 def make_mask_input_then_log() -> nn.Module:
     return MaskInputThenLog()
+
+
+# ---------------------------------------------------------------------------------------------
+# an additive -inf padding mask passed into forward, as Hugging Face models take a 4-D one
+
+
+class AdditiveAttention(nn.Module):
+    """Self-attention whose additive mask (B, 1, T: 0 or -inf per key) is added to the scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D_IN, 3 * HIDDEN)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(1, 2) / HIDDEN ** 0.5 + mask
+        return torch.softmax(scores, dim=-1) @ v  # BUG: a row whose every key is masked
+
+
+class MaskedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = AdditiveAttention()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x, mask):
+        return self.head(self.attn(x, mask).mean(dim=1))
+
+
+def make_masked_encoder() -> nn.Module:
+    torch.manual_seed(0)
+    return MaskedEncoder()

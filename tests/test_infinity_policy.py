@@ -209,6 +209,38 @@ def test_nan_after_an_intended_mask_is_blamed_on_its_maker_not_the_mask(out_dir)
     check_event(strict.event, step=0, phase="forward", module="mask", kind="-inf")
 
 
+def test_nan_from_an_additive_mask_passed_in_is_the_softmax_not_bad_data(out_dir):
+    """An additive padding mask (0 / -inf per key) passed into forward, as a Hugging Face
+    model's 4-D mask is: by default its -inf is intended, so the NaN that a row with every key
+    masked makes (softmax of an all -inf row, sample 2 at step K) is a forward event in the
+    attention, op softmax, cause invalid. It was an ``input`` event on the mask with every
+    padded row as samples, and the hint said to fix the data pipeline."""
+    model = I.make_masked_encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = nn.CrossEntropyLoss()
+    T = 6
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="infinity_models:make_masked_encoder"):
+            for step in range(6):
+                x, y = I.batch(step, n=8)
+                x = x[:, None, :].expand(8, T, I.D_IN).contiguous()
+                mask = torch.zeros(8, 1, T)
+                mask[:, :, T - 2:] = -math.inf  # every row has two padding positions
+                if step == K:
+                    mask[2] = -math.inf  # an empty sequence: every key masked
+                opt.zero_grad()
+                crit(model(x, mask), y).backward()
+                opt.step()
+    check_event(info.value.event, step=K, phase="forward", module="attn", kind="nan",
+                samples=[2])
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"], rep["reproduced"]) \
+        == ("forward", "attn", "aten._softmax", [2], "invalid", True), o
+    assert "every entry is -inf" in rep["hint"], rep["hint"]
+
+
 def test_inf_in_the_data_that_turns_into_nan_is_an_input_event(out_dir):
     def make(step):
         x, y = I.batch(step)
