@@ -23,7 +23,7 @@ import torch
 
 from .errors import ReplayError
 from .load import Step
-from .recorded import batch_size
+from .recorded import batch_size, samples
 from .window import Change, Window, run_window, step_as_window, window_of
 
 KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
@@ -110,16 +110,19 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
 
 
 def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
-    """The remedies that fit the cause: drop the offending samples for bad input or an op's
-    domain, a wider compute type for an overflow (float32 under float16/bfloat16), a smaller
+    """The remedies that fit the cause: drop the offending samples for bad input, an op's
+    domain or an overflow in samples whose inputs are outliers of the batch, a wider compute type for an overflow (float32 under float16/bfloat16), a smaller
     learning rate and clipping for an update or a growth that began steps before, a non-zero
     eps for an optimizer with ``eps=0``. None for weights written outside
     ``optimizer.step()``: no change to the steps a re-run replays reaches that write."""
     cause, o = report.get("cause"), report.get("origin") or {}
     out: list[str] = []
     samples = o.get("samples") or []
-    if cause in ("input", "invalid", "underflow", "precision") and samples \
-            and not o.get("all_samples"):
+    # an overflow in samples whose inputs are outliers of the batch points at their data too
+    # (a record in the wrong unit): dropping them tells the data from the model's scale
+    fits_drop = cause in ("input", "invalid", "underflow", "precision") or (
+        cause == "overflow" and _outlier_rows(step, o.get("micro_batch") or 0, samples))
+    if fits_drop and samples and not o.get("all_samples"):
         out.append("drop=" + ",".join(str(s) for s in samples))
     low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \
         or any(mb.get("autocast") for mb in step.micro_batches)
@@ -133,6 +136,25 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         if cause == "optimizer" and any(g.get("eps") == 0 for g in step.optimizer.param_groups):
             out.append("eps=1e-8")
     return out
+
+
+def _outlier_rows(step: Step, mb: int, rows: list[int], factor: float = 10.0) -> bool:
+    """Some floating input tensor of micro-batch ``mb`` has, in ``rows``, values ``factor``
+    times larger in magnitude than in every other row of the batch."""
+    where = samples(step, mb)
+    for key, t in step.tensors.items():
+        if not key.startswith(f"batch/{mb}/") or not t.is_floating_point():
+            continue
+        d = where.dim(t)
+        if d is None or not rows or max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
+            continue
+        per = t.detach().movedim(d, 0).reshape(t.shape[d], -1).abs().double().amax(1)
+        per = torch.nan_to_num(per, nan=math.inf)
+        named = torch.zeros(len(per), dtype=torch.bool)
+        named[rows] = True
+        if bool(per[named].max() > factor * per[~named].max()):
+            return True
+    return False
 
 
 def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict[str, Any]]:

@@ -340,6 +340,19 @@ def test_exp_overflow_beyond_float64(tmp_path):
     assert "compute it in float64" not in hint, hint
 
 
+def test_auto_tries_dropping_the_samples_of_an_overflow_confined_to_them(tmp_path):
+    """exp overflows in sample 5 only (a record 100x out of scale): --try auto proposed only
+    a wider type, a smaller learning rate and clipping, none of which tests the data; dropping
+    that sample does, and the step is then finite."""
+    err = train("make_exp_first", with_row([1000.0, 0.0, 0.0, 0.0]), tmp_path)
+    res = CliRunner().invoke(cli, [str(err.bundle_path), "--json", "--try", "auto"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["cause"] == "overflow" and rep["origin"]["samples"] == [ROW], rep["origin"]
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert f"drop={ROW}" in tries and tries[f"drop={ROW}"]["finite"] is True, tries
+
+
 def test_autocast_float16_overflow_says_float32_holds_it(tmp_path):
     """A matmul under float16 autocast past 65504: float32 (and float64) hold it, so the
     hint is the wider type, outside autocast."""
