@@ -70,9 +70,10 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
 
 
 def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = ()):
-    """Stand-in for loss inputs that are the model output or a view of it, so the replay feeds
-    the loss its own re-computed output instead of a recorded copy: ``{"$out": j}``, with
-    ``"mb": k`` for an output of the step's earlier micro-batch ``k`` (``earlier``)."""
+    """Stand-in for loss inputs that are the model output, a view of it or a cast of it to
+    another dtype, so the replay feeds the loss its own re-computed output instead of a
+    recorded copy: ``{"$out": j}``, with ``"mb": k`` for an output of the step's earlier
+    micro-batch ``k`` (``earlier``)."""
     sources = [(None, outs), *((k, o) for k, o in reversed(list(enumerate(earlier))))]
 
     def leaf(t: torch.Tensor):
@@ -86,6 +87,15 @@ def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (
                         and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()):
                     return {**_out_ref(i, k), "view": [list(t.shape), list(t.stride()),
                                                        t.storage_offset() - o.storage_offset()]}
+        fn = t.grad_fn
+        for k, group in sources:
+            for i, o in enumerate(group):
+                # a cast of the output (model(x).float() in a half-precision loop): a recorded
+                # copy would feed a re-run with another dtype, lr or batch the recorded values
+                if (fn is not None and o.grad_fn is not None and t.shape == o.shape
+                        and type(fn).__name__ == "ToCopyBackward0" and t.device == o.device
+                        and fn.next_functions and fn.next_functions[0][0] is o.grad_fn):
+                    return {**_out_ref(i, k), "dtype": str(t.dtype).removeprefix("torch.")}
         return None
 
     return leaf

@@ -410,6 +410,9 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]]
         o = outputs[k][node["$out"]]
         if k != i:
             o = o.detach()
+        dt = getattr(torch, str(node.get("dtype")), None)
+        if isinstance(dt, torch.dtype) and dt.is_floating_point and o.is_floating_point():
+            return o.to(dt)  # the loss was given a cast of the output (out.float())
         if "view" in node:
             shape, stride, off = node["view"]
             if shape and o.numel() != math.prod(shape) and not off and o.is_contiguous() \

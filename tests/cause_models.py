@@ -466,3 +466,21 @@ class Angle(nn.Module):
 def make_angle_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(Angle(), nn.Linear(1, N_CLASSES))
+
+
+class HalfRMSNorm(nn.Module):
+    """RMSNorm with an eps meant for float32: 1e-12 is 0 in float16, so a row whose mean
+    square underflows float16 gets rsqrt(0)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-12)
+
+
+def make_half_rms_net() -> nn.Module:
+    """Trained in float16 throughout (model.half()), its output cast to float32 for the loss."""
+    torch.manual_seed(0)
+    return nn.Sequential(HalfRMSNorm(D_IN), nn.Linear(D_IN, N_CLASSES)).half()

@@ -353,6 +353,33 @@ def test_auto_tries_dropping_the_samples_of_an_overflow_confined_to_them(tmp_pat
     assert f"drop={ROW}" in tries and tries[f"drop={ROW}"]["finite"] is True, tries
 
 
+def tiny_row_in_float16(step):
+    """The batch in float16, row ROW at step K 1e-4 in scale: its squares underflow."""
+    x, y = R.batch(step)
+    if step == K:
+        x[ROW] = torch.tensor([1e-4, -1e-4, 2e-4, 1e-4])
+    return (x.half(),), y
+
+
+def test_a_try_re_runs_the_loss_on_a_cast_of_the_re_run_output(tmp_path):
+    """A float16 model whose loop gives the loss ``model(x).float()``: the bundle kept that
+    cast as a recorded copy, so --try dtype=float32 fed the loss the recorded non-finite
+    values and reported "nan at step 3 (loss)" although the float32 re-run of the model is
+    finite. The cast is now recorded as a cast of the output and re-done on the re-run's."""
+    err = train("make_half_rms_net", tiny_row_in_float16, tmp_path,
+                call=lambda fn, out, y: fn(out.float(), y))
+    meta, _ = read_bundle(err.bundle_path)
+    tree = json.dumps(meta["micro_batches"][0]["loss_inputs"])
+    assert '{"$out": 0, "dtype": "float32"}' in tree, tree
+    res = CliRunner().invoke(cli, [str(err.bundle_path), "--json", "--try", "dtype=float32"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    check(rep, err, phase="forward", module="0", op="aten.rsqrt", samples=[ROW],
+          cause="underflow", made="+inf")
+    (t,) = rep["what_if"]
+    assert t["finite"] is True and t["inconclusive"] is False, t
+
+
 def test_autocast_float16_overflow_says_float32_holds_it(tmp_path):
     """A matmul under float16 autocast past 65504: float32 (and float64) hold it, so the
     hint is the wider type, outside autocast."""
