@@ -210,9 +210,12 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
     if moved is not None and moved[0] == "underflow":
         _, i, w = moved
         it = ev.input_dtypes[i]
+        # a half type's underflow that float32 holds: float32 from where it is made fixes it
+        wider = (DO["wider_under"] + "; or " if torch.finfo(it).bits < 32
+                 and abs(w) >= torch.finfo(torch.float32).tiny else "")
         return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "
                      f"{_type(it)}'s smallest normal number {_g(torch.finfo(it).tiny)}, and "
-                     "was rounded to 0: " + DO["log_space"])
+                     "was rounded to 0: " + wider + DO["log_space"])
     if zero_from_exp:
         src = "exp, softmax or sigmoid of a finite argument, positive in exact arithmetic"
         also = "" if rounded else ", and below float64's range as well"

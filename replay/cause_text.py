@@ -84,6 +84,9 @@ DO = {
                "product or sum) or compute it in float64",
     "clamp": "clamp the exponent or the input range (subtract the row max before exp, "
              "clamp the input), or lower the learning rate",
+    "wider_under": "float32 holds it: compute in float32 from where the value is made "
+                   "(x.float() before the squares, the softmax or the product; outside "
+                   "autocast)",
     "log_space": "compute in log space (log_softmax instead of log(softmax), logsumexp) or "
                  "clamp the value away from 0 (x.clamp_min(eps)) before log or division",
     "unit": "clamp the input into the domain (cos.clamp(-1 + eps, 1 - eps): a cosine of unit "

@@ -111,7 +111,7 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
 
 def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     """The remedies that fit the cause: drop the offending samples for bad input, an op's
-    domain or an overflow in samples whose inputs are outliers of the batch, a wider compute type for an overflow (float32 under float16/bfloat16), a smaller
+    domain or an overflow in samples whose inputs are outliers of the batch, a wider compute type for an overflow (float32 under float16/bfloat16) or a half type's underflow, a smaller
     learning rate and clipping for an update or a growth that began steps before, a non-zero
     eps for an optimizer with ``eps=0``. None for weights written outside
     ``optimizer.step()``: no change to the steps a re-run replays reaches that write."""
@@ -128,6 +128,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         or any(mb.get("autocast") for mb in step.micro_batches)
     if cause == "overflow":
         out.append("dtype=float32" if low else "dtype=float64")
+    elif cause == "underflow" and low:  # a value float16 rounds to 0 is normal in float32
+        out.append("dtype=float32")
     began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")
     grew = began is not None and began < (report.get("event") or {}).get("step", began)
     fits_update = cause in ("optimizer", "overflow") or (grew and cause != "weights")

@@ -380,6 +380,22 @@ def test_a_try_re_runs_the_loss_on_a_cast_of_the_re_run_output(tmp_path):
     assert t["finite"] is True and t["inconclusive"] is False, t
 
 
+def test_a_float16_underflow_that_float32_holds_says_so_and_auto_tries_float32(tmp_path):
+    """The same float16 RMSNorm: the mean square, 1.75e-8, is below float16's range but a
+    normal float32 number. The hint offered only log space and a clamp; it now says float32
+    holds it, and --try auto tries float32 (finite), as it does for a float16 overflow."""
+    err = train("make_half_rms_net", tiny_row_in_float16, tmp_path,
+                call=lambda fn, out, y: fn(out.float(), y))
+    res = CliRunner().invoke(cli, [str(err.bundle_path), "--json", "--try", "auto"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["cause"] == "underflow", rep["hint"]
+    assert "below float16's smallest normal number" in rep["hint"], rep["hint"]
+    assert "float32 holds it: compute in float32" in rep["hint"], rep["hint"]
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert tries["dtype=float32"]["finite"] is True, tries
+
+
 def test_autocast_float16_overflow_says_float32_holds_it(tmp_path):
     """A matmul under float16 autocast past 65504: float32 (and float64) hold it, so the
     hint is the wider type, outside autocast."""
