@@ -59,6 +59,10 @@ DO = {
               "where it is 0",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
+    "literal_inf": "if the infinity is intended (masked logits, which cross_entropy reads "
+                   "only at allowed targets), record with allow_inf naming that module (the "
+                   "note says which); else mask with a large finite negative number "
+                   "(torch.finfo(dtype).min) instead of -inf",
     "inf_weight": "give the masked entries zero weight in the loss (label smoothing or soft "
                   "targets spread over masked classes, a target on a masked class), or mask "
                   "with a large finite negative number instead of -inf",

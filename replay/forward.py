@@ -50,7 +50,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         report["problems"].append(
             f"{hit.op} fills a literal {hit.made} that reaches the output of "
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
-            f"FlightRecorder(..., allow_inf=['{o.module or '*'}'])")
+            f"FlightRecorder(..., allow_inf=[{o.module!r}])"
+            + (" ('' names the root; '*' would allow every module)" if not o.module else ""))
     rows = _origin_rows(step, run, o, hit)
     # made: what the blamed op made (the chain's first entry), not what the call returned
     origin = origin_fields(

@@ -674,3 +674,32 @@ def test_a_loss_that_sums_in_an_allowed_minus_inf_names_the_reduction_and_the_ro
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
     assert "folded an infinity" in rep["hint"] and "zero weight" in rep["hint"], rep["hint"]
     assert "finite model outputs" not in rep["hint"], rep["hint"]
+
+
+def test_a_mask_reaching_the_output_gets_the_mask_hint_not_the_domain_advice(tmp_path):
+    """The same masked logits recorded without ``allow_inf``: by default a -inf in the model
+    output is an event (step K, where sample 2 first has a mask). No op overflowed or left its
+    domain, yet the hint said "invalid math that exact arithmetic makes too: guard the op's
+    domain (clamp before log/sqrt, add eps ...)"; it must say the fill was a mask and how to
+    allow it, and the note must name the root's own pattern ''."""
+    model = UL.make_masked_tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = torch.nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="user_losses:make_masked_tagger"):
+            for step in range(6):
+                x, y = UL.batch(step)
+                allowed = torch.ones(UL.B, UL.C, dtype=torch.bool)
+                if step == K:
+                    allowed[2] = F.one_hot(y[2], UL.C).sum(0) > 0
+                opt.zero_grad()
+                crit(model(x, allowed).transpose(1, 2), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (K, "forward", "")
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "op", "made", "samples") == ("aten.masked_fill", "-inf", [2])
+    assert rep["cause"] == "invalid" and "filled a literal -Inf on purpose" in rep["hint"]
+    assert "allow_inf" in rep["hint"] and "clamp before log" not in rep["hint"], rep["hint"]
+    assert notes_about(rep, "allow_inf=['']"), rep["problems"]
