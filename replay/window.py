@@ -36,7 +36,7 @@ from recorder.finite import finite, tensors_kind
 
 from .load import Step
 from .ops import OpFinder
-from .recorded import entry_samples
+from .recorded import entry_samples, scale_of_the_step
 from .rerun import Runner
 
 
@@ -105,8 +105,11 @@ def step_as_window(step: Step) -> Window:
     """The bundle's own step as a window of one: its weights, batch, RNG and hyper-parameters."""
     opt = step.meta.get("optimizer") or {}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.get("param_groups", [])]
+    # a GradScaler event's step is re-run scaled, as its backward ran (unscaled, every try
+    # would be finite whatever it changed)
+    scale = scale_of_the_step(step) if step.event.get("kind") == "scale" else None
     record = {"step": step.event.get("step"), "rng": step.meta.get("rng"),
-              "micro_batches": step.micro_batches, "hyper": groups, "scale": None,
+              "micro_batches": step.micro_batches, "hyper": groups, "scale": scale,
               "skipped": False, "rng_prefix": ""}
     return Window("", record["step"], [record], opt, False)
 
@@ -151,7 +154,9 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
                      if p.grad is not None and not finite(p.grad)]
         stats["grad_norm"] = _total_norm(p.grad for p in step.model.parameters())
         if bad_grads:
-            if scale is not None:  # the GradScaler skips this update
+            # the GradScaler skips this update; at a GradScaler event's step that overflow is
+            # the event itself (the skip that collapsed the scale), not a step trained past
+            if scale is not None and not _scale_event_at(step, record):
                 stats["skipped"] = True
                 continue
             out.first = Outcome(record["step"], "backward", params=bad_grads,
@@ -173,6 +178,11 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             out.first = _update_outcome(record["step"], step, opt, before, bad)
             break
     return out
+
+
+def _scale_event_at(step: Step, record: dict[str, Any]) -> bool:
+    ev = step.event
+    return ev.get("kind") == "scale" and ev.get("step") == record["step"]
 
 
 def _last_update_ran(step: Step, win: Window) -> bool:

@@ -10,6 +10,7 @@ the loss (``ToCopyBackward0``), cause ``overflow`` (finite in float64).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,39 @@ def test_a_scale_event_replays_to_the_overflowing_scaled_gradient(out_dir, reaso
     assert (o["phase"], o["module"], o["op"], o["made"]) == \
         ("backward", "<loss>", "ToCopyBackward0", "+inf"), o
     assert invoke_cli(err.bundle_path).exit_code == 0
+
+
+@pytest.mark.parametrize("rewind", [None, 2])
+def test_a_scale_events_window_and_tries_rerun_the_scaled_backward(out_dir, rewind):
+    """The what-ifs (and the rewind window) of a GradScaler event re-run the event step's
+    backward scaled, as training ran it: its overflow is the event, so the window reproduces
+    it, float32 fixes it and a smaller learning rate does not. (Unscaled, every try was
+    'finite'; with a window, the event step's overflow was a skip, so 'did NOT come back'.)"""
+    model, crit = R.make_mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler,
+                            factory="replay_models:make_mlp", max_skipped_steps=3,
+                            rewind=rewind):
+            for s in range(8):
+                x, y = R.batch(s)
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = crit(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    err = info.value
+    check_event(err.event, step=3, reason="scale_skipping", phase="backward", kind="scale")
+    res = invoke_cli(err.bundle_path, "--json", "--try", "dtype=float32", "--try", "lr=0.1x")
+    rep = json.loads(res.stdout)
+    if rewind:
+        w = rep["window"]
+        assert w["reproduced"] and w["event_step"] == 3, w
+        assert (w["first_non_finite"]["step"], w["first_non_finite"]["phase"]) == (3, "backward")
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert tries["dtype=float32"]["finite"] and not tries["dtype=float32"]["inconclusive"]
+    lr = tries["lr=0.1x"]
+    assert not lr["finite"] and not lr["inconclusive"]
+    assert (lr["event_step"], lr["origin"]["phase"]) == (3, "backward")
