@@ -133,7 +133,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         sub = _sub_step(step, win, record, change)
         runner = Runner(sub)
         runner.cast = change.dtype
-        scale = record.get("scale")
+        scale = _used_scale(step, win, record)
         if scale is not None and math.isfinite(scale):
             runner.loss_scale = scale
         run = runner.run()
@@ -178,6 +178,17 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             out.first = _update_outcome(record["step"], step, opt, before, bad)
             break
     return out
+
+
+def _used_scale(step: Step, win: Window, record: dict[str, Any]) -> float | None:
+    """The scale the record's backward ran with. A step the GradScaler skipped is closed (and
+    its scale read) after ``scaler.update()`` backed the scale off: undo the backoff, or the
+    re-run backward would use half the scale and may not overflow where training did."""
+    scale = record.get("scale")
+    if scale is None or not record.get("skipped") or not win.from_rewind:
+        return scale
+    backoff = ((step.meta.get("rewind") or {}).get("grad_scaler") or {}).get("backoff_factor")
+    return scale / backoff if backoff else scale
 
 
 def _scale_event_at(step: Step, record: dict[str, Any]) -> bool:

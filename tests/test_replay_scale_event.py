@@ -23,7 +23,8 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from replay import replay
 from replay.analyze import scale_of_the_step
-from replay.load import read_step
+from replay.load import build, read_step
+from replay.window import Change, run_window, window_of
 
 HERE = Path(__file__).parent
 
@@ -102,3 +103,40 @@ def test_a_scale_events_window_and_tries_rerun_the_scaled_backward(out_dir, rewi
     lr = tries["lr=0.1x"]
     assert not lr["finite"] and not lr["inconclusive"]
     assert (lr["event_step"], lr["origin"]["phase"]) == (3, "backward")
+
+
+def test_the_window_reruns_a_skipped_step_with_the_scale_its_backward_used(out_dir):
+    """A skipped step's scale is read after scaler.update() halved it; the window must undo
+    that backoff. This MLP's float16 gradients overflow at 2**18 and not at 2**17: step 0 was
+    skipped in training, and re-run at 2**17 it trained instead (a different run)."""
+    model, crit = R.make_mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 18)
+    skipped = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler,
+                            factory="replay_models:make_mlp", rewind=4):
+            for s in range(6):
+                x, y = R.batch(s)
+                if s == 4:
+                    x[2, 0] = float("nan")
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = crit(model(x), y)
+                scaler.scale(loss).backward()
+                before = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                skipped.append(scaler.get_scale() < before)
+    check_event(info.value.event, step=4, phase="input")
+    assert skipped[:4] == [True, False, False, False]
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    w = rep["window"]
+    assert w["reproduced"] and w["steps"] == [0, 4]
+    assert [s["skipped"] for s in w["per_step"][:4]] == skipped[:4]
+    # a what-if's backward starts from its own loss (not the recorded output gradients), so
+    # the scale it multiplies the loss by decides the skip
+    step = read_step(info.value.bundle_path)
+    build(step, None, None)
+    run = run_window(step, window_of(step), Change(lr_factor=1.0))
+    assert [s["skipped"] for s in run.per_step[:4]] == skipped[:4]
