@@ -198,9 +198,15 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
     dt = _type(ev.dtype)
     if ev.local64 is not None and bool(torch.isfinite(ev.local64).all()):
         big = float(ev.local64.abs().max()) if ev.local64.numel() else math.inf
+        top = torch.finfo(ev.dtype).max
+        if big <= top:  # the result fits: a value the op made on the way did not (a sum of
+            # squares before the mean, as mse_loss and norms take), so say that, not "beyond"
+            return Cause("overflow", f"{op}'s true result (up to {_g(big)}) fits in {dt}, but "
+                         f"a value it computes on the way (a sum or product before its result) "
+                         f"is beyond {dt}'s largest value {_g(top)}; float64 holds it: "
+                         + _wider(ev.dtype))
         return Cause("overflow", f"{op}'s true result (up to {_g(big)}) is finite but beyond "
-                     f"{dt}'s largest value {_g(torch.finfo(ev.dtype).max)}; float64 holds it: "
-                     + _wider(ev.dtype))
+                     f"{dt}'s largest value {_g(top)}; float64 holds it: " + _wider(ev.dtype))
     if domains.no_pole(name, ev):
         if ev.local64 is None and not still:  # a random op: the float64 step decides
             return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "

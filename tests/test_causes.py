@@ -578,3 +578,27 @@ def test_every_cause_has_one_meaning_and_one_hint_used_by_every_report():
     guide = (HERE.parent / "docs" / "guide.md").read_text()
     for cause in CAUSES:
         assert f"| `{cause}` |" in guide, cause
+
+
+def test_a_sum_of_squares_past_float32_whose_mean_fits_says_so(tmp_path):
+    """MSELoss of outputs near 1.7e19: each square (3e38) fits float32, their sum does not,
+    and the mean (2e37) fits again. The hint said "true result (up to 1.99e+37) is finite but
+    beyond float32's largest value 3.4e+38"; it must say what went beyond it."""
+    model, crit = R.make_mlp(), nn.MSELoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_mlp"):
+            x, _ = R.batch(K)
+            x[ROW] *= 4e19
+            opt.zero_grad()
+            out = model(x)
+            crit(out, torch.zeros_like(out)).backward()
+            opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (info.value.event["step"], o["phase"], o["module"], o["op"], rep["cause"]) == \
+        (0, "loss", "<loss>", "aten.mse_loss", "overflow"), json.dumps(rep, indent=1)
+    hint = rep["hint"]
+    assert "(up to 1.99e+37) fits in float32, but a value it computes on the way" in hint, hint
+    assert "is finite but beyond" not in hint and "float64 holds it" in hint, hint
