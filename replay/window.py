@@ -478,7 +478,11 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
                       ("param_norm", "weight norm"), ("loss", "loss")):
         pairs = [(s["step"], abs(s[key])) for s in per_step
                  if s.get(key) is not None and math.isfinite(s[key])]
-        for i in range(1, len(pairs)):
+        # a measured series (a norm, the loss) needs two earlier values, as the recorded
+        # precursors do: against one, a run already diverging "jumps" at the window's second
+        # step by its own pace and hides that it began before the window. A learning rate is
+        # set, not measured: one earlier value shows a change.
+        for i in range(1 if key == "lr" else 2, len(pairs)):
             base = statistics.median(v for _, v in pairs[:i])
             s1, b = pairs[i]
             if base > 0 and b >= factor * base:

@@ -651,3 +651,19 @@ def test_a_rise_at_a_steady_pace_began_before_the_window_one_that_took_off_began
     began = precursors_began(took_off)
     assert (began["step"], began["kind"]) == (24, "loss_rise")
     assert "before the window" not in began["detail"]
+
+
+def test_a_run_diverging_before_the_window_is_no_jump_at_its_second_step():
+    """A OneCycleLR whose max_lr is 100x too large: by the window's first step the loss grows
+    ~1e3x a step. The gradient norm's one-step ratio at the window's second step (1.2e4x a
+    median of one value) was named as a jump there, hiding that it began before the window."""
+    from replay.window import precursors_began
+
+    loss = [3.7e13, 2.8e16, 3.2e19, 5.2e22, 1.1e26, 3.3e29, 1.3e33]
+    grad = [6.3e9, 7.4e13, 4.7e15, 1.3e19, 7.3e23, 5.2e15, 3.3e29]
+    lr = [0.40, 0.48, 0.58, 0.68, 0.80, 0.92, 1.06]
+    steady = [{"step": 6 + i, "loss": a, "grad_norm": b, "lr": c}
+              for i, (a, b, c) in enumerate(zip(loss, grad, lr))]
+    began = precursors_began(steady)
+    assert (began["step"], began["kind"]) == (6, "loss_rise"), began
+    assert began["detail"].endswith("it began before the window")
