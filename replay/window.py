@@ -50,6 +50,8 @@ class Window:
     records: list[dict[str, Any]]
     optimizer: dict[str, Any] | None  # state_scalars of the copy
     from_rewind: bool
+    # the max_norm of the loop's own clip_grad_norm_, as the unchanged re-run found it
+    loop_clip: float | None = None
 
 
 @dataclass
@@ -163,6 +165,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
                                 kind=_kind([p.grad for n, p in step.model.named_parameters()
                                             if n in bad_grads]))
             break
+        _loop_clip(step, win, record, change, stats["grad_norm"])
         # (the GradScaler's skips follow the re-run's own gradients, as in training)
         if opt is None or (record is win.records[-1] and not _last_update_ran(step, win)):
             stats["param_norm"] = _total_norm(step.model.parameters())
@@ -178,6 +181,39 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             out.first = _update_outcome(record["step"], step, opt, before, bad)
             break
     return out
+
+
+def _loop_clip(step: Step, win: Window, record: dict[str, Any], change: Change,
+               norm: float | None) -> None:
+    """The loop's own ``clip_grad_norm_`` between backward and ``optimizer.step()``, which
+    the recorder saw only as the smaller gradient norm the update used (the ring's). Left
+    out, a window whose every update was clipped ran away where training did not. The
+    unchanged re-run scales the gradients to the recorded norm, as the clip did, and keeps
+    the norm it clipped to (the loop's max_norm); a what-if, whose gradients differ, clips to
+    that max_norm (unless it tries a clip of its own)."""
+    grads = [p.grad for p in step.model.parameters() if p.grad is not None]
+    if change == Change():
+        rec = _recorded_grad_norm(step, record["step"])
+        if rec is None or norm is None or not norm > rec * (1 + 1e-3):
+            return
+        torch._foreach_mul_(grads, rec / norm)
+        if rec > 0:  # (0: clip_grad_norm_ of an infinite norm zeroed the gradients)
+            win.loop_clip = max(win.loop_clip or 0.0, rec)
+    elif change.clip is None and win.loop_clip is not None:
+        torch.nn.utils.clip_grad_norm_(step.model.parameters(), win.loop_clip)
+
+
+def _recorded_grad_norm(step: Step, k: int) -> float | None:
+    """The total gradient norm the recorded update of step ``k`` used (the ring's), if
+    finite."""
+    steps, norms = step.tensors.get("ring/steps"), step.tensors.get("ring/grad_norm")
+    if steps is None or norms is None:
+        return None
+    hit = (steps == k).nonzero()
+    if not len(hit):
+        return None
+    v = float(norms[int(hit[0, 0])])
+    return v if math.isfinite(v) else None
 
 
 def _used_scale(step: Step, win: Window, record: dict[str, Any]) -> float | None:

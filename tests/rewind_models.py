@@ -110,3 +110,18 @@ class Forecaster(nn.Module):
 
 def make_forecaster() -> nn.Module:
     return Forecaster()
+
+
+class GaussianNLL(nn.Module):
+    """The negative log-likelihood of a predicted mean and log-variance, without a clamp on
+    the log-variance: exp(-logvar) overflows once training drives it far below 0."""
+
+    def forward(self, out, y):
+        mu, logvar = out[:, :1], out[:, 1:]
+        return 0.5 * (logvar + (y - mu) ** 2 * torch.exp(-logvar)).mean()
+
+
+def make_hetero_regressor() -> nn.Module:
+    """A regressor of a mean and a log-variance (heteroscedastic), for ``GaussianNLL``."""
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.SiLU(), nn.Linear(HIDDEN, HIDDEN),
+                         nn.SiLU(), nn.Linear(HIDDEN, 2))

@@ -667,3 +667,34 @@ def test_a_run_diverging_before_the_window_is_no_jump_at_its_second_step():
     began = precursors_began(steady)
     assert (began["step"], began["kind"]) == (6, "loss_rise"), began
     assert began["detail"].endswith("it began before the window")
+
+
+def test_the_window_reapplies_the_loops_own_gradient_clipping(out_dir):
+    """A heteroscedastic regressor at lr=3 whose loop clips every gradient to norm 1: its
+    log-variance drifts until exp(-logvar) overflows at step 9. The loop's clip_grad_norm_ is
+    no optimizer setting: left out, the window's re-run ran away at an earlier step ('first
+    non-finite at step 4, not the recorded event'). The re-run re-applies it (the recorded
+    norms the updates used show it), and the tries clip as the loop did."""
+    torch.manual_seed(0)
+    model, crit = R.make_hetero_regressor(), R.GaussianNLL()
+    opt = torch.optim.SGD(model.parameters(), lr=3.0, momentum=0.9)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                            factory="rewind_models:make_hetero_regressor"):
+            for s in range(40):
+                x, y = R.regression_batch(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (9, "loss")
+    rep = nanreplay(err.bundle_path, "lr=0.01x", "lr=1x")
+    assert (rep["origin"]["op"], rep["cause"]) == ("aten.exp", "overflow")
+    w = rep["window"]
+    assert w["reproduced"] and w["event_step"] == 9, w
+    assert w["loop_clip"] == pytest.approx(1.0, rel=1e-4)
+    tries = what_if(rep)
+    assert tries["lr=0.01x"]["finite"]
+    # no change but a what-if's own backward: clipped as the loop did, the event at step 9
+    assert not tries["lr=1x"]["finite"] and tries["lr=1x"]["event_step"] == 9, tries["lr=1x"]
