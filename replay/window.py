@@ -336,6 +336,22 @@ def _drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model) ->
             d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
             if d is not None:
                 tensors[k] = x.index_select(d, keep)
+            elif k in mb.get("loss_paths", {}) and isinstance(x, torch.Tensor):
+                tensors[k] = _drop_flat(x, where, keep)
+
+
+def _drop_flat(x: torch.Tensor, where, keep: torch.Tensor) -> torch.Tensor:
+    """A loss target flattened from (B, T, ...) to (B*T, ...) (a language model's
+    ``crit(logits.view(-1, V), labels.view(-1))``; (T*B, ...) for a sequence-first model)
+    without the dropped samples' rows, as the re-computed output's view will be; other
+    tensors unchanged."""
+    n = where.size
+    if x.dim() == 0 or not n or x.shape[0] <= n or x.shape[0] % n:
+        return x
+    k, rest = x.shape[0] // n, x.shape[1:]
+    if where.seq_first:
+        return x.reshape(k, n, *rest).index_select(1, keep).reshape(-1, *rest)
+    return x.reshape(n, k, *rest).index_select(0, keep).reshape(-1, *rest)
 
 
 def _packed_nodes(tree):

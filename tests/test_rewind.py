@@ -698,3 +698,32 @@ def test_the_window_reapplies_the_loops_own_gradient_clipping(out_dir):
     assert tries["lr=0.01x"]["finite"]
     # no change but a what-if's own backward: clipped as the loop did, the event at step 9
     assert not tries["lr=1x"]["finite"] and tries["lr=1x"]["event_step"] == 9, tries["lr=1x"]
+
+
+def test_drop_removes_the_samples_rows_from_a_flattened_language_model_target(out_dir):
+    """A language model's loss is crit(logits.view(-1, V), labels.view(-1)): the labels are
+    (B*T,), not (B, T). drop=2 removed sample 2 from the ids and so from the re-computed
+    logits (24 rows) but not from the labels (32): the replay failed ('Expected input
+    batch_size (24) to match target batch_size (32)'), exit 2, with no report at all."""
+    import replay_models as RM
+
+    torch.manual_seed(0)
+    model, crit = RM.make_tiny_gpt(), nn.CrossEntropyLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="replay_models:make_tiny_gpt"):
+            for s in range(6):
+                idx, pad, y = RM.token_batch(s)
+                if s == 3:
+                    pad[2] = True  # an empty document: every key masked
+                opt.zero_grad()
+                logits = model(idx, pad)
+                crit(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["samples"]) == (3, [2])
+    rep = nanreplay(info.value.bundle_path, "drop=2", "drop=1")
+    assert (rep["origin"]["op"], rep["cause"]) == ("aten._softmax", "invalid")
+    tries = what_if(rep)
+    assert tries["drop=2"]["finite"] and not tries["drop=2"]["inconclusive"]
+    assert not tries["drop=1"]["finite"] and tries["drop=1"]["event_step"] == 3
