@@ -101,7 +101,7 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
             raise ReplayError(f"--try {label}: {type(opt).__name__} has no '{k}' setting; "
                               f"try another key (lr, clip)")
     if change.drop:
-        n = batch_size(step)
+        n = batch_size(step, _samples_micro_batch(step, None) or 0)
         if n and change.drop[-1] >= n:
             raise ReplayError(f"--try {label}: the batch has {n} samples (0-{n - 1}); pass "
                               "indices within it")
@@ -194,6 +194,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     for label, change in parsed:
         if change.drop:
             change.drop_step = step.event.get("step")
+            change.drop_micro_batch = _samples_micro_batch(step, report)
         res = run_window(step, win, change)
         o = res.first
         entry: dict[str, Any] = {"try": label, "finite": o is None,
@@ -205,6 +206,14 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["note"] = "; ".join(res.problems)
         out.append(entry)
     return out
+
+
+def _samples_micro_batch(step: Step, report: dict[str, Any] | None) -> int | None:
+    """The micro-batch whose samples the report names (its origin's, else the event's)."""
+    if len(step.micro_batches) < 2:
+        return None
+    i = ((report or {}).get("origin") or {}).get("micro_batch")
+    return i if isinstance(i, int) else step.event.get("micro_batch")
 
 
 def _unchanged_finite(step: Step, report: dict[str, Any], win: Window) -> bool:

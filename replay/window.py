@@ -66,6 +66,7 @@ class Change:
     dtype: torch.dtype | None = None
     drop: list[int] | None = None  # rows removed from the event step's batch
     drop_step: int | None = None
+    drop_micro_batch: int | None = None  # (None: every micro-batch of that step)
 
 
 @dataclass
@@ -312,7 +313,11 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
         mbs = [{k: v for k, v in mb.items() if k != "output_grads"} for mb in mbs]
     if change.drop and record["step"] == change.drop_step:
         mbs = [{k: v for k, v in mb.items() if k != "output_grads"} for mb in mbs]
-        _drop_rows(tensors, mbs, change.drop, step.model)
+        i = change.drop_micro_batch
+        # the samples the report names are rows of one micro-batch: the other micro-batches'
+        # rows of the same index are other samples, kept
+        _drop_rows(tensors, mbs if i is None or not 0 <= i < len(mbs) else [mbs[i]],
+                   change.drop, step.model)
     meta = {**step.meta, "micro_batches": mbs, "rng": record.get("rng")}
     if meta["rng"] is None:
         meta.pop("rng")

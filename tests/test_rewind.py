@@ -727,3 +727,42 @@ def test_drop_removes_the_samples_rows_from_a_flattened_language_model_target(ou
     tries = what_if(rep)
     assert tries["drop=2"]["finite"] and not tries["drop=2"]["inconclusive"]
     assert not tries["drop=1"]["finite"] and tries["drop=1"]["event_step"] == 3
+
+
+def test_drop_removes_the_named_samples_from_their_micro_batch_only(out_dir):
+    """Gradient accumulation over a 4-sample and a 16-sample micro-batch (a loader's uneven
+    split), a NaN in row 6 of micro-batch 1: the report names sample 6 of micro-batch 1.
+    drop=6 was refused ('the batch has 4 samples (0-3)', micro-batch 0's size), and drop=3
+    removed row 3 of micro-batch 0 as well (another sample, finite)."""
+    import replay_models as RM
+
+    from replay.load import build, read_step
+    from replay.whatif import parse_try
+    from replay.window import _sub_step, step_as_window
+
+    torch.manual_seed(0)
+    model, crit = RM.make_mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="replay_models:make_mlp"):
+            for s in range(4):
+                opt.zero_grad()
+                for mb, n in enumerate((4, 16)):
+                    x, y = RM.batch(2 * s + mb, n=n)
+                    if (s, mb) == (2, 1):
+                        x[6, 1] = float("nan")
+                    (crit(model(x), y) / 2).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (2, "input", 1, [6])
+    rep = nanreplay(info.value.bundle_path, "drop=6")
+    assert what_if(rep)["drop=6"]["finite"]
+    step = read_step(info.value.bundle_path)
+    build(step, None, None)
+    win = step_as_window(step)
+    _, change = parse_try("drop=3")
+    change.drop_step, change.drop_micro_batch = 2, 1
+    sub = _sub_step(step, win, win.records[0], change)
+    rows = [sub.tensors[next(iter(mb["paths"]))].shape[0] for mb in sub.micro_batches]
+    assert rows == [4, 15]
