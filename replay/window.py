@@ -312,22 +312,25 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
         # are the recorded run's (its backward starts from its own loss)
         mbs = [{k: v for k, v in mb.items() if k != "output_grads"} for mb in mbs]
     if change.drop and record["step"] == change.drop_step:
-        mbs = [{k: v for k, v in mb.items() if k != "output_grads"} for mb in mbs]
         i = change.drop_micro_batch
         # the samples the report names are rows of one micro-batch: the other micro-batches'
-        # rows of the same index are other samples, kept
+        # rows of the same index are other samples, kept. Without a loss to re-run (computed
+        # in the loop), the backward starts from the recorded output gradients less the
+        # dropped rows: stripped, no backward ran at all and every drop was "finite"
         _drop_rows(tensors, mbs if i is None or not 0 <= i < len(mbs) else [mbs[i]],
-                   change.drop, step.model)
+                   change.drop, step.model, out_grads=step.loss_fn is None)
     meta = {**step.meta, "micro_batches": mbs, "rng": record.get("rng")}
     if meta["rng"] is None:
         meta.pop("rng")
     return dataclasses.replace(step, meta=meta, tensors=tensors, problems=[])
 
 
-def _drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model) -> None:
-    """Remove the samples ``rows`` from every batch and loss-input tensor that has the batch's
-    samples (along the dim the report named them in: dim 1 of a sequence-first ``(T, B, F)``),
-    and from every ``PackedSequence``, packed again without them."""
+def _drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
+               out_grads: bool = False) -> None:
+    """Remove the samples ``rows`` from every batch and loss-input tensor (and, with
+    ``out_grads``, recorded output gradient) that has the batch's samples (along the dim the
+    report named them in: dim 1 of a sequence-first ``(T, B, F)``), and from every
+    ``PackedSequence``, packed again without them."""
     for mb in mbs:
         where = entry_samples(mb, tensors, model)
         if not where.size:
@@ -336,7 +339,8 @@ def _drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model) ->
                             dtype=torch.long)
         packed = [_repack(tensors, node, keep) for node in _packed_nodes(mb.get("inputs"))]
         done = {k for keys in packed for k in keys}
-        for k in [*mb.get("paths", {}), *mb.get("loss_paths", {})]:
+        grads = list(mb.get("output_grads", {}).values()) if out_grads else []
+        for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
             x = tensors.get(k)
             d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
             if d is not None:

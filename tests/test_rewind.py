@@ -766,3 +766,34 @@ def test_drop_removes_the_named_samples_from_their_micro_batch_only(out_dir):
     sub = _sub_step(step, win, win.records[0], change)
     rows = [sub.tensors[next(iter(mb["paths"]))].shape[0] for mb in sub.micro_batches]
     assert rows == [4, 15]
+
+
+def test_drop_without_a_loss_to_rerun_backpropagates_the_recorded_output_gradients(out_dir):
+    """The loss computed inline in the loop (no loss_fn), two accumulated micro-batches, an
+    all-zero row 3 in micro-batch 1 whose sqrt has an infinite derivative. A drop used to
+    strip the recorded output gradients with nothing to recompute them from: no backward ran
+    and every drop was 'finite', drop=5 (a finite sample) too. Without the dropped rows, the
+    recorded gradients are back-propagated: only dropping sample 3 is finite."""
+    import replay_models as RM
+
+    torch.manual_seed(0)
+    model = RM.make_length_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=out_dir, factory="replay_models:make_length_net"):
+            for s in range(4):
+                opt.zero_grad()
+                for mb in range(2):
+                    x, y = RM.batch(2 * s + mb)
+                    if (s, mb) == (2, 1):
+                        x[3] = 0.0
+                    (nn.functional.cross_entropy(model(x), y) / 2).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (2, "backward")
+    rep = nanreplay(info.value.bundle_path, "drop=3", "drop=5")
+    o = rep["origin"]
+    assert (o["op"], o["micro_batch"], o["samples"]) == ("SqrtBackward0", 1, [3])
+    tries = what_if(rep)
+    assert tries["drop=3"]["finite"]
+    assert not tries["drop=5"]["finite"] and tries["drop=5"]["origin"]["phase"] == "backward"
