@@ -126,7 +126,15 @@ def undo_in_place_compile(m: nn.Module) -> None:
 
 
 def is_grad_scaler(obj: Any) -> bool:
-    return hasattr(obj, "_per_optimizer_states")
+    # (a disabled GradScaler(enabled=False) sets none of its state: its class tells)
+    return hasattr(obj, "_per_optimizer_states") or isinstance(obj, torch.amp.GradScaler)
+
+
+def disabled_scaler(obj: Any) -> bool:
+    """A ``GradScaler(enabled=False)``: ``scale()`` returns the loss, ``step()`` calls
+    ``optimizer.step()``, ``update()`` does nothing, as without a scaler."""
+    return is_grad_scaler(obj) and callable(getattr(obj, "is_enabled", None)) \
+        and not obj.is_enabled()
 
 
 def scaler_scale(scaler) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ from torch import nn
 from .alarm import Alarm
 from .calls import CallHooks
 from .capture import git_commit
+from .compat import disabled_scaler
 from .cycle import StepCycle
 from .guard import OptimizerGuard
 from .hooks import Health
@@ -116,6 +117,8 @@ class FlightRecorder:
             guard_optimizer=guard_optimizer, stats=stats, start_step=start_step,
             max_micro_batches=max_micro_batches, rewind=rewind)
         check_companions(scaler, lr_scheduler)
+        if disabled_scaler(scaler):  # nanoGPT's GradScaler(enabled=dtype == float16) in bf16
+            scaler = None
         # the training framework a callback records for ("huggingface", "lightning"): the
         # replay's advice names its options
         self.integration: str | None = None

@@ -181,3 +181,42 @@ def test_gradients_a_skipped_step_left_behind_are_not_read_by_a_later_smaller_st
             scaler.update(1.0 if step == 2 else None)
         assert [lay.skipped for lay in rec.cycle.ring.layouts] == [True] * 3 + [False] * 3
     assert rec.event is None and bundles(out_dir) == []
+
+
+def test_a_disabled_grad_scaler_is_accepted_and_changes_nothing(out_dir):
+    """nanoGPT's loop: GradScaler(enabled=(dtype == float16)) under bfloat16 is a disabled
+    scaler, passed to the recorder like an enabled one. It was refused ('scaler must be a
+    torch.amp.GradScaler, got GradScaler': a disabled scaler sets none of its state). It is
+    recorded as no scaler: the losses are an unrecorded run's, and a NaN is an event."""
+
+    def run(record: bool, bad_step=None):
+        torch.manual_seed(0)
+        model = M.mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        crit = nn.CrossEntropyLoss()
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler) \
+            if record else None
+        losses = []
+        if rec:
+            rec.attach()
+        for step in range(5):
+            x, y = M.batch(step)
+            if step == bad_step:
+                x[2, 0] = float("nan")
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = crit(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+        if rec:
+            rec.detach()
+        return losses
+
+    assert run(True) == run(False)
+    with pytest.raises(NonFiniteError) as info:
+        run(True, bad_step=3)
+    check_event(info.value.event, step=3, phase="input", samples=[2])
