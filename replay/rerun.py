@@ -147,6 +147,7 @@ class Runner:
         if pairs and (fed or all(finite(g) for _, g in pairs)):
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
+            pairs = _external(pairs)
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
         elif isinstance(loss, torch.Tensor) and loss.requires_grad:
             (loss * self.loss_scale if self.loss_scale else loss).backward()
@@ -196,6 +197,57 @@ class Runner:
         some output is non-finite."""
         allowed = set(dict(self.model.named_modules())) if nan_only else self.allowed
         return bisection.search(lambda k: self.probe(k, allowed), n_calls)
+
+
+def _external(pairs: list[tuple[torch.Tensor, torch.Tensor]]
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The gradient each root output received from outside the model. An output another
+    output is computed from (the logits of a model that returns its loss beside them, as
+    Hugging Face and nanoGPT models do) was recorded with the gradient that output sent it
+    too: fed both, backward counted that path twice (twice the gradients). Each output keeps
+    its recorded gradient less what the outputs computed from it sent it (their own external
+    gradients, through every path), and is left out when that is all it had."""
+    if len(pairs) < 2:
+        return pairs
+    outs = [o for o, _ in pairs]
+    below = [[k for k, b in enumerate(outs) if k != j and _computed_from(b, a)]
+             for j, a in enumerate(outs)]
+    ext: dict[int, torch.Tensor] = {}
+    keep = []
+    while len(ext) < len(outs):  # the outputs computed from none of the open ones first
+        ready = [j for j in range(len(outs)) if j not in ext and all(k in ext for k in below[j])]
+        if not ready:  # (a cycle cannot happen; be safe)
+            return pairs
+        for j in ready:
+            g = pairs[j][1].to(outs[j].dtype)
+            ks = [k for k in below[j] if ext[k] is not None]
+            sent = torch.autograd.grad([outs[k] for k in ks], outs[j], [ext[k] for k in ks],
+                                       retain_graph=True, allow_unused=True)[0] if ks else None
+            if sent is not None:
+                g = (g.double() - sent.double()).to(g.dtype)
+                if float(g.double().norm()) <= 1e-3 * float(pairs[j][1].double().norm()):
+                    g = None  # (all it had came from the outputs computed from it)
+            ext[j] = g
+            if g is not None:
+                keep.append(j)
+    return [(outs[j], ext[j]) for j in sorted(keep)] or pairs
+
+
+def _computed_from(b: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``a``'s autograd node is among ``b``'s ancestors (``b`` computed from ``a``)."""
+    target, seen = a.grad_fn, set()
+    todo = [b.grad_fn]
+    if target is None:
+        return False
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        if fn is target and fn is not b.grad_fn:
+            return True
+        seen.add(fn)
+        todo.extend(nxt for nxt, _ in fn.next_functions)
+    return False
 
 
 def _to_float64(named, even_float64: bool = False) -> dict[str, torch.dtype]:

@@ -125,3 +125,21 @@ def make_hetero_regressor() -> nn.Module:
     """A regressor of a mean and a log-variance (heteroscedastic), for ``GaussianNLL``."""
     return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.SiLU(), nn.Linear(HIDDEN, HIDDEN),
                          nn.SiLU(), nn.Linear(HIDDEN, 2))
+
+
+class SelfLossClassifier(nn.Module):
+    """Computes its loss when given targets and returns it beside the logits, as Hugging Face
+    and nanoGPT models do: the loss is computed from another output."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLASSES))
+
+    def forward(self, x, targets=None):
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, targets) if targets is not None else None
+        return logits, loss
+
+
+def make_self_loss_classifier() -> nn.Module:
+    return SelfLossClassifier()

@@ -797,3 +797,34 @@ def test_drop_without_a_loss_to_rerun_backpropagates_the_recorded_output_gradien
     tries = what_if(rep)
     assert tries["drop=3"]["finite"]
     assert not tries["drop=5"]["finite"] and tries["drop=5"]["origin"]["phase"] == "backward"
+
+
+def test_a_model_returning_its_loss_beside_the_logits_is_replayed_with_its_own_gradients(
+        out_dir):
+    """model(x, targets=y) returns (logits, loss), the loss computed from the logits; the loop
+    backpropagates loss / 2 over two micro-batches. The logits' recorded gradient holds what
+    the loss sent them: fed both recorded gradients, the re-run counted that path twice, so
+    every re-run gradient was twice the recorded one (and the window's SGD updates too)."""
+    torch.manual_seed(0)
+    model = R.make_self_loss_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=out_dir, rewind=4,
+                            factory="rewind_models:make_self_loss_classifier"):
+            for s in range(8):
+                opt.zero_grad()
+                for mb in range(2):
+                    x, y = R.batch(2 * s + mb)
+                    if (s, mb) == (6, 1):
+                        x[2, 0] = float("nan")
+                    _, loss = model(x, targets=y)
+                    (loss / 2).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (6, "input")
+    meta, tensors = read_bundle(info.value.bundle_path)
+    ring = dict(zip(tensors["ring/steps"].tolist(), tensors["ring/grad_norm"].tolist()))
+    w = nanreplay(info.value.bundle_path)["window"]
+    assert w["reproduced"] and w["steps"][0] < 6
+    rerun = [(s["step"], s["grad_norm"]) for s in w["per_step"] if s["step"] < 6]
+    assert rerun and all(g == pytest.approx(ring[k], rel=1e-4) for k, g in rerun), (rerun, ring)
+    assert w["loop_clip"] is None
