@@ -6,6 +6,7 @@ outside, the backward (:mod:`replay.backward`), and the optimizer's update.
 from __future__ import annotations
 
 import linecache
+import math
 from typing import Any
 
 import torch
@@ -224,10 +225,32 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
     groups = opt.get("param_groups", [])
     # (the groups holding the weights it made non-finite; every group when none is known)
     own = [g for g in groups if set(g.get("params") or ()) & set(params)] or groups
-    why = EPS0_UPDATE if made == "nan" and any(g.get("eps") == 0 for g in own) \
-        else HINTS["optimizer"]
+    bad = _non_finite_hyper(step, at, own)
+    why = (f"its {bad[0]} was {bad[1]} in that update: the learning-rate schedule or the loop "
+           "computed it (a 0/0, a sqrt or log of a negative step count); fix that value"
+           if bad else
+           EPS0_UPDATE if made == "nan" and any(g.get("eps") == 0 for g in own) else
+           HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
+
+
+def _non_finite_hyper(step: Step, at, own: list[dict]) -> tuple[str, str] | None:
+    """A hyper-parameter of the update at step ``at`` that was itself NaN or +-Inf (a schedule
+    past its end: np.sqrt of a negative number): ``(name, value)``. The update's own values
+    are the rewind window's record of that step, else the bundle's groups. (The bundle's JSON
+    spells non-finite floats as strings.)"""
+    records = (step.meta.get("rewind") or {}).get("records") or []
+    hyper = next((r.get("hyper") for r in records if r.get("step") == at), None)
+    if hyper and len(hyper) == len(step.meta.get("optimizer", {}).get("param_groups", [])):
+        groups = step.meta["optimizer"]["param_groups"]
+        own = [h for h, g in zip(hyper, groups) if any(g is o for o in own)] or hyper
+    for g in own:
+        for k in ("lr", "weight_decay", "eps", "momentum", "betas", "alpha"):
+            for v in (g.get(k) if isinstance(g.get(k), list) else [g.get(k)]):
+                if v in ("nan", "inf", "-inf") or (isinstance(v, float) and not math.isfinite(v)):
+                    return k, str(v)
+    return None
 
 
 def _own_copies(model, opt) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import models as M
@@ -828,3 +829,27 @@ def test_a_model_returning_its_loss_beside_the_logits_is_replayed_with_its_own_g
     rerun = [(s["step"], s["grad_norm"]) for s in w["per_step"] if s["step"] < 6]
     assert rerun and all(g == pytest.approx(ring[k], rel=1e-4) for k, g in rerun), (rerun, ring)
     assert w["loop_clip"] is None
+
+
+@pytest.mark.parametrize("settings", [{"rewind": 2}, {"guard_optimizer": True}])
+def test_an_update_whose_learning_rate_was_nan_says_so(out_dir, settings):
+    """A schedule run past its end: np.sqrt of a negative number is nan (with only a
+    warning), and the loop writes it into the param groups. The update makes every weight NaN;
+    the hint named only 'check the learning rate and schedule, eps, and clip gradients'."""
+    torch.manual_seed(0)
+    model, crit = R.make_classifier(), nn.CrossEntropyLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="rewind_models:make_classifier", **settings):
+            for s in range(8):
+                for g in opt.param_groups:
+                    g["lr"] = 1e-3 * math.sqrt(1 - s / 4) if s <= 4 else math.nan
+                x, y = R.batch(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (5, "optimizer")
+    rep = nanreplay(info.value.bundle_path)
+    assert rep["cause"] == "optimizer" and rep["reproduced"], rep["problems"]
+    assert "its lr was nan in that update" in rep["hint"], rep["hint"]
