@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +33,11 @@ import torch
 from recorder.capture import map_tensors
 from recorder.finite import finite, tensors_kind
 
+from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
+from .drop import drop_rows
 from .load import Step
 from .ops import OpFinder
-from .recorded import entry_samples, scale_of_the_step
+from .recorded import scale_of_the_step
 from .rerun import Runner
 
 
@@ -171,8 +172,6 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         if opt is None or (record is win.records[-1] and not _last_update_ran(step, win)):
             stats["param_norm"] = _total_norm(step.model.parameters())
             continue
-        if change.clip is not None:
-            torch.nn.utils.clip_grad_norm_(step.model.parameters(), change.clip)
         _set_hyper(opt, record, sub, change)
         before = _state(step.model, opt)
         opt.step()
@@ -191,16 +190,19 @@ def _loop_clip(step: Step, win: Window, record: dict[str, Any], change: Change,
     out, a window whose every update was clipped ran away where training did not. The
     unchanged re-run scales the gradients to the recorded norm, as the clip did, and keeps
     the norm it clipped to (the loop's max_norm); a what-if, whose gradients differ, clips to
-    that max_norm (unless it tries a clip of its own)."""
+    that max_norm, or to the try's own ``clip``."""
     grads = [p.grad for p in step.model.parameters() if p.grad is not None]
-    if change == Change():
+    if change.clip is not None:
+        torch.nn.utils.clip_grad_norm_(step.model.parameters(), change.clip)
+    elif change == Change():
         rec = _recorded_grad_norm(step, record["step"])
         if rec is None or norm is None or not norm > rec * (1 + 1e-3):
             return
-        torch._foreach_mul_(grads, rec / norm)
+        for g in grads:
+            g.mul_(rec / norm)
         if rec > 0:  # (0: clip_grad_norm_ of an infinite norm zeroed the gradients)
             win.loop_clip = max(win.loop_clip or 0.0, rec)
-    elif change.clip is None and win.loop_clip is not None:
+    elif win.loop_clip is not None:
         torch.nn.utils.clip_grad_norm_(step.model.parameters(), win.loop_clip)
 
 
@@ -317,84 +319,12 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
         # rows of the same index are other samples, kept. Without a loss to re-run (computed
         # in the loop), the backward starts from the recorded output gradients less the
         # dropped rows: stripped, no backward ran at all and every drop was "finite"
-        _drop_rows(tensors, mbs if i is None or not 0 <= i < len(mbs) else [mbs[i]],
+        drop_rows(tensors, mbs if i is None or not 0 <= i < len(mbs) else [mbs[i]],
                    change.drop, step.model, out_grads=step.loss_fn is None)
     meta = {**step.meta, "micro_batches": mbs, "rng": record.get("rng")}
     if meta["rng"] is None:
         meta.pop("rng")
     return dataclasses.replace(step, meta=meta, tensors=tensors, problems=[])
-
-
-def _drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
-               out_grads: bool = False) -> None:
-    """Remove the samples ``rows`` from every batch and loss-input tensor (and, with
-    ``out_grads``, recorded output gradient) that has the batch's samples (along the dim the
-    report named them in: dim 1 of a sequence-first ``(T, B, F)``), and from every
-    ``PackedSequence``, packed again without them."""
-    for mb in mbs:
-        where = entry_samples(mb, tensors, model)
-        if not where.size:
-            continue
-        keep = torch.tensor([i for i in range(where.size) if i not in set(rows)],
-                            dtype=torch.long)
-        packed = [_repack(tensors, node, keep) for node in _packed_nodes(mb.get("inputs"))]
-        done = {k for keys in packed for k in keys}
-        grads = list(mb.get("output_grads", {}).values()) if out_grads else []
-        for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
-            x = tensors.get(k)
-            d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
-            if d is not None:
-                tensors[k] = x.index_select(d, keep)
-            elif k in mb.get("loss_paths", {}) and isinstance(x, torch.Tensor):
-                tensors[k] = _drop_flat(x, where, keep)
-
-
-def _drop_flat(x: torch.Tensor, where, keep: torch.Tensor) -> torch.Tensor:
-    """A loss target flattened from (B, T, ...) to (B*T, ...) (a language model's
-    ``crit(logits.view(-1, V), labels.view(-1))``; (T*B, ...) for a sequence-first model)
-    without the dropped samples' rows, as the re-computed output's view will be; other
-    tensors unchanged."""
-    n = where.size
-    if x.dim() == 0 or not n or x.shape[0] <= n or x.shape[0] % n:
-        return x
-    k, rest = x.shape[0] // n, x.shape[1:]
-    if where.seq_first:
-        return x.reshape(k, n, *rest).index_select(1, keep).reshape(-1, *rest)
-    return x.reshape(n, k, *rest).index_select(0, keep).reshape(-1, *rest)
-
-
-def _packed_nodes(tree):
-    """The ``PackedSequence`` nodes of a micro-batch's recorded inputs (``$namedtuple``)."""
-    if isinstance(tree, dict):
-        if str(tree.get("$namedtuple", "")).endswith(":PackedSequence") and "$tuple" in tree:
-            yield tree
-            return
-        for v in tree.values():
-            yield from _packed_nodes(v)
-    elif isinstance(tree, list):
-        for v in tree:
-            yield from _packed_nodes(v)
-
-
-def _repack(tensors: dict[str, torch.Tensor], node: dict, keep: torch.Tensor) -> list[str]:
-    """The sequences of one recorded ``PackedSequence`` but those not in ``keep``, packed again
-    in place (its data rows are time steps of several samples: no row can be cut alone);
-    returns its tensors' keys."""
-    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
-
-    keys = [item.get("$t") if isinstance(item, dict) else None for item in node["$tuple"]]
-    keys += [None] * (4 - len(keys))
-    if keys[0] is None or keys[1] is None:
-        return []
-    seq = PackedSequence(*(tensors[k] if k is not None else None for k in keys[:4]))
-    padded, lengths = pad_packed_sequence(seq, batch_first=True)
-    sorted_before = keys[2] is None  # packed sorted (enforce_sorted=True): it stays sorted
-    again = pack_padded_sequence(padded[keep], lengths[keep], batch_first=True,
-                                 enforce_sorted=sorted_before)
-    for k, t in zip(keys, again):
-        if k is not None and t is not None:
-            tensors[k] = t
-    return [k for k in keys if k is not None]
 
 
 def _set_hyper(opt, record: dict[str, Any], sub: Step, change: Change) -> None:
@@ -520,64 +450,3 @@ def _lr(record: dict[str, Any], change: Change) -> float | None:
     if change.lr is not None:
         return change.lr
     return v * change.lr_factor if change.lr_factor is not None else v
-
-
-# ---------------------------------------------------------------------------------------------
-# where the precursors began
-
-
-def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
-                     ) -> dict[str, Any] | None:
-    """The first step of the window where the trouble shows: a series (learning rate,
-    gradient norm, weight norm, loss) at least ``factor`` times the median of its earlier
-    values in the window, or one that rose at every step and grew ``factor`` times by the last
-    (from where it took up its pace; from the window's first step: it began before it). A
-    rise whose first growth shows at or after a jump is that jump's doing (a learning-rate
-    spike makes the weights that follow it grow), so the jump is named."""
-    jumps, rises = [], []
-    for key, name in (("lr", "learning rate"), ("grad_norm", "gradient norm"),
-                      ("param_norm", "weight norm"), ("loss", "loss")):
-        pairs = [(s["step"], abs(s[key])) for s in per_step
-                 if s.get(key) is not None and math.isfinite(s[key])]
-        # a measured series (a norm, the loss) needs two earlier values, as the recorded
-        # precursors do: against one, a run already diverging "jumps" at the window's second
-        # step by its own pace and hides that it began before the window. A learning rate is
-        # set, not measured: one earlier value shows a change.
-        for i in range(1 if key == "lr" else 2, len(pairs)):
-            base = statistics.median(v for _, v in pairs[:i])
-            s1, b = pairs[i]
-            if base > 0 and b >= factor * base:
-                jumps.append({"step": s1, "kind": f"{key}_jump",
-                              "detail": f"the {name} {b:.3g} is {b / base:.3g}x the median "
-                                        f"{base:.3g} of the window's steps before"})
-                break
-        start = _steady_rise(pairs, factor)
-        if start is not None:
-            rises.append((pairs[start + 1][0], _rise(name, key, pairs, start)))
-    found = jumps + [r for shows, r in rises if not any(j["step"] <= shows for j in jumps)]
-    return min(found, key=lambda f: f["step"]) if found else None
-
-
-def _rise(name: str, key: str, pairs: list[tuple[int, float]], start: int) -> dict[str, Any]:
-    (s0, a), (s1, b) = pairs[start], pairs[-1]
-    if start:  # it took up its pace inside the window: at the step whose value first grew so
-        s0, a = pairs[start + 1]
-    where = "of the window" if not start else f"from step {s0}"
-    return {"step": s0, "kind": f"{key}_rise",
-            "detail": f"the {name} rose at every step {where}, {b / a:.3g}x from step {s0} "
-                      f"to step {s1} ({a:.3g} -> {b:.3g})"
-                      + ("" if start else ": it began before the window")}
-
-
-def _steady_rise(pairs: list[tuple[int, float]], factor: float) -> int | None:
-    """Where a series that rose at every step and grew ``factor`` times began to grow: the
-    first step-to-step growth at least half the median one, in log terms (0: it grew at that
-    pace from the window's first step, so it began before the window). A series that crept
-    up and then exploded (a learning-rate spike inside the window) began where it exploded."""
-    if len(pairs) < 3 or pairs[0][1] <= 0 or pairs[-1][1] < factor * pairs[0][1]:
-        return None
-    if not all(a[1] < b[1] for a, b in zip(pairs, pairs[1:])):
-        return None
-    logs = [math.log(b[1] / a[1]) for a, b in zip(pairs, pairs[1:])]
-    pace = statistics.median(logs)
-    return next(i for i, g in enumerate(logs) if g >= 0.5 * pace)

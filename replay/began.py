@@ -1,0 +1,66 @@
+"""Where the precursors of a rewind window's event began: the first step whose learning rate,
+gradient norm, weight norm or loss jumped, or from where it rose at every step
+(:func:`precursors_began`, the report's ``window.precursors_began``)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+
+def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
+                     ) -> dict[str, Any] | None:
+    """The first step of the window where the trouble shows: a series (learning rate,
+    gradient norm, weight norm, loss) at least ``factor`` times the median of its earlier
+    values in the window, or one that rose at every step and grew ``factor`` times by the last
+    (from where it took up its pace; from the window's first step: it began before it). A
+    rise whose first growth shows at or after a jump is that jump's doing (a learning-rate
+    spike makes the weights that follow it grow), so the jump is named."""
+    jumps, rises = [], []
+    for key, name in (("lr", "learning rate"), ("grad_norm", "gradient norm"),
+                      ("param_norm", "weight norm"), ("loss", "loss")):
+        pairs = [(s["step"], abs(s[key])) for s in per_step
+                 if s.get(key) is not None and math.isfinite(s[key])]
+        # a measured series (a norm, the loss) needs two earlier values, as the recorded
+        # precursors do: against one, a run already diverging "jumps" at the window's second
+        # step by its own pace and hides that it began before the window. A learning rate is
+        # set, not measured: one earlier value shows a change.
+        for i in range(1 if key == "lr" else 2, len(pairs)):
+            base = statistics.median(v for _, v in pairs[:i])
+            s1, b = pairs[i]
+            if base > 0 and b >= factor * base:
+                jumps.append({"step": s1, "kind": f"{key}_jump",
+                              "detail": f"the {name} {b:.3g} is {b / base:.3g}x the median "
+                                        f"{base:.3g} of the window's steps before"})
+                break
+        start = _steady_rise(pairs, factor)
+        if start is not None:
+            rises.append((pairs[start + 1][0], _rise(name, key, pairs, start)))
+    found = jumps + [r for shows, r in rises if not any(j["step"] <= shows for j in jumps)]
+    return min(found, key=lambda f: f["step"]) if found else None
+
+
+def _rise(name: str, key: str, pairs: list[tuple[int, float]], start: int) -> dict[str, Any]:
+    (s0, a), (s1, b) = pairs[start], pairs[-1]
+    if start:  # it took up its pace inside the window: at the step whose value first grew so
+        s0, a = pairs[start + 1]
+    where = "of the window" if not start else f"from step {s0}"
+    return {"step": s0, "kind": f"{key}_rise",
+            "detail": f"the {name} rose at every step {where}, {b / a:.3g}x from step {s0} "
+                      f"to step {s1} ({a:.3g} -> {b:.3g})"
+                      + ("" if start else ": it began before the window")}
+
+
+def _steady_rise(pairs: list[tuple[int, float]], factor: float) -> int | None:
+    """Where a series that rose at every step and grew ``factor`` times began to grow: the
+    first step-to-step growth at least half the median one, in log terms (0: it grew at that
+    pace from the window's first step, so it began before the window). A series that crept
+    up and then exploded (a learning-rate spike inside the window) began where it exploded."""
+    if len(pairs) < 3 or pairs[0][1] <= 0 or pairs[-1][1] < factor * pairs[0][1]:
+        return None
+    if not all(a[1] < b[1] for a, b in zip(pairs, pairs[1:])):
+        return None
+    logs = [math.log(b[1] / a[1]) for a, b in zip(pairs, pairs[1:])]
+    pace = statistics.median(logs)
+    return next(i for i, g in enumerate(logs) if g >= 0.5 * pace)

@@ -1,0 +1,81 @@
+"""``--try drop=I,J``: the samples the report names removed from a recorded micro-batch (its
+batch, its loss inputs, a target flattened from ``(B, T)``, its ``PackedSequence`` packed again
+without them and, when no loss can be re-run, its recorded output gradients)."""
+
+from __future__ import annotations
+
+import torch
+
+from .recorded import entry_samples
+
+
+def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
+               out_grads: bool = False) -> None:
+    """Remove the samples ``rows`` from every batch and loss-input tensor (and, with
+    ``out_grads``, recorded output gradient) that has the batch's samples (along the dim the
+    report named them in: dim 1 of a sequence-first ``(T, B, F)``), and from every
+    ``PackedSequence``, packed again without them."""
+    for mb in mbs:
+        where = entry_samples(mb, tensors, model)
+        if not where.size:
+            continue
+        keep = torch.tensor([i for i in range(where.size) if i not in set(rows)],
+                            dtype=torch.long)
+        packed = [_repack(tensors, node, keep) for node in _packed_nodes(mb.get("inputs"))]
+        done = {k for keys in packed for k in keys}
+        grads = list(mb.get("output_grads", {}).values()) if out_grads else []
+        for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
+            x = tensors.get(k)
+            d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
+            if d is not None:
+                tensors[k] = x.index_select(d, keep)
+            elif k in mb.get("loss_paths", {}) and isinstance(x, torch.Tensor):
+                tensors[k] = _drop_flat(x, where, keep)
+
+
+def _drop_flat(x: torch.Tensor, where, keep: torch.Tensor) -> torch.Tensor:
+    """A loss target flattened from (B, T, ...) to (B*T, ...) (a language model's
+    ``crit(logits.view(-1, V), labels.view(-1))``; (T*B, ...) for a sequence-first model)
+    without the dropped samples' rows, as the re-computed output's view will be; other
+    tensors unchanged."""
+    n = where.size
+    if x.dim() == 0 or not n or x.shape[0] <= n or x.shape[0] % n:
+        return x
+    k, rest = x.shape[0] // n, x.shape[1:]
+    if where.seq_first:
+        return x.reshape(k, n, *rest).index_select(1, keep).reshape(-1, *rest)
+    return x.reshape(n, k, *rest).index_select(0, keep).reshape(-1, *rest)
+
+
+def _packed_nodes(tree):
+    """The ``PackedSequence`` nodes of a micro-batch's recorded inputs (``$namedtuple``)."""
+    if isinstance(tree, dict):
+        if str(tree.get("$namedtuple", "")).endswith(":PackedSequence") and "$tuple" in tree:
+            yield tree
+            return
+        for v in tree.values():
+            yield from _packed_nodes(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _packed_nodes(v)
+
+
+def _repack(tensors: dict[str, torch.Tensor], node: dict, keep: torch.Tensor) -> list[str]:
+    """The sequences of one recorded ``PackedSequence`` but those not in ``keep``, packed again
+    in place (its data rows are time steps of several samples: no row can be cut alone);
+    returns its tensors' keys."""
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+    keys = [item.get("$t") if isinstance(item, dict) else None for item in node["$tuple"]]
+    keys += [None] * (4 - len(keys))
+    if keys[0] is None or keys[1] is None:
+        return []
+    seq = PackedSequence(*(tensors[k] if k is not None else None for k in keys[:4]))
+    padded, lengths = pad_packed_sequence(seq, batch_first=True)
+    sorted_before = keys[2] is None  # packed sorted (enforce_sorted=True): it stays sorted
+    again = pack_padded_sequence(padded[keep], lengths[keep], batch_first=True,
+                                 enforce_sorted=sorted_before)
+    for k, t in zip(keys, again):
+        if k is not None and t is not None:
+            tensors[k] = t
+    return [k for k in keys if k is not None]
