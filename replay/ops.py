@@ -119,16 +119,7 @@ class _Watch(TorchDispatchMode):
         leaves = tree_leaves((args, kwargs))
         ins = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()
                and t.numel() and not t.is_meta]
-        # one reduction and one read for all inputs: min/max say NaN (propagated) and Inf too
-        lo = hi = None
-        in_finite = in_nan_free = True
-        if ins:
-            with torch.no_grad():
-                pairs = torch.stack([ends(t) for t in ins]).tolist()
-            in_finite = all(pair_ok(a, b) for a, b in pairs)
-            in_nan_free = all(pair_ok(a, b, allow_inf=True) for a, b in pairs)
-            if in_nan_free:
-                lo, hi = min(a for a, _ in pairs), max(b for _, b in pairs)
+        pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
         # an op writing into its arguments: keep what it was given, for the evidence
         before = _clone_args(args, kwargs) if in_finite and f.first is None \
             and writes_arguments(func) else None
@@ -171,6 +162,21 @@ class _Watch(TorchDispatchMode):
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
                                 inputs_finite=in_finite)
         return out
+
+
+def _input_ends(ins: list[torch.Tensor]):
+    """(each input's (min, max), the inputs' min and max when none is NaN, no NaN or Inf in
+    any, no NaN in any): one reduction and one read for all inputs, as min and max say NaN
+    (propagated) and Inf too."""
+    if not ins:
+        return [], None, None, True, True
+    with torch.no_grad():
+        pairs = torch.stack([ends(t) for t in ins]).tolist()
+    in_finite = all(pair_ok(a, b) for a, b in pairs)
+    in_nan_free = all(pair_ok(a, b, allow_inf=True) for a, b in pairs)
+    if not in_nan_free:
+        return pairs, None, None, in_finite, in_nan_free
+    return pairs, min(a for a, _ in pairs), max(b for _, b in pairs), in_finite, in_nan_free
 
 
 def _clone_args(args, kwargs):
