@@ -66,7 +66,7 @@ class Cause:
 def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None, *,
              hit: OpHit | None = None, micro_batch: int = 0, node: str | None = None,
              saved: str | None = None, at_pole: bool = False,
-             underflowed: bool = False) -> Cause:
+             underflowed: bool = False, inner: str | None = None) -> Cause:
     """The cause of a forward, loss or backward origin. ``until``, for a forward origin, is its
     ``(module, call, micro-batch)``: the float64 forward stops after that call, as what comes
     later (made from the origin's value, or another problem) cannot say what the origin's
@@ -74,12 +74,13 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     module call or, for a loss origin, in the loss of ``micro_batch``); ``node`` the backward
     node, ``saved`` the kind of a non-finite value it saved in the forward, ``at_pole``
     whether it saved an exact 0, ``underflowed`` whether an input of it came from exp,
-    softmax or sigmoid (a 0 there underflowed)."""
+    softmax or sigmoid (a 0 there underflowed), ``inner`` the aten op that made the value
+    inside a custom autograd.Function's backward (its derivative's poles are that op's)."""
     capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence else None
     still = _float64_run(runner, phase, until, capture, micro_batch)
     if phase == "backward":
         return _backward(node, still, _step_dtype(runner, micro_batch), saved, at_pole,
-                         underflowed)
+                         underflowed, inner)
     if hit is not None and hit.intentional and phase == "forward":
         # the only non-finite value is a literal fill (a mask) reaching the module's output:
         # no op overflowed or left its domain, so the generic domain advice would mislead
@@ -369,7 +370,7 @@ def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
 
 def _backward(node: str | None, still: bool, dtype: torch.dtype,
               saved: str | None = None, at_pole: bool = False,
-              underflowed: bool = False) -> Cause:
+              underflowed: bool = False, inner: str | None = None) -> Cause:
     op = node or "the backward node"
     m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     name = m.group(1).lower() if m else None
@@ -396,14 +397,20 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
                      "a norm at 0, log or a division at 0); " + DO["backward_pole"])
-    if at_pole and name and domains.derivative_pole(name) and underflowed:
+    # a custom Function's name says nothing of its derivative: the op its backward made the
+    # value with does (a division by the saved residual, 0 there)
+    pole = bool(name and domains.derivative_pole(name)) or bool(
+        inner and domains.derivative_pole(_name(inner).rstrip("_")))
+    if inner and not (name and domains.derivative_pole(name)):
+        fn = f"its backward's {inner}"
+    if at_pole and pole and underflowed:
         # finite in float64, and the 0 on the pole came from exp/softmax/sigmoid: a positive
         # value rounded to 0 (sqrt(exp(-120)): exp(-120) is 8e-53 in float64)
         return Cause("underflow", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
                      "in float64: the op's input came from exp, softmax or sigmoid of a finite "
                      "argument, positive in exact arithmetic, and underflowed to 0, the pole "
                      f"where {fn} is infinite; " + DO["log_space"])
-    if at_pole and name and domains.derivative_pole(name):
+    if at_pole and pole:
         # finite in float64, so its input is off the pole there: rounding put it on (1 -
         # sigmoid(20) is 0 in float32, 2e-9 in float64), not a gradient too large for the type
         return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}, finite "

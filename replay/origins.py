@@ -182,7 +182,7 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
                 "and which the forward carried without a non-finite output; " + HINTS["input"])
         return finish(report, origin, "input", reproduced=reproduced, hint=hint)
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
-                     underflowed=b.positive_input)
+                     underflowed=b.positive_input, inner=b.inner_op)
     report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
     if b.inner_op:  # a hand-written backward: the bug is in its formula, not the forward
         path, _, line = b.inner_source.rpartition(":")

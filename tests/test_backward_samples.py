@@ -104,6 +104,35 @@ def test_a_custom_functions_backward_names_the_op_and_line_of_its_own_code(tmp_p
                             "(return grad / (2 * y)") for p in rep["problems"]), rep["problems"]
 
 
+def test_a_custom_backward_at_a_residual_rounding_made_zero_is_precision_not_overflow(
+        tmp_path):
+    """A custom loss whose hand-written backward divides by the residual: sample 5's target
+    was copied from the float32 prediction, so its residual is exactly 0 and the backward 0/0.
+    In float64 the prediction differs from that float32 target, the residual is not 0 and the
+    gradient finite. That is rounding putting the input on the formula's pole (precision),
+    told by the op the backward made it with (aten.div), not "a gradient too large for its
+    dtype" (overflow), which the node's unknown name gave."""
+    model = C.make_regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = C.AbsLogLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="cause_models:make_regressor"):
+            for step in range(6):
+                x, _ = R.batch(step)
+                y = x.sum(1)
+                out = model(x)
+                if step == K:
+                    y[5] = out[5].detach()  # a target filled from the prediction (leakage)
+                opt.zero_grad()
+                crit(out, y).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    check(rep, step=K, phase="backward", module="<loss>", op="_AbsLogBackward", samples=[5],
+          cause="precision", reproduced=True)
+    assert "rounding put the op's input on its pole" in rep["hint"], rep["hint"]
+
+
 def test_where_gradient_trap_names_its_row(tmp_path):
     """torch.where(h² > 0, log(h²), 0): finite forward; backward sends 0 into log's
     derivative 1/x at x = 0, which is 0/0 (LogBackward0), for the zero row only."""
