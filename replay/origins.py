@@ -132,6 +132,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["problems"].append(
             "the gradient entering the model's output was non-finite too (the loss made it); "
             "the backward origin above was found with those entries set to 0")
+        if outside.loss_fn_not_called(step):
+            report["problems"].append(_not_called(step))
         return report
     fields, reproduced = found
     report = finish(report, origin_fields(**fields), None, reproduced=reproduced)
@@ -142,11 +144,7 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
             "bundle holds its value but nothing to re-run it with")
     elif outside.loss_fn_not_called(step):
         # not re-run at all: saying it "re-ran finite" would clear a loss that may hold the bug
-        report["problems"].append(
-            f"the loss_fn given to the recorder ({info.get('name')}) was not called in this "
-            "step, so the replay had no loss to re-run"
-            + (": a plain function is seen only when called as rec.loss_fn(...)"
-               if info.get("kind") == "function" else ""))
+        report["problems"].append(_not_called(step))
     elif step.loss_fn is not None:
         report["problems"].append(
             "the loss_fn the replay re-ran is finite with finite gradients: the loop's loss "
@@ -162,6 +160,14 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
             "was non-finite")
     report["hint"] = outside.replayable_loss_hint(step)
     return report
+
+
+def _not_called(step: Step) -> str:
+    info = step.meta.get("loss") or {}
+    return (f"the loss_fn given to the recorder ({info.get('name')}) was not called in this "
+            "step, so the replay had no loss to re-run"
+            + (": a plain function is seen only when called as rec.loss_fn(...)"
+               if info.get("kind") == "function" else ""))
 
 
 def report_backward(report, runner: Runner) -> dict[str, Any]:

@@ -703,3 +703,29 @@ def test_a_mask_reaching_the_output_gets_the_mask_hint_not_the_domain_advice(tmp
     assert rep["cause"] == "invalid" and "filled a literal -Inf on purpose" in rep["hint"]
     assert "allow_inf" in rep["hint"] and "clamp before log" not in rep["hint"], rep["hint"]
     assert notes_about(rep, "allow_inf=['']"), rep["problems"]
+
+
+def test_a_loss_fn_called_directly_is_named_when_the_model_backward_overflows_too(tmp_path):
+    """The loss function given as ``loss_fn`` but called directly; at step K one row's
+    residual (1e13) makes the gradient entering the output +inf and another's (1e10) makes
+    the weight's gradient overflow in the model's own backward. The report names that
+    backward origin, and must also say the loss_fn was not called (it only said the loss
+    made the entering gradient, though nothing had re-run it)."""
+    model = UL.make_linear_regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=UL.quartic_loss, out_dir=tmp_path,
+                            factory="user_losses:make_linear_regressor"):
+            for step in range(6):
+                x = UL.batch(step)[0][:, 0]
+                if step == K:
+                    x[2], x[5] = 1e13, 1e10
+                opt.zero_grad()
+                UL.quartic_loss(model(x), x.sum(1) * 0).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (K, "backward")
+    rep, code = nanreplay_json(info.value.bundle_path)
+    assert rep["origin"]["phase"] == "backward", rep["origin"]
+    assert notes_about(rep, "the gradient entering the model's output was non-finite too")
+    assert notes_about(rep, "user_losses.quartic_loss) was not called in this step"), \
+        rep["problems"]
