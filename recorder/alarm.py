@@ -122,11 +122,22 @@ class Alarm:
             log.warning(msg)
             return
         self.bundle_path = path
-        msg = _message(as_dict, path)
+        msg = _message(as_dict, path) + _loss_not_called(meta)
         if on_event == "raise":
             self.health.active = False
             raise NonFiniteError(msg, bundle_path=path, event=as_dict)
         log.warning(msg)
+
+
+def _loss_not_called(meta: dict[str, Any]) -> str:
+    """A plain function given as loss_fn that the step never called through ``rec.loss_fn``
+    (called directly, it is neither checked nor replayable): say so where the user reads."""
+    mbs = meta.get("micro_batches") or []
+    if (meta.get("loss") or {}).get("kind") != "function" or not mbs \
+            or any(mb.get("loss_inputs") for mb in mbs):
+        return ""
+    return (" The loss function given as loss_fn was not called through rec.loss_fn in this "
+            "step, so it was neither checked nor recorded: call loss = rec.loss_fn(...).")
 
 
 def _message(event: dict[str, Any], path: Path | None) -> str:

@@ -729,3 +729,12 @@ def test_a_loss_fn_called_directly_is_named_when_the_model_backward_overflows_to
     assert notes_about(rep, "the gradient entering the model's output was non-finite too")
     assert notes_about(rep, "user_losses.quartic_loss) was not called in this step"), \
         rep["problems"]
+
+
+def test_the_error_message_says_a_loss_fn_function_was_not_called_through_the_recorder(
+        tmp_path):
+    """What the user reads first, the NonFiniteError message, says that the function given as
+    loss_fn was called directly, so it was neither checked nor recorded."""
+    err = train_rater(tmp_path, hand_over=False, given=True)
+    assert "was not called through rec.loss_fn in this step" in str(err), str(err)
+    assert "rec.loss_fn" not in str(train_rater(tmp_path / "b", hand_over=True))
