@@ -195,7 +195,37 @@ def build(step: Step, factory: str | None, device: str | None,
     if not spec:
         raise ReplayError("the bundle names no model factory; pass --factory MOD:FN "
                           "(a function returning the model)")
-    fn = resolve_factory(spec, explicit=factory is not None)
+    with _recorded_argv(meta, spec):
+        _build(step, spec, factory is not None, factory_kwargs)
+
+
+@contextlib.contextmanager
+def _recorded_argv(meta: dict[str, Any], spec: str):
+    """The user's code imported and called with the command line the run had (``env.argv``),
+    not nanreplay's: a module that parses ``sys.argv`` when imported (a module-level
+    ``parser.parse_args()``) read the bundle's path and nanreplay's options, and failed with
+    its own usage message or took them for its arguments. Its ``SystemExit`` (argparse's, a
+    ``sys.exit`` at import) is a one-line error instead of ending nanreplay without one."""
+    argv = (meta.get("env") or {}).get("argv")
+    saved = sys.argv
+    recorded = isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)
+    sys.argv = list(argv) if recorded else saved[:1]
+    try:
+        yield
+    except SystemExit as e:
+        raise ReplayError(
+            f"factory {spec!r}: the code it imports or calls exited (SystemExit({e.code!r})) "
+            f"with the recorded command line {sys.argv!r}; move what parses the command line "
+            "or exits under `if __name__ == \"__main__\":`, or pass --factory MOD:FN of a "
+            "module that does neither when imported") from None
+    finally:
+        sys.argv = saved
+
+
+def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any] | None
+           ) -> None:
+    meta = step.meta
+    fn = resolve_factory(spec, explicit=explicit)
     kwargs = factory_kwargs if factory_kwargs is not None else meta.get("factory_kwargs") or {}
     step.factory_kwargs = dict(kwargs)
     # Build on the meta device so loading the bundle's weights does not hold two copies; fall

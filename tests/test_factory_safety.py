@@ -249,3 +249,65 @@ def test_weight_stripped_copy_imports_nothing_even_from_cwd(fac, monkeypatch, tm
     r = run(out)
     assert r.exit_code == 1, r.stdout + r.stderr
     assert not fac.imported
+
+
+def _replay_process(bundle: Path, cwd: Path, *args: str):
+    """``python -m replay BUNDLE ARGS`` in a process of its own: its ``sys.argv`` is
+    nanreplay's, as when a user runs it (the click runner leaves pytest's)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    return subprocess.run([sys.executable, "-m", "replay", str(bundle), *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _recorded_with(src: Path, dst: Path, factory: str, argv: list[str]) -> Path:
+    """``src`` naming ``factory``, recorded by the command line ``argv``."""
+    from bundles import rewrite
+
+    def edit(m):
+        m["factory"] = factory
+        m["env"]["argv"] = argv
+        return m
+
+    return rewrite(src, dst, meta=edit)
+
+
+def test_a_factory_module_that_parses_the_command_line_at_import_sees_the_recorded_one(
+        tmp_path, toy):
+    """A training module with a module-level ``parser.parse_args()`` (its training under the
+    main guard): importing it read nanreplay's own argv (the bundle path, --json) and died
+    with the script's usage message, exit 2; now it parses the command line the run had."""
+    code = tmp_path / "code"
+    factory_module(code, "train_args", tmp_path / "marker")
+    src = (code / "train_args.py").read_text()
+    (code / "train_args.py").write_text(
+        "import argparse\n_p = argparse.ArgumentParser()\n_p.add_argument('--lr', type=float, "
+        "default=0.1)\nARGS = _p.parse_args()\n" + src)
+    bundle = _recorded_with(toy, tmp_path / "b.nan", "train_args:make_model",
+                            ["train_args.py", "--lr", "0.01"])
+    r = _replay_process(bundle, code, "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert (rep["reproduced"], rep["origin"]["module"], rep["origin"]["op"], rep["cause"]) == \
+        (True, "norm", "aten.div", "invalid")
+
+
+def test_a_factory_module_that_exits_at_import_is_a_one_line_error(tmp_path, toy):
+    """``sys.exit(...)`` when the module is imported (a config check at module level) ended
+    nanreplay with the user's message and no word of its own; now one nanreplay line, exit 2."""
+    code = tmp_path / "code"
+    factory_module(code, "train_exit", tmp_path / "marker")
+    src = (code / "train_exit.py").read_text()
+    (code / "train_exit.py").write_text(src + "\nimport sys\nsys.exit(3)\n")
+    bundle = _recorded_with(toy, tmp_path / "b.nan", "train_exit:make_model",
+                            ["train_exit.py"])
+    r = _replay_process(bundle, code)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.splitlines() == [
+        "nanreplay: factory 'train_exit:make_model': the code it imports or calls exited "
+        "(SystemExit(3)) with the recorded command line ['train_exit.py']; move what "
+        "parses the command line or exits under `if __name__ == \"__main__\":`, or pass "
+        "--factory MOD:FN of a module that does neither when imported"], r.stderr
