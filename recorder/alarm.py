@@ -104,7 +104,7 @@ class Alarm:
             self._write_and_report(tape, event, guard=guard)
 
     def summary(self) -> str:
-        return _message(self.event, self.bundle_path)
+        return _message(self.event, self.bundle_path, self.settings.on_event == "raise")
 
     def _write_and_report(self, tape: Tape | None, event: Event, guard=None) -> None:
         self.event = as_dict = event.as_dict()
@@ -116,13 +116,14 @@ class Alarm:
             out_dir.mkdir(parents=True, exist_ok=True)
             path = bundle.write_bundle(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
         except Exception as e:
-            msg = _message(as_dict, None) + f" Writing the bundle failed: {e}"
+            msg = _message(as_dict, None, on_event == "raise") + \
+                f" Writing the bundle failed: {e}"
             if on_event == "raise":
                 raise NonFiniteError(msg, event=as_dict, write_error=e) from e
             log.warning(msg)
             return
         self.bundle_path = path
-        msg = _message(as_dict, path) + _loss_not_called(meta)
+        msg = _message(as_dict, path, on_event == "raise") + _loss_not_called(meta)
         if on_event == "raise":
             self.health.active = False
             raise NonFiniteError(msg, bundle_path=path, event=as_dict)
@@ -140,6 +141,7 @@ def _loss_not_called(meta: dict[str, Any]) -> str:
             "step, so it was neither checked nor recorded: call loss = rec.loss_fn(...).")
 
 
-def _message(event: dict[str, Any], path: Path | None) -> str:
-    """The event's one paragraph, with who saw it first under torch.distributed."""
-    return ranks.summary(event, path, events.summary(event, path))
+def _message(event: dict[str, Any], path: Path | None, stopped: bool = True) -> str:
+    """The event's one paragraph, with who saw it first under torch.distributed (and whether
+    the ranks stopped: ``on_event="warn"`` trains on)."""
+    return ranks.summary(event, path, events.summary(event, path), stopped)

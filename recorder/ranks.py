@@ -222,9 +222,10 @@ def peer_event(step: int, first: list[int]) -> Event:
                         f"{step}; this rank's own values were finite")
 
 
-def summary(event: dict[str, Any], path, text: str) -> str:
+def summary(event: dict[str, Any], path, text: str, stopped: bool = True) -> str:
     """The error's message on a rank: ``text`` (``events.summary``) with who saw the event
-    first; a peer event's own words."""
+    first; a peer event's own words. ``stopped``: raise mode (else the warning of
+    ``on_event="warn"``, after which every rank trains on)."""
     ranks = event.get("ranks")
     if not ranks:
         return text
@@ -232,12 +233,15 @@ def summary(event: dict[str, Any], path, text: str) -> str:
         text = f"nanreplay: {event['detail']} (step {event['step']})."
         if path is not None:
             text += f" Bundle: {path}; run `nanreplay {path}` on any rank's bundle."
-    return text + describe(ranks)
+    return text + describe(ranks, stopped)
 
 
-def describe(ranks: dict[str, Any]) -> str:
-    """The sentence the error adds on every rank: who saw the event first."""
+def describe(ranks: dict[str, Any], stopped: bool = True) -> str:
+    """The sentence the error (or warning) adds on every rank: who saw the event first."""
     first = ", ".join(map(str, ranks["first"]))
     seen = ", ".join(map(str, ranks["seen_by"]))
+    # in warn mode no rank stops: saying so sent users looking for a hang that was not there
+    then = ("every rank stopped at this step" if stopped else
+            "every rank wrote its bundle at this step and trains on (on_event=\"warn\")")
     return (f" Rank {ranks['rank']} of {ranks['world_size']}; first seen on rank(s) {first} "
-            f"(non-finite on rank(s) {seen}); every rank stopped at this step.")
+            f"(non-finite on rank(s) {seen}); {then}.")

@@ -37,7 +37,10 @@ def _torchrun(script: str, out: Path, pythonpath: Path, *args: str, **env_vars: 
               ) -> subprocess.CompletedProcess:
     """Two ranks of ``script OUT ARGS`` under torchrun; once more on a new port if the free one
     was taken before the rendezvous bound it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath), **env_vars}
+    # the checkout's packages, not whichever copy is installed (a worktree's tests ran the
+    # installed recorder in the ranks)
+    path = os.pathsep.join([str(pythonpath), str(HERE.parent.parent)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **env_vars}
     for _ in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={_free_port()}", str(HERE / script), str(out), *args]
@@ -91,6 +94,23 @@ def test_two_ranks_each_write_their_bundle_and_stop(tmp_path):
     assert report["cause"] == "input" and report["origin"]["samples"] == [2]
     assert report["bundle"]["rank"] == 1 and report["event"]["step"] == 3
     assert report["reproduced"] is True
+
+
+def test_warn_mode_on_two_ranks_says_the_ranks_train_on(tmp_path):
+    """on_event="warn" under DDP: both ranks write their bundle at step 3 and train all 10
+    steps. Their warnings said "every rank stopped at this step" (raise mode's words)."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("ddp_train.py", out, HERE, "warn")
+    assert "rank 0 no event steps=10" in proc.stdout and "rank 1 no event steps=10" in \
+        proc.stdout, proc.stdout
+    warned = re.findall(r"Rank (\d) of 2; first seen on rank\(s\) 1 \(non-finite on rank\(s\) "
+                        r"0, 1\); ([^\n]*)", proc.stderr)
+    assert sorted(warned) == [
+        ("0", "every rank wrote its bundle at this step and trains on (on_event=\"warn\")."),
+        ("1", "every rank wrote its bundle at this step and trains on (on_event=\"warn\").")], \
+        proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["step00000003-rank0.nan",
+                                                     "step00000003-rank1.nan"]
 
 
 def test_trainer_callback_on_two_ranks_in_warn_mode(tmp_path):
