@@ -39,7 +39,7 @@ def base_report(step: Step) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "bundle": {"path": str(step.path), "rank": env.get("rank", 0), "torch": env.get("torch"),
-                   "stripped": step.stripped},
+                   "stripped": step.stripped, **_ranks(step)},
         "event": {"step": ev.get("step"), "phase": ev.get("phase"), "module": ev.get("module"),
                   "call": ev.get("call"), "micro_batch": ev.get("micro_batch"),
                   "kind": ev.get("kind"), "params": ev.get("params", []),
@@ -59,6 +59,19 @@ def base_report(step: Step) -> dict[str, Any]:
         "what_if": [],  # the --try what-ifs (replay.whatif)
         "history": hist,
     }
+
+
+def _ranks(step: Step) -> dict[str, Any]:
+    """Under torch.distributed: the bundle given (``given``, its rank) when the first rank's
+    bundle beside it is replayed instead, the world size and the ranks that saw the event
+    first; ``{}`` for a single process."""
+    ranks = step.event.get("ranks")
+    if not isinstance(ranks, dict) or not ranks.get("world_size"):
+        return {}
+    out = {"world_size": ranks.get("world_size"), "first_ranks": ranks.get("first")}
+    if step.given is not None:
+        out.update(given=str(step.given), given_rank=step.given_rank)
+    return out
 
 
 def finish(report, origin, cause, *, reproduced: bool, hint: str | None = None

@@ -361,6 +361,17 @@ def _bisection(report: dict) -> str:
             f"recorded event: {agrees}.</p></section>")
 
 
+def _ranks(report: dict) -> str:
+    """The text report's ``rank`` line (which rank's step this is), as a paragraph."""
+    from .report import rank_lines
+
+    try:
+        lines = rank_lines(report)
+    except (AttributeError, TypeError):  # (a hand-made report without these keys)
+        return ""
+    return "".join(f'<p class="meta">{_e(s.strip()[len("rank"):].strip())}</p>' for s in lines)
+
+
 def render_html(report: dict, history: dict) -> str:
     """Render the report and the ring-buffer history as one self-contained HTML document."""
     report = report if isinstance(report, dict) else {}
@@ -380,7 +391,7 @@ def render_html(report: dict, history: dict) -> str:
 <style>{STYLE}</style></head>
 <body><main>
 <h1>nanreplay report</h1><div class="meta">{meta} · {_e(_get(report, "format"))}</div>
-{_verdict(report)}
+{_ranks(report)}{_verdict(report)}
 <h2>Ring buffer ({len(_list(history.get("steps")))} recorded steps)</h2><section>{ring}</section>
 <h2>Origin</h2>{_origin(report)}
 <h2>Precursors</h2>{_precursors(report)}

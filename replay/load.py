@@ -51,6 +51,9 @@ class Step:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     problems: list[str] = field(default_factory=list)  # why parts cannot be re-run
     factory_kwargs: dict[str, Any] = field(default_factory=dict)  # what the factory was given
+    # the bundle given, when another rank's bundle of its event is replayed (replay.shards)
+    given: Path | None = None
+    given_rank: int | None = None
 
     @property
     def event(self) -> dict[str, Any]:
@@ -69,8 +72,12 @@ def read_step(path: str | os.PathLike) -> Step:
     meta, tensors = read_bundle(path)
     check_meta(meta, path)
     # one rank's bundle of a distributed event: the first rank's, full tensors from the shards
-    path, meta, tensors = resolve(Path(path), meta, tensors, check_meta)
-    return Step(path, meta, tensors)
+    given, given_rank = Path(path), (meta.get("env") or {}).get("rank")
+    path, meta, tensors = resolve(given, meta, tensors, check_meta)
+    step = Step(path, meta, tensors)
+    if path != given:
+        step.given, step.given_rank = given, given_rank
+    return step
 
 
 # The metadata keys the replay and --info rely on, with their JSON types (absent keys other than

@@ -54,6 +54,7 @@ def to_text(report: dict[str, Any]) -> str:
     when = (f"evaluation forward before step {ev.get('step')}" if ev.get("evaluation")
             else f"step {ev.get('step')}")
     lines = [f"nanreplay: {when}, {ev.get('phase')} event — {state}"]
+    lines += rank_lines(report)
     lines += _origin_lines(report)
     lines += _cause_lines(report)
     lines += window_lines(report) + what_if_lines(report)
@@ -67,6 +68,23 @@ def to_text(report: dict[str, Any]) -> str:
         if len(pre) > 10:
             lines.append(f"    ... {len(pre) - 10} more")
     return "\n".join(lines)
+
+
+def rank_lines(report: dict[str, Any]) -> list[str]:
+    """Which rank's step the report is of, when that is not plain: another rank's bundle
+    replayed (the samples are rows of its batch, not of the given bundle's), or this rank's
+    own view of an event another rank saw first (its bundle not beside it, or stripped)."""
+    b = report.get("bundle") or {}
+    first, rank = b.get("first_ranks"), b.get("rank")
+    if b.get("given"):
+        return [f"  rank       replayed rank {rank}'s bundle {b['path']}, the first rank to see "
+                f"the event (the samples are rows of its batch); the bundle given is rank "
+                f"{b.get('given_rank')}'s"]
+    if first and rank not in first:
+        return [f"  rank       rank {rank} of {b.get('world_size')}: rank(s) {first} saw the "
+                f"event first; this is rank {rank}'s own view: replay rank {min(first)}'s "
+                "bundle to see where it began"]
+    return []
 
 
 def _origin_lines(report: dict[str, Any]) -> list[str]:

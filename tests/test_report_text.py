@@ -8,6 +8,7 @@ machine to machine) and replacing its absolute path by ``<BUNDLE>``. The remaini
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -171,3 +172,45 @@ def test_precursors_are_listed_ten_at_most():
     assert lines[1:] == ["  precursors"] + [
         f"    step {s:>6}  grad_norm_jump  gradient norm jump {s}" for s in range(100, 110)
     ] + ["    ... 3 more"]
+
+
+def _ddp_set(toy: Path, where: Path, ranks: tuple[int, ...]) -> dict[int, Path]:
+    """The toy bundle as the bundles of ranks ``ranks`` of a two-rank DDP event that rank 1
+    saw first (rank 0's own event is the toy's too: only the rank fields differ)."""
+    out = {}
+    for rank in ranks:
+        def edit(m, rank=rank):
+            m["event"]["ranks"] = {"run_id": "0123456789abcdef", "rank": rank, "world_size": 2,
+                                   "first": [1], "seen_by": [0, 1]}
+            m["env"].update(rank=rank, world_size=2)
+            return m
+
+        out[rank] = rewrite(toy, where / f"step00000037-rank{rank}.nan", meta=edit)
+    return out
+
+
+def test_report_says_which_ranks_bundle_it_replayed(toy, tmp_path, monkeypatch):
+    """Rank 0's bundle of an event rank 1 saw first replays rank 1's bundle beside it: its
+    samples are rows of rank 1's batch. The text report did not say so (only --json's bundle
+    rank did), so a user looked up sample 5 in rank 0's batch."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(EXAMPLES)
+    rank0 = _ddp_set(toy, tmp_path / "set", (0, 1))[0]
+    r = run(rank0)
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1] == (
+        f"  rank       replayed rank 1's bundle {tmp_path / 'set' / 'step00000037-rank1.nan'}, "
+        "the first rank to see the event (the samples are rows of its batch); the bundle given "
+        "is rank 0's")
+    assert lines[2:] == TOY_REPORT[1:]
+    rep = json.loads(run(rank0, "--json").stdout)["bundle"]
+    assert (rep["rank"], rep["given"], rep["given_rank"], rep["first_ranks"]) == \
+        (1, str(rank0), 0, [1])
+    # rank 1's own bundle: nothing to say
+    assert run(tmp_path / "set" / "step00000037-rank1.nan").stdout.splitlines() == TOY_REPORT
+    # rank 0's bundle alone (its own event, replayed as it is): it is rank 0's view
+    alone = _ddp_set(toy, tmp_path / "alone", (0,))[0]
+    lines = run(alone).stdout.splitlines()
+    assert lines[1] == ("  rank       rank 0 of 2: rank(s) [1] saw the event first; this is "
+                        "rank 0's own view: replay rank 1's bundle to see where it began")
