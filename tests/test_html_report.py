@@ -385,3 +385,17 @@ def test_proxy_is_local_only() -> None:
             assert s.recv(64).startswith(b"HTTP/1.1 502")
         with proxy.lock:
             assert proxy.connections == ["GET http://example.invalid/ HTTP/1.1"]
+
+
+def test_the_root_module_is_named_as_in_the_text_report() -> None:
+    """An origin in the root module's own forward (module ""): the verdict said "made by
+    aten.log (call 0)" and the origin table's module cell was empty, where the text report
+    says <root>."""
+    report = make_report(event={"step": 6, "phase": "forward", "module": ""},
+                         origin={**make_report()["origin"], "module": ""})
+    page = render_html(report, make_history())
+    assert "NaN first made by aten.log in <root> (call 0) at step 6" in section_text(page, "verdict")
+    assert "module<root>" in section_text(page, "origin").replace(" ", "")
+    report = make_report(event={"step": 6, "phase": "forward", "module": ""}, reproduced=False)
+    assert "(forward, <root>) was not reproduced" in section_text(
+        render_html(report, make_history()), "verdict")
