@@ -31,6 +31,7 @@ from recorder.validate import import_object
 from .compat import set_buffer, set_parameter
 from .errors import FactoryRefused, ReplayError
 from .losses import Unrebuildable, rebuild_loss
+from .optim import build_optimizer
 from .shards import resolve
 from .trust import defined_in, module_origin, trusted_path
 
@@ -253,7 +254,7 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
         except Unrebuildable as e:
             step.problems.append(str(e))
     opt_factory = made.get("optimizer")
-    step.optimizer = _build_optimizer(step, model, opt_factory)
+    step.optimizer = build_optimizer(step, model, opt_factory)
 
 
 def _call_factory(fn, spec: str, kwargs: dict[str, Any], on_meta: bool) -> dict[str, Any]:
@@ -370,50 +371,6 @@ def _set(model: nn.Module, name: str, value, *, param: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # loss and optimizer
-
-
-def _build_optimizer(step: Step, model: nn.Module, opt_factory):
-    info = step.meta.get("optimizer")
-    if not info:
-        return None
-    params = dict(model.named_parameters())
-    cls = None
-    path = info["class"]
-    if opt_factory is None:
-        if path.startswith("torch.optim."):
-            cls = getattr(torch.optim, path.rpartition(".")[2], None)
-        if cls is None:
-            step.problems.append(f"the optimizer {path} is not a torch.optim built-in; return "
-                                 "{'model': ..., 'optimizer': lambda params: ...} from the factory")
-            return None
-    groups = []
-    for g in info["param_groups"]:
-        group = {"params": [params[n] for n in g["params"] if n in params]}
-        for k, v in g.items():
-            if k == "params" or (isinstance(v, dict) and "$repr" in v):
-                continue
-            if isinstance(v, dict) and "$t" in v:
-                v = step.tensors[v["$t"]].to(step.device)
-            elif isinstance(v, list) and k == "betas":
-                v = tuple(v)
-            group[k] = v
-        groups.append(group)
-    try:
-        opt = opt_factory(groups) if opt_factory is not None else cls(groups)
-    except Exception as e:
-        step.problems.append(f"the optimizer {path} could not be rebuilt ({type(e).__name__}: {e})")
-        return None
-    scalars = info.get("state_scalars", {})
-    for name, p in params.items():
-        state = {}
-        prefix = f"optim/{name}/"
-        for key, t in step.tensors.items():
-            if key.startswith(prefix):
-                state[key[len(prefix):]] = t.to(step.device) if t.dim() else t
-        state.update(scalars.get(name, {}))
-        if state:
-            opt.state[p] = state
-    return opt
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,9 +34,11 @@ from recorder.capture import map_tensors
 from recorder.finite import finite, tensors_kind
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
+from .clip import loop_clip
 from .drop import drop_rows
 from .load import Step
 from .ops import OpFinder
+from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
 from .rerun import Runner
 
@@ -133,6 +135,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     if opt is None and step.meta.get("optimizer"):
         out.problems.append("the optimizer could not be rebuilt, so the window's updates were "
                             "not re-run")
+    peers = _peers(step, win, out.problems)
     for record in win.records:
         sub = _sub_step(step, win, record, change)
         runner = Runner(sub)
@@ -140,7 +143,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         scale = _used_scale(step, win, record)
         if scale is not None and math.isfinite(scale):
             runner.loss_scale = scale
-        run = runner.run()
+        run = _run_ranks(runner, step, peers, record, change, scale)
         o = _forward_outcome(record["step"], run)
         if run.error is not None and o is None:
             out.problems.append(f"the model's code raised {run.raised} at step "
@@ -167,7 +170,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
                                 kind=_kind([p.grad for n, p in step.model.named_parameters()
                                             if n in bad_grads]))
             break
-        _loop_clip(step, win, record, change, stats["grad_norm"])
+        loop_clip(step, win, record, change, stats["grad_norm"])
         # (the GradScaler's skips follow the re-run's own gradients, as in training)
         if opt is None or (record is win.records[-1] and not _last_update_ran(step, win)):
             stats["param_norm"] = _total_norm(step.model.parameters())
@@ -181,42 +184,6 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             out.first = _update_outcome(record["step"], step, opt, before, bad)
             break
     return out
-
-
-def _loop_clip(step: Step, win: Window, record: dict[str, Any], change: Change,
-               norm: float | None) -> None:
-    """The loop's own ``clip_grad_norm_`` between backward and ``optimizer.step()``, which
-    the recorder saw only as the smaller gradient norm the update used (the ring's). Left
-    out, a window whose every update was clipped ran away where training did not. The
-    unchanged re-run scales the gradients to the recorded norm, as the clip did, and keeps
-    the norm it clipped to (the loop's max_norm); a what-if, whose gradients differ, clips to
-    that max_norm, or to the try's own ``clip``."""
-    grads = [p.grad for p in step.model.parameters() if p.grad is not None]
-    if change.clip is not None:
-        torch.nn.utils.clip_grad_norm_(step.model.parameters(), change.clip)
-    elif change == Change():
-        rec = _recorded_grad_norm(step, record["step"])
-        if rec is None or norm is None or not norm > rec * (1 + 1e-3):
-            return
-        for g in grads:
-            g.mul_(rec / norm)
-        if rec > 0:  # (0: clip_grad_norm_ of an infinite norm zeroed the gradients)
-            win.loop_clip = max(win.loop_clip or 0.0, rec)
-    elif win.loop_clip is not None:
-        torch.nn.utils.clip_grad_norm_(step.model.parameters(), win.loop_clip)
-
-
-def _recorded_grad_norm(step: Step, k: int) -> float | None:
-    """The total gradient norm the recorded update of step ``k`` used (the ring's), if
-    finite."""
-    steps, norms = step.tensors.get("ring/steps"), step.tensors.get("ring/grad_norm")
-    if steps is None or norms is None:
-        return None
-    hit = (steps == k).nonzero()
-    if not len(hit):
-        return None
-    v = float(norms[int(hit[0, 0])])
-    return v if math.isfinite(v) else None
 
 
 def _used_scale(step: Step, win: Window, record: dict[str, Any]) -> float | None:
@@ -233,6 +200,59 @@ def _used_scale(step: Step, win: Window, record: dict[str, Any]) -> float | None
 def _scale_event_at(step: Step, record: dict[str, Any]) -> bool:
     ev = step.event
     return ev.get("kind") == "scale" and ev.get("step") == record["step"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the other ranks of a data-parallel run
+
+
+def _peers(step: Step, win: Window, problems: list[str]) -> list[tuple[Step, Window]]:
+    """The other ranks' bundles of a distributed event, each as a view of ``step`` (same model,
+    loss and optimizer) with its own batches, RNG states and window: DDP (and FSDP) updated
+    the weights with the gradients averaged over the ranks, so a re-run's updates from this
+    rank's batches alone drift from training's at the first update (the losses of the steps
+    after it differ from the recorded ones). Empty for one process, or when the window re-runs
+    no update; a rank's bundle that is not beside it is a note and the run goes on with this
+    rank's gradients."""
+    from recorder.bundle import read_bundle
+
+    from .shards import ranks_of, shard_set
+
+    ranks = ranks_of(step.meta)
+    if ranks is None or int(ranks.get("world_size") or 1) < 2 or step.optimizer is None:
+        return []
+    mine = int(ranks["rank"])
+    found = shard_set(step.path, step.meta)
+    lost = [r for r in range(int(ranks["world_size"])) if r not in found]
+    if lost:
+        problems.append(f"the bundles of rank(s) {lost} are not beside this one, so the "
+                        "re-run's updates use the gradients of the ranks found only, not "
+                        "training's average over every rank: copy every rank's bundle of "
+                        "the step beside it")
+    out = []
+    for r, path in sorted(found.items()):
+        if r == mine:
+            continue
+        meta, tensors = read_bundle(path)
+        peer = dataclasses.replace(step, path=path, meta=meta, tensors=tensors, problems=[])
+        pwin = window_of(peer) if win.from_rewind else step_as_window(peer)
+        if pwin is None or [x["step"] for x in pwin.records] != [x["step"] for x in win.records]:
+            problems.append(f"rank {r}'s bundle holds other steps than this one's window, so "
+                            "its gradients are left out of the re-run's updates")
+            continue
+        out.append((peer, pwin))
+    return out
+
+
+def _run_ranks(runner: Runner, step: Step, peers, record: dict[str, Any], change: Change,
+               scale: float | None):
+    """``runner``'s run of this rank's micro-batches of ``record``, its gradients averaged
+    with the other ranks' (``peers``, see :mod:`replay.peers`), as the all-reduce did."""
+    others = peer_gradients(step, peers, record, change, scale, _sub_step)
+    run = runner.run()
+    if others is not None:  # the update uses every rank's gradients, averaged
+        average_gradients(step.model, others, len(peers) + 1)
+    return run
 
 
 def _last_update_ran(step: Step, win: Window) -> bool:

@@ -113,6 +113,32 @@ def test_warn_mode_on_two_ranks_says_the_ranks_train_on(tmp_path):
                                                      "step00000003-rank1.nan"]
 
 
+def test_a_ddp_window_rerun_averages_every_ranks_gradients(tmp_path, monkeypatch):
+    """rewind=2 under DDP, rank 1's NaN sample at step 3: the window (steps 0-3) re-runs in one
+    process from rank 1's bundle. Its updates used rank 1's gradients alone, not DDP's average
+    over both ranks, so the re-run's losses drifted from the recorded ones from step 1 on; now
+    every rank's batches are re-run and their gradients averaged, as training's were."""
+    out = tmp_path / "bundles"
+    _torchrun("ddp_train.py", out, HERE, "rewind")
+    import replay
+
+    monkeypatch.chdir(HERE)  # where ddp_train's factory lives
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("step00000003-rank0.nan", "step00000003-rank1.nan"):
+        rep = replay.replay(out / name)
+        assert rep["bundle"]["rank"] == 1 and rep["cause"] == "input", rep
+        w = rep["window"]
+        assert (w["copy_step"], w["steps"], w["reproduced"]) == (0, [0, 3], True)
+        recorded = dict(zip(rep["history"]["steps"], rep["history"]["loss"]))
+        norms = dict(zip(rep["history"]["steps"], rep["history"]["grad_norm"]))
+        for s in w["per_step"][:3]:  # steps 0-2: the loss, and the gradient norm DDP's
+            # all-reduce gave the update (the recorder reads it before optimizer.step())
+            assert s["loss"] == pytest.approx(recorded[s["step"]], rel=1e-6), (s, recorded)
+            assert s["grad_norm"] == pytest.approx(norms[s["step"]], rel=1e-5), (s, norms)
+        assert w["per_step"][3]["step"] == 3
+        assert rep["problems"] == []
+
+
 def test_trainer_callback_on_two_ranks_in_warn_mode(tmp_path):
     """transformers.Trainer under torchrun (DDP, gloo): rank 1's all-padding batch at step 3 is
     written to its bundle, rank 0 (whose values stayed finite) learns of it at the same step

@@ -8,6 +8,7 @@ at the same step (else it would wait in step 4's all-reduce for a rank that rais
 ``eval``: before step 3 each rank runs an evaluation forward (eval mode, no gradients) whose
 batch holds a NaN on rank 1 only: both ranks must stop at that forward (rank 0 with a peer event).
 Mode ``warn``: mode ``input``'s NaN with ``on_event="warn"``: both ranks warn and train on.
+Mode ``rewind``: mode ``input``'s NaN with ``rewind=2``.
 """
 
 import os
@@ -40,13 +41,14 @@ def main(out_dir: str, mode: str = "input") -> None:
     try:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                             factory="ddp_train:make_model",
-                            on_event="warn" if mode == "warn" else "raise") as rec:
+                            on_event="warn" if mode == "warn" else "raise",
+                            rewind=2 if mode == "rewind" else None) as rec:
             for step in range(10):
                 if rank == 1 and step == 3 and mode == "internal":
                     rec.cycle._capture_rng = _broken  # a recorder bug, on one rank only
                 x = torch.randn(6, 8, generator=g)
                 y = torch.randint(0, 4, (6,), generator=g)
-                if rank == 1 and step == 3 and mode in ("input", "warn"):
+                if rank == 1 and step == 3 and mode in ("input", "warn", "rewind"):
                     x[2, 5] = float("nan")
                 if rank == 1 and step == 3 and mode == "loss":
                     y[:] = -100  # CrossEntropyLoss's ignore_index

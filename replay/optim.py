@@ -1,0 +1,54 @@
+"""The recorded optimizer, rebuilt over the replay's model from the bundle (``replay.load``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def build_optimizer(step, model: nn.Module, opt_factory):
+    """The recorded optimizer over ``model``'s parameters: its class (a ``torch.optim``
+    built-in, else ``opt_factory(param_groups)`` from the factory), its groups'
+    hyper-parameters and its per-parameter state, from the bundle; None (and a note on
+    ``step``) when it cannot be rebuilt."""
+    info = step.meta.get("optimizer")
+    if not info:
+        return None
+    params = dict(model.named_parameters())
+    cls = None
+    path = info["class"]
+    if opt_factory is None:
+        if path.startswith("torch.optim."):
+            cls = getattr(torch.optim, path.rpartition(".")[2], None)
+        if cls is None:
+            step.problems.append(f"the optimizer {path} is not a torch.optim built-in; return "
+                                 "{'model': ..., 'optimizer': lambda params: ...} from the factory")
+            return None
+    groups = []
+    for g in info["param_groups"]:
+        group = {"params": [params[n] for n in g["params"] if n in params]}
+        for k, v in g.items():
+            if k == "params" or (isinstance(v, dict) and "$repr" in v):
+                continue
+            if isinstance(v, dict) and "$t" in v:
+                v = step.tensors[v["$t"]].to(step.device)
+            elif isinstance(v, list) and k == "betas":
+                v = tuple(v)
+            group[k] = v
+        groups.append(group)
+    try:
+        opt = opt_factory(groups) if opt_factory is not None else cls(groups)
+    except Exception as e:
+        step.problems.append(f"the optimizer {path} could not be rebuilt ({type(e).__name__}: {e})")
+        return None
+    scalars = info.get("state_scalars", {})
+    for name, p in params.items():
+        state = {}
+        prefix = f"optim/{name}/"
+        for key, t in step.tensors.items():
+            if key.startswith(prefix):
+                state[key[len(prefix):]] = t.to(step.device) if t.dim() else t
+        state.update(scalars.get(name, {}))
+        if state:
+            opt.state[p] = state
+    return opt
