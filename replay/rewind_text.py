@@ -20,6 +20,8 @@ def where(o: dict[str, Any] | None) -> str:
         mod = "<root>" if o.get("module") == "" else o.get("module")
         call = f" call {o['call']}" if o.get("call") is not None else ""
         what = f"{o['phase']}, {mod}{call}" if mod is not None else o["phase"]
+        if o.get("micro_batch"):  # (another micro-batch than the first: say which)
+            what += f", micro-batch {o['micro_batch']}"
     return what + (f" ({o['op']})" if o.get("op") else "")
 
 

@@ -240,4 +240,4 @@ def _nothing_to_try(cause: str | None) -> str:
 
 def _origin(o) -> dict[str, Any]:
     return {"step": o.step, "phase": o.phase, "module": o.module, "call": o.call,
-            "params": o.params, "kind": o.kind, "op": o.op}
+            "micro_batch": o.micro_batch, "params": o.params, "kind": o.kind, "op": o.op}

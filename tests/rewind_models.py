@@ -143,3 +143,9 @@ class SelfLossClassifier(nn.Module):
 
 def make_self_loss_classifier() -> nn.Module:
     return SelfLossClassifier()
+
+
+def make_tagger() -> nn.Module:
+    """A per-token classifier of ``(B, T, D_IN)`` sequences (its loop flattens the logits and
+    the tags for the loss)."""
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLASSES))

@@ -853,3 +853,67 @@ def test_an_update_whose_learning_rate_was_nan_says_so(out_dir, settings):
     rep = nanreplay(info.value.bundle_path)
     assert rep["cause"] == "optimizer" and rep["reproduced"], rep["problems"]
     assert "its lr was nan in that update" in rep["hint"], rep["hint"]
+
+
+def test_drop_removes_rows_of_the_origins_micro_batch_only(out_dir):
+    """Gradient accumulation over two micro-batches, a NaN feature in row 2 of each: the report
+    names sample 2 of micro-batch 0, so drop=2 must remove that row alone. It removed row 2 of
+    every micro-batch (other samples that share the index), which here also dropped micro-batch
+    1's bad row and reported the try finite; now the NaN of micro-batch 1 is still there."""
+    torch.manual_seed(0)
+    model = R.make_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="rewind_models:make_classifier"):
+            for step in range(4):
+                opt.zero_grad()
+                for mb in range(2):
+                    x, y = R.batch(10 * step + mb)
+                    if step == 2:
+                        x[2, 3] = float("nan")
+                    (crit(model(x), y) / 2).backward()
+                opt.step()
+    rep = nanreplay(info.value.bundle_path, "drop=2", "drop=0")
+    assert (rep["cause"], rep["origin"]["samples"], rep["origin"]["micro_batch"]) == \
+        ("input", [2], 0)
+    tries = what_if(rep)
+    assert not tries["drop=2"]["finite"]
+    assert tries["drop=2"]["origin"]["micro_batch"] == 1
+    assert tries["drop=2"]["origin"]["step"] == 2 and tries["drop=2"]["origin"]["phase"] == "input"
+    assert tries["drop=0"]["origin"]["micro_batch"] == 0
+    text = invoke_cli(info.value.bundle_path, "--try", "drop=2").stdout
+    assert "  what-if    drop=2         nan at step 2 (input, <root> call 0, micro-batch 1)" \
+        in text, text
+
+
+def test_drop_on_a_loop_that_flattens_its_tags_for_the_loss(out_dir):
+    """crit(logits.view(-1, C), tags.view(-1)), as token classifiers and language models call
+    it: drop=2 removed sample 2 from the input and the output but left the flattened (B*T,)
+    tags whole, and the loss refused the mismatch ('replay failed (ValueError: Expected input
+    batch_size (28) to match target batch_size (35))'); now sample 2's T tags go with it."""
+    torch.manual_seed(0)
+    model = R.make_tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="rewind_models:make_tagger"):
+            for step in range(4):
+                x = torch.randn(5, 7, R.D_IN, generator=g)
+                tags = torch.randint(0, R.N_CLASSES, (5, 7), generator=g)
+                if step == 2:
+                    x[2, 4, 1] = float("nan")
+                opt.zero_grad()
+                logits = model(x)
+                crit(logits.view(-1, R.N_CLASSES), tags.view(-1)).backward()
+                opt.step()
+    res = invoke_cli(info.value.bundle_path, "--json", "--try", "drop=2", "--try", "drop=0")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    rep = json.loads(res.stdout)
+    assert (rep["cause"], rep["origin"]["samples"], rep["event"]["step"]) == ("input", [2], 2)
+    tries = what_if(rep)
+    assert tries["drop=2"]["finite"] is True and tries["drop=2"]["steps"] == [2, 2]
+    assert tries["drop=0"]["finite"] is False and tries["drop=0"]["origin"]["phase"] == "input"
