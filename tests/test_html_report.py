@@ -324,7 +324,9 @@ def connections_through_proxy(page: Path, profile: Path) -> list[str]:
                      "--proxy-bypass-list=<-loopback>", profile=profile)
         with proxy.lock:
             seen = list(proxy.connections)
-    return [line for line in seen if not line.startswith(BROWSER_SERVICE_REQUESTS)
+    # (an empty line: a connection to the proxy that sent nothing, which Chromium opens ahead
+    # of use now and then and closes unused; a request from the page has a request line)
+    return [line for line in seen if line and not line.startswith(BROWSER_SERVICE_REQUESTS)
             and not (line.startswith("CONNECT ")
                      and any(h in line.split()[1] + " " for h in BROWSER_SERVICE_HOSTS))]
 
