@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 
 from recorder.errors import BundleError  # noqa: E402  (imports torch: after the filter)
 
-from .errors import FactoryRefused, ReplayError  # noqa: E402
+from .errors import FactoryRefused, ReplayError, one_line  # noqa: E402
 
 
 def _fail(message: str) -> None:
@@ -84,16 +84,9 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
     except Exception as e:  # a bug of ours or of the replayed model's code
         if debug:
             traceback.print_exc()
-        _fail(f"replay failed ({type(e).__name__}: {_shortened(e)}); re-run with --debug for "
+        _fail(f"replay failed ({type(e).__name__}: {one_line(e)}); re-run with --debug for "
               "the traceback")
     sys.exit(code)
-
-
-def _shortened(e: Exception, limit: int = 300) -> str:
-    """An exception's message, cut to ``limit`` characters (torch's dispatcher errors list
-    every backend it knows, several kilobytes); --debug prints it whole."""
-    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
-    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def _kwargs(text: str | None) -> dict | None:

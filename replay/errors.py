@@ -15,3 +15,10 @@ class FactoryRefused(ReplayError):
 
 class StopRun(Exception):
     """Raised from a hook to end a re-run early: what it was run for is known."""
+
+
+def one_line(e: Exception, limit: int = 300) -> str:
+    """An exception's message on one line, cut to ``limit`` characters (torch's dispatcher
+    errors list every backend it knows, several kilobytes); ``--debug`` prints it whole."""
+    text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."

@@ -50,7 +50,9 @@ def window_lines(report: dict[str, Any]) -> list[str]:
 def what_if_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     for t in report.get("what_if") or []:
-        if t.get("finite") is None:
+        if t.get("error"):
+            verdict = f"failed: the re-run with this change raised {t['error']}"
+        elif t.get("finite") is None:
             verdict = f"not re-run: {t.get('note')}"
         elif t["finite"]:
             verdict = f"finite through step {t['steps'][1]}"
@@ -86,6 +88,8 @@ def what_if_html(report: dict[str, Any], esc) -> str:
 
 
 def _verdict(t: dict[str, Any]) -> str:
+    if t.get("error"):
+        return "failed"
     if t.get("finite") is None:
         return "not re-run"
     verdict = "finite" if t["finite"] else "non-finite"

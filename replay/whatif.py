@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import ReplayError
+from .errors import ReplayError, one_line
 from .load import Step
 from .recorded import batch_size, samples
 from .window import Change, Window, run_window, step_as_window, window_of
@@ -195,7 +195,12 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
         if change.drop:
             change.drop_step = step.event.get("step")
             change.drop_micro_batch = _samples_micro_batch(step, report)
-        res = run_window(step, win, change)
+        try:
+            res = run_window(step, win, change)
+        except Exception as e:  # (the replay's own failure on this change: the others stand)
+            out.append({"try": label, "finite": None, "inconclusive": None, "event_step": None,
+                        "origin": None, "error": f"{type(e).__name__}: {one_line(e)}"})
+            continue
         o = res.first
         entry: dict[str, Any] = {"try": label, "finite": o is None,
                                  "inconclusive": unchanged_finite,

@@ -917,3 +917,33 @@ def test_drop_on_a_loop_that_flattens_its_tags_for_the_loss(out_dir):
     tries = what_if(rep)
     assert tries["drop=2"]["finite"] is True and tries["drop=2"]["steps"] == [2, 2]
     assert tries["drop=0"]["finite"] is False and tries["drop=0"]["origin"]["phase"] == "input"
+
+
+def test_a_try_whose_re_run_fails_is_reported_and_the_others_stand(out_dir, monkeypatch):
+    """One what-if whose re-run raises in the replay itself (a bug of ours on one change) is
+    that try's 'failed' line, one line; the other tries and the report stand. It aborted the
+    whole replay with a one-line 'replay failed' and exit 2, losing every other result."""
+    import replay.whatif as whatif
+
+    err = rare_tokens(out_dir)
+    real = whatif.run_window
+
+    def failing_on_lr(step, win, change=None):
+        if change is not None and change.lr_factor is not None:
+            raise RuntimeError("shape mismatch\n  with a second line of detail")
+        return real(step, win, change)
+
+    monkeypatch.setattr(whatif, "run_window", failing_on_lr)
+    rep = nanreplay(err.bundle_path, "eps=1e-8", "lr=0.1x")
+    assert rep["cause"] == "optimizer" and rep["reproduced"]
+    tries = what_if(rep)
+    assert tries["eps=1e-8"]["finite"] is True
+    failed = tries["lr=0.1x"]
+    assert (failed["finite"], failed["origin"], failed["error"]) == (
+        None, None, "RuntimeError: shape mismatch with a second line of detail")
+    res = invoke_cli(err.bundle_path, "--try", "eps=1e-8", "--try", "lr=0.1x")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert [ln for ln in res.stdout.splitlines() if ln.startswith("  what-if")] == [
+        "  what-if    eps=1e-8       finite through step 1",
+        "  what-if    lr=0.1x        failed: the re-run with this change raised RuntimeError: "
+        "shape mismatch with a second line of detail"]
