@@ -111,10 +111,13 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
 
 def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     """The remedies that fit the cause: drop the offending samples for bad input, an op's
-    domain or an overflow in samples whose inputs are outliers of the batch, a wider compute type for an overflow (float32 under float16/bfloat16) or a half type's underflow, a smaller
-    learning rate and clipping for an update or a growth that began steps before, a non-zero
-    eps for an optimizer with ``eps=0``. None for weights written outside
-    ``optimizer.step()``: no change to the steps a re-run replays reaches that write."""
+    domain or an overflow in samples whose inputs are outliers of the batch, a wider compute
+    type for an overflow (float32 under float16/bfloat16) or a half type's underflow, a
+    smaller learning rate and clipping for an update or a growth that began steps before (the
+    last finite learning rate instead, when the update's was itself NaN or Inf: a fraction of
+    it is too), a non-zero eps for an optimizer with ``eps=0``. None for weights written
+    outside ``optimizer.step()``: no change to the steps a re-run replays reaches that
+    write."""
     cause, o = report.get("cause"), report.get("origin") or {}
     out: list[str] = []
     samples = o.get("samples") or []
@@ -134,10 +137,25 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     grew = began is not None and began < (report.get("event") or {}).get("step", began)
     fits_update = cause in ("optimizer", "overflow") or (grew and cause != "weights")
     if step.optimizer is not None and fits_update:
-        out += ["lr=0.1x", "clip=1.0"]
+        bad_lr = any(not math.isfinite(float(g.get("lr", 0.0)))
+                     for g in step.optimizer.param_groups)
+        if not bad_lr:
+            out += ["lr=0.1x", "clip=1.0"]
+        elif (last := _last_finite_lr(step)) is not None:
+            out.append(f"lr={last:.3g}")
         if cause == "optimizer" and any(g.get("eps") == 0 for g in step.optimizer.param_groups):
             out.append("eps=1e-8")
     return out
+
+
+def _last_finite_lr(step: Step) -> float | None:
+    """The largest learning rate of the last recorded step whose rates were all finite and
+    not all 0 (the schedule's before it went NaN or Inf), None when there is none."""
+    lrs = step.tensors.get("ring/lr")
+    for row in reversed(lrs.tolist() if lrs is not None else []):
+        if row and all(math.isfinite(v) for v in row) and max(row) > 0:
+            return max(row)
+    return None
 
 
 def _outlier_rows(step: Step, mb: int, rows: list[int], factor: float = 10.0) -> bool:

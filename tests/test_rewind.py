@@ -853,6 +853,10 @@ def test_an_update_whose_learning_rate_was_nan_says_so(out_dir, settings):
     rep = nanreplay(info.value.bundle_path)
     assert rep["cause"] == "optimizer" and rep["reproduced"], rep["problems"]
     assert "its lr was nan in that update" in rep["hint"], rep["hint"]
+    # auto: a tenth of NaN is NaN; the schedule's last finite rate (5e-4 at step 3) is a fix
+    tries = what_if(nanreplay(info.value.bundle_path, "auto"))
+    assert list(tries) == ["lr=0.0005"], tries
+    assert tries["lr=0.0005"]["finite"] is True, tries
 
 
 def test_drop_removes_rows_of_the_origins_micro_batch_only(out_dir):
