@@ -12,7 +12,7 @@ import torch
 from .compat import version
 from .finite import checkable, stored
 from .shards import PLAIN, local
-from .slots import FLOAT32, GRAD, STRICT, flat_view
+from .slots import GRAD, STRICT
 from .tape import Tape
 from .target import Target
 
@@ -61,18 +61,11 @@ def output_grad_norms(tape: Tape) -> None:
 def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
     """Norms of the gradients the optimizer will use. With backward hooks, only those that
     changed since backward wrote them: DDP's all-reduced average, GradScaler's unscaled
-    values, clipping, a replaced tensor. Small parameters: see :func:`small_param_norms`.
-
-    This runs before every update, over every large gradient, after backward has left the
-    CPU's caches cold: the usual gradient (a dense float32 tensor on the slots' device) takes
-    one dot in this loop, and only the others go through :meth:`Slots.sq_norm_each`."""
+    values, clipping, a replaced tensor. Small parameters: see :func:`small_param_norms`."""
     seen = tape.grad_seen
     every = not target.grad_hooks or target.ddp or target.has_scaler
-    slots = tape.slots
-    take, size, views = slots.handout(GRAD)
-    cpu, device, strided, plain = slots.is_cpu, slots.device, torch.strided, torch.Tensor
-    norms: dict = {}
-    idx, grads = [], []  # (the others)
+    strided = torch.strided
+    idx, grads = [], []
     # last parameter first: the optimizer starts with the first, whose gradient is then
     # the one still in cache
     for i, p in reversed(target.large):
@@ -83,26 +76,16 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
             if not checkable(grad):
                 continue
             grad = stored(grad)
-        if not every and seen.get(i) == (id(grad), version(grad)):
-            continue  # (as backward wrote it, measured then)
-        if type(grad) is plain and grad.dtype is FLOAT32 and not grad.requires_grad \
-                and (grad.is_cpu if cpu else grad.device == device) and (k := take()) < size:
-            flat = grad.view(-1) if grad.is_contiguous() else flat_view(grad)
-            torch.dot(flat, flat, out=views[k])
-            norms[i] = (GRAD, k)
-            continue
-        idx.append(i)
-        if type(grad) not in PLAIN:
-            grad = local(grad)
-        grads.append(grad.detach() if grad.requires_grad else grad)
-    if not norms and not idx:
+        if every or seen.get(i) != (id(grad), version(grad)):
+            idx.append(i)
+            if type(grad) not in PLAIN:  # (``local`` inlined: this runs for every gradient)
+                grad = local(grad)
+            grads.append(grad.detach() if grad.requires_grad else grad)
+    if not idx:
         return
     with tape.lock:
-        tape.grad_norms.update(norms)
-        if idx:
-            tape.grad_norms.update(zip(idx, slots.sq_norm_each(grads, GRAD)))
+        tape.grad_norms.update(zip(idx, tape.slots.sq_norm_each(grads, GRAD)))
         tape.grads_reread = True
         if param_norms and not target.grad_hooks:
-            every_idx = [*norms, *idx]
-            weights = [local(target.params[i][1]).detach() for i in every_idx]
-            tape.param_norms.update(zip(every_idx, slots.sq_norm_each(weights, STRICT)))
+            weights = [local(target.params[i][1]).detach() for i in idx]
+            tape.param_norms.update(zip(idx, tape.slots.sq_norm_each(weights, STRICT)))

@@ -131,17 +131,6 @@ class Slots:
         """Clear one region's slots (values a later, smaller step would not overwrite)."""
         self._regions[code].data.zero_()
 
-    @property
-    def is_cpu(self) -> bool:
-        return self._cpu
-
-    def handout(self, code: int) -> tuple:
-        """(take, size, views) of one region, for a loop that writes float32 reductions on
-        this device into its slots itself: ``k = take()``; slot ``k`` is ``views[k]`` while
-        ``k < size``, and ref ``(code, k)`` names it."""
-        r = self._regions[code]
-        return r.take, r.size, r.views
-
     def value(self, ref: tuple[int, int]) -> torch.Tensor:
         code, k = ref
         r = self._regions[code]
