@@ -27,7 +27,7 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .compat import sequence_nr
-from .ops import OpFinder
+from .ops import PASS_ON, POSITIVE, OpFinder
 from .rerun import Runner
 from .source import traceback_source
 
@@ -114,14 +114,17 @@ def saved_facts(node) -> tuple[str | None, bool]:
     return kind, any(bool((t == 0).any()) for t in saved)
 
 
-# Backward nodes of the ops whose result exact arithmetic keeps > 0 for a finite argument, and
-# of those that pass such a value on (the forward's rule, replay.ops._POSITIVE and _PASS_ON,
-# on the autograd graph: a node's name is its op's, CamelCase, ``Backward<n>`` dropped)
-_POSITIVE_NODES = {"Exp", "Exp2", "Softmax", "Sigmoid"}
-_PASS_ON_NODES = {"Gather", "IndexSelect", "Select", "Slice", "View", "UnsafeView",
-                  "ReshapeAlias", "Squeeze", "Unsqueeze", "Clone", "ToCopy", "Expand",
-                  "Permute", "Transpose", "T", "Alias", "Narrow", "Index", "Unbind", "Split",
-                  "SplitWithSizes", "MaskedSelect", "Diagonal", "AsStrided", "Div"}
+def _node_name(op: str) -> str:
+    """A backward node's name (``Backward<n>`` dropped) for aten op ``op``: ``IndexSelect`` for
+    ``index_select``, ``UnsafeView`` for ``_unsafe_view``."""
+    return "".join(part.capitalize() for part in op.split("_"))
+
+
+# The forward's rule (replay.ops: the ops whose result exact arithmetic keeps > 0 for a finite
+# argument, and those that pass such a value on) on the autograd graph; a reshape's node is
+# ReshapeAlias
+_POSITIVE_NODES = {_node_name(op) for op in POSITIVE}
+_PASS_ON_NODES = {_node_name(op) for op in PASS_ON} | {"ReshapeAlias"}
 
 
 def from_positive(node, depth: int = 8) -> bool:

@@ -95,8 +95,8 @@ _RESULTS = {"_ctc_loss": 1, "_cudnn_ctc_loss": 1}
 
 # Ops whose result is positive in exact arithmetic for every finite argument: a 0 they return
 # is an underflow. Ops that pass values on unchanged keep that mark (a gathered probability).
-_POSITIVE = {"exp", "exp2", "_softmax", "softmax", "sigmoid", "special_expit"}
-_PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", "reshape",
+POSITIVE = {"exp", "exp2", "_softmax", "softmax", "sigmoid", "special_expit"}
+PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", "reshape",
             "squeeze", "unsqueeze", "clone", "_to_copy", "expand", "permute", "transpose", "t",
             "contiguous", "alias", "narrow", "take_along_dim", "index", "unbind", "split",
             "split_with_sizes", "detach", "masked_select", "flatten", "unflatten", "diagonal",
@@ -329,7 +329,7 @@ class OpFinder:
               in_finite: bool) -> None:
         if not in_finite:
             return
-        if name in _POSITIVE or (name in _PASS_ON and ins and self.positive(ins[0])):
+        if name in POSITIVE or (name in PASS_ON and ins and self.positive(ins[0])):
             for t in outs:
                 self._positive.add(t)
 
