@@ -100,3 +100,8 @@ DO = {
               "squaring for a variance; logsigmoid or binary_cross_entropy_with_logits for "
               "log(1 - sigmoid(z)); log1p, expm1) or clamp to the domain before the op",
 }
+
+
+def module_label(name):
+    """A module's name as every report writes it: the root module (``""``) is ``<root>``."""
+    return "<root>" if name == "" else name

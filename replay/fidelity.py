@@ -23,6 +23,7 @@ from typing import Any
 
 from recorder.finite import matches, pair_ok
 
+from .cause_text import module_label
 from .load import Step, recorded_device
 from .run_result import Run
 
@@ -154,7 +155,7 @@ def _differs(module: str, call: int, mb: int, recorded, rerun, compared: int,
 
 def describe(fid: dict[str, Any]) -> str:
     """One sentence for the text report."""
-    name = "<root>" if fid["module"] == "" else fid["module"]
+    name = module_label(fid["module"])
     rec, got, diff = fid["recorded"], fid["rerun"], fid["difference"]
     if diff == "values differ":
         what = (f"gave [{rec['min']:.6g}, {rec['max']:.6g}] in training but "

@@ -23,7 +23,7 @@ from typing import Any
 
 from recorder.finite import LABELS
 
-from .cause_text import MEANING
+from .cause_text import MEANING, module_label
 from .rewind_text import what_if_html, window_html
 
 __all__ = ["render_html"]
@@ -117,7 +117,7 @@ def _verdict(report: dict) -> str:
     if not event:
         text = "No non-finite value was recorded in this bundle."
     elif _get(report, "reproduced") is False or not origin:
-        where = ", ".join(_e(x) for x in (_get(event, "phase"), _module(_get(event, "module")))
+        where = ", ".join(_e(x) for x in (_get(event, "phase"), module_label(_get(event, "module")))
                           if x)
         why = _get(report, "not_rerun")
         state = (f"was <b>not re-run</b> ({_e(why)})" if why
@@ -129,7 +129,7 @@ def _verdict(report: dict) -> str:
         param, phase = _get(origin, "param"), _get(origin, "phase")
         text = f"{_e(what)} first made by <code>{_e(op)}</code>" if op else f"{_e(what)} first seen"
         if isinstance(module, str):
-            text += f" in <code>{_e(_module(module))}</code>"
+            text += f" in <code>{_e(module_label(module))}</code>"
         if call is not None:
             text += f" (call {_e(call)})"
         if param:
@@ -315,12 +315,6 @@ def _source(report: dict, src: Any) -> str:
     return f"<pre>{_e(src)}:  {_e(str(line).strip())}</pre>" if line else ""
 
 
-def _module(name):
-    """A module's name as the text report writes it: the root module ("") is <root>; the page
-    left its name out ("made by aten.log (call 0)", an empty cell), so the root read as none."""
-    return "<root>" if name == "" else name
-
-
 def _origin(report: dict) -> str:
     origin, event = _get(report, "origin"), _get(report, "event") or {}
     if not isinstance(origin, dict) or not origin:
@@ -335,7 +329,7 @@ def _origin(report: dict) -> str:
         if isinstance(v, (list, tuple)):
             v = ", ".join(str(x) for x in v) or None
         if key == "module":
-            v = _module(v)
+            v = module_label(v)
         cell = f"<code>{_e(v)}</code>" if v is not None else '<span class="none">—</span>'
         rows.append(f"<tr><th>{key}</th><td>{cell}</td></tr>")
     out = [f'<section id="origin"><table>{"".join(rows)}</table>{_source(report, origin.get("source"))}']

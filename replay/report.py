@@ -8,6 +8,7 @@ from typing import Any
 
 from recorder.bundle import BundleReader, jsonable
 
+from .cause_text import module_label
 from .fidelity import describe
 from .load import check_meta
 from .rewind_text import what_if_lines, window_lines
@@ -39,7 +40,7 @@ def _where(o: dict[str, Any]) -> str:
         params = o.get("params") or []
         return f"parameter {_first_param(params)}" if params else "the parameters"
     mod = o.get("module")
-    name = "<root>" if mod == "" else mod
+    name = module_label(mod)
     call = f", call {o['call']}" if o.get("call") is not None else ""
     mb = f", micro-batch {o['micro_batch']}" if o.get("micro_batch") else ""
     return f"{name}{call}{mb}"
@@ -114,7 +115,7 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
     if fid and fid.get("matches") is False:
         lines.append(f"  fidelity   {describe(fid)}")
     if ev.get("compiled"):
-        name = "<root>" if ev.get("module") == "" else ev.get("module")
+        name = module_label(ev.get("module"))
         lines.append(f"  recorded   '{name}' as one torch.compile'd call; this replay ran its "
                      "layers eagerly")
     if o.get("source"):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .cause_text import module_label
+
 
 def where(o: dict[str, Any] | None) -> str:
     """``update of emb.weight (aten.addcdiv_)``, ``forward, head call 0``."""
@@ -17,7 +19,7 @@ def where(o: dict[str, Any] | None) -> str:
         more = f" (+{len(params) - 1} more)" if len(params) > 1 else ""
         what = f"{o['phase']} of {params[0]}{more}" if params else o["phase"]
     else:
-        mod = "<root>" if o.get("module") == "" else o.get("module")
+        mod = module_label(o.get("module"))
         call = f" call {o['call']}" if o.get("call") is not None else ""
         what = f"{o['phase']}, {mod}{call}" if mod is not None else o["phase"]
         if o.get("micro_batch"):  # (another micro-batch than the first: say which)
