@@ -153,6 +153,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["problems"].append(
             "feeding the recorded output gradient through the model's backward did not give "
             "the recorded non-finite parameter gradients back")
+    elif (spread := outside.spread_after_backward(step, fields["params"])) is not None:
+        report["problems"].append(spread)
     elif not fields["params"]:
         report["problems"].append(
             "every parameter's gradient stayed finite: the model's backward drops those "

@@ -60,10 +60,11 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
     if not bad or feed(runner, zeroed(grads)):
         return None
     got = feed(runner, grads)
-    recorded = [k.split("/", 1)[1] for k, t in step.tensors.items()
-                if k.startswith("grads/") and not finite(t)]
+    recorded = recorded_bad_grads(step)
     if recorded or step.event.get("params"):
-        reproduced = bool(got) and (set(got) == set(recorded) if recorded else True)
+        # the recording may hold more: the loop can spread a NaN after backward (a
+        # clip_grad_norm_ scales every gradient by the NaN total norm)
+        reproduced = bool(got) and (set(got) <= set(recorded) if recorded else True)
     else:  # the event was that gradient itself, every parameter's staying finite: as recorded
         reproduced = not got
     mb, j = bad[0]
@@ -77,6 +78,25 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
         "positions": {"non_finite": int((~torch.isfinite(g)).sum()), "of": g.numel()},
     }
     return fields, reproduced
+
+
+def recorded_bad_grads(step: Step) -> list[str]:
+    """Parameters whose recorded gradient (the one the update would have used) is
+    non-finite."""
+    return [k.split("/", 1)[1] for k, t in step.tensors.items()
+            if k.startswith("grads/") and not finite(t)]
+
+
+def spread_after_backward(step: Step, got: list[str]) -> str | None:
+    """A note when more parameters' recorded gradients are non-finite than the model's
+    backward gives: the loop spread the value after backward."""
+    extra = [n for n in recorded_bad_grads(step) if n not in set(got)]
+    if not got or not extra:
+        return None
+    names = ", ".join(extra[:3]) + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else "")
+    return (f"{len(extra)} more parameters had non-finite gradients in the recording ({names}) "
+            "than the model's backward gives: the loop spread the value after backward (a "
+            "clip_grad_norm_ scales every gradient by the non-finite total norm)")
 
 
 def loss_fn_not_called(step: Step) -> bool:

@@ -1,0 +1,83 @@
+"""End to end: a PPO update whose loss the loop computes itself (no ``loss_fn``), clipped with
+``clip_grad_norm_`` as RL code always does. Its minibatch of one sample makes the advantage
+normalisation ``(a - a.mean()) / a.std()`` NaN (``std`` of one value), which reaches only the
+actor head's gradient; the loop's clip then multiplies every gradient, the critic's too, by
+the NaN total norm. The replay must call that reproduced, name where it entered and say the
+rest was spread after backward."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import rl_models as RL
+import torch
+from bundles import invoke_cli
+from torch import nn
+from torch.distributions import Categorical
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+T, ENVS = 8, 4  # rollout length, parallel environments: 32 samples an update
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # rl_models.py is trusted here
+
+
+def rollout(agent, g):
+    """Observations, actions, their log-probabilities and advantages, sampled with no_grad in
+    train mode, as PPO's collection loop does."""
+    obs = torch.randn(T * ENVS, RL.OBS, generator=g)
+    with torch.no_grad():
+        logits, _ = agent(obs)
+        d = Categorical(logits=logits)
+        act = torch.multinomial(d.probs, 1, generator=g)[:, 0]  # (d.sample takes no generator)
+        logp = d.log_prob(act)
+    adv = torch.randn(T * ENVS, generator=g)
+    return obs, act, logp, adv
+
+
+def ppo_update(agent, opt, obs, act, logp, adv, mb: int):
+    for start in range(0, len(obs), mb):
+        i = slice(start, start + mb)
+        logits, value = agent(obs[i])
+        d = Categorical(logits=logits)
+        ratio = (d.log_prob(act[i]) - logp[i]).exp()
+        a = adv[i]
+        a = (a - a.mean()) / (a.std() + 1e-8)  # NaN for a minibatch of one
+        pg = torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)).mean()
+        loss = pg - 0.01 * d.entropy().mean() + 0.5 * (value.squeeze(-1) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(agent.parameters(), 0.5)
+        opt.step()
+
+
+def test_a_nan_spread_by_the_loops_clip_is_reproduced(tmp_path):
+    agent = RL.make_agent()
+    opt = torch.optim.Adam(agent.parameters(), lr=2.5e-4)
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # std()'s "degrees of freedom is <= 0"
+        with FlightRecorder(agent, opt, out_dir=tmp_path, factory="rl_models:make_agent"):
+            for update in range(3):
+                ppo_update(agent, opt, *rollout(agent, g), mb=1 if update == 2 else 16)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (4, "backward")  # 2 updates of 2
+    r = invoke_cli(err.bundle_path, "--json")
+    rep = json.loads(r.stdout)
+    assert rep["reproduced"] is True and r.exit_code == 0, json.dumps(rep, indent=1)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["made"], o["samples"]) == ("loss", "<loss>", "nan", [0])
+    assert o["tensor"] == "grad of the model output 0"  # the actor's logits, not the value
+    assert sorted(o["params"]) == ["actor.0.bias", "actor.0.weight", "actor.2.bias",
+                                   "actor.2.weight"]
+    [note] = [p for p in rep["problems"] if "spread" in p]
+    assert note.startswith("4 more parameters had non-finite gradients in the recording "
+                           "(critic.0.weight, critic.0.bias, critic.2.weight (+1 more))"), note
+    assert "clip_grad_norm_" in note
