@@ -66,7 +66,29 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # made by the own code of a call enclosing it)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
-    return finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
+    return finish(report, origin, cause.name, reproduced=reproduced,
+                  hint=_with_param(cause.hint, cause.name, hit))
+
+
+def _with_param(hint: str | None, cause: str, hit) -> str | None:
+    """The hint, with the parameter the op took as is named: the fix is then to that
+    parameter (bound it, or its learning rate), wherever its values come from."""
+    if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE:
+        return hint
+    lo, hi = hit.input_min, hit.input_max
+    value = f"{lo:.4g}" if lo == hi else f"in [{lo:.4g}, {hi:.4g}]"
+    return (f"{hint}; {hit.op}'s input is the parameter {hit.param} ({value}): "
+            + PARAM_ADVICE[cause].format(name=hit.param))
+
+
+# what to do about a learnable parameter used as is by the op that went non-finite
+PARAM_ADVICE = {
+    "overflow": "bound it where it is used ({name}.clamp(max=...)) or lower its learning rate",
+    "invalid": "keep it in the op's domain by construction (learn its log and use .exp(), or "
+               "softplus) or clamp it where it is used",
+    "precision": "keep it in the op's domain by construction (learn its log and use .exp(), "
+                 "or softplus) or clamp it where it is used",
+}
 
 
 def _find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder:
@@ -77,6 +99,7 @@ def _find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinde
     def hooks(model):
         hs = []
         target = model.get_submodule(module) if module else model
+        finder.params = {(p.data_ptr(), tuple(p.shape)): n for n, p in model.named_parameters()}
 
         def pre(m, args):
             if runner.micro_batch == mb:

@@ -45,6 +45,7 @@ class OpHit:
     inputs_finite: bool = False  # else it made NaN from infinities (inf - inf)
     evidence: Evidence | None = None  # what the cause needs, taken while the op's values live
     rows: list[int] | None = None  # non-finite samples of its output (OpFinder(samples=...))
+    param: str | None = None  # a model parameter it took as an input, as is (OpFinder.params)
 
     def as_json(self) -> dict[str, Any]:
         return {"op": self.op, "made": self.made, "source": self.source,
@@ -142,7 +143,7 @@ class _Watch(TorchDispatchMode):
         intentional = literal_inf or f.in_allowed_module()
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
-                        rows=f.batch_rows(outs))
+                        rows=f.batch_rows(outs), param=f.param_among(ins))
             if intentional:
                 if f.intentional is None:
                     f.intentional = hit
@@ -320,6 +321,16 @@ class OpFinder:
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self._mode = _Watch(self)
+        # (data_ptr, shape) -> name of the model's parameters, set by the caller that runs it
+        self.params: dict[tuple[int, tuple], str] = {}
+
+    def param_among(self, ins: list[torch.Tensor]) -> str | None:
+        """The name of the first input that is one of the model's parameters itself (a
+        learnable scale or temperature used as is: ``logit_scale.exp()``)."""
+        if not self.params:
+            return None
+        return next((n for t in ins if (n := self.params.get((t.data_ptr(), tuple(t.shape))))
+                     is not None), None)
 
     def positive(self, t: torch.Tensor) -> bool:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed."""

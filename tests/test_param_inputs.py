@@ -1,0 +1,84 @@
+"""End to end: an op that goes non-finite on a learnable parameter used as is (CLIP's
+``logit_scale.exp()``, ``log(sigma)`` of a learned scale) is blamed on that op, and the hint
+names the parameter and its value, so the fix goes to the parameter (bound it, parametrize
+it, lower its learning rate), not to the op's inputs in general."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import scale_models as SM
+import torch
+from bundles import invoke_cli
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # scale_models.py is trusted here
+
+
+def train(tmp_path, model, crit, opt, batch, factory: str, steps: int = 20):
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=factory):
+            for _ in range(steps):
+                args, y = batch(g)
+                opt.zero_grad()
+                out = model(*args)
+                loss = crit(*out) if y is None else crit(out, y)
+                loss.backward()
+                opt.step()
+    err = info.value
+    r = invoke_cli(err.bundle_path, "--json")
+    assert r.exit_code == 0, r.stdout
+    return err, json.loads(r.stdout)
+
+
+def test_an_exp_of_a_logit_scale_that_grew_names_the_parameter(tmp_path):
+    """The scale's group has its own learning rate, as CLIP recipes give it, here far too
+    high: its first update takes it from log(1/0.07) past 88.7, and exp() of it overflows in
+    the model's forward at the next step."""
+    model = SM.make_clip()
+    opt = torch.optim.SGD([{"params": [p for n, p in model.named_parameters()
+                                       if n != "logit_scale"], "lr": 0.01},
+                           {"params": [model.logit_scale], "lr": 300.0}])
+
+    def batch(g):
+        img = torch.randn(8, 12, generator=g)
+        return (img, img + 0.05 * torch.randn(8, 12, generator=g)), None
+
+    err, rep = train(tmp_path, model, SM.ClipLoss(), opt, batch, "scale_models:make_clip")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], rep["cause"]) == (
+        "forward", "", "aten.exp", "+inf", "overflow"), json.dumps(rep, indent=1)
+    assert rep["event"]["step"] == err.event["step"] == 1 and rep["reproduced"] is True
+    scale = float(torch.tensor(o["input_range"][0]))
+    assert scale > 88.72  # log of float32's largest value
+    assert f"aten.exp's input is the parameter logit_scale ({scale:.4g}): bound it where it " \
+           "is used (logit_scale.clamp(max=...)) or lower its learning rate" in rep["hint"]
+
+
+def test_a_log_of_a_learned_sigma_pushed_below_zero_names_the_parameter(tmp_path):
+    model = SM.make_regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)  # its first update: sigma 0.5 -> -0.94
+
+    def batch(g):
+        x = torch.randn(16, 6, generator=g)
+        return (x,), x[:, :1] * 0.1  # a target the mean fits: sigma is driven down
+
+    err, rep = train(tmp_path, model, SM.GaussianNLL(), opt, batch, "scale_models:make_regressor")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], rep["cause"]) == (
+        "forward", "", "aten.log", "nan", "invalid"), json.dumps(rep, indent=1)
+    assert err.event["step"] == 1
+    assert rep["reproduced"] is True
+    sigma = float(torch.tensor(o["input_range"][0]))
+    assert sigma < 0
+    assert f"aten.log's input is the parameter sigma ({sigma:.4g}): keep it in the op's " \
+           "domain by construction" in rep["hint"]
