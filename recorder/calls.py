@@ -72,6 +72,8 @@ class CallHooks:
                                                               with_kwargs=True))
         if target.grad_hooks:
             for i, p in target.large:
+                if not p.requires_grad:  # (frozen, held by the optimizer: read before its step)
+                    continue
                 handles.append(p.register_post_accumulate_grad_hook(Hook(self.grad_hook, i)))
         return handles
 

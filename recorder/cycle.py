@@ -123,6 +123,8 @@ class StepCycle:
         tape = Tape(self.step, self._capture_rng(), token, slots)
         tape.evaluation = evaluation
         tape.params_from_update = self.updated
+        if not evaluation:
+            self.target.follow_optimizer()
         if self.target.unowned:  # (none, the usual case: the optimizer holds every one)
             tape.unowned_versions = [version_of(p) for _, p in self.target.unowned]
         if not evaluation:  # the next training step's weights still come from that update

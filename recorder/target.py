@@ -113,16 +113,21 @@ class Target:
         # that moment may never come: no optimizer (the step closes at the next forward, after
         # the user's own update and zero_grad), or a GradScaler that may skip the update.
         self.grad_hooks = opt is None or self.has_scaler
+        held = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None \
+            else set()
+        self.groups = len(opt.param_groups) if opt is not None else 0
+        # The gradients to measure: of the parameters that train now, and of the frozen ones
+        # the optimizer holds, which ``requires_grad_(True)`` may unfreeze later (a frozen
+        # one has no gradient: it costs one attribute read per step).
+        trained = [i for i, (_, p) in enumerate(self.params)
+                   if p.requires_grad or id(p) in held]
         # Many small parameters are batched into one foreach call per step.
-        small = [i for i, (_, p) in enumerate(self.params)
-                 if p.requires_grad and p.numel() < _SMALL]
+        small = [i for i in trained if self.params[i][1].numel() < _SMALL]
         self.small = small if len(small) > _FEW else []  # foreach only pays off for many
         batched = set(self.small)
-        self.large = [(i, p) for i, (_, p) in enumerate(self.params)
-                      if p.requires_grad and i not in batched]
+        self.large = [(i, self.params[i][1]) for i in trained if i not in batched]
         self.update_small, self.update_large, self.unowned = [], [], []
         if opt is not None:  # the weights an update writes (see recorder.guard)
-            held = {id(p) for g in opt.param_groups for p in g["params"]}
             # trained parameters the optimizer does not hold: another optimizer's (a
             # SparseAdam beside Adam) may update them before this one's step closes the step
             self.unowned = [(i, p) for i, (_, p) in enumerate(self.params)
@@ -134,6 +139,14 @@ class Target:
             self.update_small = few if len(few) > _FEW else []
             self.update_large = [(i, p) for i, p in mine
                                  if p.numel() >= _SMALL or not self.update_small]
+
+    def follow_optimizer(self) -> None:
+        """Partition again when the optimizer has gained parameter groups since
+        (``add_param_group``: layers unfrozen mid-run), so that their gradients and updates
+        are checked too (one ``len`` per step)."""
+        opt = self.optimizer()
+        if opt is not None and len(opt.param_groups) != self.groups:
+            self._partition()
 
     def release(self) -> None:
         """Drop every reference to parameters and buffers (at detach)."""
@@ -147,6 +160,7 @@ class Target:
         self.update_large: list[tuple[int, torch.Tensor]] = []
         self.update_small: list[tuple[int, torch.Tensor]] = []
         self.unowned: list[tuple[int, torch.Tensor]] = []
+        self.groups = 0  # the optimizer's parameter groups when last partitioned
         self.allowed_buffers: dict[int, weakref.ref] = {}
         self.norm_buffers: set[str] = set()
         self.ranks: Agreement | None = None

@@ -1,0 +1,45 @@
+"""Models of the less common training loops in ``test_optimizer_loops.py`` (progressive
+unfreezing, ...), importable by the replay as factories (``loop_models:make_...``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SqrtNormEncoder(nn.Module):
+    """Features scaled to unit length by a hand-written norm without an eps inside the sqrt:
+    finite forward for a blank record (0 / (0 + eps)), but sqrt's derivative at 0 is infinite
+    and the backward makes NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 32, bias=False)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h / (h.pow(2).sum(1, keepdim=True).sqrt() + 1e-6)
+
+
+class FineTuned(nn.Module):
+    """A pretrained encoder under a new classifier head."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = SqrtNormEncoder()
+        self.classifier = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.classifier(self.encoder(x))
+
+
+def make_fine_tuned() -> FineTuned:
+    return FineTuned()
+
+
+def fine_tune_batch(step: int, blank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 16, generator=g)
+    if blank is not None:
+        x[blank] = 0.0  # a blank record
+    return x, torch.randint(0, 4, (16,), generator=g)
