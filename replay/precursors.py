@@ -102,6 +102,8 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
     for g in range(groups):
         scan([row[g] for row in hist["lr"]], "lr_jump",
              "learning rate" + (f" (group {g})" if groups > 1 else ""))
+    if groups > 1:
+        out += _added_groups(hist, factor, event)
     scan(hist["grad_norm"], "grad_norm_jump", "gradient norm")
     scan(hist["loss"], "loss_jump", "loss")
     for li, layer in enumerate(hist["layers"]):
@@ -120,6 +122,36 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
     out = _one_line_per_jump(out, hist, watched)
     out.sort(key=lambda p: (p["step"], p["kind"]))
     return [{k: p[k] for k in ("step", "kind", "detail")} for p in out]
+
+
+def _added_groups(hist: dict[str, Any], factor: float, event) -> list[dict[str, Any]]:
+    """A parameter group added mid-run (``add_param_group``: layers unfrozen) with a learning
+    rate ``factor`` times the other groups': a jump the per-group scan cannot see, as the
+    group has no rates before it. Held through the steps its rate stays that far above."""
+    out: list[dict[str, Any]] = []
+    steps, lrs = hist["steps"], hist["lr"]
+    for g in range(len(lrs[0])):
+        run = None
+        for i, (s, row) in enumerate(zip(steps, lrs)):
+            if event is not None and s > event:
+                break
+            others = [v for k, v in enumerate(row) if k != g and math.isfinite(v) and v > 0]
+            v = row[g]
+            high = math.isfinite(v) and others and v >= factor * statistics.median(others)
+            if run is not None:
+                if not high:
+                    break
+                run["more"], run["through"] = run["more"] + 1, s
+            elif high and i > 0 and not math.isfinite(lrs[i - 1][g]):
+                med = statistics.median(others)
+                run = {"step": s, "kind": "lr_jump", "ratio": v / med, "top": v / med,
+                       "more": 0, "through": s,
+                       "detail": f"learning rate (group {g}) {v:.4g}, of a group added at "
+                                 f"step {s}, is {v / med:.3g}x the other groups' {med:.4g}"}
+                out.append(run)
+            elif math.isfinite(v):
+                break  # the group's first rate was not far above: no added-group jump
+    return out
 
 
 def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],

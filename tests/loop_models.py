@@ -43,3 +43,19 @@ def fine_tune_batch(step: int, blank: int | None = None) -> tuple[torch.Tensor, 
     if blank is not None:
         x[blank] = 0.0  # a blank record
     return x, torch.randint(0, 4, (16,), generator=g)
+
+
+class Backboned(nn.Module):
+    """An MLP backbone under a classifier head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def make_backboned() -> Backboned:
+    return Backboned()

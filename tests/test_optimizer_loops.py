@@ -63,3 +63,36 @@ def test_unfrozen_encoder_nan_gradient_is_a_backward_event(out_dir, unfreeze):
         ("backward", "encoder", "SqrtBackward0")
     assert origin["samples"] == [5]
     assert report["cause"] == "invalid"
+
+
+def test_unfrozen_group_with_a_huge_lr_is_the_precursor(out_dir):
+    """Progressive unfreezing: the backbone joins the optimizer at step 8 in a group of its
+    own whose learning rate is 1e5 times the head's (a typo: 1e4 for 1e-4). Its weights blow
+    up and a forward overflows a few steps later. The new group's rate had no earlier rates
+    to jump from, so no precursor named it, and the backbone's first layer jumping (its
+    weights, written by that update) was read as the input batch's absmax jumping."""
+    torch.manual_seed(0)
+    model = LM.make_backboned()
+    model.backbone.requires_grad_(False)
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    x_all = torch.randn(512, 20)
+    y_all = x_all[:, :5].argmax(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="loop_models:make_backboned"):
+            for step in range(40):
+                if step == 8:
+                    model.backbone.requires_grad_(True)
+                    opt.add_param_group({"params": list(model.backbone.parameters()),
+                                         "lr": 1e4, "momentum": 0.9})
+                i = (step * 32) % 512
+                opt.zero_grad()
+                crit(model(x_all[i:i + 32]), y_all[i:i + 32]).backward()
+                opt.step()
+    assert info.value.event["step"] > 8
+    report = nanreplay_json(info.value.bundle_path)
+    lr_jumps = [p for p in report["precursors"] if p["kind"] == "lr_jump"]
+    assert [p["step"] for p in lr_jumps] == [8]
+    assert "(group 1) 1e+04, of a group added at step 8, is 1e+05x" in lr_jumps[0]["detail"]
+    assert not any("input batch" in p["detail"] for p in report["precursors"])
