@@ -71,18 +71,20 @@ class OptimizerGuard:
             # step(closure): the step's forward and backward run inside step(), in the closure
             # (Lightning's automatic optimization, LBFGS): close the step when it returns,
             # still before the update
-            wrapped = partial(self.after_closure, optimizer, closure, [False])
+            wrapped = partial(self.after_closure, optimizer, closure)
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
         self.before_update(optimizer)
         return None
 
-    def after_closure(self, optimizer, closure, done: list, *args, **kwargs):
+    def after_closure(self, optimizer, closure, *args, **kwargs):
+        # LBFGS evaluates the closure again after each of its inner updates: each evaluation
+        # ran on other weights than the one before, so each is a step of its own, closed
+        # before the next inner update (joined to one step, the bundle's weights were the
+        # last evaluation's, and the replay of the earlier ones blamed the factory)
         result = closure(*args, **kwargs)
-        if not done[0]:  # LBFGS evaluates again after updating: those join the next step
-            done[0] = True
-            self.before_update(optimizer)
+        self.before_update(optimizer)
         return result
 
     def before_update(self, optimizer) -> None:

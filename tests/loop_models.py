@@ -59,3 +59,30 @@ class Backboned(nn.Module):
 
 def make_backboned() -> Backboned:
     return Backboned()
+
+
+class MeanAndScale(nn.Module):
+    """A heteroscedastic regression: a mean and an unconstrained scale (no softplus)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(1, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.mu = nn.Linear(32, 1)
+        self.sigma = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.mu(h), self.sigma(h)
+
+
+def make_mean_and_scale() -> MeanAndScale:
+    torch.manual_seed(0)
+    model = MeanAndScale()
+    with torch.no_grad():
+        model.sigma.bias.fill_(2.0)
+    return model
+
+
+def gaussian_nll(out, y):
+    mu, sigma = out
+    return (torch.log(sigma) + 0.5 * ((y - mu) / sigma) ** 2).mean()

@@ -96,3 +96,36 @@ def test_unfrozen_group_with_a_huge_lr_is_the_precursor(out_dir):
     assert [p["step"] for p in lr_jumps] == [8]
     assert "(group 1) 1e+04, of a group added at step 8, is 1e+05x" in lr_jumps[0]["detail"]
     assert not any("input batch" in p["detail"] for p in report["precursors"])
+
+
+def lbfgs_bundle(out_dir: Path) -> Path:
+    """A heteroscedastic fit trained with LBFGS whose unconstrained scale goes negative in one
+    of the closure's evaluations after an inner update: log(sigma) is NaN."""
+    model = LM.make_mean_and_scale()
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=10, history_size=10)
+    torch.manual_seed(0)
+    x = torch.linspace(-3, 3, 256).unsqueeze(1)
+    y = torch.sin(2 * x) + 0.1 * torch.randn_like(x) * (1 + x.abs())
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=LM.gaussian_nll, out_dir=out_dir,
+                            factory="loop_models:make_mean_and_scale") as rec:
+            for _ in range(5):
+                def closure():
+                    opt.zero_grad()
+                    loss = rec.loss_fn(model(x), y)
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+    assert (info.value.event["phase"], info.value.event["micro_batch"]) == ("loss", 0)
+    return info.value.bundle_path
+
+
+def test_lbfgs_inner_evaluation_is_replayed_as_its_own_step(out_dir):
+    """LBFGS evaluates its closure again after each inner update. Those evaluations joined
+    the next step as micro-batches run on other weights than the bundle's, so the replay of a
+    NaN made in one of them found the re-run differing from training and blamed the factory.
+    Each evaluation is now a step of its own."""
+    report = nanreplay_json(lbfgs_bundle(out_dir))
+    assert report["reproduced"] and report["fidelity"]["matches"]
+    origin = report["origin"]
+    assert (origin["module"], origin["op"], report["cause"]) == ("<loss>", "aten.log", "invalid")
