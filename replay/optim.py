@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -52,3 +54,13 @@ def build_optimizer(step, model: nn.Module, opt_factory):
         if state:
             opt.state[p] = state
     return opt
+
+
+def needs_closure(opt) -> bool:
+    """``opt.step()`` cannot run without a closure (``torch.optim.LBFGS``: it evaluates the
+    whole forward and backward several times per update), which a re-run cannot give it."""
+    try:
+        p = inspect.signature(type(opt).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return p is not None and p.default is inspect.Parameter.empty

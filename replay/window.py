@@ -38,6 +38,7 @@ from .clip import loop_clip
 from .drop import drop_rows
 from .load import Step
 from .ops import OpFinder
+from .optim import needs_closure
 from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
 from .rerun import Runner
@@ -135,6 +136,12 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     if opt is None and step.meta.get("optimizer"):
         out.problems.append("the optimizer could not be rebuilt, so the window's updates were "
                             "not re-run")
+    if opt is not None and needs_closure(opt):
+        if len(win.records) > 1 or step.event.get("phase") == "optimizer":
+            out.problems.append(f"{type(opt).__name__}.step() takes a closure that evaluates "
+                                "the whole step again, which the re-run cannot give it: its "
+                                "updates were not re-run")
+        opt = None
     peers = _peers(step, win, out.problems)
     for record in win.records:
         sub = _sub_step(step, win, record, change)

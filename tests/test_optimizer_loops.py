@@ -129,3 +129,16 @@ def test_lbfgs_inner_evaluation_is_replayed_as_its_own_step(out_dir):
     assert report["reproduced"] and report["fidelity"]["matches"]
     origin = report["origin"]
     assert (origin["module"], origin["op"], report["cause"]) == ("<loss>", "aten.log", "invalid")
+
+
+def test_lbfgs_what_if_re_runs_the_step_without_its_update(out_dir):
+    """A what-if re-runs the recorded step and then its update, and LBFGS.step() cannot run
+    without its closure: every try 'failed: ... missing 1 required positional argument:
+    closure'. Now the step is re-run without the update (said in a note when the update
+    matters: a window of several steps, an optimizer event)."""
+    bundle = lbfgs_bundle(out_dir)
+    report = nanreplay_json(bundle, "--try", "auto")
+    # without the rows whose scale went negative, the step is finite
+    (tried,) = report["what_if"]
+    assert tried["try"] == "drop=" + ",".join(map(str, report["origin"]["samples"]))
+    assert "error" not in tried and tried["finite"] is True and not tried["inconclusive"]
