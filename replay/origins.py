@@ -207,6 +207,7 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     _decode_non_finite_hyper(step.optimizer)
     runner.run(instrument=False)
     _own_copies(step.model, step.optimizer)
+    stale = stale_state(step.model, step.optimizer)
     finder = OpFinder()
     with finder:
         step.optimizer.step()
@@ -218,12 +219,13 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
                            op=hit.op if hit else None, source=hit.source if hit else None,
                            chain=finder.chain(), made=made)
     hint = optimizer_hint(step, hit.op if hit else None, made, bad, step.event.get("step"),
-                          "re-run from the copies taken before the update") if bad else None
+                          "re-run from the copies taken before the update",
+                          stale=stale) if bad else None
     return finish(report, origin, "optimizer", reproduced=bool(bad), hint=hint)
 
 
 def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[str], at,
-                   rerun_from: str) -> str:
+                   rerun_from: str, stale: tuple[str, str, str] | None = None) -> str:
     """The hint of an update re-run under the op finder that made ``made`` in ``params``: a
     guard bundle's (:func:`report_optimizer`) or a rewind window's
     (``replay.window_report``). An Adam-style update with ``eps=0`` in the bundle's
@@ -237,6 +239,12 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
     why = (f"its {bad[0]} was {bad[1]} in that update: the learning-rate schedule or the loop "
            "computed it (a 0/0, a sqrt or log of a negative step count); fix that value"
            if bad else
+           f"its state {stale[1]} of {stale[0]} already held {stale[2]} before this update "
+           "(the recorder does not read optimizer state each step): loaded that way "
+           "(optimizer.load_state_dict from a bad checkpoint) or written outside the "
+           "optimizer; resume from a checkpoint whose optimizer state is finite, or reset that "
+           "parameter's state"
+           if stale else
            EPS0_UPDATE if made == "nan" and any(g.get("eps") == 0 for g in own) else
            HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
@@ -258,6 +266,17 @@ def _non_finite_hyper(step: Step, at, own: list[dict]) -> tuple[str, str] | None
             for v in (g.get(k) if isinstance(g.get(k), list) else [g.get(k)]):
                 if v in ("nan", "inf", "-inf") or (isinstance(v, float) and not math.isfinite(v)):
                     return k, str(v)
+    return None
+
+
+def stale_state(model, opt) -> tuple[str, str, str] | None:
+    """(parameter, state key, kind) of the first non-finite tensor in the optimizer's state
+    before an update (Adam's moments, a momentum buffer), or None."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.is_floating_point() and not finite(v):
+                return names.get(id(p), "?"), k, tensors_kind([v])
     return None
 
 

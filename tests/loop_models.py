@@ -86,3 +86,19 @@ def make_mean_and_scale() -> MeanAndScale:
 def gaussian_nll(out, y):
     mu, sigma = out
     return (torch.log(sigma) + 0.5 * ((y - mu) / sigma) ** 2).mean()
+
+
+class BagOfTokens(nn.Module):
+    """Mean of token embeddings, then a linear classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.out = nn.Linear(16, 50)
+
+    def forward(self, tok):
+        return self.out(self.emb(tok).mean(1))
+
+
+def make_bag_of_tokens() -> BagOfTokens:
+    return BagOfTokens()

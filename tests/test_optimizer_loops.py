@@ -142,3 +142,44 @@ def test_lbfgs_what_if_re_runs_the_step_without_its_update(out_dir):
     (tried,) = report["what_if"]
     assert tried["try"] == "drop=" + ",".join(map(str, report["origin"]["samples"]))
     assert "error" not in tried and tried["finite"] is True and not tried["inconclusive"]
+
+
+def test_resume_with_a_nan_in_adam_state_names_that_state(out_dir, tmp_path):
+    """A run resumed from a checkpoint whose Adam second moment holds a NaN (one row of the
+    embedding): the next update of that row writes NaN into the weights. The report said
+    'finite gradients became non-finite weights: check the learning rate, eps, clip', which
+    no change of those fixes; it now names the state that was already NaN before the
+    update and says to resume from a checkpoint whose optimizer state is finite."""
+    crit = nn.CrossEntropyLoss()
+    model = LM.make_bag_of_tokens()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        tok = torch.randint(0, 50, (8, 6))
+        opt.zero_grad()
+        crit(model(tok), tok[:, 0]).backward()
+        opt.step()
+    ckpt = {"model": model.state_dict(), "opt": opt.state_dict()}
+    ckpt["opt"]["state"][0]["exp_avg_sq"][7, 3] = float("nan")  # a bad checkpoint
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    model = LM.make_bag_of_tokens()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
+                            factory="loop_models:make_bag_of_tokens"):
+            for step in range(8):
+                if step == 2:  # resume
+                    ckpt = torch.load(tmp_path / "ckpt.pt")
+                    model.load_state_dict(ckpt["model"])
+                    opt.load_state_dict(ckpt["opt"])
+                tok = torch.randint(0, 50, (8, 6))
+                tok[:, 1] = 7  # token 7 in every record: its row is updated
+                opt.zero_grad()
+                crit(model(tok), tok[:, 0]).backward()
+                opt.step()
+    event = info.value.event
+    assert (event["step"], event["phase"], event["params"]) == (2, "optimizer", ["emb.weight"])
+    report = nanreplay_json(info.value.bundle_path)
+    assert report["reproduced"] and report["cause"] == "optimizer"
+    assert "its state exp_avg_sq of emb.weight already held nan before this update" \
+        in report["hint"]
+    assert "resume from a checkpoint whose optimizer state is finite" in report["hint"]
