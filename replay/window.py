@@ -132,16 +132,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     change = change or Change()
     out = WindowRun(None, [])
     _restore(step, win, change.dtype)
-    opt = step.optimizer
-    if opt is None and step.meta.get("optimizer"):
-        out.problems.append("the optimizer could not be rebuilt, so the window's updates were "
-                            "not re-run")
-    if opt is not None and needs_closure(opt):
-        if len(win.records) > 1 or step.event.get("phase") == "optimizer":
-            out.problems.append(f"{type(opt).__name__}.step() takes a closure that evaluates "
-                                "the whole step again, which the re-run cannot give it: its "
-                                "updates were not re-run")
-        opt = None
+    opt = _stepped_optimizer(step, win, out.problems)
     peers = _peers(step, win, out.problems)
     for record in win.records:
         sub = _sub_step(step, win, record, change)
@@ -191,6 +182,22 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             out.first = _update_outcome(record["step"], step, opt, before, bad)
             break
     return out
+
+
+def _stepped_optimizer(step: Step, win: Window, problems: list[str]):
+    """The optimizer the re-run steps after each step's backward, or None (with a note when
+    the update matters): none rebuilt, or one whose ``step()`` needs a closure (LBFGS)."""
+    opt = step.optimizer
+    if opt is None and step.meta.get("optimizer"):
+        problems.append("the optimizer could not be rebuilt, so the window's updates were "
+                        "not re-run")
+    if opt is not None and needs_closure(opt):
+        if len(win.records) > 1 or step.event.get("phase") == "optimizer":
+            problems.append(f"{type(opt).__name__}.step() takes a closure that evaluates the "
+                            "whole step again, which the re-run cannot give it: its updates "
+                            "were not re-run")
+        return None
+    return opt
 
 
 def _used_scale(step: Step, win: Window, record: dict[str, Any]) -> float | None:
