@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -64,3 +65,24 @@ def needs_closure(opt) -> bool:
     except (TypeError, ValueError):
         return False
     return p is not None and p.default is inspect.Parameter.empty
+
+
+@contextmanager
+def per_parameter(opt):
+    """``opt`` with its per-parameter implementation (``foreach=False``, not fused) while the
+    block runs, so that the op finder sees which op made a value: fused and foreach kernels
+    make every parameter's values in one op (a fused kernel in none it can name)."""
+    saved = [(g.get("foreach"), g.get("fused")) for g in opt.param_groups]
+    for g in opt.param_groups:
+        if "foreach" in g:
+            g["foreach"] = False
+        if "fused" in g:
+            g["fused"] = None
+    try:
+        yield opt
+    finally:
+        for g, (fe, fu) in zip(opt.param_groups, saved):
+            if "foreach" in g:
+                g["foreach"] = fe
+            if "fused" in g:
+                g["fused"] = fu

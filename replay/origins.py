@@ -21,6 +21,7 @@ from .cause_text import EPS0_UPDATE, HINTS
 from .findings import finish, origin_fields
 from .load import Step, autocast_as_recorded, loss_inputs
 from .ops import OpFinder
+from .optim import per_parameter
 from .recorded import batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
@@ -209,7 +210,7 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     _own_copies(step.model, step.optimizer)
     stale = stale_state(step.model, step.optimizer)
     finder = OpFinder()
-    with finder:
+    with per_parameter(step.optimizer), finder:  # (a fused kernel shows no op)
         step.optimizer.step()
     params = dict(step.model.named_parameters())
     bad = [n for n, p in params.items() if not finite(p)]

@@ -38,7 +38,7 @@ from .clip import loop_clip
 from .drop import drop_rows
 from .load import Step
 from .ops import OpFinder
-from .optim import needs_closure
+from .optim import needs_closure, per_parameter
 from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
 from .rerun import Runner
@@ -411,22 +411,9 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
             p.grad = before["grads"][id(p)]
     for p in list(opt.state):
         opt.state[p] = before["state"].get(id(p), {})
-    saved = [(g.get("foreach"), g.get("fused")) for g in opt.param_groups]
-    for g in opt.param_groups:
-        if "foreach" in g:
-            g["foreach"] = False
-        if "fused" in g:
-            g["fused"] = None
     finder = OpFinder()
-    try:
-        with finder:
-            opt.step()
-    finally:
-        for g, (fe, fu) in zip(opt.param_groups, saved):
-            if "foreach" in g:
-                g["foreach"] = fe
-            if "fused" in g:
-                g["fused"] = fu
+    with per_parameter(opt), finder:
+        opt.step()
     hit = finder.origin()
     params = dict(model.named_parameters())
     return Outcome(k, "update", params=bad, kind=_kind([params[n] for n in bad]),

@@ -102,3 +102,21 @@ class BagOfTokens(nn.Module):
 
 def make_bag_of_tokens() -> BagOfTokens:
     return BagOfTokens()
+
+
+class Tagger(nn.Module):
+    """Token embeddings, a GRU, a tag per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.rnn = nn.GRU(32, 32, batch_first=True)
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, tok):
+        h, _ = self.rnn(self.emb(tok))
+        return self.out(h)
+
+
+def make_tagger() -> Tagger:
+    return Tagger()

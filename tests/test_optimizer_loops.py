@@ -183,3 +183,31 @@ def test_resume_with_a_nan_in_adam_state_names_that_state(out_dir, tmp_path):
     assert "its state exp_avg_sq of emb.weight already held nan before this update" \
         in report["hint"]
     assert "resume from a checkpoint whose optimizer state is finite" in report["hint"]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_fused_adam_eps0_update_names_the_op(out_dir, kernel):
+    """Adam(fused=True) (or foreach=True, the default on CUDA) with eps=0 from a config: the
+    embedding rows of tokens absent from the batch have m = v = 0 and the update makes 0/0.
+    With guard_optimizer the replay re-ran the update with the recorded kernel, where no op
+    can be named ('nan made by parameter emb.weight'); it now re-runs it per parameter, as
+    the rewind window does, and names aten.addcdiv_."""
+    torch.manual_seed(0)
+    model = LM.make_tagger()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0, **{kernel: True})
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
+                            factory="loop_models:make_tagger"):
+            for _ in range(3):
+                tok = torch.randint(0, 50, (8, 12))  # only the first 50 tokens occur
+                opt.zero_grad()
+                crit(model(tok).flatten(0, 1), (tok % 5).flatten()).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (0, "optimizer")
+    report = nanreplay_json(info.value.bundle_path, "--try", "eps=1e-8")
+    origin = report["origin"]
+    assert (origin["op"], origin["param"], report["cause"]) == \
+        ("aten.addcdiv_", "emb.weight", "optimizer")
+    assert "with eps=0" in report["hint"]
+    assert report["what_if"][0]["finite"] is True
