@@ -10,6 +10,8 @@ event, then :meth:`~recorder.ranks.Agreement.settle` tells them all which rank s
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +30,7 @@ from .settings import Settings
 from .shards import local
 from .tape import Tape
 from .target import Target
+from .validate import why_unwritable
 
 log = logging.getLogger("nanreplay")
 
@@ -109,25 +112,57 @@ class Alarm:
     def _write_and_report(self, tape: Tape | None, event: Event, guard=None) -> None:
         self.event = as_dict = event.as_dict()
         rank, world = distributed_rank()
-        on_event = self.settings.on_event
+        raising = self.settings.on_event == "raise"
+        out_dir = self.settings.out_dir
         try:
             meta, tensors = self._contents(tape, as_dict, guard, rank, world)
-            out_dir = self.settings.out_dir
-            out_dir.mkdir(parents=True, exist_ok=True)
-            path = bundle.write_bundle(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
+            path, moved = _write(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
         except Exception as e:
-            msg = _message(as_dict, None, on_event == "raise") + \
-                f" Writing the bundle failed: {e}"
-            if on_event == "raise":
+            why = (why_unwritable(out_dir, e) + _FAILED_TOO.format(out_dir=out_dir)
+                   if isinstance(e, OSError) else str(e))
+            msg = _message(as_dict, None, raising) + f" Writing the bundle failed: {why}"
+            if raising:
                 raise NonFiniteError(msg, event=as_dict, write_error=e) from e
             log.warning(msg)
             return
         self.bundle_path = path
-        msg = _message(as_dict, path, on_event == "raise") + _loss_not_called(meta)
-        if on_event == "raise":
+        msg = _message(as_dict, path, raising) + _loss_not_called(meta)
+        if moved is not None:
+            msg += (f" out_dir '{out_dir}' could not be written ({why_unwritable(out_dir, moved)})"
+                    ", so the bundle went to a new temporary directory: move it somewhere safe "
+                    "and give the recorder an out_dir it can write.")
+        if raising:
             self.health.active = False
-            raise NonFiniteError(msg, bundle_path=path, event=as_dict)
+            raise NonFiniteError(msg, bundle_path=path, event=as_dict, write_error=moved)
         log.warning(msg)
+
+
+# both out_dir and the temporary directory refused the bundle (a disk full for both)
+_FAILED_TOO = (" (in out_dir '{out_dir}' and in a new temporary directory); free space or give "
+               "the recorder an out_dir it can write.")
+
+
+def _write(out_dir: Path, stem: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+           ) -> tuple[Path, OSError | None]:
+    """The bundle written to ``out_dir`` or, when that fails (its disk full, a file put in its
+    place or its permissions changed since the recorder checked it), to a new private
+    directory under the system's temporary directory: the only record of a run that may have
+    trained for days is not lost to its out_dir. Returns the path and out_dir's error (None
+    when out_dir took it); raises out_dir's error when neither could be written."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return bundle.write_bundle(out_dir, stem, meta, tensors), None
+    except OSError as e:
+        refused = e
+    try:
+        spare = Path(tempfile.mkdtemp(prefix="nan-bundles-"))  # mode 0700: it holds the batch
+    except OSError:
+        raise refused from None
+    try:
+        return bundle.write_bundle(spare, stem, meta, tensors), refused
+    except OSError:
+        shutil.rmtree(spare, ignore_errors=True)
+        raise refused from None
 
 
 def _loss_not_called(meta: dict[str, Any]) -> str:

@@ -7,7 +7,9 @@ class NonFiniteError(RuntimeError):
     """Raised by the recorder on the first NaN/Inf event, after the bundle is written.
 
     ``bundle_path`` is the written bundle (``None`` when writing it failed; the write error is
-    then the ``__cause__`` and ``write_error``). ``event`` is the event as a JSON-able dict.
+    then the ``__cause__`` and ``write_error``). When out_dir refused it (disk full, a file in
+    its place), the bundle goes to a new temporary directory: ``bundle_path`` is there and
+    ``write_error`` is out_dir's error. ``event`` is the event as a JSON-able dict.
     """
 
     def __init__(self, message: str, *, bundle_path=None, event=None, write_error=None):

@@ -124,7 +124,17 @@ def check_writable(out_dir: Path) -> None:
             pass
     except OSError as e:
         raise ValueError(f"FlightRecorder: out_dir '{out_dir}' is not writable "
-                         f"({e.strerror or e}); pass a directory this process can write") from None
+                         f"({why_unwritable(out_dir, e)}); pass a directory this process can "
+                         "write") from None
+
+
+def why_unwritable(out_dir: Path, e: OSError) -> str:
+    """Why ``out_dir`` could not be written, in words: mkdir's ``File exists`` and ``Not a
+    directory`` do not say that a file stands where the directory should be."""
+    for d in (out_dir, *out_dir.parents):
+        if d.exists() and not d.is_dir():
+            return f"'{d}' is a file, not a directory"
+    return e.strerror or str(e)
 
 
 def import_object(module: str, attr: str):
