@@ -142,17 +142,21 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
         return 0
     if info:
         d = reports.info(bundle)
-        click.echo(reports.to_json(d) if as_json else reports.info_text(d))
+        _emit(reports.to_json(d) if as_json else reports.info_text(d))
         return 0
     from .analyze import analyze
     from .load import build, read_step
 
+    if html_path is not None:
+        _check_html_dir(html_path)
     step = read_step(bundle)
     try:
         build(step, factory, device, factory_kwargs)
     except FactoryRefused as e:
         step.problems.append(str(e))
     report = analyze(step, tries)
+    # printed first: a page that cannot be written must not cost the report of a long replay
+    _emit(reports.to_json(report) if as_json else reports.to_text(report))
     if html_path is not None:
         from .html import render_html
 
@@ -160,6 +164,27 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
             html_path.write_text(render_html(report, report["history"]), encoding="utf-8")
         except OSError as e:
             raise ReplayError(f"cannot write the HTML report to {html_path} "
-                              f"({e.strerror or e})") from None
-    click.echo(reports.to_json(report) if as_json else reports.to_text(report))
+                              f"({e.strerror or e}); the report was printed; pass another "
+                              "--html path") from None
     return 0 if report["reproduced"] and report["origin"].get("phase") else 1
+
+
+def _check_html_dir(html_path: Path) -> None:
+    """A page whose directory is missing (or a file) is said before the replay, which can
+    take minutes, not after it."""
+    parent = html_path.parent
+    if not parent.is_dir():
+        why = "is a file, not a directory" if parent.exists() else "does not exist"
+        raise ReplayError(f"cannot write the HTML report to {html_path} ({parent} {why}); "
+                          "pass an --html path in an existing directory")
+
+
+def _emit(text: str) -> None:
+    """The report on stdout; a stdout that cannot take it (a full disk, a closed pipe) is
+    that one line, not a 'replay failed' about the replay."""
+    try:
+        click.echo(text)
+        sys.stdout.flush()
+    except OSError as e:
+        _fail(f"cannot write the report to stdout ({e.strerror or e}); redirect it to a "
+              "file or device with room")

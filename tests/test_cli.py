@@ -121,10 +121,67 @@ def test_html_writes_a_page_and_still_prints_the_report(toy, in_examples, tmp_pa
     assert "aten.div" in text and 'id="verdict"' in text
 
 
-def test_html_to_a_path_that_cannot_be_written_is_one_line(toy, in_examples, tmp_path):
-    page = tmp_path / "no-such-dir" / "report.html"
+@pytest.mark.parametrize("blocker", ["missing", "file"])
+def test_html_in_a_directory_that_is_not_there_is_refused_before_the_replay(
+        toy, in_examples, tmp_path, monkeypatch, blocker):
+    parent = tmp_path / "no-such-dir"
+    if blocker == "file":
+        parent.write_text("")
+    page = parent / "report.html"
+    monkeypatch.setattr("replay.load.read_step", _must_not_replay)
+    why = "does not exist" if blocker == "missing" else "is a file, not a directory"
     assert one_error_line(invoke("--html", page, toy)) == (
-        f"nanreplay: cannot write the HTML report to {page} (No such file or directory)")
+        f"nanreplay: cannot write the HTML report to {page} ({parent} {why}); pass an --html "
+        "path in an existing directory")
+
+
+def _must_not_replay(*args):
+    raise AssertionError("the replay ran before the --html path was checked")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_html_that_fails_to_write_after_the_replay_still_prints_the_report(
+        toy, in_examples, tmp_path, monkeypatch, as_json):
+    """A full disk under the page: the replay's report is printed all the same, then the one
+    error line (exit 2); before, the report of a replay that could take minutes was lost."""
+    page = tmp_path / "report.html"
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self == page:
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    r = invoke(*(["--json"] if as_json else []), "--html", page, toy)
+    assert r.exit_code == 2
+    if as_json:
+        d = json.loads(r.stdout)
+        assert (d["origin"]["module"], d["origin"]["op"], d["cause"]) == ("norm", "aten.div",
+                                                                         "invalid")
+    else:
+        assert r.stdout.splitlines() == TOY_TEXT
+    assert r.stderr.splitlines() == [
+        f"nanreplay: cannot write the HTML report to {page} (No space left on device); the "
+        "report was printed; pass another --html path"]
+    assert not page.exists()
+
+
+def test_a_stdout_that_cannot_take_the_report_is_one_line(toy, in_examples, monkeypatch):
+    """`nanreplay B.nan --json > /dev/full`: said as that, not as 'replay failed'."""
+    import click
+
+    real = click.echo
+
+    def full_stdout(message=None, *args, err=False, **kwargs):
+        if not err:
+            raise OSError(28, "No space left on device")
+        return real(message, *args, err=err, **kwargs)
+
+    monkeypatch.setattr(click, "echo", full_stdout)
+    assert one_error_line(invoke("--json", toy)) == (
+        "nanreplay: cannot write the report to stdout (No space left on device); redirect it "
+        "to a file or device with room")
 
 
 def test_strip_to_a_path_that_cannot_be_written_is_one_line(toy, tmp_path):
