@@ -17,6 +17,7 @@ import click
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from recorder.errors import BundleError  # noqa: E402  (imports torch: after the filter)
+from recorder.validate import why_unwritable  # noqa: E402
 
 from .errors import FactoryRefused, ReplayError, one_line  # noqa: E402
 
@@ -137,7 +138,8 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
         try:  # (one rank's shards are stripped with their set: one copy per rank)
             paths = strip_set(bundle, output, list(strip_parts))
         except OSError as e:  # reading errors are BundleErrors: this is the copy's path
-            raise ReplayError(f"cannot write {output} ({e.strerror or e})") from None
+            raise ReplayError(f"cannot write {output} ({why_unwritable(output.parent, e)}); "
+                              "pass another -o path") from None
         click.echo(f"wrote {', '.join(map(str, paths))} without {', '.join(strip_parts)}")
         return 0
     if info:

@@ -189,7 +189,8 @@ def test_strip_to_a_path_that_cannot_be_written_is_one_line(toy, tmp_path):
     blocker.write_text("")
     out = blocker / "share.nan"
     assert one_error_line(invoke("--strip", "batch", "-o", out, toy)) == (
-        f"nanreplay: cannot write {out} (File exists)")
+        f"nanreplay: cannot write {out} ('{blocker}' is a file, not a directory); pass another "
+        "-o path")
 
 
 def test_python_dash_m_replay_runs_the_same_command(toy):
