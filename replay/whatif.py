@@ -32,6 +32,12 @@ KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
 AFTER_UPDATE = ("the bundle holds the weights after the update, not those before it: record "
                 "with FlightRecorder(..., guard_optimizer=True) or rewind=N to re-run it with a "
                 "change")
+# the note of an lr, eps, wd or clip try when no update runs before the event in the re-run
+# (a forward, loss or backward event without a window): the only update is the one after it,
+# so the event comes back whatever the change
+NO_UPDATE_BEFORE = ("{key} changes the optimizer's updates, and the re-run has none before the "
+                    "event (it happens before step {step}'s update): record with "
+                    "FlightRecorder(..., rewind=N) to re-run the updates that led to it")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -210,6 +216,11 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     unchanged_finite = _unchanged_finite(step, report, win)
     out = []
     for label, change in parsed:
+        if _update_only(change) and not _update_before_event(step, win):
+            out.append({"try": label, "finite": None, "inconclusive": None, "event_step": None,
+                        "origin": None, "note": NO_UPDATE_BEFORE.format(
+                            key=label.partition("=")[0], step=step.event.get("step"))})
+            continue
         if change.drop:
             change.drop_step = step.event.get("step")
             change.drop_micro_batch = _samples_micro_batch(step, report)
@@ -229,6 +240,21 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["note"] = "; ".join(res.problems)
         out.append(entry)
     return out
+
+
+def _update_only(change: Change) -> bool:
+    """The change acts on the updates alone (learning rate, eps, weight decay, clipping)."""
+    return change.dtype is None and not change.drop and any(
+        v is not None for v in (change.lr, change.lr_factor, change.eps, change.weight_decay,
+                                change.clip))
+
+
+def _update_before_event(step: Step, win: Window) -> bool:
+    """Whether the re-run applies an update before the event: one of a window step before the
+    event's, or the event step's own when the event is in that update (``optimizer``)."""
+    at = step.event.get("step")
+    return step.event.get("phase") == "optimizer" or (
+        at is not None and win.records[0]["step"] < at)
 
 
 def _samples_micro_batch(step: Step, report: dict[str, Any] | None) -> int | None:

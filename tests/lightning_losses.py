@@ -41,3 +41,38 @@ class Targets(torch.utils.data.Dataset):
         if i in self.missing:
             target[1] = float("nan")
         return x[0], target
+
+
+class HandBCE(torch.nn.Module):
+    """Binary cross-entropy written out on ``sigmoid``: its ``log`` meets 0 once the logits
+    leave sigmoid's range (``BCEWithLogitsLoss`` computes in log space)."""
+
+    def forward(self, logits, y):
+        p = torch.sigmoid(logits)
+        return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+def make_tower() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 1), torch.nn.Flatten(0))
+
+
+class ClickTower(L.LightningModule):
+    """A click-through-rate tower trained with :class:`HandBCE` and Adam at ``lr``."""
+
+    def __init__(self, lr: float):
+        super().__init__()
+        self.model, self.criterion, self.lr = make_tower(), HandBCE(), lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.criterion(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def clicks(n: int = 256) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, 16, generator=g),
+                                          (torch.rand(n, generator=g) < 0.3).float())

@@ -7,6 +7,7 @@ checks each step when the closure returns, before the update.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -14,8 +15,10 @@ import pytest
 
 L = pytest.importorskip("lightning")
 
+import lightning_losses as LL  # noqa: E402
 import lightning_models as LM  # noqa: E402
 import torch  # noqa: E402
+from bundles import invoke_cli  # noqa: E402
 
 from recorder import NonFiniteError  # noqa: E402
 from recorder.bundle import read_bundle  # noqa: E402
@@ -242,3 +245,35 @@ def test_a_recorder_given_self_optimizers_records_the_optimizer_inside(tmp_path)
     assert rep["reproduced"] is True and rep["cause"] == "optimizer", rep["problems"]
     assert (rep["origin"]["op"], rep["origin"]["params"][0]) == ("aten.addcdiv_", "0.weight")
     assert "eps=0" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("rewind", [None, 2])
+def test_an_lr_try_is_re_run_only_when_an_update_before_the_event_is(tmp_path, rewind):
+    """Adam at lr=0.5 drives a click tower's logits out of sigmoid's range in one update, and
+    the hand-written BCE takes log(0) at step 1, before step 1's update. Without a window the
+    re-run holds no update before the event: ``--try lr=`` cannot change it, and said 'nan at
+    step 1', as if a smaller rate would not have helped. With ``rewind`` the update of step 0
+    is re-run with the smaller rate, and the step stays finite."""
+    cb = FlightRecorderCallback(module="model", loss_fn="criterion", out_dir=tmp_path,
+                                factory="lightning_losses:make_tower", rewind=rewind)
+    with pytest.raises(NonFiniteError) as info:
+        _fit(LL.ClickTower(lr=0.5), cb, LL.clicks(), precision="bf16-mixed",
+             accumulate_grad_batches=2, gradient_clip_val=1.0)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>")
+    res = invoke_cli(info.value.bundle_path, "--json", "--try", "lr=0.01", "--try",
+                     "dtype=float64")
+    rep = json.loads(res.stdout)
+    assert (rep["cause"], rep["origin"]["op"], rep["origin"]["module"]) == \
+        ("underflow", "aten.log", "<loss>")
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert tries["dtype=float64"]["finite"] is True  # still re-run: float64 holds the value
+    if rewind:
+        assert tries["lr=0.01"]["finite"] is True
+        return
+    assert tries["lr=0.01"] == {
+        "try": "lr=0.01", "finite": None, "inconclusive": None, "event_step": None,
+        "origin": None,
+        "note": "lr changes the optimizer's updates, and the re-run has none before the event "
+                "(it happens before step 1's update): record with FlightRecorder(..., "
+                "rewind=N) to re-run the updates that led to it"}
