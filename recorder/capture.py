@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
+from . import objects
+
 # ---------------------------------------------------------------------------------------------
 # RNG states
 
@@ -256,6 +258,9 @@ def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch
                 key = json.dumps(k) if isinstance(k, str) else repr(k)  # no !r: it would apply to both
                 items.append([jk, walk(v, f"{path}[{key}]")])
             return {"$dict": items}
+        if objects.is_instance(o):  # a dataclass batch, by field, with its type to rebuild
+            return {"$dataclass": objects.type_name(o),
+                    "$fields": [[k, walk(v, f"{path}.{k}")] for k, v in objects.fields_of(o)]}
         if isinstance(o, torch.dtype):
             return {"$dtype": str(o).removeprefix("torch.")}
         if isinstance(o, torch.device):
@@ -305,6 +310,8 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
             return _namedtuple(node, items) if "$namedtuple" in node else tuple(items)
         if "$dict" in node:
             return {(_key(k)): unflatten_tree(v, tensors, leaf) for k, v in node["$dict"]}
+        if "$dataclass" in node:
+            return _dataclass(node, tensors, leaf)
         if "$float" in node:
             return float(node["$float"])
         if "$dtype" in node:
@@ -313,6 +320,15 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
             return torch.device(node["$device"])
         raise UnrebuildableLeaf(f"{node.get('$type', 'object')} {node.get('$repr', '')}")
     return node
+
+
+def _dataclass(node: dict[str, Any], tensors: dict[str, torch.Tensor], leaf) -> Any:
+    name, items = node["$dataclass"], node.get("$fields")
+    if not (isinstance(name, str) and isinstance(items, list)
+            and all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
+                    and i[0].isidentifier() for i in items)):
+        raise UnrebuildableLeaf(f"dataclass {str(name)[:100]} with fields {str(items)[:100]}")
+    return objects.rebuild(name, {k: unflatten_tree(v, tensors, leaf) for k, v in items})
 
 
 def _key(k: Any) -> Any:
@@ -369,8 +385,8 @@ def _stand_in(name: str, fields: tuple[str, ...]) -> type:
 
 
 def tensor_leaves(obj: Any):
-    """Yield every tensor in a nested structure of tuples, lists and dicts (and dataclass-like
-    objects exposing ``values()``, as Hugging Face ``ModelOutput`` does)."""
+    """Yield every tensor in a nested structure of tuples, lists, dicts (Hugging Face's
+    ``ModelOutput`` is one) and dataclass instances."""
     # (not torch.utils._pytree.tree_leaves: it keeps dict and list subclasses it does not
     # know, a user's ``class Batch(dict)``, as leaves, whose tensors would go unrecorded)
     if isinstance(obj, torch.Tensor):
@@ -381,11 +397,14 @@ def tensor_leaves(obj: Any):
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from tensor_leaves(v)
+    elif objects.is_instance(obj):  # (only leaves that are no tensor or container get here)
+        for _, v in objects.fields_of(obj):
+            yield from tensor_leaves(v)
 
 
 def map_tensors(obj: Any, fn) -> Any:
-    """``obj`` with every tensor in its tuples, lists and dicts replaced by ``fn(tensor)``;
-    other leaves kept as they are. A namedtuple keeps its type; a ``PackedSequence`` keeps its
+    """``obj`` with every tensor in its tuples, lists, dicts and dataclass instances (a shallow
+    copy) replaced by ``fn(tensor)``; other leaves kept as they are. A namedtuple keeps its type; a ``PackedSequence`` keeps its
     ``batch_sizes`` as they are, on the CPU, as its own ``.to()`` does (GRU and LSTM read them
     there, and its constructor refuses them elsewhere)."""
     # (not torch.utils._pytree.tree_map: it leaves unknown dict/list subclasses unmapped)
@@ -402,6 +421,8 @@ def map_tensors(obj: Any, fn) -> Any:
         return tuple(map_tensors(v, fn) for v in obj)
     if isinstance(obj, dict):
         return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if objects.is_instance(obj):
+        return objects.replaced(obj, {k: map_tensors(v, fn) for k, v in objects.fields_of(obj)})
     return obj
 
 
