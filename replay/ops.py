@@ -325,12 +325,13 @@ class OpFinder:
         self.params: dict[tuple[int, tuple], str] = {}
 
     def param_among(self, ins: list[torch.Tensor]) -> str | None:
-        """The name of the first input that is one of the model's parameters itself (a
-        learnable scale or temperature used as is: ``logit_scale.exp()``)."""
-        if not self.params:
+        """The name of the op's one floating input when that is one of the model's parameters
+        itself (a learnable scale or temperature used as is: ``logit_scale.exp()``). Not for
+        ops of several inputs: a Linear's ``addmm`` takes its bias and weight with every
+        input, and what overflows there is the product, not the bias."""
+        if not self.params or len(ins) != 1:
             return None
-        return next((n for t in ins if (n := self.params.get((t.data_ptr(), tuple(t.shape))))
-                     is not None), None)
+        return self.params.get((ins[0].data_ptr(), tuple(ins[0].shape)))
 
     def positive(self, t: torch.Tensor) -> bool:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed."""

@@ -58,3 +58,8 @@ def make_clip() -> TinyClip:
 def make_regressor() -> NoisyRegressor:
     torch.manual_seed(0)
     return NoisyRegressor()
+
+
+def make_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))

@@ -82,3 +82,19 @@ def test_a_log_of_a_learned_sigma_pushed_below_zero_names_the_parameter(tmp_path
     assert sigma < 0
     assert f"aten.log's input is the parameter sigma ({sigma:.4g}): keep it in the op's " \
            "domain by construction" in rep["hint"]
+
+
+def test_a_product_that_overflows_in_a_linear_names_no_parameter(tmp_path):
+    """addmm takes the layer's bias and weight among its inputs: the hint of its overflow
+    (a state carried across steps that grew, here a too-large input) is about the product,
+    and names no parameter."""
+    model = SM.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def batch(g):
+        return (torch.rand(8, 4, generator=g) * 3e37 + 1e37,), torch.zeros(8, dtype=torch.long)
+
+    err, rep = train(tmp_path, model, torch.nn.CrossEntropyLoss(), opt, batch, "scale_models:make_mlp",
+                     steps=2)
+    assert (rep["origin"]["op"], rep["cause"]) == ("aten.addmm", "overflow"), rep["origin"]
+    assert "the parameter" not in rep["hint"], rep["hint"]
