@@ -24,42 +24,69 @@ def history(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str,
                 "skipped": []}
     names = [m["name"] for m in meta.get("modules", [])]
     calls = tensors["ring/calls"]
-    mods = tensors["ring/call_module"]
     absmax_idx = meta.get("ring", {}).get("call_fields", []).index("absmax") \
         if "absmax" in meta.get("ring", {}).get("call_fields", []) else 2
-    nan_idx = 5
-    layers_seen: list[int] = sorted({int(m) for m in mods.flatten().tolist() if m >= 0})
-    order: list[int] = []  # layers by first call in the step, over the recorded steps
-    for i in range(mods.shape[0]):
-        for m in mods[i].tolist():
-            if m >= 0 and int(m) not in order:
-                order.append(int(m))
+    keys = _call_keys(tensors)
+    seen = sorted({k for row in keys for k in row if k is not None})
+    order: list[tuple[int, int]] = []  # series by first call in the step, over the steps
+    for row in keys:
+        order += [k for k in row if k is not None and k not in order]
     absmax = []
-    for i in range(mods.shape[0]):
-        row: dict[int, float] = {}
-        for j in range(mods.shape[1]):
-            m = int(mods[i, j])
-            if m < 0:
+    for i, row_keys in enumerate(keys):
+        row: dict[tuple[int, int], float] = {}
+        for j, k in enumerate(row_keys):
+            if k is None:
                 continue
             v = float(calls[i, j, absmax_idx])
-            if float(calls[i, j, nan_idx]) == 1.0:
+            if float(calls[i, j, _NAN]) == 1.0:
                 v = math.nan
-            prev = row.get(m)
-            row[m] = v if prev is None or math.isnan(v) or (not math.isnan(prev) and v > prev) \
+            prev = row.get(k)
+            row[k] = v if prev is None or math.isnan(v) or (not math.isnan(prev) and v > prev) \
                 else prev
-        absmax.append([row.get(m) for m in layers_seen])
+        absmax.append([row.get(k) for k in seen])
+    repeated = {m for m, c in seen if c > 0}
+    module_names = [names[m] if m < len(names) else str(m) for m, _ in seen]
     return {
         "steps": tensors["ring/steps"].tolist(),
         "loss": tensors["ring/loss"].tolist(),
         "grad_norm": tensors["ring/grad_norm"].tolist(),
         "param_norm": tensors["ring/param_norm"].tolist(),
         "lr": tensors["ring/lr"].tolist(),
-        "layers": [names[m] if m < len(names) else str(m) for m in layers_seen],
+        # one series per module, and per call of a module called more than once in a
+        # forward (a dropout applied twice: its calls see different values)
+        "layers": [(f"{n or '<root>'} (call {c})" if m in repeated else n)
+                   for n, (m, c) in zip(module_names, seen)],
+        "modules": module_names,  # the module of each series
         "absmax": absmax,
-        "call_order": [layers_seen.index(m) for m in order],  # indices into "layers"
+        "call_order": [seen.index(k) for k in order],  # indices into "layers"
         "event_step": meta.get("event", {}).get("step"),
         "skipped": tensors["ring/skipped"].tolist(),
     }
+
+
+_NAN = 5  # the "nan" field of ring/calls
+
+
+def _call_keys(tensors: dict[str, torch.Tensor]) -> list[list[tuple[int, int] | None]]:
+    """(module, how many calls of it came before in its micro-batch) of each recorded call:
+    a module's calls across micro-batches are one series, its repeated calls in one forward
+    are several."""
+    mods = tensors["ring/call_module"].tolist()
+    mbs = tensors.get("ring/call_micro_batch")
+    mbs = mbs.tolist() if mbs is not None else [[0] * len(r) for r in mods]
+    out = []
+    for row, mb_row in zip(mods, mbs):
+        count: dict[tuple[int, int], int] = {}
+        keys: list[tuple[int, int] | None] = []
+        for m, mb in zip(row, mb_row):
+            if m < 0:
+                keys.append(None)
+                continue
+            c = count.get((m, mb), 0)
+            count[(m, mb)] = c + 1
+            keys.append((int(m), c))
+        out.append(keys)
+    return out
 
 
 def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
@@ -109,7 +136,7 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
     for li, layer in enumerate(hist["layers"]):
         col = [row[li] for row in hist["absmax"]]
         scan(col, "absmax_jump", f"absmax of {layer or '<root>'}", li)
-        if dtypes and dtypes.get(layer) == "float16":
+        if dtypes and dtypes.get(hist.get("modules", hist["layers"])[li]) == "float16":
             for s, v in zip(steps, col):
                 if v is not None and math.isfinite(v) and v > FP16_MAX / 2 and \
                         (event is None or s <= event):
