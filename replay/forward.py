@@ -118,7 +118,8 @@ def _find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinde
             if name in runner.allowed:
                 hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
                 hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
-        hs.append(target.register_forward_pre_hook(pre))
+        # (first of its pre-hooks: those are part of the call, and may make its weights)
+        hs.append(target.register_forward_pre_hook(pre, prepend=True))
         hs.append(target.register_forward_hook(post))
         return hs
 

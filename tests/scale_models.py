@@ -63,3 +63,29 @@ def make_regressor() -> NoisyRegressor:
 def make_mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+class WeightNormedStack(nn.Module):
+    """A vocoder-style dilated conv stack with the hook-based ``torch.nn.utils.weight_norm``
+    (deprecated, still in many repos): each conv's weight is made from ``weight_g`` and
+    ``weight_v`` by a forward pre-hook of the conv."""
+
+    def __init__(self):
+        super().__init__()
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            self.convs = nn.ModuleList(
+                [nn.utils.weight_norm(nn.Conv1d(4, 4, 3, padding=d, dilation=d))
+                 for d in (1, 2)])
+
+    def forward(self, x):
+        for c in self.convs:
+            x = x + F.leaky_relu(c(x), 0.1)
+        return x.mean(1)
+
+
+def make_weight_normed() -> WeightNormedStack:
+    torch.manual_seed(0)
+    return WeightNormedStack()

@@ -98,3 +98,26 @@ def test_a_product_that_overflows_in_a_linear_names_no_parameter(tmp_path):
                      steps=2)
     assert (rep["origin"]["op"], rep["cause"]) == ("aten.addmm", "overflow"), rep["origin"]
     assert "the parameter" not in rep["hint"], rep["hint"]
+
+
+def test_a_weight_made_by_a_modules_pre_hook_is_found_in_that_hook(tmp_path):
+    """The old ``weight_norm`` makes the conv's weight in a forward pre-hook: a direction
+    ``weight_v`` loaded as zeros (a bad resume) makes it 0/0 there. The replay's op finder
+    starts before the module's own pre-hooks, so it names the op, not just the module."""
+    model = SM.make_weight_normed()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps = iter(range(100))
+
+    def batch(g):
+        if next(steps) == 3:
+            with torch.no_grad():
+                model.convs[1].weight_v.zero_()
+        x = torch.randn(2, 4, 16, generator=g)
+        return (x,), x.mean(1)
+
+    err, rep = train(tmp_path, model, torch.nn.L1Loss(), opt, batch,
+                     "scale_models:make_weight_normed")
+    o = rep["origin"]
+    assert (err.event["step"], o["phase"], o["module"], o["op"], rep["cause"]) == (
+        3, "forward", "convs.1", "aten._weight_norm_interface", "invalid"), o
+    assert rep["reproduced"] is True
