@@ -27,6 +27,7 @@ from .settings import Settings
 from .shards import class_name, localize
 from .tape import Tape
 from .target import Target
+from .validate import default_factory
 
 
 def qualname(obj: Any) -> str:
@@ -67,6 +68,8 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
     _model(src, tape, guard, meta, tensors)
     if model is not None:
         meta["model"] = {"class": class_name(model), "training": model.training}
+        if settings.factory is None:  # the replay's guess at one (see default_factory)
+            meta["model"]["default_factory"] = default_factory(model)
         meta["modules"] = [_module_info(s.name, s.module) for s in hook_sites(model)]
         meta["compiled_regions"] = sorted(target.compiled)  # recorded as one call each
         meta["passthrough_modules"] = sorted(target.passing)  # recorded as no call

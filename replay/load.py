@@ -29,7 +29,7 @@ from recorder.errors import BundleError
 from recorder.validate import import_object
 
 from .compat import set_buffer, set_parameter
-from .errors import FactoryRefused, ReplayError
+from .errors import FactoryRefused, ReplayError, one_line
 from .losses import Unrebuildable, rebuild_loss
 from .optim import build_optimizer
 from .shards import resolve
@@ -201,10 +201,34 @@ def build(step: Step, factory: str | None, device: str | None,
                           "CUDA device; pass --device cpu")
     spec = factory or meta.get("factory")
     if not spec:
-        raise ReplayError("the bundle names no model factory; pass --factory MOD:FN "
-                          "(a function returning the model)")
+        _build_without_factory(step, factory_kwargs)
+        return
     with _recorded_argv(meta, spec):
         _build(step, spec, factory is not None, factory_kwargs)
+
+
+def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) -> None:
+    """A run recorded without ``factory``: the model's class called with no arguments, when
+    the recorder found that it can be (``default_factory``), under the trust rule of a
+    recorded factory; else (or when that builds another model) nothing is re-run and the
+    report says what the recorder saw."""
+    guess = (step.meta.get("model") or {}).get("default_factory")
+    how = "pass --factory MOD:FN (a function returning the model) to re-run the step"
+    if not isinstance(guess, str) or factory_kwargs:
+        raise FactoryRefused(f"the bundle names no model factory, so nothing was re-run: {how}")
+    try:
+        with _recorded_argv(step.meta, guess):
+            _build(step, guess, False, {})
+    except FactoryRefused:
+        raise
+    except ReplayError as e:
+        raise FactoryRefused(
+            f"the bundle names no model factory, and its model's class called with no "
+            f"arguments ({guess}()) does not rebuild it ({one_line(e, 200)}): {how}") from None
+    step.problems.append(
+        f"the bundle names no model factory: the model was rebuilt as {guess}() with its "
+        "default arguments, the weights from the bundle; if the run built it otherwise, "
+        f"{how}")
 
 
 @contextlib.contextmanager

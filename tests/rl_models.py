@@ -22,3 +22,14 @@ class Agent(nn.Module):
 def make_agent() -> Agent:
     torch.manual_seed(0)
     return Agent()
+
+
+class Critic(nn.Module):
+    """A value network whose width is an argument with a default the run does not use."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(OBS, width), nn.Tanh(), nn.Linear(width, 1))
+
+    def forward(self, x):
+        return self.net(x)
