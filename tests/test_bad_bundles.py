@@ -620,10 +620,17 @@ def test_recorded_factory_that_returns_no_model(toy, tmp_path, monkeypatch):
 
 
 def test_bundle_without_a_factory_asks_for_one(toy, tmp_path, in_examples):
+    """No factory and no class to rebuild the model from: the recorder's report, not
+    re-run (exit 1), with one note that asks for a factory (tests/test_no_factory.py has the
+    class that can be rebuilt)."""
     b = with_factory(toy, tmp_path / "nofactory.nan", None)
-    assert one_error_line(run(b)) == (
-        "nanreplay: the bundle names no model factory; pass --factory MOD:FN (a function "
-        "returning the model)")
+    result = run(b)
+    assert result.exit_code == 1, result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("nanreplay: step 37, forward event — not re-run (factory not "
+                        "imported)"), lines
+    assert ("  note       the bundle names no model factory, so nothing was re-run: pass "
+            "--factory MOD:FN (a function returning the model) to re-run the step") in lines
 
 
 def test_console_script_gives_the_same_single_line(tmp_path):
