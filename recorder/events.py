@@ -134,11 +134,18 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
                      detail=f"GradScaler scale {ev.layout.scale} after skipping steps "
                             f"(reason {reason})")
     ev.calls = [decode_call(ev.row, c) for c in ev.layout.calls]
-    for finder in (_update_event, _weights_event, _input_event, _forward_event, _loss_event,
-                   _backward_event):
+    for finder in (_update_event, _weights_event):
         event = finder(ev)
         if event is not None:
             return event
+    # a step's forwards and losses in the order they ran: micro-batch k's loss came before
+    # micro-batch k + 1's forward, which may have used it (a MAML inner loop's update)
+    found = [e for e in (_input_event(ev), _forward_event(ev), _loss_event(ev)) if e is not None]
+    if found:
+        return min(found, key=lambda e: e.micro_batch or 0)  # (stable: input, forward, loss)
+    event = _backward_event(ev)
+    if event is not None:
+        return event
     if ev.overflowed:
         return None  # only norms of huge but finite weights or gradients overflowed
     return Event(ev.tape.step, phase="forward",

@@ -90,7 +90,11 @@ def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str
         if got is None:
             return _differs(name, k, mb, [lo, hi], None, compared, "did not run in the re-run")
         if not (_close(lo, got[0], rel) and _close(hi, got[1], rel)):
-            return _differs(name, k, mb, [lo, hi], list(got), compared, "values differ")
+            found = _differs(name, k, mb, [lo, hi], list(got), compared, "values differ")
+            # an earlier forward of the step re-ran whole and as recorded: the model is the
+            # recorded one, and what this forward ran with changed within the step
+            found["within_step"] = bool(done) and mb not in done
+            return found
         compared += 1
     return _modules_called(step, run, [r], names, compared)
 
@@ -172,10 +176,19 @@ def describe(fid: dict[str, Any]) -> str:
     head = f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}{after}: "
     if fid.get("changed"):
         return head + _changed_params(fid["changed"]) + " changed during the step (see the note)"
+    if fid.get("within_step"):
+        return head + WITHIN_STEP
     return head + ("the factory builds a different model than the one recorded (it cannot see "
                    "run-time configuration: command-line flags, globals, config files); record "
                    "with FlightRecorder(..., factory_kwargs={...}) or pass --factory-kwargs "
                    "'{...}' so it builds the same one")
+
+
+WITHIN_STEP = ("an earlier forward of the step re-ran as recorded, so the model is the recorded "
+               "one, but this forward ran with other weights than the bundle holds: parameters "
+               "passed in for the call (torch.func.functional_call, as a MAML inner loop does) "
+               "or edited between the step's forwards; the bundle holds the model's own, so "
+               "this forward cannot be re-run as it ran")
 
 
 def changed_note(names: list[str]) -> str:

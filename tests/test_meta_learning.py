@@ -1,0 +1,70 @@
+"""End to end on MAML (an inner loop through ``torch.func.functional_call``, several forwards
+and losses per step): the event is the first non-finite value in the order the step ran it,
+and a forward that ran with adapted weights is not blamed on the factory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import meta_models as MM
+import pytest
+import torch
+from bundles import invoke_cli
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # meta_models.py is trusted here
+
+
+def train(tmp_path, spoil, inner_lr=lambda it: 0.01):
+    model, crit = MM.make_model(), torch.nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="meta_models:make_model"):
+            for it in range(6):
+                tasks = [MM.task(g) for _ in range(2)]
+                spoil(it, tasks)
+                MM.meta_step(model, crit, opt, tasks, inner_lr(it))
+    err = info.value
+    r = invoke_cli(err.bundle_path, "--json")
+    return err, json.loads(r.stdout)
+
+
+def test_a_bad_support_label_is_the_event_not_the_query_forward_it_broke(tmp_path):
+    """Step 3's second task has an inf label in its support set (micro-batch 2): its loss is
+    inf, the adapted weights NaN, and the query forward (micro-batch 3) NaN. The query's NaN
+    ran later; the event is the label."""
+
+    def spoil(it, tasks):
+        if it == 3:
+            tasks[1][1][3] = float("inf")
+
+    err, rep = train(tmp_path, spoil)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["tensor"], ev["samples"]) == (
+        3, "input", 2, "loss_args[1]", [3]), ev
+    assert (rep["origin"]["phase"], rep["cause"], rep["reproduced"]) == ("input", "input", True)
+
+
+def test_a_forward_with_adapted_weights_is_not_blamed_on_the_factory(tmp_path):
+    """An inner learning rate of 1e30 at step 2 makes the adapted weights huge and the first
+    query forward (micro-batch 1) overflow. The bundle holds the model's own weights, so that
+    forward cannot be re-run as it ran; the report says why (micro-batch 0 re-ran as
+    recorded), not that the factory builds another model."""
+    err, rep = train(tmp_path, lambda it, tasks: None,
+                     inner_lr=lambda it: 1e30 if it == 2 else 0.01)
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (2, "forward", 1)
+    fid = rep["fidelity"]
+    assert (fid["matches"], fid["micro_batch"], fid["within_step"]) == (False, 1, True), fid
+    assert rep["cause"] is None and rep["reproduced"] is False
+    note = " ".join(rep["problems"]) + (rep["hint"] or "")
+    assert "a forward of the step ran with other weights than the bundle holds" in note, rep
+    assert "factory builds a different model" not in json.dumps(rep)
