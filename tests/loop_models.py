@@ -120,3 +120,43 @@ class Tagger(nn.Module):
 
 def make_tagger() -> Tagger:
     return Tagger()
+
+
+class TiedEncoder(nn.Module):
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 24)
+        self.rnn = nn.GRU(24, 24, batch_first=True)
+
+    def forward(self, tok):
+        return self.rnn(self.emb(tok))[1]
+
+
+class TiedDecoder(nn.Module):
+    """Reuses the encoder's embedding module, and ties its output projection to it; its
+    log-probabilities are log(softmax), which underflows to log(0)."""
+
+    def __init__(self, emb: nn.Embedding):
+        super().__init__()
+        self.rnn = nn.GRU(24, 24, batch_first=True)
+        self.proj = nn.Linear(24, emb.num_embeddings, bias=False)
+        self.proj.weight = emb.weight
+        self.emb = emb
+
+    def forward(self, tok, h):
+        out, _ = self.rnn(self.emb(tok), h)
+        return torch.log(torch.softmax(self.proj(out) * 8.0, -1))
+
+
+class TiedAutoencoder(nn.Module):
+    def __init__(self, vocab: int = 40):
+        super().__init__()
+        self.encoder = TiedEncoder(vocab)
+        self.decoder = TiedDecoder(self.encoder.emb)
+
+    def forward(self, tok):
+        return self.decoder(tok, self.encoder(tok))
+
+
+def make_tied_autoencoder() -> TiedAutoencoder:
+    return TiedAutoencoder()

@@ -211,3 +211,27 @@ def test_fused_adam_eps0_update_names_the_op(out_dir, kernel):
         ("aten.addcdiv_", "emb.weight", "optimizer")
     assert "with eps=0" in report["hint"]
     assert report["what_if"][0]["finite"] is True
+
+
+def test_module_shared_by_encoder_and_decoder_is_rebuilt(out_dir):
+    """An autoencoder whose decoder reuses the encoder's embedding module (and ties its
+    output projection to it): the replay stopped with 'replay failed (KeyError: 1400...)' while
+    loading the weights, as the shared module yields its parameter twice and the second time
+    it was the replacement. It now names the log of the underflowed softmax."""
+    torch.manual_seed(0)
+    model = LM.make_tied_autoencoder()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    crit = nn.NLLLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="loop_models:make_tied_autoencoder"):
+            for _ in range(50):
+                tok = torch.randint(0, 40, (16, 10))
+                opt.zero_grad()
+                crit(model(tok).flatten(0, 1), tok.flatten()).backward()
+                opt.step()
+    report = nanreplay_json(info.value.bundle_path)
+    origin = report["origin"]
+    assert report["reproduced"] and report["fidelity"]["matches"]
+    assert (origin["module"], origin["op"], origin["made"], report["cause"]) == \
+        ("decoder", "aten.log", "-inf", "underflow")
