@@ -345,8 +345,7 @@ def _load_weights(step: Step, model: nn.Module) -> None:
                           "that the bundle holds; pass --factory MOD:FN building the recorded "
                           "model")
     done: dict[int, nn.Parameter] = {}
-    # (listed first: a module shared by two parents, an embedding tied by reusing it, yields
-    # its parameters twice, the second time after the first replaced them)
+    # (listed first: a shared module yields its parameters twice, the 2nd time replaced)
     for name, p in list(model.named_parameters(remove_duplicate=False)):
         if id(p) in done:
             _set(model, name, done[id(p)], param=True)
