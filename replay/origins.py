@@ -35,13 +35,31 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     seen, last = ev.get("first_seen_step"), ev.get("last_update_step")
     report = finish(report, origin_fields(phase="weights", params=bad, param=bad[0],
                                           first_seen_step=seen, last_update_step=last),
-                    "weights", reproduced=True)
+                    "weights", reproduced=True,
+                    hint=None if step.meta.get("optimizer") else _own_update_hint(step))
     if last is not None:
         report["problems"].append(
             f"{bad[0]} was first seen non-finite at step {seen}; the last update (step {last}) "
             "left it finite, so it was written outside optimizer.step() since: an in-place "
             "edit, a checkpoint or state_dict load, another process, a hardware fault")
     return report
+
+
+def _own_update_hint(step: Step) -> str:
+    """Weights non-finite at a step of a loop that gave the recorder no optimizer: the loop's
+    own update (``p -= lr * p.grad``) between the steps is what writes them, and the ring says
+    whether the gradients it used were finite."""
+    at = step.event.get("step")
+    steps, norms = step.tensors.get("ring/steps"), step.tensors.get("ring/grad_norm")
+    before = [n for s, n in zip(steps.tolist(), norms.tolist()) if s == at - 1] \
+        if at is not None and steps is not None and norms is not None else []
+    grads = (f" from finite gradients (their norm was {before[0]:.3g})"
+             if before and math.isfinite(before[0]) else "")
+    return (f"the weights were already non-finite when step {at} began, and the recorder was "
+            "given no optimizer: the loop's own update after the step before (p -= lr * "
+            f"p.grad) wrote them{grads}, unless other code edited them; check its learning "
+            "rate and arithmetic, and give the recorder the optimizer (or call your update "
+            "through one) so each update is checked")
 
 
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:

@@ -235,3 +235,31 @@ def test_module_shared_by_encoder_and_decoder_is_rebuilt(out_dir):
     assert report["reproduced"] and report["fidelity"]["matches"]
     assert (origin["module"], origin["op"], origin["made"], report["cause"]) == \
         ("decoder", "aten.log", "-inf", "underflow")
+
+
+def test_hand_written_update_without_optimizer_is_named_as_the_writer(out_dir):
+    """A loop with no optimizer object (``p -= lr * p.grad``), an inverse-sqrt schedule whose
+    offset makes rsqrt(0) = inf at step 5: the next step's weights are NaN. The hint said to
+    find what writes weights outside optimizer.step() and resume from a checkpoint; with no
+    optimizer recorded it now names the loop's own update and that its gradients were
+    finite."""
+    torch.manual_seed(0)
+    model = LM.make_backboned()
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, None, loss_fn=crit, out_dir=out_dir,
+                            factory="loop_models:make_backboned"):
+            for step in range(10):
+                x = torch.randn(16, 20)
+                loss = crit(model(x), x[:, :5].argmax(1))
+                model.zero_grad()
+                loss.backward()
+                lr = 0.1 * torch.rsqrt(torch.tensor(abs(step - 5.0)))  # BUG: inf at step 5
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= lr * p.grad
+    assert (info.value.event["step"], info.value.event["phase"]) == (6, "weights")
+    report = nanreplay_json(info.value.bundle_path)
+    assert report["cause"] == "weights"
+    assert "given no optimizer: the loop's own update after the step before (p -= lr * " \
+        "p.grad) wrote them from finite gradients" in report["hint"]
