@@ -155,6 +155,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             break
         if scale is not None and math.isfinite(scale):
             _unscale(step.model, scale)
+        _drop_later_groups(opt, record)
         bad_grads = [n for n, p in step.model.named_parameters()
                      if p.grad is not None and not finite(p.grad)]
         stats["grad_norm"] = _total_norm(p.grad for p in step.model.parameters())
@@ -198,6 +199,18 @@ def _stepped_optimizer(step: Step, win: Window, problems: list[str]):
                             "were not re-run")
         return None
     return opt
+
+
+def _drop_later_groups(opt, record: dict[str, Any]) -> None:
+    """Parameter groups the optimizer gained after this step (``add_param_group``: layers
+    unfrozen later in the window) did not train in it: the re-run's gradients of their
+    parameters are dropped before the loop's clipping and the update, as training had none."""
+    n = len(record.get("hyper") or [])
+    if opt is None or not n:
+        return
+    for group in opt.param_groups[n:]:
+        for p in group["params"]:
+            p.grad = None
 
 
 def _used_scale(step: Step, win: Window, record: dict[str, Any]) -> float | None:

@@ -65,12 +65,10 @@ def test_unfrozen_encoder_nan_gradient_is_a_backward_event(out_dir, unfreeze):
     assert report["cause"] == "invalid"
 
 
-def test_unfrozen_group_with_a_huge_lr_is_the_precursor(out_dir):
+def unfreeze_with_a_typo(out_dir: Path, **kw) -> NonFiniteError:
     """Progressive unfreezing: the backbone joins the optimizer at step 8 in a group of its
     own whose learning rate is 1e5 times the head's (a typo: 1e4 for 1e-4). Its weights blow
-    up and a forward overflows a few steps later. The new group's rate had no earlier rates
-    to jump from, so no precursor named it, and the backbone's first layer jumping (its
-    weights, written by that update) was read as the input batch's absmax jumping."""
+    up and a forward overflows a few steps later."""
     torch.manual_seed(0)
     model = LM.make_backboned()
     model.backbone.requires_grad_(False)
@@ -80,7 +78,7 @@ def test_unfrozen_group_with_a_huge_lr_is_the_precursor(out_dir):
     y_all = x_all[:, :5].argmax(1)
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory="loop_models:make_backboned"):
+                            factory="loop_models:make_backboned", **kw):
             for step in range(40):
                 if step == 8:
                     model.backbone.requires_grad_(True)
@@ -91,7 +89,14 @@ def test_unfrozen_group_with_a_huge_lr_is_the_precursor(out_dir):
                 crit(model(x_all[i:i + 32]), y_all[i:i + 32]).backward()
                 opt.step()
     assert info.value.event["step"] > 8
-    report = nanreplay_json(info.value.bundle_path)
+    return info.value
+
+
+def test_unfrozen_group_with_a_huge_lr_is_the_precursor(out_dir):
+    """The new group's rate had no earlier rates to jump from, so no precursor named it, and
+    the backbone's first layer jumping (its weights, written by that update) was read as the
+    input batch's absmax jumping."""
+    report = nanreplay_json(unfreeze_with_a_typo(out_dir).bundle_path)
     lr_jumps = [p for p in report["precursors"] if p["kind"] == "lr_jump"]
     assert [p["step"] for p in lr_jumps] == [8]
     assert "(group 1) 1e+04, of a group added at step 8, is 1e+05x" in lr_jumps[0]["detail"]
@@ -118,6 +123,22 @@ def lbfgs_bundle(out_dir: Path) -> Path:
                 opt.step(closure)
     assert (info.value.event["phase"], info.value.event["micro_batch"]) == ("loss", 0)
     return info.value.bundle_path
+
+
+def test_rewind_window_across_add_param_group(out_dir):
+    """The rewind window (copy at step 8 or before) spans the step where the backbone's group
+    was added. The re-run trained that group from the window's first step, as the rebuilt
+    optimizer has it from the start: the event came back early, the loop was said to clip its
+    gradients (it does not), and the growth said to begin before the window. Steps before a
+    group was added now leave its parameters untouched."""
+    err = unfreeze_with_a_typo(out_dir, rewind=6)
+    report = nanreplay_json(err.bundle_path, "--try", "lr=1e-4")
+    w = report["window"]
+    assert w["steps"][0] < 8 < w["steps"][1]
+    assert w["reproduced"] and w["first_non_finite"]["step"] == err.event["step"]
+    assert w["loop_clip"] is None
+    assert w["precursors_began"]["step"] == 8
+    assert report["what_if"][0]["finite"] is True
 
 
 def test_lbfgs_inner_evaluation_is_replayed_as_its_own_step(out_dir):
