@@ -199,7 +199,8 @@ class StepCycle:
             return
         self.ring.commit(layout)
         if self.rewind is not None:  # before the event check: the event step is in the window
-            self.rewind.closed(tape, self.target.optimizer(), layout.scale, layout.skipped)
+            self.rewind.closed(tape, self.target.optimizer(), layout.scale, layout.skipped,
+                               self.target.params)
         reason = None
         if not ok:
             reason = "non_finite"

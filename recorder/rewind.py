@@ -70,6 +70,7 @@ class _Record:
     hyper: list[dict[str, Any]]
     scale: float | None
     skipped: bool
+    frozen: list[str] = field(default_factory=list)  # parameters with requires_grad False
 
 
 class Rewind:
@@ -96,7 +97,7 @@ class Rewind:
         oldest = self._copies[0].step
         self._log = [r for r in self._log if r.step >= oldest]
 
-    def closed(self, tape, optimizer, scale: float | None, skipped: bool) -> None:
+    def closed(self, tape, optimizer, scale: float | None, skipped: bool, params) -> None:
         if not self._copies or tape.step < self._copies[0].step:
             return
         prefix = f"rewind/step/{tape.step}/"
@@ -106,7 +107,11 @@ class Rewind:
         for k in list(tensors):
             tensors[k] = _to_host(tensors[k])
         hyper = _hyper(optimizer) if optimizer is not None else []
-        self._log.append(_Record(tape.step, tape.rng, mbs, tensors, hyper, scale, skipped))
+        # the frozen parameters (requires_grad_(False), unfrozen later in the window): the
+        # re-run, whose rebuilt model trains every one, leaves them as training did
+        frozen = [n for n, p in params if not p.requires_grad]
+        self._log.append(_Record(tape.step, tape.rng, mbs, tensors, hyper, scale, skipped,
+                                 frozen))
 
     def clear(self) -> None:
         self._copies, self._log, self._first = [], [], None
@@ -184,7 +189,7 @@ class Rewind:
                 "step": r.step, "rng": rng_meta, "micro_batches": r.micro_batches,
                 "hyper": [hyper_entry(h, f"{prefix}optim_group/{g}", tensors)
                           for g, h in enumerate(r.hyper)],
-                "scale": r.scale, "skipped": r.skipped})
+                "scale": r.scale, "skipped": r.skipped, "frozen": r.frozen})
         meta["memory_bytes"] = self.nbytes()
         return meta
 

@@ -155,7 +155,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             break
         if scale is not None and math.isfinite(scale):
             _unscale(step.model, scale)
-        _drop_later_groups(opt, record)
+        _drop_untrained(step.model, opt, record)
         bad_grads = [n for n, p in step.model.named_parameters()
                      if p.grad is not None and not finite(p.grad)]
         stats["grad_norm"] = _total_norm(p.grad for p in step.model.parameters())
@@ -201,10 +201,17 @@ def _stepped_optimizer(step: Step, win: Window, problems: list[str]):
     return opt
 
 
-def _drop_later_groups(opt, record: dict[str, Any]) -> None:
-    """Parameter groups the optimizer gained after this step (``add_param_group``: layers
-    unfrozen later in the window) did not train in it: the re-run's gradients of their
-    parameters are dropped before the loop's clipping and the update, as training had none."""
+def _drop_untrained(model, opt, record: dict[str, Any]) -> None:
+    """Parameters that did not train in this step of the window, whose layers were unfrozen
+    later, as the rebuilt model trains every one: those frozen then (``requires_grad_(False)``)
+    and those of the groups the optimizer gained after it (``add_param_group``). Their
+    re-run gradients are dropped before the loop's clipping and the update: training had
+    none."""
+    frozen = set(record.get("frozen") or ())
+    if frozen:
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.grad = None
     n = len(record.get("hyper") or [])
     if opt is None or not n:
         return

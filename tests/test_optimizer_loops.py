@@ -284,3 +284,41 @@ def test_hand_written_update_without_optimizer_is_named_as_the_writer(out_dir):
     assert report["cause"] == "weights"
     assert "given no optimizer: the loop's own update after the step before (p -= lr * " \
         "p.grad) wrote them from finite gradients" in report["hint"]
+
+
+def unfreeze_in_place(out_dir: Path) -> NonFiniteError:
+    """The optimizer holds every parameter; the backbone is frozen with requires_grad_(False)
+    for a warm-up and unfrozen at step 8, when the loop also sets every group's learning rate
+    to 1e4 (a typo for 1e-4). Recorded with rewind=6, so the window spans step 8."""
+    torch.manual_seed(0)
+    model = LM.make_backboned()
+    model.backbone.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    x_all = torch.randn(512, 20) * 3
+    y_all = x_all[:, :5].argmax(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=6,
+                            factory="loop_models:make_backboned"):
+            for step in range(40):
+                if step == 8:
+                    model.backbone.requires_grad_(True)
+                    for g in opt.param_groups:
+                        g["lr"] = 1e4
+                i = (step * 32) % 512
+                opt.zero_grad()
+                crit(model(x_all[i:i + 32]), y_all[i:i + 32]).backward()
+                opt.step()
+    return info.value
+
+
+def test_rewind_window_across_requires_grad_unfreezing(out_dir):
+    """The rebuilt model trains every parameter, so the window's re-run trained the backbone
+    in the steps it was frozen: its gradient norms differed from the recorded ones and the
+    report said the loop clipped its gradients (it does not). The recorder now logs each
+    step's frozen parameters, and the re-run leaves them untrained there."""
+    err = unfreeze_in_place(out_dir)
+    w = nanreplay_json(err.bundle_path)["window"]
+    assert w["steps"][0] < 8 < w["steps"][1]
+    assert w["loop_clip"] is None
+    assert w["reproduced"] and w["first_non_finite"]["step"] == err.event["step"]
