@@ -36,9 +36,24 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
                 break
         start = _steady_rise(pairs, factor)
         if start is not None:
-            rises.append((pairs[start + 1][0], _rise(name, key, pairs, start)))
-    found = jumps + [r for shows, r in rises if not any(j["step"] <= shows for j in jumps)]
+            rises.append((pairs[start + 1][0], _rise(name, key, pairs, start), pairs))
+    found = jumps + [r for shows, r, pairs in rises
+                     if not any(_jump_did_it(j, shows, r["step"], pairs, factor)
+                                for j in jumps)]
     return min(found, key=lambda f: f["step"]) if found else None
+
+
+def _jump_did_it(jump: dict[str, Any], shows: int, began: int,
+                 pairs: list[tuple[int, float]], factor: float) -> bool:
+    """A rise is a jump's doing when its first growth shows at or after the jump, or, for a
+    learning rate (set, not measured: a cause, not a symptom), when the rise crept up by less
+    than ``factor`` before it and exploded after (weights growing slowly as training does,
+    then blown up by a learning rate set 1e5 times higher)."""
+    at = jump["step"]
+    if at <= shows:
+        return True
+    before = [v for s, v in pairs if began <= s < at]
+    return jump["kind"] == "lr_jump" and len(before) > 1 and before[-1] < factor * before[0]
 
 
 def _rise(name: str, key: str, pairs: list[tuple[int, float]], start: int) -> dict[str, Any]:

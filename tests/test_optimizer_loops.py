@@ -288,8 +288,8 @@ def test_hand_written_update_without_optimizer_is_named_as_the_writer(out_dir):
 
 def unfreeze_in_place(out_dir: Path) -> NonFiniteError:
     """The optimizer holds every parameter; the backbone is frozen with requires_grad_(False)
-    for a warm-up and unfrozen at step 8, when the loop also sets every group's learning rate
-    to 1e4 (a typo for 1e-4). Recorded with rewind=6, so the window spans step 8."""
+    for a warm-up and unfrozen at step 20, when the loop also sets every group's learning rate
+    to 1e4 (a typo for 1e-4). Recorded with rewind=8, so the window spans step 20."""
     torch.manual_seed(0)
     model = LM.make_backboned()
     model.backbone.requires_grad_(False)
@@ -298,10 +298,10 @@ def unfreeze_in_place(out_dir: Path) -> NonFiniteError:
     x_all = torch.randn(512, 20) * 3
     y_all = x_all[:, :5].argmax(1)
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=6,
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=8,
                             factory="loop_models:make_backboned"):
             for step in range(40):
-                if step == 8:
+                if step == 20:
                     model.backbone.requires_grad_(True)
                     for g in opt.param_groups:
                         g["lr"] = 1e4
@@ -319,6 +319,15 @@ def test_rewind_window_across_requires_grad_unfreezing(out_dir):
     step's frozen parameters, and the re-run leaves them untrained there."""
     err = unfreeze_in_place(out_dir)
     w = nanreplay_json(err.bundle_path)["window"]
-    assert w["steps"][0] < 8 < w["steps"][1]
+    assert w["steps"][0] < 20 < w["steps"][1]
     assert w["loop_clip"] is None
     assert w["reproduced"] and w["first_non_finite"]["step"] == err.event["step"]
+
+
+def test_window_began_names_the_lr_set_at_unfreezing(out_dir):
+    """The weights grew slowly at every step of the warm-up, as training does, then exploded
+    after the learning rate was set to 1e4 at step 20: 'began' named the slow creep ('the
+    weight norm rose at every step from step 10') instead of the learning-rate jump."""
+    err = unfreeze_in_place(out_dir)
+    began = nanreplay_json(err.bundle_path)["window"]["precursors_began"]
+    assert (began["step"], began["kind"]) == (20, "lr_jump")
