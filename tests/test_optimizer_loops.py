@@ -331,3 +331,37 @@ def test_window_began_names_the_lr_set_at_unfreezing(out_dir):
     err = unfreeze_in_place(out_dir)
     began = nanreplay_json(err.bundle_path)["window"]["precursors_began"]
     assert (began["step"], began["kind"]) == (20, "lr_jump")
+
+
+def test_optimizer_rebuilt_at_unfreezing_does_not_stall_the_steps(out_dir, caplog):
+    """A fine-tuning recipe that builds a new optimizer over every parameter when it
+    unfreezes the backbone, after the recorder was given the first one: the recorded optimizer
+    never stepped again, so the step never closed; every later forward was a micro-batch of
+    it, held in memory and unchecked, and a NaN batch 10 steps later trained on unseen. The
+    recorder now notices its optimizer's weights changing under an open step, says so once,
+    and checks each forward as a step: the NaN batch is an input event at its own step."""
+    torch.manual_seed(0)
+    model = LM.make_backboned()
+    model.backbone.requires_grad_(False)
+    opt = torch.optim.Adam(model.head.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="loop_models:make_backboned"):
+            for step in range(30):
+                if step == 5:
+                    model.backbone.requires_grad_(True)
+                    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+                x = torch.randn(16, 20)
+                if step == 15:
+                    x[3, 0] = float("nan")  # a corrupt record
+                opt.zero_grad()
+                crit(model(x), x[:, :5].argmax(1)).backward()
+                opt.step()
+    event = info.value.event
+    assert (event["step"], event["phase"], event["samples"]) == (15, "input", [3])
+    assert event["micro_batch"] == 0
+    warned = [r.getMessage() for r in caplog.records if "another optimizer" in r.getMessage()]
+    assert len(warned) == 1 and "step 5" in warned[0]
+    report = nanreplay_json(info.value.bundle_path)
+    assert (report["cause"], report["origin"]["samples"]) == ("input", [3])
