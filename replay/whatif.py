@@ -230,6 +230,10 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             out.append({"try": label, "finite": None, "inconclusive": None, "event_step": None,
                         "origin": None, "error": f"{type(e).__name__}: {one_line(e)}"})
             continue
+        if res.raised:  # no evidence of finite: the run ended where the model's code raised
+            out.append({"try": label, "finite": None, "inconclusive": None, "event_step": None,
+                         "origin": None, "error": res.raised})
+            continue
         o = res.first
         entry: dict[str, Any] = {"try": label, "finite": o is None,
                                  "inconclusive": unchanged_finite,

@@ -97,6 +97,7 @@ class WindowRun:
     first: Outcome | None
     per_step: list[dict[str, Any]]  # step, loss, grad_norm, param_norm, lr, skipped
     problems: list[str] = field(default_factory=list)
+    raised: str | None = None  # the model's code raised (where and what): the run ended there
 
 
 def window_of(step: Step) -> Window | None:
@@ -144,6 +145,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         run = _run_ranks(runner, step, peers, record, change, scale)
         o = _forward_outcome(record["step"], run)
         if run.error is not None and o is None:
+            out.raised = f"{run.raised} in the model's code at step {record['step']}"
             out.problems.append(f"the model's code raised {run.raised} at step "
                                 f"{record['step']} of the re-run")
             break

@@ -160,3 +160,25 @@ class TiedAutoencoder(nn.Module):
 
 def make_tied_autoencoder() -> TiedAutoencoder:
     return TiedAutoencoder()
+
+
+class OrthoRNN(nn.Module):
+    """An RNN whose recurrence is kept orthogonal (``parametrizations.orthogonal``), unrolled
+    by hand from a float32 zero state; feature 3 is a count, log-scaled."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 32)
+        self.rec = nn.utils.parametrizations.orthogonal(nn.Linear(32, 32, bias=False))
+        self.out = nn.Linear(32, 2)
+
+    def forward(self, x):
+        feats = torch.cat([x[..., :3], torch.log(x[..., 3:])], -1)
+        h = torch.zeros(x.shape[0], 32)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.inp(feats[:, t]) + self.rec(h))
+        return self.out(h)
+
+
+def make_ortho_rnn() -> OrthoRNN:
+    return OrthoRNN()

@@ -365,3 +365,31 @@ def test_optimizer_rebuilt_at_unfreezing_does_not_stall_the_steps(out_dir, caplo
     assert len(warned) == 1 and "step 5" in warned[0]
     report = nanreplay_json(info.value.bundle_path)
     assert (report["cause"], report["origin"]["samples"]) == ("input", [3])
+
+
+def test_what_if_whose_change_makes_the_model_raise_is_no_finite(out_dir):
+    """An RNN unrolled from ``torch.zeros(B, 32)`` (float32, made in forward) and trained with
+    RMSprop; a zero count at step 3 is log(0). Under ``--try dtype=float64`` the model's own
+    code raises (float32 state times float64 weights): the try read 'finite through step 3',
+    evidence of a fix it never ran. It is now a failed try that says what raised."""
+    torch.manual_seed(0)
+    model = LM.make_ortho_rnn()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="loop_models:make_ortho_rnn"):
+            for step in range(6):
+                x = torch.rand(8, 10, 4) + 0.1
+                x[..., 3] = torch.randint(1, 5, (8, 10)).float()
+                if step == 3:
+                    x[5, 7, 3] = 0.0  # a zero count
+                opt.zero_grad()
+                crit(model(x), torch.randint(0, 2, (8,))).backward()
+                opt.step()
+    assert info.value.event["step"] == 3
+    report = nanreplay_json(info.value.bundle_path, "--try", "dtype=float64")
+    (tried,) = report["what_if"]
+    assert tried["finite"] is None
+    assert tried["error"].startswith("RuntimeError: expected m1 and m2 to have the same dtype")
+    assert tried["error"].endswith("in the model's code at step 3")
