@@ -35,13 +35,13 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     report["bisection"] = {"probes": probes, "agrees": agrees, "calls": len(run.calls),
                            "limit": _log2_ceil(len(run.calls)) + 1}
     recorded = o
-    finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
+    finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()
     if hit is None and finder.intentional is not None and trigger not in (None, o):
         # the call where the chain seemed to start only filled an intended +-inf (a mask):
         # the event is the NaN made from it later
         start, o = finder.intentional, trigger
-        finder = _find_op_in_call(runner, o.module, o.call, o.micro_batch)
+        finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
         finder.intentional = finder.intentional or start
         hit = finder.origin()
     if hit is None and finder.intentional is not None:
@@ -91,7 +91,7 @@ PARAM_ADVICE = {
 }
 
 
-def _find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder:
+def find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder:
     """Re-run the forward with the op finder active during one module call only."""
     finder = OpFinder(samples=samples(runner.step, mb))
     state = {"count": 0, "active": False}

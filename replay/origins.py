@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import linecache
 import math
+import re
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from .backward import find_backward_origin
 from .cause import classify
 from .cause_text import EPS0_UPDATE, HINTS
 from .findings import finish, origin_fields
+from .forward import find_op_in_call
 from .load import Step, autocast_as_recorded, loss_inputs
 from .ops import OpFinder
 from .optim import per_parameter
@@ -43,6 +45,21 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
             "left it finite, so it was written outside optimizer.step() since: an in-place "
             "edit, a checkpoint or state_dict load, another process, a hardware fault")
     return report
+
+
+def _saved_infinity_maker(runner: Runner, mb: int, node: str | None):
+    """(op, cause) of the forward op that made the first infinity of micro-batch ``mb`` from
+    finite inputs (a log of 0 whose -inf a tanh then saturated), which backward ``node`` saved
+    and multiplied: that op, not the node, is where the value started. None when no op made
+    one (or only a literal fill, a mask), or when it is the node's own op (exp's overflow,
+    1/0 in a masked branch), which the node's cause describes."""
+    hit = find_op_in_call(runner, "", 0, mb).origin()
+    if hit is None or hit.intentional or hit.made == "nan" or not hit.inputs_finite:
+        return None
+    own = re.fullmatch(r"(\w+?)Backward\d*", node or "")
+    if own and own.group(1).lower() == hit.op.rpartition(".")[2].strip("_").lower():
+        return None
+    return hit, classify(runner, "forward", ("", 0, mb), hit=hit)
 
 
 def _own_update_hint(step: Step) -> str:
@@ -208,6 +225,16 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
                 f"in with the batch (rows {came['samples']} of {came['tensor'] or 'an input'}) "
                 "and which the forward carried without a non-finite output; " + HINTS["input"])
         return finish(report, origin, "input", reproduced=reproduced, hint=hint)
+    if b.saved in ("+inf", "-inf"):
+        maker = _saved_infinity_maker(runner, b.micro_batch or 0, b.node)
+        if maker is not None:
+            hit, cause = maker
+            origin["samples"] = origin["samples"] or hit.rows or []
+            origin["chain"] = [hit.as_json(), *origin["chain"]]
+            hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, made by "
+                    f"{hit.op} at {hit.source} and carried without a non-finite output "
+                    f"(saturated or masked); there: {cause.hint}")
+            return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                      underflowed=b.positive_input, inner=b.inner_op)
     report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)

@@ -367,11 +367,10 @@ def test_optimizer_rebuilt_at_unfreezing_does_not_stall_the_steps(out_dir, caplo
     assert (report["cause"], report["origin"]["samples"]) == ("input", [3])
 
 
-def test_what_if_whose_change_makes_the_model_raise_is_no_finite(out_dir):
-    """An RNN unrolled from ``torch.zeros(B, 32)`` (float32, made in forward) and trained with
-    RMSprop; a zero count at step 3 is log(0). Under ``--try dtype=float64`` the model's own
-    code raises (float32 state times float64 weights): the try read 'finite through step 3',
-    evidence of a fix it never ran. It is now a failed try that says what raised."""
+def ortho_rnn_bundle(out_dir: Path) -> Path:
+    """An RNN unrolled from ``torch.zeros(B, 32)`` (float32, made in forward), its recurrence
+    kept orthogonal, trained with RMSprop; a zero count at step 3 is log(0) = -inf, which the
+    tanh saturates: the forward output is finite, the gradient of inp.weight NaN."""
     torch.manual_seed(0)
     model = LM.make_ortho_rnn()
     opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
@@ -387,9 +386,30 @@ def test_what_if_whose_change_makes_the_model_raise_is_no_finite(out_dir):
                 opt.zero_grad()
                 crit(model(x), torch.randint(0, 2, (8,))).backward()
                 opt.step()
-    assert info.value.event["step"] == 3
-    report = nanreplay_json(info.value.bundle_path, "--try", "dtype=float64")
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "backward")
+    return info.value.bundle_path
+
+
+def test_what_if_whose_change_makes_the_model_raise_is_no_finite(out_dir):
+    """Under ``--try dtype=float64`` the model's own code raises (its float32 state times
+    float64 weights): the try read 'finite through step 3', evidence of a fix it never ran.
+    It is now a failed try that says what raised."""
+    report = nanreplay_json(ortho_rnn_bundle(out_dir), "--try", "dtype=float64")
     (tried,) = report["what_if"]
     assert tried["finite"] is None
     assert tried["error"].startswith("RuntimeError: expected m1 and m2 to have the same dtype")
     assert tried["error"].endswith("in the model's code at step 3")
+
+
+def test_backward_of_a_saved_infinity_names_the_forward_op_that_made_it(out_dir):
+    """AddmmBackward0 in inp multiplied the -inf of log(0) that the forward saved (a tanh
+    saturated it before the output): the report said 'overflow ... where a value overflowed
+    and was masked or saturated', with no samples, as addmm has no pole. The forward op that
+    made the infinity is now found and blamed: aten.log of 0, invalid, sample 5."""
+    report = nanreplay_json(ortho_rnn_bundle(out_dir))
+    origin = report["origin"]
+    assert (origin["op"], origin["module"]) == ("AddmmBackward0", "inp")
+    assert [c["op"] for c in origin["chain"]] == ["aten.log", "AddmmBackward0"]
+    assert origin["chain"][0]["made"] == "-inf"
+    assert (report["cause"], origin["samples"]) == ("invalid", [5])
+    assert "aten.log of 0" in report["hint"]
