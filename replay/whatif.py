@@ -27,6 +27,8 @@ from .recorded import batch_size, samples
 from .window import Change, Window, run_window, step_as_window, window_of
 
 KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
+EXAMPLES = {"lr": "1e-4 (or lr=0.1x)", "eps": "1e-8", "clip": "1.0", "dtype": "float32",
+            "drop": "3,7", "wd": "0.01"}
 # the note of every try on an optimizer event's bundle that holds the weights after the update
 # and no window: nothing before the update to re-run it from
 AFTER_UPDATE = ("the bundle holds the weights after the update, not those before it: record "
@@ -52,7 +54,9 @@ def parse_try(text: str) -> tuple[str, Change | None]:
         return text, None
     key, eq, value = text.partition("=")
     key, value = key.strip(), value.strip()
-    if not eq or key not in KEYS or not value:
+    if key in KEYS and not value:  # (not "KEY one of lr, ...": the key is one of them)
+        raise TryError(f"--try {text!r}: {key} needs a value: --try {key}={EXAMPLES[key]}")
+    if not eq or key not in KEYS:
         raise TryError(f"--try {text!r}: expected KEY=VALUE with KEY one of "
                        f"{', '.join(KEYS)} (e.g. --try lr=0.1x, --try eps=1e-8), or auto")
     if key == "lr":

@@ -557,7 +557,10 @@ def test_bad_rewind_values_are_one_line_errors(out_dir, value):
 
 @pytest.mark.parametrize("value, says", [
     ("foo=1", "expected KEY=VALUE with KEY one of lr, eps, clip, dtype, drop, wd"),
-    ("lr", "expected KEY=VALUE"),
+    ("lr", "lr needs a value: --try lr=1e-4 (or lr=0.1x)"),
+    ("lr=", "lr needs a value: --try lr=1e-4 (or lr=0.1x)"),
+    ("drop=", "drop needs a value: --try drop=3,7"),
+    ("wd=", "wd needs a value: --try wd=0.01"),
     ("lr=fast", "'fast' is not a learning rate such as 1e-4"),
     ("lr=-1x", "is not a factor such as 0.1x"),
     ("clip=0", "is not a maximum gradient norm such as 1.0 (a finite number > 0)"),
