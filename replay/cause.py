@@ -84,9 +84,11 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     if hit is not None and hit.intentional and phase == "forward":
         # the only non-finite value is a literal fill (a mask) reaching the module's output:
         # no op overflowed or left its domain, so the generic domain advice would mislead
-        return Cause("invalid", f"{hit.op} filled a literal {label(hit.made)} on purpose (a "
-                     "mask), and it reached the output, where by default an infinity is an "
-                     "event; no op overflowed or left its domain: " + DO["literal_inf"])
+        made = (f"passed on the {label(hit.made)} of buffer '{hit.buffer}'" if hit.buffer
+                else f"filled a literal {label(hit.made)}")
+        return Cause("invalid", f"{hit.op} {made} on purpose (a mask), and it reached the "
+                     "output, where by default an infinity is an event; no op overflowed or "
+                     "left its domain: " + DO["literal_inf"])
     if hit is None or hit.intentional or (hit.evidence is None and hit.inputs_finite):
         return (Cause("invalid", HINTS["loss" if phase == "loss" else "invalid"]) if still
                 else Cause("overflow", "the value is finite in float64: "

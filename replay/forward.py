@@ -13,7 +13,7 @@ from .cause import classify
 from .errors import StopRun
 from .findings import finish, origin_fields
 from .load import Step
-from .ops import OpFinder
+from .ops import OpFinder, mask_buffers
 from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
@@ -47,8 +47,10 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     if hit is None and finder.intentional is not None:
         # The only non-finite value is a literal +-inf fill that leaves the module as it is.
         hit = finder.intentional
+        made = (f"passes on the {hit.made} of buffer '{hit.buffer}'" if hit.buffer else
+                f"fills a literal {hit.made}")
         report["problems"].append(
-            f"{hit.op} fills a literal {hit.made} that reaches the output of "
+            f"{hit.op} {made} that reaches the output of "
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
             f"FlightRecorder(..., allow_inf=[{o.module!r}])"
             + (" ('' names the root; '*' would allow every module)" if not o.module else ""))
@@ -93,7 +95,7 @@ PARAM_ADVICE = {
 
 def find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder:
     """Re-run the forward with the op finder active during one module call only."""
-    finder = OpFinder(samples=samples(runner.step, mb))
+    finder = OpFinder(samples=samples(runner.step, mb), mask_buffers=mask_buffers(runner.model))
     state = {"count": 0, "active": False}
 
     def hooks(model):

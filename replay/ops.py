@@ -46,6 +46,7 @@ class OpHit:
     evidence: Evidence | None = None  # what the cause needs, taken while the op's values live
     rows: list[int] | None = None  # non-finite samples of its output (OpFinder(samples=...))
     param: str | None = None  # a model parameter it took as an input, as is (OpFinder.params)
+    buffer: str | None = None  # the model buffer whose +-inf (a mask) it passed on, if any
 
     def as_json(self) -> dict[str, Any]:
         return {"op": self.op, "made": self.made, "source": self.source,
@@ -139,6 +140,12 @@ class _Watch(TorchDispatchMode):
         # the first output's kind, NaN before +Inf before -Inf within it
         made = next((k for k in (pair_kind(a, b) for a, b in out_ends.tolist()) if k), None)
         op = f"aten.{name}"
+        buffer = None if in_finite or made == "nan" else f.mask_buffer(ins, pairs)
+        if buffer is not None:  # it passed on a mask buffer's +-inf: the intended start
+            if f.first is None and f.intentional is None and not f.views_mask(out):
+                f.intentional = OpHit(op, made, user_source(), None, None, True, occurrence,
+                                      True, rows=f.batch_rows(outs), buffer=buffer)
+            return out
         literal_inf = any(isinstance(a, float) and math.isinf(a) for a in leaves)
         intentional = literal_inf or f.in_allowed_module()
         if in_finite and f.first is None:
@@ -163,6 +170,26 @@ class _Watch(TorchDispatchMode):
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
                                 inputs_finite=in_finite)
         return out
+
+
+def storage_of(t: torch.Tensor) -> int | None:
+    """Where ``t``'s values live (shared by its views), or None (sparse, nested, subclass)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def mask_buffers(model: torch.nn.Module) -> dict[int, str]:
+    """The model's buffers holding +-inf and no NaN (causal masks), by storage."""
+    out = {}
+    for name, b in model.named_buffers():
+        if b.is_floating_point() and b.numel() and not b.is_meta:
+            lo, hi = ends(b).tolist()
+            if not pair_ok(lo, hi) and pair_ok(lo, hi, allow_inf=True):
+                out[storage_of(b)] = name
+    out.pop(None, None)
+    return out
 
 
 def _input_ends(ins: list[torch.Tensor]):
@@ -309,8 +336,11 @@ class OpFinder:
     infinities runs, so infinities made there count as intentional.
     """
 
-    def __init__(self, samples: Samples | None = None):
+    def __init__(self, samples: Samples | None = None, mask_buffers: dict[int, str] | None = None):
         self.first: OpHit | None = None
+        # the model's buffers holding +-inf and no NaN (causal masks), by storage: an op
+        # whose only non-finite inputs are views of one passes on an intended infinity
+        self.mask_buffers = mask_buffers or {}
         self.first_nan: OpHit | None = None
         self.intentional: OpHit | None = None
         # the first reduction (sum, mean, nll_loss) that folded an infinity it was given into
@@ -344,6 +374,18 @@ class OpFinder:
         if name in POSITIVE or (name in PASS_ON and ins and self.positive(ins[0])):
             for t in outs:
                 self._positive.add(t)
+
+    def mask_buffer(self, ins: list[torch.Tensor], pairs) -> str | None:
+        """The mask buffer that every non-finite input of an op is a view of, or None."""
+        if not self.mask_buffers:
+            return None
+        names = {self.mask_buffers.get(storage_of(t))
+                 for t, (a, b) in zip(ins, pairs) if not pair_ok(a, b)}
+        return None if None in names or len(names) != 1 else names.pop()
+
+    def views_mask(self, out) -> bool:
+        return any(isinstance(t, torch.Tensor) and storage_of(t) in self.mask_buffers
+                   for t in tree_leaves(out))
 
     def in_allowed_module(self) -> bool:
         return self.allowed_depth > 0

@@ -70,13 +70,16 @@ def _root_input_name(raw: str) -> str:
 
 
 def non_finite_weights(step: Step) -> list[str]:
-    # by the default policy a buffer may hold +-Inf (a causal mask), not NaN
-    soft = not step.meta.get("strict_inf", True)
+    """The parameters holding NaN/Inf and the buffers holding NaN as the step began. A buffer
+    may hold +-Inf (a causal mask) under either infinity policy: the recorder checks no buffer,
+    and under ``strict_inf`` the -inf is an event where it reaches a module's output, which
+    the re-run then names (blaming the mask as weights written outside the optimizer sent
+    users to their checkpoints)."""
     out = []
     for k, t in step.tensors.items():
         if k.startswith(("weights/", "buffers/")) and not finite(t):
             name = k.split("/", 1)[1]
-            if k.startswith("buffers/") and (_allowed(step, name) or finite(t, allow_inf=soft)):
+            if k.startswith("buffers/") and finite(t, allow_inf=True):
                 continue
             out.append(name)
     return out

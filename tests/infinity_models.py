@@ -206,3 +206,52 @@ class MaskedEncoder(nn.Module):
 def make_masked_encoder() -> nn.Module:
     torch.manual_seed(0)
     return MaskedEncoder()
+
+
+# ---------------------------------------------------------------------------------------------
+# a hand-written GPT whose causal mask is a -inf buffer, added by a module of its own
+
+
+class CausalMask(nn.Module):
+    """Adds its ``bias`` buffer (-inf above the diagonal) to attention scores."""
+
+    def __init__(self, ctx: int = CTX):
+        super().__init__()
+        self.register_buffer("bias", torch.full((ctx, ctx), float("-inf")).triu(1))
+
+    def forward(self, att):
+        t = att.size(-1)
+        return att + self.bias[:t, :t]
+
+
+class MaskedSelfAttention(nn.Module):
+    def __init__(self, d: int = D, heads: int = 2):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.heads, self.mask = heads, CausalMask()
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        att = self.mask(q @ k.transpose(-2, -1) * (c // self.heads) ** -0.5)
+        return self.c_proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class MaskBufferGPT(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(CTX, D)
+        self.ln = nn.ModuleList(nn.LayerNorm(D) for _ in range(layers))
+        self.attn = nn.ModuleList(MaskedSelfAttention() for _ in range(layers))
+        self.lm_head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for ln, attn in zip(self.ln, self.attn):
+            x = x + attn(ln(x))
+        return self.lm_head(x)
+
+
+def make_mask_buffer_gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return MaskBufferGPT()

@@ -305,3 +305,31 @@ def test_strict_allowed_mask_input_is_not_blamed_for_a_later_nan(out_dir):
     rep = nanreplay_json(info.value.bundle_path)
     assert (rep["cause"], rep["origin"]["module"], rep["origin"]["op"]) == \
         ("invalid", "feat", "aten.log"), rep["origin"]
+
+
+def test_strict_event_at_a_mask_buffer_names_the_op_not_bad_weights(out_dir):
+    """strict_inf=True on a GPT whose mask module adds a -inf buffer, without allow_inf: the
+    recorder stops at the mask's output, and the replay names the op that passed the buffer's
+    -inf on and the allow_inf pattern to add. It blamed the buffer as a parameter that was
+    non-finite before the step (cause weights: look for a checkpoint loader)."""
+    model = I.make_mask_buffer_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, strict_inf=True,
+                            factory="infinity_models:make_mask_buffer_gpt"):
+            for step in range(3):
+                idx, tgt = I.token_batch(step)
+                opt.zero_grad()
+                crit(model(idx).flatten(0, 1), tgt.flatten()).backward()
+                opt.step()
+    check_event(info.value.event, step=0, phase="forward", module="attn.0.mask", kind="-inf")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["call"], o["op"]) == ("forward", "attn.0.mask", 0,
+                                                              "aten.add"), o
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    assert o["source"] == "infinity_models.py:224" and o["chain"][0]["intentional"] is True
+    assert rep["hint"].startswith("aten.add passed on the -Inf of buffer 'attn.0.mask.bias' on "
+                                  "purpose (a mask)")
+    assert any("allow_inf=['attn.0.mask']" in p for p in rep["problems"]), rep["problems"]
