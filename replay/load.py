@@ -326,6 +326,21 @@ def recorded_device(meta: dict[str, Any]) -> torch.device | None:
     return None
 
 
+def _other_model(step: Step) -> str:
+    """What to do when the factory's model does not hold the bundle's weights. Mostly it was
+    called without the run-time configuration (a --dim flag) that sized the trained model:
+    the recorded command line shows it, and --factory-kwargs hands it over."""
+    argv = (step.meta.get("env") or {}).get("argv")
+    ran = (f"; the run's command line was {' '.join(map(str, argv))!r}"
+           if isinstance(argv, list) and argv else "")
+    given = (f" (it was called with {json.dumps(step.factory_kwargs)})"
+             if step.factory_kwargs else "")
+    return (f"the factory builds a different model{given}: it cannot see the run's "
+            f"configuration (command-line flags, config files){ran}. Pass --factory-kwargs "
+            "'{...}' with the settings that built the trained model (record them with "
+            "FlightRecorder(..., factory_kwargs={...})), or --factory MOD:FN building it")
+
+
 def _load_weights(step: Step, model: nn.Module) -> None:
     """Assign the bundle's tensors as the model's parameters (no second copy) and copies of
     them as its buffers: every training forward writes buffers in place (running statistics),
@@ -342,8 +357,7 @@ def _load_weights(step: Step, model: nn.Module) -> None:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ReplayError(f"the model from the factory has no parameter {missing[0]!r}{more} "
-                          "that the bundle holds; pass --factory MOD:FN building the recorded "
-                          "model")
+                          f"that the bundle holds; {_other_model(step)}")
     done: dict[int, nn.Parameter] = {}
     # (listed first: a shared module yields its parameters twice, the 2nd time replaced)
     for name, p in list(model.named_parameters(remove_duplicate=False)):
@@ -353,13 +367,12 @@ def _load_weights(step: Step, model: nn.Module) -> None:
         src = next((n for n in names_by_id[id(p)] if f"weights/{n}" in t), None)
         if src is None:
             raise ReplayError(f"the bundle holds no weights for parameter {name!r} of the model "
-                              "from the factory; pass --factory MOD:FN building the recorded "
-                              "model")
+                              f"from the factory; {_other_model(step)}")
         w = t[f"weights/{src}"]
         if tuple(w.shape) != tuple(p.shape):
             raise ReplayError(f"weights/{src} has shape {list(w.shape)} in the bundle but "
-                              f"{list(p.shape)} in the model from the factory; the factory "
-                              "builds a different model: pass --factory MOD:FN")
+                              f"{list(p.shape)} in the model from the factory; "
+                              + _other_model(step))
         new = nn.Parameter(w.to(dev), requires_grad=p.requires_grad)
         done[id(p)] = new
         _set(model, name, new, param=True)
@@ -370,17 +383,17 @@ def _load_weights(step: Step, model: nn.Module) -> None:
             continue
         if name not in model_buffers:
             raise ReplayError(f"the model from the factory has no buffer {name!r} that the "
-                              "bundle holds; pass --factory MOD:FN building the recorded model")
+                              f"bundle holds; {_other_model(step)}")
         b, have = t[key], model_buffers[name]
         if tuple(b.shape) != tuple(have.shape):
             raise ReplayError(f"{key} has shape {list(b.shape)} in the bundle but "
-                              f"{list(have.shape)} in the model from the factory; the factory "
-                              "builds a different model: pass --factory MOD:FN")
+                              f"{list(have.shape)} in the model from the factory; "
+                              + _other_model(step))
         _set(model, name, b.to(dev, copy=True), param=False)
     for name, b in model.named_buffers():
         if b.is_meta:
-            raise ReplayError(f"buffer {name!r} of the model is not in the bundle; pass "
-                              "--factory MOD:FN building the recorded model")
+            raise ReplayError(f"buffer {name!r} of the model is not in the bundle; "
+                              + _other_model(step))
     model.train(meta.get("model", {}).get("training", True))
     flags = {m["name"]: m.get("training") for m in meta.get("modules", [])}
     for name, m in model.named_modules():

@@ -9,7 +9,7 @@ import replay_models as R
 import torch
 from torch import nn
 
-CONFIG = {"scale": 1.0, "sqrt_features": True}  # set from the command line by train.py
+CONFIG = {"scale": 1.0, "sqrt_features": True, "hidden": R.HIDDEN}  # set from the command line by train.py
 
 
 class Scale(nn.Module):
@@ -66,3 +66,21 @@ class OptionalSqrtNet(nn.Module):
 
 def make_optional_sqrt_net(sqrt_features: bool | None = None) -> nn.Module:
     return OptionalSqrtNet(CONFIG["sqrt_features"] if sqrt_features is None else sqrt_features)
+
+
+class WideLogNet(nn.Module):
+    """``replay_models.LogNet`` with a configured hidden width (``--hidden``): another width
+    gives parameters of other shapes."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.lin = nn.Linear(R.D_IN, hidden)
+        self.act = R.ShiftedLog()
+        self.head = nn.Linear(hidden, R.N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.act(self.lin(x)))
+
+
+def make_wide_net(hidden: int | None = None) -> nn.Module:
+    return WideLogNet(CONFIG["hidden"] if hidden is None else hidden)

@@ -189,3 +189,26 @@ def test_an_evaluation_event_is_checked_against_the_modules_training_called(tmp_
     assert (rep["fidelity"]["matches"], rep["fidelity"]["basis"]) == (True, "earlier steps")
     assert (rep["origin"]["module"], rep["origin"]["op"], rep["reproduced"]) == (
         "act", "aten.log", True)
+
+
+def test_a_model_sized_by_a_flag_says_which_run_and_how_to_hand_the_size_back(
+        tmp_path, monkeypatch):
+    """Trained with ``train.py --hidden 32`` while the factory's default is 8: the weights do
+    not fit, which is one line naming the run's command line and --factory-kwargs (it said
+    only 'pass --factory MOD:FN', as if another function were needed); with the size handed
+    back the replay names the planted log."""
+    monkeypatch.setattr(sys, "argv", ["train.py", "--hidden", "32"])
+    bundle = train(tmp_path, monkeypatch, factory="make_wide_net", flag=("hidden", 32))
+    proc = nanreplay(bundle)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [
+        "nanreplay: weights/lin.weight has shape [32, 4] in the bundle but [8, 4] in the model "
+        "from the factory; the factory builds a different model: it cannot see the run's "
+        "configuration (command-line flags, config files); the run's command line was "
+        "'train.py --hidden 32'. Pass --factory-kwargs '{...}' with the settings that built the "
+        "trained model (record them with FlightRecorder(..., factory_kwargs={...})), or "
+        "--factory MOD:FN building it"]
+    rep = as_json(nanreplay(bundle, "--json", "--factory-kwargs", '{"hidden": 32}'))
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == ("act", "aten.log", [5],
+                                                                   "invalid")
