@@ -5,6 +5,7 @@ Exit codes: 0 reproduced and localised, 1 replayed but not reproduced, 2 bad usa
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import traceback
 import warnings
@@ -151,12 +152,15 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
 
     if html_path is not None:
         _check_html_dir(html_path)
-    step = read_step(bundle)
-    try:
-        build(step, factory, device, factory_kwargs)
-    except FactoryRefused as e:
-        step.problems.append(str(e))
-    report = analyze(step, tries)
+    # the user's code prints (a factory's "building model...", a forward's debug shapes) go to
+    # stderr: stdout is the report's alone, and --json's one JSON document
+    with contextlib.redirect_stdout(sys.stderr):
+        step = read_step(bundle)
+        try:
+            build(step, factory, device, factory_kwargs)
+        except FactoryRefused as e:
+            step.problems.append(str(e))
+        report = analyze(step, tries)
     # printed first: a page that cannot be written must not cost the report of a long replay
     _emit(reports.to_json(report) if as_json else reports.to_text(report))
     if html_path is not None:

@@ -455,3 +455,70 @@ def test_help_names_every_option():
     assert r.exit_code == 0
     for opt in ("--json", "--html", "--info", "--factory", "--device", "--strip", "--output"):
         assert opt in r.stdout, opt
+
+
+CHATTY = '''
+import torch
+from torch import nn
+
+print("loading the model config")  # at import, as training modules often do
+
+
+class Pooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(30, 8, padding_idx=0)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        mask = (tokens != 0).float().unsqueeze(-1)
+        pooled = (self.embed(tokens) * mask).sum(1) / mask.sum(1)  # 0/0 for an empty row
+        print("pooled", tuple(pooled.shape))  # a debug print left in forward
+        return self.head(pooled)
+
+
+def make_model():
+    print("building Pooled")
+    torch.manual_seed(0)
+    return Pooled()
+'''
+
+
+def test_json_stays_the_whole_of_stdout_when_the_model_prints(tmp_path, monkeypatch):
+    """A factory module and a forward that print (at import, in the factory, a debug print in
+    forward): their lines go to stderr, so `nanreplay B.nan --json | jq` still gets one JSON
+    document; they came first on stdout and made it unparseable."""
+    import importlib
+
+    from torch import nn
+
+    from recorder import FlightRecorder, NonFiniteError
+
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    (tmp_path / "chatty_model.py").write_text(CHATTY)
+    monkeypatch.chdir(tmp_path)
+    mod = importlib.import_module("chatty_model")
+    model = mod.make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    try:
+        with pytest.raises(NonFiniteError) as info:
+            with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path / "b",
+                                factory="chatty_model:make_model"):
+                for step in range(5):
+                    tokens = torch.randint(1, 30, (6, 7), generator=g)
+                    if step == 3:
+                        tokens[2] = 0  # an empty record
+                    opt.zero_grad()
+                    crit(model(tokens), torch.arange(6) % 3).backward()
+                    opt.step()
+        r = invoke("--json", info.value.bundle_path)
+    finally:
+        sys.modules.pop("chatty_model", None)
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)  # the whole of stdout is one JSON document
+    o = d["origin"]
+    assert (d["event"]["step"], o["module"], o["op"], o["samples"], d["cause"]) == (
+        3, "", "aten.div", [2], "invalid")
+    assert "building Pooled" in r.stderr and "pooled (6, 8)" in r.stderr
