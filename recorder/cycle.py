@@ -67,7 +67,6 @@ class StepCycle:
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self.unrooted_call: int | None = None  # a submodule that ran while no step was open
         self._unrooted_warned = False
-        self._elsewhere_warned = False
         self._capture_rng = RngCapture()
         # the last update's evidence, read with the next step's one host read
         self.pending_update: UpdateEvidence | None = None
@@ -105,12 +104,7 @@ class StepCycle:
     def _ended_without_optimizer(self, tape: Tape) -> bool:
         if not self.target.has_optimizer or self.skipped_by_scaler(tape):
             return True
-        if not updated_elsewhere(tape):
-            return len(tape.micro_batches) >= self.settings.max_micro_batches
-        if not self._elsewhere_warned:
-            self._elsewhere_warned = True
-            log.warning(_ELSEWHERE, tape.step)
-        return True
+        return len(tape.micro_batches) >= self.settings.max_micro_batches
 
     def skipped_by_scaler(self, tape: Tape) -> bool:
         """scaler.update() ran since the step opened and optimizer.step() did not (it would
@@ -133,9 +127,7 @@ class StepCycle:
             self.target.follow_optimizer()
         if self.target.unowned:  # (none, the usual case: the optimizer holds every one)
             tape.unowned_versions = [version_of(p) for _, p in self.target.unowned]
-        if not evaluation:
-            p = next((p for _, p in self.target.update_large if p.requires_grad), None)
-            tape.sentinel = (p, version_of(p)) if p is not None else None  # the next training step's weights still come from that update
+        if not evaluation:  # the next training step's weights still come from that update
             self.updated = False
         self.buffers.snapshot()
         if self.rewind is not None and not evaluation:
@@ -394,24 +386,6 @@ class StepCycle:
         bad = [names[i] for i, (_, k) in pending.refs if not math.isfinite(values[k])]
         if bad or (ranks is not None and ranks.seen):
             self.alarm.optimizer_event(bad, step=pending.step, after_update=True)
-
-
-_ELSEWHERE = ("nanreplay: the weights changed between two forwards of step %d while the "
-              "optimizer given to FlightRecorder did not step: another optimizer updates them "
-              "(one built after the recorder?). Each forward is now checked as a step, without "
-              "its gradients; give FlightRecorder the optimizer in use (detach this recorder, "
-              "attach a new one)")
-
-
-def updated_elsewhere(tape: Tape) -> bool:
-    """A weight the recorded optimizer trains changed since the step opened, and that
-    optimizer did not step (its step closes the step): another optimizer updates the model
-    (one built after the recorder, at unfreezing). Without this the step never closed: every
-    later forward was a micro-batch of it, held and unchecked. Each forward is then a step
-    (checked without its gradients, which that optimizer's step() would read). One version
-    read per forward."""
-    sentinel = tape.sentinel
-    return sentinel is not None and version_of(sentinel[0]) != sentinel[1]
 
 
 def _read_probe(probe: torch.Tensor) -> tuple[bool, float, list[float]]:

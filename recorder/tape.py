@@ -57,9 +57,6 @@ class Tape:
         self.evaluation = False  # an evaluation forward between steps, not a training step
         # versions, at the step's start, of the trained parameters the optimizer does not hold
         self.unowned_versions: list[int | None] = []
-        # (a weight the optimizer trains, its version at the step's start): see
-        # StepCycle.updated_elsewhere
-        self.sentinel: tuple[torch.Tensor, int | None] | None = None
 
     @property
     def micro_batch(self) -> int:
