@@ -28,6 +28,7 @@ from .buffers import BufferSnapshots
 from .capture import RngCapture
 from .compat import scaler_scale, scaler_token, version_of
 from .errors import NonFiniteError
+from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, small_param_norms
 from .hooks import Health
 from .rewind import Rewind
@@ -67,6 +68,7 @@ class StepCycle:
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self.unrooted_call: int | None = None  # a submodule that ran while no step was open
         self._unrooted_warned = False
+        self.foreign = ForeignUpdates()  # updates by an optimizer the recorder was not given
         self._capture_rng = RngCapture()
         # the last update's evidence, read with the next step's one host read
         self.pending_update: UpdateEvidence | None = None
@@ -104,7 +106,8 @@ class StepCycle:
     def _ended_without_optimizer(self, tape: Tape) -> bool:
         if not self.target.has_optimizer or self.skipped_by_scaler(tape):
             return True
-        return len(tape.micro_batches) >= self.settings.max_micro_batches
+        return len(tape.micro_batches) >= self.settings.max_micro_batches \
+            or self.foreign.moved(tape, self.target.watched)
 
     def skipped_by_scaler(self, tape: Tape) -> bool:
         """scaler.update() ran since the step opened and optimizer.step() did not (it would
@@ -125,6 +128,7 @@ class StepCycle:
         tape.params_from_update = self.updated
         if not evaluation:
             self.target.follow_optimizer()
+        self.foreign.opened(tape, self.target.watched)
         if self.target.unowned:  # (none, the usual case: the optimizer holds every one)
             tape.unowned_versions = [version_of(p) for _, p in self.target.unowned]
         if not evaluation:  # the next training step's weights still come from that update

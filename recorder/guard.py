@@ -64,6 +64,7 @@ class OptimizerGuard:
             ranks = self.target.ranks
             if ranks is None or not ranks.owes(self.health):
                 return None
+        self.cycle.foreign.stepping = True  # its updates are no other optimizer's (LBFGS)
         # (``args`` holds the optimizer itself first: the hook wraps the unbound step)
         closure = kwargs.get("closure") if "closure" in kwargs else (
             args[1] if len(args) > 1 else None)
@@ -113,6 +114,7 @@ class OptimizerGuard:
         """Evidence of what the update wrote: the squared norm of every weight the optimizer
         holds, on the device, read with the next step's host read. Guard mode checks them now
         instead (the mode's second sync)."""
+        self.cycle.foreign.stepped(self.cycle.tape, self.target.watched)
         if not self.health.active:
             return None
         if not self.settings.guard_optimizer:

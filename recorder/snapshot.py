@@ -107,6 +107,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     changed = src.target.changed_in_step(tape) if tape is not None else []
     if changed:  # (not by the recorded optimizer, whose step has not run): their new values
         meta["changed_in_step"] = [params[i][0] for i in changed]
+        if tape.updated_elsewhere:  # by an optimizer the recorder was not given
+            meta["stepped_elsewhere"] = True
     for name, p in params:
         w = guard["weights"].get(name, p) if guard else p
         tensors[f"weights/{name}"] = w.detach()

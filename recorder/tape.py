@@ -57,6 +57,9 @@ class Tape:
         self.evaluation = False  # an evaluation forward between steps, not a training step
         # versions, at the step's start, of the trained parameters the optimizer does not hold
         self.unowned_versions: list[int | None] = []
+        # version, at the step's start, of one weight the optimizer holds (Target.watched)
+        self.held_version: int | None = None
+        self.updated_elsewhere = False  # it did change: another optimizer stepped in the step
 
     @property
     def micro_batch(self) -> int:

@@ -127,6 +127,7 @@ class Target:
         batched = set(self.small)
         self.large = [(i, self.params[i][1]) for i in trained if i not in batched]
         self.update_small, self.update_large, self.unowned = [], [], []
+        self.watched: torch.Tensor | None = None
         if opt is not None:  # the weights an update writes (see recorder.guard)
             # trained parameters the optimizer does not hold: another optimizer's (a
             # SparseAdam beside Adam) may update them before this one's step closes the step
@@ -135,6 +136,9 @@ class Target:
             mine = [(i, p) for i, (_, p) in enumerate(self.params)
                     if id(p) in held and (p.is_floating_point() or p.is_complex())
                     and p.layout == torch.strided]
+            # one weight it updates: moved in place while a step is open, another optimizer
+            # stepped it (recorder.cycle.StepCycle.updated_elsewhere)
+            self.watched = next((p for _, p in mine if p.requires_grad), None)
             few = [(i, p) for i, p in mine if p.numel() < _SMALL]
             self.update_small = few if len(few) > _FEW else []
             self.update_large = [(i, p) for i, p in mine
@@ -161,13 +165,17 @@ class Target:
         self.update_small: list[tuple[int, torch.Tensor]] = []
         self.unowned: list[tuple[int, torch.Tensor]] = []
         self.groups = 0  # the optimizer's parameter groups when last partitioned
+        self.watched = None
         self.allowed_buffers: dict[int, weakref.ref] = {}
         self.norm_buffers: set[str] = set()
         self.ranks: Agreement | None = None
 
     def changed_in_step(self, tape) -> list[int]:
         """Indices of the trained parameters the optimizer does not hold that changed in place
-        since ``tape``'s step began (another optimizer's ``step()``, an in-place edit)."""
+        since ``tape``'s step began (another optimizer's ``step()``, an in-place edit); every
+        trained one when an optimizer other than the recorded one stepped them all."""
+        if tape.updated_elsewhere:
+            return [i for i, (_, p) in enumerate(self.params) if p.requires_grad]
         return [i for (i, p), v in zip(self.unowned, tape.unowned_versions)
                 if v is not None and version_of(p) != v]
 

@@ -51,7 +51,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     report = base_report(step)
     changed = step.meta.get("changed_in_step")
     if changed:
-        report["problems"].append(fidelity.changed_note(changed))
+        report["problems"].append(fidelity.elsewhere_note() if _elsewhere(step)
+                                  else fidelity.changed_note(changed))
     report = _from_bundle(report, step) or _from_rerun(report, step)
     add_window(step, report)
     o = report["origin"]
@@ -61,6 +62,11 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report
+
+
+def _elsewhere(step: Step) -> bool:
+    """The recorder's optimizer never stepped; another one updated every weight mid-step."""
+    return bool(step.meta.get("stepped_elsewhere"))
 
 
 def _strict(step: Step) -> bool:
@@ -96,8 +102,10 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         # them from this step's gradients): not what the step ran with, so nothing to re-run
         report = recorded_origin(report, step, (
             "the step cannot be re-run as it ran, since the bundle holds weights written after "
-            "its forward: the origin above is what the recorder saw; call the recorded "
-            "optimizer's step() before the other one's (see the note) and record again"))
+            "its forward: the origin above is what the recorder saw; "
+            + ("give FlightRecorder the optimizer the loop steps" if _elsewhere(step) else
+               "call the recorded optimizer's step() before the other one's (see the note)")
+            + " and record again"))
         report["not_rerun"] = "weights written after its forward"
         return report
     if bad_weights and not after_update:

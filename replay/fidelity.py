@@ -201,6 +201,15 @@ def changed_note(names: list[str]) -> str:
             "optimizer that updates them")
 
 
+def elsewhere_note() -> str:
+    """The note for a bundle whose weights another optimizer updated (the recorder's
+    ``stepped_elsewhere``): the loop steps an optimizer the recorder was not given."""
+    return ("the optimizer given to FlightRecorder never stepped: the loop steps another one "
+            "(created after the recorder?), which updated every weight after this step's "
+            "forward, so the bundle holds the updated values, not those the forward used; give "
+            "FlightRecorder the optimizer the loop steps and record again")
+
+
 def _changed_params(names: list[str]) -> str:
     more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
     return ("parameter " if len(names) == 1 else "parameters ") + ", ".join(names[:3]) + more

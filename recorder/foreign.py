@@ -1,0 +1,57 @@
+"""Updates by an optimizer the recorder was not given (one made after it, for a second phase).
+
+The recorded optimizer's ``step()`` closes every step; when the loop steps another one, no
+step ever closed: nothing was checked and the open step kept every batch alive, up to
+``max_micro_batches`` of them. One weight the recorded optimizer holds (``Target.watched``) is
+watched by its version counter (a Python attribute read, no device work): moved in place
+while a step is open and outside the recorded ``step()``, it says another optimizer stepped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .compat import version_of
+from .tape import Tape
+
+log = logging.getLogger("nanreplay")
+
+WARNING = ("nanreplay: the model's weights were updated but the optimizer given to "
+           "FlightRecorder never stepped: the loop steps another optimizer (one created after "
+           "the recorder?). Each forward now closes the step, after the update, so gradients "
+           "are not checked and a bad update is not stopped: give FlightRecorder the optimizer "
+           "the loop steps.")
+
+
+class ForeignUpdates:
+    """Whether the weights moved under an open step by another optimizer's hand."""
+
+    def __init__(self):
+        self.stepping = False  # the recorded optimizer's step() is running
+        self._warned = False
+
+    def opened(self, tape: Tape, watched: torch.Tensor | None) -> None:
+        if watched is not None:
+            tape.held_version = version_of(watched)
+
+    def stepped(self, tape: Tape | None, watched: torch.Tensor | None) -> None:
+        """The recorded step() returned: its own updates moved the weights of a step its
+        closure opened (LBFGS evaluates again after updating), which is no sign of another
+        optimizer."""
+        self.stepping = False
+        if tape is not None:
+            self.opened(tape, watched)
+
+    def moved(self, tape: Tape, watched: torch.Tensor | None) -> bool:
+        """Another optimizer updated the weights since ``tape`` opened (said once); the tape
+        is marked: the weights a bundle of it holds are not those its forward used."""
+        if watched is None or tape.held_version is None or self.stepping \
+                or version_of(watched) == tape.held_version:
+            return False
+        tape.updated_elsewhere = True
+        if not self._warned:
+            self._warned = True
+            log.warning(WARNING)
+        return True
