@@ -66,8 +66,9 @@ def test_an_optimizer_made_after_the_recorder_is_said_and_the_event_is_at_its_st
 
 
 def test_lbfgs_updating_inside_its_step_is_not_another_optimizer(out_dir, caplog):
-    """LBFGS evaluates its closure again after each of its updates, inside step(): those
-    forwards join the next step, whose weights its own updates then move."""
+    """LBFGS evaluates its closure again after each of its updates, inside step(): each
+    evaluation is a step of its own (see test_optimizer_loops), whose weights its own updates
+    move; none of that is another optimizer's."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
@@ -83,8 +84,9 @@ def test_lbfgs_updating_inside_its_step_is_not_another_optimizer(out_dir, caplog
                     return loss
                 opt.step(closure)
                 model(x[:8])  # a forward after step() returned: its updates are its own
-    # (the later evaluations and the extra forward are the 5th step, closed by the exit)
-    assert nanreplay_warnings(caplog) == [] and rec.event is None and rec.step == 5
+    # 4 step() calls of 5 closure evaluations, a step each; each extra forward joins the
+    # next evaluation's step, the last one a step closed by the exit
+    assert nanreplay_warnings(caplog) == [] and rec.event is None and rec.step == 21
 
 
 def test_the_recorded_optimizer_with_gradient_accumulation_is_not_warned(out_dir, caplog):
