@@ -100,7 +100,18 @@ class CallHooks:
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                             autocast=_autocast_state())
             mb.input_refs = self._root_input_refs(tape, args, kwargs)
+            if tape.micro_batches and training:
+                mb.grads_dropped = self._grads_dropped(tape.micro_batches)
             tape.micro_batches.append(mb)
+
+    def _grads_dropped(self, earlier: list[MicroBatch]) -> bool:
+        """A backward ran through a micro-batch since the last drop (its output's gradient
+        came), and yet no parameter holds a gradient: the loop's ``zero_grad`` dropped them, so
+        they are no part of the update. (Accumulation stops at the first gradient found.)"""
+        since = next((i for i in range(len(earlier) - 1, -1, -1)
+                      if earlier[i].grads_dropped), 0)
+        return any(m.out_grads for m in earlier[since:]) and \
+            all(p.grad is None for _, p in self.target.params)
 
     def _root_input_refs(self, tape: Tape, args, kwargs) -> tuple:
         """(min, max, allowed) refs of each floating root input. NaN is always checked; +-Inf

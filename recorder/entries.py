@@ -51,6 +51,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
     tensors.update(ts)
     out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
                            "autocast": mb.autocast}
+    if mb.grads_dropped:
+        out["grads_dropped"] = True
     outs = list(tensor_leaves(mb.outputs))
     if mb.loss_args is not None:
         ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],

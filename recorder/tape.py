@@ -20,6 +20,9 @@ class MicroBatch:
     args: tuple
     kwargs: dict
     grad_enabled: bool = True
+    # no parameter held a gradient when this later micro-batch began: the loop dropped those
+    # of the micro-batches before it (a GAN's zero_grad between its two losses)
+    grads_dropped: bool = False
     autocast: dict[str, str] = field(default_factory=dict)  # device type -> dtype
     outputs: Any = None
     loss_args: tuple | None = None

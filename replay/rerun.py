@@ -89,6 +89,8 @@ class Runner:
         try:
             for i, mb in enumerate(self.step.micro_batches):
                 self.micro_batch = i
+                if mb.get("grads_dropped"):  # as the loop's zero_grad did before this one
+                    self.model.zero_grad(set_to_none=True)
                 args, kwargs = micro_batch_inputs(self.step, i)
                 if only_mask_infinities(tensor_leaves((args, kwargs))):
                     result.masked.add(i)
