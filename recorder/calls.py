@@ -98,7 +98,7 @@ class CallHooks:
         with cycle.lock:
             tape = cycle.tape_for_forward(training)
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
-                            autocast=_autocast_state())
+                            autocast=_autocast_state(self.target.forward_autocast))
             mb.input_refs = self._root_input_refs(tape, args, kwargs)
             if tape.micro_batches and training:
                 mb.grads_dropped = self._grads_dropped(tape.micro_batches)
@@ -400,11 +400,17 @@ def _keep_out_grad(store: dict, i: int, nr: int, grad_outputs: tuple) -> None:
         store[i] = grad
 
 
-def _autocast_state() -> dict[str, Any]:
+def _autocast_state(inner: list[tuple[str, str | None]]) -> dict[str, Any]:
+    """Device type -> autocast dtype of the root's forward: the regions entered around the
+    call, then ``inner``, those its forward enters itself (a dtype None turns one off)."""
     out: dict[str, Any] = {}
-    if not any_autocast_enabled():  # (one call where there is no autocast, the usual case)
-        return out
-    for dev in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(dev):
-            out[dev] = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+    if any_autocast_enabled():  # (one call where there is no autocast, the usual case)
+        for dev in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(dev):
+                out[dev] = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+    for dev, dtype in inner:
+        if dtype is None:
+            out.pop(dev, None)
+        else:
+            out[dev] = dtype
     return out

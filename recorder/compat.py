@@ -5,7 +5,7 @@ Each name here wraps one private detail: version counters and view bases (how th
 knows an output is unchanged), foreach kernels (one call for many small tensors), BatchNorm's
 base class (statistics that change without moving the version counter), GradScaler's scale, growth
 tracker and per-step state, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
-an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
+the autocast regions a decorated ``forward`` enters, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
 non-persistent buffer names), where a DTensor's local shard sits (the checkpoint protocol), and
 a process group's key-value store (where the ranks meet at attach).
 """
@@ -66,6 +66,27 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
 def any_autocast_enabled() -> bool:
     """Autocast is on for some device type (one call instead of one per device type)."""
     return torch._C._is_any_autocast_enabled()
+
+
+def forward_autocasts(fn: Any) -> list[tuple[str, torch.dtype, bool]]:
+    """``(device type, dtype, enabled)`` of each ``torch.autocast`` region the function ``fn``
+    enters itself, outermost first: ``@torch.autocast(...)`` on a ``forward``, or accelerate's
+    mixed precision, which wraps the model's ``forward`` so. Read from the closures along its
+    ``__wrapped__`` chain (``functools.wraps``); nothing is called."""
+    out = []
+    for _ in range(32):
+        fn = getattr(fn, "__func__", fn)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:  # (a cell not filled yet)
+                continue
+            if isinstance(v, torch.autocast):
+                out.append((str(v.device), v.fast_dtype, bool(v._enabled)))
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            break
+    return out
 
 
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

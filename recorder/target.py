@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch import nn
 
-from .compat import is_norm_layer, version_of
+from .compat import forward_autocasts, is_norm_layer, version_of
 from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .finite import matches
 from .ranks import Agreement
@@ -89,6 +89,11 @@ class Target:
                         and passes_through(s.module)}  # not hooked: their calls repeat others'
         self.allowed_modules = {i for i, n in enumerate(self.module_names) if self.is_allowed(n)}
         self.seq_first = seq_first(model)  # the samples of its batches are in dim 1
+        # autocast the root's forward enters itself (accelerate's mixed precision wraps it so),
+        # which its pre-hook, where a micro-batch's autocast is read, does not see yet
+        self.forward_autocast = [(d, str(t).removeprefix("torch.") if on else None)
+                                 for d, t, on in forward_autocasts(model.forward)
+                                 if d in ("cpu", "cuda")]
         self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
         self.param_names = [n for n, _ in self.params]
         self.buffers = [(eager_name(n), b) for n, b in model.named_buffers()]

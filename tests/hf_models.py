@@ -30,3 +30,41 @@ class Tokens(torch.utils.data.Dataset):
         ids = torch.randint(0, VOCAB, (CTX,), generator=torch.Generator().manual_seed(i))
         labels = torch.full_like(ids, -100) if i in self.padding else ids.clone()
         return {"input_ids": ids, "labels": labels}
+
+
+class Clicker(torch.nn.Module):
+    """A click model computing its own binary cross-entropy from ``sigmoid`` (as a Trainer
+    model returning ``{"loss", "logits"}`` may): under bfloat16 ``1 - sigmoid(z)`` rounds to 0
+    from z = 6.2 on (float32 holds it up to 16.6), and its log is -inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 1))
+
+    def forward(self, x, labels=None):
+        logit = self.mlp(x).squeeze(-1)
+        p = torch.sigmoid(logit)
+        out = {"logits": logit}
+        if labels is not None:
+            out["loss"] = -(labels * torch.log(p) + (1 - labels) * torch.log(1 - p)).mean()
+        return out
+
+
+def make_clicker() -> Clicker:
+    torch.manual_seed(0)
+    return Clicker()
+
+
+class Clicks(torch.utils.data.Dataset):
+    """Random features with alternating labels; the rows in ``wrong_unit`` are 30x too large."""
+
+    def __init__(self, n: int = 128, wrong_unit=()):
+        self.n, self.wrong_unit = n, set(wrong_unit)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        return {"x": x * 30 if i in self.wrong_unit else x, "labels": torch.tensor(float(i % 2))}

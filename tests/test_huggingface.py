@@ -186,3 +186,28 @@ def test_a_resumed_run_keeps_its_step_numbers(tmp_path):
         resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
     assert info.value.event["step"] == 3
     assert info.value.bundle_path.name == "step00000003-rank0.nan"
+
+
+def test_bf16_training_is_replayed_under_the_autocast_accelerate_wraps_the_forward_in(tmp_path):
+    """``bf16=True``: accelerate wraps the model's ``forward`` in ``torch.autocast``, which the
+    root's pre-hook (where a micro-batch's autocast is read) does not see yet. The bundle said
+    no autocast, the replay ran float32, where ``1 - sigmoid(9.9)`` is 5e-5, not 0: 'NOT
+    reproduced', blaming state outside the bundle."""
+    bad = 2 * 8 + 4  # sample 4 of step 2
+    cb = FlightRecorderCallback(out_dir=tmp_path / "b", factory="hf_models:make_clicker")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=6,
+        learning_rate=1e-3, bf16=True, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, logging_strategy="no")
+    trainer = InOrder(model=H.make_clicker(), args=args, train_dataset=H.Clicks(wrong_unit={bad}),
+                      callbacks=[cb])
+    with pytest.raises(NonFiniteError) as info:
+        trainer.train()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "forward", "")
+    assert ev["kind"] == "+inf"  # the loss, -log(0)
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "precision"
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log", "-inf", [4])
+    assert "bfloat16" in rep["hint"] and "binary_cross_entropy_with_logits" in rep["hint"]
