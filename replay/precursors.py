@@ -61,6 +61,7 @@ def history(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str,
         "call_order": [seen.index(k) for k in order],  # indices into "layers"
         "event_step": meta.get("event", {}).get("step"),
         "skipped": tensors["ring/skipped"].tolist(),
+        "weight_norm": _weight_norms(tensors.get("ring/update_norms")),
     }
 
 
@@ -89,6 +90,18 @@ def _call_keys(tensors: dict[str, torch.Tensor]) -> list[list[tuple[int, int] | 
     return out
 
 
+def _weight_norms(update_norms: torch.Tensor | None) -> list[float | None]:
+    """Per step, the 2-norm of the weights the optimizer holds as the update before that step
+    left them (the ring's evidence of each update); None where no update ran."""
+    if update_norms is None:
+        return []
+    out: list[float | None] = []
+    for row in update_norms.double().tolist():
+        seen = [v * v for v in row if not math.isnan(v)]
+        out.append(math.sqrt(sum(seen)) if seen else None)
+    return out
+
+
 def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
                     dtypes: dict[str, str] | None = None) -> list[dict[str, Any]]:
     steps = hist["steps"]
@@ -97,10 +110,10 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
 
     watched: dict[int, set[int]] = {}  # step -> layers with enough history to jump there
 
-    def scan(values, kind, what, layer=None):
-        """A jump (a value ``factor`` times the median of those before) is one line, however
-        many steps stay above that after it (a learning rate set higher, a runaway growth):
-        the line says through which step and how far it went."""
+    def scan(values, kind, what, layer=None, least=2):
+        """A jump (a value ``factor`` times the median of the ``least`` or more before) is one
+        line, however many steps stay above that after it (a learning rate set higher, a
+        runaway growth): the line says through which step and how far it went."""
         seen = []
         run = None  # the jump the steps since have stayed above the median with
         for s, v in zip(steps, values):
@@ -108,7 +121,7 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
                 break
             if v is None or not math.isfinite(v):
                 continue
-            if len(seen) >= 2:
+            if len(seen) >= least:
                 med = statistics.median(seen)
                 if med > 0 and v >= factor * med and run is not None:
                     run["more"], run["through"] = run["more"] + 1, s
@@ -116,7 +129,7 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
                 elif med > 0 and v >= factor * med:
                     run = {"step": s, "kind": kind, "ratio": v / med, "layer": layer,
                            "detail": f"{what} {v:.4g} is {v / med:.3g}x the median "
-                                     f"{med:.4g} of the {len(seen)} steps before",
+                                     f"{med:.4g} of the {len(seen)} step{'s' * (len(seen) > 1)} before",
                            "more": 0, "through": s, "top": v / med}
                     out.append(run)
                 else:
@@ -132,18 +145,15 @@ def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
     if groups > 1:
         out += _added_groups(hist, factor, event)
     scan(hist["grad_norm"], "grad_norm_jump", "gradient norm")
+    # weights are state, not a noisy measure: one earlier value is a baseline
+    scan(hist.get("weight_norm") or [], "weight_jump",
+         "weight norm (as the update before left them)", least=1)
     scan(hist["loss"], "loss_jump", "loss")
     for li, layer in enumerate(hist["layers"]):
         col = [row[li] for row in hist["absmax"]]
         scan(col, "absmax_jump", f"absmax of {layer or '<root>'}", li)
         if dtypes and dtypes.get(hist.get("modules", hist["layers"])[li]) == "float16":
-            for s, v in zip(steps, col):
-                if v is not None and math.isfinite(v) and v > FP16_MAX / 2 and \
-                        (event is None or s <= event):
-                    out.append({"step": s, "kind": "near_fp16_max",
-                                "detail": f"absmax of {layer} is {v:.4g}, past half the "
-                                          f"float16 maximum {FP16_MAX:g}"})
-                    break
+            out += _near_fp16_max(steps, col, layer, event)
     for p in out:
         p["detail"] += _held(p)
     out = _one_line_per_jump(out, hist, watched)
@@ -181,12 +191,26 @@ def _added_groups(hist: dict[str, Any], factor: float, event) -> list[dict[str, 
     return out
 
 
+def _near_fp16_max(steps: list[int], col: list, layer: str,
+                   event: int | None) -> list[dict[str, Any]]:
+    """The first step (up to the event) where a float16 layer's absmax passed half the
+    float16 maximum, if any."""
+    for s, v in zip(steps, col):
+        if v is not None and math.isfinite(v) and v > FP16_MAX / 2 and \
+                (event is None or s <= event):
+            return [{"step": s, "kind": "near_fp16_max",
+                     "detail": f"absmax of {layer} is {v:.4g}, past half the float16 maximum "
+                               f"{FP16_MAX:g}"}]
+    return []
+
+
 def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
                        watched: dict[int, set[int]]) -> list[dict[str, Any]]:
     """Absmax jumps of several layers at one step are one jump seen through the layers after
     the first one called: one line for them, naming that first layer (the input batch when it
     is the first layer of the forward and the update before that forward, which wrote its
-    weights, came with no learning-rate or gradient-norm jump)."""
+    weights, came with no learning-rate or gradient-norm jump and left no weight-norm jump: an
+    embedding's absmax is its weights')."""
     order = hist.get("call_order") or list(range(len(hist["layers"])))
     rank = {li: i for i, li in enumerate(order)}
     by_step: dict[int, list[dict[str, Any]]] = {}
@@ -207,7 +231,8 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
         # (or a jump held since: a learning rate set higher and kept there)
         before = steps[at - 1] if at else None
         near = [q for q in out if q["kind"] in ("lr_jump", "grad_norm_jump")
-                and before is not None and q["step"] <= before <= q.get("through", q["step"])]
+                and before is not None and q["step"] <= before <= q.get("through", q["step"])
+                or q["kind"] == "weight_jump" and q["step"] <= s <= q["through"]]
         if every and order and first["layer"] == order[0] and not near:
             detail = (f"the input batch's absmax jumped {first['ratio']:.3g}x (seen at {name}, "
                       f"the first layer called); every layer followed ({len(group)} layers)")

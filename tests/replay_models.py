@@ -776,3 +776,25 @@ class PackedLogGRU(nn.Module):
 
 def make_packed_log_gru() -> nn.Module:
     return PackedLogGRU()
+
+
+# ---------------------------------------------------------------------------------------------
+# an embedding first: its output's absmax is its weights', whatever the token ids
+
+VOCAB = 50
+
+
+class TokenLM(nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 32), nn.GELU(), nn.Linear(32, dim))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(h + self.mlp(h))
+
+
+def make_token_lm() -> nn.Module:
+    return TokenLM()

@@ -65,13 +65,16 @@ def train(out_dir: Path):
                     if step == K:
                         x[4] = 6e4  # past 65504 in float16
                     absmax.clear()
+                    # the weights as the update before left them (none before step 0)
+                    weight_norm = math.sqrt(sum(p.detach().double().pow(2).sum().item()
+                                                for p in model.parameters())) if step else math.nan
                     opt.zero_grad()
                     loss = crit(model(x), y)
                     loss.backward()
                     grad_norm = math.sqrt(sum(p.grad.double().pow(2).sum().item()
                                               for p in model.parameters()))
                     seen.append({"step": step, "loss": loss.item(), "grad_norm": grad_norm,
-                                 "absmax": dict(absmax)})
+                                 "weight_norm": weight_norm, "absmax": dict(absmax)})
                     opt.step()
     finally:
         for h in handles:
@@ -87,14 +90,15 @@ def _least_likely(model, x) -> torch.Tensor:
         return F.linear(h, model.head.weight, model.head.bias).argmin(dim=1)
 
 
-def jumps(values: list[tuple[int, float]], factor: float = 10.0) -> list[int]:
+def jumps(values: list[tuple[int, float]], factor: float = 10.0, least: int = 2) -> list[int]:
     """The documented rule, on the loop's own numbers: steps whose value is at least
-    ``factor`` times the median of the earlier finite values (two at least)."""
+    ``factor`` times the median of the earlier finite values (two at least; one for the
+    weights)."""
     out, earlier = [], []
     for step, v in values:
         if not math.isfinite(v):
             continue
-        if len(earlier) >= 2 and statistics.median(earlier) > 0 \
+        if len(earlier) >= least and statistics.median(earlier) > 0 \
                 and v >= factor * statistics.median(earlier):
             out.append(step)
         earlier.append(abs(v))
@@ -114,6 +118,8 @@ def test_precursors_of_a_float16_overflow_are_the_measured_ones(out_dir):
                 for s in jumps([(m["step"], m["grad_norm"]) for m in measured])}
     expected |= {(s, "loss_jump", "loss") for s in jumps([(m["step"], m["loss"])
                                                           for m in measured])}
+    expected |= {(s, "weight_jump", "weight norm (as the update before left them)")
+                 for s in jumps([(m["step"], m["weight_norm"]) for m in measured], least=1)}
     # layers in the loop's own call order (hooks fire as calls return)
     jumped: dict[int, list[str]] = {}
     for name in seen[0]["absmax"]:
@@ -156,3 +162,34 @@ def test_precursors_of_a_float16_overflow_are_the_measured_ones(out_dir):
         f"absmax of half_lin is {seen[K - 1]['absmax']['half_lin']:.4g}, past half"), detail
     assert detail[K - 1, "grad_norm_jump"].startswith(
         f"gradient norm {seen[K - 1]['grad_norm']:.4g} is "), detail
+
+
+def test_an_embeddings_jump_after_a_warmup_to_a_huge_rate_is_the_weights_not_the_batch(out_dir):
+    """A language model whose warmup climbs from 0 to a learning rate of 1e5 (a typo for 1e-5),
+    gradients clipped to 1: neither the rate (no median above 0 to jump from) nor the
+    gradient norm jumps, and the first layer's absmax jumps because the update wrote its
+    embedding rows 1e4 times larger. It read 'the input batch's absmax jumped (seen at emb)':
+    token ids do not jump. The weights' norm, as each update left them, is a precursor of its
+    own, and the layers' jump is named from the first of them."""
+    torch.manual_seed(0)
+    model = R.make_token_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 5))
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=nn.CrossEntropyLoss(), out_dir=out_dir,
+                            lr_scheduler=sched, factory="replay_models:make_token_lm"):
+            for _ in range(20):
+                ids = torch.randint(0, R.VOCAB, (8, 12), generator=g)
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1),
+                                                   ids[:, 1:].flatten())
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+    rep = replay(info.value.bundle_path)
+    lines = {(p["step"], p["kind"]): p["detail"] for p in rep["precursors"]}
+    assert not any("input batch" in d for d in lines.values()), lines
+    assert (2, "weight_jump") in lines, lines
+    assert lines[(2, "absmax_jump")].startswith("absmax of emb jumped"), lines
