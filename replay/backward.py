@@ -38,6 +38,8 @@ class BackwardOrigin:
     module: str | None = None
     source: str | None = None
     made: str | None = None
+    dtype: torch.dtype | None = None  # of that non-finite gradient (float32 under autocast
+    # for the ops autocast runs in float32, such as a layer norm)
     anomaly_node: str | None = None  # what detect_anomaly raised on (NaN only)
     params: list[str] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)  # batch rows of its non-finite gradient
@@ -174,7 +176,8 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
                 found.node = node.name()
                 found.module = name
                 found.source = _source(node)
-                found.made = next((kind_of(g) for g in returned if not finite(g)), None)
+                bad = next(g for g in returned if not finite(g))
+                found.made, found.dtype = kind_of(bad), bad.dtype
                 found.samples = batch_rows(node, list(grad_inputs), where or Samples())
                 found.micro_batch = runner.micro_batch
                 found.saved, found.saved_zero = saved_facts(node)

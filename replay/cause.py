@@ -66,7 +66,8 @@ class Cause:
 def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None, *,
              hit: OpHit | None = None, micro_batch: int = 0, node: str | None = None,
              saved: str | None = None, at_pole: bool = False,
-             underflowed: bool = False, inner: str | None = None) -> Cause:
+             underflowed: bool = False, inner: str | None = None,
+             dtype: torch.dtype | None = None) -> Cause:
     """The cause of a forward, loss or backward origin. ``until``, for a forward origin, is its
     ``(module, call, micro-batch)``: the float64 forward stops after that call, as what comes
     later (made from the origin's value, or another problem) cannot say what the origin's
@@ -75,12 +76,13 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     node, ``saved`` the kind of a non-finite value it saved in the forward, ``at_pole``
     whether it saved an exact 0, ``underflowed`` whether an input of it came from exp,
     softmax or sigmoid (a 0 there underflowed), ``inner`` the aten op that made the value
-    inside a custom autograd.Function's backward (its derivative's poles are that op's)."""
+    inside a custom autograd.Function's backward (its derivative's poles are that op's),
+    ``dtype`` that of the node's non-finite gradient (else the micro-batch's narrowest)."""
     capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence else None
     still = _float64_run(runner, phase, until, capture, micro_batch)
     if phase == "backward":
-        return _backward(node, still, _step_dtype(runner, micro_batch), saved, at_pole,
-                         underflowed, inner)
+        return _backward(node, still, dtype or _step_dtype(runner, micro_batch), saved,
+                         at_pole, underflowed, inner)
     if hit is not None and hit.intentional and phase == "forward":
         # the only non-finite value is a literal fill (a mask) reaching the module's output:
         # no op overflowed or left its domain, so the generic domain advice would mislead

@@ -236,7 +236,7 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
                     f"(saturated or masked); there: {cause.hint}")
             return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
-                     underflowed=b.positive_input, inner=b.inner_op)
+                     underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype)
     report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
     if b.inner_op:  # a hand-written backward: the bug is in its formula, not the forward
         path, _, line = b.inner_source.rpartition(":")

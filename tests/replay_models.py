@@ -798,3 +798,32 @@ class TokenLM(nn.Module):
 
 def make_token_lm() -> nn.Module:
     return TokenLM()
+
+
+class Float32RMSNorm(nn.Module):
+    """LLaMA's RMSNorm, computed in float32 whatever autocast does, here without its eps."""
+
+    def __init__(self, d: int, eps: float = 0.0):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+class RMSNormLM(nn.Module):
+    def __init__(self, vocab: int = 40, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norm = Float32RMSNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.emb(ids)))
+
+
+def make_rms_norm_lm() -> nn.Module:
+    return RMSNormLM()
