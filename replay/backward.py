@@ -48,7 +48,9 @@ class BackwardOrigin:
     # the forward carried without an event, such as the batch's infinity that a tanh then
     # saturated), None when it saved only finite ones
     saved: str | None = None
-    saved_zero: bool = False  # it saved an exact 0 (an input at its derivative's pole)
+    # it saved an exact 0 ("0": an input at its derivative's pole), else a value below its
+    # type's smallest normal number ("subnormal": so near the pole that 1/x overflows)
+    saved_zero: str | None = None
     # an input came from exp, softmax or sigmoid (positive in exact arithmetic), so a 0 there
     # underflowed (see :func:`from_positive`)
     positive_input: bool = False
@@ -107,13 +109,18 @@ def _saved(node) -> list[torch.Tensor]:
             and t.numel()]
 
 
-def saved_facts(node) -> tuple[str | None, bool]:
+def saved_facts(node) -> tuple[str | None, str | None]:
     """Of the tensors ``node`` saved for its backward: the kind of the first non-finite one
-    (None when all are finite or none can be read), and whether any holds an exact 0 (sqrt's
-    result, log's input: the pole of its derivative)."""
+    (None when all are finite or none can be read), and ``"0"`` when one holds an exact 0
+    (sqrt's result, log's input: the pole of its derivative), else ``"subnormal"`` when one
+    holds a value below its type's smallest normal number (whose reciprocal overflows)."""
     saved = _saved(node)
     kind = next((kind_of(t) for t in saved if not finite(t)), None)
-    return kind, any(bool((t == 0).any()) for t in saved)
+    if any(bool((t == 0).any()) for t in saved):
+        return kind, "0"
+    tiny = any(t.is_floating_point() and bool((t.abs() < torch.finfo(t.dtype).tiny).any())
+               for t in saved)
+    return kind, "subnormal" if tiny else None
 
 
 def _node_name(op: str) -> str:

@@ -65,7 +65,7 @@ class Cause:
 
 def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = None, *,
              hit: OpHit | None = None, micro_batch: int = 0, node: str | None = None,
-             saved: str | None = None, at_pole: bool = False,
+             saved: str | None = None, at_pole: str | None = None,
              underflowed: bool = False, inner: str | None = None,
              dtype: torch.dtype | None = None) -> Cause:
     """The cause of a forward, loss or backward origin. ``until``, for a forward origin, is its
@@ -74,7 +74,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     value was. ``hit`` is the op blamed (its call is found again in the float64 re-run, in that
     module call or, for a loss origin, in the loss of ``micro_batch``); ``node`` the backward
     node, ``saved`` the kind of a non-finite value it saved in the forward, ``at_pole``
-    whether it saved an exact 0, ``underflowed`` whether an input of it came from exp,
+    ``"0"`` when it saved an exact 0, ``"subnormal"`` a value below its type's smallest normal
+    number, ``underflowed`` whether an input of it came from exp,
     softmax or sigmoid (a 0 there underflowed), ``inner`` the aten op that made the value
     inside a custom autograd.Function's backward (its derivative's poles are that op's),
     ``dtype`` that of the node's non-finite gradient (else the micro-batch's narrowest)."""
@@ -373,7 +374,7 @@ def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
 
 
 def _backward(node: str | None, still: bool, dtype: torch.dtype,
-              saved: str | None = None, at_pole: bool = False,
+              saved: str | None = None, at_pole: str | None = None,
               underflowed: bool = False, inner: str | None = None) -> Cause:
     op = node or "the backward node"
     m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
@@ -409,12 +410,16 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         fn = f"its backward's {inner}"
     if at_pole and pole and underflowed:
         # finite in float64, and the 0 on the pole came from exp/softmax/sigmoid: a positive
-        # value rounded to 0 (sqrt(exp(-120)): exp(-120) is 8e-53 in float64)
+        # value rounded to 0 (sqrt(exp(-120)): exp(-120) is 8e-53 in float64), or into the
+        # subnormal range, where the derivative 1/x no longer fits (softmax's 1e-40 under log)
+        where = ("to 0, the pole where {fn} is infinite" if at_pole == "0" else
+                 "below its type's smallest normal number, so near the pole that {fn} is too "
+                 "large for " + _type(dtype))
         return Cause("underflow", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
                      "in float64: the op's input came from exp, softmax or sigmoid of a finite "
-                     "argument, positive in exact arithmetic, and underflowed to 0, the pole "
-                     f"where {fn} is infinite; " + DO["log_space"])
-    if at_pole and pole:
+                     "argument, positive in exact arithmetic, and underflowed "
+                     + where.format(fn=fn) + "; " + DO["log_space"])
+    if at_pole == "0" and pole:
         # finite in float64, so its input is off the pole there: rounding put it on (1 -
         # sigmoid(20) is 0 in float32, 2e-9 in float64), not a gradient too large for the type
         return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}, finite "

@@ -827,3 +827,15 @@ class RMSNormLM(nn.Module):
 
 def make_rms_norm_lm() -> nn.Module:
     return RMSNormLM()
+
+
+class SoftmaxFocalLoss(nn.Module):
+    """Focal loss as often written: the probability from softmax, then its log."""
+
+    def __init__(self, gamma: float = 2.0):
+        super().__init__()
+        self.gamma = gamma
+
+    def forward(self, logits, labels):
+        p = torch.softmax(logits, -1).gather(1, labels[:, None]).squeeze(1)
+        return (-(1 - p) ** self.gamma * torch.log(p)).mean()
