@@ -100,7 +100,7 @@ class CallHooks:
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                             autocast=_autocast_state(self.target.forward_autocast))
             mb.input_refs = self._root_input_refs(tape, args, kwargs)
-            if tape.micro_batches and training:
+            if tape.micro_batches and training and not self.target.sharded:
                 mb.grads_dropped = self._grads_dropped(tape.micro_batches)
             tape.micro_batches.append(mb)
 

@@ -21,7 +21,7 @@ from .finite import matches
 from .ranks import Agreement
 from .samples import seq_first
 from .settings import Settings
-from .shards import class_name
+from .shards import class_name, sharded
 
 _SMALL = 1 << 15  # parameters with fewer elements get batched norms...
 _FEW = 16  # ...when there are more than this many of them
@@ -95,6 +95,8 @@ class Target:
                                  for d, t, on in forward_autocasts(model.forward)
                                  if d in ("cpu", "cuda")]
         self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
+        # FSDP2 may keep accumulated gradients outside p.grad until it reduces them
+        self.sharded = sharded(model)
         self.param_names = [n for n, _ in self.params]
         self.buffers = [(eager_name(n), b) for n, b in model.named_buffers()]
         # BatchNorm-style layers update their running statistics inside the kernel, which
