@@ -344,19 +344,23 @@ def _moved(capture: OpAt | None, ev: Evidence):
     return first
 
 
+# ops over a row that make NaN or -inf of a row whose entries are all -inf (a mask)
+_ROW_REDUCTIONS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax",
+                   "logsumexp", "amax", "max"}
+
+
 def _from_infinities(hit: OpHit) -> Cause:
     """The op made NaN from infinities it was given (a -inf mask, an earlier overflow that the
     chain shows)."""
     name = _name(hit.op).rstrip("_")
+    if name in _ROW_REDUCTIONS:  # softmax: NaN; logsumexp, amax: -inf (OpFinder.first_reduced)
+        return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "
+                     "row): " + DO["masked_row"])
     if hit.made != "nan":  # OpFinder.first_reduced: an infinity it was given, summed in
         return Cause("invalid", f"{hit.op} folded an infinity it was given into {hit.made} "
                      "(one held on purpose, such as a -inf mask under allow_inf: a "
                      "log-probability of exactly 0, infinite in exact arithmetic too): "
                      + DO["inf_weight"])
-    if name in ("_softmax", "softmax", "_log_softmax", "log_softmax",
-                "_safe_softmax", "logsumexp"):
-        return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "
-                     "row): " + DO["masked_row"])
     what = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf",
             "div": "inf / inf"}.get(name, "NaN from infinities")
     return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too: "

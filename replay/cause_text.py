@@ -66,8 +66,9 @@ DO = {
     "inf_weight": "give the masked entries zero weight in the loss (label smoothing or soft "
                   "targets spread over masked classes, a target on a masked class), or mask "
                   "with a large finite negative number instead of -inf",
-    "masked_row": "a fully masked row has no key to attend to: keep at least one key per "
-                  "row, or mask with a large finite negative number instead of -inf",
+    "masked_row": "a fully masked row has no key to attend to (no element to pool): keep at "
+                  "least one key per row (skip or fill empty rows), or mask with a large finite "
+                  "negative number instead of -inf",
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "
                  "infinity (the chain) and keep it finite",
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "

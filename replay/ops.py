@@ -413,7 +413,8 @@ class OpFinder:
         start = self.first or self.intentional
         if start is not None:
             out.append(start.as_json())
-        if self.first_nan is not None and (start is None or start.made != "nan"
-                                           or start.op != self.first_nan.op):
-            out.append(self.first_nan.as_json())
+        # the op that made NaN of it, or else the reduction that folded it in (a -inf mask)
+        end = self.first_nan or (self.first_reduced if self.first is None else None)
+        if end is not None and (start is None or start.made != end.made or start.op != end.op):
+            out.append(end.as_json())
         return out

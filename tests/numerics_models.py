@@ -1,0 +1,40 @@
+"""Models for ``tests/test_numerics.py``: numerical failure modes beyond a single op's pole —
+a masked reduction over an empty row, linear algebra's gradients at degenerate inputs.
+
+Every bug fires on a batch the loop plants at a known step, so the replay rebuilds it from the
+bundle. Factories are named ``make_*``; tests record with ``factory="numerics_models:make_*"``
+and replay from this directory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+D_IN, HIDDEN, BAG = 6, 12, 5
+
+
+class LSEPool(nn.Module):
+    """Smooth-max pooling over a bag's real instances: padding is masked to -inf first."""
+
+    def forward(self, h, mask):  # h (B, N, D), mask (B, N): True for a real instance
+        h = h.masked_fill(~mask.unsqueeze(-1), float("-inf"))
+        return torch.logsumexp(2.0 * h, dim=1) / 2.0  # BUG: an empty bag gives -inf
+
+
+class BagNet(nn.Module):
+    """Multiple-instance learning: instance encoder, masked logsumexp pooling, bag score."""
+
+    def __init__(self):
+        super().__init__()
+        self.inst = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN))
+        self.pool = LSEPool()
+        self.cls = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x, mask):
+        return self.cls(self.pool(self.inst(x), mask)).squeeze(-1)
+
+
+def make_bag_net():
+    torch.manual_seed(0)
+    return BagNet()

@@ -1,0 +1,78 @@
+"""Numerical failure modes in depth, end to end: each test trains a model from
+``numerics_models`` as a user would until the recorder raises, runs ``nanreplay BUNDLE --json``
+and asserts the step, phase, module, op, samples, cause and that the hint names the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numerics_models as M
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+K = 3  # the step at which every planted bug fires
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where numerics_models.py, the factories' module, lives
+
+
+def train(factory: str, make, out_dir: Path, loss_fn, steps: int = 6) -> NonFiniteError:
+    """Train ``numerics_models.<factory>()`` with Adam until the recorder raises;
+    ``make(step)`` gives ``(model args, target)``."""
+    model = getattr(M, factory)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                            factory=f"numerics_models:{factory}"):
+            for step in range(steps):
+                args, target = make(step)
+                opt.zero_grad()
+                loss_fn(model(*args), target).backward()
+                opt.step()
+    assert info.value.event["step"] == K
+    return info.value
+
+
+def nanreplay_json(bundle: Path) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def origin_of(rep: dict) -> tuple:
+    o = rep["origin"]
+    return rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"]
+
+
+def test_logsumexp_pooling_of_an_empty_bag_is_the_masked_row_not_the_layer_after(tmp_path):
+    """Multiple-instance learning with a masked logsumexp pooling: a bag whose instances were
+    all filtered out is a row of -inf only (the mask, intentional), logsumexp makes -inf of it,
+    and the classifier after the pooling makes NaN (-inf times weights of both signs). The op
+    to blame is the logsumexp in ``pool`` on that bag, not the classifier's addmm."""
+
+    def make(s):
+        g = torch.Generator().manual_seed(10 + s)
+        x = torch.randn(8, M.BAG, M.D_IN, generator=g)
+        lens = torch.randint(1, M.BAG + 1, (8,), generator=g)
+        if s == K:
+            lens[6] = 0  # bag 6 is empty
+        mask = torch.arange(M.BAG) < lens[:, None]
+        return (x, mask), (x[..., 0] > 1).any(1).float()
+
+    err = train("make_bag_net", make, tmp_path, nn.BCEWithLogitsLoss())
+    rep = nanreplay_json(err.bundle_path)
+    assert origin_of(rep) == (K, "forward", "pool", "aten.logsumexp", [6], "invalid"), rep
+    assert rep["reproduced"] is True and rep["origin"]["made"] == "-inf"
+    chain = rep["origin"]["chain"]
+    assert [(c["op"], c["intentional"]) for c in chain] == [
+        ("aten.masked_fill", True), ("aten.logsumexp", False)], chain
+    assert "fully masked row" in rep["hint"] and "skip or fill empty rows" in rep["hint"]
