@@ -402,6 +402,9 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return Cause("invalid", f"{op} used a NaN it saved in the forward, where the op ran "
                      "outside its domain (sqrt or log of a negative, 0/0) in a branch masked "
                      f"before the output: {DO['masked']}")
+    if still and name and (gap := domains.value_gap(name)):
+        return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
+                     f"gradients, in float64 too: {gap}; " + DO["value_gap"])
     if still:
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "

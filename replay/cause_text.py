@@ -69,6 +69,11 @@ DO = {
     "masked_row": "a fully masked row has no key to attend to (no element to pool): keep at "
                   "least one key per row (skip or fill empty rows), or mask with a large finite "
                   "negative number instead of -inf",
+    "value_gap": "differentiate only what has no such term (torch.linalg.eigvalsh, svdvals, "
+                 "a matrix norm), compute the matrix function without the decomposition (a "
+                 "Newton-Schulz iteration for an inverse square root or a whitening), or skip "
+                 "degenerate inputs (a batch of identical samples); adding eps * I does not "
+                 "help, it shifts every value alike",
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "
                  "infinity (the chain) and keep it finite",
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "

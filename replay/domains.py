@@ -29,6 +29,24 @@ _DERIVATIVE_POLES = {"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "r
                      "linalgvectornorm", "cdist", "dist", "std", "var"}
 
 
+# Backward nodes of decompositions whose gradient divides by the gaps between the values
+# (1/(λi − λj) for eigenvectors, 1/(σi² − σj²) for singular vectors): infinite at a tie.
+_GAP_DERIVATIVES = {"linalgeigh": ("eigh", "eigenvalues"), "linalgeig": ("eig", "eigenvalues"),
+                    "linalgsvd": ("svd", "singular values"),
+                    "svdhelper": ("svd", "singular values")}
+
+
+def value_gap(name: str) -> str | None:
+    """For backward node ``name`` (lower case, no ``Backward0``) of an eigen or singular value
+    decomposition: where its derivative is infinite, in words; else None."""
+    if name not in _GAP_DERIVATIVES:
+        return None
+    op, values = _GAP_DERIVATIVES[name]
+    return (f"the gradient of {op}'s vectors divides by the differences between its {values}, "
+            f"infinite where two are equal (repeated {values}: a matrix with a symmetry, "
+            "identical rows or samples, a rank-deficient or scaled-identity input)")
+
+
 def g(x: float) -> str:
     """A number as the reports print it: three significant digits."""
     return format(x, ".3g")

@@ -38,3 +38,43 @@ class BagNet(nn.Module):
 def make_bag_net():
     torch.manual_seed(0)
     return BagNet()
+
+
+class Whiten(nn.Module):
+    """ZCA batch whitening (decorrelated batch norm) through an eigen- or singular value
+    decomposition of the batch covariance: a batch of identical samples has a covariance of
+    eps * I, whose eigenvalues are all equal."""
+
+    def __init__(self, svd: bool):
+        super().__init__()
+        self.svd = svd
+
+    def forward(self, h):
+        hc = h - h.mean(0, keepdim=True)
+        cov = hc.T @ hc / h.shape[0] + 1e-5 * torch.eye(h.shape[1])
+        if self.svd:
+            u, s, _ = torch.linalg.svd(cov)
+            return hc @ u @ torch.diag(s.rsqrt()) @ u.T
+        evals, evecs = torch.linalg.eigh(cov)
+        return hc @ evecs @ torch.diag(evals.rsqrt()) @ evecs.T
+
+
+class WhitenNet(nn.Module):
+    def __init__(self, svd: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.white = Whiten(svd)
+        self.head = nn.Linear(HIDDEN, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.white(self.lin(x))))
+
+
+def make_eigh_whiten_net():
+    torch.manual_seed(0)
+    return WhitenNet(svd=False)
+
+
+def make_svd_whiten_net():
+    torch.manual_seed(0)
+    return WhitenNet(svd=True)

@@ -76,3 +76,30 @@ def test_logsumexp_pooling_of_an_empty_bag_is_the_masked_row_not_the_layer_after
     assert [(c["op"], c["intentional"]) for c in chain] == [
         ("aten.masked_fill", True), ("aten.logsumexp", False)], chain
     assert "fully masked row" in rep["hint"] and "skip or fill empty rows" in rep["hint"]
+
+
+@pytest.mark.parametrize("factory, node, op", [
+    ("make_eigh_whiten_net", "LinalgEighBackward0", "eigh"),
+    ("make_svd_whiten_net", "LinalgSvdBackward0", "svd")])
+def test_whitening_a_batch_of_identical_samples_names_the_repeated_values(tmp_path, factory,
+                                                                         node, op):
+    """ZCA whitening through eigh (or svd) of the batch covariance: a batch that repeats one
+    sample has a covariance of eps * I, all of whose eigenvalues are equal; the gradient of
+    the eigenvectors divides by their differences. Backward event in ``white``, invalid, and
+    the hint says the values are repeated and what removes the term (eps * I does not)."""
+
+    def make(s):
+        g = torch.Generator().manual_seed(20 + s)
+        x = torch.randn(16, M.D_IN, generator=g)
+        if s == K:
+            x[:] = x[0]  # the sampler repeated one record for the whole batch
+        return (x,), (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+
+    err = train(factory, make, tmp_path, nn.CrossEntropyLoss())
+    assert err.event["phase"] == "backward"
+    rep = nanreplay_json(err.bundle_path)
+    assert origin_of(rep)[:4] == (K, "backward", "white", node) and rep["cause"] == "invalid"
+    assert rep["reproduced"] is True
+    hint = rep["hint"]
+    assert f"gradient of {op}'s vectors divides by the differences" in hint, hint
+    assert "repeated" in hint and "Newton-Schulz" in hint and "eps * I does not" in hint, hint
