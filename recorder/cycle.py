@@ -64,6 +64,7 @@ class StepCycle:
         self.rewind = Rewind(settings.rewind) if settings.rewind else None
         self.lock = threading.RLock()
         self.updated = False  # an optimizer step ran since the last step opened
+        self.ever_updated = False  # the recorded optimizer's step() ran since attach
         self.skips = 0  # GradScaler skips in a row
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self.unrooted_call: int | None = None  # a submodule that ran while no step was open
@@ -129,6 +130,10 @@ class StepCycle:
         if not evaluation:
             self.target.follow_optimizer()
         self.foreign.opened(tape, self.target.watched)
+        if not self.ever_updated and self.target.has_optimizer and not evaluation:
+            # only until the first update (usually one step): the steps' own code may write
+            # weights then (a data-dependent init), and no update leaves evidence of them
+            tape.finite_at_open = self.target.finite_flags()
         if self.target.unowned:  # (none, the usual case: the optimizer holds every one)
             tape.unowned_versions = [version_of(p) for _, p in self.target.unowned]
         if not evaluation:  # the next training step's weights still come from that update

@@ -87,8 +87,9 @@ class StepEvidence:
     strict_inf: bool = True
     params_from_update: bool = False  # an optimizer step ran since the previous step
     calls: list[dict[str, Any]] = field(default_factory=list)  # decoded, completion order
-    # parameters changed during the step, after the forward read them (another optimizer's
-    # step()): what they hold now is no evidence of what the step ran with
+    # parameters changed during the step (another optimizer's step() after the forward read
+    # them; a data-dependent init in the forward, before the first update): what they hold
+    # now is no evidence of what the step began with
     changed: set[int] = field(default_factory=set)
     overflowed: bool = False  # some non-finite norm was an overflow of finite values
     seq_first: bool = False  # the model takes sequences first (see recorder.samples)

@@ -95,7 +95,7 @@ class OptimizerGuard:
         if not self.health.active:
             cycle.leave_ranks()  # (a step's close: where this rank's exchange would run)
             return
-        cycle.updated = True  # the next step's weights come from this update
+        cycle.updated = cycle.ever_updated = True  # the next step's weights come from it
         cycle.eval_tail = None
         if tape is None:
             if cycle.unrooted_call is not None:

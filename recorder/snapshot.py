@@ -109,6 +109,9 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
         meta["changed_in_step"] = [params[i][0] for i in changed]
         if tape.updated_elsewhere:  # by an optimizer the recorder was not given
             meta["stepped_elsewhere"] = True
+    written = src.target.written_in_step(tape) if tape is not None else []
+    if written:  # before the first update: the step's own code wrote them (a data-dependent init)
+        meta["written_in_step"] = [params[i][0] for i in written]
     for name, p in params:
         w = guard["weights"].get(name, p) if guard else p
         tensors[f"weights/{name}"] = w.detach()

@@ -49,6 +49,9 @@ class Tape:
         self.cache: dict[int, tuple] = {}
         self.lock = threading.Lock()
         self.params_from_update = False  # an optimizer step ran since the previous step
+        # per parameter, finite when a step before the optimizer's first update opened (a
+        # device tensor, read only on an event; see Target.written_in_step)
+        self.finite_at_open: torch.Tensor | None = None
         # parameter index -> slot ref of its squared gradient / weight norm
         self.grad_norms: dict[int, tuple[int, int]] = {}
         self.param_norms: dict[int, tuple[int, int]] = {}

@@ -21,7 +21,7 @@ from .finite import matches
 from .ranks import Agreement
 from .samples import seq_first
 from .settings import Settings
-from .shards import class_name, sharded
+from .shards import class_name, local, sharded
 
 _SMALL = 1 << 15  # parameters with fewer elements get batched norms...
 _FEW = 16  # ...when there are more than this many of them
@@ -176,6 +176,29 @@ class Target:
         self.allowed_buffers: dict[int, weakref.ref] = {}
         self.norm_buffers: set[str] = set()
         self.ranks: Agreement | None = None
+
+    def finite_flags(self) -> torch.Tensor | None:
+        """Which parameters are finite now, as one device tensor (no host read), or None."""
+        try:
+            with torch.no_grad():
+                device = self.device()
+                flags = [torch.isfinite(local(p).detach()).all().to(device)
+                         for _, p in self.params]
+            return torch.stack(flags) if flags else None
+        except (RuntimeError, NotImplementedError):  # a meta or otherwise unreadable weight
+            return None
+
+    def written_in_step(self, tape) -> list[int]:
+        """Indices of the parameters that ``tape``'s step, one before the recorded
+        optimizer's first update, made non-finite: finite when it opened, not now (a
+        data-dependent init in the forward: ActNorm's scale from the first batch; later
+        updates leave their own evidence). Slow path only: reads the flags and the weights."""
+        if tape.finite_at_open is None:
+            return []
+        unowned = {i for i, _ in self.unowned}  # (changed_in_step's)
+        return [i for (i, (_, p)), was in zip(enumerate(self.params),
+                                               tape.finite_at_open.tolist())
+                if was and i not in unowned and not bool(torch.isfinite(local(p).detach()).all())]
 
     def changed_in_step(self, tape) -> list[int]:
         """Indices of the trained parameters the optimizer does not hold that changed in place

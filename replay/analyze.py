@@ -108,7 +108,12 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
             + " and record again"))
         report["not_rerun"] = "weights written after its forward"
         return report
-    if bad_weights and not after_update:
+    written = set(step.meta.get("written_in_step") or ())
+    if bad_weights and not after_update and set(bad_weights) <= written:
+        # written by the step's own code before any update (a data-dependent init in the
+        # forward): the re-run runs that code again from the step's pre-step buffers
+        report["problems"].append(fidelity.written_note(sorted(written)))
+    elif bad_weights and not after_update:
         return report_weights(report, step, bad_weights)
     if after_update:
         report["problems"].append(

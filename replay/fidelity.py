@@ -210,6 +210,16 @@ def elsewhere_note() -> str:
             "FlightRecorder the optimizer the loop steps and record again")
 
 
+def written_note(names: list[str]) -> str:
+    """The note for parameters the recorded step's own code made non-finite before the
+    optimizer's first update (the recorder's ``written_in_step``)."""
+    return (f"{_changed_params(names)} were finite when the recorder attached and were made "
+            "non-finite during the step, before the optimizer's first update, by the model's "
+            "own code (a data-dependent initialisation in the forward, such as ActNorm's scale "
+            "from the first batch): the bundle holds their new values, and the re-run writes "
+            "them again as that code runs")
+
+
 def _changed_params(names: list[str]) -> str:
     more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
     return ("parameter " if len(names) == 1 else "parameters ") + ", ".join(names[:3]) + more

@@ -78,3 +78,60 @@ def make_eigh_whiten_net():
 def make_svd_whiten_net():
     torch.manual_seed(0)
     return WhitenNet(svd=True)
+
+
+class ActNorm(nn.Module):
+    """Glow's ActNorm with its data-dependent init written without an eps: the first batch's
+    per-feature std sets the scale, so a feature constant in that batch gives log(0)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(d))
+        self.log_scale = nn.Parameter(torch.zeros(d))
+        self.register_buffer("initialized", torch.tensor(False))
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0))
+                self.log_scale.data.copy_(-torch.log(x.std(0)))  # BUG: no eps
+                self.initialized.fill_(True)
+        return (x + self.loc) * torch.exp(self.log_scale), self.log_scale.sum().expand(len(x))
+
+
+class Coupling(nn.Module):
+    """RealNVP affine coupling: half the features scale and shift the other half."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d // 2, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, d))
+
+    def forward(self, x):
+        a, b = x.chunk(2, dim=1)
+        s, t = self.net(a).chunk(2, dim=1)
+        return torch.cat([b * torch.exp(s) + t, a], dim=1), s.sum(1)
+
+
+class Flow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm0, self.coup0 = ActNorm(D_IN), Coupling(D_IN)
+        self.norm1, self.coup1 = ActNorm(D_IN), Coupling(D_IN)
+
+    def forward(self, x):
+        logdet = 0
+        for layer in (self.norm0, self.coup0, self.norm1, self.coup1):
+            x, ld = layer(x)
+            logdet = logdet + ld
+        return torch.cat([x, logdet.unsqueeze(1)], dim=1)
+
+
+def flow_nll(out, target):
+    """Negative log-likelihood under a standard normal base (``target`` is unused)."""
+    z, logdet = out[:, :-1], out[:, -1]
+    return (0.5 * (z ** 2).sum(1) - logdet).mean()
+
+
+def make_flow():
+    torch.manual_seed(0)
+    return Flow()

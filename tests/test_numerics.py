@@ -103,3 +103,38 @@ def test_whitening_a_batch_of_identical_samples_names_the_repeated_values(tmp_pa
     hint = rep["hint"]
     assert f"gradient of {op}'s vectors divides by the differences" in hint, hint
     assert "repeated" in hint and "Newton-Schulz" in hint and "eps * I does not" in hint, hint
+
+
+def test_actnorm_data_dependent_init_on_a_constant_feature_is_its_log_not_bad_weights(tmp_path):
+    """Glow's ActNorm initialises its parameters from the first batch inside the forward; a
+    feature constant in that batch has std 0 and the scale -log(0) = +inf is written into the
+    parameter. The weights were finite when the step began, so this is no ``weights`` event
+    (which would send the user hunting for a checkpoint loader): the forward of ``norm0``
+    makes it, and the replay, re-running the init from the pre-step buffer, names aten.log of 0
+    in it, ``invalid``, and says the parameters were written by the step's own code."""
+    K0 = 0  # the init runs on the first batch
+
+    def make(s):
+        x = torch.randn(16, M.D_IN, generator=torch.Generator().manual_seed(30 + s))
+        if s == K0:
+            x[:, 2] = 1.0  # a feature constant in the first batch (a padding column)
+        return (x,), torch.zeros(16)
+
+    model = M.make_flow()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.flow_nll, out_dir=tmp_path,
+                            factory="numerics_models:make_flow") as rec:
+            for step in range(3):
+                (x,), y = make(step)
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (K0, "forward", "norm0"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"]) == (
+        "forward", "norm0", "aten.log", "invalid"), rep
+    assert rep["reproduced"] is True and "log has a pole at 0" in rep["hint"], rep["hint"]
+    assert any("norm0.log_scale" in p and "data-dependent" in p for p in rep["problems"]), rep
