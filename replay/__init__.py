@@ -10,10 +10,10 @@ Layout, in the order a replay goes (each module imports only those before it):
 
 - ``compat``: every private PyTorch API used here (dispatch mode, pytree, version counters,
   op schemas, module tables); ``errors``: ``ReplayError`` and the run-ending ``StopRun``;
-- ``trust``, ``losses``, ``shards``, ``load``, ``strip``: the trust rule for recorded names;
-  rebuilding the loss; one distributed event's bundles (siblings, the first rank, full tensors
-  from shards); ``read_step`` / ``build`` (model, weights, optimizer, batches); shareable
-  copies (of a shard set too);
+- ``trust``, ``factory``, ``losses``, ``shards``, ``load``, ``strip``: the trust rule for
+  recorded names; resolving the model factory; rebuilding the loss; one distributed event's
+  bundles (siblings, the first rank, full tensors from shards); ``read_step`` / ``build``
+  (model, weights, optimizer, batches); shareable copies (of a shard set too);
 - ``source``, ``memo``, ``ops``: whose code a frame is; values kept per unmodified tensor; the
   aten op finder (``OpFinder``), the float64 mode and the op capture;
 - ``run_result``, ``instrument``, ``bisection``, ``rerun``: what a re-run saw (``Run``,

@@ -14,7 +14,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,14 +25,13 @@ from recorder.bundle import read_bundle
 from recorder.capture import UnrebuildableLeaf, map_tensors, rng_from_bundle, unflatten_tree
 from recorder.compiled import decompile
 from recorder.errors import BundleError
-from recorder.validate import import_object
 
 from .compat import set_buffer, set_parameter
 from .errors import FactoryRefused, ReplayError, one_line
+from .factory import recorded_argv, resolve_factory
 from .losses import Unrebuildable, rebuild_loss
 from .optim import build_optimizer
 from .shards import resolve
-from .trust import defined_in, module_origin, trusted_path
 
 WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/")
 BATCH_PREFIXES = ("batch/", "loss_in/", "outgrad/")
@@ -134,48 +132,6 @@ def check_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# factory resolution
-
-
-def resolve_factory(spec: str, *, explicit: bool) -> Any:
-    """The callable named by ``module:function``.
-
-    A recorded (not ``explicit``) factory is refused unless its top-level module is found
-    under the current directory, so a bundle from elsewhere cannot make us import code.
-    """
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise ReplayError(f"factory {spec!r} is not of the form 'module:function'; "
-                          "pass --factory mypkg.train:make_model")
-    cwd = str(Path.cwd())
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    if not explicit and not trusted_path(module_origin(mod_name), [Path(cwd)]):
-        raise FactoryRefused(
-            f"the bundle's factory {spec!r} is not a module under the current directory "
-            f"({cwd}); nanreplay imports a recorded factory only from there. Run from the "
-            f"directory that holds the factory's module, or pass --factory {spec} to trust it")
-    try:
-        obj = import_object(mod_name, attr)
-    except Exception as e:
-        raise ReplayError(f"factory {spec!r} cannot be imported ({type(e).__name__}: {e}); "
-                          "run from the directory that holds it or pass --factory MOD:FN") from None
-    if not callable(obj):
-        raise ReplayError(f"factory {spec!r} is not callable; pass --factory MOD:FN naming a "
-                          "function that returns the model")
-    if not explicit:
-        # The attribute path may lead out of the trusted module ('mod:os.fork', 'mod:torch.x'):
-        # call only what is defined in a module under cwd as well.
-        home = getattr(obj, "__module__", None)
-        if not trusted_path(defined_in(obj), [Path(cwd)]):
-            raise FactoryRefused(
-                f"the bundle's factory {spec!r} is {home}.{getattr(obj, '__qualname__', '?')}, "
-                f"which is not defined under the current directory ({cwd}); nanreplay calls a "
-                f"recorded factory only from there. Pass --factory {spec} to trust it")
-    return obj
-
-
-# ---------------------------------------------------------------------------------------------
 # model
 
 
@@ -203,7 +159,7 @@ def build(step: Step, factory: str | None, device: str | None,
     if not spec:
         _build_without_factory(step, factory_kwargs)
         return
-    with _recorded_argv(meta, spec):
+    with recorded_argv(meta, spec):
         _build(step, spec, factory is not None, factory_kwargs)
 
 
@@ -217,7 +173,7 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) ->
     if not isinstance(guess, str) or factory_kwargs:
         raise FactoryRefused(f"the bundle names no model factory, so nothing was re-run: {how}")
     try:
-        with _recorded_argv(step.meta, guess):
+        with recorded_argv(step.meta, guess):
             _build(step, guess, False, {})
     except FactoryRefused:
         raise
@@ -229,29 +185,6 @@ def _build_without_factory(step: Step, factory_kwargs: dict[str, Any] | None) ->
         f"the bundle names no model factory: the model was rebuilt as {guess}() with its "
         "default arguments, the weights from the bundle; if the run built it otherwise, "
         f"{how}")
-
-
-@contextlib.contextmanager
-def _recorded_argv(meta: dict[str, Any], spec: str):
-    """The user's code imported and called with the command line the run had (``env.argv``),
-    not nanreplay's: a module that parses ``sys.argv`` when imported (a module-level
-    ``parser.parse_args()``) read the bundle's path and nanreplay's options, and failed with
-    its own usage message or took them for its arguments. Its ``SystemExit`` (argparse's, a
-    ``sys.exit`` at import) is a one-line error instead of ending nanreplay without one."""
-    argv = (meta.get("env") or {}).get("argv")
-    saved = sys.argv
-    recorded = isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)
-    sys.argv = list(argv) if recorded else saved[:1]
-    try:
-        yield
-    except SystemExit as e:
-        raise ReplayError(
-            f"factory {spec!r}: the code it imports or calls exited (SystemExit({e.code!r})) "
-            f"with the recorded command line {sys.argv!r}; move what parses the command line "
-            "or exits under `if __name__ == \"__main__\":`, or pass --factory MOD:FN of a "
-            "module that does neither when imported") from None
-    finally:
-        sys.argv = saved
 
 
 def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any] | None

@@ -192,18 +192,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     "steps"}``. A try is inconclusive when the re-run without any change is finite too (a
     weight edited by hand between steps, which no re-run replays): its result is no evidence
     of a fix. ``auto`` proposing nothing adds a note to ``report["problems"]``."""
-    parsed: list[tuple[str, Change]] = []
-    for text in tries:
-        label, change = parse_try(text)
-        if change is None:
-            proposed = auto_tries(step, report)
-            parsed += [parse_try(t) for t in proposed]
-            if not proposed:
-                report["problems"].append(_nothing_to_try(report.get("cause")))
-        else:
-            parsed.append((label, change))
-    seen: set[str] = set()  # (auto may propose what was asked for already)
-    parsed = [(label, c) for label, c in parsed if not (label in seen or seen.add(label))]
+    parsed = _parsed(step, report, tries)
     win = window_of(step)
     why = ("nothing can be re-run from this bundle" if step.model is None else
            AFTER_UPDATE if win is None and step.meta.get("state") == "after_update" else None)
@@ -248,6 +237,23 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["note"] = "; ".join(res.problems)
         out.append(entry)
     return out
+
+
+def _parsed(step: Step, report: dict[str, Any], tries: list[str]) -> list[tuple[str, Change]]:
+    """(label, change) of each try, ``auto`` expanded to what it proposes (a note when that is
+    nothing), each label once."""
+    parsed: list[tuple[str, Change]] = []
+    for text in tries:
+        label, change = parse_try(text)
+        if change is None:
+            proposed = auto_tries(step, report)
+            parsed += [parse_try(t) for t in proposed]
+            if not proposed:
+                report["problems"].append(_nothing_to_try(report.get("cause")))
+        else:
+            parsed.append((label, change))
+    seen: set[str] = set()  # (auto may propose what was asked for already)
+    return [(label, c) for label, c in parsed if not (label in seen or seen.add(label))]
 
 
 def _update_only(change: Change) -> bool:

@@ -1,0 +1,75 @@
+"""The model factory a replay calls: the trust rule for a recorded one (``resolve_factory``) and
+the command line it is imported with (``recorded_argv``)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from recorder.validate import import_object
+
+from .errors import FactoryRefused, ReplayError
+from .trust import defined_in, module_origin, trusted_path
+
+
+def resolve_factory(spec: str, *, explicit: bool) -> Any:
+    """The callable named by ``module:function``.
+
+    A recorded (not ``explicit``) factory is refused unless its top-level module is found
+    under the current directory, so a bundle from elsewhere cannot make us import code.
+    """
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise ReplayError(f"factory {spec!r} is not of the form 'module:function'; "
+                          "pass --factory mypkg.train:make_model")
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    if not explicit and not trusted_path(module_origin(mod_name), [Path(cwd)]):
+        raise FactoryRefused(
+            f"the bundle's factory {spec!r} is not a module under the current directory "
+            f"({cwd}); nanreplay imports a recorded factory only from there. Run from the "
+            f"directory that holds the factory's module, or pass --factory {spec} to trust it")
+    try:
+        obj = import_object(mod_name, attr)
+    except Exception as e:
+        raise ReplayError(f"factory {spec!r} cannot be imported ({type(e).__name__}: {e}); "
+                          "run from the directory that holds it or pass --factory MOD:FN") from None
+    if not callable(obj):
+        raise ReplayError(f"factory {spec!r} is not callable; pass --factory MOD:FN naming a "
+                          "function that returns the model")
+    if not explicit:
+        # The attribute path may lead out of the trusted module ('mod:os.fork', 'mod:torch.x'):
+        # call only what is defined in a module under cwd as well.
+        home = getattr(obj, "__module__", None)
+        if not trusted_path(defined_in(obj), [Path(cwd)]):
+            raise FactoryRefused(
+                f"the bundle's factory {spec!r} is {home}.{getattr(obj, '__qualname__', '?')}, "
+                f"which is not defined under the current directory ({cwd}); nanreplay calls a "
+                f"recorded factory only from there. Pass --factory {spec} to trust it")
+    return obj
+
+
+@contextlib.contextmanager
+def recorded_argv(meta: dict[str, Any], spec: str):
+    """The user's code imported and called with the command line the run had (``env.argv``),
+    not nanreplay's: a module that parses ``sys.argv`` when imported (a module-level
+    ``parser.parse_args()``) read the bundle's path and nanreplay's options, and failed with
+    its own usage message or took them for its arguments. Its ``SystemExit`` (argparse's, a
+    ``sys.exit`` at import) is a one-line error instead of ending nanreplay without one."""
+    argv = (meta.get("env") or {}).get("argv")
+    saved = sys.argv
+    recorded = isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)
+    sys.argv = list(argv) if recorded else saved[:1]
+    try:
+        yield
+    except SystemExit as e:
+        raise ReplayError(
+            f"factory {spec!r}: the code it imports or calls exited (SystemExit({e.code!r})) "
+            f"with the recorded command line {sys.argv!r}; move what parses the command line "
+            "or exits under `if __name__ == \"__main__\":`, or pass --factory MOD:FN of a "
+            "module that does neither when imported") from None
+    finally:
+        sys.argv = saved
