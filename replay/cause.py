@@ -57,6 +57,10 @@ from .rerun import Runner
 __all__ = ["Cause", "classify"]
 
 
+# the ops of replay.ops.POSITIVE in words: a 0 they made underflowed
+_POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
+
+
 @dataclass
 class Cause:
     name: str  # "invalid", "overflow", "underflow", "precision"
@@ -235,7 +239,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      f"{_type(it)}'s smallest normal number {_g(torch.finfo(it).tiny)}, and "
                      "was rounded to 0: " + wider + DO["log_space"])
     if zero_from_exp:
-        src = "exp, softmax or sigmoid of a finite argument, positive in exact arithmetic"
+        src = f"{_POSITIVE_OPS} of a finite argument, positive in exact arithmetic"
         also = "" if rounded else ", and below float64's range as well"
         return Cause("underflow", f"{what}: that 0 came from {src}; it underflowed in "
                      f"{_type(ev.input_dtypes[zero_from_exp[0]])}{also}: " + DO["log_space"])
@@ -423,7 +427,7 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
                  "below its type's smallest normal number, so near the pole that {fn} is too "
                  "large for " + _type(dtype))
         return Cause("underflow", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
-                     "in float64: the op's input came from exp, softmax or sigmoid of a finite "
+                     f"in float64: the op's input came from {_POSITIVE_OPS} of a finite "
                      "argument, positive in exact arithmetic, and underflowed "
                      + where.format(fn=fn) + "; " + DO["log_space"])
     if at_pole == "0" and pole:

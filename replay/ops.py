@@ -97,7 +97,7 @@ _RESULTS = {"_ctc_loss": 1, "_cudnn_ctc_loss": 1}
 
 # Ops whose result is positive in exact arithmetic for every finite argument: a 0 they return
 # is an underflow. Ops that pass values on unchanged keep that mark (a gathered probability).
-POSITIVE = {"exp", "exp2", "_softmax", "softmax", "sigmoid", "special_expit"}
+POSITIVE = {"exp", "exp2", "_softmax", "softmax", "sigmoid", "special_expit", "softplus"}
 PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", "reshape",
             "squeeze", "unsqueeze", "clone", "_to_copy", "expand", "permute", "transpose", "t",
             "contiguous", "alias", "narrow", "take_along_dim", "index", "unbind", "split",

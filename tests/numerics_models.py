@@ -135,3 +135,26 @@ def flow_nll(out, target):
 def make_flow():
     torch.manual_seed(0)
     return Flow()
+
+
+class RegressionHead(nn.Module):
+    """Two raw outputs per sample, which the loss turns into a distribution's parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def make_regression_head():
+    torch.manual_seed(0)
+    return RegressionHead()
+
+
+def gamma_nll(raw, y):
+    """Gamma regression (rainfall amounts): concentration and rate through softplus."""
+    conc, rate = torch.nn.functional.softplus(raw).unbind(1)
+    dist = torch.distributions.Gamma(conc, rate, validate_args=False)
+    return -dist.log_prob(y).mean()

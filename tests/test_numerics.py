@@ -138,3 +138,28 @@ def test_actnorm_data_dependent_init_on_a_constant_feature_is_its_log_not_bad_we
         "forward", "norm0", "aten.log", "invalid"), rep
     assert rep["reproduced"] is True and "log has a pole at 0" in rep["hint"], rep["hint"]
     assert any("norm0.log_scale" in p and "data-dependent" in p for p in rep["problems"]), rep
+
+
+def test_a_softplus_concentration_below_float64s_range_is_underflow_not_invalid(tmp_path):
+    """Gamma regression, softplus in the loss: an outlier record drives the raw output to
+    about -4000, softplus of it is positive in exact arithmetic but 0 in float32 and float64
+    alike, and lgamma(0) is +inf. The loss event names aten.lgamma on that sample, and the
+    cause is ``underflow`` (the 0 came from softplus), not ``invalid`` ("exact arithmetic
+    makes it too", which it does not)."""
+    model = M.make_regression_head()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.gamma_nll, out_dir=tmp_path,
+                            factory="numerics_models:make_regression_head") as rec:
+            for step in range(6):
+                g = torch.Generator().manual_seed(40 + step)
+                x = torch.randn(16, M.D_IN, generator=g)
+                y = torch.rand(16, generator=g) * 3 + 0.1
+                if step == K:  # an outlier record, along the concentration's weights
+                    x[5] = -1000 * model.lin.weight[0].detach().sign()
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep) == (K, "loss", "<loss>", "aten.lgamma", [5], "underflow"), rep
+    assert "softplus" in rep["hint"] and "below float64's range" in rep["hint"], rep["hint"]
