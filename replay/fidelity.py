@@ -213,8 +213,8 @@ def elsewhere_note() -> str:
 def written_note(names: list[str]) -> str:
     """The note for parameters the recorded step's own code made non-finite before the
     optimizer's first update (the recorder's ``written_in_step``)."""
-    return (f"{_changed_params(names)} were finite when the recorder attached and were made "
-            "non-finite during the step, before the optimizer's first update, by the model's "
+    return (f"{_changed_params(names)} were finite when the step began, before the "
+            "optimizer's first update, and were made non-finite during it by the model's "
             "own code (a data-dependent initialisation in the forward, such as ActNorm's scale "
             "from the first batch): the bundle holds their new values, and the re-run writes "
             "them again as that code runs")
