@@ -158,3 +158,15 @@ def gamma_nll(raw, y):
     conc, rate = torch.nn.functional.softplus(raw).unbind(1)
     dist = torch.distributions.Gamma(conc, rate, validate_args=False)
     return -dist.log_prob(y).mean()
+
+
+def make_tagger():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, 5))
+
+
+def multi_positive_loss(logits, labels):
+    """Multi-label softmax loss: log-sum-exp over all tags minus over the positive ones (the
+    others masked to -inf); a record with no tag has no positive: -inf."""
+    lse_pos = torch.logsumexp(logits.masked_fill(~labels.bool(), float("-inf")), dim=1)
+    return (torch.logsumexp(logits, dim=1) - lse_pos).mean()

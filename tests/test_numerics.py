@@ -32,11 +32,11 @@ def train(factory: str, make, out_dir: Path, loss_fn, steps: int = 6) -> NonFini
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
-                            factory=f"numerics_models:{factory}"):
+                            factory=f"numerics_models:{factory}") as rec:
             for step in range(steps):
                 args, target = make(step)
                 opt.zero_grad()
-                loss_fn(model(*args), target).backward()
+                rec.loss_fn(model(*args), target).backward()  # (a function is wrapped)
                 opt.step()
     assert info.value.event["step"] == K
     return info.value
@@ -163,3 +163,28 @@ def test_a_softplus_concentration_below_float64s_range_is_underflow_not_invalid(
     rep = nanreplay_json(info.value.bundle_path)
     assert origin_of(rep) == (K, "loss", "<loss>", "aten.lgamma", [5], "underflow"), rep
     assert "softplus" in rep["hint"] and "below float64's range" in rep["hint"], rep["hint"]
+
+
+def test_a_loss_logsumexp_over_no_positive_is_the_masked_row(tmp_path):
+    """A multi-label loss takes logsumexp over each record's positive tags (the others masked
+    to -inf): an untagged record is a row of -inf only, logsumexp makes -inf of it and the loss
+    +inf. The loss event names that logsumexp, after the intentional fill in the chain, on
+    that record, with the fully-masked-row hint (not the label-smoothing advice for a -inf
+    the model output was allowed to hold)."""
+
+    def make(s):
+        g = torch.Generator().manual_seed(50 + s)
+        x = torch.randn(8, M.D_IN, generator=g)
+        y = (torch.rand(8, 5, generator=g) < 0.4).float()
+        y[:, 0] = 1.0
+        if s == K:
+            y[2] = 0.0  # an untagged record
+        return (x,), y
+
+    err = train("make_tagger", make, tmp_path, M.multi_positive_loss)
+    rep = nanreplay_json(err.bundle_path)
+    assert origin_of(rep) == (K, "loss", "<loss>", "aten.logsumexp", [2], "invalid"), rep
+    chain = rep["origin"]["chain"]
+    assert [(c["op"], c["intentional"]) for c in chain] == [
+        ("aten.masked_fill", True), ("aten.logsumexp", False)], chain
+    assert "fully masked row" in rep["hint"] and "label smoothing" not in rep["hint"], rep
