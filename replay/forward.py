@@ -156,10 +156,16 @@ def _matches(step: Step, origin) -> bool:
 
 
 def _origin_rows(step: Step, run: Run, o, hit) -> list[int]:
-    """The samples of a forward origin: of the call's first non-finite output when it has the
-    batch's samples, else of the blamed op's output (the root's own code computing a loss in
-    the model, whose output is then 0-d), else of the model output."""
-    return o.bad_rows or (hit.rows if hit and hit.rows else []) or _root_rows(step, run)
+    """The samples of a forward origin: of the blamed op's output when they are among the
+    call's non-finite samples (a module whose own code made the NaN in one row, then ran a
+    child that mixes rows, BatchNorm or attention over the batch, returns it in every row),
+    else of the call's first non-finite output when it has the batch's samples, else of the
+    op's (the root's own code computing a loss in the model, whose output is then 0-d), else
+    of the model output."""
+    op_rows = hit.rows if hit and hit.rows else []
+    if op_rows and set(op_rows) <= set(o.bad_rows):
+        return op_rows
+    return o.bad_rows or op_rows or _root_rows(step, run)
 
 
 def _root_rows(step: Step, run: Run) -> list[int]:
