@@ -378,15 +378,7 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]]
         dt = getattr(torch, str(node.get("dtype")), None)
         if isinstance(dt, torch.dtype) and dt.is_floating_point and o.is_floating_point():
             return o.to(dt)  # the loss was given a cast of the output (out.float())
-        if "view" in node:
-            shape, stride, off = node["view"]
-            if shape and o.numel() != math.prod(shape) and not off and o.is_contiguous() \
-                    and list(stride) == _contiguous_strides(shape):
-                # a reshape of the whole output (logits.view(-1, V)) whose batch the replay
-                # changed (--try drop=): the same reshape of the output it has now
-                return o.reshape(-1, *shape[1:])
-            return o.as_strided(shape, stride, o.storage_offset() + off)
-        return o
+        return _same_view(o, *node["view"]) if "view" in node else o
 
     # (the outputs are on the device already: moving them is a no-op)
     args, kwargs = _to(unflatten_tree(tree, step.tensors, leaf=output), step.device)
@@ -425,6 +417,24 @@ def autocast_as_recorded(mb: dict[str, Any], device: torch.device):
         return
     with torch.autocast(device_type=device.type, dtype=dtype):
         yield
+
+
+def _same_view(o: torch.Tensor, shape: list[int], stride: list[int], off: int) -> torch.Tensor:
+    """The view of the re-computed output ``o`` that the loss was given of the recorded one
+    (``shape``, ``stride``, ``off``). When the replay changed the batch (--try drop=), ``o``
+    has fewer elements: a reshape of the whole output (``logits.view(-1, V)``) or a
+    permutation of its dims (``log_probs.transpose(0, 1)`` for ``nn.CTCLoss``) is redone on
+    it; other views keep the recorded strides."""
+    if shape and o.numel() != math.prod(shape) and not off and o.is_contiguous():
+        if list(stride) == _contiguous_strides(shape):
+            return o.reshape(-1, *shape[1:])
+        # the view's dims in the output's order: strides descending, contiguous for that shape
+        order = sorted(range(len(shape)), key=lambda d: -stride[d])
+        base = [shape[d] for d in order]
+        if o.dim() == len(shape) and [stride[d] for d in order] == _contiguous_strides(base) \
+                and sum(a != b for a, b in zip(o.shape, base)) <= 1:
+            return o.permute(sorted(range(len(order)), key=order.__getitem__))
+    return o.as_strided(shape, stride, o.storage_offset() + off)
 
 
 def _contiguous_strides(shape: list[int]) -> list[int]:

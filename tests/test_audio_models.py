@@ -60,3 +60,14 @@ def test_an_empty_clip_is_named_by_the_division_not_by_the_batchnorm_after_it(tm
         ("forward", "", "aten.div", [ROW], "invalid"), json.dumps(rep, indent=1)
     assert o["all_samples"] is False and rep["reproduced"] is True
     assert o["source"].startswith("audio_models.py:"), o["source"]
+
+
+def test_drop_redoes_the_transpose_the_loop_gave_ctc_loss(tmp_path):
+    """``--try auto`` drops the empty clip: the loop's loss takes ``log_probs.transpose(0, 1)``,
+    a view of the model output, which the re-run with a smaller batch redoes on its output.
+    The what-if failed with a stride error (the recorded strides of the larger batch)."""
+    err = train_ctc(tmp_path)
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    [what_if] = rep["what_if"]
+    assert what_if["try"] == f"drop={ROW}" and what_if["finite"] is True, what_if
+    assert what_if["inconclusive"] is False, what_if
