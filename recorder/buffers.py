@@ -5,6 +5,13 @@ A buffer is copied at the start of a step when it is new or changed since the la
 version counter moved), so static ones (masks) cost nothing; the copy of one that did not move
 still holds its pre-step value. BatchNorm statistics, which change without moving the counter,
 are copied every time, in one foreach call.
+
+Code written against ``.data`` changes a buffer without moving its counter too
+(``self.embed.data.copy_(embed_avg / cluster_size)``, the EMA codebook of VQ-VAE code): at the
+first step start after a training step, every buffer whose counter did not move is compared
+with its copy (once, on the device) and copied; those that changed join the BatchNorm ones. The
+comparison is read on the host at a later step start, after the step's own host read has
+waited for it (no host sync of its own).
 """
 
 from __future__ import annotations
@@ -22,41 +29,95 @@ class BufferSnapshots:
 
     def bind(self, buffers: list[tuple[str, torch.Tensor]], norm_buffers: set[str]) -> None:
         """``buffers`` (name, tensor) of the model; ``norm_buffers``: those copied every step."""
-        volatile = [(n, b) for n, b in buffers if n in norm_buffers and b.numel()]
-        self.volatile = {n for n, _ in volatile}
-        for n, b in volatile:
-            self.copies[n] = torch.empty_like(b)
-        self._volatile_pairs = ([self.copies[n] for n, _ in volatile],
-                                [b for _, b in volatile]) if volatile else None
-        self._steady = [(n, b) for n, b in buffers if n not in self.volatile]
+        self._steady = [(n, b) for n, b in buffers if n not in norm_buffers or not b.numel()]
+        self.volatile, self._volatile_items = set(), []
+        self._make_volatile([(n, b) for n, b in buffers if n in norm_buffers and b.numel()])
+        self._armed = True  # the comparison of the copies has yet to run
 
     def clear(self) -> None:
         self.copies: dict[str, torch.Tensor] = {}
         self.volatile: set[str] = set()
         self._versions: dict[str, int | None] = {}
+        self._volatile_items: list[tuple[str, torch.Tensor]] = []
         self._volatile_pairs: tuple[list, list] | None = None
         self._steady: list[tuple[str, torch.Tensor]] = []
+        self._armed = False
+        self._after_training = False
+        self._compared: tuple[list[str], torch.Tensor, object] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.copies.values())
 
-    def snapshot(self) -> None:
-        """Copy what changed since the last step start."""
+    def snapshot(self, training: bool = True) -> None:
+        """Copy what changed since the last step start (``training``: the step that starts
+        is a training step, whose end may show buffers written through ``.data``)."""
+        if self._compared is not None:
+            self._learn()
         if self._volatile_pairs:
             with torch.no_grad():
                 foreach_copy_(*self._volatile_pairs)
-        src, dst = [], []
+        compare = self._armed and self._after_training
+        self._after_training = training
+        src, dst, unmoved = [], [], []
         for name, b in self._steady:
             version = version_of(b)
-            if b.numel() == 0 or (version is not None and self._versions.get(name) == version):
+            if b.numel() == 0:
                 continue
             copy = self.copies.get(name)
+            if version is not None and self._versions.get(name) == version:
+                if not compare or copy is None:
+                    continue
+                unmoved.append((name, copy, b))
             if copy is None or copy.shape != b.shape or copy.dtype != b.dtype:
                 copy = self.copies[name] = torch.empty_like(b)
             src.append(b)
             dst.append(copy)
             self._versions[name] = version
+        if compare:
+            self._armed = False
+            if unmoved:
+                self._compare(unmoved)
         if src:
             with torch.no_grad():
                 foreach_copy_(dst, src)
+
+    def _compare(self, unmoved: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Start the comparison of buffers whose counter did not move with their copies (before
+        they are copied again); the host reads it once the device has got there."""
+        with torch.no_grad():
+            changed = torch.stack([(copy != b).any() for _, copy, b in unmoved])
+        done = None
+        if changed.device.type == "cuda":
+            host = changed.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(changed.device))
+        elif changed.device.type == "cpu":
+            host = changed
+        else:  # (no event to tell when a copy from this device is done: not compared)
+            return
+        self._compared = ([n for n, _, _ in unmoved], host, done)
+
+    def _learn(self) -> None:
+        """Read the comparison if the device got there; its changed buffers are copied at
+        every step start from now on."""
+        names, host, done = self._compared
+        if done is not None and not done.query():
+            return  # read at a later step start
+        self._compared = None
+        changed = {n for n, c in zip(names, host.tolist()) if c}
+        if changed:
+            moved = [(n, b) for n, b in self._steady if n in changed]
+            self._steady = [(n, b) for n, b in self._steady if n not in changed]
+            self._make_volatile(moved)
+
+    def _make_volatile(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``buffers`` at every step start too, in the same foreach call."""
+        for n, b in buffers:
+            self.volatile.add(n)
+            copy = self.copies.get(n)
+            if copy is None or copy.shape != b.shape or copy.dtype != b.dtype:
+                self.copies[n] = torch.empty_like(b)
+        items = self._volatile_items = self._volatile_items + buffers
+        self._volatile_pairs = ([self.copies[n] for n, _ in items],
+                                [b for _, b in items]) if items else None

@@ -138,7 +138,7 @@ class StepCycle:
             tape.unowned_versions = [version_of(p) for _, p in self.target.unowned]
         if not evaluation:  # the next training step's weights still come from that update
             self.updated = False
-        self.buffers.snapshot()
+        self.buffers.snapshot(training=not evaluation)
         if self.rewind is not None and not evaluation:
             # the copy of step s: before its forward, after the last update and scheduler step
             t = self.target
