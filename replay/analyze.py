@@ -38,6 +38,7 @@ from .recorded import (
     scale_of_the_step,
 )
 from .rerun import Runner
+from .state import forward_written, state_notes
 from .whatif import run_tries
 from .window_report import add_window
 
@@ -83,8 +84,11 @@ def _after_update(step: Step) -> bool:
 def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     """The report when the bundle alone decides (bad input, bad weights, an update that cannot
     be re-run, nothing to re-run), else None."""
-    bad_weights = non_finite_weights(step)
     after_update = _after_update(step)
+    # buffers the forward itself wrote non-finite (in an earlier step) are re-run, not blamed
+    written = {} if after_update else forward_written(step)
+    report["problems"].extend(state_notes(step, written))
+    bad_weights = [n for n in non_finite_weights(step) if n not in written]
     if after_update and (bad_weights or "weights" in step.stripped):
         # the update's own evidence first: a batch that is non-finite too came after it (a
         # GAN's fakes from a generator the same kind of update broke), not before
