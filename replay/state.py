@@ -117,11 +117,14 @@ def forward_written(step: Step) -> dict[str, dict[str, Any]]:
 
 def state_notes(step: Step, written: dict[str, dict[str, Any]]) -> list[str]:
     k = step.event.get("step")
+    # (a bundle with a rewind window has those steps already, though a window's re-run checks
+    # module outputs, not buffers: its first non-finite value is still this step's)
+    rewind = "" if step.meta.get("rewind") else "; record with rewind=N to re-run the earlier steps"
     return [f"buffer {n} held {w['kind']} when step {k} began, from neither the data nor a "
             f"checkpoint: the model's own forward writes it ({w['op']} at {_at(w['source'])}) "
             f"and in the re-run writes into it again a non-finite value that {w['maker'][0]} "
             f"({_at(w['maker'][1])}) made from finite ones, so that code made it non-finite "
-            "in an earlier step; record with rewind=N to re-run the earlier steps"
+            f"in an earlier step{rewind}"
             for n, w in written.items()]
 
 

@@ -24,7 +24,7 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # where generative_models.py, the factory's module, lives
 
 
-def train_vqvae(out_dir: Path, steps: int = 4, at=None, **quantize):
+def train_vqvae(out_dir: Path, steps: int = 4, at=None, rewind: int | None = None, **quantize):
     """Train ``generative_models.make_tiny_vqvae(**quantize)`` until the recorder raises;
     ``at(step, model)`` runs before each step. Returns the error and each step's buffers as the
     step found them."""
@@ -34,7 +34,7 @@ def train_vqvae(out_dir: Path, steps: int = 4, at=None, **quantize):
     data = torch.rand(64, 3, 8, 8) * 2 - 1
     found = {}
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, out_dir=out_dir, factory_kwargs=quantize,
+        with FlightRecorder(model, opt, out_dir=out_dir, factory_kwargs=quantize, rewind=rewind,
                             factory="generative_models:make_tiny_vqvae"):
             for step in range(steps):
                 if at is not None:
@@ -88,7 +88,15 @@ def test_a_codebook_the_forward_made_non_finite_is_blamed_on_the_op_not_on_a_che
     assert rep["reproduced"] is True
     [note] = [p for p in rep["problems"] if p.startswith("buffer quantize.embed held")]
     assert "own forward writes it (aten.copy_ at generative_models.py:" in note, note
-    assert "in an earlier step" in note, note
+    assert note.endswith("in an earlier step; record with rewind=N to re-run the earlier "
+                         "steps"), note
+
+
+def test_the_codebook_note_does_not_ask_for_the_rewind_window_a_bundle_has(tmp_path):
+    err, _ = train_vqvae(tmp_path, rewind=2)
+    rep = nanreplay_json(err.bundle_path)
+    [note] = [p for p in rep["problems"] if p.startswith("buffer quantize.embed held")]
+    assert note.endswith("in an earlier step") and rep["window"] is not None, note
 
 
 def test_a_codebook_made_non_finite_outside_the_forward_is_still_weights(tmp_path):
