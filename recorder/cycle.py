@@ -28,6 +28,7 @@ from .buffers import BufferSnapshots
 from .capture import RngCapture
 from .compat import scaler_scale, scaler_token, version_of
 from .errors import NonFiniteError
+from .events import anomaly_reason
 from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, small_param_norms
 from .hooks import Health
@@ -180,8 +181,9 @@ class StepCycle:
         if self.health.active and self.tape is not None:
             self.close_tape(at=at)
 
-    def close_tape(self, at: str) -> None:
-        """Check the step with one host read; on an event, write the bundle."""
+    def close_tape(self, at: str, forced: str | None = None) -> None:
+        """Check the step with one host read; on an event, write the bundle (one of reason
+        ``forced`` when the read finds none)."""
         with self.lock:
             tape = self.tape
             if tape is None:
@@ -219,6 +221,7 @@ class StepCycle:
                 reason = "scale_collapse"
             elif self.skips > self.settings.max_skipped_steps:
                 reason = "scale_skipping"
+        reason = reason or forced
         if reason is not None and not self.alarm.fired:
             self.alarm.step_event(tape, layout, row, reason)
 
@@ -370,7 +373,7 @@ class StepCycle:
         try:
             if not tape.evaluation:  # gradients backward wrote, which no optimizer hook read
                 reread_changed_grads(tape, self.target, self.settings.param_norms)
-            self.close_tape(at="exception")
+            self.close_tape(at="exception", forced=anomaly_reason(exc))
         except NonFiniteError as e:
             _add_note(exc, str(e))
             return

@@ -130,6 +130,10 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
     update), input, forward, loss, backward. None when the only non-finite statistics were
     norms of huge but finite tensors that overflowed (no event)."""
     ev.layout.materialize()
+    if reason == "anomaly":
+        return Event(ev.tape.step, reason, phase="backward", kind="nan", detail=(
+            "torch.autograd's anomaly mode stopped backward at a NaN gradient, before any "
+            "reached a parameter"))
     if reason in ("scale_collapse", "scale_skipping"):
         return Event(ev.tape.step, reason, phase="backward", kind="scale",
                      detail=f"GradScaler scale {ev.layout.scale} after skipping steps "
@@ -373,6 +377,15 @@ def _enclosing_maker(by_order: list[dict], pos: int, names: list[str]) -> dict |
             return e
         inner = own  # (its own inputs held the infinity: further out)
     return None
+
+
+def anomaly_reason(exc: BaseException) -> str | None:
+    """``"anomaly"`` when ``exc`` is anomaly mode's error for a backward node that returned
+    NaN (``set_detect_anomaly(True)``): it raises inside backward, before the NaN reaches a
+    gradient the recorder reads, so the step's statistics alone would show nothing."""
+    text = str(exc) if isinstance(exc, RuntimeError) else ""
+    return "anomaly" if text.startswith("Function '") and " returned nan values in its " \
+        in text else None
 
 
 def optimizer_event(step: int, params: list[str], *, after_update: bool,

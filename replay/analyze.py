@@ -24,6 +24,7 @@ from .forward import report_forward
 from .load import Step
 from .origins import (
     report_backward,
+    report_dropped_nan,
     report_entering,
     report_loss,
     report_loss_not_in_bundle,
@@ -180,6 +181,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return report_loss_not_in_bundle(report, step)
     if run1.bad_grads:
         return report_backward(report, runner)
+    if step.event.get("reason") == "anomaly":
+        return report_dropped_nan(report, runner)
     if phase == "optimizer" and not _after_update(step) and step.optimizer is not None:
         return report_optimizer(report, step, runner)
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")

@@ -89,3 +89,23 @@ class WeightNormedStack(nn.Module):
 def make_weight_normed() -> WeightNormedStack:
     torch.manual_seed(0)
     return WeightNormedStack()
+
+
+class SqrtGate(nn.Module):
+    """``torch.where(h > 0, sqrt(...), 0)``: the backward of sqrt at 0 is NaN in the branch the
+    where masks out; with ``clamp_min(0)`` inside, the clamp's backward zeroes that NaN again."""
+
+    def __init__(self, clamped: bool = True):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.clamped = clamped
+
+    def forward(self, x):
+        h = self.lin(x)
+        inner = h.clamp_min(0) if self.clamped else h
+        return torch.where(h > 0, torch.sqrt(inner), torch.zeros_like(h))
+
+
+def make_sqrt_gate(clamped: bool = True) -> SqrtGate:
+    torch.manual_seed(0)
+    return SqrtGate(clamped)

@@ -1,0 +1,66 @@
+"""End to end: a loop that runs under ``torch.autograd.detect_anomaly()`` too. Anomaly mode
+raises inside backward at a node's NaN, before any reaches a gradient the recorder reads; the
+recorder still writes the bundle (event reason ``anomaly``), and the replay, which runs without
+anomaly mode, says whether that NaN reached the parameters or was dropped by a later node."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import scale_models as SM
+import torch
+from bundles import invoke_cli
+
+from recorder import FlightRecorder
+from recorder.bundle import read_bundle
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # scale_models.py is trusted here
+
+
+def train_under_anomaly_mode(tmp_path, clamped: bool) -> tuple[RuntimeError, dict]:
+    model = SM.make_sqrt_gate(clamped)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = torch.nn.MSELoss()
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(RuntimeError) as info, pytest.warns(UserWarning), \
+            torch.autograd.detect_anomaly():
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="scale_models:make_sqrt_gate",
+                            factory_kwargs={"clamped": clamped}):
+            for _ in range(3):
+                opt.zero_grad()
+                crit(model(torch.randn(8, 4, generator=g)), torch.ones(8, 4)).backward()
+                opt.step()
+    assert "returned nan values" in str(info.value)
+    [bundle] = list(tmp_path.glob("*.nan"))
+    meta, _ = read_bundle(bundle)
+    assert (meta["event"]["reason"], meta["event"]["phase"], meta["event"]["step"]) == (
+        "anomaly", "backward", 0)
+    r = invoke_cli(bundle, "--json")
+    return info.value, json.loads(r.stdout)
+
+
+def test_a_nan_a_later_node_drops_is_named_and_said_harmless(tmp_path):
+    err, rep = train_under_anomaly_mode(tmp_path, clamped=True)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["params"], rep["cause"], rep["reproduced"]) == (
+        "backward", "", "SqrtBackward0", [], "invalid", True), o
+    assert any(p.startswith("torch.autograd's anomaly mode (set_detect_anomaly) stopped "
+                            "training at this NaN, but re-run without it every parameter's "
+                            "gradient is finite") for p in rep["problems"]), rep["problems"]
+
+
+def test_a_nan_that_reaches_the_parameters_is_the_usual_backward_report(tmp_path):
+    err, rep = train_under_anomaly_mode(tmp_path, clamped=False)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], rep["cause"], rep["reproduced"]) == (
+        "backward", "SqrtBackward0", "invalid", True), o
+    assert set(o["params"]) == {"lin.weight", "lin.bias"}
+    assert not any("anomaly mode" in p for p in rep["problems"])
