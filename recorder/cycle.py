@@ -99,9 +99,11 @@ class StepCycle:
             self.close_tape(at="forward")
             tape = None
         if tape is None:
-            # Between steps, a forward in eval mode with gradients off is an evaluation:
-            # checked on its own when it returns, and part of no step.
-            tape = self._open_tape(evaluation=self.target.has_optimizer and not training
+            # Between steps, a forward with gradients off is an evaluation, in train mode too
+            # (a validation loop without model.eval(), RL rollouts, swa_utils.update_bn):
+            # checked on its own when it returns, and part of no step, which would otherwise
+            # hold every such batch and output until the next update.
+            tape = self._open_tape(evaluation=self.target.has_optimizer
                                    and not torch.is_grad_enabled())
         return tape
 

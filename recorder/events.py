@@ -440,7 +440,7 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         params = event["params"]
         more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""
         where += f" Parameters: {', '.join(params[:4])}{more}."
-    when = (f"in an evaluation forward (eval mode, gradients off) before step {event['step']}"
+    when = (f"in an evaluation forward (gradients off) before step {event['step']}"
             if event.get("evaluation") else f"at step {event['step']}")
     head = (f"nanreplay: non-finite value ({label(event.get('kind'))}) {when}, phase "
             f"{event['phase']}.{where}")

@@ -651,7 +651,7 @@ def test_nan_in_an_evaluation_forward_is_named_at_its_end(out_dir):
     assert after == [0, 1, 2]
     ev = info.value.event
     check_event(ev, step=2, phase="forward", module="1", evaluation=True, inputs_finite=True)
-    assert "in an evaluation forward (eval mode, gradients off) before step 2" in str(info.value)
+    assert "in an evaluation forward (gradients off) before step 2" in str(info.value)
     assert rec.step == 2
     meta, tensors = read_bundle(info.value.bundle_path)
     (mb,) = meta["micro_batches"]
@@ -660,17 +660,26 @@ def test_nan_in_an_evaluation_forward_is_named_at_its_end(out_dir):
     assert identical(tensors[key], M.batch(103)[0])
 
 
-def test_no_grad_forwards_in_train_mode_stay_micro_batches(out_dir):
-    """A no-grad forward in train mode (targets from the model itself, say) may draw dropout
-    masks the step depends on: it stays a micro-batch of the step, as before."""
+def test_no_grad_forwards_in_train_mode_between_steps_are_evaluations(out_dir):
+    """A no-grad forward in train mode between steps (a validation loop without
+    model.eval(), RL rollouts, swa_utils.update_bn) is an evaluation: checked on its own and
+    let go, where it used to join the next step and stay referenced, batch and output, until
+    the update (300 validation batches: 300 micro-batches held). Once a step has opened, a
+    no-grad forward (a target from the model itself) stays a micro-batch of it; the RNG state
+    the step's replay starts from is taken when the step opens, after such forwards drew."""
     model, crit = M.mlp(), nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
         x, y = M.batch(0)
         with torch.no_grad():
-            model(x)
+            for _ in range(5):
+                model(x)
+        assert rec.cycle.tape is None and rec.step == 0  # checked, let go, no step
         opt.zero_grad()
-        crit(model(x), y).backward()
+        out = model(x)
+        with torch.no_grad():
+            target = model(x).argmax(1)
+        crit(out, target).backward()
         assert len(rec.cycle.tape.micro_batches) == 2
         opt.step()
         assert rec.step == 1
