@@ -60,6 +60,7 @@ class Alarm:
     def step_event(self, tape: Tape, layout: StepLayout, row: torch.Tensor, reason: str) -> None:
         """A step whose probe failed: find its first offender and report it."""
         if not self._claim():
+            self._take_part(tape.step)
             return
         target = self.target
         evidence = StepEvidence(
@@ -91,7 +92,10 @@ class Alarm:
                  if n in names and not bool(torch.isfinite(local(p)).all())]
         agreement = self.target.ranks
         agreed = agreement is not None and agreement.seen is not None  # every rank is here
-        if (not pairs and not agreed) or not self._claim():
+        if not pairs and not agreed:
+            return
+        if not self._claim():
+            self._take_part(step)
             return
         event = events.optimizer_event(step, [n for n, _ in pairs], after_update=after_update,
                                        kind=tensors_kind(p for _, p in pairs) or "nan"
@@ -106,6 +110,13 @@ class Alarm:
             self._write_and_report(None, event)
         else:
             self._write_and_report(tape, event, guard=guard)
+
+    def _take_part(self, step: int) -> None:
+        """A rank that already reported its own event (an evaluation's, which the ranks do not
+        agree on) still takes part in the slow path's all-reduce the others run."""
+        agreement = self.target.ranks
+        if agreement is not None and agreement.seen is not None:
+            agreement.settle(None, step)
 
     def summary(self) -> str:
         return _message(self.event, self.bundle_path, self.settings.on_event == "raise")

@@ -184,8 +184,7 @@ class StepCycle:
             self.close_tape(at=at)
 
     def close_tape(self, at: str, forced: str | None = None) -> None:
-        """Check the step with one host read; on an event, write the bundle (one of reason
-        ``forced`` when the read finds none)."""
+        """Check the step with one host read; on an event (or ``forced``), write the bundle."""
         with self.lock:
             tape = self.tape
             if tape is None:
@@ -201,7 +200,8 @@ class StepCycle:
             if at != "exception":
                 self.leave_ranks()  # (in place of this step's exchange)
             return
-        ok, read_scale = self._read(probe, agree=at != "exception")  # the step's one sync
+        # (ranks agree on training steps, run in lockstep; one may evaluate alone)
+        ok, read_scale = self._read(probe, agree=at not in ("exception", "evaluation"))
         if self.peers_stopped():
             return
         if scale:
@@ -224,7 +224,7 @@ class StepCycle:
             elif self.skips > self.settings.max_skipped_steps:
                 reason = "scale_skipping"
         reason = reason or forced
-        if reason is not None and not self.alarm.fired:
+        if reason is not None:  # (a rank that fired already takes part in the others' slow path)
             self.alarm.step_event(tape, layout, row, reason)
 
     def leave_ranks(self) -> None:
@@ -353,7 +353,7 @@ class StepCycle:
             if not tape.loss:
                 return
             layout, row, probe, _ = self.build_row(tape, skipped=False)
-            ok, _ = self._read(probe)  # the evaluation loss's own host read
+            ok, _ = self._read(probe, agree=False)  # the evaluation loss's own host read
         except Exception as e:
             self.health.internal_error(e)
             return
@@ -386,12 +386,11 @@ class StepCycle:
             _add_note(exc, self.alarm.summary())
 
     def check_last_update(self) -> None:
-        """At detach after a clean exit: the last update's evidence, which no next step will
-        read (one host read, once)."""
+        """At detach after a clean exit: the last update's evidence (one host read)."""
         pending, self.pending_update = self.pending_update, None
-        if pending is None or self.alarm.fired or not self.health.active:
+        evidence, ranks = pending and pending.slots.region(STRICT), self.target.ranks
+        if pending is None or (self.alarm.fired and ranks is None) or not self.health.active:
             return
-        evidence, ranks = pending.slots.region(STRICT), self.target.ranks
         # the detach's one read (with the ranks' flags: every rank stops if one must)
         values = ranks.read_with(evidence) if ranks is not None else evidence.tolist()
         if self.peers_stopped():

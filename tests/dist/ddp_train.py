@@ -6,7 +6,9 @@ none may hang. Mode ``loss``: at step 3 every target of rank 1 is ``ignore_index
 loss is 0/0 while every gradient stays finite: only rank 1 sees a NaN, and rank 0 must still stop
 at the same step (else it would wait in step 4's all-reduce for a rank that raised). Mode
 ``eval``: before step 3 each rank runs an evaluation forward (eval mode, no gradients) whose
-batch holds a NaN on rank 1 only: both ranks must stop at that forward (rank 0 with a peer event).
+batch holds a NaN on rank 1 only, with ``on_event="warn"``: rank 1 writes its bundle there, and
+both ranks train on. Mode ``eval0``: before step 3 rank 0 alone runs evaluation forwards (eval
+mode, and one in train mode under no_grad), as a validation on rank 0 does: no rank may hang.
 Mode ``warn``: mode ``input``'s NaN with ``on_event="warn"``: both ranks warn and train on.
 Mode ``rewind``: mode ``input``'s NaN with ``rewind=2``.
 """
@@ -41,7 +43,7 @@ def main(out_dir: str, mode: str = "input") -> None:
     try:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                             factory="ddp_train:make_model",
-                            on_event="warn" if mode == "warn" else "raise",
+                            on_event="warn" if mode in ("warn", "eval") else "raise",
                             rewind=2 if mode == "rewind" else None) as rec:
             for step in range(10):
                 if rank == 1 and step == 3 and mode == "internal":
@@ -59,6 +61,12 @@ def main(out_dir: str, mode: str = "input") -> None:
                         if rank == 1:
                             xe[1, 2] = float("nan")
                         model(xe)
+                    model.train()
+                if step == 3 and mode == "eval0" and rank == 0:
+                    with torch.no_grad():
+                        model.module(x)  # a train-mode validation of the unwrapped model
+                        model.eval()
+                        model(x)
                     model.train()
                 opt.zero_grad()
                 crit(model(x), y).backward()
