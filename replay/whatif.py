@@ -17,6 +17,7 @@ names). ``auto`` tries the remedies that fit the cause found (:func:`auto_tries`
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -151,11 +152,27 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
                      for g in step.optimizer.param_groups)
         if not bad_lr:
             out += ["lr=0.1x", "clip=1.0"]
+            if (before := _lr_before_jump(report)) is not None:
+                out.append(f"lr={before:.3g}")  # the rate the run trained at before the jump
         elif (last := _last_finite_lr(step)) is not None:
             out.append(f"lr={last:.3g}")
         if cause == "optimizer" and any(g.get("eps") == 0 for g in step.optimizer.param_groups):
             out.append("eps=1e-8")
     return out
+
+
+def _lr_before_jump(report: dict[str, Any]) -> float | None:
+    """The median learning rate of the window's steps before a learning-rate jump that began
+    the trouble (a rate set 1e5x higher at unfreezing: a tenth of it is still far too high),
+    None when the window began with no such jump."""
+    w = report.get("window") or {}
+    began = w.get("precursors_began") or {}
+    if began.get("kind") != "lr_jump":
+        return None
+    lrs = [s["lr"] for s in w.get("per_step") or []
+           if s.get("step") is not None and s["step"] < began["step"]
+           and isinstance(s.get("lr"), (int, float)) and math.isfinite(s["lr"]) and s["lr"] > 0]
+    return statistics.median(lrs) if lrs else None
 
 
 def _last_finite_lr(step: Step) -> float | None:

@@ -414,3 +414,12 @@ def test_backward_of_a_saved_infinity_names_the_forward_op_that_made_it(out_dir)
     assert origin["chain"][0]["made"] == "-inf"
     assert (report["cause"], origin["samples"]) == ("invalid", [5])
     assert "aten.log of 0" in report["hint"]
+
+
+def test_try_auto_proposes_the_rate_before_the_jump(out_dir):
+    """When the window began with a learning-rate jump (1e4 set at unfreezing, 1e5x the 0.1
+    before), auto's lr=0.1x is still 1e3 and NaN: it now also proposes the rate the run
+    trained at before the jump, which stays finite."""
+    report = nanreplay_json(unfreeze_in_place(out_dir).bundle_path, "--try", "auto")
+    tries = {t["try"]: t for t in report["what_if"]}
+    assert tries["lr=0.1"]["finite"] is True and not tries["lr=0.1"]["inconclusive"]
