@@ -129,6 +129,8 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
     if html_path is not None and (info or strip_parts or output):
         raise click.UsageError("--html writes the report of a replay; --info and --strip do "
                                "not replay: run them separately")
+    _check_no_replay_options(info, strip_parts or output, as_json, tries, factory,
+                             factory_kwargs, device)
     if strip_parts or output:
         if not (strip_parts and output):
             raise click.UsageError("--strip and -o/--output go together: "
@@ -173,6 +175,23 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
                               f"({e.strerror or e}); the report was printed; pass another "
                               "--html path") from None
     return 0 if report["reproduced"] and report["origin"].get("phase") else 1
+
+
+def _check_no_replay_options(info, strip, as_json, tries, factory, factory_kwargs,
+                             device) -> None:
+    """Options of a replay given with --info or --strip, which replay nothing: refused, as
+    --html is, rather than silently dropped (a --try that never ran reads as no answer)."""
+    if not (info or strip):
+        return
+    given = [name for name, value in (("--try", tries), ("--factory", factory),
+                                      ("--factory-kwargs", factory_kwargs is not None),
+                                      ("--device", device), ("--json", strip and as_json))
+             if value]
+    if given:
+        mode = "--info" if info else "--strip"
+        raise click.UsageError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} "
+                               f"for a replay, and {mode} replays nothing: run them "
+                               "separately")
 
 
 def _check_html_dir(html_path: Path) -> None:

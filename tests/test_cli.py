@@ -450,6 +450,24 @@ def test_html_needs_a_replay(toy, tmp_path, monkeypatch, args):
     assert list(tmp_path.iterdir()) == []  # neither the report nor the copy
 
 
+@pytest.mark.parametrize("args, given, mode", [
+    (("--info", "--try", "lr=1e-4"), "--try is", "--info"),
+    (("--info", "--factory", "toy_model:make_model", "--device", "cpu"),
+     "--factory, --device are", "--info"),
+    (("--strip", "batch", "-o", "share.nan", "--try", "auto"), "--try is", "--strip"),
+    (("--strip", "batch", "-o", "share.nan", "--json"), "--json is", "--strip"),
+])
+def test_replay_options_without_a_replay_are_refused(toy, tmp_path, monkeypatch, args, given,
+                                                      mode):
+    """`nanreplay B.nan --info --try lr=1e-4` printed the summary and dropped the what-if
+    without a word, which reads as if it had no answer; it is now refused as --html is."""
+    monkeypatch.chdir(tmp_path)
+    assert one_error_line(invoke(*args, toy)) == (
+        f"nanreplay: {given} for a replay, and {mode} replays nothing: run them separately "
+        "(nanreplay --help lists the options)")
+    assert list(tmp_path.iterdir()) == []  # no copy written
+
+
 def test_help_names_every_option():
     r = invoke("--help")
     assert r.exit_code == 0
