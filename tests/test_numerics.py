@@ -188,3 +188,21 @@ def test_a_loss_logsumexp_over_no_positive_is_the_masked_row(tmp_path):
     assert [(c["op"], c["intentional"]) for c in chain] == [
         ("aten.masked_fill", True), ("aten.logsumexp", False)], chain
     assert "fully masked row" in rep["hint"] and "label smoothing" not in rep["hint"], rep
+
+
+def test_a_coupling_scale_that_overflows_exp_says_to_bound_the_exponent(tmp_path):
+    """RealNVP's affine coupling scales by exp(s) of a learned s: a record 1000x too large
+    makes s large enough that exp overflows float32 (float64 holds it). The forward event
+    names aten.exp in the coupling, on that record, ``overflow``, and the hint gives the fix a
+    flow uses, bounding the exponent (tanh), beside rescaling or a wider type."""
+
+    def make(s):
+        x = torch.randn(16, M.D_IN, generator=torch.Generator().manual_seed(60 + s))
+        if s == K:
+            x[9] *= 1e3  # a record in the wrong unit
+        return (x,), torch.zeros(16)
+
+    err = train("make_flow", make, tmp_path, M.flow_nll)
+    rep = nanreplay_json(err.bundle_path)
+    assert origin_of(rep) == (K, "forward", "coup0", "aten.exp", [9], "overflow"), rep
+    assert "float64 holds it" in rep["hint"] and "tanh(s)" in rep["hint"], rep["hint"]
