@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import tensor_leaves
+from .capture import map_tensors, tensor_leaves
 from .compat import any_autocast_enabled, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
@@ -38,6 +38,7 @@ class CallHooks:
         self.param_norms = param_norms  # stats="full": means, RMS and weight norms too
         self.strict_inf = target.settings.strict_inf
         self.loss_recorded = False  # record_loss has been given a loss (no loss_fn to replay)
+        self.copy_inputs = False  # the model's forward writes into its floating inputs
 
     def register(self) -> list:
         """Hook every site of the bound target (and the loss module, and the gradients of the
@@ -99,7 +100,9 @@ class CallHooks:
             tape = cycle.tape_for_forward(training)
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                             autocast=_autocast_state(self.target.forward_autocast))
-            mb.input_refs = self._root_input_refs(tape, args, kwargs)
+            mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
+            if self.copy_inputs:  # a forward that writes into its inputs: keep them as they came
+                mb.args, mb.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)
             if tape.micro_batches and training and not self.target.sharded:
                 mb.grads_dropped = self._grads_dropped(tape.micro_batches)
             tape.micro_batches.append(mb)
@@ -113,12 +116,12 @@ class CallHooks:
         return any(m.out_grads for m in earlier[since:]) and \
             all(p.grad is None for _, p in self.target.params)
 
-    def _root_input_refs(self, tape: Tape, args, kwargs) -> tuple:
+    def _root_input_refs(self, tape: Tape, args, kwargs, versions: list) -> tuple:
         """(min, max, allowed) refs of each floating root input. NaN is always checked; +-Inf
         only with ``strict_inf`` and outside ``allow_inf`` (by the argument's name, ``args[i]``
         or a keyword, or an allowed buffer passed in): by default an infinity that comes in
         (a float mask) is an event only where it leads (see ``strict_inf``). Each is cached,
-        so the first layers that take it reuse these."""
+        so the first layers that take it reuse these; ``versions`` gets (input, version)."""
         refs = []
         one = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual batch
         for name, t in (("args[0]", args[0]),) if one else _named_leaves(args, kwargs):
@@ -133,13 +136,19 @@ class CallHooks:
             a, b = tape.slots.minmax(t.detach(), NAN_ONLY if soft else STRICT)
             refs.append((a, b, soft))
             # (for the calls that take it, only an allow_inf input's +-Inf is finite)
-            tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version_of(t))
+            version = version_of(t)
+            tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version)
+            versions.append((t, version))
         return tuple(refs)
 
     def _end_micro_batch(self, tape: Tape, output) -> None:
         """Keep the root output, and the gradient backward brings to each of its tensors."""
         mb = tape.micro_batches[-1]
         mb.outputs = output
+        if not self.copy_inputs and any(version_of(t) != v for t, v in mb.input_versions):
+            # the forward wrote into its input (wav.div_(peak)): this micro-batch's is kept as
+            # the forward left it, the next ones' are copied when they come in
+            self.copy_inputs = mb.inputs_written = True
         if torch.is_grad_enabled():
             # (kept by the micro-batch, and its norm taken when the step closes: see
             # recorder.grads; the hooks hold that dict, never the tape)
@@ -414,3 +423,7 @@ def _autocast_state(inner: list[tuple[str, str | None]]) -> dict[str, Any]:
         else:
             out[dev] = dtype
     return out
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone() if t.is_floating_point() else t

@@ -53,6 +53,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
                            "autocast": mb.autocast}
     if mb.grads_dropped:
         out["grads_dropped"] = True
+    if mb.inputs_written:
+        out["inputs_written"] = True
     outs = list(tensor_leaves(mb.outputs))
     if mb.loss_args is not None:
         ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],

@@ -29,6 +29,8 @@ class MicroBatch:
     loss_kwargs: dict | None = None
     out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     input_refs: tuple = ()
+    input_versions: list = field(default_factory=list)  # (floating input, version) at the start
+    inputs_written: bool = False  # the forward wrote into them: args/kwargs hold what it left
 
 
 class Tape:

@@ -355,7 +355,9 @@ def micro_batch_inputs(step: Step, i: int) -> tuple[list, dict]:
     except (UnrebuildableLeaf, KeyError) as e:
         raise ReplayError(f"micro-batch {i} holds an input that cannot be rebuilt ({e}); only "
                           "tensors and JSON values are replayable") from None
-    return _to(args, step.device), _to(kwargs, step.device)
+    # (copies: a forward that writes into its input, wav.div_(peak), must not change the
+    # bundle's batch for the re-runs that follow)
+    return _to(args, step.device, copy=True), _to(kwargs, step.device, copy=True)
 
 
 def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]]
@@ -390,10 +392,10 @@ def output_grads(step: Step, i: int) -> dict[int, torch.Tensor]:
     return {int(j): step.tensors[k].to(step.device) for j, k in keys.items() if k in step.tensors}
 
 
-def _to(obj, device):
+def _to(obj, device, copy: bool = False):
     """``obj`` (a tree rebuilt from the bundle: lists, tuples, namedtuples, dicts) with its
     tensors on ``device`` (a ``PackedSequence``'s ``batch_sizes`` stay on the CPU)."""
-    return map_tensors(obj, lambda v: v.to(device))
+    return map_tensors(obj, lambda v: v.to(device, copy=copy))
 
 
 def rng_state(step: Step) -> dict[str, Any] | None:
