@@ -100,17 +100,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
                       reproduced=False)
     if step.event.get("phase") == "input":
         return finish(report, input_origin(step), "input", reproduced=True)
-    written = [i for i, mb in enumerate(step.micro_batches) if mb.get("inputs_written")]
-    if written:  # (the recorder copies the inputs from the next micro-batch on)
-        report["problems"].append(
-            f"the model's forward wrote into its input in place (micro-batch {written[0]}) the "
-            "first time the recorder saw it do so: the bundle holds that input as the forward "
-            "left it, not as it came in, and the step cannot be re-run from it")
-        report["not_rerun"] = "input written by the forward"
-        return recorded_origin(report, step, (
-            "the origin above is what the recorder saw; write into a copy of the input "
-            "(x = x / peak, not x.div_(peak)), or record from before this step: from the next "
-            "micro-batch on the recorder keeps the inputs as they come in"))
+    if any(mb.get("inputs_written") for mb in step.micro_batches):
+        return _input_written(report, step)
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
         return finish(report, input_origin(step), "input", reproduced=True)
     changed = set(step.meta.get("changed_in_step") or ())
@@ -148,6 +139,22 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
                                else "factory not imported")
         return report
     return None
+
+
+def _input_written(report, step: Step) -> dict[str, Any]:
+    """The forward wrote into its input in place the first time the recorder saw it do so:
+    the bundle holds that input as the forward left it (the recorder copies the inputs from
+    the next micro-batch on), so the step cannot be re-run."""
+    written = [i for i, mb in enumerate(step.micro_batches) if mb.get("inputs_written")]
+    report["problems"].append(
+        f"the model's forward wrote into its input in place (micro-batch {written[0]}) the "
+        "first time the recorder saw it do so: the bundle holds that input as the forward "
+        "left it, not as it came in, and the step cannot be re-run from it")
+    report["not_rerun"] = "input written by the forward"
+    return recorded_origin(report, step, (
+        "the origin above is what the recorder saw; write into a copy of the input "
+        "(x = x / peak, not x.div_(peak)), or record from before this step: from the next "
+        "micro-batch on the recorder keeps the inputs as they come in"))
 
 
 def _from_rerun(report, step: Step) -> dict[str, Any]:
