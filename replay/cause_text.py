@@ -77,7 +77,8 @@ DO = {
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "
                  "infinity (the chain) and keep it finite",
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "
-           "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss",
+           "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss "
+           "(a Hugging Face CTC model: config.ctc_zero_infinity=True)",
     "no_target": "every target of the batch is ignored (ignore_index): skip such batches or "
                  "use reduction='sum' and divide by max(count, 1)",
     "masked": "torch.where and masked_fill still send the gradient through both branches, "
