@@ -97,7 +97,11 @@ class CallHooks:
         cycle = self.cycle
         cycle.eval_tail = None  # an evaluation forward whose loss never came
         with cycle.lock:
-            tape = cycle.tape_for_forward(training)
+            # gradients off: an evaluation, in train mode too (a validation loop without
+            # model.eval(), RL rollouts, swa_utils.update_bn), unless an input requires grad
+            # (a root run under a reentrant checkpoint, whose backward runs it again)
+            tape = cycle.tape_for_forward(not torch.is_grad_enabled() and not (
+                training and any(t.requires_grad for t in _leaves(args, kwargs))))
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                             autocast=_autocast_state(self.target.forward_autocast))
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)

@@ -90,7 +90,7 @@ class StepCycle:
     # ------------------------------------------------------------------------------------------
     # opening
 
-    def tape_for_forward(self, training: bool) -> Tape:
+    def tape_for_forward(self, evaluating: bool) -> Tape:
         """The tape a root forward records into: the open step's, or a new one (closing first
         a step that ended without an optimizer step). Called under :attr:`lock`."""
         tape = self.tape
@@ -99,12 +99,10 @@ class StepCycle:
             self.close_tape(at="forward")
             tape = None
         if tape is None:
-            # Between steps, a forward with gradients off is an evaluation, in train mode too
-            # (a validation loop without model.eval(), RL rollouts, swa_utils.update_bn):
-            # checked on its own when it returns, and part of no step, which would otherwise
-            # hold every such batch and output until the next update.
-            tape = self._open_tape(evaluation=self.target.has_optimizer
-                                   and not torch.is_grad_enabled())
+            # Between steps, an evaluating forward (see CallHooks) is checked on its own when
+            # it returns, and part of no step, which would otherwise hold every such batch and
+            # output until the next update.
+            tape = self._open_tape(evaluation=self.target.has_optimizer and evaluating)
         return tape
 
     def _ended_without_optimizer(self, tape: Tape) -> bool:

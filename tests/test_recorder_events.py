@@ -14,6 +14,7 @@ import weakref
 import models as M
 import pytest
 import torch
+import torch.utils.checkpoint
 from models import bundles, check_event, identical
 from torch import nn
 
@@ -683,6 +684,27 @@ def test_no_grad_forwards_in_train_mode_between_steps_are_evaluations(out_dir):
         assert len(rec.cycle.tape.micro_batches) == 2
         opt.step()
         assert rec.step == 1
+
+
+def test_a_root_run_under_a_reentrant_checkpoint_is_no_evaluation(out_dir):
+    """``checkpoint(model, x, use_reentrant=True)`` runs the root forward with gradients off
+    (its backward runs it again): its input requires grad, so it is the step's forward, not an
+    evaluation, and a loss event there is the step's."""
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            for step in range(5):
+                x, y = M.batch(step)
+                if step == K:
+                    y[:] = -100  # every target ignored: the mean loss is 0/0
+                opt.zero_grad()
+                out = torch.utils.checkpoint.checkpoint(model, x.requires_grad_(),
+                                                        use_reentrant=True)
+                crit(out, y).backward()
+                opt.step()
+    check_event(info.value.event, step=K, phase="loss")
+    assert "evaluation" not in info.value.event
 
 
 def test_inference_mode_forwards_are_recorded(out_dir):
