@@ -216,7 +216,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                          f"is beyond {dt}'s largest value {_g(top)}; float64 holds it: "
                          + _wider(ev.dtype))
         return Cause("overflow", f"{op}'s true result (up to {_g(big)}) is finite but beyond "
-                     f"{dt}'s largest value {_g(top)}; float64 holds it: " + _wider(ev.dtype))
+                     f"{dt}'s largest value {_g(top)}; float64 holds it: "
+                     + _wider(ev.dtype, op))
     if domains.no_pole(name, ev):
         if ev.local64 is None and not still:  # a random op: the float64 step decides
             return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "
@@ -307,10 +308,15 @@ def _given(ev: Evidence, i: int) -> list[float]:
     return [float(v) for v in ev.inputs[i].flatten()[:8]]
 
 
-def _wider(dtype: torch.dtype) -> str:
+def _wider(dtype: torch.dtype, op: str | None = None) -> str:
     """What a wider type means from ``dtype``: float32 for the half types, else rescaling or
-    float64."""
-    return DO["wider"] if torch.finfo(dtype).bits < 32 else DO["wider64"]
+    float64 (and, for an exponential ``op``, bounding its exponent)."""
+    if torch.finfo(dtype).bits < 32:
+        return DO["wider"]
+    return DO["wider64_exp"] if op is not None and _name(op) in _EXPONENTIAL else DO["wider64"]
+
+
+_EXPONENTIAL = {"exp", "exp2", "expm1", "pow"}
 
 
 def _float64_op_finite(capture: OpAt | None, ev: Evidence) -> bool | None:

@@ -92,8 +92,10 @@ DO = {
     "wider": "compute this op in float32 (outside autocast, or .float() before it) or "
              "rescale its inputs",
     "wider64": "rescale its inputs (subtract the row max before exp, normalise before a "
-               "product or sum), bound a learned exponent (s.clamp(max=...), or scale * "
-               "tanh(s) as flows' affine couplings do) or compute it in float64",
+               "product or sum) or compute it in float64",
+    "wider64_exp": "rescale its inputs (subtract the row max before exp), bound a learned "
+                   "exponent (s.clamp(max=...), or scale * tanh(s) as flows' affine couplings "
+                   "do) or compute it in float64",
     "clamp": "clamp the exponent or the input range (subtract the row max before exp, "
              "clamp the input), or lower the learning rate",
     "wider_under": "float32 holds it: compute in float32 from where the value is made "

@@ -98,6 +98,7 @@ def test_a_product_that_overflows_in_a_linear_names_no_parameter(tmp_path):
                      steps=2)
     assert (rep["origin"]["op"], rep["cause"]) == ("aten.addmm", "overflow"), rep["origin"]
     assert "the parameter" not in rep["hint"], rep["hint"]
+    assert "learned exponent" not in rep["hint"], rep["hint"]  # (a flow's advice, for exp)
 
 
 def test_a_weight_made_by_a_modules_pre_hook_is_found_in_that_hook(tmp_path):
