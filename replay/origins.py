@@ -36,7 +36,9 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     ``optimizer.step()``."""
     ev = step.event
     seen, last = ev.get("first_seen_step"), ev.get("last_update_step")
+    buffer = bad[0] in set(step.meta.get("buffers") or ())  # (a BatchNorm's running_var)
     report = finish(report, origin_fields(phase="weights", params=bad, param=bad[0],
+                                          tensor="buffer" if buffer else None,
                                           first_seen_step=seen, last_update_step=last),
                     "weights", reproduced=True,
                     hint=None if step.meta.get("optimizer") else _own_update_hint(step))

@@ -38,7 +38,8 @@ def _where(o: dict[str, Any]) -> str:
         return f"the input {o.get('tensor')}"
     if o.get("phase") in ("weights", "optimizer"):
         params = o.get("params") or []
-        return f"parameter {_first_param(params)}" if params else "the parameters"
+        what = "buffer" if o.get("tensor") == "buffer" else "parameter"
+        return f"{what} {_first_param(params)}" if params else "the parameters"
     mod = o.get("module")
     name = module_label(mod)
     call = f", call {o['call']}" if o.get("call") is not None else ""

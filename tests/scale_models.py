@@ -109,3 +109,8 @@ class SqrtGate(nn.Module):
 def make_sqrt_gate(clamped: bool = True) -> SqrtGate:
     torch.manual_seed(0)
     return SqrtGate(clamped)
+
+
+def make_bn_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))

@@ -122,3 +122,33 @@ def test_a_weight_made_by_a_modules_pre_hook_is_found_in_that_hook(tmp_path):
     assert (err.event["step"], o["phase"], o["module"], o["op"], rep["cause"]) == (
         3, "forward", "convs.1", "aten._weight_norm_interface", "invalid"), o
     assert rep["reproduced"] is True
+
+
+def test_a_non_finite_buffer_is_named_a_buffer(tmp_path):
+    """A checkpoint whose BatchNorm running_var holds a NaN, loaded between steps: training
+    batches never read it (train mode uses batch statistics), the first validation forward does.
+    The origin is the weights, and the report calls running_var a buffer, not a parameter."""
+    model = SM.make_bn_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="scale_models:make_bn_mlp"):
+            for _ in range(3):
+                x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+            state = model.state_dict()
+            state["1.running_var"][3] = float("nan")  # a bad checkpoint
+            model.load_state_dict(state)
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(8, 4, generator=g))
+    r = invoke_cli(info.value.bundle_path)
+    assert "  origin     weights: nan made by buffer 1.running_var" in r.stdout.splitlines(), \
+        r.stdout
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    assert (rep["origin"]["tensor"], rep["origin"]["param"], rep["cause"]) == (
+        "buffer", "1.running_var", "weights")
