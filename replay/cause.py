@@ -216,8 +216,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                          f"is beyond {dt}'s largest value {_g(top)}; float64 holds it: "
                          + _wider(ev.dtype))
         return Cause("overflow", f"{op}'s true result (up to {_g(big)}) is finite but beyond "
-                     f"{dt}'s largest value {_g(top)}; float64 holds it: "
-                     + _wider(ev.dtype, op))
+                     f"{dt}'s largest value {_g(top)}; float64 holds it: " + _wider(ev.dtype, op))
     if domains.no_pole(name, ev):
         if ev.local64 is None and not still:  # a random op: the float64 step decides
             return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "
