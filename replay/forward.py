@@ -65,7 +65,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         inputs_finite=o.inputs_finite, made=hit.made if hit else o.kind, samples=rows,
         op=hit.op if hit else None,
         source=(hit.source if hit and hit.source else _module_source(step, o.module)),
-        chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None)
+        chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
+        dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=hit)
     # (the recorder names the chain's start as module statistics show it: ``recorded``)
     # (or the event's call: an older recorder named it when the infinity its inputs held was

@@ -239,6 +239,7 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
         phase="backward", module=b.module, op=b.node, source=b.source, params=b.params,
         param=(b.params or [None])[0], made=b.made, samples=b.samples,
         micro_batch=b.micro_batch, anomaly_node=b.anomaly_node,
+        dtype=str(b.dtype).removeprefix("torch.") if b.dtype is not None else None,
         chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
     reproduced = runner.step.event.get("phase") == "backward"
     if b.saved is not None and batch_non_finite(runner.step, ("batch/",)):

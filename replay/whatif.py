@@ -140,8 +140,10 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         out.append("drop=" + ",".join(str(s) for s in samples))
     low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \
         or any(mb.get("autocast") for mb in step.micro_batches)
-    if cause == "overflow":
-        out.append("dtype=float32" if low else "dtype=float64")
+    if cause == "overflow":  # (an op computing in float32 under autocast needs float64)
+        made_in = o.get("dtype")
+        half = made_in in ("float16", "bfloat16") if made_in else low
+        out.append("dtype=float32" if half else "dtype=float64")
     elif cause == "underflow" and low:  # a value float16 rounds to 0 is normal in float32
         out.append("dtype=float32")
     began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")

@@ -53,3 +53,8 @@ def test_a_float32_rmsnorm_under_bf16_autocast_is_named_in_float32(out_dir):
     assert (o["module"], o["op"], o["samples"]) == ("norm", "RsqrtBackward0", [2]), o
     assert "compute this op in float32" not in rep["hint"], rep["hint"]
     assert rep["hint"].endswith("or compute it in float64"), rep["hint"]
+    # the origin says the gradient went bad in float32, and --try auto proposes float64 for it
+    # (it proposed float32 from the autocast alone, which the op already computed in)
+    assert o["dtype"] == "float32", o
+    tried = [t["try"] for t in replay(info.value.bundle_path, tries=["auto"])["what_if"]]
+    assert "dtype=float64" in tried and "dtype=float32" not in tried, tried
