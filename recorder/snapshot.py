@@ -9,6 +9,7 @@ Tensor keys (the format is specified in ``docs/bundle-format.md``):
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree, rng_to_bundle
 from .compiled import hook_sites
 from .entries import hyper_entry, jsonish, micro_batch_entry
-from .lossdesc import describe_loss
+from .lossdesc import describe_callable, describe_loss
 from .rewind import Rewind
 from .ring import RingBuffer
 from .samples import of_micro_batch
@@ -27,7 +28,6 @@ from .settings import Settings
 from .shards import class_name, localize
 from .tape import Tape
 from .target import Target
-from .validate import default_factory
 
 
 def qualname(obj: Any) -> str:
@@ -183,3 +183,22 @@ def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
                 if jsonish(v)}
     return {"class": qualname(opt), "defaults": defaults, "param_groups": groups,
             "state_scalars": scalars}
+
+
+def default_factory(model: nn.Module) -> str | None:
+    """``module:Class`` of the model's class when calling it with no arguments could build it
+    again (every argument of its ``__init__`` has a default) and an import reaches it (as
+    :func:`describe_callable` finds one for a loss: a class of the training script by the name
+    the replay imports that script as): the replay's factory when none was given."""
+    cls = type(model)
+    spec = describe_callable(cls).get("import")
+    if spec is None or spec.split(".")[0] == "torch":
+        return None  # (torch's own classes take their layers or sizes: nn.Sequential(...))
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+           for p in params):
+        return None
+    return spec

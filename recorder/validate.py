@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import inspect
 import json
 import logging
 import os
@@ -210,27 +209,6 @@ def script_module() -> str | None:
     if not all(part.isidentifier() for part in name.split(".")) or not _has_main_guard(path):
         return None
     return name
-
-
-def default_factory(model) -> str | None:
-    """``module:Class`` of the model's class when calling it with no arguments could build it
-    again (every argument of its ``__init__`` has a default) and an import reaches it (a class
-    of the training script by the name the replay imports that script as): the replay's
-    factory when none was given. None otherwise."""
-    cls = type(model)
-    module, qual = cls.__module__, cls.__qualname__
-    if module == "__main__":
-        module = script_module()
-    if not module or "<locals>" in qual or module.split(".")[0] == "torch":
-        return None  # (torch's own classes take their layers or sizes: nn.Sequential(...))
-    try:
-        params = list(inspect.signature(cls).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-           for p in params):
-        return None
-    return f"{module}:{qual}"
 
 
 def _has_main_guard(path: str) -> bool:
