@@ -18,8 +18,7 @@ from recorder.finite import finite, kind_of, label, tensors_kind
 from . import outside
 from .backward import find_backward_origin
 from .cause import classify
-from .cause_text import DO as HINTS_DO
-from .cause_text import EPS0_UPDATE, HINTS
+from .cause_text import DO, EPS0_UPDATE, HINTS
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step, autocast_as_recorded, loss_inputs
@@ -211,20 +210,27 @@ def _not_called(step: Step) -> str:
                if info.get("kind") == "function" else ""))
 
 
+def _backward_fields(b) -> dict[str, Any]:
+    """The origin fields of the backward node :func:`find_backward_origin` found."""
+    return origin_fields(
+        phase="backward", module=b.module, op=b.node, source=b.source, params=b.params,
+        param=(b.params or [None])[0], made=b.made, samples=b.samples,
+        micro_batch=b.micro_batch, anomaly_node=b.anomaly_node,
+        dtype=str(b.dtype).removeprefix("torch.") if b.dtype is not None else None,
+        chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
+
+
 def report_dropped_nan(report, runner: Runner) -> dict[str, Any]:
     """Anomaly mode stopped the recorded backward at a node's NaN, and the re-run, without
     anomaly mode, gives every parameter a finite gradient: a later node dropped the NaN (a
     clamp's or a where's backward zeroes it). The node is named; a NaN it made at its
     derivative's pole (an input exactly 0) is ``invalid``, as exact arithmetic makes it."""
     b = find_backward_origin(runner, samples(runner.step))
-    origin = origin_fields(
-        phase="backward", module=b.module, op=b.node, source=b.source, made=b.made,
-        samples=b.samples, micro_batch=b.micro_batch, anomaly_node=b.anomaly_node,
-        chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
+    origin = _backward_fields(b)
     at_pole = b.node is not None and b.saved_zero == "0"
     report = finish(report, origin, "invalid" if at_pole else None, reproduced=b.node is not None,
                     hint=(f"{b.node} made NaN at its derivative's pole (an input exactly 0); "
-                          + HINTS_DO["backward_pole"]) if at_pole else None)
+                          + DO["backward_pole"]) if at_pole else None)
     report["problems"].append(
         "torch.autograd's anomaly mode (set_detect_anomaly) stopped training at this NaN, but "
         "re-run without it every parameter's gradient is finite: a later backward node drops "
@@ -235,12 +241,7 @@ def report_dropped_nan(report, runner: Runner) -> dict[str, Any]:
 
 def report_backward(report, runner: Runner) -> dict[str, Any]:
     b = find_backward_origin(runner, samples(runner.step))
-    origin = origin_fields(
-        phase="backward", module=b.module, op=b.node, source=b.source, params=b.params,
-        param=(b.params or [None])[0], made=b.made, samples=b.samples,
-        micro_batch=b.micro_batch, anomaly_node=b.anomaly_node,
-        dtype=str(b.dtype).removeprefix("torch.") if b.dtype is not None else None,
-        chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
+    origin = _backward_fields(b)
     reproduced = runner.step.event.get("phase") == "backward"
     if b.saved is not None and batch_non_finite(runner.step, ("batch/",)):
         # No pole: the node's derivative multiplied a non-finite value the forward carried
