@@ -109,7 +109,7 @@ class CallHooks:
                 mb.args, mb.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)
             if tape.micro_batches and training and not self.target.sharded:
                 mb.grads_dropped = self._grads_dropped(tape.micro_batches)
-            tape.micro_batches.append(mb)
+            tape.add_micro_batch(mb)
 
     def _grads_dropped(self, earlier: list[MicroBatch]) -> bool:
         """A backward ran through a micro-batch since the last drop (its output's gradient
@@ -147,7 +147,7 @@ class CallHooks:
 
     def _end_micro_batch(self, tape: Tape, output) -> None:
         """Keep the root output, and the gradient backward brings to each of its tensors."""
-        mb = tape.micro_batches[-1]
+        mb = tape.micro_batches[tape.micro_batch]
         mb.outputs = output
         if not self.copy_inputs and any(version_of(t) != v for t, v in mb.input_versions):
             # the forward wrote into its input (wav.div_(peak)): this micro-batch's is kept as
@@ -172,7 +172,7 @@ class CallHooks:
         if tape is None or not self.health.active:
             return self.cycle.outside_step(idx, tape)
         try:
-            mb = len(tape.micro_batches) - 1
+            mb = tape.micro_batch
             if idx == 0:
                 ins = tape.micro_batches[mb].input_refs
             elif len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and \
@@ -213,8 +213,10 @@ class CallHooks:
                 return self.post_hook(idx, allowed, intended, module, args, kwargs, output)
             lo, hi = tape.slots.minmax(output.detach(), NAN_ONLY if allowed else STRICT)
             cache[id(output)] = (weakref.ref(output), lo, hi, intended, version_of(output))
-            tape.calls.append((idx, len(tape.micro_batches) - 1, len(tape.calls), ((lo, hi),),
-                               None, (hit[1:4],)))
+            mb = len(tape.micro_batches) - 1  # (``Tape.micro_batch`` inlined, its usual case)
+            if tape.by_thread is not None:
+                mb = tape.micro_batch
+            tape.calls.append((idx, mb, len(tape.calls), ((lo, hi),), None, (hit[1:4],)))
         except Exception as e:
             self.health.internal_error(e)
         return None
@@ -243,8 +245,10 @@ class CallHooks:
                 ins = ((lo, hi, False),)
             ra, rb = slots.relu(lo, hi, NAN_ONLY if allowed else STRICT)
             tape.cache[id(output)] = (weakref.ref(output), ra, rb, intended, version_of(output))
-            tape.calls.append((idx, len(tape.micro_batches) - 1, len(tape.calls), ((ra, rb),),
-                               None, ins))
+            mb = len(tape.micro_batches) - 1  # (see leaf_hook)
+            if tape.by_thread is not None:
+                mb = tape.micro_batch
+            tape.calls.append((idx, mb, len(tape.calls), ((ra, rb),), None, ins))
         except Exception as e:
             self.health.internal_error(e)
         return None
@@ -310,7 +314,7 @@ class CallHooks:
     def record_loss_call(self, tape: Tape, args, kwargs, output) -> None:
         """The loss call's arguments (the targets, kept by reference) on the micro-batch, and
         the (min, max) of each floating output among the step's must-be-finite statistics."""
-        mb = tape.micro_batches[-1]
+        mb = tape.micro_batches[tape.micro_batch]
         mb.loss_args, mb.loss_kwargs = args, kwargs
         self.loss_stats(tape, output)
 

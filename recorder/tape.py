@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -68,7 +69,26 @@ class Tape:
         # version, at the step's start, of one weight the optimizer holds (Target.watched)
         self.held_version: int | None = None
         self.updated_elsewhere = False  # it did change: another optimizer stepped in the step
+        # thread id -> the micro-batch its forward is in, once a second thread runs forwards
+        # in the step (a hook's micro-batch is then its thread's, not the last one begun)
+        self.by_thread: dict[int, int] | None = None
+        self._first_thread: int | None = None
+
+    def add_micro_batch(self, mb: MicroBatch) -> None:
+        """Begin the calling thread's next micro-batch (under the step cycle's lock)."""
+        ident, n = get_ident(), len(self.micro_batches)
+        if self.by_thread is None:
+            if not n:
+                self._first_thread = ident
+            elif ident != self._first_thread:
+                self.by_thread = {self._first_thread: n - 1}
+        if self.by_thread is not None:  # (set before the append: see micro_batch)
+            self.by_thread[ident] = n
+        self.micro_batches.append(mb)
 
     @property
     def micro_batch(self) -> int:
-        return len(self.micro_batches) - 1
+        """The calling thread's micro-batch: the last one begun while one thread runs them."""
+        n = len(self.micro_batches)  # (read before by_thread, which is set before an append)
+        by_thread = self.by_thread
+        return n - 1 if by_thread is None else by_thread.get(get_ident(), n - 1)

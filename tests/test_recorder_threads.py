@@ -168,3 +168,59 @@ def test_a_slot_taken_after_the_row_was_gathered_is_left_out():
     _, tables = ring.export(n_params=3, n_groups=1)
     norms = tables["ring/grad_norms"][0].tolist()
     assert norms[:2] == [2.0, 4.0] and norms[2] != norms[2]
+
+
+class _Gate(nn.Module):
+    """Holds the thread named in ``wait_for`` inside the forward until ``go`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.go, self.inside, self.wait_for = threading.Event(), threading.Event(), None
+
+    def forward(self, x):
+        if threading.get_ident() == self.wait_for:
+            self.inside.set()
+            assert self.go.wait(timeout=30)
+        return x * 1.0
+
+
+def test_interleaved_forwards_of_two_threads_keep_their_own_micro_batches(out_dir):
+    """Thread A's forward is held halfway while thread B runs a whole forward in the same step:
+    A's later calls belong to A's micro-batch (0), not to the last one begun (B's). A NaN in
+    A's batch is then the input of micro-batch 0 (with a micro-batch taken as "the last one
+    begun", A's root call carried B's inputs and the event was a forward event of module
+    '0' whose inputs were not finite)."""
+    gate = _Gate()
+    model = nn.Sequential(nn.Linear(M.D_IN, M.HIDDEN), gate, nn.ReLU(),
+                          nn.Linear(M.HIDDEN, M.N_CLASSES))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    crit = nn.CrossEntropyLoss()
+    xa, ya = M.batch(1)
+    xb, yb = M.batch(2)
+    xa[5, 2] = float("nan")
+    losses = {}
+
+    def a():
+        gate.wait_for = threading.get_ident()
+        losses["a"] = crit(model(xa), ya)
+
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+            th = threading.Thread(target=a)
+            th.start()
+            assert gate.inside.wait(timeout=30)
+            losses["b"] = crit(model(xb), yb)  # thread B: this one
+            gate.go.set()
+            th.join()
+            (losses["a"] + losses["b"]).backward()
+            tape = rec.cycle.tape
+            by_mb = {}
+            for idx, mb, *_ in tape.calls:
+                by_mb.setdefault(mb, []).append(idx)
+            assert sorted(by_mb[0]) == sorted(by_mb[1]) == [0, 1, 2, 3, 4]
+            assert [lm for lm, *_ in tape.loss] == [1, 0]  # B's loss first, then A's
+            assert tape.micro_batches[0].args[0] is xa and tape.micro_batches[0].outputs.shape \
+                == (len(xa), M.N_CLASSES)
+            opt.step()
+    check_event(info.value.event, step=0, phase="input", micro_batch=0, tensor="batch",
+                samples=[5], kind="nan")
