@@ -10,6 +10,7 @@ keeps their hooks' handles.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,8 @@ class FlightRecorder:
         loss_fn: optional loss module or callable. A module is hooked in place; a plain
             function must be called through :attr:`loss_fn` to be seen.
         out_dir: where bundles go (created if missing).
-        factory: ``"module:function"`` that rebuilds the model, for ``nanreplay``.
+        factory: ``"module:function"`` that rebuilds the model, for ``nanreplay``, or that
+            function itself (stored as its import path).
         factory_kwargs: keyword arguments (JSON values) the replay passes to ``factory``: the
             run-time configuration (command-line flags, config files) the model was built
             with, which the factory cannot see on its own. Stored in the bundle.
@@ -100,8 +102,9 @@ class FlightRecorder:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  loss_fn=None, out_dir: str | os.PathLike = "nan-bundles",
-                 factory: str | None = None, history: int = 64, on_event: str = "raise",
-                 allow_inf: list[str] | tuple[str, ...] = (), scaler=None, lr_scheduler=None,
+                 factory: str | Callable[..., Any] | None = None, history: int = 64,
+                 on_event: str = "raise", allow_inf: list[str] | tuple[str, ...] = (),
+                 scaler=None, lr_scheduler=None,
                  min_scale: float = 1.0, max_skipped_steps: int = 50,
                  guard_optimizer: bool = False, stats: str = "minmax", start_step: int = 0,
                  max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None,

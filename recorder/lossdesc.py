@@ -82,6 +82,31 @@ def describe_callable(fn) -> dict[str, Any]:
     return out
 
 
+def factory_path(factory, kwargs: dict | None) -> tuple[str, dict | None]:
+    """A factory given as the function itself (``factory=make_model``) as the bundle stores
+    it: ``"module:function"``, with a ``functools.partial``'s keywords joined to ``kwargs``
+    (``kwargs`` wins). A function no import path leads to is refused in one line."""
+    if not callable(factory):
+        raise TypeError(f"FlightRecorder: factory must be 'module:function' or a module-level "
+                        f"function that builds the model, got {type(factory).__name__}")
+    d = describe_callable(factory)
+    partial = d.get("partial")
+    if "import" not in d or (partial and partial["args"]):
+        why = {"lambda": "a lambda", "closure": "defined inside a function",
+               "script": "defined in a script nanreplay cannot import",
+               "partial": "a partial with arguments that are not JSON values"}.get(
+                   d.get("why"), "not importable by its name")
+        where = f", at {d['defined']}" if "defined" in d else ""
+        if partial and partial["args"]:
+            why = "a partial with positional arguments"
+        raise ValueError(f"FlightRecorder: factory {d['name']} cannot be rebuilt by nanreplay "
+                         f"({why}{where}); pass a module-level function that builds the "
+                         "model, or 'module:function', and its settings as factory_kwargs")
+    if partial and partial["keywords"]:
+        kwargs = {**partial["keywords"], **(kwargs or {})}
+    return d["import"], kwargs
+
+
 def _not_importable(fn, module: str | None, qual: str) -> str | None:
     if "<lambda>" in qual:
         return "lambda"

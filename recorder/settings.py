@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .lossdesc import factory_path
 from .validate import check_factory, check_factory_kwargs, check_loss_fn, check_writable
 
 ON_EVENT = ("raise", "warn")
@@ -26,7 +27,8 @@ class Settings:
     """What the recorder checks and keeps, as given to :class:`~recorder.FlightRecorder`."""
 
     out_dir: Path = Path("nan-bundles")  # where bundles go (created if missing)
-    factory: str | None = None  # "module:function" that rebuilds the model for the replay
+    # "module:function" that rebuilds the model for the replay (or the function: stored so)
+    factory: Any = None
     factory_kwargs: dict[str, Any] | None = None  # JSON keyword arguments for the factory
     history: int = 64  # steps kept in the ring buffer
     on_event: str = "raise"  # "raise" NonFiniteError, or "warn" (log once, keep training)
@@ -41,8 +43,12 @@ class Settings:
     rewind: int | None = None  # steps between copies of the training state (None: off)
 
     def __post_init__(self):
-        self._check()
         put = object.__setattr__  # (frozen: normalised once, here)
+        if self.factory is not None and not isinstance(self.factory, str):  # the function
+            path, kwargs = factory_path(self.factory, self.factory_kwargs)
+            put(self, "factory", path)
+            put(self, "factory_kwargs", kwargs)
+        self._check()
         put(self, "out_dir", Path(self.out_dir))
         put(self, "allow_inf", tuple(self.allow_inf))
         put(self, "min_scale", float(self.min_scale))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -125,6 +126,36 @@ def test_factory_not_callable(out_dir):
     with pytest.raises(ValueError) as info:
         FlightRecorder(M.mlp(), out_dir=out_dir, factory="models:D_IN")
     assert "factory 'models:D_IN' is not callable" in _one_line(info)
+
+
+def test_a_factory_given_as_the_function_is_stored_as_its_import_path(out_dir):
+    """``factory=make_model`` (the function, as a user first writes it) is kept as
+    ``"module:function"``; a partial's keywords join ``factory_kwargs`` (which win)."""
+    import functools
+
+    rec = FlightRecorder(M.mlp(), out_dir=out_dir, factory=M.mlp)
+    assert (rec.factory, rec.factory_kwargs) == ("models:mlp", None)
+    rec = FlightRecorder(M.mlp(), out_dir=out_dir, factory=functools.partial(M.mlp, hidden=6),
+                         factory_kwargs={"d_out": 2, "hidden": 5})
+    assert (rec.factory, rec.factory_kwargs) == ("models:mlp", {"hidden": 5, "d_out": 2})
+
+
+@pytest.mark.parametrize("factory, why", [
+    (lambda: M.mlp(), "(a lambda, at "),
+    (functools.partial(M.mlp, 4), "(a partial with positional arguments"),
+])
+def test_a_factory_function_nanreplay_cannot_import_is_refused_in_one_line(out_dir, factory,
+                                                                            why):
+    with pytest.raises(ValueError) as info:
+        FlightRecorder(M.mlp(), out_dir=out_dir, factory=factory)
+    msg = _one_line(info)
+    assert "cannot be rebuilt by nanreplay " + why in msg and "module-level function" in msg
+
+
+def test_a_factory_that_is_neither_a_path_nor_a_function_is_refused(out_dir):
+    with pytest.raises(TypeError) as info:
+        FlightRecorder(M.mlp(), out_dir=out_dir, factory=3)
+    assert "factory must be 'module:function' or a module-level function" in _one_line(info)
 
 
 def test_factory_dotted_attribute_accepted(out_dir):
