@@ -13,7 +13,7 @@ from .cause import classify
 from .errors import StopRun
 from .findings import finish, origin_fields
 from .load import Step
-from .ops import OpFinder, mask_buffers
+from .ops import OpFinder, mask_buffers, state_of
 from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
@@ -107,6 +107,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder
         hs = []
         target = model.get_submodule(module) if module else model
         finder.params = {(p.data_ptr(), tuple(p.shape)): n for n, p in model.named_parameters()}
+        finder.state = state_of(model)
 
         def pre(m, args):
             if runner.micro_batch == mb:

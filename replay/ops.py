@@ -132,7 +132,7 @@ class _Watch(TorchDispatchMode):
                 and t.is_floating_point() and t.numel()][:_RESULTS.get(name)]
         if not outs:
             return out
-        f.track(name, ins, outs, in_finite)
+        f.track(name, ins, outs, in_finite, leaves)
         with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
             out_ends = torch.stack([ends(t) for t in outs])
         if bool(torch.isfinite(out_ends).all()):
@@ -170,6 +170,13 @@ class _Watch(TorchDispatchMode):
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
                                 inputs_finite=in_finite)
         return out
+
+
+def state_of(*objs) -> set[tuple[int, tuple]]:
+    """(data_ptr, shape) of the parameters and buffers of each ``nn.Module`` among ``objs``
+    (see ``OpFinder.state``)."""
+    return {(t.data_ptr(), tuple(t.shape)) for m in objs if isinstance(m, torch.nn.Module)
+            for t in (*m.parameters(), *m.buffers())}
 
 
 def storage_of(t: torch.Tensor) -> int | None:
@@ -353,6 +360,11 @@ class OpFinder:
         self._mode = _Watch(self)
         # (data_ptr, shape) -> name of the model's parameters, set by the caller that runs it
         self.params: dict[tuple[int, tuple], str] = {}
+        # (data_ptr, shape) of its parameters and buffers (set by that caller too), and the
+        # tensors made from them alone: a learned per-class scale of the batch's length holds
+        # classes, not samples, in its rows
+        self.state: set[tuple[int, tuple]] = set()
+        self._of_weights = TensorSet()
 
     def param_among(self, ins: list[torch.Tensor]) -> str | None:
         """The name of the op's one floating input when that is one of the model's parameters
@@ -368,12 +380,25 @@ class OpFinder:
         return t in self._positive
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-              in_finite: bool) -> None:
+              in_finite: bool, leaves: list) -> None:
+        if self.state and self._of_weights_only(leaves):
+            for t in outs:
+                self._of_weights.add(t)
         if not in_finite:
             return
         if name in POSITIVE or (name in PASS_ON and ins and self.positive(ins[0])):
             for t in outs:
                 self._positive.add(t)
+
+    def _of_weights_only(self, leaves: list) -> bool:
+        """Every tensor an op took is a parameter or buffer, or was made from them alone."""
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        try:
+            return bool(tensors) and all(t in self._of_weights
+                                         or (t.data_ptr(), tuple(t.shape)) in self.state
+                                         for t in tensors)
+        except RuntimeError:  # a tensor without storage
+            return False
 
     def mask_buffer(self, ins: list[torch.Tensor], pairs) -> str | None:
         """The mask buffer that every non-finite input of an op is a view of, or None."""
@@ -391,9 +416,11 @@ class OpFinder:
         return self.allowed_depth > 0
 
     def batch_rows(self, outs: list[torch.Tensor]) -> list[int] | None:
-        """Non-finite samples of the first output that has the batch's samples."""
+        """Non-finite samples of the first output that has the batch's samples (none made from
+        the weights alone)."""
         s = self.samples
-        t = next((t for t in outs if s and s.size and s.dim(t) is not None), None)
+        t = next((t for t in outs if s and s.size and s.dim(t) is not None
+                  and t not in self._of_weights), None)
         return None if t is None else s.rows(t)
 
     def __enter__(self) -> OpFinder:

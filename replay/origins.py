@@ -22,7 +22,7 @@ from .cause_text import DO, EPS0_UPDATE, HINTS
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step, autocast_as_recorded, loss_inputs
-from .ops import OpFinder
+from .ops import OpFinder, state_of
 from .optim import per_parameter
 from .recorded import batch_non_finite, input_origin, samples
 from .rerun import Runner
@@ -83,6 +83,7 @@ def _own_update_hint(step: Step) -> str:
 
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     finder = OpFinder(samples=samples(step))
+    finder.state = state_of(step.loss_fn, runner.model)
     mb = run.loss_micro_batches[run.loss_finite.index(False)]
     args, kwargs = _loss_args(step, run, mb)
     with autocast_as_recorded(step.micro_batches[mb], step.device), finder:

@@ -839,3 +839,22 @@ class SoftmaxFocalLoss(nn.Module):
     def forward(self, logits, labels):
         p = torch.softmax(logits, -1).gather(1, labels[:, None]).squeeze(1)
         return (-(1 - p) ** self.gamma * torch.log(p)).mean()
+
+
+class ClassScaleNet(nn.Module):
+    """Logits times a learned per-class temperature ``exp(log_scale)``: with as many classes as
+    the batch has samples, the temperature's rows look like the batch's."""
+
+    def __init__(self, n_classes: int = BATCH):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU())
+        self.head = nn.Linear(HIDDEN, n_classes)
+        self.log_scale = nn.Parameter(torch.zeros(n_classes))
+
+    def forward(self, x):
+        return self.head(self.body(x)) * self.log_scale.exp()
+
+
+def make_class_scale_net() -> nn.Module:
+    torch.manual_seed(0)
+    return ClassScaleNet()

@@ -225,6 +225,25 @@ def test_rows_of_a_tensor_that_is_not_batched_are_not_samples(tmp_path):
     assert f"  samples    all {R.BATCH} rows" in lines, lines
 
 
+def test_rows_of_a_tensor_made_from_weights_alone_are_not_samples(tmp_path):
+    """A learned per-class temperature, ``exp(log_scale)``, over as many classes as the batch has
+    samples: class 5's temperature overflows, and column 5 of every sample's logits is +inf.
+    The samples are all the batch's rows, not row 5 of the temperature (a class)."""
+    def runaway(model, step):
+        if step == K:
+            with torch.no_grad():
+                model.log_scale[5] = 120.0
+
+    err = train(R, "make_class_scale_net", lambda s: R.batch(s, n_classes=R.BATCH), tmp_path,
+                at=runaway)
+    lines, rep = report_of(err.bundle_path)
+    o = rep["origin"]
+    assert (err.event["step"], o["module"], o["op"], rep["cause"]) == \
+        (K, "", "aten.exp", "overflow")
+    assert o["samples"] == list(range(R.BATCH)) and o["all_samples"] is True
+    assert f"  samples    all {R.BATCH} rows" in lines, lines
+
+
 # ---------------------------------------------------------------------------------------------
 # the kind of value
 
