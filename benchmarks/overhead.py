@@ -345,45 +345,56 @@ class Floor(Trainer):
     leaf module output, the root input and the loss (``aminmax``, or ``amin`` + ``amax`` where the
     recorder splits it: ``recorder.slots.split_extrema``); one squared norm per gradient before the
     update, of the gradient entering the model's output and per weight right after the update
-    (its step post-hook; kept for the next step's check); one read of one flag per step. No call
-    records, RNG states or batch references: the recorder's distance to it is what its
-    bookkeeping costs."""
+    (its step post-hook; kept for the next step's check); the two checks, each one dot: the loss
+    and the norms must be finite, the outputs and the input must hold no NaN (a +-Inf that stays
+    inside is no event); one read of both flags per step. No call records, RNG states or batch
+    references: the recorder's distance to it is what its bookkeeping costs."""
 
     name = "floor"
 
     def setup(self, tmp):
-        self.slots = torch.zeros(4096)
+        self.slots = torch.zeros(4096)  # must be finite: the last update's, the loss, the step's
         self.views = self.slots.unbind(0)
+        self.outs = torch.zeros(4096)  # NaN only: the outputs and the input
+        self.out_views = self.outs.unbind(0)
         self.zeros = torch.zeros(4096)
-        self.flag = torch.zeros(())
-        self.k = self.base = 0
+        self.flags = torch.zeros(2)
+        self.flag_views = self.flags.unbind(0)
+        self.k = self.base = self.j = 0
         leaves = [m for m in self.model.modules() if next(m.children(), None) is None]
         self.handles = [m.register_forward_hook(self._post) for m in leaves]
-        self.handles.append(self.crit.register_forward_hook(self._post))
+        self.handles.append(self.crit.register_forward_hook(self._loss))
         self.handles.append(self.model.register_forward_pre_hook(self._pre))
         self.handles.append(self.model.register_forward_hook(self._root_out))
         self.handles.append(self.opt.register_step_pre_hook(self._check))
         self.handles.append(self.opt.register_step_post_hook(self._after_update))
 
-    def _minmax(self, t):
+    def _minmax(self, t, strict: bool = False):
         if t.is_floating_point() and t.numel():
-            k = self.k
-            self.k = k + 2
+            if strict:
+                k, views = self.k, self.views
+                self.k = k + 2
+            else:
+                k, views = self.j, self.out_views
+                self.j = k + 2
             d = t.detach()
             if d.dtype is torch.float32 and d.is_cpu and split_extrema(d):  # the recorder's kernels
-                torch.amin(d, dim=(), out=self.views[k])
-                torch.amax(d, dim=(), out=self.views[k + 1])
+                torch.amin(d, dim=(), out=views[k])
+                torch.amax(d, dim=(), out=views[k + 1])
             else:
-                torch.aminmax(d, out=(self.views[k], self.views[k + 1]))
+                torch.aminmax(d, out=(views[k], views[k + 1]))
 
     def _pre(self, module, args):
-        self.k = self.base  # the last update's weight norms stay in front
+        self.k, self.j = self.base, 0  # the last update's weight norms stay in front
         for t in tensor_leaves(args):
             self._minmax(t)
 
     def _post(self, module, args, output):
         for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
             self._minmax(t)
+
+    def _loss(self, module, args, output):
+        self._minmax(output, strict=True)
 
     def _root_out(self, module, args, output):
         if output.requires_grad:  # the gradient entering the model's output, in backward
@@ -402,9 +413,11 @@ class Floor(Trainer):
             if p.grad is not None:
                 self._sq_norm(p.grad, self.k)
                 self.k += 1
-        n = self.k
-        torch.dot(self.slots[:n], self.zeros[:n], out=self.flag)
-        if self.flag.item() != 0.0:
+        n, m = self.k, self.j
+        finite, nan_only = self.flag_views
+        torch.dot(self.slots[:n], self.zeros[:n], out=finite)  # 0, or NaN for NaN and +-Inf
+        torch.dot(self.outs[:m], self.outs[:m], out=nan_only)  # NaN for NaN, +Inf at most
+        if any(math.isnan(v) for v in self.flags.tolist()):
             raise FloatingPointError("non-finite value in the step")
 
     def _after_update(self, opt, args, kwargs):
