@@ -378,10 +378,15 @@ def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reus
         return ()
     code = NAN_ONLY if allowed else STRICT
     hit = tape.cache.get(id(t))
-    if (reuse and hit is not None and hit[0]() is t and hit[4] is not None
-            and hit[4] == version(t) and hit[1][0] == code and hit[3] == intended):
-        return (hit[1:3],)
-    a, b = tape.slots.minmax(t.detach(), code)
+    if reuse and hit is not None and hit[0]() is t and hit[4] is not None \
+            and hit[4] == version(t):
+        if hit[1][0] == code and hit[3] == intended:
+            return (hit[1:3],)
+        # checked as another region is (the root's output, made by an inner call allowed to
+        # hold +-Inf): its min and max are moved over, not computed again (an LM's logits)
+        a, b = tape.slots.copy_pair(hit[1], hit[2], code)
+    else:
+        a, b = tape.slots.minmax(t.detach(), code)
     tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version_of(t))
     return ((a, b),)
 

@@ -270,9 +270,17 @@ class Slots:
         return self._put(code, norms)
 
     def relu(self, lo: tuple[int, int], hi: tuple[int, int], code: int):
-        """ReLU of a (min, max) pair: the (min, max) of the ReLU of what they describe. One op
-        when both pairs sit in adjacent slots (the usual case), else two. Every value lives
-        on this device (``_put`` moves what it keeps)."""
+        """ReLU of a (min, max) pair: the (min, max) of the ReLU of what they describe."""
+        return self._pair_op(lo, hi, code, _relu_into)
+
+    def copy_pair(self, lo: tuple[int, int], hi: tuple[int, int], code: int):
+        """A (min, max) pair copied into region ``code`` (checked as that region is)."""
+        return self._pair_op(lo, hi, code, _copy_into)
+
+    def _pair_op(self, lo: tuple[int, int], hi: tuple[int, int], code: int, op):
+        """``op(src, out=dst)`` from a (min, max) pair into two new slots of region ``code``:
+        one op when both pairs sit in adjacent slots (the usual case), else two. Every value
+        lives on this device (``_put`` moves what it keeps)."""
         r = self._regions[code]
         pair = self._two(r)
         if pair is not None:
@@ -280,12 +288,15 @@ class Slots:
             i = lo[1]
             src = self._regions[lo[0]]
             if k2 == k + 1 and hi[1] == i + 1 and hi[0] == lo[0] and i + 1 < src.size:
-                torch.clamp_min(src.pairs[i], 0.0, out=r.pairs[k])
+                op(src.pairs[i], r.pairs[k])
             else:
-                torch.clamp_min(self.value(lo), 0.0, out=r.views[k])
-                torch.clamp_min(self.value(hi), 0.0, out=r.views[k2])
+                op(self.value(lo), r.views[k])
+                op(self.value(hi), r.views[k2])
             return (code, k), (code, k2)
-        lo, hi = self._put(code, [self.value(lo).clamp_min(0.0), self.value(hi).clamp_min(0.0)])
+        values = torch.empty(2, dtype=FLOAT32, device=self.device).unbind(0)
+        op(self.value(lo), values[0])
+        op(self.value(hi), values[1])
+        lo, hi = self._put(code, values)
         return lo, hi
 
 
@@ -317,6 +328,14 @@ class FlatViews:
             # (never ``None in flats``: ``in`` compares each tensor with ``==``)
             self.every = all(f is not None for f in self.flats)
         return self.flats
+
+
+def _relu_into(src: torch.Tensor, out: torch.Tensor) -> None:
+    torch.clamp_min(src, 0.0, out=out)
+
+
+def _copy_into(src: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(src)
 
 
 def flat_view(t: torch.Tensor, copy: bool = True) -> torch.Tensor | None:

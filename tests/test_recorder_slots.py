@@ -296,3 +296,41 @@ def test_a_complex_parameter_is_recorded_and_checked(out_dir):
                                                                                ["w"], 2)
     _, tables = rec.cycle.ring.export(n_params=3, n_groups=1)
     assert tables["ring/grad_norms"][:3, 0].tolist() == pytest.approx(grad_norms[:3], rel=1e-5)
+
+
+def test_the_root_output_made_by_its_last_layer_is_reduced_once(out_dir):
+    """A language model's logits are the root's output and its head's: the head's min and max
+    (checked for NaN only) are copied into the must-be-finite slots, not computed again over
+    the whole output; +inf there is still an event of the root's output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 500))
+    opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss()
+    seen = []
+
+    class Reductions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("aminmax", "amin", "amax"):
+                seen.append(args[0].shape)
+            return func(*args, **(kwargs or {}))
+
+    def step(ids, target):
+        logits = model(ids)
+        loss = crit(logits.flatten(0, 1), target.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    ids, target = torch.randint(0, 50, (4, 12)), torch.randint(0, 500, (4, 12))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            step(ids, target)
+            with Reductions():
+                step(ids, target)
+            assert seen.count((4, 12, 500)) == 1, seen  # the head's, once
+            with torch.no_grad():  # class 7's logit overflows (the ReLU's outputs are >= 0)
+                model[3].weight[7] = 3e38
+            step(ids, target)
+    ev = info.value.event
+    assert (ev["phase"], ev["module"], ev["kind"]) == ("forward", "3", "+inf"), ev
