@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .capture import map_tensors, tensor_leaves
-from .compat import any_autocast_enabled, version, version_of, view_base
+from .compat import any_autocast_enabled, func_transform, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
@@ -83,6 +83,9 @@ class CallHooks:
 
     def root_pre_hook(self, module, args, kwargs):
         if not self.health.active:
+            return None
+        if func_transform() is not None:  # see _outside
+            self.cycle.transformed = True
             return None
         try:
             root = self.target.model()  # (``module`` may be a compile wrapper, whose mode can lag)
@@ -169,8 +172,8 @@ class CallHooks:
 
     def post_hook(self, idx: int, allowed: bool, intended: bool, module, args, kwargs, output):
         tape = self.cycle.tape
-        if tape is None or not self.health.active:
-            return self.cycle.outside_step(idx, tape)
+        if tape is None or not self.health.active or func_transform() is not None:
+            return self._outside(idx, tape)
         try:
             mb = tape.micro_batch
             if idx == 0:
@@ -200,8 +203,8 @@ class CallHooks:
         earlier call produced, one new non-empty float32 tensor out) taken in one frame, as it
         runs for most calls of most models (a Linear, a convolution, a norm)."""
         tape = self.cycle.tape
-        if tape is None or not self.health.active:
-            return self.cycle.outside_step(idx, tape)
+        if tape is None or not self.health.active or func_transform() is not None:
+            return self._outside(idx, tape)
         if len(args) != 1 or kwargs or type(output) is not torch.Tensor \
                 or output.dtype is not FLOAT32:
             return self.post_hook(idx, allowed, intended, module, args, kwargs, output)
@@ -228,8 +231,8 @@ class CallHooks:
         the output. The input's come from the call that produced it, else from one
         ``aminmax``."""
         tape = self.cycle.tape
-        if tape is None or not self.health.active:
-            return self.cycle.outside_step(idx, tape)
+        if tape is None or not self.health.active or func_transform() is not None:
+            return self._outside(idx, tape)
         if len(args) != 1 or kwargs or type(args[0]) is not torch.Tensor \
                 or type(output) is not torch.Tensor or output.dtype is not FLOAT32 \
                 or args[0].dtype is not FLOAT32:
@@ -252,6 +255,14 @@ class CallHooks:
         except Exception as e:
             self.health.internal_error(e)
         return None
+
+    def _outside(self, idx: int, tape: Tape | None) -> None:
+        """A call with nothing to record: inactive, no step open, or run under a torch.func
+        transform (``vmap(grad(...))`` of a ``functional_call``: per-sample gradients, an
+        ensemble), whose wrapped tensors are no part of the step and no reduction into a slot
+        takes."""
+        if func_transform() is None:
+            self.cycle.outside_step(idx, tape)
 
     def _input_refs(self, tape: Tape, args, kwargs, made_here=None) -> tuple:
         """(min, max, allowed) refs of each floating input of an inner call (kept, never
@@ -294,6 +305,8 @@ class CallHooks:
     def loss_post_hook(self, module, args, kwargs, output):
         cycle = self.cycle
         tape = cycle.tape
+        if func_transform() is not None:  # (see _outside)
+            return None
         if tape is None and cycle.eval_tail is not None and self.health.active:
             tape, cycle.eval_tail = cycle.eval_tail, None
             try:
@@ -330,7 +343,8 @@ class CallHooks:
         has written it: used where the optimizer's pre-hook may not run before the gradient is
         gone (no optimizer; a GradScaler that skips the update), see ``Target``."""
         tape = self.cycle.tape
-        if not self.health.active or tape is None or p.grad is None or not checkable(p.grad):
+        if not self.health.active or tape is None or p.grad is None or not checkable(p.grad) \
+                or func_transform() is not None:
             return
         try:
             grad = stored(p.grad)  # (a sparse one: its values)

@@ -4,7 +4,7 @@ touches this file only.
 Each name here wraps one private detail: version counters and view bases (how the recorder
 knows an output is unchanged), foreach kernels (one call for many small tensors), BatchNorm's
 base class (statistics that change without moving the version counter), GradScaler's scale, growth
-tracker and per-step state, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
+tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
 the autocast regions a decorated ``forward`` enters, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
 non-persistent buffer names), where a DTensor's local shard sits (the checkpoint protocol), and
 a process group's key-value store (where the ranks meet at attach).
@@ -26,6 +26,14 @@ except ImportError:  # a torch without dynamo
 # the attribute of an OptimizedModule holding the module it compiled (and the name part it
 # adds to parameter names)
 WRAPPER = "_orig_mod"
+
+# the torch.func transform (vmap, grad, jacrev...) a call runs under, None outside any: a
+# function called directly, so each hook pays one C call (~60 ns)
+try:
+    func_transform = torch._C._functorch.peek_interpreter_stack
+except AttributeError:  # a torch without functorch
+    def func_transform() -> None:
+        return None
 
 # ---------------------------------------------------------------------------------------------
 # tensors

@@ -69,6 +69,7 @@ class StepCycle:
         self.skips = 0  # GradScaler skips in a row
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self.unrooted_call: int | None = None  # a submodule that ran while no step was open
+        self.transformed = False  # a root forward ran under a torch.func transform (unrecorded)
         self._unrooted_warned = False
         self.foreign = ForeignUpdates()  # updates by an optimizer the recorder was not given
         self._capture_rng = RngCapture()

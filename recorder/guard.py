@@ -10,6 +10,7 @@ that made weights non-finite.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from functools import partial
@@ -27,6 +28,8 @@ from .slots import STRICT, FlatViews, Slots
 from .tape import Tape
 from .target import Target
 
+log = logging.getLogger("nanreplay")
+
 
 class OptimizerGuard:
     """The optimizer hooks of one recorder."""
@@ -43,6 +46,7 @@ class OptimizerGuard:
         self._lock = threading.Lock()
         self._views: FlatViews | None = None  # of the large weights, kept between steps
         self._viewed: list | None = None
+        self._transform_warned = False
 
     def register(self, optimizer) -> list:
         return [optimizer.register_step_pre_hook(Hook(self.pre_hook)),
@@ -97,9 +101,12 @@ class OptimizerGuard:
             return
         cycle.updated = cycle.ever_updated = True  # the next step's weights come from it
         cycle.eval_tail = None
+        transformed, cycle.transformed = cycle.transformed, False
         if tape is None:
             if cycle.unrooted_call is not None:
                 cycle.unrooted()
+            elif transformed:
+                self._only_transformed()
             return
         try:  # (small parameters: when the row is built)
             reread_changed_grads(tape, self.target, self.settings.param_norms)
@@ -109,6 +116,16 @@ class OptimizerGuard:
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape
+
+    def _only_transformed(self) -> None:
+        """An update whose step ran the model only under torch.func transforms: said once."""
+        if self._transform_warned:
+            return
+        self._transform_warned = True
+        log.warning("nanreplay: optimizer.step() ran after forwards of the recorded model under "
+                    "torch.func transforms (vmap, grad) only: those are not recorded, so "
+                    "nothing of this step was checked; call the model once outside them in "
+                    "each step (the forward of the loss you log)")
 
     def post_hook(self, optimizer, args, kwargs):
         """Evidence of what the update wrote: the squared norm of every weight the optimizer

@@ -204,6 +204,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return report_dropped_nan(report, runner)
     if phase == "optimizer" and not _after_update(step) and step.optimizer is not None:
         return report_optimizer(report, step, runner)
+    if phase == "backward" and _no_backward_reached_the_output(step):
+        return _gradients_from_the_loop(report, step)
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")
     report = finish(report, origin_fields(), "not_reproduced", reproduced=False)
     # the two re-runs agree with each other: no reason to suspect the hardware
@@ -213,4 +215,33 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         "counter, a global or a random generator of your own; data-dependent code outside the "
         "recorded model) or it was transient; re-run training from the step before with the "
         "same data to tell which")
+    return report
+
+
+def _no_backward_reached_the_output(step: Step) -> bool:
+    """No gradient reached the output of any forward of the step that ran with gradients on
+    (the recorder keeps each one that does), while the re-run's backward, which found every
+    gradient finite, reaches it."""
+    mbs = step.micro_batches
+    return bool(mbs) and all(mb.get("grad_enabled", True) and not mb.get("output_grads")
+                             for mb in mbs)
+
+
+def _gradients_from_the_loop(report, step: Step) -> dict[str, Any]:
+    """A backward event of a step whose gradients no backward through the recorded forward
+    made: the loop wrote them (per-sample gradients under torch.func, a hand-written clip or
+    noise, gradients set by hand), in code the replay cannot re-run."""
+    params = step.event.get("params") or []
+    report["problems"].append(
+        "no backward ran through the recorded forward in this step (no gradient reached the "
+        "model's output), and the re-run's backward makes every gradient finite")
+    report = finish(report, origin_fields(phase="backward", params=params,
+                                          param=(params or [None])[0],
+                                          made=step.event.get("kind")),
+                    "not_reproduced", reproduced=False)
+    report["hint"] = (
+        f"the gradients the update was about to use{' (' + ', '.join(params) + ')' if params else ''}"
+        " were written by the loop's own code, not by backward through the model: per-sample "
+        "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
+        "averaged by hand; check that code at this step, e.g. a division by a norm that is 0")
     return report

@@ -182,3 +182,10 @@ class OrthoRNN(nn.Module):
 
 def make_ortho_rnn() -> OrthoRNN:
     return OrthoRNN()
+
+
+def make_dp_mlp() -> nn.Module:
+    """A small regressor without biases (a blank record's gradient is exactly 0), trained with
+    per-sample gradients (DP-SGD by hand, ``test_optimizer_loops.py``)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 1, bias=False))

@@ -423,3 +423,80 @@ def test_try_auto_proposes_the_rate_before_the_jump(out_dir):
     report = nanreplay_json(unfreeze_in_place(out_dir).bundle_path, "--try", "auto")
     tries = {t["try"]: t for t in report["what_if"]}
     assert tries["lr=0.1"]["finite"] is True and not tries["lr=0.1"]["inconclusive"]
+
+
+def _dp_sgd(model, opt, crit, x, y, eps: float) -> torch.Tensor:
+    """One DP-SGD step by hand: per-sample gradients with torch.func (the model's forward runs
+    under vmap(grad(...))), each clipped to norm 1, summed, noised; the logged loss from one
+    plain forward. ``eps=0``: the clip divides a blank record's 0 gradient by its 0 norm."""
+    from torch.func import functional_call, grad, vmap
+
+    loss = crit(model(x), y)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_sample = vmap(grad(lambda p, xi, yi: crit(functional_call(model, p, (xi[None],)),
+                                                  yi[None])), in_dims=(None, 0, 0))
+    grads = per_sample(params, x, y)
+    norms = sum(g.flatten(1).pow(2).sum(1) for g in grads.values()).sqrt()
+    factor = norms.clamp(max=1.0) / (norms + eps)
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        clipped = grads[name] * factor.view(-1, *[1] * (grads[name].dim() - 1))
+        p.grad = clipped.sum(0) + 0.01 * torch.randn(p.shape, generator=g)
+    opt.step()
+    return loss
+
+
+def test_per_sample_gradients_under_torch_func_are_checked_and_said(out_dir, caplog):
+    """The model's forward also runs under ``vmap(grad(functional_call(...)))``: those calls
+    hold functorch's wrapped tensors, which no reduction into a slot takes; the first one
+    disabled the recorder ('Batching rule not implemented for aten::aminmax.out') and the NaN
+    that the hand-written clip made at step 3 went through unchecked. Now they are left out,
+    the step's NaN gradients are an event at step 3, and the replay says that no backward made
+    them: the loop's own code did."""
+    model = LM.make_dp_mlp()
+    opt, crit = torch.optim.SGD(model.parameters(), lr=0.05), nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="loop_models:make_dp_mlp") as rec:
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+                if step == 3:
+                    x[4], y[4] = 0.0, 0.0  # a blank record: its gradient is exactly 0
+                _dp_sgd(model, opt, crit, x, y, eps=0.0)
+    assert "internal error" not in caplog.text and rec.health.internal_errors == 0
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan")
+    assert set(ev["params"]) == {"0.weight", "2.weight"}
+    r = invoke_cli(info.value.bundle_path, "--json")
+    assert (r.exit_code, r.stderr) == (1, ""), (r.exit_code, r.stderr)  # 1: not reproduced
+    rep = json.loads(r.stdout)
+    assert (rep["cause"], rep["reproduced"], rep["origin"]["phase"]) == \
+        ("not_reproduced", False, "backward")
+    assert "written by the loop's own code, not by backward through the model" in rep["hint"]
+    assert any("no backward ran through the recorded forward" in p for p in rep["problems"])
+
+
+def test_a_model_run_only_under_torch_func_is_said_once(out_dir, caplog):
+    """A purely functional loop (every forward under grad(...)) records nothing: it trains as
+    without the recorder, and one warning says that nothing was checked and why."""
+    from torch.func import functional_call, grad
+
+    model = LM.make_dp_mlp()
+    opt, crit = torch.optim.SGD(model.parameters(), lr=0.05), nn.MSELoss()
+    twin = LM.make_dp_mlp()
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+        for _ in range(3):
+            x, y = torch.randn(16, 8), torch.randn(16, 1)
+            for m, o in ((model, opt), (twin, twin_opt)):
+                def loss_of(p, m=m, x=x, y=y):
+                    return crit(functional_call(m, p, (x,)), y)
+
+                grads = grad(loss_of)({k: v.detach() for k, v in m.named_parameters()})
+                for name, p in m.named_parameters():
+                    p.grad = grads[name]
+                o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    said = [r.getMessage() for r in caplog.records if "torch.func transforms" in r.getMessage()]
+    assert len(said) == 1 and "nothing of this step was checked" in said[0]
