@@ -109,15 +109,22 @@ def _saved(node) -> list[torch.Tensor]:
             and t.numel()]
 
 
+# nodes whose derivative is infinite where the input is +-1 (the edge of acos's domain)
+_UNIT_POLE_NODES = {"Acos", "Asin", "Atanh", "Acosh"}
+
+
 def saved_facts(node) -> tuple[str | None, str | None]:
     """Of the tensors ``node`` saved for its backward: the kind of the first non-finite one
     (None when all are finite or none can be read), and ``"0"`` when one holds an exact 0
-    (sqrt's result, log's input: the pole of its derivative), else ``"subnormal"`` when one
-    holds a value below its type's smallest normal number (whose reciprocal overflows)."""
+    (sqrt's result, log's input: the pole of its derivative), ``"1"`` when acos, asin, atanh
+    or acosh saved an input of exactly +-1 (theirs), else ``"subnormal"`` when one holds a
+    value below its type's smallest normal number (whose reciprocal overflows)."""
     saved = _saved(node)
     kind = next((kind_of(t) for t in saved if not finite(t)), None)
     if any(bool((t == 0).any()) for t in saved):
         return kind, "0"
+    if _node_op(node) in _UNIT_POLE_NODES and any(bool((t.abs() == 1).any()) for t in saved):
+        return kind, "1"
     tiny = any(t.is_floating_point() and bool((t.abs() < torch.finfo(t.dtype).tiny).any())
                for t in saved)
     return kind, "subnormal" if tiny else None

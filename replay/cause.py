@@ -386,6 +386,19 @@ def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
     return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 
 
+def _unit_pole(op: str, name: str, fn: str, dtype: torch.dtype, still: bool) -> Cause:
+    """acos, asin, atanh or acosh given exactly +-1, where the derivative is infinite."""
+    if still:
+        return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
+                     f"gradients, in float64 too: its input is exactly +-1, the edge of "
+                     f"{name}'s domain, where {fn} is infinite; " + DO["unit"])
+    # a cosine of (nearly) parallel unit vectors rounded to exactly 1 (an ArcFace margin's
+    # acos): float64 rounds it elsewhere, which is luck, not a fix
+    return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}: its input "
+                 f"rounded to exactly +-1, the edge of {name}'s domain, where {fn} is infinite "
+                 "(finite in float64, whose rounding stopped short of it); " + DO["unit"])
+
+
 def _backward(node: str | None, still: bool, dtype: torch.dtype,
               saved: str | None = None, at_pole: str | None = None,
               underflowed: bool = False, inner: str | None = None) -> Cause:
@@ -414,6 +427,8 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
     if still and name and (gap := domains.value_gap(name)):
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {gap}; " + DO["value_gap"])
+    if at_pole == "1" and name and domains.derivative_pole(name):
+        return _unit_pole(op, name, fn, dtype, still)
     if still:
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "

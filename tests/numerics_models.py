@@ -9,6 +9,7 @@ and replay from this directory.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 D_IN, HIDDEN, BAG = 6, 12, 5
@@ -170,3 +171,34 @@ def multi_positive_loss(logits, labels):
     others masked to -inf); a record with no tag has no positive: -inf."""
     lse_pos = torch.logsumexp(logits.masked_fill(~labels.bool(), float("-inf")), dim=1)
     return (torch.logsumexp(logits, dim=1) - lse_pos).mean()
+
+
+class ArcMargin(nn.Module):
+    """An ArcFace head: the angle between an embedding and each class's weight, a margin added
+    to the true class's (``acos`` of a cosine of unit vectors, with no clamp)."""
+
+    def __init__(self, dim: int = 32, classes: int = 10, s: float = 30.0, m: float = 0.5):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(classes, dim) * 0.1)
+        self.s, self.m = s, m
+
+    def forward(self, emb, labels):
+        cos = F.linear(F.normalize(emb), F.normalize(self.W))
+        theta = torch.acos(cos)  # BUG: no clamp into (-1, 1)
+        onehot = F.one_hot(labels, cos.shape[1]).bool()
+        return self.s * torch.where(onehot, torch.cos(theta + self.m), cos)
+
+
+class ArcFaceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.head = ArcMargin()
+
+    def forward(self, x, labels):
+        return self.head(self.backbone(x), labels)
+
+
+def make_arcface_net() -> nn.Module:
+    torch.manual_seed(0)
+    return ArcFaceNet()

@@ -206,3 +206,32 @@ def test_a_coupling_scale_that_overflows_exp_says_to_bound_the_exponent(tmp_path
     rep = nanreplay_json(err.bundle_path)
     assert origin_of(rep) == (K, "forward", "coup0", "aten.exp", [9], "overflow"), rep
     assert "float64 holds it" in rep["hint"] and "tanh(s)" in rep["hint"], rep["hint"]
+
+
+def test_acos_of_a_cosine_rounded_to_one_is_precision_and_the_clamp(tmp_path):
+    """ArcFace without a clamp: sample 3's embedding lies exactly along its class's weight, the
+    cosine of the two unit vectors rounds to 1.0 in float32 and acos's derivative is -inf
+    there (float64 rounds it just below 1: finite). Not an overflow that float64 fixes: the
+    cosine must be clamped inside (-1, 1)."""
+    model, crit = M.make_arcface_net(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="numerics_models:make_arcface_net"):
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                x, y = torch.randn(32, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
+                if step == K:
+                    with torch.no_grad():  # class y[3]'s weight along sample 3's embedding
+                        model.head.W[y[3]] = 3.0 * model.backbone(x[3:4])[0]
+                loss = crit(model(x, y), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"]) == \
+        (K, "backward", "head", "AcosBackward0", [3])
+    assert rep["cause"] == "precision" and rep["reproduced"] is True
+    assert "rounded to exactly +-1, the edge of acos's domain" in rep["hint"]
+    assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"]
