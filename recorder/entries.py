@@ -89,8 +89,11 @@ def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (
             for i, o in enumerate(group):
                 if (t.device == o.device and t.dtype == o.dtype
                         and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()):
+                    # "of": the output's shape, so the replay tells a reshape of the whole
+                    # output from a slice of it (emb[0] of a (3, B, D) output)
                     return {**_out_ref(i, k), "view": [list(t.shape), list(t.stride()),
-                                                       t.storage_offset() - o.storage_offset()]}
+                                                       t.storage_offset() - o.storage_offset()],
+                            "of": list(o.shape)}
         fn = t.grad_fn
         for k, group in sources:
             for i, o in enumerate(group):

@@ -380,7 +380,7 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]]
         dt = getattr(torch, str(node.get("dtype")), None)
         if isinstance(dt, torch.dtype) and dt.is_floating_point and o.is_floating_point():
             return o.to(dt)  # the loss was given a cast of the output (out.float())
-        return _same_view(o, *node["view"]) if "view" in node else o
+        return _same_view(o, *node["view"], of=node.get("of")) if "view" in node else o
 
     # (the outputs are on the device already: moving them is a no-op)
     args, kwargs = _to(unflatten_tree(tree, step.tensors, leaf=output), step.device)
@@ -421,13 +421,16 @@ def autocast_as_recorded(mb: dict[str, Any], device: torch.device):
         yield
 
 
-def _same_view(o: torch.Tensor, shape: list[int], stride: list[int], off: int) -> torch.Tensor:
+def _same_view(o: torch.Tensor, shape: list[int], stride: list[int], off: int,
+               of: list[int] | None = None) -> torch.Tensor:
     """The view of the re-computed output ``o`` that the loss was given of the recorded one
-    (``shape``, ``stride``, ``off``). When the replay changed the batch (--try drop=), ``o``
-    has fewer elements: a reshape of the whole output (``logits.view(-1, V)``) or a
-    permutation of its dims (``log_probs.transpose(0, 1)`` for ``nn.CTCLoss``) is redone on
-    it; other views keep the recorded strides."""
-    if shape and o.numel() != math.prod(shape) and not off and o.is_contiguous():
+    (``shape``, ``stride``, ``off``; ``of``: the recorded output's shape, absent in older
+    bundles). When the replay changed the batch (--try drop=), ``o`` has fewer elements: a
+    reshape of the whole output (``logits.view(-1, V)``) or a permutation of its dims
+    (``log_probs.transpose(0, 1)`` for ``nn.CTCLoss``) is redone on it; other views, and a
+    part of the output (``emb[0]``, which starts at offset 0 too), keep the recorded strides."""
+    whole = of is None or math.prod(of) == math.prod(shape)
+    if shape and whole and o.numel() != math.prod(shape) and not off and o.is_contiguous():
         if list(stride) == _contiguous_strides(shape):
             return o.reshape(-1, *shape[1:])
         # the view's dims in the output's order: strides descending, contiguous for that shape

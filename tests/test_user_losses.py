@@ -280,6 +280,35 @@ def test_one_loss_over_two_forwards_names_the_loss_op_and_re_runs_both_views(tmp
     assert "aten.div by 0 (x/0, a pole)" in rep["hint"], rep["hint"]
 
 
+def test_triplet_loss_over_chunks_of_one_forward(tmp_path):
+    """Anchors, positives and negatives through one forward, the loss given its three chunks
+    (views of the output; the anchors' starts where the output does). The replay took the
+    anchors' chunk for a reshape of the whole output and fed the loss all 24 rows: the re-run
+    failed ("size of tensor a (24) must match ... (8)"). At step K positive 2 is a copy of
+    its anchor: sqrt at 0 in backward."""
+    model, crit = UL.make_tagger(), UL.TripletLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="user_losses:make_tagger"):
+            for step in range(6):
+                xa, xn = UL.batch(step)[0], UL.batch(100 + step)[0]
+                xp = xa + 0.1 * UL.batch(200 + step)[0]
+                if step == K:
+                    xp[2] = xa[2]
+                opt.zero_grad()
+                a, p, n = model(torch.cat([xa, xp, xn])).chunk(3)
+                crit(a, p, n).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (K, "backward")
+    rep, code = nanreplay_json(err.bundle_path)
+    assert origin(rep, "phase", "module", "op") == ("backward", "<loss>", "SqrtBackward0")
+    assert rep["origin"]["source"] == bug_line("triplet")
+    assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
+    assert rep["problems"] == []
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. a loss computed outside the recorded model
 
