@@ -72,7 +72,8 @@ class Alarm:
         event = events.find_event(evidence, reason)
         agreement = target.ranks
         if agreement is not None and agreement.seen is not None:  # every rank is here
-            event = agreement.settle(event, tape.step)
+            event = agreement.settle(event, tape.step,
+                                     own_backward=events.output_grad_bad(evidence))
         if event is None:  # false alarm: norms of huge but finite tensors overflowed
             with self._lock:
                 self.fired = False

@@ -32,7 +32,8 @@ from .samples import Samples, of_micro_batch, packed_in
 from .shards import local
 from .tape import Tape
 
-__all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "summary"]
+__all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_grad_bad",
+           "summary"]
 
 # keys a bundle's event holds only when they are set
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
@@ -308,6 +309,18 @@ def _output_grad_event(ev: StepEvidence) -> Event | None:
                         "outside the recorder, is non-finite")
         return event
     return None
+
+
+def output_grad_bad(ev: StepEvidence) -> bool:
+    """Some gradient backward brought to a root output holds a NaN/Inf: this rank's own loss
+    made it (under DDP or FSDP2 the parameters' gradients may hold another rank's NaN, which
+    the all-reduce or reduce-scatter spread; the output's gradient is never exchanged)."""
+    for mb_i, i, k in ev.layout.out_grads:
+        if not math.isfinite(ev.row[k]):
+            grad = ev.tape.micro_batches[mb_i].out_grads.get(i)
+            if grad is None or not finite(grad):
+                return True
+    return False
 
 
 def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str],

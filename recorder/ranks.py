@@ -152,18 +152,20 @@ class Agreement:
         self._keep(host[n:])
         return host[:n]
 
-    def settle(self, event: Event | None, step: int) -> Event | None:
+    def settle(self, event: Event | None, step: int, own_backward: bool = False
+               ) -> Event | None:
         """Slow path, every rank: which ranks saw the event first, by the step (an update's
         event is its step's), then the phase, micro-batch and call each rank's own event
-        names. Sets ``event.ranks``; a rank whose own values were finite gets a ``peer``
-        event of the first ranks' step, naming them. One more all-reduce, which every rank
-        runs as every rank entered the slow path together."""
+        names; among backward events, the ranks whose own loss sent a NaN/Inf into the
+        model output (``own_backward``) first. Sets ``event.ranks``; a rank whose own values
+        were finite gets a ``peer`` event of the first ranks' step, naming them. One more
+        all-reduce, which every rank runs as every rank entered the slow path together."""
         seen = self.seen or []
         self.seen = None
         if self.rank not in seen and event is not None and event.reason == "non_finite":
             event = None  # only the others failed: what the finder made of finite values
-        row = torch.zeros(self.world, 4, dtype=torch.int64, device=self.device)
-        key = _order_key(event) if event is not None else (step, _LATE, 0, 0)
+        row = torch.zeros(self.world, 5, dtype=torch.int64, device=self.device)
+        key = _order_key(event, own_backward) if event is not None else (step, _LATE, 0, 0, 0)
         row[self.rank] = torch.tensor(key, dtype=torch.int64)
         torch.distributed.all_reduce(row, group=self.group)
         keys = [tuple(k) for k in row.tolist()]
@@ -207,10 +209,14 @@ def _timeout() -> float:
     return value if value > 0 else _TIMEOUT_S
 
 
-def _order_key(event: Event) -> tuple[int, int, int, int]:
-    """(step, phase order, micro-batch, call) of an event: smaller saw it earlier."""
+def _order_key(event: Event, own_backward: bool = False) -> tuple[int, int, int, int, int]:
+    """(step, phase order, received, micro-batch, call) of an event: smaller saw it earlier.
+    ``received`` is 1 for a backward event whose rank's output gradients were finite: its
+    parameters' NaN may be another rank's, spread by the gradient all-reduce, so a rank whose
+    own loss made one (``own_backward``) saw it first (every rank's event is backward then)."""
     mb, call = event.micro_batch, event.call
-    return (int(event.step), PHASE_ORDER.get(event.phase, _LATE - 1),
+    received = int(event.phase == "backward" and not own_backward)
+    return (int(event.step), PHASE_ORDER.get(event.phase, _LATE - 1), received,
             mb if isinstance(mb, int) else 0, call if isinstance(call, int) else 0)
 
 

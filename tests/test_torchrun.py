@@ -379,3 +379,24 @@ def test_ddp_validation_on_rank_0_alone_does_not_hang(tmp_path):
     assert "rank 0 no event steps=10" in proc.stdout and "rank 1 no event steps=10" in \
         proc.stdout, proc.stdout
     assert not out.exists() or not list(out.iterdir())
+
+
+def test_ddp_backward_nan_of_one_ranks_loss_is_first_seen_on_that_rank(tmp_path):
+    """Rank 1's triplet loss makes NaN in backward (sqrt at 0) at step 3; DDP's all-reduce
+    gives rank 0 the same NaN gradients. Both ranks' events were backward events of step 3,
+    so both were "first": the replay took rank 0's step, finite on its own, and said
+    not_reproduced. The rank whose loss sent NaN into the model output (the output's gradient
+    is never all-reduced) is now first, and either bundle replays its step to the op."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("ddp_triplet_train.py", out, HERE)
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ first=\[[\d, ]*\] "
+                             r"loop_step=\d+)", proc.stdout))
+    assert events == {"0": "step=3 phase=backward first=[1] loop_step=3",
+                      "1": "step=3 phase=backward first=[1] loop_step=3"}, proc.stdout
+    rep = subprocess.run([sys.executable, "-m", "replay", "--json",
+                          str(out / "step00000003-rank0.nan")],
+                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    report = json.loads(rep.stdout)
+    assert report["bundle"]["rank"] == 1 and report["reproduced"] is True, rep.stdout[-3000:]
+    assert (report["origin"]["phase"], report["origin"]["module"], report["origin"]["op"],
+            report["cause"]) == ("backward", "<loss>", "SqrtBackward0", "invalid")
