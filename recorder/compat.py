@@ -204,3 +204,10 @@ def process_group_store(group=None):
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_store() if group is None else c10d._get_process_group_store(group)
+
+
+def fsdp_mp_policy(module):
+    """The ``MixedPrecisionPolicy`` that ``fully_shard(module, mp_policy=...)`` was given
+    (FSDP2's private state: no public getter), or None."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    return getattr(get_state(), "_mp_policy", None) if get_state is not None else None

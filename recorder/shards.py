@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import dtensor_chunk
+from .compat import dtensor_chunk, fsdp_mp_policy
 
 try:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -77,6 +77,23 @@ def class_name(m: nn.Module) -> str:
     if FSDPModule is not None and isinstance(m, FSDPModule):
         cls = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def mixed_precision(m: nn.Module) -> dict[str, Any] | None:
+    """For a ``fully_shard``-ed module, the dtypes its ``MixedPrecisionPolicy`` computes in
+    (JSON, None where unset): FSDP2 all-gathers its parameters cast to ``param_dtype`` and
+    casts its floating inputs (``cast_forward_inputs``) and outputs (``output_dtype``), so the
+    replay computes as it did (``replay.precision``). None for any other module."""
+    if FSDPModule is None or not isinstance(m, FSDPModule):
+        return None
+    policy = fsdp_mp_policy(m)
+
+    def name(dtype) -> str | None:
+        return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+    return {"param_dtype": name(getattr(policy, "param_dtype", None)),
+            "output_dtype": name(getattr(policy, "output_dtype", None)),
+            "cast_forward_inputs": bool(getattr(policy, "cast_forward_inputs", False))}
 
 
 def localize(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

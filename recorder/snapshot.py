@@ -25,7 +25,7 @@ from .rewind import Rewind
 from .ring import RingBuffer
 from .samples import of_micro_batch
 from .settings import Settings
-from .shards import class_name, localize
+from .shards import class_name, localize, mixed_precision
 from .tape import Tape
 from .target import Target
 
@@ -155,9 +155,13 @@ def _module_info(name: str, m: nn.Module) -> dict[str, Any]:
     t = next(iter(m.parameters(recurse=False)), None)
     if t is None:
         t = next(iter(m.buffers(recurse=False)), None)
-    return {"name": name, "type": class_name(m), "training": m.training,
+    info = {"name": name, "type": class_name(m), "training": m.training,
             "dtype": str(t.dtype).removeprefix("torch.") if t is not None else None,
             "device": str(t.device) if t is not None else None}
+    fsdp = mixed_precision(m)  # FSDP2: what its MixedPrecisionPolicy computed in
+    if fsdp is not None:
+        info["fsdp"] = fsdp
+    return info
 
 
 def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:

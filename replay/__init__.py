@@ -16,9 +16,10 @@ Layout, in the order a replay goes (each module imports only those before it):
   (model, weights, optimizer, batches); shareable copies (of a shard set too);
 - ``source``, ``memo``, ``ops``: whose code a frame is; values kept per unmodified tensor; the
   aten op finder (``OpFinder``), the float64 mode and the op capture;
-- ``run_result``, ``instrument``, ``bisection``, ``rerun``: what a re-run saw (``Run``,
-  ``Call``); the instrumented pass; the probes and the bisection; ``Runner``, which runs the
-  step as recorded (or in float64) with those hooks;
+- ``run_result``, ``instrument``, ``bisection``, ``precision``, ``rerun``: what a re-run saw
+  (``Run``, ``Call``); the instrumented pass; the probes and the bisection; FSDP2's mixed
+  precision dtypes; ``Runner``, which runs the step as recorded (or in float64) with those
+  hooks;
 - ``fidelity``, ``outside``, ``backward``, ``domains``, ``cause_text``, ``cause``: is the
   rebuilt model the recorded one; a loss outside the model; the backward node finder; the cause
   and its words;

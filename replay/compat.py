@@ -49,8 +49,9 @@ def writes_arguments(func) -> bool:
     return hit
 
 
-def set_parameter(module: nn.Module, name: str, value: nn.Parameter | None) -> None:
-    """``module.<name> = value`` as a parameter entry, without ``__setattr__``'s checks."""
+def set_parameter(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """``module.<name> = value`` as a parameter entry, without ``__setattr__``'s checks (a
+    plain tensor too: a cast of the parameter for one forward, see ``replay.precision``)."""
     module._parameters[name] = value
 
 

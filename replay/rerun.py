@@ -30,6 +30,7 @@ from .load import (
     output_grads,
     rng_state,
 )
+from .precision import precision_hooks
 from .run_result import Run
 from .source import raised_by_model
 
@@ -86,6 +87,8 @@ class Runner:
         handles = CallRecorder(self, result).install(self.model) if instrument else []
         if hooks is not None:
             handles += hooks(self.model)
+        if self.cast is None:  # FSDP2's MixedPrecisionPolicy, as recorded (not in float64)
+            handles += precision_hooks(self.model, self.step.meta)
         try:
             for i, mb in enumerate(self.step.micro_batches):
                 self.micro_batch = i

@@ -400,3 +400,30 @@ def test_ddp_backward_nan_of_one_ranks_loss_is_first_seen_on_that_rank(tmp_path)
     assert report["bundle"]["rank"] == 1 and report["reproduced"] is True, rep.stdout[-3000:]
     assert (report["origin"]["phase"], report["origin"]["module"], report["origin"]["op"],
             report["cause"]) == ("backward", "<loss>", "SqrtBackward0", "invalid")
+
+
+def test_fsdp2_mixed_precision_nan_replays_in_the_policys_dtype(tmp_path):
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16): rank 1's hand-written LayerNorm
+    cancels to a negative variance in bfloat16 at step 0. The replay rebuilt the float32
+    model and fed it the recorded bfloat16 input: 'replay failed (RuntimeError: mat1 and
+    mat2 must have the same dtype ...)'. The bundle now records each fully_shard-ed module's
+    policy and the re-run computes in its dtypes: aten.rsqrt in norm, sample 5, precision."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("fsdp_mp_train.py", out, HERE)
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ module=\S+ first=\[[\d, ]*\] "
+                             r"loop_step=\d+)", proc.stdout))
+    assert events == {"1": "step=0 phase=forward module=norm first=[1] loop_step=0",
+                      "0": "step=0 phase=backward module=None first=[1] loop_step=0"}, \
+        proc.stdout
+    meta, _ = read_bundle(out / "step00000000-rank1.nan")
+    fsdp = {m["name"]: m["fsdp"] for m in meta["modules"] if "fsdp" in m}
+    assert fsdp == {name: {"param_dtype": "bfloat16", "output_dtype": None,
+                           "cast_forward_inputs": True} for name in ("", "body")}
+    rep = subprocess.run([sys.executable, "-m", "replay", "--json",
+                          str(out / "step00000000-rank0.nan")],
+                         capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert rep.returncode == 0, rep.stderr
+    report = json.loads(rep.stdout)
+    assert report["bundle"]["rank"] == 1 and report["reproduced"] is True
+    assert (report["origin"]["module"], report["origin"]["op"], report["origin"]["samples"],
+            report["cause"]) == ("norm", "aten.rsqrt", [5], "precision"), report["origin"]
