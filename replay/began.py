@@ -15,11 +15,14 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
     gradient norm, weight norm, loss) at least ``factor`` times the median of its earlier
     values in the window, or one that rose at every step and grew ``factor`` times by the last
     (from where it took up its pace; from the window's first step: it began before it). A
-    rise whose first growth shows at or after a jump is that jump's doing (a learning-rate
-    spike makes the weights that follow it grow), so the jump is named."""
+    rise whose first growth shows at or after a jump, or that crept up before it and exploded
+    after, is that jump's doing (a learning-rate spike or one bad batch makes the weights
+    that follow it grow), so the jump is named."""
     jumps, rises = [], []
-    for key, name in (("lr", "learning rate"), ("grad_norm", "gradient norm"),
-                      ("param_norm", "weight norm"), ("loss", "loss")):
+    # (in the order one step makes them, so that of two jumps at one step the first is named:
+    # a loss that one bad batch blew up, not the gradient norm that follows from it)
+    for key, name in (("lr", "learning rate"), ("loss", "loss"),
+                      ("grad_norm", "gradient norm"), ("param_norm", "weight norm")):
         pairs = [(s["step"], abs(s[key])) for s in per_step
                  if s.get(key) is not None and math.isfinite(s[key])]
         # a measured series (a norm, the loss) needs two earlier values, as the recorded
@@ -45,15 +48,23 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
 
 def _jump_did_it(jump: dict[str, Any], shows: int, began: int,
                  pairs: list[tuple[int, float]], factor: float) -> bool:
-    """A rise is a jump's doing when its first growth shows at or after the jump, or, for a
-    learning rate (set, not measured: a cause, not a symptom), when the rise crept up by less
-    than ``factor`` before it and exploded after (weights growing slowly as training does,
-    then blown up by a learning rate set 1e5 times higher)."""
+    """A rise is a jump's doing when its first growth shows at or after the jump, or when it
+    crept up before the jump and exploded after: weights growing slowly as training does, then
+    blown up by a learning rate set 1e5 times higher (for a learning rate, set, not measured:
+    a cause, not a symptom, less than ``factor`` before it is creeping) or by one batch whose
+    loss jumped (a record in the wrong unit: the rise's pace before it, per step, under half
+    its pace from where it began to its last value)."""
     at = jump["step"]
     if at <= shows:
         return True
     before = [v for s, v in pairs if began <= s < at]
-    return jump["kind"] == "lr_jump" and len(before) > 1 and before[-1] < factor * before[0]
+    if len(before) < 2:
+        return False
+    if jump["kind"] == "lr_jump" and before[-1] < factor * before[0]:
+        return True
+    steps = [s for s, _ in pairs if s >= began]
+    pace = math.log(pairs[-1][1] / before[0]) / (len(steps) - 1)
+    return math.log(before[-1] / before[0]) / (len(before) - 1) < 0.5 * pace
 
 
 def _rise(name: str, key: str, pairs: list[tuple[int, float]], start: int) -> dict[str, Any]:

@@ -149,3 +149,9 @@ def make_tagger() -> nn.Module:
     """A per-token classifier of ``(B, T, D_IN)`` sequences (its loop flattens the logits and
     the tags for the loss)."""
     return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLASSES))
+
+
+def make_price_regressor() -> nn.Module:
+    """A tabular MLP regressor without normalisation (20 features, 10 targets)."""
+    return nn.Sequential(nn.Linear(20, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, 10))
