@@ -50,24 +50,28 @@ def window_lines(report: dict[str, Any]) -> list[str]:
 
 
 def what_if_lines(report: dict[str, Any]) -> list[str]:
-    lines = []
-    for t in report.get("what_if") or []:
-        if t.get("error"):
-            verdict = f"failed: the re-run with this change raised {t['error']}"
-        elif t.get("finite") is None:
-            verdict = f"not re-run: {t.get('note')}"
-        elif t["finite"]:
-            verdict = f"finite through step {t['steps'][1]}"
-        else:
-            o = t["origin"]
-            verdict = f"{o.get('kind') or 'non-finite'} at step {o['step']} ({where(o)})"
-        if t.get("inconclusive"):
-            verdict = (f"inconclusive: {verdict}; the unchanged re-run is finite too: this try "
-                       "proves nothing" if t["finite"] else
-                       f"inconclusive: {verdict}; the unchanged re-run is finite: the change "
-                       "made it, not the recorded event")
-        lines.append(f"  what-if    {t['try']:<14} {verdict}")
-    return lines
+    return [f"  what-if    {t['try']:<14} {what_if_verdict(t)}"
+            for t in report.get("what_if") or []]
+
+
+def what_if_verdict(t: dict[str, Any]) -> str:
+    """One try's verdict, in the text report's and the HTML page's words alike: how far it was
+    re-run, why it was not, what it raised."""
+    if t.get("error"):
+        verdict = f"failed: the re-run with this change raised {t['error']}"
+    elif t.get("finite") is None:
+        verdict = f"not re-run: {t.get('note')}"
+    elif t["finite"]:
+        verdict = f"finite through step {t['steps'][1]}"
+    else:
+        o = t["origin"]
+        verdict = f"{o.get('kind') or 'non-finite'} at step {o['step']} ({where(o)})"
+    if t.get("inconclusive"):
+        verdict = (f"inconclusive: {verdict}; the unchanged re-run is finite too: this try "
+                   "proves nothing" if t["finite"] else
+                   f"inconclusive: {verdict}; the unchanged re-run is finite: the change "
+                   "made it, not the recorded event")
+    return verdict
 
 
 def window_html(report: dict[str, Any], esc) -> str:
@@ -81,19 +85,7 @@ def what_if_html(report: dict[str, Any], esc) -> str:
     rows = report.get("what_if") or []
     if not rows:
         return ""
-    body = "".join(
-        f"<tr><td><code>{esc(t['try'])}</code></td><td>{_verdict(t)}</td>"
-        f"<td>{esc(t.get('event_step')) if t.get('event_step') is not None else '—'}</td>"
-        f"<td>{esc(where(t.get('origin')))}</td></tr>" for t in rows)
-    return ("<h2>What if</h2><table class=\"whatif\"><tr><th>try</th><th>result</th>"
-            f"<th>step</th><th>where</th></tr>{body}</table>")
-
-
-def _verdict(t: dict[str, Any]) -> str:
-    if t.get("error"):
-        return "failed"
-    if t.get("finite") is None:
-        return "not re-run"
-    verdict = "finite" if t["finite"] else "non-finite"
-    return f"inconclusive ({verdict}: the unchanged re-run is finite too)" \
-        if t.get("inconclusive") else verdict
+    body = "".join(f"<tr><td><code>{esc(t['try'])}</code></td><td>{esc(what_if_verdict(t))}"
+                   "</td></tr>" for t in rows)
+    return ("<h2>What if</h2><table class=\"whatif\"><tr><th>try</th><th>result</th></tr>"
+            f"{body}</table>")

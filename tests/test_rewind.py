@@ -338,8 +338,8 @@ def test_a_try_on_weights_written_by_hand_is_inconclusive_and_auto_proposes_none
     assert [ln for ln in res.stdout.splitlines() if ln.startswith("  what-if")] == [
         "  what-if    lr=0.1x        inconclusive: finite through step 3; the unchanged re-run "
         "is finite too: this try proves nothing"]
-    assert "<code>lr=0.1x</code></td><td>inconclusive (finite: the unchanged re-run is finite " \
-           "too)</td>" in page.read_text()
+    assert "<code>lr=0.1x</code></td><td>inconclusive: finite through step 3; the unchanged " \
+           "re-run is finite too: this try proves nothing</td>" in page.read_text()
 
 
 def test_auto_tries_the_remedies_of_the_cause(out_dir):
