@@ -23,6 +23,7 @@ from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, reco
 from .forward import report_forward
 from .load import Step
 from .origins import (
+    after_update_hint,
     report_backward,
     report_dropped_nan,
     report_entering,
@@ -97,7 +98,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         params = bad_weights or list(step.event.get("params", []))
         return finish(report, origin_fields(phase="optimizer", params=params,
                                             param=(params or [None])[0]), "optimizer",
-                      reproduced=False)
+                      reproduced=False, hint=params and after_update_hint(step, params))
     if step.event.get("phase") == "input":
         return finish(report, input_origin(step), "input", reproduced=True)
     if any(mb.get("inputs_written") for mb in step.micro_batches):

@@ -52,6 +52,13 @@ HINTS = {
 EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so "
                "m / (sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8)")
 
+# The same division by 0 when eps > 0 rounds to 0 in the weights' dtype (replay.optim.eps_lost)
+EPS_LOST_UPDATE = ("eps={eps:g} is 0 in {dtype}, the dtype of the weights and of the optimizer "
+                   "state that adds it, so an element whose v rounded to 0 (a small gradient "
+                   "squared, or one always 0) divides by 0 in m / (sqrt(v) + eps): keep the "
+                   "weights and optimizer state in float32 (autocast for {dtype} compute), or "
+                   "set eps={safe}")
+
 # What to do, by situation (the first half of the hint says what happened).
 DO = {
     "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",

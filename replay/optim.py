@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from contextlib import contextmanager
 
 import torch
@@ -86,3 +87,30 @@ def per_parameter(opt):
                 g["foreach"] = fe
             if "fused" in g:
                 g["fused"] = fu
+
+
+def eps_lost(step, groups: list[dict], params: list[str]) -> tuple[float, str] | None:
+    """``(eps, dtype)`` when a group's ``eps > 0`` holding one of ``params`` rounds to 0 in the
+    dtype of its recorded weights, in which the optimizer keeps its state and adds eps (Adam's
+    default 1e-8 is under half float16's smallest subnormal): its m / (sqrt(v) + eps) then
+    divides by 0 wherever v is 0, as with eps=0. None otherwise."""
+    for g in groups:
+        eps = g.get("eps")
+        if not isinstance(eps, float) or not eps > 0:
+            continue
+        for name in g.get("params") or ():
+            w = step.tensors.get(f"weights/{name}")
+            if (name in params or not params) and w is not None and w.is_floating_point() \
+                    and float(torch.tensor(eps, dtype=w.dtype)) == 0:
+                return eps, str(w.dtype).removeprefix("torch.")
+    return None
+
+
+def safe_eps(dtype: str | None) -> str:
+    """The eps an update in ``dtype`` keeps, as ``--try eps=`` spells it: the default ``1e-8``
+    where it is not 0 in it, else the power of ten at or above the dtype's smallest normal
+    value (``1e-4`` in float16)."""
+    dt = getattr(torch, dtype or "float32", torch.float32)
+    if float(torch.tensor(1e-8, dtype=dt)) != 0:
+        return "1e-8"
+    return f"1e{math.ceil(math.log10(torch.finfo(dt).tiny))}"

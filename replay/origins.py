@@ -18,12 +18,12 @@ from recorder.finite import finite, kind_of, label, tensors_kind
 from . import outside
 from .backward import find_backward_origin
 from .cause import classify
-from .cause_text import DO, EPS0_UPDATE, HINTS
+from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step, autocast_as_recorded, loss_inputs
 from .ops import OpFinder, state_of
-from .optim import per_parameter
+from .optim import eps_lost, per_parameter, safe_eps
 from .recorded import batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
@@ -303,7 +303,8 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
     """The hint of an update re-run under the op finder that made ``made`` in ``params``: a
     guard bundle's (:func:`report_optimizer`) or a rewind window's
     (``replay.window_report``). An Adam-style update with ``eps=0`` in the bundle's
-    hyper-parameters that made NaN is the 0/0 of gradients that have all been exactly 0."""
+    hyper-parameters that made NaN is the 0/0 of gradients that have all been exactly 0; one
+    whose eps is 0 in the weights' dtype (1e-8 in float16) divides by 0 where v rounded to 0."""
     opt = step.meta.get("optimizer") or {}
     cls = opt.get("class", "the optimizer").rpartition(".")[2]
     groups = opt.get("param_groups", [])
@@ -320,9 +321,26 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            "parameter's state"
            if stale else
            EPS0_UPDATE if made == "nan" and any(g.get("eps") == 0 for g in own) else
-           HINTS["optimizer"])
+           _eps_lost_text(step, own, params) or HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
+
+
+def after_update_hint(step: Step, params: list[str]) -> str | None:
+    """The hint of an update the bundle cannot re-run (it holds the weights after it) whose
+    eps the weights' dtype rounds to 0, which the bundle alone shows; else None."""
+    opt = step.meta.get("optimizer") or {}
+    groups = [g for g in opt.get("param_groups", []) if set(g.get("params") or ()) & set(params)]
+    why = _eps_lost_text(step, groups, params)
+    return why and (f"{opt.get('class', '').rpartition('.')[2]}'s update at step "
+                    f"{step.event.get('step')} made {params[0]} non-finite (not re-run: the "
+                    f"bundle holds the weights after it); {why}")
+
+
+def _eps_lost_text(step: Step, groups: list[dict], params: list[str]) -> str | None:
+    lost = eps_lost(step, groups, params)
+    return EPS_LOST_UPDATE.format(eps=lost[0], dtype=lost[1], safe=safe_eps(lost[1])) \
+        if lost else None
 
 
 def _non_finite_hyper(step: Step, at, own: list[dict]) -> tuple[str, str] | None:

@@ -24,6 +24,7 @@ import torch
 
 from .errors import ReplayError, one_line
 from .load import Step
+from .optim import eps_lost, safe_eps
 from .recorded import batch_size, samples
 from .window import Change, Window, run_window, step_as_window, window_of
 
@@ -158,9 +159,23 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
                 out.append(f"lr={before:.3g}")  # the rate the run trained at before the jump
         elif (last := _last_finite_lr(step)) is not None:
             out.append(f"lr={last:.3g}")
-        if cause == "optimizer" and any(g.get("eps") == 0 for g in step.optimizer.param_groups):
-            out.append("eps=1e-8")
+        if cause == "optimizer":
+            out += _eps_tries(step, o.get("params") or [])
     return out
+
+
+def _eps_tries(step: Step, params: list[str]) -> list[str]:
+    """For an update that divided by an eps of 0, or by one its weights' dtype rounds to 0
+    (Adam's 1e-8 in float16): an eps that dtype keeps and, for the latter, float32 weights and
+    state."""
+    groups = (step.meta.get("optimizer") or {}).get("param_groups", [])
+    if lost := eps_lost(step, groups, params):
+        return [f"eps={safe_eps(lost[1])}", "dtype=float32"]
+    if any(g.get("eps") == 0 for g in step.optimizer.param_groups):
+        dtype = next((str(t.dtype).removeprefix("torch.") for k, t in step.tensors.items()
+                      if k.startswith("weights/") and t.is_floating_point()), None)
+        return [f"eps={safe_eps(dtype)}"]
+    return []
 
 
 def _lr_before_jump(report: dict[str, Any]) -> float | None:

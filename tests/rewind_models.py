@@ -155,3 +155,22 @@ def make_price_regressor() -> nn.Module:
     """A tabular MLP regressor without normalisation (20 features, 10 targets)."""
     return nn.Sequential(nn.Linear(20, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
                          nn.Linear(128, 10))
+
+
+class TextCNN(nn.Module):
+    """Token embeddings, a 1-d convolution, max-pooling over time and a linear head."""
+
+    def __init__(self, vocab: int = 500, dim: int = 32, n_classes: int = 5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.conv = nn.Conv1d(dim, 64, 3, padding=1)
+        self.head = nn.Linear(64, n_classes)
+
+    def forward(self, tokens):
+        h = torch.relu(self.conv(self.emb(tokens).transpose(1, 2))).amax(dim=2)
+        return self.head(h)
+
+
+def make_half_text_cnn() -> nn.Module:
+    """The TextCNN trained in float16 throughout (``model.half()``, no autocast)."""
+    return TextCNN().half()
