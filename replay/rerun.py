@@ -30,6 +30,7 @@ from .load import (
     output_grads,
     rng_state,
 )
+from .loopscale import loss_factor
 from .precision import precision_hooks
 from .run_result import Run
 from .source import raised_by_model
@@ -60,6 +61,9 @@ class Runner:
         # multiply the loss by this before backward, as the step's GradScaler did (only where
         # no finite recorded output gradient, which holds the scale already, is used)
         self.loss_scale: float | None = None
+        # when a dict: the loop's factor on the loss (accumulation's 1/k) of each micro-batch
+        # backpropagated from its recorded output gradients, by index (replay.loopscale)
+        self.loss_factors: dict[int, list[float]] | None = None
         self.last_loss = None
 
     # -- state reset -------------------------------------------------------------------------
@@ -153,9 +157,15 @@ class Runner:
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
             pairs = _external(pairs)
+            if self.loss_factors is not None and \
+                    (k := loss_factor(loss, pairs, self.loss_scale)) is not None:
+                self.loss_factors.setdefault(i, []).append(k)
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
         elif isinstance(loss, torch.Tensor) and loss.requires_grad:
-            (loss * self.loss_scale if self.loss_scale else loss).backward()
+            # (a what-if's micro-batch carries the loop's own factor: replay.loopscale)
+            k = self.step.micro_batches[i].get("loss_factor")
+            (loss * (self.loss_scale or 1.0) * (k or 1.0) if self.loss_scale or k
+             else loss).backward()
 
     # -- float64 -----------------------------------------------------------------------------
 

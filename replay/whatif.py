@@ -238,8 +238,9 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     for label, change in parsed:
         check_applicable(step, label, change)
     win = win or step_as_window(step)
-    if win.from_rewind and report.get("window"):  # the loop's clip the window's re-run found
-        win.loop_clip = report["window"].get("loop_clip")
+    if win.from_rewind and report.get("window"):  # the loop's clip and loss factors the
+        win.loop_clip = report["window"].get("loop_clip")  # window's re-run found
+        win.loss_factors = report["window"].get("loss_factors")
     unchanged_finite = _unchanged_finite(step, report, win)
     out = []
     for label, change in parsed:

@@ -37,6 +37,7 @@ from .began import precursors_began  # noqa: F401  (the window report's, re-expo
 from .clip import loop_clip
 from .drop import drop_rows
 from .load import Step
+from .loopscale import unscale, window_factors, with_factors
 from .ops import OpFinder
 from .optim import needs_closure, per_parameter
 from .peers import average_gradients, peer_gradients
@@ -56,6 +57,9 @@ class Window:
     from_rewind: bool
     # the max_norm of the loop's own clip_grad_norm_, as the unchanged re-run found it
     loop_clip: float | None = None
+    # the loop's factor on each micro-batch's loss (accumulation's 1/k), by its index in the
+    # step, as the unchanged re-run found them
+    loss_factors: list[float] | None = None
 
 
 @dataclass
@@ -135,13 +139,13 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     _restore(step, win, change.dtype)
     opt = _stepped_optimizer(step, win, out.problems)
     peers = _peers(step, win, out.problems)
+    factors: dict[int, list[float]] | None = {} if change == Change() else None
     for record in win.records:
         sub = _sub_step(step, win, record, change)
         runner = Runner(sub)
-        runner.cast = change.dtype
+        runner.cast, runner.loss_factors = change.dtype, factors
         scale = _used_scale(step, win, record)
-        if scale is not None and math.isfinite(scale):
-            runner.loss_scale = scale
+        runner.loss_scale = scale if scale is not None and math.isfinite(scale) else None
         run = _run_ranks(runner, step, peers, record, change, scale)
         o = _forward_outcome(record["step"], run)
         if run.error is not None and o is None:
@@ -156,7 +160,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             out.first = o
             break
         if scale is not None and math.isfinite(scale):
-            _unscale(step.model, scale)
+            unscale(step.model, scale)
         _drop_untrained(step.model, opt, record)
         bad_grads = [n for n, p in step.model.named_parameters()
                      if p.grad is not None and not finite(p.grad)]
@@ -184,6 +188,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         if bad:
             out.first = _update_outcome(record["step"], step, opt, before, bad)
             break
+    win.loss_factors = win.loss_factors if factors is None else window_factors(factors)
     return out
 
 
@@ -272,6 +277,8 @@ def _peers(step: Step, win: Window, problems: list[str]) -> list[tuple[Step, Win
         meta, tensors = read_bundle(path)
         peer = dataclasses.replace(step, path=path, meta=meta, tensors=tensors, problems=[])
         pwin = window_of(peer) if win.from_rewind else step_as_window(peer)
+        if pwin is not None:  # (the same loop ran on every rank)
+            pwin.loss_factors = win.loss_factors
         if pwin is None or [x["step"] for x in pwin.records] != [x["step"] for x in win.records]:
             problems.append(f"rank {r}'s bundle holds other steps than this one's window, so "
                             "its gradients are left out of the re-run's updates")
@@ -367,8 +374,8 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
     mbs = record["micro_batches"]
     if change != Change() and step.loss_fn is not None:
         # a faithful re-run may use the recorded output gradients; a what-if must not: they
-        # are the recorded run's (its backward starts from its own loss)
-        mbs = [{k: v for k, v in mb.items() if k != "output_grads"} for mb in mbs]
+        # are the recorded run's (its backward starts from its own loss, times the loop's)
+        mbs = with_factors(mbs, win.loss_factors)
     if change.drop and record["step"] == change.drop_step:
         i = change.drop_micro_batch
         # the samples the report names are rows of one micro-batch: the other micro-batches'
@@ -456,15 +463,6 @@ def _forward_outcome(k: int, run) -> Outcome | None:
         kind = _kind([loss]) if isinstance(loss, torch.Tensor) else None
         return Outcome(k, "loss", module="<loss>", micro_batch=mb, kind=kind or "nan")
     return None
-
-
-def _unscale(model, scale: float) -> None:
-    # as GradScaler.unscale_: multiply by the float32 reciprocal of the (float64) scale
-    inv = float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(inv)
 
 
 def _kind(tensors) -> str | None:

@@ -31,7 +31,7 @@ def add_window(step: Step, report: dict[str, Any]) -> None:
         "event_step": o.step if o else None,
         "first_non_finite": o.as_json() if o else None,
         "precursors_began": precursors_began(res.per_step),
-        "per_step": res.per_step, "loop_clip": win.loop_clip,
+        "per_step": res.per_step, "loop_clip": win.loop_clip, "loss_factors": win.loss_factors,
     }
     report["problems"] += res.problems
     ev = step.event

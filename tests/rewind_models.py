@@ -174,3 +174,9 @@ class TextCNN(nn.Module):
 def make_half_text_cnn() -> nn.Module:
     """The TextCNN trained in float16 throughout (``model.half()``, no autocast)."""
     return TextCNN().half()
+
+
+def make_gelu_regressor() -> nn.Module:
+    """An MLP regressor with GELU and a LayerNorm (16 features, 1 target)."""
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64),
+                         nn.GELU(), nn.Linear(64, 1))
