@@ -62,3 +62,14 @@ def test_one_bad_batch_that_blew_up_slowly_growing_weights_is_where_it_began(out
     # read "step 32: the weight norm rose at every step of the window: it began before it"
     assert (began["step"], began["kind"]) == (BAD_STEP, "loss_jump"), began
     assert "before the window" not in began["detail"]
+
+
+def test_the_hint_of_an_overflow_of_blown_up_weights_says_where_they_blew_up(out_dir):
+    """The hint said only what float64 would hold at the Linear (rescale its inputs or compute
+    it in float64), which the next steps' growth overflows too."""
+    rep = nanreplay(bad_record_run(out_dir).bundle_path)
+    assert rep["cause"] == "overflow" and rep["origin"]["op"] == "aten.addmm"
+    assert "; but the weight norm grew " in rep["hint"]
+    assert "x over the updates of steps 40-42, from where the rewind window shows the trouble " \
+           "began (the loss " in rep["hint"]
+    assert rep["hint"].endswith("bound the updates (clip_grad_norm_, a lower learning rate)")
