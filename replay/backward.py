@@ -27,7 +27,7 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .compat import sequence_nr
-from .ops import PASS_ON, POSITIVE, OpFinder
+from .ops import OpFinder, made_positive, node_op
 from .rerun import Runner
 from .source import traceback_source
 
@@ -130,19 +130,6 @@ def saved_facts(node) -> tuple[str | None, str | None]:
     return kind, "subnormal" if tiny else None
 
 
-def _node_name(op: str) -> str:
-    """A backward node's name (``Backward<n>`` dropped) for aten op ``op``: ``IndexSelect`` for
-    ``index_select``, ``UnsafeView`` for ``_unsafe_view``."""
-    return "".join(part.capitalize() for part in op.split("_"))
-
-
-# The forward's rule (replay.ops: the ops whose result exact arithmetic keeps > 0 for a finite
-# argument, and those that pass such a value on) on the autograd graph; a reshape's node is
-# ReshapeAlias
-_POSITIVE_NODES = {_node_name(op) for op in POSITIVE}
-_PASS_ON_NODES = {_node_name(op) for op in PASS_ON} | {"ReshapeAlias"}
-
-
 def from_positive(node, depth: int = 8) -> bool:
     """Whether one of ``node``'s inputs came from exp, softmax or sigmoid of a finite argument
     (directly, or viewed, gathered, sliced, divided): a 0 there is a positive value that
@@ -152,26 +139,9 @@ def from_positive(node, depth: int = 8) -> bool:
         nexts = [fn for fn, _ in node.next_functions]  # (None: an input without a gradient)
     except Exception:  # not an autograd node, or one that cannot say
         return False
-    for fn in nexts[1:2] if _node_op(node) == "Div" else nexts:  # (a quotient's pole: y = 0)
-        if fn is None:
-            continue
-        op = _node_op(fn)
-        for _ in range(depth):
-            if op in _POSITIVE_NODES:
-                return True
-            if op not in _PASS_ON_NODES:
-                break
-            inner = [f for f, _ in fn.next_functions if f is not None]
-            if not inner:
-                break
-            fn = inner[0]
-            op = _node_op(fn)
-    return False
-
-
-def _node_op(node) -> str:
-    name = node.name()
-    return name[: name.rfind("Backward")] if "Backward" in name else name
+    # (a quotient's pole: y = 0)
+    return any(made_positive(fn, depth) for fn in
+               (nexts[1:2] if node_op(node) == "Div" else nexts))
 
 
 def find_backward_origin(runner: Runner, where: Samples | None = None) -> BackwardOrigin:

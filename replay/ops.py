@@ -105,6 +105,41 @@ PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", 
             "as_strided", "div"}  # div: a positive value over a finite one stays non-zero
 
 
+def _node_name(op: str) -> str:
+    """A backward node's name (``Backward<n>`` dropped) for aten op ``op``: ``IndexSelect`` for
+    ``index_select``, ``UnsafeView`` for ``_unsafe_view``."""
+    return "".join(part.capitalize() for part in op.split("_"))
+
+
+# The same rule on the autograd graph, for a value made before the watched code ran (a
+# model's softplus variance that the loss takes the log of); a reshape's node is ReshapeAlias
+_POSITIVE_NODES = {_node_name(op) for op in POSITIVE}
+_PASS_ON_NODES = {_node_name(op) for op in PASS_ON} | {"ReshapeAlias"}
+
+
+def node_op(node) -> str:
+    name = node.name()
+    return name[: name.rfind("Backward")] if "Backward" in name else name
+
+
+def made_positive(fn, depth: int = 8) -> bool:
+    """Whether autograd node ``fn`` made its value by exp, softmax, sigmoid or softplus
+    (directly, or viewed, gathered, sliced, divided). ``depth`` bounds the walk."""
+    try:
+        for _ in range(depth):
+            if fn is None:
+                return False
+            op = node_op(fn)
+            if op in _POSITIVE_NODES:
+                return True
+            if op not in _PASS_ON_NODES:
+                return False
+            fn = next((f for f, _ in fn.next_functions if f is not None), None)
+    except Exception:  # not an autograd node, or one that cannot say
+        return False
+    return False
+
+
 class _Watch(TorchDispatchMode):
     def __init__(self, finder: OpFinder):
         super().__init__()
@@ -376,8 +411,14 @@ class OpFinder:
         return self.params.get((ins[0].data_ptr(), tuple(ins[0].shape)))
 
     def positive(self, t: torch.Tensor) -> bool:
-        """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed."""
-        return t in self._positive
+        """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed.
+        Seen run here, or, for a value made before (the model output a loss takes), on its
+        autograd graph."""
+        return t in self._positive or made_positive(t.grad_fn)
+
+    def mark_positive(self, t: torch.Tensor) -> None:
+        """``t`` stands for a value made positive where no graph says so (a detached copy)."""
+        self._positive.add(t)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               in_finite: bool, leaves: list) -> None:

@@ -22,7 +22,7 @@ from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step, autocast_as_recorded, loss_inputs
-from .ops import OpFinder, state_of
+from .ops import OpFinder, made_positive, state_of
 from .optim import eps_lost, per_parameter, safe_eps
 from .recorded import batch_non_finite, input_origin, samples
 from .rerun import Runner
@@ -85,7 +85,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     finder = OpFinder(samples=samples(step))
     finder.state = state_of(step.loss_fn, runner.model)
     mb = run.loss_micro_batches[run.loss_finite.index(False)]
-    args, kwargs = _loss_args(step, run, mb)
+    args, kwargs = _loss_args(step, run, mb, finder)
     with autocast_as_recorded(step.micro_batches[mb], step.device), finder:
         loss = step.loss_fn(*args, **kwargs)
     made = next((kind_of(t) for t in tensor_leaves(loss) if not finite(t)), None)
@@ -103,8 +103,17 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
                   hint=cause.hint)
 
 
-def _loss_args(step: Step, run: Run, mb: int):
-    args, kwargs = loss_inputs(step, mb, [[t.detach() for t in o] for o in run.outputs])
+def _loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):
+    """The loss's arguments, the model outputs detached; ``finder`` is told which of those
+    the model made by exp, softmax, sigmoid or softplus (their graph is cut here), so that
+    a 0 the loss takes the log of (a softplus variance) reads as the underflow it is."""
+    outputs = [[t.detach() for t in o] for o in run.outputs]
+    if finder is not None:
+        for made, cut in zip(run.outputs, outputs):
+            for t, d in zip(made, cut):
+                if made_positive(t.grad_fn):
+                    finder.mark_positive(d)
+    args, kwargs = loss_inputs(step, mb, outputs)
     return args, kwargs
 
 

@@ -1,0 +1,43 @@
+"""Models and losses of training objectives outside vision and NLP, for ``test_objectives``.
+
+The factories and losses live at module level so that ``nanreplay`` rebuilds them from the
+bundle (``objective_models:make_hetero``, ``objective_models:GaussianNLL``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class HeteroMLP(nn.Module):
+    """Tabular regression with a mean head and a variance head (softplus keeps it > 0)."""
+
+    def __init__(self, d_in: int = 6, hidden: int = 32):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(),
+                                  nn.Linear(hidden, hidden), nn.ReLU())
+        self.mean_head = nn.Linear(hidden, 1)
+        self.var_head = nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.mean_head(h).squeeze(-1), F.softplus(self.var_head(h)).squeeze(-1)
+
+
+def make_hetero() -> nn.Module:
+    torch.manual_seed(0)
+    return HeteroMLP()
+
+
+class GaussianNLL(nn.Module):
+    """``nn.GaussianNLLLoss`` on the model's ``(mean, var)`` pair."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.inner = nn.GaussianNLLLoss(eps=eps)
+
+    def forward(self, out, y):
+        mean, var = out
+        return self.inner(mean, y, var)

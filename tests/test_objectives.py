@@ -1,0 +1,67 @@
+"""Training objectives outside vision and NLP, trained as their users write them, with a
+planted numerical bug: the recorder fires at the planted step and ``nanreplay --json`` names
+the module, op, samples and cause a numerics expert would name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import objective_models as O
+import pytest
+import torch
+from click.testing import CliRunner
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where objective_models.py, the factories' module, lives
+
+
+def nanreplay_json(bundle: Path, *extra: str) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def table(step: int, n: int = 16, d: int = 6):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(n, d, generator=g)
+    return x, x[:, 0] * 2 + 0.3 * torch.randn(n, generator=g)
+
+
+def test_a_softplus_variance_that_underflowed_to_0_is_underflow_in_the_loss(tmp_path):
+    """A heteroscedastic regressor's variance head is softplus of a Linear; an unnormalised
+    reading (1e5) in one row drives its argument below -1000, where softplus is 0 even in
+    float64, and ``GaussianNLLLoss(eps=0)`` takes the log of that 0: a loss event. The 0 was
+    made by the model's softplus, before the loss ran: a positive value that underflowed,
+    not a 0 that exact arithmetic makes (``invalid``)."""
+    model = O.make_hetero()
+    with torch.no_grad():  # which sign of the reading sends the variance's argument down
+        probe = torch.zeros(2, 6)
+        probe[0, 3], probe[1, 3] = 1e5, -1e5
+        sign = 1e5 if float(model.var_head(model.body(probe))[0]) < 0 else -1e5
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = O.GaussianNLL(eps=0.0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="objective_models:make_hetero"):
+            for step in range(6):
+                x, y = table(step)
+                if step == 3:
+                    x[5, 3] = sign
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    assert info.value.event["step"] == 3 and info.value.event["phase"] == "loss"
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.log", [5], "underflow"), json.dumps(rep, indent=1)
+    assert "softplus" in rep["hint"] and "exact arithmetic makes" not in rep["hint"], rep["hint"]
