@@ -137,7 +137,11 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     # (a record in the wrong unit): dropping them tells the data from the model's scale
     fits_drop = cause in ("input", "invalid", "underflow", "precision") or (
         cause == "overflow" and _outlier_rows(step, o.get("micro_batch") or 0, samples))
-    if fits_drop and samples and not o.get("all_samples"):
+    # a bad record is a few rows; when most of the batch fails, the model (a rate head with
+    # no positive activation) is at fault, and a batch without them proves nothing
+    n = o.get("batch_size")
+    few = not o.get("all_samples") and (not n or 2 * len(samples) <= n)
+    if fits_drop and samples and few:
         out.append("drop=" + ",".join(str(s) for s in samples))
     low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \
         or any(mb.get("autocast") for mb in step.micro_batches)

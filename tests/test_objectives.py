@@ -65,3 +65,26 @@ def test_a_softplus_variance_that_underflowed_to_0_is_underflow_in_the_loss(tmp_
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("loss", "<loss>", "aten.log", [5], "underflow"), json.dumps(rep, indent=1)
     assert "softplus" in rep["hint"] and "exact arithmetic makes" not in rep["hint"], rep["hint"]
+
+
+def test_auto_does_not_drop_most_of_the_batch(tmp_path):
+    """``PoissonNLLLoss(log_input=False)`` on a rate head with no positive activation: the log
+    of negative rates in 15 of 16 rows, ``invalid``. Dropping those rows makes the step finite
+    and proves nothing (the next batch fails the same way): ``--try auto`` proposed it; it is
+    kept for a few bad records and left out when most of the batch is named."""
+    model = O.make_count_regressor()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = torch.nn.PoissonNLLLoss(log_input=False)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="objective_models:make_count_regressor"):
+            for step in range(3):
+                x, _ = table(step)
+                opt.zero_grad()
+                crit(model(x), torch.poisson(x[:, 0].exp())).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["phase"], o["op"], rep["cause"]) == ("loss", "aten.log", "invalid"), o
+    assert 2 * len(o["samples"]) > o["batch_size"], o
+    assert not any(t["try"].startswith("drop=") for t in rep.get("what_if") or []), rep
