@@ -24,6 +24,7 @@ from .forward import report_forward
 from .load import Step
 from .origins import (
     after_update_hint,
+    infinity_the_loss_took,
     report_backward,
     report_dropped_nan,
     report_entering,
@@ -100,7 +101,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
                                             param=(params or [None])[0]), "optimizer",
                       reproduced=False, hint=params and after_update_hint(step, params))
     if step.event.get("phase") == "input":
-        return finish(report, input_origin(step), "input", reproduced=True)
+        o = input_origin(step)
+        return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(step, o))
     if any(mb.get("inputs_written") for mb in step.micro_batches):
         return _input_written(report, step)
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):

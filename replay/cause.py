@@ -358,6 +358,10 @@ _ROW_REDUCTIONS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_
                    "logsumexp", "amax", "max"}
 
 
+# what an op computed when it made NaN of infinities
+INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div": "inf / inf"}
+
+
 def _from_infinities(hit: OpHit) -> Cause:
     """The op made NaN from infinities it was given (a -inf mask, an earlier overflow that the
     chain shows)."""
@@ -370,8 +374,7 @@ def _from_infinities(hit: OpHit) -> Cause:
                      "(one held on purpose, such as a -inf mask under allow_inf: a "
                      "log-probability of exactly 0, infinite in exact arithmetic too): "
                      + DO["inf_weight"])
-    what = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf",
-            "div": "inf / inf"}.get(name, "NaN from infinities")
+    what = INF_ARITH.get(name, "NaN from infinities")
     return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too: "
                  + DO["inf_arith"])
 

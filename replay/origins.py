@@ -17,7 +17,7 @@ from recorder.finite import finite, kind_of, label, tensors_kind
 
 from . import outside
 from .backward import find_backward_origin
-from .cause import classify
+from .cause import INF_ARITH, classify
 from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
@@ -133,6 +133,37 @@ def _loss_samples(step: Step, run: Run, mb: int) -> list[int]:
         return []
     finally:
         fn.reduction = saved
+
+
+def infinity_the_loss_took(step: Step, origin: dict[str, Any]) -> str | None:
+    """The hint for an input event whose tensor is a loss argument holding +-inf and no NaN
+    (a log-probability target of exactly 0 under ``KLDivLoss(log_target=True)``): the loss
+    re-run under the op finder names the op that made NaN of it. None when the event is
+    another one or nothing can be re-run. Only such an event pays for the re-run."""
+    tensor, made = origin.get("tensor") or "", origin.get("made")
+    if not tensor.startswith("loss_") or made not in ("+inf", "-inf") \
+            or step.model is None or step.loss_fn is None:
+        return None
+    mb = origin.get("micro_batch") or 0
+    finder = OpFinder()
+    try:
+        run = Runner(step).run(backward=False, instrument=False)
+        args, kwargs = _loss_args(step, run, mb)
+        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device), \
+                finder:
+            step.loss_fn(*args, **kwargs)
+    except Exception:  # the hint adds to the input origin; without it the origin stands
+        return None
+    hit = finder.first_nan
+    if hit is None:
+        return None
+    what = INF_ARITH.get(hit.op.removeprefix("aten.").rstrip("_"), "NaN from infinities")
+    at = f" ({hit.source})" if hit.source else ""
+    return (f"{tensor} holds {made} and no NaN, and the loss made NaN of it: {hit.op}{at} "
+            f"computed {what}. A {made} made on purpose (a log-probability of exactly 0, a "
+            "masked class) must not reach that op: clamp it to a finite floor (-1e4) or give "
+            "the loss probabilities (log_target=False); else check the data pipeline for "
+            "these samples")
 
 
 def report_loss_not_in_bundle(report, step: Step) -> dict[str, Any]:

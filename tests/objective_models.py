@@ -47,3 +47,21 @@ def make_count_regressor() -> nn.Module:
     """Counts per hour regressed on the rate itself, with no positive activation on it."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1), nn.Flatten(0))
+
+
+def make_student() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.Linear(32, 5))
+
+
+class DistillLoss(nn.Module):
+    """Hinton distillation against the teacher's log-probabilities (``log_target=True``)."""
+
+    def __init__(self, temperature: float = 2.0):
+        super().__init__()
+        self.temperature = temperature
+        self.kl = nn.KLDivLoss(reduction="batchmean", log_target=True)
+
+    def forward(self, student_logits, teacher_logp):
+        t = self.temperature
+        return self.kl(F.log_softmax(student_logits / t, -1), teacher_logp) * t * t

@@ -88,3 +88,36 @@ def test_auto_does_not_drop_most_of_the_batch(tmp_path):
     assert (o["phase"], o["op"], rep["cause"]) == ("loss", "aten.log", "invalid"), o
     assert 2 * len(o["samples"]) > o["batch_size"], o
     assert not any(t["try"].startswith("drop=") for t in rep.get("what_if") or []), rep
+
+
+def test_a_minus_infinity_target_the_loss_made_nan_of_names_the_loss_op(tmp_path):
+    """Distillation over a label space that shrank at step 3: the teacher's logits of the
+    dropped classes are masked to -inf, so its log-probabilities there are -inf (a probability
+    of exactly 0, on purpose). ``KLDivLoss(log_target=True)`` computes exp(t) * (t - x): 0 *
+    -inf, NaN. The event is the loss target's -inf (``input``); the hint said only 'check the
+    data pipeline', and now names the loss's op that made NaN of it and what avoids it."""
+    torch.manual_seed(0)
+    teacher = torch.nn.Linear(6, 5)
+    model = O.make_student()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = O.DistillLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="objective_models:make_student"):
+            for step in range(6):
+                x, _ = table(step)
+                with torch.no_grad():
+                    logits = teacher(x)
+                    if step >= 3:
+                        logits[:, 3:] = float("-inf")
+                    target = torch.log_softmax(logits / crit.temperature, -1)
+                opt.zero_grad()
+                crit(model(x), target).backward()
+                opt.step()
+    assert info.value.event["step"] == 3
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["made"], rep["cause"]) == \
+        ("input", "loss_args[1]", "-inf", "input"), json.dumps(rep, indent=1)
+    hint = rep["hint"]
+    assert "aten.mul" in hint and "0 * inf" in hint and "log_target=False" in hint, hint
