@@ -459,5 +459,15 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
                      f"in float64: rounding put the op's input on its pole, where {fn} is "
                      "infinite (sqrt, log or a division at 0); " + DO["stable"])
+    return _backward_overflow(op, fn, pole, dtype)
+
+
+def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype) -> Cause:
+    """A gradient too large for its type, finite in float64."""
+    if pole:  # off the pole but near it: 1/y² of a division by an eps floor of 1e-30
+        return Cause("overflow", f"{op}'s gradient is too large for {_type(dtype)} and finite "
+                     f"in float64: {fn} grows without bound near its pole (1/y² for a "
+                     "division by y), and the op's input is close to it, though not on it "
+                     "(a denominator clamped to a tiny eps); " + DO["near_pole"])
     return Cause("overflow", f"{op}'s gradient is too large for its dtype and finite in "
                  "float64: " + _wider(dtype))

@@ -103,6 +103,8 @@ DO = {
     "wider64_exp": "rescale its inputs (subtract the row max before exp), bound a learned "
                    "exponent (s.clamp(max=...), or scale * tanh(s) as flows' affine couplings "
                    "do) or compute it in float64",
+    "near_pole": "keep the input further from the pole (a larger eps, 1e-6 for float32: "
+                 "GaussianNLLLoss(eps=1e-6), y.clamp_min(1e-6)) or compute it in float64",
     "clamp": "clamp the exponent or the input range (subtract the row max before exp, "
              "clamp the input), or lower the learning rate",
     "wider_under": "float32 holds it: compute in float32 from where the value is made "

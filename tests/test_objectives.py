@@ -36,21 +36,19 @@ def table(step: int, n: int = 16, d: int = 6):
     return x, x[:, 0] * 2 + 0.3 * torch.randn(n, generator=g)
 
 
-def test_a_softplus_variance_that_underflowed_to_0_is_underflow_in_the_loss(tmp_path):
-    """A heteroscedastic regressor's variance head is softplus of a Linear; an unnormalised
-    reading (1e5) in one row drives its argument below -1000, where softplus is 0 even in
-    float64, and ``GaussianNLLLoss(eps=0)`` takes the log of that 0: a loss event. The 0 was
-    made by the model's softplus, before the loss ran: a positive value that underflowed,
-    not a 0 that exact arithmetic makes (``invalid``)."""
+def train_hetero(out_dir: Path, eps: float) -> NonFiniteError:
+    """Train the heteroscedastic regressor under ``GaussianNLLLoss(eps)`` until the recorder
+    raises: at step 3 row 5 holds an unnormalised reading (1e5, of the sign that drives the
+    variance head's argument below -1000, where softplus is 0 even in float64)."""
     model = O.make_hetero()
-    with torch.no_grad():  # which sign of the reading sends the variance's argument down
+    with torch.no_grad():
         probe = torch.zeros(2, 6)
         probe[0, 3], probe[1, 3] = 1e5, -1e5
         sign = 1e5 if float(model.var_head(model.body(probe))[0]) < 0 else -1e5
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    crit = O.GaussianNLL(eps=0.0)
+    crit = O.GaussianNLL(eps=eps)
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                             factory="objective_models:make_hetero"):
             for step in range(6):
                 x, y = table(step)
@@ -59,8 +57,18 @@ def test_a_softplus_variance_that_underflowed_to_0_is_underflow_in_the_loss(tmp_
                 opt.zero_grad()
                 crit(model(x), y).backward()
                 opt.step()
-    assert info.value.event["step"] == 3 and info.value.event["phase"] == "loss"
-    rep = nanreplay_json(info.value.bundle_path)
+    return info.value
+
+
+def test_a_softplus_variance_that_underflowed_to_0_is_underflow_in_the_loss(tmp_path):
+    """A heteroscedastic regressor's variance head is softplus of a Linear; an unnormalised
+    reading (1e5) in one row drives its argument below -1000, where softplus is 0 even in
+    float64, and ``GaussianNLLLoss(eps=0)`` takes the log of that 0: a loss event. The 0 was
+    made by the model's softplus, before the loss ran: a positive value that underflowed,
+    not a 0 that exact arithmetic makes (``invalid``)."""
+    err = train_hetero(tmp_path, eps=0.0)
+    assert err.event["step"] == 3 and err.event["phase"] == "loss"
+    rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("loss", "<loss>", "aten.log", [5], "underflow"), json.dumps(rep, indent=1)
@@ -121,3 +129,19 @@ def test_a_minus_infinity_target_the_loss_made_nan_of_names_the_loss_op(tmp_path
         ("input", "loss_args[1]", "-inf", "input"), json.dumps(rep, indent=1)
     hint = rep["hint"]
     assert "aten.mul" in hint and "0 * inf" in hint and "log_target=False" in hint, hint
+
+
+def test_a_gradient_overflow_near_a_division_pole_says_to_raise_the_eps(tmp_path):
+    """The same regressor under ``GaussianNLLLoss(eps=1e-30)``: the variance is clamped to
+    1e-30, the loss is finite, and the derivative of (y - mean)² / var, -(y - mean)² / var²,
+    is beyond float32 (finite in float64): ``overflow`` at DivBackward0 on the row that drove
+    the variance down. The hint said 'subtract the row max before exp, normalise before a
+    product'; it now says the division is near its pole and the eps is too small."""
+    err = train_hetero(tmp_path, eps=1e-30)
+    assert err.event["step"] == 3 and err.event["phase"] == "backward"
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("backward", "<loss>", "DivBackward0", [5], "overflow"), json.dumps(rep, indent=1)
+    assert "pole" in rep["hint"] and "eps" in rep["hint"], rep["hint"]
+    assert "row max" not in rep["hint"], rep["hint"]
