@@ -73,19 +73,21 @@ class Samples:
         # (dim 0 only: a weight's gradient, (4, 8) against a batch of 8, holds no samples)
         return 0 if shape[0] == self.size else None
 
-    def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence] | None = None
+    def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence | Bags] | None = None
              ) -> list[int]:
         """The samples of ``t`` that hold a non-finite value ([] when ``t`` has no samples);
         through its ``PackedSequence`` when ``t`` is the ``data`` of one in ``packed`` (see
         :func:`packed_in`)."""
         seq = packed.get(id(t)) if packed else None
+        if isinstance(seq, Bags):
+            return seq.samples(bad_rows(t, 0))
         if seq is not None and seq.data is t:
             return packed_samples(seq, bad_rows(t, 0))
         d = self.dim(t)
         return [] if d is None else bad_rows(t, d)
 
     def first_rows(self, tensors: Iterable[torch.Tensor],
-                   packed: Mapping[int, PackedSequence] | None = None) -> list[int]:
+                   packed: Mapping[int, PackedSequence | Bags] | None = None) -> list[int]:
         """The non-finite samples of the first floating tensor with any."""
         for t in tensors:
             if t.is_floating_point() and t.dim():
@@ -95,14 +97,19 @@ class Samples:
         return []
 
 
-def packed_in(obj: Any) -> dict[int, PackedSequence]:
+def packed_in(obj: Any) -> dict[int, PackedSequence | Bags]:
     """The ``PackedSequence`` objects in a nested structure of tuples, lists and dicts, by the
-    ``id`` of their ``data`` (as :meth:`Samples.rows` looks them up)."""
-    found: dict[int, PackedSequence] = {}
+    ``id`` of their ``data`` (as :meth:`Samples.rows` looks them up); and, for an
+    ``EmbeddingBag``'s flat inputs (ids, ``per_sample_weights``) given beside their
+    ``offsets``, the :class:`Bags` that says which sample each of their rows is in."""
+    found: dict[int, PackedSequence | Bags] = {}
+    flat: list[torch.Tensor] = []
 
     def walk(o: Any) -> None:
         if isinstance(o, PackedSequence):
             found.setdefault(id(o.data), o)
+        elif isinstance(o, torch.Tensor) and o.dim() == 1:
+            flat.append(o)
         elif isinstance(o, (list, tuple)):
             for v in o:
                 walk(v)
@@ -111,7 +118,38 @@ def packed_in(obj: Any) -> dict[int, PackedSequence]:
                 walk(v)
 
     walk(obj)
+    bags = next((Bags(t) for t in flat if are_offsets(t, flat)), None)
+    for t in flat if bags is not None else ():
+        if t is not bags.offsets and t.numel() > bags.offsets.numel():
+            found.setdefault(id(t), bags)
     return found
+
+
+@dataclass(frozen=True)
+class Bags:
+    """An ``EmbeddingBag``'s ``offsets``: bag ``b`` holds the flat rows from ``offsets[b]``
+    to the next bag's start (``include_last_offset``'s final entry is the end)."""
+
+    offsets: torch.Tensor
+
+    def samples(self, rows: list[int]) -> list[int]:
+        if not rows:
+            return []
+        at = torch.tensor(rows, dtype=self.offsets.dtype)
+        bag = torch.searchsorted(self.offsets.cpu(), at, right=True) - 1
+        return sorted(set(bag.tolist()))
+
+
+def are_offsets(t: torch.Tensor, flat: list[torch.Tensor]) -> bool:
+    """``t`` reads as the offsets of bags over a longer 1-D tensor beside it: integers from 0,
+    never decreasing, each within that tensor (one host read, on the event's slow path)."""
+    if t.dtype not in (torch.int64, torch.int32) or not t.numel():
+        return False
+    longest = max(u.numel() for u in flat)
+    if longest <= t.numel():
+        return False
+    o = t.detach().cpu()
+    return int(o[0]) == 0 and bool((o[1:] >= o[:-1]).all()) and int(o[-1]) <= longest
 
 
 def packed_samples(seq: PackedSequence, rows: list[int]) -> list[int]:
@@ -144,7 +182,8 @@ def of_micro_batch(mb, sequence_first: bool) -> Samples:
     from its inputs, its loss targets (the loss's tensors not computed from the output) and
     its outputs; from its first input ``PackedSequence`` when it has one. Stored in the bundle,
     so the replay names the same samples."""
-    seq = next(iter(packed_in([list(mb.args), mb.kwargs]).values()), None)
+    seq = next((v for v in packed_in([list(mb.args), mb.kwargs]).values()
+                if isinstance(v, PackedSequence)), None)
     if seq is not None:  # (pack_padded_sequence refuses empty sequences: all have a step 0)
         return Samples(int(seq.batch_sizes[0]), sequence_first)
     targets = [t for t in tensor_leaves([list(mb.loss_args or ()), mb.loss_kwargs or {}])

@@ -1,10 +1,13 @@
 """``--try drop=I,J``: the samples the report names removed from a recorded micro-batch (its
 batch, its loss inputs, a target flattened from ``(B, T)``, its ``PackedSequence`` packed again
-without them and, when no loss can be re-run, its recorded output gradients)."""
+without them, an ``EmbeddingBag``'s flat inputs and offsets without their bags and, when no
+loss can be re-run, its recorded output gradients)."""
 
 from __future__ import annotations
 
 import torch
+
+from recorder.samples import are_offsets
 
 from .recorded import entry_samples
 
@@ -22,7 +25,8 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
         keep = torch.tensor([i for i in range(where.size) if i not in set(rows)],
                             dtype=torch.long)
         packed = [_repack(tensors, node, keep) for node in _packed_nodes(mb.get("inputs"))]
-        done = {k for keys in packed for k in keys}
+        done = {k for keys in packed for k in keys} | set(
+            _drop_bags(tensors, list(mb.get("paths", {})), where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
         for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
             x = tensors.get(k)
@@ -31,6 +35,29 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
                 tensors[k] = x.index_select(d, keep)
             elif k in mb.get("loss_paths", {}) and isinstance(x, torch.Tensor):
                 tensors[k] = _drop_flat(x, where, keep)
+
+
+def _drop_bags(tensors: dict[str, torch.Tensor], keys: list[str], n: int,
+               keep: torch.Tensor) -> list[str]:
+    """An ``EmbeddingBag``'s flat inputs (ids, ``per_sample_weights``) without the rows of the
+    dropped bags, and its ``offsets`` (one per sample) for the bags kept; returns their
+    keys."""
+    flat = {k: tensors[k] for k in keys if isinstance(tensors.get(k), torch.Tensor)
+            and tensors[k].dim() == 1}
+    off = next((k for k, t in flat.items() if t.numel() == n
+                and are_offsets(t, list(flat.values()))), None)
+    if off is None:
+        return []
+    o = flat[off]
+    total = max(t.numel() for t in flat.values())  # the ids (and their weights)
+    longer = [k for k, t in flat.items() if t.numel() == total]
+    bag = torch.searchsorted(o, torch.arange(total, dtype=o.dtype), right=True) - 1
+    rows = torch.isin(bag, keep.to(o.dtype))
+    for k in longer:
+        tensors[k] = flat[k][rows]
+    sizes = torch.diff(o, append=o.new_tensor([total])).index_select(0, keep)
+    tensors[off] = torch.cat([o.new_zeros(1), sizes.cumsum(0)[:-1]])
+    return [off, *longer]
 
 
 def _drop_flat(x: torch.Tensor, where, keep: torch.Tensor) -> torch.Tensor:

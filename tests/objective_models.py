@@ -65,3 +65,20 @@ class DistillLoss(nn.Module):
     def forward(self, student_logits, teacher_logp):
         t = self.temperature
         return self.kl(F.log_softmax(student_logits / t, -1), teacher_logp) * t * t
+
+
+class BagOfWords(nn.Module):
+    """A recommender over bags of item ids: ``EmbeddingBag(mode="sum")`` weighted per id."""
+
+    def __init__(self, vocab: int = 200, d: int = 16):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(vocab, d, mode="sum")
+        self.head = nn.Sequential(nn.Linear(d, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, ids, offsets, weights):
+        return self.head(self.emb(ids, offsets, per_sample_weights=weights)).squeeze(-1)
+
+
+def make_bag_of_words() -> nn.Module:
+    torch.manual_seed(0)
+    return BagOfWords()

@@ -145,3 +145,41 @@ def test_a_gradient_overflow_near_a_division_pole_says_to_raise_the_eps(tmp_path
         ("backward", "<loss>", "DivBackward0", [5], "overflow"), json.dumps(rep, indent=1)
     assert "pole" in rep["hint"] and "eps" in rep["hint"], rep["hint"]
     assert "row max" not in rep["hint"], rep["hint"]
+
+
+def bags(step: int, n: int = 12):
+    """``n`` bags of 1 to 5 item ids: (ids, offsets, tf-idf weights, labels)."""
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(1, 6, (n,), generator=g)
+    ids = torch.randint(0, 200, (int(lengths.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    return ids, offsets, torch.rand(len(ids), generator=g) + 0.5, (ids[offsets] % 2).float()
+
+
+def test_an_embedding_bag_input_names_its_bags_and_drop_removes_them(tmp_path):
+    """tf-idf weights for ``EmbeddingBag(per_sample_weights=)``: an item no idf document
+    holds gets log(N / 0) = +inf. The weights are flat (one per id, not per sample), so the
+    event and the report named no samples ([]); they name the bags holding those ids
+    (through the offsets), and ``--try drop`` of those bags removes their ids, weights and
+    offsets, and the step is finite."""
+    model = O.make_bag_of_words()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = torch.nn.BCEWithLogitsLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="objective_models:make_bag_of_words"):
+            for step in range(6):
+                ids, offsets, weights, y = bags(step)
+                if step == 3:
+                    weights[offsets[4] + 0] = float("inf")
+                    weights[offsets[9] + 0] = float("inf")
+                opt.zero_grad()
+                crit(model(ids, offsets, weights), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (3, "input", [4, 9])
+    rep = nanreplay_json(err.bundle_path, "--try", "drop=4,9", "--try", "drop=4")
+    o = rep["origin"]
+    assert (o["tensor"], o["samples"], rep["cause"]) == ("args[2]", [4, 9], "input"), o
+    tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+    assert tries == {"drop=4,9": True, "drop=4": False}, rep["what_if"]
