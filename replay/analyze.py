@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import fidelity
+from .cause_text import DO
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .load import Step
@@ -58,6 +59,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(fidelity.elsewhere_note() if _elsewhere(step)
                                   else fidelity.changed_note(changed))
     report = _from_bundle(report, step) or _from_rerun(report, step)
+    _diverging(report)
     add_window(step, report)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
@@ -66,6 +68,25 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report
+
+
+# precursors that say the training itself was growing, not one op's range
+_GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump": "weights"}
+
+
+def _diverging(report) -> None:
+    """An overflow after the loss, gradient norm or weights jumped in earlier steps: the run
+    was diverging (a learning rate too high for unscaled features, a bootstrap target fed
+    back), and a wider type or rescaling the op only postpones it; the hint says so."""
+    at = report["event"].get("step")
+    if report.get("cause") != "overflow" or at is None:
+        return
+    jump = next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH
+                 and p.get("step") is not None and p["step"] < at), None)
+    if jump is not None:
+        report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped at "
+                          f"step {jump['step']} (see precursors): the run was diverging, and "
+                          "a wider type only postpones the overflow; " + DO["diverging"])
 
 
 def _elsewhere(step: Step) -> bool:

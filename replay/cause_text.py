@@ -103,6 +103,9 @@ DO = {
     "wider64_exp": "rescale its inputs (subtract the row max before exp), bound a learned "
                    "exponent (s.clamp(max=...), or scale * tanh(s) as flows' affine couplings "
                    "do) or compute it in float64",
+    "diverging": "lower the learning rate or clip the gradients (record with "
+                 "FlightRecorder(..., rewind=N) so that --try lr=0.1x and clip=1.0 re-run the "
+                 "steps that grew)",
     "near_pole": "keep the input further from the pole (a larger eps, 1e-6 for float32: "
                  "GaussianNLLLoss(eps=1e-6), y.clamp_min(1e-6)) or compute it in float64",
     "clamp": "clamp the exponent or the input range (subtract the row max before exp, "

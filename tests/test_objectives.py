@@ -183,3 +183,26 @@ def test_an_embedding_bag_input_names_its_bags_and_drop_removes_them(tmp_path):
     assert (o["tensor"], o["samples"], rep["cause"]) == ("args[2]", [4, 9], "input"), o
     tries = {t["try"]: t["finite"] for t in rep["what_if"]}
     assert tries == {"drop=4,9": True, "drop=4": False}, rep["what_if"]
+
+
+def test_an_overflow_after_the_run_grew_says_the_run_was_diverging(tmp_path):
+    """Least squares on features that were never standardised (scale 10), SGD at 0.02: the
+    loss and gradient norm jump from step 2 and a Linear's addmm overflows at step 4. The
+    hint said only 'rescale its inputs ... or compute it in float64' (and --try dtype=float64
+    is finite at that step), which postpones the overflow; it now says the run was diverging
+    and to lower the learning rate or clip, as the precursors show."""
+    model = O.make_unscaled_regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="objective_models:make_unscaled_regressor"):
+            for step in range(20):
+                x = table(step)[0] * 10
+                opt.zero_grad()
+                crit(model(x), x[:, 0] * 3).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["cause"] == "overflow" and rep["event"]["step"] == info.value.event["step"], rep
+    assert "diverging" in rep["hint"] and "learning rate" in rep["hint"], rep["hint"]
+    assert any(p["kind"] == "loss_jump" for p in rep["precursors"]), rep["precursors"]
