@@ -93,6 +93,7 @@ def input_origin(step: Step) -> dict[str, Any]:
     """The batch tensor (or loss target) holding the non-finite values, and its rows: one
     holding NaN first (a float -inf mask beside it is no bad data by itself)."""
     nan = _batch_nan(step)
+    named = step.event.get("tensor") if step.event.get("phase") == "input" else None
     for i, mb in enumerate(step.micro_batches):
         if "inputs" not in mb:
             continue
@@ -106,7 +107,10 @@ def input_origin(step: Step) -> dict[str, Any]:
             if not finite(t):
                 return origin_fields(phase="input", tensor=batch_path(paths[key], len(args)),
                                      samples=rows(t, packed), micro_batch=i, made=kind_of(t))
-        for key, raw in mb.get("loss_paths", {}).items():
+        # the loss argument the recorder named first: it skipped those computed from the
+        # model output (out * w, not data), which the bundle keeps as tensors like targets
+        for key, raw in sorted(mb.get("loss_paths", {}).items(),
+                               key=lambda kv: loss_path(kv[1]) != named):
             t = step.tensors.get(key)
             if t is not None and not finite(t):
                 return origin_fields(phase="input", tensor=loss_path(raw), samples=rows(t),

@@ -87,3 +87,21 @@ def make_bag_of_words() -> nn.Module:
 def make_unscaled_regressor() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.Linear(16, 1), nn.Flatten(0))
+
+
+class MatrixFactorisation(nn.Module):
+    """Ratings as dot products of sparse user and item embeddings, plus a global bias."""
+
+    def __init__(self, users: int = 50, items: int = 60, d: int = 8):
+        super().__init__()
+        self.user = nn.Embedding(users, d, sparse=True)
+        self.item = nn.Embedding(items, d, sparse=True)
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, users, items):
+        return (self.user(users) * self.item(items)).sum(-1) + self.bias
+
+
+def make_matrix_factorisation() -> nn.Module:
+    torch.manual_seed(0)
+    return MatrixFactorisation()

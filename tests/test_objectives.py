@@ -206,3 +206,37 @@ def test_an_overflow_after_the_run_grew_says_the_run_was_diverging(tmp_path):
     assert rep["cause"] == "overflow" and rep["event"]["step"] == info.value.event["step"], rep
     assert "diverging" in rep["hint"] and "learning rate" in rep["hint"], rep["hint"]
     assert any(p["kind"] == "loss_jump" for p in rep["precursors"]), rep["precursors"]
+
+
+def test_an_input_event_names_the_loss_target_the_recorder_named(tmp_path):
+    """Matrix factorisation under SparseAdam (given to the recorder) and Adam, each rating
+    weighted by 1 / sqrt(the user's rating count): a user with none gets +inf, in the
+    prediction ``model(u, i) * w`` and in the target ``r * w``. The recorder names the target,
+    ``loss_args[1]`` (the prediction is computed from the model output, not data); the replay
+    named ``loss_args[0]``, the prediction, with its -inf."""
+    model = O.make_matrix_factorisation()
+    sparse = torch.optim.SparseAdam([model.user.weight, model.item.weight], lr=1e-2)
+    dense = torch.optim.Adam([model.bias], lr=1e-2)
+    crit = torch.nn.MSELoss()
+    counts = torch.arange(50).float() % 7 + 1
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, sparse, loss_fn=crit, out_dir=tmp_path,
+                            factory="objective_models:make_matrix_factorisation"):
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                users, items = torch.randint(0, 50, (16,), generator=g), \
+                    torch.randint(0, 60, (16,), generator=g)
+                if step == 3:
+                    users[6], counts[users[6]] = 11, 0.0  # a user with no rating in the split
+                w = 1 / counts[users].sqrt()
+                sparse.zero_grad()
+                dense.zero_grad()
+                crit(model(users, items) * w, torch.rand(16, generator=g) * 5 * w).backward()
+                sparse.step()
+                dense.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == \
+        (3, "input", "loss_args[1]", [6]), ev
+    o = nanreplay_json(info.value.bundle_path)["origin"]
+    assert (o["phase"], o["tensor"], o["made"], o["samples"]) == \
+        ("input", "loss_args[1]", "+inf", [6]), o
