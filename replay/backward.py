@@ -123,7 +123,7 @@ def saved_facts(node) -> tuple[str | None, str | None]:
     kind = next((kind_of(t) for t in saved if not finite(t)), None)
     if any(bool((t == 0).any()) for t in saved):
         return kind, "0"
-    if _node_op(node) in _UNIT_POLE_NODES and any(bool((t.abs() == 1).any()) for t in saved):
+    if node_op(node) in _UNIT_POLE_NODES and any(bool((t.abs() == 1).any()) for t in saved):
         return kind, "1"
     tiny = any(t.is_floating_point() and bool((t.abs() < torch.finfo(t.dtype).tiny).any())
                for t in saved)
