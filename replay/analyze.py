@@ -42,6 +42,7 @@ from .recorded import (
     scale_of_the_step,
 )
 from .rerun import Runner
+from .source import distributed_call
 from .state import forward_written, state_notes
 from .whatif import run_tries
 from .window_report import add_window
@@ -206,7 +207,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return finish(report, input_origin(step), "input", reproduced=True)
     if run1.error is not None:
         if origin is None and all(run1.loss_finite) and not run1.bad_grads:
-            raise run1.error  # it raised before anything went non-finite: the replay failed
+            return _failed(report, step, run1)  # before anything went non-finite
         report["problems"].append(
             f"the model's code raised {run1.raised} in the re-run (likely as it did in "
             "training): the replay covers the step up to there")
@@ -269,3 +270,20 @@ def _gradients_from_the_loop(report, step: Step) -> dict[str, Any]:
         "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
         "averaged by hand; check that code at this step, e.g. a division by a norm that is 0")
     return report
+
+
+def _failed(report, step: Step, run) -> dict[str, Any]:
+    """The re-run raised before anything went non-finite: the replay failed, unless the step's
+    code called torch.distributed (a loss gathering every rank's features): the one-process
+    replay has no process group, so the report is what the recorder saw, saying why."""
+    called = distributed_call(run.error)
+    if called is None:
+        raise run.error
+    where, fn = called
+    world = (step.meta.get("env") or {}).get("world_size")
+    return recorded_origin(report, step, (
+        f"the step's code calls {fn}{f' at {where}' if where else ''}, which needs the process "
+        f"group of the run's {world or 'several'} ranks; the replay runs one process without "
+        "it, so the step was not re-run and the origin above is what the recorder saw: to "
+        "replay it, skip that call when torch.distributed.is_initialized() is False (the "
+        "re-run then computes with this rank's values alone)"))

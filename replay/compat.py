@@ -65,3 +65,10 @@ def remove_member(module: nn.Module, name: str) -> None:
     for table in (module._parameters, module._buffers, module._modules):
         table.pop(name, None)
     module.__dict__.pop(name, None)
+
+
+def no_process_group(e: BaseException) -> bool:
+    """Whether ``e`` is torch.distributed's error for a call that needs the default process
+    group where none was initialised (its message, as torch 2.x words it)."""
+    return isinstance(e, (ValueError, RuntimeError)) and \
+        "process group has not been initialized" in str(e)

@@ -13,9 +13,12 @@ import traceback
 
 import torch
 
+from .compat import no_process_group
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
                   for d in ("replay", "recorder"))
+_DIST_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 # set on an exception an aten op raised inside one of the replay's dispatch modes
 OP_ERROR = "nanreplay_op_error"
@@ -78,3 +81,24 @@ def raised_by_model(e: BaseException) -> bool:
             continue
         return not frame.filename.startswith(_OWN_DIRS)
     return False
+
+
+def distributed_call(e: BaseException) -> tuple[str | None, str] | None:
+    """(``file:line`` of the user's code, the torch.distributed function it called) when
+    ``e`` is that call failing for want of a process group (a collective in a loss: the
+    replay runs one process, without the run's ranks), else None."""
+    if not no_process_group(e):
+        return None
+    frames = traceback.extract_tb(e.__traceback__)
+    inside = [i for i, f in enumerate(frames) if f.filename.startswith(_DIST_DIR)]
+    # the function called, past torch's logging decorators (c10d_logger's ``wrapper``)
+    named = [i for i in inside if frames[i].name not in ("wrapper", "inner")]
+    if not named:
+        return None
+    called = frames[named[0]]
+    module = os.path.relpath(called.filename, os.path.dirname(_TORCH_DIR))
+    module = module.removesuffix(".py").removesuffix(os.sep + "__init__").replace(os.sep, ".")
+    # (torch.distributed re-exports distributed_c10d's functions: the name users write)
+    module = module.removesuffix(".distributed_c10d")
+    return (_first_user((f.filename, f.lineno) for f in reversed(frames[:inside[0]])),
+            f"{module}.{called.name}")

@@ -427,3 +427,28 @@ def test_fsdp2_mixed_precision_nan_replays_in_the_policys_dtype(tmp_path):
     assert report["bundle"]["rank"] == 1 and report["reproduced"] is True
     assert (report["origin"]["module"], report["origin"]["op"], report["origin"]["samples"],
             report["cause"]) == ("norm", "aten.rsqrt", [5], "precision"), report["origin"]
+
+
+def test_a_loss_that_gathers_every_ranks_features_is_named_not_a_failed_replay(tmp_path):
+    """A CLIP-style loss all-gathers the ranks' features; logit_scale overflows the logits at
+    step 3 on both ranks. The one-process replay re-ran the loss, whose dist.all_gather has
+    no process group there: 'replay failed (ValueError: Default process group has not been
+    initialized ...)', exit 2. The report is now the recorder's view, not reproduced, with a
+    hint naming the call, its line, and how to make the step replayable."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("ddp_clip_train.py", out, HERE)
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ loop_step=\d+)", proc.stdout))
+    assert events == {"0": "step=3 phase=loss loop_step=3", "1": "step=3 phase=loss loop_step=3"}
+    rep = subprocess.run([sys.executable, "-m", "replay", "--json",
+                          str(out / "step00000003-rank1.nan")],
+                         capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert rep.returncode == 1, rep.stderr
+    report = json.loads(rep.stdout)
+    assert report["reproduced"] is False and report["event"]["step"] == 3
+    assert (report["origin"]["phase"], report["origin"]["module"]) == ("loss", "<loss>")
+    line = next(i + 1 for i, text in enumerate((HERE / "ddp_clip_train.py").read_text()
+                                                 .splitlines()) if "# LINE gather" in text)
+    assert report["hint"].startswith(
+        f"the step's code calls torch.distributed.all_gather at ddp_clip_train.py:{line}, which "
+        "needs the process group of the run's 2 ranks"), report["hint"]
+    assert "skip that call when torch.distributed.is_initialized() is False" in report["hint"]
