@@ -43,16 +43,9 @@ def replay(path, *, factory: str | None = None, device: str | None = None,
     """The report for one bundle, as ``nanreplay --json`` prints it (plus ``history``);
     ``factory_kwargs`` replace the recorded ones; ``tries`` are ``--try`` what-ifs
     (``["lr=0.1x", "auto"]``)."""
-    from .analyze import analyze
-    from .errors import FactoryRefused
-    from .load import build, read_step
+    from .analyze import analyze_bundle
 
-    step = read_step(path)
-    try:
-        build(step, factory, device, factory_kwargs)
-    except FactoryRefused as e:
-        step.problems.append(str(e))
-    return analyze(step, tries or ())
+    return analyze_bundle(path, factory, device, factory_kwargs, tries or ())
 
 
 __all__ = ["replay", "ReplayError"]

@@ -20,9 +20,10 @@ from typing import Any
 
 from . import fidelity
 from .cause_text import DO
+from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
-from .load import Step
+from .load import Step, build, read_step
 from .origins import (
     after_update_hint,
     infinity_the_loss_took,
@@ -47,7 +48,7 @@ from .state import forward_written, state_notes
 from .whatif import run_tries
 from .window_report import add_window
 
-__all__ = ["analyze", "scale_of_the_step"]
+__all__ = ["analyze", "analyze_bundle", "scale_of_the_step"]
 
 
 def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
@@ -88,6 +89,42 @@ def _diverging(report) -> None:
         report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped at "
                           f"step {jump['step']} (see precursors): the run was diverging, and "
                           "a wider type only postpones the overflow; " + DO["diverging"])
+
+
+def analyze_bundle(path, factory: str | None = None, device: str | None = None,
+                   factory_kwargs: dict | None = None, tries: Sequence[str] = ()
+                   ) -> dict[str, Any]:
+    """The report for the bundle at ``path`` (read, built, analysed, then the ``tries``).
+    Under DDP a NaN that one rank's backward made inside the model reaches every rank's
+    gradients through the all-reduce, so every rank saw a backward event at once and all are
+    first (``recorder.ranks``): the first one's step, finite alone, is not the event; each
+    other first rank's step is replayed until one reproduces it."""
+    step = _built(path, None, factory, device, factory_kwargs)
+    report = analyze(step)
+    ranks = step.event.get("ranks") or {}
+    for rank in sorted(ranks.get("first") or [])[1:]:
+        if report["reproduced"] or step.event.get("phase") != "backward":
+            break
+        other = _built(path, rank, factory, device, factory_kwargs)
+        again = analyze(other) if other.path != step.path else {"reproduced": False}
+        if again["reproduced"]:
+            again["problems"].append(
+                f"rank(s) {ranks['first']} saw the event at once (a NaN that one rank's "
+                "backward makes reaches every rank's gradients through the all-reduce): rank "
+                f"{report['bundle']['rank']}'s step alone is finite, rank {rank}'s makes it")
+            step, report = other, again
+    if tries:
+        report["what_if"] = run_tries(step, report, list(tries))
+    return report
+
+
+def _built(path, rank: int | None, factory, device, factory_kwargs) -> Step:
+    step = read_step(path, rank)
+    try:
+        build(step, factory, device, factory_kwargs)
+    except FactoryRefused as e:
+        step.problems.append(str(e))
+    return step
 
 
 def _elsewhere(step: Step) -> bool:

@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 from recorder.errors import BundleError  # noqa: E402  (imports torch: after the filter)
 from recorder.validate import why_unwritable  # noqa: E402
 
-from .errors import FactoryRefused, ReplayError, one_line  # noqa: E402
+from .errors import ReplayError, one_line  # noqa: E402
 
 
 def _fail(message: str) -> None:
@@ -149,20 +149,14 @@ def _run(bundle, as_json, html_path, info, factory, factory_kwargs, device, stri
         d = reports.info(bundle)
         _emit(reports.to_json(d) if as_json else reports.info_text(d))
         return 0
-    from .analyze import analyze
-    from .load import build, read_step
+    from .analyze import analyze_bundle
 
     if html_path is not None:
         _check_html_dir(html_path)
     # the user's code prints (a factory's "building model...", a forward's debug shapes) go to
     # stderr: stdout is the report's alone, and --json's one JSON document
     with contextlib.redirect_stdout(sys.stderr):
-        step = read_step(bundle)
-        try:
-            build(step, factory, device, factory_kwargs)
-        except FactoryRefused as e:
-            step.problems.append(str(e))
-        report = analyze(step, tries)
+        report = analyze_bundle(bundle, factory, device, factory_kwargs, tries)
     # printed first: a page that cannot be written must not cost the report of a long replay
     _emit(reports.to_json(report) if as_json else reports.to_text(report))
     if html_path is not None:

@@ -67,12 +67,13 @@ class Step:
         return self.meta.get("micro_batches", [])
 
 
-def read_step(path: str | os.PathLike) -> Step:
+def read_step(path: str | os.PathLike, rank: int | None = None) -> Step:
     meta, tensors = read_bundle(path)
     check_meta(meta, path)
-    # one rank's bundle of a distributed event: the first rank's, full tensors from the shards
+    # one rank's bundle of a distributed event: the first rank's (``rank``: that one of
+    # several), full tensors from the shards
     given, given_rank = Path(path), (meta.get("env") or {}).get("rank")
-    path, meta, tensors = resolve(given, meta, tensors, check_meta)
+    path, meta, tensors = resolve(given, meta, tensors, check_meta, rank)
     step = Step(path, meta, tensors)
     if path != given:
         step.given, step.given_rank = given, given_rank

@@ -66,17 +66,17 @@ def missing(path: Path, meta: dict[str, Any], found: dict[int, Path]) -> BundleE
 
 
 def resolve(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
-            check_meta: Callable[[dict[str, Any], Path], None]
+            check_meta: Callable[[dict[str, Any], Path], None], rank: int | None = None
             ) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
     """What to replay for ``path``: itself when it is no distributed event's bundle; else the
-    bundle of the first rank to see the event, with full tensors where the ranks hold shards.
-    A shard set with a rank missing is a :class:`BundleError` naming the ranks found and
-    missing. ``check_meta`` checks each sibling's metadata as the given bundle's was
-    (``replay.load``, which calls this)."""
+    bundle of the first rank to see the event (``rank``: that one of several first ranks),
+    with full tensors where the ranks hold shards. A shard set with a rank missing is a
+    :class:`BundleError` naming the ranks found and missing. ``check_meta`` checks each
+    sibling's metadata as the given bundle's was (``replay.load``, which calls this)."""
     ranks = ranks_of(meta)
     if ranks is None:
         return path, meta, tensors
-    first = min(ranks.get("first") or [ranks["rank"]])
+    first = rank if rank is not None else min(ranks.get("first") or [ranks["rank"]])
     if "shards" not in meta:  # DDP: every rank holds the full model; replay the first one
         if first == ranks["rank"]:
             return path, meta, tensors

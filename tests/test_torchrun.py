@@ -452,3 +452,32 @@ def test_a_loss_that_gathers_every_ranks_features_is_named_not_a_failed_replay(t
         f"the step's code calls torch.distributed.all_gather at ddp_clip_train.py:{line}, which "
         "needs the process group of the run's 2 ranks"), report["hint"]
     assert "skip that call when torch.distributed.is_initialized() is False" in report["hint"]
+
+
+def test_ddp_backward_nan_made_inside_one_ranks_model_replays_that_ranks_step(tmp_path):
+    """Rank 1's zero-padded frames make NaN inside the model's backward at step 3 (sqrt at 0,
+    its loss and output gradient finite); the all-reduce gives rank 0 the same NaN gradient,
+    so both ranks are first. nanreplay on either bundle replayed rank 0's step, finite alone:
+    not_reproduced. The other first ranks' steps are now replayed too: rank 1's names
+    SqrtBackward0 at the normalisation, sample 2, with a note saying why."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("ddp_frames_train.py", out, HERE)
+    events = dict(re.findall(r"rank (\d) event (step=\d+ phase=\w+ first=\[[\d, ]*\] "
+                             r"loop_step=\d+)", proc.stdout))
+    assert events == {"0": "step=3 phase=backward first=[0, 1] loop_step=3",
+                      "1": "step=3 phase=backward first=[0, 1] loop_step=3"}, proc.stdout
+    line = next(i + 1 for i, text in enumerate((HERE / "ddp_frames_train.py").read_text()
+                                                 .splitlines()) if "# BUG" in text)
+    for name in ("step00000003-rank0.nan", "step00000003-rank1.nan"):
+        rep = subprocess.run([sys.executable, "-m", "replay", "--json", str(out / name)],
+                             capture_output=True, text=True, timeout=300, cwd=HERE)
+        report = json.loads(rep.stdout)
+        assert rep.returncode == 0 and report["reproduced"] is True, rep.stdout[-3000:]
+        assert report["bundle"]["rank"] == 1
+        o = report["origin"]
+        assert (o["phase"], o["op"], o["source"], o["samples"], report["cause"]) == (
+            "backward", "SqrtBackward0", f"ddp_frames_train.py:{line}", [2], "invalid"), o
+        assert report["problems"] == [
+            "rank(s) [0, 1] saw the event at once (a NaN that one rank's backward makes "
+            "reaches every rank's gradients through the all-reduce): rank 0's step alone is "
+            "finite, rank 1's makes it"]
