@@ -74,6 +74,8 @@ class Alarm:
         if agreement is not None and agreement.seen is not None:  # every rank is here
             event = agreement.settle(event, tape.step,
                                      own_backward=events.output_grad_bad(evidence))
+        elif agreement is not None and event is not None:  # a cut-short step: this rank alone
+            event.ranks = agreement.alone()
         if event is None:  # false alarm: norms of huge but finite tensors overflowed
             with self._lock:
                 self.fired = False

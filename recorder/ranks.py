@@ -180,6 +180,14 @@ class Agreement:
                           "seen_by": seen, "first": first}
         return event
 
+    def alone(self) -> dict[str, Any]:
+        """``event.ranks`` of a step checked on this rank alone (cut short by an exception,
+        no agreement): the run id lets the replay find the other ranks' bundles of the step,
+        which may hold where the value began (DDP's all-reduce spreads a rank's NaN)."""
+        self.seen = None
+        return {"rank": self.rank, "world_size": self.world, "run_id": self.run_id,
+                "seen_by": [self.rank], "first": [], "alone": True}
+
 
 def _meet(store, n: int, rank: int, world: int) -> str:
     """The ``n``-th attach of every rank, met in ``store``; returns rank 0's run id."""
@@ -244,6 +252,11 @@ def summary(event: dict[str, Any], path, text: str, stopped: bool = True) -> str
 
 def describe(ranks: dict[str, Any], stopped: bool = True) -> str:
     """The sentence the error (or warning) adds on every rank: who saw the event first."""
+    if ranks.get("alone"):
+        return (f" Rank {ranks['rank']} of {ranks['world_size']}; the step was cut short by an "
+                "exception and checked on this rank alone: the other ranks' bundles of this "
+                "step, where they wrote one, belong beside it (nanreplay replays the one that "
+                "made the value).")
     first = ", ".join(map(str, ranks["first"]))
     seen = ", ".join(map(str, ranks["seen_by"]))
     # in warn mode no rank stops: saying so sent users looking for a hang that was not there

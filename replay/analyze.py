@@ -16,6 +16,7 @@ window is re-run from its copy (:mod:`replay.window_report`), and the what-ifs a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from . import fidelity
@@ -43,6 +44,7 @@ from .recorded import (
     scale_of_the_step,
 )
 from .rerun import Runner
+from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
 from .whatif import run_tries
@@ -102,20 +104,32 @@ def analyze_bundle(path, factory: str | None = None, device: str | None = None,
     step = _built(path, None, factory, device, factory_kwargs)
     report = analyze(step)
     ranks = step.event.get("ranks") or {}
-    for rank in sorted(ranks.get("first") or [])[1:]:
+    for rank in _other_firsts(step.path, step.meta):
         if report["reproduced"] or step.event.get("phase") != "backward":
             break
         other = _built(path, rank, factory, device, factory_kwargs)
         again = analyze(other) if other.path != step.path else {"reproduced": False}
         if again["reproduced"]:
+            how = ("each rank checked the step alone (an exception cut it short)"
+                   if ranks.get("alone") else f"rank(s) {ranks['first']} saw the event at once")
             again["problems"].append(
-                f"rank(s) {ranks['first']} saw the event at once (a NaN that one rank's "
-                "backward makes reaches every rank's gradients through the all-reduce): rank "
-                f"{report['bundle']['rank']}'s step alone is finite, rank {rank}'s makes it")
+                f"{how}; a NaN that one rank's backward makes reaches every rank's gradients "
+                f"through the all-reduce: rank {report['bundle']['rank']}'s step alone is "
+                f"finite, rank {rank}'s makes it")
             step, report = other, again
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report
+
+
+def _other_firsts(path, meta: dict[str, Any]) -> list[int]:
+    """The ranks, after the one replayed, that may have made the event: the other first
+    ranks; every other rank with a bundle beside it when the step was checked on each rank
+    alone (cut short by an exception: the ranks did not agree who saw it first)."""
+    ranks = meta["event"].get("ranks") or {}
+    if ranks.get("alone"):
+        return [r for r in sorted(shard_set(Path(path), meta)) if r != ranks.get("rank")]
+    return sorted(ranks.get("first") or [])[1:]
 
 
 def _built(path, rank: int | None, factory, device, factory_kwargs) -> Step:

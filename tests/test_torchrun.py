@@ -478,6 +478,31 @@ def test_ddp_backward_nan_made_inside_one_ranks_model_replays_that_ranks_step(tm
         assert (o["phase"], o["op"], o["source"], o["samples"], report["cause"]) == (
             "backward", "SqrtBackward0", f"ddp_frames_train.py:{line}", [2], "invalid"), o
         assert report["problems"] == [
-            "rank(s) [0, 1] saw the event at once (a NaN that one rank's backward makes "
-            "reaches every rank's gradients through the all-reduce): rank 0's step alone is "
+            "rank(s) [0, 1] saw the event at once; a NaN that one rank's backward makes "
+            "reaches every rank's gradients through the all-reduce: rank 0's step alone is "
             "finite, rank 1's makes it"]
+
+
+def test_ddp_step_cut_short_by_clip_error_on_every_rank_replays_the_rank_that_made_it(tmp_path):
+    """The same NaN with clip_grad_norm_(error_if_nonfinite=True): every rank raises in the
+    clip, so each checks the cut-short step alone and writes its bundle without the ranks'
+    agreement. Rank 0's bundle (its NaN from the all-reduce) replayed its own step: 'NOT
+    reproduced ... transient'. It now carries the run id and says it was checked alone; the
+    replay tries the other ranks' bundles beside it and names rank 1's SqrtBackward0."""
+    out = tmp_path / "bundles"
+    proc = _torchrun("ddp_frames_train.py", out, HERE, "clip")
+    assert "rank 0 clip error" in proc.stdout and "rank 1 clip error" in proc.stdout, \
+        proc.stdout
+    meta, _ = read_bundle(out / "step00000003-rank0.nan")
+    ranks = meta["event"]["ranks"]
+    assert (ranks["rank"], ranks["world_size"], ranks["first"], ranks["alone"]) == (0, 2, [], True)
+    rep = subprocess.run([sys.executable, "-m", "replay", "--json",
+                          str(out / "step00000003-rank0.nan")],
+                         capture_output=True, text=True, timeout=300, cwd=HERE)
+    report = json.loads(rep.stdout)
+    assert rep.returncode == 0 and report["reproduced"] is True, rep.stdout[-3000:]
+    assert report["bundle"]["rank"] == 1 and report["origin"]["op"] == "SqrtBackward0"
+    assert report["problems"] == [
+        "each rank checked the step alone (an exception cut it short); a NaN that one rank's "
+        "backward makes reaches every rank's gradients through the all-reduce: rank 0's step "
+        "alone is finite, rank 1's makes it"]

@@ -5,7 +5,9 @@ Frames are projected without bias and L2-normalised by hand with the eps outside
 a zero (padding) frame gives a finite forward and a NaN gradient (sqrt'(0) times 0), inside
 the model. At step 3 rank 1's clip 2 is 6 frames zero-padded to 10. DDP's all-reduce hands
 rank 0 the same NaN gradient; neither rank's loss or output gradient is non-finite, so both
-ranks saw the backward event at once.
+ranks saw the backward event at once. Mode ``clip``: the loop clips with
+``error_if_nonfinite=True``, so every rank raises in the clip at step 3 (each checks the
+cut-short step alone).
 """
 
 import os
@@ -35,7 +37,8 @@ def make_model() -> nn.Module:
     return FrameEncoder()
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, mode: str = "") -> None:
+    clip = mode == "clip"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -54,12 +57,16 @@ def main(out_dir: str) -> None:
                     mel[2, 6:] = 0.0  # a short clip, zero-padded
                 opt.zero_grad()
                 crit(model(mel), y).backward()
+                if clip:  # the loop's own guard: every rank raises here
+                    nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
                 opt.step()
         print(f"rank {rank} no event", flush=True)
     except NonFiniteError as e:
         ev = e.event
         print(f"rank {rank} event step={ev['step']} phase={ev['phase']} "
               f"first={ev['ranks']['first']} loop_step={step}", flush=True)
+    except RuntimeError as e:  # (clip's error; the recorder wrote the bundle on the way out)
+        print(f"rank {rank} clip error at loop step {step}: {str(e)[:60]}", flush=True)
     finally:
         dist.destroy_process_group()
     # (leave before the teardown of main's locals, as ddp_train.py does)
@@ -69,4 +76,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
