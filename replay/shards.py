@@ -59,10 +59,13 @@ def missing(path: Path, meta: dict[str, Any], found: dict[int, Path]) -> BundleE
     ranks = ranks_of(meta)
     world = int(ranks["world_size"])
     lost = [r for r in range(world) if r not in found]
+    alone = (" (the step was cut short by an exception and checked on rank "
+             f"{ranks['rank']} alone: a rank that did not raise there wrote none, and without "
+             "its shards the model cannot be put back together)") if ranks.get("alone") else ""
     return BundleError(
         f"{path}: this bundle is one of {world} ranks' shards of run {ranks['run_id']} step "
         f"{meta['event'].get('step')}; found rank(s) {sorted(found)} beside it, missing rank(s) "
-        f"{lost}: copy every rank's bundle of that step into {path.parent}")
+        f"{lost}: copy every rank's bundle of that step into {path.parent}{alone}")
 
 
 def resolve(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
