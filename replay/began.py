@@ -19,12 +19,7 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
     after, is that jump's doing (a learning-rate spike or one bad batch makes the weights
     that follow it grow), so the jump is named."""
     jumps, rises = [], []
-    # (in the order one step makes them, so that of two jumps at one step the first is named:
-    # a loss that one bad batch blew up, not the gradient norm that follows from it)
-    for key, name in (("lr", "learning rate"), ("loss", "loss"),
-                      ("grad_norm", "gradient norm"), ("param_norm", "weight norm")):
-        pairs = [(s["step"], abs(s[key])) for s in per_step
-                 if s.get(key) is not None and math.isfinite(s[key])]
+    for key, name, pairs in _series(per_step):
         # a measured series (a norm, the loss) needs two earlier values, as the recorded
         # precursors do: against one, a run already diverging "jumps" at the window's second
         # step by its own pace and hides that it began before the window. A learning rate is
@@ -44,6 +39,25 @@ def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
                      if not any(_jump_did_it(j, shows, r["step"], pairs, factor)
                                 for j in jumps)]
     return min(found, key=lambda f: f["step"]) if found else None
+
+
+def _series(per_step: list[dict[str, Any]]) -> list[tuple[str, str, list[tuple[int, float]]]]:
+    """``(key, name, [(step, |value|)])`` of each series, in the order one step makes them (of
+    two jumps at one step the first is named: a loss one bad batch blew up, not the gradient
+    norm that follows from it); each parameter group's learning rate its own series (a rate
+    set wrong for one group, at unfreezing, leaves the first group's as it was)."""
+    def finite_of(get) -> list[tuple[int, float]]:
+        vals = [(s["step"], get(s)) for s in per_step]
+        return [(k, abs(v)) for k, v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
+
+    groups = max((len(s.get("group_lrs") or ()) for s in per_step), default=0)
+    lrs = [("lr", f"learning rate (parameter group {j})",
+            finite_of(lambda s, j=j: (s.get("group_lrs") or [None] * groups)[j]))
+           for j in range(groups)] if groups > 1 else \
+        [("lr", "learning rate", finite_of(lambda s: s.get("lr")))]
+    return lrs + [(key, name, finite_of(lambda s, key=key: s.get(key)))
+                  for key, name in (("loss", "loss"), ("grad_norm", "gradient norm"),
+                                    ("param_norm", "weight norm"))]
 
 
 def _jump_did_it(jump: dict[str, Any], shows: int, began: int,

@@ -153,8 +153,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             out.problems.append(f"the model's code raised {run.raised} at step "
                                 f"{record['step']} of the re-run")
             break
-        stats = {"step": record["step"], "loss": _loss_value(run), "lr": _lr(record, change),
-                 "grad_norm": None, "param_norm": None, "skipped": False}
+        stats = _stats(record, run, change)
         out.per_step.append(stats)
         if o is not None:
             out.first = o
@@ -480,14 +479,21 @@ def _loss_value(run) -> float | None:
     return float(sum(float(t.detach()) for t in vals)) if vals else None
 
 
-def _lr(record: dict[str, Any], change: Change) -> float | None:
-    hyper = record.get("hyper") or []
-    if not hyper:
-        return None
-    v = hyper[0].get("lr")
-    v = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
-    if v is None:
-        return None
-    if change.lr is not None:
-        return change.lr
-    return v * change.lr_factor if change.lr_factor is not None else v
+def _stats(record: dict[str, Any], run, change: Change) -> dict[str, Any]:
+    """A step's line of the window's ``per_step`` (norms filled in as the step goes on), with
+    every parameter group's learning rate when there are several."""
+    lrs = _lrs(record, change)
+    return {"step": record["step"], "loss": _loss_value(run), "lr": (lrs or [None])[0],
+            "grad_norm": None, "param_norm": None, "skipped": False,
+            **({"group_lrs": lrs} if len(lrs) > 1 else {})}
+
+
+def _lrs(record: dict[str, Any], change: Change) -> list[float | None]:
+    """Each parameter group's learning rate in the record's update, as the change sets it."""
+    out: list[float | None] = []
+    for g in record.get("hyper") or []:
+        v = g.get("lr")
+        v = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else None
+        out.append(None if v is None else change.lr if change.lr is not None else
+                   v * change.lr_factor if change.lr_factor is not None else v)
+    return out

@@ -73,3 +73,32 @@ def test_the_hint_of_an_overflow_of_blown_up_weights_says_where_they_blew_up(out
     assert "x over the updates of steps 40-42, from where the rewind window shows the trouble " \
            "began (the loss " in rep["hint"]
     assert rep["hint"].endswith("bound the updates (clip_grad_norm_, a lower learning rate)")
+
+
+def test_a_learning_rate_jump_in_a_second_parameter_group_is_where_it_began(out_dir):
+    """A head whose group's schedule multiplies its rate by 1e7 from step 20 (a wrong base at
+    unfreezing), the body's left as it was: the window looked at the first group's rate
+    alone and named the weights that the jump blew up."""
+    torch.manual_seed(0)
+    model = R.make_price_regressor()
+    body, head = nn.Sequential(*model[:4]), model[4]
+    opt = torch.optim.SGD([{"params": body.parameters()}, {"params": head.parameters()}],
+                          lr=0.01, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0,
+                                                    lambda s: 1e7 if s >= 20 else 1.0])
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, lr_scheduler=sched, rewind=8,
+                            out_dir=out_dir, factory="rewind_models:make_price_regressor"):
+            for step in range(100):
+                x = torch.randn(32, 20, generator=torch.Generator().manual_seed(step))
+                opt.zero_grad()
+                crit(model(x), x[:, :10].argmax(1)).backward()
+                opt.step()
+                sched.step()
+    w = nanreplay(info.value.bundle_path)["window"]
+    assert w["reproduced"] and w["steps"][0] < 20 < info.value.event["step"]
+    assert [s["group_lrs"][1] for s in w["per_step"][:2]] == [0.01, 0.01]
+    began = w["precursors_began"]
+    assert (began["step"], began["kind"]) == (20, "lr_jump"), began
+    assert began["detail"].startswith("the learning rate (parameter group 1) 1e+05 is 1e+07x")
