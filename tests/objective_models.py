@@ -105,3 +105,15 @@ class MatrixFactorisation(nn.Module):
 def make_matrix_factorisation() -> nn.Module:
     torch.manual_seed(0)
     return MatrixFactorisation()
+
+
+def make_click_model() -> nn.Module:
+    """Click-through rate: the probability itself is the output (a final Sigmoid)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1), nn.Sigmoid(),
+                         nn.Flatten(0))
+
+
+def bce(p, y):
+    """Binary cross entropy written out on probabilities."""
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()

@@ -240,3 +240,33 @@ def test_an_input_event_names_the_loss_target_the_recorder_named(tmp_path):
     o = nanreplay_json(info.value.bundle_path)["origin"]
     assert (o["phase"], o["tensor"], o["made"], o["samples"]) == \
         ("input", "loss_args[1]", "+inf", [6]), o
+
+
+def test_a_sigmoid_probability_that_underflowed_under_log_points_at_the_logits(tmp_path):
+    """A hand-written binary cross entropy on a model that outputs sigmoid probabilities: a
+    record 1e4x out of scale saturates the sigmoid to exactly 0 (its logit is below -104),
+    and log(0) is -inf in the loss. The 0 came from the model's sigmoid: ``underflow``; the
+    hint named log_softmax and logsumexp only, and now names the fix for a sigmoid
+    (logsigmoid, or BCEWithLogitsLoss on the logits)."""
+    model = O.make_click_model()
+    record = table(0)[0][0]
+    with torch.no_grad():  # which sign of the record sends the logit furthest down
+        logits = model[:3](torch.stack([record, -record]) * 1e4).flatten()
+        scale = 1e4 if float(logits[0]) < float(logits[1]) else -1e4
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loss_fn = O.bce
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory="objective_models:make_click_model") as rec:
+            for step in range(6):
+                x = table(step)[0]
+                if step == 3:
+                    x[5] = record * scale
+                opt.zero_grad()
+                rec.loss_fn(model(x), (x[:, 0] > 0).float()).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (info.value.event["step"], o["phase"], o["op"], o["samples"], rep["cause"]) == \
+        (3, "loss", "aten.log", [5], "underflow"), json.dumps(rep, indent=1)
+    assert "BCEWithLogitsLoss" in rep["hint"], rep["hint"]
