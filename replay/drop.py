@@ -51,11 +51,12 @@ def _drop_bags(tensors: dict[str, torch.Tensor], keys: list[str], n: int,
     o = flat[off]
     total = max(t.numel() for t in flat.values())  # the ids (and their weights)
     longer = [k for k, t in flat.items() if t.numel() == total]
-    bag = torch.searchsorted(o, torch.arange(total, dtype=o.dtype), right=True) - 1
-    rows = torch.isin(bag, keep.to(o.dtype))
+    bag = torch.searchsorted(o, torch.arange(total, dtype=o.dtype, device=o.device),
+                             right=True) - 1
+    rows = torch.isin(bag, keep.to(o.device, o.dtype))
     for k in longer:
         tensors[k] = flat[k][rows]
-    sizes = torch.diff(o, append=o.new_tensor([total])).index_select(0, keep)
+    sizes = torch.diff(o, append=o.new_tensor([total])).index_select(0, keep.to(o.device))
     tensors[off] = torch.cat([o.new_zeros(1), sizes.cumsum(0)[:-1]])
     return [off, *longer]
 
