@@ -92,13 +92,14 @@ def factory_path(factory, kwargs: dict | None) -> tuple[str, dict | None]:
     d = describe_callable(factory)
     partial = d.get("partial")
     if "import" not in d or (partial and partial["args"]):
-        why = {"lambda": "a lambda", "closure": "defined inside a function",
-               "script": "defined in a script nanreplay cannot import",
-               "partial": "a partial with arguments that are not JSON values"}.get(
-                   d.get("why"), "not importable by its name")
-        where = f", at {d['defined']}" if "defined" in d else ""
         if partial and partial["args"]:
             why = "a partial with positional arguments"
+        else:
+            why = {"lambda": "a lambda", "closure": "defined inside a function",
+                   "script": "defined in a script nanreplay cannot import",
+                   "partial": "a partial with arguments that are not JSON values"}.get(
+                       d.get("why"), "not importable by its name")
+        where = f", at {d['defined']}" if "defined" in d else ""
         raise ValueError(f"FlightRecorder: factory {d['name']} cannot be rebuilt by nanreplay "
                          f"({why}{where}); pass a module-level function that builds the "
                          "model, or 'module:function', and its settings as factory_kwargs")
