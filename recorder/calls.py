@@ -24,7 +24,7 @@ from .errors import NonFiniteError
 from .finite import checkable, stored
 from .hooks import Health, Hook
 from .shards import local
-from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, STRICT
+from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT
 from .tape import MicroBatch, Tape
 from .target import Target
 
@@ -136,7 +136,7 @@ class CallHooks:
                 continue
             hit = _produced(tape, t) if tape.cache else None  # (none at a step's start)
             if hit is not None:
-                refs.append((hit[1], hit[2], hit[1][0] == NAN_ONLY))  # (checked as it was)
+                refs.append((hit[1], hit[2], hit[1][0] % RELU_OF == NAN_ONLY))  # (checked as it was)
                 continue
             intended = self.target.allowed_buffer(t) or self.target.is_allowed(name)
             soft = not self.strict_inf or intended
@@ -394,7 +394,7 @@ def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reus
     hit = tape.cache.get(id(t))
     if reuse and hit is not None and hit[0]() is t and hit[4] is not None \
             and hit[4] == version(t):
-        if hit[1][0] == code and hit[3] == intended:
+        if hit[1][0] % RELU_OF == code and hit[3] == intended:  # (a ReLU of its checked slots)
             return (hit[1:3],)
         # checked as another region is (the root's output, made by an inner call allowed to
         # hold +-Inf): its min and max are moved over, not computed again (an LM's logits)

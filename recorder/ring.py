@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .finite import pair_ok
+from .slots import RELU_OF
 
 CALL_FIELDS = ("min", "max", "absmax", "mean", "rms", "nan", "posinf", "neginf", "inputs_finite")
 
@@ -63,6 +64,8 @@ class StepLayout:
 
         def r(ref):
             code, k = ref
+            if code >= RELU_OF:  # the ReLU of a slot: ~index (see decoded)
+                return ~r((code - RELU_OF, k))
             k += starts[code]
             if k >= ends[code]:
                 raise _Late
@@ -97,16 +100,26 @@ def _resolved(entries: list, resolve) -> list:
     return out
 
 
+def decoded(row: list[float], i: int) -> float:
+    """Entry ``i`` of a call's statistics: ``row[i]``, or for ``~i`` (a negative index: a
+    statistic derived, not computed, see :meth:`recorder.slots.Slots.relu`) its ReLU."""
+    if i >= 0:
+        return row[i]
+    v = row[~i]
+    return v if v > 0.0 or math.isnan(v) else 0.0
+
+
 def _finite_pair(row: list[float], lo: int, hi: int, allowed: bool = False) -> bool:
-    return pair_ok(row[lo], row[hi], allowed)
+    return pair_ok(decoded(row, lo), decoded(row, hi), allowed)
 
 
 def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
     """One call's statistics from a host copy of its row."""
     midx, mb, order, outs, stats, ins = call
-    lo = min((row[a] for a, _ in outs), default=math.nan)
-    hi = max((row[b] for _, b in outs), default=math.nan)
-    if any(math.isnan(row[a]) or math.isnan(row[b]) for a, b in outs):
+    outs = [(decoded(row, a), decoded(row, b)) for a, b in outs]
+    lo = min((a for a, _ in outs), default=math.nan)
+    hi = max((b for _, b in outs), default=math.nan)
+    if any(math.isnan(a) or math.isnan(b) for a, b in outs):
         lo = hi = math.nan
     mean = rms = math.nan
     if stats is not None:
@@ -118,13 +131,13 @@ def decode_call(row: list[float], call: tuple) -> dict[str, Any]:
         "absmax": math.nan if nan else max(abs(lo), abs(hi)),
         "mean": mean, "rms": rms,
         "nan": nan,
-        "posinf": None if nan else any(row[b] == math.inf for _, b in outs),
-        "neginf": None if nan else any(row[a] == -math.inf for a, _ in outs),
+        "posinf": None if nan else any(b == math.inf for _, b in outs),
+        "neginf": None if nan else any(a == -math.inf for a, _ in outs),
         "inputs_finite": all(_finite_pair(row, a, b, al) for a, b, al in ins),
         # the same, with every +-Inf counted (allowed or not) / with only NaN counted
         "inputs_all_finite": all(_finite_pair(row, a, b) for a, b, _ in ins),
         "inputs_nan_free": all(_finite_pair(row, a, b, True) for a, b, _ in ins),
-        "outputs_finite": all(_finite_pair(row, a, b) for a, b in outs),
+        "outputs_finite": all(pair_ok(a, b) for a, b in outs),
     }
 
 
@@ -134,7 +147,7 @@ def _max_ref(call: tuple) -> int:
     refs = [k for pair in outs for k in pair] + [k for a, b, _ in ins for k in (a, b)]
     if stats is not None:
         refs += stats[:2]
-    return max(refs, default=-1)
+    return max((k if k >= 0 else ~k for k in refs), default=-1)
 
 
 def _root(square: float) -> float:

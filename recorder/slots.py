@@ -15,7 +15,8 @@ The slots are split into regions by how a statistic is checked at the step's end
 - ``NAN_ONLY``: must not be NaN (outputs of modules allowed to hold +-Inf);
 - ``LOOSE``: kept, never checked (inner calls' inputs, means, spreads).
 
-A statistic is named by a ref ``(region, index)``. The regions are consecutive parts of one
+A statistic is named by a ref ``(region, index)``; ``(RELU_OF + region, index)`` names the ReLU
+of that slot, a value no slot holds, applied where a row is decoded (see :meth:`Slots.relu`). The regions are consecutive parts of one
 vector, so closing the step copies that whole vector into the next ring row in one device op,
 behind the last update's evidence, and checks the row's ``STRICT`` (+ ``GRAD``) part with one
 more and its ``NAN_ONLY`` part with a third (:meth:`recorder.ring.RingBuffer.reserve` and
@@ -37,6 +38,7 @@ from .shards import PLAIN
 
 STRICT, GRAD, NAN_ONLY, LOOSE = 0, 1, 2, 3
 REGIONS = (STRICT, GRAD, NAN_ONLY, LOOSE)  # their order in a row
+RELU_OF = 4  # a ref's region code plus this: the ReLU of that slot (see Slots.relu)
 FLOAT32, FLOAT64, COMPLEX64 = torch.float32, torch.float64, torch.complex64
 
 
@@ -270,7 +272,16 @@ class Slots:
         return self._put(code, norms)
 
     def relu(self, lo: tuple[int, int], hi: tuple[int, int], code: int):
-        """ReLU of a (min, max) pair: the (min, max) of the ReLU of what they describe."""
+        """ReLU of a (min, max) pair: the (min, max) of the ReLU of what they describe (ReLU
+        is non-decreasing: NaN stays NaN, -Inf becomes 0, +Inf stays). Where the pair's own
+        check covers what region ``code`` would check of its ReLU (a NaN or +Inf in the ReLU
+        is one in the pair; a -Inf in the pair that the ReLU makes 0 only makes a must-be-
+        finite pair fail sooner), no op runs: refs to the ReLU *of* the pair's slots, resolved
+        when the row is decoded (on CPU, a tiny op after a layer's kernels costs ~25 us in
+        cache misses, a ReLU network's largest share of the recorder's time)."""
+        src = lo[0] % RELU_OF
+        if lo[0] == hi[0] and (src == STRICT or src == code):
+            return (src + RELU_OF, lo[1]), (src + RELU_OF, hi[1])
         return self._pair_op(lo, hi, code, _relu_into)
 
     def copy_pair(self, lo: tuple[int, int], hi: tuple[int, int], code: int):
@@ -281,6 +292,9 @@ class Slots:
         """``op(src, out=dst)`` from a (min, max) pair into two new slots of region ``code``:
         one op when both pairs sit in adjacent slots (the usual case), else two. Every value
         lives on this device (``_put`` moves what it keeps)."""
+        if lo[0] >= RELU_OF:  # the ReLU of slots: ReLU'd into place (ReLU of a ReLU is one)
+            op = _relu_into
+            lo, hi = (lo[0] - RELU_OF, lo[1]), (hi[0] - RELU_OF, hi[1])
         r = self._regions[code]
         pair = self._two(r)
         if pair is not None:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.ring import decode_call
 from recorder.slots import GRAD, LOOSE, STRICT, Slots, flat_view, split_extrema
 
 CPU = torch.device("cpu")
@@ -233,13 +234,18 @@ def test_relu_statistics_are_those_of_its_output(out_dir, inplace, poison):
     row = rec.cycle.ring.ordered_rows()[-1]
     names = rec.target.module_names
     calls = {names[c[0]]: c for c in layout.calls}
+    _, tables = rec.cycle.ring.export(n_params=4, n_groups=0)  # what a bundle holds
+    exported = {names[m]: tables["ring/calls"][-1, j, :2].tolist()
+                for j, m in enumerate(tables["ring/call_module"][-1].tolist()) if m >= 0}
     for name, out in outs.items():
-        (lo, hi), = calls[name][3]
+        d = decode_call(row, calls[name])
         want = (out.min().item(), out.max().item())
         if out.isnan().any():
-            assert math.isnan(row[lo]) and math.isnan(row[hi])
+            assert math.isnan(d["min"]) and math.isnan(d["max"])
+            assert all(map(math.isnan, exported[name]))
         else:
-            assert (row[lo], row[hi]) == want
+            assert (d["min"], d["max"]) == want
+            assert exported[name] == list(want)
     # the head's input is a flatten of relu2's output: same statistics, no new reduction
     # (False: an inner output's +-Inf is no event by default, see strict_inf, but it makes the
     # next call's inputs non-finite; only an allow_inf module's leaves them finite)
@@ -334,3 +340,40 @@ def test_the_root_output_made_by_its_last_layer_is_reduced_once(out_dir):
             step(ids, target)
     ev = info.value.event
     assert (ev["phase"], ev["module"], ev["kind"]) == ("forward", "3", "+inf"), ev
+
+
+def test_relu_of_an_allowed_infinity_is_checked_as_its_own(out_dir):
+    """Under strict_inf, a layer allowed to return +-Inf followed by a ReLU that is not: the
+    ReLU's output is checked must-be-finite, so the +Inf it passes on is an event at the ReLU
+    (its statistics cannot be left to the allowed layer's NaN-only check)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight[1] = 3e38  # finite weights whose products overflow to +Inf
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, out_dir=out_dir, strict_inf=True, allow_inf=["0"]) as rec:
+            model(torch.rand(8, 4) + 1.0)
+            rec.end_step()
+    ev = info.value.event
+    assert (ev["module"], ev["phase"], ev["kind"]) == ("1", "forward", "+inf"), ev
+
+
+@pytest.mark.parametrize("strict_inf", [False, True])
+def test_a_model_ending_in_relu_checks_its_output(out_dir, strict_inf):
+    """The root's output is a ReLU's (a Sequential ending in one): an +Inf made inside reaches
+    it and is an event, at the layer that made it under either policy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight[1] = 3e38  # finite weights whose products overflow to +Inf
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, out_dir=out_dir, strict_inf=strict_inf) as rec:
+            out = model(torch.rand(8, 4) + 1.0)
+            rec.end_step()
+    assert out[:, 1].isinf().all()
+    ev = info.value.event
+    assert (ev["module"], ev["phase"], ev["kind"]) == ("0", "forward", "+inf"), ev
+    layout = rec.cycle.ring.layouts[-1].materialize()
+    row = rec.cycle.ring.ordered_rows()[-1]
+    root = next(c for c in layout.calls if c[0] == 0)
+    assert (decode_call(row, root)["min"], decode_call(row, root)["max"]) == (0.0, math.inf)
