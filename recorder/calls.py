@@ -243,8 +243,9 @@ class CallHooks:
             if hit is not None:
                 ins = (hit[1:4],)
                 lo, hi = hit[1], hit[2]
-            else:
-                lo, hi = slots.minmax(a.detach(), LOOSE)
+            else:  # (where the ReLU is checked for NaN only, so is its input in its place:
+                # a NaN passes a ReLU, so the ReLU's statistics are derived from these)
+                lo, hi = slots.minmax(a.detach(), NAN_ONLY if allowed else LOOSE)
                 ins = ((lo, hi, False),)
             ra, rb = slots.relu(lo, hi, NAN_ONLY if allowed else STRICT)
             tape.cache[id(output)] = (weakref.ref(output), ra, rb, intended, version_of(output))
