@@ -61,8 +61,10 @@ def what_if_verdict(t: dict[str, Any]) -> str:
         verdict = f"failed: the re-run with this change raised {t['error']}"
     elif t.get("finite") is None:
         verdict = f"not re-run: {t.get('note')}"
-    elif t["finite"]:
+    elif t["finite"]:  # (with the loss there: finite is not yet trained well)
         verdict = f"finite through step {t['steps'][1]}"
+        if t.get("loss") is not None:
+            verdict += f" (loss {t['loss']:.4g})"
     else:
         o = t["origin"]
         verdict = f"{o.get('kind') or 'non-finite'} at step {o['step']} ({where(o)})"
@@ -71,6 +73,8 @@ def what_if_verdict(t: dict[str, Any]) -> str:
                    "proves nothing" if t["finite"] else
                    f"inconclusive: {verdict}; the unchanged re-run is finite: the change "
                    "made it, not the recorded event")
+    if t.get("note") and t.get("finite") is not None:  # what the re-run could not do
+        verdict += f"; {t['note']}"
     return verdict
 
 

@@ -272,6 +272,8 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
                                  "event_step": o.step if o else None,
                                  "origin": _origin(o) if o else None,
                                  "steps": [win.records[0]["step"], win.records[-1]["step"]]}
+        if o is None:  # the re-run's loss at its last step
+            entry["loss"] = res.per_step[-1]["loss"] if res.per_step else None
         if res.problems:
             entry["note"] = "; ".join(res.problems)
         out.append(entry)

@@ -88,19 +88,41 @@ def divergent_regression(out_dir):
     return info.value
 
 
+def _rare_batch(step):
+    import infinity_models as I
+
+    idx, _ = I.token_batch(step)
+    idx = idx % 8
+    if step == 0:
+        idx[0, :8] = torch.arange(8)
+    if step == 5:
+        idx[2, 0] = 12
+    return idx, torch.arange(I.BATCH) % I.N_CLASSES
+
+
+def _rare_losses(steps, eps):
+    """The loss of each of the first ``steps`` steps of rare_tokens' loop trained with Adam(eps)."""
+    import infinity_models as I
+
+    torch.manual_seed(0)
+    model = I.make_token_classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=eps)
+    losses = []
+    for s in range(steps):
+        x, y = _rare_batch(s)
+        opt.zero_grad()
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def rare_tokens(out_dir, rewind=2, guard_optimizer=False):
     """Tokens 8-15 are absent until step 5: Adam(eps=0) makes their rows 0/0 at step 0."""
     import infinity_models as I
 
-    def make(step):
-        idx, _ = I.token_batch(step)
-        idx = idx % 8
-        if step == 0:
-            idx[0, :8] = torch.arange(8)
-        if step == 5:
-            idx[2, 0] = 12
-        return idx, torch.arange(I.BATCH) % I.N_CLASSES
-
+    make = _rare_batch
     torch.manual_seed(0)
     model = I.make_token_classifier()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.0)
@@ -335,11 +357,12 @@ def test_a_try_on_weights_written_by_hand_is_inconclusive_and_auto_proposes_none
             (True, True, None, [0, 3])
     page = tmp_path / "r.html"
     res = invoke_cli(err.bundle_path, "--try", "lr=0.1x", "--html", page)
+    loss = f"(loss {tries['lr=0.1x']['loss']:.4g})"
     assert [ln for ln in res.stdout.splitlines() if ln.startswith("  what-if")] == [
-        "  what-if    lr=0.1x        inconclusive: finite through step 3; the unchanged re-run "
-        "is finite too: this try proves nothing"]
-    assert "<code>lr=0.1x</code></td><td>inconclusive: finite through step 3; the unchanged " \
-           "re-run is finite too: this try proves nothing</td>" in page.read_text()
+        f"  what-if    lr=0.1x        inconclusive: finite through step 3 {loss}; the unchanged "
+        "re-run is finite too: this try proves nothing"]
+    assert f"<code>lr=0.1x</code></td><td>inconclusive: finite through step 3 {loss}; the " \
+           "unchanged re-run is finite too: this try proves nothing</td>" in page.read_text()
 
 
 def test_auto_tries_the_remedies_of_the_cause(out_dir):
@@ -366,9 +389,13 @@ def test_text_report_has_one_line_per_try_and_the_window(out_dir):
     assert "  window     steps 0-1 re-run from the copy at step 0: the event came back at the " \
            "recorded step" in lines
     assert "  first      step 0: nan in the update of emb.weight (aten.addcdiv_)" in lines
+    # a finite try says its loss at the last step re-run: the loss training with eps=1e-8 has
+    trained = _rare_losses(2, eps=1e-8)[1]
     assert [ln for ln in lines if ln.startswith("  what-if")] == [
-        "  what-if    eps=1e-8       finite through step 1",
+        f"  what-if    eps=1e-8       finite through step 1 (loss {trained:.4g})",
         "  what-if    lr=0.1x        nan at step 0 (update of emb.weight (aten.addcdiv_))"]
+    tries = what_if(nanreplay(err.bundle_path, "eps=1e-8"))
+    assert tries["eps=1e-8"]["loss"] == pytest.approx(trained, rel=1e-5)
 
 
 def test_html_report_has_the_what_if_table(out_dir, tmp_path):
@@ -951,6 +978,6 @@ def test_a_try_whose_re_run_fails_is_reported_and_the_others_stand(out_dir, monk
     res = invoke_cli(err.bundle_path, "--try", "eps=1e-8", "--try", "lr=0.1x")
     assert res.exit_code == 0, res.stdout + res.stderr
     assert [ln for ln in res.stdout.splitlines() if ln.startswith("  what-if")] == [
-        "  what-if    eps=1e-8       finite through step 1",
+        f"  what-if    eps=1e-8       finite through step 1 (loss {tries['eps=1e-8']['loss']:.4g})",
         "  what-if    lr=0.1x        failed: the re-run with this change raised RuntimeError: "
         "shape mismatch with a second line of detail"]
