@@ -96,6 +96,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         return Cause("invalid", f"{hit.op} {made} on purpose (a mask), and it reached the "
                      "output, where by default an infinity is an event; no op overflowed or "
                      "left its domain: " + DO["literal_inf"])
+    if hit is not None and hit.literal is not None and hit.made == "nan" and hit.inputs_finite:
+        return _from_literal(hit)
     if hit is None or hit.intentional or (hit.evidence is None and hit.inputs_finite):
         return (Cause("invalid", HINTS["loss" if phase == "loss" else "invalid"]) if still
                 else Cause("overflow", "the value is finite in float64: "
@@ -377,6 +379,14 @@ def _from_infinities(hit: OpHit) -> Cause:
     what = INF_ARITH.get(name, "NaN from infinities")
     return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too: "
                  + DO["inf_arith"])
+
+
+def _from_literal(hit: OpHit) -> Cause:
+    """The op made NaN from finite tensors and an infinity written as a number: a mask built by
+    arithmetic (``(1 - keep) * float("-inf")`` is ``0 * -inf`` where ``keep`` is 1)."""
+    what = INF_ARITH.get(_name(hit.op).rstrip("_"), "NaN from the infinity")
+    return Cause("invalid", f"{hit.op} computed {what} with the literal {hit.literal:+} it "
+                 "was given as a number, NaN in exact arithmetic too: " + DO["inf_literal"])
 
 
 def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:

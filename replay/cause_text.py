@@ -81,6 +81,9 @@ DO = {
                  "Newton-Schulz iteration for an inverse square root or a whitening), or skip "
                  "degenerate inputs (a batch of identical samples); adding eps * I does not "
                  "help, it shifts every value alike",
+    "inf_literal": "put the infinity in with masked_fill(mask, float('-inf')) or "
+                   "torch.where(mask, float('-inf'), 0.0) rather than multiplying by it, or mask "
+                   "with a large finite negative number (torch.finfo(dtype).min)",
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "
                  "infinity (the chain) and keep it finite",
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "

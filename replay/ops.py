@@ -47,6 +47,7 @@ class OpHit:
     rows: list[int] | None = None  # non-finite samples of its output (OpFinder(samples=...))
     param: str | None = None  # a model parameter it took as an input, as is (OpFinder.params)
     buffer: str | None = None  # the model buffer whose +-inf (a mask) it passed on, if any
+    literal: float | None = None  # a +-inf it was given as a number (``m * float("-inf")``)
 
     def as_json(self) -> dict[str, Any]:
         return {"op": self.op, "made": self.made, "source": self.source,
@@ -181,8 +182,8 @@ class _Watch(TorchDispatchMode):
                 f.intentional = OpHit(op, made, user_source(), None, None, True, occurrence,
                                       True, rows=f.batch_rows(outs), buffer=buffer)
             return out
-        literal_inf = any(isinstance(a, float) and math.isinf(a) for a in leaves)
-        intentional = literal_inf or f.in_allowed_module()
+        literal_inf = next((a for a in leaves if isinstance(a, float) and math.isinf(a)), None)
+        intentional = literal_inf is not None or f.in_allowed_module()
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins))
@@ -203,7 +204,7 @@ class _Watch(TorchDispatchMode):
                                     rows=f.batch_rows(outs))
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
-                                inputs_finite=in_finite)
+                                inputs_finite=in_finite, literal=literal_inf)
         return out
 
 

@@ -255,3 +255,25 @@ class MaskBufferGPT(nn.Module):
 def make_mask_buffer_gpt() -> nn.Module:
     torch.manual_seed(0)
     return MaskBufferGPT()
+
+
+# ---------------------------------------------------------------------------------------------
+# a 0/1 attention mask made additive by multiplying by -inf
+
+
+class ArithMaskEncoder(nn.Module):
+    """Takes a 0/1 attention mask (1: a real token) and makes it additive by arithmetic."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = AdditiveAttention()
+        self.head = nn.Linear(HIDDEN, N_CLASSES)
+
+    def forward(self, x, attention_mask):
+        mask = (1.0 - attention_mask[:, None, :]) * float("-inf")  # BUG: 0 * -inf is NaN
+        return self.head(self.attn(x, mask).mean(dim=1))
+
+
+def make_arith_mask_encoder() -> nn.Module:
+    torch.manual_seed(0)
+    return ArithMaskEncoder()

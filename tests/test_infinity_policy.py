@@ -241,6 +241,44 @@ def test_nan_from_an_additive_mask_passed_in_is_the_softmax_not_bad_data(out_dir
     assert "every entry is -inf" in rep["hint"], rep["hint"]
 
 
+def test_mask_made_by_multiplying_by_inf_is_named_as_0_times_inf(out_dir):
+    """A 0/1 attention mask made additive by arithmetic, ``(1 - mask) * float("-inf")``, is
+    ``0 * -inf`` = NaN at every real token, from step 0. The replay named aten.mul in the root
+    but gave the generic hint (clamp before log/sqrt, add eps to denominators): the -inf was a
+    Python number, not an input tensor, so the op had no evidence. It now says 0 * inf with
+    the literal -inf and how to place the infinity without arithmetic."""
+    model = I.make_arith_mask_encoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    T = 6
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="infinity_models:make_arith_mask_encoder"):
+            for step in range(3):
+                x, y = I.batch(step, n=8)
+                x = x[:, None, :].expand(8, T, I.D_IN).contiguous()
+                attention_mask = torch.ones(8, T)
+                attention_mask[:, T - 2:] = 0.0  # two padding positions per row
+                opt.zero_grad()
+                crit(model(x, attention_mask), y).backward()
+                opt.step()
+    check_event(info.value.event, step=0, phase="forward", module="", kind="nan",
+                inputs_finite=True)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"], rep["reproduced"]) \
+        == ("forward", "", "aten.mul", "invalid", True), o
+    line = _line_of("0 * -inf is NaN")
+    assert o["source"].endswith(f"infinity_models.py:{line}"), o["source"]
+    assert "0 * inf with the literal -inf" in rep["hint"], rep["hint"]
+    assert "masked_fill(mask, float('-inf'))" in rep["hint"], rep["hint"]
+
+
+def _line_of(text: str) -> int:
+    lines = (HERE / "infinity_models.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
 def test_inf_in_the_data_that_turns_into_nan_is_an_input_event(out_dir):
     def make(step):
         x, y = I.batch(step)
