@@ -209,16 +209,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
     ev, op, name = hit.evidence, hit.op, _name(hit.op)
     dt = _type(ev.dtype)
     if ev.local64 is not None and bool(torch.isfinite(ev.local64).all()):
-        big = float(ev.local64.abs().max()) if ev.local64.numel() else math.inf
-        top = torch.finfo(ev.dtype).max
-        if big <= top:  # the result fits: a value the op made on the way did not (a sum of
-            # squares before the mean, as mse_loss and norms take), so say that, not "beyond"
-            return Cause("overflow", f"{op}'s true result (up to {_g(big)}) fits in {dt}, but "
-                         f"a value it computes on the way (a sum or product before its result) "
-                         f"is beyond {dt}'s largest value {_g(top)}; float64 holds it: "
-                         + _wider(ev.dtype))
-        return Cause("overflow", f"{op}'s true result (up to {_g(big)}) is finite but beyond "
-                     f"{dt}'s largest value {_g(top)}; float64 holds it: " + _wider(ev.dtype, op))
+        return _beyond_type(op, ev)
     if domains.no_pole(name, ev):
         if ev.local64 is None and not still:  # a random op: the float64 step decides
             return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "
@@ -265,6 +256,22 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      "there, which exact arithmetic does not: " + DO["unit" if situation ==
                                                                     "unit" else "stable"])
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
+
+
+def _beyond_type(op: str, ev: Evidence) -> Cause:
+    """An op whose float64 result is finite where its own is not: too large for its type."""
+    dt = _type(ev.dtype)
+    big = float(ev.local64.abs().max()) if ev.local64.numel() else math.inf
+    top = torch.finfo(ev.dtype).max
+    big_s, top_s = domains.g_pair(big, top)
+    if big <= top:  # the result fits: a value the op made on the way did not (a sum of
+        # squares before the mean, as mse_loss and norms take), so say that, not "beyond"
+        return Cause("overflow", f"{op}'s true result (up to {big_s}) fits in {dt}, but "
+                     f"a value it computes on the way (a sum or product before its result) "
+                     f"is beyond {dt}'s largest value {top_s}; float64 holds it: "
+                     + _wider(ev.dtype))
+    return Cause("overflow", f"{op}'s true result (up to {big_s}) is finite but beyond "
+                 f"{dt}'s largest value {top_s}; float64 holds it: " + _wider(ev.dtype, op))
 
 
 def _edge_excess(base: str, x: torch.Tensor) -> float | None:

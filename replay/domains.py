@@ -52,6 +52,17 @@ def g(x: float) -> str:
     return format(x, ".3g")
 
 
+def g_pair(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` with three significant digits, or as many more as it takes for two
+    different numbers not to print alike: 65535 cast to float16 must not read as beyond
+    float16's largest value when both print as 6.55e+04."""
+    for digits in range(3, 18):
+        sa, sb = format(a, f".{digits}g"), format(b, f".{digits}g")
+        if sa != sb or a == b:
+            return sa, sb
+    return repr(a), repr(b)
+
+
 def g_apart(x: float, *others: float) -> str:
     """``x`` with three significant digits, or as many more as it takes not to read as one of
     ``others`` (a domain edge, the value float64 has): acos of 1.00000012, rounded from a

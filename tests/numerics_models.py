@@ -202,3 +202,22 @@ class ArcFaceNet(nn.Module):
 def make_arcface_net() -> nn.Module:
     torch.manual_seed(0)
     return ArcFaceNet()
+
+
+class PatchNet(nn.Module):
+    """A ViT stem: patch embedding, LayerNorm, pooled classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 32, 8, 8)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, img):
+        x = self.patch(img).flatten(2).transpose(1, 2)
+        return self.head(self.norm(x).mean(1))
+
+
+def make_patch_net() -> nn.Module:
+    torch.manual_seed(0)
+    return PatchNet()

@@ -235,3 +235,36 @@ def test_acos_of_a_cosine_rounded_to_one_is_precision_and_the_clamp(tmp_path):
     assert rep["cause"] == "precision" and rep["reproduced"] is True
     assert "rounded to exactly +-1, the edge of acos's domain" in rep["hint"]
     assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"]
+
+
+def test_float16_overflow_prints_the_value_and_the_limit_apart(tmp_path):
+    """Under float16 autocast, sample 1 is an image of raw 16-bit values (up to 65535, not
+    scaled to [0, 1]): autocast's cast of it for the patch convolution rounds 65535 to +inf.
+    The hint said the true result 'up to 6.55e+04' is 'beyond float16's largest value
+    6.55e+04', the same number twice; both now get the digits that tell them apart."""
+
+    def make(s):
+        g = torch.Generator().manual_seed(s)
+        img = torch.rand(4, 3, 16, 16, generator=g)
+        if s == K:
+            img[1] = torch.round(img[1] * 65535.0)
+            img[1, 0, 0, 0] = 65535.0
+        return (img,), torch.randint(0, 10, (4,), generator=g)
+
+    model, crit = M.make_patch_net(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="numerics_models:make_patch_net"):
+            for step in range(6):
+                (img,), y = make(step)
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = crit(model(img), y)
+                loss.backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep) == (K, "forward", "patch", "aten._to_copy", [1], "overflow"), rep
+    assert rep["origin"]["made"] == "+inf" and rep["reproduced"] is True
+    assert "(up to 6.554e+04) is finite but beyond float16's largest value 6.55e+04" \
+        in rep["hint"], rep["hint"]
