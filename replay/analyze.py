@@ -48,6 +48,7 @@ from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
 from .whatif import run_tries
+from .window import window_of
 from .window_report import add_window
 
 __all__ = ["analyze", "analyze_bundle", "scale_of_the_step"]
@@ -63,7 +64,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(fidelity.elsewhere_note() if _elsewhere(step)
                                   else fidelity.changed_note(changed))
     report = _from_bundle(report, step) or _from_rerun(report, step)
-    _diverging(report)
+    _diverging(report, window_of(step) is not None)
     add_window(step, report)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
@@ -78,10 +79,11 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
 _GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump": "weights"}
 
 
-def _diverging(report) -> None:
+def _diverging(report, windowed: bool) -> None:
     """An overflow after the loss, gradient norm or weights jumped in earlier steps: the run
     was diverging (a learning rate too high for unscaled features, a bootstrap target fed
-    back), and a wider type or rescaling the op only postpones it; the hint says so."""
+    back), and a wider type or rescaling the op only postpones it; the hint says so (and, for
+    a bundle recorded without a rewind window, how to record the steps that grew)."""
     at = report["event"].get("step")
     if report.get("cause") != "overflow" or at is None:
         return
@@ -90,7 +92,8 @@ def _diverging(report) -> None:
     if jump is not None:
         report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped at "
                           f"step {jump['step']} (see precursors): the run was diverging, and "
-                          "a wider type only postpones the overflow; " + DO["diverging"])
+                          "a wider type only postpones the overflow; "
+                          + DO["diverging_window" if windowed else "diverging"])
 
 
 def analyze_bundle(path, factory: str | None = None, device: str | None = None,

@@ -109,6 +109,8 @@ DO = {
     "diverging": "lower the learning rate or clip the gradients (record with "
                  "FlightRecorder(..., rewind=N) so that --try lr=0.1x and clip=1.0 re-run the "
                  "steps that grew)",
+    "diverging_window": "lower the learning rate or clip the gradients (--try lr=0.1x and "
+                        "clip=1.0 re-run the bundle's rewind window with either)",
     "near_pole": "keep the input further from the pole (a larger eps, 1e-6 for float32: "
                  "GaussianNLLLoss(eps=1e-6), y.clamp_min(1e-6)) or compute it in float64",
     "clamp": "clamp the exponent or the input range (subtract the row max before exp, "

@@ -185,17 +185,19 @@ def test_an_embedding_bag_input_names_its_bags_and_drop_removes_them(tmp_path):
     assert tries == {"drop=4,9": True, "drop=4": False}, rep["what_if"]
 
 
-def test_an_overflow_after_the_run_grew_says_the_run_was_diverging(tmp_path):
+@pytest.mark.parametrize("rewind", [None, 4])
+def test_an_overflow_after_the_run_grew_says_the_run_was_diverging(tmp_path, rewind):
     """Least squares on features that were never standardised (scale 10), SGD at 0.02: the
     loss and gradient norm jump from step 2 and a Linear's addmm overflows at step 4. The
     hint said only 'rescale its inputs ... or compute it in float64' (and --try dtype=float64
     is finite at that step), which postpones the overflow; it now says the run was diverging
-    and to lower the learning rate or clip, as the precursors show."""
+    and to lower the learning rate or clip, as the precursors show. Only a bundle without a
+    rewind window is told to record with ``rewind=N``: one recorded with it was told so too."""
     model = O.make_unscaled_regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
     crit = torch.nn.MSELoss()
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, rewind=rewind,
                             factory="objective_models:make_unscaled_regressor"):
             for step in range(20):
                 x = table(step)[0] * 10
@@ -206,6 +208,9 @@ def test_an_overflow_after_the_run_grew_says_the_run_was_diverging(tmp_path):
     assert rep["cause"] == "overflow" and rep["event"]["step"] == info.value.event["step"], rep
     assert "diverging" in rep["hint"] and "learning rate" in rep["hint"], rep["hint"]
     assert any(p["kind"] == "loss_jump" for p in rep["precursors"]), rep["precursors"]
+    assert ("record with FlightRecorder(..., rewind=N)" in rep["hint"]) == (rewind is None)
+    assert ("--try lr=0.1x and clip=1.0 re-run the bundle's rewind window" in rep["hint"]) \
+        == (rewind is not None), rep["hint"]
 
 
 def test_an_input_event_names_the_loss_target_the_recorder_named(tmp_path):
