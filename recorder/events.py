@@ -448,7 +448,9 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
                  + (" It is torch.compile'd: its layers are not recorded one by one."
                     if event.get("compiled") else ""))
     if event.get("tensor"):
-        where += f" Tensor {event['tensor']}, samples {event['samples'][:8]}."
+        rows = event.get("samples")  # none: a tensor every sample uses (a mask passed in)
+        where += (f" Tensor {event['tensor']}, samples {rows[:8]}." if rows
+                  else f" Tensor {event['tensor']} (not per sample).")
     if event.get("params"):
         params = event["params"]
         more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""

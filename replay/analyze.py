@@ -39,6 +39,7 @@ from .origins import (
 from .recorded import (
     batch_non_finite,
     batch_size,
+    input_hint,
     input_origin,
     non_finite_weights,
     scale_of_the_step,
@@ -178,11 +179,13 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
                       reproduced=False, hint=params and after_update_hint(step, params))
     if step.event.get("phase") == "input":
         o = input_origin(step)
-        return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(step, o))
+        return finish(report, o, "input", reproduced=True,
+                      hint=infinity_the_loss_took(step, o) or input_hint(o))
     if any(mb.get("inputs_written") for mb in step.micro_batches):
         return _input_written(report, step)
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
-        return finish(report, input_origin(step), "input", reproduced=True)
+        o = input_origin(step)
+        return finish(report, o, "input", reproduced=True, hint=input_hint(o))
     changed = set(step.meta.get("changed_in_step") or ())
     if bad_weights and not after_update and set(bad_weights) <= changed:
         # non-finite only after the step's forward ran (another optimizer's step() wrote
@@ -258,7 +261,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
             "recorder saw; see the fidelity line"))
     origin = run1.forward_origin()
     if not _strict(step) and run1.chain()[2]:  # the event's infinity came in with the batch
-        return finish(report, input_origin(step), "input", reproduced=True)
+        o = input_origin(step)
+        return finish(report, o, "input", reproduced=True, hint=input_hint(o))
     if run1.error is not None:
         if origin is None and all(run1.loss_finite) and not run1.bad_grads:
             return _failed(report, step, run1)  # before anything went non-finite

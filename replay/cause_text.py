@@ -48,6 +48,11 @@ HINTS = {
             "(targets out of range, log of zero probabilities)",
 }
 
+# An input event on a tensor no row of which is a sample's (replay.recorded.input_hint)
+SHARED_INPUT = ("{tensor} holds NaN/Inf and is not per sample: every sample of the batch goes "
+                "through it (a mask, a bias or a table passed to forward), so no sample is to "
+                "blame; check the code that makes it")
+
 # An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (replay.origins.optimizer_hint)
 EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so "
                "m / (sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8)")

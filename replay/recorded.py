@@ -14,6 +14,7 @@ from recorder.capture import batch_path, flatten_tree, loss_path
 from recorder.finite import finite, has_nan, kind_of, matches
 from recorder.samples import Samples, infer, packed_in, seq_first
 
+from .cause_text import SHARED_INPUT
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
 
@@ -118,6 +119,14 @@ def input_origin(step: Step) -> dict[str, Any]:
     ev = step.event
     return origin_fields(phase="input", tensor=ev.get("tensor"), samples=ev.get("samples", []),
                          micro_batch=ev.get("micro_batch"), made=ev.get("kind"))
+
+
+def input_hint(origin: dict[str, Any]) -> str | None:
+    """The hint of an input event on a tensor without sample rows (an attention mask of shape
+    (T, T) passed to forward); None for one that names samples (the data pipeline's hint)."""
+    if origin.get("samples") or not origin.get("tensor"):
+        return None
+    return SHARED_INPUT.format(tensor=f"the input {origin['tensor']}")
 
 
 def scale_of_the_step(step: Step) -> float | None:

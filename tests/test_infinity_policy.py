@@ -279,6 +279,37 @@ def _line_of(text: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if text in line)
 
 
+def test_nan_in_a_mask_every_sample_shares_names_no_sample(out_dir):
+    """The tutorial loop with an ALiBi-style bias added to the causal mask, ``slope * dist``,
+    whose slope a schedule made NaN at step K: the (T, T) mask passed to forward holds NaN.
+    The event said 'Tensor args[1], samples []' and the replay's hint told the user to check
+    the data pipeline 'for these samples'; it names no sample, says the tensor is not per
+    sample and to check the code that makes it."""
+    model = I.make_tutorial_lm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    causal = nn.Transformer.generate_square_subsequent_mask(I.CTX)
+    dist = (torch.arange(I.CTX)[None] - torch.arange(I.CTX)[:, None]).float().clamp(max=0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="infinity_models:make_tutorial_lm"):
+            for step in range(6):
+                src, tgt = I.token_batch(step)
+                slope = math.nan if step == K else 0.5
+                opt.zero_grad()
+                out = model(src, causal + slope * dist)
+                crit(out.reshape(-1, I.VOCAB), tgt.reshape(-1)).backward()
+                opt.step()
+    check_event(info.value.event, step=K, phase="input", tensor="args[1]", samples=[])
+    assert "Tensor args[1] (not per sample)." in str(info.value), str(info.value)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == \
+        ("input", "args[1]", [], "input"), o
+    assert rep["hint"].startswith("the input args[1] holds NaN/Inf and is not per sample"), \
+        rep["hint"]
+
+
 def test_inf_in_the_data_that_turns_into_nan_is_an_input_event(out_dir):
     def make(step):
         x, y = I.batch(step)
