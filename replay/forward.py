@@ -58,6 +58,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
             f"FlightRecorder(..., allow_inf=[{o.module!r}])"
             + (" ('' names the root; '*' would allow every module)" if not o.module else ""))
+    o = _innermost(run, o, hit)
     rows = _origin_rows(step, run, o, hit)
     # made: what the blamed op made (the chain's first entry), not what the call returned
     origin = origin_fields(
@@ -113,6 +114,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder
             if runner.micro_batch == mb:
                 if state["count"] == call:
                     state["active"] = True
+                    finder.where = (module, call)
                     finder.__enter__()
                 state["count"] += 1
 
@@ -129,7 +131,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder
         # (first of its pre-hooks: those are part of the call, and may make its weights)
         hs.append(target.register_forward_pre_hook(pre, prepend=True))
         hs.append(target.register_forward_hook(post))
-        return hs
+        return hs + _track_calls(finder, target, (module, call), runner, mb)
 
     try:
         runner.run(backward=False, instrument=False, hooks=hooks)
@@ -155,6 +157,48 @@ def _matches(step: Step, origin) -> bool:
     if ev.get("compiled") and isinstance(recorded, str):  # the origin lies inside the region
         return found == recorded or recorded == "" or found.startswith(recorded + ".")
     return recorded == found
+
+
+def _track_calls(finder: OpFinder, target, home: tuple[str, int], runner: Runner,
+                 mb: int) -> list:
+    """Hooks keeping ``finder.where`` on the innermost call running now inside ``target``'s
+    call ``home`` (its submodules' calls numbered as the instrumented pass numbers calls in
+    micro-batch ``mb``; ``home`` itself between them)."""
+    seen: dict[str, int] = {}
+    stack: list[tuple[str, int]] = []
+
+    def enter(name):
+        def pre(m, args):
+            if runner.micro_batch == mb:
+                k = seen.get(name, 0)
+                seen[name] = k + 1
+                stack.append((name, k))
+                finder.where = stack[-1]
+        return pre
+
+    def leave(m, args, out):
+        if runner.micro_batch == mb and stack:
+            stack.pop()
+            finder.where = stack[-1] if stack else home
+
+    hs = []
+    for name, m in target.named_modules(prefix=home[0]):
+        if m is not target:
+            hs.append(m.register_forward_pre_hook(enter(name)))
+            hs.append(m.register_forward_hook(leave))
+    return hs
+
+
+def _innermost(run: Run, o, hit):
+    """The call inside ``o`` whose own code ran the blamed op: module statistics stop at a
+    call whose inputs held an infinity (``nn.TransformerEncoder`` gives each attention its
+    padding mask as -inf, so an overflow in one is first seen as the encoder's), the op
+    finder does not."""
+    if hit is None or hit.within is None or hit.within[0] == o.module:
+        return o
+    name, k = hit.within
+    return next((c for c in run.calls
+                 if (c.module, c.call, c.micro_batch) == (name, k, o.micro_batch)), o)
 
 
 def _origin_rows(step: Step, run: Run, o, hit) -> list[int]:

@@ -48,6 +48,8 @@ class OpHit:
     param: str | None = None  # a model parameter it took as an input, as is (OpFinder.params)
     buffer: str | None = None  # the model buffer whose +-inf (a mask) it passed on, if any
     literal: float | None = None  # a +-inf it was given as a number (``m * float("-inf")``)
+    # the innermost module call running it, (name, call) in its micro-batch (OpFinder.where)
+    within: tuple[str, int] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {"op": self.op, "made": self.made, "source": self.source,
@@ -186,7 +188,7 @@ class _Watch(TorchDispatchMode):
         intentional = literal_inf is not None or f.in_allowed_module()
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
-                        rows=f.batch_rows(outs), param=f.param_among(ins))
+                        rows=f.batch_rows(outs), param=f.param_among(ins), within=f.where)
             if intentional:
                 if f.intentional is None:
                     f.intentional = hit
@@ -204,7 +206,7 @@ class _Watch(TorchDispatchMode):
                                     rows=f.batch_rows(outs))
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
-                                inputs_finite=in_finite, literal=literal_inf)
+                                inputs_finite=in_finite, literal=literal_inf, within=f.where)
         return out
 
 
@@ -396,6 +398,8 @@ class OpFinder:
         self._mode = _Watch(self)
         # (data_ptr, shape) -> name of the model's parameters, set by the caller that runs it
         self.params: dict[tuple[int, tuple], str] = {}
+        # the innermost module call running now, (name, call), as its caller tracks it
+        self.where: tuple[str, int] | None = None
         # (data_ptr, shape) of its parameters and buffers (set by that caller too), and the
         # tensors made from them alone: a learned per-class scale of the batch's length holds
         # classes, not samples, in its rows

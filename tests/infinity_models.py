@@ -277,3 +277,30 @@ class ArithMaskEncoder(nn.Module):
 def make_arith_mask_encoder() -> nn.Module:
     torch.manual_seed(0)
     return ArithMaskEncoder()
+
+
+# ---------------------------------------------------------------------------------------------
+# nn.TransformerEncoder with a bool padding mask, which it passes to each attention as -inf
+
+
+class PaddedEncoderClassifier(nn.Module):
+    """Mean pooling over the real tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(D, nhead=2, dim_feedforward=32, dropout=0.1,
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(D, N_CLASSES)
+
+    def forward(self, ids):
+        pad = ids == 0
+        h = self.encoder(self.emb(ids), src_key_padding_mask=pad)
+        keep = (~pad).unsqueeze(-1).float()
+        return self.head((h * keep).sum(1) / keep.sum(1))
+
+
+def make_padded_encoder_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return PaddedEncoderClassifier()

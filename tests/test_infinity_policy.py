@@ -310,6 +310,38 @@ def test_nan_in_a_mask_every_sample_shares_names_no_sample(out_dir):
         rep["hint"]
 
 
+@pytest.mark.parametrize("lr, op, made", [(1e4, "aten.addmm", "+inf"),
+                                          (1e5, "aten.bmm", "nan")])  # (+inf met -inf)
+def test_overflow_in_an_attention_given_the_padding_mask_names_the_attention(
+        out_dir, lr, op, made):
+    """nn.TransformerEncoder (norm_first) gives each attention its bool padding mask as a
+    -inf float mask, so no attention call has finite inputs. A schedule's jump of the
+    learning rate at step 3 blows the weights up, and at step 5 the first layer's attention
+    overflows (at lr=1e4 it returns +inf, which the layer's norm turns into NaN; at lr=1e5 its
+    own scores go NaN). Module statistics stop at the encoder, whose inputs were finite, and
+    the replay named the encoder too; it now names the attention, whose own code ran the op."""
+    model = I.make_padded_encoder_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="infinity_models:make_padded_encoder_classifier"):
+            for step in range(12):
+                for group in opt.param_groups:
+                    group["lr"] = 0.01 if step < 3 else lr
+                g = torch.Generator().manual_seed(step)
+                ids = torch.randint(1, I.VOCAB, (8, I.CTX), generator=g)
+                ids[:, 6:] = 0  # padding
+                opt.zero_grad()
+                crit(model(ids), torch.randint(0, I.N_CLASSES, (8,), generator=g)).backward()
+                opt.step()
+    check_event(info.value.event, step=5, phase="forward", module="encoder", kind="nan")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["made"], rep["cause"], rep["reproduced"]) == \
+        ("encoder.layers.0.self_attn", 0, op, made, "overflow", True), o
+
+
 def test_inf_in_the_data_that_turns_into_nan_is_an_input_event(out_dir):
     def make(step):
         x, y = I.batch(step)
