@@ -104,8 +104,10 @@ class Target:
         self.norm_buffers = {f"{s.name}.{b}" if s.name else b for s in sites
                              if is_norm_layer(s.module)
                              for b, _ in s.module.named_buffers(recurse=False)}
+        # a buffer is no call's output: its +-Inf (a registered causal mask) was not made in
+        # the step, so by default it leaves a call's inputs finite, as allow_inf ones do
         self.allowed_buffers = {id(b): weakref.ref(b) for n, b in self.buffers
-                                if self.is_allowed(n)}
+                                if not self.settings.strict_inf or self.is_allowed(n)}
         self._partition()
         # under torch.distributed: the run id and each step's agreement (waits for every rank)
         self.ranks = Agreement.join(self.device())

@@ -47,13 +47,14 @@ class Runner:
         patterns = step.meta.get("allow_inf", [])
         names = list(dict(self.model.named_modules()))
         self.allowed = {n for n in names if matches(n, patterns)}
+        # bundles from before the default policy were recorded with every +-Inf an event
+        self.strict_inf = bool(step.meta.get("strict_inf", True))
+        # (by default a buffer's +-Inf leaves a call's inputs finite, as the recorder's does)
         self.allowed_buffers = {id(b) for n, b in self.model.named_buffers()
-                                if matches(n, patterns)}
+                                if not self.strict_inf or matches(n, patterns)}
         self.micro_batch = 0  # the micro-batch running (hooks read it)
         self._initial_buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         self._rng = rng_state(step)
-        # bundles from before the default policy were recorded with every +-Inf an event
-        self.strict_inf = bool(step.meta.get("strict_inf", True))
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
         # gradients fed into the model outputs instead of the recorded ones, finite or not
         # (micro-batch -> output index -> gradient): see replay.outside

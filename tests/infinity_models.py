@@ -304,3 +304,45 @@ class PaddedEncoderClassifier(nn.Module):
 def make_padded_encoder_classifier() -> nn.Module:
     torch.manual_seed(0)
     return PaddedEncoderClassifier()
+
+
+# ---------------------------------------------------------------------------------------------
+# a pre-LN LM whose causal mask is a -inf buffer passed to nn.MultiheadAttention, and whose
+# output layer shares the embedding's weight
+
+
+class TiedBlock(nn.Module):
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TiedMaskLM(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D)
+        self.pos = nn.Parameter(torch.zeros(CTX, D))
+        self.blocks = nn.ModuleList(TiedBlock() for _ in range(layers))
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.lm_head.weight = self.tok.weight  # weight tying
+        self.register_buffer("causal", torch.full((CTX, CTX), float("-inf")).triu(1),
+                             persistent=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) * D ** 0.5 + self.pos[:idx.size(1)]
+        for block in self.blocks:
+            x = block(x, self.causal)
+        return self.lm_head(self.ln_f(x))
+
+
+def make_tied_mask_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return TiedMaskLM()
