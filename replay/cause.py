@@ -103,7 +103,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
                 else Cause("overflow", "the value is finite in float64: "
                            + _wider(_step_dtype(runner, micro_batch))))
     if hit.evidence is None:
-        return _from_infinities(hit)
+        return _from_infinities(hit) if still else \
+            _overflow_among_infinities(hit, _step_dtype(runner, micro_batch))
     return _from_evidence(hit, capture, still)
 
 
@@ -394,6 +395,16 @@ def _from_literal(hit: OpHit) -> Cause:
     what = INF_ARITH.get(_name(hit.op).rstrip("_"), "NaN from the infinity")
     return Cause("invalid", f"{hit.op} computed {what} with the literal {hit.literal:+} it "
                  "was given as a number, NaN in exact arithmetic too: " + DO["inf_literal"])
+
+
+def _overflow_among_infinities(hit: OpHit, dtype: torch.dtype) -> Cause:
+    """The op made NaN where its inputs held infinities (a -inf attention mask), yet its call
+    is finite in float64: those infinities did not make it, a value computed on the way did
+    (attention scores of exploded weights, q @ k beyond float32)."""
+    return Cause("overflow", f"{hit.op} made NaN where its inputs held infinities (a -inf "
+                 "mask, which exact arithmetic handles), yet its call is finite in float64: "
+                 f"a value it computes on the way overflowed {_type(dtype)}: "
+                 + _wider(dtype, hit.op))
 
 
 def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:

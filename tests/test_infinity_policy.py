@@ -465,3 +465,15 @@ def test_nan_made_next_to_a_mask_buffer_is_blamed_on_the_attention(out_dir):
     assert (rep["reproduced"], o["phase"], o["module"], o["call"]) == \
         (True, "forward", "blocks.0.attn", 0), o
     assert o["op"].startswith("aten._scaled_dot_product"), o
+
+
+def test_scores_overflowing_beside_a_mask_are_an_overflow_of_a_diverging_run(out_dir):
+    """The same run: the attention op's inputs held the mask's -inf, but the float64 re-run of
+    its call is finite, so no infinity met another in exact arithmetic: its scores overflowed
+    float32, and the loss had jumped before (diverging). It was called invalid ('NaN in exact
+    arithmetic too'), with advice to find the op that made the first infinity (the mask)."""
+    with pytest.raises(NonFiniteError) as info:
+        _tied_lm_run(out_dir, lr=50.0)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["cause"] == "overflow", rep["hint"]
+    assert "finite in float64" in rep["hint"] and "lower the learning rate" in rep["hint"]
