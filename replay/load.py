@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,27 @@ def _other_model(step: Step) -> str:
             "FlightRecorder(..., factory_kwargs={...})), or --factory MOD:FN building it")
 
 
+_PARAMETRIZED = re.compile(r"^(.*?)parametrizations\.([^.]+)\.original\d*$")
+
+
+def _parametrized(missing: list[str], have: set[str]) -> str | None:
+    """What to do when the bundle's and the factory's parameters differ by a parametrization
+    (spectral_norm, weight_norm, orthogonal: the trained tensors of weight ``w`` are
+    ``parametrizations.w.original*``): the run added it to the model (or removed it) after the
+    factory built it. None when they differ otherwise."""
+    for name in missing:
+        m = _PARAMETRIZED.match(name)
+        if m is not None and m[1] + m[2] in have:
+            return (f"the run's model had a parametrization on {m[1] + m[2]!r} (spectral_norm, "
+                    "weight_norm, orthogonal) that the factory's model lacks: the training "
+                    "script added it after the factory built the model; add it in the factory")
+        if any((m := _PARAMETRIZED.match(h)) and m[1] + m[2] == name for h in have):
+            return (f"the factory's model has a parametrization on {name!r} that the run's "
+                    "model did not (the training script removed it, remove_parametrizations): "
+                    "build the model as it was trained in the factory")
+    return None
+
+
 def _load_weights(step: Step, model: nn.Module) -> None:
     """Assign the bundle's tensors as the model's parameters (no second copy) and copies of
     them as its buffers: every training forward writes buffers in place (running statistics),
@@ -291,7 +313,8 @@ def _load_weights(step: Step, model: nn.Module) -> None:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ReplayError(f"the model from the factory has no parameter {missing[0]!r}{more} "
-                          f"that the bundle holds; {_other_model(step)}")
+                          "that the bundle holds; "
+                          + (_parametrized(missing, have) or _other_model(step)))
     done: dict[int, nn.Parameter] = {}
     # (listed first: a shared module yields its parameters twice, the 2nd time replaced)
     for name, p in list(model.named_parameters(remove_duplicate=False)):

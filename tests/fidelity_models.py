@@ -84,3 +84,14 @@ class WideLogNet(nn.Module):
 
 def make_wide_net(hidden: int | None = None) -> nn.Module:
     return WideLogNet(CONFIG["hidden"] if hidden is None else hidden)
+
+
+def make_critic(spectral: bool = False) -> nn.Module:
+    """A GAN critic; ``spectral``: with spectral_norm on its linear layers, as a run may add
+    them after building the model."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(10, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    if spectral:
+        for layer in (m[0], m[2]):
+            nn.utils.parametrizations.spectral_norm(layer)
+    return m

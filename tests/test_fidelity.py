@@ -212,3 +212,37 @@ def test_a_model_sized_by_a_flag_says_which_run_and_how_to_hand_the_size_back(
     o = rep["origin"]
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == ("act", "aten.log", [5],
                                                                    "invalid")
+
+
+@pytest.mark.parametrize("factory_spectral, message", [
+    (False, "the run's model had a parametrization on '0.weight' (spectral_norm, weight_norm, "
+            "orthogonal) that the factory's model lacks: the training script added it after the "
+            "factory built the model; add it in the factory"),
+    (True, "the factory's model has a parametrization on '0.weight' that the run's model did "
+           "not (the training script removed it, remove_parametrizations): build the model as "
+           "it was trained in the factory")])
+def test_a_parametrization_the_factory_lacks_is_named(tmp_path, factory_spectral, message):
+    """A GAN script builds the critic with the factory and applies spectral_norm itself (or
+    removes the factory's with remove_parametrizations): the bundle's weights are
+    ``0.parametrizations.weight.original`` where the factory's are ``0.weight`` (or the other
+    way round). The error said the factory could not see the run's configuration and asked for
+    --factory-kwargs, which cannot help."""
+    model = FM.make_critic(spectral=factory_spectral)
+    for layer in (model[0], model[2]):
+        if factory_spectral:
+            nn.utils.parametrize.remove_parametrizations(layer, "weight")
+        else:
+            nn.utils.parametrizations.spectral_norm(layer)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=nn.MSELoss(), out_dir=tmp_path,
+                            factory="fidelity_models:make_critic",
+                            factory_kwargs={"spectral": factory_spectral}):
+            for step in range(K + 1):
+                x = torch.randn(16, 10)
+                x[3, 2] = math.inf if step == K else x[3, 2]
+                opt.zero_grad()
+                nn.MSELoss()(model(x), torch.zeros(16, 1)).backward()
+                opt.step()
+    line = one_error_line(invoke_cli(info.value.bundle_path))
+    assert line.endswith(message), line
