@@ -436,12 +436,12 @@ def test_strict_event_at_a_mask_buffer_names_the_op_not_bad_weights(out_dir):
     assert any("allow_inf=['attn.0.mask']" in p for p in rep["problems"]), rep["problems"]
 
 
-def _tied_lm_run(out_dir, lr):
+def _tied_lm_run(out_dir, lr, **rec_kwargs):
     model = I.make_tied_mask_lm()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     crit = nn.CrossEntropyLoss()
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                        factory="infinity_models:make_tied_mask_lm"):
+                        factory="infinity_models:make_tied_mask_lm", **rec_kwargs):
         for step in range(12):
             idx, tgt = I.token_batch(step)
             opt.zero_grad()
@@ -477,3 +477,18 @@ def test_scores_overflowing_beside_a_mask_are_an_overflow_of_a_diverging_run(out
     rep = nanreplay_json(info.value.bundle_path)
     assert rep["cause"] == "overflow", rep["hint"]
     assert "finite in float64" in rep["hint"] and "lower the learning rate" in rep["hint"]
+
+
+def test_a_diverging_run_recorded_with_rewind_is_not_told_to_record_with_rewind(out_dir):
+    """The same diverging LM recorded with ``rewind=4``: the hint asked to record with
+    ``FlightRecorder(..., rewind=N)`` so that --try could re-run the steps, which the bundle
+    already does; it now points at the what-ifs, and lr=0.1x re-runs finite."""
+    with pytest.raises(NonFiniteError) as info:
+        _tied_lm_run(out_dir, lr=50.0, rewind=4)
+    res = CliRunner().invoke(cli, [str(info.value.bundle_path), "--json", "--try", "lr=0.1x"])
+    rep = json.loads(res.output)
+    assert rep["cause"] == "overflow" and rep["window"] is not None
+    assert "rewind=N" not in rep["hint"], rep["hint"]
+    assert "--try lr=0.1x and clip=1.0 re-run the bundle's rewind window" in rep["hint"], \
+        rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
