@@ -16,6 +16,8 @@ waited for it (no host sync of its own).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .compat import foreach_copy_, version_of
@@ -27,17 +29,23 @@ class BufferSnapshots:
     def __init__(self):
         self.clear()
 
-    def bind(self, buffers: list[tuple[str, torch.Tensor]], norm_buffers: set[str]) -> None:
-        """``buffers`` (name, tensor) of the model; ``norm_buffers``: those copied every step."""
-        self._steady = [(n, b) for n, b in buffers if n not in norm_buffers or not b.numel()]
+    def bind(self, homes: list[tuple[str, dict, str]], norm_buffers: set[str]) -> None:
+        """``homes`` (name, buffer dict, key) of the model's buffers (the others are looked up
+        at each step start: a forward may have put a new tensor there); ``norm_buffers``:
+        those copied every step."""
+        now = [(n, home[key]) for n, home, key in homes]
+        self._steady = [(n, home, key) for (n, home, key), (_, b) in zip(homes, now)
+                        if n not in norm_buffers or not b.numel()]
         self.volatile, self._volatile_items = set(), []
-        self._make_volatile([(n, b) for n, b in buffers if n in norm_buffers and b.numel()])
+        self._make_volatile([(n, b) for n, b in now if n in norm_buffers and b.numel()])
         self._armed = True  # the comparison of the copies has yet to run
 
     def clear(self) -> None:
         self.copies: dict[str, torch.Tensor] = {}
         self.volatile: set[str] = set()
-        self._versions: dict[str, int | None] = {}
+        # name -> (the tensor copied, weakly; its version then): a new tensor in the buffer's
+        # place starts its own count, which may equal the old one's
+        self._versions: dict[str, tuple[weakref.ref, int | None]] = {}
         self._volatile_items: list[tuple[str, torch.Tensor]] = []
         self._volatile_pairs: tuple[list, list] | None = None
         self._steady: list[tuple[str, torch.Tensor]] = []
@@ -60,12 +68,15 @@ class BufferSnapshots:
         compare = self._armed and self._after_training
         self._after_training = training
         src, dst, unmoved = [], [], []
-        for name, b in self._steady:
-            version = version_of(b)
-            if b.numel() == 0:
+        for name, home, key in self._steady:
+            b = home.get(key)
+            if b is None or b.numel() == 0:
                 continue
+            version = version_of(b)
             copy = self.copies.get(name)
-            if version is not None and self._versions.get(name) == version:
+            seen = self._versions.get(name)
+            if version is not None and seen is not None and seen[0]() is b \
+                    and seen[1] == version:
                 if not compare or copy is None:
                     continue
                 if copy.shape == b.shape and copy.dtype == b.dtype:  # (else copied anew)
@@ -74,7 +85,7 @@ class BufferSnapshots:
                 copy = self.copies[name] = torch.empty_like(b)
             src.append(b)
             dst.append(copy)
-            self._versions[name] = version
+            self._versions[name] = (weakref.ref(b), version)
         if compare:
             self._armed = False
             if unmoved:
@@ -111,8 +122,9 @@ class BufferSnapshots:
         self._compared = None
         changed = {n for n, c in zip(names, host.tolist()) if c}
         if changed:
-            moved = [(n, b) for n, b in self._steady if n in changed]
-            self._steady = [(n, b) for n, b in self._steady if n not in changed]
+            moved = [(n, home[key]) for n, home, key in self._steady
+                     if n in changed and home.get(key) is not None]
+            self._steady = [h for h in self._steady if h[0] not in changed]
             self._make_volatile(moved)
 
     def _make_volatile(self, buffers: list[tuple[str, torch.Tensor]]) -> None:

@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch import nn
 
-from .compat import forward_autocasts, is_norm_layer, version_of
+from .compat import forward_autocasts, is_norm_layer, own_slots, version_of
 from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .finite import matches
 from .ranks import Agreement
@@ -98,7 +98,10 @@ class Target:
         # FSDP2 may keep accumulated gradients outside p.grad until it reduces them
         self.sharded = sharded(model)
         self.param_names = [n for n, _ in self.params]
-        self.buffers = [(eager_name(n), b) for n, b in model.named_buffers()]
+        # where each buffer lives (its module's buffer dict and key), not the tensor: a forward
+        # may put a new tensor there (a rotary cache grown for a longer batch, ``self.count =
+        # self.count + 1``), and the recorder must copy the one the model holds now
+        self.buffer_homes = buffer_homes(model)
         # BatchNorm-style layers update their running statistics inside the kernel, which
         # does not move the version counter: their buffers are copied at every step start.
         self.norm_buffers = {f"{s.name}.{b}" if s.name else b for s in sites
@@ -167,7 +170,7 @@ class Target:
         self.passing: set[str] = set()
         self.params: list[tuple[str, torch.Tensor]] = []
         self.param_names: list[str] = []
-        self.buffers: list[tuple[str, torch.Tensor]] = []
+        self.buffer_homes: list[tuple[str, dict, str]] = []
         self.large: list[tuple[int, torch.Tensor]] = []
         self.small: list[int] = []
         self.update_large: list[tuple[int, torch.Tensor]] = []
@@ -214,6 +217,12 @@ class Target:
     def device(self) -> torch.device:
         return self.params[0][1].device if self.params else torch.device("cpu")
 
+    @property
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of each buffer, as the model holds them now."""
+        return [(n, b) for n, home, key in self.buffer_homes
+                if (b := home.get(key)) is not None]
+
     def is_allowed(self, name: str) -> bool:
         """``name`` matches an ``allow_inf`` pattern."""
         return matches(name, self.settings.allow_inf)
@@ -227,6 +236,19 @@ class Target:
         """``t`` is a buffer whose name ``allow_inf`` matches."""
         ref = self.allowed_buffers.get(id(t))
         return ref is not None and ref() is t
+
+
+def buffer_homes(model: nn.Module) -> list[tuple[str, dict, str]]:
+    """(name, the module's buffer dict, key) of each buffer, in ``named_buffers()``'s order
+    (a buffer shared by two modules once)."""
+    seen, homes = set(), []
+    for prefix, m in model.named_modules():
+        home = own_slots(m)[1]
+        for key, b in home.items():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                homes.append((eager_name(f"{prefix}.{key}" if prefix else key), home, key))
+    return homes
 
 
 def passes_through(m: nn.Module) -> bool:

@@ -60,6 +60,12 @@ def set_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None
     module._buffers[name] = value
 
 
+def non_persistent(model: nn.Module, name: str) -> bool:
+    """Buffer ``name`` (dotted) of ``model`` is registered with ``persistent=False``."""
+    mod_name, _, attr = name.rpartition(".")
+    return attr in model.get_submodule(mod_name)._non_persistent_buffers_set
+
+
 def remove_member(module: nn.Module, name: str) -> None:
     """Remove ``name`` from the module's parameters, buffers, submodules and plain attributes."""
     for table in (module._parameters, module._buffers, module._modules):

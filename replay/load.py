@@ -27,7 +27,7 @@ from recorder.capture import UnrebuildableLeaf, map_tensors, rng_from_bundle, un
 from recorder.compiled import decompile
 from recorder.errors import BundleError
 
-from .compat import set_buffer, set_parameter
+from .compat import non_persistent, set_buffer, set_parameter
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .losses import Unrebuildable, rebuild_loss
@@ -342,7 +342,8 @@ def _load_weights(step: Step, model: nn.Module) -> None:
             raise ReplayError(f"the model from the factory has no buffer {name!r} that the "
                               f"bundle holds; {_other_model(step)}")
         b, have = t[key], model_buffers[name]
-        if tuple(b.shape) != tuple(have.shape):
+        # (a non-persistent one may be a cache the forward grew; the bundle's is what ran)
+        if tuple(b.shape) != tuple(have.shape) and not non_persistent(model, name):
             raise ReplayError(f"{key} has shape {list(b.shape)} in the bundle but "
                               f"{list(have.shape)} in the model from the factory; "
                               + _other_model(step))

@@ -20,6 +20,7 @@ from recorder.capture import map_tensors, restore_rng, tensor_leaves
 from recorder.finite import finite, matches, only_mask_infinities
 
 from . import bisection
+from .compat import non_persistent
 from .errors import StopRun
 from .instrument import CallRecorder
 from .load import (
@@ -36,6 +37,14 @@ from .run_result import Run
 from .source import raised_by_model
 
 __all__ = ["Runner", "StopRun"]
+
+
+def restorable(model: nn.Module, name: str, saved: torch.Tensor, now: torch.Tensor) -> bool:
+    """Whether buffer ``name`` (``now``) is set back to ``saved`` before a re-run: not a
+    non-persistent one that an earlier run replaced with another shape (a rotary cache the
+    forward grew for a longer batch), as the model's plain attributes, which no reset
+    restores, now describe the grown one."""
+    return saved.shape == now.shape or not non_persistent(model, name)
 
 
 class Runner:
@@ -72,8 +81,9 @@ class Runner:
     def reset(self) -> None:
         with torch.no_grad():
             for n, b in self.model.named_buffers():
-                if n in self._initial_buffers:
-                    b.copy_(self._initial_buffers[n])
+                first = self._initial_buffers.get(n)
+                if first is not None and restorable(self.model, n, first, b):
+                    b.copy_(first)
         self.model.zero_grad(set_to_none=True)
         if self._rng is not None:
             restore_rng(self._rng)

@@ -42,7 +42,7 @@ from .ops import OpFinder
 from .optim import needs_closure, per_parameter
 from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
-from .rerun import Runner
+from .rerun import Runner, restorable
 
 
 @dataclass
@@ -341,7 +341,7 @@ def _restore(step: Step, win: Window, dtype: torch.dtype | None) -> None:
             p.grad = None
         for n, b in model.named_buffers():
             key = f"{win.prefix}buffers/{n}"
-            if key in t:
+            if key in t and restorable(model, n, t[key], b):
                 b.data = fresh(t[key])
     opt = step.optimizer
     if opt is None:
