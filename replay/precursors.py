@@ -218,6 +218,10 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
         if p["kind"] == "absmax_jump":
             by_step.setdefault(p["step"], []).append(p)
     steps = hist["steps"]
+    # the first layer that takes the batch: a parametrization's module (spectral_norm, LoRA
+    # as one) is called first too, but on a weight, whose jump is no jump of the data
+    batch_first = next((li for li in order
+                        if ".parametrizations." not in f".{hist['layers'][li]}"), None)
     keep = [p for p in out if p["kind"] != "absmax_jump" or len(by_step[p["step"]]) == 1]
     for s, group in by_step.items():
         if len(group) == 1:
@@ -233,7 +237,7 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
         near = [q for q in out if q["kind"] in ("lr_jump", "grad_norm_jump")
                 and before is not None and q["step"] <= before <= q.get("through", q["step"])
                 or q["kind"] == "weight_jump" and q["step"] <= s <= q["through"]]
-        if every and order and first["layer"] == order[0] and not near:
+        if every and first["layer"] == batch_first and not near:
             detail = (f"the input batch's absmax jumped {first['ratio']:.3g}x (seen at {name}, "
                       f"the first layer called); every layer followed ({len(group)} layers)")
         elif every:

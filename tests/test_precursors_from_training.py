@@ -17,6 +17,7 @@ import re
 import statistics
 from pathlib import Path
 
+import lora_models as L
 import pytest
 import replay_models as R
 import torch
@@ -193,3 +194,28 @@ def test_an_embeddings_jump_after_a_warmup_to_a_huge_rate_is_the_weights_not_the
     assert not any("input batch" in d for d in lines.values()), lines
     assert (2, "weight_jump") in lines, lines
     assert lines[(2, "absmax_jump")].startswith("absmax of emb jumped"), lines
+
+
+def test_a_lora_weights_jump_is_not_read_as_the_input_batchs(out_dir):
+    """Only the LoRA factors of a parametrized MLP train, at a learning rate of 1e3: the
+    update of step 1 makes them huge, and at step 2 every layer's absmax jumps from the first
+    module called, the first layer's parametrization, whose input is the frozen weight and
+    whose output the adapted one. It read 'the input batch's absmax jumped (seen at
+    0.parametrizations.weight.0, the first layer called)', sending the user to the data; the
+    frozen base weights hide the jump from the weight norm."""
+    model = L.make_lora_mlp()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=nn.CrossEntropyLoss(), out_dir=out_dir,
+                            factory="lora_models:make_lora_mlp"):
+            for _ in range(20):
+                x, y = 4 * torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+    rep = replay(info.value.bundle_path)
+    lines = {(p["step"], p["kind"]): p["detail"] for p in rep["precursors"]}
+    assert not any("input batch" in d for d in lines.values()), lines
+    assert lines[(2, "absmax_jump")].startswith(
+        "absmax of 0.parametrizations.weight.0 jumped"), lines
