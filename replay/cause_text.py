@@ -71,6 +71,10 @@ DO = {
               "where it is 0",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
+    "running_var": "a variance is never negative, so the module's running_var buffer was "
+                   "written so (a checkpoint converted with other statistics, an edit of the "
+                   "state_dict): reload or fix it, or estimate it again "
+                   "(torch.optim.swa_utils.update_bn, or a few forwards in train mode)",
     "literal_inf": "if the infinity is intended (masked logits, which cross_entropy reads "
                    "only at allowed targets), record with allow_inf naming that module (the "
                    "note says which); else mask with a large finite negative number "

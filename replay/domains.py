@@ -125,6 +125,9 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
                 "0)", "few")
     if "ctc_loss" in base:
         return _ctc(ev), "ctc"
+    if (low_var := _negative_running_var(base, ev)) is not None:
+        return (f"{op} in eval mode with a negative running variance (as low as "
+                f"{g(low_var)}): the square root of running_var + eps", "running_var")
     if base.startswith("nll_loss") and ev.others and bool((ev.others[0] == 0).all()):
         return f"{op} divided by a total target weight of 0 (0/0)", "no_target"
     if base in ("log", "log2", "log10", "xlogy", "special_xlog1py"):
@@ -167,6 +170,25 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")
     return f"{op} at a pole or outside its domain", "pole"
+
+
+# batch norm's aten ops: their running_var, the last floating input, is used when not training
+_BATCH_NORMS = {"native_batch_norm": 5, "_native_batch_norm_legit": 5,
+                "_native_batch_norm_legit_no_training": None, "cudnn_batch_norm": 5,
+                "miopen_batch_norm": 5}
+
+
+def _negative_running_var(base: str, ev: Evidence) -> float | None:
+    """The lowest entry of a batch norm's running_var when the op normalised with it (eval
+    mode, or a BatchNorm frozen in eval) and it is negative (below -eps); else None."""
+    if base not in _BATCH_NORMS or not ev.inputs:
+        return None
+    at, args = _BATCH_NORMS[base], list(ev.args)
+    if at is not None and (len(args) <= at or args[at] is not False):
+        return None  # training: the batch's own variance, never negative
+    var = ev.inputs[-1]
+    eps = args[-1] if args and isinstance(args[-1], float) else 0.0
+    return float(var.min()) if var.numel() and bool((var + eps < 0).any()) else None
 
 
 def _divisor_not_taken(ev: Evidence) -> torch.Tensor | None:

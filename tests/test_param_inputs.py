@@ -152,3 +152,44 @@ def test_a_non_finite_buffer_is_named_a_buffer(tmp_path):
     rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
     assert (rep["origin"]["tensor"], rep["origin"]["param"], rep["cause"]) == (
         "buffer", "1.running_var", "weights")
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["validation", "frozen-bn"])
+def test_a_negative_running_var_is_named_as_the_cause(tmp_path, frozen):
+    """A converted checkpoint whose BatchNorm running_var holds -0.5 (finite, so no weights
+    event): a validation forward in eval mode, or a fine-tuning loop that keeps its
+    BatchNorms frozen in eval mode, takes the square root of running_var + eps. The cause
+    read 'aten.native_batch_norm of a negative number (at a pole or outside its domain): clamp
+    the op's input into its domain (x.clamp_min(eps) before log or sqrt)', which points at
+    the activations; it now says the running variance is negative and how to fix the buffer."""
+    model = SM.make_bn_mlp()
+    state = model.state_dict()
+    state["1.running_var"][3] = -0.5
+    model.load_state_dict(state)
+    opt = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("1.")],
+                          lr=0.01)
+    crit = torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="scale_models:make_bn_mlp"):
+            for _ in range(2):
+                model.train()
+                model[1].eval() if frozen else None  # frozen BatchNorm: running statistics
+                x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(8, 4, generator=g))
+    ev = info.value.event
+    assert (ev["module"], ev.get("evaluation", False)) == ("1", not frozen), ev
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], rep["cause"]) == \
+        (True, "1", "aten.native_batch_norm", "invalid"), o
+    # (the validation one: -0.5 moved towards the batches' variances by the training steps)
+    low = "-0.5" if frozen else "-0.308"
+    assert f"with a negative running variance (as low as {low})" in rep["hint"], rep["hint"]
+    assert "running_var buffer was written so" in rep["hint"], rep["hint"]
