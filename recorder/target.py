@@ -10,6 +10,7 @@ statistics of every step refer to modules and parameters by their index in these
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -22,6 +23,8 @@ from .ranks import Agreement
 from .samples import seq_first
 from .settings import Settings
 from .shards import class_name, local, sharded
+
+log = logging.getLogger("nanreplay")
 
 _SMALL = 1 << 15  # parameters with fewer elements get batched norms...
 _FEW = 16  # ...when there are more than this many of them
@@ -55,6 +58,7 @@ class Target:
         self.compiled_elsewhere = False  # set by a Trainer callback whose Trainer compiles
         # what to do when only submodules run (a Trainer callback names its own option)
         self.unrooted_advice = _UNROOTED_ADVICE
+        self.unknown_warned = False  # about parameters added to the model after attach
         self.module_names: list[str] = []
         self.module_types: list[str] = []
         self.compiled: set[str] = set()
@@ -128,6 +132,7 @@ class Target:
         held = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None \
             else set()
         self.groups = len(opt.param_groups) if opt is not None else 0
+        self._warn_unknown(held)
         # The gradients to measure: of the parameters that train now, and of the frozen ones
         # the optimizer holds, which ``requires_grad_(True)`` may unfreeze later (a frozen
         # one has no gradient: it costs one attribute read per step).
@@ -155,6 +160,15 @@ class Target:
             self.update_small = few if len(few) > _FEW else []
             self.update_large = [(i, p) for i, p in mine
                                  if p.numel() >= _SMALL or not self.update_small]
+
+    def _warn_unknown(self, held: set[int]) -> None:
+        """Once: the optimizer holds parameters the model did not have at attach (a task
+        head added since and given with ``add_param_group``), which nothing hooks, checks or
+        bundles; attaching again reads the model anew."""
+        unknown = held - {id(p) for _, p in self.params}
+        if unknown and not self.unknown_warned:
+            self.unknown_warned = True
+            log.warning(UNKNOWN_WARNING.format(n=len(unknown)))
 
     def follow_optimizer(self) -> None:
         """Partition again when the optimizer has gained parameter groups since
@@ -236,6 +250,13 @@ class Target:
         """``t`` is a buffer whose name ``allow_inf`` matches."""
         ref = self.allowed_buffers.get(id(t))
         return ref is not None and ref() is t
+
+
+UNKNOWN_WARNING = (
+    "nanreplay: the optimizer holds {n} parameter(s) that the model did not have when the "
+    "recorder attached (a layer added since, given with add_param_group): they are neither "
+    "checked nor bundled, and a bundle of the model cannot be replayed; call rec.detach() "
+    "then rec.attach() after changing the model")
 
 
 def buffer_homes(model: nn.Module) -> list[tuple[str, dict, str]]:

@@ -189,3 +189,22 @@ def make_dp_mlp() -> nn.Module:
     per-sample gradients (DP-SGD by hand, ``test_optimizer_loops.py``)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 1, bias=False))
+
+
+class MultiHead(nn.Module):
+    """A continual-learning classifier: a shared body and one head per task seen so far, the
+    heads' logits summed; a task's head is appended when the task comes."""
+
+    def __init__(self, n_heads: int = 1):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(10, 32), nn.ReLU())
+        self.heads = nn.ModuleList(nn.Linear(32, 3) for _ in range(n_heads))
+
+    def forward(self, x):
+        h = self.body(x)
+        return torch.stack([head(h) for head in self.heads], 1).sum(1)
+
+
+def make_multi_head(n_heads: int = 1) -> nn.Module:
+    torch.manual_seed(0)
+    return MultiHead(n_heads)
