@@ -106,6 +106,7 @@ class CallHooks:
             tape = cycle.tape_for_forward(not torch.is_grad_enabled() and not (
                 training and any(t.requires_grad for t in _leaves(args, kwargs))))
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
+                            training=training,
                             autocast=_autocast_state(self.target.forward_autocast))
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
             if self.copy_inputs:  # a forward that writes into its inputs: keep them as they came

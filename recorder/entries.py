@@ -50,7 +50,7 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
     tree, ts, paths = flatten_tree([list(mb.args), mb.kwargs], f"{prefix}batch/{i}")
     tensors.update(ts)
     out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
-                           "autocast": mb.autocast}
+                           "training": mb.training, "autocast": mb.autocast}
     if mb.grads_dropped:
         out["grads_dropped"] = True
     if mb.inputs_written:

@@ -21,6 +21,7 @@ class MicroBatch:
     args: tuple
     kwargs: dict
     grad_enabled: bool = True
+    training: bool = True  # the root's mode (a validation forward in eval mode inside the step)
     # no parameter held a gradient when this later micro-batch began: the loop dropped those
     # of the micro-batches before it (a GAN's zero_grad between its two losses)
     grads_dropped: bool = False

@@ -47,6 +47,23 @@ def restorable(model: nn.Module, name: str, saved: torch.Tensor, now: torch.Tens
     return saved.shape == now.shape or not non_persistent(model, name)
 
 
+@contextlib.contextmanager
+def _mode(model: nn.Module, training: bool | None):
+    """The root's mode a micro-batch ran in (a validation forward in eval mode between the
+    backward and ``optimizer.step()``), where it differs from the modes recorded at the step's
+    end: every module switched, as ``model.eval()`` does, and put back after."""
+    if training is None or training == model.training:
+        yield
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was
+
+
 class Runner:
     """Runs the step of a rebuilt bundle; see :meth:`run`."""
 
@@ -116,7 +133,8 @@ class Runner:
                     args, kwargs = _cast((args, kwargs), self.cast)
                 with torch.set_grad_enabled(mb.get("grad_enabled", True)), \
                         (autocast_as_recorded(mb, self.step.device) if self.cast is None
-                         else contextlib.nullcontext()), _enter(forward_ctx):
+                         else contextlib.nullcontext()), _enter(forward_ctx), \
+                        _mode(self.model, mb.get("training")):
                     out = self.model(*args, **kwargs)
                 outs = list(tensor_leaves(out))
                 result.outputs.append(outs)

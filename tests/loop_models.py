@@ -208,3 +208,15 @@ class MultiHead(nn.Module):
 def make_multi_head(n_heads: int = 1) -> nn.Module:
     torch.manual_seed(0)
     return MultiHead(n_heads)
+
+
+class RowStandardise(nn.Module):
+    def forward(self, x):
+        return (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)  # the bug: no eps
+
+
+def make_dropout_standardised() -> nn.Module:
+    """Input dropout, then each row standardised (0/0 for a constant row), then an MLP."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Dropout(0.2), RowStandardise(), nn.Linear(12, 32),
+                         nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))

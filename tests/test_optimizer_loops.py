@@ -500,3 +500,39 @@ def test_a_model_run_only_under_torch_func_is_said_once(out_dir, caplog):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
     said = [r.getMessage() for r in caplog.records if "torch.func transforms" in r.getMessage()]
     assert len(said) == 1 and "nothing of this step was checked" in said[0]
+
+
+def test_a_validation_forward_in_eval_mode_inside_the_step_is_replayed_in_eval_mode(out_dir):
+    """A loop validates after backward and before optimizer.step(), with model.eval() and
+    no_grad, then model.train(): that forward is micro-batch 1 of the step. A constant
+    validation record (row 4) makes the dropout-then-standardise model divide 0 by 0 there.
+    The bundle held the modes of the step's end (train), so the replay ran the validation
+    forward with dropout on: NOT reproduced, the fidelity line blaming parameters passed in
+    or edited weights."""
+    torch.manual_seed(0)
+    model = LM.make_dropout_standardised()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    xv, yv = torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="loop_models:make_dropout_standardised"):
+            for step in range(6):
+                x, y = torch.randn(16, 12, generator=g), torch.randint(0, 3, (16,), generator=g)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                model.eval()
+                with torch.no_grad():
+                    v = xv.clone()
+                    if step == 3:
+                        v[4] = 5.0  # a constant record
+                    crit(model(v), yv)
+                model.train()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["micro_batch"], ev["samples"]) == (3, "1", 1, [4]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["micro_batch"], o["op"], o["samples"],
+            rep["cause"]) == (True, "1", 1, "aten.div", [4], "invalid"), o
