@@ -16,7 +16,7 @@ import weakref
 import torch
 from torch import nn
 
-from .compat import forward_autocasts, is_norm_layer, own_slots, version_of
+from .compat import forward_autocasts, is_norm_layer, own_slots, version_of, view_base
 from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .finite import matches
 from .ranks import Agreement
@@ -247,8 +247,11 @@ class Target:
         return (idx != 0 and not self.settings.strict_inf) or self.is_allowed(name)
 
     def allowed_buffer(self, t: torch.Tensor) -> bool:
-        """``t`` is a buffer whose name ``allow_inf`` matches."""
+        """``t`` is an allowed buffer (see ``allowed_buffers``) or a view of one (a causal
+        mask sliced to the sequence, ``self.mask[:T, :T]``)."""
         ref = self.allowed_buffers.get(id(t))
+        if ref is None and (base := view_base(t)) is not None:
+            t, ref = base, self.allowed_buffers.get(id(base))
         return ref is not None and ref() is t
 
 

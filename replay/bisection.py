@@ -17,6 +17,7 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.finite import ends, pair_flag
 
+from .compat import in_buffers
 from .errors import StopRun
 from .memo import TensorMemo, TensorSet
 
@@ -85,7 +86,7 @@ def probe_origin(runner, k: int, nan_only: bool = False) -> tuple[str, int, int]
     ends_of = _ends_memo()
 
     def input_ok(t: torch.Tensor) -> torch.Tensor:
-        soft = nan_only or id(t) in runner.allowed_buffers or t in produced_allowed
+        soft = nan_only or in_buffers(t, runner.allowed_buffers) or t in produced_allowed
         return pair_flag(ends_of(t), allow_inf=soft)
 
     def pre(module, args, kwargs, name):

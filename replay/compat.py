@@ -60,6 +60,12 @@ def set_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None
     module._buffers[name] = value
 
 
+def in_buffers(t: torch.Tensor, ids: set[int]) -> bool:
+    """``t`` or the tensor it is a view of (``t._base``: a mask buffer sliced to the sequence)
+    is in ``ids``."""
+    return id(t) in ids or (t._base is not None and id(t._base) in ids)
+
+
 def non_persistent(model: nn.Module, name: str) -> bool:
     """Buffer ``name`` (dotted) of ``model`` is registered with ``persistent=False``."""
     mod_name, _, attr = name.rpartition(".")

@@ -16,6 +16,7 @@ from recorder.capture import tensor_leaves  # not pytree: see replay.rerun
 from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok
 from recorder.samples import Samples, packed_in
 
+from .compat import in_buffers
 from .memo import TensorMemo, TensorSet
 from .recorded import samples
 from .run_result import Call, Run
@@ -55,7 +56,7 @@ class CallRecorder:
                     ok = every = False
                     nan_free = nan_free and not has_nan(t)
                 continue
-            soft = id(t) in self.runner.allowed_buffers or t in self.produced_allowed
+            soft = in_buffers(t, self.runner.allowed_buffers) or t in self.produced_allowed
             pair = self._pair(t)
             ok = ok and pair_ok(*pair, allow_inf=soft)
             every = every and pair_ok(*pair)

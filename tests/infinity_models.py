@@ -325,8 +325,12 @@ class TiedBlock(nn.Module):
 
 
 class TiedMaskLM(nn.Module):
-    def __init__(self, layers: int = 2):
+    """``sliced``: the mask passed is the buffer sliced to the sequence (a view), as GPT-2-style
+    code keeps a mask for the longest context and cuts it per batch."""
+
+    def __init__(self, layers: int = 2, sliced: bool = False):
         super().__init__()
+        self.sliced = sliced
         self.tok = nn.Embedding(VOCAB, D)
         self.pos = nn.Parameter(torch.zeros(CTX, D))
         self.blocks = nn.ModuleList(TiedBlock() for _ in range(layers))
@@ -337,12 +341,14 @@ class TiedMaskLM(nn.Module):
                              persistent=False)
 
     def forward(self, idx):
-        x = self.tok(idx) * D ** 0.5 + self.pos[:idx.size(1)]
+        t = idx.size(1)
+        x = self.tok(idx) * D ** 0.5 + self.pos[:t]
+        mask = self.causal[:t, :t] if self.sliced else self.causal
         for block in self.blocks:
-            x = block(x, self.causal)
+            x = block(x, mask)
         return self.lm_head(self.ln_f(x))
 
 
-def make_tied_mask_lm() -> nn.Module:
+def make_tied_mask_lm(sliced: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return TiedMaskLM()
+    return TiedMaskLM(sliced=sliced)

@@ -436,12 +436,13 @@ def test_strict_event_at_a_mask_buffer_names_the_op_not_bad_weights(out_dir):
     assert any("allow_inf=['attn.0.mask']" in p for p in rep["problems"]), rep["problems"]
 
 
-def _tied_lm_run(out_dir, lr, **rec_kwargs):
-    model = I.make_tied_mask_lm()
+def _tied_lm_run(out_dir, lr, sliced=False, **rec_kwargs):
+    model = I.make_tied_mask_lm(sliced=sliced)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     crit = nn.CrossEntropyLoss()
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                        factory="infinity_models:make_tied_mask_lm", **rec_kwargs):
+                        factory="infinity_models:make_tied_mask_lm",
+                        factory_kwargs={"sliced": sliced}, **rec_kwargs):
         for step in range(12):
             idx, tgt = I.token_batch(step)
             opt.zero_grad()
@@ -449,15 +450,17 @@ def _tied_lm_run(out_dir, lr, **rec_kwargs):
             opt.step()
 
 
-def test_nan_made_next_to_a_mask_buffer_is_blamed_on_the_attention(out_dir):
+@pytest.mark.parametrize("sliced", [False, True], ids=["buffer", "buffer-slice"])
+def test_nan_made_next_to_a_mask_buffer_is_blamed_on_the_attention(out_dir, sliced):
     """A pre-LN LM with a tied output layer passes its -inf causal mask (a buffer) to
     nn.MultiheadAttention; the learning rate is far too high, and the exploded q and k make
     the attention scores overflow float32, which the softmax turns into NaN. The NaN is
     blamed on the attention module, whose only infinity was the mask; it was blamed on the
-    root, as if the model's own code had made that -inf."""
-    _tied_lm_run(out_dir / "healthy", lr=0.1)  # no event at a sane learning rate
+    root, as if the model's own code had made that -inf; a slice of the buffer (a view) was
+    too, after the buffer itself no longer was."""
+    _tied_lm_run(out_dir / "healthy", lr=0.1, sliced=sliced)  # no event at a sane rate
     with pytest.raises(NonFiniteError) as info:
-        _tied_lm_run(out_dir, lr=50.0)
+        _tied_lm_run(out_dir, lr=50.0, sliced=sliced)
     check_event(info.value.event, phase="forward", module="blocks.0.attn", call=0,
                 kind="nan", inputs_finite=True)
     rep = nanreplay_json(info.value.bundle_path)
