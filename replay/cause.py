@@ -398,9 +398,8 @@ def _from_literal(hit: OpHit) -> Cause:
 
 
 def _overflow_among_infinities(hit: OpHit, dtype: torch.dtype) -> Cause:
-    """The op made NaN where its inputs held infinities (a -inf attention mask), yet its call
-    is finite in float64: those infinities did not make it, a value computed on the way did
-    (attention scores of exploded weights, q @ k beyond float32)."""
+    """NaN beside infinities in the inputs (a -inf mask), yet finite in float64: a value
+    computed on the way overflowed (attention scores of exploded weights), not the mask."""
     return Cause("overflow", f"{hit.op} made NaN where its inputs held infinities (a -inf "
                  "mask, which exact arithmetic handles), yet its call is finite in float64: "
                  f"a value it computes on the way overflowed {_type(dtype)}: "
