@@ -277,8 +277,8 @@ class Slots:
         check covers what region ``code`` would check of its ReLU (a NaN or +Inf in the ReLU
         is one in the pair; a -Inf in the pair that the ReLU makes 0 only makes a must-be-
         finite pair fail sooner), no op runs: refs to the ReLU *of* the pair's slots, resolved
-        when the row is decoded (on CPU, a tiny op after a layer's kernels costs ~25 us in
-        cache misses, a ReLU network's largest share of the recorder's time)."""
+        when the row is decoded (one op fewer per ReLU: a kernel launch on CUDA; on CPU the
+        saving is below what docs/benchmarks.md resolves)."""
         src = lo[0] % RELU_OF
         if lo[0] == hi[0] and (src == STRICT or src == code):
             return (src + RELU_OF, lo[1]), (src + RELU_OF, hi[1])
