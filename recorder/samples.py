@@ -135,9 +135,12 @@ class Bags:
     def samples(self, rows: list[int]) -> list[int]:
         if not rows:
             return []
-        at = torch.tensor(rows, dtype=self.offsets.dtype)
-        bag = torch.searchsorted(self.offsets.cpu(), at, right=True) - 1
-        return sorted(set(bag.tolist()))
+        return sorted(set(self.bag_of(torch.tensor(rows, dtype=self.offsets.dtype)).tolist()))
+
+    def bag_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """The bag of each flat row in ``rows`` (on the offsets' device)."""
+        o = self.offsets
+        return torch.searchsorted(o, rows.to(o.device, o.dtype), right=True) - 1
 
 
 def are_offsets(t: torch.Tensor, flat: list[torch.Tensor]) -> bool:

@@ -47,7 +47,7 @@ import torch
 from recorder.finite import label
 
 from . import domains
-from .cause_text import DO, HINTS
+from .cause_text import DO, HINTS, INF_ARITH, inf_arith
 from .domains import g as _g
 from .errors import StopRun
 from .load import autocast_dtype
@@ -368,10 +368,6 @@ _ROW_REDUCTIONS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_
                    "logsumexp", "amax", "max"}
 
 
-# what an op computed when it made NaN of infinities
-INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div": "inf / inf"}
-
-
 def _from_infinities(hit: OpHit) -> Cause:
     """The op made NaN from infinities it was given (a -inf mask, an earlier overflow that the
     chain shows)."""
@@ -392,7 +388,7 @@ def _from_infinities(hit: OpHit) -> Cause:
 def _from_literal(hit: OpHit) -> Cause:
     """The op made NaN from finite tensors and an infinity written as a number: a mask built by
     arithmetic (``(1 - keep) * float("-inf")`` is ``0 * -inf`` where ``keep`` is 1)."""
-    what = INF_ARITH.get(_name(hit.op).rstrip("_"), "NaN from the infinity")
+    what = inf_arith(hit.op, "NaN from the infinity")
     return Cause("invalid", f"{hit.op} computed {what} with the literal {hit.literal:+} it "
                  "was given as a number, NaN in exact arithmetic too: " + DO["inf_literal"])
 

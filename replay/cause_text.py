@@ -142,3 +142,12 @@ DO = {
 def module_label(name):
     """A module's name as every report writes it: the root module (``""``) is ``<root>``."""
     return "<root>" if name == "" else name
+
+
+# what an op computed when it made NaN of infinities
+INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div": "inf / inf"}
+
+
+def inf_arith(op: str, default: str) -> str:
+    """What aten op ``op`` (in place or not) computed when it made NaN of an infinity."""
+    return INF_ARITH.get(op.removeprefix("aten.").rstrip("_"), default)

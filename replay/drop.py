@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from recorder.samples import are_offsets
+from recorder.samples import Bags, are_offsets
 
 from .recorded import entry_samples
 
@@ -51,8 +51,7 @@ def _drop_bags(tensors: dict[str, torch.Tensor], keys: list[str], n: int,
     o = flat[off]
     total = max(t.numel() for t in flat.values())  # the ids (and their weights)
     longer = [k for k, t in flat.items() if t.numel() == total]
-    bag = torch.searchsorted(o, torch.arange(total, dtype=o.dtype, device=o.device),
-                             right=True) - 1
+    bag = Bags(o).bag_of(torch.arange(total))
     rows = torch.isin(bag, keep.to(o.device, o.dtype))
     for k in longer:
         tensors[k] = flat[k][rows]

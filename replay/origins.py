@@ -17,8 +17,8 @@ from recorder.finite import finite, kind_of, label, tensors_kind
 
 from . import outside
 from .backward import find_backward_origin
-from .cause import INF_ARITH, classify
-from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS
+from .cause import classify
+from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step, autocast_as_recorded, loss_inputs
@@ -157,7 +157,7 @@ def infinity_the_loss_took(step: Step, origin: dict[str, Any]) -> str | None:
     hit = finder.first_nan
     if hit is None:
         return None
-    what = INF_ARITH.get(hit.op.removeprefix("aten.").rstrip("_"), "NaN from infinities")
+    what = inf_arith(hit.op, "NaN from infinities")
     at = f" ({hit.source})" if hit.source else ""
     return (f"{tensor} holds {made} and no NaN, and the loss made NaN of it: {hit.op}{at} "
             f"computed {what}. A {made} made on purpose (a log-probability of exactly 0, a "
