@@ -65,8 +65,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(fidelity.elsewhere_note() if _elsewhere(step)
                                   else fidelity.changed_note(changed))
     report = _from_bundle(report, step) or _from_rerun(report, step)
-    _diverging(report, window_of(step) is not None)
-    add_window(step, report)
+    if not add_window(step, report):  # (its measured growth says it, else the precursors)
+        _diverging(report, window_of(step) is not None)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None

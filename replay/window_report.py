@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .cause_text import DO
 from .findings import UPDATE_NOT_RERUN, finish
 from .load import Step
 from .origins import optimizer_hint
@@ -16,13 +17,13 @@ from .rewind_text import where
 from .window import matches_event, precursors_began, run_window, window_of
 
 
-def add_window(step: Step, report: dict[str, Any]) -> None:
+def add_window(step: Step, report: dict[str, Any]) -> bool:
     """Fill ``report["window"]`` (None without a window) and, for an optimizer event, the
-    origin from the re-run update."""
+    origin from the re-run update. Returns whether the hint now says the weights grew."""
     report["window"] = None
     win = window_of(step)
     if win is None or step.model is None:
-        return
+        return False
     res = run_window(step, win)
     o = res.first
     ok = matches_event(step, o)
@@ -35,7 +36,7 @@ def add_window(step: Step, report: dict[str, Any]) -> None:
         "per_step": res.per_step, "loop_clip": win.loop_clip, "loss_factors": win.loss_factors,
     }
     report["problems"] += res.problems
-    _hint_growth(report)
+    grew = _hint_growth(report)
     ev = step.event
     if o is None:
         report["problems"].append(
@@ -48,34 +49,37 @@ def add_window(step: Step, report: dict[str, Any]) -> None:
             f"{ev.get('step')}")
     if ev.get("phase") == "optimizer" and o is not None and o.phase == "update":
         _optimizer_origin(step, report, o, ok)
+    return grew
 
 
-def _hint_growth(report: dict[str, Any], factor: float = 10.0) -> None:
+def _hint_growth(report: dict[str, Any], factor: float = 10.0) -> bool:
     """An overflow of weights the window shows blown up from an earlier step (by a bad batch,
     a learning-rate jump, a steady divergence) is that step's doing: the hint, which says what
     float64 would hold at the op, says where the growth began and what bounds it (the tries
     of ``lr`` and ``clip`` test it). Values that grew with the weights steady (inputs whose
-    scale drifts) keep the hint as it is."""
+    scale drifts) keep the hint as it is. Returns whether it said so (the run was diverging,
+    which the hint then says once: see ``analyze._diverging``)."""
     w, ev = report["window"], report["event"]
     began = w.get("precursors_began")
     if report.get("cause") != "overflow" or not w["reproduced"] or not began \
             or began["step"] >= ev.get("step", began["step"]):
-        return
+        return False
     norms = [(s["step"], s["param_norm"]) for s in w["per_step"]
              if isinstance(s.get("param_norm"), float) and math.isfinite(s["param_norm"])]
     before = [v for k, v in norms if k < began["step"]] or [v for _, v in norms[:1]]
     after = [(k, v) for k, v in norms if k >= began["step"]]
     if not before or not after or not before[-1] > 0:
-        return
+        return False
     last, top = after[-1]
     if top < factor * before[-1]:
-        return
-    report["hint"] = (f"{report['hint']}; but the weight norm grew {top / before[-1]:.3g}x "
+        return False
+    report["hint"] = (f"{report['hint']}. But the weight norm grew {top / before[-1]:.3g}x "
                       f"over the updates of steps {began['step']}-{last}, from where the "
-                      f"rewind window shows the trouble began ({began['detail']}): fix what "
-                      "happened there (a "
-                      "bad batch, a learning-rate jump) or bound the updates "
-                      "(clip_grad_norm_, a lower learning rate)")
+                      f"rewind window shows the trouble began ({began['detail']}): the run "
+                      "was diverging, and a wider type only postpones the overflow; fix what "
+                      "happened there (a bad batch, a learning-rate jump) or "
+                      + DO["diverging_window"])
+    return True
 
 
 def _optimizer_origin(step: Step, report: dict[str, Any], o, ok: bool) -> None:

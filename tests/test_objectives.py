@@ -207,6 +207,11 @@ def test_an_overflow_after_the_run_grew_says_the_run_was_diverging(tmp_path, rew
     rep = nanreplay_json(info.value.bundle_path)
     assert rep["cause"] == "overflow" and rep["event"]["step"] == info.value.event["step"], rep
     assert "diverging" in rep["hint"] and "learning rate" in rep["hint"], rep["hint"]
+    # said once: with a window, by its measured weight growth (it said it twice, in two
+    # wordings, the precursors' and the window's)
+    assert rep["hint"].count("the run was diverging") == 1, rep["hint"]
+    assert ("the weight norm grew" in rep["hint"]) == (rewind is not None), rep["hint"]
+    assert ("had jumped at step" in rep["hint"]) == (rewind is None), rep["hint"]
     assert any(p["kind"] == "loss_jump" for p in rep["precursors"]), rep["precursors"]
     assert ("record with FlightRecorder(..., rewind=N)" in rep["hint"]) == (rewind is None)
     assert ("--try lr=0.1x and clip=1.0 re-run the bundle's rewind window" in rep["hint"]) \

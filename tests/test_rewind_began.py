@@ -69,10 +69,12 @@ def test_the_hint_of_an_overflow_of_blown_up_weights_says_where_they_blew_up(out
     it in float64), which the next steps' growth overflows too."""
     rep = nanreplay(bad_record_run(out_dir).bundle_path)
     assert rep["cause"] == "overflow" and rep["origin"]["op"] == "aten.addmm"
-    assert "; but the weight norm grew " in rep["hint"]
+    assert ". But the weight norm grew " in rep["hint"]
     assert "x over the updates of steps 40-42, from where the rewind window shows the trouble " \
            "began (the loss " in rep["hint"]
-    assert rep["hint"].endswith("bound the updates (clip_grad_norm_, a lower learning rate)")
+    assert rep["hint"].endswith("or lower the learning rate or clip the gradients (--try lr=0.1x "
+                                "and clip=1.0 re-run the bundle's rewind window with either)")
+    assert rep["hint"].count("the run was diverging") == 1, rep["hint"]
 
 
 def test_a_learning_rate_jump_in_a_second_parameter_group_is_where_it_began(out_dir):
