@@ -128,7 +128,7 @@ class FlightRecorder:
         self.loss_fn = loss_fn if loss_fn is None or isinstance(loss_fn, nn.Module) \
             else _CallableLoss(loss_fn)
         self.health = Health()
-        self.target = Target(model, optimizer, scaler, lr_scheduler, self.settings)
+        self.target = Target(model, optimizer, scaler, lr_scheduler, self.settings, loss_fn)
         self.alarm = Alarm(self.settings, self.target, self.health, self._contents)
         self.cycle = StepCycle(self.settings, self.target, self.health, self.alarm)
         self.calls = CallHooks(self.target, self.cycle, self.health, self.loss_fn,

@@ -41,10 +41,27 @@ def _deref(ref):
     return ref() if ref is not None else None
 
 
+LOSS_PREFIX = "<loss>."  # how the parameters of the loss module are named among the model's
+
+
+def loss_params(loss_fn, optimizer, params: list) -> list[tuple[str, torch.Tensor]]:
+    """The parameters of the loss module that the optimizer trains (a learnable temperature,
+    a multi-task loss's log-variances), named ``<loss>.NAME``: recorded, checked and bundled
+    as the model's are, so the replay restores and updates them too. Those another optimizer
+    trains stay the loss's own tensors (``loss/NAME``, see recorder.lossdesc)."""
+    if loss_fn is None or optimizer is None:
+        return []
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    own = {id(p) for _, p in params}
+    return [(LOSS_PREFIX + n, p) for n, p in loss_fn.named_parameters()
+            if id(p) in held and id(p) not in own]
+
+
 class Target:
     """The recorded model and the objects that train it."""
 
-    def __init__(self, model: nn.Module, optimizer, scaler, lr_scheduler, settings: Settings):
+    def __init__(self, model: nn.Module, optimizer, scaler, lr_scheduler, settings: Settings,
+                 loss_fn=None):
         # DistributedDataParallel / DataParallel / torch.compile: record the wrapped module, so
         # names and the factory are the user's model; DDP all-reduces gradients after backward
         # wrote them, so their norms are re-read before the update (see recorder.grads).
@@ -52,6 +69,7 @@ class Target:
         self._model, self._wrapper = weakref.ref(model), _ref(wrapper)
         self._optimizer, self._scaler = _ref(optimizer), _ref(scaler)
         self._scheduler = _ref(lr_scheduler)
+        self._loss_fn = _ref(loss_fn if isinstance(loss_fn, nn.Module) else None)
         self.has_optimizer = optimizer is not None
         self.has_scaler = scaler is not None
         self.settings = settings
@@ -99,6 +117,7 @@ class Target:
                                  for d, t, on in forward_autocasts(model.forward)
                                  if d in ("cpu", "cuda")]
         self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
+        self.params += loss_params(_deref(self._loss_fn), self.optimizer(), self.params)
         # FSDP2 may keep accumulated gradients outside p.grad until it reduces them
         self.sharded = sharded(model)
         self.param_names = [n for n, _ in self.params]

@@ -45,7 +45,7 @@ def torch_optimizer(optimizer):
 
 def check_model(model, optimizer, loss_fn=None) -> None:
     """The model is a module (unreplicated; sharded only by FSDP2) and the optimizer holds its
-    parameters (only: a trained parameter of ``loss_fn``, a learnable temperature, is named)."""
+    parameters (and those of ``loss_fn``: a learnable temperature, recorded with the model's)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"FlightRecorder: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}; pass the module whose forward runs the step")
@@ -56,16 +56,9 @@ def check_model(model, optimizer, loss_fn=None) -> None:
             raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}; pass None for loops without one")
         own = {id(p) for p in model.parameters()}
+        if isinstance(loss_fn, nn.Module):
+            own |= {id(p) for p in loss_fn.parameters()}
         stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
-        of_loss = {id(p): n for n, p in loss_fn.named_parameters()} \
-            if isinstance(loss_fn, nn.Module) else {}
-        if stray and all(id(p) in of_loss for p in stray):
-            names = ", ".join(of_loss[id(p)] for p in stray[:3])
-            raise ValueError(f"FlightRecorder: the optimizer trains {len(stray)} parameter(s) of "
-                             f"loss_fn ({type(loss_fn).__name__}: {names}), and the recorder "
-                             "records and replays the model's parameters only; move them into "
-                             "the model (as CLIP keeps its logit_scale) and pass their values to "
-                             "the loss")
         if stray:
             shapes = ", ".join(str(list(p.shape)) for p in stray[:3])
             raise ValueError(f"FlightRecorder: {len(stray)} optimizer parameter(s) are not "

@@ -26,10 +26,12 @@ from recorder.bundle import read_bundle
 from recorder.capture import UnrebuildableLeaf, map_tensors, rng_from_bundle, unflatten_tree
 from recorder.compiled import decompile
 from recorder.errors import BundleError
+from recorder.target import LOSS_PREFIX
 
 from .compat import non_persistent, set_buffer, set_parameter
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
+from .loss_params import attach_loss_params
 from .losses import Unrebuildable, rebuild_loss
 from .optim import build_optimizer
 from .shards import resolve
@@ -212,6 +214,7 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
             step.loss_fn = rebuild_loss(meta.get("loss"), step.tensors, step.device)
         except Unrebuildable as e:
             step.problems.append(str(e))
+    attach_loss_params(step)  # (those the optimizer trained, before it is rebuilt over them)
     opt_factory = made.get("optimizer")
     step.optimizer = build_optimizer(step, model, opt_factory)
 
@@ -307,7 +310,7 @@ def _load_weights(step: Step, model: nn.Module) -> None:
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_by_id.setdefault(id(p), []).append(name)
-    expected = set(meta.get("params", []))
+    expected = {n for n in meta.get("params", []) if not n.startswith(LOSS_PREFIX)}
     have = {n for names in names_by_id.values() for n in names}
     missing = sorted(n for n in expected if n not in have)
     if missing:

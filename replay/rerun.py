@@ -32,6 +32,7 @@ from .load import (
     rng_state,
 )
 from .loopscale import loss_factor
+from .loss_params import trained_loss_params
 from .precision import precision_hooks
 from .run_result import Run
 from .source import raised_by_model
@@ -186,9 +187,17 @@ class Runner:
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
             pairs = _external(pairs)
-            if self.loss_factors is not None and \
-                    (k := loss_factor(loss, pairs, self.loss_scale)) is not None:
+            own = trained_loss_params(self.step) if isinstance(loss, torch.Tensor) \
+                and loss.requires_grad else []
+            k = loss_factor(loss, pairs, self.loss_scale) \
+                if self.loss_factors is not None or own else None
+            if self.loss_factors is not None and k is not None:
                 self.loss_factors.setdefault(i, []).append(k)
+            if own:  # the loss's trained parameters (a temperature) are past the outputs: their
+                # gradients come from the loss, times what the loop and the GradScaler put on it
+                f = (k or self.step.micro_batches[i].get("loss_factor") or 1.0) \
+                    * (self.loss_scale or 1.0)
+                (loss * f).backward(inputs=own)
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
         elif isinstance(loss, torch.Tensor) and loss.requires_grad:
             # (a what-if's micro-batch carries the loop's own factor: replay.loopscale)

@@ -117,3 +117,15 @@ def make_click_model() -> nn.Module:
 def bce(p, y):
     """Binary cross entropy written out on probabilities."""
     return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+class LearnedTemperatureCE(nn.Module):
+    """Cross-entropy over logits scaled by a learned temperature, trained by the model's
+    optimizer (as CLIP's and SimCLR-style losses keep ``logit_scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, logits, y):
+        return nn.functional.cross_entropy(logits * self.log_scale.exp(), y)

@@ -64,29 +64,6 @@ def test_optimizer_params_not_in_the_model(out_dir):
     assert "build the optimizer from this model's parameters()" in msg
 
 
-class _LearnedTemperatureLoss(nn.Module):
-    """A contrastive loss whose temperature is trained with the model (as SimCLR code does)."""
-
-    def __init__(self):
-        super().__init__()
-        self.log_t = nn.Parameter(torch.zeros(()))
-
-    def forward(self, logits, y):
-        return nn.functional.cross_entropy(logits / self.log_t.exp(), y)
-
-
-def test_optimizer_params_of_the_loss_are_named_as_the_loss_s(out_dir):
-    """A trained loss parameter is not "not of the model" from nowhere: the error names the loss
-    and the parameter, and says where to put it."""
-    model, loss = M.mlp(), _LearnedTemperatureLoss()
-    opt = torch.optim.Adam([*model.parameters(), *loss.parameters()])
-    with pytest.raises(ValueError) as info:
-        FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir)
-    msg = _one_line(info)
-    assert "trains 1 parameter(s) of loss_fn (_LearnedTemperatureLoss: log_t)" in msg, msg
-    assert "move them into the model" in msg, msg
-
-
 def test_out_dir_not_writable(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -1,0 +1,76 @@
+"""The loss module's trained parameters in the replay.
+
+The recorder records the parameters of ``loss_fn`` that the optimizer trains (a learnable
+temperature, a multi-task loss's log-variances) among the model's, named ``<loss>.NAME``
+(:func:`recorder.target.loss_params`). The replay gives the rebuilt loss their bundled values
+and lists them after the model's own in the rebuilt model's ``named_parameters()``, so that
+the optimizer, the rewind window, the what-ifs and the float64 re-run treat them as the run's
+update did. The loss stays no submodule of the model: no forward hook sees its call as a
+module's.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from recorder.target import LOSS_PREFIX
+
+from .compat import set_parameter
+from .errors import ReplayError
+
+_FACTORY_WAY = "return {'model': ..., 'loss_fn': ...} from the factory"
+
+
+def attach_loss_params(step) -> None:
+    """Give ``step.loss_fn`` the bundle's values of its trained parameters and list them with
+    ``step.model``'s (nothing to do for a bundle that has none)."""
+    names = [n for n in step.meta.get("params", []) if n.startswith(LOSS_PREFIX)]
+    if not names or step.model is None:
+        return
+    loss = step.loss_fn
+    if not isinstance(loss, nn.Module):
+        raise ReplayError(f"the optimizer trained {len(names)} parameter(s) of the loss module "
+                          f"({names[0]}), and the loss was not rebuilt as a module; "
+                          + _FACTORY_WAY)
+    for name in names:
+        _load(step, loss, name)
+    wanted = set(names)
+    model_params = type(step.model).named_parameters.__get__(step.model)
+
+    def named_parameters(prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        yield from model_params(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        if recurse and not prefix:  # (the model's whole listing only, not a submodule's)
+            for n, p in loss.named_parameters(prefix=LOSS_PREFIX[:-1]):
+                if n in wanted:
+                    yield n, p
+
+    # (an instance attribute: Module.parameters() and zero_grad() go through it too)
+    object.__setattr__(step.model, "named_parameters", named_parameters)
+
+
+def trained_loss_params(step) -> list[nn.Parameter]:
+    """The loss's parameters the recorded optimizer trains (none in most bundles)."""
+    loss = step.loss_fn
+    if not isinstance(loss, nn.Module):
+        return []
+    return [loss.get_parameter(n[len(LOSS_PREFIX):]) for n in step.meta.get("params", [])
+            if n.startswith(LOSS_PREFIX)]
+
+
+def _load(step, loss: nn.Module, name: str) -> None:
+    attr = name[len(LOSS_PREFIX):]
+    try:
+        p = loss.get_parameter(attr)
+    except AttributeError:
+        raise ReplayError(f"the rebuilt loss {type(loss).__name__} has no parameter {attr!r}, "
+                          f"which the bundle holds as {name}; " + _FACTORY_WAY
+                          + " building the loss as it was trained") from None
+    w = step.tensors.get(f"weights/{name}")
+    if w is None or tuple(w.shape) != tuple(p.shape):
+        got = "none" if w is None else f"shape {list(w.shape)}"
+        raise ReplayError(f"the bundle holds {got} for {name}, and the rebuilt loss's "
+                          f"{attr} has shape {list(p.shape)}; " + _FACTORY_WAY
+                          + " building the loss as it was trained")
+    owner, _, leaf = attr.rpartition(".")
+    set_parameter(loss.get_submodule(owner) if owner else loss, leaf,
+                  nn.Parameter(w.to(step.device), requires_grad=p.requires_grad))
