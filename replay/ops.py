@@ -26,6 +26,7 @@ from recorder.finite import ends, pair_kind, pair_ok
 from recorder.samples import Samples
 
 from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
+from .float64 import as_float64, upcast
 from .memo import TensorSet
 from .source import OP_ERROR, user_source
 
@@ -282,7 +283,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder) -> Evidence:
     taken = [_at(t, bad) for t in ins]
     local = None
     if torch.Tag.nondeterministic_seeded not in func.tags:  # a re-run would draw random numbers
-        a64, k64 = as_float64(func, _upcast(args), _upcast(kwargs))
+        a64, k64 = as_float64(func, upcast(args), upcast(kwargs))
         try:
             with torch.no_grad():
                 r = [t for t in tree_leaves(func(*a64, **k64)) if isinstance(t, torch.Tensor)
@@ -329,11 +330,8 @@ class OpAt(TorchDispatchMode):
         return out
 
 
-_HALF_TO_FLOAT = {"_softmax", "_log_softmax"}
-
-
 class Float64(TorchDispatchMode):
-    """Every aten op computes in float64: floating inputs are upcast, floating ``dtype=``
+    """Every aten op computes in float64: floating (and complex) inputs are widened, ``dtype=``
     arguments (``x.half()``, ``x.float()``, ``sum(dtype=...)``) become float64, and factory ops
     use float64 as the default dtype. Model code that casts on its own (a layer run with
     ``.half()``) then still runs in float64 instead of mixing dtypes and failing."""
@@ -352,26 +350,8 @@ class Float64(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         args, kwargs = as_float64(func, args, kwargs)
         if not writes_arguments(func):
-            args, kwargs = _upcast(args), _upcast(kwargs)
+            args, kwargs = upcast(args), upcast(kwargs)
         return _op(func, args, kwargs)
-
-
-def as_float64(func, args, kwargs):
-    """``func``'s arguments with a floating ``dtype=`` (and softmax's half-to-float flag)
-    turned to float64: the op then computes, and returns, float64."""
-    kwargs = dict(kwargs or {})
-    if func.overloadpacket.__name__ in _HALF_TO_FLOAT and len(args) > 2:
-        args = (*args[:2], False, *args[3:])
-    dt = kwargs.get("dtype")
-    if isinstance(dt, torch.dtype) and dt.is_floating_point:
-        kwargs["dtype"] = torch.float64
-    return args, kwargs
-
-
-def _upcast(obj):
-    """Floating tensors in ``obj`` (an op's arguments) as float64."""
-    return tree_map(lambda v: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
-                    and v.dtype != torch.float64 else v, obj)
 
 
 class OpFinder:

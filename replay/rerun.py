@@ -22,6 +22,7 @@ from recorder.finite import finite, matches, only_mask_infinities
 from . import bisection
 from .compat import non_persistent
 from .errors import StopRun
+from .float64 import widened
 from .instrument import CallRecorder
 from .load import (
     Step,
@@ -216,7 +217,7 @@ class Runner:
         loss_dtypes = (_to_float64(list(loss.named_buffers()), even_float64=True)
                        if isinstance(loss, nn.Module) else {})
         saved = self._initial_buffers
-        self._initial_buffers = {n: (b.double() if b.is_floating_point() else b) for n, b in saved.items()}
+        self._initial_buffers = {n: b.to(widened(b.dtype) or b.dtype) for n, b in saved.items()}
         self.cast = torch.float64
         try:
             yield
@@ -304,13 +305,16 @@ def _computed_from(b: torch.Tensor, a: torch.Tensor) -> bool:
 
 
 def _to_float64(named, even_float64: bool = False) -> dict[str, torch.dtype]:
-    """Convert the floating tensors of ``named`` to float64 in place; their dtypes before."""
+    """Widen the floating (and complex) tensors of ``named`` in place (see
+    :func:`replay.float64.widened`); their dtypes before."""
     dtypes = {}
     with torch.no_grad():
         for name, t in named:
-            if t.is_floating_point() and (even_float64 or t.dtype != torch.float64):
+            wide = widened(t.dtype) or (t.dtype if even_float64 and t.is_floating_point()
+                                        else None)
+            if wide is not None:
                 dtypes[name] = t.dtype
-                t.data = t.data.double()
+                t.data = t.data.to(wide)
     return dtypes
 
 
@@ -320,5 +324,8 @@ def _enter(ctx):
 
 
 def _cast(obj, dtype):
-    """``obj`` (a micro-batch's arguments, rebuilt from the bundle) with floating tensors cast."""
-    return map_tensors(obj, lambda v: v.to(dtype) if v.is_floating_point() else v)
+    """``obj`` (a micro-batch's arguments, rebuilt from the bundle) with floating tensors cast
+    (and complex ones widened, for float64)."""
+    return map_tensors(obj, lambda v: v.to(dtype) if v.is_floating_point() else
+                       v.to(wide) if dtype == torch.float64 and v.is_complex()
+                       and (wide := widened(v.dtype)) is not None else v)

@@ -469,7 +469,7 @@ def _kind(tensors) -> str | None:
 
 
 def _total_norm(tensors) -> float | None:
-    norms = [t.detach().double().norm() for t in tensors if t is not None and t.numel()]
+    norms = [t.detach().abs().double().norm() for t in tensors if t is not None and t.numel()]
     return float(torch.stack(norms).norm()) if norms else None
 
 
