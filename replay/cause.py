@@ -30,14 +30,13 @@ exact 0: ``underflow`` when that input came from exp, softmax or sigmoid of a fi
 Otherwise ``overflow``. Without an op (none found), the float64 re-run alone decides:
 ``invalid`` or ``overflow``.
 
-The float64 re-run converts weights in place and back, which is lossless for float16,
-bfloat16 and float32; autocast is off and every op upcast, so casts in the model's own code,
-such as a layer run with ``.half()``, compute in float64 too.
+The float64 re-run is :mod:`replay.float64_step`'s. Where the model refuses float64 (a kernel
+for half types only, a dtype check), the op computed alone in float64 can still say
+``overflow``; else the cause is left open (``None``) and the hint says why.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -47,11 +46,11 @@ import torch
 from recorder.finite import label
 
 from . import domains
-from .cause_text import DO, HINTS, INF_ARITH, inf_arith
+from .cause_text import DO, HINTS, INF_ARITH, inf_arith, no_float64
 from .domains import g as _g
-from .errors import StopRun
+from .float64_step import float64_still
 from .load import autocast_dtype
-from .ops import Evidence, Float64, OpAt, OpHit
+from .ops import Evidence, OpAt, OpHit
 from .rerun import Runner
 
 __all__ = ["Cause", "classify"]
@@ -63,7 +62,7 @@ _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 
 @dataclass
 class Cause:
-    name: str  # "invalid", "overflow", "underflow", "precision"
+    name: str | None  # "invalid", "overflow", "underflow", "precision"; None: not told
     hint: str  # what happened at the op, then what to do
 
 
@@ -84,7 +83,13 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     inside a custom autograd.Function's backward (its derivative's poles are that op's),
     ``dtype`` that of the node's non-finite gradient (else the micro-batch's narrowest)."""
     capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence else None
-    still = _float64_run(runner, phase, until, capture, micro_batch)
+    try:
+        still = float64_still(runner, phase, until, capture, micro_batch)
+    except Exception as e:  # the model refuses float64 (a kernel for half types only)
+        ev = hit.evidence if hit is not None else None
+        if ev is not None and ev.local64 is not None and bool(torch.isfinite(ev.local64).all()):
+            return _beyond_type(hit.op, ev)  # (the op alone in float64 says it)
+        return Cause(None, no_float64(e))
     if phase == "backward":
         return _backward(node, still, dtype or _step_dtype(runner, micro_batch), saved,
                          at_pole, underflowed, inner)
@@ -106,92 +111,6 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         return _from_infinities(hit) if still else \
             _overflow_among_infinities(hit, _step_dtype(runner, micro_batch))
     return _from_evidence(hit, capture, still)
-
-
-def _float64_run(runner: Runner, phase: str, until, capture: OpAt | None, mb: int) -> bool:
-    """Re-run in float64 (forward: up to the origin's call; the blamed op's call captured);
-    whether it is still non-finite."""
-    window = _Window(runner, *until, capture) if phase == "forward" and until else None
-    with runner.float64(), Float64(), _watch_loss(runner, capture if phase == "loss" else None,
-                                                 mb):
-        try:
-            run = runner.run(backward=phase == "backward", instrument=phase == "forward",
-                             hooks=window.hooks if window else None)
-        finally:
-            if window:
-                window.close()
-    if run.error is not None and not (until and any((c.module, c.call, c.micro_batch) == until
-                                         for c in run.calls)):
-        raise run.error  # float64 made the model raise before the origin: no answer
-    if phase == "forward":  # the origin's own outputs (an earlier -inf mask stays in float64)
-        return any(not c.outputs_finite for c in run.calls
-                   if until is None or (c.module, c.call, c.micro_batch) == until)
-    if phase == "loss":
-        return not all(run.loss_finite)
-    return bool(run.bad_grads)
-
-
-class _Window:
-    """Hooks ending a run once call ``call`` of ``module`` in micro-batch ``mb`` returned
-    (installed after the instrumentation's, so that call is recorded first), with ``capture``
-    active during that call."""
-
-    def __init__(self, runner: Runner, module: str, call: int, mb: int, capture):
-        self.runner, self.module, self.call, self.mb = runner, module, call, mb
-        self.capture = capture
-        self.started = self.ended = 0
-        self.active = False
-
-    def hooks(self, model):
-        target = model.get_submodule(self.module) if self.module else model
-
-        def pre(m, args):
-            if self.runner.micro_batch != self.mb:
-                return
-            if self.started == self.call and self.capture is not None:
-                self.capture.__enter__()
-                self.active = True
-            self.started += 1
-
-        def closing(m, args, output):  # first of the post hooks: the capture sees no op of
-            self.close()                  # the instrumentation's
-
-        def post(m, args, output):
-            if self.runner.micro_batch != self.mb:
-                return
-            self.ended += 1
-            if self.ended > self.call:
-                raise StopRun
-
-        return [target.register_forward_pre_hook(pre),
-                target.register_forward_hook(closing, prepend=True),
-                target.register_forward_hook(post)]
-
-    def close(self) -> None:
-        if self.active:
-            self.active = False
-            self.capture.__exit__(None, None, None)
-
-
-@contextlib.contextmanager
-def _watch_loss(runner: Runner, capture: OpAt | None, mb: int):
-    """``capture`` active while the loss of micro-batch ``mb`` is computed."""
-    fn = runner.step.loss_fn
-    if capture is None or fn is None:
-        yield
-        return
-
-    def watched(*args, **kwargs):
-        if runner.micro_batch != mb:
-            return fn(*args, **kwargs)
-        with capture:
-            return fn(*args, **kwargs)
-
-    runner.step.loss_fn = watched
-    try:
-        yield
-    finally:
-        runner.step.loss_fn = fn
 
 
 # ---------------------------------------------------------------------------------------------

@@ -151,3 +151,13 @@ INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div":
 def inf_arith(op: str, default: str) -> str:
     """What aten op ``op`` (in place or not) computed when it made NaN of an infinity."""
     return INF_ARITH.get(op.removeprefix("aten.").rstrip("_"), default)
+
+
+def no_float64(e: Exception) -> str:
+    """The hint of an origin whose cause the float64 re-run could not tell: the model raised
+    in float64 (a kernel for half types only, a dtype check)."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return (f"the model raised in the float64 re-run that tells invalid from overflow, "
+            f"underflow and precision ({type(e).__name__}: {first}), so the cause is not "
+            "told: the origin above is where the value was made; read its op and inputs, or "
+            "let the code run in float64 (a fallback for the half-only kernel)")

@@ -1,0 +1,103 @@
+"""The step re-run in float64, up to the origin, for :mod:`replay.cause`: whether the value
+is still non-finite when no value is rounded to the model's dtypes.
+
+Weights, buffers and inputs are converted in place and back (lossless for float16, bfloat16
+and float32; complex ones to complex128, see :mod:`replay.float64`), autocast is off and every
+op upcast, so casts in the model's own code, such as a layer run with ``.half()``, compute in
+float64 too. A forward origin's run stops after the origin's module call; the blamed op's call
+is captured (:class:`~replay.ops.OpAt`) in that call, or in the loss of its micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .errors import StopRun
+from .ops import Float64, OpAt
+from .rerun import Runner
+
+
+def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: int) -> bool:
+    """Re-run in float64 (forward: up to the origin's call; the blamed op's call captured);
+    whether it is still non-finite."""
+    window = _Window(runner, *until, capture) if phase == "forward" and until else None
+    with runner.float64(), Float64(), _watch_loss(runner, capture if phase == "loss" else None,
+                                                 mb):
+        try:
+            run = runner.run(backward=phase == "backward", instrument=phase == "forward",
+                             hooks=window.hooks if window else None)
+        finally:
+            if window:
+                window.close()
+    if run.error is not None and not (until and any((c.module, c.call, c.micro_batch) == until
+                                         for c in run.calls)):
+        raise run.error  # float64 made the model raise before the origin: no answer
+    if phase == "forward":  # the origin's own outputs (an earlier -inf mask stays in float64)
+        return any(not c.outputs_finite for c in run.calls
+                   if until is None or (c.module, c.call, c.micro_batch) == until)
+    if phase == "loss":
+        return not all(run.loss_finite)
+    return bool(run.bad_grads)
+
+
+class _Window:
+    """Hooks ending a run once call ``call`` of ``module`` in micro-batch ``mb`` returned
+    (installed after the instrumentation's, so that call is recorded first), with ``capture``
+    active during that call."""
+
+    def __init__(self, runner: Runner, module: str, call: int, mb: int, capture):
+        self.runner, self.module, self.call, self.mb = runner, module, call, mb
+        self.capture = capture
+        self.started = self.ended = 0
+        self.active = False
+
+    def hooks(self, model):
+        target = model.get_submodule(self.module) if self.module else model
+
+        def pre(m, args):
+            if self.runner.micro_batch != self.mb:
+                return
+            if self.started == self.call and self.capture is not None:
+                self.capture.__enter__()
+                self.active = True
+            self.started += 1
+
+        def closing(m, args, output):  # first of the post hooks: the capture sees no op of
+            self.close()                  # the instrumentation's
+
+        def post(m, args, output):
+            if self.runner.micro_batch != self.mb:
+                return
+            self.ended += 1
+            if self.ended > self.call:
+                raise StopRun
+
+        return [target.register_forward_pre_hook(pre),
+                target.register_forward_hook(closing, prepend=True),
+                target.register_forward_hook(post)]
+
+    def close(self) -> None:
+        if self.active:
+            self.active = False
+            self.capture.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _watch_loss(runner: Runner, capture: OpAt | None, mb: int):
+    """``capture`` active while the loss of micro-batch ``mb`` is computed."""
+    fn = runner.step.loss_fn
+    if capture is None or fn is None:
+        yield
+        return
+
+    def watched(*args, **kwargs):
+        if runner.micro_batch != mb:
+            return fn(*args, **kwargs)
+        with capture:
+            return fn(*args, **kwargs)
+
+    runner.step.loss_fn = watched
+    try:
+        yield
+    finally:
+        runner.step.loss_fn = fn
