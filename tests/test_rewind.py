@@ -981,3 +981,30 @@ def test_a_try_whose_re_run_fails_is_reported_and_the_others_stand(out_dir, monk
         f"  what-if    eps=1e-8       finite through step 1 (loss {tries['eps=1e-8']['loss']:.4g})",
         "  what-if    lr=0.1x        failed: the re-run with this change raised RuntimeError: "
         "shape mismatch with a second line of detail"]
+
+
+def test_a_nan_target_recorded_with_a_window_comes_back_from_it(out_dir):
+    """A regression target left NaN (a missing value not filtered) at step 5: an input event
+    that came in with the loss's arguments. Its window re-run meets it as the step's
+    non-finite loss, which the report called 'not the recorded input event at step 5'."""
+    torch.manual_seed(0)
+    model = R.make_regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=3,
+                            factory="rewind_models:make_regressor"):
+            for s in range(10):
+                x, y = R.regression_batch(s)
+                if s == 5:
+                    y[7] = float("nan")
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (5, "input", [7])
+    rep = nanreplay(err.bundle_path, "drop=7")
+    w = rep["window"]
+    assert w["reproduced"] and w["event_step"] == 5, w
+    assert not any("not the recorded" in p for p in rep["problems"]), rep["problems"]
+    assert what_if(rep)["drop=7"]["finite"] is True
