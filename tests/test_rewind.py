@@ -1008,3 +1008,32 @@ def test_a_nan_target_recorded_with_a_window_comes_back_from_it(out_dir):
     assert w["reproduced"] and w["event_step"] == 5, w
     assert not any("not the recorded" in p for p in rep["problems"]), rep["problems"]
     assert what_if(rep)["drop=7"]["finite"] is True
+
+
+def test_auto_drops_the_rows_whose_target_is_an_outlier_of_an_overflow(out_dir):
+    """The log-cosh loss written as its formula, and one target recorded in the wrong unit
+    (200 where the others are about 1): cosh overflows float32 in that row. ``auto`` looked
+    for outliers in the model's inputs only, so it proposed the learning rate and clipping
+    (both still +inf) and not the drop that is finite."""
+    import kernel_models as K
+
+    torch.manual_seed(0)
+    model = R.make_regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = K.LogCoshLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=2,
+                            factory="rewind_models:make_regressor"):
+            for s in range(10):
+                x, y = R.regression_batch(s)
+                y = y[:, 0] / 8
+                if s == 4:
+                    y[7] = 200.0
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    rep = nanreplay(info.value.bundle_path, "auto")
+    assert (rep["cause"], rep["origin"]["op"], rep["origin"]["samples"]) == \
+        ("overflow", "aten.cosh", [7]), rep["origin"]
+    tries = what_if(rep)
+    assert tries["drop=7"]["finite"] is True, tries
