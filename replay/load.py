@@ -336,7 +336,19 @@ def _load_weights(step: Step, model: nn.Module) -> None:
         new = nn.Parameter(w.to(dev), requires_grad=p.requires_grad)
         done[id(p)] = new
         _set(model, name, new, param=True)
+    _load_buffers(step, model)
+    model.train(meta.get("model", {}).get("training", True))
+    flags = {m["name"]: m.get("training") for m in meta.get("modules", [])}
+    for name, m in model.named_modules():
+        if flags.get(name) is not None:
+            m.training = flags[name]
+
+
+def _load_buffers(step: Step, model: nn.Module) -> None:
+    """Copies of the bundle's buffers as the model's (see :func:`_load_weights`)."""
+    t, meta, dev = step.tensors, step.meta, step.device
     model_buffers = dict(model.named_buffers(remove_duplicate=False))
+    resized: list[str] = []
     for name in meta.get("buffers", []):
         key = f"buffers/{name}"
         if key not in t:
@@ -345,21 +357,22 @@ def _load_weights(step: Step, model: nn.Module) -> None:
             raise ReplayError(f"the model from the factory has no buffer {name!r} that the "
                               f"bundle holds; {_other_model(step)}")
         b, have = t[key], model_buffers[name]
-        # (a non-persistent one may be a cache the forward grew; the bundle's is what ran)
+        # The parameters matched: a buffer of another shape is one the forward resizes (a
+        # quantization observer's per-channel scale, a cache it grew), and the bundle's is
+        # what ran. Said when persistent: a buffer sized by the configuration looks alike.
         if tuple(b.shape) != tuple(have.shape) and not non_persistent(model, name):
-            raise ReplayError(f"{key} has shape {list(b.shape)} in the bundle but "
-                              f"{list(have.shape)} in the model from the factory; "
-                              + _other_model(step))
+            resized.append(f"{name} {list(b.shape)} (the factory's {list(have.shape)})")
         _set(model, name, b.to(dev, copy=True), param=False)
+    if resized:
+        step.problems.append(
+            f"buffer {resized[0]}{f' and {len(resized) - 1} more' if len(resized) > 1 else ''}"
+            " ran with another shape than the factory's model gives it: the re-run uses the "
+            "bundle's (a buffer the forward resizes, such as a quantization observer's); if "
+            "the configuration sizes it, pass --factory-kwargs with the run's settings")
     for name, b in model.named_buffers():
         if b.is_meta:
             raise ReplayError(f"buffer {name!r} of the model is not in the bundle; "
                               + _other_model(step))
-    model.train(meta.get("model", {}).get("training", True))
-    flags = {m["name"]: m.get("training") for m in meta.get("modules", [])}
-    for name, m in model.named_modules():
-        if flags.get(name) is not None:
-            m.training = flags[name]
 
 
 def _set(model: nn.Module, name: str, value, *, param: bool) -> None:

@@ -9,6 +9,7 @@ A control test shows that the intact bundle does import it.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -409,17 +410,9 @@ def make_model():
 """
 
 
-@pytest.mark.parametrize("buffers, message", [
-    ({"scale": [1]}, "buffers/scale has shape [1] in the bundle but [32] in the model from the "
-                     "factory"),
-    ({"scale": [2, 32]}, "buffers/scale has shape [2, 32] in the bundle but [32] in the model "
-                         "from the factory"),
-    ({"scale": [32], "ghost": [32]}, "the model from the factory has no buffer 'ghost' that the "
-                                     "bundle holds"),
-])
-def test_buffers_that_do_not_fit_the_model(toy, tmp_path, monkeypatch, buffers, message):
-    """A buffer of another shape must not be broadcast into the replay ([1] would be, silently),
-    nor a buffer the model does not have be added to it."""
+def _scaled_bundle(toy, tmp_path, monkeypatch, buffers: dict) -> tuple[Path, str]:
+    """The toy's bundle made for a model with a ``scale`` buffer ([32], of ones), holding
+    ``buffers`` (name -> shape) instead; and the factory's module name (to unload)."""
     import torch
 
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -438,10 +431,32 @@ def test_buffers_that_do_not_fit_the_model(toy, tmp_path, monkeypatch, buffers, 
 
     b = rewrite(toy, tmp_path / "b" / "buffers.nan", meta=meta, tensors=tensors)
     monkeypatch.chdir(tmp_path)
+    return b, mod
+
+
+def test_a_buffer_the_model_does_not_have_is_not_added(toy, tmp_path, monkeypatch):
+    b, mod = _scaled_bundle(toy, tmp_path, monkeypatch, {"scale": [32], "ghost": [32]})
     try:
-        assert other_model(one_error_line(run(b)), message)
+        assert other_model(one_error_line(run(b)), "the model from the factory has no buffer "
+                           "'ghost' that the bundle holds")
     finally:
         sys.modules.pop(mod, None)
+
+
+def test_a_buffer_of_another_shape_runs_as_recorded_and_is_named(toy, tmp_path, monkeypatch):
+    """A buffer the forward resizes (a quantization observer's per-channel scale, [1] at
+    construction) was refused as 'the factory builds a different model'. The re-run now uses
+    the bundle's (what ran: assigned, never broadcast into the factory's) and says so."""
+    b, mod = _scaled_bundle(toy, tmp_path, monkeypatch, {"scale": [1]})
+    try:
+        res = run(b, "--json")
+        assert res.exit_code in (0, 1), res.output
+        rep = json.loads(res.stdout)
+    finally:
+        sys.modules.pop(mod, None)
+    assert any(p.startswith("buffer scale [1] (the factory's [32]) ran with another shape than "
+                            "the factory's model gives it: the re-run uses the bundle's")
+               for p in rep["problems"]), rep["problems"]
 
 
 def test_buffers_that_fit_are_loaded(toy, tmp_path, monkeypatch):
