@@ -4,6 +4,7 @@ that goes negative when a sample is scaled up) trained through Lightning's loop.
 from __future__ import annotations
 
 import lightning as L
+import objective_models as O
 import replay_models as R
 import torch
 from torch import nn
@@ -31,6 +32,15 @@ class LogNetModule(L.LightningModule):
     def configure_optimizers(self):
         opts = [torch.optim.SGD(self.parameters(), lr=0.05) for _ in range(self.n_optimizers)]
         return opts[0] if len(opts) == 1 else opts
+
+
+class LearnedTemperature(LogNetModule):
+    """Its loss module holds a learned temperature, trained by ``self.parameters()``'s
+    optimizer with the network (a submodule beside ``net``, as CLIP-style code keeps it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.crit = O.LearnedTemperatureCE()
 
 
 class InlineLoss(LogNetModule):

@@ -81,6 +81,23 @@ def test_nan_in_a_submodule_is_caught_before_its_update_and_replayed(tmp_path):
     assert (o["module"], o["call"], o["op"], o["samples"]) == ("act", 0, "aten.log", [5])
 
 
+def test_a_loss_module_trained_with_the_network_is_recorded_with_it(tmp_path):
+    """``configure_optimizers`` over ``self.parameters()`` trains the loss module's learned
+    temperature too: the callback's recorder refused to attach ('move them into the model').
+    It records it as ``<loss>.log_scale``, and the replay reproduces the step."""
+    cb = FlightRecorderCallback(module="net", loss_fn="crit", out_dir=tmp_path,
+                                factory="replay_models:make_log_net")
+    with pytest.raises(NonFiniteError) as info:
+        _fit(LM.LearnedTemperature(), cb, LM.Rows(scaled={K * BATCH + 5}))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (K, "forward", "act", [5])
+    meta, _ = read_bundle(info.value.bundle_path)
+    assert meta["params"][-1] == "<loss>.log_scale"
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    assert (rep["origin"]["module"], rep["origin"]["op"]) == ("act", "aten.log")
+
+
 def test_clean_fit_with_validation_and_accumulation(tmp_path):
     """Steps are Lightning's optimizer steps: micro-batches before the closure belong to the
     step, the validation loop and the sanity check are evaluation forwards."""
