@@ -207,12 +207,11 @@ def _last_finite_lr(step: Step) -> float | None:
 
 
 def _outlier_rows(step: Step, mb: int, rows: list[int], factor: float = 10.0) -> bool:
-    """Some floating input tensor of micro-batch ``mb`` (the model's or the loss's: a target
-    in the wrong unit) has, in ``rows``, values ``factor`` times larger in magnitude than in
-    every other row of the batch."""
+    """Some floating input tensor of micro-batch ``mb`` has, in ``rows``, values ``factor``
+    times larger in magnitude than in every other row of the batch."""
     where = samples(step, mb)
     for key, t in step.tensors.items():
-        if not key.startswith((f"batch/{mb}/", f"loss_in/{mb}/")) or not t.is_floating_point():
+        if not key.startswith(f"batch/{mb}/") or not t.is_floating_point():
             continue
         d = where.dim(t)
         if d is None or not rows or max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:

@@ -15,8 +15,10 @@ scheduler). The first thing to go non-finite ends the run: a forward output (by 
 infinity policy), the loss, a gradient, or the weights and optimizer state after an update. A
 bad update is then re-run from its own starting state under the op finder, with the
 optimizer's per-parameter (``foreach=False``, unfused) implementation, so the op that made the
-value is named. The same machinery runs a bundle without a window as a window of its one
-recorded step (the ``--try`` what-ifs of ``replay.whatif``); a :class:`Change` alters a run.
+value is named.
+
+The same machinery runs a bundle without a window as a window of its one recorded step (the
+``--try`` what-ifs of ``replay.whatif``); a :class:`Change` alters a run.
 """
 
 from __future__ import annotations
@@ -308,13 +310,11 @@ def _last_update_ran(step: Step, win: Window) -> bool:
 
 
 def matches_event(step: Step, o: Outcome | None) -> bool:
-    """The run's first non-finite value is the recorded event: same step, same phase (an input
-    that came in with the loss's arguments, a target, is the re-run's non-finite loss)."""
-    ev = step.event
+    """The run's first non-finite value is the recorded event: same step, same phase."""
     if o is None:
         return False
-    phase = "loss" if ev.get("phase") == "input" and ev.get("module") == "<loss>" else \
-        {"optimizer": "update"}.get(ev.get("phase"), ev.get("phase"))
+    ev = step.event
+    phase = {"optimizer": "update"}.get(ev.get("phase"), ev.get("phase"))
     if o.step != ev.get("step") or o.phase != phase:
         return False
     return phase != "forward" or ev.get("module") in (None, o.module) or bool(ev.get("compiled"))
