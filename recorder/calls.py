@@ -113,6 +113,8 @@ class CallHooks:
                 mb.args, mb.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)
             if tape.micro_batches and training and not self.target.sharded:
                 mb.grads_dropped = self._grads_dropped(tape.micro_batches)
+            if tape.micro_batches and not tape.evaluation:  # (the first has the step's)
+                mb.rng = cycle.capture_rng()
             tape.add_micro_batch(mb)
 
     def _grads_dropped(self, earlier: list[MicroBatch]) -> bool:

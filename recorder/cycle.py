@@ -72,7 +72,7 @@ class StepCycle:
         self.transformed = False  # a root forward ran under a torch.func transform (unrecorded)
         self._unrooted_warned = False
         self.foreign = ForeignUpdates()  # updates by an optimizer the recorder was not given
-        self._capture_rng = RngCapture()
+        self.capture_rng = RngCapture()  # (also as each later micro-batch begins)
         # the last update's evidence, read with the next step's one host read
         self.pending_update: UpdateEvidence | None = None
         self._probe: torch.Tensor | None = None  # [strict check, NaN-only check, 0, scale]
@@ -126,7 +126,7 @@ class StepCycle:
         if slots is None or slots.device != device:  # first step, or the model moved
             slots = self.slots = Slots(device)
         slots.start_step()
-        tape = Tape(self.step, self._capture_rng(), token, slots)
+        tape = Tape(self.step, self.capture_rng(), token, slots)
         tape.evaluation = evaluation
         tape.params_from_update = self.updated
         if not evaluation:

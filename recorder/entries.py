@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .capture import flatten_tree, tensor_leaves
+from .capture import flatten_tree, rng_to_bundle, tensor_leaves
 
 
 def json_scalar(v: Any) -> bool:
@@ -55,6 +55,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         out["grads_dropped"] = True
     if mb.inputs_written:
         out["inputs_written"] = True
+    if mb.rng is not None:
+        out["rng"] = _rng_entry(mb.rng, f"{prefix}rng/mb/{i}/", tensors)
     outs = list(tensor_leaves(mb.outputs))
     if mb.loss_args is not None:
         ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],
@@ -71,6 +73,19 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
     out["output_grads"] = grads
     out["n_outputs"] = len(outs)
     return out
+
+
+def _rng_entry(state: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
+               ) -> dict[str, Any]:
+    """RNG states as ``{"meta", "keys"}``: their JSON and, by their name in the step's own
+    ``rng/`` (``torch_cpu``, ``cuda/0``), the keys of their tensors under ``prefix``."""
+    meta, ts = rng_to_bundle(state)
+    keys = {}
+    for k, v in ts.items():
+        name = k.removeprefix("rng/")
+        tensors[prefix + name] = v
+        keys[name] = prefix + name
+    return {"meta": meta, "keys": keys}
 
 
 def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = ()):

@@ -445,6 +445,19 @@ def rng_state(step: Step) -> dict[str, Any] | None:
     return rng_from_bundle(step.meta["rng"], step.tensors)
 
 
+def micro_batch_rng(step: Step, i: int) -> dict[str, Any] | None:
+    """The RNG states micro-batch ``i`` began with, when the bundle holds them (a later one,
+    recorded since the loop may draw between forwards: an RL loop sampling each action)."""
+    rec = step.micro_batches[i].get("rng")
+    if not isinstance(rec, dict) or not isinstance(rec.get("keys"), dict):
+        return None
+    try:
+        return rng_from_bundle(rec["meta"], {"rng/" + n: step.tensors[k]
+                                             for n, k in rec["keys"].items()})
+    except (KeyError, TypeError, ValueError):  # (damaged: the step's states stand)
+        return None
+
+
 def autocast_dtype(mb: dict[str, Any]) -> torch.dtype | None:
     """The autocast type the micro-batch ran under, None when it ran without autocast."""
     rec = mb.get("autocast") or {}

@@ -29,6 +29,7 @@ from .load import (
     autocast_as_recorded,
     loss_inputs,
     micro_batch_inputs,
+    micro_batch_rng,
     output_grads,
     rng_state,
 )
@@ -129,6 +130,8 @@ class Runner:
                 if mb.get("grads_dropped"):  # as the loop's zero_grad did before this one
                     self.model.zero_grad(set_to_none=True)
                 args, kwargs = micro_batch_inputs(self.step, i)
+                if i and (rng := micro_batch_rng(self.step, i)) is not None:
+                    restore_rng(rng)  # as it was: the loop drew between forwards
                 if only_mask_infinities(tensor_leaves((args, kwargs))):
                     result.masked.add(i)
                 if self.cast is not None:

@@ -33,3 +33,22 @@ class Critic(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class DropoutPolicy(nn.Module):
+    """pytorch/examples' REINFORCE policy: dropout in the hidden layer, action probabilities
+    out (one observation per forward, an action sampled between forwards)."""
+
+    def __init__(self):
+        super().__init__()
+        self.affine1 = nn.Linear(OBS, 32)
+        self.dropout = nn.Dropout(p=0.6)
+        self.affine2 = nn.Linear(32, ACT)
+
+    def forward(self, x):
+        return torch.softmax(self.affine2(torch.relu(self.dropout(self.affine1(x)))), dim=1)
+
+
+def make_dropout_policy() -> DropoutPolicy:
+    torch.manual_seed(543)
+    return DropoutPolicy()

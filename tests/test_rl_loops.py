@@ -81,3 +81,48 @@ def test_a_nan_spread_by_the_loops_clip_is_reproduced(tmp_path):
     assert note.startswith("4 more parameters had non-finite gradients in the recording "
                            "(critic.0.weight, critic.0.bias, critic.2.weight (+1 more))"), note
     assert "clip_grad_norm_" in note
+
+
+def reinforce_episode(policy, opt, rewards: list[float]) -> None:
+    """One episode of pytorch/examples' REINFORCE: a forward per observation with an action
+    sampled (from the global RNG) after each, then returns normalised by their std, here
+    without its eps: an episode whose rewards are all 0 makes them 0/0."""
+    log_probs = []
+    for _ in rewards:
+        m = Categorical(policy(torch.randn(1, RL.OBS)))
+        log_probs.append(m.log_prob(m.sample()))
+    returns, r = [], 0.0
+    for reward in reversed(rewards):
+        r = reward + 0.99 * r
+        returns.insert(0, r)
+    ret = torch.tensor(returns)
+    ret = (ret - ret.mean()) / ret.std()
+    opt.zero_grad()
+    torch.cat([-lp * g for lp, g in zip(log_probs, ret)]).sum().backward()
+    opt.step()
+
+
+def reinforce_bundle(out_dir: Path, **settings) -> dict:
+    """The event of four REINFORCE episodes of six forwards each, the fourth without reward."""
+    torch.manual_seed(0)
+    policy = RL.make_dropout_policy()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(policy, opt, out_dir=out_dir, factory="rl_models:make_dropout_policy",
+                           **settings):
+        for episode in range(4):
+            reinforce_episode(policy, opt, [0.0] * 6 if episode == 3 else [0.0] * 5 + [1.0])
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "backward")
+    return err.bundle_path
+
+
+def test_actions_sampled_between_forwards_do_not_change_the_replayed_dropout(tmp_path):
+    """Each forward of the episode is a micro-batch of one step, and the loop draws from the
+    RNG between them: the replay must restore the state each forward began with, or every
+    dropout mask after the first differs (the fidelity check then blamed other weights)."""
+    r = invoke_cli(reinforce_bundle(tmp_path), "--json")
+    rep = json.loads(r.stdout)
+    assert rep["fidelity"]["matches"] is True, rep["fidelity"]
+    assert rep["reproduced"] is True and r.exit_code == 0, json.dumps(rep, indent=1)
+    assert (rep["origin"]["phase"], rep["origin"]["module"]) == ("loss", "<loss>")
