@@ -95,6 +95,9 @@ class Runner:
         # backpropagated from its recorded output gradients, by index (replay.loopscale)
         self.loss_factors: dict[int, list[float]] | None = None
         self.last_loss = None
+        # back-propagate the recorded output gradients even when non-finite: no loss to re-run
+        # (computed in the loop), so they are what entered the model (a window's faithful run)
+        self.feed_recorded = False
 
     # -- state reset -------------------------------------------------------------------------
 
@@ -187,7 +190,7 @@ class Runner:
         fed = self.out_grads is not None
         grads = self.out_grads.get(i, {}) if fed else output_grads(self.step, i)
         pairs = [(o, grads[j]) for j, o in enumerate(outs) if j in grads and o.requires_grad]
-        if pairs and (fed or all(finite(g) for _, g in pairs)):
+        if pairs and (fed or self.feed_recorded or all(finite(g) for _, g in pairs)):
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
             pairs = _external(pairs)

@@ -7,8 +7,8 @@
 
 Each step of the window is re-run as training ran it: its recorded micro-batches and RNG
 states, forward and loss under the recorded autocast, backward (from the recorded output
-gradients when they are finite, as :class:`replay.rerun.Runner` does, else from the loss scaled
-by the recorded GradScaler scale), the gradients unscaled and a step with a non-finite gradient
+gradients when finite, or when no loss re-runs, else from the loss scaled by the recorded
+GradScaler scale), the gradients unscaled and a step with a non-finite gradient
 skipped as the GradScaler skips it, then ``optimizer.step()`` with the hyper-parameters the
 recorded update used (so a scheduler's learning rates are the recorded ones, whatever the
 scheduler). The first thing to go non-finite ends the run: a forward output (by the bundle's
@@ -144,6 +144,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         sub = _sub_step(step, win, record, change)
         runner = Runner(sub)
         runner.cast, runner.loss_factors = change.dtype, factors
+        runner.feed_recorded = step.loss_fn is None  # (what entered from the loop's loss)
         scale = _used_scale(step, win, record)
         runner.loss_scale = scale if scale is not None and math.isfinite(scale) else None
         run = _run_ranks(runner, step, peers, record, change, scale)

@@ -126,3 +126,17 @@ def test_actions_sampled_between_forwards_do_not_change_the_replayed_dropout(tmp
     assert rep["fidelity"]["matches"] is True, rep["fidelity"]
     assert rep["reproduced"] is True and r.exit_code == 0, json.dumps(rep, indent=1)
     assert (rep["origin"]["phase"], rep["origin"]["module"]) == ("loss", "<loss>")
+
+
+def test_a_window_feeds_the_nan_that_entered_from_the_loops_loss(tmp_path):
+    """No ``loss_fn``: the loop's loss sent NaN into the model output. The window's faithful
+    re-run must back-propagate that recorded gradient as training did (it left it out, ran
+    finite and said the event did not come back), and a try that cannot change it (the
+    learning rate) must not be reported as a fix."""
+    r = invoke_cli(reinforce_bundle(tmp_path, rewind=2), "--json", "--try", "lr=0.1x")
+    rep = json.loads(r.stdout)
+    win = rep["window"]
+    assert win["reproduced"] is True, json.dumps(win, indent=1)
+    assert (win["first_non_finite"]["step"], win["first_non_finite"]["phase"]) == (3, "backward")
+    [t] = rep["what_if"]
+    assert (t["finite"], t["inconclusive"], t["origin"]["step"]) == (False, False, 3), t
