@@ -182,6 +182,9 @@ class Runner:
         result.losses.append(loss)
         vals = [t for t in tensor_leaves(loss) if t.is_floating_point()]
         result.loss_micro_batches.append(i)
+        result.loss_args_finite.append(all(
+            finite(t) for k in self.step.micro_batches[i].get("loss_paths", {})
+            if isinstance(t := self.step.tensors.get(k), torch.Tensor) and t.is_floating_point()))
         result.loss_finite.append(all(finite(t) for t in vals))
         result.loss_values.append(";".join(repr(t.detach().double().sum().item()) for t in vals))
         return loss

@@ -40,6 +40,8 @@ class Run:
     loss_finite: list[bool] = field(default_factory=list)
     loss_micro_batches: list[int] = field(default_factory=list)
     loss_values: list[str] = field(default_factory=list)
+    # whether entry j's recorded loss arguments (targets, not the model output) were finite
+    loss_args_finite: list[bool] = field(default_factory=list)
     losses: list = field(default_factory=list)  # each micro-batch's loss (replay.window)
     bad_grads: list[str] = field(default_factory=list)
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
@@ -54,6 +56,12 @@ class Run:
         """``error`` in one line (``"RuntimeError: ..."``), or None."""
         e = self.error
         return None if e is None else " ".join(f"{type(e).__name__}: {e}".split())
+
+    def loss_phase(self, j: int) -> str:
+        """``"input"`` when loss entry ``j`` took a non-finite target (a reward of +inf in a
+        DQN's TD target: the recorder's event is an input event), else ``"loss"``."""
+        ok = self.loss_args_finite
+        return "input" if j < len(ok) and not ok[j] else "loss"
 
     def forward_origin(self) -> Call | None:
         """First call (completion order) to make a non-finite output from finite inputs; by

@@ -461,7 +461,7 @@ def _forward_outcome(k: int, run) -> Outcome | None:
         mb = run.loss_micro_batches[j]
         loss = run.losses[j] if j < len(run.losses) else None
         kind = _kind([loss]) if isinstance(loss, torch.Tensor) else None
-        return Outcome(k, "loss", module="<loss>", micro_batch=mb, kind=kind or "nan")
+        return Outcome(k, run.loss_phase(j), module="<loss>", micro_batch=mb, kind=kind or "nan")
     return None
 
 

@@ -52,3 +52,21 @@ class DropoutPolicy(nn.Module):
 def make_dropout_policy() -> DropoutPolicy:
     torch.manual_seed(543)
     return DropoutPolicy()
+
+
+class QNet(nn.Module):
+    """The PyTorch DQN tutorial's network: observations in, one value per action out."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer1 = nn.Linear(OBS, 32)
+        self.layer2 = nn.Linear(32, 32)
+        self.layer3 = nn.Linear(32, ACT)
+
+    def forward(self, x):
+        return self.layer3(torch.relu(self.layer2(torch.relu(self.layer1(x)))))
+
+
+def make_qnet() -> QNet:
+    torch.manual_seed(0)
+    return QNet()

@@ -140,3 +140,45 @@ def test_a_window_feeds_the_nan_that_entered_from_the_loops_loss(tmp_path):
     assert (win["first_non_finite"]["step"], win["first_non_finite"]["phase"]) == (3, "backward")
     [t] = rep["what_if"]
     assert (t["finite"], t["inconclusive"], t["origin"]["step"]) == (False, False, 3), t
+
+
+def test_a_dqn_target_made_infinite_by_a_reward_comes_back_in_the_window(tmp_path):
+    """A DQN (the PyTorch tutorial's: a target network synced by ``load_state_dict``, the
+    TD target built from it under ``no_grad``, ``SmoothL1Loss`` on the gathered Q-values): a
+    transition whose reward is ``1 / distance`` at distance 0 (+inf) is replayed from memory.
+    The recorder's event is an input event on that loss argument; the window's re-run met
+    the same +inf in the same target and must say the event came back (it said the first
+    non-finite value, the loss, was not the recorded event)."""
+    torch.manual_seed(0)
+    q_net, target_net = RL.make_qnet(), RL.make_qnet()
+    opt = torch.optim.AdamW(q_net.parameters(), lr=1e-3, amsgrad=True)
+    crit = nn.SmoothL1Loss()
+    g = torch.Generator().manual_seed(0)
+    obs = torch.randn(64, RL.OBS, generator=g)
+    acts = torch.randint(0, RL.ACT, (64,), generator=g)
+    rewards = torch.rand(64, generator=g)
+    rewards[5] = 1.0 / torch.tensor(0.0)  # the goal reached: distance 0
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(q_net, opt, loss_fn=crit, out_dir=tmp_path, rewind=4,
+                           factory="rl_models:make_qnet"):
+        for t in range(12):
+            i = torch.arange(8, 16) + 8 * (t % 6) if t < 10 else torch.tensor([0, 5, 9, 12])
+            q = q_net(obs[i]).gather(1, acts[i, None])
+            with torch.no_grad():
+                target = rewards[i] + 0.99 * target_net(obs[i]).max(1).values
+            loss = crit(q, target.unsqueeze(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if t % 4 == 0:
+                target_net.load_state_dict(q_net.state_dict())
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (10, "input")
+    r = invoke_cli(err.bundle_path, "--json", "--try", "auto")
+    rep = json.loads(r.stdout)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [1]), json.dumps(rep, indent=1)
+    win = rep["window"]
+    assert win["reproduced"] is True, json.dumps(win, indent=1)
+    assert (win["first_non_finite"]["step"], win["first_non_finite"]["phase"]) == (10, "input")
+    [t] = rep["what_if"]
+    assert (t["try"], t["finite"], t["inconclusive"]) == ("drop=1", True, False), t
