@@ -141,7 +141,9 @@ class Alarm:
             log.warning(msg)
             return
         self.bundle_path = path
-        msg = _message(as_dict, path, raising) + _loss_not_called(meta)
+        msg = _message(as_dict, path, raising)
+        if tape is not None and not tape.evaluation and not tape.cut_short:
+            msg += _loss_not_called(meta)  # (else the loss may simply not have run yet)
         if moved is not None:
             msg += (f" out_dir '{out_dir}' could not be written ({why_unwritable(out_dir, moved)})"
                     ", so the bundle went to a new temporary directory: move it somewhere safe "

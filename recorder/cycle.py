@@ -374,6 +374,7 @@ class StepCycle:
         try:
             if not tape.evaluation:  # gradients backward wrote, which no optimizer hook read
                 reread_changed_grads(tape, self.target, self.settings.param_norms)
+            tape.cut_short = True
             self.close_tape(at="exception", forced=anomaly_reason(exc))
         except NonFiniteError as e:
             _add_note(exc, str(e))

@@ -68,6 +68,7 @@ class Tape:
         self.out_grad_norms: list[tuple[int, int, tuple[int, int]]] = []
         self.grads_reread = False  # norms re-read before the update (not as backward wrote)
         self.evaluation = False  # an evaluation forward between steps, not a training step
+        self.cut_short = False  # closed by the loop's exception, maybe before its loss ran
         # versions, at the step's start, of the trained parameters the optimizer does not hold
         self.unowned_versions: list[int | None] = []
         # version, at the step's start, of one weight the optimizer holds (Target.watched)

@@ -70,3 +70,32 @@ class QNet(nn.Module):
 def make_qnet() -> QNet:
     torch.manual_seed(0)
     return QNet()
+
+
+class RecurrentPolicy(nn.Module):
+    """A recurrent A2C policy (ikostrikov's pytorch-a2c-ppo-acktr style): a GRUCell stepped once
+    per environment step, its state carried between forwards and reset where an episode ended."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(OBS, 16)
+        self.gru = nn.GRUCell(16, 16)
+        self.pi = nn.Linear(16, ACT)
+        self.v = nn.Linear(16, 1)
+
+    def forward(self, obs, h, masks):
+        h = self.gru(torch.relu(self.enc(obs)), h * masks)
+        return self.pi(h), self.v(h).squeeze(-1), h
+
+
+def make_recurrent_policy() -> RecurrentPolicy:
+    torch.manual_seed(7)
+    return RecurrentPolicy()
+
+
+def a2c_loss(logits, values, actions, returns):
+    """The rollout's policy-gradient and value loss with an entropy bonus."""
+    logp = torch.log_softmax(logits, -1)
+    adv = returns - values
+    pg = -(logp.gather(-1, actions[..., None]).squeeze(-1) * adv.detach()).mean()
+    return pg + 0.5 * adv.pow(2).mean() + 0.01 * (logp.exp() * logp).sum(-1).mean()

@@ -182,3 +182,36 @@ def test_a_dqn_target_made_infinite_by_a_reward_comes_back_in_the_window(tmp_pat
     assert (win["first_non_finite"]["step"], win["first_non_finite"]["phase"]) == (10, "input")
     [t] = rep["what_if"]
     assert (t["try"], t["finite"], t["inconclusive"]) == ("drop=1", True, False), t
+
+
+def test_a_rollout_cut_short_before_its_loss_does_not_say_the_loss_was_called_directly(
+        tmp_path):
+    """A recurrent A2C steps its policy once per environment step, with gradients, and calls
+    its loss through ``rec.loss_fn`` once the rollout is over. A NaN observation makes the
+    next forward's logits NaN, and ``Categorical`` refuses them: the loop raises mid-rollout,
+    before the loss. The recorder's note on that exception must name the input, not claim
+    that the loss function was called without ``rec.loss_fn`` (the loss never ran)."""
+    torch.manual_seed(0)
+    policy = RL.make_recurrent_policy()
+    opt = torch.optim.RMSprop(policy.parameters(), lr=7e-4, eps=1e-5)
+    h, masks = torch.zeros(8, 16), torch.ones(8, 1)
+    with pytest.raises(ValueError) as info, \
+            FlightRecorder(policy, opt, loss_fn=RL.a2c_loss, out_dir=tmp_path,
+                           factory="rl_models:make_recurrent_policy") as rec:
+        for update in range(4):
+            h, out = h.detach(), []
+            for t in range(5):
+                obs = torch.randn(8, RL.OBS)
+                if (update, t) == (3, 2):
+                    obs[5, 1] = float("nan")  # a sensor glitch in environment 5
+                logits, v, h = policy(obs, h, masks)
+                a = Categorical(logits=logits.detach()).sample()  # raises on NaN logits
+                out.append((logits, v, a, (a == 0).float()))
+                masks = (torch.rand(8, 1) > 0.1).float()
+            loss = rec.loss_fn(*(torch.stack(x) for x in zip(*out)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    [note] = [n for n in getattr(info.value, "__notes__", []) if "nanreplay" in n]
+    assert "at step 3, phase input" in note and "samples [5]" in note, note
+    assert "rec.loss_fn" not in note, note
