@@ -94,10 +94,11 @@ class StepEvidence:
     changed: set[int] = field(default_factory=set)
     overflowed: bool = False  # some non-finite norm was an overflow of finite values
     seq_first: bool = False  # the model takes sequences first (see recorder.samples)
+    recurrent: bool = False  # it holds a recurrent module (hidden states: batch in dim 1)
 
     def samples(self, mb: int) -> Samples:
         """Where micro-batch ``mb``'s tensors hold their samples."""
-        return of_micro_batch(self.tape.micro_batches[mb], self.seq_first)
+        return of_micro_batch(self.tape.micro_batches[mb], self.seq_first, self.recurrent)
 
     def really_bad(self, pairs: list[tuple[int, int]], grads: bool) -> list[int]:
         """The parameters of ``pairs`` (index, row entry) whose norm is non-finite and whose

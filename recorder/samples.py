@@ -15,7 +15,8 @@ square matrix (an attention mask, ``(T, T)``) holds no batch and is not counted.
 is a batch of 8, not 12. A tie goes to the first input's dim 1 in a model with
 sequence-first modules, else to its dim 0. A tensor's
 samples are along its dim 0 when it has the batch's size there, or along its dim 1 in such a
-model; a tensor with neither (a weight) has none.
+model, or in a 3-D hidden state ``(layers, B, H)`` of a model holding a recurrent module
+(``batch_first`` or not); a tensor with none of these (a weight) has none.
 
 A ``PackedSequence`` (variable-length sequences for the recurrent modules) is a batch of
 ``batch_sizes[0]``; its ``data`` is packed time-major, so the samples of its rows are found
@@ -45,6 +46,13 @@ _SEQUENCE_MODULES = (nn.RNNBase, nn.MultiheadAttention, nn.Transformer,
                      nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
+def recurrent(model: nn.Module | None) -> bool:
+    """``model`` holds an ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN``: its hidden states, passed in
+    and returned (a state carried between truncated-BPTT steps), are ``(layers * directions,
+    B, H)``, the batch in dim 1 whatever ``batch_first`` says."""
+    return model is not None and any(isinstance(m, nn.RNNBase) for m in model.modules())
+
+
 def seq_first(model: nn.Module | None) -> bool:
     """``model`` holds a recurrent or attention module that takes sequences first."""
     if model is None:
@@ -59,6 +67,7 @@ class Samples:
 
     size: int = 0
     seq_first: bool = False
+    recurrent: bool = False  # the model holds a recurrent module (see :func:`recurrent`)
 
     def dim(self, t: torch.Tensor) -> int | None:
         """The dimension of ``t`` that holds the samples; None when ``t`` has none (a 0-d
@@ -70,8 +79,11 @@ class Samples:
         shape = t.shape
         if self.seq_first and t.dim() > 1 and shape[1] == self.size:
             return 1
-        # (dim 0 only: a weight's gradient, (4, 8) against a batch of 8, holds no samples)
-        return 0 if shape[0] == self.size else None
+        if shape[0] == self.size:
+            return 0
+        # (else dim 0 only: a weight's gradient, (4, 8) against a batch of 8, holds none; but
+        # a recurrent module's hidden state, (layers, B, H), has the batch in dim 1)
+        return 1 if self.recurrent and t.dim() == 3 and shape[1] == self.size else None
 
     def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence | Bags] | None = None
              ) -> list[int]:
@@ -180,7 +192,7 @@ def packed_samples(seq: PackedSequence, rows: list[int]) -> list[int]:
     return sorted(set(picked.tolist()))
 
 
-def of_micro_batch(mb, sequence_first: bool) -> Samples:
+def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
     """The :class:`Samples` of a recorded micro-batch (a :class:`~recorder.tape.MicroBatch`):
     from its inputs, its loss targets (the loss's tensors not computed from the output) and
     its outputs; from its first input ``PackedSequence`` when it has one. Stored in the bundle,
@@ -188,15 +200,15 @@ def of_micro_batch(mb, sequence_first: bool) -> Samples:
     seq = next((v for v in packed_in([list(mb.args), mb.kwargs]).values()
                 if isinstance(v, PackedSequence)), None)
     if seq is not None:  # (pack_padded_sequence refuses empty sequences: all have a step 0)
-        return Samples(int(seq.batch_sizes[0]), sequence_first)
+        return Samples(int(seq.batch_sizes[0]), sequence_first, rnn)
     targets = [t for t in tensor_leaves([list(mb.loss_args or ()), mb.loss_kwargs or {}])
                if t.grad_fn is None]
     return infer(tensor_leaves([list(mb.args), mb.kwargs]),
-                 targets + list(tensor_leaves(mb.outputs)), sequence_first)
+                 targets + list(tensor_leaves(mb.outputs)), sequence_first, rnn)
 
 
 def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
-          sequence_first: bool = False) -> Samples:
+          sequence_first: bool = False, rnn: bool = False) -> Samples:
     """The :class:`Samples` of a micro-batch from its root ``inputs`` (in order) and
     ``others`` (loss targets, root outputs), as the module docstring says."""
     inputs = [t for t in inputs if _batched(t)]
@@ -206,7 +218,7 @@ def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
         shape = t.shape
         counts.update({n: 2 if n in shape[:at] else 1 for n in set(shape)})
     if not counts:
-        return Samples(0, sequence_first)
+        return Samples(0, sequence_first, rnn)
     top = max(counts.values())
     tied = {n for n, c in counts.items() if c == top}
     if len(tied) > 1 and inputs:
@@ -214,8 +226,8 @@ def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
         order = ([1, 0] if sequence_first else [0, 1]) + list(range(2, len(shape)))
         pick = next((shape[d] for d in order if d < len(shape) and shape[d] in tied), None)
         if pick is not None:
-            return Samples(int(pick), sequence_first)
-    return Samples(int(min(tied)), sequence_first)
+            return Samples(int(pick), sequence_first, rnn)
+    return Samples(int(min(tied)), sequence_first, rnn)
 
 
 def _batched(t) -> bool:

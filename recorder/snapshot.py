@@ -83,8 +83,9 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors, mbs[:i])
                                  for i, mb in enumerate(mbs)]
         for entry, mb in zip(meta["micro_batches"], tape.micro_batches):
-            s = of_micro_batch(mb, target.seq_first)  # where the replay names samples
-            entry["samples"] = {"size": s.size, "seq_first": s.seq_first}
+            s = of_micro_batch(mb, target.seq_first, target.recurrent)  # (for the replay)
+            entry["samples"] = {"size": s.size, "seq_first": s.seq_first,
+                                "recurrent": s.recurrent}
     _training_objects(src, guard, meta, tensors)
     # -- history and environment
     n_groups = len(opt.param_groups) if opt is not None else 0

@@ -20,7 +20,7 @@ from .compat import forward_autocasts, is_norm_layer, own_slots, version_of, vie
 from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .finite import matches
 from .ranks import Agreement
-from .samples import seq_first
+from .samples import recurrent, seq_first
 from .settings import Settings
 from .shards import class_name, local, sharded
 
@@ -82,6 +82,7 @@ class Target:
         self.compiled: set[str] = set()
         self.allowed_modules: set[int] = set()
         self.seq_first = False
+        self.recurrent = False
         self.grad_hooks = True
         self.release()
 
@@ -111,6 +112,7 @@ class Target:
                         and passes_through(s.module)}  # not hooked: their calls repeat others'
         self.allowed_modules = {i for i, n in enumerate(self.module_names) if self.is_allowed(n)}
         self.seq_first = seq_first(model)  # the samples of its batches are in dim 1
+        self.recurrent = recurrent(model)  # (and of its hidden states, whatever the above)
         # autocast the root's forward enters itself (accelerate's mixed precision wraps it so),
         # which its pre-hook, where a micro-batch's autocast is read, does not see yet
         self.forward_autocast = [(d, str(t).removeprefix("torch.") if on else None)

@@ -12,7 +12,7 @@ import torch
 
 from recorder.capture import batch_path, flatten_tree, loss_path
 from recorder.finite import finite, has_nan, kind_of, matches
-from recorder.samples import Samples, infer, packed_in, seq_first
+from recorder.samples import Samples, infer, packed_in, recurrent, seq_first
 
 from .cause_text import SHARED_INPUT
 from .findings import origin_fields
@@ -32,14 +32,15 @@ def entry_samples(mb: dict[str, Any], tensors: dict[str, torch.Tensor], model) -
     kept = mb.get("samples")
     size = kept.get("size") if isinstance(kept, dict) else None
     if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
-        return Samples(size, kept.get("seq_first") is True)
+        return Samples(size, kept.get("seq_first") is True,
+                       kept.get("recurrent", recurrent(model)) is True)
 
     def present(keys) -> list[torch.Tensor]:
         return [t for k in keys if isinstance(t := tensors.get(k), torch.Tensor)]
 
     return infer(present(mb.get("paths", {})),
                  present([*mb.get("loss_paths", {}), *mb.get("output_grads", {}).values()]),
-                 seq_first(model))
+                 seq_first(model), recurrent(model))
 
 
 def batch_size(step: Step, i: int = 0) -> int:

@@ -1,0 +1,66 @@
+"""Truncated BPTT with the recurrent state carried between steps: a batch-first ``nn.LSTM``'s
+``(h, c)`` are ``(layers, B, H)``, the batch in dim 1 whatever ``batch_first`` says. The
+samples of a NaN in that state, and ``--try drop=`` of them, must follow the batch there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import carried_models as CM
+import pytest
+import torch
+from bundles import invoke_cli
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+B, T = 6, 10
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # carried_models.py is trusted here
+
+
+def train(out_dir: Path) -> NonFiniteError:
+    """Chunks of a token stream; between chunks the loop detaches the state and, as a
+    stateful model's loop may, rescales each row of ``h`` to unit norm, resetting the rows
+    of the streams that ended (multiplied by 0) first: a reset row is 0 / 0."""
+    torch.manual_seed(0)
+    model = CM.make_char_lstm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = CM.ChunkLoss()
+    text = torch.randint(0, CM.V, (B, 8 * T + 1))
+    hc = None
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                           factory="carried_models:make_char_lstm"):
+        for step in range(8):
+            x, y = text[:, step * T:(step + 1) * T], text[:, step * T + 1:(step + 1) * T + 1]
+            if hc is not None:
+                keep = torch.ones(1, B, 1)
+                if step == 5:
+                    keep[0, 3] = 0.0  # stream 3 ended
+                h, c = (s.detach() * keep for s in hc)
+                hc = (h / h.norm(dim=-1, keepdim=True), c)
+            out = model(x, hc)
+            hc = out[1]
+            loss = crit(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return info.value
+
+
+def test_a_nan_in_the_carried_state_names_its_sample_and_drops_it(tmp_path):
+    err = train(tmp_path)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        5, "input", "args[1][0]", [3]), ev
+    r = invoke_cli(err.bundle_path, "--json", "--try", "auto")
+    rep = json.loads(r.stdout)
+    o = rep["origin"]
+    assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "args[1][0]", [3]), o
+    [t] = rep["what_if"]
+    assert (t["try"], t["finite"], t.get("error")) == ("drop=3", True, None), t
