@@ -45,7 +45,7 @@ import torch
 
 from recorder.finite import label
 
-from . import domains
+from . import domains, saturation
 from .cause_text import DO, HINTS, INF_ARITH, inf_arith, no_float64
 from .domains import g as _g
 from .float64_step import float64_still
@@ -168,6 +168,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
                      f"not cross{how}: " + DO["unit" if situation == "unit" else "stable"])
+    if saturation.rounded_zero(ev.inputs, ev.complement):  # 1 - tanh(u)², rounded in both
+        return Cause("precision", saturation.hint(what))
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:
         return Cause("precision", f"{what}: float64 is past the edge too, but by "

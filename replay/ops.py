@@ -17,7 +17,7 @@ and, after, for its output. Two offenders are kept:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from recorder.samples import Samples
 from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
 from .float64 import as_float64, upcast
 from .memo import TensorSet
+from .saturation import Saturation
 from .source import OP_ERROR, user_source
 
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
@@ -76,6 +77,7 @@ class Evidence:
     output: int = 0  # which floating output ``bad`` is over
     empty: bool = False  # a floating input has no element (the mean of nothing is 0/0)
     args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
+    complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
 
 
 def _num(x: float | None):
@@ -297,6 +299,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder) -> Evidence:
     return Evidence(dtype=outs[k].dtype, bad=bad, inputs=[v for v, _ in taken],
                     input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
                     exp_made=[f.positive(t) for t in ins], local64=local,
+                    complement=[f.saturation.complement(t) for t in ins],
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
@@ -375,6 +378,7 @@ class OpFinder:
         self.samples = samples  # name the samples of the first offender's output
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
+        self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
         # (data_ptr, shape) -> name of the model's parameters, set by the caller that runs it
         self.params: dict[tuple[int, tuple], str] = {}
@@ -415,6 +419,7 @@ class OpFinder:
         if name in POSITIVE or (name in PASS_ON and ins and self.positive(ins[0])):
             for t in outs:
                 self._positive.add(t)
+        self.saturation.track(name, ins, outs, leaves)
 
     def _of_weights_only(self, leaves: list) -> bool:
         """Every tensor an op took is a parameter or buffer, or was made from them alone."""

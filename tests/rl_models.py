@@ -99,3 +99,34 @@ def a2c_loss(logits, values, actions, returns):
     adv = returns - values
     pg = -(logp.gather(-1, actions[..., None]).squeeze(-1) * adv.detach()).mean()
     return pg + 0.5 * adv.pow(2).mean() + 0.01 * (logp.exp() * logp).sum(-1).mean()
+
+
+class SquashedGaussianActor(nn.Module):
+    """A SAC actor (CleanRL's): a mean and a bounded log-std head over a shared body."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(OBS, 32), nn.ReLU())
+        self.mean, self.log_std = nn.Linear(32, 2), nn.Linear(32, 2)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.mean(h), -5 + 3.5 * (torch.tanh(self.log_std(h)) + 1)
+
+
+def make_squashed_actor() -> SquashedGaussianActor:
+    torch.manual_seed(0)
+    return SquashedGaussianActor()
+
+
+class SquashedActorLoss(nn.Module):
+    """alpha * log pi(a|s) - Q(s, a) for a tanh-squashed Gaussian action, its log-probability
+    corrected by log(1 - tanh(u)²) without the usual eps, against a fixed critic."""
+
+    def forward(self, out, noise):
+        mean, log_std = out
+        u = mean + log_std.exp() * noise
+        a = torch.tanh(u)
+        normal = torch.distributions.Normal(mean, log_std.exp())
+        log_pi = (normal.log_prob(u) - torch.log(1 - a.pow(2))).sum(1)
+        return (0.2 * log_pi + ((a - 0.9) ** 2).sum(1)).mean()

@@ -215,3 +215,31 @@ def test_a_rollout_cut_short_before_its_loss_does_not_say_the_loss_was_called_di
     [note] = [n for n in getattr(info.value, "__notes__", []) if "nanreplay" in n]
     assert "at step 3, phase input" in note and "samples [5]" in note, note
     assert "rec.loss_fn" not in note, note
+
+
+def test_a_tanh_squashed_log_prob_correction_rounded_to_log_0_is_precision(tmp_path):
+    """SAC's log-probability correction written ``log(1 - tanh(u)²)`` without its eps: once
+    observations leave their normalised range the pre-squash action u is large, tanh(u) rounds
+    to 1.0 (in float64 too, past u ≈ 19) and the log takes 0. Exact arithmetic keeps
+    1 - tanh(u)² above 0 for every finite u, so the cause is rounding, ``precision``, with
+    the stable form as the hint (it said ``invalid``: 'exact arithmetic makes it too')."""
+    torch.manual_seed(0)
+    actor = RL.make_squashed_actor()
+    opt = torch.optim.Adam(actor.parameters(), lr=3e-4)
+    crit = RL.SquashedActorLoss()
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(actor, opt, loss_fn=crit, out_dir=tmp_path,
+                           factory="rl_models:make_squashed_actor"):
+        for step in range(6):
+            obs = torch.randn(32, RL.OBS) * (200.0 if step == 4 else 1.0)
+            loss = crit(actor(obs), torch.randn(32, 2))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (4, "loss")
+    rep = json.loads(invoke_cli(err.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (o["op"], o["made"], rep["cause"]) == ("aten.log", "-inf", "precision"), \
+        json.dumps(rep, indent=1)
+    assert "2·(log 2 − u − softplus(−2u))" in rep["hint"], rep["hint"]

@@ -1,0 +1,83 @@
+"""Complements of saturating functions: values that exact arithmetic keeps above 0 however
+large the argument, which rounding makes exactly 0.
+
+tanh, sigmoid and erf of a finite argument lie strictly inside (-1, 1), and so do their
+powers and products; ``1 - y`` and ``1 + y`` of such a ``y`` are then strictly positive. But
+tanh(u) is 1.0 in float32 from u ≈ 9 (in float64 from u ≈ 19), so ``log(1 - tanh(u)²)`` — a
+tanh-squashed Gaussian policy's log-probability correction, written without its eps — is
+log(0) in both types, while its exact value is about 2 log 2 - 2|u|. Float64 hitting the pole
+too does not make that ``invalid``: rounding put the input there, ``precision``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .memo import TensorSet
+
+# strictly inside (-1, 1) for every finite argument
+UNIT_OPEN = {"tanh", "sigmoid", "special_expit", "erf"}
+# unary ops that keep a value strictly inside (-1, 1) (pow: with a positive scalar exponent)
+KEEP = {"neg", "abs", "square", "pow", "clone", "_to_copy", "view", "_unsafe_view", "reshape",
+        "expand", "slice", "select", "index_select", "gather", "squeeze", "unsqueeze",
+        "permute", "transpose", "t", "contiguous", "alias", "detach", "flatten", "unbind",
+        "split", "narrow"}
+
+# what a rounded complement needs instead of an eps
+STABLE = ("use the complement's stable form: log(1 - tanh(u)²) = 2·(log 2 − u − softplus(−2u)) "
+          "(a tanh-squashed policy's correction), 1 − sigmoid(z) = sigmoid(−z) and "
+          "log(1 − sigmoid(z)) = logsigmoid(−z); or add an eps inside (1 − y² + 1e-6)")
+
+
+class Saturation:
+    """Tensors made in the watched code that exact arithmetic keeps strictly inside (-1, 1),
+    and the complements (``1 - y``, ``1 + y``) made from them, kept strictly above 0."""
+
+    def __init__(self):
+        self._unit = TensorSet()
+        self._complement = TensorSet()
+
+    def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+              leaves: list) -> None:
+        """After an op with finite inputs ran: mark its outputs (see the class)."""
+        unit = [t in self._unit for t in ins]
+        if name in UNIT_OPEN or (ins and all(unit) and (
+                name in KEEP and _positive_power(name, leaves) or name == "mul"
+                and all(abs(v) <= 1 for v in _scalars(leaves)))):
+            for t in outs:
+                self._unit.add(t)
+        elif name in ("rsub", "add") and len(ins) == 1 and unit[0] and _one_or_more(leaves):
+            for t in outs:  # 1 - y, 1 + y (a scalar of at least 1)
+                self._complement.add(t)
+
+    def complement(self, t: torch.Tensor) -> bool:
+        return t in self._complement
+
+
+def _positive_power(name: str, leaves: list) -> bool:
+    """Not ``pow``, or ``pow`` with a positive scalar exponent (|y|^p stays below 1)."""
+    if name != "pow":
+        return True
+    p = leaves[1] if len(leaves) > 1 else None
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0
+
+
+def _one_or_more(leaves: list) -> bool:
+    """The op's scalar operand is at least 1 (``rsub(y, 1)`` is ``1 - y``), with alpha 1."""
+    scalars = _scalars(leaves)
+    return len(scalars) >= 1 and scalars[0] >= 1 and all(v == 1 for v in scalars[1:])
+
+
+def _scalars(leaves: list) -> list[float]:
+    return [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def hint(what: str) -> str:
+    """The ``precision`` hint of an op at its pole whose 0 input is such a complement."""
+    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid) that exact arithmetic keeps "
+            "below 1 for every finite argument, rounded to 1 in float64 too: " + STABLE)
+
+
+def rounded_zero(inputs: list[torch.Tensor], complement: list[bool]) -> bool:
+    """An input that is 0 somewhere is such a complement: rounding made it 0."""
+    return any(c and bool((v == 0).any()) for v, c in zip(inputs, complement))
