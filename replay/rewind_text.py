@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .cause_text import module_label
+from .diverging import diverging_text
 
 
 def where(o: dict[str, Any] | None) -> str:
@@ -64,7 +65,8 @@ def what_if_verdict(t: dict[str, Any]) -> str:
     elif t["finite"]:  # (with the loss there: finite is not yet trained well)
         verdict = f"finite through step {t['steps'][1]}"
         if t.get("loss") is not None:
-            verdict += f" (loss {t['loss']:.4g})"
+            d = t.get("diverging")
+            verdict += f" (loss {t['loss']:.4g}{diverging_text(d) if d else ''})"
     else:
         o = t["origin"]
         verdict = f"{o.get('kind') or 'non-finite'} at step {o['step']} ({where(o)})"

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .diverging import still_diverging
 from .errors import ReplayError, one_line
 from .load import Step
 from .optim import eps_lost, safe_eps
@@ -272,8 +273,9 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
                                  "event_step": o.step if o else None,
                                  "origin": _origin(o) if o else None,
                                  "steps": [win.records[0]["step"], win.records[-1]["step"]]}
-        if o is None:  # the re-run's loss at its last step
+        if o is None:  # the re-run's loss at its last step, and whether it still diverges
             entry["loss"] = res.per_step[-1]["loss"] if res.per_step else None
+            entry["diverging"] = still_diverging(entry["loss"], report.get("window"))
         if res.problems:
             entry["note"] = "; ".join(res.problems)
         out.append(entry)

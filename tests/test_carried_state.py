@@ -64,3 +64,38 @@ def test_a_nan_in_the_carried_state_names_its_sample_and_drops_it(tmp_path):
     assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "args[1][0]", [3]), o
     [t] = rep["what_if"]
     assert (t["try"], t["finite"], t.get("error")) == ("drop=3", True, None), t
+
+
+def test_a_finite_what_if_whose_loss_still_explodes_is_marked_diverging(tmp_path):
+    """pytorch/examples' word language model (RNN_RELU), its hidden state carried between
+    truncated-BPTT chunks, trained by SGD at a learning rate 10x its default 20 and without
+    its clip: the ReLU recurrence explodes until addmm overflows float32. float64 holds that
+    overflow, so ``--try dtype=float64`` stays finite through the event step, with a loss
+    ~1e150: that try must say it still diverges (it read as a fix), while the learning rate's
+    own try, whose loss stays near the calm steps', must not."""
+    import lm_models as LM
+    torch.manual_seed(0)
+    model = LM.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=200.0)
+    crit = torch.nn.NLLLoss()
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, LM.NTOKEN, (20 * 35 + 1, 10), generator=g)
+    hidden = torch.zeros(1, 10, LM.NHID)
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, rewind=8,
+                           factory="lm_models:make_model"):
+        for i in range(0, 20 * 35, 35):
+            x, y = data[i:i + 35], data[i + 1:i + 36].reshape(-1)
+            out, hidden = model(x, hidden.detach())
+            loss = crit(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    r = invoke_cli(info.value.bundle_path, "--json", "--try", "dtype=float64",
+                   "--try", "lr=0.01x")
+    rep = json.loads(r.stdout)
+    wide, low = rep["what_if"]
+    assert wide["finite"] is True and wide["diverging"]["ratio"] > 1e3, wide
+    assert low["finite"] is True and low["diverging"] is None, low
+    text = invoke_cli(info.value.bundle_path, "--try", "dtype=float64").stdout
+    assert "still diverging" in text, text
