@@ -88,11 +88,15 @@ def _diverging(report, windowed: bool) -> None:
     at = report["event"].get("step")
     if report.get("cause") != "overflow" or at is None:
         return
+    # (a weight jump at the event step is the update before it: the weights the step began with)
     jump = next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH
-                 and p.get("step") is not None and p["step"] < at), None)
+                 and p.get("step") is not None and (p["step"] < at or p["step"] == at
+                                                    and p["kind"] == "weight_jump")), None)
     if jump is not None:
-        report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped at "
-                          f"step {jump['step']} (see precursors): the run was diverging, and "
+        when = f"in the update before step {at}" if jump["step"] == at else \
+            f"at step {jump['step']}"
+        report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped "
+                          f"{when} (see precursors): the run was diverging, and "
                           "a wider type only postpones the overflow; "
                           + DO["diverging_window" if windowed else "diverging"])
 

@@ -66,13 +66,10 @@ def test_a_nan_in_the_carried_state_names_its_sample_and_drops_it(tmp_path):
     assert (t["try"], t["finite"], t.get("error")) == ("drop=3", True, None), t
 
 
-def test_a_finite_what_if_whose_loss_still_explodes_is_marked_diverging(tmp_path):
+def exploding_lm(out_dir: Path) -> Path:
     """pytorch/examples' word language model (RNN_RELU), its hidden state carried between
     truncated-BPTT chunks, trained by SGD at a learning rate 10x its default 20 and without
-    its clip: the ReLU recurrence explodes until addmm overflows float32. float64 holds that
-    overflow, so ``--try dtype=float64`` stays finite through the event step, with a loss
-    ~1e150: that try must say it still diverges (it read as a fix), while the learning rate's
-    own try, whose loss stays near the calm steps', must not."""
+    its clip: the ReLU recurrence explodes until addmm overflows float32 at step 2."""
     import lm_models as LM
     torch.manual_seed(0)
     model = LM.make_model()
@@ -82,7 +79,7 @@ def test_a_finite_what_if_whose_loss_still_explodes_is_marked_diverging(tmp_path
     data = torch.randint(0, LM.NTOKEN, (20 * 35 + 1, 10), generator=g)
     hidden = torch.zeros(1, 10, LM.NHID)
     with pytest.raises(NonFiniteError) as info, \
-            FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, rewind=8,
+            FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=8,
                            factory="lm_models:make_model"):
         for i in range(0, 20 * 35, 35):
             x, y = data[i:i + 35], data[i + 1:i + 36].reshape(-1)
@@ -91,11 +88,32 @@ def test_a_finite_what_if_whose_loss_still_explodes_is_marked_diverging(tmp_path
             opt.zero_grad()
             loss.backward()
             opt.step()
-    r = invoke_cli(info.value.bundle_path, "--json", "--try", "dtype=float64",
-                   "--try", "lr=0.01x")
-    rep = json.loads(r.stdout)
+    assert (info.value.event["step"], info.value.event["module"]) == (2, "rnn")
+    return info.value.bundle_path
+
+
+def test_a_finite_what_if_whose_loss_still_explodes_is_marked_diverging(tmp_path):
+    """float64 holds the word model's overflow, so ``--try dtype=float64`` stays finite
+    through the event step, with a loss ~1e150: that try must say it still diverges (it read
+    as a fix), while the learning rate's own try, whose loss stays near the calm steps', must
+    not."""
+    bundle = exploding_lm(tmp_path)
+    rep = json.loads(invoke_cli(bundle, "--json", "--try", "dtype=float64",
+                                "--try", "lr=0.01x").stdout)
     wide, low = rep["what_if"]
     assert wide["finite"] is True and wide["diverging"]["ratio"] > 1e3, wide
     assert low["finite"] is True and low["diverging"] is None, low
-    text = invoke_cli(info.value.bundle_path, "--try", "dtype=float64").stdout
+    text = invoke_cli(bundle, "--try", "dtype=float64").stdout
     assert "still diverging" in text, text
+
+
+def test_an_overflow_right_after_the_weights_jumped_is_hinted_as_a_diverging_run(tmp_path):
+    """The word model's update at step 1 blew its weights up 3.8e4x (a ``weight_jump`` listed
+    at step 2: the norm the update before step 2 left), and step 2's forward overflowed. The
+    hint must say the run was diverging and point at the learning rate (it said only 'compute
+    it in float64', since the jump is listed at the event step itself)."""
+    rep = json.loads(invoke_cli(exploding_lm(tmp_path), "--json").stdout)
+    assert rep["cause"] == "overflow", json.dumps(rep, indent=1)
+    assert [p["kind"] for p in rep["precursors"] if p["step"] < 2] == [], rep["precursors"]
+    assert "the run was diverging" in rep["hint"] and "--try lr=0.1x" in rep["hint"], \
+        rep["hint"]
