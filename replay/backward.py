@@ -27,7 +27,8 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .compat import sequence_nr
-from .ops import OpFinder, made_positive, node_op
+from .ops import OpFinder
+from .positive import made_positive, node_op
 from .rerun import Runner
 from .source import traceback_source
 

@@ -56,7 +56,7 @@ from .rerun import Runner
 __all__ = ["Cause", "classify"]
 
 
-# the ops of replay.ops.POSITIVE in words: a 0 they made underflowed
+# the ops of replay.positive.POSITIVE in words: a 0 they made underflowed
 _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 
 

@@ -28,6 +28,7 @@ from recorder.samples import Samples
 from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
 from .float64 import as_float64, upcast
 from .memo import TensorSet
+from .positive import made_positive, positive_result
 from .saturation import Saturation
 from .source import OP_ERROR, user_source
 
@@ -100,50 +101,6 @@ def _op(func, args, kwargs):
 # Ops whose later outputs are workspaces for backward, partly uninitialised (CTC's log_alpha
 # beyond a row's input length): only the first outputs are results.
 _RESULTS = {"_ctc_loss": 1, "_cudnn_ctc_loss": 1}
-
-# Ops whose result is positive in exact arithmetic for every finite argument: a 0 they return
-# is an underflow. Ops that pass values on unchanged keep that mark (a gathered probability).
-POSITIVE = {"exp", "exp2", "_softmax", "softmax", "sigmoid", "special_expit", "softplus"}
-PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", "reshape",
-            "squeeze", "unsqueeze", "clone", "_to_copy", "expand", "permute", "transpose", "t",
-            "contiguous", "alias", "narrow", "take_along_dim", "index", "unbind", "split",
-            "split_with_sizes", "detach", "masked_select", "flatten", "unflatten", "diagonal",
-            "as_strided", "div"}  # div: a positive value over a finite one stays non-zero
-
-
-def _node_name(op: str) -> str:
-    """A backward node's name (``Backward<n>`` dropped) for aten op ``op``: ``IndexSelect`` for
-    ``index_select``, ``UnsafeView`` for ``_unsafe_view``."""
-    return "".join(part.capitalize() for part in op.split("_"))
-
-
-# The same rule on the autograd graph, for a value made before the watched code ran (a
-# model's softplus variance that the loss takes the log of); a reshape's node is ReshapeAlias
-_POSITIVE_NODES = {_node_name(op) for op in POSITIVE}
-_PASS_ON_NODES = {_node_name(op) for op in PASS_ON} | {"ReshapeAlias"}
-
-
-def node_op(node) -> str:
-    name = node.name()
-    return name[: name.rfind("Backward")] if "Backward" in name else name
-
-
-def made_positive(fn, depth: int = 8) -> bool:
-    """Whether autograd node ``fn`` made its value by exp, softmax, sigmoid or softplus
-    (directly, or viewed, gathered, sliced, divided). ``depth`` bounds the walk."""
-    try:
-        for _ in range(depth):
-            if fn is None:
-                return False
-            op = node_op(fn)
-            if op in _POSITIVE_NODES:
-                return True
-            if op not in _PASS_ON_NODES:
-                return False
-            fn = next((f for f, _ in fn.next_functions if f is not None), None)
-    except Exception:  # not an autograd node, or one that cannot say
-        return False
-    return False
 
 
 class _Watch(TorchDispatchMode):
@@ -416,7 +373,7 @@ class OpFinder:
                 self._of_weights.add(t)
         if not in_finite:
             return
-        if name in POSITIVE or (name in PASS_ON and ins and self.positive(ins[0])):
+        if positive_result(name, ins, leaves, self.positive):
             for t in outs:
                 self._positive.add(t)
         self.saturation.track(name, ins, outs, leaves)

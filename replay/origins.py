@@ -22,8 +22,9 @@ from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step, autocast_as_recorded, loss_inputs
-from .ops import OpFinder, made_positive, state_of
+from .ops import OpFinder, state_of
 from .optim import eps_lost, per_parameter, safe_eps
+from .positive import made_positive
 from .recorded import batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run

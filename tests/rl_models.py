@@ -130,3 +130,31 @@ class SquashedActorLoss(nn.Module):
         normal = torch.distributions.Normal(mean, log_std.exp())
         log_pi = (normal.log_prob(u) - torch.log(1 - a.pow(2))).sum(1)
         return (0.2 * log_pi + ((a - 0.9) ** 2).sum(1)).mean()
+
+
+class GaussianPolicy(nn.Module):
+    """A continuous actor-critic (CleanRL's continuous PPO agent): a state-independent
+    ``log_std`` parameter beside the mean and value heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.mu = nn.Sequential(nn.Linear(OBS, 32), nn.Tanh(), nn.Linear(32, 2))
+        self.v = nn.Linear(OBS, 1)
+        self.log_std = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return self.mu(x), self.log_std.expand(x.shape[0], 2), self.v(x).squeeze(-1)
+
+
+def make_gaussian_policy() -> GaussianPolicy:
+    torch.manual_seed(2)
+    return GaussianPolicy()
+
+
+def gaussian_a2c_loss(out, action, ret):
+    """Policy gradient, value loss, and the entropy bonus with its sign flipped (the bug: it
+    rewards a narrower policy, so ``log_std`` drifts down every update)."""
+    mu, log_std, v = out
+    dist = torch.distributions.Normal(mu, log_std.exp(), validate_args=False)
+    pg = -(dist.log_prob(action).sum(-1) * (ret - v).detach()).mean()
+    return pg + 0.5 * (ret - v).pow(2).mean() + dist.entropy().sum(-1).mean()

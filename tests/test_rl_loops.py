@@ -243,3 +243,34 @@ def test_a_tanh_squashed_log_prob_correction_rounded_to_log_0_is_precision(tmp_p
     assert (o["op"], o["made"], rep["cause"]) == ("aten.log", "-inf", "precision"), \
         json.dumps(rep, indent=1)
     assert "2·(log 2 − u − softplus(−2u))" in rep["hint"], rep["hint"]
+
+
+def test_a_gaussian_variance_from_a_drifting_log_std_is_an_underflow(tmp_path):
+    """A Gaussian policy's ``log_std`` parameter drifts down by the learning rate each update
+    (an entropy bonus of the wrong sign), from -40 where a long run left it: ``Normal``'s
+    variance ``exp(log_std) ** 2`` falls below float32's range and its ``(x - mu)² / (2 var)``
+    has an infinite gradient. The variance is positive in exact arithmetic (a power of exp,
+    times 2): ``underflow``, not rounding across a domain edge (it said ``precision``)."""
+    torch.manual_seed(0)
+    policy = RL.make_gaussian_policy()
+    with torch.no_grad():
+        policy.log_std.fill_(-40.0)
+    opt = torch.optim.Adam([{"params": [*policy.mu.parameters(), *policy.v.parameters()]},
+                            {"params": [policy.log_std], "lr": 1.0}], lr=3e-4)
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(policy, opt, loss_fn=RL.gaussian_a2c_loss, out_dir=tmp_path,
+                           factory="rl_models:make_gaussian_policy") as rec:
+        for _ in range(30):
+            obs = torch.randn(32, RL.OBS)
+            with torch.no_grad():  # the rollout's actions, sampled as PPO's collection does
+                mu, log_std, _ = policy(obs)
+                action = mu + log_std.exp() * torch.randn_like(mu)
+            loss = rec.loss_fn(policy(obs), action, torch.zeros(32))  # (no reward yet)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert info.value.event["phase"] == "backward"
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], rep["cause"]) == ("backward", "DivBackward0", "underflow"), \
+        json.dumps(rep, indent=1)
