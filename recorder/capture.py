@@ -161,9 +161,12 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Put back what :func:`capture_rng` (or :func:`rng_from_bundle`) returned."""
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch_cpu"])
+    """Put back what :func:`capture_rng` (or :func:`rng_from_bundle`) returned; generators it
+    leaves out (see :func:`rng_drawn`) stay as they are."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "torch_cpu" in state:
+        torch.set_rng_state(state["torch_cpu"])
     if "numpy" in state:
         import numpy as np  # only when the recorded run used it
 
@@ -177,10 +180,11 @@ def restore_rng(state: dict[str, Any]) -> None:
 def rng_to_bundle(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Split an RNG state into JSON metadata and tensors for the bundle."""
     meta: dict[str, Any] = {}
-    tensors = {"rng/torch_cpu": state["torch_cpu"].clone()}
-    version, internal, gauss = state["python"]
-    meta["python"] = {"version": version, "gauss": gauss}
-    tensors["rng/python"] = torch.tensor(internal, dtype=torch.int64)
+    tensors = {"rng/torch_cpu": state["torch_cpu"].clone()} if "torch_cpu" in state else {}
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        meta["python"] = {"version": version, "gauss": gauss}
+        tensors["rng/python"] = torch.tensor(internal, dtype=torch.int64)
     if "numpy" in state:
         name, keys, pos, has_gauss, cached = state["numpy"]
         meta["numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss),
@@ -192,13 +196,35 @@ def rng_to_bundle(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torc
     return meta, tensors
 
 
+def rng_drawn(state: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
+    """The generators of ``state`` (a capture) that moved since the capture ``before``: those
+    a later micro-batch's entry must restore (all of them when ``before`` is None)."""
+    if before is None:
+        return state
+    return {k: v for k, v in state.items() if not _same_state(v, before.get(k))}
+
+
+def _same_state(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):  # python (version, words, gauss), numpy's, cuda's list
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(
+            _same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape") and hasattr(b, "shape"):  # numpy's key array
+        return a.shape == b.shape and bool((a == b).all())
+    return a == b
+
+
 def rng_from_bundle(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Inverse of :func:`rng_to_bundle`."""
-    py = meta["python"]
-    state: dict[str, Any] = {
-        "python": (py["version"], tuple(tensors["rng/python"].tolist()), py["gauss"]),
-        "torch_cpu": tensors["rng/torch_cpu"],
-    }
+    state: dict[str, Any] = {}
+    if "python" in meta:  # (a micro-batch's states hold the generators that drew: rng_drawn)
+        py = meta["python"]
+        state["python"] = (py["version"], tuple(tensors["rng/python"].tolist()), py["gauss"])
+    if "rng/torch_cpu" in tensors:
+        state["torch_cpu"] = tensors["rng/torch_cpu"]
     if "numpy" in meta:
         import numpy as np
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .capture import flatten_tree, rng_to_bundle, tensor_leaves
+from .capture import flatten_tree, rng_drawn, rng_to_bundle, tensor_leaves
 
 
 def json_scalar(v: Any) -> bool:
@@ -56,7 +56,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
     if mb.inputs_written:
         out["inputs_written"] = True
     if mb.rng is not None:
-        out["rng"] = _rng_entry(mb.rng, f"{prefix}rng/mb/{i}/", tensors)
+        before = next((m.rng for m in reversed(earlier) if m.rng is not None), None)
+        out["rng"] = _rng_entry(rng_drawn(mb.rng, before), f"{prefix}rng/mb/{i}/", tensors)
     outs = list(tensor_leaves(mb.outputs))
     if mb.loss_args is not None:
         ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],
@@ -78,7 +79,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
 def _rng_entry(state: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
                ) -> dict[str, Any]:
     """RNG states as ``{"meta", "keys"}``: their JSON and, by their name in the step's own
-    ``rng/`` (``torch_cpu``, ``cuda/0``), the keys of their tensors under ``prefix``."""
+    ``rng/`` (``torch_cpu``, ``cuda/0``), the keys of their tensors under ``prefix``. Only
+    the generators that drew since the micro-batch before are given (``rng_drawn``)."""
     meta, ts = rng_to_bundle(state)
     keys = {}
     for k, v in ts.items():

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributions import Categorical
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 
 HERE = Path(__file__).parent
 T, ENVS = 8, 4  # rollout length, parallel environments: 32 samples an update
@@ -121,9 +122,13 @@ def test_actions_sampled_between_forwards_do_not_change_the_replayed_dropout(tmp
     """Each forward of the episode is a micro-batch of one step, and the loop draws from the
     RNG between them: the replay must restore the state each forward began with, or every
     dropout mask after the first differs (the fidelity check then blamed other weights)."""
-    r = invoke_cli(reinforce_bundle(tmp_path), "--json")
+    bundle = reinforce_bundle(tmp_path)
+    r = invoke_cli(bundle, "--json")
     rep = json.loads(r.stdout)
     assert rep["fidelity"]["matches"] is True, rep["fidelity"]
+    # each later forward keeps the generators that drew since the one before: torch's alone
+    meta, _ = read_bundle(bundle)
+    assert meta["micro_batches"][2]["rng"]["keys"] == {"torch_cpu": "rng/mb/2/torch_cpu"}
     assert rep["reproduced"] is True and r.exit_code == 0, json.dumps(rep, indent=1)
     assert (rep["origin"]["phase"], rep["origin"]["module"]) == ("loss", "<loss>")
 
