@@ -210,7 +210,7 @@ def test_a_rollout_cut_short_before_its_loss_does_not_say_the_loss_was_called_di
                 if (update, t) == (3, 2):
                     obs[5, 1] = float("nan")  # a sensor glitch in environment 5
                 logits, v, h = policy(obs, h, masks)
-                a = Categorical(logits=logits.detach()).sample()  # raises on NaN logits
+                a = Categorical(logits=logits.detach(), validate_args=True).sample()  # NaN: raises
                 out.append((logits, v, a, (a == 0).float()))
                 masks = (torch.rand(8, 1) > 0.1).float()
             loss = rec.loss_fn(*(torch.stack(x) for x in zip(*out)))
