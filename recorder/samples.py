@@ -18,6 +18,11 @@ samples are along its dim 0 when it has the batch's size there, or along its dim
 model, or in a 3-D hidden state ``(layers, B, H)`` of a model holding a recurrent module
 (``batch_first`` or not); a tensor with none of these (a weight) has none.
 
+When the first root output and a loss target share a size where a batch stands, only such
+sizes count (:func:`compared`): a batch of graphs concatenated node by node (features
+``(N, F)``, labels ``(G,)``, logits ``(G, C)``) is a batch of ``G`` graphs, not of ``N`` nodes;
+a node tensor's rows name the graphs its ``batch`` vector assigns them to (:class:`Segments`).
+
 A ``PackedSequence`` (variable-length sequences for the recurrent modules) is a batch of
 ``batch_sizes[0]``; its ``data`` is packed time-major, so the samples of its rows are found
 through ``batch_sizes`` and ``sorted_indices`` (:func:`packed_samples`), not along a dim.
@@ -85,7 +90,7 @@ class Samples:
         # a recurrent module's hidden state, (layers, B, H), has the batch in dim 1)
         return 1 if self.recurrent and t.dim() == 3 and shape[1] == self.size else None
 
-    def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence | Bags] | None = None
+    def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence | Bags | Segments] | None = None
              ) -> list[int]:
         """The samples of ``t`` that hold a non-finite value ([] when ``t`` has no samples);
         through its ``PackedSequence`` when ``t`` is the ``data`` of one in ``packed`` (see
@@ -93,13 +98,15 @@ class Samples:
         seq = packed.get(id(t)) if packed else None
         if isinstance(seq, Bags):
             return seq.samples(bad_rows(t, 0))
+        if isinstance(seq, Segments) and self.dim(t) is None and seq.last < self.size:
+            return seq.samples(bad_rows(t, 0))
         if seq is not None and seq.data is t:
             return packed_samples(seq, bad_rows(t, 0))
         d = self.dim(t)
         return [] if d is None else bad_rows(t, d)
 
     def first_rows(self, tensors: Iterable[torch.Tensor],
-                   packed: Mapping[int, PackedSequence | Bags] | None = None) -> list[int]:
+                   packed: Mapping[int, PackedSequence | Bags | Segments] | None = None) -> list[int]:
         """The non-finite samples of the first floating tensor with any."""
         for t in tensors:
             if t.is_floating_point() and t.dim():
@@ -109,19 +116,21 @@ class Samples:
         return []
 
 
-def packed_in(obj: Any) -> dict[int, PackedSequence | Bags]:
+def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
     """The ``PackedSequence`` objects in a nested structure of tuples, lists and dicts, by the
     ``id`` of their ``data`` (as :meth:`Samples.rows` looks them up); and, for an
     ``EmbeddingBag``'s flat inputs (ids, ``per_sample_weights``) given beside their
-    ``offsets``, the :class:`Bags` that says which sample each of their rows is in."""
-    found: dict[int, PackedSequence | Bags] = {}
+    ``offsets``, the :class:`Bags` that says which sample each of their rows is in; for the
+    tensors whose rows a graph batch's assignment vector covers, its :class:`Segments`."""
+    found: dict[int, PackedSequence | Bags | Segments] = {}
     flat: list[torch.Tensor] = []
+    rowed: list[torch.Tensor] = []
 
     def walk(o: Any) -> None:
         if isinstance(o, PackedSequence):
             found.setdefault(id(o.data), o)
-        elif isinstance(o, torch.Tensor) and o.dim() == 1:
-            flat.append(o)
+        elif isinstance(o, torch.Tensor) and o.dim() >= 1:
+            (flat if o.dim() == 1 else rowed).append(o)
         elif isinstance(o, (list, tuple)):
             for v in o:
                 walk(v)
@@ -130,11 +139,42 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags]:
                 walk(v)
 
     walk(obj)
+    # (a graph batch's assignment vector also reads as offsets, into its longer edge tensors)
+    if (ids := next((t for t in flat if is_assignment(t)), None)) is not None:
+        segments = Segments(ids, int(ids[-1]))
+        for t in flat + rowed:
+            if t.shape[0] == ids.numel():
+                found.setdefault(id(t), segments)
+        return found
     bags = next((Bags(t) for t in flat if are_offsets(t, flat)), None)
     for t in flat if bags is not None else ():
         if t is not bags.offsets and t.numel() > bags.offsets.numel():
             found.setdefault(id(t), bags)
     return found
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A graph batch's assignment vector (PyG's ``batch``): the graphs of a batch are
+    concatenated node by node, and node row ``i`` belongs to sample ``ids[i]`` (``last``:
+    the last node's graph; graphs without nodes hold no row)."""
+
+    ids: torch.Tensor
+    last: int
+
+    def samples(self, rows: list[int]) -> list[int]:
+        if not rows:
+            return []
+        return sorted(set(self.ids.cpu()[torch.tensor(rows)].tolist()))
+
+
+def is_assignment(t: torch.Tensor) -> bool:
+    """``t`` reads as an assignment of rows to fewer samples: integers from 0, never
+    decreasing, ending below its length (one host read, on the event's slow path)."""
+    if t.dtype not in (torch.int64, torch.int32) or t.numel() < 2:
+        return False
+    v = t.detach().cpu()
+    return int(v[0]) == 0 and bool((v[1:] >= v[:-1]).all()) and int(v[-1]) + 1 < v.numel()
 
 
 @dataclass(frozen=True)
@@ -203,20 +243,36 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
         return Samples(int(seq.batch_sizes[0]), sequence_first, rnn)
     targets = [t for t in tensor_leaves([list(mb.loss_args or ()), mb.loss_kwargs or {}])
                if t.grad_fn is None]
-    return infer(tensor_leaves([list(mb.args), mb.kwargs]),
-                 targets + list(tensor_leaves(mb.outputs)), sequence_first, rnn)
+    outputs = list(tensor_leaves(mb.outputs))
+    return infer(tensor_leaves([list(mb.args), mb.kwargs]), targets + outputs, sequence_first,
+                 rnn, compared(targets, outputs, sequence_first))
+
+
+def compared(targets: list[torch.Tensor], outputs: list[torch.Tensor],
+             sequence_first: bool) -> set[int]:
+    """The sizes where the first batched root output and a loss target both may hold the
+    batch: the rows the loss compares, so the samples (a graph batch's graphs, which its
+    concatenated nodes outnumber)."""
+    at = 2 if sequence_first else 1
+    out = next((t for t in outputs if _batched(t)), None)
+    if out is None:
+        return set()
+    return set(out.shape[:at]) & {n for t in targets if _batched(t) for n in t.shape[:at]}
 
 
 def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
-          sequence_first: bool = False, rnn: bool = False) -> Samples:
+          sequence_first: bool = False, rnn: bool = False,
+          among: set[int] = frozenset()) -> Samples:
     """The :class:`Samples` of a micro-batch from its root ``inputs`` (in order) and
-    ``others`` (loss targets, root outputs), as the module docstring says."""
+    ``others`` (loss targets, root outputs), as the module docstring says; only ``among``
+    these sizes when some are given (:func:`compared`)."""
     inputs = [t for t in inputs if _batched(t)]
     counts: Counter = Counter()
     at = 2 if sequence_first else 1  # the dims where a batch stands
     for t in inputs + [t for t in others if _batched(t)]:
         shape = t.shape
-        counts.update({n: 2 if n in shape[:at] else 1 for n in set(shape)})
+        counts.update({n: 2 if n in shape[:at] else 1 for n in set(shape) if n in among
+                       or not among})
     if not counts:
         return Samples(0, sequence_first, rnn)
     top = max(counts.values())

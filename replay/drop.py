@@ -7,9 +7,25 @@ from __future__ import annotations
 
 import torch
 
-from recorder.samples import Bags, are_offsets
+from recorder.samples import Bags, Segments, are_offsets, packed_in
 
+from .load import micro_batch_inputs
 from .recorded import entry_samples
+
+GRAPHS = ("the samples are graphs of a batch concatenated node by node (an input assigns each "
+          "node row to its graph, as PyG's batch vector does): removing one would cut its nodes "
+          "and edges and renumber the rest, which only the data pipeline can do; leave those "
+          "graphs out of the dataset and train again")
+
+
+def undroppable(step, i: int) -> str | None:
+    """Why the samples of micro-batch ``i`` cannot be dropped from the recorded batch: they
+    are graphs whose nodes the inputs concatenate (:class:`recorder.samples.Segments`); None
+    when they can."""
+    if "inputs" not in step.micro_batches[i]:
+        return None
+    found = packed_in(list(micro_batch_inputs(step, i)))
+    return GRAPHS if any(isinstance(v, Segments) for v in found.values()) else None
 
 
 def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .diverging import still_diverging
+from .drop import undroppable
 from .errors import ReplayError, one_line
 from .load import Step
 from .optim import eps_lost, safe_eps
@@ -142,7 +143,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     # no positive activation) is at fault, and a batch without them proves nothing
     n = o.get("batch_size")
     few = not o.get("all_samples") and (not n or 2 * len(samples) <= n)
-    if fits_drop and samples and few:
+    if fits_drop and samples and few and not undroppable(step, o.get("micro_batch") or 0):
         out.append("drop=" + ",".join(str(s) for s in samples))
     low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \
         or any(mb.get("autocast") for mb in step.micro_batches)
@@ -257,6 +258,10 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
         if change.drop:
             change.drop_step = step.event.get("step")
             change.drop_micro_batch = _samples_micro_batch(step, report)
+            if why := undroppable(step, change.drop_micro_batch or 0):
+                out.append({"try": label, "finite": None, "inconclusive": None,
+                            "event_step": None, "origin": None, "note": why})
+                continue
         try:
             res = run_window(step, win, change)
         except Exception as e:  # (the replay's own failure on this change: the others stand)

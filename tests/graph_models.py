@@ -1,0 +1,80 @@
+"""Graph networks written with plain PyTorch, as GNN projects write them without an extension
+library: a GCN over a batch of graphs concatenated node by node, with PyG's ``batch`` vector
+assigning each node row to its graph, and a global mean pooling (``test_graph_batches.py``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GCNConv(nn.Module):
+    """Kipf & Welling's propagation, symmetric normalisation over the edges given (self loops
+    included by the data)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out, bias=False)
+        self.bias = nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x, edge_index):
+        x = self.lin(x)
+        row, col = edge_index
+        deg = torch.zeros(x.size(0), device=x.device).index_add_(
+            0, col, torch.ones(col.numel(), device=x.device))
+        dinv = deg.pow(-0.5)
+        w = (dinv[row] * dinv[col]).unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, col, x[row] * w) + self.bias
+
+
+class MeanPool(nn.Module):
+    """Each graph's mean node embedding (torch_geometric's ``global_mean_pool``)."""
+
+    def forward(self, x, batch, num_graphs: int):
+        total = torch.zeros(num_graphs, x.size(1), device=x.device).index_add_(0, batch, x)
+        count = torch.bincount(batch, minlength=num_graphs).unsqueeze(-1)
+        return total / count  # the bug: a graph with no node is 0/0
+
+
+class GraphClassifier(nn.Module):
+    def __init__(self, d_in: int = 8, hidden: int = 32, classes: int = 3):
+        super().__init__()
+        self.conv1 = GCNConv(d_in, hidden)
+        self.conv2 = GCNConv(hidden, hidden)
+        self.pool = MeanPool()
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x, edge_index, batch, num_graphs: int):
+        x = F.relu(self.conv1(x, edge_index))
+        x = F.relu(self.conv2(x, edge_index))
+        return self.head(self.pool(x, batch, num_graphs))
+
+
+def graph_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return GraphClassifier()
+
+
+def molecule(g: torch.Generator, n: int) -> torch.Tensor:
+    """The edges of a ring of ``n`` atoms with random chords, both ways, and self loops."""
+    if n == 0:
+        return torch.zeros(2, 0, dtype=torch.long)
+    src = torch.arange(n)
+    dst = (src + 1) % n
+    chords = torch.randint(0, n, (2, n), generator=g)
+    return torch.cat([torch.stack([src, dst]), torch.stack([dst, src]), chords, chords.flip(0),
+                      torch.stack([src, src])], 1)
+
+
+def collate(graphs):
+    """PyG's ``Batch.from_data_list``: nodes and edges concatenated, edge indices shifted, and
+    the ``batch`` vector."""
+    xs, edges, batch, ys, offset = [], [], [], [], 0
+    for i, (x, edge_index, y) in enumerate(graphs):
+        xs.append(x)
+        edges.append(edge_index + offset)
+        batch.append(torch.full((x.size(0),), i))
+        ys.append(y)
+        offset += x.size(0)
+    return torch.cat(xs), torch.cat(edges, 1), torch.cat(batch), torch.stack(ys)

@@ -1,0 +1,90 @@
+"""A batch of graphs concatenated node by node (PyG's layout: node features ``(N, F)``, edges
+``(2, E)``, a ``batch`` vector ``(N,)``, one label per graph ``(G,)``): its samples are the
+graphs, which the concatenated nodes outnumber, not the node rows. Each test trains
+``graph_models.graph_classifier`` as a user would until the recorder raises, then runs
+``nanreplay --json --try``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import graph_models as M
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+K, BAD = 4, 4  # the step the planted bug fires at, and the graph it is in (of 6)
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where graph_models.py, the factory's module, lives
+
+
+def _batches(plant: str, steps: int = 8, graphs: int = 6):
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        data = []
+        for i in range(graphs):
+            n = int(torch.randint(4, 10, (1,), generator=g))
+            if step == K and i == BAD and plant == "empty":
+                n = 0  # a molecule whose atoms the featuriser all filtered out
+            x = torch.randn(n, 8, generator=g)
+            if step == K and i == BAD and plant == "nan":
+                x[1, 3] = float("nan")  # a partial charge the featuriser could not compute
+            data.append((x, M.molecule(g, n), torch.randint(0, 3, (), generator=g)))
+        yield M.collate(data)
+
+
+def _train(plant: str, out_dir: Path) -> NonFiniteError:
+    model = M.graph_classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="graph_models:graph_classifier"):
+            for x, edge_index, batch, y in _batches(plant):
+                opt.zero_grad()
+                crit(model(x, edge_index, batch, y.numel()), y).backward()
+                opt.step()
+    return info.value
+
+
+def _replay(bundle, *tries: str) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json", *(a for t in tries
+                                                            for a in ("--try", t))])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_an_empty_graph_in_mean_pooling_names_that_graph_not_no_sample(tmp_path):
+    """Graph 4 has no node: the mean pooling divides its zero sum by its zero count. The
+    samples are the graphs (6), not the 40-odd node rows that outnumber them: before, the
+    node count was taken for the batch size and no sample was named."""
+    err = _train("empty", tmp_path)
+    assert (err.event["step"], err.event["module"], err.event["samples"]) == (K, "pool", [BAD])
+    rep = _replay(err.bundle_path, "drop=4")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "forward", "pool", "aten.div", [BAD], "invalid")
+    assert o["batch_size"] == 6 and "0/0" in rep["hint"]
+    (tried,) = rep["what_if"]  # a graph cannot be cut out of the concatenated batch here
+    assert tried["finite"] is None and "graphs of a batch concatenated" in tried["note"]
+
+
+def test_a_nan_node_feature_names_the_graph_the_node_is_in(tmp_path):
+    """A NaN in one node's features is an input event on the node tensor; its sample is the
+    graph that node belongs to (through the batch vector), not the node's row."""
+    err = _train("nan", tmp_path)
+    assert (err.event["phase"], err.event["tensor"], err.event["samples"]) == (
+        "input", "args[0]", [BAD])
+    rep = _replay(err.bundle_path, "auto")
+    assert (rep["origin"]["phase"], rep["origin"]["samples"], rep["cause"]) == (
+        "input", [BAD], "input")
+    assert rep["what_if"] == []  # auto proposes no drop it cannot make
