@@ -1,7 +1,7 @@
 """``--try drop=I,J``: the samples the report names removed from a recorded micro-batch (its
 batch, its loss inputs, a target flattened from ``(B, T)``, its ``PackedSequence`` packed again
-without them, an ``EmbeddingBag``'s flat inputs and offsets without their bags and, when no
-loss can be re-run, its recorded output gradients)."""
+without them, an ``EmbeddingBag``'s flat inputs and offsets without their bags, a graph's edge
+list without their edges and, when no loss can be re-run, its recorded output gradients)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
         keep = torch.tensor([i for i in range(where.size) if i not in set(rows)],
                             dtype=torch.long)
         packed = [_repack(tensors, node, keep) for node in _packed_nodes(mb.get("inputs"))]
+        paths = list(mb.get("paths", {}))
         done = {k for keys in packed for k in keys} | set(
-            _drop_bags(tensors, list(mb.get("paths", {})), where.size, keep))
+            _drop_bags(tensors, paths, where.size, keep)) | set(
+            _drop_edges(tensors, paths, where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
         for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
             x = tensors.get(k)
@@ -74,6 +76,33 @@ def _drop_bags(tensors: dict[str, torch.Tensor], keys: list[str], n: int,
     sizes = torch.diff(o, append=o.new_tensor([total])).index_select(0, keep.to(o.device))
     tensors[off] = torch.cat([o.new_zeros(1), sizes.cumsum(0)[:-1]])
     return [off, *longer]
+
+
+def _drop_edges(tensors: dict[str, torch.Tensor], keys: list[str], n: int,
+                keep: torch.Tensor) -> list[str]:
+    """A graph's edge list (``edge_index``, an integer ``(2, E)`` input whose values are rows
+    of the batch: the samples are its nodes) without the edges that touch a dropped node, its
+    nodes renumbered to the rows kept, and the tensors with one row per edge (edge weights,
+    edge features) without the same edges; returns their keys."""
+    edges = [k for k in keys if isinstance(t := tensors.get(k), torch.Tensor)
+             and not t.is_floating_point() and t.dim() == 2 and t.shape[0] == 2 != n
+             and t.numel() and 0 <= int(t.min()) and int(t.max()) < n]
+    if not edges:
+        return []
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[keep] = True
+    renumber = torch.cumsum(kept, 0) - 1
+    done = []
+    for k in edges:
+        e = tensors[k]
+        cols = kept[e.cpu()].all(0)
+        per_edge = [j for j in keys if j not in edges and isinstance(tensors.get(j), torch.Tensor)
+                    and tensors[j].dim() and tensors[j].shape[0] == e.shape[1] != n]
+        for j in per_edge:
+            tensors[j] = tensors[j][cols.to(tensors[j].device)]
+        tensors[k] = renumber[e.cpu()[:, cols]].to(e.device, e.dtype)
+        done += [k, *per_edge]
+    return done
 
 
 def _drop_flat(x: torch.Tensor, where, keep: torch.Tensor) -> torch.Tensor:

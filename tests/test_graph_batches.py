@@ -1,8 +1,9 @@
-"""A batch of graphs concatenated node by node (PyG's layout: node features ``(N, F)``, edges
+"""Graphs as GNN code feeds them. A batch of graphs concatenated node by node (PyG's layout: node features ``(N, F)``, edges
 ``(2, E)``, a ``batch`` vector ``(N,)``, one label per graph ``(G,)``): its samples are the
 graphs, which the concatenated nodes outnumber, not the node rows. Each test trains
 ``graph_models.graph_classifier`` as a user would until the recorder raises, then runs
-``nanreplay --json --try``."""
+``nanreplay --json --try``. A single graph whose nodes are the samples (node classification)
+with its ``(2, E)`` edge list: ``--try drop=`` of nodes cuts their edges too."""
 
 from __future__ import annotations
 
@@ -88,3 +89,41 @@ def test_a_nan_node_feature_names_the_graph_the_node_is_in(tmp_path):
     assert (rep["origin"]["phase"], rep["origin"]["samples"], rep["cause"]) == (
         "input", [BAD], "input")
     assert rep["what_if"] == []  # auto proposes no drop it cannot make
+
+
+def _gat_bundle(out_dir: Path) -> Path:
+    """A GAT's hand-written edge softmax (no max subtracted) overflows exp on the edges of one
+    node (23) whose features came in unnormalised at step K; inf / inf is NaN."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 16, generator=g)
+    y = torch.randint(0, 4, (60,), generator=g)
+    edges = torch.randint(0, 60, (2, 240), generator=g)
+    edge_index = torch.cat([edges, torch.arange(60).repeat(2, 1)], 1)
+    model = M.node_gat()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="graph_models:node_gat"):
+            for step in range(8):
+                xs = x.clone()
+                if step == K:
+                    xs[23] *= 5000.0  # raw counts where z-scores belong
+                opt.zero_grad()
+                crit(model(xs, edge_index), y).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["module"]) == (K, "gat1")
+    return info.value.bundle_path
+
+
+def test_dropping_nodes_of_a_graph_cuts_their_edges(tmp_path):
+    """The samples are the nodes; dropping the unnormalised one must cut its edges from the
+    edge list and renumber the rest (before, the model indexed past the shortened node
+    tensor: IndexError in the user's code), and the step is then finite."""
+    rep = _replay(_gat_bundle(tmp_path), "drop=23")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"]) == (
+        "forward", "gat1", "aten.exp", "overflow")
+    assert 23 in o["samples"] and o["batch_size"] == 60
+    (dropped,) = rep["what_if"]
+    assert dropped["finite"] is True, dropped
