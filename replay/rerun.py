@@ -128,29 +128,30 @@ class Runner:
         if self.cast is None:  # FSDP2's MixedPrecisionPolicy, as recorded (not in float64)
             handles += precision_hooks(self.model, self.step.meta)
         try:
-            for i, mb in enumerate(self.step.micro_batches):
-                self.micro_batch = i
-                if mb.get("grads_dropped"):  # as the loop's zero_grad did before this one
-                    self.model.zero_grad(set_to_none=True)
-                args, kwargs = micro_batch_inputs(self.step, i)
-                if i and (rng := micro_batch_rng(self.step, i)) is not None:
-                    restore_rng(rng)  # as it was: the loop drew between forwards
-                if only_mask_infinities(tensor_leaves((args, kwargs))):
-                    result.masked.add(i)
-                if self.cast is not None:
-                    args, kwargs = _cast((args, kwargs), self.cast)
-                with torch.set_grad_enabled(mb.get("grad_enabled", True)), \
-                        (autocast_as_recorded(mb, self.step.device) if self.cast is None
-                         else contextlib.nullcontext()), _enter(forward_ctx), \
-                        _mode(self.model, mb.get("training")):
-                    out = self.model(*args, **kwargs)
-                outs = list(tensor_leaves(out))
-                result.outputs.append(outs)
-                with _enter(forward_ctx):  # the loss's nodes too
-                    loss = self._loss(i, outs, result)
-                if backward and mb.get("grad_enabled", True):
-                    with _enter(backward_ctx):
-                        self._backward(i, outs, loss)
+            with _default_dtype(self.cast):
+                for i, mb in enumerate(self.step.micro_batches):
+                    self.micro_batch = i
+                    if mb.get("grads_dropped"):  # as the loop's zero_grad did before this one
+                        self.model.zero_grad(set_to_none=True)
+                    args, kwargs = micro_batch_inputs(self.step, i)
+                    if i and (rng := micro_batch_rng(self.step, i)) is not None:
+                        restore_rng(rng)  # as it was: the loop drew between forwards
+                    if only_mask_infinities(tensor_leaves((args, kwargs))):
+                        result.masked.add(i)
+                    if self.cast is not None:
+                        args, kwargs = _cast((args, kwargs), self.cast)
+                    with torch.set_grad_enabled(mb.get("grad_enabled", True)), \
+                            (autocast_as_recorded(mb, self.step.device) if self.cast is None
+                             else contextlib.nullcontext()), _enter(forward_ctx), \
+                            _mode(self.model, mb.get("training")):
+                        out = self.model(*args, **kwargs)
+                    outs = list(tensor_leaves(out))
+                    result.outputs.append(outs)
+                    with _enter(forward_ctx):  # the loss's nodes too
+                        loss = self._loss(i, outs, result)
+                    if backward and mb.get("grad_enabled", True):
+                        with _enter(backward_ctx):
+                            self._backward(i, outs, loss)
         except StopRun:
             pass
         except Exception as e:  # the model's code raising (an assert on NaN, an op refusing
@@ -311,6 +312,22 @@ def _computed_from(b: torch.Tensor, a: torch.Tensor) -> bool:
         seen.add(fn)
         todo.extend(nxt for nxt, _ in fn.next_functions)
     return False
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    """The run's compute type for the tensors the model's code makes without a dtype
+    (``torch.zeros(n, d)`` as an ``index_add_`` target), as they had the recorded run's: in a
+    float64 run a float32 one would refuse the float64 values added into it."""
+    if dtype is None:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _to_float64(named, even_float64: bool = False) -> dict[str, torch.dtype]:

@@ -174,7 +174,7 @@ class OrthoRNN(nn.Module):
 
     def forward(self, x):
         feats = torch.cat([x[..., :3], torch.log(x[..., 3:])], -1)
-        h = torch.zeros(x.shape[0], 32)
+        h = torch.zeros(x.shape[0], 32, dtype=torch.float32)  # (a dtype spelt out)
         for t in range(x.shape[1]):
             h = torch.tanh(self.inp(feats[:, t]) + self.rec(h))
         return self.out(h)

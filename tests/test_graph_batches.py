@@ -127,3 +127,16 @@ def test_dropping_nodes_of_a_graph_cuts_their_edges(tmp_path):
     assert 23 in o["samples"] and o["batch_size"] == 60
     (dropped,) = rep["what_if"]
     assert dropped["finite"] is True, dropped
+
+
+def test_a_float64_try_makes_the_models_own_buffers_float64_too(tmp_path):
+    """``--try dtype=float64`` on a model that makes its own scatter targets
+    (``torch.zeros(n, heads).index_add_(0, dst, ex)``, no dtype given): those follow the try's
+    type as they followed float32 in training. Before, the re-run raised in the model's code
+    ('index_add_(): self (Float) and source (Double) must have the same scalar type') and the
+    try read 'failed'. Here float64 overflows exp as well, as the cause says."""
+    rep = _replay(_gat_bundle(tmp_path), "dtype=float64")
+    (wider,) = rep["what_if"]
+    assert "error" not in wider, wider
+    assert wider["finite"] is False and wider["origin"]["module"] == "gat1", wider
+    assert torch.get_default_dtype() == torch.float32  # restored after the re-run

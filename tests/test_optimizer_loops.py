@@ -392,8 +392,8 @@ def ortho_rnn_bundle(out_dir: Path) -> Path:
 
 
 def test_what_if_whose_change_makes_the_model_raise_is_no_finite(out_dir):
-    """Under ``--try dtype=float64`` the model's own code raises (its float32 state times
-    float64 weights): the try read 'finite through step 3', evidence of a fix it never ran.
+    """Under ``--try dtype=float64`` the model's own code raises (its state, made with an
+    explicit ``dtype=torch.float32``, times float64 weights): the try read 'finite through step 3', evidence of a fix it never ran.
     It is now a failed try that says what raised."""
     report = nanreplay_json(ortho_rnn_bundle(out_dir), "--try", "dtype=float64")
     (tried,) = report["what_if"]
