@@ -23,6 +23,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from . import objects
+from .sparse import SPARSE, rebuild_sparse, sparse_node
 
 # ---------------------------------------------------------------------------------------------
 # RNG states
@@ -256,15 +257,20 @@ def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch
 
     # (not torch.utils._pytree: the bundle's paths and $list/$tuple/$dict markers name each
     # container as written, and pytree keeps dict/list subclasses it does not know as leaves)
+    def put(t: torch.Tensor, path: str) -> dict[str, str]:
+        key = f"{prefix}/{len(tensors)}"
+        tensors[key] = t
+        paths[key] = path
+        return {"$t": key}
+
     def walk(o: Any, path: str) -> Any:
         if isinstance(o, torch.Tensor):
             node = leaf(o) if leaf is not None else None
             if node is not None:
                 return node
-            key = f"{prefix}/{len(tensors)}"
-            tensors[key] = o
-            paths[key] = path
-            return {"$t": key}
+            if o.layout in SPARSE:  # (its values under its own path: an event names them)
+                return sparse_node(o, path, put)
+            return put(o, path)
         if o is None or isinstance(o, (bool, int, str)):
             return o
         if isinstance(o, float):
@@ -329,6 +335,8 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
             return made
         if "$t" in node:
             return tensors[node["$t"]]
+        if "$sparse" in node:
+            return rebuild_sparse(node, tensors)
         if "$list" in node:
             return [unflatten_tree(v, tensors, leaf) for v in node["$list"]]
         if "$tuple" in node:

@@ -60,6 +60,11 @@ def sparse_values(t: torch.Tensor) -> torch.Tensor:
     return t._values() if t.layout == torch.sparse_coo else t.values()
 
 
+def sparse_indices(t: torch.Tensor) -> torch.Tensor:
+    """The indices of a sparse COO tensor's specified values (uncoalesced, no copy)."""
+    return t._indices()
+
+
 def sparse_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dim-0 index, value) of each specified element of a sparse COO tensor, coalesced."""
     t = t.coalesce()

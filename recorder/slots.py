@@ -187,11 +187,14 @@ class Slots:
             k, k2 = take(), take()  # (``_two`` inlined: this runs for every call's output)
             if k2 < r.size:
                 views = r.views
-                if self._cpu and split_extrema(t):
-                    torch.amin(t, dim=(), out=views[k])
-                    torch.amax(t, dim=(), out=views[k2])
-                else:
-                    torch.aminmax(t, out=(views[k], views[k2]))
+                try:
+                    if self._cpu and split_extrema(t):
+                        torch.amin(t, dim=(), out=views[k])
+                        torch.amax(t, dim=(), out=views[k2])
+                    else:
+                        torch.aminmax(t, out=(views[k], views[k2]))
+                except NotImplementedError:  # a sparse tensor (a GCN's adjacency passed in)
+                    _sparse_minmax(t, views[k], views[k2])  # (caught: no layout check to pay)
                 return (code, k), (code, k2)
             if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
                 r.views[k].zero_()
@@ -204,7 +207,10 @@ class Slots:
             r = self._regions[code]
             k = self._one(r)
             if k is not None:
-                torch.sum(t, dim=tuple(range(t.ndim)), dtype=FLOAT32, out=r.views[k])
+                try:
+                    torch.sum(t, dim=tuple(range(t.ndim)), dtype=FLOAT32, out=r.views[k])
+                except NotImplementedError:  # a sparse tensor: its values (implied zeros
+                    torch.sum(stored(t), dtype=FLOAT32, out=r.views[k])  # are finite)
                 return code, k
         return self._put(code, [torch.sum(stored(t), dtype=FLOAT32)])[0]
 
@@ -342,6 +348,17 @@ class FlatViews:
             # (never ``None in flats``: ``in`` compares each tensor with ``==``)
             self.every = all(f is not None for f in self.flats)
         return self.flats
+
+
+def _sparse_minmax(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """(min, max) of a sparse tensor's specified values into ``lo`` and ``hi`` (zeros when it
+    specifies none: its implied zeros are finite)."""
+    values = stored(t)
+    if values.numel():
+        torch.aminmax(values, out=(lo, hi))
+    else:
+        lo.zero_()
+        hi.zero_()
 
 
 def _relu_into(src: torch.Tensor, out: torch.Tensor) -> None:

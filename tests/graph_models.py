@@ -116,3 +116,41 @@ class NodeGAT(nn.Module):
 def node_gat() -> nn.Module:
     torch.manual_seed(0)
     return NodeGAT()
+
+
+def normalized_adjacency(edge_index: torch.Tensor, n: int, clamp: bool = True) -> torch.Tensor:
+    """D^-1/2 A D^-1/2 as a sparse COO matrix, built by the data code (Kipf's pygcn);
+    ``clamp=False`` is the version without ``deg.clamp(min=1)``: a node no edge reaches has
+    degree 0, and 0 ** -0.5 is inf."""
+    row, col = edge_index
+    deg = torch.zeros(n).index_add_(0, col, torch.ones(col.numel()))
+    dinv = (deg.clamp(min=1) if clamp else deg).pow(-0.5)
+    return torch.sparse_coo_tensor(torch.stack([col, row]), dinv[row] * dinv[col], (n, n))
+
+
+class GraphConvolution(nn.Module):
+    """pygcn's layer on a sparse adjacency, its output rows scaled to unit length
+    (GraphSAGE's normalisation, written out)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x, adj):
+        h = torch.sparse.mm(adj, self.lin(x))
+        return h / h.norm(dim=1, keepdim=True)  # a node no edge reaches: 0 / 0
+
+
+class SparseGCN(nn.Module):
+    def __init__(self, d_in: int = 16, classes: int = 4):
+        super().__init__()
+        self.gc1 = GraphConvolution(d_in, 32)
+        self.out = nn.Linear(32, classes)
+
+    def forward(self, x, adj):
+        return self.out(torch.sparse.mm(adj, F.relu(self.gc1(x, adj))))
+
+
+def sparse_gcn() -> nn.Module:
+    torch.manual_seed(0)
+    return SparseGCN()

@@ -140,3 +140,52 @@ def test_a_float64_try_makes_the_models_own_buffers_float64_too(tmp_path):
     assert "error" not in wider, wider
     assert wider["finite"] is False and wider["origin"]["module"] == "gat1", wider
     assert torch.get_default_dtype() == torch.float32  # restored after the re-run
+
+
+def _sparse_gcn_run(out_dir: Path, clamp: bool) -> NonFiniteError:
+    """pygcn's loop: features and a sparse normalised adjacency passed to ``forward``. At step
+    K the edge sampling leaves node 7 with no edge into it (self loop included)."""
+    import warnings
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 16, generator=g)
+    y = torch.randint(0, 4, (50,), generator=g)
+    edges = torch.cat([torch.randint(0, 50, (2, 150), generator=g),
+                       torch.arange(50).repeat(2, 1)], 1)
+    model = M.sparse_gcn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="graph_models:sparse_gcn"):
+            for step in range(8):
+                e = edges[:, edges[1] != 7] if step == K else edges
+                opt.zero_grad()
+                crit(model(x, M.normalized_adjacency(e, 50, clamp)), y).backward()
+                opt.step()
+    assert info.value.bundle_path is not None, info.value.write_error
+    return info.value
+
+
+def test_a_sparse_adjacency_passed_to_forward_is_recorded_and_replayed(tmp_path):
+    """A sparse COO input disabled the recorder ('recorder disabled after an internal error
+    (NotImplementedError: Could not run aten::amin.out ... SparseCPU)'; training went on
+    unrecorded), and a bundle could not hold it. It is now checked by its values and stored
+    as its indices and values, and the replay rebuilds it: the 0/0 of node 7's normalisation
+    is named in gc1, on node 7."""
+    err = _sparse_gcn_run(tmp_path, clamp=True)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (K, "forward", "gc1")
+    rep = _replay(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "forward", "gc1", "aten.div", [7], "invalid")
+
+
+def test_an_infinity_in_a_sparse_adjacency_is_an_input_event_on_it(tmp_path):
+    """Without ``deg.clamp(min=1)`` the adjacency itself holds inf (0 ** -0.5 for node 7):
+    the event is the input that holds it, named, not per sample."""
+    err = _sparse_gcn_run(tmp_path, clamp=False)
+    assert (err.event["step"], err.event["phase"], err.event["tensor"]) == (K, "input", "args[1]")
+    rep = _replay(err.bundle_path)
+    assert (rep["origin"]["phase"], rep["origin"]["tensor"], rep["cause"]) == (
+        "input", "args[1]", "input")

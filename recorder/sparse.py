@@ -1,0 +1,36 @@
+"""Sparse tensors in a batch (a graph's adjacency passed to ``forward``, as Kipf's pygcn
+does): a bundle holds dense tensors only, so a sparse COO or CSR tensor is written as the
+dense tensors it is made of and rebuilt from them (see ``docs/bundle-format.md``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .compat import sparse_indices, sparse_values
+
+SPARSE = (torch.sparse_coo, torch.sparse_csr)
+
+
+def sparse_node(t: torch.Tensor, path: str, put) -> dict[str, Any]:
+    """A sparse COO or CSR tensor (a graph's adjacency passed to ``forward``) as the dense
+    tensors it is made of, which a bundle can hold; ``put(tensor, path)`` stores each."""
+    if t.layout == torch.sparse_coo:
+        return {"$sparse": "coo", "size": list(t.shape), "coalesced": t.is_coalesced(),
+                "indices": put(sparse_indices(t), f"{path}.indices"),
+                "values": put(sparse_values(t), path)}
+    return {"$sparse": "csr", "size": list(t.shape),
+            "crow": put(t.crow_indices(), f"{path}.crow_indices"),
+            "col": put(t.col_indices(), f"{path}.col_indices"), "values": put(t.values(), path)}
+
+
+def rebuild_sparse(node: dict[str, Any], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sparse tensor :func:`sparse_node` described."""
+    def get(name: str) -> torch.Tensor:
+        return tensors[node[name]["$t"]]
+
+    if node["$sparse"] == "coo":
+        return torch.sparse_coo_tensor(get("indices"), get("values"), node["size"],
+                                       is_coalesced=bool(node.get("coalesced")))
+    return torch.sparse_csr_tensor(get("crow"), get("col"), get("values"), node["size"])
