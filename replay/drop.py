@@ -33,7 +33,8 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
     """Remove the samples ``rows`` from every batch and loss-input tensor (and, with
     ``out_grads``, recorded output gradient) that has the batch's samples (along the dim the
     report named them in: dim 1 of a sequence-first ``(T, B, F)``), and from every
-    ``PackedSequence``, packed again without them."""
+    ``PackedSequence``, packed again without them. A sparse input gets a new node in the
+    micro-batch's ``inputs`` (its size): ``mbs`` must be the caller's copies."""
     for mb in mbs:
         where = entry_samples(mb, tensors, model)
         if not where.size:
@@ -41,8 +42,11 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
         keep = torch.tensor([i for i in range(where.size) if i not in set(rows)],
                             dtype=torch.long)
         packed = [_repack(tensors, node, keep) for node in _packed_nodes(mb.get("inputs"))]
-        paths = list(mb.get("paths", {}))
-        done = {k for keys in packed for k in keys} | set(
+        cut: list[str] = []  # (a sparse input's own index and value tensors)
+        if "inputs" in mb:
+            mb["inputs"] = _drop_sparse(tensors, mb["inputs"], where.size, keep, cut)
+        paths = [k for k in mb.get("paths", {}) if k not in cut]
+        done = {k for keys in packed for k in keys} | set(cut) | set(
             _drop_bags(tensors, paths, where.size, keep)) | set(
             _drop_edges(tensors, paths, where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
@@ -103,6 +107,35 @@ def _drop_edges(tensors: dict[str, torch.Tensor], keys: list[str], n: int,
         tensors[k] = renumber[e.cpu()[:, cols]].to(e.device, e.dtype)
         done += [k, *per_edge]
     return done
+
+
+def _drop_sparse(tensors: dict[str, torch.Tensor], tree, n: int, keep: torch.Tensor,
+                 cut: list[str]):
+    """``tree`` with each sparse COO input over the samples (a graph's ``(N, N)`` adjacency,
+    the samples its nodes) cut to the rows kept, and to the columns kept when it is square:
+    its entries there, renumbered, in ``tensors`` (their keys added to ``cut``), and its node
+    a copy with the new size."""
+    if isinstance(tree, list):
+        return [_drop_sparse(tensors, v, n, keep, cut) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if tree.get("$sparse") != "coo" or (tree.get("size") or [None])[0] != n:
+        return {k: _drop_sparse(tensors, v, n, keep, cut) for k, v in tree.items()}
+    square = len(tree["size"]) == 2 and tree["size"][1] == n
+    ik, vk = tree["indices"]["$t"], tree["values"]["$t"]
+    idx = tensors[ik].cpu()
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[keep] = True
+    renumber = torch.cumsum(kept, 0) - 1
+    on = kept[idx[0]] & (kept[idx[1]] if square else True)
+    idx = idx[:, on].clone()
+    for d in (0, 1) if square else (0,):
+        idx[d] = renumber[idx[d]]
+    tensors[ik] = idx.to(tensors[ik].device)
+    tensors[vk] = tensors[vk][on.to(tensors[vk].device)]
+    cut += [ik, vk]
+    size = [len(keep), *tree["size"][1:]]
+    return {**tree, "size": [size[0], len(keep)] if square else size}
 
 
 def _drop_flat(x: torch.Tensor, where, keep: torch.Tensor) -> torch.Tensor:

@@ -377,7 +377,7 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
         # are the recorded run's (its backward starts from its own loss, times the loop's)
         mbs = with_factors(mbs, win.loss_factors)
     if change.drop and record["step"] == change.drop_step:
-        i = change.drop_micro_batch
+        i, mbs = change.drop_micro_batch, [dict(mb) for mb in mbs]  # (copies: see drop_rows)
         # the samples the report names are rows of one micro-batch: the other micro-batches'
         # rows of the same index are other samples, kept. Without a loss to re-run (computed
         # in the loop), the backward starts from the recorded output gradients less the

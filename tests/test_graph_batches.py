@@ -189,3 +189,16 @@ def test_an_infinity_in_a_sparse_adjacency_is_an_input_event_on_it(tmp_path):
     rep = _replay(err.bundle_path)
     assert (rep["origin"]["phase"], rep["origin"]["tensor"], rep["cause"]) == (
         "input", "args[1]", "input")
+
+
+def test_dropping_a_node_cuts_its_row_and_column_from_a_sparse_adjacency(tmp_path):
+    """``--try drop=7`` on the pygcn run: node 7's row and column go from the sparse
+    ``(N, N)`` adjacency with its features and label, the other nodes renumbered (before,
+    the 49 rows kept met the 50 x 50 adjacency: 'addmm: ... Expected dim 0 size 50, got 49'
+    in the user's code), and the step is finite without it; the bundle's own record of the
+    adjacency is untouched for the next try (the unchanged re-run stays non-finite)."""
+    err = _sparse_gcn_run(tmp_path, clamp=True)
+    rep = _replay(err.bundle_path, "drop=7", "drop=3")
+    dropped, other = rep["what_if"]
+    assert dropped["finite"] is True, dropped
+    assert other["finite"] is False and other["inconclusive"] is False, other
