@@ -55,6 +55,8 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
             d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
             if d is not None:
                 tensors[k] = x.index_select(d, keep)
+                if d == 0 and x.dim() == 2 and x.shape[1] == x.shape[0]:  # pairwise: an adjacency
+                    tensors[k] = tensors[k].index_select(1, keep)
             elif k in mb.get("loss_paths", {}) and isinstance(x, torch.Tensor):
                 tensors[k] = _drop_flat(x, where, keep)
 

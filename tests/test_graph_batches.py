@@ -202,3 +202,35 @@ def test_dropping_a_node_cuts_its_row_and_column_from_a_sparse_adjacency(tmp_pat
     dropped, other = rep["what_if"]
     assert dropped["finite"] is True, dropped
     assert other["finite"] is False and other["inconclusive"] is False, other
+
+
+def test_dropping_a_node_cuts_its_row_and_column_from_a_dense_adjacency(tmp_path):
+    """Node 11 is cut out of the graph (its row and column of the dense adjacency zeroed) at
+    step K but kept in the batch: deg.pow(-0.5) is inf there. The replay names the pow and
+    node 11; ``--try drop=11`` cuts the node's row and column from the ``(N, N)`` adjacency
+    (before, only its row: 'mat1 and mat2 shapes cannot be multiplied (39x40 and 39x39)' in
+    the user's code), and the step is finite without it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 8, generator=g)
+    y = torch.randint(0, 3, (40,), generator=g)
+    base = (torch.rand(40, 40, generator=g) < 0.1).float()
+    base = ((base + base.T) > 0).float() + torch.eye(40)
+    model = M.dense_gcn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="graph_models:dense_gcn"):
+            for step in range(8):
+                adj = base.clone()
+                if step == K:
+                    adj[11], adj[:, 11] = 0.0, 0.0
+                opt.zero_grad()
+                crit(model(x, adj), y).backward()
+                opt.step()
+    rep = _replay(info.value.bundle_path, "auto")
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
+            rep["cause"]) == (K, "forward", "", "aten.pow", [11], "invalid")
+    (dropped,) = rep["what_if"]
+    assert dropped["try"] == "drop=11" and dropped["finite"] is True, dropped
