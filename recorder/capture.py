@@ -23,7 +23,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from . import objects
-from .sparse import SPARSE, rebuild_sparse, sparse_node
+from .sparse import SPARSE, nested_node, rebuild_nested, rebuild_sparse, sparse_node
 
 # ---------------------------------------------------------------------------------------------
 # RNG states
@@ -270,6 +270,8 @@ def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch
                 return node
             if o.layout in SPARSE:  # (its values under its own path: an event names them)
                 return sparse_node(o, path, put)
+            if o.is_nested:
+                return nested_node(o, path, put)
             return put(o, path)
         if o is None or isinstance(o, (bool, int, str)):
             return o
@@ -337,6 +339,8 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
             return tensors[node["$t"]]
         if "$sparse" in node:
             return rebuild_sparse(node, tensors)
+        if "$nested" in node:
+            return rebuild_nested(node, tensors)
         if "$list" in node:
             return [unflatten_tree(v, tensors, leaf) for v in node["$list"]]
         if "$tuple" in node:

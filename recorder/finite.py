@@ -103,6 +103,8 @@ def tensors_kind(tensors: Iterable[torch.Tensor]) -> str | None:
 
 def bad_rows(t: torch.Tensor, dim: int = 0) -> list[int]:
     """Indices along ``dim`` holding a non-finite value (a 0-d tensor: ``[0]`` if it is)."""
+    if t.is_nested and dim == 0:  # its components
+        return [i for i, c in enumerate(t.unbind()) if not finite(c)]
     if not checkable(t):
         return []
     if t.layout == torch.sparse_coo and dim == 0:  # the rows of the specified values
@@ -135,13 +137,14 @@ def flags_kind(nan: bool, posinf: bool, neginf: bool) -> str | None:
 
 def has_nan(t: torch.Tensor) -> bool:
     """``t`` holds a NaN (the one non-finite value every policy counts); False if not floating."""
-    return checkable(t) and bool(torch.isnan(t.detach()).any())
+    return checkable(t) and bool(torch.isnan(stored(t.detach())).any())
 
 
 def additive_mask(t: torch.Tensor) -> bool:
     """``t`` is an additive attention mask: a real floating tensor whose values are all 0 or
     -inf (``nn.Transformer.generate_square_subsequent_mask``, a padding mask built by hand)."""
-    if not (t.is_floating_point() and t.numel() and t.layout == torch.strided):
+    if not (t.is_floating_point() and t.numel() and t.layout == torch.strided
+            and not t.is_nested):
         return False
     d = t.detach()
     return bool(((d == 0) | (d == -math.inf)).all())

@@ -81,7 +81,7 @@ class Samples:
             return None
         if not self.size:
             return 0
-        shape = t.shape
+        shape = shape_of(t)
         if self.seq_first and t.dim() > 1 and shape[1] == self.size:
             return 1
         if shape[0] == self.size:
@@ -143,7 +143,7 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
     if (ids := next((t for t in flat if is_assignment(t)), None)) is not None:
         segments = Segments(ids, int(ids[-1]))
         for t in flat + rowed:
-            if t.shape[0] == ids.numel():
+            if shape_of(t)[0] == ids.numel():
                 found.setdefault(id(t), segments)
         return found
     bags = next((Bags(t) for t in flat if are_offsets(t, flat)), None)
@@ -257,7 +257,8 @@ def compared(targets: list[torch.Tensor], outputs: list[torch.Tensor],
     out = next((t for t in outputs if _batched(t)), None)
     if out is None:
         return set()
-    return set(out.shape[:at]) & {n for t in targets if _batched(t) for n in t.shape[:at]}
+    return set(shape_of(out)[:at]) & {n for t in targets if _batched(t)
+                                      for n in shape_of(t)[:at]}
 
 
 def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
@@ -270,7 +271,7 @@ def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
     counts: Counter = Counter()
     at = 2 if sequence_first else 1  # the dims where a batch stands
     for t in inputs + [t for t in others if _batched(t)]:
-        shape = t.shape
+        shape = shape_of(t)
         counts.update({n: 2 if n in shape[:at] else 1 for n in set(shape) if n in among
                        or not among})
     if not counts:
@@ -289,4 +290,10 @@ def infer(inputs: Iterable[torch.Tensor], others: Iterable[torch.Tensor] = (),
 def _batched(t) -> bool:
     """``t`` may hold the batch: a tensor with dims, other than a square matrix."""
     return isinstance(t, torch.Tensor) and t.dim() > 0 and not (
-        t.dim() == 2 and t.shape[0] == t.shape[1])
+        t.dim() == 2 and not t.is_nested and t.shape[0] == t.shape[1])
+
+
+def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    """``t.shape``; a nested tensor's number of components only (its other sizes vary, and
+    ``shape`` refuses it: point clouds of different sizes are a batch of clouds)."""
+    return (t.size(0),) if t.is_nested else tuple(t.shape)

@@ -1,6 +1,8 @@
-"""Sparse tensors in a batch (a graph's adjacency passed to ``forward``, as Kipf's pygcn
-does): a bundle holds dense tensors only, so a sparse COO or CSR tensor is written as the
-dense tensors it is made of and rebuilt from them (see ``docs/bundle-format.md``)."""
+"""Sparse and nested tensors in a batch (a graph's adjacency passed to ``forward``, as Kipf's
+pygcn does; point clouds of different sizes as one nested tensor): a bundle holds dense
+tensors only, so a sparse COO or CSR tensor is written as the dense tensors it is made of, a
+nested one as its components padded into one tensor, and each is rebuilt from them (see
+``docs/bundle-format.md``)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,22 @@ def rebuild_sparse(node: dict[str, Any], tensors: dict[str, torch.Tensor]) -> to
         return torch.sparse_coo_tensor(get("indices"), get("values"), node["size"],
                                        is_coalesced=bool(node.get("coalesced")))
     return torch.sparse_csr_tensor(get("crow"), get("col"), get("values"), node["size"])
+
+
+def nested_node(t: torch.Tensor, path: str, put) -> dict[str, Any]:
+    """A nested tensor as its components zero-padded into one dense tensor (under the nested
+    tensor's own path: its dim 0 is the components, the samples) and their shapes, one row
+    each (a tensor too, so that ``--try drop=`` drops a sample's row of both)."""
+    sizes = torch.tensor([list(c.shape) for c in t.unbind()], dtype=torch.int64)
+    return {"$nested": put(torch.nested.to_padded_tensor(t, 0.0), path),
+            "sizes": put(sizes, f"{path}.sizes"),
+            "layout": "jagged" if t.layout == torch.jagged else "strided"}
+
+
+def rebuild_nested(node: dict[str, Any], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The nested tensor :func:`nested_node` described."""
+    padded = tensors[node["$nested"]["$t"]]
+    parts = [padded[i][tuple(slice(0, n) for n in size)]
+             for i, size in enumerate(tensors[node["sizes"]["$t"]].tolist())]
+    layout = torch.jagged if node.get("layout") == "jagged" else torch.strided
+    return torch.nested.nested_tensor(parts, layout=layout)
