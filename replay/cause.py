@@ -46,7 +46,7 @@ import torch
 from recorder.finite import label
 
 from . import domains, saturation
-from .cause_text import DO, HINTS, INF_ARITH, inf_arith, no_float64
+from .cause_text import DO, GROUP_REDUCTIONS, HINTS, INF_ARITH, inf_arith, no_float64
 from .domains import g as _g
 from .float64_step import float64_still
 from .load import autocast_dtype
@@ -296,6 +296,10 @@ def _from_infinities(hit: OpHit) -> Cause:
     if name in _ROW_REDUCTIONS:  # softmax: NaN; logsumexp, amax: -inf (OpFinder.first_reduced)
         return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "
                      "row): " + DO["masked_row"])
+    if name in GROUP_REDUCTIONS:  # OpFinder.first_reduced: the fill it started from
+        return Cause("invalid", f"{hit.op} left the {hit.made} it started from in the rows no "
+                     "element was reduced into (an empty group: a graph without nodes): "
+                     + DO["empty_group"])
     if hit.made != "nan":  # OpFinder.first_reduced: an infinity it was given, summed in
         return Cause("invalid", f"{hit.op} folded an infinity it was given into {hit.made} "
                      "(one held on purpose, such as a -inf mask under allow_inf: a "

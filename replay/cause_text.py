@@ -82,6 +82,9 @@ DO = {
     "inf_weight": "give the masked entries zero weight in the loss (label smoothing or soft "
                   "targets spread over masked classes, a target on a masked class), or mask "
                   "with a large finite negative number instead of -inf",
+    "empty_group": "give every group an element, or start the reduction from a finite value "
+                   "and fill the empty groups after it (out[count == 0] = 0; "
+                   "include_self=False keeps the initial value there too)",
     "masked_row": "a fully masked row has no key to attend to (no element to pool): keep at "
                   "least one key per row (skip or fill empty rows), or mask with a large finite "
                   "negative number instead of -inf",
@@ -151,6 +154,11 @@ INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div":
 def inf_arith(op: str, default: str) -> str:
     """What aten op ``op`` (in place or not) computed when it made NaN of an infinity."""
     return INF_ARITH.get(op.removeprefix("aten.").rstrip("_"), default)
+
+
+# ops that reduce groups of elements into the rows an index names (a scatter max pooling per
+# graph): a row no element lands in keeps the value the reduction started from
+GROUP_REDUCTIONS = frozenset({"scatter_reduce", "index_reduce", "scatter"})
 
 
 def no_float64(e: Exception) -> str:

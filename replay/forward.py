@@ -37,9 +37,11 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     recorded = o
     finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()
-    if hit is None and finder.intentional is not None and finder.first_reduced is not None:
-        # a reduction folded the intended fill into this call's output: a fully masked row's
-        # logsumexp (or max) is -inf, which the later NaN came from; blame it, not that NaN
+    if finder.first is None and finder.intentional is not None \
+            and finder.first_reduced is not None:
+        # a reduction folded the intended fill into this call's output (a fully masked row's
+        # logsumexp, a scatter max over a group with no element: -inf), which the NaN came
+        # from, later or in a child of this call; blame it, not that NaN
         hit = finder.first_reduced
     if hit is None and finder.intentional is not None and trigger not in (None, o):
         # the call where the chain seemed to start only filled an intended +-inf (a mask):

@@ -25,6 +25,7 @@ import torch
 from recorder.finite import ends, pair_kind, pair_ok
 from recorder.samples import Samples
 
+from .cause_text import GROUP_REDUCTIONS
 from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
 from .float64 import as_float64, upcast
 from .memo import TensorSet
@@ -160,14 +161,20 @@ class _Watch(TorchDispatchMode):
                     hit.evidence = None
                 f.first = hit
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
-                and outs[0].numel() < max(t.numel() for (a, b), t in zip(pairs, ins)
-                                          if not pair_ok(a, b)):
+                and _folds(name, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
                                     rows=f.batch_rows(outs))
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
                                 inputs_finite=in_finite, literal=literal_inf, within=f.where)
         return out
+
+
+def _folds(name: str, out: torch.Tensor, pairs, ins) -> bool:
+    """The op reduced a non-finite input into a smaller output (a logsumexp of a -inf row), or
+    reduces groups into rows (a row no element lands in keeps the value it started from)."""
+    return out.numel() < max(t.numel() for (a, b), t in zip(pairs, ins) if not pair_ok(a, b)) \
+        or name.rstrip("_") in GROUP_REDUCTIONS
 
 
 def state_of(*objs) -> set[tuple[int, tuple]]:
@@ -429,7 +436,7 @@ class OpFinder:
         if start is not None:
             out.append(start.as_json())
         # the op that made NaN of it, or else the reduction that folded it in (a -inf mask)
-        end = self.first_nan or (self.first_reduced if self.first is None else None)
+        end = (self.first_reduced if self.first is None else None) or self.first_nan
         if end is not None and (start is None or start.made != end.made or start.op != end.op):
             out.append(end.as_json())
         return out

@@ -43,13 +43,14 @@ def _batches(plant: str, steps: int = 8, graphs: int = 6):
         yield M.collate(data)
 
 
-def _train(plant: str, out_dir: Path) -> NonFiniteError:
-    model = M.graph_classifier()
+def _train(plant: str, out_dir: Path, pool: str = "mean") -> NonFiniteError:
+    model = M.graph_classifier(pool)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     crit = nn.CrossEntropyLoss()
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory="graph_models:graph_classifier"):
+                            factory="graph_models:graph_classifier",
+                            factory_kwargs={"pool": pool}):
             for x, edge_index, batch, y in _batches(plant):
                 opt.zero_grad()
                 crit(model(x, edge_index, batch, y.numel()), y).backward()
@@ -234,3 +235,18 @@ def test_dropping_a_node_cuts_its_row_and_column_from_a_dense_adjacency(tmp_path
             rep["cause"]) == (K, "forward", "", "aten.pow", [11], "invalid")
     (dropped,) = rep["what_if"]
     assert dropped["try"] == "drop=11" and dropped["finite"] is True, dropped
+
+
+def test_a_scatter_max_pooling_of_an_empty_graph_is_the_reduction_not_the_head(tmp_path):
+    """torch_scatter-style max pooling starts from -inf; graph 4 has no node, so its row
+    keeps the -inf, and the head's addmm makes NaN of it. Before, that addmm was blamed with
+    'an infinity met another in arithmetic: find the op that made the first infinity', which
+    points at the intended -inf fill; the scatter_reduce that left the fill in an empty group
+    is named now, on graph 4, with the fix."""
+    err = _train("empty", tmp_path, pool="max")
+    rep = _replay(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["made"], o["samples"],
+            rep["cause"]) == (K, "forward", "", "aten.scatter_reduce", "-inf", [BAD], "invalid")
+    assert "empty group" in rep["hint"] and "out[count == 0] = 0" in rep["hint"]
+    assert [c["op"] for c in o["chain"]] == ["aten.full", "aten.scatter_reduce"]
