@@ -82,9 +82,9 @@ DO = {
     "inf_weight": "give the masked entries zero weight in the loss (label smoothing or soft "
                   "targets spread over masked classes, a target on a masked class), or mask "
                   "with a large finite negative number instead of -inf",
-    "empty_group": "give every group an element, or start the reduction from a finite value "
-                   "and fill the empty groups after it (out[count == 0] = 0; "
-                   "include_self=False keeps the initial value there too)",
+    "empty_group": "give every group an element (leave empty graphs out of the batch), or "
+                   "give the reduction a finite start (torch.zeros, segment_reduce's "
+                   "initial=0) and fill the empty groups after it (out[count == 0] = 0)",
     "masked_row": "a fully masked row has no key to attend to (no element to pool): keep at "
                   "least one key per row (skip or fill empty rows), or mask with a large finite "
                   "negative number instead of -inf",

@@ -110,6 +110,13 @@ def exponent(ev: Evidence) -> float | None:
     return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None
 
 
+_FEW = ("of too few values for its correction (a division by n - correction = 0)", "few")
+# ops whose non-finite value from finite inputs has one reading: what, and the DO key
+_FIXED = {"var": _FEW, "std": _FEW, "var_mean": _FEW, "std_mean": _FEW,
+          "segment_reduce": ("over a segment with no element (length 0: its mean is 0/0, its "
+                             "max -inf)", "empty_group")}
+
+
 def describe(name: str, ev: Evidence) -> tuple[str, str]:
     """What the op was given where it went non-finite, and which advice fits (a ``DO`` key)."""
     op = f"aten.{name}"
@@ -120,9 +127,8 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
     base = name.rstrip("_")
     if ev.empty:
         return f"{op} of an empty tensor (a mean over no element is 0/0)", "few"
-    if base in ("var", "std", "var_mean", "std_mean"):
-        return (f"{op} of too few values for its correction (a division by n - correction = "
-                "0)", "few")
+    if base in _FIXED:
+        return f"{op} {_FIXED[base][0]}", _FIXED[base][1]
     if "ctc_loss" in base:
         return _ctc(ev), "ctc"
     if (low_var := _negative_running_var(base, ev)) is not None:

@@ -49,13 +49,19 @@ class GraphClassifier(nn.Module):
         self.conv1 = GCNConv(d_in, hidden)
         self.conv2 = GCNConv(hidden, hidden)
         self.pool = MeanPool() if pool == "mean" else None
+        self.pooling = pool
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, x, edge_index, batch, num_graphs: int):
         x = F.relu(self.conv1(x, edge_index))
         x = F.relu(self.conv2(x, edge_index))
-        pooled = max_pool(x, batch, num_graphs) if self.pool is None else \
-            self.pool(x, batch, num_graphs)
+        if self.pool is not None:
+            pooled = self.pool(x, batch, num_graphs)
+        elif self.pooling == "max":
+            pooled = max_pool(x, batch, num_graphs)
+        else:  # a mean per graph over its run of node rows
+            lengths = torch.bincount(batch, minlength=num_graphs)
+            pooled = torch.segment_reduce(x, "mean", lengths=lengths, axis=0)
         return self.head(pooled)
 
 

@@ -250,3 +250,15 @@ def test_a_scatter_max_pooling_of_an_empty_graph_is_the_reduction_not_the_head(t
             rep["cause"]) == (K, "forward", "", "aten.scatter_reduce", "-inf", [BAD], "invalid")
     assert "empty group" in rep["hint"] and "out[count == 0] = 0" in rep["hint"]
     assert [c["op"] for c in o["chain"]] == ["aten.full", "aten.scatter_reduce"]
+
+
+def test_a_segment_mean_over_an_empty_graph_is_an_empty_group_not_a_pole(tmp_path):
+    """``torch.segment_reduce(x, "mean", lengths=...)`` of graph 4, which has no node, is
+    0/0. Before, the cause read 'aten.segment_reduce of 0 (at a pole or outside its domain):
+    clamp the op's input away from the pole (x.clamp_min(eps))', which fixes nothing."""
+    err = _train("empty", tmp_path, pool="segment")
+    rep = _replay(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "", "aten.segment_reduce", [BAD], "invalid")
+    assert "segment with no element" in rep["hint"] and "clamp_min" not in rep["hint"]
