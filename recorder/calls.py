@@ -46,10 +46,11 @@ class CallHooks:
         target = self.target
         sites = target.sites
         root = sites[0]
-        # (a compiled region's hooks go where dynamo does not trace them, see recorder.compiled;
-        # the modules inside one are not hooked)
-        pre = disabled(self.root_pre_hook) if root.disable else self.root_pre_hook
-        handles = [root.target.register_forward_pre_hook(Hook(pre), with_kwargs=True)]
+        # (the root's and the loss's hooks run eagerly where dynamo traces the call, a compiled
+        # region's own or a compiled training step's, see recorder.compiled; the modules inside
+        # a region are not hooked)
+        handles = [root.target.register_forward_pre_hook(Hook(disabled(self.root_pre_hook)),
+                                                         with_kwargs=True)]
         for idx, site in enumerate(sites):
             if site.target is None or site.name in target.passing:
                 continue
@@ -65,12 +66,12 @@ class CallHooks:
             # root is checked for NaN only, yet the +-Inf it returns are no finite input)
             allowed = target.inf_allowed(idx, site.name)
             intended = target.is_allowed(site.name)
-            hook = (Hook(disabled(partial(fn, idx, allowed, intended))) if site.disable
+            hook = (Hook(disabled(partial(fn, idx, allowed, intended))) if site.disable or not idx
                     else Hook(fn, idx, allowed, intended))
             handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
         if self.loss_fn is not None:
-            handles.append(self.loss_fn.register_forward_hook(Hook(self.loss_post_hook),
-                                                              with_kwargs=True))
+            handles.append(self.loss_fn.register_forward_hook(
+                Hook(disabled(self.loss_post_hook)), with_kwargs=True))
         if target.grad_hooks:
             for i, p in target.large:
                 if not p.requires_grad:  # (frozen, held by the optimizer: read before its step)
@@ -155,6 +156,9 @@ class CallHooks:
         """Keep the root output, and the gradient backward brings to each of its tensors."""
         mb = tape.micro_batches[tape.micro_batch]
         mb.outputs = output
+        if self.cycle.traced:  # its calls ran in a compiled caller's graph: one region
+            self.cycle.traced = False
+            self.target.compiled.add("")
         if not self.copy_inputs and any(version_of(t) != v for t, v in mb.input_versions):
             # the forward wrote into its input (wav.div_(peak)): this micro-batch's is kept as
             # the forward left it, the next ones' are copied when they come in
@@ -264,8 +268,11 @@ class CallHooks:
         """A call with nothing to record: inactive, no step open, or run under a torch.func
         transform (``vmap(grad(...))`` of a ``functional_call``: per-sample gradients, an
         ensemble), whose wrapped tensors are no part of the step and no reduction into a slot
-        takes."""
-        if func_transform() is None:
+        takes. Traced by dynamo (the model called from a compiled training step, whose
+        root hooks run eagerly), the call is part of the root's compiled region."""
+        if torch.compiler.is_compiling():  # (dynamo replays it at each run of the graph)
+            self.cycle.traced = True
+        elif func_transform() is None:
             self.cycle.outside_step(idx, tape)
 
     def _input_refs(self, tape: Tape, args, kwargs, made_here=None) -> tuple:

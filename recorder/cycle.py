@@ -70,6 +70,7 @@ class StepCycle:
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self.unrooted_call: int | None = None  # a submodule that ran while no step was open
         self.transformed = False  # a root forward ran under a torch.func transform (unrecorded)
+        self.traced = False  # a module hook was traced by dynamo (a compiled training step)
         self._unrooted_warned = False
         self.foreign = ForeignUpdates()  # updates by an optimizer the recorder was not given
         self.capture_rng = RngCapture()  # (also as each later micro-batch begins)

@@ -20,6 +20,7 @@ import torch
 
 from .alarm import Alarm
 from .compat import foreach_norm
+from .compiled import disabled
 from .cycle import StepCycle, UpdateEvidence
 from .grads import reread_changed_grads
 from .hooks import Health, Hook
@@ -49,8 +50,10 @@ class OptimizerGuard:
         self._transform_warned = False
 
     def register(self, optimizer) -> list:
-        return [optimizer.register_step_pre_hook(Hook(self.pre_hook)),
-                optimizer.register_step_post_hook(Hook(self.post_hook))]
+        # (run eagerly where dynamo traces ``optimizer.step()``, a compiled training step:
+        # traced, the step's host read and the bundle's writing would run once, at tracing)
+        return [optimizer.register_step_pre_hook(Hook(disabled(self.pre_hook))),
+                optimizer.register_step_post_hook(Hook(disabled(self.post_hook)))]
 
     def release(self) -> None:
         self.copies = self.last_tape = None

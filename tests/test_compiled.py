@@ -195,3 +195,44 @@ def test_a_compiled_only_nan_is_not_reproduced_and_says_why(tmp_path):
     assert rep["reproduced"] is False and rep["cause"] == "not_reproduced"
     assert any("torch.compile'd module and the replay runs it eagerly" in p
                for p in rep["problems"]), rep["problems"]
+
+
+# (dynamo's own, wrapping the step's non-leaf tensors, as without the recorder)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_compiled_training_step_is_recorded_with_its_model_as_one_call(tmp_path):
+    """``torch.compile`` of the whole training step (forward, loss, backward and
+    ``optimizer.step()`` in one function, as speed-minded loops write it): dynamo traced the
+    recorder's hooks, so no step ever opened, the NaN trained on unseen, and the ``with``
+    block's exit blamed "step -1". The root's, the loss's and the optimizer's hooks run
+    eagerly, the model's layers in the step's graphs are one compiled call, and the replay
+    names the op inside it."""
+    model = R.make_log_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+
+    @torch.compile(backend="eager")
+    def train_step(x, y):
+        opt.zero_grad()
+        loss = crit(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_log_net") as rec:
+            for step in range(6):
+                x, y = R.batch(step)
+                if step == K:
+                    x[5] *= 100.0
+                train_step(x, y)
+                assert rec.step == step + 1  # each step opened and closed
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"], ev["samples"]) == \
+        (K, "forward", "", "nan", [5])
+    assert ev["compiled"] is True
+    assert all(p.isfinite().all() for p in model.parameters())  # stopped before the update
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == ("forward", "act", "aten.log", [5])
