@@ -36,6 +36,7 @@ from .origins import (
     report_optimizer,
     report_weights,
 )
+from .outliers import outlier_hint, outlier_input
 from .recorded import (
     batch_non_finite,
     batch_size,
@@ -71,6 +72,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
     o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
+    _out_of_scale(report, step)
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report
@@ -99,6 +101,18 @@ def _diverging(report, windowed: bool) -> None:
                           f"{when} (see precursors): the run was diverging, and "
                           "a wider type only postpones the overflow; "
                           + DO["diverging_window" if windowed else "diverging"])
+
+
+def _out_of_scale(report, step: Step) -> None:
+    """An overflow in samples whose recorded data (an input, a loss target) is 10x larger than
+    every other row's: the data is at fault, which the op's remedy (a wider type) would hide."""
+    o = report["origin"]
+    rows = o.get("samples") or []
+    if report.get("cause") != "overflow" or o.get("all_samples") or not report.get("hint"):
+        return
+    found = outlier_input(step, o.get("micro_batch") or 0, rows)
+    if found is not None:
+        report["hint"] = f"{report['hint']}. But {outlier_hint(found, rows)}"
 
 
 def analyze_bundle(path, factory: str | None = None, device: str | None = None,

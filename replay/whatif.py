@@ -27,7 +27,8 @@ from .drop import undroppable
 from .errors import ReplayError, one_line
 from .load import Step
 from .optim import eps_lost, safe_eps
-from .recorded import batch_size, samples
+from .outliers import outlier_input
+from .recorded import batch_size
 from .window import Change, Window, run_window, step_as_window, window_of
 
 KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
@@ -138,7 +139,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     # an overflow in samples whose inputs are outliers of the batch points at their data too
     # (a record in the wrong unit): dropping them tells the data from the model's scale
     fits_drop = cause in ("input", "invalid", "underflow", "precision") or (
-        cause == "overflow" and _outlier_rows(step, o.get("micro_batch") or 0, samples))
+        cause == "overflow" and outlier_input(step, o.get("micro_batch") or 0, samples))
     # a bad record is a few rows; when most of the batch fails, the model (a rate head with
     # no positive activation) is at fault, and a batch without them proves nothing
     n = o.get("batch_size")
@@ -206,25 +207,6 @@ def _last_finite_lr(step: Step) -> float | None:
         if row and all(math.isfinite(v) for v in row) and max(row) > 0:
             return max(row)
     return None
-
-
-def _outlier_rows(step: Step, mb: int, rows: list[int], factor: float = 10.0) -> bool:
-    """Some floating input tensor of micro-batch ``mb`` has, in ``rows``, values ``factor``
-    times larger in magnitude than in every other row of the batch."""
-    where = samples(step, mb)
-    for key, t in step.tensors.items():
-        if not key.startswith(f"batch/{mb}/") or not t.is_floating_point():
-            continue
-        d = where.dim(t)
-        if d is None or not rows or max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
-            continue
-        per = t.detach().movedim(d, 0).reshape(t.shape[d], -1).abs().double().amax(1)
-        per = torch.nan_to_num(per, nan=math.inf)
-        named = torch.zeros(len(per), dtype=torch.bool)
-        named[rows] = True
-        if bool(per[named].max() > factor * per[~named].max()):
-            return True
-    return False
 
 
 def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict[str, Any]]:

@@ -1,0 +1,71 @@
+"""Samples whose recorded data is out of scale with the rest of the batch: a record in the wrong
+unit (a label of 1e30 from a bad conversion, an audio clip whose gain was never normalised)
+makes an overflow that no wider type or rescaling of the op fixes; dropping those samples, and
+fixing the data, does.
+
+Both the model's inputs (``batch/``) and the loss's other arguments (``loss_in/``: targets,
+weights) are searched, along the batch dimension each tensor has.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from recorder.capture import batch_path, loss_path
+
+from .domains import g
+from .load import Step
+from .recorded import samples
+
+FACTOR = 10.0  # the named rows' largest magnitude against every other row's
+
+
+def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR
+                  ) -> dict[str, Any] | None:
+    """The first floating tensor of micro-batch ``mb`` (model inputs, then loss arguments)
+    whose largest magnitude in ``rows`` is ``factor`` times that of every other row:
+    ``{"tensor": its readable name, "value": that magnitude, "others": the other rows'}``;
+    None when there is none (or ``rows`` is empty or the whole batch)."""
+    if not rows or mb >= len(step.micro_batches):
+        return None
+    entry, where = step.micro_batches[mb], samples(step, mb)
+    n_args = _n_args(entry.get("inputs"))
+    named = [(k, batch_path(raw, n_args)) for k, raw in (entry.get("paths") or {}).items()]
+    named += [(k, loss_path(raw)) for k, raw in (entry.get("loss_paths") or {}).items()]
+    for key, name in named:
+        t = step.tensors.get(key)
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        d = where.dim(t)
+        if d is None or max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
+            continue
+        per = t.detach().movedim(d, 0).reshape(t.shape[d], -1).abs().double().amax(1)
+        per = torch.nan_to_num(per, nan=math.inf)
+        mask = torch.zeros(len(per), dtype=torch.bool)
+        mask[rows] = True
+        top, others = float(per[mask].max()), float(per[~mask].max())
+        if top > factor * others:
+            return {"tensor": name, "value": top, "others": others}
+    return None
+
+
+def outlier_hint(found: dict[str, Any], rows: list[int]) -> str:
+    """The sentence an overflow's hint gains when its samples' data is out of scale."""
+    which = ",".join(str(r) for r in rows)
+    ratio = (f", {g(found['value'] / found['others'])}x the other rows' largest "
+             f"{g(found['others'])}" if found["others"] > 0 else ", the other rows being 0")
+    return (f"sample(s) {which} of {found['tensor']} reach {g(found['value'])}{ratio}: the "
+            "data of these samples is out of scale (a wrong unit, a corrupt record, a gain "
+            f"never normalised), which a wider type would only hide; fix or filter them "
+            f"(--try drop={which} re-runs the step without them)")
+
+
+def _n_args(tree: Any) -> int:
+    """How many positional arguments the recorded root call had (``batch`` when one)."""
+    try:
+        return len(tree["$list"][0]["$list"])
+    except (KeyError, IndexError, TypeError):
+        return 1

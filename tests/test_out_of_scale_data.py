@@ -1,0 +1,59 @@
+"""An overflow made by samples whose data is out of scale with the rest of the batch (a label
+in the wrong unit): the cause is the op's (``overflow``), but a wider type only hides the bad
+record, so the hint names the samples and the tensor, and ``--try auto`` drops them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import cause_models as C
+import pytest
+import replay_models as R
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+K, ROW = 3, 5
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where cause_models.py, the factory's module, lives
+
+
+def test_a_target_out_of_scale_names_its_samples_and_auto_drops_them(tmp_path):
+    """A regression target of 1e30 (a unit conversion gone wrong) overflows the squared error
+    in float32. The report said only "float64 holds it: compute it in float64", and
+    ``--try auto`` proposed float64, lr and clip, never the sample: outliers were looked for
+    in the model's inputs only, not in the loss's targets."""
+    model = C.make_regressor()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="cause_models:make_regressor"):
+            for step in range(6):
+                x, _ = R.batch(step)
+                y = x.sum(1)
+                if step == K:
+                    y[ROW] = 1e30
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (K, "loss")
+    res = CliRunner().invoke(cli, [str(err.bundle_path), "--json", "--try", "auto"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["samples"], rep["cause"]) == \
+        ("loss", "<loss>", [ROW], "overflow"), json.dumps(rep, indent=1)
+    assert f"sample(s) {ROW} of loss_args[1] reach 1e+30" in rep["hint"], rep["hint"]
+    assert "out of scale" in rep["hint"] and f"--try drop={ROW}" in rep["hint"], rep["hint"]
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert tries[f"drop={ROW}"]["finite"] is True, tries
