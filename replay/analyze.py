@@ -271,11 +271,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     report["fidelity"] = fid = fidelity.compare(step, run1)
     if fid is not None and not fid["matches"]:
         # what the re-run shows is of another model: nothing it finds is evidence
-        what = ("its weights are not those the step ran with" if fid.get("changed") else
-                "a forward of the step ran with other weights than the bundle holds"
-                if fid.get("within_step") else "the factory builds a different model")
         return recorded_origin(report, step, (
-            f"{what}, so the re-run says nothing about training: the origin above is what the "
+            f"{fidelity.mismatch(fid)}, so the re-run says nothing about training: the origin above is what the "
             "recorder saw; see the fidelity line"))
     origin = run1.forward_origin()
     if not _strict(step) and run1.chain()[2]:  # the event's infinity came in with the batch

@@ -56,7 +56,31 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
         return None
     found["basis"] = "event step" if rows else "earlier steps"
     found["changed"] = list(meta.get("changed_in_step") or []) or None
+    if rows and not found["matches"] and not found["changed"]:
+        found["edited"] = edited_since_update(step, rows[-1]) or None
     return found
+
+
+def edited_since_update(step: Step, r: int) -> list[str]:
+    """The parameters whose bundled weights are not what the last update left them (their
+    2-norm right after it, the ring's ``update_norms`` of the event step): written outside
+    ``optimizer.step()`` since. When the re-run then differs from the recording, the write
+    came during the step, after a forward read the old values (a clamp or a ``fill_`` under
+    ``no_grad`` between the forward and the loss). Only for a bundle of unsharded weights taken
+    before the update."""
+    t, meta = step.tensors, step.meta
+    norms = t.get("ring/update_norms")
+    if norms is None or meta.get("state") != "before_update" or meta.get("shards"):
+        return []
+    out = []
+    for name, after in zip(meta.get("params") or [], norms[r].double().tolist()):
+        w = t.get(f"weights/{name}")
+        if w is None or not w.is_floating_point() or not math.isfinite(after):
+            continue
+        now = float(w.detach().double().norm())
+        if not math.isclose(now, after, rel_tol=1e-3, abs_tol=1e-6):
+            out.append(name)
+    return out
 
 
 def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str]):
@@ -157,6 +181,15 @@ def _differs(module: str, call: int, mb: int, recorded, rerun, compared: int,
             "calls": compared, "difference": difference}
 
 
+def mismatch(fid: dict[str, Any]) -> str:
+    """Why the re-run is not the recorded step, in a few words for the cause."""
+    if fid.get("changed") or fid.get("edited"):
+        return "its weights are not those the step ran with"
+    if fid.get("within_step"):
+        return "a forward of the step ran with other weights than the bundle holds"
+    return "the factory builds a different model"
+
+
 def describe(fid: dict[str, Any]) -> str:
     """One sentence for the text report."""
     name = module_label(fid["module"])
@@ -176,6 +209,10 @@ def describe(fid: dict[str, Any]) -> str:
     head = f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}{after}: "
     if fid.get("changed"):
         return head + _changed_params(fid["changed"]) + " changed during the step (see the note)"
+    if fid.get("edited"):
+        names = fid["edited"]
+        return head + _changed_params(names) + (" differs" if len(names) == 1 else " differ") \
+            + EDITED
     if fid.get("within_step"):
         return head + WITHIN_STEP
     return head + ("the factory builds a different model than the one recorded (it cannot see "
@@ -183,6 +220,11 @@ def describe(fid: dict[str, Any]) -> str:
                    "with FlightRecorder(..., factory_kwargs={...}) or pass --factory-kwargs "
                    "'{...}' so it builds the same one")
 
+
+EDITED = (" from what the last optimizer.step() left: written outside it during the "
+          "step, after the forward read them (an in-place clamp_ or fill_ under no_grad between "
+          "the forward and the loss); the bundle holds the new values, so this forward cannot "
+          "be re-run as it ran. Make such edits before the forward or after optimizer.step()")
 
 WITHIN_STEP = ("an earlier forward of the step re-ran as recorded, so the model is the recorded "
                "one, but this forward ran with other weights than the bundle holds: parameters "

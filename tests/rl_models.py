@@ -158,3 +158,22 @@ def gaussian_a2c_loss(out, action, ret):
     dist = torch.distributions.Normal(mu, log_std.exp(), validate_args=False)
     pg = -(dist.log_prob(action).sum(-1) * (ret - v).detach()).mean()
     return pg + 0.5 * (ret - v).pow(2).mean() + dist.entropy().sum(-1).mean()
+
+
+class GaussianActor(nn.Module):
+    """A continuous-action policy as CleanRL's continuous PPO writes it: the mean from a
+    network, a state-independent learned log standard deviation expanded to the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = nn.Sequential(nn.Linear(OBS, 32), nn.Tanh(), nn.Linear(32, ACT))
+        self.log_std = nn.Parameter(torch.zeros(1, ACT))
+
+    def forward(self, x):
+        mean = self.mean(x)
+        return mean, self.log_std.expand_as(mean)
+
+
+def make_gaussian_actor() -> GaussianActor:
+    torch.manual_seed(0)
+    return GaussianActor()

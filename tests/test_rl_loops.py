@@ -279,3 +279,41 @@ def test_a_gaussian_variance_from_a_drifting_log_std_is_an_underflow(tmp_path):
     o = rep["origin"]
     assert (o["phase"], o["op"], rep["cause"]) == ("backward", "DivBackward0", "underflow"), \
         json.dumps(rep, indent=1)
+
+
+def test_a_parameter_edited_between_the_forward_and_the_loss_is_named_not_the_factory(
+        tmp_path):
+    """A continuous PPO loop anneals exploration by writing the policy's log std in place
+    after the forward returned its view: the variance underflows and the gradients go NaN.
+    The bundle holds the edited weight, the re-run's forward differs from the recording, and
+    the report blamed the factory ("builds a different model"). The weight's norm against the
+    one the last update left shows it was written outside ``optimizer.step()``: the fidelity
+    line names the parameter and the edit."""
+    actor = RL.make_gaussian_actor()
+    opt = torch.optim.Adam(actor.parameters(), lr=3e-4)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(actor, opt, out_dir=tmp_path,
+                            factory="rl_models:make_gaussian_actor"):
+            for step in range(6):
+                obs = torch.randn(32, RL.OBS, generator=g)
+                act = torch.randn(32, RL.ACT, generator=g)
+                adv = torch.randn(32, generator=g)
+                opt.zero_grad()
+                mean, log_std = actor(obs)
+                if step == 3:
+                    with torch.no_grad():
+                        actor.log_std.fill_(-60.0)  # BUG: anneals through the forward's view
+                var = torch.exp(2 * log_std)  # 0 in float32 at log std -60
+                logp = (-0.5 * (act - mean) ** 2 / var - log_std).sum(-1)
+                (-(logp * adv).mean()).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "backward")
+    res = invoke_cli(info.value.bundle_path, "--json")
+    rep = json.loads(res.stdout)
+    fid = rep["fidelity"]
+    assert fid["matches"] is False and fid["edited"] == ["log_std"], fid
+    assert rep["reproduced"] is False and res.exit_code == 1
+    assert "factory builds a different model" not in res.stdout, rep
+    text = invoke_cli(info.value.bundle_path).stdout
+    assert "parameter log_std differs from what the last optimizer.step() left" in text, text
