@@ -68,7 +68,8 @@ class Alarm:
             target.param_names, [p for _, p in target.params], target.allowed_modules,
             strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update,
             changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
-            seq_first=target.seq_first, recurrent=target.recurrent)
+            seq_first=target.seq_first, recurrent=target.recurrent,
+            hand_updates=not target.has_optimizer)
         event = events.find_event(evidence, reason)
         agreement = target.ranks
         if agreement is not None and agreement.seen is not None:  # every rank is here

@@ -27,6 +27,7 @@ from .finite import (
     pair_ok,
     tensors_kind,
 )
+from .late_writes import written_after_forward
 from .ring import StepLayout, decode_call
 from .samples import Samples, of_micro_batch, packed_in
 from .shards import local
@@ -37,7 +38,7 @@ __all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_gra
 
 # keys a bundle's event holds only when they are set
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
-             "ranks")
+             "ranks", "written_after_forward")
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Event:
     compiled: bool | None = None  # the module is a torch.compile'd region
     # under torch.distributed: run id, rank, world size, who saw it (recorder.ranks)
     ranks: dict[str, Any] | None = None
+    # no optimizer given: parameters the loop's own update made non-finite after the forward
+    written_after_forward: list[str] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
@@ -95,6 +98,8 @@ class StepEvidence:
     overflowed: bool = False  # some non-finite norm was an overflow of finite values
     seq_first: bool = False  # the model takes sequences first (see recorder.samples)
     recurrent: bool = False  # it holds a recurrent module (hidden states: batch in dim 1)
+    hand_updates: bool = False  # no optimizer: the step is open through the loop's own update
+    late: list[int] = field(default_factory=list)  # weights that update made non-finite
 
     def samples(self, mb: int) -> Samples:
         """Where micro-batch ``mb``'s tensors hold their samples."""
@@ -148,10 +153,10 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
     # a step's forwards and losses in the order they ran: micro-batch k's loss came before
     # micro-batch k + 1's forward, which may have used it (a MAML inner loop's update)
     found = [e for e in (_input_event(ev), _forward_event(ev), _loss_event(ev)) if e is not None]
-    if found:
-        return min(found, key=lambda e: e.micro_batch or 0)  # (stable: input, forward, loss)
-    event = _backward_event(ev)
-    if event is not None:
+    event = min(found, key=lambda e: e.micro_batch or 0) if found else _backward_event(ev)
+    if event is not None:  # (stable: input, forward, loss)
+        if ev.late:
+            event.written_after_forward = [ev.param_names[i] for i in ev.late]
         return event
     if ev.overflowed:
         return None  # only norms of huge but finite weights or gradients overflowed
@@ -182,6 +187,9 @@ def _weights_event(ev: StepEvidence) -> Event | None:
         recorded = {i for i, _ in layout.params} | ev.changed
         really += [i for i, p in enumerate(ev.param_tensors) if i not in recorded
                    and not finite(local(p).detach())]
+    if ev.hand_updates:  # (their modules returned finite values: the update came after)
+        ev.late = written_after_forward(really, ev.param_names, ev.module_names, ev.calls)
+        really = [i for i in really if i not in ev.late]
     if not really:
         return None
     bad = [ev.param_names[i] for i in really]

@@ -65,6 +65,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if changed:
         report["problems"].append(fidelity.elsewhere_note() if _elsewhere(step)
                                   else fidelity.changed_note(changed))
+    if late := sorted(_late(step)):
+        report["problems"].append(fidelity.late_note(late))
     report = _from_bundle(report, step) or _from_rerun(report, step)
     if not add_window(step, report):  # (its measured growth says it, else the precursors)
         _diverging(report, window_of(step) is not None)
@@ -204,18 +206,9 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
         o = input_origin(step)
         return finish(report, o, "input", reproduced=True, hint=input_hint(o))
-    changed = set(step.meta.get("changed_in_step") or ())
+    changed = set(step.meta.get("changed_in_step") or ()) | _late(step)
     if bad_weights and not after_update and set(bad_weights) <= changed:
-        # non-finite only after the step's forward ran (another optimizer's step() wrote
-        # them from this step's gradients): not what the step ran with, so nothing to re-run
-        report = recorded_origin(report, step, (
-            "the step cannot be re-run as it ran, since the bundle holds weights written after "
-            "its forward: the origin above is what the recorder saw; "
-            + ("give FlightRecorder the optimizer the loop steps" if _elsewhere(step) else
-               "call the recorded optimizer's step() before the other one's (see the note)")
-            + " and record again"))
-        report["not_rerun"] = "weights written after its forward"
-        return report
+        return _weights_written_late(report, step)
     written = set(step.meta.get("written_in_step") or ())
     if bad_weights and not after_update and set(bad_weights) <= written:
         # written by the step's own code before any update (a data-dependent init in the
@@ -239,6 +232,28 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
                                else "factory not imported")
         return report
     return None
+
+
+def _late(step: Step) -> set[str]:
+    """Weights a loop without an optimizer made non-finite after the step's forward read
+    them finite (its own update, from this step's gradients; the recorder's
+    ``written_after_forward``)."""
+    return set(step.event.get("written_after_forward") or ())
+
+
+def _weights_written_late(report, step: Step) -> dict[str, Any]:
+    """Weights non-finite only after the step's forward ran (another optimizer's step(), or
+    the loop's own update, wrote them from this step's gradients): not what the step ran with,
+    so nothing to re-run."""
+    fix = ("call rec.end_step() after backward, before the loop's own update (or give "
+           "FlightRecorder the optimizer)" if _late(step) else
+           "give FlightRecorder the optimizer the loop steps" if _elsewhere(step) else
+           "call the recorded optimizer's step() before the other one's (see the note)")
+    report = recorded_origin(report, step, (
+        "the step cannot be re-run as it ran, since the bundle holds weights written after "
+        f"its forward: the origin above is what the recorder saw; {fix} and record again"))
+    report["not_rerun"] = "weights written after its forward"
+    return report
 
 
 def _input_written(report, step: Step) -> dict[str, Any]:

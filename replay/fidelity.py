@@ -243,6 +243,16 @@ def changed_note(names: list[str]) -> str:
             "optimizer that updates them")
 
 
+def late_note(names: list[str]) -> str:
+    """The note for parameters a loop without an optimizer made non-finite after the step's
+    forward read them finite (the recorder's ``written_after_forward``)."""
+    return (f"{_changed_params(names)} were finite when this step's forward read them and "
+            "non-finite when it was checked: with no optimizer given, the step stays open "
+            "until the next forward, through the loop's own update (p -= lr * p.grad, a master "
+            "copy written back), which wrote them from this step's gradients; the bundle holds "
+            "them as it left them")
+
+
 def elsewhere_note() -> str:
     """The note for a bundle whose weights another optimizer updated (the recorder's
     ``stepped_elsewhere``): the loop steps an optimizer the recorder was not given."""
