@@ -239,9 +239,10 @@ def _given(ev: Evidence, i: int) -> list[float]:
 
 
 def _wider(dtype: torch.dtype, op: str | None = None) -> str:
-    """What a wider type means from ``dtype``: float32 for the half types, else rescaling or
-    float64 (and, for an exponential ``op``, bounding its exponent)."""
-    if torch.finfo(dtype).bits < 32:
+    """What a wider type means from ``dtype``: float32 for float16 (and the 8-bit types), else
+    rescaling or float64 (and, for an exponential ``op``, bounding its exponent): bfloat16
+    has float32's range, so what overflows it overflows float32 too."""
+    if torch.finfo(dtype).max < torch.finfo(torch.float32).max / 2:
         return DO["wider"]
     return DO["wider64_exp"] if op is not None and _name(op) in _EXPONENTIAL else DO["wider64"]
 

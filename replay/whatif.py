@@ -148,9 +148,9 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         out.append("drop=" + ",".join(str(s) for s in samples))
     low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \
         or any(mb.get("autocast") for mb in step.micro_batches)
-    if cause == "overflow":  # (an op computing in float32 under autocast needs float64)
-        made_in = o.get("dtype")
-        half = made_in in ("float16", "bfloat16") if made_in else low
+    if cause == "overflow":  # (an op computing in float32 under autocast needs float64;
+        made_in = o.get("dtype")  # one overflowing bfloat16, with float32's range, too)
+        half = made_in == "float16" if made_in else low
         out.append("dtype=float32" if half else "dtype=float64")
     elif cause == "underflow" and low:  # a value float16 rounds to 0 is normal in float32
         out.append("dtype=float32")

@@ -24,7 +24,7 @@ def _from_tests_dir(monkeypatch):
 
 
 def _train(out_dir, end_step_before_update: bool) -> NonFiniteError:
-    """Master-weights training; at step K sample ROW is 1000x out of scale, and the
+    """Master-weights training; at step K sample ROW is 10x out of scale, and the
     hand-written log-softmax's exp overflows in bfloat16."""
     model = P.make_bf16_classifier()
     master = [p.detach().float().requires_grad_() for p in model.parameters()]
@@ -37,7 +37,7 @@ def _train(out_dir, end_step_before_update: bool) -> NonFiniteError:
                 x = torch.randn(8, P.D_IN, generator=g)
                 y = x[:, :P.N_CLASSES].argmax(1)
                 if step == K:
-                    x[ROW] *= 1000.0
+                    x[ROW] *= 10.0
                 loss = F.nll_loss(model(x.bfloat16()).float(), y)
                 loss.backward()
                 if end_step_before_update:
@@ -80,3 +80,17 @@ def test_ending_the_step_before_the_hand_update_replays_the_overflow(tmp_path):
     o = rep["origin"]
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("", "aten.exp", [ROW], "overflow"), json.dumps(rep, indent=1)
+
+
+def test_a_bfloat16_overflow_is_not_sent_to_float32_which_has_its_range(tmp_path):
+    """exp of 1e43 overflows bfloat16 (max 3.39e38) and float32 (3.40e38) alike: the hint said
+    "compute this op in float32" and ``--try auto`` tried float32, which overflowed again. The
+    hint now says to rescale (subtract the row max) or use float64, and auto tries float64."""
+    err = _train(tmp_path, end_step_before_update=True)
+    rep = json.loads(invoke_cli(err.bundle_path, "--json", "--try", "auto").stdout)
+    assert rep["cause"] == "overflow" and rep["origin"]["dtype"] == "bfloat16", rep["origin"]
+    hint = rep["hint"]
+    assert "compute this op in float32" not in hint, hint
+    assert "subtract the row max before exp" in hint and "float64" in hint, hint
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert "dtype=float32" not in tries and tries["dtype=float64"]["finite"] is True, tries
