@@ -25,6 +25,7 @@ from .errors import NonFiniteError
 from .events import Event, StepEvidence
 from .finite import tensors_kind
 from .hooks import Health
+from .late_writes import moved_in_step
 from .ring import StepLayout
 from .settings import Settings
 from .shards import local
@@ -69,7 +70,7 @@ class Alarm:
             strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update,
             changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
             seq_first=target.seq_first, recurrent=target.recurrent,
-            hand_updates=not target.has_optimizer)
+            weights_moved=not target.has_optimizer or moved_in_step(tape, target.watched))
         event = events.find_event(evidence, reason)
         agreement = target.ranks
         if agreement is not None and agreement.seen is not None:  # every rank is here

@@ -66,7 +66,7 @@ class Event:
     compiled: bool | None = None  # the module is a torch.compile'd region
     # under torch.distributed: run id, rank, world size, who saw it (recorder.ranks)
     ranks: dict[str, Any] | None = None
-    # no optimizer given: parameters the loop's own update made non-finite after the forward
+    # parameters the loop made non-finite after the forward read them (see late_writes)
     written_after_forward: list[str] | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -98,7 +98,9 @@ class StepEvidence:
     overflowed: bool = False  # some non-finite norm was an overflow of finite values
     seq_first: bool = False  # the model takes sequences first (see recorder.samples)
     recurrent: bool = False  # it holds a recurrent module (hidden states: batch in dim 1)
-    hand_updates: bool = False  # no optimizer: the step is open through the loop's own update
+    # no optimizer (the step is open through the loop's own update), or the weights moved
+    # in place while the step was open (SAM's perturbation between its forwards)
+    weights_moved: bool = False
     late: list[int] = field(default_factory=list)  # weights that update made non-finite
 
     def samples(self, mb: int) -> Samples:
@@ -187,7 +189,7 @@ def _weights_event(ev: StepEvidence) -> Event | None:
         recorded = {i for i, _ in layout.params} | ev.changed
         really += [i for i, p in enumerate(ev.param_tensors) if i not in recorded
                    and not finite(local(p).detach())]
-    if ev.hand_updates:  # (their modules returned finite values: the update came after)
+    if ev.weights_moved:  # (their modules returned finite values: the write came after)
         ev.late = written_after_forward(really, ev.param_names, ev.module_names, ev.calls)
         really = [i for i in really if i not in ev.late]
     if not really:

@@ -5,6 +5,12 @@ step ever closed: nothing was checked and the open step kept every batch alive, 
 ``max_micro_batches`` of them. One weight the recorded optimizer holds (``Target.watched``) is
 watched by its version counter (a Python attribute read, no device work): moved in place
 while a step is open and outside the recorded ``step()``, it says another optimizer stepped.
+
+A loop may also move the weights itself between a step's forwards and then step the recorded
+optimizer: SAM perturbs them to ``w + e`` for a second forward and backward, restores them and
+steps its base optimizer. The first move closes the step as another optimizer's would; once the
+recorded optimizer steps after such a move, moves are the loop's own edits and close nothing
+more. The warning waits for a second move with no recorded step between.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class ForeignUpdates:
     def __init__(self):
         self.stepping = False  # the recorded optimizer's step() is running
         self._warned = False
+        self._moved = False  # a move closed a step since the recorded optimizer's last step()
+        self._own_edits = False  # the recorded optimizer stepped after one: the loop's edits
 
     def opened(self, tape: Tape, watched: torch.Tensor | None) -> None:
         if watched is not None:
@@ -41,17 +49,20 @@ class ForeignUpdates:
         closure opened (LBFGS evaluates again after updating), which is no sign of another
         optimizer."""
         self.stepping = False
+        self._own_edits = self._own_edits or self._moved  # (SAM's perturbation)
+        self._moved = False
         if tape is not None:
             self.opened(tape, watched)
 
     def moved(self, tape: Tape, watched: torch.Tensor | None) -> bool:
         """Another optimizer updated the weights since ``tape`` opened (said once); the tape
         is marked: the weights a bundle of it holds are not those its forward used."""
-        if watched is None or tape.held_version is None or self.stepping \
+        if watched is None or tape.held_version is None or self.stepping or self._own_edits \
                 or version_of(watched) == tape.held_version:
             return False
         tape.updated_elsewhere = True
-        if not self._warned:
+        if self._moved and not self._warned:
             self._warned = True
             log.warning(WARNING)
+        self._moved = True
         return True

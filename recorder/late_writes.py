@@ -1,28 +1,45 @@
-"""Weights a loop without an optimizer wrote after the step's forward read them.
+"""Weights the loop wrote after the step's forward read them.
 
 Given no optimizer, the recorder closes a step at the next root forward, so the step stays
 open through the loop's own update (``p -= lr * p.grad``, a float32 master copy written back
-into a bfloat16 model): a NaN made by the step's forward or backward reaches the weights
-before the step is checked. Such a weight is no ``weights`` event: the step's statistics show
-that its module's calls returned finite values, which a NaN or infinite weight does not allow.
-Slow path only (the decoded calls of the failing step).
+into a bfloat16 model); with one, a loop may still write the weights between a step's forwards
+(SAM's ``w + e`` from the first backward's gradients). Either way a NaN made by the step's
+forward or backward reaches the weights before the step is checked. Such a weight is no
+``weights`` event: the step's statistics show that its module's calls returned finite values,
+which a NaN or infinite weight does not allow. Slow path only.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from .compat import version_of
+from .tape import Tape
+
+
+def moved_in_step(tape: Tape, watched: torch.Tensor | None) -> bool:
+    """The watched weight (one the recorded optimizer holds) moved in place while ``tape``'s
+    step was open, outside the recorded ``step()``: the loop wrote the weights in the step."""
+    return watched is not None and tape.held_version is not None \
+        and version_of(watched) != tape.held_version
+
 
 def written_after_forward(bad: list[int], param_names: list[str], module_names: list[str],
                           calls: list[dict[str, Any]]) -> list[int]:
-    """The parameters among ``bad`` (indices into ``param_names``) whose owning module was
-    called in the step, every call returning finite values."""
+    """The parameters among ``bad`` (indices into ``param_names``) whose owning module's first
+    call in the step (``calls`` in completion order) does not show them bad: it returned finite
+    values, or its inputs already held the non-finite value that came out (made upstream, by
+    a call whose own weights, if bad, show it). A later forward of the step may have used
+    them after the write."""
     index = {name: i for i, name in enumerate(module_names)}
     out = []
     for i in bad:
         owner = index.get(param_names[i].rpartition(".")[0])
-        mine = [d for d in calls if d["module"] == owner]
-        if owner is not None and mine and not any(d["nan"] or d["posinf"] or d["neginf"]
-                                                  for d in mine):
+        first = next((d for d in calls if d["module"] == owner), None)
+        if owner is not None and first is not None and (
+                not first["inputs_finite"]
+                or not (first["nan"] or first["posinf"] or first["neginf"])):
             out.append(i)
     return out

@@ -66,7 +66,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
         report["problems"].append(fidelity.elsewhere_note() if _elsewhere(step)
                                   else fidelity.changed_note(changed))
     if late := sorted(_late(step)):
-        report["problems"].append(fidelity.late_note(late))
+        report["problems"].append(fidelity.late_note(late, bool(step.meta.get("optimizer"))))
     report = _from_bundle(report, step) or _from_rerun(report, step)
     if not add_window(step, report):  # (its measured growth says it, else the precursors)
         _diverging(report, window_of(step) is not None)
@@ -245,13 +245,17 @@ def _weights_written_late(report, step: Step) -> dict[str, Any]:
     """Weights non-finite only after the step's forward ran (another optimizer's step(), or
     the loop's own update, wrote them from this step's gradients): not what the step ran with,
     so nothing to re-run."""
+    hand = _late(step) and not step.meta.get("optimizer")
     fix = ("call rec.end_step() after backward, before the loop's own update (or give "
-           "FlightRecorder the optimizer)" if _late(step) else
+           "FlightRecorder the optimizer)" if hand else
+           "it is in the step's first forward, which ran on the weights before the write"
+           if _late(step) else
            "give FlightRecorder the optimizer the loop steps" if _elsewhere(step) else
            "call the recorded optimizer's step() before the other one's (see the note)")
     report = recorded_origin(report, step, (
         "the step cannot be re-run as it ran, since the bundle holds weights written after "
-        f"its forward: the origin above is what the recorder saw; {fix} and record again"))
+        f"its forward: the origin above is what the recorder saw; {fix}"
+        + ("" if _late(step) and not hand else " and record again")))
     report["not_rerun"] = "weights written after its forward"
     return report
 

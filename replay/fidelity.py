@@ -243,14 +243,17 @@ def changed_note(names: list[str]) -> str:
             "optimizer that updates them")
 
 
-def late_note(names: list[str]) -> str:
-    """The note for parameters a loop without an optimizer made non-finite after the step's
-    forward read them finite (the recorder's ``written_after_forward``)."""
+def late_note(names: list[str], optimizer: bool) -> str:
+    """The note for parameters the loop made non-finite after the step's forward read them
+    finite (the recorder's ``written_after_forward``): between the step's forwards (a SAM
+    perturbation), or, with no optimizer given, in its own update."""
+    how = ("the loop wrote them in place between the step's forwards (SAM's w + e), from "
+           "this step's gradients" if optimizer else
+           "with no optimizer given, the step stays open until the next forward, through the "
+           "loop's own update (p -= lr * p.grad, a master copy written back), which wrote "
+           "them from this step's gradients")
     return (f"{_changed_params(names)} were finite when this step's forward read them and "
-            "non-finite when it was checked: with no optimizer given, the step stays open "
-            "until the next forward, through the loop's own update (p -= lr * p.grad, a master "
-            "copy written back), which wrote them from this step's gradients; the bundle holds "
-            "them as it left them")
+            f"non-finite when it was checked: {how}; the bundle holds them as it left them")
 
 
 def elsewhere_note() -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import precision_models as P
 import pytest
+import replay_models as R
 import torch
 import torch.nn.functional as F
 from bundles import invoke_cli
@@ -94,3 +95,58 @@ def test_a_bfloat16_overflow_is_not_sent_to_float32_which_has_its_range(tmp_path
     assert "subtract the row max before exp" in hint and "float64" in hint, hint
     tries = {t["try"]: t for t in rep["what_if"]}
     assert "dtype=float32" not in tries and tries["dtype=float64"]["finite"] is True, tries
+
+
+def _sam_first_step(opt, rho: float = 0.05) -> list[torch.Tensor]:
+    """SAM's ascent (as the reference implementation writes it): w += rho * g / |g|."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    with torch.no_grad():
+        norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
+        moves = [p.grad * (rho / (norm + 1e-12)) for p in params]
+        for p, e in zip(params, moves):
+            p.add_(e)
+    opt.zero_grad()
+    return moves
+
+
+def test_sam_moving_the_weights_between_its_forwards_is_no_other_optimizer(tmp_path, caplog):
+    """SAM perturbs the weights in place between a step's two forwards, then restores them and
+    steps its base optimizer (the one recorded). The move was taken for another optimizer's
+    update: a warning said the recorded optimizer never stepped, every forward closed a step,
+    and a NaN made by the first forward (sample 5 below ShiftedLog's domain) reached the
+    weights through the ascent and was reported as weights "already non-finite when the step
+    began". Once the recorded optimizer steps after such a move, moves are the loop's own; the
+    weights' first calls in the step show them finite, so the event is the forward's."""
+    model = R.make_log_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = torch.nn.CrossEntropyLoss()
+    seen: list[int] = []
+    with caplog.at_level("WARNING", logger="nanreplay"), pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_log_net") as rec:
+            for step in range(8):
+                x, y = R.batch(step)
+                if step == K:
+                    x[ROW] *= 100.0
+                crit(model(x), y).backward()
+                moves = _sam_first_step(opt)
+                crit(model(x), y).backward()  # at w + e
+                with torch.no_grad():
+                    for p, e in zip(model.parameters(), moves):
+                        p.sub_(e)
+                opt.step()
+                opt.zero_grad()
+                seen.append(rec.step)
+    assert [r for r in caplog.records if r.name == "nanreplay"] == []
+    # (the first iteration's move closed a step, as another optimizer's would, before the
+    # recorded one stepped; from then on one step per iteration, its forwards micro-batches)
+    assert [b - a for a, b in zip(seen, seen[1:])] == [1] * (len(seen) - 1), seen
+    ev = info.value.event
+    assert ev["step"] == seen[-1] and ev["micro_batch"] == 0  # the next step: K's
+    assert (ev["phase"], ev["module"], ev["micro_batch"], ev["samples"]) == \
+        ("forward", "act", 0, [ROW]), ev
+    assert set(ev["written_after_forward"]) == {"lin.weight", "lin.bias", "head.weight",
+                                                "head.bias"}, ev
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    assert rep["cause"] is None and rep["not_rerun"] == "weights written after its forward"
+    assert any("between the step's forwards" in p for p in rep["problems"]), rep["problems"]
