@@ -5,8 +5,9 @@ A compiled region is a module wrapped by ``torch.compile(m)`` (an ``OptimizedMod
 by a compiled one. Dynamo traces the hooks of the modules inside it into its graphs, where the
 recorder's Python (its records, counters, weak references, locks) would break the graph at every
 layer or be replayed wrongly. So a region is recorded as one call, its hooks run outside the
-graph (on the wrapper, which is called eagerly, or disabled for dynamo where the region's own
-call may be traced), and the modules inside it are not hooked: their per-layer statistics are
+graph (on the compiled module, disabled for dynamo: compiled code calling a wrapper, such as a
+compiled training step, runs the module's graph without the wrapper's own hooks), and the
+modules inside it are not hooked: their per-layer statistics are
 what ``nanreplay`` finds when it re-runs the step eagerly.
 
 Names leave out the wrappers (``blocks.1._orig_mod.fc.weight`` is ``blocks.1.fc.weight``), so a
@@ -64,10 +65,10 @@ def hook_sites(root: nn.Module, wrapper: nn.Module | None = None,
         if any(name.startswith(r + ".") if r else name != "" for r in regions):
             sites.append(HookSite(name, m, None))
             continue
-        wrapped = wrappers.get(id(m))
-        if wrapped is not None:  # the wrapper is called eagerly, then runs the graph
-            sites.append(HookSite(name, m, wrapped, region=True))
-        elif compiled_in_place(m) or (compiled_elsewhere and m is root):
+        # (a wrapper's module is hooked, not the wrapper: compiled code calling the wrapper, a
+        # compiled training step, runs the module's graph without the wrapper's hooks)
+        if wrappers.get(id(m)) is not None or compiled_in_place(m) \
+                or (compiled_elsewhere and m is root):
             sites.append(HookSite(name, m, m, region=True, disable=True))
         else:
             sites.append(HookSite(name, m, m))

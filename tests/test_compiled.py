@@ -236,3 +236,38 @@ def test_compiled_training_step_is_recorded_with_its_model_as_one_call(tmp_path)
     assert rep["reproduced"] is True and rep["cause"] == "invalid"
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["samples"]) == ("forward", "act", "aten.log", [5])
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_compiled_model_called_from_a_compiled_training_step_is_recorded(tmp_path):
+    """``torch.compile(model)`` called inside a ``torch.compile``'d training step: dynamo runs
+    the wrapped module's graph without calling the wrapper, whose hooks the recorder used, so
+    nothing was recorded, silently (``rec.step`` stayed 0). The module inside the wrapper is
+    hooked instead, its hooks disabled for dynamo, as for ``model.compile()``."""
+    net = R.LogNet()
+    model = torch.compile(net, backend="eager")
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+
+    @torch.compile(backend="eager")
+    def train_step(x, y):
+        opt.zero_grad()
+        crit(model(x), y).backward()
+        opt.step()
+
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="replay_models:make_log_net") as rec:
+            for step in range(6):
+                x, y = R.batch(step)
+                if step == K:
+                    x[5] *= 100.0
+                train_step(x, y)
+                assert rec.step == step + 1
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["compiled"]) == \
+        (K, "forward", "", [5], True)
+    assert _hooks(net) == 0  # detached
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    assert (rep["origin"]["module"], rep["origin"]["op"]) == ("act", "aten.log")
