@@ -25,7 +25,6 @@ import torch
 
 from .alarm import Alarm
 from .buffers import BufferSnapshots
-from .capture import RngCapture
 from .compat import scaler_scale, scaler_token, version_of
 from .errors import NonFiniteError
 from .events import anomaly_reason
@@ -34,6 +33,7 @@ from .grads import output_grad_norms, reread_changed_grads, small_param_norms
 from .hooks import Health
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
+from .rng import RngCapture
 from .settings import Settings
 from .slots import GRAD, LOOSE, NAN_ONLY, STRICT, Slots
 from .tape import Tape

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .capture import flatten_tree, rng_drawn, rng_to_bundle, tensor_leaves
+from .capture import flatten_tree, tensor_leaves
+from .rng import rng_drawn, rng_to_bundle
 
 
 def json_scalar(v: Any) -> bool:

@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
-from .capture import flatten_tree, map_tensors, rng_to_bundle, tensor_leaves
+from .capture import flatten_tree, map_tensors, tensor_leaves
 from .compat import scaler_tensors
 from .entries import hyper_entry, jsonish, micro_batch_entry
+from .rng import rng_to_bundle
 
 log = logging.getLogger("nanreplay")
 

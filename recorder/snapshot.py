@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from .bundle import FORMAT, VERSION
-from .capture import environment, flatten_tree, rng_to_bundle
+from .capture import environment, flatten_tree
 from .compiled import hook_sites
 from .entries import hyper_entry, jsonish, micro_batch_entry
 from .lossdesc import describe_callable, describe_loss
 from .rewind import Rewind
 from .ring import RingBuffer
+from .rng import rng_to_bundle
 from .samples import of_micro_batch
 from .settings import Settings
 from .shards import class_name, localize, mixed_precision

@@ -14,7 +14,6 @@ import contextlib
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,18 +22,18 @@ import torch
 from torch import nn
 
 from recorder.bundle import read_bundle
-from recorder.capture import UnrebuildableLeaf, map_tensors, rng_from_bundle, unflatten_tree
+from recorder.capture import UnrebuildableLeaf, map_tensors, unflatten_tree
 from recorder.compiled import decompile
 from recorder.errors import BundleError
-from recorder.target import LOSS_PREFIX
+from recorder.rng import rng_from_bundle
 
-from .compat import non_persistent, set_buffer, set_parameter
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .loss_params import attach_loss_params
 from .losses import Unrebuildable, rebuild_loss
 from .optim import build_optimizer
 from .shards import resolve
+from .weights import load_weights
 
 WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/")
 BATCH_PREFIXES = ("batch/", "loss_in/", "outgrad/")
@@ -206,7 +205,7 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     except _MetaUnsupported:
         made = _call_factory(fn, spec, kwargs, on_meta=False)
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
-    _load_weights(step, model)
+    load_weights(step, model)
     step.model = model
     step.loss_fn = made.get("loss_fn")
     if step.loss_fn is None:
@@ -262,127 +261,6 @@ def recorded_device(meta: dict[str, Any]) -> torch.device | None:
         if m.get("device"):
             return torch.device(m["device"])
     return None
-
-
-def _other_model(step: Step) -> str:
-    """What to do when the factory's model does not hold the bundle's weights. Mostly it was
-    called without the run-time configuration (a --dim flag) that sized the trained model:
-    the recorded command line shows it, and --factory-kwargs hands it over."""
-    argv = (step.meta.get("env") or {}).get("argv")
-    ran = (f"; the run's command line was {' '.join(map(str, argv))!r}"
-           if isinstance(argv, list) and argv else "")
-    given = (f" (it was called with {json.dumps(step.factory_kwargs)})"
-             if step.factory_kwargs else "")
-    return (f"the factory builds a different model{given}: it cannot see the run's "
-            f"configuration (command-line flags, config files){ran}. Pass --factory-kwargs "
-            "'{...}' with the settings that built the trained model (record them with "
-            "FlightRecorder(..., factory_kwargs={...})), or --factory MOD:FN building it")
-
-
-_PARAMETRIZED = re.compile(r"^(.*?)parametrizations\.([^.]+)\.original\d*$")
-
-
-def _parametrized(missing: list[str], have: set[str]) -> str | None:
-    """What to do when the bundle's and the factory's parameters differ by a parametrization
-    (spectral_norm, weight_norm, orthogonal: the trained tensors of weight ``w`` are
-    ``parametrizations.w.original*``): the run added it to the model (or removed it) after the
-    factory built it. None when they differ otherwise."""
-    for name in missing:
-        m = _PARAMETRIZED.match(name)
-        if m is not None and m[1] + m[2] in have:
-            return (f"the run's model had a parametrization on {m[1] + m[2]!r} (spectral_norm, "
-                    "weight_norm, orthogonal) that the factory's model lacks: the training "
-                    "script added it after the factory built the model; add it in the factory")
-        if any((m := _PARAMETRIZED.match(h)) and m[1] + m[2] == name for h in have):
-            return (f"the factory's model has a parametrization on {name!r} that the run's "
-                    "model did not (the training script removed it, remove_parametrizations): "
-                    "build the model as it was trained in the factory")
-    return None
-
-
-def _load_weights(step: Step, model: nn.Module) -> None:
-    """Assign the bundle's tensors as the model's parameters (no second copy) and copies of
-    them as its buffers: every training forward writes buffers in place (running statistics),
-    and the bundle's values must stay the step's start for every re-run after it (the
-    ``--try`` what-ifs). Whatever updates the parameters in place gives them copies first
-    (``replay.origins.report_optimizer``, ``replay.window``)."""
-    t, meta, dev = step.tensors, step.meta, step.device
-    names_by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_by_id.setdefault(id(p), []).append(name)
-    expected = {n for n in meta.get("params", []) if not n.startswith(LOSS_PREFIX)}
-    have = {n for names in names_by_id.values() for n in names}
-    missing = sorted(n for n in expected if n not in have)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ReplayError(f"the model from the factory has no parameter {missing[0]!r}{more} "
-                          "that the bundle holds; "
-                          + (_parametrized(missing, have) or _other_model(step)))
-    done: dict[int, nn.Parameter] = {}
-    # (listed first: a shared module yields its parameters twice, the 2nd time replaced)
-    for name, p in list(model.named_parameters(remove_duplicate=False)):
-        if id(p) in done:
-            _set(model, name, done[id(p)], param=True)
-            continue
-        src = next((n for n in names_by_id[id(p)] if f"weights/{n}" in t), None)
-        if src is None:
-            raise ReplayError(f"the bundle holds no weights for parameter {name!r} of the model "
-                              f"from the factory; {_other_model(step)}")
-        w = t[f"weights/{src}"]
-        if tuple(w.shape) != tuple(p.shape):
-            raise ReplayError(f"weights/{src} has shape {list(w.shape)} in the bundle but "
-                              f"{list(p.shape)} in the model from the factory; "
-                              + _other_model(step))
-        new = nn.Parameter(w.to(dev), requires_grad=p.requires_grad)
-        done[id(p)] = new
-        _set(model, name, new, param=True)
-    _load_buffers(step, model)
-    model.train(meta.get("model", {}).get("training", True))
-    flags = {m["name"]: m.get("training") for m in meta.get("modules", [])}
-    for name, m in model.named_modules():
-        if flags.get(name) is not None:
-            m.training = flags[name]
-
-
-def _load_buffers(step: Step, model: nn.Module) -> None:
-    """Copies of the bundle's buffers as the model's (see :func:`_load_weights`)."""
-    t, meta, dev = step.tensors, step.meta, step.device
-    model_buffers = dict(model.named_buffers(remove_duplicate=False))
-    resized: list[str] = []
-    for name in meta.get("buffers", []):
-        key = f"buffers/{name}"
-        if key not in t:
-            continue
-        if name not in model_buffers:
-            raise ReplayError(f"the model from the factory has no buffer {name!r} that the "
-                              f"bundle holds; {_other_model(step)}")
-        b, have = t[key], model_buffers[name]
-        # The parameters matched: a buffer of another shape is one the forward resizes (a
-        # quantization observer's per-channel scale, a cache it grew), and the bundle's is
-        # what ran. Said when persistent: a buffer sized by the configuration looks alike.
-        if tuple(b.shape) != tuple(have.shape) and not non_persistent(model, name):
-            resized.append(f"{name} {list(b.shape)} (the factory's {list(have.shape)})")
-        _set(model, name, b.to(dev, copy=True), param=False)
-    if resized:
-        step.problems.append(
-            f"buffer {resized[0]}{f' and {len(resized) - 1} more' if len(resized) > 1 else ''}"
-            " ran with another shape than the factory's model gives it: the re-run uses the "
-            "bundle's (a buffer the forward resizes, such as a quantization observer's); if "
-            "the configuration sizes it, pass --factory-kwargs with the run's settings")
-    for name, b in model.named_buffers():
-        if b.is_meta:
-            raise ReplayError(f"buffer {name!r} of the model is not in the bundle; "
-                              + _other_model(step))
-
-
-def _set(model: nn.Module, name: str, value, *, param: bool) -> None:
-    mod_name, _, attr = name.rpartition(".")
-    mod = model.get_submodule(mod_name) if mod_name else model
-    (set_parameter if param else set_buffer)(mod, attr, value)
-
-
-# ---------------------------------------------------------------------------------------------
-# loss and optimizer
 
 
 # ---------------------------------------------------------------------------------------------

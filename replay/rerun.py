@@ -16,8 +16,9 @@ from torch import nn
 # Model outputs and losses are walked with the recorder's own tensor_leaves, not pytree: output j
 # here must be the recorder's output j (recorded output gradients are keyed by it), and pytree
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
-from recorder.capture import map_tensors, restore_rng, tensor_leaves
+from recorder.capture import map_tensors, tensor_leaves
 from recorder.finite import finite, matches, only_mask_infinities
+from recorder.rng import restore_rng
 
 from . import bisection
 from .compat import non_persistent

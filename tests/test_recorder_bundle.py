@@ -25,7 +25,7 @@ from torch import nn
 import recorder.bundle as bundle_mod
 from recorder import BundleError, FlightRecorder, NonFiniteError
 from recorder.bundle import BundleReader, header_bytes, read_bundle, write_bundle
-from recorder.capture import capture_rng, restore_rng, rng_from_bundle, rng_to_bundle
+from recorder.rng import capture_rng, restore_rng, rng_from_bundle, rng_to_bundle
 
 K = 3
 
@@ -182,7 +182,7 @@ _DRAWS = {
 def test_a_reused_capture_always_matches_the_real_states(steps):
     """The capture skips re-reading Python's and NumPy's states when their fingerprints did
     not move: whatever was drawn in between, what it returns is the state right now."""
-    from recorder.capture import RngCapture
+    from recorder.rng import RngCapture
 
     capture = RngCapture()
     for draws in steps:

@@ -1,0 +1,220 @@
+"""The RNG states a training step may draw from: captured as each step (and each later
+micro-batch) begins, drawing nothing; stored in a bundle as JSON and tensors; restored by the
+replay."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import sys
+from typing import Any
+
+import torch
+
+
+class RngCapture:
+    """Captures every RNG a training step may draw from (see :meth:`__call__`).
+
+    ``random.getstate()`` (a 625-tuple, ~9 us) and NumPy's ``get_state()`` (~30 us) are a large
+    share of a small step, so each is re-read only when a fingerprint of the generator's raw
+    MT19937 words (position and three key words) and its cached gaussian has moved since the
+    last read. Every draw moves the position or the cached gaussian and every wrap regenerates
+    the words, so an unchanged fingerprint means an unchanged state. The words are read in
+    place: NumPy's through its documented ``ctypes`` interface (its cached gaussian inside the
+    ``RandomState`` object), CPython's at the ``RandomObject`` layout, each used only after it
+    is checked against the real state at the first capture.
+    """
+
+    def __init__(self):
+        # the generator (and RandomState) whose memory is read is held, so it can never
+        # dangle; one replaced by another is looked at afresh
+        self._np_owner = self._np_rs = self._np_words = self._np_gauss = None
+        self._np_last: tuple | None = None
+        self._np_key: tuple | None = None
+        self._py_owner = self._py_words = None
+        self._py_last: tuple | None = None
+        self._py_key: tuple | None = None
+
+    def _numpy_state(self, np) -> Any:
+        # the generator behind np.random's functions (bound to it when NumPy was imported)
+        rs = getattr(np.random.get_state, "__self__", None)
+        owner = getattr(rs, "_bit_generator", None)
+        if owner is not self._np_owner or rs is not self._np_rs:  # (the gauss cells are rs's)
+            self._np_owner, self._np_rs, self._np_last = owner, rs, None
+            try:
+                addr = owner.ctypes.state_address
+                self._np_words = _uint32s((ctypes.c_uint32 * 625).from_address(addr))
+                cells = _numpy_gauss_cells(rs, addr)
+                self._np_gauss = cells and (_cell(cells[0], "i"), _cell(cells[1], "d"))
+            except Exception:
+                self._np_words = False
+        words, gauss = self._np_words, self._np_gauss
+        if words is False or gauss is False:
+            return np.random.get_state()
+        # A legacy gaussian draw leaves its second value cached (``has_gauss``, ``gauss``) and
+        # the next one uses it without moving the words: both are part of the key.
+        key = (words[624], words[0], words[311], words[623], gauss[0][0], gauss[1][0])
+        if key != self._np_key or self._np_last is None:
+            self._np_last, self._np_key = np.random.get_state(), key
+        return self._np_last
+
+    def _python_state(self) -> tuple:
+        inst = random.getstate.__self__  # the instance behind random's functions
+        if inst is not self._py_owner:
+            self._py_owner, self._py_last = inst, None
+            words = _python_mt_words(inst)
+            self._py_words = words and _uint32s(words)
+        words = self._py_words
+        if words is False:
+            return random.getstate()
+        # gauss() keeps a second value outside the words: part of the state too
+        key = (words[0], words[1], words[312], words[624], inst.gauss_next)
+        if key != self._py_key or self._py_last is None:
+            self._py_last, self._py_key = random.getstate(), key
+        return self._py_last
+
+    def __call__(self) -> dict[str, Any]:
+        """Every RNG a training step may draw from, as it is now. Draws nothing itself."""
+        state: dict[str, Any] = {"python": self._python_state(),
+                                 "torch_cpu": torch.default_generator.get_state()}
+        np = sys.modules.get("numpy")
+        if np is not None:
+            state["numpy"] = self._numpy_state(np)
+        if torch.cuda.is_initialized():  # else no CUDA generator has drawn yet
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+
+def _uint32s(words) -> memoryview:
+    """A ctypes ``c_uint32`` array as a memoryview: indexing it is a plain C read, where a
+    ctypes index goes through ctypes' item machinery (a few us each when it runs once a step,
+    its code out of the CPU's caches after the step's kernels)."""
+    return memoryview(words).cast("B").cast("I")
+
+
+def _cell(cell, fmt: str) -> memoryview:
+    """A ctypes scalar as a one-element memoryview (see :func:`_uint32s`)."""
+    return memoryview(cell).cast("B").cast(fmt)
+
+
+def _numpy_gauss_cells(rs, state_address: int):
+    """(``has_gauss``, ``gauss``) of NumPy's legacy ``RandomState`` as ctypes cells over the
+    object itself, or False where they cannot be found. The object holds a ``bitgen_t`` whose
+    first field points at the bit generator's state (``state_address``) and, after it, an
+    ``aug_bitgen_t`` ``{bitgen_t *bit_generator; int has_gauss; double gauss}`` pointing back
+    at that ``bitgen_t``: both pointers are looked for within the object's own size, and the
+    cells are used only if they agree with ``get_state()`` now."""
+    try:
+        base, n = id(rs), type(rs).__basicsize__ // 8
+        words = (ctypes.c_uint64 * n).from_address(base)
+        bitgen = next(k for k in range(n) if words[k] == state_address)
+        aug = next(k for k in range(bitgen + 1, n) if words[k] == base + 8 * bitgen)
+        if 8 * aug + 24 > 8 * n:
+            return False
+        has = ctypes.c_int.from_address(base + 8 * aug + 8)
+        cached = ctypes.c_double.from_address(base + 8 * aug + 16)
+        _, _, _, has_gauss, gauss = rs.get_state()
+        if has.value == has_gauss and (not has_gauss or cached.value == gauss):
+            return has, cached
+    except Exception:
+        pass
+    return False
+
+
+def _python_mt_words(inst: random.Random):
+    """CPython's ``RandomObject`` after its object header: ``int index; uint32 state[624]``,
+    as 625 uint32 words (index first), or False where the layout is not that one (another
+    interpreter or build): checked against ``getstate()``, whose tuple is the state words
+    followed by the index."""
+    try:
+        if sys.implementation.name != "cpython" or type(inst) is not random.Random:
+            return False
+        header = object.__basicsize__  # refcount and type pointer
+        words = (ctypes.c_uint32 * 625).from_address(id(inst) + header)
+        version, internal, _ = inst.getstate()
+        if version == 3 and list(internal) == [*words[1:], words[0]]:
+            return words
+    except Exception:
+        pass
+    return False
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG a training step may draw from, as it is now. Draws nothing itself."""
+    return RngCapture()()
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_rng` (or :func:`rng_from_bundle`) returned; generators it
+    leaves out (see :func:`rng_drawn`) stay as they are."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "torch_cpu" in state:
+        torch.set_rng_state(state["torch_cpu"])
+    if "numpy" in state:
+        import numpy as np  # only when the recorded run used it
+
+        np.random.set_state(state["numpy"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        for i, s in enumerate(cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+def rng_to_bundle(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Split an RNG state into JSON metadata and tensors for the bundle."""
+    meta: dict[str, Any] = {}
+    tensors = {"rng/torch_cpu": state["torch_cpu"].clone()} if "torch_cpu" in state else {}
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        meta["python"] = {"version": version, "gauss": gauss}
+        tensors["rng/python"] = torch.tensor(internal, dtype=torch.int64)
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        meta["numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss),
+                         "cached_gaussian": float(cached)}
+        tensors["rng/numpy"] = torch.tensor(keys.tolist(), dtype=torch.int64)
+    for i, s in enumerate(state.get("cuda", [])):
+        tensors[f"rng/cuda/{i}"] = s.cpu().clone()
+    meta["cuda_devices"] = len(state.get("cuda", []))
+    return meta, tensors
+
+
+def rng_drawn(state: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
+    """The generators of ``state`` (a capture) that moved since the capture ``before``: those
+    a later micro-batch's entry must restore (all of them when ``before`` is None)."""
+    if before is None:
+        return state
+    return {k: v for k, v in state.items() if not _same_state(v, before.get(k))}
+
+
+def _same_state(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):  # python (version, words, gauss), numpy's, cuda's list
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(
+            _same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape") and hasattr(b, "shape"):  # numpy's key array
+        return a.shape == b.shape and bool((a == b).all())
+    return a == b
+
+
+def rng_from_bundle(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Inverse of :func:`rng_to_bundle`."""
+    state: dict[str, Any] = {}
+    if "python" in meta:  # (a micro-batch's states hold the generators that drew: rng_drawn)
+        py = meta["python"]
+        state["python"] = (py["version"], tuple(tensors["rng/python"].tolist()), py["gauss"])
+    if "rng/torch_cpu" in tensors:
+        state["torch_cpu"] = tensors["rng/torch_cpu"]
+    if "numpy" in meta:
+        import numpy as np
+
+        npm = meta["numpy"]
+        keys = np.array(tensors["rng/numpy"].tolist(), dtype=np.uint32)
+        state["numpy"] = (npm["name"], keys, npm["pos"], npm["has_gauss"], npm["cached_gaussian"])
+    if meta.get("cuda_devices"):
+        state["cuda"] = [tensors[f"rng/cuda/{i}"] for i in range(meta["cuda_devices"])]
+    return state
