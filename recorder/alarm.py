@@ -64,18 +64,21 @@ class Alarm:
             self._take_part(tape.step)
             return
         target = self.target
-        evidence = StepEvidence(
-            row.tolist(), layout, tape, target.module_names, target.module_types,
-            target.param_names, [p for _, p in target.params], target.allowed_modules,
-            strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update,
-            changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
-            seq_first=target.seq_first, recurrent=target.recurrent,
-            weights_moved=not target.has_optimizer or moved_in_step(tape, target.watched))
-        event = events.find_event(evidence, reason)
+        try:
+            evidence = StepEvidence(
+                row.tolist(), layout, tape, target.module_names, target.module_types,
+                target.param_names, [p for _, p in target.params], target.allowed_modules,
+                strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update,
+                changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
+                seq_first=target.seq_first, recurrent=target.recurrent,
+                weights_moved=not target.has_optimizer or moved_in_step(tape, target.watched))
+            event = events.find_event(evidence, reason)
+        except Exception as e:  # a bug of ours must not lose the step the probe found bad
+            evidence, event = None, _unfound(tape.step, reason, e)
         agreement = target.ranks
         if agreement is not None and agreement.seen is not None:  # every rank is here
-            event = agreement.settle(event, tape.step,
-                                     own_backward=events.output_grad_bad(evidence))
+            event = agreement.settle(event, tape.step, own_backward=evidence is not None
+                                     and events.output_grad_bad(evidence))
         elif agreement is not None and event is not None:  # a cut-short step: this rank alone
             event.ranks = agreement.alone()
         if event is None:  # false alarm: norms of huge but finite tensors overflowed
@@ -193,6 +196,16 @@ def _loss_not_called(meta: dict[str, Any]) -> str:
         return ""
     return (" The loss function given as loss_fn was not called through rec.loss_fn in this "
             "step, so it was neither checked nor recorded: call loss = rec.loss_fn(...).")
+
+
+def _unfound(step: int, reason: str, e: Exception) -> Event:
+    """The event of a step the probe found non-finite where finding its first offender failed
+    (the recorder's own error): the bundle is still written, and the replay re-runs the step."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    log.warning("nanreplay: finding the first non-finite value of step %d failed (%s: %s); the "
+                "bundle is written without it", step, type(e).__name__, first)
+    return Event(step, reason=reason, detail=f"the recorder's search failed ({type(e).__name__}:"
+                 f" {first}); nanreplay re-runs the step")
 
 
 def _message(event: dict[str, Any], path: Path | None, stopped: bool = True) -> str:

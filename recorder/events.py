@@ -468,8 +468,10 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         where += f" Parameters: {', '.join(params[:4])}{more}."
     when = (f"in an evaluation forward (gradients off) before step {event['step']}"
             if event.get("evaluation") else f"at step {event['step']}")
-    head = (f"nanreplay: non-finite value ({label(event.get('kind'))}) {when}, phase "
-            f"{event['phase']}.{where}")
+    head = (f"nanreplay: non-finite value ({label(event.get('kind')) or 'NaN/Inf'}) {when}, "
+            f"phase {event['phase'] or 'unknown'}.{where}")
+    if event["phase"] is None and event.get("detail"):
+        head += f" {event['detail'][0].upper()}{event['detail'][1:]}."
     if path is None:
         return head
     return f"{head} Bundle: {path}; run `nanreplay {path}` to find the op and the cause."

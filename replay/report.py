@@ -55,7 +55,7 @@ def to_text(report: dict[str, Any]) -> str:
              "NOT reproduced")
     when = (f"evaluation forward before step {ev.get('step')}" if ev.get("evaluation")
             else f"step {ev.get('step')}")
-    lines = [f"nanreplay: {when}, {ev.get('phase')} event — {state}"]
+    lines = [f"nanreplay: {when}, {ev.get('phase') or 'unlocated'} event — {state}"]
     lines += rank_lines(report)
     lines += _origin_lines(report)
     lines += _cause_lines(report)

@@ -762,3 +762,30 @@ def test_an_internal_error_is_logged_on_one_line(caplog):
         "run 'aten::sum.IntList_out' with arguments from the 'NestedTensorCPU' backend.); "
         "training continues unrecorded")
     assert not health.active and health.internal_errors == 2
+
+
+def test_a_failing_event_search_still_stops_with_the_bundle(out_dir, monkeypatch, caplog):
+    """A bug of the recorder's in the slow path (finding the step's first offender) went up
+    through ``optimizer.step()`` as a raw exception: training died and no bundle was written.
+    The step the probe found non-finite still ends in NonFiniteError with its bundle, and the
+    replay re-runs it and finds the origin."""
+    from bundles import invoke_cli
+
+    import recorder.events as events
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the event search")
+
+    monkeypatch.setattr(events, "find_event", broken)
+    model = M.mlp()
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        err = run_until_event(model, make_batch=nan_row_batch(3), out_dir=out_dir,
+                              factory="models:mlp")
+    assert (err.event["step"], err.event["phase"]) == (K, None)
+    assert "phase unknown. The recorder's search failed (RuntimeError: a bug in the event " \
+           "search); nanreplay re-runs the step." in str(err)
+    assert "finding the first non-finite value of step" in caplog.text
+    monkeypatch.undo()
+    res = invoke_cli(err.bundle_path)
+    assert res.stdout.startswith(f"nanreplay: step {K}, unlocated event — reproduced"), res.output
+    assert "  origin     input: nan made by the input batch" in res.stdout, res.stdout
