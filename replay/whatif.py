@@ -276,8 +276,12 @@ def _parsed(step: Step, report: dict[str, Any], tries: list[str]) -> list[tuple[
     for text in tries:
         label, change = parse_try(text)
         if change is None:
-            proposed = auto_tries(step, report)
-            parsed += [parse_try(t) for t in proposed]
+            proposed = [parse_try(t) for t in auto_tries(step, report)]
+            if not _update_before_event(step, window_of(step) or step_as_window(step)):
+                # (a change of the updates cannot alter such a re-run: said when asked for,
+                # not proposed)
+                proposed = [(t, c) for t, c in proposed if not _update_only(c)]
+            parsed += proposed
             if not proposed:
                 report["problems"].append(_nothing_to_try(report.get("cause")))
         else:

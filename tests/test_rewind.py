@@ -1010,11 +1010,14 @@ def test_a_nan_target_recorded_with_a_window_comes_back_from_it(out_dir):
     assert what_if(rep)["drop=7"]["finite"] is True
 
 
-def test_auto_drops_the_rows_whose_target_is_an_outlier_of_an_overflow(out_dir):
+@pytest.mark.parametrize("rewind", [2, None])
+def test_auto_drops_the_rows_whose_target_is_an_outlier_of_an_overflow(out_dir, rewind):
     """The log-cosh loss written as its formula, and one target recorded in the wrong unit
     (200 where the others are about 1): cosh overflows float32 in that row. ``auto`` looked
     for outliers in the model's inputs only, so it proposed the learning rate and clipping
-    (both still +inf) and not the drop that is finite."""
+    (both still +inf) and not the drop that is finite. Without a window, no update runs
+    before the event: ``auto`` proposed the learning rate and clipping anyway, each then
+    'not re-run'; it proposes only what the re-run can change."""
     import kernel_models as K
 
     torch.manual_seed(0)
@@ -1022,7 +1025,7 @@ def test_auto_drops_the_rows_whose_target_is_an_outlier_of_an_overflow(out_dir):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     crit = K.LogCoshLoss()
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=2,
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=rewind,
                             factory="rewind_models:make_regressor"):
             for s in range(10):
                 x, y = R.regression_batch(s)
@@ -1037,3 +1040,5 @@ def test_auto_drops_the_rows_whose_target_is_an_outlier_of_an_overflow(out_dir):
         ("overflow", "aten.cosh", [7]), rep["origin"]
     tries = what_if(rep)
     assert tries["drop=7"]["finite"] is True, tries
+    assert set(tries) == ({"drop=7", "dtype=float64", "lr=0.1x", "clip=1.0"} if rewind
+                          else {"drop=7", "dtype=float64"}), tries
