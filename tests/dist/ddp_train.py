@@ -47,7 +47,7 @@ def main(out_dir: str, mode: str = "input") -> None:
                             rewind=2 if mode == "rewind" else None) as rec:
             for step in range(10):
                 if rank == 1 and step == 3 and mode == "internal":
-                    rec.cycle._capture_rng = _broken  # a recorder bug, on one rank only
+                    rec.cycle.capture_rng = _broken  # a recorder bug, on one rank only
                 x = torch.randn(6, 8, generator=g)
                 y = torch.randint(0, 4, (6,), generator=g)
                 if rank == 1 and step == 3 and mode in ("input", "warn", "rewind"):
