@@ -152,7 +152,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         made_in = o.get("dtype")  # one overflowing bfloat16, with float32's range, too)
         half = made_in == "float16" if made_in else low
         out.append("dtype=float32" if half else "dtype=float64")
-    elif cause == "underflow" and low:  # a value float16 rounds to 0 is normal in float32
+    elif cause in ("underflow", "precision") and low:  # a value float16 rounds to 0 is
+        # normal in float32; a difference bfloat16's 8 bits cancel below 0 keeps its sign
         out.append("dtype=float32")
     began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")
     grew = began is not None and began < (report.get("event") or {}).get("step", began)
