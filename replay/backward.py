@@ -28,7 +28,7 @@ from recorder.samples import Samples
 
 from .compat import sequence_nr
 from .ops import OpFinder
-from .positive import made_positive, node_op
+from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
 from .source import traceback_source
 
@@ -55,6 +55,7 @@ class BackwardOrigin:
     # an input came from exp, softmax or sigmoid (positive in exact arithmetic), so a 0 there
     # underflowed (see :func:`from_positive`)
     positive_input: bool = False
+    exp_of: torch.Tensor | None = None  # the parameter whose exp that input is (log_std)
     # a custom autograd.Function's node: the aten op of its own backward code that made the
     # value, and that code's line (the forward line above is where the node was made)
     inner_op: str | None = None
@@ -145,6 +146,18 @@ def from_positive(node, depth: int = 8) -> bool:
                (nexts[1:2] if node_op(node) == "Div" else nexts))
 
 
+def _exp_of(node):
+    """The parameter whose exp one of ``node``'s inputs is (see ``exp_of_parameter``)."""
+    try:
+        nexts = [fn for fn, _ in node.next_functions]
+    except Exception:
+        return None
+    for fn in (nexts[1:2] if node_op(node) == "Div" else nexts):
+        if (leaf := exp_of_parameter(fn)) is not None:
+            return leaf
+    return None
+
+
 def find_backward_origin(runner: Runner, where: Samples | None = None) -> BackwardOrigin:
     """The first node to make a non-finite gradient from finite ones; ``where`` the batch's
     samples, to name those of its gradient."""
@@ -167,6 +180,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
                 found.micro_batch = runner.micro_batch
                 found.saved, found.saved_zero = saved_facts(node)
                 found.positive_input = from_positive(node)
+                found.exp_of = _exp_of(node)
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
         handles.append(node.register_hook(hook))
 

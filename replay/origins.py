@@ -244,6 +244,20 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
     return report
 
 
+def _exp_parameter(model, leaf) -> str | None:
+    """What to do when the underflowed value is the exp of a learned parameter (a Gaussian
+    policy's ``log_std`` drifting down): the fix is to that parameter, not to the formula."""
+    name = next((n for n, p in model.named_parameters() if p is leaf), None) \
+        if leaf is not None else None
+    if name is None:
+        return None
+    lo = float(leaf.detach().min())
+    return (f"that value is the exp of the parameter {name} (as low as {lo:.4g}), which "
+            f"drifted down until its exp underflowed: bound it where it is used "
+            f"({name}.clamp(min=-20), as SAC bounds its log_std) and check what drives it "
+            "down (an entropy bonus of the wrong sign, its learning rate)")
+
+
 def _not_called(step: Step) -> str:
     info = step.meta.get("loss") or {}
     return (f"the loss_fn given to the recorder ({info.get('name')}) was not called in this "
@@ -306,6 +320,8 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
             return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                      underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype)
+    if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
+        cause.hint = f"{cause.hint}; {said}"
     report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
     if b.inner_op:  # a hand-written backward: the bug is in its formula, not the forward
         path, _, line = b.inner_source.rpartition(":")

@@ -85,3 +85,36 @@ def _positive_product(fn, depth: int) -> bool:
         if not isinstance(const, torch.Tensor) or not bool((const > 0).all()):
             return False
     return True
+
+
+def exp_of_parameter(fn, depth: int = 10):
+    """The leaf tensor (a parameter) whose exp made the value of autograd node ``fn``, through
+    the ops :func:`made_positive` follows (``exp(log_std) ** 2``, expanded, times 2), or None:
+    a learned log-scale that drifted until its exp underflowed (a Gaussian policy's
+    ``log_std``)."""
+    try:
+        for _ in range(depth):
+            if fn is None:
+                return None
+            op = node_op(fn)
+            if op == "Exp":
+                return _leaf(next((f for f, _ in fn.next_functions if f is not None), None))
+            if op not in _PASS_ON_NODES and op != "Mul":
+                return None
+            fn = next((f for f, _ in fn.next_functions if f is not None), None)
+    except Exception:  # not an autograd node, or one that cannot say
+        return None
+    return None
+
+
+def _leaf(fn, depth: int = 6):
+    """The tensor an ``AccumulateGrad`` node accumulates into, reached through views."""
+    for _ in range(depth):
+        if fn is None:
+            return None
+        if type(fn).__name__ == "AccumulateGrad" or fn.name().endswith("AccumulateGrad"):
+            return getattr(fn, "variable", None)
+        if node_op(fn) not in _PASS_ON_NODES:
+            return None
+        fn = next((f for f, _ in fn.next_functions if f is not None), None)
+    return None

@@ -250,12 +250,11 @@ def test_a_tanh_squashed_log_prob_correction_rounded_to_log_0_is_precision(tmp_p
     assert "2·(log 2 − u − softplus(−2u))" in rep["hint"], rep["hint"]
 
 
-def test_a_gaussian_variance_from_a_drifting_log_std_is_an_underflow(tmp_path):
+def drifting_log_std_bundle(out_dir: Path) -> Path:
     """A Gaussian policy's ``log_std`` parameter drifts down by the learning rate each update
     (an entropy bonus of the wrong sign), from -40 where a long run left it: ``Normal``'s
     variance ``exp(log_std) ** 2`` falls below float32's range and its ``(x - mu)² / (2 var)``
-    has an infinite gradient. The variance is positive in exact arithmetic (a power of exp,
-    times 2): ``underflow``, not rounding across a domain edge (it said ``precision``)."""
+    has an infinite gradient."""
     torch.manual_seed(0)
     policy = RL.make_gaussian_policy()
     with torch.no_grad():
@@ -263,7 +262,7 @@ def test_a_gaussian_variance_from_a_drifting_log_std_is_an_underflow(tmp_path):
     opt = torch.optim.Adam([{"params": [*policy.mu.parameters(), *policy.v.parameters()]},
                             {"params": [policy.log_std], "lr": 1.0}], lr=3e-4)
     with pytest.raises(NonFiniteError) as info, \
-            FlightRecorder(policy, opt, loss_fn=RL.gaussian_a2c_loss, out_dir=tmp_path,
+            FlightRecorder(policy, opt, loss_fn=RL.gaussian_a2c_loss, out_dir=out_dir,
                            factory="rl_models:make_gaussian_policy") as rec:
         for _ in range(30):
             obs = torch.randn(32, RL.OBS)
@@ -275,7 +274,13 @@ def test_a_gaussian_variance_from_a_drifting_log_std_is_an_underflow(tmp_path):
             loss.backward()
             opt.step()
     assert info.value.event["phase"] == "backward"
-    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    return info.value.bundle_path
+
+
+def test_a_gaussian_variance_from_a_drifting_log_std_is_an_underflow(tmp_path):
+    """The variance is positive in exact arithmetic (a power of exp, times 2): ``underflow``,
+    not rounding across a domain edge (it said ``precision``)."""
+    rep = json.loads(invoke_cli(drifting_log_std_bundle(tmp_path), "--json").stdout)
     o = rep["origin"]
     assert (o["phase"], o["op"], rep["cause"]) == ("backward", "DivBackward0", "underflow"), \
         json.dumps(rep, indent=1)
@@ -317,3 +322,13 @@ def test_a_parameter_edited_between_the_forward_and_the_loss_is_named_not_the_fa
     assert "factory builds a different model" not in res.stdout, rep
     text = invoke_cli(info.value.bundle_path).stdout
     assert "parameter log_std differs from what the last optimizer.step() left" in text, text
+
+
+def test_an_underflow_of_a_drifting_log_std_names_that_parameter(tmp_path):
+    """The same run: the value that underflowed is exp of the policy's ``log_std`` parameter,
+    so the hint must name it and say to bound it (it said only to compute in log space or
+    clamp the value away from 0, a fix to Normal's formula, which is not the bug)."""
+    rep = json.loads(invoke_cli(drifting_log_std_bundle(tmp_path), "--json").stdout)
+    assert rep["cause"] == "underflow", json.dumps(rep, indent=1)
+    assert "the exp of the parameter log_std (as low as -4" in rep["hint"], rep["hint"]
+    assert "log_std.clamp(min=-20)" in rep["hint"], rep["hint"]
