@@ -43,9 +43,14 @@ Contents = Callable[[Tape | None, dict[str, Any], Any, int, int],
 class Alarm:
     """The first event of a recorder, its bundle and its message."""
 
-    def __init__(self, settings: Settings, target: Target, health: Health, contents: Contents):
+    def __init__(self, settings: Settings, target: Target, health: Health, contents: Contents,
+                 stop: Callable[[], None] = lambda: None):
         self.settings, self.target, self.health = settings, target, health
         self._contents = contents
+        # the recorder's detach, at a raised event: its hooks would only cost the loop's calls
+        # from then on (a loop that catches NonFiniteError and trains on, a recorder attached
+        # without a with block), and it records nothing more
+        self._stop = stop
         self.fired = False
         self.event: dict[str, Any] | None = None
         self.bundle_path: Path | None = None
@@ -142,6 +147,8 @@ class Alarm:
                    if isinstance(e, OSError) else str(e))
             msg = _message(as_dict, None, raising) + f" Writing the bundle failed: {why}"
             if raising:
+                self.health.active = False
+                self._stop()
                 raise NonFiniteError(msg, event=as_dict, write_error=e) from e
             log.warning(msg)
             return
@@ -155,6 +162,7 @@ class Alarm:
                     "and give the recorder an out_dir it can write.")
         if raising:
             self.health.active = False
+            self._stop()
             raise NonFiniteError(msg, bundle_path=path, event=as_dict, write_error=moved)
         log.warning(msg)
 

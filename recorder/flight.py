@@ -129,7 +129,7 @@ class FlightRecorder:
             else _CallableLoss(loss_fn)
         self.health = Health()
         self.target = Target(model, optimizer, scaler, lr_scheduler, self.settings, loss_fn)
-        self.alarm = Alarm(self.settings, self.target, self.health, self._contents)
+        self.alarm = Alarm(self.settings, self.target, self.health, self._contents, self.detach)
         self.cycle = StepCycle(self.settings, self.target, self.health, self.alarm)
         self.calls = CallHooks(self.target, self.cycle, self.health, self.loss_fn,
                                self.settings.param_norms)

@@ -364,6 +364,34 @@ def test_attach_is_idempotent_and_detach_removes_every_hook(out_dir):
     assert rec.step == 4
 
 
+def test_a_raised_event_takes_the_recorders_hooks_off(out_dir):
+    """A recorder attached without a ``with`` block (``rec = FlightRecorder(...).attach()``,
+    as the README shows) that raised its event kept every hook: a loop that catches the
+    NonFiniteError and trains on, or attaches a new recorder, paid the dead recorder's hooks
+    on every module call from then on. A raised event now detaches it; what it found stays
+    readable."""
+    model, crit = M.mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir).attach()
+    with pytest.raises(NonFiniteError):
+        M.train(model, opt, crit, 6, make_batch=_nan_at(3))
+    _no_hooks_left(model, opt, crit)
+    assert (rec.event["step"], rec.bundle_path.exists()) == (3, True)
+    stopped_at = rec.step
+    M.train(model, opt, crit, 2)  # the loop trains on, unrecorded
+    assert rec.step == stopped_at
+
+
+def _nan_at(k: int):
+    def make(step):
+        x, y = M.batch(step)
+        if step == k:
+            x[1, 0] = float("nan")
+        return x, y
+
+    return make
+
+
 def _train_then_detach(out_dir, plain_loss: bool):
     model = M.mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
