@@ -58,6 +58,8 @@ __all__ = ["Cause", "classify"]
 
 # the ops of replay.positive.POSITIVE in words: a 0 they made underflowed
 _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
+# ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
+_EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp"}
 
 
 @dataclass
@@ -136,7 +138,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                          "float64: " + _wider(ev.dtype))
         also = "" if ev.dtype == torch.float64 else " and for float64 as well"
         return Cause("overflow", f"{op}'s true result is too large for {dt}{also}: "
-                     + DO["clamp"])
+                     + DO["clamp_exp" if name.rstrip("_") in _EXPONENTIALS else "clamp"])
     what, situation = domains.describe(name, ev)
     zero_from_exp = [i for i, v in enumerate(ev.inputs)
                      if ev.exp_made[i] and ev.elementwise[i] and bool((v == 0).any())]

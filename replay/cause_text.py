@@ -67,6 +67,9 @@ EPS_LOST_UPDATE = ("eps={eps:g} is 0 in {dtype}, the dtype of the weights and of
 # What to do, by situation (the first half of the hint says what happened).
 DO = {
     "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",
+    "power_pole": "keep the base away from 0 (x.clamp_min(eps)); a count or a degree (a "
+                  "graph's deg.pow(-0.5) at an isolated node): deg.clamp(min=1), or set the "
+                  "result to 0 where the base is 0 (inv[deg == 0] = 0)",
     "divide": "add an eps to the denominator (std + eps, d.clamp_min(eps)) or skip the rows "
               "where it is 0",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
@@ -125,8 +128,10 @@ DO = {
                         "clip=1.0 re-run the bundle's rewind window with either)",
     "near_pole": "keep the input further from the pole (a larger eps, 1e-6 for float32: "
                  "GaussianNLLLoss(eps=1e-6), y.clamp_min(1e-6)) or compute it in float64",
-    "clamp": "clamp the exponent or the input range (subtract the row max before exp, "
-             "clamp the input), or lower the learning rate",
+    "clamp": "clamp the input range (x.clamp(-c, c)) or rescale the inputs, or lower the "
+             "learning rate",
+    "clamp_exp": "clamp the exponent or the input range (subtract the row max before exp, "
+                 "clamp the input), or lower the learning rate",
     "wider_under": "float32 holds it: compute in float32 from where the value is made "
                    "(x.float() before the squares, the softmax or the product; outside "
                    "autocast)",

@@ -161,7 +161,7 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
     if base == "pow" and ins:
         p = exponent(ev)
         if zero and (p is None or p < 0):
-            return f"{op} of 0 to a negative power (a pole)", "pole"
+            return f"{op} of 0 to a negative power (a pole)", "power_pole"
         return f"{op} of a negative number to a fractional power", "domain"
     if base in ("acos", "asin", "atanh") and x.numel():
         top = float(x[x.abs().argmax()])

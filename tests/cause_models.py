@@ -215,6 +215,17 @@ def make_exp_first() -> nn.Module:
     return nn.Sequential(Exp(), nn.Linear(D_IN, N_CLASSES))
 
 
+class HighPower(nn.Module):
+    """A polynomial feature of a high degree (x ** 40), unbounded."""
+
+    def forward(self, x):
+        return x ** 40
+
+
+def make_power_first() -> nn.Module:
+    return nn.Sequential(HighPower(), nn.Linear(D_IN, N_CLASSES))
+
+
 # ---------------------------------------------------------------------------------------------
 # underflow: log of a softmax probability
 

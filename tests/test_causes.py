@@ -330,6 +330,18 @@ def test_exp_overflow_that_float64_holds(tmp_path):
     assert "subtract the row max" in hint and "compute it in float64" in hint, hint
 
 
+def test_a_power_overflow_beyond_float64_is_not_told_to_subtract_the_row_max(tmp_path):
+    """x ** 40 of 1e9 is 1e360, beyond float64 too. The hint was exp's ('clamp the exponent
+    or the input range (subtract the row max before exp, ...)'), which does not apply."""
+    err = train("make_power_first", with_row([1e9, 0.0, 0.0, 0.0]), tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    check(rep, err, phase="forward", module="0", op="aten.pow", samples=[ROW],
+          cause="overflow", made="+inf")
+    hint = rep["hint"]
+    assert "for float64 as well" in hint and "clamp the input range" in hint, hint
+    assert "row max" not in hint, hint
+
+
 def test_exp_overflow_beyond_float64(tmp_path):
     err = train("make_exp_first", with_row([1000.0, 0.0, 0.0, 0.0]), tmp_path)
     rep = nanreplay_json(err.bundle_path)

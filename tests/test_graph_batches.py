@@ -233,6 +233,10 @@ def test_dropping_a_node_cuts_its_row_and_column_from_a_dense_adjacency(tmp_path
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
             rep["cause"]) == (K, "forward", "", "aten.pow", [11], "invalid")
+    # a degree's negative power: the graph idiom, not only a clamp to eps
+    assert rep["hint"].startswith("aten.pow of 0 to a negative power (a pole), which exact "
+                                  "arithmetic makes too: keep the base away from 0"), rep["hint"]
+    assert "deg.clamp(min=1)" in rep["hint"] and "inv[deg == 0] = 0" in rep["hint"]
     (dropped,) = rep["what_if"]
     assert dropped["try"] == "drop=11" and dropped["finite"] is True, dropped
 
