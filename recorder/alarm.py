@@ -21,7 +21,7 @@ import torch
 
 from . import bundle, events, ranks
 from .capture import distributed_rank
-from .errors import NonFiniteError
+from .errors import NonFiniteError, first_line
 from .events import Event, StepEvidence
 from .finite import tensors_kind
 from .hooks import Health
@@ -209,7 +209,7 @@ def _loss_not_called(meta: dict[str, Any]) -> str:
 def _unfound(step: int, reason: str, e: Exception) -> Event:
     """The event of a step the probe found non-finite where finding its first offender failed
     (the recorder's own error): the bundle is still written, and the replay re-runs the step."""
-    first = (str(e).strip().splitlines() or [""])[0][:200]
+    first = first_line(e, 200)
     log.warning("nanreplay: finding the first non-finite value of step %d failed (%s: %s); the "
                 "bundle is written without it", step, type(e).__name__, first)
     return Event(step, reason=reason, detail=f"the recorder's search failed ({type(e).__name__}:"

@@ -1,4 +1,5 @@
-"""The two exceptions of the project: one for training-time events, one for bad bundles."""
+"""The two exceptions of the project, one for training-time events, one for bad bundles; and
+how an exception of another kind is cut to one line."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ class NonFiniteError(RuntimeError):
         self.bundle_path = bundle_path
         self.event = event or {}
         self.write_error = write_error
+
+
+def first_line(e: BaseException, limit: int) -> str:
+    """An exception's message for a one-line log or hint: its first line, at most ``limit``
+    characters (a dispatcher error lists every backend it knows after it, 50 lines)."""
+    return (str(e).strip().splitlines() or [""])[0][:limit]
 
 
 class BundleError(ValueError):

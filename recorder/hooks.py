@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+from .errors import first_line
+
 log = logging.getLogger("nanreplay")
 
 
@@ -59,8 +61,6 @@ class Health:
     def internal_error(self, e: Exception) -> None:
         self.internal_errors += 1
         if self.internal_errors == 1:
-            # (one line: a dispatcher error's message lists every backend, 50 lines)
-            text = (str(e).strip().splitlines() or [""])[0][:300]
             log.warning("nanreplay: recorder disabled after an internal error (%s: %s); "
-                        "training continues unrecorded", type(e).__name__, text)
+                        "training continues unrecorded", type(e).__name__, first_line(e, 300))
         self.active = False

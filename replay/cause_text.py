@@ -9,6 +9,8 @@ way. No torch here: the HTML page renders from a report alone.
 
 from __future__ import annotations
 
+from recorder.errors import first_line
+
 CAUSES = ("input", "weights", "optimizer", "invalid", "overflow", "underflow", "precision",
           "not_reproduced")
 
@@ -169,7 +171,7 @@ GROUP_REDUCTIONS = frozenset({"scatter_reduce", "index_reduce", "scatter"})
 def no_float64(e: Exception) -> str:
     """The hint of an origin whose cause the float64 re-run could not tell: the model raised
     in float64 (a kernel for half types only, a dtype check)."""
-    first = (str(e).strip().splitlines() or [""])[0][:200]
+    first = first_line(e, 200)
     return (f"the model raised in the float64 re-run that tells invalid from overflow, "
             f"underflow and precision ({type(e).__name__}: {first}), so the cause is not "
             "told: the origin above is where the value was made; read its op and inputs, or "
