@@ -8,8 +8,10 @@ import math
 import statistics
 from typing import Any
 
+from .precursors import JUMP
 
-def precursors_began(per_step: list[dict[str, Any]], factor: float = 10.0
+
+def precursors_began(per_step: list[dict[str, Any]], factor: float = JUMP
                      ) -> dict[str, Any] | None:
     """The first step of the window where the trouble shows: a series (learning rate,
     gradient norm, weight norm, loss) at least ``factor`` times the median of its earlier

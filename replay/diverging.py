@@ -15,7 +15,7 @@ import math
 import statistics
 from typing import Any
 
-JUMP = 10.0  # as replay.precursors: 10x the median of the steps before
+from .precursors import JUMP
 
 
 def still_diverging(loss: float | None, window: dict[str, Any] | None) -> dict[str, Any] | None:

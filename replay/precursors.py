@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+# a value at least this many times the median of the earlier ones is a jump (the precursors',
+# where a rewind window's trouble began, a what-if still diverging)
+JUMP = 10.0
+
 FP16_MAX = 65504.0
 
 
@@ -102,7 +106,7 @@ def _weight_norms(update_norms: torch.Tensor | None) -> list[float | None]:
     return out
 
 
-def find_precursors(hist: dict[str, Any], *, factor: float = 10.0,
+def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
                     dtypes: dict[str, str] | None = None) -> list[dict[str, Any]]:
     steps = hist["steps"]
     event = hist.get("event_step")
