@@ -15,8 +15,8 @@ from torch import nn
 
 from recorder.target import LOSS_PREFIX
 
-from .compat import set_parameter
 from .errors import ReplayError
+from .weights import assign
 
 _FACTORY_WAY = "return {'model': ..., 'loss_fn': ...} from the factory"
 
@@ -71,6 +71,5 @@ def _load(step, loss: nn.Module, name: str) -> None:
         raise ReplayError(f"the bundle holds {got} for {name}, and the rebuilt loss's "
                           f"{attr} has shape {list(p.shape)}; " + _FACTORY_WAY
                           + " building the loss as it was trained")
-    owner, _, leaf = attr.rpartition(".")
-    set_parameter(loss.get_submodule(owner) if owner else loss, leaf,
-                  nn.Parameter(w.to(step.device), requires_grad=p.requires_grad))
+    assign(loss, attr, nn.Parameter(w.to(step.device), requires_grad=p.requires_grad),
+           param=True)

@@ -72,7 +72,7 @@ def load_weights(step, model: nn.Module) -> None:
     # (listed first: a shared module yields its parameters twice, the 2nd time replaced)
     for name, p in list(model.named_parameters(remove_duplicate=False)):
         if id(p) in done:
-            _set(model, name, done[id(p)], param=True)
+            assign(model, name, done[id(p)], param=True)
             continue
         src = next((n for n in names_by_id[id(p)] if f"weights/{n}" in t), None)
         if src is None:
@@ -85,7 +85,7 @@ def load_weights(step, model: nn.Module) -> None:
                               + other_model(step))
         new = nn.Parameter(w.to(dev), requires_grad=p.requires_grad)
         done[id(p)] = new
-        _set(model, name, new, param=True)
+        assign(model, name, new, param=True)
     _load_buffers(step, model)
     model.train(meta.get("model", {}).get("training", True))
     flags = {m["name"]: m.get("training") for m in meta.get("modules", [])}
@@ -112,7 +112,7 @@ def _load_buffers(step, model: nn.Module) -> None:
         # what ran. Said when persistent: a buffer sized by the configuration looks alike.
         if tuple(b.shape) != tuple(have.shape) and not non_persistent(model, name):
             resized.append(f"{name} {list(b.shape)} (the factory's {list(have.shape)})")
-        _set(model, name, b.to(dev, copy=True), param=False)
+        assign(model, name, b.to(dev, copy=True), param=False)
     if resized:
         step.problems.append(
             f"buffer {resized[0]}{f' and {len(resized) - 1} more' if len(resized) > 1 else ''}"
@@ -125,7 +125,8 @@ def _load_buffers(step, model: nn.Module) -> None:
                               + other_model(step))
 
 
-def _set(model: nn.Module, name: str, value, *, param: bool) -> None:
+def assign(model: nn.Module, name: str, value, *, param: bool) -> None:
+    """``value`` as the parameter (or buffer) ``name`` (dotted) of ``model``, no copy made."""
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
     (set_parameter if param else set_buffer)(mod, attr, value)
