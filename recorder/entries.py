@@ -52,6 +52,10 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
     tensors.update(ts)
     out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
                            "training": mb.training, "autocast": mb.autocast}
+    # inputs the loop made require grad (a PINN's collocation points, differentiated by the
+    # loss with autograd.grad): the replay's copies must too
+    if grad_inputs := [k for k, t in ts.items() if t.requires_grad]:
+        out["grad_inputs"] = grad_inputs
     if mb.grads_dropped:
         out["grads_dropped"] = True
     if mb.inputs_written:
@@ -64,7 +68,7 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],
                                           f"{prefix}loss_in/{i}", leaf=partial_leaf(
                                               outs, [list(tensor_leaves(m.outputs))
-                                                     for m in earlier]))
+                                                     for m in earlier], ts))
         tensors.update(lts)
         out["loss_inputs"], out["loss_paths"] = ltree, lpaths
     grads = {}
@@ -91,18 +95,24 @@ def _rng_entry(state: dict[str, Any], prefix: str, tensors: dict[str, torch.Tens
     return {"meta": meta, "keys": keys}
 
 
-def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = ()):
+def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (),
+                 inputs: dict[str, torch.Tensor] | None = None):
     """Stand-in for loss inputs that are the model output, a view of it or a cast of it to
     another dtype, so the replay feeds the loss its own re-computed output instead of a
     recorded copy: ``{"$out": j}``, with ``"mb": k`` for an output of the step's earlier
-    micro-batch ``k`` (``earlier``)."""
+    micro-batch ``k`` (``earlier``); ``{"$in": key}`` for the micro-batch's own input tensor
+    under ``key`` of ``inputs`` (a loss differentiating the output with respect to it needs
+    the very tensor the re-run's forward took)."""
     sources = [(None, outs), *((k, o) for k, o in reversed(list(enumerate(earlier))))]
+    own = {id(t): key for key, t in (inputs or {}).items()}
 
     def leaf(t: torch.Tensor):
         for k, group in sources:
             for i, o in enumerate(group):
                 if t is o:
                     return _out_ref(i, k)
+        if (key := own.get(id(t))) is not None and inputs[key] is t:
+            return {"$in": key}
         for k, group in sources:
             for i, o in enumerate(group):
                 if (t.device == o.device and t.dtype == o.dtype

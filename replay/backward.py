@@ -45,6 +45,7 @@ class BackwardOrigin:
     params: list[str] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)  # batch rows of its non-finite gradient
     micro_batch: int | None = None
+    in_loss: bool = False  # it ran inside the loss (an autograd.grad of the model output)
     # the kind of the first non-finite tensor the node saved in the forward ("+inf": a value
     # the forward carried without an event, such as the batch's infinity that a tanh then
     # saturated), None when it saved only finite ones
@@ -177,7 +178,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
                 bad = next(g for g in returned if not finite(g))
                 found.made, found.dtype = kind_of(bad), bad.dtype
                 found.samples = batch_rows(node, list(grad_inputs), where or Samples())
-                found.micro_batch = runner.micro_batch
+                found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
                 found.saved, found.saved_zero = saved_facts(node)
                 found.positive_input = from_positive(node)
                 found.exp_of = _exp_of(node)

@@ -267,22 +267,37 @@ def recorded_device(meta: dict[str, Any]) -> torch.device | None:
 # batches
 
 
-def micro_batch_inputs(step: Step, i: int) -> tuple[list, dict]:
+def micro_batch_inputs(step: Step, i: int, made: dict[str, torch.Tensor] | None = None
+                       ) -> tuple[list, dict]:
+    """Copies of micro-batch ``i``'s inputs (a forward that writes into its input,
+    wav.div_(peak), must not change the bundle's batch for the re-runs that follow), those
+    that required grad in training requiring it again; ``made`` receives them by key."""
     mb = step.micro_batches[i]
+    grad = set(mb.get("grad_inputs", ()))
+    made = {} if made is None else made
+
+    def copy(node):
+        if "$t" not in node or (key := node["$t"]) not in step.tensors:
+            return None  # (a missing key: unflatten_tree says so)
+        t = step.tensors[key].to(step.device, copy=True)
+        made[key] = t.requires_grad_() if key in grad and t.is_floating_point() else t
+        return made[key]
+
     try:
-        args, kwargs = unflatten_tree(mb["inputs"], step.tensors)
+        args, kwargs = unflatten_tree(mb["inputs"], step.tensors, leaf=copy)
     except (UnrebuildableLeaf, KeyError) as e:
         raise ReplayError(f"micro-batch {i} holds an input that cannot be rebuilt ({e}); only "
                           "tensors and JSON values are replayable") from None
-    # (copies: a forward that writes into its input, wav.div_(peak), must not change the
-    # bundle's batch for the re-runs that follow)
-    return _to(args, step.device, copy=True), _to(kwargs, step.device, copy=True)
+    # (sparse and nested inputs are rebuilt from their parts, copied here)
+    return _to(args, step.device, copy=True, keep=made), _to(kwargs, step.device, copy=True,
+                                                           keep=made)
 
 
-def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]]
-                ) -> tuple[list, dict] | None:
+def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
+                inputs: dict[str, torch.Tensor] | None = None) -> tuple[list, dict] | None:
     """The loss's recorded arguments for micro-batch ``i``, with the model outputs swapped for
-    the re-computed ones (``outputs[k]``: micro-batch ``k``'s, up to ``i``). An earlier micro-
+    the re-computed ones (``outputs[k]``: micro-batch ``k``'s, up to ``i``) and its inputs for
+    those the re-run fed the model (``inputs``, by key: see ``micro_batch_inputs``). An earlier micro-
     batch's output (one loss over two forwards) is given detached: the gradient the loss sent
     it reaches it from its own recorded output gradient, when its backward runs."""
     tree = step.micro_batches[i].get("loss_inputs")
@@ -290,6 +305,9 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]]
         return None
 
     def output(node):
+        if "$in" in node:  # the micro-batch's own input, as the re-run fed it to the model
+            return inputs[node["$in"]] if inputs and node["$in"] in inputs \
+                else step.tensors[node["$in"]].to(step.device)
         if "$out" not in node:
             return None
         k = node.get("mb", i)
@@ -311,10 +329,12 @@ def output_grads(step: Step, i: int) -> dict[int, torch.Tensor]:
     return {int(j): step.tensors[k].to(step.device) for j, k in keys.items() if k in step.tensors}
 
 
-def _to(obj, device, copy: bool = False):
+def _to(obj, device, copy: bool = False, keep: dict[str, torch.Tensor] | None = None):
     """``obj`` (a tree rebuilt from the bundle: lists, tuples, namedtuples, dicts) with its
-    tensors on ``device`` (a ``PackedSequence``'s ``batch_sizes`` stay on the CPU)."""
-    return map_tensors(obj, lambda v: v.to(device, copy=copy))
+    tensors on ``device`` (a ``PackedSequence``'s ``batch_sizes`` stay on the CPU); the
+    tensors among ``keep``'s values, copies made already, are kept as they are."""
+    kept = {id(t) for t in (keep or {}).values()}
+    return map_tensors(obj, lambda v: v if id(v) in kept else v.to(device, copy=copy))
 
 
 def rng_state(step: Step) -> dict[str, Any] | None:

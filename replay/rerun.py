@@ -83,6 +83,9 @@ class Runner:
         self.allowed_buffers = {id(b) for n, b in self.model.named_buffers()
                                 if not self.strict_inf or matches(n, patterns)}
         self.micro_batch = 0  # the micro-batch running (hooks read it)
+        # the loss is running: a backward node's hook firing now runs in the loss's own
+        # autograd.grad (a PINN's derivatives of the output), not in the step's backward
+        self.in_loss = False
         self._initial_buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         self._rng = rng_state(step)
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
@@ -134,13 +137,14 @@ class Runner:
                     self.micro_batch = i
                     if mb.get("grads_dropped"):  # as the loop's zero_grad did before this one
                         self.model.zero_grad(set_to_none=True)
-                    args, kwargs = micro_batch_inputs(self.step, i)
+                    args, kwargs = micro_batch_inputs(self.step, i, made := {})
                     if i and (rng := micro_batch_rng(self.step, i)) is not None:
                         restore_rng(rng)  # as it was: the loop drew between forwards
                     if only_mask_infinities(tensor_leaves((args, kwargs))):
                         result.masked.add(i)
                     if self.cast is not None:
-                        args, kwargs = _cast((args, kwargs), self.cast)
+                        args, kwargs = _cast((args, kwargs), self.cast, made)
+                    result.inputs.append(made)
                     with torch.set_grad_enabled(mb.get("grad_enabled", True)), \
                             (autocast_as_recorded(mb, self.step.device) if self.cast is None
                              else contextlib.nullcontext()), _enter(forward_ctx), \
@@ -170,16 +174,20 @@ class Runner:
     def _loss(self, i: int, outs: list[torch.Tensor], result: Run):
         if self.step.loss_fn is None:
             return None
-        li = loss_inputs(self.step, i, result.outputs)
+        li = loss_inputs(self.step, i, result.outputs, result.inputs[i])
         if li is None:
             return None
         args, kwargs = li
-        if self.cast is not None:
-            args, kwargs = _cast((args, kwargs), self.cast)
-            loss = self.step.loss_fn(*args, **kwargs)
-        else:
-            with autocast_as_recorded(self.step.micro_batches[i], self.step.device):
+        self.in_loss = True
+        try:
+            if self.cast is not None:
+                args, kwargs = _cast((args, kwargs), self.cast)
                 loss = self.step.loss_fn(*args, **kwargs)
+            else:
+                with autocast_as_recorded(self.step.micro_batches[i], self.step.device):
+                    loss = self.step.loss_fn(*args, **kwargs)
+        finally:
+            self.in_loss = False
         self.last_loss = loss
         result.losses.append(loss)
         vals = [t for t in tensor_leaves(loss) if t.is_floating_point()]
@@ -350,9 +358,19 @@ def _enter(ctx):
     return ctx() if ctx is not None else contextlib.nullcontext()
 
 
-def _cast(obj, dtype):
+def _cast(obj, dtype, made: dict[str, torch.Tensor] | None = None):
     """``obj`` (a micro-batch's arguments, rebuilt from the bundle) with floating tensors cast
-    (and complex ones widened, for float64)."""
-    return map_tensors(obj, lambda v: v.to(dtype) if v.is_floating_point() else
+    (and complex ones widened, for float64); ``made``'s tensors (by key) are swapped for their
+    casts too, which the model then takes."""
+    cast = {}
+
+    def one(v):
+        cast[id(v)] = (v.to(dtype) if v.is_floating_point() else
                        v.to(wide) if dtype == torch.float64 and v.is_complex()
                        and (wide := widened(v.dtype)) is not None else v)
+        return cast[id(v)]
+
+    obj = map_tensors(obj, one)
+    if made is not None:
+        made.update({k: cast.get(id(t), t) for k, t in made.items()})
+    return obj

@@ -45,6 +45,8 @@ class Run:
     losses: list = field(default_factory=list)  # each micro-batch's loss (replay.window)
     bad_grads: list[str] = field(default_factory=list)
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
+    # each micro-batch's input tensors as the model took them, by bundle key (a loss's $in)
+    inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     error: Exception | None = None  # what the model's own code raised, ending the run there
     strict_inf: bool = True  # the recording's policy (see FlightRecorder's strict_inf)
     allowed: frozenset = frozenset()  # modules allowed to hold +-Inf (allow_inf)

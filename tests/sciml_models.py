@@ -1,0 +1,72 @@
+"""Scientific-ML training code: a physics-informed network (PINN) for the Poisson equation
+-Δu = 4 on the unit disk (solution 1 - r²), whose loss differentiates the model output twice
+with respect to its input coordinates (``torch.autograd.grad(..., create_graph=True)``; the
+collocation points are a root input with ``requires_grad_(True)``). The network takes polar
+features, ``r = sqrt(x² + y²)``: finite at the origin, but its derivative is infinite there."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PolarFeatures(nn.Module):
+    def forward(self, xy):
+        x, y = xy[:, :1], xy[:, 1:]
+        r = torch.sqrt(x ** 2 + y ** 2)  # the bug: d r / d x = x / r is 0/0 at the origin
+        theta = torch.atan2(y, x)
+        return torch.cat([r, torch.cos(theta), torch.sin(theta), x, y], dim=1)
+
+
+class PINN(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2):
+        super().__init__()
+        self.features = PolarFeatures()
+        layers, d = [], 5
+        for _ in range(depth):
+            layers += [nn.Linear(d, width), nn.Tanh()]
+            d = width
+        self.mlp = nn.Sequential(*layers, nn.Linear(d, 1))
+
+    def forward(self, xy):
+        return self.mlp(self.features(xy))
+
+
+def make_model() -> PINN:
+    torch.manual_seed(0)
+    return PINN()
+
+
+def pde_residual_loss(u, xy):
+    """Mean squared residual of -Δu = 4 at the collocation points ``xy``."""
+    g = torch.autograd.grad(u, xy, torch.ones_like(u), create_graph=True)[0]
+    u_x, u_y = g[:, :1], g[:, 1:]
+    u_xx = torch.autograd.grad(u_x, xy, torch.ones_like(u_x), create_graph=True)[0][:, :1]
+    u_yy = torch.autograd.grad(u_y, xy, torch.ones_like(u_y), create_graph=True)[0][:, 1:]
+    return ((-(u_xx + u_yy) - 4.0) ** 2).mean()
+
+
+def collocation(step: int, g: torch.Generator, grid_from: int) -> torch.Tensor:
+    """Random points, then (from step ``grid_from`` on) a uniform 7 x 7 grid, whose centre,
+    row 24, is the origin."""
+    if step >= grid_from:
+        s = torch.linspace(-0.75, 0.75, 7)
+        xy = torch.cartesian_prod(s, s)
+    else:
+        xy = torch.rand(49, 2, generator=g) * 1.5 - 0.75
+    return xy.requires_grad_(True)
+
+
+def boundary(g: torch.Generator) -> torch.Tensor:
+    th = torch.rand(16, 1, generator=g) * 6.2832
+    return torch.cat([torch.cos(th), torch.sin(th)], 1)
+
+
+def train_step(model, opt, loss_fn, xy, xb) -> float:
+    """One step: the residual at the collocation points (a loss taking the model's own
+    input), then the boundary condition u = 0 on a second forward."""
+    opt.zero_grad()
+    loss = loss_fn(model(xy), xy) + model(xb).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.item()

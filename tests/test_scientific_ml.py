@@ -1,0 +1,54 @@
+"""End to end on scientific-ML training code (``sciml_models``): a PINN whose loss takes
+``autograd.grad`` of the model output with respect to its input coordinates, which require
+grad. The replay must feed the loss the very input tensor the re-run's forward took, and name
+the model's backward node that made the NaN inside the loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import sciml_models as SM
+import torch
+from bundles import invoke_cli
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # sciml_models.py is trusted here
+
+
+def train_pinn(tmp_path, steps=6, grid_from=3, **kw):
+    model = SM.make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    with FlightRecorder(model, opt, loss_fn=SM.pde_residual_loss, out_dir=tmp_path,
+                        factory="sciml_models:make_model", **kw) as rec:
+        for step in range(steps):
+            xy, xb = SM.collocation(step, g, grid_from), SM.boundary(g)
+            losses.append(SM.train_step(model, opt, rec.loss_fn, xy, xb))
+    return losses
+
+
+def test_pinn_sqrt_at_the_origin_names_the_backward_node_inside_the_loss(tmp_path):
+    """From step 3 the collocation grid holds the origin (row 24): the loss's autograd.grad
+    runs SqrtBackward0 of the polar features at r = 0, whose derivative is infinite. The
+    replay re-runs the loss on the re-run's own collocation points, which require grad, and
+    names that node, in ``features``, on row 24; dropping the row makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train_pinn(tmp_path)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (3, "loss", 0), ev
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json", "--try", "drop=24").stdout)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["samples"]) == (
+        True, "loss", "features", "SqrtBackward0", [24]), rep
+    assert o["source"] == "sciml_models.py:16", o
+    assert rep["fidelity"]["matches"] is True, rep["fidelity"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
