@@ -437,13 +437,18 @@ def _leaves(args, kwargs):
         yield from tensor_leaves(kwargs)
 
 
+# The step's backward runs with grad mode off. A backward that builds a graph is the loop's
+# own differentiation of the output (a PINN's loss taking autograd.grad(u, x, ones,
+# create_graph=True), MAML's inner step): the gradient it brings is not the one the step's
+# backward sent into the output, which the replay feeds in its place, so it is not kept.
 def _keep_grad(store: dict, i: int, grad: torch.Tensor) -> None:
-    store[i] = grad
+    if not torch.is_grad_enabled():
+        store[i] = grad
 
 
 def _keep_out_grad(store: dict, i: int, nr: int, grad_outputs: tuple) -> None:
     grad = grad_outputs[nr]
-    if grad is not None:
+    if grad is not None and not torch.is_grad_enabled():
         store[i] = grad
 
 

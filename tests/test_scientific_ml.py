@@ -52,3 +52,16 @@ def test_pinn_sqrt_at_the_origin_names_the_backward_node_inside_the_loss(tmp_pat
     assert o["source"] == "sciml_models.py:16", o
     assert rep["fidelity"]["matches"] is True, rep["fidelity"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_pinn_output_gradient_of_the_loss_own_autograd_grad_is_not_replayed(tmp_path):
+    """The residual's autograd.grad(u, xy, ones, create_graph=True) runs through the output's
+    node with a gradient of ones; the step's backward never does (the residual depends on u's
+    derivatives, not its value). Recorded as the output's gradient, those ones were fed into
+    the re-run's backward in place of the loss's: every gradient finite, in float32 and
+    float64 alike, so the pole at r = 0 read as 'precision'. It is the invalid sqrt at 0."""
+    with pytest.raises(NonFiniteError) as info:
+        train_pinn(tmp_path)
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    assert (rep["origin"]["op"], rep["cause"]) == ("SqrtBackward0", "invalid"), rep
+    assert "in float64 too" in rep["hint"] and "pole" in rep["hint"], rep["hint"]
