@@ -324,6 +324,25 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
     return args, kwargs
 
 
+def differentiates_model(step: Step, mb: int) -> bool:
+    """Whether micro-batch ``mb``'s loss was given one of its model inputs that required grad
+    (the collocation points of a PINN): it then differentiates the output with respect to it."""
+    entry = step.micro_batches[mb]
+    grad = set(entry.get("grad_inputs", ()))
+    return bool(grad) and any(k in grad for k in _input_refs(entry.get("loss_inputs")))
+
+
+def _input_refs(node: Any):
+    if isinstance(node, dict):
+        if "$in" in node:
+            yield node["$in"]
+        for v in node.values():
+            yield from _input_refs(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _input_refs(v)
+
+
 def output_grads(step: Step, i: int) -> dict[int, torch.Tensor]:
     keys = step.micro_batches[i].get("output_grads", {})
     return {int(j): step.tensors[k].to(step.device) for j, k in keys.items() if k in step.tensors}

@@ -6,31 +6,10 @@ for the step's own backward."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from .backward import BackwardOrigin, find_backward_origin
-from .load import Step
+from .load import Step, differentiates_model
 from .recorded import samples
 from .rerun import Runner
-
-
-def differentiates_model(step: Step, mb: int) -> bool:
-    """Whether micro-batch ``mb``'s loss was given one of its model inputs that required grad
-    (the collocation points of a PINN): it then differentiates the output with respect to it."""
-    entry = step.micro_batches[mb]
-    grad = set(entry.get("grad_inputs", ()))
-    return bool(grad) and any(k in grad for k in _input_refs(entry.get("loss_inputs")))
-
-
-def _input_refs(node: Any):
-    if isinstance(node, dict):
-        if "$in" in node:
-            yield node["$in"]
-        for v in node.values():
-            yield from _input_refs(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from _input_refs(v)
 
 
 def node_in_loss(step: Step, runner: Runner, mb: int) -> BackwardOrigin | None:

@@ -28,6 +28,7 @@ from .instrument import CallRecorder
 from .load import (
     Step,
     autocast_as_recorded,
+    differentiates_model,
     loss_inputs,
     micro_batch_inputs,
     micro_batch_rng,
@@ -203,6 +204,8 @@ class Runner:
         fed = self.out_grads is not None
         grads = self.out_grads.get(i, {}) if fed else output_grads(self.step, i)
         pairs = [(o, grads[j]) for j, o in enumerate(outs) if j in grads and o.requires_grad]
+        if differentiates_model(self.step, i) and not fed:
+            pairs = []  # its loss reaches the weights through the output's derivative too
         if pairs and (fed or self.feed_recorded or all(finite(g) for _, g in pairs)):
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.

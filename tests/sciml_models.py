@@ -70,3 +70,44 @@ def train_step(model, opt, loss_fn, xy, xb) -> float:
     loss.backward()
     opt.step()
     return loss.item()
+
+
+class Classifier(nn.Module):
+    """A small classifier whose first layer has no bias: a zero-padded row reaches every
+    ReLU at exactly 0, so its input gradient is exactly 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(10, 32, bias=False), nn.ReLU(), nn.Linear(32, 32),
+                                  nn.ReLU())
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def make_classifier() -> Classifier:
+    torch.manual_seed(0)
+    return Classifier()
+
+
+def input_gradient_norm(loss, x):
+    """Double backprop's penalty (Drucker & LeCun 1992): the mean norm of each sample's input
+    gradient, differentiable (create_graph=True). sqrt of an exactly 0 sum has an infinite
+    derivative, which the step's backward multiplies by 0: NaN."""
+    gx = torch.autograd.grad(loss, x, create_graph=True)[0]
+    return torch.sqrt((gx ** 2).sum(1)).mean()
+
+
+def double_backprop_loss(out, y, x):
+    """Cross entropy plus the penalty, with the input it differentiates by as an argument."""
+    loss = nn.functional.cross_entropy(out, y)
+    return loss + 0.1 * input_gradient_norm(loss, x)
+
+
+def classifier_batch(step: int, g: torch.Generator, pad_at: int):
+    x = torch.randn(16, 10, generator=g)
+    y = torch.randint(0, 3, (16,), generator=g)
+    if step == pad_at:
+        x[5] = 0.0  # a zero-padded row
+    return x.requires_grad_(True), y

@@ -65,3 +65,43 @@ def test_pinn_output_gradient_of_the_loss_own_autograd_grad_is_not_replayed(tmp_
     rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
     assert (rep["origin"]["op"], rep["cause"]) == ("SqrtBackward0", "invalid"), rep
     assert "in float64 too" in rep["hint"] and "pole" in rep["hint"], rep["hint"]
+
+
+def train_double_backprop(tmp_path, in_loss: bool, steps=5, pad_at=3):
+    """``in_loss``: the penalty inside the loss given to the recorder, else added in the loop
+    to a plain cross entropy."""
+    model = SM.make_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = SM.double_backprop_loss if in_loss else torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(1)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                        factory="sciml_models:make_classifier") as rec:
+        for step in range(steps):
+            x, y = SM.classifier_batch(step, g, pad_at)
+            opt.zero_grad()
+            out = model(x)
+            if in_loss:
+                loss = rec.loss_fn(out, y, x)
+            else:
+                ce = rec.loss_fn(out, y)
+                loss = ce + 0.1 * SM.input_gradient_norm(ce, x)
+            loss.backward()
+            opt.step()
+
+
+def test_double_backprop_penalty_in_the_loss_names_sqrt_backward_on_the_padded_row(tmp_path):
+    """The penalty's sqrt at the zero row's exactly-0 input gradient makes the step's backward
+    NaN. The loss differentiates the model, so the weights' gradients come through the
+    output's derivative too, not only through the output: the replay backpropagates the loss
+    itself, not the gradient recorded at the output (which gave finite gradients: 'NOT
+    reproduced')."""
+    with pytest.raises(NonFiniteError) as info:
+        train_double_backprop(tmp_path, in_loss=True)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (3, "backward"), ev
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json", "--try", "drop=5").stdout)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["module"], o["samples"], rep["cause"]) == (
+        True, "SqrtBackward0", "<loss>", [5], "invalid"), rep
+    assert o["source"].startswith("sciml_models.py:"), o
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
