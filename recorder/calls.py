@@ -170,9 +170,10 @@ class CallHooks:
                                   else tensor_leaves(output)):
                 fn = t.grad_fn
                 if fn is not None:  # a pre-hook on its node: a tenth of register_hook's Python
-                    fn.register_prehook(partial(_keep_out_grad, mb.out_grads, i, t.output_nr))
+                    fn.register_prehook(partial(_keep_out_grad, mb.out_grads, mb.differentiated,
+                                                i, t.output_nr))
                 elif t.requires_grad:
-                    t.register_hook(partial(_keep_grad, mb.out_grads, i))
+                    t.register_hook(partial(_keep_grad, mb.out_grads, mb.differentiated, i))
 
     # ------------------------------------------------------------------------------------------
     # every module: a call returned
@@ -440,16 +441,21 @@ def _leaves(args, kwargs):
 # The step's backward runs with grad mode off. A backward that builds a graph is the loop's
 # own differentiation of the output (a PINN's loss taking autograd.grad(u, x, ones,
 # create_graph=True), MAML's inner step): the gradient it brings is not the one the step's
-# backward sent into the output, which the replay feeds in its place, so it is not kept.
-def _keep_grad(store: dict, i: int, grad: torch.Tensor) -> None:
+# backward sent into the output, which the replay feeds in its place, so it is not kept; that
+# it ran is (``marks``), for the replay to say the loop's own term is not re-run.
+def _keep_grad(store: dict, marks: list, i: int, grad: torch.Tensor) -> None:
     if not torch.is_grad_enabled():
         store[i] = grad
+    elif not marks:
+        marks.append(True)
 
 
-def _keep_out_grad(store: dict, i: int, nr: int, grad_outputs: tuple) -> None:
+def _keep_out_grad(store: dict, marks: list, i: int, nr: int, grad_outputs: tuple) -> None:
     grad = grad_outputs[nr]
     if grad is not None and not torch.is_grad_enabled():
         store[i] = grad
+    elif grad is not None and not marks:
+        marks.append(True)
 
 
 def _autocast_state(inner: list[tuple[str, str | None]]) -> dict[str, Any]:

@@ -30,6 +30,9 @@ class MicroBatch:
     loss_args: tuple | None = None
     loss_kwargs: dict | None = None
     out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    # holds True once a backward with create_graph=True went through its output: the loop
+    # differentiated the output itself (a gradient penalty, a PINN's residual)
+    differentiated: list = field(default_factory=list)
     input_refs: tuple = ()
     input_versions: list = field(default_factory=list)  # (floating input, version) at the start
     inputs_written: bool = False  # the forward wrote into them: args/kwargs hold what it left

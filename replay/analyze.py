@@ -25,6 +25,7 @@ from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .load import Step, build, read_step
+from .loss_grad import loop_differentiation, not_rerun_term
 from .origins import (
     after_update_hint,
     infinity_the_loss_took,
@@ -321,6 +322,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return report_dropped_nan(report, runner)
     if phase == "optimizer" and not _after_update(step) and step.optimizer is not None:
         return report_optimizer(report, step, runner)
+    if (term := loop_differentiation(step)) is not None:  # before the branch below: that
+        return not_rerun_term(report, step, term)  # term may be all the backward went through
     if phase == "backward" and _no_backward_reached_the_output(step):
         return _gradients_from_the_loop(report, step)
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")

@@ -105,3 +105,18 @@ def test_double_backprop_penalty_in_the_loss_names_sqrt_backward_on_the_padded_r
         True, "SqrtBackward0", "<loss>", [5], "invalid"), rep
     assert o["source"].startswith("sciml_models.py:"), o
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_double_backprop_penalty_added_in_the_loop_is_said_not_rerun(tmp_path):
+    """The same penalty added in the loop to a plain cross entropy: the replay re-runs the
+    model and the loss only, so the NaN does not come back. The report says why (the loop
+    differentiated the output itself, a term the bundle does not hold) and how to make it
+    replayable, instead of blaming state outside the bundle or a transient fault."""
+    with pytest.raises(NonFiniteError) as info:
+        train_double_backprop(tmp_path, in_loss=False)
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "backward")
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    assert (rep["reproduced"], rep["cause"]) == (False, "not_reproduced"), rep
+    assert any("the loop differentiated the model's output itself (micro-batch 0" in p
+               for p in rep["problems"]), rep["problems"]
+    assert "inside the loss" in rep["hint"] and "transient" not in rep["hint"], rep["hint"]
