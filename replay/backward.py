@@ -159,9 +159,11 @@ def _exp_of(node):
     return None
 
 
-def find_backward_origin(runner: Runner, where: Samples | None = None) -> BackwardOrigin:
+def find_backward_origin(runner: Runner, where: Samples | None = None,
+                         probe=None) -> BackwardOrigin:
     """The first node to make a non-finite gradient from finite ones; ``where`` the batch's
-    samples, to name those of its gradient."""
+    samples, to name those of its gradient; ``probe(model)``: hooks of the caller's that run
+    backward passes of their own during the forward (after the nodes are labelled)."""
     found = BackwardOrigin()
     handles: list = []
 
@@ -189,7 +191,8 @@ def find_backward_origin(runner: Runner, where: Samples | None = None) -> Backwa
 
     labels = _NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
-    run = runner.run(instrument=False, hooks=labels.hooks, forward_ctx=_anomaly,
+    run = runner.run(instrument=False, forward_ctx=_anomaly,
+                     hooks=lambda m: labels.hooks(m) + (probe(m) if probe else []),
                      backward_ctx=_loss_labeller(runner, labels.label))
     for h in handles:
         h.remove()

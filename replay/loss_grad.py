@@ -8,20 +8,83 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from recorder.capture import tensor_leaves
+
 from .backward import BackwardOrigin, find_backward_origin
+from .cause_text import DO
 from .findings import finish, origin_fields
 from .load import Step, differentiates_model
 from .recorded import samples
 from .rerun import Runner
 
 
-def node_in_loss(step: Step, runner: Runner, mb: int) -> BackwardOrigin | None:
+def node_in_loss(step: Step, runner: Runner, mb: int) -> tuple[BackwardOrigin, bool] | None:
     """The backward node that made the loss's first non-finite value inside the loss of a
-    micro-batch that differentiates the model, None when the loss made it with its own ops."""
-    if not differentiates_model(step, mb):
+    micro-batch that differentiates the model, None when the loss made it with its own ops;
+    and whether it was found by differentiating the output as the loop did instead (the loop
+    computed the loss's arguments from the output's derivatives: a physics residual)."""
+    entry = step.micro_batches[mb]
+    if differentiates_model(step, mb):
+        b, probed = find_backward_origin(runner, samples(step)), False
+    elif entry.get("differentiated") and entry.get("grad_inputs"):
+        b = find_backward_origin(runner, samples(step), probe=_derivatives(runner, mb))
+        probed = True
+    else:
         return None
-    b = find_backward_origin(runner, samples(step))
-    return b if b.node is not None and b.in_loss and b.micro_batch == mb else None
+    return (b, probed) if b.node is not None and b.in_loss and b.micro_batch == mb else None
+
+
+def _derivatives(runner: Runner, mb: int):
+    """Hooks differentiating micro-batch ``mb``'s output with respect to its inputs that
+    require grad, to first and second order (the first 8 columns), as a loop computing a
+    physics residual does with autograd.grad(u, x, ones, create_graph=True); no weight's
+    gradient changes and nothing is drawn from the RNG."""
+    def post(module, args, kwargs, output):
+        xs = [t for t in tensor_leaves((args, kwargs)) if t.requires_grad
+              and t.is_floating_point()]
+        outs = [o for o in tensor_leaves(output) if o.requires_grad and o.is_floating_point()]
+        if runner.micro_batch != mb or not xs or not outs:
+            return
+        anomaly, nan_check = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+        runner.in_loss = True
+        try:  # (a NaN must reach the nodes' hooks, not raise in anomaly mode's check)
+            torch.autograd.set_detect_anomaly(torch.is_anomaly_enabled(), check_nan=False)
+            firsts = torch.autograd.grad(outs, xs, [torch.ones_like(o) for o in outs],
+                                         create_graph=True, allow_unused=True)
+            for x, g in zip(xs, firsts):
+                cols = g.reshape(len(g), -1) if g is not None and g.dim() else None
+                for j in range(min(8, cols.shape[1]) if cols is not None and g.requires_grad
+                               else 0):
+                    torch.autograd.grad(cols[:, j].sum(), x, retain_graph=True,
+                                        allow_unused=True)
+        finally:
+            runner.in_loss = False
+            torch.autograd.set_detect_anomaly(anomaly, check_nan=nan_check)
+
+    return lambda model: [model.register_forward_hook(post, with_kwargs=True)]
+
+
+def probed_report(report, step: Step, origin: dict[str, Any], b: BackwardOrigin
+                  ) -> dict[str, Any]:
+    """A loss event whose argument the loop computed from the output's derivatives, and a
+    node of the model that made a non-finite value when the replay differentiated the output
+    as such a loop does: that node is the origin; at its derivative's pole (an input exactly
+    0), the cause is invalid."""
+    at_pole = b.saved_zero == "0"
+    report = finish(report, {**origin, "phase": "loss"}, "invalid" if at_pole else None,
+                    reproduced=True, hint=(
+                        f"{b.node} made {b.made} at its derivative's pole (an input exactly 0); "
+                        + DO["backward_pole"]) if at_pole else None)
+    report["problems"].append(
+        "the loss was given values the loop computed from the model output's derivatives "
+        "(torch.autograd.grad with create_graph=True), which the bundle holds as they were, "
+        "not how they were made; differentiating the re-run's output with respect to its "
+        f"inputs that require grad, as such a loop does, {b.node} in "
+        f"{b.module or 'the model'} made {b.made}; compute that term inside the loss given to "
+        "the recorder (rec.loss_fn(out, x, ...)) for the replay to re-run it as it ran")
+    return report
 
 
 def loop_differentiation(step: Step) -> str | None:

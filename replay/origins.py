@@ -22,7 +22,7 @@ from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step, autocast_as_recorded, loss_inputs
-from .loss_grad import node_in_loss
+from .loss_grad import node_in_loss, probed_report
 from .ops import OpFinder, state_of
 from .optim import eps_lost, per_parameter, safe_eps
 from .positive import made_positive
@@ -85,7 +85,10 @@ def _own_update_hint(step: Step) -> str:
 
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     mb = run.loss_micro_batches[run.loss_finite.index(False)]
-    if (b := node_in_loss(step, runner, mb)) is not None:  # the model's backward, in the loss
+    if (found := node_in_loss(step, runner, mb)) is not None:  # the model's backward, there
+        b, probed = found
+        if probed:
+            return probed_report(report, step, _backward_fields(b), b)
         cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                          underflowed=b.positive_input, dtype=b.dtype)
         return finish(report, {**_backward_fields(b), "phase": "loss"}, cause.name,

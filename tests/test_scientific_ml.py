@@ -54,6 +54,34 @@ def test_pinn_sqrt_at_the_origin_names_the_backward_node_inside_the_loss(tmp_pat
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_pinn_residual_computed_in_the_loop_names_the_node_its_derivative_runs(tmp_path):
+    """The common layout: the loop computes the residual with autograd.grad and gives it to
+    an nn.MSELoss against zeros. The bundle holds the residual as it was (NaN on row 24),
+    not how it was made; the replay differentiates the re-run output with respect to the
+    collocation points as the loop did and names SqrtBackward0 in features at its pole,
+    with a note saying the term is the loop's."""
+    model = SM.make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                            factory="sciml_models:make_model") as rec:
+            for step in range(6):
+                xy, xb = SM.collocation(step, g, 3), SM.boundary(g)
+                opt.zero_grad()
+                res = SM.residual(model(xy), xy)
+                loss = rec.loss_fn(res, torch.zeros_like(res)) + model(xb).pow(2).mean()
+                loss.backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "loss")
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (o["op"], o["module"], o["samples"], o["source"], rep["cause"]) == (
+        "SqrtBackward0", "features", [24], "sciml_models.py:16", "invalid"), rep
+    assert any("the loop computed from the model output's derivatives" in p
+               for p in rep["problems"]), rep["problems"]
+
+
 def test_pinn_output_gradient_of_the_loss_own_autograd_grad_is_not_replayed(tmp_path):
     """The residual's autograd.grad(u, xy, ones, create_graph=True) runs through the output's
     node with a gradient of ones; the step's backward never does (the residual depends on u's
