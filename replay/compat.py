@@ -6,6 +6,7 @@
   the plain lists, tuples and dicts a bundle's trees rebuild into;
 - :func:`version`: a tensor's in-place version counter (``_version``), so a value computed
   from a tensor is reused only while the tensor is unmodified;
+- :func:`running_node`: the autograd node running an op (``_current_autograd_node``);
 - :func:`writes_arguments`: whether an aten op writes into an argument (``func._schema``);
 - :func:`set_parameter`, :func:`set_buffer`, :func:`remove_member`: an ``nn.Module``'s
   parameter, buffer and submodule tables (``_parameters``, ``_buffers``, ``_modules``), written
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "sequence_nr",
-           "writes_arguments",
+           "running_node", "writes_arguments",
            "set_parameter", "set_buffer", "remove_member"]
 
 
@@ -33,6 +34,12 @@ def version(t: torch.Tensor) -> int:
 
 
 _WRITES: dict[Any, bool] = {}
+
+
+def running_node():
+    """The autograd node whose backward is running the current op (an op of a backward the
+    forward ran itself, through ``torch.autograd.grad``), None outside a backward."""
+    return torch._C._current_autograd_node()
 
 
 def sequence_nr(node) -> int:

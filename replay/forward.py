@@ -12,6 +12,7 @@ from typing import Any
 from .cause import classify
 from .errors import StopRun
 from .findings import finish, origin_fields
+from .forward_grad import derivative_words, node_sources, with_node
 from .load import Step
 from .ops import OpFinder, mask_buffers, state_of
 from .recorded import samples
@@ -60,6 +61,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
             f"FlightRecorder(..., allow_inf=[{o.module!r}])"
             + (" ('' names the root; '*' would allow every module)" if not o.module else ""))
+    node = _node_of(runner, o, hit)
     o = _innermost(run, o, hit)
     rows = _origin_rows(step, run, o, hit)
     # made: what the blamed op made (the chain's first entry), not what the call returned
@@ -76,8 +78,17 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # made by the own code of a call enclosing it)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
-    return finish(report, origin, cause.name, reproduced=reproduced,
-                  hint=_with_param(cause.hint, cause.name, hit))
+    hint = with_node(origin, _with_param(cause.hint, cause.name, hit), cause.name, node)
+    return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+
+
+def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
+    """The backward node ``hit``'s op ran in (a derivative the forward took itself), its
+    forward line and what to say of it (:func:`derivative_words`); None for a forward op."""
+    if hit is None or hit.node is None:
+        return None
+    again = find_op_in_call(runner, o.module, o.call, o.micro_batch, node_sources)
+    return derivative_words(hit, again.origin())
 
 
 def _with_param(hint: str | None, cause: str, hit) -> str | None:
@@ -101,8 +112,10 @@ PARAM_ADVICE = {
 }
 
 
-def find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder:
-    """Re-run the forward with the op finder active during one module call only."""
+def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
+                    forward_ctx=None) -> OpFinder:
+    """Re-run the forward with the op finder active during one module call only (the run
+    inside ``forward_ctx()``, when given)."""
     finder = OpFinder(samples=samples(runner.step, mb), mask_buffers=mask_buffers(runner.model))
     state = {"count": 0, "active": False}
 
@@ -136,7 +149,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int) -> OpFinder
         return hs + _track_calls(finder, target, (module, call), runner, mb)
 
     try:
-        runner.run(backward=False, instrument=False, hooks=hooks)
+        runner.run(backward=False, instrument=False, hooks=hooks, forward_ctx=forward_ctx)
     finally:
         if state["active"]:
             finder.__exit__(None, None, None)

@@ -26,7 +26,7 @@ from recorder.finite import ends, pair_kind, pair_ok
 from recorder.samples import Samples
 
 from .cause_text import GROUP_REDUCTIONS
-from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
+from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
 from .float64 import as_float64, upcast
 from .memo import TensorSet
 from .positive import made_positive, positive_result
@@ -54,6 +54,9 @@ class OpHit:
     literal: float | None = None  # a +-inf it was given as a number (``m * float("-inf")``)
     # the innermost module call running it, (name, call) in its micro-batch (OpFinder.where)
     within: tuple[str, int] | None = None
+    # the autograd node running it: a derivative the forward took itself (autograd.grad of
+    # a Hamiltonian, an energy), whose pole is the input of the forward op that made the node
+    node: Any = None
 
     def as_json(self) -> dict[str, Any]:
         return {"op": self.op, "made": self.made, "source": self.source,
@@ -149,7 +152,8 @@ class _Watch(TorchDispatchMode):
         intentional = literal_inf is not None or f.in_allowed_module()
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
-                        rows=f.batch_rows(outs), param=f.param_among(ins), within=f.where)
+                        rows=f.batch_rows(outs), param=f.param_among(ins), within=f.where,
+                        node=running_node())
             if intentional:
                 if f.intentional is None:
                     f.intentional = hit

@@ -110,6 +110,9 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  origin     {o['phase']}: {made} in {thing}")
     elif o.get("phase"):
         op = f"{o['op']} in " if o.get("op") else ""
+        if o.get("node"):  # an op of a derivative the forward took itself
+            op = f"{o['op']} of {o['node']}" + (f" ({o['node_source']})"
+                                                if o.get("node_source") else "") + " in "
         fin = ", inputs finite" if o.get("inputs_finite") else ""
         lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o)}{fin}")
     fid = report.get("fidelity")

@@ -116,3 +116,45 @@ def classifier_batch(step: int, g: torch.Generator, pad_at: int):
     if step == pad_at:
         x[5] = 0.0  # a zero-padded row
     return x.requires_grad_(True), y
+
+
+class Energy(nn.Module):
+    """A learned Hamiltonian H(q, p) with a radial feature |(q, p)|."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, hidden), nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        r = torch.sqrt((x ** 2).sum(1, keepdim=True))  # the bug: its derivative at rest is 0/0
+        return self.l2(torch.tanh(self.l1(torch.cat([x, r], 1))))
+
+
+class HNN(nn.Module):
+    """Hamiltonian neural network (Greydanus et al. 2019): the forward returns the symplectic
+    gradient (dH/dp, -dH/dq) of the learned energy, through autograd.grad of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.H = Energy()
+
+    def forward(self, x):
+        with torch.enable_grad():
+            x = x if x.requires_grad else x.detach().requires_grad_(True)
+            dh = torch.autograd.grad(self.H(x).sum(), x, create_graph=True)[0]
+        return torch.cat([dh[:, 1:], -dh[:, :1]], dim=1)
+
+
+def make_hnn() -> HNN:
+    torch.manual_seed(0)
+    return HNN()
+
+
+def pendulum_batch(step: int, g: torch.Generator, rest_at: int):
+    """States (q, p) and their time derivatives; at step ``rest_at`` row 7 is the pendulum at
+    rest at the bottom, q = p = 0."""
+    x = torch.rand(32, 2, generator=g) * 4 - 2
+    dx = torch.cat([x[:, 1:], -3 * torch.sin(x[:, :1])], 1)
+    if step == rest_at:
+        x[7], dx[7] = 0.0, 0.0
+    return x, dx

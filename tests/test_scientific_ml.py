@@ -5,6 +5,7 @@ the model's backward node that made the NaN inside the loss."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -148,3 +149,50 @@ def test_double_backprop_penalty_added_in_the_loop_is_said_not_rerun(tmp_path):
     assert any("the loop differentiated the model's output itself (micro-batch 0" in p
                for p in rep["problems"]), rep["problems"]
     assert "inside the loss" in rep["hint"] and "transient" not in rep["hint"], rep["hint"]
+
+
+def train_hnn(tmp_path, rest_at: int, record: bool = True, steps: int = 5):
+    model = SM.make_hnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = torch.nn.MSELoss()
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                         factory="sciml_models:make_hnn") if record else None
+    with rec or contextlib.nullcontext():
+        for step in range(steps):
+            x, dx = SM.pendulum_batch(step, g, rest_at)
+            opt.zero_grad()
+            loss = crit(model(x), dx)
+            loss.backward()
+            opt.step()
+            with torch.no_grad():  # a validation forward: its autograd.grad needs enable_grad
+                losses.append((loss.item(), crit(model(x), dx).item()))
+    return losses
+
+
+def test_hamiltonian_network_trains_as_without_the_recorder(tmp_path):
+    """A forward that calls autograd.grad itself, and no_grad validation forwards of it: no
+    event, and the same losses as without the recorder."""
+    assert train_hnn(tmp_path, rest_at=-1) == train_hnn(tmp_path, rest_at=-1, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_hamiltonian_network_names_the_node_its_own_autograd_grad_ran(tmp_path):
+    """At step 3 a state at rest (row 7) reaches the energy's radial feature at 0: the
+    forward's autograd.grad runs SqrtBackward0, whose aten.div makes +inf. The report names
+    that node and the sqrt's line, and advises making sqrt's input safe, not adding an eps
+    to a denominator the user never wrote."""
+    with pytest.raises(NonFiniteError) as info:
+        train_hnn(tmp_path, rest_at=3)
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "forward")
+    r = invoke_cli(info.value.bundle_path, "--json")
+    rep = json.loads(r.stdout)
+    o = rep["origin"]
+    line = next(i for i, t in enumerate((HERE / "sciml_models.py").read_text().splitlines(), 1)
+                if "the bug: its derivative at rest" in t)
+    assert (o["op"], o["node"], o["node_source"], o["samples"], rep["cause"]) == (
+        "aten.div", "SqrtBackward0", f"sciml_models.py:{line}", [7], "invalid"), rep
+    assert "make that input safe" in rep["hint"] and "std + eps" not in rep["hint"], rep["hint"]
+    text = invoke_cli(info.value.bundle_path).stdout
+    assert f"aten.div of SqrtBackward0 (sciml_models.py:{line})" in text, text

@@ -1,0 +1,50 @@
+"""A forward that differentiates itself: a Hamiltonian network returns ``autograd.grad`` of its
+learned energy, a score model the gradient of its density. An op of that backward (``aten.div``
+inside ``SqrtBackward0``) may make the forward's first non-finite value; its pole is the input
+of the forward op that made the node (``sqrt`` at 0), not a division the user wrote, so the
+report names that node and the line of its forward op."""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+
+from .backward import _anomaly, _source
+from .ops import OpHit
+
+
+@contextlib.contextmanager
+def node_sources():
+    """Anomaly mode without its NaN check: each node made keeps its forward traceback, and
+    the re-run goes on past the NaN as training did."""
+    with _anomaly(check_nan=False):
+        yield
+
+
+def derivative_words(hit: OpHit, again: OpHit | None) -> tuple[str, str | None, str]:
+    """The node running ``hit``'s op, its forward line (``again``: the same op found in a
+    re-run under :func:`node_sources`), and what to say of it."""
+    name = hit.node.name()
+    src = _source(again.node) if again is not None and again.node is not None else None
+    path, _, line = (src or "").rpartition(":")
+    text = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
+    at = f" of {src}" + (f" ({text})" if text else "") if src else ""
+    op = name.removesuffix("Backward0").removesuffix("Backward1").lower()
+    return name, src, (
+        f"{hit.op} ran in {name}, the derivative of the forward's {op}{at}, which the "
+        f"forward's own torch.autograd.grad took: a pole of that derivative (sqrt or a norm "
+        f"at 0, a division by 0) is at {op}'s input, so make that input safe before the op "
+        "(torch.where(x > 0, x, 1)) or add an eps there, not at the division the backward "
+        "does")
+
+
+def with_node(origin: dict, hint: str | None, cause: str,
+              node: tuple[str, str | None, str] | None) -> str | None:
+    """``hint`` with the node's words, and the node in ``origin``. An invalid cause's own
+    advice is for a division the user wrote: what it says happened is kept, up to its colon,
+    and the node's advice given instead."""
+    if node is None:
+        return hint
+    origin["node"], origin["node_source"] = node[0], node[1]
+    said = hint.split(": ", 1)[0] if hint and cause == "invalid" else hint
+    return f"{said}; {node[2]}" if said else node[2]
