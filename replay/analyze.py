@@ -46,6 +46,7 @@ from .recorded import (
     non_finite_weights,
     scale_of_the_step,
 )
+from .recurrence import add_iterates_note
 from .rerun import Runner
 from .shards import shard_set
 from .source import distributed_call
@@ -305,7 +306,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
             f"the model's code raised {run1.raised} in the re-run (likely as it did in "
             "training): the replay covers the step up to there")
     if origin is not None:
-        return report_forward(report, step, runner, run1, origin)
+        return add_iterates_note(report_forward(report, step, runner, run1, origin), run1)
     if run1.loss_finite and not all(run1.loss_finite):
         return report_loss(report, step, runner, run1)
     # the recording's forward and loss were finite (a backward event; a loss event of a loss

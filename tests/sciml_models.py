@@ -158,3 +158,51 @@ def pendulum_batch(step: int, g: torch.Generator, rest_at: int):
     if step == rest_at:
         x[7], dx[7] = 0.0, 0.0
     return x, dx
+
+
+class VectorField(nn.Module):
+    """dy/dt = f(y) - y³: a learned field with cubic damping, stiff for a large state (the
+    explicit RK4 step is stable only while dt * 3y² stays below about 2.8)."""
+
+    def __init__(self, dim: int = 2, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Softplus(), nn.Linear(hidden, dim))
+
+    def forward(self, t, y):
+        return self.net(y) - y ** 3
+
+
+class NeuralODE(nn.Module):
+    """A neural ODE integrated by a hand-written fixed-step RK4 loop in ``forward``; returns
+    the trajectory ``(B, T, D)``."""
+
+    def __init__(self, steps: int = 20, dt: float = 0.25):
+        super().__init__()
+        self.func = VectorField()
+        self.steps, self.dt = steps, dt
+
+    def forward(self, y0):
+        ys, y, t, h = [y0], y0, 0.0, self.dt
+        for _ in range(self.steps):
+            k1 = self.func(t, y)
+            k2 = self.func(t + h / 2, y + h / 2 * k1)
+            k3 = self.func(t + h / 2, y + h / 2 * k2)
+            k4 = self.func(t + h, y + h * k3)
+            y = y + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+            t += h
+            ys.append(y)
+        return torch.stack(ys, dim=1)
+
+
+def make_ode() -> NeuralODE:
+    torch.manual_seed(0)
+    return NeuralODE()
+
+
+def ode_batch(step: int, g: torch.Generator, far_at: int) -> torch.Tensor:
+    """Initial states near the origin; at step ``far_at`` row 5 starts at (3.1, -3.1), where the
+    cubic damping is too stiff for the solver's step."""
+    y0 = (torch.rand(16, 2, generator=g) - 0.5) * 0.5
+    if step == far_at:
+        y0[5] = torch.tensor([3.1, -3.1])
+    return y0

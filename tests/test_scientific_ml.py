@@ -196,3 +196,28 @@ def test_hamiltonian_network_names_the_node_its_own_autograd_grad_ran(tmp_path):
     assert "make that input safe" in rep["hint"] and "std + eps" not in rep["hint"], rep["hint"]
     text = invoke_cli(info.value.bundle_path).stdout
     assert f"aten.div of SqrtBackward0 (sciml_models.py:{line})" in text, text
+
+
+def test_neural_ode_whose_rk4_steps_blow_up_says_the_iterates_diverged(tmp_path):
+    """An initial state outside the data (row 5 at step 3) makes the explicit RK4 loop
+    unstable: the vector field's output grows call after call until one overflows. The
+    report names that call's op and adds that the iterates were diverging, which float64
+    only postpones (a smaller dt, bounded dynamics), not only 'compute it in float64'."""
+    model = SM.make_ode()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                            factory="sciml_models:make_ode") as rec:
+            for step in range(5):
+                y0 = SM.ode_batch(step, g, far_at=3)
+                opt.zero_grad()
+                rec.loss_fn(model(y0), y0[:, None].expand(-1, 21, -1)).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "forward")
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (o["module"], o["samples"], rep["cause"]) == ("func", [5], "overflow"), rep
+    assert o["call"] >= 8, o
+    assert any("func's output grew from" in p and "diverging" in p for p in rep["problems"])
+    assert "a smaller dt" in rep["hint"] and "only postpones" in rep["hint"], rep["hint"]

@@ -1,0 +1,64 @@
+"""A module called again and again on its own output within one forward (a neural ODE's
+hand-written RK4 steps, an unrolled recurrence) whose outputs grew call after call until one
+overflowed: the integration is unstable. The op that overflowed is only where it ended; the
+report says the iterates were diverging, which a wider type only postpones."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .run_result import Call, Run
+
+MIN_CALLS = 8  # earlier calls of the module in the micro-batch: fewer is no recurrence
+GROWTH = 100.0  # its last finite output's largest magnitude over its first call's
+STEADY = 0.5  # the least share of its calls whose output is no smaller than the one before
+
+
+def _absmax(c: Call) -> float | None:
+    vals = [abs(float(v)) for pair in c.minmax for v in pair]
+    return max(vals) if vals and all(math.isfinite(v) for v in vals) else None
+
+
+def diverging_iterates(run: Run, module: str, call: int, mb: int) -> dict[str, Any] | None:
+    """``{"first", "last", "from_call", "to_call"}`` when the origin call ``call`` of
+    ``module`` came after at least :data:`MIN_CALLS` finite calls of it in micro-batch ``mb``
+    whose largest output magnitude grew :data:`GROWTH`-fold or more, the last the largest,
+    and rose from one call to the next at least :data:`STEADY` of the time (a stiff step
+    overshoots back and forth as it grows)."""
+    before = sorted((c for c in run.calls if c.module == module and c.micro_batch == mb
+                     and c.call < call), key=lambda c: c.call)
+    sizes = [(c.call, _absmax(c)) for c in before]
+    if len(sizes) < MIN_CALLS or any(v is None for _, v in sizes):
+        return None
+    (c0, first), (c1, last) = sizes[0], sizes[-1]
+    if first <= 0 or last < GROWTH * first or last < max(v for _, v in sizes):
+        return None
+    rising = sum(b >= a for (_, a), (_, b) in zip(sizes, sizes[1:]))
+    if rising < STEADY * (len(sizes) - 1):
+        return None
+    return {"first": first, "last": last, "from_call": c0, "to_call": c1}
+
+
+def add_iterates_note(report: dict[str, Any], run: Run) -> dict[str, Any]:
+    """The forward report with a note (and, for an overflow, the hint's end) saying the
+    origin module's repeated calls were diverging, when they were."""
+    o = report.get("origin") or {}
+    if o.get("phase") != "forward" or o.get("call") is None or o.get("module") is None:
+        return report
+    d = diverging_iterates(run, o["module"], o["call"], o.get("micro_batch") or 0)
+    if d is None:
+        return report
+    name = o["module"] or "<root>"
+    report["problems"].append(
+        f"{name}'s output grew from {d['first']:.3g} (call {d['from_call']}) to "
+        f"{d['last']:.3g} (call {d['to_call']}) within this forward before call {o['call']} "
+        "made the value, call after call: as an ODE solver's steps or an unrolled recurrence "
+        "calling it again on its own output, it was diverging")
+    if report.get("cause") == "overflow":
+        report["hint"] = (
+            f"{report.get('hint') or ''}; but the iterates of {name} were diverging, which a "
+            "wider type only postpones: take smaller or adaptive solver steps (a smaller dt), "
+            "bound the dynamics (a tanh or a clamp on the vector field, spectral "
+            "normalisation) or lower the learning rate that made them unstable")
+    return report
