@@ -1,5 +1,6 @@
 """A forward that differentiates itself: a Hamiltonian network returns ``autograd.grad`` of its
-learned energy, a score model the gradient of its density. An op of that backward (``aten.div``
+learned energy, a score model the gradient of its density (a loss differentiating the model,
+a PINN's, likewise). An op of that backward (``aten.div``
 inside ``SqrtBackward0``) may make the forward's first non-finite value; its pole is the input
 of the forward op that made the node (``sqrt`` at 0), not a division the user wrote, so the
 report names that node and the line of its forward op."""
@@ -21,9 +22,11 @@ def node_sources():
         yield
 
 
-def derivative_words(hit: OpHit, again: OpHit | None) -> tuple[str, str | None, str]:
+def derivative_words(hit: OpHit, again: OpHit | None, by: str = "the forward's own"
+                     ) -> tuple[str, str | None, str]:
     """The node running ``hit``'s op, its forward line (``again``: the same op found in a
-    re-run under :func:`node_sources`), and what to say of it."""
+    re-run under :func:`node_sources`), and what to say of it; ``by``: whose autograd.grad
+    ran the node."""
     name = hit.node.name()
     src = _source(again.node) if again is not None and again.node is not None else None
     path, _, line = (src or "").rpartition(":")
@@ -31,8 +34,8 @@ def derivative_words(hit: OpHit, again: OpHit | None) -> tuple[str, str | None, 
     at = f" of {src}" + (f" ({text})" if text else "") if src else ""
     op = name.removesuffix("Backward0").removesuffix("Backward1").lower()
     return name, src, (
-        f"{hit.op} ran in {name}, the derivative of the forward's {op}{at}, which the "
-        f"forward's own torch.autograd.grad took: a pole of that derivative (sqrt or a norm "
+        f"{hit.op} ran in {name}, the derivative of the forward's {op}{at}, which "
+        f"{by} torch.autograd.grad took: a pole of that derivative (sqrt or a norm "
         f"at 0, a division by 0) is at {op}'s input, so make that input safe before the op "
         "(torch.where(x > 0, x, 1)) or add an eps there, not at the division the backward "
         "does")
@@ -46,5 +49,16 @@ def with_node(origin: dict, hint: str | None, cause: str,
     if node is None:
         return hint
     origin["node"], origin["node_source"] = node[0], node[1]
-    said = hint.split(": ", 1)[0] if hint and cause == "invalid" else hint
+    said = _what_happened(hint) if hint and cause == "invalid" else hint
     return f"{said}; {node[2]}" if said else node[2]
+
+
+def _what_happened(hint: str) -> str:
+    """``hint`` up to its first colon outside parentheses (``aten.div of 0 by 0 (a pole: 1/0),
+    which exact arithmetic makes too``): what happened, before the advice."""
+    depth = 0
+    for i, ch in enumerate(hint):
+        depth += (ch == "(") - (ch == ")")
+        if ch == ":" and depth == 0 and hint[i + 1:i + 2] == " ":
+            return hint[:i]
+    return hint

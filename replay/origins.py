@@ -21,7 +21,8 @@ from .cause import classify
 from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
-from .load import Step, autocast_as_recorded, loss_inputs
+from .forward_grad import derivative_words, node_sources, with_node
+from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
 from .loss_grad import node_in_loss, probed_report
 from .ops import OpFinder, state_of
 from .optim import eps_lost, per_parameter, safe_eps
@@ -93,6 +94,9 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
                          underflowed=b.positive_input, dtype=b.dtype)
         return finish(report, {**_backward_fields(b), "phase": "loss"}, cause.name,
                       reproduced=step.event.get("phase") == "loss", hint=cause.hint)
+    if differentiates_model(step, mb):  # its autograd.grad needs the forward's graph, which
+        # the re-run's backward freed; its nodes keep their forward lines (replay.forward_grad)
+        run = runner.run(backward=False, instrument=False, forward_ctx=node_sources)
     finder = OpFinder(samples=samples(step))
     finder.state = state_of(step.loss_fn, runner.model)
     args, kwargs = _loss_args(step, run, mb, finder)
@@ -109,14 +113,17 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         samples=_loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
         made=hit.made if hit else made)
     cause = classify(runner, "loss", hit=hit, micro_batch=mb)
+    node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
-                  hint=cause.hint)
+                  hint=with_node(origin, cause.hint, cause.name, node))
 
 
 def _loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):
     """The loss's arguments, the model outputs detached; ``finder`` is told which of those
     the model made by exp, softmax, sigmoid or softplus (their graph is cut here), so that
     a 0 the loss takes the log of (a softplus variance) reads as the underflow it is."""
+    if differentiates_model(step, mb):  # (the loss differentiates them: not cut)
+        return loss_inputs(step, mb, run.outputs, run.inputs[mb])
     outputs = [[t.detach() for t in o] for o in run.outputs]
     if finder is not None:
         for made, cut in zip(run.outputs, outputs):

@@ -206,3 +206,19 @@ def ode_batch(step: int, g: torch.Generator, far_at: int) -> torch.Tensor:
     if step == far_at:
         y0[5] = torch.tensor([3.1, -3.1])
     return y0
+
+
+class SmoothedPolarFeatures(nn.Module):
+    """The radius smoothed, as a first fix does; the angle keeps its pole."""
+
+    def forward(self, xy):
+        x, y = xy[:, :1], xy[:, 1:]
+        r = torch.sqrt(x ** 2 + y ** 2 + 1e-12)
+        theta = torch.atan2(y, x)  # the bug: its derivative (-y, x) / (x² + y²) is 1/0 at 0
+        return torch.cat([r, torch.cos(theta), torch.sin(theta), x, y], dim=1)
+
+
+def make_smoothed_model() -> PINN:
+    model = make_model()
+    model.features = SmoothedPolarFeatures()
+    return model

@@ -24,13 +24,13 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # sciml_models.py is trusted here
 
 
-def train_pinn(tmp_path, steps=6, grid_from=3, **kw):
-    model = SM.make_model()
+def train_pinn(tmp_path, steps=6, grid_from=3, make=SM.make_model, **kw):
+    model = make()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     losses = []
     with FlightRecorder(model, opt, loss_fn=SM.pde_residual_loss, out_dir=tmp_path,
-                        factory="sciml_models:make_model", **kw) as rec:
+                        factory=f"sciml_models:{make.__name__}", **kw) as rec:
         for step in range(steps):
             xy, xb = SM.collocation(step, g, grid_from), SM.boundary(g)
             losses.append(SM.train_step(model, opt, rec.loss_fn, xy, xb))
@@ -221,3 +221,21 @@ def test_neural_ode_whose_rk4_steps_blow_up_says_the_iterates_diverged(tmp_path)
     assert o["call"] >= 8, o
     assert any("func's output grew from" in p and "diverging" in p for p in rep["problems"])
     assert "a smaller dt" in rep["hint"] and "only postpones" in rep["hint"], rep["hint"]
+
+
+def test_pinn_atan2_at_the_origin_names_its_derivative_op_in_the_loss(tmp_path):
+    """With the radius smoothed, atan2(y, x) at the origin is what remains: no node returns a
+    non-finite gradient from finite ones there, so the loss is re-run under the op finder,
+    which needs the forward's graph (the replay failed: 'element 0 of tensors does not
+    require grad'). It names aten.reciprocal of Atan2Backward0 and the atan2's line."""
+    with pytest.raises(NonFiniteError) as info:
+        train_pinn(tmp_path, make=SM.make_smoothed_model)
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "loss")
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    line = next(i for i, t in enumerate((HERE / "sciml_models.py").read_text().splitlines(), 1)
+                if "its derivative (-y, x) / (x² + y²)" in t)
+    assert (rep["reproduced"], o["op"], o["node"], o["node_source"], o["samples"],
+            rep["cause"]) == (True, "aten.reciprocal", "Atan2Backward0",
+                              f"sciml_models.py:{line}", [24], "invalid"), rep
+    assert "at atan2's input" in rep["hint"], rep["hint"]
