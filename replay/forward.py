@@ -63,13 +63,13 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
             + (" ('' names the root; '*' would allow every module)" if not o.module else ""))
     node = _node_of(runner, o, hit)
     o = _innermost(run, o, hit)
-    rows = _origin_rows(step, run, o, hit)
+    rows = origin_rows(step, run, o, hit)
     # made: what the blamed op made (the chain's first entry), not what the call returned
     origin = origin_fields(
         phase="forward", module=o.module, call=o.call, micro_batch=o.micro_batch,
         inputs_finite=o.inputs_finite, made=hit.made if hit else o.kind, samples=rows,
         op=hit.op if hit else None,
-        source=(hit.source if hit and hit.source else _module_source(step, o.module)),
+        source=(hit.source if hit and hit.source else module_source(step, o.module)),
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=hit)
@@ -216,7 +216,7 @@ def _innermost(run: Run, o, hit):
                  if (c.module, c.call, c.micro_batch) == (name, k, o.micro_batch)), o)
 
 
-def _origin_rows(step: Step, run: Run, o, hit) -> list[int]:
+def origin_rows(step: Step, run: Run, o, hit) -> list[int]:
     """The samples of a forward origin: of the blamed op's output when they are among the
     call's non-finite samples (a module whose own code made the NaN in one row, then ran a
     child that mixes rows, BatchNorm or attention over the batch, returns it in every row),
@@ -234,7 +234,7 @@ def _root_rows(step: Step, run: Run) -> list[int]:
                  if (rows := samples(step, mb).first_rows(outs))), [])
 
 
-def _module_source(step: Step, module: str) -> str | None:
+def module_source(step: Step, module: str) -> str | None:
     try:
         m = step.model.get_submodule(module) if module else step.model
         fn = type(m).forward

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from recorder.finite import ends, pair_kind, pair_ok
+from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
 from .cause_text import GROUP_REDUCTIONS
@@ -357,6 +357,10 @@ class OpFinder:
         # classes, not samples, in its rows
         self.state: set[tuple[int, tuple]] = set()
         self._of_weights = TensorSet()
+        # the first op (with ``state`` set) that took a non-finite input and put non-finite
+        # values in samples of the batch: where weights bad before the step met the batch (an
+        # embedding looking up a NaN row), which no op made from finite inputs
+        self.first_met: OpHit | None = None
 
     def param_among(self, ins: list[torch.Tensor]) -> str | None:
         """The name of the op's one floating input when that is one of the model's parameters
@@ -379,15 +383,25 @@ class OpFinder:
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               in_finite: bool, leaves: list) -> None:
-        if self.state and self._of_weights_only(leaves):
+        weights_only = bool(self.state) and self._of_weights_only(leaves)
+        if weights_only:
             for t in outs:
                 self._of_weights.add(t)
         if not in_finite:
+            if self.state and not weights_only and self.first_met is None:
+                self._meet(name, outs)
             return
         if positive_result(name, ins, leaves, self.positive):
             for t in outs:
                 self._positive.add(t)
         self.saturation.track(name, ins, outs, leaves)
+
+    def _meet(self, name: str, outs: list[torch.Tensor]) -> None:
+        rows = self.batch_rows(outs)
+        if rows:
+            made = next((kind_of(t) for t in outs if not finite(t)), "nan")
+            self.first_met = OpHit(f"aten.{name}", made, user_source(), None, None,
+                                   rows=rows, within=self.where)
 
     def _of_weights_only(self, leaves: list) -> bool:
         """Every tensor an op took is a parameter or buffer, or was made from them alone."""

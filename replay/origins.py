@@ -30,6 +30,7 @@ from .positive import made_positive
 from .recorded import batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
+from .weight_readers import bad_row_fields, first_reader, rows_text
 
 
 def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
@@ -39,11 +40,15 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     ev = step.event
     seen, last = ev.get("first_seen_step"), ev.get("last_update_step")
     buffer = bad[0] in set(step.meta.get("buffers") or ())  # (a BatchNorm's running_var)
+    rows = bad_row_fields(step, bad[0])
     report = finish(report, origin_fields(phase="weights", params=bad, param=bad[0],
                                           tensor="buffer" if buffer else None,
-                                          first_seen_step=seen, last_update_step=last),
+                                          first_seen_step=seen, last_update_step=last,
+                                          **first_reader(step), **rows),
                     "weights", reproduced=True,
                     hint=None if step.meta.get("optimizer") else _own_update_hint(step))
+    if (where := rows_text(bad[0], rows)) is not None and report.get("hint"):
+        report["hint"] = f"{report['hint']}; {where}"
     if last is not None:
         report["problems"].append(
             f"{bad[0]} was first seen non-finite at step {seen}; the last update (step {last}) "

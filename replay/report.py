@@ -109,12 +109,16 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
                  f"the {o['tensor']}" if o.get("tensor") else "a value no check names")
         lines.append(f"  origin     {o['phase']}: {made} in {thing}")
     elif o.get("phase"):
-        op = f"{o['op']} in " if o.get("op") else ""
+        op = f"{o['op']} in " if o.get("op") and o["phase"] != "weights" else ""
         if o.get("node"):  # an op of a derivative the forward took itself
             op = f"{o['op']} of {o['node']}" + (f" ({o['node_source']})"
                                                 if o.get("node_source") else "") + " in "
         fin = ", inputs finite" if o.get("inputs_finite") else ""
         lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o)}{fin}")
+        if o["phase"] == "weights" and o.get("module") is not None:  # replay.weight_readers
+            read = f"{o['op']} in " if o.get("op") else ""
+            lines.append(f"  read by    {read}{_where({**o, 'phase': None})}, first in the "
+                         "forward")
     fid = report.get("fidelity")
     if fid and fid.get("matches") is False:
         lines.append(f"  fidelity   {describe(fid)}")

@@ -1,0 +1,57 @@
+"""Fine-tuning as people write it by hand: a tiny Llama (built from a config, nothing
+downloaded) with an added special token (``resize_token_embeddings``) and a LoRA adapter
+(frozen base ``nn.Linear``, trainable ``lora_A``/``lora_B``, ``B`` zero-initialised, scaled by
+``alpha / r``) swapped in for its attention's ``q_proj`` and ``v_proj``; the factory its
+bundles name (``finetune_models:make_lora_llama``; replayed from this directory)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+VOCAB, CTX = 61, 12
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, r: int = 4, alpha: float = 16.0):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / r
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+def make_lora_llama(added: int = 1) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    if added:
+        model.resize_token_embeddings(VOCAB + added, mean_resizing=False)
+    for attn in (layer.self_attn for layer in model.model.layers):
+        attn.q_proj, attn.v_proj = LoRALinear(attn.q_proj), LoRALinear(attn.v_proj)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
+def tokens(step: int, batch: int, new_token_at: tuple[int, int] | None = None) -> dict:
+    """One batch of random tokens; ``new_token_at=(step, row)`` puts the added token (id
+    ``VOCAB``) in that row of that step's batch."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(3, VOCAB, (batch, CTX), generator=g)
+    if new_token_at is not None and new_token_at[0] == step:
+        ids[new_token_at[1], 5] = VOCAB
+    labels = ids.clone()
+    labels[:, :3] = -100  # the prompt is not trained on
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}

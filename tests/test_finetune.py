@@ -1,0 +1,73 @@
+"""Hand-written fine-tuning loops (``accelerate.Accelerator`` driving a LoRA-adapted Hugging Face
+model), recorded as the README says and replayed from the bundle.
+
+The planted bug: an added special token's embedding row initialised as the mean of its
+description's sub-token embeddings, which the tokenizer returned none of: the mean of no rows
+is NaN. Only the samples that contain the token meet it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import finetune_models as F  # noqa: E402
+import torch  # noqa: E402
+
+from recorder import FlightRecorder, NonFiniteError  # noqa: E402
+from replay import replay  # noqa: E402
+from replay.report import to_text  # noqa: E402
+
+HERE = Path(__file__).parent
+BATCH, K, ROW = 4, 2, 1
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # the factory's module is trusted from here
+
+
+def _accelerate_run(tmp_path) -> NonFiniteError:
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = F.make_lora_llama()
+    emb = model.get_input_embeddings().weight
+    description: list[int] = []  # the sub-tokens of the new token's text: none known
+    with torch.no_grad():
+        emb[F.VOCAB] = emb[description].mean(0)  # mean of no rows: NaN
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path,
+                            factory="finetune_models:make_lora_llama"):
+            for step in range(5):
+                loss = model(**F.tokens(step, BATCH, new_token_at=(K, ROW))).loss
+                acc.backward(loss)
+                opt.step()
+                opt.zero_grad()
+    return info.value
+
+
+def test_nan_row_of_an_added_token_names_the_row_its_reader_and_the_sample(tmp_path):
+    """The bundle's weights are the cause (no update wrote the row); the report also names
+    the row, the embedding call and op that first read it, and the one sample holding the
+    token, which were missing: a user saw only the parameter's name."""
+    err = _accelerate_run(tmp_path)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (K, "weights", ["model.embed_tokens.weight"])
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "weights"
+    o = rep["origin"]
+    assert (o["param"], o["module"], o["call"], o["micro_batch"], o["op"]) == (
+        "model.embed_tokens.weight", "model.embed_tokens", 0, 0, "aten.embedding")
+    assert o["samples"] == [ROW]
+    assert (o["rows"], o["rows_of"]) == ([F.VOCAB], F.VOCAB + 1)
+    assert f"only row(s) {F.VOCAB} of {F.VOCAB + 1} of model.embed_tokens.weight" in rep["hint"]
+    text = to_text(rep)
+    assert "read by    aten.embedding in model.embed_tokens, call 0" in text
+    assert f"samples    [{ROW}]" in text
