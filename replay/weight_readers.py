@@ -16,13 +16,14 @@ from .load import Step
 from .rerun import Runner
 
 
-def bad_row_fields(step: Step, name: str) -> dict[str, Any]:
+def bad_row_fields(step: Step, name: str, prefix: str = "") -> dict[str, Any]:
     """``rows`` (indices along dim 0 holding a non-finite value) and ``rows_of`` (dim 0's
-    size) of parameter or buffer ``name`` as the bundle holds it, when only some rows are bad;
-    else nothing (every row bad, or a tensor without rows)."""
-    t = step.tensors.get(f"weights/{name}")
+    size) of parameter or buffer ``name`` as the bundle holds it (its rewind copy's, with
+    ``prefix`` ``"rewind/"``), when only some rows are bad; else nothing (every row bad, or a
+    tensor without rows)."""
+    t = step.tensors.get(f"{prefix}weights/{name}")
     if t is None:
-        t = step.tensors.get(f"buffers/{name}")
+        t = step.tensors.get(f"{prefix}buffers/{name}")
     if t is None or t.dim() < 2:
         return {}
     rows = bad_rows(t, 0)

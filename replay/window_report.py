@@ -9,11 +9,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from recorder.finite import finite
+
 from .cause_text import DO
-from .findings import UPDATE_NOT_RERUN, finish
+from .findings import UPDATE_NOT_RERUN, finish, origin_fields
 from .load import Step
 from .origins import optimizer_hint
 from .rewind_text import where
+from .weight_readers import bad_row_fields, rows_text
 from .window import matches_event, precursors_began, run_window, window_of
 
 
@@ -48,8 +51,35 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
             f"({where(o.as_json())}), not the recorded {ev.get('phase')} event at step "
             f"{ev.get('step')}")
     if ev.get("phase") == "optimizer" and o is not None and o.phase == "update":
-        _optimizer_origin(step, report, o, ok)
+        if (bad := _bad_in_copy(step, win, o.params)):
+            _weights_origin(step, report, o, ok, bad, win.copy_step)
+        else:
+            _optimizer_origin(step, report, o, ok)
     return grew
+
+
+def _bad_in_copy(step: Step, win, params: list[str]) -> list[str]:
+    """Of the parameters an update re-run from the window left non-finite, those already
+    non-finite in the window's copy: the update carried them on, it did not make them."""
+    copies = ((n, step.tensors.get(f"{win.prefix}weights/{n}")) for n in params)
+    return [n for n, t in copies if t is not None and not finite(t)]
+
+
+def _weights_origin(step: Step, report: dict[str, Any], o, ok: bool, bad: list[str],
+                    copy_step: int) -> None:
+    """An optimizer event whose weights the window's copy shows non-finite before any update
+    it re-runs (an embedding row no forward had read yet, so no check saw it, which the
+    update then wrote back): a ``weights`` cause."""
+    report["problems"] = [p for p in report["problems"] if p != UPDATE_NOT_RERUN]
+    rows = bad_row_fields(step, bad[0], prefix="rewind/")
+    origin = origin_fields(phase="weights", params=bad, param=bad[0], made=o.kind, **rows)
+    where = rows_text(bad[0], rows)
+    finish(report, origin, "weights", reproduced=ok, hint=(
+        f"{bad[0]} was already non-finite in the rewind window's copy, taken as step "
+        f"{copy_step} began: the update at step {o.step} carried it on, it did not make it. "
+        "No forward had read those values (the recorder sees a weight through what reads "
+        "it, and an update's result), so they were written outside optimizer.step() before "
+        "then: at initialisation, resizing or loading" + (f"; {where}" if where else "")))
 
 
 def _hint_growth(report: dict[str, Any], factor: float = 10.0) -> bool:

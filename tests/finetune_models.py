@@ -28,7 +28,9 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
 
 
-def make_lora_llama(added: int = 1) -> nn.Module:
+def make_lora_llama(added: int = 1, train_embeddings: bool = False) -> nn.Module:
+    """``train_embeddings``: the input embeddings train too (PEFT's ``modules_to_save``, so
+    that an added token's row learns)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -41,7 +43,7 @@ def make_lora_llama(added: int = 1) -> nn.Module:
     for attn in (layer.self_attn for layer in model.model.layers):
         attn.q_proj, attn.v_proj = LoRALinear(attn.q_proj), LoRALinear(attn.v_proj)
     for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
+        p.requires_grad_("lora_" in name or (train_embeddings and "embed_tokens" in name))
     return model
 
 

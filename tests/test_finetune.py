@@ -31,11 +31,12 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # the factory's module is trusted from here
 
 
-def _accelerate_run(tmp_path) -> NonFiniteError:
+def _accelerate_run(tmp_path, **options) -> NonFiniteError:
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=True)
-    model = F.make_lora_llama()
+    kwargs = {"train_embeddings": True} if options.get("rewind") else {}
+    model = F.make_lora_llama(**kwargs)
     emb = model.get_input_embeddings().weight
     description: list[int] = []  # the sub-tokens of the new token's text: none known
     with torch.no_grad():
@@ -44,7 +45,8 @@ def _accelerate_run(tmp_path) -> NonFiniteError:
     model, opt = acc.prepare(model, opt)
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, out_dir=tmp_path,
-                            factory="finetune_models:make_lora_llama"):
+                            factory="finetune_models:make_lora_llama",
+                            factory_kwargs=kwargs, **options):
             for step in range(5):
                 loss = model(**F.tokens(step, BATCH, new_token_at=(K, ROW))).loss
                 acc.backward(loss)
@@ -71,3 +73,25 @@ def test_nan_row_of_an_added_token_names_the_row_its_reader_and_the_sample(tmp_p
     text = to_text(rep)
     assert "read by    aten.embedding in model.embed_tokens, call 0" in text
     assert f"samples    [{ROW}]" in text
+
+
+def test_nan_row_no_forward_read_is_weights_not_the_update_that_carried_it(tmp_path):
+    """With the embeddings trained too, the update of step 0 writes the NaN row back (AdamW:
+    w * (1 - lr * wd) - 0) before any forward read it, and the recorder sees it first there,
+    as an optimizer event (it checks an update's result, not the weights before it). The
+    rewind window's copy holds the weights before that update: the replay said "AdamW's
+    update at step 0 made nan ... from finite gradients and weights" and the cause
+    `optimizer`; the copy shows the row was NaN before it: `weights`."""
+    err = _accelerate_run(tmp_path, rewind=2)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "optimizer",
+                                                       ["model.embed_tokens.weight"])
+    rep = replay(err.bundle_path)
+    assert rep["window"]["reproduced"] is True
+    assert rep["reproduced"] is True and rep["cause"] == "weights"
+    o = rep["origin"]
+    assert (o["phase"], o["param"], o["made"]) == ("weights", "model.embed_tokens.weight", "nan")
+    assert (o["rows"], o["rows_of"]) == ([F.VOCAB], F.VOCAB + 1)
+    assert rep["hint"].startswith("model.embed_tokens.weight was already non-finite in the "
+                                  "rewind window's copy, taken as step 0 began")
+    assert "from finite gradients" not in rep["hint"]
