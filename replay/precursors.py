@@ -117,13 +117,16 @@ def find_precursors(hist: dict[str, Any], *, factor: float = JUMP,
     def scan(values, kind, what, layer=None, least=2):
         """A jump (a value ``factor`` times the median of the ``least`` or more before) is one
         line, however many steps stay above that after it (a learning rate set higher, a
-        runaway growth): the line says through which step and how far it went."""
+        runaway growth): the line says through which step and how far it went. A layer's
+        absmax of exactly 0 (an output identically zero: a zero-initialised branch, LoRA's
+        ``B``, before its first updates) measures no scale and is no baseline: growth from it
+        is training starting, not a jump."""
         seen = []
         run = None  # the jump the steps since have stayed above the median with
         for s, v in zip(steps, values):
             if event is not None and s > event:
                 break
-            if v is None or not math.isfinite(v):
+            if v is None or not math.isfinite(v) or (layer is not None and v == 0):
                 continue
             if len(seen) >= least:
                 med = statistics.median(seen)

@@ -47,13 +47,17 @@ def make_lora_llama(added: int = 1, train_embeddings: bool = False) -> nn.Module
     return model
 
 
-def tokens(step: int, batch: int, new_token_at: tuple[int, int] | None = None) -> dict:
+def tokens(step: int, batch: int, new_token_at: tuple[int, int] | None = None,
+           unlabelled_at: int | None = None) -> dict:
     """One batch of random tokens; ``new_token_at=(step, row)`` puts the added token (id
-    ``VOCAB``) in that row of that step's batch."""
+    ``VOCAB``) in that row of that step's batch; at step ``unlabelled_at`` every label is
+    -100 (a batch of prompts only, whose mean loss is 0 / 0)."""
     g = torch.Generator().manual_seed(step)
     ids = torch.randint(3, VOCAB, (batch, CTX), generator=g)
     if new_token_at is not None and new_token_at[0] == step:
         ids[new_token_at[1], 5] = VOCAB
     labels = ids.clone()
     labels[:, :3] = -100  # the prompt is not trained on
+    if step == unlabelled_at:
+        labels[:] = -100
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}

@@ -95,3 +95,30 @@ def test_nan_row_no_forward_read_is_weights_not_the_update_that_carried_it(tmp_p
     assert rep["hint"].startswith("model.embed_tokens.weight was already non-finite in the "
                                   "rewind window's copy, taken as step 0 began")
     assert "from finite gradients" not in rep["hint"]
+
+
+def test_lora_b_growing_from_zero_under_warmup_is_no_precursor(tmp_path):
+    """LoRA's ``B`` starts at 0, so the adapter's output is identically 0 until the first
+    updates (none at all while a warmup's learning rate is 0), then grows: every LoRA run
+    listed 'absmax of ...lora_B jumped 10x' among the precursors of an unrelated event (a
+    batch with no labelled token, 0 / 0 in the model's loss)."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = F.make_lora_llama(added=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 4))  # warmup from 0
+    model, opt, sched = acc.prepare(model, opt, sched)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, lr_scheduler=sched,
+                            factory="finetune_models:make_lora_llama",
+                            factory_kwargs={"added": 0}):
+            for step in range(8):
+                acc.backward(model(**F.tokens(step, BATCH, unlabelled_at=6)).loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+    rep = replay(info.value.bundle_path)
+    assert (rep["event"]["step"], rep["cause"], rep["origin"]["op"]) == (
+        6, "invalid", "aten.nll_loss_forward")
+    assert not [p for p in rep["precursors"] if "lora_B" in p["detail"]], rep["precursors"]
