@@ -90,14 +90,15 @@ class CallHooks:
             return None
         try:
             root = self.target.model()  # (``module`` may be a compile wrapper, whose mode can lag)
-            self._begin_micro_batch(args, kwargs, (module if root is None else root).training)
+            self._begin_micro_batch(args, kwargs, (module if root is None else root).training,
+                                    root)
         except NonFiniteError:
             raise
         except Exception as e:  # never let the recorder's own bug stop training
             self.health.internal_error(e)
         return None
 
-    def _begin_micro_batch(self, args, kwargs, training: bool) -> None:
+    def _begin_micro_batch(self, args, kwargs, training: bool, root=None) -> None:
         cycle = self.cycle
         cycle.eval_tail = None  # an evaluation forward whose loss never came
         with cycle.lock:
@@ -108,7 +109,7 @@ class CallHooks:
                 training and any(t.requires_grad for t in _leaves(args, kwargs))))
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                             training=training,
-                            autocast=_autocast_state(self.target.forward_autocast))
+                            autocast=_autocast_state(self.target.root_autocast(root)))
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
             if self.copy_inputs:  # a forward that writes into its inputs: keep them as they came
                 mb.args, mb.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)

@@ -89,6 +89,23 @@ class Target:
     def model(self) -> nn.Module | None:
         return self._model()
 
+    def _read_forward_autocast(self, model: nn.Module) -> None:
+        """The autocast the root's forward enters itself (accelerate's mixed precision wraps
+        it so), which its pre-hook, where a micro-batch's autocast is read, does not see yet;
+        and which forward that was (an instance attribute, or None for the class's)."""
+        self.forward_autocast = [(d, str(t).removeprefix("torch.") if on else None)
+                                 for d, t, on in forward_autocasts(model.forward)
+                                 if d in ("cpu", "cuda")]
+        self._forward_id = id(model.__dict__.get("forward"))
+
+    def root_autocast(self, model: nn.Module | None) -> list[tuple[str, str | None]]:
+        """``forward_autocast``, read again when the model's forward was replaced since attach
+        (``accelerator.prepare(model)`` after the recorder attached wraps it in autocast):
+        one dict lookup per root forward otherwise."""
+        if model is not None and id(model.__dict__.get("forward")) != self._forward_id:
+            self._read_forward_autocast(model)
+        return self.forward_autocast
+
     def optimizer(self):
         return _deref(self._optimizer)
 
@@ -113,11 +130,7 @@ class Target:
         self.allowed_modules = {i for i, n in enumerate(self.module_names) if self.is_allowed(n)}
         self.seq_first = seq_first(model)  # the samples of its batches are in dim 1
         self.recurrent = recurrent(model)  # (and of its hidden states, whatever the above)
-        # autocast the root's forward enters itself (accelerate's mixed precision wraps it so),
-        # which its pre-hook, where a micro-batch's autocast is read, does not see yet
-        self.forward_autocast = [(d, str(t).removeprefix("torch.") if on else None)
-                                 for d, t, on in forward_autocasts(model.forward)
-                                 if d in ("cpu", "cuda")]
+        self._read_forward_autocast(model)
         self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
         self.params += loss_params(_deref(self._loss_fn), self.optimizer(), self.params)
         # FSDP2 may keep accumulated gradients outside p.grad until it reduces them

@@ -61,3 +61,33 @@ def tokens(step: int, batch: int, new_token_at: tuple[int, int] | None = None,
     if step == unlabelled_at:
         labels[:] = -100
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+class RareEventClassifier(nn.Module):
+    """A LoRA-adapted tiny Llama fine-tuned as a binary classifier of rare positives: the
+    head's bias starts at the class prior's logit (log(p / (1 - p)) for p = 0.999, as for
+    focal-loss-style training), and the loss is a hand-written binary cross-entropy over
+    ``sigmoid``, inside the model. Under bfloat16 autocast the head runs in bfloat16, whose
+    8 bits round sigmoid(6.9) to exactly 1: log(1 - p) is -inf, and a positive label's
+    ``(1 - y) * log(1 - p)`` is 0 * -inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = make_lora_llama(added=0).model
+        self.head = nn.Linear(32, 1)
+        with torch.no_grad():
+            self.head.weight.zero_()
+            self.head.bias.fill_(math.log(0.999 / 0.001))
+
+    def forward(self, input_ids, attention_mask, labels):
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        p = torch.sigmoid(self.head(h[:, -1])).squeeze(-1)
+        return -(labels * torch.log(p) + (1 - labels) * torch.log(1 - p)).mean()
+
+
+def make_rare_event_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    model = RareEventClassifier()
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name or name.startswith("head."))
+    return model

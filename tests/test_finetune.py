@@ -31,6 +31,17 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # the factory's module is trusted from here
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """Each test builds its own Accelerator (mixed precision is a process-wide setting of
+    accelerate's, fixed by the first one; accelerate's own tests reset it so)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
 def _accelerate_run(tmp_path, **options) -> NonFiniteError:
     from accelerate import Accelerator
 
@@ -122,3 +133,39 @@ def test_lora_b_growing_from_zero_under_warmup_is_no_precursor(tmp_path):
     assert (rep["event"]["step"], rep["cause"], rep["origin"]["op"]) == (
         6, "invalid", "aten.nll_loss_forward")
     assert not [p for p in rep["precursors"] if "lora_B" in p["detail"]], rep["precursors"]
+
+
+def test_bf16_autocast_accelerate_wraps_the_forward_in_after_attach_is_recorded(tmp_path):
+    """The recorder attached first, then ``accelerator.prepare(model, opt)`` (the order most
+    scripts build things in): prepare() wraps the model's forward in bfloat16 autocast after
+    the recorder read the forward at attach. The bundle said no autocast, the replay ran in
+    float32, where the planted bfloat16 rounding (sigmoid(6.9) == 1, log(1 - p) = -inf) does
+    not happen, and reported 'NOT reproduced' with a hint about state outside the model."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    model = F.make_rare_event_classifier()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    rec = FlightRecorder(model, opt, out_dir=tmp_path,
+                         factory="finetune_models:make_rare_event_classifier").attach()
+    model, opt = acc.prepare(model, opt)
+    with pytest.raises(NonFiniteError) as info:
+        for step in range(3):
+            b = F.tokens(step, BATCH)
+            acc.backward(model(b["input_ids"], b["attention_mask"], torch.ones(BATCH)))
+            opt.step()
+            opt.zero_grad()
+    rec.detach()
+    assert info.value.event["step"] == 0
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "precision"
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["dtype"]) == ("", "aten.log", "-inf", "bfloat16")
+    assert o["source"].endswith(f"finetune_models.py:{_line_of('torch.log(1 - p)')}")
+    assert o["samples"] == list(range(BATCH))
+    assert "logsigmoid" in rep["hint"]
+
+
+def _line_of(text: str) -> int:
+    lines = (HERE / "finetune_models.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
