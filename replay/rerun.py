@@ -103,6 +103,9 @@ class Runner:
         # back-propagate the recorded output gradients even when non-finite: no loss to re-run
         # (computed in the loop), so they are what entered the model (a window's faithful run)
         self.feed_recorded = False
+        # micro-batches whose recorded forward was non-finite (replay.outgrads): the non-finite
+        # entries of their recorded output gradients came back through it, not from the loop
+        self.nonfinite_forwards: set[int] = set()
 
     # -- state reset -------------------------------------------------------------------------
 
@@ -209,7 +212,7 @@ class Runner:
         if pairs and (fed or self.feed_recorded or all(finite(g) for _, g in pairs)):
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
-            pairs = _external(pairs)
+            pairs = _external(pairs, i in self.nonfinite_forwards)
             own = trained_loss_params(self.step) if isinstance(loss, torch.Tensor) \
                 and loss.requires_grad else []
             k = loss_factor(loss, pairs, self.loss_scale) \
@@ -275,14 +278,16 @@ class Runner:
         return bisection.search(lambda k: self.probe(k, allowed), n_calls)
 
 
-def _external(pairs: list[tuple[torch.Tensor, torch.Tensor]]
+def _external(pairs: list[tuple[torch.Tensor, torch.Tensor]], through_nonfinite: bool = False
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The gradient each root output received from outside the model. An output another
     output is computed from (the logits of a model that returns its loss beside them, as
     Hugging Face and nanoGPT models do) was recorded with the gradient that output sent it
     too: fed both, backward counted that path twice (twice the gradients). Each output keeps
     its recorded gradient less what the outputs computed from it sent it (their own external
-    gradients, through every path), and is left out when that is all it had."""
+    gradients, through every path), and is left out when that is all it had. With
+    ``through_nonfinite`` (the recorded forward was non-finite), a recorded non-finite entry
+    where they sent something is taken as all theirs: that forward's own backward made it."""
     if len(pairs) < 2:
         return pairs
     outs = [o for o, _ in pairs]
@@ -300,8 +305,11 @@ def _external(pairs: list[tuple[torch.Tensor, torch.Tensor]]
             sent = torch.autograd.grad([outs[k] for k in ks], outs[j], [ext[k] for k in ks],
                                        retain_graph=True, allow_unused=True)[0] if ks else None
             if sent is not None:
+                if through_nonfinite:
+                    g = torch.where(torch.isfinite(g), g, sent.to(g.dtype))
+                whole = float(g.double().norm())
                 g = (g.double() - sent.double()).to(g.dtype)
-                if float(g.double().norm()) <= 1e-3 * float(pairs[j][1].double().norm()):
+                if float(g.double().norm()) <= 1e-3 * whole:
                     g = None  # (all it had came from the outputs computed from it)
             ext[j] = g
             if g is not None:

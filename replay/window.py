@@ -5,17 +5,16 @@
 >>> result.first.step, result.first.phase, result.first.params
 (0, 'update', ['emb.weight'])
 
-Each step of the window is re-run as training ran it: its recorded micro-batches and RNG
-states, forward and loss under the recorded autocast, backward (from the recorded output
-gradients when finite, or when no loss re-runs, else from the loss scaled by the recorded
-GradScaler scale), the gradients unscaled and a step with a non-finite gradient
-skipped as the GradScaler skips it, then ``optimizer.step()`` with the hyper-parameters the
-recorded update used (so a scheduler's learning rates are the recorded ones, whatever the
-scheduler). The first thing to go non-finite ends the run: a forward output (by the bundle's
-infinity policy), the loss, a gradient, or the weights and optimizer state after an update. A
-bad update is then re-run from its own starting state under the op finder, with the
-optimizer's per-parameter (``foreach=False``, unfused) implementation, so the op that made the
-value is named.
+Each step of the window is re-run as training ran it: its recorded micro-batches and RNG states,
+forward and loss under the recorded autocast, backward (from the recorded output gradients when
+finite, or when no loss re-runs, else from the loss scaled by the recorded GradScaler scale), the
+gradients unscaled and a step with a non-finite gradient skipped as the GradScaler skips it, then
+``optimizer.step()`` with the hyper-parameters the recorded update used (so a scheduler's learning
+rates are the recorded ones, whatever the scheduler). The first thing to go non-finite ends the
+run: a forward output (by the bundle's infinity policy), the loss, a gradient, or the weights and
+optimizer state after an update. A bad update is then re-run from its own starting state under the
+op finder, with the optimizer's per-parameter (``foreach=False``, unfused) implementation, so the
+op that made the value is named.
 
 The same machinery runs a bundle without a window as a window of its one recorded step (the
 ``--try`` what-ifs of ``replay.whatif``); a :class:`Change` alters a run.
@@ -40,6 +39,7 @@ from .load import Step
 from .loopscale import unscale, window_factors, with_factors
 from .ops import OpFinder
 from .optim import needs_closure, per_parameter
+from .outgrads import nonfinite_forwards
 from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
 from .rerun import Runner, restorable
@@ -126,8 +126,7 @@ def step_as_window(step: Step) -> Window:
     return Window("", record["step"], [record], opt, False)
 
 
-# ---------------------------------------------------------------------------------------------
-# a run
+# -- a run ------------------------------------------------------------------------------------
 
 
 def run_window(step: Step, win: Window, change: Change | None = None) -> WindowRun:
@@ -292,6 +291,7 @@ def _run_ranks(runner: Runner, step: Step, peers, record: dict[str, Any], change
     """``runner``'s run of this rank's micro-batches of ``record``, its gradients averaged
     with the other ranks' (``peers``, see :mod:`replay.peers`), as the all-reduce did."""
     others = peer_gradients(step, peers, record, change, scale, _sub_step)
+    runner.nonfinite_forwards = nonfinite_forwards(step, record["step"])
     run = runner.run()
     if others is not None:  # the update uses every rank's gradients, averaged
         average_gradients(step.model, others, len(peers) + 1)

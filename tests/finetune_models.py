@@ -25,12 +25,16 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / r
 
     def forward(self, x):
-        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
+        out = self.base(x)  # (over a float16 base, the adapter computes in its own float32)
+        delta = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling
+        return out + delta.to(out.dtype)
 
 
-def make_lora_llama(added: int = 1, train_embeddings: bool = False) -> nn.Module:
+def make_lora_llama(added: int = 1, train_embeddings: bool = False,
+                    half: bool = False) -> nn.Module:
     """``train_embeddings``: the input embeddings train too (PEFT's ``modules_to_save``, so
-    that an added token's row learns)."""
+    that an added token's row learns); ``half``: the base model in float16 (loaded with
+    ``torch_dtype=torch.float16``), the adapters in float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -40,6 +44,8 @@ def make_lora_llama(added: int = 1, train_embeddings: bool = False) -> nn.Module
         attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2))
     if added:
         model.resize_token_embeddings(VOCAB + added, mean_resizing=False)
+    if half:
+        model.half()
     for attn in (layer.self_attn for layer in model.model.layers):
         attn.q_proj, attn.v_proj = LoRALinear(attn.q_proj), LoRALinear(attn.v_proj)
     for name, p in model.named_parameters():

@@ -166,6 +166,37 @@ def test_bf16_autocast_accelerate_wraps_the_forward_in_after_attach_is_recorded(
     assert "logsigmoid" in rep["hint"]
 
 
+def test_what_if_of_a_model_returning_its_loss_does_not_inherit_the_recorded_nan_gradient(
+        tmp_path):
+    """A float16 base with float32 LoRA adapters trained at lr=5 (AdamW; 2e-4 is usual): the
+    adapters grow until the float16 cast of their output overflows. The model returns its loss
+    beside the logits, so a re-run back-propagates the recorded gradients of both, less what
+    the loss sends the logits; at the event step the recorded logits' gradient is NaN (that
+    forward was), and every what-if inherited it: 'dtype=float32: nan at step N (backward of
+    ...lora_A.weight)', though training in float32 stays finite there."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = F.make_lora_llama(added=0, half=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5.0)
+    model, opt = acc.prepare(model, opt)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, rewind=16,
+                            factory="finetune_models:make_lora_llama",
+                            factory_kwargs={"added": 0, "half": True}):
+            for step in range(30):
+                acc.backward(model(**F.tokens(step, BATCH)).loss)
+                opt.step()
+                opt.zero_grad()
+    ev = info.value.event
+    assert ev["phase"] == "forward" and ev["kind"] in ("+inf", "-inf", "nan")
+    rep = replay(info.value.bundle_path, tries=["dtype=float32"])
+    assert rep["window"]["reproduced"] is True and rep["cause"] == "overflow"
+    assert rep["origin"]["dtype"] == "float16"
+    (tried,) = rep["what_if"]
+    assert tried["finite"] is True and tried["inconclusive"] is False, tried
+
+
 def _line_of(text: str) -> int:
     lines = (HERE / "finetune_models.py").read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if text in line)
