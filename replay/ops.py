@@ -357,9 +357,9 @@ class OpFinder:
         # classes, not samples, in its rows
         self.state: set[tuple[int, tuple]] = set()
         self._of_weights = TensorSet()
-        # the first op (with ``state`` set) that took a non-finite input and put non-finite
-        # values in samples of the batch: where weights bad before the step met the batch (an
-        # embedding looking up a NaN row), which no op made from finite inputs
+        # the first op (with ``state`` set) that took a non-finite input, not made from the
+        # weights alone, and made non-finite values: where weights bad before the step met the
+        # batch (an embedding looking up a NaN row), which no op made from finite inputs
         self.first_met: OpHit | None = None
 
     def param_among(self, ins: list[torch.Tensor]) -> str | None:
@@ -397,11 +397,10 @@ class OpFinder:
         self.saturation.track(name, ins, outs, leaves)
 
     def _meet(self, name: str, outs: list[torch.Tensor]) -> None:
-        rows = self.batch_rows(outs)
-        if rows:
-            made = next((kind_of(t) for t in outs if not finite(t)), "nan")
+        made = next((kind_of(t) for t in outs if not finite(t)), None)
+        if made is not None:  # (a Linear's mm on the flattened batch: its rows are not samples)
             self.first_met = OpHit(f"aten.{name}", made, user_source(), None, None,
-                                   rows=rows, within=self.where)
+                                   rows=self.batch_rows(outs), within=self.where)
 
     def _of_weights_only(self, leaves: list) -> bool:
         """Every tensor an op took is a parameter or buffer, or was made from them alone."""

@@ -27,7 +27,12 @@ def bad_row_fields(step: Step, name: str, prefix: str = "") -> dict[str, Any]:
     if t is None or t.dim() < 2:
         return {}
     rows = bad_rows(t, 0)
-    return {"rows": rows, "rows_of": t.shape[0]} if 0 < len(rows) < t.shape[0] else {}
+    if not 0 < len(rows) < t.shape[0]:
+        return {}
+    owner = name.rpartition(".")[0]
+    types = {m.get("name"): m.get("type") or "" for m in step.meta.get("modules") or []}
+    return {"rows": rows, "rows_of": t.shape[0],
+            "embedding": types.get(owner, "").endswith(("Embedding", "EmbeddingBag"))}
 
 
 def first_reader(step: Step) -> dict[str, Any]:
@@ -56,6 +61,7 @@ def rows_text(name: str, fields: dict[str, Any]) -> str | None:
     if not rows:
         return None
     shown = ", ".join(map(str, rows[:8])) + (f" (+{len(rows) - 8})" if len(rows) > 8 else "")
-    return (f"only row(s) {shown} of {fields['rows_of']} of {name} are non-finite (for an "
-            "embedding, those token ids: rows added or initialised by hand, as after "
-            "resize_token_embeddings, are the usual writers)")
+    return (f"only row(s) {shown} of {fields['rows_of']} of {name} are non-finite"
+            + (": those token ids' embeddings (rows added or initialised by hand, as after "
+               "resize_token_embeddings, are the usual writers)" if fields.get("embedding")
+               else ""))

@@ -79,11 +79,43 @@ def test_nan_row_of_an_added_token_names_the_row_its_reader_and_the_sample(tmp_p
     assert (o["param"], o["module"], o["call"], o["micro_batch"], o["op"]) == (
         "model.embed_tokens.weight", "model.embed_tokens", 0, 0, "aten.embedding")
     assert o["samples"] == [ROW]
-    assert (o["rows"], o["rows_of"]) == ([F.VOCAB], F.VOCAB + 1)
+    assert (o["rows"], o["rows_of"], o["embedding"]) == ([F.VOCAB], F.VOCAB + 1, True)
     assert f"only row(s) {F.VOCAB} of {F.VOCAB + 1} of model.embed_tokens.weight" in rep["hint"]
     text = to_text(rep)
     assert "read by    aten.embedding in model.embed_tokens, call 0" in text
     assert f"samples    [{ROW}]" in text
+
+
+def test_nan_in_a_loaded_adapter_names_its_rows_and_the_call_that_read_them(tmp_path):
+    """A LoRA adapter checkpoint with one NaN row of one ``lora_A`` (a corrupted save) loaded
+    before training: every sample meets it at the first step. The report names the adapter's
+    path inside the model, the op of its first call, and its bad row (no token ids: it is no
+    embedding)."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = F.make_lora_llama(added=0)
+    name = "model.layers.1.self_attn.q_proj.lora_A.weight"
+    adapter = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    adapter[name][2, 5] = float("nan")
+    model.load_state_dict(adapter, strict=False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path,
+                            factory="finetune_models:make_lora_llama",
+                            factory_kwargs={"added": 0}):
+            acc.backward(model(**F.tokens(0, BATCH)).loss)
+            opt.step()
+    rep = replay(info.value.bundle_path)
+    assert (rep["event"]["step"], rep["cause"]) == (0, "weights")
+    o = rep["origin"]
+    assert (o["param"], o["module"], o["call"]) == (
+        name, "model.layers.1.self_attn.q_proj.lora_A", 0)
+    assert o["op"] in ("aten.mm", "aten.linear", "aten.matmul", "aten.addmm"), o["op"]
+    assert o["samples"] == list(range(BATCH))
+    assert (o["rows"], o["rows_of"], o["embedding"]) == ([2], 4, False)
+    assert rep["hint"].endswith(f"only row(s) 2 of 4 of {name} are non-finite")
 
 
 def test_nan_row_no_forward_read_is_weights_not_the_update_that_carried_it(tmp_path):
@@ -102,7 +134,7 @@ def test_nan_row_no_forward_read_is_weights_not_the_update_that_carried_it(tmp_p
     assert rep["reproduced"] is True and rep["cause"] == "weights"
     o = rep["origin"]
     assert (o["phase"], o["param"], o["made"]) == ("weights", "model.embed_tokens.weight", "nan")
-    assert (o["rows"], o["rows_of"]) == ([F.VOCAB], F.VOCAB + 1)
+    assert (o["rows"], o["rows_of"], o["embedding"]) == ([F.VOCAB], F.VOCAB + 1, True)
     assert rep["hint"].startswith("model.embed_tokens.weight was already non-finite in the "
                                   "rewind window's copy, taken as step 0 began")
     assert "from finite gradients" not in rep["hint"]
