@@ -100,7 +100,7 @@ class Samples:
             return seq.samples(bad_rows(t, 0))
         if isinstance(seq, Segments) and self.dim(t) is None and seq.last < self.size:
             return seq.samples(bad_rows(t, 0))
-        if seq is not None and seq.data is t:
+        if isinstance(seq, PackedSequence) and seq.data is t:
             return packed_samples(seq, bad_rows(t, 0))
         d = self.dim(t)
         return [] if d is None else bad_rows(t, d)

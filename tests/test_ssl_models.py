@@ -1,0 +1,69 @@
+"""Self-supervised learning and distillation steps, trained as their repos write them (a
+momentum key encoder, a queue of keys, an EMA teacher), with a planted numerical bug: the
+recorder fires at the planted step and ``nanreplay --json`` names the module, op, samples and
+cause a numerics expert would name, and which model's state went bad first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ssl_models as S
+import torch
+from click.testing import CliRunner
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where ssl_models.py, the factories' module, lives
+
+
+def nanreplay_json(bundle: Path, *extra: str) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def views(step: int, n: int = 8):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(n, 12, generator=g)
+    return x + 0.1 * torch.randn(n, 12, generator=g), x + 0.1 * torch.randn(n, 12, generator=g)
+
+
+def test_moco_resumed_with_a_nan_key_in_its_queue_is_a_forward_event_of_the_queue(tmp_path):
+    """MoCo resumed from a checkpoint whose queue holds a NaN key (the earlier run skipped its
+    non-finite losses, after the forward had enqueued the key). Every row's negative logits
+    hold NaN at step 0. The forward returns ``(logits, labels)`` with labels all 0 (the
+    positive key first), which read as a graph batch's assignment vector: the recorder's
+    search failed on it ('Segments' object has no attribute 'data') and the event said
+    'phase unknown'. It is a forward event of the root, whose inputs were finite, and the
+    replay names the queue, non-finite when the step began."""
+    model = S.make_moco()
+    with torch.no_grad():
+        model.queue[:, 5] = float("nan")  # as the checkpoint holds it
+    opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-4)
+    crit = torch.nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="ssl_models:make_moco"):
+            for step in range(3):
+                im_q, im_k = views(step)
+                output, target = model(im_q=im_q, im_k=im_k)
+                loss = crit(output, target)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", ""), ev
+    assert ev["samples"] == list(range(8)), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], rep["cause"]) == ("weights", "weights"), json.dumps(rep, indent=1)
+    assert (o["param"], o["params"], o["tensor"]) == ("queue", ["queue"], "buffer"), o
