@@ -202,12 +202,12 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if step.event.get("phase") == "input":
         o = input_origin(step)
         return finish(report, o, "input", reproduced=True,
-                      hint=infinity_the_loss_took(step, o) or input_hint(o))
+                      hint=infinity_the_loss_took(step, o) or input_hint(o, step))
     if any(mb.get("inputs_written") for mb in step.micro_batches):
         return _input_written(report, step)
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
         o = input_origin(step)
-        return finish(report, o, "input", reproduced=True, hint=input_hint(o))
+        return finish(report, o, "input", reproduced=True, hint=input_hint(o, step))
     changed = set(step.meta.get("changed_in_step") or ()) | _late(step)
     if bad_weights and not after_update and set(bad_weights) <= changed:
         return _weights_written_late(report, step)
@@ -298,7 +298,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     origin = run1.forward_origin()
     if not _strict(step) and run1.chain()[2]:  # the event's infinity came in with the batch
         o = input_origin(step)
-        return finish(report, o, "input", reproduced=True, hint=input_hint(o))
+        return finish(report, o, "input", reproduced=True, hint=input_hint(o, step))
     if run1.error is not None:
         if origin is None and all(run1.loss_finite) and not run1.bad_grads:
             return _failed(report, step, run1)  # before anything went non-finite

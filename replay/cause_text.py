@@ -55,6 +55,17 @@ SHARED_INPUT = ("{tensor} holds NaN/Inf and is not per sample: every sample of t
                 "through it (a mask, a bias or a table passed to forward), so no sample is to "
                 "blame; check the code that makes it")
 
+# An input event on a loss argument while the model's own inputs were finite
+# (replay.recorded.input_hint): not necessarily data, the loop may have computed it
+LOSS_ARGUMENT = ("{tensor} is an argument of the loss, not data the model took (its inputs "
+                 "were finite){every}: if the loop computes it (a teacher's or a momentum/EMA "
+                 "target network's output, a target built from the batch), that code made the "
+                 "{kind}: check it and the weights of the network behind it (an EMA update "
+                 "with a non-finite momentum); if it is data (labels, regression targets), fix "
+                 "the data pipeline for these samples")
+LOSS_ARGUMENT_EVERY = (", and every row holds {kind}: a cause the rows share, as a network's "
+                       "weights, not one sample's data")
+
 # An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (replay.origins.optimizer_hint)
 EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so "
                "m / (sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8)")

@@ -14,7 +14,7 @@ from recorder.capture import batch_path, flatten_tree, loss_path
 from recorder.finite import finite, has_nan, kind_of, matches
 from recorder.samples import Samples, infer, packed_in, recurrent, seq_first
 
-from .cause_text import SHARED_INPUT
+from .cause_text import LOSS_ARGUMENT, LOSS_ARGUMENT_EVERY, SHARED_INPUT
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
 
@@ -122,12 +122,20 @@ def input_origin(step: Step) -> dict[str, Any]:
                          micro_batch=ev.get("micro_batch"), made=ev.get("kind"))
 
 
-def input_hint(origin: dict[str, Any]) -> str | None:
-    """The hint of an input event on a tensor without sample rows (an attention mask of shape
-    (T, T) passed to forward); None for one that names samples (the data pipeline's hint)."""
-    if origin.get("samples") or not origin.get("tensor"):
+def input_hint(origin: dict[str, Any], step: Step) -> str | None:
+    """The hint of an input event on a loss argument while every batch tensor is finite (a
+    teacher's output, which the loop computed: no data need be bad), or on a tensor without
+    sample rows (an attention mask of shape (T, T) passed to forward); None for one that
+    names samples (the data pipeline's hint)."""
+    tensor = origin.get("tensor") or ""
+    if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
+        kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}.get(origin.get("made"), "NaN/Inf")
+        rows, n = origin.get("samples") or [], batch_size(step, origin.get("micro_batch") or 0)
+        every = LOSS_ARGUMENT_EVERY.format(kind=kind) if n and rows == list(range(n)) else ""
+        return LOSS_ARGUMENT.format(tensor=tensor, every=every, kind=kind)
+    if origin.get("samples") or not tensor:
         return None
-    return SHARED_INPUT.format(tensor=f"the input {origin['tensor']}")
+    return SHARED_INPUT.format(tensor=f"the input {tensor}")
 
 
 def scale_of_the_step(step: Step) -> float | None:

@@ -60,3 +60,52 @@ class MoCo(nn.Module):
 def make_moco() -> nn.Module:
     torch.manual_seed(0)
     return MoCo()
+
+
+class DINOStudent(nn.Module):
+    """A backbone that takes crops of any size (adaptive pooling) and DINO's head: an MLP, an
+    L2-normalised bottleneck and a weight-normalised last layer."""
+
+    def __init__(self, out_dim: int = 32):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.last_layer = nn.utils.parametrizations.weight_norm(
+            nn.Linear(8, out_dim, bias=False))
+
+    def forward(self, x):
+        return self.last_layer(F.normalize(self.mlp(self.backbone(x)), dim=-1))
+
+
+def make_dino_student() -> nn.Module:
+    torch.manual_seed(0)
+    return DINOStudent()
+
+
+class DINOLoss(nn.Module):
+    """lightly's DINOLoss: the teacher's centred outputs sharpened by its temperature, the
+    student's crops against every other teacher crop, the centre an EMA of the teacher's
+    outputs (a buffer the loss replaces at each call)."""
+
+    def __init__(self, out_dim: int = 32, teacher_temp: float = 0.04,
+                 student_temp: float = 0.1, center_momentum: float = 0.9):
+        super().__init__()
+        self.teacher_temp, self.student_temp = teacher_temp, student_temp
+        self.center_momentum = center_momentum
+        self.register_buffer("center", torch.zeros(1, 1, out_dim))
+
+    def forward(self, teacher_out, student_out):
+        teacher_out = torch.stack(teacher_out)
+        t_out = F.softmax((teacher_out - self.center) / self.teacher_temp, dim=-1)
+        s_out = F.log_softmax(torch.stack(student_out) / self.student_temp, dim=-1)
+        loss = -torch.einsum("tbk,sbk->tsb", t_out, s_out)
+        mask = torch.ones(len(teacher_out), len(student_out), dtype=torch.bool)
+        for i in range(len(teacher_out)):
+            mask[i, i] = False
+        loss = loss[mask].sum() / (teacher_out.shape[1] * mask.sum())
+        with torch.no_grad():
+            batch_center = teacher_out.mean(dim=(0, 1), keepdim=True)
+            self.center = (self.center * self.center_momentum
+                           + batch_center * (1 - self.center_momentum))
+        return loss

@@ -6,12 +6,14 @@ cause a numerics expert would name, and which model's state went bad first.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import pytest
 import ssl_models as S
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 
 from recorder import FlightRecorder, NonFiniteError
@@ -67,3 +69,55 @@ def test_moco_resumed_with_a_nan_key_in_its_queue_is_a_forward_event_of_the_queu
     o = rep["origin"]
     assert (o["phase"], rep["cause"]) == ("weights", "weights"), json.dumps(rep, indent=1)
     assert (o["param"], o["params"], o["tensor"]) == ("queue", ["queue"], "buffer"), o
+
+
+def multi_crop(step: int, n: int = 6) -> list[torch.Tensor]:
+    """Two global crops (12 px) and two local ones (6 px) of the same images."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.rand(n, 3, 12, 12, generator=g)
+    glob = [x + 0.05 * torch.randn(x.shape, generator=g) for _ in range(2)]
+    return glob + [F.interpolate(x[..., i:i + 8, i:i + 8], size=6, mode="bilinear")
+                   for i in (0, 4)]
+
+
+@torch.no_grad()
+def update_momentum(student, teacher, m: float) -> None:
+    for pt, ps in zip(teacher.parameters(), student.parameters()):
+        pt.data = pt.data * m + ps.data * (1.0 - m)
+
+
+def test_dino_teacher_poisoned_by_its_ema_update_is_not_blamed_on_the_data(tmp_path):
+    """DINO with the recorder on the student (one forward per crop, one loss): the teacher's
+    momentum schedule gave NaN at step 2 (a cosine over 0 total steps), so from step 3 the
+    teacher's outputs, the loss's targets, are NaN in every row while every crop is finite.
+    The event is the loss argument (the teacher's output), at step 3; the hint said 'the batch
+    itself holds NaN/Inf: check the data pipeline', and now says the loop computed that
+    argument, every row of it, and to check the network behind it and its EMA update."""
+    student = S.make_dino_student()
+    teacher = copy.deepcopy(student)
+    for p in teacher.parameters():
+        p.requires_grad = False
+    crit = S.DINOLoss()
+    opt = torch.optim.AdamW(student.parameters(), lr=5e-4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(student, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="ssl_models:make_dino_student"):
+            for step in range(6):
+                views = multi_crop(step)
+                teacher_out = [teacher(v) for v in views[:2]]
+                student_out = [student(v) for v in views]
+                loss = crit(teacher_out, student_out)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                update_momentum(student, teacher, float("nan") if step == 2 else 0.996)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["micro_batch"]) == \
+        (3, "input", "loss_args[0][0]", 3), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == \
+        ("input", "loss_args[0][0]", list(range(6)), "input"), json.dumps(rep, indent=1)
+    hint = rep["hint"]
+    assert "not data the model took" in hint and "every row holds NaN" in hint, hint
+    assert "EMA update" in hint and "the batch itself" not in hint, hint
