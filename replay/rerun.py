@@ -24,6 +24,7 @@ from . import bisection
 from .compat import non_persistent
 from .errors import StopRun
 from .float64 import widened
+from .frozen import FrozenParams
 from .instrument import CallRecorder
 from .load import (
     Step,
@@ -88,6 +89,7 @@ class Runner:
         # autograd.grad (a PINN's derivatives of the output), not in the step's backward
         self.in_loss = False
         self._initial_buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        self._frozen = FrozenParams(self.model)  # (a momentum encoder the forward updates)
         self._rng = rng_state(step)
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
         # gradients fed into the model outputs instead of the recorded ones, finite or not
@@ -115,6 +117,7 @@ class Runner:
                 first = self._initial_buffers.get(n)
                 if first is not None and restorable(self.model, n, first, b):
                     b.copy_(first)
+        self._frozen.restore()
         self.model.zero_grad(set_to_none=True)
         if self._rng is not None:
             restore_rng(self._rng)
@@ -245,7 +248,8 @@ class Runner:
         self._initial_buffers = {n: b.to(widened(b.dtype) or b.dtype) for n, b in saved.items()}
         self.cast = torch.float64
         try:
-            yield
+            with self._frozen.widened():
+                yield
         finally:
             self.cast = None
             self._initial_buffers = saved

@@ -121,3 +121,34 @@ def test_dino_teacher_poisoned_by_its_ema_update_is_not_blamed_on_the_data(tmp_p
     hint = rep["hint"]
     assert "not data the model took" in hint and "every row holds NaN" in hint, hint
     assert "EMA update" in hint and "the batch itself" not in hint, hint
+
+
+def test_moco_whose_forward_updates_its_key_encoder_is_reproduced(tmp_path):
+    """MoCo's forward updates the key encoder by momentum (``param_k.data = ...``: parameters
+    that require no gradient, written by the forward). At step 3 a query view holds an
+    unnormalised record (3e38), whose first linear layer overflows. Each re-run of the step
+    updated the key encoder again, so the two re-runs disagreed: 'NOT reproduced ...
+    nondeterminism'. The re-runs now start from the frozen parameters as the step began, and
+    the report names the layer, the op, the sample and the overflow."""
+    model = S.make_moco()
+    opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-4)
+    crit = torch.nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="ssl_models:make_moco"):
+            for step in range(6):
+                im_q, im_k = views(step)
+                if step == 3:
+                    im_q[2] = 3e38
+                output, target = model(im_q=im_q, im_k=im_k)
+                loss = crit(output, target)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", "encoder_q.0"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True, json.dumps(rep, indent=1)
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("forward", "encoder_q.0", "aten.addmm", [2], "overflow"), json.dumps(rep, indent=1)

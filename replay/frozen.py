@@ -1,0 +1,64 @@
+"""Parameters the model's own forward writes, restored before every re-run.
+
+MoCo's forward updates its key encoder by momentum (``param_k.data = param_k.data * m +
+param_q.data * (1 - m)``, facebookresearch/moco and moco-v3), and a model may hold its own EMA
+teacher: parameters that require no gradient and that no optimizer updates, which the forward
+replaces or writes in place. A re-run of the step must start from them as the step began, as
+it does from the buffers, or each re-run moves them again and the re-runs drift apart (two
+re-runs that disagree read as nondeterminism). Only frozen parameters are kept (a copy each):
+the trained ones change only in an optimizer's ``step()``, which a re-run of the step does
+not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .compat import version
+from .float64 import widened
+
+
+class FrozenParams:
+    """The model's parameters that require no gradient, as a run starts from them."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.saved = {n: p.detach().clone() for n, p in model.named_parameters()
+                      if not p.requires_grad}
+        self.marks = self._marks()
+
+    def _marks(self) -> dict[str, tuple[int, int]]:
+        """Where each kept parameter's data is and its version: ``.data =`` moves the first,
+        an in-place write the second."""
+        if not self.saved:
+            return {}
+        return {n: (p.data_ptr(), version(p)) for n, p in self.model.named_parameters()
+                if n in self.saved}
+
+    def restore(self) -> None:
+        """Put back the kept parameters a run replaced or wrote (none, the usual case: one
+        pointer and version read per frozen parameter)."""
+        now = self._marks()
+        if now == self.marks:
+            return
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                first = self.saved.get(n)
+                if first is not None and now.get(n) != self.marks.get(n) \
+                        and first.shape == p.shape:
+                    p.data = first.clone()
+        self.marks = self._marks()
+
+    @contextlib.contextmanager
+    def widened(self):
+        """Inside the block, restore float64 copies (:meth:`replay.rerun.Runner.float64`,
+        which widens the parameters themselves); after it, the kept ones again."""
+        saved = self.saved
+        self.saved = {n: t.to(widened(t.dtype) or t.dtype) for n, t in saved.items()}
+        try:
+            yield
+        finally:
+            self.saved = saved
