@@ -26,6 +26,7 @@ from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
 from .loss_grad import node_in_loss, probed_report
 from .ops import OpFinder, state_of
 from .optim import eps_lost, per_parameter, safe_eps
+from .param_writes import forward_made, forward_made_hint
 from .positive import made_positive
 from .recorded import batch_non_finite, input_origin, samples
 from .rerun import Runner
@@ -38,6 +39,13 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     last update (``last_update_step``) says the update left them finite: written since, outside
     ``optimizer.step()``."""
     ev = step.event
+    if (made := forward_made(step, bad)) is not None:  # (frozen ones the forward wrote)
+        numbers = list(made["numbers"])
+        o = origin_fields(phase="input" if numbers else "weights", params=made["params"],
+                          param=made["params"][0], tensor=(numbers or [None])[0],
+                          op=made["op"], source=made["source"], made=made["kind"])
+        return finish(report, o, "input" if numbers else "weights", reproduced=True,
+                      hint=forward_made_hint(step, made))
     seen, last = ev.get("first_seen_step"), ev.get("last_update_step")
     buffer = bad[0] in set(step.meta.get("buffers") or ())  # (a BatchNorm's running_var)
     rows = bad_row_fields(step, bad[0])

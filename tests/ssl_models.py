@@ -109,3 +109,43 @@ class DINOLoss(nn.Module):
             self.center = (self.center * self.center_momentum
                            + batch_center * (1 - self.center_momentum))
         return loss
+
+
+class MoCoV3(nn.Module):
+    """moco-v3's builder: the momentum ``m`` is passed to the forward, which updates the
+    momentum encoder with it before computing the keys; the loss is computed inside."""
+
+    def __init__(self, dim: int = 8, T: float = 1.0):
+        super().__init__()
+        self.T = T
+        self.base_encoder = _encoder(dim)
+        self.momentum_encoder = _encoder(dim)
+        self.predictor = nn.Sequential(nn.Linear(dim, 16), nn.ReLU(), nn.Linear(16, dim))
+        for param_b, param_m in zip(self.base_encoder.parameters(),
+                                    self.momentum_encoder.parameters()):
+            param_m.data.copy_(param_b.data)
+            param_m.requires_grad = False
+
+    @torch.no_grad()
+    def _update_momentum_encoder(self, m):
+        for param_b, param_m in zip(self.base_encoder.parameters(),
+                                    self.momentum_encoder.parameters()):
+            param_m.data = param_m.data * m + param_b.data * (1. - m)
+
+    def contrastive_loss(self, q, k):
+        logits = torch.einsum("nc,mc->nm", [F.normalize(q, dim=1), F.normalize(k, dim=1)])
+        labels = torch.arange(logits.shape[0], dtype=torch.long)
+        return nn.CrossEntropyLoss()(logits / self.T, labels) * (2 * self.T)
+
+    def forward(self, x1, x2, m):
+        q1 = self.predictor(self.base_encoder(x1))
+        q2 = self.predictor(self.base_encoder(x2))
+        with torch.no_grad():
+            self._update_momentum_encoder(m)
+            k1, k2 = self.momentum_encoder(x1), self.momentum_encoder(x2)
+        return self.contrastive_loss(q1, k2) + self.contrastive_loss(q2, k1)
+
+
+def make_moco_v3() -> nn.Module:
+    torch.manual_seed(0)
+    return MoCoV3()

@@ -152,3 +152,37 @@ def test_moco_whose_forward_updates_its_key_encoder_is_reproduced(tmp_path):
     assert rep["reproduced"] is True, json.dumps(rep, indent=1)
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("forward", "encoder_q.0", "aten.addmm", [2], "overflow"), json.dumps(rep, indent=1)
+
+
+def test_moco_v3_momentum_of_nan_passed_to_forward_is_named_not_bad_weights(tmp_path):
+    """moco-v3 passes the momentum to the forward, which writes the momentum encoder with it.
+    A cosine schedule over 0 total epochs gives NaN at step 3: the forward makes the momentum
+    encoder NaN before using it, and the recorder finds NaN weights the last update left
+    finite. The report said 'the weights were already non-finite when the step began'; it now
+    says the forward wrote them in this step, names the op and line that did, and the number
+    passed to forward that it came from (cause input)."""
+    model = S.make_moco_v3()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory="ssl_models:make_moco_v3"):
+            for step in range(6):
+                x1, x2 = views(step)
+                m = float("nan") if step == 3 else 0.99
+                loss = model(x1, x2, m)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (3, "weights"), ev
+    assert ev["params"][0] == "momentum_encoder.0.weight", ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["op"], o["param"], rep["cause"]) == \
+        ("input", "args[2]", "aten.mul", "momentum_encoder.0.weight", "input"), \
+        json.dumps(rep, indent=1)
+    line = next(i for i, text in enumerate((HERE / "ssl_models.py").read_text().splitlines(), 1)
+                if "param_m.data = param_m.data * m" in text)
+    assert o["source"] == f"ssl_models.py:{line}", o
+    hint = rep["hint"]
+    assert "were not non-finite when step 3 began" in hint and "args[2] = nan" in hint, hint
+    assert "already non-finite" not in hint, hint

@@ -1,0 +1,97 @@
+"""Frozen parameters that the step's own forward made non-finite, before they were used.
+
+MoCo v3 passes its momentum to the forward (``model(x1, x2, m)``), which updates the momentum
+encoder first (``param_m.data = param_m.data * m + param_b.data * (1 - m)``). A momentum of
+NaN (a cosine schedule over 0 epochs) makes those parameters NaN in that step's forward; the
+recorder then finds them non-finite, the last update having left them finite, and the bundle
+holds them as the forward left them. Such parameters were not non-finite when the step
+began: with them made finite again, the re-run's forward writes a non-finite value into them
+once more, and the op that made it (and a non-finite number passed to the forward, which the
+recorder checks no more than any other non-tensor argument) says where it came from. One
+forward more, only for a weights origin whose bad parameters are frozen.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from recorder.capture import batch_path
+from recorder.finite import finite, kind_of
+
+from .load import Step, micro_batch_inputs
+from .ops import OpFinder
+from .rerun import Runner
+
+
+def forward_made(step: Step, bad: list[str]) -> dict[str, Any] | None:
+    """For the frozen parameters among ``bad``: ``{"params", "kind", "op", "source",
+    "numbers"}`` when the re-run's forward, started with them made finite, writes a non-finite
+    value into them again (``numbers``: the paths of non-finite numbers among the step's
+    forward arguments); None otherwise."""
+    if step.model is None or step.stripped:
+        return None
+    params = dict(step.model.named_parameters())
+    watched = {n: params[n] for n in bad if n in params and not params[n].requires_grad}
+    if not watched:
+        return None
+    kept = {n: p.data for n, p in watched.items()}
+    finder = OpFinder()
+    try:
+        with torch.no_grad():
+            for p in watched.values():
+                p.data = torch.nan_to_num(p.data, nan=0.0, posinf=0.0, neginf=0.0)
+        Runner(step).run(backward=False, instrument=False, forward_ctx=lambda: finder)
+        again = [n for n, p in watched.items() if not finite(p)]
+        kind = kind_of(params[again[0]]) if again else None
+    except Exception:  # the weights origin stands without this evidence
+        return None
+    finally:
+        for n, p in watched.items():
+            p.data = kept[n]
+    if not again:
+        return None
+    hit = finder.origin()
+    return {"params": again, "kind": kind, "op": hit.op if hit else None,
+            "source": hit.source if hit else None, "numbers": non_finite_numbers(step)}
+
+
+def non_finite_numbers(step: Step) -> dict[str, float]:
+    """The NaN/Inf Python numbers among the forward arguments of the step's micro-batches,
+    by path (``args[2]``)."""
+    found: dict[str, float] = {}
+
+    def walk(o: Any, raw: str, n_args: int) -> None:
+        if isinstance(o, float) and not math.isfinite(o):
+            found.setdefault(batch_path(raw, n_args), o)
+        elif isinstance(o, (list, tuple)):
+            for i, v in enumerate(o):
+                walk(v, f"{raw}[{i}]", n_args)
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f'{raw}["{k}"]' if isinstance(k, str) else f"{raw}[{k}]", n_args)
+
+    for i in range(len(step.micro_batches)):
+        args, kwargs = micro_batch_inputs(step, i)
+        walk([list(args), kwargs], "", len(args))
+    return found
+
+
+def forward_made_hint(step: Step, made: dict[str, Any]) -> str:
+    """What the report says of parameters the step's own forward made non-finite."""
+    names = made["params"]
+    more = f" (+{len(names) - 2} more)" if len(names) > 2 else ""
+    at = f" ({made['op']} at {made['source'] or 'an unknown line'})" if made["op"] else ""
+    numbers = list(made["numbers"].items())
+    head = (f"{', '.join(names[:2])}{more} do not train and were not non-finite when step "
+            f"{step.event.get('step')} began: the model's own forward writes them, and with "
+            f"them made finite the re-run's forward writes {made['kind']} into them again{at}")
+    if numbers:
+        return (f"{head}, from the number {numbers[0][0]} = {numbers[0][1]} passed to "
+                "forward (a number, not a tensor, so not checked as data): fix the code that "
+                "computes it (a schedule's 0/0, such as a momentum over 0 total steps) or "
+                "check it with math.isfinite before the forward")
+    return (f"{head}: that code made the value from finite ones in this step; guard the op "
+            "it names (and the numbers it multiplies by)")
