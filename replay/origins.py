@@ -26,7 +26,7 @@ from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
 from .loss_grad import node_in_loss, probed_report
 from .ops import OpFinder, state_of
 from .optim import eps_lost, per_parameter, safe_eps
-from .param_writes import forward_made, forward_made_hint
+from .param_writes import forward_made, forward_made_hint, loop_written_hint
 from .positive import made_positive
 from .recorded import batch_non_finite, input_origin, samples
 from .rerun import Runner
@@ -54,7 +54,8 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
                                           first_seen_step=seen, last_update_step=last,
                                           **first_reader(step), **rows),
                     "weights", reproduced=True,
-                    hint=None if step.meta.get("optimizer") else _own_update_hint(step))
+                    hint=loop_written_hint(step, bad) if step.meta.get("optimizer")
+                    else _own_update_hint(step))
     if (where := rows_text(bad[0], rows)) is not None and report.get("hint"):
         report["hint"] = f"{report['hint']}; {where}"
     if last is not None:

@@ -1,4 +1,5 @@
-"""Frozen parameters that the step's own forward made non-finite, before they were used.
+"""Frozen parameters made non-finite outside the optimizer: by the step's own forward, before
+they were used, or by the loop's own EMA update between steps.
 
 MoCo v3 passes its momentum to the forward (``model(x1, x2, m)``), which updates the momentum
 encoder first (``param_m.data = param_m.data * m + param_b.data * (1 - m)``). A momentum of
@@ -95,3 +96,27 @@ def forward_made_hint(step: Step, made: dict[str, Any]) -> str:
                 "check it with math.isfinite before the forward")
     return (f"{head}: that code made the value from finite ones in this step; guard the op "
             "it names (and the numbers it multiplies by)")
+
+
+def loop_written_hint(step: Step, bad: list[str]) -> str | None:
+    """The hint for bad parameters that all require no gradient and that the optimizer does
+    not hold (BYOL's target network, a DINO teacher inside the recorded model): no update
+    wrote them, the loop's own EMA update did, between steps. None for any other."""
+    opt = step.meta.get("optimizer")
+    if step.model is None or not opt:
+        return None
+    held = {n for g in opt.get("param_groups") or [] for n in g.get("params") or []}
+    params = dict(step.model.named_parameters())
+    if not all(n in params and not params[n].requires_grad and n not in held for n in bad):
+        return None
+    tensors = [t for n in bad if (t := step.tensors.get(f"weights/{n}")) is not None]
+    every = all(not torch.isfinite(t).any() for t in tensors) and tensors
+    more = f" (+{len(bad) - 2} more)" if len(bad) > 2 else ""
+    return (f"{', '.join(bad[:2])}{more} require no gradient and the optimizer does not hold "
+            "them (a momentum/EMA target or teacher network): no update wrote them, the loop's "
+            "own update of them did, between steps (or a checkpoint load)"
+            + (", and every element of them is non-finite, as a non-finite coefficient makes"
+               if every else "")
+            + ": check that update (t.mul_(m).add_(s, alpha=1 - m)) for a non-finite momentum "
+            "m, from its schedule, or source weight s, guard it (math.isfinite(m)), and resume "
+            "from a checkpoint before it")

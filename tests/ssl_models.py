@@ -149,3 +149,38 @@ class MoCoV3(nn.Module):
 def make_moco_v3() -> nn.Module:
     torch.manual_seed(0)
     return MoCoV3()
+
+
+class BYOL(nn.Module):
+    """byol-pytorch's learner: the online encoder, projector and predictor train; the target
+    encoder and projector are copies that require no gradient, which the loop updates by EMA
+    after ``optimizer.step()`` (``update_moving_average``). The forward returns the loss."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.online_encoder = _encoder(dim)
+        self.online_predictor = nn.Sequential(nn.Linear(dim, 16), nn.ReLU(), nn.Linear(16, dim))
+        self.target_encoder = _encoder(dim)
+        self.target_encoder.load_state_dict(self.online_encoder.state_dict())
+        self.target_encoder.requires_grad_(False)
+
+    @torch.no_grad()
+    def update_moving_average(self, m: float) -> None:
+        for po, pt in zip(self.online_encoder.parameters(), self.target_encoder.parameters()):
+            pt.mul_(m).add_(po, alpha=1 - m)
+
+    def forward(self, x1, x2):
+        p1 = self.online_predictor(self.online_encoder(x1))
+        p2 = self.online_predictor(self.online_encoder(x2))
+        with torch.no_grad():
+            t1, t2 = self.target_encoder(x1), self.target_encoder(x2)
+
+        def loss_fn(x, y):
+            return 2 - 2 * (F.normalize(x, dim=-1) * F.normalize(y, dim=-1)).sum(dim=-1)
+
+        return (loss_fn(p1, t2) + loss_fn(p2, t1)).mean()
+
+
+def make_byol() -> nn.Module:
+    torch.manual_seed(0)
+    return BYOL()

@@ -186,3 +186,33 @@ def test_moco_v3_momentum_of_nan_passed_to_forward_is_named_not_bad_weights(tmp_
     hint = rep["hint"]
     assert "were not non-finite when step 3 began" in hint and "args[2] = nan" in hint, hint
     assert "already non-finite" not in hint, hint
+
+
+def test_byol_target_written_by_the_loops_ema_update_says_so(tmp_path):
+    """BYOL with the recorder on the learner (online and target networks) and an optimizer over
+    the online ones; the loop's EMA update after ``optimizer.step()`` took a NaN momentum at
+    step 2, so the target encoder is NaN when step 3 begins: a weights event at step 3. The
+    hint said to look for checkpoint loading or in-place edits; it now says these parameters
+    require no gradient and the optimizer does not hold them, that the loop's own update wrote
+    them, every element (as a non-finite coefficient makes), and to check its momentum."""
+    model = S.make_byol()
+    online = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(online, lr=3e-4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory="ssl_models:make_byol"):
+            for step in range(6):
+                loss = model(*views(step))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                model.update_moving_average(float("nan") if step == 2 else 0.99)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"][0]) == \
+        (3, "weights", "target_encoder.0.weight"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["param"], rep["cause"]) == \
+        ("weights", "target_encoder.0.weight", "weights"), json.dumps(rep, indent=1)
+    hint = rep["hint"]
+    assert "the optimizer does not hold them" in hint and "the loop's own update" in hint, hint
+    assert "every element of them is non-finite" in hint and "momentum" in hint, hint
