@@ -166,7 +166,8 @@ class FlightRecorder:
             return self
         target = self.target
         target.bind()
-        self.cycle.buffers.bind(target.buffer_homes, target.norm_buffers)
+        self.cycle.buffers.bind(target.buffer_homes + target.loss_buffer_homes,
+                                target.norm_buffers)
         self._handles += self.calls.register()
         opt = target.optimizer()
         if opt is not None:

@@ -88,6 +88,9 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
             entry["samples"] = {"size": s.size, "seq_first": s.seq_first,
                                 "recurrent": s.recurrent}
     _training_objects(src, guard, meta, tensors)
+    if tape is not None:  # the loss's buffers as the step found them (DINO's centre)
+        tensors.update({k: copy.detach() for k, copy in src.buffer_copies.items()
+                        if k.startswith("loss/") and k in tensors})
     # -- history and environment
     n_groups = len(opt.param_groups) if opt is not None else 0
     ring_meta, ring_tensors = src.ring.export(len(target.params), n_groups)

@@ -140,6 +140,11 @@ class Target:
         # may put a new tensor there (a rotary cache grown for a longer batch, ``self.count =
         # self.count + 1``), and the recorder must copy the one the model holds now
         self.buffer_homes = buffer_homes(model)
+        # and the loss module's, under their bundle keys: a loss that keeps state (DINO's
+        # centre, replaced at each call) is bundled as the step found it, like the model's
+        loss = _deref(self._loss_fn)
+        self.loss_buffer_homes = [(f"loss/{n}", home, key) for n, home, key in
+                                  (buffer_homes(loss) if loss is not None else [])]
         # BatchNorm-style layers update their running statistics inside the kernel, which
         # does not move the version counter: their buffers are copied at every step start.
         self.norm_buffers = {f"{s.name}.{b}" if s.name else b for s in sites
@@ -219,6 +224,7 @@ class Target:
         self.params: list[tuple[str, torch.Tensor]] = []
         self.param_names: list[str] = []
         self.buffer_homes: list[tuple[str, dict, str]] = []
+        self.loss_buffer_homes: list[tuple[str, dict, str]] = []
         self.large: list[tuple[int, torch.Tensor]] = []
         self.small: list[int] = []
         self.update_large: list[tuple[int, torch.Tensor]] = []

@@ -90,6 +90,11 @@ class Runner:
         self.in_loss = False
         self._initial_buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         self._frozen = FrozenParams(self.model)  # (a momentum encoder the forward updates)
+        # the loss's state too (DINO's centre, which each call of the loss replaces)
+        # (kept here: a run may wrap step.loss_fn in a function, the float64 one's op watch)
+        self._loss_module = step.loss_fn if isinstance(step.loss_fn, nn.Module) else None
+        self._loss_buffers = {n: b.detach().clone() for n, b in
+                              (self._loss_module.named_buffers() if self._loss_module else ())}
         self._rng = rng_state(step)
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
         # gradients fed into the model outputs instead of the recorded ones, finite or not
@@ -118,6 +123,12 @@ class Runner:
                 if first is not None and restorable(self.model, n, first, b):
                     b.copy_(first)
         self._frozen.restore()
+        if self._loss_buffers:
+            with torch.no_grad():
+                for n, b in self._loss_module.named_buffers():
+                    first = self._loss_buffers.get(n)
+                    if first is not None and first.shape == b.shape:
+                        b.copy_(first)
         self.model.zero_grad(set_to_none=True)
         if self._rng is not None:
             restore_rng(self._rng)

@@ -17,7 +17,10 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 from replay.cli import main as cli
+from replay.load import build, read_step
+from replay.rerun import Runner
 
 HERE = Path(__file__).parent
 
@@ -216,3 +219,44 @@ def test_byol_target_written_by_the_loops_ema_update_says_so(tmp_path):
     hint = rep["hint"]
     assert "the optimizer does not hold them" in hint and "the loop's own update" in hint, hint
     assert "every element of them is non-finite" in hint and "momentum" in hint, hint
+
+
+def test_dino_loss_centre_is_bundled_and_re_run_as_the_step_found_it(tmp_path):
+    """DINO's loss keeps a centre of the teacher's outputs (a buffer it replaces at each
+    call). At step 3 the teacher temperature is 0 (a warmup schedule started from 0): the
+    loss divides by 0. The bundle held the centre as the event step's loss call left it, not
+    as the step found it, and each re-run of the loss moved it again, so the replay computed
+    another loss than training did. The bundle now holds the centre as step 3 began, every
+    re-run starts from it, and the report names the division in the loss."""
+    student = S.make_dino_student()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    crit = S.DINOLoss()
+    opt = torch.optim.AdamW(student.parameters(), lr=5e-4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(student, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="ssl_models:make_dino_student"):
+            for step in range(6):
+                views = multi_crop(step)
+                teacher_out = [teacher(v) for v in views[:2]]
+                student_out = [student(v) for v in views]
+                if step == 3:
+                    began, crit.teacher_temp = crit.center.clone(), 0.0
+                loss = crit(teacher_out, student_out)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                update_momentum(student, teacher, 0.996)
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "loss")
+    _, tensors = read_bundle(info.value.bundle_path)
+    assert torch.equal(tensors["loss/center"], began), "the centre after the loss call"
+    step = read_step(info.value.bundle_path, None)
+    build(step, None, None, None)
+    runner, after = Runner(step), []
+    for _ in range(2):
+        runner.run(backward=False, instrument=False)
+        after.append(step.loss_fn.center.clone())
+    assert torch.equal(after[0], after[1]) and torch.equal(after[0], crit.center), after
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.div", "invalid"), json.dumps(rep, indent=1)
