@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .source import raised_at
+
 
 @dataclass
 class Call:
@@ -57,7 +59,12 @@ class Run:
     def raised(self) -> str | None:
         """``error`` in one line (``"RuntimeError: ..."``), or None."""
         e = self.error
-        return None if e is None else " ".join(f"{type(e).__name__}: {e}".split())
+        if e is None:
+            return None
+        if not str(e).strip():  # a bare ``assert`` in the model: where, as there is no what
+            at = raised_at(e)
+            return type(e).__name__ + (f" at {at}" if at else "")
+        return " ".join(f"{type(e).__name__}: {e}".split())
 
     def loss_phase(self, j: int) -> str:
         """``"input"`` when loss entry ``j`` took a non-finite target (a reward of +inf in a

@@ -61,6 +61,12 @@ def _first_user(frames) -> str | None:
     return None
 
 
+def raised_at(e: BaseException) -> str | None:
+    """``file:line`` of the user's code that raised ``e`` (its innermost user frame)."""
+    return _first_user((f.filename, f.lineno)
+                       for f in reversed(traceback.extract_tb(e.__traceback__)))
+
+
 def short_path(path: str) -> str:
     """``path`` relative to the current directory when it lies below it."""
     try:

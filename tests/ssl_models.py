@@ -41,6 +41,7 @@ class MoCo(nn.Module):
     @torch.no_grad()
     def _dequeue_and_enqueue(self, keys):
         ptr, n = int(self.queue_ptr), keys.shape[0]
+        assert self.K % n == 0  # for simplicity
         self.queue[:, ptr:ptr + n] = keys.T
         self.queue_ptr[0] = (ptr + n) % self.K
 

@@ -157,6 +157,19 @@ def test_moco_whose_forward_updates_its_key_encoder_is_reproduced(tmp_path):
         ("forward", "encoder_q.0", "aten.addmm", [2], "overflow"), json.dumps(rep, indent=1)
 
 
+def test_a_what_if_stopped_by_a_bare_assert_in_the_model_says_where(tmp_path):
+    """``--try drop=2`` on the MoCo bundle above: the smaller batch no longer divides the
+    queue, and MoCo's bare ``assert self.K % n == 0`` raises. The what-if said 'raised
+    AssertionError: in the model's code' (an empty message); it now names the line."""
+    test_moco_whose_forward_updates_its_key_encoder_is_reproduced(tmp_path)
+    bundle = next(tmp_path.glob("*.nan"))
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    line = next(i for i, text in enumerate((HERE / "ssl_models.py").read_text().splitlines(), 1)
+                if "assert self.K % n == 0" in text)
+    (t,) = rep["what_if"]
+    assert t["error"].startswith(f"AssertionError at ssl_models.py:{line} in the model"), t
+
+
 def test_moco_v3_momentum_of_nan_passed_to_forward_is_named_not_bad_weights(tmp_path):
     """moco-v3 passes the momentum to the forward, which writes the momentum encoder with it.
     A cosine schedule over 0 total epochs gives NaN at step 3: the forward makes the momentum
