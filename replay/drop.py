@@ -28,6 +28,34 @@ def undroppable(step, i: int) -> str | None:
     return GRAPHS if any(isinstance(v, Segments) for v in found.values()) else None
 
 
+def compared_with(step, i: int) -> tuple[int, ...]:
+    """Micro-batch ``i`` and the others whose outputs the same loss call took, with as many
+    samples: one loss over several forwards of the same images (multi-crop views, SimCLR's
+    two) compares their rows, which are the same samples, so a drop removes them from each."""
+    mbs = step.micro_batches
+    size = entry_samples(mbs[i], step.tensors, step.model).size
+    for j in range(i, len(mbs)):
+        taken = set(_outputs_taken(mbs[j].get("loss_inputs"), j))
+        if i in taken:
+            return tuple(sorted(k for k in taken if k < len(mbs) and entry_samples(
+                mbs[k], step.tensors, step.model).size == size))
+    return (i,)
+
+
+def _outputs_taken(node, j: int):
+    """The micro-batches whose outputs a recorded loss-input tree (of micro-batch ``j``'s loss
+    call) refers to."""
+    if isinstance(node, dict):
+        if "$out" in node:
+            yield node.get("mb", j)
+            return
+        for v in node.values():
+            yield from _outputs_taken(v, j)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _outputs_taken(v, j)
+
+
 def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
                out_grads: bool = False) -> None:
     """Remove the samples ``rows`` from every batch and loss-input tensor (and, with

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .diverging import still_diverging
-from .drop import undroppable
+from .drop import compared_with, undroppable
 from .errors import ReplayError, one_line
 from .load import Step
 from .optim import eps_lost, safe_eps
@@ -240,8 +240,9 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             continue
         if change.drop:
             change.drop_step = step.event.get("step")
-            change.drop_micro_batch = _samples_micro_batch(step, report)
-            if why := undroppable(step, change.drop_micro_batch or 0):
+            i = _samples_micro_batch(step, report)
+            change.drop_micro_batch = None if i is None else compared_with(step, i)
+            if why := undroppable(step, i or 0):
                 out.append({"try": label, "finite": None, "inconclusive": None,
                             "event_step": None, "origin": None, "note": why})
                 continue

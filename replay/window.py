@@ -74,7 +74,7 @@ class Change:
     dtype: torch.dtype | None = None
     drop: list[int] | None = None  # rows removed from the event step's batch
     drop_step: int | None = None
-    drop_micro_batch: int | None = None  # (None: every micro-batch of that step)
+    drop_micro_batch: tuple[int, ...] | None = None  # (None: every micro-batch of that step)
 
 
 @dataclass
@@ -378,11 +378,11 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
         mbs = with_factors(mbs, win.loss_factors)
     if change.drop and record["step"] == change.drop_step:
         i, mbs = change.drop_micro_batch, [dict(mb) for mb in mbs]  # (copies: see drop_rows)
-        # the samples the report names are rows of one micro-batch: the other micro-batches'
-        # rows of the same index are other samples, kept. Without a loss to re-run (computed
-        # in the loop), the backward starts from the recorded output gradients less the
-        # dropped rows: stripped, no backward ran at all and every drop was "finite"
-        drop_rows(tensors, mbs if i is None or not 0 <= i < len(mbs) else [mbs[i]],
+        # the samples the report names are rows of one micro-batch (and of those one loss
+        # compares with it: views of the same images): others' rows are other samples. With
+        # no loss to re-run (computed in the loop), the backward starts from the recorded output
+        # gradients less the dropped rows: stripped, no backward ran and every drop was "finite"
+        drop_rows(tensors, mbs if i is None else [mbs[j] for j in i if 0 <= j < len(mbs)],
                    change.drop, step.model, out_grads=step.loss_fn is None)
     meta = {**step.meta, "micro_batches": mbs, "rng": record.get("rng")}
     if meta["rng"] is None:

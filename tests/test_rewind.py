@@ -793,7 +793,7 @@ def test_drop_removes_the_named_samples_from_their_micro_batch_only(out_dir):
     build(step, None, None)
     win = step_as_window(step)
     _, change = parse_try("drop=3")
-    change.drop_step, change.drop_micro_batch = 2, 1
+    change.drop_step, change.drop_micro_batch = 2, (1,)
     sub = _sub_step(step, win, win.records[0], change)
     rows = [sub.tensors[next(iter(mb["paths"]))].shape[0] for mb in sub.micro_batches]
     assert rows == [4, 15]

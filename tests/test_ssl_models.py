@@ -273,3 +273,38 @@ def test_dino_loss_centre_is_bundled_and_re_run_as_the_step_found_it(tmp_path):
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], rep["cause"]) == \
         ("loss", "<loss>", "aten.div", "invalid"), json.dumps(rep, indent=1)
+
+
+def test_dropping_a_sample_of_a_multi_crop_step_drops_it_from_every_crop(tmp_path):
+    """DINO multi-crop, one student forward per crop and one loss over all of them. At step 3
+    image 2 of a local crop is unnormalised (3e38): the average pooling overflows in that
+    crop's forward (micro-batch 2). ``--try drop=2`` removed row 2 from that crop only, and
+    the loss, stacking the crops, raised 'stack expects each tensor to be equal size'. Every
+    crop the loss compares holds the same images: the row is dropped from each, and the
+    step re-runs finite without it."""
+    student = S.make_dino_student()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    crit = S.DINOLoss()
+    opt = torch.optim.AdamW(student.parameters(), lr=5e-4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(student, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="ssl_models:make_dino_student"):
+            for step in range(6):
+                views = multi_crop(step)
+                if step == 3:
+                    views[2][2] = 3e38
+                teacher_out = [teacher(v) for v in views[:2]]
+                student_out = [student(v) for v in views]
+                loss = crit(teacher_out, student_out)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                update_momentum(student, teacher, 0.996)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["micro_batch"]) == \
+        (3, "forward", "backbone.2", 2), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["op"], o["samples"], rep["cause"]) == ("aten.mean", [2], "overflow"), o
+    (t,) = rep["what_if"]
+    assert (t["finite"], t.get("error")) == (True, None), t
