@@ -139,6 +139,18 @@ def _short(path: str) -> str:
         return path
 
 
+def _numeric_array(v) -> torch.Tensor | None:
+    """A NumPy array of numbers as a tensor (a copy), else None. NumPy is not imported here:
+    only a program that has imported it can hold one."""
+    np = sys.modules.get("numpy")
+    if np is None or not isinstance(v, np.ndarray) or v.dtype.kind not in "biuf":
+        return None
+    try:
+        return torch.from_numpy(np.ascontiguousarray(v).copy())
+    except (TypeError, ValueError):  # (a byte order or dtype torch does not take)
+        return None
+
+
 def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
                      ) -> dict[str, Any]:
     cls = type(m)
@@ -161,6 +173,10 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
             key = f"loss/{prefix}{k}"
             tensors[key] = v.detach()
             node["tensors"][k] = key
+        elif (t := _numeric_array(v)) is not None:  # (DINO's teacher temperature schedule)
+            key = f"loss/{prefix}{k}"
+            tensors[key] = t
+            node.setdefault("arrays", {})[k] = key
         elif isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)) and \
                 "import" in describe_callable(v):
             node["functions"][k] = describe_callable(v)["import"]

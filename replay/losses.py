@@ -119,6 +119,8 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False) -> nn.M
         _set_plain(m, k, tuple(v) if k in node.get("tuples", ()) else v)
     for k, key in node.get("tensors", {}).items():
         _set_plain(m, k, _tensor(tensors, key, device, name))
+    for k, key in node.get("arrays", {}).items():  # NumPy arrays, as the loss held them
+        _set_plain(m, k, _array(_tensor(tensors, key, torch.device("cpu"), name), what, k))
     for k, ref in node.get("functions", {}).items():
         _set_plain(m, k, _import(ref, f"function {ref} the loss {name} holds"))
     skip = set(node.get("non_persistent", ()))
@@ -141,6 +143,14 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False) -> nn.M
                             f"{', '.join(lost[:3])}: not JSON values, tensors, modules or "
                             f"importable functions), so it was not rebuilt; {_FACTORY_WAY[3:]}")
     return m
+
+
+def _array(t: torch.Tensor, what: str, k: str):
+    try:
+        return t.numpy()
+    except RuntimeError:  # (NumPy is no dependency of nanreplay; the run had it)
+        raise Unrebuildable(f"{what} holds a NumPy array ({k}), and NumPy is not installed "
+                            "where nanreplay runs: pip install numpy") from None
 
 
 def _instance(cls: type) -> nn.Module:

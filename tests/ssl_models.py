@@ -185,3 +185,22 @@ class BYOL(nn.Module):
 def make_byol() -> nn.Module:
     torch.manual_seed(0)
     return BYOL()
+
+
+class DINOLossNumpySchedule(DINOLoss):
+    """facebookresearch/dino's DINOLoss keeps its teacher temperature schedule as a NumPy
+    array (warmup then constant, by epoch) and takes the epoch at each call; its constructor
+    needs arguments."""
+
+    def __init__(self, out_dim: int, warmup_teacher_temp: float, teacher_temp: float,
+                 warmup_teacher_temp_epochs: int, nepochs: int):
+        super().__init__(out_dim, teacher_temp)
+        import numpy as np
+
+        self.teacher_temp_schedule = np.concatenate((
+            np.linspace(warmup_teacher_temp, teacher_temp, warmup_teacher_temp_epochs),
+            np.ones(nepochs - warmup_teacher_temp_epochs) * teacher_temp))
+
+    def forward(self, teacher_out, student_out, epoch):
+        self.teacher_temp = float(self.teacher_temp_schedule[epoch])
+        return super().forward(teacher_out, student_out)

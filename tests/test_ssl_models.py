@@ -308,3 +308,32 @@ def test_dropping_a_sample_of_a_multi_crop_step_drops_it_from_every_crop(tmp_pat
     assert (o["op"], o["samples"], rep["cause"]) == ("aten.mean", [2], "overflow"), o
     (t,) = rep["what_if"]
     assert (t["finite"], t.get("error")) == (True, None), t
+
+
+def test_dino_loss_with_a_numpy_temperature_schedule_is_rebuilt_and_names_the_op(tmp_path):
+    """facebookresearch/dino's DINOLoss holds its teacher temperature schedule as a NumPy
+    array; a warmup from 0 divides by 0 at epoch 0. The loss could not be rebuilt
+    ('attribute(s) the bundle cannot store (teacher_temp_schedule (ndarray)') and the report
+    said only that the gradient entering the model was NaN, cause unknown. The array is
+    stored as a tensor and set back as NumPy: the report names the division in the loss."""
+    pytest.importorskip("numpy")
+    student = S.make_dino_student()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    crit = S.DINOLossNumpySchedule(32, 0.0, 0.04, 3, 10)
+    opt = torch.optim.AdamW(student.parameters(), lr=5e-4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(student, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="ssl_models:make_dino_student"):
+            for step in range(3):
+                views = multi_crop(step)
+                teacher_out = [teacher(v) for v in views[:2]]
+                loss = crit(teacher_out, [student(v) for v in views], epoch=step // 4)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (0, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.div", "invalid"), json.dumps(rep, indent=1)
+    assert not any("cannot store" in p for p in rep["problems"]), rep["problems"]
