@@ -39,17 +39,20 @@ def forward_made(step: Step, bad: list[str]) -> dict[str, Any] | None:
     if not watched:
         return None
     kept = {n: p.data for n, p in watched.items()}
-    finder = OpFinder()
+    finder, runner = OpFinder(), None
     try:
         with torch.no_grad():
             for p in watched.values():
                 p.data = torch.nan_to_num(p.data, nan=0.0, posinf=0.0, neginf=0.0)
-        Runner(step).run(backward=False, instrument=False, forward_ctx=lambda: finder)
+        runner = Runner(step)
+        runner.run(backward=False, instrument=False, forward_ctx=lambda: finder)
         again = [n for n, p in watched.items() if not finite(p)]
         kind = kind_of(params[again[0]]) if again else None
     except Exception:  # the weights origin stands without this evidence
         return None
     finally:
+        if runner is not None:  # the buffers and frozen parameters as the step began
+            runner.reset()
         for n, p in watched.items():
             p.data = kept[n]
     if not again:
