@@ -12,7 +12,6 @@ per opcode depends on what the step left in the caches, not on the opcode alone.
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import overhead as O  # noqa: E402
+from bytecodes import count_step  # noqa: E402
 
 
 def cold_and_warm(trainer: O.Trainer, batch, fn, rounds: int) -> tuple[float, float]:
@@ -45,24 +45,8 @@ def cold_and_warm(trainer: O.Trainer, batch, fn, rounds: int) -> tuple[float, fl
 
 def opcodes_per_step(trainer: O.Trainer, batch, files: tuple[str, ...]) -> int:
     """Python opcodes one step executes in files whose path contains one of ``files``."""
-    count = collections.Counter()
-
-    def trace(frame, event, arg):
-        if event == "call":
-            name = frame.f_code.co_filename
-            if not any(f in name for f in files):
-                return None
-            frame.f_trace_opcodes, frame.f_trace_lines = True, False
-        elif event == "opcode":
-            count[0] += 1
-        return trace
-
-    sys.settrace(trace)
-    try:
-        trainer.step(*batch)
-    finally:
-        sys.settrace(None)
-    return count[0]
+    counts = count_step(trainer, *batch)
+    return sum(n for (path, _), n in counts.items() if any(f in path for f in files))
 
 
 def main(argv=None) -> int:

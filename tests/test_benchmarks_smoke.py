@@ -248,3 +248,39 @@ def test_replay_time_names_the_planted_origin(tmp_path):
     assert row.endswith(f"| blocks.0.attn aten._softmax (invalid, bisection {b['probes']} "
                         "probes) |"), row
     assert f"median replay time: {data['median_s']:.2f} s" in proc.stdout
+
+
+def _bytecodes_module():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bytecodes_bench", BENCH / "bytecodes.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH))
+    return mod
+
+
+def test_bytecodes_count_each_detector_and_hold_the_recorder_to_its_ratchet(tmp_path):
+    """The bytecode count of a step is exact, so this is the one per-step cost a test can hold
+    the recorder to: its Python above the floor's on the MLP stays within the ratchet (a change
+    that adds per-step work must say why and raise it), and the table says what the JSON
+    holds."""
+    out = tmp_path / "bytecodes.json"
+    proc = _run([str(BENCH / "bytecodes.py"), "--models", "mlp", "--top", "5", "--json",
+                 str(out)], timeout=300)
+    (res,) = json.loads(out.read_text())
+    rows = res["detectors"]
+    assert list(rows) == ["bare", "floor", "recorder"]
+    rec, floor, bare = rows["recorder"], rows["floor"], rows["bare"]
+    assert rec["minus_floor"] == rec["bytecodes"] - floor["bytecodes"]
+    assert rec["minus_bare"] == rec["bytecodes"] - bare["bytecodes"]
+    assert rec["own"] == sum(rec["functions"].values()) and bare["own"] == 0
+    # the hooks the recorder runs are its own: each is counted where it runs
+    assert rec["functions"]["calls.leaf_hook"] > 0 and rec["functions"]["cycle.close_tape"] > 0
+    cap = _bytecodes_module().RATCHET["mlp"]
+    assert f"| mlp | recorder | {rec['bytecodes']} | {rec['minus_bare']} | " \
+           f"{rec['minus_floor']} | {rec['own']} |" in proc.stdout
+    assert f"- mlp: recorder − floor {rec['minus_floor']} bytecodes per step, ratchet {cap}: " \
+           "within" in proc.stdout
+    assert rec["minus_floor"] <= cap, rec["minus_floor"]
