@@ -47,6 +47,9 @@ class OptimizerGuard:
         self._lock = threading.Lock()
         self._views: FlatViews | None = None  # of the large weights, kept between steps
         self._viewed: list | None = None
+        self._small_views: FlatViews | None = None  # of the small weights, likewise
+        self._small_viewed: list | None = None
+        self._small_idx: list[int] = []
         self._transform_warned = False
 
     def register(self, optimizer) -> list:
@@ -58,7 +61,7 @@ class OptimizerGuard:
     def release(self) -> None:
         self.copies = self.last_tape = None
         self._slots = [None, None]
-        self._views = self._viewed = None
+        self._views = self._viewed = self._small_views = self._small_viewed = None
 
     @property
     def nbytes(self) -> int:
@@ -175,10 +178,20 @@ class OptimizerGuard:
             slots.start_step()
             refs = self._large_norms(slots, large, device)
             if small:
-                refs += zip([i for i, _ in small],
-                            slots.sq_norms([local(p).detach() for _, p in small], STRICT))
+                refs += self._small_norms(slots, small, device)
             # the update belongs to the step the pre-hook just closed
             self.cycle.pending_update = UpdateEvidence(self.cycle.step - 1, refs, slots)
+
+    def _small_norms(self, slots: Slots, small: list, device: torch.device):
+        """(index, ref) of the small weights' squared norms: one foreach call, over views kept
+        from step to step where every weight has one (no detach per weight per step)."""
+        views = self._small_views
+        if views is None or self._small_viewed is not small:
+            views = self._small_views = FlatViews([p for _, p in small])
+            self._small_viewed, self._small_idx = small, [i for i, _ in small]
+        flats = views.get(device)
+        return zip(self._small_idx, slots.sq_norms(
+            flats if views.every else [local(p).detach() for _, p in small], STRICT))
 
     def _large_norms(self, slots: Slots, large: list, device: torch.device) -> list:
         """(index, ref) of each large weight's squared norm: one dot over a view kept from

@@ -28,7 +28,9 @@ and the next gets room for all of them.
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
+from itertools import islice, repeat
 
 import torch
 
@@ -40,6 +42,10 @@ STRICT, GRAD, NAN_ONLY, LOOSE = 0, 1, 2, 3
 REGIONS = (STRICT, GRAD, NAN_ONLY, LOOSE)  # their order in a row
 RELU_OF = 4  # a ref's region code plus this: the ReLU of that slot (see Slots.relu)
 FLOAT32, FLOAT64, COMPLEX64 = torch.float32, torch.float64, torch.complex64
+# the dtypes whose norm is taken in their own precision (see _norm_dtype)
+_WIDE = frozenset((FLOAT64, torch.complex32, COMPLEX64, torch.complex128))
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 class _Region:
@@ -140,19 +146,21 @@ class Slots:
 
     def _put(self, code: int, values) -> list[tuple[int, int]]:
         """Refs for values computed outside the slots (another device or dtype, a step out of
-        room): copied into free slots in one foreach op, the rest kept as overflow."""
+        room, the small parameters' foreach norms): copied into free slots in one foreach op,
+        the rest kept as overflow. No Python loop over the values: it runs for every small
+        parameter at every step."""
         r = self._regions[code]
-        ks = []
-        for _ in values:
-            k = r.take()
-            if k >= r.size:
-                break
-            ks.append(k)
-        m = len(ks)
+        n = len(values)
+        if not n:
+            return []
+        # n consecutive slots: ``islice`` takes them from the region's counter in one C call,
+        # which no other thread's hook can interleave with (it holds the GIL throughout)
+        k = next(islice(r.take.__self__, n - 1, None)) - n + 1
+        m = max(0, min(n, r.size - k))
         if m:
-            foreach_copy_([r.views[k] for k in ks], list(values[:m]))
-        refs = [(code, k) for k in ks]
-        if m < len(values):
+            foreach_copy_(list(r.views[k: k + m]), list(values[:m]))
+        refs = list(zip(repeat(code), range(k, k + m)))
+        if m < n:
             with self._lock:
                 self.short = True
                 for v in values[m:]:
@@ -271,7 +279,7 @@ class Slots:
         """Squared 2-norms of many (small) tensors: three foreach ops in all (one norm each
         where some are float64 or complex, which a float32 norm refuses, and a norm in their
         own type would overflow the half-precision ones)."""
-        if any(_norm_dtype(t) is None for t in tensors):
+        if not _WIDE.isdisjoint(map(_DTYPE, tensors)):  # (a C loop: no call per tensor)
             return [self.norm(t, code, square=True) for t in tensors]
         norms = foreach_norm(tensors, FLOAT32)
         foreach_square_(norms)
@@ -329,17 +337,20 @@ class FlatViews:
     dense block (a DTensor shard, a strided slice, another dtype) is not viewed (``None``); a
     channels-last or transposed one is viewed in memory order (see :func:`flat_view`)."""
 
-    __slots__ = ("params", "ptrs", "flats", "every")
+    __slots__ = ("params", "ptrs", "flats", "every", "plain")
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
         self.ptrs: list[int] = []
         self.flats: list[torch.Tensor | None] = []
         self.every = False  # every parameter has its view
+        self.plain = all(type(p) in PLAIN for p in params)  # (no DTensor: the usual case)
 
     def get(self, device: torch.device) -> list[torch.Tensor | None]:
-        # (a subclass, a DTensor, is never viewed: its pointer is not asked for)
-        ptrs = [p.data_ptr() if type(p) in PLAIN else 0 for p in self.params]
+        # (a subclass, a DTensor, is never viewed: its pointer is not asked for; otherwise
+        # the pointers are read in one C loop, as this runs for every weight at every step)
+        ptrs = list(map(_DATA_PTR, self.params)) if self.plain else \
+            [p.data_ptr() if type(p) in PLAIN else 0 for p in self.params]
         if ptrs != self.ptrs:
             self.ptrs = ptrs
             self.flats = [flat_view(p.detach(), copy=False) if type(p) in PLAIN

@@ -180,6 +180,7 @@ class Target:
         # Many small parameters are batched into one foreach call per step.
         small = [i for i in trained if self.params[i][1].numel() < _SMALL]
         self.small = small if len(small) > _FEW else []  # foreach only pays off for many
+        self.small_params = [self.params[i][1] for i in self.small]
         batched = set(self.small)
         self.large = [(i, self.params[i][1]) for i in trained if i not in batched]
         self.update_small, self.update_large, self.unowned = [], [], []
@@ -227,6 +228,7 @@ class Target:
         self.loss_buffer_homes: list[tuple[str, dict, str]] = []
         self.large: list[tuple[int, torch.Tensor]] = []
         self.small: list[int] = []
+        self.small_params: list[torch.Tensor] = []
         self.update_large: list[tuple[int, torch.Tensor]] = []
         self.update_small: list[tuple[int, torch.Tensor]] = []
         self.unowned: list[tuple[int, torch.Tensor]] = []

@@ -8,6 +8,7 @@ import math
 import models as M
 import pytest
 import torch
+from models import check_event
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -377,3 +378,88 @@ def test_a_model_ending_in_relu_checks_its_output(out_dir, strict_inf):
     row = rec.cycle.ring.ordered_rows()[-1]
     root = next(c for c in layout.calls if c[0] == 0)
     assert (decode_call(row, root)["min"], decode_call(row, root)["max"]) == (0.0, math.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# many small parameters: their norms in one foreach call each, chosen by C loops
+
+
+def _conv_bn_net(channels_last: bool) -> nn.Module:
+    """A small CNN as vision code writes it: 26 parameters, each under the size whose norms
+    are batched (conv kernels, biases, BatchNorm's affine pairs)."""
+    layers, c = [], 3
+    for _ in range(6):
+        layers += [nn.Conv2d(c, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()]
+        c = 8
+    net = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return net.to(memory_format=torch.channels_last) if channels_last else net
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_small_parameters_gradient_and_update_norms(out_dir, channels_last):
+    """Each small parameter's squared gradient norm before the update and squared weight
+    norm right after it are the step's, in the row, under the parameter's own index."""
+    torch.manual_seed(0)
+    model = _conv_bn_net(channels_last)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir) as rec:
+        assert len(rec.target.small) == 26 and not rec.target.large
+        for _ in range(4):
+            opt.zero_grad()
+            crit(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 4, (4,))).backward()
+            grads = [p.grad.norm().item() ** 2 for p in model.parameters()]
+            opt.step()
+            weights = [p.detach().norm().item() ** 2 for p in model.parameters()]
+        opt.zero_grad()
+        crit(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 4, (4,))).backward()
+        opt.step()  # (its row holds the evidence of step 3's update)
+    assert rec.health.internal_errors == 0
+    rows, layouts = rec.cycle.ring.ordered_rows(), rec.cycle.ring.layouts
+    step3, step4 = layouts[-2].materialize(), layouts[-1].materialize()
+    assert [i for i, _ in step3.grads] == list(range(26))
+    assert [rows[-2][k] for _, k in step3.grads] == pytest.approx(grads, rel=1e-4)
+    assert step4.update_step == 3 and [i for i, _ in step4.updates] == list(range(26))
+    assert [rows[-1][k] for _, k in step4.updates] == pytest.approx(weights, rel=1e-4)
+
+
+def test_nan_gradient_of_one_small_parameter_is_named(out_dir):
+    """A NaN in one BatchNorm bias's gradient (the only non-finite value of the step) is a
+    backward event naming that parameter, at the step it came."""
+    torch.manual_seed(0)
+    model = _conv_bn_net(False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    bias = model[7].bias
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            for step in range(5):
+                if step == 3:
+                    bias.register_hook(lambda g: g * float("nan"))
+                opt.zero_grad()
+                crit(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 4, (4,))).backward()
+                opt.step()
+    ev = info.value.event
+    check_event(ev, step=3, phase="backward", params=["7.bias"])
+
+
+def test_nan_update_of_one_small_parameter_is_named(out_dir):
+    """An update that writes NaN into one BatchNorm weight (its own parameter group, whose
+    learning rate a broken schedule made NaN) is an optimizer event naming it, at the step
+    whose update it was (read with the next step's one host read)."""
+    torch.manual_seed(0)
+    model = _conv_bn_net(False)
+    weight = model[4].weight
+    opt = torch.optim.SGD([{"params": [p for p in model.parameters() if p is not weight]},
+                           {"params": [weight]}], lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir):
+            for step in range(5):
+                if step == 2:
+                    opt.param_groups[1]["lr"] = float("nan")
+                opt.zero_grad()
+                crit(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 4, (4,))).backward()
+                opt.step()
+    check_event(info.value.event, step=2, phase="optimizer", params=["4.weight"],
+                after_update=True)
