@@ -15,6 +15,8 @@ import math
 import statistics
 from typing import Any
 
+import torch
+
 from .precursors import JUMP
 
 
@@ -44,3 +46,17 @@ def diverging_text(d: dict[str, Any]) -> str:
     """The what-if line's words for :func:`still_diverging`'s answer."""
     return (f", {d['ratio']:.3g}x the median {d['median']:.4g} of the unchanged re-run's steps "
             f"before step {d['before']}: still diverging, only later")
+
+
+def beyond_run_type(loss: float | None, dtype: torch.dtype | None) -> str | None:
+    """The run's own floating type (its weights'), when a finite try's loss is beyond that
+    type's largest value: a try in a wider type (``dtype=float64``) holds what a run in the
+    run's type cannot, so it read "finite" where that run still overflows. None otherwise."""
+    if loss is None or dtype is None or not dtype.is_floating_point or not math.isfinite(loss):
+        return None
+    return str(dtype).removeprefix("torch.") if abs(loss) > torch.finfo(dtype).max else None
+
+
+def beyond_text(dtype: str) -> str:
+    """The what-if line's words for :func:`beyond_run_type`'s answer."""
+    return f", beyond {dtype}'s range: a {dtype} run still overflows"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .cause_text import module_label
-from .diverging import diverging_text
+from .diverging import beyond_text, diverging_text
 
 
 def where(o: dict[str, Any] | None) -> str:
@@ -65,8 +65,9 @@ def what_if_verdict(t: dict[str, Any]) -> str:
     elif t["finite"]:  # (with the loss there: finite is not yet trained well)
         verdict = f"finite through step {t['steps'][1]}"
         if t.get("loss") is not None:
-            d = t.get("diverging")
-            verdict += f" (loss {t['loss']:.4g}{diverging_text(d) if d else ''})"
+            d, wide = t.get("diverging"), t.get("beyond")
+            verdict += (f" (loss {t['loss']:.4g}{diverging_text(d) if d else ''}"
+                        f"{beyond_text(wide) if wide else ''})")
     else:
         o = t["origin"]
         verdict = f"{o.get('kind') or 'non-finite'} at step {o['step']} ({where(o)})"

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .diverging import still_diverging
+from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, undroppable
 from .errors import ReplayError, one_line
 from .load import Step
@@ -180,10 +180,15 @@ def _eps_tries(step: Step, params: list[str]) -> list[str]:
     if lost := eps_lost(step, groups, params):
         return [f"eps={safe_eps(lost[1])}", "dtype=float32"]
     if any(g.get("eps") == 0 for g in step.optimizer.param_groups):
-        dtype = next((str(t.dtype).removeprefix("torch.") for k, t in step.tensors.items()
-                      if k.startswith("weights/") and t.is_floating_point()), None)
-        return [f"eps={safe_eps(dtype)}"]
+        dtype = _weights_dtype(step)
+        return [f"eps={safe_eps(dtype and str(dtype).removeprefix('torch.'))}"]
     return []
+
+
+def _weights_dtype(step: Step) -> torch.dtype | None:
+    """The dtype of the run's first floating weight, None when the bundle holds none."""
+    return next((t.dtype for k, t in step.tensors.items()
+                 if k.startswith("weights/") and t.is_floating_point()), None)
 
 
 def _lr_before_jump(report: dict[str, Any]) -> float | None:
@@ -265,6 +270,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
         if o is None:  # the re-run's loss at its last step, and whether it still diverges
             entry["loss"] = res.per_step[-1]["loss"] if res.per_step else None
             entry["diverging"] = still_diverging(entry["loss"], report.get("window"))
+            entry["beyond"] = beyond_run_type(entry["loss"], _weights_dtype(step))
         if res.problems:
             entry["note"] = "; ".join(res.problems)
         out.append(entry)

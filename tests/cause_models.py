@@ -521,3 +521,9 @@ def make_regressor() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1),
                          nn.Flatten(0))
+
+
+def make_count_model() -> nn.Module:
+    """The log rate of a count regression (a Poisson GLM's linear predictor, by an MLP)."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))

@@ -57,3 +57,37 @@ def test_a_target_out_of_scale_names_its_samples_and_auto_drops_them(tmp_path):
     assert "out of scale" in rep["hint"] and f"--try drop={ROW}" in rep["hint"], rep["hint"]
     tries = {t["try"]: t for t in rep["what_if"]}
     assert tries[f"drop={ROW}"]["finite"] is True, tries
+
+
+def test_a_float64_try_whose_loss_float32_cannot_hold_says_so(tmp_path):
+    """A count model with a log link (``PoissonNLLLoss(log_input=True)``: exp(eta) - y eta)
+    gets one record in grams where the others are in kilograms: exp(eta) of that row is 8.7e109,
+    beyond float32. ``--try auto`` drops the row (finite, loss 1.04) and tries float64, which
+    held it and read "finite through step 3 (loss 2.713e+108)", as if float64 fixed the run: a
+    float32 run with that loss still overflows, and the line now says so."""
+    model = C.make_count_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    crit = nn.PoissonNLLLoss(log_input=True)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="cause_models:make_count_model") as rec:
+            for step in range(6):
+                x = torch.rand(32, 8, generator=g)
+                y = torch.poisson(torch.full((32, 1), 2.0), generator=g)
+                if step == K:
+                    x[6] *= 1000.0
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    path = str(info.value.bundle_path)
+    rep = json.loads(CliRunner().invoke(cli, [path, "--json", "--try", "auto"]).stdout)
+    assert (rep["origin"]["op"], rep["origin"]["samples"], rep["cause"]) == \
+        ("aten.exp", [6], "overflow"), json.dumps(rep, indent=1)
+    tries = {t["try"]: t for t in rep["what_if"]}
+    wide, drop = tries["dtype=float64"], tries["drop=6"]
+    assert wide["finite"] is True and wide["loss"] > 3.4e38 and wide["beyond"] == "float32"
+    assert drop["finite"] is True and drop["loss"] < 10 and drop["beyond"] is None
+    text = CliRunner().invoke(cli, [path, "--try", "auto"]).stdout
+    line = next(t for t in text.splitlines() if "what-if    dtype=float64" in t)
+    assert "beyond float32's range: a float32 run still overflows" in line, line
