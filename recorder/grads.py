@@ -84,8 +84,6 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
     values, clipping, a replaced tensor. Small parameters: see :func:`small_param_norms`."""
     seen = tape.grad_seen
     every = not target.grad_hooks or target.ddp or target.has_scaler
-    if every and _reread_plain(tape, target, param_norms):
-        return
     strided = torch.strided
     idx, grads = [], []
     # last parameter first: the optimizer starts with the first, whose gradient is then
@@ -111,21 +109,3 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
         if param_norms and not target.grad_hooks:
             weights = [local(target.params[i][1]).detach() for i in idx]
             tape.param_norms.update(zip(idx, tape.slots.sq_norm_each(weights, STRICT)))
-
-
-def _reread_plain(tape: Tape, target: Target, param_norms: bool) -> bool:
-    """:func:`reread_changed_grads` of every gradient in its usual case, each a plain dense
-    tensor that needs no grad, told by C loops over them (it runs before every update);
-    False, having done nothing, otherwise."""
-    idx, params = target.large_last_first
-    grads = list(map(_GRAD, params))
-    if not (_PLAIN.issuperset(map(type, grads)) and _STRIDED.issuperset(map(_LAYOUT, grads))
-            and not any(map(_REQUIRES_GRAD, grads))) or not grads:
-        return False
-    with tape.lock:
-        tape.grad_norms.update(zip(idx, tape.slots.sq_norm_each(grads, GRAD)))
-        tape.grads_reread = True
-        if param_norms and not target.grad_hooks:
-            weights = [local(p).detach() for p in params]
-            tape.param_norms.update(zip(idx, tape.slots.sq_norm_each(weights, STRICT)))
-    return True

@@ -46,9 +46,6 @@ FLOAT32, FLOAT64, COMPLEX64 = torch.float32, torch.float64, torch.complex64
 _WIDE = frozenset((FLOAT64, torch.complex32, COMPLEX64, torch.complex128))
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
-_F32 = frozenset((FLOAT32,))
-_CONTIGUOUS, _IS_CPU = torch.Tensor.is_contiguous, operator.attrgetter("is_cpu")
-_DEVICE, _FLAT = operator.attrgetter("device"), operator.methodcaller("view", -1)
 
 
 class _Region:
@@ -250,9 +247,6 @@ class Slots:
         ``vector_norm`` on CPU) for float32, an upcast norm for other dtypes (a half-precision
         dot would overflow). One loop, as it runs over every gradient before every update."""
         r = self._regions[code]
-        if len(tensors) > 1 and _F32.issuperset(map(_DTYPE, tensors)) \
-                and all(map(_CONTIGUOUS, tensors)) and self._here(tensors):
-            return self._dots(r, list(map(_FLAT, tensors)), code)  # (the usual case: C loops)
         take, size, views, device, cpu = r.take, r.size, r.views, self.device, self._cpu
         refs = []
         for t in tensors:
@@ -266,31 +260,20 @@ class Slots:
             refs.append(self.norm(t, code, square=True))
         return refs
 
-    def _here(self, tensors) -> bool:
-        """Every tensor is on this device (one C loop on CPU)."""
-        if self._cpu:
-            return all(map(_IS_CPU, tensors))
-        return all(d == self.device for d in set(map(_DEVICE, tensors)))
-
-    def _dots(self, r: _Region, flats: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
-        """Squared norms of flat float32 vectors on this device: ``len(flats)`` slots taken at
-        once (see :meth:`_put`), one dot each; those past the slots' end go to overflow."""
-        n = len(flats)
-        if not n:
-            return []
-        k = next(islice(r.take.__self__, n - 1, None)) - n + 1
-        m = max(0, min(n, r.size - k))
-        for f, out in zip(flats[:m], r.views[k: k + m]):
-            torch.dot(f, f, out=out)
-        refs = list(zip(repeat(code), range(k, k + m)))
-        if m < n:
-            refs += self._put(code, [torch.dot(f, f) for f in flats[m:]])
-        return refs
-
     def sq_norm_flat(self, flats: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
         """Squared 2-norms of flat float32 vectors on this device (see :class:`FlatViews`):
         one dot each, no view made per step."""
-        return self._dots(self._regions[code], flats, code)
+        r = self._regions[code]
+        take, size, views = r.take, r.size, r.views
+        refs = []
+        for flat in flats:
+            k = take()
+            if k >= size:
+                refs.append(self.norm(flat, code, square=True))
+                continue
+            torch.dot(flat, flat, out=views[k])
+            refs.append((code, k))
+        return refs
 
     def sq_norms(self, tensors: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
         """Squared 2-norms of many (small) tensors: three foreach ops in all (one norm each

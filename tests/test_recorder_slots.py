@@ -463,22 +463,3 @@ def test_nan_update_of_one_small_parameter_is_named(out_dir):
                 opt.step()
     check_event(info.value.event, step=2, phase="optimizer", params=["4.weight"],
                 after_update=True)
-
-
-@pytest.mark.parametrize("flat", [False, True])
-def test_squared_norms_of_many_tensors_past_the_slots_end(flat):
-    """Squared norms taken n slots at a time: those that do not fit go to overflow, in order,
-    and the step is marked short so that the next one gets room for all of them."""
-    slots = Slots(CPU, n=4)
-    first = slots.sq_norm_each([torch.randn(3)], GRAD)  # one slot taken before
-    ts = [torch.randn(5, 7) for _ in range(5)]
-    refs = slots.sq_norm_flat([t.view(-1) for t in ts], GRAD) if flat \
-        else slots.sq_norm_each(ts, GRAD)
-    assert [k for _, k in first + refs] == [0, 1, 2, 3, 4, 5]
-    assert [_v(slots, r) for r in refs] == \
-        pytest.approx([t.norm().item() ** 2 for t in ts], rel=1e-5)
-    assert slots.short
-    grad = slots.gather()[GRAD]
-    assert grad[1:].tolist() == pytest.approx([t.norm().item() ** 2 for t in ts], rel=1e-5)
-    slots.start_step()
-    assert slots._regions[GRAD].size >= 6 and not slots.short
