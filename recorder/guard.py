@@ -45,11 +45,9 @@ class OptimizerGuard:
         # keeps two threads' post-hooks from taking the same one
         self._slots: list[Slots | None] = [None, None]
         self._lock = threading.Lock()
-        self._views: FlatViews | None = None  # of the large weights, kept between steps
-        self._viewed: list | None = None
-        self._small_views: FlatViews | None = None  # of the small weights, likewise
-        self._small_viewed: list | None = None
-        self._small_idx: list[int] = []
+        # flat views of the large and of the small weights, kept between steps: "large" or
+        # "small" -> (the target's list they view, its indices, the views)
+        self._views: dict[str, tuple[list, list[int], FlatViews]] = {}
         self._transform_warned = False
 
     def register(self, optimizer) -> list:
@@ -61,7 +59,7 @@ class OptimizerGuard:
     def release(self) -> None:
         self.copies = self.last_tape = None
         self._slots = [None, None]
-        self._views = self._viewed = self._small_views = self._small_viewed = None
+        self._views = {}
 
     @property
     def nbytes(self) -> int:
@@ -182,27 +180,30 @@ class OptimizerGuard:
             # the update belongs to the step the pre-hook just closed
             self.cycle.pending_update = UpdateEvidence(self.cycle.step - 1, refs, slots)
 
+    def _views_of(self, kind: str, indexed: list) -> tuple[list[int], FlatViews]:
+        """The indices of ``indexed`` (the target's ``update_large`` or ``update_small``) and
+        flat views of its weights, made again when the target partitions anew."""
+        held = self._views.get(kind)
+        if held is None or held[0] is not indexed:
+            held = self._views[kind] = (indexed, [i for i, _ in indexed],
+                                        FlatViews([p for _, p in indexed]))
+        return held[1], held[2]
+
     def _small_norms(self, slots: Slots, small: list, device: torch.device):
         """(index, ref) of the small weights' squared norms: one foreach call, over views kept
         from step to step where every weight has one (no detach per weight per step)."""
-        views = self._small_views
-        if views is None or self._small_viewed is not small:
-            views = self._small_views = FlatViews([p for _, p in small])
-            self._small_viewed, self._small_idx = small, [i for i, _ in small]
+        idx, views = self._views_of("small", small)
         flats = views.get(device)
-        return zip(self._small_idx, slots.sq_norms(
+        return zip(idx, slots.sq_norms(
             flats if views.every else [local(p).detach() for _, p in small], STRICT))
 
     def _large_norms(self, slots: Slots, large: list, device: torch.device) -> list:
         """(index, ref) of each large weight's squared norm: one dot over a view kept from
         step to step (see :class:`~recorder.slots.FlatViews`) where it can be."""
-        views = self._views
-        if views is None or self._viewed is not large:
-            views = self._views = FlatViews([p for _, p in large])
-            self._viewed = large
+        idx, views = self._views_of("large", large)
         flats = views.get(device)
         if views.every:  # (the usual case)
-            return list(zip([i for i, _ in large], slots.sq_norm_flat(flats, STRICT)))
+            return list(zip(idx, slots.sq_norm_flat(flats, STRICT)))
         # (detached, so no ``no_grad`` context is needed)
         return [(i, slots.sq_norm_flat([f], STRICT)[0] if f is not None
                  else slots.sq_norm(local(p).detach(), STRICT))
