@@ -25,7 +25,8 @@ optimizer's own CPU ``step`` counters, which Adam does every step and which neve
 device, are left out). On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` warnings are counted
 too. Counting runs in separate steps so the wrappers never slow the timed ones.
 
-    python benchmarks/overhead.py [--models mlp,cnn,transformer,mlp16,cnn_cl] [--rounds N]
+    python benchmarks/overhead.py [--models mlp,cnn,transformer,mlp16,cnn_cl,lm_small]
+                                  [--rounds N]
                                   [--device cpu|cuda] [--json out.json] [--quick]
                                   [--processes N] [--compile]
 
@@ -62,7 +63,8 @@ SEED = 1234
 DETECTORS = ("bare", "hooks", "anomaly", "debug_uo", "recorder")
 MODELS = ("mlp", "cnn", "transformer")
 # Timed rounds per model for a full CPU run (about 5-10 minutes on 2 cores in all).
-DEFAULT_ROUNDS = {"mlp": 600, "cnn": 120, "transformer": 80, "mlp16": 3000, "cnn_cl": 120}
+DEFAULT_ROUNDS = {"mlp": 600, "cnn": 120, "transformer": 80, "mlp16": 3000, "cnn_cl": 120,
+                  "lm_small": 600}
 RATIO_TARGET = 1.05
 FLOOR_GAP_TARGET = 0.02  # the recorder's own cost above the floor, in bare steps
 
@@ -209,8 +211,8 @@ def _cnn_cl_batch(g, device):
     return x.contiguous(memory_format=torch.channels_last), y
 
 
-def _lm_batch(g, device):
-    tokens = torch.randint(0, 1024, (8, 129), generator=g)
+def _lm_batch(g, device, seq: int = 128):
+    tokens = torch.randint(0, 1024, (8, seq + 1), generator=g)
     return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
 
 
@@ -229,6 +231,13 @@ SPECS = {
     # performance guide recommends for convolutions; its activations are not contiguous
     "cnn_cl": ModelSpec("cnn_cl", lambda: ResNet().to(memory_format=torch.channels_last),
                         _cnn_cl_batch, "the ResNet-style CNN in channels-last memory format"),
+    # opt-in (--models lm_small): the transformer at a small model's size (2 layers, d=64,
+    # seq 64), as tutorials and first experiments train it, where a step is ~20 ms on CPU and
+    # a per-module detector costs the most relative to it
+    "lm_small": ModelSpec("lm_small", lambda: Transformer(d=64, layers=2, seq=64),
+                          lambda g, device: _lm_batch(g, device, seq=64),
+                          "2-layer causal transformer, d=64, seq 64, batch 8, -inf mask",
+                          flatten=True),
 }
 
 
@@ -788,7 +797,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS),
                     help="comma-separated subset of: " + ", ".join(SPECS) + " (mlp16: the MLP "
                     "at width 16, batch 4, where a step is mostly Python; cnn_cl: the CNN in "
-                    "channels-last memory format; neither is in the default)")
+                    "channels-last memory format; lm_small: the transformer at 2 layers, d=64, seq 64; "
+                    "none of them is in the default)")
     ap.add_argument("--detectors", default=",".join(DETECTORS),
                     help="comma-separated subset of: " + ", ".join(DETECTORS)
                     + " (bare is always run), and floor: a yardstick run only when named (the"
