@@ -310,8 +310,10 @@ def test_nan_in_a_mask_every_sample_shares_names_no_sample(out_dir):
         rep["hint"]
 
 
-@pytest.mark.parametrize("lr, op, made", [(1e4, "aten.addmm", "+inf"),
-                                          (1e5, "aten.bmm", "nan")])  # (+inf met -inf)
+# (at lr=1e5 the scores' sums meet +inf and -inf, or not, in the order the CPU's bmm kernel
+# adds them: NaN on AMD EPYC, +inf on Intel Xeon; either way the same op overflowed)
+@pytest.mark.parametrize("lr, op, made", [(1e4, "aten.addmm", {"+inf"}),
+                                          (1e5, "aten.bmm", {"nan", "+inf"})])
 def test_overflow_in_an_attention_given_the_padding_mask_names_the_attention(
         out_dir, lr, op, made):
     """nn.TransformerEncoder (norm_first) gives each attention its bool padding mask as a
@@ -338,8 +340,9 @@ def test_overflow_in_an_attention_given_the_padding_mask_names_the_attention(
     check_event(info.value.event, step=5, phase="forward", module="encoder", kind="nan")
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
-    assert (o["module"], o["call"], o["op"], o["made"], rep["cause"], rep["reproduced"]) == \
-        ("encoder.layers.0.self_attn", 0, op, made, "overflow", True), o
+    assert (o["module"], o["call"], o["op"], rep["cause"], rep["reproduced"]) == \
+        ("encoder.layers.0.self_attn", 0, op, "overflow", True), o
+    assert o["made"] in made, o
 
 
 def test_inf_in_the_data_that_turns_into_nan_is_an_input_event(out_dir):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numerics_models as M
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 from torch import nn
 
@@ -209,7 +210,7 @@ def test_a_coupling_scale_that_overflows_exp_says_to_bound_the_exponent(tmp_path
 
 
 def test_acos_of_a_cosine_rounded_to_one_is_precision_and_the_clamp(tmp_path):
-    """ArcFace without a clamp: sample 3's embedding lies exactly along its class's weight, the
+    """ArcFace without a clamp: a sample's embedding lies exactly along its class's weight, the
     cosine of the two unit vectors rounds to 1.0 in float32 and acos's derivative is -inf
     there (float64 rounds it just below 1: finite). Not an overflow that float64 fixes: the
     cosine must be clamped inside (-1, 1)."""
@@ -221,9 +222,8 @@ def test_acos_of_a_cosine_rounded_to_one_is_precision_and_the_clamp(tmp_path):
             for step in range(6):
                 g = torch.Generator().manual_seed(step)
                 x, y = torch.randn(32, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
-                if step == K:
-                    with torch.no_grad():  # class y[3]'s weight along sample 3's embedding
-                        model.head.W[y[3]] = 3.0 * model.backbone(x[3:4])[0]
+                if step == K:  # a class's weight along one sample's embedding
+                    planted = _plant_parallel_weight(model, x, y)
                 loss = crit(model(x, y), y)
                 opt.zero_grad()
                 loss.backward()
@@ -231,10 +231,30 @@ def test_acos_of_a_cosine_rounded_to_one_is_precision_and_the_clamp(tmp_path):
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"]) == \
-        (K, "backward", "head", "AcosBackward0", [3])
+        (K, "backward", "head", "AcosBackward0", [planted])
     assert rep["cause"] == "precision" and rep["reproduced"] is True
     assert "rounded to exactly +-1, the edge of acos's domain" in rep["hint"]
     assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"]
+
+
+def _plant_parallel_weight(model, x, y) -> int:
+    """Set one class's weight to a multiple of a sample's embedding whose float32 cosine,
+    computed as the head computes it for this batch, is exactly 1.0, and return the sample.
+    Which multiple of which sample rounds to 1.0 depends on how the CPU's kernels sum (3x of
+    sample 3's does on AMD EPYC, not on Intel Xeon), so the first that does here is taken. A
+    multiple that is not a power of two rounds the weight off the exact direction: float64
+    keeps the cosine below 1."""
+    with torch.no_grad():
+        emb = model.backbone(x)
+        for i in (3, *range(len(x))):
+            row = model.head.W[y[i]].clone()
+            for c in (k / 4 for k in range(12, 400) if k & (k - 1)):  # (3x first)
+                model.head.W[y[i]] = c * emb[i]
+                cos = F.linear(F.normalize(emb), F.normalize(model.head.W))
+                if cos[i, y[i]].item() == 1.0 and (cos <= 1.0).all():
+                    return i
+            model.head.W[y[i]] = row
+    pytest.fail("no multiple of an embedding gives a float32 cosine of exactly 1.0 here")
 
 
 def test_float16_overflow_prints_the_value_and_the_limit_apart(tmp_path):

@@ -484,9 +484,12 @@ def test_the_replay_never_writes_the_bundles_tensors(out_dir):
                 crit(model(x), y).backward()
                 opt.step()
     err = info.value
-    # (and the bias before the norm: it subtracts the batch mean, so that gradient is 0 too)
-    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
-        (0, "optimizer", ["0.weight", "0.bias"])
+    # (and maybe the bias before the norm: it subtracts the batch mean, so that gradient is 0
+    # in exact arithmetic; in float32 some of its elements are 0 or a rounding residue, as the
+    # CPU's kernels sum them: exactly 0 on AMD EPYC, a residue on Intel Xeon)
+    assert (err.event["step"], err.event["phase"], err.event["params"][0]) == \
+        (0, "optimizer", "0.weight")
+    assert set(err.event["params"]) <= {"0.weight", "0.bias"}, err.event["params"]
     step = read_step(err.bundle_path)
     build(step, None, None)
     rep = analyze(step, ["eps=1e-8"])
