@@ -26,15 +26,16 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # by the default policy a NaN made from NaN-free inputs is searched for as a NaN (not when
     # the chain starts in a call enclosing the NaN's, whose own code made an infinity first)
     nan_only = not run.strict_inf and o.nan and o.inputs_nan_free and trigger is o
-    probe_at, probes = runner.bisect(len(run.calls), nan_only=nan_only)
+    n_calls = run.forward_calls()  # those a probe (a forward-only re-run) reaches
+    probe_at, probes = runner.bisect(n_calls, nan_only=nan_only)
     agrees = False
     if probe_at is not None:
         found = runner.probe_origin(probe_at, nan_only=nan_only)
         probes += 1
         agrees = found == (o.module, o.call, o.micro_batch)
     # at most ceil(log2 calls) bisection runs, then the one run that finds the origin call
-    report["bisection"] = {"probes": probes, "agrees": agrees, "calls": len(run.calls),
-                           "limit": _log2_ceil(len(run.calls)) + 1}
+    report["bisection"] = {"probes": probes, "agrees": agrees, "calls": n_calls,
+                           "limit": _log2_ceil(n_calls) + 1}
     recorded = o
     finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()

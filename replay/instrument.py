@@ -16,7 +16,7 @@ from recorder.capture import tensor_leaves  # not pytree: see replay.rerun
 from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok
 from recorder.samples import Samples, packed_in
 
-from .compat import in_buffers
+from .compat import in_buffers, running_node
 from .memo import TensorMemo, TensorSet
 from .recorded import samples
 from .run_result import Call, Run
@@ -106,7 +106,8 @@ class CallRecorder:
                 if not ok_out else [])
         nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs)
         self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
-                                      mm, parents, call_id, rows, nan, every_in, nan_free_in))
+                                      mm, parents, call_id, rows, nan, every_in, nan_free_in,
+                                      running_node() is not None))
 
 
 def _output_rows(outs: list[torch.Tensor], where: Samples, packed: dict) -> list[int]:

@@ -32,6 +32,9 @@ class Call:
     nan: bool = False  # an output holds NaN
     inputs_all_finite: bool = True  # no NaN/+-Inf in its inputs, allowed or not
     inputs_nan_free: bool = True
+    # run inside backward (activation checkpointing's recomputation), which a forward-only
+    # re-run (the bisection's probes) does not make
+    in_backward: bool = False
 
 
 @dataclass
@@ -121,6 +124,10 @@ class Run:
         by_id = {c.call_id: c for c in self.calls}
         return next((p for i in reversed(call.parents)
                      if (p := by_id.get(i)) is not None and p.inputs_all_finite), None)
+
+    def forward_calls(self) -> int:
+        """How many calls a forward-only re-run makes (the backward's recomputations left out)."""
+        return sum(not c.in_backward for c in self.calls)
 
     def signature(self) -> tuple:
         """What two runs of a deterministic step must agree on, bit for bit."""

@@ -1,0 +1,81 @@
+"""Models trained with memory- and weight-transforming techniques (activation checkpointing,
+pruning, parametrizations), written as their users write them, for
+``test_memory_techniques.py``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+VOCAB, D, HEADS, CLASSES = 50, 32, 4, 3
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d: int = D, heads: int = HEADS):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, pad):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
+        att = att.masked_fill(pad[:, None, None, :], -1e4).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = SelfAttention(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(0.1),
+                                 nn.Linear(4 * d, d))
+
+    def forward(self, x, pad):
+        x = x + self.attn(self.ln1(x), pad)
+        return x + self.mlp(self.ln2(x))
+
+
+class CheckpointedEncoder(nn.Module):
+    """A document classifier whose blocks run under ``torch.utils.checkpoint`` in training;
+    the mean over the kept tokens has no guard: an empty document is 0/0 in the root's own
+    code, the forward's last call."""
+
+    def __init__(self, reentrant: bool = False, layers: int = 3):
+        super().__init__()
+        self.reentrant = reentrant
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, tok, pad):
+        x = self.emb(tok)
+        for block in self.blocks:
+            x = (checkpoint(block, x, pad, use_reentrant=self.reentrant) if self.training
+                 else block(x, pad))
+        keep = (~pad).float().unsqueeze(-1)
+        pooled = (x * keep).sum(1) / keep.sum(1)  # the bug: no clamp_min(1)
+        return self.head(pooled)
+
+
+def make_checkpointed_encoder(reentrant: bool = False) -> nn.Module:
+    return CheckpointedEncoder(reentrant)
+
+
+def documents(step: int, empty_at: int | None = None, empty_row: int = 3, batch: int = 8,
+              length: int = 10):
+    """Token ids, a padding mask (True = pad) and labels; at step ``empty_at`` the document in
+    ``empty_row`` is empty (every position padding, as a filter that removed all its tokens
+    leaves it)."""
+    g = torch.Generator().manual_seed(step)
+    tok = torch.randint(0, VOCAB, (batch, length), generator=g)
+    lens = torch.randint(3, length + 1, (batch,), generator=g)
+    if step == empty_at:
+        lens[empty_row] = 0
+    pad = torch.arange(length)[None] >= lens[:, None]
+    return tok, pad, torch.randint(0, CLASSES, (batch,), generator=g)

@@ -1,0 +1,61 @@
+"""Memory- and weight-transforming training techniques under the recorder: activation
+checkpointing (``torch.utils.checkpoint``, Hugging Face's ``gradient_checkpointing_enable()``),
+pruning, parametrizations, weight averaging, LR schedulers. Each test trains a real loop as the
+README says, plants a real bug, and checks the event and what ``nanreplay`` says about it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import memory_models as M
+import pytest
+import torch
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay import replay
+
+HERE = Path(__file__).parent
+K = 3  # the step at which the planted bugs fire
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # the factories' module is trusted from here
+
+
+def _train_encoder(out_dir: Path, reentrant: bool) -> NonFiniteError:
+    model = M.make_checkpointed_encoder(reentrant)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="memory_models:make_checkpointed_encoder",
+                            factory_kwargs={"reentrant": reentrant}):
+            for step in range(6):
+                tok, pad, y = M.documents(step, empty_at=K)
+                opt.zero_grad()
+                crit(model(tok, pad), y).backward()
+                opt.step()
+    return info.value
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_blocks_bisection_over_the_forwards_calls(tmp_path, reentrant):
+    """The NaN is made by the forward's last call (the root's own mean over an empty document)
+    while the blocks' recomputation in backward adds calls after it: the bisection searches the
+    calls a forward-only probe makes, finds the root and agrees with the instrumented pass
+    (it used to search past the forward's end, where no probe reaches, and disagree)."""
+    err = _train_encoder(tmp_path, reentrant)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"]) == (K, "forward", "", 0)
+    assert ev["samples"] == [3]
+    rep = replay(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["call"], o["op"]) == ("forward", "", 0, "aten.div")
+    assert o["samples"] == [3]
+    forward_calls = 1 + 1 + 3 * (1 + 2 + 2 + 1 + 4 + 1) + 1  # root, emb, 3 blocks, head
+    b = rep["bisection"]
+    assert b["agrees"] is True and b["calls"] == forward_calls
+    assert b["probes"] <= b["limit"]
