@@ -53,6 +53,7 @@ class Alarm:
         self._stop = stop
         self.fired = False
         self.event: dict[str, Any] | None = None
+        self.renamed: dict[str, str] = {}  # parameters renamed since attach (Target.rename)
         self.bundle_path: Path | None = None
         self._lock = threading.RLock()
 
@@ -69,6 +70,7 @@ class Alarm:
             self._take_part(tape.step)
             return
         target = self.target
+        self.renamed = target.rename()
         try:
             evidence = StepEvidence(
                 row.tolist(), layout, tape, target.module_names, target.module_types,
@@ -99,7 +101,8 @@ class Alarm:
     def optimizer_event(self, bad: list[str], step: int, after_update: bool,
                         tape: Tape | None = None, guard=None) -> None:
         """An update whose weights ``bad`` had non-finite norms right after it."""
-        names = set(bad)
+        self.renamed = self.target.rename()
+        names = {self.renamed.get(n, n) for n in bad}
         # norms overflow float32 for finite values above ~1.8e19: the weights decide
         pairs = [(n, local(p)) for n, p in self.target.params
                  if n in names and not bool(torch.isfinite(local(p)).all())]
@@ -140,7 +143,10 @@ class Alarm:
         raising = self.settings.on_event == "raise"
         out_dir = self.settings.out_dir
         try:
-            meta, tensors = self._contents(tape, as_dict, guard, rank, world)
+            meta, tensors = self._contents(tape, as_dict, _renamed(guard, self.renamed), rank,
+                                           world)
+            if self.renamed:  # (the replay says so: the factory's model may predate it)
+                meta["renamed_after_attach"] = self.renamed
             path, moved = _write(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
         except Exception as e:
             why = (why_unwritable(out_dir, e) + _FAILED_TOO.format(out_dir=out_dir)
@@ -165,6 +171,14 @@ class Alarm:
             self._stop()
             raise NonFiniteError(msg, bundle_path=path, event=as_dict, write_error=moved)
         log.warning(msg)
+
+
+def _renamed(guard: dict[str, Any] | None, renamed: dict[str, str]) -> dict[str, Any] | None:
+    """The optimizer guard's copies under the parameters' names now (:meth:`Target.rename`)."""
+    if not guard or not renamed:
+        return guard
+    return {k: ({renamed.get(n, n): v for n, v in c.items()}
+                if k in ("weights", "grads", "state") else c) for k, c in guard.items()}
 
 
 # both out_dir and the temporary directory refused the bundle (a disk full for both)

@@ -210,6 +210,24 @@ class Target:
             self.unknown_warned = True
             log.warning(UNKNOWN_WARNING.format(n=len(unknown)))
 
+    def rename(self) -> dict[str, str]:
+        """Slow path: take the names the model gives the recorded parameters now, when the
+        loop restructured it after attach (``torch.nn.utils.prune`` re-registers a pruned
+        ``weight`` as ``weight_orig`` beside a ``weight_mask`` buffer, a parametrization as
+        ``parametrizations.weight.original``), and its buffers added since (those masks):
+        the bundle then describes the model that ran. Returns the old -> new names."""
+        model = self._model()
+        if model is None:
+            return {}
+        now = {id(p): eager_name(n) for n, p in model.named_parameters()}
+        renamed = {n: now[id(p)] for n, p in self.params if now.get(id(p), n) != n}
+        if renamed:
+            self.params = [(renamed.get(n, n), p) for n, p in self.params]
+            self.param_names = [n for n, _ in self.params]
+            known = {n for n, _, _ in self.buffer_homes}
+            self.buffer_homes += [h for h in buffer_homes(model) if h[0] not in known]
+        return renamed
+
     def follow_optimizer(self) -> None:
         """Partition again when the optimizer has gained parameter groups since
         (``add_param_group``: layers unfrozen mid-run), so that their gradients and updates

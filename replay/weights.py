@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import torch
 from torch import nn
 
 from recorder.target import LOSS_PREFIX
@@ -50,6 +51,30 @@ def _parametrized(missing: list[str], have: set[str]) -> str | None:
     return None
 
 
+def _prune_as_recorded(step, model: nn.Module, missing: list[str], have: set[str]) -> bool:
+    """Prune the factory's model as the run's was (``torch.nn.utils.prune``, applied by the
+    training loop after the factory built the model: iterative magnitude pruning): each
+    missing ``<w>_orig`` whose ``<w>`` the model has and whose ``<w>_mask`` the bundle holds
+    gets a pruning mask, which the bundle's then replaces. False when none is such."""
+    from torch.nn.utils import prune
+
+    done = []
+    for name in missing:
+        base = name.removesuffix("_orig")
+        if base == name or base not in have or f"buffers/{base}_mask" not in step.tensors:
+            continue
+        mod_name, _, attr = base.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        prune.custom_from_mask(mod, attr, torch.ones_like(getattr(mod, attr)))
+        done.append(base)
+    if done:
+        step.problems.append(
+            f"the run pruned {', '.join(map(repr, done))} (torch.nn.utils.prune) after the "
+            "factory built the model: the replay prunes the factory's model with the bundle's "
+            "masks")
+    return bool(done)
+
+
 def load_weights(step, model: nn.Module) -> None:
     """Assign the bundle's tensors as the model's parameters (no second copy) and copies of
     them as its buffers: every training forward writes buffers in place (running statistics),
@@ -63,6 +88,9 @@ def load_weights(step, model: nn.Module) -> None:
     expected = {n for n in meta.get("params", []) if not n.startswith(LOSS_PREFIX)}
     have = {n for names in names_by_id.values() for n in names}
     missing = sorted(n for n in expected if n not in have)
+    if missing and _prune_as_recorded(step, model, missing, have):
+        load_weights(step, model)
+        return
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ReplayError(f"the model from the factory has no parameter {missing[0]!r}{more} "

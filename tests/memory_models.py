@@ -79,3 +79,37 @@ def documents(step: int, empty_at: int | None = None, empty_row: int = 3, batch:
         lens[empty_row] = 0
     pad = torch.arange(length)[None] >= lens[:, None]
     return tok, pad, torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+class CosineHead(nn.Module):
+    """A cosine classifier: logits are scaled cosines between the features and each class's
+    weight row, normalised by hand (``w / ||w||``, no eps)."""
+
+    def __init__(self, d: int, classes: int, scale: float = 10.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(classes, d) / d ** 0.5)
+        self.scale = scale
+
+    def forward(self, x):
+        w = self.weight / self.weight.norm(dim=1, keepdim=True)  # 0/0 for a pruned row
+        return self.scale * nn.functional.normalize(x, dim=1) @ w.t()
+
+
+class PrunableNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 32),
+                                      nn.ReLU())
+        self.head = CosineHead(32, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def make_prunable_net() -> nn.Module:
+    return PrunableNet()
+
+
+def features(step: int, batch: int = 16):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch, 20, generator=g), torch.randint(0, 10, (batch,), generator=g)

@@ -59,3 +59,40 @@ def test_checkpointed_blocks_bisection_over_the_forwards_calls(tmp_path, reentra
     b = rep["bisection"]
     assert b["agrees"] is True and b["calls"] == forward_calls
     assert b["probes"] <= b["limit"]
+
+
+@pytest.mark.parametrize("reattach", [False, True])
+def test_iterative_pruning_of_a_cosine_head(tmp_path, reattach):
+    """Iterative magnitude pruning in the loop (``prune.ln_structured`` over the head's rows at
+    step K, after the recorder attached, from a factory that builds the unpruned model): a
+    whole class row is pruned and the cosine head divides its zero norm by itself. The
+    pruning re-registers ``head.weight`` as ``head.weight_orig`` beside a ``head.weight_mask``
+    buffer: the bundle holds them under those names (it held the unpruned values as
+    ``head.weight`` and no mask, and the replay said NOT reproduced), and the replay prunes the
+    factory's model with the bundle's mask and names the division."""
+    import torch.nn.utils.prune as prune
+
+    model = M.make_prunable_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="memory_models:make_prunable_net") as rec:
+            for step in range(6):
+                if step == K:
+                    prune.ln_structured(model.head, "weight", amount=0.3, n=2, dim=0)
+                    if reattach:  # as the guide says to do after changing the model
+                        rec.detach()
+                        rec.attach()
+                x, y = M.features(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"]) == (K, "forward", "head", 0)
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["call"], o["op"]) == ("forward", "head", 0, "aten.div")
+    assert o["samples"] == list(range(16))
+    assert any("pruned 'head.weight'" in p for p in rep["problems"])
