@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from .capture import map_tensors, tensor_leaves
-from .compat import any_autocast_enabled, func_transform, version, version_of, view_base
+from .compat import (
+    any_autocast_enabled,
+    func_transform,
+    in_backward,
+    version,
+    version_of,
+    view_base,
+)
 from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
@@ -113,7 +120,10 @@ class CallHooks:
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
             if self.copy_inputs:  # a forward that writes into its inputs: keep them as they came
                 mb.args, mb.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)
-            if tape.micro_batches and training and not self.target.sharded:
+            # (a forward run inside backward, a checkpointed model's recomputation, comes before
+            # that backward wrote any gradient: no zero_grad dropped them)
+            if tape.micro_batches and training and not self.target.sharded \
+                    and not in_backward():
                 mb.grads_dropped = self._grads_dropped(tape.micro_batches)
             if tape.micro_batches and not tape.evaluation:  # (the first has the step's)
                 mb.rng = cycle.capture_rng()

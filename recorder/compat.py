@@ -6,7 +6,8 @@ knows an output is unchanged), foreach kernels (one call for many small tensors)
 base class (statistics that change without moving the version counter), GradScaler's scale, growth
 tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
 the autocast regions a decorated ``forward`` enters, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
-non-persistent buffer names), where a DTensor's local shard sits (the checkpoint protocol), and
+non-persistent buffer names), whether a backward is running (checkpointing's recomputation),
+where a DTensor's local shard sits (the checkpoint protocol), and
 a process group's key-value store (where the ranks meet at attach).
 """
 
@@ -74,6 +75,12 @@ def sparse_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of (``t._base``), None when it is no view."""
     return t._base
+
+
+def in_backward() -> bool:
+    """A backward is running the current code (activation checkpointing's recomputation of a
+    forward inside it): ``torch._C._current_autograd_node``."""
+    return torch._C._current_autograd_node() is not None
 
 
 def any_autocast_enabled() -> bool:

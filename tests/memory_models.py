@@ -113,3 +113,36 @@ def make_prunable_net() -> nn.Module:
 def features(step: int, batch: int = 16):
     g = torch.Generator().manual_seed(step)
     return torch.randn(batch, 20, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+class CountsNet(nn.Module):
+    """Dense features plus a square-root transform of event counts scaled by a learned
+    per-feature rate: a count of 0 is sqrt(0) = 0 in the forward, whose derivative is +inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.rate = nn.Linear(6, 6)
+        self.root = SqrtCounts()
+        self.mlp = nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 2))
+
+    def forward(self, x, counts):
+        return self.mlp(self.rate(x) + self.root(counts * self.rate.weight[:, 0].abs()))
+
+
+class SqrtCounts(nn.Module):
+    def forward(self, c):
+        return torch.sqrt(c)  # variance-stabilising transform; no eps
+
+
+def make_counts_net() -> nn.Module:
+    return CountsNet()
+
+
+def counts(step: int, zero_at: int | None = None, batch: int = 8):
+    """Features, event counts (one sample's count 0 at step ``zero_at``) and labels."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(batch, 6, generator=g)
+    c = torch.randint(1, 50, (batch, 6), generator=g).float()
+    if step == zero_at:
+        c[4, 2] = 0
+    return x, c, torch.randint(0, 2, (batch,), generator=g)

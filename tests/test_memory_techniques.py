@@ -96,3 +96,33 @@ def test_iterative_pruning_of_a_cosine_head(tmp_path, reattach):
     assert (o["phase"], o["module"], o["call"], o["op"]) == ("forward", "head", 0, "aten.div")
     assert o["samples"] == list(range(16))
     assert any("pruned 'head.weight'" in p for p in rep["problems"])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_whole_model_checkpointed_by_the_loop_backward_nan(tmp_path, reentrant):
+    """The loop checkpoints the whole model (``checkpoint(model, x, c)``): its forward runs
+    again inside backward, a second root forward of the step. That recomputation starts before
+    the backward wrote any gradient, which is no ``zero_grad`` between micro-batches (the
+    recorder marked it ``grads_dropped`` with ``use_reentrant=False``, the replay dropped the
+    step's gradients and said NOT reproduced). A count of 0 makes sqrt's derivative +inf:
+    the replay names ``SqrtBackward0`` in ``root`` on sample 4."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, crit = M.make_counts_net(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="memory_models:make_counts_net"):
+            for step in range(6):
+                x, c, y = M.counts(step, zero_at=K)
+                x.requires_grad_(reentrant)  # the reentrant variant needs an input that does
+                opt.zero_grad()
+                crit(checkpoint(model, x, c, use_reentrant=reentrant), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (K, "backward", ["rate.weight"])
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"]) == ("backward", "root", "SqrtBackward0")
+    assert o["samples"] == [4]
