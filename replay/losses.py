@@ -204,3 +204,22 @@ def _builtin_module(info: dict[str, Any], tensors, device) -> nn.Module:
         if b in info.get("init_args", []):
             kwargs[b] = _tensor(tensors, f"loss/{b}", device, cls_path)
     return cls(**kwargs)
+
+
+def non_finite_loss_state(loss_fn) -> str | None:
+    """The loss module's first tensor (buffer, parameter or plain tensor attribute: a class
+    ``weight``, a ``pos_weight``) that holds NaN/+-Inf, with its first such entries, in words;
+    None when every one is finite. Such a tensor was made so before the step (class weights
+    from inverse frequencies with a class absent: 1/0), not by the loss's ops."""
+    if not isinstance(loss_fn, nn.Module):
+        return None
+    own = [*loss_fn.named_buffers(), *loss_fn.named_parameters()]
+    own += [(k, v) for k, v in vars(loss_fn).items() if isinstance(v, torch.Tensor)]
+    for name, t in own:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = ~torch.isfinite(t.detach())
+            vals = ", ".join(str(v) for v in t.detach()[bad][:3].tolist())
+            at = ", ".join(str(tuple(i) if len(i) > 1 else i[0])
+                           for i in bad.nonzero()[:3].tolist())
+            return f"the loss's {name!r} holding {vals}" + (f" at index {at}" if at else "")
+    return None

@@ -17,13 +17,14 @@ from recorder.finite import finite, kind_of, label, tensors_kind
 
 from . import outside
 from .backward import find_backward_origin
-from .cause import classify
+from .cause import Cause, classify
 from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .forward_grad import derivative_words, node_sources, with_node
 from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
 from .loss_grad import node_in_loss, probed_report
+from .losses import non_finite_loss_state
 from .ops import OpFinder, state_of
 from .optim import eps_lost, per_parameter, safe_eps
 from .param_writes import forward_made, forward_made_hint, loop_written_hint
@@ -127,6 +128,12 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         samples=_loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
         made=hit.made if hit else made)
     cause = classify(runner, "loss", hit=hit, micro_batch=mb)
+    if hit is not None and not hit.inputs_finite \
+            and (held := non_finite_loss_state(step.loss_fn)) is not None:
+        cause = Cause("weights", f"{hit.op} took {held}, as the step began: a value made "
+                      "before training (class weights 1/count with a class absent from the "
+                      "counts: 1/0), not by the loss; make it finite where it is made "
+                      "(count.clamp_min(1), a smoothing constant)")
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, cause.hint, cause.name, node))

@@ -126,3 +126,35 @@ def test_whole_model_checkpointed_by_the_loop_backward_nan(tmp_path, reentrant):
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"]) == ("backward", "root", "SqrtBackward0")
     assert o["samples"] == [4]
+
+
+def test_class_weights_from_inverse_frequencies_with_an_absent_class(tmp_path):
+    """The checkpointed encoder (a bystander) trained with ``CrossEntropyLoss(weight=...)``
+    whose class weights are inverse frequencies counted on a sample where class 2 is absent
+    (1/0 = inf). The first batch holding class 2 makes the loss NaN: a loss event on that
+    sample, and the replay says the loss's ``weight`` held inf at index 2 when the step began
+    (cause ``weights``), where it used to send the user looking for an op that made an
+    infinity ("find the op that made the first infinity"), which no op did."""
+    model = M.make_checkpointed_encoder()
+    seen = torch.cat([M.documents(s)[2] for s in range(2)]).clamp_max(1)  # no class 2 yet
+    counts = torch.bincount(seen, minlength=M.CLASSES).float()
+    crit = nn.CrossEntropyLoss(weight=counts.sum() / counts)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="memory_models:make_checkpointed_encoder"):
+            for step in range(6):
+                tok, pad, y = M.documents(step)
+                y = y.clamp_max(1)
+                if step == K:
+                    y[5] = 2  # the rare class
+                opt.zero_grad()
+                crit(model(tok, pad), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (K, "loss", "<loss>")
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "weights"
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["samples"]) == ("loss", "aten.nll_loss_forward", [5])
+    assert "the loss's 'weight' holding inf at index 2" in rep["hint"]
