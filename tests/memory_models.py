@@ -146,3 +146,23 @@ def counts(step: int, zero_at: int | None = None, batch: int = 8):
     if step == zero_at:
         c[4, 2] = 0
     return x, c, torch.randint(0, 2, (batch,), generator=g)
+
+
+class SqrtPositive(nn.Module):
+    """A parametrization keeping weights non-negative by training their squares: sqrt of the
+    stored value, which an update can push below 0."""
+
+    def forward(self, stored):
+        return stored.sqrt()
+
+    def right_inverse(self, w):
+        return w.abs() ** 2
+
+
+def make_small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def tabular(step: int, batch: int = 16):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(batch, 12, generator=g), torch.randint(0, 4, (batch,), generator=g)

@@ -158,3 +158,31 @@ def test_class_weights_from_inverse_frequencies_with_an_absent_class(tmp_path):
     o = rep["origin"]
     assert (o["phase"], o["op"], o["samples"]) == ("loss", "aten.nll_loss_forward", [5])
     assert "the loss's 'weight' holding inf at index 2" in rep["hint"]
+
+
+def test_parametrization_registered_after_attach_is_named(tmp_path):
+    """A parametrization registered by the loop after the recorder attached (sqrt of the
+    trained squares of the last layer's weight), which an Adam update drives below 0 at step
+    1: NaN in the layer. The bundle holds the weight under the name it has now
+    (``2.parametrizations.weight.original``), so the replay of a factory without it says the
+    run's model had a parametrization on ``2.weight`` to add in the factory (it held it as
+    ``2.weight`` and the replay, running the plain layer, said NOT reproduced)."""
+    import torch.nn.utils.parametrize as parametrize
+
+    from replay.errors import ReplayError
+
+    model, crit = M.make_small_mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="memory_models:make_small_mlp"):
+            parametrize.register_parametrization(model[2], "weight", M.SqrtPositive())
+            for step in range(6):
+                x, y = M.tabular(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "forward", "2")
+    with pytest.raises(ReplayError, match="the run's model had a parametrization on '2.weight'"):
+        replay(info.value.bundle_path)
