@@ -7,6 +7,8 @@
 - :func:`version`: a tensor's in-place version counter (``_version``), so a value computed
   from a tensor is reused only while the tensor is unmodified;
 - :func:`running_node`: the autograd node running an op (``_current_autograd_node``);
+- :func:`saved_value`: a value an autograd node saved (``_saved_*``), unless unpacking it
+  would recompute a checkpointed region (``_raw_saved_*.unpack_hook``);
 - :func:`writes_arguments`: whether an aten op writes into an argument (``func._schema``);
 - :func:`set_parameter`, :func:`set_buffer`, :func:`remove_member`: an ``nn.Module``'s
   parameter, buffer and submodule tables (``_parameters``, ``_buffers``, ``_modules``), written
@@ -24,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "sequence_nr",
-           "running_node", "writes_arguments",
+           "running_node", "saved_value", "writes_arguments",
            "set_parameter", "set_buffer", "remove_member"]
 
 
@@ -40,6 +42,16 @@ def running_node():
     """The autograd node whose backward is running the current op (an op of a backward the
     forward ran itself, through ``torch.autograd.grad``), None outside a backward."""
     return torch._C._current_autograd_node()
+
+
+def saved_value(node, name: str):
+    """``node._saved_<name>``, or None when reading it would run an unpack hook: activation
+    checkpointing (``use_reentrant=False``) re-runs its whole region to unpack one, which in
+    the forward would run that region's modules and ops again inside the call being watched."""
+    raw = getattr(node, f"_raw_saved_{name}", None)
+    if raw is not None and getattr(raw, "unpack_hook", None) is not None:
+        return None
+    return getattr(node, f"_saved_{name}", None)
 
 
 def sequence_nr(node) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .compat import saved_value
+
 # Ops whose result is positive in exact arithmetic for every finite argument: a 0 they return
 # is an underflow. Ops that pass values on unchanged keep that mark (a gathered probability).
 POSITIVE = {"exp", "exp2", "_softmax", "softmax", "sigmoid", "special_expit", "softplus"}
@@ -75,7 +77,7 @@ def _positive_product(fn, depth: int) -> bool:
     """A ``MulBackward0`` whose factors are each made positive, or a constant > 0 (a factor
     without a gradient: the node saved it for the other's)."""
     nexts = [f for f, _ in fn.next_functions]
-    saved = [getattr(fn, "_saved_self", None), getattr(fn, "_saved_other", None)]
+    saved = [saved_value(fn, "self"), saved_value(fn, "other")]
     for i, f in enumerate(nexts[:2]):
         if f is not None:
             if not made_positive(f, depth):

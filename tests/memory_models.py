@@ -166,3 +166,33 @@ def make_small_mlp() -> nn.Module:
 def tabular(step: int, batch: int = 16):
     g = torch.Generator().manual_seed(step)
     return torch.randn(batch, 12, generator=g), torch.randint(0, 4, (batch,), generator=g)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """torchtitan's op-level selective checkpointing policy: keep the matmuls' outputs,
+    recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keep = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectiveEncoder(CheckpointedEncoder):
+    """``CheckpointedEncoder`` under selective activation checkpointing
+    (``context_fn=create_selective_checkpoint_contexts``, ``use_reentrant=False``)."""
+
+    def forward(self, tok, pad):
+        from functools import partial
+
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        x = self.emb(tok)
+        for block in self.blocks:
+            x = checkpoint(block, x, pad, use_reentrant=False, context_fn=partial(
+                create_selective_checkpoint_contexts, _save_matmuls))
+        keep = (~pad).float().unsqueeze(-1)
+        return self.head((x * keep).sum(1) / keep.sum(1))  # the bug: no clamp_min(1)
+
+
+def make_selective_encoder() -> nn.Module:
+    return SelectiveEncoder()

@@ -186,3 +186,31 @@ def test_parametrization_registered_after_attach_is_named(tmp_path):
     assert (ev["step"], ev["phase"], ev["module"]) == (1, "forward", "2")
     with pytest.raises(ReplayError, match="the run's model had a parametrization on '2.weight'"):
         replay(info.value.bundle_path)
+
+
+def test_selective_checkpointing_op_finder_recomputes_nothing(tmp_path):
+    """Selective activation checkpointing (torchtitan's policy: save the matmuls, recompute
+    the rest): dropout's product inside each block saved its mask, packed by the checkpoint.
+    The op finder, asking whether a tensor an op took was positive by construction, read
+    that mask: unpacking it re-ran the block inside the forward being watched (its modules'
+    pre-hooks, without the post-hooks of the early-stopped recomputation), and the root's
+    own 0/0 over an empty document was blamed on ``blocks.2.mlp`` as an ``underflow``. It
+    reads no saved value whose read would recompute: the root's ``aten.div``, ``invalid``."""
+    model = M.make_selective_encoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="memory_models:make_selective_encoder"):
+            for step in range(6):
+                tok, pad, y = M.documents(step, empty_at=K)
+                opt.zero_grad()
+                crit(model(tok, pad), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (K, "forward", "", [3])
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["samples"]) == ("", 0, "aten.div", [3])
+    assert rep["bisection"]["agrees"] is True
