@@ -293,15 +293,15 @@ class StepCycle:
                             grads_scaled=self.target.has_scaler and not tape.grads_reread)
         slots = tape.slots
         pieces, starts, ends = slots.row_pieces()
-        # the last update's evidence goes first, so the probe that checks the must-be-finite
-        # entries checks it too: [update, STRICT, GRAD, NAN_ONLY, LOOSE]
-        pending = None if tape.evaluation else self.pending_update
+        # the last update's evidence goes first, so the probe of the must-be-finite entries checks
+        # it too: [update, STRICT, ...]; an evaluation's as well, leaving it to the next step's
+        # (weights it left finite that are not now, an EMA swapped in, are not the update's)
+        pending = self.pending_update
         if pending is not None and pending.step >= tape.step:
             pending = None  # made after this step closed (another thread's step()): the next's
-        updates: list = []
-        shift = 0
+        updates, shift = [], 0
         if pending is not None:
-            self.pending_update = None
+            self.pending_update = self.pending_update if tape.evaluation else None
             layout.update_step, updates = pending.step, pending.refs
             piece = pending.slots.row_pieces()[0][0]  # (its STRICT region is all it has)
             if piece.device == slots.device:

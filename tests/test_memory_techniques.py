@@ -214,3 +214,64 @@ def test_selective_checkpointing_op_finder_recomputes_nothing(tmp_path):
     o = rep["origin"]
     assert (o["module"], o["call"], o["op"], o["samples"]) == ("", 0, "aten.div", [3])
     assert rep["bisection"]["agrees"] is True
+
+
+class _ShadowEMA:
+    """A hand-written EMA of the weights (diffusers' ``EMAModel`` style: shadow copies;
+    ``store`` / ``copy_to`` / ``restore`` around validation). The planted bug: its warmup
+    decay ``1 - 1/n`` is taken with a tensor at n = 0: -inf, and the shadows are NaN."""
+
+    def __init__(self, params):
+        self.shadow = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self, params, n: int):
+        decay = 1 - 1 / torch.tensor(float(n))
+        for s, p in zip(self.shadow, params):
+            s.mul_(decay).add_(p, alpha=float(1 - decay))
+
+    @torch.no_grad()
+    def swap_in(self, params):
+        params = list(params)
+        self.backup = [p.detach().clone() for p in params]
+        for s, p in zip(self.shadow, params):
+            p.copy_(s)
+
+    @torch.no_grad()
+    def restore(self, params):
+        for b, p in zip(self.backup, params):
+            p.copy_(b)
+
+
+def test_ema_weights_swapped_in_for_validation_are_no_optimizer_event(tmp_path):
+    """The loop validates with the EMA's (NaN) weights copied into the model, under
+    ``torch.no_grad()``, after step 2's update. The evaluation forward's check now reads that
+    update's evidence too: the update left the weights finite, so they were written outside
+    ``optimizer.step()`` (a ``weights`` event naming step 2's update as the last that left them
+    finite); it used to blame the optimizer ('optimizer.step() made 4 parameter(s)
+    non-finite'), which the replay could not re-run."""
+    model, crit = M.make_small_mlp(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ema = _ShadowEMA(model.parameters())
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="memory_models:make_small_mlp"):
+            for step in range(6):
+                x, y = M.tabular(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+                ema.update(model.parameters(), step)
+                if step == 2:
+                    ema.swap_in(model.parameters())
+                    model.eval()
+                    with torch.no_grad():
+                        crit(model(x), y)
+                    model.train()
+                    ema.restore(model.parameters())
+    ev = info.value.event
+    assert (ev["phase"], ev["evaluation"], ev["last_update_step"]) == ("weights", True, 2)
+    assert ev["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    rep = replay(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "weights"
+    assert rep["origin"]["phase"] == "weights"
