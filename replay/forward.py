@@ -5,6 +5,7 @@ its source line and its cause.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from typing import Any
@@ -73,7 +74,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         source=(hit.source if hit and hit.source else module_source(step, o.module)),
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
-    cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=hit)
+    cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch),
+                     hit=_counted_in(finder, hit, o))
     # (the recorder names the chain's start as module statistics show it: ``recorded``)
     # (or the event's call: an older recorder named it when the infinity its inputs held was
     # made by the own code of a call enclosing it)
@@ -190,6 +192,7 @@ def _track_calls(finder: OpFinder, target, home: tuple[str, int], runner: Runner
                 seen[name] = k + 1
                 stack.append((name, k))
                 finder.where = stack[-1]
+                finder.entered[stack[-1]] = dict(finder.counts)
         return pre
 
     def leave(m, args, out):
@@ -215,6 +218,17 @@ def _innermost(run: Run, o, hit):
     name, k = hit.within
     return next((c for c in run.calls
                  if (c.module, c.call, c.micro_batch) == (name, k, o.micro_batch)), o)
+
+
+def _counted_in(finder: OpFinder, hit, o):
+    """``hit`` with its occurrence counted from the start of call ``o``, where the float64
+    re-run captures it, not from the start of the enclosing call the finder watched (an MoE
+    layer's 0/0 in a side value, an aux loss, that only the root's output carries)."""
+    before = finder.entered.get((o.module, o.call))
+    if hit is None or before is None:
+        return hit
+    name = hit.op.removeprefix("aten.")
+    return dataclasses.replace(hit, occurrence=hit.occurrence - before.get(name, 0))
 
 
 def origin_rows(step: Step, run: Run, o, hit) -> list[int]:

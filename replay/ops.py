@@ -352,6 +352,8 @@ class OpFinder:
         self.params: dict[tuple[int, tuple], str] = {}
         # the innermost module call running now, (name, call), as its caller tracks it
         self.where: tuple[str, int] | None = None
+        # ``counts`` as each such call began: an op's occurrence counted from there
+        self.entered: dict[tuple[str, int], dict[str, int]] = {}
         # (data_ptr, shape) of its parameters and buffers (set by that caller too), and the
         # tensors made from them alone: a learned per-class scale of the batch's length holds
         # classes, not samples, in its rows

@@ -1,0 +1,133 @@
+"""Models of tests/test_moe_probabilistic.py, written as research repos write them: a small
+Mixtral-style decoder (RMSNorm, rotary embeddings, causal SDPA, a top-k mixture of SwiGLU
+experts with token dropping and an aux loss, tied embeddings) and probabilistic forecasters
+built on ``torch.distributions``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def rope_cache(seq_len, dim, base, device):
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, n_heads, rope_base):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_base = n_heads, dim // n_heads, rope_base
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+                   for t in self.qkv(x).split(C, dim=-1))
+        cos, sin = rope_cache(T, self.head_dim, self.rope_base, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Expert(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Top-k routing, capacity-limited dispatch with ``index_add_``; the load-balancing loss
+    kept in ``self.aux_loss``. Its importance term averages each expert's router probability
+    over the tokens sent to it: 0/0 for an expert that got none."""
+
+    def __init__(self, dim, hidden, n_experts=4, top_k=2, capacity_factor=1.25):
+        super().__init__()
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(n_experts))
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_loss = None
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        logits = self.gate(flat)
+        probs = logits.softmax(-1)
+        topv, topi = probs.topk(self.top_k, dim=-1)
+        topv = topv / topv.sum(-1, keepdim=True)
+        capacity = int(self.capacity_factor * flat.shape[0] * self.top_k / self.n_experts)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (topi == e).nonzero(as_tuple=True)
+            tok, slot = tok[:capacity], slot[:capacity]
+            if tok.numel():
+                out.index_add_(0, tok, expert(flat[tok]) * topv[tok, slot].unsqueeze(-1))
+        mask = F.one_hot(topi[:, 0], self.n_experts).float()
+        importance = (probs * mask).sum(0) / mask.sum(0)  # the bug: 0/0 for an idle expert
+        z_loss = torch.logsumexp(logits, -1).pow(2).mean()
+        self.aux_loss = 0.01 * self.n_experts * (mask.mean(0) * importance).sum() + 1e-3 * z_loss
+        return out.view(B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, n_heads, hidden, rope_base, n_experts):
+        super().__init__()
+        self.ln1, self.ln2 = RMSNorm(dim), RMSNorm(dim)
+        self.attn = Attention(dim, n_heads, rope_base)
+        self.moe = MoE(dim, hidden, n_experts)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.moe(self.ln2(x))
+
+
+class MoELM(nn.Module):
+    """Returns ``(logits, aux_loss)``: the aux losses of every layer, summed, for the loss."""
+
+    def __init__(self, vocab=32, dim=16, n_layers=2, n_heads=2, hidden=24, rope_base=10000.0,
+                 n_experts=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, n_heads, hidden, rope_base, n_experts)
+                                    for _ in range(n_layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x)), sum(b.moe.aux_loss for b in self.blocks)
+
+
+def make_moe_lm(**kw):
+    return MoELM(**kw)
+
+
+def moe_lm_loss(out, targets):
+    logits, aux = out
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux

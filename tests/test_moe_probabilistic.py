@@ -1,0 +1,53 @@
+"""Mixture-of-experts language models and probabilistic models trained under the recorder,
+with the bugs such code has, and what ``nanreplay`` says of them."""
+
+from __future__ import annotations
+
+import json
+
+import moe_probabilistic_models as M
+import pytest
+import torch
+from bundles import invoke_cli
+
+from recorder import FlightRecorder, NonFiniteError
+
+
+def _lm_batches(n, vocab, repeated_at=None, B=4, T=8):
+    g = torch.Generator().manual_seed(0)
+    for s in range(n):
+        x = torch.randint(1, vocab, (B, T + 1), generator=g)
+        if s == repeated_at:
+            x[:] = 7  # a shard of one repeated token: every token routes alike
+        yield x[:, :-1], x[:, 1:]
+
+
+def _train_moe(out_dir, factory_kwargs, repeated_at):
+    torch.manual_seed(0)
+    model = M.make_moe_lm(**factory_kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.moe_lm_loss, out_dir=out_dir,
+                            factory="moe_probabilistic_models:make_moe_lm",
+                            factory_kwargs=factory_kwargs) as rec:
+            for x, y in _lm_batches(8, 32, repeated_at):
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    return info.value
+
+
+def test_an_idle_experts_mean_in_the_aux_loss_is_invalid_not_underflow(out_dir):
+    """The 0/0 of an expert no token chose is in the aux loss the MoE layer keeps aside, so the
+    layer's own output is finite and only the root's output carries it. The op's occurrence
+    was counted from the root's call, the float64 re-run looked for it from the layer's, found
+    nothing, took the layer's finite output for a finite float64 step and said ``underflow``
+    (a 0 rounded to 0) for an exact count of 0."""
+    err = _train_moe(out_dir, {}, repeated_at=4)
+    assert (err.event["step"], err.event["phase"]) == (4, "forward"), err.event
+    res = invoke_cli(err.bundle_path, "--json")
+    assert res.exit_code in (0, 1), res.output
+    rep = json.loads(res.stdout)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"]) == ("blocks.0.moe", "aten.div", "invalid"), rep
+    assert "0 by 0" in rep["hint"], rep["hint"]
