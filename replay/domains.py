@@ -94,6 +94,9 @@ def no_pole(name: str, ev: Evidence) -> bool:
         return True
     ins = [v for v, e in zip(ev.inputs, ev.elementwise) if e]
     if name in ("pow", "pow_") and ins:
+        b = scalar_base(ev)
+        if b is not None:  # number ** tensor: only a positive base is free of poles and NaN
+            return b > 0
         p = exponent(ev)
         if p is not None and (p >= 0 and (float(p).is_integer() or bool((ins[0] >= 0).all()))):
             return True  # x**2, x**3, sqrt-like powers of non-negatives: only too large
@@ -108,6 +111,14 @@ def exponent(ev: Evidence) -> float | None:
     args = list(ev.args)
     p = args[1] if len(args) > 1 else None
     return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None
+
+
+def scalar_base(ev: Evidence) -> float | None:
+    """The base of ``pow(number, tensor)`` (a rotary cache's ``base ** (i / d)``), else None:
+    there the floating input is the exponent, not the base."""
+    args = list(ev.args)
+    b = args[0] if args else None
+    return float(b) if isinstance(b, (int, float)) and not isinstance(b, bool) else None
 
 
 _FEW = ("of too few values for its correction (a division by n - correction = 0)", "few")
@@ -159,10 +170,7 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
             return f"{op} of 0 by 0 (0/0)", "divide"
         return f"{op} by 0 (x/0, a pole)", "divide"
     if base == "pow" and ins:
-        p = exponent(ev)
-        if zero and (p is None or p < 0):
-            return f"{op} of 0 to a negative power (a pole)", "power_pole"
-        return f"{op} of a negative number to a fractional power", "domain"
+        return _pow(op, ev, zero)
     if base in ("acos", "asin", "atanh") and x.numel():
         top = float(x[x.abs().argmax()])
         if base == "atanh" and abs(top) == 1:
@@ -176,6 +184,20 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")
     return f"{op} at a pole or outside its domain", "pole"
+
+
+def _pow(op: str, ev: Evidence, zero: bool) -> tuple[str, str]:
+    """A power's pole (0 to a negative power) or domain edge (a negative base to a fractional
+    power), for a tensor base or a number's (``base ** (i / d)``, a rotary cache)."""
+    b = scalar_base(ev)
+    if b is not None:
+        zero, what = b == 0, f"a negative base ({g(b)})"
+    else:
+        p, what = exponent(ev), "a negative number"
+        zero = zero and (p is None or p < 0)
+    if zero:
+        return f"{op} of 0 to a negative power (a pole)", "power_pole"
+    return f"{op} of {what} to a fractional power", "domain"
 
 
 # batch norm's aten ops: their running_var, the last floating input, is used when not training

@@ -32,9 +32,10 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim, n_heads, rope_base):
+    def __init__(self, dim, n_heads, rope_base, ntk=1.0, max_pos=16):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_base = n_heads, dim // n_heads, rope_base
+        self.ntk, self.max_pos = ntk, max_pos
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
 
@@ -42,7 +43,10 @@ class Attention(nn.Module):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
                    for t in self.qkv(x).split(C, dim=-1))
-        cos, sin = rope_cache(T, self.head_dim, self.rope_base, x.device)
+        # dynamic NTK scaling of the base, meant for sequences beyond max_pos only: applied
+        # to a shorter one it makes the base negative
+        base = self.rope_base * (self.ntk * T / self.max_pos - (self.ntk - 1))
+        cos, sin = rope_cache(T, self.head_dim, base, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
@@ -61,11 +65,13 @@ class Expert(nn.Module):
 
 class MoE(nn.Module):
     """Top-k routing, capacity-limited dispatch with ``index_add_``; the load-balancing loss
-    kept in ``self.aux_loss``. Its importance term averages each expert's router probability
-    over the tokens sent to it: 0/0 for an expert that got none."""
+    kept in ``self.aux_loss``. With ``idle_mean`` its importance term averages each expert's
+    router probability over the tokens sent to it: 0/0 for an expert that got none."""
 
-    def __init__(self, dim, hidden, n_experts=4, top_k=2, capacity_factor=1.25):
+    def __init__(self, dim, hidden, n_experts=4, top_k=2, capacity_factor=1.25,
+                 idle_mean=False):
         super().__init__()
+        self.idle_mean = idle_mean
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(n_experts))
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
@@ -86,18 +92,21 @@ class MoE(nn.Module):
             if tok.numel():
                 out.index_add_(0, tok, expert(flat[tok]) * topv[tok, slot].unsqueeze(-1))
         mask = F.one_hot(topi[:, 0], self.n_experts).float()
-        importance = (probs * mask).sum(0) / mask.sum(0)  # the bug: 0/0 for an idle expert
+        if self.idle_mean:  # the bug: 0/0 for an idle expert
+            importance = (probs * mask).sum(0) / mask.sum(0)
+        else:
+            importance = probs.mean(0)
         z_loss = torch.logsumexp(logits, -1).pow(2).mean()
         self.aux_loss = 0.01 * self.n_experts * (mask.mean(0) * importance).sum() + 1e-3 * z_loss
         return out.view(B, T, C)
 
 
 class Block(nn.Module):
-    def __init__(self, dim, n_heads, hidden, rope_base, n_experts):
+    def __init__(self, dim, n_heads, hidden, rope_base, n_experts, ntk, max_pos, idle_mean):
         super().__init__()
         self.ln1, self.ln2 = RMSNorm(dim), RMSNorm(dim)
-        self.attn = Attention(dim, n_heads, rope_base)
-        self.moe = MoE(dim, hidden, n_experts)
+        self.attn = Attention(dim, n_heads, rope_base, ntk, max_pos)
+        self.moe = MoE(dim, hidden, n_experts, idle_mean=idle_mean)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -108,10 +117,11 @@ class MoELM(nn.Module):
     """Returns ``(logits, aux_loss)``: the aux losses of every layer, summed, for the loss."""
 
     def __init__(self, vocab=32, dim=16, n_layers=2, n_heads=2, hidden=24, rope_base=10000.0,
-                 n_experts=4):
+                 n_experts=4, ntk=1.0, max_pos=16, idle_mean=False):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, n_heads, hidden, rope_base, n_experts)
+        self.blocks = nn.ModuleList(Block(dim, n_heads, hidden, rope_base, n_experts, ntk, max_pos,
+                                          idle_mean)
                                     for _ in range(n_layers))
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)

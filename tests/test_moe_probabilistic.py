@@ -13,16 +13,16 @@ from bundles import invoke_cli
 from recorder import FlightRecorder, NonFiniteError
 
 
-def _lm_batches(n, vocab, repeated_at=None, B=4, T=8):
+def _lm_batches(n, vocab, repeated_at=None, B=4, T=16, short_at=None, short=8):
     g = torch.Generator().manual_seed(0)
     for s in range(n):
-        x = torch.randint(1, vocab, (B, T + 1), generator=g)
+        x = torch.randint(1, vocab, (B, (T if s != short_at else short) + 1), generator=g)
         if s == repeated_at:
             x[:] = 7  # a shard of one repeated token: every token routes alike
         yield x[:, :-1], x[:, 1:]
 
 
-def _train_moe(out_dir, factory_kwargs, repeated_at):
+def _train_moe(out_dir, factory_kwargs, repeated_at=None, short_at=None, **lengths):
     torch.manual_seed(0)
     model = M.make_moe_lm(**factory_kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -30,7 +30,7 @@ def _train_moe(out_dir, factory_kwargs, repeated_at):
         with FlightRecorder(model, opt, loss_fn=M.moe_lm_loss, out_dir=out_dir,
                             factory="moe_probabilistic_models:make_moe_lm",
                             factory_kwargs=factory_kwargs) as rec:
-            for x, y in _lm_batches(8, 32, repeated_at):
+            for x, y in _lm_batches(8, 32, repeated_at, short_at=short_at, **lengths):
                 opt.zero_grad()
                 rec.loss_fn(model(x), y).backward()
                 opt.step()
@@ -43,7 +43,7 @@ def test_an_idle_experts_mean_in_the_aux_loss_is_invalid_not_underflow(out_dir):
     was counted from the root's call, the float64 re-run looked for it from the layer's, found
     nothing, took the layer's finite output for a finite float64 step and said ``underflow``
     (a 0 rounded to 0) for an exact count of 0."""
-    err = _train_moe(out_dir, {}, repeated_at=4)
+    err = _train_moe(out_dir, {"idle_mean": True}, repeated_at=4)
     assert (err.event["step"], err.event["phase"]) == (4, "forward"), err.event
     res = invoke_cli(err.bundle_path, "--json")
     assert res.exit_code in (0, 1), res.output
@@ -51,3 +51,22 @@ def test_an_idle_experts_mean_in_the_aux_loss_is_invalid_not_underflow(out_dir):
     o = rep["origin"]
     assert (o["module"], o["op"], rep["cause"]) == ("blocks.0.moe", "aten.div", "invalid"), rep
     assert "0 by 0" in rep["hint"], rep["hint"]
+
+
+def test_a_negative_rotary_base_is_a_power_outside_its_domain_not_an_overflow(out_dir):
+    """Dynamic NTK scaling applied to a batch shorter than the trained length makes the
+    rotary base negative, and ``base ** (i / d)`` is NaN. The float tensor of that
+    ``pow(number, tensor)`` is the exponent, not the base: the exponent being positive read as
+    a positive base, whose NaN could only be an overflow beyond float64."""
+    err = _train_moe(out_dir, {"ntk": 4.0, "max_pos": 32}, short_at=3, T=32, short=16)
+    assert (err.event["step"], err.event["phase"]) == (3, "forward"), err.event
+    rep = _replay(err)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"]) == ("blocks.0.attn", "aten.pow", "invalid"), rep
+    assert "negative base (-1e+04) to a fractional power" in rep["hint"], rep["hint"]
+
+
+def _replay(err):
+    res = invoke_cli(err.bundle_path, "--json")
+    assert res.exit_code in (0, 1), res.output
+    return json.loads(res.stdout)
