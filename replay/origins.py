@@ -67,14 +67,16 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     return report
 
 
-def _saved_infinity_maker(runner: Runner, mb: int, node: str | None):
-    """(op, cause) of the forward op that made the first infinity of micro-batch ``mb`` from
-    finite inputs (a log of 0 whose -inf a tanh then saturated), which backward ``node`` saved
-    and multiplied: that op, not the node, is where the value started. None when no op made
-    one (or only a literal fill, a mask), or when it is the node's own op (exp's overflow,
-    1/0 in a masked branch), which the node's cause describes."""
+def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str):
+    """(op, cause) of the forward op that made the first non-finite value of micro-batch
+    ``mb`` from finite inputs (a log of 0 whose -inf a tanh then saturated; a rotary cache's
+    NaN that CPU attention dropped from its output), which backward ``node`` saved as
+    ``saved``: that op, not the node, is where the value started. None when no op made one
+    (or only a literal fill, a mask), a NaN when an infinity was saved, or when it is the
+    node's own op (exp's overflow, 1/0 in a masked branch), which the node's cause describes."""
     hit = find_op_in_call(runner, "", 0, mb).origin()
-    if hit is None or hit.intentional or hit.made == "nan" or not hit.inputs_finite:
+    if hit is None or hit.intentional or not hit.inputs_finite \
+            or (hit.made == "nan" and saved != "nan"):
         return None
     own = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     if own and own.group(1).lower() == hit.op.rpartition(".")[2].strip("_").lower():
@@ -345,15 +347,15 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
                 f"in with the batch (rows {came['samples']} of {came['tensor'] or 'an input'}) "
                 "and which the forward carried without a non-finite output; " + HINTS["input"])
         return finish(report, origin, "input", reproduced=reproduced, hint=hint)
-    if b.saved in ("+inf", "-inf"):
-        maker = _saved_infinity_maker(runner, b.micro_batch or 0, b.node)
+    if b.saved is not None:
+        maker = _saved_value_maker(runner, b.micro_batch or 0, b.node, b.saved)
         if maker is not None:
             hit, cause = maker
             origin["samples"] = origin["samples"] or hit.rows or []
             origin["chain"] = [hit.as_json(), *origin["chain"]]
             hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, made by "
                     f"{hit.op} at {hit.source} and carried without a non-finite output "
-                    f"(saturated or masked); there: {cause.hint}")
+                    f"(saturated, masked or dropped); there: {cause.hint}")
             return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                      underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype)

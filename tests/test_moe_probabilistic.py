@@ -66,6 +66,23 @@ def test_a_negative_rotary_base_is_a_power_outside_its_domain_not_an_overflow(ou
     assert "negative base (-1e+04) to a fractional power" in rep["hint"], rep["hint"]
 
 
+def test_a_nan_that_attention_dropped_is_named_where_the_forward_made_it(out_dir):
+    """The same rotary NaN at 8 positions: CPU's fused attention returns 0 for rows whose
+    scores are NaN, so the forward is finite and its backward makes the NaN from the q and k
+    it saved. The node is named, and the hint and chain the forward op that made that NaN
+    (the power of a negative base), not a torch.where the model does not have."""
+    err = _train_moe(out_dir, {"ntk": 4.0}, short_at=3)
+    assert (err.event["step"], err.event["phase"]) == (3, "backward"), err.event
+    rep = _replay(err)
+    o = rep["origin"]
+    assert (o["module"], o["op"], rep["cause"]) == \
+        ("blocks.1.attn", "ScaledDotProductFlashAttentionForCpuBackward0", "invalid"), rep
+    assert o["chain"][0]["op"] == "aten.pow", o["chain"]
+    assert "made by aten.pow at tests/moe_probabilistic_models.py:24 " in rep["hint"], rep["hint"]
+    assert "negative base (-1e+04) to a fractional power" in rep["hint"], rep["hint"]
+    assert "torch.where" not in rep["hint"], rep["hint"]
+
+
 def _replay(err):
     res = invoke_cli(err.bundle_path, "--json")
     assert res.exit_code in (0, 1), res.output
