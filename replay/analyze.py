@@ -24,6 +24,7 @@ from .cause_text import DO
 from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
+from .hidden import report_hidden_forward
 from .load import Step, build, read_step
 from .loss_grad import loop_differentiation, not_rerun_term
 from .origins import (
@@ -327,6 +328,15 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return not_rerun_term(report, step, term)  # term may be all the backward went through
     if phase == "backward" and _no_backward_reached_the_output(step):
         return _gradients_from_the_loop(report, step)
+    return _not_reproduced(report, step, runner, phase)
+
+
+def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str, Any]:
+    """Nothing re-run made the event: a forward value no module output carried (an aux loss
+    the loop added), or else what the bundle does not hold."""
+    if phase in ("backward", "loss") and (hidden := report_hidden_forward(
+            report, step, runner)) is not None:
+        return hidden
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")
     report = finish(report, origin_fields(), "not_reproduced", reproduced=False)
     # the two re-runs agree with each other: no reason to suspect the hardware

@@ -114,10 +114,11 @@ class Block(nn.Module):
 
 
 class MoELM(nn.Module):
-    """Returns ``(logits, aux_loss)``: the aux losses of every layer, summed, for the loss."""
+    """Returns ``(logits, aux_loss)``: the aux losses of every layer, summed, for the loss;
+    without ``aux_out`` the logits alone, and the loop adds ``model.aux_loss()`` itself."""
 
     def __init__(self, vocab=32, dim=16, n_layers=2, n_heads=2, hidden=24, rope_base=10000.0,
-                 n_experts=4, ntk=1.0, max_pos=16, idle_mean=False):
+                 n_experts=4, ntk=1.0, max_pos=16, idle_mean=False, aux_out=True):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, n_heads, hidden, rope_base, n_experts, ntk, max_pos,
@@ -126,12 +127,17 @@ class MoELM(nn.Module):
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.emb.weight  # tied
+        self.aux_out = aux_out
 
     def forward(self, idx):
         x = self.emb(idx)
         for b in self.blocks:
             x = b(x)
-        return self.head(self.norm(x)), sum(b.moe.aux_loss for b in self.blocks)
+        logits = self.head(self.norm(x))
+        return (logits, self.aux_loss()) if self.aux_out else logits
+
+    def aux_loss(self):
+        return sum(b.moe.aux_loss for b in self.blocks)
 
 
 def make_moe_lm(**kw):
@@ -140,4 +146,8 @@ def make_moe_lm(**kw):
 
 def moe_lm_loss(out, targets):
     logits, aux = out
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + aux
+    return lm_loss(logits, targets) + aux
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -26,13 +26,17 @@ def _train_moe(out_dir, factory_kwargs, repeated_at=None, short_at=None, **lengt
     torch.manual_seed(0)
     model = M.make_moe_lm(**factory_kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    in_loop = factory_kwargs.get("aux_out") is False  # the loop adds the aux loss itself
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=M.moe_lm_loss, out_dir=out_dir,
-                            factory="moe_probabilistic_models:make_moe_lm",
+        with FlightRecorder(model, opt, loss_fn=M.lm_loss if in_loop else M.moe_lm_loss,
+                            out_dir=out_dir, factory="moe_probabilistic_models:make_moe_lm",
                             factory_kwargs=factory_kwargs) as rec:
             for x, y in _lm_batches(8, 32, repeated_at, short_at=short_at, **lengths):
                 opt.zero_grad()
-                rec.loss_fn(model(x), y).backward()
+                loss = rec.loss_fn(model(x), y)
+                if in_loop:
+                    loss = loss + model.aux_loss()
+                loss.backward()
                 opt.step()
     return info.value
 
@@ -81,6 +85,23 @@ def test_a_nan_that_attention_dropped_is_named_where_the_forward_made_it(out_dir
     assert "made by aten.pow at tests/moe_probabilistic_models.py:24 " in rep["hint"], rep["hint"]
     assert "negative base (-1e+04) to a fractional power" in rep["hint"], rep["hint"]
     assert "torch.where" not in rep["hint"], rep["hint"]
+
+
+def test_an_aux_loss_added_in_the_loop_names_the_op_no_module_output_carried(out_dir):
+    """The idle expert's 0/0, with the aux loss added in the loop (``ce + model.aux_loss()``)
+    rather than returned: no module output and no loss_fn value is non-finite, the gradients
+    are, so the event is a backward one that the re-run of loss_fn does not make. The report
+    said only "NOT reproduced"; it now names the forward op that made the NaN no output
+    carried, with its cause, and says how to make such a term replayable."""
+    err = _train_moe(out_dir, {"idle_mean": True, "aux_out": False}, repeated_at=4)
+    assert (err.event["step"], err.event["phase"]) == (4, "backward"), err.event
+    rep = _replay(err)
+    o = rep["origin"]
+    assert rep["reproduced"] is False, rep
+    assert (o["phase"], o["module"], o["op"], rep["cause"]) == \
+        ("forward", "blocks.0.moe", "aten.div", "invalid"), rep
+    assert "0 by 0" in rep["hint"] and "inside loss_fn" in rep["hint"], rep["hint"]
+    assert any("no module output carries" in p for p in rep["problems"]), rep["problems"]
 
 
 def _replay(err):
