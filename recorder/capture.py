@@ -32,13 +32,14 @@ def _json_float(x: float) -> Any:
     return x if math.isfinite(x) else {"$float": repr(x)}
 
 
-def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
+def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
+                 ) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
     """Encode ``obj`` as JSON; tensor leaves are returned under keys ``prefix/<n>``.
 
     Also returns a readable path for each key, such as ``[0]["image"]``. Leaves that are neither
     tensors nor JSON scalars are kept as their ``repr`` and marked, so the replay can say it
-    cannot rebuild them instead of guessing.
-    """
+    cannot rebuild them instead of guessing, unless ``whole(o)`` stands in for them (a model
+    output that is a ``torch.distributions.Normal``)."""
     tensors: dict[str, torch.Tensor] = {}
     paths: dict[str, str] = {}
 
@@ -86,6 +87,8 @@ def flatten_tree(obj: Any, prefix: str, leaf=None) -> tuple[Any, dict[str, torch
             return {"$dtype": str(o).removeprefix("torch.")}
         if isinstance(o, torch.device):
             return {"$device": str(o)}
+        if whole is not None and (node := whole(o)) is not None:
+            return node
         return {"$repr": repr(o)[:200], "$type": type(o).__qualname__}
 
     return walk(obj, ""), tensors, paths

@@ -70,7 +70,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],
                                           f"{prefix}loss_in/{i}", leaf=partial_leaf(
                                               outs, [list(tensor_leaves(m.outputs))
-                                                     for m in earlier], ts))
+                                                     for m in earlier], ts),
+                                          whole=_whole_output(mb, earlier))
         tensors.update(lts)
         out["loss_inputs"], out["loss_paths"] = ltree, lpaths
     grads = {}
@@ -136,6 +137,18 @@ def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (
         return None
 
     return leaf
+
+
+def _whole_output(mb, earlier):
+    """Stand-in for a loss argument that is a model output as a whole, when that output is an
+    object the bundle cannot hold (a ``torch.distributions`` object, whose loss is its
+    ``log_prob``): ``{"$output": true}``, with ``"mb": k`` for micro-batch ``k``'s."""
+    def whole(o):
+        if o is mb.outputs:
+            return {"$output": True}
+        return next(({"$output": True, "mb": k} for k, m in enumerate(earlier)
+                     if o is m.outputs), None)
+    return whole
 
 
 def _out_ref(i: int, mb: int | None) -> dict[str, int]:

@@ -294,12 +294,14 @@ def micro_batch_inputs(step: Step, i: int, made: dict[str, torch.Tensor] | None 
 
 
 def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
-                inputs: dict[str, torch.Tensor] | None = None) -> tuple[list, dict] | None:
+                inputs: dict[str, torch.Tensor] | None = None, objects: list | None = None
+                ) -> tuple[list, dict] | None:
     """The loss's recorded arguments for micro-batch ``i``, with the model outputs swapped for
     the re-computed ones (``outputs[k]``: micro-batch ``k``'s, up to ``i``) and its inputs for
     those the re-run fed the model (``inputs``, by key: see ``micro_batch_inputs``). An earlier micro-
     batch's output (one loss over two forwards) is given detached: the gradient the loss sent
-    it reaches it from its own recorded output gradient, when its backward runs."""
+    it reaches it from its own recorded output gradient, when its backward runs. An output
+    the bundle holds as a whole (a distribution) is taken from ``objects``, as returned."""
     tree = step.micro_batches[i].get("loss_inputs")
     if tree is None:
         return None
@@ -308,6 +310,8 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
         if "$in" in node:  # the micro-batch's own input, as the re-run fed it to the model
             return inputs[node["$in"]] if inputs and node["$in"] in inputs \
                 else step.tensors[node["$in"]].to(step.device)
+        if node.get("$output") is True and objects is not None:
+            return objects[node.get("mb", i)]
         if "$out" not in node:
             return None
         k = node.get("mb", i)

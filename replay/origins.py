@@ -146,14 +146,14 @@ def _loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):
     the model made by exp, softmax, sigmoid or softplus (their graph is cut here), so that
     a 0 the loss takes the log of (a softplus variance) reads as the underflow it is."""
     if differentiates_model(step, mb):  # (the loss differentiates them: not cut)
-        return loss_inputs(step, mb, run.outputs, run.inputs[mb])
+        return loss_inputs(step, mb, run.outputs, run.inputs[mb], run.objects)
     outputs = [[t.detach() for t in o] for o in run.outputs]
     if finder is not None:
         for made, cut in zip(run.outputs, outputs):
             for t, d in zip(made, cut):
                 if made_positive(t.grad_fn):
                     finder.mark_positive(d)
-    args, kwargs = loss_inputs(step, mb, outputs)
+    args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects)
     return args, kwargs
 
 

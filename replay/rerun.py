@@ -170,6 +170,7 @@ class Runner:
                         out = self.model(*args, **kwargs)
                     outs = list(tensor_leaves(out))
                     result.outputs.append(outs)
+                    result.objects.append(out)
                     with _enter(forward_ctx):  # the loss's nodes too
                         loss = self._loss(i, outs, result)
                     if backward and mb.get("grad_enabled", True):
@@ -192,7 +193,7 @@ class Runner:
     def _loss(self, i: int, outs: list[torch.Tensor], result: Run):
         if self.step.loss_fn is None:
             return None
-        li = loss_inputs(self.step, i, result.outputs, result.inputs[i])
+        li = loss_inputs(self.step, i, result.outputs, result.inputs[i], result.objects)
         if li is None:
             return None
         args, kwargs = li

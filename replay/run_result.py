@@ -50,6 +50,7 @@ class Run:
     losses: list = field(default_factory=list)  # each micro-batch's loss (replay.window)
     bad_grads: list[str] = field(default_factory=list)
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
+    objects: list = field(default_factory=list)  # each micro-batch's output as returned
     # each micro-batch's input tensors as the model took them, by bundle key (a loss's $in)
     inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     error: Exception | None = None  # what the model's own code raised, ending the run there

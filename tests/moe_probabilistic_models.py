@@ -151,3 +151,43 @@ def moe_lm_loss(out, targets):
 
 def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class DeepAR(nn.Module):
+    """A DeepAR-style forecaster: a GRU over the past values and a covariate, returning the
+    next values' ``Normal(mu, softplus(s))``; the loss is its negative log-likelihood."""
+
+    def __init__(self, hidden=16, validate=None, min_scale=0.0):
+        super().__init__()
+        self.rnn = nn.GRU(2, hidden, batch_first=True)
+        self.mu = nn.Linear(hidden, 1)
+        self.sigma = nn.Linear(hidden, 1)
+        self.validate, self.min_scale = validate, min_scale
+
+    def forward(self, past, covariate):
+        h, _ = self.rnn(torch.stack([past, covariate], -1))
+        scale = F.softplus(self.sigma(h).squeeze(-1)) + self.min_scale
+        return torch.distributions.Normal(self.mu(h).squeeze(-1), scale,
+                                          validate_args=self.validate)
+
+
+def make_deepar(**kw):
+    return DeepAR(**kw)
+
+
+def gaussian_nll(dist, y):
+    return -dist.log_prob(y).mean()
+
+
+def series(step, bad_at=None, B=8, T=12):
+    """Noisy sines with a covariate; at step ``bad_at`` series 4's targets hold a 1e30 (a
+    sensor's overflow value never filtered out)."""
+    g = torch.Generator().manual_seed(step)
+    t = torch.arange(T + 1).float()
+    x = torch.sin(t / 3 + torch.rand(B, 1, generator=g) * 6) + 0.1 * torch.randn(B, T + 1,
+                                                                                 generator=g)
+    cov = torch.randn(B, T, generator=g)
+    y = x[:, 1:].clone()
+    if step == bad_at:
+        y[4, 7] = 1e30
+    return (x[:, :-1], cov), y

@@ -108,3 +108,34 @@ def _replay(err):
     res = invoke_cli(err.bundle_path, "--json")
     assert res.exit_code in (0, 1), res.output
     return json.loads(res.stdout)
+
+
+def _train_deepar(out_dir, factory_kwargs, bad_at, steps=8):
+    torch.manual_seed(0)
+    model = M.make_deepar(**factory_kwargs)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.gaussian_nll, out_dir=out_dir,
+                            factory="moe_probabilistic_models:make_deepar",
+                            factory_kwargs=factory_kwargs) as rec:
+            for s in range(steps):
+                (past, cov), y = M.series(s, bad_at)
+                opt.zero_grad()
+                rec.loss_fn(model(past, cov), y).backward()
+                opt.step()
+    return info.value
+
+
+def test_a_model_returning_a_distribution_is_replayed_with_its_loss(out_dir):
+    """A forecaster returns ``torch.distributions.Normal`` and the loss is its ``log_prob``:
+    the bundle held the loss's first argument as the object's repr, and every replay failed
+    (``UnrebuildableLeaf: Normal``). The output as a whole is now a reference to the re-run's
+    own output: the loss is re-run and the op, sample and cause are named."""
+    err = _train_deepar(out_dir, {}, bad_at=5)
+    assert (err.event["step"], err.event["phase"]) == (5, "loss"), err.event
+    rep = _replay(err)
+    o = rep["origin"]
+    assert rep["reproduced"] is True, rep
+    assert (o["phase"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", "aten.pow", [4], "overflow"), rep
+    assert "out of scale" in rep["hint"], rep["hint"]
