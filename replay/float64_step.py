@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 
+from recorder.finite import finite
+
 from .errors import StopRun
 from .ops import Float64, OpAt
 from .rerun import Runner
@@ -31,6 +33,8 @@ def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: i
                 window.close()
     if run.error is not None and not (until and any((c.module, c.call, c.micro_batch) == until
                                          for c in run.calls)):
+        if capture is not None and capture.outputs is not None:  # raised after the op (a
+            return not all(finite(o) for o in capture.outputs)  # validate_args check)
         raise run.error  # float64 made the model raise before the origin: no answer
     if phase == "forward":  # the origin's own outputs (an earlier -inf mask stays in float64)
         return any(not c.outputs_finite for c in run.calls

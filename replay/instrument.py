@@ -68,6 +68,8 @@ class CallRecorder:
             call_id = self.started
             self.started += 1
             self.pending[call_id] = (self._inputs_ok(args, kwargs), tuple(self.stack))
+            # until it returns: a call the model raises in (a validate_args check) never does
+            self.result.open[call_id] = (name, self.runner.micro_batch, self.pending[call_id])
             self.stack.append(call_id)
         return hook
 
@@ -89,6 +91,7 @@ class CallRecorder:
 
     def _record(self, name: str, call_id: int, output) -> None:
         (ok_in, every_in, nan_free_in), parents = self.pending.pop(call_id)
+        self.result.open.pop(call_id, None)
         outs = [t for t in tensor_leaves(output) if t.is_floating_point() and t.numel()]
         allowed = name in self.runner.allowed
         pairs = self._output_pairs(outs)

@@ -58,6 +58,9 @@ class Run:
     allowed: frozenset = frozenset()  # modules allowed to hold +-Inf (allow_inf)
     # micro-batches whose inputs' infinities are all additive -inf masks (intended)
     masked: set = field(default_factory=set)
+    # call id -> (module, micro-batch, (input flags, enclosing call ids)) of the calls that
+    # started and never returned: the model raised inside them
+    open: dict = field(default_factory=dict)
 
     @property
     def raised(self) -> str | None:
@@ -83,6 +86,8 @@ class Run:
             return self.chain()[0]
         bad = [c for c in self.calls if not c.outputs_finite]
         made = [c for c in bad if c.inputs_finite]
+        if not made and bad and self.open:  # the call whose own code made it raised
+            return self._enclosing_maker(bad[0]) or bad[0]
         return made[0] if made else (bad[0] if bad else None)
 
     def chain(self) -> tuple[Call | None, Call | None, bool]:
@@ -121,10 +126,22 @@ class Run:
         return (root or trigger), trigger, root is not None
 
     def _enclosing_maker(self, call: Call) -> Call | None:
-        """The innermost call enclosing ``call`` whose inputs were all finite."""
+        """The innermost call enclosing ``call`` whose inputs were all finite, among those that
+        returned and those the model raised in (the root's, when a distribution's
+        ``validate_args`` refused the NaN its own code made)."""
         by_id = {c.call_id: c for c in self.calls}
         return next((p for i in reversed(call.parents)
-                     if (p := by_id.get(i)) is not None and p.inputs_all_finite), None)
+                     if (p := by_id.get(i) or self._unfinished(i)) is not None
+                     and p.inputs_all_finite), None)
+
+    def _unfinished(self, call_id: int) -> Call | None:
+        """The call ``call_id`` that never returned, as a :class:`Call` with no outputs."""
+        if call_id not in self.open:
+            return None
+        name, mb, ((ok, every, nan_free), parents) = self.open[call_id]
+        k = sum(1 for c in self.calls if c.module == name and c.micro_batch == mb)
+        return Call(len(self.calls), name, k, mb, ok, True, None, (), parents, call_id,
+                    inputs_all_finite=every, inputs_nan_free=nan_free)
 
     def forward_calls(self) -> int:
         """How many calls a forward-only re-run makes (the backward's recomputations left out)."""

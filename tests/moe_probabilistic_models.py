@@ -90,7 +90,8 @@ class MoE(nn.Module):
             tok, slot = (topi == e).nonzero(as_tuple=True)
             tok, slot = tok[:capacity], slot[:capacity]
             if tok.numel():
-                out.index_add_(0, tok, expert(flat[tok]) * topv[tok, slot].unsqueeze(-1))
+                y = expert(flat[tok]) * topv[tok, slot].unsqueeze(-1)
+                out.index_add_(0, tok, y.to(out.dtype))  # (bf16 experts under autocast)
         mask = F.one_hot(topi[:, 0], self.n_experts).float()
         if self.idle_mean:  # the bug: 0/0 for an idle expert
             importance = (probs * mask).sum(0) / mask.sum(0)
@@ -155,19 +156,23 @@ def lm_loss(logits, targets):
 
 class DeepAR(nn.Module):
     """A DeepAR-style forecaster: a GRU over the past values and a covariate, returning the
-    next values' ``Normal(mu, softplus(s))``; the loss is its negative log-likelihood."""
+    next values' ``Normal(mu, softplus(s))``; the loss is its negative log-likelihood. With
+    ``mean_scaling`` each series is divided by its mean absolute value, as DeepAR does, but
+    without the paper's + 1: 0/0 for a series of zeros."""
 
-    def __init__(self, hidden=16, validate=None, min_scale=0.0):
+    def __init__(self, hidden=16, validate=None, min_scale=0.0, mean_scaling=False):
         super().__init__()
+        self.mean_scaling = mean_scaling
         self.rnn = nn.GRU(2, hidden, batch_first=True)
         self.mu = nn.Linear(hidden, 1)
         self.sigma = nn.Linear(hidden, 1)
         self.validate, self.min_scale = validate, min_scale
 
     def forward(self, past, covariate):
-        h, _ = self.rnn(torch.stack([past, covariate], -1))
-        scale = F.softplus(self.sigma(h).squeeze(-1)) + self.min_scale
-        return torch.distributions.Normal(self.mu(h).squeeze(-1), scale,
+        v = past.abs().mean(-1, keepdim=True) if self.mean_scaling else 1.0
+        h, _ = self.rnn(torch.stack([past / v, covariate], -1))
+        scale = (F.softplus(self.sigma(h).squeeze(-1)) + self.min_scale) * v
+        return torch.distributions.Normal(self.mu(h).squeeze(-1) * v, scale,
                                           validate_args=self.validate)
 
 
@@ -179,9 +184,10 @@ def gaussian_nll(dist, y):
     return -dist.log_prob(y).mean()
 
 
-def series(step, bad_at=None, B=8, T=12):
+def series(step, bad_at=None, B=8, T=12, zeros_at=None):
     """Noisy sines with a covariate; at step ``bad_at`` series 4's targets hold a 1e30 (a
-    sensor's overflow value never filtered out)."""
+    sensor's overflow value never filtered out), at step ``zeros_at`` series 5 is all zeros
+    (a product with no sales yet)."""
     g = torch.Generator().manual_seed(step)
     t = torch.arange(T + 1).float()
     x = torch.sin(t / 3 + torch.rand(B, 1, generator=g) * 6) + 0.1 * torch.randn(B, T + 1,
@@ -190,4 +196,6 @@ def series(step, bad_at=None, B=8, T=12):
     y = x[:, 1:].clone()
     if step == bad_at:
         y[4, 7] = 1e30
+    if step == zeros_at:
+        x[5], y[5] = 0.0, 0.0
     return (x[:, :-1], cov), y

@@ -4,6 +4,7 @@ with the bugs such code has, and what ``nanreplay`` says of them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import moe_probabilistic_models as M
 import pytest
@@ -110,16 +111,16 @@ def _replay(err):
     return json.loads(res.stdout)
 
 
-def _train_deepar(out_dir, factory_kwargs, bad_at, steps=8):
+def _train_deepar(out_dir, factory_kwargs, bad_at=None, steps=8, zeros_at=None, raises=None):
     torch.manual_seed(0)
     model = M.make_deepar(**factory_kwargs)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with pytest.raises(NonFiniteError) as info:
+    with pytest.raises(raises or NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=M.gaussian_nll, out_dir=out_dir,
                             factory="moe_probabilistic_models:make_deepar",
                             factory_kwargs=factory_kwargs) as rec:
             for s in range(steps):
-                (past, cov), y = M.series(s, bad_at)
+                (past, cov), y = M.series(s, bad_at, zeros_at=zeros_at)
                 opt.zero_grad()
                 rec.loss_fn(model(past, cov), y).backward()
                 opt.step()
@@ -139,3 +140,22 @@ def test_a_model_returning_a_distribution_is_replayed_with_its_loss(out_dir):
     assert (o["phase"], o["op"], o["samples"], rep["cause"]) == \
         ("loss", "aten.pow", [4], "overflow"), rep
     assert "out of scale" in rep["hint"], rep["hint"]
+
+
+def test_a_nan_that_validate_args_refused_is_named_in_the_forward_that_raised(out_dir):
+    """DeepAR's mean scaling without its + 1 divides a series of zeros by 0, and ``Normal``'s
+    ``validate_args`` (on by default) raises ValueError on the NaN loc inside the forward, so
+    the root call never returns. The recorder bundles the cut-short step; the replay named the
+    GRU that passed the NaN on (its inputs already NaN, its source torch's rnn.py, a generic
+    cause), not the division in the forward that raised."""
+    err = _train_deepar(out_dir, {"mean_scaling": True}, zeros_at=5, raises=ValueError)
+    notes = " ".join(getattr(err, "__notes__", []))
+    bundle = notes.split("Bundle: ")[1].split(";")[0]
+    rep = _replay(type("E", (), {"bundle_path": bundle}))
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
+            rep["cause"]) == (5, "forward", "", "aten.div", [5], "invalid"), rep
+    text = Path(M.__file__).read_text().splitlines()
+    line = next(i for i, t in enumerate(text, 1) if "[past / v, covariate]" in t)
+    assert o["source"].endswith(f"moe_probabilistic_models.py:{line}"), o["source"]
+    assert "0 by 0" in rep["hint"], rep["hint"]
