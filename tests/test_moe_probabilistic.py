@@ -148,7 +148,8 @@ def test_a_nan_that_validate_args_refused_is_named_in_the_forward_that_raised(ou
     the root call never returns. The recorder bundles the cut-short step; the replay named the
     GRU that passed the NaN on (its inputs already NaN, its source torch's rnn.py, a generic
     cause), not the division in the forward that raised."""
-    err = _train_deepar(out_dir, {"mean_scaling": True}, zeros_at=5, raises=ValueError)
+    err = _train_deepar(out_dir, {"mean_scaling": True, "validate": True}, zeros_at=5,
+                        raises=ValueError)
     notes = " ".join(getattr(err, "__notes__", []))
     bundle = notes.split("Bundle: ")[1].split(";")[0]
     rep = _replay(type("E", (), {"bundle_path": bundle}))
