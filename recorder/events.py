@@ -258,6 +258,10 @@ def _forward_event(ev: StepEvidence) -> Event | None:
             return _batch_event(ev, d, nan_only=False)
     if d is None:
         return None
+    if (root := _unfinished_root(ev, d)) is not None:
+        if not root["inputs_finite"]:
+            return _batch_event(ev, root, nan_only=not ev.strict_inf)
+        d = root
     event = _call_event(ev, d, "forward")
     if ev.tape.micro_batches:
         mb = d["micro_batch"]
@@ -332,6 +336,25 @@ def output_grad_bad(ev: StepEvidence) -> bool:
             if grad is None or not finite(grad):
                 return True
     return False
+
+
+def _unfinished_root(ev: StepEvidence, d: dict[str, Any]) -> dict[str, Any] | None:
+    """The root call of ``d``'s micro-batch as a decoded call when ``d`` took in a value no
+    call made and the root never returned (it raised: a distribution's ``validate_args``
+    refusing the NaN): its own code made the value, or the batch brought it (then its
+    ``inputs_finite`` is False); None otherwise, or when the batch holds only +-Inf that the
+    default policy may intend."""
+    mb = d["micro_batch"]
+    if d["inputs_finite"] or d["module"] == 0 or mb >= len(ev.tape.micro_batches) or any(
+            c["module"] == 0 and c["micro_batch"] == mb for c in ev.calls):
+        return None
+    m = ev.tape.micro_batches[mb]
+    batch = [list(m.args), m.kwargs]
+    came = _first_bad_tensor(batch, ev.samples(mb), nan_only=not ev.strict_inf)
+    if m.outputs is not None or (not came and _first_bad_tensor(batch, ev.samples(mb))):
+        return None
+    return {**d, "module": 0, "order": max(c["order"] for c in ev.calls) + 1,
+            "inputs_finite": not came, "inputs_all_finite": not came, "inputs_nan_free": not came}
 
 
 def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str],

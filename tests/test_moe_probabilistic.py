@@ -105,6 +105,31 @@ def test_an_aux_loss_added_in_the_loop_names_the_op_no_module_output_carried(out
     assert any("no module output carries" in p for p in rep["problems"]), rep["problems"]
 
 
+def test_a_nan_in_the_batch_that_validate_args_refused_is_an_input_event(out_dir):
+    """A NaN reading in series 2 reaches ``Normal``'s ``validate_args``, which raises inside
+    the forward: the recorder's note named the GRU that passed it on; it is an input event of
+    the root's batch, on that series."""
+    def bad(step):
+        (past, cov), y = M.series(step)
+        if step == 3:
+            past[2, 5] = float("nan")
+        return (past, cov), y
+    torch.manual_seed(0)
+    model = M.make_deepar(validate=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.gaussian_nll, out_dir=out_dir,
+                            factory="moe_probabilistic_models:make_deepar",
+                            factory_kwargs={"validate": True}) as rec:
+            for s in range(6):
+                (past, cov), y = bad(s)
+                opt.zero_grad()
+                rec.loss_fn(model(past, cov), y).backward()
+                opt.step()
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "at step 3, phase input" in notes and "args[0], samples [2]" in notes, notes
+
+
 def _replay(err):
     res = invoke_cli(err.bundle_path, "--json")
     assert res.exit_code in (0, 1), res.output
@@ -151,6 +176,8 @@ def test_a_nan_that_validate_args_refused_is_named_in_the_forward_that_raised(ou
     err = _train_deepar(out_dir, {"mean_scaling": True, "validate": True}, zeros_at=5,
                         raises=ValueError)
     notes = " ".join(getattr(err, "__notes__", []))
+    # (the recorder's note named the GRU too: the root call, which raised, was never seen)
+    assert "First made by module '<root>'" in notes and "inputs were finite" in notes, notes
     bundle = notes.split("Bundle: ")[1].split(";")[0]
     rep = _replay(type("E", (), {"bundle_path": bundle}))
     o = rep["origin"]
