@@ -21,6 +21,7 @@ import torch
 
 from . import bundle, events, ranks
 from .capture import distributed_rank
+from .compat import version_of
 from .errors import NonFiniteError, first_line
 from .events import Event, StepEvidence
 from .finite import tensors_kind
@@ -71,6 +72,7 @@ class Alarm:
             return
         target = self.target
         self.renamed = target.rename()
+        _mark_changed_inputs(tape)
         try:
             evidence = StepEvidence(
                 row.tolist(), layout, tape, target.module_names, target.module_types,
@@ -218,6 +220,16 @@ def _loss_not_called(meta: dict[str, Any]) -> str:
         return ""
     return (" The loss function given as loss_fn was not called through rec.loss_fn in this "
             "step, so it was neither checked nor recorded: call loss = rec.loss_fn(...).")
+
+
+def _mark_changed_inputs(tape: Tape) -> None:
+    """Micro-batches whose inputs the loop wrote into after their forward returned (a batch
+    whose tensors view a dataset's, which the loop cleans in place before ``step()``): the
+    bundle would hold them as the loop left them, not as the step ran on them. (Only at an
+    event: the version counters cost nothing to read, but the healthy steps need none.)"""
+    for mb in tape.micro_batches:
+        if not mb.inputs_written and any(version_of(t) != v for t, v in mb.input_versions):
+            mb.inputs_changed = True
 
 
 def _unfound(step: int, reason: str, e: Exception) -> Event:

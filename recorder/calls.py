@@ -120,6 +120,7 @@ class CallHooks:
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
             if self.copy_inputs:  # a forward that writes into its inputs: keep them as they came
                 mb.args, mb.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)
+                mb.input_versions.clear()  # (the copies are what the bundle holds)
             # (a forward run inside backward, a checkpointed model's recomputation, comes before
             # that backward wrote any gradient: no zero_grad dropped them)
             if tape.micro_batches and training and not self.target.sharded \

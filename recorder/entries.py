@@ -60,6 +60,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         out["grads_dropped"] = True
     if mb.inputs_written:
         out["inputs_written"] = True
+    if mb.inputs_changed:
+        out["inputs_changed"] = True
     if mb.differentiated:
         out["differentiated"] = True
     if mb.rng is not None:

@@ -229,7 +229,10 @@ def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
     event = _call_event(ev, d, "input")
     if found:
         event.tensor, event.samples, event.kind = batch_path(found[0], len(mb.args)), *found[1:]
-    event.detail = f"non-finite value in the model's input {event.tensor}"
+    event.detail = f"non-finite value in the model's input {event.tensor or ''}".rstrip()
+    if not found and mb.inputs_changed:  # (the loop wrote over it: the stats saw it as it ran)
+        event.detail = ("non-finite value in the model's input, which the loop wrote into "
+                        "after the forward (the bundle holds it as the loop left it)")
     return event
 
 
@@ -474,6 +477,8 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         # (the batch brought it: no module made it, and "whose inputs were finite" is moot)
         name = event["module"] or "<root>"
         where = f" It came in with the input of '{name}' (micro-batch {event.get('micro_batch')})."
+        if not event.get("tensor") and event.get("detail"):  # (no tensor holds it now: why)
+            where += f" {event['detail'][0].upper()}{event['detail'][1:]}."
     elif event.get("module") is not None:
         name = event["module"] or "<root>"
         where = (f" First made by module '{name}' ({event.get('module_type')}, call "

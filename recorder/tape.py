@@ -36,6 +36,9 @@ class MicroBatch:
     input_refs: tuple = ()
     input_versions: list = field(default_factory=list)  # (floating input, version) at the start
     inputs_written: bool = False  # the forward wrote into them: args/kwargs hold what it left
+    # the loop wrote into them after the forward returned (a batch that views a dataset's
+    # tensor, cleaned in place): args/kwargs hold what the loop left, not what the step ran on
+    inputs_changed: bool = False
     # a later micro-batch's RNG states as it began: the loop may draw between forwards (an RL
     # loop sampling each action), which the step's states, taken as it opened, do not show
     rng: dict[str, Any] | None = None

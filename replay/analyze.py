@@ -200,6 +200,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         return finish(report, origin_fields(phase="optimizer", params=params,
                                             param=(params or [None])[0]), "optimizer",
                       reproduced=False, hint=params and after_update_hint(step, params))
+    if changed := [i for i, mb in enumerate(step.micro_batches) if mb.get("inputs_changed")]:
+        return _input_changed(report, step, changed[0])
     if step.event.get("phase") == "input":
         o = input_origin(step)
         return finish(report, o, "input", reproduced=True,
@@ -277,6 +279,21 @@ def _input_written(report, step: Step) -> dict[str, Any]:
         "the origin above is what the recorder saw; write into a copy of the input "
         "(x = x / peak, not x.div_(peak)), or record from before this step: from the next "
         "micro-batch on the recorder keeps the inputs as they come in"))
+
+
+def _input_changed(report, step: Step, mb: int) -> dict[str, Any]:
+    """The loop wrote into the batch after the forward, before the step closed (a batch whose
+    tensors view the dataset's, which the loop cleaned in place): the bundle holds what the
+    loop left, not what the step ran on, so neither it nor a re-run says what the step saw."""
+    report["problems"].append(
+        f"the loop wrote into the model's input in place after the forward (micro-batch {mb}), "
+        "before the step closed: the bundle holds that input as the loop left it, not as the "
+        "step ran on it, and the step cannot be re-run from it")
+    report["not_rerun"] = "input written after the forward"
+    return recorded_origin(report, step, (
+        "the origin above is what the recorder saw; a batch whose tensors view the dataset's "
+        "storage (slices of one tensor, batch_size=None) shares every in-place write to it: "
+        "write into a copy (x = x.clone()) or change the dataset only after optimizer.step()"))
 
 
 def _from_rerun(report, step: Step) -> dict[str, Any]:

@@ -35,7 +35,7 @@ def _first_param(params: list[str]) -> str:
 
 def _where(o: dict[str, Any]) -> str:
     if o.get("phase") == "input":
-        return f"the input {o.get('tensor')}"
+        return f"the input {o['tensor']}" if o.get("tensor") else "the model's input"
     if o.get("phase") in ("weights", "optimizer"):
         params = o.get("params") or []
         what = "buffer" if o.get("tensor") == "buffer" else "parameter"
