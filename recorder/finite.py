@@ -25,8 +25,10 @@ def label(kind: str | None) -> str | None:
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
-    """Whether ``name`` matches one of the ``allow_inf`` patterns (fnmatch, case-sensitive)."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    """Whether ``name`` matches one of the ``allow_inf`` patterns (fnmatch, case-sensitive), or
+    is one: a root input's name ``args[1]`` is a pattern whose ``[1]`` fnmatch reads as a
+    character class (it matches ``args1``, never ``args[1]``)."""
+    return any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def checkable(t: torch.Tensor) -> bool:

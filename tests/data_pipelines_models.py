@@ -42,3 +42,50 @@ class Regressor(nn.Module):
 def make_regressor() -> nn.Module:
     torch.manual_seed(0)
     return Regressor()
+
+
+class Sequences(Dataset):
+    """Token sequences of varying length (3 to 11) and a class each."""
+
+    def __init__(self, n: int = 96):
+        g = torch.Generator().manual_seed(1)
+        self.seqs = [torch.randint(1, 50, (int(torch.randint(3, 12, (1,), generator=g)),),
+                                   generator=g) for _ in range(n)]
+        self.labels = [int(s.sum()) % 3 for s in self.seqs]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int):
+        return self.seqs[i], self.labels[i]
+
+
+def pad_with_additive_mask(items):
+    """Pad to the longest sequence; the mask is additive: 0 on tokens, -inf on padding."""
+    seqs, labels = zip(*items)
+    T = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.full((len(seqs), T), float("-inf"))
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)], mask[i, :len(s)] = s, 0.0
+    return tokens, mask, torch.tensor(labels)
+
+
+class AttentionPool(nn.Module):
+    """Embeds tokens and pools them with one learned query, padding masked additively."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.score = nn.Linear(16, 1)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens, mask):
+        h = self.emb(tokens)
+        w = torch.softmax(self.score(h).squeeze(-1) + mask, dim=1)
+        return self.head((w.unsqueeze(-1) * h).sum(1))
+
+
+def make_attention_pool() -> nn.Module:
+    torch.manual_seed(0)
+    return AttentionPool()

@@ -82,3 +82,26 @@ def test_a_batch_written_after_a_healthy_step_changes_nothing(tmp_path):
 
     assert train(True) == train(False)
     assert not list(tmp_path.glob("*.nan"))
+
+
+def test_allow_inf_names_a_positional_input_as_the_docs_write_it(tmp_path):
+    """A collate_fn returns an additive padding mask (0 / -inf) passed as the second argument,
+    ``model(tokens, mask)``; under ``strict_inf=True`` the guide says to allow it by its name,
+    ``args[1]``. fnmatch read ``[1]`` as a character class (matching ``args1``), so the
+    pattern never matched and every step stopped at step 0 as bad input. A name equal to a
+    pattern now matches it."""
+    loader = DataLoader(M.Sequences(), batch_size=16, shuffle=True, num_workers=2,
+                        collate_fn=M.pad_with_additive_mask,
+                        generator=torch.Generator().manual_seed(0))
+    model = M.make_attention_pool()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, strict_inf=True,
+                        allow_inf=["args[1]"],
+                        factory="data_pipelines_models:make_attention_pool") as rec:
+        for tokens, mask, y in loader:
+            opt.zero_grad()
+            crit(model(tokens, mask), y).backward()
+            opt.step()
+    assert rec.event is None and rec.step == 6
+    assert not list(tmp_path.glob("*.nan"))
