@@ -28,7 +28,7 @@ from .compat import (
 from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
-from .finite import checkable, stored
+from .finite import ANY, checkable, stored
 from .hooks import Health, Hook
 from .shards import local
 from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT
@@ -144,20 +144,24 @@ class CallHooks:
         only with ``strict_inf`` and outside ``allow_inf`` (by the argument's name, ``args[i]``
         or a keyword, or an allowed buffer passed in): by default an infinity that comes in
         (a float mask) is an event only where it leads (see ``strict_inf``). Each is cached,
-        so the first layers that take it reuse these; ``versions`` gets (input, version)."""
+        so the first layers that take it reuse these; ``versions`` gets (input, version).
+        An ``allow_nan`` input is kept, never checked (``ANY``): its NaN is an event only
+        where it leads (the calls that take it count it as they count any NaN)."""
         refs = []
         one = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual batch
         for name, t in (("args[0]", args[0]),) if one else _named_leaves(args, kwargs):
             if not t.is_floating_point() or t.numel() == 0:
                 continue
+            nan_ok = self.target.nan_allowed(name)
             hit = _produced(tape, t) if tape.cache else None  # (none at a step's start)
-            if hit is not None:
-                refs.append((hit[1], hit[2], hit[1][0] % RELU_OF == NAN_ONLY))  # (checked as it was)
+            if hit is not None:  # (checked as it was)
+                refs.append((hit[1], hit[2], ANY if nan_ok else hit[1][0] % RELU_OF == NAN_ONLY))
                 continue
             intended = self.target.allowed_buffer(t) or self.target.is_allowed(name)
             soft = not self.strict_inf or intended
-            a, b = tape.slots.minmax(t.detach(), NAN_ONLY if soft else STRICT)
-            refs.append((a, b, soft))
+            a, b = tape.slots.minmax(t.detach(), LOOSE if nan_ok else NAN_ONLY if soft
+                                     else STRICT)
+            refs.append((a, b, ANY if nan_ok else soft))
             # (for the calls that take it, only an allow_inf input's +-Inf is finite)
             version = version_of(t)
             tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version)

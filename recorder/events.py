@@ -28,6 +28,7 @@ from .finite import (
     tensors_kind,
 )
 from .late_writes import written_after_forward
+from .missing import allow_nan_advice, rest_finite, root_input_name
 from .ring import StepLayout, decode_call
 from .samples import Samples, of_micro_batch, packed_in
 from .shards import local
@@ -38,7 +39,7 @@ __all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_gra
 
 # keys a bundle's event holds only when they are set
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
-             "ranks", "written_after_forward")
+             "ranks", "written_after_forward", "nan_handled")
 
 
 @dataclass
@@ -68,6 +69,8 @@ class Event:
     ranks: dict[str, Any] | None = None
     # parameters the loop made non-finite after the forward read them (see late_writes)
     written_after_forward: list[str] | None = None
+    # the root input (allow_nan's name) whose NaN the rest of the step shows the model handled
+    nan_handled: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
@@ -229,6 +232,8 @@ def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
     event = _call_event(ev, d, "input")
     if found:
         event.tensor, event.samples, event.kind = batch_path(found[0], len(mb.args)), *found[1:]
+        if event.kind == "nan" and rest_finite(ev.row, ev.calls, ev.layout):
+            event.nan_handled = root_input_name(found[0])
     event.detail = f"non-finite value in the model's input {event.tensor or ''}".rstrip()
     if not found and mb.inputs_changed:  # (the loop wrote over it: the stats saw it as it ran)
         event.detail = ("non-finite value in the model's input, which the loop wrote into "
@@ -250,8 +255,13 @@ def _forward_event(ev: StepEvidence) -> Event | None:
     if ev.strict_inf:
         bad = [d for d in ev.calls if not d["outputs_finite"]
                and not (d["module"] in ev.allowed and not d["nan"])]
-        made = [d for d in bad if d["inputs_finite"]]
+        # (finite inputs holding NaN: an allow_nan input's, which is no call's making)
+        made = [d for d in bad if d["inputs_finite"] and (d["inputs_nan_free"] or not d["nan"])]
         d = (made[0] if made else bad[0]) if bad else None
+        root = next((r for r in ev.calls if r["module"] == 0 and not r["inputs_nan_free"]
+                     and r["micro_batch"] == d["micro_batch"]), None) if d and not made else None
+        if root is not None:  # that NaN got past the model's handling
+            return _batch_event(ev, root, nan_only=True)
     else:
         by_order = sorted(ev.calls, key=lambda d: (d["micro_batch"], d["order"]))
         masked = {i for i, mb in enumerate(ev.tape.micro_batches)
@@ -490,6 +500,9 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
         rows = event.get("samples")  # none: a tensor every sample uses (a mask passed in)
         where += (f" Tensor {event['tensor']}, samples {rows[:8]}." if rows
                   else f" Tensor {event['tensor']} (not per sample).")
+    if event.get("nan_handled"):
+        advice = allow_nan_advice(event["nan_handled"])
+        where += f" {advice[0].upper()}{advice[1:]}."
     if event.get("params"):
         params = event["params"]
         more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""

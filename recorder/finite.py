@@ -66,8 +66,14 @@ def pair_kind(lo: float, hi: float) -> str | None:
     return None
 
 
-def pair_ok(lo: float, hi: float, allow_inf: bool = False) -> bool:
-    """An :func:`ends` pair is finite (NaN-free, with ``allow_inf``)."""
+# a ref's allowance beside False (finite) and True (NaN-free): anything (an allow_nan input)
+ANY = 2
+
+
+def pair_ok(lo: float, hi: float, allow_inf: bool | int = False) -> bool:
+    """An :func:`ends` pair is finite (NaN-free, with ``allow_inf``; anything with ``ANY``)."""
+    if allow_inf == ANY:
+        return True
     if allow_inf:
         return not (math.isnan(lo) or math.isnan(hi))
     return math.isfinite(lo) and math.isfinite(hi)

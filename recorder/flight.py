@@ -79,6 +79,11 @@ class FlightRecorder:
             purpose (masks). NaN is always an event. Mostly for ``strict_inf=True``; by default
             the patterns also exempt the root module's output (pattern ``""``) and tell the
             event finder which infinities are intentional.
+        allow_nan: name patterns (fnmatch) of root inputs (a keyword argument's name, or
+            ``args[i]``) that may hold NaN on purpose: values missing from tabular data, which
+            the model's ``forward`` imputes (``torch.nan_to_num``, ``torch.where(isnan(x), ...)``).
+            Their NaN is recorded but is no event by itself; one that gets past the model's
+            handling (into a module's output, the loss or a gradient) is an ``input`` event.
         scaler: the ``torch.amp.GradScaler`` in use: steps it skips are not events, but a scale
             below ``min_scale`` or more than ``max_skipped_steps`` skips in a row are.
         lr_scheduler: saved in the bundle when given.
@@ -108,14 +113,15 @@ class FlightRecorder:
                  min_scale: float = 1.0, max_skipped_steps: int = 50,
                  guard_optimizer: bool = False, stats: str = "minmax", start_step: int = 0,
                  max_micro_batches: int = 1024, factory_kwargs: dict[str, Any] | None = None,
-                 strict_inf: bool = False, rewind: int | None = None):
+                 strict_inf: bool = False, rewind: int | None = None,
+                 allow_nan: list[str] | tuple[str, ...] = ()):
         optimizer = torch_optimizer(optimizer)  # (a Lightning or accelerate wrapper's inner)
         check_model(model, optimizer, loss_fn)
         check_loss_fn(loss_fn)
         #: the settings, checked (read them as ``recorder.history`` etc. too)
         self.settings = Settings(
             out_dir=out_dir, factory=factory, factory_kwargs=factory_kwargs, history=history,
-            on_event=on_event, allow_inf=allow_inf, strict_inf=strict_inf,
+            on_event=on_event, allow_inf=allow_inf, allow_nan=allow_nan, strict_inf=strict_inf,
             min_scale=min_scale, max_skipped_steps=max_skipped_steps,
             guard_optimizer=guard_optimizer, stats=stats, start_step=start_step,
             max_micro_batches=max_micro_batches, rewind=rewind)

@@ -33,6 +33,8 @@ class Settings:
     history: int = 64  # steps kept in the ring buffer
     on_event: str = "raise"  # "raise" NonFiniteError, or "warn" (log once, keep training)
     allow_inf: tuple[str, ...] = ()  # fnmatch patterns of names that may hold +-Inf
+    # fnmatch patterns of root inputs that may hold NaN (missing values the model imputes)
+    allow_nan: tuple[str, ...] = ()
     strict_inf: bool = False  # every +-Inf is an event (else only those that matter)
     min_scale: float = 1.0  # a GradScaler scale below this is an event (0: never)
     max_skipped_steps: int = 50  # more GradScaler skips in a row are an event
@@ -51,6 +53,7 @@ class Settings:
         self._check()
         put(self, "out_dir", Path(self.out_dir))
         put(self, "allow_inf", tuple(self.allow_inf))
+        put(self, "allow_nan", tuple(self.allow_nan))
         put(self, "min_scale", float(self.min_scale))
         put(self, "guard_optimizer", bool(self.guard_optimizer))
         if self.factory_kwargs is not None:
@@ -69,10 +72,11 @@ class Settings:
         if not isinstance(self.history, int) or self.history < 1:
             raise ValueError(f"FlightRecorder: history must be a positive int, got "
                              f"{self.history!r}")
-        allow = self.allow_inf
-        if isinstance(allow, str) or not all(isinstance(p, str) for p in allow):
-            raise TypeError("FlightRecorder: allow_inf must be a list of name patterns such as "
-                            "['*.attn.mask']")
+        for name, example in (("allow_inf", "['*.attn.mask']"), ("allow_nan", "['args[0]']")):
+            allow = getattr(self, name)
+            if isinstance(allow, str) or not all(isinstance(p, str) for p in allow):
+                raise TypeError(f"FlightRecorder: {name} must be a list of name patterns such "
+                                f"as {example}")
         check_writable(Path(self.out_dir))
         if self.factory is not None:
             check_factory(self.factory)

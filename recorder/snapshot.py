@@ -64,6 +64,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         "factory_kwargs": settings.factory_kwargs,
         "state": "after_update" if event.get("after_update") else "before_update",
         "allow_inf": list(settings.allow_inf),
+        "allow_nan": list(settings.allow_nan),
         "strict_inf": settings.strict_inf,
     }
     _model(src, tape, guard, meta, tensors)

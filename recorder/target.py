@@ -301,6 +301,10 @@ class Target:
         """``name`` matches an ``allow_inf`` pattern."""
         return matches(name, self.settings.allow_inf)
 
+    def nan_allowed(self, name: str) -> bool:
+        """Root input ``name`` matches an ``allow_nan`` pattern (missing values as NaN)."""
+        return matches(name, self.settings.allow_nan)
+
     def inf_allowed(self, idx: int, name: str) -> bool:
         """Whether module ``idx``'s outputs may hold +-Inf (only NaN checked): any module but
         the root by default, only ``allow_inf`` ones with ``strict_inf``."""

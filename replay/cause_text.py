@@ -51,6 +51,11 @@ HINTS = {
 }
 
 # An input event on a tensor no row of which is a sample's (replay.recorded.input_hint)
+# an allow_nan input whose NaN reached a module's output, the loss or a gradient
+ALLOWED_NAN_LEAKED = (
+    "{tensor} may hold NaN (allow_nan: missing values the model handles), but in this step a "
+    "NaN of it got past that handling: find where forward uses {tensor} before (or without) "
+    "imputing it; the samples are the rows holding NaN")
 SHARED_INPUT = ("{tensor} holds NaN/Inf and is not per sample: every sample of the batch goes "
                 "through it (a mask, a bias or a table passed to forward), so no sample is to "
                 "blame; check the code that makes it")

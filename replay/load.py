@@ -89,7 +89,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "event": (_DICT,), "factory": (_STR, _NULL), "state": (_STR,), "params": (_LIST,),
     "buffers": (_LIST,), "modules": (_LIST,), "micro_batches": (_LIST,), "model": (_DICT,),
     "optimizer": (_DICT, _NULL), "loss": (_DICT, _NULL), "ring": (_DICT,), "env": (_DICT,),
-    "stripped": (_LIST,), "allow_inf": (_LIST,), "rng": (_DICT,), "strict_inf": (bool,),
+    "stripped": (_LIST,), "allow_inf": (_LIST,), "allow_nan": (_LIST,), "rng": (_DICT,), "strict_inf": (bool,),
     "factory_kwargs": (_DICT, _NULL),
 }
 _EVENT_TYPES: dict[str, tuple[type, ...]] = {
@@ -124,7 +124,7 @@ def check_meta(meta: dict[str, Any], path: str | os.PathLike) -> None:
     for key, types in _EVENT_TYPES.items():
         if key in ev:
             check(f"'event.{key}'", ev[key], types)
-    for key in ("params", "buffers", "stripped", "allow_inf"):
+    for key in ("params", "buffers", "stripped", "allow_inf", "allow_nan"):
         for v in meta.get(key, []):
             check(f"{key!r} entry", v, (_STR,))
     for m in meta.get("modules", []):

@@ -12,9 +12,10 @@ import torch
 
 from recorder.capture import batch_path, flatten_tree, loss_path
 from recorder.finite import finite, has_nan, kind_of, matches
+from recorder.missing import allow_nan_advice, root_input_name
 from recorder.samples import Samples, infer, packed_in, recurrent, seq_first
 
-from .cause_text import LOSS_ARGUMENT, LOSS_ARGUMENT_EVERY, SHARED_INPUT
+from .cause_text import ALLOWED_NAN_LEAKED, LOSS_ARGUMENT, LOSS_ARGUMENT_EVERY, SHARED_INPUT
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
 
@@ -53,22 +54,20 @@ def _batch_nan(step: Step) -> bool:
 
 def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
     """A recorded batch tensor holds NaN (or +-Inf, unless ``nan_only`` or ``allow_inf``
-    names the root input it is in)."""
-    soft = {k for mb in step.micro_batches for k, raw in mb.get("paths", {}).items()
-            if _allowed(step, _root_input_name(raw))}
-    return any(k.startswith(prefixes) and not finite(t, allow_inf=nan_only or k in soft)
+    names the root input it is in), outside the root inputs ``allow_nan`` names (missing
+    values the model imputes: their NaN is bad data only where it leads)."""
+    paths = {k: root_input_name(raw) for mb in step.micro_batches
+             for k, raw in mb.get("paths", {}).items()}
+    soft = {k for k, name in paths.items() if _allowed(step, name)}
+    missing = {k for k, name in paths.items() if nan_allowed(step, name)}
+    return any(k.startswith(prefixes) and k not in missing
+               and not finite(t, allow_inf=nan_only or k in soft)
                for k, t in step.tensors.items())
 
 
-def _root_input_name(raw: str) -> str:
-    """The root input a batch path (into ``[list(args), kwargs]``) lies in, as ``allow_inf``
-    names it: ``args[i]`` or the keyword."""
-    if raw.startswith("[0]["):
-        return f"args[{raw[4:].partition(']')[0]}]"
-    if raw.startswith("[1]["):
-        key = raw[4:].partition("]")[0]
-        return key.strip('"') if key.startswith('"') else key
-    return raw
+def nan_allowed(step: Step, name: str) -> bool:
+    """Root input ``name`` may hold NaN (``allow_nan``)."""
+    return matches(name, step.meta.get("allow_nan", []))
 
 
 def non_finite_weights(step: Step) -> list[str]:
@@ -103,7 +102,7 @@ def input_origin(step: Step) -> dict[str, Any]:
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")
         rows, packed = samples(step, i).rows, packed_in([args, kwargs])
         for key, t in tensors.items():
-            soft = nan or _allowed(step, _root_input_name(paths[key]))
+            soft = nan or _allowed(step, root_input_name(paths[key]))
             if soft and not has_nan(t):
                 continue
             if not finite(t):
@@ -128,6 +127,10 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     sample rows (an attention mask of shape (T, T) passed to forward); None for one that
     names samples (the data pipeline's hint)."""
     tensor = origin.get("tensor") or ""
+    if handled := step.event.get("nan_handled"):
+        return allow_nan_advice(handled)
+    if nan_allowed(step, _input_name(step, origin)):
+        return ALLOWED_NAN_LEAKED.format(tensor=tensor)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
         kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}.get(origin.get("made"), "NaN/Inf")
         rows, n = origin.get("samples") or [], batch_size(step, origin.get("micro_batch") or 0)
@@ -136,6 +139,17 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     if origin.get("samples") or not tensor:
         return None
     return SHARED_INPUT.format(tensor=f"the input {tensor}")
+
+
+def _input_name(step: Step, origin: dict[str, Any]) -> str:
+    """The root input (``args[i]`` or a keyword) that an input origin's tensor lies in."""
+    mb = step.micro_batches[origin.get("micro_batch") or 0] if step.micro_batches else {}
+    n_args = len(micro_batch_inputs(step, origin.get("micro_batch") or 0)[0]) \
+        if "inputs" in mb else 1
+    for raw in mb.get("paths", {}).values():
+        if batch_path(raw, n_args) == origin.get("tensor"):
+            return root_input_name(raw)
+    return ""
 
 
 def scale_of_the_step(step: Step) -> float | None:

@@ -89,3 +89,73 @@ class AttentionPool(nn.Module):
 def make_attention_pool() -> nn.Module:
     torch.manual_seed(0)
     return AttentionPool()
+
+
+class MissingTable(Dataset):
+    """Tabular rows with values missing as NaN (10% of the first D - 1 columns); the last
+    column is never missing, but for ``late_missing`` (a record whose last value was lost)."""
+
+    def __init__(self, n: int = 256, late_missing: int | None = None):
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randn(n, D, generator=g)
+        self.y = self.x[:, :4].sum(1) + 0.1 * torch.randn(n, generator=g)
+        miss = torch.rand(n, D, generator=g) < 0.1
+        miss[:, -1] = False
+        if late_missing is not None:
+            miss[late_missing, -1] = True
+        self.x[miss] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class Imputing(nn.Module):
+    """Fills each missing value with a learned per-column value and tells the MLP which were
+    missing; ``leak``: one raw feature goes in without imputation (a log-scaled last column
+    added later, assumed never missing)."""
+
+    def __init__(self, leak: bool = False):
+        super().__init__()
+        self.leak = leak
+        self.fill = nn.Parameter(torch.zeros(D))
+        self.mlp = nn.Sequential(nn.Linear(2 * D + 1, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x):
+        missing = torch.isnan(x)
+        filled = torch.where(missing, self.fill.expand_as(x), x)
+        extra = x[:, -1:].abs().log1p() if self.leak else torch.zeros_like(x[:, :1])
+        return self.mlp(torch.cat([filled, missing.float(), extra], dim=1)).squeeze(-1)
+
+
+def make_imputing(leak: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return Imputing(leak)
+
+
+class RowNorm(nn.Module):
+    """Standardises each row, without an epsilon: a constant row is 0/0."""
+
+    def forward(self, x):
+        return (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
+
+
+class ImputedRowNorm(nn.Module):
+    """Zero-fills the missing values, then standardises each row."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = RowNorm()
+        self.mlp = nn.Sequential(nn.Linear(2 * D, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x):
+        missing = torch.isnan(x)
+        x = torch.nan_to_num(x, nan=0.0)
+        return self.mlp(torch.cat([self.norm(x), missing.float()], dim=1)).squeeze(-1)
+
+
+def make_imputed_row_norm() -> nn.Module:
+    torch.manual_seed(0)
+    return ImputedRowNorm()

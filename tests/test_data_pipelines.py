@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 from replay.cli import main as cli
 
 HERE = Path(__file__).parent
@@ -105,3 +106,104 @@ def test_allow_inf_names_a_positional_input_as_the_docs_write_it(tmp_path):
             opt.step()
     assert rec.event is None and rec.step == 6
     assert not list(tmp_path.glob("*.nan"))
+
+
+def _train_imputing(tmp_path, *, record=True, leak=False, late_missing=None, **options):
+    """Two epochs over a MissingTable read by two workers; the losses and the final weights."""
+    loader = DataLoader(M.MissingTable(late_missing=late_missing), batch_size=32, shuffle=True,
+                        num_workers=2, persistent_workers=True,
+                        generator=torch.Generator().manual_seed(4))
+    model = M.make_imputing(leak)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit, losses = nn.MSELoss(), []
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                         factory="data_pipelines_models:make_imputing",
+                         factory_kwargs={"leak": leak}, **options)
+    if record:
+        rec.attach()
+    try:
+        for _ in range(2):
+            for x, y in loader:
+                opt.zero_grad()
+                loss = crit(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        rec.end_step()
+    finally:
+        rec.detach()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_values_missing_as_nan_that_the_model_imputes_stop_the_run_saying_how_to_allow_them(
+        tmp_path):
+    """Tabular data with missing values as NaN, which the model's forward fills with a learned
+    value (``torch.where(torch.isnan(x), fill, x)``): a NaN in a root input is an event, so
+    the run stops at step 0, and it could not be allowed at all (``allow_inf`` takes no NaN),
+    so the recorder could not be used on such a model. The event now says the model handled
+    the NaN (its outputs, loss and gradients stayed finite) and names the option."""
+    with pytest.raises(NonFiniteError) as info:
+        _train_imputing(tmp_path)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["nan_handled"]) == \
+        (0, "input", "batch", "args[0]"), ev
+    assert "allow_nan=['args[0]']" in str(info.value), str(info.value)
+    code, rep = _replay(info.value.bundle_path)
+    assert code == 0 and rep["cause"] == "input" and "allow_nan=['args[0]']" in rep["hint"], rep
+
+
+def test_allow_nan_trains_an_imputing_model_exactly_as_without_the_recorder(tmp_path):
+    """With ``allow_nan=["args[0]"]`` the same run trains on: no event, no bundle, and the
+    losses and weights are bit-identical to a run without the recorder."""
+    recorded = _train_imputing(tmp_path, allow_nan=["args[0]"])
+    plain = _train_imputing(tmp_path, record=False)
+    assert recorded[0] == plain[0] and len(recorded[0]) == 16
+    assert all(torch.equal(a, b) for a, b in zip(recorded[1], plain[1]))
+    assert not list(tmp_path.glob("*.nan"))
+
+
+@pytest.mark.parametrize("strict_inf", [False, True])
+def test_an_allowed_nan_that_gets_past_the_imputation_is_an_input_event(tmp_path, strict_inf):
+    """The model feeds one raw column to the MLP without imputing it; that column is never
+    missing until one late record. Its NaN reaches the first Linear: an ``input`` event on the
+    batch at the step that brought the record (not a Linear 'whose inputs were finite', nor
+    the root), and the replay says the NaN got past the model's handling."""
+    row = 200
+    with pytest.raises(NonFiniteError) as info:
+        _train_imputing(tmp_path, leak=True, late_missing=row, allow_nan=["args[0]"],
+                        strict_inf=strict_inf)
+    ev = info.value.event
+    assert (ev["phase"], ev["module"], ev["tensor"]) == ("input", "", "batch"), ev
+    assert "nan_handled" not in ev, ev
+    code, rep = _replay(info.value.bundle_path)
+    assert code == 0 and rep["cause"] == "input", rep
+    assert "got past that handling" in rep["hint"], rep["hint"]
+    x = read_bundle(info.value.bundle_path)[1]["batch/0/0"]
+    lost = torch.isnan(x[:, -1]).nonzero().flatten().tolist()  # the late record's row
+    assert len(lost) == 1 and lost[0] in ev["samples"] and lost[0] in rep["origin"]["samples"]
+
+
+def test_a_forward_bug_beside_allowed_missing_values_is_named_not_blamed_on_the_data(tmp_path):
+    """Missing values allowed (``allow_nan``) and imputed; a constant record makes 0/0 in a
+    row normaliser. The recorder names the normaliser, and the replay must too: it blamed
+    the batch ('the batch itself holds NaN/Inf') because the bundled batch holds the missing
+    values' NaN."""
+    ds = M.MissingTable()
+    ds.x[70] = 3.0  # a constant record
+    loader = DataLoader(ds, batch_size=32, num_workers=2)
+    model = M.make_imputed_row_norm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_nan=["args[0]"],
+                            factory="data_pipelines_models:make_imputed_row_norm"):
+            for x, y in loader:
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "forward", "norm"), ev
+    code, rep = _replay(info.value.bundle_path)
+    o = rep["origin"]
+    assert code == 0 and (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("forward", "norm", "aten.div", [70 - 64], "invalid"), rep
