@@ -38,7 +38,7 @@ from .origins import (
     report_optimizer,
     report_weights,
 )
-from .outliers import outlier_hint, outlier_input
+from .outliers import out_of_scale, outlier_hint
 from .recorded import (
     batch_non_finite,
     batch_size,
@@ -112,12 +112,11 @@ def _out_of_scale(report, step: Step) -> None:
     """An overflow in samples whose recorded data (an input, a loss target) is 10x larger than
     every other row's: the data is at fault, which the op's remedy (a wider type) would hide."""
     o = report["origin"]
-    rows = o.get("samples") or []
-    if report.get("cause") != "overflow" or o.get("all_samples") or not report.get("hint"):
+    if report.get("cause") != "overflow" or not report.get("hint"):
         return
-    found = outlier_input(step, o.get("micro_batch") or 0, rows)
+    found = out_of_scale(step, o)
     if found is not None:
-        report["hint"] = f"{report['hint']}. But {outlier_hint(found, rows)}"
+        report["hint"] = f"{report['hint']}. But {outlier_hint(found[1], found[0])}"
 
 
 def analyze_bundle(path, factory: str | None = None, device: str | None = None,

@@ -29,27 +29,66 @@ def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR
     whose largest magnitude in ``rows`` is ``factor`` times that of every other row:
     ``{"tensor": its readable name, "value": that magnitude, "others": the other rows'}``;
     None when there is none (or ``rows`` is empty or the whole batch)."""
-    if not rows or mb >= len(step.micro_batches):
+    if not rows:
         return None
-    entry, where = step.micro_batches[mb], samples(step, mb)
-    n_args = _n_args(entry.get("inputs"))
-    named = [(k, batch_path(raw, n_args)) for k, raw in (entry.get("paths") or {}).items()]
-    named += [(k, loss_path(raw)) for k, raw in (entry.get("loss_paths") or {}).items()]
-    for key, name in named:
-        t = step.tensors.get(key)
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+    for name, per in _row_magnitudes(step, mb):
+        if max(rows) >= len(per) or len(rows) >= len(per):
             continue
-        d = where.dim(t)
-        if d is None or max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
-            continue
-        per = t.detach().movedim(d, 0).reshape(t.shape[d], -1).abs().double().amax(1)
-        per = torch.nan_to_num(per, nan=math.inf)
         mask = torch.zeros(len(per), dtype=torch.bool)
         mask[rows] = True
         top, others = float(per[mask].max()), float(per[~mask].max())
         if top > factor * others:
             return {"tensor": name, "value": top, "others": others}
     return None
+
+
+def outlier_rows(step: Step, mb: int, factor: float = FACTOR
+                 ) -> tuple[list[int], dict[str, Any]] | None:
+    """For an overflow whose non-finite values span the whole batch (a BatchNorm, a batch
+    mean, a similarity over every pair: the op mixes the samples), the few rows (at most half)
+    of the first floating tensor whose magnitudes stand ``factor`` times above every other
+    row's, at the widest such gap, with :func:`outlier_input`'s description; None if none."""
+    for name, per in _row_magnitudes(step, mb):
+        order = torch.argsort(per, descending=True, stable=True)
+        ranked = per[order]
+        gaps = [(float(ranked[k - 1] / ranked[k]) if ranked[k] > 0 else math.inf, k)
+                for k in range(1, len(per) // 2 + 1) if math.isfinite(ranked[k])]
+        ratio, k = max(gaps, default=(0.0, 0))
+        if ratio > factor:
+            return sorted(order[:k].tolist()), {"tensor": name, "value": float(ranked[0]),
+                                                "others": float(ranked[k])}
+    return None
+
+
+def _row_magnitudes(step: Step, mb: int):
+    """(readable name, each sample's largest magnitude, NaN as +Inf) of the floating tensors of
+    micro-batch ``mb`` that have a sample dimension: model inputs, then loss arguments."""
+    if mb >= len(step.micro_batches):
+        return
+    entry, where = step.micro_batches[mb], samples(step, mb)
+    n_args = _n_args(entry.get("inputs"))
+    named = [(k, batch_path(raw, n_args)) for k, raw in (entry.get("paths") or {}).items()]
+    named += [(k, loss_path(raw)) for k, raw in (entry.get("loss_paths") or {}).items()]
+    for key, name in named:
+        t = step.tensors.get(key)
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
+            continue
+        d = where.dim(t)
+        if d is not None and t.shape[d] > 1:
+            per = t.detach().movedim(d, 0).reshape(t.shape[d], -1).abs().double().amax(1)
+            yield name, torch.nan_to_num(per, nan=math.inf)
+
+
+def out_of_scale(step: Step, origin: dict[str, Any]
+                 ) -> tuple[list[int], dict[str, Any]] | None:
+    """(rows, description) of an overflow origin's out-of-scale samples: its own samples when
+    their data stands out (:func:`outlier_input`), or, when its non-finite values span the
+    whole batch (an op that mixes the samples), the few rows that do (:func:`outlier_rows`)."""
+    mb, rows = origin.get("micro_batch") or 0, origin.get("samples") or []
+    if origin.get("all_samples") or not rows:
+        return outlier_rows(step, mb)
+    found = outlier_input(step, mb, rows)
+    return (rows, found) if found is not None else None
 
 
 def outlier_hint(found: dict[str, Any], rows: list[int]) -> str:

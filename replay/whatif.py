@@ -27,7 +27,7 @@ from .drop import compared_with, undroppable
 from .errors import ReplayError, one_line
 from .load import Step
 from .optim import eps_lost, safe_eps
-from .outliers import outlier_input
+from .outliers import out_of_scale
 from .recorded import batch_size
 from .window import Change, Window, run_window, step_as_window, window_of
 
@@ -136,14 +136,16 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     cause, o = report.get("cause"), report.get("origin") or {}
     out: list[str] = []
     samples = o.get("samples") or []
+    fits_drop = cause in ("input", "invalid", "underflow", "precision")
     # an overflow in samples whose inputs are outliers of the batch points at their data too
-    # (a record in the wrong unit): dropping them tells the data from the model's scale
-    fits_drop = cause in ("input", "invalid", "underflow", "precision") or (
-        cause == "overflow" and outlier_input(step, o.get("micro_batch") or 0, samples))
+    # (a record in the wrong unit), as does one spanning the batch (a BatchNorm mixes the
+    # rows) whose inputs hold a few such rows: dropping them tells the data from the model
+    if cause == "overflow" and (scaled := out_of_scale(step, o)) is not None:
+        samples, fits_drop = scaled[0], True
     # a bad record is a few rows; when most of the batch fails, the model (a rate head with
     # no positive activation) is at fault, and a batch without them proves nothing
     n = o.get("batch_size")
-    few = not o.get("all_samples") and (not n or 2 * len(samples) <= n)
+    few = not n or 2 * len(samples) <= n
     if fits_drop and samples and few and not undroppable(step, o.get("micro_batch") or 0):
         out.append("drop=" + ",".join(str(s) for s in samples))
     low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \

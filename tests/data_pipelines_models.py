@@ -159,3 +159,36 @@ class ImputedRowNorm(nn.Module):
 def make_imputed_row_norm() -> nn.Module:
     torch.manual_seed(0)
     return ImputedRowNorm()
+
+
+class Features(Dataset):
+    """Standardised tabular features and 3 classes; ``corrupt``: one record whose value was
+    read as 3e38 (a sentinel of a broken export) after standardisation."""
+
+    def __init__(self, n: int = 600, corrupt: int | None = None):
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, D, generator=g)
+        self.y = (self.x[:, 0] > 0).long() + (self.x[:, 1] > 1).long()
+        if corrupt is not None:
+            self.x[corrupt, 3] = 3e38
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i] + 0.01 * torch.randn(D), self.y[i]  # jitter drawn in the worker
+
+
+class BatchNormMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 32), nn.GELU(), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.mlp(self.bn(x))
+
+
+def make_batch_norm_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return BatchNormMLP()

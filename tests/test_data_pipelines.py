@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
@@ -207,3 +207,43 @@ def test_a_forward_bug_beside_allowed_missing_values_is_named_not_blamed_on_the_
     o = rep["origin"]
     assert code == 0 and (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("forward", "norm", "aten.div", [70 - 64], "invalid"), rep
+
+
+def test_a_corrupt_record_that_overflows_a_batch_norm_is_named_not_widened(tmp_path):
+    """A record holding 3e38, oversampled by a WeightedRandomSampler, makes BatchNorm's
+    variance overflow float32: every row of the batch is NaN. The report said only 'float64
+    holds it: compute it in float64' and ``--try auto`` tried float64 alone, since the
+    out-of-scale check looked at the named samples, here the whole batch. The rows whose data
+    stands 10x above every other row's are now named, with ``drop`` proposed and tried."""
+    bad = 517
+    weights = torch.ones(600)
+    weights[bad] = 20.0
+
+    def sampler():
+        return WeightedRandomSampler(weights, 600, generator=torch.Generator().manual_seed(7))
+
+    order = list(sampler())
+    step = next(i // 32 for i, k in enumerate(order) if k == bad)
+    rows = [r for r, k in enumerate(order[32 * step:32 * step + 32]) if k == bad]
+    loader = DataLoader(M.Features(corrupt=bad), batch_size=32, sampler=sampler(),
+                        num_workers=2, persistent_workers=True)
+    model = M.make_batch_norm_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="data_pipelines_models:make_batch_norm_mlp"):
+            for x, y in loader:
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (step, "forward", "bn"), ev
+    code, rep = _replay(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert code == 0 and (o["module"], o["op"], rep["cause"], o["all_samples"]) == \
+        ("bn", "aten.native_batch_norm", "overflow", True), rep
+    which = ",".join(map(str, rows))
+    assert f"sample(s) {which} of batch reach 3e+38" in rep["hint"], rep["hint"]
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert tries[f"drop={which}"]["finite"] is True, tries
