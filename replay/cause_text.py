@@ -124,6 +124,10 @@ DO = {
            "(a Hugging Face CTC model: config.ctc_zero_infinity=True)",
     "no_target": "every target of the batch is ignored (ignore_index): skip such batches or "
                  "use reduction='sum' and divide by max(count, 1)",
+    "masked_target": "a loss that skips NaN targets in its value (nanmean, torch.where or a "
+                     "mask on its output) still multiplies them in its backward (0 * NaN is "
+                     "NaN): select the valid rows before the op (pred[mask], y[mask]) or fill "
+                     "the targets first (torch.nan_to_num(y)), then mask",
     "masked": "torch.where and masked_fill still send the gradient through both branches, "
               "so make the op's input safe before the op (torch.where(mask, x, 1)), not its "
               "output",

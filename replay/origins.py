@@ -338,14 +338,17 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
     b = find_backward_origin(runner, samples(runner.step))
     origin = _backward_fields(b)
     reproduced = runner.step.event.get("phase") == "backward"
-    if b.saved is not None and batch_non_finite(runner.step, ("batch/",)):
+    if b.saved is not None and batch_non_finite(runner.step, ("batch/", "loss_in/")):
         # No pole: the node's derivative multiplied a non-finite value the forward carried
-        # from the batch without an event (saturated by a tanh, masked, summed away)
+        # from the batch without an event (saturated by a tanh, masked, summed away), or from
+        # a loss target (labels missing as NaN, which nanmean or a mask on the loss skipped)
         came = input_origin(runner.step)
         origin["samples"] = origin["samples"] or came["samples"]
+        target = (came["tensor"] or "").startswith("loss_")
         hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, which came "
-                f"in with the batch (rows {came['samples']} of {came['tensor'] or 'an input'}) "
-                "and which the forward carried without a non-finite output; " + HINTS["input"])
+                f"in with the {'loss target' if target else 'batch'} (rows {came['samples']} "
+                f"of {came['tensor'] or 'an input'}) and which the forward carried without a "
+                "non-finite output; " + (DO["masked_target"] if target else HINTS["input"]))
         return finish(report, origin, "input", reproduced=reproduced, hint=hint)
     if b.saved is not None:
         maker = _saved_value_maker(runner, b.micro_batch or 0, b.node, b.saved)

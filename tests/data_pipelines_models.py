@@ -192,3 +192,27 @@ class BatchNormMLP(nn.Module):
 def make_batch_norm_mlp() -> nn.Module:
     torch.manual_seed(0)
     return BatchNormMLP()
+
+
+def missing_labels(n: int = 256, k: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and ``k`` regression targets per row, 20% of the targets missing as NaN."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(n, D, generator=g), torch.randn(n, k, generator=g)
+    y[torch.rand(n, k, generator=g) < 0.2] = float("nan")
+    return x, y
+
+
+def nanmean_mse(pred, y):
+    """Skips the missing targets in the value only: its backward multiplies their NaN."""
+    return ((pred - y) ** 2).nanmean()
+
+
+def masked_mse(pred, y):
+    """Selects the present targets before the op: finite forward and backward."""
+    present = ~torch.isnan(y)
+    return ((pred[present] - y[present]) ** 2).mean()
+
+
+def make_multi_target() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 3))

@@ -247,3 +247,35 @@ def test_a_corrupt_record_that_overflows_a_batch_norm_is_named_not_widened(tmp_p
     assert f"sample(s) {which} of batch reach 3e+38" in rep["hint"], rep["hint"]
     tries = {t["try"]: t for t in rep["what_if"]}
     assert tries[f"drop={which}"]["finite"] is True, tries
+
+
+@pytest.mark.parametrize("loss", ["nanmean_mse", "masked_mse"])
+def test_labels_missing_as_nan_in_a_loss_that_skips_them_only_in_its_value(tmp_path, loss):
+    """Multi-target regression whose missing targets are NaN. ``masked_mse`` selects the
+    present ones before the op: it trains, no event. ``nanmean_mse`` skips them in the value
+    only, so PowBackward0 multiplies their NaN: a backward event, whose cause the replay gave
+    as 'invalid ... the op ran outside its domain (sqrt or log of a negative, 0/0)', though
+    no op left its domain: the NaN came with the loss target, which the check for a NaN the
+    forward carried looked for in the model's inputs only. It is now ``input``, naming the
+    target and its rows, with the fix for a masked loss."""
+    x, y = M.missing_labels()
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, num_workers=2)
+    model = M.make_multi_target()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with FlightRecorder(model, opt, loss_fn=getattr(M, loss), out_dir=tmp_path,
+                        on_event="warn", factory="data_pipelines_models:make_multi_target") as rec:
+        for xb, yb in loader:
+            opt.zero_grad()
+            rec.loss_fn(model(xb), yb).backward()
+            opt.step()
+    if loss == "masked_mse":
+        assert rec.event is None and not list(tmp_path.glob("*.nan"))
+        return
+    assert (rec.event["step"], rec.event["phase"]) == (0, "backward"), rec.event
+    code, rep = _replay(rec.bundle_path)
+    o = rep["origin"]
+    rows = torch.isnan(y[:32]).any(1).nonzero().flatten().tolist()
+    assert code == 0 and (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
+        ("backward", "<loss>", "PowBackward0", "input", rows), rep
+    assert "came in with the loss target" in rep["hint"] and "loss_args[1]" in rep["hint"], rep
+    assert "pred[mask]" in rep["hint"], rep["hint"]
