@@ -56,6 +56,12 @@ ALLOWED_NAN_LEAKED = (
     "{tensor} may hold NaN (allow_nan: missing values the model handles), but in this step a "
     "NaN of it got past that handling: find where forward uses {tensor} before (or without) "
     "imputing it; the samples are the rows holding NaN")
+# a batch tensor whose same features are NaN/Inf in every sample
+WHOLE_COLUMNS = (
+    "the batch itself holds NaN/Inf, and {tensor} holds it in the same feature(s) of every "
+    "sample (column(s) {cols}, counted past the sample dimension): a per-feature step of the "
+    "data pipeline made them, not a bad record (a standardisation dividing by a constant "
+    "column's zero std: add an eps or drop the column; a feature missing from the source)")
 SHARED_INPUT = ("{tensor} holds NaN/Inf and is not per sample: every sample of the batch goes "
                 "through it (a mask, a bias or a table passed to forward), so no sample is to "
                 "blame; check the code that makes it")

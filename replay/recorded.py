@@ -15,7 +15,13 @@ from recorder.finite import finite, has_nan, kind_of, matches
 from recorder.missing import allow_nan_advice, root_input_name
 from recorder.samples import Samples, infer, packed_in, recurrent, seq_first
 
-from .cause_text import ALLOWED_NAN_LEAKED, LOSS_ARGUMENT, LOSS_ARGUMENT_EVERY, SHARED_INPUT
+from .cause_text import (
+    ALLOWED_NAN_LEAKED,
+    LOSS_ARGUMENT,
+    LOSS_ARGUMENT_EVERY,
+    SHARED_INPUT,
+    WHOLE_COLUMNS,
+)
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
 
@@ -129,8 +135,11 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     tensor = origin.get("tensor") or ""
     if handled := step.event.get("nan_handled"):
         return allow_nan_advice(handled)
-    if nan_allowed(step, _input_name(step, origin)):
+    key, raw = _origin_key(step, origin)
+    if nan_allowed(step, root_input_name(raw)):
         return ALLOWED_NAN_LEAKED.format(tensor=tensor)
+    if cols := _whole_columns(step, origin, key):
+        return WHOLE_COLUMNS.format(tensor=tensor, cols=cols)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
         kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}.get(origin.get("made"), "NaN/Inf")
         rows, n = origin.get("samples") or [], batch_size(step, origin.get("micro_batch") or 0)
@@ -141,15 +150,29 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     return SHARED_INPUT.format(tensor=f"the input {tensor}")
 
 
-def _input_name(step: Step, origin: dict[str, Any]) -> str:
-    """The root input (``args[i]`` or a keyword) that an input origin's tensor lies in."""
+def _origin_key(step: Step, origin: dict[str, Any]) -> tuple[str, str]:
+    """The bundle key and the raw path of the batch tensor an input origin names ("" when it
+    names none, or a loss argument)."""
     mb = step.micro_batches[origin.get("micro_batch") or 0] if step.micro_batches else {}
     n_args = len(micro_batch_inputs(step, origin.get("micro_batch") or 0)[0]) \
         if "inputs" in mb else 1
-    for raw in mb.get("paths", {}).values():
+    for key, raw in mb.get("paths", {}).items():
         if batch_path(raw, n_args) == origin.get("tensor"):
-            return root_input_name(raw)
-    return ""
+            return key, raw
+    return "", ""
+
+
+def _whole_columns(step: Step, origin: dict[str, Any], key: str) -> str:
+    """The features (positions past the sample dimension, flattened) non-finite in every
+    sample of the batch tensor ``key``, as text ("" when none): a whole column, which a
+    per-feature step of the pipeline made (a standardisation by a zero std), not a record."""
+    t = step.tensors.get(key)
+    d = samples(step, origin.get("micro_batch") or 0).dim(t) if t is not None else None
+    if d is None or t.dim() < 2 or t.shape[d] < 2 or not t.is_floating_point():
+        return ""
+    bad = ~torch.isfinite(t.detach().movedim(d, 0).reshape(t.shape[d], -1))
+    cols = bad.all(0).nonzero().flatten().tolist()
+    return ", ".join(map(str, cols[:8])) + (f" (+{len(cols) - 8})" if len(cols) > 8 else "")
 
 
 def scale_of_the_step(step: Step) -> float | None:

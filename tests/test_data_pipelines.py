@@ -279,3 +279,31 @@ def test_labels_missing_as_nan_in_a_loss_that_skips_them_only_in_its_value(tmp_p
         ("backward", "<loss>", "PowBackward0", "input", rows), rep
     assert "came in with the loss target" in rep["hint"] and "loss_args[1]" in rep["hint"], rep
     assert "pred[mask]" in rep["hint"], rep["hint"]
+
+
+def test_a_column_standardised_by_a_zero_std_is_named_as_a_column_not_as_records(tmp_path):
+    """The pipeline standardises each feature with statistics of the data, without an eps;
+    one column is constant (a sensor stuck at one value), so it is 0/0 = NaN in every row.
+    The report said 'check the data pipeline for these samples' for all 32 rows, sending the
+    user to the records; it now names the column, NaN in every sample, and the step to fix."""
+    x = M.Features().x
+    x[:, 4] = 7.0
+    x = (x - x.mean(0)) / x.std(0)
+    y = (x[:, 0] > 0).long()
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
+                        num_workers=2, generator=torch.Generator().manual_seed(0))
+    model = M.make_batch_norm_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="data_pipelines_models:make_batch_norm_mlp"):
+            for xb, yb in loader:
+                opt.zero_grad()
+                crit(model(xb), yb).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"]) == (0, "input", "batch"), ev
+    code, rep = _replay(info.value.bundle_path)
+    assert code == 0 and rep["cause"] == "input" and rep["origin"]["all_samples"], rep
+    assert "same feature(s) of every sample (column(s) 4," in rep["hint"], rep["hint"]
