@@ -234,6 +234,9 @@ def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
         event.tensor, event.samples, event.kind = batch_path(found[0], len(mb.args)), *found[1:]
         if event.kind == "nan" and rest_finite(ev.row, ev.calls, ev.layout):
             event.nan_handled = root_input_name(found[0])
+        elif d["inputs_finite"] and not d["inputs_nan_free"]:  # an allow_nan input's got past
+            out = ev.samples(d["micro_batch"]).first_rows(_tensors(mb.outputs), packed_in(mb.outputs))
+            event.samples = [r for r in event.samples if r in out] or event.samples
     event.detail = f"non-finite value in the model's input {event.tensor or ''}".rstrip()
     if not found and mb.inputs_changed:  # (the loop wrote over it: the stats saw it as it ran)
         event.detail = ("non-finite value in the model's input, which the loop wrote into "

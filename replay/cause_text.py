@@ -55,7 +55,8 @@ HINTS = {
 ALLOWED_NAN_LEAKED = (
     "{tensor} may hold NaN (allow_nan: missing values the model handles), but in this step a "
     "NaN of it got past that handling: find where forward uses {tensor} before (or without) "
-    "imputing it; the samples are the rows holding NaN")
+    "imputing it; the samples are its rows whose NaN reached the model's output (else every "
+    "row holding NaN)")
 # a batch tensor whose same features are NaN/Inf in every sample
 WHOLE_COLUMNS = (
     "the batch itself holds NaN/Inf, and {tensor} holds it in the same feature(s) of every "

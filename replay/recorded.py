@@ -112,8 +112,12 @@ def input_origin(step: Step) -> dict[str, Any]:
             if soft and not has_nan(t):
                 continue
             if not finite(t):
-                return origin_fields(phase="input", tensor=batch_path(paths[key], len(args)),
-                                     samples=rows(t, packed), micro_batch=i, made=kind_of(t))
+                name = batch_path(paths[key], len(args))
+                bad = rows(t, packed)  # (those of an allow_nan input that the event saw get by)
+                if nan_allowed(step, root_input_name(paths[key])) and name == named:
+                    bad = [r for r in bad if r in step.event.get("samples", [])] or bad
+                return origin_fields(phase="input", tensor=name, samples=bad, micro_batch=i,
+                                     made=kind_of(t))
         # the loss argument the recorder named first: it skipped those computed from the
         # model output (out * w, not data), which the bundle keeps as tensors like targets
         for key, raw in sorted(mb.get("loss_paths", {}).items(),

@@ -167,7 +167,8 @@ def test_an_allowed_nan_that_gets_past_the_imputation_is_an_input_event(tmp_path
     """The model feeds one raw column to the MLP without imputing it; that column is never
     missing until one late record. Its NaN reaches the first Linear: an ``input`` event on the
     batch at the step that brought the record (not a Linear 'whose inputs were finite', nor
-    the root), and the replay says the NaN got past the model's handling."""
+    the root), naming that record's row only (the other rows' NaN was imputed), and the
+    replay says the NaN got past the model's handling."""
     row = 200
     with pytest.raises(NonFiniteError) as info:
         _train_imputing(tmp_path, leak=True, late_missing=row, allow_nan=["args[0]"],
@@ -180,7 +181,7 @@ def test_an_allowed_nan_that_gets_past_the_imputation_is_an_input_event(tmp_path
     assert "got past that handling" in rep["hint"], rep["hint"]
     x = read_bundle(info.value.bundle_path)[1]["batch/0/0"]
     lost = torch.isnan(x[:, -1]).nonzero().flatten().tolist()  # the late record's row
-    assert len(lost) == 1 and lost[0] in ev["samples"] and lost[0] in rep["origin"]["samples"]
+    assert len(lost) == 1 and ev["samples"] == rep["origin"]["samples"] == lost, (ev, rep)
 
 
 def test_a_forward_bug_beside_allowed_missing_values_is_named_not_blamed_on_the_data(tmp_path):
