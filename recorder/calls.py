@@ -118,6 +118,10 @@ class CallHooks:
                             training=training,
                             autocast=_autocast_state(self.target.root_autocast(root)))
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
+            if tape.micro_batches and not self.copy_inputs and _moved(tape.micro_batches[-1]):
+                # the loop wrote into the last micro-batch's inputs since (one buffer reused
+                # for every micro-batch, static_x.copy_(x)): keep copies from this one on
+                self.copy_inputs = True
             if self.copy_inputs:  # a forward that writes into its inputs: keep them as they came
                 mb.args, mb.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)
                 mb.input_versions.clear()  # (the copies are what the bundle holds)
@@ -431,6 +435,11 @@ def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reus
         a, b = tape.slots.minmax(t.detach(), code)
     tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version_of(t))
     return ((a, b),)
+
+
+def _moved(mb: MicroBatch) -> bool:
+    """An input of micro-batch ``mb`` was written in place since its forward began."""
+    return any(version_of(t) != v for t, v in mb.input_versions)
 
 
 def _named_leaves(args, kwargs):

@@ -291,8 +291,10 @@ def _input_changed(report, step: Step, mb: int) -> dict[str, Any]:
     report["not_rerun"] = "input written after the forward"
     return recorded_origin(report, step, (
         "the origin above is what the recorder saw; a batch whose tensors view the dataset's "
-        "storage (slices of one tensor, batch_size=None) shares every in-place write to it: "
-        "write into a copy (x = x.clone()) or change the dataset only after optimizer.step()"))
+        "storage (slices of one tensor, batch_size=None), or a buffer the loop reuses for "
+        "every micro-batch (static_x.copy_(x)), shares every in-place write to it: write into "
+        "a copy (x = x.clone()) or change the data only after optimizer.step(); a reused "
+        "buffer is copied by the recorder from the micro-batch after the first write on"))
 
 
 def _from_rerun(report, step: Step) -> dict[str, Any]:

@@ -216,3 +216,15 @@ def masked_mse(pred, y):
 def make_multi_target() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+class UnitNorm(nn.Module):
+    """Scales each row to unit length, without an epsilon: an all-zero row is 0/0."""
+
+    def forward(self, x):
+        return x / x.norm(dim=1, keepdim=True)
+
+
+def make_unit_norm_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(UnitNorm(), nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 2))

@@ -308,3 +308,36 @@ def test_a_column_standardised_by_a_zero_std_is_named_as_a_column_not_as_records
     code, rep = _replay(info.value.bundle_path)
     assert code == 0 and rep["cause"] == "input" and rep["origin"]["all_samples"], rep
     assert "same feature(s) of every sample (column(s) 4," in rep["hint"], rep["hint"]
+
+
+def test_micro_batches_copied_into_one_reused_buffer_are_replayed_as_they_ran(tmp_path):
+    """Gradient accumulation over 4 micro-batches, each copied into one static input buffer
+    (``static_x.copy_(x)``, as a loop prepared for CUDA graphs keeps). Every micro-batch's
+    input was the same tensor, so the bundle held the last micro-batch's data four times and
+    the replay re-ran the wrong rows. The recorder now notices the first write into an
+    earlier micro-batch's input and keeps copies from then on: an all-zero record at step 5,
+    micro-batch 1, row 5, is replayed and named."""
+    x = torch.randn(512, M.D, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    x[16 * 21 + 5] = 0.0  # step 5 (4 micro-batches of 16), micro-batch 1, row 5
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, num_workers=2)
+    model = M.make_unit_norm_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    static_x = torch.empty(16, M.D)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="data_pipelines_models:make_unit_norm_classifier"):
+            for i, (xb, yb) in enumerate(loader):
+                static_x.copy_(xb)
+                (crit(model(static_x), yb) / 4).backward()
+                if i % 4 == 3:
+                    opt.step()
+                    opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["micro_batch"], ev["samples"]) == \
+        (5, "forward", "0", 1, [5]), ev
+    code, rep = _replay(info.value.bundle_path)
+    o = rep["origin"]
+    assert code == 0 and (o["module"], o["op"], o["micro_batch"], o["samples"], rep["cause"]) \
+        == ("0", "aten.div", 1, [5], "invalid"), rep
