@@ -240,8 +240,10 @@ class Runner:
                     * (self.loss_scale or 1.0)
                 (loss * f).backward(inputs=own)
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
-        elif isinstance(loss, torch.Tensor) and loss.requires_grad:
-            # (a what-if's micro-batch carries the loop's own factor: replay.loopscale)
+        elif isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
+            # (a loss of several values, reduction="none", was reduced by the loop outside the
+            # recorder, in a way the replay does not know: no backward from it; a what-if's
+            # micro-batch carries the loop's own factor: replay.loopscale)
             k = self.step.micro_batches[i].get("loss_factor")
             (loss * (self.loss_scale or 1.0) * (k or 1.0) if self.loss_scale or k
              else loss).backward()

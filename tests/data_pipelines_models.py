@@ -228,3 +228,25 @@ class UnitNorm(nn.Module):
 def make_unit_norm_classifier() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(UnitNorm(), nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+class WeightedRecords(Dataset):
+    """Dict records with a per-sample loss weight; ``bad``: a record whose weight is NaN."""
+
+    def __init__(self, n: int = 256, bad: int | None = None):
+        g = torch.Generator().manual_seed(6)
+        self.x, self.y = torch.randn(n, D, generator=g), torch.randint(0, 3, (n,), generator=g)
+        self.w = torch.rand(n, generator=g) + 0.5
+        if bad is not None:
+            self.w[bad] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return {"x": self.x[i], "y": self.y[i], "w": self.w[i], "id": f"rec{i:04d}"}
+
+
+def make_mlp3() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 3))

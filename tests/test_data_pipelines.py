@@ -341,3 +341,30 @@ def test_micro_batches_copied_into_one_reused_buffer_are_replayed_as_they_ran(tm
     o = rep["origin"]
     assert code == 0 and (o["module"], o["op"], o["micro_batch"], o["samples"], rep["cause"]) \
         == ("0", "aten.div", 1, [5], "invalid"), rep
+
+
+def test_a_per_sample_loss_weighted_in_the_loop_is_replayed_not_a_crash(tmp_path):
+    """The loss module is ``CrossEntropyLoss(reduction="none")``, given to the recorder; the
+    loop weights each sample with the record's weight and averages (a NaN weight in record
+    150). The replay called ``backward()`` on the per-sample loss and died: 'replay failed
+    (RuntimeError: grad can be implicitly created only for scalar outputs)'. A loss of several
+    values is now not backpropagated (the loop reduced it, the replay cannot know how): the
+    recorded gradient of the output says where the NaN entered, and on which sample."""
+    loader = DataLoader(M.WeightedRecords(bad=150), batch_size=32, num_workers=2)
+    model = M.make_mlp3()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss(reduction="none")
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="data_pipelines_models:make_mlp3"):
+            for b in loader:
+                opt.zero_grad()
+                (crit(model(b["x"]), b["y"]) * b["w"]).mean().backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (150 // 32, "backward"), ev
+    code, rep = _replay(info.value.bundle_path)
+    o = rep["origin"]
+    assert code == 0 and rep["reproduced"] and (o["phase"], o["samples"]) == \
+        ("loss", [150 % 32]), rep
+    assert "computed outside it" in rep["hint"], rep["hint"]
