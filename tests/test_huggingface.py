@@ -105,7 +105,7 @@ def test_the_trainer_supplies_optimizer_and_schedule(tmp_path):
     with pytest.raises(ValueError, match="max_micro_batches must be an int >= 1, got 0"):
         FlightRecorderCallback(max_micro_batches=0)
     with pytest.raises(TypeError, match="unknown option.s. out_dri; it takes FlightRecorder's: "
-                                        "allow_inf, factory"):
+                                        "allow_inf, allow_nan, factory"):
         FlightRecorderCallback(out_dri=tmp_path)
     with pytest.raises(ValueError, match="factory 'nope:make' cannot be imported"):
         FlightRecorderCallback(out_dir=tmp_path, factory="nope:make")
