@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import weakref
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
 
 from .capture import map_tensors, tensor_leaves
-from .compat import (
-    any_autocast_enabled,
-    func_transform,
-    in_backward,
-    version,
-    version_of,
-    view_base,
-)
+from .compat import func_transform, in_backward, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
@@ -33,7 +25,7 @@ from .hooks import Health, Hook
 from .shards import local
 from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT
 from .tape import MicroBatch, Tape
-from .target import Target
+from .target import Target, autocast_state
 
 
 class CallHooks:
@@ -116,7 +108,7 @@ class CallHooks:
                 training and any(t.requires_grad for t in _leaves(args, kwargs))))
             mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
                             training=training,
-                            autocast=_autocast_state(self.target.root_autocast(root)))
+                            autocast=autocast_state(self.target.root_autocast(root)))
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
             if tape.micro_batches and not self.copy_inputs and _moved(tape.micro_batches[-1]):
                 # the loop wrote into the last micro-batch's inputs since (one buffer reused
@@ -481,22 +473,6 @@ def _keep_out_grad(store: dict, marks: list, i: int, nr: int, grad_outputs: tupl
         store[i] = grad
     elif grad is not None and not marks:
         marks.append(True)
-
-
-def _autocast_state(inner: list[tuple[str, str | None]]) -> dict[str, Any]:
-    """Device type -> autocast dtype of the root's forward: the regions entered around the
-    call, then ``inner``, those its forward enters itself (a dtype None turns one off)."""
-    out: dict[str, Any] = {}
-    if any_autocast_enabled():  # (one call where there is no autocast, the usual case)
-        for dev in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(dev):
-                out[dev] = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
-    for dev, dtype in inner:
-        if dtype is None:
-            out.pop(dev, None)
-        else:
-            out[dev] = dtype
-    return out
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .capture import batch_path, flatten_tree, loss_path
+from .chain import chain_origin
 from .finite import (
     finite,
     flags_kind,
@@ -245,7 +246,7 @@ def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
 
 
 def _input_event(ev: StepEvidence) -> Event | None:
-    """The root call's inputs: NaN; +-Inf too with ``strict_inf`` (else see _chain_origin)."""
+    """The root call's inputs: NaN; +-Inf too with ``strict_inf`` (else see chain.chain_origin)."""
     for d in ev.calls:
         if d["module"] == 0 and not d["inputs_finite"]:
             return _batch_event(ev, d, nan_only=not ev.strict_inf)
@@ -269,7 +270,7 @@ def _forward_event(ev: StepEvidence) -> Event | None:
         by_order = sorted(ev.calls, key=lambda d: (d["micro_batch"], d["order"]))
         masked = {i for i, mb in enumerate(ev.tape.micro_batches)
                   if only_mask_infinities(_tensors([list(mb.args), mb.kwargs]))}
-        d, came_in = _chain_origin(by_order, ev.allowed, ev.module_names, masked)
+        d, came_in = chain_origin(by_order, ev.allowed, ev.module_names, masked)
         if came_in:
             return _batch_event(ev, d, nan_only=False)
     if d is None:
@@ -371,75 +372,6 @@ def _unfinished_root(ev: StepEvidence, d: dict[str, Any]) -> dict[str, Any] | No
         return None
     return {**d, "module": 0, "order": max(c["order"] for c in ev.calls) + 1,
             "inputs_finite": not came, "inputs_all_finite": not came, "inputs_nan_free": not came}
-
-
-def _chain_origin(by_order: list[dict], allowed: set[int], names: list[str],
-                  masked: set[int] = frozenset()):
-    """The call that started a forward event by the default policy (``strict_inf=False``),
-    from decoded calls in completion order, and whether the chain started in the batch (the
-    call is then the root call whose inputs held the infinity); (None, False): no forward
-    event.
-
-    The event itself is the first NaN made from NaN-free inputs (else the first NaN), or else a
-    +-Inf in the root output. Its chain starts at the first call, inside it (completed before
-    it), that made a non-finite value from finite inputs; when the event's own inputs held
-    +-Inf, at the first call of its micro-batch before it that made +-Inf from finite inputs
-    (an fp16 overflow that a later layer turns into NaN), else, when no call made them, at the
-    innermost call enclosing the event whose inputs were finite (its own code made them:
-    ``log(0)`` in the root's forward before a submodule), else at the batch's own infinities,
-    unless all of them are additive masks (micro-batches in ``masked``): intended, as a
-    literal -inf fill is, so the event is the call that made the NaN from them.
-    ``allow_inf`` modules never start a chain: their infinities are intended."""
-    nan = [d for d in by_order if d["nan"]]
-    made = [d for d in nan if d["inputs_nan_free"]]
-    trigger = made[0] if made else (nan[0] if nan else None)
-    if trigger is None:
-        trigger = next((d for d in by_order if d["module"] == 0 and not d["outputs_finite"]
-                        and 0 not in allowed), None)
-    if trigger is None:
-        return None, False
-    mb, pos = trigger["micro_batch"], by_order.index(trigger)
-    before = [d for d in by_order[:pos] if d["micro_batch"] == mb
-              and not d["outputs_finite"] and d["inputs_all_finite"]
-              and d["module"] not in allowed]
-    if trigger["inputs_all_finite"]:
-        # inside it: calls of its submodules since its previous call completed
-        prev = max((i for i, d in enumerate(by_order[:pos]) if d["module"] == trigger["module"]
-                    and d["micro_batch"] == mb), default=-1)
-        own = names[trigger["module"]]
-        inside = [d for d in before if by_order.index(d) > prev
-                  and (own == "" or names[d["module"]].startswith(own + "."))]
-        return (inside[0] if inside else trigger), False
-    infs = [d for d in before if not d["nan"]]
-    if infs:
-        return infs[0], False
-    if not trigger["inputs_finite"]:
-        # no call made that infinity: the own code of a call enclosing the event did, between
-        # its children's calls (the root's forward included)
-        maker = _enclosing_maker(by_order, pos, names)
-        if maker is not None:
-            return maker, False
-    root = next((d for d in by_order if d["module"] == 0 and d["micro_batch"] == mb
-                 and not d["inputs_all_finite"]), None)
-    if mb in masked:  # a -inf mask passed in: softmax of an all -inf row made the NaN
-        return trigger, False
-    return (root, True) if root is not None else (trigger, False)
-
-
-def _enclosing_maker(by_order: list[dict], pos: int, names: list[str]) -> dict | None:
-    """The innermost call enclosing call ``by_order[pos]`` whose inputs were all finite: the
-    calls of its micro-batch completed after it whose module contains it by name (the root
-    contains every module), innermost first."""
-    d = by_order[pos]
-    mb, inner = d["micro_batch"], names[d["module"]]
-    for e in by_order[pos + 1:]:
-        own = names[e["module"]]
-        if e["micro_batch"] != mb or not (own == "" or inner.startswith(own + ".")):
-            continue
-        if e["inputs_all_finite"]:
-            return e
-        inner = own  # (its own inputs held the infinity: further out)
-    return None
 
 
 def anomaly_reason(exc: BaseException) -> str | None:

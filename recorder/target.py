@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import logging
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
 
-from .compat import forward_autocasts, is_norm_layer, own_slots, version_of, view_base
+from .compat import (
+    any_autocast_enabled,
+    forward_autocasts,
+    is_norm_layer,
+    own_slots,
+    version_of,
+    view_base,
+)
 from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .finite import matches
 from .ranks import Agreement
@@ -346,3 +354,19 @@ def passes_through(m: nn.Module) -> bool:
     the module off PyTorch's fast path)."""
     t = type(m)
     return (t is nn.Sequential and len(m) > 0) or t is nn.Identity
+
+
+def autocast_state(inner: list[tuple[str, str | None]]) -> dict[str, Any]:
+    """Device type -> autocast dtype of the root's forward: the regions entered around the
+    call, then ``inner``, those its forward enters itself (a dtype None turns one off)."""
+    out: dict[str, Any] = {}
+    if any_autocast_enabled():  # (one call where there is no autocast, the usual case)
+        for dev in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(dev):
+                out[dev] = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+    for dev, dtype in inner:
+        if dtype is None:
+            out.pop(dev, None)
+        else:
+            out[dev] = dtype
+    return out
