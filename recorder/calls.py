@@ -121,19 +121,10 @@ class CallHooks:
             # that backward wrote any gradient: no zero_grad dropped them)
             if tape.micro_batches and training and not self.target.sharded \
                     and not in_backward():
-                mb.grads_dropped = self._grads_dropped(tape.micro_batches)
+                mb.grads_dropped = _grads_dropped(tape.micro_batches, self.target.params)
             if tape.micro_batches and not tape.evaluation:  # (the first has the step's)
                 mb.rng = cycle.capture_rng()
             tape.add_micro_batch(mb)
-
-    def _grads_dropped(self, earlier: list[MicroBatch]) -> bool:
-        """A backward ran through a micro-batch since the last drop (its output's gradient
-        came), and yet no parameter holds a gradient: the loop's ``zero_grad`` dropped them, so
-        they are no part of the update. (Accumulation stops at the first gradient found.)"""
-        since = next((i for i in range(len(earlier) - 1, -1, -1)
-                      if earlier[i].grads_dropped), 0)
-        return any(m.out_grads for m in earlier[since:]) and \
-            all(p.grad is None for _, p in self.target.params)
 
     def _root_input_refs(self, tape: Tape, args, kwargs, versions: list) -> tuple:
         """(min, max, allowed) refs of each floating root input. NaN is always checked; +-Inf
@@ -427,6 +418,16 @@ def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reus
         a, b = tape.slots.minmax(t.detach(), code)
     tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version_of(t))
     return ((a, b),)
+
+
+def _grads_dropped(earlier: list[MicroBatch], params) -> bool:
+    """A backward ran through a micro-batch since the last drop (its output's gradient
+    came), and yet no parameter holds a gradient: the loop's ``zero_grad`` dropped them, so
+    they are no part of the update. (Accumulation stops at the first gradient found.)"""
+    since = next((i for i in range(len(earlier) - 1, -1, -1)
+                  if earlier[i].grads_dropped), 0)
+    return any(m.out_grads for m in earlier[since:]) and \
+        all(p.grad is None for _, p in params)
 
 
 def _moved(mb: MicroBatch) -> bool:

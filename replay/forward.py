@@ -76,9 +76,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch),
                      hit=_counted_in(finder, hit, o))
-    # (the recorder names the chain's start as module statistics show it: ``recorded``)
-    # (or the event's call: an older recorder named it when the infinity its inputs held was
-    # made by the own code of a call enclosing it)
+    # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
+    # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
     hint = with_node(origin, _with_param(cause.hint, cause.name, hit), cause.name, node)
