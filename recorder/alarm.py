@@ -21,7 +21,6 @@ import torch
 
 from . import bundle, events, ranks
 from .capture import distributed_rank
-from .compat import version_of
 from .errors import NonFiniteError, first_line
 from .events import Event, StepEvidence
 from .finite import tensors_kind
@@ -228,7 +227,7 @@ def _mark_changed_inputs(tape: Tape) -> None:
     bundle would hold them as the loop left them, not as the step ran on them. (Only at an
     event: the version counters cost nothing to read, but the healthy steps need none.)"""
     for mb in tape.micro_batches:
-        if not mb.inputs_written and any(version_of(t) != v for t, v in mb.input_versions):
+        if not mb.inputs_written and mb.inputs_moved():
             mb.inputs_changed = True
 
 

@@ -110,7 +110,8 @@ class CallHooks:
                             training=training,
                             autocast=autocast_state(self.target.root_autocast(root)))
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
-            if tape.micro_batches and not self.copy_inputs and _moved(tape.micro_batches[-1]):
+            if tape.micro_batches and not self.copy_inputs \
+                    and tape.micro_batches[-1].inputs_moved():
                 # the loop wrote into the last micro-batch's inputs since (one buffer reused
                 # for every micro-batch, static_x.copy_(x)): keep copies from this one on
                 self.copy_inputs = True
@@ -162,7 +163,7 @@ class CallHooks:
         if self.cycle.traced:  # its calls ran in a compiled caller's graph: one region
             self.cycle.traced = False
             self.target.compiled.add("")
-        if not self.copy_inputs and any(version_of(t) != v for t, v in mb.input_versions):
+        if not self.copy_inputs and mb.inputs_moved():
             # the forward wrote into its input (wav.div_(peak)): this micro-batch's is kept as
             # the forward left it, the next ones' are copied when they come in
             self.copy_inputs = mb.inputs_written = True
@@ -428,11 +429,6 @@ def _grads_dropped(earlier: list[MicroBatch], params) -> bool:
                   if earlier[i].grads_dropped), 0)
     return any(m.out_grads for m in earlier[since:]) and \
         all(p.grad is None for _, p in params)
-
-
-def _moved(mb: MicroBatch) -> bool:
-    """An input of micro-batch ``mb`` was written in place since its forward began."""
-    return any(version_of(t) != v for t, v in mb.input_versions)
 
 
 def _named_leaves(args, kwargs):

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .compat import version_of
 from .slots import Slots
 
 
@@ -42,6 +43,10 @@ class MicroBatch:
     # a later micro-batch's RNG states as it began: the loop may draw between forwards (an RL
     # loop sampling each action), which the step's states, taken as it opened, do not show
     rng: dict[str, Any] | None = None
+
+    def inputs_moved(self) -> bool:
+        """An input was written in place since this micro-batch's forward began."""
+        return any(version_of(t) != v for t, v in self.input_versions)
 
 
 class Tape:
