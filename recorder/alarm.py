@@ -224,11 +224,13 @@ def _loss_not_called(meta: dict[str, Any]) -> str:
 def _mark_changed_inputs(tape: Tape) -> None:
     """Micro-batches whose inputs the loop wrote into after their forward returned (a batch
     whose tensors view a dataset's, which the loop cleans in place before ``step()``): the
-    bundle would hold them as the loop left them, not as the step ran on them. (Only at an
+    bundle would hold them as the loop left them, not as the step ran on them; likewise the
+    loss's targets written after the loss took them (a reused label buffer). (Only at an
     event: the version counters cost nothing to read, but the healthy steps need none.)"""
     for mb in tape.micro_batches:
         if not mb.inputs_written and mb.inputs_moved():
             mb.inputs_changed = True
+        mb.targets_changed = mb.targets_moved()
 
 
 def _unfound(step: int, reason: str, e: Exception) -> Event:

@@ -79,6 +79,7 @@ class StepCycle:
         self._probe: torch.Tensor | None = None  # [strict check, NaN-only check, 0, scale]
         self._probe_views: tuple = ()
         self._probe_nan_only = False  # its min/max hold this step's NaN-only entries
+        self.copy_targets = False  # the loop wrote into the loss's targets: see Tape.targets_moved
 
     def release(self) -> None:
         """Let go of the open step, the copies and the evidence (at detach)."""
@@ -100,10 +101,8 @@ class StepCycle:
                                  or self._ended_without_optimizer(tape)):
             self.close_tape(at="forward")
             tape = None
-        if tape is None:
-            # Between steps, an evaluating forward (see CallHooks) is checked on its own when
-            # it returns, and part of no step, which would otherwise hold every such batch and
-            # output until the next update.
+        if tape is None:  # (between steps, an evaluating forward is checked on its own when
+            # it returns: a step would hold every such batch and output until the next update)
             tape = self._open_tape(evaluation=self.target.has_optimizer and evaluating)
         return tape
 
@@ -211,6 +210,7 @@ class StepCycle:
                 self.alarm.step_event(tape, layout, row, "non_finite")
             return
         self.ring.commit(layout)
+        self.copy_targets = self.copy_targets or tape.targets_moved()
         if self.rewind is not None:  # before the event check: the event step is in the window
             self.rewind.closed(tape, self.target.optimizer(), layout.scale, layout.skipped,
                                self.target.params)

@@ -307,6 +307,9 @@ def _loss_event(ev: StepEvidence) -> Event | None:
         else:
             event.phase = "loss"
             event.detail = "the loss is non-finite while the model output is finite"
+            if mb.targets_changed:  # (the loop wrote over them: the stats saw them as they were)
+                event.detail += (", and the loop wrote into the loss's targets after the loss "
+                                 "took them (the bundle holds them as the loop left them)")
         return event
     return None
 

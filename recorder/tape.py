@@ -40,6 +40,11 @@ class MicroBatch:
     # the loop wrote into them after the forward returned (a batch that views a dataset's
     # tensor, cleaned in place): args/kwargs hold what the loop left, not what the step ran on
     inputs_changed: bool = False
+    # the loss call's tensors that are no model output (its targets), with their versions
+    # then; targets_changed: the loop wrote into one since (one label buffer reused for every
+    # micro-batch, sy.copy_(y)), so loss_args hold what the loop left, not what the loss took
+    loss_versions: list = field(default_factory=list)
+    targets_changed: bool = False
     # a later micro-batch's RNG states as it began: the loop may draw between forwards (an RL
     # loop sampling each action), which the step's states, taken as it opened, do not show
     rng: dict[str, Any] | None = None
@@ -47,6 +52,10 @@ class MicroBatch:
     def inputs_moved(self) -> bool:
         """An input was written in place since this micro-batch's forward began."""
         return any(version_of(t) != v for t, v in self.input_versions)
+
+    def targets_moved(self) -> bool:
+        """A tensor the loss took besides the model's output was written in place since."""
+        return any(version_of(t) != v for t, v in self.loss_versions)
 
 
 class Tape:
@@ -89,6 +98,13 @@ class Tape:
         # in the step (a hook's micro-batch is then its thread's, not the last one begun)
         self.by_thread: dict[int, int] | None = None
         self._first_thread: int | None = None
+
+    def targets_moved(self) -> bool:
+        """The loop wrote into a loss's targets after the loss took them (seen as the next
+        micro-batch begins and as the step closes: one label buffer reused for every
+        micro-batch, ``sy.copy_(y)``; a memory bank updated before ``step()``): from then on
+        the recorder keeps copies of them (``StepCycle.copy_targets``)."""
+        return any(mb.targets_moved() for mb in self.micro_batches)
 
     def add_micro_batch(self, mb: MicroBatch) -> None:
         """Begin the calling thread's next micro-batch (under the step cycle's lock)."""

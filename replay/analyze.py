@@ -199,8 +199,12 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         return finish(report, origin_fields(phase="optimizer", params=params,
                                             param=(params or [None])[0]), "optimizer",
                       reproduced=False, hint=params and after_update_hint(step, params))
-    if changed := [i for i, mb in enumerate(step.micro_batches) if mb.get("inputs_changed")]:
-        return _input_changed(report, step, changed[0])
+    inputs, targets = ([i for i, mb in enumerate(step.micro_batches) if mb.get(k)]
+                       for k in ("inputs_changed", "targets_changed"))
+    if targets and (not inputs or step.event.get("phase") == "loss"):  # (what the loss took)
+        return _targets_changed(report, step, targets[0])
+    if inputs:
+        return _input_changed(report, step, inputs[0])
     if step.event.get("phase") == "input":
         o = input_origin(step)
         return finish(report, o, "input", reproduced=True,
@@ -295,6 +299,22 @@ def _input_changed(report, step: Step, mb: int) -> dict[str, Any]:
         "every micro-batch (static_x.copy_(x)), shares every in-place write to it: write into "
         "a copy (x = x.clone()) or change the data only after optimizer.step(); a reused "
         "buffer is copied by the recorder from the micro-batch after the first write on"))
+
+
+def _targets_changed(report, step: Step, mb: int) -> dict[str, Any]:
+    """The loop wrote into the loss's targets after the loss took them, the first time the
+    recorder saw it do so (one label buffer reused for every micro-batch): the bundle holds
+    them as the loop left them, so a re-run would compute another loss."""
+    report["problems"].append(
+        f"the loop wrote into the loss's targets in place after the loss took them (micro-batch "
+        f"{mb}), before the step closed: the bundle holds them as the loop left them, not as "
+        "the loss took them, and the step cannot be re-run from them")
+    report["not_rerun"] = "loss targets written after the loss"
+    return recorded_origin(report, step, (
+        "the origin above is what the recorder saw; a buffer the loop reuses for the targets "
+        "of every micro-batch (sy.copy_(y)) is copied by the recorder from the micro-batch "
+        "after the first write on, so a later event replays; or pass a fresh tensor (y, or "
+        "y.clone()) to the loss"))
 
 
 def _from_rerun(report, step: Step) -> dict[str, Any]:
