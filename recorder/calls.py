@@ -478,6 +478,9 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone() if t.is_floating_point() else t
 
 
+_TENSOR = frozenset((torch.Tensor,))
+
+
 def _targets_kept(cycle: StepCycle, tape: Tape, mb: MicroBatch, args, kwargs):
     """The loss call's arguments as the micro-batch keeps them: by reference, with the
     versions of those that are no model output nor input (its targets), or, once the loop
@@ -485,8 +488,12 @@ def _targets_kept(cycle: StepCycle, tape: Tape, mb: MicroBatch, args, kwargs):
     if cycle.copy_targets and mb.grad_enabled:
         return (map_tensors(args, partial(_copy_target, tape.cache)),
                 map_tensors(kwargs, partial(_copy_target, tape.cache)))
-    mb.loss_versions = [(t, version_of(t)) for t in tensor_leaves((args, kwargs))
-                        if not t.requires_grad and id(t) not in tape.cache]
+    cache = tape.cache
+    # (the usual ``crit(out, y)``: tensors only, looked at without a walk)
+    leaves = args if not kwargs and _TENSOR.issuperset(map(type, args)) \
+        else tensor_leaves((args, kwargs))
+    mb.loss_versions = [(t, version_of(t)) for t in leaves
+                        if not t.requires_grad and id(t) not in cache]
     return args, kwargs
 
 

@@ -55,7 +55,10 @@ class MicroBatch:
 
     def targets_moved(self) -> bool:
         """A tensor the loss took besides the model's output was written in place since."""
-        return any(version_of(t) != v for t, v in self.loss_versions)
+        for t, v in self.loss_versions:  # (no generator: this runs for every step)
+            if version_of(t) != v:
+                return True
+        return False
 
 
 class Tape:
@@ -104,7 +107,11 @@ class Tape:
         micro-batch begins and as the step closes: one label buffer reused for every
         micro-batch, ``sy.copy_(y)``; a memory bank updated before ``step()``): from then on
         the recorder keeps copies of them (``StepCycle.copy_targets``)."""
-        return any(mb.targets_moved() for mb in self.micro_batches)
+        for mb in self.micro_batches:  # (MicroBatch.targets_moved inlined: every step runs it)
+            for t, v in mb.loss_versions:
+                if version_of(t) != v:
+                    return True
+        return False
 
     def add_micro_batch(self, mb: MicroBatch) -> None:
         """Begin the calling thread's next micro-batch (under the step cycle's lock)."""
