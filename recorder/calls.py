@@ -346,7 +346,7 @@ class CallHooks:
         """The loss call's arguments (the targets, kept by reference) on the micro-batch, and
         the (min, max) of each floating output among the step's must-be-finite statistics."""
         mb = tape.micro_batches[tape.micro_batch]
-        mb.loss_args, mb.loss_kwargs = _targets_kept(self.cycle, tape, mb, args, kwargs)
+        mb.keep_loss_call(args, kwargs, tape.cache, self.cycle.copy_targets)
         self.loss_stats(tape, output)
 
     @staticmethod
@@ -476,28 +476,3 @@ def _keep_out_grad(store: dict, marks: list, i: int, nr: int, grad_outputs: tupl
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone() if t.is_floating_point() else t
-
-
-_TENSOR = frozenset((torch.Tensor,))
-
-
-def _targets_kept(cycle: StepCycle, tape: Tape, mb: MicroBatch, args, kwargs):
-    """The loss call's arguments as the micro-batch keeps them: by reference, with the
-    versions of those that are no model output nor input (its targets), or, once the loop
-    was seen writing into one (see ``StepCycle.copy_targets``), with copies of those."""
-    if cycle.copy_targets and mb.grad_enabled:
-        return (map_tensors(args, partial(_copy_target, tape.cache)),
-                map_tensors(kwargs, partial(_copy_target, tape.cache)))
-    cache = tape.cache
-    # (the usual ``crit(out, y)``: tensors only, looked at without a walk)
-    leaves = args if not kwargs and _TENSOR.issuperset(map(type, args)) \
-        else tensor_leaves((args, kwargs))
-    mb.loss_versions = [(t, version_of(t)) for t in leaves
-                        if not t.requires_grad and id(t) not in cache]
-    return args, kwargs
-
-
-def _copy_target(cache: dict, t: torch.Tensor) -> torch.Tensor:
-    """A copy of a loss argument that is no model output nor input (those the replay makes
-    or holds as such): a target, which the loop may write over before the step closes."""
-    return t if t.requires_grad or id(t) in cache else t.clone()

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from threading import get_ident
 from typing import Any
 
 import torch
 
+from .capture import map_tensors, tensor_leaves
 from .compat import version_of
 from .slots import Slots
 
@@ -53,12 +55,36 @@ class MicroBatch:
         """An input was written in place since this micro-batch's forward began."""
         return any(version_of(t) != v for t, v in self.input_versions)
 
+    def keep_loss_call(self, args, kwargs, cache: dict, copy: bool) -> None:
+        """Keep the loss call's arguments: by reference, with the versions of those that are
+        no model output nor input (``cache``: this step's; those are its targets), or, once the
+        loop was seen writing into one (``copy``: ``StepCycle.copy_targets``), with copies of
+        the targets."""
+        if copy and self.grad_enabled:
+            args, kwargs = map_tensors(args, partial(_copy_target, cache)), \
+                map_tensors(kwargs, partial(_copy_target, cache))
+        else:  # (the usual ``crit(out, y)``: tensors only, looked at without a walk)
+            leaves = args if not kwargs and _TENSOR.issuperset(map(type, args)) \
+                else tensor_leaves((args, kwargs))
+            self.loss_versions = [(t, version_of(t)) for t in leaves
+                                  if not t.requires_grad and id(t) not in cache]
+        self.loss_args, self.loss_kwargs = args, kwargs
+
     def targets_moved(self) -> bool:
         """A tensor the loss took besides the model's output was written in place since."""
         for t, v in self.loss_versions:  # (no generator: this runs for every step)
             if version_of(t) != v:
                 return True
         return False
+
+
+_TENSOR = frozenset((torch.Tensor,))
+
+
+def _copy_target(cache: dict, t: torch.Tensor) -> torch.Tensor:
+    """A copy of a loss argument that is no model output nor input (those the replay makes
+    or holds as such): a target, which the loop may write over before the step closes."""
+    return t if t.requires_grad or id(t) in cache else t.clone()
 
 
 class Tape:
