@@ -141,6 +141,8 @@ class CallHooks:
         one = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual batch
         for name, t in (("args[0]", args[0]),) if one else _named_leaves(args, kwargs):
             if not t.is_floating_point() or t.numel() == 0:
+                if t.numel():  # (token ids, masks: not checked, but a reused buffer is seen)
+                    versions.append((t, version_of(t)))
                 continue
             nan_ok = self.target.nan_allowed(name)
             hit = _produced(tape, t) if tape.cache else None  # (none at a step's start)
@@ -475,4 +477,4 @@ def _keep_out_grad(store: dict, marks: list, i: int, nr: int, grad_outputs: tupl
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone() if t.is_floating_point() else t
+    return t.detach().clone()

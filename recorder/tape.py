@@ -37,7 +37,7 @@ class MicroBatch:
     # differentiated the output itself (a gradient penalty, a PINN's residual)
     differentiated: list = field(default_factory=list)
     input_refs: tuple = ()
-    input_versions: list = field(default_factory=list)  # (floating input, version) at the start
+    input_versions: list = field(default_factory=list)  # (input, version) at the start
     inputs_written: bool = False  # the forward wrote into them: args/kwargs hold what it left
     # the loop wrote into them after the forward returned (a batch that views a dataset's
     # tensor, cleaned in place): args/kwargs hold what the loop left, not what the step ran on

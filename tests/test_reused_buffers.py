@@ -1,8 +1,9 @@
 """Gradient accumulation through static buffers the loop reuses for every micro-batch
 (``sx.copy_(x); sy.copy_(y)``, as loops prepared for CUDA graphs or pinned-memory prefetching
-keep): the loss's targets are the same tensor in every micro-batch, so the bundle held the last
-micro-batch's labels for all of them. A NaN label in an earlier micro-batch was gone from the
-bundle, and the replay said NOT reproduced, advising to look for state outside the model."""
+keep). The loss's targets, and integer inputs (token ids), were the same tensor in every
+micro-batch, unwatched, so the bundle held the last micro-batch's for all of them: a NaN label
+in an earlier micro-batch was gone and the replay said NOT reproduced; a padding-only row of
+token ids was gone and the replay blamed the factory for building another model."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _train(out_dir, nan_at=None, recorder=True, steps=6):
     sx, sy = torch.zeros(4, 8), torch.zeros(4, 1)
     g = torch.Generator().manual_seed(1)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                         factory="test_reused_target_buffers:make_regressor")
+                         factory="test_reused_buffers:make_regressor")
     with rec if recorder else torch.enable_grad():
         for step in range(steps):
             opt.zero_grad()
@@ -115,7 +116,7 @@ def test_a_memory_bank_updated_before_step_is_kept_as_the_loss_took_it(out_dir):
     g = torch.Generator().manual_seed(1)
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=_bank_loss, out_dir=out_dir,
-                            factory="test_reused_target_buffers:make_regressor") as rec:
+                            factory="test_reused_buffers:make_regressor") as rec:
             for step in range(8):
                 x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
                 if step == 4:
@@ -131,3 +132,50 @@ def test_a_memory_bank_updated_before_step_is_kept_as_the_loss_took_it(out_dir):
     code, rep = _replay(info.value.bundle_path)
     assert code == 0 and rep["reproduced"] is True and rep["cause"] == "input", rep
     assert (rep["origin"]["tensor"], rep["origin"]["samples"]) == ("loss_args[1]", [1]), rep
+
+
+class MaskedMeanPool(nn.Module):
+    """Token embeddings averaged over the non-padding positions: a row of padding only is
+    0/0."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, idx):
+        mask = (idx != 0).unsqueeze(-1).float()
+        return self.head((self.emb(idx) * mask).sum(1) / mask.sum(1))
+
+
+def test_token_ids_copied_into_one_reused_buffer_are_replayed_as_they_ran(out_dir):
+    """Token ids go through one static ``long`` buffer; step 3's first micro-batch has a row of
+    padding only (row 2). Integer inputs are now watched for writes like floating ones and
+    copied once the reuse shows, so the replay re-runs that micro-batch's own tokens."""
+    model = MaskedMeanPool()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    sx = torch.zeros(4, 6, dtype=torch.long)
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="test_reused_buffers:MaskedMeanPool"):
+            for step in range(6):
+                opt.zero_grad()
+                for mb in range(2):
+                    x = torch.randint(1, 50, (4, 6), generator=g)
+                    y = torch.randint(0, 2, (4,), generator=g)
+                    if (step, mb) == (3, 0):
+                        x[2] = 0
+                    sx.copy_(x)
+                    (crit(model(sx), y) / 2).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == \
+        (3, "forward", 0, [2]), ev
+    code, rep = _replay(info.value.bundle_path)
+    o = rep["origin"]
+    assert code == 0 and rep["reproduced"] is True, rep
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("", "aten.div", [2], "invalid"), rep
