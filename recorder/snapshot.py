@@ -10,6 +10,7 @@ Tensor keys (the format is specified in ``docs/bundle-format.md``):
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +168,20 @@ def _module_info(name: str, m: nn.Module) -> dict[str, Any]:
     fsdp = mixed_precision(m)  # FSDP2: what its MixedPrecisionPolicy computed in
     if fsdp is not None:
         info["fsdp"] = fsdp
+    if attrs := plain_attributes(m):
+        info["attrs"] = attrs
     return info
+
+
+def plain_attributes(m: nn.Module) -> dict[str, int | float | bool]:
+    """The module's own public int, float and bool attributes as the step closes: the loop
+    may set them during training (an annealed temperature, a scheduled dropout ``p``), and a
+    factory builds them as they started."""
+    return {k: v for k, v in vars(m).items() if type(v) in _PLAIN and k != "training"
+            and not k.startswith("_") and (type(v) is not float or math.isfinite(v))}
+
+
+_PLAIN = (int, float, bool)
 
 
 def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:

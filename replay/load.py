@@ -27,6 +27,7 @@ from recorder.compiled import decompile
 from recorder.errors import BundleError
 from recorder.rng import rng_from_bundle
 
+from .attributes import restore_attributes, restored_note
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .loss_params import attach_loss_params
@@ -206,6 +207,8 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
         made = _call_factory(fn, spec, kwargs, on_meta=False)
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
     load_weights(step, model)
+    if restored := restore_attributes(meta, model):
+        step.problems.append(restored_note(restored))
     step.model = model
     step.loss_fn = made.get("loss_fn")
     if step.loss_fn is None:
