@@ -79,7 +79,9 @@ def _host_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
 def jsonable(x: Any) -> Any:
     """``x`` with non-finite floats spelt as strings (JSON has no NaN) and tuples as lists."""
     if isinstance(x, float) and not math.isfinite(x):
-        return repr(x)  # 'nan', 'inf', '-inf': float() reads each back
+        # 'nan', 'inf', '-inf': float() reads each back (a float subclass, NumPy's float64
+        # from a schedule's np.cos or np.sqrt, would repr as 'np.float64(inf)')
+        return repr(float(x))
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

@@ -22,6 +22,7 @@ from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .forward_grad import derivative_words, node_sources, with_node
+from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
 from .loss_grad import node_in_loss, probed_report
 from .losses import non_finite_loss_state
@@ -377,7 +378,7 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
 
 
 def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
-    _decode_non_finite_hyper(step.optimizer)
+    decode_non_finite_hyper(step.optimizer)
     runner.run(instrument=False)
     _own_copies(step.model, step.optimizer)
     stale = stale_state(step.model, step.optimizer)
@@ -409,10 +410,8 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
     groups = opt.get("param_groups", [])
     # (the groups holding the weights it made non-finite; every group when none is known)
     own = [g for g in groups if set(g.get("params") or ()) & set(params)] or groups
-    bad = _non_finite_hyper(step, at, own)
-    why = (f"its {bad[0]} was {bad[1]} in that update: the learning-rate schedule or the loop "
-           "computed it (a 0/0, a sqrt or log of a negative step count); fix that value"
-           if bad else
+    bad = non_finite_hyper(step, at, own)
+    why = (_hyper_why(bad) if bad else
            f"its state {stale[1]} of {stale[0]} already held {stale[2]} before this update "
            "(the recorder does not read optimizer state each step): loaded that way "
            "(optimizer.load_state_dict from a bad checkpoint) or written outside the "
@@ -427,37 +426,27 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
 
 def after_update_hint(step: Step, params: list[str]) -> str | None:
     """The hint of an update the bundle cannot re-run (it holds the weights after it) whose
-    eps the weights' dtype rounds to 0, which the bundle alone shows; else None."""
+    learning rate was non-finite (the ring buffer's record of its step) or whose eps the
+    weights' dtype rounds to 0, which the bundle alone shows; else None."""
     opt = step.meta.get("optimizer") or {}
     groups = [g for g in opt.get("param_groups", []) if set(g.get("params") or ()) & set(params)]
-    why = _eps_lost_text(step, groups, params)
+    bad = non_finite_hyper(step, step.event.get("step"), groups)
+    why = _hyper_why(bad) if bad else _eps_lost_text(step, groups, params)
     return why and (f"{opt.get('class', '').rpartition('.')[2]}'s update at step "
                     f"{step.event.get('step')} made {params[0]} non-finite (not re-run: the "
                     f"bundle holds the weights after it); {why}")
+
+
+def _hyper_why(bad: tuple[str, str]) -> str:
+    return (f"its {bad[0]} was {bad[1]} in that update: the learning-rate schedule or the loop "
+            "computed it (a division by a step count of 0, a 0/0, a sqrt or log of a negative "
+            "step count); fix that value")
 
 
 def _eps_lost_text(step: Step, groups: list[dict], params: list[str]) -> str | None:
     lost = eps_lost(step, groups, params)
     return EPS_LOST_UPDATE.format(eps=lost[0], dtype=lost[1], safe=safe_eps(lost[1])) \
         if lost else None
-
-
-def _non_finite_hyper(step: Step, at, own: list[dict]) -> tuple[str, str] | None:
-    """A hyper-parameter of the update at step ``at`` that was itself NaN or +-Inf (a schedule
-    past its end: np.sqrt of a negative number): ``(name, value)``. The update's own values
-    are the rewind window's record of that step, else the bundle's groups. (The bundle's JSON
-    spells non-finite floats as strings.)"""
-    records = (step.meta.get("rewind") or {}).get("records") or []
-    hyper = next((r.get("hyper") for r in records if r.get("step") == at), None)
-    if hyper and len(hyper) == len(step.meta.get("optimizer", {}).get("param_groups", [])):
-        groups = step.meta["optimizer"]["param_groups"]
-        own = [h for h, g in zip(hyper, groups) if any(g is o for o in own)] or hyper
-    for g in own:
-        for k in ("lr", "weight_decay", "eps", "momentum", "betas", "alpha"):
-            for v in (g.get(k) if isinstance(g.get(k), list) else [g.get(k)]):
-                if v in ("nan", "inf", "-inf") or (isinstance(v, float) and not math.isfinite(v)):
-                    return k, str(v)
-    return None
 
 
 def stale_state(model, opt) -> tuple[str, str, str] | None:
@@ -481,14 +470,3 @@ def _own_copies(model, opt) -> None:
     for p, st in list(opt.state.items()):
         opt.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
                         for k, v in st.items()}
-
-
-def _decode_non_finite_hyper(opt) -> None:
-    """The bundle's JSON spells non-finite floats as 'nan', 'inf', '-inf' (``jsonable``); a
-    NaN learning rate is exactly what this replay must re-run, so turn them back into floats
-    where the optimizer's own default for that hyper-parameter is a float."""
-    for group in opt.param_groups:
-        for k, v in group.items():
-            if isinstance(v, str) and v in ("nan", "inf", "-inf") \
-                    and isinstance(opt.defaults.get(k), float):
-                group[k] = float(v)

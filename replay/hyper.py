@@ -1,0 +1,55 @@
+"""An update's hyper-parameters that were themselves NaN or +-Inf (a learning-rate schedule
+that divides by the step count at step 0, a sqrt of a negative one past its end), from what
+recorded that update's values: the rewind window's record of the step, the ring buffer's
+learning rates (taken as the step closed, before its update) and the bundle's groups."""
+
+from __future__ import annotations
+
+import math
+
+from .load import Step
+
+KEYS = ("lr", "weight_decay", "eps", "momentum", "betas", "alpha")
+SPELT = ("nan", "inf", "-inf")  # the bundle's JSON spelling of non-finite floats (``jsonable``)
+
+
+def non_finite_hyper(step: Step, at, own: list[dict]) -> tuple[str, str] | None:
+    """``(name, value)`` of a hyper-parameter of the update at step ``at`` that was NaN or
+    +-Inf, in the groups ``own`` (of the bundle's ``param_groups``), else None. A bundle written
+    after that update holds the groups as the schedule left them for the next step: the update's
+    own learning rate is the ring buffer's, recorded when its step closed."""
+    groups = step.meta.get("optimizer", {}).get("param_groups", [])
+    ring = _ring_lrs(step, at, [i for i, g in enumerate(groups) if any(g is o for o in own)])
+    records = (step.meta.get("rewind") or {}).get("records") or []
+    hyper = next((r.get("hyper") for r in records if r.get("step") == at), None)
+    if hyper and len(hyper) == len(groups):
+        own, ring = [h for h, g in zip(hyper, groups) if any(g is o for o in own)] or hyper, None
+    if ring is not None and (bad := next((v for v in ring if not math.isfinite(v)), None)):
+        return "lr", repr(bad)
+    for g in own:
+        for k in KEYS[ring is not None:]:
+            for v in (g.get(k) if isinstance(g.get(k), list) else [g.get(k)]):
+                if v in SPELT or (isinstance(v, float) and not math.isfinite(v)):
+                    return k, str(v)
+    return None
+
+
+def _ring_lrs(step: Step, at, idx: list[int]) -> list[float] | None:
+    """The learning rates of groups ``idx`` in the ring buffer's row of step ``at``, None when
+    it holds no such row (or the rates of other groups than the bundle's)."""
+    steps, lrs = step.tensors.get("ring/steps"), step.tensors.get("ring/lr")
+    if steps is None or lrs is None or not idx or at not in steps.tolist() \
+            or max(idx) >= lrs.shape[1]:
+        return None
+    row = lrs[steps.tolist().index(at)].tolist()
+    return [row[i] for i in idx]
+
+
+def decode_non_finite_hyper(opt) -> None:
+    """The bundle's JSON spells non-finite floats as 'nan', 'inf', '-inf' (``jsonable``); a
+    NaN learning rate is exactly what this replay must re-run, so turn them back into floats
+    where the optimizer's own default for that hyper-parameter is a float."""
+    for group in opt.param_groups:
+        for k, v in group.items():
+            if isinstance(v, str) and v in SPELT and isinstance(opt.defaults.get(k), float):
+                group[k] = float(v)

@@ -1,0 +1,78 @@
+"""Training-loop machinery recorded and replayed as users write it: learning-rate schedules
+(``LambdaLR`` warm-ups computed with NumPy), several optimizers and parameter groups, scalers
+and clipping."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import machinery_models as MM
+import numpy as np
+import pytest
+import torch
+from bundles import invoke_cli
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+LR_INF = "its lr was inf in that update"
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)
+
+
+def nanreplay_json(bundle, *args: str) -> dict:
+    r = invoke_cli(bundle, "--json", *args)
+    assert r.exit_code in (0, 1) and r.stderr == "", (r.exit_code, r.stderr)
+    return json.loads(r.stdout)
+
+
+def _inverse_sqrt_warmup(out_dir, **kw) -> NonFiniteError:
+    """An inverse-square-root schedule written with NumPy, ``(warmup / s) ** 0.5``: at step 0
+    it divides by 0, and ``LambdaLR`` sets the rate to ``np.float64(inf)``."""
+    model = MM.make_classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info, np.errstate(divide="ignore"):
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (4 / np.float64(s)) ** 0.5)
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="machinery_models:make_classifier", **kw):
+            for step in range(6):
+                x, y = MM.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+                sched.step()
+    return info.value
+
+
+@pytest.mark.parametrize("kw", [{"guard_optimizer": True}, {"rewind": 4}],
+                         ids=["guard", "rewind"])
+def test_a_numpy_inf_learning_rate_is_re_run_and_named(out_dir, kw):
+    """The bundle spelt NumPy's non-finite float64 as 'np.float64(inf)' (its repr), which
+    neither the optimizer re-run ('str' / float) nor the window (float('np.float64(inf)'))
+    could read: the replay failed. Now it re-runs the update and names the rate."""
+    err = _inverse_sqrt_warmup(out_dir, **kw)
+    assert (err.event["step"], err.event["phase"]) == (0, "optimizer")
+    rep = nanreplay_json(err.bundle_path, "--try", "lr=1e-3")
+    assert rep["reproduced"] and rep["cause"] == "optimizer", rep
+    assert rep["origin"]["param"] == "fc1.weight"
+    assert LR_INF in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_an_inf_learning_rate_is_named_from_the_ring_when_the_update_is_not_re_run(out_dir):
+    """Recorded without a guard, the bundle holds the groups as the schedule left them for the
+    next step (a finite rate); the rate of the update that broke the weights is the ring
+    buffer's. The hint said only 'check the learning rate and schedule'."""
+    err = _inverse_sqrt_warmup(out_dir)
+    assert (err.event["step"], err.event["phase"], err.event["after_update"]) == \
+        (0, "optimizer", True)
+    rep = nanreplay_json(err.bundle_path)
+    assert not rep["reproduced"] and rep["cause"] == "optimizer"
+    assert rep["origin"]["param"] == "fc1.weight"
+    assert LR_INF in rep["hint"], rep["hint"]
