@@ -418,20 +418,19 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            "optimizer; resume from a checkpoint whose optimizer state is finite, or reset that "
            "parameter's state"
            if stale else
-           EPS0_UPDATE if made == "nan" and any(g.get("eps") == 0 for g in own) else
-           _eps_lost_text(step, own, params) or HINTS["optimizer"])
+           _eps_why(step, own, params, made) or HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
 
 
 def after_update_hint(step: Step, params: list[str]) -> str | None:
     """The hint of an update the bundle cannot re-run (it holds the weights after it) whose
-    learning rate was non-finite (the ring buffer's record of its step) or whose eps the
-    weights' dtype rounds to 0, which the bundle alone shows; else None."""
+    learning rate was non-finite (the ring buffer's record of its step) or whose eps was 0 (or
+    is 0 in the weights' dtype), which the bundle alone shows; else None."""
     opt = step.meta.get("optimizer") or {}
     groups = [g for g in opt.get("param_groups", []) if set(g.get("params") or ()) & set(params)]
     bad = non_finite_hyper(step, step.event.get("step"), groups)
-    why = _hyper_why(bad) if bad else _eps_lost_text(step, groups, params)
+    why = _hyper_why(bad) if bad else _eps_why(step, groups, params, None)
     return why and (f"{opt.get('class', '').rpartition('.')[2]}'s update at step "
                     f"{step.event.get('step')} made {params[0]} non-finite (not re-run: the "
                     f"bundle holds the weights after it); {why}")
@@ -441,6 +440,15 @@ def _hyper_why(bad: tuple[str, str]) -> str:
     return (f"its {bad[0]} was {bad[1]} in that update: the learning-rate schedule or the loop "
             "computed it (a division by a step count of 0, a 0/0, a sqrt or log of a negative "
             "step count); fix that value")
+
+
+def _eps_why(step: Step, own: list[dict], params: list[str], made: str | None) -> str | None:
+    """An eps that left the update's division by sqrt(v) + eps a division by 0: eps=0 where
+    the update made NaN, or the weights it left hold NaN (RAdam's 1 / (sqrt(v) + eps) made
+    +inf, which its m = 0 then made NaN), or an eps that the weights' dtype rounds to 0."""
+    if "nan" in (made, step.event.get("kind")) and any(g.get("eps") == 0 for g in own):
+        return EPS0_UPDATE
+    return _eps_lost_text(step, own, params)
 
 
 def _eps_lost_text(step: Step, groups: list[dict], params: list[str]) -> str | None:

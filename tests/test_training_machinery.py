@@ -76,3 +76,37 @@ def test_an_inf_learning_rate_is_named_from_the_ring_when_the_update_is_not_re_r
     assert not rep["reproduced"] and rep["cause"] == "optimizer"
     assert rep["origin"]["param"] == "fc1.weight"
     assert LR_INF in rep["hint"], rep["hint"]
+
+
+EPS0 = "with eps=0 an element whose gradients have all been exactly 0"
+
+
+@pytest.mark.parametrize("opt_cls,kw,at", [
+    (torch.optim.RAdam, {"guard_optimizer": True}, 5),
+    (torch.optim.RMSprop, {}, 0),
+    (torch.optim.Adagrad, {}, 0),
+], ids=["radam-guard", "rmsprop-after-update", "adagrad-after-update"])
+def test_eps0_with_a_feature_always_0_is_named(out_dir, opt_cls, kw, at):
+    """``eps=0`` and a feature that is 0 in every record: its weights' gradients are all 0,
+    so v = 0 and the update divides by 0. RAdam's 1 / (sqrt(v) + eps) made +inf first (its
+    m = 0 then made NaN), and an update the bundle cannot re-run had no op at all: both hints
+    said only 'check the learning rate and schedule, eps, and clip gradients'."""
+    model = MM.make_classifier()
+    opt = opt_cls(model.parameters(), lr=1e-3, eps=0.0)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="machinery_models:make_classifier", **kw):
+            for step in range(8):
+                x, y = MM.batch(step)
+                x[:, 0] = 0.0
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (at, "optimizer", ["fc1.weight"])
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["cause"] == "optimizer" and rep["origin"]["param"] == "fc1.weight"
+    assert rep["reproduced"] == bool(kw), rep
+    assert EPS0 in rep["hint"], rep["hint"]
