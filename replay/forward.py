@@ -16,6 +16,7 @@ from .findings import finish, origin_fields
 from .forward_grad import derivative_words, node_sources, with_node
 from .load import Step
 from .ops import OpFinder, mask_buffers, state_of
+from .parametrized import parametrization_hint
 from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
@@ -81,6 +82,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
     hint = with_node(origin, _with_param(cause.hint, cause.name, hit), cause.name, node)
+    if cause.name == "invalid":
+        hint = parametrization_hint(step, o.module, hit and hit.op) or hint
     return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
 
 

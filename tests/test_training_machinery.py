@@ -110,3 +110,39 @@ def test_eps0_with_a_feature_always_0_is_named(out_dir, opt_cls, kw, at):
     assert rep["cause"] == "optimizer" and rep["origin"]["param"] == "fc1.weight"
     assert rep["reproduced"] == bool(kw), rep
     assert EPS0 in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("factory,kind,op,param", [
+    ("make_weight_norm_head", "_WeightNorm", "aten._weight_norm_interface",
+     "head.parametrizations.weight.original1"),
+    ("make_spectral_norm_head", "_SpectralNorm", "aten.div",
+     "head.parametrizations.weight.original"),
+])
+def test_a_zero_initialised_layer_under_a_parametrization_names_its_parameter(
+        out_dir, factory, kind, op, param):
+    """A last layer zero-initialised, then put under weight_norm or spectral_norm: the
+    parametrization divides by the weight's norm, 0/0. The hint said to add an eps to the
+    denominator, which is torch's code; it now names the parametrization and its parameter of
+    zeros, and how to start at 0 under weight_norm."""
+    model = getattr(MM, factory)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory=f"machinery_models:{factory}"):
+            for step in range(3):
+                x, y = MM.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == \
+        (0, "forward", "head.parametrizations.weight.0")
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["reproduced"] and rep["cause"] == "invalid"
+    assert (rep["origin"]["module"], rep["origin"]["op"]) == \
+        ("head.parametrizations.weight.0", op)
+    assert f"torch's {kind} parametrization of head.weight" in rep["hint"], rep["hint"]
+    assert f"its parameter {param}, which is all 0" in rep["hint"], rep["hint"]
+    assert "add an eps" not in rep["hint"]
+    assert ("zero its magnitude original0" in rep["hint"]) == (kind == "_WeightNorm")

@@ -1,0 +1,60 @@
+"""An op that went non-finite inside a parametrization torch registered on a layer
+(``torch.nn.utils.parametrizations.weight_norm``'s ``_WeightNorm``, ``spectral_norm``'s
+``_SpectralNorm``): the code is torch's, so the hint's "add an eps to the denominator" cannot be
+followed. Such a parametrization divides its parameter ``original`` (``original0`` and
+``original1``: weight_norm's magnitude and direction) by a norm of it, which is 0 where the
+parameter is 0 (a layer initialised to zeros, a common trick for a last layer, then put under
+the parametrization). This names that parameter and its rows of zeros."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .load import Step
+
+# (weight_norm's parameters: original0 the magnitude g, original1 the direction v)
+_WEIGHT_NORM = (" (to start the layer at 0, zero its magnitude original0 instead: g * v / |v| "
+                "is then 0, and finite)")
+_SITE = re.compile(r"^(?:(?P<owner>.*)\.)?parametrizations\.(?P<tensor>[^.]+)\.\d+$")
+
+
+def parametrization_hint(step: Step, module: str | None, op: str | None) -> str | None:
+    """The hint for an ``invalid`` op of torch's parametrization module ``module`` whose own
+    parameter holds rows of zeros, else None."""
+    site = _SITE.match(module or "")
+    if site is None or step.model is None:
+        return None
+    try:
+        kind = type(step.model.get_submodule(module))
+    except AttributeError:
+        return None
+    if not kind.__module__.startswith("torch."):
+        return None  # a parametrization of the user's own: its code can take an eps
+    owner, tensor = site["owner"], site["tensor"]
+    prefix = f"{owner + '.' if owner else ''}parametrizations.{tensor}."
+    names = sorted(k.removeprefix("weights/") for k in step.tensors
+                   if k.startswith(f"weights/{prefix}original"))
+    # (weight_norm's magnitude original0 multiplies: only its direction original1 divides)
+    for name in [n for n in names if not n.endswith(".original0")] or names:
+        zero = _zero_rows(step.tensors[f"weights/{name}"])
+        if zero is None:
+            continue
+        rows, n = zero
+        where = "is all 0" if rows == n else f"has {rows} of its {n} rows all 0"
+        return (f"{op or 'an op'} in torch's {kind.__name__} parametrization of "
+                f"{owner + '.' if owner else ''}{tensor} divides by a norm of its parameter "
+                f"{name}, which {where}: a layer initialised to zeros (nn.init.zeros_) or "
+                "driven there by its updates has norm 0 and the parametrization 0/0; "
+                "initialise that parameter nonzero" + (_WEIGHT_NORM if "original1" in name
+                                                        else ""))
+    return None
+
+
+def _zero_rows(w: torch.Tensor) -> tuple[int, int] | None:
+    """(rows all 0, rows) of ``w`` along its first dimension, None when no row is all 0."""
+    if not w.is_floating_point() or w.dim() == 0 or w.numel() == 0:
+        return None
+    rows = int((w.reshape(w.shape[0], -1) == 0).all(1).sum())
+    return (rows, w.shape[0]) if rows else None
