@@ -81,9 +81,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
-    hint = with_node(origin, _with_param(cause.hint, cause.name, hit), cause.name, node)
-    if cause.name == "invalid":
-        hint = parametrization_hint(step, o.module, hit and hit.op) or hint
+    hint = with_node(origin, _with_param(step, o.module, cause, hit), cause.name, node)
     return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
 
 
@@ -96,9 +94,13 @@ def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
     return derivative_words(hit, again.origin())
 
 
-def _with_param(hint: str | None, cause: str, hit) -> str | None:
+def _with_param(step: Step, module: str, found, hit) -> str | None:
     """The hint, with the parameter the op took as is named: the fix is then to that
-    parameter (bound it, or its learning rate), wherever its values come from."""
+    parameter (bound it, or its learning rate), wherever its values come from; for an op of
+    torch's own parametrization (weight_norm) of a layer of zeros, that layer's."""
+    hint, cause = found.hint, found.name
+    if cause == "invalid" and (own := parametrization_hint(step, module, hit and hit.op)):
+        return own
     if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE:
         return hint
     lo, hi = hit.input_min, hit.input_max
