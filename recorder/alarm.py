@@ -27,6 +27,8 @@ from .finite import tensors_kind
 from .hooks import Health
 from .late_writes import moved_in_step
 from .ring import StepLayout
+from .scalers import NOT_GIVEN as SCALER_NOT_GIVEN
+from .scalers import unregistered_scaler_in_use
 from .settings import Settings
 from .shards import local
 from .tape import Tape
@@ -146,6 +148,9 @@ class Alarm:
         try:
             meta, tensors = self._contents(tape, as_dict, _renamed(guard, self.renamed), rank,
                                            world)
+            if event.phase == "backward" and not self.target.has_scaler \
+                    and unregistered_scaler_in_use():
+                meta["scaler_not_given"] = True
             if self.renamed:  # (the replay says so: the factory's model may predate it)
                 meta["renamed_after_attach"] = self.renamed
             path, moved = _write(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
@@ -163,6 +168,8 @@ class Alarm:
         msg = _message(as_dict, path, raising)
         if tape is not None and not tape.evaluation and not tape.cut_short:
             msg += _loss_not_called(meta)  # (else the loss may simply not have run yet)
+        if meta.get("scaler_not_given"):
+            msg += " " + SCALER_NOT_GIVEN
         if moved is not None:
             msg += (f" out_dir '{out_dir}' could not be written ({why_unwritable(out_dir, moved)})"
                     ", so the bundle went to a new temporary directory: move it somewhere safe "

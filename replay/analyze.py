@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
+
 from . import fidelity
 from .cause_text import DO
 from .errors import FactoryRefused
@@ -68,6 +70,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if changed:
         report["problems"].append(fidelity.elsewhere_note() if _elsewhere(step)
                                   else fidelity.changed_note(changed))
+    if step.meta.get("scaler_not_given"):  # (a GradScaler's skipped step may be no bug)
+        report["problems"].append(SCALER_NOT_GIVEN[0].lower() + SCALER_NOT_GIVEN[1:-1])
     if late := sorted(_late(step)):
         report["problems"].append(fidelity.late_note(late, bool(step.meta.get("optimizer"))))
     report = _from_bundle(report, step) or _from_rerun(report, step)

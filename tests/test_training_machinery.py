@@ -146,3 +146,40 @@ def test_a_zero_initialised_layer_under_a_parametrization_names_its_parameter(
     assert f"its parameter {param}, which is all 0" in rep["hint"], rep["hint"]
     assert "add an eps" not in rep["hint"]
     assert ("zero its magnitude original0" in rep["hint"]) == (kind == "_WeightNorm")
+
+
+def _float16_with_a_scaler(out_dir, give: bool) -> None:
+    """A float16 autocast run on the CPU under a GradScaler whose first scale (2**24) makes the
+    scaled gradients overflow: it skips those steps, as it is meant to."""
+    model = MM.make_classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory="machinery_models:make_classifier",
+                        **({"scaler": scaler} if give else {})):
+        for step in range(6):
+            x, y = MM.batch(step)
+            opt.zero_grad(set_to_none=False)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = crit(model(50 * x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scaler.get_scale() < 2.0 ** 24  # (it did skip)
+
+
+def test_a_grad_scaler_not_given_to_the_recorder_is_said(out_dir):
+    """Given the scaler, its skipped steps are no events; forgotten, the first skipped step is
+    a backward event whose message blamed a loss 'computed outside the recorder' and whose
+    report said to compute in float32. Both now say to pass the scaler."""
+    _float16_with_a_scaler(out_dir / "given", give=True)
+    assert not list((out_dir / "given").glob("*.nan"))
+    with pytest.raises(NonFiniteError) as info:
+        _float16_with_a_scaler(out_dir, give=False)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (0, "backward")
+    assert "pass FlightRecorder(..., scaler=scaler)" in str(err), str(err)
+    rep = nanreplay_json(err.bundle_path)
+    assert any("GradScaler scales this run's gradients but was not given" in p
+               for p in rep["problems"]), rep["problems"]
