@@ -48,8 +48,11 @@ def _ring_lrs(step: Step, at, idx: list[int]) -> list[float] | None:
 def decode_non_finite_hyper(opt) -> None:
     """The bundle's JSON spells non-finite floats as 'nan', 'inf', '-inf' (``jsonable``); a
     NaN learning rate is exactly what this replay must re-run, so turn them back into floats
-    where the optimizer's own default for that hyper-parameter is a float."""
+    where the optimizer's own default for that hyper-parameter is a number (SGD's and Adam's
+    ``weight_decay=0`` and SGD's ``momentum=0`` are ints)."""
     for group in opt.param_groups:
         for k, v in group.items():
-            if isinstance(v, str) and v in SPELT and isinstance(opt.defaults.get(k), float):
+            default = opt.defaults.get(k)
+            if isinstance(v, str) and v in SPELT and isinstance(default, (int, float)) \
+                    and not isinstance(default, bool):
                 group[k] = float(v)

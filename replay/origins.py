@@ -437,7 +437,7 @@ def after_update_hint(step: Step, params: list[str]) -> str | None:
 
 
 def _hyper_why(bad: tuple[str, str]) -> str:
-    return (f"its {bad[0]} was {bad[1]} in that update: the learning-rate schedule or the loop "
+    return (f"its {bad[0]} was {bad[1]} in that update: a schedule or the loop "
             "computed it (a division by a step count of 0, a 0/0, a sqrt or log of a negative "
             "step count); fix that value")
 

@@ -183,3 +183,28 @@ def test_a_grad_scaler_not_given_to_the_recorder_is_said(out_dir):
     rep = nanreplay_json(err.bundle_path)
     assert any("GradScaler scales this run's gradients but was not given" in p
                for p in rep["problems"]), rep["problems"]
+
+
+def test_a_nan_weight_decay_of_sgd_is_re_run(out_dir):
+    """Parameter groups with their own weight decay, one read as NaN from a sweep's config
+    (YAML's ``.nan``). SGD's default ``weight_decay`` is the int 0, and the replay turned the
+    bundle's 'nan' back into a float only where the default was a float: the guard re-run
+    passed the string to ``torch.add(alpha=...)`` and the replay failed."""
+    model = MM.make_classifier()
+    opt = torch.optim.SGD([{"params": model.fc1.parameters(), "weight_decay": float("nan")},
+                           {"params": model.fc2.parameters()}], lr=1e-2, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
+                            factory="machinery_models:make_classifier"):
+            x, y = MM.batch(0)
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (0, "optimizer", ["fc1.weight", "fc1.bias"])
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["reproduced"] and rep["cause"] == "optimizer"
+    assert rep["origin"]["param"] == "fc1.weight"
+    assert "its weight_decay was nan in that update" in rep["hint"], rep["hint"]
