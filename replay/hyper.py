@@ -17,21 +17,30 @@ def non_finite_hyper(step: Step, at, own: list[dict]) -> tuple[str, str] | None:
     """``(name, value)`` of a hyper-parameter of the update at step ``at`` that was NaN or
     +-Inf, in the groups ``own`` (of the bundle's ``param_groups``), else None. A bundle written
     after that update holds the groups as the schedule left them for the next step: the update's
-    own learning rate is the ring buffer's, recorded when its step closed."""
+    own learning rate is the ring buffer's, recorded when its step closed (a float there even
+    where the group holds a tensor); the others are the window's record of it, or the groups'."""
     groups = step.meta.get("optimizer", {}).get("param_groups", [])
     ring = _ring_lrs(step, at, [i for i, g in enumerate(groups) if any(g is o for o in own)])
     records = (step.meta.get("rewind") or {}).get("records") or []
     hyper = next((r.get("hyper") for r in records if r.get("step") == at), None)
     if hyper and len(hyper) == len(groups):
-        own, ring = [h for h, g in zip(hyper, groups) if any(g is o for o in own)] or hyper, None
+        own = [h for h, g in zip(hyper, groups) if any(g is o for o in own)] or hyper
     if ring is not None and (bad := next((v for v in ring if not math.isfinite(v)), None)):
         return "lr", repr(bad)
     for g in own:
         for k in KEYS[ring is not None:]:
             for v in (g.get(k) if isinstance(g.get(k), list) else [g.get(k)]):
+                v = _number(step, v)
                 if v in SPELT or (isinstance(v, float) and not math.isfinite(v)):
                     return k, str(v)
     return None
+
+
+def _number(step: Step, v):
+    """``v``, or the number a one-element tensor entry holds (``{"$t": key}``: a learning rate
+    a scheduler keeps as a tensor, as capturable and fused optimizers take it)."""
+    t = step.tensors.get(v["$t"]) if isinstance(v, dict) and "$t" in v else None
+    return float(t) if t is not None and t.numel() == 1 and t.is_floating_point() else v
 
 
 def _ring_lrs(step: Step, at, idx: list[int]) -> list[float] | None:

@@ -208,3 +208,28 @@ def test_a_nan_weight_decay_of_sgd_is_re_run(out_dir):
     assert rep["reproduced"] and rep["cause"] == "optimizer"
     assert rep["origin"]["param"] == "fc1.weight"
     assert "its weight_decay was nan in that update" in rep["hint"], rep["hint"]
+
+
+def test_a_tensor_learning_rate_gone_inf_is_named_from_the_window(out_dir):
+    """``Adam(lr=torch.tensor(...))`` (as capturable and fused optimizers take it) under the
+    same warm-up: the window's record holds the rate as a tensor, which the hint's check read
+    as no number, so the re-run from the window said only 'check the learning rate'."""
+    model = MM.make_classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3), foreach=False)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info, np.errstate(divide="ignore"):
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (4 / np.float64(s)) ** 0.5)
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                            factory="machinery_models:make_classifier"):
+            for step in range(4):
+                x, y = MM.batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+                sched.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (0, "optimizer")
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["reproduced"] and rep["cause"] == "optimizer"
+    assert rep["origin"]["param"] == "fc1.weight"
+    assert LR_INF in rep["hint"], rep["hint"]
