@@ -17,6 +17,9 @@ NOT_GIVEN = ("A torch.amp.GradScaler scales this run's gradients but was not giv
 
 
 def unregistered_scaler_in_use() -> bool:
-    """Whether a live, enabled ``GradScaler`` has scaled a loss (it holds a scale)."""
+    """Whether a live, enabled ``GradScaler`` has scaled a loss (it holds a scale). (A scaler
+    of an earlier run that only a reference cycle still holds, a caught exception's frames, is
+    collected first: it is no longer in use.)"""
+    gc.collect()
     return any(is_grad_scaler(o) and not disabled_scaler(o) and scaler_scale(o) is not None
                for o in gc.get_objects() if type(o).__name__.endswith("GradScaler"))
