@@ -123,34 +123,53 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
     ``offsets``, the :class:`Bags` that says which sample each of their rows is in; for the
     tensors whose rows a graph batch's assignment vector covers, its :class:`Segments`."""
     found: dict[int, PackedSequence | Bags | Segments] = {}
-    flat: list[torch.Tensor] = []
+    flat: list[tuple[tuple, torch.Tensor]] = []  # (path, tensor)
     rowed: list[torch.Tensor] = []
 
-    def walk(o: Any) -> None:
+    def walk(o: Any, path: tuple) -> None:
         if isinstance(o, PackedSequence):
             found.setdefault(id(o.data), o)
         elif isinstance(o, torch.Tensor) and o.dim() >= 1:
-            (flat if o.dim() == 1 else rowed).append(o)
+            flat.append((path, o)) if o.dim() == 1 else rowed.append(o)
         elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
+            for k, v in enumerate(o):
+                walk(v, (*path, k))
         elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
+            for k, v in o.items():
+                walk(v, (*path, k))
 
-    walk(obj)
+    walk(obj, ())
     # (a graph batch's assignment vector also reads as offsets, into its longer edge tensors)
-    if (ids := next((t for t in flat if is_assignment(t)), None)) is not None:
+    if (ids := next((t for _, t in flat if is_assignment(t)), None)) is not None:
         segments = Segments(ids, int(ids[-1]))
-        for t in flat + rowed:
+        for t in [t for _, t in flat] + rowed:
             if shape_of(t)[0] == ids.numel():
                 found.setdefault(id(t), segments)
         return found
-    bags = next((Bags(t) for t in flat if are_offsets(t, flat)), None)
-    for t in flat if bags is not None else ():
-        if t is not bags.offsets and t.numel() > bags.offsets.numel():
-            found.setdefault(id(t), bags)
+    for i, j in bag_offsets(flat):
+        found.setdefault(id(flat[i][1]), Bags(flat[j][1]))
     return found
+
+
+def bag_offsets(flat: list[tuple[tuple, torch.Tensor]]) -> list[tuple[int, int]]:
+    """(i, j): flat tensor ``i`` (an ``EmbeddingBag``'s ids or ``per_sample_weights``) is
+    bagged by the offsets ``flat[j]``, among 1-D ``(path, tensor)`` pairs. With several
+    tables (DLRM's ``ids[k]``, ``offsets[k]``, ``weights[k]``; a dict per feature) each
+    tensor takes the offsets whose path differs from its own in one place, the nearest in
+    order (``emb(ids, offsets, weights)``), and that fit it (its last offset within it);
+    a table's offsets do not bag another table's ids."""
+    tensors = [t for _, t in flat]
+    offsets = [j for j, t in enumerate(tensors) if are_offsets(t, tensors)]
+    last = {j: int(tensors[j][-1]) for j in offsets}  # (host reads: the event's slow path)
+    out = []
+    for i, (path, t) in enumerate(flat):
+        fit = [j for j in offsets if j != i and t.numel() > tensors[j].numel()
+               and last[j] <= t.numel()]
+        near = [j for j in fit if len(flat[j][0]) == len(path)
+                and sum(a != b for a, b in zip(flat[j][0], path)) == 1] or fit
+        if near:
+            out.append((i, min(near, key=lambda j: (abs(j - i), j > i))))
+    return out
 
 
 @dataclass(frozen=True)

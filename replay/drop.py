@@ -5,9 +5,11 @@ list without their edges and, when no loss can be re-run, its recorded output gr
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-from recorder.samples import Bags, Segments, are_offsets, packed_in
+from recorder.samples import Bags, Segments, bag_offsets, packed_in
 
 from .load import micro_batch_inputs
 from .recorded import entry_samples
@@ -75,7 +77,7 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
             mb["inputs"] = _drop_sparse(tensors, mb["inputs"], where.size, keep, cut)
         paths = [k for k in mb.get("paths", {}) if k not in cut]
         done = {k for keys in packed for k in keys} | set(cut) | set(
-            _drop_bags(tensors, paths, where.size, keep)) | set(
+            _drop_bags(tensors, {k: mb["paths"][k] for k in paths}, where.size, keep)) | set(
             _drop_edges(tensors, paths, where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
         for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
@@ -89,27 +91,28 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
                 tensors[k] = _drop_flat(x, where, keep)
 
 
-def _drop_bags(tensors: dict[str, torch.Tensor], keys: list[str], n: int,
+def _drop_bags(tensors: dict[str, torch.Tensor], paths: dict[str, str], n: int,
                keep: torch.Tensor) -> list[str]:
-    """An ``EmbeddingBag``'s flat inputs (ids, ``per_sample_weights``) without the rows of the
-    dropped bags, and its ``offsets`` (one per sample) for the bags kept; returns their
-    keys."""
-    flat = {k: tensors[k] for k in keys if isinstance(tensors.get(k), torch.Tensor)
-            and tensors[k].dim() == 1}
-    off = next((k for k, t in flat.items() if t.numel() == n
-                and are_offsets(t, list(flat.values()))), None)
-    if off is None:
-        return []
-    o = flat[off]
-    total = max(t.numel() for t in flat.values())  # the ids (and their weights)
-    longer = [k for k, t in flat.items() if t.numel() == total]
-    bag = Bags(o).bag_of(torch.arange(total))
-    rows = torch.isin(bag, keep.to(o.device, o.dtype))
-    for k in longer:
-        tensors[k] = flat[k][rows]
-    sizes = torch.diff(o, append=o.new_tensor([total])).index_select(0, keep.to(o.device))
-    tensors[off] = torch.cat([o.new_zeros(1), sizes.cumsum(0)[:-1]])
-    return [off, *longer]
+    """Each ``EmbeddingBag``'s flat inputs (ids, ``per_sample_weights``) without the rows of
+    the dropped bags, and its ``offsets`` (one per sample) for the bags kept, table by table
+    (:func:`recorder.samples.bag_offsets` pairs them); returns their keys."""
+    keys = [k for k in paths if isinstance(tensors.get(k), torch.Tensor)
+            and tensors[k].dim() == 1]
+    flat = [(tuple(re.findall(r"\[([^\]]*)\]", paths[k])), tensors[k]) for k in keys]
+    groups: dict[int, list[int]] = {}
+    for i, j in bag_offsets(flat):
+        if flat[j][1].numel() == n:
+            groups.setdefault(j, []).append(i)
+    done = []
+    for j, members in groups.items():
+        o, total = flat[j][1], max(flat[i][1].numel() for i in members)
+        rows = torch.isin(Bags(o).bag_of(torch.arange(total)), keep.to(o.device, o.dtype))
+        for i in members:
+            tensors[keys[i]] = flat[i][1][rows[:flat[i][1].numel()].to(flat[i][1].device)]
+        sizes = torch.diff(o, append=o.new_tensor([total])).index_select(0, keep.to(o.device))
+        tensors[keys[j]] = torch.cat([o.new_zeros(1), sizes.cumsum(0)[:-1]])
+        done += [keys[j], *(keys[i] for i in members)]
+    return done
 
 
 def _drop_edges(tensors: dict[str, torch.Tensor], keys: list[str], n: int,

@@ -1,0 +1,29 @@
+"""Recommender, tabular and time-series models for ``test_recsys_timeseries``, at module level
+so that ``nanreplay`` rebuilds them from the bundle (``recsys_models:make_dlrm``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class WeightedDLRM(nn.Module):
+    """A DLRM-style click model over weighted categorical features, one ``EmbeddingBag`` per
+    table, the batch a list of ids, offsets and per-id weights per table (as TorchRec's
+    weighted ``KeyedJaggedTensor`` lays them out)."""
+
+    def __init__(self, tables=(100, 50, 30), d: int = 8):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(4, d), nn.ReLU())
+        self.tables = nn.ModuleList(nn.EmbeddingBag(n, d, mode="sum") for n in tables)
+        self.top = nn.Linear(d * (len(tables) + 1), 1)
+
+    def forward(self, dense, ids, offsets, weights):
+        pooled = [emb(i, o, per_sample_weights=w)
+                  for emb, i, o, w in zip(self.tables, ids, offsets, weights)]
+        return self.top(torch.cat([self.bottom(dense), *pooled], 1)).squeeze(-1)
+
+
+def make_dlrm() -> nn.Module:
+    torch.manual_seed(0)
+    return WeightedDLRM()

@@ -1,0 +1,75 @@
+"""Recommenders, tabular and time-series models trained as their users write them (weighted
+multi-table ``EmbeddingBag``s, series with missing readings as NaN under ``allow_nan``), with
+a planted bug: the recorder and ``nanreplay --json`` name the module, op, step, samples and
+cause, and the hint leads to the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import recsys_models as R
+import torch
+from click.testing import CliRunner
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where recsys_models.py, the factories' module, lives
+
+
+def nanreplay_json(bundle: Path, *extra: str) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def dlrm_batch(step: int, n: int = 16):
+    """Dense features, then per table: ids, offsets (one per sample) and per-id weights; the
+    tables' bags hold 1-2, 1-4 and 1-6 ids, so their flat tensors differ in length."""
+    g = torch.Generator().manual_seed(step)
+    dense = torch.randn(n, 4, generator=g)
+    ids, offsets, weights = [], [], []
+    for t, rows in enumerate((100, 50, 30)):
+        lengths = torch.randint(1, 3 + 2 * t, (n,), generator=g)
+        ids.append(torch.randint(0, rows, (int(lengths.sum()),), generator=g))
+        offsets.append(torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]]))
+        weights.append(torch.rand(int(lengths.sum()), generator=g))
+    return dense, ids, offsets, weights, (dense[:, 0] > 0).float()
+
+
+@pytest.mark.parametrize("table", [1, 2])
+def test_a_bag_of_a_later_table_is_named_through_its_own_offsets(tmp_path, table):
+    """A weighted feature's weight is +inf in bag 13 of table 1 or 2 (a dwell time divided by
+    a zero duration). Every flat tensor was mapped to bags through the first offsets found,
+    table 0's, so the event and the report named bag 15 (the row lies past table 0's last
+    offset), and ``--try drop=13`` cut table 0's bag only and stayed non-finite. Each table's
+    ids and weights are bagged by their own offsets now."""
+    model = R.make_dlrm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = torch.nn.BCEWithLogitsLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="recsys_models:make_dlrm"):
+            for step in range(6):
+                dense, ids, offsets, weights, y = dlrm_batch(step)
+                if step == 4:
+                    weights[table][offsets[table][13]] = float("inf")
+                opt.zero_grad()
+                crit(model(dense, ids, offsets, weights), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == \
+        (4, "input", f"args[3][{table}]", [13]), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=13", "--try", "drop=12")
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == \
+        ("input", f"args[3][{table}]", [13], "input"), o
+    tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+    assert tries == {"drop=13": True, "drop=12": False}, rep["what_if"]
