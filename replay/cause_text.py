@@ -57,6 +57,14 @@ ALLOWED_NAN_LEAKED = (
     "NaN of it got past that handling: find where forward uses {tensor} before (or without) "
     "imputing it; the samples are its rows whose NaN reached the model's output (else every "
     "row holding NaN)")
+# a backward node that multiplied an allow_nan input's NaN, which the forward masked after it
+# used it (replay.origins.report_backward)
+ALLOWED_NAN_SAVED = (
+    "{node} multiplied a NaN it saved in the forward, which came in with {tensor} (allow_nan: "
+    "missing values in rows {rows}) and which the forward masked only after computing with "
+    "it: torch.where or a mask on a later value still sends the gradient through the masked "
+    "entries, and 0 * NaN is NaN; impute {tensor} before the first op that reads it "
+    "(torch.nan_to_num(x), torch.where(torch.isnan(x), fill, x)), then mask")
 # a batch tensor whose same features are NaN/Inf in every sample
 WHOLE_COLUMNS = (
     "the batch itself holds NaN/Inf, and {tensor} holds it in the same feature(s) of every "

@@ -18,7 +18,7 @@ from recorder.finite import finite, kind_of, label, tensors_kind
 from . import outside
 from .backward import find_backward_origin
 from .cause import Cause, classify
-from .cause_text import DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
+from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .forward_grad import derivative_words, node_sources, with_node
@@ -30,7 +30,7 @@ from .ops import OpFinder, state_of
 from .optim import eps_lost, per_parameter, safe_eps
 from .param_writes import forward_made, forward_made_hint, loop_written_hint
 from .positive import made_positive
-from .recorded import batch_non_finite, input_origin, samples
+from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
 from .weight_readers import bad_row_fields, first_reader, rows_text
@@ -351,16 +351,22 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
                 f"of {came['tensor'] or 'an input'}) and which the forward carried without a "
                 "non-finite output; " + (DO["masked_target"] if target else HINTS["input"]))
         return finish(report, origin, "input", reproduced=reproduced, hint=hint)
-    if b.saved is not None:
-        maker = _saved_value_maker(runner, b.micro_batch or 0, b.node, b.saved)
-        if maker is not None:
-            hit, cause = maker
-            origin["samples"] = origin["samples"] or hit.rows or []
-            origin["chain"] = [hit.as_json(), *origin["chain"]]
-            hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, made by "
-                    f"{hit.op} at {hit.source} and carried without a non-finite output "
-                    f"(saturated, masked or dropped); there: {cause.hint}")
-            return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+    maker = None if b.saved is None else \
+        _saved_value_maker(runner, b.micro_batch or 0, b.node, b.saved)
+    if maker is not None:
+        hit, cause = maker
+        origin["samples"] = origin["samples"] or hit.rows or []
+        origin["chain"] = [hit.as_json(), *origin["chain"]]
+        hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, made by "
+                f"{hit.op} at {hit.source} and carried without a non-finite output "
+                f"(saturated, masked or dropped); there: {cause.hint}")
+        return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+    if b.saved == "nan" and allowed_nan_held(runner.step):
+        # no op made it: a missing value of an allow_nan input, masked after it was used
+        came = input_origin(runner.step)
+        origin["samples"] = came["samples"]
+        return finish(report, origin, "input", reproduced=reproduced, hint=ALLOWED_NAN_SAVED
+                      .format(node=b.node, tensor=came["tensor"], rows=came["samples"]))
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                      underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype)
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):

@@ -71,6 +71,15 @@ def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
                for k, t in step.tensors.items())
 
 
+def allowed_nan_held(step: Step) -> bool:
+    """A recorded batch tensor of a root input that ``allow_nan`` names holds NaN (a missing
+    value the model was to impute), which :func:`batch_non_finite` leaves out."""
+    paths = {k: root_input_name(raw) for mb in step.micro_batches
+             for k, raw in mb.get("paths", {}).items()}
+    return any(nan_allowed(step, name) and has_nan(t) for k, name in paths.items()
+               if isinstance(t := step.tensors.get(k), torch.Tensor))
+
+
 def nan_allowed(step: Step, name: str) -> bool:
     """Root input ``name`` may hold NaN (``allow_nan``)."""
     return matches(name, step.meta.get("allow_nan", []))

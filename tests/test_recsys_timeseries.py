@@ -73,3 +73,35 @@ def test_a_bag_of_a_later_table_is_named_through_its_own_offsets(tmp_path, table
         ("input", f"args[3][{table}]", [13], "input"), o
     tries = {t["try"]: t["finite"] for t in rep["what_if"]}
     assert tries == {"drop=13": True, "drop=12": False}, rep["what_if"]
+
+
+def test_a_missing_reading_masked_after_the_affine_is_named_as_the_input(tmp_path):
+    """Series with missing readings as NaN (``allow_nan``): the model standardises each
+    series by its observed mean and std, applies a learned affine, and zeroes the missing
+    steps only then. The forward is finite, but the affine weight's gradient multiplies the
+    NaN it saved: a backward event at step 3, when series 4 first has a gap. The replay said
+    ``invalid``, 'the op ran outside its domain (sqrt or log of a negative, 0/0)', naming no
+    sample; no op made that NaN, the missing readings of the allowed input did: ``input``,
+    the rows holding them, and impute before use."""
+    model = R.make_masked_norm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_nan=["args[0]"],
+                            factory="recsys_models:make_masked_norm"):
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(8, 20, 2, generator=g)
+                if step >= 3:
+                    x[4, 15:] = float("nan")  # the sensor went offline
+                opt.zero_grad()
+                crit(model(x), torch.randn(8, generator=g)).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (3, "backward", ["weight"]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("backward", "", "MulBackward0", [4], "input"), json.dumps(rep, indent=1)
+    assert "allow_nan" in rep["hint"] and "impute batch before" in rep["hint"], rep["hint"]
+    assert "outside its domain" not in rep["hint"], rep["hint"]
