@@ -87,8 +87,10 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     return report
 
 
-# precursors that say the training itself was growing, not one op's range
-_GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump": "weights"}
+# precursors that say the training itself was growing, not one op's range (a learning rate
+# that jumped in an earlier step drove the weights there)
+_GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump": "weights",
+           "lr_jump": "learning rate"}
 
 
 def _diverging(report, windowed: bool) -> None:

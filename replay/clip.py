@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from recorder.finite import stored
+
 
 def loop_clip(step, win, record: dict[str, Any], change, norm: float | None) -> None:
     """The loop's own ``clip_grad_norm_`` between backward and ``optimizer.step()``, which
@@ -18,9 +20,10 @@ def loop_clip(step, win, record: dict[str, Any], change, norm: float | None) -> 
     unchanged re-run scales the gradients to the recorded norm, as the clip did, and keeps
     the norm it clipped to (the loop's max_norm); a what-if, whose gradients differ, clips to
     that max_norm, or to the try's own ``clip``."""
-    grads = [p.grad for p in step.model.parameters() if p.grad is not None]
+    params = [p for p in step.model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     if change.clip is not None:
-        torch.nn.utils.clip_grad_norm_(step.model.parameters(), change.clip)
+        clip_grads(params, change.clip)
     elif change == type(change)():
         rec = _recorded_grad_norm(step, record["step"])
         if rec is None or norm is None or not norm > rec * (1 + 1e-3):
@@ -30,7 +33,30 @@ def loop_clip(step, win, record: dict[str, Any], change, norm: float | None) -> 
         if rec > 0:  # (0: clip_grad_norm_ of an infinite norm zeroed the gradients)
             win.loop_clip = max(win.loop_clip or 0.0, rec)
     elif win.loop_clip is not None:
-        torch.nn.utils.clip_grad_norm_(step.model.parameters(), win.loop_clip)
+        clip_grads(params, win.loop_clip)
+
+
+def total_norm(tensors) -> float | None:
+    """The 2-norm of ``tensors`` together; a sparse gradient's (``nn.Embedding(sparse=True)``)
+    by its stored values, uncoalesced, as the recorder measures it without a sync (an id used
+    twice counts twice): the re-run's norm is compared with the ring's, and a norm of another
+    measure read as the loop's clipping."""
+    norms = [stored(t.detach()).abs().double().norm() for t in tensors
+             if t is not None and t.numel()]
+    return float(torch.stack(norms).norm()) if norms else None
+
+
+def clip_grads(params: list[torch.Tensor], max_norm: float) -> None:
+    """``clip_grad_norm_`` of the gradients of ``params``; with a sparse one among them, which
+    torch's refuses, scaled by the norm :func:`total_norm` measures."""
+    grads = [p.grad for p in params]
+    if all(g.layout == torch.strided for g in grads):
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    norm = total_norm(grads)
+    coef = 1.0 if norm is None else min(1.0, max_norm / (norm + 1e-6))
+    for g in grads:
+        g.mul_(coef)
 
 
 def _recorded_grad_norm(step, k: int) -> float | None:

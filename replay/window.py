@@ -33,7 +33,7 @@ from recorder.capture import map_tensors
 from recorder.finite import finite, tensors_kind
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
-from .clip import loop_clip
+from .clip import loop_clip, total_norm
 from .drop import drop_rows
 from .load import Step
 from .loopscale import unscale, window_factors, with_factors
@@ -163,7 +163,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         _drop_untrained(step.model, opt, record)
         bad_grads = [n for n, p in step.model.named_parameters()
                      if p.grad is not None and not finite(p.grad)]
-        stats["grad_norm"] = _total_norm(p.grad for p in step.model.parameters())
+        stats["grad_norm"] = total_norm(p.grad for p in step.model.parameters())
         if bad_grads:
             # the GradScaler skips this update; at a GradScaler event's step that overflow is
             # the event itself (the skip that collapsed the scale), not a step trained past
@@ -177,12 +177,12 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         loop_clip(step, win, record, change, stats["grad_norm"])
         # (the GradScaler's skips follow the re-run's own gradients, as in training)
         if opt is None or (record is win.records[-1] and not _last_update_ran(step, win)):
-            stats["param_norm"] = _total_norm(step.model.parameters())
+            stats["param_norm"] = total_norm(step.model.parameters())
             continue
         _set_hyper(opt, record, sub, change)
         before = _state(step.model, opt)
         opt.step()
-        stats["param_norm"] = _total_norm(step.model.parameters())
+        stats["param_norm"] = total_norm(step.model.parameters())
         bad = _bad_after_update(step.model, opt)
         if bad:
             out.first = _update_outcome(record["step"], step, opt, before, bad)
@@ -467,11 +467,6 @@ def _forward_outcome(k: int, run) -> Outcome | None:
 
 def _kind(tensors) -> str | None:
     return tensors_kind([t for t in tensors if t is not None])
-
-
-def _total_norm(tensors) -> float | None:
-    norms = [t.detach().abs().double().norm() for t in tensors if t is not None and t.numel()]
-    return float(torch.stack(norms).norm()) if norms else None
 
 
 def _loss_value(run) -> float | None:

@@ -52,3 +52,21 @@ class MaskedInstanceNorm(nn.Module):
 def make_masked_norm() -> nn.Module:
     torch.manual_seed(0)
     return MaskedInstanceNorm()
+
+
+class SparseMF(nn.Module):
+    """Matrix factorisation with sparse embedding gradients (``sparse=True``): each user or
+    item id the batch repeats adds one more row to its gradient's values (uncoalesced)."""
+
+    def __init__(self, users: int = 40, items: int = 60, d: int = 8):
+        super().__init__()
+        self.user = nn.Embedding(users, d, sparse=True)
+        self.item = nn.Embedding(items, d, sparse=True)
+
+    def forward(self, users, items):
+        return (self.user(users) * self.item(items)).sum(-1)
+
+
+def make_sparse_mf() -> nn.Module:
+    torch.manual_seed(0)
+    return SparseMF()

@@ -105,3 +105,62 @@ def test_a_missing_reading_masked_after_the_affine_is_named_as_the_input(tmp_pat
         ("backward", "", "MulBackward0", [4], "input"), json.dumps(rep, indent=1)
     assert "allow_nan" in rep["hint"] and "impute batch before" in rep["hint"], rep["hint"]
     assert "outside its domain" not in rep["hint"], rep["hint"]
+
+
+def test_a_rewind_window_over_sparse_gradients_applies_no_clipping_the_loop_did_not(tmp_path):
+    """Matrix factorisation with ``nn.Embedding(sparse=True)`` under plain SGD, recorded with
+    ``rewind=2``; a learning-rate schedule gone wrong sets 1e35 at step 4 and the dot products
+    overflow at step 5. The recorder measures a sparse gradient by its stored (uncoalesced)
+    values, the window's re-run measured it coalesced (ids the batch repeats summed): always
+    larger, so the window 're-applied the loop's gradient clipping' the loop never did, scaled
+    the re-run's gradients, and every ``--try`` then failed in torch's clip_grad_norm_, which
+    refuses sparse gradients. Both norms are the recorder's measure now, and the tries clip
+    sparse gradients themselves."""
+    err = train_mf_with_a_schedule_gone_wrong(tmp_path, rewind=2)
+    assert (err.event["step"], err.event["phase"]) == (5, "forward")
+    rep = nanreplay_json(err.bundle_path, "--try", "clip=1.0", "--try", "lr=0.01")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"]) == \
+        ("forward", "", "aten.mul", "overflow"), o
+    w = rep["window"]
+    assert w["loop_clip"] is None and w["reproduced"], w
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert "error" not in tries["clip=1.0"] and not tries["clip=1.0"]["finite"], tries
+    assert tries["lr=0.01"]["finite"], tries
+
+
+def train_mf_with_a_schedule_gone_wrong(out_dir: Path, rewind=None) -> NonFiniteError:
+    """Sparse matrix factorisation under SGD whose learning rate is 1e35 at step 4 (a
+    schedule gone wrong): the weights are finite but huge, and step 5's dot products
+    overflow."""
+    model = R.make_sparse_mf()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=rewind,
+                            factory="recsys_models:make_sparse_mf"):
+            for step in range(8):
+                g = torch.Generator().manual_seed(step)
+                opt.param_groups[0]["lr"] = 1e35 if step == 4 else 0.1
+                users, items = torch.randint(0, 40, (32,), generator=g), \
+                    torch.randint(0, 60, (32,), generator=g)
+                opt.zero_grad()
+                crit(model(users, items), torch.rand(32, generator=g)).backward()
+                opt.step()
+    return info.value
+
+
+def test_an_overflow_after_a_learning_rate_jump_says_the_run_was_diverging(tmp_path):
+    """The same run without a rewind window: the precursors show the learning rate jumped
+    1e36x at step 4, yet the hint of step 5's overflow said only 'rescale its inputs or
+    compute it in float64' (the weights' norm, squared in float32, was past its range, so no
+    weight jump was seen). A learning-rate jump before the event says the run was diverging
+    too, as a loss, gradient-norm or weight jump does."""
+    err = train_mf_with_a_schedule_gone_wrong(tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == \
+        (5, "forward", "", "aten.mul", "overflow"), o
+    assert any(p["kind"] == "lr_jump" and p["step"] == 4 for p in rep["precursors"])
+    assert "the learning rate had jumped at step 4" in rep["hint"], rep["hint"]
+    assert "the run was diverging" in rep["hint"] and "lower the learning rate" in rep["hint"]
