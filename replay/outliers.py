@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from recorder.capture import batch_path, loss_path
+from recorder.missing import root_input_name
 
 from .domains import g
 from .load import Step
-from .recorded import samples
+from .recorded import nan_allowed, samples
 
 FACTOR = 10.0  # the named rows' largest magnitude against every other row's
 
@@ -67,15 +68,19 @@ def _row_magnitudes(step: Step, mb: int):
         return
     entry, where = step.micro_batches[mb], samples(step, mb)
     n_args = _n_args(entry.get("inputs"))
-    named = [(k, batch_path(raw, n_args)) for k, raw in (entry.get("paths") or {}).items()]
-    named += [(k, loss_path(raw)) for k, raw in (entry.get("loss_paths") or {}).items()]
-    for key, name in named:
+    # (an allow_nan input's NaN is a missing value, of no magnitude: as +Inf, every row
+    # missing one would stand above an out-of-scale record)
+    named = [(k, batch_path(raw, n_args), nan_allowed(step, root_input_name(raw)))
+             for k, raw in (entry.get("paths") or {}).items()]
+    named += [(k, loss_path(raw), False) for k, raw in (entry.get("loss_paths") or {}).items()]
+    for key, name, missing in named:
         t = step.tensors.get(key)
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
             continue
         d = where.dim(t)
         if d is not None and t.shape[d] > 1:
-            per = t.detach().movedim(d, 0).reshape(t.shape[d], -1).abs().double().amax(1)
+            a = t.detach().movedim(d, 0).reshape(t.shape[d], -1).abs().double()
+            per = (torch.nan_to_num(a, nan=0.0) if missing else a).amax(1)
             yield name, torch.nan_to_num(per, nan=math.inf)
 
 

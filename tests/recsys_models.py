@@ -1,4 +1,4 @@
-"""Recommender, tabular and time-series models for ``test_recsys_timeseries``, at module level
+"""Recommender, tabular and time-series models and losses for ``test_recsys_timeseries``, at module level
 so that ``nanreplay`` rebuilds them from the bundle (``recsys_models:make_dlrm``)."""
 
 from __future__ import annotations
@@ -70,3 +70,35 @@ class SparseMF(nn.Module):
 def make_sparse_mf() -> nn.Module:
     torch.manual_seed(0)
     return SparseMF()
+
+
+class TCN(nn.Module):
+    """A causal dilated TCN forecaster over series with missing readings (NaN), imputed as 0
+    beside a missing-indicator channel; it outputs a mean and a log-std per series."""
+
+    def __init__(self, channels: int = 2, hidden: int = 8):
+        super().__init__()
+        self.c1 = nn.Conv1d(2 * channels, hidden, 3, padding=2, dilation=1)
+        self.c2 = nn.Conv1d(hidden, hidden, 3, padding=4, dilation=2)
+        self.out = nn.Conv1d(hidden, 2, 1)
+
+    def forward(self, x):  # (B, C, T)
+        missing = torch.isnan(x)
+        x = torch.nan_to_num(x)
+        t = x.shape[-1]
+        h = torch.relu(self.c1(torch.cat([x, missing.float()], 1))[..., :t])
+        h = torch.relu(self.c2(h)[..., :t])
+        return self.out(h)[..., -1]
+
+
+def make_tcn() -> nn.Module:
+    torch.manual_seed(0)
+    return TCN()
+
+
+class LogGaussianNLL(nn.Module):
+    """Gaussian NLL of log1p-transformed counts, the variance from the predicted log-std."""
+
+    def forward(self, out, y):
+        mean, log_std = out[:, 0], out[:, 1]
+        return nn.functional.gaussian_nll_loss(mean, torch.log1p(y), torch.exp(2 * log_std))

@@ -164,3 +164,34 @@ def test_an_overflow_after_a_learning_rate_jump_says_the_run_was_diverging(tmp_p
     assert any(p["kind"] == "lr_jump" and p["step"] == 4 for p in rep["precursors"])
     assert "the learning rate had jumped at step 4" in rep["hint"], rep["hint"]
     assert "the run was diverging" in rep["hint"] and "lower the learning rate" in rep["hint"]
+
+
+def test_an_out_of_scale_series_is_named_beside_missing_readings(tmp_path):
+    """A TCN forecaster whose series have missing readings (NaN, ``allow_nan``) under a
+    Gaussian NLL of log1p counts: series 3 arrives in the wrong unit (1e4) at step 4, the
+    predicted log-std follows, and exp(2 * log_std) overflows in the loss. The hint names
+    out-of-scale samples of an overflow, but every row holding a missing reading counted as
+    infinitely large, so series 3 stood out from nothing and the hint said only 'compute it in
+    float64'. A missing value has no magnitude now: the hint names series 3 and its drop."""
+    model = R.make_tcn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = R.LogGaussianNLL()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_nan=["args[0]"],
+                            factory="recsys_models:make_tcn"):
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(8, 2, 20, generator=g)
+                x[torch.rand(8, 2, 20, generator=g) < 0.1] = float("nan")
+                if step == 4:
+                    x[3, 0] = 1e4  # a series in the wrong unit
+                opt.zero_grad()
+                crit(model(x), torch.rand(8, generator=g) * 5).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (4, "loss")
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.exp", [3], "overflow"), json.dumps(rep, indent=1)
+    assert "sample(s) 3 of batch reach" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"], rep["what_if"]
