@@ -94,14 +94,15 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
 def _drop_bags(tensors: dict[str, torch.Tensor], paths: dict[str, str], n: int,
                keep: torch.Tensor) -> list[str]:
     """Each ``EmbeddingBag``'s flat inputs (ids, ``per_sample_weights``) without the rows of
-    the dropped bags, and its ``offsets`` (one per sample) for the bags kept, table by table
+    the dropped bags, and its ``offsets`` (one per sample, and the end with
+    ``include_last_offset``) for the bags kept, table by table
     (:func:`recorder.samples.bag_offsets` pairs them); returns their keys."""
     keys = [k for k in paths if isinstance(tensors.get(k), torch.Tensor)
             and tensors[k].dim() == 1]
     flat = [(tuple(re.findall(r"\[([^\]]*)\]", paths[k])), tensors[k]) for k in keys]
     groups: dict[int, list[int]] = {}
     for i, j in bag_offsets(flat):
-        if flat[j][1].numel() == n:
+        if flat[j][1].numel() in (n, n + 1):  # (n + 1: include_last_offset's final end)
             groups.setdefault(j, []).append(i)
     done = []
     for j, members in groups.items():
@@ -109,8 +110,10 @@ def _drop_bags(tensors: dict[str, torch.Tensor], paths: dict[str, str], n: int,
         rows = torch.isin(Bags(o).bag_of(torch.arange(total)), keep.to(o.device, o.dtype))
         for i in members:
             tensors[keys[i]] = flat[i][1][rows[:flat[i][1].numel()].to(flat[i][1].device)]
-        sizes = torch.diff(o, append=o.new_tensor([total])).index_select(0, keep.to(o.device))
-        tensors[keys[j]] = torch.cat([o.new_zeros(1), sizes.cumsum(0)[:-1]])
+        last = o.numel() == n + 1
+        sizes = (torch.diff(o) if last else torch.diff(o, append=o.new_tensor([total])))
+        ends = torch.cat([o.new_zeros(1), sizes.index_select(0, keep.to(o.device)).cumsum(0)])
+        tensors[keys[j]] = ends if last else ends[:-1]
         done += [keys[j], *(keys[i] for i in members)]
     return done
 

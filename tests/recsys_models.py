@@ -102,3 +102,21 @@ class LogGaussianNLL(nn.Module):
     def forward(self, out, y):
         mean, log_std = out[:, 0], out[:, 1]
         return nn.functional.gaussian_nll_loss(mean, torch.log1p(y), torch.exp(2 * log_std))
+
+
+class BagsWithEnd(nn.Module):
+    """Weighted bags in the CSR layout (``include_last_offset=True``: the offsets end with the
+    total length, one more than the bags), as FBGEMM and TorchRec pass them."""
+
+    def __init__(self, vocab: int = 100, d: int = 8):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(vocab, d, mode="sum", include_last_offset=True)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, ids, offsets, weights):
+        return self.head(self.emb(ids, offsets, per_sample_weights=weights)).squeeze(-1)
+
+
+def make_bags_with_end() -> nn.Module:
+    torch.manual_seed(0)
+    return BagsWithEnd()

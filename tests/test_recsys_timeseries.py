@@ -195,3 +195,33 @@ def test_an_out_of_scale_series_is_named_beside_missing_readings(tmp_path):
         ("loss", "<loss>", "aten.exp", [3], "overflow"), json.dumps(rep, indent=1)
     assert "sample(s) 3 of batch reach" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"], rep["what_if"]
+
+
+def test_drop_removes_bags_whose_offsets_end_with_the_total(tmp_path):
+    """``EmbeddingBag(include_last_offset=True)``: 12 bags, 13 offsets. A +inf weight in the
+    last bag is named as sample 11, but ``--try drop=11`` failed ('The size of tensor a (12)
+    must match the size of tensor b (11)'): offsets one longer than the batch were not read as
+    offsets, so the labels lost a row and the bags did not. They are cut as the others are."""
+    model = R.make_bags_with_end()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="recsys_models:make_bags_with_end"):
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                lengths = torch.randint(1, 5, (12,), generator=g)
+                ids = torch.randint(0, 100, (int(lengths.sum()),), generator=g)
+                offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+                weights = torch.rand(len(ids), generator=g)
+                if step == 4:
+                    weights[offsets[11]] = float("inf")
+                opt.zero_grad()
+                crit(model(ids, offsets, weights), torch.randn(12, generator=g)).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (4, "input", "args[2]", [11])
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=11", "--try", "drop=10")
+    assert (rep["origin"]["samples"], rep["cause"]) == ([11], "input"), rep["origin"]
+    tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+    assert tries == {"drop=11": True, "drop=10": False}, rep["what_if"]
