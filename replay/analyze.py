@@ -27,6 +27,7 @@ from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .hidden import report_hidden_forward
+from .imputed import made_from_imputed
 from .load import Step, build, read_step
 from .loss_grad import loop_differentiation, not_rerun_term
 from .origins import (
@@ -213,6 +214,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         return _input_changed(report, step, inputs[0])
     if step.event.get("phase") == "input":
         o = input_origin(step)
+        if (made := made_from_imputed(report, step, o)) is not None:
+            return made
         return finish(report, o, "input", reproduced=True,
                       hint=infinity_the_loss_took(step, o) or input_hint(o, step))
     if any(mb.get("inputs_written") for mb in step.micro_batches):

@@ -148,7 +148,7 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     tensor = origin.get("tensor") or ""
     if handled := step.event.get("nan_handled"):
         return allow_nan_advice(handled)
-    key, raw = _origin_key(step, origin)
+    key, raw = origin_key(step, origin)
     if nan_allowed(step, root_input_name(raw)):
         return ALLOWED_NAN_LEAKED.format(tensor=tensor)
     if cols := _whole_columns(step, origin, key):
@@ -163,7 +163,7 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     return SHARED_INPUT.format(tensor=f"the input {tensor}")
 
 
-def _origin_key(step: Step, origin: dict[str, Any]) -> tuple[str, str]:
+def origin_key(step: Step, origin: dict[str, Any]) -> tuple[str, str]:
     """The bundle key and the raw path of the batch tensor an input origin names ("" when it
     names none, or a loss argument)."""
     mb = step.micro_batches[origin.get("micro_batch") or 0] if step.micro_batches else {}

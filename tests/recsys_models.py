@@ -120,3 +120,24 @@ class BagsWithEnd(nn.Module):
 def make_bags_with_end() -> nn.Module:
     torch.manual_seed(0)
     return BagsWithEnd()
+
+
+class PooledGRU(nn.Module):
+    """A churn model over a customer's daily activity with missing days (NaN rows): a GRU over
+    the zero-filled series, then the mean of its states over the observed days only."""
+
+    def __init__(self, features: int = 3, hidden: int = 8):
+        super().__init__()
+        self.gru = nn.GRU(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x):  # (B, T, F)
+        observed = ~torch.isnan(x).any(-1)
+        h, _ = self.gru(torch.nan_to_num(x))
+        pooled = (h * observed[..., None]).sum(1) / observed.sum(1, keepdim=True)
+        return self.head(pooled).squeeze(-1)
+
+
+def make_pooled_gru() -> nn.Module:
+    torch.manual_seed(0)
+    return PooledGRU()

@@ -225,3 +225,35 @@ def test_drop_removes_bags_whose_offsets_end_with_the_total(tmp_path):
     assert (rep["origin"]["samples"], rep["cause"]) == ([11], "input"), rep["origin"]
     tries = {t["try"]: t["finite"] for t in rep["what_if"]}
     assert tries == {"drop=11": True, "drop=10": False}, rep["what_if"]
+
+
+def test_a_masked_mean_over_a_series_with_no_observed_day_names_the_division(tmp_path):
+    """Daily activity with missing days as NaN (``allow_nan``), a GRU over the zero-filled
+    series and a mean over the observed days: a customer with no observed day in the window
+    (step 4, row 6) makes 0/0 in the root's own code, after the GRU. The recorder sees NaN
+    leave the model while its input held NaN and no module made it, so it names the input;
+    the replay said 'a NaN of it got past that handling: find where forward uses batch before
+    imputing it'. The re-run's op finder sees the division make NaN from NaN-free values: the
+    origin is that op, ``invalid``, on row 6."""
+    model = R.make_pooled_gru()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_nan=["args[0]"],
+                            factory="recsys_models:make_pooled_gru"):
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(8, 12, 3, generator=g)
+                x[torch.rand(8, 12, generator=g) < 0.2] = float("nan")
+                if step == 4:
+                    x[6] = float("nan")  # no activity recorded in the window
+                opt.zero_grad()
+                crit(model(x), torch.randn(8, generator=g)).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (4, "input", [6]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("forward", "", "aten.div", [6], "invalid"), json.dumps(rep, indent=1)
+    assert "0/0" in rep["hint"] and "got past" not in rep["hint"], rep["hint"]

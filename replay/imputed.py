@@ -1,0 +1,48 @@
+"""An ``input`` event on a root input that ``allow_nan`` names, where the model's own code made
+the NaN from the values it imputed: the recorder saw NaN leave the model while that input held
+missing values and no module call made it (a masked mean over a series with no observed step,
+``(h * obs).sum(1) / obs.sum(1)`` in the root's ``forward``: 0/0), which reads as a NaN that got
+past the imputation. The op finder over the root call tells them apart: a NaN made from NaN-free
+inputs is the model's (that op is the origin), a missing value passed on is not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recorder.missing import root_input_name
+
+from .cause import classify
+from .findings import finish, origin_fields
+from .forward import find_op_in_call
+from .load import Step
+from .recorded import nan_allowed, origin_key
+from .rerun import Runner
+
+
+def made_from_imputed(report, step: Step, origin: dict[str, Any]) -> dict[str, Any] | None:
+    """The report of the op that made the NaN of an ``allow_nan`` input event from NaN-free
+    values, when the re-run finds one; None otherwise (the NaN got past the handling)."""
+    _, raw = origin_key(step, origin)
+    if step.model is None or step.event.get("nan_handled") or not raw \
+            or not nan_allowed(step, root_input_name(raw)):
+        return None
+    mb = origin.get("micro_batch") or 0
+    runner = Runner(step)
+    try:
+        finder = find_op_in_call(runner, "", 0, mb)
+    except Exception:  # the input origin stands without the re-run
+        return None
+    hit = finder.origin()
+    if finder.first_nan is None or hit is None:
+        return None
+    module, call = hit.within or ("", 0)
+    cause = classify(runner, "forward", ("", 0, mb), hit=hit)
+    report["problems"].append(
+        f"the recorder saw NaN leave the model while {origin.get('tensor')} held missing "
+        "values (allow_nan) and no module call made it, which reads as a missing value that "
+        f"got past the imputation; the re-run finds that the model's own code made it from "
+        f"NaN-free values: {hit.op} at {hit.source}")
+    o = origin_fields(phase="forward", module=module, call=call, micro_batch=mb, op=hit.op,
+                      source=hit.source, chain=finder.chain(), samples=hit.rows or [],
+                      made=hit.made, inputs_finite=True)
+    return finish(report, o, cause.name, reproduced=True, hint=cause.hint)
