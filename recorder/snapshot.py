@@ -10,13 +10,13 @@ Tensor keys (the format is specified in ``docs/bundle-format.md``):
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .attributes import changed_attributes
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
 from .compiled import hook_sites
@@ -73,7 +73,8 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         meta["model"] = {"class": class_name(model), "training": model.training}
         if settings.factory is None:  # the replay's guess at one (see default_factory)
             meta["model"]["default_factory"] = default_factory(model)
-        meta["modules"] = [_module_info(s.name, s.module) for s in hook_sites(model)]
+        meta["modules"] = [_module_info(s.name, s.module, target.attributes_at_attach.get(s.name))
+                           for s in hook_sites(model)]
         meta["compiled_regions"] = sorted(target.compiled)  # recorded as one call each
         meta["passthrough_modules"] = sorted(target.passing)  # recorded as no call
     if tape is not None:
@@ -158,7 +159,7 @@ def _training_objects(src: Sources, guard, meta, tensors) -> None:
         meta["loss"] = {"kind": "recorded"}
 
 
-def _module_info(name: str, m: nn.Module) -> dict[str, Any]:
+def _module_info(name: str, m: nn.Module, at_attach: dict | None) -> dict[str, Any]:
     t = next(iter(m.parameters(recurse=False)), None)
     if t is None:
         t = next(iter(m.buffers(recurse=False)), None)
@@ -168,20 +169,9 @@ def _module_info(name: str, m: nn.Module) -> dict[str, Any]:
     fsdp = mixed_precision(m)  # FSDP2: what its MixedPrecisionPolicy computed in
     if fsdp is not None:
         info["fsdp"] = fsdp
-    if attrs := plain_attributes(m):
+    if attrs := changed_attributes(m, at_attach):  # what the loop set (see .attributes)
         info["attrs"] = attrs
     return info
-
-
-def plain_attributes(m: nn.Module) -> dict[str, int | float | bool]:
-    """The module's own public int, float and bool attributes as the step closes: the loop
-    may set them during training (an annealed temperature, a scheduled dropout ``p``), and a
-    factory builds them as they started."""
-    return {k: v for k, v in vars(m).items() if type(v) in _PLAIN and k != "training"
-            and not k.startswith("_") and (type(v) is not float or math.isfinite(v))}
-
-
-_PLAIN = (int, float, bool)
 
 
 def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:

@@ -1,11 +1,11 @@
-"""Plain attributes (int, float, bool) the run had set on its modules, set again on the rebuilt
-model: the loop may change them during training (a temperature annealed to 0, a scheduled
-dropout ``p``, a flag), and the factory builds them as they started, so a re-run with the
-factory's values computes another step (an event NOT reproduced, or blamed on the factory).
+"""Plain attributes (int, float, bool) the loop had changed on the run's modules, set again on
+the rebuilt model: the factory builds them as they started (a temperature the loop annealed to
+0, a scheduled dropout ``p``), so a re-run with the factory's values computes another step (an
+event NOT reproduced, or blamed on the factory).
 
 Only an attribute the rebuilt module has, of the same type, is set (a bundle never adds one
 nor changes a type); the values are those the step closed with (see
-``recorder.snapshot.plain_attributes``)."""
+``recorder.attributes``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 
 from torch import nn
 
-_PLAIN = (int, float, bool)
+from recorder.attributes import PLAIN
+
 _SHOWN = 6  # restored attributes named in the note
 
 
@@ -28,7 +29,7 @@ def restore_attributes(meta: dict[str, Any], model: nn.Module) -> list[str]:
             continue
         for k, v in attrs.items():
             built = vars(m).get(k)
-            if type(v) in _PLAIN and type(built) is type(v) and built != v \
+            if type(v) in PLAIN and type(built) is type(v) and built != v \
                     and k != "training":  # (the modes are set from the modules' own entries)
                 setattr(m, k, v)
                 restored.append(f"{info['name'] or '<root>'}.{k} = {v!r} (the factory built "

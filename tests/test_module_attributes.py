@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 from replay.attributes import restore_attributes
 from replay.cli import main as cli
 
@@ -61,6 +62,11 @@ def test_a_temperature_annealed_to_zero_by_the_loop_is_replayed_and_named(out_di
                 opt.step()
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"]) == (5, "forward", ""), ev
+    # only what the loop changed after attach: the factory's own values (enc.in_features,
+    # drop.inplace) are its to build, and a difference there is the fidelity check's to report
+    meta, _ = read_bundle(info.value.bundle_path)
+    attrs = {m["name"]: m["attrs"] for m in meta["modules"] if "attrs" in m}
+    assert attrs == {"": {"tau": 0.0}, "drop": {"p": 0.5}}, attrs
     res = CliRunner().invoke(cli, [str(info.value.bundle_path), "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
