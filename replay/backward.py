@@ -27,6 +27,7 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .compat import sequence_nr
+from .grad_hooks import HOOK, HookHit, HookWatch
 from .ops import OpFinder
 from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
@@ -61,6 +62,9 @@ class BackwardOrigin:
     # value, and that code's line (the forward line above is where the node was made)
     inner_op: str | None = None
     inner_source: str | None = None
+    # a gradient hook the forward registered made the value, before any node (the node
+    # fields above are then its: node is grad_hooks.HOOK, source the line of its op)
+    hook: HookHit | None = None
 
 
 @contextlib.contextmanager
@@ -166,10 +170,12 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     backward passes of their own during the forward (after the nodes are labelled)."""
     found = BackwardOrigin()
     handles: list = []
+    watch = HookWatch(where or Samples(), lambda: found.node is not None,
+                      lambda: (runner.micro_batch, runner.in_loss))
 
     def on_node(node, name):
         def hook(grad_inputs, grad_outputs):
-            if found.node is not None:
+            if found.node is not None or watch.hit is not None:
                 return
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
             returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
@@ -191,12 +197,14 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     labels = _NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
-    run = runner.run(instrument=False, forward_ctx=_anomaly,
+    run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch),
                      hooks=lambda m: labels.hooks(m) + (probe(m) if probe else []),
                      backward_ctx=_loss_labeller(runner, labels.label))
     for h in handles:
         h.remove()
     found.params = run.bad_grads
+    if watch.hit is not None:
+        _from_hook(found, watch.hit, labels.names)
     if custom and custom[0]:
         _inside_custom(runner, found)
     # Second opinion from anomaly mode (NaN only).
@@ -206,6 +214,22 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
         m = re.search(r"Function '(\w+)' returned nan", str(e))
         found.anomaly_node = m.group(1) if m else None
     return found
+
+
+@contextlib.contextmanager
+def _watched(watch: HookWatch):
+    with _anomaly(), watch.registering():
+        yield
+
+
+def _from_hook(found: BackwardOrigin, hit: HookHit, names: dict) -> None:
+    """The origin is the gradient hook ``hit``: its op's line, the module that made the
+    hooked tensor (the hook's registration line is ``hit.registered``)."""
+    found.node, found.hook = HOOK, hit
+    found.module = next((name for node, name in names.items() if id(node) == hit.node), None)
+    found.source = hit.op.source if hit.op is not None else hit.registered
+    found.made, found.dtype, found.samples = hit.made, hit.dtype, hit.samples
+    found.micro_batch, found.in_loss = hit.when
 
 
 def _inside_custom(runner: Runner, found: BackwardOrigin) -> None:

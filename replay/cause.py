@@ -84,7 +84,9 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     softmax or sigmoid (a 0 there underflowed), ``inner`` the aten op that made the value
     inside a custom autograd.Function's backward (its derivative's poles are that op's),
     ``dtype`` that of the node's non-finite gradient (else the micro-batch's narrowest)."""
-    capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence else None
+    # (a backward ``hit``: an op of a gradient hook, whose occurrence is counted in the hook)
+    capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence \
+        and phase != "backward" else None
     try:
         still = float64_still(runner, phase, until, capture, micro_batch)
     except Exception as e:  # the model refuses float64 (a kernel for half types only)
@@ -92,6 +94,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         if ev is not None and ev.local64 is not None and bool(torch.isfinite(ev.local64).all()):
             return _beyond_type(hit.op, ev)  # (the op alone in float64 says it)
         return Cause(None, no_float64(e))
+    if phase == "backward" and hit is not None and hit.evidence is not None:
+        return _from_evidence(hit, None, still)  # its values say it, as a forward op's do
     if phase == "backward":
         return _backward(node, still, dtype or _step_dtype(runner, micro_batch), saved,
                          at_pole, underflowed, inner)

@@ -22,6 +22,7 @@ from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, EPS_LOST_UPDATE, HIN
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .forward_grad import derivative_words, node_sources, with_node
+from .grad_hooks import hook_fields, hook_hint
 from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
 from .loss_grad import node_in_loss, probed_report
@@ -308,12 +309,13 @@ def _not_called(step: Step) -> str:
 
 def _backward_fields(b) -> dict[str, Any]:
     """The origin fields of the backward node :func:`find_backward_origin` found."""
-    return origin_fields(
+    fields = origin_fields(
         phase="backward", module=b.module, op=b.node, source=b.source, params=b.params,
         param=(b.params or [None])[0], made=b.made, samples=b.samples,
         micro_batch=b.micro_batch, anomaly_node=b.anomaly_node,
         dtype=str(b.dtype).removeprefix("torch.") if b.dtype is not None else None,
         chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
+    return hook_fields(b, fields) if b.hook is not None else fields
 
 
 def report_dropped_nan(report, runner: Runner) -> dict[str, Any]:
@@ -368,7 +370,10 @@ def report_backward(report, runner: Runner) -> dict[str, Any]:
         return finish(report, origin, "input", reproduced=reproduced, hint=ALLOWED_NAN_SAVED
                       .format(node=b.node, tensor=came["tensor"], rows=came["samples"]))
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
-                     underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype)
+                     underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype,
+                     hit=b.hook.op if b.hook is not None else None)
+    if b.hook is not None:
+        cause.hint = hook_hint(b, cause.hint)
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
         cause.hint = f"{cause.hint}; {said}"
     report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)

@@ -1,0 +1,106 @@
+"""Gradient hooks the model's own code registers (``h.register_hook(fn)`` in a forward: a
+per-sample gradient normalisation, a gradient reversal's scale, a clamp of the gradient).
+
+The engine runs such a hook on the gradient before the node that consumes it, outside every
+node, so a NaN the hook makes shows as a node's non-finite *incoming* gradient and no node is
+found to have made it (anomaly mode blames the next node). :class:`HookWatch`, active in the
+re-run's forward, wraps each hook registered there: the first one given a finite gradient that
+returns (or leaves, editing it in place) a non-finite one is kept, with the aten op of its own
+code that made the value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from recorder.finite import finite, kind_of
+from recorder.samples import Samples
+
+from .ops import OpFinder, OpHit
+from .source import OP_ERROR, user_source
+
+# what the report calls the place the value was made, in place of a backward node's name
+HOOK = "a gradient hook"
+
+
+@dataclass
+class HookHit:
+    registered: str | None  # file:line of the register_hook call
+    node: int | None  # id() of the hooked tensor's autograd node (None: a leaf), for its module
+    made: str
+    dtype: torch.dtype
+    samples: list[int]
+    op: OpHit | None  # the op of the hook's code that made it (None: not seen as an op)
+    when: tuple = ()  # what ``now()`` said as it ran (the re-run's micro-batch)
+
+
+class _Register(TorchFunctionMode):
+    def __init__(self, watch: HookWatch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.register_hook and len(args) == 2 and callable(args[1]):
+            tensor, hook = args
+            args = (tensor, self.watch.wrap(hook, tensor, user_source()))
+        try:
+            return func(*args, **kwargs)
+        except Exception as e:  # the model's call failing (autograd.grad in anomaly mode),
+            setattr(e, OP_ERROR, True)  # not the replay: this frame is the mode's
+            raise
+
+
+class HookWatch:
+    """``taken()`` says whether something else (a node) made a non-finite value first;
+    ``now()`` where the run is (kept with the hit)."""
+
+    def __init__(self, where: Samples, taken, now=tuple):
+        self.where, self.taken, self.now = where, taken, now
+        self.hit: HookHit | None = None
+
+    @contextlib.contextmanager
+    def registering(self):
+        """The forward's context: hooks registered inside it are watched."""
+        with _Register(self):
+            yield
+
+    def wrap(self, hook, tensor: torch.Tensor, registered: str | None):
+        # (its id: a reference from the hook, which the node holds, would keep the graph)
+        node = id(tensor.grad_fn) if tensor.grad_fn is not None else None
+
+        def watched(grad):
+            if self.hit is not None or self.taken() or not isinstance(grad, torch.Tensor) \
+                    or not finite(grad):
+                return hook(grad)
+            finder = OpFinder(self.where)
+            with finder:
+                out = hook(grad)
+            got = out if isinstance(out, torch.Tensor) else grad  # (None: edited in place)
+            if not finite(got):
+                self.hit = HookHit(registered, node, kind_of(got),
+                                   got.dtype, self.where.rows(got), finder.origin(),
+                                   self.now())
+            return out
+
+        return watched
+
+
+def hook_hint(origin, hint: str) -> str:
+    """The cause's hint of ``origin`` (a :class:`~replay.backward.BackwardOrigin` whose
+    ``hook`` is set), said of the hook: its code is what to fix, not the forward's."""
+    at = f" registered at {origin.hook.registered}" if origin.hook.registered else ""
+    return (f"{HOOK}{at} (tensor.register_hook) turned a finite gradient into {origin.made} "
+            f"before any backward node ran on it; in the hook: {hint}")
+
+
+def hook_fields(origin, fields: dict) -> dict:
+    """A backward origin's report fields when a hook made the value: its op "of a gradient
+    hook (registered at)", as a derivative's op is named "of" its node."""
+    op = origin.hook.op
+    return {**fields, "op": op.op if op is not None else None, "node": HOOK,
+            "node_source": origin.hook.registered, "chain": [op.as_json()] if op else []}

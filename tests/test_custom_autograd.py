@@ -1,0 +1,61 @@
+"""Custom autograd in the model's own code: gradient hooks a forward registers
+(``h.register_hook``), custom ``autograd.Function``s, penalties that differentiate the model.
+Each test trains as a user would, runs ``nanreplay BUNDLE --json`` and asserts where the
+non-finite value was made."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import autograd_models as A
+import pytest
+import torch
+from bundles import invoke_cli
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+K = 3
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # autograd_models.py is trusted here
+
+
+def _line(text: str) -> str:
+    lines = (HERE / "autograd_models.py").read_text().splitlines()
+    return f"autograd_models.py:{next(i for i, t in enumerate(lines, 1) if text in t)}"
+
+
+def test_a_gradient_hook_that_divides_by_a_zero_norm_is_named_not_the_next_node(tmp_path):
+    """The hook normalising each row of a hidden gradient divides row 5's zero gradient (its
+    label is the ignored padding index) by its zero norm. The engine runs the hook before
+    TanhBackward0, which anomaly mode then blames; no node made the NaN from finite incoming
+    gradients, so the report named no op, no samples, and a derivative's pole as the cause.
+    It names the hook's aten.div, its line, the root that registered it and sample 5."""
+    model = A.make_grad_normalised()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss(ignore_index=-100)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="autograd_models:make_grad_normalised"):
+            for step in range(6):
+                x, y = A.batch(step)
+                if step == K:
+                    y[5] = -100  # a padded row
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    line = _line("h.register_hook(lambda g")
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["node"], o["samples"],
+            rep["cause"], rep["reproduced"]) == (
+        K, "backward", "", "aten.div", "a gradient hook", [5], "invalid", True), o
+    assert (o["source"], o["node_source"]) == (line, line)
+    assert "aten.div of 0 by 0" in rep["hint"] and f"registered at {line}" in rep["hint"]
+    text = invoke_cli(info.value.bundle_path).stdout
+    assert f"nan made by aten.div of a gradient hook ({line}) in" in text, text
