@@ -198,7 +198,8 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     labels = _NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
     run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch),
-                     hooks=lambda m: labels.hooks(m) + (probe(m) if probe else []),
+                     hooks=lambda m: labels.hooks(m) + (probe(m) if probe else [])
+                     + watch.parameters(m),
                      backward_ctx=_loss_labeller(runner, labels.label))
     for h in handles:
         h.remove()
@@ -226,7 +227,8 @@ def _from_hook(found: BackwardOrigin, hit: HookHit, names: dict) -> None:
     """The origin is the gradient hook ``hit``: its op's line, the module that made the
     hooked tensor (the hook's registration line is ``hit.registered``)."""
     found.node, found.hook = HOOK, hit
-    found.module = next((name for node, name in names.items() if id(node) == hit.node), None)
+    found.module = hit.param.rpartition(".")[0] if hit.param else next(
+        (name for node, name in names.items() if id(node) == hit.node), None)
     found.source = hit.op.source if hit.op is not None else hit.registered
     found.made, found.dtype, found.samples = hit.made, hit.dtype, hit.samples
     found.micro_batch, found.in_loss = hit.when

@@ -74,6 +74,18 @@ def set_parameter(module: nn.Module, name: str, value: torch.Tensor | None) -> N
     module._parameters[name] = value
 
 
+def grad_hooks(t: torch.Tensor) -> dict:
+    """The hooks ``t.register_hook`` put on leaf tensor ``t`` (a parameter), by handle id; the
+    engine calls this dict's values, so replacing one replaces that hook ({} when none)."""
+    return t._backward_hooks if t._backward_hooks is not None else {}
+
+
+def post_accumulate_grad_hooks(t: torch.Tensor) -> list:
+    """The hooks ``t.register_post_accumulate_grad_hook`` put on leaf tensor ``t``."""
+    hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
 def set_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
     """``module.<name> = value`` as a buffer entry (its persistence kept as it is)."""
     module._buffers[name] = value

@@ -20,8 +20,9 @@ from torch.overrides import TorchFunctionMode
 from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
+from .compat import grad_hooks
 from .ops import OpFinder, OpHit
-from .source import OP_ERROR, user_source
+from .source import OP_ERROR, short_path, user_source
 
 # what the report calls the place the value was made, in place of a backward node's name
 HOOK = "a gradient hook"
@@ -29,13 +30,14 @@ HOOK = "a gradient hook"
 
 @dataclass
 class HookHit:
-    registered: str | None  # file:line of the register_hook call
+    registered: str | None  # file:line of the register_hook call (a parameter's: the hook's)
     node: int | None  # id() of the hooked tensor's autograd node (None: a leaf), for its module
     made: str
     dtype: torch.dtype
     samples: list[int]
     op: OpHit | None  # the op of the hook's code that made it (None: not seen as an op)
     when: tuple = ()  # what ``now()`` said as it ran (the re-run's micro-batch)
+    param: str | None = None  # the parameter it is on (its gradient has no samples)
 
 
 class _Register(TorchFunctionMode):
@@ -69,7 +71,19 @@ class HookWatch:
         with _Register(self):
             yield
 
-    def wrap(self, hook, tensor: torch.Tensor, registered: str | None):
+    def parameters(self, model: torch.nn.Module) -> list:
+        """Watch the hooks the model's parameters carry (registered when it was built); the
+        handles returned put the hooks back."""
+        handles = []
+        for name, p in model.named_parameters():
+            hooks = grad_hooks(p)
+            for key, hook in list(hooks.items()):
+                hooks[key] = self.wrap(hook, p, _defined(hook), param=name)
+                handles.append(_Restore(hooks, key, hook))
+        return handles
+
+    def wrap(self, hook, tensor: torch.Tensor, registered: str | None,
+             param: str | None = None):
         # (its id: a reference from the hook, which the node holds, would keep the graph)
         node = id(tensor.grad_fn) if tensor.grad_fn is not None else None
 
@@ -82,19 +96,37 @@ class HookWatch:
                 out = hook(grad)
             got = out if isinstance(out, torch.Tensor) else grad  # (None: edited in place)
             if not finite(got):
-                self.hit = HookHit(registered, node, kind_of(got),
-                                   got.dtype, self.where.rows(got), finder.origin(),
-                                   self.now())
+                self.hit = HookHit(registered, node, kind_of(got), got.dtype,
+                                   [] if param else self.where.rows(got), finder.origin(),
+                                   self.now(), param)
             return out
 
         return watched
 
 
+class _Restore:
+    def __init__(self, hooks: dict, key, hook):
+        self.hooks, self.key, self.hook = hooks, key, hook
+
+    def remove(self) -> None:
+        if self.key in self.hooks:
+            self.hooks[self.key] = self.hook
+
+
+def _defined(hook) -> str | None:
+    """``file:line`` where ``hook`` is defined (a lambda: where it was registered, often)."""
+    code = getattr(hook, "__code__", None)
+    return f"{short_path(code.co_filename)}:{code.co_firstlineno}" if code else None
+
+
 def hook_hint(origin, hint: str) -> str:
     """The cause's hint of ``origin`` (a :class:`~replay.backward.BackwardOrigin` whose
     ``hook`` is set), said of the hook: its code is what to fix, not the forward's."""
-    at = f" registered at {origin.hook.registered}" if origin.hook.registered else ""
-    return (f"{HOOK}{at} (tensor.register_hook) turned a finite gradient into {origin.made} "
+    hit = origin.hook
+    at = f" {'defined' if hit.param else 'registered'} at {hit.registered}" \
+        if hit.registered else ""
+    on = f" on parameter {hit.param}" if hit.param else ""
+    return (f"{HOOK}{on}{at} (tensor.register_hook) turned a finite gradient into {origin.made} "
             f"before any backward node ran on it; in the hook: {hint}")
 
 

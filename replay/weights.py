@@ -11,7 +11,13 @@ from torch import nn
 
 from recorder.target import LOSS_PREFIX
 
-from .compat import non_persistent, set_buffer, set_parameter
+from .compat import (
+    grad_hooks,
+    non_persistent,
+    post_accumulate_grad_hooks,
+    set_buffer,
+    set_parameter,
+)
 from .errors import ReplayError
 
 
@@ -112,6 +118,7 @@ def load_weights(step, model: nn.Module) -> None:
                               f"{list(p.shape)} in the model from the factory; "
                               + other_model(step))
         new = nn.Parameter(w.to(dev), requires_grad=p.requires_grad)
+        _keep_hooks(p, new)
         done[id(p)] = new
         assign(model, name, new, param=True)
     _load_buffers(step, model)
@@ -120,6 +127,17 @@ def load_weights(step, model: nn.Module) -> None:
     for name, m in model.named_modules():
         if flags.get(name) is not None:
             m.training = flags[name]
+
+
+def _keep_hooks(old: nn.Parameter, new: nn.Parameter) -> None:
+    """The gradient hooks the factory's model put on parameter ``old`` (an embedding's
+    gradient normalised per row, a clamp), on ``new`` too: they are part of the step."""
+    if not new.requires_grad:
+        return
+    for hook in grad_hooks(old).values():
+        new.register_hook(hook)
+    for hook in post_accumulate_grad_hooks(old):
+        new.register_post_accumulate_grad_hook(hook)
 
 
 def _load_buffers(step, model: nn.Module) -> None:

@@ -34,3 +34,28 @@ def make_grad_normalised() -> GradNormalised:
 def batch(step: int, n: int = 16):
     g = torch.Generator().manual_seed(step)
     return torch.randn(n, D_IN, generator=g), torch.randint(0, N_CLASSES, (n,), generator=g)
+
+
+class RowNormalisedBag(nn.Module):
+    """A bag-of-words classifier whose embedding gradient a hook, registered as the model is
+    built, normalises per row: a token no sample of the batch holds has an all-0 row, 0 / 0."""
+
+    def __init__(self, vocab: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, N_CLASSES)
+        self.emb.weight.register_hook(lambda g: g / g.norm(dim=1, keepdim=True))  # BUG: no eps
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens).mean(1))
+
+
+def make_row_normalised_bag() -> RowNormalisedBag:
+    torch.manual_seed(0)
+    return RowNormalisedBag()
+
+
+def token_batch(step: int, vocab: int = 8, n: int = 16):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randint(0, vocab, (n, 12), generator=g),
+            torch.randint(0, N_CLASSES, (n,), generator=g))

@@ -59,3 +59,30 @@ def test_a_gradient_hook_that_divides_by_a_zero_norm_is_named_not_the_next_node(
     assert "aten.div of 0 by 0" in rep["hint"] and f"registered at {line}" in rep["hint"]
     text = invoke_cli(info.value.bundle_path).stdout
     assert f"nan made by aten.div of a gradient hook ({line}) in" in text, text
+
+
+def test_a_parameter_hook_the_model_registers_when_built_runs_in_the_replay(tmp_path):
+    """The model's constructor registers a hook normalising each row of the embedding's
+    gradient; at step 3 the batch holds only 6 of the 8 tokens, and the rows of the other two
+    are 0 / 0. The replay put the bundle's weights into new parameters, which dropped the
+    factory's hooks: every gradient came back finite ('NOT reproduced'). The hooks now come
+    along, and the one that made the NaN is named: its aten.div, in emb, on emb.weight."""
+    model = A.make_row_normalised_bag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="autograd_models:make_row_normalised_bag"):
+            for step in range(6):
+                tokens, y = A.token_batch(step, vocab=6 if step == K else 8)
+                opt.zero_grad()
+                crit(model(tokens), y).backward()
+                opt.step()
+    assert info.value.event["step"] == K
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["node"], o["params"], rep["cause"],
+            rep["reproduced"]) == ("backward", "emb", "aten.div", "a gradient hook",
+                                   ["emb.weight"], "invalid", True), rep
+    line = _line("self.emb.weight.register_hook")
+    assert o["source"] == line and f"on parameter emb.weight defined at {line}" in rep["hint"]
