@@ -339,11 +339,22 @@ def _output_grad_event(ev: StepEvidence) -> Event | None:
                       tensor="grad of the model output" + (f" [{i}]" if i else ""),
                       kind="inf" if grad is None else kind_of(grad) or "inf",
                       samples=[] if grad is None else ev.samples(mb_i).rows(grad))
-        event.detail = (f"non-finite gradient entering the model output (micro-batch {mb_i}) "
-                        "while every parameter's gradient is finite: the loss, computed "
-                        "outside the recorder, is non-finite")
+        event.detail = _output_grad_detail(ev, mb_i)
         return event
     return None
+
+
+def _output_grad_detail(ev: StepEvidence, mb_i: int) -> str:
+    """What the recorder can say of a non-finite gradient entering micro-batch ``mb_i``'s
+    output: a finite loss_fn loss means the loss's backward made it (a loss differentiated
+    with torch.autograd.grad, not backward(), writes no parameter's gradient at all)."""
+    grads = ("every parameter's gradient is finite" if ev.layout.grads else
+             "no parameter's gradient was written (torch.autograd.grad, not backward())")
+    head = f"non-finite gradient entering the model output (micro-batch {mb_i}) while {grads}"
+    if any(m == mb_i for m, _, _ in ev.layout.loss):
+        return (f"{head}: the loss from loss_fn is finite, so its backward made it (a "
+                "derivative's pole: sqrt or a norm at 0, a division)")
+    return f"{head}: the loss, computed outside the recorder, or its backward made it"
 
 
 def output_grad_bad(ev: StepEvidence) -> bool:

@@ -86,3 +86,35 @@ def test_a_parameter_hook_the_model_registers_when_built_runs_in_the_replay(tmp_
                                    ["emb.weight"], "invalid", True), rep
     line = _line("self.emb.weight.register_hook")
     assert o["source"] == line and f"on parameter emb.weight defined at {line}" in rep["hint"]
+
+
+def test_a_loss_differentiated_with_autograd_grad_is_not_said_to_be_non_finite(tmp_path):
+    """A loop that updates fast weights by hand: torch.autograd.grad of the loss_fn's loss,
+    then p -= lr * g (no optimizer, rec.end_step() before the update). At step 3 row 5 is
+    padding (input and target 0), the distance's sqrt is at 0 and its backward +inf. The
+    gradient entering the output is the event; its detail said 'every parameter's gradient is
+    finite: the loss, computed outside the recorder, is non-finite', where no gradient was
+    written and the loss was loss_fn's, finite. The replay names SqrtBackward0 in the loss."""
+    model, crit = A.make_regressor(), A.DistanceLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, None, loss_fn=crit, out_dir=tmp_path,
+                            factory="autograd_models:make_regressor") as rec:
+            for step in range(6):
+                x, _ = A.batch(step)
+                y = torch.tanh(x[:, :4])
+                if step == K:
+                    x[5], y[5] = 0.0, 0.0  # a padded row
+                grads = torch.autograd.grad(crit(model(x), y), list(model.parameters()))
+                rec.end_step()
+                with torch.no_grad():
+                    for p, g in zip(model.parameters(), grads):
+                        p -= 0.05 * g
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (K, "backward", [5]), ev
+    assert "no parameter's gradient was written" in ev["detail"], ev["detail"]
+    assert "the loss from loss_fn is finite, so its backward made it" in ev["detail"]
+    assert "computed outside the recorder" not in ev["detail"]
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"], rep["reproduced"]) == (
+        "backward", "<loss>", "SqrtBackward0", [5], "invalid", True), rep
