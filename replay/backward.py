@@ -27,7 +27,7 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .compat import sequence_nr
-from .grad_hooks import HOOK, HookHit, HookWatch
+from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .ops import OpFinder
 from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
@@ -266,7 +266,10 @@ def _inside_custom(runner: Runner, found: BackwardOrigin) -> None:
         if active:
             finder.__exit__(None, None, None)
     hit = finder.origin()
-    if hit is not None and hit.source:
+    if hit is not None and found.node == MODULE_HOOK_NODE:  # the module's hook, not torch's
+        found.hook, found.node = module_hook_hit(found, hit), MODULE_HOOK
+        found.source = hit.source or found.source
+    elif hit is not None and hit.source:
         found.inner_op, found.inner_source = hit.op, hit.source
 
 

@@ -26,6 +26,10 @@ from .source import OP_ERROR, short_path, user_source
 
 # what the report calls the place the value was made, in place of a backward node's name
 HOOK = "a gradient hook"
+MODULE_HOOK = "a module backward hook"
+# the node whose post-hooks run a module's register_full_backward_hook hooks (its own
+# backward passes the gradient on unchanged)
+MODULE_HOOK_NODE = "BackwardHookFunctionBackward"
 
 
 @dataclass
@@ -38,6 +42,7 @@ class HookHit:
     op: OpHit | None  # the op of the hook's code that made it (None: not seen as an op)
     when: tuple = ()  # what ``now()`` said as it ran (the re-run's micro-batch)
     param: str | None = None  # the parameter it is on (its gradient has no samples)
+    module_hook: bool = False  # a module's register_full_backward_hook hook
 
 
 class _Register(TorchFunctionMode):
@@ -119,10 +124,21 @@ def _defined(hook) -> str | None:
     return f"{short_path(code.co_filename)}:{code.co_firstlineno}" if code else None
 
 
+def module_hook_hit(origin, op: OpHit) -> HookHit:
+    """A module backward hook's hit: ``origin`` found its node (``MODULE_HOOK_NODE``) and
+    ``op`` is the op its hooks made the value with."""
+    return HookHit(None, None, origin.made, origin.dtype, origin.samples, op,
+                   (origin.micro_batch, origin.in_loss), module_hook=True)
+
+
 def hook_hint(origin, hint: str) -> str:
     """The cause's hint of ``origin`` (a :class:`~replay.backward.BackwardOrigin` whose
     ``hook`` is set), said of the hook: its code is what to fix, not the forward's."""
     hit = origin.hook
+    if hit.module_hook:
+        return (f"a backward hook of module {origin.module or '<root>'} "
+                f"(register_full_backward_hook) turned a finite gradient into {origin.made}; "
+                f"in the hook: {hint}")
     at = f" {'defined' if hit.param else 'registered'} at {hit.registered}" \
         if hit.registered else ""
     on = f" on parameter {hit.param}" if hit.param else ""
@@ -134,5 +150,6 @@ def hook_fields(origin, fields: dict) -> dict:
     """A backward origin's report fields when a hook made the value: its op "of a gradient
     hook (registered at)", as a derivative's op is named "of" its node."""
     op = origin.hook.op
-    return {**fields, "op": op.op if op is not None else None, "node": HOOK,
+    return {**fields, "op": op.op if op is not None else None,
+            "node": MODULE_HOOK if origin.hook.module_hook else HOOK,
             "node_source": origin.hook.registered, "chain": [op.as_json()] if op else []}

@@ -74,3 +74,28 @@ class DistanceLoss(nn.Module):
 
     def forward(self, pred, y):
         return torch.sqrt(((pred - y) ** 2).sum(-1)).mean()  # BUG: no eps under the sqrt
+
+
+def _unit_grad_input(module, grad_input, grad_output):
+    g = grad_input[0]
+    return (g / g.norm(dim=1, keepdim=True),)  # BUG: no eps
+
+
+class BackwardHooked(nn.Module):
+    """The activation's gradient normalised per sample by a module backward hook registered
+    as the model is built (register_full_backward_hook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D_IN, HIDDEN)
+        self.act = nn.Tanh()
+        self.fc2 = nn.Linear(HIDDEN, N_CLASSES)
+        self.act.register_full_backward_hook(_unit_grad_input)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def make_backward_hooked() -> BackwardHooked:
+    torch.manual_seed(0)
+    return BackwardHooked()

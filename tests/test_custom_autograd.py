@@ -30,18 +30,15 @@ def _line(text: str) -> str:
     return f"autograd_models.py:{next(i for i, t in enumerate(lines, 1) if text in t)}"
 
 
-def test_a_gradient_hook_that_divides_by_a_zero_norm_is_named_not_the_next_node(tmp_path):
-    """The hook normalising each row of a hidden gradient divides row 5's zero gradient (its
-    label is the ignored padding index) by its zero norm. The engine runs the hook before
-    TanhBackward0, which anomaly mode then blames; no node made the NaN from finite incoming
-    gradients, so the report named no op, no samples, and a derivative's pole as the cause.
-    It names the hook's aten.div, its line, the root that registered it and sample 5."""
-    model = A.make_grad_normalised()
+def train_padded(factory: str, out_dir: Path) -> NonFiniteError:
+    """SGD with cross entropy on ``autograd_models.<factory>()``; at step 3 row 5's label is
+    the padding index the loss ignores, so its gradient is all 0."""
+    model = getattr(A, factory)()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     crit = nn.CrossEntropyLoss(ignore_index=-100)
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
-                            factory="autograd_models:make_grad_normalised"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory=f"autograd_models:{factory}"):
             for step in range(6):
                 x, y = A.batch(step)
                 if step == K:
@@ -49,7 +46,17 @@ def test_a_gradient_hook_that_divides_by_a_zero_norm_is_named_not_the_next_node(
                 opt.zero_grad()
                 crit(model(x), y).backward()
                 opt.step()
-    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    return info.value
+
+
+def test_a_gradient_hook_that_divides_by_a_zero_norm_is_named_not_the_next_node(tmp_path):
+    """The hook normalising each row of a hidden gradient divides row 5's zero gradient by its
+    zero norm. The engine runs the hook before TanhBackward0, which anomaly mode then blames;
+    no node made the NaN from finite incoming gradients, so the report named no op, no
+    samples, and a derivative's pole as the cause. It names the hook's aten.div, its line,
+    the root that registered it and sample 5."""
+    err = train_padded("make_grad_normalised", tmp_path)
+    rep = json.loads(invoke_cli(err.bundle_path, "--json").stdout)
     o = rep["origin"]
     line = _line("h.register_hook(lambda g")
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["node"], o["samples"],
@@ -57,7 +64,7 @@ def test_a_gradient_hook_that_divides_by_a_zero_norm_is_named_not_the_next_node(
         K, "backward", "", "aten.div", "a gradient hook", [5], "invalid", True), o
     assert (o["source"], o["node_source"]) == (line, line)
     assert "aten.div of 0 by 0" in rep["hint"] and f"registered at {line}" in rep["hint"]
-    text = invoke_cli(info.value.bundle_path).stdout
+    text = invoke_cli(err.bundle_path).stdout
     assert f"nan made by aten.div of a gradient hook ({line}) in" in text, text
 
 
@@ -118,3 +125,20 @@ def test_a_loss_differentiated_with_autograd_grad_is_not_said_to_be_non_finite(t
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"], rep["reproduced"]) == (
         "backward", "<loss>", "SqrtBackward0", [5], "invalid", True), rep
+
+
+def test_a_module_backward_hook_is_named_as_such_not_as_a_custom_functions_backward(tmp_path):
+    """The same normalisation as a module backward hook on the activation
+    (register_full_backward_hook, in the constructor). Its node, BackwardHookFunctionBackward,
+    was reported as a custom autograd.Function whose 'derivative of backwardhookfunction has a
+    pole'; it is the module's hook, named with the op of its code and that op's cause."""
+    err = train_padded("make_backward_hooked", tmp_path)
+    rep = json.loads(invoke_cli(err.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["node"], o["samples"],
+            rep["cause"], rep["reproduced"]) == (
+        K, "backward", "act", "aten.div", "a module backward hook", [5], "invalid", True), o
+    assert o["source"] == _line("return (g / g.norm(dim=1, keepdim=True),)")
+    assert rep["hint"].startswith("a backward hook of module act (register_full_backward_hook)")
+    assert "aten.div of 0 by 0" in rep["hint"] and "backwardhookfunction" not in rep["hint"]
+    assert not any("custom autograd.Function" in p for p in rep["problems"]), rep["problems"]
