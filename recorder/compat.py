@@ -40,6 +40,12 @@ except AttributeError:  # a torch without functorch
 # tensors
 
 
+def grad_hooks(t: torch.Tensor) -> list:
+    """The hooks ``t.register_hook`` put on ``t`` (its ``_backward_hooks``), in order."""
+    hooks = getattr(t, "_backward_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
 def version_of(t: torch.Tensor) -> int | None:
     """``t._version``, or None for an inference-mode tensor, which keeps no version counter (so
     whether it changed in place is unknown: it is measured again, its buffer copied again)."""

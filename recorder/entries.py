@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from .capture import flatten_tree, tensor_leaves
+from .compat import grad_hooks
+from .lossdesc import defined_at
 from .rng import rng_drawn, rng_to_bundle
 
 
@@ -85,7 +87,18 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         grads[str(j)] = key
     out["output_grads"] = grads
     out["n_outputs"] = len(outs)
+    if sites := _output_hooks(outs):
+        out["output_hooks"] = sites
     return out
+
+
+def _output_hooks(outs: list[torch.Tensor]) -> list[str]:
+    """Where the gradient hooks the loop put on the root output are defined
+    (``out.register_hook(fn)``: an edit of the gradient the loss gave, which the recorded
+    output gradient went through and the replay cannot re-run); the recorder's own skipped."""
+    fns = [h for t in outs if isinstance(t, torch.Tensor) for h in grad_hooks(t)
+           if not getattr(getattr(h, "func", h), "__module__", "").startswith("recorder.")]
+    return [defined_at(getattr(h, "func", h)) or type(h).__name__ for h in fns]
 
 
 def _rng_entry(state: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]

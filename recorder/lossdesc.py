@@ -76,10 +76,16 @@ def describe_callable(fn) -> dict[str, Any]:
         out["import"] = f"{module}:{qual}"
         return out
     out["why"] = why
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        out["defined"] = f"{_short(code.co_filename)}:{code.co_firstlineno}"
+    if (where := defined_at(fn)) is not None:
+        out["defined"] = where
     return out
+
+
+def defined_at(fn) -> str | None:
+    """``file:line`` where function ``fn`` is defined (its file relative to the current
+    directory when below it), None for what has no code (a builtin, a class)."""
+    code = getattr(fn, "__code__", None)
+    return f"{_short(code.co_filename)}:{code.co_firstlineno}" if code is not None else None
 
 
 def factory_path(factory, kwargs: dict | None) -> tuple[str, dict | None]:

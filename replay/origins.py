@@ -267,9 +267,7 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         # not re-run at all: saying it "re-ran finite" would clear a loss that may hold the bug
         report["problems"].append(_not_called(step))
     elif step.loss_fn is not None:
-        report["problems"].append(
-            "the loss_fn the replay re-ran is finite with finite gradients: the loop's loss "
-            "holds terms computed outside it")
+        report["problems"].append(outside.rerun_finite_note(step))
     if not reproduced:
         report["problems"].append(
             "feeding the recorded output gradient through the model's backward did not give "

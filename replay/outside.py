@@ -118,6 +118,11 @@ def replayable_loss_hint(step: Step) -> str:
                 "re-runs it and names the op" if info.get("kind") == "function" else
                 "compute the step's loss with the loss module given as loss_fn, so the replay "
                 "re-runs it and names the op")
+    if (hooks := output_hooks(step)) and step.loss_fn is not None:
+        return (f"the loop put a gradient hook on the model's output (out.register_hook, "
+                f"defined at {hooks[0]}) and the gradient the loss gave went through it; the "
+                "loss the recorder was given re-ran finite, so look in that hook, or register "
+                "it in the model's forward, where the replay runs it and names the op")
     if info.get("kind") in ("module", "function"):
         return ("the loss the recorder was given re-ran finite, so the value came from loss "
                 "terms computed outside it: compute the whole loss inside loss_fn so the replay "
@@ -138,3 +143,20 @@ def replayable_loss_hint(step: Step) -> str:
             "loss_fn=...) (a loss module, or a function called as rec.loss_fn) so the replay "
             "re-runs it and names the op; rec.record_loss(loss) at least checks its value "
             "every step")
+
+
+def output_hooks(step: Step) -> list[str]:
+    """Where the gradient hooks the loop put on the model's output are defined (the recorder
+    lists them per micro-batch): the recorded output gradient went through them."""
+    return [site for mb in step.micro_batches for site in mb.get("output_hooks", ())]
+
+
+def rerun_finite_note(step: Step) -> str:
+    """The note of a loss_fn the replay re-ran finite while the recorded gradient entering
+    the output is not: a hook the loop put on the output, else loss terms outside loss_fn."""
+    if hooks := output_hooks(step):
+        return ("the loss_fn the replay re-ran is finite with finite gradients: the loop's "
+                f"gradient hook on the model's output (defined at {hooks[0]}) changed the "
+                "gradient the loss gave, and the replay does not re-run it")
+    return ("the loss_fn the replay re-ran is finite with finite gradients: the loop's loss "
+            "holds terms computed outside it")

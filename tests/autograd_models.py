@@ -99,3 +99,8 @@ class BackwardHooked(nn.Module):
 def make_backward_hooked() -> BackwardHooked:
     torch.manual_seed(0)
     return BackwardHooked()
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, N_CLASSES))

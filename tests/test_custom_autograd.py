@@ -142,3 +142,39 @@ def test_a_module_backward_hook_is_named_as_such_not_as_a_custom_functions_backw
     assert rep["hint"].startswith("a backward hook of module act (register_full_backward_hook)")
     assert "aten.div of 0 by 0" in rep["hint"] and "backwardhookfunction" not in rep["hint"]
     assert not any("custom autograd.Function" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_a_hook_the_loop_puts_on_the_output_is_named_not_loss_terms_outside_loss_fn(tmp_path):
+    """The loop normalises the gradient entering the model's output with a hook it registers
+    after each forward; row 5's gradient is 0 (a padded label) and the hook's 0/0 reaches
+    every weight. The loss_fn re-runs finite, so the replay said the loop's loss held 'terms
+    computed outside' loss_fn. The bundle now lists the hooks on the output, and the note and
+    hint name that one, by the line it is defined at."""
+    model = A.make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss(ignore_index=-100)
+
+    def unit_rows(g):
+        return g / g.norm(dim=1, keepdim=True)
+
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="autograd_models:make_mlp"):
+            for step in range(6):
+                x, y = A.batch(step)
+                if step == K:
+                    y[5] = -100  # a padded row
+                opt.zero_grad()
+                out = model(x)
+                out.register_hook(unit_rows)
+                crit(out, y).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (K, "backward")
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    at = f"test_custom_autograd.py:{unit_rows.__code__.co_firstlineno}"
+    assert rep["origin"]["samples"] == [5] and rep["reproduced"] is True, rep
+    assert f"gradient hook on the model's output (out.register_hook, defined at {at})" \
+        in rep["hint"], rep["hint"]
+    assert any(f"the loop's gradient hook on the model's output (defined at {at})" in p
+               for p in rep["problems"]), rep["problems"]
+    assert "terms computed outside" not in json.dumps(rep)
