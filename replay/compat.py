@@ -80,12 +80,6 @@ def grad_hooks(t: torch.Tensor) -> dict:
     return t._backward_hooks if t._backward_hooks is not None else {}
 
 
-def post_accumulate_grad_hooks(t: torch.Tensor) -> list:
-    """The hooks ``t.register_post_accumulate_grad_hook`` put on leaf tensor ``t``."""
-    hooks = getattr(t, "_post_accumulate_grad_hooks", None)
-    return list(hooks.values()) if hooks else []
-
-
 def set_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
     """``module.<name> = value`` as a buffer entry (its persistence kept as it is)."""
     module._buffers[name] = value

@@ -11,13 +11,7 @@ from torch import nn
 
 from recorder.target import LOSS_PREFIX
 
-from .compat import (
-    grad_hooks,
-    non_persistent,
-    post_accumulate_grad_hooks,
-    set_buffer,
-    set_parameter,
-)
+from .compat import grad_hooks, non_persistent, set_buffer, set_parameter
 from .errors import ReplayError
 
 
@@ -131,13 +125,13 @@ def load_weights(step, model: nn.Module) -> None:
 
 def _keep_hooks(old: nn.Parameter, new: nn.Parameter) -> None:
     """The gradient hooks the factory's model put on parameter ``old`` (an embedding's
-    gradient normalised per row, a clamp), on ``new`` too: they are part of the step."""
+    gradient normalised per row, a clamp), on ``new`` too: they are part of the step's
+    gradient. (Post-accumulate hooks are not: they act after it, an optimizer stepping in
+    backward, which would write the bundle's weights.)"""
     if not new.requires_grad:
         return
     for hook in grad_hooks(old).values():
         new.register_hook(hook)
-    for hook in post_accumulate_grad_hooks(old):
-        new.register_post_accumulate_grad_hook(hook)
 
 
 def _load_buffers(step, model: nn.Module) -> None:
