@@ -1,30 +1,67 @@
 """Modules' plain attributes (int, float, bool): the loop may set them during training (a
 temperature annealed to 0, a scheduled dropout ``p``, a flag), and a factory builds them as
-they started. The bundle keeps those the run changed after attach, so the replay can set them
-again; one the factory builds otherwise from the start is the factory's difference, which the
-replay's fidelity check reports (and ``--factory-kwargs`` fixes), so it is not overridden."""
+they started. The bundle keeps those the run changed after attach, as the event's step found
+them, so the replay can set them again. One the factory builds otherwise from the start is the
+factory's difference, which the replay's fidelity check reports (and ``--factory-kwargs``
+fixes), so it is not overridden; one the forward changes in the step (the length of a rotary
+cache it grew) is the step's to change again."""
 
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 from torch import nn
 
 PLAIN = (int, float, bool)
+_call = getattr(operator, "call", lambda f, *a: f(*a))  # (operator.call: Python 3.11)
 
 
 def plain_attributes(m: nn.Module) -> dict[str, int | float | bool]:
     """The module's own public int, float and bool attributes now (not ``training``: the
     modes are recorded and set on their own)."""
-    return {k: v for k, v in vars(m).items() if type(v) in PLAIN and k != "training"
-            and not k.startswith("_") and (type(v) is not float or math.isfinite(v))}
+    return {k: v for k, v in vars(m).items() if _plain(k, v)}
 
 
-def changed_attributes(m: nn.Module, at_attach: dict[str, Any] | None
-                       ) -> dict[str, int | float | bool]:
-    """Those of ``m``'s plain attributes that differ from what they were at attach (or that
-    it did not have then)."""
-    start = at_attach or {}
-    return {k: v for k, v in plain_attributes(m).items()
-            if k not in start or type(start[k]) is not type(v) or start[k] != v}
+def _plain(k: str, v: Any) -> bool:
+    return type(v) in PLAIN and k != "training" and not k.startswith("_") \
+        and (type(v) is not float or math.isfinite(v))
+
+
+class AttributeWatch:
+    """The plain attributes at attach, and those of the same names at each step start: one C
+    call per module that has any (an ``itemgetter`` over its ``__dict__``)."""
+
+    def __init__(self, sites=()):
+        self.at_attach: dict[str, dict[str, Any]] = {}
+        self._names: list[str] = []
+        self._dicts: list[dict] = []
+        self._getters: list[operator.itemgetter] = []
+        self._started: list | None = None
+        for s in sites:
+            attrs = self.at_attach[s.name] = plain_attributes(s.module)
+            if attrs:
+                self._names.append(s.name)
+                self._dicts.append(vars(s.module))
+                self._getters.append(operator.itemgetter(*attrs))
+
+    def step_started(self) -> None:
+        try:
+            self._started = list(map(_call, self._getters, self._dicts))
+        except KeyError:  # one deleted since attach: the values at the event then
+            self._started = None
+
+    def changed(self, name: str, m: nn.Module) -> dict[str, int | float | bool]:
+        """``m``'s plain attributes as the step found them (those added after attach: as
+        it closed) where they differ from attach; none for a module added after it."""
+        start = self.at_attach.get(name)
+        if start is None:  # not a module at attach (or detached): no start to differ from
+            return {}
+        now = plain_attributes(m)
+        if self._started is not None and name in self._names:
+            values = self._started[self._names.index(name)]
+            found = dict(zip(start, values if len(start) > 1 else (values,)))
+            now.update({k: v for k, v in found.items() if _plain(k, v)})
+        return {k: v for k, v in now.items()
+                if k not in start or type(start[k]) is not type(v) or start[k] != v}

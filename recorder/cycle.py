@@ -129,7 +129,8 @@ class StepCycle:
         tape = Tape(self.step, self.capture_rng(), token, slots)
         tape.evaluation = evaluation
         tape.params_from_update = self.updated
-        if not evaluation:
+        if not evaluation:  # the next training step's weights still come from that update
+            self.updated = False
             self.target.follow_optimizer()
         self.foreign.opened(tape, self.target.watched)
         if not self.ever_updated and self.target.has_optimizer and not evaluation:
@@ -138,9 +139,8 @@ class StepCycle:
             tape.finite_at_open = self.target.finite_flags()
         if self.target.unowned:  # (none, the usual case: the optimizer holds every one)
             tape.unowned_versions = [version_of(p) for _, p in self.target.unowned]
-        if not evaluation:  # the next training step's weights still come from that update
-            self.updated = False
         self.buffers.snapshot(training=not evaluation)
+        self.target.attributes.step_started()
         if self.rewind is not None and not evaluation:
             # the copy of step s: before its forward, after the last update and scheduler step
             t = self.target

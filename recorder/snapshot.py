@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attributes import changed_attributes
+from .attributes import AttributeWatch
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
 from .compiled import hook_sites
@@ -73,7 +73,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         meta["model"] = {"class": class_name(model), "training": model.training}
         if settings.factory is None:  # the replay's guess at one (see default_factory)
             meta["model"]["default_factory"] = default_factory(model)
-        meta["modules"] = [_module_info(s.name, s.module, target.attributes_at_attach.get(s.name))
+        meta["modules"] = [_module_info(s.name, s.module, target.attributes)
                            for s in hook_sites(model)]
         meta["compiled_regions"] = sorted(target.compiled)  # recorded as one call each
         meta["passthrough_modules"] = sorted(target.passing)  # recorded as no call
@@ -159,7 +159,7 @@ def _training_objects(src: Sources, guard, meta, tensors) -> None:
         meta["loss"] = {"kind": "recorded"}
 
 
-def _module_info(name: str, m: nn.Module, at_attach: dict | None) -> dict[str, Any]:
+def _module_info(name: str, m: nn.Module, attributes: AttributeWatch) -> dict[str, Any]:
     t = next(iter(m.parameters(recurse=False)), None)
     if t is None:
         t = next(iter(m.buffers(recurse=False)), None)
@@ -169,7 +169,7 @@ def _module_info(name: str, m: nn.Module, at_attach: dict | None) -> dict[str, A
     fsdp = mixed_precision(m)  # FSDP2: what its MixedPrecisionPolicy computed in
     if fsdp is not None:
         info["fsdp"] = fsdp
-    if attrs := changed_attributes(m, at_attach):  # what the loop set (see .attributes)
+    if attrs := attributes.changed(name, m):  # what the loop set (see .attributes)
         info["attrs"] = attrs
     return info
 

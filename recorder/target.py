@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attributes import plain_attributes
+from .attributes import AttributeWatch
 from .compat import (
     any_autocast_enabled,
     forward_autocasts,
@@ -88,7 +88,6 @@ class Target:
         self.unknown_warned = False  # about parameters added to the model after attach
         self.module_names: list[str] = []
         self.module_types: list[str] = []
-        self.attributes_at_attach: dict[str, dict[str, Any]] = {}
         self.compiled: set[str] = set()
         self.allowed_modules: set[int] = set()
         self.seq_first = False
@@ -135,7 +134,7 @@ class Target:
         self.module_names = [s.name for s in sites]
         self.module_types = [class_name(s.module) for s in sites]  # (not FSDP's FSDP<Class>)
         # the loop may change them; the bundle keeps those it did (see .attributes)
-        self.attributes_at_attach = {s.name: plain_attributes(s.module) for s in sites}
+        self.attributes = AttributeWatch(sites)
         self.compiled = {s.name for s in sites if s.region}  # recorded as one call each
         self.passing = {s.name for s in sites[1:] if s.target is not None and not s.region
                         and passes_through(s.module)}  # not hooked: their calls repeat others'
@@ -251,6 +250,7 @@ class Target:
     def release(self) -> None:
         """Drop every reference to parameters and buffers (at detach)."""
         self.sites: list[HookSite] = []
+        self.attributes = AttributeWatch()
         self.passing: set[str] = set()
         self.params: list[tuple[str, torch.Tensor]] = []
         self.param_names: list[str] = []

@@ -15,7 +15,9 @@ from click.testing import CliRunner
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.attributes import AttributeWatch
 from recorder.bundle import read_bundle
+from recorder.compiled import hook_sites
 from replay.attributes import restore_attributes
 from replay.cli import main as cli
 
@@ -93,3 +95,22 @@ def test_a_bundle_sets_only_attributes_the_model_has_of_the_same_type():
                         "drop.inplace = True (the factory built False)"], restored
     assert (model.tau, model.drop.p, model.enc.in_features) == (0.5, 0.0, 8)
     assert not hasattr(model, "missing") and model.training is True
+
+
+def test_attributes_are_bundled_as_the_step_found_them():
+    """The forward may change an attribute itself (a rotary cache's length, grown in the step):
+    the value the step began with goes with the buffers as the step found them. One deleted
+    after attach, or added after it, is taken as the step closed; a module added after attach
+    has no start to differ from."""
+    model = TemperatureSoftmax()
+    watch = AttributeWatch(hook_sites(model))
+    model.tau = 0.5
+    watch.step_started()
+    model.tau, model.drop.p = 0.25, 0.1  # in the step
+    model.fresh = 3
+    assert watch.changed("", model) == {"tau": 0.5, "fresh": 3}
+    assert watch.changed("drop", model.drop) == {}
+    del model.drop.inplace
+    watch.step_started()
+    assert watch.changed("drop", model.drop) == {"p": 0.1}
+    assert watch.changed("added", nn.Linear(2, 2)) == {}
