@@ -23,7 +23,7 @@ from .errors import NonFiniteError
 from .finite import ANY, checkable, stored
 from .hooks import Health, Hook
 from .shards import local
-from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT
+from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT, flat_view
 from .tape import MicroBatch, Tape
 from .target import Target, autocast_state
 
@@ -391,14 +391,17 @@ def _produced(tape: Tape, t: torch.Tensor, made_here=None) -> tuple | None:
     if hit is not None and hit[0]() is t and (
             t is made_here or (hit[4] is not None and hit[4] == version(t))):
         return hit
-    base = view_base(t)  # a flatten/view of an output, covering exactly its elements
+    # a flatten, view or permutation of an output, covering exactly its elements (ConvNeXt's
+    # x.permute(0, 3, 1, 2) back to NCHW: measured again by a sum, large finite values
+    # overflowed it, and the call that made the first +-Inf had "non-finite inputs")
+    base = view_base(t)
     if base is None:
         return None
     hit = tape.cache.get(id(base))
     if hit is not None and hit[0]() is base and hit[4] is not None \
             and hit[4] == version(base) \
             and t.numel() == base.numel() and t.storage_offset() == base.storage_offset() \
-            and t.is_contiguous() and base.is_contiguous():
+            and _dense(t) and _dense(base):
         return hit
     return None
 
@@ -478,3 +481,8 @@ def _keep_out_grad(store: dict, marks: list, i: int, nr: int, grad_outputs: tupl
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill one block of memory (contiguous, channels-last, any permutation)."""
+    return t.is_contiguous() or flat_view(t, copy=False) is not None
