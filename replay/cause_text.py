@@ -105,6 +105,11 @@ DO = {
                   "result to 0 where the base is 0 (inv[deg == 0] = 0)",
     "divide": "add an eps to the denominator (std + eps, d.clamp_min(eps)) or skip the rows "
               "where it is 0",
+    "divide_number": "the divisor is a Python number, the same for every element, so an eps "
+                     "in the data does not help: find the setting that made it 0 (a drop "
+                     "probability of 1 leaves keep_prob = 1 - p = 0, a temperature or scale "
+                     "annealed to 0) and keep it away from 0, or skip the division where it is "
+                     "0 (timm's drop_path divides only if keep_prob > 0)",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
     "running_var": "a variance is never negative, so the module's running_var buffer was "

@@ -166,9 +166,12 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         den = ins[1] if len(ins) >= 2 else _divisor_not_taken(ev)
     if den is not None:
         num = ins[0]
+        # a Python number: a setting or its complement (keep_prob = 1 - p at p = 1), not data
+        by, key = (" the number", "divide_number") if len(ins) < 2 and isinstance(
+            _second(ev), (int, float)) else ("", "divide")
         if bool(((num == 0) & (den == 0)).any()):
-            return f"{op} of 0 by 0 (0/0)", "divide"
-        return f"{op} by 0 (x/0, a pole)", "divide"
+            return f"{op} of 0 by{by} 0 (0/0)", key
+        return f"{op} by{by} 0 (x/0, a pole)", key
     if base == "pow" and ins:
         return _pow(op, ev, zero)
     if base in ("acos", "asin", "atanh") and x.numel():
@@ -217,6 +220,11 @@ def _negative_running_var(base: str, ev: Evidence) -> float | None:
     var = ev.inputs[-1]
     eps = args[-1] if args and isinstance(args[-1], float) else 0.0
     return float(var.min()) if var.numel() and bool((var + eps < 0).any()) else None
+
+
+def _second(ev: Evidence):
+    args = list(ev.args)
+    return args[1] if len(args) > 1 else None
 
 
 def _divisor_not_taken(ev: Evidence) -> torch.Tensor | None:

@@ -277,7 +277,7 @@ def test_one_loss_over_two_forwards_names_the_loss_op_and_re_runs_both_views(tmp
         "loss", "<loss>", "aten.div", 1)
     assert rep["origin"]["source"].startswith(bug_line("temperature")), rep["origin"]
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
-    assert "aten.div by 0 (x/0, a pole)" in rep["hint"], rep["hint"]
+    assert "aten.div by the number 0 (x/0, a pole)" in rep["hint"], rep["hint"]
 
 
 def test_triplet_loss_over_chunks_of_one_forward(tmp_path):

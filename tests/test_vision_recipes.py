@@ -61,3 +61,26 @@ def test_an_overflow_after_a_permute_back_to_nchw_is_the_pool_s(out_dir):
     assert (rep["origin"]["module"], rep["origin"]["op"]) == ("pool", "aten.mean")
     assert rep["cause"] == "overflow"
     assert "learning rate had jumped at step 3" in rep["hint"], rep["hint"]
+
+
+def test_a_drop_path_of_rate_one_names_the_number_it_divides_by(out_dir):
+    """A stochastic depth rate of 1 at the last block (a linear rule reaching drop_path_rate
+    = 1): keep_prob = 0, the mask is all 0 and ``random_tensor.div_(keep_prob)`` is 0/0. The
+    hint said to add an eps to the denominator (std + eps), which a Python number divisor
+    has no place for; it now says the number is a setting and how timm guards it."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(out_dir, "vision_models:make_convnext_dead_last")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "drop"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["reproduced"] and rep["cause"] == "invalid", rep
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["all_samples"]) == ("drop", "aten.div_", True), o
+    assert o["source"] == f"vision_models.py:{_line('random_tensor.div_(keep_prob)')}"
+    assert "aten.div_ of 0 by the number 0 (0/0)" in rep["hint"], rep["hint"]
+    assert "keep_prob > 0" in rep["hint"] and "std + eps" not in rep["hint"], rep["hint"]
+
+
+def _line(text: str) -> int:
+    lines = (HERE / "vision_models.py").read_text().splitlines()
+    return next(i for i, s in enumerate(lines, 1) if text in s)
