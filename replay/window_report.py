@@ -103,8 +103,10 @@ def _hint_growth(report: dict[str, Any], factor: float = 10.0) -> bool:
     last, top = after[-1]
     if top < factor * before[-1]:
         return False
+    updates = (f"the update of step {last}" if last == began["step"]
+               else f"the updates of steps {began['step']}-{last}")
     report["hint"] = (f"{report['hint']}. But the weight norm grew {top / before[-1]:.3g}x "
-                      f"over the updates of steps {began['step']}-{last}, from where the "
+                      f"over {updates}, from where the "
                       f"rewind window shows the trouble began ({began['detail']}): the run "
                       "was diverging, and a wider type only postpones the overflow; fix what "
                       "happened there (a bad batch, a learning-rate jump) or "

@@ -28,12 +28,13 @@ def nanreplay_json(bundle, *args: str) -> dict:
     return json.loads(r.stdout)
 
 
-def _train(out_dir, factory: str, steps: int = 6, spike: tuple[int, float] | None = None):
+def _train(out_dir, factory: str, steps: int = 6, spike: tuple[int, float] | None = None,
+           **kw):
     model = {"vision_models:make_convnext": VM.make_convnext,
              "vision_models:make_convnext_dead_last": VM.make_convnext_dead_last}[factory]()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     crit = nn.CrossEntropyLoss(label_smoothing=0.1)
-    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=factory):
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=factory, **kw):
         for step in range(steps):
             x, y = VM.batch(step)
             if spike is not None and step == spike[0]:
@@ -61,6 +62,18 @@ def test_an_overflow_after_a_permute_back_to_nchw_is_the_pool_s(out_dir):
     assert (rep["origin"]["module"], rep["origin"]["op"]) == ("pool", "aten.mean")
     assert rep["cause"] == "overflow"
     assert "learning rate had jumped at step 3" in rep["hint"], rep["hint"]
+
+
+def test_a_window_s_one_update_that_grew_the_weights_is_said_so(out_dir):
+    """Re-run from a rewind copy, the lr spike's one update grew the weights: the hint said
+    they grew 'over the updates of steps 3-3'."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(out_dir, "vision_models:make_convnext", spike=(3, 1e14), rewind=2)
+    rep = nanreplay_json(info.value.bundle_path, "--try", "lr=0.05")
+    assert rep["window"]["reproduced"] and rep["cause"] == "overflow", rep["window"]
+    assert "x over the update of step 3, from where the rewind window" in rep["hint"], \
+        rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
 def test_a_drop_path_of_rate_one_names_the_number_it_divides_by(out_dir):
