@@ -85,10 +85,24 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
             d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
             if d is not None:
                 tensors[k] = x.index_select(d, keep)
-                if d == 0 and x.dim() == 2 and x.shape[1] == x.shape[0]:  # pairwise: an adjacency
+                if d == 0 and _pairwise(x, [tensors.get(j) for j in mb.get("paths", {})]):
                     tensors[k] = tensors[k].index_select(1, keep)
             elif k in mb.get("loss_paths", {}) and isinstance(x, torch.Tensor):
                 tensors[k] = _drop_flat(x, where, keep)
+
+
+def _pairwise(x: torch.Tensor, inputs: list) -> bool:
+    """Whether a square ``(B, B)`` tensor over the samples is pairwise (a graph's dense
+    adjacency, a distance matrix: its columns are the samples too) rather than ``B`` features
+    per sample that happen to number ``B`` (an MLP's ``(16, 16)`` batch): symmetric, or
+    non-negative beside a per-sample input of another width (the nodes' features)."""
+    if x.dim() != 2 or x.shape[0] != x.shape[1]:
+        return False
+    if torch.equal(x, x.T):
+        return True
+    beside = any(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == x.shape[0]
+                 and t.shape[1] != x.shape[0] for t in inputs)
+    return beside and not x.is_complex() and bool((x >= 0).all())
 
 
 def _drop_bags(tensors: dict[str, torch.Tensor], paths: dict[str, str], n: int,

@@ -1,0 +1,50 @@
+"""Metric-learning and multi-task models for ``test_metric_multitask``, written as their
+projects write them: a shared trunk with one head per task returning a dict, Kendall et al.'s
+learned uncertainty weighting as a loss module whose log-variances the optimizer trains."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MultiTaskNet(nn.Module):
+    """A shared trunk, a classification head and a regression head."""
+
+    def __init__(self, d_in: int = 16):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(d_in, 32), nn.ReLU())
+        self.cls_head = nn.Linear(32, 5)
+        self.reg_head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return {"cls": self.cls_head(h), "reg": self.reg_head(h).squeeze(-1)}
+
+
+def make_multitask() -> nn.Module:
+    torch.manual_seed(0)
+    return MultiTaskNet()
+
+
+class UncertaintyWeighting(nn.Module):
+    """Kendall et al. (2018): each task's loss weighted by exp(-log_var), plus log_var."""
+
+    def __init__(self, n_tasks: int = 2):
+        super().__init__()
+        self.log_vars = nn.Parameter(torch.zeros(n_tasks))
+
+    def forward(self, out, y_cls, y_reg):
+        losses = [F.cross_entropy(out["cls"], y_cls), F.mse_loss(out["reg"], y_reg)]
+        total = 0
+        for i, loss in enumerate(losses):
+            total = total + torch.exp(-self.log_vars[i]) * loss + self.log_vars[i]
+        return total
+
+
+def batch(step: int, n: int = 16, d_in: int = 16):
+    """Features, class labels and regression targets of one step (the same for every run)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(n, d_in, generator=g), torch.randint(0, 5, (n,), generator=g),
+            torch.randn(n, generator=g))
