@@ -21,7 +21,7 @@ from typing import Any
 
 from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 
-from . import fidelity
+from . import fidelity, outside
 from .cause_text import DO
 from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
@@ -384,6 +384,8 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
     if phase in ("backward", "loss") and (hidden := report_hidden_forward(
             report, step, runner)) is not None:
         return hidden
+    if phase == "backward" and _finite_gradients_reached_the_output(step):
+        return _gradients_from_the_loop(report, step, reached=True)
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")
     report = finish(report, origin_fields(), "not_reproduced", reproduced=False)
     # the two re-runs agree with each other: no reason to suspect the hardware
@@ -405,12 +407,24 @@ def _no_backward_reached_the_output(step: Step) -> bool:
                              for mb in mbs)
 
 
-def _gradients_from_the_loop(report, step: Step) -> dict[str, Any]:
+def _finite_gradients_reached_the_output(step: Step) -> bool:
+    """Gradients reached the model's output in this step, all of them finite (a loop's
+    ``torch.autograd.grad`` per task leaves them too), and the re-run's backward made every
+    parameter's gradient finite: the non-finite ones recorded came from elsewhere."""
+    grads = outside.recorded_output_grads(step)
+    return any(grads.values()) and not outside.non_finite_entries(grads)
+
+
+def _gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[str, Any]:
     """A backward event of a step whose gradients no backward through the recorded forward
-    made: the loop wrote them (per-sample gradients under torch.func, a hand-written clip or
-    noise, gradients set by hand), in code the replay cannot re-run."""
+    made (``reached``: none from the finite gradients that reached its output): the loop
+    wrote them (per-sample gradients under torch.func, a hand-written clip or noise,
+    gradient surgery's ``p.grad = ...`` after ``autograd.grad`` per task), in code the replay
+    cannot re-run."""
     params = step.event.get("params") or []
     report["problems"].append(
+        "the gradients that reached the model's output were finite, and the re-run's backward "
+        "from there makes every parameter's gradient finite" if reached else
         "no backward ran through the recorded forward in this step (no gradient reached the "
         "model's output), and the re-run's backward makes every gradient finite")
     report = finish(report, origin_fields(phase="backward", params=params,
@@ -421,7 +435,9 @@ def _gradients_from_the_loop(report, step: Step) -> dict[str, Any]:
         f"the gradients the update was about to use{' (' + ', '.join(params) + ')' if params else ''}"
         " were written by the loop's own code, not by backward through the model: per-sample "
         "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
-        "averaged by hand; check that code at this step, e.g. a division by a norm that is 0")
+        "averaged by hand (gradient surgery: torch.autograd.grad per task, then p.grad = ...), "
+        "a loss term on the weights themselves added in the loop; check that code at this "
+        "step, e.g. a division by a norm that is 0")
     return report
 
 
