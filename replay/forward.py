@@ -101,6 +101,12 @@ def _with_param(step: Step, module: str, found, hit) -> str | None:
     hint, cause = found.hint, found.name
     if cause == "invalid" and (own := parametrization_hint(step, module, hit and hit.op)):
         return own
+    return with_param_advice(hint, cause, hit)
+
+
+def with_param_advice(hint: str | None, cause: str, hit) -> str | None:
+    """``hint`` with what to do about the parameter ``hit``'s op took as is (or an element
+    of), if it did: the model's, or one of the loss's the optimizer trains (``<loss>.NAME``)."""
     if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE:
         return hint
     lo, hi = hit.input_min, hit.input_max
@@ -129,7 +135,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
     def hooks(model):
         hs = []
         target = model.get_submodule(module) if module else model
-        finder.params = {(p.data_ptr(), tuple(p.shape)): n for n, p in model.named_parameters()}
+        finder.index_params(model.named_parameters())
         finder.state = state_of(model)
 
         def pre(m, args):

@@ -364,6 +364,17 @@ class OpFinder:
         # batch (an embedding looking up a NaN row), which no op made from finite inputs
         self.first_met: OpHit | None = None
 
+    def index_params(self, named) -> None:
+        """Name the parameters ``named`` yields (``model.named_parameters()``) for
+        :meth:`param_among`, by address and shape and by their storage (a view of one)."""
+        self.params = {}
+        storages: dict[int, str | None] = {}
+        for n, p in named:
+            self.params[(p.data_ptr(), tuple(p.shape))] = n
+            ptr = p.untyped_storage().data_ptr()
+            storages[ptr] = n if ptr not in storages else None  # (shared storage: neither)
+        self.params.update({("storage", k): v for k, v in storages.items() if v is not None})
+
     def param_among(self, ins: list[torch.Tensor]) -> str | None:
         """The name of the op's one floating input when that is one of the model's parameters
         itself (a learnable scale or temperature used as is: ``logit_scale.exp()``). Not for
@@ -371,7 +382,11 @@ class OpFinder:
         input, and what overflows there is the product, not the bias."""
         if not self.params or len(ins) != 1:
             return None
-        return self.params.get((ins[0].data_ptr(), tuple(ins[0].shape)))
+        found = self.params.get((ins[0].data_ptr(), tuple(ins[0].shape)))
+        try:  # (or an element of it: a multi-task loss's ``log(self.sigma[i])``)
+            return found or self.params.get(("storage", ins[0].untyped_storage().data_ptr()))
+        except RuntimeError:  # (a tensor without storage)
+            return None
 
     def positive(self, t: torch.Tensor) -> bool:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed.

@@ -20,7 +20,7 @@ from .backward import find_backward_origin
 from .cause import Cause, classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
 from .findings import finish, origin_fields
-from .forward import find_op_in_call
+from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, node_sources, with_node
 from .grad_hooks import hook_fields, hook_hint
 from .hyper import decode_non_finite_hyper, non_finite_hyper
@@ -118,6 +118,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         run = runner.run(backward=False, instrument=False, forward_ctx=node_sources)
     finder = OpFinder(samples=samples(step))
     finder.state = state_of(step.loss_fn, runner.model)
+    finder.index_params(runner.model.named_parameters())  # (with the loss's: <loss>.NAME)
     args, kwargs = _loss_args(step, run, mb, finder)
     with autocast_as_recorded(step.micro_batches[mb], step.device), finder:
         loss = step.loss_fn(*args, **kwargs)
@@ -140,7 +141,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
                       "(count.clamp_min(1), a smoothing constant)")
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
-                  hint=with_node(origin, cause.hint, cause.name, node))
+                  hint=with_node(origin, with_param_advice(cause.hint, cause.name, hit),
+                                 cause.name, node))
 
 
 def _loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):

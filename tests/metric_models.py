@@ -48,3 +48,19 @@ def batch(step: int, n: int = 16, d_in: int = 16):
     g = torch.Generator().manual_seed(1000 + step)
     return (torch.randn(n, d_in, generator=g), torch.randint(0, 5, (n,), generator=g),
             torch.randn(n, generator=g))
+
+
+class SigmaWeighting(nn.Module):
+    """Uncertainty weighting with each task's sigma itself the parameter (a common variant of
+    Kendall et al.'s): ``loss / (2 sigma^2) + log(sigma)``, nothing keeping sigma above 0."""
+
+    def __init__(self, n_tasks: int = 2):
+        super().__init__()
+        self.sigma = nn.Parameter(torch.ones(n_tasks))
+
+    def forward(self, out, y_cls, y_reg):
+        losses = [F.cross_entropy(out["cls"], y_cls), F.mse_loss(out["reg"], y_reg)]
+        total = 0
+        for i, loss in enumerate(losses):
+            total = total + loss / (2 * self.sigma[i] ** 2) + torch.log(self.sigma[i])  # BUG log
+        return total

@@ -98,3 +98,30 @@ def test_gradient_surgery_writing_a_non_finite_grad_is_named_as_the_loops(tmp_pa
     assert rep["event"]["params"] == ["trunk.0.weight", "trunk.0.bias"]
     assert "written by the loop's own code" in rep["hint"], rep["hint"]
     assert "p.grad = ..." in rep["hint"], rep["hint"]
+
+
+def test_a_loss_parameter_element_driven_out_of_the_log_domain_is_named(tmp_path):
+    """Uncertainty weighting with sigma itself learned (``log(self.sigma[i])``): a regression
+    task with a small loss and SGD at lr 1.5 steps sigma[1] from 1 to -0.35 in one update,
+    and the loss's log is NaN at step 1. The hint names the loss's parameter the log took an
+    element of and says to learn its log instead; before, it said only to clamp the op's
+    input (an element of a parameter was not matched, nor were the loss's parameters)."""
+    model, crit = MM.make_multitask(), MM.SigmaWeighting()
+    opt = torch.optim.SGD([*model.parameters(), *crit.parameters()], lr=1.5)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="metric_models:make_multitask"):
+            for step in range(4):
+                x, y, r = MM.batch(step)
+                opt.zero_grad()
+                crit(model(x), y, r * 0.1).backward()
+                opt.step()
+    rep = _replay(info.value.bundle_path)
+    o = rep["origin"]
+    lines = (HERE / "metric_models.py").read_text().splitlines()
+    bug = next(i + 1 for i, t in enumerate(lines) if "# BUG log" in t)
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["source"],
+            rep["cause"]) == (1, "loss", "<loss>", "aten.log", f"metric_models.py:{bug}",
+                              "invalid")
+    assert "aten.log's input is the parameter <loss>.sigma (-0.3" in rep["hint"], rep["hint"]
+    assert "learn its log and use .exp()" in rep["hint"], rep["hint"]
