@@ -466,7 +466,7 @@ def _leaves(args, kwargs):
 # it ran is (``marks``), for the replay to say the loop's own term is not re-run.
 def _keep_grad(store: dict, marks: list, i: int, grad: torch.Tensor) -> None:
     if not torch.is_grad_enabled():
-        store[i] = grad
+        _add(store, i, grad)
     elif not marks:
         marks.append(True)
 
@@ -474,9 +474,20 @@ def _keep_grad(store: dict, marks: list, i: int, grad: torch.Tensor) -> None:
 def _keep_out_grad(store: dict, marks: list, i: int, nr: int, grad_outputs: tuple) -> None:
     grad = grad_outputs[nr]
     if grad is not None and not torch.is_grad_enabled():
-        store[i] = grad
+        _add(store, i, grad)
     elif grad is not None and not marks:
         marks.append(True)
+
+
+def _add(store: dict, i: int, grad: torch.Tensor) -> None:
+    """Summed over the step's backward passes through the output, as the parameters' gradients
+    are: one per task (``loss_a.backward(retain_graph=True); loss_b.backward()``, or gradient
+    surgery's ``autograd.grad`` per task), the last alone would hide an earlier task's NaN."""
+    before = store.get(i)
+    try:
+        store[i] = grad if before is None else before + grad
+    except RuntimeError:  # (another shape or layout: the pass of another loss)
+        store[i] = grad
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:

@@ -64,3 +64,21 @@ class SigmaWeighting(nn.Module):
         for i, loss in enumerate(losses):
             total = total + loss / (2 * self.sigma[i] ** 2) + torch.log(self.sigma[i])  # BUG log
         return total
+
+
+class SharedOutputNet(nn.Module):
+    """One output tensor for both tasks: columns 0-4 the class logits, column 5 the
+    regression (two losses over slices of the same output)."""
+
+    def __init__(self, d_in: int = 16):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(d_in, 32), nn.ReLU())
+        self.head = nn.Linear(32, 6)
+
+    def forward(self, x):
+        return self.head(self.trunk(x))
+
+
+def make_shared_output() -> nn.Module:
+    torch.manual_seed(0)
+    return SharedOutputNet()

@@ -125,3 +125,43 @@ def test_a_loss_parameter_element_driven_out_of_the_log_domain_is_named(tmp_path
                               "invalid")
     assert "aten.log's input is the parameter <loss>.sigma (-0.3" in rep["hint"], rep["hint"]
     assert "learn its log and use .exp()" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_an_earlier_tasks_nan_gradient_into_a_shared_output_is_kept(tmp_path, how):
+    """Two task losses over slices of one output, computed in the loop and backpropagated one
+    after the other (``reg.backward(retain_graph=True); cls.backward()``, or
+    ``autograd.grad`` per task summed into ``p.grad``); at step K sample 6's regression target
+    is NaN. The gradient the recorder kept at the output was the last pass's alone (the
+    finite classification one), so the replay fed a finite gradient and said 'NOT
+    reproduced'; it is now summed over the passes, as ``p.grad`` is, and the NaN entering the
+    output is named with its sample."""
+    model = MM.make_shared_output()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    params = list(model.parameters())
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path,
+                            factory="metric_models:make_shared_output"):
+            for step in range(6):
+                x, y, r = MM.batch(step)
+                if step == K:
+                    r[6] = float("nan")
+                opt.zero_grad()
+                out = model(x)
+                losses = [F.mse_loss(out[:, 5], r), F.cross_entropy(out[:, :5], y)]
+                if how == "backward":
+                    losses[0].backward(retain_graph=True)
+                    losses[1].backward()
+                else:
+                    grads = [torch.autograd.grad(loss, params, retain_graph=True)
+                             for loss in losses]
+                    for p, *gs in zip(params, *grads):
+                        p.grad = sum(gs)
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (K, "backward"), ev
+    rep = _replay(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True, rep
+    assert (o["phase"], o["module"], o["tensor"], o["samples"]) == (
+        "loss", "<loss>", "grad of the model output", [6]), o
