@@ -263,8 +263,21 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
     targets = [t for t in tensor_leaves([list(mb.loss_args or ()), mb.loss_kwargs or {}])
                if t.grad_fn is None]
     outputs = list(tensor_leaves(mb.outputs))
-    return infer(tensor_leaves([list(mb.args), mb.kwargs]), targets + outputs, sequence_first,
-                 rnn, compared(targets, outputs, sequence_first))
+    inputs = list(tensor_leaves([list(mb.args), mb.kwargs]))
+    among = compared(targets, outputs, sequence_first) or (
+        set() if sequence_first or not targets else _rows_kept(inputs, outputs))
+    return infer(inputs, targets + outputs, sequence_first, rnn, among)
+
+
+def _rows_kept(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> set[int]:
+    """The size of the first batched root output's dim 0 when a root input has it there too
+    (square or not: 16 samples of 16 features): the model kept its rows, the samples, while
+    the loss's other tensors share none of them (a metric loss's mined pairs ``(P, 2)``)."""
+    out = next((t for t in outputs if _batched(t)), None)
+    if out is None:
+        return set()
+    n = shape_of(out)[0]
+    return {n} if any(t.dim() and shape_of(t)[0] == n for t in inputs) else set()
 
 
 def compared(targets: list[torch.Tensor], outputs: list[torch.Tensor],

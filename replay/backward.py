@@ -100,6 +100,14 @@ def batch_rows(node, returned: list, where: Samples) -> list[int]:
     return []
 
 
+def batch_rows_in(grads, where: Samples) -> list[int]:
+    """The samples of the first non-finite gradient among ``grads`` that has the batch's."""
+    if not where.size:
+        return []
+    return next((where.rows(g) for g in grads if isinstance(g, torch.Tensor)
+                 and where.dim(g) is not None and not finite(g)), [])
+
+
 def _saved(node) -> list[torch.Tensor]:
     """The floating tensors ``node`` saved for its backward (its ``_saved_*`` attributes; a
     custom Function's ``saved_tensors``); none when they cannot be read. Read from the node's
@@ -175,6 +183,11 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     def on_node(node, name):
         def hook(grad_inputs, grad_outputs):
+            if found.module == "<loss>" and name != "<loss>" and not found.samples \
+                    and watch.hit is None:
+                # the loss's origin's gradient held no samples (a metric loss's mined pairs,
+                # (P,)): those of the gradient it sent into the model's output
+                found.samples = batch_rows_in(grad_outputs, where or Samples())
             if found.node is not None or watch.hit is not None:
                 return
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]

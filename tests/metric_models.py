@@ -82,3 +82,40 @@ class SharedOutputNet(nn.Module):
 def make_shared_output() -> nn.Module:
     torch.manual_seed(0)
     return SharedOutputNet()
+
+
+class Embedder(nn.Module):
+    def __init__(self, d_in: int = 16, d: int = 8):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(d_in, 32), nn.ReLU(), nn.Linear(32, d))
+
+    def forward(self, x):
+        return self.backbone(x)
+
+
+def make_embedder() -> nn.Module:
+    torch.manual_seed(0)
+    return Embedder()
+
+
+class PairContrastive(nn.Module):
+    """A contrastive loss over the pairs a collate function mined (``(P, 2)`` row indices
+    into the batch, and whether each pair is of one class)."""
+
+    def __init__(self, margin: float = 0.5):
+        super().__init__()
+        self.margin = margin
+
+    def forward(self, emb, pairs, same):
+        a, b = emb[pairs[:, 0]], emb[pairs[:, 1]]
+        d = (a - b).pow(2).sum(1).sqrt()  # BUG sqrt: its derivative is infinite at 0
+        return torch.where(same, d.pow(2), F.relu(self.margin - d).pow(2)).mean()
+
+
+def all_pairs(items):
+    """A collate function: the batch, its labels, every pair of its rows and which are of one
+    class."""
+    x = torch.stack([a for a, _ in items])
+    y = torch.stack([b for _, b in items])
+    i, j = torch.triu_indices(len(y), len(y), 1)
+    return x, y, torch.stack([i, j], 1), y[i] == y[j]

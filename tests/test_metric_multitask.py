@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 
 HERE = Path(__file__).parent
 K = 3  # the step the planted bugs fire at
@@ -165,3 +166,37 @@ def test_an_earlier_tasks_nan_gradient_into_a_shared_output_is_kept(tmp_path, ho
     assert rep["reproduced"] is True, rep
     assert (o["phase"], o["module"], o["tensor"], o["samples"]) == (
         "loss", "<loss>", "grad of the model output", [6]), o
+
+
+def test_a_pair_losss_backward_origin_names_the_samples_of_its_pair(tmp_path):
+    """Every pair of a 16-sample batch (16 features each) goes to a contrastive loss as
+    ``(120, 2)`` row indices; rows 2 and 5 of the batch at step K are the same record, so
+    their distance is 0 and sqrt's derivative there is NaN. The recorder took the batch for
+    one of 120 (the square input was not counted, the loss's pair tensors outvoted the
+    output's 16 rows) and the replay named 'samples [31]', the pair's index; the batch is 16
+    and the samples are the pair's rows, 2 and 5."""
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(96, 16, generator=g), torch.randint(0, 4, (96,), generator=g)
+    xs[16 * K + 5], ys[16 * K + 5] = xs[16 * K + 2], ys[16 * K + 2]  # a duplicated record
+    loader = torch.utils.data.DataLoader(list(zip(xs, ys)), batch_size=16,
+                                         collate_fn=MM.all_pairs)
+    model, crit = MM.make_embedder(), MM.PairContrastive()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="metric_models:make_embedder"):
+            for x, _, pairs, same in loader:
+                opt.zero_grad()
+                crit(model(x), pairs, same).backward()
+                opt.step()
+    meta, _ = read_bundle(info.value.bundle_path)
+    assert meta["micro_batches"][0]["samples"]["size"] == 16
+    rep = _replay(info.value.bundle_path, "--try", "drop=5", "--try", "drop=7")
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
+            rep["cause"]) == (K, "backward", "<loss>", "SqrtBackward0", [2, 5], "invalid")
+    # --try drop= removes the pairs that hold the sample and renumbers the rest (before, the
+    # pairs still named row 15 of 15: 'IndexError: index 15 is out of bounds' in the loss)
+    dropped, other = rep["what_if"]
+    assert dropped["finite"] is True, dropped
+    assert other["finite"] is False and "error" not in other, other
