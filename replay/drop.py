@@ -1,7 +1,8 @@
 """``--try drop=I,J``: the samples the report names removed from a recorded micro-batch (its
 batch, its loss inputs, a target flattened from ``(B, T)``, its ``PackedSequence`` packed again
 without them, an ``EmbeddingBag``'s flat inputs and offsets without their bags, a graph's edge
-list without their edges and, when no loss can be re-run, its recorded output gradients)."""
+list without their edges, a metric loss's mined pairs or triplets without those holding them
+and, when no loss can be re-run, its recorded output gradients)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
         paths = [k for k in mb.get("paths", {}) if k not in cut]
         done = {k for keys in packed for k in keys} | set(cut) | set(
             _drop_bags(tensors, {k: mb["paths"][k] for k in paths}, where.size, keep)) | set(
-            _drop_edges(tensors, paths, where.size, keep))
+            _drop_edges(tensors, paths, where.size, keep)) | set(
+            _drop_index_tuples(tensors, list(mb.get("loss_paths", {})), where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
         for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
             x = tensors.get(k)
@@ -156,6 +158,46 @@ def _drop_edges(tensors: dict[str, torch.Tensor], keys: list[str], n: int,
             tensors[j] = tensors[j][cols.to(tensors[j].device)]
         tensors[k] = renumber[e.cpu()[:, cols]].to(e.device, e.dtype)
         done += [k, *per_edge]
+    return done
+
+
+def _index_tuple(t, n: int) -> bool:
+    """``t`` may be row indices into a batch of ``n``: integers in [0, n), ``(P, k)`` with
+    ``k`` of 2 to 4 (pairs, triplets, quadruplets) or 1-D, ``P`` not ``n``."""
+    return (isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()
+            and t.dtype != torch.bool and t.numel() > 0 and t.shape[0] != n
+            and (t.dim() == 1 or (t.dim() == 2 and 2 <= t.shape[1] <= 4))
+            and 0 <= int(t.min()) and int(t.max()) < n)
+
+
+def _drop_index_tuples(tensors: dict[str, torch.Tensor], keys: list[str], n: int,
+                       keep: torch.Tensor) -> list[str]:
+    """A metric loss's mined tuples of the batch's rows (``(P, 2)`` pairs, ``(P, 3)``
+    triplets, or 1-D anchor/positive/negative index tensors of ``P`` each, as
+    pytorch-metric-learning's ``indices_tuple``) without the tuples that hold a dropped
+    sample, the rest renumbered to the rows kept, and the loss tensors with one row per tuple
+    (whether a pair is of one class) cut alike; returns their keys."""
+    found = [k for k in keys if _index_tuple(tensors.get(k), n)]
+    sizes = [tensors[k].shape[0] for k in found]
+    # (a lone 1-D one may be anything of integers: a tuple has two at least)
+    found = [k for k, p in zip(found, sizes) if tensors[k].dim() == 2 or sizes.count(p) > 1]
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[keep] = True
+    renumber = torch.cumsum(kept, 0) - 1
+    done: list[str] = []
+    for p in sorted({tensors[k].shape[0] for k in found}):
+        group = [k for k in found if tensors[k].shape[0] == p]
+        rows = torch.ones(p, dtype=torch.bool)
+        for k in group:
+            rows &= kept[tensors[k].cpu()].reshape(p, -1).all(1)
+        per_row = [k for k in keys if k not in found and isinstance(tensors.get(k), torch.Tensor)
+                   and tensors[k].dim() and tensors[k].shape[0] == p]
+        for k in group:
+            t = tensors[k]
+            tensors[k] = renumber[t.cpu()[rows]].to(t.device, t.dtype)
+        for k in per_row:
+            tensors[k] = tensors[k][rows.to(tensors[k].device)]
+        done += group + per_row
     return done
 
 
