@@ -24,6 +24,7 @@ from .capture import distributed_rank
 from .errors import NonFiniteError, first_line
 from .events import Event, StepEvidence
 from .finite import tensors_kind
+from .holders import holders_of
 from .hooks import Health
 from .late_writes import moved_in_step
 from .ring import StepLayout
@@ -151,6 +152,9 @@ class Alarm:
             if event.phase == "backward" and not self.target.has_scaler \
                     and unregistered_scaler_in_use():
                 meta["scaler_not_given"] = True
+            if "loss" not in meta and (held := holders_of(self.target.model(),
+                                                           self.target.given())):
+                meta["model_held_by"] = held  # (a loss wrapper computed the loss: see replay)
             if self.renamed:  # (the replay says so: the factory's model may predate it)
                 meta["renamed_after_attach"] = self.renamed
             path, moved = _write(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)

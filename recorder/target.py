@@ -98,6 +98,10 @@ class Target:
     def model(self) -> nn.Module | None:
         return self._model()
 
+    def given(self) -> nn.Module | None:
+        """What the recorder was given: the model, or the wrapper it was unwrapped from."""
+        return _deref(self._wrapper) or self._model()
+
     def _read_forward_autocast(self, model: nn.Module) -> None:
         """The autocast the root's forward enters itself (accelerate's mixed precision wraps
         it so), which its pre-hook, where a micro-batch's autocast is read, does not see yet;

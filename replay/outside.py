@@ -139,6 +139,13 @@ def replayable_loss_hint(step: Step) -> str:
         return ("the training_step computed this loss inline: keep the loss module in an "
                 "attribute of the LightningModule and name it, FlightRecorderCallback("
                 "loss_fn=\"criterion\"), so the replay re-runs it and names the op")
+    if held := step.meta.get("model_held_by"):
+        cls, attr = held[0].get("class", "?"), held[0].get("attribute", "?")
+        return (f"the loss was computed outside the recorder, and {cls.rpartition(':')[2]} "
+                f"({cls}) holds the model as .{attr}: if that wrapper computes the losses (the "
+                "loop calls wrapper(batch)), give it to FlightRecorder, with a factory that "
+                "builds it, so the replay re-runs them and names the op; else pass the loss as "
+                "FlightRecorder(..., loss_fn=...)")
     return ("the loss was computed outside the recorder: pass it as FlightRecorder(..., "
             "loss_fn=...) (a loss module, or a function called as rec.loss_fn) so the replay "
             "re-runs it and names the op; rec.record_loss(loss) at least checks its value "

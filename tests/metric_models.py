@@ -119,3 +119,17 @@ def all_pairs(items):
     y = torch.stack([b for _, b in items])
     i, j = torch.triu_indices(len(y), len(y), 1)
     return x, y, torch.stack([i, j], 1), y[i] == y[j]
+
+
+class LossWrapper(nn.Module):
+    """Holds the model and computes its task losses: the loop calls ``wrapper(batch)`` and
+    sums the dict it returns."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        out = self.model(batch["x"])
+        return {"cls": F.cross_entropy(out["cls"], batch["y"]),
+                "reg": F.mse_loss(out["reg"], batch["r"])}

@@ -200,3 +200,29 @@ def test_a_pair_losss_backward_origin_names_the_samples_of_its_pair(tmp_path):
     dropped, other = rep["what_if"]
     assert dropped["finite"] is True, dropped
     assert other["finite"] is False and "error" not in other, other
+
+
+def test_a_loss_wrapper_holding_the_recorded_model_is_named_in_the_hint(tmp_path):
+    """The recorder was given the model, while the loop calls ``LossWrapper(model)(batch)``,
+    which computes the task losses; sample 6's regression target is NaN at step K. The NaN
+    enters the model's output from a loss the recorder never saw: the hint names the wrapper
+    holding the model and says to give it to the recorder (before, only to pass loss_fn=,
+    which a loss computed inside a wrapper cannot be)."""
+    model = MM.make_multitask()
+    wrapper = MM.LossWrapper(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory="metric_models:make_multitask"):
+            for step in range(6):
+                x, y, r = MM.batch(step)
+                if step == K:
+                    r[6] = float("nan")
+                opt.zero_grad()
+                sum(wrapper({"x": x, "y": y, "r": r}).values()).backward()
+                opt.step()
+    rep = _replay(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["tensor"], o["samples"]) == (
+        K, "loss", "grad of the model output 1", [6]), o
+    assert "LossWrapper (metric_models:LossWrapper) holds the model as .model" in rep["hint"]
+    assert "give it to FlightRecorder" in rep["hint"], rep["hint"]
