@@ -152,8 +152,7 @@ class Alarm:
             if event.phase == "backward" and not self.target.has_scaler \
                     and unregistered_scaler_in_use():
                 meta["scaler_not_given"] = True
-            if "loss" not in meta and (held := holders_of(self.target.model(),
-                                                           self.target.given())):
+            if "loss" not in meta and (held := _held_by(self.target)):
                 meta["model_held_by"] = held  # (a loss wrapper computed the loss: see replay)
             if self.renamed:  # (the replay says so: the factory's model may predate it)
                 meta["renamed_after_attach"] = self.renamed
@@ -252,6 +251,15 @@ def _unfound(step: int, reason: str, e: Exception) -> Event:
                 "bundle is written without it", step, type(e).__name__, first)
     return Event(step, reason=reason, detail=f"the recorder's search failed ({type(e).__name__}:"
                  f" {first}); nanreplay re-runs the step")
+
+
+def _held_by(target: Target) -> list[dict[str, str]]:
+    """The modules holding the model (:func:`holders_of`); none when looking fails, which
+    must not cost the bundle."""
+    try:
+        return holders_of(target.model(), target.given())
+    except Exception:
+        return []
 
 
 def _message(event: dict[str, Any], path: Path | None, stopped: bool = True) -> str:

@@ -27,7 +27,7 @@ def holders_of(model: nn.Module | None, given: object = None) -> list[dict[str, 
             if cls.__module__.split(".")[0] in ("torch", "lightning", "pytorch_lightning",
                                                 "transformers", "accelerate"):
                 continue
-            name = next(k for k, v in d.items() if v is model)
+            name = next((k for k, v in d.items() if v is model), "?")
             found.append({"class": f"{cls.__module__}:{cls.__qualname__}", "attribute": name})
     return found
 
