@@ -172,6 +172,7 @@ class FlightRecorder:
             return self
         target = self.target
         target.bind()
+        self.cycle.capture_rng.generators = target.generators
         self.cycle.buffers.bind(target.buffer_homes + target.loss_buffer_homes,
                                 target.norm_buffers)
         self._handles += self.calls.register()
@@ -188,6 +189,7 @@ class FlightRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.cycle.capture_rng.generators = []
         self.cycle.release()
         self.guard.release()
         self.target.release()

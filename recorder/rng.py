@@ -11,6 +11,21 @@ from typing import Any
 
 import torch
 
+# a generator the model or loss keeps as an attribute (``self.gen = torch.Generator()``, drawn
+# by ``torch.randint(..., generator=self.gen)`` in the forward) is a state key of its own
+GENERATOR = "generator/"
+
+
+def module_generators(modules) -> list[tuple[str, torch.Generator]]:
+    """The ``torch.Generator`` attributes of ``(name, module)`` pairs, by ``module.attr`` (each
+    generator once: one shared by several modules is restored once)."""
+    found: dict[int, tuple[str, torch.Generator]] = {}
+    for name, m in modules:
+        for attr, v in vars(m).items():
+            if isinstance(v, torch.Generator) and id(v) not in found:
+                found[id(v)] = (f"{name}.{attr}" if name else attr, v)
+    return list(found.values())
+
 
 class RngCapture:
     """Captures every RNG a training step may draw from (see :meth:`__call__`).
@@ -25,7 +40,9 @@ class RngCapture:
     is checked against the real state at the first capture.
     """
 
-    def __init__(self):
+    def __init__(self, generators=()):
+        # the model's own generators (``module_generators``): set at attach, cleared at detach
+        self.generators: list[tuple[str, torch.Generator]] = list(generators)
         # the generator (and RandomState) whose memory is read is held, so it can never
         # dangle; one replaced by another is looked at afresh
         self._np_owner = self._np_rs = self._np_words = self._np_gauss = None
@@ -82,6 +99,8 @@ class RngCapture:
             state["numpy"] = self._numpy_state(np)
         if torch.cuda.is_initialized():  # else no CUDA generator has drawn yet
             state["cuda"] = torch.cuda.get_rng_state_all()
+        for name, g in self.generators:
+            state[GENERATOR + name] = g.get_state()
         return state
 
 
@@ -144,9 +163,20 @@ def capture_rng() -> dict[str, Any]:
     return RngCapture()()
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator] | None = None
+                ) -> None:
     """Put back what :func:`capture_rng` (or :func:`rng_from_bundle`) returned; generators it
-    leaves out (see :func:`rng_drawn`) stay as they are."""
+    leaves out (see :func:`rng_drawn`) stay as they are. ``generators``: the rebuilt model's
+    own, by the names :func:`module_generators` gives (one it lacks, or on another device
+    type, stays as the factory made it)."""
+    for key, s in state.items():
+        g = (generators or {}).get(key.removeprefix(GENERATOR)) \
+            if key.startswith(GENERATOR) else None
+        if g is not None:
+            try:
+                g.set_state(s)
+            except (RuntimeError, ValueError):  # (a CUDA generator's state on a CPU replay)
+                pass
     if "python" in state:
         random.setstate(state["python"])
     if "torch_cpu" in state:
@@ -177,6 +207,9 @@ def rng_to_bundle(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torc
     for i, s in enumerate(state.get("cuda", [])):
         tensors[f"rng/cuda/{i}"] = s.cpu().clone()
     meta["cuda_devices"] = len(state.get("cuda", []))
+    if gens := [k.removeprefix(GENERATOR) for k in state if k.startswith(GENERATOR)]:
+        meta["generators"] = gens
+        tensors.update({f"rng/{GENERATOR}{n}": state[GENERATOR + n].cpu().clone() for n in gens})
     return meta, tensors
 
 
@@ -217,4 +250,7 @@ def rng_from_bundle(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> d
         state["numpy"] = (npm["name"], keys, npm["pos"], npm["has_gauss"], npm["cached_gaussian"])
     if meta.get("cuda_devices"):
         state["cuda"] = [tensors[f"rng/cuda/{i}"] for i in range(meta["cuda_devices"])]
+    for n in meta.get("generators") or ():
+        if isinstance(n, str) and f"rng/{GENERATOR}{n}" in tensors:
+            state[GENERATOR + n] = tensors[f"rng/{GENERATOR}{n}"]
     return state

@@ -29,6 +29,7 @@ from .compat import (
 from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .finite import matches
 from .ranks import Agreement
+from .rng import module_generators
 from .samples import recurrent, seq_first
 from .settings import Settings
 from .shards import class_name, local, sharded
@@ -139,6 +140,12 @@ class Target:
         self.module_types = [class_name(s.module) for s in sites]  # (not FSDP's FSDP<Class>)
         # the loop may change them; the bundle keeps those it did (see .attributes)
         self.attributes = AttributeWatch(sites)
+        # generators the model or loss keeps (a diffusion model drawing its timesteps and
+        # noise with generator=self.gen): their states are captured with the global ones
+        loss = _deref(self._loss_fn)
+        self.generators = module_generators(
+            [(s.name, s.module) for s in sites]
+            + ([] if loss is None else [(LOSS_PREFIX.rstrip("."), loss)]))
         self.compiled = {s.name for s in sites if s.region}  # recorded as one call each
         self.passing = {s.name for s in sites[1:] if s.target is not None and not s.region
                         and passes_through(s.module)}  # not hooked: their calls repeat others'
@@ -255,6 +262,7 @@ class Target:
         """Drop every reference to parameters and buffers (at detach)."""
         self.sites: list[HookSite] = []
         self.attributes = AttributeWatch()
+        self.generators: list[tuple[str, torch.Generator]] = []
         self.passing: set[str] = set()
         self.params: list[tuple[str, torch.Tensor]] = []
         self.param_names: list[str] = []

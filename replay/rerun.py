@@ -18,7 +18,7 @@ from torch import nn
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
 from recorder.capture import map_tensors, tensor_leaves
 from recorder.finite import finite, matches, only_mask_infinities
-from recorder.rng import restore_rng
+from recorder.rng import module_generators, restore_rng
 
 from . import bisection
 from .compat import non_persistent
@@ -96,6 +96,10 @@ class Runner:
         self._loss_buffers = {n: b.detach().clone() for n, b in
                               (self._loss_module.named_buffers() if self._loss_module else ())}
         self._rng = rng_state(step)
+        # the model's and loss's own generators, by the recorder's names (recorder.rng)
+        self._generators = dict(module_generators(
+            [*self.model.named_modules(),
+             *([("<loss>", self._loss_module)] if self._loss_module is not None else [])]))
         self.cast: torch.dtype | None = None  # run in this dtype (the float64 re-run)
         # gradients fed into the model outputs instead of the recorded ones, finite or not
         # (micro-batch -> output index -> gradient): see replay.outside
@@ -131,7 +135,7 @@ class Runner:
                         b.copy_(first)
         self.model.zero_grad(set_to_none=True)
         if self._rng is not None:
-            restore_rng(self._rng)
+            restore_rng(self._rng, self._generators)
 
     # -- one run -----------------------------------------------------------------------------
 
@@ -157,7 +161,7 @@ class Runner:
                         self.model.zero_grad(set_to_none=True)
                     args, kwargs = micro_batch_inputs(self.step, i, made := {})
                     if i and (rng := micro_batch_rng(self.step, i)) is not None:
-                        restore_rng(rng)  # as it was: the loop drew between forwards
+                        restore_rng(rng, self._generators)  # as it was: the loop drew between forwards
                     if only_mask_infinities(tensor_leaves((args, kwargs))):
                         result.masked.add(i)
                     if self.cast is not None:

@@ -1,0 +1,104 @@
+"""Diffusion models as their community writes them, for ``test_diffusion``: a small UNet
+(GroupNorm, SiLU, self-attention, a sinusoidal timestep embedding) inside a lucidrains-style
+``GaussianDiffusion`` whose forward draws the timesteps and the noise and returns the loss.
+Its cosine schedule is rescaled to zero terminal SNR (Lin et al. 2023), so ``alpha_bar`` is
+exactly 0 at the last timestep, and its min-SNR weight ``min(snr, 5) / snr`` is 0/0 there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+T = 40  # timesteps: a batch of 16 meets the last one within a few steps
+
+
+def zero_snr_cosine_alphas_cumprod(steps: int, s: float = 0.008) -> torch.Tensor:
+    x = torch.arange(steps + 1, dtype=torch.float64) / steps
+    f = torch.cos((x + s) / (1 + s) * math.pi / 2) ** 2
+    betas = (1 - f[1:] / f[:-1]).clamp(0, 0.999)
+    root = torch.cumprod(1 - betas, 0).sqrt()
+    root = (root - root[-1]) * root[0] / (root[0] - root[-1])  # the last one exactly 0
+    return (root ** 2).float()
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device) / half)
+    args = t[:, None].float() * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int, tdim: int):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(4, c), nn.Conv2d(c, c, 3, padding=1)
+        self.temb = nn.Linear(tdim, c)
+        self.norm2, self.conv2 = nn.GroupNorm(4, c), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x, temb):
+        h = self.conv1(F.silu(self.norm1(x))) + self.temb(F.silu(temb))[:, :, None, None]
+        return x + self.conv2(F.silu(self.norm2(h)))
+
+
+class Attention(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.norm, self.qkv, self.proj = nn.GroupNorm(4, c), nn.Conv2d(c, 3 * c, 1), \
+            nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(b, 3, c, h * w).unbind(1)
+        a = torch.softmax(q.transpose(1, 2) @ k / math.sqrt(c), -1)
+        return x + self.proj((v @ a.transpose(1, 2)).reshape(b, c, h, w))
+
+
+class TinyUNet(nn.Module):
+    def __init__(self, c: int = 8, tdim: int = 16):
+        super().__init__()
+        self.tdim = tdim
+        self.time_mlp = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
+        self.inc = nn.Conv2d(1, c, 3, padding=1)
+        self.down, self.pool = ResBlock(c, tdim), nn.Conv2d(c, c, 3, stride=2, padding=1)
+        self.mid, self.attn = ResBlock(c, tdim), Attention(c)
+        self.up, self.dec = nn.ConvTranspose2d(c, c, 2, stride=2), ResBlock(c, tdim)
+        self.out = nn.Sequential(nn.GroupNorm(4, c), nn.SiLU(), nn.Conv2d(c, 1, 3, padding=1))
+
+    def forward(self, x, t):
+        temb = self.time_mlp(timestep_embedding(t, self.tdim))
+        h = self.down(self.inc(x), temb)
+        mid = self.attn(self.mid(self.pool(h), temb))
+        return self.out(self.dec(self.up(mid) + h, temb))
+
+
+class GaussianDiffusion(nn.Module):
+    """``forward(x0)`` draws ``t`` and the noise (from ``self.gen`` when ``seed`` is given,
+    as code that wants the same noise in every run does) and returns the min-SNR weighted
+    epsilon loss."""
+
+    def __init__(self, seed: int | None = None, gamma: float = 5.0):
+        super().__init__()
+        self.unet = TinyUNet()
+        self.gamma = gamma
+        self.gen = None if seed is None else torch.Generator().manual_seed(seed)
+        ab = zero_snr_cosine_alphas_cumprod(T)
+        self.register_buffer("alphas_cumprod", ab)
+        self.register_buffer("sqrt_alphas_cumprod", ab.sqrt())
+        self.register_buffer("sqrt_one_minus_alphas_cumprod", (1 - ab).sqrt())
+
+    def forward(self, x0):
+        t = torch.randint(0, T, (x0.shape[0],), generator=self.gen)
+        noise = torch.randn(x0.shape, generator=self.gen)
+        x_t = self.sqrt_alphas_cumprod[t].view(-1, 1, 1, 1) * x0 \
+            + self.sqrt_one_minus_alphas_cumprod[t].view(-1, 1, 1, 1) * noise
+        loss = F.mse_loss(self.unet(x_t, t), noise, reduction="none").mean(dim=(1, 2, 3))
+        snr = self.alphas_cumprod[t] / (1 - self.alphas_cumprod[t])
+        return (loss * snr.clamp(max=self.gamma) / snr).mean()  # 0/0 where alpha_bar is 0
+
+
+def make_diffusion(**kw) -> nn.Module:
+    return GaussianDiffusion(**kw)
