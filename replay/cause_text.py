@@ -71,6 +71,16 @@ WHOLE_COLUMNS = (
     "sample (column(s) {cols}, counted past the sample dimension): a per-feature step of the "
     "data pipeline made them, not a bad record (a standardisation dividing by a constant "
     "column's zero std: add an eps or drop the column; a feature missing from the source)")
+# ... and every value of it: no feature stands out, a factor all values share made them
+WHOLE_TENSOR = (
+    "the batch itself holds NaN/Inf, and every value of {tensor} is {kind}: no sample and no "
+    "feature stands out, so the code that made the whole tensor did (a division by a scalar "
+    "that is 0, as a sampler's x / sqrt(alpha_bar) where the schedule reaches alpha_bar = 0, "
+    "or a multiplication by a NaN/Inf scalar), not a record of the data{evaluating}")
+WHOLE_TENSOR_EVALUATING = (
+    "; this forward ran with gradients off between steps, so the loop's code before it (a "
+    "sampling loop feeding the model what it computed from the last output) is the first "
+    "place to look")
 SHARED_INPUT = ("{tensor} holds NaN/Inf and is not per sample: every sample of the batch goes "
                 "through it (a mask, a bias or a table passed to forward), so no sample is to "
                 "blame; check the code that makes it")

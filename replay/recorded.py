@@ -21,6 +21,8 @@ from .cause_text import (
     LOSS_ARGUMENT_EVERY,
     SHARED_INPUT,
     WHOLE_COLUMNS,
+    WHOLE_TENSOR,
+    WHOLE_TENSOR_EVALUATING,
 )
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
@@ -151,6 +153,9 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     key, raw = origin_key(step, origin)
     if nan_allowed(step, root_input_name(raw)):
         return ALLOWED_NAN_LEAKED.format(tensor=tensor)
+    if whole := _whole_tensor(step, origin, key):
+        evaluating = WHOLE_TENSOR_EVALUATING if step.event.get("evaluation") else ""
+        return WHOLE_TENSOR.format(tensor=tensor, kind=whole, evaluating=evaluating)
     if cols := _whole_columns(step, origin, key):
         return WHOLE_COLUMNS.format(tensor=tensor, cols=cols)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
@@ -173,6 +178,20 @@ def origin_key(step: Step, origin: dict[str, Any]) -> tuple[str, str]:
         if batch_path(raw, n_args) == origin.get("tensor"):
             return key, raw
     return "", ""
+
+
+def _whole_tensor(step: Step, origin: dict[str, Any], key: str) -> str:
+    """``"NaN"``, ``"+Inf"``, ``"-Inf"``... when every value of the batch tensor ``key``, of
+    more than one sample, is non-finite, else "" (one that is not per sample: SHARED_INPUT)."""
+    t = step.tensors.get(key)
+    d = samples(step, origin.get("micro_batch") or 0).dim(t) if t is not None else None
+    if d is None or t.shape[d] < 2 or not t.is_floating_point() or torch.isfinite(t).any():
+        return ""
+    kinds = {k for k, f in (("NaN", torch.isnan), ("+Inf", torch.isposinf),
+                            ("-Inf", torch.isneginf)) if f(t).any()}
+    if kinds == {"+Inf", "-Inf"}:
+        return "+Inf or -Inf"
+    return kinds.pop() if len(kinds) == 1 else "NaN/Inf"
 
 
 def _whole_columns(step: Step, origin: dict[str, Any], key: str) -> str:

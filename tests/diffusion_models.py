@@ -102,3 +102,7 @@ class GaussianDiffusion(nn.Module):
 
 def make_diffusion(**kw) -> nn.Module:
     return GaussianDiffusion(**kw)
+
+
+def make_unet(**kw) -> nn.Module:
+    return TinyUNet(**kw)

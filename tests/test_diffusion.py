@@ -71,3 +71,54 @@ def test_noise_drawn_from_the_models_own_generator_is_drawn_again(tmp_path):
     o = rep["origin"]
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("", "aten.div", samples, "invalid"), json.dumps(rep, indent=1)
+
+
+@torch.no_grad()
+def ddim_sample(model, n: int, steps: int = 4) -> torch.Tensor:
+    """A deterministic DDIM sampler over the zero terminal SNR schedule: its first step's
+    ``x0 = (x - sqrt(1 - ab) * eps) / sqrt(ab)`` divides by 0 at the last timestep."""
+    ab_all = D.zero_snr_cosine_alphas_cumprod(D.T)
+    ts = torch.linspace(D.T - 1, 0, steps).long()
+    model.eval()
+    x = torch.randn(n, 1, 8, 8)
+    for i, t in enumerate(ts):
+        eps = model(x, t.repeat(n))
+        ab = ab_all[t]
+        x0 = (x - (1 - ab).sqrt() * eps) / ab.sqrt()
+        prev = ab_all[ts[i + 1]] if i + 1 < steps else torch.tensor(1.0)
+        x = prev.sqrt() * x0 + (1 - prev).sqrt() * eps
+    model.train()
+    return x
+
+
+def test_a_sampler_feeding_the_model_an_infinite_tensor_is_not_blamed_on_a_feature(tmp_path):
+    """A validation sampler between steps: the sampler's division by sqrt(alpha_bar) = 0 makes
+    every value of the next forward's input infinite. The hint said 'a per-feature step of the
+    data pipeline made them' (a standardisation by a zero std), as for a few bad columns."""
+    torch.manual_seed(0)
+    model = D.make_unet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ab_all = D.zero_snr_cosine_alphas_cumprod(D.T)
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                           factory="diffusion_models:make_unet") as rec:
+        for _ in range(2):
+            x0 = torch.randn(BATCH, 1, 8, 8)
+            t = torch.randint(0, D.T - 1, (BATCH,))
+            noise = torch.randn_like(x0)
+            ab = ab_all[t].view(-1, 1, 1, 1)
+            loss = rec.loss_fn(model(ab.sqrt() * x0 + (1 - ab).sqrt() * noise, t), noise)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        ddim_sample(model, 4)
+    err = info.value
+    assert (err.event["phase"], err.event["evaluation"], err.event["tensor"]) == \
+        ("input", True, "args[0]"), err.event
+    rep = report(err.bundle_path)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [0, 1, 2, 3]), rep
+    assert "same feature" not in rep["hint"], rep["hint"]
+    assert rep["hint"].startswith("the batch itself holds NaN/Inf, and every value of args[0] "
+                                  "is +Inf or -Inf: no sample and no feature stands out"), \
+        rep["hint"]
+    assert "sampling loop" in rep["hint"], rep["hint"]
