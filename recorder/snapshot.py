@@ -171,6 +171,8 @@ def _module_info(name: str, m: nn.Module, attributes: AttributeWatch) -> dict[st
         info["fsdp"] = fsdp
     if attrs := attributes.changed(name, m):  # what the loop set (see .attributes)
         info["attrs"] = attrs
+    if attached := attributes.at_attach.get(name):  # (set before attach: an init pass's flag)
+        info["attrs_at_attach"] = attached
     return info
 
 

@@ -37,6 +37,25 @@ def restore_attributes(meta: dict[str, Any], model: nn.Module) -> list[str]:
     return restored
 
 
+def built_otherwise(meta: dict[str, Any], model: nn.Module) -> list[str]:
+    """The plain attributes the factory builds otherwise than the run had them when the
+    recorder attached (set before it: a data-dependent initialisation pass's ``initialized``
+    flag), which are not set again (the factory's difference, for the fidelity check to
+    explain): ``name.attr = built (the run had value)``. Read before any re-run."""
+    modules = dict(model.named_modules())
+    out = []
+    for info in meta.get("modules") or ():
+        at, m = info.get("attrs_at_attach"), modules.get(info.get("name"))
+        if not isinstance(at, dict) or m is None:
+            continue
+        later = info.get("attrs") if isinstance(info.get("attrs"), dict) else {}
+        for k, v in at.items():
+            built = vars(m).get(k)
+            if k not in later and type(v) in PLAIN and type(built) is type(v) and built != v:
+                out.append(f"{info['name'] or '<root>'}.{k} = {built!r} (the run had {v!r})")
+    return out
+
+
 def restored_note(restored: list[str]) -> str:
     more = f" and {len(restored) - _SHOWN} more" if len(restored) > _SHOWN else ""
     return ("the run had set attributes of the model to other values than the factory builds; "

@@ -56,7 +56,9 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
         return None
     found["basis"] = "event step" if rows else "earlier steps"
     found["changed"] = list(meta.get("changed_in_step") or []) or None
-    if rows and not found["matches"] and not found["changed"]:
+    if not found["matches"] and step.built_otherwise:  # (first: the re-run took another path)
+        found["built_otherwise"] = step.built_otherwise
+    elif rows and not found["matches"] and not found["changed"]:
         found["edited"] = edited_since_update(step, rows[-1]) or None
     return found
 
@@ -183,6 +185,8 @@ def _differs(module: str, call: int, mb: int, recorded, rerun, compared: int,
 
 def mismatch(fid: dict[str, Any]) -> str:
     """Why the re-run is not the recorded step, in a few words for the cause."""
+    if fid.get("built_otherwise"):
+        return "the factory builds the model's attributes otherwise than the run had them"
     if fid.get("changed") or fid.get("edited"):
         return "its weights are not those the step ran with"
     if fid.get("within_step"):
@@ -207,6 +211,9 @@ def describe(fid: dict[str, Any]) -> str:
         what = "ran in the re-run but is not in the recorded model"
     after = f", after {fid['calls']} call(s) that agree" if fid["calls"] else ""
     head = f"'{name}' (call {fid['call']}, micro-batch {fid['micro_batch']}) {what}{after}: "
+    if built := fid.get("built_otherwise"):
+        more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
+        return head + BUILT_OTHERWISE.format(attrs=", ".join(built[:3]) + more)
     if fid.get("changed"):
         return head + _changed_params(fid["changed"]) + " changed during the step (see the note)"
     if fid.get("edited"):
@@ -220,6 +227,13 @@ def describe(fid: dict[str, Any]) -> str:
                    "with FlightRecorder(..., factory_kwargs={...}) or pass --factory-kwargs "
                    "'{...}' so it builds the same one")
 
+
+BUILT_OTHERWISE = (
+    "the factory builds {attrs}, which the run had set before the recorder attached (a "
+    "data-dependent initialisation pass, as Glow's ActNorm runs on a first batch; a flag set "
+    "after building the model), so the re-run's forward took another path; attach the "
+    "recorder before setting them (it then bundles them and the replay sets them), or have "
+    "the factory build them so (factory_kwargs, --factory-kwargs)")
 
 EDITED = (" from what the last optimizer.step() left: written outside it during the "
           "step, after the forward read them (an in-place clamp_ or fill_ under no_grad between "

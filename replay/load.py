@@ -27,7 +27,7 @@ from recorder.compiled import decompile
 from recorder.errors import BundleError
 from recorder.rng import rng_from_bundle
 
-from .attributes import restore_attributes, restored_note
+from .attributes import built_otherwise, restore_attributes, restored_note
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .loss_params import attach_loss_params
@@ -56,6 +56,8 @@ class Step:
     # the bundle given, when another rank's bundle of its event is replayed (replay.shards)
     given: Path | None = None
     given_rank: int | None = None
+    # plain attributes the factory built otherwise than the run had them at attach
+    built_otherwise: list[str] = field(default_factory=list)
 
     @property
     def event(self) -> dict[str, Any]:
@@ -209,6 +211,7 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     load_weights(step, model)
     if restored := restore_attributes(meta, model):
         step.problems.append(restored_note(restored))
+    step.built_otherwise = built_otherwise(meta, model)
     step.model = model
     step.loss_fn = made.get("loss_fn")
     if step.loss_fn is None:

@@ -106,3 +106,55 @@ def make_diffusion(**kw) -> nn.Module:
 
 def make_unet(**kw) -> nn.Module:
     return TinyUNet(**kw)
+
+
+class ActNorm(nn.Module):
+    """Glow's ActNorm: its scale and shift set from the first batch it sees, in the forward."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.loc, self.logs = nn.Parameter(torch.zeros(1, c)), nn.Parameter(torch.zeros(1, c))
+        self.initialized = False
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0, keepdim=True))
+                self.logs.data.copy_(-torch.log(x.std(0, keepdim=True) + 1e-6))
+            self.initialized = True
+        return (x + self.loc) * torch.exp(self.logs), self.logs.sum().expand(x.shape[0])
+
+
+class AffineCoupling(nn.Module):
+    """RealNVP's affine coupling, its log-scale unbounded (no tanh)."""
+
+    def __init__(self, c: int, hidden: int = 64):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(c // 2, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                                 nn.ReLU(), nn.Linear(hidden, c))
+
+    def forward(self, x):
+        xa, xb = x.chunk(2, 1)
+        s, t = self.net(xa).chunk(2, 1)
+        return torch.cat([xa, xb * torch.exp(s) + t], 1), s.sum(1)
+
+
+class Flow(nn.Module):
+    def __init__(self, c: int = 8, n: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(m for _ in range(n) for m in (ActNorm(c), AffineCoupling(c)))
+
+    def forward(self, x):
+        logdet = torch.zeros(x.shape[0])
+        for layer in self.layers:
+            x, ld = layer(x)
+            logdet = logdet + ld
+        return x, logdet
+
+
+def make_flow(**kw) -> nn.Module:
+    return Flow(**kw)
+
+
+def flow_nll(z, logdet):
+    return -(-0.5 * (z ** 2 + math.log(2 * math.pi)).sum(1) + logdet).mean()

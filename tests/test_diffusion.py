@@ -25,6 +25,7 @@ def _from_tests_dir(monkeypatch):
 
 
 def report(bundle) -> dict:
+    """The JSON report of a reproduced event."""
     r = invoke_cli(bundle, "--json")
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
@@ -122,3 +123,57 @@ def test_a_sampler_feeding_the_model_an_infinite_tensor_is_not_blamed_on_a_featu
                                   "is +Inf or -Inf: no sample and no feature stands out"), \
         rep["hint"]
     assert "sampling loop" in rep["hint"], rep["hint"]
+
+
+def train_flow(out_dir: Path, init_first: bool) -> NonFiniteError:
+    """A flow trained at too large a learning rate, its ActNorms initialised by a pass over a
+    first batch, run before the recorder attached (``init_first``) or inside it."""
+    torch.manual_seed(0)
+    model = D.make_flow()
+    opt = torch.optim.Adam(model.parameters(), lr=0.2)
+    data = torch.randn(512, 8) * torch.linspace(0.1, 3, 8)
+    loader = torch.utils.data.DataLoader(data, batch_size=64, shuffle=True)
+
+    def init_pass():
+        with torch.no_grad():
+            model(data[:256])
+
+    if init_first:
+        init_pass()
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(model, opt, loss_fn=D.flow_nll, out_dir=out_dir,
+                           factory="diffusion_models:make_flow") as rec:
+        if not init_first:
+            init_pass()
+        for _ in range(2):
+            for x in loader:
+                opt.zero_grad()
+                rec.loss_fn(*model(x)).backward()
+                opt.step()
+    return info.value
+
+
+def test_a_flag_an_init_pass_set_before_attach_is_named_by_the_fidelity_check(tmp_path):
+    """ActNorm's ``initialized`` set by a data-dependent init pass before the recorder
+    attached: the factory builds it False, so the re-run initialised the layers again from the
+    event's batch. The fidelity line blamed an in-place write between the forward and the loss
+    (the re-run's own init, written into the bundle's weights); it must name the flags."""
+    err = train_flow(tmp_path, init_first=True)
+    assert (err.event["phase"], err.event["module"]) == ("forward", "layers.3"), err.event
+    r = invoke_cli(err.bundle_path, "--json")
+    rep = json.loads(r.stdout)
+    fid = rep["fidelity"]
+    assert (fid["matches"], rep["reproduced"]) == (False, False), json.dumps(rep, indent=1)
+    assert fid["built_otherwise"] == [f"layers.{i}.initialized = False (the run had True)"
+                                      for i in (0, 2, 4, 6)], fid
+    assert "attach the recorder before setting them" in invoke_cli(err.bundle_path).stdout
+
+
+def test_a_flow_initialised_under_the_recorder_replays_its_overflow(tmp_path):
+    """The same run with the init pass inside the recorder: the flags are bundled, set again,
+    and the replay names the coupling's ``xb * exp(s)``."""
+    err = train_flow(tmp_path, init_first=False)
+    rep = report(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], rep["cause"]) == \
+        (True, "layers.3", "aten.mul", "overflow"), json.dumps(rep, indent=1)
