@@ -141,8 +141,9 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
             return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "
                          "float64: " + _wider(ev.dtype))
         also = "" if ev.dtype == torch.float64 else " and for float64 as well"
+        exp = name.rstrip("_") in _EXPONENTIALS or _exp_factor(ev)
         return Cause("overflow", f"{op}'s true result is too large for {dt}{also}: "
-                     + DO["clamp_exp" if name.rstrip("_") in _EXPONENTIALS else "clamp"])
+                     + DO["clamp_exp" if exp else "clamp"])
     what, situation = domains.describe(name, ev)
     zero_from_exp = [i for i, v in enumerate(ev.inputs)
                      if ev.exp_made[i] and ev.elementwise[i] and bool((v == 0).any())]
@@ -199,7 +200,7 @@ def _beyond_type(op: str, ev: Evidence) -> Cause:
                      f"is beyond {dt}'s largest value {top_s}; float64 holds it: "
                      + _wider(ev.dtype))
     return Cause("overflow", f"{op}'s true result (up to {big_s}) is finite but beyond "
-                 f"{dt}'s largest value {top_s}; float64 holds it: " + _wider(ev.dtype, op))
+                 f"{dt}'s largest value {top_s}; float64 holds it: " + _wider(ev.dtype, op, ev))
 
 
 def _edge_excess(base: str, x: torch.Tensor) -> float | None:
@@ -244,13 +245,24 @@ def _given(ev: Evidence, i: int) -> list[float]:
     return [float(v) for v in ev.inputs[i].flatten()[:8]]
 
 
-def _wider(dtype: torch.dtype, op: str | None = None) -> str:
+def _wider(dtype: torch.dtype, op: str | None = None, ev: Evidence | None = None) -> str:
     """What a wider type means from ``dtype``: float32 for float16 (and the 8-bit types), else
-    rescaling or float64 (and, for an exponential ``op``, bounding its exponent): bfloat16
-    has float32's range, so what overflows it overflows float32 too."""
+    rescaling or float64 (and, for an exponential ``op`` or a product with a huge factor an
+    exponential made, bounding its exponent): bfloat16 has float32's range, so what overflows
+    it overflows float32 too."""
     if torch.finfo(dtype).max < torch.finfo(torch.float32).max / 2:
         return DO["wider"]
-    return DO["wider64_exp"] if op is not None and _name(op) in _EXPONENTIAL else DO["wider64"]
+    exp = op is not None and _name(op) in _EXPONENTIAL or ev is not None and _exp_factor(ev)
+    return DO["wider64_exp"] if exp else DO["wider64"]
+
+
+def _exp_factor(ev: Evidence) -> bool:
+    """An input of the op that an exponential made (``exp_made``) holds a value beyond the
+    square root of the type's largest where the op overflowed: the exponential made the huge
+    factor (a flow's coupling ``xb * exp(s)`` with ``s`` unbounded), so bound its exponent."""
+    edge = math.sqrt(torch.finfo(ev.dtype).max)
+    return any(made and v.numel() and float(v.abs().max()) > edge
+               for made, v in zip(ev.exp_made, ev.inputs))
 
 
 _EXPONENTIAL = {"exp", "exp2", "expm1", "pow"}

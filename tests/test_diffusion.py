@@ -171,9 +171,13 @@ def test_a_flag_an_init_pass_set_before_attach_is_named_by_the_fidelity_check(tm
 
 def test_a_flow_initialised_under_the_recorder_replays_its_overflow(tmp_path):
     """The same run with the init pass inside the recorder: the flags are bundled, set again,
-    and the replay names the coupling's ``xb * exp(s)``."""
+    and the replay names the coupling's ``xb * exp(s)``. Its hint said only to rescale the
+    product's inputs or compute in float64: the huge factor is the unbounded exponential's,
+    so it must say to bound the exponent (tanh), as it does when the exp itself overflows."""
     err = train_flow(tmp_path, init_first=False)
     rep = report(err.bundle_path)
     o = rep["origin"]
     assert (rep["reproduced"], o["module"], o["op"], rep["cause"]) == \
         (True, "layers.3", "aten.mul", "overflow"), json.dumps(rep, indent=1)
+    assert "bound a learned exponent (s.clamp(max=...), or scale * tanh(s)" in rep["hint"], \
+        rep["hint"]
