@@ -59,6 +59,11 @@ def sequence_nr(node) -> int:
     return node._sequence_nr()
 
 
+def takes_dtype(func) -> bool:
+    """Whether the aten op ``func`` has a ``dtype`` argument (a factory: ``randn``, ``rand``)."""
+    return any(a.name == "dtype" for a in func._schema.arguments)
+
+
 def writes_arguments(func) -> bool:
     """Whether the aten op ``func`` is in-place or ``out=``: it writes into an argument."""
     hit = _WRITES.get(func)

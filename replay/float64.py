@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from .compat import tree_map
+from .compat import takes_dtype, tree_map
 
 _HALF_TO_FLOAT = {"_softmax", "_log_softmax"}
+# random factories whose values take the default dtype (randint's and randperm's do not)
+_FLOAT_FACTORIES = {"randn", "rand", "normal"}
 
 
 def widened(dtype: torch.dtype) -> torch.dtype | None:
@@ -35,3 +37,24 @@ def as_float64(func, args, kwargs):
     if isinstance(dt, torch.dtype) and (wide := widened(dt)) is not None:
         kwargs["dtype"] = wide
     return args, kwargs
+
+
+def draw_as_recorded(func, args, kwargs, dtype: torch.dtype, writes: bool):
+    """A random op (``randn_like``, ``rand``, ``normal_``, ``bernoulli_``) run as the recorded
+    step ran it: drawn in ``dtype``, the step's own, then widened. A float64 draw takes other
+    words from the generator (53 random bits a value, not 24), so it and every later draw of
+    the step (the timesteps a diffusion step takes after its noise) would be other numbers,
+    and the float64 re-run would answer for another batch. ``writes``: an in-place op, drawn
+    into a narrow copy of its first argument, then copied in."""
+    wide = widened(dtype)
+    kwargs = dict(kwargs or {})
+    if func.overloadpacket.__name__ in _FLOAT_FACTORIES and takes_dtype(func) \
+            and kwargs.get("dtype") in (None, wide):
+        kwargs["dtype"] = dtype  # drawn in the default dtype, float64 in this re-run
+    narrow_args, narrow_kwargs = tree_map(
+        lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == wide else v,
+        (tuple(args), kwargs))
+    out = func(*narrow_args, **narrow_kwargs)
+    if writes and args and narrow_args[0] is not args[0]:
+        return args[0].copy_(narrow_args[0])
+    return upcast(out)

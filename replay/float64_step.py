@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from recorder.finite import finite
 
 from .errors import StopRun
@@ -23,7 +25,10 @@ def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: i
     """Re-run in float64 (forward: up to the origin's call; the blamed op's call captured);
     whether it is still non-finite."""
     window = _Window(runner, *until, capture) if phase == "forward" and until else None
-    with runner.float64(), Float64(), _watch_loss(runner, capture if phase == "loss" else None,
+    # the step's random draws in its own type: the same numbers (see draw_as_recorded)
+    draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()),
+                torch.get_default_dtype())
+    with runner.float64(), Float64(draw if draw != torch.float64 else None), _watch_loss(runner, capture if phase == "loss" else None,
                                                  mb):
         try:
             run = runner.run(backward=phase == "backward", instrument=phase == "forward",

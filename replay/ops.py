@@ -27,7 +27,7 @@ from recorder.samples import Samples
 
 from .cause_text import GROUP_REDUCTIONS
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
-from .float64 import as_float64, upcast
+from .float64 import as_float64, draw_as_recorded, upcast
 from .memo import TensorSet
 from .positive import made_positive, positive_result
 from .saturation import Saturation
@@ -305,7 +305,12 @@ class Float64(TorchDispatchMode):
     """Every aten op computes in float64: floating (and complex) inputs are widened, ``dtype=``
     arguments (``x.half()``, ``x.float()``, ``sum(dtype=...)``) become float64, and factory ops
     use float64 as the default dtype. Model code that casts on its own (a layer run with
-    ``.half()``) then still runs in float64 instead of mixing dtypes and failing."""
+    ``.half()``) then still runs in float64 instead of mixing dtypes and failing. Random ops
+    draw in ``draw``, the step's own type, then widen (see ``draw_as_recorded``)."""
+
+    def __init__(self, draw: torch.dtype | None = None):
+        super().__init__()
+        self.draw = draw
 
     def __enter__(self):
         self._default = torch.get_default_dtype()
@@ -319,6 +324,8 @@ class Float64(TorchDispatchMode):
             torch.set_default_dtype(self._default)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.draw is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            return draw_as_recorded(func, args, kwargs, self.draw, writes_arguments(func))
         args, kwargs = as_float64(func, args, kwargs)
         if not writes_arguments(func):
             args, kwargs = upcast(args), upcast(kwargs)

@@ -158,3 +158,27 @@ def make_flow(**kw) -> nn.Module:
 
 def flow_nll(z, logdet):
     return -(-0.5 * (z ** 2 + math.log(2 * math.pi)).sum(1) + logdet).mean()
+
+
+K = 20  # flow matching's time grid: t in {0, 1/K, ..., 1}
+
+
+class XPredictionFlow(nn.Module):
+    """Rectified flow with the clean sample predicted: ``forward(x1)`` draws the noise and a
+    time on the grid, and returns the velocity ``(x1_hat - x_t) / (1 - t)`` (x/0 at t = 1)
+    beside its target ``x1 - x0``."""
+
+    def __init__(self):
+        super().__init__()
+        self.unet = TinyUNet()
+
+    def forward(self, x1):
+        x0 = torch.randn_like(x1)
+        t = torch.randint(0, K + 1, (x1.shape[0],)).float() / K
+        tt = t.view(-1, 1, 1, 1)
+        xt = (1 - tt) * x0 + tt * x1
+        return (self.unet(xt, t * 1000) - xt) / (1 - tt), x1 - x0
+
+
+def make_x_prediction_flow() -> nn.Module:
+    return XPredictionFlow()

@@ -181,3 +181,31 @@ def test_a_flow_initialised_under_the_recorder_replays_its_overflow(tmp_path):
         (True, "layers.3", "aten.mul", "overflow"), json.dumps(rep, indent=1)
     assert "bound a learned exponent (s.clamp(max=...), or scale * tanh(s)" in rep["hint"], \
         rep["hint"]
+
+
+def test_the_float64_rerun_draws_the_noise_and_times_the_step_drew(tmp_path):
+    """Flow matching draws its noise with ``randn_like``, then the times: at t = 1 the
+    velocity is x/0, a pole. The float64 re-run drew the noise in float64, which takes other
+    words from the generator, so the times after it were others: the denominator was finite
+    there, and the cause came out 'precision' (rounding across the domain edge)."""
+    torch.manual_seed(0)
+    model = D.make_x_prediction_flow()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x1 = torch.randn(32, 1, 8, 8)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info, \
+            FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                           factory="diffusion_models:make_x_prediction_flow"):
+        for _ in range(10):
+            before = torch.get_rng_state()  # (the event step's, at the end)
+            opt.zero_grad()
+            crit(*model(x1)).backward()
+            opt.step()
+    torch.set_rng_state(before)
+    torch.randn_like(x1)
+    at_one = (torch.randint(0, D.K + 1, (32,)) == D.K).nonzero().flatten().tolist()
+    assert at_one, "no time drawn at t = 1"
+    rep = report(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("", "aten.div", at_one, "invalid"), json.dumps(rep, indent=1)
