@@ -28,8 +28,9 @@ def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: i
     # the step's random draws in its own type: the same numbers (see draw_as_recorded)
     draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()),
                 torch.get_default_dtype())
-    with runner.float64(), Float64(draw if draw != torch.float64 else None), _watch_loss(runner, capture if phase == "loss" else None,
-                                                 mb):
+    draw = draw if draw != torch.float64 else None
+    with runner.float64(), Float64(draw), \
+            _watch_loss(runner, capture if phase == "loss" else None, mb):
         try:
             run = runner.run(backward=phase == "backward", instrument=phase == "forward",
                              hooks=window.hooks if window else None)
