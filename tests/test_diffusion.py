@@ -31,7 +31,8 @@ def report(bundle) -> dict:
     return json.loads(r.stdout)
 
 
-def train_diffusion(out_dir: Path, steps: int = 12, **kw) -> NonFiniteError:
+def train_diffusion(out_dir: Path, steps: int = 12, rewind: int | None = None,
+                    **kw) -> NonFiniteError:
     torch.manual_seed(0)
     model = D.make_diffusion(**kw)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
@@ -39,7 +40,7 @@ def train_diffusion(out_dir: Path, steps: int = 12, **kw) -> NonFiniteError:
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
     with pytest.raises(NonFiniteError) as info, \
             FlightRecorder(model, opt, out_dir=out_dir, factory="diffusion_models:make_diffusion",
-                           factory_kwargs=kw):
+                           factory_kwargs=kw, rewind=rewind):
         for _ in range(steps // len(loader)):
             for x0 in loader:
                 opt.zero_grad()
@@ -72,6 +73,22 @@ def test_noise_drawn_from_the_models_own_generator_is_drawn_again(tmp_path):
     o = rep["origin"]
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("", "aten.div", samples, "invalid"), json.dumps(rep, indent=1)
+
+
+def test_the_rewind_window_draws_each_step_from_the_models_generator(tmp_path):
+    """Each step of a rewind window's re-run starts from the generator state its step began
+    with: the event comes back at its step, and a lower learning rate does not remove it."""
+    step, _ = first_terminal_timesteps(9)
+    assert step >= 4  # (past the window's first copy)
+    err = train_diffusion(tmp_path, rewind=4, seed=9)
+    r = invoke_cli(err.bundle_path, "--json", "--try", "lr=0.1x")
+    rep = json.loads(r.stdout)
+    win = rep["window"]
+    assert win["reproduced"] is True, json.dumps(win, indent=1)
+    assert (win["first_non_finite"]["step"], win["first_non_finite"]["phase"]) == \
+        (step, "forward"), win
+    [t] = rep["what_if"]
+    assert (t["finite"], t["origin"]["step"]) == (False, step), t
 
 
 @torch.no_grad()
