@@ -9,6 +9,11 @@ import torch
 from .compat import takes_dtype, tree_map
 
 _HALF_TO_FLOAT = {"_softmax", "_log_softmax"}
+# ops that only draw random numbers (not seeded ops that compute, as SDPA with dropout does,
+# which must compute in float64): drawn in the step's own type, see draw_as_recorded
+DRAWS = frozenset({"randn", "rand", "randn_like", "rand_like", "normal", "normal_", "uniform_",
+                   "bernoulli", "bernoulli_", "exponential_", "cauchy_", "log_normal_",
+                   "geometric_"})
 # random factories whose values take the default dtype (randint's and randperm's do not)
 _FLOAT_FACTORIES = {"randn", "rand", "normal"}
 

@@ -27,7 +27,7 @@ from recorder.samples import Samples
 
 from .cause_text import GROUP_REDUCTIONS
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
-from .float64 import as_float64, draw_as_recorded, upcast
+from .float64 import DRAWS, as_float64, draw_as_recorded, upcast
 from .memo import TensorSet
 from .positive import made_positive, positive_result
 from .saturation import Saturation
@@ -324,7 +324,7 @@ class Float64(TorchDispatchMode):
             torch.set_default_dtype(self._default)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.draw is not None and torch.Tag.nondeterministic_seeded in func.tags:
+        if self.draw is not None and func.overloadpacket.__name__ in DRAWS:
             return draw_as_recorded(func, args, kwargs, self.draw, writes_arguments(func))
         args, kwargs = as_float64(func, args, kwargs)
         if not writes_arguments(func):
