@@ -229,11 +229,11 @@ def describe(fid: dict[str, Any]) -> str:
 
 
 BUILT_OTHERWISE = (
-    "the factory builds {attrs}, which the run had set before the recorder attached (a "
-    "data-dependent initialisation pass, as Glow's ActNorm runs on a first batch; a flag set "
-    "after building the model), so the re-run's forward took another path; attach the "
-    "recorder before setting them (it then bundles them and the replay sets them), or have "
-    "the factory build them so (factory_kwargs, --factory-kwargs)")
+    "the factory builds a different model than the one recorded: it builds {attrs}, which the "
+    "run had when the recorder attached, so the re-run's forward took another path. Built with "
+    "other arguments: pass them (factory_kwargs, --factory-kwargs '{{...}}'); set after building "
+    "(a data-dependent initialisation pass, as Glow's ActNorm runs on a first batch): attach the "
+    "recorder before setting them (it then bundles them and the replay sets them)")
 
 EDITED = (" from what the last optimizer.step() left: written outside it during the "
           "step, after the forward read them (an in-place clamp_ or fill_ under no_grad between "

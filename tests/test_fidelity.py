@@ -94,6 +94,7 @@ def test_a_factory_building_another_model_is_caught_and_factory_kwargs_fix_it(tm
     [line] = [s for s in text.stdout.splitlines() if s.startswith("  fidelity")]
     assert line.startswith("  fidelity   'scale' (call 0, micro-batch 0) gave [")
     assert "the factory builds a different model than the one recorded" in line
+    assert "it builds scale.value = 1.0 (the run had 0.5)" in line
     assert "factory_kwargs" in line and "--factory-kwargs" in line
     # the setting handed back on the command line: the same model, the op named
     fixed = nanreplay(bundle, "--json", "--factory-kwargs", '{"scale": 0.5}')
