@@ -21,19 +21,11 @@ _SHOWN = 6  # restored attributes named in the note
 def restore_attributes(meta: dict[str, Any], model: nn.Module) -> list[str]:
     """Set the recorded plain attributes that differ on ``model``; one line per attribute
     (``name.attr = recorded (the factory built value)``)."""
-    modules = dict(model.named_modules())
     restored = []
-    for info in meta.get("modules") or ():
-        attrs, m = info.get("attrs"), modules.get(info.get("name"))
-        if not isinstance(attrs, dict) or m is None:
-            continue
-        for k, v in attrs.items():
-            built = vars(m).get(k)
-            if type(v) in PLAIN and type(built) is type(v) and built != v \
-                    and k != "training":  # (the modes are set from the modules' own entries)
-                setattr(m, k, v)
-                restored.append(f"{info['name'] or '<root>'}.{k} = {v!r} (the factory built "
-                                f"{built!r})")
+    for name, m, k, v, built in _differing(meta, model, "attrs"):
+        if k != "training":  # (the modes are set from the modules' own entries)
+            setattr(m, k, v)
+            restored.append(f"{name}.{k} = {v!r} (the factory built {built!r})")
     return restored
 
 
@@ -42,18 +34,26 @@ def built_otherwise(meta: dict[str, Any], model: nn.Module) -> list[str]:
     recorder attached (set before it: a data-dependent initialisation pass's ``initialized``
     flag), which are not set again (the factory's difference, for the fidelity check to
     explain): ``name.attr = built (the run had value)``. Read before any re-run."""
+    later = {info.get("name"): info.get("attrs") for info in meta.get("modules") or ()
+             if isinstance(info.get("attrs"), dict)}
+    return [f"{name}.{k} = {built!r} (the run had {v!r})"
+            for name, _, k, v, built in _differing(meta, model, "attrs_at_attach")
+            if k not in later.get("" if name == "<root>" else name, {})]
+
+
+def _differing(meta: dict[str, Any], model: nn.Module, key: str):
+    """``(name, module, attr, recorded, built)`` for each recorded plain attribute (under
+    ``key`` of the bundle's module entries) that ``model``'s module has, of the same type, with
+    another value. A bundle never adds an attribute nor changes a type."""
     modules = dict(model.named_modules())
-    out = []
     for info in meta.get("modules") or ():
-        at, m = info.get("attrs_at_attach"), modules.get(info.get("name"))
-        if not isinstance(at, dict) or m is None:
+        attrs, m = info.get(key), modules.get(info.get("name"))
+        if not isinstance(attrs, dict) or m is None:
             continue
-        later = info.get("attrs") if isinstance(info.get("attrs"), dict) else {}
-        for k, v in at.items():
+        for k, v in attrs.items():
             built = vars(m).get(k)
-            if k not in later and type(v) in PLAIN and type(built) is type(v) and built != v:
-                out.append(f"{info['name'] or '<root>'}.{k} = {built!r} (the run had {v!r})")
-    return out
+            if type(v) in PLAIN and type(built) is type(v) and built != v:
+                yield info["name"] or "<root>", m, k, v, built
 
 
 def restored_note(restored: list[str]) -> str:
