@@ -35,6 +35,12 @@ set_hypothesis_home_dir(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".ca
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.load_profile("ci" if CI else "default")
 
+# Every Python a test starts (the CLI in a fresh interpreter, torchrun's workers, a user's
+# script) imports this checkout's packages, not the checkout an editable install points at
+# (a git worktree's suite would otherwise test another tree's replay).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(Path(__file__).resolve().parent.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+
 # The models are tiny: one intra-op thread is faster than two fighting over a busy machine.
 torch.set_num_threads(1)
 
