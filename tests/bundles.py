@@ -234,6 +234,21 @@ def invoke_cli(*args):
     return result
 
 
+def replay_report(bundle, *args: str) -> tuple[dict, int]:
+    """``nanreplay BUNDLE --json ARGS`` in this process: the report and the exit code (0: the
+    event reproduced, 1: not); nothing on stderr, no raw exception."""
+    r = invoke_cli(bundle, "--json", *args)
+    assert r.stderr == "" and r.exit_code in (0, 1), (r.exit_code, r.stderr)
+    return json.loads(r.stdout), r.exit_code
+
+
+def nanreplay_json(bundle, *args: str, code: int | None = 0) -> dict:
+    """The ``--json`` report of a replay that exits with ``code`` (None: either)."""
+    rep, got = replay_report(bundle, *args)
+    assert code is None or got == code, (got, rep.get("cause"), rep.get("reproduced"))
+    return rep
+
+
 def one_error_line(result) -> str:
     """The single ``nanreplay: ...`` line of a failed run (exit 2, nothing on stdout)."""
     assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)

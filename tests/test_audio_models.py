@@ -9,6 +9,7 @@ from pathlib import Path
 import audio_models as A
 import pytest
 import torch
+from bundles import nanreplay_json
 from click.testing import CliRunner
 from torch import nn
 
@@ -39,12 +40,6 @@ def train_ctc(out_dir: Path, steps: int = 4) -> NonFiniteError:
                 ctc(log_probs.transpose(0, 1), targets, out_lens, target_lens).backward()
                 opt.step()
     return info.value
-
-
-def nanreplay_json(bundle: Path, *args: str) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json", *args])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def test_an_empty_clip_is_named_by_the_division_not_by_the_batchnorm_after_it(tmp_path):

@@ -16,11 +16,10 @@ import cause_models as C
 import pytest
 import replay_models as R
 import torch
-from click.testing import CliRunner
+from bundles import nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
-from replay.cli import main as cli
 
 HERE = Path(__file__).parent
 K = 3
@@ -48,12 +47,6 @@ def train(module, factory: str, batches, out_dir: Path, steps: int = 6) -> NonFi
                 opt.step()
     assert info.value.event["phase"] == "backward", info.value.event
     return info.value
-
-
-def nanreplay_json(bundle: Path) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json"])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def check(rep: dict, **expected) -> None:

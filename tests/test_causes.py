@@ -20,6 +20,7 @@ import cause_models as C
 import pytest
 import replay_models as R
 import torch
+from bundles import nanreplay_json
 from click.testing import CliRunner
 from torch import nn
 
@@ -69,12 +70,6 @@ def with_row(values, step: int = K, row: int = ROW):
         return (x,), y
 
     return make
-
-
-def nanreplay_json(bundle: Path) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json"])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def check(rep: dict, err: NonFiniteError, *, phase, module, op, samples, cause, made=None):

@@ -10,11 +10,10 @@ import generative_models as G
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
+from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
-from replay.cli import main as cli
 
 HERE = Path(__file__).parent
 
@@ -46,12 +45,6 @@ def train_vqvae(out_dir: Path, steps: int = 4, at=None, rewind: int | None = Non
                 (F.mse_loss(out, x) + 0.25 * commit).backward()
                 opt.step()
     return info.value, found
-
-
-def nanreplay_json(bundle: Path) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json"])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def test_a_codebook_written_through_data_is_bundled_as_the_step_found_it(tmp_path):

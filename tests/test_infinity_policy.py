@@ -19,6 +19,7 @@ from pathlib import Path
 import infinity_models as I
 import pytest
 import torch
+from bundles import nanreplay_json
 from click.testing import CliRunner
 from models import bundles, check_event
 from test_recorder_sync import FLIGHT, count_host_reads
@@ -36,12 +37,6 @@ K = 3
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # the factories' module imports from here, as a project root
-
-
-def nanreplay_json(bundle: Path) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json"])
-    assert res.exception is None or isinstance(res.exception, SystemExit), res.output
-    return json.loads(res.output)
 
 
 def _lm_loop(model, rec_kwargs, out_dir, steps=4, pad=False):

@@ -11,13 +11,12 @@ warning for a submodule that ran on its own, the summary's parameter list.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from bundles import invoke_cli
+from bundles import replay_report
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -35,12 +34,6 @@ pytestmark = [
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)
-
-
-def nanreplay_json(bundle: Path) -> tuple[dict, int]:
-    r = invoke_cli(bundle, "--json")
-    assert r.stderr == "", r.stderr
-    return json.loads(r.stdout), r.exit_code
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +88,7 @@ def test_hf_compute_loss_override_over_a_padding_batch(tmp_path):
     err = _hf_train(tmp_path, UL.ShiftedTokenCE())
     ev = err.event
     assert (ev["step"], ev["phase"]) == (K, "backward")  # the callback sees no loss
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["detail"]) == ("loss", "<loss>", None, ENTERED)
     assert o["samples"] == list(range(batch))
@@ -117,7 +110,7 @@ def test_hf_compute_loss_through_the_callbacks_loss_fn_is_replayed(tmp_path):
     crit = UL.ShiftedTokenCE()
     err = _hf_train(tmp_path, crit, loss_fn=crit)
     assert (err.event["step"], err.event["phase"], err.event["module"]) == (K, "loss", "<loss>")
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
         "loss", "<loss>", "aten.div", "nan", [])
@@ -168,7 +161,7 @@ def test_lightning_inline_mse_over_a_missing_target(tmp_path):
         _fit(LL.InlineMSE(), cb, LL.Targets(missing={K * 8 + 6}))
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"]) == (K, "loss", "<loss>")
-    rep, code = nanreplay_json(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["detail"], o["samples"]) == (
         "loss", "<loss>", None, ENTERED, [6])

@@ -4,18 +4,16 @@ and asserts the step, phase, module, op, samples, cause and that the hint names 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numerics_models as M
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
+from bundles import nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
-from replay.cli import main as cli
 
 HERE = Path(__file__).parent
 K = 3  # the step at which every planted bug fires
@@ -41,12 +39,6 @@ def train(factory: str, make, out_dir: Path, loss_fn, steps: int = 6) -> NonFini
                 opt.step()
     assert info.value.event["step"] == K
     return info.value
-
-
-def nanreplay_json(bundle: Path) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json"])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def origin_of(rep: dict) -> tuple:

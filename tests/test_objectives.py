@@ -11,10 +11,9 @@ from pathlib import Path
 import objective_models as O
 import pytest
 import torch
-from click.testing import CliRunner
+from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
-from replay.cli import main as cli
 
 HERE = Path(__file__).parent
 
@@ -22,12 +21,6 @@ HERE = Path(__file__).parent
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # where objective_models.py, the factories' module, lives
-
-
-def nanreplay_json(bundle: Path, *extra: str) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json", *extra])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def table(step: int, n: int = 16, d: int = 6):

@@ -9,7 +9,7 @@ from pathlib import Path
 import loop_models as LM
 import pytest
 import torch
-from bundles import invoke_cli
+from bundles import invoke_cli, nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -21,12 +21,6 @@ HERE = Path(__file__).parent
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)
-
-
-def nanreplay_json(bundle: Path, *args: str) -> dict:
-    r = invoke_cli(bundle, "--json", *args)
-    assert r.stderr == "" and r.exit_code == 0, (r.exit_code, r.stderr)
-    return json.loads(r.stdout)
 
 
 @pytest.mark.parametrize("unfreeze", ["requires_grad", "add_param_group"])

@@ -14,11 +14,10 @@ import pytest
 import ssl_models as S
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
+from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
-from replay.cli import main as cli
 from replay.load import build, read_step
 from replay.rerun import Runner
 
@@ -28,12 +27,6 @@ HERE = Path(__file__).parent
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # where ssl_models.py, the factories' module, lives
-
-
-def nanreplay_json(bundle: Path, *extra: str) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json", *extra])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def views(step: int, n: int = 8):

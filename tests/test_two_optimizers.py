@@ -8,13 +8,12 @@ the bundle is written: the bundle says so and the replay does not blame the fact
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import sparse_models as SM
 import torch
-from bundles import invoke_cli
+from bundles import invoke_cli, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
@@ -51,13 +50,6 @@ def train(out_dir: Path, *, sparse_first: bool) -> NonFiniteError:
     return info.value
 
 
-def nanreplay_json(bundle: Path, code: int) -> dict:
-    """The --json report; ``code``: the exit code expected (1: not reproduced)."""
-    r = invoke_cli(bundle, "--json")
-    assert r.stderr == "" and r.exit_code == code, (r.exit_code, r.stderr)
-    return json.loads(r.stdout)
-
-
 def test_recorded_optimizer_stepped_first(tmp_path):
     """The sparse gradient is checked (its values) and the bundle is written, that gradient
     stored dense, non-finite in exactly the rows of user 4's items; the replay re-runs the
@@ -72,7 +64,7 @@ def test_recorded_optimizer_stepped_first(tmp_path):
     user4 = set(SM.batch(K)[0][4 * SM.BAG: 5 * SM.BAG].tolist())
     assert set(bad_rows(grad)) == user4
     assert "changed_in_step" not in meta
-    rep = nanreplay_json(err.bundle_path, 0)
+    rep = nanreplay_json(err.bundle_path, code=0)
     assert (rep["origin"]["phase"], rep["origin"]["samples"], rep["reproduced"]) == (
         "loss", [4], True)
     assert rep["fidelity"]["matches"] is True
@@ -91,7 +83,7 @@ def test_another_optimizer_stepped_first_is_named_not_the_weights(tmp_path):
     meta, tensors = read_bundle(err.bundle_path)
     assert meta["changed_in_step"] == ["items.weight"]
     assert not bool(torch.isfinite(tensors["weights/items.weight"]).all())
-    rep = nanreplay_json(err.bundle_path, 1)
+    rep = nanreplay_json(err.bundle_path, code=1)
     assert (rep["origin"]["phase"], rep["reproduced"], rep["cause"]) == ("backward", False, None)
     assert rep["hint"].startswith("the step cannot be re-run as it ran, since the bundle holds "
                                   "weights written after its forward")

@@ -9,14 +9,13 @@ phase, step, module, op, samples, cause, notes, reproduced. Source lines are fou
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import user_losses as UL
-from bundles import invoke_cli
+from bundles import invoke_cli, replay_report
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
@@ -50,12 +49,6 @@ def train(out_dir: Path, step_loss, *, loss_fn=None, spoil=None, steps: int = 6)
     err = info.value
     assert err.bundle_path is not None and err.event["step"] == K, err
     return err
-
-
-def nanreplay_json(bundle: Path) -> tuple[dict, int]:
-    r = invoke_cli(bundle, "--json")
-    assert r.stderr == "", r.stderr
-    return json.loads(r.stdout), r.exit_code
 
 
 def bug_line(marker: str) -> str:
@@ -96,7 +89,7 @@ def test_ctc_subclass_taking_a_target_tuple(tmp_path):
     meta, _ = read_bundle(err.bundle_path)
     assert meta["loss"]["tree"]["import"] == "user_losses:TupleCTC"
     assert meta["loss"]["tree"]["config"]["blank"] == 0
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert rep["event"]["step"] == K
     assert origin(rep, "phase", "module", "op", "made", "samples") == (
         "loss", "<loss>", "aten._ctc_loss", "+inf", [4])
@@ -124,7 +117,7 @@ def test_focal_loss_whose_constructor_needs_arguments(tmp_path):
 
     err = train(tmp_path, step_loss, loss_fn=crit, spoil=spoil)
     assert err.event["phase"] == "backward"
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "op") == ("backward", "<loss>", "PowBackward0")
     assert rep["origin"]["source"] == bug_line("focal")
     assert "enc.weight" in rep["origin"]["params"]
@@ -149,7 +142,7 @@ def test_cross_entropy_wrapper_over_an_all_padding_batch(tmp_path):
     assert (child["import"], child["config"]["ignore_index"]) == (
         "torch.nn.modules.loss:CrossEntropyLoss", UL.PAD)
     assert torch.equal(tensors[child["buffers"]["weight"]], torch.linspace(1.0, 2.0, UL.C))
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "op", "made") == (
         "loss", "<loss>", "aten.nll_loss_forward", "nan")
     assert rep["origin"]["source"] == bug_line("flat")
@@ -173,7 +166,7 @@ def test_plain_function_loss_names_the_op_and_the_rows(tmp_path, name, bug):
                 loss_fn=getattr(UL, name), spoil=spoil)
     meta, _ = read_bundle(err.bundle_path)
     assert meta["loss"]["import"] == f"user_losses:{name}"
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "op", "made", "samples") == (
         "loss", "<loss>", "aten.div", "nan", [5])
     assert rep["origin"]["source"] == bug_line(bug)
@@ -199,7 +192,7 @@ def test_a_lambda_loss_gets_one_true_note(tmp_path):
     err = train(tmp_path, lambda rec, out, y, step: rec.loss_fn(out, y), loss_fn=crit,
                 spoil=spoil)
     assert err.event["phase"] == "loss"
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     lines = Path(__file__).read_text().splitlines()
     at = next(i + 1 for i, t in enumerate(lines) if "(the lambda loss)" in t)
     [note] = rep["problems"]
@@ -233,7 +226,7 @@ def test_a_closure_loss_with_finite_gradients_gets_one_true_note(tmp_path):
 
     err = train(tmp_path, lambda rec, out, y, step: rec.loss_fn(out, y),
                 loss_fn=make_loss(UL.PAD), spoil=spoil)
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     lines = Path(__file__).read_text().splitlines()
     at = next(i + 1 for i, t in enumerate(lines) if "(the closure loss)" in t)
     [note] = rep["problems"]
@@ -272,7 +265,7 @@ def test_one_loss_over_two_forwards_names_the_loss_op_and_re_runs_both_views(tmp
     meta, _ = read_bundle(err.bundle_path)
     assert meta["micro_batches"][1]["loss_inputs"]["$list"][0]["$list"] == [
         {"$out": 0, "mb": 0}, {"$out": 0}]
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "op", "micro_batch") == (
         "loss", "<loss>", "aten.div", 1)
     assert rep["origin"]["source"].startswith(bug_line("temperature")), rep["origin"]
@@ -302,7 +295,7 @@ def test_triplet_loss_over_chunks_of_one_forward(tmp_path):
                 opt.step()
     err = info.value
     assert (err.event["step"], err.event["phase"]) == (K, "backward")
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "op") == ("backward", "<loss>", "SqrtBackward0")
     assert rep["origin"]["source"] == bug_line("triplet")
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
@@ -333,7 +326,7 @@ def test_masked_mean_outside_the_model_is_named_as_the_loss(tmp_path, hand_over)
     err = train(tmp_path, lambda rec, out, y, step: masked_mean_loop(rec, out, y, step,
                                                                      hand_over=hand_over))
     assert err.event["phase"] == ("loss" if hand_over else "backward")
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert rep["event"]["step"] == K
     assert origin(rep, "phase", "module", "op", "made", "samples") == (
         "loss", "<loss>", None, "nan", list(range(UL.B)))
@@ -372,7 +365,7 @@ def test_loss_terms_outside_loss_fn(tmp_path):
 
     err = train(tmp_path, step_loss, loss_fn=crit)
     assert err.event["phase"] == "backward"
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "samples") == ("loss", "<loss>", list(range(UL.B)))
     assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
     [note] = rep["problems"]
@@ -397,7 +390,7 @@ def test_not_reproduced_never_suggests_hardware_when_reruns_agree(tmp_path):
                 opt.zero_grad()
                 crit(model(x), y).backward()
                 opt.step()
-    rep, code = nanreplay_json(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     assert (rep["reproduced"], rep["cause"], code) == (False, "not_reproduced", 1)
     assert "agree with each other" in rep["hint"]
     assert "device" not in rep["hint"] and "hardware" not in rep["hint"]
@@ -425,7 +418,7 @@ def test_a_bundle_without_the_loss_description_is_still_replayed(tmp_path):
     meta["recorder"].pop("integration")
     (tmp_path / "old").mkdir()
     old = write_bundle(tmp_path / "old", "old", meta, tensors)
-    rep, code = nanreplay_json(old)
+    rep, code = replay_report(old)
     assert origin(rep, "phase", "module", "op", "made") == (
         "loss", "<loss>", "aten.nll_loss_forward", "nan")
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
@@ -459,7 +452,7 @@ def test_loss_code_is_imported_only_under_the_trust_rule(tmp_path, monkeypatch):
                 loss_fn=crit, spoil=spoil)
     monkeypatch.delitem(sys.modules, "far_losses")
     marker.unlink()
-    rep, code_ = nanreplay_json(err.bundle_path)
+    rep, code_ = replay_report(err.bundle_path)
     assert not marker.exists() and "far_losses" not in sys.modules
     [note] = rep["problems"]
     assert note.startswith("the loss class far_losses.FarCE is in 'far_losses', which is neither "
@@ -473,7 +466,7 @@ def test_loss_code_is_imported_only_under_the_trust_rule(tmp_path, monkeypatch):
                     "import": "user_losses:torch.os.system"}
     (tmp_path / "forged").mkdir()
     forged = write_bundle(tmp_path / "forged", "forged", meta, tensors)
-    rep, _ = nanreplay_json(forged)
+    rep, _ = replay_report(forged)
     [note] = rep["problems"]
     assert note.startswith("the recorded path user_losses:torch.os.system of the loss "
                            "function user_losses.torch.os.system leads to posix.system, defined "
@@ -505,7 +498,7 @@ def test_an_outside_loss_does_not_hide_the_models_own_backward_bug(tmp_path):
                 ((tok * mask).sum() / mask.sum()).backward()
                 opt.step()
     assert info.value.event["phase"] == "backward"
-    rep, code = nanreplay_json(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     assert origin(rep, "phase", "module", "op") == ("backward", "feat", "SqrtBackward0")
     lines, start = inspect.getsourcelines(R.WithLength)
     line = start + next(i for i, t in enumerate(lines) if "torch.sqrt" in t)
@@ -531,7 +524,7 @@ def test_a_partial_of_a_torch_loss_is_rebuilt_with_its_arguments(tmp_path):
     meta, _ = read_bundle(err.bundle_path)
     assert (meta["loss"]["import"], meta["loss"]["partial"]) == (
         "torch.nn.functional:cross_entropy", {"args": [], "keywords": {"ignore_index": UL.PAD}})
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "op", "made") == (
         "loss", "<loss>", "aten.nll_loss_forward", "nan")
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
@@ -562,7 +555,7 @@ def test_a_loss_holding_an_object_the_bundle_cannot_store_is_said_not_rebuilt(tm
     err = train(tmp_path, lambda rec, out, y, step: crit(out, y), loss_fn=crit, spoil=spoil)
     meta, _ = read_bundle(err.bundle_path)
     assert meta["loss"]["tree"]["unrecorded"] == ["vocab (_Vocab)"]
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert rep["problems"] == [
         "the loss test_user_losses.VocabCE holds attribute(s) the bundle cannot store (vocab "
         "(_Vocab): not JSON values, tensors, modules or importable functions), so it was not "
@@ -592,7 +585,7 @@ def test_an_inline_loss_of_a_later_micro_batch_is_named_with_it(tmp_path):
                 opt.step()
     err = info.value
     assert (err.event["step"], err.event["phase"]) == (K, "backward")
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "micro_batch", "made", "samples") == (
         "loss", "<loss>", 1, "nan", list(range(UL.B)))
     assert (rep["reproduced"], rep["cause"], code) == (True, None, 0)
@@ -637,7 +630,7 @@ def test_an_unseen_loss_whose_gradient_a_relu_drops_is_still_an_event(tmp_path):
     assert (err.event["params"], err.event["samples"]) == ([], [1, 4])
     assert err.event["tensor"] == "grad of the model output"
     assert "Tensor grad of the model output, samples [1, 4]" in str(err)
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "made", "samples", "params") == (
         "loss", "<loss>", "-inf", [1, 4], [])
     assert rep["origin"]["positions"] == {"non_finite": 2, "of": UL.B}
@@ -657,7 +650,7 @@ def test_a_loss_fn_given_but_called_directly_is_not_said_to_have_re_run_finite(t
     loss_fn was not called and how to call it."""
     err = train_rater(tmp_path, hand_over=False, given=True)
     assert (err.event["step"], err.event["phase"]) == (K, "backward")
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "samples") == ("loss", "<loss>", [1, 4])
     assert not any("re-ran is finite" in p for p in rep["problems"]), rep["problems"]
     assert any("user_losses.log_rating_loss) was not called in this step" in p
@@ -670,7 +663,7 @@ def test_the_same_loss_given_as_loss_fn_names_the_log(tmp_path):
     event), and the replay re-runs it: aten.log on rows 1 and 4, a pole (invalid)."""
     err = train_rater(tmp_path, hand_over=True)
     assert (err.event["step"], err.event["phase"]) == (K, "loss")
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "op", "samples", "source") == (
         "loss", "<loss>", "aten.log", [1, 4], bug_line("log0"))
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
@@ -697,7 +690,7 @@ def test_a_loss_that_sums_in_an_allowed_minus_inf_names_the_reduction_and_the_ro
                 opt.step()
     err = info.value
     assert (err.event["step"], err.event["phase"]) == (K, "loss")
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "phase", "module", "op", "made", "samples", "source") == (
         "loss", "<loss>", "aten.sum", "+inf", [2], bug_line("smooth"))
     assert (rep["reproduced"], rep["cause"], code) == (True, "invalid", 0)
@@ -727,7 +720,7 @@ def test_a_mask_reaching_the_output_gets_the_mask_hint_not_the_domain_advice(tmp
                 opt.step()
     err = info.value
     assert (err.event["step"], err.event["phase"], err.event["module"]) == (K, "forward", "")
-    rep, code = nanreplay_json(err.bundle_path)
+    rep, code = replay_report(err.bundle_path)
     assert origin(rep, "op", "made", "samples") == ("aten.masked_fill", "-inf", [2])
     assert rep["cause"] == "invalid" and "filled a literal -Inf on purpose" in rep["hint"]
     assert "allow_inf" in rep["hint"] and "clamp before log" not in rep["hint"], rep["hint"]
@@ -753,7 +746,7 @@ def test_a_loss_fn_called_directly_is_named_when_the_model_backward_overflows_to
                 UL.quartic_loss(model(x), x.sum(1) * 0).backward()
                 opt.step()
     assert (info.value.event["step"], info.value.event["phase"]) == (K, "backward")
-    rep, code = nanreplay_json(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     assert rep["origin"]["phase"] == "backward", rep["origin"]
     assert notes_about(rep, "the gradient entering the model's output was non-finite too")
     assert notes_about(rep, "user_losses.quartic_loss) was not called in this step"), \

@@ -3,13 +3,12 @@ on channels-last permutes, stochastic depth), recorded and replayed."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import vision_models as VM
-from bundles import invoke_cli
+from bundles import nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -20,12 +19,6 @@ HERE = Path(__file__).parent
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)
-
-
-def nanreplay_json(bundle, *args: str) -> dict:
-    r = invoke_cli(bundle, "--json", *args)
-    assert r.exit_code in (0, 1) and r.stderr == "", (r.exit_code, r.stderr)
-    return json.loads(r.stdout)
 
 
 def _train(out_dir, factory: str, steps: int = 6, spike: tuple[int, float] | None = None,

@@ -16,13 +16,13 @@ Bundles are replayed with ``nanreplay BUNDLE --json``.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import infinity_models as I
 import pytest
 import torch
+from bundles import nanreplay_json
 from click.testing import CliRunner
 from models import check_event
 from test_recorder_sync import FLIGHT, count_host_reads
@@ -39,12 +39,6 @@ K = 3
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)
-
-
-def nanreplay_json(bundle: Path) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json"])
-    assert res.exception is None or isinstance(res.exception, SystemExit), res.output
-    return json.loads(res.output)
 
 
 def dead_feature_batch(step: int):
@@ -97,7 +91,7 @@ def test_update_turning_finite_gradients_into_nan_weights_is_the_optimizer(out_d
     meta, t = read_bundle(err.bundle_path)
     assert meta["state"] == "after_update"
     assert torch.isfinite(t["ring/grad_norms"][0]).all()  # step 0's gradients were finite
-    rep = nanreplay_json(err.bundle_path)
+    rep = nanreplay_json(err.bundle_path, code=1)
     assert rep["cause"] == "optimizer" and rep["event"]["step"] == 0
     assert (rep["origin"]["phase"], rep["origin"]["params"]) == ("optimizer", ["weight"])
 
@@ -115,7 +109,7 @@ def test_an_update_event_stays_the_optimizer_when_the_next_batch_is_non_finite_t
     err, _, ran = _train("make_linear", make, out_dir, opt_fn=adam_eps0)
     check_event(err.event, step=0, phase="optimizer", params=["weight"], kind="nan",
                 after_update=True)
-    rep = nanreplay_json(err.bundle_path)
+    rep = nanreplay_json(err.bundle_path, code=1)
     assert (rep["cause"], rep["origin"]["phase"], rep["origin"]["params"]) == \
         ("optimizer", "optimizer", ["weight"]), rep["origin"]
 
@@ -137,7 +131,7 @@ def test_embedding_rows_written_nan_long_before_they_are_read(out_dir):
     assert ran == [0, 1]  # not at step 5, when row 12 is first read
     w = model.emb.weight.detach()
     assert torch.isnan(w[8:]).all() and torch.isfinite(w[:8]).all()
-    rep = nanreplay_json(err.bundle_path)
+    rep = nanreplay_json(err.bundle_path, code=1)
     assert rep["cause"] == "optimizer" and rep["event"]["step"] == 0
     assert rep["origin"]["params"] == ["emb.weight"]
 
