@@ -47,10 +47,11 @@ from recorder.finite import label
 
 from . import domains, saturation
 from .cause_text import DO, GROUP_REDUCTIONS, HINTS, INF_ARITH, inf_arith, no_float64
+from .dispatch import OpAt
 from .domains import g as _g
 from .float64_step import float64_still
 from .load import autocast_dtype
-from .ops import Evidence, OpAt, OpHit
+from .ops import Evidence, OpHit
 from .rerun import Runner
 
 __all__ = ["Cause", "classify"]

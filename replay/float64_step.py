@@ -16,8 +16,8 @@ import torch
 
 from recorder.finite import finite
 
+from .dispatch import Float64, OpAt
 from .errors import StopRun
-from .ops import Float64, OpAt
 from .rerun import Runner
 
 

@@ -6,12 +6,13 @@ and, after, for its output. Two offenders are kept:
 
 - the first op with all-finite inputs and a non-finite output (``first``), unless the
   infinity is intentional: a literal +-inf argument (``masked_fill(mask, -inf)``, ``full``) or
-  an op inside a module allowed to hold infinities; those are remembered as the chain's start;
+  an op inside a module allowed to hold infinities; those are remembered as the chain's start.
+  A pointwise op given non-finite values (a -inf mask) counts too where it made non-finite
+  values of finite ones (the masked scores divided by a temperature of 0: ``replay.fresh``);
 - the first op with NaN-free inputs and a NaN output (``first_nan``): the op that turned
   infinities, intentional or not, into NaN (``inf - inf``, ``0 * inf``, softmax of a -inf row).
 
-:class:`OpAt` keeps one call's values again (the float64 re-run's view of the blamed op) and
-:class:`Float64` makes every op compute in float64.
+The float64 re-run's own modes are in :mod:`replay.dispatch`.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from recorder.samples import Samples
 
 from .cause_text import GROUP_REDUCTIONS
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
-from .float64 import DRAWS, as_float64, draw_as_recorded, upcast
+from .dispatch import clone_args, float_leaves, run_op
+from .float64 import as_float64, upcast
+from .fresh import fresh_positions, inputs_there, made_there
 from .memo import TensorSet
 from .positive import made_positive, positive_result
 from .saturation import Saturation
-from .source import OP_ERROR, user_source
+from .source import user_source
 
+_POINTWISE = torch.Tag.pointwise
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
 
@@ -91,17 +95,6 @@ def _num(x: float | None):
     return x if math.isfinite(x) else repr(x)
 
 
-def _op(func, args, kwargs):
-    """``func(*args, **kwargs)`` inside a dispatch mode. What it raises is the model's op failing
-    (``multinomial`` on NaN probabilities), marked so a re-run does not take it for the
-    replay's own error (see ``source.raised_by_model``)."""
-    try:
-        return func(*args, **kwargs)
-    except Exception as e:
-        setattr(e, OP_ERROR, True)
-        raise
-
-
 # Ops whose later outputs are workspaces for backward, partly uninitialised (CTC's log_alpha
 # beyond a row's input length): only the first outputs are results.
 _RESULTS = {"_ctc_loss": 1, "_cudnn_ctc_loss": 1}
@@ -113,21 +106,19 @@ class _Watch(TorchDispatchMode):
         self.finder = finder
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        f = self.finder
+        kwargs, f = kwargs or {}, self.finder
         if f.first is not None and f.first_nan is not None:
-            return _op(func, args, kwargs)
+            return run_op(func, args, kwargs)
         name = func.overloadpacket.__name__
         occurrence = f.counts.get(name, 0)
         f.counts[name] = occurrence + 1
         leaves = tree_leaves((args, kwargs))
-        ins = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()
-               and t.numel() and not t.is_meta]
+        ins = float_leaves(leaves)
         pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
         # an op writing into its arguments: keep what it was given, for the evidence
-        before = _clone_args(args, kwargs) if in_finite and f.first is None \
-            and writes_arguments(func) else None
-        out = _op(func, args, kwargs)
+        before = clone_args(args, kwargs) if f.first is None and writes_arguments(func) \
+            and (in_finite or _POINTWISE in func.tags) else None
+        out = run_op(func, args, kwargs)
         if name in _UNINITIALISED:
             return out
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
@@ -164,6 +155,8 @@ class _Watch(TorchDispatchMode):
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
+        elif f.first is None and not intentional:  # beside non-finite values it was given
+            f.first = _made_beside(func, op, before or (args, kwargs), outs, occurrence, f)
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
                 and _folds(name, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
@@ -223,18 +216,6 @@ def _input_ends(ins: list[torch.Tensor]):
     return pairs, min(a for a, _ in pairs), max(b for _, b in pairs), in_finite, in_nan_free
 
 
-def _clone_args(args, kwargs):
-    def clone(v):
-        return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-    return tree_map(clone, (args, kwargs))
-
-
-def _floats(tree) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
-            and t.is_floating_point() and t.numel() and not t.is_meta]
-
-
 def _at(t: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """``t``'s float64 values where ``bad`` is set, when ``t`` broadcasts to its shape; else
     every value of ``t``."""
@@ -245,11 +226,36 @@ def _at(t: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, bool]:
         return t.flatten().double(), False
 
 
-def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder) -> Evidence:
+def _made_beside(func, op: str, given, outs: list[torch.Tensor], occurrence: int,
+                 f: OpFinder) -> OpHit | None:
+    """The hit of a pointwise op that made non-finite values from finite ones where other
+    inputs it took were non-finite already (see :mod:`replay.fresh`), or None."""
+    ins = float_leaves(given)
+    made = fresh_positions(func, ins, outs[0])
+    if made is None:
+        return None
+    lo, hi = inputs_there(ins, made, outs[0].shape)
+    marked = torch.zeros(outs[0].shape).masked_fill_(made.cpu(), math.nan)  # (its rows)
+    hit = OpHit(op, made_there(outs[0], made), user_source(), lo, hi, False, occurrence, True,
+                rows=f.batch_rows([marked]), within=f.where, node=running_node())
+    try:
+        hit.evidence = _evidence(func, given, outs, f, bad=made)
+    except Exception:  # (as for an op of finite inputs: named without it)
+        hit.evidence = None
+    return hit
+
+
+def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
+              bad: torch.Tensor | None = None) -> Evidence:
+    """What the cause needs of the op's values where its first non-finite output is
+    non-finite (or at ``bad``, over its first output: the values it made itself)."""
     args, kwargs = given
-    k = next(i for i, t in enumerate(outs) if not bool(torch.isfinite(t).all()))
-    bad = ~torch.isfinite(outs[k].detach())
-    ins = _floats((args, kwargs))
+    if bad is None:
+        k = next(i for i, t in enumerate(outs) if not bool(torch.isfinite(t).all()))
+        bad = ~torch.isfinite(outs[k].detach())
+    else:
+        k = 0
+    ins = float_leaves((args, kwargs))
     taken = [_at(t, bad) for t in ins]
     local = None
     if torch.Tag.nondeterministic_seeded not in func.tags:  # a re-run would draw random numbers
@@ -272,64 +278,6 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder) -> Evidence:
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
                     args=plain)
-
-
-class OpAt(TorchDispatchMode):
-    """Keeps the inputs and outputs of the ``occurrence``-th call of ``op`` (``"aten.log"``)
-    made inside it: the float64 re-run's view of the op that :class:`OpFinder` blamed."""
-
-    def __init__(self, op: str, occurrence: int):
-        super().__init__()
-        self.name = op.removeprefix("aten.")
-        self.occurrence = occurrence
-        self.seen = 0
-        self.inputs: list[torch.Tensor] | None = None
-        self.outputs: list[torch.Tensor] | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        hit = func.overloadpacket.__name__ == self.name and self.inputs is None
-        if hit:
-            hit = self.seen == self.occurrence
-            self.seen += 1
-        given = _clone_args(args, kwargs) if hit and writes_arguments(func) else (args, kwargs)
-        out = _op(func, args, kwargs)
-        if hit:
-            self.inputs = [t.detach() for t in _floats(given)]
-            self.outputs = [t.detach() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                            and t.is_floating_point() and t.numel()]
-        return out
-
-
-class Float64(TorchDispatchMode):
-    """Every aten op computes in float64: floating (and complex) inputs are widened, ``dtype=``
-    arguments (``x.half()``, ``x.float()``, ``sum(dtype=...)``) become float64, and factory ops
-    use float64 as the default dtype. Model code that casts on its own (a layer run with
-    ``.half()``) then still runs in float64 instead of mixing dtypes and failing. Random ops
-    draw in ``draw``, the step's own type, then widen (see ``draw_as_recorded``)."""
-
-    def __init__(self, draw: torch.dtype | None = None):
-        super().__init__()
-        self.draw = draw
-
-    def __enter__(self):
-        self._default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            torch.set_default_dtype(self._default)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.draw is not None and func.overloadpacket.__name__ in DRAWS:
-            return draw_as_recorded(func, args, kwargs, self.draw, writes_arguments(func))
-        args, kwargs = as_float64(func, args, kwargs)
-        if not writes_arguments(func):
-            args, kwargs = upcast(args), upcast(kwargs)
-        return _op(func, args, kwargs)
 
 
 class OpFinder:
