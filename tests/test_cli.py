@@ -128,7 +128,7 @@ def test_html_in_a_directory_that_is_not_there_is_refused_before_the_replay(
     if blocker == "file":
         parent.write_text("")
     page = parent / "report.html"
-    monkeypatch.setattr("replay.load.read_step", _must_not_replay)
+    monkeypatch.setattr("replay.analyze.read_step", _must_not_replay)  # (where it is called)
     why = "does not exist" if blocker == "missing" else "is a file, not a directory"
     assert one_error_line(invoke("--html", page, toy)) == (
         f"nanreplay: cannot write the HTML report to {page} ({parent} {why}); pass an --html "
