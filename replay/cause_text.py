@@ -93,8 +93,11 @@ LOSS_ARGUMENT = ("{tensor} is an argument of the loss, not data the model took (
                  "{kind}: check it and the weights of the network behind it (an EMA update "
                  "with a non-finite momentum); if it is data (labels, regression targets), fix "
                  "the data pipeline for these samples")
-LOSS_ARGUMENT_EVERY = (", and every row holds {kind}: a cause the rows share, as a network's "
-                       "weights, not one sample's data")
+LOSS_ARGUMENT_EVERY = (", and every row holds {kind}: a cause the rows share, not one sample's "
+                       "data (a network's weights, or a statistic of the batch: targets "
+                       "standardised per batch, (y - y.mean()) / y.std(), divide by a std of 0 "
+                       "when every target of the batch is equal; add an eps or use the "
+                       "dataset's statistics)")
 
 # An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (replay.origins.optimizer_hint)
 EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so "

@@ -1,0 +1,61 @@
+"""Statistical and tabular models trained as their communities write them (values missing as
+NaN imputed in the model under ``allow_nan``, categorical embeddings, real DataLoaders,
+hand-written survival and quantile losses), with a planted bug: the recorder fires at the
+planted step and ``nanreplay --json`` names the tensor or module, op, samples and cause."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tabular_models as T
+import torch
+from click.testing import CliRunner
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where tabular_models.py, the factories' module, lives
+
+
+def nanreplay_json(bundle: Path, *extra: str) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_targets_standardised_by_a_zero_batch_std_are_named_not_the_missing_values(tmp_path):
+    """Quantile regression on a table with missing values (``allow_nan``, imputed in the
+    model); the loop standardises each batch's targets, ``(y - y.mean()) / y.std()``, and
+    batch 2 holds only capped readings (all 4.0): std 0, every target NaN. The recorder names
+    the loss target; the replay named the model input instead (its missing values, which the
+    model imputes), with their rows, and said a NaN of it got past the imputation."""
+    num, cat, g = T.table()
+    y = torch.nan_to_num(num[:, 0]) + 0.1 * torch.randn(len(num), generator=g)
+    y[64:96] = 4.0
+    model = T.make_quantiles()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_nan=["args[0]"],
+                            factory="tabular_models:make_quantiles"):
+            for n, c, yy in DataLoader(TensorDataset(num, cat, y), batch_size=32):
+                yy = (yy - yy.mean()) / yy.std()
+                opt.zero_grad()
+                crit(model(n, c)[:, 1], yy).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"]) == (2, "input", "loss_args[1]"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == \
+        ("input", "loss_args[1]", list(range(32)), "input"), json.dumps(rep, indent=1)
+    assert "allow_nan" not in rep["hint"] and "y.std()" in rep["hint"], rep["hint"]
