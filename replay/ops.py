@@ -30,7 +30,7 @@ from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writ
 from .float64 import DRAWS, as_float64, draw_as_recorded, upcast
 from .memo import TensorSet
 from .positive import made_positive, positive_result
-from .saturation import Saturation
+from .saturation import Saturation, made_unit
 from .source import OP_ERROR, user_source
 
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
@@ -401,9 +401,14 @@ class OpFinder:
         autograd graph."""
         return t in self._positive or made_positive(t.grad_fn)
 
-    def mark_positive(self, t: torch.Tensor) -> None:
-        """``t`` stands for a value made positive where no graph says so (a detached copy)."""
-        self._positive.add(t)
+    def mark_made_by(self, fn, t: torch.Tensor) -> None:
+        """``t`` stands for a value autograd node ``fn`` made, where no graph says so (a
+        detached copy): one exp/softmax made stays positive, one tanh/sigmoid made stays
+        strictly inside (-1, 1) (its ``1 - y`` cannot be 0 in exact arithmetic)."""
+        if made_positive(fn):
+            self._positive.add(t)
+        if made_unit(fn):
+            self.saturation.mark_unit(t)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               in_finite: bool, leaves: list) -> None:

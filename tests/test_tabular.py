@@ -59,3 +59,31 @@ def test_targets_standardised_by_a_zero_batch_std_are_named_not_the_missing_valu
     assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == \
         ("input", "loss_args[1]", list(range(32)), "input"), json.dumps(rep, indent=1)
     assert "allow_nan" not in rep["hint"] and "y.std()" in rep["hint"], rep["hint"]
+
+
+def test_log_of_one_minus_a_hazard_the_model_rounded_to_1_is_precision(tmp_path):
+    """DeepHit-style discrete hazards: the model's last op is a sigmoid per time bin, and the
+    hand-written likelihood takes log(1 - h) for the bins a sample survived. An unnormalised
+    record (readings of 3e4) drives its logits past 40, where sigmoid is 1.0 in float64 too:
+    1 - h is 0 and log(0) is -inf. Exact arithmetic keeps 1 - sigmoid(z) above 0, so the
+    cause is rounding (``precision``, log(1 - sigmoid(z)) = logsigmoid(-z)); it was called
+    ``invalid``, 'which exact arithmetic makes too', because the sigmoid ran in the model,
+    before the loss the op finder watched, and only a 1 - y of a sigmoid it saw run counted."""
+    ds = T.survival_data(bad=70)
+    model = T.make_hazards()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = T.HazardNLL()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_nan=["args[0]"],
+                            factory="tabular_models:make_hazards"):
+            for n, c, t_bin, event in DataLoader(ds, batch_size=32):
+                opt.zero_grad()
+                crit(model(n, c), t_bin, event).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.log", [70 - 64], "precision"), json.dumps(rep, indent=1)
+    assert "logsigmoid(−z)" in rep["hint"], rep["hint"]
