@@ -87,3 +87,41 @@ def test_log_of_one_minus_a_hazard_the_model_rounded_to_1_is_precision(tmp_path)
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("loss", "<loss>", "aten.log", [70 - 64], "precision"), json.dumps(rep, indent=1)
     assert "logsigmoid(−z)" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("pick", ["column", "expanded"])
+def test_drop_re_runs_a_loss_on_one_quantile_column_of_the_output(tmp_path, pick):
+    """A quantile head's output is (B, 3); the loss takes its median column, ``out[:, 1]``
+    (a view of stride 3 at offset 1; or that column expanded beside a second target copy).
+    A target NaN in row 6 is an input event; ``--try drop=6`` crashed re-making that view on
+    the 31-row output with the recorded 32-row strides ('setStorage: ... out of bounds'). It
+    now re-makes the column on the smaller output and the step's loss is the one without row
+    6; dropping another row leaves the NaN."""
+    num, cat, g = T.table()
+    y = torch.nan_to_num(num[:, 0]) + 0.1 * torch.randn(len(num), generator=g)
+    y[70] = float("nan")
+    model = T.make_quantiles()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.MSELoss()
+
+    def median(out, yy):
+        if pick == "column":
+            return out[:, 1], yy
+        return out[:, None, 1].expand(-1, 2), yy[:, None].expand(-1, 2)
+
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_nan=["args[0]"],
+                            factory="tabular_models:make_quantiles"):
+            for n, c, yy in DataLoader(TensorDataset(num, cat, y), batch_size=32):
+                opt.zero_grad()
+                crit(*median(model(n, c), yy)).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["tensor"], ev["samples"]) == (2, "loss_args[1]", [6]), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=6", "--try", "drop=5")
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert tries["drop=6"]["finite"] is True and tries["drop=5"]["finite"] is False, tries
+    keep = [i for i in range(64, 96) if i != 70]
+    with torch.no_grad():  # (the weights the step ran with: the loop stopped before its update)
+        want = crit(*median(model(num[keep], cat[keep]), y[keep]))
+    assert tries["drop=6"]["loss"] == pytest.approx(float(want), rel=1e-5), tries
