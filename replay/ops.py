@@ -83,6 +83,7 @@ class Evidence:
     empty: bool = False  # a floating input has no element (the mean of nothing is 0/0)
     args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
     complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
+    zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
 
 
 def _num(x: float | None):
@@ -268,6 +269,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder) -> Evidence:
                     input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
                     exp_made=[f.positive(t) for t in ins], local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
+                    zero_dim=[t.dim() == 0 for t in ins],
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),

@@ -125,3 +125,34 @@ def test_drop_re_runs_a_loss_on_one_quantile_column_of_the_output(tmp_path, pick
     with torch.no_grad():  # (the weights the step ran with: the loop stopped before its update)
         want = crit(*median(model(num[keep], cat[keep]), y[keep]))
     assert tries["drop=6"]["loss"] == pytest.approx(float(want), rel=1e-5), tries
+
+
+def test_a_cox_loss_over_an_all_censored_batch_says_the_event_count_is_0(tmp_path):
+    """A Cox partial likelihood averaged over the batch's events, ``.div(events.sum())``: a
+    batch whose every sample is censored has 0 events, and 0/0 is NaN. The op and cause were
+    right, but the hint said to add an eps 'or skip the rows where it is 0': the divisor is
+    one 0-d count for the whole batch, no row holds it; the hint now says so and gives
+    ``count.clamp_min(1)`` or skipping such batches."""
+    num, cat, g = T.table()
+    durations = torch.rand(len(num), generator=g) * 10
+    events = (torch.rand(len(num), generator=g) < 0.4).float()
+    events[32:64] = 0.0  # batch 1: every subject censored
+    model = T.make_risk_score()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=T.cox_ph_loss, out_dir=tmp_path,
+                            allow_nan=["args[0]"],
+                            factory="tabular_models:make_risk_score") as rec:
+            for n, c, d, e in DataLoader(TensorDataset(num, cat, durations, events),
+                                         batch_size=32):
+                opt.zero_grad()
+                rec.loss_fn(model(n, c), d, e).backward()  # (a function: called through it)
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.div", [], "invalid"), json.dumps(rep, indent=1)
+    hint = rep["hint"]
+    assert "clamp_min(1)" in hint and "skip the rows" not in hint, hint
