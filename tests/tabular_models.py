@@ -120,3 +120,34 @@ def cox_ph_loss(log_h, durations, events):
     order = durations.sort(descending=True)[1]
     log_h, events = log_h[order], events[order]
     return -(log_h - torch.logcumsumexp(log_h, 0)).mul(events).sum().div(events.sum())
+
+
+class MixtureDensity(nn.Module):
+    """A mixture density network: weights softmax(logits / temperature), means, and scales
+    exp(log_sigma) per component."""
+
+    def __init__(self, k: int = 3, temperature: float = 1.0):
+        super().__init__()
+        self.body = Backbone()
+        self.pi, self.mu, self.log_sigma = (nn.Linear(16, k) for _ in range(3))
+        self.temperature = temperature
+
+    def forward(self, num, cat):
+        h = self.body(num, cat)
+        return (torch.softmax(self.pi(h) / self.temperature, -1), self.mu(h),
+                self.log_sigma(h).exp())
+
+
+def make_mixture_density() -> nn.Module:
+    torch.manual_seed(0)
+    return MixtureDensity()
+
+
+class MixtureNLL(nn.Module):
+    """Negative log-likelihood of a Gaussian mixture, a logsumexp over the components."""
+
+    def forward(self, out, y):
+        pi, mu, sigma = out
+        z = (y[:, None] - mu) / sigma
+        log_n = -0.5 * z ** 2 - torch.log(sigma) - 0.9189385332046727
+        return -torch.logsumexp(torch.log(pi) + log_n, -1).mean()

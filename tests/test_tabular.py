@@ -156,3 +156,32 @@ def test_a_cox_loss_over_an_all_censored_batch_says_the_event_count_is_0(tmp_pat
         ("loss", "<loss>", "aten.div", [], "invalid"), json.dumps(rep, indent=1)
     hint = rep["hint"]
     assert "clamp_min(1)" in hint and "skip the rows" not in hint, hint
+
+
+def test_an_allow_nan_input_event_the_rebuilt_model_imputes_is_not_reproduced(tmp_path):
+    """A mixture density network whose temperature the run set after building it (a hard
+    assignment, 0), before attaching the recorder: softmax(logits / 0) is NaN, which the
+    recorder sees leave the model while args[0] holds missing values (``allow_nan``) and
+    calls an input event. The factory builds temperature 1, so the re-run is finite; the
+    replay still said 'reproduced', cause 'input', a NaN that got past the imputation. It now
+    re-runs the step, says the event did not come back, and names the attribute."""
+    num, cat, g = T.table()
+    y = torch.nan_to_num(num[:, 0]) + 0.1 * torch.randn(len(num), generator=g)
+    model = T.make_mixture_density()
+    model.temperature = 0.0  # from the run's configuration
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = T.MixtureNLL()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_nan=["args[0]"],
+                            factory="tabular_models:make_mixture_density"):
+            for n, c, yy in DataLoader(TensorDataset(num, cat, y), batch_size=32):
+                opt.zero_grad()
+                crit(model(n, c), yy).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"]) == (0, "input", "args[0]"), ev
+    res = CliRunner().invoke(cli, [str(info.value.bundle_path), "--json"])
+    assert res.exit_code == 1, res.output
+    rep = json.loads(res.stdout)
+    assert (rep["reproduced"], rep["cause"]) == (False, "not_reproduced"), rep
+    assert "<root>.temperature = 1.0 (the run had 0.0)" in rep["hint"], rep["hint"]
