@@ -27,7 +27,7 @@ from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .hidden import report_hidden_forward
-from .imputed import made_from_imputed
+from .imputed import RERUN, made_from_imputed
 from .load import Step, build, read_step
 from .loss_grad import loop_differentiation, not_rerun_term
 from .origins import (
@@ -215,7 +215,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if step.event.get("phase") == "input":
         o = input_origin(step)
         if (made := made_from_imputed(report, step, o)) is not None:
-            return made
+            return None if made is RERUN else made  # (RERUN: the re-run runs the step)
         return finish(report, o, "input", reproduced=True,
                       hint=infinity_the_loss_took(step, o) or input_hint(o, step))
     if any(mb.get("inputs_written") for mb in step.micro_batches):
@@ -395,6 +395,9 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
         "counter, a global or a random generator of your own; data-dependent code outside the "
         "recorded model) or it was transient; re-run training from the step before with the "
         "same data to tell which")
+    if built := step.built_otherwise:  # (what the bundle can name: a setting made after build)
+        more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
+        report["hint"] = fidelity.BUILT_OTHERWISE.format(attrs=", ".join(built[:3]) + more)
     return report
 
 

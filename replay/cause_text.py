@@ -93,8 +93,11 @@ LOSS_ARGUMENT = ("{tensor} is an argument of the loss, not data the model took (
                  "{kind}: check it and the weights of the network behind it (an EMA update "
                  "with a non-finite momentum); if it is data (labels, regression targets), fix "
                  "the data pipeline for these samples")
-LOSS_ARGUMENT_EVERY = (", and every row holds {kind}: a cause the rows share, as a network's "
-                       "weights, not one sample's data")
+LOSS_ARGUMENT_EVERY = (", and every row holds {kind}: a cause the rows share, not one sample's "
+                       "data (a network's weights, or a statistic of the batch: targets "
+                       "standardised per batch, (y - y.mean()) / y.std(), divide by a std of 0 "
+                       "when every target of the batch is equal; add an eps or use the "
+                       "dataset's statistics)")
 
 # An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (replay.origins.optimizer_hint)
 EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so "
@@ -120,6 +123,12 @@ DO = {
                      "probability of 1 leaves keep_prob = 1 - p = 0, a temperature or scale "
                      "annealed to 0) and keep it away from 0, or skip the division where it is "
                      "0 (timm's drop_path divides only if keep_prob > 0)",
+    "divide_total": "the divisor is one 0-d value for every element (a count, sum or "
+                    "statistic over the batch: events.sum(), mask.sum(), y.std(); or a scalar "
+                    "parameter), 0 in this step (no event among the batch's samples, every "
+                    "element masked, every value equal): no row is to blame; divide by "
+                    "count.clamp_min(1) (a sum over nothing is 0 already), add an eps to a "
+                    "statistic, or skip such batches",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
     "running_var": "a variance is never negative, so the module's running_var buffer was "

@@ -165,13 +165,7 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
     if base in ("div", "remainder", "fmod") and ins:
         den = ins[1] if len(ins) >= 2 else _divisor_not_taken(ev)
     if den is not None:
-        num = ins[0]
-        # a Python number: a setting or its complement (keep_prob = 1 - p at p = 1), not data
-        by, key = (" the number", "divide_number") if len(ins) < 2 and isinstance(
-            _second(ev), (int, float)) else ("", "divide")
-        if bool(((num == 0) & (den == 0)).any()):
-            return f"{op} of 0 by{by} 0 (0/0)", key
-        return f"{op} by{by} 0 (x/0, a pole)", key
+        return _division(op, ev, ins, den)
     if base == "pow" and ins:
         return _pow(op, ev, zero)
     if base in ("acos", "asin", "atanh") and x.numel():
@@ -187,6 +181,21 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")
     return f"{op} at a pole or outside its domain", "pole"
+
+
+def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
+              den: torch.Tensor) -> tuple[str, str]:
+    """A division by 0 (0/0 where the numerator is 0 too), and which advice fits."""
+    # a Python number: a setting or its complement (keep_prob = 1 - p at p = 1), not data
+    by, key = (" the number", "divide_number") if len(ins) < 2 and isinstance(
+        _second(ev), (int, float)) else ("", "divide")
+    if key == "divide" and ev.zero_dim[1:2] == [True]:
+        # one value for every element: a count or a statistic over the batch (a Cox loss's
+        # events.sum() over an all-censored batch), no row of which is to blame
+        key = "divide_total"
+    if bool(((ins[0] == 0) & (den == 0)).any()):
+        return f"{op} of 0 by{by} 0 (0/0)", key
+    return f"{op} by{by} 0 (x/0, a pole)", key
 
 
 def _pow(op: str, ev: Evidence, zero: bool) -> tuple[str, str]:

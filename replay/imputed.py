@@ -9,14 +9,31 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from recorder.finite import has_nan
 from recorder.missing import root_input_name
 
 from .cause import classify
+from .compat import tree_leaves
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step
 from .recorded import nan_allowed, origin_key
 from .rerun import Runner
+
+# made_from_imputed's answer when the re-run's model left no NaN: re-run the step instead
+RERUN: dict[str, Any] = {}
+
+
+def _nan_left(runner: Runner, mb: int) -> bool:
+    """The re-run's forward of micro-batch ``mb`` put out a NaN (or could not say)."""
+    try:
+        run = runner.run(backward=False, instrument=False)
+        return any(has_nan(t) for t in tree_leaves(run.outputs[mb])
+                   if isinstance(t, torch.Tensor))
+    except Exception:  # (the input origin stands)
+        return True
 
 
 def made_from_imputed(report, step: Step, origin: dict[str, Any]) -> dict[str, Any] | None:
@@ -33,6 +50,10 @@ def made_from_imputed(report, step: Step, origin: dict[str, Any]) -> dict[str, A
     except Exception:  # the input origin stands without the re-run
         return None
     hit = finder.origin()
+    if finder.first_nan is None and not _nan_left(runner, mb):
+        # the rebuilt model imputes every missing value: the NaN does not come back from
+        # the bundle's batch alone, so the step is re-run as any other (the fidelity check)
+        return RERUN
     if finder.first_nan is None or hit is None:
         return None
     module, call = hit.within or ("", 0)

@@ -420,7 +420,40 @@ def _same_view(o: torch.Tensor, shape: list[int], stride: list[int], off: int,
         if o.dim() == len(shape) and [stride[d] for d in order] == _contiguous_strides(base) \
                 and sum(a != b for a, b in zip(o.shape, base)) <= 1:
             return o.permute(sorted(range(len(order)), key=order.__getitem__))
+    if of is not None and o.numel() != math.prod(of):
+        redone = _resized_view(o, shape, stride, off, of)
+        if redone is not None:
+            return redone
     return o.as_strided(shape, stride, o.storage_offset() + off)
+
+
+def _resized_view(o: torch.Tensor, shape: list[int], stride: list[int], off: int,
+                  of: list[int]) -> torch.Tensor | None:
+    """The recorded view of a contiguous output of shape ``of`` redone on ``o``, the re-run's
+    output, whose size differs in one dim (--try drop= removed samples): a column of a
+    multi-output head (``out[:, 1]``, a quantile of three: stride 3, offset 1), an expand or
+    a transpose's row of it. Each view dim is the output dim of its stride; one spanning the
+    resized dim takes its new size. None when the view is not so made (the recorded strides
+    are kept)."""
+    diff = [d for d in range(len(of)) if o.dim() == len(of) and o.shape[d] != of[d]]
+    if len(diff) != 1 or not o.is_contiguous():
+        return None
+    k, old, new = diff[0], _contiguous_strides(of), _contiguous_strides(list(o.shape))
+    dims = {old[d]: d for d in range(len(of)) if of[d] > 1}
+    if len(dims) != sum(n > 1 for n in of):  # (two dims of one stride: ambiguous)
+        return None
+    at = [(off // old[d]) % of[d] if of[d] > 1 else 0 for d in range(len(of))]
+    if sum(i * s for i, s in zip(at, old)) != off or at[k] != 0:
+        return None
+    sizes, strides = [], []
+    for n, s in zip(shape, stride):
+        d = dims.get(s) if s and n > 1 else None
+        if s and n > 1 and (d is None or d == k and n != of[k]):
+            return None
+        sizes.append(o.shape[k] if d == k else n)
+        strides.append(new[d] if d is not None else s)
+    return o.as_strided(sizes, strides, o.storage_offset() + sum(
+        i * s for i, s in zip(at, new)))
 
 
 def _contiguous_strides(shape: list[int]) -> list[int]:

@@ -33,7 +33,7 @@ from .float64 import as_float64, upcast
 from .fresh import fresh_positions, inputs_there, made_there
 from .memo import TensorSet
 from .positive import made_positive, positive_result
-from .saturation import Saturation
+from .saturation import Saturation, made_unit
 from .source import user_source
 
 _POINTWISE = torch.Tag.pointwise
@@ -87,6 +87,7 @@ class Evidence:
     empty: bool = False  # a floating input has no element (the mean of nothing is 0/0)
     args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
     complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
+    zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
 
 
 def _num(x: float | None):
@@ -274,6 +275,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
                     exp_made=[f.positive(t) for t in ins], local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
+                    zero_dim=[t.dim() == 0 for t in ins],
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
@@ -349,9 +351,14 @@ class OpFinder:
         autograd graph."""
         return t in self._positive or made_positive(t.grad_fn)
 
-    def mark_positive(self, t: torch.Tensor) -> None:
-        """``t`` stands for a value made positive where no graph says so (a detached copy)."""
-        self._positive.add(t)
+    def mark_made_by(self, fn, t: torch.Tensor) -> None:
+        """``t`` stands for a value autograd node ``fn`` made, where no graph says so (a
+        detached copy): one exp/softmax made stays positive, one tanh/sigmoid made stays
+        strictly inside (-1, 1) (its ``1 - y`` cannot be 0 in exact arithmetic)."""
+        if made_positive(fn):
+            self._positive.add(t)
+        if made_unit(fn):
+            self.saturation.mark_unit(t)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               in_finite: bool, leaves: list) -> None:

@@ -30,7 +30,6 @@ from .losses import non_finite_loss_state
 from .ops import OpFinder, state_of
 from .optim import eps_lost, per_parameter, safe_eps
 from .param_writes import forward_made, forward_made_hint, loop_written_hint
-from .positive import made_positive
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
@@ -147,16 +146,16 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
 
 def _loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):
     """The loss's arguments, the model outputs detached; ``finder`` is told which of those
-    the model made by exp, softmax, sigmoid or softplus (their graph is cut here), so that
-    a 0 the loss takes the log of (a softplus variance) reads as the underflow it is."""
+    the model made by exp, softmax, sigmoid or softplus, or by tanh or sigmoid (their graph is
+    cut here), so that a 0 the loss takes the log of (a softplus variance) reads as the
+    underflow it is, and a 0 of 1 - h (a sigmoid hazard rounded to 1) as rounding."""
     if differentiates_model(step, mb):  # (the loss differentiates them: not cut)
         return loss_inputs(step, mb, run.outputs, run.inputs[mb], run.objects)
     outputs = [[t.detach() for t in o] for o in run.outputs]
     if finder is not None:
         for made, cut in zip(run.outputs, outputs):
             for t, d in zip(made, cut):
-                if made_positive(t.grad_fn):
-                    finder.mark_positive(d)
+                finder.mark_made_by(t.grad_fn, d)
     args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects)
     return args, kwargs
 

@@ -125,7 +125,10 @@ def input_origin(step: Step) -> dict[str, Any]:
             if not finite(t):
                 name = batch_path(paths[key], len(args))
                 bad = rows(t, packed)  # (those of an allow_nan input that the event saw get by)
-                if nan_allowed(step, root_input_name(paths[key])) and name == named:
+                missing = nan_allowed(step, root_input_name(paths[key]))
+                if missing and named and name != named and not bool(torch.isinf(t).any()):
+                    continue  # missing values the model imputes; the event named another
+                if missing and name == named:
                     bad = [r for r in bad if r in step.event.get("samples", [])] or bad
                 return origin_fields(phase="input", tensor=name, samples=bad, micro_batch=i,
                                      made=kind_of(t))

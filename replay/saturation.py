@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .memo import TensorSet
+from .positive import _node_name, node_op
 
 # strictly inside (-1, 1) for every finite argument
 UNIT_OPEN = {"tanh", "sigmoid", "special_expit", "erf"}
@@ -22,6 +23,12 @@ KEEP = {"neg", "abs", "square", "pow", "clone", "_to_copy", "view", "_unsafe_vie
         "expand", "slice", "select", "index_select", "gather", "squeeze", "unsqueeze",
         "permute", "transpose", "t", "contiguous", "alias", "detach", "flatten", "unbind",
         "split", "narrow"}
+
+# the same on the autograd graph, for a value made before the watched code ran (a model's
+# sigmoid hazards, whose log(1 - h) the loss takes): views and selections of one (not pow,
+# whose exponent the node does not say)
+_UNIT_NODES = {_node_name(op) for op in UNIT_OPEN}
+_KEEP_NODES = {_node_name(op) for op in KEEP if op != "pow"} | {"ReshapeAlias", "Index"}
 
 # what a rounded complement needs instead of an eps
 STABLE = ("use the complement's stable form: log(1 - tanh(u)²) = 2·(log 2 − u − softplus(−2u)) "
@@ -46,12 +53,36 @@ class Saturation:
                 and all(abs(v) <= 1 for v in _scalars(leaves)))):
             for t in outs:
                 self._unit.add(t)
-        elif name in ("rsub", "add") and len(ins) == 1 and unit[0] and _one_or_more(leaves):
+        elif name in ("rsub", "add") and len(ins) == 1 and _one_or_more(leaves) \
+                and (unit[0] or made_unit(ins[0].grad_fn)):
             for t in outs:  # 1 - y, 1 + y (a scalar of at least 1)
                 self._complement.add(t)
 
+    def mark_unit(self, t: torch.Tensor) -> None:
+        """``t`` stands for a value tanh/sigmoid/erf made where no graph says so (a detached
+        copy of the model's output)."""
+        self._unit.add(t)
+
     def complement(self, t: torch.Tensor) -> bool:
         return t in self._complement
+
+
+def made_unit(fn, depth: int = 8) -> bool:
+    """Whether autograd node ``fn`` made its value by tanh, sigmoid or erf (directly, or
+    viewed, selected, gathered, negated): strictly inside (-1, 1) in exact arithmetic."""
+    try:
+        for _ in range(depth):
+            if fn is None:
+                return False
+            op = node_op(fn)
+            if op in _UNIT_NODES:
+                return True
+            if op not in _KEEP_NODES:
+                return False
+            fn = next((f for f, _ in fn.next_functions if f is not None), None)
+    except Exception:  # not an autograd node, or one that cannot say
+        return False
+    return False
 
 
 def _positive_power(name: str, leaves: list) -> bool:
