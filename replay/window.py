@@ -43,6 +43,7 @@ from .outgrads import nonfinite_forwards
 from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
 from .rerun import Runner, restorable
+from .update_domain import update_domain
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Outcome:
     op: str | None = None
     source: str | None = None
     chain: list[dict[str, Any]] = field(default_factory=list)
+    domain: str | None = None  # an update's op out of its domain (replay.update_domain)
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -447,7 +449,7 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
     params = dict(model.named_parameters())
     return Outcome(k, "update", params=bad, kind=_kind([params[n] for n in bad]),
                    op=hit.op if hit else None, source=hit.source if hit else None,
-                   chain=finder.chain())
+                   chain=finder.chain(), domain=update_domain(hit))
 
 
 def _forward_outcome(k: int, run) -> Outcome | None:

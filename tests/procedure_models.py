@@ -1,0 +1,64 @@
+"""Training procedures that are not a plain backward and step: hand-written optimizers (LAMB's
+trust ratio), SAM's two forward-backward passes per step (for tests/test_procedures.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+D, H, C = 16, 32, 4
+
+
+class LAMB(torch.optim.Optimizer):
+    """LAMB as often written by hand: Adam's direction scaled by the trust ratio
+    ||w|| / ||update||, which is 0/0 for a zero-initialised parameter with a zero gradient."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                st["step"] += 1
+                st["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m = st["m"] / (1 - b1 ** st["step"])
+                v = st["v"] / (1 - b2 ** st["step"])
+                update = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
+                trust = p.norm() / update.norm()  # the bug: no guard for a zero norm
+                p.sub_(group["lr"] * trust * update)
+
+
+class TwoHead(nn.Module):
+    """A trunk with a main head and an auxiliary head, zero-initialised, whose loss the loop
+    adds only from some step on."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU())
+        self.head = nn.Linear(H, C)
+        self.aux = nn.Linear(H, 1)
+        nn.init.zeros_(self.aux.weight)
+        nn.init.zeros_(self.aux.bias)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.head(h), self.aux(h)
+
+
+def make_lamb_two_head() -> dict:
+    return {"model": TwoHead(), "optimizer": lambda groups: LAMB(groups)}
+
+
+def batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(n, D, generator=g)
+    return x, x[:, :C].argmax(1)

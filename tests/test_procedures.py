@@ -1,0 +1,66 @@
+"""End to end: optimizers and training procedures that are not a plain ``loss.backward();
+opt.step()`` (hand-written LAMB, SAM), recorded and replayed as a user runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import procedure_models as M
+import pytest
+import torch.nn.functional as F
+from bundles import invoke_cli
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+AUX_FROM = 6  # the step from which the loop adds the auxiliary head's loss
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # procedure_models.py is trusted here
+
+
+def _train_lamb(out_dir, **kw) -> NonFiniteError:
+    """zero_grad(set_to_none=False) and an auxiliary loss from step 6: the zero-initialised
+    aux head's gradient is exactly 0 there (its output is 0), and so are its weights."""
+    model = M.TwoHead()
+    opt = M.LAMB(model.parameters())
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=out_dir, factory="procedure_models:"
+                            "make_lamb_two_head", **kw):
+            for step in range(AUX_FROM + 2):
+                x, y = M.batch(step)
+                opt.zero_grad(set_to_none=False)
+                out, aux = model(x)
+                loss = F.cross_entropy(out, y)
+                if step >= AUX_FROM:
+                    loss = loss + aux.pow(2).mean()
+                loss.backward()
+                opt.step()
+    return info.value
+
+
+@pytest.mark.parametrize("kw", [{"guard_optimizer": True}, {"rewind": 4}])
+def test_a_trust_ratio_of_0_by_0_names_the_division_and_tries_no_rate(out_dir, kw):
+    """LAMB's ||w|| / ||update|| of a zero-initialised head with no gradient is 0/0. The hint
+    said to check the learning rate, eps and clipping, and --try auto tried lr=0.1x and
+    clip=1.0, which scale the same 0/0. It now names the division's values and says that no
+    rate changes them, and auto tries neither."""
+    err = _train_lamb(out_dir, **kw)
+    assert (err.event["step"], err.event["phase"]) == (AUX_FROM, "optimizer"), err.event
+    res = invoke_cli(err.bundle_path, "--json", "--try", "auto")
+    rep = json.loads(res.stdout)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["param"]) == \
+        (True, "optimizer", "aten.div", "aux.weight"), json.dumps(rep, indent=1)
+    assert set(o["params"]) == {"aux.weight", "aux.bias"}, o
+    assert o["domain"].startswith("aten.div of 0 by 0 (0/0)"), o
+    path, _, line = o["source"].rpartition(":")
+    assert path.endswith("procedure_models.py") and "trust = p.norm() / update.norm()" in \
+        (HERE / "procedure_models.py").read_text().splitlines()[int(line) - 1], o
+    hint = rep["hint"]
+    assert "0 by 0" in hint and "whatever the learning rate" in hint, hint
+    assert "check the learning rate" not in hint, hint
+    assert not [t for t in rep["what_if"] if t["try"] in ("lr=0.1x", "clip=1.0")], rep["what_if"]
