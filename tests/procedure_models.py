@@ -4,6 +4,7 @@ trust ratio), SAM's two forward-backward passes per step (for tests/test_procedu
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 D, H, C = 16, 32, 4
@@ -62,3 +63,55 @@ def batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     x = torch.randn(n, D, generator=g)
     return x, x[:, :C].argmax(1)
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as the widely copied wrapper writes it (first_step /
+    second_step around a base optimizer), with ``eps`` for the ascent's scale: 0 reproduces
+    the copies that leave it out."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, eps=1e-12, **kwargs):
+        super().__init__(params, {"rho": rho, "eps": eps, **kwargs})
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self):
+        norm = torch.norm(torch.stack([p.grad.norm() for g in self.param_groups
+                                       for p in g["params"] if p.grad is not None]))
+        for group in self.param_groups:
+            scale = group["rho"] / (norm + group["eps"])  # rho / 0 = inf for a zero gradient
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.data.clone()
+                    p.add_(p.grad * scale)
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        self.zero_grad()
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D, H)
+        self.fc2 = nn.Linear(H, C)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make_mlp() -> MLP:
+    return MLP()
+
+
+def labelled_ce(out, y, labelled):
+    """Semi-supervised: cross entropy over the labelled rows only, averaged over the batch (a
+    batch without labelled rows gives 0 and gradients of exactly 0)."""
+    return (F.cross_entropy(out, y, reduction="none") * labelled).mean()

@@ -3,11 +3,13 @@ opt.step()`` (hand-written LAMB, SAM), recorded and replayed as a user runs them
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import procedure_models as M
 import pytest
+import torch
 import torch.nn.functional as F
 from bundles import invoke_cli
 
@@ -64,3 +66,59 @@ def test_a_trust_ratio_of_0_by_0_names_the_division_and_tries_no_rate(out_dir, k
     assert "0 by 0" in hint and "whatever the learning rate" in hint, hint
     assert "check the learning rate" not in hint, hint
     assert not [t for t in rep["what_if"] if t["try"] in ("lr=0.1x", "clip=1.0")], rep["what_if"]
+
+
+UNLABELLED = 5  # the step whose batch holds no labelled row
+
+
+def _train_sam(out_dir, eps: float, steps: int = 8, record: bool = True):
+    """SAM over SGD, a semi-supervised loss: at step UNLABELLED no row is labelled, the loss is
+    0 and so is every gradient, and without eps the ascent's rho / ||g|| is inf (0 * inf)."""
+    model = M.MLP()
+    sam = M.SAM(model.parameters(), torch.optim.SGD, eps=eps, lr=0.1, momentum=0.9)
+    rec = FlightRecorder(model, sam.base_optimizer, loss_fn=M.labelled_ce, out_dir=out_dir,
+                         factory="procedure_models:make_mlp")
+    loss_fn = rec.loss_fn if record else M.labelled_ce
+    with rec if record else contextlib.nullcontext():
+        for step in range(steps):
+            x, y = M.batch(step)
+            labelled = torch.full((len(y),), float(step != UNLABELLED))
+            loss_fn(model(x), y, labelled).backward()
+            sam.first_step()
+            loss_fn(model(x), y, labelled).backward()  # at w + e
+            sam.second_step()
+    return model
+
+
+def test_sam_ascent_of_a_zero_gradient_names_the_move(out_dir):
+    """The ascent divides by the norm of a gradient that is exactly 0: the second forward ran on
+    NaN weights, restored before the base optimizer's step(). The replay re-ran that forward
+    on the restored weights and said NOT reproduced, blaming "state outside the model". The
+    recorder now marks a micro-batch that ran on weights the loop moved, and the replay says
+    the move made them non-finite from gradients that were all 0."""
+    with pytest.raises(NonFiniteError) as info:
+        _train_sam(out_dir, eps=0.0)
+    ev = info.value.event
+    # (+1: the first iteration's move, before any step() of the base optimizer, split it in two
+    # steps; see the guide)
+    assert (ev["step"], ev["phase"], ev["module"], ev["micro_batch"]) == \
+        (UNLABELLED + 1, "forward", "fc1", 1), ev
+    res = invoke_cli(info.value.bundle_path, "--json")
+    rep = json.loads(res.stdout)
+    assert res.exit_code == 1 and rep["reproduced"] is False, rep
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["micro_batch"], rep["cause"]) == \
+        ("forward", "fc1", 1, "weights"), json.dumps(rep, indent=1)
+    assert "were all exactly 0" in rep["hint"] and "rho / (||g|| + 1e-12)" in rep["hint"], rep
+    assert any("moved in place" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_sam_with_eps_trains_as_without_the_recorder(out_dir):
+    """With eps, the same loop trains on through the unlabelled batch: no event, and the
+    weights are those of the loop without the recorder."""
+    torch.manual_seed(0)
+    bare = _train_sam(out_dir, eps=1e-12, record=False)
+    torch.manual_seed(0)
+    recorded = _train_sam(out_dir, eps=1e-12)
+    for a, b in zip(bare.parameters(), recorded.parameters()):
+        assert torch.equal(a, b)
