@@ -35,6 +35,7 @@ from recorder.finite import finite, tensors_kind
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
 from .clip import loop_clip, total_norm
 from .drop import drop_rows
+from .hyper import set_hyper
 from .load import Step
 from .loopscale import unscale, window_factors, with_factors
 from .ops import OpFinder
@@ -176,12 +177,12 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
                                 kind=_kind([p.grad for n, p in step.model.named_parameters()
                                             if n in bad_grads]))
             break
-        loop_clip(step, win, record, change, stats["grad_norm"])
+        loop_clip(step, win, record, change, stats["grad_norm"], stats["loss"])
         # (the GradScaler's skips follow the re-run's own gradients, as in training)
         if opt is None or (record is win.records[-1] and not _last_update_ran(step, win)):
             stats["param_norm"] = total_norm(step.model.parameters())
             continue
-        _set_hyper(opt, record, sub, change)
+        set_hyper(opt, record, sub, change)
         before = _state(step.model, opt)
         opt.step()
         stats["param_norm"] = total_norm(step.model.parameters())
@@ -390,28 +391,6 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
     if meta["rng"] is None:
         meta.pop("rng")
     return dataclasses.replace(step, meta=meta, tensors=tensors, problems=[])
-
-
-def _set_hyper(opt, record: dict[str, Any], sub: Step, change: Change) -> None:
-    for group, rec in zip(opt.param_groups, record.get("hyper") or []):
-        for k, v in rec.items():
-            if k == "params" or (isinstance(v, dict) and "$repr" in v):
-                continue
-            if isinstance(v, dict) and "$t" in v:
-                v = sub.tensors[v["$t"]].to(sub.device, copy=True)
-            elif isinstance(v, str) and v in ("nan", "inf", "-inf"):
-                v = float(v)
-            elif isinstance(v, list) and k == "betas":
-                v = tuple(v)
-            group[k] = v
-        if change.lr is not None:
-            group["lr"] = change.lr
-        if change.lr_factor is not None:
-            group["lr"] = group["lr"] * change.lr_factor
-        if change.eps is not None:
-            group["eps"] = change.eps
-        if change.weight_decay is not None:
-            group["weight_decay"] = change.weight_decay
 
 
 def _state(model, opt) -> dict[str, Any]:

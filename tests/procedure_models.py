@@ -3,6 +3,8 @@ trust ratio), SAM's two forward-backward passes per step (for tests/test_procedu
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,3 +117,35 @@ def labelled_ce(out, y, labelled):
     """Semi-supervised: cross entropy over the labelled rows only, averaged over the batch (a
     batch without labelled rows gives 0 and gradients of exactly 0)."""
     return (F.cross_entropy(out, y, reduction="none") * labelled).mean()
+
+
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al. 2019) around a base optimizer, as timm writes it: every k steps
+    the slow weights move alpha of the way to the fast ones, which are reset to them. Its own
+    state holds the slow weights; the base optimizer's moments are in ``base.state``."""
+
+    def __init__(self, base, k=5, alpha=0.5):
+        self.base, self.k, self.alpha = base, k, alpha
+        self.param_groups, self.defaults = base.param_groups, base.defaults
+        self.state = collections.defaultdict(dict)
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+        for group in self.param_groups:
+            group.setdefault("lookahead_step", 0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.base.step(closure)
+        for group in self.param_groups:
+            group["lookahead_step"] += 1
+            if group["lookahead_step"] % self.k:
+                continue
+            for p in group["params"]:
+                slow = self.state[p].setdefault("slow", p.detach().clone())
+                slow.add_(p - slow, alpha=self.alpha)
+                p.copy_(slow)
+        return loss
+
+
+def make_lookahead_mlp() -> dict:
+    return {"model": MLP(), "optimizer": lambda groups: Lookahead(torch.optim.Adam(groups))}

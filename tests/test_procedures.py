@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
+from replay.load import build, read_step
+from replay.window import Change, run_window, window_of
 
 HERE = Path(__file__).parent
 AUX_FROM = 6  # the step from which the loop adds the auxiliary head's loss
@@ -122,3 +124,80 @@ def test_sam_with_eps_trains_as_without_the_recorder(out_dir):
     recorded = _train_sam(out_dir, eps=1e-12)
     for a, b in zip(bare.parameters(), recorded.parameters()):
         assert torch.equal(a, b)
+
+
+BAD_RECORD = 11  # the step whose batch holds a NaN (sample 2)
+
+
+def test_lookahead_window_invents_no_gradient_clipping(out_dir):
+    """Lookahead around Adam, recorded with rewind=4; the loop clips nothing. The bundle holds
+    the wrapper's state (the slow weights) and not its inner Adam's moments, so the window's
+    re-run leaves training's path after the copy, and a gradient norm larger than the recorded
+    one was read as the loop's clip_grad_norm_: the window said "the loop's gradient clipping
+    to norm 0.71 re-applied", scaled its gradients to the recorded norms, and every what-if
+    clipped to 0.71. A norm is now read as a clip only where the re-run's loss is the
+    recorded one, as a clip (after the loss) leaves it."""
+    model = M.MLP()
+    opt = M.Lookahead(torch.optim.Adam(model.parameters(), lr=1e-3))
+    crit = torch.nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                            factory="procedure_models:make_lookahead_mlp"):
+            for step in range(BAD_RECORD + 1):
+                x, y = M.batch(step)
+                if step == BAD_RECORD:
+                    x[2] = float("nan")
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (BAD_RECORD, "input")
+    res = invoke_cli(info.value.bundle_path, "--json")
+    rep = json.loads(res.stdout)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [2]), rep["origin"]
+    assert rep["window"]["reproduced"] and rep["window"]["loop_clip"] is None, rep["window"]
+
+
+def _train_no_decay_groups(out_dir, wd_from: tuple[int, float] | None = None):
+    """AdamW over the usual recipe's groups: weights decayed, biases not; a NaN record at
+    BAD_RECORD. ``wd_from=(k, wd)``: the decayed group's weight decay is ``wd`` from step k (a
+    run without the recorder, whose weight norms after each update it returns)."""
+    model = M.MLP()
+    opt = torch.optim.AdamW([{"params": [model.fc1.weight, model.fc2.weight],
+                              "weight_decay": 0.05},
+                             {"params": [model.fc1.bias, model.fc2.bias], "weight_decay": 0.0}],
+                            lr=0.05)
+    crit = torch.nn.CrossEntropyLoss()
+    norms = {}
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                         factory="procedure_models:make_mlp")
+    with rec if wd_from is None else contextlib.nullcontext():
+        for step in range(BAD_RECORD + 1 if wd_from is None else BAD_RECORD):
+            if wd_from is not None and step == wd_from[0]:
+                opt.param_groups[0]["weight_decay"] = wd_from[1]
+            x, y = M.batch(step)
+            if step == BAD_RECORD:
+                x[2] = float("nan")
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+            norms[step] = float(torch.stack([p.detach().double().norm()
+                                             for p in model.parameters()]).norm())
+    return norms
+
+
+def test_try_wd_leaves_the_no_decay_groups_undecayed(out_dir):
+    """--try wd=0.3 set every group's weight decay, the biases' no-decay group's too: the try
+    re-ran another recipe than the run's with wd=0.3. It now changes the decayed groups only,
+    and its steps train as the run does with that weight decay."""
+    with pytest.raises(NonFiniteError) as info:
+        _train_no_decay_groups(out_dir)
+    step = read_step(info.value.bundle_path)
+    build(step, None, None, None)
+    win = window_of(step)
+    res = run_window(step, win, Change(weight_decay=0.3))  # what --try wd=0.3 re-runs
+    torch.manual_seed(0)
+    want = _train_no_decay_groups(out_dir, wd_from=(win.copy_step, 0.3))
+    got = {s["step"]: s["param_norm"] for s in res.per_step if s["param_norm"] is not None}
+    assert got and set(got) <= set(want), (got, want)
+    for k, v in got.items():
+        assert v == pytest.approx(want[k], rel=1e-5), (k, got, want)
