@@ -79,6 +79,14 @@ class Change:
     drop_micro_batch: tuple[int, ...] | None = None  # (None: every micro-batch of that step)
 
 
+# a window whose steps ran forwards on weights the loop moved (recorder: ``weights_moved``)
+MOVED_NOT_RERUN = ("the loop moved the weights in place between the forwards of {steps} (SAM's "
+                   "ascent to w + e, undone before step()): the re-run does not repeat that "
+                   "move, so their later forwards ran on the weights as they were and the "
+                   "updates used the gradients there; the window and its what-ifs train as the "
+                   "base optimizer alone, not as the loop did")
+
+
 @dataclass
 class Outcome:
     """The first non-finite value of a run."""
@@ -138,6 +146,9 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     ``optimizer`` for updates); its tensors are never modified."""
     change = change or Change()
     out = WindowRun(None, [])
+    if moved := [r["step"] for r in win.records if r["step"] != step.event.get("step")
+                 and any(mb.get("weights_moved") for mb in r.get("micro_batches") or [])]:
+        out.problems.append(MOVED_NOT_RERUN.format(steps=_span(moved)))
     _restore(step, win, change.dtype)
     opt = _stepped_optimizer(step, win, out.problems)
     peers = _peers(step, win, out.problems)
@@ -192,6 +203,10 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             break
     win.loss_factors = win.loss_factors if factors is None else window_factors(factors)
     return out
+
+
+def _span(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
 def _stepped_optimizer(step: Step, win: Window, problems: list[str]):

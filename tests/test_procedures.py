@@ -201,3 +201,30 @@ def test_try_wd_leaves_the_no_decay_groups_undecayed(out_dir):
     assert got and set(got) <= set(want), (got, want)
     for k, v in got.items():
         assert v == pytest.approx(want[k], rel=1e-5), (k, got, want)
+
+
+def test_a_sam_window_says_its_re_run_trains_the_base_optimizer_alone(out_dir):
+    """A window over SAM's steps re-runs each step's two forwards on the weights as they were
+    (the bundle holds no ascent) and updates with the gradients there: the window and its
+    what-ifs train plain SGD, not SAM, which the report did not say."""
+    model = M.MLP()
+    sam = M.SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    crit = torch.nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, sam.base_optimizer, loss_fn=crit, out_dir=out_dir,
+                            rewind=4, factory="procedure_models:make_mlp"):
+            for step in range(BAD_RECORD):
+                x, y = M.batch(step)
+                if step == BAD_RECORD - 1:
+                    x[2] = float("nan")
+                crit(model(x), y).backward()
+                sam.first_step()
+                crit(model(x), y).backward()
+                sam.second_step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (BAD_RECORD, "input", [2]), ev
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json", "--try", "lr=0.1x").stdout)
+    assert rep["cause"] == "input" and rep["window"]["reproduced"], rep["window"]
+    notes = [p for p in rep["problems"] if "moved the weights in place" in p]
+    assert len(notes) == 1 and "base optimizer alone" in notes[0], rep["problems"]
+    assert "note" not in rep["what_if"][0], rep["what_if"]  # (said once, in the report)
