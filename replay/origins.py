@@ -14,6 +14,7 @@ import torch
 
 from recorder.capture import tensor_leaves
 from recorder.finite import finite, kind_of, label, tensors_kind
+from recorder.inner_optim import put_state, state_items
 
 from . import outside
 from .backward import find_backward_origin
@@ -478,7 +479,7 @@ def stale_state(model, opt) -> tuple[str, str, str] | None:
     """(parameter, state key, kind) of the first non-finite tensor in the optimizer's state
     before an update (Adam's moments, a momentum buffer), or None."""
     names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
+    for p, st in state_items(opt):
         for k, v in st.items():
             if torch.is_tensor(v) and v.is_floating_point() and not finite(v):
                 return names.get(id(p), "?"), k, tensors_kind([v])
@@ -492,6 +493,6 @@ def _own_copies(model, opt) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()
-    for p, st in list(opt.state.items()):
-        opt.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                        for k, v in st.items()}
+    for p, st in state_items(opt):
+        put_state(opt, p, {k: v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in st.items()})

@@ -31,6 +31,7 @@ import torch
 
 from recorder.capture import map_tensors
 from recorder.finite import finite, tensors_kind
+from recorder.inner_optim import clear_state, full_state, put_state, state_items
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
 from .clip import loop_clip, total_norm
@@ -365,7 +366,7 @@ def _restore(step: Step, win: Window, dtype: torch.dtype | None) -> None:
     opt = step.optimizer
     if opt is None:
         return
-    opt.state.clear()
+    clear_state(opt)
     names = dict(model.named_parameters())
     scalars = (win.optimizer or {}).get("state_scalars", {})
     prefix = f"{win.prefix}optim/"
@@ -379,7 +380,7 @@ def _restore(step: Step, win: Window, dtype: torch.dtype | None) -> None:
         states.setdefault(name, {}).update(st)
     for name, st in states.items():
         if name in names:
-            opt.state[names[name]] = st
+            put_state(opt, names[name], st)
 
 
 def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -> Step:
@@ -412,14 +413,14 @@ def _state(model, opt) -> dict[str, Any]:
     """Weights and optimizer state before an update, to re-run it under the op finder."""
     return {"weights": {id(p): p.detach().clone() for p in model.parameters()},
             "state": {id(p): map_tensors(dict(st), lambda t: t.clone())
-                      for p, st in opt.state.items()},
+                      for p, st in state_items(opt)},
             "grads": {id(p): p.grad for p in model.parameters()}}
 
 
 def _bad_after_update(model, opt) -> list[str]:
     bad = []
     for n, p in model.named_parameters():
-        st = opt.state.get(p, {})
+        st = full_state(opt, p)
         if not finite(p) or any(isinstance(v, torch.Tensor) and not finite(v)
                                 for v in st.values()):
             bad.append(n)
@@ -434,8 +435,8 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
         for p in model.parameters():
             p.copy_(before["weights"][id(p)])
             p.grad = before["grads"][id(p)]
-    for p in list(opt.state):
-        opt.state[p] = before["state"].get(id(p), {})
+    for p, _ in state_items(opt):
+        put_state(opt, p, before["state"].get(id(p), {}))
     finder = OpFinder()
     with per_parameter(opt), finder:
         opt.step()

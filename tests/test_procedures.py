@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 from replay.load import build, read_step
 from replay.window import Change, run_window, window_of
 
@@ -155,6 +156,34 @@ def test_lookahead_window_invents_no_gradient_clipping(out_dir):
     rep = json.loads(res.stdout)
     assert (rep["cause"], rep["origin"]["samples"]) == ("input", [2]), rep["origin"]
     assert rep["window"]["reproduced"] and rep["window"]["loop_clip"] is None, rep["window"]
+
+
+def test_lookahead_inner_adam_state_is_bundled_and_the_window_follows_training(out_dir):
+    """The bundle and the rewind copy held the wrapper's state (the slow weights) and not its
+    inner Adam's moments, so the window's Adam restarted from zero moments and its losses
+    left training's after the copy. The inner optimizer's state is now kept beside the
+    wrapper's (``base::exp_avg``) and put back into the factory's wrapper's base optimizer:
+    the window's losses are the recorded ones."""
+    model = M.MLP()
+    opt = M.Lookahead(torch.optim.Adam(model.parameters(), lr=1e-3))
+    crit = torch.nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                            factory="procedure_models:make_lookahead_mlp"):
+            for step in range(BAD_RECORD + 1):
+                x, y = M.batch(step)
+                if step == BAD_RECORD:
+                    x[2] = float("nan")
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    meta, tensors = read_bundle(info.value.bundle_path)
+    assert "optim/fc1.weight/base::exp_avg" in tensors, sorted(tensors)
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    ring = dict(zip(tensors["ring/steps"].tolist(), tensors["ring/loss"].tolist()))
+    got = [(s["step"], s["loss"]) for s in rep["window"]["per_step"] if s["step"] < BAD_RECORD]
+    assert len(got) >= 4 and all(v == pytest.approx(ring[k], rel=1e-6) for k, v in got), \
+        (got, ring)
 
 
 def _train_no_decay_groups(out_dir, wd_from: tuple[int, float] | None = None):
