@@ -278,8 +278,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["loss"] = res.per_step[-1]["loss"] if res.per_step else None
             entry["diverging"] = still_diverging(entry["loss"], report.get("window"))
             entry["beyond"] = beyond_run_type(entry["loss"], _weights_dtype(step))
-        # (a note the report has already, from the window's own re-run, is not said again)
-        if notes := [p for p in res.problems if p not in report.get("problems", ())]:
+        if notes := [p for p in res.problems if p not in report.get("problems", ())]:  # (new)
             entry["note"] = "; ".join(notes)
         out.append(entry)
     return out

@@ -146,10 +146,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     until the first non-finite value (or the end). ``step`` needs ``model`` (and
     ``optimizer`` for updates); its tensors are never modified."""
     change = change or Change()
-    out = WindowRun(None, [])
-    if moved := [r["step"] for r in win.records if r["step"] != step.event.get("step")
-                 and any(mb.get("weights_moved") for mb in r.get("micro_batches") or [])]:
-        out.problems.append(MOVED_NOT_RERUN.format(steps=_span(moved)))
+    out = WindowRun(None, [], problems=_moved_note(step, win))
     _restore(step, win, change.dtype)
     opt = _stepped_optimizer(step, win, out.problems)
     peers = _peers(step, win, out.problems)
@@ -206,8 +203,14 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     return out
 
 
-def _span(steps: list[int]) -> str:
-    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+def _moved_note(step: Step, win: Window) -> list[str]:
+    """The note for steps of the window that ran forwards on weights the loop moved (SAM)."""
+    moved = [r["step"] for r in win.records if r["step"] != step.event.get("step")
+             and any(mb.get("weights_moved") for mb in r.get("micro_batches") or [])]
+    if not moved:
+        return []
+    span = f"step {moved[0]}" if len(moved) == 1 else f"steps {moved[0]}-{moved[-1]}"
+    return [MOVED_NOT_RERUN.format(steps=span)]
 
 
 def _stepped_optimizer(step: Step, win: Window, problems: list[str]):
