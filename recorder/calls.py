@@ -127,7 +127,7 @@ class CallHooks:
                 mb.grads_dropped = _grads_dropped(tape.micro_batches, self.target.params)
             if tape.micro_batches and not tape.evaluation:  # (the first has the step's)
                 mb.rng = cycle.capture_rng()
-            tape.add_micro_batch(mb)
+            tape.add_micro_batch(mb, self.target.watched)
 
     def _root_input_refs(self, tape: Tape, args, kwargs, versions: list) -> tuple:
         """(min, max, allowed) refs of each floating root input. NaN is always checked; +-Inf

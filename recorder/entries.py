@@ -66,6 +66,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         out["inputs_changed"] = True
     if mb.targets_changed:
         out["targets_changed"] = True
+    if mb.weights_moved:
+        out["weights_moved"] = True
     if mb.differentiated:
         out["differentiated"] = True
     if mb.rng is not None:

@@ -24,6 +24,7 @@ from .compiled import disabled
 from .cycle import StepCycle, UpdateEvidence
 from .grads import reread_changed_grads
 from .hooks import Health, Hook
+from .inner_optim import full_state
 from .shards import local
 from .slots import STRICT, FlatViews, Slots
 from .tape import Tape
@@ -236,7 +237,7 @@ def _copy_for_guard(optimizer, params) -> dict[str, Any]:
                 copies["weights"][n] = p.detach().clone()
                 if p.grad is not None:
                     copies["grads"][n] = p.grad.detach().clone()
-                st = optimizer.state.get(p, {})
+                st = full_state(optimizer, p)
                 copies["state"][n] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                                       for k, v in st.items()}
     for d in (copies["weights"], copies["grads"]):

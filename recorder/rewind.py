@@ -34,6 +34,7 @@ import torch
 from .capture import flatten_tree, map_tensors, tensor_leaves
 from .compat import scaler_tensors
 from .entries import hyper_entry, jsonish, micro_batch_entry
+from .inner_optim import state_items
 from .rng import rng_to_bundle
 
 log = logging.getLogger("nanreplay")
@@ -139,7 +140,7 @@ class Rewind:
         creates at its first step, Adam's moments, is not there yet at attach)."""
         n = sum(_size(p) for _, p in params) + sum(_size(b) for _, b in buffers)
         if optimizer is not None:
-            n += sum(_size(v) for st in optimizer.state.values() for v in st.values()
+            n += sum(_size(v) for _, st in state_items(optimizer) for v in st.values()
                      if isinstance(v, torch.Tensor))
         return n
 
@@ -224,7 +225,7 @@ def _take_copy(step, params, buffers, optimizer, scheduler, scaler, reuse: _Copy
             copy.buffers[n] = _to_host(b, old.buffers.get(n))
         if optimizer is not None:
             names = {id(p): n for n, p in params}
-            for p, st in optimizer.state.items():
+            for p, st in state_items(optimizer):
                 n = names.get(id(p))
                 if n is None:
                     continue

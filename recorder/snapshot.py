@@ -21,6 +21,7 @@ from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
 from .compiled import hook_sites
 from .entries import hyper_entry, jsonish, micro_batch_entry
+from .inner_optim import full_state
 from .lossdesc import describe_callable, describe_loss
 from .rewind import Rewind
 from .ring import RingBuffer
@@ -189,7 +190,7 @@ def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
         name = names.get(id(p))
         if name is None:
             continue
-        state = guard["state"].get(name, {}) if guard else opt.state.get(p, {})
+        state = guard["state"].get(name, {}) if guard else full_state(opt, p)
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 tensors[f"optim/{name}/{k}"] = v.detach()

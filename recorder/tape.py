@@ -50,6 +50,9 @@ class MicroBatch:
     # a later micro-batch's RNG states as it began: the loop may draw between forwards (an RL
     # loop sampling each action), which the step's states, taken as it opened, do not show
     rng: dict[str, Any] | None = None
+    # the loop moved the weights in place since the step opened (SAM's ascent to w + e between
+    # its forwards, undone before step()): this forward ran on weights the bundle does not hold
+    weights_moved: bool = False
 
     def inputs_moved(self) -> bool:
         """An input was written in place since this micro-batch's forward began."""
@@ -139,9 +142,13 @@ class Tape:
                     return True
         return False
 
-    def add_micro_batch(self, mb: MicroBatch) -> None:
-        """Begin the calling thread's next micro-batch (under the step cycle's lock)."""
+    def add_micro_batch(self, mb: MicroBatch, watched: torch.Tensor | None = None) -> None:
+        """Begin the calling thread's next micro-batch (under the step cycle's lock);
+        ``watched``: the weight whose version says the loop moved the weights since the step
+        opened (``Target.watched``)."""
         ident, n = get_ident(), len(self.micro_batches)
+        if n and watched is not None and self.held_version is not None:
+            mb.weights_moved = version_of(watched) != self.held_version
         if self.by_thread is None:
             if not n:
                 self._first_thread = ident

@@ -30,6 +30,7 @@ from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .load import Step, build, read_step
 from .loss_grad import loop_differentiation, not_rerun_term
+from .moved_weights import report_moved_weights
 from .origins import (
     after_update_hint,
     infinity_the_loss_took,
@@ -386,6 +387,8 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
         return hidden
     if phase == "backward" and _finite_gradients_reached_the_output(step):
         return _gradients_from_the_loop(report, step, reached=True)
+    if (moved := report_moved_weights(report, step, runner)) is not None:
+        return moved
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")
     report = finish(report, origin_fields(), "not_reproduced", reproduced=False)
     # the two re-runs agree with each other: no reason to suspect the hardware

@@ -13,20 +13,25 @@ import torch
 from recorder.finite import stored
 
 
-def loop_clip(step, win, record: dict[str, Any], change, norm: float | None) -> None:
+def loop_clip(step, win, record: dict[str, Any], change, norm: float | None,
+              loss: float | None = None) -> None:
     """The loop's own ``clip_grad_norm_`` between backward and ``optimizer.step()``, which
     the recorder saw only as the smaller gradient norm the update used (the ring's). Left
     out, a window whose every update was clipped ran away where training did not. The
     unchanged re-run scales the gradients to the recorded norm, as the clip did, and keeps
     the norm it clipped to (the loop's max_norm); a what-if, whose gradients differ, clips to
-    that max_norm, or to the try's own ``clip``."""
+    that max_norm, or to the try's own ``clip``. A larger norm where the re-run's ``loss``
+    is not the recorded one is no clipping: the re-run has left training's path (an optimizer
+    wrapper's state the bundle lacks, Lookahead's slow weights or its inner Adam's moments),
+    and scaling its gradients to the recorded norm would hide that and clip every what-if."""
     params = [p for p in step.model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     if change.clip is not None:
         clip_grads(params, change.clip)
     elif change == type(change)():
         rec = _recorded_grad_norm(step, record["step"])
-        if rec is None or norm is None or not norm > rec * (1 + 1e-3):
+        if rec is None or norm is None or not norm > rec * (1 + 1e-3) \
+                or not _same_loss(step, record["step"], loss):
             return
         for g in grads:
             g.mul_(rec / norm)
@@ -59,10 +64,23 @@ def clip_grads(params: list[torch.Tensor], max_norm: float) -> None:
         g.mul_(coef)
 
 
+def _same_loss(step, k: int, loss: float | None) -> bool:
+    """The re-run's loss of step ``k`` is the recorded one (the ring's), as a clip, which
+    comes after the loss, leaves it; True when either is unknown (no loss to compare)."""
+    rec = _recorded(step, k, "ring/loss")
+    return rec is None or loss is None or not math.isfinite(loss) \
+        or abs(loss - rec) <= 1e-5 * max(abs(rec), 1e-6)
+
+
 def _recorded_grad_norm(step, k: int) -> float | None:
     """The total gradient norm the recorded update of step ``k`` used (the ring's), if
     finite."""
-    steps, norms = step.tensors.get("ring/steps"), step.tensors.get("ring/grad_norm")
+    return _recorded(step, k, "ring/grad_norm")
+
+
+def _recorded(step, k: int, key: str) -> float | None:
+    """Step ``k``'s finite value of the ring's ``key``, else None."""
+    steps, norms = step.tensors.get("ring/steps"), step.tensors.get(key)
     if steps is None or norms is None:
         return None
     hit = (steps == k).nonzero()

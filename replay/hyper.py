@@ -6,6 +6,7 @@ learning rates (taken as the step closed, before its update) and the bundle's gr
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from .load import Step
 
@@ -65,3 +66,34 @@ def decode_non_finite_hyper(opt) -> None:
             if isinstance(v, str) and v in SPELT and isinstance(default, (int, float)) \
                     and not isinstance(default, bool):
                 group[k] = float(v)
+
+
+def set_hyper(opt, record: dict[str, Any], sub: Step, change) -> None:
+    """The record's hyper-parameters into ``opt``'s groups for a window re-run's update, as
+    the change (``replay.window.Change``) sets them; ``wd`` leaves the groups with
+    no weight decay beside decayed ones (norms and biases, by the usual recipe) at 0."""
+    decayed = any(_decays(h) for h in record.get("hyper") or [])
+    for group, rec in zip(opt.param_groups, record.get("hyper") or []):
+        for k, v in rec.items():
+            if k == "params" or (isinstance(v, dict) and "$repr" in v):
+                continue
+            if isinstance(v, dict) and "$t" in v:
+                v = sub.tensors[v["$t"]].to(sub.device, copy=True)
+            elif isinstance(v, str) and v in ("nan", "inf", "-inf"):
+                v = float(v)
+            elif isinstance(v, list) and k == "betas":
+                v = tuple(v)
+            group[k] = v
+        if change.lr is not None:
+            group["lr"] = change.lr
+        if change.lr_factor is not None:
+            group["lr"] = group["lr"] * change.lr_factor
+        if change.eps is not None:
+            group["eps"] = change.eps
+        if change.weight_decay is not None and (_decays(rec) or not decayed):
+            group["weight_decay"] = change.weight_decay
+
+
+def _decays(hyper: dict[str, Any]) -> bool:
+    v = hyper.get("weight_decay")
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0

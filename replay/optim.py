@@ -9,6 +9,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from recorder.inner_optim import put_state
+
 
 def build_optimizer(step, model: nn.Module, opt_factory):
     """The recorded optimizer over ``model``'s parameters: its class (a ``torch.optim``
@@ -54,7 +56,7 @@ def build_optimizer(step, model: nn.Module, opt_factory):
                 state[key[len(prefix):]] = t.to(step.device) if t.dim() else t
         state.update(scalars.get(name, {}))
         if state:
-            opt.state[p] = state
+            put_state(opt, p, state)
     return opt
 
 

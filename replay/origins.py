@@ -14,6 +14,7 @@ import torch
 
 from recorder.capture import tensor_leaves
 from recorder.finite import finite, kind_of, label, tensors_kind
+from recorder.inner_optim import put_state, state_items
 
 from . import outside
 from .backward import find_backward_origin
@@ -33,6 +34,7 @@ from .param_writes import forward_made, forward_made_hint, loop_written_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
+from .update_domain import domain_why, update_domain
 from .weight_readers import bad_row_fields, first_reader, rows_text
 
 
@@ -402,19 +404,23 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     origin = origin_fields(phase="optimizer", params=bad, param=(bad or [None])[0],
                            op=hit.op if hit else None, source=hit.source if hit else None,
                            chain=finder.chain(), made=made)
+    domain = update_domain(hit)
+    origin["domain"] = domain
     hint = optimizer_hint(step, hit.op if hit else None, made, bad, step.event.get("step"),
                           "re-run from the copies taken before the update",
-                          stale=stale) if bad else None
+                          stale=stale, domain=domain) if bad else None
     return finish(report, origin, "optimizer", reproduced=bool(bad), hint=hint)
 
 
 def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[str], at,
-                   rerun_from: str, stale: tuple[str, str, str] | None = None) -> str:
+                   rerun_from: str, stale: tuple[str, str, str] | None = None,
+                   domain: str | None = None) -> str:
     """The hint of an update re-run under the op finder that made ``made`` in ``params``: a
     guard bundle's (:func:`report_optimizer`) or a rewind window's
     (``replay.window_report``). An Adam-style update with ``eps=0`` in the bundle's
     hyper-parameters that made NaN is the 0/0 of gradients that have all been exactly 0; one
-    whose eps is 0 in the weights' dtype (1e-8 in float16) divides by 0 where v rounded to 0."""
+    whose eps is 0 in the weights' dtype (1e-8 in float16) divides by 0 where v rounded to 0.
+    ``domain``: the update's op left its domain (``replay.update_domain``)."""
     opt = step.meta.get("optimizer") or {}
     cls = opt.get("class", "the optimizer").rpartition(".")[2]
     groups = opt.get("param_groups", [])
@@ -428,7 +434,8 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            "optimizer; resume from a checkpoint whose optimizer state is finite, or reset that "
            "parameter's state"
            if stale else
-           _eps_why(step, own, params, made) or HINTS["optimizer"])
+           _eps_why(step, own, params, made) or (domain and domain_why(domain))
+           or HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
 
@@ -471,7 +478,7 @@ def stale_state(model, opt) -> tuple[str, str, str] | None:
     """(parameter, state key, kind) of the first non-finite tensor in the optimizer's state
     before an update (Adam's moments, a momentum buffer), or None."""
     names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
+    for p, st in state_items(opt):
         for k, v in st.items():
             if torch.is_tensor(v) and v.is_floating_point() and not finite(v):
                 return names.get(id(p), "?"), k, tensors_kind([v])
@@ -485,6 +492,6 @@ def _own_copies(model, opt) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()
-    for p, st in list(opt.state.items()):
-        opt.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                        for k, v in st.items()}
+    for p, st in state_items(opt):
+        put_state(opt, p, {k: v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in st.items()})

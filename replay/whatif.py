@@ -160,6 +160,11 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")
     grew = began is not None and began < (report.get("event") or {}).get("step", began)
     fits_update = cause in ("optimizer", "overflow") or (grew and cause != "weights")
+    # an update whose own op left its domain (a trust ratio's 0/0) where no eps of the
+    # optimizer's is at fault: any rate, any clip, makes the same value
+    if cause == "optimizer" and o.get("domain") and step.optimizer is not None \
+            and not _eps_tries(step, o.get("params") or []):
+        return out
     if step.optimizer is not None and fits_update:
         bad_lr = any(not math.isfinite(float(g.get("lr", 0.0)))
                      for g in step.optimizer.param_groups)
@@ -273,8 +278,8 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["loss"] = res.per_step[-1]["loss"] if res.per_step else None
             entry["diverging"] = still_diverging(entry["loss"], report.get("window"))
             entry["beyond"] = beyond_run_type(entry["loss"], _weights_dtype(step))
-        if res.problems:
-            entry["note"] = "; ".join(res.problems)
+        if notes := [p for p in res.problems if p not in report.get("problems", ())]:  # (new)
+            entry["note"] = "; ".join(notes)
         out.append(entry)
     return out
 

@@ -31,10 +31,12 @@ import torch
 
 from recorder.capture import map_tensors
 from recorder.finite import finite, tensors_kind
+from recorder.inner_optim import clear_state, full_state, put_state, state_items
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
 from .clip import loop_clip, total_norm
 from .drop import drop_rows
+from .hyper import set_hyper
 from .load import Step
 from .loopscale import unscale, window_factors, with_factors
 from .ops import OpFinder
@@ -43,6 +45,7 @@ from .outgrads import nonfinite_forwards
 from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
 from .rerun import Runner, restorable
+from .update_domain import update_domain
 
 
 @dataclass
@@ -77,6 +80,14 @@ class Change:
     drop_micro_batch: tuple[int, ...] | None = None  # (None: every micro-batch of that step)
 
 
+# a window whose steps ran forwards on weights the loop moved (recorder: ``weights_moved``)
+MOVED_NOT_RERUN = ("the loop moved the weights in place between the forwards of {steps} (SAM's "
+                   "ascent to w + e, undone before step()): the re-run does not repeat that "
+                   "move, so their later forwards ran on the weights as they were and the "
+                   "updates used the gradients there; the window and its what-ifs train as the "
+                   "base optimizer alone, not as the loop did")
+
+
 @dataclass
 class Outcome:
     """The first non-finite value of a run."""
@@ -91,6 +102,7 @@ class Outcome:
     op: str | None = None
     source: str | None = None
     chain: list[dict[str, Any]] = field(default_factory=list)
+    domain: str | None = None  # an update's op out of its domain (replay.update_domain)
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -134,7 +146,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     until the first non-finite value (or the end). ``step`` needs ``model`` (and
     ``optimizer`` for updates); its tensors are never modified."""
     change = change or Change()
-    out = WindowRun(None, [])
+    out = WindowRun(None, [], problems=_moved_note(step, win))
     _restore(step, win, change.dtype)
     opt = _stepped_optimizer(step, win, out.problems)
     peers = _peers(step, win, out.problems)
@@ -174,12 +186,12 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
                                 kind=_kind([p.grad for n, p in step.model.named_parameters()
                                             if n in bad_grads]))
             break
-        loop_clip(step, win, record, change, stats["grad_norm"])
+        loop_clip(step, win, record, change, stats["grad_norm"], stats["loss"])
         # (the GradScaler's skips follow the re-run's own gradients, as in training)
         if opt is None or (record is win.records[-1] and not _last_update_ran(step, win)):
             stats["param_norm"] = total_norm(step.model.parameters())
             continue
-        _set_hyper(opt, record, sub, change)
+        set_hyper(opt, record, sub, change)
         before = _state(step.model, opt)
         opt.step()
         stats["param_norm"] = total_norm(step.model.parameters())
@@ -189,6 +201,16 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             break
     win.loss_factors = win.loss_factors if factors is None else window_factors(factors)
     return out
+
+
+def _moved_note(step: Step, win: Window) -> list[str]:
+    """The note for steps of the window that ran forwards on weights the loop moved (SAM)."""
+    moved = [r["step"] for r in win.records if r["step"] != step.event.get("step")
+             and any(mb.get("weights_moved") for mb in r.get("micro_batches") or [])]
+    if not moved:
+        return []
+    span = f"step {moved[0]}" if len(moved) == 1 else f"steps {moved[0]}-{moved[-1]}"
+    return [MOVED_NOT_RERUN.format(steps=span)]
 
 
 def _stepped_optimizer(step: Step, win: Window, problems: list[str]):
@@ -347,7 +369,7 @@ def _restore(step: Step, win: Window, dtype: torch.dtype | None) -> None:
     opt = step.optimizer
     if opt is None:
         return
-    opt.state.clear()
+    clear_state(opt)
     names = dict(model.named_parameters())
     scalars = (win.optimizer or {}).get("state_scalars", {})
     prefix = f"{win.prefix}optim/"
@@ -361,7 +383,7 @@ def _restore(step: Step, win: Window, dtype: torch.dtype | None) -> None:
         states.setdefault(name, {}).update(st)
     for name, st in states.items():
         if name in names:
-            opt.state[names[name]] = st
+            put_state(opt, names[name], st)
 
 
 def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -> Step:
@@ -390,40 +412,18 @@ def _sub_step(step: Step, win: Window, record: dict[str, Any], change: Change) -
     return dataclasses.replace(step, meta=meta, tensors=tensors, problems=[])
 
 
-def _set_hyper(opt, record: dict[str, Any], sub: Step, change: Change) -> None:
-    for group, rec in zip(opt.param_groups, record.get("hyper") or []):
-        for k, v in rec.items():
-            if k == "params" or (isinstance(v, dict) and "$repr" in v):
-                continue
-            if isinstance(v, dict) and "$t" in v:
-                v = sub.tensors[v["$t"]].to(sub.device, copy=True)
-            elif isinstance(v, str) and v in ("nan", "inf", "-inf"):
-                v = float(v)
-            elif isinstance(v, list) and k == "betas":
-                v = tuple(v)
-            group[k] = v
-        if change.lr is not None:
-            group["lr"] = change.lr
-        if change.lr_factor is not None:
-            group["lr"] = group["lr"] * change.lr_factor
-        if change.eps is not None:
-            group["eps"] = change.eps
-        if change.weight_decay is not None:
-            group["weight_decay"] = change.weight_decay
-
-
 def _state(model, opt) -> dict[str, Any]:
     """Weights and optimizer state before an update, to re-run it under the op finder."""
     return {"weights": {id(p): p.detach().clone() for p in model.parameters()},
             "state": {id(p): map_tensors(dict(st), lambda t: t.clone())
-                      for p, st in opt.state.items()},
+                      for p, st in state_items(opt)},
             "grads": {id(p): p.grad for p in model.parameters()}}
 
 
 def _bad_after_update(model, opt) -> list[str]:
     bad = []
     for n, p in model.named_parameters():
-        st = opt.state.get(p, {})
+        st = full_state(opt, p)
         if not finite(p) or any(isinstance(v, torch.Tensor) and not finite(v)
                                 for v in st.values()):
             bad.append(n)
@@ -438,8 +438,8 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
         for p in model.parameters():
             p.copy_(before["weights"][id(p)])
             p.grad = before["grads"][id(p)]
-    for p in list(opt.state):
-        opt.state[p] = before["state"].get(id(p), {})
+    for p, _ in state_items(opt):
+        put_state(opt, p, before["state"].get(id(p), {}))
     finder = OpFinder()
     with per_parameter(opt), finder:
         opt.step()
@@ -447,7 +447,7 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
     params = dict(model.named_parameters())
     return Outcome(k, "update", params=bad, kind=_kind([params[n] for n in bad]),
                    op=hit.op if hit else None, source=hit.source if hit else None,
-                   chain=finder.chain())
+                   chain=finder.chain(), domain=update_domain(hit))
 
 
 def _forward_outcome(k: int, run) -> Outcome | None:

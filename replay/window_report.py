@@ -118,7 +118,7 @@ def _optimizer_origin(step: Step, report: dict[str, Any], o, ok: bool) -> None:
     report["problems"] = [p for p in report["problems"] if p != UPDATE_NOT_RERUN]
     origin = {**report["origin"], "phase": "optimizer", "params": o.params,
               "param": o.params[0], "op": o.op, "source": o.source, "chain": o.chain,
-              "made": o.kind, "step": o.step}
+              "made": o.kind, "step": o.step, "domain": o.domain}
     finish(report, origin, "optimizer", reproduced=ok,
            hint=optimizer_hint(step, o.op, o.kind, o.params, o.step,
-                               "re-run from the rewind window"))
+                               "re-run from the rewind window", domain=o.domain))

@@ -1,0 +1,38 @@
+"""An update whose own formula took an op out of its domain (a hand-written optimizer's 0/0).
+
+LAMB's and LARS's trust ratio ||w|| / ||update|| of a zero-initialised parameter that got no
+gradient, normalised SGD's g / ||g|| of a zero gradient, Adafactor's rsqrt of a factored second
+moment of 0: the update's op made NaN or Inf from finite weights, gradients and state. No
+learning rate or clipping changes such a value (a fraction of 0/0 is still 0/0), so the hint
+names the op's values, as a forward op's cause does, and ``--try auto`` proposes neither.
+"""
+
+from __future__ import annotations
+
+from . import domains
+from .cause_text import DO
+from .ops import OpHit
+
+__all__ = ["update_domain", "domain_why"]
+
+
+def update_domain(hit: OpHit | None) -> str | None:
+    """What the update's op was given where it left its domain ("aten.div of 0 by 0
+    (0/0)"), with the advice that fits; None for an op without a pole or domain (an overflow
+    of ``p - lr * u``, which a smaller rate does change) or one given infinities."""
+    if hit is None or hit.evidence is None or not hit.inputs_finite:
+        return None
+    name = hit.op.removeprefix("aten.")
+    if domains.no_pole(name, hit.evidence):
+        return None
+    what, situation = domains.describe(name, hit.evidence)
+    return f"{what}: {DO.get(situation, DO['pole'])}"
+
+
+def domain_why(domain: str) -> str:
+    """The hint's reason for an update that left an op's domain."""
+    return (f"{domain}. The update's own formula made it, whatever the learning rate: a "
+            "smaller rate or clipping does not remove it (a parameter that got no gradient "
+            "this step, or a freshly zero-initialised one, makes the 0 that a trust ratio "
+            "||w|| / ||update|| or a g / ||g|| divides by; LAMB and LARS take a ratio of 1 "
+            "there: torch.where(norm > 0, ratio, 1.0))")
