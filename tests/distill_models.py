@@ -1,0 +1,76 @@
+"""Students, teachers and distillation losses for ``test_distillation``.
+
+The factories and losses live at module level so that ``nanreplay`` rebuilds them from the
+bundle (``distill_models:make_distiller``, ``distill_models:MaskedKD``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    """A small classifier: the student (narrow) or the teacher (wide, with dropout)."""
+
+    def __init__(self, hidden: int = 16, p: float = 0.0, d_in: int = 12, classes: int = 10):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.relu(self.bn(self.fc1(x)))))
+
+
+def make_student() -> nn.Module:
+    torch.manual_seed(1)
+    return Net(hidden=16)
+
+
+def make_teacher() -> nn.Module:
+    torch.manual_seed(2)
+    return Net(hidden=48, p=0.3)
+
+
+class Distiller(nn.Module):
+    """The student and its frozen teacher in one module (torchdistill's and many repos'
+    layout): the teacher runs in eval mode under ``torch.inference_mode()`` (or
+    ``torch.no_grad()``) inside the forward, which returns both logits."""
+
+    def __init__(self, inference: bool = True):
+        super().__init__()
+        self.student = make_student()
+        self.teacher = make_teacher().eval().requires_grad_(False)
+        self.inference = inference
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.teacher.eval()  # the teacher stays in eval mode
+        return self
+
+    def forward(self, x):
+        with torch.inference_mode() if self.inference else torch.no_grad():
+            t = self.teacher(x)
+        return self.student(x), t
+
+
+def make_distiller() -> nn.Module:
+    return Distiller()
+
+
+class KD(nn.Module):
+    """Hinton's loss: KL of the softened distributions times T², plus cross entropy."""
+
+    def __init__(self, temperature: float = 4.0, alpha: float = 0.5):
+        super().__init__()
+        self.temperature, self.alpha = temperature, alpha
+
+    def forward(self, out, y):
+        s, t = out
+        T = self.temperature
+        kd = F.kl_div(F.log_softmax(s / T, dim=-1), F.softmax(t / T, dim=-1),
+                      reduction="batchmean") * T * T
+        return self.alpha * kd + (1 - self.alpha) * F.cross_entropy(s, y)

@@ -1,0 +1,64 @@
+"""Knowledge distillation loops as people write them (a frozen teacher beside or inside the
+recorded student, Hinton's KL with a temperature, masked vocabularies), with a planted
+numerical bug: the recorder fires at the planted step and ``nanreplay --json`` names the
+module (teacher or student), op, samples and cause.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import distill_models as D
+import pytest
+import torch
+from click.testing import CliRunner
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.cli import main as cli
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where distill_models.py, the factories' module, lives
+
+
+def nanreplay_json(bundle: Path, *extra: str) -> dict:
+    res = CliRunner().invoke(cli, [str(bundle), "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def batch(step: int, n: int = 16):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(n, 12, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def test_a_teacher_under_inference_mode_in_the_forward_is_replayed(tmp_path):
+    """The distiller runs its teacher under ``torch.inference_mode()`` inside its forward, and
+    the teacher's checkpoint holds a NaN in ``fc2.weight`` (row 2). The replay crashed in its
+    instrumented pass ('Inference tensors do not track version counter', from the memo of
+    module outputs); it now names the teacher's weight, read by the teacher's fc2."""
+    model = D.make_distiller()
+    sd = model.teacher.state_dict()
+    sd["fc2.weight"][2, 5] = float("nan")
+    model.teacher.load_state_dict(sd)
+    opt = torch.optim.SGD(model.student.parameters(), lr=0.05, momentum=0.9)
+    crit = D.KD()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="distill_models:make_distiller"):
+            for step in range(3):
+                x, y = batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "weights", ["teacher.fc2.weight"]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["param"], rep["cause"]) == \
+        ("weights", "teacher.fc2.weight", "weights"), json.dumps(rep, indent=1)
+    assert (o["module"], o["op"]) == ("teacher.fc2", "aten.linear"), o
