@@ -115,6 +115,14 @@ def loop_written_hint(step: Step, bad: list[str]) -> str | None:
     tensors = [t for n in bad if (t := step.tensors.get(f"weights/{n}")) is not None]
     every = all(not torch.isfinite(t).any() for t in tensors) and tensors
     more = f" (+{len(bad) - 2} more)" if len(bad) > 2 else ""
+    if first_recorded(step):
+        return (f"{', '.join(bad[:2])}{more} require no gradient and the optimizer does not "
+                "hold them (a frozen teacher or target network), and they were non-finite at "
+                f"step {step.event.get('step')}, the first step the recorder saw: no update "
+                "of the loop ran since it attached, so they came in so, from the checkpoint "
+                "or state_dict they were loaded from (a corrupt teacher checkpoint) or code "
+                "run before the recorder attached: check that file (torch.isfinite on each "
+                "of its tensors) and load a finite one")
     return (f"{', '.join(bad[:2])}{more} require no gradient and the optimizer does not hold "
             "them (a momentum/EMA target or teacher network): no update wrote them, the loop's "
             "own update of them did, between steps (or a checkpoint load)"
@@ -123,3 +131,13 @@ def loop_written_hint(step: Step, bad: list[str]) -> str | None:
             + ": check that update (t.mul_(m).add_(s, alpha=1 - m)) for a non-finite momentum "
             "m, from its schedule, or source weight s, guard it (math.isfinite(m)), and resume "
             "from a checkpoint before it")
+
+
+def first_recorded(step: Step) -> bool:
+    """The event's step is the first the recorder saw (its ring buffer holds no step before
+    it, nor did it ever drop one: it is not full), so no update of the loop ran under it."""
+    at, ring = step.event.get("step"), step.meta.get("ring") or {}
+    steps = step.tensors.get("ring/steps")
+    if at is None or steps is None or not ring.get("stored", 0) < ring.get("history", 0):
+        return False
+    return not any(s < at for s in steps.tolist())

@@ -62,3 +62,30 @@ def test_a_teacher_under_inference_mode_in_the_forward_is_replayed(tmp_path):
     assert (o["phase"], o["param"], rep["cause"]) == \
         ("weights", "teacher.fc2.weight", "weights"), json.dumps(rep, indent=1)
     assert (o["module"], o["op"]) == ("teacher.fc2", "aten.linear"), o
+
+
+def test_a_teacher_loaded_from_a_corrupt_checkpoint_is_named_not_an_ema_update(tmp_path):
+    """The teacher inside the distiller (run under ``torch.no_grad()``) was loaded from a
+    checkpoint holding a NaN. The event is the teacher's weight at step 0, the first step the
+    recorder saw; the hint blamed 'the loop's own update of them' and its momentum, which no
+    loop of this run ever ran, and now says they came in so, from the checkpoint."""
+    model = D.Distiller(inference=False)
+    sd = model.teacher.state_dict()
+    sd["fc1.weight"][7] = float("nan")
+    model.teacher.load_state_dict(sd)
+    opt = torch.optim.SGD(model.student.parameters(), lr=0.05)
+    crit = D.KD()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="distill_models:make_distiller"):
+            for step in range(3):
+                x, y = batch(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["param"], o["module"], rep["cause"]) == \
+        ("weights", "teacher.fc1.weight", "teacher.fc1", "weights"), json.dumps(rep, indent=1)
+    assert "first step the recorder saw" in rep["hint"] and "checkpoint" in rep["hint"], rep
+    assert "momentum" not in rep["hint"], rep["hint"]
