@@ -325,6 +325,10 @@ def _from_infinities(hit: OpHit) -> Cause:
                      "log-probability of exactly 0, infinite in exact arithmetic too): "
                      + DO["inf_weight"])
     what = INF_ARITH.get(name, "NaN from infinities")
+    if name == "mul" and hit.from_mask:  # the only infinities were put in on purpose
+        return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too, "
+                     "from the infinity of a mask (the chain's start) and a 0: "
+                     + DO["zero_times_mask"])
     return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too: "
                  + DO["inf_arith"])
 

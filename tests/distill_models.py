@@ -74,3 +74,22 @@ class KD(nn.Module):
         kd = F.kl_div(F.log_softmax(s / T, dim=-1), F.softmax(t / T, dim=-1),
                       reduction="batchmean") * T * T
         return self.alpha * kd + (1 - self.alpha) * F.cross_entropy(s, y)
+
+
+class MaskedKD(nn.Module):
+    """Hinton's loss over a vocabulary of which only the first ``allowed`` classes are live:
+    both models' logits of the others are masked to -inf before the softmaxes."""
+
+    def __init__(self, temperature: float = 2.0, allowed: int | None = None):
+        super().__init__()
+        self.temperature, self.allowed = temperature, allowed
+
+    def forward(self, s, t, y):
+        if self.allowed is not None:
+            dead = torch.arange(s.shape[-1], device=s.device) >= self.allowed
+            s = s.masked_fill(dead, float("-inf"))
+            t = t.masked_fill(dead, float("-inf"))
+        T = self.temperature
+        kd = F.kl_div(F.log_softmax(s / T, dim=-1), F.softmax(t / T, dim=-1),
+                      reduction="batchmean") * T * T
+        return kd + F.cross_entropy(s, y)

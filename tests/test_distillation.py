@@ -89,3 +89,37 @@ def test_a_teacher_loaded_from_a_corrupt_checkpoint_is_named_not_an_ema_update(t
         ("weights", "teacher.fc1.weight", "teacher.fc1", "weights"), json.dumps(rep, indent=1)
     assert "first step the recorder saw" in rep["hint"] and "checkpoint" in rep["hint"], rep
     assert "momentum" not in rep["hint"], rep["hint"]
+
+
+def test_a_masked_vocabulary_in_the_kl_names_the_mul_and_the_mask(tmp_path):
+    """From step 2 the loss masks the classes past 7 to -inf in both the student's and the
+    teacher's logits (a vocabulary that shrank). F.kl_div computes target * log_prob: the
+    teacher's probability 0 times the student's log-probability -inf, 0 * -inf, NaN. The chain
+    went on to the cross entropy's nll_loss, run after the NaN was made (its +inf, for labels
+    on masked classes, is not where the NaN came from), and the hint said to find the op that
+    made the first infinity, which is the mask on purpose; the chain now ends at the mul and
+    the hint says to leave the masked entries out of the product or mask with a finite
+    number."""
+    student, teacher = D.make_student(), D.make_teacher().eval().requires_grad_(False)
+    opt = torch.optim.Adam(student.parameters(), lr=1e-3)
+    crit = D.MaskedKD()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(student, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="distill_models:make_student"):
+            for step in range(4):
+                x, y = batch(step)
+                crit.allowed = 7 if step >= 2 else None
+                with torch.no_grad():
+                    t = teacher(x)
+                loss = crit(student(x), t, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (2, "loss"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.mul", "nan", "invalid"), json.dumps(rep, indent=1)
+    assert [c["op"] for c in o["chain"]] == ["aten.masked_fill", "aten.mul"], o["chain"]
+    assert "0 * inf" in rep["hint"] and "masked entries out of the product" in rep["hint"], rep
