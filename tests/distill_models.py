@@ -93,3 +93,32 @@ class MaskedKD(nn.Module):
         kd = F.kl_div(F.log_softmax(s / T, dim=-1), F.softmax(t / T, dim=-1),
                       reduction="batchmean") * T * T
         return kd + F.cross_entropy(s, y)
+
+
+class Pair(nn.Module):
+    """Deep mutual learning's two networks in one module; each learns from the other."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.net1 = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 10))
+        self.net2 = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 10))
+
+    def forward(self, x):
+        return self.net1(x), self.net2(x)
+
+
+def make_pair() -> nn.Module:
+    return Pair()
+
+
+class MutualKL(nn.Module):
+    """Both networks' cross entropy plus each one's KL to the other's detached output."""
+
+    def forward(self, out, y):
+        a, b = out
+        loss = F.cross_entropy(a, y) + F.cross_entropy(b, y)
+        for p, q in ((a, b), (b, a)):
+            loss = loss + F.kl_div(F.log_softmax(p, -1), F.softmax(q.detach(), -1),
+                                   reduction="batchmean")
+        return loss

@@ -123,3 +123,36 @@ def test_a_masked_vocabulary_in_the_kl_names_the_mul_and_the_mask(tmp_path):
         ("loss", "<loss>", "aten.mul", "nan", "invalid"), json.dumps(rep, indent=1)
     assert [c["op"] for c in o["chain"]] == ["aten.masked_fill", "aten.mul"], o["chain"]
     assert "0 * inf" in rep["hint"] and "masked entries out of the product" in rep["hint"], rep
+
+
+def test_mutual_learning_s_other_optimizer_is_named_for_the_weights_it_wrote(tmp_path):
+    """Deep mutual learning with one optimizer per network; the recorder is given the first,
+    which steps first, as the guide asks. At step 4 the second one's learning rate is NaN
+    (a schedule's 0/0), so the second network's weights are NaN when step 5 begins. The hint
+    said 'no recorded update wrote them: find what writes weights outside optimizer.step()
+    (checkpoint loading, in-place edits)'; it now says they train, the recorded optimizer does
+    not hold them, and another optimizer's step() (or the loop's update) wrote them."""
+    model = D.make_pair()
+    opt1 = torch.optim.SGD(model.net1.parameters(), lr=0.1)
+    opt2 = torch.optim.SGD(model.net2.parameters(), lr=0.1)
+    crit = D.MutualKL()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt1, loss_fn=crit, out_dir=tmp_path,
+                            factory="distill_models:make_pair"):
+            for step in range(8):
+                x, y = batch(step)
+                if step == 4:
+                    opt2.param_groups[0]["lr"] = float("nan")
+                loss = crit(model(x), y)
+                opt1.zero_grad()
+                opt2.zero_grad()
+                loss.backward()
+                opt1.step()
+                opt2.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"][0]) == (5, "weights", "net2.0.weight"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["param"], o["module"], rep["cause"]) == \
+        ("weights", "net2.0.weight", "net2.0", "weights"), json.dumps(rep, indent=1)
+    assert "another optimizer's step()" in rep["hint"] and "learning rate" in rep["hint"], rep
