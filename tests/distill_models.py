@@ -122,3 +122,28 @@ class MutualKL(nn.Module):
             loss = loss + F.kl_div(F.log_softmax(p, -1), F.softmax(q.detach(), -1),
                                    reduction="batchmean")
         return loss
+
+
+class Masked(nn.Module):
+    """A classifier whose classes from ``live`` on are masked to -inf in its own forward."""
+
+    def __init__(self, net: nn.Module, live: int = 7):
+        super().__init__()
+        self.net = net
+        self.register_buffer("dead", torch.arange(10) >= live)
+
+    def forward(self, x):
+        return self.net(x).masked_fill(self.dead, float("-inf"))
+
+
+class MaskedDistiller(Distiller):
+    """The distiller over a masked vocabulary: both models mask the dead classes."""
+
+    def __init__(self):
+        super().__init__(inference=False)
+        self.student = Masked(self.student)
+        self.teacher = Masked(self.teacher).eval()
+
+
+def make_masked_distiller() -> nn.Module:
+    return MaskedDistiller()

@@ -156,3 +156,31 @@ def test_mutual_learning_s_other_optimizer_is_named_for_the_weights_it_wrote(tmp
     assert (o["phase"], o["param"], o["module"], rep["cause"]) == \
         ("weights", "net2.0.weight", "net2.0", "weights"), json.dumps(rep, indent=1)
     assert "another optimizer's step()" in rep["hint"] and "learning rate" in rep["hint"], rep
+
+
+def test_a_kl_over_logits_the_model_masked_under_allow_inf_names_the_mask(tmp_path):
+    """Both models mask the dead classes to -inf in their forward, which the recorder is told
+    to allow (``allow_inf=[""]``: the root output may hold them). The KL's target 0 times the
+    student's log-probability -inf is NaN at step 0. The hint said 'an infinity met another
+    in arithmetic: find the op that made the first infinity (the chain)', with no chain to
+    read; it now says the infinity was put in on purpose and to leave the masked entries out
+    of the product."""
+    model = D.make_masked_distiller()
+    opt = torch.optim.Adam(model.student.parameters(), lr=1e-3)
+    crit = D.KD(temperature=2.0, alpha=1.0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_inf=[""],
+                            factory="distill_models:make_masked_distiller"):
+            for step in range(3):
+                x, y = batch(step)
+                opt.zero_grad()
+                crit(model(x), y.clamp(max=6)).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (0, "loss"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.mul", "invalid"), json.dumps(rep, indent=1)
+    assert "on purpose" in rep["hint"] and "masked entries out of the product" in rep["hint"], \
+        rep["hint"]
