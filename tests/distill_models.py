@@ -147,3 +147,10 @@ class MaskedDistiller(Distiller):
 
 def make_masked_distiller() -> nn.Module:
     return MaskedDistiller()
+
+
+def peer_kl(a, b, y):
+    """One network's loss in deep mutual learning: its cross entropy plus its KL to the peer's
+    output ``b``, detached inside the loss (the peer's output keeps its graph outside it)."""
+    return F.cross_entropy(a, y) + F.kl_div(F.log_softmax(a, -1), F.softmax(b.detach(), -1),
+                                            reduction="batchmean")

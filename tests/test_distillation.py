@@ -184,3 +184,59 @@ def test_a_kl_over_logits_the_model_masked_under_allow_inf_names_the_mask(tmp_pa
         ("loss", "<loss>", "aten.mul", "invalid"), json.dumps(rep, indent=1)
     assert "on purpose" in rep["hint"] and "masked entries out of the product" in rep["hint"], \
         rep["hint"]
+
+
+def test_a_peer_network_s_output_with_its_graph_is_a_loss_input_not_the_loss(tmp_path):
+    """Deep mutual learning with two separate networks, the recorder on the first. The peer's
+    output reaches the loss with its autograd graph (the loss detaches it inside). At step 4
+    the peer's optimizer gets a NaN learning rate, so from step 5 its output is NaN. The
+    recorder took every loss argument with a graph for the model's output or a value made
+    from it, and called the event 'loss' ('the loss is non-finite while the model output is
+    finite'), which the replay could not place (no op made the NaN; cause 'check the loss
+    inputs'). A graph that reaches neither the model's output nor its parameters is another
+    network's: the event is that loss argument, and the hint names the network behind it."""
+    net1, net2 = D.make_student(), D.make_teacher()
+    opt1 = torch.optim.SGD(net1.parameters(), lr=0.1)
+    opt2 = torch.optim.SGD(net2.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(net1, opt1, loss_fn=D.peer_kl, out_dir=tmp_path,
+                            factory="distill_models:make_student") as rec:
+            for step in range(8):
+                x, y = batch(step)
+                if step == 4:
+                    opt2.param_groups[0]["lr"] = float("nan")
+                a, b = net1(x), net2(x)
+                loss = rec.loss_fn(a, b, y) + D.peer_kl(b, a, y)
+                opt1.zero_grad()
+                opt2.zero_grad()
+                loss.backward()
+                opt1.step()
+                opt2.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"]) == (5, "input", "loss_args[1]"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], rep["cause"]) == ("input", "loss_args[1]", "input"), \
+        json.dumps(rep, indent=1)
+    assert "teacher's" in rep["hint"] and "weights of the network" in rep["hint"], rep["hint"]
+
+
+def test_a_loss_argument_made_from_the_model_output_stays_the_loss_s(tmp_path):
+    """The other side of the rule above: a loss argument computed from the model's output
+    outside the loss (log-probabilities, with a temperature of 0 at step 2) is no data; the
+    event stays 'loss', not 'input'."""
+    model = D.make_student()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = torch.nn.NLLLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="distill_models:make_student"):
+            for step in range(4):
+                x, y = batch(step)
+                temperature = 0.0 if step == 2 else 2.0
+                logp = torch.log_softmax(model(x) / temperature, -1)
+                opt.zero_grad()
+                crit(logp, y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (2, "loss"), ev
