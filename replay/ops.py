@@ -170,7 +170,7 @@ class _Watch(TorchDispatchMode):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
                                     rows=f.batch_rows(outs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
-            f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence, False, in_finite,
+            f.first_nan = OpHit(op, "nan", user_source(), lo, hi, False, occurrence, in_finite,
                                 literal=literal_inf, within=f.where, seq=seq,
                                 from_mask=f.first is None and bool(f.intentional))
         return out
