@@ -28,6 +28,7 @@ from .finite import (
     pair_ok,
     tensors_kind,
 )
+from .graph_reach import from_model
 from .late_writes import written_after_forward
 from .missing import allow_nan_advice, rest_finite, root_input_name
 from .ring import StepLayout, decode_call
@@ -296,8 +297,9 @@ def _loss_event(ev: StepEvidence) -> Event | None:
         if pair_ok(row[lo], row[hi]):
             continue
         mb = ev.tape.micro_batches[mb_i]
+        outs = list(_tensors(mb.outputs))
         found = _first_bad_tensor([list(mb.loss_args or ()), mb.loss_kwargs or {}],
-                                  ev.samples(mb_i), skip=list(_tensors(mb.outputs)))
+                                  ev.samples(mb_i), skip=outs, model=(outs, ev.param_tensors))
         event = Event(ev.tape.step, micro_batch=mb_i, module="<loss>",
                       kind=pair_kind(row[lo], row[hi]))
         if found:
@@ -407,13 +409,15 @@ def optimizer_event(step: int, params: list[str], *, after_update: bool,
                         f"{params[0]}")
 
 
-def _first_bad_tensor(obj: Any, samples: Samples, skip=(), nan_only: bool = False
-                      ) -> tuple[str, list[int], str] | None:
+def _first_bad_tensor(obj: Any, samples: Samples, skip=(), nan_only: bool = False,
+                      model=None) -> tuple[str, list[int], str] | None:
     """(path, samples, kind) of the first data tensor in ``obj`` holding a non-finite
-    value."""
+    value; with ``model`` (its outputs and parameters), a tensor with a graph that does not
+    reach them (another network's output) counts as data too."""
     _, tensors, paths = flatten_tree(obj, "x")
     for key, t in tensors.items():
-        if any(t is s for s in skip) or t.grad_fn is not None:
+        if any(t is s for s in skip) or (t.grad_fn is not None
+                                         and (model is None or from_model(t, *model))):
             continue  # the model output, or computed from it: not data
         if nan_only and not has_nan(t):
             continue

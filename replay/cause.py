@@ -326,6 +326,11 @@ def _from_infinities(hit: OpHit) -> Cause:
                      "log-probability of exactly 0, infinite in exact arithmetic too): "
                      + DO["inf_weight"])
     what = INF_ARITH.get(name, "NaN from infinities")
+    if name == "mul" and hit.from_mask:  # the only infinities were put in on purpose
+        return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too, "
+                     "from an infinity put in on purpose (a mask: the chain's start, or the "
+                     "model output's, which allow_inf lets hold it) and a 0: "
+                     + DO["zero_times_mask"])
     return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too: "
                  + DO["inf_arith"])
 

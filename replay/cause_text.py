@@ -158,6 +158,13 @@ DO = {
                    "with a large finite negative number (torch.finfo(dtype).min)",
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "
                  "infinity (the chain) and keep it finite",
+    "zero_times_mask": "a weight of 0 on a masked entry (a target probability of 0 on a "
+                       "masked class times its log-probability of -inf, as F.kl_div and a "
+                       "soft-target cross entropy compute target * log_prob) still multiplies "
+                       "it: leave the masked entries out of the product (the KL over the "
+                       "unmasked columns only, torch.where(target > 0, target * log_prob, 0)) "
+                       "or mask with a large finite negative number (torch.finfo(dtype).min) "
+                       "instead of -inf",
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "
            "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss "
            "(a Hugging Face CTC model: config.ctc_zero_infinity=True)",

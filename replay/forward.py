@@ -41,8 +41,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     recorded = o
     finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
     hit = finder.origin()
-    if finder.first is None and finder.intentional is not None \
-            and finder.first_reduced is not None:
+    if finder.intentional is not None and finder.reduced_first() is not None:
         # a reduction folded the intended fill into this call's output (a fully masked row's
         # logsumexp, a scatter max over a group with no element: -inf), which the NaN came
         # from, later or in a child of this call; blame it, not that NaN

@@ -2,7 +2,8 @@
 
 A module's output is often the next call's input, or passed on by its parent: one run reduces
 it once. The memo is keyed by identity and checked against a weak reference (an id is reused
-once its tensor is freed) and the version counter (an in-place write makes a new value).
+once its tensor is freed) and the version counter (an in-place write makes a new value). An
+inference-mode tensor keeps no version counter: its value is not remembered.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .compat import version
+from .compat import version_of
 
 
 class TensorMemo:
@@ -24,12 +25,14 @@ class TensorMemo:
 
     def get(self, t: torch.Tensor) -> Any:
         hit = self._seen.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == version(t):
+        if hit is not None and hit[0]() is t and hit[1] == version_of(t):
             return hit[2]
         return None
 
     def put(self, t: torch.Tensor, value: Any) -> Any:
-        self._seen[id(t)] = (weakref.ref(t), version(t), value)
+        v = version_of(t)
+        if v is not None:
+            self._seen[id(t)] = (weakref.ref(t), v, value)
         return value
 
 

@@ -61,6 +61,8 @@ class OpHit:
     # the autograd node running it: a derivative the forward took itself (autograd.grad of
     # a Hamiltonian, an energy), whose pole is the input of the forward op that made the node
     node: Any = None
+    seq: int = 0  # how many ops of any kind came before it in the watched code
+    from_mask: bool = False  # made NaN when only intended infinities (a mask) had been made
 
     def as_json(self) -> dict[str, Any]:
         return {"op": self.op, "made": self.made, "source": self.source,
@@ -111,8 +113,7 @@ class _Watch(TorchDispatchMode):
         if f.first is not None and f.first_nan is not None:
             return run_op(func, args, kwargs)
         name = func.overloadpacket.__name__
-        occurrence = f.counts.get(name, 0)
-        f.counts[name] = occurrence + 1
+        occurrence, seq = f.count(name)
         leaves = tree_leaves((args, kwargs))
         ins = float_leaves(leaves)
         pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
@@ -161,10 +162,11 @@ class _Watch(TorchDispatchMode):
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
                 and _folds(name, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
-                                    rows=f.batch_rows(outs))
+                                    rows=f.batch_rows(outs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
-            f.first_nan = OpHit(op, "nan", user_source(), lo, hi, occurrence=occurrence,
-                                inputs_finite=in_finite, literal=literal_inf, within=f.where)
+            f.first_nan = OpHit(op, "nan", user_source(), lo, hi, False, occurrence, in_finite,
+                                literal=literal_inf, within=f.where, seq=seq,
+                                from_mask=f.first is None and bool(f.intentional))
         return out
 
 
@@ -302,6 +304,7 @@ class OpFinder:
         self.allowed_depth = 0
         self.samples = samples  # name the samples of the first offender's output
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
+        self.seen = 0  # calls of every op so far
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
@@ -425,6 +428,19 @@ class OpFinder:
         """The op to blame: the first unintentional non-finite maker, else the NaN maker."""
         return self.first or self.first_nan
 
+    def count(self, name: str) -> tuple[int, int]:
+        """(calls of op ``name``, calls of any op) before this one, counting this one."""
+        occurrence, seq = self.counts.get(name, 0), self.seen
+        self.counts[name], self.seen = occurrence + 1, seq + 1
+        return occurrence, seq
+
+    def reduced_first(self) -> OpHit | None:
+        """``first_reduced`` when no op made a non-finite value of finite inputs and it came
+        before any NaN (not a later, unrelated reduction: a cross entropy summing the -inf of
+        a mask after a KL's 0 * -inf had made the NaN)."""
+        r, n = self.first_reduced, self.first_nan
+        return r if self.first is None and r and (n is None or r.seq < n.seq) else None
+
     def chain(self) -> list[dict[str, Any]]:
         """Where the first non-finite value came from and where the first NaN was made."""
         out = []
@@ -432,7 +448,7 @@ class OpFinder:
         if start is not None:
             out.append(start.as_json())
         # the op that made NaN of it, or else the reduction that folded it in (a -inf mask)
-        end = (self.first_reduced if self.first is None else None) or self.first_nan
+        end = self.reduced_first() or self.first_nan
         if end is not None and (start is None or start.made != end.made or start.op != end.op):
             out.append(end.as_json())
         return out

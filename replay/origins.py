@@ -128,6 +128,9 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     # no op made the value from finite inputs: the loss folded in an infinity that the model
     # output was allowed to hold (a -inf mask under allow_inf); name the reduction that did
     hit = finder.origin() or finder.first_reduced
+    if hit is finder.first_nan and hit and not finder.first and not finder.intentional:
+        # made of infinities the model output holds, which allow_inf let it hold (a mask)
+        hit.from_mask = not all(finite(t) for t in tensor_leaves((args, kwargs)))
     origin = origin_fields(
         phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
         source=hit.source if hit else None, chain=finder.chain(),

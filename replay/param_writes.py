@@ -102,20 +102,29 @@ def forward_made_hint(step: Step, made: dict[str, Any]) -> str:
 
 
 def loop_written_hint(step: Step, bad: list[str]) -> str | None:
-    """The hint for bad parameters that all require no gradient and that the optimizer does
-    not hold (BYOL's target network, a DINO teacher inside the recorded model): no update
-    wrote them, the loop's own EMA update did, between steps. None for any other."""
+    """The hint for bad parameters that the recorded optimizer does not hold: frozen ones
+    (BYOL's target network, a DINO teacher inside the recorded model), which no update wrote,
+    the loop's own EMA update did, between steps; trained ones (deep mutual learning's second
+    network), which another optimizer stepped after the recorded one. None for any other."""
     opt = step.meta.get("optimizer")
     if step.model is None or not opt:
         return None
     held = {n for g in opt.get("param_groups") or [] for n in g.get("params") or []}
     params = dict(step.model.named_parameters())
-    if not all(n in params and not params[n].requires_grad and n not in held for n in bad):
+    if not all(n in params and n not in held for n in bad):
+        return None
+    names = f"{', '.join(bad[:2])}" + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
+    trained = {params[n].requires_grad for n in bad}
+    if trained == {True}:
+        return _other_optimizer_hint(step, names, opt)
+    if trained != {False}:
         return None
     tensors = [t for n in bad if (t := step.tensors.get(f"weights/{n}")) is not None]
     every = all(not torch.isfinite(t).any() for t in tensors) and tensors
-    more = f" (+{len(bad) - 2} more)" if len(bad) > 2 else ""
-    return (f"{', '.join(bad[:2])}{more} require no gradient and the optimizer does not hold "
+    if first_recorded(step):
+        return (f"{names} require no gradient and the optimizer does not hold them (a frozen "
+                "teacher or target network), and " + _CAME_IN)
+    return (f"{names} require no gradient and the optimizer does not hold "
             "them (a momentum/EMA target or teacher network): no update wrote them, the loop's "
             "own update of them did, between steps (or a checkpoint load)"
             + (", and every element of them is non-finite, as a non-finite coefficient makes"
@@ -123,3 +132,37 @@ def loop_written_hint(step: Step, bad: list[str]) -> str | None:
             + ": check that update (t.mul_(m).add_(s, alpha=1 - m)) for a non-finite momentum "
             "m, from its schedule, or source weight s, guard it (math.isfinite(m)), and resume "
             "from a checkpoint before it")
+
+
+# the end of a hint for parameters non-finite at the first step the recorder saw
+_CAME_IN = ("they were non-finite at the first step the recorder saw: no update of the loop ran "
+            "since it attached, so they came in so, from the checkpoint or state_dict they were "
+            "loaded from (a corrupt teacher checkpoint) or code run before the recorder "
+            "attached: check that file (torch.isfinite on each of its tensors) and load a "
+            "finite one")
+
+
+def _other_optimizer_hint(step: Step, names: str, opt: dict[str, Any]) -> str:
+    """Trained parameters the recorded optimizer does not hold: another optimizer updates
+    them, after the recorded one's ``step()`` closed the step (the order the guide asks for),
+    so its update is checked only as the next step begins."""
+    head = (f"{names} train (they require gradients) but the recorded optimizer "
+            f"({opt.get('class') or 'given to the recorder'}) does not hold them, and ")
+    if first_recorded(step):
+        return head + _CAME_IN
+    return (head + f"they were non-finite when step {step.event.get('step')} began: another "
+            "optimizer's step() wrote them, after the recorded one had closed the step before "
+            "(deep mutual learning's or a GAN's second network), or the loop's own update "
+            "did: check that optimizer's hyper-parameters (a NaN/Inf learning rate from its "
+            "schedule) and the gradients it used, and record that network's updates too (a "
+            "FlightRecorder given that optimizer, or one optimizer over both networks)")
+
+
+def first_recorded(step: Step) -> bool:
+    """The event's step is the first the recorder saw (its ring buffer holds no step before
+    it, nor did it ever drop one: it is not full), so no update of the loop ran under it."""
+    at, ring = step.event.get("step"), step.meta.get("ring") or {}
+    steps = step.tensors.get("ring/steps")
+    if at is None or steps is None or not ring.get("stored", 0) < ring.get("history", 0):
+        return False
+    return not any(s < at for s in steps.tolist())
