@@ -25,6 +25,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+# (an inference-mode tensor, a teacher run under torch.inference_mode(), keeps no version: None)
+from recorder.compat import version_of
+
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
            "running_node", "saved_value", "writes_arguments",
            "set_parameter", "set_buffer", "remove_member"]
@@ -33,15 +36,6 @@ __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_o
 def version(t: torch.Tensor) -> int:
     """``t``'s version counter: it grows with every in-place write to ``t``."""
     return t._version
-
-
-def version_of(t: torch.Tensor) -> int | None:
-    """``t``'s version counter, or None for an inference-mode tensor, which keeps none (a
-    frozen teacher run under ``torch.inference_mode()`` inside the model's forward)."""
-    try:
-        return t._version
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        return None
 
 
 _WRITES: dict[Any, bool] = {}

@@ -11,14 +11,14 @@ import torch
 
 from recorder.finite import ends, pair_kind
 
-_POINTWISE = torch.Tag.pointwise
+POINTWISE = torch.Tag.pointwise
 
 
 def fresh_positions(func, ins: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor | None:
     """Where the pointwise op ``func``'s output ``out`` is non-finite while every input
     ``ins`` (as it was given, broadcast to ``out``) is finite: the values it made itself.
     None when it made none there, or it is no pointwise op, or an input does not broadcast."""
-    if _POINTWISE not in func.tags or not out.is_floating_point():
+    if POINTWISE not in func.tags or not out.is_floating_point():
         return None
     with torch.no_grad():
         made = ~torch.isfinite(out.detach())
@@ -36,7 +36,8 @@ def made_there(out: torch.Tensor, made: torch.Tensor) -> str:
     return pair_kind(a, b)
 
 
-def inputs_there(ins: list[torch.Tensor], made: torch.Tensor, shape) -> tuple[float, float]:
+def inputs_there(ins: list[torch.Tensor], made: torch.Tensor, shape
+                 ) -> tuple[float | None, float | None]:
     """The least and greatest value the inputs held at ``made`` (all finite there)."""
     with torch.no_grad():
         lo_hi = torch.stack([ends(torch.broadcast_to(t.detach(), shape)[made].float())

@@ -30,13 +30,12 @@ from .cause_text import GROUP_REDUCTIONS
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
 from .dispatch import clone_args, float_leaves, run_op
 from .float64 import as_float64, upcast
-from .fresh import fresh_positions, inputs_there, made_there
+from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .memo import TensorSet
 from .positive import made_positive, positive_result
 from .saturation import Saturation, made_unit
 from .source import user_source
 
-_POINTWISE = torch.Tag.pointwise
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
 
@@ -119,7 +118,7 @@ class _Watch(TorchDispatchMode):
         pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
         # an op writing into its arguments: keep what it was given, for the evidence
         before = clone_args(args, kwargs) if f.first is None and writes_arguments(func) \
-            and (in_finite or _POINTWISE in func.tags) else None
+            and (in_finite or POINTWISE in func.tags) else None
         out = run_op(func, args, kwargs)
         if name in _UNINITIALISED:
             return out

@@ -25,7 +25,7 @@ PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", 
            "pow"}  # a positive base to any power stays positive
 
 
-def _node_name(op: str) -> str:
+def node_name(op: str) -> str:
     """A backward node's name (``Backward<n>`` dropped) for aten op ``op``: ``IndexSelect`` for
     ``index_select``, ``UnsafeView`` for ``_unsafe_view``."""
     return "".join(part.capitalize() for part in op.split("_"))
@@ -33,8 +33,8 @@ def _node_name(op: str) -> str:
 
 # The same rule on the autograd graph, for a value made before the watched code ran (a
 # model's softplus variance that the loss takes the log of); a reshape's node is ReshapeAlias
-_POSITIVE_NODES = {_node_name(op) for op in POSITIVE}
-_PASS_ON_NODES = {_node_name(op) for op in PASS_ON} | {"ReshapeAlias"}
+_POSITIVE_NODES = {node_name(op) for op in POSITIVE}
+_PASS_ON_NODES = {node_name(op) for op in PASS_ON} | {"ReshapeAlias"}
 
 
 def node_op(node) -> str:
@@ -52,22 +52,28 @@ def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) 
         v > 0 for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
+def first_inputs(fn, depth: int = 8):
+    """(op, node) of autograd node ``fn`` and the nodes of its first input after it, at most
+    ``depth``: the path a value took from the op that made it, through views and selections."""
+    for _ in range(depth):
+        if fn is None:
+            return
+        yield node_op(fn), fn
+        fn = next((f for f, _ in fn.next_functions if f is not None), None)
+
+
 def made_positive(fn, depth: int = 8) -> bool:
     """Whether autograd node ``fn`` made its value by exp, softmax, sigmoid or softplus
     (directly, or viewed, gathered, sliced, divided, raised to a power, multiplied by positive
     factors). ``depth`` bounds the walk."""
     try:
-        for _ in range(depth):
-            if fn is None:
-                return False
-            op = node_op(fn)
+        for op, node in first_inputs(fn, depth):
             if op in _POSITIVE_NODES:
                 return True
             if op == "Mul":
-                return _positive_product(fn, depth - 1)
+                return _positive_product(node, depth - 1)
             if op not in _PASS_ON_NODES:
                 return False
-            fn = next((f for f, _ in fn.next_functions if f is not None), None)
     except Exception:  # not an autograd node, or one that cannot say
         return False
     return False

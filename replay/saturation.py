@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .memo import TensorSet
-from .positive import _node_name, node_op
+from .positive import first_inputs, node_name
 
 # strictly inside (-1, 1) for every finite argument
 UNIT_OPEN = {"tanh", "sigmoid", "special_expit", "erf"}
@@ -27,8 +27,8 @@ KEEP = {"neg", "abs", "square", "pow", "clone", "_to_copy", "view", "_unsafe_vie
 # the same on the autograd graph, for a value made before the watched code ran (a model's
 # sigmoid hazards, whose log(1 - h) the loss takes): views and selections of one (not pow,
 # whose exponent the node does not say)
-_UNIT_NODES = {_node_name(op) for op in UNIT_OPEN}
-_KEEP_NODES = {_node_name(op) for op in KEEP if op != "pow"} | {"ReshapeAlias", "Index"}
+_UNIT_NODES = {node_name(op) for op in UNIT_OPEN}
+_KEEP_NODES = {node_name(op) for op in KEEP if op != "pow"} | {"ReshapeAlias", "Index"}
 
 # what a rounded complement needs instead of an eps
 STABLE = ("use the complement's stable form: log(1 - tanh(u)²) = 2·(log 2 − u − softplus(−2u)) "
@@ -71,15 +71,11 @@ def made_unit(fn, depth: int = 8) -> bool:
     """Whether autograd node ``fn`` made its value by tanh, sigmoid or erf (directly, or
     viewed, selected, gathered, negated): strictly inside (-1, 1) in exact arithmetic."""
     try:
-        for _ in range(depth):
-            if fn is None:
-                return False
-            op = node_op(fn)
+        for op, _ in first_inputs(fn, depth):
             if op in _UNIT_NODES:
                 return True
             if op not in _KEEP_NODES:
                 return False
-            fn = next((f for f, _ in fn.next_functions if f is not None), None)
     except Exception:  # not an autograd node, or one that cannot say
         return False
     return False
