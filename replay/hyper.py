@@ -79,7 +79,7 @@ def set_hyper(opt, record: dict[str, Any], sub: Step, change) -> None:
                 continue
             if isinstance(v, dict) and "$t" in v:
                 v = sub.tensors[v["$t"]].to(sub.device, copy=True)
-            elif isinstance(v, str) and v in ("nan", "inf", "-inf"):
+            elif isinstance(v, str) and v in SPELT:
                 v = float(v)
             elif isinstance(v, list) and k == "betas":
                 v = tuple(v)
