@@ -38,6 +38,7 @@ from .load import (
 )
 from .loopscale import loss_factor
 from .loss_params import trained_loss_params
+from .module_state import ModuleState
 from .precision import precision_hooks
 from .run_result import Run
 from .source import raised_by_model
@@ -96,6 +97,8 @@ class Runner:
         self._loss_buffers = {n: b.detach().clone() for n, b in
                               (self._loss_module.named_buffers() if self._loss_module else ())}
         self._rng = rng_state(step)
+        self._state = ModuleState([*self.model.modules(), *([self._loss_module]
+                                                            if self._loss_module else [])])
         # the model's and loss's own generators, by the recorder's names (recorder.rng)
         self._generators = dict(module_generators(
             [*self.model.named_modules(),
@@ -127,6 +130,7 @@ class Runner:
                 if first is not None and restorable(self.model, n, first, b):
                     b.copy_(first)
         self._frozen.restore()
+        self._state.restore()
         if self._loss_buffers:
             with torch.no_grad():
                 for n, b in self._loss_module.named_buffers():
