@@ -75,8 +75,13 @@ def main(bundle: Path, as_json: bool, html_path: Path | None, info: bool, factor
     first non-finite value."""
     _check_tries(tries)
     try:
-        code = _run(bundle, as_json, html_path, info, factory, _kwargs(factory_kwargs), device,
-                    strip_parts, output, tries)
+        # the step's code warns at each of the many re-runs ("std(): degrees of freedom is
+        # <= 0"): each one once (the registry the "default" action keeps per location is cleared
+        # by every catch_warnings block the analysis enters)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("once", category=UserWarning)
+            code = _run(bundle, as_json, html_path, info, factory, _kwargs(factory_kwargs),
+                        device, strip_parts, output, tries)
     except click.ClickException:
         raise  # bad usage: _OneLineUsage prints it
     except (BundleError, ReplayError) as e:
