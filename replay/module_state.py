@@ -1,18 +1,24 @@
-"""Tensors the model keeps on its modules as plain attributes, put back before every re-run.
+"""What the model keeps on its modules as plain attributes, put back before every re-run.
 
 A stateful module keeps its state as an attribute rather than a buffer: a spiking neuron's
 membrane potential (snntorch's ``self.mem``, which the loop resets before each batch), a
-streaming layer's cache, a memory module's last values. Its forward replaces that state at each
+streaming layer's cache, a counter of its own calls. Its forward replaces that state at each
 call, so a re-run that starts where the previous one left it runs on another state: the re-runs
 drift apart, and the step read as nondeterministic. Every re-run starts from them as the replay
-found them (the factory's, with the bundle's weights): a tensor written in place is copied back,
-``None`` is set again, and a tensor attribute the forward added since is removed.
+found them (the factory's, with the bundle's weights and recorded attributes): public ``int``,
+``float``, ``bool`` and ``None`` attributes are set again, and a tensor of the same shape is put
+back (copied back where it was written in place). A tensor the forward replaced with another
+shape is left, like a grown non-persistent buffer (:func:`replay.rerun.restorable`): a cache
+grown for a longer batch, which the forward grows again from its reset length. Attributes the
+forward added are left, as are private ones (torch's own: a hook's registration sets some).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from recorder.attributes import plain_attributes
 
 from .compat import version
 
@@ -22,31 +28,38 @@ def _tensor(v) -> bool:
 
 
 class ModuleState:
-    """The tensor and ``None`` attributes of some modules, as a run starts from them."""
+    """The plain, ``None`` and tensor attributes of some modules, as a run starts from them."""
 
     def __init__(self, modules: list[nn.Module]):
-        # per module: name -> (the tensor, a copy, its version then), or None for None
-        self._saved = [(m, {k: (v, v.detach().clone(), version(v)) if v is not None else None
-                            for k, v in vars(m).items() if v is None or _tensor(v)})
+        # per module: its plain and None attributes, and name -> (tensor, copy, version then)
+        self._saved = [(m, {**plain_attributes(m), **{
+            k: None for k, v in vars(m).items() if v is None and not k.startswith("_")}},
+                        {k: (v, v.detach().clone(), version(v))
+                         for k, v in vars(m).items() if _tensor(v)})
                        for m in modules]
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for m, saved in self._saved:
-                d = vars(m)
-                for k in [k for k, v in d.items() if k not in saved and _tensor(v)]:
-                    del d[k]  # (added by a run's forward: the next one adds it again)
-                for k, kept in saved.items():
-                    if kept is None:
-                        if d.get(k, 0) is not None:
-                            d[k] = None
-                        continue
-                    t, copy, ver = kept
-                    if version(t) != ver:  # written in place (the usual state is replaced)
-                        try:
-                            t.copy_(copy)
-                        except RuntimeError:  # (an inference tensor: no in-place write)
-                            t = copy.clone()
-                        saved[k] = (t, copy, version(t))
-                    if d.get(k) is not t:
-                        d[k] = t
+        for m, plain, tensors in self._saved:
+            d = vars(m)
+            for k, v in plain.items():
+                now = d.get(k, d)
+                if now is not v and (type(now) is not type(v) or now != v):
+                    d[k] = v
+            if tensors:
+                with torch.no_grad():
+                    _put_back(d, tensors)
+
+
+def _put_back(d: dict, tensors: dict) -> None:
+    for k, (t, copy, ver) in tensors.items():
+        now = d.get(k)
+        if now is not t and (not _tensor(now) or now.shape != t.shape):
+            continue  # (replaced with another shape: a grown cache)
+        if version(t) != ver:  # written in place (the usual state is replaced)
+            try:
+                t.copy_(copy)
+            except RuntimeError:  # (an inference tensor: no in-place write)
+                t = copy.clone()
+            tensors[k] = (t, copy, version(t))
+        if now is not t:
+            d[k] = t
