@@ -434,7 +434,7 @@ def test_strict_event_at_a_mask_buffer_names_the_op_not_bad_weights(out_dir):
     assert any("allow_inf=['attn.0.mask']" in p for p in rep["problems"]), rep["problems"]
 
 
-def _tied_lm_run(out_dir, lr, sliced=False, **rec_kwargs):
+def _tied_lm_run(out_dir, lr, sliced=False, qk_scale_at=None, **rec_kwargs):
     model = I.make_tied_mask_lm(sliced=sliced)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     crit = nn.CrossEntropyLoss()
@@ -442,6 +442,9 @@ def _tied_lm_run(out_dir, lr, sliced=False, **rec_kwargs):
                         factory="infinity_models:make_tied_mask_lm",
                         factory_kwargs={"sliced": sliced}, **rec_kwargs):
         for step in range(12):
+            if step == qk_scale_at:  # query and key rows loaded in the wrong unit
+                with torch.no_grad():
+                    model.blocks[0].attn.in_proj_weight[: 2 * I.D] *= 1e20
             idx, tgt = I.token_batch(step)
             opt.zero_grad()
             crit(model(idx).flatten(0, 1), tgt.flatten()).backward()
@@ -451,14 +454,16 @@ def _tied_lm_run(out_dir, lr, sliced=False, **rec_kwargs):
 @pytest.mark.parametrize("sliced", [False, True], ids=["buffer", "buffer-slice"])
 def test_nan_made_next_to_a_mask_buffer_is_blamed_on_the_attention(out_dir, sliced):
     """A pre-LN LM with a tied output layer passes its -inf causal mask (a buffer) to
-    nn.MultiheadAttention; the learning rate is far too high, and the exploded q and k make
-    the attention scores overflow float32, which the softmax turns into NaN. The NaN is
-    blamed on the attention module, whose only infinity was the mask; it was blamed on the
-    root, as if the model's own code had made that -inf; a slice of the buffer (a view) was
-    too, after the buffer itself no longer was."""
+    nn.MultiheadAttention; at step 3 the loop loads query and key rows stored 1e20 times too
+    large, and the attention scores overflow float32, which the softmax turns into NaN. The
+    NaN is blamed on the attention module, whose only infinity was the mask; it was blamed on
+    the root, as if the model's own code had made that -inf; a slice of the buffer (a view)
+    was too, after the buffer itself no longer was. (The planted rows make the attention
+    overflow first on every CPU; a diverging learning rate overflows the second LayerNorm
+    first on an AMD EPYC, the attention first on an Intel Xeon.)"""
     _tied_lm_run(out_dir / "healthy", lr=0.1, sliced=sliced)  # no event at a sane rate
     with pytest.raises(NonFiniteError) as info:
-        _tied_lm_run(out_dir, lr=50.0, sliced=sliced)
+        _tied_lm_run(out_dir, lr=0.1, sliced=sliced, qk_scale_at=3)
     check_event(info.value.event, phase="forward", module="blocks.0.attn", call=0,
                 kind="nan", inputs_finite=True)
     rep = nanreplay_json(info.value.bundle_path)
@@ -469,15 +474,19 @@ def test_nan_made_next_to_a_mask_buffer_is_blamed_on_the_attention(out_dir, slic
 
 
 def test_scores_overflowing_beside_a_mask_are_an_overflow_of_a_diverging_run(out_dir):
-    """The same run: the attention op's inputs held the mask's -inf, but the float64 re-run of
-    its call is finite, so no infinity met another in exact arithmetic: its scores overflowed
-    float32, and the loss had jumped before (diverging). It was called invalid ('NaN in exact
-    arithmetic too'), with advice to find the op that made the first infinity (the mask)."""
+    """The same LM at a diverging learning rate (50): where the attention op makes the NaN
+    (an Intel Xeon), its inputs held the mask's -inf, but the float64 re-run of its call is
+    finite, so no infinity met another in exact arithmetic: its scores overflowed float32,
+    and the loss had jumped before (diverging). It was called invalid ('NaN in exact
+    arithmetic too'), with advice to find the op that made the first infinity (the mask).
+    (On an AMD EPYC the second LayerNorm's variance overflows first: an overflow too.)"""
     with pytest.raises(NonFiniteError) as info:
         _tied_lm_run(out_dir, lr=50.0)
     rep = nanreplay_json(info.value.bundle_path)
     assert rep["cause"] == "overflow", rep["hint"]
-    assert "finite in float64" in rep["hint"] and "lower the learning rate" in rep["hint"]
+    # (the scores' softmax on an Intel Xeon, finite in float64; the second LayerNorm's
+    # variance on an AMD EPYC, whose result fits and float64 holds what it sums)
+    assert "float64" in rep["hint"] and "lower the learning rate" in rep["hint"], rep["hint"]
 
 
 def test_a_diverging_run_recorded_with_rewind_is_not_told_to_record_with_rewind(out_dir):
