@@ -11,6 +11,8 @@ from torch import nn
 
 from recorder.inner_optim import put_state
 
+from .cause_text import EPS_LOST_UPDATE, SQUARED_EPS_LOST
+
 
 def build_optimizer(step, model: nn.Module, opt_factory):
     """The recorded optimizer over ``model``'s parameters: its class (a ``torch.optim``
@@ -116,3 +118,46 @@ def safe_eps(dtype: str | None) -> str:
     if float(torch.tensor(1e-8, dtype=dt)) != 0:
         return "1e-8"
     return f"1e{math.ceil(math.log10(torch.finfo(dt).tiny))}"
+
+
+def pair_eps(value, change: float):
+    """A group's eps after ``--try eps=``: a pair (``torch.optim.Adafactor``'s ``(eps1,
+    eps2)``) keeps its eps2 and takes the value as eps1, the one that floors the update's
+    denominator (a plain float for it raised in the optimizer: it unpacks two)."""
+    return (change, *value[1:]) if isinstance(value, (list, tuple)) else change
+
+
+def squared_eps_lost(step, groups: list[dict], params: list[str]) -> tuple[float, str] | None:
+    """``(eps1, dtype)`` when a group holding one of ``params`` has an eps pair (Adafactor's)
+    whose eps1 squared, the floor ``var.clamp_(min=eps1 * eps1)`` under its rsqrt, is 0 in
+    the dtype of the recorded weights (an eps1 of 0, or Hugging Face's 1e-30, which adds eps1
+    to g**2 instead: 1e-60 is 0 in float32). None eps1 is torch's default, the dtype's
+    machine eps."""
+    for g in groups:
+        eps = g.get("eps")
+        if not isinstance(eps, (list, tuple)) or len(eps) != 2:
+            continue
+        for name in g.get("params") or ():
+            w = step.tensors.get(f"weights/{name}")
+            if (name in params or not params) and w is not None and w.is_floating_point():
+                e1 = torch.finfo(w.dtype).eps if eps[0] is None else eps[0]
+                if isinstance(e1, (int, float)) and float(torch.tensor(e1 * e1,
+                                                                       dtype=w.dtype)) == 0:
+                    return float(e1), str(w.dtype).removeprefix("torch.")
+    return None
+
+
+def default_eps1(dtype: str | None) -> str:
+    """torch's default eps1 of Adafactor in ``dtype`` (its machine eps), as ``--try eps=``
+    spells it."""
+    return f"{torch.finfo(getattr(torch, dtype or 'float32', torch.float32)).eps:.2g}"
+
+
+def eps_lost_text(step, groups: list[dict], params: list[str]) -> str | None:
+    """Why an update divided by 0 though its eps is not 0: the weights' dtype rounds it to 0
+    (:func:`eps_lost`), or rounds Adafactor's eps1 squared to 0 (:func:`squared_eps_lost`)."""
+    if lost := eps_lost(step, groups, params):
+        return EPS_LOST_UPDATE.format(eps=lost[0], dtype=lost[1], safe=safe_eps(lost[1]))
+    if lost := squared_eps_lost(step, groups, params):
+        return SQUARED_EPS_LOST.format(eps=lost[0], dtype=lost[1], safe=default_eps1(lost[1]))
+    return None

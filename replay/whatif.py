@@ -26,7 +26,7 @@ from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, undroppable
 from .errors import ReplayError, one_line
 from .load import Step
-from .optim import eps_lost, safe_eps
+from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
 from .outliers import out_of_scale
 from .recorded import batch_size
 from .window import Change, Window, run_window, step_as_window, window_of
@@ -186,6 +186,8 @@ def _eps_tries(step: Step, params: list[str]) -> list[str]:
     groups = (step.meta.get("optimizer") or {}).get("param_groups", [])
     if lost := eps_lost(step, groups, params):
         return [f"eps={safe_eps(lost[1])}", "dtype=float32"]
+    if lost := squared_eps_lost(step, groups, params):  # (Adafactor's: the try sets eps1)
+        return [f"eps={default_eps1(lost[1])}"]
     if any(g.get("eps") == 0 for g in step.optimizer.param_groups):
         dtype = _weights_dtype(step)
         return [f"eps={safe_eps(dtype and str(dtype).removeprefix('torch.'))}"]

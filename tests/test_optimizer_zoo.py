@@ -1,0 +1,73 @@
+"""The ``torch.optim`` zoo as training scripts use it (Adafactor, AdamW with a tensor learning
+rate, LambdaLR schedules, parameter groups without weight decay on norms and biases), each
+trained until its update goes non-finite, then replayed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import zf_models as ZF
+from bundles import nanreplay_json
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)
+
+
+def _train(out_dir, make_opt, make_sched=None, epochs: int = 2, batch_size: int = 32,
+           dead: int | None = None, **kw) -> NonFiniteError:
+    """A classifier's epochs over a shuffled DataLoader, the scheduler stepped per batch."""
+    model = ZF.make_model()
+    opt = make_opt(model)
+    sched = make_sched(opt) if make_sched is not None else None
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="zf_models:make_model", **kw):
+            for _ in range(epochs):
+                for x, y in ZF.loader(batch_size=batch_size, dead=dead):
+                    opt.zero_grad()
+                    crit(model(x), y).backward()
+                    opt.step()
+                    if sched is not None:
+                        sched.step()
+    return info.value
+
+
+SQUARED = "eps1=1e-30 squared is 0 in float32"
+
+
+@pytest.mark.parametrize("kw", [{}, {"guard_optimizer": True}], ids=["after-update", "guard"])
+def test_adafactor_with_hugging_faces_eps_names_eps1_squared(out_dir, kw):
+    """Hugging Face's Adafactor spelling eps=(1e-30, 1e-3) given to torch.optim.Adafactor,
+    which floors its factored second moment at eps1 * eps1 (1e-60: 0 in float32), and a
+    one-hot column that no record has: its column of embed.weight gets gradients of exactly 0,
+    rsqrt(0) = inf, inf * 0 = NaN at the first update. The hint was LAMB's trust ratio
+    ('add an eps to the denominator ... LAMB and LARS'), or for a bundle written after the
+    update 'check the learning rate and schedule'; --try eps=1e-8 raised TypeError in the
+    optimizer (it unpacks two eps) and --try auto proposed no eps."""
+    err = _train(out_dir, lambda m: torch.optim.Adafactor(ZF.param_groups(m), lr=1e-2,
+                                                          eps=(1e-30, 1e-3)), dead=5, **kw)
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (0, "optimizer", ["embed.weight"])
+    if not kw:
+        rep = nanreplay_json(err.bundle_path, code=1)
+        assert rep["cause"] == "optimizer" and SQUARED in rep["hint"], rep["hint"]
+        return
+    rep = nanreplay_json(err.bundle_path, "--try", "eps=1e-8", "--try", "auto")
+    assert rep["reproduced"] and rep["cause"] == "optimizer"
+    assert (rep["origin"]["param"], rep["origin"]["op"]) == ("embed.weight", "aten.rsqrt_")
+    assert SQUARED in rep["hint"] and "eps=(None, 1e-3)" in rep["hint"], rep["hint"]
+    assert "LAMB" not in rep["hint"]
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert tries["eps=1e-8"]["finite"] is True, tries
+    assert tries["eps=1.2e-07"]["finite"] is True, tries  # (torch's default eps1, from auto)
+    assert tries["lr=0.1x"]["finite"] is False
