@@ -216,12 +216,17 @@ def _lr_before_jump(report: dict[str, Any]) -> float | None:
 
 def _last_finite_lr(step: Step) -> float | None:
     """The largest learning rate of the last recorded step whose rates were all finite and
-    not all 0 (the schedule's before it went NaN or Inf), None when there is none."""
+    not all 0 (the schedule's before it went NaN or Inf), else the largest rate the scheduler
+    started from; None when there is none."""
     lrs = step.tensors.get("ring/lr")
     for row in reversed(lrs.tolist() if lrs is not None else []):
         if row and all(math.isfinite(v) for v in row) and max(row) > 0:
             return max(row)
-    return None
+    # none yet (a warm-up's (w / s) ** 0.5 is Inf at step 0, the ring's first row): the rate
+    # the loop set, which a scheduler keeps in each group as ``initial_lr``
+    first = [float(g["initial_lr"]) for g in step.optimizer.param_groups if "initial_lr" in g]
+    return max(first) if first and all(math.isfinite(v) for v in first) and max(first) > 0 \
+        else None
 
 
 def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict[str, Any]]:

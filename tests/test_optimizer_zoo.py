@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import zf_models as ZF
@@ -71,3 +72,21 @@ def test_adafactor_with_hugging_faces_eps_names_eps1_squared(out_dir, kw):
     assert tries["eps=1e-8"]["finite"] is True, tries
     assert tries["eps=1.2e-07"]["finite"] is True, tries  # (torch's default eps1, from auto)
     assert tries["lr=0.1x"]["finite"] is False
+
+
+def test_an_inf_warm_up_rate_at_step_0_proposes_the_scheduler_s_initial_rate(out_dir):
+    """An inverse-square-root decay computed with NumPy, (4 / s) ** 0.5, over a tensor
+    learning rate (as compiled and capturable optimizers take it): at step 0 it is inf. Recorded
+    with guard_optimizer, --try auto proposed nothing (the history had no finite rate yet);
+    now it tries the rate the scheduler started from, each group's initial_lr."""
+    def warm_up(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (4 / np.float64(s)) ** 0.5)
+
+    with np.errstate(divide="ignore"):
+        err = _train(out_dir, lambda m: torch.optim.AdamW(ZF.param_groups(m, head_lr=3e-3),
+                                                          lr=torch.tensor(3e-4)),
+                     warm_up, guard_optimizer=True)
+    assert (err.event["step"], err.event["phase"]) == (0, "optimizer")
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    assert rep["reproduced"] and "its lr was inf in that update" in rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("lr=0.003", True)]
