@@ -9,7 +9,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from recorder.inner_optim import put_state
+from recorder.finite import finite, tensors_kind
+from recorder.inner_optim import put_state, state_items
 
 from .cause_text import EPS_LOST_UPDATE, SQUARED_EPS_LOST
 
@@ -161,3 +162,28 @@ def eps_lost_text(step, groups: list[dict], params: list[str]) -> str | None:
     if lost := squared_eps_lost(step, groups, params):
         return SQUARED_EPS_LOST.format(eps=lost[0], dtype=lost[1], safe=default_eps1(lost[1]))
     return None
+
+
+def stale_state(model, opt) -> tuple[str, str, str] | None:
+    """(parameter, state key, kind) of the first non-finite tensor in the optimizer's state
+    (Adam's moments, a momentum buffer), or None."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in state_items(opt):
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.is_floating_point() and not finite(v):
+                return names.get(id(p), "?"), k, tensors_kind([v])
+    return None
+
+
+def state_note(at, model, opt) -> str | None:
+    """The note of a window re-run whose update at step ``at`` left the optimizer's state
+    non-finite and the weights finite (Adam's exp_avg_sq of a gradient whose square passed
+    float32's range): training checks only the weights, so it trained on, and so does the
+    re-run. None while the state is finite."""
+    if (bad := stale_state(model, opt)) is None:
+        return None
+    return (f"re-running the window, {type(opt).__name__}'s {bad[1]} of {bad[0]} became "
+            f"{bad[2]} in the update at step {at} while the weights stayed finite: the "
+            "recorder checks the weights an update writes, not the optimizer's state, so "
+            "training went on (and so does the re-run); the updates read that state from "
+            "then on")

@@ -29,7 +29,7 @@ from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
 from .loss_grad import node_in_loss, probed_report
 from .losses import non_finite_loss_state
 from .ops import OpFinder, state_of
-from .optim import eps_lost_text, per_parameter
+from .optim import eps_lost_text, per_parameter, stale_state
 from .param_writes import forward_made, forward_made_hint, loop_written_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
@@ -470,17 +470,6 @@ def _eps_why(step: Step, own: list[dict], params: list[str], made: str | None) -
     if "nan" in (made, step.event.get("kind")) and any(g.get("eps") == 0 for g in own):
         return EPS0_UPDATE
     return eps_lost_text(step, own, params)
-
-
-def stale_state(model, opt) -> tuple[str, str, str] | None:
-    """(parameter, state key, kind) of the first non-finite tensor in the optimizer's state
-    before an update (Adam's moments, a momentum buffer), or None."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in state_items(opt):
-        for k, v in st.items():
-            if torch.is_tensor(v) and v.is_floating_point() and not finite(v):
-                return names.get(id(p), "?"), k, tensors_kind([v])
-    return None
 
 
 def _own_copies(model, opt) -> None:
