@@ -11,6 +11,7 @@ import pytest
 import torch
 import zf_models as ZF
 from bundles import nanreplay_json
+from ci import requires_cuda
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -110,3 +111,27 @@ def test_an_inf_warm_up_rate_at_step_0_proposes_the_scheduler_s_initial_rate(out
     rep = nanreplay_json(err.bundle_path, "--try", "auto")
     assert rep["reproduced"] and "its lr was inf in that update" in rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("lr=0.003", True)]
+
+
+@requires_cuda
+def test_a_cuda_tensor_learning_rate_is_not_read_as_nan(out_dir):
+    """A learning rate kept as a CUDA tensor (a fused AdamW, as torch.compile'd optimizer steps
+    take it) and eps=0 over a one-hot column no record has. The ring recorded such a rate as
+    NaN (it reads no device value per step), and the replay read that NaN as the update's
+    rate: 'its lr was nan in that update ... fix that value' instead of the eps=0 0/0."""
+    model = ZF.make_model().cuda()
+    opt = torch.optim.AdamW(ZF.param_groups(model), lr=torch.tensor(1e-3, device="cuda"),
+                            eps=0.0, fused=True)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="zf_models:make_model", guard_optimizer=True):
+            for x, y in ZF.loader(dead=5):
+                opt.zero_grad()
+                crit(model(x.cuda()), y.cuda()).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (0, "optimizer")
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["cause"] == "optimizer" and rep["origin"]["param"] == "embed.weight"
+    assert "with eps=0" in rep["hint"] and "lr was" not in rep["hint"], rep["hint"]
