@@ -113,6 +113,21 @@ def test_an_inf_warm_up_rate_at_step_0_proposes_the_scheduler_s_initial_rate(out
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("lr=0.003", True)]
 
 
+def test_gradient_ascent_on_a_loss_names_maximize(out_dir):
+    """SGD with maximize=True (kept from a script that maximised a log-likelihood) over a
+    cross-entropy loss: every update climbs the loss until a forward overflows. The hint said
+    to rescale the op or lower the learning rate, never the flag; it now names
+    maximize=True and the loss's climb."""
+    err = _train(out_dir, lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9,
+                                                    maximize=True), epochs=3)
+    assert err.event["phase"] == "forward"
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["cause"] == "overflow"
+    assert "The optimizer has maximize=True, so every update climbs what the loss returns, " \
+        "and it rose from 1.12 at step 0" in rep["hint"], rep["hint"]
+    assert "drop maximize=True" in rep["hint"]
+
+
 @requires_cuda
 def test_a_cuda_tensor_learning_rate_is_not_read_as_nan(out_dir):
     """A learning rate kept as a CUDA tensor (a fused AdamW, as torch.compile'd optimizer steps
