@@ -412,9 +412,13 @@ def _read_probe(probe: torch.Tensor) -> tuple[bool, float, list[float]]:
     return finite == 0.0 and not math.isnan(nan_only), scale, values
 
 
-def _host_float(x) -> float:
+def _host_float(x) -> float | torch.Tensor:
+    """A group's learning rate for the ring: a float, or for a tensor on a device (a
+    capturable, fused or compiled optimizer's lr) a copy of it there, read only when a bundle
+    is written (no sync per step; the copy, as a scheduler's ``fill_`` writes the group's
+    tensor in place). Left NaN, every update of such a run read as one with a NaN rate."""
     if isinstance(x, torch.Tensor):
-        return float(x) if x.device.type == "cpu" else math.nan
+        return float(x) if x.device.type == "cpu" else x.detach().clone()
     try:
         return float(x)
     except (TypeError, ValueError):

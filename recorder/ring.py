@@ -27,7 +27,7 @@ class StepLayout:
     """Where each statistic of one step lives in that step's row (all indices into the row)."""
 
     step: int
-    lrs: list[float]
+    lrs: list[float | torch.Tensor]  # (a device tensor lr: its copy, read at export)
     skipped: bool = False
     grads_scaled: bool = False  # gradient norms are of GradScaler-scaled gradients
     scale: float | None = None
@@ -314,6 +314,6 @@ def _export_step(i: int, row: list[float], lay: StepLayout, t: dict[str, torch.T
         t["ring/param_norm"][i] = _root_sum([row[k] for _, k in lay.params])
     lr = t["ring/lr"]
     for g, v in enumerate(lay.lrs[: lr.shape[1]]):
-        lr[i, g] = v
+        lr[i, g] = float(v)  # (a device tensor's copy: read now, see cycle._host_float)
     if lay.scale is not None:
         t["ring/scale"][i] = lay.scale

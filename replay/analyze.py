@@ -22,6 +22,7 @@ from typing import Any
 from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 
 from . import fidelity, outside
+from .ascent import ascent_hint
 from .cause_text import DO
 from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
@@ -79,6 +80,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     report = _from_bundle(report, step) or _from_rerun(report, step)
     if not add_window(step, report):  # (its measured growth says it, else the precursors)
         _diverging(report, window_of(step) is not None)
+    ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None

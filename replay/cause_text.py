@@ -110,6 +110,15 @@ EPS_LOST_UPDATE = ("eps={eps:g} is 0 in {dtype}, the dtype of the weights and of
                    "weights and optimizer state in float32 (autocast for {dtype} compute), or "
                    "set eps={safe}")
 
+# Adafactor's floor eps1 * eps1 under its rsqrt rounded to 0 (replay.optim.squared_eps_lost)
+SQUARED_EPS_LOST = ("torch.optim.Adafactor floors its factored second moment at eps1 * eps1 "
+                    "before rsqrt, and eps1={eps:g} squared is 0 in {dtype}, so a row or column "
+                    "whose gradients have all been exactly 0 (a feature 0 in every record, a "
+                    "token never seen) has rsqrt(0) = inf, and inf * 0 = NaN. Hugging Face's "
+                    "Adafactor adds eps1 to g**2 (its eps=(1e-30, 1e-3)); torch's squares it: "
+                    "leave eps1 at torch's default, eps=(None, 1e-3) ({dtype}'s machine eps, "
+                    "--try eps={safe} tests it)")
+
 # What to do, by situation (the first half of the hint says what happened).
 DO = {
     "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",

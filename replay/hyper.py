@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from .load import Step
+from .optim import pair_eps
 
 KEYS = ("lr", "weight_decay", "eps", "momentum", "betas", "alpha")
 SPELT = ("nan", "inf", "-inf")  # the bundle's JSON spelling of non-finite floats (``jsonable``)
@@ -89,7 +90,7 @@ def set_hyper(opt, record: dict[str, Any], sub: Step, change) -> None:
         if change.lr_factor is not None:
             group["lr"] = group["lr"] * change.lr_factor
         if change.eps is not None:
-            group["eps"] = change.eps
+            group["eps"] = pair_eps(group.get("eps"), change.eps)
         if change.weight_decay is not None and (_decays(rec) or not decayed):
             group["weight_decay"] = change.weight_decay
 

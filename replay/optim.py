@@ -9,7 +9,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from recorder.inner_optim import put_state
+from recorder.finite import finite, tensors_kind
+from recorder.inner_optim import put_state, state_items
+
+from .cause_text import EPS_LOST_UPDATE, SQUARED_EPS_LOST
 
 
 def build_optimizer(step, model: nn.Module, opt_factory):
@@ -116,3 +119,71 @@ def safe_eps(dtype: str | None) -> str:
     if float(torch.tensor(1e-8, dtype=dt)) != 0:
         return "1e-8"
     return f"1e{math.ceil(math.log10(torch.finfo(dt).tiny))}"
+
+
+def pair_eps(value, change: float):
+    """A group's eps after ``--try eps=``: a pair (``torch.optim.Adafactor``'s ``(eps1,
+    eps2)``) keeps its eps2 and takes the value as eps1, the one that floors the update's
+    denominator (a plain float for it raised in the optimizer: it unpacks two)."""
+    return (change, *value[1:]) if isinstance(value, (list, tuple)) else change
+
+
+def squared_eps_lost(step, groups: list[dict], params: list[str]) -> tuple[float, str] | None:
+    """``(eps1, dtype)`` when a group holding one of ``params`` has an eps pair (Adafactor's)
+    whose eps1 squared, the floor ``var.clamp_(min=eps1 * eps1)`` under its rsqrt, is 0 in
+    the dtype of the recorded weights (an eps1 of 0, or Hugging Face's 1e-30, which adds eps1
+    to g**2 instead: 1e-60 is 0 in float32). None eps1 is torch's default, the dtype's
+    machine eps."""
+    for g in groups:
+        eps = g.get("eps")
+        if not isinstance(eps, (list, tuple)) or len(eps) != 2:
+            continue
+        for name in g.get("params") or ():
+            w = step.tensors.get(f"weights/{name}")
+            if (name in params or not params) and w is not None and w.is_floating_point():
+                e1 = torch.finfo(w.dtype).eps if eps[0] is None else eps[0]
+                if isinstance(e1, (int, float)) and float(torch.tensor(e1 * e1,
+                                                                       dtype=w.dtype)) == 0:
+                    return float(e1), str(w.dtype).removeprefix("torch.")
+    return None
+
+
+def default_eps1(dtype: str | None) -> str:
+    """torch's default eps1 of Adafactor in ``dtype`` (its machine eps), as ``--try eps=``
+    spells it."""
+    return f"{torch.finfo(getattr(torch, dtype or 'float32', torch.float32)).eps:.2g}"
+
+
+def eps_lost_text(step, groups: list[dict], params: list[str]) -> str | None:
+    """Why an update divided by 0 though its eps is not 0: the weights' dtype rounds it to 0
+    (:func:`eps_lost`), or rounds Adafactor's eps1 squared to 0 (:func:`squared_eps_lost`)."""
+    if lost := eps_lost(step, groups, params):
+        return EPS_LOST_UPDATE.format(eps=lost[0], dtype=lost[1], safe=safe_eps(lost[1]))
+    if lost := squared_eps_lost(step, groups, params):
+        return SQUARED_EPS_LOST.format(eps=lost[0], dtype=lost[1], safe=default_eps1(lost[1]))
+    return None
+
+
+def stale_state(model, opt) -> tuple[str, str, str] | None:
+    """(parameter, state key, kind) of the first non-finite tensor in the optimizer's state
+    (Adam's moments, a momentum buffer), or None."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in state_items(opt):
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.is_floating_point() and not finite(v):
+                return names.get(id(p), "?"), k, tensors_kind([v])
+    return None
+
+
+def state_note(at, model, opt) -> str | None:
+    """The note of a window re-run whose update at step ``at`` left the optimizer's state
+    non-finite and the weights finite (Adam's exp_avg_sq of a gradient whose square passed
+    float32's range): training checks only the weights, so it trained on, and so does the
+    re-run. None while the state is finite."""
+    if (bad := stale_state(model, opt)) is None:
+        return None
+    return (f"re-running the window, {type(opt).__name__}'s {bad[1]} of {bad[0]} became "
+            f"{bad[2]} in the update at step {at} while the weights stayed finite: the "
+            "recorder checks the weights an update writes, not the optimizer's state, so "
+            "training went on (and so does the re-run); the updates read that state from "
+            "then on")

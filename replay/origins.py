@@ -19,7 +19,7 @@ from recorder.inner_optim import put_state, state_items
 from . import outside
 from .backward import find_backward_origin
 from .cause import Cause, classify
-from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, EPS_LOST_UPDATE, HINTS, inf_arith
+from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, HINTS, inf_arith
 from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, node_sources, with_node
@@ -29,7 +29,7 @@ from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
 from .loss_grad import node_in_loss, probed_report
 from .losses import non_finite_loss_state
 from .ops import OpFinder, state_of
-from .optim import eps_lost, per_parameter, safe_eps
+from .optim import eps_lost_text, per_parameter, stale_state
 from .param_writes import forward_made, forward_made_hint, loop_written_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
@@ -465,27 +465,11 @@ def _hyper_why(bad: tuple[str, str]) -> str:
 def _eps_why(step: Step, own: list[dict], params: list[str], made: str | None) -> str | None:
     """An eps that left the update's division by sqrt(v) + eps a division by 0: eps=0 where
     the update made NaN, or the weights it left hold NaN (RAdam's 1 / (sqrt(v) + eps) made
-    +inf, which its m = 0 then made NaN), or an eps that the weights' dtype rounds to 0."""
+    +inf, which its m = 0 then made NaN), or an eps that the weights' dtype rounds to 0
+    (Adafactor's eps1 squared)."""
     if "nan" in (made, step.event.get("kind")) and any(g.get("eps") == 0 for g in own):
         return EPS0_UPDATE
-    return _eps_lost_text(step, own, params)
-
-
-def _eps_lost_text(step: Step, groups: list[dict], params: list[str]) -> str | None:
-    lost = eps_lost(step, groups, params)
-    return EPS_LOST_UPDATE.format(eps=lost[0], dtype=lost[1], safe=safe_eps(lost[1])) \
-        if lost else None
-
-
-def stale_state(model, opt) -> tuple[str, str, str] | None:
-    """(parameter, state key, kind) of the first non-finite tensor in the optimizer's state
-    before an update (Adam's moments, a momentum buffer), or None."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in state_items(opt):
-        for k, v in st.items():
-            if torch.is_tensor(v) and v.is_floating_point() and not finite(v):
-                return names.get(id(p), "?"), k, tensors_kind([v])
-    return None
+    return eps_lost_text(step, own, params)
 
 
 def _own_copies(model, opt) -> None:

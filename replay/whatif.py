@@ -26,7 +26,7 @@ from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, undroppable
 from .errors import ReplayError, one_line
 from .load import Step
-from .optim import eps_lost, safe_eps
+from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
 from .outliers import out_of_scale
 from .recorded import batch_size
 from .window import Change, Window, run_window, step_as_window, window_of
@@ -186,6 +186,8 @@ def _eps_tries(step: Step, params: list[str]) -> list[str]:
     groups = (step.meta.get("optimizer") or {}).get("param_groups", [])
     if lost := eps_lost(step, groups, params):
         return [f"eps={safe_eps(lost[1])}", "dtype=float32"]
+    if lost := squared_eps_lost(step, groups, params):  # (Adafactor's: the try sets eps1)
+        return [f"eps={default_eps1(lost[1])}"]
     if any(g.get("eps") == 0 for g in step.optimizer.param_groups):
         dtype = _weights_dtype(step)
         return [f"eps={safe_eps(dtype and str(dtype).removeprefix('torch.'))}"]
@@ -214,12 +216,17 @@ def _lr_before_jump(report: dict[str, Any]) -> float | None:
 
 def _last_finite_lr(step: Step) -> float | None:
     """The largest learning rate of the last recorded step whose rates were all finite and
-    not all 0 (the schedule's before it went NaN or Inf), None when there is none."""
+    not all 0 (the schedule's before it went NaN or Inf), else the largest rate the scheduler
+    started from; None when there is none."""
     lrs = step.tensors.get("ring/lr")
     for row in reversed(lrs.tolist() if lrs is not None else []):
         if row and all(math.isfinite(v) for v in row) and max(row) > 0:
             return max(row)
-    return None
+    # none yet (a warm-up's (w / s) ** 0.5 is Inf at step 0, the ring's first row): the rate
+    # the loop set, which a scheduler keeps in each group as ``initial_lr``
+    first = [float(g["initial_lr"]) for g in step.optimizer.param_groups if "initial_lr" in g]
+    return max(first) if first and all(math.isfinite(v) for v in first) and max(first) > 0 \
+        else None
 
 
 def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ import torch
 
 from recorder.capture import map_tensors
 from recorder.finite import finite, tensors_kind
-from recorder.inner_optim import clear_state, full_state, put_state, state_items
+from recorder.inner_optim import clear_state, put_state, state_items
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
 from .clip import loop_clip, total_norm
@@ -40,7 +40,7 @@ from .hyper import set_hyper
 from .load import Step
 from .loopscale import unscale, window_factors, with_factors
 from .ops import OpFinder
-from .optim import needs_closure, per_parameter
+from .optim import needs_closure, per_parameter, state_note
 from .outgrads import nonfinite_forwards
 from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
@@ -114,6 +114,7 @@ class WindowRun:
     per_step: list[dict[str, Any]]  # step, loss, grad_norm, param_norm, lr, skipped
     problems: list[str] = field(default_factory=list)
     raised: str | None = None  # the model's code raised (where and what): the run ended there
+    state_noted: bool = False  # an update left the optimizer's state non-finite (a note)
 
 
 def window_of(step: Step) -> Window | None:
@@ -192,12 +193,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
             stats["param_norm"] = total_norm(step.model.parameters())
             continue
         set_hyper(opt, record, sub, change)
-        before = _state(step.model, opt)
-        opt.step()
-        stats["param_norm"] = total_norm(step.model.parameters())
-        bad = _bad_after_update(step.model, opt)
-        if bad:
-            out.first = _update_outcome(record["step"], step, opt, before, bad)
+        if _checked_update(step, opt, record["step"], change == Change(), out, stats):
             break
     win.loss_factors = win.loss_factors if factors is None else window_factors(factors)
     return out
@@ -420,14 +416,22 @@ def _state(model, opt) -> dict[str, Any]:
             "grads": {id(p): p.grad for p in model.parameters()}}
 
 
-def _bad_after_update(model, opt) -> list[str]:
-    bad = []
-    for n, p in model.named_parameters():
-        st = full_state(opt, p)
-        if not finite(p) or any(isinstance(v, torch.Tensor) and not finite(v)
-                                for v in st.values()):
-            bad.append(n)
-    return bad
+def _checked_update(step: Step, opt, at: int, unchanged: bool, out: WindowRun,
+                    stats: dict[str, Any]) -> bool:
+    """Step ``opt``, checked as the recorder checks an update: its weights. True when it left
+    them non-finite (``out.first`` is then that update's outcome). An optimizer state it left
+    non-finite with the weights finite (Adam's exp_avg_sq of a gradient past float32's range)
+    is no event in training, which trained on: the unchanged re-run notes it once."""
+    before = _state(step.model, opt)
+    opt.step()
+    stats["param_norm"] = total_norm(step.model.parameters())
+    if bad := [n for n, p in step.model.named_parameters() if not finite(p)]:
+        out.first = _update_outcome(at, step, opt, before, bad)
+        return True
+    if unchanged and not out.state_noted and (note := state_note(at, step.model, opt)):
+        out.problems.append(note)
+        out.state_noted = True
+    return False
 
 
 def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
