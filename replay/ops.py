@@ -161,7 +161,7 @@ class _Watch(TorchDispatchMode):
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
                 and _folds(name, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
-                                    rows=f.batch_rows(outs), seq=seq)
+                                    rows=f.folded_rows(outs, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, False, occurrence, in_finite,
                                 literal=literal_inf, within=f.where, seq=seq,
@@ -415,6 +415,13 @@ class OpFinder:
         t = next((t for t in outs if s and s.size and s.dim(t) is not None
                   and t not in self._of_weights), None)
         return None if t is None else s.rows(t)
+
+    def folded_rows(self, outs: list[torch.Tensor], ins: list[torch.Tensor], pairs
+                    ) -> list[int] | None:
+        """The samples of a reduction's non-finite output; of a 0-d one (a loss's mean over
+        the batch), those of the non-finite inputs it folded in."""
+        return self.batch_rows(outs) or self.batch_rows(
+            [t for t, (a, b) in zip(ins, pairs) if not pair_ok(a, b)])
 
     def __enter__(self) -> OpFinder:
         self._mode.__enter__()

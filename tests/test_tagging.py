@@ -1,0 +1,77 @@
+"""Sequence labelling trained as NLP practitioners write it (``tagging_models``: a BiLSTM-CRF
+NER tagger over word embeddings and a character CNN, packed sequences, a CRF whose forward
+algorithm runs ``logsumexp`` over a padding mask with BIO constraints, a token classifier with
+labels -100), each with a planted bug: the recorder fires at the planted step and
+``nanreplay --json`` names the module, op, samples and cause."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tagging_models as T
+import torch
+from bundles import nanreplay_json
+from torch.utils.data import DataLoader
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where tagging_models.py, the factories' module, lives
+
+
+def train_tagger(model, ds, tmp_path, factory, epochs=1, **kw):
+    """The tagger's loop: Adam, gradient clipping, Viterbi decoding of a validation set after
+    each epoch; returns the recorder's NonFiniteError, or None after a clean run."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    val = T.Sentences(16, seed=1)
+    try:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory=f"tagging_models:{factory}",
+                            **kw):
+            for _ in range(epochs):
+                model.train()
+                for words, chars, lengths, tags in DataLoader(ds, batch_size=16,
+                                                              collate_fn=T.collate):
+                    opt.zero_grad()
+                    model(words, chars, lengths, tags).backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                    opt.step()
+                model.eval()
+                with torch.no_grad():
+                    for words, chars, lengths, _ in DataLoader(val, batch_size=8,
+                                                               collate_fn=T.collate):
+                        model(words, chars, lengths)
+    except NonFiniteError as e:
+        return e
+    return None
+
+
+def test_a_healthy_bilstm_crf_with_bio_constraints_and_viterbi_raises_nothing(tmp_path):
+    """-inf constraints masked into the transitions in forward, logsumexp over them, Viterbi
+    in eval: intended infinities that never reach the loss."""
+    assert train_tagger(T.make_tagger(), T.Sentences(), tmp_path, "make_tagger", epochs=2) is None
+
+
+def test_an_iob1_sentence_under_bio_constraints_names_its_sample(tmp_path):
+    """A BIO-constrained CRF (illegal transitions masked to -inf, AllenNLP style) trained on
+    data with one IOB1 sentence, whose entity starts with I-PER: its gold path takes the
+    masked start transition, its score is -inf and the batch's NLL +inf. The replay named
+    the mean that folded that +inf in, but no sample (the mean is 0-d): the samples are now
+    the rows of the infinity the mean folded in, sentence 40 (row 8 of batch 2), and
+    dropping it makes the step finite."""
+    e = train_tagger(T.make_tagger(), T.Sentences(iob1=(40,)), tmp_path, "make_tagger")
+    assert e is not None
+    ev = e.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (2, "forward", "crf", "+inf")
+    rep = nanreplay_json(e.bundle_path, "--try", "drop=8")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("crf", "aten.mean", [8], "invalid"), rep
+    assert o["chain"][0]["op"] == "aten.masked_fill" and o["chain"][0]["intentional"], o
+    assert "a target on a masked class" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
