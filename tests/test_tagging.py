@@ -75,3 +75,22 @@ def test_an_iob1_sentence_under_bio_constraints_names_its_sample(tmp_path):
     assert "a target on a masked class" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
+
+def test_minus_inf_written_into_trained_transitions_is_a_weights_event_at_step_0(tmp_path):
+    """The tutorial CRF with its illegal transitions written as -inf into the trained
+    ``transitions`` and ``start`` parameters. No weight was checked before the first update,
+    so the event came after it: 'optimizer.step() made 2 parameter(s) non-finite', and the
+    replay said finite gradients became non-finite weights: check the learning rate. The
+    weights are now measured in the steps before the first update (usually one): a weights
+    event at step 0, and the replay, building the factory's model again, says the factory
+    builds them -inf and where such a constraint belongs."""
+    e = train_tagger(T.make_hard_tagger(), T.Sentences(), tmp_path, "make_hard_tagger")
+    assert e is not None
+    ev = e.event
+    assert (ev["step"], ev["phase"], ev["params"], ev["kind"]) == \
+        (0, "weights", ["crf.transitions", "crf.start"], "-inf"), ev
+    rep = nanreplay_json(e.bundle_path)
+    assert (rep["origin"]["phase"], rep["cause"]) == ("weights", "weights"), rep
+    assert rep["hint"].startswith("the factory builds crf.transitions, crf.start non-finite"), \
+        rep["hint"]
+    assert "masked_fill(~allowed, -inf)" in rep["hint"], rep["hint"]
