@@ -189,7 +189,9 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
     # a Python number: a setting or its complement (keep_prob = 1 - p at p = 1), not data
     by, key = (" the number", "divide_number") if len(ins) < 2 and isinstance(
         _second(ev), (int, float)) else ("", "divide")
-    if key == "divide" and ev.zero_dim[1:2] == [True]:
+    second = _second(ev)  # (an integer divisor is no floating input: a token count's sum())
+    if key == "divide" and (ev.zero_dim[1:2] == [True] or (
+            len(ins) < 2 and isinstance(second, torch.Tensor) and second.dim() == 0)):
         # one value for every element: a count or a statistic over the batch (a Cox loss's
         # events.sum() over an all-censored batch), no row of which is to blame
         key = "divide_total"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.data import Dataset
 
@@ -218,3 +219,11 @@ class TokenTagger(nn.Module):
 def make_token_tagger() -> nn.Module:
     torch.manual_seed(0)
     return TokenTagger()
+
+
+def token_loss(logits, labels):
+    """Cross entropy summed over the labelled tokens, divided by their count (each token
+    weighs the same whatever its sentence's length, under gradient accumulation too)."""
+    total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                            reduction="sum")
+    return total / (labels != -100).sum()

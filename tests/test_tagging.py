@@ -94,3 +94,36 @@ def test_minus_inf_written_into_trained_transitions_is_a_weights_event_at_step_0
     assert rep["hint"].startswith("the factory builds crf.transitions, crf.start non-finite"), \
         rep["hint"]
     assert "masked_fill(~allowed, -inf)" in rep["hint"], rep["hint"]
+
+
+def test_a_micro_batch_with_no_labelled_token_says_the_token_count_is_0(tmp_path):
+    """A token classifier trained with gradient accumulation (4 micro-batches a step) and a
+    loss normalised by the number of labelled tokens, ``sum / (labels != -100).sum()``; the
+    third micro-batch of step 2 holds only -100 labels (sentences whose every token is a
+    continuation): 0/0. The hint said to 'skip the rows where it is 0', as for a per-row
+    divisor: the count is an integer tensor, which the evidence of the op's floating inputs
+    left out, so its 0-d shape went unseen. It now says the divisor is one count for the
+    whole batch and to divide by count.clamp_min(1)."""
+    model = T.make_token_tagger()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = list(DataLoader(T.Sentences(64), batch_size=4,
+                             collate_fn=lambda b: T.collate(b, label_pad=-100)))
+    words, chars, lengths, tags = loader[10]  # step 2, micro-batch 2
+    loader[10] = (words, chars, lengths, torch.full_like(tags, -100))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=T.token_loss, out_dir=tmp_path,
+                            factory="tagging_models:make_token_tagger") as rec:
+            for k, (words, _, _, labels) in enumerate(loader):
+                (rec.loss_fn(model(words), labels) / 4).backward()
+                if (k + 1) % 4 == 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (2, "loss", 2), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["micro_batch"], o["samples"], rep["cause"]) == \
+        ("aten.div", 2, [], "invalid"), rep
+    assert "one 0-d value for every element" in rep["hint"], rep["hint"]
+    assert "count.clamp_min(1)" in rep["hint"], rep["hint"]
