@@ -86,8 +86,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     inside a custom autograd.Function's backward (its derivative's poles are that op's),
     ``dtype`` that of the node's non-finite gradient (else the micro-batch's narrowest)."""
     # (a backward ``hit``: an op of a gradient hook, whose occurrence is counted in the hook)
-    capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence \
-        and phase != "backward" else None
+    # (also without evidence: a model raising after the op, on its NaN, is answered by it)
+    capture = OpAt(hit.op, hit.occurrence) if hit is not None and phase != "backward" else None
     try:
         still = float64_still(runner, phase, until, capture, micro_batch)
     except Exception as e:  # the model refuses float64 (a kernel for half types only)

@@ -164,8 +164,8 @@ class _Watch(TorchDispatchMode):
                                     rows=f.folded_rows(outs, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, False, occurrence, in_finite,
-                                literal=literal_inf, within=f.where, seq=seq,
-                                from_mask=f.first is None and bool(f.intentional))
+                                literal=literal_inf, within=f.where, seq=seq, rows=f.batch_rows(
+                                    outs), from_mask=f.first is None and bool(f.intentional))
         return out
 
 

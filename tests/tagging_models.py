@@ -227,3 +227,99 @@ def token_loss(logits, labels):
     total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
                             reduction="sum")
     return total / (labels != -100).sum()
+
+
+BOS, EOS = 1, 2
+
+
+class Seq2Seq(nn.Module):
+    """A GRU encoder-decoder with additive (Bahdanau) attention over the source's padding
+    mask, trained with teacher forcing and scheduled sampling: with probability
+    ``1 - teacher`` a step feeds back a token drawn with ``torch.multinomial`` from the
+    decoder's own distribution (random numbers drawn inside forward). ``beam_search``
+    decodes in validation through the decoder step alone."""
+
+    def __init__(self, d: int = 24, teacher: float = 0.5):
+        super().__init__()
+        self.teacher = teacher
+        self.src_emb = nn.Embedding(VOCAB, d, padding_idx=PAD)
+        self.tgt_emb = nn.Embedding(VOCAB, d, padding_idx=PAD)
+        self.encoder = nn.GRU(d, d, batch_first=True)
+        self.cell = nn.GRUCell(2 * d, d)
+        self.att_q, self.att_k, self.att_v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 1)
+        self.out = nn.Linear(2 * d, VOCAB)
+
+    def encode(self, src):
+        keys, h = self.encoder(self.src_emb(src))
+        return keys, h[0], src != PAD
+
+    def step(self, tok, h, keys, mask):
+        scores = self.att_v(torch.tanh(self.att_q(h)[:, None] + self.att_k(keys))).squeeze(-1)
+        att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        ctx = (att[:, :, None] * keys).sum(1)
+        h = self.cell(torch.cat([self.tgt_emb(tok), ctx], -1), h)
+        return self.out(torch.cat([h, ctx], -1)), h
+
+    def forward(self, src, tgt):
+        """Logits (B, T, V) for ``tgt[:, 1:]`` given ``tgt[:, :-1]``."""
+        keys, h, mask = self.encode(src)
+        tok, logits = tgt[:, 0], []
+        for t in range(1, tgt.shape[1]):
+            out, h = self.step(tok, h, keys, mask)
+            logits.append(out)
+            sampled = torch.multinomial(torch.softmax(out.detach(), -1), 1).squeeze(1)
+            use_gold = torch.rand(tgt.shape[0], device=tgt.device) < self.teacher
+            tok = torch.where(use_gold, tgt[:, t], sampled)
+        return torch.stack(logits, 1)
+
+    @torch.no_grad()
+    def beam_search(self, src, beam: int = 3, max_len: int = 8):
+        """The best-scoring hypothesis of each sentence (one at a time, as beam search code
+        usually goes); finished beams keep their score (others -inf past EOS)."""
+        best = []
+        for s in src:
+            keys, h, mask = self.encode(s[None])
+            hyps = [([BOS], 0.0, h)]
+            for _ in range(max_len):
+                cand = []
+                for toks, score, hh in hyps:
+                    if toks[-1] == EOS:
+                        cand.append((toks, score, hh))
+                        continue
+                    out, h2 = self.step(torch.tensor([toks[-1]]), hh, keys, mask)
+                    lp = torch.log_softmax(out, -1)[0]
+                    top = lp.topk(beam)
+                    cand += [(toks + [int(i)], score + float(v), h2)
+                             for v, i in zip(top.values, top.indices)]
+                hyps = sorted(cand, key=lambda c: c[1], reverse=True)[:beam]
+            best.append(hyps[0][0])
+        return best
+
+
+def make_seq2seq() -> nn.Module:
+    torch.manual_seed(0)
+    return Seq2Seq()
+
+
+def parallel(n: int = 64, seed: int = 0, empty: tuple[int, ...] = ()):
+    """Source and target sentences (targets framed by BOS and EOS); the sources listed in
+    ``empty`` are blank lines of the corpus (all padding)."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for i in range(n):
+        ls, lt = (int(x) for x in torch.randint(2, 8, (2,), generator=g))
+        src = torch.randint(3, VOCAB, (ls,), generator=g)
+        tgt = torch.cat([torch.tensor([BOS]), torch.randint(3, VOCAB, (lt,), generator=g),
+                         torch.tensor([EOS])])
+        pairs.append((src[:0] if i in empty else src, tgt))
+    return pairs
+
+
+def collate_pairs(items):
+    S = max(1, max(len(s) for s, _ in items))
+    T = max(len(t) for _, t in items)
+    src = torch.full((len(items), S), PAD, dtype=torch.long)
+    tgt = torch.full((len(items), T), PAD, dtype=torch.long)
+    for i, (s, t) in enumerate(items):
+        src[i, :len(s)], tgt[i, :len(t)] = s, t
+    return src, tgt

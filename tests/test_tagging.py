@@ -30,7 +30,7 @@ def train_tagger(model, ds, tmp_path, factory, epochs=1, **kw):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     val = T.Sentences(16, seed=1)
     try:
-        with FlightRecorder(model, opt, out_dir=tmp_path, factory=f"tagging_models:{factory}",
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory=factory if ":" in factory else f"tagging_models:{factory}",
                             **kw):
             for _ in range(epochs):
                 model.train()
@@ -127,3 +127,43 @@ def test_a_micro_batch_with_no_labelled_token_says_the_token_count_is_0(tmp_path
         ("aten.div", 2, [], "invalid"), rep
     assert "one 0-d value for every element" in rep["hint"], rep["hint"]
     assert "count.clamp_min(1)" in rep["hint"], rep["hint"]
+
+
+def test_scheduled_sampling_raising_on_a_blank_source_line_names_its_sample(tmp_path):
+    """A GRU encoder-decoder with attention over the source's padding mask, trained with
+    teacher forcing and scheduled sampling (``torch.multinomial`` of the decoder's own
+    distribution, inside forward), label smoothing, beam search in validation. Pair 37 of the
+    corpus has a blank source line: its attention row is all -inf, softmax makes NaN, and
+    the sampling draw raises on it ('probability tensor contains ...') inside the root's own
+    forward. The replay named the softmax but no sample, and its cause was unknown: the
+    float64 re-run raised too, before the root's call returned, and without a capture of the
+    op (kept only for ops of finite inputs) it had no answer. The op's float64 values now
+    answer it (a fully masked row) and the samples are those of its NaN rows: row 5 of
+    step 4's batch, whose drop makes the step finite."""
+    data, val = T.parallel(empty=(37,)), T.parallel(4, seed=1)
+    model = T.make_seq2seq()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    crit = torch.nn.CrossEntropyLoss(ignore_index=T.PAD, label_smoothing=0.1)
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="tagging_models:make_seq2seq"):
+            for src, tgt in DataLoader(data, batch_size=8, collate_fn=T.collate_pairs):
+                opt.zero_grad()
+                crit(model(src, tgt).flatten(0, 1), tgt[:, 1:].flatten()).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                if src.shape[0] == 8:  # (validation after each batch: beam search)
+                    model.eval()
+                    model.beam_search(collate_pairs_src(val))
+                    model.train()
+    [bundle] = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle, "--try", "auto")
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        (4, "", "aten._softmax", [5], "invalid"), rep
+    assert "fully masked row" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=5", True)], rep
+
+
+def collate_pairs_src(pairs):
+    return T.collate_pairs(pairs)[0]
