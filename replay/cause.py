@@ -315,7 +315,8 @@ def _from_infinities(hit: OpHit) -> Cause:
     name = _name(hit.op).rstrip("_")
     if name in _ROW_REDUCTIONS:  # softmax: NaN; logsumexp, amax: -inf (OpFinder.first_reduced)
         return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "
-                     "row): " + DO["masked_row"])
+                     "row): " + DO["masked_row"]
+                     + (DO["max_shift"] if name in ("max", "amax") else ""))
     if name in GROUP_REDUCTIONS:  # OpFinder.first_reduced: the fill it started from
         return Cause("invalid", f"{hit.op} left the {hit.made} it started from in the rows no "
                      "element was reduced into (an empty group: a graph without nodes): "

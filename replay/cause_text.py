@@ -148,6 +148,11 @@ DO = {
     "masked_row": "a fully masked row has no key to attend to (no element to pool): keep at "
                   "least one key per row (skip or fill empty rows), or mask with a large finite "
                   "negative number instead of -inf",
+    # (after masked_row, for a max: the shift of a hand-written logsumexp or softmax)
+    "max_shift": "; where this max shifts a hand-written logsumexp, m + log(sum(exp(x - m))) "
+                 "(a CRF's forward algorithm over forbidden transitions), x - m is -inf - -inf "
+                 "on such a row: call torch.logsumexp, which returns -inf for it, or replace "
+                 "an infinite m by 0",
     "value_gap": "differentiate only what has no such term (torch.linalg.eigvalsh, svdvals, "
                  "a matrix norm), compute the matrix function without the decomposition (a "
                  "Newton-Schulz iteration for an inverse square root or a whitening), or skip "

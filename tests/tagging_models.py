@@ -197,6 +197,46 @@ def make_hard_tagger() -> nn.Module:
     return model
 
 
+def log_sum_exp(x, dim):
+    """The PyTorch tutorial's numerically stable log-sum-exp, written out."""
+    m = x.max(dim=dim, keepdim=True).values
+    return (m + torch.log(torch.exp(x - m).sum(dim=dim, keepdim=True))).squeeze(dim)
+
+
+class TutorialCRF(CRF):
+    """A CRF with START as an extra tag (no transition may enter it: masked to -inf in
+    forward) and the tutorial's written-out log-sum-exp in its forward algorithm."""
+
+    def __init__(self):
+        super().__init__(constrained=False)
+        n = N_TAGS + 1
+        self.transitions = nn.Parameter(torch.randn(n, n) * 0.1)
+        allowed = torch.ones(n, n, dtype=torch.bool)
+        allowed[:, -1] = False  # nothing goes to START
+        self.register_buffer("allowed", allowed)
+
+    def forward(self, emissions, tags, mask):
+        trans = self.transitions.masked_fill(~self.allowed, float("-inf"))
+        B, T, _ = emissions.shape
+        em = torch.cat([emissions, emissions.new_zeros(B, T, 1)], -1)  # (START emits nothing)
+        alpha = trans[-1][None] + em[:, 0]
+        for t in range(1, T):
+            nxt = log_sum_exp(alpha[:, :, None] + trans[None], 1) + em[:, t]
+            alpha = torch.where(mask[:, t, None].bool(), nxt, alpha)
+        gold = trans[-1][tags[:, 0]] + em[:, 0].gather(1, tags[:, :1]).squeeze(1)
+        for t in range(1, T):
+            step = trans[tags[:, t - 1], tags[:, t]] + em[:, t].gather(1, tags[:, t:t + 1])[:, 0]
+            gold = gold + step * mask[:, t]
+        return (log_sum_exp(alpha, 1) - gold).mean()
+
+
+def make_tutorial_tagger() -> nn.Module:
+    torch.manual_seed(0)
+    model = Tagger()
+    model.crf = TutorialCRF()
+    return model
+
+
 def make_max_norm_tagger() -> nn.Module:
     torch.manual_seed(0)
     return Tagger(max_norm=1.0)

@@ -167,3 +167,27 @@ def test_scheduled_sampling_raising_on_a_blank_source_line_names_its_sample(tmp_
 
 def collate_pairs_src(pairs):
     return T.collate_pairs(pairs)[0]
+
+
+def test_a_written_out_logsumexp_over_a_tag_no_transition_enters_blames_its_max(tmp_path):
+    """The tutorial CRF: START is a tag no transition may enter (masked to -inf in forward),
+    and the forward algorithm's log-sum-exp is written out, ``m + log(sum(exp(x - m)))``. The
+    START column is all -inf, so its max m is -inf and x - m is -inf - -inf: NaN at step 0 in
+    every sentence. The replay blamed ``aten.select`` (``trans[-1]``, picking the START row
+    with its -inf: smaller than the matrix, so it counted as a reduction folding the mask in)
+    and told to give masked entries zero weight in the loss. Views and element picks fold
+    nothing now: the max over the all -inf column is blamed, and the hint says to call
+    torch.logsumexp."""
+    e = train_tagger(T.make_tutorial_tagger(), T.Sentences(32), tmp_path,
+                     "make_tutorial_tagger")
+    assert e is not None
+    ev = e.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "crf", "nan")
+    rep = nanreplay_json(e.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["all_samples"], rep["cause"]) == \
+        ("crf", "aten.max", True, "invalid"), rep
+    line = next(i for i, text in enumerate(Path(T.__file__).read_text().splitlines(), 1)
+                if "m = x.max(dim=dim" in text)
+    assert o["source"] == f"tagging_models.py:{line}", o["source"]
+    assert "call torch.logsumexp" in rep["hint"], rep["hint"]
