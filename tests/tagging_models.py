@@ -363,3 +363,10 @@ def collate_pairs(items):
     for i, (s, t) in enumerate(items):
         src[i, :len(s)], tgt[i, :len(t)] = s, t
     return src, tgt
+
+
+def token_loss_sum(logits, labels, n_items: int):
+    """Cross entropy summed over the labelled tokens, divided by the count the loop took of
+    them (Hugging Face's ``num_items_in_batch``: the same divisor for every micro-batch)."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                           reduction="sum") / n_items

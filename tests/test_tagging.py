@@ -191,3 +191,36 @@ def test_a_written_out_logsumexp_over_a_tag_no_transition_enters_blames_its_max(
                 if "m = x.max(dim=dim" in text)
     assert o["source"] == f"tagging_models.py:{line}", o["source"]
     assert "call torch.logsumexp" in rep["hint"], rep["hint"]
+
+
+def test_a_step_with_no_labelled_token_says_its_python_int_count_is_0(tmp_path):
+    """Gradient accumulation normalised as Hugging Face's Trainer does it: the loop counts the
+    labelled tokens of the step's 4 micro-batches first, ``num_items_in_batch``, a Python int,
+    and every micro-batch's summed loss is divided by it. Step 1's micro-batches hold only
+    -100 labels: 0/0. The hint read the 0 as a setting ('find the setting that made it 0 (a
+    drop probability of 1 ...)'); an int divisor is a count, and the hint now says so and
+    gives max(count, 1)."""
+    model = T.make_token_tagger()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = list(DataLoader(T.Sentences(48), batch_size=4,
+                             collate_fn=lambda b: T.collate(b, label_pad=-100)))
+    for k in range(4, 8):  # step 1: sentences whose every token is a continuation
+        words, chars, lengths, tags = loader[k]
+        loader[k] = (words, chars, lengths, torch.full_like(tags, -100))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=T.token_loss_sum, out_dir=tmp_path,
+                            factory="tagging_models:make_token_tagger") as rec:
+            for s in range(0, len(loader), 4):
+                group = loader[s:s + 4]
+                n_items = sum(int((labels != -100).sum()) for *_, labels in group)
+                for words, _, _, labels in group:
+                    rec.loss_fn(model(words), labels, n_items).backward()
+                opt.step()
+                opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (1, "loss", 0), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["samples"], rep["cause"]) == ("aten.div", [], "invalid"), rep
+    assert "the divisor is a Python integer" in rep["hint"], rep["hint"]
+    assert "max(count, 1)" in rep["hint"] and "drop probability" not in rep["hint"], rep["hint"]
