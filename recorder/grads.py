@@ -119,13 +119,14 @@ def first_weight_norms(tape: Tape, target: Target) -> None:
     step that used it, not one the first update seems to have made."""
     if tape.finite_at_open is None:
         return
-    params = target.params
-    idx = [i for i in range(len(params)) if i not in tape.param_norms
-           and checkable(local(params[i][1]))]
-    if idx:
+    # (the weights the update evidence measures after each update: the optimizer's)
+    held = [(i, p) for i, p in (*target.update_large, *target.update_small)
+            if i not in tape.param_norms and checkable(local(p))]
+    if held:
+        tape.slots.once = True
         with tape.lock:
-            tape.param_norms.update(zip(idx, tape.slots.sq_norm_each(
-                [local(params[i][1]).detach() for i in idx], STRICT)))
+            tape.param_norms.update(zip([i for i, _ in held], tape.slots.sq_norm_each(
+                [local(p).detach() for _, p in held], STRICT)))
 
 
 def weight_step_norms(tape: Tape, target: Target, param_norms: bool) -> None:
