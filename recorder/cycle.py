@@ -29,7 +29,7 @@ from .compat import scaler_scale, scaler_token, version_of
 from .errors import NonFiniteError
 from .events import anomaly_reason
 from .foreign import ForeignUpdates
-from .grads import output_grad_norms, reread_changed_grads, small_param_norms
+from .grads import output_grad_norms, reread_changed_grads, weight_step_norms
 from .hooks import Health
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
@@ -261,8 +261,7 @@ class StepCycle:
         read in the same sync."""
         if not tape.evaluation:  # (an evaluation's gradients are the last step's)
             output_grad_norms(tape)
-            if self.target.small:
-                small_param_norms(tape, self.target, self.settings.param_norms)
+            weight_step_norms(tape, self.target, self.settings.param_norms)
         layout, pieces, shift, starts, ends = self._layout(tape, skipped)
         total = shift + ends[LOOSE]
         # (a whole-vector row: the slots' length, which the ring follows when they grow)

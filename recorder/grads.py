@@ -109,3 +109,29 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
         if param_norms and not target.grad_hooks:
             weights = [local(target.params[i][1]).detach() for i in idx]
             tape.param_norms.update(zip(idx, tape.slots.sq_norm_each(weights, STRICT)))
+
+
+def first_weight_norms(tape: Tape, target: Target) -> None:
+    """Squared norms of the weights no statistic measured yet, in the steps before the
+    recorded optimizer's first update only (``tape.finite_at_open`` is set then, usually one
+    step): a weight the run started with non-finite (a CRF's forbidden transitions written
+    as -inf into a trained parameter, a corrupt checkpoint) is a ``weights`` event of the
+    step that used it, not one the first update seems to have made."""
+    if tape.finite_at_open is None:
+        return
+    # (the weights the update evidence measures after each update: the optimizer's)
+    held = [(i, p) for i, p in (*target.update_large, *target.update_small)
+            if i not in tape.param_norms and checkable(local(p))]
+    if held:
+        tape.slots.once = True
+        with tape.lock:
+            tape.param_norms.update(zip([i for i, _ in held], tape.slots.sq_norm_each(
+                [local(p).detach() for _, p in held], STRICT)))
+
+
+def weight_step_norms(tape: Tape, target: Target, param_norms: bool) -> None:
+    """The norms taken as a training step's row is built: the small parameters', then the
+    weights' before the first update."""
+    if target.small:
+        small_param_norms(tape, target, param_norms)
+    first_weight_norms(tape, target)

@@ -91,6 +91,9 @@ class Slots:
         self.starts: tuple[int, ...] = tuple(itertools.accumulate(sizes, initial=0))[:-1]
         self.ends = tuple(a + n for a, n in zip(self.starts, sizes))
         self.short = False  # this step asked for more slots than there are (see start_step)
+        # this step takes entries the next may not: cleared as it starts, so that its row
+        # holds none of them (the weight norms before the first update, recorder.grads)
+        self.once = False
         self._regions = [_Region(self.data.narrow(0, at, size), views[at: at + size],
                                  pairs[at: at + size - 1])
                          for at, size in zip(self.starts, sizes)]
@@ -109,6 +112,9 @@ class Slots:
             self._build(tuple(w + w // 4 if r.extra else r.size
                               for r, w in zip(self._regions, wanted)))
             return
+        if self.once:
+            self.once = False
+            self.data.zero_()
         # A new counter per region. Overflow is only ever added with ``short`` set, and a
         # short step's successor is built anew above, so the overflow lists are empty here.
         count = itertools.count

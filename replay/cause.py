@@ -86,8 +86,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     inside a custom autograd.Function's backward (its derivative's poles are that op's),
     ``dtype`` that of the node's non-finite gradient (else the micro-batch's narrowest)."""
     # (a backward ``hit``: an op of a gradient hook, whose occurrence is counted in the hook)
-    capture = OpAt(hit.op, hit.occurrence) if hit is not None and hit.evidence \
-        and phase != "backward" else None
+    # (also without evidence: a model raising after the op, on its NaN, is answered by it)
+    capture = OpAt(hit.op, hit.occurrence) if hit is not None and phase != "backward" else None
     try:
         still = float64_still(runner, phase, until, capture, micro_batch)
     except Exception as e:  # the model refuses float64 (a kernel for half types only)
@@ -315,7 +315,8 @@ def _from_infinities(hit: OpHit) -> Cause:
     name = _name(hit.op).rstrip("_")
     if name in _ROW_REDUCTIONS:  # softmax: NaN; logsumexp, amax: -inf (OpFinder.first_reduced)
         return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "
-                     "row): " + DO["masked_row"])
+                     "row): " + DO["masked_row"]
+                     + (DO["max_shift"] if name in ("max", "amax") else ""))
     if name in GROUP_REDUCTIONS:  # OpFinder.first_reduced: the fill it started from
         return Cause("invalid", f"{hit.op} left the {hit.made} it started from in the rows no "
                      "element was reduced into (an empty group: a graph without nodes): "

@@ -132,6 +132,11 @@ DO = {
                      "probability of 1 leaves keep_prob = 1 - p = 0, a temperature or scale "
                      "annealed to 0) and keep it away from 0, or skip the division where it is "
                      "0 (timm's drop_path divides only if keep_prob > 0)",
+    "divide_count": "the divisor is a Python integer, the same for every element: a count "
+                    "taken from the batch (int(mask.sum()), the labelled tokens of a "
+                    "micro-batch, num_items_in_batch) that is 0 in this step, as nothing in "
+                    "it is counted; no row is to blame: divide by max(count, 1) (a sum over "
+                    "nothing is 0 already) or skip such batches",
     "divide_total": "the divisor is one 0-d value for every element (a count, sum or "
                     "statistic over the batch: events.sum(), mask.sum(), y.std(); or a scalar "
                     "parameter), 0 in this step (no event among the batch's samples, every "
@@ -157,6 +162,11 @@ DO = {
     "masked_row": "a fully masked row has no key to attend to (no element to pool): keep at "
                   "least one key per row (skip or fill empty rows), or mask with a large finite "
                   "negative number instead of -inf",
+    # (after masked_row, for a max: the shift of a hand-written logsumexp or softmax)
+    "max_shift": "; where this max shifts a hand-written logsumexp, m + log(sum(exp(x - m))) "
+                 "(a CRF's forward algorithm over forbidden transitions), x - m is -inf - -inf "
+                 "on such a row: call torch.logsumexp, which returns -inf for it, or replace "
+                 "an infinite m by 0",
     "value_gap": "differentiate only what has no such term (torch.linalg.eigvalsh, svdvals, "
                  "a matrix norm), compute the matrix function without the decomposition (a "
                  "Newton-Schulz iteration for an inverse square root or a whitening), or skip "

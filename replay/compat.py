@@ -10,6 +10,7 @@
 - :func:`saved_value`: a value an autograd node saved (``_saved_*``), unless unpacking it
   would recompute a checkpointed region (``_raw_saved_*.unpack_hook``);
 - :func:`writes_arguments`: whether an aten op writes into an argument (``func._schema``);
+  :func:`returns_view`: whether it returns a view of one;
 - :func:`set_parameter`, :func:`set_buffer`, :func:`remove_member`: an ``nn.Module``'s
   parameter, buffer and submodule tables (``_parameters``, ``_buffers``, ``_modules``), written
   directly to assign the bundle's tensors without a copy and to clear what a default
@@ -74,6 +75,11 @@ def writes_arguments(func) -> bool:
         hit = _WRITES[func] = any(a.alias_info is not None and a.alias_info.is_write
                                   for a in func._schema.arguments)
     return hit
+
+
+def returns_view(func) -> bool:
+    """Whether the aten op ``func`` returns a view of an argument (``select``, a slice)."""
+    return any(r.alias_info is not None for r in func._schema.returns)
 
 
 def set_parameter(module: nn.Module, name: str, value: torch.Tensor | None) -> None:

@@ -186,10 +186,14 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
 def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
               den: torch.Tensor) -> tuple[str, str]:
     """A division by 0 (0/0 where the numerator is 0 too), and which advice fits."""
-    # a Python number: a setting or its complement (keep_prob = 1 - p at p = 1), not data
-    by, key = (" the number", "divide_number") if len(ins) < 2 and isinstance(
-        _second(ev), (int, float)) else ("", "divide")
-    if key == "divide" and ev.zero_dim[1:2] == [True]:
+    # a Python number: a setting or its complement (keep_prob = 1 - p at p = 1), not data;
+    # an int one is a count (int(mask.sum()), a token count passed to the loss)
+    second = _second(ev)  # (an integer divisor is no floating input: a token count's sum())
+    by, key = ("", "divide")
+    if len(ins) < 2 and isinstance(second, (int, float)) and not isinstance(second, bool):
+        by, key = " the number", "divide_count" if isinstance(second, int) else "divide_number"
+    if key == "divide" and (ev.zero_dim[1:2] == [True] or (
+            len(ins) < 2 and isinstance(second, torch.Tensor) and second.dim() == 0)):
         # one value for every element: a count or a statistic over the batch (a Cox loss's
         # events.sum() over an all-censored batch), no row of which is to blame
         key = "divide_total"

@@ -58,6 +58,8 @@ class Step:
     given_rank: int | None = None
     # plain attributes the factory built otherwise than the run had them at attach
     built_otherwise: list[str] = field(default_factory=list)
+    # builds the factory's model again, on a real device (its own initial values), or None
+    rebuild: Any = None
 
     @property
     def event(self) -> dict[str, Any]:
@@ -208,6 +210,7 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     except _MetaUnsupported:
         made = _call_factory(fn, spec, kwargs, on_meta=False)
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
+    step.rebuild = lambda: _call_factory(fn, spec, kwargs, on_meta=False)["model"]
     load_weights(step, model)
     if restored := restore_attributes(meta, model):
         step.problems.append(restored_note(restored))

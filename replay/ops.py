@@ -27,7 +27,14 @@ from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
 from .cause_text import GROUP_REDUCTIONS
-from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
+from .compat import (
+    TorchDispatchMode,
+    returns_view,
+    running_node,
+    tree_leaves,
+    tree_map,
+    writes_arguments,
+)
 from .dispatch import clone_args, float_leaves, run_op
 from .float64 import as_float64, upcast
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
@@ -159,21 +166,32 @@ class _Watch(TorchDispatchMode):
         elif f.first is None and not intentional:  # beside non-finite values it was given
             f.first = _made_beside(func, op, before or (args, kwargs), outs, occurrence, f)
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
-                and _folds(name, outs[0], pairs, ins):
+                and _folds(func, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
-                                    rows=f.batch_rows(outs), seq=seq)
+                                    rows=f.folded_rows(outs, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = OpHit(op, "nan", user_source(), lo, hi, False, occurrence, in_finite,
-                                literal=literal_inf, within=f.where, seq=seq,
-                                from_mask=f.first is None and bool(f.intentional))
+                                literal=literal_inf, within=f.where, seq=seq, rows=f.batch_rows(
+                                    outs), from_mask=f.first is None and bool(f.intentional))
         return out
 
 
-def _folds(name: str, out: torch.Tensor, pairs, ins) -> bool:
+# ops that pick elements of their input as they are: a smaller output holding its -inf folds
+# nothing (a row of a masked transition matrix, its entries at the gold tags)
+_PICKS = frozenset({"index", "_unsafe_index", "index_select", "gather", "take", "masked_select",
+                    "take_along_dim", "embedding"})
+
+
+def _folds(func, out: torch.Tensor, pairs, ins) -> bool:
     """The op reduced a non-finite input into a smaller output (a logsumexp of a -inf row), or
-    reduces groups into rows (a row no element lands in keeps the value it started from)."""
-    return out.numel() < max(t.numel() for (a, b), t in zip(pairs, ins) if not pair_ok(a, b)) \
-        or name.rstrip("_") in GROUP_REDUCTIONS
+    reduces groups into rows (a row no element lands in keeps the value it started from); not
+    a view (``select``, a slice) or another op picking elements as they are."""
+    name = func.overloadpacket.__name__.rstrip("_")
+    if name in GROUP_REDUCTIONS:
+        return True
+    if name in _PICKS or returns_view(func):
+        return False
+    return out.numel() < max(t.numel() for (a, b), t in zip(pairs, ins) if not pair_ok(a, b))
 
 
 def state_of(*objs) -> set[tuple[int, tuple]]:
@@ -415,6 +433,13 @@ class OpFinder:
         t = next((t for t in outs if s and s.size and s.dim(t) is not None
                   and t not in self._of_weights), None)
         return None if t is None else s.rows(t)
+
+    def folded_rows(self, outs: list[torch.Tensor], ins: list[torch.Tensor], pairs
+                    ) -> list[int] | None:
+        """The samples of a reduction's non-finite output; of a 0-d one (a loss's mean over
+        the batch), those of the non-finite inputs it folded in."""
+        return self.batch_rows(outs) or self.batch_rows(
+            [t for t, (a, b) in zip(ins, pairs) if not pair_ok(a, b)])
 
     def __enter__(self) -> OpFinder:
         self._mode.__enter__()

@@ -30,7 +30,7 @@ from .loss_grad import node_in_loss, probed_report
 from .losses import non_finite_loss_state
 from .ops import OpFinder, state_of
 from .optim import eps_lost_text, per_parameter, stale_state
-from .param_writes import forward_made, forward_made_hint, loop_written_hint
+from .param_writes import built_non_finite_hint, forward_made, forward_made_hint, loop_written_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
@@ -58,8 +58,8 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
                                           first_seen_step=seen, last_update_step=last,
                                           **first_reader(step), **rows),
                     "weights", reproduced=True,
-                    hint=loop_written_hint(step, bad) if step.meta.get("optimizer")
-                    else _own_update_hint(step))
+                    hint=built_non_finite_hint(step, bad) or (loop_written_hint(step, bad)
+                    if step.meta.get("optimizer") else _own_update_hint(step)))
     if (where := rows_text(bad[0], rows)) is not None and report.get("hint"):
         report["hint"] = f"{report['hint']}; {where}"
     if last is not None:

@@ -166,3 +166,23 @@ def first_recorded(step: Step) -> bool:
     if at is None or steps is None or not ring.get("stored", 0) < ring.get("history", 0):
         return False
     return not any(s < at for s in steps.tolist())
+
+
+def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
+    """The hint for bad parameters that the factory itself builds non-finite: no update and
+    no write of the loop made them so, the model's own initialisation did (a CRF's forbidden
+    transitions written into its trained ``transitions`` as -inf). None for any other."""
+    if not bad or step.rebuild is None or not first_recorded(step):
+        return None
+    try:  # (the replay's model was built on the meta device: build it again, for its values)
+        built = dict(step.rebuild().named_parameters())
+    except Exception:  # the factory ran once already; this is only a better hint
+        return None
+    if not all(n in built and not finite(built[n].detach()) for n in bad):
+        return None
+    names = f"{', '.join(bad[:2])}" + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
+    return (f"the factory builds {names} non-finite: the model starts so, no update or write "
+            "of the loop made them. An intended -inf (forbidden transitions, a mask) does not "
+            "belong in a trained parameter, whose updates and norms it spoils: keep a boolean "
+            "mask in a buffer and apply it in forward (w.masked_fill(~allowed, -inf), or a "
+            "large finite negative such as -1e4); else fix the initialisation")

@@ -120,24 +120,24 @@ def test_nan_in_a_loaded_adapter_names_its_rows_and_the_call_that_read_them(tmp_
 
 def test_nan_row_no_forward_read_is_weights_not_the_update_that_carried_it(tmp_path):
     """With the embeddings trained too, the update of step 0 writes the NaN row back (AdamW:
-    w * (1 - lr * wd) - 0) before any forward read it, and the recorder sees it first there,
-    as an optimizer event (it checks an update's result, not the weights before it). The
-    rewind window's copy holds the weights before that update: the replay said "AdamW's
-    update at step 0 made nan ... from finite gradients and weights" and the cause
-    `optimizer`; the copy shows the row was NaN before it: `weights`."""
+    w * (1 - lr * wd) - 0) before any forward read it. The recorder saw it first there, as
+    an optimizer event, and the replay said "AdamW's update at step 0 made nan ... from
+    finite gradients and weights" until the window's copy showed the row NaN before it. The
+    recorder now measures the weights before the first update: a `weights` event of step 0,
+    which the window's copy holds too (not 'the event does not come back')."""
     err = _accelerate_run(tmp_path, rewind=2)
     ev = err.event
-    assert (ev["step"], ev["phase"], ev["params"]) == (0, "optimizer",
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "weights",
                                                        ["model.embed_tokens.weight"])
     rep = replay(err.bundle_path)
     assert rep["window"]["reproduced"] is True
     assert rep["reproduced"] is True and rep["cause"] == "weights"
     o = rep["origin"]
-    assert (o["phase"], o["param"], o["made"]) == ("weights", "model.embed_tokens.weight", "nan")
+    assert (o["phase"], o["param"], ev["kind"]) == ("weights", "model.embed_tokens.weight", "nan")
     assert (o["rows"], o["rows_of"], o["embedding"]) == ([F.VOCAB], F.VOCAB + 1, True)
-    assert rep["hint"].startswith("model.embed_tokens.weight was already non-finite in the "
-                                  "rewind window's copy, taken as step 0 began")
+    assert f"only row(s) {F.VOCAB} of {F.VOCAB + 1} of model.embed_tokens.weight" in rep["hint"]
     assert "from finite gradients" not in rep["hint"]
+    assert not any("does not come back" in p for p in rep["problems"]), rep["problems"]
 
 
 def test_lora_b_growing_from_zero_under_warmup_is_no_precursor(tmp_path):
