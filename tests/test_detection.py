@@ -1,0 +1,71 @@
+"""Object detection as its repositories write it (box ops by hand, targets a list of per-image
+dicts from a ``collate_fn``, images without boxes, losses over the images in a loop), with a
+planted bug: the recorder fires at the planted step, and ``nanreplay --json`` names the op,
+the image and the cause."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import detection_models as D
+import pytest
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+# Image 10 (the third of batch 2) has a box of zero width: [20, 6, 20, 18], a box clipped to a
+# crop's edge, or an annotation tool's click.
+DEGENERATE = {10: [[4, 4, 12, 14], [20, 6, 20, 18]]}
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where detection_models.py, the factories' module, lives
+
+
+def _train(out_dir, factory: str, ds, crit=None, steps: int = 6):
+    model = getattr(D, factory)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory=f"detection_models:{factory}"):
+        for step, (images, targets) in enumerate(D.loader(ds)):
+            if step == steps:
+                break
+            opt.zero_grad()
+            # torchvision's detection models compute their losses themselves in training
+            loss = crit(model(images), targets) if crit is not None else model(images, targets)
+            loss.backward()
+            opt.step()
+
+
+def test_a_healthy_fcos_run_with_images_without_boxes_raises_nothing(out_dir):
+    _train(out_dir, "make_fcos", D.Shapes(empty=(1, 5, 6, 8, 9)), D.FCOSLoss())
+    assert not list(Path(out_dir).glob("*.nan"))
+
+
+def test_a_box_of_zero_width_is_named_by_its_image_and_called_bad_data(out_dir):
+    """RetinaNet's box coder takes log(w_gt / w_anchor) of each matched box; a box of zero
+    width is -inf. The loss loops over the images, so the op's output, the matched boxes
+    ``(P, 4)``, has no batch dimension: the report named no samples, and its hint said to
+    clamp the log's input (x.clamp_min(eps)), which trains toward log(eps). It now names the
+    image whose target dict the value came from, and says the op took nothing the model
+    learns: a degenerate record, to drop where the data is made."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(out_dir, "make_retinanet", D.Shapes(empty=(1,), boxes=DEGENERATE), D.RetinaLoss())
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (2, "loss"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.log", "-inf", [2])
+    assert o["source"] == f"detection_models.py:{_line('torch.log(gw / aw)')}"
+    assert rep["cause"] == "invalid", rep["hint"]
+    assert "from the batch's data alone" in rep["hint"] and "degenerate" in rep["hint"]
+    assert "clamp_min" not in rep["hint"], rep["hint"]
+
+
+def _line(text: str) -> int:
+    lines = (HERE / "detection_models.py").read_text().splitlines()
+    return next(i for i, s in enumerate(lines, 1) if text in s)
