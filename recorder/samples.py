@@ -260,6 +260,11 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
                 if isinstance(v, PackedSequence)), None)
     if seq is not None:  # (pack_padded_sequence refuses empty sequences: all have a step 0)
         return Samples(int(seq.batch_sizes[0]), sequence_first, rnn)
+    made = {id(t) for t in tensor_leaves(mb.outputs)}
+    records = per_sample_records([list(mb.args), mb.kwargs, list(mb.loss_args or ()),
+                                  mb.loss_kwargs or {}], made)
+    if records:  # (their boxes' counts are no batch size: a batch of 4 images with 1-3 boxes)
+        return Samples(records, sequence_first, rnn)
     targets = [t for t in tensor_leaves([list(mb.loss_args or ()), mb.loss_kwargs or {}])
                if t.grad_fn is None]
     outputs = list(tensor_leaves(mb.outputs))
@@ -267,6 +272,26 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
     among = compared(targets, outputs, sequence_first) or (
         set() if sequence_first or not targets else _rows_kept(inputs, outputs))
     return infer(inputs, targets + outputs, sequence_first, rnn, among)
+
+
+def per_sample_records(obj: Any, made: set[int] = frozenset()) -> int:
+    """The length of the first list or tuple of dicts holding tensors of data in ``obj`` (the
+    targets a detection ``collate_fn`` returns, one dict of boxes and labels per image, as
+    torchvision's detection models take them), or 0: one record per sample, so the batch's
+    size, whatever the sizes of the tensors inside (each image's number of boxes). Not dicts
+    of model outputs (``made``, by id, or made by autograd: DETR's ``aux_outputs``, one dict
+    per decoder layer)."""
+    if isinstance(obj, dict):
+        return next((n for v in obj.values() if (n := per_sample_records(v, made))), 0)
+    if not isinstance(obj, (list, tuple)) or not obj:
+        return 0
+    if all(isinstance(e, dict) and _data(list(tensor_leaves(e)), made) for e in obj):
+        return len(obj)
+    return next((n for v in obj if (n := per_sample_records(v, made))), 0)
+
+
+def _data(tensors: list[torch.Tensor], made: set[int]) -> bool:
+    return bool(tensors) and all(t.grad_fn is None and id(t) not in made for t in tensors)
 
 
 def _rows_kept(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> set[int]:

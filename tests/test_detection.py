@@ -66,6 +66,22 @@ def test_a_box_of_zero_width_is_named_by_its_image_and_called_bad_data(out_dir):
     assert "clamp_min" not in rep["hint"], rep["hint"]
 
 
+def test_a_loss_inside_the_model_counts_the_images_not_their_boxes(out_dir):
+    """``model(images, targets)`` returning its loss, as torchvision's detectors do: the
+    batch's size was voted from every tensor's sizes, and the targets' boxes ``(k, 4)`` and
+    labels ``(k,)`` outvoted the 4 images (a batch 'of 1'), so no sample was named. The
+    list of per-image dicts now says the batch's size."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(out_dir, "make_detector", D.Shapes(empty=(1,), boxes=DEGENERATE))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "forward", "criterion"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], o["batch_size"]) == \
+        ("criterion", "aten.log", [2], 4), o
+    assert rep["cause"] == "invalid" and "degenerate" in rep["hint"], rep["hint"]
+
+
 def _line(text: str) -> int:
     lines = (HERE / "detection_models.py").read_text().splitlines()
     return next(i for i, s in enumerate(lines, 1) if text in s)
