@@ -358,3 +358,72 @@ class DiceCELoss(nn.Module):
         dice = (2 * inter + self.smooth) / (card + self.smooth)
         ce = F.cross_entropy(logits, target, ignore_index=self.ignore_index)
         return ce + (1 - dice).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# keypoints: a regression head over the pooled features, an L2 distance loss over the visible
+# keypoints (COCO's visibility flag: 0, not labelled)
+
+KEYPOINTS = 4
+
+
+class KeypointNet(nn.Module):
+    def __init__(self, ch: int = 16):
+        super().__init__()
+        self.body = nn.Sequential(conv_gn(3, ch, 2), conv_gn(ch, ch, 2), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten())
+        self.kp = nn.Linear(ch, KEYPOINTS * 2)
+
+    def forward(self, x):
+        return self.kp(self.body(x)).view(-1, KEYPOINTS, 2) * IMG
+
+
+def make_keypoints() -> KeypointNet:
+    torch.manual_seed(0)
+    return KeypointNet()
+
+
+def keypoint_targets(ds: Shapes, hidden=()) -> list[dict[str, torch.Tensor]]:
+    """Each image's first box's corners as (x, y, visibility); ``hidden`` images have none
+    labelled (visibility 0, coordinates 0, as COCO writes them)."""
+    out = []
+    for i, (_, t) in enumerate(ds.items):
+        b = t["boxes"][0] if len(t["boxes"]) else torch.zeros(4)
+        xy = torch.stack([b[[0, 1]], b[[2, 1]], b[[0, 3]], b[[2, 3]]])
+        vis = torch.full((KEYPOINTS, 1), 0.0 if i in hidden or not len(t["boxes"]) else 2.0)
+        out.append({"keypoints": torch.cat([xy * (vis > 0), vis], 1)})
+    return out
+
+
+def keypoint_collate(batch):
+    images, targets = tuple(zip(*batch))
+    return torch.stack(images), list(targets)
+
+
+class KeypointL2Loss(nn.Module):
+    """The mean Euclidean distance over the labelled keypoints, the others masked to 0 before
+    the square root (whose derivative at 0 is 1/0: ``.norm()`` has a subgradient there)."""
+
+    def forward(self, pred, targets):
+        kp = torch.stack([t["keypoints"] for t in targets])
+        vis = (kp[..., 2:] > 0).float()
+        dist = torch.sqrt((((pred - kp[..., :2]) * vis) ** 2).sum(-1))
+        return dist.sum() / vis.sum().clamp(min=1)
+
+
+class ListDetector(Detector):
+    """torchvision's ``GeneralizedRCNNTransform``: the images come as a list (sizes may
+    differ), normalised one by one and padded into one batch in the model."""
+
+    def forward(self, images, targets=None):
+        mean = torch.tensor([0.1, 0.1, 0.1]).view(3, 1, 1)
+        images = [(im - mean) / 0.5 for im in images]
+        batch = images[0].new_zeros(len(images), 3, IMG, IMG)
+        for b, im in zip(batch, images):
+            b[:, :im.shape[1], :im.shape[2]].copy_(im)
+        return super().forward(batch, targets)
+
+
+def make_list_detector() -> ListDetector:
+    torch.manual_seed(0)
+    return ListDetector()

@@ -82,6 +82,50 @@ def test_a_loss_inside_the_model_counts_the_images_not_their_boxes(out_dir):
     assert rep["cause"] == "invalid" and "degenerate" in rep["hint"], rep["hint"]
 
 
+def test_a_corrupt_image_in_a_list_of_images_is_named_as_its_sample(out_dir):
+    """torchvision's detectors take a list of images (their sizes may differ). Image 9 (the
+    second of batch 2) decoded with NaN pixels in channel 2: the event named the input
+    args[0][1] and, as its samples, the rows of that one image (its channel, [2]), or none once
+    the targets set the batch's size, and the replay then said it 'is not per sample: every
+    sample of the batch goes through it (a mask, a bias or a table)'. An image of such a list
+    is its sample's."""
+    ds = D.Shapes(empty=(1,))
+    ds.items[9][0][2, 5:9, 5:9] = float("nan")  # a corrupt decode (channel 2)
+    model = D.make_list_detector()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=out_dir,
+                            factory="detection_models:make_list_detector"):
+            for images, targets in D.loader(ds):
+                loss = model(list(images), targets)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == \
+        (2, "input", "args[0][1]", [1]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["tensor"], o["samples"], rep["cause"]) == ("args[0][1]", [1], "input"), o
+    assert "not per sample" not in rep["hint"] and "data pipeline" in rep["hint"], rep["hint"]
+
+
+def test_a_nan_box_in_a_target_dict_is_named_as_its_image(out_dir):
+    """A box of image 10 (the third of batch 2) converted from normalised coordinates with a
+    width of 0 is NaN: a loss target ``(k, 4)`` without a batch dimension, in the list of
+    per-image dicts. Neither the event nor the report named a sample."""
+    ds = D.Shapes(empty=(1,))
+    ds.items[10][1]["boxes"][1, 2] = float("nan")
+    with pytest.raises(NonFiniteError) as info:
+        _train(out_dir, "make_retinanet", ds, D.RetinaLoss())
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (2, "input", [2]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["tensor"], o["samples"], rep["cause"]) == \
+        ('loss_args[1][2]["boxes"]', [2], "input"), o
+
+
 def _line(text: str) -> int:
     lines = (HERE / "detection_models.py").read_text().splitlines()
     return next(i for i, s in enumerate(lines, 1) if text in s)
