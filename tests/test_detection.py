@@ -66,6 +66,19 @@ def test_a_box_of_zero_width_is_named_by_its_image_and_called_bad_data(out_dir):
     assert "clamp_min" not in rep["hint"], rep["hint"]
 
 
+def test_dropping_an_image_drops_its_target_dict(out_dir):
+    """``--try drop=2`` took row 2 from the images but left the list of 4 target dicts, and
+    its check of the loss's integer tensors for mined index tuples read each image's 0-d
+    ``image_id``: 'IndexError: tuple index out of range'. The image's dict now goes with it,
+    and the step is finite without image 2 (not without image 1)."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(out_dir, "make_retinanet", D.Shapes(empty=(1,), boxes=DEGENERATE), D.RetinaLoss())
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=2", "--try", "drop=1")
+    two, one = rep["what_if"]
+    assert two["try"] == "drop=2" and two["finite"] is True, two
+    assert one["finite"] is False and one["origin"]["phase"] == "loss", one
+
+
 def test_a_loss_inside_the_model_counts_the_images_not_their_boxes(out_dir):
     """``model(images, targets)`` returning its loss, as torchvision's detectors do: the
     batch's size was voted from every tensor's sizes, and the targets' boxes ``(k, 4)`` and
