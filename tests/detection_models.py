@@ -2,8 +2,9 @@
 (no torchvision): a one-stage FCOS-style detector (backbone, two-level FPN, shared head with
 ``exp`` box distances), targets as a list of per-image dicts from a ``collate_fn``, point
 assignment, a sigmoid focal loss normalised by the number of positives, a GIoU loss and a
-centerness branch; a RetinaNet-style loss encoding boxes as ``log(w_gt / w_anchor)``; a
-segmentation head trained with a Dice loss over an ignore mask."""
+centerness branch; a RetinaNet-style loss encoding boxes as ``log(w_gt / w_anchor)``, also
+computed inside the model as torchvision's detectors do (``model(images, targets)``, the
+images a list)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from torch.utils.data import DataLoader, Dataset
 IMG = 32
 CLASSES = 3
 STRIDES = (4, 8)
-IGNORE = 255
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,115 +300,6 @@ class Detector(nn.Module):
 def make_detector() -> Detector:
     torch.manual_seed(0)
     return Detector()
-
-
-# ---------------------------------------------------------------------------------------------
-# semantic segmentation: a small encoder-decoder, cross entropy and Dice over an ignore mask
-
-
-class SegNet(nn.Module):
-    def __init__(self, ch: int = 16, classes: int = CLASSES + 1):
-        super().__init__()
-        self.enc1, self.enc2 = conv_gn(3, ch), conv_gn(ch, ch, 2)
-        self.dec = conv_gn(2 * ch, ch)
-        self.head = nn.Conv2d(ch, classes, 1)
-
-    def forward(self, x):
-        e1 = self.enc1(x)
-        e2 = F.interpolate(self.enc2(e1), size=x.shape[-2:], mode="bilinear", align_corners=False)
-        return self.head(self.dec(torch.cat([e1, e2], 1)))
-
-
-def make_segnet() -> SegNet:
-    torch.manual_seed(0)
-    return SegNet()
-
-
-def masks(ds: Shapes, void=()) -> list[torch.Tensor]:
-    """Per-image label maps from the boxes (0: background, class + 1 inside a box), the image
-    border ignored; ``void`` images entirely ignored (a crop of the padding)."""
-    out = []
-    for i, (_, t) in enumerate(ds.items):
-        m = torch.zeros(IMG, IMG, dtype=torch.long)
-        for (x1, y1, x2, y2), c in zip(t["boxes"].long().tolist(), t["labels"].tolist()):
-            m[y1:y2, x1:x2] = c + 1
-        m[:2], m[-2:], m[:, :2], m[:, -2:] = IGNORE, IGNORE, IGNORE, IGNORE
-        if i in void:
-            m[:] = IGNORE
-        out.append(m)
-    return out
-
-
-class DiceCELoss(nn.Module):
-    """Cross entropy plus a soft Dice per image and class over the labelled pixels (segmentation
-    repositories' ``DiceLoss(ignore_index=255)``); ``smooth`` 0 has no guard for an image
-    without a labelled pixel."""
-
-    def __init__(self, smooth: float = 1.0, ignore_index: int = IGNORE):
-        super().__init__()
-        self.smooth, self.ignore_index = smooth, ignore_index
-
-    def forward(self, logits, target):
-        valid = (target != self.ignore_index).unsqueeze(1)
-        onehot = F.one_hot(target.masked_fill(~valid[:, 0], 0), logits.shape[1])
-        onehot = onehot.permute(0, 3, 1, 2).float() * valid
-        probs = logits.softmax(1) * valid
-        inter = (probs * onehot).sum((2, 3))
-        card = (probs + onehot).sum((2, 3))
-        dice = (2 * inter + self.smooth) / (card + self.smooth)
-        ce = F.cross_entropy(logits, target, ignore_index=self.ignore_index)
-        return ce + (1 - dice).mean()
-
-
-# ---------------------------------------------------------------------------------------------
-# keypoints: a regression head over the pooled features, an L2 distance loss over the visible
-# keypoints (COCO's visibility flag: 0, not labelled)
-
-KEYPOINTS = 4
-
-
-class KeypointNet(nn.Module):
-    def __init__(self, ch: int = 16):
-        super().__init__()
-        self.body = nn.Sequential(conv_gn(3, ch, 2), conv_gn(ch, ch, 2), nn.AdaptiveAvgPool2d(1),
-                                  nn.Flatten())
-        self.kp = nn.Linear(ch, KEYPOINTS * 2)
-
-    def forward(self, x):
-        return self.kp(self.body(x)).view(-1, KEYPOINTS, 2) * IMG
-
-
-def make_keypoints() -> KeypointNet:
-    torch.manual_seed(0)
-    return KeypointNet()
-
-
-def keypoint_targets(ds: Shapes, hidden=()) -> list[dict[str, torch.Tensor]]:
-    """Each image's first box's corners as (x, y, visibility); ``hidden`` images have none
-    labelled (visibility 0, coordinates 0, as COCO writes them)."""
-    out = []
-    for i, (_, t) in enumerate(ds.items):
-        b = t["boxes"][0] if len(t["boxes"]) else torch.zeros(4)
-        xy = torch.stack([b[[0, 1]], b[[2, 1]], b[[0, 3]], b[[2, 3]]])
-        vis = torch.full((KEYPOINTS, 1), 0.0 if i in hidden or not len(t["boxes"]) else 2.0)
-        out.append({"keypoints": torch.cat([xy * (vis > 0), vis], 1)})
-    return out
-
-
-def keypoint_collate(batch):
-    images, targets = tuple(zip(*batch))
-    return torch.stack(images), list(targets)
-
-
-class KeypointL2Loss(nn.Module):
-    """The mean Euclidean distance over the labelled keypoints, the others masked to 0 before
-    the square root (whose derivative at 0 is 1/0: ``.norm()`` has a subgradient there)."""
-
-    def forward(self, pred, targets):
-        kp = torch.stack([t["keypoints"] for t in targets])
-        vis = (kp[..., 2:] > 0).float()
-        dist = torch.sqrt((((pred - kp[..., :2]) * vis) ** 2).sum(-1))
-        return dist.sum() / vis.sum().clamp(min=1)
 
 
 class ListDetector(Detector):

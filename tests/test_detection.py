@@ -139,6 +139,34 @@ def test_a_nan_box_in_a_target_dict_is_named_as_its_image(out_dir):
         ('loss_args[1][2]["boxes"]', [2], "input"), o
 
 
+def test_a_batch_without_a_box_divides_by_zero_positives_and_blames_no_image(out_dir):
+    """A focal loss normalised by the bare number of positives, and a batch (images 8-11) of
+    background only: x/0. Each image's targets are followed through the loss, but the count
+    is over all of them: no image is named, nor called a bad record."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(out_dir, "make_fcos", D.Shapes(empty=(8, 9, 10, 11)), D.FCOSLoss(None))
+    assert (info.value.event["step"], info.value.event["phase"]) == (2, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["samples"], rep["cause"]) == ("aten.div", [], "invalid"), o
+    assert "count.clamp_min(1)" in rep["hint"] and "degenerate" not in rep["hint"]
+
+
+def test_a_centerness_target_of_every_location_is_no_bad_record(out_dir):
+    """The centerness target taken at every location and masked after: a background
+    location's l, t, r, b are 0 in every image, and min / max is 0/0 there. Made of the
+    targets alone, but in every image: the loss's code, not a degenerate record."""
+    with pytest.raises(NonFiniteError) as info:
+        _train(out_dir, "make_fcos", D.Shapes(empty=(1,)),
+               D.FCOSLoss(centerness_everywhere=True))
+    assert (info.value.event["step"], info.value.event["phase"]) == (0, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], rep["cause"]) == ("aten.div", "nan", "invalid"), o
+    assert o["source"] == f"detection_models.py:{_line('return torch.sqrt((lr.min')}"
+    assert "degenerate" not in rep["hint"] and "denominator" in rep["hint"], rep["hint"]
+
+
 def _line(text: str) -> int:
     lines = (HERE / "detection_models.py").read_text().splitlines()
     return next(i for i, s in enumerate(lines, 1) if text in s)
