@@ -123,6 +123,12 @@ DO = {
                      "probability of 1 leaves keep_prob = 1 - p = 0, a temperature or scale "
                      "annealed to 0) and keep it away from 0, or skip the division where it is "
                      "0 (timm's drop_path divides only if keep_prob > 0)",
+    "divide_count": "the divisor is the whole number 0, the same for every element, so an eps "
+                    "in the data does not help: a size or count computed in the code (W - 1 "
+                    "or H - 1 of a feature map one pixel wide, as grid_sample's "
+                    "align_corners=True normalisation 2 * x / (W - 1) - 1 takes it; n - 1 of "
+                    "one element) reached 0: divide by max(n, 1), normalise without the - 1 "
+                    "(align_corners=False: (2 * x + 1) / W - 1), or skip such inputs",
     "divide_total": "the divisor is one 0-d value for every element (a count, sum or "
                     "statistic over the batch: events.sum(), mask.sum(), y.std(); or a scalar "
                     "parameter), 0 in this step (no event among the batch's samples, every "

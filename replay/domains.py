@@ -189,6 +189,8 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
     # a Python number: a setting or its complement (keep_prob = 1 - p at p = 1), not data
     by, key = (" the number", "divide_number") if len(ins) < 2 and isinstance(
         _second(ev), (int, float)) else ("", "divide")
+    if key == "divide_number" and type(_second(ev)) is int:
+        key = "divide_count"  # (a whole number: a size or count, W - 1, not a setting)
     if key == "divide" and ev.zero_dim[1:2] == [True]:
         # one value for every element: a count or a statistic over the batch (a Cox loss's
         # events.sum() over an all-censored batch), no row of which is to blame

@@ -318,3 +318,54 @@ class ListDetector(Detector):
 def make_list_detector() -> ListDetector:
     torch.manual_seed(0)
     return ListDetector()
+
+
+# ---------------------------------------------------------------------------------------------
+# a two-stage box head: RoIAlign written with grid_sample, the ground-truth boxes as proposals
+
+
+def roi_align(feat, rois, out: int = 2, scale: float = 1.0):
+    """RoIAlign by ``grid_sample(align_corners=True)``: ``rois`` ``(K, 5)`` of batch index,
+    x1, y1, x2, y2 in image pixels, sampled at ``out`` x ``out`` points of ``feat``'s grid."""
+    h, w = feat.shape[-2:]
+    idx, x1, y1, x2, y2 = rois.unbind(1)
+    t = torch.linspace(0, 1, out)
+    gx = (x1[:, None] + (x2 - x1)[:, None] * t) * scale / (w - 1) * 2 - 1
+    gy = (y1[:, None] + (y2 - y1)[:, None] * t) * scale / (h - 1) * 2 - 1
+    grid = torch.stack(torch.broadcast_tensors(gx[:, None, :], gy[:, :, None]), -1)
+    return F.grid_sample(feat[idx.long()], grid, align_corners=True)
+
+
+class RoIPool(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, feat, rois):
+        return roi_align(feat, rois, scale=self.scale)
+
+
+class TwoStage(nn.Module):
+    """Five stride-2 stages (stride 32: a 32-pixel image's last map is 1 x 1), a pooler and a
+    box classifier over the proposals."""
+
+    def __init__(self, ch: int = 16):
+        super().__init__()
+        self.body = nn.Sequential(conv_gn(3, ch, 2), *(conv_gn(ch, ch, 2) for _ in range(4)))
+        self.pooler = RoIPool(1 / 32)
+        self.box_head = nn.Linear(ch * 4, CLASSES)
+
+    def forward(self, images, rois):
+        return self.box_head(self.pooler(self.body(images), rois).flatten(1))
+
+
+def make_two_stage() -> TwoStage:
+    torch.manual_seed(0)
+    return TwoStage()
+
+
+def proposals(targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """The boxes as RoIs ``(K, 5)`` (image index first) and their labels."""
+    rois = torch.cat([torch.cat([torch.full((len(t["boxes"]), 1), float(i)), t["boxes"]], 1)
+                      for i, t in enumerate(targets)])
+    return rois, torch.cat([t["labels"] for t in targets])

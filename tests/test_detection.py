@@ -167,6 +167,32 @@ def test_a_centerness_target_of_every_location_is_no_bad_record(out_dir):
     assert "degenerate" not in rep["hint"] and "denominator" in rep["hint"], rep["hint"]
 
 
+def test_a_feature_map_one_pixel_wide_is_a_size_not_a_setting(out_dir):
+    """RoIAlign written with grid_sample(align_corners=True) normalises by (W - 1); the
+    stride-32 map of a 32-pixel image is 1 x 1, and x / 0 is +inf. The hint said to find 'the
+    setting that made it 0 (a drop probability of 1, a temperature annealed to 0)'; a whole
+    number 0 is a size or count the code computed."""
+    model = D.make_two_stage()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = torch.nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="detection_models:make_two_stage"):
+            for images, targets in D.loader(D.Shapes(empty=(1,))):
+                rois, labels = D.proposals(targets)
+                opt.zero_grad()
+                crit(model(images, rois), labels).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["module"]) == (0, "pooler")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], rep["cause"]) == \
+        ("pooler", "aten.div", "+inf", "invalid"), o
+    assert o["source"] == f"detection_models.py:{_line('gx = (x1[:, None]')}"
+    assert "by the number 0" in rep["hint"] and "W - 1" in rep["hint"], rep["hint"]
+    assert "drop probability" not in rep["hint"], rep["hint"]
+
+
 def _line(text: str) -> int:
     lines = (HERE / "detection_models.py").read_text().splitlines()
     return next(i for i, s in enumerate(lines, 1) if text in s)
