@@ -295,10 +295,11 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
     if seq is not None:  # (pack_padded_sequence refuses empty sequences: all have a step 0)
         return Samples(int(seq.batch_sizes[0]), sequence_first, rnn)
     made = {id(t) for t in tensor_leaves(mb.outputs)}
+    lead = {shape_of(t)[0] for t in tensor_leaves(mb.outputs) if t.dim()}
     # (each argument by itself: the arguments are no list of samples, model(d1, d2))
     records = next((n for a in [*mb.args, *mb.kwargs.values(), *(mb.loss_args or ()),
                                 *(mb.loss_kwargs or {}).values()]
-                    if (n := per_sample_records(a, made))), 0)
+                    if (n := per_sample_records(a, made, lead))), 0)
     if records:  # (their boxes' counts are no batch size: a batch of 4 images with 1-3 boxes)
         return Samples(records, sequence_first, rnn)
     targets = [t for t in tensor_leaves([list(mb.loss_args or ()), mb.loss_kwargs or {}])
@@ -310,20 +311,23 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
     return infer(inputs, targets + outputs, sequence_first, rnn, among)
 
 
-def per_sample_records(obj: Any, made: set[int] = frozenset()) -> int:
+def per_sample_records(obj: Any, made: set[int] = frozenset(), lead: set[int] = frozenset()
+                       ) -> int:
     """The length of the first list or tuple of dicts holding tensors of data in ``obj`` (the
     targets a detection ``collate_fn`` returns, one dict of boxes and labels per image, as
     torchvision's detection models take them), or 0: one record per sample, so the batch's
     size, whatever the sizes of the tensors inside (each image's number of boxes). Not dicts
     of model outputs (``made``, by id, or made by autograd: DETR's ``aux_outputs``, one dict
-    per decoder layer)."""
+    per decoder layer), nor dicts of batches (each tensor's dim 0 the size ``lead`` of an
+    output's: views of the batch, one dict per crop)."""
     if isinstance(obj, dict):
-        return next((n for v in obj.values() if (n := per_sample_records(v, made))), 0)
+        return next((n for v in obj.values() if (n := per_sample_records(v, made, lead))), 0)
     if not isinstance(obj, (list, tuple)) or not obj:
         return 0
-    if _dict_records(obj, made):
+    if _dict_records(obj, made) and not all(t.dim() and shape_of(t)[0] in lead
+                                            for t in tensor_leaves(obj)):
         return len(obj)
-    return next((n for v in obj if (n := per_sample_records(v, made))), 0)
+    return next((n for v in obj if (n := per_sample_records(v, made, lead))), 0)
 
 
 def _data(tensors: list[torch.Tensor], made: set[int]) -> bool:

@@ -10,8 +10,9 @@ so their rows say nothing of the samples; but each came from one image's entries
   (a list as long as the batch), or from ``x[i]`` / ``x.unbind()`` along a batched tensor's
   samples, belongs to sample ``i``; an op's outputs belong to the samples of its inputs;
 - ``learned``: a value made from the model's outputs on the autograd graph or from its
-  parameters (or requiring grad, where the forward runs under autograd). An op none of whose floating inputs is learned computed on the data alone (the
-  targets, anchors, constants): a pole it hit is a degenerate record, not a weight.
+  parameters (or requiring grad, where the forward runs under autograd). An op none of whose
+  inputs is learned, taking a sample's record, computed on the data alone (the targets,
+  anchors, constants): a pole it hit is a degenerate record, not a weight.
 """
 
 from __future__ import annotations
