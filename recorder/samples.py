@@ -102,6 +102,8 @@ class Samples:
             return seq.samples(bad_rows(t, 0))
         if isinstance(seq, PackedSequence) and seq.data is t:
             return packed_samples(seq, bad_rows(t, 0))
+        if isinstance(seq, Record) and seq.of == self.size and self.dim(t) is None:
+            return [seq.index] if bad_rows(t.reshape(1, -1), 0) else []
         d = self.dim(t)
         return [] if d is None else bad_rows(t, d)
 
@@ -121,7 +123,8 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
     ``id`` of their ``data`` (as :meth:`Samples.rows` looks them up); and, for an
     ``EmbeddingBag``'s flat inputs (ids, ``per_sample_weights``) given beside their
     ``offsets``, the :class:`Bags` that says which sample each of their rows is in; for the
-    tensors whose rows a graph batch's assignment vector covers, its :class:`Segments`."""
+    tensors whose rows a graph batch's assignment vector covers, its :class:`Segments`; for
+    each tensor of a list of per-sample entries, its :class:`Record`."""
     found: dict[int, PackedSequence | Bags | Segments] = {}
     flat: list[tuple[tuple, torch.Tensor]] = []  # (path, tensor)
     rowed: list[torch.Tensor] = []
@@ -132,6 +135,10 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
         elif isinstance(o, torch.Tensor) and o.dim() >= 1:
             flat.append((path, o)) if o.dim() == 1 else rowed.append(o)
         elif isinstance(o, (list, tuple)):
+            if _records(o):
+                for k, v in enumerate(o):
+                    for t in tensor_leaves(v):
+                        found.setdefault(id(t), Record(k, len(o)))
             for k, v in enumerate(o):
                 walk(v, (*path, k))
         elif isinstance(o, dict):
@@ -170,6 +177,33 @@ def bag_offsets(flat: list[tuple[tuple, torch.Tensor]]) -> list[tuple[int, int]]
         if near:
             out.append((i, min(near, key=lambda j: (abs(j - i), j > i))))
     return out
+
+
+@dataclass(frozen=True)
+class Record:
+    """Element ``index`` of a list of ``of`` per-sample entries: torchvision's list of images
+    (their sizes may differ), a ``collate_fn``'s list of per-image target dicts. A tensor of
+    one, without the batch's dimension, is all that sample's."""
+
+    index: int
+    of: int
+
+
+def _records(o: list | tuple) -> bool:
+    """``o`` reads as one entry per sample: dicts of data tensors, or floating tensors of 3 or
+    more dims (images, clips: not a forward's own arguments, an ``(x, adj)`` pair)."""
+    if len(o) < 2:
+        return False
+    if all(isinstance(e, torch.Tensor) for e in o):
+        return all(e.is_floating_point() and e.dim() >= 3 for e in o) \
+            and len({e.dim() for e in o}) == 1
+    return _dict_records(o, set())
+
+
+def _dict_records(o: list | tuple, made: set[int]) -> bool:
+    """Two or more dicts of data tensors with the same keys (one per image)."""
+    return len(o) >= 2 and all(isinstance(e, dict) and _data(list(tensor_leaves(e)), made)
+                               for e in o) and len({tuple(e) for e in o}) == 1
 
 
 @dataclass(frozen=True)
@@ -260,6 +294,14 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
                 if isinstance(v, PackedSequence)), None)
     if seq is not None:  # (pack_padded_sequence refuses empty sequences: all have a step 0)
         return Samples(int(seq.batch_sizes[0]), sequence_first, rnn)
+    made = {id(t) for t in tensor_leaves(mb.outputs)}
+    lead = {shape_of(t)[0] for t in tensor_leaves(mb.outputs) if t.dim()}
+    # (each argument by itself: the arguments are no list of samples, model(d1, d2))
+    records = next((n for a in [*mb.args, *mb.kwargs.values(), *(mb.loss_args or ()),
+                                *(mb.loss_kwargs or {}).values()]
+                    if (n := per_sample_records(a, made, lead))), 0)
+    if records:  # (their boxes' counts are no batch size: a batch of 4 images with 1-3 boxes)
+        return Samples(records, sequence_first, rnn)
     targets = [t for t in tensor_leaves([list(mb.loss_args or ()), mb.loss_kwargs or {}])
                if t.grad_fn is None]
     outputs = list(tensor_leaves(mb.outputs))
@@ -267,6 +309,29 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
     among = compared(targets, outputs, sequence_first) or (
         set() if sequence_first or not targets else _rows_kept(inputs, outputs))
     return infer(inputs, targets + outputs, sequence_first, rnn, among)
+
+
+def per_sample_records(obj: Any, made: set[int] = frozenset(), lead: set[int] = frozenset()
+                       ) -> int:
+    """The length of the first list or tuple of dicts holding tensors of data in ``obj`` (the
+    targets a detection ``collate_fn`` returns, one dict of boxes and labels per image, as
+    torchvision's detection models take them), or 0: one record per sample, so the batch's
+    size, whatever the sizes of the tensors inside (each image's number of boxes). Not dicts
+    of model outputs (``made``, by id, or made by autograd: DETR's ``aux_outputs``, one dict
+    per decoder layer), nor dicts of batches (each tensor's dim 0 the size ``lead`` of an
+    output's: views of the batch, one dict per crop)."""
+    if isinstance(obj, dict):
+        return next((n for v in obj.values() if (n := per_sample_records(v, made, lead))), 0)
+    if not isinstance(obj, (list, tuple)) or not obj:
+        return 0
+    if _dict_records(obj, made) and not all(t.dim() and shape_of(t)[0] in lead
+                                            for t in tensor_leaves(obj)):
+        return len(obj)
+    return next((n for v in obj if (n := per_sample_records(v, made, lead))), 0)
+
+
+def _data(tensors: list[torch.Tensor], made: set[int]) -> bool:
+    return bool(tensors) and all(t.grad_fn is None and id(t) not in made for t in tensors)
 
 
 def _rows_kept(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> set[int]:

@@ -132,17 +132,27 @@ DO = {
                      "probability of 1 leaves keep_prob = 1 - p = 0, a temperature or scale "
                      "annealed to 0) and keep it away from 0, or skip the division where it is "
                      "0 (timm's drop_path divides only if keep_prob > 0)",
-    "divide_count": "the divisor is a Python integer, the same for every element: a count "
-                    "taken from the batch (int(mask.sum()), the labelled tokens of a "
-                    "micro-batch, num_items_in_batch) that is 0 in this step, as nothing in "
-                    "it is counted; no row is to blame: divide by max(count, 1) (a sum over "
-                    "nothing is 0 already) or skip such batches",
+    "divide_count": "the divisor is a Python integer, the same for every element, so no row "
+                    "is to blame and an eps in the data does not help: a count or size the code "
+                    "computed reached 0, a count taken from the batch (int(mask.sum()), the "
+                    "labelled tokens of a micro-batch, num_items_in_batch) with nothing to count "
+                    "in this step, or a size (W - 1 or H - 1 of a feature map one pixel wide, as "
+                    "grid_sample's align_corners=True normalisation 2 * x / (W - 1) - 1 takes "
+                    "it; n - 1 of one element): divide by max(count, 1), normalise without the "
+                    "- 1 (align_corners=False: (2 * x + 1) / W - 1), or skip such batches",
     "divide_total": "the divisor is one 0-d value for every element (a count, sum or "
                     "statistic over the batch: events.sum(), mask.sum(), y.std(); or a scalar "
                     "parameter), 0 in this step (no event among the batch's samples, every "
                     "element masked, every value equal): no row is to blame; divide by "
                     "count.clamp_min(1) (a sum over nothing is 0 already), add an eps to a "
                     "statistic, or skip such batches",
+    # an op that took nothing the model learns (replay.lineage): the record is degenerate
+    "of_data": "its inputs were computed from the batch's data alone (the loss's targets, "
+               "anchors, constants: nothing the model learns), so a record of the samples "
+               "named is degenerate (a box of zero width or height, an empty mask, a label "
+               "out of range): drop or repair such records where the data is made (the "
+               "dataset, its transforms, the collate_fn), or skip them in the loss; an eps "
+               "there would train toward a made-up target",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
     "running_var": "a variance is never negative, so the module's running_var buffer was "

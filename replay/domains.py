@@ -187,7 +187,8 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
               den: torch.Tensor) -> tuple[str, str]:
     """A division by 0 (0/0 where the numerator is 0 too), and which advice fits."""
     # a Python number: a setting or its complement (keep_prob = 1 - p at p = 1), not data;
-    # an int one is a count (int(mask.sum()), a token count passed to the loss)
+    # an int one is a count or a size (int(mask.sum()), a token count passed to the loss,
+    # W - 1 of a one-pixel feature map)
     second = _second(ev)  # (an integer divisor is no floating input: a token count's sum())
     by, key = ("", "divide")
     if len(ins) < 2 and isinstance(second, (int, float)) and not isinstance(second, bool):

@@ -76,11 +76,15 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
         cut: list[str] = []  # (a sparse input's own index and value tensors)
         if "inputs" in mb:
             mb["inputs"] = _drop_sparse(tensors, mb["inputs"], where.size, keep, cut)
+        for tree in ("inputs", "loss_inputs"):  # (records: their tensors are not cut by row)
+            if tree in mb:
+                mb[tree] = _drop_records(tensors, mb[tree], where.size, keep, cut)
         paths = [k for k in mb.get("paths", {}) if k not in cut]
         done = {k for keys in packed for k in keys} | set(cut) | set(
             _drop_bags(tensors, {k: mb["paths"][k] for k in paths}, where.size, keep)) | set(
             _drop_edges(tensors, paths, where.size, keep)) | set(
-            _drop_index_tuples(tensors, list(mb.get("loss_paths", {})), where.size, keep))
+            _drop_index_tuples(tensors, [k for k in mb.get("loss_paths", {}) if k not in cut],
+                               where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
         for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
             x = tensors.get(k)
@@ -165,7 +169,7 @@ def _index_tuple(t, n: int) -> bool:
     """``t`` may be row indices into a batch of ``n``: integers in [0, n), ``(P, k)`` with
     ``k`` of 2 to 4 (pairs, triplets, quadruplets) or 1-D, ``P`` not ``n``."""
     return (isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()
-            and t.dtype != torch.bool and t.numel() > 0 and t.shape[0] != n
+            and t.dtype != torch.bool and t.dim() and t.numel() > 0 and t.shape[0] != n
             and (t.dim() == 1 or (t.dim() == 2 and 2 <= t.shape[1] <= 4))
             and 0 <= int(t.min()) and int(t.max()) < n)
 
@@ -228,6 +232,50 @@ def _drop_sparse(tensors: dict[str, torch.Tensor], tree, n: int, keep: torch.Ten
     cut += [ik, vk]
     size = [len(keep), *tree["size"][1:]]
     return {**tree, "size": [size[0], len(keep)] if square else size}
+
+
+def _drop_records(tensors: dict[str, torch.Tensor], tree, n: int, keep: torch.Tensor,
+                  cut: list[str]):
+    """``tree`` with each list of ``n`` per-sample entries (a ``collate_fn``'s per-image
+    target dicts, torchvision's list of images: :func:`recorder.samples.packed_in`'s
+    ``Record``) holding the kept samples' entries only; their tensors' keys go to ``cut``."""
+    if isinstance(tree, list):
+        return [_drop_records(tensors, v, n, keep, cut) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    items = tree.get("$list", tree.get("$tuple"))
+    if isinstance(items, list) and len(items) == n and _records_node(tensors, items):
+        cut += [k for v in items for k in _keys(v)]
+        return {k: [items[i] for i in keep.tolist()] if k in ("$list", "$tuple") else v
+                for k, v in tree.items()}
+    return {k: _drop_records(tensors, v, n, keep, cut) for k, v in tree.items()}
+
+
+def _records_node(tensors: dict[str, torch.Tensor], items: list) -> bool:
+    """A recorded list reads as per-sample entries, as the recorder's ``_records`` decides."""
+    if all(isinstance(v, dict) and "$t" in v for v in items):
+        ts = [tensors.get(v["$t"]) for v in items]
+        return all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 3
+                   for t in ts) and len({t.dim() for t in ts}) == 1
+    return all(isinstance(v, dict) and "$dict" in v and list(_keys(v))
+               and not _has_output(v) for v in items)
+
+
+def _keys(node):
+    if isinstance(node, dict):
+        if "$t" in node:
+            yield node["$t"]
+        for v in node.values():
+            yield from _keys(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _keys(v)
+
+
+def _has_output(node) -> bool:
+    if isinstance(node, dict):
+        return "$out" in node or any(_has_output(v) for v in node.values())
+    return isinstance(node, list) and any(_has_output(v) for v in node)
 
 
 def _drop_flat(x: torch.Tensor, where, keep: torch.Tensor) -> torch.Tensor:

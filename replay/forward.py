@@ -14,6 +14,7 @@ from .cause import classify
 from .errors import StopRun
 from .findings import finish, origin_fields
 from .forward_grad import derivative_words, node_sources, with_node
+from .lineage import Lineage
 from .load import Step
 from .ops import OpFinder, mask_buffers, state_of
 from .parametrized import parametrization_hint
@@ -142,6 +143,9 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                 if state["count"] == call:
                     state["active"] = True
                     finder.where = (module, call)
+                    # (a loss inside the model, torchvision's model(images, targets))
+                    finder.lineage = Lineage(finder.samples)
+                    finder.lineage.seed_samples(args)
                     finder.__enter__()
                 state["count"] += 1
 

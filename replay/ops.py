@@ -38,6 +38,7 @@ from .compat import (
 from .dispatch import clone_args, float_leaves, run_op
 from .float64 import as_float64, upcast
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
+from .lineage import Lineage
 from .memo import TensorSet
 from .positive import made_positive, positive_result
 from .saturation import Saturation, made_unit
@@ -96,6 +97,7 @@ class Evidence:
     args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
     complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
     zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
+    of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
 
 
 def _num(x: float | None):
@@ -127,11 +129,10 @@ class _Watch(TorchDispatchMode):
         before = clone_args(args, kwargs) if f.first is None and writes_arguments(func) \
             and (in_finite or POINTWISE in func.tags) else None
         out = run_op(func, args, kwargs)
-        if name in _UNINITIALISED:
-            return out
+        f.follow(name, args, leaves, out)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                 and t.is_floating_point() and t.numel()][:_RESULTS.get(name)]
-        if not outs:
+        if not outs or name in _UNINITIALISED:
             return out
         f.track(name, ins, outs, in_finite, leaves)
         with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
@@ -159,7 +160,7 @@ class _Watch(TorchDispatchMode):
             else:
                 given = before if before is not None else (args, kwargs)
                 try:
-                    hit.evidence = _evidence(func, given, outs, f)
+                    hit.evidence = f.of_records(_evidence(func, given, outs, f), ins, hit.rows)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
@@ -340,6 +341,9 @@ class OpFinder:
         # weights alone, and made non-finite values: where weights bad before the step met the
         # batch (an embedding looking up a NaN row), which no op made from finite inputs
         self.first_met: OpHit | None = None
+        # where values without a batch dimension came from (a loss's per-image loop), when
+        # the caller seeds one
+        self.lineage: Lineage | None = None
 
     def index_params(self, named) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``) for
@@ -426,13 +430,29 @@ class OpFinder:
     def in_allowed_module(self) -> bool:
         return self.allowed_depth > 0
 
+    def follow(self, name: str, args, leaves: list, out) -> None:
+        """Where the op's outputs came from, when a lineage is kept (integer and bool values
+        too: a loss's matches, masks, labels)."""
+        if self.lineage is not None:
+            self.lineage.track(name, args, leaves, out)
+
+    def of_records(self, ev: Evidence, ins: list[torch.Tensor], rows: list[int] | None
+                   ) -> Evidence:
+        """``ev``, marked ``of_data`` when the op computed on data alone (see
+        :mod:`replay.lineage`) in some of the samples: the mark of bad records, not of code
+        that does so in every sample."""
+        ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
+            and len(rows) < self.samples.size
+        return ev
+
     def batch_rows(self, outs: list[torch.Tensor]) -> list[int] | None:
         """Non-finite samples of the first output that has the batch's samples (none made from
         the weights alone)."""
         s = self.samples
         t = next((t for t in outs if s and s.size and s.dim(t) is not None
                   and t not in self._of_weights), None)
-        return None if t is None else s.rows(t)
+        shaped = None if t is None else s.rows(t)
+        return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
 
     def folded_rows(self, outs: list[torch.Tensor], ins: list[torch.Tensor], pairs
                     ) -> list[int] | None:

@@ -25,7 +25,9 @@ from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, node_sources, with_node
 from .grad_hooks import hook_fields, hook_hint
 from .hyper import decode_non_finite_hyper, non_finite_hyper
-from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
+from .lineage import Lineage
+from .load import Step, autocast_as_recorded, differentiates_model
+from .loss_args import loss_args, loss_samples
 from .loss_grad import node_in_loss, probed_report
 from .losses import non_finite_loss_state
 from .ops import OpFinder, state_of
@@ -120,7 +122,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     finder = OpFinder(samples=samples(step))
     finder.state = state_of(step.loss_fn, runner.model)
     finder.index_params(runner.model.named_parameters())  # (with the loss's: <loss>.NAME)
-    args, kwargs = _loss_args(step, run, mb, finder)
+    finder.lineage = Lineage(finder.samples)
+    args, kwargs = loss_args(step, run, mb, finder)
     with autocast_as_recorded(step.micro_batches[mb], step.device), finder:
         loss = step.loss_fn(*args, **kwargs)
     made = next((kind_of(t) for t in tensor_leaves(loss) if not finite(t)), None)
@@ -134,7 +137,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     origin = origin_fields(
         phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
         source=hit.source if hit else None, chain=finder.chain(),
-        samples=_loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
+        samples=loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
         made=hit.made if hit else made)
     cause = classify(runner, "loss", hit=hit, micro_batch=mb)
     if hit is not None and not hit.inputs_finite \
@@ -147,40 +150,6 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(cause.hint, cause.name, hit),
                                  cause.name, node))
-
-
-def _loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):
-    """The loss's arguments, the model outputs detached; ``finder`` is told which of those
-    the model made by exp, softmax, sigmoid or softplus, or by tanh or sigmoid (their graph is
-    cut here), so that a 0 the loss takes the log of (a softplus variance) reads as the
-    underflow it is, and a 0 of 1 - h (a sigmoid hazard rounded to 1) as rounding."""
-    if differentiates_model(step, mb):  # (the loss differentiates them: not cut)
-        return loss_inputs(step, mb, run.outputs, run.inputs[mb], run.objects)
-    outputs = [[t.detach() for t in o] for o in run.outputs]
-    if finder is not None:
-        for made, cut in zip(run.outputs, outputs):
-            for t, d in zip(made, cut):
-                finder.mark_made_by(t.grad_fn, d)
-    args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects)
-    return args, kwargs
-
-
-def _loss_samples(step: Step, run: Run, mb: int) -> list[int]:
-    """Rows whose own loss is non-finite (the loss re-run with reduction='none')."""
-    fn = step.loss_fn
-    if not hasattr(fn, "reduction"):
-        return []
-    args, kwargs = _loss_args(step, run, mb)
-    saved = fn.reduction
-    try:
-        fn.reduction = "none"
-        with torch.no_grad():
-            per = fn(*args, **kwargs)
-        return samples(step, mb).rows(per) if isinstance(per, torch.Tensor) and per.dim() else []
-    except Exception:
-        return []
-    finally:
-        fn.reduction = saved
 
 
 def infinity_the_loss_took(step: Step, origin: dict[str, Any]) -> str | None:
@@ -196,7 +165,7 @@ def infinity_the_loss_took(step: Step, origin: dict[str, Any]) -> str | None:
     finder = OpFinder()
     try:
         run = Runner(step).run(backward=False, instrument=False)
-        args, kwargs = _loss_args(step, run, mb)
+        args, kwargs = loss_args(step, run, mb)
         with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device), \
                 finder:
             step.loss_fn(*args, **kwargs)

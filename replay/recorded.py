@@ -138,8 +138,11 @@ def input_origin(step: Step) -> dict[str, Any]:
                                key=lambda kv: loss_path(kv[1]) != named):
             t = step.tensors.get(key)
             if t is not None and not finite(t):
-                return origin_fields(phase="input", tensor=loss_path(raw), samples=rows(t),
-                                     micro_batch=i, made=kind_of(t))
+                # (the recorder saw the structure the bundle flattens: a target dict of a
+                # list of one per image, whose boxes have no batch dimension)
+                seen = step.event.get("samples", []) if loss_path(raw) == named else []
+                return origin_fields(phase="input", tensor=loss_path(raw),
+                                     samples=rows(t) or seen, micro_batch=i, made=kind_of(t))
     ev = step.event
     return origin_fields(phase="input", tensor=ev.get("tensor"), samples=ev.get("samples", []),
                          micro_batch=ev.get("micro_batch"), made=ev.get("kind"))

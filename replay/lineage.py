@@ -1,0 +1,138 @@
+"""Where a value in a loss came from, for values that hold no batch dimension.
+
+A detection or segmentation loss loops over the images: ``for i, t in enumerate(targets)``
+over a list of per-image dicts of boxes, ``cls[i]`` of the model output. The tensors it makes
+there (the matched boxes ``(P, 4)``, one image's loss) have no dimension of the batch's size,
+so their rows say nothing of the samples; but each came from one image's entries. The
+:class:`Lineage` follows that through the ops the op finder sees:
+
+- ``samples``: a value made from element ``i`` of a per-sample list among the loss's arguments
+  (a list as long as the batch), or from ``x[i]`` / ``x.unbind()`` along a batched tensor's
+  samples, belongs to sample ``i``; an op's outputs belong to the samples of its inputs;
+- ``learned``: a value made from the model's outputs on the autograd graph or from its
+  parameters (or requiring grad, where the forward runs under autograd). An op none of whose
+  inputs is learned, taking a sample's record, computed on the data alone (the targets,
+  anchors, constants): a pole it hit is a degenerate record, not a weight.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from recorder.capture import tensor_leaves
+from recorder.samples import Samples
+
+from .memo import TensorSet
+
+# ops that put their inputs side by side, each input's values in rows of their own
+_JOINS = {"cat", "stack", "hstack", "vstack", "concat", "concatenate"}
+
+
+class Lineage:
+    def __init__(self, where: Samples):
+        self.where = where
+        self._of: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
+        self.learned = TensorSet()
+
+    # -- seeds
+
+    def seed_samples(self, obj: Any, skip: Iterable[torch.Tensor] = ()) -> None:
+        """Each tensor inside element ``i`` of a list or tuple as long as the batch (a
+        ``collate_fn``'s targets, one dict per image) belongs to sample ``i``; ``skip``: the
+        model outputs (a list of feature levels as long as the batch is not per sample)."""
+        n, skipped = self.where.size, {id(t) for t in skip}
+        if n < 2:
+            return
+
+        def walk(o: Any) -> None:
+            if isinstance(o, dict):
+                for v in o.values():
+                    walk(v)
+            elif isinstance(o, (list, tuple)):
+                if len(o) == n and not all(self._batched(e) for e in o):
+                    for i, e in enumerate(o):
+                        for t in tensor_leaves(e):
+                            if id(t) not in skipped:
+                                self._put(t, frozenset((i,)))
+                else:
+                    for e in o:
+                        walk(e)
+
+        walk(obj)
+
+    def _batched(self, e: Any) -> bool:
+        """``e`` holds nothing per sample: only 0-d tensors or tensors with the batch's
+        samples (one feature level of several as many as the batch)."""
+        return all(t.dim() == 0 or self.where.dim(t) is not None for t in tensor_leaves(e))
+
+    def seed_learned(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            self.learned.add(t)
+
+    # -- propagation (every op the finder sees, before anything else)
+
+    def track(self, name: str, args: Sequence[Any], leaves: list, out: Any) -> None:
+        ins = [t for t in leaves if isinstance(t, torch.Tensor)]
+        outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
+        if not ins or not outs:
+            return
+        if any(self._learned(t) for t in ins):
+            for t in outs:
+                self.learned.add(t)
+        picked = self._picked(name, args, outs)
+        if picked is not None:
+            for t, s in zip(outs, picked):
+                self._put(t, s)
+            return
+        of = frozenset().union(*(self.of(t) for t in ins))
+        if of and name in _JOINS and not all(self.of(t) for t in ins):
+            # rows of values from no sample's record (an image without boxes, its targets
+            # new_zeros) beside others: which rows came from where is not followed
+            of = frozenset(range(self.where.size))
+        if of:
+            for t in outs:
+                self._put(t, of | self.of(t))  # (an in-place op's output is its input)
+
+    def _picked(self, name: str, args: Sequence[Any], outs: list[torch.Tensor]):
+        """One sample per output of ``x[i]`` (select) or ``x.unbind()`` along the samples."""
+        if name not in ("select", "unbind") or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        x, dim = args[0], (args[1] if len(args) > 1 else 0)
+        d = self.where.dim(x)
+        if d is None or not isinstance(dim, int) or dim % max(x.dim(), 1) != d:
+            return None
+        if name == "unbind":
+            return [frozenset((i,)) for i in range(len(outs))]
+        i = args[2] if len(args) > 2 else None
+        return [frozenset((i % x.shape[d],))] if isinstance(i, int) else None
+
+    # -- questions
+
+    def of(self, t: torch.Tensor) -> frozenset[int]:
+        hit = self._of.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else frozenset()
+
+    def rows(self, t: torch.Tensor, shaped: list[int] | None) -> list[int] | None:
+        """The samples ``t`` was made from, when they are some of the batch and its rows
+        (``shaped``: what its shape says) do not name them more narrowly; else ``shaped``."""
+        of = self.of(t)
+        if not of or len(of) >= self.where.size or (shaped and set(shaped) <= of):
+            return shaped
+        return sorted(of)
+
+    def of_data(self, ins: list[torch.Tensor]) -> bool:
+        """No floating input of the op is learned, and one came from a sample's record: it
+        computed on the data alone (not on a model input a model's own code mishandles)."""
+        return bool(ins) and not any(self._learned(t) for t in ins) \
+            and any(self.of(t) for t in ins)
+
+    def _learned(self, t: torch.Tensor) -> bool:
+        # (a forward under autograd: the weights and what they made require grad)
+        return t.requires_grad or t in self.learned
+
+    def _put(self, t: torch.Tensor, of: frozenset[int]) -> None:
+        self._of[id(t)] = (weakref.ref(t), of)

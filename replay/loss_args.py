@@ -1,0 +1,53 @@
+"""The arguments a loss is re-run with (the model outputs detached, what the op finder needs to
+know of them) and the samples whose own loss is non-finite."""
+
+from __future__ import annotations
+
+import torch
+
+from .load import Step, differentiates_model, loss_inputs
+from .ops import OpFinder
+from .recorded import samples
+from .run_result import Run
+
+
+def loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):
+    """The loss's arguments, the model outputs detached; ``finder`` is told which of those
+    the model made by exp, softmax, sigmoid or softplus, or by tanh or sigmoid (their graph is
+    cut here), so that a 0 the loss takes the log of (a softplus variance) reads as the
+    underflow it is, and a 0 of 1 - h (a sigmoid hazard rounded to 1) as rounding; its
+    lineage, which outputs were on the autograd graph and which arguments are per sample (a
+    list of per-image target dicts)."""
+    if differentiates_model(step, mb):  # (the loss differentiates them: not cut)
+        return loss_inputs(step, mb, run.outputs, run.inputs[mb], run.objects)
+    outputs = [[t.detach() for t in o] for o in run.outputs]
+    if finder is not None:
+        for made, cut in zip(run.outputs, outputs):
+            for t, d in zip(made, cut):
+                finder.mark_made_by(t.grad_fn, d)
+    args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects)
+    if finder is not None and finder.lineage is not None:
+        trained = [d for made, cut in zip(run.outputs, outputs) for t, d in zip(made, cut)
+                   if t.requires_grad]
+        finder.lineage.seed_learned([*trained, *step.loss_fn.parameters()]
+                                    if isinstance(step.loss_fn, torch.nn.Module) else trained)
+        finder.lineage.seed_samples((args, kwargs), skip=[d for o in outputs for d in o])
+    return args, kwargs
+
+
+def loss_samples(step: Step, run: Run, mb: int) -> list[int]:
+    """Rows whose own loss is non-finite (the loss re-run with reduction='none')."""
+    fn = step.loss_fn
+    if not hasattr(fn, "reduction"):
+        return []
+    args, kwargs = loss_args(step, run, mb)
+    saved = fn.reduction
+    try:
+        fn.reduction = "none"
+        with torch.no_grad():
+            per = fn(*args, **kwargs)
+        return samples(step, mb).rows(per) if isinstance(per, torch.Tensor) and per.dim() else []
+    except Exception:
+        return []
+    finally:
+        fn.reduction = saved
