@@ -32,6 +32,7 @@ from .dispatch import clone_args, float_leaves, run_op
 from .float64 import as_float64, upcast
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .memo import TensorSet
+from .pooled import Pooled
 from .positive import made_positive, positive_result
 from .saturation import Saturation, made_unit
 from .source import user_source
@@ -126,7 +127,7 @@ class _Watch(TorchDispatchMode):
                 and t.is_floating_point() and t.numel()][:_RESULTS.get(name)]
         if not outs:
             return out
-        f.track(name, ins, outs, in_finite, leaves)
+        f.track(name, ins, outs, in_finite, leaves, (args, kwargs))
         with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
             out_ends = torch.stack([ends(t) for t in outs])
         if bool(torch.isfinite(out_ends).all()):
@@ -302,6 +303,7 @@ class OpFinder:
         self.first_reduced: OpHit | None = None
         self.allowed_depth = 0
         self.samples = samples  # name the samples of the first offender's output
+        self.pooled = Pooled(samples)  # and not the rows of a value that pools the batch
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self.seen = 0  # calls of every op so far
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
@@ -363,7 +365,8 @@ class OpFinder:
             self.saturation.mark_unit(t)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-              in_finite: bool, leaves: list) -> None:
+              in_finite: bool, leaves: list, given: tuple = ((), {})) -> None:
+        self.pooled.track(name, *given, ins, outs, self.held)
         weights_only = bool(self.state) and self._of_weights_only(leaves)
         if weights_only:
             for t in outs:
@@ -383,15 +386,17 @@ class OpFinder:
             self.first_met = OpHit(f"aten.{name}", made, user_source(), None, None,
                                    rows=self.batch_rows(outs), within=self.where)
 
+    def held(self, t: torch.Tensor) -> bool:
+        """``t`` is a parameter or buffer, or was made from them alone."""
+        try:
+            return t in self._of_weights or (t.data_ptr(), tuple(t.shape)) in self.state
+        except RuntimeError:  # a tensor without storage
+            return False
+
     def _of_weights_only(self, leaves: list) -> bool:
         """Every tensor an op took is a parameter or buffer, or was made from them alone."""
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        try:
-            return bool(tensors) and all(t in self._of_weights
-                                         or (t.data_ptr(), tuple(t.shape)) in self.state
-                                         for t in tensors)
-        except RuntimeError:  # a tensor without storage
-            return False
+        return bool(tensors) and all(self.held(t) for t in tensors)
 
     def mask_buffer(self, ins: list[torch.Tensor], pairs) -> str | None:
         """The mask buffer that every non-finite input of an op is a view of, or None."""
@@ -413,7 +418,7 @@ class OpFinder:
         the weights alone)."""
         s = self.samples
         t = next((t for t in outs if s and s.size and s.dim(t) is not None
-                  and t not in self._of_weights), None)
+                  and t not in self._of_weights and t not in self.pooled), None)
         return None if t is None else s.rows(t)
 
     def __enter__(self) -> OpFinder:
