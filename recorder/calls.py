@@ -349,6 +349,7 @@ class CallHooks:
         the (min, max) of each floating output among the step's must-be-finite statistics."""
         mb = tape.micro_batches[tape.micro_batch]
         mb.keep_loss_call(args, kwargs, tape.cache, self.cycle.copy_targets)
+        mb.loss_autocast = autocast_state([])  # (one C call without autocast; no device read)
         self.loss_stats(tape, output)
 
     @staticmethod

@@ -31,6 +31,9 @@ class MicroBatch:
     autocast: dict[str, str] = field(default_factory=dict)  # device type -> dtype
     outputs: Any = None
     loss_args: tuple | None = None
+    # the autocast the loss call ran under (device type -> dtype): the loop's own, which may
+    # differ from the forward's (the model under autocast, the loss outside it in float32)
+    loss_autocast: dict[str, str] | None = None
     loss_kwargs: dict | None = None
     out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     # holds True once a backward with create_graph=True went through its output: the loop

@@ -13,9 +13,10 @@ import medical_imaging_models as M
 import pytest
 import torch
 from bundles import nanreplay_json
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 
 HERE = Path(__file__).parent
 
@@ -60,3 +61,42 @@ def test_a_batch_dice_weight_of_a_class_absent_from_the_batch_names_no_sample(ou
         json.dumps(rep, indent=1)
     assert o["samples"] == ([] if batch_dice else [0, 1]), o
     assert not any(t["try"].startswith("drop=") for t in rep["what_if"]), rep["what_if"]
+
+
+def test_a_similarity_loss_outside_the_forwards_autocast_is_replayed_in_float32(out_dir):
+    """VoxelMorph under bfloat16 autocast, the loss outside it in float32 as the AMP recipe
+    says (``crit((moved.float(), flow.float()), fixed)``): local NCC from box-filter sums,
+    the correlation as cross / (sqrt(var_I) sqrt(var_J) + eps), the variances as
+    E[x²] − E[x]². Pair 3 holds a region saturated at 0.9, where float32 cancels the
+    variance to -0.00029 and sqrt makes NaN. The replay ran the loss under the forward's
+    bfloat16 autocast: the variance was -1, 'no value left bfloat16's range', and
+    ``--try auto`` proposed dtype=float32, the type the loss already ran in. The loss call's
+    own autocast is recorded now, and the replay runs it as it ran."""
+    moving, fixed = M.brain_pairs(4)
+    moving[3, :, :8, :8, :8] = fixed[3, :, :8, :8, :8] = 0.9
+    model = M.make_vxm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.RegistrationLoss(M.NCC(sqrt_eps=1e-5))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="medical_imaging_models:make_vxm"):
+            for mov, fix in DataLoader(TensorDataset(moving, fixed), batch_size=2):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    moved, flow = model(mov, fix)
+                loss = crit((moved.float(), flow.float()), fix)
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>"), ev
+    meta, _ = read_bundle(info.value.bundle_path)
+    mb = meta["micro_batches"][0]
+    assert (mb["autocast"], mb["loss_autocast"]) == ({"cpu": "bfloat16"}, {}), mb
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.sqrt", [1], "precision"), json.dumps(rep, indent=1)
+    assert -1e-3 < o["chain"][0]["input_min"] < 0, o["chain"]
+    assert "float32's range" in rep["hint"] and "bfloat16" not in rep["hint"], rep["hint"]
+    tried = [t["try"] for t in rep["what_if"]]
+    assert tried == ["drop=1"] and rep["what_if"][0]["finite"], rep["what_if"]
