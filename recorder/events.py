@@ -293,10 +293,11 @@ def _forward_event(ev: StepEvidence) -> Event | None:
 def _loss_event(ev: StepEvidence) -> Event | None:
     """A non-finite loss: from its targets (bad data), else made by the loss itself."""
     row = ev.row
-    for mb_i, lo, hi in ev.layout.loss:
+    for k, (mb_i, lo, hi) in enumerate(ev.layout.loss):
         if pair_ok(row[lo], row[hi]):
             continue
         mb = ev.tape.micro_batches[mb_i]
+        mb.select_loss_call(k)  # (a loop calling the loss again: the call that went bad)
         outs = list(_tensors(mb.outputs))
         found = _first_bad_tensor([list(mb.loss_args or ()), mb.loss_kwargs or {}],
                                   ev.samples(mb_i), skip=outs, model=(outs, ev.param_tensors))

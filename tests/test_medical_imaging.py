@@ -12,6 +12,7 @@ from pathlib import Path
 import medical_imaging_models as M
 import pytest
 import torch
+import torch.nn.functional as F
 from bundles import nanreplay_json
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -100,3 +101,39 @@ def test_a_similarity_loss_outside_the_forwards_autocast_is_replayed_in_float32(
     assert "float32's range" in rep["hint"] and "bfloat16" not in rep["hint"], rep["hint"]
     tried = [t["try"] for t in rep["what_if"]]
     assert tried == ["drop=1"] and rep["what_if"][0]["finite"], rep["what_if"]
+
+
+def test_deep_supervision_summed_in_the_loop_replays_the_level_whose_loss_went_bad(out_dir):
+    """A U-Net with deep supervision, its loss summed over the decoder levels in the loop,
+    coarsest first, against labels resized to each level (one call of the loss per level).
+    Scan 3's lesion is a single voxel at an odd index, which the half-resolution labels miss:
+    the generalized Dice weight of the absent lesion class is 1/0 at that level only. The
+    bundle held the arguments of the last loss call (full resolution, finite), so the replay
+    said 'not reproduced' and blamed state outside the model. The recorder now keeps the call
+    whose loss went bad."""
+    vols, labs = M.phantom(4, size=12)
+    labs = (labs > 0).long()
+    labs[3] = 0
+    labs[3, 5, 5, 5] = 1
+    model = M.make_unet_deep_supervision(n_classes=2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.GeneralizedDiceLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="medical_imaging_models:make_unet_deep_supervision",
+                            factory_kwargs={"n_classes": 2}):
+            for vol, lab in DataLoader(TensorDataset(vols, labs), batch_size=2):
+                opt.zero_grad()
+                loss = 0
+                for w, out in zip((0.5, 1.0), reversed(model(vol))):
+                    lab_i = F.interpolate(lab[:, None].float(), size=out.shape[2:],
+                                          mode="nearest")[:, 0].long()
+                    loss = loss + w * crit(out, lab_i)
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] and (o["op"], o["samples"], rep["cause"]) == \
+        ("aten.reciprocal", [1], "invalid"), json.dumps(rep, indent=1)
