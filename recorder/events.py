@@ -318,6 +318,12 @@ def _loss_event(ev: StepEvidence) -> Event | None:
 
 
 def _backward_event(ev: StepEvidence) -> Event | None:
+    bad: dict[int, set[int]] = {}  # micro-batch -> its root outputs given a bad gradient
+    for mb_i, i, k in ev.layout.out_grads:
+        if not math.isfinite(ev.row[k]):
+            bad.setdefault(mb_i, set()).add(i)
+    for mb_i, outs in bad.items():  # (a loop calling the loss again: the call that made it)
+        ev.tape.micro_batches[mb_i].select_loss_call_of(outs)
     really = ev.really_bad(ev.layout.grads, grads=True)
     if not really:
         return _output_grad_event(ev)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .capture import map_tensors, tensor_leaves
-from .compat import version_of
+from .compat import version_of, view_base
 from .slots import Slots
 
 
@@ -98,6 +98,21 @@ class MicroBatch:
         chosen = next(c for c in reversed(calls) if c[4] <= k)
         self.loss_args, self.loss_kwargs, self.loss_versions, self.loss_autocast, \
             self.loss_first = chosen
+
+    def select_loss_call_of(self, bad: set[int]) -> None:
+        """Keep, as the micro-batch's loss call, the first that took one of the root outputs
+        ``bad`` (their indices among its tensors) whose gradient went bad: that call's
+        backward made it (a deep-supervision level's). A call took an output as it is or a
+        view of it; when none did (a copy, ``out.float()``), the last call stays."""
+        if not self.earlier_losses:
+            return
+        outs = [o for i, o in enumerate(tensor_leaves(self.outputs)) if i in bad]
+        for call in [*self.earlier_losses, self._loss_call()]:
+            if any(t is o or view_base(t) is o for t in tensor_leaves([list(call[0]), call[1]])
+                   for o in outs):
+                self.loss_args, self.loss_kwargs, self.loss_versions, self.loss_autocast, \
+                    self.loss_first = call
+                return
 
     def targets_moved(self) -> bool:
         """A tensor the loss took besides the model's output was written in place since."""

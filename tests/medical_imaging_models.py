@@ -299,3 +299,21 @@ def brain_pairs(n: int = 8, size: int = 16, seed: int = 0, stripped: bool = Fals
     moving = torch.stack([blob() for _ in range(n)])
     fixed = torch.stack([blob() for _ in range(n)])
     return moving, fixed
+
+
+class FocalTverskyLoss(TverskyLoss):
+    """Abraham & Khan's focal Tversky loss: (1 - TI)^gamma, gamma < 1 focusing on the hard
+    classes."""
+
+    def __init__(self, alpha: float = 0.3, beta: float = 0.7, gamma: float = 0.75):
+        super().__init__(alpha, beta)
+        self.gamma = gamma
+
+    def forward(self, logits, labels):
+        p, t = logits.softmax(1), one_hot(labels, logits.shape[1])
+        dims = (2, 3, 4)
+        tp = (p * t).sum(dims)
+        fp = (p * (1 - t)).sum(dims)
+        fn = ((1 - p) * t).sum(dims)
+        ti = tp / (tp + self.alpha * fp + self.beta * fn)
+        return ((1 - ti) ** self.gamma).mean()

@@ -137,3 +137,44 @@ def test_deep_supervision_summed_in_the_loop_replays_the_level_whose_loss_went_b
     o = rep["origin"]
     assert rep["reproduced"] and (o["op"], o["samples"], rep["cause"]) == \
         ("aten.reciprocal", [1], "invalid"), json.dumps(rep, indent=1)
+
+
+def test_deep_supervision_summed_in_the_loop_replays_the_level_whose_backward_went_bad(
+        out_dir):
+    """The same loop with the focal Tversky loss, (1 - TI)^0.75, and a head collapsed onto
+    the background (its logit 30 above the lesion's: softmax rounds the background to 1).
+    Scan 3's half-resolution labels are all background: there TI rounds to exactly 1, and
+    the derivative of (1 - TI)^0.75 at 0 is infinite (finite in float64, where TI < 1). Its
+    forward is finite; the NaN comes in the backward of the coarse level's call. The replay
+    re-ran the last call's (finite) backward and told the user to compute the whole loss
+    inside loss_fn, which it was. The bundle now keeps the call that took the output whose
+    gradient went bad."""
+    vols, labs = M.phantom(4, size=12)
+    labs = (labs > 0).long()
+    labs[3] = 0
+    labs[3, 5, 5, 5] = 1
+    model = M.make_unet_deep_supervision(n_classes=2)
+    with torch.no_grad():
+        model.head.bias[0] = model.aux.bias[0] = 30.0
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.FocalTverskyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="medical_imaging_models:make_unet_deep_supervision",
+                            factory_kwargs={"n_classes": 2}):
+            for vol, lab in DataLoader(TensorDataset(vols, labs), batch_size=2):
+                opt.zero_grad()
+                loss = 0
+                for w, out in zip((0.5, 1.0), reversed(model(vol))):
+                    lab_i = F.interpolate(lab[:, None].float(), size=out.shape[2:],
+                                          mode="nearest")[:, 0].long()
+                    loss = loss + w * crit(out, lab_i)
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (1, "backward"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] and (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "PowBackward0", [1], "precision"), json.dumps(rep, indent=1)
+    assert not rep["problems"], rep["problems"]
