@@ -178,3 +178,45 @@ def test_deep_supervision_summed_in_the_loop_replays_the_level_whose_backward_we
     assert rep["reproduced"] and (o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("<loss>", "PowBackward0", [1], "precision"), json.dumps(rep, indent=1)
     assert not rep["problems"], rep["problems"]
+
+
+def test_a_healthy_amp_deep_supervision_run_on_random_patches_is_untouched(out_dir):
+    """nnU-Net's recipe on clean data: random patches cropped in DataLoader workers, the model
+    and its inputs in channels_last_3d, the forward under bfloat16 autocast, the loss summed
+    over the decoder levels in the loop (two calls a step, both kept by the recorder), SGD
+    with Nesterov momentum and gradient clipping. No event, and the losses are those of the
+    same run without the recorder."""
+    vols, labs = M.phantom(8, size=16)
+
+    def train(record: bool) -> list[float]:
+        model = M.make_unet_deep_supervision().to(memory_format=torch.channels_last_3d)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.99, nesterov=True)
+        crit, losses = M.TverskyLoss(), []
+        rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                             factory="medical_imaging_models:make_unet_deep_supervision")
+        if record:
+            rec.attach()
+        torch.manual_seed(0)
+        loader = DataLoader(M.RandomPatches(vols, labs, patch=12), batch_size=4, shuffle=True,
+                            num_workers=2)
+        for _ in range(2):
+            for vol, lab in loader:
+                vol = vol.contiguous(memory_format=torch.channels_last_3d)
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    outs = model(vol)
+                    loss = 0
+                    for w, out in zip((1.0, 0.5), outs):
+                        lab_i = F.interpolate(lab[:, None].float(), size=out.shape[2:],
+                                              mode="nearest")[:, 0].long()
+                        loss = loss + w * crit(out, lab_i)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 12)
+                opt.step()
+                losses.append(loss.item())
+        if record:
+            rec.detach()
+        return losses
+
+    assert train(record=True) == train(record=False)  # (an event would have raised)
+    assert not out_dir.exists() or not any(out_dir.glob("*.nan"))
