@@ -14,13 +14,16 @@ samples) still leaves the other sample of each pair in its rows: it pools nothin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from recorder.samples import Samples
 
+from .compat import saved_value
 from .memo import TensorSet
+from .positive import node_op
 
 # reductions and the position of their ``dim`` argument (absent, None or []: every dim)
 _DIM_AT = {"sum": 1, "mean": 1, "nansum": 1, "nanmean": 1, "amax": 1, "amin": 1,
@@ -73,3 +76,58 @@ def _dims(name: str, args: tuple, kwargs: dict) -> list[int] | None | bool:
     if dim is None or isinstance(dim, bool) or isinstance(dim, (list, tuple)) and not dim:
         return None  # (a bool: var(x, unbiased), over every dim)
     return [dim] if isinstance(dim, int) else [int(k) for k in dim]
+
+
+# the same rule on the autograd graph, for a gradient's rows (the backward origin's): the
+# reductions' nodes, whose saved ``dim`` (absent: every dim) and input sizes say what they pooled
+_REDUCTION_NODES = {"Sum", "Mean", "Nansum", "Amax", "Amin", "Prod", "Var", "Std", "VarMean",
+                    "StdMean", "Logsumexp", "LinalgVectorNorm", "Norm"}
+
+
+def pooled_size(fn, where: Samples, limit: int = 20000) -> int | None:
+    """The size (element count) of the largest value that pools the batch that autograd node
+    ``fn``'s output was made of alone, None when that output is not such a value: a
+    reduction over the samples made it, or ops of such values and of tensors that need no
+    gradient (a no-grad class weight). A larger gradient for it broadcast the pooled values
+    over something else. Walks at most ``limit`` nodes; past that, not pooled."""
+    memo: dict = {}
+    stack = [fn]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        if (size := _reduced(n, where)) is not None:
+            memo[n] = size
+            stack.pop()
+            continue
+        kids = [f for f, _ in n.next_functions
+                if f is not None and type(f).__name__ != "AccumulateGrad"]
+        todo = [k for k in kids if k not in memo]
+        if todo and len(memo) < limit:
+            stack.extend(todo)
+            continue
+        sizes = [memo.get(k) for k in kids]
+        memo[n] = max(sizes) if sizes and None not in sizes else None
+        stack.pop()
+    return memo.get(fn)
+
+
+def _reduced(node, where: Samples) -> int | None:
+    """The output size of reduction node ``node`` when it pooled the samples, else None."""
+    if node_op(node) not in _REDUCTION_NODES:
+        return None
+    sizes = saved_value(node, "self_sym_sizes")
+    if sizes is None and isinstance(t := saved_value(node, "self"), torch.Tensor):
+        sizes = t.shape
+    if sizes is None or not where.size:
+        return None
+    sizes = [int(s) for s in sizes]
+    dims = saved_value(node, "dim")
+    if not dims:  # (None or (): every dim)
+        return 1
+    dims = {k % len(sizes) for k in ([dims] if isinstance(dims, int) else dims)}
+    d = where.dim(torch.empty(sizes, device="meta"))
+    if d is None or d not in dims or len(sizes) == 2 and sizes[0] == sizes[1]:
+        return None
+    return math.prod(s for k, s in enumerate(sizes) if k not in dims)

@@ -117,15 +117,16 @@ class GeneralizedDiceLoss(nn.Module):
 
 
 class TverskyLoss(nn.Module):
-    """Tversky index per sample and class (alpha penalises false positives)."""
+    """Tversky index per sample and class, or per class over the batch (``batch``); alpha
+    penalises false positives."""
 
-    def __init__(self, alpha: float = 0.3, beta: float = 0.7):
+    def __init__(self, alpha: float = 0.3, beta: float = 0.7, batch: bool = False):
         super().__init__()
-        self.alpha, self.beta = alpha, beta
+        self.alpha, self.beta, self.batch = alpha, beta, batch
 
     def forward(self, logits, labels):
         p, t = logits.softmax(1), one_hot(labels, logits.shape[1])
-        dims = (2, 3, 4)
+        dims = (0, 2, 3, 4) if self.batch else (2, 3, 4)
         tp = (p * t).sum(dims)
         fp = (p * (1 - t)).sum(dims)
         fn = ((1 - p) * t).sum(dims)
@@ -305,13 +306,14 @@ class FocalTverskyLoss(TverskyLoss):
     """Abraham & Khan's focal Tversky loss: (1 - TI)^gamma, gamma < 1 focusing on the hard
     classes."""
 
-    def __init__(self, alpha: float = 0.3, beta: float = 0.7, gamma: float = 0.75):
-        super().__init__(alpha, beta)
+    def __init__(self, alpha: float = 0.3, beta: float = 0.7, gamma: float = 0.75,
+                 batch: bool = False):
+        super().__init__(alpha, beta, batch)
         self.gamma = gamma
 
     def forward(self, logits, labels):
         p, t = logits.softmax(1), one_hot(labels, logits.shape[1])
-        dims = (2, 3, 4)
+        dims = (0, 2, 3, 4) if self.batch else (2, 3, 4)
         tp = (p * t).sum(dims)
         fp = (p * (1 - t)).sum(dims)
         fn = ((1 - p) * t).sum(dims)

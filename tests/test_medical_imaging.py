@@ -220,3 +220,36 @@ def test_a_healthy_amp_deep_supervision_run_on_random_patches_is_untouched(out_d
 
     assert train(record=True) == train(record=False)  # (an event would have raised)
     assert not out_dir.exists() or not any(out_dir.glob("*.nan"))
+
+
+def test_a_batch_tversky_pole_in_backward_names_the_samples_not_a_class(out_dir):
+    """The focal Tversky loss per class over the batch (``batch=True``), binary segmentation
+    in batches of two, a head collapsed onto the background; batch 1's two patches are all
+    background, so the background's TI over the batch rounds to exactly 1 and the derivative
+    of (1 - TI)^0.75 at 0 is infinite. That gradient, shape (2,) per class, was read as rows
+    of the batch: sample [0] (the background's index), and ``--try auto`` dropped it, which
+    changed nothing. A gradient of a value pooled over the batch names no sample now; the
+    samples are those whose gradient the loss sent into the model output went bad."""
+    vols, labs = M.phantom(4, size=12)
+    labs = (labs > 0).long()
+    labs[2:] = 0
+    vols[2:] = 0.1 * torch.randn(vols[2:].shape)
+    model = M.make_unet(n_classes=2)
+    with torch.no_grad():
+        model.head.bias[0] = 30.0
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.FocalTverskyLoss(batch=True)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="medical_imaging_models:make_unet",
+                            factory_kwargs={"n_classes": 2}):
+            for vol, lab in DataLoader(TensorDataset(vols, labs), batch_size=2):
+                opt.zero_grad()
+                crit(model(vol), lab).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (1, "backward")
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "PowBackward0", [0, 1], "precision"), json.dumps(rep, indent=1)
+    assert not any(t["try"].startswith("drop=") for t in rep["what_if"]), rep["what_if"]
