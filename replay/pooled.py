@@ -48,7 +48,10 @@ class Pooled:
         s = self.samples
         if not (s and s.size) or not ins:
             return
-        dims = _dims(name, args, kwargs) if name in _DIM_AT else False
+        try:  # (a named dimension, "N", or a tensor without a shape: no pooling said)
+            dims = _dims(name, args, kwargs) if name in _DIM_AT else False
+        except (TypeError, ValueError):
+            return
         if dims is not False and args and isinstance(args[0], torch.Tensor):
             pooled = self._pools(args[0], dims)
         else:
