@@ -93,6 +93,13 @@ def pooled_size(fn, where: Samples, limit: int = 20000) -> int | None:
     reduction over the samples made it, or ops of such values and of tensors that need no
     gradient (a no-grad class weight). A larger gradient for it broadcast the pooled values
     over something else. Walks at most ``limit`` nodes; past that, not pooled."""
+    try:
+        return _walk(fn, where, limit)
+    except Exception:  # a node that cannot say (a custom Function's): not pooled
+        return None
+
+
+def _walk(fn, where: Samples, limit: int) -> int | None:
     memo: dict = {}
     stack = [fn]
     while stack:
