@@ -31,6 +31,7 @@ class MicroBatch:
     autocast: dict[str, str] = field(default_factory=dict)  # device type -> dtype
     outputs: Any = None
     loss_args: tuple | None = None
+    loss_kwargs: dict | None = None
     # the autocast the loss call ran under (device type -> dtype): the loop's own, which may
     # differ from the forward's (the model under autocast, the loss outside it in float32)
     loss_autocast: dict[str, str] | None = None
@@ -39,7 +40,6 @@ class MicroBatch:
     # loop: one call per decoder level), as (args, kwargs, versions, autocast, first); an
     # event in one of them makes it the call kept (select_loss_call)
     earlier_losses: list = field(default_factory=list)
-    loss_kwargs: dict | None = None
     out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     # holds True once a backward with create_graph=True went through its output: the loop
     # differentiated the output itself (a gradient penalty, a PINN's residual)

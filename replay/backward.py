@@ -97,11 +97,11 @@ def batch_rows(node, returned: list, where: Samples) -> list[int]:
         target = nexts[i][0] if i < len(nexts) else None
         if target is not None and type(target).__name__ == "AccumulateGrad":
             continue
-        # (a value pooled over the batch, a batch-wise Dice's per-class sums: no samples)
-        if target is not None and (size := pooled_size(target, where)) is not None \
-                and g.numel() <= size:
-            continue
         if not finite(g):
+            # (a value pooled over the batch, a batch-wise Dice's per-class sums: no samples)
+            if target is not None and (size := pooled_size(target, where)) is not None \
+                    and g.numel() <= size:
+                continue
             return where.rows(g)
     return []
 
