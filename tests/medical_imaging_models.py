@@ -261,6 +261,18 @@ class NCC(nn.Module):
         return -cc.mean()
 
 
+class PlainNCC:
+    """VoxelMorph's own way with losses: ``losses.NCC(win=...).loss``, a method of a plain class
+    (no nn.Module), is the loss function; here the correlation form of :class:`NCC`."""
+
+    def __init__(self, win=None, eps: float = 1e-5):
+        self.win, self.eps = win, eps
+
+    def loss(self, y_true, y_pred):
+        win = self.win or [9] * 3
+        return NCC(win[0], sqrt_eps=self.eps)(y_true, y_pred)
+
+
 class Grad3d(nn.Module):
     """VoxelMorph's smoothness penalty: the mean squared finite differences of the flow."""
 

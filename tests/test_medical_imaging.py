@@ -253,3 +253,37 @@ def test_a_batch_tversky_pole_in_backward_names_the_samples_not_a_class(out_dir)
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("<loss>", "PowBackward0", [0, 1], "precision"), json.dumps(rep, indent=1)
     assert not any(t["try"].startswith("drop=") for t in rep["what_if"]), rep["what_if"]
+
+
+def test_voxelmorphs_loss_method_of_a_plain_class_is_rebuilt_and_replayed(out_dir):
+    """VoxelMorph's scripts take the loss as a method of a plain class,
+    ``image_loss = vxm.losses.NCC(win=[5, 5, 5]).loss``, called through ``rec.loss_fn`` on the
+    fixed and warped images (the smoothness term added in the loop). A region saturated at
+    0.9 cancels the local variance below 0 and sqrt makes NaN. The replay said the loss
+    function 'cannot be imported by its name' and did not re-run it, though its class
+    imports; the bundle now describes the instance (class, method, JSON attributes) and the
+    replay rebuilds it without calling the constructor, and names the op."""
+    moving, fixed = M.brain_pairs(4)
+    moving[3, :, :8, :8, :8] = fixed[3, :, :8, :8, :8] = 0.9
+    model = M.make_vxm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    image_loss, smooth = M.PlainNCC(win=[5, 5, 5]).loss, M.Grad3d()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=image_loss, out_dir=out_dir,
+                            factory="medical_imaging_models:make_vxm") as rec:
+            for mov, fix in DataLoader(TensorDataset(moving, fixed), batch_size=2):
+                opt.zero_grad()
+                moved, flow = model(mov, fix)
+                loss = rec.loss_fn(fix, moved) + 0.01 * smooth(flow)
+                loss.backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (1, "loss")
+    meta, _ = read_bundle(info.value.bundle_path)
+    assert {k: meta["loss"].get(k) for k in ("import", "method", "state")} == {
+        "import": "medical_imaging_models:PlainNCC", "method": "loss",
+        "state": {"win": [5, 5, 5], "eps": 1e-5}}, meta["loss"]
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.sqrt", [1], "precision"), json.dumps(rep, indent=1)
+    assert not rep["problems"], rep["problems"]
