@@ -348,7 +348,8 @@ class CallHooks:
         """The loss call's arguments (the targets, kept by reference) on the micro-batch, and
         the (min, max) of each floating output among the step's must-be-finite statistics."""
         mb = tape.micro_batches[tape.micro_batch]
-        mb.keep_loss_call(args, kwargs, tape.cache, self.cycle.copy_targets)
+        mb.keep_loss_call(args, kwargs, tape.cache, self.cycle.copy_targets,  # (autocast_state:
+                          first=len(tape.loss), autocast=autocast_state([]))  # no device read)
         self.loss_stats(tape, output)
 
     @staticmethod

@@ -82,6 +82,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
                                           whole=_whole_output(mb, earlier))
         tensors.update(lts)
         out["loss_inputs"], out["loss_paths"] = ltree, lpaths
+        if mb.loss_autocast is not None:
+            out["loss_autocast"] = mb.loss_autocast
     grads = {}
     for j, g in mb.out_grads.items():
         key = f"{prefix}outgrad/{i}/{j}"

@@ -293,10 +293,11 @@ def _forward_event(ev: StepEvidence) -> Event | None:
 def _loss_event(ev: StepEvidence) -> Event | None:
     """A non-finite loss: from its targets (bad data), else made by the loss itself."""
     row = ev.row
-    for mb_i, lo, hi in ev.layout.loss:
+    for k, (mb_i, lo, hi) in enumerate(ev.layout.loss):
         if pair_ok(row[lo], row[hi]):
             continue
         mb = ev.tape.micro_batches[mb_i]
+        mb.select_loss_call(k)  # (a loop calling the loss again: the call that went bad)
         outs = list(_tensors(mb.outputs))
         found = _first_bad_tensor([list(mb.loss_args or ()), mb.loss_kwargs or {}],
                                   ev.samples(mb_i), skip=outs, model=(outs, ev.param_tensors))
@@ -317,6 +318,12 @@ def _loss_event(ev: StepEvidence) -> Event | None:
 
 
 def _backward_event(ev: StepEvidence) -> Event | None:
+    bad: dict[int, set[int]] = {}  # micro-batch -> its root outputs given a bad gradient
+    for mb_i, i, k in ev.layout.out_grads:
+        if not math.isfinite(ev.row[k]):
+            bad.setdefault(mb_i, set()).add(i)
+    for mb_i, outs in bad.items():  # (a loop calling the loss again: the call that made it)
+        ev.tape.micro_batches[mb_i].select_loss_call_of(outs)
     really = ev.really_bad(ev.layout.grads, grads=True)
     if not really:
         return _output_grad_event(ev)

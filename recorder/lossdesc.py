@@ -37,7 +37,7 @@ def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[
     recorder wraps a plain function in); tensors go into ``tensors`` under ``loss/``."""
     fn = getattr(loss_fn, "fn", None)
     if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
-        return {"kind": "function", **describe_callable(fn)}
+        return {"kind": "function", **(_describe_method(fn) or describe_callable(fn))}
     tree = _describe_module(loss_fn, "", tensors)
     # the flat fields older replays read (a torch.nn built-in rebuilt from its arguments)
     try:
@@ -79,6 +79,22 @@ def describe_callable(fn) -> dict[str, Any]:
     if (where := defined_at(fn)) is not None:
         out["defined"] = where
     return out
+
+
+def _describe_method(fn) -> dict[str, Any] | None:
+    """A method bound to an instance of a plain class (VoxelMorph's ``losses.NCC().loss``) as
+    its class's import path, the method's name and the instance's attributes, when the class
+    imports back and every attribute is a JSON value (``win``); None otherwise."""
+    obj = getattr(fn, "__self__", None)
+    if not inspect.ismethod(fn) or obj is None or isinstance(obj, (type, nn.Module)) \
+            or not hasattr(obj, "__dict__") or not _plain(state := dict(vars(obj))):
+        return None
+    cls = describe_callable(type(obj))
+    if "import" not in cls:
+        return None
+    return {"name": f"{cls['name']}.{fn.__name__}", "import": cls["import"],
+            "method": fn.__name__, "state": _to_json(state),
+            "tuples": sorted(k for k, v in state.items() if isinstance(v, tuple))}
 
 
 def defined_at(fn) -> str | None:

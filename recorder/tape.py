@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .capture import map_tensors, tensor_leaves
-from .compat import version_of
+from .compat import version_of, view_base
 from .slots import Slots
 
 
@@ -32,6 +32,14 @@ class MicroBatch:
     outputs: Any = None
     loss_args: tuple | None = None
     loss_kwargs: dict | None = None
+    # the autocast the loss call ran under (device type -> dtype): the loop's own, which may
+    # differ from the forward's (the model under autocast, the loss outside it in float32)
+    loss_autocast: dict[str, str] | None = None
+    loss_first: int = 0  # where the loss call's statistics begin in Tape.loss
+    # the loss calls on this forward's output before the last one (deep supervision in the
+    # loop: one call per decoder level), as (args, kwargs, versions, autocast, first); an
+    # event in one of them makes it the call kept (select_loss_call)
+    earlier_losses: list = field(default_factory=list)
     out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     # holds True once a backward with create_graph=True went through its output: the loop
     # differentiated the output itself (a gradient penalty, a PINN's residual)
@@ -58,26 +66,63 @@ class MicroBatch:
         """An input was written in place since this micro-batch's forward began."""
         return any(version_of(t) != v for t, v in self.input_versions)
 
-    def keep_loss_call(self, args, kwargs, cache: dict, copy: bool) -> None:
+    def keep_loss_call(self, args, kwargs, cache: dict, copy: bool, first: int = 0,
+                       autocast: dict[str, str] | None = None) -> None:
         """Keep the loss call's arguments: by reference, with the versions of those that are
         no model output nor input (``cache``: this step's; those are its targets), or, once the
         loop was seen writing into one (``copy``: ``StepCycle.copy_targets``), with copies of
-        the targets."""
+        the targets. ``first``: where its statistics begin in ``Tape.loss``; ``autocast``: the
+        autocast it ran under. A call before it on this micro-batch is kept aside."""
+        if self.loss_args is not None:
+            self.earlier_losses.append(self._loss_call())
         if copy and self.grad_enabled:
             args, kwargs = map_tensors(args, partial(_copy_target, cache)), \
                 map_tensors(kwargs, partial(_copy_target, cache))
+            self.loss_versions = []
         else:  # (the usual ``crit(out, y)``: tensors only, looked at without a walk)
             leaves = args if not kwargs and _TENSOR.issuperset(map(type, args)) \
                 else tensor_leaves((args, kwargs))
             self.loss_versions = [(t, version_of(t)) for t in leaves
                                   if not t.requires_grad and id(t) not in cache]
         self.loss_args, self.loss_kwargs = args, kwargs
+        self.loss_first, self.loss_autocast = first, autocast
+
+    def _loss_call(self) -> tuple:
+        return (self.loss_args, self.loss_kwargs, self.loss_versions, self.loss_autocast,
+                self.loss_first)
+
+    def select_loss_call(self, k: int) -> None:
+        """Keep, as the micro-batch's loss call, the one whose statistics hold ``Tape.loss[k]``
+        (the first non-finite loss): the bundle then holds the arguments it took."""
+        calls = [*self.earlier_losses, self._loss_call()]
+        chosen = next(c for c in reversed(calls) if c[4] <= k)
+        self.loss_args, self.loss_kwargs, self.loss_versions, self.loss_autocast, \
+            self.loss_first = chosen
+
+    def select_loss_call_of(self, bad: set[int]) -> None:
+        """Keep, as the micro-batch's loss call, the first that took one of the root outputs
+        ``bad`` (their indices among its tensors) whose gradient went bad: that call's
+        backward made it (a deep-supervision level's). A call took an output as it is or a
+        view of it; when none did (a copy, ``out.float()``), the last call stays."""
+        if not self.earlier_losses:
+            return
+        outs = [o for i, o in enumerate(tensor_leaves(self.outputs)) if i in bad]
+        for call in [*self.earlier_losses, self._loss_call()]:
+            if any(t is o or view_base(t) is o for t in tensor_leaves([list(call[0]), call[1]])
+                   for o in outs):
+                self.loss_args, self.loss_kwargs, self.loss_versions, self.loss_autocast, \
+                    self.loss_first = call
+                return
 
     def targets_moved(self) -> bool:
         """A tensor the loss took besides the model's output was written in place since."""
         for t, v in self.loss_versions:  # (no generator: this runs for every step)
             if version_of(t) != v:
                 return True
+        for call in self.earlier_losses:  # (empty but in a loop that calls the loss again)
+            for t, v in call[2]:
+                if version_of(t) != v:
+                    return True
         return False
 
 

@@ -29,6 +29,7 @@ from recorder.samples import Samples
 from .compat import sequence_nr
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .ops import OpFinder
+from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
 from .source import traceback_source
@@ -85,7 +86,8 @@ def _source(node) -> str | None:
 def batch_rows(node, returned: list, where: Samples) -> list[int]:
     """The samples of the first non-finite gradient the node returned for an activation
     (one that has the batch's samples); gradients bound for a parameter (an
-    ``AccumulateGrad``) are skipped, as theirs is no batch even when a size matches."""
+    ``AccumulateGrad``) are skipped, as theirs is no batch even when a size matches, and so
+    are those for a value that pools the batch (:func:`replay.pooled.pooled_size`)."""
     if not where.size:
         return []
     nexts = list(node.next_functions)
@@ -96,6 +98,10 @@ def batch_rows(node, returned: list, where: Samples) -> list[int]:
         if target is not None and type(target).__name__ == "AccumulateGrad":
             continue
         if not finite(g):
+            # (a value pooled over the batch, a batch-wise Dice's per-class sums: no samples)
+            if target is not None and (size := pooled_size(target, where)) is not None \
+                    and g.numel() <= size:
+                continue
             return where.rows(g)
     return []
 

@@ -388,16 +388,19 @@ def micro_batch_rng(step: Step, i: int) -> dict[str, Any] | None:
         return None
 
 
-def autocast_dtype(mb: dict[str, Any]) -> torch.dtype | None:
-    """The autocast type the micro-batch ran under, None when it ran without autocast."""
-    rec = mb.get("autocast") or {}
+def autocast_dtype(mb: dict[str, Any], loss: bool = False) -> torch.dtype | None:
+    """The autocast type the micro-batch's forward ran under (``loss``: its loss call, which
+    the loop may have made outside the forward's autocast; bundles without it recorded only
+    the forward's), None when it ran without autocast."""
+    rec = mb.get("loss_autocast" if loss and "loss_autocast" in mb else "autocast") or {}
     return getattr(torch, next(iter(rec.values()))) if rec else None
 
 
 @contextlib.contextmanager
-def autocast_as_recorded(mb: dict[str, Any], device: torch.device):
-    """Re-enter the autocast region the micro-batch ran under (on the replay device)."""
-    dtype = autocast_dtype(mb)
+def autocast_as_recorded(mb: dict[str, Any], device: torch.device, loss: bool = False):
+    """Re-enter the autocast region the micro-batch's forward (``loss``: its loss call) ran
+    under, on the replay device."""
+    dtype = autocast_dtype(mb, loss)
     if dtype is None:
         yield
         return

@@ -51,6 +51,8 @@ def rebuild_loss(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor],
 def _function(info: dict[str, Any]):
     name = info.get("name") or "?"
     spec = info.get("import")
+    if isinstance(spec, str) and isinstance(info.get("method"), str):
+        return _method(_import(spec, f"class of the loss method {name}"), info)
     if isinstance(spec, str):
         fn = _import(spec, f"loss function {name}")
         bound = info.get("partial")
@@ -62,6 +64,21 @@ def _function(info: dict[str, Any]):
         if fn is not None:
             return fn
     raise Unrebuildable(_why(info, f"the loss function {name}", "def lm_loss(out, target): ..."))
+
+
+def _method(cls, info: dict[str, Any]):
+    """The recorded method of an instance of ``cls`` made without calling its constructor,
+    its attributes set as recorded (``losses.NCC(win=9).loss``: ``win`` 9)."""
+    try:
+        obj = cls.__new__(cls)
+        tuples = set(info.get("tuples") or [])
+        for k, v in (info.get("state") or {}).items():
+            object.__setattr__(obj, k, tuple(v) if k in tuples else v)
+        return getattr(obj, info["method"])
+    except Exception as e:
+        raise Unrebuildable(f"the loss method {info.get('name')} cannot be rebuilt on an "
+                            f"instance of its class ({type(e).__name__}: {e}) "
+                            f"{_FACTORY_WAY[3:]} to replay it") from None
 
 
 def _why(info: dict[str, Any], what: str, example: str) -> str:

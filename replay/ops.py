@@ -26,20 +26,14 @@ import torch
 from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
-from .cause_text import GROUP_REDUCTIONS
-from .compat import (
-    TorchDispatchMode,
-    returns_view,
-    running_node,
-    tree_leaves,
-    tree_map,
-    writes_arguments,
-)
+from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
 from .dispatch import clone_args, float_leaves, run_op
 from .float64 import as_float64, upcast
+from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .lineage import Lineage
 from .memo import TensorSet
+from .pooled import Pooled
 from .positive import made_positive, positive_result
 from .saturation import Saturation, made_unit
 from .source import user_source
@@ -134,7 +128,7 @@ class _Watch(TorchDispatchMode):
                 and t.is_floating_point() and t.numel()][:_RESULTS.get(name)]
         if not outs or name in _UNINITIALISED:
             return out
-        f.track(name, ins, outs, in_finite, leaves)
+        f.track(name, ins, outs, in_finite, leaves, (args, kwargs))
         with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
             out_ends = torch.stack([ends(t) for t in outs])
         if bool(torch.isfinite(out_ends).all()):
@@ -167,7 +161,7 @@ class _Watch(TorchDispatchMode):
         elif f.first is None and not intentional:  # beside non-finite values it was given
             f.first = _made_beside(func, op, before or (args, kwargs), outs, occurrence, f)
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
-                and _folds(func, outs[0], pairs, ins):
+                and folds(func, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
                                     rows=f.folded_rows(outs, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
@@ -175,24 +169,6 @@ class _Watch(TorchDispatchMode):
                                 literal=literal_inf, within=f.where, seq=seq, rows=f.batch_rows(
                                     outs), from_mask=f.first is None and bool(f.intentional))
         return out
-
-
-# ops that pick elements of their input as they are: a smaller output holding its -inf folds
-# nothing (a row of a masked transition matrix, its entries at the gold tags)
-_PICKS = frozenset({"index", "_unsafe_index", "index_select", "gather", "take", "masked_select",
-                    "take_along_dim", "embedding"})
-
-
-def _folds(func, out: torch.Tensor, pairs, ins) -> bool:
-    """The op reduced a non-finite input into a smaller output (a logsumexp of a -inf row), or
-    reduces groups into rows (a row no element lands in keeps the value it started from); not
-    a view (``select``, a slice) or another op picking elements as they are."""
-    name = func.overloadpacket.__name__.rstrip("_")
-    if name in GROUP_REDUCTIONS:
-        return True
-    if name in _PICKS or returns_view(func):
-        return False
-    return out.numel() < max(t.numel() for (a, b), t in zip(pairs, ins) if not pair_ok(a, b))
 
 
 def state_of(*objs) -> set[tuple[int, tuple]]:
@@ -321,6 +297,7 @@ class OpFinder:
         self.first_reduced: OpHit | None = None
         self.allowed_depth = 0
         self.samples = samples  # name the samples of the first offender's output
+        self.pooled = Pooled(samples)  # and not the rows of a value that pools the batch
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self.seen = 0  # calls of every op so far
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
@@ -385,7 +362,8 @@ class OpFinder:
             self.saturation.mark_unit(t)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-              in_finite: bool, leaves: list) -> None:
+              in_finite: bool, leaves: list, given: tuple = ((), {})) -> None:
+        self.pooled.track(name, *given, ins, outs, self.held)
         weights_only = bool(self.state) and self._of_weights_only(leaves)
         if weights_only:
             for t in outs:
@@ -405,15 +383,17 @@ class OpFinder:
             self.first_met = OpHit(f"aten.{name}", made, user_source(), None, None,
                                    rows=self.batch_rows(outs), within=self.where)
 
+    def held(self, t: torch.Tensor) -> bool:
+        """``t`` is a parameter or buffer, or was made from them alone."""
+        try:
+            return t in self._of_weights or (t.data_ptr(), tuple(t.shape)) in self.state
+        except RuntimeError:  # a tensor without storage
+            return False
+
     def _of_weights_only(self, leaves: list) -> bool:
         """Every tensor an op took is a parameter or buffer, or was made from them alone."""
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        try:
-            return bool(tensors) and all(t in self._of_weights
-                                         or (t.data_ptr(), tuple(t.shape)) in self.state
-                                         for t in tensors)
-        except RuntimeError:  # a tensor without storage
-            return False
+        return bool(tensors) and all(self.held(t) for t in tensors)
 
     def mask_buffer(self, ins: list[torch.Tensor], pairs) -> str | None:
         """The mask buffer that every non-finite input of an op is a view of, or None."""
@@ -450,7 +430,7 @@ class OpFinder:
         the weights alone)."""
         s = self.samples
         t = next((t for t in outs if s and s.size and s.dim(t) is not None
-                  and t not in self._of_weights), None)
+                  and t not in self._of_weights and t not in self.pooled), None)
         shaped = None if t is None else s.rows(t)
         return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
 

@@ -124,7 +124,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     finder.index_params(runner.model.named_parameters())  # (with the loss's: <loss>.NAME)
     finder.lineage = Lineage(finder.samples)
     args, kwargs = loss_args(step, run, mb, finder)
-    with autocast_as_recorded(step.micro_batches[mb], step.device), finder:
+    with autocast_as_recorded(step.micro_batches[mb], step.device, loss=True), finder:
         loss = step.loss_fn(*args, **kwargs)
     made = next((kind_of(t) for t in tensor_leaves(loss) if not finite(t)), None)
     del loss
@@ -166,8 +166,8 @@ def infinity_the_loss_took(step: Step, origin: dict[str, Any]) -> str | None:
     try:
         run = Runner(step).run(backward=False, instrument=False)
         args, kwargs = loss_args(step, run, mb)
-        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device), \
-                finder:
+        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
+                                                   loss=True), finder:
             step.loss_fn(*args, **kwargs)
     except Exception:  # the hint adds to the input origin; without it the origin stands
         return None

@@ -211,7 +211,8 @@ class Runner:
                 args, kwargs = _cast((args, kwargs), self.cast)
                 loss = self.step.loss_fn(*args, **kwargs)
             else:
-                with autocast_as_recorded(self.step.micro_batches[i], self.step.device):
+                with autocast_as_recorded(self.step.micro_batches[i], self.step.device,
+                                          loss=True):
                     loss = self.step.loss_fn(*args, **kwargs)
         finally:
             self.in_loss = False

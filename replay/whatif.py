@@ -25,7 +25,7 @@ import torch
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, undroppable
 from .errors import ReplayError, one_line
-from .load import Step
+from .load import Step, autocast_dtype
 from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
 from .outliers import out_of_scale
 from .recorded import batch_size
@@ -148,8 +148,9 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     few = not n or 2 * len(samples) <= n
     if fits_drop and samples and few and not undroppable(step, o.get("micro_batch") or 0):
         out.append("drop=" + ",".join(str(s) for s in samples))
+    loss = o.get("phase") == "loss"  # (a loss the loop ran outside the forward's autocast)
     low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \
-        or any(mb.get("autocast") for mb in step.micro_batches)
+        or any(autocast_dtype(mb, loss) for mb in step.micro_batches)
     if cause == "overflow":  # (an op computing in float32 under autocast needs float64;
         made_in = o.get("dtype")  # one overflowing bfloat16, with float32's range, too)
         half = made_in == "float16" if made_in else low
