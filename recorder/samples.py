@@ -191,12 +191,14 @@ class Record:
 
 def _records(o: list | tuple) -> bool:
     """``o`` reads as one entry per sample: dicts of data tensors, or floating tensors of 3 or
-    more dims (images, clips: not a forward's own arguments, an ``(x, adj)`` pair)."""
+    more dims (images, clips: not a forward's own arguments, an ``(x, adj)`` pair, nor
+    batches, which each lead with the batch's size: a registration net's ``(moving, fixed)``
+    volumes of a batch of 2, its ``(moved, flow)`` outputs)."""
     if len(o) < 2:
         return False
     if all(isinstance(e, torch.Tensor) for e in o):
         return all(e.is_floating_point() and e.dim() >= 3 for e in o) \
-            and len({e.dim() for e in o}) == 1
+            and len({e.dim() for e in o}) == 1 and any(e.shape[0] != len(o) for e in o)
     return _dict_records(o, set())
 
 

@@ -256,7 +256,8 @@ def _records_node(tensors: dict[str, torch.Tensor], items: list) -> bool:
     if all(isinstance(v, dict) and "$t" in v for v in items):
         ts = [tensors.get(v["$t"]) for v in items]
         return all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 3
-                   for t in ts) and len({t.dim() for t in ts}) == 1
+                   for t in ts) and len({t.dim() for t in ts}) == 1 \
+            and any(t.shape[0] != len(ts) for t in ts)
     return all(isinstance(v, dict) and "$dict" in v and list(_keys(v))
                and not _has_output(v) for v in items)
 

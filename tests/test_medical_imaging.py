@@ -100,7 +100,7 @@ def test_a_similarity_loss_outside_the_forwards_autocast_is_replayed_in_float32(
     assert -1e-3 < o["chain"][0]["input_min"] < 0, o["chain"]
     assert "float32's range" in rep["hint"] and "bfloat16" not in rep["hint"], rep["hint"]
     tried = [t["try"] for t in rep["what_if"]]
-    assert tried == ["drop=1"] and rep["what_if"][0]["finite"], rep["what_if"]
+    assert tried == ["drop=1"] and rep["what_if"][0]["finite"], json.dumps(rep["what_if"], indent=1)
 
 
 def test_deep_supervision_summed_in_the_loop_replays_the_level_whose_loss_went_bad(out_dir):
