@@ -136,7 +136,9 @@ def _reduced(node, where: Samples) -> int | None:
     dims = saved_value(node, "dim")
     if not dims:  # (None or (): every dim)
         return 1
-    dims = {k % len(sizes) for k in ([dims] if isinstance(dims, int) else dims)}
+    # (autograd saves a negative dim as an unsigned 64-bit number: -1 reads 2**64 - 1)
+    dims = {(k - 2 ** 64 if k >= 2 ** 63 else k) % len(sizes)
+            for k in ([dims] if isinstance(dims, int) else dims)}
     d = where.dim(torch.empty(sizes, device="meta"))
     if d is None or d not in dims or len(sizes) == 2 and sizes[0] == sizes[1]:
         return None
