@@ -115,6 +115,20 @@ def loss_path(raw: str) -> str:
     return "loss_args" + raw
 
 
+def tree_refs(node: Any, key: str):
+    """Every value a flattened tree (:func:`flatten_tree`, a bundle's JSON) holds under
+    ``key`` in its nodes, in order: ``"$t"`` the tensors' keys, ``"$in"`` the references to
+    a micro-batch's inputs."""
+    if isinstance(node, dict):
+        if key in node:
+            yield node[key]
+        for v in node.values():
+            yield from tree_refs(v, key)
+    elif isinstance(node, list):
+        for v in node:
+            yield from tree_refs(v, key)
+
+
 class UnrebuildableLeaf(ValueError):
     """A batch leaf that was saved as its repr only (an arbitrary Python object)."""
 

@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from recorder.capture import tree_refs
 from recorder.samples import Bags, Segments, bag_offsets, packed_in
 
 from .load import micro_batch_inputs
@@ -245,7 +246,7 @@ def _drop_records(tensors: dict[str, torch.Tensor], tree, n: int, keep: torch.Te
         return tree
     items = tree.get("$list", tree.get("$tuple"))
     if isinstance(items, list) and len(items) == n and _records_node(tensors, items):
-        cut += [k for v in items for k in _keys(v)]
+        cut += [k for v in items for k in tree_refs(v, "$t")]
         return {k: [items[i] for i in keep.tolist()] if k in ("$list", "$tuple") else v
                 for k, v in tree.items()}
     return {k: _drop_records(tensors, v, n, keep, cut) for k, v in tree.items()}
@@ -258,19 +259,8 @@ def _records_node(tensors: dict[str, torch.Tensor], items: list) -> bool:
         return all(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 3
                    for t in ts) and len({t.dim() for t in ts}) == 1 \
             and any(t.shape[0] != len(ts) for t in ts)
-    return all(isinstance(v, dict) and "$dict" in v and list(_keys(v))
+    return all(isinstance(v, dict) and "$dict" in v and any(tree_refs(v, "$t"))
                and not _has_output(v) for v in items)
-
-
-def _keys(node):
-    if isinstance(node, dict):
-        if "$t" in node:
-            yield node["$t"]
-        for v in node.values():
-            yield from _keys(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from _keys(v)
 
 
 def _has_output(node) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from recorder.bundle import read_bundle
-from recorder.capture import UnrebuildableLeaf, map_tensors, unflatten_tree
+from recorder.capture import UnrebuildableLeaf, map_tensors, tree_refs, unflatten_tree
 from recorder.compiled import decompile
 from recorder.errors import BundleError
 from recorder.rng import rng_from_bundle
@@ -342,18 +342,7 @@ def differentiates_model(step: Step, mb: int) -> bool:
     (the collocation points of a PINN): it then differentiates the output with respect to it."""
     entry = step.micro_batches[mb]
     grad = set(entry.get("grad_inputs", ()))
-    return bool(grad) and any(k in grad for k in _input_refs(entry.get("loss_inputs")))
-
-
-def _input_refs(node: Any):
-    if isinstance(node, dict):
-        if "$in" in node:
-            yield node["$in"]
-        for v in node.values():
-            yield from _input_refs(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from _input_refs(v)
+    return bool(grad) and any(k in grad for k in tree_refs(entry.get("loss_inputs"), "$in"))
 
 
 def output_grads(step: Step, i: int) -> dict[int, torch.Tensor]:
