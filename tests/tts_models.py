@@ -70,9 +70,9 @@ class FastSpeech2Loss(nn.Module):
     valid tokens. ``log1p`` is what the recipes use: ``plain_log`` is the bug of taking
     ``log(d)``, -inf for a phone the aligner gave 0 frames."""
 
-    def __init__(self, plain_log: bool = False, frame_rmse: bool = False):
+    def __init__(self, plain_log: bool = False, frame_rmse: bool = False, parts: bool = False):
         super().__init__()
-        self.plain_log, self.frame_rmse = plain_log, frame_rmse
+        self.plain_log, self.frame_rmse, self.parts = plain_log, frame_rmse, parts
 
     def forward(self, outputs, mel, durations, pitch, energy):
         mel_out, log_d, p, e, src_pad, mel_pad = outputs
@@ -87,7 +87,10 @@ class FastSpeech2Loss(nn.Module):
         dur_loss = (((log_d - log_target) ** 2) * valid).sum() / n_tok
         pitch_loss = (((p - pitch) ** 2) * valid).sum() / n_tok
         energy_loss = (((e - energy) ** 2) * valid).sum() / n_tok
-        return mel_loss + dur_loss + pitch_loss + energy_loss
+        total = mel_loss + dur_loss + pitch_loss + energy_loss
+        if self.parts:  # (total, the terms to log) as most recipes return it
+            return total, {"mel": mel_loss.detach(), "duration": dur_loss.detach()}
+        return total
 
 
 def utterance(g: torch.Generator, *, zero_dur: bool = False, unvoiced: bool = False,
