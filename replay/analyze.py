@@ -39,6 +39,7 @@ from .origins import (
     report_dropped_nan,
     report_entering,
     report_loss,
+    report_loss_backward,
     report_loss_not_in_bundle,
     report_optimizer,
     report_weights,
@@ -363,6 +364,9 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     # the recording's forward and loss were finite (a backward event; a loss event of a loss
     # the replay cannot re-run), the re-run's too: did the values enter from outside?
     outside_loss = phase == "backward" or (phase == "loss" and step.loss_fn is None)
+    if phase == "backward" and step.loss_fn is not None and not run1.bad_grads and \
+            (own := report_loss_backward(report, step, runner)) is not None:
+        return own  # (only when the loss_fn re-ran: a loss node made the entering gradient)
     if outside_loss and not run1.bad_grads and \
             (entered := report_entering(report, step, runner)) is not None:
         return entered

@@ -14,6 +14,7 @@ import contextlib
 
 import torch
 
+from recorder.capture import tensor_leaves
 from recorder.finite import finite
 
 from .dispatch import Float64, OpAt
@@ -29,11 +30,13 @@ def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: i
     draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()),
                 torch.get_default_dtype())
     draw = draw if draw != torch.float64 else None
+    entering: list[bool] = []  # a backward's gradients entering the model's outputs
+    hooks = window.hooks if window else _entering(entering) if phase == "backward" else None
     with runner.float64(), Float64(draw), \
             _watch_loss(runner, capture if phase == "loss" else None, mb):
         try:
             run = runner.run(backward=phase == "backward", instrument=phase == "forward",
-                             hooks=window.hooks if window else None)
+                             hooks=hooks)
         finally:
             if window:
                 window.close()
@@ -47,7 +50,22 @@ def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: i
                    if until is None or (c.module, c.call, c.micro_batch) == until)
     if phase == "loss":
         return not all(run.loss_finite)
-    return bool(run.bad_grads)
+    # a loss node's NaN that the model's backward drops (a masked_fill) leaves every
+    # parameter's gradient finite: the gradient entering the output tells
+    return bool(run.bad_grads) or any(entering)
+
+
+def _entering(bad: list[bool]):
+    """Hooks noting whether each gradient entering the model's outputs is non-finite."""
+    def note(grad):
+        bad.append(not finite(grad))
+
+    def post(module, args, output):
+        for o in tensor_leaves(output):
+            if o.requires_grad:
+                o.register_hook(note)
+
+    return lambda model: [model.register_forward_hook(post)]
 
 
 class _Window:

@@ -310,8 +310,25 @@ def report_dropped_nan(report, runner: Runner) -> dict[str, Any]:
     return report
 
 
-def report_backward(report, runner: Runner) -> dict[str, Any]:
-    b = find_backward_origin(runner, samples(runner.step))
+def report_loss_backward(report, step: Step, runner: Runner) -> dict[str, Any] | None:
+    """The re-run loss_fn's own backward made the non-finite gradient entering the model's
+    output (sqrt or a norm at 0 where a mask then multiplies by 0), which the model's backward
+    dropped (a masked_fill): that loss node is the origin. None when no loss node made one (the
+    value came from loss terms outside loss_fn: see replay.outside)."""
+    b = find_backward_origin(runner, samples(step))
+    if b.node is None or b.module != "<loss>":
+        return None
+    report = report_backward(report, runner, b)
+    if not b.params:
+        report["problems"].append(
+            "every parameter's gradient stayed finite: the model's backward drops those "
+            "entries (a ReLU at 0, a mask), so the update would have gone ahead while the "
+            "gradient entering the model's output was non-finite")
+    return report
+
+
+def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
+    b = b or find_backward_origin(runner, samples(runner.step))
     origin = _backward_fields(b)
     reproduced = runner.step.event.get("phase") == "backward"
     if b.saved is not None and batch_non_finite(runner.step, ("batch/", "loss_in/")):

@@ -249,7 +249,7 @@ class Runner:
                     * (self.loss_scale or 1.0)
                 (loss * f).backward(inputs=own)
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
-        elif isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
+        elif (loss := _scalar_loss(loss)) is not None:
             # (a loss of several values, reduction="none", was reduced by the loop outside the
             # recorder, in a way the replay does not know: no backward from it; a what-if's
             # micro-batch carries the loop's own factor: replay.loopscale)
@@ -303,6 +303,15 @@ class Runner:
         some output is non-finite."""
         allowed = set(dict(self.model.named_modules())) if nan_only else self.allowed
         return bisection.search(lambda k: self.probe(k, allowed), n_calls)
+
+
+def _scalar_loss(loss) -> torch.Tensor | None:
+    """The loss to differentiate: a scalar that requires grad, or the one such scalar of a
+    loss_fn returning ``(total, {"mel": mel_loss.detach(), ...})``, the terms to log."""
+    if isinstance(loss, torch.Tensor):
+        return loss if loss.requires_grad and loss.numel() == 1 else None
+    found = [t for t in tensor_leaves(loss) if t.requires_grad and t.numel() == 1]
+    return found[0] if len(found) == 1 else None
 
 
 def _external(pairs: list[tuple[torch.Tensor, torch.Tensor]], through_nonfinite: bool = False
