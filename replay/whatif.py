@@ -135,7 +135,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     write."""
     cause, o = report.get("cause"), report.get("origin") or {}
     out: list[str] = []
-    samples = o.get("samples") or []
+    samples = o.get("coupled") or o.get("samples") or []  # (a pair's partner goes too)
     fits_drop = cause in ("input", "invalid", "underflow", "precision")
     # an overflow in samples whose inputs are outliers of the batch points at their data too
     # (a record in the wrong unit), as does one spanning the batch (a BatchNorm mixes the
