@@ -46,7 +46,15 @@ import torch
 from recorder.finite import label
 
 from . import domains, saturation
-from .cause_text import DO, GROUP_REDUCTIONS, HINTS, INF_ARITH, inf_arith, no_float64
+from .cause_text import (
+    BEYOND_FLOAT64,
+    DO,
+    GROUP_REDUCTIONS,
+    HINTS,
+    INF_ARITH,
+    inf_arith,
+    no_float64,
+)
 from .dispatch import OpAt
 from .domains import g as _g
 from .float64_step import float64_still
@@ -141,7 +149,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         if ev.local64 is None and not still:  # a random op: the float64 step decides
             return Cause("overflow", f"{op}'s result is too large for {dt} and finite in "
                          "float64: " + _wider(ev.dtype))
-        also = "" if ev.dtype == torch.float64 else " and for float64 as well"
+        also = "" if ev.dtype == torch.float64 else BEYOND_FLOAT64
         exp = name.rstrip("_") in _EXPONENTIALS or _exp_factor(ev)
         return Cause("overflow", f"{op}'s true result is too large for {dt}{also}: "
                      + DO["clamp_exp" if exp else "clamp"])

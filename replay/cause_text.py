@@ -120,6 +120,9 @@ SQUARED_EPS_LOST = ("torch.optim.Adafactor floors its factored second moment at 
                     "--try eps={safe} tests it)")
 
 # What to do, by situation (the first half of the hint says what happened).
+# an overflow whose true result float64 cannot hold either: no wider type is a fix
+BEYOND_FLOAT64 = " and for float64 as well"
+
 DO = {
     "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",
     "power_pole": "keep the base away from 0 (x.clamp_min(eps)); a count or a degree (a "

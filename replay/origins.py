@@ -20,6 +20,7 @@ from . import outside
 from .backward import find_backward_origin
 from .cause import Cause, classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, HINTS, inf_arith
+from .coupled import coupled_rows
 from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, node_sources, with_node
@@ -139,6 +140,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         source=hit.source if hit else None, chain=finder.chain(),
         samples=loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
         made=hit.made if hit else made)
+    if coupled := coupled_rows(step, run, mb, origin["samples"]):
+        origin["coupled"] = coupled  # (a DPO pair: what --try drop must drop together)
     cause = classify(runner, "loss", hit=hit, micro_batch=mb)
     if hit is not None and not hit.inputs_finite \
             and (held := non_finite_loss_state(step.loss_fn)) is not None:

@@ -143,6 +143,9 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
         else:
             lines.append(f"  samples    {s[:16]}" + (f" (+{len(s) - 16})" if len(s) > 16
                                                       else ""))
+    if more := sorted(set(o.get("coupled") or []) - set(o.get("samples") or [])):
+        lines.append(f"  coupled    {more[:16]}: the loss combines their rows with the samples' "
+                     "(a pair, a group), so their gradient is non-finite too")
     return lines
 
 

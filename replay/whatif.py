@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .cause_text import BEYOND_FLOAT64
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, undroppable
 from .errors import ReplayError, one_line
@@ -135,7 +136,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     write."""
     cause, o = report.get("cause"), report.get("origin") or {}
     out: list[str] = []
-    samples = o.get("samples") or []
+    samples = o.get("coupled") or o.get("samples") or []  # (a pair's partner goes too)
     fits_drop = cause in ("input", "invalid", "underflow", "precision")
     # an overflow in samples whose inputs are outliers of the batch points at their data too
     # (a record in the wrong unit), as does one spanning the batch (a BatchNorm mixes the
@@ -151,8 +152,10 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     loss = o.get("phase") == "loss"  # (a loss the loop ran outside the forward's autocast)
     low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \
         or any(autocast_dtype(mb, loss) for mb in step.micro_batches)
-    if cause == "overflow":  # (an op computing in float32 under autocast needs float64;
-        made_in = o.get("dtype")  # one overflowing bfloat16, with float32's range, too)
+    # (an op computing in float32 under autocast needs float64; one overflowing bfloat16,
+    # with float32's range, too; one whose true result float64 overflows, no type)
+    if cause == "overflow" and BEYOND_FLOAT64 not in (report.get("hint") or ""):
+        made_in = o.get("dtype")
         half = made_in == "float16" if made_in else low
         out.append("dtype=float32" if half else "dtype=float64")
     elif cause in ("underflow", "precision") and low:  # a value float16 rounds to 0 is

@@ -1,0 +1,39 @@
+"""Rows a loss couples to the samples that made its non-finite value: DPO's loss takes the
+difference of a chosen row and its rejected row (the two halves of one concatenated batch), a
+group-normalised reward (GRPO) the rows of one prompt. Dropping the named row alone leaves its
+partner unpaired (the halves then differ in length, and the loss's code raises); dropping the
+rows whose gradient of the model output is non-finite drops whole pairs or groups."""
+
+from __future__ import annotations
+
+import torch
+
+from recorder.capture import tensor_leaves
+
+from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
+from .recorded import samples
+from .run_result import Run
+
+
+def coupled_rows(step: Step, run: Run, mb: int, named: list[int]) -> list[int]:
+    """The samples whose rows of the model output get a non-finite gradient from the loss,
+    when they hold ``named`` and more (else []): one backward of the loss alone, paid only
+    by a loss event with named samples."""
+    if not named or differentiates_model(step, mb) or mb >= len(run.outputs):
+        return []
+    outputs = [[t.detach() for t in o] for o in run.outputs]
+    leaves = [t.requires_grad_() for t in outputs[mb] if t.is_floating_point()]
+    if not leaves:
+        return []
+    try:
+        args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects)
+        with torch.enable_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
+                                                       loss=True):
+            loss = [t for t in tensor_leaves(step.loss_fn(*args, **kwargs))
+                    if t.requires_grad and t.is_floating_point()]
+            grads = torch.autograd.grad([t.sum() for t in loss], leaves, allow_unused=True)
+    except Exception:  # (a loss that takes no gradient here: no coupling to tell)
+        return []
+    where = samples(step, mb)
+    rows = sorted({r for g in grads if g is not None for r in where.rows(g)})
+    return rows if set(named) < set(rows) and 2 * len(rows) <= where.size else []
