@@ -103,21 +103,21 @@ def test_a_similarity_loss_outside_the_forwards_autocast_is_replayed_in_float32(
     assert tried == ["drop=1"] and rep["what_if"][0]["finite"], json.dumps(rep["what_if"], indent=1)
 
 
-def test_deep_supervision_summed_in_the_loop_replays_the_level_whose_loss_went_bad(out_dir):
-    """A U-Net with deep supervision, its loss summed over the decoder levels in the loop,
-    coarsest first, against labels resized to each level (one call of the loss per level).
-    Scan 3's lesion is a single voxel at an odd index, which the half-resolution labels miss:
-    the generalized Dice weight of the absent lesion class is 1/0 at that level only. The
-    bundle held the arguments of the last loss call (full resolution, finite), so the replay
-    said 'not reproduced' and blamed state outside the model. The recorder now keeps the call
-    whose loss went bad."""
+def _deep_supervision_run(out_dir, crit, background_bias: float | None = None):
+    """A U-Net with deep supervision, its loss ``crit`` summed over the decoder levels in
+    the loop, coarsest first, against labels resized to each level (one call of the loss per
+    level). Scan 3's lesion is a single voxel at an odd index, which the half-resolution
+    labels miss. ``background_bias``: both heads' background logit bias (a head collapsed
+    onto the background). Returns the recorder's error."""
     vols, labs = M.phantom(4, size=12)
     labs = (labs > 0).long()
     labs[3] = 0
     labs[3, 5, 5, 5] = 1
     model = M.make_unet_deep_supervision(n_classes=2)
+    if background_bias is not None:
+        with torch.no_grad():
+            model.head.bias[0] = model.aux.bias[0] = background_bias
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    crit = M.GeneralizedDiceLoss()
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                             factory="medical_imaging_models:make_unet_deep_supervision",
@@ -131,9 +131,21 @@ def test_deep_supervision_summed_in_the_loop_replays_the_level_whose_loss_went_b
                     loss = loss + w * crit(out, lab_i)
                 loss.backward()
                 opt.step()
-    ev = info.value.event
+    return info.value
+
+
+def test_deep_supervision_summed_in_the_loop_replays_the_level_whose_loss_went_bad(out_dir):
+    """A U-Net with deep supervision, its loss summed over the decoder levels in the loop,
+    coarsest first, against labels resized to each level (one call of the loss per level).
+    Scan 3's lesion is a single voxel at an odd index, which the half-resolution labels miss:
+    the generalized Dice weight of the absent lesion class is 1/0 at that level only. The
+    bundle held the arguments of the last loss call (full resolution, finite), so the replay
+    said 'not reproduced' and blamed state outside the model. The recorder now keeps the call
+    whose loss went bad."""
+    err = _deep_supervision_run(out_dir, M.GeneralizedDiceLoss())
+    ev = err.event
     assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>"), ev
-    rep = nanreplay_json(info.value.bundle_path)
+    rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert rep["reproduced"] and (o["op"], o["samples"], rep["cause"]) == \
         ("aten.reciprocal", [1], "invalid"), json.dumps(rep, indent=1)
@@ -149,31 +161,10 @@ def test_deep_supervision_summed_in_the_loop_replays_the_level_whose_backward_we
     re-ran the last call's (finite) backward and told the user to compute the whole loss
     inside loss_fn, which it was. The bundle now keeps the call that took the output whose
     gradient went bad."""
-    vols, labs = M.phantom(4, size=12)
-    labs = (labs > 0).long()
-    labs[3] = 0
-    labs[3, 5, 5, 5] = 1
-    model = M.make_unet_deep_supervision(n_classes=2)
-    with torch.no_grad():
-        model.head.bias[0] = model.aux.bias[0] = 30.0
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    crit = M.FocalTverskyLoss()
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory="medical_imaging_models:make_unet_deep_supervision",
-                            factory_kwargs={"n_classes": 2}):
-            for vol, lab in DataLoader(TensorDataset(vols, labs), batch_size=2):
-                opt.zero_grad()
-                loss = 0
-                for w, out in zip((0.5, 1.0), reversed(model(vol))):
-                    lab_i = F.interpolate(lab[:, None].float(), size=out.shape[2:],
-                                          mode="nearest")[:, 0].long()
-                    loss = loss + w * crit(out, lab_i)
-                loss.backward()
-                opt.step()
-    ev = info.value.event
+    err = _deep_supervision_run(out_dir, M.FocalTverskyLoss(), background_bias=30.0)
+    ev = err.event
     assert (ev["step"], ev["phase"]) == (1, "backward"), ev
-    rep = nanreplay_json(info.value.bundle_path)
+    rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert rep["reproduced"] and (o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("<loss>", "PowBackward0", [1], "precision"), json.dumps(rep, indent=1)
