@@ -3,19 +3,17 @@ records corrupted late in a dataset, values missing as NaN that the model impute
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import data_pipelines_models as M
 import pytest
 import torch
-from click.testing import CliRunner
+from bundles import replay_report
 from torch import nn
 from torch.utils.data import DataLoader, WeightedRandomSampler
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
-from replay.cli import main as cli
 
 HERE = Path(__file__).parent
 
@@ -23,12 +21,6 @@ HERE = Path(__file__).parent
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # where data_pipelines_models.py, the factories' module, lives
-
-
-def _replay(bundle, *args) -> tuple[int, dict]:
-    res = CliRunner().invoke(cli, [str(bundle), "--json", *args])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
 
 
 def test_a_batch_cleaned_in_place_after_the_forward_is_not_replayed_as_it_ran(tmp_path):
@@ -53,7 +45,7 @@ def test_a_batch_cleaned_in_place_after_the_forward_is_not_replayed_as_it_ran(tm
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"]) == (9, "input", "")
     assert "wrote into after the forward" in str(info.value), str(info.value)
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     assert code == 1 and rep["reproduced"] is False and rep["cause"] is None, rep
     assert rep["origin"]["phase"] == "input" and rep["not_rerun"] == \
         "input written after the forward", rep
@@ -148,7 +140,7 @@ def test_values_missing_as_nan_that_the_model_imputes_stop_the_run_saying_how_to
     assert (ev["step"], ev["phase"], ev["tensor"], ev["nan_handled"]) == \
         (0, "input", "batch", "args[0]"), ev
     assert "allow_nan=['args[0]']" in str(info.value), str(info.value)
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     assert code == 0 and rep["cause"] == "input" and "allow_nan=['args[0]']" in rep["hint"], rep
 
 
@@ -176,7 +168,7 @@ def test_an_allowed_nan_that_gets_past_the_imputation_is_an_input_event(tmp_path
     ev = info.value.event
     assert (ev["phase"], ev["module"], ev["tensor"]) == ("input", "", "batch"), ev
     assert "nan_handled" not in ev, ev
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     assert code == 0 and rep["cause"] == "input", rep
     assert "got past that handling" in rep["hint"], rep["hint"]
     x = read_bundle(info.value.bundle_path)[1]["batch/0/0"]
@@ -204,7 +196,7 @@ def test_a_forward_bug_beside_allowed_missing_values_is_named_not_blamed_on_the_
                 opt.step()
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"]) == (2, "forward", "norm"), ev
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     o = rep["origin"]
     assert code == 0 and (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("forward", "norm", "aten.div", [70 - 64], "invalid"), rep
@@ -240,7 +232,7 @@ def test_a_corrupt_record_that_overflows_a_batch_norm_is_named_not_widened(tmp_p
                 opt.step()
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"]) == (step, "forward", "bn"), ev
-    code, rep = _replay(info.value.bundle_path, "--try", "auto")
+    rep, code = replay_report(info.value.bundle_path, "--try", "auto")
     o = rep["origin"]
     assert code == 0 and (o["module"], o["op"], rep["cause"], o["all_samples"]) == \
         ("bn", "aten.native_batch_norm", "overflow", True), rep
@@ -273,7 +265,7 @@ def test_labels_missing_as_nan_in_a_loss_that_skips_them_only_in_its_value(tmp_p
         assert rec.event is None and not list(tmp_path.glob("*.nan"))
         return
     assert (rec.event["step"], rec.event["phase"]) == (0, "backward"), rec.event
-    code, rep = _replay(rec.bundle_path)
+    rep, code = replay_report(rec.bundle_path)
     o = rep["origin"]
     rows = torch.isnan(y[:32]).any(1).nonzero().flatten().tolist()
     assert code == 0 and (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
@@ -305,7 +297,7 @@ def test_a_column_standardised_by_a_zero_std_is_named_as_a_column_not_as_records
                 opt.step()
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["tensor"]) == (0, "input", "batch"), ev
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     assert code == 0 and rep["cause"] == "input" and rep["origin"]["all_samples"], rep
     assert "same feature(s) of every sample (column(s) 4," in rep["hint"], rep["hint"]
 
@@ -337,7 +329,7 @@ def test_micro_batches_copied_into_one_reused_buffer_are_replayed_as_they_ran(tm
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"], ev["micro_batch"], ev["samples"]) == \
         (5, "forward", "0", 1, [5]), ev
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     o = rep["origin"]
     assert code == 0 and (o["module"], o["op"], o["micro_batch"], o["samples"], rep["cause"]) \
         == ("0", "aten.div", 1, [5], "invalid"), rep
@@ -363,7 +355,7 @@ def test_a_per_sample_loss_weighted_in_the_loop_is_replayed_not_a_crash(tmp_path
                 opt.step()
     ev = info.value.event
     assert (ev["step"], ev["phase"]) == (150 // 32, "backward"), ev
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     o = rep["origin"]
     assert code == 0 and rep["reproduced"] and (o["phase"], o["samples"]) == \
         ("loss", [150 % 32]), rep

@@ -12,10 +12,9 @@ from pathlib import Path
 import distill_models as D
 import pytest
 import torch
-from click.testing import CliRunner
+from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
-from replay.cli import main as cli
 
 HERE = Path(__file__).parent
 
@@ -23,12 +22,6 @@ HERE = Path(__file__).parent
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # where distill_models.py, the factories' module, lives
-
-
-def nanreplay_json(bundle: Path, *extra: str) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json", *extra])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def batch(step: int, n: int = 16):

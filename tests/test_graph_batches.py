@@ -7,17 +7,15 @@ with its ``(2, E)`` edge list: ``--try drop=`` of nodes cuts their edges too."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import graph_models as M
 import pytest
 import torch
-from click.testing import CliRunner
+from bundles import nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
-from replay.cli import main as cli
 
 HERE = Path(__file__).parent
 K, BAD = 4, 4  # the step the planted bug fires at, and the graph it is in (of 6)
@@ -59,10 +57,7 @@ def _train(plant: str, out_dir: Path, pool: str = "mean") -> NonFiniteError:
 
 
 def _replay(bundle, *tries: str) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json", *(a for t in tries
-                                                            for a in ("--try", t))])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
+    return nanreplay_json(bundle, *(a for t in tries for a in ("--try", t)))
 
 
 def test_an_empty_graph_in_mean_pooling_names_that_graph_not_no_sample(tmp_path):

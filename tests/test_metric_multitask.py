@@ -4,14 +4,13 @@ recorded with a planted bug and replayed through the command line."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import metric_models as MM
 import pytest
 import torch
 import torch.nn.functional as F
-from bundles import invoke_cli
+from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
@@ -23,12 +22,6 @@ K = 3  # the step the planted bugs fire at
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # metric_models.py is trusted here
-
-
-def _replay(bundle, *args: str) -> dict:
-    r = invoke_cli(str(bundle), "--json", *args)
-    assert r.stderr == "", r.stderr
-    return json.loads(r.stdout)
 
 
 def test_drop_keeps_the_features_of_a_batch_as_wide_as_it_is_long(tmp_path):
@@ -49,7 +42,7 @@ def test_drop_keeps_the_features_of_a_batch_as_wide_as_it_is_long(tmp_path):
                 opt.zero_grad()
                 crit(model(x), y, r).backward()
                 opt.step()
-    rep = _replay(info.value.bundle_path, "--try", "drop=5")
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=5", code=None)
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == (
         K, "loss", "<loss>", "aten.mse_loss", "overflow")
@@ -92,7 +85,7 @@ def test_gradient_surgery_writing_a_non_finite_grad_is_named_as_the_loops(tmp_pa
                 for p, g in zip(heads, torch.autograd.grad(sum(losses), heads)):
                     p.grad = g
                 opt.step()
-    rep = _replay(info.value.bundle_path)
+    rep = nanreplay_json(info.value.bundle_path, code=None)
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["param"], rep["cause"]) == (
         K, "backward", "trunk.0.weight", "not_reproduced")
@@ -117,7 +110,7 @@ def test_a_loss_parameter_element_driven_out_of_the_log_domain_is_named(tmp_path
                 opt.zero_grad()
                 crit(model(x), y, r * 0.1).backward()
                 opt.step()
-    rep = _replay(info.value.bundle_path)
+    rep = nanreplay_json(info.value.bundle_path, code=None)
     o = rep["origin"]
     lines = (HERE / "metric_models.py").read_text().splitlines()
     bug = next(i + 1 for i, t in enumerate(lines) if "# BUG log" in t)
@@ -161,7 +154,7 @@ def test_an_earlier_tasks_nan_gradient_into_a_shared_output_is_kept(tmp_path, ho
                 opt.step()
     ev = info.value.event
     assert (ev["step"], ev["phase"]) == (K, "backward"), ev
-    rep = _replay(info.value.bundle_path)
+    rep = nanreplay_json(info.value.bundle_path, code=None)
     o = rep["origin"]
     assert rep["reproduced"] is True, rep
     assert (o["phase"], o["module"], o["tensor"], o["samples"]) == (
@@ -191,7 +184,7 @@ def test_a_pair_losss_backward_origin_names_the_samples_of_its_pair(tmp_path):
                 opt.step()
     meta, _ = read_bundle(info.value.bundle_path)
     assert meta["micro_batches"][0]["samples"]["size"] == 16
-    rep = _replay(info.value.bundle_path, "--try", "drop=5", "--try", "drop=7")
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=5", "--try", "drop=7", code=None)
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
             rep["cause"]) == (K, "backward", "<loss>", "SqrtBackward0", [2, 5], "invalid")
@@ -220,7 +213,7 @@ def test_a_loss_wrapper_holding_the_recorded_model_is_named_in_the_hint(tmp_path
                 opt.zero_grad()
                 sum(wrapper({"x": x, "y": y, "r": r}).values()).backward()
                 opt.step()
-    rep = _replay(info.value.bundle_path)
+    rep = nanreplay_json(info.value.bundle_path, code=None)
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["tensor"], o["samples"]) == (
         K, "loss", "grad of the model output 1", [6]), o

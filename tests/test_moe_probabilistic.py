@@ -10,7 +10,7 @@ import moe_probabilistic_models as M
 import pytest
 import torch
 import torch.nn.functional as F
-from bundles import invoke_cli
+from bundles import invoke_cli, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
@@ -66,7 +66,7 @@ def test_a_negative_rotary_base_is_a_power_outside_its_domain_not_an_overflow(ou
     a positive base, whose NaN could only be an overflow beyond float64."""
     err = _train_moe(out_dir, {"ntk": 4.0, "max_pos": 32}, short_at=3, T=32, short=16)
     assert (err.event["step"], err.event["phase"]) == (3, "forward"), err.event
-    rep = _replay(err)
+    rep = nanreplay_json(err.bundle_path, code=None)
     o = rep["origin"]
     assert (o["module"], o["op"], rep["cause"]) == ("blocks.0.attn", "aten.pow", "invalid"), rep
     assert "negative base (-1e+04) to a fractional power" in rep["hint"], rep["hint"]
@@ -90,7 +90,7 @@ def test_a_nan_that_attention_dropped_is_named_where_the_forward_made_it(out_dir
     (the power of a negative base), not a torch.where the model does not have. Where the
     kernel passes the NaN on, it is the forward's, named at that power."""
     err = _train_moe(out_dir, {"ntk": 4.0}, short_at=3)
-    rep = _replay(err)
+    rep = nanreplay_json(err.bundle_path, code=None)
     o = rep["origin"]
     if not _fused_attention_drops_nan():
         assert (err.event["step"], err.event["phase"]) == (3, "forward"), err.event
@@ -115,7 +115,7 @@ def test_an_aux_loss_added_in_the_loop_names_the_op_no_module_output_carried(out
     carried, with its cause, and says how to make such a term replayable."""
     err = _train_moe(out_dir, {"idle_mean": True, "aux_out": False}, repeated_at=4)
     assert (err.event["step"], err.event["phase"]) == (4, "backward"), err.event
-    rep = _replay(err)
+    rep = nanreplay_json(err.bundle_path, code=None)
     o = rep["origin"]
     assert rep["reproduced"] is False, rep
     assert (o["phase"], o["module"], o["op"], rep["cause"]) == \
@@ -149,12 +149,6 @@ def test_a_nan_in_the_batch_that_validate_args_refused_is_an_input_event(out_dir
     assert "at step 3, phase input" in notes and "args[0], samples [2]" in notes, notes
 
 
-def _replay(err):
-    res = invoke_cli(err.bundle_path, "--json")
-    assert res.exit_code in (0, 1), res.output
-    return json.loads(res.stdout)
-
-
 def _train_deepar(out_dir, factory_kwargs, bad_at=None, steps=8, zeros_at=None, raises=None):
     torch.manual_seed(0)
     model = M.make_deepar(**factory_kwargs)
@@ -178,7 +172,7 @@ def test_a_model_returning_a_distribution_is_replayed_with_its_loss(out_dir):
     own output: the loss is re-run and the op, sample and cause are named."""
     err = _train_deepar(out_dir, {}, bad_at=5)
     assert (err.event["step"], err.event["phase"]) == (5, "loss"), err.event
-    rep = _replay(err)
+    rep = nanreplay_json(err.bundle_path, code=None)
     o = rep["origin"]
     assert rep["reproduced"] is True, rep
     assert (o["phase"], o["op"], o["samples"], rep["cause"]) == \
@@ -198,7 +192,7 @@ def test_a_nan_that_validate_args_refused_is_named_in_the_forward_that_raised(ou
     # (the recorder's note named the GRU too: the root call, which raised, was never seen)
     assert "First made by module '<root>'" in notes and "inputs were finite" in notes, notes
     bundle = notes.split("Bundle: ")[1].split(";")[0]
-    rep = _replay(type("E", (), {"bundle_path": bundle}))
+    rep = nanreplay_json(bundle, code=None)
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
             rep["cause"]) == (5, "forward", "", "aten.div", [5], "invalid"), rep

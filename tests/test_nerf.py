@@ -12,10 +12,10 @@ from pathlib import Path
 import nerf_models as N
 import pytest
 import torch
+from bundles import nanreplay_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
-from tests.bundles import nanreplay_json
 
 HERE = Path(__file__).parent
 

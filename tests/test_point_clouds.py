@@ -4,18 +4,16 @@ until the recorder raises, then runs ``nanreplay --json --try``."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 import point_models as M
 import pytest
 import torch
-from click.testing import CliRunner
+from bundles import nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
-from replay.cli import main as cli
 
 HERE = Path(__file__).parent
 K = 3  # the step the planted bug fires at; cloud 2 of 4 holds it
@@ -51,10 +49,7 @@ def _train(plant: str, out_dir: Path) -> NonFiniteError:
 
 
 def _replay(bundle, *tries: str) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json", *(a for t in tries
-                                                            for a in ("--try", t))])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
+    return nanreplay_json(bundle, *(a for t in tries for a in ("--try", t)))
 
 
 def test_a_nan_point_in_a_nested_batch_names_its_cloud(tmp_path):

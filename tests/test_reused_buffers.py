@@ -7,16 +7,14 @@ token ids was gone and the replay blamed the factory for building another model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from bundles import replay_report
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
-from replay.cli import main as cli
 
 HERE = Path(__file__).parent
 
@@ -55,12 +53,6 @@ def _train(out_dir, nan_at=None, recorder=True, steps=6):
     return model
 
 
-def _replay(bundle) -> tuple[int, dict]:
-    res = CliRunner().invoke(cli, [str(bundle), "--json"])
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(res.stdout)
-
-
 def test_a_nan_label_in_a_reused_target_buffer_is_replayed_and_named(out_dir):
     """The first step shows the buffer written over (its version moved before the next
     micro-batch began); from then on the recorder keeps a copy of each micro-batch's targets,
@@ -70,7 +62,7 @@ def test_a_nan_label_in_a_reused_target_buffer_is_replayed_and_named(out_dir):
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["micro_batch"], ev["tensor"], ev["samples"]) == \
         (3, "input", 0, "loss_args[1]", [2]), ev
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     o = rep["origin"]
     assert code == 0 and rep["reproduced"] is True, rep
     assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "loss_args[1]", [2]), rep
@@ -85,7 +77,7 @@ def test_targets_overwritten_before_the_recorder_saw_the_reuse_are_not_replayed(
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["micro_batch"]) == (0, "loss", 0), ev
     assert "wrote into the loss's targets after the loss took them" in ev["detail"], ev
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     assert code == 1 and rep["not_rerun"] == "loss targets written after the loss", rep
     assert "sy.copy_(y)" in rep["hint"] and rep["cause"] != "not_reproduced", rep
 
@@ -129,7 +121,7 @@ def test_a_memory_bank_updated_before_step_is_kept_as_the_loss_took_it(out_dir):
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == \
         (4, "input", "loss_args[1]", [1]), ev
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     assert code == 0 and rep["reproduced"] is True and rep["cause"] == "input", rep
     assert (rep["origin"]["tensor"], rep["origin"]["samples"]) == ("loss_args[1]", [1]), rep
 
@@ -174,7 +166,7 @@ def test_token_ids_copied_into_one_reused_buffer_are_replayed_as_they_ran(out_di
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == \
         (3, "forward", 0, [2]), ev
-    code, rep = _replay(info.value.bundle_path)
+    rep, code = replay_report(info.value.bundle_path)
     o = rep["origin"]
     assert code == 0 and rep["reproduced"] is True, rep
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == \

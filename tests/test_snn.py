@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import snn_models as S
 import torch
+from bundles import nanreplay_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
-from tests.bundles import nanreplay_json
 
 HERE = Path(__file__).parent
 

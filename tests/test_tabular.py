@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import tabular_models as T
 import torch
+from bundles import nanreplay_json
 from click.testing import CliRunner
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -24,12 +25,6 @@ HERE = Path(__file__).parent
 @pytest.fixture(autouse=True)
 def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # where tabular_models.py, the factories' module, lives
-
-
-def nanreplay_json(bundle: Path, *extra: str) -> dict:
-    res = CliRunner().invoke(cli, [str(bundle), "--json", *extra])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def test_targets_standardised_by_a_zero_batch_std_are_named_not_the_missing_values(tmp_path):
