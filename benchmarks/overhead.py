@@ -537,6 +537,15 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _minor_faults() -> int | None:
+    """This thread's minor page faults so far (Linux), or None."""
+    try:
+        with open("/proc/thread-self/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[7])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _quartiles(xs):
     if len(xs) < 2:
         return xs[0], xs[0]
@@ -553,6 +562,12 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
         trainers = [TRAINERS[d](spec, device, tmp, compiled) for d in detectors]
         n = len(trainers)
         times: dict[str, list[float]] = {t.name: [] for t in trainers}
+        # beside the wall clock: the thread's CPU time (what the OS gave other processes is
+        # not in it; on CPU with --threads 1 all of the step's work is this thread's) and its
+        # minor page faults (glibc returning and re-faulting the heap's top: kernel time that
+        # moves with heap layout, not with a detector's own work)
+        cpu: dict[str, list[float]] = {t.name: [] for t in trainers}
+        faults: dict[str, list[int]] = {t.name: [] for t in trainers}
         started = time.perf_counter()
         total = warmup + rounds
         for r in range(total):
@@ -560,12 +575,17 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
             for k in range(n):
                 t = trainers[(r + k) % n]  # rotate who goes first
                 _sync(device)
+                f0, c0 = _minor_faults(), time.thread_time()
                 t0 = time.perf_counter()
                 t.step(x, y)
                 _sync(device)
                 dt = time.perf_counter() - t0
+                c1, f1 = time.thread_time(), _minor_faults()
                 if r >= warmup:
                     times[t.name].append(dt)
+                    cpu[t.name].append(c1 - c0)
+                    if f0 is not None and f1 is not None:
+                        faults[t.name].append(f1 - f0)
             if (r + 1) % max(1, total // 10) == 0 or r + 1 == total:
                 el = time.perf_counter() - started
                 print(f"  {model}: round {r + 1}/{total} ({'warm-up' if r < warmup else 'timed'}"
@@ -603,6 +623,7 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
             "host_reads_per_step": reads[name],
             "cuda_sync_warnings_per_step": syncs[name],
             "memory_bytes": memory.get(name),
+            "faults_per_step": statistics.median(faults[name]) if faults[name] else None,
         }
         if "floor" in times and name not in ("bare", "floor"):
             # paired within each round: (this step - the floor's step) / the bare step, so a
@@ -610,6 +631,11 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
             gaps = [(a - f) / b for a, f, b in zip(ts, times["floor"], bare)]
             rows[name]["minus_floor"] = statistics.median(gaps)
             rows[name]["minus_floor_q1"], rows[name]["minus_floor_q3"] = _quartiles(gaps)
+            if device.type == "cpu":  # the same in the thread's CPU time
+                cpu_gaps = [(a - f) / b for a, f, b in zip(cpu[name], cpu["floor"], cpu["bare"])]
+                rows[name]["cpu_minus_floor"] = statistics.median(cpu_gaps)
+                rows[name]["cpu_minus_floor_q1"], rows[name]["cpu_minus_floor_q3"] = \
+                    _quartiles(cpu_gaps)
     return {"model": model, "description": spec.describe, "rounds": rounds, "warmup": warmup,
             "compiled": compiled, "detectors": rows}
 
@@ -653,6 +679,12 @@ def measure_in_processes(model: str, detectors: list[str], rounds: int, warmup: 
         if gaps:  # the median over the processes, and their range
             rows[name].update(minus_floor=statistics.median(gaps), minus_floor_q1=min(gaps),
                               minus_floor_q3=max(gaps))
+        cpu_gaps = [p["cpu_minus_floor"] for p in per if "cpu_minus_floor" in p]
+        if cpu_gaps:
+            rows[name].update(cpu_minus_floor=statistics.median(cpu_gaps),
+                              cpu_minus_floor_q1=min(cpu_gaps), cpu_minus_floor_q3=max(cpu_gaps))
+        fl = [p["faults_per_step"] for p in per if p.get("faults_per_step") is not None]
+        rows[name]["faults_per_step"] = statistics.median(fl) if fl else None
     return {"model": model, "description": SPECS[model].describe, "rounds": rounds,
             "warmup": warmup, "processes": args.processes, "compiled": args.compile,
             "detectors": rows}
@@ -714,13 +746,14 @@ def render(results: list[dict], device: torch.device) -> str:
     many = any("processes" in r for r in results)
     spread = "ratio range over processes" if many else "ratio IQR"
     lines = [f"| model | detector | median step (ms) | ratio to bare (median) | {spread} "
-             "| host reads/step |" + (" CUDA syncs/step |" if cuda else ""),
-             "|---|---|---:|---:|---|---:|" + ("---:|" if cuda else "")]
+             "| host reads/step | page faults/step |" + (" CUDA syncs/step |" if cuda else ""),
+             "|---|---|---:|---:|---|---:|---:|" + ("---:|" if cuda else "")]
     for res in results:
         for name, row in res["detectors"].items():
             line = (f"| {res['model']} | {name} | {row['median_step_ms']:.2f} "
                     f"| {row['median_ratio']:.3f}x | {row['ratio_q1']:.3f}-{row['ratio_q3']:.3f} "
-                    f"| {_fmt_reads(row['host_reads_per_step'])} |")
+                    f"| {_fmt_reads(row['host_reads_per_step'])} "
+                    f"| {_fmt_reads(row.get('faults_per_step'))} |")
             if cuda:
                 line += f" {_fmt_reads(row['cuda_sync_warnings_per_step'])} |"
             lines.append(line)
@@ -781,6 +814,12 @@ def verdicts(results: list[dict]) -> list[str]:
                 out.append(f"- {m}: recorder minus floor, paired round by round: {paired:+.3f} "
                            f"of a bare step (IQR {lo:+.3f} to {hi:+.3f}), target <= "
                            f"{FLOOR_GAP_TARGET}: {'met' if paired <= FLOOR_GAP_TARGET else 'MISSED'}")
+            cpu_gap = rows["recorder"].get("cpu_minus_floor")
+            if cpu_gap is not None:
+                lo, hi = (rows["recorder"]["cpu_minus_floor_q1"],
+                          rows["recorder"]["cpu_minus_floor_q3"])
+                out.append(f"- {m}: the same in the thread's CPU time: {cpu_gap:+.3f} of a bare "
+                           f"step (IQR {lo:+.3f} to {hi:+.3f})")
         reads = rows["recorder"]["host_reads_per_step"]
         syncs = rows["recorder"]["cuda_sync_warnings_per_step"]
         line = (f"- {m}: FlightRecorder host reads/step = {reads:g}, budget 1: "

@@ -68,6 +68,14 @@ def expected_verdicts(res: dict) -> list[tuple[str, str]]:
                     rf"{re.escape(f'{paired:+.3f}')} of a bare step \(IQR "
                     rf"{re.escape(f'{q1:+.3f}')} to {re.escape(f'{q3:+.3f}')}\), target <= "
                     rf"{FLOOR_GAP}: (met|MISSED)", "met" if paired <= FLOOR_GAP else "MISSED"))
+    if "floor" in rows and "cpu_minus_floor" in rows["recorder"]:
+        # the same in the thread's CPU time (CPU runs): no target of its own
+        cpu = rows["recorder"]["cpu_minus_floor"]
+        q1, q3 = rows["recorder"]["cpu_minus_floor_q1"], rows["recorder"]["cpu_minus_floor_q3"]
+        assert q1 <= cpu <= q3
+        out.append((rf"- {m}: the same in the thread's CPU time: ({re.escape(f'{cpu:+.3f}')}) "
+                    rf"of a bare step \(IQR {re.escape(f'{q1:+.3f}')} to "
+                    rf"{re.escape(f'{q3:+.3f}')}\)", f"{cpu:+.3f}"))
     reads = rows["recorder"]["host_reads_per_step"]
     out.append((rf"- {m}: FlightRecorder host reads/step = {reads:g}, budget 1: (met|MISSED)",
                 "met" if reads == 1 else "MISSED"))
