@@ -68,6 +68,8 @@ __all__ = ["Cause", "classify"]
 # the ops of replay.positive.POSITIVE in words: a 0 they made underflowed
 _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 # ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
+# situations whose advice holds for a rounding that crossed the edge too (else: "stable")
+_OWN_ADVICE = ("unit", "cholesky")
 _EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp"}
 
 
@@ -179,11 +181,12 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         # enough digits that the float64 value does not read as the value the op was given
         seen = (f" (float64 has {domains.g_apart(moved[2], *_given(ev, moved[1]))} there)"
                 if moved else "")
-        how = ("" if situation == "unit" else " (catastrophic cancellation, as in a variance "
-               "E[x²] − E[x]²)")
+        how = ("" if situation in _OWN_ADVICE else " (catastrophic cancellation, as in a "
+               "variance E[x²] − E[x]²)")
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
-                     f"not cross{how}: " + DO["unit" if situation == "unit" else "stable"])
+                     f"not cross{how}: " + DO[situation if situation in _OWN_ADVICE
+                                             else "stable"])
     if saturation.rounded_zero(ev.inputs, ev.complement):  # 1 - tanh(u)², rounded in both
         return Cause("precision", saturation.hint(what))
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None

@@ -197,6 +197,19 @@ DO = {
                        "unmasked columns only, torch.where(target > 0, target * log_prob, 0)) "
                        "or mask with a large finite negative number (torch.finfo(dtype).min) "
                        "instead of -inf",
+    "log_det": "a determinant of either sign has a log-absolute value only: use "
+               "torch.linalg.slogdet(W).logabsdet (a flow's log-Jacobian, as Glow's invertible "
+               "1x1 convolution writes it), or, for a covariance, keep it positive-definite and "
+               "take 2 * L.diagonal().log().sum() of its Cholesky factor L",
+    "cholesky": "check info (or call torch.linalg.cholesky, which raises) and make the "
+                "matrix positive-definite: a jitter on its diagonal that the dtype can hold "
+                "(about 1e-6 of the diagonal in float32, where 1 + 1e-9 rounds to 1; gpytorch's "
+                "psd_safe_cholesky retries with 1e-6, 1e-5, 1e-4), or factor it in float64; "
+                "repeated inputs (identical rows) make a kernel matrix singular up to its "
+                "noise",
+    "singular": "keep the matrix full-rank: add jitter to its diagonal (K + eps * I, as "
+                "gpytorch's psd_safe_cholesky does) or leave out the repeated rows that make it "
+                "singular",
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "
            "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss "
            "(a Hugging Face CTC model: config.ctc_zero_infinity=True)",

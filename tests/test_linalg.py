@@ -1,0 +1,102 @@
+"""Linear-algebra-heavy training, end to end: each test trains a model from ``linalg_models``
+as its domain writes it (a Glow flow, an exact GP's marginal likelihood, ...) until the
+recorder raises, runs ``nanreplay BUNDLE --json`` and asserts the step, phase, module, op,
+samples, cause and that the hint names the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import linalg_models as M
+import pytest
+import torch
+import torch.nn.functional as F
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+K = 3  # the step at which a planted batch fires
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where linalg_models.py, the factories' module, lives
+
+
+def origin_of(rep: dict) -> tuple:
+    o = rep["origin"]
+    return rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"]
+
+
+def test_glow_logdet_of_a_rotation_with_determinant_minus_one_names_logdet(tmp_path):
+    """Glow's invertible 1x1 convolution initialised as a QR rotation (determinant -1 here),
+    its log-Jacobian written ``torch.logdet(W)`` instead of ``slogdet``'s logabsdet: NaN at the
+    first forward. Beneath the dispatcher logdet is ``where(sign == -1, nan, ...)``, so the aten
+    op that makes the NaN is a ``scalar_tensor(nan)`` constant; the report used to name that,
+    with the generic 'clamp the input' hint. It names ``aten.logdet``, the negative
+    determinant, and slogdet."""
+    model = M.make_glow()
+    assert torch.linalg.det(model.conv0.weight) < 0  # (QR's rotation, as Glow draws it)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.flow_nll, out_dir=tmp_path,
+                            factory="linalg_models:make_glow") as rec:
+            for step in range(4):
+                x = torch.randn(8, M.C, generator=torch.Generator().manual_seed(step))
+                opt.zero_grad()
+                rec.loss_fn(model(x)).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep)[:4] == (0, "forward", "conv0", "aten.logdet"), rep["origin"]
+    assert rep["cause"] == "invalid" and rep["reproduced"] is True
+    src = rep["origin"]["source"]
+    assert src.startswith("linalg_models.py:"), src
+    assert "torch.logdet(self.weight)" in rep["source_lines"][src], rep["source_lines"]
+    hint = rep["hint"]
+    assert "determinant is negative (-1)" in hint and "slogdet(W).logabsdet" in hint, hint
+    assert "scalar_tensor" not in str(rep) and "clamp_min" not in hint, hint
+
+
+def _gp_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(16, 2, generator=torch.Generator().manual_seed(step))
+    if step == K:
+        x[5] = x[11]  # the loader drew one record twice
+    return x, torch.sin(x).sum(1)
+
+
+def test_exact_gp_cholesky_ex_of_a_kernel_with_a_repeated_input_is_the_failed_factor(tmp_path):
+    """Exact GP regression, the negative log marginal likelihood through ``cholesky_ex`` (no
+    error check, no host sync) with a noise of 2e-9, below float32's resolution next to the
+    kernel's diagonal of 1: a batch holding one record twice makes K singular in float32, the
+    factorisation fails silently, and the factor's diagonal holds the negative pivot, whose log
+    is NaN. Float64 factors K fine: ``precision``. The hint used to say 'catastrophic
+    cancellation, as in a variance' and recommend torch.var; it names the failed Cholesky, its
+    info and the jitter the dtype can hold. The sample is the row of the failed pivot."""
+    model = M.make_exact_gp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory="linalg_models:make_exact_gp"):
+            for step in range(6):
+                x, y = _gp_batches(step)
+                opt.zero_grad()
+                model(x, y).backward()
+                opt.step()
+
+    def failed_pivot(dtype) -> int:
+        x, _ = _gp_batches(K)
+        with torch.no_grad():
+            x, ls, noise = (t.to(dtype) for t in (x, F.softplus(model.raw_lengthscale),
+                                                   F.softplus(model.raw_noise)))
+            kxx = torch.exp(-0.5 * torch.cdist(x / ls, x / ls) ** 2) + noise * torch.eye(len(x))
+            return int(torch.linalg.cholesky_ex(kxx).info) - 1
+
+    # the failed pivot, from the weights the step ran with (the update was not applied)
+
+    pivot = failed_pivot(torch.float32)
+    assert pivot >= 0 and failed_pivot(torch.float64) == -1
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep) == (K, "forward", "", "aten.log", [pivot], "precision"), rep
+    hint = rep["hint"]
+    assert "Cholesky factor's diagonal" in hint and "cholesky_ex met a pivot <= 0" in hint, hint
+    assert "check info" in hint and "jitter" in hint and "torch.var" not in hint, hint
