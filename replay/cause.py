@@ -69,7 +69,7 @@ __all__ = ["Cause", "classify"]
 _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 # ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
 # situations whose advice holds for a rounding that crossed the edge too (else: "stable")
-_OWN_ADVICE = ("unit", "cholesky")
+_OWN_ADVICE = ("unit", "cholesky", "log_det", "singular")
 _EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp"}
 
 

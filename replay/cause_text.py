@@ -199,8 +199,10 @@ DO = {
                        "instead of -inf",
     "log_det": "a determinant of either sign has a log-absolute value only: use "
                "torch.linalg.slogdet(W).logabsdet (a flow's log-Jacobian, as Glow's invertible "
-               "1x1 convolution writes it), or, for a covariance, keep it positive-definite and "
-               "take 2 * L.diagonal().log().sum() of its Cholesky factor L",
+               "1x1 convolution writes it), or, for a covariance (a kernel matrix, which float32 "
+               "rounding makes indefinite where it is near-singular), keep it positive-definite "
+               "with a jitter on its diagonal that the dtype can hold and take "
+               "2 * L.diagonal().log().sum() of its Cholesky factor L",
     "cholesky": "check info (or call torch.linalg.cholesky, which raises) and make the "
                 "matrix positive-definite: a jitter on its diagonal that the dtype can hold "
                 "(about 1e-6 of the diagonal in float32, where 1 + 1e-9 rounds to 1; gpytorch's "

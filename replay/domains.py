@@ -209,7 +209,8 @@ def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:
     """A log-determinant's, or an op given a failed Cholesky factor's pivot (see
     :mod:`replay.factors`): what it was given, and the advice; else None."""
     if base in ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet"):
-        return _log_determinant(op, ev.inputs[0] if ev.inputs else None)
+        # (in the type it ran in: float64 may give a matrix float32 made indefinite a sign > 0)
+        return _log_determinant(op, ev.inputs[0].to(ev.input_dtypes[0]) if ev.inputs else None)
     pivots = [v for v, e, f in zip(ev.inputs, ev.elementwise, ev.factor) if e and f]
     if pivots and bool((pivots[0] <= 0).any()):
         return (f"{op} of a Cholesky factor's diagonal entry of {g(float(pivots[0].min()))}: "

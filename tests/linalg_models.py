@@ -116,8 +116,9 @@ class ExactGP(nn.Module):
     positive-definite: ``cholesky_ex`` (no error check, no host sync) fails silently and its
     factor's diagonal holds the negative pivot, whose log is NaN."""
 
-    def __init__(self):
+    def __init__(self, logdet: bool = False):
         super().__init__()
+        self.logdet = logdet
         self.raw_lengthscale = nn.Parameter(torch.tensor(0.5))
         self.raw_noise = nn.Parameter(torch.tensor(-20.0))  # softplus(-20) ~ 2e-9
 
@@ -125,6 +126,9 @@ class ExactGP(nn.Module):
         ls, noise = F.softplus(self.raw_lengthscale), F.softplus(self.raw_noise)
         d2 = torch.cdist(x / ls, x / ls).pow(2)
         k = torch.exp(-0.5 * d2) + noise * torch.eye(len(x))
+        if self.logdet:  # the textbook formula: BUG, logdet of a matrix float32 made indefinite
+            alpha = torch.linalg.solve(k, y)
+            return 0.5 * (y @ alpha) + 0.5 * torch.logdet(k)
         chol = torch.linalg.cholesky_ex(k).L
         alpha = torch.cholesky_solve(y.unsqueeze(-1), chol).squeeze(-1)
         return 0.5 * (y @ alpha) + chol.diagonal().log().sum()
@@ -133,3 +137,72 @@ class ExactGP(nn.Module):
 def make_exact_gp():
     torch.manual_seed(0)
     return ExactGP()
+
+
+def make_exact_gp_logdet():
+    torch.manual_seed(0)
+    return ExactGP(logdet=True)
+
+
+class Procrustes(nn.Module):
+    """Orthogonal Procrustes alignment of two embedding spaces (MUSE-style, differentiated
+    end to end): the rotation is U V^T of the SVD of the batch's cross-covariance. BUG: a
+    batch with fewer samples than dimensions makes that matrix rank-deficient, several singular
+    values are 0 and equal, and the SVD's backward divides by their differences."""
+
+    def __init__(self, d: int = 6):
+        super().__init__()
+        self.src = nn.Linear(d, d)
+        self.tgt = nn.Linear(d, d)
+
+    def forward(self, x, y):
+        a, b = self.src(x), self.tgt(y)
+        u, _, vh = torch.linalg.svd(a.T @ b)
+        return a @ (u @ vh), b
+
+
+def make_procrustes():
+    torch.manual_seed(0)
+    return Procrustes()
+
+
+def align_loss(out, _unused=None):
+    aligned, b = out
+    return (aligned - b).pow(2).sum(1).mean()
+
+
+class NewtonSchulzWhiten(nn.Module):
+    """Iterative batch whitening (IterNorm): the covariance's inverse square root by
+    Newton-Schulz iterations. BUG: the covariance is not divided by its trace first, and the
+    iteration converges only for a spectral norm below 3: a batch with one huge record makes
+    it diverge, doubly exponentially, until float32 overflows."""
+
+    def __init__(self, d: int, iters: int = 8):
+        super().__init__()
+        self.iters = iters
+        self.eps = 1e-5
+        self.d = d
+
+    def forward(self, h):
+        hc = h - h.mean(0, keepdim=True)
+        sigma = hc.T @ hc / len(h) + self.eps * torch.eye(self.d)
+        p = torch.eye(self.d)
+        for _ in range(self.iters):
+            p = 0.5 * (3.0 * p - torch.linalg.matrix_power(p, 3) @ sigma)
+        return hc @ p
+
+
+class IterNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, HIDDEN)
+        self.white = NewtonSchulzWhiten(HIDDEN)
+        self.head = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.white(self.lin(x)))).squeeze(-1)
+
+
+def make_iternorm():
+    torch.manual_seed(0)
+    return IterNormNet()

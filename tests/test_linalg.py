@@ -58,11 +58,25 @@ def test_glow_logdet_of_a_rotation_with_determinant_minus_one_names_logdet(tmp_p
     assert "scalar_tensor" not in str(rep) and "clamp_min" not in hint, hint
 
 
-def _gp_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(16, 2, generator=torch.Generator().manual_seed(step))
+def _gp_batches(step: int, seed: int = K) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's training set; at step K (drawn with ``seed``) it holds one record twice."""
+    x = torch.randn(16, 2, generator=torch.Generator().manual_seed(seed if step == K else step))
     if step == K:
         x[5] = x[11]  # the loader drew one record twice
     return x, torch.sin(x).sum(1)
+
+
+def _train_gp(factory: str, out_dir: Path, seed: int = K):
+    model = getattr(M, factory)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=out_dir, factory=f"linalg_models:{factory}"):
+            for step in range(6):
+                x, y = _gp_batches(step, seed)
+                opt.zero_grad()
+                model(x, y).backward()
+                opt.step()
+    return model, info.value
 
 
 def test_exact_gp_cholesky_ex_of_a_kernel_with_a_repeated_input_is_the_failed_factor(tmp_path):
@@ -73,15 +87,7 @@ def test_exact_gp_cholesky_ex_of_a_kernel_with_a_repeated_input_is_the_failed_fa
     is NaN. Float64 factors K fine: ``precision``. The hint used to say 'catastrophic
     cancellation, as in a variance' and recommend torch.var; it names the failed Cholesky, its
     info and the jitter the dtype can hold. The sample is the row of the failed pivot."""
-    model = M.make_exact_gp()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, out_dir=tmp_path, factory="linalg_models:make_exact_gp"):
-            for step in range(6):
-                x, y = _gp_batches(step)
-                opt.zero_grad()
-                model(x, y).backward()
-                opt.step()
+    model, err = _train_gp("make_exact_gp", tmp_path)
 
     def failed_pivot(dtype) -> int:
         x, _ = _gp_batches(K)
@@ -95,8 +101,24 @@ def test_exact_gp_cholesky_ex_of_a_kernel_with_a_repeated_input_is_the_failed_fa
 
     pivot = failed_pivot(torch.float32)
     assert pivot >= 0 and failed_pivot(torch.float64) == -1
-    rep = nanreplay_json(info.value.bundle_path)
+    rep = nanreplay_json(err.bundle_path)
     assert origin_of(rep) == (K, "forward", "", "aten.log", [pivot], "precision"), rep
     hint = rep["hint"]
     assert "Cholesky factor's diagonal" in hint and "cholesky_ex met a pivot <= 0" in hint, hint
     assert "check info" in hint and "jitter" in hint and "torch.var" not in hint, hint
+
+
+def test_exact_gp_logdet_of_a_kernel_float32_made_indefinite_is_precision_and_jitter(tmp_path):
+    """The textbook GP marginal likelihood, ``solve(K, y)`` and ``torch.logdet(K)``, on a batch
+    holding one record twice, with a noise float32 rounds away: K is singular up to rounding,
+    float32's LU gives it a determinant of -1e-34 (solve does not notice), and logdet is NaN;
+    in float64 it is positive. The report used to name the decomposition's
+    ``aten.scalar_tensor``; it names ``aten.logdet`` of a negative determinant, ``precision``,
+    and says to keep K positive-definite with a jitter (not torch.var's advice)."""
+    _, err = _train_gp("make_exact_gp_logdet", tmp_path, seed=12)
+    rep = nanreplay_json(err.bundle_path)
+    assert origin_of(rep)[:4] == (K, "forward", "", "aten.logdet"), rep["origin"]
+    assert rep["cause"] == "precision" and rep["reproduced"] is True, rep
+    hint = rep["hint"]
+    assert "determinant is negative" in hint and "jitter" in hint, hint
+    assert "Cholesky factor" in hint and "torch.var" not in hint, hint
