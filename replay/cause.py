@@ -69,7 +69,7 @@ __all__ = ["Cause", "classify"]
 _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 # ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
 # situations whose advice holds for a rounding that crossed the edge too (else: "stable")
-_OWN_ADVICE = ("unit", "cholesky", "log_det", "singular")
+_OWN_ADVICE = ("unit", "cholesky", "eigenvalues", "log_det", "singular")
 _EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp"}
 
 
@@ -134,6 +134,11 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
 # deciding from the evidence
 
 
+def _advice(situation: str) -> str:
+    """What to do where rounding crossed the domain edge of ``situation`` (a DO key)."""
+    return DO[situation if situation in _OWN_ADVICE else "stable"]
+
+
 def _name(op: str) -> str:
     return op.removeprefix("aten.")
 
@@ -185,8 +190,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                "variance E[x²] − E[x]²)")
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
-                     f"not cross{how}: " + DO[situation if situation in _OWN_ADVICE
-                                             else "stable"])
+                     f"not cross{how}: " + _advice(situation))
     if saturation.rounded_zero(ev.inputs, ev.complement):  # 1 - tanh(u)², rounded in both
         return Cause("precision", saturation.hint(what))
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
@@ -194,8 +198,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         return Cause("precision", f"{what}: float64 is past the edge too, but by "
                      f"{domains.g_apart(past[1], 0.0)} against {dt}'s {_g(past[0])}: the "
                      "margin shrank with the type's precision, so rounding put the input "
-                     "there, which exact arithmetic does not: " + DO["unit" if situation ==
-                                                                    "unit" else "stable"])
+                     "there, which exact arithmetic does not: " + _advice(situation))
     if ev.of_data and situation in ("pole", "domain", "divide"):
         situation = "of_data"  # (a 0-d total or a Python number: their own advice)
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])

@@ -209,6 +209,10 @@ DO = {
                 "psd_safe_cholesky retries with 1e-6, 1e-5, 1e-4), or factor it in float64; "
                 "repeated inputs (identical rows) make a kernel matrix singular up to its "
                 "noise",
+    "eigenvalues": "clamp the eigenvalues before the op (evals.clamp_min(eps), as matrix "
+                   "square roots and whitening do) or add eps * I to the matrix first; a "
+                   "covariance of fewer samples than features is singular, so a larger batch "
+                   "or a shrinkage estimate keeps it positive-definite",
     "singular": "keep the matrix full-rank: add jitter to its diagonal (K + eps * I, as "
                 "gpytorch's psd_safe_cholesky does) or leave out the repeated rows that make it "
                 "singular",

@@ -211,13 +211,18 @@ def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:
     if base in ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet"):
         # (in the type it ran in: float64 may give a matrix float32 made indefinite a sign > 0)
         return _log_determinant(op, ev.inputs[0].to(ev.input_dtypes[0]) if ev.inputs else None)
-    pivots = [v for v, e, f in zip(ev.inputs, ev.elementwise, ev.factor) if e and f]
-    if pivots and bool((pivots[0] <= 0).any()):
-        return (f"{op} of a Cholesky factor's diagonal entry of {g(float(pivots[0].min()))}: "
+    made = [(v, f) for v, e, f in zip(ev.inputs, ev.elementwise, ev.factor) if e and f]
+    if not made or not bool((made[0][0] <= 0).any()):
+        return None
+    (v, kind), dt = made[0], str(ev.dtype).removeprefix("torch.")
+    if kind == "cholesky":
+        return (f"{op} of a Cholesky factor's diagonal entry of {g(float(v.min()))}: "
                 "linalg.cholesky_ex met a pivot <= 0 there (the matrix is not positive-definite "
-                f"in {str(ev.dtype).removeprefix('torch.')}) and left it in the factor, saying "
-                "so only in its info", "cholesky")
-    return None
+                f"in {dt}) and left it in the factor, saying so only in its info", "cholesky")
+    return (f"{op} of eigh's eigenvalue {g(float(v.min()))}: a positive semi-definite matrix "
+            "(a covariance, a Gram matrix) has eigenvalues >= 0, but those of a singular one "
+            f"are 0 in exact arithmetic and rounding in {dt} leaves them slightly negative",
+            "eigenvalues")
 
 
 def _log_determinant(op: str, x: torch.Tensor | None) -> tuple[str, str]:

@@ -61,7 +61,8 @@ class Evidence:
     complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
     zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
     of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
-    factor: list[bool] = field(default_factory=list)  # a Cholesky factor's (replay.factors)
+    # a decomposition's values: "cholesky", "eigenvalues" or None each (replay.factors)
+    factor: list[str | None] = field(default_factory=list)
 
 
 def _num(x: float | None):

@@ -28,7 +28,7 @@ from recorder.samples import Samples
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
 from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
-from .factors import from_factor
+from .factors import made_by
 from .float64 import as_float64, upcast
 from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
@@ -217,7 +217,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     exp_made=[f.positive(t) for t in ins], local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
                     zero_dim=[t.dim() == 0 for t in ins],
-                    factor=[from_factor(t.grad_fn) for t in ins],
+                    factor=[made_by(t) for t in ins],
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),

@@ -206,3 +206,36 @@ class IterNormNet(nn.Module):
 def make_iternorm():
     torch.manual_seed(0)
     return IterNormNet()
+
+
+class EighSqrtm(nn.Module):
+    """The covariance's matrix square root through eigh (a Bures-Wasserstein / Frechet
+    distance between the batch's features and a Gaussian target). BUG: ``evals.sqrt()``
+    without a clamp: a covariance of fewer samples than features is singular, and rounding
+    leaves its zero eigenvalues slightly negative."""
+
+    def forward(self, h):
+        hc = h - h.mean(0, keepdim=True)
+        cov = hc.T @ hc / (len(h) - 1)
+        evals, evecs = torch.linalg.eigh(cov)
+        return evecs @ torch.diag_embed(evals.sqrt()) @ evecs.T
+
+
+class BuresNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 8))
+        self.sqrtm = EighSqrtm()
+
+    def forward(self, x):
+        return self.sqrtm(self.enc(x))
+
+
+def make_bures():
+    torch.manual_seed(0)
+    return BuresNet()
+
+
+def bures_loss(root, _unused=None):
+    """Squared Bures distance to the identity: tr(C) + d - 2 tr(C^1/2)."""
+    return (root @ root).diagonal().sum() + root.shape[0] - 2 * root.diagonal().sum()

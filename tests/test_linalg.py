@@ -122,3 +122,28 @@ def test_exact_gp_logdet_of_a_kernel_float32_made_indefinite_is_precision_and_ji
     hint = rep["hint"]
     assert "determinant is negative" in hint and "jitter" in hint, hint
     assert "Cholesky factor" in hint and "torch.var" not in hint, hint
+
+
+def test_eigh_matrix_sqrt_of_a_singular_covariance_names_the_negative_eigenvalue(tmp_path):
+    """A Bures-Wasserstein loss takes the batch covariance's square root through eigh, with
+    ``evals.sqrt()`` unclamped. A batch of 5 samples for 8 features (the epoch's last) has a
+    singular covariance, whose zero eigenvalues float32 leaves at -3e-9 (float64 at -3e-18):
+    ``precision``. The hint used to recommend torch.var and logsigmoid; it names eigh's
+    eigenvalue of a singular PSD matrix and the clamp (or eps * I). The values are the
+    covariance's eigenvalues, not batch rows: no samples."""
+    model = M.make_bures()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.bures_loss, out_dir=tmp_path,
+                            factory="linalg_models:make_bures") as rec:
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(5 if step == K else 64, M.D_IN, generator=g)
+                opt.zero_grad()
+                rec.loss_fn(model(x)).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep) == (K, "forward", "sqrtm", "aten.sqrt", [], "precision"), rep
+    hint = rep["hint"]
+    assert "eigh's eigenvalue" in hint and "evals.clamp_min(eps)" in hint, hint
+    assert "torch.var" not in hint, hint
