@@ -127,7 +127,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     if hit.evidence is None:
         return _from_infinities(hit) if still else \
             _overflow_among_infinities(hit, _step_dtype(runner, micro_batch))
-    return _from_evidence(hit, capture, still)
+    return _rounded_narrower(_from_evidence(hit, capture, still), hit.evidence,
+                             _autocast(runner, micro_batch, phase))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,6 +368,30 @@ def _overflow_among_infinities(hit: OpHit, dtype: torch.dtype) -> Cause:
                  "mask, which exact arithmetic handles), yet its call is finite in float64: "
                  f"a value it computes on the way overflowed {_type(dtype)}: "
                  + _wider(dtype, hit.op))
+
+
+def _autocast(runner: Runner, micro_batch: int, phase: str) -> torch.dtype | None:
+    """The autocast type the micro-batch's forward (or its loss) ran under, if any."""
+    mbs = runner.step.micro_batches
+    return autocast_dtype(mbs[micro_batch], phase == "loss") if micro_batch < len(mbs) \
+        else None
+
+
+def _rounded_narrower(found: Cause, ev: Evidence, cast: torch.dtype | None) -> Cause:
+    """A ``precision`` cause at an op that ran wider than ops before it in the watched call
+    (a kernel matrix ``f @ f.T`` that autocast computed in bfloat16, cast to float32 for a
+    Cholesky): the values it was given carry that type's rounding, which the float64 re-run
+    does not make."""
+    narrow = ev.narrowest
+    if found.name != "precision" or narrow is None or torch.finfo(narrow).bits >= \
+            torch.finfo(ev.dtype).bits:
+        return found
+    bits = 1 - int(math.log2(torch.finfo(narrow).eps))
+    under = f" (the step ran under {_type(cast)} autocast)" if cast == narrow else ""
+    return Cause("precision", f"{found.hint}; but ops before it computed in {_type(narrow)}"
+                 f"{under}, which keeps {bits} significant bits: its inputs may carry that "
+                 "rounding, far coarser than " + _type(ev.dtype) + "'s: "
+                 + DO["autocast_precision"])
 
 
 def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:

@@ -213,6 +213,10 @@ DO = {
                    "square roots and whitening do) or add eps * I to the matrix first; a "
                    "covariance of fewer samples than features is singular, so a larger batch "
                    "or a shrinkage estimate keeps it positive-definite",
+    "autocast_precision": "compute what feeds this op in float32 (under autocast: "
+                          "torch.autocast(device_type, enabled=False) around it, its inputs "
+                          "cast with .float() first; else without the cast to the narrow "
+                          "type)",
     "singular": "keep the matrix full-rank: add jitter to its diagonal (K + eps * I, as "
                 "gpytorch's psd_safe_cholesky does) or leave out the repeated rows that make it "
                 "singular",

@@ -63,6 +63,7 @@ class Evidence:
     of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
     # a decomposition's values: "cholesky", "eigenvalues" or None each (replay.factors)
     factor: list[str | None] = field(default_factory=list)
+    narrowest: torch.dtype | None = None  # the narrowest type an op before it made
 
 
 def _num(x: float | None):

@@ -246,6 +246,7 @@ class OpFinder:
         self.pooled = Pooled(samples)  # and not the rows of a value that pools the batch
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self.seen = 0  # calls of every op so far
+        self.made_in: set[torch.dtype] = set()  # the floating types the watched ops made
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
@@ -311,6 +312,7 @@ class OpFinder:
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               in_finite: bool, leaves: list, given: tuple = ((), {})) -> None:
         self.pooled.track(name, *given, ins, outs, self.held)
+        self.made_in.update(t.dtype for t in outs)
         weights_only = bool(self.state) and self._of_weights_only(leaves)
         if weights_only:
             for t in outs:
@@ -371,6 +373,7 @@ class OpFinder:
         that does so in every sample."""
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
+        ev.narrowest = min(self.made_in, key=lambda d: torch.finfo(d).bits, default=None)
         return ev
 
     def batch_rows(self, outs: list[torch.Tensor]) -> list[int] | None:

@@ -239,3 +239,29 @@ def make_bures():
 def bures_loss(root, _unused=None):
     """Squared Bures distance to the identity: tr(C) + d - 2 tr(C^1/2)."""
     return (root @ root).diagonal().sum() + root.shape[0] - 2 * root.diagonal().sum()
+
+
+class DeepKernelGP(nn.Module):
+    """Deep kernel learning under bfloat16 autocast: a feature net, a linear kernel on its
+    features (``feats @ feats.T``, which autocast runs in bfloat16), cast to float32 with a
+    jitter, and the GP's negative log marginal likelihood through ``cholesky_ex``. BUG: the
+    kernel matrix is computed in bfloat16, whose 8-bit mantissa makes a matrix of rank
+    ``FEAT`` < n indefinite by far more than the jitter."""
+
+    FEAT = 4
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, self.FEAT))
+
+    def forward(self, x, y):
+        f = self.net(x)
+        k = (f @ f.T).float() + 1e-4 * torch.eye(len(x))
+        chol = torch.linalg.cholesky_ex(k).L
+        alpha = torch.cholesky_solve(y.unsqueeze(-1), chol).squeeze(-1)
+        return 0.5 * (y @ alpha) + chol.diagonal().log().sum()
+
+
+def make_deep_kernel_gp():
+    torch.manual_seed(0)
+    return DeepKernelGP()

@@ -147,3 +147,36 @@ def test_eigh_matrix_sqrt_of_a_singular_covariance_names_the_negative_eigenvalue
     hint = rep["hint"]
     assert "eigh's eigenvalue" in hint and "evals.clamp_min(eps)" in hint, hint
     assert "torch.var" not in hint, hint
+
+
+def test_deep_kernel_gp_under_bf16_autocast_says_the_kernel_was_rounded_to_bf16(tmp_path):
+    """Deep kernel learning under bfloat16 autocast: autocast computes the linear kernel
+    ``f @ f.T`` in bfloat16, the loop's ``.float()`` and a 1e-4 jitter come after, and the
+    matrix (rank 4 for 16 samples) is indefinite by far more than the jitter: cholesky_ex's
+    failed pivot is logged at the first step. Float64 (no autocast) factors it: ``precision``.
+    The hint used to blame float32 alone ('a jitter float32 can hold, 1e-6'); it says the
+    inputs were rounded to bfloat16 under autocast and to compute them in float32."""
+    model = M.make_deep_kernel_gp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(16, M.D_IN, generator=torch.Generator().manual_seed(0))
+    y = torch.sin(x).sum(1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        f = model.net(x)
+        kxx = (f @ f.T).float() + 1e-4 * torch.eye(16)
+    pivot = int(torch.linalg.cholesky_ex(kxx).info) - 1
+    assert pivot >= 0
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path,
+                            factory="linalg_models:make_deep_kernel_gp"):
+            for _ in range(2):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x, y)
+                loss.backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep) == (0, "forward", "", "aten.log", [pivot], "precision"), rep
+    hint = rep["hint"]
+    assert "Cholesky factor's diagonal" in hint, hint
+    assert "ops before it computed in bfloat16 (the step ran under bfloat16 autocast)" in hint
+    assert "enabled=False" in hint, hint
