@@ -45,7 +45,7 @@ import torch
 
 from recorder.finite import label
 
-from . import domains, saturation
+from . import domains, saturation, upstream
 from .cause_text import (
     BEYOND_FLOAT64,
     DO,
@@ -127,8 +127,9 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     if hit.evidence is None:
         return _from_infinities(hit) if still else \
             _overflow_among_infinities(hit, _step_dtype(runner, micro_batch))
-    return _rounded_narrower(_from_evidence(hit, capture, still), hit.evidence,
-                             _autocast(runner, micro_batch, phase))
+    found = _from_evidence(hit, capture, still)  # (what the ops before it add, see upstream)
+    return Cause(found.name, found.hint + upstream.context(
+        found.name, hit.evidence, _autocast(runner, micro_batch, phase)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,23 +376,6 @@ def _autocast(runner: Runner, micro_batch: int, phase: str) -> torch.dtype | Non
     mbs = runner.step.micro_batches
     return autocast_dtype(mbs[micro_batch], phase == "loss") if micro_batch < len(mbs) \
         else None
-
-
-def _rounded_narrower(found: Cause, ev: Evidence, cast: torch.dtype | None) -> Cause:
-    """A ``precision`` cause at an op that ran wider than ops before it in the watched call
-    (a kernel matrix ``f @ f.T`` that autocast computed in bfloat16, cast to float32 for a
-    Cholesky): the values it was given carry that type's rounding, which the float64 re-run
-    does not make."""
-    narrow = ev.narrowest
-    if found.name != "precision" or narrow is None or torch.finfo(narrow).bits >= \
-            torch.finfo(ev.dtype).bits:
-        return found
-    bits = 1 - int(math.log2(torch.finfo(narrow).eps))
-    under = f" (the step ran under {_type(cast)} autocast)" if cast == narrow else ""
-    return Cause("precision", f"{found.hint}; but ops before it computed in {_type(narrow)}"
-                 f"{under}, which keeps {bits} significant bits: its inputs may carry that "
-                 "rounding, far coarser than " + _type(ev.dtype) + "'s: "
-                 + DO["autocast_precision"])
 
 
 def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:

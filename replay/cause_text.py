@@ -217,6 +217,11 @@ DO = {
                           "torch.autocast(device_type, enabled=False) around it, its inputs "
                           "cast with .float() first; else without the cast to the narrow "
                           "type)",
+    "iteration": "make the iteration converge rather than widen the type (a Newton-Schulz "
+                 "square root or inverse converges only for a matrix scaled to a norm below "
+                 "1: divide it by its trace or Frobenius norm first and rescale the result; a "
+                 "power iteration: normalise every step), or bound the steps of an unrolled "
+                 "solver or recurrence",
     "singular": "keep the matrix full-rank: add jitter to its diagonal (K + eps * I, as "
                 "gpytorch's psd_safe_cholesky does) or leave out the repeated rows that make it "
                 "singular",

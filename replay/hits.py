@@ -64,6 +64,7 @@ class Evidence:
     # a decomposition's values: "cholesky", "eigenvalues" or None each (replay.factors)
     factor: list[str | None] = field(default_factory=list)
     narrowest: torch.dtype | None = None  # the narrowest type an op before it made
+    sizes: list[float] = field(default_factory=list)  # its earlier finite calls' absmax
 
 
 def _num(x: float | None):

@@ -72,12 +72,10 @@ class _Watch(TorchDispatchMode):
         if not outs or name in _UNINITIALISED:
             return out
         f.track(name, ins, outs, in_finite, leaves, (args, kwargs))
-        with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
-            out_ends = torch.stack([ends(t) for t in outs])
-        if bool(torch.isfinite(out_ends).all()):
+        if (out_ends := f.ends_of(name, outs)) is None:
             return out
         # the first output's kind, NaN before +Inf before -Inf within it
-        made = next((k for k in (pair_kind(a, b) for a, b in out_ends.tolist()) if k), None)
+        made = next((k for k in (pair_kind(a, b) for a, b in out_ends) if k), None)
         op = f"aten.{name}"
         buffer = None if in_finite or made == "nan" else f.mask_buffer(ins, pairs)
         if buffer is not None:  # it passed on a mask buffer's +-inf: the intended start
@@ -218,6 +216,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     complement=[f.saturation.complement(t) for t in ins],
                     zero_dim=[t.dim() == 0 for t in ins],
                     factor=[made_by(t) for t in ins],
+                    sizes=list(f.sizes.get(func.overloadpacket.__name__, ())),
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
@@ -247,6 +246,7 @@ class OpFinder:
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self.seen = 0  # calls of every op so far
         self.made_in: set[torch.dtype] = set()  # the floating types the watched ops made
+        self.sizes: dict[str, list[float]] = {}  # each op's finite calls' largest magnitude
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
@@ -398,6 +398,17 @@ class OpFinder:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+
+    def ends_of(self, name: str, outs: list[torch.Tensor]) -> list | None:
+        """Each output's (min, max), or None when every one is finite (one host read); a
+        finite call's largest magnitude is kept for op ``name`` (its earlier calls growing:
+        a diverging loop, :mod:`replay.upstream`)."""
+        with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
+            pairs = torch.stack([ends(t) for t in outs]).tolist()
+        if all(math.isfinite(v) for pair in pairs for v in pair):
+            self.sizes.setdefault(name, []).append(max(abs(v) for pair in pairs for v in pair))
+            return None
+        return pairs
 
     def composite(self, calling, occurrence: int, out):
         """Blame the composite function ``calling`` (``(torch.logdet, its input)``), whose own

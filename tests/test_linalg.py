@@ -180,3 +180,31 @@ def test_deep_kernel_gp_under_bf16_autocast_says_the_kernel_was_rounded_to_bf16(
     assert "Cholesky factor's diagonal" in hint, hint
     assert "ops before it computed in bfloat16 (the step ran under bfloat16 autocast)" in hint
     assert "enabled=False" in hint, hint
+
+
+def test_newton_schulz_whitening_of_an_unscaled_covariance_is_a_diverging_loop(tmp_path):
+    """IterNorm-style whitening by Newton-Schulz iterations, without dividing the covariance by
+    its trace first: a batch of unnormalised features (30x the usual scale) gives a spectral
+    norm past the iteration's basin, the iterates grow doubly exponentially and an ``mm``
+    overflows float32 in the 4th iteration. Float64 holds that one call, so the hint used to
+    end at 'or compute it in float64', which only postpones it by an iteration or two; it
+    says the op's earlier calls were growing and to scale the matrix so the loop converges."""
+    model = M.make_iternorm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                            factory="linalg_models:make_iternorm") as rec:
+            for step in range(6):
+                x = torch.randn(32, M.D_IN, generator=torch.Generator().manual_seed(step))
+                x = x * (9.0 if step == K else 0.3)  # a batch the loader did not normalise
+                opt.zero_grad()
+                rec.loss_fn(model(x), x.sum(1)).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    step, phase, module, op, _, cause = origin_of(rep)
+    assert (step, phase, module, op, cause) == (K, "forward", "white", "aten.mm", "overflow")
+    assert rep["origin"]["all_samples"] is True, rep["origin"]  # (the whole batch's covariance)
+    hint = rep["hint"]
+    assert "float64 holds it" in hint and "earlier calls here grew from" in hint, hint
+    assert "the iterates of a loop were diverging" in hint, hint
+    assert "divide it by its trace or Frobenius norm" in hint, hint
