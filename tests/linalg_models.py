@@ -1,7 +1,7 @@
 """Models for ``tests/test_linalg.py``: linear-algebra-heavy training written as the usual
-repositories write it (a Glow flow's invertible 1x1 convolution, a sparse variational GP's
-kernel against inducing points, Procrustes alignment, Newton-Schulz whitening), each with a
-NaN bug planted that the domain is known for.
+repositories write it (a Glow flow's invertible 1x1 convolution, an exact GP's marginal
+likelihood, deep kernel learning under autocast, a matrix square root through eigh,
+Newton-Schulz whitening), each with a NaN bug planted that the domain is known for.
 
 Factories are named ``make_*``; tests record with ``factory="linalg_models:make_*"`` and
 replay from this directory.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-C, D_IN, HIDDEN, M_IND = 4, 3, 16, 8
+C, D_IN, HIDDEN = 4, 3, 16
 
 
 class InvConv(nn.Module):
@@ -66,55 +66,14 @@ def flow_nll(out, _unused=None):
     return (0.5 * (z ** 2).sum(1) - logdet).mean()
 
 
-class InducingKernel(nn.Module):
-    """A sparse variational GP's cross-covariance K(x, Z) between a batch and the inducing
-    points, Matern-1/2 (exponential) kernel, lengthscale through softplus (gpytorch's Positive
-    constraint). BUG: the distance is ``sqrt`` of the squared distance without a floor (gpytorch
-    clamps it, ``clamp_min(1e-30)``): a sample lying on an inducing point has distance 0, whose
-    square root has an infinite derivative."""
-
-    def __init__(self, z: torch.Tensor):
-        super().__init__()
-        # gpytorch's learn_inducing_locations=False: the inducing points stay where they began
-        self.register_buffer("inducing", z.clone())
-        self.raw_lengthscale = nn.Parameter(torch.zeros(()))
-
-    def forward(self, x):
-        ls = F.softplus(self.raw_lengthscale)
-        d2 = ((x.unsqueeze(-2) - self.inducing.unsqueeze(-3)) / ls).pow(2).sum(-1)
-        return torch.exp(-torch.sqrt(d2))  # BUG: sqrt(0) at an inducing point
-
-
-class SVGPRegressor(nn.Module):
-    """A deep-kernel SVGP's predictive mean: features, then K(x, Z) times the variational
-    mean (the whitened parametrisation's K_xz K_zz^-1/2 m folded into one vector)."""
-
-    def __init__(self, z: torch.Tensor):
-        super().__init__()
-        self.covar = InducingKernel(z)
-        self.var_mean = nn.Parameter(torch.randn(z.shape[0]) * 0.1)
-
-    def forward(self, x):
-        return self.covar(x) @ self.var_mean
-
-
-def inducing_init(n: int = M_IND) -> torch.Tensor:
-    """gpytorch's SVGP example: the inducing points are the first training inputs."""
-    return torch.randn(n, D_IN, generator=torch.Generator().manual_seed(99))
-
-
-def make_svgp():
-    torch.manual_seed(0)
-    return SVGPRegressor(inducing_init())
-
-
 class ExactGP(nn.Module):
     """Exact GP regression on a mini-batch (the batch is the training set of the step): RBF
-    kernel with softplus lengthscale and noise, negative log marginal likelihood. BUG: the
-    log-determinant is ``torch.logdet(K)`` of a kernel matrix whose noise drifted to ~0: two
-    identical inputs make K singular up to the noise, and float32 rounding makes it not
-    positive-definite: ``cholesky_ex`` (no error check, no host sync) fails silently and its
-    factor's diagonal holds the negative pivot, whose log is NaN."""
+    kernel with softplus lengthscale and noise, negative log marginal likelihood. BUG: a noise
+    of 2e-9, below float32's resolution next to the kernel's diagonal of 1 (rounded away):
+    two identical inputs make K singular, and float32 rounding makes it indefinite. Through
+    ``cholesky_ex`` (no error check, no host sync) the factorisation fails silently and the
+    factor's diagonal holds the negative pivot, whose log is NaN; with ``logdet=True`` (the
+    textbook ``solve`` and ``torch.logdet``) the determinant comes out negative, its log NaN."""
 
     def __init__(self, logdet: bool = False):
         super().__init__()
@@ -126,7 +85,7 @@ class ExactGP(nn.Module):
         ls, noise = F.softplus(self.raw_lengthscale), F.softplus(self.raw_noise)
         d2 = torch.cdist(x / ls, x / ls).pow(2)
         k = torch.exp(-0.5 * d2) + noise * torch.eye(len(x))
-        if self.logdet:  # the textbook formula: BUG, logdet of a matrix float32 made indefinite
+        if self.logdet:
             alpha = torch.linalg.solve(k, y)
             return 0.5 * (y @ alpha) + 0.5 * torch.logdet(k)
         chol = torch.linalg.cholesky_ex(k).L
@@ -142,33 +101,6 @@ def make_exact_gp():
 def make_exact_gp_logdet():
     torch.manual_seed(0)
     return ExactGP(logdet=True)
-
-
-class Procrustes(nn.Module):
-    """Orthogonal Procrustes alignment of two embedding spaces (MUSE-style, differentiated
-    end to end): the rotation is U V^T of the SVD of the batch's cross-covariance. BUG: a
-    batch with fewer samples than dimensions makes that matrix rank-deficient, several singular
-    values are 0 and equal, and the SVD's backward divides by their differences."""
-
-    def __init__(self, d: int = 6):
-        super().__init__()
-        self.src = nn.Linear(d, d)
-        self.tgt = nn.Linear(d, d)
-
-    def forward(self, x, y):
-        a, b = self.src(x), self.tgt(y)
-        u, _, vh = torch.linalg.svd(a.T @ b)
-        return a @ (u @ vh), b
-
-
-def make_procrustes():
-    torch.manual_seed(0)
-    return Procrustes()
-
-
-def align_loss(out, _unused=None):
-    aligned, b = out
-    return (aligned - b).pow(2).sum(1).mean()
 
 
 class NewtonSchulzWhiten(nn.Module):
