@@ -197,3 +197,25 @@ class DeepKernelGP(nn.Module):
 def make_deep_kernel_gp():
     torch.manual_seed(0)
     return DeepKernelGP()
+
+
+class ConditionalLinearFlow(nn.Module):
+    """A conditional linear flow: each sample's map ``A(c) = I + c * W`` from its scalar
+    context ``c``, log-likelihood ``log N(A x) + log det A``. BUG: ``torch.logdet`` of each
+    sample's matrix instead of ``slogdet``'s ``log|det|``, the change of variables' term: a
+    context that flips the map's orientation (a negative determinant) makes that sample NaN."""
+
+    def __init__(self, d: int = C):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) * 0.5)
+        self.register_buffer("eye", torch.eye(d))
+
+    def forward(self, x, c):
+        a = self.eye + c[:, None, None] * self.w  # (B, d, d)
+        z = (a @ x.unsqueeze(-1)).squeeze(-1)
+        return z, torch.logdet(a)
+
+
+def make_conditional_flow():
+    torch.manual_seed(0)
+    return ConditionalLinearFlow()

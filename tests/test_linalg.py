@@ -208,3 +208,36 @@ def test_newton_schulz_whitening_of_an_unscaled_covariance_is_a_diverging_loop(t
     assert "float64 holds it" in hint and "earlier calls here grew from" in hint, hint
     assert "the iterates of a loop were diverging" in hint, hint
     assert "divide it by its trace or Frobenius norm" in hint, hint
+
+
+def test_conditional_flow_batched_logdet_names_the_samples_with_a_negative_determinant(tmp_path):
+    """A conditional linear flow, ``A(c) = I + c W`` per sample, whose log-Jacobian is
+    ``torch.logdet(A)`` of the batch of matrices: a batch with two contexts far out flips
+    those samples' maps (negative determinants), and only their log-likelihoods are NaN. The
+    report names ``aten.logdet`` (not the decomposition's scalar constant) and exactly those
+    samples, computed here from the determinants."""
+    model = M.make_conditional_flow()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        x, c = torch.randn(8, M.C, generator=g), torch.rand(8, generator=g) * 0.2
+        if step == K:
+            c[[2, 6]] = torch.tensor([-9.0, 7.0])  # contexts far outside the training range
+        return x, c
+
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.flow_nll, out_dir=tmp_path,
+                            factory="linalg_models:make_conditional_flow") as rec:
+            for step in range(6):
+                opt.zero_grad()
+                rec.loss_fn(model(*batch(step))).backward()
+                opt.step()
+    _, c = batch(K)
+    with torch.no_grad():
+        dets = torch.linalg.det(model.eye + c[:, None, None] * model.w)
+    flipped = (dets < 0).nonzero().flatten().tolist()
+    assert flipped and len(flipped) < 8, dets
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep) == (K, "forward", "", "aten.logdet", flipped, "invalid"), rep
+    assert "determinant is negative" in rep["hint"] and "slogdet" in rep["hint"], rep["hint"]
