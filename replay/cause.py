@@ -426,9 +426,8 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return Cause("invalid", f"{op} used a NaN it saved in the forward, where the op ran "
                      "outside its domain (sqrt or log of a negative, 0/0) in a branch masked "
                      f"before the output: {DO['masked']}")
-    if still and name and (gap := domains.value_gap(name)):
-        return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
-                     f"gradients, in float64 too: {gap}; " + DO["value_gap"])
+    if (still or at_pole == "tie") and name and (gap := domains.value_gap(name)):
+        return _at_tie(op, gap, still, dtype)
     if at_pole == "1" and name and domains.derivative_pole(name):
         return _unit_pole(op, name, fn, dtype, still)
     if still:
@@ -459,6 +458,16 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
                      f"in float64: rounding put the op's input on its pole, where {fn} is "
                      "infinite (sqrt, log or a division at 0); " + DO["stable"])
     return _backward_overflow(op, fn, pole, dtype)
+
+
+def _at_tie(op: str, gap: tuple[str, str], still: bool, dtype: torch.dtype) -> Cause:
+    """A decomposition's gradient at its pole: two equal values, a 0 on R's diagonal, exactly
+    (non-finite in float64 too) or to the type's precision (see ``factors.at_tie``)."""
+    too = "in float64 too" if still else (
+        f"in {_type(dtype)}; in float64 only as the reciprocal of rounding noise, the values "
+        f"being at its pole to {_type(dtype)}'s precision")
+    return Cause("invalid", f"{op} made a non-finite gradient from finite incoming gradients, "
+                 f"{too}: {gap[0]}; " + DO[gap[1]])
 
 
 def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype) -> Cause:

@@ -180,6 +180,9 @@ DO = {
                  "(a CRF's forward algorithm over forbidden transitions), x - m is -inf - -inf "
                  "on such a row: call torch.logsumexp, which returns -inf for it, or replace "
                  "an infinite m by 0",
+    "qr_rank": "keep the input full-rank (no repeated or zero column: add a small random "
+               "perturbation or drop the dependent column), or make the orthonormal basis "
+               "without QR's backward (torch.nn.utils.parametrizations.orthogonal)",
     "value_gap": "differentiate only what has no such term (torch.linalg.eigvalsh, svdvals, "
                  "a matrix norm), compute the matrix function without the decomposition (a "
                  "Newton-Schulz iteration for an inverse square root or a whitening), or skip "

@@ -36,15 +36,20 @@ _GAP_DERIVATIVES = {"linalgeigh": ("eigh", "eigenvalues"), "linalgeig": ("eig", 
                     "svdhelper": ("svd", "singular values")}
 
 
-def value_gap(name: str) -> str | None:
-    """For backward node ``name`` (lower case, no ``Backward0``) of an eigen or singular value
-    decomposition: where its derivative is infinite, in words; else None."""
+def value_gap(name: str) -> tuple[str, str] | None:
+    """For backward node ``name`` (lower case, no ``Backward0``) of an eigen, singular value or
+    QR decomposition: where its derivative is infinite, in words, and the advice (a ``DO``
+    key); else None."""
+    if name == "linalgqr":
+        return ("the gradient of qr divides by the diagonal of its R factor, infinite where "
+                "the input's columns are linearly dependent (a repeated or zero column: a "
+                "rank-deficient input)", "qr_rank")
     if name not in _GAP_DERIVATIVES:
         return None
     op, values = _GAP_DERIVATIVES[name]
     return (f"the gradient of {op}'s vectors divides by the differences between its {values}, "
             f"infinite where two are equal (repeated {values}: a matrix with a symmetry, "
-            "identical rows or samples, a rank-deficient or scaled-identity input)")
+            "identical rows or samples, a rank-deficient or scaled-identity input)", "value_gap")
 
 
 def g(x: float) -> str:

@@ -15,6 +15,9 @@ Followed on the autograd graph (so only when the forward recorded gradients), as
 
 from __future__ import annotations
 
+import torch
+
+from .compat import saved_value
 from .positive import node_op
 
 # node -> (its output that holds the values, what they are)
@@ -45,3 +48,32 @@ def made_by(t, depth: int = 8) -> str | None:
     except Exception:  # not an autograd node, or one that cannot say
         return None
     return None
+
+
+# decomposition nodes -> (saved values, how to read them) whose derivative's pole is a tie:
+# eigh/svd divide by differences between values, qr by R's diagonal
+_TIES = {"LinalgEigh": ("eigenvalues", "gap"), "LinalgSvd": ("S", "gap"),
+         "LinalgQr": ("R", "diagonal")}
+TIE = 16  # a tie: within this many units of rounding (of the largest value) per value
+
+
+def at_tie(node) -> bool | None:
+    """For a node of an eigen, singular value or QR decomposition (else None): whether its
+    saved values are at its derivative's pole to their type's precision, two values (or an
+    R diagonal entry and 0) apart by no more than :data:`TIE` * n units of rounding of the
+    largest. Exact ties (a zero column) and ties that rounding left a hair apart alike: there
+    the gradient is infinite, or the reciprocal of rounding noise."""
+    op = node_op(node)
+    if op not in _TIES:
+        return None
+    name, how = _TIES[op]
+    try:
+        v = saved_value(node, name)
+    except Exception:  # (a node that saved something else)
+        v = None
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.numel() < 2:
+        return False
+    v = v.detach().diagonal(dim1=-2, dim2=-1).abs() if how == "diagonal" else v.detach()
+    top = float(v.abs().max())
+    near = v.min(-1).values if how == "diagonal" else v.sort(-1).values.diff(dim=-1).min(-1).values
+    return bool((near <= TIE * v.shape[-1] * torch.finfo(v.dtype).eps * top).any()) and top > 0

@@ -219,3 +219,33 @@ class ConditionalLinearFlow(nn.Module):
 def make_conditional_flow():
     torch.manual_seed(0)
     return ConditionalLinearFlow()
+
+
+class OrthoProjection(nn.Module):
+    """Features projected on an orthonormal basis of ``k`` learned directions, made by QR at
+    every call (differentiated through). BUG: nothing keeps the directions independent: once
+    two coincide, R has a 0 on its diagonal and QR's backward divides by it."""
+
+    def __init__(self, d: int = 8, k: int = 4):
+        super().__init__()
+        self.dirs = nn.Parameter(torch.randn(d, k))
+
+    def forward(self, h):
+        q, _ = torch.linalg.qr(self.dirs)
+        return h @ q
+
+
+class OrthoNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(D_IN, 8)
+        self.proj = OrthoProjection()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.proj(self.enc(x)))).squeeze(-1)
+
+
+def make_ortho_net():
+    torch.manual_seed(0)
+    return OrthoNet()

@@ -241,3 +241,32 @@ def test_conditional_flow_batched_logdet_names_the_samples_with_a_negative_deter
     rep = nanreplay_json(info.value.bundle_path)
     assert origin_of(rep) == (K, "forward", "", "aten.logdet", flipped, "invalid"), rep
     assert "determinant is negative" in rep["hint"] and "slogdet" in rep["hint"], rep["hint"]
+
+
+def test_qr_of_learned_directions_that_coincide_is_the_rank_deficient_input(tmp_path):
+    """An orthonormal projection made by QR of learned directions: a re-initialisation copies
+    one direction onto another, R's diagonal gets a 0 (float32's rounding leaves 5e-7, float64
+    1e-15) and QR's backward divides by it: NaN in float32, a finite 1e15-sized gradient in
+    float64. The report used to say 'overflow: finite in float64, rescale or compute in
+    float64'; it says the input is rank-deficient (invalid), why QR's gradient is infinite
+    there, and how to keep the directions independent."""
+    model = M.make_ortho_net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                            factory="linalg_models:make_ortho_net") as rec:
+            for step in range(6):
+                x = torch.randn(32, M.D_IN, generator=torch.Generator().manual_seed(step))
+                if step == K:  # the loop re-seeds a dead direction from a live one
+                    with torch.no_grad():
+                        model.proj.dirs[:, 2] = model.proj.dirs[:, 1]
+                opt.zero_grad()
+                rec.loss_fn(model(x), x.sum(1)).backward()
+                opt.step()
+    assert info.value.event["phase"] == "backward"
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep)[:4] == (K, "backward", "proj", "LinalgQrBackward0"), rep["origin"]
+    assert rep["cause"] == "invalid" and rep["reproduced"] is True, rep
+    hint = rep["hint"]
+    assert "divides by the diagonal of its R factor" in hint and "rank-deficient" in hint, hint
+    assert "reciprocal of rounding noise" in hint and "compute it in float64" not in hint, hint
