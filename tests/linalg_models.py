@@ -249,3 +249,35 @@ class OrthoNet(nn.Module):
 def make_ortho_net():
     torch.manual_seed(0)
     return OrthoNet()
+
+
+class PatchNormals(nn.Module):
+    """Point-cloud normals, differentiable: each patch's normal is the eigenvector of the
+    smallest eigenvalue of its covariance (batched eigh). BUG: a patch whose points coincide
+    has a zero covariance, three equal eigenvalues, and eigh's backward divides by their
+    differences."""
+
+    def forward(self, p):  # p (B, K, 3)
+        pc = p - p.mean(1, keepdim=True)
+        evals, evecs = torch.linalg.eigh(pc.transpose(1, 2) @ pc / p.shape[1])
+        return evecs[..., 0]
+
+
+class NormalNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.offset = nn.Linear(3, 3)  # a learned deformation of the points
+        self.normals = PatchNormals()
+
+    def forward(self, p):
+        return self.normals(p + 0.1 * self.offset(p))
+
+
+def make_normal_net():
+    torch.manual_seed(0)
+    return NormalNet()
+
+
+def normal_loss(n, target):
+    """1 - |cos| to the target normal (a normal's sign is arbitrary)."""
+    return (1 - (n * target).sum(-1).abs()).mean()

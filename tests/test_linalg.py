@@ -270,3 +270,29 @@ def test_qr_of_learned_directions_that_coincide_is_the_rank_deficient_input(tmp_
     hint = rep["hint"]
     assert "divides by the diagonal of its R factor" in hint and "rank-deficient" in hint, hint
     assert "reciprocal of rounding noise" in hint and "compute it in float64" not in hint, hint
+
+
+def test_batched_eigh_normals_of_a_degenerate_patch_name_that_patch(tmp_path):
+    """Point-cloud normals by a batched eigh of each patch's covariance: one patch of the batch
+    is a single point scanned 16 times, its covariance 0 and its three eigenvalues equal, so
+    eigh's backward makes NaN for that patch only (float64 too). Backward event in
+    ``normals``, invalid, the repeated eigenvalues named, and the samples are that patch
+    (no existing test names a per-sample matrix of a batched decomposition)."""
+    model = M.make_normal_net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    up = torch.tensor([0.0, 0.0, 1.0]).expand(8, 3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.normal_loss, out_dir=tmp_path,
+                            factory="linalg_models:make_normal_net") as rec:
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                p = torch.randn(8, 16, 3, generator=g) * torch.tensor([1.0, 1.0, 0.05])
+                if step == K:
+                    p[5] = p[5, 0]  # a patch of one point scanned again and again
+                opt.zero_grad()
+                rec.loss_fn(model(p), up).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep) == (K, "backward", "normals", "LinalgEighBackward0", [5],
+                              "invalid"), rep["origin"]
+    assert "repeated eigenvalues" in rep["hint"], rep["hint"]
