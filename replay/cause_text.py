@@ -225,9 +225,11 @@ DO = {
                  "1: divide it by its trace or Frobenius norm first and rescale the result; a "
                  "power iteration: normalise every step), or bound the steps of an unrolled "
                  "solver or recurrence",
-    "singular": "keep the matrix full-rank: add jitter to its diagonal (K + eps * I, as "
-                "gpytorch's psd_safe_cholesky does) or leave out the repeated rows that make it "
-                "singular",
+    "singular": "keep the matrix full-rank: a covariance or kernel matrix with jitter on its "
+                "diagonal (K + eps * I, as gpytorch's psd_safe_cholesky does) and without "
+                "repeated rows; a learned invertible map (a flow's 1x1 convolution) "
+                "parametrised to stay invertible (Glow's LU form with log|s| on U's diagonal, "
+                "an orthogonal initialisation, no zero-initialised rows or columns)",
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "
            "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss "
            "(a Hugging Face CTC model: config.ctc_zero_infinity=True)",

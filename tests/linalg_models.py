@@ -30,6 +30,14 @@ class InvConv(nn.Module):
         return x @ self.weight.T, torch.logdet(self.weight).expand(len(x))
 
 
+class SlogdetInvConv(InvConv):
+    """The same layer written as Glow writes it, ``slogdet``'s logabsdet: right for either
+    sign, -inf for a singular weight."""
+
+    def forward(self, x):
+        return x @ self.weight.T, torch.linalg.slogdet(self.weight).logabsdet.expand(len(x))
+
+
 class Coupling(nn.Module):
     def __init__(self, c: int):
         super().__init__()
@@ -43,10 +51,10 @@ class Coupling(nn.Module):
 
 
 class GlowFlow(nn.Module):
-    def __init__(self):
+    def __init__(self, conv=InvConv):
         super().__init__()
-        self.conv0, self.coup0 = InvConv(C), Coupling(C)
-        self.conv1, self.coup1 = InvConv(C), Coupling(C)
+        self.conv0, self.coup0 = conv(C), Coupling(C)
+        self.conv1, self.coup1 = conv(C), Coupling(C)
 
     def forward(self, x):
         logdet = torch.zeros(len(x))
@@ -59,6 +67,16 @@ class GlowFlow(nn.Module):
 def make_glow(seed: int = 0):
     torch.manual_seed(seed)
     return GlowFlow()
+
+
+def make_glow_zero_channel():
+    """Glow with slogdet, its second 1x1 convolution's last output channel zero-initialised
+    (as a residual branch would be, "for stability"): that weight is singular."""
+    torch.manual_seed(0)
+    flow = GlowFlow(SlogdetInvConv)
+    with torch.no_grad():
+        flow.conv1.weight[-1] = 0
+    return flow
 
 
 def flow_nll(out, _unused=None):

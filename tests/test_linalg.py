@@ -296,3 +296,27 @@ def test_batched_eigh_normals_of_a_degenerate_patch_name_that_patch(tmp_path):
     assert origin_of(rep) == (K, "backward", "normals", "LinalgEighBackward0", [5],
                               "invalid"), rep["origin"]
     assert "repeated eigenvalues" in rep["hint"], rep["hint"]
+
+
+def test_glow_slogdet_of_a_zero_initialised_channel_is_a_singular_weight(tmp_path):
+    """Glow written with slogdet, but its second 1x1 convolution's last output channel
+    zero-initialised: the weight is singular and its log|det| is -inf at the first forward.
+    The report used to say '_linalg_slogdet at a pole or outside its domain: clamp the input'
+    and, for the parameter, 'learn its log and use .exp()'; it names the singular matrix and
+    how an invertible layer stays invertible, with no per-entry advice for the weight."""
+    model = M.make_glow_zero_channel()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.flow_nll, out_dir=tmp_path,
+                            factory="linalg_models:make_glow_zero_channel") as rec:
+            for step in range(3):
+                x = torch.randn(8, M.C, generator=torch.Generator().manual_seed(step))
+                opt.zero_grad()
+                rec.loss_fn(model(x)).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin_of(rep)[:4] == (0, "forward", "conv1", "aten._linalg_slogdet"), rep["origin"]
+    assert rep["cause"] == "invalid" and rep["origin"]["made"] == "-inf", rep
+    hint = rep["hint"]
+    assert "of a singular matrix" in hint and "parametrised to stay invertible" in hint, hint
+    assert "learn its log" not in hint and "clamp_min" not in hint, hint
