@@ -27,6 +27,7 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .compat import sequence_nr
+from .factors import at_tie
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .ops import OpFinder
 from .pooled import pooled_size
@@ -142,6 +143,8 @@ def saved_facts(node) -> tuple[str | None, str | None]:
     value below its type's smallest normal number (whose reciprocal overflows)."""
     saved = _saved(node)
     kind = next((kind_of(t) for t in saved if not finite(t)), None)
+    if (tie := at_tie(node)) is not None:  # a decomposition: its pole is a tie, not a 0
+        return kind, "tie" if tie else None
     if any(bool((t == 0).any()) for t in saved):
         return kind, "0"
     if node_op(node) in _UNIT_POLE_NODES and any(bool((t.abs() == 1).any()) for t in saved):

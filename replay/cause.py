@@ -45,7 +45,7 @@ import torch
 
 from recorder.finite import label
 
-from . import domains, saturation
+from . import domains, saturation, upstream
 from .cause_text import (
     BEYOND_FLOAT64,
     DO,
@@ -68,6 +68,8 @@ __all__ = ["Cause", "classify"]
 # the ops of replay.positive.POSITIVE in words: a 0 they made underflowed
 _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 # ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
+# situations whose advice holds for a rounding that crossed the edge too (else: "stable")
+_OWN_ADVICE = ("unit", "cholesky", "eigenvalues", "log_det", "singular")
 _EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp"}
 
 
@@ -125,11 +127,18 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     if hit.evidence is None:
         return _from_infinities(hit) if still else \
             _overflow_among_infinities(hit, _step_dtype(runner, micro_batch))
-    return _from_evidence(hit, capture, still)
+    found = _from_evidence(hit, capture, still)  # (what the ops before it add, see upstream)
+    return Cause(found.name, found.hint + upstream.context(
+        found.name, hit.evidence, _autocast(runner, micro_batch, phase)))
 
 
 # ---------------------------------------------------------------------------------------------
 # deciding from the evidence
+
+
+def _advice(situation: str) -> str:
+    """What to do where rounding crossed the domain edge of ``situation`` (a DO key)."""
+    return DO[situation if situation in _OWN_ADVICE else "stable"]
 
 
 def _name(op: str) -> str:
@@ -179,11 +188,11 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         # enough digits that the float64 value does not read as the value the op was given
         seen = (f" (float64 has {domains.g_apart(moved[2], *_given(ev, moved[1]))} there)"
                 if moved else "")
-        how = ("" if situation == "unit" else " (catastrophic cancellation, as in a variance "
-               "E[x²] − E[x]²)")
+        how = ("" if situation in _OWN_ADVICE else " (catastrophic cancellation, as in a "
+               "variance E[x²] − E[x]²)")
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
-                     f"not cross{how}: " + DO["unit" if situation == "unit" else "stable"])
+                     f"not cross{how}: " + _advice(situation))
     if saturation.rounded_zero(ev.inputs, ev.complement):  # 1 - tanh(u)², rounded in both
         return Cause("precision", saturation.hint(what))
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
@@ -191,8 +200,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         return Cause("precision", f"{what}: float64 is past the edge too, but by "
                      f"{domains.g_apart(past[1], 0.0)} against {dt}'s {_g(past[0])}: the "
                      "margin shrank with the type's precision, so rounding put the input "
-                     "there, which exact arithmetic does not: " + DO["unit" if situation ==
-                                                                    "unit" else "stable"])
+                     "there, which exact arithmetic does not: " + _advice(situation))
     if ev.of_data and situation in ("pole", "domain", "divide"):
         situation = "of_data"  # (a 0-d total or a Python number: their own advice)
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
@@ -363,6 +371,13 @@ def _overflow_among_infinities(hit: OpHit, dtype: torch.dtype) -> Cause:
                  + _wider(dtype, hit.op))
 
 
+def _autocast(runner: Runner, micro_batch: int, phase: str) -> torch.dtype | None:
+    """The autocast type the micro-batch's forward (or its loss) ran under, if any."""
+    mbs = runner.step.micro_batches
+    return autocast_dtype(mbs[micro_batch], phase == "loss") if micro_batch < len(mbs) \
+        else None
+
+
 def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
     """The narrowest floating type the micro-batch computed in: its autocast type, else its
     parameters' (when the blamed op's own dtype is not at hand)."""
@@ -411,9 +426,8 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return Cause("invalid", f"{op} used a NaN it saved in the forward, where the op ran "
                      "outside its domain (sqrt or log of a negative, 0/0) in a branch masked "
                      f"before the output: {DO['masked']}")
-    if still and name and (gap := domains.value_gap(name)):
-        return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
-                     f"gradients, in float64 too: {gap}; " + DO["value_gap"])
+    if (still or at_pole == "tie") and name and (gap := domains.value_gap(name)):
+        return _at_tie(op, gap, still, dtype)
     if at_pole == "1" and name and domains.derivative_pole(name):
         return _unit_pole(op, name, fn, dtype, still)
     if still:
@@ -444,6 +458,16 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
                      f"in float64: rounding put the op's input on its pole, where {fn} is "
                      "infinite (sqrt, log or a division at 0); " + DO["stable"])
     return _backward_overflow(op, fn, pole, dtype)
+
+
+def _at_tie(op: str, gap: tuple[str, str], still: bool, dtype: torch.dtype) -> Cause:
+    """A decomposition's gradient at its pole: two equal values, a 0 on R's diagonal, exactly
+    (non-finite in float64 too) or to the type's precision (see ``factors.at_tie``)."""
+    too = "in float64 too" if still else (
+        f"in {_type(dtype)}; in float64 only as the reciprocal of rounding noise, the values "
+        f"being at its pole to {_type(dtype)}'s precision")
+    return Cause("invalid", f"{op} made a non-finite gradient from finite incoming gradients, "
+                 f"{too}: {gap[0]}; " + DO[gap[1]])
 
 
 def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype) -> Cause:

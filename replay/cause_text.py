@@ -180,6 +180,9 @@ DO = {
                  "(a CRF's forward algorithm over forbidden transitions), x - m is -inf - -inf "
                  "on such a row: call torch.logsumexp, which returns -inf for it, or replace "
                  "an infinite m by 0",
+    "qr_rank": "keep the input full-rank (no repeated or zero column: add a small random "
+               "perturbation or drop the dependent column), or make the orthonormal basis "
+               "without QR's backward (torch.nn.utils.parametrizations.orthogonal)",
     "value_gap": "differentiate only what has no such term (torch.linalg.eigvalsh, svdvals, "
                  "a matrix norm), compute the matrix function without the decomposition (a "
                  "Newton-Schulz iteration for an inverse square root or a whitening), or skip "
@@ -197,6 +200,36 @@ DO = {
                        "unmasked columns only, torch.where(target > 0, target * log_prob, 0)) "
                        "or mask with a large finite negative number (torch.finfo(dtype).min) "
                        "instead of -inf",
+    "log_det": "a determinant of either sign has a log-absolute value only: use "
+               "torch.linalg.slogdet(W).logabsdet (a flow's log-Jacobian, as Glow's invertible "
+               "1x1 convolution writes it), or, for a covariance (a kernel matrix, which float32 "
+               "rounding makes indefinite where it is near-singular), keep it positive-definite "
+               "with a jitter on its diagonal that the dtype can hold and take "
+               "2 * L.diagonal().log().sum() of its Cholesky factor L",
+    "cholesky": "check info (or call torch.linalg.cholesky, which raises) and make the "
+                "matrix positive-definite: a jitter on its diagonal that the dtype can hold "
+                "(about 1e-6 of the diagonal in float32, where 1 + 1e-9 rounds to 1; gpytorch's "
+                "psd_safe_cholesky retries with 1e-6, 1e-5, 1e-4), or factor it in float64; "
+                "repeated inputs (identical rows) make a kernel matrix singular up to its "
+                "noise",
+    "eigenvalues": "clamp the eigenvalues before the op (evals.clamp_min(eps), as matrix "
+                   "square roots and whitening do) or add eps * I to the matrix first; a "
+                   "covariance of fewer samples than features is singular, so a larger batch "
+                   "or a shrinkage estimate keeps it positive-definite",
+    "autocast_precision": "compute what feeds this op in float32 (under autocast: "
+                          "torch.autocast(device_type, enabled=False) around it, its inputs "
+                          "cast with .float() first; else without the cast to the narrow "
+                          "type)",
+    "iteration": "make the iteration converge rather than widen the type (a Newton-Schulz "
+                 "square root or inverse converges only for a matrix scaled to a norm below "
+                 "1: divide it by its trace or Frobenius norm first and rescale the result; a "
+                 "power iteration: normalise every step), or bound the steps of an unrolled "
+                 "solver or recurrence",
+    "singular": "keep the matrix full-rank: a covariance or kernel matrix with jitter on its "
+                "diagonal (K + eps * I, as gpytorch's psd_safe_cholesky does) and without "
+                "repeated rows; a learned invertible map (a flow's 1x1 convolution) "
+                "parametrised to stay invertible (Glow's LU form with log|s| on U's diagonal, "
+                "an orthogonal initialisation, no zero-initialised rows or columns)",
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "
            "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss "
            "(a Hugging Face CTC model: config.ctc_zero_infinity=True)",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import Evidence
+from .hits import Evidence
 
 # Ops with neither a pole nor a domain edge: from finite inputs, only a result too large for
 # the type is non-finite (a NaN is inf - inf inside the op's own sum).
@@ -36,15 +36,20 @@ _GAP_DERIVATIVES = {"linalgeigh": ("eigh", "eigenvalues"), "linalgeig": ("eig", 
                     "svdhelper": ("svd", "singular values")}
 
 
-def value_gap(name: str) -> str | None:
-    """For backward node ``name`` (lower case, no ``Backward0``) of an eigen or singular value
-    decomposition: where its derivative is infinite, in words; else None."""
+def value_gap(name: str) -> tuple[str, str] | None:
+    """For backward node ``name`` (lower case, no ``Backward0``) of an eigen, singular value or
+    QR decomposition: where its derivative is infinite, in words, and the advice (a ``DO``
+    key); else None."""
+    if name == "linalgqr":
+        return ("the gradient of qr divides by the diagonal of its R factor, infinite where "
+                "the input's columns are linearly dependent (a repeated or zero column: a "
+                "rank-deficient input)", "qr_rank")
     if name not in _GAP_DERIVATIVES:
         return None
     op, values = _GAP_DERIVATIVES[name]
     return (f"the gradient of {op}'s vectors divides by the differences between its {values}, "
             f"infinite where two are equal (repeated {values}: a matrix with a symmetry, "
-            "identical rows or samples, a rank-deficient or scaled-identity input)")
+            "identical rows or samples, a rank-deficient or scaled-identity input)", "value_gap")
 
 
 def g(x: float) -> str:
@@ -140,6 +145,8 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return f"{op} of an empty tensor (a mean over no element is 0/0)", "few"
     if base in _FIXED:
         return f"{op} {_FIXED[base][0]}", _FIXED[base][1]
+    if (matrix := _of_matrix(op, base, ev)) is not None:
+        return matrix
     if "ctc_loss" in base:
         return _ctc(ev), "ctc"
     if (low_var := _negative_running_var(base, ev)) is not None:
@@ -201,6 +208,39 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
     if bool(((ins[0] == 0) & (den == 0)).any()):
         return f"{op} of 0 by{by} 0 (0/0)", key
     return f"{op} by{by} 0 (x/0, a pole)", key
+
+
+def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:
+    """A log-determinant's, or an op given a failed Cholesky factor's pivot (see
+    :mod:`replay.factors`): what it was given, and the advice; else None."""
+    if base in ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet"):
+        # (in the type it ran in: float64 may give a matrix float32 made indefinite a sign > 0)
+        return _log_determinant(op, ev.inputs[0].to(ev.input_dtypes[0]) if ev.inputs else None)
+    made = [(v, f) for v, e, f in zip(ev.inputs, ev.elementwise, ev.factor) if e and f]
+    if not made or not bool((made[0][0] <= 0).any()):
+        return None
+    (v, kind), dt = made[0], str(ev.dtype).removeprefix("torch.")
+    if kind == "cholesky":
+        return (f"{op} of a Cholesky factor's diagonal entry of {g(float(v.min()))}: "
+                "linalg.cholesky_ex met a pivot <= 0 there (the matrix is not positive-definite "
+                f"in {dt}) and left it in the factor, saying so only in its info", "cholesky")
+    return (f"{op} of eigh's eigenvalue {g(float(v.min()))}: a positive semi-definite matrix "
+            "(a covariance, a Gram matrix) has eigenvalues >= 0, but those of a singular one "
+            f"are 0 in exact arithmetic and rounding in {dt} leaves them slightly negative",
+            "eigenvalues")
+
+
+def _log_determinant(op: str, x: torch.Tensor | None) -> tuple[str, str]:
+    """The log-determinant of a matrix whose determinant is negative (``logdet``'s NaN) or
+    0 (``-inf``), given the whole matrix (a composite function's input, see
+    :mod:`replay.composite`) or not (then only a singular one makes a non-finite log)."""
+    if x is not None and x.dim() >= 2 and x.shape[-1] == x.shape[-2]:
+        sign, logabs = torch.linalg.slogdet(x)
+        if bool((sign < 0).any()):
+            det = -float(logabs[sign < 0].min().exp())
+            return (f"{op} of a matrix whose determinant is negative ({g(det)}): the log of "
+                    "a negative number", "log_det")
+    return f"{op} of a singular matrix (determinant 0, whose log is -inf)", "singular"
 
 
 def _pow(op: str, ev: Evidence, zero: bool) -> tuple[str, str]:

@@ -109,6 +109,9 @@ def with_param_advice(hint: str | None, cause: str, hit) -> str | None:
     of), if it did: the model's, or one of the loss's the optimizer trains (``<loss>.NAME``)."""
     if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE:
         return hint
+    ev = hit.evidence
+    if cause != "overflow" and ev is not None and ev.elementwise and not any(ev.elementwise):
+        return hint  # a matrix's domain (a determinant of 0), not its entries' range
     lo, hi = hit.input_min, hit.input_max
     value = f"{lo:.4g}" if lo == hi else f"in [{lo:.4g}, {hi:.4g}]"
     return (f"{hint}; {hit.op}'s input is the parameter {hit.param} ({value}): "

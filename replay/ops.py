@@ -18,7 +18,6 @@ The float64 re-run's own modes are in :mod:`replay.dispatch`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,10 +26,13 @@ from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
+from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
+from .factors import made_by
 from .float64 import as_float64, upcast
 from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
+from .hits import Evidence, OpHit
 from .lineage import Lineage
 from .memo import TensorSet
 from .pooled import Pooled
@@ -40,64 +42,6 @@ from .source import user_source
 
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
-
-
-@dataclass
-class OpHit:
-    op: str  # e.g. "aten.log"
-    made: str  # "nan", "+inf", "-inf"
-    source: str | None  # "model.py:42"
-    input_min: float | None
-    input_max: float | None
-    intentional: bool = False
-    occurrence: int = 0  # how many calls of this op came before it in the watched code
-    inputs_finite: bool = False  # else it made NaN from infinities (inf - inf)
-    evidence: Evidence | None = None  # what the cause needs, taken while the op's values live
-    rows: list[int] | None = None  # non-finite samples of its output (OpFinder(samples=...))
-    param: str | None = None  # a model parameter it took as an input, as is (OpFinder.params)
-    buffer: str | None = None  # the model buffer whose +-inf (a mask) it passed on, if any
-    literal: float | None = None  # a +-inf it was given as a number (``m * float("-inf")``)
-    # the innermost module call running it, (name, call) in its micro-batch (OpFinder.where)
-    within: tuple[str, int] | None = None
-    # the autograd node running it: a derivative the forward took itself (autograd.grad of
-    # a Hamiltonian, an energy), whose pole is the input of the forward op that made the node
-    node: Any = None
-    seq: int = 0  # how many ops of any kind came before it in the watched code
-    from_mask: bool = False  # made NaN when only intended infinities (a mask) had been made
-
-    def as_json(self) -> dict[str, Any]:
-        return {"op": self.op, "made": self.made, "source": self.source,
-                "input_min": _num(self.input_min), "input_max": _num(self.input_max),
-                "intentional": self.intentional}
-
-
-@dataclass
-class Evidence:
-    """The op's values where its first non-finite output is non-finite (``bad``): each
-    floating input there (the whole input when it does not broadcast to the output), in
-    float64, and the op computed again in float64 on those very inputs (``local64``: None for
-    a random op). :mod:`replay.cause` reads it; nothing here decides the cause."""
-
-    dtype: torch.dtype  # of the non-finite output
-    bad: torch.Tensor  # bool mask over that output
-    inputs: list[torch.Tensor]  # float64 values at ``bad`` (or the whole input), per input
-    input_dtypes: list[torch.dtype]
-    elementwise: list[bool]  # whether inputs[i] is taken at ``bad`` (same positions)
-    exp_made: list[bool]  # inputs[i] came from exp/softmax/sigmoid of a finite argument
-    local64: torch.Tensor | None  # the op's float64 result at ``bad`` (same shape as ``bad``)
-    others: list[torch.Tensor]  # the op's other outputs (nll_loss's total weight)
-    output: int = 0  # which floating output ``bad`` is over
-    empty: bool = False  # a floating input has no element (the mean of nothing is 0/0)
-    args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
-    complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
-    zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
-    of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
-
-
-def _num(x: float | None):
-    if x is None:
-        return None
-    return x if math.isfinite(x) else repr(x)
 
 
 # Ops whose later outputs are workspaces for backward, partly uninitialised (CTC's log_alpha
@@ -116,8 +60,7 @@ class _Watch(TorchDispatchMode):
             return run_op(func, args, kwargs)
         name = func.overloadpacket.__name__
         occurrence, seq = f.count(name)
-        leaves = tree_leaves((args, kwargs))
-        ins = float_leaves(leaves)
+        ins = float_leaves(leaves := tree_leaves((args, kwargs)))
         pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
         # an op writing into its arguments: keep what it was given, for the evidence
         before = clone_args(args, kwargs) if f.first is None and writes_arguments(func) \
@@ -129,12 +72,10 @@ class _Watch(TorchDispatchMode):
         if not outs or name in _UNINITIALISED:
             return out
         f.track(name, ins, outs, in_finite, leaves, (args, kwargs))
-        with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
-            out_ends = torch.stack([ends(t) for t in outs])
-        if bool(torch.isfinite(out_ends).all()):
+        if (out_ends := f.ends_of(name, outs)) is None:
             return out
         # the first output's kind, NaN before +Inf before -Inf within it
-        made = next((k for k in (pair_kind(a, b) for a, b in out_ends.tolist()) if k), None)
+        made = next((k for k in (pair_kind(a, b) for a, b in out_ends) if k), None)
         op = f"aten.{name}"
         buffer = None if in_finite or made == "nan" else f.mask_buffer(ins, pairs)
         if buffer is not None:  # it passed on a mask buffer's +-inf: the intended start
@@ -142,6 +83,8 @@ class _Watch(TorchDispatchMode):
                 f.intentional = OpHit(op, made, user_source(), None, None, True, occurrence,
                                       True, rows=f.batch_rows(outs), buffer=buffer)
             return out
+        if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
+            return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
         literal_inf = next((a for a in leaves if isinstance(a, float) and math.isinf(a)), None)
         intentional = literal_inf is not None or f.in_allowed_module()
         if in_finite and f.first is None:
@@ -272,6 +215,8 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     exp_made=[f.positive(t) for t in ins], local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
                     zero_dim=[t.dim() == 0 for t in ins],
+                    factor=[made_by(t) for t in ins],
+                    sizes=list(f.sizes.get(func.overloadpacket.__name__, ())),
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
@@ -300,9 +245,12 @@ class OpFinder:
         self.pooled = Pooled(samples)  # and not the rows of a value that pools the batch
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self.seen = 0  # calls of every op so far
+        self.made_in: set[torch.dtype] = set()  # the floating types the watched ops made
+        self.sizes: dict[str, list[float]] = {}  # each op's finite calls' largest magnitude
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
+        self.composites = Composites()  # where torch.logdet runs (replay.composite)
         # (data_ptr, shape) -> name of the model's parameters, set by the caller that runs it
         self.params: dict[tuple[int, tuple], str] = {}
         # the innermost module call running now, (name, call), as its caller tracks it
@@ -364,6 +312,7 @@ class OpFinder:
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               in_finite: bool, leaves: list, given: tuple = ((), {})) -> None:
         self.pooled.track(name, *given, ins, outs, self.held)
+        self.made_in.update(t.dtype for t in outs)
         weights_only = bool(self.state) and self._of_weights_only(leaves)
         if weights_only:
             for t in outs:
@@ -413,6 +362,7 @@ class OpFinder:
     def follow(self, name: str, args, leaves: list, out) -> None:
         """Where the op's outputs came from, when a lineage is kept (integer and bool values
         too: a loss's matches, masks, labels)."""
+        self.composites.see(name, args, self.seen - 1)
         if self.lineage is not None:
             self.lineage.track(name, args, leaves, out)
 
@@ -423,6 +373,7 @@ class OpFinder:
         that does so in every sample."""
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
+        ev.narrowest = min(self.made_in, key=lambda d: torch.finfo(d).bits, default=None)
         return ev
 
     def batch_rows(self, outs: list[torch.Tensor]) -> list[int] | None:
@@ -447,6 +398,25 @@ class OpFinder:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+
+    def ends_of(self, name: str, outs: list[torch.Tensor]) -> list | None:
+        """Each output's (min, max), or None when every one is finite (one host read); a
+        finite call's largest magnitude is kept for op ``name`` (its earlier calls growing:
+        a diverging loop, :mod:`replay.upstream`)."""
+        with torch.no_grad():  # aminmax: one pass, no temporary (isfinite().all() is slow)
+            pairs = torch.stack([ends(t) for t in outs]).tolist()
+        if all(math.isfinite(v) for pair in pairs for v in pair):
+            self.sizes.setdefault(name, []).append(max(abs(v) for pair in pairs for v in pair))
+            return None
+        return pairs
+
+    def composite(self, calling, occurrence: int, out):
+        """Blame the composite function ``calling`` (``(torch.logdet, its input)``), whose own
+        code made a NaN constant, when its result is non-finite; pass ``out`` on."""
+        if self.first is None and (hit := composite_hit(self, *calling, occurrence)):
+            self.first = hit
+            self.first_nan = self.first_nan or hit
+        return out
 
     def origin(self) -> OpHit | None:
         """The op to blame: the first unintentional non-finite maker, else the NaN maker."""

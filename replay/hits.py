@@ -1,0 +1,73 @@
+"""What the op finder (:mod:`replay.ops`) keeps of the op it blames: the hit (which op, where,
+what it made) and the evidence (its values where its output went non-finite), which
+:mod:`replay.cause` reads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class OpHit:
+    op: str  # e.g. "aten.log"
+    made: str  # "nan", "+inf", "-inf"
+    source: str | None  # "model.py:42"
+    input_min: float | None
+    input_max: float | None
+    intentional: bool = False
+    occurrence: int = 0  # how many calls of this op came before it in the watched code
+    inputs_finite: bool = False  # else it made NaN from infinities (inf - inf)
+    evidence: Evidence | None = None  # what the cause needs, taken while the op's values live
+    rows: list[int] | None = None  # non-finite samples of its output (OpFinder(samples=...))
+    param: str | None = None  # a model parameter it took as an input, as is (OpFinder.params)
+    buffer: str | None = None  # the model buffer whose +-inf (a mask) it passed on, if any
+    literal: float | None = None  # a +-inf it was given as a number (``m * float("-inf")``)
+    # the innermost module call running it, (name, call) in its micro-batch (OpFinder.where)
+    within: tuple[str, int] | None = None
+    # the autograd node running it: a derivative the forward took itself (autograd.grad of
+    # a Hamiltonian, an energy), whose pole is the input of the forward op that made the node
+    node: Any = None
+    seq: int = 0  # how many ops of any kind came before it in the watched code
+    from_mask: bool = False  # made NaN when only intended infinities (a mask) had been made
+
+    def as_json(self) -> dict[str, Any]:
+        return {"op": self.op, "made": self.made, "source": self.source,
+                "input_min": _num(self.input_min), "input_max": _num(self.input_max),
+                "intentional": self.intentional}
+
+
+@dataclass
+class Evidence:
+    """The op's values where its first non-finite output is non-finite (``bad``): each
+    floating input there (the whole input when it does not broadcast to the output), in
+    float64, and the op computed again in float64 on those very inputs (``local64``: None for
+    a random op). :mod:`replay.cause` reads it; nothing here decides the cause."""
+
+    dtype: torch.dtype  # of the non-finite output
+    bad: torch.Tensor  # bool mask over that output
+    inputs: list[torch.Tensor]  # float64 values at ``bad`` (or the whole input), per input
+    input_dtypes: list[torch.dtype]
+    elementwise: list[bool]  # whether inputs[i] is taken at ``bad`` (same positions)
+    exp_made: list[bool]  # inputs[i] came from exp/softmax/sigmoid of a finite argument
+    local64: torch.Tensor | None  # the op's float64 result at ``bad`` (same shape as ``bad``)
+    others: list[torch.Tensor]  # the op's other outputs (nll_loss's total weight)
+    output: int = 0  # which floating output ``bad`` is over
+    empty: bool = False  # a floating input has no element (the mean of nothing is 0/0)
+    args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
+    complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
+    zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
+    of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
+    # a decomposition's values: "cholesky", "eigenvalues" or None each (replay.factors)
+    factor: list[str | None] = field(default_factory=list)
+    narrowest: torch.dtype | None = None  # the narrowest type an op before it made
+    sizes: list[float] = field(default_factory=list)  # its earlier finite calls' absmax
+
+
+def _num(x: float | None):
+    if x is None:
+        return None
+    return x if math.isfinite(x) else repr(x)

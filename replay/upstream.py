@@ -1,0 +1,73 @@
+"""What the ops the op finder watched before the blamed op add to its cause:
+
+- ``precision`` at an op wider than ops before it (a kernel matrix ``f @ f.T`` that bfloat16
+  autocast computed, cast to float32 for a Cholesky): its inputs carry the narrow type's
+  rounding, which the float64 re-run, without autocast, does not make;
+- ``overflow`` at a call of an op whose earlier calls in the same watched code grew
+  call after call (a Newton-Schulz iteration for a matrix square root, run on a matrix not
+  scaled to converge; an unrolled solver or recurrence written as a loop in one forward): the
+  iterates were diverging, which a wider type only postpones (as :mod:`replay.recurrence`
+  says of a module called again and again).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+from .cause_text import DO
+from .hits import Evidence
+
+MIN_CALLS = 8  # earlier finite calls of the op: fewer is no loop
+GROWTH = 100.0  # its last finite call's largest magnitude over the median of those calls
+STEADY = 0.5  # the least share of its calls no smaller than the one before
+
+
+def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) -> str:
+    """The hint's addition for ``cause`` given the op's evidence (``""`` when none)."""
+    if ev is None:
+        return ""
+    if cause == "precision":
+        return _narrower(ev, cast)
+    if cause == "overflow":
+        return _diverging(ev)
+    return ""
+
+
+def _type(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _narrower(ev: Evidence, cast: torch.dtype | None) -> str:
+    narrow = ev.narrowest
+    if narrow is None or torch.finfo(narrow).bits >= torch.finfo(ev.dtype).bits:
+        return ""
+    bits = 1 - int(math.log2(torch.finfo(narrow).eps))
+    under = f" (the step ran under {_type(cast)} autocast)" if cast == narrow else ""
+    return (f"; but ops before it computed in {_type(narrow)}{under}, which keeps {bits} "
+            f"significant bits: its inputs may carry that rounding, far coarser than "
+            f"{_type(ev.dtype)}'s: " + DO["autocast_precision"])
+
+
+def diverging(sizes: list[float]) -> tuple[float, float] | None:
+    """``(median, last)`` of an op's earlier calls' largest magnitudes when there are at
+    least :data:`MIN_CALLS`, the last is the largest and :data:`GROWTH` times their median or
+    more, and they rose from one call to the next at least :data:`STEADY` of the time."""
+    if len(sizes) < MIN_CALLS:
+        return None
+    mid, last = statistics.median(sizes), sizes[-1]
+    if mid <= 0 or last < GROWTH * mid or last < max(sizes):
+        return None
+    rising = sum(b >= a for a, b in zip(sizes, sizes[1:]))
+    return (mid, last) if rising >= STEADY * (len(sizes) - 1) else None
+
+
+def _diverging(ev: Evidence) -> str:
+    grew = diverging(ev.sizes)
+    if grew is None:
+        return ""
+    return (f"; but the op's {len(ev.sizes)} earlier calls here grew from a "
+            f"median of {grew[0]:.3g} to {grew[1]:.3g}, call after call: the iterates of a "
+            "loop were diverging, which a wider type only postpones: " + DO["iteration"])
