@@ -73,3 +73,45 @@ def test_iwae_samples_stacked_before_the_batch_are_named(tmp_path):
     assert o["source"].startswith("flow_models.py:"), o["source"]
     assert "logsigmoid or BCEWithLogitsLoss on the logits" in rep["hint"], rep["hint"]
 
+
+def pixels(step: int, n: int = 8) -> torch.Tensor:
+    """8-bit grey levels in 1..254 (none at either end)."""
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randint(1, 255, (n, M.D_X), generator=g).float()
+
+
+@pytest.mark.parametrize("torch_logit, op, hint", [
+    (True, "aten.logit", "torch.logit(x, eps=1e-6)"),
+    (False, "aten.log1p", "keep the input above -1 (x.clamp_min(-1 + eps))")])
+def test_realnvp_logit_of_saturated_pixels_says_to_dequantize_not_clamp_min(
+        tmp_path, torch_logit, op, hint):
+    """RealNVP's preprocessing logit(alpha + (1 - 2 alpha) x) run with alpha = 0 and without
+    dequantization noise: two images of step 3 hold a pixel at 255, x = 1 exactly, and the
+    logit is +inf there (torch.logit, or log(y) - log1p(-y) written out). Its NaN z then
+    fails the loss's Normal.log_prob support check (validate_args): the loop dies with that
+    ValueError, the recorder's note names the bundle. The hint said to clamp the op's input
+    with x.clamp_min(eps): that moves log1p's -1 to +eps and leaves logit's 1 where it is.
+    It now bounds each pole on its side, and for the logit says to dequantize and squash."""
+    K = 3
+
+    def batch(step):
+        x = pixels(step)
+        if step == K:
+            x[2, 5] = x[6, 0] = 255.0  # saturated pixels
+        return x / 255  # BUG: no dequantization noise, and alpha = 0
+
+    err = train(tmp_path, "make_realnvp", M.flow_nll, batch, expect=ValueError,
+                call=lambda rec, out, x: rec.loss_fn(*out), alpha=0.0, torch_logit=torch_logit)
+    assert "support" in str(err), err
+    [bundle] = tmp_path.glob("*.nan")
+    assert any(str(bundle) in n for n in err.__notes__), err.__notes__
+    saturated = [i for i, row in enumerate(batch(K)) if bool((row == 1).any())]
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"],
+            rep["cause"]) == (K, "forward", "", op, saturated, "invalid"), \
+        json.dumps(rep, indent=1)
+    assert o["source"].startswith("flow_models.py:"), o["source"]
+    assert hint in rep["hint"] and "clamp_min(eps)" not in rep["hint"], rep["hint"]
+    if torch_logit:
+        assert "aten.logit of 1" in rep["hint"] and "dequantize" in rep["hint"], rep["hint"]
