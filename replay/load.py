@@ -23,6 +23,7 @@ from torch import nn
 
 from recorder.bundle import read_bundle
 from recorder.capture import UnrebuildableLeaf, map_tensors, tree_refs, unflatten_tree
+from recorder.compat import distributions_validate_default
 from recorder.compiled import decompile
 from recorder.errors import BundleError
 from recorder.rng import rng_from_bundle
@@ -457,3 +458,18 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
         out.append(n)
         n *= max(size, 1)
     return out[::-1]
+
+
+@contextlib.contextmanager
+def validate_args_as_recorded(meta: dict[str, Any]):
+    """torch.distributions' default ``validate_args`` as the training process had it (a
+    loop that turned it off went on past values its checks refuse, to the NaN), put back
+    after."""
+    was = distributions_validate_default()
+    recorded = (meta.get("env") or {}).get("distributions_validate_args")
+    if isinstance(recorded, bool):
+        torch.distributions.Distribution.set_default_validate_args(recorded)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(was)

@@ -88,6 +88,16 @@ def distributions_vae_loss(out, x):
     return (D.kl_divergence(q, p) - rec).mean()
 
 
+def distributions_gaussian_vae_loss(out, x):
+    """A Gaussian decoder with a learned per-pixel scale, through torch.distributions."""
+    dec, mu, logvar = out
+    mean, dec_logvar = dec.chunk(2, dim=1)
+    px = D.Independent(D.Normal(mean, torch.exp(0.5 * dec_logvar)), 1)
+    q = D.Independent(D.Normal(mu, torch.exp(0.5 * logvar)), 1)
+    p = D.Independent(D.Normal(torch.zeros_like(mu), torch.ones_like(mu)), 1)
+    return (D.kl_divergence(q, p) - px.log_prob(x)).mean()
+
+
 def gaussian_vae_loss(out, x):
     """A Gaussian decoder that learns its per-pixel log-variance (``out`` holds the mean and
     the log-variance), the NLL written out by hand."""

@@ -115,3 +115,37 @@ def test_realnvp_logit_of_saturated_pixels_says_to_dequantize_not_clamp_min(
     assert hint in rep["hint"] and "clamp_min(eps)" not in rep["hint"], rep["hint"]
     if torch_logit:
         assert "aten.logit of 1" in rep["hint"] and "dequantize" in rep["hint"], rep["hint"]
+
+
+def test_a_run_with_distributions_validation_off_is_replayed_with_it_off(tmp_path):
+    """A Bernoulli decoder on grey levels through torch.distributions: its support check
+    refuses values in (0, 1), so the training script turns validation off for the process
+    (Distribution.set_default_validate_args(False), as VAE code on continuous pixels does).
+    A record in per-mille units drives the posterior's log-variance below -104: its scale
+    exp(logvar / 2) is 0 in float32 and the KL's log of its square is -inf. The nanreplay
+    process, validation at its default, re-ran the loss and died in Bernoulli.log_prob's
+    support check ('replay failed (ValueError ...)'). The bundle now records the run's default
+    and the replay runs with it."""
+    K = 3
+
+    def batch(step):
+        x = torch.rand(8, M.D_X, generator=torch.Generator().manual_seed(90 + step))
+        if step == K:
+            x[5] *= 1000  # per-mille, where the others are fractions
+        return x
+
+    default = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        err = train(tmp_path, "make_vae", M.distributions_vae_loss, batch)
+    finally:  # (nanreplay runs in a process of its own, at torch's default)
+        torch.distributions.Distribution.set_default_validate_args(default)
+    ev = err.event
+    assert (ev["step"], ev["phase"]) == (K, "loss"), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    out = [i for i, row in enumerate(batch(K)) if bool((row > 1).any())]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        (True, "loss", "<loss>", "aten.log", out, "underflow"), json.dumps(rep, indent=1)
+    assert o["source"].startswith("flow_models.py:"), o["source"]
+    assert torch.distributions.Distribution._validate_args is default
