@@ -321,7 +321,7 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
             return inputs[node["$in"]] if inputs and node["$in"] in inputs \
                 else step.tensors[node["$in"]].to(step.device)
         if node.get("$output") is True and objects is not None:
-            return objects[node.get("mb", i)]
+            return _item(objects[node.get("mb", i)], node.get("path", []))
         if "$out" not in node:
             return None
         k = node.get("mb", i)
@@ -336,6 +336,21 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
     # (the outputs are on the device already: moving them is a no-op)
     args, kwargs = _to(unflatten_tree(tree, step.tensors, leaf=output), step.device)
     return args, kwargs
+
+
+def _item(out: Any, path: list) -> Any:
+    """The item of a re-run's output at ``path`` (a loss given ``*model(x)``: each
+    distribution of a ``(px, qz)`` output)."""
+    for key in path if isinstance(path, list) else [None]:
+        try:
+            if not isinstance(out, (list, tuple, dict)):
+                raise TypeError(type(out).__name__)
+            out = out[key]
+        except (TypeError, KeyError, IndexError) as e:
+            raise ReplayError(f"the loss was given an item of the model output at {path} "
+                              f"that the re-run's output has not ({type(e).__name__}: {e})"
+                              ) from None
+    return out
 
 
 def differentiates_model(step: Step, mb: int) -> bool:

@@ -238,3 +238,29 @@ class Glow(nn.Module):
 def make_glow(**kw) -> nn.Module:
     torch.manual_seed(0)
     return Glow(**kw)
+
+
+class DistVAE(nn.Module):
+    """A VAE whose forward returns distributions (scvi-tools, Pyro-style code): the
+    likelihood p(x|z) and the posterior q(z|x), both ``torch.distributions`` objects."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = Encoder()
+        self.decoder = nn.Sequential(nn.Linear(D_Z, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D_X))
+
+    def forward(self, x):
+        mu, logvar = self.encoder(x)
+        qz = D.Independent(D.Normal(mu, torch.exp(0.5 * logvar)), 1)
+        z = qz.rsample()
+        return D.Independent(D.Bernoulli(logits=self.decoder(z)), 1), qz
+
+
+def make_dist_vae() -> nn.Module:
+    torch.manual_seed(0)
+    return DistVAE()
+
+
+def elbo_loss(px, qz, x):
+    prior = D.Independent(D.Normal(torch.zeros_like(qz.mean), torch.ones_like(qz.mean)), 1)
+    return (D.kl_divergence(qz, prior) - px.log_prob(x)).mean()

@@ -117,35 +117,56 @@ def test_realnvp_logit_of_saturated_pixels_says_to_dequantize_not_clamp_min(
         assert "aten.logit of 1" in rep["hint"] and "dequantize" in rep["hint"], rep["hint"]
 
 
-def test_a_run_with_distributions_validation_off_is_replayed_with_it_off(tmp_path):
-    """A Bernoulli decoder on grey levels through torch.distributions: its support check
-    refuses values in (0, 1), so the training script turns validation off for the process
-    (Distribution.set_default_validate_args(False), as VAE code on continuous pixels does).
-    A record in per-mille units drives the posterior's log-variance below -104: its scale
-    exp(logvar / 2) is 0 in float32 and the KL's log of its square is -inf. The nanreplay
-    process, validation at its default, re-ran the loss and died in Bernoulli.log_prob's
-    support check ('replay failed (ValueError ...)'). The bundle now records the run's default
-    and the replay runs with it."""
-    K = 3
+def per_mille(step: int) -> torch.Tensor:
+    """Grey levels in [0, 1]; at step 3, record 5 in per-mille units (0..1000)."""
+    x = torch.rand(8, M.D_X, generator=torch.Generator().manual_seed(90 + step))
+    if step == 3:
+        x[5] *= 1000
+    return x
 
-    def batch(step):
-        x = torch.rand(8, M.D_X, generator=torch.Generator().manual_seed(90 + step))
-        if step == K:
-            x[5] *= 1000  # per-mille, where the others are fractions
-        return x
 
+def train_without_validation(tmp_path: Path, factory: str, loss, **kw) -> NonFiniteError:
+    """``train`` with torch.distributions' validation off for the process, as a script
+    training a Bernoulli decoder on grey levels turns it off (its support check refuses values
+    in (0, 1)); put back at torch's default after, as the nanreplay process has it."""
     default = torch.distributions.Distribution._validate_args
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
-        err = train(tmp_path, "make_vae", M.distributions_vae_loss, batch)
-    finally:  # (nanreplay runs in a process of its own, at torch's default)
+        return train(tmp_path, factory, loss, per_mille, **kw)
+    finally:
         torch.distributions.Distribution.set_default_validate_args(default)
+
+
+def assert_kl_of_the_per_mille_record(err: NonFiniteError) -> None:
+    """Record 5's posterior log-variance is below -104: its scale exp(logvar / 2) is 0 in
+    float32 and the KL's log of its square is -inf, in the loss."""
+    K = 3
     ev = err.event
     assert (ev["step"], ev["phase"]) == (K, "loss"), ev
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
-    out = [i for i, row in enumerate(batch(K)) if bool((row > 1).any())]
+    out = [i for i, row in enumerate(per_mille(K)) if bool((row > 1).any())]
     assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
         (True, "loss", "<loss>", "aten.log", out, "underflow"), json.dumps(rep, indent=1)
     assert o["source"].startswith("flow_models.py:"), o["source"]
+
+
+def test_a_run_with_distributions_validation_off_is_replayed_with_it_off(tmp_path):
+    """The VAE's ELBO through torch.distributions, validation off: the nanreplay process,
+    validation at its default, re-ran the loss and died in Bernoulli.log_prob's support
+    check ('replay failed (ValueError ...)'). The bundle now records the run's default and
+    the replay runs with it, then puts its own back."""
+    default = torch.distributions.Distribution._validate_args
+    assert_kl_of_the_per_mille_record(
+        train_without_validation(tmp_path, "make_vae", M.distributions_vae_loss))
     assert torch.distributions.Distribution._validate_args is default
+
+
+def test_distributions_a_model_returns_in_a_tuple_reach_the_loss_rerun(tmp_path):
+    """A VAE whose forward returns ``(px, qz)``, two torch.distributions objects, and a loss
+    called as ``loss_fn(*model(x), x)`` (scvi-tools and Pyro-style code). The bundle held the
+    distributions as their repr only (a whole-output distribution was already taken from the
+    re-run), and the replay failed: 'UnrebuildableLeaf: Independent ...'. An item of the
+    output's tuple, list or dict is now taken from the re-run's output too, by its path."""
+    assert_kl_of_the_per_mille_record(train_without_validation(
+        tmp_path, "make_dist_vae", M.elbo_loss, call=lambda rec, out, x: rec.loss_fn(*out, x)))
