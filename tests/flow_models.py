@@ -248,12 +248,13 @@ class DistVAE(nn.Module):
         super().__init__()
         self.encoder = Encoder()
         self.decoder = nn.Sequential(nn.Linear(D_Z, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D_X))
+        self.tau = 1.0  # the decoder's temperature, which the loop anneals
 
     def forward(self, x):
         mu, logvar = self.encoder(x)
         qz = D.Independent(D.Normal(mu, torch.exp(0.5 * logvar)), 1)
         z = qz.rsample()
-        return D.Independent(D.Bernoulli(logits=self.decoder(z)), 1), qz
+        return D.Independent(D.Bernoulli(logits=self.decoder(z) / self.tau), 1), qz
 
 
 def make_dist_vae() -> nn.Module:
@@ -264,3 +265,17 @@ def make_dist_vae() -> nn.Module:
 def elbo_loss(px, qz, x):
     prior = D.Independent(D.Normal(torch.zeros_like(qz.mean), torch.ones_like(qz.mean)), 1)
     return (D.kl_divergence(qz, prior) - px.log_prob(x)).mean()
+
+
+class FlowNLL(nn.Module):
+    """The flow's negative log-likelihood in bits per dimension, its base distribution an
+    attribute built in the constructor (as RealNVP ports hold ``self.prior``)."""
+
+    def __init__(self, dim: int, n_bins: int = 256):
+        super().__init__()
+        self.prior = D.MultivariateNormal(torch.zeros(dim), torch.eye(dim))
+        self.n_bins = n_bins
+
+    def forward(self, z, logdet):
+        ll = self.prior.log_prob(z) + logdet - math.log(self.n_bins) * z.shape[1]
+        return (-ll / (math.log(2.0) * z.shape[1])).mean()

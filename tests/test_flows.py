@@ -170,3 +170,34 @@ def test_distributions_a_model_returns_in_a_tuple_reach_the_loss_rerun(tmp_path)
     output's tuple, list or dict is now taken from the re-run's output too, by its path."""
     assert_kl_of_the_per_mille_record(train_without_validation(
         tmp_path, "make_dist_vae", M.elbo_loss, call=lambda rec, out, x: rec.loss_fn(*out, x)))
+
+
+def test_an_infinity_the_forward_put_inside_a_distribution_is_named_in_the_forward(tmp_path):
+    """The ``(px, qz)`` VAE with its decoder's temperature annealed linearly to 0 (no floor):
+    at step 4 ``logits / tau`` is x/0, +-inf inside the Bernoulli that the forward returns,
+    where neither the recorder nor the instrumented pass sees a tensor. The loss's log_prob
+    makes NaN of it: a loss event, and the report named binary_cross_entropy_with_logits in
+    the loss, 'computed NaN from infinities: find the op that made the first infinity', with
+    no chain to follow. The root call's forward is now searched for the op that made them:
+    aten.div by the number 0, in the forward, with the hint for an annealed temperature."""
+    model = M.make_dist_vae()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.elbo_loss, out_dir=tmp_path,
+                            factory="flow_models:make_dist_vae") as rec:
+            for step in range(6):
+                model.tau = max(0.0, 1.0 - step / 4)  # BUG: annealed to exactly 0
+                x = binarized(step)
+                opt.zero_grad()
+                rec.loss_fn(*model(x), x).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (4, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], rep["cause"]) == \
+        (True, "forward", "", "aten.div", "invalid"), json.dumps(rep, indent=1)
+    assert o["samples"] == list(range(8)), o["samples"]  # one tau for every row
+    assert o["source"].startswith("flow_models.py:"), o["source"]
+    assert "temperature or scale annealed to 0" in rep["hint"], rep["hint"]
+    assert any("inside an object of the model output" in p for p in rep["problems"]), rep
