@@ -100,12 +100,13 @@ _GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump"
 
 
 def _diverging(report, windowed: bool) -> None:
-    """An overflow after the loss, gradient norm or weights jumped in earlier steps: the run
-    was diverging (a learning rate too high for unscaled features, a bootstrap target fed
-    back), and a wider type or rescaling the op only postpones it; the hint says so (and, for
-    a bundle recorded without a rewind window, how to record the steps that grew)."""
-    at = report["event"].get("step")
-    if report.get("cause") != "overflow" or at is None:
+    """An overflow (or an underflow: a sigmoid driven to 0) after the loss, gradient norm or
+    weights jumped in earlier steps: the run was diverging (a learning rate too high for
+    unscaled features, a bootstrap target fed back), and a wider type or rescaling the op only
+    postpones it; the hint says so (and, for a bundle recorded without a rewind window, how to
+    record the steps that grew)."""
+    at, cause = report["event"].get("step"), report.get("cause")
+    if cause not in ("overflow", "underflow") or at is None:
         return
     # (a weight jump at the event step is the update before it: the weights the step began with)
     jump = next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH
@@ -114,9 +115,11 @@ def _diverging(report, windowed: bool) -> None:
     if jump is not None:
         when = f"in the update before step {at}" if jump["step"] == at else \
             f"at step {jump['step']}"
+        then = ("a wider type only postpones the overflow" if cause == "overflow" else
+                "the values this op took grew extreme with it, and log space or a wider type "
+                "only moves the failure on")
         report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped "
-                          f"{when} (see precursors): the run was diverging, and "
-                          "a wider type only postpones the overflow; "
+                          f"{when} (see precursors): the run was diverging, and {then}; "
                           + DO["diverging_window" if windowed else "diverging"])
 
 

@@ -202,7 +202,7 @@ class InvConv1x1(nn.Module):
 
     def forward(self, x):
         _, _, h, w = x.shape
-        logdet = h * w * torch.slogdet(self.weight.squeeze())[1]
+        logdet = h * w * torch.slogdet(self.weight.squeeze().double())[1].float()
         return F.conv2d(x, self.weight), logdet.expand(x.shape[0])
 
 

@@ -201,3 +201,40 @@ def test_an_infinity_the_forward_put_inside_a_distribution_is_named_in_the_forwa
     assert o["source"].startswith("flow_models.py:"), o["source"]
     assert "temperature or scale annealed to 0" in rep["hint"], rep["hint"]
     assert any("inside an object of the model output" in p for p in rep["problems"]), rep
+
+
+def glow_batches(n: int = 40):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 4, 4, 4, generator=g) for _ in range(n)]
+
+
+def test_glow_diverging_until_its_sigmoid_scale_underflows_says_the_run_diverged(tmp_path):
+    """Glow (1x1 convolutions, sigmoid-scaled affine couplings, logdet += log(s)) at a
+    learning rate of 0.5: the gradient norm jumps at step 4, the loss at 5, and at step 9 the
+    coupling's s = sigmoid(h + 2) is 0 in float32 for two images: log(s) = -inf. The hint
+    named the op's remedy only (log space), though the precursors show the run diverging;
+    as for an overflow after such growth, it now says so and to lower the learning rate."""
+    data = glow_batches()
+    err = train(tmp_path, "make_glow", M.flow_nll, lambda step: data[step], steps=len(data),
+                lr=0.5, call=lambda rec, out, x: rec.loss_fn(*out))
+    K = err.event["step"]
+    assert (K, err.event["phase"], err.event["module"]) == (9, "forward", "steps.0"), err.event
+    # the same run without the recorder, to step K: where steps.0's s is exactly 0
+    model = M.make_glow()
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    for x in data[:K]:
+        opt.zero_grad()
+        M.flow_nll(*model(x)).backward()
+        opt.step()
+    with torch.no_grad():
+        a, _ = model.steps[0].conv(data[K])[0].chunk(2, 1)
+        s = torch.sigmoid(model.steps[0].net(a).chunk(2, 1)[0] + 2)
+    zero = [i for i in range(8) if bool((s[i] == 0).any())]
+    assert zero, "no underflow planted"
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("forward", "steps.0", "aten.log", zero, "underflow"), json.dumps(rep, indent=1)
+    assert "logsigmoid" in rep["hint"], rep["hint"]
+    assert "the run was diverging" in rep["hint"] and "lower the learning rate" in rep["hint"], \
+        rep["hint"]
