@@ -140,7 +140,10 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
         source=hit.source if hit else None, chain=finder.chain(),
         samples=loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
-        made=hit.made if hit else made)
+        made=hit.made if hit else made,
+        # (the type it computed in: a half model output the loop's loss took as it was)
+        **({"dtype": str(hit.evidence.dtype).removeprefix("torch.")}
+           if hit and hit.evidence else {}))
     if coupled := coupled_rows(step, run, mb, origin["samples"]):
         origin["coupled"] = coupled  # (a DPO pair: what --try drop must drop together)
     held = non_finite_loss_state(step.loss_fn) if hit is not None else None

@@ -238,3 +238,38 @@ def test_glow_diverging_until_its_sigmoid_scale_underflows_says_the_run_diverged
     assert "logsigmoid" in rep["hint"], rep["hint"]
     assert "the run was diverging" in rep["hint"] and "lower the learning rate" in rep["hint"], \
         rep["hint"]
+
+
+def test_a_half_model_output_whose_sigmoid_rounded_to_1_gets_the_float32_try(tmp_path):
+    """The VAE's forward under float16 autocast, its hand-written Bernoulli likelihood run by
+    the loop outside autocast on the float16 logits it returns: a record 100x brighter drives
+    sigmoid to 1 in float16 (0.99977 in float64), log(1 - p) is -inf. The report said
+    precision in float16, but --try auto offered drop only: it proposed dtype=float32 for a
+    loss origin only when the loss call itself ran under autocast. The loss origin now gives
+    the type its op computed in, and a half one gets dtype=float32, which re-runs finite."""
+    K = 3
+    model = M.make_vae()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.handwritten_bce_vae_loss, out_dir=tmp_path,
+                            factory="flow_models:make_vae") as rec:
+            for step in range(6):
+                g = torch.Generator().manual_seed(90 + step)
+                x = (torch.rand(8, M.D_X, generator=g) > 0.5).float()
+                bright = x.clone()
+                if step == K:
+                    bright[5] *= 100  # a record 100x brighter
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(bright)
+                rec.loss_fn(out, x).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (K, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], o["dtype"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.log", [5], "float16", "precision"), json.dumps(rep, indent=1)
+    assert "binary_cross_entropy_with_logits" in rep["hint"], rep["hint"]
+    tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+    assert tries == {"drop=5": True, "dtype=float32": True}, rep["what_if"]
