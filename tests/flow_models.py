@@ -280,39 +280,3 @@ class FlowNLL(nn.Module):
         ll = self.prior.log_prob(z) + logdet - math.log(self.n_bins) * z.shape[1]
         return (-ll / (math.log(2.0) * z.shape[1])).mean()
 
-
-class ActNorm2d(nn.Module):
-    """Glow's ActNorm over channels, initialised from the first batch (rosinality's
-    glow-pytorch: ``scale = 1 / (std + 1e-6)``, here as its log, without the eps)."""
-
-    def __init__(self, c: int):
-        super().__init__()
-        self.loc = nn.Parameter(torch.zeros(1, c, 1, 1))
-        self.logs = nn.Parameter(torch.zeros(1, c, 1, 1))
-        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
-
-    def forward(self, x):
-        if self.initialized.item() == 0:
-            with torch.no_grad():
-                self.loc.data.copy_(-x.mean(dim=(0, 2, 3), keepdim=True))
-                self.logs.data.copy_(-torch.log(x.std(dim=(0, 2, 3), keepdim=True)))
-                self.initialized.fill_(1)
-        _, _, h, w = x.shape
-        return (x + self.loc) * torch.exp(self.logs), h * w * self.logs.sum().expand(len(x))
-
-
-class GlowAN(nn.Module):
-    def __init__(self, c: int = 4):
-        super().__init__()
-        self.norm = ActNorm2d(c)
-        self.flow = Glow(c, 1)
-
-    def forward(self, x):
-        x, ld = self.norm(x)
-        z, logdet = self.flow(x)
-        return z, logdet + ld
-
-
-def make_glow_an() -> nn.Module:
-    torch.manual_seed(0)
-    return GlowAN()
