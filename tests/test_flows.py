@@ -13,6 +13,7 @@ import torch
 from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.compat import distributions_validate_default
 
 HERE = Path(__file__).parent
 
@@ -129,7 +130,7 @@ def train_without_validation(tmp_path: Path, factory: str, loss, **kw) -> NonFin
     """``train`` with torch.distributions' validation off for the process, as a script
     training a Bernoulli decoder on grey levels turns it off (its support check refuses values
     in (0, 1)); put back at torch's default after, as the nanreplay process has it."""
-    default = torch.distributions.Distribution._validate_args
+    default = distributions_validate_default()
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
         return train(tmp_path, factory, loss, per_mille, **kw)
@@ -156,10 +157,10 @@ def test_a_run_with_distributions_validation_off_is_replayed_with_it_off(tmp_pat
     validation at its default, re-ran the loss and died in Bernoulli.log_prob's support
     check ('replay failed (ValueError ...)'). The bundle now records the run's default and
     the replay runs with it, then puts its own back."""
-    default = torch.distributions.Distribution._validate_args
+    default = distributions_validate_default()
     assert_kl_of_the_per_mille_record(
         train_without_validation(tmp_path, "make_vae", M.distributions_vae_loss))
-    assert torch.distributions.Distribution._validate_args is default
+    assert distributions_validate_default() is default
 
 
 def test_distributions_a_model_returns_in_a_tuple_reach_the_loss_rerun(tmp_path):
