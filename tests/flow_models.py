@@ -29,35 +29,23 @@ class Encoder(nn.Module):
 
 class VAE(nn.Module):
     """Kingma & Welling's VAE (the pytorch/examples one): ``forward`` returns the decoder's
-    logits or means, ``mu`` and ``logvar``."""
+    logits, ``mu`` and ``logvar``."""
 
-    def __init__(self, out: int = D_X, sigma_softplus: bool = False):
+    def __init__(self):
         super().__init__()
         self.encoder = Encoder()
-        self.decoder = nn.Sequential(nn.Linear(D_Z, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, out))
-        self.sigma_softplus = sigma_softplus
+        self.decoder = nn.Sequential(nn.Linear(D_Z, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, D_X))
 
     def forward(self, x):
         mu, logvar = self.encoder(x)
-        if self.sigma_softplus:  # sigma = softplus(raw), as many VAE repos parametrise it
-            std = F.softplus(logvar)
-        else:
-            std = torch.exp(0.5 * logvar)
+        std = torch.exp(0.5 * logvar)
         z = mu + std * torch.randn_like(std)
         return self.decoder(z), mu, logvar
 
 
-def make_vae(**kw) -> nn.Module:
+def make_vae() -> nn.Module:
     torch.manual_seed(0)
-    return VAE(**kw)
-
-
-def bernoulli_vae_loss(out, x, beta: float = 1.0):
-    """pytorch/examples' loss: BCE on the decoder's sigmoid, the closed-form KL."""
-    logits, mu, logvar = out
-    bce = F.binary_cross_entropy(torch.sigmoid(logits), x, reduction="sum")
-    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
-    return (bce + beta * kld) / len(x)
+    return VAE()
 
 
 def handwritten_bce_vae_loss(out, x):
@@ -69,16 +57,6 @@ def handwritten_bce_vae_loss(out, x):
     return (rec + kld).mean()
 
 
-def softplus_sigma_kl_loss(out, x):
-    """A Gaussian decoder with unit variance; the KL written with log(sigma), sigma the
-    encoder's softplus."""
-    mean, mu, raw = out
-    sigma = F.softplus(raw)
-    rec = 0.5 * ((x - mean) ** 2).sum(1)
-    kld = (-torch.log(sigma) + 0.5 * (sigma ** 2 + mu ** 2) - 0.5).sum(1)
-    return (rec + kld).mean()
-
-
 def distributions_vae_loss(out, x):
     """The same ELBO through torch.distributions (validate_args at its default)."""
     logits, mu, logvar = out
@@ -86,26 +64,6 @@ def distributions_vae_loss(out, x):
     p = D.Independent(D.Normal(torch.zeros_like(mu), torch.ones_like(mu)), 1)
     rec = D.Independent(D.Bernoulli(logits=logits), 1).log_prob(x)
     return (D.kl_divergence(q, p) - rec).mean()
-
-
-def distributions_gaussian_vae_loss(out, x):
-    """A Gaussian decoder with a learned per-pixel scale, through torch.distributions."""
-    dec, mu, logvar = out
-    mean, dec_logvar = dec.chunk(2, dim=1)
-    px = D.Independent(D.Normal(mean, torch.exp(0.5 * dec_logvar)), 1)
-    q = D.Independent(D.Normal(mu, torch.exp(0.5 * logvar)), 1)
-    p = D.Independent(D.Normal(torch.zeros_like(mu), torch.ones_like(mu)), 1)
-    return (D.kl_divergence(q, p) - px.log_prob(x)).mean()
-
-
-def gaussian_vae_loss(out, x):
-    """A Gaussian decoder that learns its per-pixel log-variance (``out`` holds the mean and
-    the log-variance), the NLL written out by hand."""
-    dec, mu, logvar = out
-    mean, dec_logvar = dec.chunk(2, dim=1)
-    nll = 0.5 * (dec_logvar + (x - mean) ** 2 / torch.exp(dec_logvar) + math.log(2 * math.pi))
-    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp(), 1)
-    return (nll.sum(1) + kld).mean()
 
 
 class IWAE(nn.Module):
@@ -265,18 +223,3 @@ def make_dist_vae() -> nn.Module:
 def elbo_loss(px, qz, x):
     prior = D.Independent(D.Normal(torch.zeros_like(qz.mean), torch.ones_like(qz.mean)), 1)
     return (D.kl_divergence(qz, prior) - px.log_prob(x)).mean()
-
-
-class FlowNLL(nn.Module):
-    """The flow's negative log-likelihood in bits per dimension, its base distribution an
-    attribute built in the constructor (as RealNVP ports hold ``self.prior``)."""
-
-    def __init__(self, dim: int, n_bins: int = 256):
-        super().__init__()
-        self.prior = D.MultivariateNormal(torch.zeros(dim), torch.eye(dim))
-        self.n_bins = n_bins
-
-    def forward(self, z, logdet):
-        ll = self.prior.log_prob(z) + logdet - math.log(self.n_bins) * z.shape[1]
-        return (-ll / (math.log(2.0) * z.shape[1])).mean()
-
