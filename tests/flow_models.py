@@ -1,8 +1,8 @@
 """Normalizing flows and VAEs as their repositories write them, for ``test_flows``: RealNVP's
 logit preprocessing of dequantized pixels and its affine couplings, Glow's invertible 1x1
-convolution with its ``slogdet``, a VAE's reparameterisation with a hand-written KL, Bernoulli
-and Gaussian decoders, IWAE's ``logsumexp`` over importance weights, and losses through
-``torch.distributions``."""
+convolution with its ``slogdet`` and sigmoid-scaled couplings, a VAE's reparameterisation with
+a hand-written Bernoulli likelihood and KL, IWAE's ``logsumexp`` over importance weights, and
+a VAE whose forward returns ``torch.distributions`` objects."""
 
 from __future__ import annotations
 
