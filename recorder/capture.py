@@ -22,6 +22,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from . import objects
+from .compat import distributions_validate_default
 from .sparse import SPARSE, nested_node, rebuild_nested, rebuild_sparse, sparse_node
 
 # ---------------------------------------------------------------------------------------------
@@ -306,4 +307,7 @@ def environment(rank: int, world_size: int, commit: str | None) -> dict[str, Any
         "git_commit": commit,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "num_threads": torch.get_num_threads(),
+        # (a run that turned it off re-runs with it off: else the replay's Distribution
+        # raises on the values whose NaN the training went on to make)
+        "distributions_validate_args": distributions_validate_default(),
     }

@@ -5,7 +5,8 @@ Each name here wraps one private detail: version counters and view bases (how th
 knows an output is unchanged), foreach kernels (one call for many small tensors), BatchNorm's
 base class (statistics that change without moving the version counter), GradScaler's scale, growth
 tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
-the autocast regions a decorated ``forward`` enters, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
+the autocast regions a decorated ``forward`` enters, torch.distributions' default
+``validate_args``, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
 non-persistent buffer names), whether a backward is running (checkpointing's recomputation),
 where a DTensor's local shard sits (the checkpoint protocol), and
 a process group's key-value store (where the ranks meet at attach).
@@ -38,6 +39,12 @@ except AttributeError:  # a torch without functorch
 
 # ---------------------------------------------------------------------------------------------
 # tensors
+
+
+def distributions_validate_default() -> bool:
+    """torch.distributions' process-wide default for ``validate_args``, which
+    ``Distribution.set_default_validate_args`` sets (no public getter)."""
+    return bool(getattr(torch.distributions.Distribution, "_validate_args", True))
 
 
 def grad_hooks(t: torch.Tensor) -> list:

@@ -161,15 +161,32 @@ def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (
 
 
 def _whole_output(mb, earlier):
-    """Stand-in for a loss argument that is a model output as a whole, when that output is an
-    object the bundle cannot hold (a ``torch.distributions`` object, whose loss is its
-    ``log_prob``): ``{"$output": true}``, with ``"mb": k`` for micro-batch ``k``'s."""
+    """Stand-in for a loss argument that is a model output as a whole, or an item of its
+    tuple, list or dict, when that is an object the bundle cannot hold (a
+    ``torch.distributions`` object, whose loss is its ``log_prob``; a VAE's ``(px, qz)``
+    pair): ``{"$output": true}``, with ``"mb": k`` for micro-batch ``k``'s and ``"path"``:
+    the keys from the output to the item."""
     def whole(o):
-        if o is mb.outputs:
-            return {"$output": True}
-        return next(({"$output": True, "mb": k} for k, m in enumerate(earlier)
-                     if o is m.outputs), None)
+        for k, m in [(None, mb), *enumerate(earlier)]:
+            if (path := _path_to(o, m.outputs)) is not None:
+                return {"$output": True, **({} if k is None else {"mb": k}),
+                        **({"path": path} if path else {})}
+        return None
     return whole
+
+
+def _path_to(o: Any, tree: Any, depth: int = 0) -> list | None:
+    """The keys (indices, string keys) from ``tree`` to the very object ``o``, or None."""
+    if o is tree:
+        return []
+    if depth >= 4:
+        return None
+    items = enumerate(tree) if isinstance(tree, (list, tuple)) else \
+        tree.items() if isinstance(tree, dict) else ()
+    for key, v in items:
+        if isinstance(key, (int, str)) and (path := _path_to(o, v, depth + 1)) is not None:
+            return [key, *path]
+    return None
 
 
 def _out_ref(i: int, mb: int | None) -> dict[str, int]:

@@ -74,9 +74,12 @@ class Samples:
     seq_first: bool = False
     recurrent: bool = False  # the model holds a recurrent module (see :func:`recurrent`)
 
-    def dim(self, t: torch.Tensor) -> int | None:
+    def dim(self, t: torch.Tensor, stacked: bool = False) -> int | None:
         """The dimension of ``t`` that holds the samples; None when ``t`` has none (a 0-d
-        tensor, a weight), dim 0 when the batch size is unknown."""
+        tensor, a weight), dim 0 when the batch size is unknown. ``stacked``: ``t`` is a value
+        the forward computed from the batch (an output, an op's result), where a leading
+        dimension of another size stacks copies of the batch: IWAE's K posterior samples per
+        input ``(K, B, ...)``, an ensemble's members, a hand-written time-major loop."""
         if t.dim() == 0:
             return None
         if not self.size:
@@ -88,10 +91,12 @@ class Samples:
             return 0
         # (else dim 0 only: a weight's gradient, (4, 8) against a batch of 8, holds none; but
         # a recurrent module's hidden state, (layers, B, H), has the batch in dim 1)
-        return 1 if self.recurrent and t.dim() == 3 and shape[1] == self.size else None
+        if (self.recurrent and t.dim() == 3) or stacked:
+            return 1 if t.dim() > 1 and shape[1] == self.size else None
+        return None
 
-    def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence | Bags | Segments] | None = None
-             ) -> list[int]:
+    def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence | Bags | Segments] | None = None,
+             stacked: bool = False) -> list[int]:
         """The samples of ``t`` that hold a non-finite value ([] when ``t`` has no samples);
         through its ``PackedSequence`` when ``t`` is the ``data`` of one in ``packed`` (see
         :func:`packed_in`)."""
@@ -104,15 +109,16 @@ class Samples:
             return packed_samples(seq, bad_rows(t, 0))
         if isinstance(seq, Record) and seq.of == self.size and self.dim(t) is None:
             return [seq.index] if bad_rows(t.reshape(1, -1), 0) else []
-        d = self.dim(t)
+        d = self.dim(t, stacked)
         return [] if d is None else bad_rows(t, d)
 
     def first_rows(self, tensors: Iterable[torch.Tensor],
-                   packed: Mapping[int, PackedSequence | Bags | Segments] | None = None) -> list[int]:
+                   packed: Mapping[int, PackedSequence | Bags | Segments] | None = None,
+                   stacked: bool = False) -> list[int]:
         """The non-finite samples of the first floating tensor with any."""
         for t in tensors:
             if t.is_floating_point() and t.dim():
-                rows = self.rows(t, packed)
+                rows = self.rows(t, packed, stacked)
                 if rows:
                     return rows
         return []

@@ -15,6 +15,7 @@ window is re-run from its copy (:mod:`replay.window_report`), and the what-ifs a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, reco
 from .forward import report_forward
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
-from .load import Step, build, read_step
+from .load import Step, build, read_step, validate_args_as_recorded
 from .loss_grad import loop_differentiation, not_rerun_term
 from .moved_weights import report_moved_weights
 from .origins import (
@@ -99,12 +100,13 @@ _GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump"
 
 
 def _diverging(report, windowed: bool) -> None:
-    """An overflow after the loss, gradient norm or weights jumped in earlier steps: the run
-    was diverging (a learning rate too high for unscaled features, a bootstrap target fed
-    back), and a wider type or rescaling the op only postpones it; the hint says so (and, for
-    a bundle recorded without a rewind window, how to record the steps that grew)."""
-    at = report["event"].get("step")
-    if report.get("cause") != "overflow" or at is None:
+    """An overflow (or an underflow: a sigmoid driven to 0) after the loss, gradient norm or
+    weights jumped in earlier steps: the run was diverging (a learning rate too high for
+    unscaled features, a bootstrap target fed back), and a wider type or rescaling the op only
+    postpones it; the hint says so (and, for a bundle recorded without a rewind window, how to
+    record the steps that grew)."""
+    at, cause = report["event"].get("step"), report.get("cause")
+    if cause not in ("overflow", "underflow") or at is None:
         return
     # (a weight jump at the event step is the update before it: the weights the step began with)
     jump = next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH
@@ -113,9 +115,11 @@ def _diverging(report, windowed: bool) -> None:
     if jump is not None:
         when = f"in the update before step {at}" if jump["step"] == at else \
             f"at step {jump['step']}"
+        then = ("a wider type only postpones the overflow" if cause == "overflow" else
+                "the values this op took grew extreme with it, and log space or a wider type "
+                "only moves the failure on")
         report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped "
-                          f"{when} (see precursors): the run was diverging, and "
-                          "a wider type only postpones the overflow; "
+                          f"{when} (see precursors): the run was diverging, and {then}; "
                           + DO["diverging_window" if windowed else "diverging"])
 
 
@@ -138,7 +142,12 @@ def analyze_bundle(path, factory: str | None = None, device: str | None = None,
     gradients through the all-reduce, so every rank saw a backward event at once and all are
     first (``recorder.ranks``): the first one's step, finite alone, is not the event; each
     other first rank's step is replayed until one reproduces it."""
-    step = _built(path, None, factory, device, factory_kwargs)
+    with contextlib.ExitStack() as switches:
+        step = _built(path, None, factory, device, factory_kwargs, switches)
+        return _analyzed(step, path, factory, device, factory_kwargs, tries)
+
+
+def _analyzed(step: Step, path, factory, device, factory_kwargs, tries) -> dict[str, Any]:
     report = analyze(step)
     ranks = step.event.get("ranks") or {}
     for rank in _other_firsts(step.path, step.meta):
@@ -169,8 +178,11 @@ def _other_firsts(path, meta: dict[str, Any]) -> list[int]:
     return sorted(ranks.get("first") or [])[1:]
 
 
-def _built(path, rank: int | None, factory, device, factory_kwargs) -> Step:
+def _built(path, rank: int | None, factory, device, factory_kwargs,
+           switches: contextlib.ExitStack | None = None) -> Step:
     step = read_step(path, rank)
+    if switches is not None:  # (before the factory: its modules may build distributions)
+        switches.enter_context(validate_args_as_recorded(step.meta))
     try:
         build(step, factory, device, factory_kwargs)
     except FactoryRefused as e:

@@ -125,6 +125,16 @@ BEYOND_FLOAT64 = " and for float64 as well"
 
 DO = {
     "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",
+    # (clamp_min(eps) would move -1 to +eps and 1 nowhere: each pole has its own bound)
+    "log1p_pole": "keep the input above -1 (x.clamp_min(-1 + eps)); for log(1 - p) of a "
+                  "probability p = sigmoid(z) use the logits (F.logsigmoid(-z), "
+                  "binary_cross_entropy_with_logits), and squash a value in [0, 1] into "
+                  "(alpha, 1 - alpha) before log(1 - y)",
+    "logit": "keep the input inside (0, 1): torch.logit(x, eps=1e-6) clamps it to "
+             "[eps, 1 - eps]; data in [0, 1] (pixels) is exactly 0 or 1 at its ends, so "
+             "dequantize it ((x * 255 + torch.rand_like(x)) / 256) and squash it into "
+             "(alpha, 1 - alpha) (alpha + (1 - 2 * alpha) * x, RealNVP's alpha = 0.05) before "
+             "the logit",
     "power_pole": "keep the base away from 0 (x.clamp_min(eps)); a count or a degree (a "
                   "graph's deg.pow(-0.5) at an isolated node): deg.clamp(min=1), or set the "
                   "result to 0 where the base is 0 (inv[deg == 0] = 0)",

@@ -162,7 +162,9 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return f"{op} of 0 (log has a pole at 0: -inf)", "pole"
     if base == "log1p":
         return ((f"{op} of a number below -1 (as low as {low})", "domain") if bool(
-            (x < -1).any()) else (f"{op} of -1 (a pole: -inf)", "pole"))
+            (x < -1).any()) else (f"{op} of -1 (a pole: -inf)", "log1p_pole"))
+    if base == "logit" and x.numel():
+        return _logit(op, x)
     if base == "sqrt":
         return f"{op} of a negative number (as low as {low})", "domain"
     if base in ("rsqrt", "reciprocal"):
@@ -188,6 +190,16 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")
     return f"{op} at a pole or outside its domain", "pole"
+
+
+def _logit(op: str, x: torch.Tensor) -> tuple[str, str]:
+    """logit(p) = log(p / (1 - p)): poles at 0 and 1, NaN outside [0, 1]."""
+    out = x[(x < 0) | (x > 1)]
+    if out.numel():
+        return f"{op} of a number outside [0, 1] ({g(float(out[0]))})", "logit"
+    ends = [e for e, at in (("0", x == 0), ("1", x == 1)) if bool(at.any())]
+    return f"{op} of {' and '.join(ends) or 'an end of [0, 1]'} (its poles: -inf at 0, +inf at 1)", \
+        "logit"
 
 
 def _division(op: str, ev: Evidence, ins: list[torch.Tensor],

@@ -262,7 +262,7 @@ def origin_rows(step: Step, run: Run, o, hit) -> list[int]:
 
 def _root_rows(step: Step, run: Run) -> list[int]:
     return next((rows for mb, outs in enumerate(run.outputs)
-                 if (rows := samples(step, mb).first_rows(outs))), [])
+                 if (rows := samples(step, mb).first_rows(outs, stacked=True))), [])
 
 
 def module_source(step: Step, module: str) -> str | None:

@@ -118,4 +118,4 @@ def _output_rows(outs: list[torch.Tensor], where: Samples, packed: dict) -> list
     forward, with no dimension of the batch's size, names none; nor does a 0-d output, a loss
     computed in the model); the ``data`` of a ``PackedSequence`` in ``packed`` names them
     through it."""
-    return next((where.rows(t, packed) for t in outs if t.dim() and not finite(t)), [])
+    return next((where.rows(t, packed, stacked=True) for t in outs if t.dim() and not finite(t)), [])

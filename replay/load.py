@@ -23,6 +23,7 @@ from torch import nn
 
 from recorder.bundle import read_bundle
 from recorder.capture import UnrebuildableLeaf, map_tensors, tree_refs, unflatten_tree
+from recorder.compat import distributions_validate_default
 from recorder.compiled import decompile
 from recorder.errors import BundleError
 from recorder.rng import rng_from_bundle
@@ -320,7 +321,7 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
             return inputs[node["$in"]] if inputs and node["$in"] in inputs \
                 else step.tensors[node["$in"]].to(step.device)
         if node.get("$output") is True and objects is not None:
-            return objects[node.get("mb", i)]
+            return _item(objects[node.get("mb", i)], node.get("path", []))
         if "$out" not in node:
             return None
         k = node.get("mb", i)
@@ -335,6 +336,21 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
     # (the outputs are on the device already: moving them is a no-op)
     args, kwargs = _to(unflatten_tree(tree, step.tensors, leaf=output), step.device)
     return args, kwargs
+
+
+def _item(out: Any, path: list) -> Any:
+    """The item of a re-run's output at ``path`` (a loss given ``*model(x)``: each
+    distribution of a ``(px, qz)`` output)."""
+    for key in path if isinstance(path, list) else [None]:
+        try:
+            if not isinstance(out, (list, tuple, dict)):
+                raise TypeError(type(out).__name__)
+            out = out[key]
+        except (TypeError, KeyError, IndexError) as e:
+            raise ReplayError(f"the loss was given an item of the model output at {path} "
+                              f"that the re-run's output has not ({type(e).__name__}: {e})"
+                              ) from None
+    return out
 
 
 def differentiates_model(step: Step, mb: int) -> bool:
@@ -457,3 +473,18 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
         out.append(n)
         n *= max(size, 1)
     return out[::-1]
+
+
+@contextlib.contextmanager
+def validate_args_as_recorded(meta: dict[str, Any]):
+    """torch.distributions' default ``validate_args`` as the training process had it (a
+    loop that turned it off went on past values its checks refuse, to the NaN), put back
+    after."""
+    was = distributions_validate_default()
+    recorded = (meta.get("env") or {}).get("distributions_validate_args")
+    if isinstance(recorded, bool):
+        torch.distributions.Distribution.set_default_validate_args(recorded)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(was)

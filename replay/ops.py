@@ -380,9 +380,10 @@ class OpFinder:
         """Non-finite samples of the first output that has the batch's samples (none made from
         the weights alone)."""
         s = self.samples
-        t = next((t for t in outs if s and s.size and s.dim(t) is not None
+        # (stacked: a value made from the batch, where (K, B, ...) stacks its copies)
+        t = next((t for t in outs if s and s.size and s.dim(t, stacked=True) is not None
                   and t not in self._of_weights and t not in self.pooled), None)
-        shaped = None if t is None else s.rows(t)
+        shaped = None if t is None else s.rows(t, stacked=True)
         return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
 
     def folded_rows(self, outs: list[torch.Tensor], ins: list[torch.Tensor], pairs

@@ -31,6 +31,7 @@ from .load import Step, autocast_as_recorded, differentiates_model
 from .loss_args import loss_args, loss_samples
 from .loss_grad import node_in_loss, probed_report
 from .losses import non_finite_loss_state
+from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder, state_of
 from .optim import eps_lost_text, per_parameter, stale_state
 from .param_writes import built_non_finite_hint, forward_made, forward_made_hint, loop_written_hint
@@ -139,12 +140,18 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
         source=hit.source if hit else None, chain=finder.chain(),
         samples=loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
-        made=hit.made if hit else made)
+        made=hit.made if hit else made,
+        # (the type it computed in: a half model output the loop's loss took as it was)
+        **({"dtype": str(hit.evidence.dtype).removeprefix("torch.")}
+           if hit and hit.evidence else {}))
     if coupled := coupled_rows(step, run, mb, origin["samples"]):
         origin["coupled"] = coupled  # (a DPO pair: what --try drop must drop together)
+    held = non_finite_loss_state(step.loss_fn) if hit is not None else None
+    if came_inside_objects(hit, args, kwargs, held) and (
+            fwd := report_forward_behind_objects(report, step, runner, mb, hit)) is not None:
+        return fwd
     cause = classify(runner, "loss", hit=hit, micro_batch=mb)
-    if hit is not None and not hit.inputs_finite \
-            and (held := non_finite_loss_state(step.loss_fn)) is not None:
+    if hit is not None and not hit.inputs_finite and held is not None:
         cause = Cause("weights", f"{hit.op} took {held}, as the step began: a value made "
                       "before training (class weights 1/count with a class absent from the "
                       "counts: 1/0), not by the loss; make it finite where it is made "

@@ -125,6 +125,9 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
             raise ReplayError(f"--try {label}: that drops every sample of the batch")
 
 
+HALF = ("float16", "bfloat16")
+
+
 def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     """The remedies that fit the cause: drop the offending samples for bad input, an op's
     domain or an overflow in samples whose inputs are outliers of the batch, a wider compute
@@ -150,7 +153,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     if fits_drop and samples and few and not undroppable(step, o.get("micro_batch") or 0):
         out.append("drop=" + ",".join(str(s) for s in samples))
     loss = o.get("phase") == "loss"  # (a loss the loop ran outside the forward's autocast)
-    low = any(m.get("dtype") in ("float16", "bfloat16") for m in step.meta.get("modules", [])) \
+    low = any(m.get("dtype") in HALF for m in step.meta.get("modules", [])) \
         or any(autocast_dtype(mb, loss) for mb in step.micro_batches)
     # (an op computing in float32 under autocast needs float64; one overflowing bfloat16,
     # with float32's range, too; one whose true result float64 overflows, no type)
@@ -158,8 +161,9 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         made_in = o.get("dtype")
         half = made_in == "float16" if made_in else low
         out.append("dtype=float32" if half else "dtype=float64")
-    elif cause in ("underflow", "precision") and low:  # a value float16 rounds to 0 is
-        # normal in float32; a difference bfloat16's 8 bits cancel below 0 keeps its sign
+    elif cause in ("underflow", "precision") and (low or o.get("dtype") in HALF):
+        # a value float16 rounds to 0 is normal in float32; a difference bfloat16's 8 bits
+        # cancel below 0 keeps its sign (also where the op took a half output outside autocast)
         out.append("dtype=float32")
     began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")
     grew = began is not None and began < (report.get("event") or {}).get("step", began)
