@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .capture import map_tensors, tensor_leaves
+from .capture import map_tensors, output_leaves, tensor_leaves
 from .compat import func_transform, in_backward, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
@@ -311,7 +311,7 @@ class CallHooks:
         with ``stats="full"``)."""
         full = self.param_norms
         outs, stats = [], None
-        for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
+        for t in (output,) if type(output) is torch.Tensor else output_leaves(output):
             ref = _output_ref(tape, t, allowed, intended, reuse=not full)
             if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
                 d = t.detach()

@@ -22,6 +22,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from . import objects
+from .compat import distributions_validate
 from .sparse import SPARSE, nested_node, rebuild_nested, rebuild_sparse, sparse_node
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +245,33 @@ def tensor_leaves(obj: Any):
             yield from tensor_leaves(v)
 
 
+def output_leaves(obj: Any):
+    """:func:`tensor_leaves`, then the tensors held by the ``torch.distributions`` objects in
+    ``obj`` (a forecaster's ``Normal(loc, scale)``, a ``TransformedDistribution``'s base and
+    affine transforms): a model's output is checked through them."""
+    yield from tensor_leaves(obj)
+    yield from distribution_tensors(obj)
+
+
+def distribution_tensors(obj: Any, depth: int = 0):
+    """The tensors of the ``torch.distributions`` objects in the containers of ``obj``."""
+    dist = torch.distributions
+    if depth > 4:  # (a base distribution's transforms: a few levels at most)
+        return
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from distribution_tensors(v, depth)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from distribution_tensors(v, depth)
+    elif isinstance(obj, (dist.Distribution, dist.transforms.Transform)):
+        for v in vars(obj).values():
+            if isinstance(v, torch.Tensor):
+                yield v
+            elif isinstance(v, (list, tuple, dist.Distribution, dist.transforms.Transform)):
+                yield from distribution_tensors(v, depth + 1)
+
+
 def map_tensors(obj: Any, fn) -> Any:
     """``obj`` with every tensor in its tuples, lists, dicts and dataclass instances (a shallow
     copy) replaced by ``fn(tensor)``; other leaves kept as they are. A namedtuple keeps its type; a ``PackedSequence`` keeps its
@@ -306,4 +334,7 @@ def environment(rank: int, world_size: int, commit: str | None) -> dict[str, Any
         "git_commit": commit,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "num_threads": torch.get_num_threads(),
+        # the run's default (set_default_validate_args(False) lets NaN parameters through
+        # where the replay's default, True, would raise)
+        "distributions_validate": distributions_validate(),
     }

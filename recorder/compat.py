@@ -7,8 +7,9 @@ base class (statistics that change without moving the version counter), GradScal
 tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
 the autocast regions a decorated ``forward`` enters, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
 non-persistent buffer names), whether a backward is running (checkpointing's recomputation),
-where a DTensor's local shard sits (the checkpoint protocol), and
-a process group's key-value store (where the ranks meet at attach).
+where a DTensor's local shard sits (the checkpoint protocol),
+a process group's key-value store (where the ranks meet at attach), and whether
+``torch.distributions`` validates arguments by default (``Distribution._validate_args``).
 """
 
 from __future__ import annotations
@@ -229,3 +230,9 @@ def fsdp_mp_policy(module):
     (FSDP2's private state: no public getter), or None."""
     get_state = getattr(module, "_get_fsdp_state", None)
     return getattr(get_state(), "_mp_policy", None) if get_state is not None else None
+
+
+def distributions_validate() -> bool:
+    """``torch.distributions``' default ``validate_args`` (``set_default_validate_args``):
+    whether a distribution built without the argument checks its parameters and values."""
+    return bool(torch.distributions.Distribution._validate_args)

@@ -24,6 +24,7 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from . import fidelity, outside
 from .ascent import ascent_hint
 from .cause_text import DO
+from .compat import validation_as_recorded
 from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
@@ -31,6 +32,7 @@ from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .load import Step, build, read_step
 from .loss_grad import loop_differentiation, not_rerun_term
+from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
 from .origins import (
     after_update_hint,
@@ -139,6 +141,11 @@ def analyze_bundle(path, factory: str | None = None, device: str | None = None,
     first (``recorder.ranks``): the first one's step, finite alone, is not the event; each
     other first rank's step is replayed until one reproduces it."""
     step = _built(path, None, factory, device, factory_kwargs)
+    with validation_as_recorded(step.meta):  # (a distribution's checks raise, or do not)
+        return _analyze_built(step, path, factory, device, factory_kwargs, tries)
+
+
+def _analyze_built(step: Step, path, factory, device, factory_kwargs, tries) -> dict[str, Any]:
     report = analyze(step)
     ranks = step.event.get("ranks") or {}
     for rank in _other_firsts(step.path, step.meta):
@@ -220,8 +227,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         o = input_origin(step)
         if (made := made_from_imputed(report, step, o)) is not None:
             return None if made is RERUN else made  # (RERUN: the re-run runs the step)
-        return finish(report, o, "input", reproduced=True,
-                      hint=infinity_the_loss_took(step, o) or input_hint(o, step))
+        return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
+            step, o) or masked_loss_hint(step, o) or input_hint(o, step))
     if any(mb.get("inputs_written") for mb in step.micro_batches):
         return _input_written(report, step)
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):

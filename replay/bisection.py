@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from recorder.capture import tensor_leaves
+from recorder.capture import output_leaves, tensor_leaves
 from recorder.finite import ends, pair_flag
 
 from .compat import in_buffers
@@ -60,7 +60,7 @@ def probe(runner, k: int, allowed: set[str]) -> bool:
             def post(module, args, output, name=name):
                 i = state["i"]
                 state["i"] += 1
-                for t in tensor_leaves(output):
+                for t in output_leaves(output):
                     if t.is_floating_point() and t.numel():
                         bad = ~pair_flag(ends_of(t), allow_inf=name in allowed)
                         state["flag"] = bad if state["flag"] is None else state["flag"] | bad

@@ -14,11 +14,14 @@
 - :func:`set_parameter`, :func:`set_buffer`, :func:`remove_member`: an ``nn.Module``'s
   parameter, buffer and submodule tables (``_parameters``, ``_buffers``, ``_modules``), written
   directly to assign the bundle's tensors without a copy and to clear what a default
-  construction put there.
+  construction put there;
+- :func:`validation_as_recorded`: ``torch.distributions``' default ``validate_args``
+  (``Distribution._validate_args``), as the recorded run had it.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,7 +34,7 @@ from recorder.compat import version_of
 
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
            "running_node", "saved_value", "writes_arguments",
-           "set_parameter", "set_buffer", "remove_member"]
+           "set_parameter", "set_buffer", "remove_member", "validation_as_recorded"]
 
 
 def version(t: torch.Tensor) -> int:
@@ -123,3 +126,18 @@ def no_process_group(e: BaseException) -> bool:
     group where none was initialised (its message, as torch 2.x words it)."""
     return isinstance(e, (ValueError, RuntimeError)) and \
         "process group has not been initialized" in str(e)
+
+
+@contextmanager
+def validation_as_recorded(meta: dict[str, Any]):
+    """``torch.distributions``' default ``validate_args`` as the run set it (recorded in the
+    bundle's environment; a bundle without it keeps this process's), restored on exit."""
+    Distribution = torch.distributions.Distribution
+    before = Distribution._validate_args
+    recorded = (meta.get("env") or {}).get("distributions_validate")
+    if recorded is not None:
+        Distribution.set_default_validate_args(bool(recorded))
+    try:
+        yield
+    finally:
+        Distribution._validate_args = before

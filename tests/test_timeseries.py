@@ -1,0 +1,181 @@
+"""Forecasting trained as GluonTS, RevIN/PatchTST and N-BEATS code trains it
+(``timeseries_models``): DeepAR's mean scaling and likelihood heads returning
+``torch.distributions`` objects, missing values as NaN under observed masks, N-BEATS's losses;
+a planted bug, the recorder on the loop, then ``nanreplay``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import timeseries_models as TS
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+SOURCE = Path(TS.__file__).read_text().splitlines()
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where timeseries_models.py, the factories' module, lives
+
+
+def line_of(text: str) -> str:
+    return f"timeseries_models.py:{next(i for i, t in enumerate(SOURCE, 1) if text in t)}"
+
+
+@contextlib.contextmanager
+def validation(on: bool):
+    """``torch.distributions``' default ``validate_args``, as Pyro's ``enable_validation`` and
+    speed-minded training scripts set it, restored after."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(on)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
+
+
+def series(step: int, B: int = 8, T: int = 24, counts: bool = False):
+    """(past, covariate), next values: random walks, or Poisson counts of a rate per series."""
+    g = torch.Generator().manual_seed(step)
+    if counts:
+        x = torch.poisson((torch.rand(B, 1, generator=g) * 5 + 0.5).expand(B, T + 1),
+                          generator=g)
+    else:
+        x = torch.randn(B, T + 1, generator=g).cumsum(1)
+    return x, torch.randn(B, T, generator=g)
+
+
+def train_deepar(out_dir: Path, kw: dict, edit, loss=TS.nll, **rec) -> NonFiniteError:
+    """DeepAR under Adam, teacher-forced on the lagged values; ``edit(step, x)`` plants the
+    bug in the batch (or returns it unchanged)."""
+    model = TS.make_deepar_nb(**kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir, factory_kwargs=kw,
+                            factory="timeseries_models:make_deepar_nb", **rec) as r:
+            for step in range(8):
+                x, cov = series(step, counts=kw.get("likelihood", "nb") == "nb")
+                x = edit(step, x)
+                opt.zero_grad()
+                r.loss_fn(model(x[:, :-1], cov), x[:, 1:]).backward()
+                opt.step()
+    return info.value
+
+
+def test_an_overflow_inside_a_distribution_output_is_the_forward_s(tmp_path):
+    """DeepAR with a Student-t head: series 5 arrives in the wrong unit (~3e37) at step 4, the
+    mean scaler's sum overflows to inf, and inf only reaches the distribution's ``loc`` and
+    ``scale`` (the LSTM reads ``past / scale``, 0). The recorder checked no tensor of a
+    ``torch.distributions`` output, so the event was the loss's ('non-finite while the model
+    output is finite') and the replay blamed the log-likelihood's division 'where its inputs
+    held infinities (a -inf mask)'. A distribution output is checked through its tensors: the
+    forward made it, ``aten.mean`` in the scaler, on series 5, whose data is out of scale."""
+    def wrong_unit(step, x):
+        if step == 4:
+            x[5] = 3e37 * (1 + torch.rand(25, generator=torch.Generator().manual_seed(1)))
+        return x
+
+    err = train_deepar(tmp_path, {"likelihood": "studentt"}, wrong_unit)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"], ev["samples"]) == \
+        (4, "forward", "", "+inf", [5]), ev
+    rep = nanreplay_json(err.bundle_path, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("forward", "", "aten.mean", [5], "overflow"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("scale = past.abs().mean(1, keepdim=True)"), o["source"]
+    assert "sample(s) 5 of args[0]" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"], rep["what_if"]
+
+
+def test_a_run_without_distribution_validation_is_replayed_without_it(tmp_path):
+    """DeepAR's negative binomial head over counts, trained with validation off
+    (``set_default_validate_args(False)``) and the mean scaler without its floor: a product
+    with no sales yet (series 3, step 5) divides 0 by 0. The replay ran with torch's default,
+    validation on: ``NegativeBinomial`` refused the NaN ``total_count`` in the re-run, and the
+    report's note said the model's code raised 'as it did in training', which it never did.
+    The bundle records the run's default, and the replay runs with it."""
+    def no_sales(step, x):
+        if step == 5:
+            x[3] = 0.0
+        return x
+
+    with validation(False):
+        err = train_deepar(tmp_path, {"min_scale": 0.0}, no_sales)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"], ev["samples"]) == \
+        (5, "forward", "", "nan", [3]), ev
+    assert torch.distributions.Distribution._validate_args  # the replay's, as by default
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("forward", "", "aten.div", [3], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("past / scale, covariate"), o["source"]
+    assert not any("raised" in p for p in rep["problems"]), rep["problems"]
+    assert torch.distributions.Distribution._validate_args  # (restored after the replay)
+
+
+def test_missing_readings_weighted_out_by_a_product_name_that_product(tmp_path):
+    """Series with missing readings as NaN (``allow_nan``), and a mean scaler that weights
+    them out as ``(past.abs() * observed).sum() / observed.sum()``: NaN * 0 is NaN, so series
+    5's scale is NaN from its first gap (step 3). The report said only that a NaN 'got past
+    the handling: find where forward uses args[0]' (and, with the output a distribution, the
+    replay read the re-run's forward as finite). It names that product and its line now."""
+    def gap(step, x):
+        if step >= 3:
+            x[5, 10:14] = float("nan")  # the sensor was offline
+        return x
+
+    kw = {"likelihood": "studentt", "observed_by_product": True}
+    with validation(False):
+        err = train_deepar(tmp_path, kw, gap, loss=TS.masked_nll, allow_nan=["args[0]"])
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (3, "input", "args[0]", [5])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["op"], o["samples"], rep["cause"]) == \
+        ("input", "args[0]", None, [5], "input"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("scale = (past.abs() * observed)"), o["source"]
+    assert "aten.mul" in rep["hint"] and "NaN * 0 is NaN" in rep["hint"], rep["hint"]
+    assert "torch.nan_to_num" in rep["hint"], rep["hint"]
+
+
+def test_missing_targets_masked_by_multiplying_name_the_product(tmp_path):
+    """PatchTST (RevIN, patches, a Transformer encoder) forecasting series whose future values
+    have gaps (NaN), under a masked MSE that multiplies the squared errors by the observed
+    mask: NaN * 0 is NaN, and the loss target is the event. The hint said to fix the data
+    pipeline, or a teacher or EMA network that computed the target: the missing values are
+    meant to be there, the product kept them. The loss is re-run and the product named."""
+    model = TS.make_patchtst()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=TS.masked_mse, out_dir=tmp_path,
+                            factory="timeseries_models:make_patchtst") as rec:
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(8, 40, 2, generator=g).cumsum(1)
+                if step == 2:
+                    x[torch.rand(8, 40, generator=g) < 0.05] = float("nan")
+                past, future = x[:, :32], x[:, 32:]
+                past = past.nan_to_num()  # the inputs are imputed, the targets are not
+                opt.zero_grad()
+                rec.loss_fn(model(past), future).backward()
+                opt.step()
+    missing = sorted(set(torch.isnan(future).any(2).any(1).nonzero().flatten().tolist()))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == \
+        (2, "input", "loss_args[1]", missing), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == \
+        ("input", "loss_args[1]", missing, "input"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("return ((forecast - target) ** 2 * observed)"), o["source"]
+    assert "aten.mul" in rep["hint"] and "NaN * 0 is NaN" in rep["hint"], rep["hint"]
+    assert "data pipeline" not in rep["hint"], rep["hint"]
