@@ -175,7 +175,7 @@ class CallHooks:
             # (kept by the micro-batch, and its norm taken when the step closes: see
             # recorder.grads; the hooks hold that dict, never the tape)
             for i, t in enumerate((output,) if type(output) is torch.Tensor
-                                  else tensor_leaves(output)):
+                                  else output_leaves(output)):
                 fn = t.grad_fn
                 if fn is not None:  # a pre-hook on its node: a tenth of register_hook's Python
                     fn.register_prehook(partial(_keep_out_grad, mb.out_grads, mb.differentiated,

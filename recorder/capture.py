@@ -248,9 +248,13 @@ def tensor_leaves(obj: Any):
 def output_leaves(obj: Any):
     """:func:`tensor_leaves`, then the tensors held by the ``torch.distributions`` objects in
     ``obj`` (a forecaster's ``Normal(loc, scale)``, a ``TransformedDistribution``'s base and
-    affine transforms): a model's output is checked through them."""
-    yield from tensor_leaves(obj)
-    yield from distribution_tensors(obj)
+    affine transforms), each tensor once: a model's output is checked through them, and the
+    gradient entering them is kept as a tensor output's is."""
+    seen = set()
+    for t in (*tensor_leaves(obj), *distribution_tensors(obj)):
+        if id(t) not in seen:  # (NegativeBinomial's _param is its logits)
+            seen.add(id(t))
+            yield t
 
 
 def distribution_tensors(obj: Any, depth: int = 0):

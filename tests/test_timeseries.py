@@ -179,3 +179,35 @@ def test_missing_targets_masked_by_multiplying_name_the_product(tmp_path):
     assert o["source"] == line_of("return ((forecast - target) ** 2 * observed)"), o["source"]
     assert "aten.mul" in rep["hint"] and "NaN * 0 is NaN" in rep["hint"], rep["hint"]
     assert "data pipeline" not in rep["hint"], rep["hint"]
+
+
+def test_a_loss_outside_the_recorder_on_a_distribution_output_is_named_as_such(tmp_path):
+    """DeepAR's Student-t head, its loss written inline in the loop (no ``loss_fn``) with
+    GluonTS's ``weighted_average`` over the observed targets: series 6 has no readings for
+    its last four steps at step 3, ``torch.where`` drops their NaN log-likelihood from the
+    value, and its backward multiplies them (0 * NaN). The recorder kept no gradient entering
+    a distribution output, so the replay said no backward reached the model and blamed 'the
+    loop's own code' writing the gradients. The gradient entering the distribution's tensors
+    is kept now: the report names the loss outside the recorder, on series 6."""
+    model = TS.make_deepar_nb(likelihood="studentt")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with validation(False), pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory_kwargs={
+                "likelihood": "studentt"}, factory="timeseries_models:make_deepar_nb"):
+            for step in range(6):
+                x, cov = series(step)
+                y = x[:, 1:].clone()
+                if step == 3:
+                    y[6, 20:] = float("nan")
+                opt.zero_grad()
+                TS.observed_nll(model(x[:, :-1], cov), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (3, "backward"), ev
+    missing = torch.isnan(y).any(1).nonzero().flatten().tolist()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", None, missing, None), json.dumps(rep, indent=1)
+    assert "gradient entering the model's output" in o["detail"], o["detail"]
+    assert "loss_fn=" in rep["hint"] and "loop's own code" not in rep["hint"], rep["hint"]

@@ -184,3 +184,42 @@ def masked_mse(forecast, target):
     by multiplying with the mask."""
     observed = ~torch.isnan(target)
     return ((forecast - target) ** 2 * observed).sum() / observed.sum()
+
+
+def weighted_average(x, weights, dim=None):
+    """GluonTS's ``weighted_average``: the mean of ``x`` where ``weights`` is nonzero."""
+    weighted = torch.where(weights != 0, x * weights, torch.zeros_like(x))
+    total = torch.clamp(weights.sum(dim=dim) if dim is not None else weights.sum(), min=1.0)
+    return (weighted.sum(dim=dim) if dim is not None else weighted.sum()) / total
+
+
+def observed_nll(dist, y):
+    """DeepAR's loss over the observed targets, weighted by GluonTS's ``weighted_average``."""
+    return weighted_average(-dist.log_prob(y), (~torch.isnan(y)).float())
+
+
+class PackedLSTMForecaster(nn.Module):
+    """Series of different lengths, padded, each standardised over its own observed steps (an
+    unbiased std: ``n - 1``), then read by an LSTM over the packed sequence; the last hidden
+    state forecasts the next ``horizon`` values, de-standardised."""
+
+    def __init__(self, hidden: int = 16, horizon: int = 4):
+        super().__init__()
+        self.lstm = nn.LSTM(1, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, horizon)
+
+    def forward(self, x, lengths):  # (B, T) padded with 0, (B,) on the CPU
+        valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
+        n = lengths[:, None].to(x.dtype)
+        mean = x.sum(1, keepdim=True) / n
+        std = torch.sqrt(((x - mean) ** 2 * valid).sum(1, keepdim=True) / (n - 1))
+        z = ((x - mean) / std * valid).unsqueeze(-1)
+        packed = nn.utils.rnn.pack_padded_sequence(z, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)
+        return self.head(h[-1]) * std + mean
+
+
+def make_packed_lstm(**kw) -> nn.Module:
+    torch.manual_seed(0)
+    return PackedLSTMForecaster(**kw)
