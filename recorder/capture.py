@@ -269,7 +269,7 @@ def distribution_tensors(obj: Any, depth: int = 0):
         for v in obj.values():
             yield from distribution_tensors(v, depth)
     elif isinstance(obj, (dist.Distribution, dist.transforms.Transform)):
-        for v in vars(obj).values():
+        for v in getattr(obj, "__dict__", {}).values():  # (a subclass may use __slots__)
             if isinstance(v, torch.Tensor):
                 yield v
             elif isinstance(v, (list, tuple, dist.Distribution, dist.transforms.Transform)):

@@ -211,3 +211,37 @@ def test_a_loss_outside_the_recorder_on_a_distribution_output_is_named_as_such(t
         ("loss", None, missing, None), json.dumps(rep, indent=1)
     assert "gradient entering the model's output" in o["detail"], o["detail"]
     assert "loss_fn=" in rep["hint"] and "loop's own code" not in rep["hint"], rep["hint"]
+
+
+def test_n_beats_divide_no_nan_masks_the_value_but_not_the_gradient(tmp_path):
+    """N-BEATS's sMAPE through its ``divide_no_nan`` (``result[result != result] = 0`` after
+    the division), without the ``.data`` its authors put on the denominator, over
+    intermittent demand with a ReLU'd forecast: where forecast and target are both 0 the
+    value is 0/0 set to 0, and the division's backward is 0/0 again. Every parameter's
+    gradient stays finite (the ReLU drops those entries), so the event is the gradient
+    entering the forecast; the replay names the loss's DivBackward0 on the series with
+    such a step (computed here from the initial model's forecast), ``invalid``."""
+    model = TS.make_nbeats()
+    fresh = TS.make_nbeats()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.poisson(torch.rand(16, 1, generator=g).expand(16, 30) * 3, generator=g)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=TS.smape_2_loss, out_dir=tmp_path,
+                            factory="timeseries_models:make_nbeats") as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                rec.loss_fn(model(x[:, :24]), x[:, 24:], torch.ones(16, 6)).backward()
+                opt.step()
+    with torch.no_grad():
+        both_zero = (fresh(x[:, :24]) == 0) & (x[:, 24:] == 0)
+    rows = both_zero.any(1).nonzero().flatten().tolist()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == \
+        (0, "backward", "grad of the model output", rows), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("backward", "<loss>", "DivBackward0", rows, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("result = a / b"), o["source"]
+    assert "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]

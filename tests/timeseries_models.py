@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributions import NegativeBinomial, Normal, StudentT
+from torch.distributions import (AffineTransform, LogNormal, NegativeBinomial, Normal, StudentT,
+                                 TransformedDistribution)
 
 
 class DeepARNB(nn.Module):
@@ -37,6 +38,11 @@ class DeepARNB(nn.Module):
             scale = scale.clamp_min(self.min_scale)
         h, _ = self.rnn(torch.stack([past / scale, covariate], -1))
         a, b, c = self.proj(h).unbind(-1)
+        if self.likelihood == "lognormal":  # positive demand: LogNormal(mu, sigma) of the scaled
+            return LogNormal(a + torch.log(scale), F.softplus(b))
+        if self.likelihood == "affine":  # GluonTS's scaled output: AffineTransformed(base, 0, scale)
+            base = StudentT(2.0 + F.softplus(c), a, F.softplus(b))
+            return TransformedDistribution(base, [AffineTransform(0.0, scale)])
         if self.likelihood == "studentt":
             return StudentT(2.0 + F.softplus(c), a * scale, F.softplus(b) * scale)
         mu, alpha = F.softplus(a) * scale, F.softplus(b)
@@ -76,13 +82,22 @@ class RevIN(nn.Module):
         return x * self.stdev + self.mean
 
 
+class PatchNorm(nn.Module):
+    """Each patch standardised by its own mean and std (no eps): a flat patch is 0/0."""
+
+    def forward(self, p):  # (B * C, patches, patch length)
+        return (p - p.mean(-1, keepdim=True)) / p.std(-1, keepdim=True)
+
+
 class PatchTST(nn.Module):
     """A channel-independent PatchTST: RevIN, patches of ``patch`` steps embedded and run
     through a Transformer encoder, a flatten head to the horizon, RevIN's denorm."""
 
-    def __init__(self, channels=2, context=32, horizon=8, patch=8, d=16, eps=1e-5):
+    def __init__(self, channels=2, context=32, horizon=8, patch=8, d=16, eps=1e-5,
+                 patch_norm=False):
         super().__init__()
         self.patch, self.n = patch, context // patch
+        self.patch_norm = PatchNorm() if patch_norm else nn.Identity()
         self.revin = RevIN(channels, eps=eps)
         self.embed = nn.Linear(patch, d)
         self.pos = nn.Parameter(torch.randn(self.n, d) * 0.02)
@@ -93,7 +108,7 @@ class PatchTST(nn.Module):
     def forward(self, x):  # (B, L, C)
         B, _, C = x.shape
         z = self.revin(x, "norm").permute(0, 2, 1).reshape(B * C, self.n, self.patch)
-        z = self.encoder(self.embed(z) + self.pos)
+        z = self.encoder(self.embed(self.patch_norm(z)) + self.pos)
         y = self.head(z.flatten(1)).reshape(B, C, -1).permute(0, 2, 1)
         return self.revin(y, "denorm")
 
@@ -223,3 +238,28 @@ class PackedLSTMForecaster(nn.Module):
 def make_packed_lstm(**kw) -> nn.Module:
     torch.manual_seed(0)
     return PackedLSTMForecaster(**kw)
+
+
+class Seq2Seq(nn.Module):
+    """A GRU encoder-decoder, teacher-forced: the decoder reads the previous true value (the
+    last context value, then the future targets shifted by one), missing ones imputed as 0
+    beside an observed flag."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.encoder = nn.GRU(1, hidden, batch_first=True)
+        self.decoder = nn.GRU(2, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, past, future):  # (B, T), (B, H): future may hold NaN (missing)
+        _, h = self.encoder(past.unsqueeze(-1))
+        prev = torch.cat([past[:, -1:], future[:, :-1]], 1)
+        observed = ~torch.isnan(prev)
+        dec_in = torch.stack([torch.nan_to_num(prev), observed.to(prev.dtype)], -1)
+        out, _ = self.decoder(dec_in, h)
+        return self.head(out).squeeze(-1)
+
+
+def make_seq2seq(**kw) -> nn.Module:
+    torch.manual_seed(0)
+    return Seq2Seq(**kw)
