@@ -310,9 +310,9 @@ class CallHooks:
         """((min, max) refs per floating output tensor, (sum, 2-norm, numel) refs of the first
         with ``stats="full"``)."""
         full = self.param_norms
-        outs, stats = [], None
-        for t in (output,) if type(output) is torch.Tensor else output_leaves(output):
-            ref = _output_ref(tape, t, allowed, intended, reuse=not full)
+        outs, stats, inf_ok = [], None, set()  # (a distribution's logits may be -inf)
+        for t in (output,) if type(output) is torch.Tensor else output_leaves(output, inf_ok):
+            ref = _output_ref(tape, t, allowed or id(t) in inf_ok, intended, reuse=not full)
             if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
                 d = t.detach()
                 stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())

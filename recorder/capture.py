@@ -245,35 +245,42 @@ def tensor_leaves(obj: Any):
             yield from tensor_leaves(v)
 
 
-def output_leaves(obj: Any):
+# a distribution's log-probabilities: -inf is a probability of 0 (a masked action's logit)
+_LOG_PROBABILITIES = {"logits"}
+
+
+def output_leaves(obj: Any, inf_ok: set[int] | None = None):
     """:func:`tensor_leaves`, then the tensors held by the ``torch.distributions`` objects in
     ``obj`` (a forecaster's ``Normal(loc, scale)``, a ``TransformedDistribution``'s base and
     affine transforms), each tensor once: a model's output is checked through them, and the
-    gradient entering them is kept as a tensor output's is."""
+    gradient entering them is kept as a tensor output's is. ``inf_ok`` is given the ids of
+    their logits, whose +-inf is a probability of 0 or 1, not an overflow."""
     seen = set()
-    for t in (*tensor_leaves(obj), *distribution_tensors(obj)):
+    for t in (*tensor_leaves(obj), *distribution_tensors(obj, inf_ok=inf_ok)):
         if id(t) not in seen:  # (NegativeBinomial's _param is its logits)
             seen.add(id(t))
             yield t
 
 
-def distribution_tensors(obj: Any, depth: int = 0):
+def distribution_tensors(obj: Any, depth: int = 0, inf_ok: set[int] | None = None):
     """The tensors of the ``torch.distributions`` objects in the containers of ``obj``."""
     dist = torch.distributions
     if depth > 4:  # (a base distribution's transforms: a few levels at most)
         return
     if isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from distribution_tensors(v, depth)
+            yield from distribution_tensors(v, depth, inf_ok)
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from distribution_tensors(v, depth)
+            yield from distribution_tensors(v, depth, inf_ok)
     elif isinstance(obj, (dist.Distribution, dist.transforms.Transform)):
-        for v in getattr(obj, "__dict__", {}).values():  # (a subclass may use __slots__)
+        for k, v in getattr(obj, "__dict__", {}).items():  # (a subclass may use __slots__)
             if isinstance(v, torch.Tensor):
+                if inf_ok is not None and k in _LOG_PROBABILITIES:
+                    inf_ok.add(id(v))
                 yield v
             elif isinstance(v, (list, tuple, dist.Distribution, dist.transforms.Transform)):
-                yield from distribution_tensors(v, depth + 1)
+                yield from distribution_tensors(v, depth + 1, inf_ok)
 
 
 def map_tensors(obj: Any, fn) -> Any:

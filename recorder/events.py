@@ -439,8 +439,12 @@ def _tensors(obj):
 
 
 def _outputs(obj):
-    """A model output's tensors, then those of its distributions (a forecaster's ``Normal``)."""
-    return [*_tensors(obj), *distribution_tensors(obj)]
+    """A model output's tensors, then those of its distributions (a forecaster's ``Normal``),
+    a distribution's logits with their intended +-inf (masked classes) read as finite."""
+    inf_ok: set[int] = set()
+    dists = list(distribution_tensors(obj, inf_ok=inf_ok))
+    return [*_tensors(obj), *(t.masked_fill(torch.isinf(t), 0.0) if id(t) in inf_ok else t
+                              for t in dists)]
 
 
 def summary(event: dict[str, Any], path: Path | None) -> str:

@@ -245,3 +245,37 @@ def test_n_beats_divide_no_nan_masks_the_value_but_not_the_gradient(tmp_path):
         ("backward", "<loss>", "DivBackward0", rows, "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("result = a / b"), o["source"]
     assert "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
+
+
+def test_masked_bins_of_a_categorical_output_are_no_event_an_all_masked_row_is(tmp_path):
+    """A tokenised forecaster returns ``Categorical(logits=...)`` with the bins above each
+    series' capacity masked to -inf: a probability of 0, no event, now that a distribution
+    output is checked through its tensors (its logits may hold -inf as a masked tensor
+    output may not). At step 3 series 2's capacity is -1 (unknown, encoded so upstream):
+    every bin is masked, ``Categorical`` normalises an all -inf row to NaN (validation is
+    off, as in a run that turned it off for speed), and that is the forward's event, on
+    series 2."""
+    model = TS.make_binned()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with validation(False), pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=TS.token_nll, out_dir=tmp_path,
+                            factory="timeseries_models:make_binned") as rec:
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                past = torch.rand(8, 24, generator=g) * 10
+                capacity = torch.randint(8, 16, (8,), generator=g)
+                token = torch.randint(0, 8, (8,), generator=g)
+                if step == 3:
+                    capacity[2] = -1
+                opt.zero_grad()
+                rec.loss_fn(model(past, capacity), token).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"], ev["samples"]) == \
+        (3, "forward", "", "nan", [2]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("forward", "", "aten.logsumexp", [2], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == line_of("return Categorical(logits=logits.masked_fill("), o["source"]
+    assert "fully masked row" in rep["hint"], rep["hint"]

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributions import (AffineTransform, LogNormal, NegativeBinomial, Normal, StudentT,
-                                 TransformedDistribution)
+from torch.distributions import Categorical, NegativeBinomial, StudentT
 
 
 class DeepARNB(nn.Module):
@@ -38,11 +37,6 @@ class DeepARNB(nn.Module):
             scale = scale.clamp_min(self.min_scale)
         h, _ = self.rnn(torch.stack([past / scale, covariate], -1))
         a, b, c = self.proj(h).unbind(-1)
-        if self.likelihood == "lognormal":  # positive demand: LogNormal(mu, sigma) of the scaled
-            return LogNormal(a + torch.log(scale), F.softplus(b))
-        if self.likelihood == "affine":  # GluonTS's scaled output: AffineTransformed(base, 0, scale)
-            base = StudentT(2.0 + F.softplus(c), a, F.softplus(b))
-            return TransformedDistribution(base, [AffineTransform(0.0, scale)])
         if self.likelihood == "studentt":
             return StudentT(2.0 + F.softplus(c), a * scale, F.softplus(b) * scale)
         mu, alpha = F.softplus(a) * scale, F.softplus(b)
@@ -82,22 +76,13 @@ class RevIN(nn.Module):
         return x * self.stdev + self.mean
 
 
-class PatchNorm(nn.Module):
-    """Each patch standardised by its own mean and std (no eps): a flat patch is 0/0."""
-
-    def forward(self, p):  # (B * C, patches, patch length)
-        return (p - p.mean(-1, keepdim=True)) / p.std(-1, keepdim=True)
-
-
 class PatchTST(nn.Module):
     """A channel-independent PatchTST: RevIN, patches of ``patch`` steps embedded and run
     through a Transformer encoder, a flatten head to the horizon, RevIN's denorm."""
 
-    def __init__(self, channels=2, context=32, horizon=8, patch=8, d=16, eps=1e-5,
-                 patch_norm=False):
+    def __init__(self, channels=2, context=32, horizon=8, patch=8, d=16, eps=1e-5):
         super().__init__()
         self.patch, self.n = patch, context // patch
-        self.patch_norm = PatchNorm() if patch_norm else nn.Identity()
         self.revin = RevIN(channels, eps=eps)
         self.embed = nn.Linear(patch, d)
         self.pos = nn.Parameter(torch.randn(self.n, d) * 0.02)
@@ -108,7 +93,7 @@ class PatchTST(nn.Module):
     def forward(self, x):  # (B, L, C)
         B, _, C = x.shape
         z = self.revin(x, "norm").permute(0, 2, 1).reshape(B * C, self.n, self.patch)
-        z = self.encoder(self.embed(self.patch_norm(z)) + self.pos)
+        z = self.encoder(self.embed(z) + self.pos)
         y = self.head(z.flatten(1)).reshape(B, C, -1).permute(0, 2, 1)
         return self.revin(y, "denorm")
 
@@ -167,31 +152,10 @@ def smape_2_loss(forecast, target, mask):
                                           torch.abs(forecast) + torch.abs(target)) * mask)
 
 
-def mape_loss(forecast, target):
-    return torch.mean(torch.abs((forecast - target) / target))
-
-
-def mase_loss(insample, freq, forecast, target, mask):
-    """N-BEATS's MASE: scaled by the in-sample seasonal naive error (0 for a flat context)."""
-    masep = torch.mean(torch.abs(insample[:, freq:] - insample[:, :-freq]), dim=1)
-    masked_masep_inv = divide_no_nan(mask, masep[:, None])
-    return torch.mean(torch.abs(target - forecast) * masked_masep_inv)
-
-
-def gaussian_nll(dist: Normal, y):
-    return -dist.log_prob(y).mean()
-
-
 def masked_nll(dist, y):
     """GluonTS's masked likelihood loss: missing targets (NaN) are left out of the mean."""
     observed = ~torch.isnan(y)
     return -(dist.log_prob(torch.nan_to_num(y)) * observed).sum() / observed.sum()
-
-
-def masked_nll_by_zero(dist, y):
-    """The same, masking the missing targets by multiplying their NaN log-likelihood by 0."""
-    observed = ~torch.isnan(y)
-    return -(dist.log_prob(y) * observed).sum() / observed.sum()
 
 
 def masked_mse(forecast, target):
@@ -213,53 +177,26 @@ def observed_nll(dist, y):
     return weighted_average(-dist.log_prob(y), (~torch.isnan(y)).float())
 
 
-class PackedLSTMForecaster(nn.Module):
-    """Series of different lengths, padded, each standardised over its own observed steps (an
-    unbiased std: ``n - 1``), then read by an LSTM over the packed sequence; the last hidden
-    state forecasts the next ``horizon`` values, de-standardised."""
+class BinnedForecaster(nn.Module):
+    """A tokenised forecaster (Chronos-style): the scaled next value's bin as a ``Categorical``
+    over ``bins`` levels, the bins above a series' capacity masked with -inf."""
 
-    def __init__(self, hidden: int = 16, horizon: int = 4):
+    def __init__(self, context: int = 24, bins: int = 16, hidden: int = 32):
         super().__init__()
-        self.lstm = nn.LSTM(1, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, horizon)
+        self.net = nn.Sequential(nn.Linear(context, hidden), nn.ReLU(), nn.Linear(hidden, bins))
+        self.register_buffer("levels", torch.arange(bins, dtype=torch.float32))
 
-    def forward(self, x, lengths):  # (B, T) padded with 0, (B,) on the CPU
-        valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
-        n = lengths[:, None].to(x.dtype)
-        mean = x.sum(1, keepdim=True) / n
-        std = torch.sqrt(((x - mean) ** 2 * valid).sum(1, keepdim=True) / (n - 1))
-        z = ((x - mean) / std * valid).unsqueeze(-1)
-        packed = nn.utils.rnn.pack_padded_sequence(z, lengths, batch_first=True,
-                                                   enforce_sorted=False)
-        _, (h, _) = self.lstm(packed)
-        return self.head(h[-1]) * std + mean
+    def forward(self, past, capacity):  # (B, T), (B,) the highest bin each series can reach
+        scale = past.abs().mean(1, keepdim=True).clamp_min(1e-3)
+        logits = self.net(past / scale)
+        return Categorical(logits=logits.masked_fill(self.levels > capacity[:, None],
+                                                     float("-inf")))
 
 
-def make_packed_lstm(**kw) -> nn.Module:
+def make_binned(**kw) -> nn.Module:
     torch.manual_seed(0)
-    return PackedLSTMForecaster(**kw)
+    return BinnedForecaster(**kw)
 
 
-class Seq2Seq(nn.Module):
-    """A GRU encoder-decoder, teacher-forced: the decoder reads the previous true value (the
-    last context value, then the future targets shifted by one), missing ones imputed as 0
-    beside an observed flag."""
-
-    def __init__(self, hidden: int = 16):
-        super().__init__()
-        self.encoder = nn.GRU(1, hidden, batch_first=True)
-        self.decoder = nn.GRU(2, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, 1)
-
-    def forward(self, past, future):  # (B, T), (B, H): future may hold NaN (missing)
-        _, h = self.encoder(past.unsqueeze(-1))
-        prev = torch.cat([past[:, -1:], future[:, :-1]], 1)
-        observed = ~torch.isnan(prev)
-        dec_in = torch.stack([torch.nan_to_num(prev), observed.to(prev.dtype)], -1)
-        out, _ = self.decoder(dec_in, h)
-        return self.head(out).squeeze(-1)
-
-
-def make_seq2seq(**kw) -> nn.Module:
-    torch.manual_seed(0)
-    return Seq2Seq(**kw)
+def token_nll(dist, token):
+    return -dist.log_prob(token).mean()
