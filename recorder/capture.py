@@ -283,6 +283,25 @@ def distribution_tensors(obj: Any, depth: int = 0, inf_ok: set[int] | None = Non
                 yield from distribution_tensors(v, depth + 1, inf_ok)
 
 
+def distribution_labels(obj: Any, depth: int = 0) -> dict[int, str]:
+    """``id(tensor)`` -> ``"StudentT.scale"`` for the tensors of the distributions in ``obj``
+    (a report names the one whose gradient went bad)."""
+    dist, labels = torch.distributions, {}
+    items = obj if isinstance(obj, (list, tuple)) else obj.values() if isinstance(obj, dict) \
+        else [obj]
+    for o in items if depth <= 4 else ():
+        if isinstance(o, (list, tuple, dict)):
+            labels.update(distribution_labels(o, depth + 1))
+        elif isinstance(o, (dist.Distribution, dist.transforms.Transform)):
+            for k, v in getattr(o, "__dict__", {}).items():
+                if isinstance(v, torch.Tensor):
+                    labels.setdefault(id(v), f"{type(o).__name__}.{k}")
+                elif isinstance(v, (list, tuple, dist.Distribution, dist.transforms.Transform)):
+                    labels.update({i: n for i, n in distribution_labels(v, depth + 1).items()
+                                   if i not in labels})
+    return labels
+
+
 def map_tensors(obj: Any, fn) -> Any:
     """``obj`` with every tensor in its tuples, lists, dicts and dataclass instances (a shallow
     copy) replaced by ``fn(tensor)``; other leaves kept as they are. A namedtuple keeps its type; a ``PackedSequence`` keeps its

@@ -188,7 +188,8 @@ def test_a_loss_outside_the_recorder_on_a_distribution_output_is_named_as_such(t
     value, and its backward multiplies them (0 * NaN). The recorder kept no gradient entering
     a distribution output, so the replay said no backward reached the model and blamed 'the
     loop's own code' writing the gradients. The gradient entering the distribution's tensors
-    is kept now: the report names the loss outside the recorder, on series 6."""
+    is kept now: the report names the loss outside the recorder, on series 6, and which
+    tensor of the distribution the gradient entered."""
     model = TS.make_deepar_nb(likelihood="studentt")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with validation(False), pytest.raises(NonFiniteError) as info:
@@ -210,6 +211,7 @@ def test_a_loss_outside_the_recorder_on_a_distribution_output_is_named_as_such(t
     assert (o["phase"], o["op"], o["samples"], rep["cause"]) == \
         ("loss", None, missing, None), json.dumps(rep, indent=1)
     assert "gradient entering the model's output" in o["detail"], o["detail"]
+    assert o["tensor"].startswith("grad of the model output (StudentT."), o["tensor"]
     assert "loss_fn=" in rep["hint"] and "loop's own code" not in rep["hint"], rep["hint"]
 
 
