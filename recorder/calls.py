@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .capture import map_tensors, output_leaves, tensor_leaves
+from .capture import data_arguments, map_tensors, output_leaves, tensor_leaves
 from .compat import func_transform, in_backward, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
@@ -70,7 +70,7 @@ class CallHooks:
             handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
         if self.loss_fn is not None:
             handles.append(self.loss_fn.register_forward_hook(
-                Hook(disabled(self.loss_post_hook)), with_kwargs=True))
+                Hook(disabled(self.loss_post_hook)), with_kwargs=True, always_call=True))
         if target.grad_hooks:
             for i, p in target.large:
                 if not p.requires_grad:  # (frozen, held by the optimizer: read before its step)
@@ -348,16 +348,11 @@ class CallHooks:
         """The loss call's arguments (the targets, kept by reference) on the micro-batch, and
         the (min, max) of each floating output among the step's must-be-finite statistics."""
         mb = tape.micro_batches[tape.micro_batch]
+        if output is None:  # it raised (always_call: validate_args refusing a NaN target)
+            output = data_arguments((args, kwargs), mb.outputs)  # (checked in its place)
         mb.keep_loss_call(args, kwargs, tape.cache, self.cycle.copy_targets,  # (autocast_state:
                           first=len(tape.loss), autocast=autocast_state([]))  # no device read)
-        self.loss_stats(tape, output)
-
-    @staticmethod
-    def loss_stats(tape: Tape, output) -> None:
-        for t in tensor_leaves(output):
-            if t.is_floating_point() and t.numel():
-                lo, hi = tape.slots.minmax(t.detach(), STRICT)
-                tape.loss.append((tape.micro_batch, lo, hi))
+        tape.loss_stats(output)
 
     def grad_hook(self, i: int, p: torch.Tensor) -> None:
         """Squared norms of a gradient (and, with ``stats="full"``, its parameter) when backward

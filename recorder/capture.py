@@ -283,6 +283,14 @@ def distribution_tensors(obj: Any, depth: int = 0, inf_ok: set[int] | None = Non
                 yield from distribution_tensors(v, depth + 1, inf_ok)
 
 
+def data_arguments(call: Any, outputs: Any) -> list[torch.Tensor]:
+    """The floating tensors of a loss call's arguments ``call`` that are neither the model's
+    ``outputs`` nor made with a gradient: its targets."""
+    outs = {id(t) for t in output_leaves(outputs)}
+    return [t for t in tensor_leaves(call) if t.is_floating_point() and id(t) not in outs
+            and not t.requires_grad]
+
+
 def distribution_labels(obj: Any, depth: int = 0) -> dict[int, str]:
     """``id(tensor)`` -> ``"StudentT.scale"`` for the tensors of the distributions in ``obj``
     (a report names the one whose gradient went bad)."""

@@ -281,3 +281,27 @@ def test_masked_bins_of_a_categorical_output_are_no_event_an_all_masked_row_is(t
         ("forward", "", "aten.logsumexp", [2], "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == line_of("return Categorical(logits=logits.masked_fill("), o["source"]
     assert "fully masked row" in rep["hint"], rep["hint"]
+
+
+def test_a_nan_target_that_validate_args_refused_in_the_loss_is_bundled(tmp_path):
+    """DeepAR's Student-t head with torch's default validation: series 2's target holds a NaN
+    (a gap never masked) at step 3, and ``log_prob`` raises ValueError inside ``loss_fn``.
+    The recorder's loss hook never ran, so the cut-short step held nothing non-finite: no
+    bundle, no note. The hook runs on the loss's exception too (``always_call``) and checks
+    the call's data arguments: the ValueError goes on with the recorder's note, naming the
+    target and series 2, and dropping it clears the step."""
+    def gap(step, x):
+        if step == 3:
+            x[2, -1] = float("nan")  # the target's last step only (the model reads x[:, :-1])
+        return x
+
+    with pytest.raises(ValueError) as info:
+        train_deepar(tmp_path, {"likelihood": "studentt"}, gap, loss=TS.nll)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "at step 3, phase input" in notes and "loss_args[1], samples [2]" in notes, notes
+    [bundle] = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == \
+        ("input", "loss_args[1]", [2], "input"), json.dumps(rep, indent=1)
+    assert rep["what_if"][0]["finite"], rep["what_if"]
