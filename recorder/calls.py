@@ -328,6 +328,8 @@ class CallHooks:
         if func_transform() is not None:  # (see _outside)
             return None
         if tape is None and cycle.eval_tail is not None and self.health.active:
+            if output is None:  # (it raised: its check could only raise inside torch's handler)
+                return None
             tape, cycle.eval_tail = cycle.eval_tail, None
             try:
                 self.record_loss_call(tape, args, kwargs, output)
