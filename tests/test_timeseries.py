@@ -69,7 +69,7 @@ def train_deepar(out_dir: Path, kw: dict, edit, loss=TS.nll, **rec) -> NonFinite
     return info.value
 
 
-def test_an_overflow_inside_a_distribution_output_is_the_forward_s(tmp_path):
+def test_an_overflow_inside_a_distribution_output_is_a_forward_event(tmp_path):
     """DeepAR with a Student-t head: series 5 arrives in the wrong unit (~3e37) at step 4, the
     mean scaler's sum overflows to inf, and inf only reaches the distribution's ``loc`` and
     ``scale`` (the LSTM reads ``past / scale``, 0). The recorder checked no tensor of a
@@ -101,7 +101,9 @@ def test_a_run_without_distribution_validation_is_replayed_without_it(tmp_path):
     with no sales yet (series 3, step 5) divides 0 by 0. The replay ran with torch's default,
     validation on: ``NegativeBinomial`` refused the NaN ``total_count`` in the re-run, and the
     report's note said the model's code raised 'as it did in training', which it never did.
-    The bundle records the run's default, and the replay runs with it."""
+    The bundle records the run's default, and the replay runs with it. (The recorder's event,
+    at the root enclosing the LSTM that passed the NaN on, said kind -inf and no samples: a
+    distribution output was not read; it is now, NaN on series 3.)"""
     def no_sales(step, x):
         if step == 5:
             x[3] = 0.0
