@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .capture import map_tensors, tensor_leaves
+from .capture import data_arguments, map_tensors, output_leaves, tensor_leaves
 from .compat import func_transform, in_backward, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
@@ -70,7 +70,7 @@ class CallHooks:
             handles.append(site.target.register_forward_hook(hook, with_kwargs=True))
         if self.loss_fn is not None:
             handles.append(self.loss_fn.register_forward_hook(
-                Hook(disabled(self.loss_post_hook)), with_kwargs=True))
+                Hook(disabled(self.loss_post_hook)), with_kwargs=True, always_call=True))
         if target.grad_hooks:
             for i, p in target.large:
                 if not p.requires_grad:  # (frozen, held by the optimizer: read before its step)
@@ -175,7 +175,7 @@ class CallHooks:
             # (kept by the micro-batch, and its norm taken when the step closes: see
             # recorder.grads; the hooks hold that dict, never the tape)
             for i, t in enumerate((output,) if type(output) is torch.Tensor
-                                  else tensor_leaves(output)):
+                                  else output_leaves(output)):
                 fn = t.grad_fn
                 if fn is not None:  # a pre-hook on its node: a tenth of register_hook's Python
                     fn.register_prehook(partial(_keep_out_grad, mb.out_grads, mb.differentiated,
@@ -310,9 +310,9 @@ class CallHooks:
         """((min, max) refs per floating output tensor, (sum, 2-norm, numel) refs of the first
         with ``stats="full"``)."""
         full = self.param_norms
-        outs, stats = [], None
-        for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
-            ref = _output_ref(tape, t, allowed, intended, reuse=not full)
+        outs, stats, inf_ok = [], None, set()  # (a distribution's logits may be -inf)
+        for t in (output,) if type(output) is torch.Tensor else output_leaves(output, inf_ok):
+            ref = _output_ref(tape, t, allowed or id(t) in inf_ok, intended, reuse=not full)
             if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
                 d = t.detach()
                 stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
@@ -328,6 +328,8 @@ class CallHooks:
         if func_transform() is not None:  # (see _outside)
             return None
         if tape is None and cycle.eval_tail is not None and self.health.active:
+            if output is None:  # (it raised: its check could only raise inside torch's handler)
+                return None
             tape, cycle.eval_tail = cycle.eval_tail, None
             try:
                 self.record_loss_call(tape, args, kwargs, output)
@@ -348,16 +350,11 @@ class CallHooks:
         """The loss call's arguments (the targets, kept by reference) on the micro-batch, and
         the (min, max) of each floating output among the step's must-be-finite statistics."""
         mb = tape.micro_batches[tape.micro_batch]
+        if output is None:  # it raised (always_call: validate_args refusing a NaN target)
+            output = data_arguments((args, kwargs), mb.outputs)  # (checked in its place)
         mb.keep_loss_call(args, kwargs, tape.cache, self.cycle.copy_targets,  # (autocast_state:
                           first=len(tape.loss), autocast=autocast_state([]))  # no device read)
-        self.loss_stats(tape, output)
-
-    @staticmethod
-    def loss_stats(tape: Tape, output) -> None:
-        for t in tensor_leaves(output):
-            if t.is_floating_point() and t.numel():
-                lo, hi = tape.slots.minmax(t.detach(), STRICT)
-                tape.loss.append((tape.micro_batch, lo, hi))
+        tape.loss_stats(output)
 
     def grad_hook(self, i: int, p: torch.Tensor) -> None:
         """Squared norms of a gradient (and, with ``stats="full"``, its parameter) when backward

@@ -245,6 +245,71 @@ def tensor_leaves(obj: Any):
             yield from tensor_leaves(v)
 
 
+# a distribution's log-probabilities: -inf is a probability of 0 (a masked action's logit)
+_LOG_PROBABILITIES = {"logits"}
+
+
+def output_leaves(obj: Any, inf_ok: set[int] | None = None):
+    """:func:`tensor_leaves`, then the tensors held by the ``torch.distributions`` objects in
+    ``obj`` (a forecaster's ``Normal(loc, scale)``, a ``TransformedDistribution``'s base and
+    affine transforms), each tensor once: a model's output is checked through them, and the
+    gradient entering them is kept as a tensor output's is. ``inf_ok`` is given the ids of
+    their logits, whose +-inf is a probability of 0 or 1, not an overflow."""
+    seen = set()
+    for t in (*tensor_leaves(obj), *distribution_tensors(obj, inf_ok=inf_ok)):
+        if id(t) not in seen:  # (NegativeBinomial's _param is its logits)
+            seen.add(id(t))
+            yield t
+
+
+def distribution_tensors(obj: Any, depth: int = 0, inf_ok: set[int] | None = None):
+    """The tensors of the ``torch.distributions`` objects in the containers of ``obj``."""
+    dist = torch.distributions
+    if depth > 4:  # (a base distribution's transforms: a few levels at most)
+        return
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from distribution_tensors(v, depth, inf_ok)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from distribution_tensors(v, depth, inf_ok)
+    elif isinstance(obj, (dist.Distribution, dist.transforms.Transform)):
+        for k, v in getattr(obj, "__dict__", {}).items():  # (a subclass may use __slots__)
+            if isinstance(v, torch.Tensor):
+                if inf_ok is not None and k in _LOG_PROBABILITIES:
+                    inf_ok.add(id(v))
+                yield v
+            elif isinstance(v, (list, tuple, dist.Distribution, dist.transforms.Transform)):
+                yield from distribution_tensors(v, depth + 1, inf_ok)
+
+
+def data_arguments(call: Any, outputs: Any) -> list[torch.Tensor]:
+    """The floating tensors of a loss call's arguments ``call`` that are neither the model's
+    ``outputs`` nor made with a gradient: its targets."""
+    outs = {id(t) for t in output_leaves(outputs)}
+    return [t for t in tensor_leaves(call) if t.is_floating_point() and id(t) not in outs
+            and not t.requires_grad]
+
+
+def distribution_labels(obj: Any, depth: int = 0) -> dict[int, str]:
+    """``id(tensor)`` -> ``"StudentT.scale"`` for the tensors of the distributions in ``obj``
+    (a report names the one whose gradient went bad)."""
+    dist, labels = torch.distributions, {}
+    items = obj if isinstance(obj, (list, tuple)) else obj.values() if isinstance(obj, dict) \
+        else [obj]
+    for o in items if depth <= 4 else ():
+        if isinstance(o, (list, tuple, dict)):
+            labels.update(distribution_labels(o, depth + 1))
+        elif isinstance(o, (dist.Distribution, dist.transforms.Transform)):
+            for k, v in getattr(o, "__dict__", {}).items():
+                if isinstance(v, torch.Tensor):
+                    labels.setdefault(id(v), f"{type(o).__name__}.{k}")
+                elif isinstance(v, (list, tuple, dist.Distribution, dist.transforms.Transform)):
+                    labels.update({i: n for i, n in distribution_labels(v, depth + 1).items()
+                                   if i not in labels})
+    return labels
+
+
 def map_tensors(obj: Any, fn) -> Any:
     """``obj`` with every tensor in its tuples, lists, dicts and dataclass instances (a shallow
     copy) replaced by ``fn(tensor)``; other leaves kept as they are. A namedtuple keeps its type; a ``PackedSequence`` keeps its

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .capture import batch_path, flatten_tree, loss_path
+from .capture import batch_path, distribution_tensors, flatten_tree, loss_path
 from .chain import chain_origin
 from .finite import (
     finite,
@@ -237,8 +237,8 @@ def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
         if event.kind == "nan" and rest_finite(ev.row, ev.calls, ev.layout):
             event.nan_handled = root_input_name(found[0])
         elif d["inputs_finite"] and not d["inputs_nan_free"]:  # an allow_nan input's got past
-            out = ev.samples(d["micro_batch"]).first_rows(_tensors(mb.outputs), packed_in(mb.outputs),
-                                                        stacked=True)
+            out = ev.samples(d["micro_batch"]).first_rows(_outputs(mb.outputs),
+                                                        packed_in(mb.outputs), stacked=True)
             event.samples = [r for r in event.samples if r in out] or event.samples
     event.detail = f"non-finite value in the model's input {event.tensor or ''}".rstrip()
     if not found and mb.inputs_changed:  # (the loop wrote over it: the stats saw it as it ran)
@@ -285,7 +285,7 @@ def _forward_event(ev: StepEvidence) -> Event | None:
     if ev.tape.micro_batches:
         mb = d["micro_batch"]
         outputs = ev.tape.micro_batches[mb].outputs
-        event.samples = ev.samples(mb).first_rows(_tensors(outputs), packed_in(outputs),
+        event.samples = ev.samples(mb).first_rows(_outputs(outputs), packed_in(outputs),
                                                    stacked=True)
     event.detail = (f"{event.kind} first in the output of {event.module or '<root>'} "
                     f"({event.module_type}), call {event.call}")
@@ -438,6 +438,15 @@ def _first_bad_tensor(obj: Any, samples: Samples, skip=(), nan_only: bool = Fals
 def _tensors(obj):
     _, tensors, _ = flatten_tree(obj, "x")
     return tensors.values()
+
+
+def _outputs(obj):
+    """A model output's tensors, then those of its distributions (a forecaster's ``Normal``),
+    a distribution's logits with their intended +-inf (masked classes) read as finite."""
+    inf_ok: set[int] = set()
+    dists = list(distribution_tensors(obj, inf_ok=inf_ok))
+    return [*_tensors(obj), *(t.masked_fill(torch.isinf(t), 0.0) if id(t) in inf_ok else t
+                              for t in dists)]
 
 
 def summary(event: dict[str, Any], path: Path | None) -> str:

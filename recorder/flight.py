@@ -210,7 +210,7 @@ class FlightRecorder:
             return
         try:
             self.calls.loss_recorded = True
-            self.calls.loss_stats(tape, loss)
+            tape.loss_stats(loss)
         except Exception as e:
             self.health.internal_error(e)
 

@@ -14,7 +14,7 @@ import torch
 
 from .capture import map_tensors, tensor_leaves
 from .compat import version_of, view_base
-from .slots import Slots
+from .slots import STRICT, Slots
 
 
 @dataclass(slots=True)
@@ -186,6 +186,14 @@ class Tape:
                 if version_of(t) != v:
                     return True
         return False
+
+    def loss_stats(self, output) -> None:
+        """The (min, max) of each floating tensor of a loss call's ``output`` among the step's
+        must-be-finite statistics."""
+        for t in tensor_leaves(output):
+            if t.is_floating_point() and t.numel():
+                lo, hi = self.slots.minmax(t.detach(), STRICT)
+                self.loss.append((self.micro_batch, lo, hi))
 
     def add_micro_batch(self, mb: MicroBatch, watched: torch.Tensor | None = None) -> None:
         """Begin the calling thread's next micro-batch (under the step cycle's lock);

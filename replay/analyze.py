@@ -32,6 +32,7 @@ from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .load import Step, build, read_step, validate_args_as_recorded
 from .loss_grad import loop_differentiation, not_rerun_term
+from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
 from .origins import (
     after_update_hint,
@@ -232,8 +233,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         o = input_origin(step)
         if (made := made_from_imputed(report, step, o)) is not None:
             return None if made is RERUN else made  # (RERUN: the re-run runs the step)
-        return finish(report, o, "input", reproduced=True,
-                      hint=infinity_the_loss_took(step, o) or input_hint(o, step))
+        return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
+            step, o) or masked_loss_hint(step, o) or input_hint(o, step))
     if any(mb.get("inputs_written") for mb in step.micro_batches):
         return _input_written(report, step)
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):

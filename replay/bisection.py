@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from recorder.capture import tensor_leaves
+from recorder.capture import output_leaves, tensor_leaves
 from recorder.finite import ends, pair_flag
 
 from .compat import in_buffers
@@ -60,9 +60,10 @@ def probe(runner, k: int, allowed: set[str]) -> bool:
             def post(module, args, output, name=name):
                 i = state["i"]
                 state["i"] += 1
-                for t in tensor_leaves(output):
+                inf_ok: set[int] = set()
+                for t in output_leaves(output, inf_ok):
                     if t.is_floating_point() and t.numel():
-                        bad = ~pair_flag(ends_of(t), allow_inf=name in allowed)
+                        bad = ~pair_flag(ends_of(t), allow_inf=name in allowed or id(t) in inf_ok)
                         state["flag"] = bad if state["flag"] is None else state["flag"] | bad
                 if i == k:
                     flag = state["flag"]

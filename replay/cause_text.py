@@ -57,6 +57,15 @@ ALLOWED_NAN_LEAKED = (
     "NaN of it got past that handling: find where forward uses {tensor} before (or without) "
     "imputing it; the samples are its rows whose NaN reached the model's output (else every "
     "row holding NaN)")
+ALLOWED_NAN_GOT_PAST = ("{tensor} may hold NaN (allow_nan: missing values the model handles), "
+                        "but in this step a NaN of it got past that handling: ")
+# ... and a product by a 0/1 mask kept it (replay.masked_product): NaN * 0 is NaN
+MASKED_BY_PRODUCT = (
+    "{op}{at} multiplied the NaN of {tensor} (missing values, rows {rows}) by a mask's 0, and "
+    "NaN * 0 is NaN: a mask applied by multiplication keeps the missing values it was meant "
+    "to drop. Fill them before the first op that reads them (torch.nan_to_num(x), "
+    "torch.where(observed, x, 0)) or select the observed entries (x[observed]), then weight "
+    "by the mask")
 # a backward node that multiplied an allow_nan input's NaN, which the forward masked after it
 # used it (replay.origins.report_backward)
 ALLOWED_NAN_SAVED = (

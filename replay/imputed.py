@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from recorder.capture import output_leaves
 from recorder.finite import has_nan
 from recorder.missing import root_input_name
 
 from .cause import classify
-from .compat import tree_leaves
+from .cause_text import ALLOWED_NAN_GOT_PAST
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step
+from .masked_product import masked_hint
 from .recorded import nan_allowed, origin_key
 from .rerun import Runner
 
@@ -30,8 +30,8 @@ def _nan_left(runner: Runner, mb: int) -> bool:
     """The re-run's forward of micro-batch ``mb`` put out a NaN (or could not say)."""
     try:
         run = runner.run(backward=False, instrument=False)
-        return any(has_nan(t) for t in tree_leaves(run.outputs[mb])
-                   if isinstance(t, torch.Tensor))
+        return any(has_nan(t) for t in output_leaves(run.objects[mb])  # (a Distribution's too)
+                   if t.is_floating_point())
     except Exception:  # (the input origin stands)
         return True
 
@@ -54,6 +54,10 @@ def made_from_imputed(report, step: Step, origin: dict[str, Any]) -> dict[str, A
         # the rebuilt model imputes every missing value: the NaN does not come back from
         # the bundle's batch alone, so the step is re-run as any other (the fidelity check)
         return RERUN
+    if finder.first_nan is None and finder.masked_nan is not None:  # (nan * mask)
+        leaked = ALLOWED_NAN_GOT_PAST.format(tensor=origin.get("tensor"))
+        return finish(report, origin, "input", reproduced=True,
+                      hint=leaked + masked_hint(origin, finder.masked_nan))
     if finder.first_nan is None or hit is None:
         return None
     module, call = hit.within or ("", 0)

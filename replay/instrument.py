@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from recorder.capture import tensor_leaves  # not pytree: see replay.rerun
+from recorder.capture import output_leaves, tensor_leaves  # not pytree: see replay.rerun
 from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok
 from recorder.samples import Samples, packed_in
 
@@ -92,10 +92,12 @@ class CallRecorder:
     def _record(self, name: str, call_id: int, output) -> None:
         (ok_in, every_in, nan_free_in), parents = self.pending.pop(call_id)
         self.result.open.pop(call_id, None)
-        outs = [t for t in tensor_leaves(output) if t.is_floating_point() and t.numel()]
+        inf_ok: set[int] = set()  # (a distribution's logits, as the recorder checks them)
+        outs = [t for t in output_leaves(output, inf_ok) if t.is_floating_point() and t.numel()]
         allowed = name in self.runner.allowed
         pairs = self._output_pairs(outs)
-        ok_out = all(pair_ok(lo, hi, allow_inf=allowed) for lo, hi in pairs)
+        ok_out = all(pair_ok(lo, hi, allow_inf=allowed or id(t) in inf_ok)
+                     for t, (lo, hi) in zip(outs, pairs))
         kind = next((pair_kind(lo, hi) for lo, hi in pairs if not pair_ok(lo, hi)), None)
         for t, pair in zip(outs, pairs):
             self.checked.put(t, pair)

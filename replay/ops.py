@@ -34,6 +34,7 @@ from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit
 from .lineage import Lineage
+from .masked_product import nan_times_zero
 from .memo import TensorSet
 from .pooled import Pooled
 from .positive import made_positive, positive_result
@@ -236,6 +237,8 @@ class OpFinder:
         # whose only non-finite inputs are views of one passes on an intended infinity
         self.mask_buffers = mask_buffers or {}
         self.first_nan: OpHit | None = None
+        # the first product of a NaN by 0 (a 0/1 mask multiplied into missing values)
+        self.masked_nan: OpHit | None = None
         self.intentional: OpHit | None = None
         # the first reduction (sum, mean, nll_loss) that folded an infinity it was given into
         # a non-finite result: where a loss took in a -inf its inputs were allowed to hold
@@ -320,6 +323,9 @@ class OpFinder:
         if not in_finite:
             if self.state and not weights_only and self.first_met is None:
                 self._meet(name, outs)
+            if self.masked_nan is None and nan_times_zero(name, given[0]):
+                self.masked_nan = OpHit(f"aten.{name}", "nan", user_source(), None, None,
+                                        within=self.where)
             return
         if positive_result(name, ins, leaves, self.positive):
             for t in outs:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from recorder.capture import distribution_labels, output_leaves
 from recorder.finite import finite, kind_of
 
 from .load import Step, output_grads
@@ -41,13 +42,25 @@ def zeroed(grads: dict[int, dict[int, torch.Tensor]]) -> dict[int, dict[int, tor
                 for j, g in gs.items()} for i, gs in grads.items()}
 
 
-def feed(runner: Runner, grads: dict[int, dict[int, torch.Tensor]]) -> list[str]:
-    """Parameters with non-finite gradients after one re-run fed ``grads``."""
+def feed(runner: Runner, grads: dict[int, dict[int, torch.Tensor]],
+         objects: list | None = None) -> list[str]:
+    """Parameters with non-finite gradients after one re-run fed ``grads`` (``objects`` is
+    given the re-run's model outputs)."""
     runner.out_grads = grads
     try:
-        return runner.run(instrument=False).bad_grads
+        run = runner.run(instrument=False)
+        if objects is not None:
+            objects.extend(run.objects)
+        return run.bad_grads
     finally:
         runner.out_grads = None
+
+
+def _output_name(objects: list, mb: int, j: int, n_out: int) -> str:
+    """`` 2``, or `` (StudentT.scale)`` for a distribution's tensor: which output it is."""
+    leaves = list(output_leaves(objects[mb])) if mb < len(objects) else []
+    name = distribution_labels(objects[mb]).get(id(leaves[j])) if j < len(leaves) else None
+    return f" ({name})" if name else f" {j}" if n_out > 1 else ""
 
 
 def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] | None:
@@ -59,7 +72,7 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
     bad = non_finite_entries(grads)
     if not bad or feed(runner, zeroed(grads)):
         return None
-    got = feed(runner, grads)
+    got = feed(runner, grads, objects := [])
     recorded = recorded_bad_grads(step)
     if recorded or step.event.get("params"):
         # the recording may hold more: the loop can spread a NaN after backward (a
@@ -73,7 +86,7 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
     fields = {
         "phase": "loss", "module": "<loss>", "micro_batch": mb, "made": kind_of(g),
         "detail": ENTERED, "params": got, "param": (got or [None])[0],
-        "tensor": "grad of the model output" + (f" {j}" if n_out > 1 else ""),
+        "tensor": "grad of the model output" + _output_name(objects, mb, j, n_out),
         "samples": samples(step, mb).first_rows(grads[mb][k] for k in sorted(grads[mb])),
         "positions": {"non_finite": int((~torch.isfinite(g)).sum()), "of": g.numel()},
     }

@@ -16,7 +16,7 @@ from torch import nn
 # Model outputs and losses are walked with the recorder's own tensor_leaves, not pytree: output j
 # here must be the recorder's output j (recorded output gradients are keyed by it), and pytree
 # leaves a dict or tuple subclass it does not know (a user's output type) unopened.
-from recorder.capture import map_tensors, tensor_leaves
+from recorder.capture import map_tensors, output_leaves, tensor_leaves
 from recorder.finite import finite, matches, only_mask_infinities
 from recorder.rng import module_generators, restore_rng
 
@@ -176,7 +176,7 @@ class Runner:
                              else contextlib.nullcontext()), _enter(forward_ctx), \
                             _mode(self.model, mb.get("training")):
                         out = self.model(*args, **kwargs)
-                    outs = list(tensor_leaves(out))
+                    outs = list(output_leaves(out))  # (a Distribution's tensors too)
                     result.outputs.append(outs)
                     result.objects.append(out)
                     with _enter(forward_ctx):  # the loss's nodes too

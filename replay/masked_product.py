@@ -1,0 +1,51 @@
+"""A mask applied by multiplication to a NaN: ``(nll * observed).sum()``, ``x.abs() * mask``.
+
+Missing values stored as NaN (a forecasting target with gaps, a series under ``allow_nan``)
+are meant to be left out by a 0/1 mask, but ``NaN * 0`` is NaN: the mask keeps every missing
+value it was meant to drop. When such a NaN is what the step's event names, the first product
+that met a NaN with a factor of exactly 0 at the same position is where the code meant to
+drop it; the hint names that op and its line (``replay.ops`` watches for it, this module says
+whether an op is one; ``replay.masked_targets`` re-runs a loss to find it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cause_text import MASKED_BY_PRODUCT
+
+# products elementwise, in and out of place (a bool mask is promoted to the NaN's dtype)
+_PRODUCTS = {"mul", "mul_", "multiply", "multiply_"}
+
+
+def nan_times_zero(name: str, args) -> bool:
+    """Whether aten op ``name`` on ``args`` multiplied a NaN by a factor of exactly 0 (a
+    tensor or a number, boolean or not) at one position at least."""
+    if name not in _PRODUCTS or len(args) < 2:
+        return False
+    a, b = args[0], args[1]
+    with torch.no_grad():
+        try:
+            return bool(_met(a, b) or _met(b, a))
+        except RuntimeError:  # shapes that do not broadcast: the op would have raised
+            return False
+
+
+def _met(x, factor) -> bool:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return False
+    nan = torch.isnan(x)
+    if not bool(nan.any()):
+        return False
+    if not isinstance(factor, torch.Tensor):
+        return factor == 0
+    return bool((nan & (factor == 0)).any())
+
+
+def masked_hint(origin: dict, hit) -> str:
+    """The hint for ``origin``'s NaN that product ``hit`` (an OpHit, or (op, source)) kept;
+    ``origin`` is given the product's line as its source."""
+    op, source = (hit.op, hit.source) if hasattr(hit, "op") else hit
+    origin["source"] = origin.get("source") or source
+    return MASKED_BY_PRODUCT.format(op=op, at=f" ({source})" if source else "",
+                                    tensor=origin.get("tensor"), rows=origin.get("samples"))

@@ -1,0 +1,44 @@
+"""Missing targets (NaN) that a loss masks by multiplying: ``(nll * observed).sum()``. An input
+event on such a loss argument is data the run meant to hold; the loss is re-run under the op
+finder, and the product that kept the NaN (``replay.masked_product``) is named."""
+
+from __future__ import annotations
+
+import torch
+
+from .compat import tree_leaves
+from .load import Step, autocast_as_recorded
+from .loss_args import loss_args
+from .masked_product import masked_hint
+from .ops import OpFinder
+from .rerun import Runner
+
+
+def masked_in_loss(step: Step, origin: dict) -> tuple[str, str | None] | None:
+    """(op, source) of the product in the loss that multiplied the NaN of a loss argument by
+    0 (missing targets masked by ``nll * observed``), re-running the model and the loss under
+    the op finder; None when it met none, or the event is another one."""
+    if not (origin.get("tensor") or "").startswith("loss_") or origin.get("made") != "nan" \
+            or step.model is None or step.loss_fn is None:
+        return None
+    mb = origin.get("micro_batch") or 0
+    finder = OpFinder()
+    try:
+        run = Runner(step).run(backward=False, instrument=False)
+        args, kwargs = loss_args(step, run, mb)
+        if not any(isinstance(t, torch.Tensor) and t.is_floating_point()
+                   and bool(torch.isnan(t).any()) for t in tree_leaves((args, kwargs))):
+            return None  # (the re-run's arguments are not the recorded ones)
+        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
+                                                   loss=True), finder:
+            step.loss_fn(*args, **kwargs)
+    except Exception:  # the hint adds to the input origin; without it the origin stands
+        return None
+    hit = finder.masked_nan
+    return (hit.op, hit.source) if hit is not None else None
+
+
+def masked_loss_hint(step: Step, origin: dict) -> str | None:
+    """:func:`masked_hint` of a loss argument's NaN (missing targets), None without one."""
+    hit = masked_in_loss(step, origin)
+    return masked_hint(origin, hit) if hit is not None else None
