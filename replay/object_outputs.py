@@ -2,11 +2,13 @@
 
 A model may return objects that hold its tensors out of every walker's reach: a VAE's
 ``(px, qz)``, two ``torch.distributions`` objects whose parameters (logits, loc, scale) are
-attributes. The recorder checks no such tensor, nor does the instrumented pass, so a ±Inf the
-forward made there (logits divided by a temperature annealed to 0) is first seen in the loss,
-where an op makes NaN of it: a loss event, whose op took infinities that no loss op made and
-no tensor argument held. The forward of the root call, re-run under the op finder, names the
-op that made them.
+attributes. The recorder and the instrumented pass check a distribution's tensors, its
+``logits`` for NaN only (their ±inf is a probability of 0 or 1), and no other object's, so a
+±Inf the forward made there (logits divided by a temperature annealed to 0) is first an event
+where the loss makes NaN of it: at the root's output, whose ±Inf led to it, or at the loss
+when the recorder saw no tensor hold it; in the replay, a loss op that took infinities that no
+loss op made and no tensor argument held. The forward of the root call, re-run under the op
+finder, names the op that made them.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def report_forward_behind_objects(report, step: Step, runner: Runner, mb: int, h
     report["problems"].append(
         f"the loss's {hit.op}{f' ({hit.source})' if hit.source else ''} made {hit.made} of "
         f"the {made.made} that {made.op} made in the forward, carried into the loss inside an "
-        "object of the model output (a torch.distributions object), whose tensors the "
-        "recorder does not check: the origin is that op")
-    return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
-                  hint=cause.hint)
+        "object of the model output (a torch.distributions object, where a logit's ±inf is a "
+        "probability of 0 or 1): the origin is that op")
+    # (the recorder's event: that loss, or the root's output whose ±inf led to it)
+    phase = step.event.get("phase")
+    reproduced = phase == "loss" or (phase == "forward" and not step.event.get("module"))
+    return finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)

@@ -176,11 +176,13 @@ def test_distributions_a_model_returns_in_a_tuple_reach_the_loss_rerun(tmp_path)
 def test_an_infinity_the_forward_put_inside_a_distribution_is_named_in_the_forward(tmp_path):
     """The ``(px, qz)`` VAE with its decoder's temperature annealed linearly to 0 (no floor):
     at step 4 ``logits / tau`` is x/0, +-inf inside the Bernoulli that the forward returns,
-    where neither the recorder nor the instrumented pass sees a tensor. The loss's log_prob
-    makes NaN of it: a loss event, and the report named binary_cross_entropy_with_logits in
-    the loss, 'computed NaN from infinities: find the op that made the first infinity', with
-    no chain to follow. The root call's forward is now searched for the op that made them:
-    aten.div by the number 0, in the forward, with the hint for an annealed temperature."""
+    where the instrumented pass saw no tensor. The loss's log_prob makes NaN of it, and the
+    report named binary_cross_entropy_with_logits in the loss, 'computed NaN from infinities:
+    find the op that made the first infinity', with no chain to follow. The root call's forward
+    is now searched for the op that made them: aten.div by the number 0, in the forward, with
+    the hint for an annealed temperature. (The recorder reads the distributions' tensors, the
+    logits' ±inf as no event by itself: the event is the root's output, whose +inf led to the
+    loss's NaN.)"""
     model = M.make_dist_vae()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with pytest.raises(NonFiniteError) as info:
@@ -193,7 +195,8 @@ def test_an_infinity_the_forward_put_inside_a_distribution_is_named_in_the_forwa
                 rec.loss_fn(*model(x), x).backward()
                 opt.step()
     err = info.value
-    assert (err.event["step"], err.event["phase"]) == (4, "loss"), err.event
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (4, "forward", ""), \
+        err.event
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert (rep["reproduced"], o["phase"], o["module"], o["op"], rep["cause"]) == \
