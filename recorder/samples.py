@@ -91,8 +91,12 @@ class Samples:
             return 0
         # (else dim 0 only: a weight's gradient, (4, 8) against a batch of 8, holds none; but
         # a recurrent module's hidden state, (layers, B, H), has the batch in dim 1)
-        if (self.recurrent and t.dim() == 3) or stacked:
-            return 1 if t.dim() > 1 and shape[1] == self.size else None
+        if self.recurrent and t.dim() == 3:
+            return 1 if shape[1] == self.size else None
+        # (a dim 0 that is a multiple of the batch flattens it with another dim, the tokens of
+        # a (B * T, r) LoRA product: a dim 1 of the batch's size there is no batch)
+        if stacked and t.dim() > 1 and shape[1] == self.size and shape[0] % self.size:
+            return 1
         return None
 
     def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence | Bags | Segments] | None = None,
