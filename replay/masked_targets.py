@@ -21,21 +21,33 @@ def masked_in_loss(step: Step, origin: dict) -> tuple[str, str | None] | None:
     if not (origin.get("tensor") or "").startswith("loss_") or origin.get("made") != "nan" \
             or step.model is None or step.loss_fn is None:
         return None
-    mb = origin.get("micro_batch") or 0
+    finder = watched_loss_rerun(step, origin.get("micro_batch") or 0, accept=_holds_nan)
+    hit = finder and finder.masked_nan
+    return (hit.op, hit.source) if hit is not None else None
+
+
+def _holds_nan(args, kwargs) -> bool:
+    """(else the re-run's arguments are not the recorded ones)"""
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point()
+               and bool(torch.isnan(t).any()) for t in tree_leaves((args, kwargs)))
+
+
+def watched_loss_rerun(step: Step, mb: int, accept=None) -> OpFinder | None:
+    """The op finder after re-running the model's forward, then micro-batch ``mb``'s loss under
+    it; None when either raised, or ``accept(args, kwargs)`` refuses the loss's arguments.
+    (An origin's hint adds what it saw; without it the origin stands.)"""
     finder = OpFinder()
     try:
         run = Runner(step).run(backward=False, instrument=False)
         args, kwargs = loss_args(step, run, mb)
-        if not any(isinstance(t, torch.Tensor) and t.is_floating_point()
-                   and bool(torch.isnan(t).any()) for t in tree_leaves((args, kwargs))):
-            return None  # (the re-run's arguments are not the recorded ones)
+        if accept is not None and not accept(args, kwargs):
+            return None
         with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
                                                    loss=True), finder:
             step.loss_fn(*args, **kwargs)
-    except Exception:  # the hint adds to the input origin; without it the origin stands
+    except Exception:
         return None
-    hit = finder.masked_nan
-    return (hit.op, hit.source) if hit is not None else None
+    return finder
 
 
 def masked_loss_hint(step: Step, origin: dict) -> str | None:

@@ -31,6 +31,7 @@ from .load import Step, autocast_as_recorded, differentiates_model
 from .loss_args import loss_args, loss_samples
 from .loss_grad import node_in_loss, probed_report
 from .losses import non_finite_loss_state
+from .masked_targets import watched_loss_rerun
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder, state_of
 from .optim import eps_lost_text, per_parameter, stale_state
@@ -171,17 +172,8 @@ def infinity_the_loss_took(step: Step, origin: dict[str, Any]) -> str | None:
     if not tensor.startswith("loss_") or made not in ("+inf", "-inf") \
             or step.model is None or step.loss_fn is None:
         return None
-    mb = origin.get("micro_batch") or 0
-    finder = OpFinder()
-    try:
-        run = Runner(step).run(backward=False, instrument=False)
-        args, kwargs = loss_args(step, run, mb)
-        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
-                                                   loss=True), finder:
-            step.loss_fn(*args, **kwargs)
-    except Exception:  # the hint adds to the input origin; without it the origin stands
-        return None
-    hit = finder.first_nan
+    finder = watched_loss_rerun(step, origin.get("micro_batch") or 0)
+    hit = finder and finder.first_nan
     if hit is None:
         return None
     what = inf_arith(hit.op, "NaN from infinities")

@@ -81,6 +81,17 @@ def _seeded():
 
 
 @pytest.fixture
+def validation_at_torch_default():
+    """torch.distributions' validation at torch's default (on), as a training script and the
+    nanreplay process start: a torch.compile elsewhere in this test process turned it off for
+    the process (dynamo's patcher calls ``set_default_validate_args(False)``)."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(True)
+    yield
+    torch.distributions.Distribution.set_default_validate_args(before)
+
+
+@pytest.fixture
 def out_dir(tmp_path: Path) -> Path:
     return tmp_path / "bundles"
 

@@ -29,15 +29,8 @@ def binarized(step: int, n: int = 8) -> torch.Tensor:
     return torch.bernoulli(torch.rand(n, M.D_X, generator=g), generator=g)
 
 
-@pytest.fixture(autouse=True)
-def validation_at_torch_default():
-    """Each test starts with torch.distributions' validation at torch's default (on), as a
-    training script and the nanreplay process do: a torch.compile elsewhere in this test process
-    turned it off for the process (dynamo's patcher calls set_default_validate_args(False))."""
-    before = torch.distributions.Distribution._validate_args
-    torch.distributions.Distribution.set_default_validate_args(True)
-    yield
-    torch.distributions.Distribution.set_default_validate_args(before)
+# (each test starts with torch.distributions' validation on: see conftest)
+pytestmark = pytest.mark.usefixtures("validation_at_torch_default")
 
 
 def train(out_dir: Path, factory: str, loss, batch, steps: int = 5, lr: float = 1e-3,

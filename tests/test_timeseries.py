@@ -29,15 +29,8 @@ def line_of(text: str) -> str:
     return f"timeseries_models.py:{next(i for i, t in enumerate(SOURCE, 1) if text in t)}"
 
 
-@pytest.fixture(autouse=True)
-def validation_at_torch_default():
-    """Each test starts with torch.distributions' validation at torch's default (on), as a
-    training script and the nanreplay process do: a torch.compile elsewhere in this test process
-    turned it off for the process (dynamo's patcher calls set_default_validate_args(False))."""
-    before = torch.distributions.Distribution._validate_args
-    torch.distributions.Distribution.set_default_validate_args(True)
-    yield
-    torch.distributions.Distribution.set_default_validate_args(before)
+# (each test starts with torch.distributions' validation on: see conftest)
+pytestmark = pytest.mark.usefixtures("validation_at_torch_default")
 
 
 @contextlib.contextmanager
