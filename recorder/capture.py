@@ -256,23 +256,31 @@ def output_leaves(obj: Any, inf_ok: set[int] | None = None):
     gradient entering them is kept as a tensor output's is. ``inf_ok`` is given the ids of
     their logits, whose +-inf is a probability of 0 or 1, not an overflow."""
     seen = set()
-    for t in (*tensor_leaves(obj), *distribution_tensors(obj, inf_ok=inf_ok)):
+    for t in (*tensor_leaves(obj), *object_tensors(obj, inf_ok=inf_ok)):
         if id(t) not in seen:  # (NegativeBinomial's _param is its logits)
             seen.add(id(t))
             yield t
 
 
-def distribution_tensors(obj: Any, depth: int = 0, inf_ok: set[int] | None = None):
-    """The tensors of the ``torch.distributions`` objects in the containers of ``obj``."""
+def object_tensors(obj: Any, depth: int = 0, inf_ok: set[int] | None = None):
+    """The tensors of the ``torch.distributions`` objects in the containers of ``obj``, and
+    the tensor attributes of the plain objects there (a model returning its own ``class
+    Prediction`` with ``self.mean``, ``self.scale``; dataclasses are :func:`tensor_leaves`')."""
     dist = torch.distributions
     if depth > 4:  # (a base distribution's transforms: a few levels at most)
         return
     if isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from distribution_tensors(v, depth, inf_ok)
+            yield from object_tensors(v, depth, inf_ok)
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from distribution_tensors(v, depth, inf_ok)
+            yield from object_tensors(v, depth, inf_ok)
+    elif _plain_object(obj):
+        for v in vars(obj).values():
+            if isinstance(v, torch.Tensor):
+                yield v
+            elif isinstance(v, (list, tuple, dict)) or _plain_object(v):
+                yield from object_tensors(v, depth + 1, inf_ok)
     elif isinstance(obj, (dist.Distribution, dist.transforms.Transform)):
         for k, v in getattr(obj, "__dict__", {}).items():  # (a subclass may use __slots__)
             if isinstance(v, torch.Tensor):
@@ -280,7 +288,17 @@ def distribution_tensors(obj: Any, depth: int = 0, inf_ok: set[int] | None = Non
                     inf_ok.add(id(v))
                 yield v
             elif isinstance(v, (list, tuple, dist.Distribution, dist.transforms.Transform)):
-                yield from distribution_tensors(v, depth + 1, inf_ok)
+                yield from object_tensors(v, depth + 1, inf_ok)
+
+
+def _plain_object(o: Any) -> bool:
+    """An instance of a user's class holding its values as attributes: no tensor, module,
+    container, class, function or distribution, and no dataclass (walked by its fields)."""
+    return hasattr(o, "__dict__") and not isinstance(
+        o, (torch.Tensor, torch.nn.Module, type, torch.distributions.Distribution,
+            torch.distributions.transforms.Transform, PackedSequence)) \
+        and not callable(o) and not objects.is_instance(o) \
+        and type(o).__module__ not in ("builtins", "types")
 
 
 def data_arguments(call: Any, outputs: Any) -> list[torch.Tensor]:

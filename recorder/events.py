@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .capture import batch_path, distribution_tensors, flatten_tree, loss_path
+from .capture import batch_path, flatten_tree, loss_path, object_tensors
 from .chain import chain_origin
 from .finite import (
     finite,
@@ -444,7 +444,7 @@ def _outputs(obj):
     """A model output's tensors, then those of its distributions (a forecaster's ``Normal``),
     a distribution's logits with their intended +-inf (masked classes) read as finite."""
     inf_ok: set[int] = set()
-    dists = list(distribution_tensors(obj, inf_ok=inf_ok))
+    dists = list(object_tensors(obj, inf_ok=inf_ok))
     return [*_tensors(obj), *(t.masked_fill(torch.isinf(t), 0.0) if id(t) in inf_ok else t
                               for t in dists)]
 
