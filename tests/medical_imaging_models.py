@@ -124,13 +124,16 @@ class TverskyLoss(nn.Module):
         super().__init__()
         self.alpha, self.beta, self.batch = alpha, beta, batch
 
-    def forward(self, logits, labels):
+    def index(self, logits, labels):
         p, t = logits.softmax(1), one_hot(labels, logits.shape[1])
         dims = (0, 2, 3, 4) if self.batch else (2, 3, 4)
         tp = (p * t).sum(dims)
         fp = (p * (1 - t)).sum(dims)
         fn = ((1 - p) * t).sum(dims)
-        return (1 - tp / (tp + self.alpha * fp + self.beta * fn)).mean()
+        return tp / (tp + self.alpha * fp + self.beta * fn)
+
+    def forward(self, logits, labels):
+        return (1 - self.index(logits, labels)).mean()
 
 
 class DeepSupervisionLoss(nn.Module):
@@ -324,10 +327,4 @@ class FocalTverskyLoss(TverskyLoss):
         self.gamma = gamma
 
     def forward(self, logits, labels):
-        p, t = logits.softmax(1), one_hot(labels, logits.shape[1])
-        dims = (0, 2, 3, 4) if self.batch else (2, 3, 4)
-        tp = (p * t).sum(dims)
-        fp = (p * (1 - t)).sum(dims)
-        fn = ((1 - p) * t).sum(dims)
-        ti = tp / (tp + self.alpha * fp + self.beta * fn)
-        return ((1 - ti) ** self.gamma).mean()
+        return ((1 - self.index(logits, labels)) ** self.gamma).mean()

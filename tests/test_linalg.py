@@ -29,6 +29,22 @@ def origin_of(rep: dict) -> tuple:
     return rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"]
 
 
+def train_glow(tmp_path, factory: str, steps: int) -> NonFiniteError:
+    """Train ``linalg_models.<factory>()`` with Adam on Gaussian batches of 8 until the
+    recorder raises; returns its error."""
+    model = getattr(M, factory)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.flow_nll, out_dir=tmp_path,
+                            factory=f"linalg_models:{factory}") as rec:
+            for step in range(steps):
+                x = torch.randn(8, M.C, generator=torch.Generator().manual_seed(step))
+                opt.zero_grad()
+                rec.loss_fn(model(x)).backward()
+                opt.step()
+    return info.value
+
+
 def test_glow_logdet_of_a_rotation_with_determinant_minus_one_names_logdet(tmp_path):
     """Glow's invertible 1x1 convolution initialised as a QR rotation (determinant -1 here),
     its log-Jacobian written ``torch.logdet(W)`` instead of ``slogdet``'s logabsdet: NaN at the
@@ -36,18 +52,8 @@ def test_glow_logdet_of_a_rotation_with_determinant_minus_one_names_logdet(tmp_p
     op that makes the NaN is a ``scalar_tensor(nan)`` constant; the report used to name that,
     with the generic 'clamp the input' hint. It names ``aten.logdet``, the negative
     determinant, and slogdet."""
-    model = M.make_glow()
-    assert torch.linalg.det(model.conv0.weight) < 0  # (QR's rotation, as Glow draws it)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=M.flow_nll, out_dir=tmp_path,
-                            factory="linalg_models:make_glow") as rec:
-            for step in range(4):
-                x = torch.randn(8, M.C, generator=torch.Generator().manual_seed(step))
-                opt.zero_grad()
-                rec.loss_fn(model(x)).backward()
-                opt.step()
-    rep = nanreplay_json(info.value.bundle_path)
+    assert torch.linalg.det(M.make_glow().conv0.weight) < 0  # (QR's rotation, as Glow draws it)
+    rep = nanreplay_json(train_glow(tmp_path, "make_glow", steps=4).bundle_path)
     assert origin_of(rep)[:4] == (0, "forward", "conv0", "aten.logdet"), rep["origin"]
     assert rep["cause"] == "invalid" and rep["reproduced"] is True
     src = rep["origin"]["source"]
@@ -304,17 +310,7 @@ def test_glow_slogdet_of_a_zero_initialised_channel_is_a_singular_weight(tmp_pat
     The report used to say '_linalg_slogdet at a pole or outside its domain: clamp the input'
     and, for the parameter, 'learn its log and use .exp()'; it names the singular matrix and
     how an invertible layer stays invertible, with no per-entry advice for the weight."""
-    model = M.make_glow_zero_channel()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=M.flow_nll, out_dir=tmp_path,
-                            factory="linalg_models:make_glow_zero_channel") as rec:
-            for step in range(3):
-                x = torch.randn(8, M.C, generator=torch.Generator().manual_seed(step))
-                opt.zero_grad()
-                rec.loss_fn(model(x)).backward()
-                opt.step()
-    rep = nanreplay_json(info.value.bundle_path)
+    rep = nanreplay_json(train_glow(tmp_path, "make_glow_zero_channel", steps=3).bundle_path)
     assert origin_of(rep)[:4] == (0, "forward", "conv1", "aten._linalg_slogdet"), rep["origin"]
     assert rep["cause"] == "invalid" and rep["origin"]["made"] == "-inf", rep
     hint = rep["hint"]
