@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ CALL_FIELDS = ("min", "max", "absmax", "mean", "rms", "nan", "posinf", "neginf",
 
 @dataclass(slots=True)
 class StepLayout:
-    """Where each statistic of one step lives in that step's row (all indices into the row)."""
+    """Where each statistic of one step lives in that step's row (all indices into the row).
+    The entry lists are empty tuples until :meth:`materialize` makes them (none per step)."""
 
     step: int
     lrs: list[float | torch.Tensor]  # (a device tensor lr: its copy, read at export)
@@ -34,17 +36,17 @@ class StepLayout:
     # (module index, micro-batch, completion order, ((min, max), ...) per output tensor,
     #  (sum, 2-norm, numel) | None,
     #  ((min, max, from_allowed), ...) per input tensor)
-    calls: list[tuple] = field(default_factory=list)
-    loss: list[tuple[int, int, int]] = field(default_factory=list)  # (micro-batch, min, max)
-    grads: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
-    params: list[tuple[int, int]] = field(default_factory=list)  # (param index, norm)
+    calls: Sequence[tuple] = ()
+    loss: Sequence[tuple[int, int, int]] = ()  # (micro-batch, min, max)
+    grads: Sequence[tuple[int, int]] = ()  # (param index, norm)
+    params: Sequence[tuple[int, int]] = ()  # (param index, norm)
     # (param index, squared norm) of the weights right after the previous step's update, the
     # update of step ``update_step`` (None: no update since the previous step)
-    updates: list[tuple[int, int]] = field(default_factory=list)
+    updates: Sequence[tuple[int, int]] = ()
     update_step: int | None = None
     # (micro-batch, output index, squared norm) of the gradient backward brought to each
     # root output
-    out_grads: list[tuple[int, int, int]] = field(default_factory=list)
+    out_grads: Sequence[tuple[int, int, int]] = ()
     length: int = 0
     # (tape calls, loss, grad refs, param refs, (update entries first, region starts, region
     #  ends), update refs, output-gradient refs): slot refs, resolved into the fields above by

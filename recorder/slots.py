@@ -63,10 +63,14 @@ class _Region:
         self.extra: list[torch.Tensor] = []  # what did not fit, numbered on from ``size``
         self._prefix = data
 
+    def used(self) -> int:
+        """How many slots were handed out (overflow included)."""
+        # the counter's next number, read without taking it: its repr is "count(N)"
+        return int(repr(self.take.__self__)[6:-1])
+
     def prefix(self) -> torch.Tensor:
         """The slots handed out so far (and any overflow) as one vector."""
-        # the counter's next number, read without taking it: its repr is "count(N)"
-        used = min(int(repr(self.take.__self__)[6:-1]), self.size)
+        used = min(self.used(), self.size)
         if self._prefix.numel() != used:  # the count rarely changes between steps
             self._prefix = self.data.narrow(0, 0, used)
         if self.extra:
@@ -83,9 +87,13 @@ class Slots:
         self._cpu = device.type == "cpu"  # (``t.is_cpu`` builds no device object per check)
         self._lock = threading.Lock()  # for the overflow list only
         self._build(sizes or (n,) * len(REGIONS))
+        # default-sized slots are refitted to what the first step used (see start_step)
+        self.fitting = sizes is None
 
     def _build(self, sizes: tuple[int, ...]) -> None:
-        self.data = torch.zeros(sum(sizes), dtype=FLOAT32, device=self.device)
+        with torch.inference_mode(False):  # (built in an inference-mode step, later written by
+            # training steps, which may not write an inference tensor)
+            self.data = torch.zeros(sum(sizes), dtype=FLOAT32, device=self.device)
         views = self.data.unbind(0)
         pairs = self.data.unfold(0, 2, 1).unbind(0) if self.data.numel() > 1 else ()
         self.starts: tuple[int, ...] = tuple(itertools.accumulate(sizes, initial=0))[:-1]
@@ -107,10 +115,17 @@ class Slots:
         """Hand the slots out again from the first (the last step's values are in the ring);
         after a step that ran short, a new vector, with room in each short region for what
         it was asked plus a quarter."""
-        if self.short:
-            wanted = [r.size + len(r.extra) for r in self._regions]
-            self._build(tuple(w + w // 4 if r.extra else r.size
-                              for r, w in zip(self._regions, wanted)))
+        fit = self.fitting and any(map(_Region.used, self._regions))
+        if self.short or fit:
+            if fit:  # the first step's row was gathered: each region sized to what it used
+                # and a margin, so that a row, its copy and its checks touch a few cache lines,
+                # not the default 4 KiB (a later step that needs more runs short once)
+                self.fitting = False
+                sizes = [u + u // 4 + 8 for u in map(_Region.used, self._regions)]
+            else:
+                sizes = [(w := r.size + len(r.extra)) + w // 4 if r.extra else r.size
+                         for r in self._regions]
+            self._build(tuple(sizes))
             return
         if self.once:
             self.once = False
@@ -131,7 +146,7 @@ class Slots:
         """This step's part of a row, as (pieces in row order, start and end of each region in
         them): the whole vector, or, after running short, each region gathered (see
         :meth:`gather`)."""
-        if not self.short:
+        if not (self.short or self.fitting):
             return [self.data], self.starts, self.ends
         pieces = self.gather()
         ends = tuple(itertools.accumulate(p.numel() for p in pieces))
