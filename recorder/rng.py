@@ -5,7 +5,9 @@ replay."""
 from __future__ import annotations
 
 import ctypes
+import os
 import random
+import struct
 import sys
 from typing import Any
 
@@ -30,13 +32,15 @@ def module_generators(modules) -> list[tuple[str, torch.Generator]]:
 class RngCapture:
     """Captures every RNG a training step may draw from (see :meth:`__call__`).
 
-    ``random.getstate()`` (a 625-tuple, ~9 us) and NumPy's ``get_state()`` (~30 us) are a large
-    share of a small step, so each is re-read only when a fingerprint of the generator's raw
-    MT19937 words (position and three key words) and its cached gaussian has moved since the
-    last read. Every draw moves the position or the cached gaussian and every wrap regenerates
-    the words, so an unchanged fingerprint means an unchanged state. The words are read in
-    place: NumPy's through its documented ``ctypes`` interface (its cached gaussian inside the
-    ``RandomState`` object), CPython's at the ``RandomObject`` layout, each used only after it
+    ``random.getstate()`` (a 625-tuple, ~9 us), NumPy's ``get_state()`` (~30 us) and torch's
+    ``get_state()`` (a new 5 KB tensor: the largest share of the recorder's cache misses when a
+    step opens) are a large share of a small step, so each is re-read only when a fingerprint
+    of the generator's raw MT19937 words (position and three key words) and its cached
+    gaussian has moved since the last read. Every draw moves the position or the cached
+    gaussian and every wrap regenerates the words, so an unchanged fingerprint means an
+    unchanged state. The words are read in place: NumPy's through its documented ``ctypes``
+    interface (its cached gaussian inside the ``RandomState`` object), CPython's at the
+    ``RandomObject`` layout, torch's inside its ``CPUGeneratorImpl``, each used only after it
     is checked against the real state at the first capture.
     """
 
@@ -51,6 +55,9 @@ class RngCapture:
         self._py_owner = self._py_words = None
         self._py_last: tuple | None = None
         self._py_key: tuple | None = None
+        self._torch_owner = self._torch_words = None
+        self._torch_last: torch.Tensor | None = None
+        self._torch_key: tuple | None = None
 
     def _numpy_state(self, np) -> Any:
         # the generator behind np.random's functions (bound to it when NumPy was imported)
@@ -90,10 +97,27 @@ class RngCapture:
             self._py_last, self._py_key = random.getstate(), key
         return self._py_last
 
+    def _torch_state(self) -> torch.Tensor:
+        gen = torch.default_generator
+        if gen is not self._torch_owner:
+            self._torch_owner, self._torch_last = gen, None
+            words = _torch_mt_words(gen)
+            self._torch_words = words and _uint32s(words)
+        w = self._torch_words
+        if w is False:
+            return gen.get_state()
+        # position (left, next), three state words, and the cached normal samples after them
+        key = (w[0], w[2], w[3], w[314], w[626], w[627], w[628], w[629], w[630], w[631], w[632],
+               w[633])
+        if key != self._torch_key or self._torch_last is None:
+            self._torch_last, self._torch_key = gen.get_state(), key
+        return self._torch_last
+
     def __call__(self) -> dict[str, Any]:
-        """Every RNG a training step may draw from, as it is now. Draws nothing itself."""
+        """Every RNG a training step may draw from, as it is now. Draws nothing itself. A state
+        that did not move since the last call is the same object (never written to)."""
         state: dict[str, Any] = {"python": self._python_state(),
-                                 "torch_cpu": torch.default_generator.get_state()}
+                                 "torch_cpu": self._torch_state()}
         np = sys.modules.get("numpy")
         if np is not None:
             state["numpy"] = self._numpy_state(np)
@@ -152,6 +176,45 @@ def _python_mt_words(inst: random.Random):
         words = (ctypes.c_uint32 * 625).from_address(id(inst) + header)
         version, internal, _ = inst.getstate()
         if version == 3 and list(internal) == [*words[1:], words[0]]:
+            return words
+    except Exception:
+        pass
+    return False
+
+
+def _torch_mt_words(gen: torch.Generator):
+    """The words of torch's ``CPUGeneratorImpl`` from its MT19937 engine on: ``int left_;
+    bool seeded_; uint32 next_; uint32 state_[624]`` then the cached normal samples
+    (``optional<float>``, ``optional<double>``: 24 to 28 bytes), as 634 uint32 words (``left_``
+    first), or False where the layout is not that one. The generator object holds a pointer to the
+    implementation after its header (``at::Generator``); the engine is found by the first state words of
+    ``get_state()`` (whose legacy layout is ``uint64 seed; int left; int seeded; uint64 next;
+    uint64 state[624]; double normal_x, normal_y, normal_rho; int normal_is_valid``) and used
+    only if its position, all 624 words and the cached double sample agree with it."""
+    try:
+        header = object.__basicsize__
+        if sys.implementation.name != "cpython" or type(gen) is not torch.Generator \
+                or gen.device.type != "cpu" or not os.path.exists("/proc/self/mem"):
+            return False
+        state_now = gen.get_state()  # (a CPU byte tensor: read in place, no tensor method)
+        raw = ctypes.string_at(state_now.data_ptr(), state_now.numel())
+        _, left, _, nxt = struct.unpack_from("<QiiQ", raw, 0)
+        state = [w & 0xFFFFFFFF for w in struct.unpack_from("<624Q", raw, 24)]
+        _, normal_y, _, normal_valid = struct.unpack_from("<dddi", raw, 24 + 624 * 8)
+        impl = ctypes.c_void_p.from_address(id(gen) + header).value
+        # (read through /proc/self/mem: an address that is not the engine's, on another build,
+        # fails there with an error instead of faulting)
+        with open("/proc/self/mem", "rb", buffering=0) as mem:
+            mem.seek(impl)
+            head = list(struct.unpack_from("<64I", mem.read(4 * (64 + 634))))  # (all it reads)
+        at = next(k for k in range(3, 61) if head[k: k + 3] == state[:3])
+        words = (ctypes.c_uint32 * 634).from_address(impl + 4 * (at - 3))
+        at_double = -(-(ctypes.addressof(words) + 4 * 627 + 8) // 8) * 8  # (aligned to 8)
+        double = ctypes.c_double.from_address(at_double)
+        has_double = ctypes.c_bool.from_address(at_double + 8)
+        if (words[0], words[2]) == (left, nxt) and list(words[3:627]) == state \
+                and has_double.value == bool(normal_valid) \
+                and (not normal_valid or double.value == normal_y):
             return words
     except Exception:
         pass

@@ -172,6 +172,11 @@ _DRAWS = {
     "np_many": lambda: np.random.random(700),
     "seed_np": lambda: np.random.seed(3),
     "torch": lambda: torch.rand(2),
+    "torch_many": lambda: torch.rand(700),  # past a regeneration of the words
+    "torch_wrap": lambda: [torch.randint(0, 9, (1,)) for _ in range(624)],  # same position
+    "torch_normal": lambda: torch.randn(1),  # alternates drawing and using the cached value
+    "torch_dropout": lambda: torch.nn.functional.dropout(torch.ones(64), 0.5),
+    "seed_torch": lambda: torch.manual_seed(3),
 }
 
 
@@ -179,9 +184,11 @@ _DRAWS = {
 @given(st.lists(st.lists(st.sampled_from(sorted(_DRAWS)), max_size=4), min_size=1, max_size=6))
 # found by this test: re-seeding to the same words with a gaussian newly cached (once missed)
 @example([["seed_np", "np_normal", "np_normal"], ["seed_np", "np_normal"]])
+@example([["torch_normal"], ["torch_normal"], ["seed_torch", "torch_normal"], ["seed_torch"]])
 def test_a_reused_capture_always_matches_the_real_states(steps):
-    """The capture skips re-reading Python's and NumPy's states when their fingerprints did
-    not move: whatever was drawn in between, what it returns is the state right now."""
+    """The capture skips re-reading Python's, NumPy's and torch's CPU states when their
+    fingerprints did not move: whatever was drawn in between, what it returns is the state
+    right now."""
     from recorder.rng import RngCapture
 
     capture = RngCapture()
@@ -194,6 +201,8 @@ def test_a_reused_capture_always_matches_the_real_states(steps):
         assert ours[0] == real[0] and np.array_equal(ours[1], real[1])
         assert ours[2:] == real[2:]
         assert torch.equal(state["torch_cpu"], torch.get_rng_state())
+    # nothing drew since: torch's state is not copied again (the same tensor, never written)
+    assert capture()["torch_cpu"] is state["torch_cpu"]
 
 
 def test_reader_streams_with_a_filter_and_iterates_once(tmp_path):
