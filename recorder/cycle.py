@@ -80,13 +80,12 @@ class StepCycle:
         self._probe_views: tuple = ()
         self._probe_nan_only = False  # its min/max hold this step's NaN-only entries
         self.copy_targets = False  # the loop wrote into the loss's targets: see Tape.targets_moved
-        self._last_raw: tuple | None = None  # the last row's layout refs (see _layout)
 
     def release(self) -> None:
         """Let go of the open step, the copies and the evidence (at detach)."""
         self.tape = self.eval_tail = None
         self.buffers.clear()
-        self.slots = self._last_raw = None
+        self.slots = None
         self.pending_update = None
         if self.rewind is not None:
             self.rewind.clear()
@@ -313,11 +312,7 @@ class StepCycle:
         raw = (tape.calls, tape.loss, sorted(tape.grad_norms.items()),
                sorted(tape.param_norms.items()), (shift, starts, ends), updates,
                tape.out_grad_norms)
-        last = self._last_raw
-        # a step laid out as the last (the usual case) shares its lists: the ring then holds
-        # one step's worth of them, not ``history`` copies made and freed, each one step apart
-        layout.raw = self._last_raw = last if raw == last else tuple(
-            list(r) if type(r) is list else r for r in raw)  # (copies: a late hook appends)
+        layout.raw = self.ring.shared(raw)
         return layout, pieces, shift, starts, ends
 
     def _fill_probe(self, full: torch.Tensor, row: torch.Tensor, checked: int, start: int,
