@@ -1,0 +1,205 @@
+"""End to end: embeddings in non-Euclidean and complex spaces (``geometry_models``) — Poincare
+embeddings with the arcosh distance (float64 and float32, Riemannian SGD written in the loop,
+a geoopt-style ``ManifoldParameter`` with its Riemannian optimizer), a hyperbolic network's
+artanh log map, and ComplEx over complex64 embeddings — trained until the recorder raises,
+then replayed. acosh's and atanh's hints were acos's (``cos.clamp(-1 + eps, 1 - eps)``) or the
+generic ``x.clamp_min(eps)``, which leaves acosh's input below 1; ``guard_optimizer=True``
+crashed training on float64 and complex weights; the replay dropped a parameter's subclass,
+so a Riemannian optimizer's event was not reproduced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import geometry_models as G
+import pytest
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+ACOSH_ADVICE = "x.clamp_min(1 + eps)"
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # geometry_models.py is trusted here
+
+
+def _origin(rep: dict) -> tuple:
+    o = rep["origin"]
+    return (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"])
+
+
+def _resample_self(ids: torch.Tensor) -> torch.Tensor:
+    """Negatives equal to their anchor replaced by the next entity (as samplers exclude it)."""
+    neg = ids[:, 2:]
+    ids[:, 2:] = torch.where(neg == ids[:, :1], (neg + 1) % G.N_ENT, neg)
+    return ids
+
+
+def _train_poincare(out_dir, dtype: str, steps: int, resample: bool):
+    """Nickel & Kiela's loop: SGD on the ranking loss, then the projection into the ball."""
+    model = G.make_poincare(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=G.ranking_loss, out_dir=out_dir,
+                            factory="geometry_models:make_poincare",
+                            factory_kwargs={"dtype": dtype}) as rec:
+            for _ in range(steps):
+                ids = G.hierarchy_pairs(g)
+                batches.append(_resample_self(ids) if resample else ids)
+                opt.zero_grad()
+                rec.loss_fn(model(batches[-1])).backward()
+                opt.step()
+                with torch.no_grad():
+                    model.emb.weight.copy_(torch.renorm(model.emb.weight, 2, 0, 1 - G.BALL_EPS))
+    return info.value, batches
+
+
+def test_a_negative_sampled_equal_to_its_anchor_is_acosh_at_1_with_acoshs_own_advice(out_dir):
+    """Uniform negatives include the anchor itself: its distance's argument is exactly 1,
+    where acosh's derivative is infinite, and the zero gradient of |u - u|^2 times it is NaN.
+    The hint was acos's ('its input is exactly +-1 ... cos.clamp(-1 + eps, 1 - eps) ... or use
+    atan2 for an angle')."""
+    err, batches = _train_poincare(out_dir, "float64", 5, resample=False)
+    ids = batches[err.event["step"]]
+    rows = (ids[:, 2:] == ids[:, :1]).any(1).nonzero().flatten().tolist()
+    assert rows and (err.event["step"], err.event["phase"]) == (0, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    assert _origin(rep) == (0, "backward", "", "AcoshBackward0", rows, "invalid"), rep["origin"]
+    assert "its input is exactly 1, the edge of acosh's domain" in rep["hint"], rep["hint"]
+    assert ACOSH_ADVICE in rep["hint"] and "equal to its anchor" in rep["hint"]
+    assert "cos.clamp" not in rep["hint"] and "atan2" not in rep["hint"]
+
+
+def test_float32_points_near_the_origin_round_the_distance_argument_to_1(out_dir):
+    """Poincare embeddings initialised within 1e-3 of the origin, in float32: two points a
+    few 1e-4 apart make 1 + 2|u-v|^2 / (...) round to exactly 1 (float64 keeps it above)."""
+    err, batches = _train_poincare(out_dir, "float32", 5, resample=True)
+    step = err.event["step"]
+    e = G.make_poincare("float32").emb.weight.detach()[batches[step]]  # (step 0's weights)
+    u, v = e[:, :1], e[:, 1:]
+    arg = 1 + 2 * ((u - v) ** 2).sum(-1) / ((1 - (u * u).sum(-1)) * (1 - (v * v).sum(-1)))
+    rows = (arg == 1).any(1).nonzero().flatten().tolist()
+    assert step == 0 and rows
+    rep = nanreplay_json(err.bundle_path)
+    assert _origin(rep) == (0, "backward", "", "AcoshBackward0", rows, "precision"), \
+        rep["origin"]
+    assert "rounded to exactly 1, the edge of acosh's domain" in rep["hint"], rep["hint"]
+    assert ACOSH_ADVICE in rep["hint"] and "float64" in rep["hint"]
+
+
+def test_riemannian_sgd_without_the_projection_leaves_the_ball(out_dir):
+    """Riemannian SGD written in the loop without its projection (no optimizer given to the
+    recorder, ``end_step`` before the update): a large step carries points out of the ball,
+    and the next forward's acosh argument is below 1 where one point of a pair is outside.
+    The hint was 'x.clamp_min(eps) before log or sqrt', which leaves it below 1."""
+    model = G.make_poincare()
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, None, loss_fn=G.ranking_loss, out_dir=out_dir,
+                            factory="geometry_models:make_poincare") as rec:
+            for _ in range(5):
+                ids = _resample_self(G.hierarchy_pairs(g))
+                model.emb.weight.grad = None
+                rec.loss_fn(model(ids)).backward()
+                rec.end_step()  # (the step is checked before the loop's own update)
+                G.rsgd_step(model.emb.weight, lr=10.0, project=False)
+    err = info.value
+    out = model.emb.weight.detach().norm(dim=-1) >= 1  # (the event's weights: not updated)
+    rows = (out[ids[:, :1]] ^ out[ids[:, 1:]]).any(1).nonzero().flatten().tolist()
+    assert rows and (err.event["step"], err.event["phase"]) == (1, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    assert _origin(rep) == (1, "forward", "", "aten.acosh", rows, "invalid"), rep["origin"]
+    assert rep["hint"].startswith("aten.acosh of a number below 1"), rep["hint"]
+    assert ACOSH_ADVICE in rep["hint"] and "left the ball" in rep["hint"]
+    assert "clamp_min(eps) before log" not in rep["hint"]
+
+
+def test_a_hyperbolic_log_map_of_a_point_on_the_boundary_is_atanh_of_1(out_dir):
+    """HGCN's layers ported without their cast to float64: the clamp to 1 - 1e-15 is a no-op
+    in float32, and a record whose one feature is large maps to tanh(30) = 1.0, a point on the
+    ball's boundary; the next log map's artanh(1) is +inf, times a 0 coordinate NaN."""
+    model, crit = G.make_hnn(), torch.nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="geometry_models:make_hnn"):
+            for step in range(8):
+                x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+                if step == 5:
+                    x[4] = 0.0
+                    x[4, 0] = 30.0
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (5, "forward", "l1", "aten.atanh", [4], "precision"), rep["origin"]
+    assert rep["origin"]["made"] == "+inf"
+    assert "1 - 1e-15 are 1" in rep["hint"] and "boundary" in rep["hint"], rep["hint"]
+    assert "cos.clamp" not in rep["hint"]
+
+
+def test_geoopt_riemannian_sgd_guarded_names_the_expmap_0_over_0(out_dir):
+    """A geoopt-style ManifoldParameter (float64) updated by its RiemannianSGD, whose expmap
+    divides the Riemannian gradient by its norm without a floor: the rows no pair touched have
+    gradient 0, 0/0 at the first update. guard_optimizer=True crashed the training step (a
+    float32 norm of float64 weights), and the replay loaded the weights as plain Parameters,
+    so the optimizer re-ran a Euclidean update: 'NOT reproduced'."""
+    model = G.make_geoopt()["model"]
+    opt = G.RiemannianSGD(model.parameters(), lr=0.1)
+    g, batches = torch.Generator().manual_seed(0), []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=G.ranking_loss, out_dir=out_dir,
+                            factory="geometry_models:make_geoopt", guard_optimizer=True) as rec:
+            for _ in range(3):
+                batches.append(_resample_self(G.hierarchy_pairs(g)))
+                opt.zero_grad()
+                rec.loss_fn(model(batches[-1])).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (0, "optimizer", ["weight"])
+    untouched = torch.ones(G.N_ENT, dtype=torch.bool)
+    untouched[batches[0]] = False
+    assert torch.equal(model.weight.isnan().any(1), untouched)  # 0/0 on the rows no pair had
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["param"], o["op"]) == \
+        (True, "optimizer", "weight", "aten.div"), rep["origin"]
+    assert "RiemannianSGD's update" in rep["hint"] and "0/0" in rep["hint"], rep["hint"]
+
+
+def _train_complex(recorded: bool, out_dir) -> torch.nn.Module:
+    model, crit = G.make_complex(), G.N3Loss()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
+                         factory="geometry_models:make_complex") if recorded else None
+    if rec is not None:
+        rec.attach()
+    for _ in range(6):
+        pos = G.triples(g)
+        opt.zero_grad()
+        crit(model(pos), pos[:, 2]).backward()
+        opt.step()
+    if rec is not None:
+        rec.end_step()
+        rec.detach()
+    return model
+
+
+def test_complex_embeddings_train_unchanged_under_the_guard(out_dir):
+    """ComplEx over complex64 embeddings with kbc's N3 regularizer and Adagrad, under
+    guard_optimizer=True: the guard's norms refused complex weights and the first
+    ``optimizer.step()`` raised RuntimeError in the loop."""
+    got = _train_complex(True, out_dir)
+    want = _train_complex(False, out_dir)
+    assert not list(Path(out_dir).glob("*.nan"))
+    for (n, p), q in zip(got.named_parameters(), want.parameters()):
+        assert torch.equal(p, q), n
