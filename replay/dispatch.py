@@ -29,9 +29,19 @@ def clone_args(args, kwargs):
     return tree_map(clone, (args, kwargs))
 
 
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view (``[..., 2]``, its samples still in dim 0), so the op
+    finder's ends, masks and evidence see a complex op's NaN (RotatE's ``r / r.abs()`` of a
+    zero relation) where it is made, not at the first real op after it; others unchanged."""
+    if not t.is_complex():
+        return t
+    return torch.view_as_real(t.resolve_conj().resolve_neg())  # (a conj view has no real view)
+
+
 def float_leaves(tree) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
-            and t.is_floating_point() and t.numel() and not t.is_meta]
+    """The floating and complex tensors of ``tree``, complex ones as :func:`real_view`."""
+    return [real_view(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
+            and (t.is_floating_point() or t.is_complex()) and t.numel() and not t.is_meta]
 
 
 class OpAt(TorchDispatchMode):

@@ -322,20 +322,22 @@ def artanh(x):
     return torch.atanh(x.clamp(-1 + 1e-15, 1 - 1e-15))
 
 
-def expmap0(u):
+def expmap0(u, c=1.0):
+    sqrt_c = c ** 0.5
     un = u.norm(dim=-1, keepdim=True).clamp_min(MIN_NORM)
-    return torch.tanh(un) * u / un
+    return torch.tanh(sqrt_c * un) * u / (sqrt_c * un)
 
 
-def logmap0(y):
+def logmap0(y, c=1.0):
+    sqrt_c = c ** 0.5
     yn = y.norm(dim=-1, keepdim=True).clamp_min(MIN_NORM)
-    return artanh(yn) * y / yn
+    return artanh(sqrt_c * yn) * y / (yn * sqrt_c)
 
 
-def proj(x, eps: float = 1e-15):
-    """Back inside the ball; HGCN's float64 eps, a no-op in float32."""
+def proj(x, c=1.0, eps: float = 1e-15):
+    """Back inside the ball of radius 1/sqrt(c); HGCN's float64 eps, a no-op in float32."""
     norm = x.norm(dim=-1, keepdim=True).clamp_min(MIN_NORM)
-    maxnorm = 1 - eps
+    maxnorm = (1 - eps) / c ** 0.5
     return torch.where(norm > maxnorm, x / norm * maxnorm, x)
 
 
@@ -347,23 +349,52 @@ class HypLayer(nn.Module):
         super().__init__()
         self.lin = nn.Linear(d_in, d_out)
 
-    def forward(self, h):
-        return proj(expmap0(F.relu(self.lin(logmap0(h)))))
+    def forward(self, h, c=1.0):
+        return proj(expmap0(F.relu(self.lin(logmap0(h, c))), c), c)
 
 
 class HNN(nn.Module):
-    """Euclidean features mapped to the ball, two hyperbolic layers, a tangent-space decoder."""
+    """Euclidean features mapped to the ball, two hyperbolic layers, a tangent-space decoder;
+    HGCN's ``c=None`` trains the curvature, ``nn.Parameter(torch.Tensor([1.]))``."""
 
-    def __init__(self, d_in: int = 8, hidden: int = 16, classes: int = 3):
+    def __init__(self, d_in: int = 8, hidden: int = 16, classes: int = 3, c: float | None = 1.0):
         super().__init__()
+        self.c = nn.Parameter(torch.tensor([1.0])) if c is None else c
         self.l1, self.l2 = HypLayer(d_in, hidden), HypLayer(hidden, hidden)
         self.dec = nn.Linear(hidden, classes)
 
     def forward(self, x):
-        h = proj(expmap0(x))
-        return self.dec(logmap0(self.l2(self.l1(h))))
+        c = self.c
+        h = proj(expmap0(x, c), c)
+        return self.dec(logmap0(self.l2(self.l1(h, c), c), c))
 
 
-def make_hnn() -> HNN:
+def make_hnn(c: float | None = 1.0) -> HNN:
     torch.manual_seed(0)
-    return HNN()
+    return HNN(c=c)
+
+
+class UnitRotatE(nn.Module):
+    """RotatE whose relations are free complex64 vectors put on the unit circle by
+    ``r / r.abs()`` (instead of a phase parameter); relation 0 pads a batch filled to a fixed
+    size and is initialised to 0, as ``padding_idx`` would."""
+
+    def __init__(self, gamma: float = 12.0):
+        super().__init__()
+        self.gamma = gamma
+        self.ent = nn.Parameter(torch.randn(N_ENT, DIM, dtype=torch.cfloat) / DIM ** 0.5)
+        rel = torch.randn(N_REL, DIM, dtype=torch.cfloat)
+        rel[0] = 0
+        self.rel = nn.Parameter(rel)
+
+    def forward(self, pos, neg_tails):
+        h, r = self.ent[pos[:, 0]], self.rel[pos[:, 1]]
+        r = r / r.abs()
+        pos_s = self.gamma - (h * r - self.ent[pos[:, 2]]).abs().sum(-1)
+        neg_s = self.gamma - (h[:, None] * r[:, None] - self.ent[neg_tails]).abs().sum(-1)
+        return pos_s, neg_s
+
+
+def make_unit_rotate() -> UnitRotatE:
+    torch.manual_seed(0)
+    return UnitRotatE()
