@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from recorder.finite import real_view
+
 from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
 from .float64 import DRAWS, as_float64, draw_as_recorded, upcast
 from .source import OP_ERROR
@@ -29,17 +31,11 @@ def clone_args(args, kwargs):
     return tree_map(clone, (args, kwargs))
 
 
-def real_view(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as its real view (``[..., 2]``, its samples still in dim 0), so the op
-    finder's ends, masks and evidence see a complex op's NaN (RotatE's ``r / r.abs()`` of a
-    zero relation) where it is made, not at the first real op after it; others unchanged."""
-    if not t.is_complex():
-        return t
-    return torch.view_as_real(t.resolve_conj().resolve_neg())  # (a conj view has no real view)
-
-
 def float_leaves(tree) -> list[torch.Tensor]:
-    """The floating and complex tensors of ``tree``, complex ones as :func:`real_view`."""
+    """The floating and complex tensors of ``tree``, complex ones as their real views
+    (``recorder.finite.real_view``), so the op finder's ends, masks and evidence see a complex
+    op's NaN (RotatE's ``r / r.abs()`` of a zero relation) where it is made, not at the first
+    real op after it."""
     return [real_view(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
             and (t.is_floating_point() or t.is_complex()) and t.numel() and not t.is_meta]
 

@@ -398,3 +398,29 @@ class UnitRotatE(nn.Module):
 def make_unit_rotate() -> UnitRotatE:
     torch.manual_seed(0)
     return UnitRotatE()
+
+
+class UnitCircle(nn.Module):
+    """Relations put on the unit circle, as a module of their own."""
+
+    def forward(self, r):
+        return r / r.abs()
+
+
+class ModularRotatE(UnitRotatE):
+    """UnitRotatE whose normalisation is a submodule: the NaN is made inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.unit = UnitCircle()
+
+    def forward(self, pos, neg_tails):
+        h, r = self.ent[pos[:, 0]], self.unit(self.rel[pos[:, 1]])
+        pos_s = self.gamma - (h * r - self.ent[pos[:, 2]]).abs().sum(-1)
+        neg_s = self.gamma - (h[:, None] * r[:, None] - self.ent[neg_tails]).abs().sum(-1)
+        return pos_s, neg_s
+
+
+def make_modular_rotate() -> ModularRotatE:
+    torch.manual_seed(0)
+    return ModularRotatE()

@@ -205,17 +205,22 @@ def test_complex_embeddings_train_unchanged_under_the_guard(out_dir):
         assert torch.equal(p, q), n
 
 
-def test_a_zero_relation_put_on_the_unit_circle_is_named_at_its_complex_division(out_dir):
+@pytest.mark.parametrize("factory, module", [("make_unit_rotate", ""),
+                                             ("make_modular_rotate", "unit")])
+def test_a_zero_relation_put_on_the_unit_circle_is_named_at_its_complex_division(
+        out_dir, factory, module):
     """RotatE with free complex64 relations normalised by ``r / r.abs()``; a batch padded with
     relation 0 (zero-initialised) divides 0 by 0. The op finder looked at real tensors only:
     it passed the complex div by and blamed the next real op, ``aten.abs`` of the distance,
-    'at a pole or outside its domain', on the line after."""
-    model = G.make_unit_rotate()
+    'at a pole or outside its domain', on the line after. Done in a submodule, the recorder
+    (which measured real outputs only) named the root, and the replay, which now named the
+    submodule, said 'NOT reproduced'."""
+    model = getattr(G, factory)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=G.self_adversarial_loss, out_dir=out_dir,
-                            factory="geometry_models:make_unit_rotate") as rec:
+                            factory=f"geometry_models:{factory}") as rec:
             for step in range(8):
                 pos = G.triples(g)
                 pos[:, 1].clamp_(min=1)
@@ -226,7 +231,9 @@ def test_a_zero_relation_put_on_the_unit_circle_is_named_at_its_complex_division
                 rec.loss_fn(model(pos, neg)).backward()
                 opt.step()
     rows = (pos[:, 1] == 0).nonzero().flatten().tolist()
+    assert (info.value.event["module"], info.value.event["samples"]) == (module, rows)
     rep = nanreplay_json(info.value.bundle_path)
-    assert _origin(rep) == (4, "forward", "", "aten.div", rows, "invalid"), rep["origin"]
+    assert rep["reproduced"] is True
+    assert _origin(rep) == (4, "forward", module, "aten.div", rows, "invalid"), rep["origin"]
     assert "r / r.abs()" in rep["source_lines"][rep["origin"]["source"]]
     assert "(0/0)" in rep["hint"], rep["hint"]
