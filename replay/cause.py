@@ -433,10 +433,11 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return _at_tie(op, gap, still, dtype)
     if at_pole == "1" and name and domains.derivative_pole(name):
         return _unit_pole(op, name, fn, dtype, still)
-    if still:
+    if still:  # (sqrt at 0: mostly a distance written out, TransE's sqrt(((h + r - t)**2)...))
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
-                     "a norm at 0, log or a division at 0); " + DO["backward_pole"])
+                     "a norm at 0, log or a division at 0); " + DO["backward_pole"]
+                     + (DO["sqrt_pole"] if name == "sqrt" and at_pole == "0" else ""))
     # a custom Function's name says nothing of its derivative: the op its backward made the
     # value with does (a division by the saved residual, 0 there)
     pole = bool(name and domains.derivative_pole(name)) or bool(

@@ -36,16 +36,18 @@ class TransE(nn.Module):
     """TransE as OpenKE writes it, with its L2 distance spelled out (a sqrt of the sum of
     squares, as many ports write it, instead of ``torch.norm``)."""
 
-    def __init__(self, p: int = 2):
+    def __init__(self, p: int = 2, max_norm: float | None = None):
         super().__init__()
         self.p = p
-        # id 0 of each table is the padding of a batch filled to a fixed size
-        self.ent = nn.Embedding(N_ENT, DIM, padding_idx=0)
-        self.rel = nn.Embedding(N_REL, DIM, padding_idx=0)
+        # id 0 of each table pads a batch filled to a fixed size: zero vectors (no padding_idx:
+        # their gradient is not masked); entities renormed to max_norm in the lookup
+        self.ent = nn.Embedding(N_ENT, DIM, max_norm=max_norm)
+        self.rel = nn.Embedding(N_REL, DIM)
         bound = 6 / math.sqrt(DIM)
         with torch.no_grad():
-            nn.init.uniform_(self.ent.weight[1:], -bound, bound)
-            nn.init.uniform_(self.rel.weight[1:], -bound, bound)
+            for w in (self.ent.weight, self.rel.weight):
+                nn.init.uniform_(w, -bound, bound)
+                w[0] = 0
 
     def dist(self, h, r, t):
         d = h + r - t
@@ -60,9 +62,9 @@ class TransE(nn.Module):
         return pos_d, neg_d
 
 
-def make_transe(p: int = 2) -> TransE:
+def make_transe(p: int = 2, max_norm: float | None = None) -> TransE:
     torch.manual_seed(0)
-    return TransE(p)
+    return TransE(p, max_norm)
 
 
 class MarginLoss(nn.Module):
@@ -317,9 +319,9 @@ def make_geoopt() -> dict:
 MIN_NORM = 1e-15
 
 
-def artanh(x):
+def artanh(x, eps: float = 1e-15):
     """HGCN's artanh, without its cast to float64: 1 - 1e-15 is 1.0 in float32."""
-    return torch.atanh(x.clamp(-1 + 1e-15, 1 - 1e-15))
+    return torch.atanh(x.clamp(-1 + eps, 1 - eps))
 
 
 def expmap0(u, c=1.0):
@@ -328,10 +330,10 @@ def expmap0(u, c=1.0):
     return torch.tanh(sqrt_c * un) * u / (sqrt_c * un)
 
 
-def logmap0(y, c=1.0):
+def logmap0(y, c=1.0, eps: float = 1e-15):
     sqrt_c = c ** 0.5
     yn = y.norm(dim=-1, keepdim=True).clamp_min(MIN_NORM)
-    return artanh(sqrt_c * yn) * y / (yn * sqrt_c)
+    return artanh(sqrt_c * yn, eps) * y / (yn * sqrt_c)
 
 
 def proj(x, c=1.0, eps: float = 1e-15):
@@ -349,29 +351,31 @@ class HypLayer(nn.Module):
         super().__init__()
         self.lin = nn.Linear(d_in, d_out)
 
-    def forward(self, h, c=1.0):
-        return proj(expmap0(F.relu(self.lin(logmap0(h, c))), c), c)
+    def forward(self, h, c=1.0, eps: float = 1e-15):
+        return proj(expmap0(F.relu(self.lin(logmap0(h, c, eps))), c), c)
 
 
 class HNN(nn.Module):
     """Euclidean features mapped to the ball, two hyperbolic layers, a tangent-space decoder;
     HGCN's ``c=None`` trains the curvature, ``nn.Parameter(torch.Tensor([1.]))``."""
 
-    def __init__(self, d_in: int = 8, hidden: int = 16, classes: int = 3, c: float | None = 1.0):
+    def __init__(self, d_in: int = 8, hidden: int = 16, classes: int = 3, c: float | None = 1.0,
+                 eps: float = 1e-15):
         super().__init__()
         self.c = nn.Parameter(torch.tensor([1.0])) if c is None else c
+        self.eps = eps
         self.l1, self.l2 = HypLayer(d_in, hidden), HypLayer(hidden, hidden)
         self.dec = nn.Linear(hidden, classes)
 
     def forward(self, x):
-        c = self.c
+        c, eps = self.c, self.eps
         h = proj(expmap0(x, c), c)
-        return self.dec(logmap0(self.l2(self.l1(h, c), c), c))
+        return self.dec(logmap0(self.l2(self.l1(h, c, eps), c, eps), c, eps))
 
 
-def make_hnn(c: float | None = 1.0) -> HNN:
+def make_hnn(c: float | None = 1.0, eps: float = 1e-15) -> HNN:
     torch.manual_seed(0)
-    return HNN(c=c)
+    return HNN(c=c, eps=eps)
 
 
 class UnitRotatE(nn.Module):

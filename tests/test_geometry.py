@@ -237,3 +237,32 @@ def test_a_zero_relation_put_on_the_unit_circle_is_named_at_its_complex_division
     assert _origin(rep) == (4, "forward", module, "aten.div", rows, "invalid"), rep["origin"]
     assert "r / r.abs()" in rep["source_lines"][rep["origin"]["source"]]
     assert "(0/0)" in rep["hint"], rep["hint"]
+
+
+def test_transe_padded_triples_are_a_sqrt_at_0_with_the_norm_named(out_dir):
+    """TransE with its L2 distance written as sqrt(sum((h + r - t)^2)), entities renormed by
+    ``nn.Embedding(max_norm=1)`` in the lookup (a write into the weights in every forward),
+    and a last batch padded with triples of id 0, zero vectors without ``padding_idx``: the
+    distance is 0 there and sqrt's derivative infinite. The hint named no norm that takes 0
+    with a finite gradient."""
+    model, crit = G.make_transe(2, 1.0), G.MarginLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="geometry_models:make_transe",
+                            factory_kwargs={"max_norm": 1.0}) as rec:
+            for step in range(8):
+                pos = G.triples(g).clamp_(min=1)
+                neg = G.corrupt(g, pos).clamp_(min=1)
+                if step == 5:
+                    pos[-2:], neg[-2:] = 0, 0
+                opt.zero_grad()
+                rec.loss_fn(model(pos, neg)).backward()
+                opt.step()
+    rows = (pos == 0).all(1).nonzero().flatten().tolist()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (5, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    assert _origin(rep) == (5, "backward", "", "SqrtBackward0", rows, "invalid"), rep["origin"]
+    assert "torch.linalg.vector_norm(d, dim=-1)" in rep["hint"], rep["hint"]
