@@ -316,7 +316,7 @@ class CallHooks:
         for t in (output,) if type(output) is torch.Tensor else output_leaves(output, inf_ok):
             ref = _output_ref(tape, t, allowed or id(t) in inf_ok, intended, reuse=not full)
             if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
-                d = t.detach()
+                d = real_view(t.detach())  # (a complex output: its real view)
                 stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
             outs += ref
         return tuple(outs), stats

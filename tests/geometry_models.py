@@ -185,9 +185,9 @@ class Poincare(nn.Module):
     """A hierarchy embedded in the Poincare ball: ``forward(ids)`` takes ``[B, 2 + k]`` rows of
     (u, v, negatives...) and returns minus the distances, the logits of the ranking loss."""
 
-    def __init__(self, n: int = N_ENT, dim: int = 2, dtype=torch.float64):
+    def __init__(self, n: int = N_ENT, dim: int = 2, dtype=torch.float64, sparse: bool = False):
         super().__init__()
-        self.emb = nn.Embedding(n, dim, dtype=dtype)
+        self.emb = nn.Embedding(n, dim, dtype=dtype, sparse=sparse)
         nn.init.uniform_(self.emb.weight, -1e-3, 1e-3)
 
     def forward(self, ids):
@@ -195,9 +195,9 @@ class Poincare(nn.Module):
         return -poincare_dist(e[:, :1], e[:, 1:])
 
 
-def make_poincare(dtype: str = "float64") -> Poincare:
+def make_poincare(dtype: str = "float64", sparse: bool = False) -> Poincare:
     torch.manual_seed(0)
-    return Poincare(dtype=getattr(torch, dtype))
+    return Poincare(dtype=getattr(torch, dtype), sparse=sparse)
 
 
 def ranking_loss(neg_dists, _target=None):
