@@ -298,11 +298,12 @@ DO = {
             "vectors can round past 1, and the derivative is infinite at the edge) or use "
             "atan2 for an angle",
     "acosh": "acosh's domain is [1, inf): clamp its input, x.clamp_min(1 + eps) (an eps the "
-             "type resolves: 1e-6 in float32), or compute the distance in float64; in a "
-             "hyperbolic distance arcosh(1 + 2|u-v|^2 / ((1-|u|^2)(1-|v|^2))) the input is "
-             "exactly 1 where u = v (a negative sampled equal to its anchor: resample it) and "
-             "below 1 only where a point left the ball (project every row back inside after "
-             "each update: renorm to 1 - eps)",
+             "type resolves: 1e-6 in float32), or compute the distance in float64. A Poincare "
+             "distance's argument 1 + 2|u-v|^2 / ((1-|u|^2)(1-|v|^2)) is exactly 1 where "
+             "u = v (a negative sampled equal to its anchor: resample it) and below 1 only "
+             "where a point left the ball (project every row back inside after each update: "
+             "renorm to 1 - eps); a Lorentz distance's -<x, y>_L rounds below 1 for points "
+             "close together",
     "atanh": "clamp its input inside (-1, 1) with an eps the type resolves "
              "(x.clamp(-1 + 1e-5, 1 - 1e-5) in float32, where 1 - 1e-8 and 1 - 1e-15 are 1), or "
              "compute in float64; a hyperbolic log map's artanh(sqrt(c) |x|) reaches 1 where a "

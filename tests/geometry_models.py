@@ -428,3 +428,25 @@ class ModularRotatE(UnitRotatE):
 def make_modular_rotate() -> ModularRotatE:
     torch.manual_seed(0)
     return ModularRotatE()
+
+
+class Lorentz(nn.Module):
+    """Nickel & Kiela (2018)'s Lorentz model: a point is its space coordinates v, lifted to
+    the hyperboloid x = (sqrt(1 + |v|^2), v); distance acosh(-<x, y>_L), in float32."""
+
+    def __init__(self, dim: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(N_ENT, dim)
+        nn.init.uniform_(self.emb.weight, -1.0, 1.0)
+
+    def forward(self, ids):
+        v = self.emb(ids)
+        x0 = torch.sqrt(1 + (v * v).sum(-1))
+        u0, w0 = x0[:, :1], x0[:, 1:]
+        inner = -u0 * w0 + (v[:, :1] * v[:, 1:]).sum(-1)
+        return -torch.acosh(-inner)
+
+
+def make_lorentz() -> Lorentz:
+    torch.manual_seed(0)
+    return Lorentz()

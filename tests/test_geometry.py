@@ -94,6 +94,31 @@ def test_float32_points_near_the_origin_round_the_distance_argument_to_1(out_dir
     assert ACOSH_ADVICE in rep["hint"] and "float64" in rep["hint"]
 
 
+def test_a_lorentz_distance_of_a_point_to_itself_rounds_below_1(out_dir):
+    """The Lorentz model in float32: -<x, x>_L = (1 + |v|^2) - |v|^2 rounds below 1 for the
+    anchor sampled as its own negative, acosh NaN in the forward (float64 has 1). The hint
+    was the generic 'numerically stable formula ... or clamp to the domain'."""
+    model = G.make_lorentz()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=G.ranking_loss, out_dir=out_dir,
+                            factory="geometry_models:make_lorentz") as rec:
+            for _ in range(3):
+                ids = G.hierarchy_pairs(g)
+                opt.zero_grad()
+                rec.loss_fn(model(ids)).backward()
+                opt.step()
+    v = G.make_lorentz().emb.weight.detach()[ids]  # (step 0's weights)
+    x0 = torch.sqrt(1 + (v * v).sum(-1))
+    arg = x0[:, :1] * x0[:, 1:] - (v[:, :1] * v[:, 1:]).sum(-1)
+    rows = (arg < 1).any(1).nonzero().flatten().tolist()
+    assert rows and info.value.event["step"] == 0
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (0, "forward", "", "aten.acosh", rows, "precision"), rep["origin"]
+    assert ACOSH_ADVICE in rep["hint"] and "Lorentz" in rep["hint"], rep["hint"]
+
+
 def test_riemannian_sgd_without_the_projection_leaves_the_ball(out_dir):
     """Riemannian SGD written in the loop without its projection (no optimizer given to the
     recorder, ``end_step`` before the update): a large step carries points out of the ball,
