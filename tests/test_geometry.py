@@ -199,6 +199,9 @@ def test_geoopt_riemannian_sgd_guarded_names_the_expmap_0_over_0(out_dir):
     assert (rep["reproduced"], rep["cause"], o["param"], o["op"]) == \
         (True, "optimizer", "weight", "aten.div"), rep["origin"]
     assert "RiemannianSGD's update" in rep["hint"] and "0/0" in rep["hint"], rep["hint"]
+    rows = untouched.nonzero().flatten().tolist()  # (the entities no pair had: named)
+    assert (o["rows"], o["rows_of"]) == (rows, G.N_ENT), o
+    assert "a row whose gradient was all 0 (absent from the batch)" in rep["hint"]
 
 
 def _complex_batch(g: torch.Generator, factory: str):
