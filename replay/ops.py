@@ -335,6 +335,8 @@ class OpFinder:
                 self.masked_nan = OpHit(f"aten.{name}", "nan", user_source(), None, None,
                                         within=self.where)
             return
+        if any(isinstance(t, torch.Tensor) and t.is_complex() for t in leaves):
+            return  # (exp of a complex number is no positive real: its parts, real views here)
         if positive_result(name, ins, leaves, self.positive):
             for t in outs:
                 self._positive.add(t)

@@ -450,3 +450,32 @@ class Lorentz(nn.Module):
 def make_lorentz() -> Lorentz:
     torch.manual_seed(0)
     return Lorentz()
+
+
+def mobius_matvec(m, x):
+    """HNN's Mobius matrix-vector product, HGCN's torch.where for a zero product, ported
+    without HGCN's clamp_min(min_norm) on the norms."""
+    x_norm = x.norm(dim=-1, keepdim=True)
+    mx = x @ m.transpose(-1, -2)
+    mx_norm = mx.norm(dim=-1, keepdim=True)
+    res_c = torch.tanh(mx_norm / x_norm * artanh(x_norm, 1e-5)) * mx / mx_norm
+    cond = (mx == 0).all(-1, keepdim=True)
+    return torch.where(cond, torch.zeros_like(res_c), res_c)
+
+
+class MobiusMLP(nn.Module):
+    """Features mapped to the ball, a Mobius linear layer, decoded at the origin's tangent."""
+
+    def __init__(self, d_in: int = 8, hidden: int = 16, classes: int = 3):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden, d_in) / d_in ** 0.5)
+        self.dec = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        h = proj(expmap0(x), eps=1e-5)
+        return self.dec(logmap0(mobius_matvec(self.weight, h), eps=1e-5))
+
+
+def make_mobius() -> MobiusMLP:
+    torch.manual_seed(0)
+    return MobiusMLP()
