@@ -20,7 +20,7 @@ from .compat import func_transform, in_backward, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
-from .finite import ANY, checkable, stored
+from .finite import ANY, checkable, real_view, stored
 from .hooks import Health, Hook
 from .shards import local
 from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT, flat_view
@@ -295,7 +295,9 @@ class CallHooks:
         refs = []
         for t in _leaves(args, kwargs):
             if not t.is_floating_point() or t.numel() == 0:
-                continue
+                if not (t.is_complex() and t.numel()):
+                    continue
+                t = real_view(t)  # (complex: its real view; float32 refuses a complex sum)
             hit = _produced(tape, t, made_here)
             if hit is not None:
                 refs.append(hit[1:4])
@@ -314,7 +316,7 @@ class CallHooks:
         for t in (output,) if type(output) is torch.Tensor else output_leaves(output, inf_ok):
             ref = _output_ref(tape, t, allowed or id(t) in inf_ok, intended, reuse=not full)
             if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
-                d = t.detach()
+                d = real_view(t.detach())  # (a complex output: its real view)
                 stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
             outs += ref
         return tuple(outs), stats
@@ -409,8 +411,9 @@ def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reus
     """``((min ref, max ref),)`` of one output tensor, or ``()`` if it is not floating.
     ``reuse``: an output passed through unchanged (a Sequential's) keeps the statistics of the
     call that made it, when they sit in the region this call's are checked in."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return ()
+    if not t.is_floating_point() or t.numel() == 0:  # (complex, RotatE's r / r.abs(): its real
+        return _output_ref(tape, real_view(t), allowed, intended, reuse) \
+            if t.is_complex() and t.numel() else ()  # view's, for the call that made a NaN)
     code = NAN_ONLY if allowed else STRICT
     hit = tape.cache.get(id(t))
     if reuse and hit is not None and hit[0]() is t and hit[4] is not None \

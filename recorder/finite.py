@@ -38,6 +38,14 @@ def checkable(t: torch.Tensor) -> bool:
         t.layout == torch.strided or stored(t).numel() > 0)
 
 
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view (``[..., 2]``, its samples still in dim 0): min, max
+    and sums see a NaN or +-Inf in either part; other tensors unchanged."""
+    if not t.is_complex():
+        return t
+    return torch.view_as_real(t.detach().resolve_conj().resolve_neg())  # (a conj view has none)
+
+
 def stored(t: torch.Tensor) -> torch.Tensor:
     """The values a tensor stores: itself, a sparse tensor's specified values (a sparse
     gradient of ``nn.Embedding(sparse=True)``; its implicit zeros are finite), or a nested

@@ -26,7 +26,7 @@ from .grads import reread_changed_grads
 from .hooks import Health, Hook
 from .inner_optim import full_state
 from .shards import local
-from .slots import STRICT, FlatViews, Slots
+from .slots import _WIDE, STRICT, FlatViews, Slots
 from .tape import Tape
 from .target import Target
 
@@ -221,8 +221,17 @@ def _norms(indexed_params) -> list[tuple[int, torch.Tensor]]:
     if not tensors:
         return []
     with torch.no_grad():
-        norms = foreach_norm(tensors, torch.float32)
-    return list(zip(idx, norms))
+        wide = [t.dtype in _WIDE for t in tensors]
+        if not any(wide):
+            return list(zip(idx, foreach_norm(tensors, torch.float32)))
+        # a float32 norm refuses float64 and complex weights (a float64 Poincare embedding):
+        # those in their own precision, the rest in float32 (a float16 norm overflows); all
+        # as float64, which the caller stacks
+        norms = iter(foreach_norm([t for t, w in zip(tensors, wide) if w], None))
+        narrow = iter(foreach_norm([t for t, w in zip(tensors, wide) if not w], torch.float32)
+                      if not all(wide) else [])
+        return [(i, (next(norms) if w else next(narrow)).double())
+                for i, w in zip(idx, wide)]
 
 
 def _copy_for_guard(optimizer, params) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from recorder.capture import output_leaves, tensor_leaves
-from recorder.finite import ends, pair_flag
+from recorder.finite import ends, pair_flag, real_view
 
 from .compat import in_buffers
 from .errors import StopRun
@@ -44,7 +44,7 @@ def _ends_memo() -> Callable[[torch.Tensor], torch.Tensor]:
 
     def of(t: torch.Tensor) -> torch.Tensor:
         e = memo.get(t)
-        return e if e is not None else memo.put(t, ends(t))
+        return e if e is not None else memo.put(t, ends(real_view(t)))
     return of
 
 
@@ -62,7 +62,7 @@ def probe(runner, k: int, allowed: set[str]) -> bool:
                 state["i"] += 1
                 inf_ok: set[int] = set()
                 for t in output_leaves(output, inf_ok):
-                    if t.is_floating_point() and t.numel():
+                    if (t.is_floating_point() or t.is_complex()) and t.numel():
                         bad = ~pair_flag(ends_of(t), allow_inf=name in allowed or id(t) in inf_ok)
                         state["flag"] = bad if state["flag"] is None else state["flag"] | bad
                 if i == k:
@@ -95,7 +95,7 @@ def probe_origin(runner, k: int, nan_only: bool = False) -> tuple[str, int, int]
         call = state["starts"].get(key, 0)
         state["starts"][key] = call + 1
         flags = [input_ok(t) for t in tensor_leaves([list(args), kwargs])
-                 if t.is_floating_point() and t.numel()]
+                 if (t.is_floating_point() or t.is_complex()) and t.numel()]
         ok = torch.stack(flags).all() if flags else torch.tensor(True)
         state["stack"].append((name, call, runner.micro_batch, ok))
 

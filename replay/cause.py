@@ -69,7 +69,7 @@ __all__ = ["Cause", "classify"]
 _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 # ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
 # situations whose advice holds for a rounding that crossed the edge too (else: "stable")
-_OWN_ADVICE = ("unit", "cholesky", "eigenvalues", "log_det", "singular")
+_OWN_ADVICE = ("unit", "acosh", "atanh", "cholesky", "eigenvalues", "log_det", "singular")
 _EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp"}
 
 
@@ -389,16 +389,19 @@ def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
 
 
 def _unit_pole(op: str, name: str, fn: str, dtype: torch.dtype, still: bool) -> Cause:
-    """acos, asin, atanh or acosh given exactly +-1, where the derivative is infinite."""
+    """acos, asin, atanh or acosh given exactly +-1 (acosh: 1), where the derivative is
+    infinite."""
+    edge, advice = ("1", DO["acosh"]) if name == "acosh" else (
+        "+-1", DO["atanh" if name == "atanh" else "unit"])
     if still:
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
-                     f"gradients, in float64 too: its input is exactly +-1, the edge of "
-                     f"{name}'s domain, where {fn} is infinite; " + DO["unit"])
+                     f"gradients, in float64 too: its input is exactly {edge}, the edge of "
+                     f"{name}'s domain, where {fn} is infinite; " + advice)
     # a cosine of (nearly) parallel unit vectors rounded to exactly 1 (an ArcFace margin's
     # acos): float64 rounds it elsewhere, which is luck, not a fix
     return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}: its input "
-                 f"rounded to exactly +-1, the edge of {name}'s domain, where {fn} is infinite "
-                 "(finite in float64, whose rounding stopped short of it); " + DO["unit"])
+                 f"rounded to exactly {edge}, the edge of {name}'s domain, where {fn} is "
+                 "infinite (finite in float64, whose rounding stopped short of it); " + advice)
 
 
 def _backward(node: str | None, still: bool, dtype: torch.dtype,
@@ -430,10 +433,11 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return _at_tie(op, gap, still, dtype)
     if at_pole == "1" and name and domains.derivative_pole(name):
         return _unit_pole(op, name, fn, dtype, still)
-    if still:
+    if still:  # (sqrt at 0: mostly a distance written out, TransE's sqrt(((h + r - t)**2)...))
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
-                     "a norm at 0, log or a division at 0); " + DO["backward_pole"])
+                     "a norm at 0, log or a division at 0); " + DO["backward_pole"]
+                     + (DO["sqrt_pole"] if name == "sqrt" and at_pole == "0" else ""))
     # a custom Function's name says nothing of its derivative: the op its backward made the
     # value with does (a division by the saved residual, 0 there)
     pole = bool(name and domains.derivative_pole(name)) or bool(

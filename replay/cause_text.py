@@ -264,6 +264,10 @@ DO = {
     "backward_pole": "a forward that masks the value out (torch.where, masked_fill) still "
                      "sends the gradient through both branches, so make the op's input safe "
                      "before the op (torch.where(mask, x, 1)) or add an eps",
+    "sqrt_pole": "; a distance or norm written as the sqrt of a sum of squares is 0 where "
+                 "two points coincide (a padded triple's zero vectors, an entity paired with "
+                 "itself): torch.linalg.vector_norm(d, dim=-1) takes it with a gradient of 0 "
+                 "there, or take sqrt(x + eps)",
     "few": "reduce over more than one value (a batch of 1, an empty selection), pass "
            "correction=0 to var/std, or skip such batches",
     "wider": "compute this op in float32 (outside autocast, or .float() before it) or "
@@ -293,6 +297,18 @@ DO = {
     "unit": "clamp the input into the domain (cos.clamp(-1 + eps, 1 - eps): a cosine of unit "
             "vectors can round past 1, and the derivative is infinite at the edge) or use "
             "atan2 for an angle",
+    "acosh": "acosh's domain is [1, inf): clamp its input, x.clamp_min(1 + eps) (an eps the "
+             "type resolves: 1e-6 in float32), or compute the distance in float64. A Poincare "
+             "distance's argument 1 + 2|u-v|^2 / ((1-|u|^2)(1-|v|^2)) is exactly 1 where "
+             "u = v (a negative sampled equal to its anchor: resample it) and below 1 only "
+             "where a point left the ball (project every row back inside after each update: "
+             "renorm to 1 - eps); a Lorentz distance's -<x, y>_L rounds below 1 for points "
+             "close together",
+    "atanh": "clamp its input inside (-1, 1) with an eps the type resolves "
+             "(x.clamp(-1 + 1e-5, 1 - 1e-5) in float32, where 1 - 1e-8 and 1 - 1e-15 are 1), or "
+             "compute in float64; a hyperbolic log map's artanh(sqrt(c) |x|) reaches 1 where a "
+             "point sits on the ball's boundary: project the points to a norm of at most "
+             "1 - eps, an eps the type resolves",
     "stable": "use a numerically stable formula (torch.var / torch.std or centring before "
               "squaring for a variance; logsigmoid or binary_cross_entropy_with_logits for "
               "log(1 - sigmoid(z)); log1p, expm1) or clamp to the domain before the op",

@@ -14,7 +14,8 @@
 - :func:`set_parameter`, :func:`set_buffer`, :func:`remove_member`: an ``nn.Module``'s
   parameter, buffer and submodule tables (``_parameters``, ``_buffers``, ``_modules``), written
   directly to assign the bundle's tensors without a copy and to clear what a default
-  construction put there.
+  construction put there; :func:`parameter_like`: a parameter of a subclass of
+  ``nn.Parameter`` made around a tensor (``Tensor._make_subclass``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,18 @@ def set_parameter(module: nn.Module, name: str, value: torch.Tensor | None) -> N
     """``module.<name> = value`` as a parameter entry, without ``__setattr__``'s checks (a
     plain tensor too: a cast of the parameter for one forward, see ``replay.precision``)."""
     module._parameters[name] = value
+
+
+def parameter_like(p: torch.Tensor, data: torch.Tensor) -> nn.Parameter:
+    """A parameter holding ``data``, of ``p``'s class and with its Python attributes: geoopt's
+    ``ManifoldParameter`` carries the manifold its Riemannian optimizer reads, and a plain
+    ``nn.Parameter(data)`` would make the re-run update it as a Euclidean one."""
+    cls = type(p)
+    if cls is nn.Parameter or not issubclass(cls, nn.Parameter):
+        return nn.Parameter(data, requires_grad=p.requires_grad)
+    new = torch.Tensor._make_subclass(cls, data, p.requires_grad)
+    new.__dict__.update(p.__dict__)
+    return new
 
 
 def grad_hooks(t: torch.Tensor) -> dict:

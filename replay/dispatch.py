@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from recorder.finite import real_view
+
 from .compat import TorchDispatchMode, tree_leaves, tree_map, writes_arguments
 from .float64 import DRAWS, as_float64, draw_as_recorded, upcast
 from .source import OP_ERROR
@@ -30,8 +32,12 @@ def clone_args(args, kwargs):
 
 
 def float_leaves(tree) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
-            and t.is_floating_point() and t.numel() and not t.is_meta]
+    """The floating and complex tensors of ``tree``, complex ones as their real views
+    (``recorder.finite.real_view``), so the op finder's ends, masks and evidence see a complex
+    op's NaN (RotatE's ``r / r.abs()`` of a zero relation) where it is made, not at the first
+    real op after it."""
+    return [real_view(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)
+            and (t.is_floating_point() or t.is_complex()) and t.numel() and not t.is_meta]
 
 
 class OpAt(TorchDispatchMode):

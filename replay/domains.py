@@ -179,13 +179,14 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return _pow(op, ev, zero)
     if base in ("acos", "asin", "atanh") and x.numel():
         top = float(x[x.abs().argmax()])
+        advice = "atanh" if base == "atanh" else "unit"
         if base == "atanh" and abs(top) == 1:
-            return f"{op} of {g(top)} (a pole)", "unit"
+            return f"{op} of {g(top)} (a pole)", advice
         edge = "[-1, 1]" if base != "atanh" else "(-1, 1)"
-        return f"{op} of a number outside {edge} ({g_apart(top, 1.0, -1.0)})", "unit"
-    if base == "acosh" and x.numel():
+        return f"{op} of a number outside {edge} ({g_apart(top, 1.0, -1.0)})", advice
+    if base == "acosh" and x.numel():  # (x.clamp_min(eps), the generic advice, is below 1)
         return (f"{op} of a number below 1 (as low as {g_apart(float(x.min()), 1.0)})",
-                "domain")
+                "acosh")
     if ins and (zero or neg):
         return (f"{op} of {'0' if zero else 'a negative number'} (at a pole or outside its "
                 "domain)", "pole" if zero else "domain")

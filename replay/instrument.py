@@ -13,7 +13,7 @@ import math
 import torch
 
 from recorder.capture import output_leaves, tensor_leaves  # not pytree: see replay.rerun
-from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok
+from recorder.finite import ends, finite, has_nan, pair_kind, pair_ok, real_view
 from recorder.samples import Samples, packed_in
 
 from .compat import in_buffers, running_node
@@ -84,7 +84,7 @@ class CallRecorder:
         pairs = [self.checked.get(t) for t in outs]
         todo = [i for i, p in enumerate(pairs) if p is None]
         if todo:
-            fresh = torch.stack([ends(outs[i]) for i in todo]).tolist()
+            fresh = torch.stack([ends(real_view(outs[i])) for i in todo]).tolist()
             for i, pair in zip(todo, fresh):
                 pairs[i] = tuple(pair)
         return pairs
@@ -93,7 +93,8 @@ class CallRecorder:
         (ok_in, every_in, nan_free_in), parents = self.pending.pop(call_id)
         self.result.open.pop(call_id, None)
         inf_ok: set[int] = set()  # (a distribution's logits, as the recorder checks them)
-        outs = [t for t in output_leaves(output, inf_ok) if t.is_floating_point() and t.numel()]
+        outs = [t for t in output_leaves(output, inf_ok)
+                if (t.is_floating_point() or t.is_complex()) and t.numel()]
         allowed = name in self.runner.allowed
         pairs = self._output_pairs(outs)
         ok_out = all(pair_ok(lo, hi, allow_inf=allowed or id(t) in inf_ok)

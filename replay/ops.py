@@ -68,8 +68,7 @@ class _Watch(TorchDispatchMode):
             and (in_finite or POINTWISE in func.tags) else None
         out = run_op(func, args, kwargs)
         f.follow(name, args, leaves, out)
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                and t.is_floating_point() and t.numel()][:_RESULTS.get(name)]
+        outs = float_leaves(out)[:_RESULTS.get(name)]
         if not outs or name in _UNINITIALISED:
             return out
         f.track(name, ins, outs, in_finite, leaves, (args, kwargs))
@@ -164,13 +163,23 @@ def _at(t: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, bool]:
     try:
         return torch.broadcast_to(t, bad.shape)[bad].double(), True
     except RuntimeError:
-        return t.flatten().double(), False
+        pass
+    if bad.dim() == t.dim() + 1 and bad.shape[-1] == 2:  # a real input of a complex op, whose
+        try:  # output's real view (see dispatch.real_view) has (re, im) last
+            return torch.broadcast_to(t.unsqueeze(-1), bad.shape)[bad].double(), True
+        except RuntimeError:
+            pass
+    return t.flatten().double(), False
 
 
 def _made_beside(func, op: str, given, outs: list[torch.Tensor], occurrence: int,
                  f: OpFinder) -> OpHit | None:
     """The hit of a pointwise op that made non-finite values from finite ones where other
-    inputs it took were non-finite already (see :mod:`replay.fresh`), or None."""
+    inputs it took were non-finite already (see :mod:`replay.fresh`), or None. Not for a
+    complex op: it mixes the real and imaginary parts, so a NaN real part it was given makes
+    the imaginary part NaN, which the real views' positions would take for a new NaN."""
+    if any(isinstance(t, torch.Tensor) and t.is_complex() for t in tree_leaves(given)):
+        return None
     ins = float_leaves(given)
     made = fresh_positions(func, ins, outs[0])
     if made is None:
@@ -203,14 +212,13 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
         a64, k64 = as_float64(func, upcast(args), upcast(kwargs))
         try:
             with torch.no_grad():
-                r = [t for t in tree_leaves(func(*a64, **k64)) if isinstance(t, torch.Tensor)
-                     and t.is_floating_point() and t.numel()]
+                r = float_leaves(func(*a64, **k64))
             if k < len(r) and r[k].shape == bad.shape:
                 local = r[k].detach()[bad]
         except Exception:  # an op that refuses float64 (a fused kernel): no local answer
             local = None
     plain = tuple(tree_map(lambda v: None if isinstance(v, torch.Tensor)
-                           and v.is_floating_point() else v, list(args)))
+                           and (v.is_floating_point() or v.is_complex()) else v, list(args)))
     return Evidence(dtype=outs[k].dtype, bad=bad, inputs=[v for v, _ in taken],
                     input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
                     exp_made=[f.positive(t) for t in ins], local64=local,
@@ -327,6 +335,8 @@ class OpFinder:
                 self.masked_nan = OpHit(f"aten.{name}", "nan", user_source(), None, None,
                                         within=self.where)
             return
+        if any(isinstance(t, torch.Tensor) and t.is_complex() for t in leaves):
+            return  # (exp of a complex number is no positive real: its parts, real views here)
         if positive_result(name, ins, leaves, self.positive):
             for t in outs:
                 self._positive.add(t)

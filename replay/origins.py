@@ -39,7 +39,7 @@ from .param_writes import built_non_finite_hint, forward_made, forward_made_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
-from .update_domain import domain_why, update_domain
+from .update_domain import domain_why, update_domain, updated_rows
 from .weight_readers import bad_row_fields, first_reader, rows_text
 
 
@@ -397,9 +397,11 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
                            chain=finder.chain(), made=made)
     domain = update_domain(hit)
     origin["domain"] = domain
+    rows, where = updated_rows(bad[0], params[bad[0]]) if bad else ({}, "")
+    origin.update(rows)  # (an embedding's entities: which the update broke)
     hint = optimizer_hint(step, hit.op if hit else None, made, bad, step.event.get("step"),
                           "re-run from the copies taken before the update",
-                          stale=stale, domain=domain) if bad else None
+                          stale=stale, domain=domain) + where if bad else None
     return finish(report, origin, "optimizer", reproduced=bool(bad), hint=hint)
 
 

@@ -9,11 +9,15 @@ names the op's values, as a forward op's cause does, and ``--try auto`` proposes
 
 from __future__ import annotations
 
+import torch
+
+from recorder.finite import bad_rows
+
 from . import domains
 from .cause_text import DO
 from .ops import OpHit
 
-__all__ = ["update_domain", "domain_why"]
+__all__ = ["update_domain", "domain_why", "updated_rows"]
 
 
 def update_domain(hit: OpHit | None) -> str | None:
@@ -36,3 +40,23 @@ def domain_why(domain: str) -> str:
             "this step, or a freshly zero-initialised one, makes the 0 that a trust ratio "
             "||w|| / ||update|| or a g / ||g|| divides by; LAMB and LARS take a ratio of 1 "
             "there: torch.where(norm > 0, ratio, 1.0))")
+
+
+def updated_rows(name: str, p: torch.Tensor) -> tuple[dict, str]:
+    """The rows (dim 0) of parameter ``name`` that the re-run update made non-finite, when only
+    some are (an embedding table's entities), as the origin's ``rows``/``rows_of`` and the
+    hint's words, which say when their gradient was all 0 there (rows absent from the batch:
+    the 0 a Riemannian expmap's u / ||u|| or a g / ||g|| divides by); ({}, "") otherwise."""
+    if p.dim() < 2:
+        return {}, ""
+    rows = bad_rows(p.detach(), 0)
+    if not 0 < len(rows) < p.shape[0]:
+        return {}, ""
+    shown = ", ".join(map(str, rows[:8])) + (f" (+{len(rows) - 8})" if len(rows) > 8 else "")
+    g = p.grad
+    g = g.to_dense() if g is not None and g.layout != torch.strided else g
+    zero = g is not None and bool((g[rows] == 0).all())
+    return ({"rows": rows, "rows_of": p.shape[0]},
+            f"; it made only row(s) {shown} of {p.shape[0]} of {name} non-finite"
+            + (", every one a row whose gradient was all 0 (absent from the batch)"
+               if zero else ""))

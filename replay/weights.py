@@ -11,7 +11,7 @@ from torch import nn
 
 from recorder.target import LOSS_PREFIX
 
-from .compat import grad_hooks, non_persistent, set_buffer, set_parameter
+from .compat import grad_hooks, non_persistent, parameter_like, set_buffer, set_parameter
 from .errors import ReplayError
 
 
@@ -111,7 +111,7 @@ def load_weights(step, model: nn.Module) -> None:
             raise ReplayError(f"weights/{src} has shape {list(w.shape)} in the bundle but "
                               f"{list(p.shape)} in the model from the factory; "
                               + other_model(step))
-        new = nn.Parameter(w.to(dev), requires_grad=p.requires_grad)
+        new = parameter_like(p, w.to(dev))
         _keep_hooks(p, new)
         done[id(p)] = new
         assign(model, name, new, param=True)

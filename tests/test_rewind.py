@@ -430,12 +430,16 @@ def test_a_guard_bundles_tries_start_from_the_copies_before_the_update(out_dir):
     assert rep["window"] is None and rep["reproduced"] and rep["cause"] == "optimizer"
     assert (rep["origin"]["params"], rep["origin"]["op"], rep["origin"]["made"]) == \
         (["emb.weight"], "aten.addcdiv_", "nan")
-    # the eps=0 explanation, as the rewind window's re-run of the same update gives it
+    # the eps=0 explanation, as the rewind window's re-run of the same update gives it, then
+    # the rows this re-run of the update made non-finite (the window's names none)
     assert rep["hint"] == (
         "aten.addcdiv_ in Adam's update at step 0 made nan in emb.weight from finite gradients "
         "and weights (re-run from the copies taken before the update); with eps=0 an element "
         "whose gradients have all been exactly 0 has m = v = 0, so m / (sqrt(v) + eps) is 0/0: "
-        "set eps > 0 (the default 1e-8)")
+        "set eps > 0 (the default 1e-8); it made only row(s) 8, 9, 10, 11, 12, 13, 14, 15 of 16 "
+        "of emb.weight non-finite, every one a row whose gradient was all 0 (absent from the "
+        "batch)")
+    assert rep["origin"]["rows"] == list(range(8, 16))
     tries = what_if(rep)
     t = tries["eps=1e-8"]
     assert (t["finite"], t["inconclusive"], t["event_step"], t["origin"], t["steps"]) == \
