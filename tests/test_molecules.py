@@ -1,0 +1,93 @@
+"""Interatomic potentials trained on energies and forces as SchNetPack, NequIP and DimeNet
+train them (``molecule_models``): molecules concatenated atom by atom with a ``batch`` vector,
+the forces ``-dE/dpos`` from ``autograd.grad(..., create_graph=True)`` (in the model's forward,
+or in the loss given the positions), and a loss mixing energy and force errors, so the step's
+backward differentiates twice. Each test trains until the recorder raises, then runs
+``nanreplay --json`` on the bundle. The samples are the molecules, which the atoms outnumber."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import molecule_models as M
+import pytest
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+K, BAD = 2, 3  # the step the planted bug fires at, and the molecule it is in (of 5)
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where molecule_models.py, the factory's module, lives
+
+
+def _train(plant: str, out_dir: Path, **kw) -> NonFiniteError:
+    """Adam on the energy-and-forces loss until the recorder raises; ``forces=False``: the
+    model returns the energy and the loss takes its derivative, given the positions."""
+    model = M.make_schnet(**kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.EnergyForceLoss()
+    in_loss = kw.get("forces") is False
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="molecule_models:make_schnet", factory_kwargs=kw):
+            for z, pos, batch, e, f in M.batches(plant, K, BAD):
+                opt.zero_grad()
+                out = model(z, pos, batch, len(e))
+                loss = crit(out, e, f, pos) if in_loss else crit(out, e, f)
+                loss.backward()
+                opt.step()
+    assert info.value.event["step"] == K, info.value.event
+    return info.value
+
+
+def _step_k(plant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step K's positions and batch vector, from the data alone."""
+    *_, (z, pos, batch, e, f) = M.batches(plant, K, BAD, steps=K + 1)
+    return pos, batch
+
+
+def _molecules_with_coincident_atoms() -> list[int]:
+    pos, batch = _step_k("coincident")
+    same = (batch[:, None] == batch[None, :]) & ~torch.eye(len(pos), dtype=torch.bool)
+    hit = same & ((pos[:, None] - pos[None, :]) == 0).all(-1)
+    return sorted(set(batch[hit.any(1)].tolist()))
+
+
+def _molecules_with_a_straight_angle() -> list[int]:
+    """Molecules with atoms k, j, i (within the model's cutoff) on a line, j between them."""
+    pos, batch = _step_k("linear")
+    v = pos[None, :, :] - pos[:, None, :]  # v[j, k]: from atom j to atom k
+    d = v.norm(dim=-1)
+    cos = (v[:, :, None] * v[:, None, :]).sum(-1) / (d[:, :, None] * d[:, None, :])
+    near = (d < 5.0) & (batch[:, None] == batch[None, :]) & (d > 0)
+    straight = (cos == -1) & near[:, :, None] & near[:, None, :]
+    return sorted(set(batch[straight.flatten(1).any(1)].tolist()))
+
+
+def _line(marker: str) -> str:
+    lines = (HERE / "molecule_models.py").read_text().splitlines()
+    return f"molecule_models.py:{next(i for i, t in enumerate(lines, 1) if marker in t)}"
+
+
+def test_coincident_atoms_name_the_molecule_whose_forces_are_nan(tmp_path):
+    """An atom written twice at one position: the pair's distance is 0, finite, and so is
+    the energy; the forward's autograd.grad runs SqrtBackward0 at 0 and only the forces,
+    one row per atom, are NaN. Those rows are atoms, which the batch vector assigns to
+    molecules: before, no sample was named (neither by the recorder nor the replay), as
+    only the tensors beside the batch vector in one call were mapped through it."""
+    err = _train("coincident", tmp_path)
+    bad = _molecules_with_coincident_atoms()
+    assert bad == [BAD]
+    assert (err.event["phase"], err.event["module"], err.event["samples"]) == (
+        "forward", "", bad)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["node"], o["node_source"], o["samples"],
+            rep["cause"]) == ("forward", "", "aten.div", "SqrtBackward0",
+                              _line("d = torch.sqrt("), bad, "invalid"), rep
+    assert o["batch_size"] == 5
