@@ -91,3 +91,18 @@ def test_coincident_atoms_name_the_molecule_whose_forces_are_nan(tmp_path):
             rep["cause"]) == ("forward", "", "aten.div", "SqrtBackward0",
                               _line("d = torch.sqrt("), bad, "invalid"), rep
     assert o["batch_size"] == 5
+
+
+def test_forces_taken_in_the_loss_name_the_molecule_of_the_zero_distance(tmp_path):
+    """The model returns the energy and the loss takes -dE/dpos (NequIP's and MACE's
+    trainers): the loss is NaN with finite outputs, and the replay names SqrtBackward0 in
+    ``distances``. Its gradient is one row per edge, no sample; the atoms' gradient it
+    reaches names the molecule. Before, the samples were [] (and anomaly mode's NaN check
+    stopped the loss's autograd.grad before any per-atom gradient was seen)."""
+    err = _train("coincident", tmp_path, forces=False)
+    assert (err.event["phase"], err.event["module"]) == ("loss", "<loss>"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["source"], o["samples"], rep["cause"]) == (
+        "loss", "distances", "SqrtBackward0", _line("d = torch.sqrt("),
+        _molecules_with_coincident_atoms(), "invalid"), rep
