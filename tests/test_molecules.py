@@ -106,3 +106,22 @@ def test_forces_taken_in_the_loss_name_the_molecule_of_the_zero_distance(tmp_pat
     assert (o["phase"], o["module"], o["op"], o["source"], o["samples"], rep["cause"]) == (
         "loss", "distances", "SqrtBackward0", _line("d = torch.sqrt("),
         _molecules_with_coincident_atoms(), "invalid"), rep
+
+
+def test_a_linear_molecule_names_acos_and_says_to_clamp_or_use_atan2(tmp_path):
+    """Carbon dioxide is linear: the cosine of its O-C-O angle is exactly -1, clamp passes
+    it, and acos's derivative there is infinite, so the forces of that molecule are NaN.
+    The report named AcosBackward0 but advised what fits sqrt ("torch.where(x > 0, x, 1)":
+    the pole at 0), which for acos moves nothing; now it says that acos's pole is at +-1 and
+    to clamp inside the domain or take the angle with atan2 as DimeNet does."""
+    err = _train("linear", tmp_path, angles=True)
+    bad = _molecules_with_a_straight_angle()
+    assert bad == [BAD]
+    assert (err.event["phase"], err.event["samples"]) == ("forward", bad), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["node"], o["node_source"], o["samples"],
+            rep["cause"]) == ("forward", "", "aten.rsqrt", "AcosBackward0",
+                              _line("angle = torch.acos("), bad, "invalid"), rep
+    assert "+-1" in rep["hint"] and "atan2" in rep["hint"], rep["hint"]
+    assert "torch.where(x > 0" not in rep["hint"], rep["hint"]
