@@ -338,8 +338,19 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
     inputs = list(tensor_leaves([list(mb.args), mb.kwargs]))
     among = compared(targets, outputs, sequence_first) or (
         set() if sequence_first or not targets else _rows_kept(inputs, outputs))
+    segments = assignment(inputs)
+    if not among and segments is not None:  # (no loss target says it: an evaluation forward)
+        return Samples(_graphs(segments, outputs), sequence_first, rnn, segments)
     return replace(infer(inputs, targets + outputs, sequence_first, rnn, among),
-                   segments=assignment(inputs))
+                   segments=segments)
+
+
+def _graphs(segments: Segments, outputs: list[torch.Tensor]) -> int:
+    """A graph batch's number of graphs, its nodes' batch vector's last graph's count, or a
+    root output's rows between that and the nodes' (graphs left without nodes at its end)."""
+    nodes = segments.ids.numel()
+    return next((n for t in outputs if _batched(t)
+                 and segments.last < (n := shape_of(t)[0]) < nodes), segments.last + 1)
 
 
 def per_sample_records(obj: Any, made: set[int] = frozenset(), lead: set[int] = frozenset()

@@ -148,6 +148,10 @@ class SchNet(nn.Module):
         self.atomwise = nn.Sequential(nn.Linear(hidden, hidden // 2), nn.SiLU(), nn.Linear(hidden // 2, 1))
 
     def forward(self, z, pos, batch, num_molecules: int):
+        with torch.enable_grad():  # (validation runs under no_grad: the forces need it)
+            return self._energy_forces(z, pos, batch, num_molecules)
+
+    def _energy_forces(self, z, pos, batch, num_molecules: int):
         pos.requires_grad_(True)  # SchNetPack: inputs[R].requires_grad_()
         edge_index = radius_graph(pos, batch, self.cutoff, self.loop)
         d, vec = self.distances(pos, edge_index)

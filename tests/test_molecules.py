@@ -125,3 +125,37 @@ def test_a_linear_molecule_names_acos_and_says_to_clamp_or_use_atan2(tmp_path):
                               _line("angle = torch.acos("), bad, "invalid"), rep
     assert "+-1" in rep["hint"] and "atan2" in rep["hint"], rep["hint"]
     assert "torch.where(x > 0" not in rep["hint"], rep["hint"]
+
+
+def test_a_validation_forward_names_molecules_not_atoms(tmp_path):
+    """Validation under torch.no_grad (the model enables grad for its forces itself) on a set
+    holding the molecule with coincident atoms: an evaluation event, checked before any loss
+    ran, so no loss target said the batch was of molecules; the atoms (3 tensors of N rows)
+    outnumbered them and the samples named were atom rows ([4, 5], past the 5 molecules).
+    Now the batch vector's graphs are the samples, in the event and the replay alike."""
+    model = M.make_schnet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.EnergyForceLoss()
+    (val,) = M.batches("coincident", 0, 1, steps=1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="molecule_models:make_schnet"):
+            for z, pos, batch, e, f in M.batches("none", K, BAD):
+                model.train()
+                opt.zero_grad()
+                crit(model(z, pos, batch, len(e)), e, f).backward()
+                opt.step()
+                model.eval()
+                with torch.no_grad():
+                    z, pos, batch, e, f = val
+                    crit(model(z, pos, batch, len(e)), e, f)
+    err = info.value
+    pos, batch = val[1], val[2]
+    same = (batch[:, None] == batch[None, :]) & ~torch.eye(len(pos), dtype=torch.bool)
+    bad = sorted(set(batch[(same & ((pos[:, None] - pos[None, :]) == 0).all(-1)).any(1)].tolist()))
+    assert bad == [1]
+    assert (err.event["step"], err.event["evaluation"], err.event["samples"]) == (1, True, bad)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["node"], o["samples"], o["batch_size"], rep["cause"]) == (
+        "forward", "aten.div", "SqrtBackward0", bad, 5, "invalid"), rep
