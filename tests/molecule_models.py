@@ -236,7 +236,8 @@ def batches(plant: str, step_at: int, molecule_at: int, steps: int = 4, molecule
     """Collated batches of random molecules with their labels; at step ``step_at`` molecule
     ``molecule_at`` is broken as ``plant`` says: ``"coincident"``, an atom written twice at
     one position by a format conversion (its labels computed before); ``"linear"``, carbon
-    dioxide, whose three atoms lie on a line."""
+    dioxide, whose three atoms lie on a line; ``"mev"``, from step ``step_at`` on, the forces
+    of molecule ``molecule_at`` come from a source that gives them in meV / Angstrom."""
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         data = []
@@ -248,5 +249,7 @@ def batches(plant: str, step_at: int, molecule_at: int, steps: int = 4, molecule
             e, f = reference(z, pos)
             if here and plant == "coincident":
                 pos[2] = pos[1]
+            if plant == "mev" and step >= step_at and k == molecule_at:
+                f = f * 1000.0
             data.append((z, pos, e, f))
         yield collate(data)

@@ -159,3 +159,36 @@ def test_a_validation_forward_names_molecules_not_atoms(tmp_path):
     o = rep["origin"]
     assert (o["phase"], o["op"], o["node"], o["samples"], o["batch_size"], rep["cause"]) == (
         "forward", "aten.div", "SqrtBackward0", bad, 5, "invalid"), rep
+
+
+def test_forces_in_the_wrong_unit_name_the_molecule_and_no_drop(tmp_path):
+    """From step 1 molecule 1's forces are in meV/Angstrom among eV/Angstrom: SGD with
+    momentum diverges until a product overflows. The forces are one row per atom, so the
+    out-of-scale search, which looked along a batch dimension only, did not see them and
+    blamed the learning rate alone; now it takes each molecule's largest force through the
+    batch vector and names that molecule, and, as no drop can cut a graph from a batch
+    concatenated node by node, it says to leave it out of the dataset instead of offering
+    ``--try drop=``."""
+    model = M.make_schnet()
+    opt = torch.optim.SGD(model.parameters(), lr=3e-3, momentum=0.9)
+    crit = M.EnergyForceLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="molecule_models:make_schnet"):
+            for z, pos, batch, e, f in M.batches("mev", 1, 1, steps=20):
+                opt.zero_grad()
+                crit(model(z, pos, batch, len(e)), e, f).backward()
+                opt.step()
+    err = info.value
+    step = err.event["step"]
+    *_, (z, pos, batch, e, f) = M.batches("mev", 1, 1, steps=step + 1)
+    per = torch.zeros(len(e)).scatter_reduce(0, batch, f.abs().amax(1), "amax")
+    out = [k for k in range(len(e)) if per[k] > 10 * max(per[j] for j in range(len(e)) if j != k)]
+    assert out == [1]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    # (a diverging run: the weights grew over the steps, and the overflow spans the batch)
+    assert (step, o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == (
+        11, "forward", "interactions.0.out.1", "aten.addmm", [0, 1, 2, 3, 4], "overflow"), rep
+    assert "sample(s) 1 of loss_args[2] reach" in rep["hint"], rep["hint"]
+    assert "leave them out of the dataset" in rep["hint"] and "--try drop" not in rep["hint"]
