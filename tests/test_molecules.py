@@ -192,3 +192,35 @@ def test_forces_in_the_wrong_unit_name_the_molecule_and_no_drop(tmp_path):
         11, "forward", "interactions.0.out.1", "aten.addmm", [0, 1, 2, 3, 4], "overflow"), rep
     assert "sample(s) 1 of loss_args[2] reach" in rep["hint"], rep["hint"]
     assert "leave them out of the dataset" in rep["hint"] and "--try drop" not in rep["hint"]
+
+
+def test_forces_taken_in_the_loop_name_the_molecule_not_an_atom_count(tmp_path):
+    """PyG's MD17 recipe: the loop sets ``pos.requires_grad_()``, takes the forces of the
+    model's energy with autograd.grad and calls one MSELoss on the energies, then on the
+    forces. The bundle keeps the forces call, (N, 3) against (N, 3): the atoms were taken
+    for the batch (batch_size 26) and no sample was named. Now the batch is of the batch
+    vector's molecules, and the replay, differentiating the output as the loop did, names
+    SqrtBackward0 in ``distances`` on the molecule with coincident atoms."""
+    model = M.make_schnet(forces=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mse = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=mse, out_dir=tmp_path,
+                            factory="molecule_models:make_schnet",
+                            factory_kwargs={"forces": False}) as rec:
+            for z, pos, batch, e, f in M.batches("coincident", K, BAD):
+                pos.requires_grad_(True)
+                opt.zero_grad()
+                energy = model(z, pos, batch, len(e))
+                forces = -torch.autograd.grad(energy.sum(), pos, create_graph=True)[0]
+                (0.01 * rec.loss_fn(energy, e) + 0.99 * rec.loss_fn(forces, f)).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (K, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["source"], o["samples"], o["batch_size"],
+            rep["cause"]) == ("loss", "distances", "SqrtBackward0", _line("d = torch.sqrt("),
+                              _molecules_with_coincident_atoms(), 5, "invalid"), rep
+    assert any("the loop computed from the model output's derivatives" in p
+               for p in rep["problems"]), rep["problems"]
