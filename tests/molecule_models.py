@@ -151,9 +151,10 @@ class SchNet(nn.Module):
         with torch.enable_grad():  # (validation runs under no_grad: the forces need it)
             return self._energy_forces(z, pos, batch, num_molecules)
 
-    def _energy_forces(self, z, pos, batch, num_molecules: int):
+    def _energy_forces(self, z, pos, batch, num_molecules: int, edge_index=None):
         pos.requires_grad_(True)  # SchNetPack: inputs[R].requires_grad_()
-        edge_index = radius_graph(pos, batch, self.cutoff, self.loop)
+        if edge_index is None:
+            edge_index = radius_graph(pos, batch, self.cutoff, self.loop)
         d, vec = self.distances(pos, edge_index)
         rbf = self.rbf(d)
         h = self.embedding(z)
@@ -174,6 +175,45 @@ class SchNet(nn.Module):
 def make_schnet(**kw) -> SchNet:
     torch.manual_seed(0)
     return SchNet(**kw)
+
+
+class SchNetPackModel(SchNet):
+    """SchNetPack's calling convention: one dict of inputs, as its collate makes it (the
+    neighbour list ``_idx_i``/``_idx_j`` from the data pipeline, the batch vector ``_idx_m``
+    last), into which the model writes its predictions and which it returns."""
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with torch.enable_grad():
+            edges = torch.stack([inputs["_idx_j"], inputs["_idx_i"]])
+            energy, forces = self._energy_forces(
+                inputs["_atomic_numbers"], inputs["_positions"], inputs["_idx_m"],
+                len(inputs["_n_atoms"]), edges)
+        inputs["energy"], inputs["forces"] = energy, forces
+        return inputs
+
+
+def make_schnetpack(**kw) -> SchNetPackModel:
+    torch.manual_seed(0)
+    return SchNetPackModel(**kw)
+
+
+class SchNetPackLoss(nn.Module):
+    """SchNetPack's ``ModelOutput`` losses summed: the predictions' dict against the targets'."""
+
+    def __init__(self, energy_weight: float = 0.01, force_weight: float = 0.99):
+        super().__init__()
+        self.energy_weight, self.force_weight = energy_weight, force_weight
+
+    def forward(self, pred: dict, targets: dict):
+        return (self.energy_weight * F.mse_loss(pred["energy"], targets["energy"])
+                + self.force_weight * F.mse_loss(pred["forces"], targets["forces"]))
+
+
+def schnetpack_collate(z, pos, batch, e, f, cutoff: float = 5.0) -> dict[str, torch.Tensor]:
+    """The dict SchNetPack's ``_atoms_collate_fn`` makes, in its key order."""
+    j, i = radius_graph(pos, batch, cutoff)
+    return {"_n_atoms": torch.bincount(batch), "_atomic_numbers": z, "_positions": pos,
+            "energy": e, "forces": f, "_idx_i": i, "_idx_j": j, "_idx_m": batch}
 
 
 class EnergyForceLoss(nn.Module):

@@ -224,3 +224,35 @@ def test_forces_taken_in_the_loop_name_the_molecule_not_an_atom_count(tmp_path):
                               _molecules_with_coincident_atoms(), 5, "invalid"), rep
     assert any("the loop computed from the model output's derivatives" in p
                for p in rep["problems"]), rep["problems"]
+
+
+def _train_schnetpack(out_dir: Path) -> NonFiniteError:
+    model = M.make_schnetpack()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.SchNetPackLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="molecule_models:make_schnetpack"):
+            for z, pos, batch, e, f in M.batches("coincident", K, BAD):
+                inputs = M.schnetpack_collate(z, pos, batch, e, f)
+                targets = {k: inputs[k] for k in ("energy", "forces")}
+                opt.zero_grad()
+                crit(model(inputs), targets).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (K, "forward")
+    return info.value
+
+
+def test_a_model_writing_its_predictions_into_its_input_dict_is_replayed_as_called(tmp_path):
+    """SchNetPack's model writes ``inputs["energy"]`` and ``inputs["forces"]`` into the dict
+    it was given (over the labels the collate put there) and returns it. The recorder kept
+    that dict by reference, so the bundle's batch held the NaN predictions as inputs, and the
+    replay reported an input event on ``batch["forces"]``, "not per sample"; the recorder
+    now keeps the call's dicts and lists as they came, and the replay names the forward's
+    SqrtBackward0 at the coincident atoms."""
+    err = _train_schnetpack(tmp_path)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o.get("node"), o.get("node_source"),
+            rep["cause"]) == ("forward", "", "aten.div", "SqrtBackward0",
+                              _line("d = torch.sqrt("), "invalid"), rep
