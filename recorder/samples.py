@@ -245,10 +245,12 @@ class Segments:
 
 
 def assignment(tensors: Iterable[torch.Tensor]) -> Segments | None:
-    """The :class:`Segments` of the first of ``tensors`` that reads as a graph batch's
-    assignment vector (:func:`is_assignment`), or None."""
-    ids = next((t for t in tensors if t.dim() == 1 and is_assignment(t)), None)
-    return None if ids is None else Segments(ids, int(ids[-1]))
+    """The :class:`Segments` of the one of ``tensors`` that reads as a graph batch's
+    assignment vector (:func:`is_assignment`) with the fewest groups, or None: beside the
+    atoms' batch vector, a neighbour list's sorted centre atoms (SchNetPack's ``_idx_i``)
+    read as one too, grouping the pairs by atom."""
+    found = [Segments(t, int(t[-1])) for t in tensors if t.dim() == 1 and is_assignment(t)]
+    return min(found, key=lambda s: s.last, default=None)
 
 
 def is_assignment(t: torch.Tensor) -> bool:

@@ -256,3 +256,15 @@ def test_a_model_writing_its_predictions_into_its_input_dict_is_replayed_as_call
     assert (o["phase"], o["module"], o["op"], o.get("node"), o.get("node_source"),
             rep["cause"]) == ("forward", "", "aten.div", "SqrtBackward0",
                               _line("d = torch.sqrt("), "invalid"), rep
+
+
+def test_a_neighbour_list_beside_the_batch_vector_does_not_hide_the_molecules(tmp_path):
+    """SchNetPack's collate puts the neighbour list's centre atoms ``_idx_i`` (sorted: from
+    0, never decreasing) before the batch vector ``_idx_m``; both read as assignment vectors,
+    and the first was taken, grouping pairs by atom, so no molecule was named. The one with
+    the fewest groups is the batch's: the molecule with the coincident atoms."""
+    err = _train_schnetpack(tmp_path)
+    bad = _molecules_with_coincident_atoms()
+    assert err.event["samples"] == bad, err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["origin"]["samples"], rep["origin"]["batch_size"]) == (bad, 5), rep["origin"]
