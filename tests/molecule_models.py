@@ -128,6 +128,24 @@ class Electrostatics(nn.Module):
         return 0.5 * torch.zeros_like(q).index_add_(0, i, pair)
 
 
+class VectorFeatures(nn.Module):
+    """PaiNN's equivariant features: v_i = sum_j W(rbf_ij) h_j (vec_ij / d_ij), and an update
+    that reads their norm ||v_i|| (PaiNN adds 1e-8 under the root)."""
+
+    def __init__(self, hidden: int, n_rbf: int):
+        super().__init__()
+        self.filter = nn.Linear(n_rbf, hidden)
+        self.mix = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, h, rbf, d, vec, edge_index):
+        j, i = edge_index
+        w = self.filter(rbf) * h[j]
+        msg = (vec / d[:, None])[:, :, None] * w[:, None, :]
+        v = torch.zeros(len(h), 3, h.shape[1], dtype=h.dtype, device=h.device).index_add_(0, i, msg)
+        norm = torch.sqrt((v ** 2).sum(1))  # the bug: a symmetric atom's v is exactly 0
+        return h + self.mix(torch.cat([h, norm], -1))
+
+
 class SchNet(nn.Module):
     """SchNet with SchNetPack's output heads: the molecule's energy, a sum of atomwise
     contributions over its atoms (``index_add_`` over the batch vector), and the forces as
@@ -135,7 +153,8 @@ class SchNet(nn.Module):
 
     def __init__(self, hidden: int = 32, n_rbf: int = 16, cutoff: float = 5.0, blocks: int = 2,
                  basis: str = "gaussian", mean: bool = False, loop: bool = False,
-                 angles: bool = False, coulomb: bool = False, forces: bool = True):
+                 angles: bool = False, coulomb: bool = False, forces: bool = True,
+                 vectors: bool = False):
         super().__init__()
         self.cutoff, self.loop = cutoff, loop
         self.embedding = nn.Embedding(20, hidden)
@@ -145,6 +164,7 @@ class SchNet(nn.Module):
         self.angles = Angles(hidden) if angles else None
         self.electrostatics = Electrostatics(hidden) if coulomb else None
         self.forces = forces
+        self.vectors = VectorFeatures(hidden, n_rbf) if vectors else None
         self.atomwise = nn.Sequential(nn.Linear(hidden, hidden // 2), nn.SiLU(), nn.Linear(hidden // 2, 1))
 
     def forward(self, z, pos, batch, num_molecules: int):
@@ -162,6 +182,8 @@ class SchNet(nn.Module):
             h = self.angles(h, d, vec, edge_index)
         for block in self.interactions:
             h = block(h, rbf, edge_index)
+        if self.vectors is not None:
+            h = self.vectors(h, rbf, d, vec, edge_index)
         e_atom = self.atomwise(h).squeeze(-1)
         if self.electrostatics is not None:
             e_atom = e_atom + self.electrostatics(h, d, edge_index, batch, num_molecules)

@@ -268,3 +268,31 @@ def test_a_neighbour_list_beside_the_batch_vector_does_not_hide_the_molecules(tm
     assert err.event["samples"] == bad, err.event
     rep = nanreplay_json(err.bundle_path)
     assert (rep["origin"]["samples"], rep["origin"]["batch_size"]) == (bad, 5), rep["origin"]
+
+
+def test_a_symmetric_atoms_vector_norm_names_its_molecule_and_an_eps_under_the_root(tmp_path):
+    """PaiNN-style vector features trained on energies alone: carbon dioxide's carbon has two
+    equal oxygens on opposite sides, so its vector messages cancel and ||v|| is sqrt of 0 in
+    float32 (1e-9 or so in float64, whose rounding does not cancel them exactly): the
+    backward's SqrtBackward0 is infinite there. Its gradient is one row per atom, which named
+    no sample; now the molecule. And the precision hint, which spoke of variances and
+    sigmoids only, says to put an eps under the root, as PaiNN does."""
+    kw = {"forces": False, "vectors": True}
+    model = M.make_schnet(**kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mse = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=mse, out_dir=tmp_path,
+                            factory="molecule_models:make_schnet", factory_kwargs=kw):
+            for z, pos, batch, e, _ in M.batches("linear", K, BAD):
+                opt.zero_grad()
+                mse(model(z, pos, batch, len(e)), e).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (K, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["source"], o["samples"], rep["cause"]) == (
+        "backward", "vectors", "SqrtBackward0", _line("norm = torch.sqrt("),
+        _molecules_with_a_straight_angle(), "precision"), rep
+    assert "torch.sqrt(x + 1e-8)" in rep["hint"], rep["hint"]
