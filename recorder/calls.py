@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .capture import data_arguments, map_tensors, output_leaves, tensor_leaves
+from .capture import as_called, data_arguments, map_tensors, output_leaves, tensor_leaves
 from .compat import func_transform, in_backward, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
@@ -106,7 +106,7 @@ class CallHooks:
             # (a root run under a reentrant checkpoint, whose backward runs it again)
             tape = cycle.tape_for_forward(not torch.is_grad_enabled() and not (
                 training and any(t.requires_grad for t in _leaves(args, kwargs))))
-            mb = MicroBatch(args=args, kwargs=kwargs, grad_enabled=torch.is_grad_enabled(),
+            mb = MicroBatch(*as_called(args, kwargs), grad_enabled=torch.is_grad_enabled(),
                             training=training,
                             autocast=autocast_state(self.target.root_autocast(root)))
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)

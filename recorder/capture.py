@@ -328,6 +328,20 @@ def distribution_labels(obj: Any, depth: int = 0) -> dict[int, str]:
     return labels
 
 
+def as_called(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A root call's ``args`` and ``kwargs`` with their dicts and lists copied (the tensors
+    kept): a forward that writes its predictions into its input dict (SchNetPack's, which
+    returns it, the targets' keys overwritten) must not change the batch the bundle holds.
+    Arguments with neither are kept as they are."""
+    if not any(isinstance(v, (dict, list)) for v in (*args, *kwargs.values())):
+        return args, kwargs
+    return map_tensors(args, _kept), map_tensors(kwargs, _kept)
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def map_tensors(obj: Any, fn) -> Any:
     """``obj`` with every tensor in its tuples, lists, dicts and dataclass instances (a shallow
     copy) replaced by ``fn(tensor)``; other leaves kept as they are. A namedtuple keeps its type; a ``PackedSequence`` keeps its

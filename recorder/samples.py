@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -73,6 +73,9 @@ class Samples:
     size: int = 0
     seq_first: bool = False
     recurrent: bool = False  # the model holds a recurrent module (see :func:`recurrent`)
+    # the root inputs' assignment vector of a graph batch: a value any module computed per node
+    # (an atom's energy, its force) names the graphs its rows are in
+    segments: Segments | None = field(default=None, compare=False, repr=False)
 
     def dim(self, t: torch.Tensor, stacked: bool = False) -> int | None:
         """The dimension of ``t`` that holds the samples; None when ``t`` has none (a 0-d
@@ -99,6 +102,12 @@ class Samples:
             return 1
         return None
 
+    def per_node(self, t: torch.Tensor) -> bool:
+        """``t``'s rows are the nodes of the micro-batch's graph batch (:attr:`segments`)."""
+        s = self.segments
+        return (s is not None and t.dim() > 0 and not t.is_nested and s.last < self.size
+                and t.shape[0] == s.ids.numel() and self.dim(t) is None)
+
     def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence | Bags | Segments] | None = None,
              stacked: bool = False) -> list[int]:
         """The samples of ``t`` that hold a non-finite value ([] when ``t`` has no samples);
@@ -113,6 +122,8 @@ class Samples:
             return packed_samples(seq, bad_rows(t, 0))
         if isinstance(seq, Record) and seq.of == self.size and self.dim(t) is None:
             return [seq.index] if bad_rows(t.reshape(1, -1), 0) else []
+        if self.per_node(t):
+            return self.segments.samples(bad_rows(t, 0))
         d = self.dim(t, stacked)
         return [] if d is None else bad_rows(t, d)
 
@@ -157,8 +168,8 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
 
     walk(obj, ())
     # (a graph batch's assignment vector also reads as offsets, into its longer edge tensors)
-    if (ids := next((t for _, t in flat if is_assignment(t)), None)) is not None:
-        segments = Segments(ids, int(ids[-1]))
+    if (segments := assignment(t for _, t in flat)) is not None:
+        ids = segments.ids
         for t in [t for _, t in flat] + rowed:
             if shape_of(t)[0] == ids.numel():
                 found.setdefault(id(t), segments)
@@ -231,6 +242,15 @@ class Segments:
         if not rows:
             return []
         return sorted(set(self.ids.cpu()[torch.tensor(rows)].tolist()))
+
+
+def assignment(tensors: Iterable[torch.Tensor]) -> Segments | None:
+    """The :class:`Segments` of the one of ``tensors`` that reads as a graph batch's
+    assignment vector (:func:`is_assignment`) with the fewest groups, or None: beside the
+    atoms' batch vector, a neighbour list's sorted centre atoms (SchNetPack's ``_idx_i``)
+    read as one too, grouping the pairs by atom."""
+    found = [Segments(t, int(t[-1])) for t in tensors if t.dim() == 1 and is_assignment(t)]
+    return min(found, key=lambda s: s.last, default=None)
 
 
 def is_assignment(t: torch.Tensor) -> bool:
@@ -320,7 +340,19 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
     inputs = list(tensor_leaves([list(mb.args), mb.kwargs]))
     among = compared(targets, outputs, sequence_first) or (
         set() if sequence_first or not targets else _rows_kept(inputs, outputs))
-    return infer(inputs, targets + outputs, sequence_first, rnn, among)
+    segments = assignment(inputs)
+    if not among and segments is not None:  # (no loss target says it: an evaluation forward)
+        return Samples(_graphs(segments, outputs), sequence_first, rnn, segments)
+    return replace(infer(inputs, targets + outputs, sequence_first, rnn, among),
+                   segments=segments)
+
+
+def _graphs(segments: Segments, outputs: list[torch.Tensor]) -> int:
+    """A graph batch's number of graphs, its nodes' batch vector's last graph's count, or a
+    root output's rows between that and the nodes' (graphs left without nodes at its end)."""
+    nodes = segments.ids.numel()
+    return next((n for t in outputs if _batched(t)
+                 and segments.last < (n := shape_of(t)[0]) < nodes), segments.last + 1)
 
 
 def per_sample_records(obj: Any, made: set[int] = frozenset(), lead: set[int] = frozenset()

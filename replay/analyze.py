@@ -25,6 +25,7 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from . import fidelity, outside
 from .ascent import ascent_hint
 from .cause_text import DO
+from .drop import undroppable
 from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
@@ -132,7 +133,8 @@ def _out_of_scale(report, step: Step) -> None:
         return
     found = out_of_scale(step, o)
     if found is not None:
-        report["hint"] = f"{report['hint']}. But {outlier_hint(found[1], found[0])}"
+        droppable = undroppable(step, o.get("micro_batch") or 0) is None
+        report["hint"] = f"{report['hint']}. But {outlier_hint(found[1], found[0], droppable)}"
 
 
 def analyze_bundle(path, factory: str | None = None, device: str | None = None,

@@ -107,6 +107,18 @@ def batch_rows(node, returned: list, where: Samples) -> list[int]:
     return []
 
 
+def node_rows(node, returned: list, where: Samples) -> list[int]:
+    """The graphs of the first non-finite gradient ``node`` returned for a value per node of
+    the graph batch (:meth:`Samples.per_node`), none bound for a parameter."""
+    nexts = list(node.next_functions)
+    for i, g in enumerate(returned):
+        target = nexts[i][0] if i < len(nexts) else None
+        if isinstance(g, torch.Tensor) and where.per_node(g) and not finite(g) and not (
+                target is not None and type(target).__name__ == "AccumulateGrad"):
+            return where.rows(g)
+    return []
+
+
 def batch_rows_in(grads, where: Samples) -> list[int]:
     """The samples of the first non-finite gradient among ``grads`` that has the batch's."""
     if not where.size:
@@ -192,11 +204,9 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     def on_node(node, name):
         def hook(grad_inputs, grad_outputs):
-            if found.module == "<loss>" and name != "<loss>" and not found.samples \
-                    and watch.hit is None:
-                # the loss's origin's gradient held no samples (a metric loss's mined pairs,
-                # (P,)): those of the gradient it sent into the model's output
-                found.samples = batch_rows_in(grad_outputs, where or Samples())
+            if found.node is not None and not found.samples and watch.hit is None:
+                found.samples = _later_samples(found, node, name, grad_inputs, grad_outputs,
+                                               where or Samples())
             if found.node is not None or watch.hit is not None:
                 return
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
@@ -239,9 +249,23 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     return found
 
 
+def _later_samples(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
+                   where: Samples) -> list[int]:
+    """The samples of a gradient after the origin's, which held none."""
+    if found.module == "<loss>":
+        # (a metric loss's mined pairs, (P,)): those of the gradient it sent into the model's
+        # output
+        return batch_rows_in(grad_outputs, where) if name != "<loss>" else []
+    # (per edge of a graph batch, a pair distance's): the graphs of the first per-node
+    # gradient it reached (an atom's position's)
+    return node_rows(node, list(grad_inputs), where) if where.segments is not None else []
+
+
 @contextlib.contextmanager
 def _watched(watch: HookWatch):
-    with _anomaly(), watch.registering():
+    # (no NaN check: an autograd.grad in the forward or the loss, forces -dE/dpos, must run
+    # on past its first NaN, as training did, for the nodes after the origin to name samples)
+    with _anomaly(check_nan=False), watch.registering():
         yield
 
 

@@ -460,7 +460,8 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         # sigmoid(20) is 0 in float32, 2e-9 in float64), not a gradient too large for the type
         return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
                      f"in float64: rounding put the op's input on its pole, where {fn} is "
-                     "infinite (sqrt, log or a division at 0); " + DO["stable"])
+                     "infinite (sqrt, log or a division at 0); " + DO["stable"]
+                     + ("; " + DO["root"] if name == "sqrt" else ""))
     return _backward_overflow(op, fn, pole, dtype)
 
 

@@ -312,6 +312,9 @@ DO = {
     "stable": "use a numerically stable formula (torch.var / torch.std or centring before "
               "squaring for a variance; logsigmoid or binary_cross_entropy_with_logits for "
               "log(1 - sigmoid(z)); log1p, expm1) or clamp to the domain before the op",
+    # (a norm of vectors whose parts cancel: no stable formula of the sum keeps sqrt off 0)
+    "root": "for sqrt of a sum of squares (a norm of vectors that cancel to 0), put an eps "
+            "under the root (torch.sqrt(x + 1e-8))",
 }
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import linecache
 
-from .backward import _anomaly, _source
+from .backward import _UNIT_POLE_NODES, _anomaly, _source
+from .cause_text import DO
 from .ops import OpHit
 
 
@@ -32,10 +33,15 @@ def derivative_words(hit: OpHit, again: OpHit | None, by: str = "the forward's o
     path, _, line = (src or "").rpartition(":")
     text = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
     at = f" of {src}" + (f" ({text})" if text else "") if src else ""
-    op = name.removesuffix("Backward0").removesuffix("Backward1").lower()
+    base = name.removesuffix("Backward0").removesuffix("Backward1")
+    op = base.lower()
+    took = f"{hit.op} ran in {name}, the derivative of the forward's {op}{at}, which {by} " \
+        "torch.autograd.grad took: "
+    if base in _UNIT_POLE_NODES:  # (its pole is at +-1, the edge of its domain, not at 0)
+        return name, src, (f"{took}that derivative is infinite where {op}'s input is +-1; "
+                           + DO["unit"])
     return name, src, (
-        f"{hit.op} ran in {name}, the derivative of the forward's {op}{at}, which "
-        f"{by} torch.autograd.grad took: a pole of that derivative (sqrt or a norm "
+        f"{took}a pole of that derivative (sqrt or a norm "
         f"at 0, a division by 0) is at {op}'s input, so make that input safe before the op "
         "(torch.where(x > 0, x, 1)) or add an eps there, not at the division the backward "
         "does")

@@ -397,7 +397,8 @@ class OpFinder:
         the weights alone)."""
         s = self.samples
         # (stacked: a value made from the batch, where (K, B, ...) stacks its copies)
-        t = next((t for t in outs if s and s.size and s.dim(t, stacked=True) is not None
+        t = next((t for t in outs if s and s.size and (s.dim(t, stacked=True) is not None
+                                                      or s.per_node(t))
                   and t not in self._of_weights and t not in self.pooled), None)
         shaped = None if t is None else s.rows(t, stacked=True)
         return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)

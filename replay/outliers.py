@@ -77,11 +77,15 @@ def _row_magnitudes(step: Step, mb: int):
         t = step.tensors.get(key)
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
             continue
-        d = where.dim(t)
+        d = 0 if where.per_node(t) else where.dim(t)
         if d is not None and t.shape[d] > 1:
             a = t.detach().movedim(d, 0).reshape(t.shape[d], -1).abs().double()
-            per = (torch.nan_to_num(a, nan=0.0) if missing else a).amax(1)
-            yield name, torch.nan_to_num(per, nan=math.inf)
+            per = torch.nan_to_num((torch.nan_to_num(a, nan=0.0) if missing else a).amax(1),
+                                   nan=math.inf)
+            if where.per_node(t):  # (a row per node of a graph batch: each graph's largest)
+                ids = where.segments.ids.to(per.device)
+                per = per.new_zeros(where.size).scatter_reduce(0, ids, per, "amax")
+            yield name, per
 
 
 def out_of_scale(step: Step, origin: dict[str, Any]
@@ -96,15 +100,19 @@ def out_of_scale(step: Step, origin: dict[str, Any]
     return (rows, found) if found is not None else None
 
 
-def outlier_hint(found: dict[str, Any], rows: list[int]) -> str:
-    """The sentence an overflow's hint gains when its samples' data is out of scale."""
+def outlier_hint(found: dict[str, Any], rows: list[int], droppable: bool = True) -> str:
+    """The sentence an overflow's hint gains when its samples' data is out of scale;
+    ``droppable``: ``--try drop`` can remove them from the recorded batch."""
     which = ",".join(str(r) for r in rows)
+    how = (f"--try drop={which} re-runs the step without them" if droppable else
+           "the graphs of a batch concatenated node by node cannot be cut from the recorded "
+           "batch: leave them out of the dataset and train again")
     ratio = (f", {g(found['value'] / found['others'])}x the other rows' largest "
              f"{g(found['others'])}" if found["others"] > 0 else ", the other rows being 0")
     return (f"sample(s) {which} of {found['tensor']} reach {g(found['value'])}{ratio}: the "
             "data of these samples is out of scale (a wrong unit, a corrupt record, a gain "
             f"never normalised), which a wider type would only hide; fix or filter them "
-            f"(--try drop={which} re-runs the step without them)")
+            f"({how})")
 
 
 def _n_args(tree: Any) -> int:

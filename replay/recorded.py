@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from recorder.capture import batch_path, flatten_tree, loss_path
+from recorder.capture import batch_path, flatten_tree, loss_path, tree_refs
 from recorder.finite import finite, has_nan, kind_of, matches
 from recorder.missing import allow_nan_advice, root_input_name
-from recorder.samples import Samples, infer, packed_in, recurrent, seq_first
+from recorder.samples import Samples, assignment, infer, packed_in, recurrent, seq_first
 
 from .cause_text import (
     ALLOWED_NAN_LEAKED,
@@ -42,7 +42,9 @@ def entry_samples(mb: dict[str, Any], tensors: dict[str, torch.Tensor], model) -
     size = kept.get("size") if isinstance(kept, dict) else None
     if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
         return Samples(size, kept.get("seq_first") is True,
-                       kept.get("recurrent", recurrent(model)) is True)
+                       kept.get("recurrent", recurrent(model)) is True,
+                       assignment(tensors[k] for k in tree_refs(mb.get("inputs"), "$t")
+                                  if isinstance(tensors.get(k), torch.Tensor)))
 
     def present(keys) -> list[torch.Tensor]:
         return [t for k in keys if isinstance(t := tensors.get(k), torch.Tensor)]
