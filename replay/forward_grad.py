@@ -37,9 +37,10 @@ def derivative_words(hit: OpHit, again: OpHit | None, by: str = "the forward's o
     op = base.lower()
     took = f"{hit.op} ran in {name}, the derivative of the forward's {op}{at}, which {by} " \
         "torch.autograd.grad took: "
-    if base in _UNIT_POLE_NODES:  # (its pole is at +-1, the edge of its domain, not at 0)
-        return name, src, (f"{took}that derivative is infinite where {op}'s input is +-1; "
-                           + DO["unit"])
+    if base in _UNIT_POLE_NODES:  # (its pole is at the edge of its domain, not at 0)
+        edge = "1" if op == "acosh" else "+-1"
+        return name, src, (f"{took}that derivative is infinite where {op}'s input is {edge}; "
+                           + DO[op if op in ("acosh", "atanh") else "unit"])
     return name, src, (
         f"{took}a pole of that derivative (sqrt or a norm "
         f"at 0, a division by 0) is at {op}'s input, so make that input safe before the op "
