@@ -333,9 +333,10 @@ def as_called(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     kept): a forward that writes its predictions into its input dict (SchNetPack's, which
     returns it, the targets' keys overwritten) must not change the batch the bundle holds.
     Arguments with neither are kept as they are."""
-    if not any(isinstance(v, (dict, list)) for v in (*args, *kwargs.values())):
-        return args, kwargs
-    return map_tensors(args, _kept), map_tensors(kwargs, _kept)
+    for v in (*args, *kwargs.values()) if kwargs else args:  # (a loop: it runs every step)
+        if isinstance(v, (dict, list)):
+            return map_tensors(args, _kept), map_tensors(kwargs, _kept)
+    return args, kwargs
 
 
 def _kept(t: torch.Tensor) -> torch.Tensor:
