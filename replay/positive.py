@@ -3,7 +3,9 @@ positive value that underflowed (``underflow``, not ``invalid``).
 
 exp, softmax, sigmoid and softplus make them; ops that pass values on unchanged keep them
 (a gathered probability, a view), and so do a power of one (``std ** 2``: a Gaussian's
-variance from ``log_std.exp()``) and a product of them with positive factors (``2 * var``).
+variance from ``log_std.exp()``), a product of them with positive factors (``2 * var``), and
+a sum of them: a reduction, or a matrix product with a tensor whose values are all > 0
+(Sinkhorn's ``K @ v`` with ``K = exp(-C / eps)``, whose row of zeros is an underflow).
 Followed both as the op finder sees ops run and, for a value made before the watched code
 ran (a model's softplus variance that the loss takes the log of), on the autograd graph.
 """
@@ -23,6 +25,10 @@ PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", 
            "split_with_sizes", "detach", "masked_select", "flatten", "unflatten", "diagonal",
            "as_strided", "div",  # div: a positive value over a finite one stays non-zero
            "pow"}  # a positive base to any power stays positive
+# sums of products of their inputs' elements: positive when every term is (a row sum of
+# exp, K @ v of a positive kernel and positive scalings)
+SUMS = {"add", "mm", "bmm", "mv", "dot", "vdot"}
+REDUCTIONS = {"sum", "mean", "cumsum"}  # (their numbers are dims)
 
 
 def node_name(op: str) -> str:
@@ -45,11 +51,17 @@ def node_op(node) -> str:
 def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) -> bool:
     """Whether op ``name``, given finite inputs ``ins`` (``leaves``: all its arguments), made
     a value positive in exact arithmetic; ``positive(t)`` says it of an input."""
-    if name in POSITIVE or (name in PASS_ON and ins and positive(ins[0])):
+    if name in POSITIVE or (name in PASS_ON | REDUCTIONS and ins and positive(ins[0])):
         return True
+    numbers = [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if name in SUMS and ins and any(positive(t) for t in ins):
+        # every term positive: the other factors' values all > 0 (v = ones, b / (K^T u));
+        # the inputs are finite here, so ``> 0`` reads their values (add's alpha too)
+        return all(v > 0 for v in numbers) and all(
+            positive(t) or bool((t > 0).all()) for t in ins)
     # a product of positive tensors and positive numbers (2 * var)
     return name == "mul" and bool(ins) and all(positive(t) for t in ins) and all(
-        v > 0 for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool))
+        v > 0 for v in numbers)
 
 
 def first_inputs(fn, depth: int = 8):

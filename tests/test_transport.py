@@ -1,0 +1,66 @@
+"""Optimal transport and soft dynamic programming as losses (``transport_models``): a point
+cloud decoder trained through entropic OT (Sinkhorn in the plain and the log domain), and the
+other relaxations research code writes by hand; the recorder on the loop, then ``nanreplay``
+on its bundle as a user runs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transport_models as T
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+K, FAR = 3, 2  # the step a planted bug fires at, and the batch row that holds it
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where transport_models.py, the factory's module, lives
+
+
+def train_clouds(out_dir: Path, loss_fn, steps: int = 6, far_at: int | None = K,
+                 radius: float | None = None) -> NonFiniteError | None:
+    """The decoder fitted to target clouds through ``loss_fn``; at step ``far_at`` row
+    ``FAR``'s target was recorded in centimetres. ``radius``: pairs farther apart than it are
+    forbidden (an infinite cost), as a matching restricted to nearby candidates writes it."""
+    model = T.make_decoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    try:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                            factory="transport_models:make_decoder") as rec:
+            for step in range(steps):
+                z, y = T.point_batch(g, far=FAR if step == far_at else None)
+                opt.zero_grad()
+                out = model(z)
+                extra = () if radius is None else (torch.cdist(out.detach(), y) < radius,)
+                rec.loss_fn(out, y, *extra).backward()
+                opt.step()
+    except NonFiniteError as e:
+        assert e.bundle_path is not None, e.write_error
+        return e
+    return None
+
+
+def test_plain_sinkhorn_kernel_underflow_is_an_underflow_not_a_pole(tmp_path):
+    """Sinkhorn-Knopp in the plain domain: row 2's costs are in centimetres, C / eps is in
+    the thousands, every entry of its rows of K = exp(-C / eps) underflows to 0, and
+    u = a / (K @ v) is a / 0. The report said 'invalid — aten.div by 0, which exact
+    arithmetic makes too': the positivity of exp was lost through the matrix product. K @ v
+    of a positive kernel and positive scalings is positive in exact arithmetic: an underflow,
+    with log-space (logsumexp) advice; and dropping the row clears the step."""
+    err = train_clouds(tmp_path, T.sinkhorn_loss)
+    assert err is not None and (err.event["step"], err.event["phase"]) == (K, "loss")
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "loss", "<loss>", "aten.div", "+inf", [FAR], "underflow"), json.dumps(rep, indent=1)
+    assert "u = a / (K @ v" in rep["source_lines"][o["source"]]
+    assert "logsumexp" in rep["hint"] and "exact arithmetic makes too" not in rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={FAR}", True)]
