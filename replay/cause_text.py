@@ -191,9 +191,10 @@ DO = {
     "empty_group": "give every group an element (leave empty graphs out of the batch), or "
                    "give the reduction a finite start (torch.zeros, segment_reduce's "
                    "initial=0) and fill the empty groups after it (out[count == 0] = 0)",
-    "masked_row": "a fully masked row has no key to attend to (no element to pool): keep at "
-                  "least one key per row (skip or fill empty rows), or mask with a large finite "
-                  "negative number instead of -inf",
+    "masked_row": "a fully masked row has no key to attend to (no element to pool, no "
+                  "allowed pair for a point of a transport plan whose forbidden pairs cost "
+                  "+inf): keep at least one key per row (skip or fill empty rows), or mask "
+                  "with a large finite negative number (a large finite cost) instead of -inf",
     # (after masked_row, for a max: the shift of a hand-written logsumexp or softmax)
     "max_shift": "; where this max shifts a hand-written logsumexp, m + log(sum(exp(x - m))) "
                  "(a CRF's forward algorithm over forbidden transitions), x - m is -inf - -inf "

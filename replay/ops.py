@@ -429,6 +429,15 @@ class OpFinder:
         """The op to blame: the first unintentional non-finite maker, else the NaN maker."""
         return self.first or self.first_nan
 
+    def blamed(self) -> OpHit | None:
+        """:meth:`origin`, unless a reduction folded an intended fill into -inf before the NaN
+        (a fully masked row's logsumexp, a scatter max over a group with no element): the
+        NaN came from that, later (a log-domain Sinkhorn's ``f - C`` of a point every pair of
+        which is forbidden), so blame it."""
+        if self.intentional is not None and (reduced := self.reduced_first()) is not None:
+            return reduced
+        return self.origin()
+
     def count(self, name: str) -> tuple[int, int]:
         """(calls of op ``name``, calls of any op) before this one, counting this one."""
         occurrence, seq = self.counts.get(name, 0), self.seen

@@ -64,3 +64,29 @@ def test_plain_sinkhorn_kernel_underflow_is_an_underflow_not_a_pole(tmp_path):
     assert "u = a / (K @ v" in rep["source_lines"][o["source"]]
     assert "logsumexp" in rep["hint"] and "exact arithmetic makes too" not in rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={FAR}", True)]
+
+
+def test_log_sinkhorn_point_without_an_allowed_pair_blames_the_logsumexp(tmp_path):
+    """Log-domain Sinkhorn with forbidden pairs costing +inf (a matching restricted to
+    candidates within a radius): row 2's targets are all out of every point's reach, the
+    logsumexp of its all -inf rows is -inf, f = +inf, and the next update's f - C is
+    inf - inf. The report blamed that subtraction ('an infinity met another in arithmetic:
+    find the op that made the first infinity'), whose chain's first infinity is the intended
+    +inf fill. As in a model's forward, the reduction that folded the fill into -inf is blamed
+    now: aten.logsumexp, a fully masked row, on row 2."""
+    err = train_clouds(tmp_path, T.log_sinkhorn_loss, radius=3.0)
+    assert err is not None and (err.event["step"], err.event["phase"]) == (K, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "aten.logsumexp", "-inf", [FAR], "invalid"), json.dumps(rep, indent=1)
+    assert "f = eps * log_a - eps * torch.logsumexp" in rep["source_lines"][o["source"]]
+    assert [c["op"] for c in o["chain"]] == ["aten.masked_fill", "aten.logsumexp"]
+    assert "fully masked row" in rep["hint"] and "transport plan" in rep["hint"], rep["hint"]
+
+
+def test_healthy_log_sinkhorn_with_far_clouds_raises_nothing(tmp_path):
+    """The same centimetre row through the log-domain Sinkhorn without forbidden pairs: the
+    logsumexp updates keep every potential finite where the plain kernel underflowed."""
+    assert train_clouds(tmp_path, T.log_sinkhorn_loss) is None
+    assert not list(tmp_path.rglob("*.nan"))
