@@ -178,7 +178,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      "was rounded to 0: " + wider + DO["log_space"])
     if zero_from_exp:
         src = (f"{_POSITIVE_OPS} of a finite argument (or a sum or matrix product of such "
-               "values, K @ v of a kernel exp(-C / eps)), positive in exact arithmetic")
+               "values: a softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with "
+               "K = exp(-C / eps)), positive in exact arithmetic")
         also = "" if rounded else ", and below float64's range as well"
         return Cause("underflow", f"{what}: that 0 came from {src}; it underflowed in "
                      f"{_type(ev.input_dtypes[zero_from_exp[0]])}{also}: " + DO["log_space"])

@@ -37,7 +37,7 @@ from .lineage import Lineage
 from .masked_product import nan_times_zero
 from .memo import TensorSet
 from .pooled import Pooled
-from .positive import made_positive, positive_result
+from .positive import Partly, made_positive, positive_result
 from .saturation import Saturation, made_unit
 from .source import user_source
 
@@ -72,7 +72,7 @@ class _Watch(TorchDispatchMode):
                 and t.is_floating_point() and t.numel()][:_RESULTS.get(name)]
         if not outs or name in _UNINITIALISED:
             return out
-        f.track(name, ins, outs, in_finite, leaves, (args, kwargs))
+        f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func)
         if (out_ends := f.ends_of(name, outs)) is None:
             return out
         # the first output's kind, NaN before +Inf before -Inf within it
@@ -213,7 +213,8 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                            and v.is_floating_point() else v, list(args)))
     return Evidence(dtype=outs[k].dtype, bad=bad, inputs=[v for v, _ in taken],
                     input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
-                    exp_made=[f.positive(t) for t in ins], local64=local,
+                    exp_made=[f.positive(t) or f.partly.at(t, bad) for t in ins],
+                    local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
                     zero_dim=[t.dim() == 0 for t in ins],
                     factor=[made_by(t) for t in ins],
@@ -251,6 +252,7 @@ class OpFinder:
         self.made_in: set[torch.dtype] = set()  # the floating types the watched ops made
         self.sizes: dict[str, list[float]] = {}  # each op's finite calls' largest magnitude
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
+        self.partly = Partly()  # and those it keeps > 0 at some positions (a bool mask each)
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
         self.composites = Composites()  # where torch.logdet runs (replay.composite)
@@ -313,8 +315,13 @@ class OpFinder:
             self.saturation.mark_unit(t)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-              in_finite: bool, leaves: list, given: tuple = ((), {})) -> None:
+              in_finite: bool, leaves: list, given: tuple = ((), {}), func=None) -> None:
         self.pooled.track(name, *given, ins, outs, self.held)
+        # exp of -inf scores: positive where they are not -inf; a sum of it, where any term is
+        if func is not None and (m := self.partly.track(func, name, given, ins, outs,
+                                                        self.positive)) is not None \
+                and bool(m.all()):
+            self._positive.add(outs[0])
         self.made_in.update(t.dtype for t in outs)
         weights_only = bool(self.state) and self._of_weights_only(leaves)
         if weights_only:

@@ -12,9 +12,12 @@ ran (a model's softplus variance that the loss takes the log of), on the autogra
 
 from __future__ import annotations
 
+import math
+import weakref
+
 import torch
 
-from .compat import saved_value
+from .compat import saved_value, tree_leaves, tree_map
 
 # Ops whose result is positive in exact arithmetic for every finite argument: a 0 they return
 # is an underflow. Ops that pass values on unchanged keep that mark (a gathered probability).
@@ -138,3 +141,82 @@ def _leaf(fn, depth: int = 6):
             return None
         fn = next((f for f, _ in fn.next_functions if f is not None), None)
     return None
+
+
+# ops that, given a value positive at some positions, keep it positive where their terms are:
+# views and sums of it (positive factors kept as they are), stacks and products of it
+_PARTLY_KEEP = PASS_ON | REDUCTIONS | SUMS | {"mul", "stack", "cat"}
+# ops whose result is positive in exact arithmetic where their argument is not -inf
+_PARTLY_MAKE = {"exp", "exp2", "sigmoid", "special_expit"}
+
+
+class Partly:
+    """Values positive in exact arithmetic at some positions only, each with its bool mask:
+    exp of scores holding -inf (soft-DTW's ``exp(-R / gamma)`` beside ``R``'s +inf borders, a
+    masked row), and what views, stacks, products and sums make of them (a textbook softmin's
+    ``exp(-r / gamma).sum(-1)`` is positive wherever one of its terms is). Held weakly, by
+    tensor identity, like :class:`replay.memo.TensorSet`."""
+
+    def __init__(self):
+        self._masks: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def mask(self, t: torch.Tensor) -> torch.Tensor | None:
+        hit = self._masks.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def at(self, t: torch.Tensor, bad: torch.Tensor) -> bool:
+        """``t`` is positive at every position of ``bad`` (the op's non-finite output)."""
+        m = self.mask(t)
+        try:
+            return m is not None and bool(torch.broadcast_to(m, bad.shape)[bad].all())
+        except RuntimeError:  # (not elementwise with the output)
+            return False
+
+    def track(self, func, name: str, given: tuple, ins: list[torch.Tensor],
+              outs: list[torch.Tensor], positive) -> torch.Tensor | None:
+        """Mark ``outs[0]`` with where op ``func`` made it positive; ``positive(t)``: ``t`` is
+        positive everywhere (returned: the mask, all True for a value positive everywhere).
+        Only exp and the ops given a partly positive value pay."""
+        if not ins or not (name in _PARTLY_MAKE or name in _PARTLY_KEEP and any(
+                self.mask(t) is not None for t in ins)) or any(
+                bool(t.isnan().any()) for t in ins):
+            return None
+        if name in _PARTLY_MAKE:
+            m = torch.broadcast_to(ins[0].detach() > -math.inf, outs[0].shape)
+        else:
+            m = self._kept(func, name, given, positive)
+        if m is not None and not bool(m.all()) and bool(m.any()):
+            self._masks[id(outs[0])] = (weakref.ref(outs[0]), m)
+        return m
+
+    def _kept(self, func, name: str, given: tuple, positive) -> torch.Tensor | None:
+        """Where ``func`` keeps its result positive: run on stand-ins (1 where an input is
+        positive, 0 where it is not), its result is non-zero exactly there. None when a term
+        may be negative (a sum or product could cancel)."""
+        view, pieces = name in PASS_ON, name in ("stack", "cat")
+        seen, negative = [], []
+
+        def stand_in(v):
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                return v
+            seen.append(v)
+            if (m := self.mask(v)) is not None:
+                return m.to(v.dtype)
+            if positive(v) or (not view and bool((v > 0).all())):
+                return torch.ones_like(v)
+            if view and len(seen) > 1:  # (a view's other inputs stay: div's denominator)
+                return v.detach()
+            negative.append(not view and not pieces)
+            return torch.zeros_like(v)  # (a piece positive nowhere)
+
+        numbers = [v for v in tree_leaves(given) if isinstance(v, (int, float))
+                   and not isinstance(v, bool)]
+        if name in ("mul", "add") and any(v <= 0 for v in numbers):
+            return None  # (a factor or alpha <= 0)
+        args, kwargs = tree_map(stand_in, given[0]), tree_map(stand_in, given[1])
+        if any(negative):
+            return None
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out != 0 if isinstance(out, torch.Tensor) else None

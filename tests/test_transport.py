@@ -90,3 +90,42 @@ def test_healthy_log_sinkhorn_with_far_clouds_raises_nothing(tmp_path):
     logsumexp updates keep every potential finite where the plain kernel underflowed."""
     assert train_clouds(tmp_path, T.log_sinkhorn_loss) is None
     assert not list(tmp_path.rglob("*.nan"))
+
+
+def train_forecaster(out_dir: Path, loss_fn, steps: int = 6) -> NonFiniteError | None:
+    """A GRU forecaster trained with soft-DTW; at step ``K`` row ``FAR``'s future holds a
+    sensor spike."""
+    model = T.make_forecaster()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    try:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                            factory="transport_models:make_forecaster"):
+            for step in range(steps):
+                past, future = T.series_batch(g, spike=FAR if step == K else None)
+                opt.zero_grad()
+                loss_fn(model(past), future).backward()
+                opt.step()
+    except NonFiniteError as e:
+        assert e.bundle_path is not None, e.write_error
+        return e
+    return None
+
+
+def test_soft_dtw_textbook_softmin_underflow_beside_inf_borders(tmp_path):
+    """Soft-DTW with gamma = 0.1 and the textbook softmin -gamma * log(sum(exp(-r / gamma))):
+    after row 2's spike every cell's r / gamma is in the thousands, the three exp underflow to
+    0 and log(0) makes R +inf. The exp also takes R's +inf borders (exp(-inf) = 0, exactly),
+    so the op finder did not mark it positive, and the report said 'invalid — aten.log of 0,
+    which exact arithmetic makes too'. Positivity is now followed position by position (where
+    exp's argument is not -inf, and a sum where any term is): an underflow, with the
+    logsumexp advice. The max-shifted softmin of the same loss is finite."""
+    err = train_forecaster(tmp_path, T.SoftDTW(gamma=0.1, stable=False))
+    assert err is not None and (err.event["step"], err.event["phase"]) == (K, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "aten.log", "-inf", [FAR], "underflow"), json.dumps(rep, indent=1)
+    assert "torch.log(r.exp().sum(-1))" in rep["source_lines"][o["source"]]
+    assert "logsumexp" in rep["hint"] and "exact arithmetic makes too" not in rep["hint"]
+    assert train_forecaster(tmp_path / "stable", T.SoftDTW(gamma=0.1)) is None

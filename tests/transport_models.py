@@ -73,3 +73,88 @@ def point_batch(g: torch.Generator, batch: int = 4, far: int | None = None,
     if far is not None:
         y[far] = y[far] * scale + scale
     return z, y
+
+
+def hand_distances(x, y):
+    """Euclidean distances written out, as a cost for OT with p = 1 (GeomLoss ships its own
+    ``Sqrt0`` for this; a hand-written loss takes ``.sqrt()``)."""
+    return (x.unsqueeze(-2) - y.unsqueeze(-3)).pow(2).sum(-1).sqrt()
+
+
+def log_ot(C, eps: float, iters: int):
+    """Entropic OT cost <P, C> by log-domain Sinkhorn with uniform marginals."""
+    log_a = uniform(C.shape[-2], C).log()
+    log_b = uniform(C.shape[-1], C.transpose(-2, -1)).log()
+    f, g = torch.zeros_like(log_a), torch.zeros_like(log_b)
+    for _ in range(iters):
+        f = eps * log_a - eps * torch.logsumexp((g.unsqueeze(-2) - C) / eps, dim=-1)
+        g = eps * log_b - eps * torch.logsumexp((f.unsqueeze(-1) - C) / eps, dim=-2)
+    return (torch.exp((f.unsqueeze(-1) + g.unsqueeze(-2) - C) / eps) * C).sum((-2, -1))
+
+
+def sinkhorn_divergence(x, y, eps: float = 0.1, iters: int = 20):
+    """Debiased Sinkhorn divergence S(x, y) = OT(x, y) - (OT(x, x) + OT(y, y)) / 2 with the
+    distance as cost (p = 1): the self terms' costs have a zero diagonal."""
+    xy = log_ot(hand_distances(x, y), eps, iters)
+    xx = log_ot(hand_distances(x, x), eps, iters)
+    yy = log_ot(hand_distances(y, y), eps, iters)
+    return (xy - 0.5 * (xx + yy)).mean()
+
+
+class SoftDTW(nn.Module):
+    """Soft-DTW (Cuturi & Blondel) between predicted and target series, the ``R`` recursion
+    with ``+inf`` borders and the max-shifted softmin of pytorch-softdtw's CPU kernel;
+    ``stable=False`` is the textbook ``-gamma * log(sum(exp(-r / gamma)))``."""
+
+    def __init__(self, gamma: float = 1.0, stable: bool = True):
+        super().__init__()
+        self.gamma, self.stable = gamma, stable
+
+    def softmin(self, r0, r1, r2):
+        r = torch.stack([r0, r1, r2], -1) / -self.gamma
+        if self.stable:
+            return -self.gamma * torch.logsumexp(r, -1)
+        return -self.gamma * torch.log(r.exp().sum(-1))
+
+    def forward(self, x, y):
+        D = (x.unsqueeze(2) - y.unsqueeze(1)).pow(2).sum(-1)  # (B, N, M) squared distances
+        B, N, M = D.shape
+        inf = torch.full((B,), float("inf"))
+        R = [[inf] * (M + 1) for _ in range(N + 1)]
+        R[0][0] = torch.zeros(B)
+        for i in range(1, N + 1):
+            for j in range(1, M + 1):
+                R[i][j] = D[:, i - 1, j - 1] + self.softmin(R[i - 1][j - 1], R[i - 1][j],
+                                                            R[i][j - 1])
+        return R[N][M].mean()
+
+
+class Forecaster(nn.Module):
+    """A GRU encoder and a linear head emitting the next ``HORIZON`` steps of a series."""
+
+    def __init__(self, horizon: int = 8):
+        super().__init__()
+        self.horizon = horizon
+        self.gru = nn.GRU(1, 16, batch_first=True)
+        self.head = nn.Linear(16, horizon)
+
+    def forward(self, past):
+        _, h = self.gru(past)
+        return self.head(h[-1]).unsqueeze(-1)  # (B, HORIZON, 1)
+
+
+def make_forecaster() -> nn.Module:
+    torch.manual_seed(0)
+    return Forecaster()
+
+
+def series_batch(g: torch.Generator, batch: int = 4, spike: int | None = None,
+                 height: float = 40.0):
+    """Sine waves with random phase: the past 12 steps and the next 8; ``spike``: that row's
+    future holds a sensor spike of ``height``."""
+    t = torch.arange(20.0)
+    phase = torch.rand(batch, 1, generator=g) * 6.28
+    s = torch.sin(0.5 * t + phase) + 0.1 * torch.randn(batch, 20, generator=g)
+    if spike is not None:
+        s[spike, 15] = height
+    return s[:, :12, None], s[:, 12:, None]
