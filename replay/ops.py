@@ -32,7 +32,7 @@ from .factors import made_by
 from .float64 import as_float64, upcast
 from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
-from .hits import Evidence, OpHit
+from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage
 from .masked_product import nan_times_zero
 from .memo import TensorSet
@@ -74,6 +74,8 @@ class _Watch(TorchDispatchMode):
             return out
         f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func)
         if (out_ends := f.ends_of(name, outs)) is None:
+            # an infinity taken back to finite values (exp(-inf) = 0) before any NaN
+            f.absorbed |= not in_finite and in_nan_free and f.first_nan is None
             return out
         # the first output's kind, NaN before +Inf before -Inf within it
         made = next((k for k in (pair_kind(a, b) for a, b in out_ends) if k), None)
@@ -109,10 +111,24 @@ class _Watch(TorchDispatchMode):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
                                     rows=f.folded_rows(outs, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
-            f.first_nan = OpHit(op, "nan", user_source(), lo, hi, False, occurrence, in_finite,
-                                literal=literal_inf, within=f.where, seq=seq, rows=f.batch_rows(
-                                    outs), from_mask=f.first is None and bool(f.intentional))
+            f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
+                                   OpHit(op, "nan", user_source(), lo, hi, False, occurrence,
+                                         in_finite, literal=literal_inf, seq=seq))
         return out
+
+
+def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -> OpHit:
+    """``hit``, the first op that made NaN of NaN-free values, with where it ran and its rows;
+    with its evidence too when :meth:`OpFinder.blamed` may blame it (made of finite values
+    after an exact infinity that an op took back to finite ones)."""
+    hit.within, hit.rows = f.where, f.batch_rows(outs)
+    hit.from_mask = f.first is None and bool(f.intentional)
+    if in_finite and f.absorbed and f.first is not None and exact_pole(f.first):
+        try:
+            hit.evidence = f.of_records(_evidence(func, given, outs, f), ins, hit.rows)
+        except Exception:  # (evidence helps the cause; the op is named without it)
+            hit.evidence = None
+    return hit
 
 
 def state_of(*objs) -> set[tuple[int, tuple]]:
@@ -238,6 +254,7 @@ class OpFinder:
         # whose only non-finite inputs are views of one passes on an intended infinity
         self.mask_buffers = mask_buffers or {}
         self.first_nan: OpHit | None = None
+        self.absorbed = False  # an op made finite values of infinities before the first NaN
         # the first product of a NaN by 0 (a 0/1 mask multiplied into missing values)
         self.masked_nan: OpHit | None = None
         self.intentional: OpHit | None = None
@@ -440,9 +457,18 @@ class OpFinder:
         """:meth:`origin`, unless a reduction folded an intended fill into -inf before the NaN
         (a fully masked row's logsumexp, a scatter max over a group with no element): the
         NaN came from that, later (a log-domain Sinkhorn's ``f - C`` of a point every pair of
-        which is forbidden), so blame it."""
+        which is forbidden), so blame it; or unless the first infinity is one exact
+        arithmetic makes too (the log of a 0 it was given) and the NaN was made of finite
+        values after an op took the infinities back to finite ones (exp(-inf) = 0): it never
+        reached the NaN's maker, which is blamed."""
         if self.intentional is not None and (reduced := self.reduced_first()) is not None:
             return reduced
+        n = self.first_nan
+        if n is not None and n.inputs_finite and self.absorbed and self.first is not None \
+                and exact_pole(self.first):
+            # log(0) of a weight of 0 (a padded point's, in log-domain OT), which exp took
+            # back to an exact 0: the NaN was made later of finite values (0 / 0)
+            return n
         return self.origin()
 
     def count(self, name: str) -> tuple[int, int]:

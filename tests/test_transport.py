@@ -129,3 +129,33 @@ def test_soft_dtw_textbook_softmin_underflow_beside_inf_borders(tmp_path):
     assert "torch.log(r.exp().sum(-1))" in rep["source_lines"][o["source"]]
     assert "logsumexp" in rep["hint"] and "exact arithmetic makes too" not in rep["hint"]
     assert train_forecaster(tmp_path / "stable", T.SoftDTW(gamma=0.1)) is None
+
+
+def test_unbalanced_ot_zero_weight_point_blames_the_kl_division(tmp_path):
+    """Unbalanced OT between weighted clouds, row 2's predicted cloud padded (its last 4
+    points weigh 0). The log domain takes a.log() = -inf for them on purpose, and exp gives
+    their plan rows back as exact zeros; the primal KL's p / a is then 0 / 0. The report
+    blamed the log ('clamp the op's input away from the pole'), whose -inf never reached the
+    NaN; the NaN's maker took finite values only, so it is blamed now: aten.div, 0/0 in the
+    KL, on row 2."""
+    model = T.make_decoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=T.unbalanced_ot, out_dir=tmp_path,
+                            factory="transport_models:make_decoder") as rec:
+            for step in range(6):
+                z, y, a, b = T.weighted_batch(g, pad_at=FAR if step == K else None)
+                opt.zero_grad()
+                rec.loss_fn(model(z), y, a, b).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (K, "loss")
+    padded = [i for i, row in enumerate(a) if bool((row == 0).any())]  # (step K's weights)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "aten.div", "nan", padded, "invalid"), json.dumps(rep, indent=1)
+    assert "(p / q).log()" in rep["source_lines"][o["source"]]
+    assert "0/0" in rep["hint"] and "clamp the op's input away" not in rep["hint"], rep["hint"]
+

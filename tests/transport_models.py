@@ -158,3 +158,84 @@ def series_batch(g: torch.Generator, batch: int = 4, spike: int | None = None,
     if spike is not None:
         s[spike, 15] = height
     return s[:, :12, None], s[:, 12:, None]
+
+
+class Scorer(nn.Module):
+    """Scores for the items of a set, to be sorted (NeuralSort's learning-to-rank setup)."""
+
+    def __init__(self, features: int = 6):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, items):
+        return self.net(items).squeeze(-1)  # (B, n)
+
+
+def make_scorer() -> nn.Module:
+    torch.manual_seed(0)
+    return Scorer()
+
+
+def neural_sort(s, tau: float):
+    """NeuralSort's relaxed permutation matrix (Grover et al., their reference code): row i
+    is a softmax over the items of ((n + 1 - 2i) s - A_s 1) / tau."""
+    n = s.shape[-1]
+    s = s.unsqueeze(-1)
+    A_s = (s - s.transpose(1, 2)).abs()
+    B = A_s @ torch.ones(n, 1)
+    scaling = (n + 1 - 2 * (torch.arange(n) + 1)).float()
+    C = s @ scaling.unsqueeze(0)
+    P_max = (C - B).transpose(1, 2)
+    return torch.softmax(P_max / tau, -1)
+
+
+class NeuralSortLoss(nn.Module):
+    """Cross entropy of the relaxed permutation against the true sorting permutation, the
+    temperature annealed by the loop (``crit.tau``), as the reference code's ``-log(P_hat +
+    1e-20)`` omits or keeps its epsilon (``eps``)."""
+
+    def __init__(self, tau: float = 1.0, eps: float = 1e-20):
+        super().__init__()
+        self.tau, self.eps = tau, eps
+
+    def forward(self, scores, true_scores):
+        P_hat = neural_sort(scores, self.tau)
+        P_true = neural_sort(true_scores, 1e-3).detach().round()
+        return -(P_true * torch.log(P_hat + self.eps)).sum(-1).mean()
+
+
+def ranking_batch(g: torch.Generator, batch: int = 4, n: int = 5):
+    items = torch.randn(batch, n, 6, generator=g)
+    return items, items[..., 0] * 2 + items[..., 1]
+
+
+def unbalanced_ot(x, y, a, b, eps: float = 0.1, rho: float = 1.0, iters: int = 30):
+    """Unbalanced entropic OT (Chizat et al.'s scaling, log domain) between weighted clouds,
+    the marginals' KL penalties rho * KL(P 1 | a) computed in the primal as
+    sum(p * log(p / a) - p + a); padded points carry weight 0."""
+    C = torch.cdist(x, y) ** 2
+    log_a, log_b = a.log(), b.log()
+    lam = rho / (rho + eps)
+    f, g = torch.zeros_like(a), torch.zeros_like(b)
+    for _ in range(iters):
+        f = -lam * eps * torch.logsumexp((g + eps * log_b).unsqueeze(-2) / eps - C / eps, -1)
+        g = -lam * eps * torch.logsumexp((f + eps * log_a).unsqueeze(-1) / eps - C / eps, -2)
+    P = torch.exp(log_a.unsqueeze(-1) + log_b.unsqueeze(-2)
+                  + (f.unsqueeze(-1) + g.unsqueeze(-2) - C) / eps)
+    p1, p2 = P.sum(-1), P.sum(-2)
+
+    def kl(p, q):
+        return (p * (p / q).log() - p + q).sum(-1)
+
+    return ((P * C).sum((-2, -1)) + rho * (kl(p1, a) + kl(p2, b))).mean()
+
+
+def weighted_batch(g: torch.Generator, batch: int = 4, pad_at: int | None = None,
+                   valid: int = 12):
+    """Latent codes, target clouds and uniform weights over each cloud's points; ``pad_at``:
+    that row's predicted cloud keeps only ``valid`` points (the rest padding, weight 0)."""
+    z, y = point_batch(g, batch)
+    a = torch.full((batch, POINTS), 1.0 / POINTS)
+    if pad_at is not None:
+        a[pad_at] = torch.arange(POINTS).lt(valid).float() / valid
+    return z, y, a, torch.full((batch, POINTS), 1.0 / POINTS)
