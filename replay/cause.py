@@ -459,7 +459,7 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
         return Cause("precision", f"{op} made a non-finite gradient in {_type(dtype)}, finite "
                      f"in float64: rounding put the op's input on its pole, where {fn} is "
                      "infinite (sqrt, log or a division at 0); " + DO["stable"])
-    return _backward_overflow(op, fn, pole, dtype)
+    return _backward_overflow(op, fn, pole, dtype, underflowed)
 
 
 def _at_tie(op: str, gap: tuple[str, str], still: bool, dtype: torch.dtype) -> Cause:
@@ -472,8 +472,16 @@ def _at_tie(op: str, gap: tuple[str, str], still: bool, dtype: torch.dtype) -> C
                  f"{too}: {gap[0]}; " + DO[gap[1]])
 
 
-def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype) -> Cause:
-    """A gradient too large for its type, finite in float64."""
+def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype,
+                       from_exp: bool = False) -> Cause:
+    """A gradient too large for its type, finite in float64; ``from_exp``: the op's input
+    came from exp (a plain-domain Sinkhorn's ``K @ v``), tiny rather than clamped."""
+    if pole and from_exp:
+        return Cause("overflow", f"{op}'s gradient is too large for {_type(dtype)} and finite "
+                     f"in float64: {fn} grows without bound near its pole (1/y² for a "
+                     f"division by y), and the op's input, made by {_POSITIVE_OPS} (or a sum "
+                     "of such values: Sinkhorn's K @ v with K = exp(-C / eps)), is tiny "
+                     "though positive; " + DO["log_space"] + ", or compute it in float64")
     if pole:  # off the pole but near it: 1/y² of a division by an eps floor of 1e-30
         return Cause("overflow", f"{op}'s gradient is too large for {_type(dtype)} and finite "
                      f"in float64: {fn} grows without bound near its pole (1/y² for a "

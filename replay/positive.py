@@ -43,7 +43,9 @@ def node_name(op: str) -> str:
 # The same rule on the autograd graph, for a value made before the watched code ran (a
 # model's softplus variance that the loss takes the log of); a reshape's node is ReshapeAlias
 _POSITIVE_NODES = {node_name(op) for op in POSITIVE}
-_PASS_ON_NODES = {node_name(op) for op in PASS_ON} | {"ReshapeAlias"}
+_PASS_ON_NODES = {node_name(op) for op in PASS_ON | REDUCTIONS} | {"ReshapeAlias"}
+# matrix products, with the names their nodes save their factors under
+_PRODUCT_NODES = {"Bmm": ("self", "mat2"), "Mm": ("self", "mat2"), "Mv": ("self", "vec")}
 
 
 def node_op(node) -> str:
@@ -87,6 +89,8 @@ def made_positive(fn, depth: int = 8) -> bool:
                 return True
             if op == "Mul":
                 return _positive_product(node, depth - 1)
+            if op in _PRODUCT_NODES:  # (Sinkhorn's K^T @ u)
+                return _positive_product(node, depth - 1, _PRODUCT_NODES[op], saved=True)
             if op not in _PASS_ON_NODES:
                 return False
     except Exception:  # not an autograd node, or one that cannot say
@@ -94,18 +98,19 @@ def made_positive(fn, depth: int = 8) -> bool:
     return False
 
 
-def _positive_product(fn, depth: int) -> bool:
-    """A ``MulBackward0`` whose factors are each made positive, or a constant > 0 (a factor
-    without a gradient: the node saved it for the other's)."""
+def _positive_product(fn, depth: int, names=("self", "other"), saved: bool = False) -> bool:
+    """A ``MulBackward0`` (or a matrix product's node) whose factors are each made positive,
+    or a constant > 0 (a factor without a gradient: the node saved it for the other's). With
+    ``saved``, a factor whose saved value is all > 0 counts too (a matrix product saves both:
+    Sinkhorn's scaling ``u``, positive by its values, however many iterations made it)."""
     nexts = [f for f, _ in fn.next_functions]
-    saved = [saved_value(fn, "self"), saved_value(fn, "other")]
+    values = [saved_value(fn, n) for n in names]
     for i, f in enumerate(nexts[:2]):
-        if f is not None:
-            if not made_positive(f, depth):
-                return False
-            continue
-        const = saved[i]  # (factor i's value, saved for the other factor's gradient)
-        if not isinstance(const, torch.Tensor) or not bool((const > 0).all()):
+        const = values[i]  # (factor i's value, saved for the other factor's gradient)
+        by_value = isinstance(const, torch.Tensor) and bool((const > 0).all())
+        if f is not None and not (made_positive(f, depth) or saved and by_value):
+            return False
+        if f is None and not by_value:
             return False
     return True
 

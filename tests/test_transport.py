@@ -5,6 +5,7 @@ on its bundle as a user runs it."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -159,3 +160,24 @@ def test_unbalanced_ot_zero_weight_point_blames_the_kl_division(tmp_path):
     assert "(p / q).log()" in rep["source_lines"][o["source"]]
     assert "0/0" in rep["hint"] and "clamp the op's input away" not in rep["hint"], rep["hint"]
 
+
+def test_plain_sinkhorn_backward_overflow_near_a_tiny_kernel_sum_says_log_space(tmp_path):
+    """With eps = 0.05 the first step's forward is finite, but backward through the unrolled
+    scalings divides by (K^T @ u)² where K^T @ u is a tiny positive sum of exp: DivBackward0's
+    gradient overflows float32 on row 0. The hint said to keep the input away from the pole
+    with 'a larger eps, GaussianNLLLoss(eps=1e-6), y.clamp_min(1e-6)', for a denominator
+    that no eps clamps. The matrix product's node now keeps exp's positivity (its saved
+    factors), and the hint says log space (logsumexp)."""
+    loss_fn = functools.partial(T.sinkhorn_loss, eps=0.05)
+    err = train_clouds(tmp_path, loss_fn, far_at=None)
+    assert err is not None and (err.event["step"], err.event["phase"]) == (0, "backward")
+    model = T.make_decoder()  # the rows whose gradient is non-finite, computed here
+    z, y = T.point_batch(torch.Generator().manual_seed(0))
+    out = model(z).detach().requires_grad_()
+    loss_fn(out, y).backward()
+    rows = [i for i, g in enumerate(out.grad) if not bool(torch.isfinite(g).all())]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "backward", "<loss>", "DivBackward0", rows, "overflow"), json.dumps(rep, indent=1)
+    assert "logsumexp" in rep["hint"] and "GaussianNLLLoss" not in rep["hint"], rep["hint"]
