@@ -485,9 +485,11 @@ class OpFinder:
         return r if self.first is None and r and (n is None or r.seq < n.seq) else None
 
     def chain(self) -> list[dict[str, Any]]:
-        """Where the first non-finite value came from and where the first NaN was made."""
+        """Where the first non-finite value came from and where the first NaN was made (not
+        an exact infinity taken back to finite values before it: :meth:`blamed`)."""
         out = []
-        start = self.first or self.intentional
+        start = None if self.first and self.blamed() is self.first_nan else \
+            self.first or self.intentional
         if start is not None:
             out.append(start.as_json())
         # the op that made NaN of it, or else the reduction that folded it in (a -inf mask)

@@ -158,6 +158,7 @@ def test_unbalanced_ot_zero_weight_point_blames_the_kl_division(tmp_path):
     assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
         "aten.div", "nan", padded, "invalid"), json.dumps(rep, indent=1)
     assert "(p / q).log()" in rep["source_lines"][o["source"]]
+    assert [c["op"] for c in o["chain"]] == ["aten.div"]  # (the log's -inf did not reach it)
     assert "0/0" in rep["hint"] and "clamp the op's input away" not in rep["hint"], rep["hint"]
 
 

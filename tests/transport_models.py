@@ -239,3 +239,32 @@ def weighted_batch(g: torch.Generator, batch: int = 4, pad_at: int | None = None
     if pad_at is not None:
         a[pad_at] = torch.arange(POINTS).lt(valid).float() / valid
     return z, y, a, torch.full((batch, POINTS), 1.0 / POINTS)
+
+
+class PermutationNet(nn.Module):
+    """Gumbel-Sinkhorn (Mena et al.) over the items of padded sets: pairwise scores, Gumbel
+    noise, ``tau``, then row and column normalisation in the log domain; padded items' scores
+    masked with -inf, as a mask written for attention would."""
+
+    def __init__(self, features: int = 6, tau: float = 0.5, iters: int = 10):
+        super().__init__()
+        self.query, self.key = nn.Linear(features, 16), nn.Linear(features, 16)
+        self.tau, self.iters = tau, iters
+
+    def forward(self, items, valid):
+        log_alpha = self.query(items) @ self.key(items).transpose(1, 2)
+        keep = valid.unsqueeze(-1) & valid.unsqueeze(-2)
+        log_alpha = log_alpha.masked_fill(~keep, float("-inf"))
+        if self.training:
+            u = torch.rand_like(log_alpha)
+            log_alpha = log_alpha - torch.log(-torch.log(u + 1e-20) + 1e-20)
+        log_alpha = log_alpha / self.tau
+        for _ in range(self.iters):
+            log_alpha = log_alpha - torch.logsumexp(log_alpha, -1, keepdim=True)
+            log_alpha = log_alpha - torch.logsumexp(log_alpha, -2, keepdim=True)
+        return log_alpha.exp() @ items  # the items in the soft permutation's order
+
+
+def make_permuter() -> nn.Module:
+    torch.manual_seed(0)
+    return PermutationNet()
