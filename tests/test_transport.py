@@ -182,3 +182,32 @@ def test_plain_sinkhorn_backward_overflow_near_a_tiny_kernel_sum_says_log_space(
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == (
         "backward", "<loss>", "DivBackward0", rows, "overflow"), json.dumps(rep, indent=1)
     assert "logsumexp" in rep["hint"] and "GaussianNLLLoss" not in rep["hint"], rep["hint"]
+
+
+def test_plain_sinkhorn_padded_points_zeros_are_exact_not_underflow(tmp_path):
+    """The other side of the positivity above: a padded set whose kernel rows are zeroed by
+    the validity mask (K * valid) and whose weights are 0 makes u = a / (K @ v) 0 / 0 at
+    the padded points. Those zeros are exact (a 0/1 mask's, not an underflow of exp): invalid,
+    on the padded row, not underflow."""
+    model = T.make_decoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=T.sinkhorn_loss, out_dir=tmp_path,
+                            factory="transport_models:make_decoder") as rec:
+            for step in range(6):
+                z, y = T.point_batch(g)
+                valid = torch.ones(len(z), T.POINTS)
+                if step == K:
+                    valid[FAR, -3:] = 0  # a smaller set, padded to the decoder's size
+                opt.zero_grad()
+                rec.loss_fn(model(z), y, valid).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (K, "loss")
+    padded = [i for i, row in enumerate(valid) if bool((row == 0).any())]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "aten.div", "nan", padded, "invalid"), json.dumps(rep, indent=1)
+    assert "u = a / (K @ v" in rep["source_lines"][o["source"]] and "0/0" in rep["hint"]

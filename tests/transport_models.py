@@ -33,12 +33,17 @@ def uniform(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.full(like.shape[:-2] + (n,), 1.0 / n, dtype=like.dtype, device=like.device)
 
 
-def sinkhorn_loss(x, y, eps: float = 0.1, iters: int = 30):
+def sinkhorn_loss(x, y, valid=None, eps: float = 0.1, iters: int = 30):
     """Entropic OT cost between clouds ``x`` (B, N, D) and ``y`` (B, M, D), Sinkhorn-Knopp
-    scaling in the plain domain; the plan's cost ``<P, C>`` averaged over the batch."""
+    scaling in the plain domain; the plan's cost ``<P, C>`` averaged over the batch.
+    ``valid`` (B, N): the predicted points that count, the others' kernel rows and weights
+    zeroed (a padded set)."""
     C = torch.cdist(x, y) ** 2
     K = torch.exp(-C / eps)  # underflows to 0 where C / eps > ~103 (float32)
     a, b = uniform(x.shape[1], C), uniform(y.shape[1], C.transpose(1, 2))
+    if valid is not None:
+        K = K * valid.unsqueeze(-1)
+        a = valid / valid.sum(-1, keepdim=True)
     v = torch.ones_like(b)
     for _ in range(iters):
         u = a / (K @ v.unsqueeze(-1)).squeeze(-1)
@@ -160,55 +165,6 @@ def series_batch(g: torch.Generator, batch: int = 4, spike: int | None = None,
     return s[:, :12, None], s[:, 12:, None]
 
 
-class Scorer(nn.Module):
-    """Scores for the items of a set, to be sorted (NeuralSort's learning-to-rank setup)."""
-
-    def __init__(self, features: int = 6):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, 32), nn.ReLU(), nn.Linear(32, 1))
-
-    def forward(self, items):
-        return self.net(items).squeeze(-1)  # (B, n)
-
-
-def make_scorer() -> nn.Module:
-    torch.manual_seed(0)
-    return Scorer()
-
-
-def neural_sort(s, tau: float):
-    """NeuralSort's relaxed permutation matrix (Grover et al., their reference code): row i
-    is a softmax over the items of ((n + 1 - 2i) s - A_s 1) / tau."""
-    n = s.shape[-1]
-    s = s.unsqueeze(-1)
-    A_s = (s - s.transpose(1, 2)).abs()
-    B = A_s @ torch.ones(n, 1)
-    scaling = (n + 1 - 2 * (torch.arange(n) + 1)).float()
-    C = s @ scaling.unsqueeze(0)
-    P_max = (C - B).transpose(1, 2)
-    return torch.softmax(P_max / tau, -1)
-
-
-class NeuralSortLoss(nn.Module):
-    """Cross entropy of the relaxed permutation against the true sorting permutation, the
-    temperature annealed by the loop (``crit.tau``), as the reference code's ``-log(P_hat +
-    1e-20)`` omits or keeps its epsilon (``eps``)."""
-
-    def __init__(self, tau: float = 1.0, eps: float = 1e-20):
-        super().__init__()
-        self.tau, self.eps = tau, eps
-
-    def forward(self, scores, true_scores):
-        P_hat = neural_sort(scores, self.tau)
-        P_true = neural_sort(true_scores, 1e-3).detach().round()
-        return -(P_true * torch.log(P_hat + self.eps)).sum(-1).mean()
-
-
-def ranking_batch(g: torch.Generator, batch: int = 4, n: int = 5):
-    items = torch.randn(batch, n, 6, generator=g)
-    return items, items[..., 0] * 2 + items[..., 1]
-
-
 def unbalanced_ot(x, y, a, b, eps: float = 0.1, rho: float = 1.0, iters: int = 30):
     """Unbalanced entropic OT (Chizat et al.'s scaling, log domain) between weighted clouds,
     the marginals' KL penalties rho * KL(P 1 | a) computed in the primal as
@@ -239,32 +195,3 @@ def weighted_batch(g: torch.Generator, batch: int = 4, pad_at: int | None = None
     if pad_at is not None:
         a[pad_at] = torch.arange(POINTS).lt(valid).float() / valid
     return z, y, a, torch.full((batch, POINTS), 1.0 / POINTS)
-
-
-class PermutationNet(nn.Module):
-    """Gumbel-Sinkhorn (Mena et al.) over the items of padded sets: pairwise scores, Gumbel
-    noise, ``tau``, then row and column normalisation in the log domain; padded items' scores
-    masked with -inf, as a mask written for attention would."""
-
-    def __init__(self, features: int = 6, tau: float = 0.5, iters: int = 10):
-        super().__init__()
-        self.query, self.key = nn.Linear(features, 16), nn.Linear(features, 16)
-        self.tau, self.iters = tau, iters
-
-    def forward(self, items, valid):
-        log_alpha = self.query(items) @ self.key(items).transpose(1, 2)
-        keep = valid.unsqueeze(-1) & valid.unsqueeze(-2)
-        log_alpha = log_alpha.masked_fill(~keep, float("-inf"))
-        if self.training:
-            u = torch.rand_like(log_alpha)
-            log_alpha = log_alpha - torch.log(-torch.log(u + 1e-20) + 1e-20)
-        log_alpha = log_alpha / self.tau
-        for _ in range(self.iters):
-            log_alpha = log_alpha - torch.logsumexp(log_alpha, -1, keepdim=True)
-            log_alpha = log_alpha - torch.logsumexp(log_alpha, -2, keepdim=True)
-        return log_alpha.exp() @ items  # the items in the soft permutation's order
-
-
-def make_permuter() -> nn.Module:
-    torch.manual_seed(0)
-    return PermutationNet()
