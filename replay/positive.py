@@ -56,7 +56,11 @@ def node_op(node) -> str:
 def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) -> bool:
     """Whether op ``name``, given finite inputs ``ins`` (``leaves``: all its arguments), made
     a value positive in exact arithmetic; ``positive(t)`` says it of an input."""
-    if name in POSITIVE or (name in PASS_ON | REDUCTIONS and ins and positive(ins[0])):
+    if name in POSITIVE or (name in PASS_ON and ins and positive(ins[0])):
+        return True
+    if (name in REDUCTIONS or name in SUMS) and any(t.numel() == 0 for t in ins):
+        return False  # (a sum of no terms is an exact 0: exp(x).sum(-1) of an empty set)
+    if name in REDUCTIONS and ins and positive(ins[0]):
         return True
     numbers = [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if name in SUMS and ins and any(positive(t) for t in ins):
