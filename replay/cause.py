@@ -47,6 +47,7 @@ from recorder.finite import label
 
 from . import domains, saturation, upstream
 from .cause_text import (
+    BELOW_FLOAT32,
     BEYOND_FLOAT64,
     DO,
     GROUP_REDUCTIONS,
@@ -171,11 +172,12 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         _, i, w = moved
         it = ev.input_dtypes[i]
         # a half type's underflow that float32 holds: float32 from where it is made fixes it
-        wider = (DO["wider_under"] + "; or " if torch.finfo(it).bits < 32
-                 and abs(w) >= torch.finfo(torch.float32).tiny else "")
+        half, held = torch.finfo(it).bits < 32, abs(w) >= torch.finfo(torch.float32).tiny
+        wider = DO["wider_under"] + "; or " if half and held else ""
         return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "
                      f"{_type(it)}'s smallest normal number {_g(torch.finfo(it).tiny)}, and "
-                     "was rounded to 0: " + wider + DO["log_space"])
+                     f"was rounded to 0{BELOW_FLOAT32 if half and not held else ''}: "
+                     + wider + DO["log_space"])
     if zero_from_exp:
         src = (f"{_POSITIVE_OPS} of a finite argument (or a sum or matrix product of such "
                "values: a softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with "

@@ -131,6 +131,8 @@ SQUARED_EPS_LOST = ("torch.optim.Adafactor floors its factored second moment at 
 # What to do, by situation (the first half of the hint says what happened).
 # an overflow whose true result float64 cannot hold either: no wider type is a fix
 BEYOND_FLOAT64 = " and for float64 as well"
+# (an underflow of a half type's value that float32 would round to 0 too: no wider type helps)
+BELOW_FLOAT32 = ", as float32 would too"
 
 DO = {
     "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",

@@ -26,10 +26,12 @@ def _from_tests_dir(monkeypatch):
 
 
 def train_clouds(out_dir: Path, loss_fn, steps: int = 6, far_at: int | None = K,
-                 radius: float | None = None) -> NonFiniteError | None:
+                 radius: float | None = None, bf16: bool = False,
+                 scale: float = 30.0) -> NonFiniteError | None:
     """The decoder fitted to target clouds through ``loss_fn``; at step ``far_at`` row
-    ``FAR``'s target was recorded in centimetres. ``radius``: pairs farther apart than it are
-    forbidden (an infinite cost), as a matching restricted to nearby candidates writes it."""
+    ``FAR``'s target was recorded in other units (``scale`` times larger). ``radius``: pairs
+    farther apart than it are forbidden (an infinite cost), as a matching restricted to
+    nearby candidates writes it; ``bf16``: forward and loss under bfloat16 autocast."""
     model = T.make_decoder()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
@@ -37,11 +39,13 @@ def train_clouds(out_dir: Path, loss_fn, steps: int = 6, far_at: int | None = K,
         with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
                             factory="transport_models:make_decoder") as rec:
             for step in range(steps):
-                z, y = T.point_batch(g, far=FAR if step == far_at else None)
+                z, y = T.point_batch(g, far=FAR if step == far_at else None, scale=scale)
                 opt.zero_grad()
-                out = model(z)
-                extra = () if radius is None else (torch.cdist(out.detach(), y) < radius,)
-                rec.loss_fn(out, y, *extra).backward()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    out = model(z)
+                    extra = () if radius is None else (torch.cdist(out.detach(), y) < radius,)
+                    loss = rec.loss_fn(out, y, *extra)
+                loss.backward()
                 opt.step()
     except NonFiniteError as e:
         assert e.bundle_path is not None, e.write_error
@@ -64,6 +68,21 @@ def test_plain_sinkhorn_kernel_underflow_is_an_underflow_not_a_pole(tmp_path):
         "loss", "<loss>", "aten.div", "+inf", [FAR], "underflow"), json.dumps(rep, indent=1)
     assert "u = a / (K @ v" in rep["source_lines"][o["source"]]
     assert "logsumexp" in rep["hint"] and "exact arithmetic makes too" not in rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={FAR}", True)]
+
+
+def test_bf16_sinkhorn_underflow_below_float32_too_is_not_sent_to_float32(tmp_path):
+    """The same Sinkhorn under bfloat16 autocast, row 2 in other units (x3): K^T @ u is
+    2e-109 in float64, rounded to 0 in bfloat16, whose range is float32's. ``--try auto``
+    proposed dtype=float32, whose re-run was NaN again; the hint now says float32 would round
+    it to 0 too, and auto tries only dropping the row."""
+    err = train_clouds(tmp_path, T.sinkhorn_loss, bf16=True, scale=3.0)
+    assert err is not None and (err.event["step"], err.event["phase"]) == (K, "loss")
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "aten.div", "+inf", [FAR], "underflow"), json.dumps(rep, indent=1)
+    assert "as float32 would too" in rep["hint"] and "float32 holds it" not in rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={FAR}", True)]
 
 
