@@ -53,6 +53,8 @@ from .cause_text import (
     GROUP_REDUCTIONS,
     HINTS,
     INF_ARITH,
+    NEAR_POLE_EXP,
+    OWN_INF,
     inf_arith,
     no_float64,
 )
@@ -412,6 +414,8 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
     m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     name = m.group(1).lower() if m else None
     fn = f"the derivative of {name}" if name else "the derivative"
+    if saved in ("+inf", "-inf") and inner and (what := inf_arith(inner, "")):
+        return Cause("invalid", OWN_INF.format(op=op, inner=inner, what=what, saved=label(saved)))
     if saved in ("+inf", "-inf"):
         if name and not domains.never_a_pole(name):
             # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
@@ -479,11 +483,7 @@ def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype,
     """A gradient too large for its type, finite in float64; ``from_exp``: the op's input
     came from exp (a plain-domain Sinkhorn's ``K @ v``), tiny rather than clamped."""
     if pole and from_exp:
-        return Cause("overflow", f"{op}'s gradient is too large for {_type(dtype)} and finite "
-                     f"in float64: {fn} grows without bound near its pole (1/y² for a "
-                     f"division by y), and the op's input, made by {_POSITIVE_OPS} (or a sum "
-                     "of such values: Sinkhorn's K @ v with K = exp(-C / eps)), is tiny "
-                     "though positive; " + DO["log_space"] + ", or compute it in float64")
+        return Cause("overflow", NEAR_POLE_EXP.format(op=op, dtype=_type(dtype), fn=fn))
     if pole:  # off the pole but near it: 1/y² of a division by an eps floor of 1e-30
         return Cause("overflow", f"{op}'s gradient is too large for {_type(dtype)} and finite "
                      f"in float64: {fn} grows without bound near its pole (1/y² for a "

@@ -213,6 +213,10 @@ DO = {
     "inf_literal": "put the infinity in with masked_fill(mask, float('-inf')) or "
                    "torch.where(mask, float('-inf'), 0.0) rather than multiplying by it, or mask "
                    "with a large finite negative number (torch.finfo(dtype).min)",
+    "backward_inf": "give the infinite entries their limit before the arithmetic in the "
+                    "backward (torch.where(torch.isinf(r), -inf, r) where exp of the difference "
+                    "must be 0, as soft-DTW's kernels set R = -inf there), or save a large "
+                    "finite value in their place",
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "
                  "infinity (the chain) and keep it finite",
     "zero_times_mask": "a weight of 0 on a masked entry (a target probability of 0 on a "
@@ -308,6 +312,17 @@ def module_label(name):
 
 
 # what an op computed when it made NaN of infinities
+# a custom Function's backward (the user's code) whose own op did arithmetic on an infinity
+# its forward saved (soft-DTW's R outside a band: inf - inf), not a forward op at its pole
+OWN_INF = ("{op} is a custom autograd.Function's backward: its own {inner} computed {what} "
+           "from a {saved} that the forward saved (a table's +inf border or cells left "
+           "infinite on purpose), NaN in exact arithmetic too; " + DO["backward_inf"])
+# a division's gradient too large near the pole of a tiny positive sum of exp (1/y²)
+NEAR_POLE_EXP = ("{op}'s gradient is too large for {dtype} and finite in float64: {fn} grows "
+                 "without bound near its pole (1/y² for a division by y), and the op's input, "
+                 "made by exp, softmax, sigmoid or softplus (or a sum of such values: "
+                 "Sinkhorn's K @ v with K = exp(-C / eps)), is tiny though positive; "
+                 + DO["log_space"] + ", or compute it in float64")
 INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div": "inf / inf"}
 
 

@@ -230,3 +230,24 @@ def test_plain_sinkhorn_padded_points_zeros_are_exact_not_underflow(tmp_path):
     assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
         "aten.div", "nan", padded, "invalid"), json.dumps(rep, indent=1)
     assert "u = a / (K @ v" in rep["source_lines"][o["source"]] and "0/0" in rep["hint"]
+
+
+def test_banded_soft_dtw_custom_backward_inf_minus_inf_is_not_a_pole(tmp_path):
+    """Soft-DTW with a Sakoe-Chiba band as a custom autograd.Function (pytorch-softdtw-cuda's
+    CPU kernels), its backward missing the kernel's 'R[i, j] = -inf where R is +inf': the
+    cells outside the band keep R's +inf, and exp((R[i+1, j] - R[i, j] - D) / gamma) is
+    exp(inf - inf) on every row at the first step. The report named the node and its
+    aten.sub, but the hint read 'multiplied a +Inf it saved in the forward:
+    _bandedsoftdtw at its pole, in a branch masked before the output': now the backward's
+    own inf - inf on the saved +inf, and what to set there."""
+    err = train_forecaster(tmp_path, T.BandedSoftDTW(band=2), steps=2)
+    assert err is not None and (err.event["step"], err.event["phase"]) == (0, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "backward", "<loss>", "_BandedSoftDTWBackward", list(range(4)), "invalid"), \
+        json.dumps(rep, indent=1)
+    assert "aten.sub computed inf - inf" in rep["hint"] and "pole" not in rep["hint"], \
+        rep["hint"]
+    assert any("a = torch.exp((R[:, i + 1, j] - R[:, i, j]" in n for n in rep["problems"]), \
+        rep["problems"]

@@ -195,3 +195,55 @@ def weighted_batch(g: torch.Generator, batch: int = 4, pad_at: int | None = None
     if pad_at is not None:
         a[pad_at] = torch.arange(POINTS).lt(valid).float() / valid
     return z, y, a, torch.full((batch, POINTS), 1.0 / POINTS)
+
+
+class _BandedSoftDTW(torch.autograd.Function):
+    """Soft-DTW with a Sakoe-Chiba band as pytorch-softdtw-cuda's CPU kernels compute it: the
+    forward's R recursion, and the backward's E recursion from R (Cuturi & Blondel, Alg. 2),
+    whose cells outside the band keep R's +inf."""
+
+    @staticmethod
+    def forward(ctx, D, gamma: float, band: int):
+        B, N, M = D.shape
+        R = torch.full((B, N + 2, M + 2), float("inf"), dtype=D.dtype)
+        R[:, 0, 0] = 0
+        for i in range(1, N + 1):
+            for j in range(1, M + 1):
+                if abs(i - j) > band:
+                    continue  # outside the band: R stays +inf
+                r = torch.stack([R[:, i - 1, j - 1], R[:, i - 1, j], R[:, i, j - 1]], -1)
+                R[:, i, j] = D[:, i - 1, j - 1] - gamma * torch.logsumexp(-r / gamma, -1)
+        ctx.save_for_backward(D, R)
+        ctx.gamma = gamma
+        return R[:, N, M]
+
+    @staticmethod
+    def backward(ctx, grad):
+        D, R = ctx.saved_tensors
+        gamma, (B, N, M) = ctx.gamma, D.shape
+        D_ = torch.zeros(B, N + 2, M + 2, dtype=D.dtype)
+        D_[:, 1:N + 1, 1:M + 1] = D
+        E = torch.zeros(B, N + 2, M + 2, dtype=D.dtype)
+        E[:, -1, -1] = 1
+        R = R.clone()
+        R[:, :, -1] = -float("inf")
+        R[:, -1, :] = -float("inf")
+        R[:, -1, -1] = R[:, -2, -2]
+        for j in range(M, 0, -1):
+            for i in range(N, 0, -1):
+                # (the kernel's "if isinf(R[i, j]): R[i, j] = -inf" is missing here)
+                a = torch.exp((R[:, i + 1, j] - R[:, i, j] - D_[:, i + 1, j]) / gamma)
+                b = torch.exp((R[:, i, j + 1] - R[:, i, j] - D_[:, i, j + 1]) / gamma)
+                c = torch.exp((R[:, i + 1, j + 1] - R[:, i, j] - D_[:, i + 1, j + 1]) / gamma)
+                E[:, i, j] = E[:, i + 1, j] * a + E[:, i, j + 1] * b + E[:, i + 1, j + 1] * c
+        return grad[:, None, None] * E[:, 1:N + 1, 1:M + 1], None, None
+
+
+class BandedSoftDTW(nn.Module):
+    def __init__(self, gamma: float = 1.0, band: int = 2):
+        super().__init__()
+        self.gamma, self.band = gamma, band
+
+    def forward(self, x, y):
+        D = (x.unsqueeze(2) - y.unsqueeze(1)).pow(2).sum(-1)
+        return _BandedSoftDTW.apply(D, self.gamma, self.band).mean()
