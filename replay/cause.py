@@ -47,11 +47,14 @@ from recorder.finite import label
 
 from . import domains, saturation, upstream
 from .cause_text import (
+    BELOW_FLOAT32,
     BEYOND_FLOAT64,
     DO,
     GROUP_REDUCTIONS,
     HINTS,
     INF_ARITH,
+    NEAR_POLE_EXP,
+    OWN_INF,
     inf_arith,
     no_float64,
 )
@@ -171,13 +174,16 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         _, i, w = moved
         it = ev.input_dtypes[i]
         # a half type's underflow that float32 holds: float32 from where it is made fixes it
-        wider = (DO["wider_under"] + "; or " if torch.finfo(it).bits < 32
-                 and abs(w) >= torch.finfo(torch.float32).tiny else "")
+        half, held = torch.finfo(it).bits < 32, abs(w) >= torch.finfo(torch.float32).tiny
+        wider = DO["wider_under"] + "; or " if half and held else ""
         return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "
                      f"{_type(it)}'s smallest normal number {_g(torch.finfo(it).tiny)}, and "
-                     "was rounded to 0: " + wider + DO["log_space"])
+                     f"was rounded to 0{BELOW_FLOAT32 if half and not held else ''}: "
+                     + wider + DO["log_space"])
     if zero_from_exp:
-        src = f"{_POSITIVE_OPS} of a finite argument, positive in exact arithmetic"
+        src = (f"{_POSITIVE_OPS} of a finite argument (or a sum or matrix product of such "
+               "values: a softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with "
+               "K = exp(-C / eps)), positive in exact arithmetic")
         also = "" if rounded else ", and below float64's range as well"
         return Cause("underflow", f"{what}: that 0 came from {src}; it underflowed in "
                      f"{_type(ev.input_dtypes[zero_from_exp[0]])}{also}: " + DO["log_space"])
@@ -411,6 +417,8 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
     m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     name = m.group(1).lower() if m else None
     fn = f"the derivative of {name}" if name else "the derivative"
+    if saved in ("+inf", "-inf") and inner and (what := inf_arith(inner, "")):
+        return Cause("invalid", OWN_INF.format(op=op, inner=inner, what=what, saved=label(saved)))
     if saved in ("+inf", "-inf"):
         if name and not domains.never_a_pole(name):
             # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
@@ -462,7 +470,7 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
                      f"in float64: rounding put the op's input on its pole, where {fn} is "
                      "infinite (sqrt, log or a division at 0); " + DO["stable"]
                      + ("; " + DO["root"] if name == "sqrt" else ""))
-    return _backward_overflow(op, fn, pole, dtype)
+    return _backward_overflow(op, fn, pole, dtype, underflowed)
 
 
 def _at_tie(op: str, gap: tuple[str, str], still: bool, dtype: torch.dtype) -> Cause:
@@ -475,8 +483,12 @@ def _at_tie(op: str, gap: tuple[str, str], still: bool, dtype: torch.dtype) -> C
                  f"{too}: {gap[0]}; " + DO[gap[1]])
 
 
-def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype) -> Cause:
-    """A gradient too large for its type, finite in float64."""
+def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype,
+                       from_exp: bool = False) -> Cause:
+    """A gradient too large for its type, finite in float64; ``from_exp``: the op's input
+    came from exp (a plain-domain Sinkhorn's ``K @ v``), tiny rather than clamped."""
+    if pole and from_exp:
+        return Cause("overflow", NEAR_POLE_EXP.format(op=op, dtype=_type(dtype), fn=fn))
     if pole:  # off the pole but near it: 1/y² of a division by an eps floor of 1e-30
         return Cause("overflow", f"{op}'s gradient is too large for {_type(dtype)} and finite "
                      f"in float64: {fn} grows without bound near its pole (1/y² for a "

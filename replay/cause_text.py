@@ -131,6 +131,8 @@ SQUARED_EPS_LOST = ("torch.optim.Adafactor floors its factored second moment at 
 # What to do, by situation (the first half of the hint says what happened).
 # an overflow whose true result float64 cannot hold either: no wider type is a fix
 BEYOND_FLOAT64 = " and for float64 as well"
+# (an underflow of a half type's value that float32 would round to 0 too: no wider type helps)
+BELOW_FLOAT32 = ", as float32 would too"
 
 DO = {
     "pole": "clamp the op's input away from the pole (x.clamp_min(eps)) or add an eps",
@@ -191,9 +193,10 @@ DO = {
     "empty_group": "give every group an element (leave empty graphs out of the batch), or "
                    "give the reduction a finite start (torch.zeros, segment_reduce's "
                    "initial=0) and fill the empty groups after it (out[count == 0] = 0)",
-    "masked_row": "a fully masked row has no key to attend to (no element to pool): keep at "
-                  "least one key per row (skip or fill empty rows), or mask with a large finite "
-                  "negative number instead of -inf",
+    "masked_row": "a fully masked row has no key to attend to (no element to pool, no "
+                  "allowed pair for a point of a transport plan whose forbidden pairs cost "
+                  "+inf): keep at least one key per row (skip or fill empty rows), or mask "
+                  "with a large finite negative number (a large finite cost) instead of -inf",
     # (after masked_row, for a max: the shift of a hand-written logsumexp or softmax)
     "max_shift": "; where this max shifts a hand-written logsumexp, m + log(sum(exp(x - m))) "
                  "(a CRF's forward algorithm over forbidden transitions), x - m is -inf - -inf "
@@ -210,6 +213,10 @@ DO = {
     "inf_literal": "put the infinity in with masked_fill(mask, float('-inf')) or "
                    "torch.where(mask, float('-inf'), 0.0) rather than multiplying by it, or mask "
                    "with a large finite negative number (torch.finfo(dtype).min)",
+    "backward_inf": "give the infinite entries their limit before the arithmetic in the "
+                    "backward (torch.where(torch.isinf(r), -inf, r) where exp of the difference "
+                    "must be 0, as soft-DTW's kernels set R = -inf there), or save a large "
+                    "finite value in their place",
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "
                  "infinity (the chain) and keep it finite",
     "zero_times_mask": "a weight of 0 on a masked entry (a target probability of 0 on a "
@@ -324,6 +331,17 @@ def module_label(name):
 
 
 # what an op computed when it made NaN of infinities
+# a custom Function's backward (the user's code) whose own op did arithmetic on an infinity
+# its forward saved (soft-DTW's R outside a band: inf - inf), not a forward op at its pole
+OWN_INF = ("{op} is a custom autograd.Function's backward: its own {inner} computed {what} "
+           "from a {saved} that the forward saved (a table's +inf border or cells left "
+           "infinite on purpose), NaN in exact arithmetic too; " + DO["backward_inf"])
+# a division's gradient too large near the pole of a tiny positive sum of exp (1/y²)
+NEAR_POLE_EXP = ("{op}'s gradient is too large for {dtype} and finite in float64: {fn} grows "
+                 "without bound near its pole (1/y² for a division by y), and the op's input, "
+                 "made by exp, softmax, sigmoid or softplus (or a sum of such values: "
+                 "Sinkhorn's K @ v with K = exp(-C / eps)), is tiny though positive; "
+                 + DO["log_space"] + ", or compute it in float64")
 INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div": "inf / inf"}
 
 

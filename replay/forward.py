@@ -41,12 +41,9 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
                            "limit": _log2_ceil(n_calls) + 1}
     recorded = o
     finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
-    hit = finder.origin()
-    if finder.intentional is not None and finder.reduced_first() is not None:
-        # a reduction folded the intended fill into this call's output (a fully masked row's
-        # logsumexp, a scatter max over a group with no element: -inf), which the NaN came
-        # from, later or in a child of this call; blame it, not that NaN
-        hit = finder.first_reduced
+    # (a reduction that folded the intended fill into -inf, which the NaN came from, later
+    # or in a child of this call, is blamed rather than that NaN)
+    hit = finder.blamed()
     if hit is None and finder.intentional is not None and trigger not in (None, o):
         # the call where the chain seemed to start only filled an intended +-inf (a mask):
         # the event is the NaN made from it later

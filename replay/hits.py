@@ -67,6 +67,21 @@ class Evidence:
     sizes: list[float] = field(default_factory=list)  # its earlier finite calls' absmax
 
 
+# ops with a pole at an input of 0, where a 0 they are given makes an infinity
+_POLES = {"log", "log2", "log10", "div", "reciprocal", "rsqrt"}
+
+
+def exact_pole(hit: OpHit) -> bool:
+    """``hit`` made +-inf at its pole from inputs float64 puts there too, none of them a
+    positive value that underflowed: the log of a weight of exactly 0, an infinity exact
+    arithmetic makes (and exp takes back to exactly 0)."""
+    ev = hit.evidence
+    if ev is None or hit.made == "nan" or hit.op.removeprefix("aten.").rstrip("_") not in _POLES:
+        return False
+    return ev.local64 is not None and ev.local64.numel() > 0 and not bool(
+        torch.isfinite(ev.local64).any()) and not any(ev.exp_made)
+
+
 def _num(x: float | None):
     if x is None:
         return None

@@ -32,12 +32,12 @@ from .factors import made_by
 from .float64 import as_float64, upcast
 from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
-from .hits import Evidence, OpHit
+from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage
 from .masked_product import nan_times_zero
 from .memo import TensorSet
 from .pooled import Pooled
-from .positive import made_positive, positive_result
+from .positive import Partly, made_positive, positive_result
 from .saturation import Saturation, made_unit
 from .source import user_source
 
@@ -71,8 +71,10 @@ class _Watch(TorchDispatchMode):
         outs = float_leaves(out)[:_RESULTS.get(name)]
         if not outs or name in _UNINITIALISED:
             return out
-        f.track(name, ins, outs, in_finite, leaves, (args, kwargs))
+        f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func)
         if (out_ends := f.ends_of(name, outs)) is None:
+            # an infinity taken back to finite values (exp(-inf) = 0) before any NaN
+            f.absorbed |= not in_finite and in_nan_free and f.first_nan is None
             return out
         # the first output's kind, NaN before +Inf before -Inf within it
         made = next((k for k in (pair_kind(a, b) for a, b in out_ends) if k), None)
@@ -108,10 +110,24 @@ class _Watch(TorchDispatchMode):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
                                     rows=f.folded_rows(outs, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
-            f.first_nan = OpHit(op, "nan", user_source(), lo, hi, False, occurrence, in_finite,
-                                literal=literal_inf, within=f.where, seq=seq, rows=f.batch_rows(
-                                    outs), from_mask=f.first is None and bool(f.intentional))
+            f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
+                                   OpHit(op, "nan", user_source(), lo, hi, False, occurrence,
+                                         in_finite, literal=literal_inf, seq=seq))
         return out
+
+
+def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -> OpHit:
+    """``hit``, the first op that made NaN of NaN-free values, with where it ran and its rows;
+    with its evidence too when :meth:`OpFinder.blamed` may blame it (made of finite values
+    after an exact infinity that an op took back to finite ones)."""
+    hit.within, hit.rows = f.where, f.batch_rows(outs)
+    hit.from_mask = f.first is None and bool(f.intentional)
+    if in_finite and f.absorbed and f.first is not None and exact_pole(f.first):
+        try:
+            hit.evidence = f.of_records(_evidence(func, given, outs, f), ins, hit.rows)
+        except Exception:  # (evidence helps the cause; the op is named without it)
+            hit.evidence = None
+    return hit
 
 
 def state_of(*objs) -> set[tuple[int, tuple]]:
@@ -221,7 +237,8 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                            and (v.is_floating_point() or v.is_complex()) else v, list(args)))
     return Evidence(dtype=outs[k].dtype, bad=bad, inputs=[v for v, _ in taken],
                     input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
-                    exp_made=[f.positive(t) for t in ins], local64=local,
+                    exp_made=[f.positive(t) or f.partly.at(t, bad) for t in ins],
+                    local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
                     zero_dim=[t.dim() == 0 for t in ins],
                     factor=[made_by(t) for t in ins],
@@ -245,6 +262,7 @@ class OpFinder:
         # whose only non-finite inputs are views of one passes on an intended infinity
         self.mask_buffers = mask_buffers or {}
         self.first_nan: OpHit | None = None
+        self.absorbed = False  # an op made finite values of infinities before the first NaN
         # the first product of a NaN by 0 (a 0/1 mask multiplied into missing values)
         self.masked_nan: OpHit | None = None
         self.intentional: OpHit | None = None
@@ -259,6 +277,7 @@ class OpFinder:
         self.made_in: set[torch.dtype] = set()  # the floating types the watched ops made
         self.sizes: dict[str, list[float]] = {}  # each op's finite calls' largest magnitude
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
+        self.partly = Partly()  # and those it keeps > 0 at some positions (a bool mask each)
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
         self.composites = Composites()  # where torch.logdet runs (replay.composite)
@@ -321,8 +340,13 @@ class OpFinder:
             self.saturation.mark_unit(t)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-              in_finite: bool, leaves: list, given: tuple = ((), {})) -> None:
+              in_finite: bool, leaves: list, given: tuple = ((), {}), func=None) -> None:
         self.pooled.track(name, *given, ins, outs, self.held)
+        # exp of -inf scores: positive where they are not -inf; a sum of it, where any term is
+        if func is not None and (m := self.partly.track(func, name, given, ins, outs,
+                                                        self.positive)) is not None \
+                and bool(m.all()):
+            self._positive.add(outs[0])
         self.made_in.update(t.dtype for t in outs)
         weights_only = bool(self.state) and self._of_weights_only(leaves)
         if weights_only:
@@ -440,6 +464,24 @@ class OpFinder:
         """The op to blame: the first unintentional non-finite maker, else the NaN maker."""
         return self.first or self.first_nan
 
+    def blamed(self) -> OpHit | None:
+        """:meth:`origin`, unless a reduction folded an intended fill into -inf before the NaN
+        (a fully masked row's logsumexp, a scatter max over a group with no element): the
+        NaN came from that, later (a log-domain Sinkhorn's ``f - C`` of a point every pair of
+        which is forbidden), so blame it; or unless the first infinity is one exact
+        arithmetic makes too (the log of a 0 it was given) and the NaN was made of finite
+        values after an op took the infinities back to finite ones (exp(-inf) = 0): it never
+        reached the NaN's maker, which is blamed."""
+        if self.intentional is not None and (reduced := self.reduced_first()) is not None:
+            return reduced
+        n = self.first_nan
+        if n is not None and n.inputs_finite and self.absorbed and self.first is not None \
+                and exact_pole(self.first):
+            # log(0) of a weight of 0 (a padded point's, in log-domain OT), which exp took
+            # back to an exact 0: the NaN was made later of finite values (0 / 0)
+            return n
+        return self.origin()
+
     def count(self, name: str) -> tuple[int, int]:
         """(calls of op ``name``, calls of any op) before this one, counting this one."""
         occurrence, seq = self.counts.get(name, 0), self.seen
@@ -454,9 +496,11 @@ class OpFinder:
         return r if self.first is None and r and (n is None or r.seq < n.seq) else None
 
     def chain(self) -> list[dict[str, Any]]:
-        """Where the first non-finite value came from and where the first NaN was made."""
+        """Where the first non-finite value came from and where the first NaN was made (not
+        an exact infinity taken back to finite values before it: :meth:`blamed`)."""
         out = []
-        start = self.first or self.intentional
+        start = None if self.first and self.blamed() is self.first_nan else \
+            self.first or self.intentional
         if start is not None:
             out.append(start.as_json())
         # the op that made NaN of it, or else the reduction that folded it in (a -inf mask)

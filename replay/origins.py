@@ -133,7 +133,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     del loss
     # no op made the value from finite inputs: the loss folded in an infinity that the model
     # output was allowed to hold (a -inf mask under allow_inf); name the reduction that did
-    hit = finder.origin() or finder.first_reduced
+    hit = finder.blamed() or finder.first_reduced
     if hit is finder.first_nan and hit and not finder.first and not finder.intentional:
         # made of infinities the model output holds, which allow_inf let it hold (a mask)
         hit.from_mask = not all(finite(t) for t in tensor_leaves((args, kwargs)))

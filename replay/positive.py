@@ -3,16 +3,21 @@ positive value that underflowed (``underflow``, not ``invalid``).
 
 exp, softmax, sigmoid and softplus make them; ops that pass values on unchanged keep them
 (a gathered probability, a view), and so do a power of one (``std ** 2``: a Gaussian's
-variance from ``log_std.exp()``) and a product of them with positive factors (``2 * var``).
+variance from ``log_std.exp()``), a product of them with positive factors (``2 * var``), and
+a sum of them: a reduction, or a matrix product with a tensor whose values are all > 0
+(Sinkhorn's ``K @ v`` with ``K = exp(-C / eps)``, whose row of zeros is an underflow).
 Followed both as the op finder sees ops run and, for a value made before the watched code
 ran (a model's softplus variance that the loss takes the log of), on the autograd graph.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
+
 import torch
 
-from .compat import saved_value
+from .compat import saved_value, tree_leaves, tree_map
 
 # Ops whose result is positive in exact arithmetic for every finite argument: a 0 they return
 # is an underflow. Ops that pass values on unchanged keep that mark (a gathered probability).
@@ -23,6 +28,10 @@ PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", 
            "split_with_sizes", "detach", "masked_select", "flatten", "unflatten", "diagonal",
            "as_strided", "div",  # div: a positive value over a finite one stays non-zero
            "pow"}  # a positive base to any power stays positive
+# sums of products of their inputs' elements: positive when every term is (a row sum of
+# exp, K @ v of a positive kernel and positive scalings)
+SUMS = {"add", "mm", "bmm", "mv", "dot", "vdot"}
+REDUCTIONS = {"sum", "mean", "cumsum"}  # (their numbers are dims)
 
 
 def node_name(op: str) -> str:
@@ -34,7 +43,9 @@ def node_name(op: str) -> str:
 # The same rule on the autograd graph, for a value made before the watched code ran (a
 # model's softplus variance that the loss takes the log of); a reshape's node is ReshapeAlias
 _POSITIVE_NODES = {node_name(op) for op in POSITIVE}
-_PASS_ON_NODES = {node_name(op) for op in PASS_ON} | {"ReshapeAlias"}
+_PASS_ON_NODES = {node_name(op) for op in PASS_ON | REDUCTIONS} | {"ReshapeAlias"}
+# matrix products, with the names their nodes save their factors under
+_PRODUCT_NODES = {"Bmm": ("self", "mat2"), "Mm": ("self", "mat2"), "Mv": ("self", "vec")}
 
 
 def node_op(node) -> str:
@@ -47,9 +58,19 @@ def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) 
     a value positive in exact arithmetic; ``positive(t)`` says it of an input."""
     if name in POSITIVE or (name in PASS_ON and ins and positive(ins[0])):
         return True
+    if (name in REDUCTIONS or name in SUMS) and any(t.numel() == 0 for t in ins):
+        return False  # (a sum of no terms is an exact 0: exp(x).sum(-1) of an empty set)
+    if name in REDUCTIONS and ins and positive(ins[0]):
+        return True
+    numbers = [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if name in SUMS and ins and any(positive(t) for t in ins):
+        # every term positive: the other factors' values all > 0 (v = ones, b / (K^T u));
+        # the inputs are finite here, so ``> 0`` reads their values (add's alpha too)
+        return all(v > 0 for v in numbers) and all(
+            positive(t) or bool((t > 0).all()) for t in ins)
     # a product of positive tensors and positive numbers (2 * var)
     return name == "mul" and bool(ins) and all(positive(t) for t in ins) and all(
-        v > 0 for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool))
+        v > 0 for v in numbers)
 
 
 def first_inputs(fn, depth: int = 8):
@@ -72,6 +93,8 @@ def made_positive(fn, depth: int = 8) -> bool:
                 return True
             if op == "Mul":
                 return _positive_product(node, depth - 1)
+            if op in _PRODUCT_NODES:  # (Sinkhorn's K^T @ u)
+                return _positive_product(node, depth - 1, _PRODUCT_NODES[op], saved=True)
             if op not in _PASS_ON_NODES:
                 return False
     except Exception:  # not an autograd node, or one that cannot say
@@ -79,18 +102,19 @@ def made_positive(fn, depth: int = 8) -> bool:
     return False
 
 
-def _positive_product(fn, depth: int) -> bool:
-    """A ``MulBackward0`` whose factors are each made positive, or a constant > 0 (a factor
-    without a gradient: the node saved it for the other's)."""
+def _positive_product(fn, depth: int, names=("self", "other"), saved: bool = False) -> bool:
+    """A ``MulBackward0`` (or a matrix product's node) whose factors are each made positive,
+    or a constant > 0 (a factor without a gradient: the node saved it for the other's). With
+    ``saved``, a factor whose saved value is all > 0 counts too (a matrix product saves both:
+    Sinkhorn's scaling ``u``, positive by its values, however many iterations made it)."""
     nexts = [f for f, _ in fn.next_functions]
-    saved = [saved_value(fn, "self"), saved_value(fn, "other")]
+    values = [saved_value(fn, n) for n in names]
     for i, f in enumerate(nexts[:2]):
-        if f is not None:
-            if not made_positive(f, depth):
-                return False
-            continue
-        const = saved[i]  # (factor i's value, saved for the other factor's gradient)
-        if not isinstance(const, torch.Tensor) or not bool((const > 0).all()):
+        const = values[i]  # (factor i's value, saved for the other factor's gradient)
+        by_value = isinstance(const, torch.Tensor) and bool((const > 0).all())
+        if f is not None and not (made_positive(f, depth) or saved and by_value):
+            return False
+        if f is None and not by_value:
             return False
     return True
 
@@ -126,3 +150,85 @@ def _leaf(fn, depth: int = 6):
             return None
         fn = next((f for f, _ in fn.next_functions if f is not None), None)
     return None
+
+
+# ops that, given a value positive at some positions, keep it positive where their terms are:
+# views and sums of it (positive factors kept as they are), stacks and products of it
+_PARTLY_KEEP = PASS_ON | REDUCTIONS | SUMS | {"mul", "stack", "cat"}
+# ops whose result is positive in exact arithmetic where their argument is not -inf
+_PARTLY_MAKE = {"exp", "exp2", "sigmoid", "special_expit"}
+
+
+class Partly:
+    """Values positive in exact arithmetic at some positions only, each with its bool mask:
+    exp of scores holding -inf (soft-DTW's ``exp(-R / gamma)`` beside ``R``'s +inf borders, a
+    masked row), and what views, stacks, products and sums make of them (a textbook softmin's
+    ``exp(-r / gamma).sum(-1)`` is positive wherever one of its terms is). Held weakly, by
+    tensor identity, like :class:`replay.memo.TensorSet`."""
+
+    def __init__(self):
+        self._masks: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def mask(self, t: torch.Tensor) -> torch.Tensor | None:
+        hit = self._masks.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def at(self, t: torch.Tensor, bad: torch.Tensor) -> bool:
+        """``t`` is positive at every position of ``bad`` (the op's non-finite output)."""
+        m = self.mask(t)
+        try:
+            return m is not None and bool(torch.broadcast_to(m, bad.shape)[bad].all())
+        except RuntimeError:  # (not elementwise with the output)
+            return False
+
+    def track(self, func, name: str, given: tuple, ins: list[torch.Tensor],
+              outs: list[torch.Tensor], positive) -> torch.Tensor | None:
+        """Mark ``outs[0]`` with where op ``func`` made it positive; ``positive(t)``: ``t`` is
+        positive everywhere (returned: the mask, all True for a value positive everywhere).
+        Only exp and the ops given a partly positive value pay."""
+        if not ins or not (name in _PARTLY_MAKE or name in _PARTLY_KEEP and any(
+                self.mask(t) is not None for t in ins)) or any(
+                bool(t.isnan().any()) for t in ins):
+            return None
+        if name in _PARTLY_MAKE:
+            m = torch.broadcast_to(ins[0].detach() > -math.inf, outs[0].shape)
+        else:
+            m = self._kept(func, name, given, positive)
+        if m is not None and not bool(m.all()) and bool(m.any()):
+            self._masks[id(outs[0])] = (weakref.ref(outs[0]), m)
+        return m
+
+    def _kept(self, func, name: str, given: tuple, positive) -> torch.Tensor | None:
+        """Where ``func`` keeps its result positive: run on stand-ins (1 where an input is
+        positive, 0 where it is not), its result is non-zero exactly there. None when a term
+        may be negative (a sum or product could cancel)."""
+        view, pieces = name in PASS_ON, name in ("stack", "cat")
+        seen, negative = [], []
+
+        def stand_in(v):
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                return v
+            seen.append(v)
+            if (m := self.mask(v)) is not None:
+                return m.to(v.dtype)
+            if positive(v) or (not view and bool((v > 0).all())):
+                return torch.ones_like(v)
+            if view and len(seen) > 1:  # (a view's other inputs stay: div's denominator)
+                return v.detach()
+            negative.append(not view and not pieces)
+            return torch.zeros_like(v)  # (a piece positive nowhere)
+
+        numbers = [v for v in tree_leaves(given) if isinstance(v, (int, float))
+                   and not isinstance(v, bool)]
+        if name in ("mul", "add") and any(v <= 0 for v in numbers):
+            return None  # (a factor or alpha <= 0)
+        args, kwargs = tree_map(stand_in, given[0]), tree_map(stand_in, given[1])
+        if any(negative):
+            return None
+        try:
+            with torch.no_grad():
+                out = func(*args, **kwargs)
+        except Exception:  # (an op refusing its stand-ins: no mark, the replay goes on)
+            return None
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out != 0 if isinstance(out, torch.Tensor) else None

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .cause_text import BEYOND_FLOAT64
+from .cause_text import BELOW_FLOAT32, BEYOND_FLOAT64
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, undroppable
 from .errors import ReplayError, one_line
@@ -161,7 +161,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         made_in = o.get("dtype")
         half = made_in == "float16" if made_in else low
         out.append("dtype=float32" if half else "dtype=float64")
-    elif cause in ("underflow", "precision") and (low or o.get("dtype") in HALF):
+    elif cause in ("underflow", "precision") and (low or o.get("dtype") in HALF) \
+            and BELOW_FLOAT32 not in (report.get("hint") or ""):
         # a value float16 rounds to 0 is normal in float32; a difference bfloat16's 8 bits
         # cancel below 0 keeps its sign (also where the op took a half output outside autocast)
         out.append("dtype=float32")
