@@ -16,12 +16,13 @@ from .findings import finish, origin_fields
 from .forward_grad import derivative_words, node_sources, with_node
 from .lineage import Lineage
 from .load import Step
-from .ops import OpFinder, mask_buffers, state_of
+from .ops import OpFinder
 from .parametrized import parametrization_hint
 from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
 from .source import user_source
+from .storages import mask_buffers, state_of
 
 
 def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from .pooled import Pooled
 from .positive import Partly, made_positive, positive_result
 from .saturation import Saturation, made_unit
 from .source import user_source
+from .storages import storage_of
 
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
@@ -128,33 +129,6 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
         except Exception:  # (evidence helps the cause; the op is named without it)
             hit.evidence = None
     return hit
-
-
-def state_of(*objs) -> set[tuple[int, tuple]]:
-    """(data_ptr, shape) of the parameters and buffers of each ``nn.Module`` among ``objs``
-    (see ``OpFinder.state``)."""
-    return {(t.data_ptr(), tuple(t.shape)) for m in objs if isinstance(m, torch.nn.Module)
-            for t in (*m.parameters(), *m.buffers())}
-
-
-def storage_of(t: torch.Tensor) -> int | None:
-    """Where ``t``'s values live (shared by its views), or None (sparse, nested, subclass)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-def mask_buffers(model: torch.nn.Module) -> dict[int, str]:
-    """The model's buffers holding +-inf and no NaN (causal masks), by storage."""
-    out = {}
-    for name, b in model.named_buffers():
-        if b.is_floating_point() and b.numel() and not b.is_meta:
-            lo, hi = ends(b).tolist()
-            if not pair_ok(lo, hi) and pair_ok(lo, hi, allow_inf=True):
-                out[storage_of(b)] = name
-    out.pop(None, None)
-    return out
 
 
 def _input_ends(ins: list[torch.Tensor]):

@@ -33,12 +33,13 @@ from .loss_grad import node_in_loss, probed_report
 from .losses import non_finite_loss_state
 from .masked_targets import watched_loss_rerun
 from .object_outputs import came_inside_objects, report_forward_behind_objects
-from .ops import OpFinder, state_of
+from .ops import OpFinder
 from .optim import eps_lost_text, per_parameter, stale_state
 from .param_writes import built_non_finite_hint, forward_made, forward_made_hint, loop_written_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
+from .storages import state_of
 from .update_domain import domain_why, update_domain, updated_rows
 from .weight_readers import bad_row_fields, first_reader, rows_text
 
