@@ -178,7 +178,6 @@ class RingBuffer:
         self.layouts: deque[StepLayout] = deque(maxlen=history)
         self._next = 0
         self.truncated = 0
-        self._last_raw: tuple | None = None  # (see shared)
 
     @property
     def nbytes(self) -> int:
@@ -237,15 +236,6 @@ class RingBuffer:
         if zeros.numel() != s:
             zeros = self._zeros_view = self._zeros.narrow(0, 0, s)
         return torch.dot(view, zeros, out=self._probe if out is None else out)
-
-    def shared(self, raw: tuple) -> tuple:
-        """A step's layout refs (``StepLayout.raw``), as the last step's where they are equal
-        (the usual case): the ring then holds one step's worth of them, not ``history``
-        copies made and freed, each one step apart. Lists are copied (a late hook of another
-        thread may still append to the step's)."""
-        if raw != self._last_raw:
-            self._last_raw = tuple(list(r) if type(r) is list else r for r in raw)
-        return self._last_raw
 
     def commit(self, layout: StepLayout) -> None:
         """Keep the row last reserved, described by ``layout``."""
