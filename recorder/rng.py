@@ -52,12 +52,7 @@ class RngCapture:
         self._np_owner = self._np_rs = self._np_words = self._np_gauss = None
         self._np_last: tuple | None = None
         self._np_key: tuple | None = None
-        self._py_owner = self._py_words = None
-        self._py_last: tuple | None = None
-        self._py_key: tuple | None = None
-        self._torch_owner = self._torch_words = None
-        self._torch_last: torch.Tensor | None = None
-        self._torch_key: tuple | None = None
+        self._python, self._torch = _Fingerprinted(), _Fingerprinted()
 
     def _numpy_state(self, np) -> Any:
         # the generator behind np.random's functions (bound to it when NumPy was imported)
@@ -83,35 +78,13 @@ class RngCapture:
         return self._np_last
 
     def _python_state(self) -> tuple:
-        inst = random.getstate.__self__  # the instance behind random's functions
-        if inst is not self._py_owner:
-            self._py_owner, self._py_last = inst, None
-            words = _python_mt_words(inst)
-            self._py_words = words and _uint32s(words)
-        words = self._py_words
-        if words is False:
-            return random.getstate()
-        # gauss() keeps a second value outside the words: part of the state too
-        key = (words[0], words[1], words[312], words[624], inst.gauss_next)
-        if key != self._py_key or self._py_last is None:
-            self._py_last, self._py_key = random.getstate(), key
-        return self._py_last
+        # (the instance behind random's functions)
+        return self._python.get(random.getstate.__self__, _python_mt_words, random.getstate,
+                                _python_key)
 
     def _torch_state(self) -> torch.Tensor:
         gen = torch.default_generator
-        if gen is not self._torch_owner:
-            self._torch_owner, self._torch_last = gen, None
-            words = _torch_mt_words(gen)
-            self._torch_words = words and _uint32s(words)
-        w = self._torch_words
-        if w is False:
-            return gen.get_state()
-        # position (left, next), three state words, and the cached normal samples after them
-        key = (w[0], w[2], w[3], w[314], w[626], w[627], w[628], w[629], w[630], w[631], w[632],
-               w[633])
-        if key != self._torch_key or self._torch_last is None:
-            self._torch_last, self._torch_key = gen.get_state(), key
-        return self._torch_last
+        return self._torch.get(gen, _torch_mt_words, gen.get_state, _torch_key)
 
     def __call__(self) -> dict[str, Any]:
         """Every RNG a training step may draw from, as it is now. Draws nothing itself. A state
@@ -126,6 +99,41 @@ class RngCapture:
         for name, g in self.generators:
             state[GENERATOR + name] = g.get_state()
         return state
+
+
+class _Fingerprinted:
+    """One generator's last state read, read again only when a fingerprint of its words (read
+    in place, ``find(owner)``: False where they cannot be) moved; the owner whose memory is
+    read is held, so it can never dangle, and one replaced by another is looked at afresh."""
+
+    __slots__ = ("owner", "words", "last", "key")
+
+    def __init__(self):
+        self.owner = self.words = self.last = self.key = None
+
+    def get(self, owner, find, read, key_of):
+        if owner is not self.owner:
+            self.owner, self.last = owner, None
+            words = find(owner)
+            self.words = words and _uint32s(words)
+        words = self.words
+        if words is False:
+            return read()
+        key = key_of(words, owner)
+        if key != self.key or self.last is None:
+            self.last, self.key = read(), key
+        return self.last
+
+
+def _python_key(w: memoryview, inst: random.Random) -> tuple:
+    # (gauss() keeps a second value outside the words: part of the state too)
+    return w[0], w[1], w[312], w[624], inst.gauss_next
+
+
+def _torch_key(w: memoryview, _) -> tuple:
+    # position (left, next), three state words, and the cached normal samples after them
+    return (w[0], w[2], w[3], w[314], w[626], w[627], w[628], w[629], w[630], w[631], w[632],
+            w[633])
 
 
 def _uint32s(words) -> memoryview:
