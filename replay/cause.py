@@ -414,12 +414,12 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
               saved: str | None = None, at_pole: str | None = None,
               underflowed: bool = False, inner: str | None = None) -> Cause:
     op = node or "the backward node"
-    m = re.fullmatch(r"(\w+?)Backward\d*", node or "")
-    name = m.group(1).lower() if m else None
+    name = m.group(1).lower() if (m := re.fullmatch(r"(\w+?)Backward\d*", node or "")) else None
     fn = f"the derivative of {name}" if name else "the derivative"
-    if saved in ("+inf", "-inf") and inner and (what := inf_arith(inner, "")):
-        return Cause("invalid", OWN_INF.format(op=op, inner=inner, what=what, saved=label(saved)))
     if saved in ("+inf", "-inf"):
+        if inner and (what := inf_arith(inner, "")):  # (the backward's own inf - inf)
+            return Cause("invalid", OWN_INF.format(op=op, inner=inner, what=what,
+                                                   saved=label(saved)))
         if name and not domains.never_a_pole(name):
             # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
             return Cause("invalid", f"{op} multiplied a {label(saved)} it saved in the "
@@ -446,8 +446,7 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
                      f"gradients, in float64 too: {fn} has a pole at the op's input (sqrt or "
                      "a norm at 0, log or a division at 0); " + DO["backward_pole"]
                      + (DO["sqrt_pole"] if name == "sqrt" and at_pole == "0" else ""))
-    # a custom Function's name says nothing of its derivative: the op its backward made the
-    # value with does (a division by the saved residual, 0 there)
+    # a custom Function's name says nothing of its derivative: its backward's own op does
     pole = bool(name and domains.derivative_pole(name)) or bool(
         inner and domains.derivative_pole(_name(inner).rstrip("_")))
     if inner and not (name and domains.derivative_pole(name)):
