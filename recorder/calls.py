@@ -22,6 +22,7 @@ from .cycle import StepCycle
 from .errors import NonFiniteError
 from .finite import ANY, checkable, real_view, stored
 from .hooks import Health, Hook
+from .out_grads import keep_grad, keep_out_grad
 from .shards import local
 from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT, flat_view
 from .tape import MicroBatch, Tape
@@ -130,20 +131,21 @@ class CallHooks:
             tape.add_micro_batch(mb, self.target.watched)
 
     def _root_input_refs(self, tape: Tape, args, kwargs, versions: list) -> tuple:
-        """(min, max, allowed) refs of each floating root input. NaN is always checked; +-Inf
-        only with ``strict_inf`` and outside ``allow_inf`` (by the argument's name, ``args[i]``
-        or a keyword, or an allowed buffer passed in): by default an infinity that comes in
-        (a float mask) is an event only where it leads (see ``strict_inf``). Each is cached,
-        so the first layers that take it reuse these; ``versions`` gets (input, version).
-        An ``allow_nan`` input is kept, never checked (``ANY``): its NaN is an event only
-        where it leads (the calls that take it count it as they count any NaN)."""
+        """(min, max, allowed) refs of each floating (or complex: its real view) root input:
+        NaN always; +-Inf only with ``strict_inf``, outside ``allow_inf`` (the argument's name,
+        ``args[i]`` or a keyword, or an allowed buffer), else an infinity that comes in (a float
+        mask) is an event only where it leads. Cached for the first layers that take it;
+        ``versions`` gets (input, version). An ``allow_nan`` input is kept, never checked."""
         refs = []
         one = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual batch
         for name, t in (("args[0]", args[0]),) if one else _named_leaves(args, kwargs):
+            view = None
             if not t.is_floating_point() or t.numel() == 0:
-                if t.numel():  # (token ids, masks: not checked, but a reused buffer is seen)
-                    versions.append((t, version_of(t)))
-                continue
+                if not t.is_complex() or t.numel() == 0:
+                    if t.numel():  # (token ids, masks: not checked, but a reused buffer is seen)
+                        versions.append((t, version_of(t)))
+                    continue
+                view = real_view(t)  # (a complex batch, k-space or a spectrum: both parts)
             nan_ok = self.target.nan_allowed(name)
             hit = _produced(tape, t) if tape.cache else None  # (none at a step's start)
             if hit is not None:  # (checked as it was)
@@ -151,8 +153,8 @@ class CallHooks:
                 continue
             intended = self.target.allowed_buffer(t) or self.target.is_allowed(name)
             soft = not self.strict_inf or intended
-            a, b = tape.slots.minmax(t.detach(), LOOSE if nan_ok else NAN_ONLY if soft
-                                     else STRICT)
+            a, b = tape.slots.minmax(t.detach() if view is None else view,
+                                     LOOSE if nan_ok else NAN_ONLY if soft else STRICT)
             refs.append((a, b, ANY if nan_ok else soft))
             # (for the calls that take it, only an allow_inf input's +-Inf is finite)
             version = version_of(t)
@@ -178,10 +180,10 @@ class CallHooks:
                                   else output_leaves(output)):
                 fn = t.grad_fn
                 if fn is not None:  # a pre-hook on its node: a tenth of register_hook's Python
-                    fn.register_prehook(partial(_keep_out_grad, mb.out_grads, mb.differentiated,
+                    fn.register_prehook(partial(keep_out_grad, mb.out_grads, mb.differentiated,
                                                 i, t.output_nr))
                 elif t.requires_grad:
-                    t.register_hook(partial(_keep_grad, mb.out_grads, mb.differentiated, i))
+                    t.register_hook(partial(keep_grad, mb.out_grads, mb.differentiated, i))
 
     # ------------------------------------------------------------------------------------------
     # every module: a call returned
@@ -458,37 +460,6 @@ def _leaves(args, kwargs):
             yield from tensor_leaves(a)
     if kwargs:
         yield from tensor_leaves(kwargs)
-
-
-# The step's backward runs with grad mode off. A backward that builds a graph is the loop's
-# own differentiation of the output (a PINN's loss taking autograd.grad(u, x, ones,
-# create_graph=True), MAML's inner step): the gradient it brings is not the one the step's
-# backward sent into the output, which the replay feeds in its place, so it is not kept; that
-# it ran is (``marks``), for the replay to say the loop's own term is not re-run.
-def _keep_grad(store: dict, marks: list, i: int, grad: torch.Tensor) -> None:
-    if not torch.is_grad_enabled():
-        _add(store, i, grad)
-    elif not marks:
-        marks.append(True)
-
-
-def _keep_out_grad(store: dict, marks: list, i: int, nr: int, grad_outputs: tuple) -> None:
-    grad = grad_outputs[nr]
-    if grad is not None and not torch.is_grad_enabled():
-        _add(store, i, grad)
-    elif grad is not None and not marks:
-        marks.append(True)
-
-
-def _add(store: dict, i: int, grad: torch.Tensor) -> None:
-    """Summed over the step's backward passes through the output, as the parameters' gradients
-    are: one per task (``loss_a.backward(retain_graph=True); loss_b.backward()``, or gradient
-    surgery's ``autograd.grad`` per task), the last alone would hide an earlier task's NaN."""
-    before = store.get(i)
-    try:
-        store[i] = grad if before is None else before + grad
-    except RuntimeError:  # (another shape or layout: the pass of another loss)
-        store[i] = grad
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:

@@ -52,3 +52,21 @@ class RelL2(nn.Module):
 
 def make_fno():
     return FNO1d()
+
+
+class ComplexNet(nn.Module):
+    """A complex-valued net on a complex batch (MRI k-space, a radar return): a complex
+    Linear, then a classifier on the magnitudes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16, dtype=torch.complex64)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, z):
+        return self.head(self.lin(z).abs())
+
+
+def make_complex_net():
+    torch.manual_seed(0)
+    return ComplexNet()
