@@ -1,0 +1,20 @@
+"""Models of the differential-privacy tests (``test_privacy.py``): DP-SGD by hand, the Opacus
+way (per-sample gradients from module hooks, per-sample clipping, Gaussian noise)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def make_classifier() -> nn.Module:
+    """A small tabular classifier, as the Opacus tutorials train (Adult, credit scoring)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 2))
+
+
+def make_logit_model() -> nn.Module:
+    """A classifier whose head returns log-probabilities (log_softmax), as DP tutorials do
+    with NLLLoss."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 2), nn.LogSoftmax(-1))
