@@ -18,3 +18,11 @@ def make_logit_model() -> nn.Module:
     with NLLLoss."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 2), nn.LogSoftmax(-1))
+
+
+class MaskedCrossEntropy(nn.Module):
+    """Cross-entropy summed over the real records of a padded batch (``keep`` is 0 on padding
+    rows), the fixed-shape batches that per-sample-gradient code pads to."""
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return (nn.functional.cross_entropy(logits, y, reduction="none") * keep).sum()

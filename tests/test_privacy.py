@@ -56,3 +56,69 @@ def test_an_empty_poisson_batch_is_recorded_and_its_empty_mean_named(out_dir, ca
     assert (rep["origin"]["module"], rep["origin"]["op"]) == ("<loss>", "aten.nll_loss_forward")
     assert rep.get("fidelity", {}).get("matches", True), rep["fidelity"]
     assert "a mean over no element is 0/0" in rep["hint"] and "skip such batches" in rep["hint"]
+
+
+def _grad_sample_hooks(model: nn.Module) -> None:
+    """Opacus's GradSampleModule by hand for Linear layers: the forward hook keeps each
+    layer's input, the full backward hook makes each sample's weight and bias gradient from it
+    and appends them to ``p.grad_sample`` (virtual batches accumulate over micro-batches)."""
+    acts: dict[nn.Module, torch.Tensor] = {}
+
+    def keep(mod, inp, out):
+        acts[mod] = inp[0].detach()
+
+    def per_sample(mod, grad_in, grad_out):
+        b = grad_out[0].detach()
+        for p, gs in ((mod.weight, torch.einsum("ni,nj->nij", b, acts[mod])), (mod.bias, b)):
+            old = getattr(p, "grad_sample", None)
+            p.grad_sample = gs if old is None else torch.cat([old, gs])
+
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(keep)
+            m.register_full_backward_hook(per_sample)
+
+
+# (the first layer's input needs no gradient: torch warns, as it does under Opacus)
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_automatic_clipping_of_a_padded_record_names_its_zero_gradient_samples(out_dir):
+    """DP-SGD with grad_sample hooks, a logical batch of 32 run as two virtual micro-batches of
+    16, and automatic clipping (each per-sample gradient normalised, g / (‖g‖ + gamma)) written
+    with gamma = 0. The epoch's last batch is padded to the fixed shape with records whose
+    loss weight is 0: their per-sample gradients are exactly 0 and 0/0 is NaN. The replay said
+    only that the loop wrote the NaN gradients, naming no sample; it now names the samples
+    whose gradient into the model's output was exactly 0, and their micro-batch."""
+    model = PM.make_classifier()
+    _grad_sample_hooks(model)
+    opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), PM.MaskedCrossEntropy()
+    X, Y = _data(124)  # 3 full batches of 32, then 28 records and 4 rows of padding
+    noise = torch.Generator().manual_seed(3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="privacy_models:make_classifier"):
+            for step in range(8):
+                x, y = X[step % 4 * 32:][:32], Y[step % 4 * 32:][:32]
+                keep = (torch.arange(32) < len(x)).float()
+                x = torch.cat([x, x.new_zeros(32 - len(x), 10)])
+                y = torch.cat([y, y.new_zeros(32 - len(y))])
+                for xm, ym, km in zip(x.split(16), y.split(16), keep.split(16)):
+                    crit(model(xm), ym, km).backward()
+                gs = [p.grad_sample for p in model.parameters()]
+                norms = torch.stack([g.flatten(1).norm(dim=1) for g in gs]).norm(dim=0)
+                for p, g in zip(model.parameters(), gs):
+                    clipped = g / norms.view(-1, *[1] * (g.dim() - 1))  # gamma = 0
+                    p.grad = (clipped.sum(0) + 0.5 * torch.randn(p.shape, generator=noise)) / 32
+                    p.grad_sample = None
+                opt.step()
+                opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan")
+    padded = (keep == 0).nonzero().flatten()  # rows 28-31 of the batch: 12-15 of the second
+    mb, rows = divmod(int(padded[0]), 16)
+    rep = nanreplay_json(info.value.bundle_path, code=1)
+    assert (rep["cause"], rep["origin"]["phase"]) == ("not_reproduced", "backward")
+    assert (rep["origin"]["micro_batch"], rep["origin"]["samples"]) == \
+        (mb, list(range(rows, 16))), rep["origin"]
+    assert "loop's own code" in rep["hint"]
+    assert f"sample(s) [{rows}-15] of micro-batch {mb} sent back a gradient of exactly 0" \
+        in rep["hint"] and "add an eps to the norm" in rep["hint"], rep["hint"]
