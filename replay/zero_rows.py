@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from recorder.capture import tree_refs
+
 from .load import Step, output_grads
 from .recorded import samples
 
@@ -41,6 +43,20 @@ def zero_rows_text(found: dict[int, list[int]]) -> str:
             "and a per-sample clip or normalisation that divides by their norm (g / ‖g‖, "
             "C / ‖g‖) makes 0/0 there: add an eps to the norm (‖g‖ + 1e-6), as Opacus's "
             "clip does, or leave those samples out")
+
+
+def empty_batch_text(step: Step) -> str:
+    """The hint's sentence when every forward of the step took a batch of no sample (Poisson
+    sampling that drew no record), '' otherwise."""
+    mbs = step.micro_batches
+    inputs = [[step.tensors[k] for k in tree_refs(mb.get("inputs"), "$t") if k in step.tensors]
+              for mb in mbs]
+    if not mbs or not all(ts and all(t.numel() == 0 for t in ts) for ts in inputs):
+        return ""
+    return ("; the step's batch held no sample (Poisson sampling that drew no record), so "
+            "what the loop divides by its size (len(batch) = 0) is ±inf or NaN: divide the "
+            "summed, noised gradients by the expected batch size (q · N), as Opacus does, or "
+            "skip a step whose batch is empty")
 
 
 def _spans(rows: list[int]) -> str:

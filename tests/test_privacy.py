@@ -122,3 +122,41 @@ def test_automatic_clipping_of_a_padded_record_names_its_zero_gradient_samples(o
     assert "loop's own code" in rep["hint"]
     assert f"sample(s) [{rows}-15] of micro-batch {mb} sent back a gradient of exactly 0" \
         in rep["hint"] and "add an eps to the norm" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_an_empty_poisson_batch_divided_by_its_size_is_said(out_dir):
+    """Poisson sampling with grad_sample hooks, Opacus's clip (C / (‖g‖ + 1e-6), at most 1) and
+    Gaussian noise, the noised sum divided by the batch's actual size instead of the expected
+    q * N: the draw of no record makes noise / 0 = ±inf. The hint named only 'a division by a
+    norm that is 0'; it now says the step's batch held no sample and what to divide by."""
+    model = PM.make_classifier()
+    _grad_sample_hooks(model)
+    opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(reduction="sum")
+    X, Y = _data()
+    g, noise = torch.Generator().manual_seed(2), torch.Generator().manual_seed(3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="privacy_models:make_classifier"):
+            for step in range(8):
+                keep = torch.rand(len(X), generator=g) < 0.05
+                if step == 4:
+                    keep[:] = False  # the draw that selects no record
+                x, y = X[keep], Y[keep]
+                crit(model(x), y).backward()
+                gs = [p.grad_sample for p in model.parameters()]
+                norms = torch.stack([s.flatten(1).norm(dim=1) for s in gs]).norm(dim=0)
+                factor = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+                for p, s in zip(model.parameters(), gs):
+                    clipped = (s * factor.view(-1, *[1] * (s.dim() - 1))).sum(0)
+                    p.grad = (clipped + 0.5 * torch.randn(p.shape, generator=noise)) / len(x)
+                    p.grad_sample = None
+                opt.step()
+                opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (4, "backward") and ev["kind"] in ("+inf", "-inf")
+    rep = nanreplay_json(info.value.bundle_path, code=1)
+    assert (rep["cause"], rep["origin"]["phase"], rep["origin"]["samples"]) == \
+        ("not_reproduced", "backward", [])
+    assert "the step's batch held no sample" in rep["hint"]
+    assert "divide the summed, noised gradients by the expected batch size" in rep["hint"]
