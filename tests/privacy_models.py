@@ -26,3 +26,11 @@ class MaskedCrossEntropy(nn.Module):
 
     def forward(self, logits: torch.Tensor, y: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return (nn.functional.cross_entropy(logits, y, reduction="none") * keep).sum()
+
+
+class PerSampleMaskedCrossEntropy(nn.Module):
+    """Each record's cross-entropy, 0 on padding rows (``keep`` = 0): the per-sample losses
+    that ghost clipping reweights by each sample's clip factor before its second backward."""
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits, y, reduction="none") * keep

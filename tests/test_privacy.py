@@ -160,3 +160,54 @@ def test_an_empty_poisson_batch_divided_by_its_size_is_said(out_dir):
         ("not_reproduced", "backward", [])
     assert "the step's batch held no sample" in rep["hint"]
     assert "divide the summed, noised gradients by the expected batch size" in rep["hint"]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_ghost_clipping_s_second_backward_names_the_padded_samples(out_dir):
+    """Ghost clipping (book-keeping): a first backward of the per-sample losses, whose hooks
+    make each sample's gradient norm from ‖a‖²·‖b‖² without per-sample gradients, then a
+    second backward of the losses reweighted by 1 / norm (automatic clipping, gamma = 0). A
+    padding row's loss is 0 and its norm 0: 0 * inf = NaN enters the model's output, from a
+    loss the loop computed outside loss_fn. Pinned: the replay feeds the recorded gradient of
+    that second backward, names the padded samples and says the loss lies outside loss_fn."""
+    model = PM.make_classifier()
+    acts: dict[nn.Module, torch.Tensor] = {}
+    sq: dict[nn.Module, torch.Tensor] = {}
+
+    def keep_input(mod, inp, out):
+        acts[mod] = inp[0].detach()
+
+    def norm_sq(mod, grad_in, grad_out):  # (a Linear's weight and bias, one sample per row)
+        b2 = grad_out[0].detach().pow(2).sum(1)
+        sq[mod] = acts[mod].pow(2).sum(1) * b2 + b2
+
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(keep_input)
+            m.register_full_backward_hook(norm_sq)
+    opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), PM.PerSampleMaskedCrossEntropy()
+    X, Y = _data(124)
+    noise = torch.Generator().manual_seed(3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="privacy_models:make_classifier"):
+            for step in range(8):
+                x, y = X[step % 4 * 32:][:32], Y[step % 4 * 32:][:32]
+                keep = (torch.arange(32) < len(x)).float()
+                x = torch.cat([x, x.new_zeros(32 - len(x), 10)])
+                y = torch.cat([y, y.new_zeros(32 - len(y))])
+                losses = crit(model(x), y, keep)
+                losses.sum().backward(retain_graph=True)
+                norms = sum(sq.values()).sqrt()
+                opt.zero_grad()
+                (losses / norms).sum().backward()
+                for p in model.parameters():
+                    p.grad = (p.grad + 0.5 * torch.randn(p.shape, generator=noise)) / 32
+                opt.step()
+                opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan")
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["reproduced"] and rep["origin"]["phase"] == "loss", rep["origin"]
+    assert rep["origin"]["samples"] == (keep == 0).nonzero().flatten().tolist()
+    assert rep["cause"] is None and "computed outside it" in rep["hint"], rep["hint"]
