@@ -45,13 +45,19 @@ def zero_rows_text(found: dict[int, list[int]]) -> str:
             "clip does, or leave those samples out")
 
 
+def empty_micro_batch(step: Step, i: int) -> bool:
+    """Whether micro-batch ``i`` held no sample: its recorded batch size is 0 (which also means
+    unknown) and every tensor of its inputs has no element."""
+    mb = step.micro_batches[i] if 0 <= i < len(step.micro_batches) else {}
+    ts = [step.tensors[k] for k in tree_refs(mb.get("inputs"), "$t") if k in step.tensors]
+    return bool(ts) and all(t.numel() == 0 for t in ts) and samples(step, i).size == 0
+
+
 def empty_batch_text(step: Step) -> str:
     """The hint's sentence when every forward of the step took a batch of no sample (Poisson
     sampling that drew no record), '' otherwise."""
     mbs = step.micro_batches
-    inputs = [[step.tensors[k] for k in tree_refs(mb.get("inputs"), "$t") if k in step.tensors]
-              for mb in mbs]
-    if not mbs or not all(ts and all(t.numel() == 0 for t in ts) for ts in inputs):
+    if not mbs or not all(empty_micro_batch(step, i) for i in range(len(mbs))):
         return ""
     return ("; the step's batch held no sample (Poisson sampling that drew no record), so "
             "what the loop divides by its size (len(batch) = 0) is ±inf or NaN: divide the "

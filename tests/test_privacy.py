@@ -9,7 +9,7 @@ from pathlib import Path
 import privacy_models as PM
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import invoke_cli, nanreplay_json, one_error_line
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -56,6 +56,31 @@ def test_an_empty_poisson_batch_is_recorded_and_its_empty_mean_named(out_dir, ca
     assert (rep["origin"]["module"], rep["origin"]["op"]) == ("<loss>", "aten.nll_loss_forward")
     assert rep.get("fidelity", {}).get("matches", True), rep["fidelity"]
     assert "a mean over no element is 0/0" in rep["hint"] and "skip such batches" in rep["hint"]
+
+
+def test_dropping_a_sample_of_an_empty_batch_is_refused(out_dir):
+    """A logical batch split into physical micro-batches of at most 16 records, as Opacus's
+    BatchMemoryManager does, where Poisson sampling drew too few records for the last one: its
+    mean loss is 0/0. '--try drop=0' re-ran and reported 'nan at step 0' as if sample 0 had
+    been dropped (a batch size of 0 read as unknown); it is now refused in one line."""
+    model = PM.make_classifier()
+    opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss()
+    X, Y = _data()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="privacy_models:make_classifier"):
+            for x, y in zip(X[:20].split(10), Y[:20].split(10)):  # 10 records drawn each step
+                for xm, ym in zip(x.tensor_split([8, 16]), y.tensor_split([8, 16])):
+                    crit(model(xm), ym).backward()
+                opt.step()
+                opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (0, "loss", 2)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["cause"], rep["origin"]["micro_batch"]) == ("invalid", 2)
+    line = one_error_line(invoke_cli(info.value.bundle_path, "--try", "drop=0"))
+    assert line == "nanreplay: --try drop=0: the batch of micro-batch 2 has no sample, so " \
+        "there is none to drop"
 
 
 def _grad_sample_hooks(model: nn.Module) -> None:
