@@ -34,3 +34,15 @@ class PerSampleMaskedCrossEntropy(nn.Module):
 
     def forward(self, logits: torch.Tensor, y: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits, y, reduction="none") * keep
+
+
+class GradSampleModule(nn.Module):
+    """Opacus's wrapper as ``PrivacyEngine.make_private`` returns it: the model kept as
+    ``_module``, called through (its per-sample hooks left out here)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self._module = module
+
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)

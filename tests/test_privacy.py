@@ -236,3 +236,36 @@ def test_ghost_clipping_s_second_backward_names_the_padded_samples(out_dir):
     assert rep["reproduced"] and rep["origin"]["phase"] == "loss", rep["origin"]
     assert rep["origin"]["samples"] == (keep == 0).nonzero().flatten().tolist()
     assert rep["cause"] is None and "computed outside it" in rep["hint"], rep["hint"]
+
+
+def test_a_wrapper_recorded_around_the_factory_s_model_is_named(out_dir):
+    """The model handed to the recorder is the one make_private returned, Opacus's
+    GradSampleModule holding the factory's model as ``_module``; a record with an inf feature
+    raises an input event. The replay refused with 'the factory builds a different model: it
+    cannot see the run's configuration (command-line flags, ...)', which sent the user after
+    factory_kwargs; it now says the bundle's parameters are the factory's under '_module' and
+    to record the inner model, and doing so replays the event."""
+    X, Y = _data()
+    X[70, 3] = float("inf")  # record 70: sample 6 of the batch of step 2
+
+    def train(wrap: bool) -> NonFiniteError:
+        inner = PM.make_classifier()
+        model = PM.GradSampleModule(inner) if wrap else inner
+        opt, crit = torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss()
+        with pytest.raises(NonFiniteError) as info:
+            with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir / str(wrap),
+                                factory="privacy_models:make_classifier"):
+                for x, y in zip(X.split(32), Y.split(32)):
+                    crit((PM.GradSampleModule(inner) if not wrap else model)(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        return info.value
+
+    err = train(wrap=True)
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (2, "input", [6])
+    line = one_error_line(invoke_cli(err.bundle_path, "--json"))
+    assert "every parameter the bundle holds is one of the factory's under '_module'" in line
+    assert "FlightRecorder(model._module, ...)" in line and "command-line" not in line, line
+    rep = nanreplay_json(train(wrap=False).bundle_path)  # the inner model recorded
+    assert (rep["cause"], rep["origin"]["phase"], rep["origin"]["samples"]) == \
+        ("input", "input", [70 - 2 * 32])
