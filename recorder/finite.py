@@ -60,7 +60,17 @@ def ends(t: torch.Tensor) -> torch.Tensor:
     """(min, max) of a real floating tensor as a float64 pair, on its device. NaN propagates
     into both and +-Inf shows as an extreme, so the pair tells every kind in one reduction
     pass, where ``isfinite(t).all()`` takes a full-size temporary (and, on CPU, longer)."""
-    return torch.stack(torch.aminmax(stored(t.detach()))).double()
+    return torch.stack(extrema(t.detach())).double()
+
+
+def extrema(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.aminmax`` of ``t``'s stored values; (0, 0) when it has none (an empty batch,
+    Poisson sampling's draw of no sample), whose finiteness nothing contradicts."""
+    values = stored(t)
+    if values.numel():
+        return torch.aminmax(values)
+    zero = values.new_zeros(())
+    return zero, zero
 
 
 def pair_kind(lo: float, hi: float) -> str | None:

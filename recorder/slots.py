@@ -35,7 +35,7 @@ from itertools import islice, repeat
 import torch
 
 from .compat import foreach_copy_, foreach_norm, foreach_square_
-from .finite import stored
+from .finite import extrema, stored
 from .shards import PLAIN
 
 STRICT, GRAD, NAN_ONLY, LOOSE = 0, 1, 2, 3
@@ -224,10 +224,15 @@ class Slots:
                         torch.aminmax(t, out=(views[k], views[k2]))
                 except NotImplementedError:  # a sparse tensor (a GCN's adjacency passed in)
                     _sparse_minmax(t, views[k], views[k2])  # (caught: no layout check to pay)
+                except RuntimeError:  # no elements (an empty Poisson-sampled batch): finite
+                    if t.numel():
+                        raise
+                    views[k].zero_()
+                    views[k2].zero_()
                 return (code, k), (code, k2)
             if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
                 r.views[k].zero_()
-        lo, hi = self._put(code, torch.aminmax(stored(t)))
+        lo, hi = self._put(code, extrema(t))
         return lo, hi
 
     def total(self, t: torch.Tensor, code: int) -> tuple[int, int]:

@@ -64,6 +64,7 @@ from .state import forward_written, state_notes
 from .whatif import run_tries
 from .window import window_of
 from .window_report import add_window
+from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
 
 __all__ = ["analyze", "analyze_bundle", "scale_of_the_step"]
 
@@ -449,6 +450,7 @@ def _gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[
     gradient surgery's ``p.grad = ...`` after ``autograd.grad`` per task), in code the replay
     cannot re-run."""
     params = step.event.get("params") or []
+    zero = zero_gradient_rows(step)
     report["problems"].append(
         "the gradients that reached the model's output were finite, and the re-run's backward "
         "from there makes every parameter's gradient finite" if reached else
@@ -464,7 +466,10 @@ def _gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[
         "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
         "averaged by hand (gradient surgery: torch.autograd.grad per task, then p.grad = ...), "
         "a loss term on the weights themselves added in the loop; check that code at this "
-        "step, e.g. a division by a norm that is 0")
+        "step, e.g. a division by a norm that is 0" + zero_rows_text(zero)
+        + empty_batch_text(step))
+    if zero:  # (the first micro-batch's: the origin names one)
+        report["origin"]["micro_batch"], report["origin"]["samples"] = next(iter(zero.items()))
     return report
 
 

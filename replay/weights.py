@@ -51,6 +51,26 @@ def _parametrized(missing: list[str], have: set[str]) -> str | None:
     return None
 
 
+def _wrapped(expected: set[str], have: set[str]) -> str | None:
+    """What to do when every parameter of the bundle is one of the factory's model under one
+    module path (``_module.0.weight`` for ``0.weight``): the recorder was given a wrapper
+    holding the model (Opacus's GradSampleModule keeps it as ``_module``), the factory builds
+    what it wraps. None when they differ otherwise."""
+    first = min(expected, key=len, default="")
+    for i in (i + 1 for i, c in enumerate(first) if c == "."):
+        prefix = first[:i]
+        if all(n.startswith(prefix) and n[i:] in have for n in expected) \
+                and len(expected) == len(have):
+            outer = prefix[:-1]
+            return (f"every parameter the bundle holds is one of the factory's under "
+                    f"{outer!r}: the recorder was given a module that wraps the model as "
+                    f"{outer!r} (Opacus's GradSampleModule keeps it as '_module'), and the "
+                    f"factory builds the inner model: record the inner model "
+                    f"(FlightRecorder(model.{outer}, ...), the same hooks fire) or have the "
+                    "factory return the wrapped one")
+    return None
+
+
 def _prune_as_recorded(step, model: nn.Module, missing: list[str], have: set[str]) -> bool:
     """Prune the factory's model as the run's was (``torch.nn.utils.prune``, applied by the
     training loop after the factory built the model: iterative magnitude pruning): each
@@ -95,7 +115,8 @@ def load_weights(step, model: nn.Module) -> None:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ReplayError(f"the model from the factory has no parameter {missing[0]!r}{more} "
                           "that the bundle holds; "
-                          + (_parametrized(missing, have) or other_model(step)))
+                          + (_parametrized(missing, have) or _wrapped(expected, have)
+                             or other_model(step)))
     done: dict[int, nn.Parameter] = {}
     # (listed first: a shared module yields its parameters twice, the 2nd time replaced)
     for name, p in list(model.named_parameters(remove_duplicate=False)):

@@ -31,6 +31,7 @@ from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
 from .outliers import out_of_scale
 from .recorded import batch_size
 from .window import Change, Window, run_window, step_as_window, window_of
+from .zero_rows import empty_micro_batch
 
 KEYS = ("lr", "eps", "clip", "dtype", "drop", "wd")
 EXAMPLES = {"lr": "1e-4 (or lr=0.1x)", "eps": "1e-8", "clip": "1.0", "dtype": "float32",
@@ -117,7 +118,10 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
             raise ReplayError(f"--try {label}: {type(opt).__name__} has no '{k}' setting; "
                               f"try another key (lr, clip)")
     if change.drop:
-        n = batch_size(step, _samples_micro_batch(step, None) or 0)
+        n = batch_size(step, i := _samples_micro_batch(step, None) or 0)
+        if not n and empty_micro_batch(step, i):  # (size 0 is also "unknown")
+            raise ReplayError(f"--try {label}: the batch{f' of micro-batch {i}' if i else ''} "
+                              "has no sample, so there is none to drop")
         if n and change.drop[-1] >= n:
             raise ReplayError(f"--try {label}: the batch has {n} samples (0-{n - 1}); pass "
                               "indices within it")
