@@ -1,0 +1,90 @@
+"""Survival models of ``tests/test_survival.py``, written as DeepSurv, pycox and torchsurv
+write them: an MLP risk score (log partial hazard) under a hand-written Cox partial
+likelihood, a DeepHit head of logits over time bins, a Weibull AFT head of log-scale and
+log-shape. The factories live at module level so that ``nanreplay`` rebuilds them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+N_FEAT, BINS = 6, 8
+
+
+def cohort(n: int = 128, seed: int = 0):
+    """Covariates, follow-up times (> 0) and event flags (1: died, 0: censored)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, N_FEAT, generator=g)
+    time = torch.distributions.Exponential(torch.exp(0.5 * x[:, 0])).sample() + 0.01
+    event = (torch.rand(n, generator=g) < 0.6).float()
+    return x, time, event
+
+
+class DeepSurv(nn.Module):
+    """DeepSurv's risk network: an MLP with ReLU and a linear output, the log hazard ratio."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(N_FEAT, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+def make_deepsurv() -> nn.Module:
+    torch.manual_seed(0)
+    return DeepSurv()
+
+
+def deepsurv_loss(risk, time, event):
+    """DeepSurv's negative log partial likelihood, as its Theano/PyTorch ports write it: the
+    risk set's sum as a cumulative sum of exp(risk) over the samples sorted by decreasing
+    time, no max subtracted."""
+    order = torch.argsort(time, descending=True)
+    risk, event = risk[order], event[order]
+    log_risk = torch.log(torch.cumsum(torch.exp(risk), 0))
+    return -((risk - log_risk) * event).sum() / event.sum()
+
+
+class DeepHit(nn.Module):
+    """DeepHit (single risk): logits over the time bins; the pmf is their softmax."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(N_FEAT, hidden), nn.ReLU(), nn.Linear(hidden, BINS))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def make_deephit() -> nn.Module:
+    torch.manual_seed(0)
+    return DeepHit()
+
+
+class Weibull(nn.Module):
+    """A Weibull AFT model: per sample the log of the scale and of the shape."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(N_FEAT, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def make_weibull() -> nn.Module:
+    torch.manual_seed(0)
+    return Weibull()
+
+
+def weibull_nll(params, time, event):
+    """Censored Weibull negative log-likelihood: events log f(t), censored log S(t), with
+    log f = log k - log lam + (k - 1)(log t - log lam) - (t / lam)^k and log S = -(t/lam)^k."""
+    log_lam, log_k = params.unbind(-1)
+    k = torch.exp(log_k)
+    z = torch.log(time) - log_lam
+    cum_hazard = torch.exp(k * z)
+    log_f = log_k - log_lam + (k - 1) * z - cum_hazard
+    return -(event * log_f - (1 - event) * cum_hazard).mean()

@@ -1,0 +1,62 @@
+"""Survival models trained as DeepSurv, pycox and torchsurv train them (``survival_models``):
+hand-written Cox partial likelihoods over the batch sorted by follow-up time, censoring
+masks, DeepHit's pmf over time bins, Weibull AFT heads of log-parameters; a planted bug, the
+recorder on the loop, then ``nanreplay`` on the bundle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import survival_models as S
+import torch
+from bundles import nanreplay_json
+from torch.utils.data import DataLoader, TensorDataset
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where survival_models.py, the factories' module, lives
+
+
+def train(out_dir: Path, make, loss_fn, x, time, event, batch_size: int = 32):
+    model = getattr(S, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                        factory=f"survival_models:{make}") as rec:
+        for xb, tb, eb in DataLoader(TensorDataset(x, time, event), batch_size=batch_size):
+            opt.zero_grad()
+            rec.loss_fn(model(xb), tb, eb).backward()  # (a function: called through it)
+            opt.step()
+    return model
+
+
+def test_an_overflow_in_a_time_sorted_cox_risk_set_names_the_sample_not_its_sorted_row(
+        tmp_path):
+    """DeepSurv's loss sorts the batch by decreasing time (``risk[order]``) and sums
+    ``exp(risk)`` cumulatively; one record never normalised (row 76, features x2000) has a
+    risk score of 162, whose exp overflows. The report named sample [7]: the row of the
+    sorted values, a healthy patient, and so missed that this record's data is out of scale.
+    It now follows the reordering back to the batch's row (12) and the hint names that
+    record's data."""
+    x, time, event = S.cohort()
+    x[76] *= 2000
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_deepsurv", S.deepsurv_loss, x, time, event)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "loss"), err.event
+    order = torch.argsort(time[64:96], descending=True).tolist()
+    row = 76 - 64
+    assert order.index(row) != row  # (the sorted row is another sample)
+    rep = nanreplay_json(err.bundle_path, "--try", f"drop={row}")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.exp", [row], "overflow"), json.dumps(rep, indent=1)
+    assert f"sample(s) {row} of batch" in rep["hint"], rep["hint"]
+    [what_if] = rep["what_if"]
+    assert what_if["finite"] is True, what_if
