@@ -15,7 +15,8 @@ def cohort(n: int = 128, seed: int = 0):
     """Covariates, follow-up times (> 0) and event flags (1: died, 0: censored)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, N_FEAT, generator=g)
-    time = torch.distributions.Exponential(torch.exp(0.5 * x[:, 0])).sample() + 0.01
+    # exponential times, hazard exp(0.5 x0), drawn from ``g`` (by inversion)
+    time = -torch.log(torch.rand(n, generator=g)) * torch.exp(-0.5 * x[:, 0]) + 0.01
     event = (torch.rand(n, generator=g) < 0.6).float()
     return x, time, event
 
@@ -88,3 +89,13 @@ def weibull_nll(params, time, event):
     cum_hazard = torch.exp(k * z)
     log_f = log_k - log_lam + (k - 1) * z - cum_hazard
     return -(event * log_f - (1 - event) * cum_hazard).mean()
+
+
+def deephit_nll(logits, t_bin, event):
+    """DeepHit's likelihood part: an event's pmf at its bin, a censored sample's survival
+    past its bin (1 - CDF), with the pmf as a softmax and then its log, as ports write it."""
+    pmf = torch.softmax(logits, 1)
+    cdf = pmf.cumsum(1)
+    p_event = pmf.gather(1, t_bin[:, None]).squeeze(1)
+    surv = 1 - cdf.gather(1, t_bin[:, None]).squeeze(1)
+    return -(event * torch.log(p_event) + (1 - event) * torch.log(surv)).mean()

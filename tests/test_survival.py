@@ -60,3 +60,27 @@ def test_an_overflow_in_a_time_sorted_cox_risk_set_names_the_sample_not_its_sort
     assert f"sample(s) {row} of batch" in rep["hint"], rep["hint"]
     [what_if] = rep["what_if"]
     assert what_if["finite"] is True, what_if
+
+
+def test_log_of_a_follow_up_time_of_0_names_the_record_not_an_eps(tmp_path):
+    """A Weibull AFT likelihood takes ``log(time)``; one patient died on the day of enrolment
+    (row 70, time 0). The op, row and pole were named, but the hint said to clamp log's
+    input or add an eps, as for a value the model makes: the follow-up times are a loss
+    target, a batched tensor the lineage did not count as the samples' records (only lists
+    of per-sample targets), so the op did not read as computed from the data alone. Now
+    batched targets are the samples' records too, and the hint says the record is
+    degenerate: repair or drop it where the data is made."""
+    x, time, event = S.cohort()
+    time[70], event[70] = 0.0, 1.0
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_weibull", S.weibull_nll, x, time, event)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    zero = [i - 64 for i in range(64, 96) if time[i] == 0]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.log", zero, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"].startswith("survival_models.py:"), o["source"]
+    assert "computed from the batch's data alone" in rep["hint"], rep["hint"]
+    assert "degenerate" in rep["hint"], rep["hint"]
