@@ -99,3 +99,14 @@ def deephit_nll(logits, t_bin, event):
     p_event = pmf.gather(1, t_bin[:, None]).squeeze(1)
     surv = 1 - cdf.gather(1, t_bin[:, None]).squeeze(1)
     return -(event * torch.log(p_event) + (1 - event) * torch.log(surv)).mean()
+
+
+def lognormal_nll(params, time, event):
+    """Censored log-normal AFT negative log-likelihood: events log f(t), censored log S(t),
+    with S(t) = 1 - Phi((log t - mu) / sigma) written out through the normal's cdf."""
+    mu, log_sigma = params.unbind(-1)
+    std = torch.distributions.Normal(0.0, 1.0)
+    z = (torch.log(time) - mu) / torch.exp(log_sigma)
+    log_f = std.log_prob(z) - log_sigma - torch.log(time)
+    log_s = torch.log(1 - std.cdf(z))
+    return -(event * log_f + (1 - event) * log_s).mean()

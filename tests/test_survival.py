@@ -84,3 +84,25 @@ def test_log_of_a_follow_up_time_of_0_names_the_record_not_an_eps(tmp_path):
     assert o["source"].startswith("survival_models.py:"), o["source"]
     assert "computed from the batch's data alone" in rep["hint"], rep["hint"]
     assert "degenerate" in rep["hint"], rep["hint"]
+
+
+def test_log_of_a_normal_survival_rounded_to_0_is_precision_not_a_pole(tmp_path):
+    """A log-normal AFT likelihood writes a censored patient's log S(t) as
+    ``log(1 - Normal(0, 1).cdf(z))``; a follow-up entered in days (2000 among values near 1)
+    puts z past 8, where the cdf, ``0.5 * (1 + erf(z / √2))``, is 1.0 in float64 too. The
+    report said ``invalid``, 'which exact arithmetic makes too', and to clamp log's input:
+    but 1 - Φ(z) is positive for every finite z. erf was known to stay inside (-1, 1), and
+    ``1 + erf`` above 0, but not ``0.5 * (1 + erf)`` below 1; now it is, so the 0 reads as
+    rounding and the hint gives ``log_ndtr(−z)``."""
+    x, time, event = S.cohort()
+    time[70], event[70] = 2000.0, 0.0
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_weibull", S.lognormal_nll, x, time, event)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    days = [i - 64 for i in range(64, 96) if time[i] > 100 and event[i] == 0]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.log", days, "precision"), json.dumps(rep, indent=1)
+    assert "log_ndtr(−z)" in rep["hint"] and "normal cdf" in rep["hint"], rep["hint"]
