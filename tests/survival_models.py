@@ -110,3 +110,36 @@ def lognormal_nll(params, time, event):
     log_f = std.log_prob(z) - log_sigma - torch.log(time)
     log_s = torch.log(1 - std.cdf(z))
     return -(event * log_f + (1 - event) * log_s).mean()
+
+
+def cox_loss_selected(risk, time, event):
+    """Cox partial likelihood (Breslow), the events' terms selected by a boolean mask and
+    averaged: ``[event.bool()].mean()``, as many hand-written losses take them."""
+    order = torch.argsort(time, descending=True)
+    risk, event = risk[order], event[order]
+    return -(risk - torch.logcumsumexp(risk, 0))[event.bool()].mean()
+
+
+def stratified_cox_loss(risk, time, event, stratum):
+    """A stratified Cox partial likelihood: each stratum's risk sets hold only its own
+    subjects, the others masked to -inf before one logcumsumexp per stratum; each stratum's
+    event terms are picked with ``torch.where``."""
+    order = torch.argsort(time, descending=True)
+    risk, event, stratum = risk[order], event[order], stratum[order]
+    total = risk.new_zeros(())
+    for s in stratum.unique():
+        mine = stratum == s
+        log_risk = torch.logcumsumexp(risk.masked_fill(~mine, float("-inf")), 0)
+        total = total + torch.where(mine & event.bool(), risk - log_risk, 0).sum()
+    return -total / event.sum()
+
+
+def weibull_nll_hazard(params, time, event):
+    """Censored Weibull negative log-likelihood as log hazard minus cumulative hazard:
+    ``(t / lam) ** k`` for every subject, the log hazard only where an event happened,
+    picked with ``torch.where``."""
+    log_lam, log_k = params.unbind(-1)
+    k = torch.exp(log_k)
+    cum_hazard = (time / torch.exp(log_lam)) ** k
+    log_h = log_k - log_lam + (k - 1) * (torch.log(time) - log_lam)
+    return -(torch.where(event.bool(), log_h, 0) - cum_hazard).mean()

@@ -106,3 +106,28 @@ def test_log_of_a_normal_survival_rounded_to_0_is_precision_not_a_pole(tmp_path)
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("loss", "<loss>", "aten.log", days, "precision"), json.dumps(rep, indent=1)
     assert "log_ndtr(−z)" in rep["hint"] and "normal cdf" in rep["hint"], rep["hint"]
+
+
+def test_a_log_of_a_time_of_0_masked_by_torch_where_is_named_as_the_loss_log_not_overflow(
+        tmp_path):
+    """A Weibull likelihood as log hazard minus cumulative hazard, the log hazard kept for
+    the events by ``torch.where``; a subject censored on the day of enrolment (time 0) makes
+    ``log(0) = -inf`` in the masked branch, and the backward's MulBackward0 multiplies it by
+    the where's 0. The node and row were named, but the cause was ``overflow`` ('a value
+    overflowed ... float64 overflows too: clamp'): the saved -inf was looked for among the
+    model's ops only. It is now found in the loss re-run: aten.log of 0, invalid, on the
+    data alone (the record is degenerate)."""
+    x, time, event = S.cohort()
+    time[70], event[70] = 0.0, 0.0
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_weibull", S.weibull_nll_hazard, x, time, event)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    zero = [i - 64 for i in range(64, 96) if time[i] == 0]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("backward", "<loss>", "MulBackward0", zero, "invalid"), json.dumps(rep, indent=1)
+    assert [c["op"] for c in o["chain"]] == ["aten.log", "MulBackward0"], o["chain"]
+    assert "aten.log of 0" in rep["hint"] and "degenerate" in rep["hint"], rep["hint"]
+    assert "overflow" not in rep["hint"], rep["hint"]
