@@ -6,8 +6,8 @@ values holds sample ``order[r]``, not sample ``r``. The op finder named an overf
 ``exp(risk[order])`` by its row in the sorted order, a healthy sample. :class:`Reordered`
 follows such reorderings: an integer index of the batch's length along dim 0 (``x[order]``,
 ``index_select``), ``sort`` of a 1-d value of the batch's length (its values in the order of
-its indices), and, from them, every op whose inputs with the batch's rows were all reordered
-the same way (``exp``, ``cumsum``, ``risk - log_risk``); :meth:`Reordered.samples` turns rows
+its indices), ``flip`` along the samples (a reverse cumulative sum), and, from them, every
+op whose inputs with the batch's rows were all reordered the same way (``exp``, ``cumsum``, ``risk - log_risk``); :meth:`Reordered.samples` turns rows
 back into samples.
 """
 
@@ -66,6 +66,8 @@ class Reordered:
             idx = args[2]
         elif name == "sort" and x.dim() == 1 and len(outs) == 2:
             idx = outs[1]
+        elif name == "flip" and len(args) > 1 and 0 in [d % x.dim() for d in args[1]]:
+            idx = torch.arange(self.size - 1, -1, -1)  # (a reverse cumsum: flip, cumsum, flip)
         else:
             return None
         if idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 1 \
@@ -76,7 +78,9 @@ class Reordered:
         return [(outs[0], order)] + ([(outs[1], order)] if name == "sort" else [])
 
     def _rowed(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == self.size
+        # (a nested tensor has no sizes to read: never reordered here)
+        return isinstance(t, torch.Tensor) and not t.is_nested and t.dim() > 0 \
+            and t.shape[0] == self.size
 
     def _put(self, t: torch.Tensor, order: tuple[int, ...]) -> None:
         if order == tuple(range(self.size)):  # (sorted back: the batch's order again)

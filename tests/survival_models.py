@@ -143,3 +143,12 @@ def weibull_nll_hazard(params, time, event):
     cum_hazard = (time / torch.exp(log_lam)) ** k
     log_h = log_k - log_lam + (k - 1) * (torch.log(time) - log_lam)
     return -(torch.where(event.bool(), log_h, 0) - cum_hazard).mean()
+
+
+def cox_loss_ascending(risk, time, event):
+    """The same partial likelihood with the batch sorted by increasing time: each risk set
+    (everyone still followed) is a reverse cumulative sum, flip, cumsum, flip."""
+    order = torch.argsort(time)
+    risk, event = risk[order], event[order]
+    at_risk = torch.flip(torch.cumsum(torch.flip(torch.exp(risk), [0]), 0), [0])
+    return -((risk - torch.log(at_risk)) * event).sum() / event.sum()

@@ -133,18 +133,22 @@ def test_a_log_of_a_time_of_0_masked_by_torch_where_is_named_as_the_loss_log_not
     assert "overflow" not in rep["hint"], rep["hint"]
 
 
-def test_an_underflowed_first_risk_set_names_the_longest_follow_up_and_its_data(tmp_path):
+@pytest.mark.parametrize("loss", ["deepsurv_loss", "cox_loss_ascending"])
+def test_an_underflowed_risk_set_names_the_longest_follow_up_and_its_data(tmp_path, loss):
     """The same DeepSurv loss when the out-of-scale record (row 66, features x2000) has a
     risk score of -107 and the longest follow-up of its batch: it is first in the sorted
     order, its risk set is itself, and exp(-107) underflows to 0, log(0). The sample is found
     through the sort (its row in the sorted values is 0); the hint gave log space without
     logcumsumexp, the Cox loss's own, and said nothing of the record's data, which it said
-    for an overflow only: an underflow from an out-of-scale record now gets the same note."""
+    for an overflow only: an underflow from an out-of-scale record now gets the same note.
+    ``cox_loss_ascending`` sorts by increasing time and takes each risk set as a reverse
+    cumulative sum (flip, cumsum, flip): the record is last, and the rows are followed
+    through the flips too."""
     x, time, event = S.cohort()
     x[66] *= 2000
     time[66] = 50.0
     with pytest.raises(NonFiniteError) as info:
-        train(tmp_path, "make_deepsurv", S.deepsurv_loss, x, time, event)
+        train(tmp_path, "make_deepsurv", getattr(S, loss), x, time, event)
     err = info.value
     assert (err.event["step"], err.event["phase"]) == (2, "loss"), err.event
     row = 66 - 64
