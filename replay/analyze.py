@@ -127,10 +127,11 @@ def _diverging(report, windowed: bool) -> None:
 
 
 def _out_of_scale(report, step: Step) -> None:
-    """An overflow in samples whose recorded data (an input, a loss target) is 10x larger than
-    every other row's: the data is at fault, which the op's remedy (a wider type) would hide."""
+    """An overflow (or an underflow: exp of a huge negative score) in samples whose recorded
+    data (an input, a loss target) is 10x larger than every other row's: the data is at
+    fault, which the op's remedy (a wider type, log space) would hide."""
     o = report["origin"]
-    if report.get("cause") != "overflow" or not report.get("hint"):
+    if report.get("cause") not in ("overflow", "underflow") or not report.get("hint"):
         return
     found = out_of_scale(step, o)
     if found is not None:

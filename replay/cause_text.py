@@ -299,7 +299,8 @@ DO = {
                    "(x.float() before the squares, the softmax or the product; outside "
                    "autocast)",
     "log_space": "compute in log space (log_softmax instead of log(softmax), logsigmoid or "
-                 "BCEWithLogitsLoss on the logits instead of log(sigmoid), logsumexp) or "
+                 "BCEWithLogitsLoss on the logits instead of log(sigmoid), logsumexp, "
+                 "logcumsumexp instead of log(cumsum(exp)): a Cox loss's risk sets) or "
                  "clamp the value away from 0 (x.clamp_min(eps)) before log or division",
     "unit": "clamp the input into the domain (cos.clamp(-1 + eps, 1 - eps): a cosine of unit "
             "vectors can round past 1, and the derivative is infinite at the edge) or use "

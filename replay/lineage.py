@@ -40,10 +40,13 @@ class Lineage:
 
     # -- seeds
 
-    def seed_samples(self, obj: Any, skip: Iterable[torch.Tensor] = ()) -> None:
+    def seed_samples(self, obj: Any, skip: Iterable[torch.Tensor] = (),
+                     batched: bool = False) -> None:
         """Each tensor inside element ``i`` of a list or tuple as long as the batch (a
         ``collate_fn``'s targets, one dict per image) belongs to sample ``i``; ``skip``: the
-        model outputs (a list of feature levels as long as the batch is not per sample)."""
+        model outputs (a list of feature levels as long as the batch is not per sample).
+        ``batched``: a tensor with the batch's samples (a loss's targets; not the model's
+        inputs, which the model's own code transforms) holds every sample's record too."""
         n, skipped = self.where.size, {id(t) for t in skip}
         if n < 2:
             return
@@ -61,6 +64,10 @@ class Lineage:
                 else:
                     for e in o:
                         walk(e)
+            elif batched and isinstance(o, torch.Tensor) and id(o) not in skipped \
+                    and self.where.dim(o) is not None:
+                # a batched target (follow-up times, event flags): each row a sample's record
+                self._put(o, frozenset(range(n)))
 
         walk(obj)
 

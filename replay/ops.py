@@ -38,6 +38,7 @@ from .masked_product import nan_times_zero
 from .memo import TensorSet
 from .pooled import Pooled
 from .positive import Partly, made_positive, positive_result
+from .reordered import Reordered
 from .saturation import Saturation, made_unit
 from .source import user_source
 from .storages import storage_of
@@ -246,6 +247,7 @@ class OpFinder:
         self.allowed_depth = 0
         self.samples = samples  # name the samples of the first offender's output
         self.pooled = Pooled(samples)  # and not the rows of a value that pools the batch
+        self.reordered = Reordered(samples.size if samples and samples.size else 0)  # x[order]
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self.seen = 0  # calls of every op so far
         self.made_in: set[torch.dtype] = set()  # the floating types the watched ops made
@@ -377,6 +379,7 @@ class OpFinder:
         """Where the op's outputs came from, when a lineage is kept (integer and bool values
         too: a loss's matches, masks, labels)."""
         self.composites.see(name, args, self.seen - 1)
+        self.reordered.track(name, args, leaves, out)
         if self.lineage is not None:
             self.lineage.track(name, args, leaves, out)
 
@@ -399,6 +402,8 @@ class OpFinder:
                                                       or s.per_node(t))
                   and t not in self._of_weights and t not in self.pooled), None)
         shaped = None if t is None else s.rows(t, stacked=True)
+        if t is not None and s.dim(t, stacked=True) == 0:  # (rows of a sorted batch: samples)
+            shaped = self.reordered.samples(t, shaped)
         return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
 
     def folded_rows(self, outs: list[torch.Tensor], ins: list[torch.Tensor], pairs

@@ -30,6 +30,7 @@ from .lineage import Lineage
 from .load import Step, autocast_as_recorded, differentiates_model
 from .loss_args import loss_args, loss_samples
 from .loss_grad import node_in_loss, probed_report
+from .loss_maker import made_in_loss
 from .losses import non_finite_loss_state
 from .masked_targets import watched_loss_rerun
 from .object_outputs import came_inside_objects, report_forward_behind_objects
@@ -76,7 +77,8 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     return report
 
 
-def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str):
+def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
+                       in_loss: bool = False):
     """(op, cause) of the forward op that made the first non-finite value of micro-batch
     ``mb`` from finite inputs (a log of 0 whose -inf a tanh then saturated; a rotary cache's
     NaN that CPU attention dropped from its output), which backward ``node`` saved as
@@ -84,6 +86,8 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str):
     (or only a literal fill, a mask), a NaN when an infinity was saved, or when it is the
     node's own op (exp's overflow, 1/0 in a masked branch), which the node's cause describes."""
     hit = find_op_in_call(runner, "", 0, mb).origin()
+    if hit is None and saved != "nan" and in_loss:  # (a loss op's -inf, masked in the loss)
+        return made_in_loss(runner, mb)
     if hit is None or hit.intentional or not hit.inputs_finite \
             or (hit.made == "nan" and saved != "nan"):
         return None
@@ -347,7 +351,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
                 "non-finite output; " + (DO["masked_target"] if target else HINTS["input"]))
         return finish(report, origin, "input", reproduced=reproduced, hint=hint)
     maker = None if b.saved is None else \
-        _saved_value_maker(runner, b.micro_batch or 0, b.node, b.saved)
+        _saved_value_maker(runner, b.micro_batch or 0, b.node, b.saved, b.module == "<loss>")
     if maker is not None:
         hit, cause = maker
         origin["samples"] = origin["samples"] or hit.rows or []

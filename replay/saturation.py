@@ -2,7 +2,7 @@
 large the argument, which rounding makes exactly 0.
 
 tanh, sigmoid and erf of a finite argument lie strictly inside (-1, 1), and so do their
-powers and products; ``1 - y`` and ``1 + y`` of such a ``y`` are then strictly positive. But
+powers and products, and a normal cdf, ``0.5 * (1 + erf(x))``; ``1 - y`` and ``1 + y`` of such a ``y`` are then strictly positive. But
 tanh(u) is 1.0 in float32 from u ≈ 9 (in float64 from u ≈ 19), so ``log(1 - tanh(u)²)`` — a
 tanh-squashed Gaussian policy's log-probability correction, written without its eps — is
 log(0) in both types, while its exact value is about 2 log 2 - 2|u|. Float64 hitting the pole
@@ -33,7 +33,8 @@ _KEEP_NODES = {node_name(op) for op in KEEP if op != "pow"} | {"ReshapeAlias", "
 # what a rounded complement needs instead of an eps
 STABLE = ("use the complement's stable form: log(1 - tanh(u)²) = 2·(log 2 − u − softplus(−2u)) "
           "(a tanh-squashed policy's correction), 1 − sigmoid(z) = sigmoid(−z) and "
-          "log(1 − sigmoid(z)) = logsigmoid(−z); or add an eps inside (1 − y² + 1e-6)")
+          "log(1 − sigmoid(z)) = logsigmoid(−z), a normal's log(1 − Φ(z)) = "
+          "torch.special.log_ndtr(−z); or add an eps inside (1 − y² + 1e-6)")
 
 
 class Saturation:
@@ -43,6 +44,7 @@ class Saturation:
     def __init__(self):
         self._unit = TensorSet()
         self._complement = TensorSet()
+        self._twice_unit = TensorSet()  # 1 + y, 1 - y: strictly inside (0, 2)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               leaves: list) -> None:
@@ -57,6 +59,12 @@ class Saturation:
                 and (unit[0] or made_unit(ins[0].grad_fn)):
             for t in outs:  # 1 - y, 1 + y (a scalar of at least 1)
                 self._complement.add(t)
+                if _scalars(leaves)[0] == 1:  # (inside (0, 2))
+                    self._twice_unit.add(t)
+        elif name in ("mul", "div") and len(ins) == 1 and ins[0] in self._twice_unit \
+                and _halves(name, leaves):
+            for t in outs:  # a normal cdf, 0.5 * (1 + erf(x)), strictly inside (0, 1)
+                self._unit.add(t)
 
     def mark_unit(self, t: torch.Tensor) -> None:
         """``t`` stands for a value tanh/sigmoid/erf made where no graph says so (a detached
@@ -95,14 +103,23 @@ def _one_or_more(leaves: list) -> bool:
     return len(scalars) >= 1 and scalars[0] >= 1 and all(v == 1 for v in scalars[1:])
 
 
+def _halves(name: str, leaves: list) -> bool:
+    """The op's one scalar operand scales by at most a half (``0.5 * x``, ``x / 2``)."""
+    scalars = _scalars(leaves)
+    if len(scalars) != 1:
+        return False
+    return abs(scalars[0]) <= 0.5 if name == "mul" else abs(scalars[0]) >= 2
+
+
 def _scalars(leaves: list) -> list[float]:
     return [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
 def hint(what: str) -> str:
     """The ``precision`` hint of an op at its pole whose 0 input is such a complement."""
-    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid) that exact arithmetic keeps "
-            "below 1 for every finite argument, rounded to 1 in float64 too: " + STABLE)
+    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf) that exact "
+            "arithmetic keeps below 1 for every finite argument, rounded to 1 in float64 "
+            "too: " + STABLE)
 
 
 def rounded_zero(inputs: list[torch.Tensor], complement: list[bool]) -> bool:
