@@ -27,6 +27,15 @@ def _data(n: int = 256, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 10, generator=g), torch.randint(0, 2, (n,), generator=g)
 
 
+def _padded_batch(X, Y, step: int, size: int = 32):
+    """Batch ``step`` of an epoch over (X, Y), the last one padded to ``size`` with zero
+    records, and the loss weights that leave the padding out (1 for a record, 0 for padding)."""
+    x, y = X[step % 4 * size:][:size], Y[step % 4 * size:][:size]
+    keep = (torch.arange(size) < len(x)).float()
+    return (torch.cat([x, x.new_zeros(size - len(x), x.shape[1])]),
+            torch.cat([y, y.new_zeros(size - len(y))]), keep)
+
+
 def test_an_empty_poisson_batch_is_recorded_and_its_empty_mean_named(out_dir, caplog):
     """Poisson sampling (each record joins the batch with probability q, as Opacus's
     UniformWithReplacementSampler draws) gives a batch of 0 records; CrossEntropyLoss's mean
@@ -122,10 +131,7 @@ def test_automatic_clipping_of_a_padded_record_names_its_zero_gradient_samples(o
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                             factory="privacy_models:make_classifier"):
             for step in range(8):
-                x, y = X[step % 4 * 32:][:32], Y[step % 4 * 32:][:32]
-                keep = (torch.arange(32) < len(x)).float()
-                x = torch.cat([x, x.new_zeros(32 - len(x), 10)])
-                y = torch.cat([y, y.new_zeros(32 - len(y))])
+                x, y, keep = _padded_batch(X, Y, step)
                 for xm, ym, km in zip(x.split(16), y.split(16), keep.split(16)):
                     crit(model(xm), ym, km).backward()
                 gs = [p.grad_sample for p in model.parameters()]
@@ -217,10 +223,7 @@ def test_ghost_clipping_s_second_backward_names_the_padded_samples(out_dir):
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                             factory="privacy_models:make_classifier"):
             for step in range(8):
-                x, y = X[step % 4 * 32:][:32], Y[step % 4 * 32:][:32]
-                keep = (torch.arange(32) < len(x)).float()
-                x = torch.cat([x, x.new_zeros(32 - len(x), 10)])
-                y = torch.cat([y, y.new_zeros(32 - len(y))])
+                x, y, keep = _padded_batch(X, Y, step)
                 losses = crit(model(x), y, keep)
                 losses.sum().backward(retain_graph=True)
                 norms = sum(sq.values()).sqrt()
