@@ -82,8 +82,17 @@ def reread_changed_grads(tape: Tape, target: Target, param_norms: bool) -> None:
     """Norms of the gradients the optimizer will use. With backward hooks, only those that
     changed since backward wrote them: DDP's all-reduced average, GradScaler's unscaled
     values, clipping, a replaced tensor. Small parameters: see :func:`small_param_norms`."""
-    seen = tape.grad_seen
     every = not target.grad_hooks or target.ddp or target.has_scaler
+    if every and not param_norms:  # the usual case: plain dense gradients, told by C loops
+        idx, params = target.large_last_first
+        grads = list(map(_GRAD, params))
+        if grads and _PLAIN.issuperset(map(type, grads)) \
+                and _STRIDED.issuperset(map(_LAYOUT, grads)) and not any(map(_REQUIRES_GRAD, grads)):
+            with tape.lock:
+                tape.grad_norms.update(zip(idx, tape.slots.sq_norm_each(grads, GRAD)))
+                tape.grads_reread = True
+            return
+    seen = tape.grad_seen
     strided = torch.strided
     idx, grads = [], []
     # last parameter first: the optimizer starts with the first, whose gradient is then

@@ -45,6 +45,10 @@ FLOAT32, FLOAT64, COMPLEX64 = torch.float32, torch.float64, torch.complex64
 # the dtypes whose norm is taken in their own precision (see _norm_dtype)
 _WIDE = frozenset((FLOAT64, torch.complex32, COMPLEX64, torch.complex128))
 _DTYPE = operator.attrgetter("dtype")
+_F32 = frozenset((FLOAT32,))
+_IS_CPU = operator.attrgetter("is_cpu")
+_CONTIGUOUS = torch.Tensor.is_contiguous
+_FLAT = operator.methodcaller("view", -1)
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -216,8 +220,9 @@ class Slots:
             k, k2 = take(), take()  # (``_two`` inlined: this runs for every call's output)
             if k2 < r.size:
                 views = r.views
-                try:
-                    if self._cpu and split_extrema(t):
+                try:  # (``split_extrema`` inlined)
+                    if self._cpu and ((n := t.numel()) >= _SPLIT
+                                      or (n >= _SPLIT_STRIDED and not t.is_contiguous())):
                         torch.amin(t, dim=(), out=views[k])
                         torch.amax(t, dim=(), out=views[k2])
                     else:
@@ -265,13 +270,27 @@ class Slots:
         return self._put(code, [n.square() if square else n])[0]
 
     def sq_norm(self, t: torch.Tensor, code: int) -> tuple[int, int]:
-        """Squared 2-norm in float32 (see :meth:`sq_norm_each`)."""
-        return self.sq_norm_each((t,), code)[0]
+        """Squared 2-norm in float32 (see :meth:`sq_norm_each`): one dot into a slot."""
+        if t.dtype is FLOAT32 and (t.is_cpu if self._cpu else t.device == self.device):
+            r = self._regions[code]
+            k = r.take()
+            if k < r.size:
+                flat = t.view(-1) if t.is_contiguous() else flat_view(t)
+                torch.dot(flat, flat, out=r.views[k])
+                return code, k
+        return self.norm(t, code, square=True)
 
     def sq_norm_each(self, tensors, code: int) -> list[tuple[int, int]]:
         """Squared 2-norm of each tensor, in float32: a dot product (twice as fast as
         ``vector_norm`` on CPU) for float32, an upcast norm for other dtypes (a half-precision
-        dot would overflow). One loop, as it runs over every gradient before every update."""
+        dot would overflow). It runs over every gradient before every update, so the usual case
+        (dense float32 tensors on this device) is told by C loops and its dots made by ``map``
+        (see :meth:`sq_norm_flat`)."""
+        if type(tensors) is not list:
+            tensors = list(tensors)
+        if _F32.issuperset(map(_DTYPE, tensors)) and self._here(tensors) \
+                and all(map(_CONTIGUOUS, tensors)):
+            return self.sq_norm_flat(list(map(_FLAT, tensors)), code)
         r = self._regions[code]
         take, size, views, device, cpu = r.take, r.size, r.views, self.device, self._cpu
         refs = []
@@ -288,18 +307,16 @@ class Slots:
 
     def sq_norm_flat(self, flats: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
         """Squared 2-norms of flat float32 vectors on this device (see :class:`FlatViews`):
-        one dot each, no view made per step."""
-        r = self._regions[code]
-        take, size, views = r.take, r.size, r.views
-        refs = []
-        for flat in flats:
-            k = take()
-            if k >= size:
-                refs.append(self.norm(flat, code, square=True))
-                continue
-            torch.dot(flat, flat, out=views[k])
-            refs.append((code, k))
-        return refs
+        one dot each, made by ``map``, then copied into slots in one foreach op (on CPU a dozen
+        dots cost less that way than in a Python loop writing each into its slot)."""
+        return self._put(code, list(map(torch.dot, flats, flats)))
+
+    def _here(self, tensors: list[torch.Tensor]) -> bool:
+        """Every tensor is on this device."""
+        if self._cpu:
+            return all(map(_IS_CPU, tensors))
+        device = self.device
+        return all(t.device == device for t in tensors)
 
     def sq_norms(self, tensors: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
         """Squared 2-norms of many (small) tensors: three foreach ops in all (one norm each
@@ -425,7 +442,10 @@ def split_extrema(t: torch.Tensor) -> bool:
     channels-last one; its one dispatch wins below ~32k elements (~4k when not contiguous).
     On CUDA it is one kernel and is never split."""
     n = t.numel()
-    return n >= 32768 or (n >= 4096 and not t.is_contiguous())
+    return n >= _SPLIT or (n >= _SPLIT_STRIDED and not t.is_contiguous())
+
+
+_SPLIT, _SPLIT_STRIDED = 32768, 4096  # (see split_extrema)
 
 
 def _norm_dtype(t: torch.Tensor) -> torch.dtype | None:

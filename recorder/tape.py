@@ -146,6 +146,7 @@ class Tape:
         # (module index, micro-batch, completion order, outs, stats, ins)
         self.calls: list[tuple] = []
         self.micro_batches: list[MicroBatch] = []
+        self.last = -1  # the last micro-batch begun (what ``micro_batch`` says on one thread)
         self.loss: list[tuple[int, tuple, tuple]] = []
         # id(tensor) -> (weakref, min ref, max ref, intended, version): outputs seen this step,
         # so a module whose input is an earlier output costs no extra reduction; intended: an
@@ -210,6 +211,7 @@ class Tape:
         if self.by_thread is not None:  # (set before the append: see micro_batch)
             self.by_thread[ident] = n
         self.micro_batches.append(mb)
+        self.last = n
 
     @property
     def micro_batch(self) -> int:

@@ -205,6 +205,9 @@ class Target:
         self.small_params = [self.params[i][1] for i in self.small]
         batched = set(self.small)
         self.large = [(i, self.params[i][1]) for i in trained if i not in batched]
+        # (their indices and tensors, last first: see recorder.grads.reread_changed_grads)
+        self.large_last_first = ([i for i, _ in reversed(self.large)],
+                                 [p for _, p in reversed(self.large)])
         self.update_small, self.update_large, self.unowned = [], [], []
         self.watched: torch.Tensor | None = None
         if opt is not None:  # the weights an update writes (see recorder.guard)
@@ -269,6 +272,7 @@ class Target:
         self.buffer_homes: list[tuple[str, dict, str]] = []
         self.loss_buffer_homes: list[tuple[str, dict, str]] = []
         self.large: list[tuple[int, torch.Tensor]] = []
+        self.large_last_first: tuple[list[int], list[torch.Tensor]] = ([], [])
         self.small: list[int] = []
         self.small_params: list[torch.Tensor] = []
         self.update_large: list[tuple[int, torch.Tensor]] = []
