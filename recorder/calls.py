@@ -230,13 +230,10 @@ class CallHooks:
             a, cache = args[0], tape.cache
             hit = cache.get(id(a))
             if hit is None or hit[0]() is not a or a is output or hit[4] is None \
-                    or hit[4] != a._version or not output.numel():
+                    or hit[4] != version(a) or not output.numel():
                 return self.post_hook(idx, allowed, intended, module, args, kwargs, output)
             lo, hi = tape.slots.minmax(output.detach(), NAN_ONLY if allowed else STRICT)
-            try:  # (``version_of`` inlined)
-                cache[id(output)] = (weakref.ref(output), lo, hi, intended, output._version)
-            except RuntimeError:  # an inference tensor (an evaluation in inference mode)
-                cache[id(output)] = (weakref.ref(output), lo, hi, intended, None)
+            cache[id(output)] = (weakref.ref(output), lo, hi, intended, version_of(output))
             calls = tape.calls  # (micro-batch: ``Tape.micro_batch`` inlined, its usual case)
             calls.append((idx, tape.last if tape.by_thread is None else tape.micro_batch,
                           len(calls), ((lo, hi),), None, (hit[1:4],)))
@@ -261,7 +258,7 @@ class CallHooks:
             a, slots, cache = args[0], tape.slots, tape.cache
             hit = cache.get(id(a))  # (``_produced`` inlined, its usual case)
             if hit is None or hit[0]() is not a or (a is not output and (
-                    hit[4] is None or hit[4] != a._version)):
+                    hit[4] is None or hit[4] != version(a))):
                 hit = _produced(tape, a, output)
             if hit is not None:
                 ins = (hit[1:4],)
@@ -272,9 +269,8 @@ class CallHooks:
                 ins = ((lo, hi, False),)
             ra, rb = slots.relu(lo, hi, NAN_ONLY if allowed else STRICT)
             cache[id(output)] = (weakref.ref(output), ra, rb, intended, version_of(output))
-            calls = tape.calls  # (see leaf_hook)
-            calls.append((idx, tape.last if tape.by_thread is None else tape.micro_batch,
-                          len(calls), ((ra, rb),), None, ins))
+            tape.calls.append((idx, tape.last if tape.by_thread is None else tape.micro_batch,
+                               len(tape.calls), ((ra, rb),), None, ins))  # (see leaf_hook)
         except Exception as e:
             self.health.internal_error(e)
         return None
@@ -395,7 +391,7 @@ def _produced(tape: Tape, t: torch.Tensor, made_here=None) -> tuple | None:
     hit = tape.cache.get(id(t))
     # (a recorded version None: an inference-mode tensor, whose changes are unknown)
     if hit is not None and hit[0]() is t and (
-            t is made_here or (hit[4] is not None and hit[4] == t._version)):
+            t is made_here or (hit[4] is not None and hit[4] == version(t))):
         return hit
     # a flatten, view or permutation of an output, covering exactly its elements (ConvNeXt's
     # x.permute(0, 3, 1, 2) back to NCHW: measured again by a sum, large finite values
@@ -405,7 +401,7 @@ def _produced(tape: Tape, t: torch.Tensor, made_here=None) -> tuple | None:
         return None
     hit = tape.cache.get(id(base))
     if hit is not None and hit[0]() is base and hit[4] is not None \
-            and hit[4] == base._version \
+            and hit[4] == version(base) \
             and t.numel() == base.numel() and t.storage_offset() == base.storage_offset() \
             and _dense(t) and _dense(base):
         return hit
@@ -423,7 +419,7 @@ def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reus
     code = NAN_ONLY if allowed else STRICT
     hit = tape.cache.get(id(t))
     if reuse and hit is not None and hit[0]() is t and hit[4] is not None \
-            and hit[4] == t._version:
+            and hit[4] == version(t):
         if hit[1][0] % RELU_OF == code and hit[3] == intended:  # (a ReLU of its checked slots)
             return (hit[1:3],)
         # checked as another region is (the root's output, made by an inner call allowed to
