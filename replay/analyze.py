@@ -30,6 +30,7 @@ from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .hidden import report_hidden_forward
+from .kept_report import report_kept_aside
 from .imputed import RERUN, made_from_imputed
 from .load import Step, build, read_step, validate_args_as_recorded
 from .loss_grad import loop_differentiation, not_rerun_term
@@ -408,6 +409,8 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
     if phase in ("backward", "loss") and (hidden := report_hidden_forward(
             report, step, runner)) is not None:
         return hidden
+    if phase == "backward" and (kept := report_kept_aside(report, step, runner)) is not None:
+        return kept
     if phase == "backward" and _finite_gradients_reached_the_output(step):
         return _gradients_from_the_loop(report, step, reached=True)
     if (moved := report_moved_weights(report, step, runner)) is not None:

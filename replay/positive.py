@@ -93,6 +93,8 @@ def made_positive(fn, depth: int = 8) -> bool:
                 return True
             if op == "Mul":
                 return _positive_product(node, depth - 1)
+            if op == "Add":  # (a mixture's pi1 * N1 + pi2 * N2, both terms positive)
+                return _positive_sum(node, depth - 1)
             if op in _PRODUCT_NODES:  # (Sinkhorn's K^T @ u)
                 return _positive_product(node, depth - 1, _PRODUCT_NODES[op], saved=True)
             if op not in _PASS_ON_NODES:
@@ -117,6 +119,15 @@ def _positive_product(fn, depth: int, names=("self", "other"), saved: bool = Fal
         if f is None and not by_value:
             return False
     return True
+
+
+def _positive_sum(fn, depth: int) -> bool:
+    """An ``AddBackward0`` (``a + alpha * b``, alpha > 0) whose two terms are each made
+    positive."""
+    alpha = saved_value(fn, "alpha")
+    nexts = [f for f, _ in fn.next_functions]
+    return (not isinstance(alpha, (int, float)) or alpha > 0) and len(nexts) == 2 and all(
+        f is not None and made_positive(f, depth) for f in nexts)
 
 
 def exp_of_parameter(fn, depth: int = 10):
