@@ -30,8 +30,8 @@ from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .hidden import report_hidden_forward
-from .kept_report import report_kept_aside
 from .imputed import RERUN, made_from_imputed
+from .kept_report import report_kept_aside
 from .load import Step, build, read_step, validate_args_as_recorded
 from .loss_grad import loop_differentiation, not_rerun_term
 from .masked_targets import masked_loss_hint

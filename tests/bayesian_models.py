@@ -112,14 +112,15 @@ class BayesLinear(nn.Module):
     reparameterised sample per forward; the forward keeps its ``log_prior`` (Blundell's scale
     mixture, written with densities) and ``log_posterior`` aside for the loop's ELBO."""
 
-    def __init__(self, d_in, d_out, pi=0.5, sigma1=math.exp(-2), sigma2=math.exp(-6),
+    def __init__(self, d_in, d_out, pi=0.5, neg_log_sigma1=2.0, neg_log_sigma2=6.0,
                  rho0=-3.0):
         super().__init__()
         self.w_mu = nn.Parameter(torch.empty(d_out, d_in).uniform_(-0.2, 0.2))
         self.w_rho = nn.Parameter(torch.full((d_out, d_in), rho0))
         self.b_mu = nn.Parameter(torch.zeros(d_out))
         self.b_rho = nn.Parameter(torch.full((d_out,), rho0))
-        self.pi, self.sigma1, self.sigma2 = pi, sigma1, sigma2
+        self.pi = pi
+        self.sigma1, self.sigma2 = math.exp(-neg_log_sigma1), math.exp(-neg_log_sigma2)
         self.log_prior = self.log_posterior = torch.zeros(())
 
     def _gauss(self, x, sigma):

@@ -1,0 +1,65 @@
+"""Bayesian deep learning and probabilistic regression trained under the recorder as the
+well-known repositories write it (``bayesian_models``), with the bugs such code has, and what
+``nanreplay`` says of them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import bayesian_models as B
+import pytest
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where bayesian_models.py, the factories' module, lives
+
+
+def _line(text: str) -> str:
+    lines = Path(B.__file__).read_text().splitlines()
+    return f"bayesian_models.py:{next(i for i, t in enumerate(lines, 1) if text in t)}"
+
+
+def _regression(step: int, scale: float = 1.0, n: int = 8, d_in: int = 4):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(n, d_in, generator=g)
+    return x, x.sum(-1) * scale + 0.1 * torch.randn(n, generator=g)
+
+
+def test_bayes_by_backprop_prior_kept_aside_names_its_log_in_the_backward(tmp_path):
+    """Bayes by backprop with Blundell's scale-mixture prior written with densities: each
+    layer keeps ``log_prior`` and ``log_posterior`` aside and the loop adds ``model.kl() / N``
+    to the MSE outside ``loss_fn``. As the weights grow, a sampled weight's mixture density
+    falls below float32's smallest normal number: the log prior is finite, but
+    ``LogBackward0``'s 1/x is +inf (and ``ExpBackward0`` then inf * 0). The re-run
+    differentiated ``loss_fn`` only, found every gradient finite and blamed gradients the
+    loop wrote by hand (``not_reproduced``); now the kept values are backpropagated too and
+    the node, its layer and line, and the underflow (a sum of exps) are named."""
+    model = B.make_bayes_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="bayesian_models:make_bayes_mlp") as rec:
+            for s in range(60):
+                x, y = _regression(s, scale=40.0)
+                opt.zero_grad()
+                loss = rec.loss_fn(model(x), y) + model.kl() / 1000
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (35, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
+        ("backward", "l2", "LogBackward0", "underflow", []), json.dumps(rep, indent=1)
+    assert o["source"] == _line("return torch.log(self.pi"), o["source"]
+    assert "log space" in rep["hint"] and "inside loss_fn" in rep["hint"], rep["hint"]
+    assert any("l2.log_prior" in p for p in rep["problems"]), rep["problems"]
