@@ -12,7 +12,9 @@ import torch
 
 def kept_hooks(runner, model: torch.nn.Module) -> list:
     """Hooks that put into ``runner.kept`` each ``(module name.attribute, tensor)`` that a
-    root forward assigned to a module's attribute and that carries a graph."""
+    root forward assigned to a module's attribute and that carries a graph: a single value,
+    as a loss term is (not an activation kept for plotting, an attention map, which the
+    loop does not add to the loss)."""
     modules = list(model.named_modules())
     before: dict[tuple[int, str], int] = {}
 
@@ -20,7 +22,7 @@ def kept_hooks(runner, model: torch.nn.Module) -> list:
         for name, m in modules:
             for k, v in vars(m).items():
                 if isinstance(v, torch.Tensor) and v.grad_fn is not None \
-                        and v.is_floating_point():
+                        and v.is_floating_point() and v.numel() == 1:
                     yield name, m, k, v
 
     def pre(m, args):

@@ -157,3 +157,182 @@ class BayesMLP(nn.Module):
 def make_bayes_mlp(**kw):
     torch.manual_seed(0)
     return BayesMLP(**kw)
+
+
+class LocalReparamLinear(nn.Module):
+    """Bayes by backprop with the local reparameterisation trick (Kingma et al. 2015): the
+    pre-activations are sampled, ``mean = x @ mu.T``, ``std = sqrt(x**2 @ sigma**2.T)``
+    (the bug: no eps inside the sqrt, whose derivative is infinite where a row of ``x`` is all
+    zeros), and the closed-form KL to N(0, prior_sigma**2) is kept aside."""
+
+    def __init__(self, d_in, d_out, prior_sigma=1.0, log_sigma0=-4.0):
+        super().__init__()
+        self.mu = nn.Parameter(torch.randn(d_out, d_in) / math.sqrt(d_in))
+        self.log_sigma = nn.Parameter(torch.full((d_out, d_in), log_sigma0))
+        self.bias = nn.Parameter(torch.zeros(d_out))
+        self.prior_sigma = prior_sigma
+
+    def forward(self, x):
+        sigma = torch.exp(self.log_sigma)
+        mean = F.linear(x, self.mu, self.bias)
+        std = torch.sqrt(F.linear(x ** 2, sigma ** 2))
+        self.kl = (torch.log(self.prior_sigma / sigma)
+                   + (sigma ** 2 + self.mu ** 2) / (2 * self.prior_sigma ** 2) - 0.5).sum()
+        return mean + std * torch.randn_like(std)
+
+
+class LocalReparamMLP(nn.Module):
+    def __init__(self, d_in=4, hidden=16):
+        super().__init__()
+        self.l1 = LocalReparamLinear(d_in, hidden)
+        self.l2 = LocalReparamLinear(hidden, 1)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x))).squeeze(-1)
+
+
+def make_local_reparam():
+    torch.manual_seed(0)
+    return LocalReparamMLP()
+
+
+class ExactGP(nn.Module):
+    """Exact GP regression's kernel matrix over the batch: a Matern-5/2 kernel with learned
+    lengthscale, outputscale and noise, each through softplus, with jitter on the diagonal;
+    ``r`` written as the sqrt of the squared distances (the bug: its derivative is infinite
+    on the diagonal, where r = 0; GPyTorch clamps the squared distance to 1e-30)."""
+
+    def __init__(self, d_in: int = 2, clamp: float | None = None):
+        super().__init__()
+        self.raw_lengthscale = nn.Parameter(torch.zeros(d_in))
+        self.raw_outputscale = nn.Parameter(torch.zeros(()))
+        self.raw_noise = nn.Parameter(torch.tensor(-2.0))
+        self.clamp = clamp
+
+    def forward(self, x):
+        z = x / F.softplus(self.raw_lengthscale)
+        d2 = (z[:, None, :] - z[None, :, :]).pow(2).sum(-1)
+        if self.clamp is not None:
+            d2 = d2.clamp_min(self.clamp)
+        r = math.sqrt(5) * torch.sqrt(d2)
+        k = F.softplus(self.raw_outputscale) * (1 + r + r ** 2 / 3) * torch.exp(-r)
+        noise = F.softplus(self.raw_noise) + 1e-4
+        return k + noise * torch.eye(len(x))
+
+
+def make_exact_gp(**kw):
+    torch.manual_seed(0)
+    return ExactGP(**kw)
+
+
+def gp_neg_mll(k, y):
+    """The negative log marginal likelihood by Cholesky, per data point."""
+    chol = torch.linalg.cholesky(k)
+    alpha = torch.cholesky_solve(y[:, None], chol).squeeze(-1)
+    n = len(y)
+    return (0.5 * y @ alpha + torch.log(torch.diagonal(chol)).sum()
+            + 0.5 * n * math.log(2 * math.pi)) / n
+
+
+class MixtureMDN(MDN):
+    """The MDN written with ``torch.distributions``: the model returns the mixture itself,
+    ``MixtureSameFamily(Categorical(logits), Normal(mu, sigma))``."""
+
+    def forward(self, x):
+        h = self.body(x)
+        comp = torch.distributions.Normal(self.mu(h), torch.exp(self.sigma(h)))
+        return torch.distributions.MixtureSameFamily(
+            torch.distributions.Categorical(logits=self.pi(h)), comp)
+
+
+def make_mixture_mdn():
+    torch.manual_seed(0)
+    return MixtureMDN()
+
+
+def mixture_nll(dist, y):
+    return -dist.log_prob(y.squeeze(-1)).mean()
+
+
+class Heteroscedastic(nn.Module):
+    """Kendall & Gal's heteroscedastic regression: a mean and a log-variance head."""
+
+    def __init__(self, d_in: int = 4, hidden: int = 16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU())
+        self.mean = nn.Linear(hidden, 1)
+        self.log_var = nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.mean(h).squeeze(-1), self.log_var(h).squeeze(-1)
+
+
+def make_heteroscedastic():
+    torch.manual_seed(0)
+    return Heteroscedastic()
+
+
+def gaussian_nll(out, y):
+    mean, log_var = out
+    return torch.nn.functional.gaussian_nll_loss(mean, y, torch.exp(log_var))
+
+
+def hetero_loss(out, y):
+    mean, log_var = out
+    return (0.5 * torch.exp(-log_var) * (y - mean) ** 2 + 0.5 * log_var).mean()
+
+
+class DirichletClassifier(EvidentialClassifier):
+    """The evidential classifier returning ``Dirichlet(alpha)`` itself."""
+
+    def forward(self, x):
+        return torch.distributions.Dirichlet(torch.exp(self.body(x)) + 1.0)
+
+
+def make_dirichlet():
+    torch.manual_seed(0)
+    return DirichletClassifier()
+
+
+def dirichlet_loss(dist, y, kl_weight: float = 0.1):
+    """The expected cross-entropy under the Dirichlet, plus the KL of its misleading evidence
+    to the flat Dirichlet, through ``torch.distributions.kl_divergence``."""
+    alpha = dist.concentration
+    onehot = F.one_hot(y, alpha.shape[-1]).float()
+    ce = (onehot * (torch.digamma(alpha.sum(-1, keepdim=True)) - torch.digamma(alpha))).sum(-1)
+    flat = torch.distributions.Dirichlet(torch.ones_like(alpha))
+    kl = torch.distributions.kl_divergence(
+        torch.distributions.Dirichlet(onehot + (1 - onehot) * alpha), flat)
+    return (ce + kl_weight * kl).mean()
+
+
+class DirichletVAE(nn.Module):
+    """A topic model with a Dirichlet latent (a Dirichlet VAE): the encoder's concentrations
+    by softplus, one reparameterised ``rsample`` (implicit reparameterisation gradients),
+    topics decoded by a softmax over the vocabulary."""
+
+    def __init__(self, vocab: int = 20, topics: int = 4, hidden: int = 16):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(vocab, hidden), nn.Softplus(),
+                                     nn.Linear(hidden, topics))
+        self.topics = nn.Linear(topics, vocab, bias=False)
+
+    def forward(self, bow):
+        alpha = F.softplus(self.encoder(bow))
+        z = torch.distributions.Dirichlet(alpha).rsample()
+        return self.topics(z).log_softmax(-1), z, alpha
+
+
+def make_dirichlet_vae():
+    torch.manual_seed(0)
+    return DirichletVAE()
+
+
+def dirichlet_elbo(out, bow, prior: float = 0.3):
+    """The bag-of-words reconstruction plus a one-sample Monte Carlo KL, ``log q(z) - log
+    p(z)`` under a sparse Dirichlet prior."""
+    log_probs, z, alpha = out
+    q = torch.distributions.Dirichlet(alpha)
+    p = torch.distributions.Dirichlet(torch.full_like(alpha, prior))
+    return (-(bow * log_probs).sum(-1) + q.log_prob(z) - p.log_prob(z)).mean()
