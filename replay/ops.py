@@ -33,7 +33,7 @@ from .float64 import as_float64, upcast
 from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit, exact_pole
-from .lineage import Lineage
+from .lineage import Lineage, pole_inputs
 from .masked_product import nan_times_zero
 from .memo import TensorSet
 from .pooled import Pooled
@@ -101,7 +101,8 @@ class _Watch(TorchDispatchMode):
             else:
                 given = before if before is not None else (args, kwargs)
                 try:
-                    hit.evidence = f.of_records(_evidence(func, given, outs, f), ins, hit.rows)
+                    hit.evidence = f.of_records(_evidence(func, given, outs, f),
+                                                pole_inputs(op, ins), hit.rows)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit

@@ -336,3 +336,111 @@ def dirichlet_elbo(out, bow, prior: float = 0.3):
     q = torch.distributions.Dirichlet(alpha)
     p = torch.distributions.Dirichlet(torch.full_like(alpha, prior))
     return (-(bow * log_probs).sum(-1) + q.log_prob(z) - p.log_prob(z)).mean()
+
+
+class GaussianMember(nn.Module):
+    """One member of a deep ensemble (Lakshminarayanan et al.): a mean and a variance head,
+    the variance through exp (the bug: unbounded; the paper's softplus + 1e-6 is the fix)."""
+
+    def __init__(self, d_in: int = 4, hidden: int = 16):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        mean, log_var = self.fc2(torch.relu(self.fc1(x))).unbind(-1)
+        return torch.stack([mean, torch.exp(log_var)], -1)
+
+
+class VmapEnsemble(nn.Module):
+    """A deep ensemble as PyTorch's model-ensembling tutorial writes it: the members' weights
+    stacked by ``torch.func.stack_module_state``, the members run at once by ``torch.vmap``
+    over ``functional_call`` of one stateless copy; output (members, batch, 2)."""
+
+    def __init__(self, members: int = 4):
+        super().__init__()
+        nets = [GaussianMember() for _ in range(members)]
+        params, _ = torch.func.stack_module_state(nets)
+        self.names = list(params)
+        self.stacked = nn.ParameterList([nn.Parameter(params[n]) for n in self.names])
+        self._base = [GaussianMember().to("meta")]  # (a list: not a submodule)
+
+    def forward(self, x):
+        def one(params, x):
+            return torch.func.functional_call(self._base[0], dict(zip(self.names, params)),
+                                              (x,))
+        return torch.vmap(one, in_dims=(0, None))(tuple(self.stacked), x)
+
+
+def make_vmap_ensemble():
+    torch.manual_seed(0)
+    return VmapEnsemble()
+
+
+def ensemble_nll(out, y):
+    """Each member's Gaussian NLL, summed over the members (each trained on its own NLL)."""
+    mean, var = out.unbind(-1)
+    return F.gaussian_nll_loss(mean, y.expand_as(mean), var, reduction="mean") * len(out)
+
+
+class PSGLD(torch.optim.Optimizer):
+    """Preconditioned stochastic gradient Langevin dynamics (Li et al. 2016): RMSprop's
+    preconditioner ``G = 1 / (lam + sqrt(V))`` on the gradient step, plus Gaussian noise of
+    variance ``lr * G``. ``lam`` is the paper's eps (1e-5); the bug is ``lam=0``: a weight
+    whose gradient has always been exactly 0 (a dead unit) has ``V = 0`` and ``G = inf``."""
+
+    def __init__(self, params, lr=1e-3, alpha=0.99, lam=1e-5, num_data=1):
+        super().__init__(params, dict(lr=lr, alpha=alpha, lam=lam, num_data=num_data))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["V"] = torch.zeros_like(p)
+                v = state["V"]
+                v.mul_(group["alpha"]).addcmul_(p.grad, p.grad, value=1 - group["alpha"])
+                g = 1.0 / (group["lam"] + v.sqrt())
+                noise = torch.randn_like(p) * (group["lr"] * g).sqrt()
+                p.add_(-0.5 * group["lr"] * g * p.grad * group["num_data"] + noise)
+
+
+def make_sgld_mlp(lam: float = 1e-5):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].bias[3] = -50.0  # a unit no input reaches: dead from the start
+    return {"model": model,
+            "optimizer": lambda groups: PSGLD(groups, lr=1e-4, lam=lam, num_data=64)}
+
+
+def make_exact_gp64(**kw):
+    return make_exact_gp(**kw).double()
+
+
+class BetaRegressor(nn.Module):
+    """Regression of a rate in (0, 1) by a Beta likelihood, or of an amount > 0 (rainfall, a
+    claim) by a Gamma one: the two parameters by softplus, the model returning the
+    distribution."""
+
+    def __init__(self, d_in: int = 4, hidden: int = 16, family: str = "beta"):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+        self.family = family
+
+    def forward(self, x):
+        c = F.softplus(self.body(x)) + 1e-3
+        cls = torch.distributions.Beta if self.family == "beta" else torch.distributions.Gamma
+        return cls(c[:, 0], c[:, 1], validate_args=False)
+
+
+def make_beta(**kw):
+    torch.manual_seed(0)
+    return BetaRegressor(**kw)
+
+
+def beta_nll(dist, y):
+    return -dist.log_prob(y).mean()

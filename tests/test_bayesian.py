@@ -63,3 +63,36 @@ def test_bayes_by_backprop_prior_kept_aside_names_its_log_in_the_backward(tmp_pa
     assert o["source"] == _line("return torch.log(self.pi"), o["source"]
     assert "log space" in rep["hint"] and "inside loss_fn" in rep["hint"], rep["hint"]
     assert any("l2.log_prior" in p for p in rep["problems"]), rep["problems"]
+
+
+@pytest.mark.parametrize("family,edge", [("beta", 1.0), ("gamma", 0.0)])
+def test_a_target_on_the_edge_of_the_likelihoods_support_is_a_degenerate_record(
+        tmp_path, family, edge):
+    """Beta regression of a rate with one record at exactly 1 (a rate of 100%), Gamma
+    regression of an amount with one record at exactly 0 (a dry day): ``log_prob`` takes
+    ``xlogy(a - 1, y)`` of the target at its pole, +-inf. The op and the sample were named,
+    but the advice was to clamp the op's input (an op inside torch.distributions): only the
+    learned concentration counted for "computed on data alone", though the pole is at the
+    target's side of xlogy. Now the hint says the record is degenerate."""
+    kw = {"family": family}
+    model = B.make_beta(**kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=B.beta_nll, out_dir=tmp_path,
+                            factory="bayesian_models:make_beta", factory_kwargs=kw) as rec:
+            for s in range(6):
+                x, y = _regression(s)
+                y = torch.sigmoid(y) if family == "beta" else y.exp()
+                if s == 3:
+                    y[2] = edge
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
+        ("loss", "<loss>", "aten.xlogy", "invalid", [2]), json.dumps(rep, indent=1)
+    assert o["source"] == _line("return -dist.log_prob(y).mean()"), o["source"]
+    assert "data alone" in rep["hint"] and "degenerate" in rep["hint"], rep["hint"]
