@@ -23,9 +23,10 @@ def report_kept_aside(report, step: Step, runner: Runner) -> dict[str, Any] | No
         more = f" +{len(names) - 4} more" if len(names) > 4 else ""
         report["problems"].append(
             "the re-run of loss_fn and backward makes every gradient finite; but the forward "
-            f"keeps differentiable values on its modules ({', '.join(names[:4])}{more}) that "
-            "the loop adds to the loss outside loss_fn: backpropagated too (each weighted 1, "
-            "as the loop's weights are not recorded), they make the event")
+            f"keeps differentiable values on its modules ({', '.join(names[:4])}{more}), "
+            "terms a loop adds to the loss outside loss_fn (a KL, a log prior): "
+            "backpropagated too, each weighted 1 (the loop's weights are not recorded), they "
+            "make the event")
         out = report_backward(report, runner)
         out["hint"] = (f"{out['hint']}; " if out["hint"] else "") + (
             "return such a term from the model's forward or compute it inside loss_fn, so "
