@@ -444,3 +444,50 @@ def make_beta(**kw):
 
 def beta_nll(dist, y):
     return -dist.log_prob(y).mean()
+
+
+def rbf(a, b, lengthscale, outputscale):
+    d2 = ((a[:, None, :] - b[None, :, :]) / lengthscale).pow(2).sum(-1)
+    return outputscale * torch.exp(-0.5 * d2)
+
+
+class SVGP(nn.Module):
+    """A sparse variational GP (Hensman et al.) in the whitened parametrisation: inducing
+    points ``Z``, ``q(v) = N(m, L L^T)`` with ``u = chol(Kzz) v``; the lower-triangular
+    ``L`` trained as it is (the bug: its diagonal is not kept positive, GPyTorch's
+    ``CholeskyVariationalDistribution`` trains it so too but takes the log of its absolute
+    value). Returns the predictive mean and variance and the KL to the prior."""
+
+    def __init__(self, m: int = 8, d_in: int = 2, s0: float = 0.1):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.z = nn.Parameter(torch.rand(m, d_in, generator=g) * 4)
+        self.m = nn.Parameter(torch.zeros(m))
+        self.chol = nn.Parameter(torch.eye(m) * s0)
+        self.raw_lengthscale = nn.Parameter(torch.zeros(d_in))
+        self.raw_outputscale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        ls, os = F.softplus(self.raw_lengthscale), F.softplus(self.raw_outputscale)
+        kzz = rbf(self.z, self.z, ls, os) + 1e-4 * torch.eye(len(self.z))
+        lz = torch.linalg.cholesky(kzz)
+        a = torch.linalg.solve_triangular(lz, rbf(self.z, x, ls, os), upper=False)
+        s_chol = torch.tril(self.chol)
+        mean = a.T @ self.m
+        var = (os - a.pow(2).sum(0) + (s_chol.T @ a).pow(2).sum(0)).clamp_min(1e-6)
+        kl = 0.5 * ((s_chol ** 2).sum() + self.m @ self.m - len(self.m)
+                    - 2 * torch.log(torch.diagonal(s_chol)).sum())
+        return mean, var, kl
+
+
+def make_svgp(**kw):
+    torch.manual_seed(0)
+    return SVGP(**kw)
+
+
+def svgp_elbo(out, y, noise: float = 0.01, n_data: int = 256):
+    """The negative ELBO per data point: the expected Gaussian log-likelihood under q(f),
+    then the KL over the data set's size."""
+    mean, var, kl = out
+    ell = -0.5 * (math.log(2 * math.pi * noise) + ((y - mean) ** 2 + var) / noise)
+    return -ell.mean() + kl / n_data

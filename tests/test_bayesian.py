@@ -96,3 +96,33 @@ def test_a_target_on_the_edge_of_the_likelihoods_support_is_a_degenerate_record(
         ("loss", "<loss>", "aten.xlogy", "invalid", [2]), json.dumps(rep, indent=1)
     assert o["source"] == _line("return -dist.log_prob(y).mean()"), o["source"]
     assert "data alone" in rep["hint"] and "degenerate" in rep["hint"], rep["hint"]
+
+
+def test_svgp_cholesky_diagonal_stepped_to_zero_names_the_parameter(tmp_path):
+    """A sparse variational GP whose variational Cholesky factor is trained as it is, its
+    KL taking ``log(torch.diagonal(torch.tril(self.chol)))``: Adam's first step of 0.1 takes
+    the diagonal's 0.1 to 0 and the next forward's log is -inf. The hint said to clamp the
+    op's input: the parameter was not named, its values having reached the log through
+    ``tril``'s copy. Now copies that keep a parameter's values are followed, and the hint
+    names ``chol`` and says to keep it in the op's domain by construction."""
+    model = B.make_svgp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=B.svgp_elbo, out_dir=tmp_path,
+                            factory="bayesian_models:make_svgp") as rec:
+            for s in range(6):
+                g = torch.Generator().manual_seed(s)
+                x = torch.rand(16, 2, generator=g) * 4
+                y = torch.sin(x).sum(-1) + 0.1 * torch.randn(16, generator=g)
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == \
+        (1, "forward", ""), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
+        ("forward", "", "aten.log", "invalid", []), json.dumps(rep, indent=1)
+    assert o["source"] == _line("- 2 * torch.log(torch.diagonal(s_chol))"), o["source"]
+    assert "the parameter chol" in rep["hint"] and "learn its log" in rep["hint"], rep["hint"]
