@@ -491,3 +491,58 @@ def svgp_elbo(out, y, noise: float = 0.01, n_data: int = 256):
     mean, var, kl = out
     ell = -0.5 * (math.log(2 * math.pi * noise) + ((y - mean) ** 2 + var) / noise)
     return -ell.mean() + kl / n_data
+
+
+class LinearSVDO(nn.Module):
+    """Sparse variational dropout (Molchanov et al. 2017): weights ``theta`` with a learned
+    ``log_sigma``; ``log_alpha = 2 log_sigma - log(theta**2)``, clamped to [-8, 8] as the
+    paper's code does, but without its 1e-8 under the log (the bug: a weight of exactly 0, a
+    bias initialised to zeros, makes log(0) = -inf, which the clamp takes to 8 in the forward
+    while its backward multiplies the log's infinite derivative by the clamp's 0)."""
+
+    def __init__(self, d_in, d_out, bias_init: float = 0.0):
+        super().__init__()
+        self.theta = nn.Parameter(torch.randn(d_out, d_in) * 0.3)
+        self.bias = nn.Parameter(torch.full((d_out,), bias_init))
+        self.log_sigma = nn.Parameter(torch.full((d_out, d_in), -5.0))
+        self.bias_log_sigma = nn.Parameter(torch.full((d_out,), -5.0))
+
+    def _log_alpha(self, w, log_sigma):
+        return torch.clamp(2 * log_sigma - torch.log(w ** 2), -8, 8)
+
+    def forward(self, x):
+        mean = F.linear(x, self.theta, self.bias)
+        std = torch.sqrt(F.linear(x ** 2, torch.exp(2 * self.log_sigma)) + 1e-8)
+        return mean + std * torch.randn_like(mean)
+
+    def kl_reg(self):
+        k1, k2, k3 = 0.63576, 1.8732, 1.48695
+        kl = 0.0
+        for w, s in ((self.theta, self.log_sigma), (self.bias, self.bias_log_sigma)):
+            la = self._log_alpha(w, s)
+            kl = kl + (k1 - k1 * torch.sigmoid(k2 + k3 * la) + 0.5 * torch.log1p(torch.exp(-la))
+                       ).sum()
+        return kl
+
+
+class SVDONet(nn.Module):
+    def __init__(self, d_in=4, hidden=16):
+        super().__init__()
+        self.l1 = LinearSVDO(d_in, hidden)
+        self.l2 = LinearSVDO(hidden, 1)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x))).squeeze(-1)
+
+    def kl(self):
+        return self.l1.kl_reg() + self.l2.kl_reg()
+
+
+def make_svdo():
+    torch.manual_seed(0)
+    return SVDONet()
+
+
+def svdo_elbo(out, y, kl, kl_weight: float = 1e-3):
+    """The sparse VD objective: the data term plus the weighted KL, the KL passed in."""
+    return F.mse_loss(out, y) + kl_weight * kl

@@ -126,3 +126,33 @@ def test_svgp_cholesky_diagonal_stepped_to_zero_names_the_parameter(tmp_path):
         ("forward", "", "aten.log", "invalid", []), json.dumps(rep, indent=1)
     assert o["source"] == _line("- 2 * torch.log(torch.diagonal(s_chol))"), o["source"]
     assert "the parameter chol" in rep["hint"] and "learn its log" in rep["hint"], rep["hint"]
+
+
+def test_sparse_vd_kl_passed_to_the_loss_names_that_argument(tmp_path):
+    """Sparse variational dropout's KL computed by the loop from the weights,
+    ``loss_fn(out, y, model.kl())``, with ``log(theta ** 2)`` lacking the paper's 1e-8: the
+    zero-initialised biases make log(0) = -inf, which the clamp to [-8, 8] hides in the
+    forward, and the backward multiplies the log's infinite derivative by the clamp's 0. The
+    replay holds the KL's value only: the report said the loop wrote the gradients by hand.
+    Now the bundle marks the loss arguments that carried an autograd graph of their own, and
+    the hint names that argument as the way the gradients came."""
+    model = B.make_svdo()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=B.svdo_elbo, out_dir=tmp_path,
+                            factory="bayesian_models:make_svdo") as rec:
+            for s in range(4):
+                x, y = _regression(s)
+                opt.zero_grad()
+                rec.loss_fn(model(x), y, model.kl()).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (0, "backward", ["l1.bias", "l2.bias"]), err.event
+    rep = nanreplay_json(err.bundle_path, code=1)
+    o = rep["origin"]
+    assert (o["phase"], o["params"], rep["cause"]) == \
+        ("backward", ["l1.bias", "l2.bias"], "not_reproduced"), json.dumps(rep, indent=1)
+    assert "came through loss_args[2]" in rep["hint"] and "model.kl()" in rep["hint"], \
+        rep["hint"]
+    assert "written by the loop's own code" not in rep["hint"], rep["hint"]
