@@ -342,7 +342,7 @@ OWN_INF = ("{op} is a custom autograd.Function's backward: its own {inner} compu
 NEAR_POLE_EXP = ("{op}'s gradient is too large for {dtype} and finite in float64: {fn} grows "
                  "without bound near its pole (1/y² for a division by y), and the op's input, "
                  "made by exp, softmax, sigmoid or softplus (or a sum of such values: "
-                 "Sinkhorn's K @ v with K = exp(-C / eps)), is tiny though positive; "
+                 "Sinkhorn's K @ v with K = exp(-C / eps)), is tiny though not 0; "
                  + DO["log_space"] + ", or compute it in float64")
 INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div": "inf / inf"}
 

@@ -546,3 +546,29 @@ def make_svdo():
 def svdo_elbo(out, y, kl, kl_weight: float = 1e-3):
     """The sparse VD objective: the data term plus the weighted KL, the KL passed in."""
     return F.mse_loss(out, y) + kl_weight * kl
+
+
+class NaturalGaussian(nn.Module):
+    """Heteroscedastic regression in the Gaussian's natural parameters (Immer et al. 2023):
+    ``eta1 = f1``, ``eta2 = -0.5 * exp(f2)`` (negative in exact arithmetic), so that the
+    negative log-likelihood is convex in them."""
+
+    def __init__(self, d_in: int = 4, hidden: int = 16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+
+    def forward(self, x):
+        f = self.body(x)
+        return f[:, 0], -0.5 * torch.exp(f[:, 1])
+
+
+def make_natural():
+    torch.manual_seed(0)
+    return NaturalGaussian()
+
+
+def natural_nll(out, y):
+    """-log N(y; mu, var) with mu = -eta1 / (2 eta2), var = -1 / (2 eta2), in eta."""
+    eta1, eta2 = out
+    return (-0.5 * torch.log(-2 * eta2) - eta1 ** 2 / (4 * eta2) - eta1 * y - eta2 * y ** 2
+            ).mean()

@@ -156,3 +156,34 @@ def test_sparse_vd_kl_passed_to_the_loss_names_that_argument(tmp_path):
     assert "came through loss_args[2]" in rep["hint"] and "model.kl()" in rep["hint"], \
         rep["hint"]
     assert "written by the loop's own code" not in rep["hint"], rep["hint"]
+
+
+def test_natural_parameter_gaussian_names_the_exp_of_its_negative_eta2(tmp_path):
+    """Heteroscedastic regression in natural parameters, ``eta2 = -0.5 * exp(f)``: a record
+    with a feature 100 times too large drives f to about -90 and the NLL's
+    ``eta1 ** 2 / (4 * eta2)`` has a gradient beyond float32 (1/y² at a tiny y). The hint
+    said the denominator was "clamped to a tiny eps": a value negative in exact arithmetic
+    made from exp was not followed through the -0.5 factor. Now constant factors of either
+    sign keep the mark, and the hint says the value was made by exp, to compute in log
+    space."""
+    model = B.make_natural()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=B.natural_nll, out_dir=tmp_path,
+                            factory="bayesian_models:make_natural") as rec:
+            for s in range(6):
+                x, y = _regression(s)
+                if s == 3:
+                    x[5] *= -100.0
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
+        ("backward", "<loss>", "DivBackward0", "overflow", [5]), json.dumps(rep, indent=1)
+    assert o["source"] == _line("- eta1 ** 2 / (4 * eta2)"), o["source"]
+    assert "made by exp" in rep["hint"] and "log space" in rep["hint"], rep["hint"]
+    assert "clamped to a tiny eps" not in rep["hint"], rep["hint"]
