@@ -83,7 +83,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         tensors.update(lts)
         out["loss_inputs"], out["loss_paths"] = ltree, lpaths
         # arguments with an autograd graph that are not the model's output (a KL the loop
-        # computed from the weights, model.kl()): the replay holds their values only
+        # computed from the weights, model.kl()): the replay holds their values only (the
+        # event's bundle keeps those made from the weights: recorder.snapshot)
         if grad_args := [k for k, t in lts.items() if t.requires_grad]:
             out["loss_grad_args"] = grad_args
         if mb.loss_autocast is not None:
