@@ -388,8 +388,9 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if outside_loss and not run1.bad_grads and \
             (entered := report_entering(report, step, runner)) is not None:
         return entered
-    if phase == "loss" and step.loss_fn is None:
-        return report_loss_not_in_bundle(report, step)
+    if phase == "loss" and step.loss_fn is None:  # (or a term the forward kept aside made it)
+        return report_hidden_forward(report, step, runner) or report_loss_not_in_bundle(
+            report, step)
     if run1.bad_grads:
         return report_backward(report, runner)
     if step.event.get("reason") == "anomaly":

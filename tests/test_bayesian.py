@@ -187,3 +187,34 @@ def test_natural_parameter_gaussian_names_the_exp_of_its_negative_eta2(tmp_path)
     assert o["source"] == _line("- eta1 ** 2 / (4 * eta2)"), o["source"]
     assert "made by exp" in rep["hint"] and "log space" in rep["hint"], rep["hint"]
     assert "clamped to a tiny eps" not in rep["hint"], rep["hint"]
+
+
+def test_a_log_prior_kept_aside_in_a_loss_given_to_record_loss_is_named(tmp_path):
+    """The Bayes-by-backprop loop without a loss_fn: the ELBO is computed inline and handed
+    over with ``rec.record_loss(loss)``. A sharper prior (sigma1 = e^-4) makes every
+    mixture density of a sampled weight exactly 0 in float32, and the log prior kept on the
+    layer is -inf: a loss event. The report said only that the loss, which the bundle does
+    not hold, was made from finite model outputs; now the forward op that made the value no
+    module output carries is named, as for a loss_fn's event."""
+    kw = {"neg_log_sigma1": 4.0}
+    model = B.make_bayes_mlp(**kw)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory_kwargs=kw,
+                            factory="bayesian_models:make_bayes_mlp") as rec:
+            for s in range(6):
+                x, y = _regression(s)
+                opt.zero_grad()
+                loss = ((model(x) - y) ** 2).mean() + model.kl() / 1000
+                rec.record_loss(loss)
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (1, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path, code=1)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
+        ("forward", "l2", "aten.log", "underflow", []), json.dumps(rep, indent=1)
+    assert o["source"] == _line("return torch.log(self.pi"), o["source"]
+    assert any("record_loss" in p and "no module output carries" in p
+               for p in rep["problems"]), rep["problems"]
