@@ -218,3 +218,31 @@ def test_a_log_prior_kept_aside_in_a_loss_given_to_record_loss_is_named(tmp_path
     assert o["source"] == _line("return torch.log(self.pi"), o["source"]
     assert any("record_loss" in p and "no module output carries" in p
                for p in rep["problems"]), rep["problems"]
+
+
+def test_vmap_deep_ensemble_names_the_record_along_the_members_batch_dim(tmp_path):
+    """A deep ensemble run by ``torch.vmap`` over ``functional_call`` inside the model's
+    forward (PyTorch's model-ensembling recipe), output (members, batch, 2): a record 1e4
+    times out of scale overflows the variance head's exp in every member. Pins that the op is
+    found through vmap's batched ops and the sample is the batch row (dim 1), not a member."""
+    model = B.make_vmap_ensemble()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=B.ensemble_nll, out_dir=tmp_path,
+                            factory="bayesian_models:make_vmap_ensemble") as rec:
+            for s in range(6):
+                x, y = _regression(s)
+                if s == 3:
+                    x[5] *= 1e4
+                opt.zero_grad()
+                rec.loss_fn(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == \
+        (3, "forward", ""), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
+        ("forward", "", "aten.exp", "overflow", [5]), json.dumps(rep, indent=1)
+    assert o["source"] == _line("return torch.stack([mean, torch.exp(log_var)], -1)")
+    assert "out of scale" in rep["hint"] and "drop=5" in rep["hint"], rep["hint"]
