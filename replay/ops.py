@@ -38,7 +38,7 @@ from .masked_product import nan_times_zero
 from .memo import TensorSet
 from .param_names import ParamNames
 from .pooled import Pooled
-from .positive import Partly, made_positive, positive_result
+from .positive import Partly, made_sign, positive_result
 from .reordered import Reordered
 from .saturation import Saturation, made_unit
 from .source import user_source
@@ -290,13 +290,13 @@ class OpFinder:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed.
         Seen run here, or, for a value made before (the model output a loss takes), on its
         autograd graph."""
-        return t in self._positive or made_positive(t.grad_fn)
+        return t in self._positive or made_sign(t.grad_fn) > 0  # (sums need the sign)
 
     def mark_made_by(self, fn, t: torch.Tensor) -> None:
         """``t`` stands for a value autograd node ``fn`` made, where no graph says so (a
         detached copy): one exp/softmax made stays positive, one tanh/sigmoid made stays
         strictly inside (-1, 1) (its ``1 - y`` cannot be 0 in exact arithmetic)."""
-        if made_positive(fn):
+        if made_sign(fn) > 0:
             self._positive.add(t)
         if made_unit(fn):
             self.saturation.mark_unit(t)
