@@ -82,6 +82,11 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
                                           whole=_whole_output(mb, earlier))
         tensors.update(lts)
         out["loss_inputs"], out["loss_paths"] = ltree, lpaths
+        # arguments with an autograd graph that are not the model's output (a KL the loop
+        # computed from the weights, model.kl()): the replay holds their values only (the
+        # event's bundle keeps those made from the weights: recorder.snapshot)
+        if grad_args := [k for k, t in lts.items() if t.requires_grad]:
+            out["loss_grad_args"] = grad_args
         if mb.loss_autocast is not None:
             out["loss_autocast"] = mb.loss_autocast
     grads = {}

@@ -21,6 +21,7 @@ from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
 from .compiled import hook_sites
 from .entries import hyper_entry, jsonish, micro_batch_entry
+from .graph_reach import from_model
 from .inner_optim import full_state
 from .lossdesc import describe_callable, describe_loss
 from .rewind import Rewind
@@ -91,6 +92,10 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
             s = of_micro_batch(mb, target.seq_first, target.recurrent)  # (for the replay)
             entry["samples"] = {"size": s.size, "seq_first": s.seq_first,
                                 "recurrent": s.recurrent}
+            # (only those made from the model's weights: not a peer network's output)
+            if grad_args := [k for k in entry.pop("loss_grad_args", ()) if from_model(
+                    tensors[k], (), [p for _, p in target.params])]:
+                entry["loss_grad_args"] = grad_args
     _training_objects(src, guard, meta, tensors)
     if tape is not None:  # the loss's buffers as the step found them (DINO's centre)
         tensors.update({k: copy.detach() for k, copy in src.buffer_copies.items()

@@ -31,6 +31,7 @@ from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, reco
 from .forward import report_forward
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
+from .kept_report import report_graph_args, report_kept_aside
 from .load import Step, build, read_step, validate_args_as_recorded
 from .loss_grad import loop_differentiation, not_rerun_term
 from .masked_targets import masked_loss_hint
@@ -387,8 +388,9 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if outside_loss and not run1.bad_grads and \
             (entered := report_entering(report, step, runner)) is not None:
         return entered
-    if phase == "loss" and step.loss_fn is None:
-        return report_loss_not_in_bundle(report, step)
+    if phase == "loss" and step.loss_fn is None:  # (or a term the forward kept aside made it)
+        return report_hidden_forward(report, step, runner) or report_loss_not_in_bundle(
+            report, step)
     if run1.bad_grads:
         return report_backward(report, runner)
     if step.event.get("reason") == "anomaly":
@@ -408,6 +410,9 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
     if phase in ("backward", "loss") and (hidden := report_hidden_forward(
             report, step, runner)) is not None:
         return hidden
+    if phase == "backward" and ((kept := report_kept_aside(report, step, runner)) is not None
+                                or (kept := report_graph_args(report, step)) is not None):
+        return kept
     if phase == "backward" and _finite_gradients_reached_the_output(step):
         return _gradients_from_the_loop(report, step, reached=True)
     if (moved := report_moved_weights(report, step, runner)) is not None:

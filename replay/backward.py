@@ -380,6 +380,8 @@ def _loss_labeller(runner: Runner, label):
     @contextlib.contextmanager
     def ctx():
         label(grad_fns(tensor_leaves(runner.last_loss)), "<loss>")
+        for name, t in runner.kept:  # (values the forward kept aside: replay.kept_aside)
+            label(grad_fns([t]), name.rpartition(".")[0])
         # Nodes made during backward (reentrant checkpointing re-runs its blocks' forward
         # there) get their source line too; NaN must not raise before the hooks see it.
         with _anomaly(check_nan=False):

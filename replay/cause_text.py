@@ -171,12 +171,13 @@ DO = {
                     "count.clamp_min(1) (a sum over nothing is 0 already), add an eps to a "
                     "statistic, or skip such batches",
     # an op that took nothing the model learns (replay.lineage): the record is degenerate
-    "of_data": "its inputs were computed from the batch's data alone (the loss's targets, "
-               "anchors, constants: nothing the model learns), so a record of the samples "
-               "named is degenerate (a box of zero width or height, an empty mask, a label "
-               "out of range): drop or repair such records where the data is made (the "
-               "dataset, its transforms, the collate_fn), or skip them in the loss; an eps "
-               "there would train toward a made-up target",
+    "of_data": "what it took there was computed from the batch's data alone (the loss's "
+               "targets, anchors, constants: nothing the model learns), so a record of the "
+               "samples named is degenerate (a box of zero width or height, an empty mask, a "
+               "label out of range, a target on the edge of a likelihood's support: 0 or 1 "
+               "under a Beta, 0 under a Gamma or a LogNormal): drop or repair such records "
+               "where the data is made (the dataset, its transforms, the collate_fn), or skip "
+               "them in the loss; an eps there would train toward a made-up target",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
     "running_var": "a variance is never negative, so the module's running_var buffer was "
@@ -341,7 +342,7 @@ OWN_INF = ("{op} is a custom autograd.Function's backward: its own {inner} compu
 NEAR_POLE_EXP = ("{op}'s gradient is too large for {dtype} and finite in float64: {fn} grows "
                  "without bound near its pole (1/y² for a division by y), and the op's input, "
                  "made by exp, softmax, sigmoid or softplus (or a sum of such values: "
-                 "Sinkhorn's K @ v with K = exp(-C / eps)), is tiny though positive; "
+                 "Sinkhorn's K @ v with K = exp(-C / eps)), is tiny though not 0; "
                  + DO["log_space"] + ", or compute it in float64")
 INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div": "inf / inf"}
 

@@ -31,11 +31,13 @@ def report_hidden_forward(report, step: Step, runner: Runner) -> dict[str, Any] 
                            samples=hit.rows or [], chain=[hit.as_json()],
                            input_range=[hit.input_min, hit.input_max])
     cause = classify(runner, "forward", until=("", 0, mb), hit=hit)
+    rerun = ("the loss was given to record_loss, which the replay cannot re-run" if
+             step.loss_fn is None else f"the recorded {phase} event did not come back in the "
+             "re-run, whose loss_fn and backward are finite")
     report["problems"].append(
-        f"the recorded {phase} event did not come back in the re-run, whose loss_fn and "
-        f"backward are finite; but the forward made a {hit.made} ({hit.op} in "
-        f"{module or '<root>'}) that no module output carries: a value kept aside (an aux "
-        "loss stored on the module) that the loop added to the loss outside loss_fn")
+        f"{rerun}; but the forward made a {hit.made} ({hit.op} in {module or '<root>'}) that "
+        "no module output carries: a value kept aside (an aux loss, a KL or log prior stored "
+        "on the module) that the loop added to the loss outside loss_fn")
     hint = (f"{cause.hint}; return such a term from the model's forward or compute it inside "
             "loss_fn, so that the recorder checks it and the replay re-runs it"
             if cause.hint else None)

@@ -30,6 +30,16 @@ from .memo import TensorSet
 
 # ops that put their inputs side by side, each input's values in rows of their own
 _JOINS = {"cat", "stack", "hstack", "vstack", "concat", "concatenate"}
+# ops whose pole is at one of their inputs only: x * log(y)'s is at y
+_POLE_INPUT = {"xlogy": -1, "special_xlog1py": -1}
+
+
+def pole_inputs(op: str, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs of aten op ``op`` that decide whether it is computed on data alone: the
+    one at its pole where it has one (a Beta's ``xlogy(a - 1, y)``: a learned concentration
+    times the log of a target of exactly 0), else all of them."""
+    i = _POLE_INPUT.get(op.removeprefix("aten.").split(".")[0].rstrip("_"))
+    return ins[i:][:1] if i is not None and ins else ins
 
 
 class Lineage:

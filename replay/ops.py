@@ -33,11 +33,12 @@ from .float64 import as_float64, upcast
 from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit, exact_pole
-from .lineage import Lineage
+from .lineage import Lineage, pole_inputs
 from .masked_product import nan_times_zero
 from .memo import TensorSet
+from .param_names import ParamNames
 from .pooled import Pooled
-from .positive import Partly, made_positive, positive_result
+from .positive import Partly, made_sign, positive_result
 from .reordered import Reordered
 from .saturation import Saturation, made_unit
 from .source import user_source
@@ -101,7 +102,8 @@ class _Watch(TorchDispatchMode):
             else:
                 given = before if before is not None else (args, kwargs)
                 try:
-                    hit.evidence = f.of_records(_evidence(func, given, outs, f), ins, hit.rows)
+                    hit.evidence = f.of_records(_evidence(func, given, outs, f),
+                                                pole_inputs(op, ins), hit.rows)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
@@ -257,8 +259,8 @@ class OpFinder:
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
         self.composites = Composites()  # where torch.logdet runs (replay.composite)
-        # (data_ptr, shape) -> name of the model's parameters, set by the caller that runs it
-        self.params: dict[tuple[int, tuple], str] = {}
+        # the model's parameters by name, indexed by the caller that runs it
+        self.names = ParamNames()
         # the innermost module call running now, (name, call), as its caller tracks it
         self.where: tuple[str, int] | None = None
         # ``counts`` as each such call began: an op's occurrence counted from there
@@ -277,40 +279,24 @@ class OpFinder:
         self.lineage: Lineage | None = None
 
     def index_params(self, named) -> None:
-        """Name the parameters ``named`` yields (``model.named_parameters()``) for
-        :meth:`param_among`, by address and shape and by their storage (a view of one)."""
-        self.params = {}
-        storages: dict[int, str | None] = {}
-        for n, p in named:
-            self.params[(p.data_ptr(), tuple(p.shape))] = n
-            ptr = p.untyped_storage().data_ptr()
-            storages[ptr] = n if ptr not in storages else None  # (shared storage: neither)
-        self.params.update({("storage", k): v for k, v in storages.items() if v is not None})
+        """Name the parameters ``named`` yields (``model.named_parameters()``)."""
+        self.names.index(named)
 
     def param_among(self, ins: list[torch.Tensor]) -> str | None:
-        """The name of the op's one floating input when that is one of the model's parameters
-        itself (a learnable scale or temperature used as is: ``logit_scale.exp()``). Not for
-        ops of several inputs: a Linear's ``addmm`` takes its bias and weight with every
-        input, and what overflows there is the product, not the bias."""
-        if not self.params or len(ins) != 1:
-            return None
-        found = self.params.get((ins[0].data_ptr(), tuple(ins[0].shape)))
-        try:  # (or an element of it: a multi-task loss's ``log(self.sigma[i])``)
-            return found or self.params.get(("storage", ins[0].untyped_storage().data_ptr()))
-        except RuntimeError:  # (a tensor without storage)
-            return None
+        """The parameter the op's one floating input is (see :mod:`replay.param_names`)."""
+        return self.names.among(ins)
 
     def positive(self, t: torch.Tensor) -> bool:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed.
         Seen run here, or, for a value made before (the model output a loss takes), on its
         autograd graph."""
-        return t in self._positive or made_positive(t.grad_fn)
+        return t in self._positive or made_sign(t.grad_fn) > 0  # (sums need the sign)
 
     def mark_made_by(self, fn, t: torch.Tensor) -> None:
         """``t`` stands for a value autograd node ``fn`` made, where no graph says so (a
         detached copy): one exp/softmax made stays positive, one tanh/sigmoid made stays
         strictly inside (-1, 1) (its ``1 - y`` cannot be 0 in exact arithmetic)."""
-        if made_positive(fn):
+        if made_sign(fn) > 0:
             self._positive.add(t)
         if made_unit(fn):
             self.saturation.mark_unit(t)
@@ -324,6 +310,7 @@ class OpFinder:
                 and bool(m.all()):
             self._positive.add(outs[0])
         self.made_in.update(t.dtype for t in outs)
+        self.names.track(name, ins, outs)
         weights_only = bool(self.state) and self._of_weights_only(leaves)
         if weights_only:
             for t in outs:

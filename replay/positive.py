@@ -85,38 +85,71 @@ def first_inputs(fn, depth: int = 8):
 
 def made_positive(fn, depth: int = 8) -> bool:
     """Whether autograd node ``fn`` made its value by exp, softmax, sigmoid or softplus
-    (directly, or viewed, gathered, sliced, divided, raised to a power, multiplied by positive
-    factors). ``depth`` bounds the walk."""
+    (directly, or viewed, gathered, sliced, divided, raised to a power, multiplied by
+    constant factors of one sign, negated), so that it is never 0 in exact arithmetic: a 0
+    it holds underflowed (a natural parameter's ``-0.5 * exp(f)`` too). ``depth`` bounds the
+    walk."""
+    return made_sign(fn, depth) != 0
+
+
+def made_sign(fn, depth: int = 8) -> int:
+    """1 (-1) when autograd node ``fn`` made a value positive (negative) in exact arithmetic
+    for every finite argument (see :func:`made_positive`), 0 when it cannot say."""
+    sign = 1
     try:
         for op, node in first_inputs(fn, depth):
             if op in _POSITIVE_NODES:
-                return True
-            if op == "Mul":
-                return _positive_product(node, depth - 1)
-            if op in _PRODUCT_NODES:  # (Sinkhorn's K^T @ u)
-                return _positive_product(node, depth - 1, _PRODUCT_NODES[op], saved=True)
-            if op not in _PASS_ON_NODES:
-                return False
+                return sign
+            if op == "Neg":
+                sign = -sign
+            elif op == "Mul":
+                return sign * _product_sign(node, depth - 1)
+            elif op == "Add":  # (a mixture's pi1 * N1 + pi2 * N2, both terms positive)
+                return sign * _sum_sign(node, depth - 1)
+            elif op in _PRODUCT_NODES:  # (Sinkhorn's K^T @ u)
+                return sign * _product_sign(node, depth - 1, _PRODUCT_NODES[op], saved=True)
+            elif op not in _PASS_ON_NODES:
+                return 0
     except Exception:  # not an autograd node, or one that cannot say
-        return False
-    return False
+        return 0
+    return 0
 
 
-def _positive_product(fn, depth: int, names=("self", "other"), saved: bool = False) -> bool:
-    """A ``MulBackward0`` (or a matrix product's node) whose factors are each made positive,
-    or a constant > 0 (a factor without a gradient: the node saved it for the other's). With
-    ``saved``, a factor whose saved value is all > 0 counts too (a matrix product saves both:
-    Sinkhorn's scaling ``u``, positive by its values, however many iterations made it)."""
+def _sign_of(t) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    return 1 if bool((t > 0).all()) else -1 if bool((t < 0).all()) else 0
+
+
+def _product_sign(fn, depth: int, names=("self", "other"), saved: bool = False) -> int:
+    """The sign of a ``MulBackward0`` (or a matrix product's node) whose factors each have
+    one, made so or a constant of one sign (a factor without a gradient: the node saved it
+    for the other's). With ``saved``, a factor's saved value of one sign counts too (a matrix
+    product saves both: Sinkhorn's scaling ``u``, positive by its values, however many
+    iterations made it). A matrix product's terms add up: its factors must be positive."""
     nexts = [f for f, _ in fn.next_functions]
     values = [saved_value(fn, n) for n in names]
+    sign = 1
     for i, f in enumerate(nexts[:2]):
-        const = values[i]  # (factor i's value, saved for the other factor's gradient)
-        by_value = isinstance(const, torch.Tensor) and bool((const > 0).all())
-        if f is not None and not (made_positive(f, depth) or saved and by_value):
-            return False
-        if f is None and not by_value:
-            return False
-    return True
+        # (values[i]: factor i's value, saved for the other factor's gradient)
+        s = made_sign(f, depth) if f is not None else 0
+        if s == 0 and (f is None or saved):
+            s = _sign_of(values[i])
+        if s == 0 or (saved and s < 0):
+            return 0
+        sign *= s
+    return sign
+
+
+def _sum_sign(fn, depth: int) -> int:
+    """The sign of an ``AddBackward0`` (``a + alpha * b``, alpha > 0) whose two terms have the
+    same one."""
+    alpha = saved_value(fn, "alpha")
+    nexts = [f for f, _ in fn.next_functions]
+    if (isinstance(alpha, (int, float)) and alpha <= 0) or len(nexts) != 2 or None in nexts:
+        return 0
+    a, b = made_sign(nexts[0], depth), made_sign(nexts[1], depth)
+    return a if a == b else 0
 
 
 def exp_of_parameter(fn, depth: int = 10):

@@ -26,6 +26,7 @@ from .errors import StopRun
 from .float64 import widened
 from .frozen import FrozenParams
 from .instrument import CallRecorder
+from .kept_aside import kept_hooks, with_kept
 from .load import (
     Step,
     autocast_as_recorded,
@@ -120,6 +121,10 @@ class Runner:
         # micro-batches whose recorded forward was non-finite (replay.outgrads): the non-finite
         # entries of their recorded output gradients came back through it, not from the loop
         self.nonfinite_forwards: set[int] = set()
+        # add the differentiable values the forward kept on its modules to the backward's
+        # roots (replay.kept_aside); ``kept``: those of the micro-batch running
+        self.keep_aside = False
+        self.kept: list[tuple[str, torch.Tensor]] = []
 
     # -- state reset -------------------------------------------------------------------------
 
@@ -155,6 +160,8 @@ class Runner:
         handles = CallRecorder(self, result).install(self.model) if instrument else []
         if hooks is not None:
             handles += hooks(self.model)
+        if self.keep_aside:
+            handles += kept_hooks(self, self.model)
         if self.cast is None:  # FSDP2's MixedPrecisionPolicy, as recorded (not in float64)
             handles += precision_hooks(self.model, self.step.meta)
         try:
@@ -248,14 +255,18 @@ class Runner:
                 f = (k or self.step.micro_batches[i].get("loss_factor") or 1.0) \
                     * (self.loss_scale or 1.0)
                 (loss * f).backward(inputs=own)
-            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+            torch.autograd.backward(*with_kept(self, [o for o, _ in pairs],
+                                               [g.to(o.dtype) for o, g in pairs]))
         elif (loss := _scalar_loss(loss)) is not None:
             # (a loss of several values, reduction="none", was reduced by the loop outside the
             # recorder, in a way the replay does not know: no backward from it; a what-if's
             # micro-batch carries the loop's own factor: replay.loopscale)
             k = self.step.micro_batches[i].get("loss_factor")
-            (loss * (self.loss_scale or 1.0) * (k or 1.0) if self.loss_scale or k
-             else loss).backward()
+            torch.autograd.backward(*with_kept(self, [
+                loss * (self.loss_scale or 1.0) * (k or 1.0) if self.loss_scale or k
+                else loss], [torch.ones_like(loss)]))
+        elif self.keep_aside and self.kept:
+            torch.autograd.backward(*with_kept(self, [], []))
 
     # -- float64 -----------------------------------------------------------------------------
 
