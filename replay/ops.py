@@ -404,6 +404,8 @@ class OpFinder:
         shaped = None if t is None else s.rows(t, stacked=True)
         if t is not None and s.dim(t, stacked=True) == 0:  # (rows of a sorted batch: samples)
             shaped = self.reordered.samples(t, shaped)
+        elif t is None:  # (values a mask picked out of the batch: ``log(pred[valid])``)
+            shaped = self.reordered.picked_rows(outs)
         return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
 
     def folded_rows(self, outs: list[torch.Tensor], ins: list[torch.Tensor], pairs

@@ -1,0 +1,68 @@
+"""Semantic segmentation and dense prediction trained as those repos write it
+(``segmentation_models.py``): U-Nets with BatchNorm and ConvTranspose2d / bilinear
+upsampling, cross entropy with ``ignore_index=255`` and class weights, focal and Dice losses,
+a scale-invariant log depth loss over the pixels with ground truth, partial convolutions over
+a mask passed to the forward; with a planted bug, the recorder fires at the planted step and
+``nanreplay --json`` names the op, samples, cause and fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import segmentation_models as M
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where segmentation_models.py, the factories' module, lives
+
+
+def _train(out_dir, model, opt, crit, batches, factory, **kw):
+    """The loop under the recorder; returns its error and the batches it ran, in order."""
+    seen = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=factory, **kw):
+            for x, y, *more in batches:
+                opt.zero_grad()
+                out = model(x, *more)
+                seen.append((x, y, out.detach()))
+                crit(out, y).backward()
+                opt.step()
+    return info.value, seen
+
+
+def test_a_log_of_zero_depth_among_the_masked_pixels_names_its_image(out_dir):
+    """Monocular depth (BTS / AdaBins): a U-Net with a ReLU on its depth, the SILog loss over
+    the pixels with LiDAR ground truth, ``log(pred[valid]) - log(gt[valid])``. Image 5 holds
+    a dark corner where the ReLU gives a depth of 0: log(0) = -inf. The boolean mask flattens
+    the batch into one row of pixels, and the report named no sample ([]), so ``--try auto``
+    had nothing to drop. The rows a mask picks are followed back to their images now."""
+    imgs, depth = M.depth_scenes(8)
+    imgs[5, :, :4, :4] = -6.0
+    model = M.make_depth()
+    with torch.no_grad():
+        model.net.head.bias[0] = 2.0
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    crit = M.SILogLoss()
+    batches = [(imgs[i:i + 2], depth[i:i + 2]) for i in range(0, 8, 2)]
+    err, seen = _train(out_dir, model, opt, crit, batches, "segmentation_models:make_depth")
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    _, gt, pred = seen[-1]
+    zero = ((pred == 0) & (gt > crit.min_depth)).flatten(1).any(1).nonzero()[:, 0].tolist()
+    assert zero == [1]
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.log", "-inf", zero, "invalid"), json.dumps(rep, indent=1)
+    assert "clamp" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)], \
+        rep["what_if"]
