@@ -259,8 +259,11 @@ DO = {
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "
            "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss "
            "(a Hugging Face CTC model: config.ctc_zero_infinity=True)",
-    "no_target": "every target of the batch is ignored (ignore_index): skip such batches or "
-                 "use reduction='sum' and divide by max(count, 1)",
+    "no_target": "skip batches whose targets are all ignored, or use reduction='sum' and "
+                 "divide by max(count, 1)",
+    "zero_weight": "a class weight of 0 leaves a batch of only that class no target weight: "
+                   "skip such batches, give the class a small weight above 0, or use "
+                   "reduction='sum' and divide by the total weight clamped to at least 1",
     "masked_target": "a loss that skips NaN targets in its value (nanmean, torch.where or a "
                      "mask on its output) still multiplies them in its backward (0 * NaN is "
                      "NaN): select the valid rows before the op (pred[mask], y[mask]) or fill "

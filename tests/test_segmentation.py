@@ -66,3 +66,52 @@ def test_a_log_of_zero_depth_among_the_masked_pixels_names_its_image(out_dir):
     assert "clamp" in rep["hint"], rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)], \
         rep["what_if"]
+
+
+def _crops(imgs, labs, size: int = 8):
+    """Random crops of ``size`` pixels, the same window for each pair (a joint transform),
+    drawn from torch's RNG; a batch of two crops per step."""
+    out = []
+    for i in range(0, len(imgs), 2):
+        y0, x0 = torch.randint(0, imgs.shape[-1] - size + 1, (2,)).tolist()
+        win = (slice(None), slice(y0, y0 + size), slice(x0, x0 + size))
+        out.append((imgs[i:i + 2][(slice(None), *win)], labs[i:i + 2][win]))
+    return out
+
+
+@pytest.mark.parametrize("background_weight", [0.0, 0.5])
+def test_a_crop_with_no_weighted_target_says_which_of_ignore_index_or_weight(
+        out_dir, background_weight):
+    """Cross entropy with ``ignore_index=255`` and class weights, over random crops. One
+    step's crops hold only background and the 255 borders of the objects next to them. With
+    the background weighted 0 (training on the foreground classes only) the total target
+    weight is 0 and the mean is 0/0; the hint said 'every target of the batch is ignored
+    (ignore_index)', though 2 × 64 pixels minus the borders are background targets. It says
+    which now: the targets left are all of a class weighted 0, or (with the background
+    weighted 0.5, a crop all border) every target is ignore_index."""
+    imgs, labs = M.scenes(8)
+    torch.manual_seed(0)
+    batches = _crops(imgs, labs)
+    x, y = batches[2]
+    y[y != M.IGNORE] = 0 if background_weight == 0 else M.IGNORE  # (no object in the crop)
+    model = M.make_unet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    crit = torch.nn.CrossEntropyLoss(weight=torch.tensor([background_weight, 1.0, 1.0]),
+                                     ignore_index=M.IGNORE)
+    err, _ = _train(out_dir, model, opt, crit, batches, "segmentation_models:make_unet")
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.nll_loss2d_forward", "nan", [], "invalid"), json.dumps(rep, indent=1)
+    kept = int((y != M.IGNORE).sum())
+    if background_weight == 0:
+        assert kept > 0
+        assert f"the batch's {kept} targets that are not ignore_index (255) are all of " \
+               "class 0, whose weight is 0" in rep["hint"], rep["hint"]
+        assert "weight above 0" in rep["hint"] and "every target" not in rep["hint"]
+    else:
+        assert kept == 0
+        assert "every target of the batch is ignore_index (255)" in rep["hint"], rep["hint"]
+        assert "max(count, 1)" in rep["hint"], rep["hint"]
