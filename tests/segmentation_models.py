@@ -128,16 +128,20 @@ class FocalLoss(nn.Module):
     -(1 - p_t)^gamma log p_t with p_t gathered from the softmax, pixels at ``ignore_index``
     left out."""
 
-    def __init__(self, gamma: float = 2.0, ignore_index: int = IGNORE):
+    def __init__(self, gamma: float = 2.0, ignore_index: int = IGNORE, pick: bool = False):
         super().__init__()
-        self.gamma, self.ignore_index = gamma, ignore_index
+        self.gamma, self.ignore_index, self.pick = gamma, ignore_index, pick
 
     def forward(self, logits, labels):
         valid = labels != self.ignore_index
-        logp = logits.log_softmax(1).gather(1, (labels * valid)[:, None])[:, 0]
+        if self.pick:  # (the valid pixels first, as rows: (N, C) logits, (N,) labels)
+            logp = logits.permute(0, 2, 3, 1)[valid].log_softmax(1)
+            logp = logp.gather(1, labels[valid][:, None])[:, 0]
+        else:
+            logp = logits.log_softmax(1).gather(1, (labels * valid)[:, None])[:, 0]
         pt = logp.exp()
         loss = -((1 - pt) ** self.gamma) * logp
-        return loss[valid].mean()
+        return loss.mean() if self.pick else loss[valid].mean()
 
 
 def lovasz_grad(gt_sorted):
@@ -172,13 +176,19 @@ class SILogLoss(nn.Module):
     """Eigen et al.'s scale-invariant log loss (BTS / AdaBins): pixels with no ground truth
     (depth 0) are left out through ``gt > min_depth``."""
 
-    def __init__(self, lambd: float = 0.85, min_depth: float = 1e-3):
+    def __init__(self, lambd: float = 0.85, min_depth: float = 1e-3, per_image: bool = False):
         super().__init__()
-        self.lambd, self.min_depth = lambd, min_depth
+        self.lambd, self.min_depth, self.per_image = lambd, min_depth, per_image
 
     def forward(self, pred, gt):
         valid = gt > self.min_depth
-        d = torch.log(pred[valid]) - torch.log(gt[valid])
+        if self.per_image:  # (each image's own scale: a loop over the batch)
+            return torch.stack([self.silog(p[v], g[v]) for p, g, v in zip(pred, gt, valid)]
+                               ).mean()
+        return self.silog(pred[valid], gt[valid])
+
+    def silog(self, pred, gt):
+        d = torch.log(pred) - torch.log(gt)
         return torch.sqrt((d ** 2).mean() - self.lambd * d.mean() ** 2) * 10.0
 
 
@@ -209,3 +219,79 @@ def depth_scenes(n: int = 8, size: int = 16, seed: int = 0):
     depth = 1.0 + 9.0 * torch.rand(n, size, size, generator=g)
     depth[torch.rand(n, size, size, generator=g) < 0.3] = 0.0
     return imgs, depth
+
+
+class ASPP(nn.Module):
+    """DeepLabv3's atrous spatial pyramid pooling: a 1x1 branch, dilated 3x3 branches and an
+    image-pooling branch upsampled back, concatenated and projected."""
+
+    def __init__(self, cin: int, cout: int, rates=(2, 4)):
+        super().__init__()
+        self.branches = nn.ModuleList([cbr(cin, cout, 1)] + [cbr(cin, cout, 3, r) for r in rates])
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(cin, cout, 1, bias=False),
+                                  nn.BatchNorm2d(cout), nn.ReLU())
+        self.project = cbr((len(rates) + 2) * cout, cout, 1)
+
+    def forward(self, x):
+        pooled = F.interpolate(self.pool(x), size=x.shape[-2:], mode="bilinear",
+                               align_corners=False)
+        return self.project(torch.cat([b(x) for b in self.branches] + [pooled], 1))
+
+
+class DeepLab(nn.Module):
+    """torchvision's ``deeplabv3`` layout: a backbone at stride 4, the ASPP head and an
+    auxiliary FCN head, each upsampled to the input; returns ``{"out": ..., "aux": ...}``."""
+
+    def __init__(self, n_classes: int = N_CLASSES, base: int = 8):
+        super().__init__()
+        self.backbone = nn.Sequential(cbr(3, base), nn.MaxPool2d(2), cbr(base, 2 * base),
+                                      nn.MaxPool2d(2), cbr(2 * base, 2 * base))
+        self.head = nn.Sequential(ASPP(2 * base, base), nn.Conv2d(base, n_classes, 1))
+        self.aux = nn.Sequential(cbr(2 * base, base), nn.Conv2d(base, n_classes, 1))
+
+    def forward(self, x):
+        f = self.backbone(x)
+        size = x.shape[-2:]
+        return {"out": F.interpolate(self.head(f), size=size, mode="bilinear",
+                                     align_corners=False),
+                "aux": F.interpolate(self.aux(f), size=size, mode="bilinear",
+                                     align_corners=False)}
+
+
+def make_deeplab() -> nn.Module:
+    torch.manual_seed(0)
+    return DeepLab()
+
+
+def criterion(inputs, target):
+    """torchvision's segmentation reference: cross entropy of each head, the aux one at 0.5."""
+    losses = {name: F.cross_entropy(x, target, ignore_index=IGNORE) for name, x in inputs.items()}
+    if len(losses) == 1:
+        return losses["out"]
+    return losses["out"] + 0.5 * losses["aux"]
+
+
+def signed_distance(mask: torch.Tensor) -> torch.Tensor:
+    """A signed distance map of a binary (H, W) mask, negative inside, in pixels, normalised
+    to [-1, 1] per image as boundary-loss repos do (brute force over the boundary pixels)."""
+    h, w = mask.shape
+    yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    grid = torch.stack([yy, xx], -1).reshape(-1, 2).float()
+    edge = mask ^ F.max_pool2d(mask[None, None].float(), 3, 1, 1)[0, 0].bool()
+    pts = grid[edge.reshape(-1)]
+    d = torch.cdist(grid, pts).amin(1).reshape(h, w) if len(pts) else torch.zeros(h, w)
+    d = torch.where(mask, -d, d)
+    return d / d.abs().max()
+
+
+class BoundaryLoss(nn.Module):
+    """Kervadec et al.'s boundary loss on the foreground probability, plus cross entropy."""
+
+    def __init__(self, alpha: float = 0.01):
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, logits, labels, dist):
+        probs = logits.softmax(1)[:, 1:].sum(1)
+        ce = F.cross_entropy(logits, labels, ignore_index=IGNORE)
+        return ce + self.alpha * (probs * dist).mean()
