@@ -52,7 +52,7 @@ class Reordered:
         for t in outs:
             order = self.order(t)
             if order is not None and t.dim() and t.shape[0] != self.size:
-                return self.samples(t, bad_rows(t, 0))
+                return self.samples(t, bad_rows(t, 0)) or None
         return None
 
     def track(self, name: str, args: Sequence[Any], leaves: list, out: Any) -> None:

@@ -176,15 +176,19 @@ class SILogLoss(nn.Module):
     """Eigen et al.'s scale-invariant log loss (BTS / AdaBins): pixels with no ground truth
     (depth 0) are left out through ``gt > min_depth``."""
 
-    def __init__(self, lambd: float = 0.85, min_depth: float = 1e-3, per_image: bool = False):
+    def __init__(self, lambd: float = 0.85, min_depth: float = 1e-3, per_image: bool = False,
+                 masked_select: bool = False):
         super().__init__()
         self.lambd, self.min_depth, self.per_image = lambd, min_depth, per_image
+        self.masked_select = masked_select
 
     def forward(self, pred, gt):
         valid = gt > self.min_depth
         if self.per_image:  # (each image's own scale: a loop over the batch)
             return torch.stack([self.silog(p[v], g[v]) for p, g, v in zip(pred, gt, valid)]
                                ).mean()
+        if self.masked_select:
+            return self.silog(pred.masked_select(valid), gt.masked_select(valid))
         return self.silog(pred[valid], gt[valid])
 
     def silog(self, pred, gt):

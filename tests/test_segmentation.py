@@ -39,19 +39,21 @@ def _train(out_dir, model, opt, crit, batches, factory, **kw):
     return info.value, seen
 
 
-def test_a_log_of_zero_depth_among_the_masked_pixels_names_its_image(out_dir):
+@pytest.mark.parametrize("masked_select", [False, True])
+def test_a_log_of_zero_depth_among_the_masked_pixels_names_its_image(out_dir, masked_select):
     """Monocular depth (BTS / AdaBins): a U-Net with a ReLU on its depth, the SILog loss over
     the pixels with LiDAR ground truth, ``log(pred[valid]) - log(gt[valid])``. Image 5 holds
     a dark corner where the ReLU gives a depth of 0: log(0) = -inf. The boolean mask flattens
     the batch into one row of pixels, and the report named no sample ([]), so ``--try auto``
-    had nothing to drop. The rows a mask picks are followed back to their images now."""
+    had nothing to drop. The rows a mask picks are followed back to their images now (also
+    through ``pred.masked_select(valid)``)."""
     imgs, depth = M.depth_scenes(8)
     imgs[5, :, :4, :4] = -6.0
     model = M.make_depth()
     with torch.no_grad():
         model.net.head.bias[0] = 2.0
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    crit = M.SILogLoss()
+    crit = M.SILogLoss(masked_select=masked_select)
     batches = [(imgs[i:i + 2], depth[i:i + 2]) for i in range(0, 8, 2)]
     err, seen = _train(out_dir, model, opt, crit, batches, "segmentation_models:make_depth")
     ev = err.event
