@@ -34,6 +34,7 @@ from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage
+from .lost_eps import LostEps
 from .masked_product import nan_times_zero
 from .memo import TensorSet
 from .pooled import Pooled
@@ -218,6 +219,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     zero_dim=[t.dim() == 0 for t in ins],
                     factor=[made_by(t) for t in ins],
                     sizes=list(f.sizes.get(func.overloadpacket.__name__, ())),
+                    lost_eps=[f.lost_eps.of(t) for t in ins],
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
@@ -257,6 +259,7 @@ class OpFinder:
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
         self.composites = Composites()  # where torch.logdet runs (replay.composite)
+        self.lost_eps = LostEps()  # t + eps where t's type rounds eps to 0 (replay.lost_eps)
         # (data_ptr, shape) -> name of the model's parameters, set by the caller that runs it
         self.params: dict[tuple[int, tuple], str] = {}
         # the innermost module call running now, (name, call), as its caller tracks it
@@ -379,6 +382,7 @@ class OpFinder:
         """Where the op's outputs came from, when a lineage is kept (integer and bool values
         too: a loss's matches, masks, labels)."""
         self.composites.see(name, args, self.seen - 1)
+        self.lost_eps.track(name, args, out)
         self.reordered.track(name, args, leaves, out)
         if self.lineage is not None:
             self.lineage.track(name, args, leaves, out)

@@ -17,6 +17,7 @@ import statistics
 
 import torch
 
+from . import lost_eps
 from .cause_text import DO
 from .hits import Evidence
 
@@ -29,6 +30,8 @@ def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) ->
     """The hint's addition for ``cause`` given the op's evidence (``""`` when none)."""
     if ev is None:
         return ""
+    if lost := lost_eps.context(ev):  # (1e-8 added in float16: whatever the cause)
+        return lost
     if cause == "precision":
         return _narrower(ev, cast)
     if cause == "overflow":

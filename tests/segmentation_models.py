@@ -112,15 +112,15 @@ class SoftDiceLoss(nn.Module):
     """Per-image, per-class soft Dice over softmax probabilities (segmentation_models_pytorch's
     DiceLoss without its clamp): 1 - (2|P∩G| + smooth) / (|P| + |G| + smooth)."""
 
-    def __init__(self, smooth: float = 0.0, from_logits: bool = True):
+    def __init__(self, smooth: float = 0.0, from_logits: bool = True, eps: float = 0.0):
         super().__init__()
-        self.smooth, self.from_logits = smooth, from_logits
+        self.smooth, self.from_logits, self.eps = smooth, from_logits, eps
 
     def forward(self, logits, labels):
         p = logits.softmax(1) if self.from_logits else logits
         g = F.one_hot(labels, p.shape[1]).permute(0, 3, 1, 2).to(p.dtype)
         inter, card = (p * g).sum((2, 3)), (p + g).sum((2, 3))
-        return 1 - ((2 * inter + self.smooth) / (card + self.smooth)).mean()
+        return 1 - ((2 * inter + self.smooth) / (card + self.smooth + self.eps)).mean()
 
 
 class FocalLoss(nn.Module):
@@ -299,3 +299,30 @@ class BoundaryLoss(nn.Module):
         probs = logits.softmax(1)[:, 1:].sum(1)
         ce = F.cross_entropy(logits, labels, ignore_index=IGNORE)
         return ce + self.alpha * (probs * dist).mean()
+
+
+class PrototypeNet(nn.Module):
+    """PANet-style few-shot segmentation: a shared encoder, class prototypes by masked
+    average pooling of the support features under the support mask resized to the feature
+    map, the query segmented by cosine similarity to the prototypes."""
+
+    def __init__(self, base: int = 8, scale: float = 20.0):
+        super().__init__()
+        self.encoder = nn.Sequential(cbr(3, base), nn.MaxPool2d(2), cbr(base, base),
+                                     nn.MaxPool2d(2), cbr(base, base))
+        self.scale = scale
+
+    def forward(self, query, support, support_mask):
+        fq, fs = self.encoder(query), self.encoder(support)
+        m = F.interpolate(support_mask[:, None].float(), size=fs.shape[-2:], mode="nearest")
+        fg = (fs * m).sum((2, 3)) / m.sum((2, 3))
+        bg = (fs * (1 - m)).sum((2, 3)) / (1 - m).sum((2, 3))
+        protos = torch.stack([bg, fg], 1)  # (B, 2, C)
+        sim = F.cosine_similarity(fq[:, None], protos[..., None, None], dim=2)
+        return F.interpolate(self.scale * sim, size=query.shape[-2:], mode="bilinear",
+                             align_corners=False)
+
+
+def make_protonet() -> nn.Module:
+    torch.manual_seed(0)
+    return PrototypeNet()

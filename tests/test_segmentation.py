@@ -117,3 +117,33 @@ def test_a_crop_with_no_weighted_target_says_which_of_ignore_index_or_weight(
         assert kept == 0
         assert "every target of the batch is ignore_index (255)" in rep["hint"], rep["hint"]
         assert "max(count, 1)" in rep["hint"], rep["hint"]
+
+
+def test_a_dice_eps_that_float16_rounds_to_0_is_named_in_the_hint(out_dir):
+    """A U-Net and its soft Dice loss trained in float16 (``model.half()``, half inputs), the
+    Dice written for float32: ``(2 * inter + smooth) / (card + smooth + 1e-8)`` with no
+    smooth. The head has collapsed its last class (bias -25), whose softmax probability
+    float16 rounds to 0 everywhere; image 6 holds none of that class, so its Dice is 0/0.
+    The hint told the user to clamp the denominator away from 0 with an eps, which the loss
+    already adds: 1e-8 is 0 in float16. It says so now."""
+    imgs, labs = M.scenes(8)
+    labs[labs == M.IGNORE] = 0
+    labs[6] = 0
+    model = M.make_unet()
+    with torch.no_grad():
+        model.head.bias[:] = torch.tensor([0.0, 0.0, -25.0])
+    model = model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = M.SoftDiceLoss(eps=1e-8)
+    batches = [(imgs[i:i + 2].half(), labs[i:i + 2]) for i in range(0, 8, 2)]
+    err, seen = _train(out_dir, model, opt, crit, batches, "segmentation_models:make_unet")
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    y = seen[-1][1]
+    absent = [j for j in range(len(y)) if not bool((y[j] == 2).any())]
+    assert absent == [0]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.div", "nan", absent, "underflow"), json.dumps(rep, indent=1)
+    assert "the eps 1e-08 added to that input is 0 in float16" in rep["hint"], rep["hint"]
