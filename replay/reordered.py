@@ -34,6 +34,7 @@ class Reordered:
         # id -> (the tensor, the sample in each of its rows: a 1-d int64 tensor on the CPU)
         self._of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._masks: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # a mask's picks
+        self._identity = torch.arange(max(size, 0))  # (the batch's own order)
 
     def order(self, t: torch.Tensor) -> torch.Tensor | None:
         """The sample in each row of ``t``, None when its rows are in the batch's order."""
@@ -83,8 +84,8 @@ class Reordered:
         if x is None or not outs or not (self._rowed(x) or self.order(x) is not None):
             return None
         before = self.order(x)
-        n = self.size if before is None else len(before)
-        before = torch.arange(n) if before is None else before
+        before = self._identity if before is None else before
+        n = len(before)
         if (picked := self._picked(name, args, x, n)) is not None:
             return [(outs[0], before[picked])]
         if x.dim() == 0 or x.shape[0] != n or not isinstance(outs[0], torch.Tensor) \
