@@ -326,3 +326,41 @@ class PrototypeNet(nn.Module):
 def make_protonet() -> nn.Module:
     torch.manual_seed(0)
     return PrototypeNet()
+
+
+class MaskedAttentionDecoder(nn.Module):
+    """Mask2Former's masked attention, one layer: learned queries attend to the pixel
+    features only inside the mask their previous prediction gives (sigmoid < 0.5 is masked
+    out), through ``nn.MultiheadAttention`` with a (B * heads, Q, HW) boolean ``attn_mask``;
+    each query's mask logits are the dot product of its embedding with the pixel features.
+    ``guard``: Mask2Former's fix, a query whose mask is empty attends everywhere."""
+
+    def __init__(self, n_queries: int = 4, dim: int = 8, heads: int = 2, guard: bool = False):
+        super().__init__()
+        self.pixel = nn.Sequential(cbr(3, dim), cbr(dim, dim))
+        self.queries = nn.Parameter(torch.randn(n_queries, dim))
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.cls = nn.Linear(dim, N_CLASSES + 1)
+        self.heads, self.guard = heads, guard
+
+    def forward(self, x):
+        f = self.pixel(x)  # (B, C, H, W)
+        b = f.shape[0]
+        q = self.queries.expand(b, -1, -1)
+        masks = torch.einsum("bqc,bchw->bqhw", q, f)
+        attn_mask = (masks.flatten(2).sigmoid() < 0.5).detach()
+        if self.guard:
+            attn_mask[attn_mask.all(-1)] = False
+        attn_mask = attn_mask.repeat_interleave(self.heads, 0)
+        q = self.norm(q + self.attn(q, f.flatten(2).transpose(1, 2), f.flatten(2).transpose(
+            1, 2), attn_mask=attn_mask)[0])
+        masks = torch.einsum("bqc,bchw->bqhw", q, f)
+        # per-pixel class scores: the queries' class probabilities weighted by their masks
+        return torch.einsum("bqk,bqhw->bkhw", self.cls(q).softmax(-1)[..., :-1],
+                            masks.sigmoid())
+
+
+def make_mask2former(guard: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return MaskedAttentionDecoder(guard=guard)

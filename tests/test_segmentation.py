@@ -147,3 +147,49 @@ def test_a_dice_eps_that_float16_rounds_to_0_is_named_in_the_hint(out_dir):
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
         ("<loss>", "aten.div", "nan", absent, "underflow"), json.dumps(rep, indent=1)
     assert "the eps 1e-08 added to that input is 0 in float16" in rep["hint"], rep["hint"]
+
+
+def test_a_16_bit_image_under_float16_autocast_and_a_drop_deeplab_cannot_run(out_dir):
+    """torchvision's DeepLabv3 recipe: dict outputs ``{"out", "aux"}`` and its criterion
+    (passed as a function, called as ``rec.loss_fn``), float16 autocast with a GradScaler,
+    SGD with weight decay and a poly schedule. Image 5 is a 16-bit scan never scaled to
+    [0, 1]; autocast's cast of it to float16 overflows. The report names the cast, the
+    image and its scale; ``--try auto``'s drop=1 leaves a batch of one, which the ASPP's
+    image-pooling BatchNorm refuses: the try said only that the model raised a ValueError.
+    It says now that the drop left one sample, which such a BatchNorm cannot normalise."""
+    imgs, labs = M.scenes(8)
+    imgs[5] = (imgs[5] + 1) * 30000.0
+    model = M.make_deeplab()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: (1 - it / 4) ** 0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    seen = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.criterion, out_dir=out_dir, scaler=scaler,
+                            factory="segmentation_models:make_deeplab") as rec:
+            for i in range(0, 8, 2):
+                x, y = imgs[i:i + 2], labs[i:i + 2]
+                seen.append(x)  # (the event of a step the scaler skips comes a step later)
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = rec.loss_fn(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+    err = info.value
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "forward", "backbone.0.0"), ev
+    big = (seen[ev["step"]].flatten(1).amax(1) > torch.finfo(torch.float16).max).nonzero()[:, 0]
+    assert big.tolist() == [1]
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("backbone.0.0", "aten._to_copy", "+inf", big.tolist(), "overflow"), \
+        json.dumps(rep, indent=1)
+    assert "out of scale" in rep["hint"], rep["hint"]
+    tried = {t["try"]: t for t in rep["what_if"]}
+    assert set(tried) == {"drop=1", "dtype=float32"} and tried["dtype=float32"]["finite"], \
+        rep["what_if"]
+    assert "(the drop left 1 of the batch's 2 samples: a BatchNorm in training mode cannot " \
+           "normalise a batch of one" in tried["drop=1"]["error"], tried["drop=1"]
