@@ -66,6 +66,12 @@ MASKED_BY_PRODUCT = (
     "to drop. Fill them before the first op that reads them (torch.nan_to_num(x), "
     "torch.where(observed, x, 0)) or select the observed entries (x[observed]), then weight "
     "by the mask")
+# an infinity made at a pole, then multiplied by a mask's 0 (replay.masked_product), appended
+MASK_AFTER_POLE = (
+    "; then {op} multiplied that infinity by a mask's 0, and inf * 0 is NaN: a mask applied "
+    "after the op does not keep out the values it was meant to drop. Select the valid entries "
+    "before it (pred[valid], gt[valid]) or make its input safe where the mask is 0 "
+    "(torch.where(valid, gt, 1))")
 # a backward node that multiplied an allow_nan input's NaN, which the forward masked after it
 # used it (replay.origins.report_backward)
 ALLOWED_NAN_SAVED = (

@@ -35,7 +35,7 @@ from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage
 from .lost_eps import LostEps
-from .masked_product import nan_times_zero
+from .masked_product import mask_after_pole, nan_times_zero
 from .memo import TensorSet
 from .pooled import Pooled
 from .positive import Partly, made_positive, positive_result
@@ -125,6 +125,7 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
     after an exact infinity that an op took back to finite ones)."""
     hit.within, hit.rows = f.where, f.batch_rows(outs)
     hit.from_mask = f.first is None and bool(f.intentional)
+    mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit)  # (inf * mask's 0)
     if in_finite and f.absorbed and f.first is not None and exact_pole(f.first):
         try:
             hit.evidence = f.of_records(_evidence(func, given, outs, f), ins, hit.rows)

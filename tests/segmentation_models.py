@@ -364,3 +364,12 @@ class MaskedAttentionDecoder(nn.Module):
 def make_mask2former(guard: bool = False) -> nn.Module:
     torch.manual_seed(0)
     return MaskedAttentionDecoder(guard=guard)
+
+
+class InverseDepthL1(nn.Module):
+    """L1 on inverse depth (disparity) over the pixels with ground truth, the mask applied
+    by multiplication after the difference, as many monodepth repos write it."""
+
+    def forward(self, pred, gt):
+        valid = (gt > 0).float()
+        return (torch.abs(1.0 / pred - 1.0 / gt) * valid).sum() / valid.sum()

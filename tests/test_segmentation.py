@@ -193,3 +193,31 @@ def test_a_16_bit_image_under_float16_autocast_and_a_drop_deeplab_cannot_run(out
         rep["what_if"]
     assert "(the drop left 1 of the batch's 2 samples: a BatchNorm in training mode cannot " \
            "normalise a batch of one" in tried["drop=1"]["error"], tried["drop=1"]
+
+
+def test_an_inverse_depth_of_a_hole_masked_after_the_division_says_the_mask_came_late(out_dir):
+    """L1 on inverse depth, ``(|1/pred - 1/gt| * valid).sum() / valid.sum()`` with
+    ``valid = gt > 0``: the mask is applied after the division, so a LiDAR hole's 1/0 = inf
+    is multiplied by 0, which is NaN. Images 0-4 have dense ground truth, image 5 has holes.
+    The report named the reciprocal on image 5 and told the user to add an eps or skip the
+    rows where it is 0, as if no mask were there; it says now that the product by the mask's
+    0 came after the pole and made the NaN, and how to mask before it."""
+    imgs, depth = M.depth_scenes(8)
+    depth[:5] = depth[:5].clamp_min(1.0)
+    model = M.make_depth(act="softplus")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    batches = [(imgs[i:i + 2], depth[i:i + 2]) for i in range(0, 8, 2)]
+    err, seen = _train(out_dir, model, opt, M.InverseDepthL1(), batches,
+                       "segmentation_models:make_depth", factory_kwargs={"act": "softplus"})
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    holes = (seen[-1][1] == 0).flatten(1).any(1).nonzero()[:, 0].tolist()
+    assert holes == [1]
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.reciprocal", "+inf", holes, "invalid"), json.dumps(rep, indent=1)
+    assert "then aten.mul (segmentation_models.py:" in rep["hint"], rep["hint"]
+    assert "multiplied that infinity by a mask's 0, and inf * 0 is NaN" in rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)], \
+        rep["what_if"]
