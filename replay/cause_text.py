@@ -66,6 +66,12 @@ MASKED_BY_PRODUCT = (
     "to drop. Fill them before the first op that reads them (torch.nan_to_num(x), "
     "torch.where(observed, x, 0)) or select the observed entries (x[observed]), then weight "
     "by the mask")
+# an infinity made at a pole, then multiplied by a mask's 0 (replay.masked_product), appended
+MASK_AFTER_POLE = (
+    "; then {op} multiplied that infinity by a mask's 0, and inf * 0 is NaN: a mask applied "
+    "after the op does not keep out the values it was meant to drop. Select the valid entries "
+    "before it (pred[valid], gt[valid]) or make its input safe where the mask is 0 "
+    "(torch.where(valid, gt, 1))")
 # a backward node that multiplied an allow_nan input's NaN, which the forward masked after it
 # used it (replay.origins.report_backward)
 ALLOWED_NAN_SAVED = (
@@ -260,8 +266,11 @@ DO = {
     "ctc": "drop or fix samples whose target cannot be aligned (a target needs at least its "
            "length plus one frame per repeated label), or pass zero_infinity=True to CTCLoss "
            "(a Hugging Face CTC model: config.ctc_zero_infinity=True)",
-    "no_target": "every target of the batch is ignored (ignore_index): skip such batches or "
-                 "use reduction='sum' and divide by max(count, 1)",
+    "no_target": "skip batches whose targets are all ignored, or use reduction='sum' and "
+                 "divide by max(count, 1)",
+    "zero_weight": "a class weight of 0 leaves a batch of only that class no target weight: "
+                   "skip such batches, give the class a small weight above 0, or use "
+                   "reduction='sum' and divide by the total weight clamped to at least 1",
     "masked_target": "a loss that skips NaN targets in its value (nanmean, torch.where or a "
                      "mask on its output) still multiplies them in its backward (0 * NaN is "
                      "NaN): select the valid rows before the op (pred[mask], y[mask]) or fill "

@@ -153,7 +153,7 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         return (f"{op} in eval mode with a negative running variance (as low as "
                 f"{g(low_var)}): the square root of running_var + eps", "running_var")
     if base.startswith("nll_loss") and ev.others and bool((ev.others[0] == 0).all()):
-        return f"{op} divided by a total target weight of 0 (0/0)", "no_target"
+        return _no_target(op, ev)
     if base in ("log", "log2", "log10", "xlogy", "special_xlog1py"):
         x = ins[-1] if base == "xlogy" and ins else x
         zero, neg = bool((x == 0).any()), bool((x < 0).any())
@@ -335,3 +335,25 @@ def _ctc(ev: Evidence) -> str:
         text += (f"; row {i}: target of {len(tgt)} labels needs {need} frames, the input has "
                  f"{in_len[i]}")
     return text
+
+
+def _no_target(op: str, ev: Evidence) -> tuple[str, str]:
+    """Why a mean nll_loss's total target weight is 0: every target is ``ignore_index``, or
+    the targets left are all of classes the ``weight`` argument gives 0 (a background class
+    weighted 0, a crop of background only)."""
+    args = list(ev.args) + [None] * 5
+    target, ignore = args[1], args[4]
+    text = f"{op} divided by a total target weight of 0 (0/0)"
+    if not isinstance(target, torch.Tensor) or not isinstance(ignore, int):
+        return f"{text}: every target of the batch is ignored (ignore_index)", "no_target"
+    kept = target[target != ignore]
+    if not kept.numel():
+        return f"{text}: every target of the batch is ignore_index ({ignore})", "no_target"
+    classes = kept.unique().tolist()
+    return (f"{text}: the batch's {kept.numel()} targets that are not ignore_index ({ignore}) "
+            f"are all of class{'es' if len(classes) > 1 else ''} {_listed(classes)}, whose "
+            "weight is 0"), "zero_weight"
+
+
+def _listed(v: list[int]) -> str:
+    return ", ".join(str(c) for c in v[:8]) + (", ..." if len(v) > 8 else "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import torch
+from torch import nn
 
 from recorder.capture import tree_refs
 from recorder.samples import Bags, Segments, bag_offsets, packed_in
@@ -30,6 +31,25 @@ def undroppable(step, i: int) -> str | None:
         return None
     found = packed_in(list(micro_batch_inputs(step, i)))
     return GRAPHS if any(isinstance(v, Segments) for v in found.values()) else None
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def left_by(step, change) -> str:
+    """What ``change``'s drop left of its micro-batch, said where the re-run without those
+    samples raised: one sample, which a BatchNorm in training mode refuses where its feature
+    map is 1x1 (DeepLab's image pooling), is the likely why. ``""`` for no drop."""
+    i, dropped = (change.drop_micro_batch or (0,))[0], change.drop
+    n = entry_samples(step.micro_batches[i], step.tensors, step.model).size \
+        if dropped and i < len(step.micro_batches) else 0
+    if not n:
+        return ""
+    left = n - len(dropped)
+    bn = left == 1 and any(isinstance(m, _BATCH_NORMS) for m in step.model.modules())
+    return (f" (the drop left {left} of the batch's {n} samples"
+            + (": a BatchNorm in training mode cannot normalise a batch of one where its "
+               "feature map is 1x1, so this try cannot tell" if bn else "") + ")")
 
 
 def compared_with(step, i: int) -> tuple[int, ...]:

@@ -65,6 +65,10 @@ class Evidence:
     factor: list[str | None] = field(default_factory=list)
     narrowest: torch.dtype | None = None  # the narrowest type an op before it made
     sizes: list[float] = field(default_factory=list)  # its earlier finite calls' absmax
+    # per input, the eps it was guarded by that its type rounded to 0 (replay.lost_eps)
+    lost_eps: list[float | None] = field(default_factory=list)
+    # the product that multiplied its infinity by a mask's 0, made NaN (replay.masked_product)
+    masked_after: str | None = None
 
 
 # ops with a pole at an input of 0, where a 0 they are given makes an infinity

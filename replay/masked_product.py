@@ -31,10 +31,28 @@ def nan_times_zero(name: str, args) -> bool:
             return False
 
 
-def _met(x, factor) -> bool:
+def mask_after_pole(first, name: str, args, hit) -> None:
+    """When the first NaN (``hit``, of op ``name`` on ``args``) is a product of an infinity
+    by a mask's exact 0, and the op blamed (``first``) made that infinity at a pole
+    (``1 / gt`` of a depth map's holes, masked by ``* valid`` after the division), note the
+    product on ``first``'s evidence: the mask came after the pole, where ``inf * 0`` is NaN."""
+    ev = first.evidence if first is not None else None
+    if ev is None or first.made not in ("+inf", "-inf") or name not in _PRODUCTS \
+            or len(args) < 2:
+        return
+    with torch.no_grad():
+        try:
+            met = _met(args[0], args[1], torch.isinf) or _met(args[1], args[0], torch.isinf)
+        except RuntimeError:
+            return
+    if met:
+        ev.masked_after = f"{hit.op}" + (f" ({hit.source})" if hit.source else "")
+
+
+def _met(x, factor, bad=torch.isnan) -> bool:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return False
-    nan = torch.isnan(x)
+    nan = bad(x)
     if not bool(nan.any()):
         return False
     if not isinstance(factor, torch.Tensor):

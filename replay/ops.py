@@ -34,7 +34,8 @@ from .folds import folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage, pole_inputs
-from .masked_product import nan_times_zero
+from .lost_eps import LostEps
+from .masked_product import mask_after_pole, nan_times_zero
 from .memo import TensorSet
 from .param_names import ParamNames
 from .pooled import Pooled
@@ -126,6 +127,7 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
     after an exact infinity that an op took back to finite ones)."""
     hit.within, hit.rows = f.where, f.batch_rows(outs)
     hit.from_mask = f.first is None and bool(f.intentional)
+    mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit)  # (inf * mask's 0)
     if in_finite and f.absorbed and f.first is not None and exact_pole(f.first):
         try:
             hit.evidence = f.of_records(_evidence(func, given, outs, f), ins, hit.rows)
@@ -220,6 +222,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     zero_dim=[t.dim() == 0 for t in ins],
                     factor=[made_by(t) for t in ins],
                     sizes=list(f.sizes.get(func.overloadpacket.__name__, ())),
+                    lost_eps=[f.lost_eps.of(t) for t in ins],
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
@@ -259,6 +262,7 @@ class OpFinder:
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self._mode = _Watch(self)
         self.composites = Composites()  # where torch.logdet runs (replay.composite)
+        self.lost_eps = LostEps()  # t + eps where t's type rounds eps to 0 (replay.lost_eps)
         # the model's parameters by name, indexed by the caller that runs it
         self.names = ParamNames()
         # the innermost module call running now, (name, call), as its caller tracks it
@@ -366,6 +370,7 @@ class OpFinder:
         """Where the op's outputs came from, when a lineage is kept (integer and bool values
         too: a loss's matches, masks, labels)."""
         self.composites.see(name, args, self.seen - 1)
+        self.lost_eps.track(name, args, out)
         self.reordered.track(name, args, leaves, out)
         if self.lineage is not None:
             self.lineage.track(name, args, leaves, out)
@@ -391,6 +396,8 @@ class OpFinder:
         shaped = None if t is None else s.rows(t, stacked=True)
         if t is not None and s.dim(t, stacked=True) == 0:  # (rows of a sorted batch: samples)
             shaped = self.reordered.samples(t, shaped)
+        elif t is None:  # (values a mask picked out of the batch: ``log(pred[valid])``)
+            shaped = self.reordered.picked_rows(outs)
         return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
 
     def folded_rows(self, outs: list[torch.Tensor], ins: list[torch.Tensor], pairs

@@ -1,4 +1,4 @@
-"""Values whose rows are the batch's samples in another order.
+"""Values whose rows are the batch's samples in another order, or picked out of them.
 
 A Cox partial likelihood sorts the batch by follow-up time before its risk sets' cumulative
 sum (``order = argsort(time, descending=True)``; ``risk[order]``): row ``r`` of the sorted
@@ -9,6 +9,11 @@ follows such reorderings: an integer index of the batch's length along dim 0 (``
 its indices), ``flip`` along the samples (a reverse cumulative sum), and, from them, every
 op whose inputs with the batch's rows were all reordered the same way (``exp``, ``cumsum``, ``risk - log_risk``); :meth:`Reordered.samples` turns rows
 back into samples.
+
+A boolean mask over the samples' leading dimensions picks values out of them the same way
+(a depth loss's ``log(pred[valid])``, a segmentation loss's ``loss[labels != 255]``): row
+``r`` of the picked values belongs to the sample of the mask's ``r``-th true element. Those
+rows are followed too, and named as their samples (:meth:`Reordered.picked_rows`).
 """
 
 from __future__ import annotations
@@ -20,14 +25,18 @@ from typing import Any
 import torch
 
 from recorder.capture import tensor_leaves
+from recorder.finite import bad_rows
 
 
 class Reordered:
     def __init__(self, size: int):
         self.size = size
-        self._of: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+        # id -> (the tensor, the sample in each of its rows: a 1-d int64 tensor on the CPU)
+        self._of: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._masks: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # a mask's picks
+        self._identity = torch.arange(max(size, 0))  # (the batch's own order)
 
-    def order(self, t: torch.Tensor) -> tuple[int, ...] | None:
+    def order(self, t: torch.Tensor) -> torch.Tensor | None:
         """The sample in each row of ``t``, None when its rows are in the batch's order."""
         hit = self._of.get(id(t))
         return hit[1] if hit is not None and hit[0]() is t else None
@@ -36,7 +45,16 @@ class Reordered:
         order = self.order(t)
         if order is None or not rows:
             return rows
-        return sorted({order[r] for r in rows if r < len(order)})
+        return sorted(set(order[[r for r in rows if r < len(order)]].tolist()))
+
+    def picked_rows(self, outs: list[torch.Tensor]) -> list[int] | None:
+        """The samples of the non-finite rows of the first output a mask picked out of the
+        batch (rows not the batch's own), or None."""
+        for t in outs:
+            order = self.order(t)
+            if order is not None and t.dim() and t.shape[0] != self.size:
+                return self.samples(t, bad_rows(t, 0)) or None
+        return None
 
     def track(self, name: str, args: Sequence[Any], leaves: list, out: Any) -> None:
         if self.size < 2:
@@ -47,17 +65,31 @@ class Reordered:
             for t, order in made:
                 self._put(t, order)
             return
-        rowed = [t for t in leaves if self._rowed(t)]
-        orders = {self.order(t) for t in rowed}
-        if len(orders) == 1 and (order := orders.pop()) is not None:
-            for t in outs:
-                if self._rowed(t):
-                    self._put(t, order)
+        # the inputs with rows of samples: the batch's own (None) or followed ones
+        found: list[torch.Tensor | None] = []
+        for t in leaves:
+            o = self.order(t) if isinstance(t, torch.Tensor) else None
+            if (o is not None or self._rowed(t)) and not any(_same(o, f) for f in found):
+                found.append(o)
+        if len(found) != 1 or (order := found[0]) is None:
+            return
+        for t in outs:
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == len(order):
+                self._put(t, order)
 
     def _made(self, name: str, args: Sequence[Any], outs: list[torch.Tensor]):
-        """The outputs an index or a sort reordered, with the sample in each of their rows."""
+        """The outputs an index, a sort or a mask reordered, with the sample in each of their
+        rows."""
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if x is None or not self._rowed(x) or not outs or not self._rowed(outs[0]):
+        if x is None or not outs or not (self._rowed(x) or self.order(x) is not None):
+            return None
+        before = self.order(x)
+        before = self._identity if before is None else before
+        n = len(before)
+        if (picked := self._picked(name, args, x, n)) is not None:
+            return [(outs[0], before[picked])]
+        if x.dim() == 0 or x.shape[0] != n or not isinstance(outs[0], torch.Tensor) \
+                or outs[0].dim() == 0 or outs[0].shape[0] != n:
             return None
         if name == "index" and len(args) > 1 and isinstance(args[1], (list, tuple)) \
                 and args[1] and isinstance(args[1][0], torch.Tensor):
@@ -67,23 +99,55 @@ class Reordered:
         elif name == "sort" and x.dim() == 1 and len(outs) == 2:
             idx = outs[1]
         elif name == "flip" and len(args) > 1 and 0 in [d % x.dim() for d in args[1]]:
-            idx = torch.arange(self.size - 1, -1, -1)  # (a reverse cumsum: flip, cumsum, flip)
+            idx = torch.arange(n - 1, -1, -1)  # (a reverse cumsum: flip, cumsum, flip)
         else:
             return None
-        if idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 1 \
-                or len(idx) != self.size:
+        if idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 1 or len(idx) != n:
             return None
-        before = self.order(x) or range(self.size)
-        order = tuple(before[i] for i in idx.tolist())
+        order = before[idx.cpu()]
         return [(outs[0], order)] + ([(outs[1], order)] if name == "sort" else [])
+
+    def _picked(self, name: str, args: Sequence[Any], x: torch.Tensor, rows: int
+                ) -> torch.Tensor | None:
+        """The row of ``x`` each row of a boolean mask's pick came from (one per mask: a
+        loss picks its prediction and its target with the same one)."""
+        m = _mask(name, args, x, rows)
+        if m is None:
+            return None
+        hit = self._masks.get(id(m))
+        if hit is None or hit[0]() is not m:
+            hit = self._masks[id(m)] = (weakref.ref(m), m.detach().nonzero()[:, 0].cpu())
+        return hit[1]
 
     def _rowed(self, t: Any) -> bool:
         # (a nested tensor has no sizes to read: never reordered here)
         return isinstance(t, torch.Tensor) and not t.is_nested and t.dim() > 0 \
             and t.shape[0] == self.size
 
-    def _put(self, t: torch.Tensor, order: tuple[int, ...]) -> None:
-        if order == tuple(range(self.size)):  # (sorted back: the batch's order again)
-            self._of.pop(id(t), None)
+    def _put(self, t: torch.Tensor, order: torch.Tensor) -> None:
+        if len(order) == self.size and torch.equal(order, torch.arange(self.size)):
+            self._of.pop(id(t), None)  # (sorted back: the batch's order again)
         else:
             self._of[id(t)] = (weakref.ref(t), order)
+
+
+def _mask(name: str, args: Sequence[Any], x: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The boolean mask over ``x``'s leading dimensions that ``x[mask]`` or
+    ``masked_select`` (its result flat) picks with, or None."""
+    if name == "index" and len(args) > 1 and isinstance(args[1], (list, tuple)) \
+            and len(args[1]) == 1 and isinstance(args[1][0], torch.Tensor):
+        m = args[1][0]
+    elif name == "masked_select" and len(args) > 1 and isinstance(args[1], torch.Tensor) \
+            and args[1].dim() == x.dim() and tuple(args[1].shape) == tuple(x.shape):
+        m = args[1]  # (a mask broadcast to x is not followed)
+    else:
+        return None
+    if m.dtype != torch.bool or m.dim() == 0 or m.dim() > x.dim() or m.shape[0] != rows \
+            or tuple(m.shape) != tuple(x.shape[:m.dim()]):
+        return None
+    return m
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and len(a) == len(b)
+                      and torch.equal(a, b))

@@ -17,7 +17,8 @@ import statistics
 
 import torch
 
-from .cause_text import DO
+from . import lost_eps
+from .cause_text import DO, MASK_AFTER_POLE
 from .hits import Evidence
 
 MIN_CALLS = 8  # earlier finite calls of the op: fewer is no loop
@@ -29,6 +30,10 @@ def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) ->
     """The hint's addition for ``cause`` given the op's evidence (``""`` when none)."""
     if ev is None:
         return ""
+    if lost := lost_eps.context(ev):  # (1e-8 added in float16: whatever the cause)
+        return lost
+    if ev.masked_after and cause == "invalid":
+        return MASK_AFTER_POLE.format(op=ev.masked_after)
     if cause == "precision":
         return _narrower(ev, cast)
     if cause == "overflow":

@@ -24,7 +24,7 @@ import torch
 
 from .cause_text import BELOW_FLOAT32, BEYOND_FLOAT64
 from .diverging import beyond_run_type, still_diverging
-from .drop import compared_with, undroppable
+from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
 from .load import Step, autocast_dtype
 from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
@@ -286,7 +286,7 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             continue
         if res.raised:  # no evidence of finite: the run ended where the model's code raised
             out.append({"try": label, "finite": None, "inconclusive": None, "event_step": None,
-                         "origin": None, "error": res.raised})
+                         "origin": None, "error": res.raised + left_by(step, change)})
             continue
         o = res.first
         entry: dict[str, Any] = {"try": label, "finite": o is None,
