@@ -52,7 +52,7 @@ class Reordered:
         batch (rows not the batch's own), or None."""
         for t in outs:
             order = self.order(t)
-            if order is not None and t.dim() and t.shape[0] != self.size:
+            if order is not None and not t.is_nested and t.dim() and t.shape[0] != self.size:
                 return self.samples(t, bad_rows(t, 0)) or None
         return None
 
@@ -74,7 +74,8 @@ class Reordered:
         if len(found) != 1 or (order := found[0]) is None:
             return
         for t in outs:
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == len(order):
+            if isinstance(t, torch.Tensor) and not t.is_nested and t.dim() \
+                    and t.shape[0] == len(order):
                 self._put(t, order)
 
     def _made(self, name: str, args: Sequence[Any], outs: list[torch.Tensor]):
@@ -89,7 +90,7 @@ class Reordered:
         if (picked := self._picked(name, args, x, n)) is not None:
             return [(outs[0], before[picked])]
         if x.dim() == 0 or x.shape[0] != n or not isinstance(outs[0], torch.Tensor) \
-                or outs[0].dim() == 0 or outs[0].shape[0] != n:
+                or outs[0].is_nested or outs[0].dim() == 0 or outs[0].shape[0] != n:
             return None
         if name == "index" and len(args) > 1 and isinstance(args[1], (list, tuple)) \
                 and args[1] and isinstance(args[1][0], torch.Tensor):
