@@ -1,0 +1,94 @@
+"""State-space models and linear recurrences trained as pure-PyTorch repositories train them
+(``state_space_models``): a Mamba-2 style chunked scan, S4D's complex Vandermonde kernel with an
+FFT convolution, RWKV's WKV recurrence, causal linear attention, blocks under
+``torch.utils.checkpoint``; the recorder on the loop, then ``nanreplay``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import state_space_models as S
+import torch
+import torch.nn.functional as F
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+MAX_EXP = 88.72  # log of float32's largest value: exp overflows above it
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where state_space_models.py, the factory's module, lives
+
+
+def lm_loss(logits, ids):
+    """Next-token cross entropy over the real tokens (padding is token 0)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, S.VOCAB), ids[:, 1:].reshape(-1),
+                           ignore_index=0)
+
+
+def padded(lengths: list[int], t: int, g: torch.Generator, left: bool = False):
+    ids = torch.randint(1, S.VOCAB, (len(lengths), t), generator=g)
+    pos = torch.arange(t)
+    pad = pos < t - torch.tensor(lengths)[:, None] if left else pos >= torch.tensor(lengths)[:, None]
+    return ids.masked_fill(pad, 0)
+
+
+def train_lm(out_dir: Path, model, factory: str, batches: list[torch.Tensor],
+             lr: float = 1e-3):
+    """AdamW on ``batches``; the recorder raises before the event step's update, so ``model``
+    then holds the weights that step ran with."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    with FlightRecorder(model, opt, loss_fn=lm_loss, out_dir=out_dir,
+                        factory=f"state_space_models:{factory}"):
+        for ids in batches:
+            opt.zero_grad()
+            lm_loss(model(ids), ids).backward()
+            opt.step()
+
+
+def overflowing_rows(model, ids, layer: int) -> list[int]:
+    """The rows whose segsum in ``layers[layer]``'s scan reaches past exp's range: the sum of
+    ``-dt * A`` over a row's positions after the first (the chunk's largest upper-triangle
+    difference), recomputed from the mixer's input."""
+    mixer = model.layers[layer].mixer
+    seen = {}
+    handle = mixer.register_forward_hook(lambda m, args, out: seen.update(u=args[0], mask=args[1]))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    dt = mixer.in_proj(seen["u"])[..., -mixer.heads:]
+    dt = F.softplus(dt + mixer.dt_bias) * seen["mask"][..., None]
+    decay = (dt * torch.exp(mixer.A_log))[:, 1:].sum(1)  # (b, h)
+    return torch.nonzero(decay.amax(1) > MAX_EXP).flatten().tolist()
+
+
+@pytest.mark.parametrize("factory", ["make_naive_mamba", "make_naive_mamba_ckpt"])
+def test_an_exp_before_the_causal_mask_in_the_scan_is_an_overflow_in_its_backward(
+        tmp_path, factory):
+    """Mamba-2's segsum as the difference of two cumsums, exp taken before the causal mask
+    (``exp(diff).masked_fill(~causal, 0)``): the upper triangle, a positive sum of ``-dt * A``,
+    overflows once a row is long enough (a length curriculum's step 2); the forward is finite,
+    the backward multiplies the masked 0 by the saved +inf. Under torch.utils.checkpoint the
+    node's saved result unpacks once (for the node), so the report said the gradient was too
+    large for float32; now, as without checkpointing, ExpBackward0 multiplied a saved +Inf
+    masked after the op, with the advice to make the input safe before the exp."""
+    g = torch.Generator().manual_seed(0)
+    batches = [padded([20, 16, 12, 8], 64, g), padded([18, 20, 10, 14], 64, g),
+               padded([64, 20, 56, 16], 64, g)]
+    model = getattr(S, factory)()
+    with pytest.raises(NonFiniteError) as info:
+        train_lm(tmp_path, model, factory, batches)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"]) == \
+        ("backward", "layers.1.mixer", "ExpBackward0", "overflow"), json.dumps(rep, indent=1)
+    assert o["source"].startswith("state_space_models.py:"), o["source"]
+    assert "saved in the forward" in rep["hint"] and "before the op" in rep["hint"], rep["hint"]
+    assert o["samples"] == overflowing_rows(model, batches[2], 1) != [], o["samples"]
