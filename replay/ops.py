@@ -38,6 +38,7 @@ from .masked_product import nan_times_zero
 from .memo import TensorSet
 from .pooled import Pooled
 from .positive import Partly, made_positive, positive_result
+from .recurring import widen_rows
 from .reordered import Reordered
 from .saturation import Saturation, made_unit
 from .source import user_source
@@ -59,8 +60,8 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs, f = kwargs or {}, self.finder
-        if f.first is not None and f.first_nan is not None:
-            return run_op(func, args, kwargs)
+        if f.first is not None and f.first_nan is not None:  # (the rows its module call
+            return widen_rows(f, func, args, kwargs, run_op(func, args, kwargs))  # made next)
         name = func.overloadpacket.__name__
         occurrence, seq = f.count(name)
         ins = float_leaves(leaves := tree_leaves((args, kwargs)))
@@ -74,6 +75,7 @@ class _Watch(TorchDispatchMode):
         if not outs or name in _UNINITIALISED:
             return out
         f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func)
+        widen_rows(f, func, args, kwargs, out)
         if (out_ends := f.ends_of(name, outs)) is None:
             # an infinity taken back to finite values (exp(-inf) = 0) before any NaN
             f.absorbed |= not in_finite and in_nan_free and f.first_nan is None

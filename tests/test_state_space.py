@@ -92,3 +92,56 @@ def test_an_exp_before_the_causal_mask_in_the_scan_is_an_overflow_in_its_backwar
     assert o["source"].startswith("state_space_models.py:"), o["source"]
     assert "saved in the forward" in rep["hint"] and "before the op" in rep["hint"], rep["hint"]
     assert o["samples"] == overflowing_rows(model, batches[2], 1) != [], o["samples"]
+
+
+def series(steps: int, t: int = 24) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sensor windows, 4 features, and the next value of the first one as the target."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, t, 4, generator=g) for _ in range(steps)]
+    return [(x, x[..., 0].roll(-1, 1)) for x in xs]
+
+
+def nonfinite_rows_of(model, module: str, x) -> list[int]:
+    """The rows of ``module``'s output that are non-finite while its input is finite in them."""
+    seen = {}
+    sub = model.get_submodule(module)
+    handle = sub.register_forward_hook(lambda m, args, out: seen.update(i=args[0], o=out))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    bad_in = ~torch.isfinite(seen["i"]).flatten(1).all(1)
+    bad_out = ~torch.isfinite(seen["o"]).flatten(1).all(1)
+    return torch.nonzero(bad_out & ~bad_in).flatten().tolist()
+
+
+def test_rows_overflowing_at_different_steps_of_a_wkv_loop_are_all_named(tmp_path):
+    """RWKV-4's WKV written out without the max-subtraction trick (``exp(k)`` raw), trained
+    with a learning rate 300x too high: the keys grow until one row's ``exp(k) * v`` overflows
+    at one time step of the loop and another row's ``exp(k)`` at a later one. The report
+    named the first row only (the first call's), so ``--try drop=`` of it still ended in NaN;
+    now every row an op of that module call made non-finite of its own finite values, and
+    dropping them clears the step."""
+    model = S.make_naive_rwkv()
+    opt = torch.optim.Adam(model.parameters(), lr=0.3)
+    crit = torch.nn.MSELoss()
+    batches = series(60)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="state_space_models:make_naive_rwkv"):
+            for x, y in batches:
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    err = info.value
+    step = err.event["step"]
+    assert (step, err.event["module"]) == (43, "layers.1.mixer"), err.event
+    rows = nonfinite_rows_of(model, "layers.1.mixer", batches[step][0])
+    assert len(rows) > 1, rows
+    rep = nanreplay_json(err.bundle_path, "--try", f"drop={','.join(map(str, rows))}")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["call"], o["op"], rep["cause"]) == \
+        ("forward", "layers.1.mixer", 0, "aten.mul", "overflow"), json.dumps(rep, indent=1)
+    assert o["samples"] == rows, (o["samples"], rows)
+    assert "subtract the row max before exp" in rep["hint"], rep["hint"]
+    [what_if] = rep["what_if"]
+    assert what_if["finite"] is True, what_if
