@@ -207,8 +207,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      f"{domains.g_apart(past[1], 0.0)} against {dt}'s {_g(past[0])}: the "
                      "margin shrank with the type's precision, so rounding put the input "
                      "there, which exact arithmetic does not: " + _advice(situation))
-    if ev.of_data and situation in ("pole", "log1p_pole", "domain", "divide"):
-        situation = "of_data"  # (a 0-d total or a Python number: their own advice)
+    if (ev.of_data or ev.of_weights) and situation in ("pole", "log1p_pole", "domain", "divide"):
+        situation = "of_data" if ev.of_data else "of_weights"  # (a 0-d total: its own advice)
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
 
 

@@ -177,6 +177,12 @@ DO = {
                "out of range): drop or repair such records where the data is made (the "
                "dataset, its transforms, the collate_fn), or skip them in the loss; an eps "
                "there would train toward a made-up target",
+    # an op that took only the weights and values made of them alone (no sample's data)
+    "of_weights": "its inputs were made from the model's parameters and buffers alone (no "
+                  "sample's data reaches it, so every sample hits it): a parametrisation "
+                  "reached the op's pole or left its domain (a rate -relu(a) at 0, a scale "
+                  "trained to 0); keep it away (a.clamp_min(eps), or -exp(a_log) as S4 and "
+                  "Mamba parametrise A) or add an eps",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
     "running_var": "a variance is never negative, so the module's running_var buffer was "

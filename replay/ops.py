@@ -74,7 +74,7 @@ class _Watch(TorchDispatchMode):
         outs = float_leaves(out)[:_RESULTS.get(name)]
         if not outs or name in _UNINITIALISED:
             return out
-        f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func)
+        f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func, out)
         widen_rows(f, func, args, kwargs, out)
         if (out_ends := f.ends_of(name, outs)) is None:
             # an infinity taken back to finite values (exp(-inf) = 0) before any NaN
@@ -103,7 +103,7 @@ class _Watch(TorchDispatchMode):
             else:
                 given = before if before is not None else (args, kwargs)
                 try:
-                    hit.evidence = f.of_records(_evidence(func, given, outs, f), ins, hit.rows)
+                    hit.evidence = f.of_records(_evidence(func, given, outs, f), leaves, hit.rows)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
@@ -318,7 +318,8 @@ class OpFinder:
             self.saturation.mark_unit(t)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-              in_finite: bool, leaves: list, given: tuple = ((), {}), func=None) -> None:
+              in_finite: bool, leaves: list, given: tuple = ((), {}), func=None, out=None
+              ) -> None:
         self.pooled.track(name, *given, ins, outs, self.held)
         # exp of -inf scores: positive where they are not -inf; a sum of it, where any term is
         if func is not None and (m := self.partly.track(func, name, given, ins, outs,
@@ -327,8 +328,8 @@ class OpFinder:
             self._positive.add(outs[0])
         self.made_in.update(t.dtype for t in outs)
         weights_only = bool(self.state) and self._of_weights_only(leaves)
-        if weights_only:
-            for t in outs:
+        if weights_only:  # (and a complex result itself, which ``outs`` holds as a real view)
+            for t in outs + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:
                 self._of_weights.add(t)
         if not in_finite:
             if self.state and not weights_only and self.first_met is None:
@@ -385,13 +386,17 @@ class OpFinder:
         if self.lineage is not None:
             self.lineage.track(name, args, leaves, out)
 
-    def of_records(self, ev: Evidence, ins: list[torch.Tensor], rows: list[int] | None
-                   ) -> Evidence:
+    def of_records(self, ev: Evidence, args: list, rows: list[int] | None) -> Evidence:
         """``ev``, marked ``of_data`` when the op computed on data alone (see
         :mod:`replay.lineage`) in some of the samples: the mark of bad records, not of code
-        that does so in every sample."""
+        that does so in every sample; ``of_weights`` when on the weights alone. ``args``: the
+        op's arguments (or its floating inputs, complex ones as real views)."""
+        ins = float_leaves(args)
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
+        ev.of_weights = bool(self.state) and self._of_weights_only(
+            [t for t in args if isinstance(t, torch.Tensor) and (t.is_floating_point()
+                                                                 or t.is_complex())])
         ev.narrowest = min(self.made_in, key=lambda d: torch.finfo(d).bits, default=None)
         return ev
 

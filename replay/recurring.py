@@ -20,9 +20,9 @@ from .fresh import POINTWISE
 def widen_rows(f: Any, func, args, kwargs, out):
     """Add to ``f.first.rows`` (an :class:`~replay.ops.OpFinder`'s forward origin) the rows a
     later op of the same module call made non-finite while its inputs were finite in them:
-    in every row, unless the op is pointwise (which mixes no rows). Fills of a literal
-    infinity (a mask) and code of modules allowed to hold infinities make none. Returns
-    ``out``."""
+    in every row, unless the op is pointwise (which mixes no rows) and its non-finite inputs
+    have the batch's samples. Fills of a literal infinity (a mask) and code of modules
+    allowed to hold infinities make none. Returns ``out``."""
     hit = f.first
     if hit is None or not hit.rows or hit.intentional or not hit.inputs_finite \
             or f.where != hit.within or f.in_allowed_module():
@@ -35,14 +35,16 @@ def widen_rows(f: Any, func, args, kwargs, out):
     ins = float_leaves(leaves)
     if not new or not ins or any(isinstance(a, float) and math.isinf(a) for a in leaves):
         return out
-    s = f.samples
-    if POINTWISE not in func.tags:
-        spoiled = set() if all(finite(t) for t in ins) else new
-    elif any(s.dim(t, stacked=True) is None and not finite(t) for t in ins):
-        spoiled = new  # (a non-finite value without samples reached every row)
-    else:
-        spoiled = {r for t in ins if s.dim(t, stacked=True) is not None
-                   for r in s.rows(t, stacked=True)}
+    spoiled: set[int] = set()
+    for t in ins:
+        if finite(t):
+            continue
+        # (its rows named as the op's own are: through a reordering, say)
+        rows = f.batch_rows([t]) if POINTWISE in func.tags \
+            and f.samples.dim(t, stacked=True) is not None else None
+        if not rows:  # (an op mixing rows, or a non-finite value without samples: all rows)
+            return out
+        spoiled |= set(rows)
     if fresh := new - spoiled:
         hit.rows = sorted(set(hit.rows) | fresh)
     return out

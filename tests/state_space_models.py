@@ -84,7 +84,7 @@ class Block(nn.Module):
 class SeqLM(nn.Module):
     """Token embedding, residual blocks (checkpointed when ``ckpt``), a tied LM head."""
 
-    def __init__(self, mixers, ckpt: bool = False):
+    def __init__(self, mixers, ckpt: bool | str = False):
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, D, padding_idx=0)
         self.layers = nn.ModuleList(Block(m) for m in mixers)
@@ -95,11 +95,12 @@ class SeqLM(nn.Module):
         mask = (ids != 0).to(self.embedding.weight.dtype)      # right padding, token 0
         h = self.embedding(ids)
         for layer in self.layers:
-            h = checkpoint(layer, h, mask, use_reentrant=False) if self.ckpt else layer(h, mask)
+            h = checkpoint(layer, h, mask, use_reentrant=self.ckpt == "reentrant") \
+                if self.ckpt else layer(h, mask)
         return self.norm_f(h) @ self.embedding.weight.T
 
 
-def make_mamba(naive: bool = False, ckpt: bool = False):
+def make_mamba(naive: bool = False, ckpt: bool | str = False):
     torch.manual_seed(0)
     return SeqLM([Mamba2Mixer(naive=naive) for _ in range(2)], ckpt=ckpt)
 
@@ -110,6 +111,10 @@ def make_naive_mamba():
 
 def make_naive_mamba_ckpt():
     return make_mamba(naive=True, ckpt=True)
+
+
+def make_naive_mamba_reentrant():
+    return make_mamba(naive=True, ckpt="reentrant")
 
 
 class Mamba1Mixer(nn.Module):
@@ -142,9 +147,13 @@ class Mamba1Mixer(nn.Module):
         return self.out_proj(y * F.silu(z))
 
 
-def make_mamba1():
+def make_mamba1(ckpt: bool = False):
     torch.manual_seed(0)
-    return SeqLM([Mamba1Mixer() for _ in range(2)])
+    return SeqLM([Mamba1Mixer() for _ in range(2)], ckpt=ckpt)
+
+
+def make_mamba1_ckpt():
+    return make_mamba1(ckpt=True)
 
 
 class S4DKernel(nn.Module):

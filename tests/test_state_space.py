@@ -57,17 +57,19 @@ def overflowing_rows(model, ids, layer: int) -> list[int]:
     difference), recomputed from the mixer's input."""
     mixer = model.layers[layer].mixer
     seen = {}
-    handle = mixer.register_forward_hook(lambda m, args, out: seen.update(u=args[0], mask=args[1]))
-    with torch.no_grad():
-        model(ids)
+    handle = mixer.register_forward_hook(
+        lambda m, args, out: seen.update(u=args[0].detach(), mask=args[1]))
+    model(ids)  # (with gradients: a reentrant checkpoint warns under no_grad)
     handle.remove()
-    dt = mixer.in_proj(seen["u"])[..., -mixer.heads:]
-    dt = F.softplus(dt + mixer.dt_bias) * seen["mask"][..., None]
-    decay = (dt * torch.exp(mixer.A_log))[:, 1:].sum(1)  # (b, h)
+    with torch.no_grad():
+        dt = mixer.in_proj(seen["u"])[..., -mixer.heads:]
+        dt = F.softplus(dt + mixer.dt_bias) * seen["mask"][..., None]
+        decay = (dt * torch.exp(mixer.A_log))[:, 1:].sum(1)  # (b, h)
     return torch.nonzero(decay.amax(1) > MAX_EXP).flatten().tolist()
 
 
-@pytest.mark.parametrize("factory", ["make_naive_mamba", "make_naive_mamba_ckpt"])
+@pytest.mark.parametrize("factory", ["make_naive_mamba", "make_naive_mamba_ckpt",
+                                     "make_naive_mamba_reentrant"])
 def test_an_exp_before_the_causal_mask_in_the_scan_is_an_overflow_in_its_backward(
         tmp_path, factory):
     """Mamba-2's segsum as the difference of two cumsums, exp taken before the causal mask
@@ -145,3 +147,31 @@ def test_rows_overflowing_at_different_steps_of_a_wkv_loop_are_all_named(tmp_pat
     assert "subtract the row max before exp" in rep["hint"], rep["hint"]
     [what_if] = rep["what_if"]
     assert what_if["finite"] is True, what_if
+
+
+def test_a_relu_parametrised_s4d_rate_at_zero_is_named_in_the_kernel_with_weights_advice(
+        tmp_path):
+    """S4D with ``A = -relu(A_real) + i * A_imag`` (S4's ``real_transform="relu"``) and a
+    random init of ``A_real``: where it is negative relu makes the rate 0, and the S4D-Lin mode
+    0 has no imaginary part, so the zero-order hold's ``C (exp(dt A) - 1) / A`` is 0/0 at the
+    first step, in the kernel that no sample's data reaches. Named at the complex division in
+    the kernel, every sample; the advice said to add an eps or skip the rows where the
+    denominator is 0; now that the values came from the weights alone, and to keep the
+    parametrisation off the pole (``-exp(A_log)``, a clamp)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [padded([30, 20, 25, 12], 32, g) for _ in range(2)]
+    model = S.make_s4d_relu()
+    zero = [i for i, layer in enumerate(model.layers)
+            if bool((layer.mixer.kernel.A_real[:, 0] <= 0).any())]  # mode 0: A_imag = 0
+    with pytest.raises(NonFiniteError) as info:
+        train_lm(tmp_path, model, "make_s4d_relu", batches)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (0, "forward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["made"], rep["cause"]) == \
+        (f"layers.{zero[0]}.mixer.kernel", 0, "aten.div", "nan", "invalid"), \
+        json.dumps(rep, indent=1)
+    assert o["samples"] == [0, 1, 2, 3] and o["all_samples"] is True, o
+    assert "parameters and buffers alone" in rep["hint"] and "skip the rows" not in \
+        rep["hint"], rep["hint"]
