@@ -274,6 +274,15 @@ DO = {
     "masked": "torch.where and masked_fill still send the gradient through both branches, "
               "so make the op's input safe before the op (torch.where(mask, x, 1)), not its "
               "output",
+    # a slice of logsumexp/logcumsumexp given only -inf (a mask's fill): its result is -inf
+    # there, and the derivative exp(x - result) is exp(-inf + inf)
+    "lse_all_inf": "{op} multiplied a -Inf it saved in the forward: {name} was given -inf "
+                   "in every position of a slice (a mask's fill over a whole row, or over a "
+                   "scan's first steps: a left-padded row), so its result there is -inf and "
+                   "its derivative exp(x - result) is exp(-inf + inf) = NaN, though the "
+                   "forward was finite after it; fill masked positions with a large finite "
+                   "negative (-1e9; -1e4 in float16) instead of -inf, or keep one finite "
+                   "term in every slice (an initial state h0 in a log-space scan)",
     "backward_pole": "a forward that masks the value out (torch.where, masked_fill) still "
                      "sends the gradient through both branches, so make the op's input safe "
                      "before the op (torch.where(mask, x, 1)) or add an eps",

@@ -156,6 +156,36 @@ def make_mamba1_ckpt():
     return make_mamba1(ckpt=True)
 
 
+def log_g(x):
+    """minGRU's log of its positive activation g (x + 0.5 for x >= 0, sigmoid below)."""
+    return torch.where(x >= 0, (F.relu(x) + 0.5).log(), -F.softplus(-x))
+
+
+class MinGRU(nn.Module):
+    """minGRU ("Were RNNs All We Needed?") in log space: ``h_t = (1 - z_t) h_{t-1} + z_t h~_t``
+    by Heinsen's parallel scan, ``log h = a* + logcumsumexp(log b - a*)`` with
+    ``a* = cumsum(log(1 - z))``; a padded step adds nothing (its log value -inf)."""
+
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.to_hidden_and_gate = nn.Linear(d, 2 * d, bias=False)
+        self.to_out = nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        hidden, gate = self.to_hidden_and_gate(x).chunk(2, dim=-1)
+        log_coeffs = -F.softplus(gate)                          # log(1 - z)
+        log_values = -F.softplus(-gate) + log_g(hidden)         # log(z * h~)
+        log_values = log_values.masked_fill(mask[..., None] == 0, -torch.inf)
+        a_star = log_coeffs.cumsum(dim=1)
+        log_h = a_star + torch.logcumsumexp(log_values - a_star, dim=1)
+        return self.to_out(log_h.exp())
+
+
+def make_mingru():
+    torch.manual_seed(0)
+    return SeqLM([MinGRU() for _ in range(2)])
+
+
 class S4DKernel(nn.Module):
     """S4D's diagonal kernel: ``K[h, l] = 2 Re(sum_n C (exp(dt A) - 1) / A * exp(dt A l))``
     (zero-order hold), ``A = -softplus/relu/exp(A_real) + i A_imag`` (S4D-Lin init)."""

@@ -175,3 +175,28 @@ def test_a_relu_parametrised_s4d_rate_at_zero_is_named_in_the_kernel_with_weight
     assert o["samples"] == [0, 1, 2, 3] and o["all_samples"] is True, o
     assert "parameters and buffers alone" in rep["hint"] and "skip the rows" not in \
         rep["hint"], rep["hint"]
+
+
+def test_a_left_padded_log_space_scan_is_named_at_logcumsumexp_with_its_own_advice(tmp_path):
+    """minGRU in log space (Heinsen's scan, ``a* + logcumsumexp(log b - a*)``), padded steps
+    filled with a log value of -inf; a left-padded batch (step 2) gives logcumsumexp a row
+    whose first steps are all -inf: its result there is -inf, exp takes it to 0 and the
+    forward is finite, but the derivative exp(x - result) is NaN. The report called it
+    logcumsumexp "at its pole, in a branch masked before the output" (it has neither); now
+    the slice of -inf it was given, and a finite fill or an initial state as the fix, on the
+    left-padded rows."""
+    g = torch.Generator().manual_seed(0)
+    batches = [padded([16] * 4, 16, g, left=True), padded([16] * 4, 16, g, left=True),
+               padded([16, 12, 16, 9], 16, g, left=True)]
+    with pytest.raises(NonFiniteError) as info:
+        train_lm(tmp_path, S.make_mingru(), "make_mingru", batches)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "backward"), err.event
+    left_padded = torch.nonzero(batches[2][:, 0] == 0).flatten().tolist()
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("backward", "layers.1.mixer", "LogcumsumexpBackward0", left_padded, "invalid"), \
+        json.dumps(rep, indent=1)
+    assert "every position of a slice" in rep["hint"] and "at its pole" not in rep["hint"], \
+        rep["hint"]
