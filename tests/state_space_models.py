@@ -2,8 +2,9 @@
 ``test_state_space``: a Mamba-2 style block whose selective scan is the chunk's quadratic form
 (``segsum`` of ``dt * A`` with ``A = -exp(A_log)``, softplus ``dt``), an S4D layer whose complex
 diagonal kernel is a Vandermonde product convolved by ``rfft``/``irfft``, an RWKV-4 time-mixing
-block with its WKV recurrence, and causal linear attention with an ``elu + 1`` feature map.
-Each block may run under ``torch.utils.checkpoint``, as the long-sequence recipes run them.
+block with its WKV recurrence, minGRU's log-space parallel scan (``logcumsumexp``), and causal
+linear attention with an ``elu + 1`` feature map. Blocks may run under
+``torch.utils.checkpoint``, as the long-sequence recipes run them.
 """
 
 from __future__ import annotations
@@ -115,45 +116,6 @@ def make_naive_mamba_ckpt():
 
 def make_naive_mamba_reentrant():
     return make_mamba(naive=True, ckpt="reentrant")
-
-
-class Mamba1Mixer(nn.Module):
-    """Mamba-1's selective SSM with the scan written as cumsums (mamba.py's ``pscan``-free
-    reference): ``h_t = exp(S_t) * cumsum_s(dt_s B_s x_s * exp(-S_s))`` with ``S = cumsum(dt A)``;
-    ``exp(-S)`` grows with the row's length."""
-
-    def __init__(self, d: int = D, n: int = N_STATE, rank: int = 4):
-        super().__init__()
-        self.inner, self.n, self.rank = 2 * d, n, rank
-        self.in_proj = nn.Linear(d, 2 * self.inner)
-        self.conv1d = nn.Conv1d(self.inner, self.inner, 4, groups=self.inner, padding=3)
-        self.x_proj = nn.Linear(self.inner, rank + 2 * n, bias=False)
-        self.dt_proj = nn.Linear(rank, self.inner)
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1).float()).repeat(self.inner, 1))
-        self.D = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = nn.Linear(self.inner, d)
-
-    def forward(self, u, mask):
-        t = u.size(1)
-        x, z = self.in_proj(u).chunk(2, dim=-1)
-        x = F.silu(self.conv1d(x.transpose(1, 2))[..., :t].transpose(1, 2))
-        dt, B, C = torch.split(self.x_proj(x), [self.rank, self.n, self.n], dim=-1)
-        dt = F.softplus(self.dt_proj(dt)) * mask[..., None]     # (b, t, inner)
-        A = -torch.exp(self.A_log.float())                       # (inner, n)
-        S = torch.cumsum(dt[..., None] * A, dim=1)               # (b, t, inner, n)
-        Bx = dt[..., None] * B[:, :, None] * x[..., None]
-        h = torch.exp(S) * torch.cumsum(Bx * torch.exp(-S), dim=1)
-        y = (h * C[:, :, None]).sum(-1) + x * self.D
-        return self.out_proj(y * F.silu(z))
-
-
-def make_mamba1(ckpt: bool = False):
-    torch.manual_seed(0)
-    return SeqLM([Mamba1Mixer() for _ in range(2)], ckpt=ckpt)
-
-
-def make_mamba1_ckpt():
-    return make_mamba1(ckpt=True)
 
 
 def log_g(x):

@@ -51,6 +51,29 @@ def train_lm(out_dir: Path, model, factory: str, batches: list[torch.Tensor],
             opt.step()
 
 
+def test_healthy_scans_kernels_and_masks_raise_no_event(tmp_path):
+    """Mamba-2's segsum masked with -inf before its exp, S4D's complex kernel and FFT
+    convolution, minGRU's -inf log values at right padding (logcumsumexp's result stays
+    finite there), causal linear attention with an eps under torch.utils.checkpoint, the
+    stable WKV with its -1e38 start: infinities inside a module and complex values are no
+    event while every output, loss and gradient is finite."""
+    g = torch.Generator().manual_seed(0)
+    batches = [padded([24, 20, 16, 24], 24, g) for _ in range(2)]
+    for name in ("make_mamba", "make_s4d", "make_mingru"):
+        train_lm(tmp_path / name, getattr(S, name)(), name, batches)
+    model = S.LinearLM(ckpt=True, eps=1e-6)
+    train_lm(tmp_path / "linear", model, "make_linear_lm", batches)
+    model, crit = S.make_rwkv(), torch.nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path / "rwkv",
+                        factory="state_space_models:make_rwkv"):
+        for x, y in series(2):
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+    assert not list(tmp_path.rglob("*.nan"))
+
+
 def overflowing_rows(model, ids, layer: int) -> list[int]:
     """The rows whose segsum in ``layers[layer]``'s scan reaches past exp's range: the sum of
     ``-dt * A`` over a row's positions after the first (the chunk's largest upper-triangle
