@@ -60,8 +60,8 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs, f = kwargs or {}, self.finder
-        if f.first is not None and f.first_nan is not None:  # (the rows its module call
-            return widen_rows(f, func, args, kwargs, run_op(func, args, kwargs))  # made next)
+        if f.first is not None and f.first_nan is not None:  # (the rows its call made next)
+            return widen_rows(f, func, args, kwargs, run_op(func, args, kwargs), early=True)
         name = func.overloadpacket.__name__
         occurrence, seq = f.count(name)
         ins = float_leaves(leaves := tree_leaves((args, kwargs)))

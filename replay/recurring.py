@@ -17,21 +17,26 @@ from .dispatch import float_leaves
 from .fresh import POINTWISE
 
 
-def widen_rows(f: Any, func, args, kwargs, out):
+def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
     """Add to ``f.first.rows`` (an :class:`~replay.ops.OpFinder`'s forward origin) the rows a
     later op of the same module call made non-finite while its inputs were finite in them:
     in every row, unless the op is pointwise (which mixes no rows) and its non-finite inputs
     have the batch's samples. Fills of a literal infinity (a mask) and code of modules
-    allowed to hold infinities make none. Returns ``out``."""
+    allowed to hold infinities make none. ``early``: the finder's early return, which
+    follows no reordering or lineage of its own. Returns ``out``."""
     hit = f.first
     if hit is None or not hit.rows or hit.intentional or not hit.inputs_finite \
             or f.where != hit.within or f.in_allowed_module():
         return out
+    leaves = tree_leaves((args, kwargs))
+    if early:  # (so that the rows of a value sorted after the origin name their samples)
+        f.reordered.track(func.overloadpacket.__name__, args, leaves, out)
+        if f.lineage is not None:
+            f.lineage.track(func.overloadpacket.__name__, args, leaves, out)
     outs = float_leaves(out)
     if all(finite(t) for t in outs):  # (batch_rows names the rows of a non-finite value)
         return out
     new = set(f.batch_rows(outs) or []) - set(hit.rows)
-    leaves = tree_leaves((args, kwargs))
     ins = float_leaves(leaves)
     if not new or not ins or any(isinstance(a, float) and math.isinf(a) for a in leaves):
         return out
