@@ -1,7 +1,7 @@
 """State-space models and linear recurrences trained as pure-PyTorch repositories train them
 (``state_space_models``): a Mamba-2 style chunked scan, S4D's complex Vandermonde kernel with an
-FFT convolution, RWKV's WKV recurrence, causal linear attention, blocks under
-``torch.utils.checkpoint``; the recorder on the loop, then ``nanreplay``."""
+FFT convolution, RWKV's WKV recurrence, minGRU's log-space scan, causal linear attention, blocks
+under ``torch.utils.checkpoint``; the recorder on the loop, then ``nanreplay``."""
 
 from __future__ import annotations
 
