@@ -75,7 +75,6 @@ class _Watch(TorchDispatchMode):
         if not outs or name in _UNINITIALISED:
             return out
         f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func, out)
-        widen_rows(f, func, args, kwargs, out)
         if (out_ends := f.ends_of(name, outs)) is None:
             # an infinity taken back to finite values (exp(-inf) = 0) before any NaN
             f.absorbed |= not in_finite and in_nan_free and f.first_nan is None
@@ -320,6 +319,8 @@ class OpFinder:
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               in_finite: bool, leaves: list, given: tuple = ((), {}), func=None, out=None
               ) -> None:
+        if func is not None:  # (rows later ops of the origin's module call made: recurring)
+            widen_rows(self, func, *given, out)
         self.pooled.track(name, *given, ins, outs, self.held)
         # exp of -inf scores: positive where they are not -inf; a sum of it, where any term is
         if func is not None and (m := self.partly.track(func, name, given, ins, outs,
