@@ -102,7 +102,8 @@ class _Watch(TorchDispatchMode):
             else:
                 given = before if before is not None else (args, kwargs)
                 try:
-                    hit.evidence = f.of_records(_evidence(func, given, outs, f), leaves, hit.rows)
+                    hit.evidence = f.of_records(_evidence(func, given, outs, f),
+                                                ins, hit.rows, leaves)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
@@ -387,17 +388,17 @@ class OpFinder:
         if self.lineage is not None:
             self.lineage.track(name, args, leaves, out)
 
-    def of_records(self, ev: Evidence, args: list, rows: list[int] | None) -> Evidence:
+    def of_records(self, ev: Evidence, ins: list[torch.Tensor], rows: list[int] | None,
+                   leaves: list | None = None) -> Evidence:
         """``ev``, marked ``of_data`` when the op computed on data alone (see
         :mod:`replay.lineage`) in some of the samples: the mark of bad records, not of code
-        that does so in every sample; ``of_weights`` when on the weights alone. ``args``: the
-        op's arguments (or its floating inputs, complex ones as real views)."""
-        ins = float_leaves(args)
+        that does so in every sample; ``of_weights`` when on the weights alone (of ``leaves``,
+        its arguments, whose complex tensors ``ins`` holds as real views)."""
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
         ev.of_weights = bool(self.state) and self._of_weights_only(
-            [t for t in args if isinstance(t, torch.Tensor) and (t.is_floating_point()
-                                                                 or t.is_complex())])
+            [t for t in (ins if leaves is None else leaves) if isinstance(t, torch.Tensor)
+             and (t.is_floating_point() or t.is_complex())])
         ev.narrowest = min(self.made_in, key=lambda d: torch.finfo(d).bits, default=None)
         return ev
 
