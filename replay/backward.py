@@ -127,17 +127,18 @@ def batch_rows_in(grads, where: Samples) -> list[int]:
                  and where.dim(g) is not None and not finite(g)), [])
 
 
-def _saved(node) -> list[torch.Tensor]:
+def _saved(node) -> list[torch.Tensor] | None:
     """The floating tensors ``node`` saved for its backward (its ``_saved_*`` attributes; a
-    custom Function's ``saved_tensors``); none when they cannot be read. Read from the node's
-    post-hook, before the engine frees them."""
+    custom Function's ``saved_tensors``); None when they cannot be read (freed, or packed by
+    ``torch.utils.checkpoint``, whose values unpack once, for the node itself). Read from the
+    node's post-hook, before the engine frees them."""
     try:
         names = [n for n in dir(node) if n.startswith("_saved_")]
         values = [getattr(node, n) for n in names]
         if hasattr(node, "saved_tensors"):
             values += list(node.saved_tensors)
     except Exception:  # freed already, or unreadable: unknown
-        return []
+        return None
     return [t for v in values for t in (v if isinstance(v, (tuple, list)) else (v,))
             if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
             and t.numel()]
@@ -147,13 +148,33 @@ def _saved(node) -> list[torch.Tensor]:
 _UNIT_POLE_NODES = {"Acos", "Asin", "Atanh", "Acosh"}
 
 
-def saved_facts(node) -> tuple[str | None, str | None]:
+# nodes whose saved result is positive (exp's): 0 times it is NaN only where it is +inf
+_POSITIVE_RESULT = {"Exp", "Exp2"}
+
+
+def _inferred_saved(node, grad_inputs, grad_outputs) -> str | None:
+    """For a node whose saved tensors cannot be read: ``"+inf"`` when it is exp's and its
+    returned gradient is NaN only where the incoming one is 0 (0 times its saved result: an
+    exp that overflowed, masked after it), else None (unknown)."""
+    if node_op(node) not in _POSITIVE_RESULT or len(grad_inputs) != 1 or len(grad_outputs) != 1:
+        return None
+    g, o = grad_inputs[0], grad_outputs[0]
+    if not (isinstance(g, torch.Tensor) and isinstance(o, torch.Tensor)) or g.shape != o.shape:
+        return None
+    nan = torch.isnan(g)
+    return "+inf" if bool(nan.any()) and bool((o[nan] == 0).all()) else None
+
+
+def saved_facts(node, grad_inputs=(), grad_outputs=()) -> tuple[str | None, str | None]:
     """Of the tensors ``node`` saved for its backward: the kind of the first non-finite one
-    (None when all are finite or none can be read), and ``"0"`` when one holds an exact 0
+    (None when all are finite or none can be read, unless the gradients show it: see
+    :func:`_inferred_saved`), and ``"0"`` when one holds an exact 0
     (sqrt's result, log's input: the pole of its derivative), ``"1"`` when acos, asin, atanh
     or acosh saved an input of exactly +-1 (theirs), else ``"subnormal"`` when one holds a
     value below its type's smallest normal number (whose reciprocal overflows)."""
     saved = _saved(node)
+    if saved is None:
+        return _inferred_saved(node, grad_inputs, grad_outputs), None
     kind = next((kind_of(t) for t in saved if not finite(t)), None)
     if (tie := at_tie(node)) is not None:  # a decomposition: its pole is a tie, not a 0
         return kind, "tie" if tie else None
@@ -219,7 +240,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
                 found.made, found.dtype = kind_of(bad), bad.dtype
                 found.samples = batch_rows(node, list(grad_inputs), where or Samples())
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
-                found.saved, found.saved_zero = saved_facts(node)
+                found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
                 found.positive_input = from_positive(node)
                 found.exp_of = _exp_of(node)
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))

@@ -61,9 +61,10 @@ from .cause_text import (
 from .dispatch import OpAt
 from .domains import g as _g
 from .float64_step import float64_still
-from .load import autocast_dtype
 from .ops import Evidence, OpHit
 from .rerun import Runner
+from .step_dtype import autocast as _autocast
+from .step_dtype import step_dtype as _step_dtype
 
 __all__ = ["Cause", "classify"]
 
@@ -207,8 +208,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      f"{domains.g_apart(past[1], 0.0)} against {dt}'s {_g(past[0])}: the "
                      "margin shrank with the type's precision, so rounding put the input "
                      "there, which exact arithmetic does not: " + _advice(situation))
-    if ev.of_data and situation in ("pole", "log1p_pole", "domain", "divide"):
-        situation = "of_data"  # (a 0-d total or a Python number: their own advice)
+    if (ev.of_data or ev.of_weights) and situation in ("pole", "log1p_pole", "domain", "divide"):
+        situation = "of_data" if ev.of_data else "of_weights"  # (a 0-d total: its own advice)
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
 
 
@@ -377,23 +378,6 @@ def _overflow_among_infinities(hit: OpHit, dtype: torch.dtype) -> Cause:
                  + _wider(dtype, hit.op))
 
 
-def _autocast(runner: Runner, micro_batch: int, phase: str) -> torch.dtype | None:
-    """The autocast type the micro-batch's forward (or its loss) ran under, if any."""
-    mbs = runner.step.micro_batches
-    return autocast_dtype(mbs[micro_batch], phase == "loss") if micro_batch < len(mbs) \
-        else None
-
-
-def _step_dtype(runner: Runner, micro_batch: int) -> torch.dtype:
-    """The narrowest floating type the micro-batch computed in: its autocast type, else its
-    parameters' (when the blamed op's own dtype is not at hand)."""
-    mbs = runner.step.micro_batches
-    cast = autocast_dtype(mbs[micro_batch]) if micro_batch < len(mbs) else None
-    dtypes = [cast] if cast is not None else []
-    dtypes += [p.dtype for p in runner.model.parameters() if p.is_floating_point()]
-    return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
-
-
 def _unit_pole(op: str, name: str, fn: str, dtype: torch.dtype, still: bool) -> Cause:
     """acos, asin, atanh or acosh given exactly +-1 (acosh: 1), where the derivative is
     infinite."""
@@ -417,21 +401,7 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
     name = m.group(1).lower() if (m := re.fullmatch(r"(\w+?)Backward\d*", node or "")) else None
     fn = f"the derivative of {name}" if name else "the derivative"
     if saved in ("+inf", "-inf"):
-        if inner and (what := inf_arith(inner, "")):  # (the backward's own inf - inf)
-            return Cause("invalid", OWN_INF.format(op=op, inner=inner, what=what,
-                                                   saved=label(saved)))
-        if name and not domains.never_a_pole(name):
-            # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
-            return Cause("invalid", f"{op} multiplied a {label(saved)} it saved in the "
-                         f"forward: {name} at its pole, in a branch masked before the output; "
-                         + DO["backward_pole"])
-        # no pole: the forward overflowed there and masked or saturated the infinity before
-        # anything checked it; the derivative multiplies it (by 0: NaN)
-        what = (f"{op} multiplied a {label(saved)} it saved in the forward, where a value "
-                f"overflowed and was masked or saturated before the output ({DO['masked']})")
-        if still:
-            return Cause("overflow", f"{what}; float64 overflows too: " + DO["clamp"])
-        return Cause("overflow", f"{what}; float64 holds it: " + _wider(dtype))
+        return _saved_inf(op, name, saved, inner, still, dtype)
     if saved == "nan":
         # the forward ran the op outside its domain in a branch it then masked out
         return Cause("invalid", f"{op} used a NaN it saved in the forward, where the op ran "
@@ -470,6 +440,28 @@ def _backward(node: str | None, still: bool, dtype: torch.dtype,
                      "infinite (sqrt, log or a division at 0); " + DO["stable"]
                      + ("; " + DO["root"] if name == "sqrt" else ""))
     return _backward_overflow(op, fn, pole, dtype, underflowed)
+
+
+def _saved_inf(op: str, name: str | None, saved: str, inner: str | None, still: bool,
+               dtype: torch.dtype) -> Cause:
+    """Backward node ``op`` (of forward op ``name``) multiplied a +-inf it saved."""
+    if inner and (what := inf_arith(inner, "")):  # (the backward's own inf - inf)
+        return Cause("invalid", OWN_INF.format(op=op, inner=inner, what=what,
+                                               saved=label(saved)))
+    if saved == "-inf" and name in ("logsumexp", "logcumsumexp"):
+        return Cause("invalid", DO["lse_all_inf"].format(op=op, name=name))
+    if name and not domains.never_a_pole(name):
+        # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
+        return Cause("invalid", f"{op} multiplied a {label(saved)} it saved in the "
+                     f"forward: {name} at its pole, in a branch masked before the output; "
+                     + DO["backward_pole"])
+    # no pole: the forward overflowed there and masked or saturated the infinity before
+    # anything checked it; the derivative multiplies it (by 0: NaN)
+    what = (f"{op} multiplied a {label(saved)} it saved in the forward, where a value "
+            f"overflowed and was masked or saturated before the output ({DO['masked']})")
+    if still:
+        return Cause("overflow", f"{what}; float64 overflows too: " + DO["clamp"])
+    return Cause("overflow", f"{what}; float64 holds it: " + _wider(dtype))
 
 
 def _at_tie(op: str, gap: tuple[str, str], still: bool, dtype: torch.dtype) -> Cause:

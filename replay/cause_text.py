@@ -184,6 +184,12 @@ DO = {
                "under a Beta, 0 under a Gamma or a LogNormal): drop or repair such records "
                "where the data is made (the dataset, its transforms, the collate_fn), or skip "
                "them in the loss; an eps there would train toward a made-up target",
+    # an op that took only the weights and values made of them alone (no sample's data)
+    "of_weights": "its inputs were made from the model's parameters and buffers alone (no "
+                  "sample's data reaches it, so every sample hits it): a parametrisation "
+                  "reached the op's pole or left its domain (a rate -relu(a) at 0, a scale "
+                  "trained to 0); keep it away (a.clamp_min(eps), or -exp(a_log) as S4 and "
+                  "Mamba parametrise A) or add an eps",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
     "running_var": "a variance is never negative, so the module's running_var buffer was "
@@ -278,6 +284,15 @@ DO = {
     "masked": "torch.where and masked_fill still send the gradient through both branches, "
               "so make the op's input safe before the op (torch.where(mask, x, 1)), not its "
               "output",
+    # a slice of logsumexp/logcumsumexp given only -inf (a mask's fill): its result is -inf
+    # there, and the derivative exp(x - result) is exp(-inf + inf)
+    "lse_all_inf": "{op} multiplied a -Inf it saved in the forward: {name} was given -inf "
+                   "in every position of a slice (a mask's fill over a whole row, or over a "
+                   "scan's first steps: a left-padded row), so its result there is -inf and "
+                   "its derivative exp(x - result) is exp(-inf + inf) = NaN, though the "
+                   "forward was finite after it; fill masked positions with a large finite "
+                   "negative (-1e9; -1e4 in float16) instead of -inf, or keep one finite "
+                   "term in every slice (an initial state h0 in a log-space scan)",
     "backward_pole": "a forward that masks the value out (torch.where, masked_fill) still "
                      "sends the gradient through both branches, so make the op's input safe "
                      "before the op (torch.where(mask, x, 1)) or add an eps",

@@ -40,6 +40,7 @@ from .memo import TensorSet
 from .param_names import ParamNames
 from .pooled import Pooled
 from .positive import Partly, made_sign, positive_result
+from .recurring import widen_rows
 from .reordered import Reordered
 from .saturation import Saturation, made_unit
 from .source import user_source
@@ -61,8 +62,8 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs, f = kwargs or {}, self.finder
-        if f.first is not None and f.first_nan is not None:
-            return run_op(func, args, kwargs)
+        if f.first is not None and f.first_nan is not None:  # (the rows its call made next)
+            return widen_rows(f, func, args, kwargs, run_op(func, args, kwargs), early=True)
         name = func.overloadpacket.__name__
         occurrence, seq = f.count(name)
         ins = float_leaves(leaves := tree_leaves((args, kwargs)))
@@ -75,7 +76,7 @@ class _Watch(TorchDispatchMode):
         outs = float_leaves(out)[:_RESULTS.get(name)]
         if not outs or name in _UNINITIALISED:
             return out
-        f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func)
+        f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func, out)
         if (out_ends := f.ends_of(name, outs)) is None:
             # an infinity taken back to finite values (exp(-inf) = 0) before any NaN
             f.absorbed |= not in_finite and in_nan_free and f.first_nan is None
@@ -104,7 +105,7 @@ class _Watch(TorchDispatchMode):
                 given = before if before is not None else (args, kwargs)
                 try:
                     hit.evidence = f.of_records(_evidence(func, given, outs, f),
-                                                pole_inputs(op, ins), hit.rows)
+                                                pole_inputs(op, ins), hit.rows, leaves)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
@@ -306,7 +307,10 @@ class OpFinder:
             self.saturation.mark_unit(t)
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
-              in_finite: bool, leaves: list, given: tuple = ((), {}), func=None) -> None:
+              in_finite: bool, leaves: list, given: tuple = ((), {}), func=None, out=None
+              ) -> None:
+        if func is not None:  # (rows later ops of the origin's module call made: recurring)
+            widen_rows(self, func, *given, out)
         self.pooled.track(name, *given, ins, outs, self.held)
         # exp of -inf scores: positive where they are not -inf; a sum of it, where any term is
         if func is not None and (m := self.partly.track(func, name, given, ins, outs,
@@ -316,8 +320,8 @@ class OpFinder:
         self.made_in.update(t.dtype for t in outs)
         self.names.track(name, ins, outs)
         weights_only = bool(self.state) and self._of_weights_only(leaves)
-        if weights_only:
-            for t in outs:
+        if weights_only:  # (and a complex result itself, which ``outs`` holds as a real view)
+            for t in outs + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:
                 self._of_weights.add(t)
         if not in_finite:
             if self.state and not weights_only and self.first_met is None:
@@ -375,13 +379,17 @@ class OpFinder:
         if self.lineage is not None:
             self.lineage.track(name, args, leaves, out)
 
-    def of_records(self, ev: Evidence, ins: list[torch.Tensor], rows: list[int] | None
-                   ) -> Evidence:
+    def of_records(self, ev: Evidence, ins: list[torch.Tensor], rows: list[int] | None,
+                   leaves: list | None = None) -> Evidence:
         """``ev``, marked ``of_data`` when the op computed on data alone (see
         :mod:`replay.lineage`) in some of the samples: the mark of bad records, not of code
-        that does so in every sample."""
+        that does so in every sample; ``of_weights`` when on the weights alone (of ``leaves``,
+        its arguments, whose complex tensors ``ins`` holds as real views)."""
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
+        ev.of_weights = bool(self.state) and self._of_weights_only(
+            [t for t in (ins if leaves is None else leaves) if isinstance(t, torch.Tensor)
+             and (t.is_floating_point() or t.is_complex())])
         ev.narrowest = min(self.made_in, key=lambda d: torch.finfo(d).bits, default=None)
         return ev
 
