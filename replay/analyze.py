@@ -58,6 +58,7 @@ from .recorded import (
 )
 from .recurrence import add_iterates_note
 from .rerun import Runner
+from .second_order import report_second_order
 from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
@@ -360,6 +361,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return finish(report, origin_fields(), "not_reproduced", reproduced=False)
     report["fidelity"] = fid = fidelity.compare(step, run1)
     if fid is not None and not fid["matches"]:
+        if (second := report_second_order(report, step, runner, fid)) is not None:
+            return second  # (a MAML outer backward through an earlier micro-batch's gradient)
         # what the re-run shows is of another model: nothing it finds is evidence
         return recorded_origin(report, step, (
             f"{fidelity.mismatch(fid)}, so the re-run says nothing about training: the origin above is what the "
