@@ -20,9 +20,10 @@ import torch
 
 from recorder.finite import finite, kind_of
 
-from .backward import _anomaly, _NodeLabels, _source, grad_fns, saved_facts
+from .backward import _anomaly, _NodeLabels, _source, batch_rows, grad_fns, saved_facts
 from .findings import finish, origin_fields
 from .load import Step, output_grads
+from .recorded import samples
 from .rerun import Runner, _scalar_loss
 
 
@@ -36,6 +37,7 @@ class SecondOrder:
     made: str
     at_pole: bool  # the forward node saved an exact 0 (its derivative's pole)
     params: list[str]
+    samples: list[int]  # of the micro-batch, in the node's non-finite gradient
 
 
 def report_second_order(report, step: Step, runner: Runner, fid) -> dict | None:
@@ -53,7 +55,7 @@ def report_second_order(report, step: Step, runner: Runner, fid) -> dict | None:
     origin = origin_fields(
         phase="backward", module=found.module, op=found.node, source=found.source,
         params=found.params, param=(found.params or [None])[0], made=found.made,
-        micro_batch=found.micro_batch,
+        micro_batch=found.micro_batch, samples=found.samples,
         chain=[{"op": found.node, "made": found.made, "source": found.source}])
     origin["second_order"] = found.forward_node
     report["problems"].append(
@@ -97,7 +99,7 @@ def find_second_order(runner: Runner, before: int) -> SecondOrder | None:
         pairs = [(g, p) for g, p in zip(gs, params) if g is not None and g.requires_grad]
         if not pairs or not all(finite(g) for g, _ in pairs):
             continue  # (a first-order NaN is not this module's to name)
-        hit = _first_bad_node([g for g, _ in pairs])
+        hit = _first_bad_node([g for g, _ in pairs], samples(runner.step, i))
         for p in params:
             p.grad = None
         with _anomaly(check_nan=False):
@@ -108,7 +110,7 @@ def find_second_order(runner: Runner, before: int) -> SecondOrder | None:
             continue
         node, fwd = hit["node"], _forward_node(hit["node"])
         return SecondOrder(i, node.name(), fwd.name(), labels.names.get(fwd), _source(fwd),
-                           hit["made"], saved_facts(fwd)[1] == "0", bad)
+                           hit["made"], saved_facts(fwd)[1] == "0", bad, hit["rows"])
     return None
 
 
@@ -128,10 +130,11 @@ def _reached_again(step: Step, i: int, outs: list[torch.Tensor], loss: torch.Ten
     return False
 
 
-def _first_bad_node(roots: list[torch.Tensor]) -> dict:
-    """Hooks every node behind ``roots`` (removed after their backward: they hold the dict);
-    the dict gets the first node to return a non-finite gradient from finite ones."""
-    hit: dict = {"node": None, "made": None}
+def _first_bad_node(roots: list[torch.Tensor], where) -> dict:
+    """Hooks every node behind ``roots`` (dropped with the graph); the dict gets the first
+    node to return a non-finite gradient from finite ones, and the samples (``where``) of
+    that gradient."""
+    hit: dict = {"node": None, "made": None, "rows": [], "where": where}
     seen, todo = set(), [t.grad_fn for t in roots]
     while todo:
         node = todo.pop()
@@ -151,6 +154,7 @@ def _check(hit: dict, node, grad_inputs, grad_outputs) -> None:
     if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
         hit["node"] = node
         hit["made"] = kind_of(next(g for g in returned if not finite(g)))
+        hit["rows"] = batch_rows(node, list(grad_inputs), hit["where"])
 
 
 def _forward_node(node):

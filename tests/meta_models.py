@@ -1,10 +1,12 @@
 """MAML's sine-regression network (Finn et al. 2017): the inner loop adapts its parameters with
 ``torch.func.functional_call``, so a step's later forwards run with weights the model does not
-hold."""
+hold. Few-shot classifiers over N-way K-shot episodes: a prototype head (Snell et al.) adapted
+by MAML's second-order inner loop (Proto-MAML)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -43,4 +45,49 @@ def meta_step(model, crit, opt, tasks, inner_lr: float) -> None:
         adapted = {n: p - inner_lr * g for (n, p), g in zip(params.items(), grads)}
         total = total + crit(functional_call(model, adapted, (xq,)), yq)
     (total / len(tasks)).backward()
+    opt.step()
+
+
+class ProtoHead(nn.Module):
+    """An encoder that classifies ``xq`` by the Euclidean distance of its embeddings to the
+    class prototypes (means) of the support set ``(xs, ys)``: ``model(xs, ys, xq)`` -> logits."""
+
+    def __init__(self, n_way: int = 5):
+        super().__init__()
+        self.n_way = n_way
+        self.encoder = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def forward(self, xs, ys, xq):
+        zs, zq = self.encoder(xs), self.encoder(xq)
+        onehot = F.one_hot(ys, self.n_way).float()
+        protos = onehot.T @ zs / onehot.sum(0)[:, None]
+        return -(zq[:, None] - protos[None]).norm(dim=-1)  # the bug: not squared
+
+
+def make_proto_head() -> ProtoHead:
+    torch.manual_seed(0)
+    return ProtoHead()
+
+
+def episode(g: torch.Generator, shots: list[int], queries: int = 3):
+    """An N-way episode over Gaussian classes around random centres: ``shots[c]`` support and
+    ``queries`` query samples of class ``c``, sorted by class."""
+    centres = torch.randn(len(shots), 16, generator=g) * 2
+    ys = torch.cat([torch.full((k,), c) for c, k in enumerate(shots)])
+    yq = torch.arange(len(shots)).repeat_interleave(queries)
+    xs = centres[ys] + torch.randn(len(ys), 16, generator=g)
+    xq = centres[yq] + torch.randn(len(yq), 16, generator=g)
+    return xs, ys, xq, yq
+
+
+def proto_maml_step(model, crit, opt, ep, inner_lr: float) -> None:
+    """Proto-MAML: one second-order inner step on the support set classified against its own
+    prototypes, then the query loss with the adapted weights."""
+    xs, ys, xq, yq = ep
+    opt.zero_grad()
+    params = dict(model.named_parameters())
+    loss = crit(functional_call(model, params, (xs, ys, xs)), ys)
+    grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+    adapted = {n: p - inner_lr * g for (n, p), g in zip(params.items(), grads)}
+    crit(functional_call(model, adapted, (xs, ys, xq)), yq).backward()
     opt.step()

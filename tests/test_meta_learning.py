@@ -68,3 +68,40 @@ def test_a_forward_with_adapted_weights_is_not_blamed_on_the_factory(tmp_path):
     note = " ".join(rep["problems"]) + (rep["hint"] or "")
     assert "a forward of the step ran with other weights than the bundle holds" in note, rep
     assert "factory builds a different model" not in json.dumps(rep)
+
+
+def train_proto_maml(tmp_path, short_at: int, first_order: bool = False):
+    """Proto-MAML over 5-way 2-shot episodes; at step ``short_at`` class 2 has one support
+    sample only (a class the sampler found short of examples)."""
+    model, crit = MM.make_proto_head(), torch.nn.CrossEntropyLoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                        factory="meta_models:make_proto_head"):
+        for it in range(6):
+            ep = MM.episode(g, [2, 2, 1, 2, 2] if it == short_at else [2] * 5)
+            MM.proto_maml_step(model, crit, opt, ep, 0.1)
+    return ep
+
+
+def test_proto_maml_second_order_nan_at_a_single_shot_is_named(tmp_path):
+    """The support sample alone in its class is its own prototype: its distance is a norm of
+    exactly 0, whose derivative torch masks to 0 (the inner gradient is finite) but whose
+    second derivative is 0/0, in the outer backward through the inner gradient. The query
+    forward ran with adapted weights and cannot be re-run; the report was 'cause unknown'.
+    The replay re-differentiates the support micro-batch and names the node."""
+    with pytest.raises(NonFiniteError) as info:
+        train_proto_maml(tmp_path, short_at=3)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "backward"), err.event
+    ys = MM.episode(torch.Generator().manual_seed(0), [2, 2, 1, 2, 2])[1]
+    alone = [i for i, c in enumerate(ys.tolist()) if (ys == c).sum() == 1]  # class 2's only
+    rep = json.loads(invoke_cli(err.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (rep["cause"], rep["reproduced"], o["phase"], o["module"], o["op"],
+            o["second_order"], o["micro_batch"], o["samples"]) == (
+        "invalid", True, "backward", "", "DivBackward0", "LinalgVectorNormBackward0", 0,
+        alone), json.dumps(rep, indent=1)
+    assert ".norm(dim=-1)" in rep["source_lines"][o["source"]]
+    assert "second derivative" in rep["hint"] and "squared distance" in rep["hint"]
+    assert rep["fidelity"]["within_step"] is True
