@@ -58,7 +58,7 @@ from .recorded import (
 )
 from .recurrence import add_iterates_note
 from .rerun import Runner
-from .second_order import report_second_order
+from .second_order import adapted_from_gradient, report_second_order
 from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
@@ -392,8 +392,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return entered
     if phase == "loss" and step.loss_fn is None:
         return report_loss_not_in_bundle(report, step)
-    if run1.bad_grads:
-        return report_backward(report, runner)
+    if run1.bad_grads:  # (an inner loop's gradient, which a later forward's weights came from)
+        return adapted_from_gradient(report_backward(report, runner), step)
     if step.event.get("reason") == "anomaly":
         return report_dropped_nan(report, runner)
     if phase == "optimizer" and not _after_update(step) and step.optimizer is not None:

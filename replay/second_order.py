@@ -163,3 +163,31 @@ def _forward_node(node):
     while (parent := (getattr(node, "metadata", None) or {}).get("parent_")) is not None:
         node = parent
     return node
+
+
+def adapted_from_gradient(report, step: Step) -> dict:
+    """``report`` of a backward origin the re-run found for a forward event: when that origin
+    is in an earlier micro-batch than the event's forward, whose module took finite inputs,
+    the forward ran with weights made from that non-finite gradient (MAML's inner loop:
+    ``p - lr * g`` through ``functional_call``), which the bundle does not hold: the event is
+    explained, and the report says how."""
+    ev, o = step.event, report["origin"]
+    m, k = ev.get("micro_batch"), o.get("micro_batch")
+    if ev.get("phase") != "forward" or not ev.get("inputs_finite") or o.get("phase") != \
+            "backward" or not isinstance(m, int) or not isinstance(k, int) or k >= m:
+        return report
+    report["reproduced"] = True
+    report["problems"].append(
+        f"the recorder saw the {ev.get('kind')} first in micro-batch {m}'s forward "
+        f"('{ev.get('module') or '<root>'}', inputs finite), which ran with weights the bundle "
+        f"does not hold: made from micro-batch {k}'s gradient (a MAML inner loop's p - lr * "
+        f"g through functional_call); re-run, micro-batch {k}'s backward makes that gradient "
+        f"{o.get('made')}, named above")
+    if report["cause"] == "invalid" and report["hint"] and any(
+            w in (o.get("op") or "").lower() for w in ("sqrt", "norm", "pow")):
+        # (a norm's gradient masked to 0 at 0 does not help a loop that differentiates again)
+        report["hint"] += ("; an inner loop that differentiates the gradient again "
+                           "(create_graph=True) needs a second derivative there too, which a "
+                           "norm at 0 lacks (its masked first derivative is 0/0 to "
+                           "differentiate): use a squared distance or sqrt(x + eps)")
+    return report

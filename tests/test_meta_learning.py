@@ -70,14 +70,14 @@ def test_a_forward_with_adapted_weights_is_not_blamed_on_the_factory(tmp_path):
     assert "factory builds a different model" not in json.dumps(rep)
 
 
-def train_proto_maml(tmp_path, short_at: int, first_order: bool = False):
+def train_proto_maml(tmp_path, short_at: int, dist: str = "norm"):
     """Proto-MAML over 5-way 2-shot episodes; at step ``short_at`` class 2 has one support
     sample only (a class the sampler found short of examples)."""
-    model, crit = MM.make_proto_head(), torch.nn.CrossEntropyLoss()
+    model, crit = MM.make_proto_head(dist), torch.nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
-                        factory="meta_models:make_proto_head"):
+                        factory="meta_models:make_proto_head", factory_kwargs={"dist": dist}):
         for it in range(6):
             ep = MM.episode(g, [2, 2, 1, 2, 2] if it == short_at else [2] * 5)
             MM.proto_maml_step(model, crit, opt, ep, 0.1)
@@ -105,3 +105,28 @@ def test_proto_maml_second_order_nan_at_a_single_shot_is_named(tmp_path):
     assert ".norm(dim=-1)" in rep["source_lines"][o["source"]]
     assert "second derivative" in rep["hint"] and "squared distance" in rep["hint"]
     assert rep["fidelity"]["within_step"] is True
+
+
+def test_proto_maml_inner_gradient_nan_is_the_event_of_the_adapted_forward(tmp_path):
+    """With sqrt(sum of squares) the single shot's distance of 0 makes the inner gradient
+    itself NaN (sqrt's inf derivative times 0): the adapted weights are NaN and the recorder
+    sees the query forward's first layer go NaN (micro-batch 1), on weights the bundle does
+    not hold. The replay named the backward of micro-batch 0 but said 'NOT reproduced' (exit
+    1) with no word of how the two relate, and its hint proposed vector_norm, whose second
+    derivative at 0 is the NaN of the test above."""
+    with pytest.raises(NonFiniteError) as info:
+        train_proto_maml(tmp_path, short_at=3, dist="sqrt")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["module"]) == (
+        3, "forward", 1, "encoder.0"), ev
+    ys = MM.episode(torch.Generator().manual_seed(0), [2, 2, 1, 2, 2])[1]
+    alone = [i for i, c in enumerate(ys.tolist()) if (ys == c).sum() == 1]
+    r = invoke_cli(info.value.bundle_path, "--json")
+    rep = json.loads(r.stdout)
+    o = rep["origin"]
+    assert (r.exit_code, rep["reproduced"], rep["cause"], o["phase"], o["op"], o["module"],
+            o["micro_batch"], o["samples"]) == (
+        0, True, "invalid", "backward", "SqrtBackward0", "", 0, alone), json.dumps(rep, indent=1)
+    note = " ".join(rep["problems"])
+    assert "micro-batch 1's forward" in note and "made from micro-batch 0's gradient" in note
+    assert "second derivative" in rep["hint"], rep["hint"]
