@@ -50,6 +50,7 @@ class OptimizerGuard:
         # "small" -> (the target's list they view, its indices, the views)
         self._views: dict[str, tuple[list, list[int], FlatViews]] = {}
         self._transform_warned = False
+        self._update_only_said = False
 
     def register(self, optimizer) -> list:
         # (run eagerly where dynamo traces ``optimizer.step()``, a compiled training step:
@@ -104,9 +105,11 @@ class OptimizerGuard:
         if not self.health.active:
             cycle.leave_ranks()  # (a step's close: where this rank's exchange would run)
             return
+        transformed, cycle.transformed = cycle.transformed, False
+        if tape is None and cycle.unrooted_call is None and not transformed:
+            tape = self._update_only()
         cycle.updated = cycle.ever_updated = True  # the next step's weights come from it
         cycle.eval_tail = None
-        transformed, cycle.transformed = cycle.transformed, False
         if tape is None:
             if cycle.unrooted_call is not None:
                 cycle.unrooted()
@@ -121,6 +124,22 @@ class OptimizerGuard:
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape
+
+    def _update_only(self) -> Tape | None:
+        """A step of its own for an update with no forward of the recorded model since the
+        last one: the loop wrote the gradients itself, from a copy of the model it trained
+        (Reptile's ``p.grad = p - fast_p``, evolution strategies). Unchecked, NaN gradients
+        there made NaN weights, found only at a later read and named as an update of step -1;
+        as a step, its gradients are checked before the update, which then belongs to it."""
+        cycle = self.cycle
+        with cycle.lock:  # (a training step's tape: as a forward opens one)
+            tape = cycle.tape if cycle.tape is not None else cycle.tape_for_forward(False)
+        if not self._update_only_said:
+            self._update_only_said = True
+            log.info("nanreplay: optimizer.step() ran with no forward of the recorded model "
+                     "since the last step (gradients the loop wrote, as Reptile's from a copy it "
+                     "trained): each such update is a step of its own, with no micro-batch")
+        return tape
 
     def _only_transformed(self) -> None:
         """An update whose step ran the model only under torch.func transforms: said once."""

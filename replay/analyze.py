@@ -24,7 +24,7 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 
 from . import fidelity, outside
 from .ascent import ascent_hint
-from .cause_text import DO
+from .cause_text import DO, NO_FORWARD
 from .drop import undroppable
 from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
@@ -434,9 +434,8 @@ def _no_backward_reached_the_output(step: Step) -> bool:
     """No gradient reached the output of any forward of the step that ran with gradients on
     (the recorder keeps each one that does), while the re-run's backward, which found every
     gradient finite, reaches it."""
-    mbs = step.micro_batches
-    return bool(mbs) and all(mb.get("grad_enabled", True) and not mb.get("output_grads")
-                             for mb in mbs)
+    return all(mb.get("grad_enabled", True) and not mb.get("output_grads")  # (or no forward)
+               for mb in step.micro_batches)
 
 
 def _finite_gradients_reached_the_output(step: Step) -> bool:
@@ -457,7 +456,8 @@ def _gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[
     zero = zero_gradient_rows(step)
     report["problems"].append(
         "the gradients that reached the model's output were finite, and the re-run's backward "
-        "from there makes every parameter's gradient finite" if reached else
+        "from there makes every parameter's gradient finite" if reached else NO_FORWARD
+        if not step.micro_batches else
         "no backward ran through the recorded forward in this step (no gradient reached the "
         "model's output), and the re-run's backward makes every gradient finite")
     report = finish(report, origin_fields(phase="backward", params=params,
@@ -469,7 +469,8 @@ def _gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[
         " were written by the loop's own code, not by backward through the model: per-sample "
         "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
         "averaged by hand (gradient surgery: torch.autograd.grad per task, then p.grad = ...), "
-        "a loss term on the weights themselves added in the loop; check that code at this "
+        "a loss term on the weights themselves added in the loop, a difference of weights "
+        "(Reptile's p - fast_p from a copy the loop trained); check that code at this "
         "step, e.g. a division by a norm that is 0" + zero_rows_text(zero)
         + empty_batch_text(step))
     if zero:  # (the first micro-batch's: the origin names one)

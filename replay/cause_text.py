@@ -364,3 +364,9 @@ def no_float64(e: Exception) -> str:
             f"underflow and precision ({type(e).__name__}: {first}), so the cause is not "
             "told: the origin above is where the value was made; read its op and inputs, or "
             "let the code run in float64 (a fallback for the half-only kernel)")
+
+
+# a backward event of a step with no micro-batch: an update the recorder made a step of its own
+NO_FORWARD = ("the step ran no forward of the recorded model: the loop wrote the gradients of "
+              "this update itself, from a copy of the model it trained (Reptile) or other "
+              "code the replay cannot re-run")

@@ -5,6 +5,8 @@ by MAML's second-order inner loop (Proto-MAML)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,3 +96,20 @@ def proto_maml_step(model, crit, opt, ep, inner_lr: float) -> None:
     adapted = {n: p - inner_lr * g for (n, p), g in zip(params.items(), grads)}
     crit(functional_call(model, adapted, (xs, ys, xq)), yq).backward()
     opt.step()
+
+
+def reptile_step(model, crit, meta_opt, task_xy, inner_steps: int = 5, inner_lr: float = 0.02):
+    """Reptile (Nichol et al. 2018) as reptile-pytorch writes it: SGD on a copy of the model
+    (the fast weights), then the meta-gradient ``p - fast_p`` into ``p.grad`` and the meta
+    optimizer's step. The recorded model runs no forward."""
+    xs, ys = task_xy
+    fast = copy.deepcopy(model)
+    inner = torch.optim.SGD(fast.parameters(), lr=inner_lr)
+    for _ in range(inner_steps):
+        inner.zero_grad()
+        crit(fast(xs), ys).backward()
+        inner.step()
+    meta_opt.zero_grad()
+    for p, q in zip(model.parameters(), fast.parameters()):
+        p.grad = p.detach() - q.detach()
+    meta_opt.step()

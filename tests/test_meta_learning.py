@@ -130,3 +130,33 @@ def test_proto_maml_inner_gradient_nan_is_the_event_of_the_adapted_forward(tmp_p
     note = " ".join(rep["problems"])
     assert "micro-batch 1's forward" in note and "made from micro-batch 0's gradient" in note
     assert "second derivative" in rep["hint"], rep["hint"]
+
+
+def test_reptile_meta_update_is_a_step_checked_before_it_applies(tmp_path):
+    """Reptile's meta-update takes its gradients from fast weights trained on a copy: the
+    recorded model runs no forward, so no step ever opened. An inf support label at step 3
+    made the fast weights NaN, the meta-gradient NaN and the model's weights NaN; training went
+    on for two more updates and the recorder raised at the end, an optimizer event of step
+    -1. Each such update is now a step of its own: its NaN gradients are a backward event at
+    step 3, before the update, and the replay says the loop wrote them."""
+    model, crit = MM.make_model(), torch.nn.MSELoss()
+    meta_opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, meta_opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="meta_models:make_model"):
+            for it in range(6):
+                xs, ys, _, _ = MM.task(g)
+                if it == 3:
+                    ys[4] = float("inf")
+                MM.reptile_step(model, crit, meta_opt, (xs, ys))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (3, "backward", None), ev
+    assert ev["params"] == [n for n, _ in model.named_parameters()]
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())  # not applied
+    r = invoke_cli(info.value.bundle_path, "--json")
+    rep = json.loads(r.stdout)
+    assert (r.exit_code, rep["cause"], rep["origin"]["phase"]) == (
+        1, "not_reproduced", "backward"), json.dumps(rep, indent=1)
+    assert "ran no forward of the recorded model" in " ".join(rep["problems"])
+    assert "Reptile's p - fast_p" in rep["hint"]
