@@ -136,9 +136,13 @@ class OptimizerGuard:
             tape = cycle.tape if cycle.tape is not None else cycle.tape_for_forward(False)
         if not self._update_only_said:
             self._update_only_said = True
-            log.info("nanreplay: optimizer.step() ran with no forward of the recorded model "
-                     "since the last step (gradients the loop wrote, as Reptile's from a copy it "
-                     "trained): each such update is a step of its own, with no micro-batch")
+            # (a loop that trains a copy: Reptile's deepcopy, a functional copy without the
+            # recorder's hooks; its forwards are not recorded, which the user should know)
+            log.warning("nanreplay: optimizer.step() ran with no forward of the recorded model "
+                        "since the last step (a copy of it ran instead, as Reptile's fast "
+                        "weights, or the loop wrote the gradients itself): each such update is "
+                        "a step of its own, its gradients and update checked, but no forward "
+                        "is recorded, so nanreplay cannot re-run one")
         return tape
 
     def _only_transformed(self) -> None:

@@ -132,7 +132,7 @@ def test_proto_maml_inner_gradient_nan_is_the_event_of_the_adapted_forward(tmp_p
     assert "second derivative" in rep["hint"], rep["hint"]
 
 
-def test_reptile_meta_update_is_a_step_checked_before_it_applies(tmp_path):
+def test_reptile_meta_update_is_a_step_checked_before_it_applies(tmp_path, caplog):
     """Reptile's meta-update takes its gradients from fast weights trained on a copy: the
     recorded model runs no forward, so no step ever opened. An inf support label at step 3
     made the fast weights NaN, the meta-gradient NaN and the model's weights NaN; training went
@@ -154,6 +154,9 @@ def test_reptile_meta_update_is_a_step_checked_before_it_applies(tmp_path):
     assert (ev["step"], ev["phase"], ev["micro_batch"]) == (3, "backward", None), ev
     assert ev["params"] == [n for n, _ in model.named_parameters()]
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())  # not applied
+    said = [r.getMessage() for r in caplog.records if "no forward of the recorded" in
+            r.getMessage()]
+    assert len(said) == 1 and "internal error" not in caplog.text, caplog.text  # (once)
     r = invoke_cli(info.value.bundle_path, "--json")
     rep = json.loads(r.stdout)
     assert (r.exit_code, rep["cause"], rep["origin"]["phase"]) == (
