@@ -113,3 +113,47 @@ def reptile_step(model, crit, meta_opt, task_xy, inner_steps: int = 5, inner_lr:
     for p, q in zip(model.parameters(), fast.parameters()):
         p.grad = p.detach() - q.detach()
     meta_opt.step()
+
+
+class TaskEncoder(nn.Module):
+    """torchmeta's PrototypicalNetwork: a meta-batch of tasks ``(B, n, F)`` embedded sample by
+    sample, ``(B, n, D)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def forward(self, inputs):
+        return self.encoder(inputs.view(-1, inputs.shape[-1])).view(*inputs.shape[:2], -1)
+
+
+def make_task_encoder() -> TaskEncoder:
+    torch.manual_seed(0)
+    return TaskEncoder()
+
+
+def prototypical_loss(train_emb, train_targets, test_emb, test_targets, num_classes: int = 5):
+    """torchmeta's get_prototypes and prototypical_loss, without its clamp of the class counts
+    to 1 (a class with no support sample: 0/0)."""
+    with torch.no_grad():
+        ones = torch.ones_like(train_targets, dtype=train_emb.dtype)
+        counts = ones.new_zeros((train_targets.size(0), num_classes))
+        counts.scatter_add_(1, train_targets, ones)
+    protos = train_emb.new_zeros((train_emb.size(0), num_classes, train_emb.size(-1)))
+    index = train_targets.unsqueeze(-1).expand_as(train_emb)
+    protos = protos.scatter_add(1, index, train_emb) / counts.unsqueeze(-1)
+    sq = torch.sum((protos.unsqueeze(2) - test_emb.unsqueeze(1)) ** 2, dim=-1)
+    return F.cross_entropy(-sq, test_targets)
+
+
+def task_batch(g: torch.Generator, tasks: int = 4, n_way: int = 5, shots: int = 1,
+               queries: int = 3):
+    """torchmeta's BatchMetaDataLoader batch: ``{"train": (x, y), "test": (x, y)}``, each
+    ``(tasks, n, ...)``, classes around random centres per task."""
+    centres = torch.randn(tasks, n_way, 16, generator=g) * 2
+    out = {}
+    for split, k in (("train", shots), ("test", queries)):
+        y = torch.arange(n_way).repeat_interleave(k).repeat(tasks, 1)
+        x = torch.gather(centres, 1, y.unsqueeze(-1).expand(-1, -1, 16))
+        out[split] = (x + torch.randn(x.shape, generator=g), y)
+    return out

@@ -163,3 +163,36 @@ def test_reptile_meta_update_is_a_step_checked_before_it_applies(tmp_path, caplo
         1, "not_reproduced", "backward"), json.dumps(rep, indent=1)
     assert "ran no forward of the recorded model" in " ".join(rep["problems"])
     assert "Reptile's p - fast_p" in rep["hint"]
+
+
+def test_prototypes_of_an_earlier_forward_are_learned_not_data(tmp_path):
+    """torchmeta's loop: the support set and the query set are two forwards, and one loss
+    takes both embeddings. At step 3 task 2's only shot of class 1 is labelled 0: class 1 has
+    no support sample and its prototype is 0/0. The replay fed the loss the support forward's
+    output detached twice, a tensor its lineage did not know as the model's, so the hint said
+    the div computed on the batch's data alone (nothing the model learns) and that an eps
+    would train toward a made-up target."""
+    model = MM.make_task_encoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=MM.prototypical_loss, out_dir=tmp_path,
+                            factory="meta_models:make_task_encoder") as rec:
+            for it in range(6):
+                b = MM.task_batch(g)
+                if it == 3:
+                    b["train"][1][2, 1] = 0
+                opt.zero_grad()
+                train_emb, test_emb = model(b["train"][0]), model(b["test"][0])
+                rec.loss_fn(train_emb, b["train"][1], test_emb, b["test"][1]).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (3, "loss", 1)
+    y = b["train"][1]
+    empty = [t for t in range(y.shape[0]) if len(set(y[t].tolist())) < 5]  # (independently)
+    rep = json.loads(invoke_cli(err.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["module"], o["micro_batch"],
+            o["samples"]) == (True, "invalid", "aten.div", "<loss>", 1, empty), rep
+    assert "/ counts.unsqueeze(-1)" in rep["source_lines"][o["source"]]
+    assert "data alone" not in rep["hint"] and "add an eps to the denominator" in rep["hint"]
