@@ -181,7 +181,7 @@ def adapted_from_gradient(report, step: Step) -> dict:
         f"the recorder saw the {ev.get('kind')} first in micro-batch {m}'s forward "
         f"('{ev.get('module') or '<root>'}', inputs finite), which ran with weights the bundle "
         f"does not hold: made from micro-batch {k}'s gradient (a MAML inner loop's p - lr * "
-        f"g through functional_call); re-run, micro-batch {k}'s backward makes that gradient "
+        f"g through functional_call, SAM's ascent w + rho * g / |g|); re-run, micro-batch {k}'s backward makes that gradient "
         f"{o.get('made')}, named above")
     if report["cause"] == "invalid" and report["hint"] and any(
             w in (o.get("op") or "").lower() for w in ("sqrt", "norm", "pow")):
