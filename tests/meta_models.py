@@ -157,3 +157,29 @@ def task_batch(g: torch.Generator, tasks: int = 4, n_way: int = 5, shots: int = 
         x = torch.gather(centres, 1, y.unsqueeze(-1).expand(-1, -1, 16))
         out[split] = (x + torch.randn(x.shape, generator=g), y)
     return out
+
+
+class MatchingNet(nn.Module):
+    """Vinyals et al.'s matching network without full context embeddings: ``model(xs, ys, xq)``
+    attends over the support set by the cosine similarity of the embeddings, written out
+    (no eps), and returns the query's class probabilities."""
+
+    def __init__(self, n_way: int = 5):
+        super().__init__()
+        self.n_way = n_way
+        self.encoder = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(),
+                                     nn.Linear(32, 16, bias=False), nn.ReLU())
+
+    def forward(self, xs, ys, xq):
+        s, q = self.encoder(xs), self.encoder(xq)
+        cos = (q @ s.T) / (q.norm(dim=1, keepdim=True) * s.norm(dim=1))  # the bug: 0/0
+        return torch.softmax(10 * cos, dim=1) @ F.one_hot(ys, self.n_way).float()
+
+
+def make_matching_net() -> MatchingNet:
+    torch.manual_seed(0)
+    return MatchingNet()
+
+
+def matching_loss(probs, yq):
+    return F.nll_loss(torch.log(probs + 1e-8), yq)

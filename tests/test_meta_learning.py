@@ -196,3 +196,34 @@ def test_prototypes_of_an_earlier_forward_are_learned_not_data(tmp_path):
             o["samples"]) == (True, "invalid", "aten.div", "<loss>", 1, empty), rep
     assert "/ counts.unsqueeze(-1)" in rep["source_lines"][o["source"]]
     assert "data alone" not in rep["hint"] and "add an eps to the denominator" in rep["hint"]
+
+
+def test_matching_net_blank_query_is_dropped_not_called_a_graph(tmp_path):
+    """A matching network takes the support labels sorted by class, ``[0, 0, 1, 1, ...]``,
+    which read as a graph batch's assignment vector: ``--try drop`` of the blank query image
+    (its embedding all 0 after the ReLUs, the cosine 0/0) was refused as 'graphs of a batch
+    concatenated node by node'. A sorted vector with as many or more entries than the batch
+    has samples assigns no nodes to graphs."""
+    model = MM.make_matching_net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=MM.matching_loss, out_dir=tmp_path,
+                            factory="meta_models:make_matching_net") as rec:
+            for it in range(6):
+                xs, ys, xq, yq = MM.episode(g, [2] * 5)
+                if it == 3:
+                    xq[7] = 0  # a blank image: its embedding is 0
+                opt.zero_grad()
+                rec.loss_fn(model(xs, ys, xq), yq).backward()
+                opt.step()
+    err = info.value
+    blank = [i for i in range(len(xq)) if not xq[i].any()]
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (3, "forward", "")
+    r = invoke_cli(err.bundle_path, "--json", "--try", "auto")
+    rep = json.loads(r.stdout)
+    o = rep["origin"]
+    assert (r.exit_code, rep["cause"], o["op"], o["module"], o["samples"]) == (
+        0, "invalid", "aten.div", "", blank), json.dumps(rep, indent=1)
+    (tried,) = rep["what_if"]
+    assert (tried["try"], tried["finite"]) == (f"drop={blank[0]}", True), tried
