@@ -198,12 +198,7 @@ def test_prototypes_of_an_earlier_forward_are_learned_not_data(tmp_path):
     assert "data alone" not in rep["hint"] and "add an eps to the denominator" in rep["hint"]
 
 
-def test_matching_net_blank_query_is_dropped_not_called_a_graph(tmp_path):
-    """A matching network takes the support labels sorted by class, ``[0, 0, 1, 1, ...]``,
-    which read as a graph batch's assignment vector: ``--try drop`` of the blank query image
-    (its embedding all 0 after the ReLUs, the cosine 0/0) was refused as 'graphs of a batch
-    concatenated node by node'. A sorted vector with as many or more entries than the batch
-    has samples assigns no nodes to graphs."""
+def train_matching(tmp_path, spoil):
     model = MM.make_matching_net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
@@ -213,11 +208,35 @@ def test_matching_net_blank_query_is_dropped_not_called_a_graph(tmp_path):
             for it in range(6):
                 xs, ys, xq, yq = MM.episode(g, [2] * 5)
                 if it == 3:
-                    xq[7] = 0  # a blank image: its embedding is 0
+                    spoil(xs, xq)
                 opt.zero_grad()
                 rec.loss_fn(model(xs, ys, xq), yq).backward()
                 opt.step()
-    err = info.value
+    return info.value, xs, xq
+
+
+def test_matching_net_blank_support_image_names_its_support_row(tmp_path):
+    """A blank support image's embedding is 0: its cosine column is 0/0 for every query, so
+    every sample of the batch (the queries) is NaN and the report said 'all 15 rows' and no
+    more. The support row it comes from is now named."""
+    err, xs, xq = train_matching(tmp_path, lambda xs, xq: xs[4].zero_())
+    blank = [i for i in range(len(xs)) if not xs[i].any()]
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (3, "forward", "")
+    rep = json.loads(invoke_cli(err.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["module"], o["samples"]) == (
+        True, "invalid", "aten.div", "", list(range(len(xq)))), json.dumps(rep, indent=1)
+    assert o["input_rows"] == {"tensor": "args[0]", "rows": blank}
+    assert f"rows {blank} of args[0] are where it comes from" in " ".join(rep["problems"])
+
+
+def test_matching_net_blank_query_is_dropped_not_called_a_graph(tmp_path):
+    """A matching network takes the support labels sorted by class, ``[0, 0, 1, 1, ...]``,
+    which read as a graph batch's assignment vector: ``--try drop`` of the blank query image
+    (its embedding all 0 after the ReLUs, the cosine 0/0) was refused as 'graphs of a batch
+    concatenated node by node'. A sorted vector with as many or more entries than the batch
+    has samples assigns no nodes to graphs."""
+    err, xs, xq = train_matching(tmp_path, lambda xs, xq: xq[7].zero_())  # (a blank image)
     blank = [i for i in range(len(xq)) if not xq[i].any()]
     assert (err.event["step"], err.event["phase"], err.event["module"]) == (3, "forward", "")
     r = invoke_cli(err.bundle_path, "--json", "--try", "auto")
