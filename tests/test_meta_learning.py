@@ -70,14 +70,15 @@ def test_a_forward_with_adapted_weights_is_not_blamed_on_the_factory(tmp_path):
     assert "factory builds a different model" not in json.dumps(rep)
 
 
-def train_proto_maml(tmp_path, short_at: int, dist: str = "norm"):
+def train_proto_maml(tmp_path, short_at: int, dist: str = "norm", rewind: int | None = None):
     """Proto-MAML over 5-way 2-shot episodes; at step ``short_at`` class 2 has one support
     sample only (a class the sampler found short of examples)."""
     model, crit = MM.make_proto_head(dist), torch.nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
-                        factory="meta_models:make_proto_head", factory_kwargs={"dist": dist}):
+                        factory="meta_models:make_proto_head", factory_kwargs={"dist": dist},
+                        rewind=rewind):
         for it in range(6):
             ep = MM.episode(g, [2, 2, 1, 2, 2] if it == short_at else [2] * 5)
             MM.proto_maml_step(model, crit, opt, ep, 0.1)
@@ -105,6 +106,18 @@ def test_proto_maml_second_order_nan_at_a_single_shot_is_named(tmp_path):
     assert ".norm(dim=-1)" in rep["source_lines"][o["source"]]
     assert "second derivative" in rep["hint"] and "squared distance" in rep["hint"]
     assert rep["fidelity"]["within_step"] is True
+
+
+def test_proto_maml_rewind_window_is_not_rerun_with_weights_no_step_ran(tmp_path):
+    """With rewind=2, the window re-ran steps 0-3 from its copy with the model's own weights
+    where the query forwards had run with adapted ones, found every value finite and said
+    'the event did NOT come back'. It is not re-run now, and says why."""
+    with pytest.raises(NonFiniteError) as info:
+        train_proto_maml(tmp_path, short_at=3, rewind=2)
+    rep = json.loads(invoke_cli(info.value.bundle_path, "--json").stdout)
+    assert (rep["cause"], rep["origin"]["op"], rep["window"]) == ("invalid", "DivBackward0", None)
+    assert any(p.startswith("the rewind window was not re-run: a forward of the event step ran "
+                            "with weights the bundle does not hold") for p in rep["problems"])
 
 
 def test_proto_maml_inner_gradient_nan_is_the_event_of_the_adapted_forward(tmp_path):
@@ -138,13 +151,14 @@ def test_reptile_meta_update_is_a_step_checked_before_it_applies(tmp_path, caplo
     made the fast weights NaN, the meta-gradient NaN and the model's weights NaN; training went
     on for two more updates and the recorder raised at the end, an optimizer event of step
     -1. Each such update is now a step of its own: its NaN gradients are a backward event at
-    step 3, before the update, and the replay says the loop wrote them."""
+    step 3, before the update, and the replay says the loop wrote them; its rewind window
+    (nothing it could re-run) is not re-run."""
     model, crit = MM.make_model(), torch.nn.MSELoss()
     meta_opt = torch.optim.SGD(model.parameters(), lr=1.0)
     g = torch.Generator().manual_seed(0)
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, meta_opt, loss_fn=crit, out_dir=tmp_path,
-                            factory="meta_models:make_model"):
+                            factory="meta_models:make_model", rewind=2):
             for it in range(6):
                 xs, ys, _, _ = MM.task(g)
                 if it == 3:
@@ -163,6 +177,9 @@ def test_reptile_meta_update_is_a_step_checked_before_it_applies(tmp_path, caplo
         1, "not_reproduced", "backward"), json.dumps(rep, indent=1)
     assert "ran no forward of the recorded model" in " ".join(rep["problems"])
     assert "Reptile's p - fast_p" in rep["hint"]
+    assert rep["window"] is None and any(  # (it had said "every value finite")
+        p.startswith("the rewind window was not re-run: the event step ran no forward")
+        for p in rep["problems"])
 
 
 def test_prototypes_of_an_earlier_forward_are_learned_not_data(tmp_path):
