@@ -93,6 +93,9 @@ WHOLE_TENSOR_EVALUATING = (
 SHARED_INPUT = ("{tensor} holds NaN/Inf and is not per sample: every sample of the batch goes "
                 "through it (a mask, a bias or a table passed to forward), so no sample is to "
                 "blame; check the code that makes it")
+SHARED_ROWS = ("; it holds them only in its rows {rows} (of {n}): if those are records of their "
+               "own (a few-shot episode's support set beside the query batch, a memory bank's "
+               "entries), fix or filter them where the data is made")
 
 # An input event on a loss argument while the model's own inputs were finite
 # (replay.recorded.input_hint): not necessarily data, the loop may have computed it

@@ -29,11 +29,8 @@ def undroppable(step, i: int) -> str | None:
     if "inputs" not in step.micro_batches[i]:
         return None
     found = packed_in(list(micro_batch_inputs(step, i)))
-    # (a graph batch has fewer samples than nodes, and more than its last graph's index; else
-    # the sorted vector is data, an episode's support labels sorted by class, which the rows
-    # of a drop's samples do not cut)
     size = entry_samples(step.micro_batches[i], step.tensors, step.model).size
-    return GRAPHS if any(isinstance(v, Segments) and v.last < size < v.ids.numel()
+    return GRAPHS if any(isinstance(v, Segments) and v.groups(size)
                          for v in found.values()) else None
 
 

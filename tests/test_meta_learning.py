@@ -263,3 +263,22 @@ def test_matching_net_blank_query_is_dropped_not_called_a_graph(tmp_path):
         0, "invalid", "aten.div", "", blank), json.dumps(rep, indent=1)
     (tried,) = rep["what_if"]
     assert (tried["try"], tried["finite"]) == (f"drop={blank[0]}", True), tried
+
+
+def test_nan_in_a_support_image_is_not_blamed_on_a_query_sample(tmp_path):
+    """A NaN pixel in support image 4 (of 10; the batch is the 15 queries). The support labels
+    sorted by class read as a graph batch's assignment vector, so support row 4 was taken for
+    a node of 'graph' 2 (its class), and the event and the report named sample [2], a query
+    that holds no NaN (and --try drop=2 removed it). The support set is no graph batch: no
+    query sample is named, and the hint names the support rows."""
+    def spoil(xs, xq):
+        xs[4, 3] = float("nan")
+
+    err, xs, xq = train_matching(tmp_path, spoil)
+    bad = [i for i in range(len(xs)) if xs[i].isnan().any()]
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (3, "input", "args[0]", [])
+    rep = json.loads(invoke_cli(err.bundle_path, "--json").stdout)
+    o = rep["origin"]
+    assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "args[0]", []), rep
+    assert f"it holds them only in its rows {bad} (of {len(xs)})" in rep["hint"], rep["hint"]
