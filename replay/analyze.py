@@ -58,7 +58,7 @@ from .recorded import (
 )
 from .recurrence import add_iterates_note
 from .rerun import Runner
-from .second_order import adapted_from_gradient, report_second_order
+from .second_order import adapted_from_gradient, report_made_weights, report_second_order
 from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
@@ -398,6 +398,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return report_dropped_nan(report, runner)
     if phase == "optimizer" and not _after_update(step) and step.optimizer is not None:
         return report_optimizer(report, step, runner)
+    if (made := report_made_weights(report, step, run1)) is not None:
+        return made  # (a MAML query forward on weights its inner update made non-finite)
     if (term := loop_differentiation(step)) is not None:  # before the branch below: that
         return not_rerun_term(report, step, term)  # term may be all the backward went through
     if phase == "backward" and _no_backward_reached_the_output(step):

@@ -191,3 +191,38 @@ def adapted_from_gradient(report, step: Step) -> dict:
                            "norm at 0 lacks (its masked first derivative is 0/0 to "
                            "differentiate): use a squared distance or sqrt(x + eps)")
     return report
+
+
+def report_made_weights(report, step: Step, run) -> dict | None:
+    """A forward event of a later micro-batch whose module took finite inputs and made the
+    NaN in training, where the re-run's same call, on the bundle's weights, is finite, after
+    the loop differentiated an earlier micro-batch itself (``autograd.grad``, MAML's inner
+    step): that forward ran with weights the inner update made, non-finite ones; the earlier
+    gradients re-run finite, so the update's own factors made them (a learned inner learning
+    rate's exp, Meta-SGD's). It was told to compute its 'derivative term' inside loss_fn.
+    None when that is not the case."""
+    ev = step.event
+    m, name, k = ev.get("micro_batch"), ev.get("module"), ev.get("call")
+    if ev.get("phase") != "forward" or not ev.get("inputs_finite") or not isinstance(m, int) \
+            or not any(mb.get("differentiated") for mb in step.micro_batches[:m]):
+        return None
+    again = next((c for c in run.calls if (c.module, c.micro_batch, c.call) == (name, m, k)),
+                 None)
+    if again is None or not again.outputs_finite or run.bad_grads:
+        return None
+    label = name or "<root>"
+    report["problems"].append(
+        f"'{label}' took finite inputs in micro-batch {m} and made {ev.get('kind')} in "
+        "training, but re-run on the bundle's weights it is finite: that forward ran with "
+        "other weights, made within the step from an earlier micro-batch's gradient (a MAML "
+        "inner loop's p - lr * g through functional_call), and non-finite; that gradient "
+        "re-runs finite")
+    report = finish(report, origin_fields(
+        phase="forward", module=name, call=k, micro_batch=m, inputs_finite=True,
+        made=ev.get("kind"), samples=ev.get("samples", [])), None, reproduced=False)
+    report["hint"] = (
+        f"the loop's inner update made the weights '{label}' ran with non-finite from finite "
+        "gradients: check its factors at this step (an inner learning rate too large, a "
+        "learned per-parameter one, Meta-SGD's, whose exp overflows: bound it, or learn it "
+        "without exp) and the number of inner steps; the replay cannot re-run that update")
+    return report

@@ -183,3 +183,36 @@ def make_matching_net() -> MatchingNet:
 
 def matching_loss(probs, yq):
     return F.nll_loss(torch.log(probs + 1e-8), yq)
+
+
+class MetaSGDNet(nn.Module):
+    """Li et al.'s Meta-SGD on the sine task: a learned learning rate per weight element, kept
+    as its log (``log_lr``) so that it stays positive."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.log_lr = nn.ParameterDict({"net_" + n.replace(".", "_"):
+                                        nn.Parameter(torch.full_like(p, -4.0))
+                                        for n, p in self.net.named_parameters()})
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def make_meta_sgd() -> MetaSGDNet:
+    torch.manual_seed(0)
+    return MetaSGDNet()
+
+
+def meta_sgd_step(model, crit, opt, task_xy) -> None:
+    """One Meta-SGD step: p - exp(log_lr) * g on the support set, the query loss after."""
+    xs, ys, xq, yq = task_xy
+    opt.zero_grad()
+    params = {n: p for n, p in model.named_parameters() if n.startswith("net.")}
+    loss = crit(functional_call(model, params, (xs,)), ys)
+    grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+    adapted = {n: p - model.log_lr[n.replace(".", "_")].exp() * g
+               for (n, p), g in zip(params.items(), grads)}
+    crit(functional_call(model, adapted, (xq,)), yq).backward()
+    opt.step()

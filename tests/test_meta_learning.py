@@ -282,3 +282,34 @@ def test_nan_in_a_support_image_is_not_blamed_on_a_query_sample(tmp_path):
     o = rep["origin"]
     assert (rep["cause"], o["tensor"], o["samples"]) == ("input", "args[0]", []), rep
     assert f"it holds them only in its rows {bad} (of {len(xs)})" in rep["hint"], rep["hint"]
+
+
+def test_meta_sgd_inner_update_overflow_is_not_called_a_derivative_term(tmp_path):
+    """Meta-SGD's inner rates are reset at step 3 from a config that holds the rate (100)
+    where the model learns its log: exp(100) is inf in float32 and the adapted first layer
+    NaN. That layer's query call is the first recorded non-finite call, so the fidelity check
+    passed, and the replay took the inner autograd.grad for a gradient penalty: 'compute the
+    derivative term (the gradient penalty, the PDE residual) inside the loss'. It now says
+    the forward ran on weights the inner update made, and what to check."""
+    model, crit = MM.make_meta_sgd(), torch.nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="meta_models:make_meta_sgd"):
+            for it in range(6):
+                if it == 3:
+                    with torch.no_grad():
+                        model.log_lr["net_0_weight"].fill_(100.0)  # the rate, not its log
+                MM.meta_sgd_step(model, crit, opt, MM.task(g))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["micro_batch"]) == (3, "forward", "net.0", 1)
+    r = invoke_cli(info.value.bundle_path, "--json")
+    rep = json.loads(r.stdout)
+    o = rep["origin"]
+    assert (r.exit_code, rep["cause"], o["phase"], o["module"], o["micro_batch"]) == (
+        1, None, "forward", "net.0", 1), json.dumps(rep, indent=1)
+    assert "derivative term" not in rep["hint"] and "Meta-SGD's, whose exp overflows" in \
+        rep["hint"], rep["hint"]
+    assert any("made within the step from an earlier micro-batch's gradient" in p
+               for p in rep["problems"])
