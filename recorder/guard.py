@@ -50,6 +50,8 @@ class OptimizerGuard:
         # "small" -> (the target's list they view, its indices, the views)
         self._views: dict[str, tuple[list, list[int], FlatViews]] = {}
         self._transform_warned = False
+        self._update_only_said = False
+        self._forward_steps = False  # a step opened by a forward of the model has closed
 
     def register(self, optimizer) -> list:
         # (run eagerly where dynamo traces ``optimizer.step()``, a compiled training step:
@@ -104,9 +106,16 @@ class OptimizerGuard:
         if not self.health.active:
             cycle.leave_ranks()  # (a step's close: where this rank's exchange would run)
             return
+        transformed, cycle.transformed = cycle.transformed, False
+        if tape is None and cycle.unrooted_call is None and not transformed \
+                and not self._forward_steps:
+            tape = self._update_only()
+        elif tape is not None and tape.micro_batches:
+            # (a loop that steps after its forwards: a second step() with none since, a
+            # thread's racing the first, updates with the gradients that step checked)
+            self._forward_steps = True
         cycle.updated = cycle.ever_updated = True  # the next step's weights come from it
         cycle.eval_tail = None
-        transformed, cycle.transformed = cycle.transformed, False
         if tape is None:
             if cycle.unrooted_call is not None:
                 cycle.unrooted()
@@ -121,6 +130,26 @@ class OptimizerGuard:
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape
+
+    def _update_only(self) -> Tape | None:
+        """A step of its own for an update in a loop that runs no forward of the recorded
+        model: it writes the gradients itself, from a copy of the model it trained (Reptile's
+        ``p.grad = p - fast_p``, evolution strategies). Unchecked, NaN gradients there made NaN
+        weights, found only at a later read and named as an update of step -1; as a step, its
+        gradients are checked before the update, which then belongs to it."""
+        cycle = self.cycle
+        with cycle.lock:  # (a training step's tape: as a forward opens one)
+            tape = cycle.tape if cycle.tape is not None else cycle.tape_for_forward(False)
+        if not self._update_only_said:
+            self._update_only_said = True
+            # (a loop that trains a copy: Reptile's deepcopy, a functional copy without the
+            # recorder's hooks; its forwards are not recorded, which the user should know)
+            log.warning("nanreplay: optimizer.step() ran with no forward of the recorded model "
+                        "since the last step (a copy of it ran instead, as Reptile's fast "
+                        "weights, or the loop wrote the gradients itself): each such update is "
+                        "a step of its own, its gradients and update checked, but no forward "
+                        "is recorded, so nanreplay cannot re-run one")
+        return tape
 
     def _only_transformed(self) -> None:
         """An update whose step ran the model only under torch.func transforms: said once."""

@@ -105,7 +105,7 @@ class Samples:
     def per_node(self, t: torch.Tensor) -> bool:
         """``t``'s rows are the nodes of the micro-batch's graph batch (:attr:`segments`)."""
         s = self.segments
-        return (s is not None and t.dim() > 0 and not t.is_nested and s.last < self.size
+        return (s is not None and t.dim() > 0 and not t.is_nested and s.groups(self.size)
                 and t.shape[0] == s.ids.numel() and self.dim(t) is None)
 
     def rows(self, t: torch.Tensor, packed: Mapping[int, PackedSequence | Bags | Segments] | None = None,
@@ -116,7 +116,7 @@ class Samples:
         seq = packed.get(id(t)) if packed else None
         if isinstance(seq, Bags):
             return seq.samples(bad_rows(t, 0))
-        if isinstance(seq, Segments) and self.dim(t) is None and seq.last < self.size:
+        if isinstance(seq, Segments) and self.dim(t) is None and seq.groups(self.size):
             return seq.samples(bad_rows(t, 0))
         if isinstance(seq, PackedSequence) and seq.data is t:
             return packed_samples(seq, bad_rows(t, 0))
@@ -242,6 +242,13 @@ class Segments:
         if not rows:
             return []
         return sorted(set(self.ids.cpu()[torch.tensor(rows)].tolist()))
+
+    def groups(self, size: int) -> bool:
+        """It assigns nodes to the ``size`` samples of a batch: more of them than its last
+        graph's index, fewer than its nodes. Else a sorted integer vector is data of its own
+        (an episode's support labels sorted by class, ``[0, 0, 1, 1, ...]``, beside a query
+        batch of another size): its rows are no graph's nodes."""
+        return self.last < size < self.ids.numel()
 
 
 def assignment(tensors: Iterable[torch.Tensor]) -> Segments | None:

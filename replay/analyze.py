@@ -22,7 +22,7 @@ from typing import Any
 
 from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 
-from . import fidelity, outside
+from . import fidelity
 from .ascent import ascent_hint
 from .cause_text import DO
 from .drop import undroppable
@@ -33,6 +33,9 @@ from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .kept_report import report_graph_args, report_kept_aside
 from .load import Step, build, read_step, validate_args_as_recorded
+from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
+from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
+from .loop_grads import no_backward_reached_the_output as _no_backward_reached_the_output
 from .loss_grad import loop_differentiation, not_rerun_term
 from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
@@ -59,13 +62,13 @@ from .recorded import (
 )
 from .recurrence import add_iterates_note
 from .rerun import Runner
+from .second_order import adapted_from_gradient, report_made_weights, report_second_order
 from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
 from .whatif import run_tries
 from .window import window_of
 from .window_report import add_window
-from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
 
 __all__ = ["analyze", "analyze_bundle", "scale_of_the_step"]
 
@@ -361,6 +364,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return finish(report, origin_fields(), "not_reproduced", reproduced=False)
     report["fidelity"] = fid = fidelity.compare(step, run1)
     if fid is not None and not fid["matches"]:
+        if (second := report_second_order(report, step, runner, fid)) is not None:
+            return second  # (a MAML outer backward through an earlier micro-batch's gradient)
         # what the re-run shows is of another model: nothing it finds is evidence
         return recorded_origin(report, step, (
             f"{fidelity.mismatch(fid)}, so the re-run says nothing about training: the origin above is what the "
@@ -391,12 +396,14 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if phase == "loss" and step.loss_fn is None:  # (or a term the forward kept aside made it)
         return report_hidden_forward(report, step, runner) or report_loss_not_in_bundle(
             report, step)
-    if run1.bad_grads:
-        return report_backward(report, runner)
+    if run1.bad_grads:  # (an inner loop's gradient, which a later forward's weights came from)
+        return adapted_from_gradient(report_backward(report, runner), step)
     if step.event.get("reason") == "anomaly":
         return report_dropped_nan(report, runner)
     if phase == "optimizer" and not _after_update(step) and step.optimizer is not None:
         return report_optimizer(report, step, runner)
+    if (made := report_made_weights(report, step, run1)) is not None:
+        return made  # (a MAML query forward on weights its inner update made non-finite)
     if (term := loop_differentiation(step)) is not None:  # before the branch below: that
         return not_rerun_term(report, step, term)  # term may be all the backward went through
     if phase == "backward" and _no_backward_reached_the_output(step):
@@ -429,53 +436,6 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
     if built := step.built_otherwise:  # (what the bundle can name: a setting made after build)
         more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
         report["hint"] = fidelity.BUILT_OTHERWISE.format(attrs=", ".join(built[:3]) + more)
-    return report
-
-
-def _no_backward_reached_the_output(step: Step) -> bool:
-    """No gradient reached the output of any forward of the step that ran with gradients on
-    (the recorder keeps each one that does), while the re-run's backward, which found every
-    gradient finite, reaches it."""
-    mbs = step.micro_batches
-    return bool(mbs) and all(mb.get("grad_enabled", True) and not mb.get("output_grads")
-                             for mb in mbs)
-
-
-def _finite_gradients_reached_the_output(step: Step) -> bool:
-    """Gradients reached the model's output in this step, all of them finite (a loop's
-    ``torch.autograd.grad`` per task leaves them too), and the re-run's backward made every
-    parameter's gradient finite: the non-finite ones recorded came from elsewhere."""
-    grads = outside.recorded_output_grads(step)
-    return any(grads.values()) and not outside.non_finite_entries(grads)
-
-
-def _gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[str, Any]:
-    """A backward event of a step whose gradients no backward through the recorded forward
-    made (``reached``: none from the finite gradients that reached its output): the loop
-    wrote them (per-sample gradients under torch.func, a hand-written clip or noise,
-    gradient surgery's ``p.grad = ...`` after ``autograd.grad`` per task), in code the replay
-    cannot re-run."""
-    params = step.event.get("params") or []
-    zero = zero_gradient_rows(step)
-    report["problems"].append(
-        "the gradients that reached the model's output were finite, and the re-run's backward "
-        "from there makes every parameter's gradient finite" if reached else
-        "no backward ran through the recorded forward in this step (no gradient reached the "
-        "model's output), and the re-run's backward makes every gradient finite")
-    report = finish(report, origin_fields(phase="backward", params=params,
-                                          param=(params or [None])[0],
-                                          made=step.event.get("kind")),
-                    "not_reproduced", reproduced=False)
-    report["hint"] = (
-        f"the gradients the update was about to use{' (' + ', '.join(params) + ')' if params else ''}"
-        " were written by the loop's own code, not by backward through the model: per-sample "
-        "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
-        "averaged by hand (gradient surgery: torch.autograd.grad per task, then p.grad = ...), "
-        "a loss term on the weights themselves added in the loop; check that code at this "
-        "step, e.g. a division by a norm that is 0" + zero_rows_text(zero)
-        + empty_batch_text(step))
-    if zero:  # (the first micro-batch's: the origin names one)
-        report["origin"]["micro_batch"], report["origin"]["samples"] = next(iter(zero.items()))
     return report
 
 

@@ -99,6 +99,9 @@ WHOLE_TENSOR_EVALUATING = (
 SHARED_INPUT = ("{tensor} holds NaN/Inf and is not per sample: every sample of the batch goes "
                 "through it (a mask, a bias or a table passed to forward), so no sample is to "
                 "blame; check the code that makes it")
+SHARED_ROWS = ("; it holds them only in its rows {rows} (of {n}): if those are records of their "
+               "own (a few-shot episode's support set beside the query batch, a memory bank's "
+               "entries), fix or filter them where the data is made")
 
 # An input event on a loss argument while the model's own inputs were finite
 # (replay.recorded.input_hint): not necessarily data, the loop may have computed it
@@ -389,3 +392,9 @@ def no_float64(e: Exception) -> str:
             f"underflow and precision ({type(e).__name__}: {first}), so the cause is not "
             "told: the origin above is where the value was made; read its op and inputs, or "
             "let the code run in float64 (a fallback for the half-only kernel)")
+
+
+# a backward event of a step with no micro-batch: an update the recorder made a step of its own
+NO_FORWARD = ("the step ran no forward of the recorded model: the loop wrote the gradients of "
+              "this update itself, from a copy of the model it trained (Reptile) or other "
+              "code the replay cannot re-run")

@@ -30,7 +30,9 @@ def undroppable(step, i: int) -> str | None:
     if "inputs" not in step.micro_batches[i]:
         return None
     found = packed_in(list(micro_batch_inputs(step, i)))
-    return GRAPHS if any(isinstance(v, Segments) for v in found.values()) else None
+    size = entry_samples(step.micro_batches[i], step.tensors, step.model).size
+    return GRAPHS if any(isinstance(v, Segments) and v.groups(size)
+                         for v in found.values()) else None
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)

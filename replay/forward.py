@@ -17,6 +17,7 @@ from .forward_grad import derivative_words, node_sources, with_node
 from .lineage import Lineage
 from .load import Step
 from .ops import OpFinder
+from .other_rows import note_other_rows
 from .parametrized import parametrization_hint
 from .recorded import samples
 from .rerun import Runner
@@ -73,6 +74,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         source=(hit.source if hit and hit.source else module_source(step, o.module)),
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
+    note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch),
                      hit=_counted_in(finder, hit, o))
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the

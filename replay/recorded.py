@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from recorder.capture import batch_path, flatten_tree, loss_path, tree_refs
-from recorder.finite import finite, has_nan, kind_of, matches
+from recorder.finite import bad_rows, finite, has_nan, kind_of, matches
 from recorder.missing import allow_nan_advice, root_input_name
 from recorder.samples import Samples, assignment, infer, packed_in, recurrent, seq_first
 
@@ -20,6 +20,7 @@ from .cause_text import (
     LOSS_ARGUMENT,
     LOSS_ARGUMENT_EVERY,
     SHARED_INPUT,
+    SHARED_ROWS,
     WHOLE_COLUMNS,
     WHOLE_TENSOR,
     WHOLE_TENSOR_EVALUATING,
@@ -173,7 +174,17 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         return LOSS_ARGUMENT.format(tensor=tensor, every=every, kind=kind)
     if origin.get("samples") or not tensor:
         return None
-    return SHARED_INPUT.format(tensor=f"the input {tensor}")
+    return SHARED_INPUT.format(tensor=f"the input {tensor}") + _some_rows(step, key)
+
+
+def _some_rows(step: Step, key: str) -> str:
+    """Where a batch tensor without the batch's samples holds its non-finite values, when only
+    in some rows of its dim 0 (records of their own: a support set beside the query batch)."""
+    t = step.tensors.get(key)
+    if t is None or not t.is_floating_point() or t.dim() < 1 or t.shape[0] < 2:
+        return ""
+    rows = bad_rows(t, 0)
+    return SHARED_ROWS.format(rows=rows, n=t.shape[0]) if 0 < len(rows) < t.shape[0] else ""
 
 
 def origin_key(step: Step, origin: dict[str, Any]) -> tuple[str, str]:

@@ -27,6 +27,9 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
     win = window_of(step)
     if win is None or step.model is None:
         return False
+    if (why := _not_rerunnable(step, report)) is not None:
+        report["problems"].append(f"the rewind window was not re-run: {why}")
+        return False
     res = run_window(step, win)
     o = res.first
     ev = step.event
@@ -59,6 +62,19 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
         else:
             _optimizer_origin(step, report, o, ok)
     return grew
+
+
+def _not_rerunnable(step: Step, report: dict[str, Any]) -> str | None:
+    """Why re-running the window's steps from its copy would not be the steps that ran (their
+    "every value finite" would say nothing), or None."""
+    if (report.get("fidelity") or {}).get("within_step"):
+        return ("a forward of the event step ran with weights the bundle does not hold "
+                "(passed in through functional_call, as a MAML inner loop does), and the "
+                "window's steps would run with the model's own")
+    if not step.micro_batches:
+        return ("the event step ran no forward of the recorded model (the loop wrote its "
+                "gradients, as Reptile's from a copy it trained), which a re-run cannot make")
+    return None
 
 
 def _bad_in_copy(step: Step, win, params: list[str]) -> list[str]:

@@ -1,0 +1,61 @@
+"""A backward event whose gradients no backward through the recorded forward made: the loop
+wrote them (per-sample gradients under torch.func, a hand-written clip, gradient surgery,
+Reptile's weight difference from a copy it trained), in code the replay cannot re-run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import outside
+from .cause_text import NO_FORWARD
+from .findings import finish, origin_fields
+from .load import Step
+from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
+
+
+def no_backward_reached_the_output(step: Step) -> bool:
+    """No gradient reached the output of any forward of the step that ran with gradients on
+    (the recorder keeps each one that does), while the re-run's backward, which found every
+    gradient finite, reaches it."""
+    return all(mb.get("grad_enabled", True) and not mb.get("output_grads")  # (or no forward)
+               for mb in step.micro_batches)
+
+
+def finite_gradients_reached_the_output(step: Step) -> bool:
+    """Gradients reached the model's output in this step, all of them finite (a loop's
+    ``torch.autograd.grad`` per task leaves them too), and the re-run's backward made every
+    parameter's gradient finite: the non-finite ones recorded came from elsewhere."""
+    grads = outside.recorded_output_grads(step)
+    return any(grads.values()) and not outside.non_finite_entries(grads)
+
+
+def gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[str, Any]:
+    """A backward event of a step whose gradients no backward through the recorded forward
+    made (``reached``: none from the finite gradients that reached its output): the loop
+    wrote them (per-sample gradients under torch.func, a hand-written clip or noise,
+    gradient surgery's ``p.grad = ...`` after ``autograd.grad`` per task), in code the replay
+    cannot re-run."""
+    params = step.event.get("params") or []
+    zero = zero_gradient_rows(step)
+    report["problems"].append(
+        "the gradients that reached the model's output were finite, and the re-run's backward "
+        "from there makes every parameter's gradient finite" if reached else NO_FORWARD
+        if not step.micro_batches else
+        "no backward ran through the recorded forward in this step (no gradient reached the "
+        "model's output), and the re-run's backward makes every gradient finite")
+    report = finish(report, origin_fields(phase="backward", params=params,
+                                          param=(params or [None])[0],
+                                          made=step.event.get("kind")),
+                    "not_reproduced", reproduced=False)
+    report["hint"] = (
+        f"the gradients the update was about to use{' (' + ', '.join(params) + ')' if params else ''}"
+        " were written by the loop's own code, not by backward through the model: per-sample "
+        "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
+        "averaged by hand (gradient surgery: torch.autograd.grad per task, then p.grad = ...), "
+        "a loss term on the weights themselves added in the loop, a difference of weights "
+        "(Reptile's p - fast_p from a copy the loop trained); check that code at this "
+        "step, e.g. a division by a norm that is 0" + zero_rows_text(zero)
+        + empty_batch_text(step))
+    if zero:  # (the first micro-batch's: the origin names one)
+        report["origin"]["micro_batch"], report["origin"]["samples"] = next(iter(zero.items()))
+    return report
