@@ -31,6 +31,7 @@ from .events import anomaly_reason
 from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, weight_step_norms
 from .hooks import Health
+from .linalg import linalg_reason, note_error
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
 from .rng import RngCapture
@@ -375,7 +376,10 @@ class StepCycle:
             if not tape.evaluation:  # gradients backward wrote, which no optimizer hook read
                 reread_changed_grads(tape, self.target, self.settings.param_norms)
             tape.cut_short = True
-            self.close_tape(at="exception", forced=anomaly_reason(exc))
+            forced = anomaly_reason(exc) or linalg_reason(exc)
+            if forced == "linalg":
+                note_error(tape, exc)
+            self.close_tape(at="exception", forced=forced)
         except NonFiniteError as e:
             _add_note(exc, str(e))
             return
