@@ -26,7 +26,7 @@ from recorder.finite import finite
 from recorder.linalg import linalg_reason
 
 from .cause import classify
-from .compat import TorchDispatchMode
+from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import Float64, float_leaves, run_op
 from .errors import StopRun
 from .findings import finish, origin_fields
@@ -65,8 +65,12 @@ class _Calls:
         hs = []
         for name, m in model.named_modules():
             hs.append(m.register_forward_pre_hook(self._enter(name)))
-            hs.append(m.register_forward_hook(lambda *a: self.stack.pop() if self.stack else 0))
+            hs.append(m.register_forward_hook(self._leave))
         return hs
+
+    def _leave(self, m, args, out) -> None:  # (returns None: the output stays the module's)
+        if self.stack:
+            self.stack.pop()
 
     def _enter(self, name: str):
         def pre(m, args):
@@ -90,7 +94,7 @@ class _Failing(TorchDispatchMode):
         super().__init__()
         self.calls, self.target = calls, target
         self.seen: dict[str, int] = {}
-        self.last: tuple[str, int, list] | None = None
+        self.last: tuple[str, int, list, list] | None = None  # the last op with an info
         self.failed: Failed | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -108,7 +112,9 @@ class _Failing(TorchDispatchMode):
             out = run_op(func, args, kwargs)
         except Exception as e:
             if self.target is None and self.failed is None and linalg_reason(e):
-                op, occ, mats = (self.last if name == _CHECK and self.last else (name, k, ins))
+                last = self.last if name == _CHECK and self.last is not None \
+                    and any(args[0] is t for t in self.last[3]) else (name, k, ins, [])
+                op, occ, mats, _ = last
                 self.failed = Failed(op, occ, mats[0].detach().clone() if mats else None,
                                      user_source(), self.calls.running(), str(e).split("\n")[0])
             elif self.failed is not None and self.target is not None:
@@ -118,8 +124,10 @@ class _Failing(TorchDispatchMode):
         if self.target is not None and self.failed is not None and name != _CHECK \
                 and not hit:
             raise StopRun  # (the op and its check ran: what comes later is not needed)
-        if name != _CHECK:
-            self.last = (name, k, ins)
+        infos = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                 and not t.is_floating_point() and not t.is_complex()]
+        if infos and name != _CHECK:  # (an ``_ex`` op: its info is what the check reads)
+            self.last = (name, k, ins, infos)
         return out
 
 
@@ -153,9 +161,10 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
         return None
     module, call, mb = failed.within
     origin = origin_fields(phase="loss" if module == "<loss>" else "forward", module=module,
-                           call=call, micro_batch=mb, op=f"aten.{failed.op}",
-                           source=failed.source, detail=failed.error,
-                           inputs_finite=failed.matrix is None or finite(failed.matrix))
+                           call=call, micro_batch=mb, op=f"aten.{failed.op}", made="LinAlgError",
+                           source=failed.source, error=failed.error,
+                           inputs_finite=failed.matrix is None or finite(failed.matrix),
+                           samples=failed_rows(failed))
     if not origin["inputs_finite"]:
         return _non_finite_matrix(report, runner, failed, origin)
     try:
@@ -170,6 +179,18 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
             "exact arithmetic is not known: " + _REMEDY["invalid"]))
     cause, hint = judge(failed.op, failed.matrix, exact)
     return finish(report, origin, cause, reproduced=True, hint=hint)
+
+
+def failed_rows(failed: Failed) -> list[int]:
+    """The samples whose own matrix failed, for a batch of matrices (one per sample, dim 0);
+    none for one matrix of the whole batch (a covariance, a kernel), which every sample
+    made."""
+    m = failed.matrix
+    if m is None or m.dim() != 3 or m.shape[-1] != m.shape[-2] or not finite(m):
+        return []
+    info = (torch.linalg.cholesky_ex(m).info if failed.op in _SPD
+            else torch.linalg.inv_ex(m).info)
+    return info.nonzero().flatten().tolist()
 
 
 def judge(op: str, m32: torch.Tensor, exact: Failed) -> tuple[str, str]:
