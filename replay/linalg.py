@@ -241,6 +241,7 @@ def _non_finite_matrix(report, runner: Runner, failed: Failed, origin) -> dict[s
             "running it (see the chain of the step's recorded history)"))
     cause = classify(runner, "forward", until=failed.within, hit=hit)
     origin.update(op=hit.op, made=hit.made, source=hit.source or origin["source"],
-                  samples=hit.rows or [], inputs_finite=True,
-                  detail=f"{failed.error} (aten.{failed.op} given the {hit.made} {hit.op} made)")
+                  samples=hit.rows or [], inputs_finite=True)
+    report["problems"].append(f"aten.{failed.op} raised on the {hit.made} that {hit.op} made "
+                              f"({failed.error})")
     return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)

@@ -129,3 +129,28 @@ def ray_batches(steps: int, blank_at: int, row: int, n: int = 8):
         if step == blank_at:
             cams[row] = 0.0
         yield cams, pix, torch.randn(n, 1, generator=g)
+
+
+class StandardWhiten(nn.Module):
+    """Standardise each feature, then ZCA through ``eigh`` of the correlation matrix."""
+
+    def forward(self, x):
+        xc = x - x.mean(0)
+        z = xc / xc.square().mean(0).sqrt()  # the bug: no eps, 0/0 for a constant feature
+        vals, vecs = torch.linalg.eigh(z.T @ z / x.shape[0])
+        return z @ vecs / vals.clamp_min(1e-5).sqrt()
+
+
+class ZcaNet(nn.Module):
+    def __init__(self, d: int = 6):
+        super().__init__()
+        self.zca = StandardWhiten()
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(self.zca(x))
+
+
+def make_zca():
+    torch.manual_seed(0)
+    return ZcaNet()

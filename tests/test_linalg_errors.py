@@ -1,0 +1,155 @@
+"""Steps that a failed decomposition ends (``torch.linalg.LinAlgError``): an exact GP whose
+learned lengthscale makes its kernel too smooth for float32's jitter, a whitening layer on a
+batch with a dead sensor, each sample's camera matrix inverted where one is blank, and a ZCA
+layer given a NaN its own standardisation made. The op raises inside one module's forward
+before any hook sees a non-finite value (and mostly from a finite matrix): the recorder wrote
+no bundle, and the user only had the traceback. Now the step's bundle is written (``reason``
+``linalg``), the error reaches the loop unchanged with the summary as a note, and
+``nanreplay`` names the module, the op and whether float64 makes the matrix fail too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import linalg_error_models as M
+import pytest
+import torch
+from bundles import nanreplay_json
+from torch import nn
+
+from recorder import FlightRecorder
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where linalg_error_models.py, the factory's module, lives
+
+
+def _raised(out_dir: Path, run) -> tuple[int, Path]:
+    """Run the loop ``run(steps)`` (it appends each step it starts); the user's own error
+    must reach it as it was raised: a LinAlgError, not a NonFiniteError, noted with the
+    summary. Returns the step it died at and the bundle."""
+    steps: list[int] = []
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        run(steps)
+    err = info.value
+    assert type(err) is torch.linalg.LinAlgError, type(err)
+    notes = getattr(err, "__notes__", [])
+    bundles = sorted(out_dir.glob("*.nan"))
+    assert len(bundles) == 1, bundles
+    assert any(n.startswith(f"nanreplay: a matrix decomposition failed at step {steps[-1]} ")
+               and str(bundles[0]) in n for n in notes), notes
+    return steps[-1], bundles[0]
+
+
+def _check(rep: dict, step: int, module: str, op: str, cause: str, samples: list[int]) -> None:
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["module"], o["op"],
+            rep["cause"], o["samples"]) == (step, True, "forward", module, op, cause, samples), \
+        json.dumps({k: rep[k] for k in ("origin", "cause", "hint", "problems")}, indent=1)
+    assert o["source"].startswith("linalg_error_models.py:"), o["source"]
+
+
+def test_gp_lengthscale_too_smooth_for_float32_jitter_is_precision(out_dir):
+    """An exact GP on 16 points with a jitter of 1e-7: as the learned lengthscale grows, the
+    kernel's eigenvalues fall below float32's rounding of it, and cholesky fails at step 14.
+    In float64 the matrix is positive-definite (its smallest eigenvalue is the jitter):
+    ``precision``, with jitter scaled to the matrix, cholesky_ex or float64 as the hint."""
+    model = M.make_gp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x, y = M.gp_data()
+
+    def run(steps):
+        with FlightRecorder(model, opt, out_dir=out_dir, factory="linalg_error_models:make_gp"):
+            for step in range(40):
+                steps.append(step)
+                opt.zero_grad()
+                model(x, y).backward()
+                opt.step()
+
+    step, bundle = _raised(out_dir, run)
+    assert step == 14
+    rep = nanreplay_json(bundle)
+    _check(rep, 14, "mll", "aten.linalg_cholesky_ex", "precision", [])
+    assert "positive-definite in float64" in rep["hint"] and "cholesky_ex" in rep["hint"] \
+        and "jitter" in rep["hint"], rep["hint"]
+
+
+def test_whitening_a_batch_with_a_dead_sensor_is_invalid(out_dir):
+    """A whitening layer factors the batch covariance with cholesky and no ridge; at step 3
+    sensor 2 reads 0 for the whole batch, so the covariance has a zero row: not
+    positive-definite in exact arithmetic either, ``invalid``; the whole batch made the
+    matrix, so no sample is named."""
+    model = M.make_whiten()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+
+    def run(steps):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="linalg_error_models:make_whiten"):
+            for step, (x, y) in enumerate(M.whiten_batches(6, dead_at=3)):
+                steps.append(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+
+    step, bundle = _raised(out_dir, run)
+    assert step == 3
+    rep = nanreplay_json(bundle)
+    _check(rep, 3, "whiten", "aten.linalg_cholesky_ex", "invalid", [])
+    assert "not positive-definite in exact arithmetic too" in rep["hint"] \
+        and "ridge" in rep["hint"], rep["hint"]
+
+
+def test_inverse_of_a_blank_camera_matrix_names_its_sample(out_dir):
+    """Each sample's pixel is unprojected through torch.linalg.inv of its camera matrix; at
+    step 2 record 5's camera is a blank record of zeros: singular in exact arithmetic,
+    ``invalid``, and as the batch holds one matrix per sample, sample 5 is named."""
+    model = M.make_raynet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    crit = nn.MSELoss()
+
+    def run(steps):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="linalg_error_models:make_raynet"):
+            for step, (cams, pix, t) in enumerate(M.ray_batches(6, blank_at=2, row=5)):
+                steps.append(step)
+                opt.zero_grad()
+                crit(model(cams, pix), t).backward()
+                opt.step()
+
+    step, bundle = _raised(out_dir, run)
+    assert step == 2
+    rep = nanreplay_json(bundle)
+    _check(rep, 2, "unproject", "aten.linalg_inv_ex", "invalid", [5])
+    assert "singular in exact arithmetic too" in rep["hint"] and "pinv" in rep["hint"], \
+        rep["hint"]
+
+
+def test_eigh_of_a_nan_the_layer_made_blames_the_op_that_made_it(out_dir):
+    """A ZCA layer standardises each feature with no eps (0/0 for the dead sensor of step
+    3) and then calls eigh on the NaN correlation matrix, which fails to converge inside the
+    same forward: the op that made the NaN is named, aten.div, ``invalid`` as for any forward
+    origin, with eigh's failure as a note."""
+    model = M.make_zca()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+
+    def run(steps):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="linalg_error_models:make_zca"):
+            for step, (x, y) in enumerate(M.whiten_batches(6, dead_at=3)):
+                steps.append(step)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+
+    step, bundle = _raised(out_dir, run)
+    assert step == 3
+    rep = nanreplay_json(bundle)
+    _check(rep, 3, "zca", "aten.div", "invalid", list(range(32)))
+    assert any("aten._linalg_eigh raised on the nan that aten.div made" in p
+               for p in rep["problems"]), rep["problems"]
