@@ -376,10 +376,7 @@ class StepCycle:
             if not tape.evaluation:  # gradients backward wrote, which no optimizer hook read
                 reread_changed_grads(tape, self.target, self.settings.param_norms)
             tape.cut_short = True
-            forced = anomaly_reason(exc) or linalg_reason(exc)
-            if forced == "linalg":
-                note_error(tape, exc)
-            self.close_tape(at="exception", forced=forced)
+            self.close_tape(at="exception", forced=_forced(tape, exc))
         except NonFiniteError as e:
             _add_note(exc, str(e))
             return
@@ -403,6 +400,15 @@ class StepCycle:
         bad = [names[i] for i, (_, k) in pending.refs if not math.isfinite(values[k])]
         if bad or (ranks is not None and ranks.seen):
             self.alarm.optimizer_event(bad, step=pending.step, after_update=True)
+
+
+def _forced(tape: Tape, exc: BaseException) -> str | None:
+    """The event an exception forces even when the step's statistics are finite: anomaly
+    mode's NaN in backward, a failed decomposition (its error kept for the event)."""
+    forced = anomaly_reason(exc) or linalg_reason(exc)
+    if forced == "linalg":
+        note_error(tape, exc)
+    return forced
 
 
 def _read_probe(probe: torch.Tensor) -> tuple[bool, float, list[float]]:
