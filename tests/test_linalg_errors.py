@@ -57,7 +57,8 @@ def test_gp_lengthscale_too_smooth_for_float32_jitter_is_precision(out_dir):
     """An exact GP on 16 points with a jitter of 1e-7: as the learned lengthscale grows, the
     kernel's eigenvalues fall below float32's rounding of it, and cholesky fails at step 14.
     In float64 the matrix is positive-definite (its smallest eigenvalue is the jitter):
-    ``precision``, with jitter scaled to the matrix, cholesky_ex or float64 as the hint."""
+    ``precision``, with jitter scaled to the matrix, cholesky_ex or float64 as the hint, and
+    the step re-run in float64 is finite."""
     model = M.make_gp()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     x, y = M.gp_data()
@@ -72,8 +73,9 @@ def test_gp_lengthscale_too_smooth_for_float32_jitter_is_precision(out_dir):
 
     step, bundle = _raised(out_dir, run)
     assert step == 14
-    rep = nanreplay_json(bundle)
+    rep = nanreplay_json(bundle, "--try", "dtype=float64")
     _check(rep, 14, "mll", "aten.linalg_cholesky_ex", "precision", [])
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
     assert "positive-definite in float64" in rep["hint"] and "cholesky_ex" in rep["hint"] \
         and "jitter" in rep["hint"], rep["hint"]
 
@@ -123,10 +125,14 @@ def test_inverse_of_a_blank_camera_matrix_names_its_sample(out_dir):
 
     step, bundle = _raised(out_dir, run)
     assert step == 2
-    rep = nanreplay_json(bundle)
+    rep = nanreplay_json(bundle, "--try", "drop=5", "--try", "dtype=float64")
     _check(rep, 2, "unproject", "aten.linalg_inv_ex", "invalid", [5])
     assert "singular in exact arithmetic too" in rep["hint"] and "pinv" in rep["hint"], \
         rep["hint"]
+    # without the blank record the step runs on; float64 fails as float32 did
+    drop, wide = rep["what_if"]
+    assert drop["finite"] is True, drop
+    assert "linalg.inv" in wide["error"] and "at step 2" in wide["error"], wide
 
 
 def test_eigh_of_a_nan_the_layer_made_blames_the_op_that_made_it(out_dir):
@@ -153,3 +159,29 @@ def test_eigh_of_a_nan_the_layer_made_blames_the_op_that_made_it(out_dir):
     _check(rep, 3, "zca", "aten.div", "invalid", list(range(32)))
     assert any("aten._linalg_eigh raised on the nan that aten.div made" in p
                for p in rep["problems"]), rep["problems"]
+
+
+def test_cholesky_in_the_loss_fn_is_named_in_the_loss(out_dir):
+    """The GP as GPyTorch-style loops write it: the model returns the kernel matrix and the
+    loss_fn (the marginal likelihood, an nn.Module) factors it. The failure is in the loss:
+    module ``<loss>``, phase ``loss``, ``precision`` as in the model."""
+    model = M.make_kernel()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    mll = M.MarginalLikelihood()
+    x, y = M.gp_data()
+
+    def run(steps):
+        with FlightRecorder(model, opt, loss_fn=mll, out_dir=out_dir,
+                            factory="linalg_error_models:make_kernel"):
+            for step in range(40):
+                steps.append(step)
+                opt.zero_grad()
+                mll(model(x), y).backward()
+                opt.step()
+
+    step, bundle = _raised(out_dir, run)
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == \
+        (step, "loss", "<loss>", "aten.linalg_cholesky_ex", "precision"), \
+        json.dumps({k: rep[k] for k in ("origin", "cause", "hint", "problems")}, indent=1)
