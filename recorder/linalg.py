@@ -14,13 +14,16 @@ from __future__ import annotations
 import re
 
 import torch
+from torch import nn
 
 from .tape import Tape
 
 # torch 2.x raises LinAlgError for most failures; a few raise a plain RuntimeError named by
 # the function (``torch.linalg.lu_factor: U[1,1] is zero``, ``torch.linalg.eig: input
-# tensor should not contain infs or NaNs``)
-_MESSAGE = re.compile(r"^(torch\.)?linalg\.\w+: ")
+# tensor should not contain infs or NaNs``). Its argument checks (a wrong dtype or shape)
+# say other things: a bug in the code, not a matrix the step made
+_MESSAGE = re.compile(r"^(torch\.)?linalg\.\w+: .*(is zero|singular|positive-definite|"
+                      r"converge|infs or NaNs)")
 
 
 def linalg_reason(exc: BaseException) -> str | None:
@@ -28,6 +31,21 @@ def linalg_reason(exc: BaseException) -> str | None:
     if isinstance(exc, torch.linalg.LinAlgError):
         return "linalg"
     return "linalg" if isinstance(exc, RuntimeError) and _MESSAGE.match(str(exc)) else None
+
+
+def raised_inside(exc: BaseException, modules) -> bool:
+    """Whether ``exc`` was raised inside a call of one of ``modules`` (the model's, the loss
+    module) or of the recorder's wrapper of a plain loss function: a frame of its traceback is
+    that module's call. The loop's own code (a metric after the step) is not the recorded
+    step's, and the replay could not re-run it."""
+    ids = {id(m) for m in modules if m is not None}
+    tb = exc.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, nn.Module) and (id(obj) in ids or getattr(obj, "recorded_loss", 0)):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def linalg_detail(tape: Tape) -> str:

@@ -32,10 +32,14 @@ class MarginalLikelihood(nn.Module):
         self.jitter = jitter
 
     def forward(self, k, y):
-        n = k.shape[0]
-        L = torch.linalg.cholesky(k + self.jitter * torch.eye(n))  # the bug: jitter too small
-        alpha = torch.cholesky_solve(y[:, None], L)
-        return 0.5 * (y[:, None] * alpha).sum() + L.diagonal().log().sum()
+        return gp_nll(k, y, self.jitter)
+
+
+def gp_nll(k, y, jitter: float = 1e-7):
+    """The negative log marginal likelihood (a plain loss function too)."""
+    L = torch.linalg.cholesky(k + jitter * torch.eye(k.shape[0]))  # the bug: jitter too small
+    alpha = torch.cholesky_solve(y[:, None], L)
+    return 0.5 * (y[:, None] * alpha).sum() + L.diagonal().log().sum()
 
 
 class ExactGP(nn.Module):

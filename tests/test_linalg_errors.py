@@ -161,18 +161,21 @@ def test_eigh_of_a_nan_the_layer_made_blames_the_op_that_made_it(out_dir):
                for p in rep["problems"]), rep["problems"]
 
 
-def test_cholesky_in_the_loss_fn_is_named_in_the_loss(out_dir):
+@pytest.mark.parametrize("kind", ["module", "function"])
+def test_cholesky_in_the_loss_fn_is_named_in_the_loss(out_dir, kind):
     """The GP as GPyTorch-style loops write it: the model returns the kernel matrix and the
-    loss_fn (the marginal likelihood, an nn.Module) factors it. The failure is in the loss:
-    module ``<loss>``, phase ``loss``, ``precision`` as in the model."""
+    loss_fn (the marginal likelihood: an nn.Module, or a plain function called through
+    ``rec.loss_fn``) factors it. The failure is in the loss: module ``<loss>``, phase
+    ``loss``, ``precision`` as in the model."""
     model = M.make_kernel()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    mll = M.MarginalLikelihood()
     x, y = M.gp_data()
 
     def run(steps):
-        with FlightRecorder(model, opt, loss_fn=mll, out_dir=out_dir,
-                            factory="linalg_error_models:make_kernel"):
+        with FlightRecorder(model, opt, out_dir=out_dir, factory="linalg_error_models:make_kernel",
+                            loss_fn=M.MarginalLikelihood() if kind == "module" else M.gp_nll
+                            ) as rec:
+            mll = rec.loss_fn
             for step in range(40):
                 steps.append(step)
                 opt.zero_grad()
@@ -185,3 +188,42 @@ def test_cholesky_in_the_loss_fn_is_named_in_the_loss(out_dir):
     assert (rep["event"]["step"], o["phase"], o["module"], o["op"], rep["cause"]) == \
         (step, "loss", "<loss>", "aten.linalg_cholesky_ex", "precision"), \
         json.dumps({k: rep[k] for k in ("origin", "cause", "hint", "problems")}, indent=1)
+
+
+@pytest.mark.parametrize("fn, forced", [
+    (lambda: torch.linalg.cholesky(torch.ones(3, 3)), "linalg"),
+    (lambda: torch.linalg.solve(torch.zeros(3, 3), torch.ones(3)), "linalg"),
+    (lambda: torch.linalg.eigh(torch.full((3, 3), float("nan"))), "linalg"),
+    # plain RuntimeErrors of a failed decomposition on torch 2.13
+    (lambda: torch.linalg.lu_factor(torch.zeros(3, 3)), "linalg"),
+    (lambda: torch.linalg.eig(torch.full((3, 3), float("nan"))), "linalg"),
+    # the argument checks: a bug in the code, not a matrix the step made
+    (lambda: torch.linalg.cholesky(torch.ones(2, 3)), None),
+    (lambda: torch.linalg.vector_norm(torch.ones(3, dtype=torch.long)), None),
+], ids=["cholesky", "solve", "eigh", "lu_factor", "eig", "not-square", "dtype"])
+def test_which_errors_force_a_bundle(fn, forced):
+    from recorder.linalg import linalg_reason
+    with pytest.raises(RuntimeError) as info:
+        fn()
+    assert linalg_reason(info.value) == forced
+
+
+@pytest.mark.parametrize("where", ["shape", "loop"])
+def test_no_bundle_for_a_shape_error_or_a_failure_in_the_loop(out_dir, where):
+    """torch.linalg refusing a non-square matrix is a bug in the code, not a matrix the step
+    made; a decomposition that fails in the loop's own code, outside the model and the loss
+    (a metric on the features), is not the recorded step's and could not be re-run: neither
+    writes a bundle, and the error reaches the loop as raised, with no note."""
+    model = M.make_whiten()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError) as info:
+        with FlightRecorder(model, opt, out_dir=out_dir,
+                            factory="linalg_error_models:make_whiten"):
+            model(torch.randn(8, 6))[:, :2].sum().backward()
+            opt.step()
+            out = model(torch.randn(8, 6))
+            torch.linalg.cholesky(out if where == "shape" else torch.zeros(3, 3))
+    assert type(info.value) is (RuntimeError if where == "shape"
+                                else torch.linalg.LinAlgError), type(info.value)
+    assert not getattr(info.value, "__notes__", None)
+    assert not list(out_dir.glob("*.nan"))
