@@ -32,6 +32,7 @@ from .errors import StopRun
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
 from .load import Step
+from .recorded import batch_size
 from .rerun import Runner
 from .source import user_source
 
@@ -164,7 +165,7 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
                            call=call, micro_batch=mb, op=f"aten.{failed.op}", made="LinAlgError",
                            source=failed.source, error=failed.error,
                            inputs_finite=failed.matrix is None or finite(failed.matrix),
-                           samples=failed_rows(failed))
+                           samples=failed_rows(failed, batch_size(step, mb)))
     if not origin["inputs_finite"]:
         return _non_finite_matrix(report, runner, failed, origin)
     try:
@@ -181,12 +182,13 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 
-def failed_rows(failed: Failed) -> list[int]:
-    """The samples whose own matrix failed, for a batch of matrices (one per sample, dim 0);
-    none for one matrix of the whole batch (a covariance, a kernel), which every sample
-    made."""
+def failed_rows(failed: Failed, n: int | None) -> list[int]:
+    """The samples whose own matrix failed, for a batch of ``n`` matrices (one per sample,
+    dim 0); none for one matrix of the whole batch (a covariance, a kernel), which every
+    sample made, nor for matrices of something else (attention heads)."""
     m = failed.matrix
-    if m is None or m.dim() != 3 or m.shape[-1] != m.shape[-2] or not finite(m):
+    if m is None or m.dim() != 3 or m.shape[0] != n or m.shape[-1] != m.shape[-2] \
+            or not finite(m):
         return []
     info = (torch.linalg.cholesky_ex(m).info if failed.op in _SPD
             else torch.linalg.inv_ex(m).info)
