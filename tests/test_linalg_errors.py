@@ -227,3 +227,40 @@ def test_no_bundle_for_a_shape_error_or_a_failure_in_the_loop(out_dir, where):
                                 else torch.linalg.LinAlgError), type(info.value)
     assert not getattr(info.value, "__notes__", None)
     assert not list(out_dir.glob("*.nan"))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # (Lightning's own advice)
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+def test_lightning_callback_writes_the_bundle_of_a_failed_cholesky(out_dir):
+    """The whitening net trained by ``lightning.Trainer.fit`` with the callback: the
+    LinAlgError of step 3 reaches the caller of fit unchanged, noted, and its bundle replays
+    to the same op and module."""
+    L = pytest.importorskip("lightning")
+    from recorder.lightning import FlightRecorderCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.crit = M.make_whiten(), nn.CrossEntropyLoss()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.crit(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    xs, ys = zip(*M.whiten_batches(6, dead_at=3))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=32)
+    cb = FlightRecorderCallback(module="net", loss_fn="crit", out_dir=out_dir,
+                                factory="linalg_error_models:make_whiten")
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        trainer.fit(Module(), loader)
+    assert type(info.value) is torch.linalg.LinAlgError
+    assert any("matrix decomposition failed at step 3" in n
+               for n in getattr(info.value, "__notes__", [])), info.value
+    bundle, = out_dir.glob("*.nan")
+    _check(nanreplay_json(bundle), 3, "whiten", "aten.linalg_cholesky_ex", "invalid", [])
