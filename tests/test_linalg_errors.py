@@ -15,7 +15,7 @@ from pathlib import Path
 import linalg_error_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import invoke_cli, nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder
@@ -104,6 +104,9 @@ def test_whitening_a_batch_with_a_dead_sensor_is_invalid(out_dir):
     _check(rep, 3, "whiten", "aten.linalg_cholesky_ex", "invalid", [])
     assert "not positive-definite in exact arithmetic too" in rep["hint"] \
         and "ridge" in rep["hint"], rep["hint"]
+    info = invoke_cli(bundle, "--info").stdout.splitlines()  # (nothing re-run)
+    assert info[1] == "event      step 3, phase forward, linalg", info
+    assert info[2].startswith("detail     torch.linalg.LinAlgError: linalg.cholesky: "), info
 
 
 def test_inverse_of_a_blank_camera_matrix_names_its_sample(out_dir):
