@@ -481,9 +481,9 @@ def _gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[
 
 
 def _failed(report, step: Step, run, runner: Runner) -> dict[str, Any]:
-    """The re-run raised before anything went non-finite: the replay failed, unless the step's
-    code called torch.distributed (a loss gathering every rank's features): the one-process
-    replay has no process group, so the report is what the recorder saw, saying why."""
+    """The re-run raised before anything went non-finite: a failed decomposition (see
+    replay.linalg), else the replay failed, unless the step's code called torch.distributed:
+    the one-process replay has no process group, so the report is what the recorder saw."""
     if (failed := report_linalg(report, step, runner, run)) is not None:
         return failed  # a decomposition refusing its matrix (replay.linalg)
     called = distributed_call(run.error)
