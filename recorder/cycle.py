@@ -31,6 +31,7 @@ from .events import anomaly_reason
 from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, weight_step_norms
 from .hooks import Health
+from .linalg import linalg_reason, note_error, raised_inside
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
 from .rng import RngCapture
@@ -375,7 +376,7 @@ class StepCycle:
             if not tape.evaluation:  # gradients backward wrote, which no optimizer hook read
                 reread_changed_grads(tape, self.target, self.settings.param_norms)
             tape.cut_short = True
-            self.close_tape(at="exception", forced=anomaly_reason(exc))
+            self.close_tape(at="exception", forced=_forced(tape, exc, self.target))
         except NonFiniteError as e:
             _add_note(exc, str(e))
             return
@@ -399,6 +400,19 @@ class StepCycle:
         bad = [names[i] for i, (_, k) in pending.refs if not math.isfinite(values[k])]
         if bad or (ranks is not None and ranks.seen):
             self.alarm.optimizer_event(bad, step=pending.step, after_update=True)
+
+
+def _forced(tape: Tape, exc: BaseException, target: Target) -> str | None:
+    """The event an exception forces even when the step's statistics are finite: anomaly
+    mode's NaN in backward, a decomposition that failed in the model or the loss (its error
+    kept for the event)."""
+    if anomaly_reason(exc):
+        return "anomaly"
+    if not linalg_reason(exc) or not raised_inside(
+            exc, [*(s.module for s in target.sites), target.loss_module()]):
+        return None
+    note_error(tape, exc)
+    return "linalg"
 
 
 def _read_probe(probe: torch.Tensor) -> tuple[bool, float, list[float]]:

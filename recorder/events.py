@@ -30,6 +30,7 @@ from .finite import (
 )
 from .graph_reach import from_model
 from .late_writes import written_after_forward
+from .linalg import linalg_detail, linalg_summary
 from .missing import allow_nan_advice, rest_finite, root_input_name
 from .ring import StepLayout, decode_call
 from .samples import Samples, of_micro_batch, packed_in
@@ -148,6 +149,8 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
         return Event(ev.tape.step, reason, phase="backward", kind="nan", detail=(
             "torch.autograd's anomaly mode stopped backward at a NaN gradient, before any "
             "reached a parameter"))
+    if reason == "linalg":  # (the module and op are the replay's: no hook saw the raise)
+        return Event(ev.tape.step, reason, phase="forward", detail=linalg_detail(ev.tape))
     if reason in ("scale_collapse", "scale_skipping"):
         return Event(ev.tape.step, reason, phase="backward", kind="scale",
                      detail=f"GradScaler scale {ev.layout.scale} after skipping steps "
@@ -451,6 +454,8 @@ def _outputs(obj):
 
 def summary(event: dict[str, Any], path: Path | None) -> str:
     """The one-paragraph message of :class:`~recorder.NonFiniteError`."""
+    if event.get("reason") == "linalg":
+        return linalg_summary(event, path)
     where = ""
     if event.get("module") == "<loss>":
         where = f" Made in the loss of micro-batch {event.get('micro_batch')}."

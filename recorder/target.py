@@ -99,6 +99,10 @@ class Target:
     def model(self) -> nn.Module | None:
         return self._model()
 
+    def loss_module(self) -> nn.Module | None:
+        """The loss module the recorder was given (None for none, or a plain function)."""
+        return _deref(self._loss_fn)
+
     def given(self) -> nn.Module | None:
         """What the recorder was given: the model, or the wrapper it was unwrapped from."""
         return _deref(self._wrapper) or self._model()

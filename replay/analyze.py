@@ -32,6 +32,7 @@ from .forward import report_forward
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .kept_report import report_graph_args, report_kept_aside
+from .linalg import report_linalg
 from .load import Step, build, read_step, validate_args_as_recorded
 from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
 from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
@@ -376,7 +377,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return finish(report, o, "input", reproduced=True, hint=input_hint(o, step))
     if run1.error is not None:
         if origin is None and all(run1.loss_finite) and not run1.bad_grads:
-            return _failed(report, step, run1)  # before anything went non-finite
+            return _failed(report, step, run1, runner)  # before anything went non-finite
         report["problems"].append(
             f"the model's code raised {run1.raised} in the re-run (likely as it did in "
             "training): the replay covers the step up to there")
@@ -439,10 +440,12 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
     return report
 
 
-def _failed(report, step: Step, run) -> dict[str, Any]:
-    """The re-run raised before anything went non-finite: the replay failed, unless the step's
-    code called torch.distributed (a loss gathering every rank's features): the one-process
-    replay has no process group, so the report is what the recorder saw, saying why."""
+def _failed(report, step: Step, run, runner: Runner) -> dict[str, Any]:
+    """The re-run raised before anything went non-finite: a failed decomposition (see
+    replay.linalg), else the replay failed, unless the step's code called torch.distributed:
+    the one-process replay has no process group, so the report is what the recorder saw."""
+    if (failed := report_linalg(report, step, runner, run)) is not None:
+        return failed  # a decomposition refusing its matrix (replay.linalg)
     called = distributed_call(run.error)
     if called is None:
         raise run.error

@@ -207,7 +207,8 @@ def info_text(d: dict[str, Any]) -> str:
     lines = [
         f"bundle     {d['path']} ({d['format']})",
         f"event      {'evaluation forward before ' if ev.get('evaluation') else ''}"
-        f"step {ev.get('step')}, phase {ev.get('phase')}, {ev.get('kind')}"
+        f"step {ev.get('step')}, phase {ev.get('phase')}, "
+        f"{ev.get('kind') or ev.get('reason')}"  # (a linalg event has no kind)
         + (f", module {'<root>' if mod == '' else mod}" if mod is not None else "")
         + (" (torch.compile'd: recorded as one call)" if ev.get("compiled") else ""),
         f"detail     {ev.get('detail')}",

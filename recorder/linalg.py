@@ -1,0 +1,73 @@
+"""A step that raised a failed decomposition (``torch.linalg.LinAlgError``): the ``"linalg"``
+event.
+
+``torch.linalg.cholesky`` of a kernel matrix that stopped being positive-definite, ``inv`` or
+``solve`` of a singular matrix, ``eigh`` that did not converge: the op raises inside one
+module's forward (or the loss) before any hook sees its output, and often from a matrix that
+is finite, so the step's statistics alone show nothing. :func:`linalg_reason` forces the
+bundle of such a step, as :func:`~recorder.events.anomaly_reason` does for anomaly mode's
+error; the exception itself goes on to the loop unchanged (with the summary as a note).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .tape import Tape
+
+# torch 2.x raises LinAlgError for most failures; a few raise a plain RuntimeError named by
+# the function (``torch.linalg.lu_factor: U[1,1] is zero``, ``torch.linalg.eig: input
+# tensor should not contain infs or NaNs``). Its argument checks (a wrong dtype or shape)
+# say other things: a bug in the code, not a matrix the step made
+_MESSAGE = re.compile(r"^(torch\.)?linalg\.\w+: .*(is zero|singular|positive-definite|"
+                      r"converge|infs or NaNs)")
+
+
+def linalg_reason(exc: BaseException) -> str | None:
+    """``"linalg"`` when ``exc`` is a decomposition or inversion that failed."""
+    if isinstance(exc, torch.linalg.LinAlgError):
+        return "linalg"
+    return "linalg" if isinstance(exc, RuntimeError) and _MESSAGE.match(str(exc)) else None
+
+
+def raised_inside(exc: BaseException, modules) -> bool:
+    """Whether ``exc`` was raised inside a call of one of ``modules`` (the model's, the loss
+    module) or of the recorder's wrapper of a plain loss function: a frame of its traceback is
+    that module's call. The loop's own code (a metric after the step) is not the recorded
+    step's, and the replay could not re-run it."""
+    ids = {id(m) for m in modules if m is not None}
+    tb = exc.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, nn.Module) and (id(obj) in ids or getattr(obj, "recorded_loss", 0)):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def linalg_detail(tape: Tape) -> str:
+    """The detail of a step cut short by a failed decomposition (its statistics so far are
+    finite): the error, as :func:`note_error` kept it; the replay finds the module and op."""
+    error = getattr(tape, "linalg_error", None) or "a torch.linalg function raised"
+    return f"{error}; the step's statistics up to there were finite"
+
+
+def note_error(tape: Tape, exc: BaseException) -> None:
+    """Keep the error's type and first line on the tape, for the event's detail."""
+    text = str(exc).strip().splitlines()
+    name = ("torch.linalg.LinAlgError" if isinstance(exc, torch.linalg.LinAlgError)
+            else type(exc).__name__)
+    tape.linalg_error = f"{name}: {text[0].rstrip('.') if text else ''}".rstrip(": ")
+
+
+def linalg_summary(event: dict, path) -> str:
+    """The :class:`~recorder.NonFiniteError` message of a ``"linalg"`` event."""
+    head = (f"nanreplay: a matrix decomposition failed at step {event['step']} "
+            f"({event.get('detail') or 'torch.linalg raised'}).")
+    if path is None:
+        return head
+    return (f"{head} Bundle: {path}; run `nanreplay {path}` to find the module, the op and "
+            "whether the matrix was singular, positive-definite in float64 only, or non-finite.")

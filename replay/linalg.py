@@ -1,0 +1,249 @@
+"""A step whose decomposition failed (the recorder's ``"linalg"`` event, see
+:mod:`recorder.linalg`): the op that raised, the module call running it, and why.
+
+The step is re-run with :class:`_Failing` active: the aten op whose failure ended the run is
+named (``aten.linalg_cholesky_ex``: its ``_linalg_check_errors`` raises just after it) with its
+matrix. Then:
+
+- a matrix holding NaN/Inf: the value came from an earlier op of that module call, found and
+  classified as any forward origin (:func:`replay.forward.find_op_in_call`,
+  :func:`replay.cause.classify`);
+- a finite matrix: the step is re-run in float64 up to that same op call. Singular (or not
+  positive-definite) there too, by its eigenvalues or singular values against float64's
+  rounding, or the float64 op failing as well: ``invalid`` (duplicated or constant rows, a
+  dead feature, fewer samples than features). Positive-definite (invertible) in float64:
+  float32's rounding made it fail, ``precision``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recorder.finite import finite
+from recorder.linalg import linalg_reason
+
+from .cause import classify
+from .compat import TorchDispatchMode, tree_leaves
+from .dispatch import Float64, float_leaves, run_op
+from .errors import StopRun
+from .findings import finish, origin_fields
+from .forward import find_op_in_call
+from .load import Step
+from .recorded import batch_size
+from .rerun import Runner
+from .source import user_source
+
+# ops whose inputs must be symmetric positive-definite: judged by their eigenvalues
+_SPD = ("cholesky", "cholesky_ex", "linalg_cholesky_ex", "cholesky_inverse", "cholesky_solve")
+_CHECK = "_linalg_check_errors"  # raises for the op dispatched just before it
+
+
+@dataclass
+class Failed:
+    """The op whose failure ended the run: its name, which call of it, its matrix, where."""
+
+    op: str
+    occurrence: int
+    matrix: torch.Tensor | None
+    source: str | None
+    within: tuple[str, int, int] | None  # (module, call, micro-batch) running it
+    error: str = ""
+    raised: bool = True  # (the float64 run's: the op failed there too)
+
+
+@dataclass
+class _Calls:
+    """The module calls running (a stack) and how many each module made per micro-batch."""
+
+    runner: Runner
+    stack: list[tuple[str, int, int]] = field(default_factory=list)
+    counts: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def hooks(self, model):
+        hs = []
+        for name, m in model.named_modules():
+            hs.append(m.register_forward_pre_hook(self._enter(name)))
+            hs.append(m.register_forward_hook(self._leave))
+        return hs
+
+    def _leave(self, m, args, out) -> None:  # (returns None: the output stays the module's)
+        if self.stack:
+            self.stack.pop()
+
+    def _enter(self, name: str):
+        def pre(m, args):
+            mb = self.runner.micro_batch
+            call = self.counts.get((name, mb), 0)
+            self.counts[(name, mb)] = call + 1
+            self.stack.append((name, call, mb))
+        return pre
+
+    def running(self) -> tuple[str, int, int] | None:
+        if self.stack:
+            return self.stack[-1]
+        return ("<loss>", 0, self.runner.micro_batch) if self.runner.in_loss else None
+
+
+class _Failing(TorchDispatchMode):
+    """Names the op that raised a decomposition's failure; with ``target`` (op, occurrence),
+    keeps that call's matrix instead and stops the run after it (the float64 re-run)."""
+
+    def __init__(self, calls: _Calls, target: tuple[str, int] | None = None):
+        super().__init__()
+        self.calls, self.target = calls, target
+        self.seen: dict[str, int] = {}
+        self.last: tuple[str, int, list, list] | None = None  # the last op with an info
+        self.failed: Failed | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        k = self.seen.get(name, 0)
+        if name != _CHECK:
+            self.seen[name] = k + 1
+        ins = [t for t in float_leaves((args, kwargs)) if t.dim() >= 2]
+        hit = self.target == (name, k)
+        if hit:
+            self.failed = Failed(name, k, ins[0].detach().clone() if ins else None, None, None,
+                                 raised=False)
+        try:
+            out = run_op(func, args, kwargs)
+        except Exception as e:
+            if self.target is None and self.failed is None and linalg_reason(e):
+                last = self.last if name == _CHECK and self.last is not None \
+                    and any(args[0] is t for t in self.last[3]) else (name, k, ins, [])
+                op, occ, mats, _ = last
+                self.failed = Failed(op, occ, mats[0].detach().clone() if mats else None,
+                                     user_source(), self.calls.running(), str(e).split("\n")[0])
+            elif self.failed is not None and self.target is not None:
+                self.failed.raised = True
+                raise StopRun from e
+            raise
+        if self.target is not None and self.failed is not None and name != _CHECK \
+                and not hit:
+            raise StopRun  # (the op and its check ran: what comes later is not needed)
+        infos = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                 and not t.is_floating_point() and not t.is_complex()]
+        if infos and name != _CHECK:  # (an ``_ex`` op: its info is what the check reads)
+            self.last = (name, k, ins, infos)
+        return out
+
+
+def failing_op(runner: Runner) -> Failed | None:
+    """Re-run the step forward; the decomposition that raised, if one did."""
+    calls = _Calls(runner)
+    mode = _Failing(calls)
+    with mode:
+        runner.run(backward=False, instrument=False, hooks=calls.hooks)
+    return mode.failed
+
+
+def float64_matrix(runner: Runner, failed: Failed) -> Failed | None:
+    """The same op call in the step re-run in float64: its matrix, whether it failed too."""
+    calls = _Calls(runner)
+    mode = _Failing(calls, target=(failed.op, failed.occurrence))
+    draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()), None)
+    with runner.float64(), Float64(draw if draw != torch.float64 else None), mode:
+        run = runner.run(backward=False, instrument=False, hooks=calls.hooks)
+    if mode.failed is None and run.error is not None:
+        return None
+    return mode.failed
+
+
+def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | None:
+    """The report of a re-run that a failed decomposition ended; None when it was not one."""
+    if run.error is None or not linalg_reason(run.error):
+        return None
+    failed = failing_op(runner)
+    if failed is None or failed.within is None:
+        return None
+    module, call, mb = failed.within
+    origin = origin_fields(phase="loss" if module == "<loss>" else "forward", module=module,
+                           call=call, micro_batch=mb, op=f"aten.{failed.op}", made="LinAlgError",
+                           source=failed.source, error=failed.error,
+                           inputs_finite=failed.matrix is None or finite(failed.matrix),
+                           samples=failed_rows(failed, batch_size(step, mb)))
+    if not origin["inputs_finite"]:
+        return _non_finite_matrix(report, runner, failed, origin)
+    try:
+        exact = float64_matrix(runner, failed)
+    except Exception as e:  # the model refuses float64
+        exact, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "the float64 re-run did not reach the op"
+    if exact is None or exact.matrix is None:
+        return finish(report, origin, None, reproduced=True, hint=(
+            f"aten.{failed.op} failed on a finite matrix; {why}, so whether it is singular in "
+            "exact arithmetic is not known: " + _REMEDY["invalid"]))
+    cause, hint = judge(failed.op, failed.matrix, exact)
+    return finish(report, origin, cause, reproduced=True, hint=hint)
+
+
+def failed_rows(failed: Failed, n: int | None) -> list[int]:
+    """The samples whose own matrix failed, for a batch of ``n`` matrices (one per sample,
+    dim 0); none for one matrix of the whole batch (a covariance, a kernel), which every
+    sample made, nor for matrices of something else (attention heads)."""
+    m = failed.matrix
+    if m is None or m.dim() != 3 or m.shape[0] != n or m.shape[-1] != m.shape[-2] \
+            or not finite(m):
+        return []
+    info = (torch.linalg.cholesky_ex(m).info if failed.op in _SPD
+            else torch.linalg.inv_ex(m).info)
+    return info.nonzero().flatten().tolist()
+
+
+def judge(op: str, m32: torch.Tensor, exact: Failed) -> tuple[str, str]:
+    """``invalid`` or ``precision`` for a finite matrix ``m32`` that made ``op`` fail, from
+    the float64 re-run's matrix ``exact``."""
+    a = exact.matrix.detach().to(torch.float64)
+    n = a.shape[-1]
+    spd = op in _SPD
+    vals = (torch.linalg.eigvalsh((a + a.mT) / 2) if spd else torch.linalg.svdvals(a))
+    lo, hi = float(vals.min()), float(vals.abs().max())
+    tol = n * torch.finfo(torch.float64).eps * max(hi, 1e-300)
+    what = "eigenvalue" if spd else "singular value"
+    said = f"smallest {what} {lo:.3g}, largest {hi:.3g}"
+    if exact.raised or lo <= tol:
+        kind = "not positive-definite" if spd else "singular"
+        return "invalid", (f"aten.{op}: the matrix is {kind} in exact arithmetic too (float64 "
+                           f"re-run: {said}); " + _REMEDY["invalid" if spd else "singular"])
+    return "precision", (f"aten.{op}: the matrix is {'positive-definite' if spd else 'invertible'}"
+                         f" in float64 ({said}, condition {hi / lo:.3g}) but not as "
+                         f"{str(m32.dtype).removeprefix('torch.')} rounded it; "
+                         + _REMEDY["precision"])
+
+
+_REMEDY = {
+    "invalid": "its rows are linearly dependent (duplicated or constant rows, a dead feature, "
+               "fewer samples than features, a kernel whose lengthscale collapsed): add a ridge "
+               "to the diagonal (A + eps * I, eps scaled to A.diagonal().mean()), or drop the "
+               "dependent rows",
+    "singular": "its rows are linearly dependent (a zero or duplicated row, fewer samples than "
+                "features): use torch.linalg.lstsq or pinv, or add a ridge to the diagonal "
+                "(A + eps * I)",
+    "precision": "add jitter to the diagonal scaled to the matrix (A + 1e-6 * "
+                 "A.diagonal().mean() * I), or use torch.linalg.cholesky_ex and retry with more "
+                 "jitter where info > 0, or decompose in float64",
+}
+
+
+def _non_finite_matrix(report, runner: Runner, failed: Failed, origin) -> dict[str, Any]:
+    """The decomposition was given NaN/Inf: the op that made it, in the same module call."""
+    module, call, mb = failed.within
+    hit = None
+    if module != "<loss>":
+        finder = find_op_in_call(runner, module, call, mb)
+        hit = finder.origin()
+    if hit is None:
+        return finish(report, origin, None, reproduced=True, hint=(
+            f"aten.{failed.op} was given a non-finite matrix, made before the module call "
+            "running it (see the chain of the step's recorded history)"))
+    cause = classify(runner, "forward", until=failed.within, hit=hit)
+    origin.update(op=hit.op, made=hit.made, source=hit.source or origin["source"],
+                  samples=hit.rows or [], inputs_finite=True)
+    report["problems"].append(f"aten.{failed.op} raised on the {hit.made} that {hit.op} made "
+                              f"({failed.error})")
+    return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)
