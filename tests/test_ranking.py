@@ -1,7 +1,7 @@
 """End to end: learning to rank and dense retrieval as allRank / DPR / CLIP-style code writes it
 (``ranking_models``): a listwise scorer whose padded slots hold ``-inf`` (recorded with
 ``allow_inf=[""]``, the root output may hold it), ListMLE's Plackett-Luce tail
-``logcumsumexp`` minus the scores, RankNet's and RankNet's ``log(sigmoid(s_i - s_j))``."""
+``logcumsumexp`` minus the scores and RankNet's ``log(sigmoid(s_i - s_j))``."""
 
 from __future__ import annotations
 
@@ -74,4 +74,3 @@ def test_ranknet_log_sigmoid_underflow_chain_holds_no_earlier_nan(tmp_path):
     assert [c["op"] for c in o["chain"]] == ["aten.log"], o["chain"]
     assert "logsigmoid" in rep["hint"] and "out of scale" in rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=2", True)]
-
