@@ -103,11 +103,11 @@ class DualEncoder(nn.Module):
     """A DPR/CLIP-style bi-encoder: token embeddings, a shared MLP, masked mean pooling, and
     CLIP's learnable temperature ``logit_scale`` (init log(1/0.07))."""
 
-    def __init__(self):
+    def __init__(self, logit_scale: float = math.log(1 / 0.07)):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM, padding_idx=0)
         self.enc = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM))
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.logit_scale = nn.Parameter(torch.tensor(float(logit_scale)))
 
     def encode(self, ids, mask):
         h = self.enc(self.emb(ids))
@@ -121,9 +121,9 @@ class DualEncoder(nn.Module):
         return self.logit_scale.exp() * q @ d.T  # CLIP clamps logit_scale at log(100)
 
 
-def make_dual_encoder() -> nn.Module:
+def make_dual_encoder(logit_scale: float = math.log(1 / 0.07)) -> nn.Module:
     torch.manual_seed(0)
-    return DualEncoder()
+    return DualEncoder(logit_scale)
 
 
 def pairs(g: torch.Generator, batch: int, empty_query: int | None = None) -> dict:
@@ -156,3 +156,40 @@ def approx_ndcg(scores, y, mask, alpha: float = 10.0):
     approx_dcg = (gain / torch.log2(1.0 + approx_rank)).sum(1)
     ndcg = approx_dcg / dcg(y.sort(1, descending=True).values)  # no relevant document: 0 / 0
     return -ndcg.mean()
+
+
+class EuclidEncoder(DualEncoder):
+    """The bi-encoder scoring by negative Euclidean distance, as metric-learning retrieval
+    code writes it by hand."""
+
+    def forward(self, q_ids, q_mask, d_ids, d_mask):
+        q, d = self.pool(q_ids, q_mask), self.pool(d_ids, d_mask)
+        d2 = ((q[:, None, :] - d[None, :, :]) ** 2).sum(-1)
+        return -d2.sqrt()  # a document equal to its query: sqrt's gradient at 0
+
+    def pool(self, ids, mask):
+        h = self.enc(self.emb(ids))
+        m = mask.unsqueeze(-1).to(h.dtype)
+        return (h * m).sum(1) / m.sum(1).clamp_min(1)
+
+
+def make_euclid_encoder() -> nn.Module:
+    torch.manual_seed(0)
+    return EuclidEncoder()
+
+
+def lambdarank(scores, y, mask, sigma: float = 1.0):
+    """LambdaRank as PT-Ranking writes it: |delta NDCG| of swapping each pair, computed from the
+    labels and the current ranking without gradient, weighting RankNet's pairwise softplus."""
+    y = y.clamp_min(0)
+    with torch.no_grad():
+        idcg = dcg(y.sort(1, descending=True).values)
+        rank = scores.argsort(1, descending=True).argsort(1).float()
+        disc = 1.0 / torch.log2(rank + 2.0)
+        gain = 2 ** y - 1
+        delta = (gain[:, :, None] - gain[:, None, :]).abs() * \
+            (disc[:, :, None] - disc[:, None, :]).abs() / idcg[:, None, None]
+    pair = (mask[:, :, None] & mask[:, None, :] & (y[:, :, None] > y[:, None, :])).float()
+    s = scores.masked_fill(~mask, 0.0)
+    pairwise = F.softplus(-sigma * (s[:, :, None] - s[:, None, :]))
+    return (delta * pairwise * pair).sum() / len(scores)
