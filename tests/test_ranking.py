@@ -74,3 +74,23 @@ def test_ranknet_log_sigmoid_underflow_chain_holds_no_earlier_nan(tmp_path):
     assert [c["op"] for c in o["chain"]] == ["aten.log"], o["chain"]
     assert "logsigmoid" in rep["hint"] and "out of scale" in rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=2", True)]
+
+
+def test_lambdarank_delta_ndcg_over_a_zero_ideal_dcg_shows_the_whole_statement(tmp_path):
+    """A query whose every label is 0 has an ideal DCG of 0: the |delta NDCG| weights, computed
+    without gradient over two lines, are 0 / 0. Python names the statement's first line, and
+    the report showed only it (``delta = (...).abs() * \\``), without the division."""
+    err = train_listwise(tmp_path, R.lambdarank, 6)
+    step = err.event["step"]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(step + 1):
+        b = R.lists(g, Q)
+    no_relevant = (b["y"].clamp_min(0).amax(1) == 0).nonzero().flatten().tolist()
+    assert (step, err.event["phase"], no_relevant) == (2, "loss", [3])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["op"], o["samples"]) == (
+        "invalid", "<loss>", "aten.div", no_relevant), rep
+    text = rep["source_lines"][o["source"]]
+    assert text.startswith("delta = (gain[:, :, None]") and text.endswith(
+        "/ idcg[:, None, None]"), text
