@@ -53,6 +53,7 @@ from .cause_text import (
     GROUP_REDUCTIONS,
     HINTS,
     INF_ARITH,
+    MASK_ARITH,
     NEAR_POLE_EXP,
     OWN_INF,
     inf_arith,
@@ -352,11 +353,11 @@ def _from_infinities(hit: OpHit) -> Cause:
                      "log-probability of exactly 0, infinite in exact arithmetic too): "
                      + DO["inf_weight"])
     what = INF_ARITH.get(name, "NaN from infinities")
-    if name == "mul" and hit.from_mask:  # the only infinities were put in on purpose
+    if hit.from_mask and name in MASK_ARITH:  # the only infinities were put in on purpose
+        given, do = MASK_ARITH[name]
         return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too, "
-                     "from an infinity put in on purpose (a mask: the chain's start, or the "
-                     "model output's, which allow_inf lets hold it) and a 0: "
-                     + DO["zero_times_mask"])
+                     f"from {given} put in on purpose (a mask: the chain's start, or the "
+                     f"model output's, which allow_inf lets hold it){do}")
     return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too: "
                  + DO["inf_arith"])
 

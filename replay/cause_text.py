@@ -235,6 +235,9 @@ DO = {
                     "finite value in their place",
     "inf_arith": "an infinity met another in arithmetic: find the op that made the first "
                  "infinity (the chain) and keep it finite",
+    "mask_first": "leave the masked entries out of the arithmetic (torch.where(mask, a - b, "
+                  "0.0), or a masked_fill of the operands with 0 first) or mask with a large "
+                  "finite negative number (torch.finfo(dtype).min) instead of -inf",
     "zero_times_mask": "a weight of 0 on a masked entry (a target probability of 0 on a "
                        "masked class times its log-probability of -inf, as F.kl_div and a "
                        "soft-target cross entropy compute target * log_prob) still multiplies "
@@ -372,6 +375,13 @@ NEAR_POLE_EXP = ("{op}'s gradient is too large for {dtype} and finite in float64
                  "Sinkhorn's K @ v with K = exp(-C / eps)), is tiny though not 0; "
                  + DO["log_space"] + ", or compute it in float64")
 INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div": "inf / inf"}
+# NaN of infinities that were all put in on purpose (OpHit.from_mask): what met them, and
+# what to do; a masked entry minus a masked entry (ListMLE's tail logcumsumexp minus the
+# score on a padded slot of the list) is -inf - -inf
+_MASKED_PAIR = ("infinities", "; both were masked entries, which a later mask (* mask, "
+                "masked_fill) cannot take back from NaN: " + DO["mask_first"])
+MASK_ARITH = {"mul": ("an infinity", " and a 0: " + DO["zero_times_mask"]),
+              "sub": _MASKED_PAIR, "add": _MASKED_PAIR}
 
 
 def inf_arith(op: str, default: str) -> str:

@@ -7,12 +7,12 @@ precursors); each localisation fills the origin and the cause through :func:`fin
 
 from __future__ import annotations
 
-import linecache
 from typing import Any
 
 from .cause_text import HINTS
 from .load import Step
 from .precursors import find_precursors, history
+from .source import statement
 
 FORMAT = "nanreplay-report/1"
 # the note of an optimizer event whose bundle holds the weights after the update (a rewind
@@ -89,8 +89,8 @@ def finish(report, origin, cause, *, reproduced: bool, hint: str | None = None
     src = origin.get("source")
     if src:
         path, _, line = src.rpartition(":")
-        text = linecache.getline(path, int(line)) if line.isdigit() else ""
-        report["source_lines"] = {src: text.rstrip()} if text else {}
+        text = statement(path, int(line)) if line.isdigit() else ""
+        report["source_lines"] = {src: text} if text else {}
     return report
 
 

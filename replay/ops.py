@@ -97,7 +97,7 @@ class _Watch(TorchDispatchMode):
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins), within=f.where,
-                        node=running_node())
+                        node=running_node(), seq=seq)
             if intentional:
                 if f.intentional is None:
                     f.intentional = hit
@@ -484,8 +484,10 @@ class OpFinder:
             self.first or self.intentional
         if start is not None:
             out.append(start.as_json())
-        # the op that made NaN of it, or else the reduction that folded it in (a -inf mask)
+        # the op that made NaN of it, or else the reduction that folded it in (a -inf mask);
+        # not a NaN made before it, of other values (a masked pair's -inf - -inf, dropped)
         end = self.reduced_first() or self.first_nan
-        if end is not None and (start is None or start.made != end.made or start.op != end.op):
+        if end is not None and (start is None or (start.made, start.op) != (end.made, end.op)
+                                and end.seq > start.seq):
             out.append(end.as_json())
         return out

@@ -7,8 +7,11 @@ A frame is the user's when it is neither torch's nor nanreplay's (nor Python's o
 
 from __future__ import annotations
 
+import io
+import linecache
 import os
 import re
+import tokenize
 import traceback
 
 import torch
@@ -113,3 +116,41 @@ def distributed_call(e: BaseException) -> tuple[str | None, str] | None:
     module = module.removesuffix(".distributed_c10d")
     return (_first_user((f.filename, f.lineno) for f in reversed(frames[:inside[0]])),
             f"{module}.{called.name}")
+
+
+def statement(path: str, line: int, most: int = 6) -> str:
+    """The source text of ``path``:``line`` with the lines that continue its statement (after a
+    backslash or an open bracket) joined on: an op on a continuation line (the ``/ idcg`` of
+    ``delta = a * \\`` newline ``b / idcg``) is reported at the statement's first line. A
+    line inside a statement (one closing a bracket it did not open) is kept as it is."""
+    text = linecache.getline(path, line).rstrip()
+    parts = [text]
+    while len(parts) < most and _continued("\n".join(parts)):
+        nxt = linecache.getline(path, line + len(parts)).rstrip()
+        if not nxt:
+            break
+        parts.append(nxt)
+    if len(parts) == 1 or _continued("\n".join(parts)) is None:
+        return text
+    for tok in tokenize.generate_tokens(io.StringIO("\n".join(parts) + "\n").readline):
+        if tok.type == tokenize.COMMENT and tok.start[0] < len(parts):  # (not the last line's)
+            row = tok.start[0] - 1
+            parts[row] = parts[row][:tok.start[1]]
+    return " ".join(p.strip().removesuffix("\\").rstrip() for p in parts)
+
+
+def _continued(code: str) -> bool | None:
+    """Whether ``code`` is a statement that goes on past its last line; None when it is not
+    the start of one (a bracket closed that it did not open)."""
+    depth = 0
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(code + "\n").readline):
+            if tok.type == tokenize.OP and tok.string in "([{)]}":
+                depth += 1 if tok.string in "([{" else -1
+                if depth < 0:
+                    return None
+    except tokenize.TokenError:  # EOF inside brackets or after a backslash
+        return True
+    except SyntaxError:
+        return None
+    return False
