@@ -514,6 +514,20 @@ def test_sqrt_of_a_cancelled_variance_is_precision(tmp_path):
     assert "float32 (outside autocast)" not in hint, hint
 
 
+def test_auto_tries_float64_for_a_float32_cancellation(tmp_path):
+    """The same cancelled variance: --try auto proposed only dropping the row, which says
+    nothing of the formula; float64, where the variance stays positive, trains on finite (the
+    stable formula is then the fix the hint names)."""
+    row = [1e4, 1e4 + 0.05, 1e4 + 0.1, 1e4 + 0.15]
+    err = train("make_one_pass_norm", with_row(row), tmp_path)
+    res = CliRunner().invoke(cli, [str(err.bundle_path), "--json", "--try", "auto"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["cause"] == "precision", rep["hint"]
+    tries = {t["try"]: t for t in rep["what_if"]}
+    assert tries["dtype=float64"]["finite"] is True, tries
+
+
 def test_log_of_one_minus_a_rounded_sigmoid_is_precision_not_underflow(tmp_path):
     """A hand-written binary cross entropy: sigmoid(z) for z near 20 rounds to 1 in float32,
     1 - p to 0, and log(0) is -inf. The 0 is a cancellation, not an underflow: float64 keeps
