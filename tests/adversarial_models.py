@@ -1,0 +1,125 @@
+"""Adversarial training and certified robustness as the well-known repositories write it:
+a small CIFAR-style convnet behind a per-channel normalisation layer (a ``std`` buffer, as
+RobustBench's models hold it), PGD-Linf / PGD-L2 inner loops with ``torch.autograd.grad`` of
+the loss w.r.t. the input, TRADES' ``KLDivLoss(reduction="batchmean")`` between the
+adversarial log-softmax and the clean softmax, MART, an input-gradient-norm penalty
+(``create_graph=True``), and interval bound propagation through Linear/ReLU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+C, H, K = 3, 8, 10  # channels, image side, classes
+
+
+class Normalize(nn.Module):
+    """``(x - mean) / std`` per channel, the statistics as buffers."""
+
+    def __init__(self, mean, std):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1))
+
+    def forward(self, x):
+        return (x - self.mean) / self.std
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = Normalize([0.49, 0.48, 0.45], [0.25, 0.24, 0.26])
+        self.conv1 = nn.Conv2d(C, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 16, 3, stride=2, padding=1)
+        self.fc = nn.Linear(16 * (H // 2) ** 2, K)
+
+    def forward(self, x):
+        h = F.relu(self.conv1(self.norm(x)))
+        h = F.relu(self.conv2(h))
+        return self.fc(h.flatten(1))
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return Net()
+
+
+def images(g: torch.Generator, n: int):
+    x = torch.rand(n, C, H, H, generator=g)
+    y = torch.randint(0, K, (n,), generator=g)
+    return x, y
+
+
+def pgd_linf(model, x, y, eps=8 / 255, alpha=2 / 255, steps=3, g=None):
+    """Madry et al.'s PGD: uniform start in the eps-ball, sign steps, projection."""
+    was = model.training
+    model.eval()
+    delta = (torch.rand(x.shape, generator=g) * 2 - 1) * eps
+    x_adv = (x + delta).clamp(0, 1).detach()
+    for _ in range(steps):
+        x_adv.requires_grad_(True)
+        loss = F.cross_entropy(model(x_adv), y)
+        (grad,) = torch.autograd.grad(loss, x_adv)
+        x_adv = x_adv.detach() + alpha * grad.sign()
+        x_adv = torch.min(torch.max(x_adv, x - eps), x + eps).clamp(0, 1)
+    model.train(was)
+    return x_adv.detach()
+
+
+def pgd_l2(model, x, y, eps=0.5, alpha=0.2, steps=3, tiny=0.0):
+    """PGD-L2 early-stopped as FAT (Zhang et al. 2020) runs it: only the samples the model
+    still classifies correctly are attacked (a per-sample mask on the attack's loss); the
+    gradient normalised per sample by its 2-norm (``tiny``: the guard advertorch's
+    ``normalize_by_pnorm`` has), then projected onto the L2 ball and [0, 1]."""
+    was = model.training
+    model.eval()
+    x_adv = x.clone().detach()
+    for _ in range(steps):
+        x_adv.requires_grad_(True)
+        out = model(x_adv)
+        active = (out.argmax(1) == y).float()
+        loss = (F.cross_entropy(out, y, reduction="none") * active).sum()
+        (grad,) = torch.autograd.grad(loss, x_adv)
+        gnorm = grad.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+        x_adv = x_adv.detach() + alpha * grad / gnorm.clamp_min(tiny)
+        d = x_adv - x
+        dn = d.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+        x_adv = (x + d * torch.clamp(eps / (dn + 1e-12), max=1.0)).clamp(0, 1)
+    model.train(was)
+    return x_adv.detach()
+
+
+def trades_loss(adv_logits, nat_logits, y, beta=6.0, log_of_softmax=False):
+    """TRADES: natural CE + beta * KL(clean || adversarial), batchmean. ``log_of_softmax``:
+    the adversarial log-probabilities taken as ``torch.log(softmax)`` (a common rewrite)."""
+    if log_of_softmax:
+        adv_logp = torch.log(F.softmax(adv_logits, dim=1))
+    else:
+        adv_logp = F.log_softmax(adv_logits, dim=1)
+    kl = nn.KLDivLoss(reduction="batchmean")(adv_logp, F.softmax(nat_logits, dim=1))
+    return F.cross_entropy(nat_logits, y) + beta * kl
+
+
+def mart_loss(adv_logits, nat_logits, y, beta=6.0, tiny=1e-12):
+    """MART (Wang et al. 2020), its official code's shape: boosted CE on the adversarial
+    example with the margin term ``log(1.0001 - p_wrong)`` and the KL weighted by
+    ``1 - p_true(clean)``."""
+    adv_probs = F.softmax(adv_logits, dim=1)
+    tmp1 = torch.argsort(adv_probs, dim=1)[:, -2:]
+    new_y = torch.where(tmp1[:, -1] == y, tmp1[:, -2], tmp1[:, -1])
+    loss_adv = F.cross_entropy(adv_logits, y) + F.nll_loss(
+        torch.log(1.0001 - adv_probs + 1e-12), new_y)
+    nat_probs = F.softmax(nat_logits, dim=1)
+    true_probs = torch.gather(nat_probs, 1, y.unsqueeze(1)).squeeze()
+    kl = nn.KLDivLoss(reduction="none")(torch.log(adv_probs + tiny), nat_probs).sum(1)
+    return loss_adv + beta * (kl * (1.0000001 - true_probs)).mean()
+
+
+def input_grad_penalty(logits, y, x, lam=0.1, eps=0.0):
+    """Double backprop (Drucker & LeCun; Ross & Doshi-Velez): CE + lam * ||d CE / dx||_2 per
+    sample, the norm written as ``sqrt(sum g^2 + eps)``."""
+    ce = F.cross_entropy(logits, y)
+    (g,) = torch.autograd.grad(ce, x, create_graph=True)
+    gn = torch.sqrt(g.flatten(1).pow(2).sum(1) + eps)
+    return ce + lam * gn.mean()
