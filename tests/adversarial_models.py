@@ -123,3 +123,70 @@ def input_grad_penalty(logits, y, x, lam=0.1, eps=0.0):
     (g,) = torch.autograd.grad(ce, x, create_graph=True)
     gn = torch.sqrt(g.flatten(1).pow(2).sum(1) + eps)
     return ce + lam * gn.mean()
+
+
+class IBPNet(nn.Module):
+    """An MLP certified by interval bound propagation (Gowal et al. 2018): ``forward(x, eps)``
+    returns the logits and the worst-case logits over the eps-ball, from the centre/radius
+    form through Linear (``|W| r``) and the bounds through ReLU. ``slope``: the crossing
+    neurons' relaxation ``u / (u - l)`` (CROWN-IBP) kept as a regulariser's input."""
+
+    def __init__(self, slope_reg: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(C * H * H, 32), nn.Linear(32, 32),
+                                     nn.Linear(32, K)])
+        self.slope_reg = slope_reg
+
+    def forward(self, x, eps: float = 0.0, y=None):
+        x = x.flatten(1)
+        lo, up = (x - eps).clamp(0, 1), (x + eps).clamp(0, 1)
+        h, extra = x, x.new_zeros(())
+        for i, lin in enumerate(self.layers):
+            mu, r = (up + lo) / 2, (up - lo) / 2
+            mu, r = lin(mu), r @ lin.weight.abs().t()
+            lo, up, h = mu - r, mu + r, lin(h)
+            if i < len(self.layers) - 1:
+                if self.slope_reg:
+                    cross = (lo < 0) & (up > 0)
+                    slope = torch.where(cross, up / (up - lo), (lo >= 0).float())
+                    extra = extra + (slope * (1 - slope)).mean()
+                lo, up, h = F.relu(lo), F.relu(up), F.relu(h)
+        return h, lo, up, extra
+
+
+def make_ibp() -> nn.Module:
+    torch.manual_seed(0)
+    return IBPNet()
+
+
+def make_ibp_slope() -> nn.Module:
+    torch.manual_seed(0)
+    return IBPNet(slope_reg=True)
+
+
+def ibp_loss(out, y, kappa=0.5):
+    """kappa * CE(clean) + (1 - kappa) * CE(worst case): the true class at its lower bound,
+    the others at their upper bounds."""
+    logits, lo, up, extra = out
+    worst = torch.where(F.one_hot(y, K).bool(), lo, up)
+    return kappa * F.cross_entropy(logits, y) + (1 - kappa) * F.cross_entropy(worst, y) \
+        + 0.1 * extra
+
+
+def macer_loss(logits, y, m: int = 4, sigma: float = 0.25, gamma: float = 8.0,
+               beta: float = 16.0, lbd: float = 12.0, clamp: bool = False):
+    """MACER (Zhai et al. 2020): ``logits`` of ``m`` Gaussian-noised copies of each image
+    (sample-major); the soft smoothed classifier's top two probabilities give the certified
+    radius ``sigma / 2 * (Φ⁻¹(p_A) - Φ⁻¹(p_B))``, whose hinge is trained on the correct
+    samples with a finite radius below ``gamma``. Its code clamps p to [0.02, 0.98] first
+    (``clamp``)."""
+    p = F.softmax(beta * logits, 1).view(len(y), m, -1).mean(1)
+    ce = F.nll_loss(torch.log(F.softmax(logits, 1).view(len(y), m, -1).mean(1) + 1e-10), y)
+    top2, idx = p.topk(2, 1)
+    if clamp:
+        top2 = top2.clamp(0.02, 0.98)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    rad = normal.icdf(top2[:, 0]) - normal.icdf(top2[:, 1])
+    keep = (idx[:, 0] == y) & torch.isfinite(rad) & (rad.abs() <= gamma)
+    robust = (gamma + 1e-3 - rad[keep]).sum() * sigma / 2 / len(y)
+    return ce + lbd * robust

@@ -6,6 +6,8 @@ the loop's, not the data's."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from pathlib import Path
 
 import adversarial_models as A
@@ -69,4 +71,64 @@ def test_pgd_l2_zero_input_gradient_is_named_as_the_attacks_step(tmp_path):
 
 def test_pgd_l2_with_the_norm_guarded_raises_nothing(tmp_path):
     train_pgd_l2(tmp_path, 3, tiny=1e-12)
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def macer_batch(g, xs, ys, step: int):
+    x, y = xs[16 * step % 64:][:16], ys[16 * step % 64:][:16]
+    return x.repeat_interleave(4, 0) + torch.randn(64, A.C, A.H, A.H, generator=g) * 0.25, y
+
+
+def macer_steps(out_dir, steps: int, clamp: bool = False, record: bool = True):
+    """MACER on Gaussian-noised copies (4 an image); returns the model and the generator."""
+    model = A.make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    xs, ys = A.images(g, 64)
+    loss_fn = functools.partial(A.macer_loss, clamp=clamp)
+    rec = FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                         factory="adversarial_models:make_net") if record else None
+    with rec or contextlib.nullcontext():
+        for step in range(steps):
+            noisy, y = macer_batch(g, xs, ys, step)
+            loss = (rec.loss_fn if rec else loss_fn)(model(noisy), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model, g, xs, ys
+
+
+def test_macer_icdf_of_a_probability_rounded_to_one_is_precision(tmp_path):
+    """MACER's certified radius Φ⁻¹(p_A) − Φ⁻¹(p_B) without the official code's clamp: a
+    confident image's soft-smoothed top probability rounds to 1.0 in float32 (below 1 in
+    exact arithmetic, off it in float64); the radius is inf and filtered out, but the
+    filter's zero gradient times erfinv's infinite derivative at 1 is NaN. The report said
+    "overflow — the gradient is too large for its dtype: rescale its inputs (subtract the
+    row max before exp)"; erfinv had no pole in the replay's tables."""
+    with pytest.raises(NonFiniteError) as info:
+        macer_steps(tmp_path, 10)
+    err = info.value
+    step = err.event["step"]
+    assert (step, err.event["phase"]) == (3, "backward")
+    # the same training without the recorder up to that step: its images whose smoothed top
+    # probability is 1.0 (or runner-up 0.0) in float32, and their 4 noisy copies each
+    model, g, xs, ys = macer_steps(tmp_path, step, record=False)
+    noisy, y = macer_batch(g, xs, ys, step)
+    with torch.no_grad():
+        p = torch.softmax(16 * model(noisy), 1).view(16, 4, -1).mean(1).topk(2, 1).values
+    images = ((p[:, 0] == 1) | (p[:, 1] == 0)).nonzero().flatten().tolist()
+    assert 0 < len(images) < 16
+    rows = [4 * i + k for i in images for k in range(4)]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"], o["samples"]) \
+        == (True, "precision", "backward", "<loss>", "ErfinvBackward0", rows), rep
+    assert "rounded to exactly +-1, the edge of erfinv's domain" in rep["hint"], rep["hint"]
+    assert "p.clamp(1e-6, 1 - 1e-6)" in rep["hint"], rep["hint"]
+    assert o["source"].startswith("adversarial_models.py:") and "normal.icdf(top2[:, 0])" in \
+        rep["source_lines"][o["source"]]
+
+
+def test_macer_with_the_clamp_raises_nothing(tmp_path):
+    macer_steps(tmp_path, 10, clamp=True)
     assert not list(tmp_path.glob("*.nan"))
