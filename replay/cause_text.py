@@ -300,7 +300,9 @@ DO = {
                    "autocast)",
     "log_space": "compute in log space (log_softmax instead of log(softmax), logsigmoid or "
                  "BCEWithLogitsLoss on the logits instead of log(sigmoid), logsumexp, "
-                 "logcumsumexp instead of log(cumsum(exp)): a Cox loss's risk sets) or "
+                 "logcumsumexp instead of log(cumsum(exp)): a Cox loss's risk sets; for a "
+                 "KLDivLoss whose target is softmax probabilities, give it log_softmax and "
+                 "log_target=True, as TRADES' KL between clean and adversarial outputs can) or "
                  "clamp the value away from 0 (x.clamp_min(eps)) before log or division",
     "unit": "clamp the input into the domain (cos.clamp(-1 + eps, 1 - eps): a cosine of unit "
             "vectors can round past 1, and the derivative is infinite at the edge) or use "

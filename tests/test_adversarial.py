@@ -132,3 +132,33 @@ def test_macer_icdf_of_a_probability_rounded_to_one_is_precision(tmp_path):
 def test_macer_with_the_clamp_raises_nothing(tmp_path):
     macer_steps(tmp_path, 10, clamp=True)
     assert not list(tmp_path.glob("*.nan"))
+
+
+def test_trades_kl_target_underflow_names_the_out_of_scale_record(tmp_path):
+    """TRADES as its official code writes it: KLDivLoss(batchmean) of the adversarial
+    log-softmax against the clean softmax, which keeps its graph. A record saved in 0-255
+    among [0, 1] images drives the clean logits apart until a class probability underflows
+    to 0, and xlogy's gradient w.r.t. the target there is 0/0."""
+    model = A.make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=A.trades_loss, out_dir=tmp_path,
+                            factory="adversarial_models:make_net") as rec:
+            for step in range(6):
+                x, y = A.images(g, N)
+                if step == 3:
+                    x[5] = x[5] * 255  # one record never divided by 255
+                x_adv = A.pgd_linf(model, x, y, g=g)
+                loss = rec.loss_fn(model(x_adv), model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"],
+            o["micro_batch"]) == (True, "underflow", "<loss>", "XlogyBackward0", [5], 4), rep
+    assert "KLDivLoss(reduction=\"batchmean\")" in rep["source_lines"][o["source"]]
+    assert "log_target=True" in rep["hint"] and "--try drop=5" in rep["hint"], rep["hint"]
