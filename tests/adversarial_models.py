@@ -190,3 +190,25 @@ def macer_loss(logits, y, m: int = 4, sigma: float = 0.25, gamma: float = 8.0,
     keep = (idx[:, 0] == y) & torch.isfinite(rad) & (rad.abs() <= gamma)
     robust = (gamma + 1e-3 - rad[keep]).sum() * sigma / 2 / len(y)
     return ce + lbd * robust
+
+
+class AttackerModel(nn.Module):
+    """MadryLab robustness's ``AttackerModel``: ``forward(x, target, make_adv=True)`` runs the
+    attack itself (PGD-L2, FAT's early stop) around the classifier, then classifies the
+    adversarial example; the attack runs in eval mode with gradients on."""
+
+    def __init__(self, tiny: float = 0.0):
+        super().__init__()
+        self.model = Net()
+        self.tiny = tiny
+
+    def forward(self, x, target=None, make_adv: bool = False):
+        if make_adv:
+            with torch.enable_grad():
+                x = pgd_l2(self.model, x, target, tiny=self.tiny)
+        return self.model(x)
+
+
+def make_attacker() -> nn.Module:
+    torch.manual_seed(0)
+    return AttackerModel()

@@ -162,3 +162,27 @@ def test_trades_kl_target_underflow_names_the_out_of_scale_record(tmp_path):
             o["micro_batch"]) == (True, "underflow", "<loss>", "XlogyBackward0", [5], 4), rep
     assert "KLDivLoss(reduction=\"batchmean\")" in rep["source_lines"][o["source"]]
     assert "log_target=True" in rep["hint"] and "--try drop=5" in rep["hint"], rep["hint"]
+
+
+def test_attack_inside_the_models_forward_is_a_forward_origin(tmp_path):
+    """robustness's AttackerModel runs the same early-stopped PGD-L2 inside its forward
+    (``torch.autograd.grad`` of the classifier's loss in a root call): the 0/0 is the root's
+    own op, named at the attack's line, on the samples the attack skipped."""
+    model = A.make_attacker()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = torch.nn.CrossEntropyLoss()
+    x, y = A.images(torch.Generator().manual_seed(0), N)
+    with torch.no_grad():
+        wrong = (A.make_net().eval()(x).argmax(1) != y).nonzero().flatten().tolist()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="adversarial_models:make_attacker"):
+            loss = crit(model(x, y, make_adv=True), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"], o["samples"],
+            o["made"]) == (True, "invalid", "forward", "", "aten.div", wrong, "nan"), rep
+    assert "grad / gnorm.clamp_min(tiny)" in rep["source_lines"][o["source"]]
