@@ -43,10 +43,24 @@ def derived_input_hint(step: Step, origin: dict[str, Any]) -> str | None:
         if t is None or t.shape != bad.shape or not bool(torch.isfinite(t).all()):
             return None
         if k in mb.get("grad_inputs", ()):
-            rows = [r for r in _zero_rows(step, j) if r in set(origin.get("samples") or [])]
+            named = origin.get("samples") or []
+            rows = [r for r in _zero_rows(step, j) if r in set(named)]
+            if not _near(bad, t) and not (rows and len(rows) == len(named)):
+                return None  # another batch (micro-batches of other data), no attack's step
             zero = ZERO_INPUT_GRAD.format(rows=_spans(rows), j=j) if rows else ""
             return DERIVED_INPUT.format(tensor=origin.get("tensor"), i=i, j=j, zero=zero)
     return None
+
+
+def _near(made: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether the finite values of ``made`` lie within a small step of ``before``'s (a mean
+    distance under half their spread: an attack moves each value by at most its eps, where
+    other data of the same kind is as far apart as the spread); False when none is finite."""
+    ok = torch.isfinite(made)
+    if not bool(ok.any()):
+        return False
+    a, b = made[ok].double(), before[ok].double()
+    return float((a - b).abs().mean()) < 0.5 * float(before.double().std())
 
 
 def _zero_rows(step: Step, j: int) -> list[int]:

@@ -186,3 +186,31 @@ def test_attack_inside_the_models_forward_is_a_forward_origin(tmp_path):
     assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"], o["samples"],
             o["made"]) == (True, "invalid", "forward", "", "aten.div", wrong, "nan"), rep
     assert "grad / gnorm.clamp_min(tiny)" in rep["source_lines"][o["source"]]
+
+
+def test_a_bad_record_among_differentiated_micro_batches_is_still_the_datas(tmp_path):
+    """Double backprop (an input-gradient penalty, ``create_graph=True``) accumulated over two
+    micro-batches of other images: both inputs require grad, as an attack's do, but the NaN
+    record of the second is data, which the hint must not put on the loop."""
+    model = A.make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=A.input_grad_penalty, out_dir=tmp_path,
+                            factory="adversarial_models:make_net") as rec:
+            for step in range(3):
+                opt.zero_grad()
+                for micro in range(2):
+                    x, y = A.images(g, N // 2)
+                    if (step, micro) == (1, 1):
+                        x[3, 0, 2, 2] = float("nan")  # a corrupt pixel
+                    x.requires_grad_(True)
+                    (rec.loss_fn(model(x), y, x) / 2).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (1, "input", 1)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["tensor"], o["micro_batch"], o["samples"]) == (
+        "input", "batch", 1, [3]), rep
+    assert "the loop made it" not in (rep["hint"] or ""), rep["hint"]
