@@ -212,3 +212,17 @@ class AttackerModel(nn.Module):
 def make_attacker() -> nn.Module:
     torch.manual_seed(0)
     return AttackerModel()
+
+
+def pgd_push_down(model, x, y, eps=8 / 255, alpha=2 / 255, steps=3, g=None):
+    """PGD on a delta leaf (``delta.requires_grad_()``, ``model(x + delta)``) whose attack loss
+    pushes the true class's probability down as ``-log(1 - p_y)``, written without an eps."""
+    model.eval()
+    delta = ((torch.rand(x.shape, generator=g) * 2 - 1) * eps).requires_grad_(True)
+    for _ in range(steps):
+        p = F.softmax(model(x + delta), 1)
+        loss = -torch.log(1 - p.gather(1, y[:, None])).sum()
+        (grad,) = torch.autograd.grad(loss, delta)
+        delta = (delta + alpha * grad.sign()).clamp(-eps, eps).detach().requires_grad_(True)
+    model.train()
+    return (x + delta).clamp(0, 1).detach()

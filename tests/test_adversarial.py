@@ -214,3 +214,41 @@ def test_a_bad_record_among_differentiated_micro_batches_is_still_the_datas(tmp_
     assert (rep["cause"], o["tensor"], o["micro_batch"], o["samples"]) == (
         "input", "batch", 1, [3]), rep
     assert "the loop made it" not in (rep["hint"] or ""), rep["hint"]
+
+
+def test_the_attacks_own_loss_is_named_not_terms_outside_loss_fn(tmp_path):
+    """The attack's ``-log(1 - p_y)`` on a record saved in 0-255, which the model classifies
+    with p_y rounded to 1: log(0), and autograd.grad w.r.t. delta sends NaN into the attack
+    forward's output (micro-batch 0), with every parameter's gradient finite. The report said
+    the loop's loss "holds terms computed outside" loss_fn and that the model's backward "did
+    not give the recorded non-finite parameter gradients back", of a forward no training loss
+    took."""
+    model = A.make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    crit = torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="adversarial_models:make_net") as rec:
+            for step in range(4):
+                x, y = A.images(g, N)
+                if step == 2:
+                    x[7] *= 255
+                    with torch.no_grad():  # (a record the model has learnt: its own label)
+                        y[7] = model(x[7:8]).argmax(1)[0]
+                loss = rec.loss_fn(model(A.pgd_push_down(model, x, y, g=g)), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    err = info.value
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (
+        2, "backward", 0, [7]), ev
+    rep = nanreplay_json(err.bundle_path, code=1)
+    o = rep["origin"]
+    assert (rep["cause"], o["phase"], o["micro_batch"], o["samples"]) == (
+        None, "loss", 0, [7]), rep  # (unknown: the op is in a loss not re-run)
+    assert "a loss of its own there w.r.t. the model's input" in rep["hint"], rep["hint"]
+    notes = " ".join(rep["problems"])
+    assert "loss_fn took no output of micro-batch 0" in notes, notes
+    assert "holds terms computed outside" not in notes and "did not give" not in notes, notes
