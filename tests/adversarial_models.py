@@ -3,7 +3,7 @@ a small CIFAR-style convnet behind a per-channel normalisation layer (a ``std`` 
 RobustBench's models hold it), PGD-Linf / PGD-L2 inner loops with ``torch.autograd.grad`` of
 the loss w.r.t. the input, TRADES' ``KLDivLoss(reduction="batchmean")`` between the
 adversarial log-softmax and the clean softmax, MART, an input-gradient-norm penalty
-(``create_graph=True``), and interval bound propagation through Linear/ReLU."""
+(``create_graph=True``), and MACER's certified radius on Gaussian-noised copies."""
 
 from __future__ import annotations
 
@@ -101,21 +101,6 @@ def trades_loss(adv_logits, nat_logits, y, beta=6.0, log_of_softmax=False):
     return F.cross_entropy(nat_logits, y) + beta * kl
 
 
-def mart_loss(adv_logits, nat_logits, y, beta=6.0, tiny=1e-12):
-    """MART (Wang et al. 2020), its official code's shape: boosted CE on the adversarial
-    example with the margin term ``log(1.0001 - p_wrong)`` and the KL weighted by
-    ``1 - p_true(clean)``."""
-    adv_probs = F.softmax(adv_logits, dim=1)
-    tmp1 = torch.argsort(adv_probs, dim=1)[:, -2:]
-    new_y = torch.where(tmp1[:, -1] == y, tmp1[:, -2], tmp1[:, -1])
-    loss_adv = F.cross_entropy(adv_logits, y) + F.nll_loss(
-        torch.log(1.0001 - adv_probs + 1e-12), new_y)
-    nat_probs = F.softmax(nat_logits, dim=1)
-    true_probs = torch.gather(nat_probs, 1, y.unsqueeze(1)).squeeze()
-    kl = nn.KLDivLoss(reduction="none")(torch.log(adv_probs + tiny), nat_probs).sum(1)
-    return loss_adv + beta * (kl * (1.0000001 - true_probs)).mean()
-
-
 def input_grad_penalty(logits, y, x, lam=0.1, eps=0.0):
     """Double backprop (Drucker & LeCun; Ross & Doshi-Velez): CE + lam * ||d CE / dx||_2 per
     sample, the norm written as ``sqrt(sum g^2 + eps)``."""
@@ -123,54 +108,6 @@ def input_grad_penalty(logits, y, x, lam=0.1, eps=0.0):
     (g,) = torch.autograd.grad(ce, x, create_graph=True)
     gn = torch.sqrt(g.flatten(1).pow(2).sum(1) + eps)
     return ce + lam * gn.mean()
-
-
-class IBPNet(nn.Module):
-    """An MLP certified by interval bound propagation (Gowal et al. 2018): ``forward(x, eps)``
-    returns the logits and the worst-case logits over the eps-ball, from the centre/radius
-    form through Linear (``|W| r``) and the bounds through ReLU. ``slope``: the crossing
-    neurons' relaxation ``u / (u - l)`` (CROWN-IBP) kept as a regulariser's input."""
-
-    def __init__(self, slope_reg: bool = False):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(C * H * H, 32), nn.Linear(32, 32),
-                                     nn.Linear(32, K)])
-        self.slope_reg = slope_reg
-
-    def forward(self, x, eps: float = 0.0, y=None):
-        x = x.flatten(1)
-        lo, up = (x - eps).clamp(0, 1), (x + eps).clamp(0, 1)
-        h, extra = x, x.new_zeros(())
-        for i, lin in enumerate(self.layers):
-            mu, r = (up + lo) / 2, (up - lo) / 2
-            mu, r = lin(mu), r @ lin.weight.abs().t()
-            lo, up, h = mu - r, mu + r, lin(h)
-            if i < len(self.layers) - 1:
-                if self.slope_reg:
-                    cross = (lo < 0) & (up > 0)
-                    slope = torch.where(cross, up / (up - lo), (lo >= 0).float())
-                    extra = extra + (slope * (1 - slope)).mean()
-                lo, up, h = F.relu(lo), F.relu(up), F.relu(h)
-        return h, lo, up, extra
-
-
-def make_ibp() -> nn.Module:
-    torch.manual_seed(0)
-    return IBPNet()
-
-
-def make_ibp_slope() -> nn.Module:
-    torch.manual_seed(0)
-    return IBPNet(slope_reg=True)
-
-
-def ibp_loss(out, y, kappa=0.5):
-    """kappa * CE(clean) + (1 - kappa) * CE(worst case): the true class at its lower bound,
-    the others at their upper bounds."""
-    logits, lo, up, extra = out
-    worst = torch.where(F.one_hot(y, K).bool(), lo, up)
-    return kappa * F.cross_entropy(logits, y) + (1 - kappa) * F.cross_entropy(worst, y) \
-        + 0.1 * extra
 
 
 def macer_loss(logits, y, m: int = 4, sigma: float = 0.25, gamma: float = 8.0,
