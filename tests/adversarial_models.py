@@ -2,7 +2,7 @@
 a small CIFAR-style convnet behind a per-channel normalisation layer (a ``std`` buffer, as
 RobustBench's models hold it), PGD-Linf / PGD-L2 inner loops with ``torch.autograd.grad`` of
 the loss w.r.t. the input, TRADES' ``KLDivLoss(reduction="batchmean")`` between the
-adversarial log-softmax and the clean softmax, MART, an input-gradient-norm penalty
+adversarial log-softmax and the clean softmax, an input-gradient-norm penalty
 (``create_graph=True``), and MACER's certified radius on Gaussian-noised copies."""
 
 from __future__ import annotations
