@@ -25,6 +25,7 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from . import fidelity
 from .ascent import ascent_hint
 from .cause_text import DO
+from .derived_input import derived_input_hint
 from .drop import undroppable
 from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
@@ -243,7 +244,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         if (made := made_from_imputed(report, step, o)) is not None:
             return None if made is RERUN else made  # (RERUN: the re-run runs the step)
         return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
-            step, o) or masked_loss_hint(step, o) or input_hint(o, step))
+            step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
+            or input_hint(o, step))
     if any(mb.get("inputs_written") for mb in step.micro_batches):
         return _input_written(report, step)
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):

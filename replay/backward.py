@@ -144,8 +144,9 @@ def _saved(node) -> list[torch.Tensor] | None:
             and t.numel()]
 
 
-# nodes whose derivative is infinite where the input is +-1 (the edge of acos's domain)
-_UNIT_POLE_NODES = {"Acos", "Asin", "Atanh", "Acosh"}
+# nodes whose derivative is infinite where the input is +-1 (the edge of acos's domain;
+# erfinv's, which a normal's icdf takes of 2p - 1)
+_UNIT_POLE_NODES = {"Acos", "Asin", "Atanh", "Acosh", "Erfinv"}
 
 
 # nodes whose saved result is positive (exp's): 0 times it is NaN only where it is +inf
@@ -178,10 +179,10 @@ def saved_facts(node, grad_inputs=(), grad_outputs=()) -> tuple[str | None, str 
     kind = next((kind_of(t) for t in saved if not finite(t)), None)
     if (tie := at_tie(node)) is not None:  # a decomposition: its pole is a tie, not a 0
         return kind, "tie" if tie else None
+    if node_op(node) in _UNIT_POLE_NODES and any(bool((t.abs() == 1).any()) for t in saved):
+        return kind, "1"  # (first: a 0 elsewhere in their input is no pole of theirs)
     if any(bool((t == 0).any()) for t in saved):
         return kind, "0"
-    if node_op(node) in _UNIT_POLE_NODES and any(bool((t.abs() == 1).any()) for t in saved):
-        return kind, "1"
     tiny = any(t.is_floating_point() and bool((t.abs() < torch.finfo(t.dtype).tiny).any())
                for t in saved)
     return kind, "subnormal" if tiny else None

@@ -383,7 +383,7 @@ def _unit_pole(op: str, name: str, fn: str, dtype: torch.dtype, still: bool) -> 
     """acos, asin, atanh or acosh given exactly +-1 (acosh: 1), where the derivative is
     infinite."""
     edge, advice = ("1", DO["acosh"]) if name == "acosh" else (
-        "+-1", DO["atanh" if name == "atanh" else "unit"])
+        "+-1", DO[name if name in ("atanh", "erfinv") else "unit"])
     if still:
         return Cause("invalid", f"{op} made a non-finite gradient from finite incoming "
                      f"gradients, in float64 too: its input is exactly {edge}, the edge of "

@@ -331,7 +331,9 @@ DO = {
                    "autocast)",
     "log_space": "compute in log space (log_softmax instead of log(softmax), logsigmoid or "
                  "BCEWithLogitsLoss on the logits instead of log(sigmoid), logsumexp, "
-                 "logcumsumexp instead of log(cumsum(exp)): a Cox loss's risk sets) or "
+                 "logcumsumexp instead of log(cumsum(exp)): a Cox loss's risk sets; for a "
+                 "KLDivLoss whose target is softmax probabilities, give it log_softmax and "
+                 "log_target=True, as TRADES' KL between clean and adversarial outputs can) or "
                  "clamp the value away from 0 (x.clamp_min(eps)) before log or division",
     "unit": "clamp the input into the domain (cos.clamp(-1 + eps, 1 - eps): a cosine of unit "
             "vectors can round past 1, and the derivative is infinite at the edge) or use "
@@ -343,6 +345,12 @@ DO = {
              "where a point left the ball (project every row back inside after each update: "
              "renorm to 1 - eps); a Lorentz distance's -<x, y>_L rounds below 1 for points "
              "close together",
+    "erfinv": "clamp its input inside (-1, 1) with an eps the type resolves; a normal's "
+              "icdf, sqrt(2) * erfinv(2p - 1), of a probability rounded to 1 or 0 (a "
+              "softmax's or a smoothed classifier's top probability, below 1 in exact "
+              "arithmetic) is at that edge: clamp p first, p.clamp(1e-6, 1 - 1e-6) in float32 "
+              "(MACER clamps to [0.02, 0.98]), or take the quantile of a probability kept in "
+              "log space",
     "atanh": "clamp its input inside (-1, 1) with an eps the type resolves "
              "(x.clamp(-1 + 1e-5, 1 - 1e-5) in float32, where 1 - 1e-8 and 1 - 1e-15 are 1), or "
              "compute in float64; a hyperbolic log map's artanh(sqrt(c) |x|) reaches 1 where a "

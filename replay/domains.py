@@ -25,7 +25,7 @@ _NO_POLE = {"exp", "exp2", "expm1", "mul", "add", "sub", "sum", "mean", "mm", "b
 # Ops whose derivative has a pole (a backward node's lower-cased name, ``SqrtBackward0``:
 # ``sqrt``): an infinite gradient from finite incoming ones means an input at the pole.
 _DERIVATIVE_POLES = {"sqrt", "rsqrt", "log", "log2", "log10", "log1p", "div", "reciprocal",
-                     "pow", "acos", "asin", "atanh", "acosh", "xlogy", "norm",
+                     "pow", "acos", "asin", "atanh", "acosh", "erfinv", "xlogy", "norm",
                      "linalgvectornorm", "cdist", "dist", "std", "var"}
 
 

@@ -250,7 +250,7 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["problems"].append(_not_called(step))
     elif step.loss_fn is not None:
         report["problems"].append(outside.rerun_finite_note(step))
-    if not reproduced:
+    if not reproduced and outside.loop_differentiated_forward(step) is None:
         report["problems"].append(
             "feeding the recorded output gradient through the model's backward did not give "
             "the recorded non-finite parameter gradients back")

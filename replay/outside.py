@@ -120,11 +120,35 @@ def loss_fn_not_called(step: Step) -> bool:
         mb.get("loss_inputs") for mb in step.micro_batches)
 
 
+def loop_differentiated_forward(step: Step) -> int | None:
+    """The event's micro-batch when loss_fn never took its output while it took another's,
+    and the loop asked for the gradient w.r.t. its input: the gradient entering its output
+    came from a loss of the loop's own, differentiated by ``torch.autograd.grad`` w.r.t. the
+    input (an adversarial attack's forward), which writes no parameter's gradient."""
+    i, mbs = step.event.get("micro_batch"), step.micro_batches
+    if not isinstance(i, int) or not 0 <= i < len(mbs) or mbs[i].get("loss_inputs"):
+        return None
+    took = any(mb.get("loss_inputs") for mb in mbs)
+    return i if took and mbs[i].get("grad_inputs") else None
+
+
+# the loss of a forward the loop differentiated w.r.t. its input (an attack's), not loss_fn
+ATTACK_LOSS = (
+    "the gradient entered the model's output in micro-batch {i}, a forward whose output "
+    "loss_fn never took: the loop differentiated a loss of its own there w.r.t. the model's "
+    "input (torch.autograd.grad: an adversarial attack's loss), which the replay does not "
+    "re-run and which wrote no parameter's gradient; look in that loss for the op (a log "
+    "of a probability rounded to 0 or 1, log(1 - p), is the usual one: write it from the "
+    "logits with log_softmax or logsumexp, or clamp p)")
+
+
 def replayable_loss_hint(step: Step) -> str:
     """How to make the loss itself replayable, in the words of the integration that recorded
     the bundle (plain loop, Hugging Face Trainer, Lightning)."""
     info = step.meta.get("loss") or {}
     integration = (step.meta.get("recorder") or {}).get("integration")
+    if (i := loop_differentiated_forward(step)) is not None:
+        return ATTACK_LOSS.format(i=i)
     if loss_fn_not_called(step):
         return ("call the loss through the recorder, loss = rec.loss_fn(out, target) (a plain "
                 "function cannot be hooked, so one called directly is not seen), so the replay "
@@ -174,6 +198,10 @@ def output_hooks(step: Step) -> list[str]:
 def rerun_finite_note(step: Step) -> str:
     """The note of a loss_fn the replay re-ran finite while the recorded gradient entering
     the output is not: a hook the loop put on the output, else loss terms outside loss_fn."""
+    if (i := loop_differentiated_forward(step)) is not None:
+        return (f"loss_fn took no output of micro-batch {i}, so the replay re-ran no loss there; "
+                "the gradient the loop sent into it was taken w.r.t. the input, not the weights, "
+                "so the recorded parameter gradients stayed finite")
     if hooks := output_hooks(step):
         return ("the loss_fn the replay re-ran is finite with finite gradients: the loop's "
                 f"gradient hook on the model's output (defined at {hooks[0]}) changed the "

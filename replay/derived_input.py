@@ -1,0 +1,75 @@
+"""An input event on a batch the loop made between the step's forwards from an earlier
+forward's input, which it differentiated: an adversarial attack's inner loop (PGD, FGSM)
+feeds the model ``x + alpha * g / ‖g‖`` with ``g`` the gradient of the loss w.r.t. that
+earlier input. No record of the data is bad then; the attack's step made the NaN/Inf, most
+often as 0/0 where a sample's input gradient was exactly 0 (a sample the attack no longer
+attacks, a loss that is 0 there), which the output gradient the recorder kept shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .load import Step, output_grads
+from .recorded import origin_key, samples
+from .zero_rows import _spans
+
+DERIVED_INPUT = (
+    "{tensor} of micro-batch {i} is no data: the loop made it between the step's forwards "
+    "from the input of micro-batch {j}, which was finite and which the loop differentiated "
+    "(torch.autograd.grad w.r.t. the input: an adversarial attack's step, x + alpha * "
+    "g.sign() or x + alpha * g / ‖g‖), so that code made the NaN/Inf, not a record{zero}")
+ZERO_INPUT_GRAD = (
+    "; sample(s) {rows} sent back a gradient of exactly 0 into the model's output in "
+    "micro-batch {j}, so their input gradient is 0 too and a step normalised by its norm "
+    "(g / ‖g‖) makes 0/0 there: clamp the norm from below (g / g.norm().clamp_min(1e-12)), "
+    "as advertorch's normalize_by_pnorm does, or leave those samples out of the step")
+
+
+def derived_input_hint(step: Step, origin: dict[str, Any]) -> str | None:
+    """The hint of an input event on ``origin``'s batch tensor when an earlier micro-batch of
+    the step took a finite tensor of its shape at the same place and the loop asked for its
+    gradient; None otherwise."""
+    i = origin.get("micro_batch") or 0
+    key, raw = origin_key(step, origin)
+    bad = step.tensors.get(key)
+    if not i or bad is None or not bad.is_floating_point():
+        return None
+    for j in range(i - 1, -1, -1):
+        mb = step.micro_batches[j]
+        k = next((k for k, r in mb.get("paths", {}).items() if r == raw), None)
+        t = step.tensors.get(k) if k else None
+        if t is None or t.shape != bad.shape or not bool(torch.isfinite(t).all()):
+            return None
+        if k in mb.get("grad_inputs", ()):
+            named = origin.get("samples") or []
+            rows = [r for r in _zero_rows(step, j) if r in set(named)]
+            if not _near(bad, t) and not (rows and len(rows) == len(named)):
+                return None  # another batch (micro-batches of other data), no attack's step
+            zero = ZERO_INPUT_GRAD.format(rows=_spans(rows), j=j) if rows else ""
+            return DERIVED_INPUT.format(tensor=origin.get("tensor"), i=i, j=j, zero=zero)
+    return None
+
+
+def _near(made: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether the finite values of ``made`` lie within a small step of ``before``'s (a mean
+    distance under half their spread: an attack moves each value by at most its eps, where
+    other data of the same kind is as far apart as the spread); False when none is finite."""
+    ok = torch.isfinite(made)
+    if not bool(ok.any()):
+        return False
+    a, b = made[ok].double(), before[ok].double()
+    return float((a - b).abs().mean()) < 0.5 * float(before.double().std())
+
+
+def _zero_rows(step: Step, j: int) -> list[int]:
+    """The samples of micro-batch ``j`` whose recorded output gradients are all exactly 0."""
+    where, zero = samples(step, j), None
+    for g in output_grads(step, j).values():
+        d = where.dim(g) if g.is_floating_point() and where.size else None
+        if d is None or g.shape[d] != where.size:
+            continue
+        rows = (g.movedim(d, 0).reshape(where.size, -1) == 0).all(1)
+        zero = rows if zero is None else zero & rows
+    return [] if zero is None else zero.nonzero().flatten().tolist()
