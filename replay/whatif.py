@@ -171,9 +171,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         # cancel below 0 keeps its sign (also where the op took a half output outside autocast)
         out.append("dtype=float32")
     elif cause == "precision" and (o.get("dtype") or "float32") == "float32":
-        # float32's rounding crossed the boundary, which the float64 re-run did not: whether
-        # training on in float64 stays finite (then the stable formula, or a clamp, is the fix)
-        out.append("dtype=float64")
+        out.append("dtype=float64")  # (float32's rounding crossed a boundary float64's did not)
     began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")
     grew = began is not None and began < (report.get("event") or {}).get("step", began)
     fits_update = cause in ("optimizer", "overflow") or (grew and cause != "weights")
