@@ -284,8 +284,7 @@ class Slots:
         """Squared 2-norm of each tensor, in float32: a dot product (twice as fast as
         ``vector_norm`` on CPU) for float32, an upcast norm for other dtypes (a half-precision
         dot would overflow). It runs over every gradient before every update, so the usual case
-        (dense float32 tensors on this device) is told by C loops and its dots made by ``map``
-        (see :meth:`sq_norm_flat`)."""
+        (dense float32 tensors on this device) is told by C loops (see :meth:`sq_norm_flat`)."""
         if type(tensors) is not list:
             tensors = list(tensors)
         if _F32.issuperset(map(_DTYPE, tensors)) and self._here(tensors) \
@@ -307,9 +306,20 @@ class Slots:
 
     def sq_norm_flat(self, flats: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
         """Squared 2-norms of flat float32 vectors on this device (see :class:`FlatViews`):
-        one dot each, made by ``map``, then copied into slots in one foreach op (on CPU a dozen
-        dots cost less that way than in a Python loop writing each into its slot)."""
-        return self._put(code, list(map(torch.dot, flats, flats)))
+        one dot each, into its slot. (Dots made by ``map`` and copied into the slots in one
+        foreach op run fewer bytecodes, but measured slower in a training step: a new 0-d
+        tensor per dot and the copy; see docs/benchmarks.md, stop 36.)"""
+        r = self._regions[code]
+        take, size, views = r.take, r.size, r.views
+        refs = []
+        for flat in flats:
+            k = take()
+            if k >= size:
+                refs.append(self.norm(flat, code, square=True))
+                continue
+            torch.dot(flat, flat, out=views[k])
+            refs.append((code, k))
+        return refs
 
     def _here(self, tensors: list[torch.Tensor]) -> bool:
         """Every tensor is on this device."""
