@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .load import Step, output_grads
-from .recorded import origin_key, samples
-from .zero_rows import _spans
+from .load import Step
+from .recorded import origin_key
+from .zero_rows import _spans, zero_mask
 
 DERIVED_INPUT = (
     "{tensor} of micro-batch {i} is no data: the loop made it between the step's forwards "
@@ -65,11 +65,5 @@ def _near(made: torch.Tensor, before: torch.Tensor) -> bool:
 
 def _zero_rows(step: Step, j: int) -> list[int]:
     """The samples of micro-batch ``j`` whose recorded output gradients are all exactly 0."""
-    where, zero = samples(step, j), None
-    for g in output_grads(step, j).values():
-        d = where.dim(g) if g.is_floating_point() and where.size else None
-        if d is None or g.shape[d] != where.size:
-            continue
-        rows = (g.movedim(d, 0).reshape(where.size, -1) == 0).all(1)
-        zero = rows if zero is None else zero & rows
+    zero = zero_mask(step, j)
     return [] if zero is None else zero.nonzero().flatten().tolist()

@@ -19,17 +19,24 @@ def zero_gradient_rows(step: Step) -> dict[int, list[int]]:
     output that holds the samples); only micro-batches where some sample's is not."""
     found: dict[int, list[int]] = {}
     for i in range(len(step.micro_batches)):
-        where = samples(step, i)
-        zero: torch.Tensor | None = None
-        for g in output_grads(step, i).values():
-            d = where.dim(g) if g.is_floating_point() and where.size else None
-            if d is None or g.shape[d] != where.size:
-                continue
-            rows = (g.movedim(d, 0).reshape(where.size, -1) == 0).all(1)
-            zero = rows if zero is None else zero & rows
+        zero = zero_mask(step, i)
         if zero is not None and bool(zero.any()) and not bool(zero.all()):
             found[i] = zero.nonzero().flatten().tolist()
     return found
+
+
+def zero_mask(step: Step, i: int) -> torch.Tensor | None:
+    """Per sample of micro-batch ``i``: its recorded output gradients are all exactly 0 (in
+    every output that holds the samples); None when no recorded gradient holds them."""
+    where = samples(step, i)
+    zero: torch.Tensor | None = None
+    for g in output_grads(step, i).values():
+        d = where.dim(g) if g.is_floating_point() and where.size else None
+        if d is None or g.shape[d] != where.size:
+            continue
+        rows = (g.movedim(d, 0).reshape(where.size, -1) == 0).all(1)
+        zero = rows if zero is None else zero & rows
+    return zero
 
 
 def zero_rows_text(found: dict[int, list[int]]) -> str:
