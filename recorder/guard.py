@@ -108,7 +108,7 @@ class OptimizerGuard:
             return
         transformed, cycle.transformed = cycle.transformed, False
         if tape is None and cycle.unrooted_call is None and not transformed \
-                and not self._forward_steps:
+                and not self._forward_steps and self._grads_written():
             tape = self._update_only()
         elif tape is not None and tape.micro_batches:
             # (a loop that steps after its forwards: a second step() with none since, a
@@ -130,6 +130,12 @@ class OptimizerGuard:
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape
+
+    def _grads_written(self) -> bool:
+        """Some parameter holds a gradient: the loop wrote one (an update without any, as the
+        ``optimizer.step()`` that silences the scheduler's order warning before training,
+        changes no weight and is no step)."""
+        return any(p.grad is not None for _, p in self.target.params)
 
     def _update_only(self) -> Tape | None:
         """A step of its own for an update in a loop that runs no forward of the recorded

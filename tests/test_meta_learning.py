@@ -182,6 +182,24 @@ def test_reptile_meta_update_is_a_step_checked_before_it_applies(tmp_path, caplo
         for p in rep["problems"])
 
 
+def test_a_step_with_no_gradient_before_training_is_no_step(tmp_path, caplog):
+    """``optimizer.step()`` once before training, with no gradient (the idiom that silences the
+    scheduler's order warning): it changes no weight, so it is no update-only step, no warning
+    about a copy of the model, and the training steps keep their numbers."""
+    model, crit = MM.make_model(), torch.nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path) as rec:
+        opt.step()
+        for _ in range(3):
+            xs, ys, _, _ = MM.task(g)
+            opt.zero_grad()
+            crit(model(xs), ys).backward()
+            opt.step()
+        assert rec.step == 3
+    assert "no forward of the recorded" not in caplog.text, caplog.text
+
+
 def test_prototypes_of_an_earlier_forward_are_learned_not_data(tmp_path):
     """torchmeta's loop: the support set and the query set are two forwards, and one loss
     takes both embeddings. At step 3 task 2's only shot of class 1 is labelled 0: class 1 has
