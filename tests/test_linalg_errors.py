@@ -80,25 +80,31 @@ def test_gp_lengthscale_too_smooth_for_float32_jitter_is_precision(out_dir):
         and "jitter" in rep["hint"], rep["hint"]
 
 
-def test_whitening_a_batch_with_a_dead_sensor_is_invalid(out_dir):
-    """A whitening layer factors the batch covariance with cholesky and no ridge; at step 3
-    sensor 2 reads 0 for the whole batch, so the covariance has a zero row: not
-    positive-definite in exact arithmetic either, ``invalid``; the whole batch made the
-    matrix, so no sample is named."""
-    model = M.make_whiten()
+def _dead_sensor_loop(name: str, out_dir: Path):
+    """The loop of ``make_<name>`` over six batches whose sensor 2 reads 0 from step 3, for
+    :func:`_raised`."""
+    model = getattr(M, f"make_{name}")()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     crit = nn.CrossEntropyLoss()
 
     def run(steps):
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory="linalg_error_models:make_whiten"):
+                            factory=f"linalg_error_models:make_{name}"):
             for step, (x, y) in enumerate(M.whiten_batches(6, dead_at=3)):
                 steps.append(step)
                 opt.zero_grad()
                 crit(model(x), y).backward()
                 opt.step()
 
-    step, bundle = _raised(out_dir, run)
+    return run
+
+
+def test_whitening_a_batch_with_a_dead_sensor_is_invalid(out_dir):
+    """A whitening layer factors the batch covariance with cholesky and no ridge; at step 3
+    sensor 2 reads 0 for the whole batch, so the covariance has a zero row: not
+    positive-definite in exact arithmetic either, ``invalid``; the whole batch made the
+    matrix, so no sample is named."""
+    step, bundle = _raised(out_dir, _dead_sensor_loop("whiten", out_dir))
     assert step == 3
     rep = nanreplay_json(bundle)
     _check(rep, 3, "whiten", "aten.linalg_cholesky_ex", "invalid", [])
@@ -143,20 +149,7 @@ def test_eigh_of_a_nan_the_layer_made_blames_the_op_that_made_it(out_dir):
     3) and then calls eigh on the NaN correlation matrix, which fails to converge inside the
     same forward: the op that made the NaN is named, aten.div, ``invalid`` as for any forward
     origin, with eigh's failure as a note."""
-    model = M.make_zca()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    crit = nn.CrossEntropyLoss()
-
-    def run(steps):
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory="linalg_error_models:make_zca"):
-            for step, (x, y) in enumerate(M.whiten_batches(6, dead_at=3)):
-                steps.append(step)
-                opt.zero_grad()
-                crit(model(x), y).backward()
-                opt.step()
-
-    step, bundle = _raised(out_dir, run)
+    step, bundle = _raised(out_dir, _dead_sensor_loop("zca", out_dir))
     assert step == 3
     rep = nanreplay_json(bundle)
     _check(rep, 3, "zca", "aten.div", "invalid", list(range(32)))
