@@ -270,15 +270,8 @@ class Slots:
         return self._put(code, [n.square() if square else n])[0]
 
     def sq_norm(self, t: torch.Tensor, code: int) -> tuple[int, int]:
-        """Squared 2-norm in float32 (see :meth:`sq_norm_each`): one dot into a slot."""
-        if t.dtype is FLOAT32 and (t.is_cpu if self._cpu else t.device == self.device):
-            r = self._regions[code]
-            k = r.take()
-            if k < r.size:
-                flat = t.view(-1) if t.is_contiguous() else flat_view(t)
-                torch.dot(flat, flat, out=r.views[k])
-                return code, k
-        return self.norm(t, code, square=True)
+        """Squared 2-norm in float32 (see :meth:`sq_norm_each`)."""
+        return self.sq_norm_each((t,), code)[0]
 
     def sq_norm_each(self, tensors, code: int) -> list[tuple[int, int]]:
         """Squared 2-norm of each tensor, in float32: a dot product (twice as fast as
