@@ -142,6 +142,9 @@ class FlightRecorder:
         self.calls = CallHooks(self.target, self.cycle, self.health, self.loss_fn,
                                self.settings.param_norms)
         self.guard = OptimizerGuard(self.target, self.cycle, self.health, self.alarm)
+        if isinstance(self.loss_fn, _CallableLoss):  # (said once if the loop calls it directly)
+            fn = getattr(loss_fn, "func", loss_fn)  # (a functools.partial: its function's name)
+            self.guard.loss_function = getattr(fn, "__qualname__", None) or type(fn).__name__
         self._handles: list = []
         self._attached = False
         self._commit = git_commit()

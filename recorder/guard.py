@@ -52,6 +52,8 @@ class OptimizerGuard:
         self._transform_warned = False
         self._update_only_said = False
         self._forward_steps = False  # a step opened by a forward of the model has closed
+        # a plain function given as loss_fn (its name), until the first training step closes
+        self.loss_function: str | None = None
 
     def register(self, optimizer) -> list:
         # (run eagerly where dynamo traces ``optimizer.step()``, a compiled training step:
@@ -127,9 +129,25 @@ class OptimizerGuard:
         except Exception as e:
             self.health.internal_error(e)
         cycle.close_tape(at="optimizer")
+        if self.loss_function is not None and tape.micro_batches and not tape.evaluation:
+            self._loss_called(tape)
         if self.settings.guard_optimizer and not self.alarm.fired:
             self.copies = _copy_for_guard(optimizer, self.target.params)
             self.last_tape = tape
+
+    def _loss_called(self, tape: Tape) -> None:
+        """The first training step says whether the plain function given as ``loss_fn`` is
+        called through ``rec.loss_fn``. A function cannot be hooked: called directly, its loss
+        is neither checked nor recorded, and one that is NaN with finite gradients (a
+        cross-entropy whose targets are all ``ignore_index``: 0/0, gradients 0) trains on
+        silently. Said once, with the step's close (no event: the gradients still are checked)."""
+        name, self.loss_function = self.loss_function, None
+        if not tape.loss:
+            log.warning("nanreplay: the loss function given as loss_fn (%s) was not called "
+                        "through rec.loss_fn in step %d, so its loss is neither checked nor "
+                        "recorded (only the gradients it sends into the model are): call "
+                        "loss = rec.loss_fn(...), or pass a loss module, which is hooked where "
+                        "it is", name, tape.step)
 
     def _grads_written(self) -> bool:
         """Some parameter holds a gradient: the loop wrote one (an update without any, as the

@@ -760,3 +760,43 @@ def test_the_error_message_says_a_loss_fn_function_was_not_called_through_the_re
     err = train_rater(tmp_path, hand_over=False, given=True)
     assert "was not called through rec.loss_fn in this step" in str(err), str(err)
     assert "rec.loss_fn" not in str(train_rater(tmp_path / "b", hand_over=True))
+
+
+def _ignored_ce(out, y):
+    return F.cross_entropy(out, y, ignore_index=-1)
+
+
+def _train_ignored(out_dir: Path, through_recorder: bool) -> None:
+    """A linear classifier whose step-2 batch has every target ``ignore_index``: the mean
+    cross-entropy is 0/0 = NaN with zero gradients, so nothing else ever turns non-finite."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with FlightRecorder(model, opt, loss_fn=_ignored_ce, out_dir=out_dir) as rec:
+        for step in range(4):
+            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+            if step == 2:
+                y[:] = -1
+            opt.zero_grad()
+            loss = (rec.loss_fn if through_recorder else _ignored_ce)(model(x), y)
+            loss.backward()
+            opt.step()
+
+
+def test_a_loss_function_called_directly_is_said_once_at_the_first_step(tmp_path, caplog):
+    """A plain function given as ``loss_fn`` but called directly cannot be seen: its 0/0 loss
+    with zero gradients trained on with no word. The first training step's close says so once,
+    naming the function and the step; called through ``rec.loss_fn`` the same NaN is a loss
+    event at step 2, and nothing is said."""
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        _train_ignored(tmp_path / "direct", through_recorder=False)
+    said = [r.getMessage() for r in caplog.records if "not called through" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "(_ignored_ce)" in said[0] and "in step 0" in said[0] and "rec.loss_fn(...)" in said[0]
+    assert not list((tmp_path / "direct").glob("*.nan"))  # (no event: the case it warns of)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nanreplay"):
+        with pytest.raises(NonFiniteError) as info:
+            _train_ignored(tmp_path / "through", through_recorder=True)
+    assert (info.value.event["step"], info.value.event["phase"]) == (2, "loss")
+    assert not any("not called through" in r.getMessage() for r in caplog.records)
