@@ -5,6 +5,7 @@ replay."""
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import random
 import struct
@@ -53,6 +54,10 @@ class RngCapture:
         self._np_last: tuple | None = None
         self._np_key: tuple | None = None
         self._python, self._torch = _Fingerprinted(), _Fingerprinted()
+        # the last capture, while no generator moved (see __call__)
+        self._fast: tuple | None = None
+        self._fast_key: tuple | None = None
+        self._fast_state: dict[str, Any] | None = None
 
     def _numpy_state(self, np) -> Any:
         # the generator behind np.random's functions (bound to it when NumPy was imported)
@@ -72,7 +77,7 @@ class RngCapture:
             return np.random.get_state()
         # A legacy gaussian draw leaves its second value cached (``has_gauss``, ``gauss``) and
         # the next one uses it without moving the words: both are part of the key.
-        key = (words[624], words[0], words[311], words[623], gauss[0][0], gauss[1][0])
+        key = (_NP_WORDS(words), gauss[0][0], gauss[1][0])
         if key != self._np_key or self._np_last is None:
             self._np_last, self._np_key = np.random.get_state(), key
         return self._np_last
@@ -88,7 +93,12 @@ class RngCapture:
 
     def __call__(self) -> dict[str, Any]:
         """Every RNG a training step may draw from, as it is now. Draws nothing itself. A state
-        that did not move since the last call is the same object (never written to)."""
+        that did not move since the last call is the same object (never written to); when
+        none did, the whole capture is the last one, told by one fingerprint of them all (it
+        runs as every step opens, its code cold after the step's kernels: one function)."""
+        fast = self._fast
+        if fast is not None and _fast_key(fast) == self._fast_key:
+            return self._fast_state
         state: dict[str, Any] = {"python": self._python_state(),
                                  "torch_cpu": self._torch_state()}
         np = sys.modules.get("numpy")
@@ -98,7 +108,30 @@ class RngCapture:
             state["cuda"] = torch.cuda.get_rng_state_all()
         for name, g in self.generators:
             state[GENERATOR + name] = g.get_state()
+        self._fast = self._fast_parts(np, state)
+        self._fast_key, self._fast_state = self._fast and _fast_key(self._fast), state
         return state
+
+    def _fast_parts(self, np, state: dict[str, Any]) -> tuple | None:
+        """What :func:`_fast_key` reads, where every generator's words are read in place and
+        none is a CUDA or the model's own; else None."""
+        py, pt = self._python, self._torch
+        if self.generators or "cuda" in state or not py.words or not pt.words or (
+                np is not None and not (self._np_words and self._np_gauss)):
+            return None
+        return np, py.owner, py.words, pt.owner, pt.words, self._np_rs, self._np_owner, \
+            self._np_words, self._np_gauss
+
+
+def _fast_key(parts: tuple) -> tuple:
+    """Every generator's fingerprint (see :class:`_Fingerprinted`) and owner, and whether NumPy
+    or CUDA came in since: equal, no state moved."""
+    np, inst, pw, gen, tw, rs, owner, nw, gauss = parts
+    now = sys.modules.get("numpy")
+    return (now, torch.cuda.is_initialized(), random.getstate.__self__, torch.default_generator,
+            _PY_WORDS(pw), inst.gauss_next, _TORCH_WORDS(tw),
+            np and (np.random.get_state.__self__, owner is getattr(rs, "_bit_generator", None),
+                    _NP_WORDS(nw), gauss[0][0], gauss[1][0]))
 
 
 class _Fingerprinted:
@@ -125,15 +158,20 @@ class _Fingerprinted:
         return self.last
 
 
+# the words each fingerprint reads: position (index, left/next, pos), state words spread
+# over the array, and torch's cached normal samples after them
+_PY_WORDS = operator.itemgetter(0, 1, 312, 624)
+_TORCH_WORDS = operator.itemgetter(0, 2, 3, 314, 626, 627, 628, 629, 630, 631, 632, 633)
+_NP_WORDS = operator.itemgetter(624, 0, 311, 623)
+
+
 def _python_key(w: memoryview, inst: random.Random) -> tuple:
     # (gauss() keeps a second value outside the words: part of the state too)
-    return w[0], w[1], w[312], w[624], inst.gauss_next
+    return _PY_WORDS(w), inst.gauss_next
 
 
 def _torch_key(w: memoryview, _) -> tuple:
-    # position (left, next), three state words, and the cached normal samples after them
-    return (w[0], w[2], w[3], w[314], w[626], w[627], w[628], w[629], w[630], w[631], w[632],
-            w[633])
+    return _TORCH_WORDS(w)
 
 
 def _uint32s(words) -> memoryview:

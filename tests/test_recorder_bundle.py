@@ -201,8 +201,8 @@ def test_a_reused_capture_always_matches_the_real_states(steps):
         assert ours[0] == real[0] and np.array_equal(ours[1], real[1])
         assert ours[2:] == real[2:]
         assert torch.equal(state["torch_cpu"], torch.get_rng_state())
-    # nothing drew since: torch's state is not copied again (the same tensor, never written)
-    assert capture()["torch_cpu"] is state["torch_cpu"]
+    # nothing drew since: nothing is read again (the same capture, its tensor never written)
+    assert capture() is state and state["torch_cpu"] is capture()["torch_cpu"]
 
 
 def test_reader_streams_with_a_filter_and_iterates_once(tmp_path):
