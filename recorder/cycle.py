@@ -310,9 +310,9 @@ class StepCycle:
             else:  # the model moved since: that evidence is void
                 updates = []
         # Indices into the row are resolved only when a row is decoded (events, export).
-        layout.raw = (list(tape.calls), list(tape.loss), sorted(tape.grad_norms.items()),
-                      sorted(tape.param_norms.items()), (shift, starts, ends), updates,
-                      list(tape.out_grad_norms))
+        layout.raw = (tuple(tape.calls), tuple(tape.loss), tuple(sorted(tape.grad_norms.items())),
+                      tuple(sorted(tape.param_norms.items())), (shift, starts, ends),
+                      tuple(updates), tuple(tape.out_grad_norms))
         return layout, pieces, shift, starts, ends
 
     def _fill_probe(self, full: torch.Tensor, row: torch.Tensor, checked: int, start: int,

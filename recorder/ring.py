@@ -178,6 +178,8 @@ class RingBuffer:
         self.layouts: deque[StepLayout] = deque(maxlen=history)
         self._next = 0
         self.truncated = 0
+        self._raw: tuple | None = None  # the last refs committed, shared while they repeat
+        self._raw_key: int | None = None  # their hash
 
     @property
     def nbytes(self) -> int:
@@ -238,8 +240,19 @@ class RingBuffer:
         return torch.dot(view, zeros, out=self._probe if out is None else out)
 
     def commit(self, layout: StepLayout) -> None:
-        """Keep the row last reserved, described by ``layout``."""
+        """Keep the row last reserved, described by ``layout``. A training loop's steps take
+        the same slots in the same order: one shared copy of their refs then serves every
+        row, so the history holds no objects per step (letting go of the step ``history``
+        steps ago touched every one of them, cold after the steps since), told by a hash of
+        this step's refs (the shared copy is not read: it is as cold)."""
         layout.length = self._length
+        try:
+            key = hash(layout.raw)
+        except TypeError:  # (a ref that is no tuple of numbers: kept as it is)
+            key = None
+        if key is None or key != self._raw_key:
+            self._raw, self._raw_key = layout.raw, key
+        layout.raw = self._raw
         self.layouts.append(layout)
         self._next = (self._next + 1) % self.history
 

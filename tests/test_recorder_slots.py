@@ -463,3 +463,26 @@ def test_nan_update_of_one_small_parameter_is_named(out_dir):
                 opt.step()
     check_event(info.value.event, step=2, phase="optimizer", params=["4.weight"],
                 after_update=True)
+
+
+def test_the_history_shares_the_refs_of_steps_that_took_the_same_slots(tmp_path):
+    """Steps that take the same slots in the same order share one copy of their refs in the
+    ring's history (no objects kept per step); a step laid out otherwise (two micro-batches)
+    keeps its own, and every step still decodes to its own calls."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path) as rec:
+        for step in range(6):
+            opt.zero_grad()
+            for _ in range(2 if step == 3 else 1):  # step 3 accumulates two micro-batches
+                crit(model(torch.randn(5, 4)), torch.randint(0, 2, (5,))).backward()
+            opt.step()
+        layouts = list(rec.cycle.ring.layouts)
+    assert [lay.step for lay in layouts] == list(range(6))
+    # (step 0 has no update before it; after step 3 the refs are new again, then shared)
+    raws = [id(lay.raw) for lay in layouts]
+    assert raws[1] == raws[2] and raws[4] == raws[5] and len(set(raws)) == 4
+    micro_batches = [{mb for _, mb, *_ in lay.materialize().calls} for lay in layouts]
+    assert micro_batches == [{0}, {0}, {0}, {0, 1}, {0}, {0}]
