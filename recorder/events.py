@@ -39,7 +39,7 @@ __all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_gra
 
 # keys a bundle's event holds only when they are set
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
-             "ranks", "written_after_forward", "nan_handled")
+             "ranks", "written_after_forward", "nan_handled", "loss_given")
 
 
 @dataclass
@@ -71,6 +71,8 @@ class Event:
     written_after_forward: list[str] | None = None
     # the root input (allow_nan's name) whose NaN the rest of the step shows the model handled
     nan_handled: str | None = None
+    # the loss given to record_loss is non-finite, loss_fn's of the micro-batch was finite
+    loss_given: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
@@ -312,6 +314,12 @@ def _loss_event(ev: StepEvidence) -> Event | None:
         else:
             event.phase = "loss"
             event.detail = "the loss is non-finite while the model output is finite"
+            if k in ev.tape.given_loss and any(  # (loss_fn ran first, finite: k is the first)
+                    m == mb_i and j not in ev.tape.given_loss
+                    for j, (m, _, _) in enumerate(ev.layout.loss[:k])):
+                event.loss_given = True
+                event.detail = ("the loss given to record_loss is non-finite while loss_fn's "
+                                "loss was finite: a term the loop added to it made the value")
             if mb.targets_changed:  # (the loop wrote over them: the stats saw them as they were)
                 event.detail += (", and the loop wrote into the loss's targets after the loss "
                                  "took them (the bundle holds them as the loop left them)")

@@ -212,7 +212,9 @@ class FlightRecorder:
             return
         try:
             self.calls.loss_recorded = True
+            first = len(tape.loss)
             tape.loss_stats(loss)
+            tape.given_loss.update(range(first, len(tape.loss)))  # (see events._loss_event)
         except Exception as e:
             self.health.internal_error(e)
 
