@@ -30,7 +30,7 @@ from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
 from .factors import made_by
 from .float64 import as_float64, upcast
-from .folds import folds
+from .folds import folded_inputs, folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage, pole_inputs
@@ -116,7 +116,8 @@ class _Watch(TorchDispatchMode):
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
                 and folds(func, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
-                                    rows=f.folded_rows(outs, ins, pairs), seq=seq)
+                                    rows=f.folded_rows(outs, folded_inputs(func, args, ins, pairs)),
+                                    seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
                                    OpHit(op, "nan", user_source(), lo, hi, False, occurrence,
@@ -379,12 +380,11 @@ class OpFinder:
             shaped = self.reordered.picked_rows(outs)
         return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
 
-    def folded_rows(self, outs: list[torch.Tensor], ins: list[torch.Tensor], pairs
+    def folded_rows(self, outs: list[torch.Tensor], folded: list[torch.Tensor]
                     ) -> list[int] | None:
         """The samples of a reduction's non-finite output; of a 0-d one (a loss's mean over
-        the batch), those of the non-finite inputs it folded in."""
-        return self.batch_rows(outs) or self.batch_rows(
-            [t for t, (a, b) in zip(ins, pairs) if not pair_ok(a, b)])
+        the batch), those of the non-finite inputs it folded in (``folds.folded_inputs``)."""
+        return self.batch_rows(outs) or self.batch_rows(folded)
 
     def __enter__(self) -> OpFinder:
         self._mode.__enter__()
