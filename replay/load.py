@@ -320,6 +320,8 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
         if "$in" in node:  # the micro-batch's own input, as the re-run fed it to the model
             return inputs[node["$in"]] if inputs and node["$in"] in inputs \
                 else step.tensors[node["$in"]].to(step.device)
+        if isinstance(node.get("$module"), str) and step.model is not None:
+            return step.model.get_submodule(node["$module"])  # (the model given to the loss)
         if node.get("$output") is True and objects is not None:
             return _item(objects[node.get("mb", i)], node.get("path", []))
         if "$out" not in node:

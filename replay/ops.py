@@ -251,6 +251,9 @@ class OpFinder:
         # weights alone, and made non-finite values: where weights bad before the step met the
         # batch (an embedding looking up a NaN row), which no op made from finite inputs
         self.first_met: OpHit | None = None
+        # the first such op that took the weights and buffers alone (``state``): a loss's
+        # buffer non-finite before the step (EWC's Fisher) times the parameters
+        self.first_held: OpHit | None = None
         # where values without a batch dimension came from (a loss's per-image loop), when
         # the caller seeds one
         self.lineage: Lineage | None = None
@@ -298,6 +301,8 @@ class OpFinder:
         if not in_finite:
             if self.state and not weights_only and self.first_met is None:
                 self._meet(name, outs)
+            elif weights_only and self.first_held is None:  # (a loss's NaN buffer times p)
+                self.first_held = self._made_hit(name, outs)
             if self.masked_nan is None and nan_times_zero(name, given[0]):
                 self.masked_nan = OpHit(f"aten.{name}", "nan", user_source(), None, None,
                                         within=self.where)
@@ -310,10 +315,14 @@ class OpFinder:
         self.saturation.track(name, ins, outs, leaves)
 
     def _meet(self, name: str, outs: list[torch.Tensor]) -> None:
+        self.first_met = self._made_hit(name, outs)
+
+    def _made_hit(self, name: str, outs: list[torch.Tensor]) -> OpHit | None:
         made = next((kind_of(t) for t in outs if not finite(t)), None)
         if made is not None:  # (a Linear's mm on the flattened batch: its rows are not samples)
-            self.first_met = OpHit(f"aten.{name}", made, user_source(), None, None,
-                                   rows=self.batch_rows(outs), within=self.where)
+            return OpHit(f"aten.{name}", made, user_source(), None, None,
+                         rows=self.batch_rows(outs), within=self.where)
+        return None
 
     def held(self, t: torch.Tensor) -> bool:
         """``t`` is a parameter or buffer, or was made from them alone."""

@@ -202,3 +202,48 @@ class ClassIncNet(nn.Module):
 def make_classinc(classes: int = 2 * CLASSES) -> ClassIncNet:
     torch.manual_seed(0)
     return ClassIncNet(classes)
+
+
+class FedProxLoss(nn.Module):
+    """Cross-entropy plus FedProx's proximal term to the round's global weights, which the
+    loss holds as buffers (set each round) and compares with the model's parameters, the
+    model given as an argument."""
+
+    def __init__(self, mu: float = 0.01):
+        super().__init__()
+        self.mu = mu
+        self.ce = nn.CrossEntropyLoss()
+
+    def set_global(self, model: nn.Module):
+        for i, p in enumerate(model.parameters()):
+            self.register_buffer(f"global_{i}", p.detach().clone())
+
+    def forward(self, out, y, model):
+        prox = sum(((p - getattr(self, f"global_{i}")) ** 2).sum()
+                   for i, p in enumerate(model.parameters()))
+        return self.ce(out, y) + self.mu / 2 * prox
+
+
+class EWCLoss(nn.Module):
+    """EWC as a loss module (Avalanche's plugin state held by the criterion): the Fisher and
+    the consolidated weights as buffers, the model given as an argument to compare with."""
+
+    def __init__(self, lam: float = 100.0):
+        super().__init__()
+        self.lam = lam
+        self.ce = nn.CrossEntropyLoss()
+        self.names: list[str] = []
+
+    def consolidate(self, model: nn.Module, batches, task: int):
+        ewc = EWC(model, batches, task)
+        self.names = [n.replace(".", "_") for n, _ in model.named_parameters()]
+        for (n, _), key in zip(model.named_parameters(), self.names):
+            self.register_buffer(f"fisher_{key}", ewc.fisher[n])
+            self.register_buffer(f"star_{key}", ewc.star[n])
+
+    def forward(self, out, y, model):
+        loss = self.ce(out, y)
+        for p, key in zip(model.parameters(), self.names):
+            f, star = getattr(self, f"fisher_{key}"), getattr(self, f"star_{key}")
+            loss = loss + self.lam / 2 * (f * (p - star) ** 2).sum()
+        return loss
