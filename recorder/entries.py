@@ -6,6 +6,7 @@ replay reads both the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,13 +46,14 @@ def hyper_entry(h: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
 
 
 def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
-                      earlier: list | tuple = (), modules: dict[int, str] | None = None
-                      ) -> dict[str, Any]:
+                      earlier: list | tuple = (),
+                      modules: Callable[[], dict[int, str]] | None = None) -> dict[str, Any]:
     """Micro-batch ``i`` of a tape as the bundle's ``micro_batches[i]`` entry, its tensors
     under ``<prefix>batch/<i>``, ``<prefix>loss_in/<i>`` and ``<prefix>outgrad/<i>`` (``prefix``
     is ``""`` for the event step); ``earlier``: the micro-batches before it, whose outputs its
     loss may take too (two views of a batch through one encoder, one contrastive loss);
-    ``modules``: the recorded model's modules by id, named (a loss given the model itself)."""
+    ``modules()``: the recorded model's modules by id, named (a loss given the model itself;
+    asked only when a loss argument is a module)."""
     tree, ts, paths = flatten_tree([list(mb.args), mb.kwargs], f"{prefix}batch/{i}")
     tensors.update(ts)
     out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
@@ -167,7 +169,7 @@ def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (
     return leaf
 
 
-def _whole_output(mb, earlier, modules: dict[int, str] | None = None):
+def _whole_output(mb, earlier, modules: Callable[[], dict[int, str]] | None = None):
     """Stand-in for a loss argument that is a model output as a whole, or an item of its
     tuple, list or dict, when that is an object the bundle cannot hold (a
     ``torch.distributions`` object, whose loss is its ``log_prob``; a VAE's ``(px, qz)``
@@ -177,8 +179,9 @@ def _whole_output(mb, earlier, modules: dict[int, str] | None = None):
     with a copy) is ``{"$module": name}`` (``""``: the root), which the replay's model stands
     in for."""
     def whole(o):
-        if modules and isinstance(o, torch.nn.Module) and id(o) in modules:
-            return {"$module": modules[id(o)]}
+        if modules is not None and isinstance(o, torch.nn.Module) \
+                and (name := modules().get(id(o))) is not None:
+            return {"$module": name}
         for k, m in [(None, mb), *enumerate(earlier)]:
             if (path := _path_to(o, m.outputs)) is not None:
                 return {"$output": True, **({} if k is None else {"mb": k}),

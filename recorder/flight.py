@@ -139,6 +139,8 @@ class FlightRecorder:
         self.target = Target(model, optimizer, scaler, lr_scheduler, self.settings, loss_fn)
         self.alarm = Alarm(self.settings, self.target, self.health, self._contents, self.detach)
         self.cycle = StepCycle(self.settings, self.target, self.health, self.alarm)
+        if self.cycle.rewind is not None:  # (a loss given the model: see micro_batch_entry)
+            self.cycle.rewind.modules = self.target.module_ids
         self.calls = CallHooks(self.target, self.cycle, self.health, self.loss_fn,
                                self.settings.param_norms)
         self.guard = OptimizerGuard(self.target, self.cycle, self.health, self.alarm)

@@ -86,10 +86,8 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         meta["rng"] = rng_meta
         tensors.update(rng_tensors)
         mbs = tape.micro_batches
-        named = {} if model is None else {id(m): n for n, m in model.named_modules()}
-        if model is not None and target.given() is not model:  # (a torch.compile wrapper)
-            named[id(target.given())] = ""
-        meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors, mbs[:i], named)
+        meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors, mbs[:i],
+                                                   target.module_ids)
                                  for i, mb in enumerate(mbs)]
         for entry, mb in zip(meta["micro_batches"], tape.micro_batches):
             s = of_micro_batch(mb, target.seq_first, target.recurrent)  # (for the replay)
