@@ -33,6 +33,29 @@ def _json_float(x: float) -> Any:
     return x if math.isfinite(x) else {"$float": repr(x)}
 
 
+def _numpy_scalar(o: Any) -> dict[str, Any] | None:
+    """A NumPy bool, integer or floating scalar (a task id from ``rng.integers``, which is no
+    Python ``int``) as ``{"$numpy": dtype name, "value": its value}``; None for anything else
+    (NumPy is not imported: a run that made one has it)."""
+    if type(o).__module__ != "numpy" or getattr(getattr(o, "dtype", None), "kind", None) \
+            not in ("b", "i", "u", "f") or getattr(o, "shape", None) != ():
+        return None
+    v = o.item()
+    return {"$numpy": o.dtype.name, "value": _json_float(v) if isinstance(v, float) else v}
+
+
+def _numpy_rebuilt(node: dict[str, Any]) -> Any:
+    try:
+        import numpy
+        dtype = numpy.dtype(node["$numpy"])
+        if dtype.kind not in ("b", "i", "u", "f"):
+            raise TypeError(dtype.kind)
+        v = node.get("value")
+        return dtype.type(float(v["$float"]) if isinstance(v, dict) else v)
+    except (ImportError, TypeError, ValueError, KeyError) as e:
+        raise UnrebuildableLeaf(f"numpy {str(node.get('$numpy'))[:20]} ({e})") from None
+
+
 def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
                  ) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
     """Encode ``obj`` as JSON; tensor leaves are returned under keys ``prefix/<n>``.
@@ -66,6 +89,8 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
             return o
         if isinstance(o, float):
             return _json_float(o)
+        if (scalar := _numpy_scalar(o)) is not None:
+            return scalar
         if namedtuple_like(o):  # (a PackedSequence) with its type, for the replay to rebuild
             cls = type(o)
             return {"$tuple": [walk(v, f"{path}.{f}") for f, v in zip(cls._fields, o)],
@@ -157,6 +182,8 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
             return _dataclass(node, tensors, leaf)
         if "$float" in node:
             return float(node["$float"])
+        if "$numpy" in node:
+            return _numpy_rebuilt(node)
         if "$dtype" in node:
             return getattr(torch, node["$dtype"])
         if "$device" in node:
