@@ -247,3 +247,37 @@ class EWCLoss(nn.Module):
             f, star = getattr(self, f"fisher_{key}"), getattr(self, f"star_{key}")
             loss = loss + self.lam / 2 * (f * (p - star) ** 2).sum()
         return loss
+
+
+class LwFLoss(nn.Module):
+    """LwF as a loss module holding the frozen previous model (Avalanche's LwF plugin keeps
+    ``prev_model``): cross-entropy on the new task's head plus the distillation of the old
+    head's logits, ``T^2``-scaled, with the previous model run on the same input."""
+
+    def __init__(self, prev: nn.Module | None = None, T: float = 2.0, alpha: float = 1.0):
+        super().__init__()
+        self.prev = prev
+        self.T, self.alpha = T, alpha
+
+    def forward(self, new_logits, old_head_logits, y, x):
+        with torch.no_grad():
+            target = self.prev(x, 0)
+        return lwf_loss(new_logits, y, target, self.T, 0.0) + self.alpha * lwf_loss(
+            old_head_logits, y, target, self.T) - F.cross_entropy(old_head_logits, y)
+
+
+class TwoHeadView(nn.Module):
+    """The multi-head net returning (new head's logits, old head's logits) for LwF."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = TaskNet(2)
+
+    def forward(self, x):
+        h = self.net.body(x)
+        return self.net.heads[1](h), self.net.heads[0](h)
+
+
+def make_two_head() -> TwoHeadView:
+    torch.manual_seed(0)
+    return TwoHeadView()

@@ -121,17 +121,22 @@ def test_replayed_rows_whose_class_is_masked_are_the_samples(tmp_path):
     assert (tried["try"], tried["finite"]) == ("drop=" + ",".join(map(str, expected)), True)
 
 
-def test_ewc_loss_given_the_model_names_the_nan_fisher_buffer(tmp_path):
+@pytest.mark.parametrize("rewind", [None, 2])
+def test_ewc_loss_given_the_model_names_the_nan_fisher_buffer(tmp_path, rewind):
     """EWC as a loss module called ``crit(out, y, model)``: its Fisher buffers for the heads
     task 1 never used are 0/0. The model as a loss argument made the bundle unreplayable
-    (exit 2, 'UnrebuildableLeaf: TaskNet TaskNet(...)'); replayed, the loss had no op (every op
-    took a NaN it was given) and the cause was 'invalid ... check the loss inputs'."""
+    (exit 2, 'UnrebuildableLeaf: TaskNet TaskNet(...)'), with ``rewind`` too (the window's
+    steps); replayed, the loss had no op (every op took a NaN it was given) and the cause was
+    'invalid ... check the loss inputs'. The window, re-run from a copy taken before the
+    consolidation, runs the event's NaN Fisher from its first step: a NaN where training's
+    loss was finite, which the report said only as 'first non-finite at step 2'."""
     model = C.make_tasknet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     crit = C.EWCLoss()
     g = torch.Generator().manual_seed(0)
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY,
+                            rewind=rewind):
             for task in range(2):
                 for _ in range(4):
                     x, y = C.task_batch(g, task)
@@ -151,6 +156,12 @@ def test_ewc_loss_given_the_model_names_the_nan_fisher_buffer(tmp_path):
     assert "f * (p - star)" in rep["source_lines"][o["source"]]
     assert "the loss's 'fisher_heads_1_weight' holding nan" in rep["hint"], rep["hint"]
     assert "f / f.max() only where f.max() > 0" in rep["hint"], rep["hint"]
+    if rewind is None:
+        return
+    w = rep["window"]
+    assert (w["copy_step"], w["reproduced"], w["event_step"]) == (2, False, 2), w
+    assert any(p.startswith("training ran step 2 with a finite loss") and "EWC" in p
+               for p in rep["problems"]), rep["problems"]
 
 
 def test_fednova_client_without_samples_is_a_weights_event_with_the_model_in_the_loss(tmp_path):
@@ -193,3 +204,48 @@ def test_fednova_client_without_samples_is_a_weights_event_with_the_model_in_the
     assert (rep["reproduced"], rep["cause"], o["param"], o["module"], o["op"]) == (
         True, "weights", "body.0.weight", "body.0", "aten.addmm"), rep
     assert any("state_dict load" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_numpy_task_ids_and_a_half_precision_replay_buffer(tmp_path):
+    """Experience replay over tasks in a NumPy-drawn order (``rng.permutation``: each task id
+    an ``np.int64``, passed to ``forward``), the buffer kept in float16 to save memory: a raw
+    reading of 1e5, finite in float32, is +inf once stored. The replayed rows go through a
+    second forward with one task id per row. Every bundle stopped with exit 2: 'micro-batch 0
+    holds an input that cannot be rebuilt (int64 np.int64(1))'."""
+    np = pytest.importorskip("numpy")
+    model = C.make_tasknet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    order = np.random.default_rng(0).permutation(C.TASKS)
+    buf_x, buf_y, buf_t, taken = [], [], [], None
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY):
+            for k, task in enumerate(order):
+                for it in range(4):
+                    x, y = C.task_batch(g, int(task), 8)
+                    if k == 1 and it == 1:
+                        x[1, 0] = 1e5  # a raw sensor reading
+                    opt.zero_grad()
+                    loss = crit(model(x, task), y)
+                    if buf_x:
+                        i = torch.randint(0, len(buf_x), (4,), generator=g)
+                        bx = torch.stack(buf_x)[i].float()
+                        taken = bx
+                        loss = loss + crit(model(bx, torch.stack(buf_t)[i]), torch.stack(buf_y)[i])
+                    loss.backward()
+                    opt.step()
+                    buf_x += list(x[:2].half())  # (two rows a batch kept)
+                    buf_y += list(y[:2])
+                    buf_t += [torch.tensor(int(task))] * 2
+    assert isinstance(order[0], np.int64)
+    expected = torch.isinf(taken).any(1).nonzero().flatten().tolist()
+    assert expected
+    err = info.value
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["tensor"], ev["samples"]) == (
+        10, "input", 1, "args[0]", expected), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["tensor"], o["samples"], o["micro_batch"]) == (
+        True, "input", "args[0]", expected, 1), rep
