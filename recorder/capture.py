@@ -58,12 +58,11 @@ def _numpy_rebuilt(node: dict[str, Any]) -> Any:
 
 def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
                  ) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
-    """Encode ``obj`` as JSON; tensor leaves are returned under keys ``prefix/<n>``.
-
-    Also returns a readable path for each key, such as ``[0]["image"]``. Leaves that are neither
-    tensors nor JSON scalars are kept as their ``repr`` and marked, so the replay can say it
-    cannot rebuild them instead of guessing, unless ``whole(o)`` stands in for them (a model
-    output that is a ``torch.distributions.Normal``)."""
+    """Encode ``obj`` as JSON; tensor leaves are returned under keys ``prefix/<n>``, with a
+    readable path for each key, such as ``[0]["image"]``. Leaves that are neither tensors nor
+    JSON scalars are kept as their ``repr`` and marked, so the replay can say it cannot rebuild
+    them instead of guessing, unless ``whole(o)`` stands in for them (a model output that is a
+    ``torch.distributions.Normal``)."""
     tensors: dict[str, torch.Tensor] = {}
     paths: dict[str, str] = {}
 
@@ -89,8 +88,6 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
             return o
         if isinstance(o, float):
             return _json_float(o)
-        if (scalar := _numpy_scalar(o)) is not None:
-            return scalar
         if namedtuple_like(o):  # (a PackedSequence) with its type, for the replay to rebuild
             cls = type(o)
             return {"$tuple": [walk(v, f"{path}.{f}") for f, v in zip(cls._fields, o)],
@@ -115,7 +112,7 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
             return {"$device": str(o)}
         if whole is not None and (node := whole(o)) is not None:
             return node
-        return {"$repr": repr(o)[:200], "$type": type(o).__qualname__}
+        return _numpy_scalar(o) or {"$repr": repr(o)[:200], "$type": type(o).__qualname__}
 
     return walk(obj, ""), tensors, paths
 

@@ -116,8 +116,7 @@ class _Watch(TorchDispatchMode):
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
                 and folds(func, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
-                                    rows=f.folded_rows(outs, folded_inputs(func, args, ins, pairs)),
-                                    seq=seq)
+                                    rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
                                    OpHit(op, "nan", user_source(), lo, hi, False, occurrence,
@@ -389,11 +388,11 @@ class OpFinder:
             shaped = self.reordered.picked_rows(outs)
         return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
 
-    def folded_rows(self, outs: list[torch.Tensor], folded: list[torch.Tensor]
-                    ) -> list[int] | None:
+    def folded_rows(self, outs: list[torch.Tensor], func, args, ins: list[torch.Tensor],
+                    pairs) -> list[int] | None:
         """The samples of a reduction's non-finite output; of a 0-d one (a loss's mean over
         the batch), those of the non-finite inputs it folded in (``folds.folded_inputs``)."""
-        return self.batch_rows(outs) or self.batch_rows(folded)
+        return self.batch_rows(outs) or self.batch_rows(folded_inputs(func, args, ins, pairs))
 
     def __enter__(self) -> OpFinder:
         self._mode.__enter__()
