@@ -12,6 +12,7 @@ from typing import Any
 from recorder.finite import finite
 
 from .cause_text import DO
+from .departure import departure
 from .findings import UPDATE_NOT_RERUN, finish, origin_fields
 from .load import Step
 from .origins import optimizer_hint
@@ -46,6 +47,8 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
         "per_step": res.per_step, "loop_clip": win.loop_clip, "loss_factors": win.loss_factors,
     }
     report["problems"] += res.problems
+    if (departed := departure(step, res.per_step, win.loop_clip)) is not None:
+        report["problems"].append(departed)
     grew = _hint_growth(report)
     if o is None and not ok:
         report["problems"].append(
@@ -56,35 +59,12 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
             f"re-running the window, the first non-finite value is at step {o.step} "
             f"({where(o.as_json())}), not the recorded {ev.get('phase')} event at step "
             f"{ev.get('step')}")
-        if (unlike := _unlike_the_run(step, o)) is not None:
-            report["problems"].append(unlike)
     if ev.get("phase") == "optimizer" and o is not None and o.phase == "update":
         if (bad := _bad_in_copy(step, win, o.params)):
             _weights_origin(step, report, o, ok, bad, win.copy_step)
         else:
             _optimizer_origin(step, report, o, ok)
     return grew
-
-
-def _unlike_the_run(step: Step, o) -> str | None:
-    """Why the window's first non-finite value, at a step before the event's that training
-    closed with a finite loss and no event (its ring entry), says nothing: the recorder checks
-    every step's forward outputs for NaN, its loss and its gradients, so the re-run of that
-    step is not the step that ran. None for another outcome."""
-    steps, losses = step.tensors.get("ring/steps"), step.tensors.get("ring/loss")
-    if o is None or steps is None or losses is None or o.step >= step.event.get("step", 0) \
-            or o.phase not in ("forward", "loss", "backward") \
-            or o.phase == "forward" and o.kind != "nan":
-        return None
-    at = (steps == o.step).nonzero().flatten().tolist()
-    if not at or not math.isfinite(loss := float(losses[at[0]])):
-        return None
-    return (f"training ran step {o.step} with a finite loss ({loss:.4g}) and no event, so the "
-            "window's re-run of it is not the step that ran: state the loop changed after the "
-            "window's copy and that the copy does not hold makes the difference (a loss "
-            "module's buffers set or replaced since, as EWC's Fisher consolidated at a task "
-            "boundary; plain tensor attributes; values outside the batch); the window says "
-            f"nothing about the steps before {step.event.get('step')}")
 
 
 def _not_rerunnable(step: Step, report: dict[str, Any]) -> str | None:
