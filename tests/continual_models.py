@@ -281,3 +281,26 @@ class TwoHeadView(nn.Module):
 def make_two_head() -> TwoHeadView:
     torch.manual_seed(0)
     return TwoHeadView()
+
+
+class Standardise(nn.Module):
+    """Each record standardised over its features (wearable-sensor federated benchmarks):
+    no eps, so a record whose readings are all equal (a sensor stuck) is 0/0."""
+
+    def forward(self, x):
+        return (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
+
+
+class SensorNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = Standardise()
+        self.net = TaskNet(1)
+
+    def forward(self, x):
+        return self.net(self.norm(x), 0)
+
+
+def make_sensor_net() -> SensorNet:
+    torch.manual_seed(0)
+    return SensorNet()

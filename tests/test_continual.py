@@ -249,3 +249,46 @@ def test_numpy_task_ids_and_a_half_precision_replay_buffer(tmp_path):
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["tensor"], o["samples"], o["micro_batch"]) == (
         True, "input", "args[0]", expected, 1), rep
+
+
+def test_fedavg_window_across_the_rounds_load_state_dict_is_said_not_to_be_the_run(tmp_path):
+    """FedAvg on one process, recorded with ``rewind``: each client loads the round's global
+    weights into the model, then trains; one client's features come in raw units (100x), and
+    the run diverges until a layer overflows. The window re-runs its steps from its copy with
+    the optimizer alone, so at the next client it goes on from the previous client's weights
+    instead of the global ones the loop loaded: its steps are another run's. The report said
+    only 'every value finite: the event does NOT come back', as if the event were not
+    reproducible from the steps before it."""
+    model = C.make_tasknet(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    crit = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    n_samples = [24, 24]
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY,
+                            factory_kwargs={"tasks": 1}, rewind=4):
+            for _ in range(20):
+                global_sd = copy.deepcopy(model.state_dict())
+                client_sds = []
+                for k, n in enumerate(n_samples):
+                    model.load_state_dict(global_sd)
+                    for _ in range(n // 8):
+                        x, y = C.task_batch(g, 0, 8)
+                        x = x * (1 + 99 * k)  # client 1's features in raw units
+                        opt.zero_grad()
+                        crit(model(x, 0), y).backward()
+                        opt.step()
+                    client_sds.append(copy.deepcopy(model.state_dict()))
+                model.load_state_dict(C.fedavg_aggregate(client_sds, n_samples))
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (12, "forward", "body.2")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["op"], o["made"]) == (
+        "overflow", "body.2", "aten.addmm", "+inf"), rep
+    w = rep["window"]
+    assert (w["copy_step"], w["reproduced"]) == (8, False), w
+    # step 9: client 1 of the round starts from the global weights the loop loaded
+    (note,) = [p for p in rep["problems"] if "is not the run" in p]
+    assert note.startswith("from step 9 the window's re-run is not the run") \
+        and "load_state_dict" in note, note
