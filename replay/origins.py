@@ -41,6 +41,7 @@ from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
 from .storages import state_of
+from .term_args import report_term_arg
 from .update_domain import domain_why, update_domain, updated_rows
 from .weight_readers import bad_row_fields, first_reader, rows_text
 
@@ -140,6 +141,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     # output was allowed to hold (a -inf mask under allow_inf); name the reduction that did
     held = non_finite_loss_state(step.loss_fn)
     hit = finder.blamed() or finder.first_reduced or (finder.first_held if held else None)
+    if hit is None and (term := report_term_arg(report, step, mb)) is not None:
+        return term  # (a penalty the loop made of the weights, given to the loss: passed on)
     if hit is finder.first_nan and hit and not finder.first and not finder.intentional:
         # made of infinities the model output holds, which allow_inf let it hold (a mask)
         hit.from_mask = not all(finite(t) for t in tensor_leaves((args, kwargs)))

@@ -292,3 +292,40 @@ def test_fedavg_window_across_the_rounds_load_state_dict_is_said_not_to_be_the_r
     (note,) = [p for p in rep["problems"] if "is not the run" in p]
     assert note.startswith("from step 9 the window's re-run is not the run") \
         and "load_state_dict" in note, note
+
+
+def test_si_penalty_given_to_the_loss_is_named_as_the_argument_it_came_in(tmp_path):
+    """Synaptic Intelligence with ``xi = 0``: task 2's head never moved during task 1, so its
+    importance ``omega / (delta^2 + xi)`` is 0/0, and the penalty the loop hands to
+    ``loss_fn`` is NaN from task 2's first step. Every op of the loss took that NaN as given:
+    the report was 'invalid — the loss is non-finite from finite model outputs: check the
+    loss inputs (targets out of range, log of zero probabilities)'."""
+    model = C.make_tasknet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    si = C.SI(model, xi=0.0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=C.penalised_ce, out_dir=tmp_path,
+                            factory=FACTORY) as rec:
+            for task in range(2):
+                for _ in range(4):
+                    x, y = C.task_batch(g, task)
+                    opt.zero_grad()
+                    penalty = si.penalty(model, 0.1)
+                    rec.loss_fn(model(x, task), y, penalty).backward()
+                    si.before_step(model)
+                    opt.step()
+                    si.after_step(model)
+                si.consolidate(model)
+    assert torch.isnan(si.big_omega["heads.1.weight"]).all()
+    assert torch.isfinite(si.big_omega["body.0.weight"]).all()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (4, "loss", 0)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["tensor"], o["made"]) == (
+        True, None, "<loss>", None, "loss_args[2]", "nan"), rep
+    assert "a term the loop computed from the model's weights" in rep["hint"] \
+        and "SI's" in rep["hint"], rep["hint"]
+    text = invoke_cli(err.bundle_path).stdout
+    assert "origin     loss: nan in loss_args[2], made from the weights in the loop" in text
