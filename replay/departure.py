@@ -24,9 +24,10 @@ CHANGED = ("state the loop changed after the window's copy and that the copy doe
            "tensor attributes; values outside the batch)")
 
 
-def departure(step: Step, per_step: list[dict[str, Any]], loop_clip) -> str | None:
-    """The note on the first step before the event's where the re-run is not the run, or
-    None. ``per_step``: the window's statistics, step by step."""
+def departure(step: Step, per_step: list[dict[str, Any]], loop_clip
+              ) -> tuple[int, str] | None:
+    """The first step before the event's where the re-run is not the run, with the note that
+    says so, or None. ``per_step``: the window's statistics, step by step."""
     recorded, event = _recorded(step), step.event.get("step", 0)
     norms = loop_clip is None and not (step.meta.get("rewind") or {}).get("grad_scaler") \
         and int((step.event.get("ranks") or {}).get("world_size") or 1) < 2
@@ -37,16 +38,26 @@ def departure(step: Step, per_step: list[dict[str, Any]], loop_clip) -> str | No
         (loss, r), g = recorded[s], _number(stats.get("grad_norm"))
         if math.isfinite(loss) and not math.isfinite(_number(stats.get("loss"))):
             # (the recorder checks every step's loss: a non-finite one would have raised)
-            return (f"training ran step {s} with a finite loss ({loss:.4g}) and no event, so "
-                    f"the window's re-run of it is not the step that ran: {CHANGED}; the "
-                    f"window says nothing about the steps from {s} on")
+            return s, (f"training ran step {s} with a finite loss ({loss:.4g}) and no event, "
+                       f"so the window's re-run of it is not the step that ran: {CHANGED}; "
+                       f"the window says nothing about the steps from {s} on")
         # (norms the re-run takes as the recorder read them: no loop clip, scaler or peers)
         if norms and math.isfinite(g) and math.isfinite(r) \
                 and abs(g - r) > _APART * max(abs(g), abs(r)):
-            return (f"from step {s} the window's re-run is not the run: its gradient norm "
-                    f"{g:.4g} where training's was {r:.4g}; {CHANGED}; the window says "
-                    f"nothing about the steps from {s} on")
+            return s, (f"from step {s} the window's re-run is not the run: its gradient norm "
+                       f"{g:.4g} where training's was {r:.4g}; {CHANGED}; the window says "
+                       f"nothing about the steps from {s} on")
     return None
+
+
+def tries_note(report: dict[str, Any]) -> str | None:
+    """What a what-if re-run of a window that departed from the run proves (nothing), or
+    None when the window did not depart."""
+    s = (report.get("window") or {}).get("departed")
+    if s is None:
+        return None
+    return (f"the window's re-run is not the run from step {s} (see the note), so neither is "
+            "this try's: no evidence of a fix")
 
 
 def _number(v) -> float:

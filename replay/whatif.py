@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .cause_text import BELOW_FLOAT32, BEYOND_FLOAT64
+from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
@@ -300,7 +301,10 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["loss"] = res.per_step[-1]["loss"] if res.per_step else None
             entry["diverging"] = still_diverging(entry["loss"], report.get("window"))
             entry["beyond"] = beyond_run_type(entry["loss"], _weights_dtype(step))
-        if notes := [p for p in res.problems if p not in report.get("problems", ())]:  # (new)
+        notes = [p for p in res.problems if p not in report.get("problems", ())]  # (new ones)
+        if win.from_rewind and (gone := tries_note(report)) is not None:
+            notes.append(gone)
+        if notes:
             entry["note"] = "; ".join(notes)
         out.append(entry)
     return out

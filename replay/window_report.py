@@ -48,7 +48,8 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
     }
     report["problems"] += res.problems
     if (departed := departure(step, res.per_step, win.loop_clip)) is not None:
-        report["problems"].append(departed)
+        report["window"]["departed"], note = departed
+        report["problems"].append(note)
     grew = _hint_growth(report)
     if o is None and not ok:
         report["problems"].append(

@@ -285,10 +285,15 @@ def make_two_head() -> TwoHeadView:
 
 class Standardise(nn.Module):
     """Each record standardised over its features (wearable-sensor federated benchmarks):
-    no eps, so a record whose readings are all equal (a sensor stuck) is 0/0."""
+    no eps, so a record whose readings are all equal (a sensor stuck) is 0/0. With ``dim=0``,
+    each feature over the batch instead (a hand-written batch norm): a batch of one is 0/0."""
+
+    def __init__(self, dim: int = 1):
+        super().__init__()
+        self.dim = dim
 
     def forward(self, x):
-        return (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
+        return (x - x.mean(self.dim, keepdim=True)) / x.std(self.dim, keepdim=True)
 
 
 class SensorNet(nn.Module):
@@ -310,3 +315,28 @@ def penalised_ce(out, y, penalty):
     """Cross-entropy plus a penalty the loop computed from the weights (``si.penalty(model)``,
     ``ewc.penalty(model)``) and handed in."""
     return F.cross_entropy(out, y) + penalty
+
+
+class AvalancheMultiTask(nn.Module):
+    """Avalanche's ``MultiTaskModule`` forward: the batch split by its task labels, each part
+    through its task's head, the outputs put back in place (``out[task_mask] = out_task``).
+    Each head standardises its features over its part of the batch first (no eps)."""
+
+    def __init__(self, tasks: int = TASKS):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh())
+        self.heads = nn.ModuleList(nn.Sequential(Standardise(0), nn.Linear(HIDDEN, CLASSES))
+                                   for _ in range(tasks))
+
+    def forward(self, x, task_labels):
+        h = self.body(x)
+        out = torch.zeros(len(x), CLASSES)
+        for task in torch.unique(task_labels):
+            task_mask = task_labels == task
+            out[task_mask] = self.heads[int(task)](h[task_mask])
+        return out
+
+
+def make_avalanche(tasks: int = TASKS) -> AvalancheMultiTask:
+    torch.manual_seed(0)
+    return AvalancheMultiTask(tasks)

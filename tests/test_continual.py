@@ -258,7 +258,8 @@ def test_fedavg_window_across_the_rounds_load_state_dict_is_said_not_to_be_the_r
     the optimizer alone, so at the next client it goes on from the previous client's weights
     instead of the global ones the loop loaded: its steps are another run's. The report said
     only 'every value finite: the event does NOT come back', as if the event were not
-    reproducible from the steps before it."""
+    reproducible from the steps before it, and ``--try auto``'s tries, re-run on that window,
+    were offered as evidence of a fix ('lr=0.1x finite through step 12')."""
     model = C.make_tasknet(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     crit = nn.CrossEntropyLoss()
@@ -282,7 +283,7 @@ def test_fedavg_window_across_the_rounds_load_state_dict_is_said_not_to_be_the_r
                 model.load_state_dict(C.fedavg_aggregate(client_sds, n_samples))
     err = info.value
     assert (err.event["step"], err.event["phase"], err.event["module"]) == (12, "forward", "body.2")
-    rep = nanreplay_json(err.bundle_path)
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
     o = rep["origin"]
     assert (rep["cause"], o["module"], o["op"], o["made"]) == (
         "overflow", "body.2", "aten.addmm", "+inf"), rep
@@ -292,6 +293,9 @@ def test_fedavg_window_across_the_rounds_load_state_dict_is_said_not_to_be_the_r
     (note,) = [p for p in rep["problems"] if "is not the run" in p]
     assert note.startswith("from step 9 the window's re-run is not the run") \
         and "load_state_dict" in note, note
+    assert w["departed"] == 9
+    tried = [t for t in rep["what_if"] if t["finite"] is not None]
+    assert tried and all("no evidence of a fix" in t["note"] for t in tried), rep["what_if"]
 
 
 def test_si_penalty_given_to_the_loss_is_named_as_the_argument_it_came_in(tmp_path):
