@@ -214,7 +214,9 @@ def report_loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
             "finite")
     report["hint"] = ("the loss computation made the value from finite model outputs: check "
                       "its inputs (every target ignored gives a 0/0 mean; log of a zero "
-                      "probability). " + _sentence(outside.replayable_loss_hint(step)))
+                      "probability) and the terms it adds (a penalty on the weights: EWC's "
+                      "Fisher or SI's importance, 0/0 for a weight the task never used). "
+                      + _sentence(outside.replayable_loss_hint(step)))
     return report
 
 

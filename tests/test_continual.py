@@ -26,13 +26,16 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # continual_models.py is trusted here
 
 
-def test_ewc_penalty_given_to_record_loss_is_said_to_be_the_loops_term(tmp_path):
+@pytest.mark.parametrize("with_loss_fn", [True, False], ids=["loss_fn", "record_loss-only"])
+def test_ewc_penalty_given_to_record_loss_is_said_to_be_the_loops_term(tmp_path, with_loss_fn):
     """EWC over a frozen pretrained stem: its Fisher is 0 everywhere (no gradient), and
     ``F / F.max()`` is 0/0, so the penalty is NaN from task 2's first step (the frozen weights'
     gradients are never taken: every gradient stays finite). The loop adds the penalty to
     ``loss_fn``'s cross-entropy and hands the sum to ``rec.record_loss``. The report was
     'not_reproduced — ... state outside the model ... or it was transient', as if the step
-    were nondeterministic, though ``loss_fn``'s own loss had been finite in the run."""
+    were nondeterministic, though ``loss_fn``'s own loss had been finite in the run. Without
+    ``loss_fn`` (a Lightning ``training_step`` adding the penalty, whose loss the callback
+    gives to ``record_loss``) the hint named the loss's inputs only."""
     model = C.make_tasknet()
     model.body[0].requires_grad_(False)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -40,7 +43,8 @@ def test_ewc_penalty_given_to_record_loss_is_said_to_be_the_loops_term(tmp_path)
     g = torch.Generator().manual_seed(0)
     ewc = None
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, factory=FACTORY) as rec:
+        with FlightRecorder(model, opt, loss_fn=crit if with_loss_fn else None,
+                            out_dir=tmp_path, factory=FACTORY) as rec:
             for task in range(2):
                 for _ in range(4):
                     x, y = C.task_batch(g, task)
@@ -57,9 +61,14 @@ def test_ewc_penalty_given_to_record_loss_is_said_to_be_the_loops_term(tmp_path)
     assert all(torch.isfinite(f).all() for n, f in ewc.fisher.items() if n.startswith("body.2"))
     err = info.value
     ev = err.event
-    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["kind"], ev["loss_given"]) == (
-        4, "loss", 2, "nan", True), ev
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["kind"], ev.get("loss_given")) == (
+        4, "loss", 2, "nan", True if with_loss_fn else None), ev
     rep = nanreplay_json(err.bundle_path, code=1)
+    if not with_loss_fn:
+        assert (rep["reproduced"], rep["cause"], rep["origin"]["micro_batch"]) == (
+            False, None, 2), rep
+        assert "a penalty on the weights: EWC's Fisher" in rep["hint"], rep["hint"]
+        return
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["phase"], o["op"], o["micro_batch"]) == (
         False, None, "loss", None, 2), rep
