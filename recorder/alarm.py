@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import bundle, events, ranks
+from . import bundle, event_text, events, ranks
 from .capture import distributed_rank
 from .errors import NonFiniteError, first_line
 from .events import Event, StepEvidence
@@ -265,4 +265,4 @@ def _held_by(target: Target) -> list[dict[str, str]]:
 def _message(event: dict[str, Any], path: Path | None, stopped: bool = True) -> str:
     """The event's one paragraph, with who saw it first under torch.distributed (and whether
     the ranks stopped: ``on_event="warn"`` trains on)."""
-    return ranks.summary(event, path, events.summary(event, path), stopped)
+    return ranks.summary(event, path, event_text.summary(event, path), stopped)

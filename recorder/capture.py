@@ -33,14 +33,36 @@ def _json_float(x: float) -> Any:
     return x if math.isfinite(x) else {"$float": repr(x)}
 
 
+def _numpy_scalar(o: Any) -> dict[str, Any] | None:
+    """A NumPy bool, integer or floating scalar (a task id from ``rng.integers``, which is no
+    Python ``int``) as ``{"$numpy": dtype name, "value": its value}``; None for anything else
+    (NumPy is not imported: a run that made one has it)."""
+    if type(o).__module__ != "numpy" or getattr(getattr(o, "dtype", None), "kind", None) \
+            not in ("b", "i", "u", "f") or getattr(o, "shape", None) != ():
+        return None
+    v = o.item()
+    return {"$numpy": o.dtype.name, "value": _json_float(v) if isinstance(v, float) else v}
+
+
+def _numpy_rebuilt(node: dict[str, Any]) -> Any:
+    try:
+        import numpy
+        dtype = numpy.dtype(node["$numpy"])
+        if dtype.kind not in ("b", "i", "u", "f"):
+            raise TypeError(dtype.kind)
+        v = node.get("value")
+        return dtype.type(float(v["$float"]) if isinstance(v, dict) else v)
+    except (ImportError, TypeError, ValueError, KeyError) as e:
+        raise UnrebuildableLeaf(f"numpy {str(node.get('$numpy'))[:20]} ({e})") from None
+
+
 def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
                  ) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
-    """Encode ``obj`` as JSON; tensor leaves are returned under keys ``prefix/<n>``.
-
-    Also returns a readable path for each key, such as ``[0]["image"]``. Leaves that are neither
-    tensors nor JSON scalars are kept as their ``repr`` and marked, so the replay can say it
-    cannot rebuild them instead of guessing, unless ``whole(o)`` stands in for them (a model
-    output that is a ``torch.distributions.Normal``)."""
+    """Encode ``obj`` as JSON; tensor leaves are returned under keys ``prefix/<n>``, with a
+    readable path for each key, such as ``[0]["image"]``. Leaves that are neither tensors nor
+    JSON scalars are kept as their ``repr`` and marked, so the replay can say it cannot rebuild
+    them instead of guessing, unless ``whole(o)`` stands in for them (a model output that is a
+    ``torch.distributions.Normal``)."""
     tensors: dict[str, torch.Tensor] = {}
     paths: dict[str, str] = {}
 
@@ -90,7 +112,7 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
             return {"$device": str(o)}
         if whole is not None and (node := whole(o)) is not None:
             return node
-        return {"$repr": repr(o)[:200], "$type": type(o).__qualname__}
+        return _numpy_scalar(o) or {"$repr": repr(o)[:200], "$type": type(o).__qualname__}
 
     return walk(obj, ""), tensors, paths
 
@@ -157,6 +179,8 @@ def unflatten_tree(node: Any, tensors: dict[str, torch.Tensor], leaf=None) -> An
             return _dataclass(node, tensors, leaf)
         if "$float" in node:
             return float(node["$float"])
+        if "$numpy" in node:
+            return _numpy_rebuilt(node)
         if "$dtype" in node:
             return getattr(torch, node["$dtype"])
         if "$device" in node:

@@ -6,6 +6,7 @@ replay reads both the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,11 +46,14 @@ def hyper_entry(h: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
 
 
 def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
-                      earlier: list | tuple = ()) -> dict[str, Any]:
+                      earlier: list | tuple = (),
+                      modules: Callable[[], dict[int, str]] | None = None) -> dict[str, Any]:
     """Micro-batch ``i`` of a tape as the bundle's ``micro_batches[i]`` entry, its tensors
     under ``<prefix>batch/<i>``, ``<prefix>loss_in/<i>`` and ``<prefix>outgrad/<i>`` (``prefix``
     is ``""`` for the event step); ``earlier``: the micro-batches before it, whose outputs its
-    loss may take too (two views of a batch through one encoder, one contrastive loss)."""
+    loss may take too (two views of a batch through one encoder, one contrastive loss);
+    ``modules()``: the recorded model's modules by id, named (a loss given the model itself;
+    asked only when a loss argument is a module)."""
     tree, ts, paths = flatten_tree([list(mb.args), mb.kwargs], f"{prefix}batch/{i}")
     tensors.update(ts)
     out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
@@ -79,7 +83,7 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
                                           f"{prefix}loss_in/{i}", leaf=partial_leaf(
                                               outs, [list(tensor_leaves(m.outputs))
                                                      for m in earlier], ts),
-                                          whole=_whole_output(mb, earlier))
+                                          whole=_whole_output(mb, earlier, modules))
         tensors.update(lts)
         out["loss_inputs"], out["loss_paths"] = ltree, lpaths
         # arguments with an autograd graph that are not the model's output (a KL the loop
@@ -165,13 +169,19 @@ def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (
     return leaf
 
 
-def _whole_output(mb, earlier):
+def _whole_output(mb, earlier, modules: Callable[[], dict[int, str]] | None = None):
     """Stand-in for a loss argument that is a model output as a whole, or an item of its
     tuple, list or dict, when that is an object the bundle cannot hold (a
     ``torch.distributions`` object, whose loss is its ``log_prob``; a VAE's ``(px, qz)``
     pair): ``{"$output": true}``, with ``"mb": k`` for micro-batch ``k``'s and ``"path"``:
-    the keys from the output to the item."""
+    the keys from the output to the item. A loss argument that is the recorded model or one
+    of its modules (FedProx's or EWC's ``loss_fn(out, y, model)``, comparing its parameters
+    with a copy) is ``{"$module": name}`` (``""``: the root), which the replay's model stands
+    in for."""
     def whole(o):
+        if modules is not None and isinstance(o, torch.nn.Module) \
+                and (name := modules().get(id(o))) is not None:
+            return {"$module": name}
         for k, m in [(None, mb), *enumerate(earlier)]:
             if (path := _path_to(o, m.outputs)) is not None:
                 return {"$output": True, **({} if k is None else {"mb": k}),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,6 @@ from .finite import (
     flags_kind,
     has_nan,
     kind_of,
-    label,
     only_mask_infinities,
     pair_kind,
     pair_ok,
@@ -30,19 +28,18 @@ from .finite import (
 )
 from .graph_reach import from_model
 from .late_writes import written_after_forward
-from .linalg import linalg_detail, linalg_summary
-from .missing import allow_nan_advice, rest_finite, root_input_name
+from .linalg import linalg_detail
+from .missing import rest_finite, root_input_name
 from .ring import StepLayout, decode_call
 from .samples import Samples, of_micro_batch, packed_in
 from .shards import local
 from .tape import Tape
 
-__all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_grad_bad",
-           "summary"]
+__all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_grad_bad"]
 
 # keys a bundle's event holds only when they are set
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
-             "ranks", "written_after_forward", "nan_handled")
+             "ranks", "written_after_forward", "nan_handled", "loss_given")
 
 
 @dataclass
@@ -74,6 +71,8 @@ class Event:
     written_after_forward: list[str] | None = None
     # the root input (allow_nan's name) whose NaN the rest of the step shows the model handled
     nan_handled: str | None = None
+    # the loss given to record_loss is non-finite, loss_fn's of the micro-batch was finite
+    loss_given: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items()
@@ -315,6 +314,12 @@ def _loss_event(ev: StepEvidence) -> Event | None:
         else:
             event.phase = "loss"
             event.detail = "the loss is non-finite while the model output is finite"
+            if k in ev.tape.given_loss and any(  # (loss_fn ran first, finite: k is the first)
+                    m == mb_i and j not in ev.tape.given_loss
+                    for j, (m, _, _) in enumerate(ev.layout.loss[:k])):
+                event.loss_given = True
+                event.detail = ("the loss given to record_loss is non-finite while loss_fn's "
+                                "loss was finite: a term the loop added to it made the value")
             if mb.targets_changed:  # (the loop wrote over them: the stats saw them as they were)
                 event.detail += (", and the loop wrote into the loss's targets after the loss "
                                  "took them (the bundle holds them as the loop left them)")
@@ -450,45 +455,3 @@ def _outputs(obj):
     dists = list(object_tensors(obj, inf_ok=inf_ok))
     return [*_tensors(obj), *(t.masked_fill(torch.isinf(t), 0.0) if id(t) in inf_ok else t
                               for t in dists)]
-
-
-def summary(event: dict[str, Any], path: Path | None) -> str:
-    """The one-paragraph message of :class:`~recorder.NonFiniteError`."""
-    if event.get("reason") == "linalg":
-        return linalg_summary(event, path)
-    where = ""
-    if event.get("module") == "<loss>":
-        where = f" Made in the loss of micro-batch {event.get('micro_batch')}."
-    elif event.get("phase") == "input" and event.get("module") is not None:
-        # (the batch brought it: no module made it, and "whose inputs were finite" is moot)
-        name = event["module"] or "<root>"
-        where = f" It came in with the input of '{name}' (micro-batch {event.get('micro_batch')})."
-        if not event.get("tensor") and event.get("detail"):  # (no tensor holds it now: why)
-            where += f" {event['detail'][0].upper()}{event['detail'][1:]}."
-    elif event.get("module") is not None:
-        name = event["module"] or "<root>"
-        where = (f" First made by module '{name}' ({event.get('module_type')}, call "
-                 f"{event.get('call')}, micro-batch {event.get('micro_batch')})"
-                 + (", whose inputs were finite." if event.get("inputs_finite") else ".")
-                 + (" It is torch.compile'd: its layers are not recorded one by one."
-                    if event.get("compiled") else ""))
-    if event.get("tensor"):
-        rows = event.get("samples")  # none: a tensor every sample uses (a mask passed in)
-        where += (f" Tensor {event['tensor']}, samples {rows[:8]}." if rows
-                  else f" Tensor {event['tensor']} (not per sample).")
-    if event.get("nan_handled"):
-        advice = allow_nan_advice(event["nan_handled"])
-        where += f" {advice[0].upper()}{advice[1:]}."
-    if event.get("params"):
-        params = event["params"]
-        more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""
-        where += f" Parameters: {', '.join(params[:4])}{more}."
-    when = (f"in an evaluation forward (gradients off) before step {event['step']}"
-            if event.get("evaluation") else f"at step {event['step']}")
-    head = (f"nanreplay: non-finite value ({label(event.get('kind')) or 'NaN/Inf'}) {when}, "
-            f"phase {event['phase'] or 'unknown'}.{where}")
-    if event["phase"] is None and event.get("detail"):
-        head += f" {event['detail'][0].upper()}{event['detail'][1:]}."
-    if path is None:
-        return head
-    return f"{head} Bundle: {path}; run `nanreplay {path}` to find the op and the cause."

@@ -139,6 +139,8 @@ class FlightRecorder:
         self.target = Target(model, optimizer, scaler, lr_scheduler, self.settings, loss_fn)
         self.alarm = Alarm(self.settings, self.target, self.health, self._contents, self.detach)
         self.cycle = StepCycle(self.settings, self.target, self.health, self.alarm)
+        if self.cycle.rewind is not None:  # (a loss given the model: see micro_batch_entry)
+            self.cycle.rewind.modules = self.target.module_ids
         self.calls = CallHooks(self.target, self.cycle, self.health, self.loss_fn,
                                self.settings.param_norms)
         self.guard = OptimizerGuard(self.target, self.cycle, self.health, self.alarm)
@@ -215,7 +217,9 @@ class FlightRecorder:
             return
         try:
             self.calls.loss_recorded = True
+            first = len(tape.loss)
             tape.loss_stats(loss)
+            tape.given_loss.update(range(first, len(tape.loss)))  # (see events._loss_event)
         except Exception as e:
             self.health.internal_error(e)
 

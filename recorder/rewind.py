@@ -85,6 +85,7 @@ class Rewind:
         self._first: int | None = None
         self._copies: list[_Copy] = []  # oldest first, at most two
         self._log: list[_Record] = []
+        self.modules = None  # Target.module_ids, set by the recorder (see micro_batch_entry)
 
     # -- what the step cycle calls -----------------------------------------------------------
 
@@ -104,7 +105,7 @@ class Rewind:
             return
         prefix = f"rewind/step/{tape.step}/"
         tensors: dict[str, torch.Tensor] = {}
-        mbs = [micro_batch_entry(prefix, i, mb, tensors, tape.micro_batches[:i])
+        mbs = [micro_batch_entry(prefix, i, mb, tensors, tape.micro_batches[:i], self.modules)
                for i, mb in enumerate(tape.micro_batches)]
         for k in list(tensors):
             tensors[k] = _to_host(tensors[k])

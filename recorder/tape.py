@@ -148,6 +148,7 @@ class Tape:
         self.micro_batches: list[MicroBatch] = []
         self.last = -1  # the last micro-batch begun (what ``micro_batch`` says on one thread)
         self.loss: list[tuple[int, tuple, tuple]] = []
+        self.given_loss: set[int] = set()  # indices of ``loss`` given to record_loss
         # id(tensor) -> (weakref, min ref, max ref, intended, version): outputs seen this step,
         # so a module whose input is an earlier output costs no extra reduction; intended: an
         # allow_inf module's output (or input, buffer), whose +-Inf a later input may hold.

@@ -107,6 +107,15 @@ class Target:
         """What the recorder was given: the model, or the wrapper it was unwrapped from."""
         return _deref(self._wrapper) or self._model()
 
+    def module_ids(self) -> dict[int, str]:
+        """The model's modules by id, named (the wrapper it was given too, as the root): what
+        a loss given the model itself is bundled as (``recorder.entries``)."""
+        model = self._model()
+        named = {} if model is None else {id(m): n for n, m in model.named_modules()}
+        if (given := self.given()) is not None:
+            named.setdefault(id(given), "")
+        return named
+
     def _read_forward_autocast(self, model: nn.Module) -> None:
         """The autocast the root's forward enters itself (accelerate's mixed precision wraps
         it so), which its pre-hook, where a micro-batch's autocast is read, does not see yet;

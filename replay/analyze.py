@@ -30,6 +30,7 @@ from .drop import undroppable
 from .errors import FactoryRefused
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
+from .given_loss import report_given_loss
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .kept_report import report_graph_args, report_kept_aside
@@ -396,6 +397,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if outside_loss and not run1.bad_grads and \
             (entered := report_entering(report, step, runner)) is not None:
         return entered
+    if phase == "loss" and (given := report_given_loss(report, step, runner, run1)) is not None:
+        return given  # (a term the loop added to loss_fn's loss, given to record_loss)
     if phase == "loss" and step.loss_fn is None:  # (or a term the forward kept aside made it)
         return report_hidden_forward(report, step, runner) or report_loss_not_in_bundle(
             report, step)

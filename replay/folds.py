@@ -27,3 +27,27 @@ def folds(func, out: torch.Tensor, pairs, ins) -> bool:
     if name in _PICKS or returns_view(func):
         return False
     return out.numel() < max(t.numel() for (a, b), t in zip(pairs, ins) if not pair_ok(a, b))
+
+
+# nll_loss and its 2-d form take one entry of each row, at the row's target: a row whose other
+# entries are -inf (classes masked out) folds no infinity in
+_AT_TARGET = frozenset({"nll_loss_forward", "nll_loss2d_forward"})
+
+
+def folded_inputs(func, args, ins: list[torch.Tensor], pairs) -> list[torch.Tensor]:
+    """The non-finite inputs a reduction folded in; for nll_loss, the entries it took at the
+    targets (0 where a row's target is ignore_index or has weight 0), whose rows are the samples
+    whose loss is non-finite."""
+    bad = [t for t, (a, b) in zip(ins, pairs) if not pair_ok(a, b)]
+    if func.overloadpacket.__name__ not in _AT_TARGET or len(args) < 5:
+        return bad
+    x, target, weight, _, ignore = args[:5]
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or target.dim() != x.dim() - 1:
+        return bad
+    with torch.no_grad():
+        at = target.clamp(0, x.shape[1] - 1)
+        taken = x.detach().gather(1, at.unsqueeze(1)).squeeze(1)
+        skip = target == ignore
+        if isinstance(weight, torch.Tensor):
+            skip = skip | (weight[at] == 0)
+        return [taken.masked_fill(skip, 0.0)]

@@ -30,13 +30,15 @@ from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
 from .factors import made_by
 from .float64 import as_float64, upcast
-from .folds import folds
+from .folds import folded_inputs, folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage, pole_inputs
 from .lost_eps import LostEps
 from .masked_product import mask_after_pole, nan_times_zero
 from .memo import TensorSet
+from .op_inputs import input_ends as _input_ends
+from .op_inputs import values_at as _at
 from .param_names import ParamNames
 from .pooled import Pooled
 from .positive import Partly, made_sign, positive_result
@@ -114,7 +116,7 @@ class _Watch(TorchDispatchMode):
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
                 and folds(func, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
-                                    rows=f.folded_rows(outs, ins, pairs), seq=seq)
+                                    rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
                                    OpHit(op, "nan", user_source(), lo, hi, False, occurrence,
@@ -135,37 +137,6 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
         except Exception:  # (evidence helps the cause; the op is named without it)
             hit.evidence = None
     return hit
-
-
-def _input_ends(ins: list[torch.Tensor]):
-    """(each input's (min, max), the inputs' min and max when none is NaN, no NaN or Inf in
-    any, no NaN in any): one reduction and one read for all inputs, as min and max say NaN
-    (propagated) and Inf too."""
-    if not ins:
-        return [], None, None, True, True
-    with torch.no_grad():
-        pairs = torch.stack([ends(t) for t in ins]).tolist()
-    in_finite = all(pair_ok(a, b) for a, b in pairs)
-    in_nan_free = all(pair_ok(a, b, allow_inf=True) for a, b in pairs)
-    if not in_nan_free:
-        return pairs, None, None, in_finite, in_nan_free
-    return pairs, min(a for a, _ in pairs), max(b for _, b in pairs), in_finite, in_nan_free
-
-
-def _at(t: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``t``'s float64 values where ``bad`` is set, when ``t`` broadcasts to its shape; else
-    every value of ``t``."""
-    t = t.detach()
-    try:
-        return torch.broadcast_to(t, bad.shape)[bad].double(), True
-    except RuntimeError:
-        pass
-    if bad.dim() == t.dim() + 1 and bad.shape[-1] == 2:  # a real input of a complex op, whose
-        try:  # output's real view (see dispatch.real_view) has (re, im) last
-            return torch.broadcast_to(t.unsqueeze(-1), bad.shape)[bad].double(), True
-        except RuntimeError:
-            pass
-    return t.flatten().double(), False
 
 
 def _made_beside(func, op: str, given, outs: list[torch.Tensor], occurrence: int,
@@ -279,6 +250,9 @@ class OpFinder:
         # weights alone, and made non-finite values: where weights bad before the step met the
         # batch (an embedding looking up a NaN row), which no op made from finite inputs
         self.first_met: OpHit | None = None
+        # the first such op that took the weights and buffers alone (``state``): a loss's
+        # buffer non-finite before the step (EWC's Fisher) times the parameters
+        self.first_held: OpHit | None = None
         # where values without a batch dimension came from (a loss's per-image loop), when
         # the caller seeds one
         self.lineage: Lineage | None = None
@@ -326,6 +300,8 @@ class OpFinder:
         if not in_finite:
             if self.state and not weights_only and self.first_met is None:
                 self._meet(name, outs)
+            elif weights_only and self.first_held is None:  # (a loss's NaN buffer times p)
+                self.first_held = self._made_hit(name, outs)
             if self.masked_nan is None and nan_times_zero(name, given[0]):
                 self.masked_nan = OpHit(f"aten.{name}", "nan", user_source(), None, None,
                                         within=self.where)
@@ -338,10 +314,14 @@ class OpFinder:
         self.saturation.track(name, ins, outs, leaves)
 
     def _meet(self, name: str, outs: list[torch.Tensor]) -> None:
+        self.first_met = self._made_hit(name, outs)
+
+    def _made_hit(self, name: str, outs: list[torch.Tensor]) -> OpHit | None:
         made = next((kind_of(t) for t in outs if not finite(t)), None)
         if made is not None:  # (a Linear's mm on the flattened batch: its rows are not samples)
-            self.first_met = OpHit(f"aten.{name}", made, user_source(), None, None,
-                                   rows=self.batch_rows(outs), within=self.where)
+            return OpHit(f"aten.{name}", made, user_source(), None, None,
+                         rows=self.batch_rows(outs), within=self.where)
+        return None
 
     def held(self, t: torch.Tensor) -> bool:
         """``t`` is a parameter or buffer, or was made from them alone."""
@@ -408,12 +388,11 @@ class OpFinder:
             shaped = self.reordered.picked_rows(outs)
         return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
 
-    def folded_rows(self, outs: list[torch.Tensor], ins: list[torch.Tensor], pairs
-                    ) -> list[int] | None:
+    def folded_rows(self, outs: list[torch.Tensor], func, args, ins: list[torch.Tensor],
+                    pairs) -> list[int] | None:
         """The samples of a reduction's non-finite output; of a 0-d one (a loss's mean over
-        the batch), those of the non-finite inputs it folded in."""
-        return self.batch_rows(outs) or self.batch_rows(
-            [t for t, (a, b) in zip(ins, pairs) if not pair_ok(a, b)])
+        the batch), those of the non-finite inputs it folded in (``folds.folded_inputs``)."""
+        return self.batch_rows(outs) or self.batch_rows(folded_inputs(func, args, ins, pairs))
 
     def __enter__(self) -> OpFinder:
         self._mode.__enter__()

@@ -41,6 +41,7 @@ from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
 from .storages import state_of
+from .term_args import report_term_arg
 from .update_domain import domain_why, update_domain, updated_rows
 from .weight_readers import bad_row_fields, first_reader, rows_text
 
@@ -138,7 +139,10 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     del loss
     # no op made the value from finite inputs: the loss folded in an infinity that the model
     # output was allowed to hold (a -inf mask under allow_inf); name the reduction that did
-    hit = finder.blamed() or finder.first_reduced
+    held = non_finite_loss_state(step.loss_fn)
+    hit = finder.blamed() or finder.first_reduced or (finder.first_held if held else None)
+    if hit is None and (term := report_term_arg(report, step, mb)) is not None:
+        return term  # (a penalty the loop made of the weights, given to the loss: passed on)
     if hit is finder.first_nan and hit and not finder.first and not finder.intentional:
         # made of infinities the model output holds, which allow_inf let it hold (a mask)
         hit.from_mask = not all(finite(t) for t in tensor_leaves((args, kwargs)))
@@ -152,16 +156,18 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
            if hit and hit.evidence else {}))
     if coupled := coupled_rows(step, run, mb, origin["samples"]):
         origin["coupled"] = coupled  # (a DPO pair: what --try drop must drop together)
-    held = non_finite_loss_state(step.loss_fn) if hit is not None else None
+    held = held if hit is not None else None
     if came_inside_objects(hit, args, kwargs, held) and (
             fwd := report_forward_behind_objects(report, step, runner, mb, hit)) is not None:
         return fwd
     cause = classify(runner, "loss", hit=hit, micro_batch=mb)
     if hit is not None and not hit.inputs_finite and held is not None:
         cause = Cause("weights", f"{hit.op} took {held}, as the step began: a value made "
-                      "before training (class weights 1/count with a class absent from the "
-                      "counts: 1/0), not by the loss; make it finite where it is made "
-                      "(count.clamp_min(1), a smoothing constant)")
+                      "before the step (class weights 1/count with a class absent from the "
+                      "counts: 1/0; an EWC Fisher normalised by its max, 0 for a parameter "
+                      "the task never used: 0/0), not by the loss; make it finite where it "
+                      "is made (count.clamp_min(1), a smoothing constant, f / f.max() only "
+                      "where f.max() > 0)")
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(cause.hint, cause.name, hit),
@@ -208,7 +214,9 @@ def report_loss_not_in_bundle(report, step: Step) -> dict[str, Any]:
             "finite")
     report["hint"] = ("the loss computation made the value from finite model outputs: check "
                       "its inputs (every target ignored gives a 0/0 mean; log of a zero "
-                      "probability). " + _sentence(outside.replayable_loss_hint(step)))
+                      "probability) and the terms it adds (a penalty on the weights: EWC's "
+                      "Fisher or SI's importance, 0/0 for a weight the task never used). "
+                      + _sentence(outside.replayable_loss_hint(step)))
     return report
 
 

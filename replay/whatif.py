@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .cause_text import BELOW_FLOAT32, BEYOND_FLOAT64
+from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
@@ -300,10 +301,19 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             entry["loss"] = res.per_step[-1]["loss"] if res.per_step else None
             entry["diverging"] = still_diverging(entry["loss"], report.get("window"))
             entry["beyond"] = beyond_run_type(entry["loss"], _weights_dtype(step))
-        if notes := [p for p in res.problems if p not in report.get("problems", ())]:  # (new)
+        if notes := _notes(res, report, win):
             entry["note"] = "; ".join(notes)
         out.append(entry)
     return out
+
+
+def _notes(res, report: dict[str, Any], win: Window) -> list[str]:
+    """The try's re-run's own notes (those the report has not), and, for a rewind window that
+    departed from the run, that the try proves nothing."""
+    notes = [p for p in res.problems if p not in report.get("problems", ())]
+    if win.from_rewind and (gone := tries_note(report)) is not None:
+        notes.append(gone)
+    return notes
 
 
 def _parsed(step: Step, report: dict[str, Any], tries: list[str]) -> list[tuple[str, Change]]:

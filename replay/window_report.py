@@ -12,6 +12,7 @@ from typing import Any
 from recorder.finite import finite
 
 from .cause_text import DO
+from .departure import departure
 from .findings import UPDATE_NOT_RERUN, finish, origin_fields
 from .load import Step
 from .origins import optimizer_hint
@@ -46,6 +47,9 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
         "per_step": res.per_step, "loop_clip": win.loop_clip, "loss_factors": win.loss_factors,
     }
     report["problems"] += res.problems
+    if (departed := departure(step, res.per_step, win.loop_clip)) is not None:
+        report["window"]["departed"], note = departed
+        report["problems"].append(note)
     grew = _hint_growth(report)
     if o is None and not ok:
         report["problems"].append(

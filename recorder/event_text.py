@@ -1,0 +1,52 @@
+"""The one-paragraph message of :class:`~recorder.NonFiniteError`, from a bundle's event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .finite import label
+from .linalg import linalg_summary
+from .missing import allow_nan_advice
+
+
+def summary(event: dict[str, Any], path: Path | None) -> str:
+    """The one-paragraph message of :class:`~recorder.NonFiniteError`."""
+    if event.get("reason") == "linalg":
+        return linalg_summary(event, path)
+    where = ""
+    if event.get("module") == "<loss>":
+        where = f" Made in the loss of micro-batch {event.get('micro_batch')}."
+    elif event.get("phase") == "input" and event.get("module") is not None:
+        # (the batch brought it: no module made it, and "whose inputs were finite" is moot)
+        name = event["module"] or "<root>"
+        where = f" It came in with the input of '{name}' (micro-batch {event.get('micro_batch')})."
+        if not event.get("tensor") and event.get("detail"):  # (no tensor holds it now: why)
+            where += f" {event['detail'][0].upper()}{event['detail'][1:]}."
+    elif event.get("module") is not None:
+        name = event["module"] or "<root>"
+        where = (f" First made by module '{name}' ({event.get('module_type')}, call "
+                 f"{event.get('call')}, micro-batch {event.get('micro_batch')})"
+                 + (", whose inputs were finite." if event.get("inputs_finite") else ".")
+                 + (" It is torch.compile'd: its layers are not recorded one by one."
+                    if event.get("compiled") else ""))
+    if event.get("tensor"):
+        rows = event.get("samples")  # none: a tensor every sample uses (a mask passed in)
+        where += (f" Tensor {event['tensor']}, samples {rows[:8]}." if rows
+                  else f" Tensor {event['tensor']} (not per sample).")
+    if event.get("nan_handled"):
+        advice = allow_nan_advice(event["nan_handled"])
+        where += f" {advice[0].upper()}{advice[1:]}."
+    if event.get("params"):
+        params = event["params"]
+        more = f" (+{len(params) - 4} more)" if len(params) > 4 else ""
+        where += f" Parameters: {', '.join(params[:4])}{more}."
+    when = (f"in an evaluation forward (gradients off) before step {event['step']}"
+            if event.get("evaluation") else f"at step {event['step']}")
+    head = (f"nanreplay: non-finite value ({label(event.get('kind')) or 'NaN/Inf'}) {when}, "
+            f"phase {event['phase'] or 'unknown'}.{where}")
+    if event["phase"] is None and event.get("detail"):
+        head += f" {event['detail'][0].upper()}{event['detail'][1:]}."
+    if path is None:
+        return head
+    return f"{head} Bundle: {path}; run `nanreplay {path}` to find the op and the cause."
