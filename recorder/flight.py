@@ -219,7 +219,8 @@ class FlightRecorder:
             self.calls.loss_recorded = True
             first = len(tape.loss)
             tape.loss_stats(loss)
-            tape.given_loss.update(range(first, len(tape.loss)))  # (see events._loss_event)
+            tape.given_loss = {*tape.given_loss, *range(first, len(tape.loss))}  # (see
+            # events._loss_event)
         except Exception as e:
             self.health.internal_error(e)
 

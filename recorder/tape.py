@@ -16,6 +16,8 @@ from .capture import map_tensors, tensor_leaves
 from .compat import version_of, view_base
 from .slots import STRICT, Slots
 
+_NONE_GIVEN: frozenset[int] = frozenset()
+
 
 @dataclass(slots=True)
 class MicroBatch:
@@ -148,7 +150,8 @@ class Tape:
         self.micro_batches: list[MicroBatch] = []
         self.last = -1  # the last micro-batch begun (what ``micro_batch`` says on one thread)
         self.loss: list[tuple[int, tuple, tuple]] = []
-        self.given_loss: set[int] = set()  # indices of ``loss`` given to record_loss
+        # indices of ``loss`` given to record_loss (a set made by the first: most steps have none)
+        self.given_loss: frozenset[int] | set[int] = _NONE_GIVEN
         # id(tensor) -> (weakref, min ref, max ref, intended, version): outputs seen this step,
         # so a module whose input is an earlier output costs no extra reduction; intended: an
         # allow_inf module's output (or input, buffer), whose +-Inf a later input may hold.
