@@ -273,9 +273,13 @@ class Runner:
     @contextlib.contextmanager
     def float64(self):
         """Run in float64 inside the block (weights, buffers and the recorded buffer values a
-        run starts from, the loss's buffers); every dtype is restored after."""
+        run starts from, the loss's parameters and buffers: a perceptual loss's frozen feature
+        extractor); every dtype is restored after."""
         model, loss = self.model, self.step.loss_fn
         dtypes = _to_float64(list(model.named_parameters()) + list(model.named_buffers()))
+        # (the loss's trained parameters are the model's too, widened above: not counted twice)
+        loss_params = (_to_float64(list(loss.named_parameters()))
+                       if isinstance(loss, nn.Module) else {})
         loss_dtypes = (_to_float64(list(loss.named_buffers()), even_float64=True)
                        if isinstance(loss, nn.Module) else {})
         saved = self._initial_buffers
@@ -294,6 +298,9 @@ class Runner:
                         if t.grad is not None:
                             t.grad = None
                 if isinstance(loss, nn.Module):
+                    for name, p in loss.named_parameters():
+                        if name in loss_params:
+                            p.data = p.data.to(loss_params[name])
                     for name, b in loss.named_buffers():
                         if name in loss_dtypes:
                             b.data = b.data.to(loss_dtypes[name])

@@ -1,0 +1,278 @@
+"""Dense regression and image restoration models of ``tests/test_dense_regression.py``, written
+as those repos write them: monocular depth (a small encoder-decoder, softplus depth, berHu and
+per-image scale-invariant log losses over the pixels with ground truth), optical flow (a
+FlowNetS-like pyramid of flow predictions, a multi-scale end-point-error loss with sparse
+KITTI-style ground truth and a valid map), super-resolution (EDSR-style residual blocks and
+pixel-shuffle, Charbonnier and a perceptual loss through a frozen feature extractor in eval
+mode), and pose estimation (heatmaps, integral regression / soft-argmax). The factories live
+at module level so that ``nanreplay`` rebuilds them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def conv(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1), nn.LeakyReLU(0.1, inplace=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# optical flow
+
+
+class FlowNetS(nn.Module):
+    """Two frames stacked on channels; an encoder of stride-2 convs and a decoder predicting
+    flow at 1/4 and 1/2 of the input (``predict_flow`` heads), upsampled and refined, as
+    FlowNetS / PWC-Net return their pyramid in training."""
+
+    def __init__(self, base: int = 8):
+        super().__init__()
+        self.conv1 = conv(6, base, 2)
+        self.conv2 = conv(base, 2 * base, 2)
+        self.predict_flow2 = nn.Conv2d(2 * base, 2, 3, 1, 1)
+        self.deconv1 = nn.ConvTranspose2d(2 * base + 2, base, 4, 2, 1)
+        self.predict_flow1 = nn.Conv2d(2 * base, 2, 3, 1, 1)
+
+    def forward(self, frames):
+        c1 = self.conv1(frames)
+        c2 = self.conv2(c1)
+        flow2 = self.predict_flow2(c2)
+        up = F.leaky_relu(self.deconv1(torch.cat([c2, flow2], 1)), 0.1)
+        flow1 = self.predict_flow1(torch.cat([c1, up], 1))
+        return [flow1, flow2] if self.training else flow1
+
+
+def make_flownet() -> nn.Module:
+    torch.manual_seed(0)
+    return FlowNetS()
+
+
+class MultiScaleEPE(nn.Module):
+    """FlowNet's multi-scale loss for sparse ground truth: at each scale the ground truth and
+    its valid map are brought to the prediction's size (``sparse_max_pool`` / area
+    downsampling of ``flow * valid`` renormalised by the valid fraction), the end-point error
+    ``sqrt(du^2 + dv^2)`` is averaged over the valid pixels, scales weighted."""
+
+    def __init__(self, weights=(0.32, 0.08)):
+        super().__init__()
+        self.weights = list(weights)
+
+    def forward(self, flows, gt, valid):
+        total = 0.0
+        for w, flow in zip(self.weights, flows):
+            h, wd = flow.shape[-2:]
+            v = F.adaptive_avg_pool2d(valid.unsqueeze(1).float(), (h, wd))
+            target = F.adaptive_avg_pool2d(gt * valid.unsqueeze(1), (h, wd)) / v
+            target = target * (h / gt.shape[-2])  # flow in pixels of this scale
+            epe = ((flow - target) ** 2).sum(1).sqrt()
+            total = total + w * epe.mean()
+        return total
+
+
+class UpsampledEPE(nn.Module):
+    """The finest prediction upsampled to the ground truth (``F.interpolate`` times the
+    scale), the end-point error of the pixels with ground truth written with the valid map
+    multiplied in before the square root, averaged over the valid pixels."""
+
+    def forward(self, flows, gt, valid):
+        flow = flows[0]
+        s = gt.shape[-1] / flow.shape[-1]
+        up = s * F.interpolate(flow, size=gt.shape[-2:], mode="bilinear", align_corners=False)
+        v = valid.unsqueeze(1).float()
+        epe = (((up - gt) * v) ** 2).sum(1).sqrt()
+        return epe.sum() / v.sum()
+
+
+def flow_pairs(n: int = 8, size: int = 16, seed: int = 0, holes: float = 0.5):
+    """Frame pairs and KITTI-like sparse flow: ``valid`` is 0 where the LiDAR had no return."""
+    g = torch.Generator().manual_seed(seed)
+    frames = torch.randn(n, 6, size, size, generator=g)
+    gt = 2.0 * torch.randn(n, 2, size, size, generator=g)
+    valid = torch.rand(n, size, size, generator=g) > holes
+    return frames, gt, valid
+
+
+# ---------------------------------------------------------------------------------------------
+# super-resolution
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int, res_scale: float = 0.1):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(c, c, 3, 1, 1), nn.ReLU(True), nn.Conv2d(c, c, 3, 1, 1))
+        self.res_scale = res_scale
+
+    def forward(self, x):
+        return x + self.body(x) * self.res_scale
+
+
+class EDSR(nn.Module):
+    """EDSR without BatchNorm: head conv, residual blocks scaled by ``res_scale``, a global
+    skip, and an upsampler of conv + ``PixelShuffle``; the mean is subtracted and added back."""
+
+    def __init__(self, c: int = 8, blocks: int = 2, scale: int = 2):
+        super().__init__()
+        self.register_buffer("rgb_mean", torch.tensor([0.45, 0.44, 0.40]).view(1, 3, 1, 1))
+        self.head = nn.Conv2d(3, c, 3, 1, 1)
+        self.body = nn.Sequential(*[ResBlock(c) for _ in range(blocks)])
+        self.tail = nn.Sequential(nn.Conv2d(c, 3 * scale * scale, 3, 1, 1),
+                                  nn.PixelShuffle(scale))
+
+    def forward(self, lr):
+        x = self.head(lr - self.rgb_mean)
+        x = x + self.body(x)
+        return self.tail(x) + self.rgb_mean
+
+
+def make_edsr() -> nn.Module:
+    torch.manual_seed(0)
+    return EDSR()
+
+
+class FeatureExtractor(nn.Module):
+    """A frozen VGG-like extractor (Conv - BatchNorm - ReLU), kept in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)  # ("pretrained")
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 8, 3, 1, 1), nn.ReLU())
+        with torch.no_grad():
+            self.features[1].running_mean.uniform_(-0.2, 0.2)
+            self.features[1].running_var.uniform_(0.5, 2.0)
+            self.features[3].bias.fill_(-0.05)
+        self.requires_grad_(False)
+        self.eval()
+
+    def forward(self, x):
+        return self.features(x)
+
+
+class CharbonnierPerceptual(nn.Module):
+    """Charbonnier ``sqrt(d^2 + eps^2)`` plus a perceptual term on unit-normalised features
+    (LPIPS's ``normalize_tensor``: ``f / sqrt(sum f^2)``; here without LPIPS's eps)."""
+
+    def __init__(self, eps: float = 1e-3, weight: float = 0.1):
+        super().__init__()
+        self.eps, self.weight = eps, weight
+        self.vgg = FeatureExtractor()
+
+    def train(self, mode: bool = True):  # the extractor stays in eval mode (as ESRGAN's)
+        super().train(mode)
+        self.vgg.eval()
+        return self
+
+    def forward(self, sr, hr):
+        pix = torch.sqrt((sr - hr) ** 2 + self.eps ** 2).mean()
+        fs, fh = self.vgg(sr), self.vgg(hr)
+        fs = fs / torch.sqrt((fs ** 2).sum(1, keepdim=True))
+        fh = fh / torch.sqrt((fh ** 2).sum(1, keepdim=True))
+        return pix + self.weight * ((fs - fh) ** 2).sum(1).mean()
+
+
+def sr_pairs(n: int = 8, size: int = 8, seed: int = 0, scale: int = 2):
+    """HR crops in [0, 1] and their LR (area downsampling)."""
+    g = torch.Generator().manual_seed(seed)
+    hr = torch.rand(n, 3, size * scale, size * scale, generator=g)
+    return F.avg_pool2d(hr, scale), hr
+
+
+# ---------------------------------------------------------------------------------------------
+# pose
+
+
+class IntegralPose(nn.Module):
+    """Sun et al.'s integral regression: per-joint heatmaps made non-negative by a ReLU and
+    normalised to sum 1 (``hm / hm.sum()``), the joint the expectation of the coordinates;
+    ``softmax=True`` normalises by a soft-argmax with temperature ``beta`` instead."""
+
+    def __init__(self, joints: int = 4, c: int = 8, softmax: bool = False, beta: float = 1.0):
+        super().__init__()
+        self.backbone = nn.Sequential(conv(3, c), conv(c, c))
+        self.head = nn.Conv2d(c, joints, 1)
+        self.softmax, self.beta = softmax, beta
+
+    def forward(self, img):
+        hm = self.head(self.backbone(img))
+        b, j, h, w = hm.shape
+        flat = hm.flatten(2)
+        if self.softmax:
+            prob = F.softmax(flat * self.beta, dim=2)
+        else:
+            flat = F.relu(flat)
+            prob = flat / flat.sum(2, keepdim=True)
+        prob = prob.view(b, j, h, w)
+        xs = torch.arange(w, dtype=hm.dtype, device=hm.device)
+        ys = torch.arange(h, dtype=hm.dtype, device=hm.device)
+        x = (prob.sum(2) * xs).sum(2)
+        y = (prob.sum(3) * ys).sum(2)
+        return torch.stack([x, y], 2)
+
+
+def make_pose(**kw) -> nn.Module:
+    torch.manual_seed(0)
+    return IntegralPose(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# depth
+
+
+class DepthNet(nn.Module):
+    """An encoder-decoder with a softplus depth head, bilinear upsampling to the input."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.enc = nn.Sequential(conv(3, c, 2), conv(c, c))
+        self.head = nn.Conv2d(c, 1, 3, 1, 1)
+
+    def forward(self, img):
+        d = F.interpolate(self.head(self.enc(img)), size=img.shape[-2:], mode="bilinear",
+                          align_corners=False)
+        return F.softplus(d)[:, 0] + 1e-3
+
+
+def make_depth() -> nn.Module:
+    torch.manual_seed(0)
+    return DepthNet()
+
+
+class BerHu(nn.Module):
+    """The reverse Huber loss of Laina et al. (FCRN): ``c = 0.2 * max |err|`` over the valid
+    pixels of the batch, L1 below ``c`` and ``(err^2 + c^2) / (2c)`` above."""
+
+    def forward(self, pred, gt):
+        valid = (gt > 0).float()
+        err = (pred - gt) * valid
+        adiff = err.abs()
+        c = 0.2 * adiff.max().detach()
+        l2 = (adiff ** 2 + c ** 2) / (2 * c)
+        return torch.where(adiff <= c, adiff, l2).sum() / valid.sum().clamp_min(1)
+
+
+class PerImageSILog(nn.Module):
+    """The scale-invariant log loss computed per image over its own valid pixels
+    (``gt > 0``), as sums normalised by each image's valid count, then averaged."""
+
+    def __init__(self, lambd: float = 0.85):
+        super().__init__()
+        self.lambd = lambd
+
+    def forward(self, pred, gt):
+        valid = (gt > 0).float()
+        d = (torch.log(pred) - torch.log(gt.clamp_min(1e-3))) * valid
+        n = valid.sum((1, 2))
+        mean_sq = (d ** 2).sum((1, 2)) / n
+        sq_mean = (d.sum((1, 2)) / n) ** 2
+        return torch.sqrt(mean_sq - self.lambd * sq_mean).mean() * 10.0
+
+
+def depth_scenes(n: int = 8, size: int = 16, seed: int = 0):
+    """Images and depth maps in metres, with holes of depth 0 (no LiDAR return) as KITTI's."""
+    g = torch.Generator().manual_seed(seed)
+    imgs = torch.randn(n, 3, size, size, generator=g)
+    depth = 1.0 + 9.0 * torch.rand(n, size, size, generator=g)
+    depth[torch.rand(n, size, size, generator=g) < 0.3] = 0.0
+    return imgs, depth

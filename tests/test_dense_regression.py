@@ -1,0 +1,78 @@
+"""Dense regression and image restoration trained as those repos write it
+(``dense_regression_models.py``): optical flow with a multi-scale end-point-error loss over
+sparse ground truth, super-resolution with Charbonnier and a perceptual loss through a frozen
+feature extractor in eval mode, monocular depth with berHu and per-image scale-invariant log
+losses, integral pose regression; with a planted bug, the recorder fires at the planted step
+and ``nanreplay --json`` names the op, samples, cause and fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dense_regression_models as D
+import pytest
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where dense_regression_models.py, the factories' module, lives
+
+
+def _train(out_dir, model, opt, crit, batches, factory, **kw):
+    """The loop under the recorder; returns its error."""
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=factory, **kw):
+            for x, *targets in batches:
+                opt.zero_grad()
+                crit(model(x), *targets).backward()
+                opt.step()
+    return info.value
+
+
+def _line_of(text: str) -> str:
+    """``dense_regression_models.py:N`` of the line holding ``text``."""
+    lines = (HERE / "dense_regression_models.py").read_text().splitlines()
+    [n] = [i for i, line in enumerate(lines, 1) if text in line]
+    return f"dense_regression_models.py:{n}"
+
+
+def _pairs(*tensors, bs: int = 2):
+    n = len(tensors[0])
+    return [tuple(t[i:i + bs] for t in tensors) for i in range(0, n, bs)]
+
+
+def test_a_perceptual_loss_s_frozen_extractor_is_widened_in_the_float64_re_run(out_dir):
+    """ESRGAN-style super-resolution: EDSR with pixel-shuffle, Charbonnier plus a perceptual
+    term on unit-normalised features of a frozen extractor (Conv - BatchNorm - ReLU, in eval
+    mode) that the loss module holds, the normalisation written without LPIPS's eps. A pixel
+    of an HR crop where every feature is 0 makes 0/0. The float64 re-run widened the model
+    and the loss's buffers but not the loss's own (frozen) parameters, so the extractor's
+    convolution refused float64 input and the cause was 'unknown'; it is 'invalid' now."""
+    lr, hr = D.sr_pairs(8)
+    crit = D.CharbonnierPerceptual()
+    with torch.no_grad():
+        dead = ((crit.vgg(hr) ** 2).sum(1) == 0).flatten(1).any(1)
+    step = int(dead.nonzero()[0]) // 2
+    samples = dead[2 * step:2 * step + 2].nonzero()[:, 0].tolist()
+    assert (step, samples) == (1, [0])
+    model = D.make_edsr()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    err = _train(out_dir, model, opt, crit, _pairs(lr, hr), "dense_regression_models:make_edsr")
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (step, "loss", "<loss>"), ev
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.div", "nan", samples, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("fh = fh / torch.sqrt"), o["source"]
+    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
+    assert crit.vgg.features[0].weight.dtype == torch.float32
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=0", True)], \
+        rep["what_if"]
