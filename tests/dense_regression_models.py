@@ -276,3 +276,107 @@ def depth_scenes(n: int = 8, size: int = 16, seed: int = 0):
     depth = 1.0 + 9.0 * torch.rand(n, size, size, generator=g)
     depth[torch.rand(n, size, size, generator=g) < 0.3] = 0.0
     return imgs, depth
+
+
+class ScaleShiftInvariant(nn.Module):
+    """MiDaS's scale-and-shift-invariant loss: per image, the least-squares scale and shift of
+    the prediction to the ground truth over the valid pixels (the 2x2 normal equations solved
+    by hand), then the masked MSE of the aligned prediction, plus the multi-scale gradient
+    matching term; ``sum / sum(mask)`` over the batch."""
+
+    def __init__(self, alpha: float = 0.5, scales: int = 2):
+        super().__init__()
+        self.alpha, self.scales = alpha, scales
+
+    def forward(self, pred, gt):
+        mask = (gt > 0).float()
+        a00 = (mask * pred * pred).sum((1, 2))
+        a01 = (mask * pred).sum((1, 2))
+        a11 = mask.sum((1, 2))
+        b0 = (mask * pred * gt).sum((1, 2))
+        b1 = (mask * gt).sum((1, 2))
+        det = a00 * a11 - a01 * a01
+        scale = (a11 * b0 - a01 * b1) / det
+        shift = (-a01 * b0 + a00 * b1) / det
+        aligned = scale.view(-1, 1, 1) * pred + shift.view(-1, 1, 1)
+        loss = (mask * (aligned - gt) ** 2).sum() / mask.sum().clamp_min(1)
+        for s in range(self.scales):
+            step = 2 ** s
+            d = (mask * (aligned - gt))[:, ::step, ::step]
+            m = mask[:, ::step, ::step]
+            gx = (d[:, :, 1:] - d[:, :, :-1]).abs() * m[:, :, 1:] * m[:, :, :-1]
+            gy = (d[:, 1:] - d[:, :-1]).abs() * m[:, 1:] * m[:, :-1]
+            loss = loss + self.alpha * (gx.sum() + gy.sum()) / m.sum().clamp_min(1)
+        return loss
+
+
+class PSNRLoss(nn.Module):
+    """The negative PSNR of each image, ``-10 log10(1 / mse)``, of the output clamped to the
+    image range as the evaluation clamps it; averaged over the batch."""
+
+    def forward(self, sr, hr):
+        mse = ((sr.clamp(0, 1) - hr) ** 2).mean((1, 2, 3))
+        return (-10.0 * torch.log10(1.0 / mse)).mean()
+
+
+class SoftArgmaxPose(nn.Module):
+    """Heatmaps and a soft-argmax written out: ``exp(beta * h)`` normalised by its sum (no
+    max subtracted), the coordinates its expectation."""
+
+    def __init__(self, joints: int = 4, c: int = 8, beta: float = 20.0):
+        super().__init__()
+        self.backbone = nn.Sequential(conv(3, c), conv(c, c))
+        self.head = nn.Conv2d(c, joints, 1)
+        self.beta = beta
+
+    def forward(self, img):
+        hm = self.head(self.backbone(img))
+        b, j, h, w = hm.shape
+        e = torch.exp(self.beta * hm.flatten(2))
+        prob = (e / e.sum(2, keepdim=True)).view(b, j, h, w)
+        xs = torch.arange(w, dtype=hm.dtype, device=hm.device)
+        ys = torch.arange(h, dtype=hm.dtype, device=hm.device)
+        return torch.stack([(prob.sum(2) * xs).sum(2), (prob.sum(3) * ys).sum(2)], 2)
+
+
+def make_softargmax(**kw) -> nn.Module:
+    torch.manual_seed(0)
+    return SoftArgmaxPose(**kw)
+
+
+class MonoDepthDecoder(nn.Module):
+    """monodepth2's habit: the inputs a dict keyed by tuples (``inputs[("color", 0, 0)]``:
+    frame 0 at scale 0), the disparity at each scale returned in another,
+    ``outputs[("disp", s)]``, a sigmoid of the head."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.enc = nn.Sequential(conv(3, c, 2), conv(c, c))
+        self.heads = nn.ModuleList([nn.Conv2d(c, 1, 3, 1, 1) for _ in range(2)])
+
+    def forward(self, inputs):
+        f = self.enc(inputs[("color", 0, 0)])
+        out = {}
+        for s, head in enumerate(self.heads):
+            out[("disp", s)] = torch.sigmoid(head(F.avg_pool2d(f, 2 ** s)))
+        return out
+
+
+def make_monodepth() -> nn.Module:
+    torch.manual_seed(0)
+    return MonoDepthDecoder()
+
+
+class DispToDepthL1(nn.Module):
+    """The disparity at each scale upsampled to the ground truth, depth ``1 / disp``, L1 of
+    log depth over the valid pixels, each scale weighted by ``1 / 2^s``."""
+
+    def forward(self, outputs, gt):
+        valid = (gt > 0).float()
+        total = 0.0
+        for (_, s), disp in outputs.items():
+            disp = F.interpolate(disp, size=gt.shape[-2:], mode="bilinear", align_corners=False)
+            depth = 1 / disp[:, 0]
+            d = (torch.log(depth) - torch.log(gt.clamp_min(1e-3))).abs() * valid
+            total = total + d.sum() / valid.sum().clamp_min(1) / 2 ** s
+        return total

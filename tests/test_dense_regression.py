@@ -76,3 +76,40 @@ def test_a_perceptual_loss_s_frozen_extractor_is_widened_in_the_float64_re_run(o
     assert crit.vgg.features[0].weight.dtype == torch.float32
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=0", True)], \
         rep["what_if"]
+
+
+def test_monodepth2_s_dicts_keyed_by_tuples_are_rebuilt_and_the_unnormalised_frame_named(
+        out_dir):
+    """monodepth2 keys its inputs and outputs by tuples (``inputs[("color", 0, 0)]``,
+    ``outputs[("disp", s)]``). One frame was read from a 16-bit PNG and never divided by
+    65535: its sigmoid disparity rounds to 0 and ``depth = 1 / disp`` is inf. The replay
+    failed outright ('UnrebuildableLeaf: dict key ('disp', 0)'): the bundle kept a tuple
+    key as its repr. Tuples of JSON scalars are kept as tuples now, and the report names
+    the reciprocal, the frame and the underflow."""
+    imgs, depth = D.depth_scenes(8)
+    imgs[5] = imgs[5] * 65535
+    batches = [{("color", 0, 0): imgs[i:i + 2], "depth_gt": depth[i:i + 2]}
+               for i in range(0, 8, 2)]
+    model = D.make_monodepth()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    crit = D.DispToDepthL1()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="dense_regression_models:make_monodepth"):
+            for inputs in batches:
+                opt.zero_grad()
+                crit(model(inputs), inputs["depth_gt"]).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    frames = batches[2][("color", 0, 0)]
+    samples = (frames.flatten(1).abs().amax(1) > 1000).nonzero()[:, 0].tolist()
+    assert samples == [1]
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.reciprocal", "+inf", samples, "underflow"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("depth = 1 / disp"), o["source"]
+    assert "out of scale" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)], \
+        rep["what_if"]
