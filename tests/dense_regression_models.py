@@ -380,3 +380,52 @@ class DispToDepthL1(nn.Module):
             d = (torch.log(depth) - torch.log(gt.clamp_min(1e-3))).abs() * valid
             total = total + d.sum() / valid.sum().clamp_min(1) / 2 ** s
         return total
+
+
+class BTSLike(nn.Module):
+    """A "pretrained" encoder with BatchNorm that the loop freezes (``freeze_bn``: RAFT and
+    BTS put every BatchNorm in eval mode after ``model.train()``), a ReLU depth head."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, c, 3, 1, 1), nn.BatchNorm2d(c), nn.ReLU(),
+                                 nn.Conv2d(c, c, 3, 1, 1), nn.BatchNorm2d(c), nn.ReLU())
+        self.head = nn.Conv2d(c, 1, 3, 1, 1)
+        with torch.no_grad():
+            for bn in (self.enc[1], self.enc[4]):
+                bn.running_mean.uniform_(-0.5, 0.5)
+                bn.running_var.uniform_(0.2, 3.0)
+            self.head.bias.fill_(2.0)
+
+    def forward(self, img):
+        return F.relu(self.head(self.enc(img)))[:, 0]
+
+    def freeze_bn(self):
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+
+
+def make_bts() -> nn.Module:
+    torch.manual_seed(0)
+    return BTSLike()
+
+
+class ValidL1(nn.Module):
+    """RAFT-style: the per-pixel error of the pixels with ground truth picked by a boolean
+    mask, ``loss[valid].mean()``."""
+
+    def forward(self, pred, gt):
+        valid = gt > 0
+        return (torch.log(pred) - torch.log(gt.clamp_min(1e-3))).abs()[valid].mean()
+
+
+class CharbonnierLoss(nn.Module):
+    """BasicSR's ``CharbonnierLoss``: ``sqrt((pred - target)^2 + eps)``, eps 1e-12."""
+
+    def __init__(self, eps: float = 1e-12):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, pred, target):
+        return torch.sqrt((pred - target) ** 2 + self.eps).mean()

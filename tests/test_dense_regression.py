@@ -113,3 +113,39 @@ def test_monodepth2_s_dicts_keyed_by_tuples_are_rebuilt_and_the_unnormalised_fra
     assert "out of scale" in rep["hint"], rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)], \
         rep["what_if"]
+
+
+def test_basicsr_s_charbonnier_eps_lost_in_float16_is_said_at_the_sqrt_backward(out_dir):
+    """BasicSR's ``CharbonnierLoss``, ``sqrt((pred - target) ** 2 + 1e-12)``, on an EDSR
+    trained in float16 (``model.half()``, half crops). Where an output pixel equals its target
+    exactly, float16 rounds 0 + 1e-12 to 0, and sqrt's backward is inf there (times the
+    square's 0: NaN). The report named SqrtBackward0 and told the user to put an eps under
+    the root, which the loss already does; it says now that 1e-12 is 0 in float16 (as it
+    did for a forward op's lost eps only)."""
+    lr, hr = D.sr_pairs(64, size=16)
+    batches = _pairs(lr.half(), hr.half())
+    model = D.make_edsr().half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, eps=1e-4)
+    crit = D.CharbonnierLoss()
+    seen = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="dense_regression_models:make_edsr"):
+            for x, y in batches:
+                opt.zero_grad()
+                out = model(x)
+                seen.append((out.detach(), y))
+                crit(out, y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (2, "backward"), ev
+    out, y = seen[-1]
+    exact = (out == y).flatten(1).any(1).nonzero()[:, 0].tolist()
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "SqrtBackward0", exact, "precision"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("torch.sqrt((pred - target) ** 2 + self.eps)"), o["source"]
+    assert "the eps 1e-12 added to that input is 0 in float16" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("dtype=float32", True)], \
+        rep["what_if"]
