@@ -220,7 +220,7 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     step.loss_fn = made.get("loss_fn")
     if step.loss_fn is None:
         try:
-            step.loss_fn = rebuild_loss(meta.get("loss"), step.tensors, step.device)
+            step.loss_fn = rebuild_loss(meta.get("loss"), step.tensors, step.device, model)
         except Unrebuildable as e:
             step.problems.append(str(e))
     attach_loss_params(step)  # (those the optimizer trained, before it is rebuilt over them)

@@ -32,16 +32,25 @@ class Unrebuildable(Exception):
 
 
 def rebuild_loss(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor],
-                 device: torch.device):
+                 device: torch.device, model: nn.Module | None = None):
     """The loss described by the bundle's ``loss`` entry, or None when there is none to re-run
-    (no loss recorded, or one given to ``record_loss``). Raises :class:`Unrebuildable`."""
+    (no loss recorded, or one given to ``record_loss``). A submodule the loss shared with the
+    model (``"model": NAME``) is ``model``'s, as in the run: its calls from the loss are the
+    model's module calls, which the re-run watches as the recorder did. Raises
+    :class:`Unrebuildable`."""
     if not info or info.get("kind") == "recorded":
         return None
     kind = info.get("kind")
     if kind == "function":
         return _function(info)
     if kind == "module" and isinstance(info.get("tree"), dict):
-        return _module(info["tree"], tensors, device, top=True)
+        shared = dict(model.named_modules()) if model is not None else {}
+        modes = [(m, m.training) for m in shared.values()]
+        try:
+            return _module(info["tree"], tensors, device, top=True, shared=shared)
+        finally:  # (the loss's train() reached its shared modules: theirs are as recorded)
+            for m, was in modes:
+                m.training = was
     if kind == "module" and isinstance(info.get("class"), str):
         return _builtin_module(info, tensors, device)  # a bundle from before "tree"
     raise Unrebuildable(f"the bundle's loss entry is not one the recorder writes (kind "
@@ -121,7 +130,11 @@ def _import(spec: str, what: str):
     return obj
 
 
-def _module(node: dict[str, Any], tensors, device, *, top: bool = False) -> nn.Module:
+def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
+            shared: dict[str, nn.Module] | None = None) -> nn.Module:
+    shared = shared or {}
+    if not top and isinstance(own := shared.get(node.get("model")), nn.Module):
+        return own
     name = node.get("class", "?")
     what = f"the loss {name}" if top else f"the loss's submodule {name}"
     spec = node.get("import")
@@ -152,7 +165,8 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False) -> nn.M
             _tensor(tensors, key, device, name), requires_grad=k not in frozen))
     for k, child in node.get("children", {}).items():
         _clear(m, k)
-        m.add_module(k, None if child is None else _module(child, tensors, device))
+        m.add_module(k, None if child is None else _module(child, tensors, device,
+                                                            shared=shared))
     m.train(bool(node.get("training", True)))
     lost = [a for a in node.get("unrecorded", ()) if not hasattr(m, a.split(" ")[0])]
     if lost:  # (one its default construction set is kept)

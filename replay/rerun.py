@@ -277,11 +277,10 @@ class Runner:
         extractor); every dtype is restored after."""
         model, loss = self.model, self.step.loss_fn
         dtypes = _to_float64(list(model.named_parameters()) + list(model.named_buffers()))
-        # (the loss's trained parameters are the model's too, widened above: not counted twice)
-        loss_params = (_to_float64(list(loss.named_parameters()))
-                       if isinstance(loss, nn.Module) else {})
-        loss_dtypes = (_to_float64(list(loss.named_buffers()), even_float64=True)
-                       if isinstance(loss, nn.Module) else {})
+        # (the loss's trained parameters, and the modules it shares with the model, are the
+        # model's, widened and restored as the model's: not counted twice)
+        loss_params = _to_float64(_loss_own(loss, model, "named_parameters"))
+        loss_dtypes = _to_float64(_loss_own(loss, model, "named_buffers"), even_float64=True)
         saved = self._initial_buffers
         self._initial_buffers = {n: b.to(widened(b.dtype) or b.dtype) for n, b in saved.items()}
         self.cast = torch.float64
@@ -297,13 +296,12 @@ class Runner:
                         t.data = t.data.to(dtypes[name])
                         if t.grad is not None:
                             t.grad = None
-                if isinstance(loss, nn.Module):
-                    for name, p in loss.named_parameters():
-                        if name in loss_params:
-                            p.data = p.data.to(loss_params[name])
-                    for name, b in loss.named_buffers():
-                        if name in loss_dtypes:
-                            b.data = b.data.to(loss_dtypes[name])
+                for name, t in _loss_own(loss, model, "named_parameters"):
+                    if name in loss_params:
+                        t.data = t.data.to(loss_params[name])
+                for name, t in _loss_own(loss, model, "named_buffers"):
+                    if name in loss_dtypes:
+                        t.data = t.data.to(loss_dtypes[name])
 
     # -- bisection (replay.bisection) ----------------------------------------------------------
 
@@ -402,6 +400,14 @@ def _default_dtype(dtype: torch.dtype | None):
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+def _loss_own(loss, model: nn.Module, which: str) -> list[tuple[str, torch.Tensor]]:
+    """The loss module's named parameters or buffers (``which``) that are not the model's."""
+    if not isinstance(loss, nn.Module):
+        return []
+    model_ids = {id(t) for _, t in [*model.named_parameters(), *model.named_buffers()]}
+    return [(n, t) for n, t in getattr(loss, which)() if id(t) not in model_ids]
 
 
 def _to_float64(named, even_float64: bool = False) -> dict[str, torch.dtype]:

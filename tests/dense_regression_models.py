@@ -429,3 +429,94 @@ class CharbonnierLoss(nn.Module):
 
     def forward(self, pred, target):
         return torch.sqrt((pred - target) ** 2 + self.eps).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# video super-resolution
+
+
+class FrameNorm(nn.Module):
+    """Each frame standardised by its own statistics (no eps)."""
+
+    def forward(self, x):
+        mean = x.mean((1, 2, 3), keepdim=True)
+        std = x.std((1, 2, 3), keepdim=True)
+        return (x - mean) / std
+
+
+class VideoSR(nn.Module):
+    """BasicVSR's layout: clips ``(n, t, c, h, w)``; the per-frame feature extractor runs on
+    the frames folded into the batch (``lrs.view(-1, c, h, w)``), then a recurrent pass over
+    time and a pixel-shuffle upsampler per frame."""
+
+    def __init__(self, c: int = 8, scale: int = 2):
+        super().__init__()
+        self.norm = FrameNorm()
+        self.extract = nn.Sequential(nn.Conv2d(3, c, 3, 1, 1), nn.LeakyReLU(0.1))
+        self.fuse = nn.Conv2d(2 * c, c, 3, 1, 1)
+        self.up = nn.Sequential(nn.Conv2d(c, 3 * scale * scale, 3, 1, 1), nn.PixelShuffle(scale))
+
+    def forward(self, lrs):
+        n, t, c, h, w = lrs.shape
+        feats = self.extract(self.norm(lrs.view(-1, c, h, w))).view(n, t, -1, h, w)
+        state = torch.zeros_like(feats[:, 0])
+        outs = []
+        for i in range(t):
+            state = F.leaky_relu(self.fuse(torch.cat([feats[:, i], state], 1)), 0.1)
+            outs.append(self.up(state))
+        return torch.stack(outs, 1)
+
+
+def make_video_sr() -> nn.Module:
+    torch.manual_seed(0)
+    return VideoSR()
+
+
+def clips(n: int = 8, t: int = 3, size: int = 8, seed: int = 0, scale: int = 2):
+    """HR clips in [0, 1] and their LR (area downsampling), ``(n, t, 3, h, w)``."""
+    g = torch.Generator().manual_seed(seed)
+    hr = torch.rand(n, t, 3, size * scale, size * scale, generator=g)
+    lr = F.avg_pool2d(hr.flatten(0, 1), scale).view(n, t, 3, size, size)
+    return lr, hr
+
+
+class ChannelNorm(nn.Module):
+    """LPIPS's ``normalize_tensor`` as a layer: each pixel's feature vector to unit length."""
+
+    def forward(self, f):
+        return f / torch.sqrt((f ** 2).sum(1, keepdim=True))
+
+
+class SRWithLossNet(nn.Module):
+    """An EDSR that carries its perceptual network as a submodule (``self.vgg``, frozen, kept
+    in eval mode) for the loss to use: its forward never calls it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = EDSR()
+        self.vgg = FeatureExtractor()
+        self.vgg.features.append(ChannelNorm())
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.vgg.eval()
+        return self
+
+    def forward(self, lr):
+        return self.net(lr)
+
+
+def make_sr_with_loss_net() -> nn.Module:
+    torch.manual_seed(0)
+    return SRWithLossNet()
+
+
+class PerceptualThrough(nn.Module):
+    """L1 plus the distance of the features a given network (the model's own ``vgg``) makes."""
+
+    def __init__(self, net: nn.Module, weight: float = 0.1):
+        super().__init__()
+        self.net, self.weight = net, weight
+
+    def forward(self, sr, hr):
+        return F.l1_loss(sr, hr) + self.weight * F.mse_loss(self.net(sr), self.net(hr))

@@ -149,3 +149,33 @@ def test_basicsr_s_charbonnier_eps_lost_in_float16_is_said_at_the_sqrt_backward(
     assert "the eps 1e-12 added to that input is 0 in float16" in rep["hint"], rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("dtype=float32", True)], \
         rep["what_if"]
+
+
+def test_a_perceptual_net_the_loss_shares_with_the_model_is_the_rebuilt_model_s(out_dir):
+    """The SR model carries its frozen perceptual network (``model.vgg``, eval mode, with an
+    LPIPS-style unit normalisation layer without eps) and the loss is given that same module,
+    ``PerceptualThrough(model.vgg)``. The recorder's hooks see the loss's calls of it: a
+    forward event in ``vgg.features.5``, call 1 (the HR crop's features). The replay rebuilt
+    the loss with a copy of the network, whose calls no hook saw, and the loss module's
+    ``train()`` put nothing back: 'NOT reproduced'. The loss now gets the rebuilt model's
+    own module, in its recorded mode, and the report names the call and its image."""
+    lr, hr = D.sr_pairs(8)
+    model = D.make_sr_with_loss_net()
+    model.train()
+    with torch.no_grad():
+        feats = model.vgg.features[:-1](hr[2:4])  # (frozen: as at step 1)
+    samples = ((feats ** 2).sum(1) == 0).flatten(1).any(1).nonzero()[:, 0].tolist()
+    assert samples == [0]
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    err = _train(out_dir, model, opt, D.PerceptualThrough(model.vgg), _pairs(lr, hr),
+                 "dense_regression_models:make_sr_with_loss_net")
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"]) == \
+        (1, "forward", "vgg.features.5", 1), ev
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["call"], o["op"], o["samples"], rep["cause"]) == \
+        (True, "vgg.features.5", 1, "aten.div", samples, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("return f / torch.sqrt((f ** 2)"), o["source"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=0", True)], \
+        rep["what_if"]
