@@ -323,11 +323,26 @@ class Runner:
 
 def _scalar_loss(loss) -> torch.Tensor | None:
     """The loss to differentiate: a scalar that requires grad, or the one such scalar of a
-    loss_fn returning ``(total, {"mel": mel_loss.detach(), ...})``, the terms to log."""
+    loss_fn returning ``(total, {"mel": mel_loss.detach(), ...})``, the terms to log, or the
+    sum of a dict of terms (see :func:`_dict_total`)."""
     if isinstance(loss, torch.Tensor):
         return loss if loss.requires_grad and loss.numel() == 1 else None
     found = [t for t in tensor_leaves(loss) if t.requires_grad and t.numel() == 1]
+    if len(found) > 1 and isinstance(loss, dict):
+        return _dict_total(loss)
     return found[0] if len(found) == 1 else None
+
+
+def _dict_total(loss: dict) -> torch.Tensor | None:
+    """A loss_fn returning a dict of terms (mmflow's and mmdet's ``{"loss_flow": ...}``,
+    detectron2's ``loss_dict``), which the loop sums: the terms named ``loss...`` where any
+    is (mmcv's ``parse_losses``: the others are logged), else every term; a term that is a
+    list of values (one per level) counted by its values' means, as mmcv does."""
+    terms = {k: [t for t in tensor_leaves(v) if t.requires_grad] for k, v in loss.items()}
+    terms = {k: ts for k, ts in terms.items() if ts}
+    named = [ts for k, ts in terms.items() if "loss" in str(k)]
+    picked = [t.mean() for ts in (named or list(terms.values())) for t in ts]
+    return sum(picked[1:], picked[0]) if picked else None
 
 
 def _external(pairs: list[tuple[torch.Tensor, torch.Tensor]], through_nonfinite: bool = False

@@ -520,3 +520,127 @@ class PerceptualThrough(nn.Module):
 
     def forward(self, sr, hr):
         return F.l1_loss(sr, hr) + self.weight * F.mse_loss(self.net(sr), self.net(hr))
+
+
+# ---------------------------------------------------------------------------------------------
+# RAFT
+
+
+class UpdateBlock(nn.Module):
+    """A convolutional GRU over the context features and the current flow, and a flow head
+    predicting the update (RAFT's ``BasicUpdateBlock``, small)."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.convz = nn.Conv2d(2 * c + 2, c, 3, 1, 1)
+        self.convr = nn.Conv2d(2 * c + 2, c, 3, 1, 1)
+        self.convq = nn.Conv2d(2 * c + 2, c, 3, 1, 1)
+        self.flow_head = nn.Sequential(nn.Conv2d(c, c, 3, 1, 1), nn.ReLU(), nn.Conv2d(c, 2, 3, 1, 1))
+
+    def forward(self, net, inp, flow):
+        hx = torch.cat([net, inp, flow], 1)
+        z, r = torch.sigmoid(self.convz(hx)), torch.sigmoid(self.convr(hx))
+        q = torch.tanh(self.convq(torch.cat([r * net, inp, flow], 1)))
+        net = (1 - z) * net + z * q
+        return net, self.flow_head(net)
+
+
+class RAFTLike(nn.Module):
+    """Two frames through a shared encoder at 1/2 resolution, a context encoder, ``iters``
+    GRU updates of the flow, each upsampled (bilinear, times 2) into the returned sequence."""
+
+    def __init__(self, c: int = 8, iters: int = 4):
+        super().__init__()
+        self.fnet = nn.Sequential(conv(3, c, 2), conv(c, c))
+        self.cnet = nn.Sequential(conv(3, 2 * c, 2), conv(2 * c, 2 * c))
+        self.update = UpdateBlock(c)
+        self.iters, self.c = iters, c
+
+    def forward(self, image1, image2):
+        f1, f2 = self.fnet(image1), self.fnet(image2)
+        net, inp = torch.split(self.cnet(image1), [self.c, self.c], 1)
+        net, inp = torch.tanh(net), torch.relu(inp + (f1 * f2))
+        flow = torch.zeros_like(net[:, :2])
+        preds = []
+        for _ in range(self.iters):
+            net, delta = self.update(net, inp, flow)
+            flow = flow + delta
+            preds.append(2 * F.interpolate(flow, scale_factor=2, mode="bilinear",
+                                           align_corners=True))
+        return preds
+
+
+def make_raft() -> nn.Module:
+    torch.manual_seed(0)
+    return RAFTLike()
+
+
+def sequence_loss(flow_preds, flow_gt, valid, gamma: float = 0.8, max_flow: float = 400.0):
+    """RAFT's ``sequence_loss``: L1 of every prediction, weighted ``gamma ** (n - i - 1)``,
+    over the pixels that are valid and whose ground truth is under ``max_flow``."""
+    n = len(flow_preds)
+    mag = torch.sum(flow_gt ** 2, dim=1).sqrt()
+    valid = (valid >= 0.5) & (mag < max_flow)
+    loss = 0.0
+    for i, pred in enumerate(flow_preds):
+        i_loss = (pred - flow_gt).abs()
+        loss = loss + gamma ** (n - i - 1) * (valid[:, None] * i_loss).mean()
+    return loss
+
+
+class BerHuMasked(nn.Module):
+    """berHu written with float masks instead of ``torch.where`` (as several FCRN ports do):
+    ``l1 * (1 - m) + l2 * m`` with ``m = (|err| > c)``, ``c = 0.2 * max |err|`` over the
+    valid pixels."""
+
+    def forward(self, pred, gt):
+        valid = (gt > 0).float()
+        adiff = ((pred - gt) * valid).abs()
+        c = 0.2 * adiff.max()
+        m = (adiff > c).float()
+        l2 = (adiff ** 2 + c ** 2) / (2 * c)
+        return (adiff * (1 - m) + l2 * m).sum() / valid.sum().clamp_min(1)
+
+
+class CorrFlow(nn.Module):
+    """RAFT's all-pairs correlation, ``f1^T f2 / sqrt(C)`` of the two frames' features,
+    without RAFT's ``fmap.float()`` casts: under float16 autocast the matmul runs in
+    float16; a soft-argmax over the second frame's positions makes the flow."""
+
+    def __init__(self, c: int = 64):
+        super().__init__()
+        self.fnet = nn.Sequential(nn.Conv2d(3, c, 3, 2, 1), nn.ReLU())
+        self.head = nn.Conv2d(2, 2, 1)
+
+    def forward(self, image1, image2):
+        f1, f2 = self.fnet(image1), self.fnet(image2)
+        b, c, h, w = f1.shape
+        corr = torch.matmul(f1.flatten(2).transpose(1, 2), f2.flatten(2)) / c ** 0.5
+        prob = torch.softmax(corr, dim=-1)  # (b, h*w, h*w)
+        ys, xs = torch.meshgrid(torch.arange(h, dtype=prob.dtype), torch.arange(w, dtype=prob.dtype),
+                                indexing="ij")
+        grid = torch.stack([xs, ys]).flatten(1)  # (2, h*w)
+        target = prob @ grid.T.to(prob.device)  # expected position in frame 2
+        flow = (target - grid.T.to(prob.device)).transpose(1, 2).reshape(b, 2, h, w)
+        return F.interpolate(self.head(flow), scale_factor=2, mode="bilinear",
+                             align_corners=False) * 2
+
+
+def make_corrflow() -> nn.Module:
+    torch.manual_seed(0)
+    return CorrFlow()
+
+
+class DictEPE(nn.Module):
+    """mmflow's habit: the loss returns a dict of named terms (one per scale), which the loop
+    sums; the EPE of each scale written with the valid map multiplied in before the root."""
+
+    def forward(self, flows, gt, valid):
+        out = {}
+        for s, flow in enumerate(flows):
+            size = flow.shape[-2:]
+            target = F.interpolate(gt, size=size, mode="nearest") * (size[0] / gt.shape[-2])
+            v = F.interpolate(valid[:, None].float(), size=size, mode="nearest")
+            epe = (((flow - target) * v) ** 2).sum(1).sqrt()
+            out[f"loss_flow_{s}"] = 0.5 ** s * epe.sum() / v.sum().clamp_min(1)
+        return out

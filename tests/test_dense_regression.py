@@ -179,3 +179,39 @@ def test_a_perceptual_net_the_loss_shares_with_the_model_is_the_rebuilt_model_s(
     assert o["source"] == _line_of("return f / torch.sqrt((f ** 2)"), o["source"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=0", True)], \
         rep["what_if"]
+
+
+def test_a_loss_returning_a_dict_of_terms_the_loop_sums_is_differentiated_in_the_replay(
+        out_dir):
+    """mmflow-style: the loss returns ``{"loss_flow_0": ..., "loss_flow_1": ...}`` and the
+    loop backpropagates ``sum(losses.values())``. KITTI-like sparse ground truth in image 5:
+    the EPE written with the valid map multiplied in before the square root is sqrt(0) at its
+    holes, whose backward is inf (times the square's 0: NaN). The replay differentiated
+    nothing of a dict of several terms, found the loss's gradients finite and blamed 'loss
+    terms computed outside loss_fn' (cause unknown); it backpropagates the terms' sum now
+    (those named ``loss...``, as mmcv's ``parse_losses`` sums them) and names the sqrt."""
+    frames, gt, valid = D.flow_pairs(8, holes=0.0)
+    valid[5] = torch.rand(16, 16, generator=torch.Generator().manual_seed(3)) > 0.5
+    model = D.make_flownet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    crit = D.DictEPE()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="dense_regression_models:make_flownet"):
+            for x, y, v in _pairs(frames, gt, valid):
+                opt.zero_grad()
+                losses = crit(model(x), y, v)
+                sum(losses.values()).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (2, "backward"), ev
+    holes = (~valid[4:6]).flatten(1).any(1).nonzero()[:, 0].tolist()
+    assert holes == [1]
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("backward", "<loss>", "SqrtBackward0", holes, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("epe = (((flow - target) * v) ** 2)"), o["source"]
+    assert "outside" not in rep["hint"] and "vector_norm" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)], \
+        rep["what_if"]
