@@ -257,7 +257,7 @@ class Runner:
                 (loss * f).backward(inputs=own)
             torch.autograd.backward(*with_kept(self, [o for o, _ in pairs],
                                                [g.to(o.dtype) for o, g in pairs]))
-        elif (loss := _scalar_loss(loss)) is not None:
+        elif (loss := scalar_loss(loss)) is not None:
             # (a loss of several values, reduction="none", was reduced by the loop outside the
             # recorder, in a way the replay does not know: no backward from it; a what-if's
             # micro-batch carries the loop's own factor: replay.loopscale)
@@ -321,7 +321,7 @@ class Runner:
         return bisection.search(lambda k: self.probe(k, allowed), n_calls)
 
 
-def _scalar_loss(loss) -> torch.Tensor | None:
+def scalar_loss(loss) -> torch.Tensor | None:
     """The loss to differentiate: a scalar that requires grad, or the one such scalar of a
     loss_fn returning ``(total, {"mel": mel_loss.detach(), ...})``, the terms to log, or the
     sum of a dict of terms (see :func:`_dict_total`)."""

@@ -213,5 +213,6 @@ def test_a_loss_returning_a_dict_of_terms_the_loop_sums_is_differentiated_in_the
         ("backward", "<loss>", "SqrtBackward0", holes, "invalid"), json.dumps(rep, indent=1)
     assert o["source"] == _line_of("epe = (((flow - target) * v) ** 2)"), o["source"]
     assert "outside" not in rep["hint"] and "vector_norm" in rep["hint"], rep["hint"]
-    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)], \
-        rep["what_if"]
+    [what_if] = rep["what_if"]  # (its loss: the terms' sum, as the loop's)
+    assert (what_if["try"], what_if["finite"]) == ("drop=1", True), what_if
+    assert what_if["loss"] is not None and what_if["loss"] > 0, what_if
