@@ -167,7 +167,9 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
         _clear(m, k)
         m.add_module(k, None if child is None else _module(child, tensors, device,
                                                             shared=shared))
-    m.train(bool(node.get("training", True)))
+    # each node's own recorded mode, not train()'s recursion, which would put a child's eval
+    # mode (a perceptual loss's extractor, set eval in its __init__) back to training
+    m.training = bool(node.get("training", True))
     lost = [a for a in node.get("unrecorded", ()) if not hasattr(m, a.split(" ")[0])]
     if lost:  # (one its default construction set is kept)
         raise Unrebuildable(f"{what} holds attribute(s) the bundle cannot store ("

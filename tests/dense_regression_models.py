@@ -644,3 +644,21 @@ class DictEPE(nn.Module):
             epe = (((flow - target) * v) ** 2).sum(1).sqrt()
             out[f"loss_flow_{s}"] = 0.5 ** s * epe.sum() / v.sum().clamp_min(1)
         return out
+
+
+class PlainPerceptual(nn.Module):
+    """Charbonnier plus the perceptual term of :class:`CharbonnierPerceptual`, the extractor
+    put in eval mode once, in ``__init__`` (no ``train()`` override: the loop never calls the
+    loss's ``train()``)."""
+
+    def __init__(self, eps: float = 1e-3, weight: float = 0.1):
+        super().__init__()
+        self.eps, self.weight = eps, weight
+        self.vgg = FeatureExtractor()  # (eval mode, frozen)
+
+    def forward(self, sr, hr):
+        pix = torch.sqrt((sr - hr) ** 2 + self.eps ** 2).mean()
+        fs, fh = self.vgg(sr), self.vgg(hr)
+        fs = fs / torch.sqrt((fs ** 2).sum(1, keepdim=True))
+        fh = fh / torch.sqrt((fh ** 2).sum(1, keepdim=True))
+        return pix + self.weight * ((fs - fh) ** 2).sum(1).mean()

@@ -7,6 +7,7 @@ and ``nanreplay --json`` names the op, samples, cause and fix."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -36,10 +37,10 @@ def _train(out_dir, model, opt, crit, batches, factory, **kw):
     return info.value
 
 
-def _line_of(text: str) -> str:
-    """``dense_regression_models.py:N`` of the line holding ``text``."""
-    lines = (HERE / "dense_regression_models.py").read_text().splitlines()
-    [n] = [i for i, line in enumerate(lines, 1) if text in line]
+def _line_of(text: str, within=D) -> str:
+    """``dense_regression_models.py:N`` of the line holding ``text`` (in ``within``'s code)."""
+    lines, first = inspect.getsourcelines(within)
+    [n] = [i for i, line in enumerate(lines, max(first, 1)) if text in line]
     return f"dense_regression_models.py:{n}"
 
 
@@ -48,15 +49,22 @@ def _pairs(*tensors, bs: int = 2):
     return [tuple(t[i:i + bs] for t in tensors) for i in range(0, n, bs)]
 
 
-def test_a_perceptual_loss_s_frozen_extractor_is_widened_in_the_float64_re_run(out_dir):
+@pytest.mark.parametrize("loss_cls", ["CharbonnierPerceptual", "PlainPerceptual"])
+def test_a_perceptual_loss_s_frozen_extractor_is_rebuilt_in_eval_mode_and_widened(
+        out_dir, loss_cls):
     """ESRGAN-style super-resolution: EDSR with pixel-shuffle, Charbonnier plus a perceptual
     term on unit-normalised features of a frozen extractor (Conv - BatchNorm - ReLU, in eval
     mode) that the loss module holds, the normalisation written without LPIPS's eps. A pixel
     of an HR crop where every feature is 0 makes 0/0. The float64 re-run widened the model
     and the loss's buffers but not the loss's own (frozen) parameters, so the extractor's
-    convolution refused float64 input and the cause was 'unknown'; it is 'invalid' now."""
+    convolution refused float64 input and the cause was 'unknown'; it is 'invalid' now. A
+    loss that puts its extractor in eval mode in ``__init__`` (no ``train()`` override) was
+    rebuilt with the loss's ``train(True)``, which put the extractor's BatchNorm back in
+    training mode: the report named the SR features' line (``fs``) on every row; each
+    submodule is rebuilt in its own recorded mode now."""
     lr, hr = D.sr_pairs(8)
-    crit = D.CharbonnierPerceptual()
+    crit = getattr(D, loss_cls)()
+    assert crit.training and not crit.vgg.training
     with torch.no_grad():
         dead = ((crit.vgg(hr) ** 2).sum(1) == 0).flatten(1).any(1)
     step = int(dead.nonzero()[0]) // 2
@@ -71,7 +79,7 @@ def test_a_perceptual_loss_s_frozen_extractor_is_widened_in_the_float64_re_run(o
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
         ("<loss>", "aten.div", "nan", samples, "invalid"), json.dumps(rep, indent=1)
-    assert o["source"] == _line_of("fh = fh / torch.sqrt"), o["source"]
+    assert o["source"] == _line_of("fh = fh / torch.sqrt", type(crit)), o["source"]
     assert "add an eps to the denominator" in rep["hint"], rep["hint"]
     assert crit.vgg.features[0].weight.dtype == torch.float32
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=0", True)], \
