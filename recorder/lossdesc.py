@@ -196,6 +196,8 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
             node["config"][k] = _to_json(v)
             if isinstance(v, tuple):
                 node["tuples"].append(k)
+        elif _number_keyed(v):  # (scale weights keyed by stride, {2: 0.32, 4: 0.08})
+            node["config"][k] = {"$dict": [[key, _to_json(x)] for key, x in v.items()]}
         elif isinstance(v, torch.Tensor):
             key = f"loss/{prefix}{k}"
             tensors[key] = v.detach()
@@ -238,6 +240,13 @@ def _plain(v: Any) -> bool:
     if isinstance(v, dict):
         return all(isinstance(k, str) and _plain(x) for k, x in v.items())
     return False
+
+
+def _number_keyed(v: Any) -> bool:
+    """A dict of plain values whose keys are JSON scalars, not all strings (JSON would make
+    its keys strings: kept as its pairs)."""
+    return isinstance(v, dict) and bool(v) and all(
+        isinstance(k, (bool, int, float, str)) and _plain(x) for k, x in v.items())
 
 
 def _to_json(v: Any) -> Any:

@@ -146,6 +146,8 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
                             f"{_FACTORY_WAY[3:]}")
     m = _instance(cls)
     for k, v in node.get("config", {}).items():
+        if isinstance(v, dict) and isinstance(pairs := v.get("$dict"), list):
+            v = {key: x for key, x in pairs}  # (a dict keyed by numbers, as the loss held it)
         _set_plain(m, k, tuple(v) if k in node.get("tuples", ()) else v)
     for k, key in node.get("tensors", {}).items():
         _set_plain(m, k, _tensor(tensors, key, device, name))

@@ -662,3 +662,16 @@ class PlainPerceptual(nn.Module):
         fs = fs / torch.sqrt((fs ** 2).sum(1, keepdim=True))
         fh = fh / torch.sqrt((fh ** 2).sum(1, keepdim=True))
         return pix + self.weight * ((fs - fh) ** 2).sum(1).mean()
+
+
+class StrideWeightedEPE(nn.Module):
+    """:class:`MultiScaleEPE` with its scale weights keyed by each prediction's stride, as
+    some ports keep them (``{2: 0.32, 4: 0.08}``)."""
+
+    def __init__(self, weights: dict | None = None):
+        super().__init__()
+        self.weights = weights if weights is not None else {2: 0.32, 4: 0.08}
+
+    def forward(self, flows, gt, valid):
+        return sum(MultiScaleEPE([self.weights[gt.shape[-1] // f.shape[-1]]])([f], gt, valid)
+                   for f in flows)

@@ -7,6 +7,7 @@ and ``nanreplay --json`` names the op, samples, cause and fix."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from pathlib import Path
@@ -224,3 +225,39 @@ def test_a_loss_returning_a_dict_of_terms_the_loop_sums_is_differentiated_in_the
     [what_if] = rep["what_if"]  # (its loss: the terms' sum, as the loop's)
     assert (what_if["try"], what_if["finite"]) == ("drop=1", True), what_if
     assert what_if["loss"] is not None and what_if["loss"] > 0, what_if
+
+
+def test_a_loss_s_weights_keyed_by_stride_are_replayed_as_the_run_set_them(out_dir):
+    """Multi-scale EPE with its scale weights in a dict keyed by stride, ``{2: 1.0, 4: 0.5}``
+    (the class's default is ``{2: 0.32, 4: 0.08}``). Image 5's ground truth has no valid
+    pixel in its top half, so a coarse window's flow target is 0/0. A dict with int keys is
+    no JSON object: the bundle listed it as unrecorded and the replay, building the loss with
+    its defaults, kept them without a word; the what-if's loss was the defaults'. It is kept
+    as its pairs now: the what-if dropping image 5 computes the run's loss of image 4."""
+    frames, gt, valid = D.flow_pairs(8, holes=0.0)
+    valid[5, :8] = False
+    model = D.make_flownet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    crit = D.StrideWeightedEPE({2: 1.0, 4: 0.5})
+    starts = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="dense_regression_models:make_flownet"):
+            for x, y, v in _pairs(frames, gt, valid):
+                starts.append(copy.deepcopy(model))
+                opt.zero_grad()
+                crit(model(x), y, v).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    empty = [i for i in range(2) if not valid[4 + i, :8].any()]
+    assert empty == [1]
+    with torch.no_grad():  # the step without image 5, with the run's weights
+        expected = float(crit(starts[2](frames[4:5]), gt[4:5], valid[4:5]))
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.div", empty, "invalid"), json.dumps(rep, indent=1)
+    [what_if] = rep["what_if"]
+    assert (what_if["try"], what_if["finite"]) == ("drop=1", True), what_if
+    assert what_if["loss"] == pytest.approx(expected, rel=1e-4), (what_if, expected)
