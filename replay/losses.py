@@ -57,6 +57,28 @@ def rebuild_loss(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor],
                         f"{kind!r}); {_FACTORY_WAY[3:]}")
 
 
+def kept_defaults(info: dict[str, Any] | None) -> str | None:
+    """A note on the rebuilt loss's attributes the bundle could not store, which its class's
+    default construction set (a ``torch.device``, a NumPy scalar): the re-run uses those
+    values, which may not be the run's. None when there are none."""
+    found: list[str] = []
+
+    def walk(node, prefix: str) -> None:
+        found.extend(f"{prefix}{a}" for a in node.get("unrecorded", ()))
+        for k, child in node.get("children", {}).items():
+            if isinstance(child, dict):
+                walk(child, f"{prefix}{k}.")
+
+    if info and isinstance(info.get("tree"), dict):
+        walk(info["tree"], "")
+    if not found:
+        return None
+    return (f"the loss's attribute(s) {', '.join(found[:3])} could not be stored in the bundle "
+            "(not JSON values, tensors, modules or importable functions): the re-run uses what "
+            "the loss class's default construction sets, which may not be the run's; make them "
+            f"such values, {_FACTORY_WAY}")
+
+
 def _function(info: dict[str, Any]):
     name = info.get("name") or "?"
     spec = info.get("import")

@@ -675,3 +675,23 @@ class StrideWeightedEPE(nn.Module):
     def forward(self, flows, gt, valid):
         return sum(MultiScaleEPE([self.weights[gt.shape[-1] // f.shape[-1]]])([f], gt, valid)
                    for f in flows)
+
+
+class LogGradientMatching(nn.Module):
+    """MegaDepth's gradient-matching term on log depth (Sobel gradients of the log-depth
+    error over the valid pixels) plus L1 of log depth; the Sobel kernels made on
+    ``self.device``, an attribute the constructor takes, as many ports keep it."""
+
+    def __init__(self, device: torch.device | None = None, alpha: float = 0.5):
+        super().__init__()
+        self.device, self.alpha = device or torch.device("cpu"), alpha
+
+    def forward(self, pred, gt):
+        valid = (gt > 0).float()[:, None]
+        d = (torch.log(pred) - torch.log(gt.clamp_min(1e-3)))[:, None] * valid
+        kx = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]],
+                          device=self.device)
+        k = torch.stack([kx, kx.T])[:, None]
+        grad = F.conv2d(d, k, padding=1).abs() * valid
+        n = valid.sum().clamp_min(1)
+        return d.abs().sum() / n + self.alpha * grad.sum() / n

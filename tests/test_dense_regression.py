@@ -261,3 +261,32 @@ def test_a_loss_s_weights_keyed_by_stride_are_replayed_as_the_run_set_them(out_d
     [what_if] = rep["what_if"]
     assert (what_if["try"], what_if["finite"]) == ("drop=1", True), what_if
     assert what_if["loss"] == pytest.approx(expected, rel=1e-4), (what_if, expected)
+
+
+def test_a_frozen_bn_encoder_and_a_loss_attribute_the_bundle_cannot_store(out_dir):
+    """BTS-style: a "pretrained" encoder whose BatchNorms the loop freezes after
+    ``model.train()`` (``freeze_bn``), a ReLU depth head, MegaDepth's gradient-matching loss
+    on log depth. Image 5's dark corner drives the frozen-BN encoder's depth to 0 (not with
+    batch statistics: the re-run must keep the recorded eval modes): log(0) = -inf, named at
+    the loss's log on image 5. The loss keeps a ``torch.device`` attribute, which the bundle
+    cannot store: the replay used the value the class's default construction gives without a
+    word; it says so now in a note."""
+    imgs, depth = D.depth_scenes(8)
+    imgs[5, :, :4, :4] = -50.0
+    model = D.make_bts()
+    model.train()
+    model.freeze_bn()
+    with torch.no_grad():
+        zero = (model(imgs[4:6]) == 0).flatten(1).any(1).nonzero()[:, 0].tolist()
+    assert zero == [1]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    crit = D.LogGradientMatching(device=torch.device("cpu"))
+    err = _train(out_dir, model, opt, crit, _pairs(imgs, depth), "dense_regression_models:make_bts")
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.log", "-inf", zero, "invalid"), json.dumps(rep, indent=1)
+    assert any("attribute(s) device (device) could not be stored" in p for p in rep["problems"]), \
+        rep["problems"]
