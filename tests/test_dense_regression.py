@@ -1,9 +1,10 @@
 """Dense regression and image restoration trained as those repos write it
-(``dense_regression_models.py``): optical flow with a multi-scale end-point-error loss over
-sparse ground truth, super-resolution with Charbonnier and a perceptual loss through a frozen
-feature extractor in eval mode, monocular depth with berHu and per-image scale-invariant log
-losses, integral pose regression; with a planted bug, the recorder fires at the planted step
-and ``nanreplay --json`` names the op, samples, cause and fix."""
+(``dense_regression_models.py``): optical flow with multi-scale end-point-error losses over
+sparse ground truth (one returning a dict of terms the loop sums), super-resolution with
+Charbonnier (in float16) and perceptual losses through a frozen feature extractor in eval mode,
+monocular depth with monodepth2's tuple-keyed dicts, a frozen-BatchNorm encoder and gradient
+matching on log depth; with a planted bug, the recorder fires at the planted step and
+``nanreplay --json`` names the op, samples, cause and fix."""
 
 from __future__ import annotations
 
