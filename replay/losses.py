@@ -153,7 +153,12 @@ def _import(spec: str, what: str):
 
 
 def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
-            shared: dict[str, nn.Module] | None = None) -> nn.Module:
+            shared: dict[str, nn.Module] | None = None, into: nn.Module | None = None
+            ) -> nn.Module:
+    """The loss (``top``) or one of its submodules, rebuilt from its bundle node: into
+    ``into``, the submodule its parent's default construction made there, when it is of the
+    recorded class, so that what that construction wired to it stays (forward hooks a
+    perceptual loss registers on its extractor's layers to tap their features)."""
     shared = shared or {}
     if not top and isinstance(own := shared.get(node.get("model")), nn.Module):
         return own
@@ -166,7 +171,7 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise Unrebuildable(f"the recorded loss class {spec} is not an nn.Module subclass; "
                             f"{_FACTORY_WAY[3:]}")
-    m = _instance(cls)
+    m = into if into is not None and type(into) is cls else _instance(cls)
     for k, v in node.get("config", {}).items():
         if isinstance(v, dict) and isinstance(pairs := v.get("$dict"), list):
             v = {key: x for key, x in pairs}  # (a dict keyed by numbers, as the loss held it)
@@ -188,9 +193,10 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
         m.register_parameter(k, None if key is None else nn.Parameter(
             _tensor(tensors, key, device, name), requires_grad=k not in frozen))
     for k, child in node.get("children", {}).items():
+        made = getattr(m, k, None)  # (type-checked in _module)
         _clear(m, k)
         m.add_module(k, None if child is None else _module(child, tensors, device,
-                                                            shared=shared))
+                                                            shared=shared, into=made))
     # each node's own recorded mode, not train()'s recursion, which would put a child's eval
     # mode (a perceptual loss's extractor, set eval in its __init__) back to training
     m.training = bool(node.get("training", True))

@@ -258,6 +258,33 @@ class PerceptualThrough(nn.Module):
         return F.l1_loss(sr, hr) + self.weight * F.mse_loss(self.net(sr), self.net(hr))
 
 
+class HookPerceptual(nn.Module):
+    """A perceptual loss that taps its extractor's layers with forward hooks registered in
+    ``__init__`` (the features land in ``self.feats``), unit-normalised as LPIPS does but
+    without its eps; L1 beside it."""
+
+    def __init__(self, layers=(2, 5)):
+        super().__init__()
+        self.vgg = FeatureExtractor()
+        self.vgg.features.append(ChannelNorm())
+        self.layers = list(layers)
+        self.feats = {}
+        for i in self.layers:
+            self.vgg.features[i].register_forward_hook(self._save(i))
+
+    def _save(self, i):
+        def hook(module, args, out):
+            self.feats[i] = out
+        return hook
+
+    def forward(self, sr, hr):
+        self.vgg(hr)
+        fh = dict(self.feats)
+        self.vgg(sr)
+        fs = dict(self.feats)
+        return F.l1_loss(sr, hr) + sum(F.mse_loss(fs[i], fh[i]) for i in self.layers)
+
+
 def sr_pairs(n: int = 8, size: int = 8, seed: int = 0, scale: int = 2):
     """HR crops in [0, 1] and their LR (area downsampling)."""
     g = torch.Generator().manual_seed(seed)

@@ -291,3 +291,30 @@ def test_a_frozen_bn_encoder_and_a_loss_attribute_the_bundle_cannot_store(out_di
         ("<loss>", "aten.log", "-inf", zero, "invalid"), json.dumps(rep, indent=1)
     assert any("attribute(s) device (device) could not be stored" in p for p in rep["problems"]), \
         rep["problems"]
+
+
+def test_a_perceptual_loss_tapping_its_extractor_with_forward_hooks_is_replayed(out_dir):
+    """A perceptual loss that reads its extractor's layers through forward hooks it registers
+    in ``__init__`` (``self.feats[i] = out``). The replay built the loss's class, then put
+    freshly built copies of its submodules in place of the ones its constructor had hooked:
+    no hook filled ``self.feats`` and the replay failed outright (KeyError: 2). The
+    submodules are rebuilt into the ones the constructor made now: the 0/0 of the HR
+    crop's unit-normalised features is named, on its image."""
+    lr, hr = D.sr_pairs(8)
+    crit = D.HookPerceptual()
+    with torch.no_grad():
+        feats = crit.vgg.features[:-1](hr[2:4])
+    samples = ((feats ** 2).sum(1) == 0).flatten(1).any(1).nonzero()[:, 0].tolist()
+    assert samples == [0]
+    model = D.make_edsr()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    err = _train(out_dir, model, opt, crit, _pairs(lr, hr), "dense_regression_models:make_edsr")
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>"), ev
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.div", "nan", samples, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("return f / torch.sqrt((f ** 2)"), o["source"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=0", True)], \
+        rep["what_if"]
