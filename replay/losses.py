@@ -171,11 +171,11 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise Unrebuildable(f"the recorded loss class {spec} is not an nn.Module subclass; "
                             f"{_FACTORY_WAY[3:]}")
-    m = into if into is not None and type(into) is cls else _instance(cls)
-    for k, v in node.get("config", {}).items():
-        if isinstance(v, dict) and isinstance(pairs := v.get("$dict"), list):
-            v = {key: x for key, x in pairs}  # (a dict keyed by numbers, as the loss held it)
-        _set_plain(m, k, tuple(v) if k in node.get("tuples", ()) else v)
+    config = _plain({k: tuple(v) if k in node.get("tuples", ()) else v
+                     for k, v in node.get("config", {}).items()})
+    m = into if into is not None and type(into) is cls else _instance(cls, config)
+    for k, v in config.items():
+        _set_plain(m, k, v)
     for k, key in node.get("tensors", {}).items():
         _set_plain(m, k, _tensor(tensors, key, device, name))
     for k, key in node.get("arrays", {}).items():  # NumPy arrays, as the loss held them
@@ -216,23 +216,34 @@ def _array(t: torch.Tensor, what: str, k: str):
                             "where nanreplay runs: pip install numpy") from None
 
 
-def _instance(cls: type) -> nn.Module:
-    """``cls()`` when its constructor needs no argument, else an instance made without
-    calling it (the recorded attributes are set next)."""
+def _instance(cls: type, config: dict[str, Any]) -> nn.Module:
+    """``cls()`` when its constructor needs no argument, or ``cls(**args)`` when each argument
+    it needs is a recorded attribute of the same name (``self.layers = layers``), else an
+    instance made without calling it (the recorded attributes are set next)."""
     try:
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
     except (TypeError, ValueError):
         params = None
+    named = [p for p in params or () if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     needs = params is None or any(
         p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
-    if not needs:
+    given = [p.name for p in named if p.default is p.empty]
+    if not needs or (params is not None and given and all(n in config for n in given)
+                     and all(p.kind != p.POSITIONAL_ONLY for p in params)):
         try:
-            return cls()
+            return cls(**{n: config[n] for n in given})
         except Exception:
             pass  # made without it below, like a constructor that needs arguments
     m = cls.__new__(cls)
     nn.Module.__init__(m)
     return m
+
+
+def _plain(config: dict[str, Any]) -> dict[str, Any]:
+    """The recorded attributes as the loss held them (a dict keyed by numbers from its pairs)."""
+    return {k: {key: x for key, x in v["$dict"]}
+            if isinstance(v, dict) and isinstance(v.get("$dict"), list) else v
+            for k, v in config.items()}
 
 
 def _clear(m: nn.Module, k: str) -> None:

@@ -285,6 +285,14 @@ class HookPerceptual(nn.Module):
         return F.l1_loss(sr, hr) + sum(F.mse_loss(fs[i], fh[i]) for i in self.layers)
 
 
+class TappedPerceptual(HookPerceptual):
+    """:class:`HookPerceptual` whose layers must be given (as BasicSR's ``PerceptualLoss``
+    requires its ``layer_weights``)."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+
+
 def sr_pairs(n: int = 8, size: int = 8, seed: int = 0, scale: int = 2):
     """HR crops in [0, 1] and their LR (area downsampling)."""
     g = torch.Generator().manual_seed(seed)

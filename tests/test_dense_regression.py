@@ -293,15 +293,19 @@ def test_a_frozen_bn_encoder_and_a_loss_attribute_the_bundle_cannot_store(out_di
         rep["problems"]
 
 
-def test_a_perceptual_loss_tapping_its_extractor_with_forward_hooks_is_replayed(out_dir):
+@pytest.mark.parametrize("loss_cls", ["HookPerceptual", "TappedPerceptual"])
+def test_a_perceptual_loss_tapping_its_extractor_with_forward_hooks_is_replayed(out_dir,
+                                                                               loss_cls):
     """A perceptual loss that reads its extractor's layers through forward hooks it registers
     in ``__init__`` (``self.feats[i] = out``). The replay built the loss's class, then put
     freshly built copies of its submodules in place of the ones its constructor had hooked:
-    no hook filled ``self.feats`` and the replay failed outright (KeyError: 2). The
-    submodules are rebuilt into the ones the constructor made now: the 0/0 of the HR
-    crop's unit-normalised features is named, on its image."""
+    no hook filled ``self.feats`` and the replay failed outright (KeyError: 2); a class whose
+    constructor needs its ``layers`` was not constructed at all. The submodules are rebuilt
+    into the ones the constructor made now, and a constructor is called with the recorded
+    attributes that bear its arguments' names: the 0/0 of the HR crop's unit-normalised
+    features is named, on its image."""
     lr, hr = D.sr_pairs(8)
-    crit = D.HookPerceptual()
+    crit = getattr(D, loss_cls)(layers=(2, 5))
     with torch.no_grad():
         feats = crit.vgg.features[:-1](hr[2:4])
     samples = ((feats ** 2).sum(1) == 0).flatten(1).any(1).nonzero()[:, 0].tolist()
