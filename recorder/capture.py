@@ -99,7 +99,7 @@ def flatten_tree(obj: Any, prefix: str, leaf=None, whole=None
         if isinstance(o, dict):
             items = []
             for k, v in o.items():
-                jk = k if k is None or isinstance(k, (str, int, float, bool)) else {"$repr": repr(k)}
+                jk = _json_key(k)
                 key = json.dumps(k) if isinstance(k, str) else repr(k)  # no !r: it would apply to both
                 items.append([jk, walk(v, f"{path}[{key}]")])
             return {"$dict": items}
@@ -198,8 +198,23 @@ def _dataclass(node: dict[str, Any], tensors: dict[str, torch.Tensor], leaf) -> 
     return objects.rebuild(name, {k: unflatten_tree(v, tensors, leaf) for k, v in items})
 
 
+def _json_key(k: Any) -> Any:
+    """A dict key as JSON: a scalar as itself; a tuple of such (monodepth2's
+    ``outputs[("disp", 0)]``, ``inputs[("color", 0, -1)]``) marked as one, to be rebuilt
+    hashable; anything else as its repr, which the replay refuses."""
+    if k is None or isinstance(k, (str, int, float, bool)):
+        return k
+    if type(k) is tuple:
+        items = [_json_key(i) for i in k]
+        if not any(isinstance(i, dict) and "$repr" in i for i in items):
+            return {"$tuple": items}
+    return {"$repr": repr(k)}
+
+
 def _key(k: Any) -> Any:
     if isinstance(k, dict):
+        if isinstance(items := k.get("$tuple"), list):
+            return tuple(_key(i) for i in items)
         raise UnrebuildableLeaf(f"dict key {k.get('$repr')}")
     return k
 

@@ -32,13 +32,18 @@ from .compat import own_slots
 from .validate import import_object, script_module
 
 
-def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
+                  model: nn.Module | None = None) -> dict[str, Any]:
     """The bundle's ``loss`` entry for the recorder's ``loss_fn`` (a module, or the module the
-    recorder wraps a plain function in); tensors go into ``tensors`` under ``loss/``."""
+    recorder wraps a plain function in); tensors go into ``tensors`` under ``loss/``. A
+    submodule the loss shares with ``model`` (a perceptual loss given the model's own
+    ``self.vgg``) is named by its name in the model too (``"model": "vgg"``), for the replay
+    to give the rebuilt loss the rebuilt model's."""
     fn = getattr(loss_fn, "fn", None)
     if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
         return {"kind": "function", **(_describe_method(fn) or describe_callable(fn))}
-    tree = _describe_module(loss_fn, "", tensors)
+    shared = {id(m): n for n, m in model.named_modules() if n} if model is not None else {}
+    tree = _describe_module(loss_fn, "", tensors, shared)
     # the flat fields older replays read (a torch.nn built-in rebuilt from its arguments)
     try:
         accepted = set(inspect.signature(type(loss_fn).__init__).parameters)
@@ -173,8 +178,8 @@ def _numeric_array(v) -> torch.Tensor | None:
         return None
 
 
-def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
-                     ) -> dict[str, Any]:
+def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor],
+                     shared: dict[int, str]) -> dict[str, Any]:
     cls = type(m)
     non_persistent, buffers, params, children = own_slots(m)
     node: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}",
@@ -191,6 +196,8 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
             node["config"][k] = _to_json(v)
             if isinstance(v, tuple):
                 node["tuples"].append(k)
+        elif _number_keyed(v):  # (scale weights keyed by stride, {2: 0.32, 4: 0.08})
+            node["config"][k] = {"$dict": [[key, _to_json(x)] for key, x in v.items()]}
         elif isinstance(v, torch.Tensor):
             key = f"loss/{prefix}{k}"
             tensors[key] = v.detach()
@@ -218,7 +225,9 @@ def _describe_module(m: nn.Module, prefix: str, tensors: dict[str, torch.Tensor]
         node["params"][k] = key
     for k, c in children.items():
         node["children"][k] = None if c is None else _describe_module(c, f"{prefix}{k}.",
-                                                                      tensors)
+                                                                      tensors, shared)
+        if c is not None and id(c) in shared:  # (described too: a replay that predates it)
+            node["children"][k]["model"] = shared[id(c)]
     return node
 
 
@@ -231,6 +240,13 @@ def _plain(v: Any) -> bool:
     if isinstance(v, dict):
         return all(isinstance(k, str) and _plain(x) for k, x in v.items())
     return False
+
+
+def _number_keyed(v: Any) -> bool:
+    """A dict of plain values whose keys are JSON scalars, not all strings (JSON would make
+    its keys strings: kept as its pairs)."""
+    return isinstance(v, dict) and bool(v) and all(
+        isinstance(k, (bool, int, float, str)) and _plain(x) for k, x in v.items())
 
 
 def _to_json(v: Any) -> Any:

@@ -29,6 +29,7 @@ from recorder.samples import Samples
 from .compat import sequence_nr
 from .factors import at_tie
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
+from .lost_eps import GuardNodes
 from .ops import OpFinder
 from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
@@ -67,6 +68,9 @@ class BackwardOrigin:
     # a gradient hook the forward registered made the value, before any node (the node
     # fields above are then its: node is grad_hooks.HOOK, source the line of its op)
     hook: HookHit | None = None
+    # the eps of a guard whose output the node took (``sqrt(x + 1e-12)``) that the output's
+    # type rounded to 0 (float16), see :class:`replay.lost_eps.GuardNodes`
+    lost_eps: float | None = None
 
 
 @contextlib.contextmanager
@@ -221,6 +225,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     backward passes of their own during the forward (after the nodes are labelled)."""
     found = BackwardOrigin()
     handles: list = []
+    guards = GuardNodes()
     watch = HookWatch(where or Samples(), lambda: found.node is not None,
                       lambda: (runner.micro_batch, runner.in_loss))
 
@@ -244,6 +249,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
                 found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
                 found.positive_input = from_positive(node)
                 found.exp_of = _exp_of(node)
+                found.lost_eps = guards.of(node)
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
         handles.append(node.register_hook(hook))
 
@@ -251,7 +257,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     labels = _NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
-    run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch),
+    run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards),
                      hooks=lambda m: labels.hooks(m) + (probe(m) if probe else [])
                      + watch.parameters(m),
                      backward_ctx=_loss_labeller(runner, labels.label))
@@ -284,10 +290,10 @@ def _later_samples(found: BackwardOrigin, node, name: str, grad_inputs, grad_out
 
 
 @contextlib.contextmanager
-def _watched(watch: HookWatch):
+def _watched(watch: HookWatch, guards: GuardNodes):
     # (no NaN check: an autograd.grad in the forward or the loss, forces -dE/dpos, must run
     # on past its first NaN, as training did, for the nodes after the origin to name samples)
-    with _anomaly(check_nan=False), watch.registering():
+    with _anomaly(check_nan=False), watch.registering(), guards:
         yield
 
 

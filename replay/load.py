@@ -31,7 +31,7 @@ from .attributes import built_otherwise, restore_attributes, restored_note
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .loss_params import attach_loss_params
-from .losses import Unrebuildable, rebuild_loss
+from .losses import Unrebuildable, kept_defaults, rebuild_loss
 from .optim import build_optimizer
 from .shards import resolve
 from .views import same_view
@@ -220,7 +220,9 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     step.loss_fn = made.get("loss_fn")
     if step.loss_fn is None:
         try:
-            step.loss_fn = rebuild_loss(meta.get("loss"), step.tensors, step.device)
+            step.loss_fn = rebuild_loss(meta.get("loss"), step.tensors, step.device, model)
+            if step.loss_fn is not None and (kept := kept_defaults(meta.get("loss"))):
+                step.problems.append(kept)
         except Unrebuildable as e:
             step.problems.append(str(e))
     attach_loss_params(step)  # (those the optimizer trained, before it is rebuilt over them)

@@ -32,20 +32,51 @@ class Unrebuildable(Exception):
 
 
 def rebuild_loss(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor],
-                 device: torch.device):
+                 device: torch.device, model: nn.Module | None = None):
     """The loss described by the bundle's ``loss`` entry, or None when there is none to re-run
-    (no loss recorded, or one given to ``record_loss``). Raises :class:`Unrebuildable`."""
+    (no loss recorded, or one given to ``record_loss``). A submodule the loss shared with the
+    model (``"model": NAME``) is ``model``'s, as in the run: its calls from the loss are the
+    model's module calls, which the re-run watches as the recorder did. Raises
+    :class:`Unrebuildable`."""
     if not info or info.get("kind") == "recorded":
         return None
     kind = info.get("kind")
     if kind == "function":
         return _function(info)
     if kind == "module" and isinstance(info.get("tree"), dict):
-        return _module(info["tree"], tensors, device, top=True)
+        shared = dict(model.named_modules()) if model is not None else {}
+        modes = [(m, m.training) for m in shared.values()]
+        try:
+            return _module(info["tree"], tensors, device, top=True, shared=shared)
+        finally:  # (the loss's train() reached its shared modules: theirs are as recorded)
+            for m, was in modes:
+                m.training = was
     if kind == "module" and isinstance(info.get("class"), str):
         return _builtin_module(info, tensors, device)  # a bundle from before "tree"
     raise Unrebuildable(f"the bundle's loss entry is not one the recorder writes (kind "
                         f"{kind!r}); {_FACTORY_WAY[3:]}")
+
+
+def kept_defaults(info: dict[str, Any] | None) -> str | None:
+    """A note on the rebuilt loss's attributes the bundle could not store, which its class's
+    default construction set (a ``torch.device``, a NumPy scalar): the re-run uses those
+    values, which may not be the run's. None when there are none."""
+    found: list[str] = []
+
+    def walk(node, prefix: str) -> None:
+        found.extend(f"{prefix}{a}" for a in node.get("unrecorded", ()))
+        for k, child in node.get("children", {}).items():
+            if isinstance(child, dict):
+                walk(child, f"{prefix}{k}.")
+
+    if info and isinstance(info.get("tree"), dict):
+        walk(info["tree"], "")
+    if not found:
+        return None
+    return (f"the loss's attribute(s) {', '.join(found[:3])} could not be stored in the bundle "
+            "(not JSON values, tensors, modules or importable functions): the re-run uses what "
+            "the loss class's default construction sets, which may not be the run's; make them "
+            f"such values, {_FACTORY_WAY}")
 
 
 def _function(info: dict[str, Any]):
@@ -121,7 +152,16 @@ def _import(spec: str, what: str):
     return obj
 
 
-def _module(node: dict[str, Any], tensors, device, *, top: bool = False) -> nn.Module:
+def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
+            shared: dict[str, nn.Module] | None = None, into: nn.Module | None = None
+            ) -> nn.Module:
+    """The loss (``top``) or one of its submodules, rebuilt from its bundle node: into
+    ``into``, the submodule its parent's default construction made there, when it is of the
+    recorded class, so that what that construction wired to it stays (forward hooks a
+    perceptual loss registers on its extractor's layers to tap their features)."""
+    shared = shared or {}
+    if not top and isinstance(own := shared.get(node.get("model")), nn.Module):
+        return own
     name = node.get("class", "?")
     what = f"the loss {name}" if top else f"the loss's submodule {name}"
     spec = node.get("import")
@@ -131,9 +171,11 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False) -> nn.M
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise Unrebuildable(f"the recorded loss class {spec} is not an nn.Module subclass; "
                             f"{_FACTORY_WAY[3:]}")
-    m = _instance(cls)
-    for k, v in node.get("config", {}).items():
-        _set_plain(m, k, tuple(v) if k in node.get("tuples", ()) else v)
+    config = _plain({k: tuple(v) if k in node.get("tuples", ()) else v
+                     for k, v in node.get("config", {}).items()})
+    m = into if into is not None and type(into) is cls else _instance(cls, config)
+    for k, v in config.items():
+        _set_plain(m, k, v)
     for k, key in node.get("tensors", {}).items():
         _set_plain(m, k, _tensor(tensors, key, device, name))
     for k, key in node.get("arrays", {}).items():  # NumPy arrays, as the loss held them
@@ -151,9 +193,13 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False) -> nn.M
         m.register_parameter(k, None if key is None else nn.Parameter(
             _tensor(tensors, key, device, name), requires_grad=k not in frozen))
     for k, child in node.get("children", {}).items():
+        made = getattr(m, k, None)  # (type-checked in _module)
         _clear(m, k)
-        m.add_module(k, None if child is None else _module(child, tensors, device))
-    m.train(bool(node.get("training", True)))
+        m.add_module(k, None if child is None else _module(child, tensors, device,
+                                                            shared=shared, into=made))
+    # each node's own recorded mode, not train()'s recursion, which would put a child's eval
+    # mode (a perceptual loss's extractor, set eval in its __init__) back to training
+    m.training = bool(node.get("training", True))
     lost = [a for a in node.get("unrecorded", ()) if not hasattr(m, a.split(" ")[0])]
     if lost:  # (one its default construction set is kept)
         raise Unrebuildable(f"{what} holds attribute(s) the bundle cannot store ("
@@ -170,23 +216,34 @@ def _array(t: torch.Tensor, what: str, k: str):
                             "where nanreplay runs: pip install numpy") from None
 
 
-def _instance(cls: type) -> nn.Module:
-    """``cls()`` when its constructor needs no argument, else an instance made without
-    calling it (the recorded attributes are set next)."""
+def _instance(cls: type, config: dict[str, Any]) -> nn.Module:
+    """``cls()`` when its constructor needs no argument, or ``cls(**args)`` when each argument
+    it needs is a recorded attribute of the same name (``self.layers = layers``), else an
+    instance made without calling it (the recorded attributes are set next)."""
     try:
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
     except (TypeError, ValueError):
         params = None
+    named = [p for p in params or () if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     needs = params is None or any(
         p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
-    if not needs:
+    given = [p.name for p in named if p.default is p.empty]
+    if not needs or (params is not None and given and all(n in config for n in given)
+                     and all(p.kind != p.POSITIONAL_ONLY for p in params)):
         try:
-            return cls()
+            return cls(**{n: config[n] for n in given})
         except Exception:
             pass  # made without it below, like a constructor that needs arguments
     m = cls.__new__(cls)
     nn.Module.__init__(m)
     return m
+
+
+def _plain(config: dict[str, Any]) -> dict[str, Any]:
+    """The recorded attributes as the loss held them (a dict keyed by numbers from its pairs)."""
+    return {k: {key: x for key, x in v["$dict"]}
+            if isinstance(v, dict) and isinstance(v.get("$dict"), list) else v
+            for k, v in config.items()}
 
 
 def _clear(m: nn.Module, k: str) -> None:

@@ -6,6 +6,9 @@ loss made ``.half()``): 1e-8 is below float16's smallest subnormal (5.96e-08), s
 is ``card``, and an empty class's 0 is divided as if no eps were there. :class:`LostEps` marks
 the outputs of such ops as the op finder sees them; the blamed op's evidence says which of its
 inputs carry one (:attr:`replay.hits.Evidence.lost_eps`), and :func:`context` says so.
+:class:`GuardNodes` does the same for a backward origin: BasicSR's Charbonnier loss,
+``sqrt(d ** 2 + 1e-12)`` in float16, is ``sqrt(0)`` where a pixel is exact, and sqrt's
+backward node at that pole took the output of an ``add`` whose eps was lost.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # ops that take a guard as a number: t + eps, t.clamp_min(eps), t.clamp(min=eps)
 _GUARDS = {"add", "add_", "clamp", "clamp_", "clamp_min", "clamp_min_"}
@@ -29,15 +33,49 @@ class LostEps:
                 or not out.is_floating_point():
             return
         eps = args[1]
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            return
-        if eps <= smallest(out.dtype) / 2:  # (round to nearest even: half of it is 0 too)
+        if _lost(eps, out):
             self._of[id(out)] = (weakref.ref(out), float(eps))
 
     def of(self, t: torch.Tensor) -> float | None:
         """The guard ``t`` was made with that its type rounded to 0, or None."""
         hit = self._of.get(id(t))
         return hit[1] if hit is not None and hit[0]() is t else None
+
+
+def _lost(eps: Any, out: Any) -> bool:
+    """``eps`` is a positive number that ``out``'s floating type rounds to 0."""
+    return isinstance(out, torch.Tensor) and out.is_floating_point() \
+        and not isinstance(eps, bool) and isinstance(eps, (int, float)) and eps > 0 \
+        and eps <= smallest(out.dtype) / 2  # (round to nearest even: half of it is 0 too)
+
+
+class GuardNodes(TorchFunctionMode):
+    """Inside the block, the autograd nodes of the guards (``x + eps``, ``x.clamp_min(eps)``,
+    ``x.clamp(min=eps)``) whose eps the output's type rounded to 0. Kept as the nodes
+    themselves (strong references, for the block's one re-run): a node's ``next_functions``
+    give back the same objects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list[tuple[Any, float]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "").strip("_").removeprefix("r").removeprefix("i")
+        if name.rstrip("_") in _GUARDS and len(args) >= 1:
+            eps = args[1] if len(args) > 1 else kwargs.get("min", kwargs.get("other"))
+            if _lost(eps, out) and out.grad_fn is not None:
+                self.nodes.append((out.grad_fn, float(eps)))
+        return out
+
+    def of(self, node) -> float | None:
+        """The lost eps of a guard whose output ``node`` takes, or None."""
+        try:
+            nexts = [fn for fn, _ in node.next_functions if fn is not None]
+        except Exception:  # not an autograd node, or one that cannot say
+            return None
+        return next((eps for fn in nexts for n, eps in self.nodes if fn is n), None)
 
 
 def smallest(dtype: torch.dtype) -> float:
@@ -52,10 +90,14 @@ def context(ev) -> str:
     for i, eps in enumerate(ev.lost_eps):
         if eps is None or not ev.elementwise[i] or not bool((ev.inputs[i] == 0).any()):
             continue
-        dt = ev.input_dtypes[i]
-        name = str(dt).removeprefix("torch.")
-        return (f"; the eps {eps:g} added to that input is 0 in {name} (its smallest positive "
-                f"number is {smallest(dt):.3g}), so it guarded nothing: use an eps {name} "
-                f"keeps (at least its smallest normal number, {torch.finfo(dt).tiny:.3g}) or "
-                "compute this in float32")
+        return said(eps, ev.input_dtypes[i])
     return ""
+
+
+def said(eps: float, dt: torch.dtype) -> str:
+    """The hint's addition for an ``eps`` that ``dt`` rounded to 0."""
+    name = str(dt).removeprefix("torch.")
+    return (f"; the eps {eps:g} added to that input is 0 in {name} (its smallest positive "
+            f"number is {smallest(dt):.3g}), so it guarded nothing: use an eps {name} "
+            f"keeps (at least its smallest normal number, {torch.finfo(dt).tiny:.3g}) or "
+            "compute this in float32")

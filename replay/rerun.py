@@ -257,7 +257,7 @@ class Runner:
                 (loss * f).backward(inputs=own)
             torch.autograd.backward(*with_kept(self, [o for o, _ in pairs],
                                                [g.to(o.dtype) for o, g in pairs]))
-        elif (loss := _scalar_loss(loss)) is not None:
+        elif (loss := scalar_loss(loss)) is not None:
             # (a loss of several values, reduction="none", was reduced by the loop outside the
             # recorder, in a way the replay does not know: no backward from it; a what-if's
             # micro-batch carries the loop's own factor: replay.loopscale)
@@ -273,11 +273,14 @@ class Runner:
     @contextlib.contextmanager
     def float64(self):
         """Run in float64 inside the block (weights, buffers and the recorded buffer values a
-        run starts from, the loss's buffers); every dtype is restored after."""
+        run starts from, the loss's parameters and buffers: a perceptual loss's frozen feature
+        extractor); every dtype is restored after."""
         model, loss = self.model, self.step.loss_fn
         dtypes = _to_float64(list(model.named_parameters()) + list(model.named_buffers()))
-        loss_dtypes = (_to_float64(list(loss.named_buffers()), even_float64=True)
-                       if isinstance(loss, nn.Module) else {})
+        # (the loss's trained parameters, and the modules it shares with the model, are the
+        # model's, widened and restored as the model's: not counted twice)
+        loss_params = _to_float64(_loss_own(loss, model, "named_parameters"))
+        loss_dtypes = _to_float64(_loss_own(loss, model, "named_buffers"), even_float64=True)
         saved = self._initial_buffers
         self._initial_buffers = {n: b.to(widened(b.dtype) or b.dtype) for n, b in saved.items()}
         self.cast = torch.float64
@@ -293,10 +296,12 @@ class Runner:
                         t.data = t.data.to(dtypes[name])
                         if t.grad is not None:
                             t.grad = None
-                if isinstance(loss, nn.Module):
-                    for name, b in loss.named_buffers():
-                        if name in loss_dtypes:
-                            b.data = b.data.to(loss_dtypes[name])
+                for name, t in _loss_own(loss, model, "named_parameters"):
+                    if name in loss_params:
+                        t.data = t.data.to(loss_params[name])
+                for name, t in _loss_own(loss, model, "named_buffers"):
+                    if name in loss_dtypes:
+                        t.data = t.data.to(loss_dtypes[name])
 
     # -- bisection (replay.bisection) ----------------------------------------------------------
 
@@ -316,13 +321,28 @@ class Runner:
         return bisection.search(lambda k: self.probe(k, allowed), n_calls)
 
 
-def _scalar_loss(loss) -> torch.Tensor | None:
+def scalar_loss(loss) -> torch.Tensor | None:
     """The loss to differentiate: a scalar that requires grad, or the one such scalar of a
-    loss_fn returning ``(total, {"mel": mel_loss.detach(), ...})``, the terms to log."""
+    loss_fn returning ``(total, {"mel": mel_loss.detach(), ...})``, the terms to log, or the
+    sum of a dict of terms (see :func:`_dict_total`)."""
     if isinstance(loss, torch.Tensor):
         return loss if loss.requires_grad and loss.numel() == 1 else None
     found = [t for t in tensor_leaves(loss) if t.requires_grad and t.numel() == 1]
+    if len(found) > 1 and isinstance(loss, dict):
+        return _dict_total(loss)
     return found[0] if len(found) == 1 else None
+
+
+def _dict_total(loss: dict) -> torch.Tensor | None:
+    """A loss_fn returning a dict of terms (mmflow's and mmdet's ``{"loss_flow": ...}``,
+    detectron2's ``loss_dict``), which the loop sums: the terms named ``loss...`` where any
+    is (mmcv's ``parse_losses``: the others are logged), else every term; a term that is a
+    list of values (one per level) counted by its values' means, as mmcv does."""
+    terms = {k: [t for t in tensor_leaves(v) if t.requires_grad] for k, v in loss.items()}
+    terms = {k: ts for k, ts in terms.items() if ts}
+    named = [ts for k, ts in terms.items() if "loss" in str(k)]
+    picked = [t.mean() for ts in (named or list(terms.values())) for t in ts]
+    return sum(picked[1:], picked[0]) if picked else None
 
 
 def _external(pairs: list[tuple[torch.Tensor, torch.Tensor]], through_nonfinite: bool = False
@@ -395,6 +415,14 @@ def _default_dtype(dtype: torch.dtype | None):
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+def _loss_own(loss, model: nn.Module, which: str) -> list[tuple[str, torch.Tensor]]:
+    """The loss module's named parameters or buffers (``which``) that are not the model's."""
+    if not isinstance(loss, nn.Module):
+        return []
+    model_ids = {id(t) for _, t in [*model.named_parameters(), *model.named_buffers()]}
+    return [(n, t) for n, t in getattr(loss, which)() if id(t) not in model_ids]
 
 
 def _to_float64(named, even_float64: bool = False) -> dict[str, torch.dtype]:

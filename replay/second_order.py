@@ -24,7 +24,7 @@ from .backward import _anomaly, _NodeLabels, _source, batch_rows, grad_fns, save
 from .findings import finish, origin_fields
 from .load import Step, output_grads
 from .recorded import samples
-from .rerun import Runner, _scalar_loss
+from .rerun import Runner, scalar_loss
 
 
 @dataclass
@@ -88,7 +88,7 @@ def find_second_order(runner: Runner, before: int) -> SecondOrder | None:
     named = [(n, p) for n, p in runner.model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     for i, loss in zip(run.loss_micro_batches, run.losses):
-        loss = _scalar_loss(loss)
+        loss = scalar_loss(loss)
         if i >= before or loss is None or not finite(loss):
             continue
         labels.label(grad_fns([loss]), "<loss>")

@@ -21,9 +21,11 @@ from .compat import no_process_group
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(__file__)) + os.sep + d + os.sep
                   for d in ("replay", "recorder"))
-# a mode of the replay's that passes every torch call on (grad_hooks' watch of register_hook)
-# sits among torch's frames, between the user's call and the op: read it as torch's
-_PASS_THROUGH = os.path.join(os.path.dirname(__file__), "grad_hooks.py")
+# modes of the replay's that pass every torch call on (grad_hooks' watch of register_hook,
+# lost_eps' watch of guards) sit among torch's frames, between the user's call and the op:
+# read them as torch's
+_PASS_THROUGH = tuple(os.path.join(os.path.dirname(__file__), f)
+                      for f in ("grad_hooks.py", "lost_eps.py"))
 _DIST_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 # set on an exception an aten op raised inside one of the replay's dispatch modes
@@ -54,7 +56,7 @@ def _first_user(frames) -> str | None:
     """
     left_own = False
     for f, line in frames:
-        if left_own and f == _PASS_THROUGH:
+        if left_own and f in _PASS_THROUGH:
             continue
         if f.startswith(_OWN_DIRS):
             if left_own:

@@ -44,7 +44,7 @@ from .optim import needs_closure, per_parameter, state_note
 from .outgrads import nonfinite_forwards
 from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
-from .rerun import Runner, restorable
+from .rerun import Runner, restorable, scalar_loss
 from .update_domain import update_domain
 
 
@@ -474,8 +474,8 @@ def _kind(tensors) -> str | None:
 
 
 def _loss_value(run) -> float | None:
-    vals = [t for loss in run.losses for t in ([loss] if isinstance(loss, torch.Tensor) else [])
-            if t.numel() == 1]
+    vals = [t for loss in run.losses if (t := loss if isinstance(loss, torch.Tensor) else
+                                         scalar_loss(loss)) is not None and t.numel() == 1]
     return float(sum(float(t.detach()) for t in vals)) if vals else None
 
 
