@@ -219,8 +219,8 @@ class FlightRecorder:
             self.calls.loss_recorded = True
             first = len(tape.loss)
             tape.loss_stats(loss)
-            tape.given_loss = {*tape.given_loss, *range(first, len(tape.loss))}  # (see
-            # events._loss_event)
+            # (which of the step's losses were given here: see events._loss_event)
+            tape.given_loss = {*tape.given_loss, *range(first, len(tape.loss))}
         except Exception as e:
             self.health.internal_error(e)
 

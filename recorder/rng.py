@@ -126,7 +126,7 @@ class RngCapture:
 def _fast_key(parts: tuple) -> tuple:
     """Every generator's fingerprint (see :class:`_Fingerprinted`) and owner, and whether NumPy
     or CUDA came in since: equal, no state moved."""
-    np, inst, pw, gen, tw, rs, owner, nw, gauss = parts
+    np, inst, pw, _, tw, rs, owner, nw, gauss = parts  # (torch's owner: the default generator)
     now = sys.modules.get("numpy")
     return (now, torch.cuda.is_initialized(), random.getstate.__self__, torch.default_generator,
             _PY_WORDS(pw), inst.gauss_next, _TORCH_WORDS(tw),
