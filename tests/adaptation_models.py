@@ -130,3 +130,22 @@ def mean_teacher_loss(student_logits, y, labelled, teacher_logits, weight: float
     sup = F.cross_entropy(student_logits[labelled], y[labelled])
     cons = F.mse_loss(student_logits.softmax(-1), teacher_logits.softmax(-1))
     return sup + weight * cons
+
+
+class MeanTeacher(nn.Module):
+    """The student and its EMA teacher in one module; the optimizer holds the student only,
+    and the loop writes the teacher's weights after each ``optimizer.step()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = make_net()
+        self.teacher = make_net().requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.teacher(x)
+        return self.student(x), t
+
+
+def make_mean_teacher() -> nn.Module:
+    return MeanTeacher()
