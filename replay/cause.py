@@ -193,10 +193,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         if rounded is None and any(bool((v == 0).any()) for v in ev.inputs):
             return Cause("underflow", f"{what}: float64 keeps the step finite, so that 0 is "
                          "a value rounded to 0: " + DO["log_space"])
-        left = residue.divisor_residue(name, capture, ev) if rounded else None
-        if left is not None:  # float64's divisor is its own rounding of a 0: not the fix
-            return Cause("invalid", f"{what}, which exact arithmetic makes too: float64's "
-                         f"{_g(left)} there is a rounding residue: " + DO[situation])
+        if rounded and (left := residue.hint(name, capture, ev, what, DO[situation])):
+            return Cause("invalid", left)  # float64's divisor: its own rounding of a 0
         # enough digits that the float64 value does not read as the value the op was given
         seen = (f" (float64 has {domains.g_apart(moved[2], *_given(ev, moved[1]))} there)"
                 if moved else "")

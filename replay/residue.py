@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import OpAt
+from .domains import g
 from .hits import Evidence
 
 _ULPS = 64  # how many float64 epsilons of the numerator's scale still read as residue
@@ -42,3 +43,14 @@ def divisor_residue(name: str, capture: OpAt | None, ev: Evidence) -> float | No
         return None
     top = float(w[moved].abs().max())
     return float(w[moved][0]) if top <= _ULPS * torch.finfo(torch.float64).eps * scale else None
+
+
+def hint(name: str, capture: OpAt | None, ev: Evidence, what: str, advice: str) -> str | None:
+    """The ``invalid`` hint for a division whose float64 divisor is such a residue, else None.
+    (``what``: the op and what it was given; ``advice``: the division's.)"""
+    left = divisor_residue(name, capture, ev)
+    if left is None:
+        return None
+    return (f"{what}, which exact arithmetic makes too: float64's {g(left)} there is a "
+            "rounding residue (within float64's precision of the values divided), not a "
+            f"value, so float64 is no fix: {advice}")
