@@ -25,8 +25,11 @@ def plain_attributes(m: nn.Module) -> dict[str, int | float | bool]:
 
 
 def _plain(k: str, v: Any) -> bool:
-    return type(v) in PLAIN and k != "training" and not k.startswith("_") \
-        and (type(v) is not float or math.isfinite(v))
+    # (a non-finite float too: a coefficient the loop's schedule made NaN is the step's
+    # cause; the bundle spells it 'nan', 'inf' or '-inf', and the replay reads it back)
+    # (and a float's subclass: NumPy's float64 from a schedule's np.exp, as DANN's is)
+    return (type(v) in PLAIN or isinstance(v, float)) and k != "training" \
+        and not k.startswith("_")
 
 
 class AttributeWatch:
@@ -64,4 +67,8 @@ class AttributeWatch:
             found = dict(zip(start, values if len(start) > 1 else (values,)))
             now.update({k: v for k, v in found.items() if _plain(k, v)})
         return {k: v for k, v in now.items()
-                if k not in start or type(start[k]) is not type(v) or start[k] != v}
+                if k not in start or type(start[k]) is not type(v) or not _same(start[k], v)}
+
+
+def _same(a, b) -> bool:
+    return a == b or (type(a) is float and math.isnan(a) and math.isnan(b))

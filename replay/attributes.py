@@ -9,6 +9,7 @@ nor changes a type); the values are those the step closed with (see
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch import nn
@@ -16,6 +17,7 @@ from torch import nn
 from recorder.attributes import PLAIN
 
 _SHOWN = 6  # restored attributes named in the note
+_SPELT = ("nan", "inf", "-inf")  # the bundle's non-finite floats (recorder.bundle.jsonable)
 
 
 def restore_attributes(meta: dict[str, Any], model: nn.Module) -> list[str]:
@@ -25,7 +27,10 @@ def restore_attributes(meta: dict[str, Any], model: nn.Module) -> list[str]:
     for name, m, k, v, built in _differing(meta, model, "attrs"):
         if k != "training":  # (the modes are set from the modules' own entries)
             setattr(m, k, v)
-            restored.append(f"{name}.{k} = {v!r} (the factory built {built!r})")
+            bad = type(v) is float and not math.isfinite(v)  # (a schedule's 0/0: DANN's lambda)
+            restored.append(f"{name}.{k} = {v!r} (the factory built {built!r}"
+                            + ("; non-finite: the loop's code that set it, a schedule, made "
+                               "it so, and the step computed with it)" if bad else ")"))
     return restored
 
 
@@ -52,7 +57,10 @@ def _differing(meta: dict[str, Any], model: nn.Module, key: str):
             continue
         for k, v in attrs.items():
             built = vars(m).get(k)
-            if type(v) in PLAIN and type(built) is type(v) and built != v:
+            if type(built) is float and v in _SPELT:  # a non-finite float, spelt (jsonable)
+                v = float(v)
+            if type(v) in PLAIN and type(built) is type(v) and built != v \
+                    and not (built != built and v != v):  # (NaN both: the same)
                 yield info["name"] or "<root>", m, k, v, built
 
 

@@ -94,6 +94,8 @@ def dann_loss(out, y, domain, align: str = "mmd", temp: float = 1.0):
         loss = loss + coral(f[src], f[tgt])
     elif align == "entropy":
         loss = loss + 0.1 * entropy(logits[tgt] / temp)
+    elif align == "guarded_entropy":
+        loss = loss + 0.1 * guarded_entropy(logits[tgt] / temp)
     return loss
 
 
@@ -149,3 +151,24 @@ class MeanTeacher(nn.Module):
 
 def make_mean_teacher() -> nn.Module:
     return MeanTeacher()
+
+
+def fixmatch_indexed_loss(logits_x, y, logits_w, logits_s, threshold: float = 0.95):
+    """FixMatch with the confident rows selected by a boolean index: the cross-entropy of no
+    row (none confident) is a mean over nothing."""
+    conf, pseudo = logits_w.detach().softmax(-1).max(-1)
+    m = conf >= threshold
+    return F.cross_entropy(logits_x, y) + F.cross_entropy(logits_s[m], pseudo[m])
+
+
+def pi_model_loss(logits_x, y, logits_w, logits_s, weight: float = 1.0):
+    """Supervised CE plus the Pi-model/UDA consistency between the weak and strong views."""
+    return F.cross_entropy(logits_x, y) + weight * F.mse_loss(
+        logits_s.softmax(-1), logits_w.detach().softmax(-1))
+
+
+def guarded_entropy(logits):
+    """The entropy with its 0 * log 0 guarded in the forward only: torch.where's untaken
+    branch still back-propagates log's 1/p = inf at p = 0, times the where's 0: NaN."""
+    p = logits.softmax(-1)
+    return -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1).mean()

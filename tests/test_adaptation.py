@@ -7,9 +7,11 @@ target rows' entropy. Each planted bug fires at its step and ``nanreplay`` names
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import adaptation_models as A
+import numpy as np
 import pytest
 import torch
 from bundles import nanreplay_json
@@ -101,3 +103,36 @@ def test_entropy_of_sharpened_target_predictions_names_the_target_rows(tmp_path)
     assert expect and o["samples"] == expect, (o["samples"], expect)
     (tried,) = rep["what_if"]
     assert (tried["try"], tried["finite"]) == ("drop=" + ",".join(map(str, expect)), True)
+
+
+def test_a_nan_grl_coefficient_from_numpy_s_schedule_is_restored_and_named(tmp_path):
+    """DANN's loop computes lambda = 2 / (1 + np.exp(-10 p)) - 1 from the progress p = step /
+    (epochs * len(target_loader)), a NumPy float64; the target loader is empty (fewer target
+    images than the batch size, drop_last=True), so p = 0/0 and lambda is NaN: the GRL's
+    backward multiplies the discriminator's gradient by NaN. The recorder kept no attribute
+    that was NaN, nor a NumPy float: the replay re-ran with the factory's coefficient 0.0 and
+    blamed loss terms outside loss_fn (cause unknown). It now re-runs with the NaN and names
+    the GRL's backward, its line, and the attribute."""
+    model = A.make_dann()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    target_batches = 0  # len(target_loader)
+    with pytest.raises(NonFiniteError) as info, np.errstate(invalid="ignore"):
+        with FlightRecorder(model, opt, loss_fn=A.dann_loss, out_dir=tmp_path,
+                            factory="adaptation_models:make_dann") as rec:
+            for step in range(3):
+                p = np.float64(step) / (STEPS * target_batches)
+                model.coeff = 2.0 / (1.0 + np.exp(-10 * p)) - 1
+                x, y, dom = batch(step)
+                loss = rec.loss_fn(model(x, dom), y, dom, align="none")
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (0, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], rep["cause"]) == (
+        True, "backward", "", "GradientReverseBackward", "invalid"), json.dumps(o)
+    assert "grad.neg() * ctx.coeff" in " ".join(rep["problems"]), rep["problems"]
+    assert "<root>.coeff = nan (the factory built 0.0; non-finite" in " ".join(
+        rep["problems"]), rep["problems"]
