@@ -30,7 +30,9 @@ from .sparse import SPARSE, nested_node, rebuild_nested, rebuild_sparse, sparse_
 
 
 def _json_float(x: float) -> Any:
-    return x if math.isfinite(x) else {"$float": repr(x)}
+    # repr of the float itself: a subclass's (NumPy's float64 from a schedule's np.exp, a
+    # float before the NumPy scalars are seen) reads 'np.float64(nan)', which float() refuses
+    return x if math.isfinite(x) else {"$float": repr(float(x))}
 
 
 def _numpy_scalar(o: Any) -> dict[str, Any] | None:

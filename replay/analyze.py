@@ -55,6 +55,7 @@ from .origins import (
     report_weights,
 )
 from .outliers import out_of_scale, outlier_hint
+from .param_writes import number_note
 from .recorded import (
     batch_non_finite,
     batch_size,
@@ -90,6 +91,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if late := sorted(_late(step)):
         report["problems"].append(fidelity.late_note(late, bool(step.meta.get("optimizer"))))
     report = _from_bundle(report, step) or _from_rerun(report, step)
+    if note := number_note(step, report):  # (a NaN number the forward took: no input)
+        report["problems"].append(note)
     if not add_window(step, report):  # (its measured growth says it, else the precursors)
         _diverging(report, window_of(step) is not None)
     ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)

@@ -83,6 +83,23 @@ def non_finite_numbers(step: Step) -> dict[str, float]:
     return found
 
 
+def number_note(step: Step, report: dict[str, Any]) -> str | None:
+    """A note naming a NaN/Inf number the step passed to the forward (DANN's GRL coefficient
+    from a schedule's 0/0) when the hint does not already: a number is not checked as data,
+    so the origin is the op that first used it, not the input."""
+    try:
+        numbers = list(non_finite_numbers(step).items()) if step.micro_batches else []
+    except (ValueError, KeyError, TypeError):  # (inputs it cannot rebuild: said elsewhere)
+        return None
+    if not numbers or any(k in (report.get("hint") or "") for k, _ in numbers):
+        return None
+    (path, v), more = numbers[0], len(numbers) - 1
+    return (f"the forward was passed the number {path} = {v}" + (f" (+{more} more)" if more
+            else "") + ", a number, not a tensor, so not checked as data: fix the code that "
+            "computes it (a schedule's 0/0, such as a progress over 0 total steps) or check it "
+            "with math.isfinite before the forward")
+
+
 def forward_made_hint(step: Step, made: dict[str, Any]) -> str:
     """What the report says of parameters the step's own forward made non-finite."""
     names = made["params"]

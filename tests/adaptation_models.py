@@ -172,3 +172,16 @@ def guarded_entropy(logits):
     branch still back-propagates log's 1/p = inf at p = 0, times the where's 0: NaN."""
     p = logits.softmax(-1)
     return -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1).mean()
+
+
+class DANNAlpha(DANN):
+    """fungtion/DANN's signature: the GRL coefficient is passed to each forward."""
+
+    def forward(self, x, domain, alpha=0.0):
+        self.coeff = alpha
+        return super().forward(x, domain)
+
+
+def make_dann_alpha() -> nn.Module:
+    torch.manual_seed(0)
+    return DANNAlpha()

@@ -136,3 +136,26 @@ def test_a_nan_grl_coefficient_from_numpy_s_schedule_is_restored_and_named(tmp_p
     assert "grad.neg() * ctx.coeff" in " ".join(rep["problems"]), rep["problems"]
     assert "<root>.coeff = nan (the factory built 0.0; non-finite" in " ".join(
         rep["problems"]), rep["problems"]
+
+
+def test_a_nan_numpy_alpha_passed_to_forward_is_rebuilt_and_named(tmp_path):
+    """fungtion/DANN's loop passes alpha to each forward, model(x, domain, alpha), a NumPy
+    float64 from np.exp; NaN from p = 0/0 it was bundled as 'np.float64(nan)' and the replay
+    failed (ValueError: could not convert string to float). It now rebuilds it, names the
+    GRL's backward, and a note names the number the forward was passed."""
+    model = A.make_dann_alpha()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with pytest.raises(NonFiniteError) as info, np.errstate(invalid="ignore"):
+        with FlightRecorder(model, opt, loss_fn=A.dann_loss, out_dir=tmp_path,
+                            factory="adaptation_models:make_dann_alpha") as rec:
+            x, y, dom = batch(0)
+            p = np.float64(0) / (STEPS * 0)  # an empty target loader
+            alpha = 2.0 / (1.0 + np.exp(-10 * p)) - 1
+            rec.loss_fn(model(x, dom, alpha), y, dom, align="none").backward()
+            opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (info.value.event["step"], rep["reproduced"], o["module"], o["op"], rep["cause"]) \
+        == (0, True, "", "GradientReverseBackward", "invalid"), json.dumps(o)
+    assert any(n.startswith("the forward was passed the number args[2] = nan")
+               for n in rep["problems"]), rep["problems"]
