@@ -22,6 +22,7 @@ import torch
 from recorder.capture import batch_path
 from recorder.finite import finite, kind_of
 
+from .errors import ReplayError
 from .load import Step, micro_batch_inputs
 from .ops import OpFinder
 from .rerun import Runner
@@ -89,7 +90,7 @@ def number_note(step: Step, report: dict[str, Any]) -> str | None:
     so the origin is the op that first used it, not the input."""
     try:
         numbers = list(non_finite_numbers(step).items()) if step.micro_batches else []
-    except (ValueError, KeyError, TypeError):  # (inputs it cannot rebuild: said elsewhere)
+    except (ReplayError, ValueError, KeyError):  # (a batch it cannot rebuild, or stripped)
         return None
     if not numbers or any(k in (report.get("hint") or "") for k, _ in numbers):
         return None
