@@ -92,6 +92,8 @@ def dann_loss(out, y, domain, align: str = "mmd", temp: float = 1.0):
         loss = loss + gaussian_mmd(f[src], f[tgt])
     elif align == "coral":
         loss = loss + coral(f[src], f[tgt])
+    elif align == "coral_cov":
+        loss = loss + coral_torch_cov(f[src], f[tgt])
     elif align == "entropy":
         loss = loss + 0.1 * entropy(logits[tgt] / temp)
     elif align == "guarded_entropy":
@@ -185,3 +187,9 @@ class DANNAlpha(DANN):
 def make_dann_alpha() -> nn.Module:
     torch.manual_seed(0)
     return DANNAlpha()
+
+
+def coral_torch_cov(fs, ft):
+    """Deep CORAL through torch.cov (correction=1: n - 1 = 0 for one target row)."""
+    d = fs.shape[1]
+    return (torch.cov(fs.t()) - torch.cov(ft.t())).pow(2).sum() / (4 * d * d)
