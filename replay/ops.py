@@ -48,6 +48,16 @@ from .saturation import Saturation, made_unit
 from .source import user_source
 from .storages import storage_of
 
+# Ops whose literal NaN argument is the value they write: padding marked for nanmean/nansum
+# (``x.masked_fill(~mask, nan).nanmean(1)``), meant as a -inf mask is
+_FILLS = {"masked_fill", "masked_fill_", "full", "full_like", "new_full", "fill", "fill_",
+          "where", "index_fill", "index_fill_"}
+
+
+def _nan_fill(name: str, leaves: list) -> bool:
+    return name in _FILLS and any(isinstance(a, float) and math.isnan(a) for a in leaves)
+
+
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
 
@@ -95,7 +105,7 @@ class _Watch(TorchDispatchMode):
         if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
             return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
         literal_inf = next((a for a in leaves if isinstance(a, float) and math.isinf(a)), None)
-        intentional = literal_inf is not None or f.in_allowed_module()
+        intentional = literal_inf is not None or f.in_allowed_module() or _nan_fill(name, leaves)
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins), within=f.where,

@@ -1,0 +1,93 @@
+"""Video understanding trained as TSM, TimeSformer and SlowFast repositories train it
+(``video_models``): uint8 clips normalised by mean/std in ``DataLoader`` workers, clips of
+variable length padded to ``T`` with a frame mask passed to ``forward``, temporal pooling by
+that mask, mixup with label smoothing; the recorder on the loop, then ``nanreplay``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import video_models as V
+from bundles import nanreplay_json
+from torch.utils.data import DataLoader
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+# per batch of 4: one clip of batch 1 (index 5) has no valid frame
+LENGTHS = [4, 3, 2, 4, 4, 0, 4, 2, 4, 4, 4, 4]
+
+
+def line_of(text: str) -> int:
+    lines = (HERE / "video_models.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where video_models.py, the factories' module, lives
+
+
+def train(out_dir: Path, factory: str, data: V.VideoDataset, soft: bool = False,
+          workers: int = 0):
+    model = getattr(V, factory)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    crit = V.SoftTargetCrossEntropy() if soft else torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    loader = DataLoader(data, batch_size=4, num_workers=workers)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory=f"video_models:{factory}"):
+        for clips, mask, y in loader:
+            if soft:
+                clips, y = V.mixup(clips, y, 0.7)
+            opt.zero_grad()
+            crit(model(clips, mask), y).backward()
+            opt.step()
+
+
+def test_healthy_video_models_raise_no_event(tmp_path):
+    """TSM's in-place shifted slices, divided space-time attention over padded frames (their
+    keys masked with -inf), SlowFast's time-strided lateral conv, R(2+1)D with BatchNorm3d,
+    mixup of clips with label smoothing, frames decoded in a worker: no event."""
+    lengths = [4, 3, 2, 1] * 2
+    train(tmp_path, "make_slowfast", V.VideoDataset(8, lengths), soft=True, workers=1)
+    train(tmp_path, "make_tsm", V.VideoDataset(8, lengths), soft=True)
+    train(tmp_path, "make_timesformer", V.VideoDataset(8, lengths))
+    assert not list(tmp_path.rglob("*.nan"))
+
+
+def test_nanmean_pool_of_a_clip_without_valid_frames_names_its_division(tmp_path):
+    """Padded frames filled with NaN for ``nanmean`` to skip: a clip with no valid frame is
+    all NaN, and nanmean's division is 0/0. The report blamed the fill (``masked_fill of 0 at
+    a pole``: clamp its input), which the code meant; a literal NaN a fill op writes is now
+    the chain's intended start, as a -inf mask is, and the 0/0 is named."""
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_tsm_nanmean", V.VideoDataset(12, LENGTHS))
+    err = info.value
+    empty = [i - 4 for i in range(4, 8) if LENGTHS[i] == 0]
+    assert (err.event["step"], err.event["module"], err.event["samples"]) == (1, "pool", empty)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("forward", "pool", "aten.div", empty, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == f"video_models.py:{line_of('.nanmean(1)')}", o["source"]
+    assert "pole" not in rep["hint"] and "eps" in rep["hint"], rep["hint"]
+
+
+def test_divided_attention_names_the_clip_of_a_fully_masked_temporal_row(tmp_path):
+    """TimeSformer's temporal attention runs on ``(b n) t d``: a clip with no valid frame
+    masks every key of its n patch rows, softmax of -inf rows is NaN. The samples are the
+    clips (batch rows), not the (b n) rows; dropping that clip clears the step."""
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_timesformer", V.VideoDataset(12, LENGTHS))
+    err = info.value
+    empty = [i - 4 for i in range(4, 8) if LENGTHS[i] == 0]
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (err.event["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) \
+        == (1, "forward", "block.attn_t", "aten._softmax", empty, "invalid"), \
+        json.dumps(rep, indent=1)
+    [what_if] = rep["what_if"]
+    assert what_if["try"] == f"drop={empty[0]}" and what_if["finite"] is True, what_if
