@@ -129,7 +129,8 @@ class _Watch(TorchDispatchMode):
                                     rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
-                                   OpHit(op, "nan", user_source(), lo, hi, False, occurrence,
+                                   OpHit(op, "nan", user_source(), lo, hi,
+                                         _nan_fill(name, leaves), occurrence,
                                          in_finite, literal=literal_inf, seq=seq))
         return out
 

@@ -91,3 +91,22 @@ def test_divided_attention_names_the_clip_of_a_fully_masked_temporal_row(tmp_pat
         json.dumps(rep, indent=1)
     [what_if] = rep["what_if"]
     assert what_if["try"] == f"drop={empty[0]}" and what_if["finite"] is True, what_if
+
+
+def test_a_nan_fill_reduced_by_a_plain_mean_is_named_as_the_fill_with_nan_advice(tmp_path):
+    """The same fill reduced by ``mean`` instead of ``nanmean``: every clip with a padded
+    frame is NaN. The fill is the origin, but the cause said "masked_fill at a pole: clamp the
+    op's input" (or, with the fill intended, the generic domain advice); it now says the
+    literal NaN was written on purpose and only nan-aware reductions skip it."""
+    lengths = [4] * 4 + [3, 4, 1, 4]  # the first batch has every frame
+    padded = [i - 4 for i in range(4, 8) if lengths[i] < V.T]
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_tsm_nan_fill_mean", V.VideoDataset(8, lengths))
+    err = info.value
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (err.event["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) \
+        == (1, "forward", "pool", "aten.masked_fill", padded, "invalid"), \
+        json.dumps(rep, indent=1)
+    assert "literal NaN" in rep["hint"] and "nanmean" in rep["hint"], rep["hint"]
+    assert "pole" not in rep["hint"], rep["hint"]

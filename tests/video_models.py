@@ -43,15 +43,36 @@ class ShiftBlock(nn.Module):
         return F.relu(x + self.bn(self.conv(temporal_shift(x, self.n_segment))))
 
 
+class MotionGate(nn.Module):
+    """A TEA/TDN-style motion cue: the magnitude of the features' frame differences gates the
+    channels. ``sqrt`` of a sum of squares is 0 where two frames are the same (two padded
+    frames), and its derivative there is inf."""
+
+    def __init__(self, c: int, n_segment: int = T):
+        super().__init__()
+        self.n_segment = n_segment
+        self.conv = nn.Conv2d(1, c, 1)
+
+    def forward(self, x):
+        nt, c, h, w = x.shape
+        v = x.view(nt // self.n_segment, self.n_segment, c, h, w)
+        d = v[:, 1:] - v[:, :-1]
+        d = torch.cat([d, d[:, -1:]], 1)                      # the last frame keeps its motion
+        mag = (d ** 2).sum(2, keepdim=True).sqrt().view(nt, 1, h, w)
+        return x * torch.sigmoid(self.conv(mag))
+
+
 class MaskedTemporalPool(nn.Module):
     """Mean over the valid frames: ``(feat * mask).sum(1) / mask.sum(1)``. ``eps`` is what a
     careful recipe adds (``clamp(min=1)``); without it a clip with no valid frame is 0/0."""
 
-    def __init__(self, eps: bool = True, nanmean: bool = False):
+    def __init__(self, eps: bool = True, nanmean: bool | str = False):
         super().__init__()
         self.eps, self.nanmean = eps, nanmean
 
     def forward(self, feat, mask):
+        if self.nanmean == "mean":  # the bug: a NaN fill reduced by a plain mean
+            return feat.masked_fill(~mask.unsqueeze(-1), float("nan")).mean(1)
         if self.nanmean:  # padded frames as NaN, skipped by nanmean
             return feat.masked_fill(~mask.unsqueeze(-1), float("nan")).nanmean(1)
         m = mask.unsqueeze(-1).to(feat.dtype)
@@ -60,9 +81,11 @@ class MaskedTemporalPool(nn.Module):
 
 
 class TSM(nn.Module):
-    def __init__(self, width: int = 8, pool_eps: bool = True, nanmean: bool = False):
+    def __init__(self, width: int = 8, pool_eps: bool = True, nanmean: bool | str = False,
+                 motion: bool = False):
         super().__init__()
         self.stem = nn.Conv2d(C, width, 3, padding=1)
+        self.motion = MotionGate(width) if motion else nn.Identity()
         self.blocks = nn.Sequential(ShiftBlock(width), ShiftBlock(width))
         self.pool = MaskedTemporalPool(pool_eps, nanmean)
         self.fc = nn.Linear(width, N_CLS)
@@ -70,7 +93,7 @@ class TSM(nn.Module):
     def forward(self, clips, frame_mask):
         b, c, t, h, w = clips.shape
         x = clips.transpose(1, 2).reshape(b * t, c, h, w)
-        x = self.blocks(F.relu(self.stem(x)))
+        x = self.blocks(self.motion(F.relu(self.stem(x))))
         feat = x.mean((2, 3)).view(b, t, -1)
         return self.fc(self.pool(feat, frame_mask))
 
@@ -119,7 +142,7 @@ class DividedAttention(nn.Module):
         self.norm_s = nn.LayerNorm(d)
         self.attn_s = Attention(d, heads)
 
-    def forward(self, x, frame_mask):
+    def forward(self, x, frame_mask, patch_pad=None):
         b, t, n, d = x.shape
         xt = x.permute(0, 2, 1, 3).reshape(b * n, t, d)          # (b n) t d
         pad = (~frame_mask).repeat_interleave(n, dim=0)           # (b n) t
@@ -128,13 +151,14 @@ class DividedAttention(nn.Module):
         x = xt.view(b, n, t, d).permute(0, 2, 1, 3)
         xs = x.reshape(b * t, n, d)                               # (b t) n d
         h = self.norm_s(xs)
-        xs = xs + self.attn_s(h)
+        xs = xs + self.attn_s(h, patch_pad)
         return xs.view(b, t, n, d)
 
 
 class TimeSformer(nn.Module):
-    def __init__(self, d: int = 16, patch: int = 4):
+    def __init__(self, d: int = 16, patch: int = 4, letterbox: bool = False):
         super().__init__()
+        self.letterbox = letterbox
         self.patch = nn.Conv2d(C, d, patch, stride=patch)
         self.pos = nn.Parameter(torch.randn(1, 1, (H // patch) * (W // patch), d) * 0.02)
         self.time = nn.Parameter(torch.randn(1, T, 1, d) * 0.02)
@@ -144,15 +168,26 @@ class TimeSformer(nn.Module):
 
     def forward(self, clips, frame_mask):
         b, c, t, h, w = clips.shape
-        x = self.patch(clips.transpose(1, 2).reshape(b * t, c, h, w))   # (b t) d h' w'
+        frames = clips.transpose(1, 2).reshape(b * t, c, h, w)
+        x = self.patch(frames)                                         # (b t) d h' w'
         x = x.flatten(2).transpose(1, 2).reshape(b, t, -1, x.shape[1])
-        x = self.block(x + self.pos + self.time, frame_mask)
+        # letterboxed videos: blank (all 0) patches are keys no patch attends to
+        pad = None
+        if self.letterbox:
+            p = self.patch.kernel_size[0]
+            pad = F.avg_pool2d(frames.abs(), p).sum(1).flatten(1) == 0   # (b t) n
+        x = self.block(x + self.pos + self.time, frame_mask, pad)
         return self.head(self.pool(x.mean(2), frame_mask))
 
 
 def make_timesformer() -> nn.Module:
     torch.manual_seed(0)
     return TimeSformer()
+
+
+def make_timesformer_letterbox() -> nn.Module:
+    torch.manual_seed(0)
+    return TimeSformer(letterbox=True)
 
 
 def make_timesformer_nan_to_num() -> nn.Module:
@@ -162,9 +197,19 @@ def make_timesformer_nan_to_num() -> nn.Module:
     return m
 
 
+def make_tsm_motion() -> nn.Module:
+    torch.manual_seed(0)
+    return TSM(motion=True)
+
+
 def make_tsm_nanmean() -> nn.Module:
     torch.manual_seed(0)
     return TSM(nanmean=True)
+
+
+def make_tsm_nan_fill_mean() -> nn.Module:
+    torch.manual_seed(0)
+    return TSM(nanmean="mean")
 
 
 class R2Plus1D(nn.Module):
@@ -258,3 +303,29 @@ class SoftTargetCrossEntropy(nn.Module):
     def forward(self, logits, target):
         logp = logits.softmax(-1).log() if self.log_of_softmax else logits.log_softmax(-1)
         return (-target * logp).sum(-1).mean()
+
+
+class FrameTSM(TSM):
+    """Per-frame logits ``(b, t, classes)`` for temporal action segmentation (MS-TCN)."""
+
+    def forward(self, clips, frame_mask):
+        b, c, t, h, w = clips.shape
+        x = clips.transpose(1, 2).reshape(b * t, c, h, w)
+        x = self.blocks(self.motion(F.relu(self.stem(x))))
+        return self.fc(x.mean((2, 3)).view(b, t, -1)), frame_mask
+
+
+def make_frame_tsm() -> nn.Module:
+    torch.manual_seed(0)
+    return FrameTSM()
+
+
+class FrameCrossEntropy(nn.Module):
+    """Per-frame cross entropy averaged over each clip's valid frames, then over clips."""
+
+    def forward(self, out, labels):
+        logits, mask = out
+        ce = F.cross_entropy(logits.transpose(1, 2), labels[:, None].expand(-1, T),
+                             reduction="none")
+        m = mask.to(ce.dtype)
+        return ((ce * m).sum(1) / m.sum(1)).mean()
