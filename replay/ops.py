@@ -54,8 +54,10 @@ _FILLS = {"masked_fill", "masked_fill_", "full", "full_like", "new_full", "fill"
           "where", "index_fill", "index_fill_"}
 
 
-def _nan_fill(name: str, leaves: list) -> bool:
-    return name in _FILLS and any(isinstance(a, float) and math.isnan(a) for a in leaves)
+def _literals(name: str, leaves: list) -> tuple[float | None, bool]:
+    """The op's literal +-inf argument, and whether it is a fill writing a literal NaN."""
+    inf = next((a for a in leaves if isinstance(a, float) and math.isinf(a)), None)
+    return inf, name in _FILLS and any(isinstance(a, float) and math.isnan(a) for a in leaves)
 
 
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
@@ -104,8 +106,8 @@ class _Watch(TorchDispatchMode):
             return out
         if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
             return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
-        literal_inf = next((a for a in leaves if isinstance(a, float) and math.isinf(a)), None)
-        intentional = literal_inf is not None or f.in_allowed_module() or _nan_fill(name, leaves)
+        literal_inf, filled = _literals(name, leaves)
+        intentional = literal_inf is not None or f.in_allowed_module() or filled
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins), within=f.where,
@@ -129,8 +131,7 @@ class _Watch(TorchDispatchMode):
                                     rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
-                                   OpHit(op, "nan", user_source(), lo, hi,
-                                         _nan_fill(name, leaves), occurrence,
+                                   OpHit(op, "nan", user_source(), lo, hi, filled, occurrence,
                                          in_finite, literal=literal_inf, seq=seq))
         return out
 

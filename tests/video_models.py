@@ -321,11 +321,21 @@ def make_frame_tsm() -> nn.Module:
 
 
 class FrameCrossEntropy(nn.Module):
-    """Per-frame cross entropy averaged over each clip's valid frames, then over clips."""
+    """Per-frame cross entropy averaged over each clip's valid frames, then over clips.
+    ``where``: clips without a valid frame left out by ``torch.where`` after the division
+    (finite forward, but its backward still goes through the 0/0)."""
+
+    def __init__(self, where: bool = False):
+        super().__init__()
+        self.where = where
 
     def forward(self, out, labels):
         logits, mask = out
         ce = F.cross_entropy(logits.transpose(1, 2), labels[:, None].expand(-1, T),
                              reduction="none")
         m = mask.to(ce.dtype)
+        if self.where:
+            n = m.sum(1)
+            per_clip = torch.where(n > 0, (ce * m).sum(1) / n, torch.zeros_like(n))
+            return per_clip.sum() / (n > 0).sum().clamp(min=1)
         return ((ce * m).sum(1) / m.sum(1)).mean()
