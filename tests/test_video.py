@@ -110,3 +110,24 @@ def test_a_nan_fill_reduced_by_a_plain_mean_is_named_as_the_fill_with_nan_advice
         json.dumps(rep, indent=1)
     assert "literal NaN" in rep["hint"] and "nanmean" in rep["hint"], rep["hint"]
     assert "pole" not in rep["hint"], rep["hint"]
+
+
+def test_dropping_a_blank_clip_keeps_the_frames_of_a_full_frame_mask(tmp_path):
+    """Clips standardised by their own mean/std in a DataLoader worker: a blank (all black)
+    clip is 0/0, an input event on that clip. With as many clips in the batch as frames
+    (4 and 4, as 8 and 8 often are) and no clip padded, the ``(B, T)`` frame mask is all
+    True, so symmetric: ``drop=`` took it for a pairwise ``(B, B)`` matrix, cut its frames
+    too, and the re-run raised ("size of tensor a (4) must match ... (3)"). A length mask is
+    no pairwise matrix; the drop now leaves its frames and the step is finite."""
+    blank = 6
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_slowfast", V.VideoDataset(12, blank=(blank,), per_clip=True),
+              workers=1)
+    err = info.value
+    step, row = divmod(blank, 4)
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (err.event["step"], o["phase"], err.event["tensor"], o["samples"], rep["cause"]) \
+        == (step, "input", "args[0]", [row], "input"), json.dumps(rep, indent=1)
+    [what_if] = rep["what_if"]
+    assert what_if["try"] == f"drop={row}" and what_if["finite"] is True, what_if
