@@ -131,3 +131,37 @@ def test_dropping_a_blank_clip_keeps_the_frames_of_a_full_frame_mask(tmp_path):
         == (step, "input", "args[0]", [row], "input"), json.dumps(rep, indent=1)
     [what_if] = rep["what_if"]
     assert what_if["try"] == f"drop={row}" and what_if["finite"] is True, what_if
+
+
+def test_a_drop_under_a_loop_average_over_views_says_it_cannot_tell(tmp_path):
+    """Two views of each clip (the clip and its mirror) through the model as ``(b v)`` rows,
+    averaged per clip by the loop before the loss. One view lost its frames: 0/0 in the
+    pool, named on that (b v) row. ``drop=`` of that row re-ran the model without it, but the
+    loss took the loop's average as recorded, NaN still, and the what-if said "nan at step 1
+    (input, <loss>)": that the drop does not help. The re-run cannot tell, and now says so."""
+    model = V.make_tsm_no_eps()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    views, bad_clip, bad_view = 2, 1, 1
+    loader = DataLoader(V.VideoDataset(8, [4, 3, 2, 4] * 2), batch_size=4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="video_models:make_tsm_no_eps"):
+            for step, (x, m, y) in enumerate(loader):
+                x, m = torch.stack([x, x.flip(-1)], 1), torch.stack([m] * views, 1)
+                if step == 1:
+                    m[bad_clip, bad_view] = False
+                b = x.shape[0]
+                logits = model(x.flatten(0, 1), m.flatten(0, 1)).view(b, views, -1).mean(1)
+                opt.zero_grad()
+                crit(logits, y).backward()
+                opt.step()
+    row = bad_clip * views + bad_view
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (info.value.event["step"], o["phase"], o["module"], o["op"], o["samples"],
+            rep["cause"]) == (1, "forward", "pool", "aten.div", [row], "invalid"), \
+        json.dumps(rep, indent=1)
+    [what_if] = rep["what_if"]
+    assert what_if["try"] == f"drop={row}" and what_if["finite"] is None, what_if
+    assert what_if["ran"] and "recorded copy" in what_if["note"], what_if
