@@ -165,3 +165,20 @@ def test_a_drop_under_a_loop_average_over_views_says_it_cannot_tell(tmp_path):
     [what_if] = rep["what_if"]
     assert what_if["try"] == f"drop={row}" and what_if["finite"] is None, what_if
     assert what_if["ran"] and "recorded copy" in what_if["note"], what_if
+
+
+def test_a_motion_cue_at_two_padded_frames_is_named_in_backward_on_those_clips(tmp_path):
+    """TEA/TDN-style motion gate: sqrt of the summed squared frame differences of the
+    ``(n t)`` features is 0 between two padded frames (both the stem's bias alone), so its
+    derivative is inf there: a backward event, named at SqrtBackward0 in the gate, on the
+    clips with two padded frames or more, whose rows the ``(n t)`` view spread over T."""
+    lengths = [4] * 4 + [4, 2, 3, 1]
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_tsm_motion", V.VideoDataset(8, lengths))
+    err = info.value
+    two_padded = [i - 4 for i in range(4, 8) if V.T - lengths[i] >= 2]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (err.event["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) \
+        == (1, "backward", "motion", "SqrtBackward0", two_padded, "invalid"), \
+        json.dumps(rep, indent=1)
