@@ -138,7 +138,10 @@ def _pairwise(x: torch.Tensor, inputs: list) -> bool:
 
 
 def _length_mask(x: torch.Tensor) -> bool:
-    """Every row's nonzero entries come first (right padding), or every row's last."""
+    """A 0/1 mask whose every row's ones come first (right padding), or every row's last (not
+    a kernel matrix, positive everywhere)."""
+    if x.is_complex() or not bool(((x == 0) | (x == 1)).all()):
+        return False
     steps = (x != 0).to(torch.int8).diff(dim=1)
     return bool((steps <= 0).all()) or bool((steps >= 0).all())
 
