@@ -118,6 +118,9 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     if hit is not None and hit.intentional and phase == "forward":
         # the only non-finite value is a literal fill (a mask) reaching the module's output:
         # no op overflowed or left its domain, so the generic domain advice would mislead
+        if hit.made == "nan":  # (a NaN fill meant for nanmean, reaching another reduction)
+            return Cause("invalid", f"{hit.op} filled a literal NaN on purpose, and it reached "
+                         "the output: " + DO["nan_fill"])
         made = (f"passed on the {label(hit.made)} of buffer '{hit.buffer}'" if hit.buffer
                 else f"filled a literal {label(hit.made)}")
         return Cause("invalid", f"{hit.op} {made} on purpose (a mask), and it reached the "

@@ -203,6 +203,10 @@ DO = {
                    "only at allowed targets), record with allow_inf naming that module (the "
                    "note says which); else mask with a large finite negative number "
                    "(torch.finfo(dtype).min) instead of -inf",
+    "nan_fill": "only the nan-aware reductions skip such values (nanmean, nansum), and "
+                "they too make NaN of a row with no other value: reduce with them and give "
+                "every row a kept value, or fill with 0 and divide by the count of kept values "
+                "clamped to at least 1",
     "inf_weight": "give the masked entries zero weight in the loss (label smoothing or soft "
                   "targets spread over masked classes, a target on a masked class), or mask "
                   "with a large finite negative number instead of -inf",

@@ -109,12 +109,13 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
             _drop_index_tuples(tensors, [k for k in mb.get("loss_paths", {}) if k not in cut],
                                where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
+        inputs = [tensors.get(j) for j in mb.get("paths", {})]  # (as recorded, before the cut)
         for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
             x = tensors.get(k)
             d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
             if d is not None:
                 tensors[k] = x.index_select(d, keep)
-                if d == 0 and _pairwise(x, [tensors.get(j) for j in mb.get("paths", {})]):
+                if d == 0 and _pairwise(x, inputs):
                     tensors[k] = tensors[k].index_select(1, keep)
             elif k in mb.get("loss_paths", {}) and isinstance(x, torch.Tensor):
                 tensors[k] = _drop_flat(x, where, keep)
@@ -124,14 +125,25 @@ def _pairwise(x: torch.Tensor, inputs: list) -> bool:
     """Whether a square ``(B, B)`` tensor over the samples is pairwise (a graph's dense
     adjacency, a distance matrix: its columns are the samples too) rather than ``B`` features
     per sample that happen to number ``B`` (an MLP's ``(16, 16)`` batch): symmetric, or
-    non-negative beside a per-sample input of another width (the nodes' features)."""
-    if x.dim() != 2 or x.shape[0] != x.shape[1]:
+    non-negative beside a per-sample input of another width (the nodes' features); never a
+    length mask, whose every row is valid then padded (a ``(B, T)`` frame mask where the batch
+    has as many clips as frames: all True when no clip is padded, so symmetric)."""
+    if x.dim() != 2 or x.shape[0] != x.shape[1] or _length_mask(x):
         return False
     if torch.equal(x, x.T):
         return True
     beside = any(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == x.shape[0]
                  and t.shape[1] != x.shape[0] for t in inputs)
     return beside and not x.is_complex() and bool((x >= 0).all())
+
+
+def _length_mask(x: torch.Tensor) -> bool:
+    """A 0/1 mask whose every row's ones come first (right padding), or every row's last (not
+    a kernel matrix, positive everywhere)."""
+    if x.is_complex() or not bool(((x == 0) | (x == 1)).all()):
+        return False
+    steps = (x != 0).to(torch.int8).diff(dim=1)
+    return bool((steps <= 0).all()) or bool((steps >= 0).all())
 
 
 def _drop_bags(tensors: dict[str, torch.Tensor], paths: dict[str, str], n: int,

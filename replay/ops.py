@@ -48,6 +48,18 @@ from .saturation import Saturation, made_unit
 from .source import user_source
 from .storages import storage_of
 
+# Ops whose literal NaN argument is the value they write: padding marked for nanmean/nansum
+# (``x.masked_fill(~mask, nan).nanmean(1)``), meant as a -inf mask is
+_FILLS = {"masked_fill", "masked_fill_", "full", "full_like", "new_full", "fill", "fill_",
+          "where", "index_fill", "index_fill_"}
+
+
+def _literals(name: str, leaves: list) -> tuple[float | None, bool]:
+    """The op's literal +-inf argument, and whether it is a fill writing a literal NaN."""
+    inf = next((a for a in leaves if isinstance(a, float) and math.isinf(a)), None)
+    return inf, name in _FILLS and any(isinstance(a, float) and math.isnan(a) for a in leaves)
+
+
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
 
@@ -94,8 +106,8 @@ class _Watch(TorchDispatchMode):
             return out
         if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
             return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
-        literal_inf = next((a for a in leaves if isinstance(a, float) and math.isinf(a)), None)
-        intentional = literal_inf is not None or f.in_allowed_module()
+        literal_inf, filled = _literals(name, leaves)
+        intentional = literal_inf is not None or f.in_allowed_module() or filled
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins), within=f.where,
@@ -119,7 +131,7 @@ class _Watch(TorchDispatchMode):
                                     rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq)
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
-                                   OpHit(op, "nan", user_source(), lo, hi, False, occurrence,
+                                   OpHit(op, "nan", user_source(), lo, hi, filled, occurrence,
                                          in_finite, literal=literal_inf, seq=seq))
         return out
 

@@ -61,7 +61,7 @@ def what_if_verdict(t: dict[str, Any]) -> str:
     if t.get("error"):
         verdict = f"failed: the re-run with this change raised {t['error']}"
     elif t.get("finite") is None:
-        verdict = f"not re-run: {t.get('note')}"
+        verdict = ("cannot tell: " if t.get("ran") else "not re-run: ") + str(t.get("note"))
     elif t["finite"]:  # (with the loss there: finite is not yet trained well)
         verdict = f"finite through step {t['steps'][1]}"
         if t.get("loss") is not None:

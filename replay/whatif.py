@@ -48,6 +48,10 @@ AFTER_UPDATE = ("the bundle holds the weights after the update, not those before
 NO_UPDATE_BEFORE = ("{key} changes the optimizer's updates, and the re-run has none before the "
                     "event (it happens before step {step}'s update): record with "
                     "FlightRecorder(..., rewind=N) to re-run the updates that led to it")
+RECORDED_LOSS_INPUT = (
+    "the re-run's loss took the recorded copy of a value the loop computed from the model "
+    "output (code between the model and the loss, such as an average over a clip's views, is "
+    "not re-run), which holds the recorded NaN/Inf whatever the change; pass the model output to loss_fn as it is and do that computation inside the loss")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -278,20 +282,20 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
             i = _samples_micro_batch(step, report)
             change.drop_micro_batch = None if i is None else compared_with(step, i)
             if why := undroppable(step, i or 0):
-                out.append({"try": label, "finite": None, "inconclusive": None,
-                            "event_step": None, "origin": None, "note": why})
+                out.append(_no_verdict(label, note=why))
                 continue
         try:
             res = run_window(step, win, change)
         except Exception as e:  # (the replay's own failure on this change: the others stand)
-            out.append({"try": label, "finite": None, "inconclusive": None, "event_step": None,
-                        "origin": None, "error": f"{type(e).__name__}: {one_line(e)}"})
+            out.append(_no_verdict(label, error=f"{type(e).__name__}: {one_line(e)}"))
             continue
         if res.raised:  # no evidence of finite: the run ended where the model's code raised
-            out.append({"try": label, "finite": None, "inconclusive": None, "event_step": None,
-                         "origin": None, "error": res.raised + left_by(step, change)})
+            out.append(_no_verdict(label, error=res.raised + left_by(step, change)))
             continue
         o = res.first
+        if _recorded_loss_input(step, report, o):
+            out.append(_no_verdict(label, ran=True, note=RECORDED_LOSS_INPUT))
+            continue
         entry: dict[str, Any] = {"try": label, "finite": o is None,
                                  "inconclusive": unchanged_finite,
                                  "event_step": o.step if o else None,
@@ -385,3 +389,18 @@ def _nothing_to_try(cause: str | None) -> str:
 def _origin(o) -> dict[str, Any]:
     return {"step": o.step, "phase": o.phase, "module": o.module, "call": o.call,
             "micro_batch": o.micro_batch, "params": o.params, "kind": o.kind, "op": o.op}
+
+
+def _recorded_loss_input(step: Step, report: dict[str, Any], o) -> bool:
+    """The try's first event is the loss's input at the event step while the event was not an
+    input event: a recorded loss input held the NaN the model made (see RECORDED_LOSS_INPUT)."""
+    return o is not None and o.phase == "input" and o.module == "<loss>" \
+        and o.step == step.event.get("step") \
+        and (report.get("origin") or {}).get("phase") != "input"
+
+
+def _no_verdict(label: str, **why: Any) -> dict[str, Any]:
+    """A try without a verdict: why not (``note``, ``error``; ``ran``: re-run, but it proves
+    nothing)."""
+    return {"try": label, "finite": None, "inconclusive": None, "event_step": None,
+            "origin": None, **why}
