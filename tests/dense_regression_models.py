@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from segmentation_models import depth_scenes  # noqa: F401  (KITTI-like scenes, shared)
 from torch import nn
 
 
@@ -165,32 +166,11 @@ class FeatureExtractor(nn.Module):
         return self.features(x)
 
 
-class CharbonnierPerceptual(nn.Module):
-    """Charbonnier ``sqrt(d^2 + eps^2)`` plus a perceptual term on unit-normalised features
-    (LPIPS's ``normalize_tensor``: ``f / sqrt(sum f^2)``; here without LPIPS's eps)."""
-
-    def __init__(self, eps: float = 1e-3, weight: float = 0.1):
-        super().__init__()
-        self.eps, self.weight = eps, weight
-        self.vgg = FeatureExtractor()
-
-    def train(self, mode: bool = True):  # the extractor stays in eval mode (as ESRGAN's)
-        super().train(mode)
-        self.vgg.eval()
-        return self
-
-    def forward(self, sr, hr):
-        pix = torch.sqrt((sr - hr) ** 2 + self.eps ** 2).mean()
-        fs, fh = self.vgg(sr), self.vgg(hr)
-        fs = fs / torch.sqrt((fs ** 2).sum(1, keepdim=True))
-        fh = fh / torch.sqrt((fh ** 2).sum(1, keepdim=True))
-        return pix + self.weight * ((fs - fh) ** 2).sum(1).mean()
-
-
 class PlainPerceptual(nn.Module):
-    """Charbonnier plus the perceptual term of :class:`CharbonnierPerceptual`, the extractor
-    put in eval mode once, in ``__init__`` (no ``train()`` override: the loop never calls the
-    loss's ``train()``)."""
+    """Charbonnier ``sqrt(d^2 + eps^2)`` plus a perceptual term on unit-normalised features
+    (LPIPS's ``normalize_tensor``: ``f / sqrt(sum f^2)``; here without LPIPS's eps), the
+    extractor put in eval mode once, in ``__init__`` (no ``train()`` override: the loop never
+    calls the loss's ``train()``)."""
 
     def __init__(self, eps: float = 1e-3, weight: float = 0.1):
         super().__init__()
@@ -203,6 +183,16 @@ class PlainPerceptual(nn.Module):
         fs = fs / torch.sqrt((fs ** 2).sum(1, keepdim=True))
         fh = fh / torch.sqrt((fh ** 2).sum(1, keepdim=True))
         return pix + self.weight * ((fs - fh) ** 2).sum(1).mean()
+
+
+class CharbonnierPerceptual(PlainPerceptual):
+    """:class:`PlainPerceptual` whose ``train()`` keeps the extractor in eval mode (as
+    ESRGAN's does)."""
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.vgg.eval()
+        return self
 
 
 class CharbonnierLoss(nn.Module):
@@ -389,12 +379,3 @@ class LogGradientMatching(nn.Module):
         grad = F.conv2d(d, k, padding=1).abs() * valid
         n = valid.sum().clamp_min(1)
         return d.abs().sum() / n + self.alpha * grad.sum() / n
-
-
-def depth_scenes(n: int = 8, size: int = 16, seed: int = 0):
-    """Images and depth maps in metres, with holes of depth 0 (no LiDAR return) as KITTI's."""
-    g = torch.Generator().manual_seed(seed)
-    imgs = torch.randn(n, 3, size, size, generator=g)
-    depth = 1.0 + 9.0 * torch.rand(n, size, size, generator=g)
-    depth[torch.rand(n, size, size, generator=g) < 0.3] = 0.0
-    return imgs, depth

@@ -81,7 +81,7 @@ def test_a_perceptual_loss_s_frozen_extractor_is_rebuilt_in_eval_mode_and_widene
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
         ("<loss>", "aten.div", "nan", samples, "invalid"), json.dumps(rep, indent=1)
-    assert o["source"] == _line_of("fh = fh / torch.sqrt", type(crit)), o["source"]
+    assert o["source"] == _line_of("fh = fh / torch.sqrt", D.PlainPerceptual), o["source"]
     assert "add an eps to the denominator" in rep["hint"], rep["hint"]
     assert crit.vgg.features[0].weight.dtype == torch.float32
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=0", True)], \

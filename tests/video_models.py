@@ -111,9 +111,8 @@ def make_tsm_no_eps() -> nn.Module:
 class Attention(nn.Module):
     """timm's ViT attention, with a key padding mask filled with -inf before the softmax."""
 
-    def __init__(self, d: int, heads: int = 2, nan_to_num: bool = False):
+    def __init__(self, d: int, heads: int = 2):
         super().__init__()
-        self.nan_to_num = nan_to_num
         self.heads, self.scale = heads, (d // heads) ** -0.5
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -125,8 +124,6 @@ class Attention(nn.Module):
         if pad is not None:
             attn = attn.masked_fill(pad[:, None, None, :], float("-inf"))
         attn = attn.softmax(-1)
-        if self.nan_to_num:  # "a fully masked row attends to nothing"
-            attn = attn.nan_to_num(0.0)
         x = (attn @ v).transpose(1, 2).reshape(b, n, d)
         return self.proj(x)
 
@@ -142,7 +139,7 @@ class DividedAttention(nn.Module):
         self.norm_s = nn.LayerNorm(d)
         self.attn_s = Attention(d, heads)
 
-    def forward(self, x, frame_mask, patch_pad=None):
+    def forward(self, x, frame_mask):
         b, t, n, d = x.shape
         xt = x.permute(0, 2, 1, 3).reshape(b * n, t, d)          # (b n) t d
         pad = (~frame_mask).repeat_interleave(n, dim=0)           # (b n) t
@@ -151,14 +148,13 @@ class DividedAttention(nn.Module):
         x = xt.view(b, n, t, d).permute(0, 2, 1, 3)
         xs = x.reshape(b * t, n, d)                               # (b t) n d
         h = self.norm_s(xs)
-        xs = xs + self.attn_s(h, patch_pad)
+        xs = xs + self.attn_s(h)
         return xs.view(b, t, n, d)
 
 
 class TimeSformer(nn.Module):
-    def __init__(self, d: int = 16, patch: int = 4, letterbox: bool = False):
+    def __init__(self, d: int = 16, patch: int = 4):
         super().__init__()
-        self.letterbox = letterbox
         self.patch = nn.Conv2d(C, d, patch, stride=patch)
         self.pos = nn.Parameter(torch.randn(1, 1, (H // patch) * (W // patch), d) * 0.02)
         self.time = nn.Parameter(torch.randn(1, T, 1, d) * 0.02)
@@ -171,30 +167,13 @@ class TimeSformer(nn.Module):
         frames = clips.transpose(1, 2).reshape(b * t, c, h, w)
         x = self.patch(frames)                                         # (b t) d h' w'
         x = x.flatten(2).transpose(1, 2).reshape(b, t, -1, x.shape[1])
-        # letterboxed videos: blank (all 0) patches are keys no patch attends to
-        pad = None
-        if self.letterbox:
-            p = self.patch.kernel_size[0]
-            pad = F.avg_pool2d(frames.abs(), p).sum(1).flatten(1) == 0   # (b t) n
-        x = self.block(x + self.pos + self.time, frame_mask, pad)
+        x = self.block(x + self.pos + self.time, frame_mask)
         return self.head(self.pool(x.mean(2), frame_mask))
 
 
 def make_timesformer() -> nn.Module:
     torch.manual_seed(0)
     return TimeSformer()
-
-
-def make_timesformer_letterbox() -> nn.Module:
-    torch.manual_seed(0)
-    return TimeSformer(letterbox=True)
-
-
-def make_timesformer_nan_to_num() -> nn.Module:
-    torch.manual_seed(0)
-    m = TimeSformer()
-    m.block.attn_t.nan_to_num = True
-    return m
 
 
 def make_tsm_motion() -> nn.Module:
