@@ -33,16 +33,17 @@ from .validate import import_object, script_module
 
 
 def describe_loss(loss_fn: nn.Module, tensors: dict[str, torch.Tensor],
-                  model: nn.Module | None = None) -> dict[str, Any]:
+                  modules: dict[int, str] | None = None) -> dict[str, Any]:
     """The bundle's ``loss`` entry for the recorder's ``loss_fn`` (a module, or the module the
     recorder wraps a plain function in); tensors go into ``tensors`` under ``loss/``. A
-    submodule the loss shares with ``model`` (a perceptual loss given the model's own
-    ``self.vgg``) is named by its name in the model too (``"model": "vgg"``), for the replay
-    to give the rebuilt loss the rebuilt model's."""
+    submodule the loss shares with the model (``modules``: its modules by id, named, as
+    ``Target.module_ids`` gives them; a perceptual loss given the model's own ``self.vgg``)
+    is named by its name in the model too (``"model": "vgg"``), for the replay to give the
+    rebuilt loss the rebuilt model's."""
     fn = getattr(loss_fn, "fn", None)
     if fn is not None and type(loss_fn).__name__ == "_CallableLoss":
         return {"kind": "function", **(_describe_method(fn) or describe_callable(fn))}
-    shared = {id(m): n for n, m in model.named_modules() if n} if model is not None else {}
+    shared = {i: n for i, n in (modules or {}).items() if n}  # (not the root itself)
     tree = _describe_module(loss_fn, "", tensors, shared)
     # the flat fields older replays read (a torch.nn built-in rebuilt from its arguments)
     try:

@@ -161,7 +161,7 @@ def _training_objects(src: Sources, guard, meta, tensors) -> None:
         tensors.update(ts)
         meta["grad_scaler"] = {"class": qualname(scaler), "state": tree}
     if src.loss_fn is not None:
-        meta["loss"] = describe_loss(src.loss_fn, tensors, target.model())
+        meta["loss"] = describe_loss(src.loss_fn, tensors, target.module_ids())
     elif src.loss_recorded:  # given to record_loss: checked, but nothing to re-run it with
         meta["loss"] = {"kind": "recorded"}
 

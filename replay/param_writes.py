@@ -96,9 +96,14 @@ def number_note(step: Step, report: dict[str, Any]) -> str | None:
         return None
     (path, v), more = numbers[0], len(numbers) - 1
     return (f"the forward was passed the number {path} = {v}" + (f" (+{more} more)" if more
-            else "") + ", a number, not a tensor, so not checked as data: fix the code that "
-            "computes it (a schedule's 0/0, such as a progress over 0 total steps) or check it "
-            "with math.isfinite before the forward")
+            else "") + ", a number, not a tensor, so not checked as data: "
+            + _fix_number("progress"))
+
+
+def _fix_number(schedule: str) -> str:
+    """What to do about a non-finite number the loop passed to the forward."""
+    return (f"fix the code that computes it (a schedule's 0/0, such as a {schedule} over 0 "
+            "total steps) or check it with math.isfinite before the forward")
 
 
 def forward_made_hint(step: Step, made: dict[str, Any]) -> str:
@@ -112,9 +117,8 @@ def forward_made_hint(step: Step, made: dict[str, Any]) -> str:
             f"them made finite the re-run's forward writes {made['kind']} into them again{at}")
     if numbers:
         return (f"{head}, from the number {numbers[0][0]} = {numbers[0][1]} passed to "
-                "forward (a number, not a tensor, so not checked as data): fix the code that "
-                "computes it (a schedule's 0/0, such as a momentum over 0 total steps) or "
-                "check it with math.isfinite before the forward")
+                "forward (a number, not a tensor, so not checked as data): "
+                + _fix_number("momentum"))
     return (f"{head}: that code made the value from finite ones in this step; guard the op "
             "it names (and the numbers it multiplies by)")
 
