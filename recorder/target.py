@@ -105,7 +105,8 @@ class Target:
 
     def given(self) -> nn.Module | None:
         """What the recorder was given: the model, or the wrapper it was unwrapped from."""
-        return _deref(self._wrapper) or self._model()
+        wrapper = _deref(self._wrapper)  # (not ``or``: a compile wrapper refuses len())
+        return wrapper if wrapper is not None else self._model()
 
     def module_ids(self) -> dict[int, str]:
         """The model's modules by id, named (the wrapper it was given too, as the root): what
