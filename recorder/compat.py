@@ -4,7 +4,8 @@ touches this file only.
 Each name here wraps one private detail: version counters and view bases (how the recorder
 knows an output is unchanged), foreach kernels (one call for many small tensors), BatchNorm's
 base class (statistics that change without moving the version counter), GradScaler's scale, growth
-tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), and
+tracker and per-step state, torch.func's transform stack, compile wrappers (dynamo's ``OptimizedModule`` and in-place compilation), dynamo's mark for a
+function it must run and not trace, and
 the autocast regions a decorated ``forward`` enters, torch.distributions' default
 ``validate_args``, an ``nn.Module``'s own slots (what its ``named_*`` methods leave out: ``None`` entries and the
 non-persistent buffer names), whether a backward is running (checkpointing's recomputation),
@@ -36,6 +37,40 @@ try:
 except AttributeError:  # a torch without functorch
     def func_transform() -> None:
         return None
+
+try:
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+    from torch._dynamo.eval_frame import skip_code as _skip_code
+except ImportError:  # a torch without dynamo
+    _set_eval_frame = _skip_code = None
+
+
+def dynamo_disabled(fn):
+    """``fn`` run eagerly when dynamo meets it, as ``torch.compiler.disable(fn)`` does: dynamo
+    does not inline a function marked ``_torchdynamo_disable`` (it breaks the graph and calls
+    it), does not compile the wrapper's frame when a compiled caller calls it (its code is
+    skipped, as dynamo's own files are), and compiles nothing it runs (no eval-frame callback
+    inside). Without ``disable``'s per-call stance and export checks, which a hook paid five
+    times a step, cold (~10 us each)."""
+    if _set_eval_frame is None:
+        return fn
+    set_eval_frame = _set_eval_frame
+
+    def run(*args, **kwargs):
+        prior = set_eval_frame(None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            set_eval_frame(prior)
+
+    _skip_code(run.__code__)  # (one code object for every wrapper; marking it again is a no-op)
+    run._torchdynamo_disable = True  # what dynamo reads (and guards on: the original callable)
+    run._torchdynamo_disable_msg = "nanreplay's hook"
+    run._torchdynamo_orig_callable = fn
+    run._torchdynamo_wrapper_id = id(run)
+    run._torchdynamo_disable_recursive = True
+    return run
+
 
 # ---------------------------------------------------------------------------------------------
 # tensors

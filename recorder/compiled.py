@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .compat import (
     WRAPPER,
     compiled_in_place,
     compiled_module,
+    dynamo_disabled,
     is_compile_wrapper,
     undo_in_place_compile,
 )
@@ -108,4 +108,4 @@ def decompile(model: nn.Module) -> nn.Module:
 
 def disabled(hook):
     """``hook`` run eagerly when dynamo meets it (inside a compiled region's own call)."""
-    return torch.compiler.disable(hook)
+    return dynamo_disabled(hook)
