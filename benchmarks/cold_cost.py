@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,6 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import overhead as O  # noqa: E402
 from bytecodes import count_step  # noqa: E402
+
+from recorder.compat import dynamo_disabled  # noqa: E402
+
+
+def _noop(*args) -> None:
+    return None
 
 
 def cold_and_warm(trainer: O.Trainer, batch, fn, rounds: int) -> tuple[float, float]:
@@ -69,6 +76,9 @@ def main(argv=None) -> int:
             lambda: (torch.dot(small, zeros, out=out), out.item()),
         "torch.cat of one 1000-element tensor (out=)": lambda: torch.cat([small], out=zeros),
         "torch.aminmax (100 elements, out=)": lambda: torch.aminmax(small[:100], out=pair),
+        # the wrapper of the five hooks a step that dynamo must run, not trace
+        "a no-op hook under torch.compiler.disable": partial(torch.compiler.disable(_noop), 0),
+        "a no-op hook under recorder's dynamo_disabled": partial(dynamo_disabled(_noop), 0),
     }
     print(f"model {args.model}, {args.rounds} rounds; us, median")
     print(f"{'call':48s} {'after a step':>12s} {'after itself':>12s}")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -128,10 +129,34 @@ def test_overhead_quick_mlp(tmp_path):
 def test_cold_cost_prints_both_timings_and_the_opcode_counts():
     proc = _run([str(BENCH / "cold_cost.py"), "--rounds", "3"])
     rows = [line for line in proc.stdout.splitlines() if re.search(r"\d+\.\d\d +\d+\.\d\d$", line)]
-    assert len(rows) == 5, proc.stdout
+    assert len(rows) == 7, proc.stdout
     m = re.search(r"floor (\d+), recorder (\d+)", proc.stdout)
     # the recorder's bookkeeping runs in its own code; the floor's few hooks in overhead.py
     assert m and 0 < int(m[1]) < int(m[2]), proc.stdout
+
+
+def test_hook_costs_time_every_part_around_the_detectors_own_hooks(tmp_path):
+    proc = _run([str(BENCH / "hook_costs.py"), "--rounds", "3"])
+    parts = [line.split()[0] for line in proc.stdout.splitlines()
+             if re.fullmatch(r"\w+( +\S+){4}", line) and not line.startswith("part")]
+    assert parts == ["root_pre", "leaf_pre", "leaf_post", "root_post", "loss_post", "opt_pre",
+                     "opt_post", "all"], proc.stdout
+    # what makes a part the detector's: its timers are the first and the last hook of each kind
+    spec = importlib.util.spec_from_file_location("hook_costs_bench", BENCH / "hook_costs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rec = mod.O.Recorder(mod.O.SPECS["mlp"], torch.device("cpu"), str(tmp_path))
+    own = (list(rec.model._forward_pre_hooks.values()),
+           list(rec.opt._optimizer_step_pre_hooks.values()),
+           list(rec.opt._optimizer_step_post_hooks.values()))
+    mod.Timed(rec)
+    for before, hooks in zip(own, (rec.model._forward_pre_hooks, rec.opt._optimizer_step_pre_hooks,
+                                   rec.opt._optimizer_step_post_hooks)):
+        first, *middle, last = hooks.values()
+        assert before and middle == before
+        assert first.__qualname__.startswith("Timed._begin"), first
+        assert last.__qualname__.startswith("Timed._end"), last
+    rec.close()
 
 
 def test_overhead_bookkeeping_model_is_opt_in(tmp_path):
