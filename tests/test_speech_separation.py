@@ -1,0 +1,59 @@
+"""Speech separation and enhancement as Conv-TasNet, asteroid and DCCRN-style repositories
+train it (``speech_separation_models``): the recorder on the loop, then ``nanreplay``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import speech_separation_models as S
+import torch
+from bundles import nanreplay_json
+from torch.utils.data import DataLoader
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where speech_separation_models.py, the factory's module, lives
+
+
+def train_enhancer(out_dir: Path, crit, steps: int = 3, short: tuple = (5,)) -> NonFiniteError:
+    model = S.make_crm_enhancer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = DataLoader(S.VariableLength(4 * steps, short=short), batch_size=4,
+                        collate_fn=S.collate_padded)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="speech_separation_models:make_crm_enhancer"):
+            for noisy, clean, _ in loader:
+                opt.zero_grad()
+                crit(model(noisy), clean).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                opt.step()
+    return info.value
+
+
+def test_a_log_magnitude_loss_at_zero_padding_says_floor_both_sides_not_drop_the_clip(tmp_path):
+    """A multi-resolution STFT loss whose magnitude is sqrt(re² + im²) without parallel_wavegan's
+    clamp: a clip shorter than the batch is zero-padded, its padded frames' magnitude is 0 and
+    the log-magnitude L1 takes log(0) = -inf of the target (and of the estimate, NaN after the
+    subtraction). The hint called the clip a degenerate record to drop or repair, and said an
+    eps would train toward a made-up target; the loss compares the log of the target with the
+    log of the estimate, so it now says to floor both sides alike or mask the padding."""
+    err = train_enhancer(tmp_path, S.MultiResolutionSTFTLoss(clamp=False))
+    lens = S.collate_padded([S.VariableLength(12, short=(5,))[i] for i in range(4, 8)])[2]
+    padded = [i for i, n in enumerate(lens.tolist()) if n < lens.max()]
+    assert err.event["step"] == 1 and err.event["phase"] == "loss", err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("loss", "<loss>", "aten.log", padded, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"].startswith("speech_separation_models.py:"), o["source"]
+    hint = rep["hint"]
+    assert "clamp_min(eps)" in hint and "padded" in hint, hint
+    assert "degenerate" not in hint and "made-up" not in hint, hint
