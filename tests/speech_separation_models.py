@@ -89,9 +89,9 @@ class PITSISNR(nn.Module):
     """Permutation invariant SI-SNR: every permutation's mean over the sources, stacked, min."""
 
     def __init__(self, eps_in_log: bool = True, eps_in_energy: bool = True,
-                 amplitude: bool = False):
+                 amplitude: bool = False, return_est: bool = False):
         super().__init__()
-        self.amplitude = amplitude
+        self.amplitude, self.return_est = amplitude, return_est
         self.eps_in_log = eps_in_log
         self.eps_in_energy = eps_in_energy
 
@@ -102,7 +102,11 @@ class PITSISNR(nn.Module):
         perms = list(itertools.permutations(range(n)))
         losses = torch.stack([sum(pw[:, i, p[i]] for i in range(n)) / n for p in perms], 1)
         best, idx = losses.min(1)
-        return best.mean()
+        if not self.return_est:
+            return best.mean()
+        # asteroid's PITLossWrapper(return_est=True): the estimates in the best permutation
+        order = torch.tensor(perms, device=est.device)[idx]
+        return best.mean(), torch.gather(est, 1, order[..., None].expand_as(est))
 
 
 def mixtures(step: int, size: int = 4, length: int = 800, silent: tuple = ()):
@@ -198,8 +202,8 @@ class NoisyMixtures(Dataset):
     noise is scaled to the speech's RMS, times 10 ** (-snr / 20)."""
 
     def __init__(self, n: int, length: int = 800, silent_noise: tuple = (),
-                 silent_speech: tuple = (), eps: float = 0.0):
-        self.n, self.length, self.eps = n, length, eps
+                 silent_speech: tuple = (), eps: float = 0.0, peak_norm: bool = False):
+        self.n, self.length, self.eps, self.peak_norm = n, length, eps, peak_norm
         self.silent_noise, self.silent_speech = silent_noise, silent_speech
 
     def __len__(self):
@@ -217,6 +221,8 @@ class NoisyMixtures(Dataset):
         snr = torch.empty(1).uniform_(-5, 15, generator=g)
         rms_s, rms_n = clean.pow(2).mean().sqrt(), noise.pow(2).mean().sqrt()
         noise = noise * (rms_s / (rms_n + self.eps)) * 10 ** (-snr / 20)
+        if self.peak_norm:  # the reference peak-normalised after mixing: 0/0 when silent
+            return clean + noise, clean / clean.abs().max()
         return clean + noise, clean
 
 
@@ -243,3 +249,18 @@ class VariableLength(Dataset):
         clean = torch.sin(2 * torch.pi * (100 + 300 * torch.rand(1, generator=g)) * t) * 0.3
         clean = clean + 0.01 * torch.randn(length, generator=g)  # a recording's noise floor
         return clean + 0.1 * torch.randn(length, generator=g), clean
+
+
+class CompressedSpectralLoss(nn.Module):
+    """A power-law compressed magnitude loss (|S|^0.3, as DNS-challenge enhancement recipes
+    take it) on the complex STFT of the estimate and the clean target."""
+
+    def __init__(self, power: float = 0.3):
+        super().__init__()
+        self.power = power
+        self.register_buffer("window", torch.hann_window(N_FFT))
+
+    def forward(self, est, clean):
+        x = torch.stft(est, N_FFT, HOP, window=self.window, return_complex=True)
+        y = torch.stft(clean, N_FFT, HOP, window=self.window, return_complex=True)
+        return nn.functional.mse_loss(x.abs() ** self.power, y.abs() ** self.power)

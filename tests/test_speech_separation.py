@@ -57,3 +57,33 @@ def test_a_log_magnitude_loss_at_zero_padding_says_floor_both_sides_not_drop_the
     hint = rep["hint"]
     assert "clamp_min(eps)" in hint and "padded" in hint, hint
     assert "degenerate" not in hint and "made-up" not in hint, hint
+
+
+def test_a_reference_peak_normalised_to_nan_is_the_data_not_a_mask_over_missing_values(tmp_path):
+    """Mixtures made on the fly in DataLoader workers at a random SNR, the clean reference
+    peak-normalised after mixing: a silent clip's reference is 0/0, NaN in the loss target
+    only. The hint said a mask multiplied missing values by 0 (``NaN * 0 is NaN``, fill them
+    with nan_to_num) at the STFT's line: the product was stft's framing by the Hann window,
+    whose first value is 0, and which drops nothing. A product is taken for a mask only
+    where it is 0 at every NaN; the hint now sends the user to the data pipeline."""
+    silent = 6  # dataset index: step 1, row 2
+    model = S.make_crm_enhancer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = S.MultiResolutionSTFTLoss()
+    loader = DataLoader(S.NoisyMixtures(12, silent_speech=(silent,), peak_norm=True),
+                        batch_size=4, num_workers=2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="speech_separation_models:make_crm_enhancer"):
+            for noisy, clean in loader:
+                opt.zero_grad()
+                crit(model(noisy), clean).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["tensor"]) == \
+        (silent // 4, "input", "loss_args[1]"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["op"], o["samples"], rep["cause"]) == \
+        ("input", "loss_args[1]", None, [silent % 4], "input"), json.dumps(rep, indent=1)
+    assert "mask" not in rep["hint"] and "data pipeline" in rep["hint"], rep["hint"]
