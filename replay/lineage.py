@@ -131,6 +131,11 @@ class Lineage:
                 self._made[id(t)] = (weakref.ref(t), name, learned)
             return
         made = [m for t in ins if (m := self._made.get(id(t))) and m[0]() is t]
+        if len(ins) == 1 and made:  # scaled or reshaped on its own: dB's 10 * log10(power)
+            for t in outs:
+                if t.numel() == ins[0].numel():
+                    self._made[id(t)] = (weakref.ref(t), made[0][1], made[0][2])
+            return
         for op in {m[1] for m in made}:
             sides = {(m[2], tuple(m[0]().shape)) for m in made if m[1] == op}
             if any((not w, shape) in sides for w, shape in sides):  # learned beside data

@@ -68,36 +68,35 @@ def make_conv_tasnet() -> nn.Module:
     return ConvTasNet()
 
 
-def pairwise_neg_sisdr(est, tgt, eps: float = 1e-8, eps_in_log: bool = True,
-                       eps_in_energy: bool = True, amplitude: bool = False):
-    """asteroid's ``PairwiseNegSDR("sisdr")``: (B, n_src, T) x2 -> (B, n_src, n_src)."""
+def pairwise_neg_sisdr(est, tgt, eps: float = 1e-8, bug: str | None = None):
+    """asteroid's ``PairwiseNegSDR("sisdr")``: (B, n_src, T) x2 -> (B, n_src, n_src). ``bug``:
+    an eps left out or misplaced, as SI-SNR losses are found written."""
     est = est - est.mean(-1, keepdim=True)
     tgt = tgt - tgt.mean(-1, keepdim=True)
     s_tgt, s_est = tgt.unsqueeze(1), est.unsqueeze(2)
     dot = (s_est * s_tgt).sum(-1, keepdim=True)
-    energy = (s_tgt ** 2).sum(-1, keepdim=True) + (eps if eps_in_energy else 0.0)
+    energy = (s_tgt ** 2).sum(-1, keepdim=True) + (0.0 if bug == "no_energy_eps" else eps)
     proj = dot * s_tgt / energy
     noise = s_est - proj
-    if amplitude:  # 20 log10 of a ratio of norms, each the sqrt of a sum of squares
+    if bug == "amplitude":  # 20 log10 of a ratio of norms, each the sqrt of a sum of squares
         ratio = (proj ** 2).sum(-1).sqrt() / ((noise ** 2).sum(-1).sqrt() + eps)
-        return -20 * torch.log10(ratio + eps if eps_in_log else ratio)
-    ratio = (proj ** 2).sum(-1) / ((noise ** 2).sum(-1) + eps)
-    return -10 * torch.log10(ratio + eps if eps_in_log else ratio)
+        return -20 * torch.log10(ratio + eps)
+    if bug == "eps_on_top":  # the eps added to the numerator instead of the denominator
+        ratio = ((proj ** 2).sum(-1) + eps) / (noise ** 2).sum(-1)
+    else:
+        ratio = (proj ** 2).sum(-1) / ((noise ** 2).sum(-1) + eps)
+    return -10 * torch.log10(ratio if bug == "no_log_eps" else ratio + eps)
 
 
 class PITSISNR(nn.Module):
     """Permutation invariant SI-SNR: every permutation's mean over the sources, stacked, min."""
 
-    def __init__(self, eps_in_log: bool = True, eps_in_energy: bool = True,
-                 amplitude: bool = False, return_est: bool = False):
+    def __init__(self, bug: str | None = None, return_est: bool = False):
         super().__init__()
-        self.amplitude, self.return_est = amplitude, return_est
-        self.eps_in_log = eps_in_log
-        self.eps_in_energy = eps_in_energy
+        self.bug, self.return_est = bug, return_est
 
     def forward(self, est, tgt):
-        pw = pairwise_neg_sisdr(est, tgt, eps_in_log=self.eps_in_log,
-                                eps_in_energy=self.eps_in_energy, amplitude=self.amplitude)
+        pw = pairwise_neg_sisdr(est, tgt, bug=self.bug)
         n = pw.shape[-1]
         perms = list(itertools.permutations(range(n)))
         losses = torch.stack([sum(pw[:, i, p[i]] for i in range(n)) / n for p in perms], 1)
@@ -178,10 +177,10 @@ class MultiResolutionSTFTLoss(nn.Module):
     """parallel_wavegan's multi-resolution STFT loss: spectral convergence
     ``||S - Ŝ||_F / ||S||_F`` plus a log-magnitude L1, averaged over three resolutions."""
 
-    def __init__(self, clamp: bool = True, per_utterance: bool = False):
+    def __init__(self, clamp: bool = True, db: bool = False):
         super().__init__()
         self.clamp = clamp
-        self.per_utterance = per_utterance
+        self.db = db  # the log term as a log-power in dB: 10 * log10(|S|²)
         self.resolutions = [(64, 16, 48), (128, 32, 96), (32, 8, 24)]
 
     def forward(self, est, clean):
@@ -189,11 +188,12 @@ class MultiResolutionSTFTLoss(nn.Module):
         for fft, hop, win in self.resolutions:
             x, y = stft_mag(est, fft, hop, win, self.clamp), stft_mag(clean, fft, hop, win,
                                                                       self.clamp)
-            if self.per_utterance:
-                sc = sc + ((y - x).norm(dim=(1, 2)) / y.norm(dim=(1, 2))).mean()
+            sc = sc + torch.norm(y - x, p="fro") / torch.norm(y, p="fro")
+            if self.db:
+                mag = mag + nn.functional.l1_loss(10 * torch.log10(y ** 2),
+                                                  10 * torch.log10(x ** 2)) / 20
             else:
-                sc = sc + torch.norm(y - x, p="fro") / torch.norm(y, p="fro")
-            mag = mag + nn.functional.l1_loss(torch.log(y), torch.log(x))
+                mag = mag + nn.functional.l1_loss(torch.log(y), torch.log(x))
         return (sc + mag) / len(self.resolutions)
 
 

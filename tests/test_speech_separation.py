@@ -38,21 +38,26 @@ def train_enhancer(out_dir: Path, crit, steps: int = 3, short: tuple = (5,)) -> 
     return info.value
 
 
-def test_a_log_magnitude_loss_at_zero_padding_says_floor_both_sides_not_drop_the_clip(tmp_path):
+@pytest.mark.parametrize("db", [False, True])
+def test_a_log_magnitude_loss_at_zero_padding_says_floor_both_sides_not_drop_the_clip(tmp_path,
+                                                                                      db):
     """A multi-resolution STFT loss whose magnitude is sqrt(re² + im²) without parallel_wavegan's
     clamp: a clip shorter than the batch is zero-padded, its padded frames' magnitude is 0 and
     the log-magnitude L1 takes log(0) = -inf of the target (and of the estimate, NaN after the
     subtraction). The hint called the clip a degenerate record to drop or repair, and said an
     eps would train toward a made-up target; the loss compares the log of the target with the
-    log of the estimate, so it now says to floor both sides alike or mask the padding."""
-    err = train_enhancer(tmp_path, S.MultiResolutionSTFTLoss(clamp=False))
+    log of the estimate, so it now says to floor both sides alike or mask the padding.
+    ``db``: the log term as a log-power in dB, ``10 * log10(|S|²)``, each side scaled before
+    the subtraction."""
+    err = train_enhancer(tmp_path, S.MultiResolutionSTFTLoss(clamp=False, db=db))
     lens = S.collate_padded([S.VariableLength(12, short=(5,))[i] for i in range(4, 8)])[2]
     padded = [i for i, n in enumerate(lens.tolist()) if n < lens.max()]
     assert err.event["step"] == 1 and err.event["phase"] == "loss", err.event
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
-        ("loss", "<loss>", "aten.log", padded, "invalid"), json.dumps(rep, indent=1)
+        ("loss", "<loss>", "aten.log10" if db else "aten.log", padded, "invalid"), \
+        json.dumps(rep, indent=1)
     assert o["source"].startswith("speech_separation_models.py:"), o["source"]
     hint = rep["hint"]
     assert "clamp_min(eps)" in hint and "padded" in hint, hint
