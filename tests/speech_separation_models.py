@@ -44,9 +44,9 @@ class TCNBlock(nn.Module):
 
 
 class ConvTasNet(nn.Module):
-    def __init__(self, n_src: int = C):
+    def __init__(self, n_src: int = C, peak_norm: bool = False):
         super().__init__()
-        self.n_src = n_src
+        self.n_src, self.peak_norm = n_src, peak_norm
         self.encoder = nn.Conv1d(1, N, L, stride=L // 2, bias=False)
         self.norm = GlobLN(N)
         self.bottleneck = nn.Conv1d(N, 24, 1)
@@ -58,7 +58,9 @@ class ConvTasNet(nn.Module):
         w = torch.relu(self.encoder(mix.unsqueeze(1)))
         m = self.mask_net(self.tcn(self.bottleneck(self.norm(w))))
         m = torch.sigmoid(m.view(mix.shape[0], self.n_src, N, -1))
-        est = self.decoder((w.unsqueeze(1) * m).flatten(0, 1))
+        est = self.decoder((w.unsqueeze(1) * m).flatten(0, 1))  # (B * n_src, 1, T)
+        if self.peak_norm:  # each estimate scaled to a peak of 1: 0/0 for a silent one
+            est = est / est.abs().amax(-1, keepdim=True)
         est = nn.functional.pad(est, (0, mix.shape[-1] - est.shape[-1]))
         return est.view(mix.shape[0], self.n_src, -1)
 
@@ -66,6 +68,11 @@ class ConvTasNet(nn.Module):
 def make_conv_tasnet() -> nn.Module:
     torch.manual_seed(0)
     return ConvTasNet()
+
+
+def make_conv_tasnet_peak_norm() -> nn.Module:
+    torch.manual_seed(0)
+    return ConvTasNet(peak_norm=True)
 
 
 def pairwise_neg_sisdr(est, tgt, eps: float = 1e-8, bug: str | None = None):
@@ -264,3 +271,35 @@ class CompressedSpectralLoss(nn.Module):
         x = torch.stft(est, N_FFT, HOP, window=self.window, return_complex=True)
         y = torch.stft(clean, N_FFT, HOP, window=self.window, return_complex=True)
         return nn.functional.mse_loss(x.abs() ** self.power, y.abs() ** self.power)
+
+
+class ComplexSpecEnhancer(CRMEnhancer):
+    """The same enhancer returning the masked complex spectrogram; the loss takes it there."""
+
+    def forward(self, noisy):
+        spec = torch.stft(noisy, N_FFT, HOP, window=self.window, return_complex=True)
+        mag = torch.sqrt(spec.real ** 2 + spec.imag ** 2 + 1e-8)
+        mr, mi = torch.tanh(self.net(torch.log(mag))).chunk(2, dim=1)
+        return spec * torch.complex(mr, mi)  # the complex ratio mask
+
+
+def make_complex_spec_enhancer() -> nn.Module:
+    torch.manual_seed(0)
+    return ComplexSpecEnhancer()
+
+
+class ComplexSpecLoss(nn.Module):
+    """A compressed complex spectral loss on the estimate's spectrogram (the magnitude as
+    sqrt(re² + im²), without an eps) plus an L1 on its waveform (iSTFT)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("window", torch.hann_window(N_FFT))
+
+    def forward(self, est_spec, clean):
+        y = torch.stft(clean, N_FFT, HOP, window=self.window, return_complex=True)
+        x_mag = torch.sqrt(est_spec.real ** 2 + est_spec.imag ** 2)
+        y_mag = y.abs()
+        wav = torch.istft(est_spec, N_FFT, HOP, window=self.window, length=clean.shape[-1])
+        return nn.functional.mse_loss(x_mag ** 0.5, y_mag ** 0.5) \
+            + nn.functional.l1_loss(wav, clean)
