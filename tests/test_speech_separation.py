@@ -92,3 +92,38 @@ def test_a_reference_peak_normalised_to_nan_is_the_data_not_a_mask_over_missing_
     assert (o["phase"], o["tensor"], o["op"], o["samples"], rep["cause"]) == \
         ("input", "loss_args[1]", None, [silent % 4], "input"), json.dumps(rep, indent=1)
     assert "mask" not in rep["hint"] and "data pipeline" in rep["hint"], rep["hint"]
+
+
+def test_pcm_read_without_scaling_overflows_the_float16_encoder_in_every_row_it_does(tmp_path):
+    """16-bit PCM read as int16 and cast with ``.float()`` without ``/ 32768``, trained under
+    float16 autocast: the cast of the mixture to float16 overflows in the loudest clip, and the
+    encoder's convolution overflows in other clips whose samples fit in float16. The report
+    named the cast's row only, as though dropping that clip cleared the step; the convolution
+    makes each output row of its own input row, so the rows it made non-finite of finite values
+    are the origin's samples too (as the recorder's event said)."""
+    model = S.make_conv_tasnet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = S.PITSISNR()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="speech_separation_models:make_conv_tasnet"):
+            for step in range(2):
+                mix, src = (t * 32768.0 for t in S.mixtures(step))  # PCM, not in [-1, 1]
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = crit(model(mix), src)
+                loss.backward()
+                opt.step()
+    err = info.value
+    mix = S.mixtures(0)[0] * 32768.0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        w = S.make_conv_tasnet().encoder(mix.unsqueeze(1))
+    over = (~torch.isfinite(w)).flatten(1).any(1).nonzero().flatten().tolist()
+    cast = (mix.abs() > torch.finfo(torch.float16).max).any(1).nonzero().flatten().tolist()
+    assert set(cast) < set(over), (cast, over)  # (the case: rows the cast did not overflow)
+    assert (err.event["step"], err.event["module"]) == (0, "encoder"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("forward", "encoder", "aten._to_copy", over, "overflow"), json.dumps(rep, indent=1)
+    assert "float32" in rep["hint"], rep["hint"]
