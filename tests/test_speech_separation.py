@@ -127,3 +127,42 @@ def test_pcm_read_without_scaling_overflows_the_float16_encoder_in_every_row_it_
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
         ("forward", "encoder", "aten._to_copy", over, "overflow"), json.dumps(rep, indent=1)
     assert "float32" in rep["hint"], rep["hint"]
+
+
+def test_an_update_skipped_on_a_non_finite_grad_norm_is_not_blamed_on_the_model(tmp_path):
+    """ESPnet's and SpeechBrain's loops skip the update when clip_grad_norm_'s total norm is not
+    finite (``optimizer.zero_grad()``, no ``step()``). SI-SNR as 20 log10 of a ratio of norms,
+    each sqrt(sum of squares), gives a silent reference source a sqrt(0): its backward is NaN.
+    The loop skips that update; the next batch is a second micro-batch of the same step, and the
+    step closes with finite gradients. The event and the report said every parameter's
+    gradient stayed finite because the model's backward drops those entries (a ReLU, a mask),
+    which it does not: they now say the loop dropped micro-batch 0's gradients."""
+    k, row = 2, 1
+    model = S.make_conv_tasnet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = S.PITSISNR(bug="amplitude")
+    skipped = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="speech_separation_models:make_conv_tasnet"):
+            for step in range(5):
+                mix, src = S.mixtures(step, silent=((row, 0),) if step == k else ())
+                opt.zero_grad()
+                crit(model(mix), src).backward()
+                if not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)):
+                    skipped.append(step)
+                    opt.zero_grad()  # "grad norm is nan: skipping updating the model"
+                    continue
+                opt.step()
+    err = info.value
+    assert skipped == [k], skipped
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (k, "backward", 0, [row])
+    assert "the loop dropped micro-batch 0's before micro-batch 1" in ev["detail"], ev["detail"]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["micro_batch"], o["samples"], rep["cause"]) == \
+        ("backward", "<loss>", "SqrtBackward0", 0, [row], "invalid"), json.dumps(rep, indent=1)
+    assert not any("ReLU" in p for p in rep["problems"]), rep["problems"]
+    assert any("the loop had dropped micro-batch 0's gradients" in p for p in rep["problems"]), \
+        rep["problems"]
