@@ -303,3 +303,38 @@ class ComplexSpecLoss(nn.Module):
         wav = torch.istft(est_spec, N_FFT, HOP, window=self.window, length=clean.shape[-1])
         return nn.functional.mse_loss(x_mag ** 0.5, y_mag ** 0.5) \
             + nn.functional.l1_loss(wav, clean)
+
+
+class DualOutputEnhancer(CRMEnhancer):
+    """Returns ``(waveform, complex spectrogram)``, as DCCRN-style models do for a loss on both."""
+
+    def forward(self, noisy, lengths=None):
+        spec = torch.stft(noisy, N_FFT, HOP, window=self.window, return_complex=True)
+        mag = torch.sqrt(spec.real ** 2 + spec.imag ** 2 + 1e-8)
+        mr, mi = torch.tanh(self.net(torch.log(mag))).chunk(2, dim=1)
+        est_spec = spec * torch.complex(mr, mi)
+        wav = torch.istft(est_spec, N_FFT, HOP, window=self.window, length=noisy.shape[-1])
+        if lengths is not None:  # zero the padding beyond each clip
+            wav = wav * (torch.arange(wav.shape[-1]) < lengths[:, None])
+        return wav, est_spec
+
+
+def make_dual_output_enhancer() -> nn.Module:
+    torch.manual_seed(0)
+    return DualOutputEnhancer()
+
+
+class SISNRAndSpecLoss(nn.Module):
+    """SI-SNR over each clip's valid samples (its length) plus a compressed magnitude loss."""
+
+    def forward(self, wav, est_spec, clean, lengths):
+        valid = torch.arange(clean.shape[-1]) < lengths[:, None]
+        n = lengths[:, None].float()
+        est = (wav - (wav * valid).sum(-1, keepdim=True) / n) * valid
+        tgt = (clean - (clean * valid).sum(-1, keepdim=True) / n) * valid
+        proj = (est * tgt).sum(-1, keepdim=True) * tgt / ((tgt ** 2).sum(-1, keepdim=True) + 1e-8)
+        noise = est - proj
+        sisnr = 10 * torch.log10((proj ** 2).sum(-1) / ((noise ** 2).sum(-1) + 1e-8) + 1e-8)
+        y = torch.stft(clean, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)
+        spec = nn.functional.mse_loss(est_spec.abs() ** 0.3, y.abs() ** 0.3)
+        return -sisnr.mean() + spec
