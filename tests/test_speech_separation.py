@@ -60,7 +60,7 @@ def test_a_log_magnitude_loss_at_zero_padding_says_floor_both_sides_not_drop_the
         json.dumps(rep, indent=1)
     assert o["source"].startswith("speech_separation_models.py:"), o["source"]
     hint = rep["hint"]
-    assert "clamp_min(eps)" in hint and "padded" in hint, hint
+    assert "clamp_min(eps)" in hint and "zero padding" in hint and "mask" in hint, hint
     assert "degenerate" not in hint and "made-up" not in hint, hint
 
 
