@@ -20,15 +20,16 @@ N_FFT, HOP = 64, 16
 class GlobLN(nn.Module):
     """Conv-TasNet's global layer norm over channels and time."""
 
-    def __init__(self, ch: int):
+    def __init__(self, ch: int, eps: float = 1e-8):
         super().__init__()
+        self.eps = eps
         self.gamma = nn.Parameter(torch.ones(1, ch, 1))
         self.beta = nn.Parameter(torch.zeros(1, ch, 1))
 
     def forward(self, x):
         mean = x.mean(dim=(1, 2), keepdim=True)
         var = ((x - mean) ** 2).mean(dim=(1, 2), keepdim=True)
-        return self.gamma * (x - mean) / torch.sqrt(var + 1e-8) + self.beta
+        return self.gamma * (x - mean) / torch.sqrt(var + self.eps) + self.beta
 
 
 class TCNBlock(nn.Module):
@@ -68,6 +69,13 @@ class ConvTasNet(nn.Module):
 def make_conv_tasnet() -> nn.Module:
     torch.manual_seed(0)
     return ConvTasNet()
+
+
+def make_conv_tasnet_no_eps() -> nn.Module:
+    torch.manual_seed(0)
+    model = ConvTasNet()
+    model.norm.eps = 0.0
+    return model
 
 
 def make_conv_tasnet_peak_norm() -> nn.Module:

@@ -136,7 +136,9 @@ def test_an_update_skipped_on_a_non_finite_grad_norm_is_not_blamed_on_the_model(
     The loop skips that update; the next batch is a second micro-batch of the same step, and the
     step closes with finite gradients. The event and the report said every parameter's
     gradient stayed finite because the model's backward drops those entries (a ReLU, a mask),
-    which it does not: they now say the loop dropped micro-batch 0's gradients."""
+    which it does not: they now say the loop dropped micro-batch 0's gradients. ``--try
+    drop=1`` was inconclusive ("the unchanged re-run is finite too"): the re-run did not look
+    at the gradients it dropped as the loop did; it does now."""
     k, row = 2, 1
     model = S.make_conv_tasnet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -159,10 +161,13 @@ def test_an_update_skipped_on_a_non_finite_grad_norm_is_not_blamed_on_the_model(
     ev = err.event
     assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (k, "backward", 0, [row])
     assert "the loop dropped micro-batch 0's before micro-batch 1" in ev["detail"], ev["detail"]
-    rep = nanreplay_json(err.bundle_path)
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["micro_batch"], o["samples"], rep["cause"]) == \
         ("backward", "<loss>", "SqrtBackward0", 0, [row], "invalid"), json.dumps(rep, indent=1)
+    [what_if] = rep["what_if"]
+    assert (what_if["try"], what_if["finite"], what_if["inconclusive"]) == \
+        (f"drop={row}", True, False), what_if
     assert not any("ReLU" in p for p in rep["problems"]), rep["problems"]
     assert any("the loop had dropped micro-batch 0's gradients" in p for p in rep["problems"]), \
         rep["problems"]
