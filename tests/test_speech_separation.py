@@ -171,3 +171,35 @@ def test_an_update_skipped_on_a_non_finite_grad_norm_is_not_blamed_on_the_model(
     assert not any("ReLU" in p for p in rep["problems"]), rep["problems"]
     assert any("the loop had dropped micro-batch 0's gradients" in p for p in rep["problems"]), \
         rep["problems"]
+
+
+def test_end_step_before_a_skipped_update_checks_the_gradients_it_drops(tmp_path):
+    """The same skip in an STFT-domain enhancer whose forward takes the estimate's magnitude as
+    sqrt(re² + im²) without an eps: a silent clip (speech silent, the noise scaled to its RMS
+    of 0) is all zeros, and sqrt's backward there is NaN in the model's own backward, with
+    the gradient entering the output finite. The recorder saw nothing: the loop dropped the
+    gradients, and ``rec.end_step()`` before the skip, which the guide offers for loops that
+    update by hand, closed the step without reading them. It reads them now, as ``step()``'s
+    pre-hook does: the event is that step's, and the report names the node and the clip."""
+    silent = 6  # dataset index: step 1, row 2
+    model = S.make_crm_enhancer_polar()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = S.MultiResolutionSTFTLoss()
+    loader = DataLoader(S.NoisyMixtures(16, silent_speech=(silent,)), batch_size=4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="speech_separation_models:make_crm_enhancer_polar") as rec:
+            for noisy, clean in loader:
+                opt.zero_grad()
+                crit(model(noisy), clean).backward()
+                if not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)):
+                    rec.end_step()  # checked as step() would, before the gradients go
+                    opt.zero_grad()
+                    continue
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (silent // 4, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("backward", "", "SqrtBackward0", [silent % 4], "invalid"), json.dumps(rep, indent=1)
