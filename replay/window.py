@@ -166,7 +166,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
                 continue
             out.first = Outcome(record["step"], "backward", params=bad_grads,
                                 kind=kinds_of([p.grad for n, p in step.model.named_parameters()
-                                            if n in bad_grads]))
+                                               if n in bad_grads]))
             break
         loop_clip(step, win, record, change, stats["grad_norm"], stats["loss"])
         # (the GradScaler's skips follow the re-run's own gradients, as in training)
