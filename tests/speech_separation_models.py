@@ -2,7 +2,8 @@
 it, for ``test_speech_separation``: a Conv1d encoder, a TCN mask estimator with global layer
 norm, a ConvTranspose1d decoder; SI-SNR with permutation invariant training (every permutation
 of the speakers, ``torch.stack`` then ``min``); an STFT-domain enhancer with a complex ratio
-mask; a multi-resolution STFT loss; mixtures made at a random SNR in DataLoader workers.
+mask; a multi-resolution STFT loss; mixtures made at a random SNR in DataLoader workers;
+variable-length clips zero-padded by a ``collate_fn``.
 """
 
 from __future__ import annotations
@@ -20,16 +21,15 @@ N_FFT, HOP = 64, 16
 class GlobLN(nn.Module):
     """Conv-TasNet's global layer norm over channels and time."""
 
-    def __init__(self, ch: int, eps: float = 1e-8):
+    def __init__(self, ch: int):
         super().__init__()
-        self.eps = eps
         self.gamma = nn.Parameter(torch.ones(1, ch, 1))
         self.beta = nn.Parameter(torch.zeros(1, ch, 1))
 
     def forward(self, x):
         mean = x.mean(dim=(1, 2), keepdim=True)
         var = ((x - mean) ** 2).mean(dim=(1, 2), keepdim=True)
-        return self.gamma * (x - mean) / torch.sqrt(var + self.eps) + self.beta
+        return self.gamma * (x - mean) / torch.sqrt(var + 1e-8) + self.beta
 
 
 class TCNBlock(nn.Module):
@@ -45,9 +45,9 @@ class TCNBlock(nn.Module):
 
 
 class ConvTasNet(nn.Module):
-    def __init__(self, n_src: int = C, peak_norm: bool = False):
+    def __init__(self, n_src: int = C):
         super().__init__()
-        self.n_src, self.peak_norm = n_src, peak_norm
+        self.n_src = n_src
         self.encoder = nn.Conv1d(1, N, L, stride=L // 2, bias=False)
         self.norm = GlobLN(N)
         self.bottleneck = nn.Conv1d(N, 24, 1)
@@ -60,8 +60,6 @@ class ConvTasNet(nn.Module):
         m = self.mask_net(self.tcn(self.bottleneck(self.norm(w))))
         m = torch.sigmoid(m.view(mix.shape[0], self.n_src, N, -1))
         est = self.decoder((w.unsqueeze(1) * m).flatten(0, 1))  # (B * n_src, 1, T)
-        if self.peak_norm:  # each estimate scaled to a peak of 1: 0/0 for a silent one
-            est = est / est.abs().amax(-1, keepdim=True)
         est = nn.functional.pad(est, (0, mix.shape[-1] - est.shape[-1]))
         return est.view(mix.shape[0], self.n_src, -1)
 
@@ -71,56 +69,36 @@ def make_conv_tasnet() -> nn.Module:
     return ConvTasNet()
 
 
-def make_conv_tasnet_no_eps() -> nn.Module:
-    torch.manual_seed(0)
-    model = ConvTasNet()
-    model.norm.eps = 0.0
-    return model
-
-
-def make_conv_tasnet_peak_norm() -> nn.Module:
-    torch.manual_seed(0)
-    return ConvTasNet(peak_norm=True)
-
-
-def pairwise_neg_sisdr(est, tgt, eps: float = 1e-8, bug: str | None = None):
-    """asteroid's ``PairwiseNegSDR("sisdr")``: (B, n_src, T) x2 -> (B, n_src, n_src). ``bug``:
-    an eps left out or misplaced, as SI-SNR losses are found written."""
+def pairwise_neg_sisdr(est, tgt, eps: float = 1e-8, amplitude: bool = False):
+    """asteroid's ``PairwiseNegSDR("sisdr")``: (B, n_src, T) x2 -> (B, n_src, n_src).
+    ``amplitude``: 20 log10 of a ratio of norms, each the sqrt of a sum of squares, whose
+    derivative is infinite at a silent reference source's projection of 0."""
     est = est - est.mean(-1, keepdim=True)
     tgt = tgt - tgt.mean(-1, keepdim=True)
     s_tgt, s_est = tgt.unsqueeze(1), est.unsqueeze(2)
     dot = (s_est * s_tgt).sum(-1, keepdim=True)
-    energy = (s_tgt ** 2).sum(-1, keepdim=True) + (0.0 if bug == "no_energy_eps" else eps)
-    proj = dot * s_tgt / energy
+    proj = dot * s_tgt / ((s_tgt ** 2).sum(-1, keepdim=True) + eps)
     noise = s_est - proj
-    if bug == "amplitude":  # 20 log10 of a ratio of norms, each the sqrt of a sum of squares
+    if amplitude:
         ratio = (proj ** 2).sum(-1).sqrt() / ((noise ** 2).sum(-1).sqrt() + eps)
         return -20 * torch.log10(ratio + eps)
-    if bug == "eps_on_top":  # the eps added to the numerator instead of the denominator
-        ratio = ((proj ** 2).sum(-1) + eps) / (noise ** 2).sum(-1)
-    else:
-        ratio = (proj ** 2).sum(-1) / ((noise ** 2).sum(-1) + eps)
-    return -10 * torch.log10(ratio if bug == "no_log_eps" else ratio + eps)
+    ratio = (proj ** 2).sum(-1) / ((noise ** 2).sum(-1) + eps)
+    return -10 * torch.log10(ratio + eps)
 
 
 class PITSISNR(nn.Module):
     """Permutation invariant SI-SNR: every permutation's mean over the sources, stacked, min."""
 
-    def __init__(self, bug: str | None = None, return_est: bool = False):
+    def __init__(self, amplitude: bool = False):
         super().__init__()
-        self.bug, self.return_est = bug, return_est
+        self.amplitude = amplitude
 
     def forward(self, est, tgt):
-        pw = pairwise_neg_sisdr(est, tgt, bug=self.bug)
+        pw = pairwise_neg_sisdr(est, tgt, amplitude=self.amplitude)
         n = pw.shape[-1]
         perms = list(itertools.permutations(range(n)))
         losses = torch.stack([sum(pw[:, i, p[i]] for i in range(n)) / n for p in perms], 1)
-        best, idx = losses.min(1)
-        if not self.return_est:
-            return best.mean()
-        # asteroid's PITLossWrapper(return_est=True): the estimates in the best permutation
-        order = torch.tensor(perms, device=est.device)[idx]
-        return best.mean(), torch.gather(est, 1, order[..., None].expand_as(est))
+        return losses.min(1).values.mean()
 
 
 def mixtures(step: int, size: int = 4, length: int = 800, silent: tuple = ()):
@@ -143,9 +121,9 @@ class CRMEnhancer(nn.Module):
     """DCCRN-style: STFT, a small conv net on the log magnitude predicting a complex ratio mask
     (real, imaginary), applied by complex multiplication, iSTFT back."""
 
-    def __init__(self, sqrt_mag: bool = False, mag_eps: float = 0.0):
+    def __init__(self, sqrt_mag: bool = False):
         super().__init__()
-        self.sqrt_mag, self.mag_eps = sqrt_mag, mag_eps
+        self.sqrt_mag = sqrt_mag
         self.register_buffer("window", torch.hann_window(N_FFT))
         f = N_FFT // 2 + 1
         self.net = nn.Sequential(nn.Conv1d(f, 64, 3, padding=1), nn.PReLU(),
@@ -157,8 +135,8 @@ class CRMEnhancer(nn.Module):
         mag = torch.sqrt(re ** 2 + im ** 2 + 1e-8)
         mr, mi = torch.tanh(self.net(torch.log(mag))).chunk(2, dim=1)
         est_re, est_im = mr * re - mi * im, mr * im + mi * re
-        if self.sqrt_mag:  # the magnitude and phase the loss takes, made in the model
-            est_mag = torch.sqrt(est_re ** 2 + est_im ** 2 + self.mag_eps)
+        if self.sqrt_mag:  # polar: the magnitude without an eps (sqrt's derivative at 0)
+            est_mag = torch.sqrt(est_re ** 2 + est_im ** 2)
             est_pha = torch.atan2(est_im, est_re)
             est_re, est_im = est_mag * torch.cos(est_pha), est_mag * torch.sin(est_pha)
         est = torch.istft(torch.complex(est_re, est_im), N_FFT, HOP, window=self.window,
@@ -174,11 +152,6 @@ def make_crm_enhancer() -> nn.Module:
 def make_crm_enhancer_polar() -> nn.Module:
     torch.manual_seed(0)
     return CRMEnhancer(sqrt_mag=True)
-
-
-def make_crm_enhancer_phase() -> nn.Module:
-    torch.manual_seed(0)
-    return CRMEnhancer(sqrt_mag=True, mag_eps=1e-8)
 
 
 def stft_mag(x, fft_size, hop, win, clamp: bool = True):
@@ -216,10 +189,10 @@ class NoisyMixtures(Dataset):
     """Clean speech plus noise at a random SNR, as enhancement recipes mix on the fly: the
     noise is scaled to the speech's RMS, times 10 ** (-snr / 20)."""
 
-    def __init__(self, n: int, length: int = 800, silent_noise: tuple = (),
-                 silent_speech: tuple = (), eps: float = 0.0, peak_norm: bool = False):
-        self.n, self.length, self.eps, self.peak_norm = n, length, eps, peak_norm
-        self.silent_noise, self.silent_speech = silent_noise, silent_speech
+    def __init__(self, n: int, length: int = 800, silent_speech: tuple = (),
+                 peak_norm: bool = False):
+        self.n, self.length, self.peak_norm = n, length, peak_norm
+        self.silent_speech = silent_speech
 
     def __len__(self):
         return self.n
@@ -229,13 +202,11 @@ class NoisyMixtures(Dataset):
         t = torch.arange(self.length) / 8000.0
         clean = torch.sin(2 * torch.pi * (100 + 300 * torch.rand(1, generator=g)) * t) * 0.3
         noise = torch.randn(self.length, generator=g)
-        if i in self.silent_noise:
-            noise = torch.zeros(self.length)  # a silent noise clip in the corpus
         if i in self.silent_speech:
-            clean = torch.zeros(self.length)
+            clean = torch.zeros(self.length)  # a silent clip in the corpus
         snr = torch.empty(1).uniform_(-5, 15, generator=g)
         rms_s, rms_n = clean.pow(2).mean().sqrt(), noise.pow(2).mean().sqrt()
-        noise = noise * (rms_s / (rms_n + self.eps)) * 10 ** (-snr / 20)
+        noise = noise * (rms_s / rms_n) * 10 ** (-snr / 20)
         if self.peak_norm:  # the reference peak-normalised after mixing: 0/0 when silent
             return clean + noise, clean / clean.abs().max()
         return clean + noise, clean
@@ -251,6 +222,8 @@ def collate_padded(items):
 
 
 class VariableLength(Dataset):
+    """(noisy, clean) pairs of 800 samples, those in ``short`` of 400 (padded by the collate)."""
+
     def __init__(self, n: int, short: tuple = ()):
         self.n, self.short = n, short
 
@@ -264,85 +237,3 @@ class VariableLength(Dataset):
         clean = torch.sin(2 * torch.pi * (100 + 300 * torch.rand(1, generator=g)) * t) * 0.3
         clean = clean + 0.01 * torch.randn(length, generator=g)  # a recording's noise floor
         return clean + 0.1 * torch.randn(length, generator=g), clean
-
-
-class CompressedSpectralLoss(nn.Module):
-    """A power-law compressed magnitude loss (|S|^0.3, as DNS-challenge enhancement recipes
-    take it) on the complex STFT of the estimate and the clean target."""
-
-    def __init__(self, power: float = 0.3):
-        super().__init__()
-        self.power = power
-        self.register_buffer("window", torch.hann_window(N_FFT))
-
-    def forward(self, est, clean):
-        x = torch.stft(est, N_FFT, HOP, window=self.window, return_complex=True)
-        y = torch.stft(clean, N_FFT, HOP, window=self.window, return_complex=True)
-        return nn.functional.mse_loss(x.abs() ** self.power, y.abs() ** self.power)
-
-
-class ComplexSpecEnhancer(CRMEnhancer):
-    """The same enhancer returning the masked complex spectrogram; the loss takes it there."""
-
-    def forward(self, noisy):
-        spec = torch.stft(noisy, N_FFT, HOP, window=self.window, return_complex=True)
-        mag = torch.sqrt(spec.real ** 2 + spec.imag ** 2 + 1e-8)
-        mr, mi = torch.tanh(self.net(torch.log(mag))).chunk(2, dim=1)
-        return spec * torch.complex(mr, mi)  # the complex ratio mask
-
-
-def make_complex_spec_enhancer() -> nn.Module:
-    torch.manual_seed(0)
-    return ComplexSpecEnhancer()
-
-
-class ComplexSpecLoss(nn.Module):
-    """A compressed complex spectral loss on the estimate's spectrogram (the magnitude as
-    sqrt(re² + im²), without an eps) plus an L1 on its waveform (iSTFT)."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("window", torch.hann_window(N_FFT))
-
-    def forward(self, est_spec, clean):
-        y = torch.stft(clean, N_FFT, HOP, window=self.window, return_complex=True)
-        x_mag = torch.sqrt(est_spec.real ** 2 + est_spec.imag ** 2)
-        y_mag = y.abs()
-        wav = torch.istft(est_spec, N_FFT, HOP, window=self.window, length=clean.shape[-1])
-        return nn.functional.mse_loss(x_mag ** 0.5, y_mag ** 0.5) \
-            + nn.functional.l1_loss(wav, clean)
-
-
-class DualOutputEnhancer(CRMEnhancer):
-    """Returns ``(waveform, complex spectrogram)``, as DCCRN-style models do for a loss on both."""
-
-    def forward(self, noisy, lengths=None):
-        spec = torch.stft(noisy, N_FFT, HOP, window=self.window, return_complex=True)
-        mag = torch.sqrt(spec.real ** 2 + spec.imag ** 2 + 1e-8)
-        mr, mi = torch.tanh(self.net(torch.log(mag))).chunk(2, dim=1)
-        est_spec = spec * torch.complex(mr, mi)
-        wav = torch.istft(est_spec, N_FFT, HOP, window=self.window, length=noisy.shape[-1])
-        if lengths is not None:  # zero the padding beyond each clip
-            wav = wav * (torch.arange(wav.shape[-1]) < lengths[:, None])
-        return wav, est_spec
-
-
-def make_dual_output_enhancer() -> nn.Module:
-    torch.manual_seed(0)
-    return DualOutputEnhancer()
-
-
-class SISNRAndSpecLoss(nn.Module):
-    """SI-SNR over each clip's valid samples (its length) plus a compressed magnitude loss."""
-
-    def forward(self, wav, est_spec, clean, lengths):
-        valid = torch.arange(clean.shape[-1]) < lengths[:, None]
-        n = lengths[:, None].float()
-        est = (wav - (wav * valid).sum(-1, keepdim=True) / n) * valid
-        tgt = (clean - (clean * valid).sum(-1, keepdim=True) / n) * valid
-        proj = (est * tgt).sum(-1, keepdim=True) * tgt / ((tgt ** 2).sum(-1, keepdim=True) + 1e-8)
-        noise = est - proj
-        sisnr = 10 * torch.log10((proj ** 2).sum(-1) / ((noise ** 2).sum(-1) + 1e-8) + 1e-8)
-        y = torch.stft(clean, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)
-        spec = nn.functional.mse_loss(est_spec.abs() ** 0.3, y.abs() ** 0.3)
-        return -sisnr.mean() + spec

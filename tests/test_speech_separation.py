@@ -142,7 +142,7 @@ def test_an_update_skipped_on_a_non_finite_grad_norm_is_not_blamed_on_the_model(
     k, row = 2, 1
     model = S.make_conv_tasnet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    crit = S.PITSISNR(bug="amplitude")
+    crit = S.PITSISNR(amplitude=True)
     skipped = []
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
