@@ -369,6 +369,10 @@ def _output_grad_detail(ev: StepEvidence, mb_i: int) -> str:
     with torch.autograd.grad, not backward(), writes no parameter's gradient at all)."""
     grads = ("every parameter's gradient is finite" if ev.layout.grads else
              "no parameter's gradient was written (torch.autograd.grad, not backward())")
+    later = next((i for i, m in enumerate(ev.tape.micro_batches) if i > mb_i
+                  and m.grads_dropped), None)
+    if later is not None:  # (a zero_grad with no step(): an update the loop skipped)
+        grads += f" (the loop dropped micro-batch {mb_i}'s before micro-batch {later})"
     head = f"non-finite gradient entering the model output (micro-batch {mb_i}) while {grads}"
     if any(m == mb_i for m, _, _ in ev.layout.loss):
         return (f"{head}: the loss from loss_fn is finite, so its backward made it (a "

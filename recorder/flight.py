@@ -22,6 +22,7 @@ from .calls import CallHooks
 from .capture import git_commit
 from .compat import disabled_scaler
 from .cycle import StepCycle
+from .grads import reread_changed_grads
 from .guard import OptimizerGuard
 from .hooks import Health
 from .settings import SETTINGS, Settings
@@ -203,7 +204,17 @@ class FlightRecorder:
         self._attached = self.health.active = False
 
     def end_step(self) -> None:
-        """Close the current step now (for loops without an optimizer that update by hand)."""
+        """Close the current step now: for loops without an optimizer that update by hand, and
+        for a loop that skips an update (``optimizer.zero_grad()`` and no ``step()`` when the
+        gradient norm is not finite), called before that ``zero_grad()``: the step is then
+        checked with its gradients, as ``step()`` would check them."""
+        tape = self.cycle.tape
+        if tape is not None and tape.micro_batches and not tape.evaluation \
+                and self.target.has_optimizer and self.health.active:
+            try:  # (step()'s pre-hook reads them so; without it, no gradient was read)
+                reread_changed_grads(tape, self.target, self.settings.param_norms)
+            except Exception as e:
+                self.health.internal_error(e)
         self.cycle.close_open_step(at="end_step")
 
     def record_loss(self, loss) -> None:

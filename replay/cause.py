@@ -215,7 +215,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      "margin shrank with the type's precision, so rounding put the input "
                      "there, which exact arithmetic does not: " + _advice(situation))
     if (ev.of_data or ev.of_weights) and situation in ("pole", "log1p_pole", "domain", "divide"):
-        situation = "of_data" if ev.of_data else "of_weights"  # (a 0-d total: its own advice)
+        situation = ("compared" if ev.compared else "of_data") if ev.of_data else "of_weights"
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
 
 

@@ -180,6 +180,7 @@ DO = {
                     "count.clamp_min(1) (a sum over nothing is 0 already), add an eps to a "
                     "statistic, or skip such batches",
     # an op that took nothing the model learns (replay.lineage): the record is degenerate
+    # (not for a 0-d total over the batch, which has its own advice: divide_total)
     "of_data": "what it took there was computed from the batch's data alone (the loss's "
                "targets, anchors, constants: nothing the model learns), so a record of the "
                "samples named is degenerate (a box of zero width or height, an empty mask, a "
@@ -187,6 +188,16 @@ DO = {
                "under a Beta, 0 under a Gamma or a LogNormal): drop or repair such records "
                "where the data is made (the dataset, its transforms, the collate_fn), or skip "
                "them in the loss; an eps there would train toward a made-up target",
+    # such an op whose result on the model's output the loss compares with it (lineage)
+    "compared": "what it took there was computed from the batch's data alone (a target), and "
+                "the loss compares the result with the same op of the model's output (a "
+                "log-magnitude or log-power spectrum, a log-scaled target), where a sound record "
+                "hits the pole too: a target of 0 there is either a value the op has no floor "
+                "for (silence in a spectrum: floor both sides alike before the op, "
+                "x.clamp_min(eps), as parallel_wavegan's STFT magnitude clamps the power at "
+                "1e-7) or a position that holds no target (zero padding, a depth map's "
+                "hole): leave those out of the loss with a mask (from the lengths, or "
+                "target > 0)",
     # an op that took only the weights and values made of them alone (no sample's data)
     "of_weights": "its inputs were made from the model's parameters and buffers alone (no "
                   "sample's data reaches it, so every sample hits it): a parametrisation "

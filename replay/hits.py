@@ -61,6 +61,7 @@ class Evidence:
     complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
     zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
     of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
+    compared: bool = False  # and the loss compared it with the op's result on a learned value
     of_weights: bool = False  # every input a parameter or buffer, or made of them alone
     # a decomposition's values: "cholesky", "eigenvalues" or None each (replay.factors)
     factor: list[str | None] = field(default_factory=list)

@@ -12,7 +12,10 @@ so their rows say nothing of the samples; but each came from one image's entries
 - ``learned``: a value made from the model's outputs on the autograd graph or from its
   parameters (or requiring grad, where the forward runs under autograd). An op none of whose
   inputs is learned, taking a sample's record, computed on the data alone (the targets,
-  anchors, constants): a pole it hit is a degenerate record, not a weight.
+  anchors, constants): a pole it hit is a degenerate record, not a weight;
+- ``compared``: unless the loss takes that op of the model's output too, of the same shape,
+  and compares the two in one op (a log-magnitude L1, ``|log|S| - log|Ŝ||``): the target is
+  then 0 where the data is silent or zero-padded, a valid record in a domain with no floor.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from .memo import TensorSet
 _JOINS = {"cat", "stack", "hstack", "vstack", "concat", "concatenate"}
 # ops whose pole is at one of their inputs only: x * log(y)'s is at y
 _POLE_INPUT = {"xlogy": -1, "special_xlog1py": -1}
+# elementwise ops a loss may apply to the estimate and the target alike before comparing them
+_TRANSFORMS = {"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "pow"}
 
 
 def pole_inputs(op: str, ins: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -47,6 +52,9 @@ class Lineage:
         self.where = where
         self._of: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
         self.learned = TensorSet()
+        # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
+        self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
+        self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
 
     # -- seeds
 
@@ -97,9 +105,11 @@ class Lineage:
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
         if not ins or not outs:
             return
-        if any(self._learned(t) for t in ins):
+        learned = any(self._learned(t) for t in ins)
+        if learned:
             for t in outs:
                 self.learned.add(t)
+        self._compare(name.rstrip("_"), ins, outs, learned)
         picked = self._picked(name, args, outs)
         if picked is not None:
             for t, s in zip(outs, picked):
@@ -113,6 +123,23 @@ class Lineage:
         if of:
             for t in outs:
                 self._put(t, of | self.of(t))  # (an in-place op's output is its input)
+
+    def _compare(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                 learned: bool) -> None:
+        if name in _TRANSFORMS:
+            for t in outs:
+                self._made[id(t)] = (weakref.ref(t), name, learned)
+            return
+        made = [m for t in ins if (m := self._made.get(id(t))) and m[0]() is t]
+        if len(ins) == 1 and made:  # scaled or reshaped on its own: dB's 10 * log10(power)
+            for t in outs:
+                if t.numel() == ins[0].numel():
+                    self._made[id(t)] = (weakref.ref(t), made[0][1], made[0][2])
+            return
+        for op in {m[1] for m in made}:
+            sides = {(m[2], tuple(m[0]().shape)) for m in made if m[1] == op}
+            if any((not w, shape) in sides for w, shape in sides):  # learned beside data
+                self.compared.add(op)
 
     def _picked(self, name: str, args: Sequence[Any], outs: list[torch.Tensor]):
         """One sample per output of ``x[i]`` (select) or ``x.unbind()`` along the samples."""

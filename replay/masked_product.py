@@ -19,8 +19,8 @@ _PRODUCTS = {"mul", "mul_", "multiply", "multiply_"}
 
 
 def nan_times_zero(name: str, args) -> bool:
-    """Whether aten op ``name`` on ``args`` multiplied a NaN by a factor of exactly 0 (a
-    tensor or a number, boolean or not) at one position at least."""
+    """Whether aten op ``name`` on ``args`` multiplied NaN by a factor of exactly 0 (a
+    tensor or a number, boolean or not), at every NaN position."""
     if name not in _PRODUCTS or len(args) < 2:
         return False
     a, b = args[0], args[1]
@@ -50,6 +50,8 @@ def mask_after_pole(first, name: str, args, hit) -> None:
 
 
 def _met(x, factor, bad=torch.isnan) -> bool:
+    """The factor is 0 wherever ``x`` is bad: a mask meant to drop those values. (A window
+    multiplied into frames of NaN, stft's Hann window with its one 0, drops nothing.)"""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return False
     nan = bad(x)
@@ -57,7 +59,8 @@ def _met(x, factor, bad=torch.isnan) -> bool:
         return False
     if not isinstance(factor, torch.Tensor):
         return factor == 0
-    return bool((nan & (factor == 0)).any())
+    zero, nan = torch.broadcast_tensors(factor == 0, nan)
+    return bool(zero[nan].all())
 
 
 def masked_hint(origin: dict, hit) -> str:

@@ -370,6 +370,9 @@ class OpFinder:
         self.reordered.track(name, args, leaves, out)
         if self.lineage is not None:
             self.lineage.track(name, args, leaves, out)
+            if (ev := self.first and self.first.evidence) is not None and ev.of_data:
+                ev.compared = self.first.op.removeprefix("aten.").rstrip("_") \
+                    in self.lineage.compared
 
     def of_records(self, ev: Evidence, ins: list[torch.Tensor], rows: list[int] | None,
                    leaves: list | None = None) -> Evidence:

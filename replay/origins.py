@@ -21,6 +21,7 @@ from .backward import find_backward_origin
 from .cause import Cause, classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, HINTS, inf_arith
 from .coupled import coupled_rows
+from .dropped_grads import finite_params_note
 from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, node_sources, with_node
@@ -266,10 +267,7 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
     elif (spread := outside.spread_after_backward(step, fields["params"])) is not None:
         report["problems"].append(spread)
     elif not fields["params"]:
-        report["problems"].append(
-            "every parameter's gradient stayed finite: the model's backward drops those "
-            "entries (a ReLU at 0, a mask), so the update would have gone ahead while the loss "
-            "was non-finite")
+        report["problems"].append(finite_params_note(step, fields.get("micro_batch"), "the loss"))
     report["hint"] = outside.replayable_loss_hint(step)
     return report
 
@@ -336,10 +334,8 @@ def report_loss_backward(report, step: Step, runner: Runner) -> dict[str, Any] |
         return None
     report = report_backward(report, runner, b)
     if not b.params:
-        report["problems"].append(
-            "every parameter's gradient stayed finite: the model's backward drops those "
-            "entries (a ReLU at 0, a mask), so the update would have gone ahead while the "
-            "gradient entering the model's output was non-finite")
+        report["problems"].append(finite_params_note(
+            step, b.micro_batch, "the gradient entering the model's output"))
     return report
 
 

@@ -16,6 +16,10 @@ from .compat import tree_leaves
 from .dispatch import float_leaves
 from .fresh import POINTWISE
 
+# ops whose output row i is made of their first input's row i alone (the weights are shared):
+# an encoder's convolution that overflows in float16 in rows of its own
+_ROW_WISE = {"convolution", "_convolution"}
+
 
 def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
     """Add to ``f.first.rows`` (an :class:`~replay.ops.OpFinder`'s forward origin) the rows a
@@ -41,12 +45,15 @@ def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
     if not new or not ins or any(isinstance(a, float) and math.isinf(a) for a in leaves):
         return out
     spoiled: set[int] = set()
+    row_wise = func.overloadpacket.__name__ in _ROW_WISE
     for t in ins:
         if finite(t):
             continue
         # (its rows named as the op's own are: through a reordering, say)
-        rows = f.batch_rows([t]) if POINTWISE in func.tags \
-            and f.samples.dim(t, stacked=True) is not None else None
+        d = f.samples.dim(t, stacked=True)
+        own = (POINTWISE in func.tags and d is not None) \
+            or (row_wise and d == 0 and bool(args) and t is args[0])
+        rows = f.batch_rows([t]) if own else None
         if not rows:  # (an op mixing rows, or a non-finite value without samples: all rows)
             return out
         spoiled |= set(rows)

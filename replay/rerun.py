@@ -41,7 +41,7 @@ from .loopscale import loss_factor
 from .loss_params import trained_loss_params
 from .module_state import ModuleState
 from .precision import precision_hooks
-from .run_result import Run
+from .run_result import Run, dropped_non_finite
 from .source import raised_by_model
 
 __all__ = ["Runner", "StopRun"]
@@ -169,6 +169,7 @@ class Runner:
                 for i, mb in enumerate(self.step.micro_batches):
                     self.micro_batch = i
                     if mb.get("grads_dropped"):  # as the loop's zero_grad did before this one
+                        result.dropped.setdefault(i, dropped_non_finite(self.model))
                         self.model.zero_grad(set_to_none=True)
                     args, kwargs = micro_batch_inputs(self.step, i, made := {})
                     if i and (rng := micro_batch_rng(self.step, i)) is not None:

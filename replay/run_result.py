@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from recorder.finite import finite, tensors_kind
+
 from .source import raised_at
 
 
@@ -49,6 +51,9 @@ class Run:
     loss_args_finite: list[bool] = field(default_factory=list)
     losses: list = field(default_factory=list)  # each micro-batch's loss (replay.window)
     bad_grads: list[str] = field(default_factory=list)
+    # micro-batch -> (parameters, kind) of the non-finite gradients the loop dropped before it
+    # (a zero_grad with no step(): an update skipped on a non-finite gradient norm)
+    dropped: dict[int, tuple[list[str], str | None]] = field(default_factory=dict)
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
     objects: list = field(default_factory=list)  # each micro-batch's output as returned
     # each micro-batch's input tensors as the model took them, by bundle key (a loss's $in)
@@ -151,3 +156,10 @@ class Run:
         """What two runs of a deterministic step must agree on, bit for bit."""
         return (tuple((c.module, c.call, c.micro_batch, c.minmax) for c in self.calls),
                 tuple(self.loss_values), tuple(self.bad_grads), self.raised)
+
+
+def dropped_non_finite(model: torch.nn.Module) -> tuple[list[str], str | None]:
+    """The parameters whose gradients are non-finite, and their kind, as a loop drops them."""
+    bad = [(n, p.grad) for n, p in model.named_parameters()
+           if p.grad is not None and not finite(p.grad)]
+    return [n for n, _ in bad], tensors_kind([g for _, g in bad])

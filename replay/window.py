@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from recorder.capture import map_tensors
-from recorder.finite import finite, tensors_kind
+from recorder.finite import finite
 from recorder.inner_optim import clear_state, put_state, state_items
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
@@ -41,10 +41,11 @@ from .load import Step
 from .loopscale import unscale, window_factors, with_factors
 from .ops import OpFinder
 from .optim import needs_closure, per_parameter, state_note
+from .outcome import Outcome, kinds_of, loss_value, run_outcome
 from .outgrads import nonfinite_forwards
 from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
-from .rerun import Runner, restorable, scalar_loss
+from .rerun import Runner, restorable
 from .update_domain import update_domain
 
 
@@ -86,26 +87,6 @@ MOVED_NOT_RERUN = ("the loop moved the weights in place between the forwards of 
                    "move, so their later forwards ran on the weights as they were and the "
                    "updates used the gradients there; the window and its what-ifs train as the "
                    "base optimizer alone, not as the loop did")
-
-
-@dataclass
-class Outcome:
-    """The first non-finite value of a run."""
-
-    step: int
-    phase: str  # "input", "forward", "loss", "backward" or "update"
-    module: str | None = None
-    call: int | None = None
-    micro_batch: int | None = None
-    params: list[str] = field(default_factory=list)
-    kind: str | None = None
-    op: str | None = None
-    source: str | None = None
-    chain: list[dict[str, Any]] = field(default_factory=list)
-    domain: str | None = None  # an update's op out of its domain (replay.update_domain)
-
-    def as_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -160,7 +141,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         scale = _used_scale(step, win, record)
         runner.loss_scale = scale if scale is not None and math.isfinite(scale) else None
         run = _run_ranks(runner, step, peers, record, change, scale)
-        o = _forward_outcome(record["step"], run)
+        o = run_outcome(record["step"], run)
         if run.error is not None and o is None:
             out.raised = f"{run.raised} in the model's code at step {record['step']}"
             out.problems.append(f"the model's code raised {run.raised} at step "
@@ -184,8 +165,8 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
                 stats["skipped"] = True
                 continue
             out.first = Outcome(record["step"], "backward", params=bad_grads,
-                                kind=_kind([p.grad for n, p in step.model.named_parameters()
-                                            if n in bad_grads]))
+                                kind=kinds_of([p.grad for n, p in step.model.named_parameters()
+                                               if n in bad_grads]))
             break
         loop_clip(step, win, record, change, stats["grad_norm"], stats["loss"])
         # (the GradScaler's skips follow the re-run's own gradients, as in training)
@@ -449,41 +430,16 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
         opt.step()
     hit = finder.origin()
     params = dict(model.named_parameters())
-    return Outcome(k, "update", params=bad, kind=_kind([params[n] for n in bad]),
+    return Outcome(k, "update", params=bad, kind=kinds_of([params[n] for n in bad]),
                    op=hit.op if hit else None, source=hit.source if hit else None,
                    chain=finder.chain(), domain=update_domain(hit))
-
-
-def _forward_outcome(k: int, run) -> Outcome | None:
-    o = run.forward_origin()
-    if o is not None:
-        came_in = not run.strict_inf and run.chain()[2]
-        return Outcome(k, "input" if came_in else "forward", module=o.module, call=o.call,
-                       micro_batch=o.micro_batch, kind=o.kind or ("nan" if o.nan else None))
-    if run.loss_finite and not all(run.loss_finite):
-        j = run.loss_finite.index(False)
-        mb = run.loss_micro_batches[j]
-        loss = run.losses[j] if j < len(run.losses) else None
-        kind = _kind([loss]) if isinstance(loss, torch.Tensor) else None
-        return Outcome(k, run.loss_phase(j), module="<loss>", micro_batch=mb, kind=kind or "nan")
-    return None
-
-
-def _kind(tensors) -> str | None:
-    return tensors_kind([t for t in tensors if t is not None])
-
-
-def _loss_value(run) -> float | None:
-    vals = [t for loss in run.losses if (t := loss if isinstance(loss, torch.Tensor) else
-                                         scalar_loss(loss)) is not None and t.numel() == 1]
-    return float(sum(float(t.detach()) for t in vals)) if vals else None
 
 
 def _stats(record: dict[str, Any], run, change: Change) -> dict[str, Any]:
     """A step's line of the window's ``per_step`` (norms filled in as the step goes on), with
     every parameter group's learning rate when there are several."""
     lrs = _lrs(record, change)
-    return {"step": record["step"], "loss": _loss_value(run), "lr": (lrs or [None])[0],
+    return {"step": record["step"], "loss": loss_value(run), "lr": (lrs or [None])[0],
             "grad_norm": None, "param_norm": None, "skipped": False,
             **({"group_lrs": lrs} if len(lrs) > 1 else {})}
 

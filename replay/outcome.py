@@ -1,0 +1,63 @@
+"""What a re-run of the rewind window (:mod:`replay.window`) found first at a step: its
+outcome, from the run itself (a forward, a loss, or the gradients a loop dropped) before the
+step's gradients and update are read."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recorder.finite import tensors_kind
+
+from .rerun import scalar_loss
+
+
+@dataclass
+class Outcome:
+    """The first non-finite value of a run."""
+
+    step: int
+    phase: str  # "input", "forward", "loss", "backward" or "update"
+    module: str | None = None
+    call: int | None = None
+    micro_batch: int | None = None
+    params: list[str] = field(default_factory=list)
+    kind: str | None = None
+    op: str | None = None
+    source: str | None = None
+    chain: list[dict[str, Any]] = field(default_factory=list)
+    domain: str | None = None  # an update's op out of its domain (replay.update_domain)
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_outcome(k: int, run) -> Outcome | None:
+    o = run.forward_origin()
+    if o is not None:
+        came_in = not run.strict_inf and run.chain()[2]
+        return Outcome(k, "input" if came_in else "forward", module=o.module, call=o.call,
+                       micro_batch=o.micro_batch, kind=o.kind or ("nan" if o.nan else None))
+    if run.loss_finite and not all(run.loss_finite):
+        j = run.loss_finite.index(False)
+        mb = run.loss_micro_batches[j]
+        loss = run.losses[j] if j < len(run.losses) else None
+        kind = kinds_of([loss]) if isinstance(loss, torch.Tensor) else None
+        return Outcome(k, run.loss_phase(j), module="<loss>", micro_batch=mb, kind=kind or "nan")
+    bad = next(((i, d) for i, d in sorted(run.dropped.items()) if d[0]), None)
+    if bad is not None:  # the step's own gradients are finite: the loop dropped these
+        return Outcome(k, "backward", micro_batch=bad[0] - 1, params=bad[1][0], kind=bad[1][1])
+    return None
+
+
+def kinds_of(tensors) -> str | None:
+    return tensors_kind([t for t in tensors if t is not None])
+
+
+def loss_value(run) -> float | None:
+    vals = [t for loss in run.losses if (t := loss if isinstance(loss, torch.Tensor) else
+                                         scalar_loss(loss)) is not None and t.numel() == 1]
+    return float(sum(float(t.detach()) for t in vals)) if vals else None
