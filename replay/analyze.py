@@ -56,6 +56,7 @@ from .origins import (
 )
 from .outliers import out_of_scale, outlier_hint
 from .param_writes import number_note
+from .precursors import transient
 from .recorded import (
     batch_non_finite,
     batch_size,
@@ -124,7 +125,8 @@ def _diverging(report, windowed: bool) -> None:
     # (a weight jump at the event step is the update before it: the weights the step began with)
     jump = next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH
                  and p.get("step") is not None and (p["step"] < at or p["step"] == at
-                                                    and p["kind"] == "weight_jump")), None)
+                                                    and p["kind"] == "weight_jump")
+                 and not transient(report.get("history") or {}, p)), None)
     if jump is not None:
         when = f"in the update before step {at}" if jump["step"] == at else \
             f"at step {jump['step']}"
