@@ -366,12 +366,12 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     runner = Runner(step)
     if step.event.get("kind") == "scale":  # a GradScaler event: re-run the scaled backward
         runner.loss_scale = scale_of_the_step(step)
-    run1 = runner.run()
-    run2 = runner.run()
+    run1, run2 = runner.run(), runner.run()
     if run1.signature() != run2.signature():
         report["problems"].append("two re-runs of the step disagree: nondeterminism")
         return finish(report, origin_fields(), "not_reproduced", reproduced=False)
     report["fidelity"] = fid = fidelity.compare(step, run1)
+    report["problems"] += fidelity.notes(fid)  # (forwards before another optimizer's step)
     if fid is not None and not fid["matches"]:
         if (second := report_second_order(report, step, runner, fid)) is not None:
             return second  # (a MAML outer backward through an earlier micro-batch's gradient)

@@ -268,7 +268,6 @@ def _held(p: dict[str, Any]) -> str:
     return f"; above it through step {p['through']} ({more} more step{'s' if more > 1 else ''}{top})"
 
 
-
 # the noisy per-batch measures: a jump in one of them is growth only when the weights moved
 # with it (the learning rate and the weights are state, which stays where it went)
 _MEASURES = {"loss_jump": "loss", "grad_norm_jump": "grad_norm"}

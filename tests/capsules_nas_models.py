@@ -204,12 +204,15 @@ class SearchNetwork(nn.Module):
     ``gumbel``: GDAS-style edge weights, ``softmax((alpha + g) / tau)``, g = -log(-log(u)),
     with ``tau`` the loop's annealed temperature (a plain float attribute)."""
 
-    def __init__(self, c: int = 4, n_classes: int = 3, gumbel: bool = False):
+    def __init__(self, c: int = 4, n_classes: int = 3, gumbel: bool = False,
+                 plain: bool = False):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
         self.cells = nn.ModuleList(Cell(c) for _ in range(2))
         self.classifier = nn.Linear(c, n_classes)
-        self.alphas = nn.Parameter(1e-3 * torch.randn(3, len(PRIMITIVES)))
+        alphas = 1e-3 * torch.randn(3, len(PRIMITIVES))
+        # quark0/darts keeps them as a plain tensor attribute that requires grad
+        self.alphas = alphas.requires_grad_() if plain else nn.Parameter(alphas)
         self.gumbel, self.tau = gumbel, 1.0
 
     def weights(self):
@@ -233,9 +236,9 @@ class SearchNetwork(nn.Module):
         return self.classifier(h.mean((2, 3)))
 
 
-def make_search_network(gumbel: bool = False) -> SearchNetwork:
+def make_search_network(gumbel: bool = False, plain: bool = False) -> SearchNetwork:
     torch.manual_seed(0)
-    return SearchNetwork(gumbel=gumbel)
+    return SearchNetwork(gumbel=gumbel, plain=plain)
 
 
 class SearchLoss(nn.Module):
