@@ -1,17 +1,16 @@
 """Capsule networks and differentiable architecture search as their well-known repositories
 write them, for ``test_capsules_nas``.
 
-CapsNet (Sabour et al.; gram-ai/capsule-networks, XifengGuo/CapsNet-Pytorch): primary
-capsules from a convolution, ``squash``, dynamic routing by agreement (a softmax over the
-routing logits, three iterations of ``b_ij += u_hat . v``), the margin loss and a
-reconstruction decoder fed the capsule of the true class only. A text CapsNet (Zhao et al.
-2018) builds one primary capsule per token position and zeroes the padded ones.
+CapsNet (Sabour et al.; gram-ai/capsule-networks, XifengGuo/CapsNet-Pytorch): ``squash``,
+dynamic routing by agreement (a softmax over the routing logits, three iterations of
+``b_ij += u_hat . v``) and the margin loss, here in the text CapsNet of Zhao et al. (2018),
+which builds one primary capsule per token position and zeroes the padded ones.
 
 DARTS (quark0/darts, khanrc/pt.darts): cells of mixed ops weighted by a softmax over the
 architecture alphas (``none`` is the zero op, ``skip_connect`` the identity), the alphas
 trained by their own Adam on validation batches, the weights by SGD with momentum on training
-batches (first order); GDAS/SNAS sample the edge weights by Gumbel-softmax at a temperature the
-loop anneals; an entropy regulariser on the edge distributions pushes them to one-hot.
+batches (first order); an entropy regulariser on the edge distributions pushes them to
+one-hot. quark0/darts keeps the alphas as plain tensor attributes that require grad.
 """
 
 from __future__ import annotations
@@ -51,59 +50,6 @@ class DigitCaps(nn.Module):
             if i < self.iters - 1:
                 b = b + (u_hat * v[:, None]).sum(-1)  # agreement
         return v  # (B, n_out, d_out)
-
-
-class CapsNet(nn.Module):
-    """Image CapsNet on 12x12 images: conv, primary capsules, digit capsules, decoder."""
-
-    def __init__(self, n_classes: int = 4):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 5)  # 8x8
-        self.primary = nn.Conv2d(16, 8 * 4, 5, stride=2)  # 8 maps of 4-d capsules, 2x2
-        self.digits = DigitCaps(8 * 2 * 2, 4, n_classes, 8)
-        self.decoder = nn.Sequential(nn.Linear(8 * n_classes, 32), nn.ReLU(),
-                                     nn.Linear(32, 144), nn.Sigmoid())
-
-    def forward(self, x, y):
-        h = F.relu(self.conv1(x))
-        u = self.primary(h).view(x.shape[0], 8, 4, -1).permute(0, 1, 3, 2)
-        v = self.digits(squash(u.reshape(x.shape[0], -1, 4)))
-        masked = v * F.one_hot(y, v.shape[1])[..., None]  # the true class's capsule only
-        return v, self.decoder(masked.flatten(1)).view_as(x)
-
-
-def make_capsnet() -> CapsNet:
-    torch.manual_seed(0)
-    return CapsNet()
-
-
-class CapsuleLoss(nn.Module):
-    """Margin loss on the capsule lengths plus 0.0005 times the reconstruction's squared
-    error (summed, as the paper), averaged over the batch."""
-
-    def __init__(self, m_pos: float = 0.9, m_neg: float = 0.1, lam: float = 0.5,
-                 recon: float = 0.0005):
-        super().__init__()
-        self.m_pos, self.m_neg, self.lam, self.recon = m_pos, m_neg, lam, recon
-
-    def forward(self, outputs, images, labels):
-        v, recon = outputs
-        lengths = torch.sqrt((v ** 2).sum(-1))
-        t = F.one_hot(labels, v.shape[1]).float()
-        margin = (t * F.relu(self.m_pos - lengths) ** 2
-                  + self.lam * (1 - t) * F.relu(lengths - self.m_neg) ** 2).sum(1)
-        rec = ((recon - images) ** 2).flatten(1).sum(1)
-        return (margin + self.recon * rec).mean()
-
-
-def digit_images(g: torch.Generator, n: int, n_classes: int = 4):
-    """Blobs whose position is the class, pixels in [0, 1] as ``ToTensor`` gives them."""
-    y = torch.randint(0, n_classes, (n,), generator=g)
-    x = 0.1 * torch.rand(n, 1, 12, 12, generator=g)
-    for i, c in enumerate(y.tolist()):
-        r, col = divmod(c, 2)
-        x[i, 0, 6 * r:6 * r + 6, 6 * col:6 * col + 6] += 0.8
-    return x.clamp(0, 1), y
 
 
 class TextCapsNet(nn.Module):
@@ -200,12 +146,9 @@ class Cell(nn.Module):
 
 
 class SearchNetwork(nn.Module):
-    """The one-shot network: a stem, two cells sharing one set of alphas, a classifier.
-    ``gumbel``: GDAS-style edge weights, ``softmax((alpha + g) / tau)``, g = -log(-log(u)),
-    with ``tau`` the loop's annealed temperature (a plain float attribute)."""
+    """The one-shot network: a stem, two cells sharing one set of alphas, a classifier."""
 
-    def __init__(self, c: int = 4, n_classes: int = 3, gumbel: bool = False,
-                 plain: bool = False):
+    def __init__(self, c: int = 4, n_classes: int = 3, plain: bool = False):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
         self.cells = nn.ModuleList(Cell(c) for _ in range(2))
@@ -213,7 +156,6 @@ class SearchNetwork(nn.Module):
         alphas = 1e-3 * torch.randn(3, len(PRIMITIVES))
         # quark0/darts keeps them as a plain tensor attribute that requires grad
         self.alphas = alphas.requires_grad_() if plain else nn.Parameter(alphas)
-        self.gumbel, self.tau = gumbel, 1.0
 
     def weights(self):
         return [p for n, p in self.named_parameters() if n != "alphas"]
@@ -221,29 +163,24 @@ class SearchNetwork(nn.Module):
     def arch_parameters(self):
         return [self.alphas]
 
-    def edge_weights(self):
-        if not self.gumbel:
-            return F.softmax(self.alphas, dim=-1)
-        u = torch.rand_like(self.alphas)
-        g = -torch.log(-torch.log(u))
-        return F.softmax((self.alphas + g) / self.tau, dim=-1)
-
     def forward(self, x):
-        w = self.edge_weights()
+        w = F.softmax(self.alphas, dim=-1)
         h = self.stem(x)
         for cell in self.cells:
             h = cell(h, w)
         return self.classifier(h.mean((2, 3)))
 
 
-def make_search_network(gumbel: bool = False, plain: bool = False) -> SearchNetwork:
+def make_search_network(plain: bool = False) -> SearchNetwork:
     torch.manual_seed(0)
-    return SearchNetwork(gumbel=gumbel, plain=plain)
+    return SearchNetwork(plain=plain)
 
 
 class SearchLoss(nn.Module):
     """Cross entropy plus ``lam`` times the entropy of each edge's distribution over the ops
-    (minimised, to push the edges toward one op), written ``-(p * log p).sum()``."""
+    at a sharpening temperature ``tau`` (minimised, to push the edges toward one op, as SNAS
+    and DARTS- variants do), written ``-(p * log p).sum()``: 0 * -inf once a probability
+    underflows to 0 (``torch.special.entr`` is 0 there)."""
 
     def __init__(self, lam: float = 0.1, tau: float = 1.0):
         super().__init__()
