@@ -259,6 +259,14 @@ BUILT_OTHERWISE = (
     "(a data-dependent initialisation pass, as Glow's ActNorm runs on a first batch): attach the "
     "recorder before setting them (it then bundles them and the replay sets them)")
 
+OTHER_PATH = (
+    "when the recorder attached, the run's modules differed from what the factory builds: "
+    "{attrs}; the re-run agrees with the recording call by call, but it ran the code the "
+    "factory's values select, which may not be the run's (the source line may be another "
+    "branch's); pass "
+    "the run's values (factory_kwargs, --factory-kwargs '{{...}}'), or set them after "
+    "attaching the recorder (it then bundles them and the replay sets them)")
+
 EDITED = (" from what the last optimizer.step() left: written outside it during the "
           "step, after the forward read them (an in-place clamp_ or fill_ under no_grad between "
           "the forward and the loss); the bundle holds the new values, so this forward cannot "
@@ -281,16 +289,22 @@ def changed_note(names: list[str]) -> str:
             "optimizer that updates them")
 
 
-def notes(fid: dict[str, Any] | None) -> list[str]:
-    """The note for a re-run that matches from the event's forward on (``_after_change``)."""
+def notes(fid: dict[str, Any] | None, step: Step) -> list[str]:
+    """The notes of a re-run that matches: one built with attributes the run had otherwise at
+    attach (whose re-run took the factory's code path, though its values agree); one that
+    matches from the event's forward on (``_after_change``)."""
+    out = []
+    if fid is not None and fid["matches"] and (built := step.built_otherwise):
+        more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
+        out.append(OTHER_PATH.format(attrs=", ".join(built[:3]) + more))
     if fid is None or not fid.get("before_change"):
-        return []
+        return out
     before = fid["before_change"]
     which = ("micro-batch " if len(before) == 1 else "micro-batches ") + \
         ", ".join(map(str, before))
     what = _changed_params(fid["changed"]) if fid.get("changed") else \
         f"{_trained(fid['trained'])}, which another optimizer trains,"
-    return [f"{which} ran before {what} changed and "
+    return out + [f"{which} ran before {what} changed and "
             f"{'differs' if len(before) == 1 else 'differ'} in the re-run; the event's "
             f"forward, micro-batch {before[-1] + 1}, ran after the change on the values the "
             f"bundle holds and re-runs as recorded ({fid['calls']} calls agree)"]

@@ -65,17 +65,17 @@ class TextCapsNet(nn.Module):
         self.eps_inside = eps_inside
 
     def forward(self, tokens, lengths):
-        mask = (torch.arange(tokens.shape[1]) < lengths[:, None]).float()  # (B, L)
         h = self.ngram(self.embed(tokens).transpose(1, 2))  # (B, 16, L)
+        mask = (torch.arange(tokens.shape[1]) < lengths[:, None]).type_as(h)  # (B, L)
         u = h.view(tokens.shape[0], 4, 4, -1).permute(0, 3, 1, 2)  # (B, L, 4 caps, 4)
         u = u * mask[:, :, None, None]  # padded positions hold no capsule
         u = squash(u, eps_inside=self.eps_inside).reshape(tokens.shape[0], -1, 4)
         return self.classes(u)
 
 
-def make_text_capsnet() -> TextCapsNet:
+def make_text_capsnet(eps_inside: bool = False) -> TextCapsNet:
     torch.manual_seed(0)
-    return TextCapsNet()
+    return TextCapsNet(eps_inside=eps_inside)
 
 
 class MarginLoss(nn.Module):

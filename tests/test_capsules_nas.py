@@ -57,6 +57,49 @@ def test_squash_of_a_padded_zero_capsule_is_named_at_sqrt_backward_on_the_padded
     assert (tried["try"], tried["finite"]) == ("drop=" + ",".join(map(str, padded)), True)
 
 
+def test_squash_eps_under_float16_autocast_with_the_flag_set_after_building(tmp_path):
+    """The same CapsNet under float16 autocast with the eps inside the sqrt, a flag the
+    script sets after building the model (``model.eps_inside = True``, from its arguments),
+    before the recorder attached. sqrt(|s|^2 + 1e-8) is 0/0 at the padded capsules, as 1e-8
+    is 0 in float16. The factory builds the flag False, whose branch is 0/0 there too: the
+    re-run agreed call by call and the report named that other branch's line, with no word
+    that the factory's flag differs from the run's. It now says so; with the run's value
+    passed, the line is the run's, and the eps float16 lost under the sqrt is named (the
+    hint named only an eps added to the division's own input, and called this a catastrophic
+    cancellation as in a variance)."""
+    model = M.make_text_capsnet()
+    model.eps_inside = True  # (args.eps_inside)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.MarginLoss()
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="capsules_nas_models:make_text_capsnet"):
+            for step in range(4):
+                tokens, lengths, y = M.sentences(g, 6, full=range(6) if step < 3 else (0, 2, 3))
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    v = model(tokens, lengths)
+                crit(v.float(), y).backward()
+                opt.step()
+    err = info.value
+    padded = [i for i, n in enumerate(lengths.tolist()) if n < tokens.shape[1]]
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (3, "forward", padded)
+    rep = nanreplay_json(err.bundle_path)
+    assert "(torch.sqrt(n2) + 1e-8)" in rep["source_lines"][rep["origin"]["source"]]
+    [note] = [p for p in rep["problems"] if "the factory builds" in p]
+    assert "<root>.eps_inside = False (the run had True)" in note, note
+    rep = nanreplay_json(err.bundle_path, "--factory-kwargs", '{"eps_inside": true}')
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("", "aten.div", padded, "precision"), json.dumps(rep, indent=1)
+    assert "torch.sqrt(n2 + 1e-8)" in rep["source_lines"][o["source"]]
+    # (the eps was lost under the sqrt the division took: no catastrophic cancellation)
+    assert "the eps 1e-08 added to that input is 0 in float16" in rep["hint"], rep["hint"]
+    assert "cancellation" not in rep["hint"], rep["hint"]
+    assert not any("the factory builds" in p for p in rep["problems"]), rep["problems"]
+
+
 def search(steps: int, *, plain: bool = False, arch_lr: float, tau: float,
            flipped: int | None = None, out_dir: Path | None = None) -> int | None:
     """DARTS's first-order search: each step, the alphas' Adam on a validation batch, then
