@@ -12,6 +12,7 @@ import math
 import operator
 from typing import Any
 
+import torch
 from torch import nn
 
 PLAIN = (int, float, bool)
@@ -22,6 +23,16 @@ def plain_attributes(m: nn.Module) -> dict[str, int | float | bool]:
     """The module's own public int, float and bool attributes now (not ``training``: the
     modes are recorded and set on their own)."""
     return {k: v for k, v in vars(m).items() if _plain(k, v)}
+
+
+def trained_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own public tensor attributes that are leaves requiring grad: tensors an
+    optimizer trains that were never registered as parameters (quark0/darts's architecture
+    ``self.alphas_normal = Variable(..., requires_grad=True)``, stepped by their own Adam). A
+    forward's state (a membrane potential, a cache) is no leaf or requires no grad."""
+    return {k: v for k, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and v.is_leaf
+            and v.requires_grad and not k.startswith("_")}
 
 
 def _plain(k: str, v: Any) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attributes import AttributeWatch
+from .attributes import AttributeWatch, trained_tensors
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
 from .compiled import hook_sites
@@ -75,7 +75,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         meta["model"] = {"class": class_name(model), "training": model.training}
         if settings.factory is None:  # the replay's guess at one (see default_factory)
             meta["model"]["default_factory"] = default_factory(model)
-        meta["modules"] = [_module_info(s.name, s.module, target.attributes)
+        meta["modules"] = [_module_info(s.name, s.module, target.attributes, tensors)
                            for s in hook_sites(model)]
         meta["compiled_regions"] = sorted(target.compiled)  # recorded as one call each
         meta["passthrough_modules"] = sorted(target.passing)  # recorded as no call
@@ -166,7 +166,8 @@ def _training_objects(src: Sources, guard, meta, tensors) -> None:
         meta["loss"] = {"kind": "recorded"}
 
 
-def _module_info(name: str, m: nn.Module, attributes: AttributeWatch) -> dict[str, Any]:
+def _module_info(name: str, m: nn.Module, attributes: AttributeWatch, tensors
+                 ) -> dict[str, Any]:
     t = next(iter(m.parameters(recurse=False)), None)
     if t is None:
         t = next(iter(m.buffers(recurse=False)), None)
@@ -180,6 +181,10 @@ def _module_info(name: str, m: nn.Module, attributes: AttributeWatch) -> dict[st
         info["attrs"] = attrs
     if attached := attributes.at_attach.get(name):  # (set before attach: an init pass's flag)
         info["attrs_at_attach"] = attached
+    if trained := trained_tensors(m):  # as the event found them (another optimizer's)
+        info["trained"] = sorted(trained)
+        for k, v in trained.items():
+            tensors[f"trained/{name}.{k}" if name else f"trained/{k}"] = v.detach()
     return info
 
 

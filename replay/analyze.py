@@ -56,6 +56,7 @@ from .origins import (
 )
 from .outliers import out_of_scale, outlier_hint
 from .param_writes import number_note
+from .precursors import transient
 from .recorded import (
     batch_non_finite,
     batch_size,
@@ -124,7 +125,8 @@ def _diverging(report, windowed: bool) -> None:
     # (a weight jump at the event step is the update before it: the weights the step began with)
     jump = next((p for p in report.get("precursors") or [] if p.get("kind") in _GROWTH
                  and p.get("step") is not None and (p["step"] < at or p["step"] == at
-                                                    and p["kind"] == "weight_jump")), None)
+                                                    and p["kind"] == "weight_jump")
+                 and not transient(report.get("history") or {}, p)), None)
     if jump is not None:
         when = f"in the update before step {at}" if jump["step"] == at else \
             f"at step {jump['step']}"
@@ -364,12 +366,12 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     runner = Runner(step)
     if step.event.get("kind") == "scale":  # a GradScaler event: re-run the scaled backward
         runner.loss_scale = scale_of_the_step(step)
-    run1 = runner.run()
-    run2 = runner.run()
+    run1, run2 = runner.run(), runner.run()
     if run1.signature() != run2.signature():
         report["problems"].append("two re-runs of the step disagree: nondeterminism")
         return finish(report, origin_fields(), "not_reproduced", reproduced=False)
     report["fidelity"] = fid = fidelity.compare(step, run1)
+    report["problems"] += fidelity.notes(fid, step)  # (a path or weights the run had not)
     if fid is not None and not fid["matches"]:
         if (second := report_second_order(report, step, runner, fid)) is not None:
             return second  # (a MAML outer backward through an earlier micro-batch's gradient)

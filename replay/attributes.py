@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torch import nn
 
-from recorder.attributes import PLAIN
+from recorder.attributes import PLAIN, trained_tensors
 
 _SHOWN = 6  # restored attributes named in the note
 _SPELT = ("nan", "inf", "-inf")  # the bundle's non-finite floats (recorder.bundle.jsonable)
@@ -32,6 +33,28 @@ def restore_attributes(meta: dict[str, Any], model: nn.Module) -> list[str]:
                             + ("; non-finite: the loop's code that set it, a schedule, made "
                                "it so, and the step computed with it)" if bad else ")"))
     return restored
+
+
+def restore_trained(meta: dict[str, Any], tensors: dict[str, torch.Tensor], model: nn.Module
+                    ) -> list[str]:
+    """Set the bundle's trained tensor attributes (``recorder.attributes.trained_tensors``:
+    DARTS's alphas kept outside the parameters) on the modules that have them, of the same
+    shape, as leaves requiring grad on the module's device; the qualified names set."""
+    modules = dict(model.named_modules())
+    done = []
+    for info in meta.get("modules") or ():
+        m = modules.get(info.get("name"))
+        if m is None or not isinstance(info.get("trained"), list):
+            continue
+        built = trained_tensors(m)
+        for k in info["trained"]:
+            name = f"{info['name']}.{k}" if info["name"] else k
+            v, have = tensors.get(f"trained/{name}"), built.get(k)
+            if v is None or have is None or v.shape != have.shape:
+                continue
+            setattr(m, k, v.detach().to(have.device, have.dtype).clone().requires_grad_())
+            done.append(name)
+    return done
 
 
 def built_otherwise(meta: dict[str, Any], model: nn.Module) -> list[str]:

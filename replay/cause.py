@@ -45,7 +45,7 @@ import torch
 
 from recorder.finite import label
 
-from . import domains, residue, saturation, upstream
+from . import domains, lost_eps, residue, saturation, upstream
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -201,8 +201,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         # enough digits that the float64 value does not read as the value the op was given
         seen = (f" (float64 has {domains.g_apart(moved[2], *_given(ev, moved[1]))} there)"
                 if moved else "")
-        how = ("" if situation in _OWN_ADVICE else " (catastrophic cancellation, as in a "
-               "variance E[x²] − E[x]²)")
+        how = ("" if situation in _OWN_ADVICE or lost_eps.context(ev) else  # (an eps, lost)
+               " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
                      f"not cross{how}: " + _advice(situation))

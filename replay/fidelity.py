@@ -56,11 +56,32 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
         return None
     found["basis"] = "event step" if rows else "earlier steps"
     found["changed"] = list(meta.get("changed_in_step") or []) or None
+    # (trained tensor attributes: stepped by an optimizer the recorder was not given)
+    if (found["changed"] or step.trained) and not found["matches"] and rows:
+        found = _after_change(step, run, rows[-1], names, fields, found)
     if not found["matches"] and step.built_otherwise:  # (first: the re-run took another path)
         found["built_otherwise"] = step.built_otherwise
     elif rows and not found["matches"] and not found["changed"]:
         found["edited"] = edited_since_update(step, rows[-1]) or None
     return found
+
+
+def _after_change(step: Step, run: Run, r: int, names, fields, found) -> dict[str, Any]:
+    """Parameters another optimizer stepped between the step's forwards (DARTS's alphas,
+    stepped on a validation batch before the weights' forward on a training batch): the
+    forwards before that step ran on values the bundle no longer holds, the later ones on the
+    bundle's. When the first difference is in a forward before the event's and the event's
+    forward re-runs as recorded, call by call, the re-run is the recorded step from there:
+    a match, with the earlier forwards named (``before_change``)."""
+    mb = step.event.get("micro_batch")
+    if not isinstance(mb, int) or found["micro_batch"] is None or found["micro_batch"] >= mb:
+        return found
+    later = _event_step(step, run, r, names, fields, first=mb)
+    if later is None or not later["matches"] or not later["calls"]:
+        return found
+    later.update(basis=found["basis"], changed=found["changed"], before_change=list(range(mb)),
+                 trained=None if found["changed"] else step.trained)
+    return later
 
 
 def edited_since_update(step: Step, r: int) -> list[str]:
@@ -85,7 +106,9 @@ def edited_since_update(step: Step, r: int) -> list[str]:
     return out
 
 
-def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str]):
+def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str],
+                first: int = 0):
+    """The event step's calls against the re-run's, from micro-batch ``first`` on."""
     t, meta = step.tensors, step.meta
     recorded_on = recorded_device(meta)
     rel = SAME_DEVICE if recorded_on is None or recorded_on == step.device else OTHER_DEVICE
@@ -98,8 +121,9 @@ def _event_step(step: Step, run: Run, r: int, names: list[str], fields: list[str
     done: set[int] = set()  # micro-batches whose root call completed
     compared = 0
     for (lo, hi), m, mb in zip(stats, mods, mbs):
-        if m < 0 or m >= len(names) or mb in done:  # past a truncated row's end; after the
-            continue  # forward (checkpointing's recomputation, a loop calling a submodule)
+        if m < 0 or m >= len(names) or mb in done or mb < first:  # past a truncated row's
+            continue  # end; after the forward (checkpointing's recomputation, a loop calling
+            # a submodule); before the forwards compared
         name = names[m]
         k = seen.get((name, mb), 0)
         seen[(name, mb)] = k + 1
@@ -235,6 +259,14 @@ BUILT_OTHERWISE = (
     "(a data-dependent initialisation pass, as Glow's ActNorm runs on a first batch): attach the "
     "recorder before setting them (it then bundles them and the replay sets them)")
 
+OTHER_PATH = (
+    "when the recorder attached, the run's modules differed from what the factory builds: "
+    "{attrs}; the re-run agrees with the recording call by call, but it ran the code the "
+    "factory's values select, which may not be the run's (the source line may be another "
+    "branch's); pass "
+    "the run's values (factory_kwargs, --factory-kwargs '{{...}}'), or set them after "
+    "attaching the recorder (it then bundles them and the replay sets them)")
+
 EDITED = (" from what the last optimizer.step() left: written outside it during the "
           "step, after the forward read them (an in-place clamp_ or fill_ under no_grad between "
           "the forward and the loss); the bundle holds the new values, so this forward cannot "
@@ -255,6 +287,27 @@ def changed_note(names: list[str]) -> str:
             "edit): the bundle holds their new values, not those the step's forward used, so "
             "the re-run may differ; call the recorded optimizer's step() first, or record the "
             "optimizer that updates them")
+
+
+def notes(fid: dict[str, Any] | None, step: Step) -> list[str]:
+    """The notes of a re-run that matches: one built with attributes the run had otherwise at
+    attach (whose re-run took the factory's code path, though its values agree); one that
+    matches from the event's forward on (``_after_change``)."""
+    out = []
+    if fid is not None and fid["matches"] and (built := step.built_otherwise):
+        more = f" (+{len(built) - 3} more)" if len(built) > 3 else ""
+        out.append(OTHER_PATH.format(attrs=", ".join(built[:3]) + more))
+    if fid is None or not fid.get("before_change"):
+        return out
+    before = fid["before_change"]
+    which = ("micro-batch " if len(before) == 1 else "micro-batches ") + \
+        ", ".join(map(str, before))
+    what = _changed_params(fid["changed"]) if fid.get("changed") else \
+        f"{_trained(fid['trained'])}, which another optimizer trains,"
+    return out + [f"{which} ran before {what} changed and "
+            f"{'differs' if len(before) == 1 else 'differ'} in the re-run; the event's "
+            f"forward, micro-batch {before[-1] + 1}, ran after the change on the values the "
+            f"bundle holds and re-runs as recorded ({fid['calls']} calls agree)"]
 
 
 def late_note(names: list[str], optimizer: bool) -> str:
@@ -292,3 +345,9 @@ def written_note(names: list[str]) -> str:
 def _changed_params(names: list[str]) -> str:
     more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
     return ("parameter " if len(names) == 1 else "parameters ") + ", ".join(names[:3]) + more
+
+
+def _trained(names: list[str]) -> str:
+    more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+    return ("tensor attribute " if len(names) == 1 else "tensor attributes ") + \
+        ", ".join(names[:3]) + more

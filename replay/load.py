@@ -27,7 +27,7 @@ from recorder.compiled import decompile
 from recorder.errors import BundleError
 from recorder.rng import rng_from_bundle
 
-from .attributes import built_otherwise, restore_attributes, restored_note
+from .attributes import built_otherwise, restore_attributes, restore_trained, restored_note
 from .errors import FactoryRefused, ReplayError, one_line
 from .factory import recorded_argv, resolve_factory
 from .loss_params import attach_loss_params
@@ -37,7 +37,7 @@ from .shards import resolve
 from .views import same_view
 from .weights import load_weights
 
-WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/")
+WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/", "trained/")
 BATCH_PREFIXES = ("batch/", "loss_in/", "outgrad/")
 
 
@@ -59,6 +59,8 @@ class Step:
     given_rank: int | None = None
     # plain attributes the factory built otherwise than the run had them at attach
     built_otherwise: list[str] = field(default_factory=list)
+    # trained tensor attributes set from the bundle (no parameters: another optimizer's)
+    trained: list[str] = field(default_factory=list)
     # builds the factory's model again, on a real device (its own initial values), or None
     rebuild: Any = None
 
@@ -215,6 +217,7 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     load_weights(step, model)
     if restored := restore_attributes(meta, model):
         step.problems.append(restored_note(restored))
+    step.trained = restore_trained(meta, step.tensors, model)  # (another optimizer's tensors)
     step.built_otherwise = built_otherwise(meta, model)
     step.model = model
     step.loss_fn = made.get("loss_fn")

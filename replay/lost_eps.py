@@ -22,6 +22,9 @@ from torch.overrides import TorchFunctionMode
 
 # ops that take a guard as a number: t + eps, t.clamp_min(eps), t.clamp(min=eps)
 _GUARDS = {"add", "add_", "clamp", "clamp_", "clamp_min", "clamp_min_"}
+# ops that keep the guarded value's 0 at 0: sqrt(n2 + eps) is as unguarded as n2 + eps (a
+# capsule's squash, s / sqrt(|s|^2 + eps); pow with a positive exponent)
+_KEEP_ZERO = {"sqrt", "pow"}
 
 
 class LostEps:
@@ -29,8 +32,14 @@ class LostEps:
         self._of: dict[int, tuple[weakref.ref, float]] = {}
 
     def track(self, name: str, args: Sequence[Any], out: Any) -> None:
-        if name not in _GUARDS or len(args) < 2 or not isinstance(out, torch.Tensor) \
-                or not out.is_floating_point():
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or not args:
+            return
+        if name in _KEEP_ZERO and isinstance(args[0], torch.Tensor) and \
+                (kept := self.of(args[0])) is not None and (name == "sqrt" or len(args) > 1 and (
+                    isinstance(args[1], (int, float)) and args[1] > 0)):
+            self._of[id(out)] = (weakref.ref(out), kept)
+            return
+        if name not in _GUARDS or len(args) < 2:
             return
         eps = args[1]
         if _lost(eps, out):

@@ -266,3 +266,38 @@ def _held(p: dict[str, Any]) -> str:
         return ""
     top = f", up to {p['top']:.3g}x" if p["top"] > p["ratio"] else ""
     return f"; above it through step {p['through']} ({more} more step{'s' if more > 1 else ''}{top})"
+
+
+# the noisy per-batch measures: a jump in one of them is growth only when the weights moved
+# with it (the learning rate and the weights are state, which stays where it went)
+_MEASURES = {"loss_jump": "loss", "grad_norm_jump": "grad_norm"}
+# weights that grew less than this fraction since such a jump were not driven by it
+_STILL = 0.1
+
+
+def transient(hist: dict[str, Any], jump: dict[str, Any], *, factor: float = JUMP) -> bool:
+    """Whether ``jump`` (a loss or gradient-norm jump) was a spike that did not lead to the
+    event: a recorded step between it and the event fell back below ``factor`` times the
+    median of the values before it, and the norm of the weights the optimizer holds grew less
+    than 10% from the jump to the event (a search's hard validation batch 28 steps before an
+    entropy term's softmax underflowed); a run that diverged grows its weights (a Glow at a
+    learning rate of 0.5: its loss spikes and falls back while they triple)."""
+    col = _MEASURES.get(jump.get("kind"))
+    event = hist.get("event_step")
+    if col is None or event is None:
+        return False
+    before, after, weights = [], [], []
+    norms = hist.get("weight_norm") or [None] * len(hist["steps"])
+    for s, v, w in zip(hist["steps"], hist.get(col) or [], norms):
+        if jump["step"] <= s <= event and w is not None and math.isfinite(w):
+            weights.append(w)
+        if v is None or not math.isfinite(v):
+            continue
+        if s < jump["step"]:
+            before.append(abs(v))
+        elif jump["step"] < s < event:
+            after.append(abs(v))
+    if not before or not after or len(weights) < 2 or weights[0] <= 0:
+        return False
+    med = statistics.median(before)
+    return any(v < factor * med for v in after) and weights[-1] < (1 + _STILL) * weights[0]

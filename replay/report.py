@@ -15,8 +15,8 @@ from .rewind_text import what_if_lines, window_lines
 from .shards import describe as describe_shard_set
 from .shards import info_line
 
-_GROUPS = {"weights/": "weights", "buffers/": "buffers", "grads/": "gradients",
-           "optim/": "optimizer state", "optim_group/": "optimizer state",
+_GROUPS = {"weights/": "weights", "trained/": "weights", "buffers/": "buffers",
+           "grads/": "gradients", "optim/": "optimizer state", "optim_group/": "optimizer state",
            "batch/": "batch", "loss_in/": "loss targets", "outgrad/": "output gradients",
            "rng/": "RNG states", "ring/": "ring buffer", "loss/": "loss buffers",
            "sched/": "scheduler", "scaler/": "grad scaler"}
