@@ -1,0 +1,73 @@
+"""Dense correspondence trained as those repos write it (``correspondence_models.py``):
+unsupervised optical flow with warping, forward-backward occlusion masks, MS-SSIM and
+edge-aware smoothness, RAFT's correlation pyramid and sequence loss; with a planted bug, the
+recorder fires at the planted step and ``nanreplay --json`` names the op, samples, cause and
+fix."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import correspondence_models as C
+import pytest
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where correspondence_models.py, the factories' module, lives
+
+
+def _line_of(text: str, within=C) -> str:
+    """``correspondence_models.py:N`` of the line holding ``text`` (in ``within``'s code)."""
+    lines, first = inspect.getsourcelines(within)
+    [n] = [i for i, line in enumerate(lines, max(first, 1)) if text in line]
+    return f"correspondence_models.py:{n}"
+
+
+def test_ms_ssim_s_negative_contrast_term_is_named_at_its_sample_not_its_scale(out_dir):
+    """Unsupervised flow with pytorch-msssim's ``ms_ssim`` before its fix: the per-scale
+    contrast-structure terms ``(B, C)`` are stacked into ``(levels, B, C)`` and raised to the
+    scales' weights. A picket fence panned by one pixel warps (at the untrained net's
+    near-zero flow) every stripe onto its neighbour's gap: its contrast term is negative, and
+    a negative number to a fractional power is NaN. With two scales and batches of two, the
+    stacked tensor's dim 0 reads as the batch: the report named the scale (sample 0), and
+    ``drop=0`` stayed NaN. The op finder follows the samples' dimension through ``stack`` now
+    and names the fence's pair."""
+    fence = 5
+    img1, img2 = C.video_pairs(8, fence=fence)
+    model = C.make_tiny_flow()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    crit = C.UnsupFlowLoss()
+    negative = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="correspondence_models:make_tiny_flow"):
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                flows = model(img1[i:i + 2], img2[i:i + 2])
+                with torch.no_grad():  # the pairs whose finest contrast term is negative
+                    warped = C.flow_warp(img2[i:i + 2], flows[0])
+                    cs = C._ssim_cs(warped, img1[i:i + 2])[1]
+                    negative.append((cs < 0).any(1).nonzero()[:, 0].tolist())
+                crit(flows, img1[i:i + 2], img2[i:i + 2]).backward()
+                opt.step()
+    ev = info.value.event
+    step = fence // 2
+    assert (ev["step"], ev["phase"], ev["module"]) == (step, "loss", "<loss>"), ev
+    assert negative == [[]] * step + [[fence % 2]], negative
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.pow", "nan", negative[-1], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("torch.prod(vals ** w", C.ms_ssim), o["source"]
+    assert "negative number to a fractional power" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={fence % 2}", True)], \
+        rep["what_if"]
