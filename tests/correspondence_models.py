@@ -49,13 +49,13 @@ class CorrBlock:
         b, h, w, _ = coords.shape
         out = []
         for i, corr in enumerate(self.pyramid):
-            d = torch.linspace(-r, r, 2 * r + 1, device=coords.device)
+            d = torch.linspace(-r, r, 2 * r + 1, device=coords.device, dtype=coords.dtype)
             delta = torch.stack(torch.meshgrid(d, d, indexing="ij"), -1).view(1, 2 * r + 1,
                                                                               2 * r + 1, 2)
             centroid = coords.reshape(b * h * w, 1, 1, 2) / 2 ** i
             sampled = bilinear_sampler(corr, centroid + delta)
             out.append(sampled.view(b, h, w, -1))
-        return torch.cat(out, -1).permute(0, 3, 1, 2).contiguous().float()
+        return torch.cat(out, -1).permute(0, 3, 1, 2).contiguous()
 
 
 class ConvGRU(nn.Module):
@@ -90,7 +90,7 @@ class RAFT(nn.Module):
     correlation pyramid, ``iters`` GRU updates; in training the flow after every update (at
     the feature resolution, upsampled by 2 as RAFT's ``upflow8``)."""
 
-    def __init__(self, dim: int = 16, hidden: int = 16, iters: int = 3, levels: int = 2,
+    def __init__(self, dim: int = 16, hidden: int = 16, iters: int = 2, levels: int = 2,
                  radius: int = 1):
         super().__init__()
         self.fnet = nn.Sequential(nn.Conv2d(3, dim, 3, 2, 1), nn.ReLU(), nn.Conv2d(dim, dim, 1))
@@ -106,7 +106,7 @@ class RAFT(nn.Module):
         net, inp = self.cnet(image1).split([self.hidden, self.hidden], 1)
         net, inp = torch.tanh(net), torch.relu(inp)
         b, _, h, w = fmap1.shape
-        coords0 = coords_grid(b, h, w).to(image1.device)
+        coords0 = coords_grid(b, h, w).to(image1)
         coords1 = coords0.clone()
         preds = []
         for _ in range(self.iters):
@@ -312,15 +312,20 @@ class TinyPose(nn.Module):
     joint's heatmap, ``beta`` sharpening it) gives the joints' (x, y) in pixels; the
     visibility mask is passed into ``forward`` to average the joints' confidence."""
 
-    def __init__(self, joints: int = 4, c: int = 8, beta: float = 1.0):
+    def __init__(self, joints: int = 4, c: int = 8, beta: float = 1.0, flat: bool = False):
         super().__init__()
+        self.flat = flat
         self.body = nn.Sequential(nn.Conv2d(3, c, 3, 1, 1), nn.ReLU(), nn.Conv2d(c, joints, 1))
         self.beta = beta
 
     def forward(self, img, vis):
         heat = self.body(img)
         b, k, h, w = heat.shape
-        prob = F.softmax(self.beta * heat.flatten(2), -1).view(b, k, h, w)
+        if self.flat:  # dsntnn's flat_softmax: the joints' heatmaps flattened with the batch
+            e = torch.exp(self.beta * heat.view(-1, h * w))
+            prob = (e / e.sum(-1, keepdim=True)).view(b, k, h, w)
+        else:
+            prob = F.softmax(self.beta * heat.flatten(2), -1).view(b, k, h, w)
         xs = torch.arange(w, dtype=prob.dtype, device=prob.device)
         ys = torch.arange(h, dtype=prob.dtype, device=prob.device)
         x = (prob.sum(2) * xs).sum(-1)
@@ -334,6 +339,11 @@ class TinyPose(nn.Module):
 def make_pose() -> nn.Module:
     torch.manual_seed(0)
     return TinyPose()
+
+
+def make_flat_pose() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyPose(flat=True)
 
 
 # COCO's per-keypoint sigmas (the first four)
@@ -358,3 +368,56 @@ def pose_data(n: int = 8, size: int = 16, seed: int = 0):
     vis = (torch.rand(n, 4, generator=g) > 0.3).float()
     area = (size * size / 4) * (0.5 + torch.rand(n, generator=g))
     return img, gt, vis, area
+
+
+def sequence_loss_per_image(flow_preds, flow_gt, valid, gamma: float = 0.8):
+    """The sequence loss averaged over each image's valid pixels, then over the batch."""
+    n, v = len(flow_preds), valid[:, None]
+    loss = 0.0
+    for i in range(n):
+        err = (v * (flow_preds[i] - flow_gt).abs()).sum((1, 2, 3)) / v.sum((1, 2, 3))
+        loss = loss + gamma ** (n - i - 1) * err.mean()
+    return loss
+
+
+def ssim_three_term(x, y, c1=0.01 ** 2, c2=0.03 ** 2):
+    """SSIM as luminance x contrast x structure, monodepth2's reflection-padded 3x3 window,
+    the variances as E[x^2] - mu^2 and their roots for the contrast and structure terms."""
+    pool = lambda t: F.avg_pool2d(F.pad(t, (1, 1, 1, 1), mode="reflect"), 3, 1)  # noqa: E731
+    mu_x, mu_y = pool(x), pool(y)
+    sigma_x, sigma_y = pool(x * x) - mu_x ** 2, pool(y * y) - mu_y ** 2
+    sigma_xy = pool(x * y) - mu_x * mu_y
+    sd_x, sd_y = torch.sqrt(sigma_x), torch.sqrt(sigma_y)
+    lum = (2 * mu_x * mu_y + c1) / (mu_x ** 2 + mu_y ** 2 + c1)
+    con = (2 * sd_x * sd_y + c2) / (sigma_x + sigma_y + c2)
+    struct = (sigma_xy + c2 / 2) / (sd_x * sd_y + c2 / 2)
+    return (lum * con * struct).flatten(1).mean(1)
+
+
+class PhotometricSSIM(nn.Module):
+    """monodepth2-style photometric term: alpha (1 - SSIM) / 2 + (1 - alpha) L1 of the second
+    frame warped back, plus edge-aware smoothness."""
+
+    def __init__(self, alpha: float = 0.85, w_smooth: float = 0.1):
+        super().__init__()
+        self.alpha, self.w_smooth = alpha, w_smooth
+
+    def forward(self, flows, img1, img2):
+        fw = flows[0]
+        warped = flow_warp(img2, fw)
+        l1 = (warped - img1).abs().flatten(1).mean(1)
+        photo = self.alpha * (1 - ssim_three_term(warped, img1)) / 2 + (1 - self.alpha) * l1
+        return photo.mean() + self.w_smooth * edge_aware_smoothness(fw, img1)
+
+
+def oks_loss_flat(outs, gt, vis, area):
+    """:func:`oks_loss` over the instances' joints flattened into one vector, each joint's
+    area and sigma repeated to it."""
+    pred, _ = outs
+    b, k = pred.shape[:2]
+    d2 = ((pred - gt) ** 2).sum(-1).reshape(-1)
+    s2 = area.repeat_interleave(k)
+    kk = (2 * torch.tensor(SIGMAS, dtype=pred.dtype)).repeat(b)
+    e = d2 / (2 * s2 * kk ** 2)
+    oks = (torch.exp(-e) * vis.reshape(-1)).view(b, k).sum(1) / vis.sum(1).clamp_min(1)
+    return (1 - oks).mean()
