@@ -7,7 +7,7 @@ shape alone, a dim 0 of the batch's size holds the samples: with as many scales 
 with a multiple of the batch's size as many scales it named none. :class:`Moved` follows the
 samples' dimension through the ops that move it — ``stack`` of values that all hold it in one
 dimension, ``unsqueeze``, ``transpose``, ``permute`` (``movedim``) — and on through any op
-whose output has the shape of such a value (``vals ** w``, ``clamp``, a copy).
+broadcasting such a value into its output (``vals ** w``, ``preds - gt[None]``, a copy).
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.finite import bad_rows
 from recorder.samples import Samples
+
+
+# reductions taking (x, dim, keepdim): over other dims, they keep the samples
+_REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "prod", "logsumexp"}
 
 
 class Moved:
@@ -53,18 +57,20 @@ class Moved:
         if d is not None and outs and outs[0].dim() > d and outs[0].shape[d] == s.size:
             self._put(outs[0], d)
             return
-        # an op keeping a followed value's shape keeps its samples where they were
-        followed = {(tuple(t.shape), self.dim(t)) for t in leaves
-                    if isinstance(t, torch.Tensor) and self.dim(t) is not None}
-        if len(followed) != 1:
+        # an elementwise op (broadcasting) keeps a followed value's samples where they were,
+        # counted from the right
+        ts = [t for t in leaves if isinstance(t, torch.Tensor) and not t.is_nested]
+        ends = {self.dim(t) - t.dim() for t in ts if self.dim(t) is not None}
+        if len(ends) != 1:
             return
-        [(shape, d)] = followed
-        if any(isinstance(t, torch.Tensor) and tuple(t.shape) == shape and self.dim(t) is None
-               for t in leaves):
-            return  # (beside a value of that shape read by its shape: which is which is unsaid)
+        end = ends.pop()
         for t in outs:
-            if tuple(t.shape) == shape:
-                self._put(t, d)
+            d = t.dim() + end
+            if d < 0 or t.shape[d] != s.size or t.dim() < max(u.dim() for u in ts) or any(
+                    u.shape == t.shape and self.dim(u) is None and s.dim(u) not in (None, d)
+                    for u in ts):
+                continue  # (a reduction; or beside a value of its shape read by its shape)
+            self._put(t, d)
 
     def _moved(self, name: str, args: Sequence[Any]) -> int | None:
         """Where op ``name`` put the samples of its input, None when it moved none."""
@@ -77,7 +83,8 @@ class Moved:
             return s + 1 if k <= s else s
         if not isinstance(x, torch.Tensor) or (s := self._where(x)) is None:
             return None
-        if name == "unsqueeze":
+        if name == "unsqueeze" and self.dim(x) is not None:  # ((B,) read by shape: (1, B)
+            # is read so too, and a (K,) of K = B read so was never the samples': w[:, None])
             k = _arg(args, 1, 0) % (x.dim() + 1)
             return s + 1 if k <= s else s
         if name == "transpose":
@@ -86,6 +93,14 @@ class Moved:
         if name == "permute":
             dims = [k % x.dim() for k in _arg(args, 1, ())]
             return dims.index(s) if s in dims else None
+        if name in _REDUCTIONS and self.dim(x) is not None:  # (one the shape reads: as is)
+            dims = _arg(args, 1, None)
+            dims = [dims] if isinstance(dims, int) else dims
+            if not dims or not all(isinstance(k, int) for k in dims):
+                return None  # (over every dim)
+            dims = {k % x.dim() for k in dims}
+            keep = bool(_arg(args, 2, False))
+            return None if s in dims else s if keep else s - sum(k < s for k in dims)
         return None
 
     def _put(self, t: torch.Tensor, d: int) -> None:

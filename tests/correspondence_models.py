@@ -90,7 +90,7 @@ class RAFT(nn.Module):
     correlation pyramid, ``iters`` GRU updates; in training the flow after every update (at
     the feature resolution, upsampled by 2 as RAFT's ``upflow8``)."""
 
-    def __init__(self, dim: int = 16, hidden: int = 16, iters: int = 2, levels: int = 2,
+    def __init__(self, dim: int = 16, hidden: int = 16, iters: int = 4, levels: int = 2,
                  radius: int = 1):
         super().__init__()
         self.fnet = nn.Sequential(nn.Conv2d(3, dim, 3, 2, 1), nn.ReLU(), nn.Conv2d(dim, dim, 1))
@@ -421,3 +421,15 @@ def oks_loss_flat(outs, gt, vis, area):
     e = d2 / (2 * s2 * kk ** 2)
     oks = (torch.exp(-e) * vis.reshape(-1)).view(b, k).sum(1) / vis.sum(1).clamp_min(1)
     return (1 - oks).mean()
+
+
+def stacked_sequence_loss(flow_preds, flow_gt, valid, gamma: float = 0.8):
+    """The sequence loss vectorised over the iterations, as RAFT's descendants write it: the
+    predictions stacked ``(iters, B, 2, H, W)``, each image's L1 averaged over its valid
+    pixels, the iterations weighted by gamma."""
+    preds = torch.stack(flow_preds)
+    n = len(flow_preds)
+    err = (valid[None, :, None] * (preds - flow_gt[None]).abs()).sum((2, 3, 4))
+    per_image = err / (2 * valid.sum((1, 2)))[None]
+    w = gamma ** torch.arange(n - 1, -1, -1, dtype=preds.dtype)
+    return (w[:, None] * per_image).sum(0).mean()

@@ -71,3 +71,40 @@ def test_ms_ssim_s_negative_contrast_term_is_named_at_its_sample_not_its_scale(o
     assert "negative number to a fractional power" in rep["hint"], rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={fence % 2}", True)], \
         rep["what_if"]
+
+
+def test_raft_s_stacked_sequence_loss_names_the_image_without_valid_pixels(out_dir):
+    """RAFT with its sequence loss vectorised over the iterations: the flow predictions
+    stacked ``(iters, B, 2, H, W)``, each image's L1 averaged over its valid pixels. A crop
+    whose valid map is empty (KITTI's sparse ground truth cropped to a region without LiDAR
+    returns) makes 0/0 in its column of the ``(iters, B)`` per-image errors. With four
+    iterations and batches of two, dim 0 is a multiple of the batch and the report named no
+    sample (and with two, the iterations as samples). The op finder follows the samples
+    from the stack through the reduction over each image's pixels to the division now."""
+    img1, img2, flow, valid = C.flow_scenes(8)
+    empty = 5
+    valid[empty] = 0
+    model = C.make_raft()
+    assert model.iters == 4
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=C.stacked_sequence_loss, out_dir=out_dir,
+                            factory="correspondence_models:make_raft") as rec:
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                preds = model(img1[i:i + 2], img2[i:i + 2])
+                rec.loss_fn(preds, flow[i:i + 2], valid[i:i + 2]).backward()
+                opt.step()
+    ev = info.value.event
+    step = empty // 2
+    assert (ev["step"], ev["phase"], ev["module"]) == (step, "loss", "<loss>"), ev
+    samples = (valid[2 * step:2 * step + 2].flatten(1).sum(1) == 0).nonzero()[:, 0].tolist()
+    assert samples == [empty % 2]
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.div", "nan", samples, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("per_image = err /", C.stacked_sequence_loss), o["source"]
+    assert "0 by 0" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={empty % 2}", True)], \
+        rep["what_if"]
