@@ -392,7 +392,9 @@ class OpFinder:
         """Non-finite samples of the first output that has the batch's samples (none made from
         the weights alone)."""
         s = self.samples
-        if (shaped := self.moved.rows(outs)) is not None:  # (samples an op moved: stack)
+        # (samples an op moved, stack; or flattened with the next dims, reshape(-1, 2))
+        if (shaped := self.moved.rows([t for t in outs if t not in self._of_weights
+                                       and t not in self.pooled])) is not None:
             return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
         # (stacked: a value made from the batch, where (K, B, ...) stacks its copies)
         t = next((t for t in outs if s and s.size and (s.dim(t, stacked=True) is not None

@@ -333,7 +333,7 @@ class TinyPose(nn.Module):
         conf = heat.flatten(2).amax(-1)
         # mean confidence over each image's visible joints
         mean_conf = (conf * vis).sum(1) / vis.sum(1)
-        return torch.stack([x, y], -1), mean_conf
+        return torch.stack([x, y], -1), mean_conf, prob
 
 
 def make_pose() -> nn.Module:
@@ -353,7 +353,7 @@ SIGMAS = (0.026, 0.025, 0.025, 0.035)
 def oks_loss(outs, gt, vis, area):
     """1 - OKS: ``exp(-d^2 / (2 s^2 k^2))`` with ``s^2`` the instance's area, averaged over
     its visible joints."""
-    pred, _ = outs
+    pred = outs[0]
     k = 2 * torch.tensor(SIGMAS, dtype=pred.dtype)
     d2 = ((pred - gt) ** 2).sum(-1)
     e = d2 / (2 * area[:, None] * k ** 2)
@@ -413,7 +413,7 @@ class PhotometricSSIM(nn.Module):
 def oks_loss_flat(outs, gt, vis, area):
     """:func:`oks_loss` over the instances' joints flattened into one vector, each joint's
     area and sigma repeated to it."""
-    pred, _ = outs
+    pred = outs[0]
     b, k = pred.shape[:2]
     d2 = ((pred - gt) ** 2).sum(-1).reshape(-1)
     s2 = area.repeat_interleave(k)
@@ -433,3 +433,28 @@ def stacked_sequence_loss(flow_preds, flow_gt, valid, gamma: float = 0.8):
     per_image = err / (2 * valid.sum((1, 2)))[None]
     w = gamma ** torch.arange(n - 1, -1, -1, dtype=preds.dtype)
     return (w[:, None] * per_image).sum(0).mean()
+
+
+def make_gauss(means, size: int, sigma):
+    """dsntnn's ``make_gauss``: unit-mass Gaussians ``(N, H, W)`` at ``means`` ``(N, 2)`` (in
+    pixels), one standard deviation each."""
+    r = torch.arange(size, dtype=means.dtype)
+    d2 = (r[None, None, :] - means[:, None, None, 0]) ** 2 \
+        + (r[None, :, None] - means[:, None, None, 1]) ** 2
+    g = torch.exp(-d2 / (2 * sigma[:, None, None] ** 2))
+    return g / g.sum((1, 2), keepdim=True)
+
+
+def js_heatmap_loss(outs, gt, vis, area):
+    """dsntnn's Jensen-Shannon regulariser: each visible joint's heatmap against a Gaussian
+    at its ground truth whose width scales with the instance (COCO's ``k * sqrt(area)``),
+    the joints flattened with the batch, plus the coordinates' L1."""
+    pred, _, prob = outs
+    b, k, h, w = prob.shape
+    sigma = (torch.tensor(SIGMAS, dtype=pred.dtype)[None] * area[:, None].sqrt()).reshape(-1)
+    target = make_gauss(gt.reshape(-1, 2), h, sigma)
+    p, q = prob.reshape(-1, h, w), target
+    m = 0.5 * (p + q)
+    js = 0.5 * (p * (p / m).log()).sum((1, 2)) + 0.5 * (q * (q / m).clamp_min(1e-12).log()).sum((1, 2))
+    reg = (js.view(b, k) * vis).sum(1) / vis.sum(1).clamp_min(1)
+    return (reg + ((pred - gt).abs().sum(-1) * vis).mean(1)).mean()

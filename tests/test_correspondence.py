@@ -108,3 +108,39 @@ def test_raft_s_stacked_sequence_loss_names_the_image_without_valid_pixels(out_d
     assert "0 by 0" in rep["hint"], rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={empty % 2}", True)], \
         rep["what_if"]
+
+
+def test_a_pose_loss_flattening_joints_with_the_batch_names_the_zero_area_instance(out_dir):
+    """Integral pose regression with dsntnn's Jensen-Shannon regulariser: each joint's target
+    Gaussian is made in the loss, the joints flattened with the batch (``gt.reshape(-1, 2)``,
+    ``(B * K, H, W)``), its width COCO's ``k * sqrt(area)``. An instance annotated with area
+    0 gets Gaussians of width 0, all zeros, and their normalisation is 0/0. The report named
+    no sample (rows ``B * K`` are no batch), so neither the degenerate record nor ``drop``:
+    the op finder follows the samples through the reshape now (row ``r`` is sample
+    ``r // K``), and, the targets being made of the data alone, says the record is bad."""
+    img, gt, vis, area = C.pose_data(8)
+    bad = 5
+    area[bad] = 0
+    model = C.make_pose()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=C.js_heatmap_loss, out_dir=out_dir,
+                            factory="correspondence_models:make_pose") as rec:
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                outs = model(img[i:i + 2], vis[i:i + 2])
+                rec.loss_fn(outs, gt[i:i + 2], vis[i:i + 2], area[i:i + 2]).backward()
+                opt.step()
+    ev = info.value.event
+    step = bad // 2
+    assert (ev["step"], ev["phase"], ev["module"]) == (step, "loss", "<loss>"), ev
+    samples = (area[2 * step:2 * step + 2] == 0).nonzero()[:, 0].tolist()
+    assert samples == [bad % 2]
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("<loss>", "aten.div", "nan", samples, "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("return g / g.sum(", C.make_gauss), o["source"]
+    assert "computed from the batch's data alone" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={bad % 2}", True)], \
+        rep["what_if"]
