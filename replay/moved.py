@@ -67,9 +67,12 @@ class Moved:
         if not (s and s.size > 1) or not args:
             return
         outs = [out] if isinstance(out, torch.Tensor) else list(tensor_leaves(out))
-        p = self._moved(name, args, outs)
-        if p is not None:
-            if outs and outs[0].dim() > p[0] and outs[0].shape[p[0]] == s.size * p[1]:
+        try:
+            p = self._moved(name, args, outs)
+        except (TypeError, ValueError, IndexError, ZeroDivisionError):
+            return  # (arguments of an overload not foreseen: the shape says the samples)
+        if p is not None or name in _VIEWS:  # (a view that mixes the samples: not followed)
+            if p and outs and outs[0].dim() > p[0] and outs[0].shape[p[0]] == s.size * p[1]:
                 self._put(outs[0], p)
             return
         # an elementwise op (broadcasting) keeps a followed value's samples where they were,
