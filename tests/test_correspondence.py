@@ -144,3 +144,41 @@ def test_a_pose_loss_flattening_joints_with_the_batch_names_the_zero_area_instan
     assert "computed from the batch's data alone" in rep["hint"], rep["hint"]
     assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={bad % 2}", True)], \
         rep["what_if"]
+
+
+def test_oks_loss_of_an_instance_of_area_zero_names_the_degenerate_record(out_dir):
+    """An OKS loss, ``exp(-d^2 / (2 s^2 k^2))`` with ``s^2`` the instance's area, on integral
+    (soft-argmax) pose regression. An instance annotated with area 0 divides by 0: the forward
+    is finite (``d^2 / 0`` is inf, ``exp(-inf)`` is 0), the backward of the division is NaN.
+    The hint said only that div's derivative has a pole and to add an eps; the divisor needs
+    no gradient (the annotation's area), so the report says now that the record is
+    degenerate, to drop or skip it before the division, or make the divisor safe."""
+    img, gt, vis, area = C.pose_data(8)
+    bad = 5
+    area = 100 * area
+    area[bad] = 0
+    model = C.make_pose()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=C.oks_loss, out_dir=out_dir,
+                            factory="correspondence_models:make_pose") as rec:
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                outs = model(img[i:i + 2], vis[i:i + 2])
+                rec.loss_fn(outs, gt[i:i + 2], vis[i:i + 2], area[i:i + 2]).backward()
+                opt.step()
+    ev = info.value.event
+    step = bad // 2
+    assert (ev["step"], ev["phase"]) == (step, "backward"), ev
+    samples = (area[2 * step:2 * step + 2] == 0).nonzero()[:, 0].tolist()
+    assert samples == [bad % 2]
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("backward", "<loss>", "DivBackward0", "nan", samples, "invalid"), \
+        json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("e = d2 / (2 * area", C.oks_loss), o["source"]
+    assert "divisor is exactly 0 there" in rep["hint"], rep["hint"]
+    assert "drop or repair them" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [(f"drop={bad % 2}", True)], \
+        rep["what_if"]
