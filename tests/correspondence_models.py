@@ -2,8 +2,8 @@
 write them: RAFT (all-pairs correlation by matmul / sqrt(dim), a pyramid by avg_pool, lookups
 by ``grid_sample`` on coordinates normalised to [-1, 1], a GRU refining the flow, the sequence
 loss weighted by gamma), unsupervised flow (warping, forward-backward occlusion masks, SSIM,
-edge-aware smoothness), stereo (a cost volume and soft-argmin) and pose (heatmaps,
-soft-argmax, visibility masks, OKS). The factories live at module level so that ``nanreplay``
+edge-aware smoothness) and pose (heatmaps, soft-argmax, visibility masks passed into forward,
+OKS, dsntnn's Gaussian targets). The factories live at module level so that ``nanreplay``
 rebuilds them."""
 
 from __future__ import annotations
@@ -124,17 +124,16 @@ def make_raft() -> nn.Module:
     return RAFT()
 
 
-def sequence_loss(flow_preds, flow_gt, valid, gamma: float = 0.8, max_flow: float = 400):
-    """RAFT's ``sequence_loss``: L1 weighted by gamma^(N-i-1) over the valid pixels whose
-    flow is below ``max_flow``."""
+def stacked_sequence_loss(flow_preds, flow_gt, valid, gamma: float = 0.8):
+    """RAFT's sequence loss (L1 weighted by gamma^(N-i-1)) vectorised over the iterations, as
+    its descendants write it: the predictions stacked ``(iters, B, 2, H, W)``, each image's
+    L1 averaged over its valid pixels."""
+    preds = torch.stack(flow_preds)
     n = len(flow_preds)
-    mag = torch.sum(flow_gt ** 2, dim=1).sqrt()
-    valid = (valid >= 0.5) & (mag < max_flow)
-    loss = 0.0
-    for i in range(n):
-        w = gamma ** (n - i - 1)
-        loss = loss + w * (valid[:, None] * (flow_preds[i] - flow_gt).abs()).mean()
-    return loss
+    err = (valid[None, :, None] * (preds - flow_gt[None]).abs()).sum((2, 3, 4))
+    per_image = err / (2 * valid.sum((1, 2)))[None]
+    w = gamma ** torch.arange(n - 1, -1, -1, dtype=preds.dtype)
+    return (w[:, None] * per_image).sum(0).mean()
 
 
 def flow_scenes(n: int = 8, h: int = 16, w: int = 16, seed: int = 0):
@@ -145,12 +144,6 @@ def flow_scenes(n: int = 8, h: int = 16, w: int = 16, seed: int = 0):
     flow = 2 * torch.randn(n, 2, h, w, generator=g)
     valid = torch.ones(n, h, w)
     return img1, img2, flow, valid
-
-
-def make_raft_deep() -> nn.Module:
-    """RAFT's four pyramid levels, for crops too small for them."""
-    torch.manual_seed(0)
-    return RAFT(levels=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,17 +229,15 @@ class UnsupFlowLoss(nn.Module):
     """ARFlow-style photometric loss: ``alpha`` (1 - MS-SSIM) / 2 + (1 - alpha) L1 of the
     second frame warped back, over the non-occluded pixels of each pair, plus smoothness."""
 
-    def __init__(self, alpha: float = 0.85, w_smooth: float = 0.1, per_image: bool = False):
+    def __init__(self, alpha: float = 0.85, w_smooth: float = 0.1):
         super().__init__()
-        self.alpha, self.w_smooth, self.per_image = alpha, w_smooth, per_image
+        self.alpha, self.w_smooth = alpha, w_smooth
 
     def forward(self, flows, img1, img2):
         fw, bw = flows
         occ = fb_occlusion(fw, bw)
         warped = flow_warp(img2, fw)
         l1 = ((warped - img1).abs().mean(1, keepdim=True) * occ).flatten(1).sum(1)
-        if self.per_image:  # the photometric error averaged over each pair's visible pixels
-            l1 = l1 / occ.flatten(1).sum(1)
         dssim = (1 - ms_ssim(warped, img1)) / 2
         photo = self.alpha * dssim + (1 - self.alpha) * l1
         return photo.mean() + self.w_smooth * edge_aware_smoothness(fw, img1)
@@ -265,45 +256,6 @@ def video_pairs(n: int = 8, size: int = 16, seed: int = 0, fence: int | None = N
 
 
 # ---------------------------------------------------------------------------------------------
-# stereo: a cost volume and soft-argmin
-
-
-class TinyStereo(nn.Module):
-    """GC-Net / PSMNet in miniature: shared features, a concatenation cost volume over
-    ``max_disp`` disparities, a 3-D conv to a cost per disparity, and the disparity regressed
-    as the soft-argmin ``sum_d d * softmax(-cost)_d``."""
-
-    def __init__(self, c: int = 8, max_disp: int = 8):
-        super().__init__()
-        self.feature = nn.Sequential(nn.Conv2d(3, c, 3, 1, 1), nn.ReLU(), nn.Conv2d(c, c, 3, 1, 1))
-        self.agg = nn.Sequential(nn.Conv3d(2 * c, c, 3, 1, 1), nn.ReLU(), nn.Conv3d(c, 1, 3, 1, 1))
-        self.max_disp = max_disp
-
-    def forward(self, left, right):
-        fl, fr = self.feature(left), self.feature(right)
-        b, c, h, w = fl.shape
-        cost = fl.new_zeros(b, 2 * c, self.max_disp, h, w)
-        for d in range(self.max_disp):
-            cost[:, :c, d, :, d:] = fl[:, :, :, d:]
-            cost[:, c:, d, :, d:] = fr[:, :, :, :w - d]
-        cost = self.agg(cost).squeeze(1)
-        prob = F.softmax(-cost, dim=1)
-        disp = torch.arange(self.max_disp, device=left.device, dtype=prob.dtype)
-        return (prob * disp.view(1, -1, 1, 1)).sum(1)
-
-
-def make_stereo() -> nn.Module:
-    torch.manual_seed(0)
-    return TinyStereo()
-
-
-def psm_loss(pred, disp_gt, max_disp: int = 8):
-    """PSMNet's loss: smooth L1 over the pixels whose ground truth is within range."""
-    mask = (disp_gt > 0) & (disp_gt < max_disp)
-    return F.smooth_l1_loss(pred[mask], disp_gt[mask], reduction="mean")
-
-
-# ---------------------------------------------------------------------------------------------
 # pose: heatmaps, soft-argmax, visibility, OKS
 
 
@@ -312,20 +264,15 @@ class TinyPose(nn.Module):
     joint's heatmap, ``beta`` sharpening it) gives the joints' (x, y) in pixels; the
     visibility mask is passed into ``forward`` to average the joints' confidence."""
 
-    def __init__(self, joints: int = 4, c: int = 8, beta: float = 1.0, flat: bool = False):
+    def __init__(self, joints: int = 4, c: int = 8, beta: float = 1.0):
         super().__init__()
-        self.flat = flat
         self.body = nn.Sequential(nn.Conv2d(3, c, 3, 1, 1), nn.ReLU(), nn.Conv2d(c, joints, 1))
         self.beta = beta
 
     def forward(self, img, vis):
         heat = self.body(img)
         b, k, h, w = heat.shape
-        if self.flat:  # dsntnn's flat_softmax: the joints' heatmaps flattened with the batch
-            e = torch.exp(self.beta * heat.view(-1, h * w))
-            prob = (e / e.sum(-1, keepdim=True)).view(b, k, h, w)
-        else:
-            prob = F.softmax(self.beta * heat.flatten(2), -1).view(b, k, h, w)
+        prob = F.softmax(self.beta * heat.flatten(2), -1).view(b, k, h, w)
         xs = torch.arange(w, dtype=prob.dtype, device=prob.device)
         ys = torch.arange(h, dtype=prob.dtype, device=prob.device)
         x = (prob.sum(2) * xs).sum(-1)
@@ -339,11 +286,6 @@ class TinyPose(nn.Module):
 def make_pose() -> nn.Module:
     torch.manual_seed(0)
     return TinyPose()
-
-
-def make_flat_pose() -> nn.Module:
-    torch.manual_seed(0)
-    return TinyPose(flat=True)
 
 
 # COCO's per-keypoint sigmas (the first four)
@@ -362,77 +304,14 @@ def oks_loss(outs, gt, vis, area):
 
 
 def pose_data(n: int = 8, size: int = 16, seed: int = 0):
+    """Crops, their joints in heatmap pixels, visibility, and each instance's area (COCO's,
+    in the pixels of the image the crop was taken from)."""
     g = torch.Generator().manual_seed(seed)
     img = torch.rand(n, 3, size, size, generator=g)
     gt = size * torch.rand(n, 4, 2, generator=g)
     vis = (torch.rand(n, 4, generator=g) > 0.3).float()
-    area = (size * size / 4) * (0.5 + torch.rand(n, generator=g))
+    area = 25 * size * size * (0.5 + torch.rand(n, generator=g))
     return img, gt, vis, area
-
-
-def sequence_loss_per_image(flow_preds, flow_gt, valid, gamma: float = 0.8):
-    """The sequence loss averaged over each image's valid pixels, then over the batch."""
-    n, v = len(flow_preds), valid[:, None]
-    loss = 0.0
-    for i in range(n):
-        err = (v * (flow_preds[i] - flow_gt).abs()).sum((1, 2, 3)) / v.sum((1, 2, 3))
-        loss = loss + gamma ** (n - i - 1) * err.mean()
-    return loss
-
-
-def ssim_three_term(x, y, c1=0.01 ** 2, c2=0.03 ** 2):
-    """SSIM as luminance x contrast x structure, monodepth2's reflection-padded 3x3 window,
-    the variances as E[x^2] - mu^2 and their roots for the contrast and structure terms."""
-    pool = lambda t: F.avg_pool2d(F.pad(t, (1, 1, 1, 1), mode="reflect"), 3, 1)  # noqa: E731
-    mu_x, mu_y = pool(x), pool(y)
-    sigma_x, sigma_y = pool(x * x) - mu_x ** 2, pool(y * y) - mu_y ** 2
-    sigma_xy = pool(x * y) - mu_x * mu_y
-    sd_x, sd_y = torch.sqrt(sigma_x), torch.sqrt(sigma_y)
-    lum = (2 * mu_x * mu_y + c1) / (mu_x ** 2 + mu_y ** 2 + c1)
-    con = (2 * sd_x * sd_y + c2) / (sigma_x + sigma_y + c2)
-    struct = (sigma_xy + c2 / 2) / (sd_x * sd_y + c2 / 2)
-    return (lum * con * struct).flatten(1).mean(1)
-
-
-class PhotometricSSIM(nn.Module):
-    """monodepth2-style photometric term: alpha (1 - SSIM) / 2 + (1 - alpha) L1 of the second
-    frame warped back, plus edge-aware smoothness."""
-
-    def __init__(self, alpha: float = 0.85, w_smooth: float = 0.1):
-        super().__init__()
-        self.alpha, self.w_smooth = alpha, w_smooth
-
-    def forward(self, flows, img1, img2):
-        fw = flows[0]
-        warped = flow_warp(img2, fw)
-        l1 = (warped - img1).abs().flatten(1).mean(1)
-        photo = self.alpha * (1 - ssim_three_term(warped, img1)) / 2 + (1 - self.alpha) * l1
-        return photo.mean() + self.w_smooth * edge_aware_smoothness(fw, img1)
-
-
-def oks_loss_flat(outs, gt, vis, area):
-    """:func:`oks_loss` over the instances' joints flattened into one vector, each joint's
-    area and sigma repeated to it."""
-    pred = outs[0]
-    b, k = pred.shape[:2]
-    d2 = ((pred - gt) ** 2).sum(-1).reshape(-1)
-    s2 = area.repeat_interleave(k)
-    kk = (2 * torch.tensor(SIGMAS, dtype=pred.dtype)).repeat(b)
-    e = d2 / (2 * s2 * kk ** 2)
-    oks = (torch.exp(-e) * vis.reshape(-1)).view(b, k).sum(1) / vis.sum(1).clamp_min(1)
-    return (1 - oks).mean()
-
-
-def stacked_sequence_loss(flow_preds, flow_gt, valid, gamma: float = 0.8):
-    """The sequence loss vectorised over the iterations, as RAFT's descendants write it: the
-    predictions stacked ``(iters, B, 2, H, W)``, each image's L1 averaged over its valid
-    pixels, the iterations weighted by gamma."""
-    preds = torch.stack(flow_preds)
-    n = len(flow_preds)
-    err = (valid[None, :, None] * (preds - flow_gt[None]).abs()).sum((2, 3, 4))
-    per_image = err / (2 * valid.sum((1, 2)))[None]
-    w = gamma ** torch.arange(n - 1, -1, -1, dtype=preds.dtype)
-    return (w[:, None] * per_image).sum(0).mean()
 
 
 def make_gauss(means, size: int, sigma):
