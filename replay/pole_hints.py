@@ -16,6 +16,7 @@ import torch
 from . import lost_eps
 from .cause import Cause
 from .cause_text import DIVISOR_OF_DATA
+from .compat import saved_value
 from .positive import node_op
 
 
@@ -25,7 +26,7 @@ def divisor_of_data(node) -> bool:
     try:
         if node_op(node) != "Div" or node.next_functions[1][0] is not None:
             return False
-        other = node._saved_other
+        other = saved_value(node, "other")
     except Exception:  # (a scalar divisor, a freed node: unknown)
         return False
     return isinstance(other, torch.Tensor) and other.dim() > 0 and bool((other == 0).any())
