@@ -31,6 +31,7 @@ from .factors import at_tie
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
 from .ops import OpFinder
+from .pole_hints import divisor_of_data
 from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
@@ -71,6 +72,8 @@ class BackwardOrigin:
     # the eps of a guard whose output the node took (``sqrt(x + 1e-12)``) that the output's
     # type rounded to 0 (float16), see :class:`replay.lost_eps.GuardNodes`
     lost_eps: float | None = None
+    # a quotient's divisor that needs no gradient is 0 there (see replay.pole_hints)
+    divisor_of_data: bool = False
 
 
 @contextlib.contextmanager
@@ -250,6 +253,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
                 found.positive_input = from_positive(node)
                 found.exp_of = _exp_of(node)
                 found.lost_eps = guards.of(node)
+                found.divisor_of_data = divisor_of_data(node)
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
         handles.append(node.register_hook(hook))
 

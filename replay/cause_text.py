@@ -431,3 +431,15 @@ def no_float64(e: Exception) -> str:
 NO_FORWARD = ("the step ran no forward of the recorded model: the loop wrote the gradients of "
               "this update itself, from a copy of the model it trained (Reptile) or other "
               "code the replay cannot re-run")
+
+# a backward origin at a quotient whose divisor needs no gradient (replay.pole_hints)
+DIVISOR_OF_DATA = (
+    "{node} made a non-finite gradient from finite incoming gradients, in float64 too: a "
+    "division's divisor is exactly 0 there, the pole of the quotient's derivative, and it needs "
+    "no gradient (computed from the batch's data: an annotation's area, a count, a target; not "
+    "from anything the model learns). A forward that hides the quotient's infinity (exp(-d / 0) "
+    "is 0, a torch.where that masks it out) still sends the gradient through it: if such "
+    "records are degenerate (an instance of area 0, a box of zero width), drop or repair them "
+    "where the data is made or skip them in the loss before the division (an eps would train "
+    "toward a made-up target); else make the divisor safe before dividing "
+    "(torch.where(den > 0, den, 1))")

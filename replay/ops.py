@@ -37,6 +37,7 @@ from .lineage import Lineage, pole_inputs
 from .lost_eps import LostEps
 from .masked_product import mask_after_pole, nan_times_zero
 from .memo import TensorSet
+from .moved import Moved
 from .op_inputs import input_ends as _input_ends
 from .op_inputs import values_at as _at
 from .param_names import ParamNames
@@ -237,6 +238,7 @@ class OpFinder:
         self.samples = samples  # name the samples of the first offender's output
         self.pooled = Pooled(samples)  # and not the rows of a value that pools the batch
         self.reordered = Reordered(samples.size if samples and samples.size else 0)  # x[order]
+        self.moved = Moved(samples)  # and their samples in another dim (stack(per_scale))
         self.counts: dict[str, int] = {}  # calls of each op so far, to find the same call again
         self.seen = 0  # calls of every op so far
         self.made_in: set[torch.dtype] = set()  # the floating types the watched ops made
@@ -368,6 +370,7 @@ class OpFinder:
         self.composites.see(name, args, self.seen - 1)
         self.lost_eps.track(name, args, out)
         self.reordered.track(name, args, leaves, out)
+        self.moved.track(name, args, leaves, out)
         if self.lineage is not None:
             self.lineage.track(name, args, leaves, out)
             if (ev := self.first and self.first.evidence) is not None and ev.of_data:
@@ -392,6 +395,10 @@ class OpFinder:
         """Non-finite samples of the first output that has the batch's samples (none made from
         the weights alone)."""
         s = self.samples
+        # (samples an op moved, stack; or flattened with the next dims, reshape(-1, 2))
+        if (shaped := self.moved.rows([t for t in outs if t not in self._of_weights
+                                       and t not in self.pooled])) is not None:
+            return shaped if self.lineage is None else self.lineage.rows(outs[0], shaped)
         # (stacked: a value made from the batch, where (K, B, ...) stacks its copies)
         t = next((t for t in outs if s and s.size and (s.dim(t, stacked=True) is not None
                                                       or s.per_node(t))

@@ -16,7 +16,7 @@ from recorder.capture import tensor_leaves
 from recorder.finite import finite, kind_of, label, tensors_kind
 from recorder.inner_optim import put_state, state_items
 
-from . import lost_eps, outside
+from . import outside
 from .backward import find_backward_origin
 from .cause import Cause, classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, HINTS, inf_arith
@@ -38,6 +38,7 @@ from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder
 from .optim import eps_lost_text, per_parameter, stale_state
 from .param_writes import built_non_finite_hint, forward_made, forward_made_hint, loop_written_hint
+from .pole_hints import pole_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
@@ -124,7 +125,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
             return probed_report(report, step, _backward_fields(b), b)
         cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                          underflowed=b.positive_input, dtype=b.dtype)
-        cause.hint += _lost_guard(b)
+        cause.hint = pole_hint(b, cause)
         return finish(report, {**_backward_fields(b), "phase": "loss"}, cause.name,
                       reproduced=step.event.get("phase") == "loss", hint=cause.hint)
     if differentiates_model(step, mb):  # its autograd.grad needs the forward's graph, which
@@ -374,7 +375,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                      underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype,
                      hit=b.hook.op if b.hook is not None else None)
-    cause.hint += _lost_guard(b)
+    cause.hint = pole_hint(b, cause)
     if b.hook is not None:
         cause.hint = hook_hint(b, cause.hint)
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
@@ -389,13 +390,6 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
             + "; fix that formula at this input (its limit's value there, torch.where on a "
             "safe input, an eps)")
     return report
-
-
-def _lost_guard(b) -> str:
-    """The hint's addition for a node at its pole whose input's eps the type rounded to 0."""
-    if b.lost_eps is None or b.saved_zero != "0" or b.dtype is None:
-        return ""
-    return lost_eps.said(b.lost_eps, b.dtype)
 
 
 def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:

@@ -35,6 +35,7 @@ def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
     leaves = tree_leaves((args, kwargs))
     if early:  # (so that the rows of a value sorted after the origin name their samples)
         f.reordered.track(func.overloadpacket.__name__, args, leaves, out)
+        f.moved.track(func.overloadpacket.__name__, args, leaves, out)
         if f.lineage is not None:
             f.lineage.track(func.overloadpacket.__name__, args, leaves, out)
     outs = float_leaves(out)

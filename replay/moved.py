@@ -1,0 +1,154 @@
+"""Values whose samples an op moved out of the dimension their shape says, or flattened.
+
+MS-SSIM stacks its per-scale terms, each ``(B, C)``, into ``(levels, B, C)`` and raises them
+to the scales' weights (pytorch-msssim's ``torch.stack(mcs + [ssim]) ** weights``); RAFT's
+descendants stack the flow of every iteration, ``(iters, B, 2, H, W)``, and average each
+image's error into ``(iters, B)``. Read by shape alone, a dim 0 of the batch's size holds the
+samples: with as many scales or iterations as samples the op finder named those as the
+samples, and with a multiple of the batch's size it named none. A pose loss flattens the
+joints with the batch (dsntnn's ``gt.reshape(-1, 2)``, ``(B * K, 2)``): row ``r`` is sample
+``r // K``, which the shape does not say either.
+
+:class:`Moved` follows the samples' dimension through the ops that move it — ``stack`` of
+values that all hold it in one dimension, ``transpose``, ``permute`` (``movedim``), and, of a
+followed value, ``unsqueeze``, ``select`` and reductions over other dimensions — and through
+a ``view`` / ``reshape`` merging the samples with the dimensions after them (each sample a
+``group`` of consecutive rows); and on through any op broadcasting such a value into its
+output (``vals ** w``, ``preds - gt[None]``, a copy).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from recorder.capture import tensor_leaves
+from recorder.finite import bad_rows
+from recorder.samples import Samples
+
+# reductions taking (x, dim, keepdim): over other dims, they keep the samples
+_REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "prod", "logsumexp"}
+_VIEWS = {"view", "reshape", "_unsafe_view"}
+
+Place = tuple[int, int]  # (the samples' dimension, the rows each sample holds there)
+
+
+class Moved:
+    def __init__(self, samples: Samples | None):
+        self.samples = samples
+        self._of: dict[int, tuple[weakref.ref, Place]] = {}  # id -> (the tensor, its place)
+
+    def place(self, t: torch.Tensor) -> Place | None:
+        """Where an op moved ``t``'s samples, None when none did."""
+        hit = self._of.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def rows(self, outs: list[torch.Tensor]) -> list[int] | None:
+        """The non-finite samples of the first of ``outs`` whose samples an op moved."""
+        for t in outs:
+            if (p := self.place(t)) is not None:
+                return sorted({r // p[1] for r in bad_rows(t, p[0])})
+        return None
+
+    def _where(self, t: Any) -> Place | None:
+        """Where the samples of ``t`` are: followed, else as its shape says."""
+        if not isinstance(t, torch.Tensor) or t.is_nested:
+            return None
+        p = self.place(t)
+        return p if p is not None else (d, 1) if (d := self.samples.dim(t)) is not None \
+            else None
+
+    def track(self, name: str, args: Sequence[Any], leaves: list, out: Any) -> None:
+        s = self.samples
+        if not (s and s.size > 1) or not args:
+            return
+        outs = [out] if isinstance(out, torch.Tensor) else list(tensor_leaves(out))
+        try:
+            p = self._moved(name, args, outs)
+        except (TypeError, ValueError, IndexError, ZeroDivisionError):
+            return  # (arguments of an overload not foreseen: the shape says the samples)
+        if p is not None or name in _VIEWS:  # (a view that mixes the samples: not followed)
+            if p and outs and outs[0].dim() > p[0] and outs[0].shape[p[0]] == s.size * p[1]:
+                self._put(outs[0], p)
+            return
+        # an elementwise op (broadcasting) keeps a followed value's samples where they were,
+        # counted from the right
+        ts = [t for t in leaves if isinstance(t, torch.Tensor) and not t.is_nested]
+        ends = {(q[0] - t.dim(), q[1]) for t in ts if (q := self.place(t)) is not None}
+        if len(ends) != 1:
+            return
+        end, group = ends.pop()
+        for t in outs:
+            d = t.dim() + end
+            if d < 0 or t.shape[d] != s.size * group or t.dim() < max(u.dim() for u in ts) \
+                    or any(u.shape == t.shape and self.place(u) is None
+                           and s.dim(u) not in (None, d) for u in ts):
+                continue  # (a reduction; or beside a value of its shape read by its shape)
+            self._put(t, (d, group))
+
+    def _moved(self, name: str, args: Sequence[Any], outs: list[torch.Tensor]) -> Place | None:
+        """Where op ``name`` put the samples of its input, None when it moved none."""
+        x = args[0]
+        if name == "stack" and isinstance(x, (list, tuple)) and x:
+            at = {self._where(t) for t in x}
+            if len(at) != 1 or (p := at.pop()) is None:
+                return None
+            k = _arg(args, 1, 0) % (x[0].dim() + 1)
+            return (p[0] + 1 if k <= p[0] else p[0], p[1])
+        if not isinstance(x, torch.Tensor) or (p := self._where(x)) is None:
+            return None
+        (s, group), followed = p, self.place(x) is not None
+        if name == "transpose":
+            a, b = (_arg(args, i, 0) % max(x.dim(), 1) for i in (1, 2))
+            return (b if s == a else a if s == b else s, group)
+        if name == "permute":
+            dims = [k % x.dim() for k in _arg(args, 1, ())]
+            return (dims.index(s), group) if s in dims else None
+        if name in _VIEWS and outs and s == 0:  # ((B, K, 2) as (B * K, 2); and back)
+            p = _flattened(x, outs[0], group)
+            # (a view of a value read by shape that merges nothing, w.view(-1, 1, 1) of as
+            # many weights as samples, is read so too)
+            return p if followed or p is None or p[1] > 1 else None
+        if not followed:  # (the rest keep what the shape reads, or lose it)
+            return None
+        if name == "unsqueeze":  # (of (B,) read by shape: (1, B) is read so too)
+            return (s + 1 if _arg(args, 1, 0) % (x.dim() + 1) <= s else s, group)
+        if name == "select":
+            k = _arg(args, 1, 0) % max(x.dim(), 1)
+            return None if k == s else (s - (k < s), group)
+        if name in _REDUCTIONS:
+            dims = _arg(args, 1, None)
+            dims = [dims] if isinstance(dims, int) else dims
+            if not dims or not all(isinstance(k, int) for k in dims):
+                return None  # (over every dim)
+            dims = {k % x.dim() for k in dims}
+            keep = bool(_arg(args, 2, False))
+            return None if s in dims else (s if keep else s - sum(k < s for k in dims), group)
+        return None
+
+    def _put(self, t: torch.Tensor, p: Place) -> None:
+        self._of[id(t)] = (weakref.ref(t), p)
+
+
+def _flattened(x: torch.Tensor, out: torch.Tensor, group: int) -> Place | None:
+    """Where a view of ``x`` (its samples in dim 0, ``group`` rows each) puts them: merged
+    with the dimensions after them, or split back; None when it mixes them otherwise."""
+    if not out.dim() or not x.dim():
+        return None
+    n = x.shape[0] // group  # (the batch's size)
+    for j in range(x.dim()):  # dims 0..j of x merged into out's dim 0
+        if math.prod(x.shape[:j + 1]) == out.shape[0]:
+            g = out.shape[0] // n
+            return (0, g) if g * n == out.shape[0] and math.prod(x.shape[1:j + 1]) * group == g \
+                else None
+    if out.dim() > 1 and out.shape[0] == n and x.shape[0] == math.prod(out.shape[:1]) * group:
+        return (0, 1) if out.shape[1:].numel() * n == x.numel() else None
+    return None
+
+
+def _arg(args: Sequence[Any], i: int, default: Any) -> Any:
+    return args[i] if len(args) > i else default
