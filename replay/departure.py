@@ -16,6 +16,9 @@ from .load import Step
 # a gradient norm further than this from the recorded one (relative) is another step's: the
 # re-run's arithmetic is the run's, so only a different state moves it this far
 _APART = 0.1
+# a parameter's norm after an update further than this from training's (relative): the update
+# started from other weights (a step's reordered sums move a norm by far less)
+_WEIGHTS_APART = 1e-3
 
 CHANGED = ("state the loop changed after the window's copy and that the copy does not hold "
            "makes the difference (weights loaded between steps with load_state_dict, as a "
@@ -24,11 +27,16 @@ CHANGED = ("state the loop changed after the window's copy and that the copy doe
            "tensor attributes; values outside the batch)")
 
 
-def departure(step: Step, per_step: list[dict[str, Any]], loop_clip
+def departure(step: Step, per_step: list[dict[str, Any]], loop_clip,
+              weight_norms: dict[int, dict[str, float]] | None = None
               ) -> tuple[int, str] | None:
     """The first step before the event's where the re-run is not the run, with the note that
-    says so, or None. ``per_step``: the window's statistics, step by step."""
+    says so, or None. ``per_step``: the window's statistics, step by step; ``weight_norms``:
+    each parameter's norm after the re-run's update of a step."""
     recorded, event = _recorded(step), step.event.get("step", 0)
+    after = _after_updates(step)
+    if _moved(step):  # (SAM's: a re-run of the base optimizer alone, which a note says)
+        after = {}
     norms = loop_clip is None and not (step.meta.get("rewind") or {}).get("grad_scaler") \
         and int((step.event.get("ranks") or {}).get("world_size") or 1) < 2
     for stats in per_step:
@@ -47,6 +55,52 @@ def departure(step: Step, per_step: list[dict[str, Any]], loop_clip
             return s, (f"from step {s} the window's re-run is not the run: its gradient norm "
                        f"{g:.4g} where training's was {r:.4g}; {CHANGED}; the window says "
                        f"nothing about the steps from {s} on")
+        if norms and (moved := _weights_apart((weight_norms or {}).get(s), after.get(s))):
+            name, got, was = moved
+            return s, (f"from step {s} the window's re-run is not the run: its update of step "
+                       f"{s} left {name} with norm {got:.6g} where training's left {was:.6g}, "
+                       f"so the step started from other weights than training's (the update "
+                       f"before re-ran as it ran): the loop wrote them between the updates (a "
+                       f"load_state_dict of weights it computed; a clamp_, renormalisation or "
+                       f"mask applied after optimizer.step(), which the re-run does not "
+                       f"apply); {CHANGED}; the window says nothing about the steps from {s} "
+                       f"on")
+    return None
+
+
+def _moved(step: Step) -> bool:
+    """Whether the loop moved the weights between a window step's forwards (SAM's ascent)."""
+    return any(mb.get("weights_moved") for r in (step.meta.get("rewind") or {}).get("records")
+               or [] for mb in r.get("micro_batches") or [])
+
+
+def param_norms(model) -> dict[str, float]:
+    """Each parameter's 2-norm (in float64; a complex one's of its moduli), by name: the
+    weights an update left."""
+    return {n: float(p.detach().abs().double().norm()) for n, p in model.named_parameters()}
+
+
+def _after_updates(step: Step) -> dict[int, dict[str, float]]:
+    """Per step, each parameter's norm right after training's update of it: the ring's
+    ``update_norms`` of the next step's row (the recorder takes them in ``step()``'s
+    post-hook, before anything the loop writes next). Unsharded weights only."""
+    t, meta = step.tensors, step.meta
+    steps, norms = t.get("ring/steps"), t.get("ring/update_norms")
+    names = meta.get("params") or []
+    if steps is None or norms is None or meta.get("shards") or norms.shape[-1] != len(names):
+        return {}
+    return {int(s) - 1: {n: v for n, v in zip(names, row) if math.isfinite(v)}
+            for s, row in zip(steps.tolist(), norms.double().tolist())}
+
+
+def _weights_apart(got: dict[str, float] | None, was: dict[str, float] | None
+                   ) -> tuple[str, float, float] | None:
+    """The first parameter whose norm after the re-run's update is not training's."""
+    for name, w in (was or {}).items():
+        g = (got or {}).get(name)
+        if g is not None and math.isfinite(g) and \
+                not math.isclose(g, w, rel_tol=_WEIGHTS_APART, abs_tol=1e-6):
+            return name, g, w
     return None
 
 

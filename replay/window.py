@@ -35,6 +35,7 @@ from recorder.inner_optim import clear_state, put_state, state_items
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
 from .clip import loop_clip, total_norm
+from .departure import param_norms
 from .drop import drop_rows
 from .hyper import set_hyper
 from .load import Step
@@ -96,6 +97,7 @@ class WindowRun:
     problems: list[str] = field(default_factory=list)
     raised: str | None = None  # the model's code raised (where and what): the run ended there
     state_noted: bool = False  # an update left the optimizer's state non-finite (a note)
+    weight_norms: dict[int, dict[str, float]] = field(default_factory=dict)  # after updates
 
 
 def window_of(step: Step) -> Window | None:
@@ -409,6 +411,8 @@ def _checked_update(step: Step, opt, at: int, unchanged: bool, out: WindowRun,
     if bad := [n for n, p in step.model.named_parameters() if not finite(p)]:
         out.first = _update_outcome(at, step, opt, before, bad)
         return True
+    if unchanged:  # (each parameter's, against the recorder's evidence of training's update)
+        out.weight_norms[at] = param_norms(step.model)
     if unchanged and not out.state_noted and (note := state_note(at, step.model, opt)):
         out.problems.append(note)
         out.state_noted = True

@@ -47,7 +47,8 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
         "per_step": res.per_step, "loop_clip": win.loop_clip, "loss_factors": win.loss_factors,
     }
     report["problems"] += res.problems
-    if (departed := departure(step, res.per_step, win.loop_clip)) is not None:
+    if (departed := departure(step, res.per_step, win.loop_clip,
+                                   res.weight_norms)) is not None:
         report["window"]["departed"], note = departed
         report["problems"].append(note)
     grew = _hint_growth(report)
