@@ -22,7 +22,9 @@ from recorder.rng import module_generators, restore_rng
 
 from . import bisection
 from .compat import non_persistent
+from .direct_grads import backward_cut, cut_outputs, direct_params, stand_ins
 from .errors import StopRun
+from .external_grads import external as _external
 from .float64 import widened
 from .frozen import FrozenParams
 from .instrument import CallRecorder
@@ -115,6 +117,7 @@ class Runner:
         # backpropagated from its recorded output gradients, by index (replay.loopscale)
         self.loss_factors: dict[int, list[float]] | None = None
         self.last_loss = None
+        self.cut: list[torch.Tensor] | None = None  # stand-ins for outputs: replay.direct_grads
         # back-propagate the recorded output gradients even when non-finite: no loss to re-run
         # (computed in the loop), so they are what entered the model (a window's faithful run)
         self.feed_recorded = False
@@ -209,7 +212,8 @@ class Runner:
     def _loss(self, i: int, outs: list[torch.Tensor], result: Run):
         if self.step.loss_fn is None:
             return None
-        li = loss_inputs(self.step, i, result.outputs, result.inputs[i], result.objects)
+        outputs, self.cut = cut_outputs(self.step, i, result.outputs)  # (a loss given the model)
+        li = loss_inputs(self.step, i, outputs, result.inputs[i], result.objects)
         if li is None:
             return None
         args, kwargs = li
@@ -245,9 +249,9 @@ class Runner:
             # The recorded gradient of the model output is exact whatever the loop did to the
             # loss (scaling, division for accumulation); prefer it.
             pairs = _external(pairs, i in self.nonfinite_forwards)
-            own = trained_loss_params(self.step) if isinstance(loss, torch.Tensor) \
-                and loss.requires_grad else []
-            k = loss_factor(loss, pairs, self.loss_scale) \
+            own = [*trained_loss_params(self.step), *direct_params(self.model, self.cut)] \
+                if isinstance(loss, torch.Tensor) and loss.requires_grad else []
+            k = loss_factor(loss, stand_ins(pairs, outs, self.cut), self.loss_scale) \
                 if self.loss_factors is not None or own else None
             if self.loss_factors is not None and k is not None:
                 self.loss_factors.setdefault(i, []).append(k)
@@ -263,9 +267,10 @@ class Runner:
             # recorder, in a way the replay does not know: no backward from it; a what-if's
             # micro-batch carries the loop's own factor: replay.loopscale)
             k = self.step.micro_batches[i].get("loss_factor")
-            torch.autograd.backward(*with_kept(self, [
-                loss * (self.loss_scale or 1.0) * (k or 1.0) if self.loss_scale or k
-                else loss], [torch.ones_like(loss)]))
+            root = loss * (self.loss_scale or 1.0) * (k or 1.0) if self.loss_scale or k else loss
+            if self.cut is not None:
+                return backward_cut(self, root, outs, self.cut, with_kept)
+            torch.autograd.backward(*with_kept(self, [root], [torch.ones_like(loss)]))
         elif self.keep_aside and self.kept:
             torch.autograd.backward(*with_kept(self, [], []))
 
@@ -344,62 +349,6 @@ def _dict_total(loss: dict) -> torch.Tensor | None:
     named = [ts for k, ts in terms.items() if "loss" in str(k)]
     picked = [t.mean() for ts in (named or list(terms.values())) for t in ts]
     return sum(picked[1:], picked[0]) if picked else None
-
-
-def _external(pairs: list[tuple[torch.Tensor, torch.Tensor]], through_nonfinite: bool = False
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The gradient each root output received from outside the model. An output another
-    output is computed from (the logits of a model that returns its loss beside them, as
-    Hugging Face and nanoGPT models do) was recorded with the gradient that output sent it
-    too: fed both, backward counted that path twice (twice the gradients). Each output keeps
-    its recorded gradient less what the outputs computed from it sent it (their own external
-    gradients, through every path), and is left out when that is all it had. With
-    ``through_nonfinite`` (the recorded forward was non-finite), a recorded non-finite entry
-    where they sent something is taken as all theirs: that forward's own backward made it."""
-    if len(pairs) < 2:
-        return pairs
-    outs = [o for o, _ in pairs]
-    below = [[k for k, b in enumerate(outs) if k != j and _computed_from(b, a)]
-             for j, a in enumerate(outs)]
-    ext: dict[int, torch.Tensor] = {}
-    keep = []
-    while len(ext) < len(outs):  # the outputs computed from none of the open ones first
-        ready = [j for j in range(len(outs)) if j not in ext and all(k in ext for k in below[j])]
-        if not ready:  # (a cycle cannot happen; be safe)
-            return pairs
-        for j in ready:
-            g = pairs[j][1].to(outs[j].dtype)
-            ks = [k for k in below[j] if ext[k] is not None]
-            sent = torch.autograd.grad([outs[k] for k in ks], outs[j], [ext[k] for k in ks],
-                                       retain_graph=True, allow_unused=True)[0] if ks else None
-            if sent is not None:
-                if through_nonfinite:
-                    g = torch.where(torch.isfinite(g), g, sent.to(g.dtype))
-                whole = float(g.double().norm())
-                g = (g.double() - sent.double()).to(g.dtype)
-                if float(g.double().norm()) <= 1e-3 * whole:
-                    g = None  # (all it had came from the outputs computed from it)
-            ext[j] = g
-            if g is not None:
-                keep.append(j)
-    return [(outs[j], ext[j]) for j in sorted(keep)] or pairs
-
-
-def _computed_from(b: torch.Tensor, a: torch.Tensor) -> bool:
-    """Whether ``a``'s autograd node is among ``b``'s ancestors (``b`` computed from ``a``)."""
-    target, seen = a.grad_fn, set()
-    todo = [b.grad_fn]
-    if target is None:
-        return False
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        if fn is target and fn is not b.grad_fn:
-            return True
-        seen.add(fn)
-        todo.extend(nxt for nxt, _ in fn.next_functions)
-    return False
 
 
 @contextlib.contextmanager
