@@ -27,7 +27,7 @@ from .finite import (
     tensors_kind,
 )
 from .graph_reach import from_model
-from .late_writes import written_after_forward
+from .late_writes import read_finite, written_after_forward
 from .linalg import linalg_detail
 from .missing import rest_finite, root_input_name
 from .ring import StepLayout, decode_call
@@ -156,8 +156,9 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
                             f"(reason {reason})")
     ev.calls = [decode_call(ev.row, c) for c in ev.layout.calls]
     for finder in (_update_event, _weights_event):
-        event = finder(ev)
-        if event is not None:
+        if (event := finder(ev)) is not None:
+            if ev.late:  # (and those it wrote after the forward read them finite)
+                event.written_after_forward = [ev.param_names[i] for i in ev.late]
             return event
     # a step's forwards and losses in the order they ran: micro-batch k's loss came before
     # micro-batch k + 1's forward, which may have used it (a MAML inner loop's update)
@@ -198,6 +199,8 @@ def _weights_event(ev: StepEvidence) -> Event | None:
                    and not finite(local(p).detach())]
     if ev.weights_moved:  # (their modules returned finite values: the write came after)
         ev.late = written_after_forward(really, ev.param_names, ev.module_names, ev.calls)
+        if len(ev.late) < len(really):  # (some bad as it began: only those read finite late)
+            ev.late = read_finite(ev.late, ev.param_names, ev.module_names, ev.calls)
         really = [i for i in really if i not in ev.late]
     if not really:
         return None

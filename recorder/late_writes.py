@@ -43,3 +43,20 @@ def written_after_forward(bad: list[int], param_names: list[str], module_names: 
                 or not (first["nan"] or first["posinf"] or first["neginf"])):
             out.append(i)
     return out
+
+
+def read_finite(late: list[int], param_names: list[str], module_names: list[str],
+                calls: list[dict[str, Any]]) -> list[int]:
+    """Of ``late``, the parameters whose module's first call took finite inputs and returned
+    finite values: they were finite when read. The others' calls took the non-finite value
+    from upstream, which says nothing of their own weights: beside weights that were bad as
+    the step began (a FedAvg server's load of an average a client poisoned), they may have
+    been bad as well."""
+    index = {name: i for i, name in enumerate(module_names)}
+    out = []
+    for i in late:
+        owner = index.get(param_names[i].rpartition(".")[0])
+        first = next((d for d in calls if d["module"] == owner), None)
+        if first is not None and first["inputs_finite"]:
+            out.append(i)
+    return out

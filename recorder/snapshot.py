@@ -119,6 +119,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     (their pre-step values)."""
     params = src.target.params
     meta["params"] = [n for n, _ in params]
+    if frozen := [n for n, p in params if not p.requires_grad]:  # (as the step ran: a teacher
+        meta["frozen"] = frozen  # the loop froze after the factory built it trainable)
     changed = src.target.changed_in_step(tape) if tape is not None else []
     if changed:  # (not by the recorded optimizer, whose step has not run): their new values
         meta["changed_in_step"] = [params[i][0] for i in changed]

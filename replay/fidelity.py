@@ -317,8 +317,8 @@ def late_note(names: list[str], optimizer: bool) -> str:
     how = ("the loop wrote them in place between the step's forwards (SAM's w + e), from "
            "this step's gradients" if optimizer else
            "with no optimizer given, the step stays open until the next forward, through the "
-           "loop's own update (p -= lr * p.grad, a master copy written back), which wrote "
-           "them from this step's gradients")
+           "loop's own update (p -= lr * p.grad, a master copy written back, a "
+           "load_state_dict of weights it computed), which wrote them after the forward")
     return (f"{_changed_params(names)} were finite when this step's forward read them and "
             f"non-finite when it was checked: {how}; the bundle holds them as it left them")
 

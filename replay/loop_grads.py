@@ -52,7 +52,9 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[s
         " were written by the loop's own code, not by backward through the model: per-sample "
         "gradients (torch.func.vmap/grad), a hand-written clip or noise, gradients set or "
         "averaged by hand (gradient surgery: torch.autograd.grad per task, then p.grad = ...), "
-        "a loss term on the weights themselves added in the loop, a difference of weights "
+        "a loss term on the weights themselves added in the loop (a FedProx or EWC penalty: "
+        "computed in loss_fn instead, given the model, loss_fn(out, y, model), it is re-run "
+        "and its op named), a difference of weights "
         "(Reptile's p - fast_p from a copy the loop trained); check that code at this "
         "step, e.g. a division by a norm that is 0" + zero_rows_text(zero)
         + empty_batch_text(step))

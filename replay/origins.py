@@ -6,7 +6,6 @@ outside, the backward (:mod:`replay.backward`), and the optimizer's update.
 from __future__ import annotations
 
 import linecache
-import math
 import re
 from typing import Any
 
@@ -37,7 +36,13 @@ from .masked_targets import watched_loss_rerun
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder
 from .optim import eps_lost_text, per_parameter, stale_state
-from .param_writes import built_non_finite_hint, forward_made, forward_made_hint, loop_written_hint
+from .param_writes import (
+    built_non_finite_hint,
+    forward_made,
+    forward_made_hint,
+    loop_written_hint,
+    own_update_hint,
+)
 from .pole_hints import pole_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
@@ -53,6 +58,8 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     last update (``last_update_step``) says the update left them finite: written since, outside
     ``optimizer.step()``."""
     ev = step.event
+    late = set(ev.get("written_after_forward") or ())  # (not bad as the step began)
+    bad = [n for n in bad if n not in late] or bad
     if (made := forward_made(step, bad)) is not None:  # (frozen ones the forward wrote)
         numbers = list(made["numbers"])
         o = origin_fields(phase="input" if numbers else "weights", params=made["params"],
@@ -66,10 +73,12 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     report = finish(report, origin_fields(phase="weights", params=bad, param=bad[0],
                                           tensor="buffer" if buffer else None,
                                           first_seen_step=seen, last_update_step=last,
-                                          **first_reader(step), **rows),
+                                          # (not with weights the loop wrote after the forward
+                                          # read them: the re-run reads those as written)
+                                          **({} if late else first_reader(step)), **rows),
                     "weights", reproduced=True,
-                    hint=built_non_finite_hint(step, bad) or (loop_written_hint(step, bad)
-                    if step.meta.get("optimizer") else _own_update_hint(step)))
+                    hint=built_non_finite_hint(step, bad) or loop_written_hint(step, bad)
+                    or (None if step.meta.get("optimizer") else own_update_hint(step)))
     if (where := rows_text(bad[0], rows)) is not None and report.get("hint"):
         report["hint"] = f"{report['hint']}; {where}"
     if last is not None:
@@ -98,23 +107,6 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
     if own and own.group(1).lower() == hit.op.rpartition(".")[2].strip("_").lower():
         return None
     return hit, classify(runner, "forward", ("", 0, mb), hit=hit)
-
-
-def _own_update_hint(step: Step) -> str:
-    """Weights non-finite at a step of a loop that gave the recorder no optimizer: the loop's
-    own update (``p -= lr * p.grad``) between the steps is what writes them, and the ring says
-    whether the gradients it used were finite."""
-    at = step.event.get("step")
-    steps, norms = step.tensors.get("ring/steps"), step.tensors.get("ring/grad_norm")
-    before = [n for s, n in zip(steps.tolist(), norms.tolist()) if s == at - 1] \
-        if at is not None and steps is not None and norms is not None else []
-    grads = (f" from finite gradients (their norm was {before[0]:.3g})"
-             if before and math.isfinite(before[0]) else "")
-    return (f"the weights were already non-finite when step {at} began, and the recorder was "
-            "given no optimizer: the loop's own update after the step before (p -= lr * "
-            f"p.grad) wrote them{grads}, unless other code edited them; check its learning "
-            "rate and arithmetic, and give the recorder the optimizer (or call your update "
-            "through one) so each update is checked")
 
 
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:

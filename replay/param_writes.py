@@ -125,35 +125,48 @@ def forward_made_hint(step: Step, made: dict[str, Any]) -> str:
 
 def loop_written_hint(step: Step, bad: list[str]) -> str | None:
     """The hint for bad parameters that the recorded optimizer does not hold: frozen ones
-    (BYOL's target network, a DINO teacher inside the recorded model), which no update wrote,
-    the loop's own EMA update did, between steps; trained ones (deep mutual learning's second
-    network), which another optimizer stepped after the recorded one. None for any other."""
+    (BYOL's target network, a DINO teacher inside the recorded model, or an EMA teacher
+    recorded on its own, with no optimizer), which no update wrote, the loop's own EMA update
+    did, between steps; trained ones (deep mutual learning's second network), which another
+    optimizer stepped after the recorded one; and those it holds (``_held_written_hint``).
+    None for any other."""
     opt = step.meta.get("optimizer")
-    if step.model is None or not opt:
+    if step.model is None:
         return None
-    held = {n for g in opt.get("param_groups") or [] for n in g.get("params") or []}
+    held = {n for g in (opt or {}).get("param_groups") or [] for n in g.get("params") or []}
     params = dict(step.model.named_parameters())
-    if not all(n in params and n not in held for n in bad):
-        return None
+    frozen = set(step.meta.get("frozen") or ())  # (as the step ran; the factory may train them)
     names = f"{', '.join(bad[:2])}" + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
-    trained = {params[n].requires_grad for n in bad}
+    if not all(n in params for n in bad):
+        return None
+    trained = {params[n].requires_grad and n not in frozen for n in bad}
+    if opt and trained == {True} and all(n in held for n in bad):
+        return _held_written_hint(step, bad, names)
+    if any(n in held for n in bad):
+        return None
     if trained == {True}:
-        return _other_optimizer_hint(step, names, opt)
+        return _other_optimizer_hint(step, names, opt) if opt else None
     if trained != {False}:
         return None
+    return _frozen_hint(step, bad, names, "the optimizer does not hold them" if opt else
+                        "the recorder was given no optimizer")
+
+
+def _frozen_hint(step: Step, bad: list[str], names: str, held: str) -> str:
+    """Frozen parameters non-finite as the step began: the loop's EMA update wrote them."""
     tensors = [t for n in bad if (t := step.tensors.get(f"weights/{n}")) is not None]
     every = all(not torch.isfinite(t).any() for t in tensors) and tensors
     if first_recorded(step):
-        return (f"{names} require no gradient and the optimizer does not hold them (a frozen "
-                "teacher or target network), and " + _CAME_IN)
-    return (f"{names} require no gradient and the optimizer does not hold "
-            "them (a momentum/EMA target or teacher network): no update wrote them, the loop's "
-            "own update of them did, between steps (or a checkpoint load)"
+        return (f"{names} require no gradient and {held} (a frozen teacher or target "
+                "network), and " + _CAME_IN)
+    return (f"{names} require no gradient and {held} (a momentum/EMA target or teacher "
+            "network): no update wrote them, the loop's own update of them did, between steps "
+            "(or a checkpoint load)"
             + (", and every element of them is non-finite, as a non-finite coefficient makes"
                if every else "")
-            + ": check that update (t.mul_(m).add_(s, alpha=1 - m)) for a non-finite momentum "
-            "m, from its schedule, or source weight s, guard it (math.isfinite(m)), and resume "
-            "from a checkpoint before it")
+            + ": check that update (t.mul_(m).add_(s, alpha=1 - m), torch._foreach_lerp_(t, s, "
+            "1 - m)) for a non-finite momentum m, from its schedule, or source weight s, guard "
+            "it (math.isfinite(m)), and resume from a checkpoint before it")
 
 
 # the end of a hint for parameters non-finite at the first step the recorder saw
@@ -162,6 +175,56 @@ _CAME_IN = ("they were non-finite at the first step the recorder saw: no update 
             "loaded from (a corrupt teacher checkpoint) or code run before the recorder "
             "attached: check that file (torch.isfinite on each of its tensors) and load a "
             "finite one")
+
+
+def _held_written_hint(step: Step, bad: list[str], names: str) -> str | None:
+    """Trained parameters the recorded optimizer holds, non-finite as the step began: its
+    every update was checked, so the loop wrote them since the last one (a federated round's
+    aggregate loaded into the model, a soup or merge, an average copied in) or they came in
+    so. How much of them is non-finite tells a bad coefficient from an element-wise one."""
+    at, last = step.event.get("step"), step.event.get("last_update_step")
+    spread = _spread(step, bad)
+    one = len(bad) == 1
+    them, they, head = ("it", "it was", f"{names} trains") if one else \
+        ("them", "they were", f"{names} train")
+    if first_recorded(step):
+        return (f"{head} and the recorded optimizer holds {them}, and {they} "
+                "non-finite at the first step the recorder saw: no update ran since it "
+                f"attached, so {they.split()[0]} came in so, with the state_dict loaded before (a checkpoint, "
+                "or weights computed by hand: a model soup, a task-arithmetic or TIES merge, a "
+                "federated aggregate)" + (f"; {spread}" if spread else "") + ". Check each "
+                "tensor where it is made or loaded (torch.isfinite(t).all()) and load finite "
+                "ones")
+    if last is None:
+        return None
+    return (f"{head} and the recorded optimizer holds {them}, and its update of step "
+            f"{last} left {them} finite: the loop wrote {them} between that update and step {at} "
+            "(weights it computed and loaded with load_state_dict or copy_: a federated "
+            "round's average of the clients' state_dicts, a model soup or task-arithmetic "
+            "merge, an EMA or SWA average copied in; or an in-place edit)"
+            + (f"; {spread}" if spread else "") + ". Check that code, and each tensor it "
+            "loads (torch.isfinite(t).all()) before loading it; skip a non-finite "
+            "contribution, and resume from a checkpoint before it")
+
+
+def _spread(step: Step, bad: list[str]) -> str | None:
+    """Whether the bad parameters are non-finite throughout (a non-finite coefficient or
+    divisor, or a contribution non-finite throughout) or only in some elements."""
+    tensors = {n: t for n in bad if (t := step.tensors.get(f"weights/{n}")) is not None}
+    if not tensors:
+        return None
+    if all(not torch.isfinite(t).any() for t in tensors.values()):
+        return (f"every element of {'it' if len(bad) == 1 else 'them'} is non-finite, as a "
+                "non-finite coefficient or divisor "
+                "makes (a client weight n_k / sum(n) over no samples, 0/0; an update divided "
+                "by a count of local steps or a norm that is 0) or a contribution non-finite "
+                "throughout (a diverged client's weights)")
+    name, t = next(iter(tensors.items()))
+    n_bad = int((~torch.isfinite(t)).sum())
+    return (f"only some elements are non-finite ({n_bad} of {t.numel()} in {name}), as an "
+            "element-wise division makes where its divisor is 0 there (a mean over the "
+            "contributions a mask kept, such as TIES-merging's disjoint mean, where none did: "
+            "clamp the count to at least 1) or a contribution non-finite in those elements")
 
 
 def _other_optimizer_hint(step: Step, names: str, opt: dict[str, Any]) -> str:
@@ -208,3 +271,30 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
             "belong in a trained parameter, whose updates and norms it spoils: keep a boolean "
             "mask in a buffer and apply it in forward (w.masked_fill(~allowed, -inf), or a "
             "large finite negative such as -1e4); else fix the initialisation")
+
+
+def own_update_hint(step: Step) -> str:
+    """Weights non-finite at a step of a loop that gave the recorder no optimizer: the loop's
+    own update (``p -= lr * p.grad``) or load (a federated server's ``load_state_dict`` of the
+    clients' average) between the steps is what writes them, and the ring says whether there
+    were gradients, and finite ones, for an update to use."""
+    at = step.event.get("step")
+    steps, norms = step.tensors.get("ring/steps"), step.tensors.get("ring/grad_norm")
+    before = [n for s, n in zip(steps.tolist(), norms.tolist()) if s == at - 1] \
+        if at is not None and steps is not None and norms is not None else []
+    grads = (f" from finite gradients (their norm was {before[0]:.3g})"
+             if before and math.isfinite(before[0]) else "")
+    late = step.event.get("written_after_forward") or []
+    return (f"the weights were already non-finite when step {at} began, and the recorder was "
+            "given no optimizer: the loop's own update after the step before (p -= lr * "
+            f"p.grad) wrote them{grads}, or weights it computed and loaded (load_state_dict "
+            "of a federated average of the clients' weights, a merge), unless other code "
+            "edited them; check its arithmetic (a learning rate, an average's weights), and "
+            "give the recorder the optimizer (or call your update through one) so each update "
+            "is checked"
+            + (f". The step stayed open until the next forward, and the loop wrote "
+               f"{len(late)} more parameter(s) after this step's forward read them finite: "
+               "call rec.end_step() right after each step's forward and loss (an evaluation "
+               "of the global model, before the next round writes it), so that each step is "
+               "checked, and its bundle taken, before the loop writes the weights"
+               if late else ""))
