@@ -22,7 +22,7 @@ from .parametrized import parametrization_hint
 from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
-from .source import user_source
+from .source import is_torch_file, user_source
 from .storages import mask_buffers, state_of
 
 
@@ -270,7 +270,9 @@ def module_source(step: Step, module: str) -> str | None:
         m = step.model.get_submodule(module) if module else step.model
         fn = type(m).forward
         path = inspect.getsourcefile(fn)
+        if path is None or is_torch_file(path):  # (torch's nn.Linear: no line of the user's)
+            return None
         _, line = inspect.getsourcelines(fn)
-        return f"{os.path.relpath(path)}:{line}" if path else None
+        return f"{os.path.relpath(path)}:{line}"
     except (TypeError, OSError, AttributeError):
         return user_source([])

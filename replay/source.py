@@ -71,6 +71,11 @@ def _first_user(frames) -> str | None:
     return None
 
 
+def is_torch_file(path: str) -> bool:
+    """Whether ``path`` is one of torch's own source files."""
+    return os.path.abspath(path).startswith(_TORCH_DIR + os.sep)
+
+
 def raised_at(e: BaseException) -> str | None:
     """``file:line`` of the user's code that raised ``e`` (its innermost user frame)."""
     return _first_user((f.filename, f.lineno)
