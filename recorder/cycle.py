@@ -181,6 +181,7 @@ class StepCycle:
 
     def close_open_step(self, at: str) -> None:
         if self.health.active and self.tape is not None:
+            self.foreign.moved(self.tape, self.target.watched)  # (as a closing forward does)
             self.close_tape(at=at)
 
     def close_tape(self, at: str, forced: str | None = None) -> None:
