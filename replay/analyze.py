@@ -60,6 +60,7 @@ from .precursors import transient
 from .recorded import (
     batch_non_finite,
     batch_size,
+    before_event,
     input_hint,
     input_origin,
     non_finite_weights,
@@ -254,7 +255,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
             or input_hint(o, step))
     if any(mb.get("inputs_written") for mb in step.micro_batches):
         return _input_written(report, step)
-    if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
+    if batch_non_finite(step, ("batch/",), nan_only=not _strict(step), last=before_event(step)):
         o = input_origin(step)
         return finish(report, o, "input", reproduced=True, hint=input_hint(o, step))
     changed = set(step.meta.get("changed_in_step") or ()) | _late(step)

@@ -63,15 +63,32 @@ def _batch_nan(step: Step) -> bool:
     return any(k.startswith("batch/") and has_nan(t) for k, t in step.tensors.items())
 
 
-def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
+def before_event(step: Step) -> int | None:
+    """The last micro-batch whose inputs came before a forward or loss event (its own), or
+    None (any): a later micro-batch's input may be made from the event's output, as an
+    autoregressive rollout feeds the model its own forecast, and is no data that was bad."""
+    ev = step.event
+    mb = ev.get("micro_batch")
+    return mb if ev.get("phase") in ("forward", "loss") and isinstance(mb, int) else None
+
+
+def _micro_batch_of(key: str) -> int:
+    parts = key.split("/")
+    return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else 0
+
+
+def batch_non_finite(step: Step, prefixes, nan_only: bool = False,
+                     last: int | None = None) -> bool:
     """A recorded batch tensor holds NaN (or +-Inf, unless ``nan_only`` or ``allow_inf``
     names the root input it is in), outside the root inputs ``allow_nan`` names (missing
-    values the model imputes: their NaN is bad data only where it leads)."""
+    values the model imputes: their NaN is bad data only where it leads); with ``last``, in
+    micro-batches up to that one only."""
     paths = {k: root_input_name(raw) for mb in step.micro_batches
              for k, raw in mb.get("paths", {}).items()}
     soft = {k for k, name in paths.items() if _allowed(step, name)}
     missing = {k for k, name in paths.items() if nan_allowed(step, name)}
     return any(k.startswith(prefixes) and k not in missing
+               and (last is None or _micro_batch_of(k) <= last)
                and not finite(t, allow_inf=nan_only or k in soft)
                for k, t in step.tensors.items())
 

@@ -1,0 +1,72 @@
+"""Global weather forecasting trained as FourCastNet, GraphCast and WeatherBench code trains it
+(``weather_models``): states normalised per channel by statistics of the data (precipitation
+as ``log(p + eps)``), a land-sea mask passed to ``forward``, an AFNO mixer, a latitude-weighted
+MSE summed over the lead times of an autoregressive rollout run under ``torch.utils.checkpoint``;
+the recorder on the loop, then ``nanreplay``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import weather_models as M
+from bundles import nanreplay_json
+from torch.utils.checkpoint import checkpoint
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where weather_models.py, the factory's module, lives
+
+
+def rollout(model, x, lsm, leads: int, ckpt: bool):
+    """The forecasts of ``leads`` autoregressive steps from ``x``, each fed the last one."""
+    out = []
+    for _ in range(leads):
+        x = checkpoint(model, x, lsm, use_reentrant=False) if ckpt else model(x, lsm)
+        out.append(x)
+    return out
+
+
+def train_rollout(out_dir: Path, data: torch.Tensor, steps: int = 3, leads: int = 3,
+                  batch: int = 4, ckpt: bool = True, **kw) -> NonFiniteError:
+    """FourCastNet's fine-tuning: a loss summed over the lead times of a rollout."""
+    model = M.make_forecaster(**kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit, lsm = M.LatWeightedMSE(), M.land_sea_mask()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="weather_models:make_forecaster", factory_kwargs=kw or None):
+            for step in range(steps):
+                t0 = torch.arange(batch) + step
+                opt.zero_grad()
+                preds = rollout(model, data[t0], lsm, leads, ckpt)
+                sum(crit(p, data[t0 + k + 1]) for k, p in enumerate(preds)).backward()
+                opt.step()
+    return info.value
+
+
+def test_negative_precipitation_fed_back_by_a_rollout_is_named_at_its_lead(tmp_path):
+    """The model adds a tendency to the state in physical units, so its forecast of a dry
+    cell's precipitation goes below 0; the next lead time's log(p + eps) of it is NaN, then
+    every later forecast (the FFT spreads it over the grid) and every input after it. The
+    report named the third lead's input, "the batch itself holds NaN", all NaN so no record of
+    the data: a later micro-batch's input, which the rollout made from the event's output.
+    Now the log in the normalisation of lead 1 (micro-batch 1), on the rows that went dry."""
+    data = M.training_data()
+    err = train_rollout(tmp_path, data)
+    assert (err.event["step"], err.event["micro_batch"]) == (0, 1)
+    with torch.no_grad():  # the first forecast, without the recorder: which rows went < -eps
+        first = M.make_forecaster()(data[torch.arange(4)], M.land_sea_mask())
+    dry = [b for b in range(4) if bool((first[b, 3] + 1e-5 < 0).any())]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["micro_batch"], rep["cause"], o["samples"]) == \
+        ("forward", "normalize", "aten.log", 1, "invalid", dry), json.dumps(rep, indent=1)
+    assert o["inputs_finite"] and o["source"].startswith("weather_models.py:"), o
