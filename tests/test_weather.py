@@ -70,3 +70,20 @@ def test_negative_precipitation_fed_back_by_a_rollout_is_named_at_its_lead(tmp_p
     assert (o["phase"], o["module"], o["op"], o["micro_batch"], rep["cause"], o["samples"]) == \
         ("forward", "normalize", "aten.log", 1, "invalid", dry), json.dumps(rep, indent=1)
     assert o["inputs_finite"] and o["source"].startswith("weather_models.py:"), o
+
+
+def test_statistics_of_the_raw_files_are_named_as_buffers_the_factory_builds(tmp_path):
+    """The normalisation's mean and std come from a statistics script run on the regridded
+    files, whose precipitation undershoots below 0 beside dry cells: log(p + eps) there is NaN,
+    so both buffers are NaN from construction (the training pipeline clamps, so no batch is
+    bad). The hint sent users to 'what writes weights outside optimizer.step() (checkpoint
+    loading, in-place edits)'; it now says the factory builds the buffers so."""
+    err = train_rollout(tmp_path, M.training_data(), leads=1, raw_stats=True)
+    assert (err.event["step"], err.event["module"]) == (0, "normalize")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["params"], o["module"], o["op"], rep["cause"], o["samples"]) == \
+        ("weights", ["normalize.mean", "normalize.std"], "normalize", "aten.sub", "weights",
+         [0, 1, 2, 3]), json.dumps(rep, indent=1)
+    assert rep["hint"].startswith("the factory builds buffer normalize.mean"), rep["hint"]
+    assert "outside optimizer.step()" not in rep["hint"], rep["hint"]

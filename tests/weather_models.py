@@ -135,18 +135,16 @@ class Forecaster(nn.Module):
         return x + (dz * self.normalize.std).float()
 
 
-TRAIN = None  # the training years' states, made once
+def training_data(regridded: bool = False) -> torch.Tensor:
+    """48 hours of states; ``regridded``: as bilinear interpolation to the model grid leaves
+    precipitation, with small negative values where it undershoots beside a dry cell (the
+    training pipeline clamps them; a statistics script run on the raw files does not)."""
+    return era5(48, seed=0, clamp=not regridded)
 
 
-def training_data() -> torch.Tensor:
-    global TRAIN
-    if TRAIN is None:
-        TRAIN = era5(48, seed=0)
-    return TRAIN
-
-
-def make_forecaster(log_channel: int | None = 3, **afno) -> nn.Module:
-    mean, std = channel_stats(training_data(), log_channel)
+def make_forecaster(log_channel: int | None = 3, raw_stats: bool = False, **afno) -> nn.Module:
+    """``raw_stats``: the normalisation's statistics computed from the regridded files."""
+    mean, std = channel_stats(training_data(regridded=raw_stats), log_channel)
     torch.manual_seed(0)
     return Forecaster(mean, std, log_channel=log_channel, **afno)
 
@@ -159,7 +157,7 @@ def land_sea_mask(h: int = H, w: int = W) -> torch.Tensor:
     return m
 
 
-def era5(n: int, seed: int = 0, h: int = H, w: int = W) -> torch.Tensor:
+def era5(n: int, seed: int = 0, h: int = H, w: int = W, clamp: bool = True) -> torch.Tensor:
     """``n + 1`` consecutive synthetic states (z500-like waves, temperature, wind, precip >= 0)
     advected eastwards, so each state predicts the next."""
     g = torch.Generator().manual_seed(seed)
@@ -175,5 +173,6 @@ def era5(n: int, seed: int = 0, h: int = H, w: int = W) -> torch.Tensor:
         p = F.relu(torch.sin(lon * 2 - s + phase[3]) * torch.cos(lat)) * 1e-3
         out.append(torch.stack([z, tt, u, p]) + 0.01 * torch.randn(4, h, w, generator=g))
     out = torch.stack(out)
-    out[:, 3].clamp_(min=0)  # precipitation is never negative in the archive
+    if clamp:
+        out[:, 3].clamp_(min=0)  # precipitation is never negative in the archive
     return out
