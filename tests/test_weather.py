@@ -87,3 +87,29 @@ def test_statistics_of_the_raw_files_are_named_as_buffers_the_factory_builds(tmp
          [0, 1, 2, 3]), json.dumps(rep, indent=1)
     assert rep["hint"].startswith("the factory builds buffer normalize.mean"), rep["hint"]
     assert "outside optimizer.step()" not in rep["hint"], rep["hint"]
+
+
+def test_a_zero_length_mesh_edge_is_named_as_a_value_of_the_buffers_alone(tmp_path):
+    """A mesh refinement added one vertex twice and joined the copies: GraphCast's edge
+    feature displacement / length is 0/0 on that edge, in every sample. The hint said "add an
+    eps to the denominator or skip the rows where it is 0" (rows of the batch, which holds no
+    such row): the rows of the edge index buffer, ``src, dst = self.edges``, were not seen as
+    made of the buffers, so neither was the division. Now it says the op's inputs were made of
+    the model's buffers alone, and to fix the code that builds them."""
+    model = M.make_mesh(duplicate=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = torch.nn.MSELoss()
+    x = torch.randn(6, 13, M.C, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="weather_models:make_mesh",
+                            factory_kwargs={"duplicate": True}):
+            for step in range(2):
+                opt.zero_grad()
+                crit(model(x[step:step + 4]), x[step + 1:step + 5]).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
+        ("forward", "", "aten.div", "invalid", [0, 1, 2, 3]), json.dumps(rep, indent=1)
+    assert "buffers alone" in rep["hint"] and "skip the rows" not in rep["hint"], rep["hint"]

@@ -142,9 +142,14 @@ def training_data(regridded: bool = False) -> torch.Tensor:
     return era5(48, seed=0, clamp=not regridded)
 
 
-def make_forecaster(log_channel: int | None = 3, raw_stats: bool = False, **afno) -> nn.Module:
-    """``raw_stats``: the normalisation's statistics computed from the regridded files."""
-    mean, std = channel_stats(training_data(regridded=raw_stats), log_channel)
+def make_forecaster(log_channel: int | None = 3, raw_stats: bool = False, calm: bool = False,
+                    **afno) -> nn.Module:
+    """``raw_stats``: the normalisation's statistics computed from the regridded files;
+    ``calm``: from files whose 10 m wind is missing, filled with 0."""
+    data = training_data(regridded=raw_stats)
+    if calm:
+        data[:, 2] = 0
+    mean, std = channel_stats(data, log_channel)
     torch.manual_seed(0)
     return Forecaster(mean, std, log_channel=log_channel, **afno)
 
@@ -176,3 +181,125 @@ def era5(n: int, seed: int = 0, h: int = H, w: int = W, clamp: bool = True) -> t
     if clamp:
         out[:, 3].clamp_(min=0)  # precipitation is never negative in the archive
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# an ensemble trained with the CRPS
+
+
+class EnsembleForecaster(nn.Module):
+    """``members`` forecasts from perturbed initial states (a learned noise amplitude per
+    channel), returned as ``(B, M, C, H, W)``."""
+
+    def __init__(self, members: int = 4, **kw):
+        super().__init__()
+        self.members = members
+        self.net = make_forecaster(**kw)
+        self.sigma = nn.Parameter(torch.full((1, C, 1, 1), 0.05))
+
+    def forward(self, x, lsm):
+        b, m = x.shape[0], self.members
+        xs = x.unsqueeze(1).expand(b, m, *x.shape[1:]).reshape(b * m, *x.shape[1:])
+        noise = torch.randn_like(xs) * self.sigma * self.net.normalize.std
+        noise[:, 3] = 0  # precipitation is not perturbed: it must stay >= 0
+        return self.net(xs + noise, lsm).reshape(b, m, *x.shape[1:])
+
+
+def make_ensemble(members: int = 4) -> nn.Module:
+    return EnsembleForecaster(members)
+
+
+class FairCRPS(nn.Module):
+    """The fair (unbiased) CRPS of an ensemble, ``mean|x_i - y| - sum|x_i - x_j| / (2 M (M-1))``,
+    latitude-weighted; ``energy``: the energy score over the channels instead, with
+    Euclidean distances between members as ``((a - b) ** 2).sum(-1).sqrt()``."""
+
+    def __init__(self, energy: bool = False, h: int = H):
+        super().__init__()
+        self.energy = energy
+        self.register_buffer("w", lat_weights(h))
+
+    def forward(self, ens, y):  # ens (B, M, C, H, W), y (B, C, H, W)
+        m = ens.shape[1]
+        if self.energy:
+            e, t = ens.movedim(2, -1), y.movedim(1, -1).unsqueeze(1)
+            skill = ((e - t) ** 2).sum(-1).sqrt().mean(1)
+            spread = ((e.unsqueeze(1) - e.unsqueeze(2)) ** 2).sum(-1).sqrt().sum((1, 2))
+        else:
+            skill = (ens - y.unsqueeze(1)).abs().mean(1)
+            spread = (ens.unsqueeze(1) - ens.unsqueeze(2)).abs().sum((1, 2))
+        crps = skill - spread / (2 * m * (m - 1))
+        return (crps * self.w).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# a mesh graph network
+
+
+def icosphere_mesh(duplicate: bool = False):
+    """The 12 vertices of an icosahedron (on the unit sphere) and its 60 directed edges; with
+    ``duplicate``, one vertex is added twice, as a refinement that computes a shared midpoint
+    from each of its faces without merging them does: a zero-length edge between the copies."""
+    p = (1 + 5 ** 0.5) / 2
+    v = torch.tensor([[-1, p, 0], [1, p, 0], [-1, -p, 0], [1, -p, 0], [0, -1, p], [0, 1, p],
+                      [0, -1, -p], [0, 1, -p], [p, 0, -1], [p, 0, 1], [-p, 0, -1], [-p, 0, 1]])
+    v = v / v.norm(dim=1, keepdim=True)
+    d = torch.cdist(v, v)
+    src, dst = torch.nonzero((d > 0) & (d < 1.1), as_tuple=True)
+    if duplicate:
+        v = torch.cat([v, v[:1]])
+        n = v.shape[0] - 1
+        src, dst = torch.cat([src, torch.tensor([0, n])]), torch.cat([dst, torch.tensor([n, 0])])
+    return v, torch.stack([src, dst])
+
+
+class MeshProcessor(nn.Module):
+    """GraphCast's processor: edge features ``[length, displacement / length]`` made from the
+    mesh positions, messages ``MLP([h_src, h_dst, e])`` summed onto receivers with
+    ``index_add``/``scatter_add`` and averaged by in-degree, residual node updates."""
+
+    def __init__(self, dim: int = 16, layers: int = 2, duplicate: bool = False):
+        super().__init__()
+        pos, edges = icosphere_mesh(duplicate)
+        self.register_buffer("pos", pos)
+        self.register_buffer("edges", edges)
+        self.encode = nn.Linear(C, dim)
+        self.edge_mlps = nn.ModuleList([nn.Sequential(nn.Linear(2 * dim + 4, dim), nn.SiLU())
+                                        for _ in range(layers)])
+        self.node_mlps = nn.ModuleList([nn.Linear(2 * dim, dim) for _ in range(layers)])
+        self.decode = nn.Linear(dim, C)
+
+    def edge_features(self):
+        src, dst = self.edges
+        disp = self.pos[dst] - self.pos[src]
+        length = disp.norm(dim=-1, keepdim=True)
+        return torch.cat([length, disp / length], dim=-1)
+
+    def forward(self, x):  # x (B, N, C): the grid already mapped onto the mesh nodes
+        src, dst = self.edges
+        e = self.edge_features()
+        h = self.encode(x)
+        deg = torch.zeros(h.shape[1]).index_add_(0, dst, torch.ones(dst.shape[0]))
+        for edge_mlp, node_mlp in zip(self.edge_mlps, self.node_mlps):
+            msg = edge_mlp(torch.cat([h[:, src], h[:, dst], e.expand(h.shape[0], -1, -1)], -1))
+            agg = torch.zeros_like(h).scatter_add_(1, dst.reshape(1, -1, 1).expand_as(msg), msg)
+            h = h + node_mlp(torch.cat([h, agg / deg.reshape(1, -1, 1)], -1))
+        return x + self.decode(h)
+
+
+def make_mesh(duplicate: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return MeshProcessor(duplicate=duplicate)
+
+
+class LandMSE(nn.Module):
+    """A latitude-weighted MSE over the land points of each sample (2 m temperature and soil
+    moisture are land variables), normalised per sample by its count of land points."""
+
+    def __init__(self, h: int = H):
+        super().__init__()
+        self.register_buffer("w", lat_weights(h))
+
+    def forward(self, pred, y, land):  # land (B, 1, H, w)
+        err = (self.w * (pred - y) ** 2 * land).sum((1, 2, 3))
+        return (err / (land.sum((1, 2, 3)) * pred.shape[1])).mean()
