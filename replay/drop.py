@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from recorder.capture import tree_refs
-from recorder.samples import Bags, Segments, bag_offsets, packed_in
+from recorder.samples import Bags, Segments, bag_offsets, broadcast_fields, packed_in
 
 from .load import micro_batch_inputs
 from .recorded import entry_samples
@@ -110,9 +110,14 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
                                where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
         inputs = [tensors.get(j) for j in mb.get("paths", {})]  # (as recorded, before the cut)
+        # (a land-sea mask (H, W) beside (B, C, H, W) states: no sample's, whatever H is)
+        given = [tensors.get(j) for j in (*mb.get("paths", {}), *mb.get("loss_paths", {}))]
+        shared = {id(t) for t in broadcast_fields([t for t in given
+                                                   if isinstance(t, torch.Tensor)])}
         for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
             x = tensors.get(k)
-            d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
+            d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done \
+                and id(x) not in shared else None
             if d is not None:
                 tensors[k] = x.index_select(d, keep)
                 if d == 0 and _pairwise(x, inputs):

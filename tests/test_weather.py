@@ -113,3 +113,68 @@ def test_a_zero_length_mesh_edge_is_named_as_a_value_of_the_buffers_alone(tmp_pa
     assert (o["phase"], o["module"], o["op"], rep["cause"], o["samples"]) == \
         ("forward", "", "aten.div", "invalid", [0, 1, 2, 3]), json.dumps(rep, indent=1)
     assert "buffers alone" in rep["hint"] and "skip the rows" not in rep["hint"], rep["hint"]
+
+
+def _train_with_mask(out_dir: Path, data: torch.Tensor, lsm: torch.Tensor) -> NonFiniteError:
+    """Batches of 8 states on the 8 latitude rows, the land-sea mask ``(H, W)`` passed to
+    forward beside them, each step's hours in a shuffled order."""
+    model = M.make_forecaster(log_channel=None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = M.LatWeightedMSE()
+    order = torch.tensor([3, 0, 5, 1, 7, 2, 6, 4])
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="weather_models:make_forecaster",
+                            factory_kwargs={"log_channel": None}):
+            for step in range(3):
+                t0 = order + 9 * step
+                opt.zero_grad()
+                crit(model(data[t0], lsm), data[t0 + 1]).backward()
+                opt.step()
+    return info.value
+
+
+def test_a_land_sea_mask_with_as_many_rows_as_samples_is_no_samples_own(tmp_path):
+    """The (H, W) land-sea mask passed to forward has as many latitude rows as the batch has
+    samples. A NaN in one hour's state was named right, but --try drop= cut a latitude row
+    out of the mask too, and the re-run raised in torch.cat; a NaN in the mask (a coastal cell
+    the regridding left undefined) was named as sample 3, its latitude row. The mask is now
+    one field of every sample (its shape is the states' trailing shape): no sample is named,
+    and a drop leaves it whole."""
+    data, lsm = M.training_data(), M.land_sea_mask()
+    assert lsm.shape[0] == 8
+    data[9, 1, 2, 5] = float("nan")  # an hour whose file lost a value; step 1 takes it first
+    t0 = torch.tensor([3, 0, 5, 1, 7, 2, 6, 4]) + 9
+    bad = [int((t0 == 9).nonzero())]
+    err = _train_with_mask(tmp_path / "state", data, lsm)
+    assert (err.event["step"], err.event["tensor"], err.event["samples"]) == (1, "args[0]", bad)
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    assert (rep["origin"]["tensor"], rep["origin"]["samples"], rep["cause"]) == \
+        ("args[0]", bad, "input"), json.dumps(rep, indent=1)
+    [what_if] = rep["what_if"]
+    assert what_if["try"] == f"drop={bad[0]}" and what_if["finite"] is True, what_if
+
+    lsm = lsm.clone()
+    lsm[3, 6] = float("nan")
+    err = _train_with_mask(tmp_path / "mask", M.training_data(), lsm)
+    assert (err.event["step"], err.event["tensor"], err.event["samples"]) == (0, "args[1]", [])
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["origin"]["tensor"], rep["origin"]["samples"], rep["cause"]) == \
+        ("args[1]", [], "input"), json.dumps(rep, indent=1)
+    assert "not per sample" in rep["hint"] and "rows [3]" not in rep["hint"], rep["hint"]
+
+
+def test_a_field_missing_over_land_is_named_by_its_positions(tmp_path):
+    """Sea-surface temperature is NaN over land in ERA5, in every hour: the hint named the
+    columns "146, 147, 148, ..., counted past the sample dimension", flat indices into each
+    state's (C, H, W). Now (channel, lat, lon) positions, and the index they all share."""
+    data, lsm = M.training_data(), M.land_sea_mask()
+    data[:, 1][:, lsm.bool()] = float("nan")
+    err = _train_with_mask(tmp_path, data, lsm)
+    assert (err.event["step"], err.event["tensor"]) == (0, "args[0]")
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["origin"]["samples"], rep["cause"]) == (list(range(8)), "input"), rep["origin"]
+    land = [[1, *p] for p in lsm.nonzero().tolist()]
+    shown = ", ".join(map(str, land[:8])) + f" (+{len(land) - 8})"
+    assert f"position(s) {shown} of each sample's (4, 8, 16), all at index 1 of dim 1" \
+        in rep["hint"], rep["hint"]

@@ -27,17 +27,17 @@ def lat_weights(h: int = H) -> torch.Tensor:
 
 
 class LatWeightedMSE(nn.Module):
-    """``mean(w_lat * (pred - y)**2)``, optionally over the land (or sea) points of a mask."""
+    """``mean(w_lat * (pred - y)**2)``; ``rmse``: WeatherBench's latitude-weighted RMSE per
+    sample and channel, averaged, as the metric it is scored on."""
 
-    def __init__(self, h: int = H):
+    def __init__(self, h: int = H, rmse: bool = False):
         super().__init__()
+        self.rmse = rmse
         self.register_buffer("w", lat_weights(h))
 
-    def forward(self, pred, y, mask=None):
+    def forward(self, pred, y):
         err = self.w * (pred - y) ** 2
-        if mask is None:
-            return err.mean()
-        return (err * mask).sum() / (mask.sum() * pred.shape[0] * pred.shape[1])
+        return err.mean((-2, -1)).sqrt().mean() if self.rmse else err.mean()
 
 
 class AFNO2D(nn.Module):
@@ -114,8 +114,9 @@ class Forecaster(nn.Module):
     normalised tendency; returns the next state in physical units."""
 
     def __init__(self, mean, std, c: int = C, dim: int = 16, depth: int = 2,
-                 log_channel: int | None = 3, **afno):
+                 log_channel: int | None = 3, static: int | None = None, **afno):
         super().__init__()
+        self.static = static
         self.normalize = Normalize(mean, std, log_channel)
         self.embed = nn.Conv2d(c + 1, dim, 1)
         self.mixers = nn.ModuleList([AFNO2D(dim, **afno) for _ in range(depth)])
@@ -132,26 +133,32 @@ class Forecaster(nn.Module):
             h = mix(norm(h))
             h = h + mlp(h)
         dz = self.head(h.permute(0, 3, 1, 2))
+        if self.static is not None:  # a static field (orography) is carried, not forecast
+            dz = dz * (torch.arange(dz.shape[1], device=dz.device) != self.static).reshape(1, -1, 1, 1)
         return x + (dz * self.normalize.std).float()
 
 
-def training_data(regridded: bool = False) -> torch.Tensor:
+def training_data(regridded: bool = False, static: int | None = None) -> torch.Tensor:
     """48 hours of states; ``regridded``: as bilinear interpolation to the model grid leaves
     precipitation, with small negative values where it undershoots beside a dry cell (the
-    training pipeline clamps them; a statistics script run on the raw files does not)."""
-    return era5(48, seed=0, clamp=not regridded)
+    training pipeline clamps them; a statistics script run on the raw files does not);
+    ``static``: that channel holds a field constant in time (orography)."""
+    data = era5(48, seed=0, clamp=not regridded)
+    if static is not None:
+        data[:, static] = data[0, static]
+    return data
 
 
 def make_forecaster(log_channel: int | None = 3, raw_stats: bool = False, calm: bool = False,
-                    **afno) -> nn.Module:
+                    static: int | None = None, **afno) -> nn.Module:
     """``raw_stats``: the normalisation's statistics computed from the regridded files;
     ``calm``: from files whose 10 m wind is missing, filled with 0."""
-    data = training_data(regridded=raw_stats)
+    data = training_data(regridded=raw_stats, static=static)
     if calm:
         data[:, 2] = 0
     mean, std = channel_stats(data, log_channel)
     torch.manual_seed(0)
-    return Forecaster(mean, std, log_channel=log_channel, **afno)
+    return Forecaster(mean, std, log_channel=log_channel, static=static, **afno)
 
 
 def land_sea_mask(h: int = H, w: int = W) -> torch.Tensor:
@@ -205,8 +212,8 @@ class EnsembleForecaster(nn.Module):
         return self.net(xs + noise, lsm).reshape(b, m, *x.shape[1:])
 
 
-def make_ensemble(members: int = 4) -> nn.Module:
-    return EnsembleForecaster(members)
+def make_ensemble(members: int = 4, **kw) -> nn.Module:
+    return EnsembleForecaster(members, **kw)
 
 
 class FairCRPS(nn.Module):
