@@ -390,7 +390,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         report["problems"].append(
             f"the model's code raised {run1.raised} in the re-run (likely as it did in "
             "training): the replay covers the step up to there")
-    if origin is not None:
+    if origin is not None and not run1.loss_first(origin):
         return add_iterates_note(report_forward(report, step, runner, run1, origin), run1)
     if run1.loss_finite and not all(run1.loss_finite):
         return report_loss(report, step, runner, run1)

@@ -6,7 +6,9 @@ the recorder on the loop, then ``nanreplay``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,60 @@ def test_a_field_missing_over_land_is_named_by_its_positions(tmp_path):
     shown = ", ".join(map(str, land[:8])) + f" (+{len(land) - 8})"
     assert f"position(s) {shown} of each sample's (4, 8, 16), all at index 1 of dim 1" \
         in rep["hint"], rep["hint"]
+
+
+def _warmup_cosine(opt, warm: int = 3, total: int = 40):
+    """Linear warm-up to the peak rate, then a cosine decay (FourCastNet, Pangu, GraphCast)."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warm if s < warm else
+                                             0.5 * (1 + math.cos(math.pi * (s - warm)
+                                                                 / (total - warm))))
+
+
+def _train_warmup(out_dir: Path | None):
+    """Two steps of a 2-lead rollout under a warm-up to a peak rate of 3e3 (meant 3e-3), the
+    loss of each lead taken as its forecast is made.
+    Without ``out_dir``, no recorder: the rows whose lead-0 squared error overflows at step
+    1; with it, the recorder's error."""
+    model = M.make_forecaster(log_channel=None)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e3)
+    sched, crit, lsm, data = _warmup_cosine(opt), M.LatWeightedMSE(), M.land_sea_mask(), \
+        M.training_data()
+    rec = contextlib.nullcontext() if out_dir is None else FlightRecorder(
+        model, opt, loss_fn=crit, out_dir=out_dir, rewind=2,
+        factory="weather_models:make_forecaster", factory_kwargs={"log_channel": None})
+    with rec:
+        for step in range(2):
+            t0 = torch.arange(4) + step
+            opt.zero_grad()
+            x, loss = data[t0], 0
+            for k in range(2):  # (each lead's loss as its forecast is made)
+                x = checkpoint(model, x, lsm, use_reentrant=False)
+                if out_dir is None and step == 1:
+                    err = crit.w * (x - data[t0 + 1]) ** 2
+                    return [b for b in range(4) if not bool(torch.isfinite(err[b]).all())]
+                loss = loss + crit(x, data[t0 + k + 1])
+            loss.backward()
+            opt.step()
+            sched.step()
+
+
+def test_a_rollout_loss_that_overflowed_before_the_next_lead_is_the_origin(tmp_path):
+    """After one update at a learning rate of 1e3 the first lead's forecast is ~1e20 and its
+    squared error overflows float32 in the loss; the second lead's LayerNorm then overflows
+    on that forecast, fed back. The recorder named the loss of micro-batch 0, as it came
+    first; the replay took the forward NaN of micro-batch 1 for the origin, reported the event
+    NOT reproduced, and the rewind window said it found 'not the recorded event'. Now the
+    loss, reproduced, in the window too."""
+    overflowed = _train_warmup(None)
+    with pytest.raises(NonFiniteError) as info:
+        _train_warmup(tmp_path)
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (1, "loss", 0)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["micro_batch"],
+            rep["cause"], o["samples"]) == \
+        (True, "loss", "<loss>", "aten.pow", 0, "overflow", overflowed), json.dumps(rep, indent=1)
+    w = rep["window"]
+    first = w["first_non_finite"]
+    assert w["reproduced"] and (first["phase"], first["micro_batch"]) == ("loss", 0), w

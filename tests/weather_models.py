@@ -62,7 +62,8 @@ class AFNO2D(nn.Module):
         bias, dtype = x, x.dtype
         x = x.float()  # cuFFT has no bfloat16: FourCastNet casts up for the transform
         B, h, w, _ = x.shape
-        x = torch.fft.rfft2(x, dim=(1, 2), norm="ortho").reshape(B, h, w // 2 + 1, self.blocks, self.bs)
+        x = torch.fft.rfft2(x, dim=(1, 2), norm="ortho")
+        x = x.reshape(B, h, w // 2 + 1, self.blocks, self.bs)
         kept = int((w // 2 + 1) * self.keep)
         re, im = x.real[:, :, :kept], x.imag[:, :, :kept]
         o1r = F.relu(self._mul(re, self.w1[0]) - self._mul(im, self.w1[1]) + self.b1[0])
@@ -70,7 +71,8 @@ class AFNO2D(nn.Module):
         o2r = self._mul(o1r, self.w2[0]) - self._mul(o1i, self.w2[1]) + self.b2[0]
         o2i = self._mul(o1i, self.w2[0]) + self._mul(o1r, self.w2[1]) + self.b2[1]
         z = F.softshrink(torch.stack([o2r, o2i], dim=-1), lambd=self.shrink)
-        out = torch.zeros(B, h, w // 2 + 1, self.blocks, self.bs, dtype=torch.cfloat, device=x.device)
+        out = torch.zeros(B, h, w // 2 + 1, self.blocks, self.bs, dtype=torch.cfloat,
+                          device=x.device)
         out[:, :, :kept] = torch.view_as_complex(z.contiguous())
         x = torch.fft.irfft2(out.reshape(B, h, w // 2 + 1, -1), s=(h, w), dim=(1, 2), norm="ortho")
         return x.type(dtype) + bias
@@ -134,7 +136,8 @@ class Forecaster(nn.Module):
             h = h + mlp(h)
         dz = self.head(h.permute(0, 3, 1, 2))
         if self.static is not None:  # a static field (orography) is carried, not forecast
-            dz = dz * (torch.arange(dz.shape[1], device=dz.device) != self.static).reshape(1, -1, 1, 1)
+            keep = torch.arange(dz.shape[1], device=dz.device) != self.static
+            dz = dz * keep.reshape(1, -1, 1, 1)
         return x + (dz * self.normalize.std).float()
 
 
@@ -310,3 +313,34 @@ class LandMSE(nn.Module):
     def forward(self, pred, y, land):  # land (B, 1, H, w)
         err = (self.w * (pred - y) ** 2 * land).sum((1, 2, 3))
         return (err / (land.sum((1, 2, 3)) * pred.shape[1])).mean()
+
+
+class ResidualWeightedMSE(nn.Module):
+    """GraphCast's training loss: the error of each variable weighted by the inverse variance
+    of its 1-step differences (``1 / diff_std**2``, from the training data), so every
+    variable's tendency counts alike; latitude-weighted, averaged."""
+
+    def __init__(self, data: torch.Tensor, h: int = H):
+        super().__init__()
+        diff_std = (data[1:] - data[:-1]).std(dim=(0, 2, 3))
+        self.register_buffer("var_w", (1 / diff_std ** 2).reshape(1, -1, 1, 1))
+        self.register_buffer("w", lat_weights(h))
+
+    def forward(self, pred, y):
+        return (self.var_w * self.w * (pred - y) ** 2).mean()
+
+
+class SpectralLoss(nn.Module):
+    """The latitude-weighted MSE plus a log-spectral distance that keeps forecasts from
+    blurring: ``mean((log|rfft2(pred)|^2 - log|rfft2(y)|^2)^2)`` over the zonal wavenumbers."""
+
+    def __init__(self, h: int = H, alpha: float = 0.1):
+        super().__init__()
+        self.alpha = alpha
+        self.register_buffer("w", lat_weights(h))
+
+    def forward(self, pred, y):
+        mse = (self.w * (pred - y) ** 2).mean()
+        p = torch.fft.rfft(pred, dim=-1, norm="ortho").abs() ** 2
+        t = torch.fft.rfft(y, dim=-1, norm="ortho").abs() ** 2
+        return mse + self.alpha * ((torch.log(p) - torch.log(t)) ** 2).mean()
