@@ -28,6 +28,7 @@ from .cause_text import DO
 from .derived_input import derived_input_hint
 from .drop import undroppable
 from .errors import FactoryRefused
+from .fed_back import report_fed_back
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .given_loss import report_given_loss
@@ -400,6 +401,9 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if phase == "backward" and step.loss_fn is not None and not run1.bad_grads and \
             (own := report_loss_backward(report, step, runner)) is not None:
         return own  # (only when the loss_fn re-ran: a loss node made the entering gradient)
+    if outside_loss and not run1.bad_grads and \
+            (fed := report_fed_back(report, step, runner, run1)) is not None:
+        return fed  # (a rollout: a later lead's backward sent it into this lead's output)
     if outside_loss and not run1.bad_grads and \
             (entered := report_entering(report, step, runner)) is not None:
         return entered

@@ -237,3 +237,30 @@ def test_a_rollout_loss_that_overflowed_before_the_next_lead_is_the_origin(tmp_p
     w = rep["window"]
     first = w["first_non_finite"]
     assert w["reproduced"] and (first["phase"], first["micro_batch"]) == ("loss", 0), w
+
+
+def test_a_gradient_a_later_lead_sent_into_the_forecast_is_named_in_that_lead(tmp_path):
+    """Precipitation enters as its fourth root, p.clamp_min(0) ** 0.25, and the model clamps
+    its precipitation forecast at 0 with a ReLU; the next lead time takes that forecast, whose
+    dry cells are exactly 0, where the derivative of p ** 0.25 is infinite. The +inf flows
+    back into the first lead's output, where the ReLU drops it: every parameter's gradient
+    stays finite, and the recorder names the gradient entering micro-batch 0's output. The
+    report said the loss the recorder was given re-ran finite, so "the value came from loss
+    terms computed outside it" (there are none); then, once the origin was found, that it was
+    finite in float64 ("precision": float64 was judged by the gradients of the parameters and
+    of the outputs, not of the fed-back input). Now PowBackward0 in the second lead's
+    normalisation, invalid, on the samples whose forecast holds a 0."""
+    data = M.training_data()
+    err = train_rollout(tmp_path, data, leads=2, ckpt=False, power=0.25)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["micro_batch"], ev["params"]) == \
+        (0, "backward", "grad of the model output", 0, [])
+    with torch.no_grad():
+        first = M.make_forecaster(power=0.25)(data[torch.arange(4)], M.land_sea_mask())
+    dry = [b for b in range(4) if bool((first[b, 3] == 0).any())]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["micro_batch"], rep["cause"], o["samples"]) == \
+        ("backward", "normalize", "PowBackward0", 1, "invalid", dry), json.dumps(rep, indent=1)
+    assert "outside" not in rep["hint"], rep["hint"]
+    assert any("micro-batch 0's output is micro-batch 1's input" in p for p in rep["problems"])

@@ -80,33 +80,34 @@ class AFNO2D(nn.Module):
 
 class Normalize(nn.Module):
     """Per-channel z-score with the training set's statistics (buffers the data module computed
-    once); the precipitation channel is ``log(p + eps)`` first, as its distribution is skewed."""
+    once); the precipitation channel is ``log(p + eps)`` first, as its distribution is skewed
+    (or ``p ** power``: the fourth root of nowcasting code)."""
 
-    def __init__(self, mean, std, log_channel: int | None = 3, eps: float = 1e-5):
+    def __init__(self, mean, std, log_channel: int | None = 3, eps: float = 1e-5,
+                 power: float | None = None):
         super().__init__()
         self.register_buffer("mean", mean.reshape(1, -1, 1, 1))
         self.register_buffer("std", std.reshape(1, -1, 1, 1))
-        self.log_channel, self.eps = log_channel, eps
+        self.log_channel, self.eps, self.power = log_channel, eps, power
 
     def forward(self, x):
         if self.log_channel is not None:
             k = self.log_channel
-            x = torch.cat([x[:, :k], torch.log(x[:, k:k + 1] + self.eps), x[:, k + 1:]], dim=1)
+            x = torch.cat([x[:, :k], transform(x[:, k:k + 1], self.eps, self.power),
+                           x[:, k + 1:]], dim=1)
         return (x - self.mean) / self.std
 
-    def inverse(self, z):
-        x = z * self.std + self.mean
-        if self.log_channel is not None:
-            k = self.log_channel
-            x = torch.cat([x[:, :k], torch.exp(x[:, k:k + 1]) - self.eps, x[:, k + 1:]], dim=1)
-        return x
+
+def transform(p: torch.Tensor, eps: float, power: float | None) -> torch.Tensor:
+    return torch.log(p + eps) if power is None else p.clamp_min(0) ** power
 
 
-def channel_stats(data: torch.Tensor, log_channel: int | None = 3, eps: float = 1e-5):
+def channel_stats(data: torch.Tensor, log_channel: int | None = 3, eps: float = 1e-5,
+                  power: float | None = None):
     """Per-channel mean and std over time, latitude and longitude of ``data`` (T, C, H, W)."""
     if log_channel is not None:
         data = data.clone()
-        data[:, log_channel] = torch.log(data[:, log_channel] + eps)
+        data[:, log_channel] = transform(data[:, log_channel], eps, power)
     return data.mean(dim=(0, 2, 3)), data.std(dim=(0, 2, 3))
 
 
@@ -116,10 +117,11 @@ class Forecaster(nn.Module):
     normalised tendency; returns the next state in physical units."""
 
     def __init__(self, mean, std, c: int = C, dim: int = 16, depth: int = 2,
-                 log_channel: int | None = 3, static: int | None = None, **afno):
+                 log_channel: int | None = 3, static: int | None = None,
+                 power: float | None = None, **afno):
         super().__init__()
         self.static = static
-        self.normalize = Normalize(mean, std, log_channel)
+        self.normalize = Normalize(mean, std, log_channel, power=power)
         self.embed = nn.Conv2d(c + 1, dim, 1)
         self.mixers = nn.ModuleList([AFNO2D(dim, **afno) for _ in range(depth)])
         self.norms = nn.ModuleList([nn.LayerNorm(dim) for _ in range(depth)])
@@ -138,7 +140,11 @@ class Forecaster(nn.Module):
         if self.static is not None:  # a static field (orography) is carried, not forecast
             keep = torch.arange(dz.shape[1], device=dz.device) != self.static
             dz = dz * keep.reshape(1, -1, 1, 1)
-        return x + (dz * self.normalize.std).float()
+        out = x + (dz * self.normalize.std).float()
+        if self.normalize.power is None:
+            return out
+        k = self.normalize.log_channel  # (precipitation is never negative: clamp the forecast)
+        return torch.cat([out[:, :k], F.relu(out[:, k:k + 1]), out[:, k + 1:]], dim=1)
 
 
 def training_data(regridded: bool = False, static: int | None = None) -> torch.Tensor:
@@ -153,15 +159,17 @@ def training_data(regridded: bool = False, static: int | None = None) -> torch.T
 
 
 def make_forecaster(log_channel: int | None = 3, raw_stats: bool = False, calm: bool = False,
-                    static: int | None = None, **afno) -> nn.Module:
+                    static: int | None = None, power: float | None = None,
+                    **afno) -> nn.Module:
     """``raw_stats``: the normalisation's statistics computed from the regridded files;
-    ``calm``: from files whose 10 m wind is missing, filled with 0."""
+    ``calm``: from files whose 10 m wind is missing, filled with 0; ``power``: precipitation
+    as ``p ** power``, its forecast clamped at 0."""
     data = training_data(regridded=raw_stats, static=static)
     if calm:
         data[:, 2] = 0
-    mean, std = channel_stats(data, log_channel)
+    mean, std = channel_stats(data, log_channel, power=power)
     torch.manual_seed(0)
-    return Forecaster(mean, std, log_channel=log_channel, static=static, **afno)
+    return Forecaster(mean, std, log_channel=log_channel, static=static, power=power, **afno)
 
 
 def land_sea_mask(h: int = H, w: int = W) -> torch.Tensor:
