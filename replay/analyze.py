@@ -401,11 +401,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if phase == "backward" and step.loss_fn is not None and not run1.bad_grads and \
             (own := report_loss_backward(report, step, runner)) is not None:
         return own  # (only when the loss_fn re-ran: a loss node made the entering gradient)
-    if outside_loss and not run1.bad_grads and \
-            (fed := report_fed_back(report, step, runner, run1)) is not None:
-        return fed  # (a rollout: a later lead's backward sent it into this lead's output)
-    if outside_loss and not run1.bad_grads and \
-            (entered := report_entering(report, step, runner)) is not None:
+    if outside_loss and not run1.bad_grads and (entered := report_fed_back(  # (a rollout's)
+            report, step, runner, run1) or report_entering(report, step, runner)) is not None:
         return entered
     if phase == "loss" and (given := report_given_loss(report, step, runner, run1)) is not None:
         return given  # (a term the loop added to loss_fn's loss, given to record_loss)
