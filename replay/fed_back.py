@@ -39,11 +39,11 @@ def report_fed_back(report, step: Step, runner: Runner, run: Run) -> dict[str, A
     pair = fed_back(step, run)
     if pair is None:
         return None
+    i, j = pair
     b = find_backward_origin(runner, samples(step))
-    if b.node is None:
+    if b.node is None or (b.micro_batch or 0) < j:  # (not in a lead that took the output)
         return None
     report = report_backward(report, runner, b)
-    i, j = pair
     report["problems"].append(
         f"micro-batch {i}'s output is micro-batch {j}'s input (a rollout feeding the model its "
         f"own output): the non-finite gradient recorded entering it came back through the "
