@@ -264,3 +264,31 @@ def test_a_gradient_a_later_lead_sent_into_the_forecast_is_named_in_that_lead(tm
         ("backward", "normalize", "PowBackward0", 1, "invalid", dry), json.dumps(rep, indent=1)
     assert "outside" not in rep["hint"], rep["hint"]
     assert any("micro-batch 0's output is micro-batch 1's input" in p for p in rep["problems"])
+
+
+def test_a_mesh_passed_to_forward_in_a_batch_of_two_is_no_samples_own(tmp_path):
+    """GraphCast trains with a batch of 1 or 2 per device. With the mesh's (2, E) edge list
+    passed to forward beside (2, N, C) node states, --try drop= of the sample with a NaN cut a
+    row out of the edge list too (its dim 0 has the batch's size), and the re-run raised
+    ValueError in the model's `src, dst = edges`. The edge list, whose values index the
+    nodes of the states, is left whole now."""
+    model = M.make_mesh()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    crit = torch.nn.MSELoss()
+    x = torch.randn(6, 12, M.C, generator=torch.Generator().manual_seed(0))
+    x[3, 5, 1] = float("nan")  # step 1's second sample
+    _, edges = M.icosphere_mesh()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="weather_models:make_mesh"):
+            for step in range(3):
+                b = slice(2 * step, 2 * step + 2)
+                opt.zero_grad()
+                crit(model(x[b], edges), x[b]).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["samples"]) == (1, [1])
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    assert (rep["origin"]["tensor"], rep["origin"]["samples"], rep["cause"]) == \
+        ("args[0]", [1], "input"), json.dumps(rep, indent=1)
+    [what_if] = rep["what_if"]
+    assert what_if["try"] == "drop=1" and what_if["finite"] is True, what_if

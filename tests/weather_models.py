@@ -287,15 +287,18 @@ class MeshProcessor(nn.Module):
         self.node_mlps = nn.ModuleList([nn.Linear(2 * dim, dim) for _ in range(layers)])
         self.decode = nn.Linear(dim, C)
 
-    def edge_features(self):
-        src, dst = self.edges
+    def edge_features(self, edges):
+        src, dst = edges
         disp = self.pos[dst] - self.pos[src]
         length = disp.norm(dim=-1, keepdim=True)
         return torch.cat([length, disp / length], dim=-1)
 
-    def forward(self, x):  # x (B, N, C): the grid already mapped onto the mesh nodes
-        src, dst = self.edges
-        e = self.edge_features()
+    def forward(self, x, edges=None):
+        """``x`` (B, N, C): the grid already mapped onto the mesh nodes; ``edges``: the mesh's
+        ``(2, E)`` edge list when the data module passes it, else the model's own."""
+        edges = self.edges if edges is None else edges
+        src, dst = edges
+        e = self.edge_features(edges)
         h = self.encode(x)
         deg = torch.zeros(h.shape[1]).index_add_(0, dst, torch.ones(dst.shape[0]))
         for edge_mlp, node_mlp in zip(self.edge_mlps, self.node_mlps):
