@@ -244,8 +244,9 @@ def test_a_gradient_a_later_lead_sent_into_the_forecast_is_named_in_that_lead(tm
     its precipitation forecast at 0 with a ReLU; the next lead time takes that forecast, whose
     dry cells are exactly 0, where the derivative of p ** 0.25 is infinite. The +inf flows
     back into the first lead's output, where the ReLU drops it: every parameter's gradient
-    stays finite, and the recorder names the gradient entering micro-batch 0's output. The
-    report said the loss the recorder was given re-ran finite, so "the value came from loss
+    stays finite, and the recorder names the gradient entering micro-batch 0's output (it
+    said "the loss from loss_fn is finite, so its backward made it"; now that micro-batch 1
+    took that output as its input). The report said the loss the recorder was given re-ran finite, so "the value came from loss
     terms computed outside it" (there are none); then, once the origin was found, that it was
     finite in float64 ("precision": float64 was judged by the gradients of the parameters and
     of the outputs, not of the fed-back input). Now PowBackward0 in the second lead's
@@ -255,6 +256,7 @@ def test_a_gradient_a_later_lead_sent_into_the_forecast_is_named_in_that_lead(tm
     ev = err.event
     assert (ev["step"], ev["phase"], ev["tensor"], ev["micro_batch"], ev["params"]) == \
         (0, "backward", "grad of the model output", 0, [])
+    assert "micro-batch 1 took that output as its input" in ev["detail"], ev["detail"]
     with torch.no_grad():
         first = M.make_forecaster(power=0.25)(data[torch.arange(4)], M.land_sea_mask())
     dry = [b for b in range(4) if bool((first[b, 3] == 0).any())]
