@@ -1,8 +1,8 @@
 """Global weather forecasters written as FourCastNet, GraphCast and WeatherBench code writes them
 (``tests/test_weather.py``): fields on a regular lat-lon grid normalised per channel by
 statistics of the data, an AFNO block (rfft2, block-diagonal complex MLP, soft-shrink of the
-spectrum, irfft2), a land-sea mask passed to ``forward``, a latitude-weighted MSE, a message-passing
-mesh with edge lengths as features, and an ensemble trained with the fair CRPS."""
+spectrum, irfft2), a land-sea mask passed to ``forward``, a latitude-weighted MSE, and a message-passing
+mesh with edge lengths as features."""
 
 from __future__ import annotations
 
@@ -27,17 +27,14 @@ def lat_weights(h: int = H) -> torch.Tensor:
 
 
 class LatWeightedMSE(nn.Module):
-    """``mean(w_lat * (pred - y)**2)``; ``rmse``: WeatherBench's latitude-weighted RMSE per
-    sample and channel, averaged, as the metric it is scored on."""
+    """WeatherBench's ``mean(w_lat * (pred - y)**2)``."""
 
-    def __init__(self, h: int = H, rmse: bool = False):
+    def __init__(self, h: int = H):
         super().__init__()
-        self.rmse = rmse
         self.register_buffer("w", lat_weights(h))
 
     def forward(self, pred, y):
-        err = self.w * (pred - y) ** 2
-        return err.mean((-2, -1)).sqrt().mean() if self.rmse else err.mean()
+        return (self.w * (pred - y) ** 2).mean()
 
 
 class AFNO2D(nn.Module):
@@ -117,10 +114,8 @@ class Forecaster(nn.Module):
     normalised tendency; returns the next state in physical units."""
 
     def __init__(self, mean, std, c: int = C, dim: int = 16, depth: int = 2,
-                 log_channel: int | None = 3, static: int | None = None,
-                 power: float | None = None, **afno):
+                 log_channel: int | None = 3, power: float | None = None, **afno):
         super().__init__()
-        self.static = static
         self.normalize = Normalize(mean, std, log_channel, power=power)
         self.embed = nn.Conv2d(c + 1, dim, 1)
         self.mixers = nn.ModuleList([AFNO2D(dim, **afno) for _ in range(depth)])
@@ -137,9 +132,6 @@ class Forecaster(nn.Module):
             h = mix(norm(h))
             h = h + mlp(h)
         dz = self.head(h.permute(0, 3, 1, 2))
-        if self.static is not None:  # a static field (orography) is carried, not forecast
-            keep = torch.arange(dz.shape[1], device=dz.device) != self.static
-            dz = dz * keep.reshape(1, -1, 1, 1)
         out = x + (dz * self.normalize.std).float()
         if self.normalize.power is None:
             return out
@@ -147,29 +139,20 @@ class Forecaster(nn.Module):
         return torch.cat([out[:, :k], F.relu(out[:, k:k + 1]), out[:, k + 1:]], dim=1)
 
 
-def training_data(regridded: bool = False, static: int | None = None) -> torch.Tensor:
+def training_data(regridded: bool = False) -> torch.Tensor:
     """48 hours of states; ``regridded``: as bilinear interpolation to the model grid leaves
     precipitation, with small negative values where it undershoots beside a dry cell (the
-    training pipeline clamps them; a statistics script run on the raw files does not);
-    ``static``: that channel holds a field constant in time (orography)."""
-    data = era5(48, seed=0, clamp=not regridded)
-    if static is not None:
-        data[:, static] = data[0, static]
-    return data
+    training pipeline clamps them; a statistics script run on the raw files does not)."""
+    return era5(48, seed=0, clamp=not regridded)
 
 
-def make_forecaster(log_channel: int | None = 3, raw_stats: bool = False, calm: bool = False,
-                    static: int | None = None, power: float | None = None,
-                    **afno) -> nn.Module:
+def make_forecaster(log_channel: int | None = 3, raw_stats: bool = False,
+                    power: float | None = None, **afno) -> nn.Module:
     """``raw_stats``: the normalisation's statistics computed from the regridded files;
-    ``calm``: from files whose 10 m wind is missing, filled with 0; ``power``: precipitation
-    as ``p ** power``, its forecast clamped at 0."""
-    data = training_data(regridded=raw_stats, static=static)
-    if calm:
-        data[:, 2] = 0
-    mean, std = channel_stats(data, log_channel, power=power)
+    ``power``: precipitation as ``p ** power``, its forecast clamped at 0."""
+    mean, std = channel_stats(training_data(regridded=raw_stats), log_channel, power=power)
     torch.manual_seed(0)
-    return Forecaster(mean, std, log_channel=log_channel, static=static, power=power, **afno)
+    return Forecaster(mean, std, log_channel=log_channel, power=power, **afno)
 
 
 def land_sea_mask(h: int = H, w: int = W) -> torch.Tensor:
@@ -199,55 +182,6 @@ def era5(n: int, seed: int = 0, h: int = H, w: int = W, clamp: bool = True) -> t
     if clamp:
         out[:, 3].clamp_(min=0)  # precipitation is never negative in the archive
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# an ensemble trained with the CRPS
-
-
-class EnsembleForecaster(nn.Module):
-    """``members`` forecasts from perturbed initial states (a learned noise amplitude per
-    channel), returned as ``(B, M, C, H, W)``."""
-
-    def __init__(self, members: int = 4, **kw):
-        super().__init__()
-        self.members = members
-        self.net = make_forecaster(**kw)
-        self.sigma = nn.Parameter(torch.full((1, C, 1, 1), 0.05))
-
-    def forward(self, x, lsm):
-        b, m = x.shape[0], self.members
-        xs = x.unsqueeze(1).expand(b, m, *x.shape[1:]).reshape(b * m, *x.shape[1:])
-        noise = torch.randn_like(xs) * self.sigma * self.net.normalize.std
-        noise[:, 3] = 0  # precipitation is not perturbed: it must stay >= 0
-        return self.net(xs + noise, lsm).reshape(b, m, *x.shape[1:])
-
-
-def make_ensemble(members: int = 4, **kw) -> nn.Module:
-    return EnsembleForecaster(members, **kw)
-
-
-class FairCRPS(nn.Module):
-    """The fair (unbiased) CRPS of an ensemble, ``mean|x_i - y| - sum|x_i - x_j| / (2 M (M-1))``,
-    latitude-weighted; ``energy``: the energy score over the channels instead, with
-    Euclidean distances between members as ``((a - b) ** 2).sum(-1).sqrt()``."""
-
-    def __init__(self, energy: bool = False, h: int = H):
-        super().__init__()
-        self.energy = energy
-        self.register_buffer("w", lat_weights(h))
-
-    def forward(self, ens, y):  # ens (B, M, C, H, W), y (B, C, H, W)
-        m = ens.shape[1]
-        if self.energy:
-            e, t = ens.movedim(2, -1), y.movedim(1, -1).unsqueeze(1)
-            skill = ((e - t) ** 2).sum(-1).sqrt().mean(1)
-            spread = ((e.unsqueeze(1) - e.unsqueeze(2)) ** 2).sum(-1).sqrt().sum((1, 2))
-        else:
-            skill = (ens - y.unsqueeze(1)).abs().mean(1)
-            spread = (ens.unsqueeze(1) - ens.unsqueeze(2)).abs().sum((1, 2))
-        crps = skill - spread / (2 * m * (m - 1))
-        return (crps * self.w).mean()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,47 +245,3 @@ class MeshProcessor(nn.Module):
 def make_mesh(duplicate: bool = False) -> nn.Module:
     torch.manual_seed(0)
     return MeshProcessor(duplicate=duplicate)
-
-
-class LandMSE(nn.Module):
-    """A latitude-weighted MSE over the land points of each sample (2 m temperature and soil
-    moisture are land variables), normalised per sample by its count of land points."""
-
-    def __init__(self, h: int = H):
-        super().__init__()
-        self.register_buffer("w", lat_weights(h))
-
-    def forward(self, pred, y, land):  # land (B, 1, H, w)
-        err = (self.w * (pred - y) ** 2 * land).sum((1, 2, 3))
-        return (err / (land.sum((1, 2, 3)) * pred.shape[1])).mean()
-
-
-class ResidualWeightedMSE(nn.Module):
-    """GraphCast's training loss: the error of each variable weighted by the inverse variance
-    of its 1-step differences (``1 / diff_std**2``, from the training data), so every
-    variable's tendency counts alike; latitude-weighted, averaged."""
-
-    def __init__(self, data: torch.Tensor, h: int = H):
-        super().__init__()
-        diff_std = (data[1:] - data[:-1]).std(dim=(0, 2, 3))
-        self.register_buffer("var_w", (1 / diff_std ** 2).reshape(1, -1, 1, 1))
-        self.register_buffer("w", lat_weights(h))
-
-    def forward(self, pred, y):
-        return (self.var_w * self.w * (pred - y) ** 2).mean()
-
-
-class SpectralLoss(nn.Module):
-    """The latitude-weighted MSE plus a log-spectral distance that keeps forecasts from
-    blurring: ``mean((log|rfft2(pred)|^2 - log|rfft2(y)|^2)^2)`` over the zonal wavenumbers."""
-
-    def __init__(self, h: int = H, alpha: float = 0.1):
-        super().__init__()
-        self.alpha = alpha
-        self.register_buffer("w", lat_weights(h))
-
-    def forward(self, pred, y):
-        mse = (self.w * (pred - y) ** 2).mean()
-        p = torch.fft.rfft(pred, dim=-1, norm="ortho").abs() ** 2
-        t = torch.fft.rfft(y, dim=-1, norm="ortho").abs() ** 2
-        return mse + self.alpha * ((torch.log(p) - torch.log(t)) ** 2).mean()
