@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .capture import batch_path, flatten_tree, loss_path, object_tensors
+from .capture import batch_path, flatten_tree, loss_path, object_tensors, tensor_leaves
 from .chain import chain_origin
 from .finite import (
     finite,
@@ -377,10 +377,21 @@ def _output_grad_detail(ev: StepEvidence, mb_i: int) -> str:
     if later is not None:  # (a zero_grad with no step(): an update the loop skipped)
         grads += f" (the loop dropped micro-batch {mb_i}'s before micro-batch {later})"
     head = f"non-finite gradient entering the model output (micro-batch {mb_i}) while {grads}"
+    if (fed := _fed_to(ev, mb_i)) is not None:
+        return (f"{head}: micro-batch {fed} took that output as its input (a rollout feeding "
+                "the model its own output), so its backward may have sent it")
     if any(m == mb_i for m, _, _ in ev.layout.loss):
         return (f"{head}: the loss from loss_fn is finite, so its backward made it (a "
                 "derivative's pole: sqrt or a norm at 0, a division)")
     return f"{head}: the loss, computed outside the recorder, or its backward made it"
+
+
+def _fed_to(ev: StepEvidence, mb_i: int) -> int | None:
+    """The first later micro-batch that took micro-batch ``mb_i``'s output, the very tensor,
+    as an input (an autoregressive rollout's next lead time), or None."""
+    outs = {id(t) for t in tensor_leaves(ev.tape.micro_batches[mb_i].outputs)}
+    return next((j for j, m in enumerate(ev.tape.micro_batches) if j > mb_i and any(
+        id(t) in outs for t in tensor_leaves([list(m.args), m.kwargs]))), None)
 
 
 def output_grad_bad(ev: StepEvidence) -> bool:

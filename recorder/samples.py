@@ -120,6 +120,8 @@ class Samples:
             return seq.samples(bad_rows(t, 0))
         if isinstance(seq, PackedSequence) and seq.data is t:
             return packed_samples(seq, bad_rows(t, 0))
+        if isinstance(seq, Field):
+            return []
         if isinstance(seq, Record) and seq.of == self.size and self.dim(t) is None:
             return [seq.index] if bad_rows(t.reshape(1, -1), 0) else []
         if self.per_node(t):
@@ -167,6 +169,8 @@ def packed_in(obj: Any) -> dict[int, PackedSequence | Bags | Segments]:
                 walk(v, (*path, k))
 
     walk(obj, ())
+    for t in broadcast_fields(rowed):
+        found.setdefault(id(t), FIELD)
     # (a graph batch's assignment vector also reads as offsets, into its longer edge tensors)
     if (segments := assignment(t for _, t in flat)) is not None:
         ids = segments.ids
@@ -198,6 +202,31 @@ def bag_offsets(flat: list[tuple[tuple, torch.Tensor]]) -> list[tuple[int, int]]
         if near:
             out.append((i, min(near, key=lambda j: (abs(j - i), j > i))))
     return out
+
+
+@dataclass(frozen=True)
+class Field:
+    """A tensor that is one field broadcast over the samples (:func:`broadcast_fields`)."""
+
+
+FIELD = Field()
+
+
+def broadcast_fields(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors among ``tensors`` (a micro-batch's inputs) of 2 dims or more whose shape
+    is the trailing shape of a floating one of 2 dims more, and not its leading shape: one
+    field every sample shares (a land-sea mask or orography ``(H, W)`` passed to forward
+    beside the ``(B, C, H, W)`` states), though its dim 0 may have the batch's size (as many
+    latitude rows as samples). A ``(B, T)`` mask beside ``(B, T, D)`` features is per sample,
+    and so is a ``(B, H, W)`` mask beside ``(B, C, H, W)`` values where ``C`` is ``B`` (an
+    optical flow's valid pixels, ``(2, H, W)`` beside ``(2, 2, H, W)`` in a batch of 2)."""
+    def field(t: torch.Tensor) -> bool:
+        k = t.dim()
+        return any(u.dim() >= k + 2 and (u.is_floating_point() or u.is_complex())
+                   and tuple(u.shape[-k:]) == tuple(t.shape)
+                   and tuple(u.shape[:k]) != tuple(t.shape) for u in tensors)
+    return [t for t in tensors if t.dim() >= 2 and not t.is_nested and not t.is_sparse
+            and field(t)]
 
 
 @dataclass(frozen=True)

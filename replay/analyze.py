@@ -28,6 +28,7 @@ from .cause_text import DO
 from .derived_input import derived_input_hint
 from .drop import undroppable
 from .errors import FactoryRefused
+from .fed_back import report_fed_back
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
 from .forward import report_forward
 from .given_loss import report_given_loss
@@ -60,6 +61,7 @@ from .precursors import transient
 from .recorded import (
     batch_non_finite,
     batch_size,
+    before_event,
     input_hint,
     input_origin,
     non_finite_weights,
@@ -254,7 +256,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
             or input_hint(o, step))
     if any(mb.get("inputs_written") for mb in step.micro_batches):
         return _input_written(report, step)
-    if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
+    if batch_non_finite(step, ("batch/",), nan_only=not _strict(step), last=before_event(step)):
         o = input_origin(step)
         return finish(report, o, "input", reproduced=True, hint=input_hint(o, step))
     changed = set(step.meta.get("changed_in_step") or ()) | _late(step)
@@ -389,7 +391,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         report["problems"].append(
             f"the model's code raised {run1.raised} in the re-run (likely as it did in "
             "training): the replay covers the step up to there")
-    if origin is not None:
+    if origin is not None and not run1.loss_first(origin):
         return add_iterates_note(report_forward(report, step, runner, run1, origin), run1)
     if run1.loss_finite and not all(run1.loss_finite):
         return report_loss(report, step, runner, run1)
@@ -399,8 +401,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if phase == "backward" and step.loss_fn is not None and not run1.bad_grads and \
             (own := report_loss_backward(report, step, runner)) is not None:
         return own  # (only when the loss_fn re-ran: a loss node made the entering gradient)
-    if outside_loss and not run1.bad_grads and \
-            (entered := report_entering(report, step, runner)) is not None:
+    if outside_loss and not run1.bad_grads and (entered := report_fed_back(  # (a rollout's)
+            report, step, runner, run1) or report_entering(report, step, runner)) is not None:
         return entered
     if phase == "loss" and (given := report_given_loss(report, step, runner, run1)) is not None:
         return given  # (a term the loop added to loss_fn's loss, given to record_loss)

@@ -83,9 +83,10 @@ ALLOWED_NAN_SAVED = (
 # a batch tensor whose same features are NaN/Inf in every sample
 WHOLE_COLUMNS = (
     "the batch itself holds NaN/Inf, and {tensor} holds it in the same feature(s) of every "
-    "sample (column(s) {cols}, counted past the sample dimension): a per-feature step of the "
-    "data pipeline made them, not a bad record (a standardisation dividing by a constant "
-    "column's zero std: add an eps or drop the column; a feature missing from the source)")
+    "sample ({cols}): a per-feature step of the data pipeline made them, not a bad record (a "
+    "standardisation dividing by a constant column's zero std: add an eps or drop the "
+    "column; a feature missing from the source; a field defined on part of a grid only, as "
+    "sea-surface temperature over land: fill it, torch.nan_to_num, and mask it in the loss)")
 # ... and every value of it: no feature stands out, a factor all values share made them
 WHOLE_TENSOR = (
     "the batch itself holds NaN/Inf, and every value of {tensor} is {kind}: no sample and no "
@@ -202,8 +203,10 @@ DO = {
     "of_weights": "its inputs were made from the model's parameters and buffers alone (no "
                   "sample's data reaches it, so every sample hits it): a parametrisation "
                   "reached the op's pole or left its domain (a rate -relu(a) at 0, a scale "
-                  "trained to 0); keep it away (a.clamp_min(eps), or -exp(a_log) as S4 and "
-                  "Mamba parametrise A) or add an eps",
+                  "trained to 0), or a buffer the model was built with holds such a value (two "
+                  "mesh nodes at one position: an edge of length 0); keep it away "
+                  "(a.clamp_min(eps), or -exp(a_log) as S4 and Mamba parametrise A), fix the "
+                  "code that builds the buffer, or add an eps",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
     "running_var": "a variance is never negative, so the module's running_var buffer was "

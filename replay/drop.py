@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from recorder.capture import tree_refs
-from recorder.samples import Bags, Segments, bag_offsets, packed_in
+from recorder.samples import Bags, Segments, bag_offsets, broadcast_fields, packed_in
 
 from .load import micro_batch_inputs
 from .recorded import entry_samples
@@ -110,15 +110,34 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
                                where.size, keep))
         grads = list(mb.get("output_grads", {}).values()) if out_grads else []
         inputs = [tensors.get(j) for j in mb.get("paths", {})]  # (as recorded, before the cut)
+        # (a land-sea mask (H, W) beside (B, C, H, W) states: no sample's, whatever H is)
+        given = [t for j in (*mb.get("paths", {}), *mb.get("loss_paths", {}))
+                 if isinstance(t := tensors.get(j), torch.Tensor)]
+        shared = {id(t) for t in [*broadcast_fields(given), *_node_edges(given, where.size)]}
         for k in [*mb.get("paths", {}), *mb.get("loss_paths", {}), *grads]:
             x = tensors.get(k)
-            d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done else None
+            d = where.dim(x) if isinstance(x, torch.Tensor) and k not in done \
+                and id(x) not in shared else None
             if d is not None:
                 tensors[k] = x.index_select(d, keep)
                 if d == 0 and _pairwise(x, inputs):
                     tensors[k] = tensors[k].index_select(1, keep)
             elif k in mb.get("loss_paths", {}) and isinstance(x, torch.Tensor):
                 tensors[k] = _drop_flat(x, where, keep)
+
+
+def _node_edges(given: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """Integer ``(2, E)`` edge lists in a batch of 2 whose values index the nodes of a
+    batch-first ``(B, N, F)`` input (a mesh passed to forward beside its node states): no
+    sample's rows, though their dim 0 has the batch's size. Token ids ``(B, T)`` beside
+    ``(B, T, D)`` features have ``E == N``."""
+    if n != 2:  # (else a (2, E) tensor has no dim of the batch's size to cut)
+        return []
+    nodes = {u.shape[1] for u in given if u.dim() >= 3 and u.shape[0] == n
+             and (u.is_floating_point() or u.is_complex())}
+    return [t for t in given if t.dim() == 2 and t.shape[0] == 2 and t.numel()
+            and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+            and any(t.shape[1] != m and 0 <= int(t.min()) and int(t.max()) < m for m in nodes)]
 
 
 def _pairwise(x: torch.Tensor, inputs: list) -> bool:

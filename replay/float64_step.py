@@ -56,16 +56,24 @@ def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: i
 
 
 def _entering(bad: list[bool]):
-    """Hooks noting whether each gradient entering the model's outputs is non-finite."""
+    """Hooks noting whether each gradient entering the model's outputs is non-finite, and
+    each reaching an input that requires grad (a rollout's lead fed the last lead's output:
+    the re-run gives it as a leaf, where its backward ends)."""
     def note(grad):
         bad.append(not finite(grad))
+
+    def pre(module, args, kwargs):
+        for t in tensor_leaves((args, kwargs)):
+            if t.requires_grad and t.is_leaf and t.is_floating_point():
+                t.register_hook(note)
 
     def post(module, args, output):
         for o in tensor_leaves(output):
             if o.requires_grad:
                 o.register_hook(note)
 
-    return lambda model: [model.register_forward_hook(post)]
+    return lambda model: [model.register_forward_pre_hook(pre, with_kwargs=True),
+                          model.register_forward_hook(post)]
 
 
 class _Window:

@@ -340,7 +340,8 @@ class OpFinder:
     def held(self, t: torch.Tensor) -> bool:
         """``t`` is a parameter or buffer, or was made from them alone."""
         try:
-            return t in self._of_weights or (t.data_ptr(), tuple(t.shape)) in self.state
+            return t in self._of_weights or (t.data_ptr(), tuple(t.shape)) in self.state \
+                or (storage_of(t), None) in self.state
         except RuntimeError:  # a tensor without storage
             return False
 

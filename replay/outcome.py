@@ -37,7 +37,7 @@ class Outcome:
 
 def run_outcome(k: int, run) -> Outcome | None:
     o = run.forward_origin()
-    if o is not None:
+    if o is not None and not run.loss_first(o):
         came_in = not run.strict_inf and run.chain()[2]
         return Outcome(k, "input" if came_in else "forward", module=o.module, call=o.call,
                        micro_batch=o.micro_batch, kind=o.kind or ("nan" if o.nan else None))

@@ -254,18 +254,29 @@ def first_recorded(step: Step) -> bool:
 
 
 def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
-    """The hint for bad parameters that the factory itself builds non-finite: no update and
-    no write of the loop made them so, the model's own initialisation did (a CRF's forbidden
-    transitions written into its trained ``transitions`` as -inf). None for any other."""
+    """The hint for bad parameters or buffers that the factory itself builds non-finite: no
+    update and no write of the loop made them so, the model's own initialisation did (a CRF's
+    forbidden transitions written into its trained ``transitions`` as -inf; a normaliser's
+    ``mean`` buffer computed from data holding a log of a negative value). None for any
+    other."""
     if not bad or step.rebuild is None or not first_recorded(step):
         return None
     try:  # (the replay's model was built on the meta device: build it again, for its values)
-        built = dict(step.rebuild().named_parameters())
+        model = step.rebuild()
+        built = dict(model.named_parameters()) | dict(model.named_buffers())
     except Exception:  # the factory ran once already; this is only a better hint
         return None
-    if not all(n in built and not finite(built[n].detach()) for n in bad):
+    # (a meta tensor: the factory kept one from its call on the meta device, as a cache)
+    if not all(n in built and not built[n].is_meta and not finite(built[n].detach())
+               for n in bad):
         return None
     names = f"{', '.join(bad[:2])}" + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
+    buffers = set(step.meta.get("buffers") or ())
+    if all(n in buffers for n in bad):
+        return (f"the factory builds buffer {names} non-finite: the model starts so, no update "
+                "or write of the loop made it. Fix the code that computes it when the model "
+                "is built (statistics of the data: a log of a value <= 0, a 0/0 of a constant "
+                "channel, a NaN record among those it averages)")
     return (f"the factory builds {names} non-finite: the model starts so, no update or write "
             "of the loop made them. An intended -inf (forbidden transitions, a mask) does not "
             "belong in a trained parameter, whose updates and norms it spoils: keep a boolean "

@@ -13,7 +13,15 @@ import torch
 from recorder.capture import batch_path, flatten_tree, loss_path, tree_refs
 from recorder.finite import bad_rows, finite, has_nan, kind_of, matches
 from recorder.missing import allow_nan_advice, root_input_name
-from recorder.samples import Samples, assignment, infer, packed_in, recurrent, seq_first
+from recorder.samples import (
+    Samples,
+    assignment,
+    broadcast_fields,
+    infer,
+    packed_in,
+    recurrent,
+    seq_first,
+)
 
 from .cause_text import (
     ALLOWED_NAN_LEAKED,
@@ -63,15 +71,32 @@ def _batch_nan(step: Step) -> bool:
     return any(k.startswith("batch/") and has_nan(t) for k, t in step.tensors.items())
 
 
-def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
+def before_event(step: Step) -> int | None:
+    """The last micro-batch whose inputs came before a forward or loss event (its own), or
+    None (any): a later micro-batch's input may be made from the event's output, as an
+    autoregressive rollout feeds the model its own forecast, and is no data that was bad."""
+    ev = step.event
+    mb = ev.get("micro_batch")
+    return mb if ev.get("phase") in ("forward", "loss") and isinstance(mb, int) else None
+
+
+def _micro_batch_of(key: str) -> int:
+    parts = key.split("/")
+    return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else 0
+
+
+def batch_non_finite(step: Step, prefixes, nan_only: bool = False,
+                     last: int | None = None) -> bool:
     """A recorded batch tensor holds NaN (or +-Inf, unless ``nan_only`` or ``allow_inf``
     names the root input it is in), outside the root inputs ``allow_nan`` names (missing
-    values the model imputes: their NaN is bad data only where it leads)."""
+    values the model imputes: their NaN is bad data only where it leads); with ``last``, in
+    micro-batches up to that one only."""
     paths = {k: root_input_name(raw) for mb in step.micro_batches
              for k, raw in mb.get("paths", {}).items()}
     soft = {k for k, name in paths.items() if _allowed(step, name)}
     missing = {k for k, name in paths.items() if nan_allowed(step, name)}
     return any(k.startswith(prefixes) and k not in missing
+               and (last is None or _micro_batch_of(k) <= last)
                and not finite(t, allow_inf=nan_only or k in soft)
                for k, t in step.tensors.items())
 
@@ -174,14 +199,19 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         return LOSS_ARGUMENT.format(tensor=tensor, every=every, kind=kind)
     if origin.get("samples") or not tensor:
         return None
-    return SHARED_INPUT.format(tensor=f"the input {tensor}") + _some_rows(step, key)
+    return SHARED_INPUT.format(tensor=f"the input {tensor}") + _some_rows(
+        step, key, origin.get("micro_batch") or 0)
 
 
-def _some_rows(step: Step, key: str) -> str:
+def _some_rows(step: Step, key: str, i: int) -> str:
     """Where a batch tensor without the batch's samples holds its non-finite values, when only
-    in some rows of its dim 0 (records of their own: a support set beside the query batch)."""
+    in some rows of its dim 0 (records of their own: a support set beside the query batch);
+    none for one field broadcast over the samples (a land-sea mask: its rows are latitudes)."""
     t = step.tensors.get(key)
     if t is None or not t.is_floating_point() or t.dim() < 1 or t.shape[0] < 2:
+        return ""
+    given = [step.tensors.get(k) for k in step.micro_batches[i].get("paths", {})]
+    if any(f is t for f in broadcast_fields([u for u in given if isinstance(u, torch.Tensor)])):
         return ""
     rows = bad_rows(t, 0)
     return SHARED_ROWS.format(rows=rows, n=t.shape[0]) if 0 < len(rows) < t.shape[0] else ""
@@ -214,16 +244,30 @@ def _whole_tensor(step: Step, origin: dict[str, Any], key: str) -> str:
 
 
 def _whole_columns(step: Step, origin: dict[str, Any], key: str) -> str:
-    """The features (positions past the sample dimension, flattened) non-finite in every
-    sample of the batch tensor ``key``, as text ("" when none): a whole column, which a
-    per-feature step of the pipeline made (a standardisation by a zero std), not a record."""
+    """The features (positions past the sample dimension: columns, or index lists for more
+    dims) non-finite in every sample of the batch tensor ``key``, as text ("" when none): a
+    whole column, which a per-feature step of the pipeline made (a standardisation by a zero
+    std), not a record."""
     t = step.tensors.get(key)
     d = samples(step, origin.get("micro_batch") or 0).dim(t) if t is not None else None
     if d is None or t.dim() < 2 or t.shape[d] < 2 or not t.is_floating_point():
         return ""
     bad = ~torch.isfinite(t.detach().movedim(d, 0).reshape(t.shape[d], -1))
-    cols = bad.all(0).nonzero().flatten().tolist()
-    return ", ".join(map(str, cols[:8])) + (f" (+{len(cols) - 8})" if len(cols) > 8 else "")
+    cols = bad.all(0).nonzero().flatten()
+    if not cols.numel():
+        return ""
+    more = f" (+{cols.numel() - 8})" if cols.numel() > 8 else ""
+    rest = [n for j, n in enumerate(t.shape) if j != d]
+    if len(rest) < 2:
+        return f"column(s) {', '.join(map(str, cols[:8].tolist()))}{more}, counted past the " \
+            "sample dimension"
+    # (a field's flat index says nothing: SST NaN over land is channel 1 at the land cells)
+    at = torch.stack(torch.unravel_index(cols, rest), dim=1)
+    dims = [j for j in range(t.dim()) if j != d]
+    same = [f"index {int(at[0, j])} of dim {dims[j]}" for j in range(len(rest))
+            if cols.numel() > 1 and bool((at[:, j] == at[0, j]).all())]
+    return (f"position(s) {', '.join(str(p) for p in at[:8].tolist())}{more} of each "
+            f"sample's {tuple(rest)}" + (f", all at {' and '.join(same)}" if same else ""))
 
 
 def scale_of_the_step(step: Step) -> float | None:

@@ -84,6 +84,15 @@ class Run:
         ok = self.loss_args_finite
         return "input" if j < len(ok) and not ok[j] else "loss"
 
+    def loss_first(self, origin: Call | None) -> bool:
+        """A micro-batch's loss went non-finite before the forward ``origin``'s micro-batch
+        ran, as the recorder orders them (each micro-batch's forward, then its loss): an
+        autoregressive rollout's lead-0 loss overflowed on a forecast that lead 1's forward
+        then made NaN of. The loss is the origin then."""
+        return origin is not None and any(
+            not ok and mb < origin.micro_batch
+            for ok, mb in zip(self.loss_finite, self.loss_micro_batches))
+
     def forward_origin(self) -> Call | None:
         """First call (completion order) to make a non-finite output from finite inputs; by
         the default policy, where the chain of the forward event starts (:meth:`chain`)."""

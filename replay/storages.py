@@ -9,11 +9,15 @@ import torch
 from recorder.finite import ends, pair_ok
 
 
-def state_of(*objs) -> set[tuple[int, tuple]]:
+def state_of(*objs) -> set[tuple[int, tuple | None]]:
     """(data_ptr, shape) of the parameters and buffers of each ``nn.Module`` among ``objs``
-    (see ``OpFinder.state``)."""
-    return {(t.data_ptr(), tuple(t.shape)) for m in objs if isinstance(m, torch.nn.Module)
-            for t in (*m.parameters(), *m.buffers())}
+    (see ``OpFinder.state``), and (storage, None) of each: a view of one is made of it alone
+    (``src, dst = self.edges``, the rows of a mesh's edge index buffer), though no op the
+    finder sees made it."""
+    held = [t for m in objs if isinstance(m, torch.nn.Module)
+            for t in (*m.parameters(), *m.buffers())]
+    return {(t.data_ptr(), tuple(t.shape)) for t in held} | \
+        {(s, None) for t in held if (s := storage_of(t)) is not None}
 
 
 def storage_of(t: torch.Tensor) -> int | None:
