@@ -1,9 +1,12 @@
 """An input event on a batch the loop made between the step's forwards from an earlier
 forward's input, which it differentiated: an adversarial attack's inner loop (PGD, FGSM)
 feeds the model ``x + alpha * g / ‖g‖`` with ``g`` the gradient of the loss w.r.t. that
-earlier input. No record of the data is bad then; the attack's step made the NaN/Inf, most
-often as 0/0 where a sample's input gradient was exactly 0 (a sample the attack no longer
-attacks, a loss that is 0 there), which the output gradient the recorder kept shows."""
+earlier input; an EBM's short-run Langevin sampler feeds it ``x - step / 2 * g + noise``, one
+forward per sampling step. No record of the data is bad then; the loop's step made the NaN/Inf:
+most often 0/0 where a sample's input gradient was exactly 0 (a sample the attack no longer
+attacks, a loss that is 0 there), which the output gradient the recorder kept shows; or an
+overflow of a chain whose values grew forward after forward (a sampler that diverges), which
+the earlier micro-batches' inputs show."""
 
 from __future__ import annotations
 
@@ -19,12 +22,21 @@ DERIVED_INPUT = (
     "{tensor} of micro-batch {i} is no data: the loop made it between the step's forwards "
     "from the input of micro-batch {j}, which was finite and which the loop differentiated "
     "(torch.autograd.grad w.r.t. the input: an adversarial attack's step, x + alpha * "
-    "g.sign() or x + alpha * g / ‖g‖), so that code made the NaN/Inf, not a record{zero}")
+    "g.sign() or x + alpha * g / ‖g‖; a Langevin sampler's x - step / 2 * g + noise), so "
+    "that code made the NaN/Inf, not a record{zero}")
 ZERO_INPUT_GRAD = (
     "; sample(s) {rows} sent back a gradient of exactly 0 into the model's output in "
     "micro-batch {j}, so their input gradient is 0 too and a step normalised by its norm "
     "(g / ‖g‖) makes 0/0 there: clamp the norm from below (g / g.norm().clamp_min(1e-12)), "
     "as advertorch's normalize_by_pnorm does, or leave those samples out of the step")
+
+
+GROWING_CHAIN = (
+    "; its largest |value| grew forward after forward from micro-batch {a} to {j} (x{rate} "
+    "per forward, to {top}), so the loop's next step overflowed {dtype}: the iteration "
+    "diverges (a Langevin step too large for the energy's curvature, a gradient step without "
+    "a bound): clamp the samples to the data range (x.clamp(-1, 1)) or the gradient "
+    "(g.clamp(-c, c)) in each step, or take smaller steps")
 
 
 def derived_input_hint(step: Step, origin: dict[str, Any]) -> str | None:
@@ -45,9 +57,10 @@ def derived_input_hint(step: Step, origin: dict[str, Any]) -> str | None:
         if k in mb.get("grad_inputs", ()):
             named = origin.get("samples") or []
             rows = [r for r in _zero_rows(step, j) if r in set(named)]
-            if not _near(bad, t) and not (rows and len(rows) == len(named)):
+            grew = _growing(step, j, raw, bad)
+            if not (_near(bad, t) or grew or (rows and len(rows) == len(named))):
                 return None  # another batch (micro-batches of other data), no attack's step
-            zero = ZERO_INPUT_GRAD.format(rows=_spans(rows), j=j) if rows else ""
+            zero = ZERO_INPUT_GRAD.format(rows=_spans(rows), j=j) if rows else grew
             return DERIVED_INPUT.format(tensor=origin.get("tensor"), i=i, j=j, zero=zero)
     return None
 
@@ -67,3 +80,24 @@ def _zero_rows(step: Step, j: int) -> list[int]:
     """The samples of micro-batch ``j`` whose recorded output gradients are all exactly 0."""
     zero = zero_mask(step, j)
     return [] if zero is None else zero.nonzero().flatten().tolist()
+
+
+def _growing(step: Step, j: int, raw: str, bad: torch.Tensor) -> str:
+    """GROWING_CHAIN when the largest |value| at ``raw`` grew in every differentiated
+    micro-batch of a run of at least 3 ending at ``j``, at a rate that takes the next one past
+    ``bad``'s type's largest value (the loop's step overflowed); "" otherwise."""
+    tops: list[float] = []
+    for mb in step.micro_batches[j::-1]:
+        k = next((k for k, r in mb.get("paths", {}).items() if r == raw), None)
+        t = step.tensors.get(k) if k else None
+        if t is None or t.shape != bad.shape or k not in mb.get("grad_inputs", ()) \
+                or not bool(torch.isfinite(t).all()) or (tops and t.abs().max() >= tops[-1]):
+            break
+        tops.append(float(t.double().abs().max()))
+    if len(tops) < 3 or tops[-1] == 0:
+        return ""
+    rate = (tops[0] / tops[-1]) ** (1 / (len(tops) - 1))
+    if tops[0] * rate < torch.finfo(bad.dtype).max:
+        return ""
+    return GROWING_CHAIN.format(a=j - len(tops) + 1, j=j, rate=f"{rate:.3g}",
+                                top=f"{tops[0]:.3g}", dtype=str(bad.dtype).removeprefix("torch."))

@@ -59,8 +59,18 @@ def batch_size(step: Step, i: int = 0) -> int:
     return samples(step, i).size
 
 
-def _batch_nan(step: Step) -> bool:
-    return any(k.startswith("batch/") and has_nan(t) for k, t in step.tensors.items())
+def _batch_nan(step: Step, last: int) -> bool:
+    keys = {k for mb in step.micro_batches[:last + 1] for k in mb.get("paths", {})}
+    return any(has_nan(step.tensors[k]) for k in keys if k in step.tensors)
+
+
+def _event_micro_batch(step: Step) -> int:
+    """The last micro-batch an input origin may be in: the input event's own (the later ones
+    ran after it, made from it: a sampler's chain whose +inf turned into NaN the step after),
+    else the step's last."""
+    i = step.event.get("micro_batch")
+    n = len(step.micro_batches)
+    return i if step.event.get("phase") == "input" and isinstance(i, int) and i < n else n - 1
 
 
 def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
@@ -113,9 +123,10 @@ def _allowed(step: Step, name: str) -> bool:
 def input_origin(step: Step) -> dict[str, Any]:
     """The batch tensor (or loss target) holding the non-finite values, and its rows: one
     holding NaN first (a float -inf mask beside it is no bad data by itself)."""
-    nan = _batch_nan(step)
+    last = _event_micro_batch(step)
+    nan = _batch_nan(step, last)
     named = step.event.get("tensor") if step.event.get("phase") == "input" else None
-    for i, mb in enumerate(step.micro_batches):
+    for i, mb in enumerate(step.micro_batches[:last + 1]):
         if "inputs" not in mb:
             continue
         args, kwargs = micro_batch_inputs(step, i)

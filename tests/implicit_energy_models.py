@@ -1,0 +1,240 @@
+"""Energy-based models and implicit layers as their well-known repositories write them, for
+``test_implicit_energy``:
+
+- an EBM trained by contrastive divergence with short-run Langevin dynamics inside the step
+  (IGEBM / JEM / the UvA deep-learning tutorial's ``Sampler``): a replay buffer of past
+  samples re-initialised with probability 0.05, ``autograd.grad`` of the energy w.r.t. the
+  samples, ``x - step / 2 * grad + noise * sqrt(step)`` clamped to the data range, and the
+  energy regularisation ``alpha * (E+² + E-²)``;
+- denoising score matching (NCSN): a score network conditioned on a geometric sigma schedule,
+  its output divided by sigma, the loss ``½ σ² ‖s(x + σz) + z / σ‖²``;
+- a deep-equilibrium layer (locuslab/deq): the fixed point ``z = f(z, x)`` solved under
+  ``no_grad`` (Anderson acceleration with ``torch.linalg.solve`` on a regularised Gram matrix),
+  one differentiable ``f`` call, the implicit backward by a gradient hook that solves
+  ``g = Jᵀ g + grad`` by iteration, and a Hutchinson estimate of ``‖J‖²_F`` as a regulariser.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+D = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# EBM: contrastive divergence with short-run Langevin dynamics
+
+
+class EnergyMLP(nn.Module):
+    """E(x): a Swish MLP, one energy per sample (low energy = data)."""
+
+    def __init__(self, d: int = D, h: int = 32, prior: float = 0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, h), nn.SiLU(), nn.Linear(h, h), nn.SiLU(),
+                                 nn.Linear(h, 1))
+        self.prior = prior  # a Gaussian base measure: + prior * ‖x‖² / 2
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1) + self.prior * x.pow(2).sum(1) / 2
+
+
+def make_ebm(prior: float = 0.0) -> EnergyMLP:
+    torch.manual_seed(0)
+    return EnergyMLP(prior=prior)
+
+
+def langevin(model, x, steps: int = 10, step_size: float = 0.01, noise: float = 0.005,
+             normalise: bool = False, clamp: bool = True):
+    """Short-run SGLD from ``x``: the model's parameters frozen while it samples, as IGEBM does.
+    ``normalise``: the gradient scaled to unit norm per sample (a step of fixed length)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = x.detach()
+    for _ in range(steps):
+        x.requires_grad_(True)
+        g = torch.autograd.grad(model(x).sum(), x)[0]
+        if normalise:
+            g = g / g.flatten(1).norm(dim=1).view(-1, *[1] * (g.dim() - 1))
+        x = x - step_size / 2 * g + noise * math.sqrt(step_size) * torch.randn_like(x)
+        x = (x.clamp(-1.0, 1.0) if clamp else x).detach()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return x
+
+
+class ReplayBuffer:
+    """Past samples; each chain restarts from uniform noise with probability ``reinit``."""
+
+    def __init__(self, n: int = 64, d: int = D, reinit: float = 0.05, seed: int = 0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.data = torch.rand(n, d, generator=self.g) * 2 - 1
+        self.reinit = reinit
+
+    def sample(self, k: int):
+        idx = torch.randint(0, len(self.data), (k,), generator=self.g)
+        x = self.data[idx]
+        fresh = torch.rand(k, generator=self.g) < self.reinit
+        x[fresh] = torch.rand(int(fresh.sum()), x.shape[1], generator=self.g) * 2 - 1
+        return x, idx
+
+    def push(self, idx, x):
+        self.data[idx] = x.detach()
+
+
+def cd_loss(e_pos, e_neg, alpha: float = 0.1):
+    """Contrastive divergence with IGEBM's energy regularisation."""
+    return e_pos.mean() - e_neg.mean() + alpha * (e_pos ** 2 + e_neg ** 2).mean()
+
+
+def ebm_data(g: torch.Generator, n: int = 16, d: int = D):
+    """A two-mode mixture in [-1, 1]^d."""
+    centre = torch.where(torch.rand(n, 1, generator=g) < 0.5, -0.5, 0.5)
+    return (centre + 0.1 * torch.randn(n, d, generator=g)).clamp(-1, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# denoising score matching (NCSN)
+
+
+def sigma_schedule(sigma_max: float = 1.0, sigma_min: float = 0.01, n: int = 10):
+    return torch.exp(torch.linspace(math.log(sigma_max), math.log(sigma_min), n))
+
+
+class ScoreNet(nn.Module):
+    """s(x, σ) = net(x, log σ) / σ, NCSN v2's output scaling by the noise level."""
+
+    def __init__(self, d: int = D, h: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d + 1, h), nn.SiLU(), nn.Linear(h, h), nn.SiLU(),
+                                 nn.Linear(h, d))
+
+    def forward(self, x, sigma):
+        h = self.net(torch.cat([x, sigma.log()[:, None]], dim=1))
+        return h / sigma[:, None]
+
+
+def make_score_net() -> ScoreNet:
+    torch.manual_seed(0)
+    return ScoreNet()
+
+
+def dsm_loss(score, noise, sigma):
+    """½ σ² ‖s + z / σ‖², averaged over the batch (``noise`` is z, the perturbation / σ)."""
+    target = -noise / sigma[:, None]
+    return 0.5 * ((score - target) ** 2).sum(1).mul(sigma ** 2).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# deep equilibrium layer
+
+
+def anderson(f, x0, m: int = 4, lam: float = 1e-4, max_iter: int = 20, tol: float = 1e-4,
+             beta: float = 1.0):
+    """locuslab/deq's Anderson acceleration, batched over the samples (``x0``: (B, n))."""
+    bsz, n = x0.shape
+    X = torch.zeros(bsz, m, n, dtype=x0.dtype)
+    F = torch.zeros(bsz, m, n, dtype=x0.dtype)
+    X[:, 0], F[:, 0] = x0, f(x0)
+    X[:, 1], F[:, 1] = F[:, 0], f(F[:, 0])
+    H = torch.zeros(bsz, m + 1, m + 1, dtype=x0.dtype)
+    H[:, 0, 1:] = H[:, 1:, 0] = 1
+    y = torch.zeros(bsz, m + 1, 1, dtype=x0.dtype)
+    y[:, 0] = 1
+    k = 1
+    for k in range(2, max_iter):
+        k_ = min(k, m)
+        G = F[:, :k_] - X[:, :k_]
+        H[:, 1:k_ + 1, 1:k_ + 1] = torch.bmm(G, G.transpose(1, 2)) + lam * torch.eye(k_)[None]
+        alpha = torch.linalg.solve(H[:, :k_ + 1, :k_ + 1], y[:, :k_ + 1])[:, 1:k_ + 1, 0]
+        X[:, k % m] = beta * (alpha[:, None] @ F[:, :k_])[:, 0] \
+            + (1 - beta) * (alpha[:, None] @ X[:, :k_])[:, 0]
+        F[:, k % m] = f(X[:, k % m])
+        res = (F[:, k % m] - X[:, k % m]).norm() / (1e-5 + F[:, k % m].norm())
+        if res < tol:
+            break
+    return X[:, k % m]
+
+
+def naive(f, x0, max_iter: int = 30, tol: float = 1e-4):
+    z = x0
+    for _ in range(max_iter):
+        z_next = f(z)
+        if (z_next - z).norm() < tol * (1e-5 + z_next.norm()):
+            return z_next
+        z = z_next
+    return z
+
+
+class DEQCell(nn.Module):
+    """f(z, x) = tanh(W z + U x + b), weight-normed by nothing: W's scale is trained."""
+
+    def __init__(self, d: int = D, h: int = 16, scale: float = 0.3):
+        super().__init__()
+        self.W = nn.Linear(h, h, bias=False)
+        self.U = nn.Linear(d, h)
+        with torch.no_grad():
+            self.W.weight.mul_(scale)
+
+    def forward(self, z, x):
+        return torch.tanh(self.W(z) + self.U(x))
+
+
+class DEQ(nn.Module):
+    """locuslab/deq's DEQFixedPoint: the solve under no_grad, one differentiable f call, the
+    implicit backward by a hook on its output; ``jac`` adds the Hutchinson estimate of
+    ‖∂f/∂z‖²_F (the loop adds it to the loss)."""
+
+    def __init__(self, d: int = D, h: int = 16, classes: int = 3, solver: str = "anderson",
+                 scale: float = 0.3, lam: float = 1e-4, jac: bool = False,
+                 jac_norm: bool = False, b_iter: int = 30):
+        super().__init__()
+        self.f = DEQCell(d, h, scale)
+        self.head = nn.Linear(h, classes)
+        self.h, self.solver, self.lam = h, solver, lam
+        self.jac, self.jac_norm, self.b_iter = jac, jac_norm, b_iter
+        self.jac_loss = None
+
+    def solve(self, f, z0):
+        if self.solver == "anderson":
+            return anderson(f, z0, lam=self.lam)
+        return naive(f, z0)
+
+    def forward(self, x):
+        with torch.no_grad():
+            z = self.solve(lambda z: self.f(z, x), torch.zeros(x.shape[0], self.h))
+        z = self.f(z, x)  # re-engage the tape at the fixed point
+        if self.training:
+            z0 = z.clone().detach().requires_grad_()
+            f0 = self.f(z0, x)
+            if self.jac:
+                self.jac_loss = self.jacobian_reg(f0, z0)
+
+            def backward_hook(grad):
+                g = grad
+                for _ in range(self.b_iter):  # g = Jᵀ g + grad by fixed-point iteration
+                    g = torch.autograd.grad(f0, z0, g, retain_graph=True)[0] + grad
+                return g
+
+            z.register_hook(backward_hook)
+        return self.head(z)
+
+    def jacobian_reg(self, z, z0):
+        """Hutchinson: E_v ‖vᵀ J‖² = ‖J‖²_F, one Gaussian probe, per sample."""
+        v = torch.randn_like(z)
+        vj = torch.autograd.grad(z, z0, v, create_graph=True)[0]
+        if self.jac_norm:  # the Frobenius norm itself: sqrt, whose derivative at 0 is inf
+            return vj.norm(dim=1).mean()
+        return vj.pow(2).sum(1).mean() / z.shape[1]
+
+
+def make_deq(**kw) -> DEQ:
+    torch.manual_seed(0)
+    return DEQ(**kw)
+
+
+def deq_data(g: torch.Generator, n: int = 16, d: int = D, classes: int = 3):
+    x = torch.randn(n, d, generator=g)
+    return x, torch.randint(0, classes, (n,), generator=g)
