@@ -169,14 +169,16 @@ def naive(f, x0, max_iter: int = 30, tol: float = 1e-4):
 
 
 class DEQCell(nn.Module):
-    """f(z, x) = tanh(W z + U x + b), weight-normed by nothing: W's scale is trained."""
+    """f(z, x) = tanh(W z + U x), the implicit-layers tutorial's TanhFixedPointLayer with a
+    linear input injection."""
 
-    def __init__(self, d: int = D, h: int = 16, scale: float = 0.3):
+    def __init__(self, d: int = D, h: int = 16, scale: float = 0.3, inj: float = 1.0):
         super().__init__()
         self.W = nn.Linear(h, h, bias=False)
-        self.U = nn.Linear(d, h)
+        self.U = nn.Linear(d, h, bias=False)
         with torch.no_grad():
             self.W.weight.mul_(scale)
+            self.U.weight.mul_(inj)
 
     def forward(self, z, x):
         return torch.tanh(self.W(z) + self.U(x))
@@ -188,10 +190,10 @@ class DEQ(nn.Module):
     ‖∂f/∂z‖²_F (the loop adds it to the loss)."""
 
     def __init__(self, d: int = D, h: int = 16, classes: int = 3, solver: str = "anderson",
-                 scale: float = 0.3, lam: float = 1e-4, jac: bool = False,
+                 scale: float = 0.3, inj: float = 1.0, lam: float = 1e-4, jac: bool = False,
                  jac_norm: bool = False, b_iter: int = 30):
         super().__init__()
-        self.f = DEQCell(d, h, scale)
+        self.f = DEQCell(d, h, scale, inj)
         self.head = nn.Linear(h, classes)
         self.h, self.solver, self.lam = h, solver, lam
         self.jac, self.jac_norm, self.b_iter = jac, jac_norm, b_iter
@@ -210,7 +212,7 @@ class DEQ(nn.Module):
             z0 = z.clone().detach().requires_grad_()
             f0 = self.f(z0, x)
             if self.jac:
-                self.jac_loss = self.jacobian_reg(f0, z0)
+                self.jac_loss = self.jacobian_reg(self.f(z0, x), z0)
 
             def backward_hook(grad):
                 g = grad
@@ -226,7 +228,7 @@ class DEQ(nn.Module):
         v = torch.randn_like(z)
         vj = torch.autograd.grad(z, z0, v, create_graph=True)[0]
         if self.jac_norm:  # the Frobenius norm itself: sqrt, whose derivative at 0 is inf
-            return vj.norm(dim=1).mean()
+            return vj.pow(2).sum(1).sqrt().mean()
         return vj.pow(2).sum(1).mean() / z.shape[1]
 
 

@@ -83,3 +83,55 @@ def test_a_diverging_langevin_chain_is_named_as_the_samplers_overflow(tmp_path):
     assert f"from the input of micro-batch {ev['micro_batch'] - 1}" in hint, hint
     assert "x9 per forward" in hint and "overflowed float32" in hint, hint
     assert "Langevin" in hint and "division by a scalar" not in hint, hint
+
+
+def train_deq(out_dir: Path, steps: int = 2, blank: tuple[int, int] | None = None, **kw):
+    """A DEQ classifier; ``blank``: (step, row) of a record of zeros."""
+    model = M.make_deq(**kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit, g = torch.nn.CrossEntropyLoss(), torch.Generator().manual_seed(1)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory="implicit_energy_models:make_deq", factory_kwargs=kw):
+        for step in range(steps):
+            x, y = M.deq_data(g)
+            if blank is not None and step == blank[0]:
+                x[blank[1]] = 0.0
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+
+
+def test_a_diverging_implicit_backward_is_named_as_the_hooks_diverging_iteration(tmp_path):
+    """An expansive cell (W scaled by 3, a weak input injection): the forward's Anderson solve
+    settles near an unstable fixed point, where the spectral radius of ∂f/∂z is about 2, so
+    the backward hook's iteration g = Jᵀg + grad grows twofold per iteration and overflows
+    after ~110 of its 120. The hook and its aten.mm were named, but the cause said to rescale
+    the inputs or compute in float64; now it says the calls grew call after call, a
+    diverging fixed-point iteration, and what makes it converge."""
+    kw = {"scale": 3.0, "inj": 0.01, "b_iter": 120}
+    with pytest.raises(NonFiniteError) as info:
+        train_deq(tmp_path, **kw)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "backward", ["f.W.weight",
+                                                                       "f.U.weight"]), ev
+    # the rows of the gradient the hook hands on that are non-finite, without the recorder
+    model, seen = M.make_deq(**kw), []
+    model.head.register_forward_pre_hook(lambda m, a: [a[0].register_hook(seen.append)] and None)
+    x, y = M.deq_data(torch.Generator().manual_seed(1))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    rows = (~seen[0].isfinite()).any(1).nonzero().flatten().tolist()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["phase"], o["module"], o["op"], o["node"], o["samples"]) == (
+        "overflow", "backward", "f", "aten.mm", "a gradient hook", rows), json.dumps(rep, indent=1)
+    src = M.DEQ.forward.__code__
+    assert o["source"] == f"implicit_energy_models.py:{_line(src, 'torch.autograd.grad')}", o
+    hint = rep["hint"]
+    assert "earlier calls here grew" in hint and "spectral radius" in hint, hint
+
+
+def _line(code, text: str) -> int:
+    """The line of ``code``'s function holding ``text``."""
+    import inspect
+    lines, first = inspect.getsourcelines(code)
+    return first + next(i for i, s in enumerate(lines) if text in s)
