@@ -57,7 +57,9 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
     found["basis"] = "event step" if rows else "earlier steps"
     found["changed"] = list(meta.get("changed_in_step") or []) or None
     # (trained tensor attributes: stepped by an optimizer the recorder was not given)
-    if (found["changed"] or step.trained) and not found["matches"] and rows:
+    reused = {j for m in step.micro_batches for j in m.get("inputs_of", ())}
+    if (found["changed"] or step.trained or found["micro_batch"] in reused) \
+            and not found["matches"] and rows:
         found = _after_change(step, run, rows[-1], names, fields, found)
     if not found["matches"] and step.built_otherwise:  # (first: the re-run took another path)
         found["built_otherwise"] = step.built_otherwise
@@ -77,10 +79,12 @@ def _after_change(step: Step, run: Run, r: int, names, fields, found) -> dict[st
     if not isinstance(mb, int) or found["micro_batch"] is None or found["micro_batch"] >= mb:
         return found
     later = _event_step(step, run, r, names, fields, first=mb)
-    if later is None or not later["matches"] or not later["calls"]:
+    reused = not (found["changed"] or step.trained)
+    if later is None or not later["matches"] or not (later["calls"] or reused):
         return found
     later.update(basis=found["basis"], changed=found["changed"], before_change=list(range(mb)),
-                 trained=None if found["changed"] else step.trained)
+                 trained=None if found["changed"] else step.trained,
+                 reused=reused)
     return later
 
 
@@ -302,12 +306,23 @@ def notes(fid: dict[str, Any] | None, step: Step) -> list[str]:
     before = fid["before_change"]
     which = ("micro-batch " if len(before) == 1 else "micro-batches ") + \
         ", ".join(map(str, before))
+    if fid.get("reused"):
+        return out + [REUSED.format(which=which, n=before[-1] + 1, calls=fid["calls"])]
     what = _changed_params(fid["changed"]) if fid.get("changed") else \
         f"{_trained(fid['trained'])}, which another optimizer trains,"
     return out + [f"{which} ran before {what} changed and "
             f"{'differs' if len(before) == 1 else 'differ'} in the re-run; the event's "
             f"forward, micro-batch {before[-1] + 1}, ran after the change on the values the "
             f"bundle holds and re-runs as recorded ({fid['calls']} calls agree)"]
+
+
+REUSED = (
+    "{which} took the very input tensor a later forward of the step took again, which the "
+    "loop wrote into between them without moving its version counter (x.data.add_(...), a "
+    "Langevin sampler's in-place step): the bundle holds it as the last write left it, so "
+    "they differ in the re-run; the event's forward, micro-batch {n}, took a tensor of its "
+    "own and re-runs as recorded ({calls} calls before its first non-finite one agree). To have every forward replayable, "
+    "step out of place (x = x - step * g) or pass a copy (model(x.clone()))")
 
 
 def late_note(names: list[str], optimizer: bool) -> str:

@@ -31,19 +31,46 @@ D = 8
 class EnergyMLP(nn.Module):
     """E(x): a Swish MLP, one energy per sample (low energy = data)."""
 
-    def __init__(self, d: int = D, h: int = 32, prior: float = 0.0):
+    def __init__(self, d: int = D, h: int = 32, prior: float = 0.0, standardise: bool = False):
         super().__init__()
+        self.standardise = standardise  # per-record z-score, no eps: 0/0 on a constant record
         self.net = nn.Sequential(nn.Linear(d, h), nn.SiLU(), nn.Linear(h, h), nn.SiLU(),
                                  nn.Linear(h, 1))
         self.prior = prior  # a Gaussian base measure: + prior * ‖x‖² / 2
 
     def forward(self, x):
+        if self.standardise:
+            x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
         return self.net(x).squeeze(-1) + self.prior * x.pow(2).sum(1) / 2
 
 
-def make_ebm(prior: float = 0.0) -> EnergyMLP:
+def make_ebm(prior: float = 0.0, standardise: bool = False) -> EnergyMLP:
     torch.manual_seed(0)
-    return EnergyMLP(prior=prior)
+    return EnergyMLP(prior=prior, standardise=standardise)
+
+
+def sample_in_place(model, x, steps: int = 20, step_size: float = 10.0):
+    """The UvA deep-learning tutorial's ``Sampler.generate_samples``: the samples written in
+    place through ``.data``, the gradient from ``backward()`` clamped to ±0.03."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad = False
+    x.requires_grad = True
+    noise = torch.randn(x.shape)
+    for _ in range(steps):
+        noise.normal_(0, 0.005)
+        x.data.add_(noise.data)
+        x.data.clamp_(min=-1.0, max=1.0)
+        model(x).sum().backward()  # (the tutorial's -score is this energy)
+        x.grad.data.clamp_(-0.03, 0.03)
+        x.data.add_(-step_size * x.grad.data)
+        x.grad.detach_()
+        x.grad.zero_()
+        x.data.clamp_(min=-1.0, max=1.0)
+    for p in model.parameters():
+        p.requires_grad = True
+    model.train()
+    return x
 
 
 def langevin(model, x, steps: int = 10, step_size: float = 0.01, noise: float = 0.005,

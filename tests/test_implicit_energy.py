@@ -135,3 +135,37 @@ def _line(code, text: str) -> int:
     import inspect
     lines, first = inspect.getsourcelines(code)
     return first + next(i for i, s in enumerate(lines) if text in s)
+
+
+def test_a_sampler_writing_through_data_leaves_the_event_forward_replayable(tmp_path):
+    """The tutorial's sampler writes its samples in place through ``.data`` (no version
+    counter moves) between 20 forwards of one tensor, so the bundle holds its last values for
+    all of them. A constant record in the positives (0/0 in the energy's standardisation, row
+    3 of the training forward, micro-batch 20): the replay's fidelity check failed at
+    micro-batch 0 and blamed the factory ("builds a different model"), cause unknown. Now the
+    recorder marks forwards that took the same tensor, and the replay re-runs the event's
+    forward, which took its own, names aten.div on row 3 and says why the others differ."""
+    model = M.make_ebm(standardise=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.0, 0.999))
+    buf, g = M.ReplayBuffer(), torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.cd_loss, out_dir=tmp_path,
+                            factory="implicit_energy_models:make_ebm",
+                            factory_kwargs={"standardise": True}) as rec:
+            for step in range(2):
+                x_pos = M.ebm_data(g)
+                if step == 1:
+                    x_pos[3] = 0.5  # a constant record
+                x_neg = M.sample_in_place(model, buf.sample(16)[0])
+                e_pos, e_neg = model(torch.cat([x_pos, x_neg])).chunk(2)
+                opt.zero_grad()
+                rec.loss_fn(e_pos, e_neg).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (1, "forward", 20, [3])
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["micro_batch"],
+            o["samples"]) == (True, "invalid", "", "aten.div", 20, [3]), json.dumps(rep, indent=1)
+    notes = " ".join(rep["problems"])
+    assert "without moving its version counter" in notes and "micro-batch 20" in notes, notes
