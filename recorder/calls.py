@@ -112,9 +112,9 @@ class CallHooks:
                             autocast=autocast_state(self.target.root_autocast(root)))
             mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
             if tape.micro_batches and not self.copy_inputs \
-                    and tape.micro_batches[-1].inputs_moved():
-                # the loop wrote into the last micro-batch's inputs since (one buffer reused
-                # for every micro-batch, static_x.copy_(x)): keep copies from this one on
+                    and tape.micro_batches[-1].written_since(_leaves(args, kwargs)):
+                # the loop wrote into the last micro-batch's inputs since (one buffer reused for
+                # every micro-batch, static_x.copy_(x)), or may have: keep copies from here on
                 self.copy_inputs = True
             if tape.micro_batches and tape.micro_batches[-1].targets_moved():
                 cycle.copy_targets = True  # (likewise for the loss's targets: sy.copy_(y))
@@ -463,7 +463,8 @@ def _leaves(args, kwargs):
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
+    c = t.detach().clone()  # (one the loop differentiates by still requires grad in the replay)
+    return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c
 
 
 def _dense(t: torch.Tensor) -> bool:

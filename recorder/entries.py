@@ -74,8 +74,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         out["weights_moved"] = True
     if mb.differentiated:
         out["differentiated"] = True
-    if shared := _shared_inputs(ts, earlier):
-        out["inputs_of"] = shared
+    if mb.taken_again:
+        out["taken_again"] = True
     if mb.rng is not None:
         before = next((m.rng for m in reversed(earlier) if m.rng is not None), None)
         out["rng"] = _rng_entry(rng_drawn(mb.rng, before), f"{prefix}rng/mb/{i}/", tensors)
@@ -128,16 +128,6 @@ def _rng_entry(state: dict[str, Any], prefix: str, tensors: dict[str, torch.Tens
         tensors[prefix + name] = v
         keys[name] = prefix + name
     return {"meta": meta, "keys": keys}
-
-
-def _shared_inputs(ts: dict[str, torch.Tensor], earlier) -> list[int]:
-    """The earlier micro-batches that took one of these floating input tensors itself, not a
-    copy: a loop writing into it between the forwards without moving its version counter
-    (a Langevin sampler's ``x.data.add_(-step * x.grad)``) leaves the bundle only the values
-    of its last write for all of them."""
-    mine = {id(t) for t in ts.values() if t.is_floating_point()}
-    return [j for j, m in enumerate(earlier)
-            if any(id(u) in mine for u in tensor_leaves((m.args, m.kwargs)))]
 
 
 def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (),

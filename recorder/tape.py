@@ -52,6 +52,10 @@ class MicroBatch:
     # the loop wrote into them after the forward returned (a batch that views a dataset's
     # tensor, cleaned in place): args/kwargs hold what the loop left, not what the step ran on
     inputs_changed: bool = False
+    # a later forward took its input that requires grad itself (a sampler stepping one tensor
+    # in place through .data, which moves no version counter): args/kwargs may hold the last
+    # write's values (the later forwards get copies)
+    taken_again: bool = False
     # the loss call's tensors that are no model output (its targets), with their versions
     # then; targets_changed: the loop wrote into one since (one label buffer reused for every
     # micro-batch, sy.copy_(y)), so loss_args hold what the loop left, not what the loss took
@@ -67,6 +71,18 @@ class MicroBatch:
     def inputs_moved(self) -> bool:
         """An input was written in place since this micro-batch's forward began."""
         return any(version_of(t) != v for t, v in self.input_versions)
+
+    def written_since(self, leaves) -> bool:
+        """Whether the loop wrote into this micro-batch's inputs since (:meth:`inputs_moved`),
+        or may have: a later forward's input ``leaves`` hold one of its inputs that require
+        grad itself, not a copy (then marked ``taken_again``), as a sampler stepping its one
+        tensor in place through ``.data`` between the forwards does, which moves no version
+        counter, so the reference would end with the last write."""
+        if self.inputs_moved():
+            return True
+        mine = [t for t, _ in self.input_versions if t.requires_grad]
+        self.taken_again = bool(mine) and any(u is t for u in leaves for t in mine)
+        return self.taken_again
 
     def keep_loss_call(self, args, kwargs, cache: dict, copy: bool, first: int = 0,
                        autocast: dict[str, str] | None = None) -> None:

@@ -64,6 +64,7 @@ from .recorded import (
     input_origin,
     non_finite_weights,
     scale_of_the_step,
+    stepped_after_forward,
 )
 from .recurrence import add_iterates_note
 from .rerun import Runner
@@ -252,8 +253,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
             step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
             or input_hint(o, step))
-    if any(mb.get("inputs_written") for mb in step.micro_batches):
-        return _input_written(report, step)
+    if (written := _written_inputs(report, step)) is not None:
+        return written
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
         o = input_origin(step)
         return finish(report, o, "input", reproduced=True, hint=input_hint(o, step))
@@ -327,7 +328,17 @@ def _input_written(report, step: Step) -> dict[str, Any]:
         "micro-batch on the recorder keeps the inputs as they come in"))
 
 
-def _input_changed(report, step: Step, mb: int) -> dict[str, Any]:
+def _written_inputs(report, step: Step) -> dict[str, Any] | None:
+    """The report of a step whose forward wrote into its inputs, or whose loop stepped a
+    forward's input in place after it (a sampler's .data writes), else None."""
+    if any(mb.get("inputs_written") for mb in step.micro_batches):
+        return _input_written(report, step)
+    if (stepped := stepped_after_forward(step)) is not None:
+        return _input_changed(report, step, stepped, STEPPED_IN_PLACE)
+    return None
+
+
+def _input_changed(report, step: Step, mb: int, hint: str | None = None) -> dict[str, Any]:
     """The loop wrote into the batch after the forward, before the step closed (a batch whose
     tensors view the dataset's, which the loop cleaned in place): the bundle holds what the
     loop left, not what the step ran on, so neither it nor a re-run says what the step saw."""
@@ -336,12 +347,20 @@ def _input_changed(report, step: Step, mb: int) -> dict[str, Any]:
         "before the step closed: the bundle holds that input as the loop left it, not as the "
         "step ran on it, and the step cannot be re-run from it")
     report["not_rerun"] = "input written after the forward"
-    return recorded_origin(report, step, (
+    return recorded_origin(report, step, hint or (
         "the origin above is what the recorder saw; a batch whose tensors view the dataset's "
         "storage (slices of one tensor, batch_size=None), or a buffer the loop reuses for "
         "every micro-batch (static_x.copy_(x)), shares every in-place write to it: write into "
         "a copy (x = x.clone()) or change the data only after optimizer.step(); a reused "
         "buffer is copied by the recorder from the micro-batch after the first write on"))
+
+
+STEPPED_IN_PLACE = (
+    "the origin above is what the recorder saw; the next forward took this forward's input "
+    "tensor itself, which the loop stepped in place through .data (a Langevin sampler's "
+    "x.data.add_(-step * x.grad)), carrying this forward's NaN into it: step out of place "
+    "(x = x - step * g) or pass a copy (model(x.clone())); the recorder copies such inputs "
+    "from the next forward on, so an event of a later step is re-run")
 
 
 def _targets_changed(report, step: Step, mb: int) -> dict[str, Any]:

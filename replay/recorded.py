@@ -65,12 +65,32 @@ def _batch_nan(step: Step, last: int) -> bool:
 
 
 def _event_micro_batch(step: Step) -> int:
-    """The last micro-batch an input origin may be in: the input event's own (the later ones
-    ran after it, made from it: a sampler's chain whose +inf turned into NaN the step after),
-    else the step's last."""
+    """The last micro-batch an input origin may be in: that of an input, forward or loss
+    event (the later ones ran after it, made from it: a sampler's chain whose +inf turned
+    into NaN the step after, or that carried the NaN its forward made), else the step's last."""
     i = step.event.get("micro_batch")
     n = len(step.micro_batches)
-    return i if step.event.get("phase") == "input" and isinstance(i, int) and i < n else n - 1
+    return i if step.event.get("phase") in ("input", "forward", "loss") \
+        and isinstance(i, int) and i < n else n - 1
+
+
+def stepped_after_forward(step: Step) -> int | None:
+    """The micro-batch of a forward or loss event whose input tensor the next forward took
+    itself (``taken_again``) and which the bundle holds with NaN, where the recorder's check
+    found none: the loop wrote into it after the forward (a sampler's in-place step, carrying
+    on the NaN the forward made); None otherwise."""
+    i = step.event.get("micro_batch")
+    if step.event.get("phase") not in ("forward", "loss") or not isinstance(i, int) \
+            or i >= len(step.micro_batches) or not step.micro_batches[i].get("taken_again"):
+        return None
+    held = [step.tensors.get(k) for k in step.micro_batches[i].get("paths", {})]
+    return i if any(isinstance(t, torch.Tensor) and has_nan(t) for t in held) else None
+
+
+def _micro_batch_of(key: str) -> int:
+    """The micro-batch of a ``batch/<i>/...`` or ``loss_in/<i>/...`` key (-1: none)."""
+    part = key.split("/")[1] if key.count("/") else ""
+    return int(part) if part.isdigit() else -1
 
 
 def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
@@ -81,7 +101,8 @@ def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
              for k, raw in mb.get("paths", {}).items()}
     soft = {k for k, name in paths.items() if _allowed(step, name)}
     missing = {k for k, name in paths.items() if nan_allowed(step, name)}
-    return any(k.startswith(prefixes) and k not in missing
+    last = _event_micro_batch(step)
+    return any(k.startswith(prefixes) and k not in missing and _micro_batch_of(k) <= last
                and not finite(t, allow_inf=nan_only or k in soft)
                for k, t in step.tensors.items())
 

@@ -137,35 +137,69 @@ def _line(code, text: str) -> int:
     return first + next(i for i, s in enumerate(lines) if text in s)
 
 
-def test_a_sampler_writing_through_data_leaves_the_event_forward_replayable(tmp_path):
-    """The tutorial's sampler writes its samples in place through ``.data`` (no version
-    counter moves) between 20 forwards of one tensor, so the bundle holds its last values for
-    all of them. A constant record in the positives (0/0 in the energy's standardisation, row
-    3 of the training forward, micro-batch 20): the replay's fidelity check failed at
-    micro-batch 0 and blamed the factory ("builds a different model"), cause unknown. Now the
-    recorder marks forwards that took the same tensor, and the replay re-runs the event's
-    forward, which took its own, names aten.div on row 3 and says why the others differ."""
+def train_in_place(out_dir: Path, at: tuple[str, int, int]):
+    """The tutorial's loop: its sampler steps one tensor in place through ``.data`` over 20
+    forwards (no version counter moves), then one training forward. ``at``: (``"pos"`` or
+    ``"neg"``, step, row) of a constant record (0/0 in the energy's standardisation), among
+    the positives or in the buffer (a sample of 5.0 clamped to the data range, all 1.0)."""
     model = M.make_ebm(standardise=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.0, 0.999))
     buf, g = M.ReplayBuffer(), torch.Generator().manual_seed(1)
+    with FlightRecorder(model, opt, loss_fn=M.cd_loss, out_dir=out_dir,
+                        factory="implicit_energy_models:make_ebm",
+                        factory_kwargs={"standardise": True}) as rec:
+        for step in range(2):
+            x_pos, x_neg = M.ebm_data(g), buf.sample(16)[0]
+            if step == at[1]:
+                (x_pos if at[0] == "pos" else x_neg)[at[2]] = 0.5 if at[0] == "pos" else 5.0
+            x_neg = M.sample_in_place(model, x_neg)
+            e_pos, e_neg = model(torch.cat([x_pos, x_neg])).chunk(2)
+            opt.zero_grad()
+            rec.loss_fn(e_pos, e_neg).backward()
+            opt.step()
+
+
+def test_a_sampler_writing_through_data_leaves_the_event_forward_replayable(tmp_path):
+    """A constant record among the positives of step 0 (row 3 of the training forward,
+    micro-batch 20). The sampler's first forward holds the tensor it steps in place, so the
+    bundle had its last values there: the fidelity check failed at micro-batch 0 and blamed
+    the factory ("builds a different model"), cause unknown. Now the recorder marks that
+    forward (its input taken again by the next) and copies the inputs from then on, and the
+    replay re-runs from the event's forward, names aten.div on row 3 and says why micro-batch
+    0 differs."""
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=M.cd_loss, out_dir=tmp_path,
-                            factory="implicit_energy_models:make_ebm",
-                            factory_kwargs={"standardise": True}) as rec:
-            for step in range(2):
-                x_pos = M.ebm_data(g)
-                if step == 1:
-                    x_pos[3] = 0.5  # a constant record
-                x_neg = M.sample_in_place(model, buf.sample(16)[0])
-                e_pos, e_neg = model(torch.cat([x_pos, x_neg])).chunk(2)
-                opt.zero_grad()
-                rec.loss_fn(e_pos, e_neg).backward()
-                opt.step()
+        train_in_place(tmp_path, ("pos", 0, 3))
     ev = info.value.event
-    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (1, "forward", 20, [3])
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (0, "forward", 20, [3])
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["micro_batch"],
             o["samples"]) == (True, "invalid", "", "aten.div", 20, [3]), json.dumps(rep, indent=1)
     notes = " ".join(rep["problems"])
-    assert "without moving its version counter" in notes and "micro-batch 20" in notes, notes
+    assert "micro-batch 0 differs in the re-run" in notes, notes
+    assert "without moving its version counter" in notes, notes
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_a_nan_the_in_place_sampler_carried_on_is_not_blamed_on_the_data(tmp_path, step):
+    """A buffer sample clamped to all 1.0 (row 5): the sampler's first forward makes 0/0.
+    The loop's in-place steps carried the NaN into the very tensor the bundle held for that
+    forward, and the report blamed the data ("the batch itself holds NaN/Inf"). Now: in step
+    0, where the recorder first sees the tensor taken again, the event is reported as
+    recorded and the hint says the sampler's in-place step carried the NaN; in step 1 the
+    recorder held a copy, and the replay names aten.div on row 5."""
+    with pytest.raises(NonFiniteError) as info:
+        train_in_place(tmp_path, ("neg", step, 5))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (step, "forward", 0, [5])
+    rep = nanreplay_json(info.value.bundle_path, code=None)
+    o = rep["origin"]
+    if step == 0:
+        assert (rep["not_rerun"], rep["cause"], o["phase"], o["module"], o["samples"]) == (
+            "input written after the forward", None, "forward", "", [5]), rep
+        assert "stepped in place through .data" in rep["hint"], rep["hint"]
+    else:
+        assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"],
+                o["micro_batch"], o["samples"]) == (
+            True, "invalid", "forward", "", "aten.div", 0, [5]), json.dumps(rep, indent=1)
+        assert rep["fidelity"]["matches"] is True, rep["fidelity"]
