@@ -427,7 +427,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return report_hidden_forward(report, step, runner) or report_loss_not_in_bundle(
             report, step)
     if run1.bad_grads:  # (an inner loop's gradient, which a later forward's weights came from)
-        return adapted_from_gradient(report_backward(report, runner), step)
+        return add_iterates_note(adapted_from_gradient(report_backward(report, runner), step), run1)
     if step.event.get("reason") == "anomaly":
         return report_dropped_nan(report, runner)
     if phase == "optimizer" and not _after_update(step) and step.optimizer is not None:

@@ -199,8 +199,10 @@ class DEQCell(nn.Module):
     """f(z, x) = tanh(W z + U x), the implicit-layers tutorial's TanhFixedPointLayer with a
     linear input injection."""
 
-    def __init__(self, d: int = D, h: int = 16, scale: float = 0.3, inj: float = 1.0):
+    def __init__(self, d: int = D, h: int = 16, scale: float = 0.3, inj: float = 1.0,
+                 act: str = "tanh"):
         super().__init__()
+        self.act = torch.tanh if act == "tanh" else torch.relu
         self.W = nn.Linear(h, h, bias=False)
         self.U = nn.Linear(d, h, bias=False)
         with torch.no_grad():
@@ -208,7 +210,7 @@ class DEQCell(nn.Module):
             self.U.weight.mul_(inj)
 
     def forward(self, z, x):
-        return torch.tanh(self.W(z) + self.U(x))
+        return self.act(self.W(z) + self.U(x))
 
 
 class DEQ(nn.Module):
@@ -218,18 +220,19 @@ class DEQ(nn.Module):
 
     def __init__(self, d: int = D, h: int = 16, classes: int = 3, solver: str = "anderson",
                  scale: float = 0.3, inj: float = 1.0, lam: float = 1e-4, jac: bool = False,
-                 jac_norm: bool = False, b_iter: int = 30):
+                 jac_norm: bool = False, b_iter: int = 30, act: str = "tanh",
+                 f_iter: int = 30):
         super().__init__()
-        self.f = DEQCell(d, h, scale, inj)
+        self.f = DEQCell(d, h, scale, inj, act)
         self.head = nn.Linear(h, classes)
         self.h, self.solver, self.lam = h, solver, lam
-        self.jac, self.jac_norm, self.b_iter = jac, jac_norm, b_iter
+        self.jac, self.jac_norm, self.b_iter, self.f_iter = jac, jac_norm, b_iter, f_iter
         self.jac_loss = None
 
     def solve(self, f, z0):
         if self.solver == "anderson":
             return anderson(f, z0, lam=self.lam)
-        return naive(f, z0)
+        return naive(f, z0, self.f_iter)
 
     def forward(self, x):
         with torch.no_grad():

@@ -203,3 +203,35 @@ def test_a_nan_the_in_place_sampler_carried_on_is_not_blamed_on_the_data(tmp_pat
                 o["micro_batch"], o["samples"]) == (
             True, "invalid", "forward", "", "aten.div", 0, [5]), json.dumps(rep, indent=1)
         assert rep["fidelity"]["matches"] is True, rep["fidelity"]
+
+
+@pytest.mark.parametrize("f_iter", [100, 60])
+def test_a_diverging_fixed_point_solve_is_named_as_diverging_iterates(tmp_path, f_iter):
+    """A ReLU cell with W scaled by 10 (no weight normalisation): the naive forward solve from
+    z = 0 grows about threefold per iteration. With 100 iterations f.W's 84th call overflows
+    in the forward; with 60 the forward stays finite and the weight gradient g zᵀ overflows
+    in backward. The overflow was named, but not that f.W's calls had been diverging: the
+    check measured growth from the first call, whose output (W·0) is 0. And the backward
+    origin named "samples" [3, 4, 15]: rows of linear's 16 x 16 weight gradient, through
+    its TBackward0, read as samples because the hidden size equals the batch size."""
+    kw = {"scale": 10.0, "solver": "naive", "act": "relu", "f_iter": f_iter}
+    with pytest.raises(NonFiniteError) as info:
+        train_deq(tmp_path, **kw)
+    # f.W's calls without the recorder: the first non-finite one and its rows
+    model, outs = M.make_deq(**kw), []
+    model.f.W.register_forward_hook(lambda m, a, out: outs.append(out.detach().clone()))
+    model(M.deq_data(torch.Generator().manual_seed(1))[0])
+    bad = [i for i, o in enumerate(outs) if not o.isfinite().all()]
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    if bad:  # (the forward overflowed)
+        rows = (~outs[bad[0]].isfinite()).any(1).nonzero().flatten().tolist()
+        assert (rep["cause"], o["phase"], o["module"], o["call"], o["op"], o["samples"]) == (
+            "overflow", "forward", "f.W", bad[0], "aten.mm", rows), json.dumps(rep, indent=1)
+    else:
+        assert f_iter == 60 and info.value.event["phase"] == "backward"
+        assert (rep["cause"], o["phase"], o["module"], o["op"], o["samples"]) == (
+            "overflow", "backward", "f.W", "MmBackward0", []), json.dumps(rep, indent=1)
+    assert "the iterates of f.W were diverging" in rep["hint"], rep["hint"]
+    notes = " ".join(rep["problems"])
+    assert "f.W's output grew from" in notes and "fixed-point solver" in notes, notes
