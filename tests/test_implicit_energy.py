@@ -101,6 +101,25 @@ def train_deq(out_dir: Path, steps: int = 2, blank: tuple[int, int] | None = Non
             opt.step()
 
 
+def test_anderson_without_its_ridge_is_named_at_the_singular_solve_of_the_blank_record(
+        tmp_path):
+    """Pins the linalg path for a solve inside a no_grad fixed-point solver: Anderson
+    acceleration with lam = 0, and a record of zeros (row 5 of step 1), for which z = 0 is
+    the exact fixed point: its residuals are all 0, its Gram matrix too, and the batched
+    torch.linalg.solve raises for that batch element. Named at aten._linalg_solve_ex in the
+    root's forward, on that sample, invalid as float64 makes it singular too, with the ridge
+    as the fix."""
+    with pytest.raises(torch.linalg.LinAlgError):
+        train_deq(tmp_path, blank=(1, 5), lam=0.0)
+    [bundle] = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["cause"], o["phase"], o["module"], o["op"], o["made"],
+            o["samples"]) == (1, "invalid", "forward", "", "aten._linalg_solve_ex",
+                              "LinAlgError", [5]), json.dumps(rep, indent=1)
+    assert "eps * I" in rep["hint"], rep["hint"]
+
+
 def test_a_diverging_implicit_backward_is_named_as_the_hooks_diverging_iteration(tmp_path):
     """An expansive cell (W scaled by 3, a weak input injection): the forward's Anderson solve
     settles near an unstable fixed point, where the spectral radius of ∂f/∂z is about 2, so
