@@ -33,6 +33,7 @@ from .forward import report_forward
 from .given_loss import report_given_loss
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
+from .input_grad import made_by_input_gradient
 from .kept_report import report_graph_args, report_kept_aside
 from .linalg import report_linalg
 from .load import Step, build, read_step, validate_args_as_recorded
@@ -247,12 +248,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if inputs:
         return _input_changed(report, step, inputs[0])
     if step.event.get("phase") == "input":
-        o = input_origin(step)
-        if (made := made_from_imputed(report, step, o)) is not None:
-            return None if made is RERUN else made  # (RERUN: the re-run runs the step)
-        return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
-            step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
-            or input_hint(o, step))
+        return _input_event(report, step)
     if (written := _written_inputs(report, step)) is not None:
         return written
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
@@ -284,6 +280,17 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
                                else "factory not imported")
         return report
     return None
+
+
+def _input_event(report, step: Step) -> dict[str, Any] | None:
+    """The report of an input event from the bundle (None: the re-run runs the step)."""
+    o = input_origin(step)
+    if (made := made_from_imputed(report, step, o)
+            or made_by_input_gradient(report, step, o)) is not None:
+        return None if made is RERUN else made  # (RERUN: the re-run runs the step)
+    return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
+        step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
+        or input_hint(o, step))
 
 
 def _late(step: Step) -> set[str]:

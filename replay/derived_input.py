@@ -43,6 +43,19 @@ def derived_input_hint(step: Step, origin: dict[str, Any]) -> str | None:
     """The hint of an input event on ``origin``'s batch tensor when an earlier micro-batch of
     the step took a finite tensor of its shape at the same place and the loop asked for its
     gradient; None otherwise."""
+    found = derived_from(step, origin)
+    if found is None:
+        return None
+    j, rows, grew = found
+    zero = ZERO_INPUT_GRAD.format(rows=_spans(rows), j=j) if rows else grew
+    return DERIVED_INPUT.format(tensor=origin.get("tensor"), i=origin["micro_batch"], j=j,
+                                zero=zero)
+
+
+def derived_from(step: Step, origin: dict[str, Any]) -> tuple[int, list[int], str] | None:
+    """``(j, rows, grew)`` when ``origin``'s batch tensor is one the loop made from micro-batch
+    ``j``'s input, which it differentiated: ``rows`` those of the named samples whose output
+    gradient there was exactly 0, ``grew`` GROWING_CHAIN's text or ""; None otherwise."""
     i = origin.get("micro_batch") or 0
     key, raw = origin_key(step, origin)
     bad = step.tensors.get(key)
@@ -60,8 +73,7 @@ def derived_input_hint(step: Step, origin: dict[str, Any]) -> str | None:
             grew = _growing(step, j, raw, bad)
             if not (_near(bad, t) or grew or (rows and len(rows) == len(named))):
                 return None  # another batch (micro-batches of other data), no attack's step
-            zero = ZERO_INPUT_GRAD.format(rows=_spans(rows), j=j) if rows else grew
-            return DERIVED_INPUT.format(tensor=origin.get("tensor"), i=i, j=j, zero=zero)
+            return j, rows, grew
     return None
 
 

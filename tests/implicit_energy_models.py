@@ -31,8 +31,10 @@ D = 8
 class EnergyMLP(nn.Module):
     """E(x): a Swish MLP, one energy per sample (low energy = data)."""
 
-    def __init__(self, d: int = D, h: int = 32, prior: float = 0.0, standardise: bool = False):
+    def __init__(self, d: int = D, h: int = 32, prior: float = 0.0, standardise: bool = False,
+                 laplace: float = 0.0):
         super().__init__()
+        self.laplace = laplace
         self.standardise = standardise  # per-record z-score, no eps: 0/0 on a constant record
         self.net = nn.Sequential(nn.Linear(d, h), nn.SiLU(), nn.Linear(h, h), nn.SiLU(),
                                  nn.Linear(h, 1))
@@ -41,12 +43,15 @@ class EnergyMLP(nn.Module):
     def forward(self, x):
         if self.standardise:
             x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
-        return self.net(x).squeeze(-1) + self.prior * x.pow(2).sum(1) / 2
+        e = self.net(x).squeeze(-1) + self.prior * x.pow(2).sum(1) / 2
+        if self.laplace:  # a Laplace base measure, + laplace * ‖x‖: sqrt'(0) is inf
+            e = e + self.laplace * x.pow(2).sum(1).sqrt()
+        return e
 
 
-def make_ebm(prior: float = 0.0, standardise: bool = False) -> EnergyMLP:
+def make_ebm(prior: float = 0.0, standardise: bool = False, laplace: float = 0.0) -> EnergyMLP:
     torch.manual_seed(0)
-    return EnergyMLP(prior=prior, standardise=standardise)
+    return EnergyMLP(prior=prior, standardise=standardise, laplace=laplace)
 
 
 def sample_in_place(model, x, steps: int = 20, step_size: float = 10.0):

@@ -26,20 +26,22 @@ def _from_tests_dir(monkeypatch):
 
 
 def train_ebm(out_dir: Path, steps: int = 2, k: int = 10, step_size: float = 0.01,
-              prior: float = 0.0, clamp: bool = True, **langevin):
+              clamp: bool = True, restart: tuple[int, int] | None = None, **kw):
     """IGEBM's loop: negatives from the replay buffer, k Langevin steps (k forwards of the
-    recorded model), then one forward of positives and negatives and the CD loss."""
-    model = M.make_ebm(prior)
+    recorded model), then one forward of positives and negatives and the CD loss. ``kw``:
+    the model's; ``restart``: (step, row) of a chain the buffer restarted from zeros."""
+    model = M.make_ebm(**kw)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.0, 0.999))
     buf, g = M.ReplayBuffer(), torch.Generator().manual_seed(1)
     torch.manual_seed(0)
     with FlightRecorder(model, opt, loss_fn=M.cd_loss, out_dir=out_dir,
-                        factory="implicit_energy_models:make_ebm",
-                        factory_kwargs={"prior": prior}) as rec:
-        for _ in range(steps):
+                        factory="implicit_energy_models:make_ebm", factory_kwargs=kw) as rec:
+        for step in range(steps):
             x_pos = M.ebm_data(g)
             x_neg, idx = buf.sample(16)
-            x_neg = M.langevin(model, x_neg, k, step_size, clamp=clamp, **langevin)
+            if restart is not None and step == restart[0]:
+                x_neg[restart[1]] = 0.0
+            x_neg = M.langevin(model, x_neg, k, step_size, clamp=clamp)
             buf.push(idx, x_neg)
             opt.zero_grad()
             e_pos, e_neg = model(torch.cat([x_pos, x_neg])).chunk(2)
@@ -69,7 +71,7 @@ def test_a_diverging_langevin_chain_is_named_as_the_samplers_overflow(tmp_path):
     event's own batch, made by the loop's Langevin step from micro-batch 40's input, and the
     growth that overflowed."""
     with pytest.raises(NonFiniteError) as info:
-        train_ebm(tmp_path, steps=1, k=60, step_size=1.0, prior=20.0, clamp=False)
+        train_ebm(tmp_path, steps=1, k=60, step_size=1.0, clamp=False, prior=20.0)
     ev = info.value.event
     first = _first_non_finite_sampler_input(k=60, step_size=1.0, prior=20.0, clamp=False)
     assert (ev["step"], ev["phase"], ev["tensor"], ev["micro_batch"]) == (
@@ -154,6 +156,28 @@ def _line(code, text: str) -> int:
     import inspect
     lines, first = inspect.getsourcelines(code)
     return first + next(i for i, s in enumerate(lines) if text in s)
+
+
+def test_a_nan_input_gradient_of_the_sampler_is_named_at_the_models_backward_node(tmp_path):
+    """A Laplace base measure, + 0.5 * sqrt(‖x‖²), and a chain the buffer restarted from
+    zeros (row 3 of step 1): the energy is finite at x = 0, but its gradient x / ‖x‖ is
+    0/0, so the Langevin step feeds the next forward a NaN row (an input event, micro-batch
+    1). The report said the loop's step "made the NaN/Inf", although the update's arithmetic
+    only carried on the gradient the model's backward made. Now the re-run backpropagates
+    micro-batch 0's recorded output gradient into its input, which required grad, and names
+    SqrtBackward0 there, on row 3, invalid (a pole)."""
+    with pytest.raises(NonFiniteError) as info:
+        train_ebm(tmp_path, restart=(1, 3), laplace=0.5)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (1, "input", 1, [3])
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"], o["micro_batch"],
+            o["samples"]) == (True, "invalid", "backward", "", "SqrtBackward0", 0, [3]), \
+        json.dumps(rep, indent=1)
+    assert o["source"] == f"implicit_energy_models.py:{_line(M.EnergyMLP.forward, 'sqrt()')}"
+    notes = " ".join(rep["problems"])
+    assert "the model's backward made that gradient non-finite" in notes, notes
 
 
 def train_in_place(out_dir: Path, at: tuple[str, int, int]):
