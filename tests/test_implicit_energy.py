@@ -278,3 +278,28 @@ def test_a_diverging_fixed_point_solve_is_named_as_diverging_iterates(tmp_path, 
     assert "the iterates of f.W were diverging" in rep["hint"], rep["hint"]
     notes = " ".join(rep["problems"])
     assert "f.W's output grew from" in notes and "fixed-point solver" in notes, notes
+
+
+def test_points_a_loss_differentiates_by_are_not_copied_when_a_second_forward_takes_them(
+        tmp_path):
+    """The guard of the copies a sampler's in-place chain turns on: a PINN runs its
+    collocation points (requiring grad) through two forwards of a step, the first one's loss
+    differentiating by them. Copying the second forward's input (as for a sampler) cut the
+    loss's points from the bundled inputs: 'features' did not run in the re-run and the
+    factory was blamed. The points the loss took are not copied, and the replay names
+    SqrtBackward0 at the origin of the grid (row 24)."""
+    import sciml_models as SM
+    model = SM.make_model()
+    opt, g = torch.optim.Adam(model.parameters(), lr=1e-3), torch.Generator().manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=SM.pde_residual_loss, out_dir=tmp_path,
+                            factory="sciml_models:make_model") as rec:
+            for step in range(6):
+                xy = SM.collocation(step, g, 3)
+                opt.zero_grad()
+                (rec.loss_fn(model(xy), xy) + 0.0 * model(xy).pow(2).mean()).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["samples"]) == (
+        True, "loss", "features", "SqrtBackward0", [24]), json.dumps(rep, indent=1)
