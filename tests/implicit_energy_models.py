@@ -5,13 +5,15 @@
   (IGEBM / JEM / the UvA deep-learning tutorial's ``Sampler``): a replay buffer of past
   samples re-initialised with probability 0.05, ``autograd.grad`` of the energy w.r.t. the
   samples, ``x - step / 2 * grad + noise * sqrt(step)`` clamped to the data range, and the
-  energy regularisation ``alpha * (E+² + E-²)``;
-- denoising score matching (NCSN): a score network conditioned on a geometric sigma schedule,
-  its output divided by sigma, the loss ``½ σ² ‖s(x + σz) + z / σ‖²``;
-- a deep-equilibrium layer (locuslab/deq): the fixed point ``z = f(z, x)`` solved under
-  ``no_grad`` (Anderson acceleration with ``torch.linalg.solve`` on a regularised Gram matrix),
-  one differentiable ``f`` call, the implicit backward by a gradient hook that solves
-  ``g = Jᵀ g + grad`` by iteration, and a Hutchinson estimate of ``‖J‖²_F`` as a regulariser.
+  energy regularisation ``alpha * (E+² + E-²)``; and the tutorial's sampler, which steps one
+  tensor in place through ``.data``;
+- a deep-equilibrium layer (locuslab/deq, the implicit-layers tutorial): the fixed point
+  ``z = f(z, x)`` solved under ``no_grad`` (naive iteration, or Anderson acceleration with
+  ``torch.linalg.solve`` on a regularised Gram matrix), one differentiable ``f`` call, and the
+  implicit backward by a gradient hook that solves ``g = Jᵀ g + grad`` by iteration.
+
+(Denoising score matching over a sigma schedule reaching 0 and a Hutchinson Jacobian penalty
+with a sqrt at a saturated sample were tried too: the product named them right already.)
 """
 
 from __future__ import annotations
@@ -79,17 +81,15 @@ def sample_in_place(model, x, steps: int = 20, step_size: float = 10.0):
 
 
 def langevin(model, x, steps: int = 10, step_size: float = 0.01, noise: float = 0.005,
-             normalise: bool = False, clamp: bool = True):
-    """Short-run SGLD from ``x``: the model's parameters frozen while it samples, as IGEBM does.
-    ``normalise``: the gradient scaled to unit norm per sample (a step of fixed length)."""
+             clamp: bool = True):
+    """Short-run SGLD from ``x``: the model's parameters frozen while it samples, as IGEBM does;
+    ``clamp``: to the data range."""
     for p in model.parameters():
         p.requires_grad_(False)
     x = x.detach()
     for _ in range(steps):
         x.requires_grad_(True)
         g = torch.autograd.grad(model(x).sum(), x)[0]
-        if normalise:
-            g = g / g.flatten(1).norm(dim=1).view(-1, *[1] * (g.dim() - 1))
         x = x - step_size / 2 * g + noise * math.sqrt(step_size) * torch.randn_like(x)
         x = (x.clamp(-1.0, 1.0) if clamp else x).detach()
     for p in model.parameters():
@@ -125,38 +125,6 @@ def ebm_data(g: torch.Generator, n: int = 16, d: int = D):
     """A two-mode mixture in [-1, 1]^d."""
     centre = torch.where(torch.rand(n, 1, generator=g) < 0.5, -0.5, 0.5)
     return (centre + 0.1 * torch.randn(n, d, generator=g)).clamp(-1, 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# denoising score matching (NCSN)
-
-
-def sigma_schedule(sigma_max: float = 1.0, sigma_min: float = 0.01, n: int = 10):
-    return torch.exp(torch.linspace(math.log(sigma_max), math.log(sigma_min), n))
-
-
-class ScoreNet(nn.Module):
-    """s(x, σ) = net(x, log σ) / σ, NCSN v2's output scaling by the noise level."""
-
-    def __init__(self, d: int = D, h: int = 32):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(d + 1, h), nn.SiLU(), nn.Linear(h, h), nn.SiLU(),
-                                 nn.Linear(h, d))
-
-    def forward(self, x, sigma):
-        h = self.net(torch.cat([x, sigma.log()[:, None]], dim=1))
-        return h / sigma[:, None]
-
-
-def make_score_net() -> ScoreNet:
-    torch.manual_seed(0)
-    return ScoreNet()
-
-
-def dsm_loss(score, noise, sigma):
-    """½ σ² ‖s + z / σ‖², averaged over the batch (``noise`` is z, the perturbation / σ)."""
-    target = -noise / sigma[:, None]
-    return 0.5 * ((score - target) ** 2).sum(1).mul(sigma ** 2).mean()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,19 +188,16 @@ class DEQCell(nn.Module):
 
 class DEQ(nn.Module):
     """locuslab/deq's DEQFixedPoint: the solve under no_grad, one differentiable f call, the
-    implicit backward by a hook on its output; ``jac`` adds the Hutchinson estimate of
-    ‖∂f/∂z‖²_F (the loop adds it to the loss)."""
+    implicit backward by a hook on its output."""
 
     def __init__(self, d: int = D, h: int = 16, classes: int = 3, solver: str = "anderson",
-                 scale: float = 0.3, inj: float = 1.0, lam: float = 1e-4, jac: bool = False,
-                 jac_norm: bool = False, b_iter: int = 30, act: str = "tanh",
-                 f_iter: int = 30):
+                 scale: float = 0.3, inj: float = 1.0, lam: float = 1e-4, b_iter: int = 30,
+                 act: str = "tanh", f_iter: int = 30):
         super().__init__()
         self.f = DEQCell(d, h, scale, inj, act)
         self.head = nn.Linear(h, classes)
         self.h, self.solver, self.lam = h, solver, lam
-        self.jac, self.jac_norm, self.b_iter, self.f_iter = jac, jac_norm, b_iter, f_iter
-        self.jac_loss = None
+        self.b_iter, self.f_iter = b_iter, f_iter
 
     def solve(self, f, z0):
         if self.solver == "anderson":
@@ -246,8 +211,6 @@ class DEQ(nn.Module):
         if self.training:
             z0 = z.clone().detach().requires_grad_()
             f0 = self.f(z0, x)
-            if self.jac:
-                self.jac_loss = self.jacobian_reg(self.f(z0, x), z0)
 
             def backward_hook(grad):
                 g = grad
@@ -257,14 +220,6 @@ class DEQ(nn.Module):
 
             z.register_hook(backward_hook)
         return self.head(z)
-
-    def jacobian_reg(self, z, z0):
-        """Hutchinson: E_v ‖vᵀ J‖² = ‖J‖²_F, one Gaussian probe, per sample."""
-        v = torch.randn_like(z)
-        vj = torch.autograd.grad(z, z0, v, create_graph=True)[0]
-        if self.jac_norm:  # the Frobenius norm itself: sqrt, whose derivative at 0 is inf
-            return vj.pow(2).sum(1).sqrt().mean()
-        return vj.pow(2).sum(1).mean() / z.shape[1]
 
 
 def make_deq(**kw) -> DEQ:

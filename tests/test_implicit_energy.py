@@ -1,7 +1,7 @@
 """Energy-based models and implicit layers trained as their repositories train them
 (``implicit_energy_models``): contrastive divergence with short-run Langevin dynamics inside
 the step (every sampling step a forward of the energy network, differentiated w.r.t. its
-input), denoising score matching over a sigma schedule, and a deep-equilibrium layer whose
+input, or one tensor stepped in place through ``.data``), and a deep-equilibrium layer whose
 fixed point is solved under no_grad and differentiated implicitly by a gradient hook. The
 recorder on the loop, then ``nanreplay`` on the bundle."""
 
