@@ -80,11 +80,12 @@ class MicroBatch:
         counter, so the reference would end with the last write."""
         if self.inputs_moved():
             return True
-        # (not one its loss took: a PINN's points, the same tensor for two forwards, which the
-        # loss differentiates by and a copy would cut from the forward's graph)
-        took = {id(t) for t in tensor_leaves((self.loss_args, self.loss_kwargs))} \
-            if self.loss_args is not None else set()
-        mine = [t for t, _ in self.input_versions if t.requires_grad and id(t) not in took]
+        mine = [t for t, _ in self.input_versions if t.requires_grad]
+        if mine and self.loss_args is not None:
+            # (not one its loss took: a PINN's points, the same tensor for two forwards, which
+            # the loss differentiates by and a copy would cut from the forward's graph)
+            took = {id(t) for t in tensor_leaves((self.loss_args, self.loss_kwargs))}
+            mine = [t for t in mine if id(t) not in took]
         self.taken_again = bool(mine) and any(u is t for u in leaves for t in mine)
         return self.taken_again
 
