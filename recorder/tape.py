@@ -89,6 +89,14 @@ class MicroBatch:
         self.taken_again = bool(mine) and any(u is t for u in leaves for t in mine)
         return self.taken_again
 
+    def keep_copies(self, args, kwargs) -> tuple:
+        """Keep copies of the inputs as they came (a forward, or the loop, writes into them),
+        and return them, to be measured in their place: a tensor an earlier forward took,
+        stepped since through ``.data`` (no version moves), would find that forward's
+        statistics in the cache, as if unchanged."""
+        self.args, self.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)
+        return self.args, self.kwargs
+
     def keep_loss_call(self, args, kwargs, cache: dict, copy: bool, first: int = 0,
                        autocast: dict[str, str] | None = None) -> None:
         """Keep the loss call's arguments: by reference, with the versions of those that are
@@ -244,3 +252,8 @@ class Tape:
         n = len(self.micro_batches)  # (read before by_thread, which is set before an append)
         by_thread = self.by_thread
         return n - 1 if by_thread is None else by_thread.get(get_ident(), n - 1)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    c = t.detach().clone()  # (one the loop differentiates by still requires grad in the replay)
+    return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c

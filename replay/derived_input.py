@@ -31,6 +31,11 @@ ZERO_INPUT_GRAD = (
     "as advertorch's normalize_by_pnorm does, or leave those samples out of the step")
 
 
+IN_PLACE = (
+    "; the loop stepped that very tensor in place (x.data += ...), so the bundle holds it as "
+    "its last write left it and the gradient that made the NaN/Inf cannot be re-run: step "
+    "out of place (x = x - step * g) to have it replayed (the recorder copies such inputs "
+    "from the next forward on, so a later step's event is)")
 GROWING_CHAIN = (
     "; its largest |value| grew forward after forward from micro-batch {a} to {j} (x{rate} "
     "per forward, to {top}), so the loop's next step overflowed {dtype}: the iteration "
@@ -53,9 +58,11 @@ def derived_input_hint(step: Step, origin: dict[str, Any]) -> str | None:
 
 
 def derived_from(step: Step, origin: dict[str, Any]) -> tuple[int, list[int], str] | None:
-    """``(j, rows, grew)`` when ``origin``'s batch tensor is one the loop made from micro-batch
+    """``(j, rows, more)`` when ``origin``'s batch tensor is one the loop made from micro-batch
     ``j``'s input, which it differentiated: ``rows`` those of the named samples whose output
-    gradient there was exactly 0, ``grew`` GROWING_CHAIN's text or ""; None otherwise."""
+    gradient there was exactly 0; ``more`` GROWING_CHAIN's text, IN_PLACE's (micro-batch
+    ``j``'s tensor ``taken_again``, stepped in place: its bundled values are the last
+    write's), or ""; None otherwise."""
     i = origin.get("micro_batch") or 0
     key, raw = origin_key(step, origin)
     bad = step.tensors.get(key)
@@ -65,6 +72,8 @@ def derived_from(step: Step, origin: dict[str, Any]) -> tuple[int, list[int], st
         mb = step.micro_batches[j]
         k = next((k for k, r in mb.get("paths", {}).items() if r == raw), None)
         t = step.tensors.get(k) if k else None
+        if mb.get("taken_again") and k in mb.get("grad_inputs", ()):
+            return j, [], IN_PLACE  # (bundled as the loop's last write left it: no values)
         if t is None or t.shape != bad.shape or not bool(torch.isfinite(t).all()):
             return None
         if k in mb.get("grad_inputs", ()):

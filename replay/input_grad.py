@@ -29,7 +29,7 @@ def made_by_input_gradient(report, step: Step, origin: dict[str, Any]) -> dict[s
     derived input, the model cannot be re-run, the values hold no NaN (an overflow of the
     loop's own, :func:`replay.derived_input._growing`) or the re-run's first non-finite
     gradient is elsewhere."""
-    found = derived_from(step, origin)
+    found = derived_from(step, origin)  # (not after a zero gradient, a growth, an in-place step)
     if found is None or found[1] or found[2] or step.model is None \
             or origin.get("made") != "nan":
         return None

@@ -60,8 +60,16 @@ def batch_size(step: Step, i: int = 0) -> int:
 
 
 def _batch_nan(step: Step, last: int) -> bool:
-    keys = {k for mb in step.micro_batches[:last + 1] for k in mb.get("paths", {})}
+    keys = {k for i, mb in enumerate(step.micro_batches[:last + 1]) if _as_run(step, i)
+            for k in mb.get("paths", {})}
     return any(has_nan(step.tensors[k]) for k in keys if k in step.tensors)
+
+
+def _as_run(step: Step, i: int) -> bool:
+    """Whether the bundle holds micro-batch ``i``'s inputs as its forward took them: not one
+    whose tensor the next forward took again (``taken_again``: a sampler stepping it through
+    .data, bundled as its last write left it), unless it is the event's own."""
+    return not step.micro_batches[i].get("taken_again") or i == step.event.get("micro_batch")
 
 
 def _event_micro_batch(step: Step) -> int:
@@ -103,6 +111,7 @@ def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
     missing = {k for k, name in paths.items() if nan_allowed(step, name)}
     last = _event_micro_batch(step)
     return any(k.startswith(prefixes) and k not in missing and _micro_batch_of(k) <= last
+               and (_micro_batch_of(k) < 0 or _as_run(step, _micro_batch_of(k)))
                and not finite(t, allow_inf=nan_only or k in soft)
                for k, t in step.tensors.items())
 
@@ -148,7 +157,7 @@ def input_origin(step: Step) -> dict[str, Any]:
     nan = _batch_nan(step, last)
     named = step.event.get("tensor") if step.event.get("phase") == "input" else None
     for i, mb in enumerate(step.micro_batches[:last + 1]):
-        if "inputs" not in mb:
+        if "inputs" not in mb or not _as_run(step, i):
             continue
         args, kwargs = micro_batch_inputs(step, i)
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")

@@ -97,6 +97,16 @@ def langevin(model, x, steps: int = 10, step_size: float = 0.01, noise: float = 
     return x
 
 
+def sample_jem(model, x, steps: int = 10, step_size: float = 1.0, noise: float = 0.01):
+    """JEM's SGLD: ``x_k.data += lr * f'(x_k) + std * randn`` on one tensor requiring grad
+    (f = -E, the log-density), its gradient from ``autograd.grad``."""
+    x.requires_grad_(True)
+    for _ in range(steps):
+        g = torch.autograd.grad(model(x).sum(), x)[0]
+        x.data += -step_size * g + noise * torch.randn_like(x)
+    return x.detach()
+
+
 class ReplayBuffer:
     """Past samples; each chain restarts from uniform noise with probability ``reinit``."""
 

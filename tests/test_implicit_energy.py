@@ -180,6 +180,47 @@ def test_a_nan_input_gradient_of_the_sampler_is_named_at_the_models_backward_nod
     assert "the model's backward made that gradient non-finite" in notes, notes
 
 
+@pytest.mark.parametrize("step", [0, 1])
+def test_a_nan_gradient_of_jems_in_place_sgld_is_named_or_said_unreplayable(tmp_path, step):
+    """JEM's SGLD steps one tensor in place (x.data += ...), the Laplace energy's gradient at
+    a chain restarted from zeros (row 3) is 0/0, and the next forward's batch holds a NaN
+    row (an input event, micro-batch 1). In step 0 the bundle holds the stepped tensor as
+    its last write left it (the recorder sees it taken again only at micro-batch 1): the
+    report said the batch itself holds NaN ("check the data pipeline"); now it says the loop
+    stepped that tensor in place and the gradient cannot be re-run. From step 1 on the
+    recorder holds copies, and the replay names SqrtBackward0 in micro-batch 0, row 3."""
+    model = M.make_ebm(laplace=0.5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.0, 0.999))
+    buf, g = M.ReplayBuffer(), torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.cd_loss, out_dir=tmp_path,
+                            factory="implicit_energy_models:make_ebm",
+                            factory_kwargs={"laplace": 0.5}) as rec:
+            for k in range(2):
+                x_pos, (x_neg, idx) = M.ebm_data(g), buf.sample(16)
+                if k == step:
+                    x_neg[3] = 0.0
+                x_neg = M.sample_jem(model, x_neg, step_size=0.01)
+                buf.push(idx, x_neg)
+                opt.zero_grad()
+                e_pos, e_neg = model(torch.cat([x_pos, x_neg])).chunk(2)
+                rec.loss_fn(e_pos, e_neg).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == (step, "input", 1, [3])
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    if step == 0:
+        assert (rep["cause"], o["phase"], o["micro_batch"], o["samples"]) == (
+            "input", "input", 1, [3]), json.dumps(rep, indent=1)
+        assert "the loop stepped that very tensor in place" in rep["hint"], rep["hint"]
+    else:
+        assert (rep["cause"], o["phase"], o["module"], o["op"], o["micro_batch"],
+                o["samples"]) == ("invalid", "backward", "", "SqrtBackward0", 0, [3]), \
+            json.dumps(rep, indent=1)
+
+
 def train_in_place(out_dir: Path, at: tuple[str, int, int]):
     """The tutorial's loop: its sampler steps one tensor in place through ``.data`` over 20
     forwards (no version counter moves), then one training forward. ``at``: (``"pos"`` or
