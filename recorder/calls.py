@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .capture import as_called, data_arguments, map_tensors, output_leaves, tensor_leaves
+from .capture import as_called, data_arguments, output_leaves, tensor_leaves
 from .compat import func_transform, in_backward, version, version_of, view_base
 from .compiled import disabled
 from .cycle import StepCycle
@@ -110,17 +110,17 @@ class CallHooks:
             mb = MicroBatch(*as_called(args, kwargs), grad_enabled=torch.is_grad_enabled(),
                             training=training,
                             autocast=autocast_state(self.target.root_autocast(root)))
-            mb.input_refs = self._root_input_refs(tape, args, kwargs, mb.input_versions)
             if tape.micro_batches and not self.copy_inputs \
-                    and tape.micro_batches[-1].inputs_moved():
-                # the loop wrote into the last micro-batch's inputs since (one buffer reused
-                # for every micro-batch, static_x.copy_(x)): keep copies from this one on
+                    and tape.micro_batches[-1].written_since(_leaves(args, kwargs)):
+                # the loop wrote into the last micro-batch's inputs since (one buffer reused for
+                # every micro-batch, static_x.copy_(x)), or may have: keep copies from here on
                 self.copy_inputs = True
             if tape.micro_batches and tape.micro_batches[-1].targets_moved():
                 cycle.copy_targets = True  # (likewise for the loss's targets: sy.copy_(y))
             if self.copy_inputs:  # a forward that writes into its inputs: keep them as they came
-                mb.args, mb.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)
-                mb.input_versions.clear()  # (the copies are what the bundle holds)
+                args, kwargs = mb.keep_copies(args, kwargs)  # (measured in their place)
+            mb.input_refs = self._root_input_refs(
+                tape, args, kwargs, [] if self.copy_inputs else mb.input_versions)
             # (a forward run inside backward, a checkpointed model's recomputation, comes before
             # that backward wrote any gradient: no zero_grad dropped them)
             if tape.micro_batches and training and not self.target.sharded \
@@ -460,10 +460,6 @@ def _leaves(args, kwargs):
             yield from tensor_leaves(a)
     if kwargs:
         yield from tensor_leaves(kwargs)
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
 
 
 def _dense(t: torch.Tensor) -> bool:

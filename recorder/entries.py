@@ -74,6 +74,8 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         out["weights_moved"] = True
     if mb.differentiated:
         out["differentiated"] = True
+    if mb.taken_again:
+        out["taken_again"] = True
     if mb.rng is not None:
         before = next((m.rng for m in reversed(earlier) if m.rng is not None), None)
         out["rng"] = _rng_entry(rng_drawn(mb.rng, before), f"{prefix}rng/mb/{i}/", tensors)

@@ -52,6 +52,10 @@ class MicroBatch:
     # the loop wrote into them after the forward returned (a batch that views a dataset's
     # tensor, cleaned in place): args/kwargs hold what the loop left, not what the step ran on
     inputs_changed: bool = False
+    # a later forward took its input that requires grad itself (a sampler stepping one tensor
+    # in place through .data, which moves no version counter): args/kwargs may hold the last
+    # write's values (the later forwards get copies)
+    taken_again: bool = False
     # the loss call's tensors that are no model output (its targets), with their versions
     # then; targets_changed: the loop wrote into one since (one label buffer reused for every
     # micro-batch, sy.copy_(y)), so loss_args hold what the loop left, not what the loss took
@@ -67,6 +71,31 @@ class MicroBatch:
     def inputs_moved(self) -> bool:
         """An input was written in place since this micro-batch's forward began."""
         return any(version_of(t) != v for t, v in self.input_versions)
+
+    def written_since(self, leaves) -> bool:
+        """Whether the loop wrote into this micro-batch's inputs since (:meth:`inputs_moved`),
+        or may have: a later forward's input ``leaves`` hold one of its inputs that require
+        grad itself, not a copy (then marked ``taken_again``), as a sampler stepping its one
+        tensor in place through ``.data`` between the forwards does, which moves no version
+        counter, so the reference would end with the last write."""
+        if self.inputs_moved():
+            return True
+        mine = [t for t, _ in self.input_versions if t.requires_grad]
+        if mine and self.loss_args is not None:
+            # (not one its loss took: a PINN's points, the same tensor for two forwards, which
+            # the loss differentiates by and a copy would cut from the forward's graph)
+            took = {id(t) for t in tensor_leaves((self.loss_args, self.loss_kwargs))}
+            mine = [t for t in mine if id(t) not in took]
+        self.taken_again = bool(mine) and any(u is t for u in leaves for t in mine)
+        return self.taken_again
+
+    def keep_copies(self, args, kwargs) -> tuple:
+        """Keep copies of the inputs as they came (a forward, or the loop, writes into them),
+        and return them, to be measured in their place: a tensor an earlier forward took,
+        stepped since through ``.data`` (no version moves), would find that forward's
+        statistics in the cache, as if unchanged."""
+        self.args, self.kwargs = map_tensors(args, _copy), map_tensors(kwargs, _copy)
+        return self.args, self.kwargs
 
     def keep_loss_call(self, args, kwargs, cache: dict, copy: bool, first: int = 0,
                        autocast: dict[str, str] | None = None) -> None:
@@ -223,3 +252,8 @@ class Tape:
         n = len(self.micro_batches)  # (read before by_thread, which is set before an append)
         by_thread = self.by_thread
         return n - 1 if by_thread is None else by_thread.get(get_ident(), n - 1)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    c = t.detach().clone()  # (one the loop differentiates by still requires grad in the replay)
+    return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c

@@ -34,6 +34,7 @@ from .forward import report_forward
 from .given_loss import report_given_loss
 from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
+from .input_grad import made_by_input_gradient
 from .kept_report import report_graph_args, report_kept_aside
 from .linalg import report_linalg
 from .load import Step, build, read_step, validate_args_as_recorded
@@ -61,11 +62,11 @@ from .precursors import transient
 from .recorded import (
     batch_non_finite,
     batch_size,
-    before_event,
     input_hint,
     input_origin,
     non_finite_weights,
     scale_of_the_step,
+    stepped_after_forward,
 )
 from .recurrence import add_iterates_note
 from .rerun import Runner
@@ -248,15 +249,10 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if inputs:
         return _input_changed(report, step, inputs[0])
     if step.event.get("phase") == "input":
-        o = input_origin(step)
-        if (made := made_from_imputed(report, step, o)) is not None:
-            return None if made is RERUN else made  # (RERUN: the re-run runs the step)
-        return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
-            step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
-            or input_hint(o, step))
-    if any(mb.get("inputs_written") for mb in step.micro_batches):
-        return _input_written(report, step)
-    if batch_non_finite(step, ("batch/",), nan_only=not _strict(step), last=before_event(step)):
+        return _input_event(report, step)
+    if (written := _written_inputs(report, step)) is not None:
+        return written
+    if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
         o = input_origin(step)
         return finish(report, o, "input", reproduced=True, hint=input_hint(o, step))
     changed = set(step.meta.get("changed_in_step") or ()) | _late(step)
@@ -285,6 +281,17 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
                                else "factory not imported")
         return report
     return None
+
+
+def _input_event(report, step: Step) -> dict[str, Any] | None:
+    """The report of an input event from the bundle (None: the re-run runs the step)."""
+    o = input_origin(step)
+    if (made := made_from_imputed(report, step, o)
+            or made_by_input_gradient(report, step, o)) is not None:
+        return None if made is RERUN else made  # (RERUN: the re-run runs the step)
+    return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
+        step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
+        or input_hint(o, step))
 
 
 def _late(step: Step) -> set[str]:
@@ -329,7 +336,17 @@ def _input_written(report, step: Step) -> dict[str, Any]:
         "micro-batch on the recorder keeps the inputs as they come in"))
 
 
-def _input_changed(report, step: Step, mb: int) -> dict[str, Any]:
+def _written_inputs(report, step: Step) -> dict[str, Any] | None:
+    """The report of a step whose forward wrote into its inputs, or whose loop stepped a
+    forward's input in place after it (a sampler's .data writes), else None."""
+    if any(mb.get("inputs_written") for mb in step.micro_batches):
+        return _input_written(report, step)
+    if (stepped := stepped_after_forward(step)) is not None:
+        return _input_changed(report, step, stepped, STEPPED_IN_PLACE)
+    return None
+
+
+def _input_changed(report, step: Step, mb: int, hint: str | None = None) -> dict[str, Any]:
     """The loop wrote into the batch after the forward, before the step closed (a batch whose
     tensors view the dataset's, which the loop cleaned in place): the bundle holds what the
     loop left, not what the step ran on, so neither it nor a re-run says what the step saw."""
@@ -338,12 +355,20 @@ def _input_changed(report, step: Step, mb: int) -> dict[str, Any]:
         "before the step closed: the bundle holds that input as the loop left it, not as the "
         "step ran on it, and the step cannot be re-run from it")
     report["not_rerun"] = "input written after the forward"
-    return recorded_origin(report, step, (
+    return recorded_origin(report, step, hint or (
         "the origin above is what the recorder saw; a batch whose tensors view the dataset's "
         "storage (slices of one tensor, batch_size=None), or a buffer the loop reuses for "
         "every micro-batch (static_x.copy_(x)), shares every in-place write to it: write into "
         "a copy (x = x.clone()) or change the data only after optimizer.step(); a reused "
         "buffer is copied by the recorder from the micro-batch after the first write on"))
+
+
+STEPPED_IN_PLACE = (
+    "the origin above is what the recorder saw; the next forward took this forward's input "
+    "tensor itself, which the loop stepped in place through .data (a Langevin sampler's "
+    "x.data.add_(-step * x.grad)), carrying this forward's NaN into it: step out of place "
+    "(x = x - step * g) or pass a copy (model(x.clone())); the recorder copies such inputs "
+    "from the next forward on, so an event of a later step is re-run")
 
 
 def _targets_changed(report, step: Step, mb: int) -> dict[str, Any]:
@@ -410,7 +435,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return report_hidden_forward(report, step, runner) or report_loss_not_in_bundle(
             report, step)
     if run1.bad_grads:  # (an inner loop's gradient, which a later forward's weights came from)
-        return adapted_from_gradient(report_backward(report, runner), step)
+        return add_iterates_note(adapted_from_gradient(report_backward(report, runner), step), run1)
     if step.event.get("reason") == "anomaly":
         return report_dropped_nan(report, runner)
     if phase == "optimizer" and not _after_update(step) and step.optimizer is not None:

@@ -103,7 +103,7 @@ def batch_rows(node, returned: list, where: Samples) -> list[int]:
         if not isinstance(g, torch.Tensor) or where.dim(g) is None:
             continue
         target = nexts[i][0] if i < len(nexts) else None
-        if target is not None and type(target).__name__ == "AccumulateGrad":
+        if _for_parameter(target):
             continue
         if not finite(g):
             # (a value pooled over the batch, a batch-wise Dice's per-class sums: no samples)
@@ -114,14 +114,36 @@ def batch_rows(node, returned: list, where: Samples) -> list[int]:
     return []
 
 
+# nodes that hand a gradient on to their one input only rearranged (F.linear's W.t(), a cast
+# of a weight under autocast): no batch is summed there, so a weight's gradient stays one
+_LAYOUT = {"T", "Transpose", "Permute", "View", "UnsafeView", "ReshapeAlias", "Squeeze",
+           "Unsqueeze", "Alias", "Clone", "ToCopy"}
+
+
+def _for_parameter(target, depth: int = 4) -> bool:
+    """Whether a gradient sent to node ``target`` is a parameter's: its ``AccumulateGrad``,
+    reached through :data:`_LAYOUT` nodes only (a hidden size equal to the batch's made the
+    rows of linear's weight gradient, through its TBackward0, read as samples)."""
+    for _ in range(depth):
+        if target is None:
+            return False
+        if type(target).__name__ == "AccumulateGrad":
+            return True
+        name = target.name()
+        if name[:name.rfind("Backward")] not in _LAYOUT:
+            return False
+        target = next((f for f, _ in target.next_functions if f is not None), None)
+    return False
+
+
 def node_rows(node, returned: list, where: Samples) -> list[int]:
     """The graphs of the first non-finite gradient ``node`` returned for a value per node of
     the graph batch (:meth:`Samples.per_node`), none bound for a parameter."""
     nexts = list(node.next_functions)
     for i, g in enumerate(returned):
         target = nexts[i][0] if i < len(nexts) else None
-        if isinstance(g, torch.Tensor) and where.per_node(g) and not finite(g) and not (
-                target is not None and type(target).__name__ == "AccumulateGrad"):
+        if isinstance(g, torch.Tensor) and where.per_node(g) and not finite(g) \
+                and not _for_parameter(target):
             return where.rows(g)
     return []
 

@@ -111,7 +111,8 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
             return _beyond_type(hit.op, ev)  # (the op alone in float64 says it)
         return Cause(None, no_float64(e))
     if phase == "backward" and hit is not None and hit.evidence is not None:
-        return _from_evidence(hit, None, still)  # its values say it, as a forward op's do
+        found = _from_evidence(hit, None, still)  # its values say it, as a forward op's do
+        return Cause(found.name, found.hint + upstream.context(found.name, hit.evidence, None))
     if phase == "backward":
         return _backward(node, still, dtype or _step_dtype(runner, micro_batch), saved,
                          at_pole, underflowed, inner)

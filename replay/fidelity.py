@@ -57,7 +57,9 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
     found["basis"] = "event step" if rows else "earlier steps"
     found["changed"] = list(meta.get("changed_in_step") or []) or None
     # (trained tensor attributes: stepped by an optimizer the recorder was not given)
-    if (found["changed"] or step.trained) and not found["matches"] and rows:
+    reused = {j for j, m in enumerate(step.micro_batches) if m.get("taken_again")}
+    if (found["changed"] or step.trained or found["micro_batch"] in reused) \
+            and not found["matches"] and rows:
         found = _after_change(step, run, rows[-1], names, fields, found)
     if not found["matches"] and step.built_otherwise:  # (first: the re-run took another path)
         found["built_otherwise"] = step.built_otherwise
@@ -72,15 +74,20 @@ def _after_change(step: Step, run: Run, r: int, names, fields, found) -> dict[st
     forwards before that step ran on values the bundle no longer holds, the later ones on the
     bundle's. When the first difference is in a forward before the event's and the event's
     forward re-runs as recorded, call by call, the re-run is the recorded step from there:
-    a match, with the earlier forwards named (``before_change``)."""
+    a match, with the earlier forwards named (``before_change``). Likewise a first difference
+    in a forward whose input tensor the next one took again (``taken_again``: a sampler
+    stepping it in place through ``.data``), named as ``reused``."""
     mb = step.event.get("micro_batch")
     if not isinstance(mb, int) or found["micro_batch"] is None or found["micro_batch"] >= mb:
         return found
     later = _event_step(step, run, r, names, fields, first=mb)
-    if later is None or not later["matches"] or not later["calls"]:
+    # (a forward whose input the loop stepped in place: no other cause for the difference)
+    reused = None if found["changed"] or step.trained else found["micro_batch"]
+    if later is None or not later["matches"] or not (later["calls"] or reused is not None):
         return found
     later.update(basis=found["basis"], changed=found["changed"], before_change=list(range(mb)),
-                 trained=None if found["changed"] else step.trained)
+                 trained=None if found["changed"] else step.trained,
+                 reused=reused)
     return later
 
 
@@ -302,12 +309,23 @@ def notes(fid: dict[str, Any] | None, step: Step) -> list[str]:
     before = fid["before_change"]
     which = ("micro-batch " if len(before) == 1 else "micro-batches ") + \
         ", ".join(map(str, before))
+    if fid.get("reused") is not None:
+        return out + [REUSED.format(first=fid["reused"], n=before[-1] + 1, calls=fid["calls"])]
     what = _changed_params(fid["changed"]) if fid.get("changed") else \
         f"{_trained(fid['trained'])}, which another optimizer trains,"
     return out + [f"{which} ran before {what} changed and "
             f"{'differs' if len(before) == 1 else 'differ'} in the re-run; the event's "
             f"forward, micro-batch {before[-1] + 1}, ran after the change on the values the "
             f"bundle holds and re-runs as recorded ({fid['calls']} calls agree)"]
+
+
+REUSED = (
+    "micro-batch {first} differs in the re-run: it took the very input tensor the next "
+    "forward took again, which the loop wrote into between them without moving its version "
+    "counter (x.data.add_(...), a Langevin sampler's in-place step), so the bundle holds it "
+    "as the last write left it (the recorder keeps copies of the inputs from the next forward "
+    "on); the event's forward, micro-batch {n}, re-runs as recorded ({calls} calls before its "
+    "first non-finite one agree)")
 
 
 def late_note(names: list[str], optimizer: bool) -> str:

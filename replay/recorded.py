@@ -67,36 +67,60 @@ def batch_size(step: Step, i: int = 0) -> int:
     return samples(step, i).size
 
 
-def _batch_nan(step: Step) -> bool:
-    return any(k.startswith("batch/") and has_nan(t) for k, t in step.tensors.items())
+def _batch_nan(step: Step, last: int) -> bool:
+    keys = {k for i, mb in enumerate(step.micro_batches[:last + 1]) if _as_run(step, i)
+            for k in mb.get("paths", {})}
+    return any(has_nan(step.tensors[k]) for k in keys if k in step.tensors)
 
 
-def before_event(step: Step) -> int | None:
-    """The last micro-batch whose inputs came before a forward or loss event (its own), or
-    None (any): a later micro-batch's input may be made from the event's output, as an
-    autoregressive rollout feeds the model its own forecast, and is no data that was bad."""
-    ev = step.event
-    mb = ev.get("micro_batch")
-    return mb if ev.get("phase") in ("forward", "loss") and isinstance(mb, int) else None
+def _as_run(step: Step, i: int) -> bool:
+    """Whether the bundle holds micro-batch ``i``'s inputs as its forward took them: not one
+    whose tensor the next forward took again (``taken_again``: a sampler stepping it through
+    .data, bundled as its last write left it), unless it is the event's own."""
+    return not step.micro_batches[i].get("taken_again") or i == step.event.get("micro_batch")
+
+
+def _event_micro_batch(step: Step) -> int:
+    """The last micro-batch an input origin may be in: that of an input, forward or loss
+    event (the later ones ran after it, made from it: a sampler's chain whose +inf turned
+    into NaN the step after, or that carried the NaN its forward made), else the step's last."""
+    i = step.event.get("micro_batch")
+    n = len(step.micro_batches)
+    return i if step.event.get("phase") in ("input", "forward", "loss") \
+        and isinstance(i, int) and i < n else n - 1
+
+
+def stepped_after_forward(step: Step) -> int | None:
+    """The micro-batch of a forward or loss event whose input tensor the next forward took
+    itself (``taken_again``) and which the bundle holds with NaN, where the recorder's check
+    found none: the loop wrote into it after the forward (a sampler's in-place step, carrying
+    on the NaN the forward made); None otherwise."""
+    i = step.event.get("micro_batch")
+    if step.event.get("phase") not in ("forward", "loss") or not isinstance(i, int) \
+            or i >= len(step.micro_batches) or not step.micro_batches[i].get("taken_again"):
+        return None
+    held = [step.tensors.get(k) for k in step.micro_batches[i].get("paths", {})]
+    return i if any(isinstance(t, torch.Tensor) and has_nan(t) for t in held) else None
 
 
 def _micro_batch_of(key: str) -> int:
-    parts = key.split("/")
-    return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else 0
+    """The micro-batch of a ``batch/<i>/...`` or ``loss_in/<i>/...`` key (-1: none)."""
+    part = key.split("/")[1] if key.count("/") else ""
+    return int(part) if part.isdigit() else -1
 
 
-def batch_non_finite(step: Step, prefixes, nan_only: bool = False,
-                     last: int | None = None) -> bool:
+def batch_non_finite(step: Step, prefixes, nan_only: bool = False) -> bool:
     """A recorded batch tensor holds NaN (or +-Inf, unless ``nan_only`` or ``allow_inf``
     names the root input it is in), outside the root inputs ``allow_nan`` names (missing
-    values the model imputes: their NaN is bad data only where it leads); with ``last``, in
-    micro-batches up to that one only."""
+    values the model imputes: their NaN is bad data only where it leads), in the micro-batches
+    up to an input, forward or loss event's own (see :func:`_event_micro_batch`)."""
     paths = {k: root_input_name(raw) for mb in step.micro_batches
              for k, raw in mb.get("paths", {}).items()}
     soft = {k for k, name in paths.items() if _allowed(step, name)}
     missing = {k for k, name in paths.items() if nan_allowed(step, name)}
-    return any(k.startswith(prefixes) and k not in missing
-               and (last is None or _micro_batch_of(k) <= last)
+    last = _event_micro_batch(step)
+    return any(k.startswith(prefixes) and k not in missing and _micro_batch_of(k) <= last
+               and (_micro_batch_of(k) < 0 or _as_run(step, _micro_batch_of(k)))
                and not finite(t, allow_inf=nan_only or k in soft)
                for k, t in step.tensors.items())
 
@@ -138,10 +162,11 @@ def _allowed(step: Step, name: str) -> bool:
 def input_origin(step: Step) -> dict[str, Any]:
     """The batch tensor (or loss target) holding the non-finite values, and its rows: one
     holding NaN first (a float -inf mask beside it is no bad data by itself)."""
-    nan = _batch_nan(step)
+    last = _event_micro_batch(step)
+    nan = _batch_nan(step, last)
     named = step.event.get("tensor") if step.event.get("phase") == "input" else None
-    for i, mb in enumerate(step.micro_batches):
-        if "inputs" not in mb:
+    for i, mb in enumerate(step.micro_batches[:last + 1]):
+        if "inputs" not in mb or not _as_run(step, i):
             continue
         args, kwargs = micro_batch_inputs(step, i)
         _, tensors, paths = flatten_tree([list(args), kwargs], "x")

@@ -20,7 +20,7 @@ def _absmax(c: Call) -> float | None:
     return max(vals) if vals and all(math.isfinite(v) for v in vals) else None
 
 
-def diverging_iterates(run: Run, module: str, call: int, mb: int) -> dict[str, Any] | None:
+def diverging_iterates(run: Run, module: str, call: float, mb: int) -> dict[str, Any] | None:
     """``{"first", "last", "from_call", "to_call"}`` when the origin call ``call`` of
     ``module`` came after at least :data:`MIN_CALLS` finite calls of it in micro-batch ``mb``
     whose largest output magnitude grew :data:`GROWTH`-fold or more, the last the largest,
@@ -29,7 +29,11 @@ def diverging_iterates(run: Run, module: str, call: int, mb: int) -> dict[str, A
     before = sorted((c for c in run.calls if c.module == module and c.micro_batch == mb
                      and c.call < call), key=lambda c: c.call)
     sizes = [(c.call, _absmax(c)) for c in before]
-    if len(sizes) < MIN_CALLS or any(v is None for _, v in sizes):
+    if any(v is None for _, v in sizes):
+        return None
+    while sizes and sizes[0][1] == 0:  # (a solve from z = 0: its first map of 0 is 0)
+        sizes.pop(0)
+    if len(sizes) < MIN_CALLS:
         return None
     (c0, first), (c1, last) = sizes[0], sizes[-1]
     if first <= 0 or last < GROWTH * first or last < max(v for _, v in sizes):
@@ -41,24 +45,32 @@ def diverging_iterates(run: Run, module: str, call: int, mb: int) -> dict[str, A
 
 
 def add_iterates_note(report: dict[str, Any], run: Run) -> dict[str, Any]:
-    """The forward report with a note (and, for an overflow, the hint's end) saying the
-    origin module's repeated calls were diverging, when they were."""
+    """The forward or backward report with a note (and, for an overflow, the hint's end)
+    saying the origin module's repeated calls were diverging, when they were: before the
+    origin call, or for a backward origin in the whole forward (a deep-equilibrium layer's
+    fixed-point solve growing without bound, whose values its backward then overflowed)."""
     o = report.get("origin") or {}
-    if o.get("phase") != "forward" or o.get("call") is None or o.get("module") is None:
+    backward = o.get("phase") == "backward"
+    if not backward and (o.get("phase") != "forward" or o.get("call") is None) \
+            or o.get("module") is None:
         return report
-    d = diverging_iterates(run, o["module"], o["call"], o.get("micro_batch") or 0)
+    d = diverging_iterates(run, o["module"], math.inf if backward else o["call"],
+                           o.get("micro_batch") or 0)
     if d is None:
         return report
     name = o["module"] or "<root>"
+    where = ("in the forward, and the backward took those values" if backward else
+             f"within this forward before call {o['call']} made the value")
     report["problems"].append(
         f"{name}'s output grew from {d['first']:.3g} (call {d['from_call']}) to "
-        f"{d['last']:.3g} (call {d['to_call']}) within this forward before call {o['call']} "
-        "made the value, call after call: as an ODE solver's steps or an unrolled recurrence "
-        "calling it again on its own output, it was diverging")
+        f"{d['last']:.3g} (call {d['to_call']}) {where}, call after call: as an ODE "
+        "solver's steps, a fixed-point solver's iterations or an unrolled recurrence calling "
+        "it again on its own output, it was diverging")
     if report.get("cause") == "overflow":
         report["hint"] = (
             f"{report.get('hint') or ''}; but the iterates of {name} were diverging, which a "
             "wider type only postpones: take smaller or adaptive solver steps (a smaller dt), "
             "bound the dynamics (a tanh or a clamp on the vector field, spectral "
-            "normalisation) or lower the learning rate that made them unstable")
+            "normalisation; a fixed-point map must be a contraction: weight normalisation, a "
+            "Jacobian penalty) or lower the learning rate that made them unstable")
     return report
