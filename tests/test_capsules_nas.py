@@ -25,25 +25,36 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)  # capsules_nas_models.py, the factories' module, lives here
 
 
+def _train_text_capsnet(out_dir, eps_inside: bool = False, half: bool = False):
+    """The text CapsNet on full-length sentences for three steps, then a batch with padding,
+    until the recorder raises; ``eps_inside`` set after building (from the script's
+    arguments), ``half`` under float16 autocast: (the error, the last tokens, their lengths)."""
+    model = M.make_text_capsnet()
+    if eps_inside:
+        model.eps_inside = True  # (args.eps_inside)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.MarginLoss()
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="capsules_nas_models:make_text_capsnet"):
+            for step in range(4):  # full-length sentences first: no zero capsule
+                tokens, lengths, y = M.sentences(g, 6, full=range(6) if step < 3 else (0, 2, 3))
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16) if half else nullcontext():
+                    v = model(tokens, lengths)
+                crit(v.float(), y).backward()
+                opt.step()
+    return info.value, tokens, lengths
+
+
 def test_squash_of_a_padded_zero_capsule_is_named_at_sqrt_backward_on_the_padded_rows(tmp_path):
     """Zhao et al.'s text CapsNet zeroes the primary capsules of padded positions; its squash
     puts the eps on the division only, ``s / (sqrt(|s|^2) + eps)``: finite forward, but
     sqrt'(0) is inf and the NaN reaches the weights through the mask. Named at SqrtBackward0
     in the root's forward, on exactly the rows that have padding (the sentences shorter than
     the batch), and dropping them clears the step."""
-    model = M.make_text_capsnet()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    crit = M.MarginLoss()
-    g = torch.Generator().manual_seed(0)
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
-                            factory="capsules_nas_models:make_text_capsnet"):
-            for step in range(4):  # full-length sentences first: no zero capsule
-                tokens, lengths, y = M.sentences(g, 6, full=range(6) if step < 3 else (0, 2, 3))
-                opt.zero_grad()
-                crit(model(tokens, lengths), y).backward()
-                opt.step()
-    err = info.value
+    err, tokens, lengths = _train_text_capsnet(tmp_path)
     assert (err.event["step"], err.event["phase"]) == (3, "backward"), err.event
     padded = [i for i, n in enumerate(lengths.tolist()) if n < tokens.shape[1]]
     assert 0 < len(padded) <= 3  # (auto drops at most half of the batch)
@@ -67,22 +78,7 @@ def test_squash_eps_under_float16_autocast_with_the_flag_set_after_building(tmp_
     passed, the line is the run's, and the eps float16 lost under the sqrt is named (the
     hint named only an eps added to the division's own input, and called this a catastrophic
     cancellation as in a variance)."""
-    model = M.make_text_capsnet()
-    model.eps_inside = True  # (args.eps_inside)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    crit = M.MarginLoss()
-    g = torch.Generator().manual_seed(0)
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
-                            factory="capsules_nas_models:make_text_capsnet"):
-            for step in range(4):
-                tokens, lengths, y = M.sentences(g, 6, full=range(6) if step < 3 else (0, 2, 3))
-                opt.zero_grad()
-                with torch.autocast("cpu", dtype=torch.float16):
-                    v = model(tokens, lengths)
-                crit(v.float(), y).backward()
-                opt.step()
-    err = info.value
+    err, tokens, lengths = _train_text_capsnet(tmp_path, eps_inside=True, half=True)
     padded = [i for i, n in enumerate(lengths.tolist()) if n < tokens.shape[1]]
     assert (err.event["step"], err.event["phase"], err.event["samples"]) == (3, "forward", padded)
     rep = nanreplay_json(err.bundle_path)

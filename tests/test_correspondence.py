@@ -32,6 +32,25 @@ def _line_of(text: str, within=C) -> str:
     return f"correspondence_models.py:{n}"
 
 
+def _train_pose(loss, out_dir):
+    """Integral pose regression in batches of two until ``loss`` fails on the instance (5)
+    annotated with area 0: (that index, the areas, the ``pytest.raises`` info)."""
+    img, gt, vis, area = C.pose_data(8)
+    bad = 5
+    area[bad] = 0
+    model = C.make_pose()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
+                            factory="correspondence_models:make_pose") as rec:
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                outs = model(img[i:i + 2], vis[i:i + 2])
+                rec.loss_fn(outs, gt[i:i + 2], vis[i:i + 2], area[i:i + 2]).backward()
+                opt.step()
+    return bad, area, info
+
+
 def test_ms_ssim_s_negative_contrast_term_is_named_at_its_sample_not_its_scale(out_dir):
     """Unsupervised flow with pytorch-msssim's ``ms_ssim`` before its fix: the per-scale
     contrast-structure terms ``(B, C)`` are stacked into ``(levels, B, C)`` and raised to the
@@ -118,19 +137,7 @@ def test_a_pose_loss_flattening_joints_with_the_batch_names_the_zero_area_instan
     no sample (rows ``B * K`` are no batch), so neither the degenerate record nor ``drop``:
     the op finder follows the samples through the reshape now (row ``r`` is sample
     ``r // K``), and, the targets being made of the data alone, says the record is bad."""
-    img, gt, vis, area = C.pose_data(8)
-    bad = 5
-    area[bad] = 0
-    model = C.make_pose()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=C.js_heatmap_loss, out_dir=out_dir,
-                            factory="correspondence_models:make_pose") as rec:
-            for i in range(0, 8, 2):
-                opt.zero_grad()
-                outs = model(img[i:i + 2], vis[i:i + 2])
-                rec.loss_fn(outs, gt[i:i + 2], vis[i:i + 2], area[i:i + 2]).backward()
-                opt.step()
+    bad, area, info = _train_pose(C.js_heatmap_loss, out_dir)
     ev = info.value.event
     step = bad // 2
     assert (ev["step"], ev["phase"], ev["module"]) == (step, "loss", "<loss>"), ev
@@ -153,19 +160,7 @@ def test_oks_loss_of_an_instance_of_area_zero_names_the_degenerate_record(out_di
     The hint said only that div's derivative has a pole and to add an eps; the divisor needs
     no gradient (the annotation's area), so the report says now that the record is
     degenerate, to drop or skip it before the division, or make the divisor safe."""
-    img, gt, vis, area = C.pose_data(8)
-    bad = 5
-    area[bad] = 0
-    model = C.make_pose()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=C.oks_loss, out_dir=out_dir,
-                            factory="correspondence_models:make_pose") as rec:
-            for i in range(0, 8, 2):
-                opt.zero_grad()
-                outs = model(img[i:i + 2], vis[i:i + 2])
-                rec.loss_fn(outs, gt[i:i + 2], vis[i:i + 2], area[i:i + 2]).backward()
-                opt.step()
+    bad, area, info = _train_pose(C.oks_loss, out_dir)
     ev = info.value.event
     step = bad // 2
     assert (ev["step"], ev["phase"]) == (step, "backward"), ev
