@@ -286,9 +286,11 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
 def _input_event(report, step: Step) -> dict[str, Any] | None:
     """The report of an input event from the bundle (None: the re-run runs the step)."""
     o = input_origin(step)
-    if (made := made_from_imputed(report, step, o)
-            or made_by_input_gradient(report, step, o)) is not None:
-        return None if made is RERUN else made  # (RERUN: the re-run runs the step)
+    made = made_from_imputed(report, step, o)  # (RERUN, an empty dict: re-run the step)
+    if made is None:
+        made = made_by_input_gradient(report, step, o)
+    if made is not None:
+        return None if made is RERUN else made
     return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
         step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
         or input_hint(o, step))
