@@ -33,16 +33,9 @@ def written_after_forward(bad: list[int], param_names: list[str], module_names: 
     values, or its inputs already held the non-finite value that came out (made upstream, by
     a call whose own weights, if bad, show it). A later forward of the step may have used
     them after the write."""
-    index = {name: i for i, name in enumerate(module_names)}
-    out = []
-    for i in bad:
-        owner = index.get(param_names[i].rpartition(".")[0])
-        first = next((d for d in calls if d["module"] == owner), None)
-        if owner is not None and first is not None and (
-                not first["inputs_finite"]
-                or not (first["nan"] or first["posinf"] or first["neginf"])):
-            out.append(i)
-    return out
+    firsts = _first_calls(bad, param_names, module_names, calls)
+    return [i for i, first in zip(bad, firsts) if first is not None and (
+        not first["inputs_finite"] or not (first["nan"] or first["posinf"] or first["neginf"]))]
 
 
 def read_finite(late: list[int], param_names: list[str], module_names: list[str],
@@ -52,11 +45,17 @@ def read_finite(late: list[int], param_names: list[str], module_names: list[str]
     from upstream, which says nothing of their own weights: beside weights that were bad as
     the step began (a FedAvg server's load of an average a client poisoned), they may have
     been bad as well."""
+    firsts = _first_calls(late, param_names, module_names, calls)
+    return [i for i, first in zip(late, firsts) if first is not None and first["inputs_finite"]]
+
+
+def _first_calls(params: list[int], param_names: list[str], module_names: list[str],
+                 calls: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """Each parameter's owning module's first call in the step (None: no such call)."""
     index = {name: i for i, name in enumerate(module_names)}
     out = []
-    for i in late:
+    for i in params:
         owner = index.get(param_names[i].rpartition(".")[0])
-        first = next((d for d in calls if d["module"] == owner), None)
-        if first is not None and first["inputs_finite"]:
-            out.append(i)
+        out.append(None if owner is None else
+                   next((d for d in calls if d["module"] == owner), None))
     return out
