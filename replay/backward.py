@@ -31,7 +31,7 @@ from .factors import at_tie
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
 from .ops import OpFinder
-from .pole_hints import divisor_of_data
+from .pole_hints import constant_zero_divisor, divisor_of_data
 from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
@@ -74,6 +74,7 @@ class BackwardOrigin:
     lost_eps: float | None = None
     # a quotient's divisor that needs no gradient is 0 there (see replay.pole_hints)
     divisor_of_data: bool = False
+    constant_zero_divisor: bool = False  # ... or is a scalar constant 0 (x / cap, cap = 0)
 
 
 @contextlib.contextmanager
@@ -276,6 +277,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
                 found.exp_of = _exp_of(node)
                 found.lost_eps = guards.of(node)
                 found.divisor_of_data = divisor_of_data(node)
+                found.constant_zero_divisor = constant_zero_divisor(node)
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
         handles.append(node.register_hook(hook))
 

@@ -5,7 +5,9 @@ forward is finite (``d² / 0`` is inf, and ``exp(-inf)`` is 0), but ``DivBackwar
 is NaN there. The hint said the derivative of div has a pole at the op's input and to add an
 eps, true of any quotient; but a divisor that needs no gradient, computed from the batch's
 data (an area, a count, a target), is a degenerate record, which an eps would train toward a
-made-up target. :func:`pole_hint` says so, and, for a guard's eps that the type rounded to 0
+made-up target. :func:`pole_hint` says so; for a divisor that is a constant 0 (a scalar: logit
+soft-capping's ``cap * tanh(x / cap)`` with ``cap = 0`` meant as "off", a temperature or scale
+of 0) that the op should not run at all; and, for a guard's eps that the type rounded to 0
 (``sqrt(x + 1e-12)`` in float16), that the eps was lost.
 """
 
@@ -15,7 +17,7 @@ import torch
 
 from . import lost_eps
 from .cause import Cause
-from .cause_text import DIVISOR_OF_DATA
+from .cause_text import CONSTANT_ZERO_DIVISOR, DIVISOR_OF_DATA
 from .compat import saved_value
 from .positive import node_op
 
@@ -32,10 +34,24 @@ def divisor_of_data(node) -> bool:
     return isinstance(other, torch.Tensor) and other.dim() > 0 and bool((other == 0).any())
 
 
+def constant_zero_divisor(node) -> bool:
+    """``node`` is a quotient's backward whose divisor is a scalar constant 0 (``x / 0.0``, or
+    a 0-d tensor no gradient reaches): every element sits on the derivative's pole."""
+    try:
+        if node_op(node) != "Div" or node.next_functions[1][0] is not None:
+            return False
+        other = saved_value(node, "other")
+    except Exception:  # (a freed node: unknown)
+        return False
+    return isinstance(other, torch.Tensor) and other.dim() == 0 and float(other) == 0.0
+
+
 def pole_hint(b, cause: Cause) -> str:
     """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`)."""
     if b.divisor_of_data and cause.name == "invalid" and b.saved_zero == "0" and b.samples:
         return DIVISOR_OF_DATA.format(node=b.node)
+    if b.constant_zero_divisor and cause.name == "invalid":
+        return CONSTANT_ZERO_DIVISOR.format(node=b.node)
     if b.lost_eps is None or b.saved_zero != "0" or b.dtype is None:
         return cause.hint
     return cause.hint + lost_eps.said(b.lost_eps, b.dtype)
