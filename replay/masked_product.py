@@ -42,11 +42,21 @@ def mask_after_pole(first, name: str, args, hit) -> None:
         return
     with torch.no_grad():
         try:
-            met = _met(args[0], args[1], torch.isinf) or _met(args[1], args[0], torch.isinf)
+            met = (_met(args[0], args[1], torch.isinf) and _mask_like(args[1])) or (
+                _met(args[1], args[0], torch.isinf) and _mask_like(args[0]))
         except RuntimeError:
             return
     if met:
         ev.masked_after = f"{hit.op}" + (f" ({hit.source})" if hit.source else "")
+
+
+def _mask_like(factor) -> bool:
+    """A 0/1 mask (bool, or every element 0 or 1), not data that is 0 where the pole's input
+    is: RMSNorm's ``x * rsqrt(mean(x²))`` of an all-zero row multiplies the infinity by x's
+    own 0, and the fix is the pole's eps, not masking earlier."""
+    if not isinstance(factor, torch.Tensor):
+        return True  # (a number, 0 there)
+    return factor.dtype == torch.bool or bool(((factor == 0) | (factor == 1)).all())
 
 
 def _met(x, factor, bad=torch.isnan) -> bool:

@@ -56,3 +56,21 @@ def test_softcap_of_zero_names_the_constant_divisor_not_an_eps(tmp_path):
     # (was: "add an eps ... torch.where(mask, x, 1)", which a constant 0 divisor ignores)
     assert "divisor is a constant exactly 0" in rep["hint"], rep["hint"]
     assert "if cap:" in rep["hint"] and "add an eps" not in rep["hint"], rep["hint"]
+
+
+def test_qk_norm_without_eps_at_a_pad_token_asks_for_the_eps_not_an_earlier_mask(tmp_path):
+    # pad tokens embed to zero rows (padding_idx), so q = W @ 0 = 0 and RMSNorm with eps = 0
+    # takes rsqrt(0) = inf, times the row's own 0: NaN in the left-padded rows
+    pads = [0, 0, 3, 0, 1, 0]
+    err = train(tmp_path, "make_lm_no_eps", {3: pads}, steps=5)
+    assert (err.event["step"], err.event["phase"]) == (3, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    padded = [i for i, p in enumerate(pads) if p > 0]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "invalid", "attn.q_norm", "aten.rsqrt", "+inf", padded), rep
+    assert o["source"] == f"attention_masks_models.py:{line_of('torch.rsqrt(')}"
+    assert "add an eps" in rep["hint"], rep["hint"]
+    # (was: "then aten.mul multiplied that infinity by a mask's 0 ... select the valid entries
+    # before it": the 0 is the row itself, not a mask)
+    assert "mask's 0" not in rep["hint"], rep["hint"]
