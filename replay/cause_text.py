@@ -454,7 +454,7 @@ DIVISOR_OF_DATA = (
 CONSTANT_ZERO_DIVISOR = (
     "{node} made a non-finite gradient from finite incoming gradients, in float64 too: the "
     "division's divisor is a constant exactly 0 (a scalar no parameter reaches: a soft-cap, "
-    "temperature or scale set to 0, often meant as \"off\"), so every quotient is on the pole "
-    "of its derivative; the forward hid the infinities (cap * tanh(x / cap) is 0 * +-1), the "
-    "gradient cannot. No eps or mask fixes a constant: skip the op when it is 0 "
+    "temperature or scale set to 0, often meant as \"off\", or a count that came out 0), so "
+    "every quotient is on the pole of its derivative; the forward hid the infinities "
+    "(cap * tanh(x / cap) is 0 * +-1), the gradient cannot. Skip the op when the scalar is 0 "
     "(if cap: x = cap * torch.tanh(x / cap)) or reject 0 where the value is configured")
