@@ -18,7 +18,7 @@ from recorder.inner_optim import put_state, state_items
 from . import outside
 from .backward import find_backward_origin
 from .cause import Cause, classify
-from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, HINTS, inf_arith
+from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, eps0_text, inf_arith
 from .coupled import coupled_rows
 from .dropped_grads import finite_params_note
 from .findings import finish, origin_fields
@@ -462,7 +462,7 @@ def _eps_why(step: Step, own: list[dict], params: list[str], made: str | None) -
     +inf, which its m = 0 then made NaN), or an eps that the weights' dtype rounds to 0
     (Adafactor's eps1 squared)."""
     if "nan" in (made, step.event.get("kind")) and any(g.get("eps") == 0 for g in own):
-        return EPS0_UPDATE
+        return eps0_text((step.meta.get("optimizer") or {}).get("class", ""))
     return eps_lost_text(step, own, params)
 
 
