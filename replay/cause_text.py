@@ -124,9 +124,9 @@ EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 ha
 # The same for an optimizer written outside torch.optim (Sophia's m / max(rho * h, eps), Adam
 # clones, Prodigy): its formula and default eps are its own, so neither is named.
 EPS0_CUSTOM_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has a "
-                      "numerator of 0 (its momentum) over a denominator of 0 (its second-moment "
-                      "or curvature estimate + eps), 0/0: set eps > 0 (that "
-                      "optimizer's default, or 1e-8; --try eps=1e-8 tests it)")
+                      "second-moment (or curvature) estimate of exactly 0, so the update divides "
+                      "0 by 0 (or multiplies rsqrt(0) = inf by a gradient of 0): set eps > 0 "
+                      "(that optimizer's default, or 1e-8; --try eps=1e-8 tests it)")
 
 
 def eps0_text(cls: str) -> str:

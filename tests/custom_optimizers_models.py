@@ -45,3 +45,52 @@ def make_sophia():
     """The model and the optimizer of test_custom_optimizers.py's Sophia loop, for the replay."""
     return {"model": ZF.make_model(),
             "optimizer": lambda params: SophiaG(params, lr=1e-3)}
+
+
+class HFAdafactor(torch.optim.Optimizer):
+    """Hugging Face's Adafactor (transformers.optimization), factored branch only: row and
+    column EMAs of g**2 + eps1, rsqrt of row / row.mean() times rsqrt of col, update clipped
+    by its RMS, relative step size scaled by the parameter's RMS."""
+
+    def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0,
+                 decay_rate=-0.8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, eps=eps, clip_threshold=clip_threshold,
+                                      decay_rate=decay_rate, weight_decay=weight_decay))
+
+    @staticmethod
+    def _rms(t):
+        return t.norm(2) / (t.numel() ** 0.5)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in (p for p in g["params"] if p.grad is not None):
+                grad, st = p.grad, self.state[p]
+                if not st:
+                    st["step"] = 0
+                    if p.ndim >= 2:
+                        st["row"] = torch.zeros(p.shape[:-1])
+                        st["col"] = torch.zeros(p.shape[:-2] + p.shape[-1:])
+                    else:
+                        st["sq"] = torch.zeros_like(p)
+                st["step"] += 1
+                rel = min(1e-2, 1.0 / st["step"] ** 0.5)
+                lr = max(g["eps"][1], self._rms(p)) * rel
+                beta2 = 1.0 - st["step"] ** g["decay_rate"]
+                sq = grad**2 + g["eps"][0]
+                if p.ndim >= 2:
+                    st["row"].mul_(beta2).add_(sq.mean(dim=-1), alpha=1 - beta2)
+                    st["col"].mul_(beta2).add_(sq.mean(dim=-2), alpha=1 - beta2)
+                    r = (st["row"] / st["row"].mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+                    update = r * st["col"].unsqueeze(-2).rsqrt() * grad
+                else:
+                    st["sq"].mul_(beta2).add_(sq, alpha=1 - beta2)
+                    update = st["sq"].rsqrt() * grad
+                update.div_((self._rms(update) / g["clip_threshold"]).clamp_(min=1.0))
+                p.add_(update, alpha=-lr)
+
+
+def make_adafactor():
+    """The model and HFAdafactor(eps=(0, 1e-3)) of the Adafactor loop, for the replay."""
+    return {"model": ZF.make_model(),
+            "optimizer": lambda params: HFAdafactor(params, eps=(0.0, 1e-3))}

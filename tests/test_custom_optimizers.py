@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zf_models as ZF
 from bundles import nanreplay_json
-from custom_optimizers_models import SophiaG
+from custom_optimizers_models import HFAdafactor, SophiaG
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -53,7 +53,37 @@ def test_sophia_with_eps_0_gets_its_own_hint_not_adams_formula(out_dir, kw):
     hint = rep["hint"]
     assert "SophiaG's update at step 0 made" in hint, hint
     assert "sqrt(v)" not in hint and "m = v = 0" not in hint, hint
-    assert "second-moment or curvature estimate + eps), 0/0: set eps > 0" in hint, hint
+    assert "estimate of exactly 0, so the update divides 0 by 0" in hint, hint
     if kw:
         assert rep["reproduced"] and rep["origin"]["op"] == "aten.div", rep["origin"]
         assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("eps=1e-8", True)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"guard_optimizer": True}], ids=["after-update", "guard"])
+def test_hugging_face_adafactor_with_eps1_0_and_relative_step(out_dir, kw):
+    """Hugging Face's Adafactor copied into a repo, lr=None (relative step sizes) and eps1=0:
+    the dead feature's column of embed.weight has a column second moment of 0, rsqrt(0) = inf,
+    inf * 0 = NaN. --try auto crashed (float(None) on the lr); the hint read the ring's NaN
+    placeholder for lr=None as 'its lr was nan', or blamed torch.optim.Adafactor's eps1 squared
+    (this one adds eps1), and auto proposed lr=0.1x, which raised TypeError in the update."""
+    model = ZF.make_model()
+    opt = HFAdafactor(ZF.param_groups(model), eps=(0.0, 1e-3))
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="custom_optimizers_models:make_adafactor", **kw):
+            for x, y in ZF.loader(dead=5):
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto", code=None)
+    assert rep["event"]["step"] == 0 and rep["cause"] == "optimizer", rep
+    assert rep["origin"]["param"] == "embed.weight", rep["origin"]
+    hint = rep["hint"]
+    assert "estimate of exactly 0" in hint and "set eps > 0" in hint, hint
+    assert "lr was" not in hint and "torch.optim.Adafactor" not in hint, hint
+    assert "lr=0.1x" not in [t["try"] for t in rep["what_if"]], rep["what_if"]
+    if kw:
+        assert rep["reproduced"] and rep["origin"]["op"] == "aten.rsqrt", rep["origin"]
+        tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+        assert tries == {"clip=1.0": False, "eps=1.2e-07": True}, tries
