@@ -431,7 +431,9 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            "optimizer; resume from a checkpoint whose optimizer state is finite, or reset that "
            "parameter's state"
            if stale else
-           _eps_why(step, own, params, made) or (domain and domain_why(domain))
+           # a negative input (a rounded eigenvalue under Shampoo's -1/4 power) is no eps's
+           (None if domain and " of a negative number" in domain
+            else _eps_why(step, own, params, made)) or (domain and domain_why(domain))
            or HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")

@@ -94,3 +94,35 @@ def make_adafactor():
     """The model and HFAdafactor(eps=(0, 1e-3)) of the Adafactor loop, for the replay."""
     return {"model": ZF.make_model(),
             "optimizer": lambda params: HFAdafactor(params, eps=(0.0, 1e-3))}
+
+
+class Shampoo(torch.optim.Optimizer):
+    """Shampoo as hand-written in repos: L += G G^T, R += G^T G (started at eps * I), update
+    L^-1/4 G R^-1/4 by eigh, the eigenvalues raised to -1/4 as eigh returned them."""
+
+    def __init__(self, params, lr=1e-2, eps=0.0, momentum=0.0):
+        super().__init__(params, dict(lr=lr, eps=eps, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in (p for p in g["params"] if p.grad is not None):
+                st, grad = self.state[p], p.grad
+                if p.ndim < 2:
+                    p.add_(grad, alpha=-g["lr"])
+                    continue
+                if not st:
+                    st["L"] = g["eps"] * torch.eye(p.shape[0])
+                    st["R"] = g["eps"] * torch.eye(p.shape[1])
+                st["L"].add_(grad @ grad.T)
+                st["R"].add_(grad.T @ grad)
+                lam, q = torch.linalg.eigh(st["L"])
+                li = q @ torch.diag(lam.pow(-0.25)) @ q.T
+                lam, q = torch.linalg.eigh(st["R"])
+                ri = q @ torch.diag(lam.pow(-0.25)) @ q.T
+                p.add_(li @ grad @ ri, alpha=-g["lr"])
+
+
+def make_shampoo():
+    """The model and Shampoo(eps=0) of the Shampoo loop, for the replay."""
+    return {"model": ZF.make_model(), "optimizer": lambda params: Shampoo(params)}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import zf_models as ZF
 from bundles import nanreplay_json
-from custom_optimizers_models import HFAdafactor, SophiaG
+from custom_optimizers_models import HFAdafactor, Shampoo, SophiaG
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
@@ -87,3 +87,27 @@ def test_hugging_face_adafactor_with_eps1_0_and_relative_step(out_dir, kw):
         assert rep["reproduced"] and rep["origin"]["op"] == "aten.rsqrt", rep["origin"]
         tries = {t["try"]: t["finite"] for t in rep["what_if"]}
         assert tries == {"clip=1.0": False, "eps=1.2e-07": True}, tries
+
+
+def test_shampoo_root_of_a_negative_rounded_eigenvalue_is_not_an_eps_0(out_dir):
+    """Shampoo with eps=0: G G^T of a 32-row batch has rank < 32, eigh returns eigenvalues
+    that rounding left slightly negative, and lam.pow(-0.25) is NaN. The hint was the eps=0
+    division text (Adam's m / (sqrt(v) + eps) before) and with any domain text LAMB's trust
+    ratio; it names the negative base and clamping the eigenvalues."""
+    model = ZF.make_model()
+    opt = Shampoo(ZF.param_groups(model))
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
+                            factory="custom_optimizers_models:make_shampoo"):
+            for x, y in ZF.loader():
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["event"]["step"] == 0 and rep["cause"] == "optimizer", rep
+    assert rep["reproduced"] and rep["origin"]["param"] == "embed.weight", rep["origin"]
+    assert rep["origin"]["op"] == "aten.pow", rep["origin"]
+    hint = rep["hint"]
+    assert "aten.pow of a negative number" in hint and "lam.clamp_min(eps)" in hint, hint
+    assert "with eps=0" not in hint and "LAMB" not in hint, hint
