@@ -49,7 +49,7 @@ from .rerun import Runner
 from .run_result import Run
 from .storages import state_of
 from .term_args import report_term_arg
-from .update_domain import domain_why, update_domain, updated_rows
+from .update_domain import domain_why, negative_input, update_domain, updated_rows
 from .weight_readers import bad_row_fields, first_reader, rows_text
 
 
@@ -432,7 +432,7 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            "parameter's state"
            if stale else
            # a negative input (a rounded eigenvalue under Shampoo's -1/4 power) is no eps's
-           (None if domain and " of a negative number" in domain
+           (None if negative_input(domain)
             else _eps_why(step, own, params, made)) or (domain and domain_why(domain))
            or HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
