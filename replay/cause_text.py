@@ -121,6 +121,20 @@ LOSS_ARGUMENT_EVERY = (", and every row holds {kind}: a cause the rows share, no
 # An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (replay.origins.optimizer_hint)
 EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so "
                "m / (sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8)")
+# The same for an optimizer written outside torch.optim (Sophia's m / max(rho * h, eps), Adam
+# clones, Prodigy): its formula and default eps are its own, so neither is named.
+EPS0_CUSTOM_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has a "
+                      "second-moment (or curvature) estimate of exactly 0, so the update divides "
+                      "0 by 0 (or multiplies rsqrt(0) = inf by a gradient of 0): set eps > 0 "
+                      "(that optimizer's default, or 1e-8; --try eps=1e-8 tests it)")
+
+
+def eps0_text(cls: str) -> str:
+    """EPS0_UPDATE for torch.optim's optimizers, EPS0_CUSTOM_UPDATE for anyone else's."""
+    if cls.startswith("torch.optim."):
+        return EPS0_UPDATE
+    return EPS0_CUSTOM_UPDATE
+
 
 # The same division by 0 when eps > 0 rounds to 0 in the weights' dtype (replay.optim.eps_lost)
 EPS_LOST_UPDATE = ("eps={eps:g} is 0 in {dtype}, the dtype of the weights and of the optimizer "

@@ -22,7 +22,9 @@ def non_finite_hyper(step: Step, at, own: list[dict]) -> tuple[str, str] | None:
     own learning rate is the ring buffer's, recorded when its step closed (a float there even
     where the group holds a tensor); the others are the window's record of it, or the groups'."""
     groups = step.meta.get("optimizer", {}).get("param_groups", [])
-    ring = _ring_lrs(step, at, [i for i, g in enumerate(groups) if any(g is o for o in own)])
+    # lr=None (Hugging Face Adafactor's relative step) is a NaN in the ring, not a NaN rate
+    ring = _ring_lrs(step, at, [i for i, g in enumerate(groups) if any(g is o for o in own)
+                                and g.get("lr") is not None])
     records = (step.meta.get("rewind") or {}).get("records") or []
     hyper = next((r.get("hyper") for r in records if r.get("step") == at), None)
     if hyper and len(hyper) == len(groups):

@@ -12,7 +12,7 @@ from torch import nn
 from recorder.finite import finite, tensors_kind
 from recorder.inner_optim import put_state, state_items
 
-from .cause_text import EPS_LOST_UPDATE, SQUARED_EPS_LOST
+from .cause_text import EPS0_CUSTOM_UPDATE, EPS_LOST_UPDATE, SQUARED_EPS_LOST
 
 
 def build_optimizer(step, model: nn.Module, opt_factory):
@@ -160,7 +160,11 @@ def eps_lost_text(step, groups: list[dict], params: list[str]) -> str | None:
     if lost := eps_lost(step, groups, params):
         return EPS_LOST_UPDATE.format(eps=lost[0], dtype=lost[1], safe=safe_eps(lost[1]))
     if lost := squared_eps_lost(step, groups, params):
-        return SQUARED_EPS_LOST.format(eps=lost[0], dtype=lost[1], safe=default_eps1(lost[1]))
+        # only torch's Adafactor squares eps1; a hand-written one (Hugging Face's) adds it
+        if ((step.meta.get("optimizer") or {}).get("class") or "").startswith("torch.optim."):
+            return SQUARED_EPS_LOST.format(eps=lost[0], dtype=lost[1],
+                                           safe=default_eps1(lost[1]))
+        return EPS0_CUSTOM_UPDATE if lost[0] == 0 else None
     return None
 
 

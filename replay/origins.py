@@ -18,7 +18,7 @@ from recorder.inner_optim import put_state, state_items
 from . import outside
 from .backward import find_backward_origin
 from .cause import Cause, classify
-from .cause_text import ALLOWED_NAN_SAVED, DO, EPS0_UPDATE, HINTS, inf_arith
+from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, eps0_text, inf_arith
 from .coupled import coupled_rows
 from .dropped_grads import finite_params_note
 from .findings import finish, origin_fields
@@ -49,7 +49,7 @@ from .rerun import Runner
 from .run_result import Run
 from .storages import state_of
 from .term_args import report_term_arg
-from .update_domain import domain_why, update_domain, updated_rows
+from .update_domain import domain_why, negative_input, update_domain, updated_rows
 from .weight_readers import bad_row_fields, first_reader, rows_text
 
 
@@ -431,7 +431,9 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            "optimizer; resume from a checkpoint whose optimizer state is finite, or reset that "
            "parameter's state"
            if stale else
-           _eps_why(step, own, params, made) or (domain and domain_why(domain))
+           # a negative input (a rounded eigenvalue under Shampoo's -1/4 power) is no eps's
+           (None if negative_input(domain)
+            else _eps_why(step, own, params, made)) or (domain and domain_why(domain))
            or HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
@@ -462,7 +464,7 @@ def _eps_why(step: Step, own: list[dict], params: list[str], made: str | None) -
     +inf, which its m = 0 then made NaN), or an eps that the weights' dtype rounds to 0
     (Adafactor's eps1 squared)."""
     if "nan" in (made, step.event.get("kind")) and any(g.get("eps") == 0 for g in own):
-        return EPS0_UPDATE
+        return eps0_text((step.meta.get("optimizer") or {}).get("class", ""))
     return eps_lost_text(step, own, params)
 
 

@@ -33,13 +33,24 @@ def update_domain(hit: OpHit | None) -> str | None:
     return f"{what}: {DO.get(situation, DO['pole'])}"
 
 
+def negative_input(domain: str | None) -> bool:
+    """Whether ``domain`` is a root, power or log of a negative number (not a division's
+    pole, which an eps in the denominator does move)."""
+    return bool(domain) and " of a negative number" in domain and "at a pole" not in domain
+
+
 def domain_why(domain: str) -> str:
     """The hint's reason for an update that left an op's domain."""
-    return (f"{domain}. The update's own formula made it, whatever the learning rate: a "
-            "smaller rate or clipping does not remove it (a parameter that got no gradient "
-            "this step, or a freshly zero-initialised one, makes the 0 that a trust ratio "
-            "||w|| / ||update|| or a g / ||g|| divides by; LAMB and LARS take a ratio of 1 "
-            "there: torch.where(norm > 0, ratio, 1.0))")
+    why = (f"{domain}. The update's own formula made it, whatever the learning rate: a "
+           "smaller rate or clipping does not remove it")
+    if negative_input(domain):  # a root of an eigenvalue that rounded below 0
+        return (f"{why} (a preconditioner's inverse root, Shampoo's or SOAP's eigh(G G^T) ** "
+                "-1/4, of an eigenvalue that rounding left slightly negative: clamp the "
+                "eigenvalues, lam.clamp_min(eps), before the power)")
+    return (f"{why} (a parameter that got no gradient this step, or a freshly "
+            "zero-initialised one, makes the 0 that a trust ratio ||w|| / ||update|| or a "
+            "g / ||g|| divides by; LAMB and LARS take a ratio of 1 there: "
+            "torch.where(norm > 0, ratio, 1.0))")
 
 
 def updated_rows(name: str, p: torch.Tensor) -> tuple[dict, str]:

@@ -137,6 +137,14 @@ def check_applicable(step: Step, label: str, change: Change) -> None:
 HALF = ("float16", "bfloat16")
 
 
+def _lr_kinds(groups) -> tuple[bool, bool]:
+    """(a group's lr is NaN or +-Inf, a group's lr is None: a relative step size, Hugging
+    Face's Adafactor's, which no factor scales)."""
+    lrs = [g.get("lr", 0.0) for g in groups]
+    return (any(v is not None and not math.isfinite(float(v)) for v in lrs),
+            any(v is None for v in lrs))
+
+
 def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     """The remedies that fit the cause: drop the offending samples for bad input, an op's
     domain or an overflow in samples whose inputs are outliers of the batch, a wider compute
@@ -186,10 +194,9 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
             and not _eps_tries(step, o.get("params") or []):
         return out
     if step.optimizer is not None and fits_update:
-        bad_lr = any(not math.isfinite(float(g.get("lr", 0.0)))
-                     for g in step.optimizer.param_groups)
+        bad_lr, relative = _lr_kinds(step.optimizer.param_groups)
         if not bad_lr:
-            out += ["lr=0.1x", "clip=1.0"]
+            out += ["clip=1.0"] if relative else ["lr=0.1x", "clip=1.0"]
             if (before := _lr_before_jump(report)) is not None:
                 out.append(f"lr={before:.3g}")  # the rate the run trained at before the jump
         elif (last := _last_finite_lr(step)) is not None:
