@@ -21,22 +21,23 @@ def _from_tests_dir(monkeypatch):
     monkeypatch.chdir(HERE)
 
 
-def _train_sophia(out_dir, **kw) -> NonFiniteError:
-    """Sophia-G's loop: the Gauss-Newton hessian estimate refreshed every k=10 steps."""
+def _train(out_dir, make_opt, factory: str, dead: int | None = None, **kw) -> NonFiniteError:
+    """Train ``ZF.make_model()`` with ``make_opt(param_groups)`` under the recorder until it
+    raises (``dead``: the feature that is 0 in every record); an optimizer with a Hessian
+    estimate (Sophia-G's Gauss-Newton one) has it refreshed every k=10 steps."""
     model = ZF.make_model()
-    opt = SophiaG(ZF.param_groups(model), lr=1e-3)
+    opt = make_opt(ZF.param_groups(model))
     crit = nn.CrossEntropyLoss()
-    step = 0
+    hessian = getattr(opt, "update_hessian", None)
     with pytest.raises(NonFiniteError) as info:
         with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory="custom_optimizers_models:make_sophia", **kw):
-            for x, y in ZF.loader(dead=5):
+                            factory=f"custom_optimizers_models:{factory}", **kw):
+            for step, (x, y) in enumerate(ZF.loader(dead=dead)):
                 opt.zero_grad()
                 crit(model(x), y).backward()
-                if step % 10 == 0:
-                    opt.update_hessian()
+                if hessian is not None and step % 10 == 0:
+                    hessian()
                 opt.step()
-                step += 1
     return info.value
 
 
@@ -46,7 +47,7 @@ def test_sophia_with_eps_0_gets_its_own_hint_not_adams_formula(out_dir, kw):
     reads it has m = h = 0, so m.abs() / (rho * h + eps) is 0/0 at the first update. The hint
     was Adam's ('m = v = 0, so m / (sqrt(v) + eps) ... the default 1e-8'), a formula and a
     default this optimizer does not have."""
-    err = _train_sophia(out_dir, **kw)
+    err = _train(out_dir, lambda g: SophiaG(g, lr=1e-3), "make_sophia", dead=5, **kw)
     rep = nanreplay_json(err.bundle_path, "--try", "eps=1e-8", code=None)
     assert rep["event"]["step"] == 0 and rep["cause"] == "optimizer", rep
     assert rep["origin"]["param"] == "embed.weight", rep["origin"]
@@ -66,17 +67,9 @@ def test_hugging_face_adafactor_with_eps1_0_and_relative_step(out_dir, kw):
     inf * 0 = NaN. --try auto crashed (float(None) on the lr); the hint read the ring's NaN
     placeholder for lr=None as 'its lr was nan', or blamed torch.optim.Adafactor's eps1 squared
     (this one adds eps1), and auto proposed lr=0.1x, which raised TypeError in the update."""
-    model = ZF.make_model()
-    opt = HFAdafactor(ZF.param_groups(model), eps=(0.0, 1e-3))
-    crit = nn.CrossEntropyLoss()
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                            factory="custom_optimizers_models:make_adafactor", **kw):
-            for x, y in ZF.loader(dead=5):
-                opt.zero_grad()
-                crit(model(x), y).backward()
-                opt.step()
-    rep = nanreplay_json(info.value.bundle_path, "--try", "auto", code=None)
+    err = _train(out_dir, lambda g: HFAdafactor(g, eps=(0.0, 1e-3)), "make_adafactor", dead=5,
+                 **kw)
+    rep = nanreplay_json(err.bundle_path, "--try", "auto", code=None)
     assert rep["event"]["step"] == 0 and rep["cause"] == "optimizer", rep
     assert rep["origin"]["param"] == "embed.weight", rep["origin"]
     hint = rep["hint"]
@@ -94,17 +87,8 @@ def test_shampoo_root_of_a_negative_rounded_eigenvalue_is_not_an_eps_0(out_dir):
     that rounding left slightly negative, and lam.pow(-0.25) is NaN. The hint was the eps=0
     division text (Adam's m / (sqrt(v) + eps) before) and with any domain text LAMB's trust
     ratio; it names the negative base and clamping the eigenvalues."""
-    model = ZF.make_model()
-    opt = Shampoo(ZF.param_groups(model))
-    crit = nn.CrossEntropyLoss()
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
-                            factory="custom_optimizers_models:make_shampoo"):
-            for x, y in ZF.loader():
-                opt.zero_grad()
-                crit(model(x), y).backward()
-                opt.step()
-    rep = nanreplay_json(info.value.bundle_path)
+    err = _train(out_dir, Shampoo, "make_shampoo", guard_optimizer=True)
+    rep = nanreplay_json(err.bundle_path)
     assert rep["event"]["step"] == 0 and rep["cause"] == "optimizer", rep
     assert rep["reproduced"] and rep["origin"]["param"] == "embed.weight", rep["origin"]
     assert rep["origin"]["op"] == "aten.pow", rep["origin"]
