@@ -5,13 +5,14 @@
 Content-Security-Policy that forbids any request. Top to bottom: the verdict, the ring-buffer
 plots (per-layer absmax heatmap on a log colour scale with the event column marked; loss,
 gradient norm and learning rate over steps with a line at the event), then the origin with its
-source line, the chain, precursors and the bisection.
+source line, the chain, precursors and the bisection. Under the verdict, the notes: the text
+report's other lines (a stripped bundle, who read corrupted weights, a replay that differed).
 
 Every string from the report or the history is untrusted (it comes from a bundle) and is passed
 through :func:`html.escape` before it reaches the page. Stable ids for tests and tooling:
 ``verdict``, ``heatmap`` (``rect.cell`` with ``data-layer``/``data-step``/``data-value``),
 ``plot-loss``, ``plot-grad-norm``, ``plot-lr`` (each with ``path.series``), ``origin``,
-``precursors``, ``bisection``.
+``precursors``, ``bisection``, ``notes`` (where there are any).
 """
 
 from __future__ import annotations
@@ -375,6 +376,21 @@ def _ranks(report: dict) -> str:
     return "".join(f'<p class="meta">{_e(s.strip()[len("rank"):].strip())}</p>' for s in lines)
 
 
+def _details(report: dict) -> str:
+    """The text report's lines that no other section shows (``replay.report.detail_lines``:
+    the notes, who read corrupted weights, a replay that ran differently, ...), as a table."""
+    from .report import detail_lines
+
+    try:
+        pairs = detail_lines(report)
+    except (AttributeError, KeyError, TypeError):  # (a hand-made report without these keys)
+        return ""
+    if not pairs:
+        return ""
+    rows = "".join(f"<tr><th>{_e(label)}</th><td>{_e(text)}</td></tr>" for label, text in pairs)
+    return f'<h2>Notes</h2><section id="notes"><table>{rows}</table></section>'
+
+
 def render_html(report: dict, history: dict) -> str:
     """Render the report and the ring-buffer history as one self-contained HTML document."""
     report = report if isinstance(report, dict) else {}
@@ -394,7 +410,7 @@ def render_html(report: dict, history: dict) -> str:
 <style>{STYLE}</style></head>
 <body><main>
 <h1>nanreplay report</h1><div class="meta">{meta} · {_e(_get(report, "format"))}</div>
-{_ranks(report)}{_verdict(report)}
+{_ranks(report)}{_verdict(report)}{_details(report)}
 <h2>Ring buffer ({len(_list(history.get("steps")))} recorded steps)</h2><section>{ring}</section>
 <h2>Origin</h2>{_origin(report)}
 <h2>Precursors</h2>{_precursors(report)}

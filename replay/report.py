@@ -60,8 +60,7 @@ def to_text(report: dict[str, Any]) -> str:
     lines += _origin_lines(report)
     lines += _cause_lines(report)
     lines += window_lines(report) + what_if_lines(report)
-    for p in report.get("problems", []):
-        lines.append(f"  note       {p}")
+    lines += _note_lines(report)
     pre = report.get("precursors", [])
     if pre:
         lines.append("  precursors")
@@ -70,6 +69,26 @@ def to_text(report: dict[str, Any]) -> str:
         if len(pre) > 10:
             lines.append(f"    ... {len(pre) - 10} more")
     return "\n".join(lines)
+
+
+# the text report's labels that the HTML page shows as they are (its other lines have a section)
+DETAIL_LABELS = ("entered", "read by", "fidelity", "recorded", "anomaly", "coupled", "note")
+
+
+def detail_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, text) of the text report's lines that say more than the origin, the chain, the
+    samples, the cause and the sections the HTML page draws: where the value entered, who read
+    corrupted weights, a replay that ran differently from the recorded step, a compiled call
+    replayed eagerly, anomaly mode's node, coupled rows, and the notes (a stripped bundle, a
+    loss not called through ``rec.loss_fn``, ...), worded as the text report words them."""
+    origin = isinstance(report.get("origin"), dict) and isinstance(report.get("event"), dict)
+    lines = (_origin_lines(report) if origin else []) + _note_lines(report)
+    pairs = [(line[:13].strip(), line[13:]) for line in lines]  # "  label      text"
+    return [(label, text) for label, text in pairs if label in DETAIL_LABELS]
+
+
+def _note_lines(report: dict[str, Any]) -> list[str]:
+    return [f"  note       {p}" for p in report.get("problems", [])]
 
 
 def rank_lines(report: dict[str, Any]) -> list[str]:

@@ -128,6 +128,12 @@ def test_html_of_a_stripped_copy_shows_the_same_history(recorded, in_examples, t
     page = share.read_text(encoding="utf-8")
     assert cells(page) == cells(full.read_text(encoding="utf-8")) != {}
     assert "not re-run (batch and weights stripped)" in section_text(page, "verdict")
+    # the page says why, as the text report does, and Chromium shows it
+    note = "notethe batch and the weights were stripped from this bundle"
+    assert note in section_text(page, "notes")
+    assert 'id="notes"' not in full.read_text(encoding="utf-8")  # (the full one has none)
+    dom = run_chromium(share.as_uri(), "--dump-dom", profile=tmp_path / "profile")
+    assert note in section_text(dom, "notes")
     els = Elements(page)
     for pid in ("plot-loss", "plot-grad-norm", "plot-lr"):
         assert els.find("path", "series", pid), pid

@@ -130,6 +130,27 @@ def test_verdict_of_an_evaluation_forward() -> None:
     assert "(call 0) in an evaluation forward before step 6 — cause: invalid." in verdict
 
 
+def test_notes_show_the_text_reports_other_lines() -> None:
+    # what the text report says beyond the verdict and the origin: who read the corrupted
+    # weights, a replay that ran differently, the notes; a bundle's strings stay escaped
+    report = make_report(
+        origin={"phase": "weights", "module": "emb", "op": "aten.embedding",
+                "params": ["emb.weight"], "coupled": [5, 9], "samples": [5],
+                "anomaly_node": "EmbeddingBackward0"},
+        problems=["the loss was not called through rec.loss_fn", EVIL])
+    page = render_html(report, make_history())
+    notes = section_text(page, "notes")
+    for label, line in (("read by", "aten.embedding in emb, first in the forward"),
+                        ("anomaly", "detect_anomaly names EmbeddingBackward0"),
+                        ("note", "the loss was not called through rec.loss_fn"),
+                        ("note", EVIL)):
+        assert f"{label}{line}" in notes, notes
+    assert EVIL not in page  # (escaped)
+    assert "coupled[9]: the loss combines" in notes
+    # a report without any of them has no notes section
+    assert 'id="notes"' not in render_html(make_report(), make_history())
+
+
 def test_strings_are_escaped() -> None:
     attr = '" onmouseover="alert(2)'
     report = make_report(
