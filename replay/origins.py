@@ -19,6 +19,7 @@ from . import outside
 from .backward import find_backward_origin
 from .cause import Cause, classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, eps0_text, inf_arith
+from .copied_rows import recause
 from .coupled import coupled_rows
 from .dropped_grads import finite_params_note
 from .findings import finish, origin_fields
@@ -117,6 +118,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
             return probed_report(report, step, _backward_fields(b), b)
         cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                          underflowed=b.positive_input, dtype=b.dtype)
+        cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
         cause.hint = pole_hint(b, cause)
         return finish(report, {**_backward_fields(b), "phase": "loss"}, cause.name,
                       reproduced=step.event.get("phase") == "loss", hint=cause.hint)
@@ -367,6 +369,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                      underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype,
                      hit=b.hook.op if b.hook is not None else None)
+    cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
     cause.hint = pole_hint(b, cause)
     if b.hook is not None:
         cause.hint = hook_hint(b, cause.hint)
