@@ -133,11 +133,18 @@ class DeepClusterHead(nn.Module):
         return self.prototypes(z) / self.temperature
 
 
-def deepcluster_centroids(emb, assignments, k: int):
-    """swav's centroid update without its ``mask = counts > 0`` guard."""
+def deepcluster_centroids(emb, assignments, old, guard: bool = True):
+    """swav's centroid update: an empty cluster keeps its old centroid (``mask = counts >
+    0``); without ``guard``, ``emb_sums / counts`` is 0/0 there."""
+    k = old.shape[0]
     emb_sums = torch.zeros(k, emb.shape[1]).index_add_(0, assignments, emb)
     counts = torch.bincount(assignments, minlength=k)
-    return F.normalize(emb_sums / counts.unsqueeze(1), dim=1)
+    if not guard:
+        return F.normalize(emb_sums / counts.unsqueeze(1), dim=1)
+    mask = counts > 0
+    centroids = old.clone()
+    centroids[mask] = emb_sums[mask] / counts[mask].unsqueeze(1)
+    return F.normalize(centroids, dim=1)
 
 
 def make_deepcluster():
@@ -218,7 +225,7 @@ class DirichletVAE(nn.Module):
 
     def forward(self, bow):
         alpha = F.softplus(self.alpha_fc(self.encoder(bow)))
-        posterior = Dirichlet(alpha, validate_args=False)
+        posterior = Dirichlet(alpha)
         theta = posterior.rsample()
         log_recon = F.log_softmax(self.beta(theta), dim=1)
         kl = kl_divergence(posterior, Dirichlet(self.prior_alpha))

@@ -88,3 +88,84 @@ def test_healthy_idec_with_kmeans_centres_has_no_event(tmp_path):
     model = train_idec(tmp_path, "make_idec")
     assert not list(tmp_path.glob("*.nan"))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# DeepCluster-v2
+
+
+def train_deepcluster(out_dir, empty_epoch: int, balanced: bool = False, guard: bool = False,
+                      epochs: int = 3):
+    """swav's ``main_deepclusterv2.py`` loop: each epoch assigns the embeddings to the nearest
+    prototype and trains on those pseudo-labels; ``balanced`` weights the cross-entropy by the
+    inverse cluster sizes (set in the criterion in place), else the prototypes are reset to the
+    clusters' centroids. At ``empty_epoch`` the assignment leaves the last cluster empty;
+    ``guard``: the empty clusters handled as swav does (their old centroid, a count of 1)."""
+    model = M.make_deepcluster()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-6)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
+    X, _ = M.blobs(torch.Generator().manual_seed(0), 24)
+    criterion = torch.nn.CrossEntropyLoss(weight=torch.ones(M.CLUSTERS))
+    with recorded(out_dir, "make_deepcluster", model, opt, criterion):
+        for epoch in range(epochs):
+            with torch.no_grad():
+                emb = torch.nn.functional.normalize(model.backbone(X), dim=1)
+                labels = torch.cdist(emb, model.prototypes.weight).argmin(1)
+                if epoch == empty_epoch:
+                    labels = labels.clamp_max(M.CLUSTERS - 2)  # no point chose the last one
+                if balanced:
+                    counts = torch.bincount(labels, minlength=M.CLUSTERS).float()
+                    w = 1.0 / (counts.clamp_min(1) if guard else counts)
+                    criterion.weight.copy_(w / w.sum())
+                else:
+                    model.prototypes.weight.copy_(M.deepcluster_centroids(
+                        emb, labels, model.prototypes.weight, guard))
+            for i in range(0, len(X), M.BATCH):
+                loss = criterion(model(X[i:i + M.BATCH]), labels[i:i + M.BATCH])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            sched.step()
+    return model
+
+
+def test_class_weights_of_an_empty_cluster_name_the_loss_weight_not_the_inputs(tmp_path):
+    # 1 / count is inf for the empty cluster, w / w.sum() is inf / inf: the criterion's weight
+    # buffer holds NaN from the epoch's start, and nll_loss's weighted mean is NaN
+    with pytest.raises(NonFiniteError) as info:
+        train_deepcluster(tmp_path, empty_epoch=1, balanced=True)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    # (was: no op, "invalid", "check the loss inputs (targets out of range, log of zero
+    # probabilities)": the model output and targets were fine, the weight was not)
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"]) == (
+        True, "weights", "<loss>", "aten.nll_loss_forward"), rep
+    hint = rep["hint"]
+    assert "the loss's 'weight' holding nan" in hint and "index 0, 2" in hint, hint
+    assert "count.clamp_min(1)" in hint, hint
+
+
+def test_centroid_of_an_empty_cluster_written_into_the_prototypes(tmp_path):
+    # swav's centroid update without its counts > 0 mask: emb_sums / counts is 0/0 for the
+    # empty cluster, and its NaN row is copied into the prototypes between two steps
+    with pytest.raises(NonFiniteError) as info:
+        train_deepcluster(tmp_path, empty_epoch=1)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "weights")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["param"]) == (
+        True, "weights", "prototypes", "prototypes.weight"), rep
+    hint = rep["hint"]
+    assert "the loop wrote it between that update and step 3" in hint, hint
+    assert "clamp the count to at least 1" in hint and "row(s) 2 of 3" in hint, hint
+
+
+def test_healthy_deepcluster_epochs_have_no_event(tmp_path):
+    # the same epochs, with the empty cluster handled: no false event
+    for balanced in (False, True):
+        model = train_deepcluster(tmp_path, empty_epoch=1, balanced=balanced, guard=True)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not list(tmp_path.glob("*.nan"))
