@@ -19,8 +19,9 @@ the factories of ``test_deep_clustering.py``.
   variant of pyro's ProdLDA): the encoder's concentration ``softplus(fc(h))``, ``theta``
   from ``Dirichlet(alpha).rsample()`` (Gamma rsample), the KL to the prior by
   ``torch.distributions.kl_divergence`` (lgamma and digamma).
-- ``ETM``: adjidieng/ETM (``etm.py``/``main.py``): the loop normalises each bag of words by its
-  length (``bows / sums``) before the encoder, the KL of a Gaussian in ``logsigma.exp()``.
+- ``ETM``: adjidieng/ETM (``etm.py``/``main.py``): each bag of words normalised by its length
+  (``bows / sums``, ``bow_norm``) for the encoder, by the loop or in ``forward`` (which also
+  takes the bags as sparse rows), the KL of a Gaussian in ``logsigma.exp()``.
 """
 
 from __future__ import annotations
@@ -265,7 +266,11 @@ class ETM(nn.Module):
         z = torch.randn_like(std).mul_(std).add_(mu_theta) if self.training else mu_theta
         return F.softmax(z, dim=-1), kl_theta
 
-    def forward(self, bows, normalized_bows):
+    def forward(self, bows, normalized_bows=None):
+        if bows.is_sparse:  # (a large vocabulary's bags of words, collated as sparse rows)
+            bows = bows.to_dense()
+        if normalized_bows is None:  # main.py's bow_norm, done in the model
+            normalized_bows = bows / bows.sum(1, keepdim=True)
         theta, kld_theta = self.encode(normalized_bows)
         beta = F.softmax(self.alphas(self.rho.weight), dim=0).transpose(1, 0)
         preds = torch.log(torch.mm(theta, beta) + 1e-6)

@@ -4,6 +4,9 @@ trained under the recorder until a planted bug fires, then replayed with the CLI
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import deep_clustering_models as M
@@ -169,3 +172,41 @@ def test_healthy_deepcluster_epochs_have_no_event(tmp_path):
         model = train_deepcluster(tmp_path, empty_epoch=1, balanced=balanced, guard=True)
         assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not list(tmp_path.glob("*.nan"))
+
+
+# --------------------------------------------------------------------------------------------
+# topic models
+
+
+def sparse_bows(batch: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(batch).to_sparse()
+
+
+def test_empty_document_in_a_sparse_batch_is_named_and_the_replay_is_quiet(tmp_path):
+    # ETM's bow_norm in forward: a blank document (every count 0) is 0/0; the batch comes as
+    # sparse rows, which the replay rebuilds
+    data = M.corpus(torch.Generator().manual_seed(0), 40, empty=[21])
+    loader = DataLoader(data, batch_size=M.BATCH, collate_fn=sparse_bows)
+    model = M.make_etm()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3, weight_decay=1.2e-6)
+    with pytest.raises(NonFiniteError) as info, recorded(tmp_path, "make_etm", model, opt):
+        for bows in loader:
+            recon_loss, kld_theta = model(bows)
+            loss = recon_loss + kld_theta
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+            opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "forward")
+    # the command a user runs, in a process of its own: its stderr holds no torch warning
+    # (was: "Sparse invariant checks are implicitly disabled ...", from rebuilding the batch)
+    done = subprocess.run([sys.executable, "-m", "replay", str(err.bundle_path), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    rep = json.loads(done.stdout)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
+        True, "invalid", "", "aten.div", [5]), rep
+    assert o["source"] == line_of("normalized_bows = bows / bows.sum(1"), o["source"]
+    assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
