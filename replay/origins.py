@@ -137,9 +137,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     # no op made the value from finite inputs: the loss folded in an infinity that the model
     # output was allowed to hold (a -inf mask under allow_inf); name the reduction that did
     held = non_finite_loss_state(step.loss_fn)
-    # (a buffer's NaN that the loss's own op takes with the model output: a class weight)
-    hit = finder.blamed() or finder.first_reduced or (
-        (finder.first_held or finder.first_met) if held else None)
+    hit = finder.blamed() or finder.first_reduced or (  # (first_met: a loss buffer's NaN
+        (finder.first_held or finder.first_met) if held else None)  # met the model output)
     if hit is None and (term := report_term_arg(report, step, mb)) is not None:
         return term  # (a penalty the loop made of the weights, given to the loss: passed on)
     if hit is finder.first_nan and hit and not finder.first and not finder.intentional:
