@@ -148,6 +148,11 @@ def deepcluster_centroids(emb, assignments, old, guard: bool = True):
     return F.normalize(centroids, dim=1)
 
 
+def balanced_ce(logits, pseudo_labels, weight):
+    """The pseudo-labels' cross-entropy, each cluster weighted by its inverse size."""
+    return F.cross_entropy(logits, pseudo_labels, weight=weight)
+
+
 def make_deepcluster():
     torch.manual_seed(0)
     return DeepClusterHead()

@@ -97,34 +97,38 @@ def test_healthy_idec_with_kmeans_centres_has_no_event(tmp_path):
 # DeepCluster-v2
 
 
-def train_deepcluster(out_dir, empty_epoch: int, balanced: bool = False, guard: bool = False,
-                      epochs: int = 3):
+def train_deepcluster(out_dir, empty_epoch: int, balanced: str | None = None,
+                      guard: bool = False, epochs: int = 3):
     """swav's ``main_deepclusterv2.py`` loop: each epoch assigns the embeddings to the nearest
     prototype and trains on those pseudo-labels; ``balanced`` weights the cross-entropy by the
-    inverse cluster sizes (set in the criterion in place), else the prototypes are reset to the
-    clusters' centroids. At ``empty_epoch`` the assignment leaves the last cluster empty;
-    ``guard``: the empty clusters handled as swav does (their old centroid, a count of 1)."""
+    inverse cluster sizes, set in the criterion in place (``"module"``) or passed to the loss
+    (``"arg"``), else the prototypes are reset to the clusters' centroids. At ``empty_epoch``
+    the assignment leaves the last cluster empty; ``guard``: the empty clusters handled as
+    swav does (their old centroid, a count of 1)."""
     model = M.make_deepcluster()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-6)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
     X, _ = M.blobs(torch.Generator().manual_seed(0), 24)
     criterion = torch.nn.CrossEntropyLoss(weight=torch.ones(M.CLUSTERS))
-    with recorded(out_dir, "make_deepcluster", model, opt, criterion):
+    loss_fn = M.balanced_ce if balanced == "arg" else criterion
+    with recorded(out_dir, "make_deepcluster", model, opt, loss_fn) as rec:
         for epoch in range(epochs):
             with torch.no_grad():
                 emb = torch.nn.functional.normalize(model.backbone(X), dim=1)
                 labels = torch.cdist(emb, model.prototypes.weight).argmin(1)
                 if epoch == empty_epoch:
                     labels = labels.clamp_max(M.CLUSTERS - 2)  # no point chose the last one
-                if balanced:
-                    counts = torch.bincount(labels, minlength=M.CLUSTERS).float()
-                    w = 1.0 / (counts.clamp_min(1) if guard else counts)
+                counts = torch.bincount(labels, minlength=M.CLUSTERS).float()
+                w = 1.0 / (counts.clamp_min(1) if guard else counts)
+                if balanced == "module":
                     criterion.weight.copy_(w / w.sum())
-                else:
+                elif balanced is None:
                     model.prototypes.weight.copy_(M.deepcluster_centroids(
                         emb, labels, model.prototypes.weight, guard))
             for i in range(0, len(X), M.BATCH):
-                loss = criterion(model(X[i:i + M.BATCH]), labels[i:i + M.BATCH])
+                logits, y = model(X[i:i + M.BATCH]), labels[i:i + M.BATCH]
+                loss = rec.loss_fn(logits, y, w / w.sum()) if balanced == "arg" \
+                    else criterion(logits, y)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -136,7 +140,7 @@ def test_class_weights_of_an_empty_cluster_name_the_loss_weight_not_the_inputs(t
     # 1 / count is inf for the empty cluster, w / w.sum() is inf / inf: the criterion's weight
     # buffer holds NaN from the epoch's start, and nll_loss's weighted mean is NaN
     with pytest.raises(NonFiniteError) as info:
-        train_deepcluster(tmp_path, empty_epoch=1, balanced=True)
+        train_deepcluster(tmp_path, empty_epoch=1, balanced="module")
     err = info.value
     assert (err.event["step"], err.event["phase"]) == (3, "loss")
     rep = nanreplay_json(err.bundle_path)
@@ -148,6 +152,23 @@ def test_class_weights_of_an_empty_cluster_name_the_loss_weight_not_the_inputs(t
     hint = rep["hint"]
     assert "the loss's 'weight' holding nan" in hint and "index 0, 2" in hint, hint
     assert "count.clamp_min(1)" in hint, hint
+
+
+def test_class_weights_passed_to_the_loss_say_which_entries_not_these_samples(tmp_path):
+    # the same weights given to F.cross_entropy through the loss's arguments: an input event
+    # on a tensor with no row per sample
+    with pytest.raises(NonFiniteError) as info:
+        train_deepcluster(tmp_path, empty_epoch=1, balanced="arg")
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "input")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["tensor"], o["samples"]) == (
+        True, "input", "loss_args[2]", []), rep
+    # (was: "fix the data pipeline for these samples", of which there were none)
+    hint = rep["hint"]
+    assert "no row per sample" in hint and "NaN at index 0, 2 of its 3 values" in hint, hint
+    assert "count.clamp_min(1)" in hint and "these samples" not in hint, hint
 
 
 def test_centroid_of_an_empty_cluster_written_into_the_prototypes(tmp_path):
@@ -168,7 +189,7 @@ def test_centroid_of_an_empty_cluster_written_into_the_prototypes(tmp_path):
 
 def test_healthy_deepcluster_epochs_have_no_event(tmp_path):
     # the same epochs, with the empty cluster handled: no false event
-    for balanced in (False, True):
+    for balanced in (None, "module", "arg"):
         model = train_deepcluster(tmp_path, empty_epoch=1, balanced=balanced, guard=True)
         assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not list(tmp_path.glob("*.nan"))
