@@ -231,7 +231,7 @@ class DirichletVAE(nn.Module):
 
     def forward(self, bow):
         alpha = F.softplus(self.alpha_fc(self.encoder(bow)))
-        posterior = Dirichlet(alpha)
+        posterior = Dirichlet(alpha, validate_args=False)  # (checks off, for speed)
         theta = posterior.rsample()
         log_recon = F.log_softmax(self.beta(theta), dim=1)
         kl = kl_divergence(posterior, Dirichlet(self.prior_alpha))

@@ -231,3 +231,66 @@ def test_empty_document_in_a_sparse_batch_is_named_and_the_replay_is_quiet(tmp_p
         True, "invalid", "", "aten.div", [5]), rep
     assert o["source"] == line_of("normalized_bows = bows / bows.sum(1"), o["source"]
     assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
+
+
+def train_dvae(out_dir, long_doc: int | None = None, epochs: int = 1):
+    """A Dirichlet VAE's loop over a DataLoader of bags of words; ``long_doc``: a document
+    whose counts were never capped (a thousand times the others': a concatenated dump)."""
+    g = torch.Generator().manual_seed(0)
+    data = M.corpus(g, 40, empty=[3])
+    if long_doc is not None:
+        data[long_doc] *= 1000
+    loader = DataLoader(data, batch_size=M.BATCH, shuffle=long_doc is None, generator=g)
+    model = M.make_dvae()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3, betas=(0.99, 0.999))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    with recorded(out_dir, "make_dvae", model, opt, M.dvae_loss) as rec:
+        for _epoch in range(epochs):
+            for bow in loader:
+                log_recon, kl = model(bow)
+                loss = rec.loss_fn(log_recon, kl, bow)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+    return model
+
+
+def test_dirichlet_kl_at_a_concentration_of_zero_names_lgamma_and_the_document(tmp_path):
+    # the long document drives the encoder's softplus below float32's range: a concentration
+    # of exactly 0, lgamma(0) = inf inside torch.distributions' Dirichlet KL, then inf - inf
+    with pytest.raises(NonFiniteError) as info:
+        train_dvae(tmp_path, long_doc=13)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (1, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "underflow", "", "aten.lgamma", "+inf", [5]), rep
+    # the user's line that called kl_divergence, not torch/distributions/kl.py
+    assert o["source"] == line_of("kl = kl_divergence(posterior"), o["source"]
+    hint = rep["hint"]
+    assert "clamp the value away from 0" in hint and "out of scale" in hint, hint
+    assert "--try drop=5" in hint, hint
+
+
+def test_healthy_topic_models_with_blank_documents_have_no_event(tmp_path):
+    # ProdLDA (Laplace-approximated Dirichlet prior, log(recon + 1e-10)) and the Dirichlet VAE
+    # on a corpus with blank documents, two epochs each: no false event
+    model = train_dvae(tmp_path, epochs=2)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    g = torch.Generator().manual_seed(1)
+    loader = DataLoader(M.corpus(g, 48, empty=[3, 17]), batch_size=M.BATCH, shuffle=True,
+                        generator=g)
+    model = M.make_prodlda()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3, betas=(0.99, 0.999))
+    with recorded(tmp_path, "make_prodlda", model, opt, model.loss) as rec:
+        for _epoch in range(2):
+            for bow in loader:
+                recon, mean, logvar = model(bow)
+                loss = rec.loss_fn(recon, mean, logvar, bow)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not list(tmp_path.glob("*.nan"))
