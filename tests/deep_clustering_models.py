@@ -7,6 +7,9 @@ the factories of ``test_deep_clustering.py``.
   ``p = q^2 / f`` with cluster frequency ``f = q.sum(0)``, and ``KL(p || q)`` through
   ``F.kl_div(q.log(), p)``. Centres come from a k-means on the embeddings written the way
   subhadarship/kmeans_pytorch writes it (``X[choice == k].mean(0)``).
+- ``SoftKMeansAssignment``: MaziarMF/deep-k-means (DKM): ``softmax(-alpha * |z - mu|^2)``
+  with ``alpha`` annealed, trained here with DEC's target as pt-dec's loop does (``dec.py``:
+  ``loss_function(output.log(), target)``, the log taken by the loop).
 - ``DeepClusterHead``: facebookresearch/swav ``main_deepclusterv2.py``: prototypes (a bias-free
   ``nn.Linear``) reset to the k-means centroids ``emb_sums / counts`` each epoch, pseudo-labels
   the cross-entropy of ``prototypes(normalize(z)) / temperature`` is trained on.
@@ -71,11 +74,26 @@ class ClusterAssignment(nn.Module):
         return numerator / torch.sum(numerator, dim=1, keepdim=True)
 
 
+class SoftKMeansAssignment(nn.Module):
+    """MaziarMF/deep-k-means' soft assignment: ``softmax(-alpha * |z - mu|^2)``, with
+    ``alpha`` annealed upward by the loop until the assignment is all but hard."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = 1.0
+        self.cluster_centers = nn.Parameter(torch.randn(CLUSTERS, EMBED))
+
+    def forward(self, z):
+        dist = torch.sum((z.unsqueeze(1) - self.cluster_centers) ** 2, 2)
+        return F.softmax(-self.alpha * dist, dim=1)
+
+
 class IDEC(nn.Module):
-    def __init__(self, alpha: float = 1.0, euclidean: bool = False):
+    def __init__(self, alpha: float = 1.0, euclidean: bool = False, soft_kmeans: bool = False):
         super().__init__()
         self.ae = AE()
-        self.assignment = ClusterAssignment(alpha, euclidean)
+        self.assignment = SoftKMeansAssignment() if soft_kmeans else \
+            ClusterAssignment(alpha, euclidean)
 
     def forward(self, x):
         x_bar, z = self.ae(x)
@@ -105,6 +123,11 @@ def kmeans(X, num_clusters: int, iters: int = 5):
 def make_idec():
     torch.manual_seed(0)
     return IDEC()
+
+
+def make_dkm():
+    torch.manual_seed(0)
+    return IDEC(soft_kmeans=True)
 
 
 def make_idec_euclidean():

@@ -12,6 +12,7 @@ from pathlib import Path
 import deep_clustering_models as M
 import pytest
 import torch
+import torch.nn.functional as F
 from bundles import nanreplay_json
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -91,6 +92,38 @@ def test_healthy_idec_with_kmeans_centres_has_no_event(tmp_path):
     model = train_idec(tmp_path, "make_idec")
     assert not list(tmp_path.glob("*.nan"))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_loops_log_of_an_underflowed_soft_assignment_is_underflow_not_a_mask(tmp_path):
+    # pt-dec's loop gives KLDivLoss output.log(): as DKM's alpha anneals up, a far cluster's
+    # softmax underflows to 0, its log is -inf, its target 0, and kl_div's 0 * inf is NaN
+    model = M.make_dkm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    X, _ = M.blobs(torch.Generator().manual_seed(0), 32)
+    loader = DataLoader(X, batch_size=M.BATCH)
+    kl = torch.nn.KLDivLoss(reduction="batchmean")
+    with pytest.raises(NonFiniteError) as info, recorded(tmp_path, "make_dkm", model, opt, kl) \
+            as rec:
+        for epoch in range(3):
+            for step, x in enumerate(loader):
+                model.assignment.alpha = 10 ** ((4 * epoch + step) / 2)  # the annealing
+                x_bar, q = model(x)
+                p = M.target_distribution(q).detach()
+                loss = rec.loss_fn(q.log(), p) + F.mse_loss(x_bar, x)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        True, "<loss>", "aten.mul", [1, 4, 7]), rep
+    # (was: invalid, "an infinity put in on purpose (a mask...)": nobody masked anything)
+    assert rep["cause"] == "underflow", rep
+    hint = rep["hint"]
+    assert "loss_args[0] is the log of model output 1" in hint, hint
+    assert "log_softmax" in hint and "mask" not in hint and "out of scale" not in hint, hint
 
 
 # --------------------------------------------------------------------------------------------
