@@ -219,7 +219,8 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     if cols := _whole_columns(step, origin, key):
         return WHOLE_COLUMNS.format(tensor=tensor, cols=cols)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
-        if shared := shared_loss_arg_hint(step, origin, samples(step, origin.get("micro_batch") or 0)):
+        where = samples(step, origin.get("micro_batch") or 0)
+        if shared := shared_loss_arg_hint(step, origin, where):  # (class weights, no rows)
             return shared
         kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}.get(origin.get("made"), "NaN/Inf")
         rows, n = origin.get("samples") or [], batch_size(step, origin.get("micro_batch") or 0)

@@ -6,22 +6,25 @@ the factories of ``test_deep_clustering.py``.
   ``q = (1 + |z - mu|^2 / alpha) ^ -((alpha + 1) / 2)``, rows normalised; the target
   ``p = q^2 / f`` with cluster frequency ``f = q.sum(0)``, and ``KL(p || q)`` through
   ``F.kl_div(q.log(), p)``. Centres come from a k-means on the embeddings written the way
-  subhadarship/kmeans_pytorch writes it (``X[choice == k].mean(0)``).
+  subhadarship/kmeans_pytorch writes it (``X[choice == k].mean(0)``). ``euclidean`` keeps the
+  distances as ``torch.sqrt`` of the summed squares (squared again for the kernel), as code
+  sharing a distance helper with a DCN-style k-means loss does.
 - ``SoftKMeansAssignment``: MaziarMF/deep-k-means (DKM): ``softmax(-alpha * |z - mu|^2)``
   with ``alpha`` annealed, trained here with DEC's target as pt-dec's loop does (``dec.py``:
   ``loss_function(output.log(), target)``, the log taken by the loop).
 - ``DeepClusterHead``: facebookresearch/swav ``main_deepclusterv2.py``: prototypes (a bias-free
-  ``nn.Linear``) reset to the k-means centroids ``emb_sums / counts`` each epoch, pseudo-labels
-  the cross-entropy of ``prototypes(normalize(z)) / temperature`` is trained on.
+  ``nn.Linear``) reset to the k-means centroids ``emb_sums / counts`` each epoch (an empty
+  cluster keeps its old one: ``mask = counts > 0``), pseudo-labels the cross-entropy of
+  ``prototypes(normalize(z)) / temperature`` is trained on, optionally class-balanced.
 - ``ProdLDA``: hyqneuron/pytorch-avitm (``pytorch_model.py``) and pyro's ProdLDA example: the
   encoder gives the mean and log-variance of a logistic normal whose prior is the Laplace
   approximation of a Dirichlet(``alpha``), ``theta = softmax(mu + sigma * eps)``, the
   product-of-experts decoder ``softmax(bn(beta(theta)))``, the reconstruction
-  ``-(bow * log(recon)).sum(1)``.
+  ``-(bow * log(recon + 1e-10)).sum(1)``.
 - ``DirichletVAE``: the Dirichlet-VAE topic models (Burkhardt & Kramer's DVAE, the Dirichlet
   variant of pyro's ProdLDA): the encoder's concentration ``softplus(fc(h))``, ``theta``
-  from ``Dirichlet(alpha).rsample()`` (Gamma rsample), the KL to the prior by
-  ``torch.distributions.kl_divergence`` (lgamma and digamma).
+  from ``Dirichlet(alpha, validate_args=False).rsample()`` (Gamma rsample), the KL to the
+  prior by ``torch.distributions.kl_divergence`` (lgamma and digamma).
 - ``ETM``: adjidieng/ETM (``etm.py``/``main.py``): each bag of words normalised by its length
   (``bows / sums``, ``bow_norm``) for the encoder, by the loop or in ``forward`` (which also
   takes the bags as sparse rows), the KL of a Gaussian in ``logsigma.exp()``.
@@ -135,12 +138,6 @@ def make_idec_euclidean():
     return IDEC(euclidean=True)
 
 
-def make_idec_dof():
-    """``alpha = d - 1`` degrees of freedom (the DEC paper's suggestion for d-dim embeddings)."""
-    torch.manual_seed(0)
-    return IDEC(alpha=float(EMBED * 4 - 1))
-
-
 # --------------------------------------------------------------------------------------------
 # DeepCluster-v2
 
@@ -186,7 +183,7 @@ def make_deepcluster():
 
 
 class ProdLDA(nn.Module):
-    def __init__(self, alpha: float = 1.0, eps_in_log: bool = True):
+    def __init__(self, alpha: float = 1.0):
         super().__init__()
         self.en1_fc = nn.Linear(VOCAB, HIDDEN)
         self.en2_fc = nn.Linear(HIDDEN, HIDDEN)
@@ -198,7 +195,6 @@ class ProdLDA(nn.Module):
         self.p_drop = nn.Dropout(0.2)
         self.decoder = nn.Linear(TOPICS, VOCAB)
         self.decoder_bn = nn.BatchNorm1d(VOCAB)
-        self.eps_in_log = eps_in_log
         # the Laplace approximation of a symmetric Dirichlet(alpha) prior
         a = torch.full((1, TOPICS), alpha)
         prior_mean = (a.log().t() - a.log().mean(1)).t()
@@ -219,8 +215,7 @@ class ProdLDA(nn.Module):
         return recon, mean, logvar
 
     def loss(self, recon, mean, logvar, bow):
-        log_recon = (recon + 1e-10).log() if self.eps_in_log else recon.log()
-        nl = -(bow * log_recon).sum(1)
+        nl = -(bow * (recon + 1e-10).log()).sum(1)
         var = logvar.exp()
         var_division = var / self.prior_var
         diff = mean - self.prior_mean
@@ -233,11 +228,6 @@ class ProdLDA(nn.Module):
 def make_prodlda():
     torch.manual_seed(0)
     return ProdLDA()
-
-
-def make_prodlda_no_eps():
-    torch.manual_seed(0)
-    return ProdLDA(eps_in_log=False)
 
 
 # --------------------------------------------------------------------------------------------
