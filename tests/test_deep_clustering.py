@@ -218,6 +218,8 @@ def test_centroid_of_an_empty_cluster_written_into_the_prototypes(tmp_path):
     hint = rep["hint"]
     assert "the loop wrote it between that update and step 3" in hint, hint
     assert "clamp the count to at least 1" in hint and "row(s) 2 of 3" in hint, hint
+    # (was: only federated averages, model soups and EMA copies as the writers it names)
+    assert "k-means centroids" in hint and "an empty cluster's centroid" in hint, hint
 
 
 def test_healthy_deepcluster_epochs_have_no_event(tmp_path):
