@@ -6,6 +6,7 @@ nested one as its components padded into one tensor, and each is rebuilt from th
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -32,10 +33,17 @@ def rebuild_sparse(node: dict[str, Any], tensors: dict[str, torch.Tensor]) -> to
     def get(name: str) -> torch.Tensor:
         return tensors[node[name]["$t"]]
 
+    # check_invariants: a bundle's indices are read from a file, so out-of-range ones raise
+    # here rather than crash a kernel later; saying so also keeps torch from warning, on the
+    # replay's stderr, that the checks are "implicitly disabled"
     if node["$sparse"] == "coo":
         return torch.sparse_coo_tensor(get("indices"), get("values"), node["size"],
-                                       is_coalesced=bool(node.get("coalesced")))
-    return torch.sparse_csr_tensor(get("crow"), get("col"), get("values"), node["size"])
+                                       is_coalesced=bool(node.get("coalesced")),
+                                       check_invariants=True)
+    with warnings.catch_warnings():  # (torch's "CSR support is in beta state", once)
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(get("crow"), get("col"), get("values"), node["size"],
+                                       check_invariants=True)
 
 
 def nested_node(t: torch.Tensor, path: str, put) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .compat import sequence_nr
+from .copied_rows import CopiedRow, copied_row
 from .factors import at_tie
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
@@ -75,6 +76,7 @@ class BackwardOrigin:
     # a quotient's divisor that needs no gradient is 0 there (see replay.pole_hints)
     divisor_of_data: bool = False
     constant_zero_divisor: bool = False  # ... or is a scalar constant 0 (x / cap, cap = 0)
+    copied: CopiedRow | None = None  # a sqrt's 0 distance to a parameter row copied from it
 
 
 @contextlib.contextmanager
@@ -278,6 +280,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
                 found.lost_eps = guards.of(node)
                 found.divisor_of_data = divisor_of_data(node)
                 found.constant_zero_divisor = constant_zero_divisor(node)
+                found.copied = copied_row(node) if found.saved_zero == "0" else None
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
         handles.append(node.register_hook(hook))
 

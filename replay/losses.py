@@ -297,3 +297,16 @@ def non_finite_loss_state(loss_fn) -> str | None:
                            for i in bad.nonzero()[:3].tolist())
             return f"the loss's {name!r} holding {vals}" + (f" at index {at}" if at else "")
     return None
+
+
+def held_state_cause(cause, hit, held: str | None):
+    """``cause`` of a loss op ``hit``, or ``weights`` when the op took a non-finite tensor
+    of the loss's own (``held``: :func:`non_finite_loss_state`'s words) as the step began."""
+    if hit is None or hit.inputs_finite or held is None:
+        return cause
+    return type(cause)("weights", f"{hit.op} took {held}, as the step began: a value made "
+                       "before the step (class weights 1/count with a class absent from the "
+                       "counts: 1/0; an EWC Fisher normalised by its max, 0 for a parameter "
+                       "the task never used: 0/0), not by the loss; make it finite where it "
+                       "is made (count.clamp_min(1), a smoothing constant, f / f.max() only "
+                       "where f.max() > 0)")

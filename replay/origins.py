@@ -17,8 +17,9 @@ from recorder.inner_optim import put_state, state_items
 
 from . import outside
 from .backward import find_backward_origin
-from .cause import Cause, classify
+from .cause import classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, eps0_text, inf_arith
+from .copied_rows import recause
 from .coupled import coupled_rows
 from .dropped_grads import finite_params_note
 from .findings import finish, origin_fields
@@ -28,10 +29,11 @@ from .grad_hooks import hook_fields, hook_hint
 from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .lineage import Lineage
 from .load import Step, autocast_as_recorded, differentiates_model
+from .logged_output import logged_output_cause
 from .loss_args import loss_args, loss_samples
 from .loss_grad import node_in_loss, probed_report
 from .loss_maker import made_in_loss
-from .losses import non_finite_loss_state
+from .losses import held_state_cause, non_finite_loss_state
 from .masked_targets import watched_loss_rerun
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder
@@ -117,6 +119,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
             return probed_report(report, step, _backward_fields(b), b)
         cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                          underflowed=b.positive_input, dtype=b.dtype)
+        cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
         cause.hint = pole_hint(b, cause)
         return finish(report, {**_backward_fields(b), "phase": "loss"}, cause.name,
                       reproduced=step.event.get("phase") == "loss", hint=cause.hint)
@@ -135,7 +138,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     # no op made the value from finite inputs: the loss folded in an infinity that the model
     # output was allowed to hold (a -inf mask under allow_inf); name the reduction that did
     held = non_finite_loss_state(step.loss_fn)
-    hit = finder.blamed() or finder.first_reduced or (finder.first_held if held else None)
+    hit = finder.blamed() or finder.first_reduced or (  # (first_met: a loss buffer's NaN
+        (finder.first_held or finder.first_met) if held else None)  # met the model output)
     if hit is None and (term := report_term_arg(report, step, mb)) is not None:
         return term  # (a penalty the loop made of the weights, given to the loss: passed on)
     if hit is finder.first_nan and hit and not finder.first and not finder.intentional:
@@ -155,14 +159,9 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     if came_inside_objects(hit, args, kwargs, held) and (
             fwd := report_forward_behind_objects(report, step, runner, mb, hit)) is not None:
         return fwd
-    cause = classify(runner, "loss", hit=hit, micro_batch=mb)
-    if hit is not None and not hit.inputs_finite and held is not None:
-        cause = Cause("weights", f"{hit.op} took {held}, as the step began: a value made "
-                      "before the step (class weights 1/count with a class absent from the "
-                      "counts: 1/0; an EWC Fisher normalised by its max, 0 for a parameter "
-                      "the task never used: 0/0), not by the loss; make it finite where it "
-                      "is made (count.clamp_min(1), a smoothing constant, f / f.max() only "
-                      "where f.max() > 0)")
+    cause = held_state_cause(classify(runner, "loss", hit=hit, micro_batch=mb), hit, held)
+    if hit is not None and hit.from_mask:  # (or the loop's log of an output: q.log())
+        cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(cause.hint, cause.name, hit),
@@ -367,6 +366,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                      underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype,
                      hit=b.hook.op if b.hook is not None else None)
+    cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
     cause.hint = pole_hint(b, cause)
     if b.hook is not None:
         cause.hint = hook_hint(b, cause.hint)

@@ -72,7 +72,10 @@ def _row_magnitudes(step: Step, mb: int):
     # missing one would stand above an out-of-scale record)
     named = [(k, batch_path(raw, n_args), nan_allowed(step, root_input_name(raw)))
              for k, raw in (entry.get("paths") or {}).items()]
-    named += [(k, loss_path(raw), False) for k, raw in (entry.get("loss_paths") or {}).items()]
+    # (not a loss argument the loop made of the model output, q.log(): it is no data)
+    made = set(entry.get("loss_grad_args") or ())
+    named += [(k, loss_path(raw), False) for k, raw in (entry.get("loss_paths") or {}).items()
+              if k not in made]
     for key, name, missing in named:
         t = step.tensors.get(key)
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():

@@ -201,7 +201,8 @@ def _held_written_hint(step: Step, bad: list[str], names: str) -> str | None:
             f"{last} left {them} finite: the loop wrote {them} between that update and step {at} "
             "(weights it computed and loaded with load_state_dict or copy_: a federated "
             "round's average of the clients' state_dicts, a model soup or task-arithmetic "
-            "merge, an EMA or SWA average copied in; or an in-place edit)"
+            "merge, an EMA or SWA average copied in, k-means centroids set as a layer's "
+            "cluster centres or prototypes; or an in-place edit)"
             + (f"; {spread}" if spread else "") + ". Check that code, and each tensor it "
             "loads (torch.isfinite(t).all()) before loading it; skip a non-finite "
             "contribution, and resume from a checkpoint before it")
@@ -223,8 +224,9 @@ def _spread(step: Step, bad: list[str]) -> str | None:
     n_bad = int((~torch.isfinite(t)).sum())
     return (f"only some elements are non-finite ({n_bad} of {t.numel()} in {name}), as an "
             "element-wise division makes where its divisor is 0 there (a mean over the "
-            "contributions a mask kept, such as TIES-merging's disjoint mean, where none did: "
-            "clamp the count to at least 1) or a contribution non-finite in those elements")
+            "contributions a mask kept, such as TIES-merging's disjoint mean, or an empty "
+            "cluster's centroid sum / count, where none did: clamp the count to at least 1, "
+            "or keep the old centroid) or a contribution non-finite in those elements")
 
 
 def _other_optimizer_hint(step: Step, names: str, opt: dict[str, Any]) -> str:

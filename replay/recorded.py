@@ -35,6 +35,7 @@ from .cause_text import (
 )
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
+from .shared_loss_arg import shared_loss_arg_hint
 
 
 def samples(step: Step, i: int = 0) -> Samples:
@@ -218,6 +219,9 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
     if cols := _whole_columns(step, origin, key):
         return WHOLE_COLUMNS.format(tensor=tensor, cols=cols)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
+        where = samples(step, origin.get("micro_batch") or 0)
+        if shared := shared_loss_arg_hint(step, origin, where):  # (class weights, no rows)
+            return shared
         kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}.get(origin.get("made"), "NaN/Inf")
         rows, n = origin.get("samples") or [], batch_size(step, origin.get("micro_batch") or 0)
         every = LOSS_ARGUMENT_EVERY.format(kind=kind) if n and rows == list(range(n)) else ""
