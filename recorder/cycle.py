@@ -26,6 +26,7 @@ import torch
 from .alarm import Alarm
 from .buffers import BufferSnapshots
 from .compat import scaler_scale, scaler_token, version_of
+from .constraints import constraint_detail, constraint_reason
 from .errors import NonFiniteError
 from .events import anomaly_reason
 from .foreign import ForeignUpdates
@@ -405,15 +406,19 @@ class StepCycle:
 
 def _forced(tape: Tape, exc: BaseException, target: Target) -> str | None:
     """The event an exception forces even when the step's statistics are finite: anomaly
-    mode's NaN in backward, a decomposition that failed in the model or the loss (its error
-    kept for the event)."""
+    mode's NaN in backward, a decomposition that failed in the model or the loss, or a
+    distribution's check that refused a value there (its error kept for the event)."""
     if anomaly_reason(exc):
         return "anomaly"
-    if not linalg_reason(exc) or not raised_inside(
+    reason = linalg_reason(exc) or constraint_reason(exc)
+    if reason is None or not raised_inside(
             exc, [*(s.module for s in target.sites), target.loss_module()]):
         return None
-    note_error(tape, exc)
-    return "linalg"
+    if reason == "linalg":
+        note_error(tape, exc)
+    else:
+        tape.refused = constraint_detail(exc)
+    return reason
 
 
 def _read_probe(probe: torch.Tensor) -> tuple[bool, float, list[float]]:

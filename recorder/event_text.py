@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .constraints import constraint_summary
 from .finite import label
 from .linalg import linalg_summary
 from .missing import allow_nan_advice
@@ -14,6 +15,8 @@ def summary(event: dict[str, Any], path: Path | None) -> str:
     """The one-paragraph message of :class:`~recorder.NonFiniteError`."""
     if event.get("reason") == "linalg":
         return linalg_summary(event, path)
+    if event.get("reason") == "constraint":
+        return constraint_summary(event, path)
     where = ""
     if event.get("module") == "<loss>":
         where = f" Made in the loss of micro-batch {event.get('micro_batch')}."

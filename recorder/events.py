@@ -150,6 +150,8 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
             "reached a parameter"))
     if reason == "linalg":  # (the module and op are the replay's: no hook saw the raise)
         return Event(ev.tape.step, reason, phase="forward", detail=linalg_detail(ev.tape))
+    if reason == "constraint":  # (likewise: recorder.constraints)
+        return Event(ev.tape.step, reason, phase="forward", detail=ev.tape.refused)
     if reason in ("scale_collapse", "scale_skipping"):
         return Event(ev.tape.step, reason, phase="backward", kind="scale",
                      detail=f"GradScaler scale {ev.layout.scale} after skipping steps "
