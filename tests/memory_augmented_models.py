@@ -222,18 +222,25 @@ def make_memn2n_additive():
 class PointerAttention(nn.Module):
     """shiretzet/PointerNet ``Attention``: u = V . tanh(W1 e + W2 d), masked, softmax."""
 
-    def __init__(self, log_probs: bool = False):
+    def __init__(self, log_probs: bool = False, inf_param: bool = False):
         super().__init__()
         self.log_probs = log_probs
         self.input_linear = nn.Linear(PN_HID, PN_HID)
         self.context_linear = nn.Conv1d(PN_HID, PN_HID, 1)
         self.V = nn.Parameter(torch.rand(PN_HID) * 0.2 - 0.1)
+        # shiretzet/PointerNet keeps its mask value as a frozen parameter, written in with
+        # att[mask] = self.inf[mask]
+        self._inf = nn.Parameter(torch.tensor([float("-inf")]), requires_grad=False) \
+            if inf_param else None
 
     def forward(self, inp, context, mask):
         q = self.input_linear(inp)[:, :, None]
         ctx = self.context_linear(context.permute(0, 2, 1))
         att = (self.V[None, :, None] * torch.tanh(q + ctx)).sum(1)
-        att = att.masked_fill(~mask, float("-inf"))
+        if self._inf is not None:
+            att[~mask] = self._inf.expand_as(att)[~mask]
+        else:
+            att = att.masked_fill(~mask, float("-inf"))
         if self.log_probs:  # (the NLLLoss way: log-probabilities, -inf where masked)
             log_alpha = F.log_softmax(att, dim=1)
             return (ctx * log_alpha.exp()[:, None]).sum(2), log_alpha
@@ -245,12 +252,12 @@ class PointerNet(nn.Module):
     """Points at the input positions in order of value (the sorting task); ``lengths`` gives
     each sequence's true length in a zero-padded batch (B, T, 1)."""
 
-    def __init__(self, log_probs: bool = False):
+    def __init__(self, log_probs: bool = False, inf_param: bool = False):
         super().__init__()
         self.embedding = nn.Linear(1, PN_HID)
         self.encoder = nn.LSTM(PN_HID, PN_HID, batch_first=True)
         self.decoder = nn.LSTMCell(PN_HID, PN_HID)
-        self.attention = PointerAttention(log_probs)
+        self.attention = PointerAttention(log_probs, inf_param)
         self.decoder_input0 = nn.Parameter(torch.zeros(PN_HID).uniform_(-0.1, 0.1))
 
     def forward(self, x, lengths):
@@ -274,6 +281,11 @@ class PointerNet(nn.Module):
 def make_pointer_net():
     torch.manual_seed(0)
     return PointerNet()
+
+
+def make_pointer_net_inf_param():
+    torch.manual_seed(0)
+    return PointerNet(inf_param=True)
 
 
 def make_pointer_net_log_probs():

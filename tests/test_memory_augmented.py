@@ -173,25 +173,47 @@ def sort_batch(g, short: dict[int, int]):
     return x, lengths, x[..., 0].masked_fill(pad, 2.0).argsort(1)  # padding pointed at last
 
 
-def test_decoding_past_a_short_sequence_points_at_a_fully_masked_row(tmp_path):
-    # the decoder runs max-length steps and masks each position it pointed at: sequence 3 of
-    # step 2 has 4 values, so at decode step 4 every position is masked
-    model = M.make_pointer_net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+def train_pointer(out_dir, factory: str, short_at: int = 2):
+    """Five steps of Adam over the trainable parameters (shiretzet/PointerNet's
+    ``filter(lambda p: p.requires_grad, ...)``); sequence 3 of step ``short_at`` has 4 values.
+    The decoder runs max-length steps and masks each position it pointed at: at decode step 4
+    every position of that sequence is masked."""
+    model = getattr(M, factory)()
+    opt = torch.optim.Adam(filter(lambda p: p.requires_grad, model.parameters()), lr=1e-3)
     g = torch.Generator().manual_seed(0)
-    with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=M.pointer_loss, out_dir=tmp_path,
-                            factory="memory_augmented_models:make_pointer_net") as rec:
-            for step in range(5):
-                x, lengths, target = sort_batch(g, {3: 4} if step == 2 else {})
-                loss = rec.loss_fn(model(x, lengths), target, lengths)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-    assert (info.value.event["step"], info.value.event["phase"]) == (2, "forward")
-    rep = nanreplay_json(info.value.bundle_path)
+    with FlightRecorder(model, opt, loss_fn=M.pointer_loss, out_dir=out_dir,
+                        factory=f"memory_augmented_models:{factory}") as rec:
+        for step in range(5):
+            x, lengths, target = sort_batch(g, {3: 4} if step == short_at else {})
+            loss = rec.loss_fn(model(x, lengths), target, lengths)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def assert_decoded_past_the_end(err):
+    assert (err.event["step"], err.event["phase"]) == (2, "forward"), err.event
+    rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
-    assert (rep["cause"], o["module"], o["call"], o["op"], o["samples"]) == (
-        "invalid", "attention", 4, "aten._softmax", [3]), rep
+    assert (rep["cause"], o["phase"], o["module"], o["call"], o["op"], o["samples"]) == (
+        "invalid", "forward", "attention", 4, "aten._softmax", [3]), rep
     assert o["source"] == f"memory_augmented_models.py:{line_of('alpha = F.softmax(att')}"
     assert "fully masked row" in rep["hint"], rep["hint"]
+
+
+def test_decoding_past_a_short_sequence_points_at_a_fully_masked_row(tmp_path):
+    with pytest.raises(NonFiniteError) as info:
+        train_pointer(tmp_path, "make_pointer_net")
+    assert_decoded_past_the_end(info.value)
+
+
+def test_a_frozen_parameter_holding_the_mask_value_is_no_bad_weight(tmp_path):
+    # shiretzet/PointerNet: self._inf = Parameter(FloatTensor([-inf]), requires_grad=False),
+    # att[mask] = self.inf[mask]. The event was 'weights' (attention._inf, first seen at
+    # step 2) and the hint sent the user to an EMA update's momentum: the -inf is the mask
+    train_pointer(tmp_path / "healthy", "make_pointer_net_inf_param", short_at=-1)
+    assert not list((tmp_path / "healthy").glob("*.nan"))
+    with pytest.raises(NonFiniteError) as info:
+        train_pointer(tmp_path / "short", "make_pointer_net_inf_param")
+    assert info.value.event["params"] == [], info.value.event
+    assert_decoded_past_the_end(info.value)
