@@ -308,3 +308,88 @@ def pointer_loss(probs, target, lengths, eps=1e-10):
 
 def pointer_loss_no_eps(probs, target, lengths):
     return pointer_loss(probs, target, lengths, eps=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# pytorch-ntm's own loop: the state lives in the modules, one root forward per time step
+
+
+class NTMMemoryBank(nn.Module):
+    """pytorch-ntm ``NTMMemory``: the memory is an attribute, set by ``reset`` and rewritten by
+    every ``write``; ``address`` runs :class:`NTMMemory`'s addressing on it."""
+
+    def __init__(self, eps=DELTA):
+        super().__init__()
+        self.register_buffer("mem_bias", torch.empty(N_SLOTS, WORD))
+        stdev = 1 / (N_SLOTS + WORD) ** 0.5
+        nn.init.uniform_(self.mem_bias, -stdev, stdev)
+        self.addressing = NTMMemory(theta, eps)
+        self.memory = None
+
+    def reset(self, batch_size: int, zero: bool = False):
+        self.memory = (torch.zeros(batch_size, N_SLOTS, WORD) if zero
+                       else self.mem_bias.clone().repeat(batch_size, 1, 1))
+
+    def read(self, w):
+        return torch.matmul(w.unsqueeze(1), self.memory).squeeze(1)
+
+    def write(self, w, e, a):
+        self.prev_mem = self.memory
+        erase = torch.matmul(w.unsqueeze(-1), e.unsqueeze(1))
+        add = torch.matmul(w.unsqueeze(-1), a.unsqueeze(1))
+        self.memory = self.prev_mem * (1 - erase) + add
+
+    def forward(self, k, beta, g, s, gamma, w_prev):
+        return self.addressing(self.memory, k, beta, g, s, gamma, w_prev)
+
+
+class EncapsulatedNTM(nn.Module):
+    """pytorch-ntm ``EncapsulatedNTM``: ``init_sequence(batch)`` resets the memory and the
+    previous state; each call ``net(x)`` (``net()`` for an output step) is one time step."""
+
+    def __init__(self, eps=DELTA, zero_memory: bool = False):
+        super().__init__()
+        self.zero_memory = zero_memory  # the memory starts at zeros, as the DNC's does
+        self.controller = nn.LSTMCell(IN_BITS + WORD, CTRL)
+        self.read_head = NTMHead(write=False)
+        self.write_head = NTMHead(write=True)
+        self.memory = NTMMemoryBank(eps)
+        self.fc = nn.Linear(CTRL + WORD, IN_BITS)
+        self.batch_size, self.previous_state = None, None
+
+    def init_sequence(self, batch_size: int):
+        self.batch_size = batch_size
+        self.memory.reset(batch_size, self.zero_memory)
+        w0 = torch.zeros(batch_size, N_SLOTS)
+        self.previous_state = (torch.zeros(batch_size, WORD), torch.zeros(batch_size, CTRL),
+                               torch.zeros(batch_size, CTRL), w0, w0.clone())
+
+    def forward(self, x=None):
+        if x is None:
+            x = torch.zeros(self.batch_size, IN_BITS)
+        read, h, c, w_r, w_w = self.previous_state
+        h, c = self.controller(torch.cat([x, read], dim=1), (h, c))
+        w_r = self.memory(*self.read_head(h), w_r)
+        read = self.memory.read(w_r)
+        k, beta, g, s, gamma, erase, add = self.write_head(h)
+        w_w = self.memory(k, beta, g, s, gamma, w_w)
+        self.memory.write(w_w, erase, add)
+        self.previous_state = (read, h, c, w_r, w_w)
+        return torch.sigmoid(self.fc(torch.cat([h, read], dim=1))), self.previous_state
+
+
+def make_encapsulated_ntm():
+    torch.manual_seed(0)
+    return EncapsulatedNTM()
+
+
+def make_encapsulated_ntm_zeros_no_delta():
+    torch.manual_seed(0)
+    return EncapsulatedNTM(eps=0.0, zero_memory=True)
+
+
+def make_encapsulated_ntm_zeros_no_delta_ready():
+    """The same, in the state the loop puts it in before each sequence."""
+    model = make_encapsulated_ntm_zeros_no_delta()
+    model.init_sequence(4)
+    return model

@@ -217,3 +217,60 @@ def test_a_frozen_parameter_holding_the_mask_value_is_no_bad_weight(tmp_path):
         train_pointer(tmp_path / "short", "make_pointer_net_inf_param")
     assert info.value.event["params"] == [], info.value.event
     assert_decoded_past_the_end(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# pytorch-ntm's own loop: init_sequence, then one root forward per time step
+
+
+def train_encapsulated(out_dir, factory: str, steps: int = 3):
+    """pytorch-ntm ``train_batch``: ``net.init_sequence(B)``, ``net(X[i])`` for each input
+    step, ``y_out[i], _ = net()`` for each output step, ``BCELoss`` on the sigmoid outputs,
+    gradients clipped by value, RMSprop (its copy task's settings)."""
+    model = getattr(M, factory)()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-4, momentum=0.9, alpha=0.95)
+    crit = torch.nn.BCELoss()
+    g = torch.Generator().manual_seed(0)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory=f"memory_augmented_models:{factory}"):
+        for _ in range(steps):
+            seq = torch.randint(0, 2, (T, B, M.IN_BITS), generator=g).float()
+            x = torch.zeros(T + 1, B, M.IN_BITS)
+            x[:T], x[T, :, -1] = seq, 1.0  # the delimiter
+            opt.zero_grad()
+            model.init_sequence(B)
+            for i in range(T + 1):
+                model(x[i])
+            y_out = torch.zeros(seq.size())
+            for i in range(T):
+                y_out[i], _ = model()
+            loss = crit(y_out, seq)
+            loss.backward()
+            torch.nn.utils.clip_grad_value_(model.parameters(), 10)
+            opt.step()
+
+
+def test_pytorch_ntm_state_set_by_init_sequence_is_named_not_a_failed_replay(tmp_path):
+    # the memory starts at zeros and θ has no δ: 0/0 in the first addressing. BCELoss refuses
+    # the NaN (its RuntimeError ends the loop; the recorder wrote the bundle first). The
+    # rebuilt model's previous_state is None (init_sequence sets it): the replay said
+    # "replay failed (TypeError: cannot unpack non-iterable NoneType object)"
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        train_encapsulated(tmp_path, "make_encapsulated_ntm_zeros_no_delta")
+    [bundle] = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle, code=1)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["micro_batch"]) == (
+        False, "forward", "memory.addressing", 0), rep
+    where = f"memory_augmented_models.py:{line_of('= self.previous_state')}"
+    assert f"raised TypeError (cannot unpack non-iterable NoneType object) at {where}" \
+        in rep["hint"], rep["hint"]
+    assert "previous_state is None in the model the factory builds" in rep["hint"], rep["hint"]
+    assert "call that method there" in rep["hint"], rep["hint"]
+    # and that fix works: a factory that calls init_sequence replays the step
+    rep = nanreplay_json(bundle, "--factory",
+                         "memory_augmented_models:make_encapsulated_ntm_zeros_no_delta_ready")
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["micro_batch"], o["op"], o["samples"]) == (
+        "invalid", "memory.addressing", 0, "aten.div", list(range(B))), rep
+    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
