@@ -33,7 +33,10 @@ def unset_state_or_raise(e: BaseException, model: nn.Module) -> str:
 
 
 def _unset_state_hint(e: BaseException, model: nn.Module) -> str | None:
-    where = raised_at(e) if raised_by_model(e) else None
+    # (an error of using None: "cannot unpack non-iterable NoneType object", "'NoneType'
+    # object has no attribute ...", "must be Tensor, not NoneType")
+    used_none = isinstance(e, (TypeError, AttributeError)) and "NoneType" in str(e)
+    where = raised_at(e) if used_none and raised_by_model(e) else None
     if where is None:
         return None
     path, _, line = where.rpartition(":")

@@ -4,15 +4,18 @@
 - ``NTM``: loudinthecloud/pytorch-ntm's addressing (``memory.py``: content similarity with a
   key strength through softplus, interpolation gate, circular-convolution shift, sharpening
   ``w ** gamma / sum``) with ixaxaar/pytorch-dnc's hand-written cosine ``θ`` (``util.py``)
-  and its whole-sequence ``forward(x, hidden)`` returning the memory, which the loop carries
-  between truncated-BPTT chunks (``repackage_hidden``), the memory starting at zeros as the
-  DNC's does.
+  and its whole-sequence, time-major ``forward(x, hidden)`` returning the state (controller,
+  memory, head weights), which the loop carries between truncated-BPTT chunks
+  (``repackage_hidden``).
+- ``EncapsulatedNTM``: pytorch-ntm's own interface (``ntm/aio.py``): ``init_sequence`` sets the
+  memory and the previous state as attributes, each ``forward`` is one time step.
 - ``MemN2N``: Sukhbaatar et al.'s end-to-end memory network as nmhkahn/MemN2N-pytorch writes
   it (adjacent weight tying, position encoding, temporal encoding), with the padded memory
-  slots masked by ``masked_fill(-inf)`` before the softmax.
-- ``PointerNet``: shirgho/PointerNet-style (shiretzet/PointerNet) pointer network: an LSTM
-  encoder, a decoder that points with additive attention over the encoder outputs, masking
-  the padded positions and those it already pointed at.
+  slots masked before the softmax (``masked_fill(-inf)``, or an additive ``-1e9``).
+- ``PointerNet``: shiretzet/PointerNet's pointer network: an LSTM encoder, a decoder cell that
+  points with additive attention over the encoder outputs, masking the padded positions and
+  those it already pointed at (optionally with its frozen ``-inf`` parameter as the mask
+  value).
 """
 
 from __future__ import annotations
@@ -39,14 +42,6 @@ def theta(a, b, eps=DELTA):
     """ixaxaar/pytorch-dnc ``util.θ``: cosine similarity of every memory row with every key."""
     mag_a = torch.norm(a, 2, dim=2).unsqueeze(2)
     mag_b = torch.norm(b, 2, dim=2).unsqueeze(2)
-    return torch.bmm(a, b.transpose(1, 2)) / (torch.bmm(mag_a, mag_b.transpose(1, 2)) + eps)
-
-
-def theta_sqrt(a, b, eps=DELTA):
-    """The same cosine with its norms written out as ``sqrt(sum(x ** 2))`` (the eps only in the
-    denominator, as many ports of the DeepMind DNC write it)."""
-    mag_a = torch.sqrt((a * a).sum(2, keepdim=True))
-    mag_b = torch.sqrt((b * b).sum(2, keepdim=True))
     return torch.bmm(a, b.transpose(1, 2)) / (torch.bmm(mag_a, mag_b.transpose(1, 2)) + eps)
 
 
@@ -136,16 +131,6 @@ class NTM(nn.Module):
         return torch.stack(outs), (h, c, mem, w_r, w_w, read)
 
 
-def make_ntm():
-    torch.manual_seed(0)
-    return NTM()
-
-
-def make_ntm_sqrt_norm():
-    torch.manual_seed(0)
-    return NTM(similarity=theta_sqrt)
-
-
 def make_ntm_cosine():
     torch.manual_seed(0)
     return NTM(similarity=cosine)
@@ -154,11 +139,6 @@ def make_ntm_cosine():
 def make_ntm_no_delta():
     torch.manual_seed(0)
     return NTM(eps=0.0)
-
-
-def make_ntm_no_sharpen_eps():
-    torch.manual_seed(0)
-    return NTM(sharpen_eps=0.0)
 
 
 def repackage_hidden(h):
@@ -222,9 +202,8 @@ def make_memn2n_additive():
 class PointerAttention(nn.Module):
     """shiretzet/PointerNet ``Attention``: u = V . tanh(W1 e + W2 d), masked, softmax."""
 
-    def __init__(self, log_probs: bool = False, inf_param: bool = False):
+    def __init__(self, inf_param: bool = False):
         super().__init__()
-        self.log_probs = log_probs
         self.input_linear = nn.Linear(PN_HID, PN_HID)
         self.context_linear = nn.Conv1d(PN_HID, PN_HID, 1)
         self.V = nn.Parameter(torch.rand(PN_HID) * 0.2 - 0.1)
@@ -241,9 +220,6 @@ class PointerAttention(nn.Module):
             att[~mask] = self._inf.expand_as(att)[~mask]
         else:
             att = att.masked_fill(~mask, float("-inf"))
-        if self.log_probs:  # (the NLLLoss way: log-probabilities, -inf where masked)
-            log_alpha = F.log_softmax(att, dim=1)
-            return (ctx * log_alpha.exp()[:, None]).sum(2), log_alpha
         alpha = F.softmax(att, dim=1)
         return (ctx * alpha[:, None]).sum(2), alpha
 
@@ -252,12 +228,12 @@ class PointerNet(nn.Module):
     """Points at the input positions in order of value (the sorting task); ``lengths`` gives
     each sequence's true length in a zero-padded batch (B, T, 1)."""
 
-    def __init__(self, log_probs: bool = False, inf_param: bool = False):
+    def __init__(self, inf_param: bool = False):
         super().__init__()
         self.embedding = nn.Linear(1, PN_HID)
         self.encoder = nn.LSTM(PN_HID, PN_HID, batch_first=True)
         self.decoder = nn.LSTMCell(PN_HID, PN_HID)
-        self.attention = PointerAttention(log_probs, inf_param)
+        self.attention = PointerAttention(inf_param)
         self.decoder_input0 = nn.Parameter(torch.zeros(PN_HID).uniform_(-0.1, 0.1))
 
     def forward(self, x, lengths):
@@ -288,26 +264,11 @@ def make_pointer_net_inf_param():
     return PointerNet(inf_param=True)
 
 
-def make_pointer_net_log_probs():
-    torch.manual_seed(0)
-    return PointerNet(log_probs=True)
-
-
-def pointer_nll(log_probs, target, lengths):
-    """ast0414/pointer-networks-pytorch: NLLLoss over the decode steps of the true lengths."""
-    valid = torch.arange(log_probs.shape[1])[None] < lengths[:, None]
-    return F.nll_loss(log_probs[valid], target[valid])
-
-
 def pointer_loss(probs, target, lengths, eps=1e-10):
     """The decoder's NLL of the sorted order over each sequence's true length."""
     valid = torch.arange(probs.shape[1])[None] < lengths[:, None]
     nll = -torch.log(probs.gather(2, target[..., None])[..., 0] + eps)
     return (nll * valid).sum() / valid.sum()
-
-
-def pointer_loss_no_eps(probs, target, lengths):
-    return pointer_loss(probs, target, lengths, eps=0.0)
 
 
 # ---------------------------------------------------------------------------------------------

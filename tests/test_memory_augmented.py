@@ -254,7 +254,10 @@ def test_pytorch_ntm_state_set_by_init_sequence_is_named_not_a_failed_replay(tmp
     # the memory starts at zeros and θ has no δ: 0/0 in the first addressing. BCELoss refuses
     # the NaN (its RuntimeError ends the loop; the recorder wrote the bundle first). The
     # rebuilt model's previous_state is None (init_sequence sets it): the replay said
-    # "replay failed (TypeError: cannot unpack non-iterable NoneType object)"
+    # "replay failed (TypeError: cannot unpack non-iterable NoneType object)". (With its
+    # uniform mem_bias and δ the same loop trains through)
+    train_encapsulated(tmp_path / "healthy", "make_encapsulated_ntm")
+    assert not list((tmp_path / "healthy").glob("*.nan"))
     with pytest.raises(RuntimeError, match="between 0 and 1"):
         train_encapsulated(tmp_path, "make_encapsulated_ntm_zeros_no_delta")
     [bundle] = tmp_path.glob("*.nan")
