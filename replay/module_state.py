@@ -76,8 +76,11 @@ def _rebuilt(saved):
     if isinstance(saved[0], torch.Tensor):
         t, copy, ver = saved
         if version(t) != ver:
-            with torch.no_grad():
-                t.copy_(copy)
+            try:
+                with torch.no_grad():
+                    t.copy_(copy)
+            except RuntimeError:  # (an inference tensor: no in-place write)
+                return copy.clone()
         return t
     kind, items = saved
     return kind(_rebuilt(x) for x in items)
