@@ -375,7 +375,7 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
                if t.grad_fn is None]
     outputs = list(tensor_leaves(mb.outputs))
     inputs = list(tensor_leaves([list(mb.args), mb.kwargs]))
-    if not sequence_first and (n := carried_batch(inputs, outputs)):  # (T, B, F), state (B, H)
+    if not sequence_first and (n := carried_batch(inputs, outputs, rnn)):  # (T, B, F), state (B, H)
         return Samples(n, True, rnn)
     among = compared(targets, outputs, sequence_first) or (
         set() if sequence_first or not targets else _rows_kept(inputs, outputs))

@@ -95,11 +95,16 @@ class NTMHead(nn.Module):
 
 class NTM(nn.Module):
     """An LSTM controller, one read and one write head; ``forward(x, hidden)`` runs a (T, B, F)
-    chunk and returns the outputs and ``(h, c, memory, w_read, w_write, read)`` to carry."""
+    chunk and returns the outputs and ``(h, c, memory, w_read, w_write, read)`` to carry.
+    ``cell``: pytorch-ntm's ``nn.LSTMCell`` controller, ``h`` and ``c`` (B, H); else
+    ixaxaar/pytorch-dnc's ``nn.LSTM(batch_first=True)`` stepped one time step at a time, its
+    ``h`` and ``c`` (layers, B, H)."""
 
-    def __init__(self, similarity=theta, eps=DELTA, sharpen_eps=1e-16):
+    def __init__(self, similarity=theta, eps=DELTA, sharpen_eps=1e-16, cell: bool = True):
         super().__init__()
-        self.controller = nn.LSTMCell(IN_BITS + WORD, CTRL)
+        self.cell = cell
+        self.controller = (nn.LSTMCell(IN_BITS + WORD, CTRL) if cell
+                           else nn.LSTM(IN_BITS + WORD, CTRL, batch_first=True))
         self.read_head = NTMHead(write=False)
         self.write_head = NTMHead(write=True)
         self.memory = NTMMemory(similarity, eps, sharpen_eps)
@@ -115,19 +120,27 @@ class NTM(nn.Module):
         mem = z(batch, N_SLOTS, WORD) if zero_memory else self.mem_bias.repeat(batch, 1, 1)
         w0 = torch.zeros(batch, N_SLOTS)
         w0[:, 0] = 1.0
-        return z(batch, CTRL), z(batch, CTRL), mem, w0, w0.clone(), z(batch, WORD)
+        hc = (batch, CTRL) if self.cell else (1, batch, CTRL)
+        return z(hc), z(hc), mem, w0, w0.clone(), z(batch, WORD)
+
+    def step(self, inp, h, c):
+        if self.cell:
+            h, c = self.controller(inp, (h, c))
+            return h, h, c
+        out, (h, c) = self.controller(inp[:, None], (h, c))
+        return out[:, 0], h, c
 
     def forward(self, x, hidden):
         h, c, mem, w_r, w_w, read = hidden
         outs = []
         for t in range(x.shape[0]):
-            h, c = self.controller(torch.cat([x[t], read], dim=1), (h, c))
-            k, beta, g, s, gamma, erase, add = self.write_head(h)
+            o, h, c = self.step(torch.cat([x[t], read], dim=1), h, c)
+            k, beta, g, s, gamma, erase, add = self.write_head(o)
             w_w = self.memory(mem, k, beta, g, s, gamma, w_w)
             mem = mem * (1 - w_w[:, :, None] * erase[:, None]) + w_w[:, :, None] * add[:, None]
-            w_r = self.memory(mem, *self.read_head(h), w_r)
+            w_r = self.memory(mem, *self.read_head(o), w_r)
             read = (w_r[:, :, None] * mem).sum(1)
-            outs.append(self.fc(torch.cat([h, read], dim=1)))
+            outs.append(self.fc(torch.cat([o, read], dim=1)))
         return torch.stack(outs), (h, c, mem, w_r, w_w, read)
 
 
@@ -139,6 +152,11 @@ def make_ntm_cosine():
 def make_ntm_no_delta():
     torch.manual_seed(0)
     return NTM(eps=0.0)
+
+
+def make_dnc_no_delta():
+    torch.manual_seed(0)
+    return NTM(eps=0.0, cell=False)
 
 
 def repackage_hidden(h):

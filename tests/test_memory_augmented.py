@@ -33,11 +33,20 @@ def line_of(text: str) -> int:
 # NTM: a copy task in chunks, the state (controller, memory, head weights) carried between them
 
 
+def reset(h, done):
+    """``h`` with the rows of the ended streams zeroed: along dim 0, or dim 1 of an nn.LSTM
+    state (layers, B, H)."""
+    at = 1 if h.shape[0] != B else 0
+    shape = [1] * h.dim()
+    shape[at] = B
+    return h * (1 - done).view(shape)
+
+
 def train_ntm(out_dir, factory: str, done_at: dict[int, list[int]], steps: int = 5,
               zero_memory: bool = False):
     """pytorch-ntm's copy-task loop, time-major, with the state carried across chunks
     (detached, as ``repackage_hidden`` does); the streams whose episode ended get a fresh
-    state the way stateful loops reset one, multiplying it by ``1 - done``."""
+    state the way stateful loops reset one, multiplying it by ``1 - done`` (:func:`reset`)."""
     model = getattr(M, factory)()
     opt = torch.optim.RMSprop(model.parameters(), lr=1e-4, momentum=0.9, alpha=0.95)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -52,7 +61,7 @@ def train_ntm(out_dir, factory: str, done_at: dict[int, list[int]], steps: int =
             if step in done_at:
                 done = torch.zeros(B)
                 done[done_at[step]] = 1.0
-                hidden = tuple(h * (1 - done).view(-1, *[1] * (h.dim() - 1)) for h in hidden)
+                hidden = tuple(reset(h, done) for h in hidden)
             out, hidden = model(x, hidden)
             loss = crit(out, x.roll(1, 0))
             opt.zero_grad()
@@ -62,13 +71,15 @@ def train_ntm(out_dir, factory: str, done_at: dict[int, list[int]], steps: int =
             sched.step()
 
 
-def test_a_memory_reset_for_an_ended_episode_names_that_stream_not_time_steps(tmp_path):
+@pytest.mark.parametrize("factory", ["make_ntm_no_delta", "make_dnc_no_delta"])
+def test_a_memory_reset_for_an_ended_episode_names_that_stream_not_time_steps(tmp_path, factory):
     # DNC's cosine θ without its δ: the memory of stream 1, zeroed as its episode ended, is
     # 0 / 0 against every key. The batch is time-major, (T=7, B=4, bits), and the loss
     # compares (T, B, bits) with (T, B, bits): the samples were taken along T (the report
-    # said [0, 1], and drop=0,1 stayed NaN); the carried state (B, ...) says where B is
+    # said [0, 1], and drop=0,1 stayed NaN); the carried state (B, ...) says where B is,
+    # beside an nn.LSTM controller's (layers, B, H) too
     with pytest.raises(NonFiniteError) as info:
-        train_ntm(tmp_path, "make_ntm_no_delta", {3: [1]})
+        train_ntm(tmp_path, factory, {3: [1]})
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "memory", [1])
     rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
