@@ -82,6 +82,7 @@ class Alarm:
                 strict_inf=self.settings.strict_inf, params_from_update=tape.params_from_update,
                 changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
                 seq_first=target.seq_first, recurrent=target.recurrent,
+                constants=target.constants,
                 weights_moved=not target.has_optimizer or moved_in_step(tape, target.watched))
             event = events.find_event(evidence, reason)
         except Exception as e:  # a bug of ours must not lose the step the probe found bad

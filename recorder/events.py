@@ -16,6 +16,7 @@ import torch
 
 from .capture import batch_path, flatten_tree, loss_path, object_tensors, tensor_leaves
 from .chain import chain_origin
+from .constants import unchanged
 from .finite import (
     finite,
     flags_kind,
@@ -107,6 +108,8 @@ class StepEvidence:
     # in place while the step was open (SAM's perturbation between its forwards)
     weights_moved: bool = False
     late: list[int] = field(default_factory=list)  # weights that update made non-finite
+    # frozen parameters holding ±inf on purpose since attach (see recorder.constants)
+    constants: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def samples(self, mb: int) -> Samples:
         """Where micro-batch ``mb``'s tensors hold their samples."""
@@ -198,7 +201,7 @@ def _weights_event(ev: StepEvidence) -> Event | None:
         # some, is blamed first: it is certain, and another thread may be updating weights)
         recorded = {i for i, _ in layout.params} | ev.changed
         really += [i for i, p in enumerate(ev.param_tensors) if i not in recorded
-                   and not finite(local(p).detach())]
+                   and not finite(local(p).detach()) and not unchanged(ev.constants, i, p)]
     if ev.weights_moved:  # (their modules returned finite values: the write came after)
         ev.late = written_after_forward(really, ev.param_names, ev.module_names, ev.calls)
         if len(ev.late) < len(really):  # (some bad as it began: only those read finite late)

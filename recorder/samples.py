@@ -45,6 +45,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .capture import tensor_leaves
 from .finite import bad_rows
+from .time_major import carried_batch
 
 # the modules whose ``batch_first=False`` puts the batch in dim 1
 _SEQUENCE_MODULES = (nn.RNNBase, nn.MultiheadAttention, nn.Transformer,
@@ -374,6 +375,8 @@ def of_micro_batch(mb, sequence_first: bool, rnn: bool = False) -> Samples:
                if t.grad_fn is None]
     outputs = list(tensor_leaves(mb.outputs))
     inputs = list(tensor_leaves([list(mb.args), mb.kwargs]))
+    if not sequence_first and (n := carried_batch(inputs, outputs, rnn)):  # (T, B, F), state (B, H)
+        return Samples(n, True, rnn)
     among = compared(targets, outputs, sequence_first) or (
         set() if sequence_first or not targets else _rows_kept(inputs, outputs))
     segments = assignment(inputs)

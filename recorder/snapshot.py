@@ -20,6 +20,7 @@ from .attributes import AttributeWatch, trained_tensors
 from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
 from .compiled import hook_sites
+from .constants import unchanged
 from .entries import hyper_entry, jsonish, micro_batch_entry
 from .graph_reach import from_model
 from .inner_optim import full_state
@@ -121,6 +122,9 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     meta["params"] = [n for n, _ in params]
     if frozen := [n for n, p in params if not p.requires_grad]:  # (as the step ran: a teacher
         meta["frozen"] = frozen  # the loop froze after the factory built it trainable)
+    if constants := [params[i][0] for i in src.target.constants
+                     if unchanged(src.target.constants, i, params[i][1])]:
+        meta["inf_constants"] = constants  # (frozen ±inf mask values: recorder.constants)
     changed = src.target.changed_in_step(tape) if tape is not None else []
     if changed:  # (not by the recorded optimizer, whose step has not run): their new values
         meta["changed_in_step"] = [params[i][0] for i in changed]

@@ -27,6 +27,7 @@ from .compat import (
     view_base,
 )
 from .compiled import HookSite, eager_name, hook_sites, unwrap
+from .constants import inf_constants
 from .finite import matches
 from .ranks import Agreement
 from .rng import module_generators
@@ -87,6 +88,7 @@ class Target:
         # what to do when only submodules run (a Trainer callback names its own option)
         self.unrooted_advice = _UNROOTED_ADVICE
         self.unknown_warned = False  # about parameters added to the model after attach
+        self.constants: dict[int, torch.Tensor] = {}  # frozen ±inf parameters (mask values)
         self.module_names: list[str] = []
         self.module_types: list[str] = []
         self.compiled: set[str] = set()
@@ -208,6 +210,7 @@ class Target:
             else set()
         self.groups = len(opt.param_groups) if opt is not None else 0
         self._warn_unknown(held)
+        self.constants = inf_constants(self.params, held)  # (never weights gone bad)
         # The gradients to measure: of the parameters that train now, and of the frozen ones
         # the optimizer holds, which ``requires_grad_(True)`` may unfreeze later (a frozen
         # one has no gradient: it costs one attribute read per step).

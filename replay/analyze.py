@@ -74,6 +74,7 @@ from .second_order import adapted_from_gradient, report_made_weights, report_sec
 from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
+from .unset_state import unset_state_or_raise
 from .whatif import run_tries
 from .window import window_of
 from .window_report import add_window
@@ -486,8 +487,8 @@ def _failed(report, step: Step, run, runner: Runner) -> dict[str, Any]:
     if (failed := report_linalg(report, step, runner, run)) is not None:
         return failed  # a decomposition refusing its matrix (replay.linalg)
     called = distributed_call(run.error)
-    if called is None:
-        raise run.error
+    if called is None:  # (state the loop set outside forward, else the replay failed)
+        return recorded_origin(report, step, unset_state_or_raise(run.error, runner.model))
     where, fn = called
     world = (step.meta.get("env") or {}).get("world_size")
     return recorded_origin(report, step, (

@@ -62,6 +62,7 @@ from .cause_text import (
 from .dispatch import OpAt
 from .domains import g as _g
 from .float64_step import float64_still
+from .literal_range import literal_hint, unheld_literal
 from .ops import Evidence, OpHit
 from .rerun import Runner
 from .step_dtype import autocast as _autocast
@@ -223,6 +224,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
 def _beyond_type(op: str, ev: Evidence) -> Cause:
     """An op whose float64 result is finite where its own is not: too large for its type."""
     dt = _type(ev.dtype)
+    if (literal := unheld_literal(ev)) is not None:  # (-1e9 for a mask, under float16)
+        return Cause("overflow", literal_hint(op, literal, ev.dtype))
     big = float(ev.local64.abs().max()) if ev.local64.numel() else math.inf
     top = torch.finfo(ev.dtype).max
     big_s, top_s = domains.g_pair(big, top)

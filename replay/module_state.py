@@ -7,7 +7,9 @@ call, so a re-run that starts where the previous one left it runs on another sta
 drift apart, and the step read as nondeterministic. Every re-run starts from them as the replay
 found them (the factory's, with the bundle's weights and recorded attributes): public ``int``,
 ``float``, ``bool`` and ``None`` attributes are set again, and a tensor of the same shape is put
-back (copied back where it was written in place). A tensor the forward replaced with another
+back (copied back where it was written in place), and so are tuples and lists of tensors (an
+LSTM tutorial's ``self.hidden = (h, c)``, pytorch-ntm's ``previous_state``, which the loop's
+``init_sequence`` sets and each forward replaces). A tensor the forward replaced with another
 shape is left, like a grown non-persistent buffer (:func:`replay.rerun.restorable`): a cache
 grown for a longer batch, which the forward grows again from its reset length. Attributes the
 forward added are left, as are private ones (torch's own: a hook's registration sets some).
@@ -35,11 +37,13 @@ class ModuleState:
         self._saved = [(m, {**plain_attributes(m), **{
             k: None for k, v in vars(m).items() if v is None and not k.startswith("_")}},
                         {k: (v, v.detach().clone(), version(v))
-                         for k, v in vars(m).items() if _tensor(v)})
+                         for k, v in vars(m).items() if _tensor(v)},
+                        {k: _saved(v) for k, v in vars(m).items()
+                         if _states(v) and not k.startswith("_")})
                        for m in modules]
 
     def restore(self) -> None:
-        for m, plain, tensors in self._saved:
+        for m, plain, tensors, states in self._saved:
             d = vars(m)
             for k, v in plain.items():
                 now = d.get(k, d)
@@ -48,6 +52,38 @@ class ModuleState:
             if tensors:
                 with torch.no_grad():
                     _put_back(d, tensors)
+            for k, saved in states.items():
+                d[k] = _rebuilt(saved)
+
+
+def _states(v) -> bool:
+    """``v`` is a plain tuple or list holding tensors only (nested so too), at least one."""
+    if type(v) not in (tuple, list) or not v:
+        return False
+    return all(_tensor(x) or _states(x) for x in v)
+
+
+def _saved(v):
+    """``v``'s structure, each tensor kept with a copy and its version then."""
+    if _tensor(v):
+        return v, v.detach().clone(), version(v)
+    return type(v), [_saved(x) for x in v]
+
+
+def _rebuilt(saved):
+    """A new container of the saved structure (the forward may have appended to a list), its
+    tensors the saved ones, copied back where written in place since."""
+    if isinstance(saved[0], torch.Tensor):
+        t, copy, ver = saved
+        if version(t) != ver:
+            try:
+                with torch.no_grad():
+                    t.copy_(copy)
+            except RuntimeError:  # (an inference tensor: no in-place write)
+                return copy.clone()
+        return t
+    kind, items = saved
+    return kind(_rebuilt(x) for x in items)
 
 
 def _put_back(d: dict, tensors: dict) -> None:

@@ -145,12 +145,13 @@ def non_finite_weights(step: Step) -> list[str]:
     may hold +-Inf (a causal mask) under either infinity policy: the recorder checks no buffer,
     and under ``strict_inf`` the -inf is an event where it reaches a module's output, which
     the re-run then names (blaming the mask as weights written outside the optimizer sent
-    users to their checkpoints)."""
-    out = []
+    users to their checkpoints). So may a frozen parameter the recorder found all ±inf at
+    attach (``inf_constants``: a mask value kept as a parameter, see recorder.constants)."""
+    out, constants = [], set(step.meta.get("inf_constants") or ())
     for k, t in step.tensors.items():
         if k.startswith(("weights/", "buffers/")) and not finite(t):
             name = k.split("/", 1)[1]
-            if k.startswith("buffers/") and finite(t, allow_inf=True):
+            if (k.startswith("buffers/") or name in constants) and finite(t, allow_inf=True):
                 continue
             out.append(name)
     return out

@@ -44,7 +44,7 @@ from .loss_params import trained_loss_params
 from .module_state import ModuleState
 from .precision import precision_hooks
 from .run_result import Run, dropped_non_finite
-from .source import raised_by_model
+from .source import OP_ERROR, raised_by_model
 
 __all__ = ["Runner", "StopRun"]
 
@@ -209,6 +209,15 @@ class Runner:
                                 if p.grad is not None and not finite(p.grad)]
         return result
 
+    def _call_loss(self, args, kwargs):
+        """What the loss raises (``BCELoss`` refusing a NaN input, as it did in training) is
+        the step's code, not the replay's: it ends the re-run as it ended the step."""
+        try:
+            return self.step.loss_fn(*args, **kwargs)
+        except Exception as e:
+            setattr(e, OP_ERROR, True)
+            raise
+
     def _loss(self, i: int, outs: list[torch.Tensor], result: Run):
         if self.step.loss_fn is None:
             return None
@@ -221,11 +230,11 @@ class Runner:
         try:
             if self.cast is not None:
                 args, kwargs = _cast((args, kwargs), self.cast)
-                loss = self.step.loss_fn(*args, **kwargs)
+                loss = self._call_loss(args, kwargs)
             else:
                 with autocast_as_recorded(self.step.micro_batches[i], self.step.device,
                                           loss=True):
-                    loss = self.step.loss_fn(*args, **kwargs)
+                    loss = self._call_loss(args, kwargs)
         finally:
             self.in_loss = False
         self.last_loss = loss
