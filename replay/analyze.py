@@ -36,7 +36,6 @@ from .hidden import report_hidden_forward
 from .imputed import RERUN, made_from_imputed
 from .input_grad import made_by_input_gradient
 from .kept_report import report_graph_args, report_kept_aside
-from .linalg import report_linalg
 from .load import Step, build, read_step, validate_args_as_recorded
 from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
 from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
@@ -69,6 +68,7 @@ from .recorded import (
     stepped_after_forward,
 )
 from .recurrence import add_iterates_note
+from .refused import report_raised
 from .rerun import Runner
 from .second_order import adapted_from_gradient, report_made_weights, report_second_order
 from .shards import shard_set
@@ -484,8 +484,8 @@ def _failed(report, step: Step, run, runner: Runner) -> dict[str, Any]:
     """The re-run raised before anything went non-finite: a failed decomposition (see
     replay.linalg), else the replay failed, unless the step's code called torch.distributed:
     the one-process replay has no process group, so the report is what the recorder saw."""
-    if (failed := report_linalg(report, step, runner, run)) is not None:
-        return failed  # a decomposition refusing its matrix (replay.linalg)
+    if (failed := report_raised(report, step, runner, run)) is not None:
+        return failed  # a decomposition or a distribution refusing a value (replay.refused)
     called = distributed_call(run.error)
     if called is None:  # (state the loop set outside forward, else the replay failed)
         return recorded_origin(report, step, unset_state_or_raise(run.error, runner.model))

@@ -55,7 +55,7 @@ class Failed:
 
 
 @dataclass
-class _Calls:
+class ModuleCalls:
     """The module calls running (a stack) and how many each module made per micro-batch."""
 
     runner: Runner
@@ -91,7 +91,7 @@ class _Failing(TorchDispatchMode):
     """Names the op that raised a decomposition's failure; with ``target`` (op, occurrence),
     keeps that call's matrix instead and stops the run after it (the float64 re-run)."""
 
-    def __init__(self, calls: _Calls, target: tuple[str, int] | None = None):
+    def __init__(self, calls: ModuleCalls, target: tuple[str, int] | None = None):
         super().__init__()
         self.calls, self.target = calls, target
         self.seen: dict[str, int] = {}
@@ -134,7 +134,7 @@ class _Failing(TorchDispatchMode):
 
 def failing_op(runner: Runner) -> Failed | None:
     """Re-run the step forward; the decomposition that raised, if one did."""
-    calls = _Calls(runner)
+    calls = ModuleCalls(runner)
     mode = _Failing(calls)
     with mode:
         runner.run(backward=False, instrument=False, hooks=calls.hooks)
@@ -143,7 +143,7 @@ def failing_op(runner: Runner) -> Failed | None:
 
 def float64_matrix(runner: Runner, failed: Failed) -> Failed | None:
     """The same op call in the step re-run in float64: its matrix, whether it failed too."""
-    calls = _Calls(runner)
+    calls = ModuleCalls(runner)
     mode = _Failing(calls, target=(failed.op, failed.occurrence))
     draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()), None)
     with runner.float64(), Float64(draw if draw != torch.float64 else None), mode:

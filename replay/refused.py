@@ -1,0 +1,162 @@
+"""A step a ``torch.distributions`` check ended (the recorder's ``"constraint"`` event, see
+:mod:`recorder.constraints`): what made the refused value, and why.
+
+The re-run raises the same ``ValueError``. Then:
+
+- a NaN/Inf refused (``Normal(loc)`` with a ``0/0`` the root's own forward made): the op that
+  made it, found by the op finder over the root's call, and classified as any forward origin;
+- a finite value outside the constraint (a scale of 0, a negative one): the values, as the
+  check saw them (its frame's ``value`` and ``valid``), with the rows that hold them, and the
+  step re-run in float64: refused there too, ``invalid`` (the code gives the distribution a
+  value its constraint excludes: a raw linear output as a scale); accepted there, the type's
+  rounding made it, ``underflow`` for a 0 (``softplus`` or ``exp`` of a very negative input)
+  else ``precision``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from recorder.compat import view_base
+from recorder.constraints import refusal
+
+from .cause import classify
+from .compat import TorchDispatchMode, tree_leaves
+from .dispatch import Float64
+from .findings import finish, origin_fields
+from .forward import find_op_in_call
+from .linalg import ModuleCalls, report_linalg
+from .load import Step
+from .recorded import batch_size
+from .rerun import Runner
+from .source import raised_at, user_source
+
+# torch's file whose frame (``_validate_args``, ``_validate_sample``) holds the values
+_CHECKS = os.path.join("torch", "distributions", "distribution.py")
+
+
+def report_raised(report, step: Step, runner: Runner, run) -> dict[str, Any] | None:
+    """The report of a re-run that an error of the step's own numerics ended (a failed
+    decomposition, a distribution refusing a value); None when it was neither."""
+    if (linalg := report_linalg(report, step, runner, run)) is not None:
+        return linalg
+    return report_refused(report, step, runner, run)
+
+
+def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | None:
+    said = refusal(run.error) if run.error is not None else None
+    if said is None:
+        return None
+    dist, what, constraint = said
+    mb, source = runner.micro_batch, raised_at(run.error)
+    refused = f"torch.distributions.{dist} refused its {what} (constraint {constraint})"
+    finder = find_op_in_call(runner, "", 0, mb)
+    if (hit := finder.origin()) is not None:  # a NaN/Inf, made by an op of the forward
+        module, call = hit.within or ("", 0)
+        cause = classify(runner, "forward", until=(module, call, mb), hit=hit)
+        origin = origin_fields(phase="forward", module=module, call=call, micro_batch=mb,
+                               op=hit.op, made=hit.made, source=hit.source or source,
+                               samples=hit.rows or [], inputs_finite=True)
+        report["problems"].append(f"{refused} at {source}: the {hit.made} that {hit.op} made")
+        return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)
+    value, valid, maker = _made(runner)  # a finite value outside the constraint
+    bad = value[~valid] if value is not None else None
+    op, module, where = maker or (None, ("", 0, mb), source)
+    phase = "loss" if module[0] == "<loss>" else "forward"  # (a distribution in loss_fn)
+    origin = origin_fields(phase=phase, module=module[0], call=module[1], micro_batch=mb,
+                           op=op, source=where, inputs_finite=True,
+                           made=_said(bad[:1]) if bad is not None and bad.numel() else None,
+                           samples=_rows(value, valid, batch_size(step, mb)))
+    report["problems"].append(f"{refused} at {source}")
+    cause, hint = _judge(runner, refused, bad)
+    return finish(report, origin, cause, reproduced=True, hint=hint)
+
+
+class _Makers(TorchDispatchMode):
+    """Which op (and module call, and line) wrote each floating tensor last, by storage."""
+
+    def __init__(self, calls: ModuleCalls):
+        super().__init__()
+        self.calls, self.made = calls, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() \
+                    and view_base(t) is None:
+                self.made[t.data_ptr()] = (f"aten.{func.overloadpacket.__name__}",
+                                           self.calls.running(), user_source())
+        return out
+
+
+def _made(runner: Runner):
+    """The step re-run with the op that wrote each tensor kept: the refused value, its mask
+    of valid entries and (op, (module, call, micro-batch), source) of its maker, if seen."""
+    calls = ModuleCalls(runner)
+    makers = _Makers(calls)
+    with makers:
+        again = runner.run(backward=False, instrument=False, hooks=calls.hooks)
+    value, valid = _checked(again.error) if again.error is not None else (None, None)
+    if value is None:
+        return None, None, None
+    base = view_base(value)
+    base = value if base is None else base
+    return value, valid, makers.made.get(base.data_ptr())
+
+
+def _said(first: torch.Tensor) -> str:
+    return "0" if not first.any() else f"{float(first):.3g}"
+
+
+def _checked(error: BaseException) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The value the check refused and its mask of valid entries, from the check's frame."""
+    tb, found = error.__traceback__, (None, None)
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.endswith(_CHECKS):
+            value, valid = frame.f_locals.get("value"), frame.f_locals.get("valid")
+            if isinstance(value, torch.Tensor) and isinstance(valid, torch.Tensor) \
+                    and valid.shape == value.shape[:valid.dim()]:  # (a simplex: per vector)
+                valid = valid.reshape(*valid.shape, *[1] * (value.dim() - valid.dim()))
+                found = value.detach(), valid.expand_as(value)
+        tb = tb.tb_next
+    return found
+
+
+def _rows(value, valid, n: int | None) -> list[int]:
+    """The samples (dim 0 of the batch's size) holding a refused entry."""
+    if value is None or not value.dim() or value.shape[0] != n:
+        return []
+    return (~valid).reshape(n, -1).any(1).nonzero().flatten().tolist()
+
+
+def _judge(runner: Runner, refused: str, bad) -> tuple[str | None, str]:
+    """The cause of the finite refused values ``bad``, by the step re-run in float64."""
+    lo, hi = (float(bad.min()), float(bad.max())) if bad is not None and bad.numel() else (0, 0)
+    seen = ("its values" if bad is None or not bad.numel() else
+            f"{bad.numel()} value(s) refused, " + (f"all {lo:.3g}" if lo == hi else
+                                                   f"from {lo:.3g} to {hi:.3g}"))
+    draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()), None)
+    try:
+        with runner.float64(), Float64(draw if draw != torch.float64 else None):
+            again = runner.run(backward=False, instrument=False)
+    except Exception:  # the model refuses float64
+        return None, f"{refused}: {seen}; the float64 re-run could not run, so whether exact " \
+                     "arithmetic gives the same is not known"
+    if again.error is not None and refusal(again.error) is not None:
+        return "invalid", (f"{refused}: {seen}, in float64 too: the code gives it values its "
+                           "constraint excludes; make the value satisfy it by construction "
+                           "(a scale through softplus or exp plus a floor, probabilities "
+                           "through softmax, logits instead of probs)")
+    zeros = bad is not None and bad.numel() and not bad.any()
+    if zeros:
+        return "underflow", (f"{refused}: {seen}; float64 keeps them above 0, so they are "
+                             "positive values the type rounded to 0 (softplus or exp of a very "
+                             "negative input): add a floor (F.softplus(x) + 1e-4, "
+                             "x.exp().clamp_min(1e-6)) or parametrize in log space")
+    return "precision", (f"{refused}: {seen}; float64 accepts them, so the type's rounding "
+                         "pushed them across the constraint: compute them in float32/float64 "
+                         "or clamp them inside it")
