@@ -45,7 +45,7 @@ import torch
 
 from recorder.finite import label
 
-from . import domains, lost_eps, residue, saturation, upstream
+from . import cancellation, domains, lost_eps, residue, saturation, upstream
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -209,6 +209,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      f"not cross{how}: " + _advice(situation))
     if saturation.rounded_zero(ev.inputs, ev.complement):  # 1 - tanh(u)², rounded in both
         return Cause("precision", saturation.hint(what))
+    if (gap := cancellation.cancelled(name, ev.inputs, ev.terms, ev.input_dtypes)) is not None:
+        return Cause("precision", cancellation.hint(what, gap, ev.input_dtypes[0]))
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:
         return Cause("precision", f"{what}: float64 is past the edge too, but by "
