@@ -299,17 +299,19 @@ class TorquePolicy(nn.Module):
 
 class KickedRotor(nn.Module):
     """``ω += K sin θ + u``; ``θ += ω`` (semi-implicit Euler with the kick strength ``K``
-    folding in ``g/l · dt²``), ``θ`` wrapped to [0, 2π) and ``ω`` to [-π, π): bounded."""
+    folding in ``g/l · dt²``), ``θ`` wrapped to [0, 2π) and ``ω`` to [-π, π): bounded.
+    ``linear``: the small-angle kick ``K θ`` (with K = 1, Arnold's cat map on the torus)."""
 
-    def __init__(self, kick: float = 12.0, steps: int = 50):
+    def __init__(self, kick: float = 12.0, steps: int = 60, linear: bool = False):
         super().__init__()
         self.policy = TorquePolicy()
-        self.kick, self.steps = kick, steps
+        self.kick, self.steps, self.linear = kick, steps, linear
 
     def forward(self, theta, omega):
         cost = 0.0
         for _ in range(self.steps):
-            omega = omega + self.kick * torch.sin(theta) + self.policy(theta, omega)
+            force = theta if self.linear else torch.sin(theta)
+            omega = omega + self.kick * force + self.policy(theta, omega)
             omega = torch.remainder(omega + math.pi, 2 * math.pi) - math.pi
             theta = torch.remainder(theta + omega, 2 * math.pi)
             cost = cost + (1 - torch.cos(theta - math.pi))  # swing up: θ = π is the goal
@@ -319,6 +321,11 @@ class KickedRotor(nn.Module):
 def make_rotor():
     torch.manual_seed(0)
     return KickedRotor()
+
+
+def make_cat_map():
+    torch.manual_seed(0)
+    return KickedRotor(kick=1.0, steps=100, linear=True)
 
 
 def make_short_rotor():
@@ -377,3 +384,12 @@ def contact_batch(g: torch.Generator, n: int = 16, fast_row: int | None = None):
     if fast_row is not None:
         vel[fast_row] = torch.tensor([0.0, -12.0])  # thrown at the floor: tunnels in one step
     return pos, vel
+
+
+def make_lqr_unactuated():
+    """A second actuator with no control cost and no effect: its column of B is 0."""
+    torch.manual_seed(0)
+    model = LQRPolicy(r_diag=(1.0, 0.0))
+    with torch.no_grad():
+        model.B[:, 1] = 0.0
+    return model
