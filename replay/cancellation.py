@@ -8,7 +8,7 @@ few units in their last place either side of 0: sqrt or log of it is NaN. When t
 came in with the terms — running sums a normaliser accumulated in float32 over earlier steps,
 kept in buffers — the float64 re-run of the step computes the same negative difference from
 the same terms, and reads as "invalid, exact arithmetic makes it too". Their sizes tell
-instead: a value below 0 by a few hundred of the terms' units in the last place at most is
+instead: a value below 0 by a few dozen of the terms' units in the last place at most is
 rounding (``precision``), not a value truly outside the domain.
 """
 
@@ -19,7 +19,7 @@ import torch
 from .memo import TensorMemo
 from .op_inputs import values_at
 
-ULPS = 256  # below 0 by at most this many of its terms' units in the last place: rounding
+ULPS = 64  # below 0 by at most this many of its terms' units in the last place: rounding
 # ops whose domain ends at 0 from below (pow: a fractional exponent of a negative base)
 _EDGE_AT_ZERO = {"sqrt", "rsqrt", "log", "log2", "log10", "pow"}
 _SUMS = {"add", "sub", "rsub"}
@@ -99,6 +99,13 @@ def cancelled(name: str, inputs: list[torch.Tensor], terms: list,
         return None
     i = int(torch.argmin(x))
     return float(x[i]), float(size[i])
+
+
+def rounded_hint(name: str, what: str, ev) -> str | None:
+    """:func:`hint` when op ``name``'s input (its :class:`~replay.hits.Evidence` ``ev``) is
+    such a cancelled difference (:func:`cancelled`), else None."""
+    found = cancelled(name, ev.inputs, ev.terms, ev.input_dtypes)
+    return None if found is None else hint(what, found, ev.input_dtypes[0])
 
 
 def hint(what: str, found: tuple[float, float], dtype: torch.dtype) -> str:

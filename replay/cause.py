@@ -207,10 +207,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
                      f"not cross{how}: " + _advice(situation))
-    if saturation.rounded_zero(ev.inputs, ev.complement):  # 1 - tanh(u)², rounded in both
-        return Cause("precision", saturation.hint(what))
-    if (gap := cancellation.cancelled(name, ev.inputs, ev.terms, ev.input_dtypes)) is not None:
-        return Cause("precision", cancellation.hint(what, gap, ev.input_dtypes[0]))
+    if said := saturation.rounded_hint(what, ev) or cancellation.rounded_hint(name, what, ev):
+        return Cause("precision", said)
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:
         return Cause("precision", f"{what}: float64 is past the edge too, but by "
