@@ -11,37 +11,49 @@ what made the value.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from recorder.finite import finite
 
 
 class SummedGrads:
-    """Which nodes received finite and non-finite gradients from the nodes watched so far."""
+    """What the nodes watched so far sent each node: how many finite gradients and the sum of
+    their largest magnitudes (a sum of finite terms overflows only past the type's largest
+    value), and which nodes they sent a non-finite gradient."""
 
     def __init__(self):
-        self._finite: dict = {}  # node -> how many finite gradients were sent to it
-        self._bad: set = set()  # nodes some watched node sent a non-finite gradient
+        self._finite: dict = {}  # node -> (finite gradients sent to it, their absmax summed)
+        self._bad: set = set()
 
     def sent(self, node, grad_inputs) -> None:
         """After watched node ``node`` ran, returning ``grad_inputs`` to its next nodes."""
         for (target, _), g in zip(node.next_functions, grad_inputs):
             if target is None or not isinstance(g, torch.Tensor):
                 continue
-            if finite(g):
-                self._finite[target] = self._finite.get(target, 0) + 1
+            try:  # (NaN or inf: not finite)
+                top = float(g.detach().abs().max()) if g.numel() else 0.0
+            except RuntimeError:  # (a sparse or nested gradient: no magnitude, never summed)
+                top = 0.0 if finite(g) else math.nan
+            if math.isfinite(top):
+                n, total = self._finite.get(target, (0, 0.0))
+                self._finite[target] = (n + 1, total + top)
             else:
                 self._bad.add(target)
 
     def overflowed(self, node, grad_outputs) -> int:
-        """How many finite gradients the engine summed into ``node``'s non-finite incoming
-        gradient ``grad_outputs`` (0 when it is finite, when a node sent it an infinity, or
-        when fewer than two watched nodes sent it anything: an unwatched one may have)."""
-        n = self._finite.get(node, 0)
+        """How many finite gradients the engine summed into ``node``'s incoming gradient
+        ``grad_outputs`` when that is +-inf and those alone can make it: at least two, whose
+        largest magnitudes add up past the type's largest value, and no watched node sent it
+        a non-finite one (else 0: an unwatched node, a double backward's, may have)."""
+        n, total = self._finite.get(node, (0, 0.0))
         if n < 2 or node in self._bad:
             return 0
-        incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
-        return n if incoming and not all(finite(g) for g in incoming) else 0
+        bad = [g for g in grad_outputs if isinstance(g, torch.Tensor) and not finite(g)]
+        if not bad or bool(bad[0].isnan().any()):  # (a sum of finite terms makes no NaN)
+            return 0
+        return n if total >= torch.finfo(bad[0].dtype).max else 0
 
 
 def detail(made: str | None, node: str, uses: int, module: str | None) -> str:
