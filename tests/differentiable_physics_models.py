@@ -230,8 +230,14 @@ def make_delan():
 
 
 def make_delan_relu():
+    """The diagonal through ReLU with no offset: a configuration whose pre-activation is
+    below 0 has a zero pivot, H is singular there. Its bias starts at 0.3 (the diagonal's
+    positive initial offset), so only some configurations are."""
     torch.manual_seed(0)
-    return DeLaN(diag_act=F.relu, diag_eps=0.0)
+    model = DeLaN(diag_act=F.relu, diag_eps=0.0)
+    with torch.no_grad():
+        model.ld.bias.add_(0.3)
+    return model
 
 
 def pendulum2_batch(g: torch.Generator, n: int = 32):
@@ -386,10 +392,10 @@ def contact_batch(g: torch.Generator, n: int = 16, fast_row: int | None = None):
     return pos, vel
 
 
-def make_lqr_unactuated():
-    """A second actuator with no control cost and no effect: its column of B is 0."""
+def make_lqr_weak():
+    """A second actuator with no control cost and almost no effect (1e-4 of the first's)."""
     torch.manual_seed(0)
     model = LQRPolicy(r_diag=(1.0, 0.0))
     with torch.no_grad():
-        model.B[:, 1] = 0.0
+        model.B[:, 1] *= 1e-4
     return model

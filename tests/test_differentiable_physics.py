@@ -219,3 +219,72 @@ def test_gradients_summed_into_an_infinity_name_the_value_they_were_summed_for(t
     assert o["samples"] and set(o["samples"]) <= {0, 1, 2, 3}, o
     assert "the sum of the gradients into RemainderBackward0 overflowed" in rep["hint"] \
         and "truncate the backward" in rep["hint"], rep["hint"]
+
+
+def test_a_delan_mass_matrix_with_a_dead_relu_diagonal_names_its_singular_configurations(
+        tmp_path):
+    """DeLaN with ReLU (no offset) on the diagonal of L: configurations whose pre-activation
+    is below 0 get a zero pivot and H = L Lᵀ is singular, so ``torch.linalg.solve`` raises in
+    a forward that took ``autograd.grad`` of the potential. The error reaches the loop as it
+    was, with the bundle's note; the replay names the solve, its line, exactly the singular
+    configurations, ``invalid`` (singular in float64 too) and a ridge on the diagonal."""
+    model = M.make_delan_relu()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    q, qd, tau, qdd = M.pendulum2_batch(g)
+    with torch.no_grad():
+        singular = (model.ld(model.body(q)) <= 0).any(1).nonzero().flatten().tolist()
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                            factory=FACTORY + "make_delan_relu") as rec:
+            loss = rec.loss_fn(model(q, qd, tau), qdd)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    bundles = sorted(tmp_path.glob("*.nan"))
+    assert len(bundles) == 1 and any(str(bundles[0]) in n for n in info.value.__notes__)
+    rep = nanreplay_json(bundles[0])
+    o = rep["origin"]
+    assert 0 < len(singular) < len(q), singular
+    assert (rep["event"]["step"], rep["reproduced"], rep["cause"], o["phase"], o["op"],
+            o["samples"]) == (0, True, "invalid", "forward", "aten._linalg_solve_ex",
+                              singular), rep
+    assert o["source"] == line_of("return torch.linalg.solve(H, (tau - g)"), o
+    assert "singular in exact arithmetic too" in rep["hint"] and "ridge" in rep["hint"], \
+        rep["hint"]
+
+
+def test_a_near_singular_lqr_solve_whose_update_blew_the_weights_up_says_the_run_diverged(
+        tmp_path):
+    """A differentiable LQR whose second actuator costs nothing and barely acts (its column
+    of B is 1e-4 of the first's): Quu = R + BᵀPB is near-singular, the gains from
+    ``torch.linalg.solve`` are huge, the imitation loss is 4e7 and its gradient 2e12, and
+    SGD's first update takes B from 0.36 to 1e11. At step 1, BᵀPB overflows. With only step
+    0 before the event no precursor had a baseline, and the hint said to rescale the op's
+    inputs or use float64; the weights' norm the recorder measured before the first update
+    is the baseline now: a weight jump in the update before step 1, a diverging run."""
+    model, expert = M.make_lqr_weak(), M.make_lqr()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                            factory=FACTORY + "make_lqr_weak") as rec:
+            for _ in range(4):
+                x0 = torch.randn(16, M.NX, generator=g)
+                with torch.no_grad():
+                    target = expert(x0)
+                loss = rec.loss_fn(model(x0), target)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (1, "forward")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["module"]) == (
+        True, "overflow", "aten.mm", ""), rep
+    assert o["source"] == line_of("Quu = self.R + self.B.T @ P @ self.B"), o
+    assert [(p["step"], p["kind"]) for p in rep["precursors"]] == [(1, "weight_jump")], \
+        rep["precursors"]
+    assert "jumped in the update before step 1" in rep["hint"] \
+        and "the run was diverging" in rep["hint"] \
+        and "lower the learning rate" in rep["hint"], rep["hint"]
