@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.finite import finite
 
+from .compat import sequence_nr
 from .domains import g
 from .rerun import Runner
 from .source import traceback_source
@@ -75,36 +77,49 @@ def _growing(sizes: list[float]) -> tuple[float, float] | None:
 def _incoming_sizes(runner: Runner, node: str, source: str) -> list[float]:
     """The largest magnitude of the gradient entering each run of node ``node`` made at
     ``source`` in a re-run's backward, in the order they ran, through the first that made a
-    non-finite gradient."""
-    sizes: list[float] = []
+    non-finite gradient; empty unless one module made them all (a rollout in one forward, a
+    cell called step after step; not the same line in each block of a stack)."""
+    sizes: list[tuple[str, float]] = []
     ended: list[bool] = []
     seen: set = set()
+    calls: list[int] = []  # per open module call: its inputs' newest node number
 
-    def hook(grad_inputs, grad_outputs):
+    def hook(name, grad_inputs, grad_outputs):
         incoming = [x for x in grad_outputs if isinstance(x, torch.Tensor) and x.numel()]
         if ended or not incoming or not all(finite(x) for x in incoming):
             return
-        sizes.append(max(float(x.detach().abs().max()) for x in incoming))
+        sizes.append((name, max(float(x.detach().abs().max()) for x in incoming)))
         ended.extend(True for x in grad_inputs if isinstance(x, torch.Tensor) and not finite(x))
 
-    def watch(module, args, output):
-        todo = [t.grad_fn for t in tensor_leaves(output)
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    def enter(module, args, kwargs):
+        calls.append(max((sequence_nr(f) for f in _grad_fns((args, kwargs))), default=-1))
+
+    def leave(name, module, args, output):  # (the nodes the call made: newer than its inputs)
+        before, todo = calls.pop() if calls else -1, _grad_fns(output)
         while todo:
             fn = todo.pop()
-            if fn is None or fn in seen:
+            if fn is None or fn in seen or sequence_nr(fn) <= before:
                 continue
             seen.add(fn)
             if fn.name() == node and _source(fn) == source:
-                fn.register_hook(hook)
+                fn.register_hook(partial(hook, name))
             todo.extend(f for f, _ in fn.next_functions)
 
+    def hooks(model) -> list:
+        return [h for name, m in model.named_modules()
+                for h in (m.register_forward_pre_hook(enter, with_kwargs=True),
+                          m.register_forward_hook(partial(leave, name)))]
+
     try:
-        runner.run(instrument=False, forward_ctx=_traced,
-                   hooks=lambda m: [m.register_forward_hook(watch)])
+        runner.run(instrument=False, forward_ctx=_traced, hooks=hooks)
     except Exception:  # (a re-run that fails here only loses the growth, not the report)
         return []
-    return sizes
+    return [v for _, v in sizes] if len({name for name, _ in sizes}) == 1 else []
+
+
+def _grad_fns(tree) -> list:
+    return [t.grad_fn for t in tensor_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
 
 def _source(fn) -> str | None:
