@@ -50,7 +50,8 @@ class Cancellation:
             except RuntimeError:
                 return
             tol = ULPS * torch.finfo(out.dtype).eps
-            if bool(((out < 0) & (-out <= tol * terms)).any()):
+            # (finite terms only: a quotient by 0 is no rounding)
+            if bool(((out < 0) & (-out <= tol * terms) & torch.isfinite(terms)).any()):
                 self._terms.put(outs[0], terms)
 
     def _sum_terms(self, ins: list[torch.Tensor], leaves: list) -> torch.Tensor | None:
@@ -95,7 +96,8 @@ def cancelled(name: str, inputs: list[torch.Tensor], terms: list,
     neg = x < 0
     if x.shape != size.shape or not bool(neg.any()):
         return None
-    if not bool((-x[neg] <= ULPS * torch.finfo(dtypes[0]).eps * size[neg]).all()):
+    near = -x[neg] <= ULPS * torch.finfo(dtypes[0]).eps * size[neg]
+    if not bool((near & torch.isfinite(size[neg])).all()):
         return None
     i = int(torch.argmin(x))
     return float(x[i]), float(size[i])
