@@ -288,3 +288,29 @@ def test_a_near_singular_lqr_solve_whose_update_blew_the_weights_up_says_the_run
     assert "jumped in the update before step 1" in rep["hint"] \
         and "the run was diverging" in rep["hint"] \
         and "lower the learning rate" in rep["hint"], rep["hint"]
+
+
+def test_a_particle_tunnelling_through_the_ipc_barrier_names_its_log_and_its_row(tmp_path):
+    """IPC's barrier force has log(d / d̂): at step 3 particle 5 is thrown at the floor at
+    12 m/s, crosses the whole barrier in one Euler step and lands at d < 0, where the log is
+    NaN. The report names aten.log on the barrier line, that particle alone, ``invalid``
+    (a negative number in exact arithmetic too) and the domain advice."""
+    model = M.make_contact()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.nn.MSELoss(), out_dir=tmp_path,
+                            factory=FACTORY + "make_contact") as rec:
+            for step in range(5):
+                pos, vel = M.contact_batch(g, fast_row=5 if step == 3 else None)
+                loss = rec.loss_fn(model(pos, vel), pos[:, None].expand(-1, model.steps, -1))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "forward")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["samples"]) == (
+        True, "invalid", "aten.log", "nan", [5]), rep
+    assert o["source"] == line_of("grad = -2 * (d - dh) * torch.log(d / dh)"), o
+    assert "log of a negative number" in rep["hint"] and "clamp" in rep["hint"], rep["hint"]
