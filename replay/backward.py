@@ -37,6 +37,7 @@ from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
 from .source import traceback_source
+from .summed_grads import SummedGrads
 
 
 @dataclass
@@ -77,6 +78,9 @@ class BackwardOrigin:
     divisor_of_data: bool = False
     constant_zero_divisor: bool = False  # ... or is a scalar constant 0 (x / cap, cap = 0)
     copied: CopiedRow | None = None  # a sqrt's 0 distance to a parameter row copied from it
+    # no node made it: the engine summed this many finite gradients of the node's value's
+    # uses into an infinity before the node ran (see replay.summed_grads)
+    summed: int = 0
 
 
 @contextlib.contextmanager
@@ -257,6 +261,8 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     watch = HookWatch(where or Samples(), lambda: found.node is not None,
                       lambda: (runner.micro_batch, runner.in_loss))
 
+    sums = SummedGrads()  # (finite gradients whose sum the engine made non-finite)
+
     def on_node(node, name):
         def hook(grad_inputs, grad_outputs):
             if found.node is not None and not found.samples and watch.hit is None:
@@ -267,22 +273,19 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
             returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
             if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
-                found.node = node.name()
-                found.module = name
-                found.source = _source(node)
-                bad = next(g for g in returned if not finite(g))
-                found.made, found.dtype = kind_of(bad), bad.dtype
-                found.samples = batch_rows(node, list(grad_inputs), where or Samples())
+                _record(found, node, name, grad_inputs, grad_outputs, where or Samples())
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
-                found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
-                found.positive_input = from_positive(node)
-                found.exp_of = _exp_of(node)
                 found.lost_eps = guards.of(node)
-                found.divisor_of_data = divisor_of_data(node)
-                found.constant_zero_divisor = constant_zero_divisor(node)
                 found.copied = copied_row(node) if found.saved_zero == "0" else None
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
-        handles.append(node.register_hook(hook))
+            sums.sent(node, grad_inputs)
+
+        def pre(grad_outputs):
+            if found.node is None and watch.hit is None \
+                    and (uses := sums.overflowed(node, grad_outputs)):
+                _record_sum(found, node, name, uses, grad_outputs, where or Samples())
+                found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
+        handles.extend([node.register_hook(hook), node.register_prehook(pre)])
 
     custom: list[bool] = []
 
@@ -306,6 +309,30 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
         m = re.search(r"Function '(\w+)' returned nan", str(e))
         found.anomaly_node = m.group(1) if m else None
     return found
+
+
+def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
+            where: Samples) -> None:
+    """Node ``node`` (labelled ``name``) made the first non-finite gradient from finite ones."""
+    returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
+    found.node, found.module, found.source = node.name(), name, _source(node)
+    bad = next(g for g in returned if not finite(g))
+    found.made, found.dtype = kind_of(bad), bad.dtype
+    found.samples = batch_rows(node, list(grad_inputs), where)
+    found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
+    found.positive_input = from_positive(node)
+    found.exp_of = _exp_of(node)
+    found.divisor_of_data = divisor_of_data(node)
+    found.constant_zero_divisor = constant_zero_divisor(node)
+
+
+def _record_sum(found: BackwardOrigin, node, name: str, uses: int, grad_outputs,
+                where: Samples) -> None:
+    """The engine summed ``uses`` finite gradients into node ``node``'s non-finite input."""
+    bad = next(g for g in grad_outputs if isinstance(g, torch.Tensor) and not finite(g))
+    found.node, found.module, found.source = node.name(), name, _source(node)
+    found.made, found.dtype, found.summed = kind_of(bad), bad.dtype, uses
+    found.samples = batch_rows_in(grad_outputs, where)
 
 
 def _later_samples(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,

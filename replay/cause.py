@@ -45,7 +45,7 @@ import torch
 
 from recorder.finite import label
 
-from . import domains, lost_eps, residue, saturation, upstream
+from . import cancellation, domains, lost_eps, residue, saturation, upstream
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -208,8 +208,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
                      f"not cross{how}: " + _advice(situation))
-    if saturation.rounded_zero(ev.inputs, ev.complement):  # 1 - tanh(u)², rounded in both
-        return Cause("precision", saturation.hint(what))
+    if said := saturation.rounded_hint(what, ev) or cancellation.rounded_hint(name, what, ev):
+        return Cause("precision", said)
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:
         return Cause("precision", f"{what}: float64 is past the edge too, but by "

@@ -69,6 +69,7 @@ class Evidence:
     sizes: list[float] = field(default_factory=list)  # its earlier finite calls' absmax
     # per input, the eps it was guarded by that its type rounded to 0 (replay.lost_eps)
     lost_eps: list[float | None] = field(default_factory=list)
+    terms: list = field(default_factory=list)  # a difference's terms' size (replay.cancellation)
     # the product that multiplied its infinity by a mask's 0, made NaN (replay.masked_product)
     masked_after: str | None = None
 

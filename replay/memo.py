@@ -9,6 +9,7 @@ inference-mode tensor keeps no version counter: its value is not remembered.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,8 +33,15 @@ class TensorMemo:
     def put(self, t: torch.Tensor, value: Any) -> Any:
         v = version_of(t)
         if v is not None:
-            self._seen[id(t)] = (weakref.ref(t), v, value)
+            self._seen[id(t)] = (weakref.ref(t, partial(self._drop, id(t))), v, value)
         return value
+
+    def _drop(self, key: int, ref: weakref.ref) -> None:
+        """``ref``'s tensor was freed: let its value go (a tensor-sized one: a difference's
+        terms, replay.cancellation) rather than hold it until the id is reused."""
+        hit = self._seen.get(key)
+        if hit is not None and hit[0] is ref:
+            del self._seen[key]
 
 
 class TensorSet:

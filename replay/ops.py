@@ -25,6 +25,7 @@ import torch
 from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
+from .cancellation import Cancellation
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
 from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
@@ -208,6 +209,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     factor=[made_by(t) for t in ins],
                     sizes=list(f.sizes.get(func.overloadpacket.__name__, ())),
                     lost_eps=[f.lost_eps.of(t) for t in ins],
+                    terms=[f.cancellation.at(t, bad) for t in ins],
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
@@ -246,6 +248,7 @@ class OpFinder:
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self.partly = Partly()  # and those it keeps > 0 at some positions (a bool mask each)
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
+        self.cancellation = Cancellation()  # and E[x²] - E[x]², which it can make < 0
         self._mode = _Watch(self)
         self.composites = Composites()  # where torch.logdet runs (replay.composite)
         self.lost_eps = LostEps()  # t + eps where t's type rounds eps to 0 (replay.lost_eps)
@@ -326,6 +329,7 @@ class OpFinder:
             for t in outs:
                 self._positive.add(t)
         self.saturation.track(name, ins, outs, leaves)
+        self.cancellation.track(name, ins, outs, leaves)
 
     def _meet(self, name: str, outs: list[torch.Tensor]) -> None:
         self.first_met = self._made_hit(name, outs)

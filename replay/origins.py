@@ -15,7 +15,7 @@ from recorder.capture import tensor_leaves
 from recorder.finite import finite, kind_of, label, tensors_kind
 from recorder.inner_optim import put_state, state_items
 
-from . import outside
+from . import outside, summed_grads, through_time
 from .backward import find_backward_origin
 from .cause import classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, eps0_text, inf_arith
@@ -294,6 +294,8 @@ def _backward_fields(b) -> dict[str, Any]:
         micro_batch=b.micro_batch, anomaly_node=b.anomaly_node,
         dtype=str(b.dtype).removeprefix("torch.") if b.dtype is not None else None,
         chain=[{"op": b.node, "made": b.made, "source": b.source}] if b.node else [])
+    if b.summed:  # (no node made it: the engine's sum of its value's gradients did)
+        fields["detail"] = summed_grads.detail(b.made, b.node, b.summed, b.module)
     return hook_fields(b, fields) if b.hook is not None else fields
 
 
@@ -373,6 +375,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
         cause.hint = f"{cause.hint}; {said}"
     report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
+    through_time.explain(report, runner, b.node, b.source, b.summed)  # (a rollout's)
     if b.inner_op:  # a hand-written backward: the bug is in its formula, not the forward
         path, _, line = b.inner_source.rpartition(":")
         text = linecache.getline(path, int(line)).strip() if line.isdigit() else ""

@@ -65,7 +65,8 @@ def history(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str,
         "call_order": [seen.index(k) for k in order],  # indices into "layers"
         "event_step": meta.get("event", {}).get("step"),
         "skipped": tensors["ring/skipped"].tolist(),
-        "weight_norm": _weight_norms(tensors.get("ring/update_norms")),
+        "weight_norm": _weight_norms(tensors.get("ring/update_norms"),
+                                     tensors["ring/param_norm"].tolist()),
     }
 
 
@@ -94,15 +95,22 @@ def _call_keys(tensors: dict[str, torch.Tensor]) -> list[list[tuple[int, int] | 
     return out
 
 
-def _weight_norms(update_norms: torch.Tensor | None) -> list[float | None]:
+def _weight_norms(update_norms: torch.Tensor | None, param_norm: list[float]
+                  ) -> list[float | None]:
     """Per step, the 2-norm of the weights the optimizer holds as the update before that step
-    left them (the ring's evidence of each update); None where no update ran."""
+    left them (the ring's evidence of each update); None where no update ran. The steps
+    before the first update take the norm of the weights they began with (``param_norm``,
+    which the recorder measures until that update): the baseline of a first update that
+    blew the weights up (a huge gradient at step 0, the event at step 1)."""
     if update_norms is None:
         return []
     out: list[float | None] = []
     for row in update_norms.double().tolist():
         seen = [v * v for v in row if not math.isnan(v)]
         out.append(math.sqrt(sum(seen)) if seen else None)
+    first = next((i for i, v in enumerate(out) if v is not None), len(out))
+    for i in range(min(first, len(param_norm))):  # (NaN where none was measured)
+        out[i] = param_norm[i] if math.isfinite(param_norm[i]) else None
     return out
 
 

@@ -122,6 +122,12 @@ def hint(what: str) -> str:
             "too: " + STABLE)
 
 
+def rounded_hint(what: str, ev) -> str | None:
+    """:func:`hint` when an input of the op (its :class:`~replay.hits.Evidence` ``ev``) is a
+    complement that rounding made 0 (:func:`rounded_zero`), else None."""
+    return hint(what) if rounded_zero(ev.inputs, ev.complement) else None
+
+
 def rounded_zero(inputs: list[torch.Tensor], complement: list[bool]) -> bool:
     """An input that is 0 somewhere is such a complement: rounding made it 0."""
     return any(c and bool((v == 0).any()) for v, c in zip(inputs, complement))
