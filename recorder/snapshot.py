@@ -87,7 +87,7 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         tensors.update(rng_tensors)
         mbs = tape.micro_batches
         meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors, mbs[:i],
-                                                   target.module_ids)
+                                                   target.module_ids, target.param_ids)
                                  for i, mb in enumerate(mbs)]
         for entry, mb in zip(meta["micro_batches"], tape.micro_batches):
             s = of_micro_batch(mb, target.seq_first, target.recurrent)  # (for the replay)
