@@ -102,6 +102,8 @@ def test_tv_module_kept_aside_under_lbfgs_is_named(tmp_path):
         True, "invalid", "net.0", "SqrtBackward0", [0]), rep
     assert o["source"] == line_of("self.loss = self.strength * torch.sqrt(")
     assert "sqrt(x + eps)" in rep["hint"] and "loop's own code" not in rep["hint"], rep["hint"]
+    assert any("no loss_fn was recorded" in p and "net.0.loss" in p
+               for p in rep["problems"]), rep["problems"]
 
 
 def test_gram_in_float16_over_caffe_range_pixels_is_the_mm_overflow(tmp_path):
