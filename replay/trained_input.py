@@ -1,8 +1,10 @@
-"""An input event on a batch tensor the loop made require grad, at a step's first forward: no
-record of data but a tensor the loop trains through the model, an image optimised as its input
-(style transfer, feature visualisation, DeepDream's ascent ``img += lr * g / g.abs().mean()``).
-The data pipeline's hint sends the user to files that were never read; the loop's own update of
-that tensor after an earlier step's backward made the NaN/Inf. The ring buffer says when the
+"""An input event on a batch tensor the loop made require grad, at a step's first forward: most
+often no record of data but a tensor the loop trains through the model, an image optimised as
+its input (style transfer, feature visualisation, DeepDream's ascent
+``img += lr * g / g.abs().mean()``). The data pipeline's hint alone sends the user to files that
+were never read; the loop's own update of that tensor after an earlier step's backward made the
+NaN/Inf. (Data the loop only differentiates by, a PINN's collocation points, requires grad too:
+the hint keeps the data pipeline for it.) The ring buffer says when the
 model last took it finite and that step's loss: a loss of exactly 0 (a channel the image does
 not activate, behind a ReLU) has a gradient of exactly 0, which a step normalised by its size
 divides by 0. Within a step, ``replay.derived_input`` names the loop's step instead."""
@@ -16,12 +18,13 @@ from .load import Step
 from .recorded import input_origin, origin_key
 
 TRAINED_INPUT = (
-    "{tensor} is no record of data: the loop made it require grad and stepped it by its "
-    "gradient (an image optimised as the model's input: style transfer, feature "
-    "visualisation, DeepDream), so the loop's update of it after an earlier step's backward "
-    "made the NaN/Inf{before}{remedy}; to have its gradient checked and the op that made it "
+    "{tensor} required grad in training: no record of data, then, when it is a tensor the "
+    "loop trains by its gradient (an image optimised as the model's input: style transfer, "
+    "feature visualisation, DeepDream), whose update after an earlier step's backward made "
+    "the NaN/Inf{before}{remedy}; to have its gradient checked and the op that made it "
     "named, hold the tensor in the model as an nn.Parameter that the optimizer given to "
-    "FlightRecorder trains")
+    "FlightRecorder trains. Data the loop only differentiates by (a PINN's collocation "
+    "points) is checked as any batch: the data pipeline for these samples")
 BEFORE = "; the model took it finite at step {s}"
 LOSS = ", whose loss was {loss:.4g}"
 ZERO_LOSS = (

@@ -243,6 +243,29 @@ def style_transfer_loss_eps(features, content_target, style_grams, img,
     return content_weight * content + style_weight * style + tv_weight * tv_loss_eps(img)
 
 
+def calc_mean_std(feat, eps: float = 1e-5):
+    """naoto0804/pytorch-AdaIN's statistics of each channel (``eps`` added to the variance)."""
+    size = feat.size()
+    N, C = size[:2]
+    feat_var = feat.view(N, C, -1).var(dim=2) + eps
+    feat_std = feat_var.sqrt().view(N, C, 1, 1)
+    feat_mean = feat.view(N, C, -1).mean(dim=2).view(N, C, 1, 1)
+    return feat_mean, feat_std
+
+
+def mean_std_style_loss(features, style_feats, eps: float = 1e-5):
+    """AdaIN's style loss: the channels' means and standard deviations matched by MSE."""
+    loss = 0.0
+    for f, s in zip(features, style_feats):
+        (fm, fs), (sm, ss) = calc_mean_std(f, eps), calc_mean_std(s, eps)
+        loss = loss + F.mse_loss(fm, sm) + F.mse_loss(fs, ss)
+    return loss
+
+
+def mean_std_style_loss_no_eps(features, style_feats):
+    return mean_std_style_loss(features, style_feats, eps=0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # DeepDream: the activation of a layer is the objective
 
