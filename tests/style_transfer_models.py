@@ -10,8 +10,15 @@ extractor and the IMAGE as the only tensor an optimizer trains.
   as ``features.bmm(features_t) / (ch * h * w)``) with a loss function beside the model, and
   the total-variation prior of Mahendran & Vedaldi (``TV^beta`` with ``beta = 1``:
   ``sqrt(dx ** 2 + dy ** 2)``), as neural-style re-implementations write it.
+- neural-style-pt's ``TVLoss`` module spliced first into the net (with the ``beta = 1`` sqrt
+  above) and its Caffe-range pixels (0..255, BGR means subtracted).
 - DeepDream (google/deepdream's ``make_step``, gordicaleksa/pytorch-deepdream): the loss is a
   layer's activation, the loop ascends ``img.data += lr * g / g.abs().mean()`` itself.
+
+The recorder refuses an optimizer that holds no parameter of the model, so the image an
+optimizer trains is held in the model as an ``nn.Parameter`` (``StyleTransfer``: lucent's
+``param.image`` keeps it beside the net the same way); a leaf image stepped by the loop is the
+model's input, recorded with ``optimizer=None``.
 
 The factories of ``test_style_transfer.py``.
 """
@@ -241,29 +248,6 @@ def style_transfer_loss_eps(features, content_target, style_grams, img,
     content = F.mse_loss(features[1], content_target)
     style = sum(F.mse_loss(gram(f), s) for f, s in zip(features, style_grams))
     return content_weight * content + style_weight * style + tv_weight * tv_loss_eps(img)
-
-
-def calc_mean_std(feat, eps: float = 1e-5):
-    """naoto0804/pytorch-AdaIN's statistics of each channel (``eps`` added to the variance)."""
-    size = feat.size()
-    N, C = size[:2]
-    feat_var = feat.view(N, C, -1).var(dim=2) + eps
-    feat_std = feat_var.sqrt().view(N, C, 1, 1)
-    feat_mean = feat.view(N, C, -1).mean(dim=2).view(N, C, 1, 1)
-    return feat_mean, feat_std
-
-
-def mean_std_style_loss(features, style_feats, eps: float = 1e-5):
-    """AdaIN's style loss: the channels' means and standard deviations matched by MSE."""
-    loss = 0.0
-    for f, s in zip(features, style_feats):
-        (fm, fs), (sm, ss) = calc_mean_std(f, eps), calc_mean_std(s, eps)
-        loss = loss + F.mse_loss(fm, sm) + F.mse_loss(fs, ss)
-    return loss
-
-
-def mean_std_style_loss_no_eps(features, style_feats):
-    return mean_std_style_loss(features, style_feats, eps=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
