@@ -175,7 +175,10 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     # (an op computing in float32 under autocast needs float64; one overflowing bfloat16,
     # with float32's range, too; one whose true result float64 overflows, no type)
     if cause == "overflow" and BEYOND_FLOAT64 not in (report.get("hint") or ""):
-        made_in = o.get("dtype")
+        # (the type the chain's first op overflowed, a float16 mm under autocast, when the
+        # origin is a later float32 op that took its infinity)
+        made_in = next((c["dtype"] for c in o.get("chain") or ()
+                        if c.get("dtype") and not c.get("intentional")), o.get("dtype"))
         half = made_in == "float16" if made_in else low
         out.append("dtype=float32" if half else "dtype=float64")
     elif cause in ("underflow", "precision") and (low or o.get("dtype") in HALF) \

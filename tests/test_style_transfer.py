@@ -113,10 +113,15 @@ def test_gram_in_float16_over_caffe_range_pixels_is_the_mm_overflow(tmp_path):
         tutorial(tmp_path, "make_style_model_caffe", lbfgs=False, half=True, high=255.0)
     ev = info.value.event
     assert (ev["step"], ev["phase"]) == (0, "backward"), ev
-    rep = nanreplay_json(info.value.bundle_path)
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["module"], o["op"]) == (
         True, "overflow", "net.style_loss_1", "MseLossBackward0"), rep
+    assert (o["chain"][0]["op"], o["chain"][0]["dtype"]) == ("aten.mm", "float16"), o
+    # the float16 mm's type, not the float32 loss's (was: dtype=float64), and a conclusive
+    # re-run: the kept-aside losses are backpropagated in the what-if too (was: inconclusive)
+    [t] = rep["what_if"]
+    assert (t["try"], t["finite"], t["inconclusive"]) == ("dtype=float32", True, False), t
     assert o["source"] == line_of("self.loss = F.mse_loss(G, self.target)")
     h = rep["hint"]
     assert "aten.mm" in h and line_of("G = torch.mm(features, features.t())") in h, h
