@@ -2,12 +2,12 @@
 often no record of data but a tensor the loop trains through the model, an image optimised as
 its input (style transfer, feature visualisation, DeepDream's ascent
 ``img += lr * g / g.abs().mean()``). The data pipeline's hint alone sends the user to files that
-were never read; the loop's own update of that tensor after an earlier step's backward made the
-NaN/Inf. (Data the loop only differentiates by, a PINN's collocation points, requires grad too:
-the hint keeps the data pipeline for it.) The ring buffer says when the
-model last took it finite and that step's loss: a loss of exactly 0 (a channel the image does
-not activate, behind a ReLU) has a gradient of exactly 0, which a step normalised by its size
-divides by 0. Within a step, ``replay.derived_input`` names the loop's step instead."""
+were never read: the loop's own update of that tensor after an earlier step's backward made the
+NaN/Inf. The ring buffer says when the model last took it finite and that step's loss: a loss
+of exactly 0 (a channel the image does not activate, behind a ReLU) has a gradient of exactly
+0, which a step normalised by its size divides by 0. Data the loop only differentiates by (a
+PINN's collocation points) requires grad too: the hint keeps the data pipeline for it. Within
+a step, ``replay.derived_input`` names the loop's step instead."""
 
 from __future__ import annotations
 
