@@ -15,8 +15,15 @@ from .capture import flatten_tree, tensor_leaves
 from .compat import grad_hooks
 from .lossdesc import defined_at
 from .rng import rng_drawn, rng_to_bundle
+from .target import LOSS_PREFIX
 
 Named = Callable[[], dict[int, str]]  # objects of the model by id, named
+
+
+def named_params(params: list[tuple[str, torch.Tensor]]) -> Named:
+    """The recorded ``(name, parameter)`` list by id, named, when asked (a loss given one
+    itself is bundled so); the loss module's left out, which the replay rebuilds with it."""
+    return lambda: {id(p): n for n, p in params if not n.startswith(LOSS_PREFIX)}
 
 
 def json_scalar(v: Any) -> bool:

@@ -117,11 +117,6 @@ class Target:
             named.setdefault(id(given), "")
         return named
 
-    def param_ids(self) -> dict[int, str]:
-        """The model's recorded parameters by id, named (the loss module's left out: the
-        replay rebuilds those with the loss): what a loss given one itself is bundled as."""
-        return {id(p): n for n, p in self.params if not n.startswith(LOSS_PREFIX)}
-
     def _read_forward_autocast(self, model: nn.Module) -> None:
         """The autocast the root's forward enters itself (accelerate's mixed precision wraps
         it so), which its pre-hook, where a micro-batch's autocast is read, does not see yet;

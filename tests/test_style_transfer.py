@@ -52,13 +52,13 @@ def tutorial(out_dir, factory: str, *, lbfgs: bool, half: bool = False, steps: i
     return rec
 
 
-def fast_style(out_dir, loss_fn, steps: int = 4):
+def fast_style(out_dir, loss_fn, steps: int = 4, rewind: int | None = None):
     """fast_neural_style's losses as a loss function given the features, the targets and the
     image parameter itself (its TV prior), Adam over the image."""
     model = M.make_fast_style()
     content_target, style_grams = M.style_targets(model.net)
     opt = torch.optim.Adam([model.image], lr=0.02)
-    with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+    with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, rewind=rewind,
                         factory="style_transfer_models:make_fast_style") as rec:
         for _ in range(steps):
             opt.zero_grad()
@@ -74,7 +74,7 @@ def test_tv_sqrt_in_the_loss_given_the_image_parameter_is_named(tmp_path):
     # the content photo's white sky is flat: dx = dy = 0 there, and sqrt's gradient 1/(2*0)
     # times 2 * dx = 0 is NaN in the image's gradient at the first step
     with pytest.raises(NonFiniteError) as info:
-        fast_style(tmp_path, M.style_transfer_loss)
+        fast_style(tmp_path, M.style_transfer_loss, rewind=2)
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["params"]) == (0, "backward", ["image"]), ev
     rep = nanreplay_json(info.value.bundle_path)
@@ -85,6 +85,10 @@ def test_tv_sqrt_in_the_loss_given_the_image_parameter_is_named(tmp_path):
         True, "invalid", "backward", "<loss>", "SqrtBackward0", [0]), rep
     assert o["source"] == line_of("return torch.sqrt(dx ** 2 + dy ** 2).sum()")
     assert "sqrt(x + eps)" in rep["hint"] and "loop's own code" not in rep["hint"], rep["hint"]
+    # the rewind window's re-run too (was: "every value finite: the event did NOT come back")
+    w = rep["window"]
+    assert (w["reproduced"], w["event_step"], w["first_non_finite"]["params"]) == (
+        True, 0, ["image"]), w
 
 
 def test_tv_module_kept_aside_under_lbfgs_is_named(tmp_path):
