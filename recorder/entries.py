@@ -15,6 +15,15 @@ from .capture import flatten_tree, tensor_leaves
 from .compat import grad_hooks
 from .lossdesc import defined_at
 from .rng import rng_drawn, rng_to_bundle
+from .target import LOSS_PREFIX
+
+Named = Callable[[], dict[int, str]]  # objects of the model by id, named
+
+
+def named_params(params: list[tuple[str, torch.Tensor]]) -> Named:
+    """The recorded ``(name, parameter)`` list by id, named, when asked (a loss given one
+    itself is bundled so); the loss module's left out, which the replay rebuilds with it."""
+    return lambda: {id(p): n for n, p in params if not n.startswith(LOSS_PREFIX)}
 
 
 def json_scalar(v: Any) -> bool:
@@ -46,14 +55,14 @@ def hyper_entry(h: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
 
 
 def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
-                      earlier: list | tuple = (),
-                      modules: Callable[[], dict[int, str]] | None = None) -> dict[str, Any]:
+                      earlier: list | tuple = (), modules: Named | None = None,
+                      params: Named | None = None) -> dict[str, Any]:
     """Micro-batch ``i`` of a tape as the bundle's ``micro_batches[i]`` entry, its tensors
     under ``<prefix>batch/<i>``, ``<prefix>loss_in/<i>`` and ``<prefix>outgrad/<i>`` (``prefix``
     is ``""`` for the event step); ``earlier``: the micro-batches before it, whose outputs its
     loss may take too (two views of a batch through one encoder, one contrastive loss);
-    ``modules()``: the recorded model's modules by id, named (a loss given the model itself;
-    asked only when a loss argument is a module)."""
+    ``modules()``, ``params()``: the recorded model's modules, parameters by id, named (a loss
+    given the model itself, or a parameter: asked only when a loss argument is one)."""
     tree, ts, paths = flatten_tree([list(mb.args), mb.kwargs], f"{prefix}batch/{i}")
     tensors.update(ts)
     out: dict[str, Any] = {"inputs": tree, "paths": paths, "grad_enabled": mb.grad_enabled,
@@ -84,7 +93,7 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
         ltree, lts, lpaths = flatten_tree([list(mb.loss_args), mb.loss_kwargs or {}],
                                           f"{prefix}loss_in/{i}", leaf=partial_leaf(
                                               outs, [list(tensor_leaves(m.outputs))
-                                                     for m in earlier], ts),
+                                                     for m in earlier], ts, params),
                                           whole=_whole_output(mb, earlier, modules))
         tensors.update(lts)
         out["loss_inputs"], out["loss_paths"] = ltree, lpaths
@@ -131,13 +140,16 @@ def _rng_entry(state: dict[str, Any], prefix: str, tensors: dict[str, torch.Tens
 
 
 def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (),
-                 inputs: dict[str, torch.Tensor] | None = None):
+                 inputs: dict[str, torch.Tensor] | None = None,
+                 params: Named | None = None):
     """Stand-in for loss inputs that are the model output, a view of it or a cast of it to
     another dtype, so the replay feeds the loss its own re-computed output instead of a
     recorded copy: ``{"$out": j}``, with ``"mb": k`` for an output of the step's earlier
     micro-batch ``k`` (``earlier``); ``{"$in": key}`` for the micro-batch's own input tensor
     under ``key`` of ``inputs`` (a loss differentiating the output with respect to it needs
-    the very tensor the re-run's forward took)."""
+    the very tensor the re-run's forward took); ``{"$param": name}`` for a parameter of the
+    model (``params()``) given to the loss itself (an image the optimizer trains as the model's
+    parameter, whose total-variation prior the loss takes: a copy would cut that path)."""
     sources = [(None, outs), *((k, o) for k, o in reversed(list(enumerate(earlier))))]
     own = {id(t): key for key, t in (inputs or {}).items()}
 
@@ -148,6 +160,9 @@ def partial_leaf(outs: list[torch.Tensor], earlier: list[list[torch.Tensor]] = (
                     return _out_ref(i, k)
         if (key := own.get(id(t))) is not None and inputs[key] is t:
             return {"$in": key}
+        if params is not None and isinstance(t, torch.nn.Parameter) \
+                and (name := params().get(id(t))) is not None:
+            return {"$param": name}
         for k, group in sources:
             for i, o in enumerate(group):
                 if (t.device == o.device and t.dtype == o.dtype

@@ -33,7 +33,7 @@ import torch
 
 from .capture import flatten_tree, map_tensors, tensor_leaves
 from .compat import scaler_tensors
-from .entries import hyper_entry, jsonish, micro_batch_entry
+from .entries import hyper_entry, jsonish, micro_batch_entry, named_params
 from .inner_optim import state_items
 from .rng import rng_to_bundle
 
@@ -105,7 +105,8 @@ class Rewind:
             return
         prefix = f"rewind/step/{tape.step}/"
         tensors: dict[str, torch.Tensor] = {}
-        mbs = [micro_batch_entry(prefix, i, mb, tensors, tape.micro_batches[:i], self.modules)
+        mbs = [micro_batch_entry(prefix, i, mb, tensors, tape.micro_batches[:i], self.modules,
+                                 named_params(params))
                for i, mb in enumerate(tape.micro_batches)]
         for k in list(tensors):
             tensors[k] = _to_host(tensors[k])

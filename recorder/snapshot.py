@@ -21,7 +21,7 @@ from .bundle import FORMAT, VERSION
 from .capture import environment, flatten_tree
 from .compiled import hook_sites
 from .constants import unchanged
-from .entries import hyper_entry, jsonish, micro_batch_entry
+from .entries import hyper_entry, jsonish, micro_batch_entry, named_params
 from .graph_reach import from_model
 from .inner_optim import full_state
 from .lossdesc import describe_callable, describe_loss
@@ -88,7 +88,8 @@ def build_bundle(src: Sources, tape: Tape | None, event: dict[str, Any], *,
         tensors.update(rng_tensors)
         mbs = tape.micro_batches
         meta["micro_batches"] = [micro_batch_entry("", i, mb, tensors, mbs[:i],
-                                                   target.module_ids)
+                                                   target.module_ids,
+                                                   named_params(target.params))
                                  for i, mb in enumerate(mbs)]
         for entry, mb in zip(meta["micro_batches"], tape.micro_batches):
             s = of_micro_batch(mb, target.seq_first, target.recurrent)  # (for the replay)

@@ -43,6 +43,16 @@ def torch_optimizer(optimizer):
     return optimizer
 
 
+# An optimizer that trains the model's input (style transfer's image) holds no parameter of
+# it: the gradient that update takes is checked, and re-run, only for a parameter of the model.
+STRAY_INPUT = (
+    "; an optimizer that trains the model's input instead (the image of style transfer or "
+    "feature visualisation) is recorded with that tensor held in the model: an nn.Parameter "
+    "of a module whose forward feeds it to the network (its gradient is then checked and "
+    "re-run, a loss given it too), or without the optimizer (optimizer=None), which checks "
+    "the image only as the next step's input")
+
+
 def check_model(model, optimizer, loss_fn=None) -> None:
     """The model is a module (unreplicated; sharded only by FSDP2) and the optimizer holds its
     parameters (and those of ``loss_fn``: a learnable temperature, recorded with the model's)."""
@@ -63,7 +73,7 @@ def check_model(model, optimizer, loss_fn=None) -> None:
             shapes = ", ".join(str(list(p.shape)) for p in stray[:3])
             raise ValueError(f"FlightRecorder: {len(stray)} optimizer parameter(s) are not "
                              f"parameters of the model (shapes {shapes}); build the optimizer "
-                             "from this model's parameters()")
+                             "from this model's parameters()" + STRAY_INPUT)
 
 
 def check_loss_fn(loss_fn) -> None:

@@ -74,6 +74,7 @@ from .second_order import adapted_from_gradient, report_made_weights, report_sec
 from .shards import shard_set
 from .source import distributed_call
 from .state import forward_written, state_notes
+from .trained_input import trained_input_hint
 from .unset_state import unset_state_or_raise
 from .whatif import run_tries
 from .window import window_of
@@ -247,8 +248,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
                        for k in ("inputs_changed", "targets_changed"))
     if targets and (not inputs or step.event.get("phase") == "loss"):  # (what the loss took)
         return _targets_changed(report, step, targets[0])
-    if inputs:
-        return _input_changed(report, step, inputs[0])
+    if inputs:  # (an input the loop trains: its update wrote it, DeepDream's Adam's)
+        return _input_changed(report, step, inputs[0], trained_input_hint(step))
     if step.event.get("phase") == "input":
         return _input_event(report, step)
     if (written := _written_inputs(report, step)) is not None:
@@ -294,7 +295,7 @@ def _input_event(report, step: Step) -> dict[str, Any] | None:
         return None if made is RERUN else made
     return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
         step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
-        or input_hint(o, step))
+        or trained_input_hint(step, o) or input_hint(o, step))
 
 
 def _late(step: Step) -> set[str]:
@@ -447,8 +448,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return made  # (a MAML query forward on weights its inner update made non-finite)
     if (term := loop_differentiation(step)) is not None:  # before the branch below: that
         return not_rerun_term(report, step, term)  # term may be all the backward went through
-    if phase == "backward" and _no_backward_reached_the_output(step):
-        return _gradients_from_the_loop(report, step)
+    if phase == "backward" and _no_backward_reached_the_output(step):  # (losses kept aside)
+        return report_kept_aside(report, step, runner) or _gradients_from_the_loop(report, step)
     return _not_reproduced(report, step, runner, phase)
 
 

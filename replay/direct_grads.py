@@ -23,10 +23,11 @@ def cut_outputs(step: Step, i: int, outputs: list[list[torch.Tensor]]
                 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None]:
     """``outputs`` with micro-batch ``i``'s swapped for stand-ins cut from the model's graph
     (each requiring grad as its output does), and the stand-ins; ``outputs`` and None when
-    that micro-batch's loss was not given the model or one of its modules."""
+    that micro-batch's loss was not given the model, one of its modules or parameters."""
     entry = step.micro_batches[i]
+    tree = entry.get("loss_inputs")
     if len(outputs) <= i or differentiates_model(step, i) or not any(
-            isinstance(m, str) for m in tree_refs(entry.get("loss_inputs"), "$module")):
+            isinstance(m, str) for key in ("$module", "$param") for m in tree_refs(tree, key)):
         return outputs, None
     cut = [o.detach().requires_grad_(o.requires_grad) for o in outputs[i]]
     return [*outputs[:i], cut, *outputs[i + 1:]], cut

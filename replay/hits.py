@@ -35,9 +35,13 @@ class OpHit:
     from_mask: bool = False  # made NaN when only intended infinities (a mask) had been made
 
     def as_json(self) -> dict[str, Any]:
+        # (its dtype: the type an overflow of its output beat, which can be another than the
+        # origin's, a float16 mm under autocast whose infinity a float32 loss took)
+        dtype = {} if self.evidence is None else {
+            "dtype": str(self.evidence.dtype).removeprefix("torch.")}
         return {"op": self.op, "made": self.made, "source": self.source,
                 "input_min": _num(self.input_min), "input_max": _num(self.input_max),
-                "intentional": self.intentional}
+                "intentional": self.intentional, **dtype}
 
 
 @dataclass

@@ -25,8 +25,12 @@ def report_kept_aside(report, step: Step, runner: Runner) -> dict[str, Any] | No
         if not names or not run.bad_grads:
             return None
         more = f" +{len(names) - 4} more" if len(names) > 4 else ""
+        # (with no loss_fn, the loop's loss may be those values alone: the neural style
+        # tutorial sums its modules' self.loss and never uses the output)
+        rerun = "the re-run of loss_fn and backward" if step.loss_fn is not None else \
+            "the re-run's backward (no loss_fn was recorded)"
         report["problems"].append(
-            "the re-run of loss_fn and backward makes every gradient finite; but the forward "
+            f"{rerun} makes every gradient finite; but the forward "
             f"keeps differentiable values on its modules ({', '.join(names[:4])}{more}), "
             "terms a loop adds to the loss outside loss_fn (a KL, a log prior): "
             "backpropagated too, each weighted 1 (the loop's weights are not recorded), they "

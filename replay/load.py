@@ -327,6 +327,8 @@ def loss_inputs(step: Step, i: int, outputs: list[list[torch.Tensor]],
                 else step.tensors[node["$in"]].to(step.device)
         if isinstance(node.get("$module"), str) and step.model is not None:
             return step.model.get_submodule(node["$module"])  # (the model given to the loss)
+        if isinstance(node.get("$param"), str) and step.model is not None:
+            return step.model.get_parameter(node["$param"])  # (a parameter given to the loss)
         if node.get("$output") is True and objects is not None:
             return _item(objects[node.get("mb", i)], node.get("path", []))
         if "$out" not in node:

@@ -145,6 +145,13 @@ def _lr_kinds(groups) -> tuple[bool, bool]:
             any(v is None for v in lrs))
 
 
+def _overflowed_in(o: dict[str, Any]) -> str | None:
+    """The type an overflow beat: the chain's first op's (a float16 mm under autocast) when
+    the origin is a later float32 op that took its infinity, else the origin's."""
+    return next((c["dtype"] for c in o.get("chain") or ()
+                 if c.get("dtype") and not c.get("intentional")), o.get("dtype"))
+
+
 def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     """The remedies that fit the cause: drop the offending samples for bad input, an op's
     domain or an overflow in samples whose inputs are outliers of the batch, a wider compute
@@ -175,7 +182,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     # (an op computing in float32 under autocast needs float64; one overflowing bfloat16,
     # with float32's range, too; one whose true result float64 overflows, no type)
     if cause == "overflow" and BEYOND_FLOAT64 not in (report.get("hint") or ""):
-        made_in = o.get("dtype")
+        made_in = _overflowed_in(o)
         half = made_in == "float16" if made_in else low
         out.append("dtype=float32" if half else "dtype=float64")
     elif cause in ("underflow", "precision") and (low or o.get("dtype") in HALF) \

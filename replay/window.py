@@ -39,6 +39,7 @@ from .departure import param_norms
 from .drop import drop_rows
 from .hyper import set_hyper
 from .load import Step
+from .loop_grads import no_backward_reached_the_output
 from .loopscale import unscale, window_factors, with_factors
 from .ops import OpFinder
 from .optim import needs_closure, per_parameter, state_note
@@ -140,6 +141,9 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         runner = Runner(sub)
         runner.cast, runner.loss_factors = change.dtype, factors
         runner.feed_recorded = step.loss_fn is None  # (what entered from the loop's loss)
+        # (no loss_fn, no gradient reached the output: the values the forward kept aside are
+        # the loop's loss, as the style tutorial's modules' self.loss; see replay.kept_aside)
+        runner.keep_aside = step.loss_fn is None and no_backward_reached_the_output(sub)
         scale = _used_scale(step, win, record)
         runner.loss_scale = scale if scale is not None and math.isfinite(scale) else None
         run = _run_ranks(runner, step, peers, record, change, scale)

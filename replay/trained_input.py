@@ -1,0 +1,80 @@
+"""An input event on a batch tensor the loop made require grad, at a step's first forward: most
+often no record of data but a tensor the loop trains through the model, an image optimised as
+its input (style transfer, feature visualisation, DeepDream's ascent
+``img += lr * g / g.abs().mean()``). The data pipeline's hint alone sends the user to files that
+were never read: the loop's own update of that tensor after an earlier step's backward made the
+NaN/Inf. The ring buffer says when the model last took it finite and that step's loss: a loss
+of exactly 0 (a channel the image does not activate, behind a ReLU) has a gradient of exactly
+0, which a step normalised by its size divides by 0. Data the loop only differentiates by (a
+PINN's collocation points) requires grad too: the hint keeps the data pipeline for it. Within
+a step, ``replay.derived_input`` names the loop's step instead."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .load import Step
+from .recorded import input_origin, origin_key
+
+TRAINED_INPUT = (
+    "{tensor} required grad in training: no record of data, then, when it is a tensor the "
+    "loop trains by its gradient (an image optimised as the model's input: style transfer, "
+    "feature visualisation, DeepDream), whose update after an earlier step's backward made "
+    "the NaN/Inf{before}{remedy}; to have its gradient checked and the op that made it "
+    "named, hold the tensor in the model as an nn.Parameter that the optimizer given to "
+    "FlightRecorder trains. Data the loop only differentiates by (a PINN's collocation "
+    "points) is checked as any batch: the data pipeline for these samples")
+BEFORE = "; the model took it finite at step {s}"
+LOSS = ", whose loss was {loss:.4g}"
+ZERO_LOSS = (
+    ", exactly 0: a loss of 0 (a unit the input does not activate, behind a ReLU) has a "
+    "gradient of exactly 0, and a step divided by the gradient's size (g / g.abs().mean(), "
+    "g / g.norm()) is 0/0 there: clamp the divisor from below "
+    "(g / g.abs().mean().clamp_min(1e-8))")
+EITHER = (
+    ": a step divided by the gradient's size where the gradient was exactly 0 "
+    "(g / g.abs().mean(), g / g.norm(): 0/0; clamp the divisor from below, "
+    "g / g.abs().mean().clamp_min(1e-8)), or a non-finite gradient the update took (the sqrt "
+    "of a total-variation or norm term at 0, over a flat region: sqrt(x + eps))")
+
+
+def trained_input_hint(step: Step, origin: dict[str, Any] | None = None) -> str | None:
+    """The hint of an input event on a batch tensor that required grad in training, at the
+    step's first micro-batch (``origin``: the event's own when None); None otherwise."""
+    if origin is None and step.event.get("phase") == "input":
+        origin = input_origin(step)
+    if origin is None or origin.get("micro_batch") or not step.micro_batches:
+        return None
+    key, _ = origin_key(step, origin)
+    if not key or key not in step.micro_batches[0].get("grad_inputs", ()):
+        return None
+    before, remedy = "", EITHER
+    if (last := _last_finite_input(step)) is not None:
+        s, loss = last
+        before = BEFORE.format(s=s) + (LOSS.format(loss=loss) if math.isfinite(loss) else "")
+        remedy = ZERO_LOSS if loss == 0 else EITHER
+    return TRAINED_INPUT.format(tensor=origin.get("tensor"), before=before, remedy=remedy)
+
+
+def _last_finite_input(step: Step) -> tuple[int, float] | None:
+    """``(step, loss)`` of the ring buffer's last step before the event when its root calls
+    all took finite inputs (its loss NaN when none was recorded); None when the ring does not
+    say so."""
+    t, meta = step.tensors, step.meta
+    fields = (meta.get("ring") or {}).get("call_fields") or []
+    names = [m.get("name") for m in meta.get("modules") or []]
+    if not {"ring/steps", "ring/loss", "ring/calls"} <= set(t) or "" not in names \
+            or "inputs_finite" not in fields:
+        return None
+    root, f = names.index(""), fields.index("inputs_finite")
+    at = step.event.get("step")
+    rows = [r for r, s in enumerate(t["ring/steps"].tolist()) if at is not None and s < at]
+    for r in reversed(rows):
+        mods = t["ring/call_module"][r].tolist()
+        flags = [v for v, m in zip(t["ring/calls"][r, :, f].tolist(), mods) if m == root]
+        loss = float(t["ring/loss"][r])
+        if flags and all(v == 1 for v in flags):
+            return int(t["ring/steps"][r]), loss
+        return None  # (the step before the event's took it non-finite already)
+    return None
