@@ -399,7 +399,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if run1.signature() != run2.signature():
         report["problems"].append("two re-runs of the step disagree: nondeterminism")
         return finish(report, origin_fields(), "not_reproduced", reproduced=False)
-    report["fidelity"] = fid = fidelity.compare(step, run1)
+    report["fidelity"] = fid = fidelity.compare(step, run1, runner.frozen_written())
     report["problems"] += fidelity.notes(fid, step)  # (a path or weights the run had not)
     if fid is not None and not fid["matches"]:
         if (second := report_second_order(report, step, runner, fid)) is not None:

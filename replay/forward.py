@@ -24,6 +24,7 @@ from .rerun import Runner
 from .run_result import Run
 from .source import is_torch_file, user_source
 from .storages import mask_buffers, state_of
+from .transforms import outside_transforms
 
 
 def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
@@ -163,8 +164,8 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                 hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
                 hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
         # (first of its pre-hooks: those are part of the call, and may make its weights)
-        hs.append(target.register_forward_pre_hook(pre, prepend=True))
-        hs.append(target.register_forward_hook(post))
+        hs.append(target.register_forward_pre_hook(outside_transforms(pre), prepend=True))
+        hs.append(target.register_forward_hook(outside_transforms(post)))
         return hs + _track_calls(finder, target, (module, call), runner, mb)
 
     try:
@@ -219,8 +220,8 @@ def _track_calls(finder: OpFinder, target, home: tuple[str, int], runner: Runner
     hs = []
     for name, m in target.named_modules(prefix=home[0]):
         if m is not target:
-            hs.append(m.register_forward_pre_hook(enter(name)))
-            hs.append(m.register_forward_hook(leave))
+            hs.append(m.register_forward_pre_hook(outside_transforms(enter(name))))
+            hs.append(m.register_forward_hook(outside_transforms(leave)))
     return hs
 
 
