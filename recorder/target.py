@@ -167,7 +167,9 @@ class Target:
         self.seq_first = seq_first(model)  # the samples of its batches are in dim 1
         self.recurrent = recurrent(model)  # (and of its hidden states, whatever the above)
         self._read_forward_autocast(model)
-        self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
+        # (not a parameter on the meta device: a placeholder that holds no value, such as a
+        # main network whose weights a hypernetwork makes, swapped in by functional_call)
+        self.params = [(eager_name(n), p) for n, p in model.named_parameters() if not p.is_meta]
         self.params += loss_params(_deref(self._loss_fn), self.optimizer(), self.params)
         # FSDP2 may keep accumulated gradients outside p.grad until it reduces them
         self.sharded = sharded(model)
@@ -204,8 +206,8 @@ class Target:
         # that moment may never come: no optimizer (the step closes at the next forward, after
         # the user's own update and zero_grad), or a GradScaler that may skip the update.
         self.grad_hooks = opt is None or self.has_scaler
-        held = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None \
-            else set()
+        held = {id(p) for g in opt.param_groups for p in g["params"] if not p.is_meta} \
+            if opt is not None else set()  # (placeholders on the meta device: see bind)
         self.groups = len(opt.param_groups) if opt is not None else 0
         self._warn_unknown(held)
         # The gradients to measure: of the parameters that train now, and of the frozen ones

@@ -124,6 +124,8 @@ def load_weights(step, model: nn.Module) -> None:
             assign(model, name, done[id(p)], param=True)
             continue
         src = next((n for n in names_by_id[id(p)] if f"weights/{n}" in t), None)
+        if src is None and p.is_meta:
+            continue  # (a placeholder holding no value, which the recorder does not bundle)
         if src is None:
             raise ReplayError(f"the bundle holds no weights for parameter {name!r} of the model "
                               f"from the factory; {other_model(step)}")

@@ -210,14 +210,14 @@ def hinge_loss(scores, labels):
 
 
 class MainNet(nn.Module):
-    """The main network, a Gaussian regressor; its own parameters are placeholders (no
-    gradient), replaced in every call by the generated ones."""
+    """The main network, a Gaussian regressor; it holds no weights of its own (built on the
+    meta device, as PyTorch's model-ensembling recipe builds its stateless base): every call
+    takes the generated ones."""
 
     def __init__(self, d_in: int = 4, hidden: int = 16):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(d_in, hidden), nn.Linear(hidden, hidden)
         self.head = nn.Linear(hidden, 2)
-        self.requires_grad_(False)
 
     def forward(self, x):
         h = F.elu(self.fc2(F.elu(self.fc1(x))))
@@ -246,7 +246,7 @@ class HMLP(nn.Module):
 class CondHyperNet(nn.Module):
     def __init__(self):
         super().__init__()
-        self.target = MainNet()
+        self.target = MainNet().to("meta")
         self.hnet = HMLP({n: p.shape for n, p in self.target.named_parameters()})
 
     def forward(self, x, cond):
