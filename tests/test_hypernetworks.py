@@ -1,0 +1,196 @@
+"""End to end on hypernetworks and the regularizers written with ``torch.func``
+(``hypernetworks_models``: siren's set-encoder hypernetwork, a hand-written spectral norm, a
+per-sample hypernetwork run by ``vmap(functional_call)`` on a main network built on the meta
+device, FiLM, a contractive penalty by ``vmap(jacrev(...))`` in the forward), trained under the
+recorder until a planted bug fires, then replayed with the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hypernetworks_models as M
+import pytest
+import torch
+import torch.nn.functional as F
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # hypernetworks_models.py is trusted here
+
+
+def line_of(text: str) -> str:
+    lines = (HERE / "hypernetworks_models.py").read_text().splitlines()
+    n = next(i for i, line in enumerate(lines, 1) if text in line)
+    return f"hypernetworks_models.py:{n}"
+
+
+def fit(out_dir, factory: str, loss_fn, batches, opt=torch.optim.Adam, **kw):
+    """Train ``factory``'s model on ``batches`` ((args, loss targets) per step) under the
+    recorder; the NonFiniteError, or None when the run ended without one."""
+    model = getattr(M, factory)(**kw)
+    optimizer = opt(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    try:
+        with FlightRecorder(model, optimizer, loss_fn=loss_fn, out_dir=out_dir,
+                            lr_scheduler=sched, factory=f"hypernetworks_models:{factory}",
+                            factory_kwargs=kw) as rec:
+            for args, targets in batches:
+                loss = rec.loss_fn(model(*args), *targets)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                sched.step()
+    except NonFiniteError as e:
+        return e
+    return None
+
+
+def siren_batches(empty_at: int | None, steps: int = 5):
+    g = torch.Generator().manual_seed(0)
+    for s in range(steps):
+        cx, cy, mask, qx, qy = M.siren_batch(g, empty=(2, 4) if s == empty_at else ())
+        yield (cx, cy, mask, qx), (qy,)
+
+
+def critic_batches(steps: int = 3):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        yield (torch.randn(8, 8, generator=g),), (torch.tensor([1.0, -1.0] * 4),)
+
+
+def cond_batches(big_at: int | None, steps: int = 4):
+    g = torch.Generator().manual_seed(0)
+    for s in range(steps):
+        x, c = torch.randn(8, 4, generator=g), torch.rand(8, 2, generator=g)
+        y = x.sum(1) * c[:, 0]
+        if s == big_at:
+            c[6] *= 1e3  # a condition given in other units (mK for K)
+        yield (x, c), (y,)
+
+
+def film_batches(empty_at: int | None, steps: int = 4):
+    g = torch.Generator().manual_seed(0)
+    for s in range(steps):
+        image = torch.randn(6, 3, 8, 8, generator=g)
+        tokens = torch.randint(1, 20, (6, 5), generator=g)
+        tokens[:, 3:] = 0  # padding
+        if s == empty_at:
+            tokens[4] = 0  # an empty instruction
+        yield (image, tokens), (torch.randint(0, 5, (6,), generator=g),)
+
+
+def cae_batches(blank_at: int | None, steps: int = 4):
+    g = torch.Generator().manual_seed(0)
+    for s in range(steps):
+        x = torch.randn(8, 10, generator=g)
+        keep = (torch.rand(8, 10, generator=g) < 0.8).float()
+        if s == blank_at:
+            keep[5] = 0  # a record with every feature missing
+        yield (x, keep), (x,)
+
+
+def test_siren_hypernetwork_names_the_context_sets_without_a_point(tmp_path):
+    """siren's SetEncoder pools the context points by ``mean * (n / mask.sum())``: a context
+    set with every point masked out divides by 0 (+inf), times its 0 embedding (NaN), and the
+    hypernetwork makes that sample's whole SIREN from it."""
+    err = fit(tmp_path, "make_siren_hyper", M.siren_loss, siren_batches(empty_at=3))
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (3, "forward",
+                                                                            "encoder")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "invalid", "encoder", "aten.reciprocal", "+inf", [2, 4]), rep
+    assert o["source"] == line_of("torch.sum(ctxt_mask, dim=-2))")
+    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
+
+
+def test_hand_written_spectral_norm_names_its_written_parameters_not_the_factory(tmp_path):
+    """christiancosgrove's SpectralNorm keeps u and v as parameters without gradient and sets
+    ``u.data``/``v.data`` in every forward; around a zero-initialised last layer, sigma is 0
+    and ``w / sigma`` 0/0 at step 0. The bundle holds u and v as that forward left them, so the
+    re-run differs from training at the first layer: the fidelity line names them and says to
+    keep them in buffers (was: the factory builds a different model, pass
+    --factory-kwargs)."""
+    err = fit(tmp_path, "make_sn_critic", M.hinge_loss, critic_batches(),
+              opt=lambda p, lr: torch.optim.Adam(p, lr=2e-4, betas=(0.0, 0.9)))
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (0, "forward", "head")
+    rep = nanreplay_json(err.bundle_path, code=1)
+    fid = rep["fidelity"]
+    assert (fid["matches"], fid["module"], fid["micro_batch"]) == (False, "body.0", 0), fid
+    assert {"body.0.module.weight_u", "body.0.module.weight_v"} <= set(fid["frozen_written"])
+    assert all(n.endswith(("_u", "_v")) for n in fid["frozen_written"]), fid
+    assert (rep["reproduced"], rep["cause"], rep["origin"]["module"]) == (False, None, "head")
+    text = json.dumps(rep)
+    assert "forward writes parameters the bundle holds as that forward left them" in \
+        rep["hint"], rep["hint"]
+    assert "factory builds a different model" not in text and "factory-kwargs" not in text
+
+
+def test_per_sample_hypernetwork_by_vmap_functional_call_is_recorded_and_replayed(tmp_path):
+    """hypnettorch's HMLP makes every weight of the main network per sample, which runs by
+    ``vmap(functional_call(self.target, ...))`` on a main network built on the meta device (it
+    holds no weights). Recording must not run on that placeholder (training crashed: the
+    step's statistics were on meta), nor the replay read the vmapped calls' wrapped tensors
+    (it crashed): one condition 1000x out of scale overflows that sample's variance."""
+    err = fit(tmp_path, "make_cond_hyper", M.gaussian_nll, cond_batches(big_at=2))
+    assert err is not None
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (2, "forward", [6])
+    assert not any(n.startswith("target.") for n in err.event.get("params") or [])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "overflow", "", "aten.exp", "+inf", [6]), rep
+    assert o["source"] == line_of("torch.exp(log_var)")
+    assert "out of scale" in rep["hint"] and "drop=6" in rep["hint"], rep["hint"]
+    assert rep["fidelity"]["matches"] is True, rep["fidelity"]
+
+
+def test_contractive_penalty_by_vmap_jacrev_names_the_sqrt_of_a_zero_jacobian(tmp_path):
+    """The encoder's Jacobian per record by ``vmap(jacrev(...))`` in the forward, its Frobenius
+    norm as ``sqrt(sum(J**2))`` without an eps: a record with every feature missing has J = 0
+    and sqrt's derivative there is infinite (NaN in the gradients). The replay names
+    SqrtBackward0 on its line and the record (was: a crash reading the transform's wrapped
+    tensors; then 'a value no check names', no line)."""
+    err = fit(tmp_path, "make_cae", M.cae_loss, cae_batches(blank_at=2))
+    assert (err.event["step"], err.event["phase"]) == (2, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["op"], o["module"], o["samples"]) == (
+        True, "invalid", "backward", "SqrtBackward0", "", [5]), rep
+    assert o["source"] == line_of("penalty = torch.sqrt(")
+    assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
+
+
+def test_film_on_an_empty_instruction_names_that_sample_not_the_batch(tmp_path):
+    """FiLM's generator embeds the instruction by a masked mean over its tokens: an empty one
+    is 0/0. BatchNorm in the FiLMed block spreads it to every sample (the recorder sees all
+    rows), the replay names the one sample and the line."""
+    err = fit(tmp_path, "make_film", F.cross_entropy, film_batches(empty_at=2))
+    assert (err.event["step"], err.event["module"]) == (2, "film_gen"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
+        True, "invalid", "film_gen", "aten.div", [4]), rep
+    assert o["source"] == line_of("/ mask.sum(1)")
+    assert "0/0" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("factory, loss_fn, batches, kw", [
+    ("make_siren_hyper", M.siren_loss, lambda: siren_batches(None), {}),
+    ("make_sn_critic", M.hinge_loss, critic_batches, {"zero_last": False}),
+    ("make_cond_hyper", M.gaussian_nll, lambda: cond_batches(None), {}),
+    ("make_film", F.cross_entropy, lambda: film_batches(None), {}),
+    ("make_cae", M.cae_loss, lambda: cae_batches(None), {}),
+])
+def test_healthy_hypernetworks_are_not_stopped(tmp_path, factory, loss_fn, batches, kw):
+    """The same loops without the planted bug: no event (meta placeholders, frozen parameters
+    the forward writes, calls under torch.func transforms are no evidence of one)."""
+    assert fit(tmp_path, factory, loss_fn, batches(), **kw) is None
+    assert not list(tmp_path.glob("*.nan"))
