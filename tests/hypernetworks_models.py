@@ -250,7 +250,11 @@ class CondHyperNet(nn.Module):
         self.hnet = HMLP({n: p.shape for n, p in self.target.named_parameters()})
 
     def forward(self, x, cond):
+        """``cond``: one per sample (B, d), or the task's (d,), whose weights every sample
+        shares."""
         weights = self.hnet(cond)
+        if cond.dim() == 1:
+            return functional_call(self.target, {n: w[0] for n, w in weights.items()}, (x,))
 
         def one(w, xi):
             return functional_call(self.target, w, (xi,))

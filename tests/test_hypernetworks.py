@@ -75,6 +75,17 @@ def cond_batches(big_at: int | None, steps: int = 4):
         yield (x, c), (y,)
 
 
+def task_batches(big_at: int | None, steps: int = 4):
+    """One task descriptor per batch, shared by its samples (no batch dimension)."""
+    g = torch.Generator().manual_seed(0)
+    for s in range(steps):
+        x, c = torch.randn(8, 4, generator=g), torch.rand(2, generator=g)
+        y = x.sum(1) * c[0]
+        if s == big_at:
+            c *= 1e4  # this task's descriptor not normalised as the others'
+        yield (x, c), (y,)
+
+
 def film_batches(empty_at: int | None, steps: int = 4):
     g = torch.Generator().manual_seed(0)
     for s in range(steps):
@@ -152,6 +163,24 @@ def test_per_sample_hypernetwork_by_vmap_functional_call_is_recorded_and_replaye
     assert rep["fidelity"]["matches"] is True, rep["fidelity"]
 
 
+def test_a_task_descriptor_out_of_scale_is_said_to_be_the_data_not_the_learning_rate(tmp_path):
+    """The same hypernetwork conditioned on one task descriptor per batch (no batch
+    dimension), run by a plain functional_call: a descriptor 1e4x out of scale overflows the
+    main network's exp. No row of the batch stands out, but every layer's absmax jumped at
+    this very step from the first layer on: the hint says the data is at fault (was: 'clamp
+    the exponent ... or lower the learning rate' only)."""
+    err = fit(tmp_path, "make_cond_hyper", M.gaussian_nll, task_batches(big_at=2))
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (2, "forward",
+                                                                            "target")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"]) == (
+        True, "overflow", "target", "aten.exp", "+inf"), rep
+    assert o["source"] == line_of("torch.exp(log_var)")
+    assert "But the data fed to this step is out of scale" in rep["hint"], rep["hint"]
+    assert "at this very step" in rep["hint"], rep["hint"]
+
+
 def test_contractive_penalty_by_vmap_jacrev_names_the_sqrt_of_a_zero_jacobian(tmp_path):
     """The encoder's Jacobian per record by ``vmap(jacrev(...))`` in the forward, its Frobenius
     norm as ``sqrt(sum(J**2))`` without an eps: a record with every feature missing has J = 0
@@ -186,6 +215,7 @@ def test_film_on_an_empty_instruction_names_that_sample_not_the_batch(tmp_path):
     ("make_siren_hyper", M.siren_loss, lambda: siren_batches(None), {}),
     ("make_sn_critic", M.hinge_loss, critic_batches, {"zero_last": False}),
     ("make_cond_hyper", M.gaussian_nll, lambda: cond_batches(None), {}),
+    ("make_cond_hyper", M.gaussian_nll, lambda: task_batches(None), {}),
     ("make_film", F.cross_entropy, lambda: film_batches(None), {}),
     ("make_cae", M.cae_loss, lambda: cae_batches(None), {}),
 ])
