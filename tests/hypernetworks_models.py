@@ -148,7 +148,10 @@ def l2normalize(v, eps=1e-12):
 
 
 class SpectralNorm(nn.Module):
-    def __init__(self, module, name="weight", power_iterations=1):
+    """``buffers``: u and v kept in buffers (as torch's spectral_norm and BigGAN-PyTorch keep
+    them), not in parameters without gradient."""
+
+    def __init__(self, module, name="weight", power_iterations=1, buffers=False):
         super().__init__()
         self.module, self.name, self.power_iterations = module, name, power_iterations
         w = getattr(self.module, self.name)
@@ -160,8 +163,9 @@ class SpectralNorm(nn.Module):
         v.data = l2normalize(v.data)
         w_bar = nn.Parameter(w.data)
         del self.module._parameters[self.name]
-        self.module.register_parameter(self.name + "_u", u)
-        self.module.register_parameter(self.name + "_v", v)
+        keep = self.module.register_buffer if buffers else self.module.register_parameter
+        keep(self.name + "_u", u.data if buffers else u)
+        keep(self.name + "_v", v.data if buffers else v)
         self.module.register_parameter(self.name + "_bar", w_bar)
 
     def _update_u_v(self):
@@ -181,23 +185,26 @@ class SpectralNorm(nn.Module):
 
 
 class SNCritic(nn.Module):
-    def __init__(self, d_in: int = 8, hidden: int = 32, zero_last: bool = True):
+    def __init__(self, d_in: int = 8, hidden: int = 32, zero_last: bool = True,
+                 buffers: bool = False):
         super().__init__()
         last = nn.Linear(hidden, 1)
         if zero_last:  # guided-diffusion's zero_module: start the residual output at 0
             nn.init.zeros_(last.weight)
             nn.init.zeros_(last.bias)
-        self.body = nn.Sequential(SpectralNorm(nn.Linear(d_in, hidden)), nn.LeakyReLU(0.1),
-                                  SpectralNorm(nn.Linear(hidden, hidden)), nn.LeakyReLU(0.1))
-        self.head = SpectralNorm(last)
+        self.body = nn.Sequential(SpectralNorm(nn.Linear(d_in, hidden), buffers=buffers),
+                                  nn.LeakyReLU(0.1),
+                                  SpectralNorm(nn.Linear(hidden, hidden), buffers=buffers),
+                                  nn.LeakyReLU(0.1))
+        self.head = SpectralNorm(last, buffers=buffers)
 
     def forward(self, x):
         return self.head(self.body(x)).squeeze(-1)
 
 
-def make_sn_critic(zero_last: bool = True):
+def make_sn_critic(zero_last: bool = True, buffers: bool = False):
     torch.manual_seed(0)
-    return SNCritic(zero_last=zero_last)
+    return SNCritic(zero_last=zero_last, buffers=buffers)
 
 
 def hinge_loss(scores, labels):

@@ -13,7 +13,7 @@ import hypernetworks_models as M
 import pytest
 import torch
 import torch.nn.functional as F
-from bundles import nanreplay_json
+from bundles import invoke_cli, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
@@ -142,6 +142,21 @@ def test_hand_written_spectral_norm_names_its_written_parameters_not_the_factory
     assert "forward writes parameters the bundle holds as that forward left them" in \
         rep["hint"], rep["hint"]
     assert "factory builds a different model" not in text and "factory-kwargs" not in text
+    fidelity_line = next(ln for ln in invoke_cli(err.bundle_path).stdout.splitlines()
+                         if ln.startswith("  fidelity"))
+    assert "body.0.module.weight_u" in fidelity_line, fidelity_line
+    assert "keep such state in buffers (self.register_buffer(" in fidelity_line, fidelity_line
+
+    # recorded again with u and v in buffers, as the fidelity line says: the step re-runs, and
+    # the 0/0 is w / sigma in the critic's head
+    err = fit(tmp_path / "buffers", "make_sn_critic", M.hinge_loss, critic_batches(),
+              opt=lambda p, lr: torch.optim.Adam(p, lr=2e-4, betas=(0.0, 0.9)), buffers=True)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"]) == (
+        True, "invalid", "head", "aten.div", "nan"), rep
+    assert o["source"] == line_of("w / sigma.expand_as(w)")
+    assert rep["fidelity"]["matches"] is True, rep["fidelity"]
 
 
 def test_per_sample_hypernetwork_by_vmap_functional_call_is_recorded_and_replayed(tmp_path):
