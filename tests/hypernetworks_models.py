@@ -343,24 +343,37 @@ def make_film():
 
 
 class ContractiveAE(nn.Module):
-    def __init__(self, d: int = 10, hidden: int = 6):
+    """``in_forward``: the forward takes the penalty and returns it beside the reconstruction;
+    else it returns the reconstruction, and the loss takes the penalty (``cae_model_loss``)."""
+
+    def __init__(self, d: int = 10, hidden: int = 6, in_forward: bool = True):
         super().__init__()
         self.enc = nn.Sequential(nn.Linear(d, hidden), nn.Tanh())
         self.dec = nn.Linear(hidden, d)
+        self.in_forward = in_forward
 
     def forward(self, x, keep):
         h = self.enc(x * keep)  # the features the record has (a masked autoencoder's input)
+        if not self.in_forward:
+            return self.dec(h)
         jac = vmap(jacrev(lambda xi, ki: self.enc(xi * ki)))(x, keep)  # (B, hidden, d)
         # ||J||_F per record, the sqrt without an eps
         penalty = torch.sqrt(jac.pow(2).sum((1, 2)))
         return self.dec(h), penalty
 
 
-def make_cae():
+def make_cae(in_forward: bool = True):
     torch.manual_seed(0)
-    return ContractiveAE()
+    return ContractiveAE(in_forward=in_forward)
 
 
 def cae_loss(out, x, lam: float = 1e-2):
     recon, penalty = out
+    return F.mse_loss(recon, x) + lam * penalty.mean()
+
+
+def cae_model_loss(recon, x, keep, model, lam: float = 1e-2):
+    """The same penalty taken in the loss, given the model (its encoder's Jacobian there)."""
+    jac = vmap(jacrev(lambda xi, ki: model.enc(xi * ki)))(x, keep)
+    penalty = torch.sqrt(jac.pow(2).sum((1, 2)))  # (as in the forward: no eps)
     return F.mse_loss(recon, x) + lam * penalty.mean()

@@ -208,8 +208,33 @@ def test_contractive_penalty_by_vmap_jacrev_names_the_sqrt_of_a_zero_jacobian(tm
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["phase"], o["op"], o["module"], o["samples"]) == (
         True, "invalid", "backward", "SqrtBackward0", "", [5]), rep
-    assert o["source"] == line_of("penalty = torch.sqrt(")
+    assert o["source"] == line_of("penalty = torch.sqrt(")  # (the forward's, first)
     assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
+
+
+def test_contractive_penalty_taken_in_the_loss_given_the_model_names_it_in_the_loss(tmp_path):
+    """The same penalty taken by the loss, given the model (``loss_fn(recon, x, keep,
+    model)``): the replay passes its own model, whose encoder the loss runs under
+    ``vmap(jacrev(...))``; it names SqrtBackward0 in the loss, on its line (was: the same
+    crash on the transform's wrapped tensors)."""
+    model = M.make_cae(in_forward=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.cae_model_loss, out_dir=tmp_path,
+                            factory="hypernetworks_models:make_cae",
+                            factory_kwargs={"in_forward": False}) as rec:
+            for (x, keep), _ in cae_batches(blank_at=2):
+                loss = rec.loss_fn(model(x, keep), x, keep, model)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["module"], o["samples"]) == (
+        True, "invalid", "SqrtBackward0", "<loss>", [5]), rep
+    assert o["source"] == line_of("penalty = torch.sqrt(jac.pow(2).sum((1, 2)))  # (as in")
 
 
 def test_film_on_an_empty_instruction_names_that_sample_not_the_batch(tmp_path):
