@@ -151,13 +151,16 @@ class SpectralNorm(nn.Module):
     """``buffers``: u and v kept in buffers (as torch's spectral_norm and BigGAN-PyTorch keep
     them), not in parameters without gradient."""
 
-    def __init__(self, module, name="weight", power_iterations=1, buffers=False):
+    def __init__(self, module, name="weight", power_iterations=1, buffers=False,
+                 u_zero=False):
         super().__init__()
         self.module, self.name, self.power_iterations = module, name, power_iterations
         w = getattr(self.module, self.name)
         height = w.data.shape[0]
         width = w.view(height, -1).data.shape[1]
         u = nn.Parameter(w.data.new(height).normal_(0, 1), requires_grad=False)
+        if u_zero:  # (the bug: u started at zeros, not at a random unit vector)
+            u.data.zero_()
         v = nn.Parameter(w.data.new(width).normal_(0, 1), requires_grad=False)
         u.data = l2normalize(u.data)
         v.data = l2normalize(v.data)
@@ -186,7 +189,7 @@ class SpectralNorm(nn.Module):
 
 class SNCritic(nn.Module):
     def __init__(self, d_in: int = 8, hidden: int = 32, zero_last: bool = True,
-                 buffers: bool = False):
+                 buffers: bool = False, u_zero: bool = False):
         super().__init__()
         last = nn.Linear(hidden, 1)
         if zero_last:  # guided-diffusion's zero_module: start the residual output at 0
@@ -194,7 +197,8 @@ class SNCritic(nn.Module):
             nn.init.zeros_(last.bias)
         self.body = nn.Sequential(SpectralNorm(nn.Linear(d_in, hidden), buffers=buffers),
                                   nn.LeakyReLU(0.1),
-                                  SpectralNorm(nn.Linear(hidden, hidden), buffers=buffers),
+                                  SpectralNorm(nn.Linear(hidden, hidden), buffers=buffers,
+                                               u_zero=u_zero),
                                   nn.LeakyReLU(0.1))
         self.head = SpectralNorm(last, buffers=buffers)
 
@@ -202,9 +206,9 @@ class SNCritic(nn.Module):
         return self.head(self.body(x)).squeeze(-1)
 
 
-def make_sn_critic(zero_last: bool = True, buffers: bool = False):
+def make_sn_critic(zero_last: bool = True, buffers: bool = False, u_zero: bool = False):
     torch.manual_seed(0)
-    return SNCritic(zero_last=zero_last, buffers=buffers)
+    return SNCritic(zero_last=zero_last, buffers=buffers, u_zero=u_zero)
 
 
 def hinge_loss(scores, labels):

@@ -157,6 +157,27 @@ def test_hand_written_spectral_norm_names_its_written_parameters_not_the_factory
         True, "invalid", "head", "aten.div", "nan"), rep
     assert o["source"] == line_of("w / sigma.expand_as(w)")
     assert rep["fidelity"]["matches"] is True, rep["fidelity"]
+    # (a trained weight at 0 is the eps's to handle: w / (sigma + eps) keeps the layer at 0)
+    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
+
+
+def test_power_iteration_started_at_zeros_names_its_vector_not_an_eps(tmp_path):
+    """The same critic with u and v in buffers, but the second layer's u started at zeros (not
+    a random unit vector): every power iteration keeps it 0 (l2normalize's eps or not), sigma
+    is 0 and ``w / sigma`` infinite. An eps on sigma would scale the layer by 1e12: the hint
+    names the buffer to start nonzero (was: 'add an eps to the denominator')."""
+    err = fit(tmp_path, "make_sn_critic", M.hinge_loss, critic_batches(),
+              opt=lambda p, lr: torch.optim.Adam(p, lr=2e-4, betas=(0.0, 0.9)),
+              zero_last=False, buffers=True, u_zero=True)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (0, "forward",
+                                                                            "body.2")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"]) == (
+        True, "invalid", "body.2", "aten.div", "+inf"), rep
+    assert o["source"] == line_of("w / sigma.expand_as(w)")
+    assert "divisor comes from buffer body.2.module.weight_u, all 0" in rep["hint"], rep["hint"]
+    assert "start it nonzero" in rep["hint"] and "add an eps" not in rep["hint"], rep["hint"]
 
 
 def test_per_sample_hypernetwork_by_vmap_functional_call_is_recorded_and_replayed(tmp_path):
@@ -254,6 +275,7 @@ def test_film_on_an_empty_instruction_names_that_sample_not_the_batch(tmp_path):
 @pytest.mark.parametrize("factory, loss_fn, batches, kw", [
     ("make_siren_hyper", M.siren_loss, lambda: siren_batches(None), {}),
     ("make_sn_critic", M.hinge_loss, critic_batches, {"zero_last": False}),
+    ("make_sn_critic", M.hinge_loss, critic_batches, {"zero_last": False, "buffers": True}),
     ("make_cond_hyper", M.gaussian_nll, lambda: cond_batches(None), {}),
     ("make_cond_hyper", M.gaussian_nll, lambda: task_batches(None), {}),
     ("make_film", F.cross_entropy, lambda: film_batches(None), {}),
