@@ -59,7 +59,7 @@ class FrozenParams:
         with torch.no_grad():
             return [n for n, p in self.model.named_parameters()
                     if now.get(n) != self.marks.get(n) and (first := self.saved.get(n))
-                    is not None and first.shape == p.shape
+                    is not None and first.shape == p.shape and not p.is_meta
                     and not torch.allclose(first, p, rtol=0, atol=0, equal_nan=True)]
 
     @contextlib.contextmanager

@@ -31,16 +31,17 @@ def line_of(text: str) -> str:
     return f"hypernetworks_models.py:{n}"
 
 
-def fit(out_dir, factory: str, loss_fn, batches, opt=torch.optim.Adam, **kw):
+def fit(out_dir, factory: str, loss_fn, batches, opt=torch.optim.Adam, rewind=None, **kw):
     """Train ``factory``'s model on ``batches`` ((args, loss targets) per step) under the
-    recorder; the NonFiniteError, or None when the run ended without one."""
+    recorder (``rewind``: its window); the NonFiniteError, or None when the run ended without
+    one."""
     model = getattr(M, factory)(**kw)
     optimizer = opt(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
     try:
         with FlightRecorder(model, optimizer, loss_fn=loss_fn, out_dir=out_dir,
                             lr_scheduler=sched, factory=f"hypernetworks_models:{factory}",
-                            factory_kwargs=kw) as rec:
+                            factory_kwargs=kw, rewind=rewind) as rec:
             for args, targets in batches:
                 loss = rec.loss_fn(model(*args), *targets)
                 optimizer.zero_grad()
@@ -185,15 +186,20 @@ def test_per_sample_hypernetwork_by_vmap_functional_call_is_recorded_and_replaye
     ``vmap(functional_call(self.target, ...))`` on a main network built on the meta device (it
     holds no weights). Recording must not run on that placeholder (training crashed: the
     step's statistics were on meta), nor the replay read the vmapped calls' wrapped tensors
-    (it crashed): one condition 1000x out of scale overflows that sample's variance."""
-    err = fit(tmp_path, "make_cond_hyper", M.gaussian_nll, cond_batches(big_at=2))
+    (it crashed), nor its rewind window and what-ifs the placeholder's values (they
+    crashed): one condition 1000x out of scale overflows that sample's variance."""
+    err = fit(tmp_path, "make_cond_hyper", M.gaussian_nll, cond_batches(big_at=2), rewind=2)
     assert err is not None
     assert (err.event["step"], err.event["phase"], err.event["samples"]) == (2, "forward", [6])
     assert not any(n.startswith("target.") for n in err.event.get("params") or [])
-    rep = nanreplay_json(err.bundle_path)
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
         True, "overflow", "", "aten.exp", "+inf", [6]), rep
+    assert rep["window"]["reproduced"] is True, rep["window"]
+    tried = {w["try"]: w for w in rep["what_if"]}
+    assert tried["drop=6"]["finite"] is True and not tried["drop=6"]["inconclusive"], tried
+    assert tried["lr=0.1x"]["finite"] is False, tried  # (the data, not the rate)
     assert o["source"] == line_of("torch.exp(log_var)")
     assert "out of scale" in rep["hint"] and "drop=6" in rep["hint"], rep["hint"]
     assert rep["fidelity"]["matches"] is True, rep["fidelity"]
