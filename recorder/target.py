@@ -372,12 +372,13 @@ UNKNOWN_WARNING = (
 
 def buffer_homes(model: nn.Module) -> list[tuple[str, dict, str]]:
     """(name, the module's buffer dict, key) of each buffer, in ``named_buffers()``'s order
-    (a buffer shared by two modules once)."""
+    (a buffer shared by two modules once; not one on the meta device, a placeholder's, which
+    holds no value to copy)."""
     seen, homes = set(), []
     for prefix, m in model.named_modules():
         home = own_slots(m)[1]
         for key, b in home.items():
-            if b is not None and id(b) not in seen:
+            if b is not None and id(b) not in seen and not b.is_meta:
                 seen.add(id(b))
                 homes.append((eager_name(f"{prefix}.{key}" if prefix else key), home, key))
     return homes
