@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from bundles import invoke_cli, nanreplay_json
+from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
@@ -87,15 +88,19 @@ def task_batches(big_at: int | None, steps: int = 4):
         yield (x, c), (y,)
 
 
-def film_batches(empty_at: int | None, steps: int = 4):
+def film_batches(empty_at: int | None, steps: int = 4, batch: int = 6):
+    """A DataLoader over (image, instruction, answer); the instruction of sample 4 of batch
+    ``empty_at`` is empty (all padding)."""
     g = torch.Generator().manual_seed(0)
-    for s in range(steps):
-        image = torch.randn(6, 3, 8, 8, generator=g)
-        tokens = torch.randint(1, 20, (6, 5), generator=g)
-        tokens[:, 3:] = 0  # padding
-        if s == empty_at:
-            tokens[4] = 0  # an empty instruction
-        yield (image, tokens), (torch.randint(0, 5, (6,), generator=g),)
+    n = steps * batch
+    images, answers = torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
+    tokens = torch.randint(1, 20, (n, 5), generator=g)
+    tokens[:, 3:] = 0  # padding
+    if empty_at is not None:
+        tokens[empty_at * batch + 4] = 0
+    loader = DataLoader(TensorDataset(images, tokens, answers), batch_size=batch)
+    for image, instruction, answer in loader:
+        yield (image, instruction), (answer,)
 
 
 def cae_batches(blank_at: int | None, steps: int = 4):
