@@ -37,9 +37,10 @@ SAME_DEVICE, OTHER_DEVICE, ABS = 1e-2, 5e-2, 1e-5
 def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | None:
     """``{"matches", "module", "call", "micro_batch", "recorded", "rerun", "calls",
     "difference", "basis"}``, or None when the bundle holds no recorded statistics to compare
-    with (no history); ``written``: the frozen parameters the re-run's forward wrote. ``basis`` is ``"event step"`` (values, call by call) or, for an
-    evaluation forward, which the ring does not keep, ``"earlier steps"``: only which modules
-    the recorded training steps called."""
+    with (no history); ``written``: the frozen parameters the re-run's forward wrote.
+    ``basis`` is ``"event step"`` (values, call by call) or, for an evaluation forward, which
+    the ring does not keep, ``"earlier steps"``: only which modules the recorded training
+    steps called."""
     t, meta = step.tensors, step.meta
     ev = step.event
     fields = meta.get("ring", {}).get("call_fields", [])
