@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from recorder.compat import is_norm_layer
 from recorder.finite import finite
 
 from .errors import StopRun
@@ -33,7 +34,10 @@ def zero_state_hint(runner: Runner, origin, hit) -> str | None:
     except AttributeError:
         return None
     prefix = f"{origin.module}." if origin.module else ""
-    state = [(f"buffer {prefix}{n}", t) for n, t in module.named_buffers()] + \
+    # (not a norm layer's running statistics: running_mean starts at 0 by design)
+    state = [(f"buffer {prefix}{sub}{'.' if sub else ''}{n}", t)
+             for sub, m in module.named_modules() if not is_norm_layer(m)
+             for n, t in m.named_buffers(recurse=False)] + \
         [(f"parameter {prefix}{n} (no gradient)", p) for n, p in module.named_parameters()
          if not p.requires_grad]
     for what, t in state:
