@@ -346,13 +346,24 @@ def make_film():
 # contractive autoencoder, its Jacobian penalty by torch.func
 
 
+class Radial(nn.Module):
+    """The record's norm appended to its features (a distance feature), without an eps: its
+    derivative x / |x| is 0/0 at a record of zeros."""
+
+    def forward(self, x):
+        return torch.cat([x, torch.sqrt((x ** 2).sum(-1, keepdim=True))], -1)
+
+
 class ContractiveAE(nn.Module):
     """``in_forward``: the forward takes the penalty and returns it beside the reconstruction;
-    else it returns the reconstruction, and the loss takes the penalty (``cae_model_loss``)."""
+    else it returns the reconstruction, and the loss takes the penalty (``cae_model_loss``).
+    ``radial``: the encoder takes the record's norm as one more feature."""
 
-    def __init__(self, d: int = 10, hidden: int = 6, in_forward: bool = True):
+    def __init__(self, d: int = 10, hidden: int = 6, in_forward: bool = True,
+                 radial: bool = False):
         super().__init__()
-        self.enc = nn.Sequential(nn.Linear(d, hidden), nn.Tanh())
+        self.enc = nn.Sequential(Radial(), nn.Linear(d + 1, hidden), nn.Tanh()) if radial \
+            else nn.Sequential(nn.Linear(d, hidden), nn.Tanh())
         self.dec = nn.Linear(hidden, d)
         self.in_forward = in_forward
 
@@ -366,9 +377,9 @@ class ContractiveAE(nn.Module):
         return self.dec(h), penalty
 
 
-def make_cae(in_forward: bool = True):
+def make_cae(in_forward: bool = True, radial: bool = False):
     torch.manual_seed(0)
-    return ContractiveAE(in_forward=in_forward)
+    return ContractiveAE(in_forward=in_forward, radial=radial)
 
 
 def cae_loss(out, x, lam: float = 1e-2):

@@ -244,6 +244,24 @@ def test_contractive_penalty_by_vmap_jacrev_names_the_sqrt_of_a_zero_jacobian(tm
     assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
 
 
+def test_a_jacobian_nan_made_inside_jacrev_names_the_derivative_of_the_forward_op(tmp_path):
+    """The encoder takes the record's norm as a feature (``sqrt(sum(x**2))``, no eps): its
+    value at a record of zeros is 0, its derivative 0/0, so the Jacobian that
+    ``vmap(jacrev(...))`` takes in the forward is NaN there (a forward event). The replay finds
+    the op in SqrtBackward0, run by jacrev inside the forward, and names the sqrt's line as
+    the pole (was: a crash on the transform's wrapped tensors)."""
+    err = fit(tmp_path, "make_cae", M.cae_loss, cae_batches(blank_at=2), radial=True)
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (2, "forward", [5])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["node"], o["samples"]) == (
+        True, "invalid", "aten.div", "SqrtBackward0", [5]), rep
+    assert o["source"] == line_of("jac = vmap(jacrev(")
+    assert o["node_source"] == line_of("torch.sqrt((x ** 2).sum(-1, keepdim=True))")
+    assert "torch.func's jacrev" in rep["hint"], rep["hint"]
+    assert "not at the division the backward does" in rep["hint"], rep["hint"]
+
+
 def test_contractive_penalty_taken_in_the_loss_given_the_model_names_it_in_the_loss(tmp_path):
     """The same penalty taken by the loss, given the model (``loss_fn(recon, x, keep,
     model)``): the replay passes its own model, whose encoder the loss runs under
@@ -291,6 +309,7 @@ def test_film_on_an_empty_instruction_names_that_sample_not_the_batch(tmp_path):
     ("make_cond_hyper", M.gaussian_nll, lambda: task_batches(None), {}),
     ("make_film", F.cross_entropy, lambda: film_batches(None), {}),
     ("make_cae", M.cae_loss, lambda: cae_batches(None), {}),
+    ("make_cae", M.cae_loss, lambda: cae_batches(None), {"radial": True}),
 ])
 def test_healthy_hypernetworks_are_not_stopped(tmp_path, factory, loss_fn, batches, kw):
     """The same loops without the planted bug: no event (meta placeholders, frozen parameters
