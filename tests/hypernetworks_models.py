@@ -8,7 +8,9 @@ write them; the factories of ``test_hypernetworks.py``.
 - ``SNCritic``: christiancosgrove/pytorch-spectral-normalization-gan's hand-written
   ``SpectralNorm`` (one power iteration per forward on ``u``/``v`` written through ``.data``,
   ``w / sigma``) around the layers of a critic whose last layer is zero-initialised (the
-  ``zero_module`` trick of openai/guided-diffusion).
+  ``zero_module`` trick of openai/guided-diffusion); ``buffers=True`` keeps ``u``/``v`` in
+  buffers (as torch's ``spectral_norm`` and ajbrock/BigGAN-PyTorch do), ``u_zero=True``
+  starts one ``u`` at zeros.
 - ``CondHyperNet``: chrhenning/hypnettorch's ``HMLP`` (von Oswald et al., "Continual learning
   with hypernetworks"), conditioned per sample: a condition -> every weight of the main
   network, which runs each sample with its own weights by
@@ -16,7 +18,9 @@ write them; the factories of ``test_hypernetworks.py``.
 - ``FiLMNet``: ethanjperez/film's FiLM (``gammas * x + betas``) conditioned on an instruction
   embedded by a masked mean over its tokens.
 - ``ContractiveAE``: a contractive autoencoder whose Jacobian penalty (the encoder's Jacobian
-  per sample by ``torch.func.vmap(torch.func.jacrev(...))``) is taken in its forward.
+  per sample by ``torch.func.vmap(torch.func.jacrev(...))``, as PyTorch's per-sample Jacobian
+  recipe writes it) is taken in its forward, or in the loss given the model
+  (``cae_model_loss``); ``radial=True`` gives the encoder the record's norm as a feature.
 """
 
 from __future__ import annotations
