@@ -169,7 +169,9 @@ class Target:
         self.seq_first = seq_first(model)  # the samples of its batches are in dim 1
         self.recurrent = recurrent(model)  # (and of its hidden states, whatever the above)
         self._read_forward_autocast(model)
-        self.params = [(eager_name(n), p) for n, p in model.named_parameters()]
+        # (not a parameter on the meta device: a placeholder that holds no value, such as a
+        # main network whose weights a hypernetwork makes, swapped in by functional_call)
+        self.params = [(eager_name(n), p) for n, p in model.named_parameters() if not p.is_meta]
         self.params += loss_params(_deref(self._loss_fn), self.optimizer(), self.params)
         # FSDP2 may keep accumulated gradients outside p.grad until it reduces them
         self.sharded = sharded(model)
@@ -206,8 +208,8 @@ class Target:
         # that moment may never come: no optimizer (the step closes at the next forward, after
         # the user's own update and zero_grad), or a GradScaler that may skip the update.
         self.grad_hooks = opt is None or self.has_scaler
-        held = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None \
-            else set()
+        held = {id(p) for g in opt.param_groups for p in g["params"] if not p.is_meta} \
+            if opt is not None else set()  # (placeholders on the meta device: see bind)
         self.groups = len(opt.param_groups) if opt is not None else 0
         self._warn_unknown(held)
         self.constants = inf_constants(self.params, held)  # (never weights gone bad)
@@ -373,12 +375,13 @@ UNKNOWN_WARNING = (
 
 def buffer_homes(model: nn.Module) -> list[tuple[str, dict, str]]:
     """(name, the module's buffer dict, key) of each buffer, in ``named_buffers()``'s order
-    (a buffer shared by two modules once)."""
+    (a buffer shared by two modules once; not one on the meta device, a placeholder's, which
+    holds no value to copy)."""
     seen, homes = set(), []
     for prefix, m in model.named_modules():
         home = own_slots(m)[1]
         for key, b in home.items():
-            if b is not None and id(b) not in seen:
+            if b is not None and id(b) not in seen and not b.is_meta:
                 seen.add(id(b))
                 homes.append((eager_name(f"{prefix}.{key}" if prefix else key), home, key))
     return homes

@@ -25,8 +25,8 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from . import fidelity
 from .ascent import ascent_hint
 from .cause_text import DO
+from .data_scale import data_scale_hint
 from .derived_input import derived_input_hint
-from .drop import undroppable
 from .errors import FactoryRefused
 from .fed_back import report_fed_back
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
@@ -55,7 +55,6 @@ from .origins import (
     report_optimizer,
     report_weights,
 )
-from .outliers import out_of_scale, outlier_hint
 from .param_writes import number_note
 from .precursors import transient
 from .recorded import (
@@ -106,7 +105,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
     o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
-    _out_of_scale(report, step)
+    data_scale_hint(report, step)
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report
@@ -141,19 +140,6 @@ def _diverging(report, windowed: bool) -> None:
         report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped "
                           f"{when} (see precursors): the run was diverging, and {then}; "
                           + DO["diverging_window" if windowed else "diverging"])
-
-
-def _out_of_scale(report, step: Step) -> None:
-    """An overflow (or an underflow: exp of a huge negative score) in samples whose recorded
-    data (an input, a loss target) is 10x larger than every other row's: the data is at
-    fault, which the op's remedy (a wider type, log space) would hide."""
-    o = report["origin"]
-    if report.get("cause") not in ("overflow", "underflow") or not report.get("hint"):
-        return
-    found = out_of_scale(step, o)
-    if found is not None:
-        droppable = undroppable(step, o.get("micro_batch") or 0) is None
-        report["hint"] = f"{report['hint']}. But {outlier_hint(found[1], found[0], droppable)}"
 
 
 def analyze_bundle(path, factory: str | None = None, device: str | None = None,
@@ -401,7 +387,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if run1.signature() != run2.signature():
         report["problems"].append("two re-runs of the step disagree: nondeterminism")
         return finish(report, origin_fields(), "not_reproduced", reproduced=False)
-    report["fidelity"] = fid = fidelity.compare(step, run1)
+    report["fidelity"] = fid = fidelity.compare(step, run1, runner.frozen_written())
     report["problems"] += fidelity.notes(fid, step)  # (a path or weights the run had not)
     if fid is not None and not fid["matches"]:
         if (second := report_second_order(report, step, runner, fid)) is not None:

@@ -38,6 +38,7 @@ from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
 from .source import traceback_source
 from .summed_grads import SummedGrads
+from .transforms import outside_transforms
 
 
 @dataclass
@@ -438,8 +439,10 @@ class _NodeLabels:
     def hooks(self, model) -> list:
         handles = []
         for name, m in model.named_modules():
-            handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-            handles.append(m.register_forward_hook(partial(self._post, name)))
+            handles.append(m.register_forward_pre_hook(outside_transforms(self._pre),
+                                                       with_kwargs=True))
+            handles.append(m.register_forward_hook(outside_transforms(partial(self._post,
+                                                                              name))))
         return handles
 
     def _pre(self, module, args, kwargs) -> None:

@@ -20,6 +20,7 @@ from recorder.finite import ends, pair_flag, real_view
 from .compat import in_buffers
 from .errors import StopRun
 from .memo import TensorMemo, TensorSet
+from .transforms import outside_transforms
 
 
 def search(probe: Callable[[int], bool], n_calls: int) -> tuple[int | None, int]:
@@ -69,7 +70,7 @@ def probe(runner, k: int, allowed: set[str]) -> bool:
                     flag = state["flag"]
                     state["answer"] = bool(flag) if flag is not None else False
                     raise StopRun
-            hs.append(m.register_forward_hook(post))
+            hs.append(m.register_forward_hook(outside_transforms(post)))
         return hs
 
     runner.run(backward=False, instrument=False, hooks=hooks)
@@ -118,10 +119,11 @@ def probe_origin(runner, k: int, nan_only: bool = False) -> tuple[str, int, int]
     def hooks(model):
         hs = []
         for name, m in model.named_modules():
-            hs.append(m.register_forward_pre_hook(
-                lambda mod, a, kw, name=name: pre(mod, a, kw, name), with_kwargs=True))
-            hs.append(m.register_forward_hook(
-                lambda mod, a, kw, out, name=name: post(mod, a, kw, out, name), with_kwargs=True))
+            hs.append(m.register_forward_pre_hook(outside_transforms(
+                lambda mod, a, kw, name=name: pre(mod, a, kw, name)), with_kwargs=True))
+            hs.append(m.register_forward_hook(outside_transforms(
+                lambda mod, a, kw, out, name=name: post(mod, a, kw, out, name)),
+                with_kwargs=True))
         return hs
 
     runner.run(backward=False, instrument=False, hooks=hooks)

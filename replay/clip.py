@@ -45,9 +45,10 @@ def total_norm(tensors) -> float | None:
     """The 2-norm of ``tensors`` together; a sparse gradient's (``nn.Embedding(sparse=True)``)
     by its stored values, uncoalesced, as the recorder measures it without a sync (an id used
     twice counts twice): the re-run's norm is compared with the ring's, and a norm of another
-    measure read as the loop's clipping."""
+    measure read as the loop's clipping. A tensor on the meta device (a placeholder parameter:
+    a hypernetwork's main network built there) holds no value and counts for nothing."""
     norms = [stored(t.detach()).abs().double().norm() for t in tensors
-             if t is not None and t.numel()]
+             if t is not None and t.numel() and not t.is_meta]
     return float(torch.stack(norms).norm()) if norms else None
 
 

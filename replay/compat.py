@@ -27,10 +27,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-# (an inference-mode tensor, a teacher run under torch.inference_mode(), keeps no version: None)
-from recorder.compat import version_of
+# (an inference-mode tensor, a teacher run under torch.inference_mode(), keeps no version: None;
+# the torch.func transform a call runs under, None outside any)
+from recorder.compat import func_transform, version_of
 
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
+           "func_transform",
            "running_node", "saved_value", "writes_arguments",
            "set_parameter", "set_buffer", "remove_member"]
 

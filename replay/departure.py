@@ -76,8 +76,9 @@ def _moved(step: Step) -> bool:
 
 def param_norms(model) -> dict[str, float]:
     """Each parameter's 2-norm (in float64; a complex one's of its moduli), by name: the
-    weights an update left."""
-    return {n: float(p.detach().abs().double().norm()) for n, p in model.named_parameters()}
+    weights an update left (not a placeholder's on the meta device, which holds no value)."""
+    return {n: float(p.detach().abs().double().norm()) for n, p in model.named_parameters()
+            if not p.is_meta}
 
 
 def _after_updates(step: Step) -> dict[int, dict[str, float]]:

@@ -34,12 +34,13 @@ from .run_result import Run
 SAME_DEVICE, OTHER_DEVICE, ABS = 1e-2, 5e-2, 1e-5
 
 
-def compare(step: Step, run: Run) -> dict[str, Any] | None:
+def compare(step: Step, run: Run, written: list[str] = ()) -> dict[str, Any] | None:
     """``{"matches", "module", "call", "micro_batch", "recorded", "rerun", "calls",
     "difference", "basis"}``, or None when the bundle holds no recorded statistics to compare
-    with (no history). ``basis`` is ``"event step"`` (values, call by call) or, for an
-    evaluation forward, which the ring does not keep, ``"earlier steps"``: only which modules
-    the recorded training steps called."""
+    with (no history); ``written``: the frozen parameters the re-run's forward wrote.
+    ``basis`` is ``"event step"`` (values, call by call) or, for an evaluation forward, which
+    the ring does not keep, ``"earlier steps"``: only which modules the recorded training
+    steps called."""
     t, meta = step.tensors, step.meta
     ev = step.event
     fields = meta.get("ring", {}).get("call_fields", [])
@@ -63,6 +64,9 @@ def compare(step: Step, run: Run) -> dict[str, Any] | None:
         found = _after_change(step, run, rows[-1], names, fields, found)
     if not found["matches"] and step.built_otherwise:  # (first: the re-run took another path)
         found["built_otherwise"] = step.built_otherwise
+    elif rows and not found["matches"] and not found["changed"] and written:
+        # (the recorder bundles parameters as the step left them: these, one write later)
+        found["frozen_written"] = list(written)
     elif rows and not found["matches"] and not found["changed"]:
         found["edited"] = edited_since_update(step, rows[-1]) or None
     return found
@@ -220,6 +224,9 @@ def mismatch(fid: dict[str, Any]) -> str:
         return "the factory builds the model's attributes otherwise than the run had them"
     if fid.get("changed") or fid.get("edited"):
         return "its weights are not those the step ran with"
+    if fid.get("frozen_written"):
+        return ("the model's forward writes parameters the bundle holds as that forward left "
+                "them")
     if fid.get("within_step"):
         return "a forward of the step ran with other weights than the bundle holds"
     return "the factory builds a different model"
@@ -251,6 +258,8 @@ def describe(fid: dict[str, Any]) -> str:
         names = fid["edited"]
         return head + _changed_params(names) + (" differs" if len(names) == 1 else " differ") \
             + EDITED
+    if fid.get("frozen_written"):
+        return head + _changed_params(fid["frozen_written"]) + FROZEN_WRITTEN
     if fid.get("within_step"):
         return head + WITHIN_STEP
     return head + ("the factory builds a different model than the one recorded (it cannot see "
@@ -278,6 +287,14 @@ EDITED = (" from what the last optimizer.step() left: written outside it during 
           "step, after the forward read them (an in-place clamp_ or fill_ under no_grad between "
           "the forward and the loss); the bundle holds the new values, so this forward cannot "
           "be re-run as it ran. Make such edits before the forward or after optimizer.step()")
+
+FROZEN_WRITTEN = (
+    ", which require no gradient, are written by the model's own forward (a hand-written "
+    "spectral norm's power iteration, u.data = ..., v.data = ...; a momentum update): the "
+    "bundle holds parameters as the step left them, not as it began, so the re-run's forward "
+    "starts one write later than training's and differs, though the model is the recorded "
+    "one; keep such state in buffers (self.register_buffer('u', ...), as torch's "
+    "spectral_norm does), which the recorder bundles as the step began, and record again")
 
 WITHIN_STEP = ("an earlier forward of the step re-ran as recorded, so the model is the recorded "
                "one, but this forward ran with other weights than the bundle holds: parameters "

@@ -24,6 +24,8 @@ from .rerun import Runner
 from .run_result import Run
 from .source import is_torch_file, user_source
 from .storages import mask_buffers, state_of
+from .transforms import outside_transforms
+from .zero_state import zero_state_hint
 
 
 def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str, Any]:
@@ -81,7 +83,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
-    hint = with_node(origin, _with_param(step, o.module, cause, hit), cause.name, node)
+    hint = with_node(origin, _with_param(step, runner, o, cause, hit), cause.name, node)
     return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
 
 
@@ -94,13 +96,16 @@ def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
     return derivative_words(hit, again.origin())
 
 
-def _with_param(step: Step, module: str, found, hit) -> str | None:
+def _with_param(step: Step, runner: Runner, o, found, hit) -> str | None:
     """The hint, with the parameter the op took as is named: the fix is then to that
     parameter (bound it, or its learning rate), wherever its values come from; for an op of
-    torch's own parametrization (weight_norm) of a layer of zeros, that layer's."""
+    torch's own parametrization (weight_norm) of a layer of zeros, that layer's; for a
+    division by the module's own state, all 0 (a power iteration's u), that state's."""
     hint, cause = found.hint, found.name
-    if cause == "invalid" and (own := parametrization_hint(step, module, hit and hit.op)):
+    if cause == "invalid" and (own := parametrization_hint(step, o.module, hit and hit.op)):
         return own
+    if cause == "invalid" and (zero := zero_state_hint(runner, o, hit)):
+        return zero
     return with_param_advice(hint, cause, hit)
 
 
@@ -163,8 +168,8 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                 hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
                 hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
         # (first of its pre-hooks: those are part of the call, and may make its weights)
-        hs.append(target.register_forward_pre_hook(pre, prepend=True))
-        hs.append(target.register_forward_hook(post))
+        hs.append(target.register_forward_pre_hook(outside_transforms(pre), prepend=True))
+        hs.append(target.register_forward_hook(outside_transforms(post)))
         return hs + _track_calls(finder, target, (module, call), runner, mb)
 
     try:
@@ -219,8 +224,8 @@ def _track_calls(finder: OpFinder, target, home: tuple[str, int], runner: Runner
     hs = []
     for name, m in target.named_modules(prefix=home[0]):
         if m is not target:
-            hs.append(m.register_forward_pre_hook(enter(name)))
-            hs.append(m.register_forward_hook(leave))
+            hs.append(m.register_forward_pre_hook(outside_transforms(enter(name))))
+            hs.append(m.register_forward_hook(outside_transforms(leave)))
     return hs
 
 

@@ -35,8 +35,9 @@ def derivative_words(hit: OpHit, again: OpHit | None, by: str = "the forward's o
     at = f" of {src}" + (f" ({text})" if text else "") if src else ""
     base = name.removesuffix("Backward0").removesuffix("Backward1")
     op = base.lower()
+    # (a torch.func transform runs the same nodes: a contractive penalty's jacrev)
     took = f"{hit.op} ran in {name}, the derivative of the forward's {op}{at}, which {by} " \
-        "torch.autograd.grad took: "
+        "torch.autograd.grad (or torch.func's jacrev, vjp, grad) took: "
     if base in _UNIT_POLE_NODES:  # (its pole is at the edge of its domain, not at 0)
         edge = "1" if op == "acosh" else "+-1"
         return name, src, (f"{took}that derivative is infinite where {op}'s input is {edge}; "

@@ -52,6 +52,16 @@ class FrozenParams:
                     p.data = first.clone()
         self.marks = self._marks()
 
+    def written(self) -> list[str]:
+        """The kept parameters whose values differ now from the kept ones: after a run, those
+        the model's own forward writes (a hand-written spectral norm's ``u.data = ...``)."""
+        now = self._marks()
+        with torch.no_grad():
+            return [n for n, p in self.model.named_parameters()
+                    if now.get(n) != self.marks.get(n) and (first := self.saved.get(n))
+                    is not None and first.shape == p.shape and not p.is_meta
+                    and not torch.allclose(first, p, rtol=0, atol=0, equal_nan=True)]
+
     @contextlib.contextmanager
     def widened(self):
         """Inside the block, restore float64 copies (:meth:`replay.rerun.Runner.float64`,

@@ -20,6 +20,7 @@ from .compat import in_buffers, running_node
 from .memo import TensorMemo, TensorSet
 from .recorded import samples
 from .run_result import Call, Run
+from .transforms import outside_transforms
 
 
 class CallRecorder:
@@ -39,8 +40,10 @@ class CallRecorder:
     def install(self, model) -> list:
         handles = []
         for name, m in model.named_modules():
-            handles.append(m.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            handles.append(m.register_forward_hook(self._post(name), with_kwargs=True))
+            handles.append(m.register_forward_pre_hook(outside_transforms(self._pre(name)),
+                                                       with_kwargs=True))
+            handles.append(m.register_forward_hook(outside_transforms(self._post(name)),
+                                                   with_kwargs=True))
         return handles
 
     def _pair(self, t: torch.Tensor) -> tuple[float, float]:

@@ -35,6 +35,7 @@ from .load import Step
 from .recorded import batch_size
 from .rerun import Runner
 from .source import user_source
+from .transforms import outside_transforms
 
 # ops whose inputs must be symmetric positive-definite: judged by their eigenvalues
 _SPD = ("cholesky", "cholesky_ex", "linalg_cholesky_ex", "cholesky_inverse", "cholesky_solve")
@@ -65,8 +66,8 @@ class ModuleCalls:
     def hooks(self, model):
         hs = []
         for name, m in model.named_modules():
-            hs.append(m.register_forward_pre_hook(self._enter(name)))
-            hs.append(m.register_forward_hook(self._leave))
+            hs.append(m.register_forward_pre_hook(outside_transforms(self._enter(name))))
+            hs.append(m.register_forward_hook(outside_transforms(self._leave)))
         return hs
 
     def _leave(self, m, args, out) -> None:  # (returns None: the output stays the module's)

@@ -271,9 +271,10 @@ def _meta_attributes(model: nn.Module) -> bool:
 
 
 def recorded_device(meta: dict[str, Any]) -> torch.device | None:
-    """The device the recorded model ran on (its first module's), None when not recorded."""
+    """The device the recorded model ran on (its first module's, not a placeholder's on the
+    meta device), None when not recorded."""
     for m in meta.get("modules", []):
-        if m.get("device"):
+        if m.get("device") and m["device"] != "meta":
             return torch.device(m["device"])
     return None
 

@@ -19,6 +19,10 @@ JUMP = 10.0
 
 FP16_MAX = 65504.0
 
+# how a jump of every layer's absmax that starts at the batch's first layer is worded (read by
+# replay.data_scale: an overflow at that very step is the data's)
+INPUT_JUMP = "the input batch's absmax jumped"
+
 
 def history(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The ring buffer as plain lists: steps, loss, grad/param norm, lr, per-layer absmax."""
@@ -253,7 +257,7 @@ def _one_line_per_jump(out: list[dict[str, Any]], hist: dict[str, Any],
                 and before is not None and q["step"] <= before <= q.get("through", q["step"])
                 or q["kind"] == "weight_jump" and q["step"] <= s <= q["through"]]
         if every and first["layer"] == batch_first and not near:
-            detail = (f"the input batch's absmax jumped {first['ratio']:.3g}x (seen at {name}, "
+            detail = (f"{INPUT_JUMP} {first['ratio']:.3g}x (seen at {name}, "
                       f"the first layer called); every layer followed ({len(group)} layers)")
         elif every:
             detail = (f"absmax of {name} jumped {first['ratio']:.3g}x; every layer followed "

@@ -131,6 +131,10 @@ class Runner:
 
     # -- state reset -------------------------------------------------------------------------
 
+    def frozen_written(self) -> list[str]:
+        """The frozen parameters the last run's forward wrote (see FrozenParams.written)."""
+        return self._frozen.written()
+
     def reset(self) -> None:
         with torch.no_grad():
             for n, b in self.model.named_buffers():

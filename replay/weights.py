@@ -118,12 +118,17 @@ def load_weights(step, model: nn.Module) -> None:
                           + (_parametrized(missing, have) or _wrapped(expected, have)
                              or other_model(step)))
     done: dict[int, nn.Parameter] = {}
+    # modules the recorded model held on the meta device: placeholders (a hypernetwork's main
+    # network, whose weights functional_call swaps in at every call)
+    placeholders = {m["name"] for m in meta.get("modules", []) if m.get("device") == "meta"}
     # (listed first: a shared module yields its parameters twice, the 2nd time replaced)
     for name, p in list(model.named_parameters(remove_duplicate=False)):
         if id(p) in done:
             assign(model, name, done[id(p)], param=True)
             continue
         src = next((n for n in names_by_id[id(p)] if f"weights/{n}" in t), None)
+        if src is None and name.rpartition(".")[0] in placeholders:
+            continue  # (holding no value, it is not bundled; it stays on the meta device)
         if src is None:
             raise ReplayError(f"the bundle holds no weights for parameter {name!r} of the model "
                               f"from the factory; {other_model(step)}")

@@ -412,7 +412,8 @@ def _checked_update(step: Step, opt, at: int, unchanged: bool, out: WindowRun,
     before = _state(step.model, opt)
     opt.step()
     stats["param_norm"] = total_norm(step.model.parameters())
-    if bad := [n for n, p in step.model.named_parameters() if not finite(p)]:
+    if bad := [n for n, p in step.model.named_parameters()
+               if not p.is_meta and not finite(p)]:  # (a placeholder holds no value)
         out.first = _update_outcome(at, step, opt, before, bad)
         return True
     if unchanged:  # (each parameter's, against the recorder's evidence of training's update)

@@ -1,0 +1,51 @@
+"""An overflow whose data, not the op nor the training, is out of scale.
+
+Two readings of the bundle say so. Samples whose recorded data (an input, a loss target) is 10x
+larger than every other row's (:mod:`replay.outliers`): a record in the wrong unit. Or, where
+no row stands out (a tensor without a batch dimension: a hypernetwork's task descriptor, one
+condition for every sample; a whole batch in the wrong unit), every layer's absmax jumping
+at the event's own step from the first layer that takes the batch, with no learning-rate,
+gradient or weight jump before it (the precursor :data:`replay.precursors.INPUT_JUMP`): the
+step was fed other data. Either way the op's own remedies (clamp it, a wider type, a lower
+learning rate) would hide the data's fault: the hint says so.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .drop import undroppable
+from .load import Step
+from .outliers import out_of_scale, outlier_hint
+from .precursors import INPUT_JUMP
+
+
+def data_scale_hint(report: dict[str, Any], step: Step) -> None:
+    """Append to an overflow's (or underflow's: exp of a huge negative score) hint that its
+    data is out of scale, when the bundle shows it."""
+    o = report["origin"]
+    if report.get("cause") not in ("overflow", "underflow") or not report.get("hint"):
+        return
+    found = out_of_scale(step, o)
+    if found is not None:
+        droppable = undroppable(step, o.get("micro_batch") or 0) is None
+        report["hint"] = f"{report['hint']}. But {outlier_hint(found[1], found[0], droppable)}"
+    elif (ratio := _input_jump(report)) is not None:
+        report["hint"] = (
+            f"{report['hint']}. But the data fed to this step is out of scale: "
+            f"{INPUT_JUMP} {ratio}x at this very step, and every layer's with it (see "
+            "precursors), with no jump of the learning rate, gradients or weights before it "
+            "(a wrong unit, a condition or task descriptor not normalised as in the other "
+            "steps, a corrupt batch), which neither a lower learning rate nor a wider type "
+            "fixes; check what the loop passed to the model at this step")
+
+
+def _input_jump(report: dict[str, Any]) -> str | None:
+    """The ratio of the input batch's absmax jump at the event's step, None without one."""
+    at = report["event"].get("step")
+    for p in report.get("precursors") or []:
+        m = re.match(re.escape(INPUT_JUMP) + r" (\S+)x", p.get("detail") or "")
+        if m and p.get("kind") == "absmax_jump" and at is not None and p.get("step") == at:
+            return m.group(1)
+    return None

@@ -1,0 +1,84 @@
+"""A division by zero whose zero comes from the model's own state, all 0 as the step began.
+
+A hand-written spectral norm keeps its power iteration's vector ``u`` in a buffer (or a
+parameter without gradient); started at zeros instead of a random unit vector, every iteration
+keeps it 0 (``W^T 0 = 0``, normalised with an eps: 0), so sigma is 0 and ``w / sigma`` infinite.
+An eps on that divisor, the usual remedy, would multiply the layer by 1/eps instead: the fix is
+to start the state nonzero. Told apart by one forward more: with the state filled with random
+values as the origin's module call begins, that call is finite. Only the origin module's own
+buffers and parameters without gradient are tried (a trained weight at 0, a zero-initialised
+layer put under a normalisation, is the eps's to handle: it keeps the layer at 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recorder.compat import is_norm_layer
+from recorder.finite import finite
+
+from .errors import StopRun
+from .rerun import Runner
+
+# ops whose non-finite result comes from a 0 divisor
+_DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
+
+
+def zero_state_hint(runner: Runner, origin, hit) -> str | None:
+    """The hint for an ``invalid`` division in ``origin`` (its module, call and micro-batch)
+    that state of that module all 0 made (see the module doc), else None."""
+    if hit is None or hit.op not in _DIVIDES or runner.model is None:
+        return None
+    try:
+        module = runner.model.get_submodule(origin.module)
+    except AttributeError:
+        return None
+    prefix = f"{origin.module}." if origin.module else ""
+    # (not a norm layer's running statistics: running_mean starts at 0 by design)
+    state = [(f"buffer {prefix}{sub}{'.' if sub else ''}{n}", t)
+             for sub, m in module.named_modules() if not is_norm_layer(m)
+             for n, t in m.named_buffers(recurse=False)] + \
+        [(f"parameter {prefix}{n} (no gradient)", p) for n, p in module.named_parameters()
+         if not p.requires_grad]
+    for what, t in state:
+        if t.is_floating_point() and t.numel() > 1 and not t.any() \
+                and _finite_without_zeros(runner, origin, module, t):
+            return (f"{hit.op}'s divisor comes from {what}, all 0 as the step began: with "
+                    "random values in its place the call is finite. A state vector started at "
+                    "zeros (a power iteration's u, which every iteration keeps at 0, normalised "
+                    "with an eps or not) makes the divisor 0, and an eps on the divisor would "
+                    "scale the layer up by 1/eps instead; start it nonzero (torch.randn, "
+                    "normalised)")
+    return None
+
+
+def _finite_without_zeros(runner: Runner, origin, module, t: torch.Tensor) -> bool:
+    """One forward with ``t`` filled with random values at each call of ``module`` (the
+    re-run's reset puts it back): is the origin's call finite?"""
+    state = {"calls": 0, "finite": False}
+    noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0)).to(t)
+
+    def pre(m, args):
+        with torch.no_grad():
+            t.copy_(noise)
+
+    def post(m, args, out):
+        if runner.micro_batch != origin.micro_batch:
+            return
+        if state["calls"] == origin.call:
+            state["finite"] = all(finite(o) for o in _tensors(out))
+            raise StopRun
+        state["calls"] += 1
+
+    runner.run(backward=False, instrument=False,
+               hooks=lambda model: [module.register_forward_pre_hook(pre),
+                                    module.register_forward_hook(post)])
+    return state["finite"]
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
