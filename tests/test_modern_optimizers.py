@@ -1,0 +1,131 @@
+"""Current optimizers as their repositories write them (``modern_optimizers_models``:
+schedule-free AdamW with its ``optimizer.train()`` / ``optimizer.eval()`` swaps, Lion, Muon beside
+AdamW), trained under the recorder with their schedulers and validation loops until a planted
+bug fires, then replayed with the CLI."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import modern_optimizers_models as M
+import pytest
+import torch
+from bundles import nanreplay_json
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+from replay.report import to_text
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # modern_optimizers_models.py is trusted here
+
+
+def line_of(text: str) -> int:
+    lines = (HERE / "modern_optimizers_models.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def _epochs(model, opt, factory: str, epochs: int, n: int = 256, sched=None,
+            validate: bool = False, **kw) -> NonFiniteError | None:
+    """schedule_free's examples' loop: ``model.train(); optimizer.train()`` before each epoch,
+    the scheduler stepped per batch, and (``validate``) ``model.eval(); optimizer.eval()``
+    and a no-grad pass over the held-out batches after it. None when no event fired."""
+    crit = nn.CrossEntropyLoss()
+    swaps = hasattr(opt, "eval")
+    try:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=kw.pop("out_dir"),
+                            factory=f"modern_optimizers_models:{factory}", **kw):
+            for _ in range(epochs):
+                model.train()
+                if swaps:
+                    opt.train()
+                for x, y in M.loader(n=n):
+                    opt.zero_grad()
+                    crit(model(x), y).backward()
+                    opt.step()
+                    if sched is not None:
+                        sched.step()
+                if validate:
+                    model.eval()
+                    if swaps:
+                        opt.eval()
+                    with torch.no_grad():
+                        for x, y in M.loader(n=64, batch_size=64):
+                            crit(model(x), y)
+    except NonFiniteError as e:
+        return e
+    return None
+
+
+def test_schedule_free_train_eval_swaps_outside_step_are_no_event(out_dir, caplog):
+    """optimizer.eval() and optimizer.train() rewrite every weight in place outside step()
+    (lerp towards z, then back), around each epoch's validation, with a rewind window
+    copying across them: a healthy run trains through, with no event and no warning."""
+    model = M.make_model()
+    opt = M.AdamWScheduleFree(model.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING):
+        err = _epochs(model, opt, "make_schedule_free", 3, n=64, validate=True,
+                      out_dir=out_dir, rewind=3)
+    assert err is None, err.event
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert not list(Path(out_dir).glob("*.nan"))
+
+
+@pytest.mark.parametrize("per_epoch", [2, 1], ids=["in-epoch", "before-validation"])
+def test_schedule_free_eps_0_update_is_re_run_from_the_window(out_dir, per_epoch):
+    """Schedule-free AdamW with eps=0 and modded-nanogpt's zero-initialised c_proj: c_fc's
+    gradient is exactly 0 at step 0, and grad.div_(denom) is 0/0. The window's re-run kept a
+    reference to p.grad, which that in-place div_ had turned NaN, so the update re-run under
+    the op finder started from NaN gradients and named no op. With one batch per epoch, the
+    validation after the update (optimizer.eval(), a no-grad pass) found the NaN weights: the
+    report said 'evaluation forward before step 0', the update came before it, and skipped
+    the window ('NOT reproduced ... record with guard_optimizer=True')."""
+    model = M.make_model()
+    opt = M.AdamWScheduleFree(model.parameters(), lr=0.01, eps=0.0)
+    err = _epochs(model, opt, "make_schedule_free", 2, n=32 * per_epoch, validate=True,
+                  out_dir=out_dir, rewind=4)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["params"]) == \
+        (0, "optimizer", ["blocks.0.c_fc.weight", "blocks.1.c_fc.weight"]), ev
+    assert bool(ev.get("evaluation")) == (per_epoch == 1), ev
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["param"], o["op"], o["made"]) == \
+        (True, "optimizer", "blocks.0.c_fc.weight", "aten.div_", "nan"), o
+    assert o["source"] == f"modern_optimizers_models.py:{line_of('grad.div_(denom)')}"
+    assert "AdamWScheduleFree's update at step 0" in rep["hint"], rep["hint"]
+    assert "set eps > 0" in rep["hint"], rep["hint"]
+    tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+    assert tries == {"lr=0.1x": False, "clip=1.0": False, "eps=1e-8": True}, tries
+    want = ("step 0 (found by the evaluation forward after its update), optimizer event"
+            if per_epoch == 1 else "step 0, optimizer event")
+    assert to_text(rep).splitlines()[0] == f"nanreplay: {want} — reproduced", to_text(rep)
+
+
+def test_lion_decoupled_decay_past_one_cycle_s_peak_names_the_decay_not_clipping(out_dir):
+    """lion-pytorch's decoupled_weight_decay=True divides weight_decay by the constructor's
+    lr (1e-4); OneCycleLR then raises the rate to 1e-2, so p.mul_(1 - lr * wd) multiplies
+    the weights by about -9 each step and the forward overflows. The hint said 'lower the
+    learning rate or clip the gradients' though Lion's sign update ignores the gradients'
+    scale (the clip what-if stays NaN); it names the factor, its line and weight_decay."""
+    model = M.make_model()
+    opt = M.Lion(model.parameters(), lr=1e-4, weight_decay=0.1, decoupled_weight_decay=True)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=80)
+    err = _epochs(model, opt, "make_lion", 10, sched=sched, out_dir=out_dir, rewind=6)
+    assert err is not None and err.event["phase"] == "forward", err
+    at = err.event["step"]
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    assert (rep["reproduced"], rep["cause"]) == (True, "overflow"), rep["origin"]
+    assert rep["window"]["reproduced"] and rep["window"]["event_step"] == at
+    hint = rep["hint"]
+    assert "each update multiplied embed.weight by -" in hint, hint
+    assert f"modern_optimizers_models.py:{line_of('p.data.mul_(1. - lr * wd)')}" in hint, hint
+    assert "clipping them does not stop it" in hint and "lower weight_decay" in hint, hint
+    assert "or clip the gradients" not in hint, hint
+    tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+    assert tries["clip=1.0"] is False and tries["wd=0"] is True, tries
