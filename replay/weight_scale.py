@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from .compat import TorchDispatchMode
+from .compat import FOREACH_MUL_, TorchDispatchMode
 from .source import user_source
 
 aten = torch.ops.aten
-_MUL = {aten.mul_.Tensor, aten.mul_.Scalar, aten._foreach_mul_.Scalar}
+_MUL = {aten.mul_.Tensor, aten.mul_.Scalar, FOREACH_MUL_}
 _ADD = {aten.add_.Tensor}
 
 

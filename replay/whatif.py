@@ -200,8 +200,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
             out += ["clip=1.0"] if relative else ["lr=0.1x", "clip=1.0"]
             if (before := _lr_before_jump(report)) is not None:
                 out.append(f"lr={before:.3g}")  # the rate the run trained at before the jump
-            if scaled_update(report) is not None:
-                out.append("wd=0")  # (an update that multiplied the weights by |c| >= 1)
+            out += ["wd=0"] if scaled_update(report) else []  # (weights times |c| >= 1)
         elif (last := _last_finite_lr(step)) is not None:
             out.append(f"lr={last:.3g}")
         if cause == "optimizer":
