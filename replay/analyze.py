@@ -27,6 +27,7 @@ from .ascent import ascent_hint
 from .cause_text import DO
 from .derived_input import derived_input_hint
 from .drop import undroppable
+from .eps_checked import checked_eps
 from .errors import FactoryRefused
 from .fed_back import report_fed_back
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
@@ -100,6 +101,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if not add_window(step, report):  # (its measured growth says it, else the precursors)
         _diverging(report, window_of(step) is not None)
     ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)
+    checked_eps(step, report)  # (an eps the hint would propose, re-run before it is)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None

@@ -375,3 +375,7 @@ def make_adopt():
 def make_muon0():
     return {"model": make_model(),
             "optimizer": lambda groups: MuonWithAuxAdam(groups, ns_eps=0.0)}
+
+
+def make_prodigy_half():
+    return {"model": make_model().half(), "optimizer": lambda groups: Prodigy(groups)}

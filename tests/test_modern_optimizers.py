@@ -129,3 +129,34 @@ def test_lion_decoupled_decay_past_one_cycle_s_peak_names_the_decay_not_clipping
     assert "or clip the gradients" not in hint, hint
     tries = {t["try"]: t["finite"] for t in rep["what_if"]}
     assert tries["clip=1.0"] is False and tries["wd=0"] is True, tries
+
+
+def test_prodigy_in_float16_weights_is_not_told_an_eps_that_d_scales_away(out_dir):
+    """Prodigy over weights kept in float16 (a LoRA trained in pure half precision): its
+    denominator is sqrt(v) + d * eps with d = d0 = 1e-6 at first, and v = d**2 * g**2, both 0
+    in float16, so every update is 0/0. The hint proposed 'or set eps=1e-4' (float16's
+    smallest normal), which d scales to 1e-10, 0 in float16 again (that what-if stays NaN);
+    it now re-runs the update with that eps first and keeps only the float32 advice."""
+    model = M.make_model().half()
+    opt = M.Prodigy(model.parameters(), lr=1.0)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
+                            factory="modern_optimizers_models:make_prodigy_half"):
+            for x, y in M.loader():
+                opt.zero_grad()
+                crit(model(x.half()).float(), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"][0]) == (0, "optimizer", "embed.weight"), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"]) == \
+        (True, "optimizer", "aten.addcdiv_", "nan"), o
+    assert o["source"] == f"modern_optimizers_models.py:{line_of('addcdiv_(state[')}"
+    hint = rep["hint"]
+    assert "keep the weights and optimizer state in float32" in hint, hint
+    assert "or set eps=1e-4" not in hint and "eps=1e-4 does not help" in hint, hint
+    assert "d * eps" in hint, hint
+    tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+    assert tries["eps=1e-4"] is False and tries["dtype=float32"] is True, tries
