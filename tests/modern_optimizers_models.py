@@ -379,3 +379,7 @@ def make_muon0():
 
 def make_prodigy_half():
     return {"model": make_model().half(), "optimizer": lambda groups: Prodigy(groups)}
+
+
+def make_adopt_half():
+    return {"model": make_model().half(), "optimizer": lambda groups: ADOPT(groups)}

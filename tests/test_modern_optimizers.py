@@ -160,3 +160,37 @@ def test_prodigy_in_float16_weights_is_not_told_an_eps_that_d_scales_away(out_di
     assert "d * eps" in hint, hint
     tries = {t["try"]: t["finite"] for t in rep["what_if"]}
     assert tries["eps=1e-4"] is False and tries["dtype=float32"] is True, tries
+
+
+def test_adopt_state_overflowing_float16_is_not_called_a_pole(out_dir):
+    """ADOPT (first version) over float16 weights behind modded-nanogpt's zero-initialised
+    c_proj: c_fc's gradient is 0 at step 0, where ADOPT only sets v = g**2 = 0, so its later
+    g / max(sqrt(v), eps=1e-6) is g * 1e6, past float16's 65504. The hint read addcdiv_'s
+    accumulator's zeros as its divisor ('aten.addcdiv_ of 0 (at a pole ...): clamp the op's
+    input away from the pole or add an eps'): the divisor was the eps itself."""
+    model = M.make_model().half()
+    opt = M.ADOPT(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, guard_optimizer=True,
+                            factory="modern_optimizers_models:make_adopt_half"):
+            for x, y in M.loader():
+                opt.zero_grad()
+                crit(model(x.half()).float(), y).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == \
+        (2, "optimizer", ["blocks.0.c_fc.weight"]), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "lr=0.1x", "--try", "dtype=float32")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"]) == \
+        (True, "optimizer", "aten.addcdiv_", "-inf"), o
+    assert o["source"] == \
+        f"modern_optimizers_models.py:{line_of('exp_avg.mul_(beta1).addcdiv_(grad')}"
+    hint = rep["hint"]
+    assert "passed float16's largest value" in hint, hint
+    assert "keep the weights and optimizer state in float32" in hint, hint
+    assert "at a pole" not in hint and "add an eps" not in hint, hint
+    assert "check the learning rate" not in hint, hint
+    tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+    assert tries == {"lr=0.1x": False, "dtype=float32": True}, tries
