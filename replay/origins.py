@@ -52,6 +52,7 @@ from .storages import state_of
 from .term_args import report_term_arg
 from .update_domain import domain_why, negative_input, update_domain, updated_rows
 from .weight_readers import bad_row_fields, first_reader, rows_text
+from .zero_grad import zero_gradient_text
 
 
 def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
@@ -434,7 +435,8 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            if stale else
            # a negative input (a rounded eigenvalue under Shampoo's -1/4 power) is no eps's
            (None if negative_input(domain)
-            else _eps_why(step, own, params, made)) or (domain and domain_why(domain))
+            else _eps_why(step, own, params, made))
+           or (domain and domain_why(domain) + zero_gradient_text(step, params, at))
            or half_overflow_why(step, made, params) or HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")

@@ -194,3 +194,57 @@ def test_adopt_state_overflowing_float16_is_not_called_a_pole(out_dir):
     assert "check the learning rate" not in hint, hint
     tries = {t["try"]: t["finite"] for t in rep["what_if"]}
     assert tries == {"lr=0.1x": False, "dtype=float32": True}, tries
+
+
+def test_muon_without_newton_schulz_eps_names_the_zero_gradient_and_zero_init(out_dir):
+    """Muon with its Newton-Schulz normalisation's eps dropped (X / X.norm()) over
+    modded-nanogpt's MLP, whose c_proj is zero-initialised: c_fc gets a gradient of exactly 0
+    at step 0, and 0 / 0 is NaN. The hint gave only the generic trust-ratio words; it now
+    says that c_fc's whole gradient was 0 and which weights are all 0 (the zero init)."""
+    model = M.make_model()
+    opt = M.MuonWithAuxAdam(M.muon_groups(model), ns_eps=0.0)
+    err = _epochs(model, opt, "make_muon0", 1, out_dir=out_dir, guard_optimizer=True)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["params"]) == \
+        (0, "optimizer", ["blocks.0.c_fc.weight", "blocks.1.c_fc.weight"]), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"]) == \
+        (True, "optimizer", "aten.div", "nan"), o
+    assert o["source"] == f"modern_optimizers_models.py:{line_of('X = X / (X.norm(')}"
+    hint = rep["hint"]
+    assert "aten.div of 0 by 0" in hint, hint
+    assert "blocks.0.c_fc.weight's gradient was exactly 0 in every element at step 0" in hint
+    assert "blocks.0.c_proj.weight, blocks.1.c_proj.weight are all 0 in the bundle" in hint
+
+
+def test_muon_beside_adamw_as_two_optimizers_blames_the_unrecorded_one(out_dir):
+    """Muon's README with two optimizers: Muon over the hidden matrices, AdamW over the rest,
+    the recorder given AdamW and stepping it first (as the guide says). Muon's 0/0 (its eps
+    dropped) writes NaN into c_fc after the recorded step closed: step 1's check finds
+    weights AdamW does not hold non-finite, and the report blames another optimizer's
+    step(), not the weights' loading or the forward."""
+    model = M.make_model()
+    groups = M.muon_groups(model)
+    muon = M.MuonWithAuxAdam([groups[0]], ns_eps=0.0)
+    adamw = torch.optim.AdamW(groups[1]["params"], lr=3e-4, betas=(0.9, 0.95),
+                              weight_decay=0.01)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, adamw, loss_fn=crit, out_dir=out_dir,
+                            factory="modern_optimizers_models:make_model"):
+            for x, y in M.loader():
+                for o in (adamw, muon):
+                    o.zero_grad()
+                crit(model(x), y).backward()
+                for o in (adamw, muon):
+                    o.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == \
+        (1, "weights", ["blocks.0.c_fc.weight", "blocks.1.c_fc.weight"]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["param"], o["module"]) == \
+        (True, "weights", "blocks.0.c_fc.weight", "blocks.0.c_fc"), o
+    assert "the recorded optimizer (torch.optim.adamw.AdamW) does not hold them" in rep["hint"]
+    assert "another optimizer's step() wrote them" in rep["hint"], rep["hint"]
