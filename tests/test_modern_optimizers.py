@@ -62,18 +62,44 @@ def _epochs(model, opt, factory: str, epochs: int, n: int = 256, sched=None,
     return None
 
 
-def test_schedule_free_train_eval_swaps_outside_step_are_no_event(out_dir, caplog):
-    """optimizer.eval() and optimizer.train() rewrite every weight in place outside step()
-    (lerp towards z, then back), around each epoch's validation, with a rewind window
-    copying across them: a healthy run trains through, with no event and no warning."""
+def _warm_then_cosine(opt):
+    """A linear warm-up from 0 (LambdaLR s / 4: lr 0 at step 0) chained to a cosine decay."""
+    sched = torch.optim.lr_scheduler
+    return sched.SequentialLR(opt, [sched.LambdaLR(opt, lambda s: s / 4),
+                                    sched.CosineAnnealingLR(opt, T_max=20)], milestones=[4])
+
+
+HEALTHY = {
+    # optimizer.eval() / optimizer.train() rewrite every weight outside step(), around each
+    # epoch's validation, with rewind copies taken across them
+    "schedule-free": (lambda m: M.AdamWScheduleFree(m.parameters(), lr=0.01), None),
+    "lion-one-cycle": (lambda m: M.Lion(m.parameters(), lr=1e-4, weight_decay=0.1,
+                                        decoupled_weight_decay=True),
+                       lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=3e-4,
+                                                                     total_steps=24)),
+    # lr 0 at step 0: Prodigy's d_denom is 0 and it returns without an update
+    "prodigy-warmup": (lambda m: M.Prodigy(m.parameters(), weight_decay=0.01),
+                       _warm_then_cosine),
+    "muon-aux-adam": (lambda m: M.MuonWithAuxAdam(M.muon_groups(m)), None),
+    "adopt": (lambda m: M.ADOPT(m.parameters(), lr=1e-3), None),
+}
+
+
+@pytest.mark.parametrize("name", list(HEALTHY))
+def test_healthy_runs_with_their_schedulers_and_validation_are_no_event(out_dir, caplog, name):
+    """Each optimizer as its repository's examples train it (validation after each epoch,
+    the scheduler stepped per batch), under a rewind window: no event, no warning."""
+    make_opt, make_sched = HEALTHY[name]
     model = M.make_model()
-    opt = M.AdamWScheduleFree(model.parameters(), lr=0.01)
+    opt = make_opt(model)
+    sched = make_sched(opt) if make_sched is not None else None
     with caplog.at_level(logging.WARNING):
-        err = _epochs(model, opt, "make_schedule_free", 3, n=64, validate=True,
+        err = _epochs(model, opt, "make_model", 3, n=256, sched=sched, validate=True,
                       out_dir=out_dir, rewind=3)
     assert err is None, err.event
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert not list(Path(out_dir).glob("*.nan"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("per_epoch", [2, 1], ids=["in-epoch", "before-validation"])
