@@ -10,10 +10,15 @@ each update for such a factor and the growth hint names it, with the line that a
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
+from recorder.capture import map_tensors
+from recorder.inner_optim import clear_state, put_state, state_items
+
+from .cause_text import DO
 from .compat import FOREACH_MUL_, TorchDispatchMode
 from .source import user_source
 
@@ -70,17 +75,63 @@ def scaled_update(report: dict[str, Any]) -> dict[str, Any] | None:
     return next((s["weight_scale"] for s in steps if s.get("weight_scale")), None)
 
 
-def scale_text(found: dict[str, Any]) -> str:
-    """What a weight-multiplying update does, for the growth hint."""
+def probed_scale(step) -> dict[str, Any] | None:
+    """Without a window, one update from the bundle's weights, state and hyper-parameters
+    with every gradient 0, watched as above and then undone (weights, gradients, state and
+    the groups' values as they were): a decay factor does not depend on the gradients."""
+    model, opt = step.model, step.optimizer
+    if model is None or opt is None:
+        return None
+    params = list(model.parameters())
+    weights, grads = [p.detach().clone() for p in params], [p.grad for p in params]
+    state = [(p, map_tensors(dict(st), lambda t: t.clone())) for p, st in state_items(opt)]
+    groups = [{k: copy.copy(v) for k, v in g.items() if k != "params"}
+              for g in opt.param_groups]
+    watch = WeightScales(model)
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        with watch:
+            opt.step()
+    except Exception:  # (the probe's own failure: no finding)
+        return None
+    finally:
+        with torch.no_grad():
+            for p, w, g in zip(params, weights, grads):
+                p.copy_(w)
+                p.grad = g
+        clear_state(opt)
+        for p, st in state:
+            put_state(opt, p, st)
+        for g, saved in zip(opt.param_groups, groups):
+            g.update(saved)
+    return watch.found
+
+
+def diverging_advice(step, windowed: bool) -> str:
+    """The growth hint's remedy: a weight-multiplying update's (probed without a window),
+    else the learning rate's and clipping's."""
+    found = None if windowed else probed_scale(step)
+    return scale_text(found, probed=True) if found else \
+        DO["diverging_window" if windowed else "diverging"]
+
+
+def scale_text(found: dict[str, Any], probed: bool = False) -> str:
+    """What a weight-multiplying update does, for the growth hint (``probed``: seen in one
+    update re-run from the bundle, not in the window's)."""
     f = found["factor"]
     at = f" ({found['source']})" if found.get("source") else ""
     what = (f"a decoupled weight decay's factor 1 - lr * weight_decay with lr * weight_decay "
             f"at {1 - f:.3g} (above 2, so the factor is below -1) flips the weights' sign and "
             f"grows them {abs(f):.3g}x per update" if f < 0 else
             f"a negative weight decay grows the weights {f:.3g}x per update")
-    return (f"each update multiplied {found['param']} by {f:.4g}{at}: {what}, whatever the "
+    tries = ("record with FlightRecorder(..., rewind=N) so that --try wd=0 re-runs the steps "
+             "that grew" if probed else "--try wd=0 tests it")
+    lead = ("the update, re-run once from the bundle with gradients of 0, multiplies "
+            if probed else "each update multiplied ")
+    return (f"{lead}{found['param']} by {f:.4g}{at}: {what}, whatever the "
             "gradients were, so clipping them does not stop it; keep lr * weight_decay well "
-            "below 1 at the schedule's peak: lower weight_decay or the learning rate (--try "
-            "wd=0 tests it; an optimizer that divides the decay by its initial learning rate, "
+            f"below 1 at the schedule's peak: lower weight_decay or the learning rate ({tries}; "
+            "an optimizer that divides the decay by its initial learning rate, "
             "as lion-pytorch's decoupled_weight_decay=True does, gets there when a scheduler "
             "raises the rate above that initial one)")

@@ -133,28 +133,37 @@ def test_schedule_free_eps_0_update_is_re_run_from_the_window(out_dir, per_epoch
     assert to_text(rep).splitlines()[0] == f"nanreplay: {want} — reproduced", to_text(rep)
 
 
-def test_lion_decoupled_decay_past_one_cycle_s_peak_names_the_decay_not_clipping(out_dir):
+@pytest.mark.parametrize("rewind", [6, None], ids=["window", "no-window"])
+def test_lion_decoupled_decay_past_one_cycle_s_peak_names_the_decay_not_clipping(out_dir,
+                                                                                  rewind):
     """lion-pytorch's decoupled_weight_decay=True divides weight_decay by the constructor's
     lr (1e-4); OneCycleLR then raises the rate to 1e-2, so p.mul_(1 - lr * wd) multiplies
     the weights by about -9 each step and the forward overflows. The hint said 'lower the
     learning rate or clip the gradients' though Lion's sign update ignores the gradients'
-    scale (the clip what-if stays NaN); it names the factor, its line and weight_decay."""
+    scale (the clip what-if stays NaN); it names the factor, its line and weight_decay, seen
+    in the window's updates, or without a window in one update re-run from the bundle."""
     model = M.make_model()
     opt = M.Lion(model.parameters(), lr=1e-4, weight_decay=0.1, decoupled_weight_decay=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=80)
-    err = _epochs(model, opt, "make_lion", 10, sched=sched, out_dir=out_dir, rewind=6)
+    err = _epochs(model, opt, "make_lion", 10, sched=sched, out_dir=out_dir,
+                  **({"rewind": rewind} if rewind else {}))
     assert err is not None and err.event["phase"] == "forward", err
     at = err.event["step"]
-    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    rep = nanreplay_json(err.bundle_path, *(["--try", "auto"] if rewind else []))
     assert (rep["reproduced"], rep["cause"]) == (True, "overflow"), rep["origin"]
-    assert rep["window"]["reproduced"] and rep["window"]["event_step"] == at
     hint = rep["hint"]
-    assert "each update multiplied embed.weight by -" in hint, hint
+    lead = ("each update multiplied" if rewind else
+            "the update, re-run once from the bundle with gradients of 0, multiplies")
+    assert f"{lead} embed.weight by -" in hint, hint
     assert f"modern_optimizers_models.py:{line_of('p.data.mul_(1. - lr * wd)')}" in hint, hint
     assert "clipping them does not stop it" in hint and "lower weight_decay" in hint, hint
     assert "or clip the gradients" not in hint, hint
-    tries = {t["try"]: t["finite"] for t in rep["what_if"]}
-    assert tries["clip=1.0"] is False and tries["wd=0"] is True, tries
+    if rewind:
+        assert rep["window"]["reproduced"] and rep["window"]["event_step"] == at
+        tries = {t["try"]: t["finite"] for t in rep["what_if"]}
+        assert tries["clip=1.0"] is False and tries["wd=0"] is True, tries
+    else:
+        assert "rewind=N) so that --try wd=0" in hint, hint
 
 
 def test_prodigy_in_float16_weights_is_not_told_an_eps_that_d_scales_away(out_dir):
