@@ -42,13 +42,16 @@ class WeightScales(TorchDispatchMode):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
-        self._names = {p.untyped_storage().data_ptr(): n for n, p in model.named_parameters()}
+        self._names = {_ptr(p): n for n, p in model.named_parameters()}
         self.found: dict[str, Any] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.found is None and (func in _MUL or func in _ADD):
-            self._look(func, args, kwargs)
+            try:
+                self._look(func, args, kwargs)
+            except Exception:  # (a watcher never fails the re-run: a subclass, a shard)
+                pass
         return func(*args, **kwargs)
 
     def _look(self, func, args, kwargs) -> None:
@@ -56,17 +59,23 @@ class WeightScales(TorchDispatchMode):
         if func in _MUL:
             factor = _number(args[1]) if len(args) > 1 else None
         else:  # p.add_(p, alpha=a) is p * (1 + a) (Prodigy's and D-Adaptation's decay)
-            same = len(args) > 1 and isinstance(args[1], torch.Tensor) and \
-                args[1].data_ptr() == args[0].data_ptr() and args[1].shape == args[0].shape
+            same = len(args) > 1 and _ptr(args[1]) is not None and \
+                _ptr(args[1]) == _ptr(args[0]) and args[1].shape == args[0].shape
             factor = 1.0 + float(kwargs.get("alpha", 1.0)) if same else None
         if factor is None or abs(factor) < 1.0 or factor == 1.0:
             return
         for t in targets:
-            name = self._names.get(t.untyped_storage().data_ptr()) \
-                if isinstance(t, torch.Tensor) else None
+            name = self._names.get(_ptr(t))
             if name is not None:
                 self.found = {"param": name, "factor": factor, "source": user_source()}
                 return
+
+
+def _ptr(t) -> int | None:
+    """Where a dense tensor's storage starts (None for anything else: a sparse gradient)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return None
+    return t.untyped_storage().data_ptr()
 
 
 def scaled_update(report: dict[str, Any]) -> dict[str, Any] | None:
