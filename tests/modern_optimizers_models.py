@@ -383,3 +383,83 @@ def make_prodigy_half():
 
 def make_adopt_half():
     return {"model": make_model().half(), "optimizer": lambda groups: ADOPT(groups)}
+
+
+class ScheduleFreeWrapper:
+    """schedule_free's wrap_schedulefree.ScheduleFreeWrapper (not a torch.optim.Optimizer):
+    any base optimizer made schedule-free, its z swapped into the parameters around
+    base.step()."""
+
+    def __init__(self, base, weight_decay_at_y=0.0, momentum=0.9, weight_lr_power=2, r=0):
+        self.base = base
+        self.weight_decay_at_y = weight_decay_at_y
+        self.weight_lr_power = weight_lr_power
+        self.r = r
+        self.momentum = momentum
+        self.train_mode = False
+
+    def zero_grad(self, set_to_none=True):
+        return self.base.zero_grad(set_to_none)
+
+    @property
+    def param_groups(self):
+        return self.base.param_groups
+
+    @property
+    def state(self):
+        return self.base.state
+
+    @torch.no_grad()
+    def eval(self):
+        if self.train_mode:
+            for group in self.param_groups:
+                for p in group['params']:
+                    if 'z' in self.state[p]:
+                        p.lerp_(end=self.state[p]['z'], weight=1 - 1 / self.momentum)
+        self.train_mode = False
+
+    @torch.no_grad()
+    def train(self):
+        if not self.train_mode:
+            for group in self.param_groups:
+                for p in group['params']:
+                    if 'z' in self.state[p]:
+                        p.lerp_(end=self.state[p]['z'], weight=1 - self.momentum)
+        self.train_mode = True
+
+    @staticmethod
+    def swap(x, y):
+        x.add_(y)
+        torch.sub(x, y, out=y)
+        x.sub_(y)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.train_mode:
+            raise Exception("Please insert .train() and .eval() calls for the optimizer.")
+        for group in self.param_groups:
+            lr = group['lr']
+            for p in (p for p in group['params'] if p.grad is not None):
+                state = self.state[p]
+                if 'z' not in state:
+                    state['z'] = torch.clone(p)
+                z = state['z']
+                if self.weight_decay_at_y != 0.0:
+                    z.sub_(p, alpha=lr * self.weight_decay_at_y)
+                    p.sub_(p, alpha=lr * self.weight_decay_at_y * (1 - self.momentum))
+                p.lerp_(end=z, weight=1 - 1 / self.momentum)
+                self.swap(z, p)
+        self.base.step()
+        for group in self.param_groups:
+            k = group.get('k', 0)
+            lr = group['lr'] * group.get('d', 1.0)
+            lr_max = group['lr_max'] = max(lr, group.get('lr_max', 0))
+            weight = ((k + 1) ** self.r) * (lr_max ** self.weight_lr_power)
+            weight_sum = group['weight_sum'] = group.get('weight_sum', 0.0) + weight
+            ckp1 = weight / weight_sum
+            for p in (p for p in group['params'] if p.grad is not None):
+                z = self.state[p]['z']
+                self.swap(z, p)
+                p.lerp_(end=z, weight=ckp1)
+                p.lerp_(end=self.state[p]['z'], weight=1 - self.momentum)
+            group['k'] = k + 1

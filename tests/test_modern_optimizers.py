@@ -283,3 +283,38 @@ def test_muon_beside_adamw_as_two_optimizers_blames_the_unrecorded_one(out_dir):
         (True, "weights", "blocks.0.c_fc.weight", "blocks.0.c_fc"), o
     assert "the recorded optimizer (torch.optim.adamw.AdamW) does not hold them" in rep["hint"]
     assert "another optimizer's step() wrote them" in rep["hint"], rep["hint"]
+
+
+def test_schedule_free_wrapper_is_refused_with_how_to_record_it(out_dir, caplog):
+    """schedule_free's ScheduleFreeWrapper (any base optimizer made schedule-free) is no
+    torch.optim.Optimizer: it swaps z into the weights around base.step(). The refusal said
+    only 'pass None for loops without one'; it now names the optimizer it holds (.base), and
+    the route it gives (optimizer=None, rec.end_step() before its step()) trains through its
+    train/eval swaps with no event and no warning."""
+    model = M.make_model()
+    opt = M.ScheduleFreeWrapper(torch.optim.SGD(model.parameters(), lr=0.1),
+                                momentum=0.9, weight_decay_at_y=0.1)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(TypeError) as info:
+        FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir)
+    msg = str(info.value)
+    assert "got ScheduleFreeWrapper, which holds one as .base" in msg, msg
+    assert "optimizer=None and rec.end_step() after backward, before its step()" in msg, msg
+    with caplog.at_level(logging.WARNING):
+        with FlightRecorder(model, None, loss_fn=crit, out_dir=out_dir,
+                            factory="modern_optimizers_models:make_model") as rec:
+            for _ in range(2):
+                model.train()
+                opt.train()
+                for x, y in M.loader(n=128):
+                    opt.zero_grad()
+                    crit(model(x), y).backward()
+                    rec.end_step()
+                    opt.step()
+                model.eval()
+                opt.eval()
+                with torch.no_grad():
+                    x, y = next(iter(M.loader(n=64, batch_size=64)))
+                    crit(model(x), y)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert not list(Path(out_dir).glob("*.nan"))
