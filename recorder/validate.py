@@ -64,7 +64,7 @@ def check_model(model, optimizer, loss_fn=None) -> None:
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "
-                            f"{type(optimizer).__name__}; pass None for loops without one")
+                            f"{type(optimizer).__name__}" + _wrapper_advice(optimizer))
         own = {id(p) for p in model.parameters()}
         if isinstance(loss_fn, nn.Module):
             own |= {id(p) for p in loss_fn.parameters()}
@@ -229,3 +229,20 @@ def _has_main_guard(path: str) -> bool:
             if names == {"__name__"} and consts == {"__main__"}:
                 return True
     return False
+
+
+def _wrapper_advice(optimizer) -> str:
+    """What to pass for an object that is no optimizer: None, and for a wrapper holding one
+    as an attribute (schedule_free's ScheduleFreeWrapper, ``.base``), how to record it: its
+    step() may move the weights around the inner one's (that wrapper swaps z into them), so
+    hooking the inner step() would check the step after that move."""
+    try:
+        held = [k for k, v in vars(optimizer).items() if isinstance(v, torch.optim.Optimizer)]
+    except TypeError:
+        held = []
+    if not held:
+        return "; pass None for loops without one"
+    return (f", which holds one as .{held[0]}: a wrapper whose step() does more than call it "
+            "(schedule_free's ScheduleFreeWrapper moves the weights around base.step()) is "
+            "recorded with optimizer=None and rec.end_step() after backward, before its "
+            f"step(); for one whose step() only calls it, pass .{held[0]}")

@@ -24,9 +24,9 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 
 from . import fidelity
 from .ascent import ascent_hint
-from .cause_text import DO
 from .data_scale import data_scale_hint
 from .derived_input import derived_input_hint
+from .eps_checked import checked_eps
 from .errors import FactoryRefused
 from .fed_back import report_fed_back
 from .findings import UPDATE_NOT_RERUN, base_report, finish, origin_fields, recorded_origin
@@ -75,6 +75,7 @@ from .source import distributed_call
 from .state import forward_written, state_notes
 from .trained_input import trained_input_hint
 from .unset_state import unset_state_or_raise
+from .weight_scale import diverging_advice
 from .whatif import run_tries
 from .window import window_of
 from .window_report import add_window
@@ -99,8 +100,9 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
         report["problems"].append(note)
     if not add_window(step, report):  # (its measured growth says it, else the precursors)
-        _diverging(report, window_of(step) is not None)
+        _diverging(report, step)
     ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)
+    checked_eps(step, report)  # (an eps the hint would propose, re-run before it is)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
@@ -117,7 +119,7 @@ _GROWTH = {"loss_jump": "loss", "grad_norm_jump": "gradient norm", "weight_jump"
            "lr_jump": "learning rate"}
 
 
-def _diverging(report, windowed: bool) -> None:
+def _diverging(report, step: Step) -> None:
     """An overflow (or an underflow: a sigmoid driven to 0) after the loss, gradient norm or
     weights jumped in earlier steps: the run was diverging (a learning rate too high for
     unscaled features, a bootstrap target fed back), and a wider type or rescaling the op only
@@ -139,7 +141,7 @@ def _diverging(report, windowed: bool) -> None:
                 "only moves the failure on")
         report["hint"] = (f"{report['hint']}. But the {_GROWTH[jump['kind']]} had jumped "
                           f"{when} (see precursors): the run was diverging, and {then}; "
-                          + DO["diverging_window" if windowed else "diverging"])
+                          + diverging_advice(step, window_of(step) is not None))
 
 
 def analyze_bundle(path, factory: str | None = None, device: str | None = None,

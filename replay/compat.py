@@ -15,7 +15,9 @@
   parameter, buffer and submodule tables (``_parameters``, ``_buffers``, ``_modules``), written
   directly to assign the bundle's tensors without a copy and to clear what a default
   construction put there; :func:`parameter_like`: a parameter of a subclass of
-  ``nn.Parameter`` made around a tensor (``Tensor._make_subclass``).
+  ``nn.Parameter`` made around a tensor (``Tensor._make_subclass``);
+- ``FOREACH_MUL_``: ``aten._foreach_mul_.Scalar``, the foreach kernels' in-place product of
+  many tensors with one number (a foreach optimizer's weight decay, :mod:`replay.weight_scale`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from recorder.compat import func_transform, version_of
 __all__ = ["TorchDispatchMode", "tree_leaves", "tree_map", "version", "version_of", "sequence_nr",
            "func_transform",
            "running_node", "saved_value", "writes_arguments",
-           "set_parameter", "set_buffer", "remove_member"]
+           "set_parameter", "set_buffer", "remove_member", "FOREACH_MUL_"]
+
+FOREACH_MUL_ = torch.ops.aten._foreach_mul_.Scalar
 
 
 def version(t: torch.Tensor) -> int:

@@ -108,6 +108,8 @@ def no_pole(name: str, ev: Evidence) -> bool:
         return bool((ins[0] > 0).all())  # a positive base: only too large a power
     if name in ("div", "div_") and len(ins) >= 2:
         return bool((ins[1] != 0).all())  # no division by 0: only too large a quotient
+    if name in ("addcdiv", "addcdiv_") and len(ins) >= 3:  # x + value * t1 / t2: t2 divides
+        return bool((ins[2] != 0).all())  # (ADOPT's g / max(sqrt(v), eps) past float16's max)
     return False
 
 

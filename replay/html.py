@@ -138,7 +138,8 @@ def _verdict(report: dict) -> str:
         if phase and not op:
             text += f" during {_e(phase)}"
         text += (f" in an evaluation forward before step {_e(step)}."
-                 if _get(event, "evaluation") is True else f" at step {_e(step)}.")
+                 if _get(event, "evaluation") is True and _get(event, "phase") != "optimizer"
+                 else f" at step {_e(step)}.")
     if cause:
         text = text.rstrip(".") + f" — cause: <b>{_e(cause)}</b>."
         if str(cause) in MEANING:

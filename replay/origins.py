@@ -26,6 +26,7 @@ from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, node_sources, with_node
 from .grad_hooks import hook_fields, hook_hint
+from .half_update import half_overflow_why
 from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .lineage import Lineage
 from .load import Step, autocast_as_recorded, differentiates_model
@@ -53,6 +54,7 @@ from .storages import state_of
 from .term_args import report_term_arg
 from .update_domain import domain_why, negative_input, update_domain, updated_rows
 from .weight_readers import bad_row_fields, first_reader, rows_text
+from .zero_grad import zero_gradient_text
 
 
 def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
@@ -436,8 +438,9 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
            if stale else
            # a negative input (a rounded eigenvalue under Shampoo's -1/4 power) is no eps's
            (None if negative_input(domain)
-            else _eps_why(step, own, params, made)) or (domain and domain_why(domain))
-           or HINTS["optimizer"])
+            else _eps_why(step, own, params, made))
+           or (domain and domain_why(domain) + zero_gradient_text(step, params, at))
+           or half_overflow_why(step, made, params) or HINTS["optimizer"])
     return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
             f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
 

@@ -9,6 +9,7 @@ from typing import Any
 from recorder.bundle import BundleReader, jsonable
 
 from .cause_text import module_label
+from .event_when import event_when
 from .fidelity import describe
 from .load import check_meta
 from .rewind_text import what_if_lines, window_lines
@@ -53,9 +54,7 @@ def to_text(report: dict[str, Any]) -> str:
     state = ("reproduced" if report["reproduced"] else
              f"not re-run ({report['not_rerun']})" if report.get("not_rerun") else
              "NOT reproduced")
-    when = (f"evaluation forward before step {ev.get('step')}" if ev.get("evaluation")
-            else f"step {ev.get('step')}")
-    lines = [f"nanreplay: {when}, {ev.get('phase') or 'unlocated'} event — {state}"]
+    lines = [f"nanreplay: {event_when(ev)}, {ev.get('phase') or 'unlocated'} event — {state}"]
     lines += rank_lines(report)
     lines += _origin_lines(report)
     lines += _cause_lines(report)
@@ -225,8 +224,7 @@ def info_text(d: dict[str, Any]) -> str:
     cuda = f"cuda {env.get('cuda')}" + (f" ({', '.join(map(str, devices))})" if devices else "")
     lines = [
         f"bundle     {d['path']} ({d['format']})",
-        f"event      {'evaluation forward before ' if ev.get('evaluation') else ''}"
-        f"step {ev.get('step')}, phase {ev.get('phase')}, "
+        f"event      {event_when(ev)}, phase {ev.get('phase')}, "
         f"{ev.get('kind') or ev.get('reason')}"  # (a linalg event has no kind)
         + (f", module {'<root>' if mod == '' else mod}" if mod is not None else "")
         + (" (torch.compile'd: recorded as one call)" if ev.get("compiled") else ""),

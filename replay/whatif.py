@@ -31,6 +31,7 @@ from .load import Step, autocast_dtype
 from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
 from .outliers import out_of_scale
 from .recorded import batch_size
+from .weight_scale import scaled_update
 from .window import Change, Window, run_window, step_as_window, window_of
 from .zero_rows import empty_micro_batch
 
@@ -206,6 +207,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
             out += ["clip=1.0"] if relative else ["lr=0.1x", "clip=1.0"]
             if (before := _lr_before_jump(report)) is not None:
                 out.append(f"lr={before:.3g}")  # the rate the run trained at before the jump
+            out += ["wd=0"] if scaled_update(report) else []  # (weights times |c| >= 1)
         elif (last := _last_finite_lr(step)) is not None:
             out.append(f"lr={last:.3g}")
         if cause == "optimizer":

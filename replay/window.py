@@ -22,6 +22,7 @@ The same machinery runs a bundle without a window as a window of its one recorde
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from .peers import average_gradients, peer_gradients
 from .recorded import scale_of_the_step
 from .rerun import Runner, restorable
 from .update_domain import update_domain
+from .weight_scale import WeightScales
 
 
 @dataclass
@@ -104,7 +106,8 @@ class WindowRun:
 def window_of(step: Step) -> Window | None:
     """The bundle's rewind window, or None (no ``meta.rewind``, or nothing in it)."""
     rw = step.meta.get("rewind") or {}
-    if not rw.get("records") or step.event.get("evaluation"):
+    if not rw.get("records") or (step.event.get("evaluation")
+                                 and step.event.get("phase") != "optimizer"):
         return None
     return Window("rewind/", int(rw["copy_step"]), rw["records"],
                   rw.get("optimizer"), True)
@@ -400,7 +403,9 @@ def _state(model, opt) -> dict[str, Any]:
     return {"weights": {id(p): p.detach().clone() for p in model.parameters()},
             "state": {id(p): map_tensors(dict(st), lambda t: t.clone())
                       for p, st in state_items(opt)},
-            "grads": {id(p): p.grad for p in model.parameters()}}
+            # (copies: an update may write into p.grad, as schedule-free's grad.div_(denom) does)
+            "grads": {id(p): None if p.grad is None else p.grad.clone()
+                      for p in model.parameters()}}
 
 
 def _checked_update(step: Step, opt, at: int, unchanged: bool, out: WindowRun,
@@ -410,7 +415,11 @@ def _checked_update(step: Step, opt, at: int, unchanged: bool, out: WindowRun,
     non-finite with the weights finite (Adam's exp_avg_sq of a gradient past float32's range)
     is no event in training, which trained on: the unchanged re-run notes it once."""
     before = _state(step.model, opt)
-    opt.step()
+    scales = WeightScales(step.model)
+    with scales if unchanged else contextlib.nullcontext():
+        opt.step()
+    if scales.found is not None:  # (a factor >= 1 in magnitude: see replay.weight_scale)
+        stats["weight_scale"] = scales.found
     stats["param_norm"] = total_norm(step.model.parameters())
     if bad := [n for n, p in step.model.named_parameters()
                if not p.is_meta and not finite(p)]:  # (a placeholder holds no value)

@@ -18,6 +18,7 @@ from .load import Step
 from .origins import optimizer_hint
 from .rewind_text import where
 from .weight_readers import bad_row_fields, rows_text
+from .weight_scale import scale_text, scaled_update
 from .window import matches_event, precursors_began, run_window, window_of
 
 
@@ -129,12 +130,14 @@ def _hint_growth(report: dict[str, Any], factor: float = 10.0) -> bool:
         return False
     updates = (f"the update of step {last}" if last == began["step"]
                else f"the updates of steps {began['step']}-{last}")
+    scaled = scaled_update(report)
     report["hint"] = (f"{report['hint']}. But the weight norm grew {top / before[-1]:.3g}x "
                       f"over {updates}, from where the "
                       f"rewind window shows the trouble began ({began['detail']}): the run "
-                      "was diverging, and a wider type only postpones the overflow; fix what "
-                      "happened there (a bad batch, a learning-rate jump) or "
-                      + DO["diverging_window"])
+                      "was diverging, and a wider type only postpones the overflow; "
+                      + (scale_text(scaled) if scaled else
+                         "fix what happened there (a bad batch, a learning-rate jump) or "
+                         + DO["diverging_window"]))
     return True
 
 

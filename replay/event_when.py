@@ -1,0 +1,23 @@
+"""When an event happened, in the report's words.
+
+An evaluation forward's event is numbered with the next training step ("evaluation forward
+before step 4"), except an update's: a non-finite weight an evaluation's check found after
+``optimizer.step()`` (the loop evaluated right after the update, as schedule-free optimizers'
+``optimizer.eval()`` loops and per-epoch validations do) keeps the step of the update that
+wrote it, which came before that evaluation, not after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def event_when(ev: dict[str, Any]) -> str:
+    """``step 3``, ``evaluation forward before step 3`` or ``step 3 (found by the evaluation
+    forward after it)``."""
+    step = ev.get("step")
+    if not ev.get("evaluation"):
+        return f"step {step}"
+    if ev.get("phase") == "optimizer":
+        return f"step {step} (found by the evaluation forward after its update)"
+    return f"evaluation forward before step {step}"

@@ -1,0 +1,34 @@
+"""A parameter whose whole gradient was exactly 0 where its update left an op's domain.
+
+Muon's ``X / X.norm()`` (an eps dropped from Newton-Schulz's normalisation), normalised SGD's
+``g / ||g||`` and LARS's trust ratio divide by a norm of the gradient or update, 0 only when
+every element is. That has a cause upstream the hint can name: a layer after it initialised to
+zero (modded-nanogpt's ``c_proj.weight.zero_()``, a zero-init residual branch) passes no
+gradient back until its own first update, so the layers before it get a gradient of exactly 0
+at step 0. A ``guard_optimizer`` bundle holds the gradients and weights the update started
+from, which show both.
+"""
+
+from __future__ import annotations
+
+from .load import Step
+
+
+def zero_gradient_text(step: Step, params: list[str], at) -> str:
+    """``; NAME's gradient was exactly 0 in every element ...`` (with the all-zero weights
+    of the bundle, when any), or ``""`` when its gradient is not all 0 or not in the bundle."""
+    if not params or step.meta.get("state") == "after_update":
+        return ""  # (its gradients may be a later step's: the update's are gone)
+    g = step.tensors.get(f"grads/{params[0]}")
+    if g is None or not g.numel() or not g.is_floating_point() or bool(g.any()):
+        return ""
+    zeros = [k.removeprefix("weights/") for k, w in step.tensors.items()
+             if k.startswith("weights/") and w.dim() >= 2 and w.numel() and not bool(w.any())]
+    text = f"; {params[0]}'s gradient was exactly 0 in every element at step {at}"
+    if not zeros:
+        return text + " (no gradient reached it: keep the eps in the norm it divides by)"
+    shown = ", ".join(zeros[:3]) + (f" (+{len(zeros) - 3} more)" if len(zeros) > 3 else "")
+    return (f"{text}, and {shown} {'is' if len(zeros) == 1 else 'are'} all 0 in the bundle: a "
+            "layer initialised to zero passes no gradient back to the layers before it until "
+            "its own first update; keep the eps in the norm the update divides by "
+            "(X / (X.norm() + eps)) or skip parameters whose gradient norm is 0")
