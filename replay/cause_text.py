@@ -223,6 +223,12 @@ DO = {
                   "code that builds the buffer, or add an eps",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
+    # (not domain's "x.clamp_min(eps) before log or sqrt": a power's base may be 0, and a
+    # negative one is often a normalised value the power was meant to see before)
+    "power_domain": "keep the base at or above 0 where it must be (x.clamp_min(0) ** p; a "
+                    "gamma or power-law curve of intensities belongs before a normalisation "
+                    "by mean and std makes them negative), or write a signed power as "
+                    "torch.sign(x) * x.abs() ** p",
     "running_var": "a variance is never negative, so the module's running_var buffer was "
                    "written so (a checkpoint converted with other statistics, an edit of the "
                    "state_dict): reload or fix it, or estimate it again "

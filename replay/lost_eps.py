@@ -103,6 +103,13 @@ def context(ev) -> str:
     return ""
 
 
+def rounded_guard(ev, i: int) -> bool:
+    """Input ``i`` of the op, a 0 that float64 keeps positive, is ``x + eps`` whose eps its
+    type rounded to 0: what float64 kept is the eps itself, so :func:`context`'s advice (an
+    eps the type keeps) is the fix, not a log-space rewrite of a value that underflowed."""
+    return i < len(ev.lost_eps) and ev.lost_eps[i] is not None and bool(context(ev))
+
+
 def said(eps: float, dt: torch.dtype) -> str:
     """The hint's addition for an ``eps`` that ``dt`` rounded to 0."""
     name = str(dt).removeprefix("torch.")
