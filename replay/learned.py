@@ -15,29 +15,25 @@ from typing import Any
 import torch
 
 from .compat import tree_leaves
-from .memo import TensorSet
 from .storages import state_of, storage_of
 
 
 class Learned:
-    """The model's parameters and buffers, and every tensor an op made from one of them."""
+    """The storages of the model's parameters and buffers, and of every tensor an op made
+    from one of them. By storage, not by tensor: a solver that writes into buffers it
+    allocated (locuslab/deq's Anderson step, ``H[:, 1:, 1:] = G @ G.mT``) makes the matrix
+    it solves a view of a storage the weights went into, which no op returned as such."""
 
     def __init__(self, model: torch.nn.Module):
-        self._state = state_of(model)
-        self._made = TensorSet()
+        self._storages = {s for s, shape in state_of(model) if shape is None}
 
     def __contains__(self, t: torch.Tensor) -> bool:
-        if t in self._made:
-            return True
-        try:
-            return (t.data_ptr(), tuple(t.shape)) in self._state \
-                or (storage_of(t), None) in self._state
-        except RuntimeError:  # a tensor without storage
-            return False
+        return storage_of(t) in self._storages
 
     def track(self, args: Any, out: Any) -> None:
-        """Marks ``out``'s tensors when the op took (in ``args``) a learned one."""
+        """Marks ``out``'s storages (an in-place op's: the tensor it wrote) when the op took
+        (in ``args``) a learned tensor."""
         if any(isinstance(t, torch.Tensor) and t in self for t in tree_leaves(args)):
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._made.add(t)
+                if isinstance(t, torch.Tensor) and (s := storage_of(t)) is not None:
+                    self._storages.add(s)

@@ -434,3 +434,8 @@ def make_jitter_half():
 def make_randaugment():
     torch.manual_seed(0)
     return SmallResNet(aug=RandAugment())
+
+
+def make_pipeline_no_eps():
+    torch.manual_seed(0)
+    return SmallResNet(aug=DataAugmentation(eps=0.0))

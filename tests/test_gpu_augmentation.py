@@ -163,13 +163,22 @@ def test_randaugment_s_ops_drawn_with_python_random_are_replayed(tmp_path):
     assert o["source"] == line_of("return ((x - lo) / (hi - lo))")
 
 
-def test_augmentation_in_the_loop_is_an_input_event_on_the_frames_it_spoiled(tmp_path):
-    # the Kornia tutorial's pattern: the pipeline runs on the batch before the model, so the
-    # recorder sees its NaN (saturation without eps at the affine's black corners) as data
-    ev, rep = event(tmp_path, "make_resnet", M.Images(32), workers=2,
+def test_the_kornia_pipeline_in_the_loop_is_input_and_in_forward_its_op(tmp_path):
+    """The Kornia tutorial's pattern: the pipeline (no_grad) runs on the batch before the
+    model, so the recorder sees its NaN (saturation without eps at the affine's black
+    corners) as data, on the frames it spoiled. The same pipeline as the model's first
+    module, the same draws: the op, its line and the same frames."""
+    ev, rep = event(tmp_path / "loop", "make_resnet", M.Images(32), workers=2,
                     loop_aug=M.DataAugmentation(eps=0.0))
     assert (ev["step"], ev["phase"], ev["tensor"]) == (0, "input", "batch")
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["tensor"]) == (True, "input", "batch"), rep
-    assert o["samples"] == ev["samples"] and 0 < len(o["samples"]) < BS, rep
+    spoiled = o["samples"]
+    assert spoiled == ev["samples"] and 0 < len(spoiled) < BS, rep
     assert "data pipeline" in rep["hint"], rep["hint"]
+    ev, rep = event(tmp_path / "model", "make_pipeline_no_eps", M.Images(32), workers=2)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "aug.jitter")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
+        True, "invalid", "aug.jitter", "aten.div", spoiled), rep
+    assert o["source"] == line_of("s = deltac / (max_rgb + eps)")
