@@ -10,6 +10,7 @@ import inspect
 import os
 from typing import Any
 
+from .caller_picks import CallerPicks
 from .cause import classify
 from .errors import StopRun
 from .findings import finish, origin_fields
@@ -134,6 +135,8 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
     inside ``forward_ctx()``, when given)."""
     finder = OpFinder(samples=samples(runner.step, mb), mask_buffers=mask_buffers(runner.model))
     state = {"count": 0, "active": False}
+    # (rows the caller's code picked out of the batch: out[p] = transform(x[p]))
+    picks = CallerPicks(finder.samples.size if finder.samples and finder.samples.size else 0)
 
     def hooks(model):
         hs = []
@@ -149,7 +152,9 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                     # (a loss inside the model, torchvision's model(images, targets))
                     finder.lineage = Lineage(finder.samples)
                     finder.lineage.seed_samples(args)
+                    picks.stop()
                     finder.__enter__()
+                    picks.hand_on(args, finder.reordered)
                 state["count"] += 1
 
         def post(m, args, out):
@@ -162,6 +167,13 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
             if name in runner.allowed:
                 hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
                 hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
+
+        def watch(m, args):  # (from the root call's start to the call's)
+            if runner.micro_batch == mb and state["count"] <= call:
+                picks.start()
+
+        if target is not model:
+            hs.append(model.register_forward_pre_hook(watch, prepend=True))
         # (first of its pre-hooks: those are part of the call, and may make its weights)
         hs.append(target.register_forward_pre_hook(pre, prepend=True))
         hs.append(target.register_forward_hook(post))
@@ -172,6 +184,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
     finally:
         if state["active"]:
             finder.__exit__(None, None, None)
+        picks.stop()
     return finder
 
 

@@ -439,3 +439,75 @@ def make_randaugment():
 def make_pipeline_no_eps():
     torch.manual_seed(0)
     return SmallResNet(aug=DataAugmentation(eps=0.0))
+
+
+class EraseInPlace(nn.Module):
+    """torchvision's RandomErasing(inplace=True) on the batch the model was given, then the
+    per-image standardisation."""
+
+    def __init__(self, scale=(0.02, 1.0)):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        _, _, hgt, wid = x.shape
+        for i in range(x.shape[0]):
+            if torch.rand(()) >= 0.5:
+                continue
+            area = hgt * wid * float(torch.empty(()).uniform_(*self.scale))
+            h = min(hgt, max(1, int(round(math.sqrt(area)))))
+            w = min(wid, max(1, int(round(area / h))))
+            top = int(torch.randint(0, hgt - h + 1, ()))
+            left = int(torch.randint(0, wid - w + 1, ()))
+            x[i, :, top:top + h, left:left + w] = 0.0
+        return per_image_standardization(x)
+
+
+def make_erase_in_place():
+    torch.manual_seed(0)
+    return SmallResNet(aug=EraseInPlace())
+
+
+def make_erase_all_in_place():
+    torch.manual_seed(0)
+    return SmallResNet(aug=EraseInPlace(scale=(1.0, 1.0)))
+
+
+class ApplyWithProbability(nn.Module):
+    """kornia's AugmentationBase2D: each sample drawn with probability ``p``, the transform
+    applied to the drawn ones only, ``out[to_apply] = transform(x[to_apply])``."""
+
+    def __init__(self, transform: nn.Module, p: float = 0.5):
+        super().__init__()
+        self.transform, self.p = transform, p
+
+    def forward(self, x):
+        to_apply = torch.rand(x.shape[0], device=x.device) < self.p
+        out = x.clone()
+        if to_apply.any():
+            out[to_apply] = self.transform(x[to_apply])
+        return out
+
+
+def channel_autocontrast(x):
+    """kornia-style per-channel op on ``(B * C, H * W)`` rows: each channel stretched to
+    [0, 1] by its own min and max (no guard of a constant channel)."""
+    b, c, h, w = x.shape
+    rows = x.reshape(b * c, h * w)
+    lo, hi = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
+    return ((rows - lo) / (hi - lo)).reshape(b, c, h, w)
+
+
+class ChannelAutocontrast(nn.Module):
+    def forward(self, x):
+        return channel_autocontrast(x)
+
+
+def make_jitter_p_no_eps():
+    torch.manual_seed(0)
+    return SmallResNet(aug=ApplyWithProbability(ColorJitter(eps=0.0)))
+
+
+def make_channel_autocontrast():
+    torch.manual_seed(0)
+    return SmallResNet(aug=ChannelAutocontrast())

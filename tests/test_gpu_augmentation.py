@@ -32,11 +32,13 @@ def line_of(text: str) -> str:
 
 
 def train(out_dir, factory: str, data: M.Images, steps: int = 4, workers: int = 0,
-          loop_aug=None, boxes: bool = False):
+          loop_aug=None, boxes: bool = False, spy=None):
     """SGD with Nesterov momentum and a one-cycle schedule, label smoothing; ``loop_aug`` runs
     on each batch in the loop before the network (the Kornia tutorial's pattern), ``boxes``
-    passes each image's box to ``forward``."""
+    passes each image's box to ``forward``; ``spy(model)`` before training."""
     model = getattr(M, factory)()
+    if spy is not None:
+        spy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True,
                           weight_decay=5e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=50)
@@ -148,6 +150,26 @@ def test_a_box_of_no_width_is_named_as_a_degenerate_record_not_a_ridge(tmp_path)
     assert "computed from the batch's data alone" in rep["hint"], rep["hint"]
     assert "box of zero width" in rep["hint"] and "use torch.linalg.lstsq" not in rep["hint"], \
         rep["hint"]
+
+
+def test_an_augmentation_applied_to_the_drawn_samples_names_them_not_the_batch(tmp_path):
+    """kornia's p: out[to_apply] = jitter(x[to_apply]). The jitter's call gets only the drawn
+    rows, so the op's rows named no sample and the report said every sample; its row r is
+    the sample of the r-th drawn one."""
+    spoiled = []  # the rows of the augmented batch holding NaN, as the loop saw them
+
+    def spy(model):
+        model.aug.register_forward_hook(lambda m, a, out: spoiled.append(
+            (~out.isfinite()).flatten(1).any(1).nonzero().flatten().tolist()))
+
+    ev, rep = event(tmp_path, "make_jitter_p_no_eps",
+                    M.Images(64, blank=[9, 10, 11, 12, 13, 14]), steps=8, spy=spy)
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "forward", "aug.transform")
+    o = rep["origin"]
+    assert 0 < len(spoiled[-1]) < BS, spoiled
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
+        True, "invalid", "aug.transform", "aten.div", spoiled[-1]), rep
+    assert o["source"] == line_of("s = deltac / (max_rgb + eps)")
 
 
 def test_randaugment_s_ops_drawn_with_python_random_are_replayed(tmp_path):

@@ -1,0 +1,50 @@
+"""The samples in the rows of a module call's inputs that its caller picked out of the batch.
+
+Kornia applies each augmentation to the samples its probability drew, in its caller's code:
+``out[to_apply] = self.transform(x[to_apply])``. The transform's call, where the op finder
+looks, gets ``k`` of the batch's rows, which name no sample by their position; its row ``r``
+is the sample of the mask's ``r``-th true element. :class:`CallerPicks` watches the forward
+from the root call's start to that call with a :class:`replay.reordered.Reordered`, which
+follows such picks (and ``x[order]``, ``flip``), so the finder can start from what the
+caller's code did to the rows of what it passes on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .compat import TorchDispatchMode, tree_leaves
+from .dispatch import run_op
+from .reordered import Reordered
+
+
+class CallerPicks(TorchDispatchMode):
+    def __init__(self, size: int):
+        super().__init__()
+        self.reordered = Reordered(size)
+        self.active = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = run_op(func, args, kwargs)
+        self.reordered.track(func.overloadpacket.__name__, args,
+                             tree_leaves((args, kwargs)), out)
+        return out
+
+    def start(self) -> None:
+        if not self.active:
+            self.active = True
+            self.__enter__()
+
+    def stop(self) -> None:
+        if self.active:
+            self.active = False
+            self.__exit__(None, None, None)
+
+    def hand_on(self, args: Any, to: Reordered) -> None:
+        """Gives ``to`` the samples in the rows of the call's input tensors ``args``."""
+        for t in tree_leaves(args):
+            if isinstance(t, torch.Tensor) and (order := self.reordered.order(t)) is not None:
+                to.follow(t, order)
