@@ -10,8 +10,8 @@
   ``torch.linalg.solve`` from the crop box's corners to the output's);
 - ``per_image_standardization``: tf.image.per_image_standardization, hand-written;
 - ``RandomGamma``: torchvision.transforms.v2.functional.adjust_gamma (``image ** gamma``);
-- ``RandomErasing``: torchvision.transforms.v2.RandomErasing on a batch (value 0);
-- ``mixup``: timm/data/mixup.py's ``Mixup`` with ``lam`` from ``Beta(alpha, alpha)``;
+- ``ApplyWithProbability``: kornia's AugmentationBase2D applying a transform to the samples
+  its probability drew, ``out[to_apply] = transform(x[to_apply])``;
 - ``RandAugment``: torchvision.transforms.RandAugment's policy (ops drawn with ``random``),
   its autocontrast, solarize, posterize and sharpness written on batched tensors;
 - ``DataAugmentation``: the Kornia tutorial "Data augmentation on the GPU" module
@@ -216,32 +216,6 @@ class RandomGamma(nn.Module):
         return x ** g
 
 
-def random_erasing(x, p=0.5, scale=(0.02, 0.33), value=0.0):
-    """torchvision.transforms.v2.RandomErasing applied image by image on a batch."""
-    out = x.clone()
-    _, _, hgt, wid = x.shape
-    for i in range(x.shape[0]):
-        if torch.rand(()) >= p:
-            continue
-        area = hgt * wid * float(torch.empty(()).uniform_(*scale))
-        h = min(hgt, max(1, int(round(math.sqrt(area)))))
-        w = min(wid, max(1, int(round(area / h))))
-        top = int(torch.randint(0, hgt - h + 1, ()))
-        left = int(torch.randint(0, wid - w + 1, ()))
-        out[i, :, top:top + h, left:left + w] = value
-    return out
-
-
-def mixup(x, y, alpha: float, n_cls: int = N_CLS, smoothing: float = 0.1):
-    """timm's Mixup (batch mode): ``lam ~ Beta(alpha, alpha)``, the batch flipped, targets
-    mixed with label smoothing."""
-    lam = torch.distributions.Beta(torch.tensor([alpha]), torch.tensor([alpha])).sample()
-    x = x.mul(lam).add_(x.flip(0).mul_(1.0 - lam))
-    off, on = smoothing / n_cls, 1.0 - smoothing + smoothing / n_cls
-    y1 = torch.full((y.shape[0], n_cls), off).scatter_(1, y[:, None], on)
-    return x, y1 * lam + y1.flip(0) * (1.0 - lam)
-
-
 def autocontrast(x):
     """torchvision's autocontrast, its guard of a constant channel left out: each channel
     stretched to [0, 1] by its own min and max."""
@@ -398,16 +372,6 @@ def make_gamma_after_standardize():
     return SmallResNet(aug=nn.Sequential(Standardize(), RandomGamma()))
 
 
-def make_crop():
-    torch.manual_seed(0)
-    return SmallResNet(aug=RandomResizedCrop(scale=(0.0, 1.0)))
-
-
-def make_pipeline():
-    torch.manual_seed(0)
-    return SmallResNet(aug=DataAugmentation())
-
-
 def make_learned():
     torch.manual_seed(0)
     return SmallResNet(aug=nn.Sequential(LearnedBrightness(), LearnedSaturation(),
@@ -441,38 +405,6 @@ def make_pipeline_no_eps():
     return SmallResNet(aug=DataAugmentation(eps=0.0))
 
 
-class EraseInPlace(nn.Module):
-    """torchvision's RandomErasing(inplace=True) on the batch the model was given, then the
-    per-image standardisation."""
-
-    def __init__(self, scale=(0.02, 1.0)):
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, x):
-        _, _, hgt, wid = x.shape
-        for i in range(x.shape[0]):
-            if torch.rand(()) >= 0.5:
-                continue
-            area = hgt * wid * float(torch.empty(()).uniform_(*self.scale))
-            h = min(hgt, max(1, int(round(math.sqrt(area)))))
-            w = min(wid, max(1, int(round(area / h))))
-            top = int(torch.randint(0, hgt - h + 1, ()))
-            left = int(torch.randint(0, wid - w + 1, ()))
-            x[i, :, top:top + h, left:left + w] = 0.0
-        return per_image_standardization(x)
-
-
-def make_erase_in_place():
-    torch.manual_seed(0)
-    return SmallResNet(aug=EraseInPlace())
-
-
-def make_erase_all_in_place():
-    torch.manual_seed(0)
-    return SmallResNet(aug=EraseInPlace(scale=(1.0, 1.0)))
-
-
 class ApplyWithProbability(nn.Module):
     """kornia's AugmentationBase2D: each sample drawn with probability ``p``, the transform
     applied to the drawn ones only, ``out[to_apply] = transform(x[to_apply])``."""
@@ -483,24 +415,11 @@ class ApplyWithProbability(nn.Module):
 
     def forward(self, x):
         to_apply = torch.rand(x.shape[0], device=x.device) < self.p
+        self.batch_prob = to_apply  # (kornia keeps it in self._params["batch_prob"])
         out = x.clone()
         if to_apply.any():
             out[to_apply] = self.transform(x[to_apply])
         return out
-
-
-def channel_autocontrast(x):
-    """kornia-style per-channel op on ``(B * C, H * W)`` rows: each channel stretched to
-    [0, 1] by its own min and max (no guard of a constant channel)."""
-    b, c, h, w = x.shape
-    rows = x.reshape(b * c, h * w)
-    lo, hi = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
-    return ((rows - lo) / (hi - lo)).reshape(b, c, h, w)
-
-
-class ChannelAutocontrast(nn.Module):
-    def forward(self, x):
-        return channel_autocontrast(x)
 
 
 def make_jitter_p_no_eps():
@@ -508,6 +427,8 @@ def make_jitter_p_no_eps():
     return SmallResNet(aug=ApplyWithProbability(ColorJitter(eps=0.0)))
 
 
-def make_channel_autocontrast():
+def make_learned_p():
     torch.manual_seed(0)
-    return SmallResNet(aug=ChannelAutocontrast())
+    return SmallResNet(aug=nn.Sequential(LearnedBrightness(),
+                                         ApplyWithProbability(LearnedSaturation()),
+                                         RandomAffine()))
