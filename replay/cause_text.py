@@ -29,8 +29,12 @@ MEANING = {
 }
 
 HINTS = {
+    # (an augmentation the loop runs on the batch, the Kornia tutorial's, is outside what is
+    # re-run: its op can be named only from inside the model's forward)
     "input": "the batch itself holds NaN/Inf: check the data pipeline for these samples "
-             "(bad files, division by zero in normalisation) or filter them before the model",
+             "(bad files, division by zero in normalisation, an augmentation the loop ran on "
+             "the batch: called in the model's forward, nanreplay re-runs it and names its op) "
+             "or filter them before the model",
     "weights": "the weights were already non-finite when the step began, and no recorded "
                "update wrote them: find what writes weights outside optimizer.step() "
                "(checkpoint loading, in-place edits) and resume from an earlier checkpoint",

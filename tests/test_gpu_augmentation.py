@@ -193,7 +193,7 @@ def test_the_kornia_pipeline_in_the_loop_is_input_and_in_forward_its_op(tmp_path
     assert (rep["reproduced"], rep["cause"], o["tensor"]) == (True, "input", "batch"), rep
     spoiled = o["samples"]
     assert spoiled == ev["samples"] and 0 < len(spoiled) < BS, rep
-    assert "data pipeline" in rep["hint"], rep["hint"]
+    assert "an augmentation the loop ran on the batch" in rep["hint"], rep["hint"]
     ev, rep = event(tmp_path / "model", "make_pipeline_no_eps", M.Images(32), workers=2)
     assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "aug.jitter")
     o = rep["origin"]
