@@ -432,3 +432,20 @@ def make_learned_p():
     return SmallResNet(aug=nn.Sequential(LearnedBrightness(),
                                          ApplyWithProbability(LearnedSaturation()),
                                          RandomAffine()))
+
+
+# a generator of the augmentation code's own, at module level (seeded once, as a reproducible
+# pipeline seeds its augmentations apart from the model's initialisation)
+AUG_GEN = torch.Generator().manual_seed(1234)
+
+
+class SeededJitter(ColorJitter):
+    def factor(self, x, spread, center=1.0):
+        u = torch.rand(x.shape[0], 1, 1, 1, generator=AUG_GEN, dtype=x.dtype)
+        return center + spread * (2 * u - 1)
+
+
+def make_seeded_jitter_no_eps():
+    torch.manual_seed(0)
+    AUG_GEN.manual_seed(1234)
+    return SmallResNet(aug=SeededJitter(eps=0.0))

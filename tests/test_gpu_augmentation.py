@@ -168,17 +168,36 @@ def test_an_augmentation_applied_to_the_drawn_samples_names_them_not_the_batch(t
     assert o["source"] == line_of("s = deltac / (max_rgb + eps)")
 
 
-def test_randaugment_s_ops_drawn_with_python_random_are_replayed(tmp_path):
-    # RandAugment draws its ops with random.choices: step 3 draws posterize then
-    # autocontrast, whose (x - lo) / (hi - lo) is 0/0 on the blank frame; the replay of that
-    # one step must draw the same ops
+def test_the_step_s_draws_are_replayed_from_python_s_random_and_the_code_s_generator(
+        tmp_path):
+    """RandAugment draws its ops with random.choices: step 3 draws posterize then
+    autocontrast, whose (x - lo) / (hi - lo) is 0/0 on the blank frame. A jitter drawing its
+    factors from a generator of the augmentation code's own, at module level (no module's
+    attribute): the replay drew from it as it stood, other factors, and named other frames
+    than those the step spoiled."""
     random.seed(0)
-    ev, rep = event(tmp_path, "make_randaugment", M.Images(64, blank=[26]), steps=6)
+    ev, rep = event(tmp_path / "randaugment", "make_randaugment", M.Images(64, blank=[26]),
+                    steps=6)
     assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", "aug")
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
         True, "invalid", "aug", "aten.div", [26 - 3 * BS]), rep
     assert o["source"] == line_of("return ((x - lo) / (hi - lo))")
+
+    spoiled = []  # the rows of the jittered batch holding NaN, as the loop saw them
+
+    def spy(model):
+        model.aug.register_forward_hook(lambda m, a, out: spoiled.append(
+            (~out.isfinite()).flatten(1).any(1).nonzero().flatten().tolist()))
+
+    blank = [9, 10, 11, 12, 13, 14, 17, 18, 19, 20, 21, 22]
+    ev, rep = event(tmp_path / "seeded", "make_seeded_jitter_no_eps", M.Images(64, blank=blank),
+                    steps=8, spy=spy)
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "forward", "aug")
+    assert 0 < len(spoiled[-1]) < 6, spoiled
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        True, "aug", "aten.div", spoiled[-1]), rep
 
 
 def test_the_kornia_pipeline_in_the_loop_is_input_and_in_forward_its_op(tmp_path):
