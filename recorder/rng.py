@@ -35,7 +35,8 @@ def module_generators(modules) -> list[tuple[str, torch.Generator]]:
         homes[type(m).__module__] = None
     for home in homes:
         py = sys.modules.get(home) if home != "torch" and not home.startswith("torch.") else None
-        for attr, v in list(vars(py).items()) if py is not None else ():
+        # (getattr: an entry of sys.modules that is no module, a lazy loader, has no __dict__)
+        for attr, v in list(getattr(py, "__dict__", {}).items()):
             if isinstance(v, torch.Generator) and id(v) not in found:
                 found[id(v)] = (f"{home}:{attr}", v)
     return list(found.values())
