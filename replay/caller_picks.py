@@ -16,35 +16,31 @@ from typing import Any
 import torch
 
 from .compat import TorchDispatchMode, tree_leaves
-from .dispatch import run_op
 from .reordered import Reordered
 
 
 class CallerPicks(TorchDispatchMode):
+    """Entered around the whole re-run, outermost (a mode entered or left inside the forward
+    would be undone by ``torch.inference_mode()``'s exit, which restores the dispatch keys it
+    found: a teacher run under it in the forward); it follows the rows while ``watching``."""
+
     def __init__(self, size: int):
         super().__init__()
         self.reordered = Reordered(size)
-        self.active = False
+        self.watching = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = run_op(func, args, kwargs)
-        self.reordered.track(func.overloadpacket.__name__, args,
-                             tree_leaves((args, kwargs)), out)
+        out = func(*args, **kwargs)  # (as no mode: what the op raises is the model's)
+        if self.watching:
+            self.reordered.track(func.overloadpacket.__name__, args,
+                                 tree_leaves((args, kwargs)), out)
         return out
 
-    def start(self) -> None:
-        if not self.active:
-            self.active = True
-            self.__enter__()
-
-    def stop(self) -> None:
-        if self.active:
-            self.active = False
-            self.__exit__(None, None, None)
-
     def hand_on(self, args: Any, to: Reordered) -> None:
-        """Gives ``to`` the samples in the rows of the call's input tensors ``args``."""
+        """Gives ``to`` the samples in the rows of the call's input tensors ``args``, and
+        stops watching."""
+        self.watching = False
         for t in tree_leaves(args):
             if isinstance(t, torch.Tensor) and (order := self.reordered.order(t)) is not None:
                 to.follow(t, order)

@@ -5,6 +5,7 @@ its source line and its cause.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -152,7 +153,6 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                     # (a loss inside the model, torchvision's model(images, targets))
                     finder.lineage = Lineage(finder.samples)
                     finder.lineage.seed_samples(args)
-                    picks.stop()
                     finder.__enter__()
                     picks.hand_on(args, finder.reordered)
                 state["count"] += 1
@@ -169,8 +169,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                 hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
 
         def watch(m, args):  # (from the root call's start to the call's)
-            if runner.micro_batch == mb and state["count"] <= call:
-                picks.start()
+            picks.watching = runner.micro_batch == mb and state["count"] <= call
 
         if target is not model:
             hs.append(model.register_forward_pre_hook(watch, prepend=True))
@@ -179,12 +178,12 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
         hs.append(target.register_forward_hook(post))
         return hs + _track_calls(finder, target, (module, call), runner, mb)
 
-    try:
-        runner.run(backward=False, instrument=False, hooks=hooks, forward_ctx=forward_ctx)
-    finally:
-        if state["active"]:
-            finder.__exit__(None, None, None)
-        picks.stop()
+    with picks if module else contextlib.nullcontext():  # (outermost: left last)
+        try:
+            runner.run(backward=False, instrument=False, hooks=hooks, forward_ctx=forward_ctx)
+        finally:
+            if state["active"]:
+                finder.__exit__(None, None, None)
     return finder
 
 
