@@ -21,12 +21,24 @@ GENERATOR = "generator/"
 
 def module_generators(modules) -> list[tuple[str, torch.Generator]]:
     """The ``torch.Generator`` attributes of ``(name, module)`` pairs, by ``module.attr`` (each
-    generator once: one shared by several modules is restored once)."""
+    generator once: one shared by several modules is restored once), then those of the Python
+    modules that define their classes, by ``pymodule:attr``: augmentation code seeded apart
+    from the model's initialisation (``AUG_GEN = torch.Generator().manual_seed(1234)`` beside
+    the transforms that draw from it) draws the step's parameters from no module's attribute,
+    and a replay drawing from that generator as the factory's import left it drew others."""
     found: dict[int, tuple[str, torch.Generator]] = {}
+    homes: dict[str, None] = {}
     for name, m in modules:
         for attr, v in vars(m).items():
             if isinstance(v, torch.Generator) and id(v) not in found:
                 found[id(v)] = (f"{name}.{attr}" if name else attr, v)
+        homes[type(m).__module__] = None
+    for home in homes:
+        py = sys.modules.get(home) if home != "torch" and not home.startswith("torch.") else None
+        # (getattr: an entry of sys.modules that is no module, a lazy loader, has no __dict__)
+        for attr, v in list(getattr(py, "__dict__", {}).items()):
+            if isinstance(v, torch.Generator) and id(v) not in found:
+                found[id(v)] = (f"{home}:{attr}", v)
     return list(found.values())
 
 

@@ -343,9 +343,21 @@ def _later_samples(found: BackwardOrigin, node, name: str, grad_inputs, grad_out
         # (a metric loss's mined pairs, (P,)): those of the gradient it sent into the model's
         # output
         return batch_rows_in(grad_outputs, where) if name != "<loss>" else []
+    if name_of_pick(node):  # (the backward of x[to_apply]: the picked rows put back)
+        return batch_rows(node, list(grad_inputs), where)
     # (per edge of a graph batch, a pair distance's): the graphs of the first per-node
     # gradient it reached (an atom's position's)
     return node_rows(node, list(grad_inputs), where) if where.segments is not None else []
+
+
+# nodes that put rows picked out of a value back where they came from (kornia's
+# out[to_apply] = transform(x[to_apply]), x[order], index_select, masked_select): an origin
+# inside the transform has the picked rows, no sample's; the batch's rows are put back here
+_PICKS = {"IndexBackward0", "IndexSelectBackward0", "MaskedSelectBackward0"}
+
+
+def name_of_pick(node) -> bool:
+    return node.name() in _PICKS
 
 
 @contextlib.contextmanager

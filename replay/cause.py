@@ -76,6 +76,8 @@ _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 # ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
 # situations whose advice holds for a rounding that crossed the edge too (else: "stable")
 _OWN_ADVICE = ("unit", "acosh", "atanh", "cholesky", "eigenvalues", "log_det", "singular")
+# situations whose advice an op on data (or weights) alone replaces (of_data, of_weights)
+_OF_RECORDS = ("pole", "log1p_pole", "domain", "power_domain", "divide")
 _EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp"}
 
 
@@ -183,10 +185,10 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         # a half type's underflow that float32 holds: float32 from where it is made fixes it
         half, held = torch.finfo(it).bits < 32, abs(w) >= torch.finfo(torch.float32).tiny
         wider = DO["wider_under"] + "; or " if half and held else ""
+        how = "" if lost_eps.rounded_guard(ev, i, w) else ": " + wider + DO["log_space"]
         return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "
                      f"{_type(it)}'s smallest normal number {_g(torch.finfo(it).tiny)}, and "
-                     f"was rounded to 0{BELOW_FLOAT32 if half and not held else ''}: "
-                     + wider + DO["log_space"])
+                     f"was rounded to 0{BELOW_FLOAT32 if half and not held else ''}" + how)
     if zero_from_exp:
         src = (f"{_POSITIVE_OPS} of a finite argument (or a sum or matrix product of such "
                "values: a softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with "
@@ -216,7 +218,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      f"{domains.g_apart(past[1], 0.0)} against {dt}'s {_g(past[0])}: the "
                      "margin shrank with the type's precision, so rounding put the input "
                      "there, which exact arithmetic does not: " + _advice(situation))
-    if (ev.of_data or ev.of_weights) and situation in ("pole", "log1p_pole", "domain", "divide"):
+    if (ev.of_data or ev.of_weights) and situation in _OF_RECORDS:
         situation = ("compared" if ev.compared else "of_data") if ev.of_data else "of_weights"
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
 

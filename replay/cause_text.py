@@ -29,8 +29,12 @@ MEANING = {
 }
 
 HINTS = {
+    # (an augmentation the loop runs on the batch, the Kornia tutorial's, is outside what is
+    # re-run: its op can be named only from inside the model's forward)
     "input": "the batch itself holds NaN/Inf: check the data pipeline for these samples "
-             "(bad files, division by zero in normalisation) or filter them before the model",
+             "(bad files, division by zero in normalisation, an augmentation the loop ran on "
+             "the batch: called in the model's forward, nanreplay re-runs it and names its op) "
+             "or filter them before the model",
     "weights": "the weights were already non-finite when the step began, and no recorded "
                "update wrote them: find what writes weights outside optimizer.step() "
                "(checkpoint loading, in-place edits) and resume from an earlier checkpoint",
@@ -223,6 +227,12 @@ DO = {
                   "code that builds the buffer, or add an eps",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
+    # (not domain's "x.clamp_min(eps) before log or sqrt": a power's base may be 0, and a
+    # negative one is often a normalised value the power was meant to see before)
+    "power_domain": "keep the base at or above 0 where it must be (x.clamp_min(0) ** p; a "
+                    "gamma or power-law curve of intensities belongs before a normalisation "
+                    "by mean and std makes them negative), or write a signed power as "
+                    "torch.sign(x) * x.abs() ** p",
     "running_var": "a variance is never negative, so the module's running_var buffer was "
                    "written so (a checkpoint converted with other statistics, an edit of the "
                    "state_dict): reload or fix it, or estimate it again "

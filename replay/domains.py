@@ -269,7 +269,7 @@ def _pow(op: str, ev: Evidence, zero: bool) -> tuple[str, str]:
         zero = zero and (p is None or p < 0)
     if zero:
         return f"{op} of 0 to a negative power (a pole)", "power_pole"
-    return f"{op} of {what} to a fractional power", "domain"
+    return f"{op} of {what} to a fractional power", "power_domain"
 
 
 # batch norm's aten ops: their running_var, the last floating input, is used when not training

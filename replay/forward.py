@@ -5,11 +5,13 @@ its source line and its cause.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
 from typing import Any
 
+from .caller_picks import CallerPicks
 from .cause import classify
 from .errors import StopRun
 from .findings import finish, origin_fields
@@ -139,6 +141,8 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
     inside ``forward_ctx()``, when given)."""
     finder = OpFinder(samples=samples(runner.step, mb), mask_buffers=mask_buffers(runner.model))
     state = {"count": 0, "active": False}
+    # (rows the caller's code picked out of the batch: out[p] = transform(x[p]))
+    picks = CallerPicks(finder.samples.size if finder.samples and finder.samples.size else 0)
 
     def hooks(model):
         hs = []
@@ -155,6 +159,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                     finder.lineage = Lineage(finder.samples)
                     finder.lineage.seed_samples(args)
                     finder.__enter__()
+                    picks.hand_on(args, finder.reordered)
                 state["count"] += 1
 
         def post(m, args, out):
@@ -167,16 +172,23 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
             if name in runner.allowed:
                 hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
                 hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
+
+        def watch(m, args):  # (from the root call's start to the call's)
+            picks.watching = runner.micro_batch == mb and state["count"] <= call
+
+        if target is not model:
+            hs.append(model.register_forward_pre_hook(watch, prepend=True))
         # (first of its pre-hooks: those are part of the call, and may make its weights)
         hs.append(target.register_forward_pre_hook(outside_transforms(pre), prepend=True))
         hs.append(target.register_forward_hook(outside_transforms(post)))
         return hs + _track_calls(finder, target, (module, call), runner, mb)
 
-    try:
-        runner.run(backward=False, instrument=False, hooks=hooks, forward_ctx=forward_ctx)
-    finally:
-        if state["active"]:
-            finder.__exit__(None, None, None)
+    with picks if module else contextlib.nullcontext():  # (outermost: left last)
+        try:
+            runner.run(backward=False, instrument=False, hooks=hooks, forward_ctx=forward_ctx)
+        finally:
+            if state["active"]:
+                finder.__exit__(None, None, None)
     return finder
 
 

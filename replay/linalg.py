@@ -31,6 +31,7 @@ from .dispatch import Float64, float_leaves, run_op
 from .errors import StopRun
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
+from .learned import Learned
 from .load import Step
 from .recorded import batch_size
 from .rerun import Runner
@@ -53,6 +54,7 @@ class Failed:
     within: tuple[str, int, int] | None  # (module, call, micro-batch) running it
     error: str = ""
     raised: bool = True  # (the float64 run's: the op failed there too)
+    learned: bool = True  # the model's parameters or buffers went into the matrix
 
 
 @dataclass
@@ -98,6 +100,8 @@ class _Failing(TorchDispatchMode):
         self.seen: dict[str, int] = {}
         self.last: tuple[str, int, list, list] | None = None  # the last op with an info
         self.failed: Failed | None = None
+        # (only the first run's: its matrix is judged, the float64 run's only measured)
+        self.learned = Learned(calls.runner.model) if target is None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,11 +122,14 @@ class _Failing(TorchDispatchMode):
                     and any(args[0] is t for t in self.last[3]) else (name, k, ins, [])
                 op, occ, mats, _ = last
                 self.failed = Failed(op, occ, mats[0].detach().clone() if mats else None,
-                                     user_source(), self.calls.running(), str(e).split("\n")[0])
+                                     user_source(), self.calls.running(), str(e).split("\n")[0],
+                                     learned=not mats or mats[0] in self.learned)
             elif self.failed is not None and self.target is not None:
                 self.failed.raised = True
                 raise StopRun from e
             raise
+        if self.learned is not None:
+            self.learned.track((args, kwargs), out)
         if self.target is not None and self.failed is not None and name != _CHECK \
                 and not hit:
             raise StopRun  # (the op and its check ran: what comes later is not needed)
@@ -179,7 +186,8 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
         return finish(report, origin, None, reproduced=True, hint=(
             f"aten.{failed.op} failed on a finite matrix; {why}, so whether it is singular in "
             "exact arithmetic is not known: " + _REMEDY["invalid"]))
-    cause, hint = judge(failed.op, failed.matrix, exact)
+    of_data = not failed.learned and 0 < len(origin["samples"]) < (batch_size(step, mb) or 0)
+    cause, hint = judge(failed.op, failed.matrix, exact, of_data)
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 
@@ -196,9 +204,10 @@ def failed_rows(failed: Failed, n: int | None) -> list[int]:
     return info.nonzero().flatten().tolist()
 
 
-def judge(op: str, m32: torch.Tensor, exact: Failed) -> tuple[str, str]:
+def judge(op: str, m32: torch.Tensor, exact: Failed, of_data: bool = False) -> tuple[str, str]:
     """``invalid`` or ``precision`` for a finite matrix ``m32`` that made ``op`` fail, from
-    the float64 re-run's matrix ``exact``."""
+    the float64 re-run's matrix ``exact``; ``of_data``: the batch alone made the matrices,
+    of which only some samples' failed (see :mod:`replay.learned`)."""
     a = exact.matrix.detach().to(torch.float64)
     n = a.shape[-1]
     spd = op in _SPD
@@ -209,8 +218,9 @@ def judge(op: str, m32: torch.Tensor, exact: Failed) -> tuple[str, str]:
     said = f"smallest {what} {lo:.3g}, largest {hi:.3g}"
     if exact.raised or lo <= tol:
         kind = "not positive-definite" if spd else "singular"
+        remedy = "of_data" if of_data else "invalid" if spd else "singular"
         return "invalid", (f"aten.{op}: the matrix is {kind} in exact arithmetic too (float64 "
-                           f"re-run: {said}); " + _REMEDY["invalid" if spd else "singular"])
+                           f"re-run: {said}); " + _REMEDY[remedy])
     return "precision", (f"aten.{op}: the matrix is {'positive-definite' if spd else 'invertible'}"
                          f" in float64 ({said}, condition {hi / lo:.3g}) but not as "
                          f"{str(m32.dtype).removeprefix('torch.')} rounded it; "
@@ -225,6 +235,12 @@ _REMEDY = {
     "singular": "its rows are linearly dependent (a zero or duplicated row, fewer samples than "
                 "features): use torch.linalg.lstsq or pinv, or add a ridge to the diagonal "
                 "(A + eps * I)",
+    # (replay.learned: no parameter or buffer went into the matrix, some samples' failed)
+    "of_data": "it was computed from the batch's data alone (nothing the model learns), so "
+               "the records of the samples named are degenerate (a box of zero width or "
+               "height, repeated or collinear points, a constant feature): drop or repair "
+               "them where the data is made (the dataset, its transforms, the collate_fn); "
+               "lstsq, pinv or a ridge would only hide them",
     "precision": "add jitter to the diagonal scaled to the matrix (A + 1e-6 * "
                  "A.diagonal().mean() * I), or use torch.linalg.cholesky_ex and retry with more "
                  "jitter where info > 0, or decompose in float64",

@@ -103,6 +103,16 @@ def context(ev) -> str:
     return ""
 
 
+def rounded_guard(ev, i: int, w: float) -> bool:
+    """Input ``i`` of the op, a 0 that is ``w`` in float64, is ``x + eps`` whose eps its type
+    rounded to 0, and ``w`` is mostly that eps (``x`` is 0 or below it: a black pixel's
+    ``max + 1e-8``): :func:`context`'s advice (an eps the type keeps) is the fix, not a
+    wider type or a log-space rewrite of a value that underflowed (a mean square of 1.75e-8,
+    whose eps of 1e-12 adds nothing, needs those)."""
+    eps = ev.lost_eps[i] if i < len(ev.lost_eps) else None
+    return eps is not None and abs(w) <= 2 * eps and bool(context(ev))
+
+
 def said(eps: float, dt: torch.dtype) -> str:
     """The hint's addition for an ``eps`` that ``dt`` rounded to 0."""
     name = str(dt).removeprefix("torch.")

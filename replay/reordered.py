@@ -120,6 +120,10 @@ class Reordered:
             hit = self._masks[id(m)] = (weakref.ref(m), m.detach().nonzero()[:, 0].cpu())
         return hit[1]
 
+    def follow(self, t: torch.Tensor, order: torch.Tensor) -> None:
+        """``t``'s rows hold the samples ``order`` (found by another watch: the caller's)."""
+        self._put(t, order)
+
     def _rowed(self, t: Any) -> bool:
         # (a nested tensor has no sizes to read: never reordered here)
         return isinstance(t, torch.Tensor) and not t.is_nested and t.dim() > 0 \
