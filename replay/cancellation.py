@@ -37,8 +37,9 @@ class Cancellation:
               leaves: list) -> None:
         """After an op with finite inputs ran: keep its terms' size when it cancelled below 0."""
         if len(outs) != 1 or not outs[0].is_floating_point() or outs[0].is_complex() \
-                or not ins or name not in _SUMS | {"mul", "div"}:
-            return
+                or not ins or name not in _SUMS | {"mul", "div"} \
+                or any(t.is_nested or t.layout != torch.strided for t in (*ins, outs[0])):
+            return  # (nested and sparse tensors: the fast path of nn.TransformerEncoder)
         out = outs[0].detach()
         with torch.no_grad():
             terms = self._sum_terms(ins, leaves) if name in _SUMS else \
