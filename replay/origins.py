@@ -135,7 +135,10 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     # no op made the value from finite inputs: the loss folded in an infinity that the model
     # output was allowed to hold (a -inf mask under allow_inf); name the reduction that did
     held = non_finite_loss_state(step.loss_fn)
-    hit = finder.blamed() or finder.first_reduced or (finder.first_held if held else None)
+    # (a buffer the loss holds non-finite: the op that first took it, weights alone (EWC's
+    # Fisher times p) or with the model output (Deep SVDD's ``z - c`` of a NaN centre))
+    hit = finder.blamed() or finder.first_reduced or \
+        ((finder.first_held or finder.first_met) if held else None)
     if hit is None and (term := report_term_arg(report, step, mb)) is not None:
         return term  # (a penalty the loop made of the weights, given to the loss: passed on)
     if hit is finder.first_nan and hit and not finder.first and not finder.intentional:
@@ -160,9 +163,10 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         cause = Cause("weights", f"{hit.op} took {held}, as the step began: a value made "
                       "before the step (class weights 1/count with a class absent from the "
                       "counts: 1/0; an EWC Fisher normalised by its max, 0 for a parameter "
-                      "the task never used: 0/0), not by the loss; make it finite where it "
-                      "is made (count.clamp_min(1), a smoothing constant, f / f.max() only "
-                      "where f.max() > 0)")
+                      "the task never used: 0/0; a centre averaged over an empty loader: "
+                      "0/0), not by the loss; make it finite where it is made "
+                      "(count.clamp_min(1), a smoothing constant, f / f.max() only where "
+                      "f.max() > 0, a check that the loader yielded samples)")
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(cause.hint, cause.name, hit),

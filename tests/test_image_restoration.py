@@ -1,0 +1,263 @@
+"""Image restoration and anomaly detection trained as those repos write it
+(``image_restoration_models.py``): NAFNet (zero-initialised residual scales: the identity at
+initialisation) with BasicSR's Charbonnier and PSNR losses and pytorch-msssim's SSIM, an
+EDSR-like SR net with ``PixelShuffle``, Deep SVDD with its centre ``c``, Patch SVDD over
+``unfold``ed patches, FCDD's hypersphere classifier; paired patches through a DataLoader,
+AdamW with a cosine schedule, an EMA of the weights, bfloat16 autocast. With a planted bug the
+recorder fires at the planted step and ``nanreplay --json`` names the op, samples, cause and
+fix; healthy runs on black and flat patches are not stopped."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from pathlib import Path
+
+import image_restoration_models as M
+import pytest
+import torch
+import torch.nn.functional as F
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # where image_restoration_models.py, the factories' module, lives
+
+
+def _line_of(text: str, within=M) -> str:
+    """``image_restoration_models.py:N`` of the line holding ``text`` (in ``within``'s code)."""
+    lines, first = inspect.getsourcelines(within)
+    [n] = [i for i, line in enumerate(lines, max(first, 1)) if text in line]
+    return f"image_restoration_models.py:{n}"
+
+
+def _train_pairs(out_dir, model, crit, lq, gt, factory, *, clip=None):
+    """BasicSR's loop over a paired patch dataset (dict batches of two), AdamW with a cosine
+    schedule, until the recorder raises; returns its error."""
+    loader = torch.utils.data.DataLoader(M.PatchPairs(lq, gt), batch_size=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=factory) as rec:
+            for data in loader:
+                opt.zero_grad()
+                rec.loss_fn(model(data["lq"]), data["gt"]).backward()
+                opt.step()
+                sched.step()
+    return info.value
+
+
+def _blind_denoising(clean_at: int):
+    """Blind denoising pairs whose patch ``clean_at`` drew noise level 0 (DnCNN-B's range
+    starts at 0): its noisy patch is its clean one."""
+    sigmas = [15, 25, 30, 10, 20, 5, 40, 35]
+    sigmas[clean_at] = 0
+    noisy, clean = M.noisy_pairs(8, sigmas=sigmas)
+    assert torch.equal(noisy[clean_at], clean[clean_at])
+    return noisy, clean
+
+
+def test_charbonnier_with_eps_0_says_the_eps_is_0_at_the_sqrt_backward(out_dir):
+    """BasicSR's ``CharbonnierLoss`` with ``eps: 0`` in the option file, on NAFNet, whose
+    zero-initialised ending conv makes it return its input exactly at step 0: a patch that
+    drew noise level 0 is reproduced exactly, ``sqrt(d ** 2 + 0)`` is at 0 and its backward
+    is inf * 0. The hint said to "add an eps" to a user whose loss adds one; it says that
+    eps is exactly 0 now."""
+    noisy, clean = _blind_denoising(clean_at=1)
+    crit = M.CharbonnierLoss(eps=0.0)
+    err = _train_pairs(out_dir, M.make_nafnet(), crit, noisy, clean,
+                       "image_restoration_models:make_nafnet")
+    assert (err.event["step"], err.event["phase"]) == (0, "backward"), err.event
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "SqrtBackward0", [1], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("torch.sqrt((pred - target) ** 2", M.CharbonnierLoss)
+    assert "the eps added to that input is exactly 0" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)], \
+        rep["what_if"]
+
+
+def test_psnr_loss_with_eps_0_on_an_exact_reproduction_says_the_eps_is_0(out_dir):
+    """NAFNet's ``PSNRLoss`` ported as ``log(mse + eps)`` with ``eps = 0``: the patch the
+    identity-initialised net reproduces exactly has ``mse = 0`` and ``log(0) = -inf``, in the
+    loss's forward. The report names the log, the patch, and that the eps is 0."""
+    noisy, clean = _blind_denoising(clean_at=1)
+    err = _train_pairs(out_dir, M.make_nafnet(), M.PSNRLoss(eps=0.0), noisy, clean,
+                       "image_restoration_models:make_nafnet")
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (0, "loss", "<loss>")
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("aten.log", "-inf", [1], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("torch.log(mse + self.eps)", M.PSNRLoss), o["source"]
+    assert "log of 0" in rep["hint"] and "exactly 0" in rep["hint"], rep["hint"]
+
+
+def test_ssim_with_c1_c2_0_on_a_black_region_names_the_0_by_0_and_the_zero_constant(out_dir):
+    """Deblurring with an SSIM loss whose ``K1, K2`` were set to 0: a patch with a black
+    region (a night sky) stays black when blurred, the identity-initialised NAFNet returns it,
+    and on windows flat in both images ``(2 sigma12 + C2) / (sigma1 + sigma2 + C2)`` is 0/0.
+    The report names the division, the patch, and that the added constant is 0."""
+    gt = M.clean_patches(8, 16)
+    gt[1, :, :8] = 0.0
+    blur = torch.ones(3, 1, 3, 3) / 9
+    lq = F.conv2d(F.pad(gt, (1, 1, 1, 1), mode="replicate"), blur, groups=3)
+    err = _train_pairs(out_dir, M.make_nafnet(), M.SSIMLoss(k=(0.0, 0.0)), lq, gt,
+                       "image_restoration_models:make_nafnet")
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (0, "loss", "<loss>")
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("aten.div", "nan", [1], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("cs_map = (2 * sigma12 + c2)", M.ssim), o["source"]
+    assert "0 by 0" in rep["hint"] and "exactly 0" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)], \
+        rep["what_if"]
+
+
+def test_deep_svdd_s_nan_centre_from_an_empty_loader_is_named_as_the_loss_s_buffer(out_dir):
+    """deep-SVDD-pytorch's ``init_center_c`` over a loader that yielded nothing (the normal
+    class filtered out by a label of the wrong type): ``c /= n_samples`` is 0/0, every entry
+    of the centre NaN, and the first loss NaN. The report had no op, no line, and told the
+    user to check the loss inputs (targets, log of zero probabilities); it names the ``z - c``
+    that took the loss's NaN buffer ``c`` now, made before the step."""
+    x = M.digits(8)
+    model = M.make_lenet()
+    c = M.init_center_c(model, [])
+    assert bool(c.isnan().all())
+    crit = M.DeepSVDDLoss(c)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, weight_decay=1e-6)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="image_restoration_models:make_lenet") as rec:
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                rec.loss_fn(model(x[i:i + 2])).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("aten.sub", "nan", [0, 1], "weights"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("torch.sum((z - self.c) ** 2", M.DeepSVDDLoss), o["source"]
+    assert "the loss's 'c' holding nan" in rep["hint"], rep["hint"]
+    assert "empty loader" in rep["hint"] and "check the loss inputs" not in rep["hint"]
+
+
+def test_patch_svdd_s_flat_patch_is_named_by_its_image_not_its_patch_row(out_dir):
+    """Patch SVDD standardises each ``unfold``ed patch without an eps: a blank corner of one
+    image is a flat patch, 0/0 in ``norm``, whose input rows are the ``B x patches`` crops.
+    The report names the image (row 1 of the batch at step 2), not the crop's row."""
+    x = M.digits(8)
+    x[5, :, 8:, 8:] = 0.0
+    model = M.make_patch_svdd()
+    with torch.no_grad():
+        c = model(x[:4]).mean((0, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, weight_decay=1e-6)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.DeepSVDDLoss(c), out_dir=out_dir,
+                            factory="image_restoration_models:make_patch_svdd") as rec:
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                rec.loss_fn(model(x[i:i + 2])).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "forward", "norm"), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("aten.div", "nan", [1], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("return (p - mean) / std", M.PatchStandardize)
+    assert "0 by 0" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)]
+
+
+@pytest.mark.parametrize("scale, cause", [(0.0, "invalid"), (1e-5, "precision")])
+def test_fcdd_s_hsc_without_its_eps_names_the_log_and_the_mask_s_0(out_dir, scale, cause):
+    """FCDD's hypersphere classifier without its ``1e-31``: a normal image (label 0) at the
+    centre, a blank one (bias-free net: ``A = 0``) or a faint one (``A ~ 1e-6``, whose
+    pseudo-Huber score ``sqrt(A^2 + 1) - 1`` rounds to 0), makes ``-log(1 - exp(-0))``
+    infinite, and the label's 0 times it NaN. The report names the log on that image:
+    0 in exact arithmetic too (invalid) or only after rounding (precision)."""
+    x = M.digits(8)
+    x[4] = scale * x[4]
+    labels = torch.tensor([0, 0, 0, 1, 0, 0, 1, 0])
+    model = M.make_fcdd()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.HSCLoss(eps=0.0), out_dir=out_dir,
+                            factory="image_restoration_models:make_fcdd") as rec:
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                rec.loss_fn(model(x[i:i + 2]), labels[i:i + 2]).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("aten.log", "-inf", [0], cause), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("anomalous = -torch.log(1 - torch.exp(-score)", M.HSCLoss)
+    words = "mask's 0" if cause == "invalid" else "expm1"
+    assert words in rep["hint"], rep["hint"]
+
+
+def test_healthy_restoration_and_svdd_runs_on_black_patches_are_not_stopped(out_dir):
+    """The same models with their eps's kept: NAFNet on blurred patches with black regions
+    (Charbonnier + SSIM, bfloat16 autocast, gradient clipping, an EMA of the weights made
+    and evaluated inside the recording), and Deep SVDD's soft-boundary objective with its
+    radius updated from the distances' quantile, over a blank image. No event, every step
+    closed."""
+    gt = M.clean_patches(8, 16)
+    gt[1, :, :8] = 0.0
+    gt[4] = 0.0
+    lq = F.avg_pool2d(F.pad(gt, (1, 1, 1, 1), mode="replicate"), 3, 1)
+    model = M.make_nafnet()
+    pix, ssim = M.CharbonnierLoss(), M.SSIMLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(M.PatchPairs(lq, gt), batch_size=2)
+    with FlightRecorder(model, opt, out_dir=out_dir,
+                        factory="image_restoration_models:make_nafnet") as rec:
+        ema = copy.deepcopy(model).requires_grad_(False)
+        for _ in range(2):
+            for data in loader:
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(data["lq"])
+                loss = pix(out.float(), data["gt"]) + ssim(out.float(), data["gt"])
+                rec.record_loss(loss)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                opt.step()
+                with torch.no_grad():
+                    for e, p in zip(ema.parameters(), model.parameters()):
+                        e.mul_(0.999).add_(p, alpha=0.001)
+                    assert torch.isfinite(ema(gt[4:5])).all()
+    assert rec.event is None and rec.step == 8, rec.event
+
+    x = M.digits(8)
+    x[3] = 0.0
+    net = M.make_lenet()
+    crit = M.DeepSVDDLoss(M.init_center_c(net, [x[:4], x[4:]]), nu=0.1,
+                          objective="soft-boundary")
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    with FlightRecorder(net, opt, loss_fn=crit, out_dir=out_dir,
+                        factory="image_restoration_models:make_lenet") as rec:
+        for epoch in range(3):
+            for i in range(0, 8, 4):
+                opt.zero_grad()
+                z = net(x[i:i + 4])
+                rec.loss_fn(z).backward()
+                opt.step()
+                if epoch >= 1:  # (after the warm-up epochs)
+                    dist = torch.sum((z.detach() - crit.c) ** 2, dim=1)
+                    crit.R.fill_(torch.quantile(dist.sqrt(), 1 - crit.nu))
+    assert rec.event is None and rec.step == 6 and float(crit.R) > 0, rec.event
