@@ -122,12 +122,13 @@ def zero(ev) -> bool:
 
 
 def _first(ev) -> tuple[float, torch.dtype] | None:
-    """The lost eps of the op's first input it took at 0, and that input's type."""
-    for i, eps in enumerate(ev.lost_eps):
-        if eps is None or not ev.elementwise[i] or not bool((ev.inputs[i] == 0).any()):
-            continue
-        return eps, ev.input_dtypes[i]
-    return None
+    """The lost eps of the op's first input it took at 0, and that input's type; an eps
+    exactly 0 only when no input's was lost to rounding, and the last such input's (a
+    quotient's divisor: ``(2 * inter + smooth) / (card + smooth + 1e-8)`` with smooth 0 in
+    float16 lost the 1e-8)."""
+    hits = [(eps, ev.input_dtypes[i]) for i, eps in enumerate(ev.lost_eps)
+            if eps is not None and ev.elementwise[i] and bool((ev.inputs[i] == 0).any())]
+    return next((h for h in hits if h[0] != 0), hits[-1] if hits else None)
 
 
 def said(eps: float, dt: torch.dtype) -> str:
