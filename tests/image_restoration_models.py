@@ -168,6 +168,47 @@ def ssim(x, y, data_range: float = 1.0, win_size: int = 5, sigma: float = 1.5,
     return ssim_map.flatten(1).mean(-1)
 
 
+def _ssim_cs(x, y, win, c1: float, c2: float):
+    """pytorch-msssim's ``_ssim``: the per-channel SSIM and contrast-structure means."""
+    mu1, mu2 = _gaussian_filter(x, win), _gaussian_filter(y, win)
+    mu1_sq, mu2_sq, mu1_mu2 = mu1.pow(2), mu2.pow(2), mu1 * mu2
+    sigma1_sq = _gaussian_filter(x * x, win) - mu1_sq
+    sigma2_sq = _gaussian_filter(y * y, win) - mu2_sq
+    sigma12 = _gaussian_filter(x * y, win) - mu1_mu2
+    cs_map = (2 * sigma12 + c2) / (sigma1_sq + sigma2_sq + c2)
+    ssim_map = ((2 * mu1_mu2 + c1) / (mu1_sq + mu2_sq + c1)) * cs_map
+    return ssim_map.flatten(2).mean(-1), cs_map.flatten(2).mean(-1)
+
+
+def ms_ssim(x, y, data_range: float = 1.0, weights=(0.0448, 0.2856, 0.3001), win_size: int = 5,
+            k=(0.01, 0.03)):
+    """pytorch-msssim's ``ms_ssim`` before 0.2.1's ``relu``: the contrast-structure terms of
+    the finer scales and the coarsest SSIM, per channel, raised to the scales' weights."""
+    win = _fspecial_gauss_1d(win_size, 1.5).to(x)
+    c1, c2 = (k[0] * data_range) ** 2, (k[1] * data_range) ** 2
+    w = torch.tensor(weights, dtype=x.dtype, device=x.device)
+    mcs = []
+    for i in range(len(weights)):
+        ssim_per_channel, cs = _ssim_cs(x, y, win, c1, c2)
+        if i < len(weights) - 1:
+            mcs.append(cs)
+            x, y = F.avg_pool2d(x, 2), F.avg_pool2d(y, 2)
+    vals = torch.stack(mcs + [ssim_per_channel], dim=0)  # (levels, B, C)
+    return torch.prod(vals ** w.view(-1, 1, 1), dim=0).mean(1)
+
+
+class MSSSIMLoss(nn.Module):
+    """``1 - MS-SSIM`` plus ``alpha`` L1 (Zhao et al.'s mix), ``data_range`` as given."""
+
+    def __init__(self, alpha: float = 0.16, data_range: float = 1.0):
+        super().__init__()
+        self.alpha, self.data_range = alpha, data_range
+
+    def forward(self, pred, target):
+        s = ms_ssim(pred, target, data_range=self.data_range)
+        return (1 - s).mean() + self.alpha * F.l1_loss(pred, target)
+
+
 class SSIMLoss(nn.Module):
     """``1 - SSIM`` plus ``alpha`` L1 (the mix of Zhao et al., "Loss Functions for Image
     Restoration"); ``k`` are SSIM's ``(K1, K2)``."""

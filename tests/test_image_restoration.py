@@ -9,7 +9,6 @@ fix; healthy runs on black and flat patches are not stopped."""
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 from pathlib import Path
@@ -122,6 +121,42 @@ def test_ssim_with_c1_c2_0_on_a_black_region_names_the_0_by_0_and_the_zero_const
         rep["what_if"]
 
 
+def test_ms_ssim_under_bfloat16_autocast_on_a_flat_patch_is_precision_not_invalid(out_dir):
+    """pytorch-msssim's ``ms_ssim`` (before its ``relu``) inside the loop's bfloat16 autocast:
+    the Gaussian-filter convs run in bfloat16, and on a flat grey wall the variances
+    ``E[x^2] - mu^2`` cancel to rounding noise, so a contrast-structure term comes out
+    negative; raised to its scale's fractional weight it is NaN. The report names the power
+    on that patch (its column of the stacked ``(levels, B, C)`` terms), as precision, not
+    invalid math, and points at the bfloat16 convs before it."""
+    torch.manual_seed(0)
+    gt = M.clean_patches(8, 32)
+    gt[3] = 0.43
+    lq = gt + 0.002 * torch.randn(gt.shape)
+    model = M.make_nafnet()
+    loader = torch.utils.data.DataLoader(M.PatchPairs(lq, gt), batch_size=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.MSSSIMLoss(), out_dir=out_dir,
+                            factory="image_restoration_models:make_nafnet") as rec:
+            for data in loader:
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = rec.loss_fn(model(data["lq"]), data["gt"])
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (1, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("aten.pow", "nan", [1], "precision"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("torch.prod(vals ** w", M.ms_ssim), o["source"]
+    assert "negative number to a fractional power" in rep["hint"], rep["hint"]
+    assert "bfloat16 autocast" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == \
+        [("drop=1", True), ("dtype=float32", True)], rep["what_if"]
+
+
 def test_deep_svdd_s_nan_centre_from_an_empty_loader_is_named_as_the_loss_s_buffer(out_dir):
     """deep-SVDD-pytorch's ``init_center_c`` over a loader that yielded nothing (the normal
     class filtered out by a label of the wrong type): ``c /= n_samples`` is 0/0, every entry
@@ -226,7 +261,8 @@ def test_healthy_restoration_and_svdd_runs_on_black_patches_are_not_stopped(out_
     loader = torch.utils.data.DataLoader(M.PatchPairs(lq, gt), batch_size=2)
     with FlightRecorder(model, opt, out_dir=out_dir,
                         factory="image_restoration_models:make_nafnet") as rec:
-        ema = copy.deepcopy(model).requires_grad_(False)
+        ema = torch.optim.swa_utils.AveragedModel(  # (a deep copy of the recorded model)
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.999))
         for _ in range(2):
             for data in loader:
                 opt.zero_grad()
@@ -237,9 +273,8 @@ def test_healthy_restoration_and_svdd_runs_on_black_patches_are_not_stopped(out_
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
                 opt.step()
+                ema.update_parameters(model)
                 with torch.no_grad():
-                    for e, p in zip(ema.parameters(), model.parameters()):
-                        e.mul_(0.999).add_(p, alpha=0.001)
                     assert torch.isfinite(ema(gt[4:5])).all()
     assert rec.event is None and rec.step == 8, rec.event
 
