@@ -59,9 +59,10 @@ _ADDS = {"add", "add_"}
 
 
 def _zero(eps: Any, out: Any) -> bool:
-    """``eps`` is a number exactly 0 added to the floating ``out``."""
+    """``eps`` is a float exactly 0 added to the floating ``out`` (an int 0 is rather the start
+    of Python's ``sum()`` or of a loop's total than an eps)."""
     return isinstance(out, torch.Tensor) and out.is_floating_point() \
-        and not isinstance(eps, bool) and isinstance(eps, (int, float)) and eps == 0
+        and isinstance(eps, float) and eps == 0
 
 
 def _lost(eps: Any, out: Any) -> bool:
@@ -87,8 +88,8 @@ class GuardNodes(TorchFunctionMode):
         name = getattr(func, "__name__", "").strip("_").removeprefix("r").removeprefix("i")
         if name.rstrip("_") in _GUARDS and len(args) >= 1:
             eps = args[1] if len(args) > 1 else kwargs.get("min", kwargs.get("other"))
-            if (_lost(eps, out) or name in _ADDS and _zero(eps, out)) \
-                    and out.grad_fn is not None:
+            zero = name in _ADDS and _zero(eps, out) and "radd" not in getattr(func, "__name__", "")
+            if (_lost(eps, out) or zero) and out.grad_fn is not None:
                 self.nodes.append((out.grad_fn, float(eps)))
         return out
 
