@@ -378,6 +378,26 @@ class HSCLoss(nn.Module):
         return ((1 - labels) * score + labels * anomalous).mean()
 
 
+class FCDDHSCLoss(nn.Module):
+    """FCDD's own ``hsc`` loss (``fcdd/models/bases.py``): the pseudo-Huber map averaged per
+    image, then the normal images' scores and the anomalies' ``-log(1 - exp(-score) + eps)``
+    written back by boolean index into the per-image loss; ``eps`` is FCDD's ``1e-31``."""
+
+    def __init__(self, eps: float = 1e-31):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, a, labels):
+        loss = (a ** 2 + 1).sqrt() - 1
+        loss = loss.reshape(len(loss), -1).mean(-1)
+        norm = loss[labels == 0]
+        anom = -(((1 - (-loss[labels == 1]).exp()) + self.eps).log())
+        loss = loss.clone()
+        loss[labels == 0] = norm
+        loss[labels == 1] = anom
+        return loss.mean()
+
+
 # ---------------------------------------------------------------------------------------------
 # data
 

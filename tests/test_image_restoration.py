@@ -245,6 +245,58 @@ def test_fcdd_s_hsc_without_its_eps_names_the_log_and_the_mask_s_0(out_dir, scal
     assert words in rep["hint"], rep["hint"]
 
 
+def test_fcdd_s_own_indexed_hsc_with_eps_0_names_the_blank_anomaly_by_its_batch_row(out_dir):
+    """FCDD's own ``hsc`` loss writes the anomalies' ``-log(1 - exp(-score) + eps)`` back by
+    boolean index. With ``eps = 0`` a blank outlier-exposure image (the bias-free net's
+    ``A = 0``, score 0) makes ``log(0)``, computed on the anomalies' rows alone: the report
+    names that image by its row of the batch (1), not its row among the anomalies (0), and
+    says the eps is 0."""
+    x = M.digits(8)
+    labels = torch.tensor([0, 0, 0, 1, 0, 0, 0, 1])
+    x[7] = 0.0
+    model = M.make_fcdd()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.FCDDHSCLoss(eps=0.0), out_dir=out_dir,
+                            factory="image_restoration_models:make_fcdd") as rec:
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                rec.loss_fn(model(x[i:i + 2]), labels[i:i + 2]).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("aten.log", "-inf", [1], "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("anom = -(((1 - (-loss[labels == 1]).exp())", M.FCDDHSCLoss)
+    assert "exactly 0" in rep["hint"], rep["hint"]
+    assert [(t["try"], t["finite"]) for t in rep["what_if"]] == [("drop=1", True)]
+
+
+def test_grad_scaler_s_skipped_steps_under_float16_autocast_are_not_events(out_dir):
+    """NAFNet under float16 autocast with a GradScaler started far too high (2^40): every
+    scaled backward overflows and the scaler skips the update and halves its scale. Those
+    are the scaler's business, not events: the run goes on."""
+    gt = M.clean_patches(8, 16)
+    lq = gt + 0.1 * torch.randn(gt.shape, generator=torch.Generator().manual_seed(3))
+    model = M.make_nafnet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    crit = M.CharbonnierLoss(eps=1e-6)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler,
+                        factory="image_restoration_models:make_nafnet") as rec:
+        for i in [0, 2, 4, 6, 0, 2]:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = rec.loss_fn(model(lq[i:i + 2]), gt[i:i + 2])
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert rec.event is None and rec.step == 6, rec.event
+    assert scaler.get_scale() < 2.0 ** 40  # (the scaler did skip)
+
+
 def test_healthy_restoration_and_svdd_runs_on_black_patches_are_not_stopped(out_dir):
     """The same models with their eps's kept: NAFNet on blurred patches with black regions
     (Charbonnier + SSIM, bfloat16 autocast, gradient clipping, an EMA of the weights made
