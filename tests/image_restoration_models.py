@@ -326,6 +326,24 @@ def make_patch_svdd() -> nn.Module:
     return PatchSVDD()
 
 
+class SVDDNet(nn.Module):
+    """A Deep SVDD port that keeps the centre in the network (a buffer ``c``, set by the loop
+    from an initial pass) and returns each sample's squared distance to it."""
+
+    def __init__(self, rep_dim: int = 8):
+        super().__init__()
+        self.encoder = LeNetEncoder(rep_dim)
+        self.register_buffer("c", torch.zeros(rep_dim))
+
+    def forward(self, x):
+        return torch.sum((self.encoder(x) - self.c) ** 2, dim=1)
+
+
+def make_svdd_net() -> nn.Module:
+    torch.manual_seed(0)
+    return SVDDNet()
+
+
 def init_center_c(net: nn.Module, batches, eps: float = 0.1) -> torch.Tensor:
     """deep-SVDD-pytorch's ``init_center_c``: the mean of the initial outputs, its entries too
     close to 0 pushed to ``+-eps`` (a unit at exactly 0 maps trivially to it)."""

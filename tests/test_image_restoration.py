@@ -187,6 +187,38 @@ def test_deep_svdd_s_nan_centre_from_an_empty_loader_is_named_as_the_loss_s_buff
     assert "empty loader" in rep["hint"] and "check the loss inputs" not in rep["hint"]
 
 
+def test_a_centre_buffer_the_loop_set_nan_before_training_is_said_so_and_torch_mean_replays(
+        out_dir):
+    """A Deep SVDD port that keeps ``c`` in the network (a buffer the factory builds as
+    zeros) and returns the distances, trained with ``loss_fn=torch.mean``; the loop copies in
+    the centre from ``init_center_c`` over an empty loader, NaN. The hint said to find what
+    writes weights outside ``optimizer.step()`` and resume from an earlier checkpoint, at the
+    first step; it says now that the loop wrote the buffer before training. And ``torch.mean``
+    was described by its qualname (``torch._VariableFunctionsClass.mean``), which imports
+    nothing, so the loss was not re-run: it is ``torch:mean`` now."""
+    x = M.digits(8)
+    model = M.make_svdd_net()
+    model.c.copy_(M.init_center_c(model.encoder, []))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, weight_decay=1e-6)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=torch.mean, out_dir=out_dir,
+                            factory="image_restoration_models:make_svdd_net") as rec:
+            for i in range(0, 8, 2):
+                opt.zero_grad()
+                rec.loss_fn(model(x[i:i + 2])).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", ""), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["params"], o["tensor"], o["op"], o["samples"], rep["cause"]) == \
+        ("weights", ["c"], "buffer", "aten.sub", [0, 1], "weights"), json.dumps(rep, indent=1)
+    assert o["source"] == _line_of("torch.sum((self.encoder(x) - self.c) ** 2", M.SVDDNet)
+    assert rep["hint"].startswith("the factory builds buffer c finite"), rep["hint"]
+    assert "empty loader" in rep["hint"] and "earlier checkpoint" not in rep["hint"]
+    assert not any("cannot be imported" in p for p in rep["problems"]), rep["problems"]
+
+
 def test_patch_svdd_s_flat_patch_is_named_by_its_image_not_its_patch_row(out_dir):
     """Patch SVDD standardises each ``unfold``ed patch without an eps: a blank corner of one
     image is a flat patch, 0/0 in ``norm``, whose input rows are the ``B x patches`` crops.
