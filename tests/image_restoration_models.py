@@ -86,11 +86,12 @@ class ResBlock(nn.Module):
 
 class SRNet(nn.Module):
     """EDSR-like: head conv, scaled residual blocks, a global skip, a conv + ``PixelShuffle``
-    upsampler; the output clamped to the image range ``[0, 1]`` (as RCAN-style ports do in
-    ``forward``)."""
+    upsampler; the output clamped to the image range ``[0, rgb_range]`` (as RCAN-style ports
+    do in ``forward``)."""
 
-    def __init__(self, c: int = 8, blocks: int = 2, scale: int = 2):
+    def __init__(self, c: int = 8, blocks: int = 2, scale: int = 2, rgb_range: float = 1.0):
         super().__init__()
+        self.rgb_range = rgb_range  # (EDSR's --rgb_range: 255 for 8-bit values as they are)
         self.head = nn.Conv2d(3, c, 3, 1, 1)
         self.body = nn.Sequential(*[ResBlock(c) for _ in range(blocks)])
         self.up = nn.Sequential(nn.Conv2d(c, 3 * scale * scale, 3, 1, 1), nn.PixelShuffle(scale))
@@ -100,12 +101,12 @@ class SRNet(nn.Module):
         x = self.head(lr)
         x = x + self.body(x)
         base = F.interpolate(lr, scale_factor=self.scale, mode="nearest")
-        return (self.up(x) + base).clamp(0, 1)
+        return (self.up(x) + base).clamp(0, self.rgb_range)
 
 
-def make_srnet() -> nn.Module:
+def make_srnet(rgb_range: float = 1.0) -> nn.Module:
     torch.manual_seed(0)
-    return SRNet()
+    return SRNet(rgb_range=rgb_range)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,24 +377,6 @@ class DeepSVDDLoss(nn.Module):
             scores = dist - self.R ** 2
             return self.R ** 2 + (1 / self.nu) * torch.mean(torch.clamp(scores, min=0))
         return torch.mean(dist)
-
-
-class HSCLoss(nn.Module):
-    """FCDD's hypersphere classifier (``fcdd/training/fcdd.py``, ``objective='hsc'``) as ports
-    write it with a label mix: the pseudo-Huber score ``sqrt(A^2 + 1) - 1`` averaged per image;
-    normal samples (label 0) pull it down, outlier-exposure anomalies (label 1) push it up
-    through ``-log(1 - exp(-score))``. FCDD adds ``1e-31`` inside the log; ``eps`` is that
-    constant here."""
-
-    def __init__(self, eps: float = 1e-31):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, a, labels):
-        score = (torch.sqrt(a ** 2 + 1) - 1).flatten(1).mean(1)
-        labels = labels.float()
-        anomalous = -torch.log(1 - torch.exp(-score) + self.eps)
-        return ((1 - labels) * score + labels * anomalous).mean()
 
 
 class FCDDHSCLoss(nn.Module):
