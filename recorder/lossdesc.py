@@ -71,8 +71,13 @@ def describe_callable(fn) -> dict[str, Any]:
                 **{k: v for k, v in inner.items() if k == "defined"}}
     module = getattr(fn, "__module__", None)
     qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    out: dict[str, Any] = {"name": f"{module or '?'}.{qual}"}
     why = _not_importable(fn, module, qual)
+    name = getattr(fn, "__name__", None)
+    if why == "not importable" and isinstance(name, str) and name != qual \
+            and _not_importable(fn, module, name) is None:
+        qual = name  # (torch.mean: a builtin whose qualname, _VariableFunctionsClass.mean, is
+        why = None  # its class's, exported by its module under its own name)
+    out: dict[str, Any] = {"name": f"{module or '?'}.{qual}"}
     if why == "script" and (name := script_module()) is not None and _in_main(fn, qual):
         # the training script, whose training is under the __main__ guard: the replay imports
         # it under its own name, as it does the factory it defines (``train:make_model``)

@@ -307,6 +307,7 @@ def held_state_cause(cause, hit, held: str | None):
     return type(cause)("weights", f"{hit.op} took {held}, as the step began: a value made "
                        "before the step (class weights 1/count with a class absent from the "
                        "counts: 1/0; an EWC Fisher normalised by its max, 0 for a parameter "
-                       "the task never used: 0/0), not by the loss; make it finite where it "
-                       "is made (count.clamp_min(1), a smoothing constant, f / f.max() only "
-                       "where f.max() > 0)")
+                       "the task never used: 0/0; a centre averaged over an empty loader: "
+                       "0/0), not by the loss; make it finite where it is made "
+                       "(count.clamp_min(1), a smoothing constant, f / f.max() only where "
+                       "f.max() > 0, a check that the loader yielded samples)")

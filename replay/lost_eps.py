@@ -1,5 +1,5 @@
 """Guards that rounded away: a positive number added to a value, or clamped under it, that the
-value's type rounds to 0.
+value's type rounds to 0; or an eps added that is exactly 0.
 
 A Dice loss written for float32, ``(2 * inter) / (card + 1e-8)``, run in float16 (a model and
 loss made ``.half()``): 1e-8 is below float16's smallest subnormal (5.96e-08), so ``card + 1e-8``
@@ -8,7 +8,11 @@ the outputs of such ops as the op finder sees them; the blamed op's evidence say
 inputs carry one (:attr:`replay.hits.Evidence.lost_eps`), and :func:`context` says so.
 :class:`GuardNodes` does the same for a backward origin: BasicSR's Charbonnier loss,
 ``sqrt(d ** 2 + 1e-12)`` in float16, is ``sqrt(0)`` where a pixel is exact, and sqrt's
-backward node at that pole took the output of an ``add`` whose eps was lost.
+backward node at that pole took the output of an ``add`` whose eps was lost. An eps set to 0
+in the options (BasicSR's Charbonnier ``sqrt(d ** 2 + eps)``, NAFNet's PSNR loss
+``log(mse + eps)``, SSIM's ``C2`` in ``sigma1 + sigma2 + C2``) guards nothing either: the hint
+"add an eps" is no fix for a user who has one, so that one is said too (only for ``add``: a
+clamp at 0 is a range, ``x.clamp(0, 1)``, not an eps).
 """
 
 from __future__ import annotations
@@ -42,13 +46,23 @@ class LostEps:
         if name not in _GUARDS or len(args) < 2:
             return
         eps = args[1]
-        if _lost(eps, out):
+        if _lost(eps, out) or name in _ADDS and _zero(eps, out):
             self._of[id(out)] = (weakref.ref(out), float(eps))
 
     def of(self, t: torch.Tensor) -> float | None:
         """The guard ``t`` was made with that its type rounded to 0, or None."""
         hit = self._of.get(id(t))
         return hit[1] if hit is not None and hit[0]() is t else None
+
+
+_ADDS = {"add", "add_"}
+
+
+def _zero(eps: Any, out: Any) -> bool:
+    """``eps`` is a float exactly 0 added to the floating ``out`` (an int 0 is rather the start
+    of Python's ``sum()`` or of a loop's total than an eps)."""
+    return isinstance(out, torch.Tensor) and out.is_floating_point() \
+        and isinstance(eps, float) and eps == 0
 
 
 def _lost(eps: Any, out: Any) -> bool:
@@ -74,7 +88,8 @@ class GuardNodes(TorchFunctionMode):
         name = getattr(func, "__name__", "").strip("_").removeprefix("r").removeprefix("i")
         if name.rstrip("_") in _GUARDS and len(args) >= 1:
             eps = args[1] if len(args) > 1 else kwargs.get("min", kwargs.get("other"))
-            if _lost(eps, out) and out.grad_fn is not None:
+            zero = name in _ADDS and _zero(eps, out) and "radd" not in getattr(func, "__name__", "")
+            if (_lost(eps, out) or zero) and out.grad_fn is not None:
                 self.nodes.append((out.grad_fn, float(eps)))
         return out
 
@@ -96,11 +111,25 @@ def smallest(dtype: torch.dtype) -> float:
 def context(ev) -> str:
     """The hint's addition when an input the op took at 0 was guarded by an eps its type
     rounded to 0 (``""`` when none)."""
-    for i, eps in enumerate(ev.lost_eps):
-        if eps is None or not ev.elementwise[i] or not bool((ev.inputs[i] == 0).any()):
-            continue
-        return said(eps, ev.input_dtypes[i])
-    return ""
+    first = _first(ev)
+    return said(*first) if first else ""
+
+
+def zero(ev) -> bool:
+    """The eps :func:`context` says is one exactly 0 (a choice, not a rounding: what the hint
+    says besides, a mask after the op, still holds)."""
+    first = _first(ev)
+    return first is not None and first[0] == 0
+
+
+def _first(ev) -> tuple[float, torch.dtype] | None:
+    """The lost eps of the op's first input it took at 0, and that input's type; an eps
+    exactly 0 only when no input's was lost to rounding, and the last such input's (a
+    quotient's divisor: ``(2 * inter + smooth) / (card + smooth + 1e-8)`` with smooth 0 in
+    float16 lost the 1e-8)."""
+    hits = [(eps, ev.input_dtypes[i]) for i, eps in enumerate(ev.lost_eps)
+            if eps is not None and ev.elementwise[i] and bool((ev.inputs[i] == 0).any())]
+    return next((h for h in hits if h[0] != 0), hits[-1] if hits else None)
 
 
 def rounded_guard(ev, i: int, w: float) -> bool:
@@ -114,8 +143,13 @@ def rounded_guard(ev, i: int, w: float) -> bool:
 
 
 def said(eps: float, dt: torch.dtype) -> str:
-    """The hint's addition for an ``eps`` that ``dt`` rounded to 0."""
+    """The hint's addition for an ``eps`` that ``dt`` rounded to 0, or one exactly 0."""
     name = str(dt).removeprefix("torch.")
+    if eps == 0:
+        return ("; the eps added to that input is exactly 0 (an eps option set to 0, or 0 "
+                "meant as 'off'), so it guarded nothing: set it to a positive value, at "
+                f"least {torch.finfo(dt).tiny:.3g} in {name} (such eps's default to 1e-12 "
+                "to 1e-6)")
     return (f"; the eps {eps:g} added to that input is 0 in {name} (its smallest positive "
             f"number is {smallest(dt):.3g}), so it guarded nothing: use an eps {name} "
             f"keeps (at least its smallest normal number, {torch.finfo(dt).tiny:.3g}) or "

@@ -137,8 +137,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         loss = step.loss_fn(*args, **kwargs)
     made = next((kind_of(t) for t in tensor_leaves(loss) if not finite(t)), None)
     del loss
-    # no op made the value from finite inputs: the loss folded in an infinity that the model
-    # output was allowed to hold (a -inf mask under allow_inf); name the reduction that did
+    # no op made it of finite inputs: the loss folded in an infinity the output may hold (a -inf
+    # mask, allow_inf), or took a buffer it holds non-finite (EWC's Fisher, Deep SVDD's NaN c)
     held = non_finite_loss_state(step.loss_fn)
     hit = finder.blamed() or finder.first_reduced or (  # (first_met: a loss buffer's NaN
         (finder.first_held or finder.first_met) if held else None)  # met the model output)

@@ -269,11 +269,14 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
     except Exception:  # the factory ran once already; this is only a better hint
         return None
     # (a meta tensor: the factory kept one from its call on the meta device, as a cache)
-    if not all(n in built and not built[n].is_meta and not finite(built[n].detach())
-               for n in bad):
+    if not all(n in built and not built[n].is_meta for n in bad):
         return None
     names = f"{', '.join(bad[:2])}" + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
     buffers = set(step.meta.get("buffers") or ())
+    if all(n in buffers and finite(built[n].detach()) for n in bad):
+        return set_before_hint(names)  # (a buffer no update writes: the loop set it so)
+    if not all(not finite(built[n].detach()) for n in bad):
+        return None
     if all(n in buffers for n in bad):
         return (f"the factory builds buffer {names} non-finite: the model starts so, no update "
                 "or write of the loop made it. Fix the code that computes it when the model "
@@ -284,6 +287,17 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
             "belong in a trained parameter, whose updates and norms it spoils: keep a boolean "
             "mask in a buffer and apply it in forward (w.masked_fill(~allowed, -inf), or a "
             "large finite negative such as -1e4); else fix the initialisation")
+
+
+def set_before_hint(names: str) -> str:
+    """Buffers the factory builds finite, non-finite at the first step the recorder saw: the
+    loop computed them after building the model (Deep SVDD's centre ``c``, from an initial
+    pass over a loader that yielded nothing: 0/0) or loaded them."""
+    return (f"the factory builds buffer {names} finite, but it was non-finite at the first "
+            "step the recorder saw, before any update: the loop wrote it after building the "
+            "model (a value computed from the data and copied in, a centre or a statistic "
+            "averaged over an empty loader: 0/0; or a state_dict loaded). Fix the code that "
+            "computes it, and check it (torch.isfinite(t).all()) before training")
 
 
 def own_update_hint(step: Step) -> str:

@@ -30,10 +30,12 @@ def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) ->
     """The hint's addition for ``cause`` given the op's evidence (``""`` when none)."""
     if ev is None:
         return ""
+    masked = MASK_AFTER_POLE.format(op=ev.masked_after) \
+        if ev.masked_after and cause == "invalid" else ""
     if lost := lost_eps.context(ev):  # (1e-8 added in float16: whatever the cause)
-        return lost
-    if ev.masked_after and cause == "invalid":
-        return MASK_AFTER_POLE.format(op=ev.masked_after)
+        return lost + (masked if lost_eps.zero(ev) else "")  # (an eps of 0: the mask too)
+    if masked:
+        return masked
     if cause == "precision":
         return _narrower(ev, cast)
     if cause == "overflow":
