@@ -122,6 +122,25 @@ def hint(what: str) -> str:
             "too: " + STABLE)
 
 
+# what a probability some value is divided by needs (y rounded to 1 in the op's type only)
+TRIM = ("a probability that divides (an inverse propensity weight t / e + (1 − t) / (1 − e), "
+        "an importance weight) is trimmed away from 0 and 1 before it divides: "
+        "e.clamp(0.01, 0.99), or e.clamp(eps, 1 − eps) with an eps the type resolves; or ")
+
+
+def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
+    """The ``precision`` hint of an op at its pole whose 0 input is such a complement that
+    float64 keeps above 0 (a sigmoid of 17 is 1.0 in float32 only), naming the trim a
+    divisor needs (the generic hint would blame a cancelled variance); else None."""
+    if not rounded_zero(ev.inputs, ev.complement):
+        return None
+    divisor = (name == "reciprocal" or name.startswith("div") and len(ev.complement) > 1
+               and ev.complement[1])
+    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf) that exact "
+            f"arithmetic keeps below 1 for every finite argument, rounded to 1 in {dt}: "
+            + (TRIM if divisor else "") + STABLE)
+
+
 def rounded_hint(what: str, ev) -> str | None:
     """:func:`hint` when an input of the op (its :class:`~replay.hits.Evidence` ``ev``) is a
     complement that rounding made 0 (:func:`rounded_zero`), else None."""
