@@ -126,6 +126,8 @@ def hint(what: str) -> str:
 TRIM = ("a probability that divides (an inverse propensity weight t / e + (1 − t) / (1 − e), "
         "an importance weight) is trimmed away from 0 and 1 before it divides: "
         "e.clamp(0.01, 0.99), or e.clamp(eps, 1 − eps) with an eps the type resolves; or ")
+# (a binary cross-entropy written by hand: the loss has the logits-form already)
+LOGITS = "a binary cross-entropy's log(1 − p) takes the logits, binary_cross_entropy_with_logits; or "
 
 
 def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
@@ -138,7 +140,7 @@ def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
                and ev.complement[1])
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf) that exact "
             f"arithmetic keeps below 1 for every finite argument, rounded to 1 in {dt}: "
-            + (TRIM if divisor else "") + STABLE)
+            + (TRIM if divisor else LOGITS) + STABLE)
 
 
 def rounded_hint(what: str, ev) -> str | None:
