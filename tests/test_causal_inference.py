@@ -157,3 +157,37 @@ def test_healthy_trimmed_and_clipped_runs_with_one_armed_batches_are_not_stopped
         arms = train(out, make, loss_fn, (x, t, y), batch_size=8, epochs=3, shuffle=True)
         assert len(arms) == 48 and arms.count(0) >= 10, arms  # (one-armed batches were seen)
         assert not list(out.glob("*.nan")), make
+
+
+def test_a_dr_learner_propensity_of_exactly_1_from_a_tree_asks_for_trimming_not_repair(
+        tmp_path):
+    """A DR-learner's second stage regresses a network on the doubly robust pseudo-outcome
+    ``(t - e) / (e * (1 - e)) * (y - mu_t) + mu1 - mu0``, the nuisances cross-fitted by a
+    first stage; its gradient-boosted propensity is coarse, and exactly 1 in a pure leaf
+    (row 72, treated): 0/0. The op, row and ``invalid`` were right, but the hint called the
+    record degenerate ('drop or repair ... an eps there would train toward a made-up
+    target'), while trimming the propensity is the estimator's own fix. It now names the
+    loss argument, a probability at 1 there, and the trim (e.clamp(0.01, 0.99))."""
+    x, t, y = M.trial()
+    g = torch.Generator().manual_seed(2)
+    mu0 = x[:, 0] + 0.5 * x[:, 2] + 0.3 * torch.randn(len(x), generator=g)
+    mu1 = mu0 + 1 + x[:, 1]
+    e = torch.sigmoid(1.5 * x[:, 0] + 0.2 * torch.randn(len(x), generator=g))
+    e = torch.round(e * 20) / 20  # a tree ensemble's leaves: coarse, 0 or 1 when pure
+    edge = ((e == 0) | (e == 1)).nonzero().flatten().tolist()
+    assert edge[0] == 72 and t[72] == 1 and e[72] == 1, edge
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_catenet", M.dr_pseudo_outcome_loss, (x, t, y, mu0, mu1, e),
+              batch_size=32)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (2, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"],
+            o["samples"]) == (True, "invalid", "<loss>", "aten.div", "nan", [72 - 64]), rep
+    assert o["source"] == f"causal_inference_models.py:{line_of('pseudo = (t - e) /')}"
+    h = rep["hint"]
+    assert "computed from the batch's data alone" in h, h
+    assert "loss_args[5], a probability" in h and "exactly 0 or 1 at sample(s) 8" in h, h
+    assert "e.clamp(0.01, 0.99)" in h and "outside the overlap" in h, h
+    assert "degenerate" not in h and "made-up target" not in h, h
