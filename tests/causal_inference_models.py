@@ -214,3 +214,12 @@ def dr_pseudo_outcome_loss(tau, y, t, mu0, mu1, e):
     mu_t = torch.where(t > 0, mu1, mu0)
     pseudo = (t - e) / (e * (1 - e)) * (y - mu_t) + mu1 - mu0
     return F.mse_loss(tau, pseudo)
+
+
+def transformed_outcome_loss(tau, y, t):
+    """The uplift tree/network's transformed outcome (Athey & Imbens; scikit-uplift's
+    ``TransformedOutcome`` target), ``y * (t - p) / (p * (1 - p))``, with ``p`` the batch's
+    share of treated units, as a randomised trial's notebooks estimate it."""
+    p = t.mean()
+    z = y * (t - p) / (p * (1 - p))
+    return F.mse_loss(tau, z)

@@ -191,3 +191,25 @@ def test_a_dr_learner_propensity_of_exactly_1_from_a_tree_asks_for_trimming_not_
     assert "loss_args[5], a probability" in h and "exactly 0 or 1 at sample(s) 8" in h, h
     assert "e.clamp(0.01, 0.99)" in h and "outside the overlap" in h, h
     assert "degenerate" not in h and "made-up target" not in h, h
+
+
+def test_an_uplift_transformed_outcome_over_a_one_armed_batch_names_the_batch_share(tmp_path):
+    """The transformed outcome ``y (t − p) / (p (1 − p))`` with ``p = t.mean()``, the batch's
+    treated share: a shuffled batch of 8 without a treated unit has p = 0, and every row is
+    0/0. The report names the division, every sample of the batch, and the divisor as one
+    0-d statistic of the batch (no row to blame): clamp it or skip such batches."""
+    x, t, y = rare_treatment()
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_catenet", M.transformed_outcome_loss, (x, t, y), batch_size=8,
+              shuffle=True)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (4, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"],
+            o["samples"], o["all_samples"]) == (
+        True, "invalid", "<loss>", "aten.div", "nan", list(range(8)), True), rep
+    assert o["source"] == f"causal_inference_models.py:{line_of('z = y * (t - p) /')}"
+    h = rep["hint"]
+    assert "one 0-d value for every element" in h and "no row is to blame" in h, h
+    assert "skip such batches" in h and "probability" not in h, h
