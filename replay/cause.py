@@ -202,15 +202,15 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                          "a value rounded to 0: " + DO["log_space"])
         if rounded and (left := residue.hint(name, capture, ev, what, DO[situation])):
             return Cause("invalid", left)  # float64's divisor: its own rounding of a 0
-        # enough digits that the float64 value does not read as the value the op was given
         seen = (f" (float64 has {domains.g_apart(moved[2], *_given(ev, moved[1]))} there)"
-                if moved else "")
+                if moved else "")  # (enough digits not to read as the value the op was given)
         how = ("" if situation in _OWN_ADVICE or lost_eps.context(ev) else  # (an eps, lost)
                " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
         return Cause("precision", saturation.in_type_hint(name, what + seen, dt, ev) or (
             f"{what}{seen}: no value left {dt}'s range, but rounding pushed the input across the "
             f"domain edge, which exact arithmetic does not cross{how}: " + _advice(situation)))
-    if said := saturation.rounded_hint(what, ev) or cancellation.rounded_hint(name, what, ev):
+    if said := saturation.rounded_hint(name, what, ev) or cancellation.rounded_hint(
+            name, what, ev):
         return Cause("precision", said)
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:
@@ -351,8 +351,7 @@ def _from_infinities(hit: OpHit) -> Cause:
     name = _name(hit.op).rstrip("_")
     if name in _ROW_REDUCTIONS:  # softmax: NaN; logsumexp, amax: -inf (OpFinder.first_reduced)
         return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "
-                     "row): " + DO["masked_row"]
-                     + (DO["max_shift"] if name in ("max", "amax") else ""))
+                     "row): " + DO["masked_row"] + DO["max_shift"] * (name in ("max", "amax")))
     if name in GROUP_REDUCTIONS:  # OpFinder.first_reduced: the fill it started from
         return Cause("invalid", f"{hit.op} left the {hit.made} it started from in the rows no "
                      "element was reduced into (an empty group: a graph without nodes): "
