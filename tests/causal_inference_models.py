@@ -223,3 +223,11 @@ def transformed_outcome_loss(tau, y, t):
     p = t.mean()
     z = y * (t - p) / (p * (1 - p))
     return F.mse_loss(tau, z)
+
+
+def cfr_loss_guarded(out, y, t, alpha: float = 1.0):
+    """cfr_loss with the IPM taken only where the batch holds both arms (as the PyTorch ports
+    of cfrnet guard it): a one-armed batch trains the factual loss alone."""
+    if bool((t == 1).any()) and bool((t == 0).any()):
+        return cfr_loss(out, y, t, alpha)
+    return cfr_loss(out, y, t, alpha=0.0, ipm=lambda h, t, p: h.new_zeros(()))

@@ -152,13 +152,17 @@ def test_a_wasserstein_ipm_with_a_bare_sqrt_names_the_coinciding_treated_and_con
 
 
 def test_healthy_trimmed_and_clipped_runs_with_one_armed_batches_are_not_stopped(tmp_path):
-    """DragonNet's targeted regularisation (its propensity clipped as the port clips it) and a
-    self-normalised IPW TARNet (propensity trimmed at 0.01) trained for 3 epochs on shuffled
-    batches of 8, most of them with no treated unit: no event, no bundle."""
+    """DragonNet's targeted regularisation (its propensity clipped as the port clips it), a
+    self-normalised IPW TARNet (propensity trimmed at 0.01) and CFRNet with its IPM skipped on
+    one-armed batches, trained for 3 epochs on shuffled batches of 8, most of them with no
+    treated unit: no event, no bundle."""
     x, t, y = rare_treatment()
-    for make, loss_fn in (("make_dragonnet", M.tarreg_loss), ("make_ipw_tarnet", M.snipw_loss)):
+    for make, loss_fn, takes_t in (("make_dragonnet", M.tarreg_loss, False),
+                                   ("make_ipw_tarnet", M.snipw_loss, False),
+                                   ("make_cfrnet", M.cfr_loss_guarded, True)):
         out = tmp_path / make
-        arms = train(out, make, loss_fn, (x, t, y), batch_size=8, epochs=3, shuffle=True)
+        arms = train(out, make, loss_fn, (x, t, y), batch_size=8, epochs=3, shuffle=True,
+                     takes_t=takes_t)
         assert len(arms) == 48 and arms.count(0) >= 10, arms  # (one-armed batches were seen)
         assert not list(out.glob("*.nan")), make
 
