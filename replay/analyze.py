@@ -26,6 +26,7 @@ from . import fidelity
 from .ascent import ascent_hint
 from .data_scale import data_scale_hint
 from .derived_input import derived_input_hint
+from .edge_probability import edge_probability_hint
 from .eps_checked import checked_eps
 from .errors import FactoryRefused
 from .fed_back import report_fed_back
@@ -108,6 +109,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
     o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
     data_scale_hint(report, step)
+    edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report

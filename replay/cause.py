@@ -30,9 +30,9 @@ exact 0: ``underflow`` when that input came from exp, softmax or sigmoid of a fi
 Otherwise ``overflow``. Without an op (none found), the float64 re-run alone decides:
 ``invalid`` or ``overflow``.
 
-The float64 re-run is :mod:`replay.float64_step`'s. Where the model refuses float64 (a kernel
-for half types only, a dtype check), the op computed alone in float64 can still say
-``overflow``; else the cause is left open (``None``) and the hint says why.
+The float64 re-run is :mod:`replay.float64_step`'s. Where the model refuses float64 (a half
+type's kernel, a dtype check), the op alone in float64 can still say ``overflow``; else the
+cause is left open (``None``) and the hint says why.
 """
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ __all__ = ["Cause", "classify"]
 
 # the ops of replay.positive.POSITIVE in words: a 0 they made underflowed
 _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
-# ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
 # situations whose advice holds for a rounding that crossed the edge too (else: "stable")
 _OWN_ADVICE = ("unit", "acosh", "atanh", "cholesky", "eigenvalues", "log_det", "singular")
 # situations whose advice an op on data (or weights) alone replaces (of_data, of_weights)
 _OF_RECORDS = ("pole", "log1p_pole", "domain", "power_domain", "divide")
+# ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
 _EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp"}
 
 
@@ -99,10 +99,10 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
     module call or, for a loss origin, in the loss of ``micro_batch``); ``node`` the backward
     node, ``saved`` the kind of a non-finite value it saved in the forward, ``at_pole``
     ``"0"`` when it saved an exact 0, ``"subnormal"`` a value below its type's smallest normal
-    number, ``underflowed`` whether an input of it came from exp,
-    softmax or sigmoid (a 0 there underflowed), ``inner`` the aten op that made the value
-    inside a custom autograd.Function's backward (its derivative's poles are that op's),
-    ``dtype`` that of the node's non-finite gradient (else the micro-batch's narrowest)."""
+    number, ``underflowed`` whether an input of it came from exp, softmax or sigmoid (a 0 there
+    underflowed), ``inner`` the aten op that made the value inside a custom autograd.Function's
+    backward (its derivative's poles are that op's), ``dtype`` that of the node's non-finite
+    gradient (else the micro-batch's narrowest)."""
     # (a backward ``hit``: an op of a gradient hook, whose occurrence is counted in the hook)
     # (also without evidence: a model raising after the op, on its NaN, is answered by it)
     capture = OpAt(hit.op, hit.occurrence) if hit is not None and phase != "backward" else None
@@ -202,15 +202,15 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                          "a value rounded to 0: " + DO["log_space"])
         if rounded and (left := residue.hint(name, capture, ev, what, DO[situation])):
             return Cause("invalid", left)  # float64's divisor: its own rounding of a 0
-        # enough digits that the float64 value does not read as the value the op was given
         seen = (f" (float64 has {domains.g_apart(moved[2], *_given(ev, moved[1]))} there)"
-                if moved else "")
+                if moved else "")  # (enough digits not to read as the value the op was given)
         how = ("" if situation in _OWN_ADVICE or lost_eps.context(ev) else  # (an eps, lost)
                " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
-        return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
-                     "pushed the input across the domain edge, which exact arithmetic does "
-                     f"not cross{how}: " + _advice(situation))
-    if said := saturation.rounded_hint(what, ev) or cancellation.rounded_hint(name, what, ev):
+        return Cause("precision", saturation.in_type_hint(name, what + seen, dt, ev) or (
+            f"{what}{seen}: no value left {dt}'s range, but rounding pushed the input across the "
+            f"domain edge, which exact arithmetic does not cross{how}: " + _advice(situation)))
+    if said := saturation.rounded_hint(name, what, ev) or cancellation.rounded_hint(
+            name, what, ev):
         return Cause("precision", said)
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:
@@ -233,10 +233,9 @@ def _beyond_type(op: str, ev: Evidence) -> Cause:
     big_s, top_s = domains.g_pair(big, top)
     if big <= top:  # the result fits: a value the op made on the way did not (a sum of
         # squares before the mean, as mse_loss and norms take), so say that, not "beyond"
-        return Cause("overflow", f"{op}'s true result (up to {big_s}) fits in {dt}, but "
-                     f"a value it computes on the way (a sum or product before its result) "
-                     f"is beyond {dt}'s largest value {top_s}; float64 holds it: "
-                     + _wider(ev.dtype))
+        return Cause("overflow", f"{op}'s true result (up to {big_s}) fits in {dt}, but a value "
+                     f"it computes on the way (a sum or product before its result) is beyond "
+                     f"{dt}'s largest value {top_s}; float64 holds it: " + _wider(ev.dtype))
     return Cause("overflow", f"{op}'s true result (up to {big_s}) is finite but beyond "
                  f"{dt}'s largest value {top_s}; float64 holds it: " + _wider(ev.dtype, op, ev))
 
@@ -352,8 +351,7 @@ def _from_infinities(hit: OpHit) -> Cause:
     name = _name(hit.op).rstrip("_")
     if name in _ROW_REDUCTIONS:  # softmax: NaN; logsumexp, amax: -inf (OpFinder.first_reduced)
         return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "
-                     "row): " + DO["masked_row"]
-                     + (DO["max_shift"] if name in ("max", "amax") else ""))
+                     "row): " + DO["masked_row"] + DO["max_shift"] * (name in ("max", "amax")))
     if name in GROUP_REDUCTIONS:  # OpFinder.first_reduced: the fill it started from
         return Cause("invalid", f"{hit.op} left the {hit.made} it started from in the rows no "
                      "element was reduced into (an empty group: a graph without nodes): "

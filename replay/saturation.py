@@ -115,17 +115,43 @@ def _scalars(leaves: list) -> list[float]:
     return [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
-def hint(what: str) -> str:
-    """The ``precision`` hint of an op at its pole whose 0 input is such a complement."""
+def hint(what: str, divides: bool = False) -> str:
+    """The ``precision`` hint of an op at its pole whose 0 input is such a complement
+    (``divides``: the op divides by it, where a probability is trimmed)."""
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf) that exact "
             "arithmetic keeps below 1 for every finite argument, rounded to 1 in float64 "
-            "too: " + STABLE)
+            "too: " + (TRIM if divides else "") + STABLE)
 
 
-def rounded_hint(what: str, ev) -> str | None:
-    """:func:`hint` when an input of the op (its :class:`~replay.hits.Evidence` ``ev``) is a
-    complement that rounding made 0 (:func:`rounded_zero`), else None."""
-    return hint(what) if rounded_zero(ev.inputs, ev.complement) else None
+# what a probability some value is divided by needs
+TRIM = ("a probability that divides (an inverse propensity weight t / e + (1 − t) / (1 − e), "
+        "an importance weight) is trimmed away from 0 and 1 before it divides: "
+        "e.clamp(0.01, 0.99), or e.clamp(eps, 1 − eps) with an eps the type resolves; or ")
+# (a binary cross-entropy written by hand: the loss has the logits-form already)
+LOGITS = "a binary cross-entropy's log(1 − p) takes the logits, binary_cross_entropy_with_logits; or "
+
+
+def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
+    """The ``precision`` hint of an op at its pole whose 0 input is such a complement that
+    float64 keeps above 0 (a sigmoid of 17 is 1.0 in float32 only), naming the trim a
+    divisor needs (the generic hint would blame a cancelled variance); else None."""
+    if not rounded_zero(ev.inputs, ev.complement):
+        return None
+    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf) that exact "
+            f"arithmetic keeps below 1 for every finite argument, rounded to 1 in {dt}: "
+            + (TRIM if _divides(name, ev) else LOGITS) + STABLE)
+
+
+def rounded_hint(name: str, what: str, ev) -> str | None:
+    """:func:`hint` when an input of op ``name`` (its :class:`~replay.hits.Evidence` ``ev``)
+    is a complement that rounding made 0 (:func:`rounded_zero`), else None."""
+    return hint(what, _divides(name, ev)) if rounded_zero(ev.inputs, ev.complement) else None
+
+
+def _divides(name: str, ev) -> bool:
+    """The op divides by the complement (``x / (1 - e)``, ``reciprocal``)."""
+    return name == "reciprocal" or (name.startswith("div") and len(ev.complement) > 1
+                                    and ev.complement[1])
 
 
 def rounded_zero(inputs: list[torch.Tensor], complement: list[bool]) -> bool:
