@@ -18,6 +18,7 @@ from .findings import finish, origin_fields
 from .forward_grad import derivative_words, node_sources, with_node
 from .lineage import Lineage
 from .load import Step
+from .log_sum_exp import with_log_sum_exp
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .parametrized import parametrization_hint
@@ -87,7 +88,9 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
     hint = with_node(origin, _with_param(step, runner, o, cause, hit), cause.name, node)
-    hint = raw_pole_hint(finder.lineage and finder.lineage.raw, cause.name, hit) or hint
+    lineage = finder.lineage
+    hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
+        hint, cause.name, hit, lineage and lineage.log_sum_exp)
     return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
 
 

@@ -30,6 +30,7 @@ from .half_update import half_overflow_why
 from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .lineage import Lineage
 from .load import Step, autocast_as_recorded, differentiates_model
+from .log_sum_exp import with_log_sum_exp
 from .logged_output import logged_output_cause
 from .loss_args import loss_args, loss_samples
 from .loss_grad import node_in_loss, probed_report
@@ -165,8 +166,9 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     if hit is not None and hit.from_mask:  # (or the loop's log of an output: q.log())
         cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
+    hint = with_log_sum_exp(cause.hint, cause.name, hit, finder.lineage.log_sum_exp)
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
-                  hint=with_node(origin, with_param_advice(cause.hint, cause.name, hit),
+                  hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))
 
 

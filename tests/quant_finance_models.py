@@ -224,3 +224,48 @@ def make_masked_portfolio() -> nn.Module:
 def daily_cvar(weights, future_returns):
     """1% expected shortfall of one batch's portfolio returns (``k = int(0.01 * n)``)."""
     return expected_shortfall(weights, future_returns, alpha=0.01)
+
+
+def entropic_risk(hedge, spot, risk_aversion: float = 10.0):
+    """The entropic risk of the hedged short call's P&L, written from its definition
+    ``log E[exp(-a * pnl)] / a`` (pfhedge's EntropicRiskMeasure uses logsumexp)."""
+    gains = (hedge[:, :-1] * spot.diff(dim=1)).sum(1)
+    pnl = gains - (spot[:, -1] - 100.0).clamp_min(0)
+    return torch.log(torch.exp(-risk_aversion * pnl).mean()) / risk_aversion
+
+
+class DollarHedger(DeepHedger):
+    def __init__(self):
+        super().__init__(strike=100.0)
+
+
+def make_dollar_hedger() -> nn.Module:
+    torch.manual_seed(0)
+    return DollarHedger()
+
+
+class ReluPortfolio(PortfolioLSTM):
+    """Long-only weights as ReLU scores over their sum (no softmax)."""
+
+    def forward(self, prices):
+        out, _ = self.lstm(log_returns(prices))
+        score = torch.relu(self.head(out[:, -1]))
+        return score / score.sum(-1, keepdim=True)
+
+
+def make_relu_portfolio() -> nn.Module:
+    torch.manual_seed(0)
+    return ReluPortfolio()
+
+
+class VolumeLOB(DeepLOB):
+    """DeepLOB with the book's volumes as log-volumes (an empty level has volume 0)."""
+
+    def forward(self, book):
+        x = torch.cat([book[..., ::2], torch.log(book[..., 1::2])], -1)
+        return super().forward(x)
+
+
+def make_volume_lob() -> nn.Module:
+    torch.manual_seed(0)
+    return VolumeLOB(eps=1e-5)

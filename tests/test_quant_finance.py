@@ -167,6 +167,45 @@ def test_deeplob_zscore_of_a_halted_book_is_0_over_0_in_the_halted_sample(tmp_pa
     assert "own data as given" not in rep["hint"], rep["hint"]
 
 
+def test_log_volume_of_an_empty_book_level_names_the_record(tmp_path):
+    # the deepest ask level of sample 6 empties at t = 4: log(volume 0) is -inf
+    def batches():
+        g = torch.Generator().manual_seed(3)
+        for step in range(4):
+            book = torch.rand(8, 10, 8, generator=g) + 0.5
+            if step == 2:
+                book[6, 4:, 7] = 0.0
+            yield (book,), (torch.randint(0, 3, (8,), generator=g),)
+
+    err = train(tmp_path, "make_volume_lob", torch.nn.functional.cross_entropy, batches())
+    rep, o = report(err, 2, "forward")
+    assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "invalid", "", "aten.log", "-inf", [6]), rep
+    assert o["source"] == line_of("torch.log(book[..., 1::2])")
+    assert "aten.log's input is the batch's own data as given" in rep["hint"], rep["hint"]
+
+
+def test_entropic_risk_written_out_overflows_its_exp_and_asks_for_logsumexp(tmp_path):
+    # a volatile day (30% daily moves on a $100 underlying) under risk aversion 10:
+    # exp(-10 * pnl) is beyond float32, though the risk itself is about -max(pnl)
+    def batches():
+        g = torch.Generator().manual_seed(5)
+        for step in range(4):
+            vol = 0.3 if step == 2 else 0.01
+            spot = 100 * (torch.randn(16, 5, generator=g) * vol).cumsum(1).exp()
+            yield (spot, torch.linspace(4, 1, 5) / 252), (spot,)
+
+    err = train(tmp_path, "make_dollar_hedger", M.entropic_risk, batches())
+    rep, o = report(err, 2, "loss")
+    assert (rep["cause"], o["module"], o["op"], o["made"]) == (
+        "overflow", "<loss>", "aten.exp", "+inf"), rep
+    assert o["source"] == line_of("torch.log(torch.exp(-risk_aversion * pnl).mean())")
+    # (was: "clamp the exponent ... or lower the learning rate" only, which changes the
+    # objective; the log of a mean of exps is finite and logsumexp computes it)
+    assert "hand-written log-sum-exp" in rep["hint"], rep["hint"]
+    assert "torch.logsumexp(x, dim) - log(n)" in rep["hint"], rep["hint"]
+
+
 def test_expected_shortfall_of_fewer_than_1_over_alpha_outcomes_is_an_empty_mean(tmp_path):
     # CVaR at 1% by sorting: k = int(0.01 * 60) = 0 outcomes, and the mean of none is NaN
     err = train(tmp_path, "make_portfolio", M.daily_cvar, portfolio_batches())
