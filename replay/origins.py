@@ -48,6 +48,7 @@ from .param_writes import (
     own_update_hint,
 )
 from .pole_hints import pole_hint
+from .raw_pole import raw_pole_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
@@ -102,7 +103,8 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
     ``saved``: that op, not the node, is where the value started. None when no op made one
     (or only a literal fill, a mask), a NaN when an infinity was saved, or when it is the
     node's own op (exp's overflow, 1/0 in a masked branch), which the node's cause describes."""
-    hit = find_op_in_call(runner, "", 0, mb).origin()
+    finder = find_op_in_call(runner, "", 0, mb)
+    hit = finder.origin()
     if hit is None and saved != "nan" and in_loss:  # (a loss op's -inf, masked in the loss)
         return made_in_loss(runner, mb)
     if hit is None or hit.intentional or not hit.inputs_finite \
@@ -111,7 +113,9 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
     own = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     if own and own.group(1).lower() == hit.op.rpartition(".")[2].strip("_").lower():
         return None
-    return hit, classify(runner, "forward", ("", 0, mb), hit=hit)
+    cause = classify(runner, "forward", ("", 0, mb), hit=hit)
+    cause.hint = raw_pole_hint(finder.lineage and finder.lineage.raw, cause.name, hit) or cause.hint
+    return hit, cause
 
 
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:

@@ -104,9 +104,30 @@ def test_log_returns_of_a_zero_price_name_the_record_not_an_eps(tmp_path):
     assert o["source"] == line_of("torch.log(prices[:, 1:] / prices[:, :-1])")
     # (was: "add an eps to the denominator (std + eps, ...)": p / (0 + eps) is a made-up
     # return of 1e8 the LSTM would train on; the 0 is the record's)
-    assert "batch's own data as given" in rep["hint"], rep["hint"]
+    assert "the batch's own data (the model's input as given" in rep["hint"], rep["hint"]
     assert "missing value filled with 0" in rep["hint"], rep["hint"]
     assert "add an eps" not in rep["hint"], rep["hint"]
+
+
+def test_log_return_of_a_delisted_last_print_saved_by_the_lstm_names_the_record(tmp_path):
+    # the last print of asset 2 in sample 3 is 0 (delisted): p_T / p_{T-1} is 0 and its log
+    # -inf, which the LSTM's gates saturate to a finite output; its backward is NaN
+    def delisted(step, look, returns, mask):
+        if step == 1:
+            look[3, -1, 2] = 0.0
+
+    err = train(tmp_path, "make_portfolio", M.sharpe_loss_eps, portfolio_batches(edit=delisted))
+    rep, o = report(err, 1, "backward")
+    assert (rep["cause"], o["module"], o["params"], o["samples"]) == (
+        "invalid", "lstm", ["lstm.weight_ih_l0"], [3]), rep
+    assert o["op"].endswith("Backward0"), o  # (the LSTM kernel's node)
+    made = o["chain"][0]
+    assert (made["op"], made["made"], made["source"]) == (
+        "aten.log", "-inf", line_of("torch.log(prices[:, 1:] / prices[:, :-1])")), o
+    # (was: "clamp the op's input away from the pole (x.clamp_min(eps))", a made-up return
+    # of log(eps) for a delisting; the 0 came from the record through the ratio)
+    assert "aten.log's input is the batch's own data" in rep["hint"], rep["hint"]
+    assert "clamp_min" not in rep["hint"], rep["hint"]
 
 
 def test_volatility_targeting_of_a_flat_window_asks_for_a_vol_floor(tmp_path):
@@ -127,7 +148,7 @@ def test_volatility_targeting_of_a_flat_window_asks_for_a_vol_floor(tmp_path):
     assert o["source"] == line_of("position * self.sigma_tgt / sigma_t")
     # the divisor is a statistic the code computed (std), not the record as given
     assert "add an eps to the denominator" in rep["hint"], rep["hint"]
-    assert "own data as given" not in rep["hint"], rep["hint"]
+    assert "the batch's own data" not in rep["hint"], rep["hint"]
 
 
 def test_black_scholes_delta_at_expiry_is_a_backward_pole_of_the_learned_vol(tmp_path):
@@ -164,7 +185,7 @@ def test_deeplob_zscore_of_a_halted_book_is_0_over_0_in_the_halted_sample(tmp_pa
         "invalid", "", "aten.div", "nan", [4]), rep
     assert o["source"] == line_of("return (x - mean) / (std + eps)")
     assert "add an eps to the denominator" in rep["hint"], rep["hint"]
-    assert "own data as given" not in rep["hint"], rep["hint"]
+    assert "the batch's own data" not in rep["hint"], rep["hint"]
 
 
 def test_log_volume_of_an_empty_book_level_names_the_record(tmp_path):
@@ -182,7 +203,7 @@ def test_log_volume_of_an_empty_book_level_names_the_record(tmp_path):
     assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
         "invalid", "", "aten.log", "-inf", [6]), rep
     assert o["source"] == line_of("torch.log(book[..., 1::2])")
-    assert "aten.log's input is the batch's own data as given" in rep["hint"], rep["hint"]
+    assert "aten.log's input is the batch's own data" in rep["hint"], rep["hint"]
 
 
 def test_entropic_risk_written_out_overflows_its_exp_and_asks_for_logsumexp(tmp_path):
