@@ -18,9 +18,11 @@ from .findings import finish, origin_fields
 from .forward_grad import derivative_words, node_sources, with_node
 from .lineage import Lineage
 from .load import Step
+from .log_sum_exp import with_log_sum_exp
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .parametrized import parametrization_hint
+from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
@@ -86,6 +88,9 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
     hint = with_node(origin, _with_param(step, runner, o, cause, hit), cause.name, node)
+    lineage = finder.lineage
+    hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
+        hint, cause.name, hit, lineage and lineage.log_sum_exp)
     return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
 
 
@@ -140,7 +145,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
     """Re-run the forward with the op finder active during one module call only (the run
     inside ``forward_ctx()``, when given)."""
     finder = OpFinder(samples=samples(runner.step, mb), mask_buffers=mask_buffers(runner.model))
-    state = {"count": 0, "active": False}
+    state, batch = {"count": 0, "active": False}, {}
     # (rows the caller's code picked out of the batch: out[p] = transform(x[p]))
     picks = CallerPicks(finder.samples.size if finder.samples and finder.samples.size else 0)
 
@@ -158,6 +163,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                     # (a loss inside the model, torchvision's model(images, targets))
                     finder.lineage = Lineage(finder.samples)
                     finder.lineage.seed_samples(args)
+                    finder.lineage.raw = RawPole(batch.get("given"))
                     finder.__enter__()
                     picks.hand_on(args, finder.reordered)
                 state["count"] += 1
@@ -181,6 +187,9 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
         # (first of its pre-hooks: those are part of the call, and may make its weights)
         hs.append(target.register_forward_pre_hook(outside_transforms(pre), prepend=True))
         hs.append(target.register_forward_hook(outside_transforms(post)))
+        # (the batch as the root call is given it, before the origin's own pre-hook: raw_pole)
+        hs.append(model.register_forward_pre_hook(
+            lambda m, a, k: batch.update(given=(a, k)), with_kwargs=True, prepend=True))
         return hs + _track_calls(finder, target, (module, call), runner, mb)
 
     with picks if module else contextlib.nullcontext():  # (outermost: left last)

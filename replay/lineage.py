@@ -29,7 +29,9 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.samples import Samples
 
+from .log_sum_exp import LogSumExp
 from .memo import TensorSet
+from .raw_pole import RawPole
 
 # ops that put their inputs side by side, each input's values in rows of their own
 _JOINS = {"cat", "stack", "hstack", "vstack", "concat", "concatenate"}
@@ -52,6 +54,8 @@ class Lineage:
         self.where = where
         self._of: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
         self.learned = TensorSet()
+        self.raw: RawPole | None = None  # a pole op on the batch's own values (forward only)
+        self.log_sum_exp = LogSumExp()  # a log of a sum of exps, written out
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -101,6 +105,9 @@ class Lineage:
     # -- propagation (every op the finder sees, before anything else)
 
     def track(self, name: str, args: Sequence[Any], leaves: list, out: Any) -> None:
+        if self.raw is not None:
+            self.raw.track(name, args, out)
+        self.log_sum_exp.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
         if not ins or not outs:

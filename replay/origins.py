@@ -30,6 +30,7 @@ from .half_update import half_overflow_why
 from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .lineage import Lineage
 from .load import Step, autocast_as_recorded, differentiates_model
+from .log_sum_exp import with_log_sum_exp
 from .logged_output import logged_output_cause
 from .loss_args import loss_args, loss_samples
 from .loss_grad import node_in_loss, probed_report
@@ -47,6 +48,7 @@ from .param_writes import (
     own_update_hint,
 )
 from .pole_hints import pole_hint
+from .raw_pole import raw_pole_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
@@ -101,7 +103,8 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
     ``saved``: that op, not the node, is where the value started. None when no op made one
     (or only a literal fill, a mask), a NaN when an infinity was saved, or when it is the
     node's own op (exp's overflow, 1/0 in a masked branch), which the node's cause describes."""
-    hit = find_op_in_call(runner, "", 0, mb).origin()
+    finder = find_op_in_call(runner, "", 0, mb)
+    hit = finder.origin()
     if hit is None and saved != "nan" and in_loss:  # (a loss op's -inf, masked in the loss)
         return made_in_loss(runner, mb)
     if hit is None or hit.intentional or not hit.inputs_finite \
@@ -110,7 +113,9 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
     own = re.fullmatch(r"(\w+?)Backward\d*", node or "")
     if own and own.group(1).lower() == hit.op.rpartition(".")[2].strip("_").lower():
         return None
-    return hit, classify(runner, "forward", ("", 0, mb), hit=hit)
+    cause = classify(runner, "forward", ("", 0, mb), hit=hit)
+    cause.hint = raw_pole_hint(finder.lineage and finder.lineage.raw, cause.name, hit) or cause.hint
+    return hit, cause
 
 
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
@@ -165,8 +170,9 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     if hit is not None and hit.from_mask:  # (or the loop's log of an output: q.log())
         cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
+    hint = with_log_sum_exp(cause.hint, cause.name, hit, finder.lineage.log_sum_exp)
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
-                  hint=with_node(origin, with_param_advice(cause.hint, cause.name, hit),
+                  hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))
 
 

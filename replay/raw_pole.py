@@ -1,0 +1,84 @@
+"""A forward op at its pole whose operand there is the batch's own data, as given.
+
+Log returns ``log(p[:, 1:] / p[:, :-1])`` of a price table with a 0 in it (a missing print
+filled with 0, a forward fill from a leading 0): the divisor is a view of the model's input,
+nothing computed from it, and its 0 is a value of the record. The usual advice for a 0/0, an
+eps on the divisor (``std + eps``), is for a statistic the code computed (a constant row's
+std); on a raw value it turns the bad record into a huge finite ratio the model trains on.
+:class:`RawPole` watches the ops of the origin's module call (fed by
+:class:`~replay.lineage.Lineage`) for the first pole op whose operand at the pole shares its
+storage with a tensor of the batch, unmodified since, or is such a value's product or
+quotient with data (``p_t / p_{t-1}``, 0 where a delisted ``p_t`` is 0, before the log), and
+holds a 0 where the op went non-finite; :func:`raw_pole_hint` then points at the record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from recorder.capture import tensor_leaves
+
+from .compat import version
+from .memo import TensorSet
+
+# ops with a pole at an operand of 0, and which operand that is
+_POLE_OPERAND = {"div": 1, "reciprocal": 0, "log": 0, "log2": 0, "log10": 0, "rsqrt": 0}
+# ops whose 0 is a 0 of their first argument's (or, for mul, either's), as the record's 0
+_CARRY_ZERO = {"mul": 2, "div": 1}
+# ops that keep the values of their first argument as they are
+_SAME_VALUES = {"slice", "select", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze",
+                "permute", "transpose", "t", "expand", "clone", "contiguous", "alias"}
+
+
+class RawPole:
+    """The batch's floating tensors (``(args, kwargs)`` of the root call) and the first pole
+    op (``aten.NAME``) that went non-finite at a 0 of one of them, as given."""
+
+    def __init__(self, batch: Any):
+        self._storages = {t.untyped_storage().data_ptr(): version(t)
+                          for t in tensor_leaves(batch)
+                          if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        self.op: str | None = None
+        self._carried = TensorSet()  # values whose 0s are the batch's own 0s
+
+    def _raw(self, x) -> bool:
+        # (a view of the batch's storage at the version it was given: no in-place op since)
+        return isinstance(x, torch.Tensor) and not x.requires_grad and x.is_floating_point() \
+            and (x in self._carried
+                 or self._storages.get(x.untyped_storage().data_ptr()) == version(x))
+
+    def track(self, name: str, args, out) -> None:
+        name = name.split(".")[0]
+        if self.op is not None or not isinstance(out, torch.Tensor) or not args:
+            return
+        if (name in _SAME_VALUES and self._raw(args[0])) or (
+                name in _CARRY_ZERO and any(self._raw(a) for a in args[:_CARRY_ZERO[name]])
+                and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            self._carried.add(out)
+        at = _POLE_OPERAND.get(name)
+        if at is None or len(args) <= at or not self._raw(x := args[at]):
+            return
+        try:
+            at_zero = (x == 0) & ~torch.isfinite(out)
+        except RuntimeError:  # (shapes that do not broadcast to the output: not elementwise)
+            return
+        if bool(at_zero.any()):
+            self.op = f"aten.{name}"
+
+
+def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
+    """The hint for ``hit``, an ``invalid`` forward op that ``watch`` saw at a 0 of the
+    batch's own values; else None."""
+    if watch is None or cause != "invalid" or hit is None or watch.op != hit.op:
+        return None
+    what = "divisor" if hit.op == "aten.div" else "input"
+    return (f"{hit.op}'s {what} is the batch's own data (the model's input as given, or its "
+            "ratio or product with other data), exactly 0 in the samples named: a 0 where the "
+            "data should hold none (a price, volume or count of 0: a missing value filled with 0, a "
+            "forward fill from a leading 0, an instrument not yet listed) is a bad record; "
+            "repair it where the data is made (fill from the last valid value, drop or mask "
+            "the sample), or, if 0 is a valid value there, do not take the op at it "
+            "(torch.where(x != 0, ...)). An eps on it would turn the record into a huge "
+            "finite value the model trains on")
