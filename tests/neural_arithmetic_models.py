@@ -282,3 +282,8 @@ def make_nalu_converged_add():
 def make_nalu_half():
     """NALU-pytorch's default eps 1e-10, the model cast with ``.half()``."""
     return make_nalu().half()
+
+
+def make_nau_nmu_half():
+    """stable-nalu's NAU -> NMU cast with ``.half()``."""
+    return make_nau_nmu().half()

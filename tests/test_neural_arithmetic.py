@@ -32,10 +32,10 @@ def line_of(text: str) -> str:
 
 
 class Half(M.Arithmetic):
-    """The task's rows in float16 (a half-precision data pipeline)."""
+    """The task's rows cast to float16 (a half-precision data pipeline), targets in float32."""
 
     def __getitem__(self, i):
-        return self.x[i].half(), self.y[i].half()
+        return self.x[i].half(), self.y[i]
 
 
 def train(out_dir, factory: str, data, steps: int = 6, eql: bool = False, reg: float = 0.0,
@@ -156,3 +156,37 @@ def test_an_unprotected_log_unit_of_a_negative_pre_activation_asks_to_clamp_it(t
     assert o["source"] == line_of("log = torch.log(z[:, 6:7])")
     assert "log of a negative number" in rep["hint"], rep["hint"]
     assert "clamp the op's input into its domain" in rep["hint"], rep["hint"]
+
+
+class HalfTargets(M.Arithmetic):
+    """The rows and their targets cast to the half model's dtype."""
+
+    def __getitem__(self, i):
+        return self.x[i].half(), self.y[i].half()
+
+
+def test_an_extrapolation_batch_s_targets_cast_to_float16_name_the_cast(tmp_path):
+    """The extrapolation range's products (up to 1.4e6) cast to float16 are +inf in every row
+    of the fourth batch. The hint spoke only of a teacher's output, a per-batch std of 0 and
+    the data pipeline; the targets are finite data, made infinite by the cast."""
+    ev, rep = event(tmp_path, "make_nau_nmu_half",
+                    HalfTargets(48, big_rows=range(24, 32), big=300.0), sgd=True)
+    assert (ev["step"], ev["phase"]) == (3, "input")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["tensor"], o["made"], o["samples"]) == (
+        True, "input", "loss_args[1]", "+inf", list(range(BS))), rep
+    assert rep["hint"].startswith("loss_args[1] is float16 and holds +Inf but no NaN: "
+                                  "float16's largest value is 65504"), rep["hint"]
+    assert "keep it in float32" in rep["hint"], rep["hint"]
+
+
+def test_a_float16_input_row_beyond_65504_names_the_cast_not_bad_files(tmp_path):
+    """One extrapolation row of the fourth batch, scaled by 1e5, is +inf once the pipeline casts
+    it to float16: an input event on that sample, whose hint names the cast first."""
+    ev, rep = event(tmp_path, "make_nau_nmu_half", Half(48, big_rows=[26], big=1e5), sgd=True)
+    assert (ev["step"], ev["phase"]) == (3, "input")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["made"], o["samples"]) == (
+        True, "input", "+inf", [2]), rep
+    assert "is float16 and holds +Inf but no NaN" in rep["hint"], rep["hint"]
+    assert "a value beyond it becomes +Inf when cast to float16" in rep["hint"], rep["hint"]
