@@ -190,3 +190,20 @@ def test_a_float16_input_row_beyond_65504_names_the_cast_not_bad_files(tmp_path)
         True, "input", "+inf", [2]), rep
     assert "is float16 and holds +Inf but no NaN" in rep["hint"], rep["hint"]
     assert "a value beyond it becomes +Inf when cast to float16" in rep["hint"], rep["hint"]
+
+
+def test_a_gated_out_exp_factor_s_gradient_overflow_says_to_bound_the_exponent(tmp_path):
+    """The same converged NALU on a row of scale 1e8: exp(W log|x|) is 1e32, finite, and the
+    gate of exactly 1 drops it from the output; the gate's gradient, grad * m, overflows in the
+    backward. The hint said only "rescale its inputs (subtract the row max before exp ...) or
+    compute it in float64"; the forward overflow of the same exp says to bound its exponent."""
+    ev, rep = event(tmp_path, "make_nalu_converged_add",
+                    M.Arithmetic(48, big_rows=[26], big=1e8))
+    assert (ev["step"], ev["phase"]) == (3, "backward")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["param"], o["samples"]) == (
+        True, "overflow", "layer_1", "MulBackward0", "layer_1.G", [2]), rep
+    assert o["source"] == line_of("return g * a + (1 - g) * m")
+    assert "a factor an exponential made in the forward" in rep["hint"], rep["hint"]
+    assert "bound the exponent (s.clamp(max=...)" in rep["hint"], rep["hint"]
+    assert "subtract the row max" not in rep["hint"], rep["hint"]
