@@ -287,3 +287,23 @@ def make_nalu_half():
 def make_nau_nmu_half():
     """stable-nalu's NAU -> NMU cast with ``.half()``."""
     return make_nau_nmu().half()
+
+
+def l_half(model: nn.Module):
+    """EQL's L_1/2 sparsity regulariser (Sahoo et al.) over the weight matrices, as written
+    without the smoothing Kim et al. add near 0."""
+    return sum(torch.sum(torch.abs(p) ** 0.5) for n, p in model.named_parameters()
+               if n.endswith("weight"))
+
+
+def trim(model: nn.Module, threshold: float = 0.05):
+    """EQL's trimming phase: weights below the threshold are set to 0 and stay there."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("weight"):
+                p[p.abs() < threshold] = 0.0
+
+
+def eql_loss_sparse(out, target, model, lam: float = 1e-3):
+    """EQL-div's loss plus the L_1/2 regulariser of ``model``'s weights."""
+    return eql_loss(out, target) + lam * l_half(model)

@@ -207,3 +207,33 @@ def test_a_gated_out_exp_factor_s_gradient_overflow_says_to_bound_the_exponent(t
     assert "a factor an exponential made in the forward" in rep["hint"], rep["hint"]
     assert "bound the exponent (s.clamp(max=...)" in rep["hint"], rep["hint"]
     assert "subtract the row max" not in rep["hint"], rep["hint"]
+
+
+def test_an_l_half_penalty_after_trimming_names_the_weights_at_its_pole(tmp_path):
+    """EQL's L_1/2 penalty sum(|w| ** 0.5), given the model in the loss; the loop's trimming
+    phase sets small weights to exactly 0 before the fourth step, whose backward takes
+    0.5 * 0 ** -0.5 = inf. The hint spoke of "a forward that masks the value out ...
+    torch.where(mask, x, 1)": nothing was masked, the weights sit on the power's pole."""
+    model = M.make_eql()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.eql_loss_sparse, out_dir=tmp_path,
+                            factory="neural_arithmetic_models:make_eql") as rec:
+            loader = DataLoader(M.Arithmetic(48, op=torch.div), batch_size=BS)
+            for step, (x, y) in enumerate(loader):
+                if step == 3:
+                    M.trim(model)
+                loss = rec.loss_fn(model(x), y, model)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev, rep = info.value.event, nanreplay_json(info.value.bundle_path)
+    assert (ev["step"], ev["phase"]) == (3, "backward")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["param"]) == (
+        True, "invalid", "<loss>", "PowBackward0", "hidden.linear.weight"), rep
+    assert o["source"] == line_of("return sum(torch.sum(torch.abs(p) ** 0.5)")
+    assert "x ** 0.5 has an infinite derivative at x = 0" in rep["hint"], rep["hint"]
+    assert "entries of a parameter" in rep["hint"], rep["hint"]
+    assert "Leave the zeros out of the term" in rep["hint"], rep["hint"]
+    assert "masks the value out" not in rep["hint"], rep["hint"]
