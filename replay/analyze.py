@@ -24,6 +24,7 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 
 from . import fidelity
 from .ascent import ascent_hint
+from .cast_overflow import data_hint
 from .data_scale import data_scale_hint
 from .derived_input import derived_input_hint
 from .edge_probability import edge_probability_hint
@@ -61,7 +62,6 @@ from .precursors import transient
 from .recorded import (
     batch_non_finite,
     batch_size,
-    input_hint,
     input_origin,
     non_finite_weights,
     scale_of_the_step,
@@ -246,7 +246,7 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
         return written
     if batch_non_finite(step, ("batch/",), nan_only=not _strict(step)):
         o = input_origin(step)
-        return finish(report, o, "input", reproduced=True, hint=input_hint(o, step))
+        return finish(report, o, "input", reproduced=True, hint=data_hint(o, step))
     changed = set(step.meta.get("changed_in_step") or ()) | _late(step)
     if bad_weights and not after_update and set(bad_weights) <= changed:
         return _weights_written_late(report, step)
@@ -285,7 +285,7 @@ def _input_event(report, step: Step) -> dict[str, Any] | None:
         return None if made is RERUN else made
     return finish(report, o, "input", reproduced=True, hint=infinity_the_loss_took(
         step, o) or masked_loss_hint(step, o) or derived_input_hint(step, o)
-        or trained_input_hint(step, o) or input_hint(o, step))
+        or trained_input_hint(step, o) or data_hint(o, step))
 
 
 def _late(step: Step) -> set[str]:
@@ -403,7 +403,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     origin = run1.forward_origin()
     if not _strict(step) and run1.chain()[2]:  # the event's infinity came in with the batch
         o = input_origin(step)
-        return finish(report, o, "input", reproduced=True, hint=input_hint(o, step))
+        return finish(report, o, "input", reproduced=True, hint=data_hint(o, step))
     if run1.error is not None:
         if origin is None and all(run1.loss_finite) and not run1.bad_grads:
             return _failed(report, step, run1, runner)  # before anything went non-finite

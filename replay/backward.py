@@ -28,7 +28,9 @@ from recorder.samples import Samples
 
 from .compat import sequence_nr
 from .copied_rows import CopiedRow, copied_row
+from .exp_factor import huge_exp_factor
 from .factors import at_tie
+from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
 from .ops import OpFinder
@@ -65,6 +67,8 @@ class BackwardOrigin:
     # underflowed (see :func:`from_positive`)
     positive_input: bool = False
     exp_of: torch.Tensor | None = None  # the parameter whose exp that input is (log_std)
+    exp_factor: float | None = None  # a product's huge saved factor from exp (exp_factor)
+    fractional_power: tuple[float, int, bool] | None = None  # |w| ** 0.5 at w = 0
     # a custom autograd.Function's node: the aten op of its own backward code that made the
     # value, and that code's line (the forward line above is where the node was made)
     inner_op: str | None = None
@@ -323,6 +327,8 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
     found.positive_input = from_positive(node)
     found.exp_of = _exp_of(node)
+    found.exp_factor = huge_exp_factor(node)
+    found.fractional_power = fractional_power_at_zero(node)
     found.divisor_of_data = divisor_of_data(node)
     found.constant_zero_divisor = constant_zero_divisor(node)
 

@@ -22,9 +22,11 @@ from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, eps0_text, inf_arith
 from .copied_rows import recause
 from .coupled import coupled_rows
 from .dropped_grads import finite_params_note
+from .exp_factor import exp_factor_hint
 from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, node_sources, with_node
+from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
 from .half_update import half_overflow_why
 from .hyper import decode_non_finite_hyper, non_finite_hyper
@@ -128,6 +130,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
                          underflowed=b.positive_input, dtype=b.dtype)
         cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
         cause.hint = pole_hint(b, cause)
+        cause.hint = exp_factor_hint(b, cause)
+        cause.hint = fractional_power_hint(b, cause)
         return finish(report, {**_backward_fields(b), "phase": "loss"}, cause.name,
                       reproduced=step.event.get("phase") == "loss", hint=cause.hint)
     if differentiates_model(step, mb):  # its autograd.grad needs the forward's graph, which
@@ -378,6 +382,8 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
                      hit=b.hook.op if b.hook is not None else None)
     cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
     cause.hint = pole_hint(b, cause)
+    cause.hint = exp_factor_hint(b, cause)
+    cause.hint = fractional_power_hint(b, cause)
     if b.hook is not None:
         cause.hint = hook_hint(b, cause.hint)
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
