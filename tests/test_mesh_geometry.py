@@ -1,0 +1,186 @@
+"""End to end on differentiable mesh and point-cloud geometry (``mesh_geometry_models``): point
+completion with PCN's square-rooted chamfer distance over ChamferDistancePytorch's expanded
+``|x|² + |y|² − 2 x·y``, Pixel2Mesh-style template deformation regularised by pytorch3d's
+cotangent Laplacian, face normals of batched meshes whose faces are padded with vertex 0, and
+an IGR-style SDF trained with the eikonal term behind a bounding-box clamp. Each is trained
+under the recorder until a planted bug of the domain fires, then replayed with the CLI; the
+healthy versions train without an event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mesh_geometry_models as M
+import pytest
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+FACTORY = "mesh_geometry_models:"
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # mesh_geometry_models.py is trusted here
+
+
+def line_of(text: str) -> str:
+    lines = (HERE / "mesh_geometry_models.py").read_text().splitlines()
+    return "mesh_geometry_models.py:" + str(
+        next(i for i, line in enumerate(lines, 1) if text in line))
+
+
+def _origin(rep: dict) -> tuple:
+    o = rep["origin"]
+    return (rep["reproduced"], rep["event"]["step"], o["phase"], o["module"], o["op"],
+            o["samples"], rep["cause"])
+
+
+def train_completion(out_dir, loss_fn, steps: int = 4) -> list[float]:
+    """PCN's loop: Adam with a step decay, complete clouds from a DataLoader of partial scans
+    (a cropped subset of the complete cloud, as ShapeNet-part completion crops them)."""
+    g = torch.Generator().manual_seed(0)
+    data = [M.completion_batch(g) for _ in range(steps)]
+    loader = torch.utils.data.DataLoader(
+        [(p, c) for ps, cs in data for p, c in zip(ps, cs)], batch_size=4)
+    model = M.make_completion()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    losses = []
+    with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                        factory=FACTORY + "make_completion") as rec:
+        for partial, gt in loader:
+            loss = rec.loss_fn(model(partial), gt)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+    return losses
+
+
+def train_deform(out_dir, loss_fn, sliver_at: int | None, steps: int = 4) -> list[float]:
+    """Pixel2Mesh's loop over shapes: a random shape code and target points per step, the
+    template (or its copy with a collapsed face) deformed by the predicted offsets."""
+    g = torch.Generator().manual_seed(0)
+    model = M.make_deformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    verts, faces = M.grid_mesh()
+    losses = []
+    with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                        factory=FACTORY + "make_deformer") as rec:
+        for step in range(steps):
+            v, f = M.sliver(verts, faces) if step == sliver_at else (verts, faces)
+            code, target = torch.randn(1, 8, generator=g), torch.rand(40, 3, generator=g)
+            loss = rec.loss_fn(model(v, code), f, target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+def train_normals(out_dir, padded_at: int | None, steps: int = 4) -> list[float]:
+    """Batched meshes of different face counts, padded to one (B, F, 3) face tensor with
+    vertex 0 (``faces_padded`` filled with 0 instead of pytorch3d's -1) and a face mask."""
+    g = torch.Generator().manual_seed(0)
+    model = M.make_normal_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
+    verts, faces = M.grid_mesh()
+    up = torch.tensor([0.0, 0.0, 1.0]).expand(4, faces.shape[0], 3)
+    losses = []
+    with FlightRecorder(model, opt, loss_fn=M.normal_loss, out_dir=out_dir,
+                        factory=FACTORY + "make_normal_net") as rec:
+        for step in range(steps):
+            v = verts.expand(4, -1, -1) + 0.01 * torch.randn(4, verts.shape[0], 3, generator=g)
+            f, mask = faces.expand(4, -1, -1).clone(), torch.ones(4, faces.shape[0])
+            if step == padded_at:  # mesh 1 has three faces fewer: padded rows (0, 0, 0)
+                f[1, -3:], mask[1, -3:] = 0, 0.0
+            loss = rec.loss_fn(model(v), f, mask, up)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+def train_sdf(out_dir, loss_fn, steps: int = 4, outside: list | None = None) -> list[float]:
+    """IGR's loop: surface and free-space points, the free ones drawn from a box of 1.5 past
+    the encoding's [-1, 1] clamp from step 2 on (a few land outside it on every axis, where
+    the SDF's gradient is exactly 0)."""
+    g = torch.Generator().manual_seed(0)
+    model = M.make_sdf()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    losses = []
+    with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                        factory=FACTORY + "make_sdf") as rec:
+        for step in range(steps):
+            x, gt, on = M.sdf_batch(g, box=1.5 if step >= 2 else 1.0)
+            if outside is not None:
+                outside.append(int((x.abs() > 1).all(-1).sum()))
+            x.requires_grad_(True)
+            loss = rec.loss_fn(model(x), x, gt, on)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_chamfer_sqrt_of_the_expanded_distance_of_a_kept_input_point_is_precision(tmp_path):
+    # the partial scan's points are in the output and in the complete cloud: their squared
+    # distance |x|² + |y|² − 2 x·y is 0 in exact arithmetic and rounds to -2e-7 in float32
+    with pytest.raises(NonFiniteError) as info:
+        train_completion(tmp_path, M.chamfer_l1)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (True, 0, "loss", "<loss>", "aten.sqrt", [0, 1, 2, 3],
+                            "precision"), rep
+    assert rep["origin"]["source"] == line_of("return (torch.sqrt(d1).mean(1)"), rep["origin"]
+    assert "sqrt of a negative number" in rep["hint"], rep["hint"]
+    assert "clamp to the domain before the op" in rep["hint"], rep["hint"]
+
+
+def test_padded_faces_of_vertex_0_name_the_normals_0_over_0_on_that_mesh(tmp_path):
+    # a face (0, 0, 0) has a zero cross product: n / |n| is 0/0 on mesh 1 only, and the face
+    # mask's 0 after it does not remove a NaN
+    with pytest.raises(NonFiniteError) as info:
+        train_normals(tmp_path, padded_at=2)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (True, 2, "loss", "<loss>", "aten.div", [1], "invalid"), rep
+    assert rep["origin"]["source"] == line_of("return n / n.norm(dim=-1, keepdim=True)")
+    assert "0/0" in rep["hint"] and "add an eps" in rep["hint"], rep["hint"]
+
+
+def test_cot_laplacian_without_the_area_clamp_names_the_collapsed_faces_pole(tmp_path):
+    # pytorch3d clamps Heron's area at 1e-12; without it a zero-area face's cot is x/0
+    with pytest.raises(NonFiniteError) as info:
+        train_deform(tmp_path, M.deform_loss_unclamped, sliver_at=0)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep)[:-2] == (True, 0, "loss", "<loss>", "aten.div"), rep
+    assert (rep["origin"]["made"], rep["cause"]) == ("+inf", "invalid"), rep
+    assert rep["origin"]["source"] == line_of("cota = (B2 + C2 - A2) / area"), rep["origin"]
+    assert "by 0" in rep["hint"] and "add an eps" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("run", ["chamfer_clamped", "deform_clamped", "normals_unpadded",
+                                 "eikonal_outside_the_clamp", "eikonal_norm"])
+def test_healthy_mesh_losses_train_without_an_event(tmp_path, run):
+    # the clamped chamfer and Laplacian, meshes without padded faces, and the eikonal term's
+    # sqrt at a gradient of exactly 0 (points outside the clamp): its NaN derivative is
+    # dropped by the clamp's backward, so every parameter's gradient is finite
+    outside: list[int] = []
+    losses = {
+        "chamfer_clamped": lambda: train_completion(tmp_path, M.chamfer_l1_clamped),
+        "deform_clamped": lambda: train_deform(tmp_path, M.deform_loss, sliver_at=1),
+        "normals_unpadded": lambda: train_normals(tmp_path, padded_at=None),
+        "eikonal_outside_the_clamp": lambda: train_sdf(tmp_path, M.sdf_loss, outside=outside),
+        "eikonal_norm": lambda: train_sdf(tmp_path, M.sdf_loss_norm),
+    }[run]()
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), losses
+    assert not list(tmp_path.glob("*.nan"))
+    if run == "eikonal_outside_the_clamp":  # (the zero gradients were there)
+        assert outside[:2] == [0, 0] and min(outside[2:]) > 0, outside
