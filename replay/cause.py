@@ -45,7 +45,7 @@ import torch
 
 from recorder.finite import label
 
-from . import cancellation, domains, lost_eps, residue, saturation, upstream
+from . import cancellation, domains, lost_eps, residue, root_floor, saturation, upstream
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -144,8 +144,7 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         found.name, hit.evidence, _autocast(runner, micro_batch, phase)))
 
 
-# ---------------------------------------------------------------------------------------------
-# deciding from the evidence
+# deciding from the evidence ---------------------------------------------------------------
 
 
 def _advice(situation: str) -> str:
@@ -209,7 +208,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
-                     f"not cross{how}: " + _advice(situation))
+                     f"not cross{how}: " + _advice(situation) + root_floor.advice(name, moved))
     if said := saturation.rounded_hint(what, ev) or cancellation.rounded_hint(name, what, ev):
         return Cause("precision", said)
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None

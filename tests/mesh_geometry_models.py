@@ -264,3 +264,23 @@ def sdf_batch(g: torch.Generator, n: int = 64, box: float = 1.0):
     gt = x.norm(dim=-1) - 0.5
     on = torch.arange(2 * n) < n
     return x, gt, on
+
+
+def adjacent_faces(faces):
+    """Pairs of faces sharing an edge (pytorch3d's normal consistency walks the same pairs)."""
+    edges = {}
+    for i, f in enumerate(faces.tolist()):
+        for a, b in ((f[0], f[1]), (f[1], f[2]), (f[2], f[0])):
+            edges.setdefault((min(a, b), max(a, b)), []).append(i)
+    return torch.tensor([p for p in edges.values() if len(p) == 2])
+
+
+def dihedral_loss(verts, faces, target):
+    """Chamfer to the target plus the mean dihedral angle between adjacent faces' normals,
+    ``acos`` of their cosine (the angle form of normal consistency)."""
+    d1, d2 = dist_chamfer(verts[None], target[None])
+    n = F.normalize(torch.cross(verts[faces[:, 1]] - verts[faces[:, 0]],
+                                verts[faces[:, 2]] - verts[faces[:, 0]], dim=-1), dim=-1)
+    pairs = adjacent_faces(faces)
+    cos = (n[pairs[:, 0]] * n[pairs[:, 1]]).sum(-1)
+    return d1.mean() + d2.mean() + 0.01 * torch.acos(cos).mean()

@@ -61,12 +61,15 @@ def train_completion(out_dir, loss_fn, steps: int = 4) -> list[float]:
     return losses
 
 
-def train_deform(out_dir, loss_fn, sliver_at: int | None, steps: int = 4) -> list[float]:
+def train_deform(out_dir, loss_fn, sliver_at: int | None, steps: int = 4,
+                 sgd: bool = False) -> list[float]:
     """Pixel2Mesh's loop over shapes: a random shape code and target points per step, the
-    template (or its copy with a collapsed face) deformed by the predicted offsets."""
+    template (or its copy with a collapsed face) deformed by the predicted offsets; Adam, or
+    the pytorch3d tutorial's SGD with momentum 0.9 (at half its lr of 1.0)."""
     g = torch.Generator().manual_seed(0)
     model = M.make_deformer()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9) if sgd else
+           torch.optim.Adam(model.parameters(), lr=1e-2))
     verts, faces = M.grid_mesh()
     losses = []
     with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
@@ -141,7 +144,11 @@ def test_chamfer_sqrt_of_the_expanded_distance_of_a_kept_input_point_is_precisio
                             "precision"), rep
     assert rep["origin"]["source"] == line_of("return (torch.sqrt(d1).mean(1)"), rep["origin"]
     assert "sqrt of a negative number" in rep["hint"], rep["hint"]
-    assert "clamp to the domain before the op" in rep["hint"], rep["hint"]
+    # (was: only "clamp to the domain before the op": clamp_min(0) leaves sqrt at 0, where
+    # its gradient is infinite for a point that requires grad)
+    assert "float64 has exactly 0 there" in rep["hint"], rep["hint"]
+    assert "d.clamp_min(1e-12).sqrt()), not to 0" in rep["hint"], rep["hint"]
+    assert "vector_norm(x - y" in rep["hint"], rep["hint"]
 
 
 def test_padded_faces_of_vertex_0_name_the_normals_0_over_0_on_that_mesh(tmp_path):
@@ -164,6 +171,36 @@ def test_cot_laplacian_without_the_area_clamp_names_the_collapsed_faces_pole(tmp
     assert (rep["origin"]["made"], rep["cause"]) == ("+inf", "invalid"), rep
     assert rep["origin"]["source"] == line_of("cota = (B2 + C2 - A2) / area"), rep["origin"]
     assert "by 0" in rep["hint"] and "add an eps" in rep["hint"], rep["hint"]
+
+
+def test_dihedral_angle_of_coplanar_faces_is_acos_at_1_in_the_backward(tmp_path):
+    # the template is flat: adjacent unit normals are equal, cos is exactly 1, acos is 0 in
+    # the forward and its derivative -1/sqrt(1 - cos²) is -inf
+    with pytest.raises(NonFiniteError) as info:
+        train_deform(tmp_path, M.dihedral_loss, sliver_at=None)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep)[:5] == (True, 0, "backward", "<loss>", "AcosBackward0"), rep
+    assert (rep["origin"]["made"], rep["cause"]) == ("-inf", "invalid"), rep
+    assert rep["origin"]["source"] == line_of("0.01 * torch.acos(cos).mean()"), rep["origin"]
+    assert "exactly +-1" in rep["hint"] and "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"]
+
+
+def test_a_laplacian_row_sum_rounded_to_0_under_torch_where_asks_for_a_safe_input(tmp_path):
+    # the tutorial's SGD diverges (loss 0.5, 14, 56, 4e5, 1e17); at step 5 a vertex's cot
+    # weights cancel to 0 in float32 (2 in float64): torch.where(w > 0, 1 / w, w) keeps the
+    # 0, but its backward multiplies the 1/0 branch's inf by the gradient 0 it sends there
+    with pytest.raises(NonFiniteError) as info:
+        train_deform(tmp_path, M.deform_loss, sliver_at=None, steps=8, sgd=True)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep)[:5] == (True, 5, "backward", "<loss>", "ReciprocalBackward0"), rep
+    assert rep["origin"]["source"] == line_of("norm_w = torch.where(norm_w > 0, 1.0 / norm_w")
+    assert rep["cause"] == "precision", rep
+    assert "made by aten.reciprocal" in rep["hint"], rep["hint"]
+    # (was: only the cancellation advice, a stable formula or a clamp, and no word that the
+    # torch.where after the op is what sent the gradient through the 1/0)
+    assert "still send the gradient through both branches" in rep["hint"], rep["hint"]
+    assert "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
+    assert {p["kind"] for p in rep["precursors"]} >= {"loss_jump", "grad_norm_jump"}, rep
 
 
 @pytest.mark.parametrize("run", ["chamfer_clamped", "deform_clamped", "normals_unpadded",
