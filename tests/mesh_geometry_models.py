@@ -284,3 +284,50 @@ def dihedral_loss(verts, faces, target):
     pairs = adjacent_faces(faces)
     cos = (n[pairs[:, 0]] * n[pairs[:, 1]]).sum(-1)
     return d1.mean() + d2.mean() + 0.01 * torch.acos(cos).mean()
+
+
+def uniform_laplacian_loss(verts, edges, target):
+    """Chamfer to the targets plus the uniform Laplacian of padded meshes (B, V, 3) with
+    edges (B, E, 2): each vertex against the mean of its neighbours, the degree counted from
+    the edges (``mesh_laplacian_smoothing(method="uniform")`` batched by hand)."""
+    b, v, _ = verts.shape
+    adj = torch.zeros(b, v, v)
+    bi = torch.arange(b)[:, None].expand_as(edges[..., 0])
+    adj[bi, edges[..., 0], edges[..., 1]] = 1.0
+    adj[bi, edges[..., 1], edges[..., 0]] = 1.0
+    deg = adj.sum(-1, keepdim=True)
+    lap = adj @ verts / deg - verts
+    d1, d2 = dist_chamfer(verts, target)
+    return d1.mean() + d2.mean() + lap.norm(dim=-1).mean()
+
+
+class NormalizedDeformer(nn.Module):
+    """Offsets predicted along each vertex's direction from the centroid, normalised without
+    an eps (a template vertex at the centroid is 0/0)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 1))
+
+    def forward(self, verts):
+        d = verts - verts.mean(dim=-2, keepdim=True)
+        return verts + 0.1 * self.mlp(verts) * d / d.norm(dim=-1, keepdim=True)
+
+
+def make_normalized_deformer() -> NormalizedDeformer:
+    torch.manual_seed(0)
+    return NormalizedDeformer()
+
+
+def sampled_chamfer(verts, faces, target, n: int = 64):
+    """pytorch3d's ``sample_points_from_meshes`` then chamfer: faces drawn by area with
+    ``multinomial``, a point in each by uniform barycentric coordinates."""
+    v = verts[:, faces]
+    area = torch.cross(v[:, :, 1] - v[:, :, 0], v[:, :, 2] - v[:, :, 0], dim=-1).norm(dim=-1)
+    idx = area.multinomial(n, replacement=True)
+    u, w = torch.rand(2, *idx.shape, 1).unbind(0)
+    us = u.sqrt()
+    tri = torch.gather(v, 1, idx[..., None, None].expand(-1, -1, 3, 3))
+    pts = (1 - us) * tri[:, :, 0] + us * (1 - w) * tri[:, :, 1] + us * w * tri[:, :, 2]
+    d1, d2 = dist_chamfer(pts, target)
+    return d1.mean() + d2.mean()

@@ -203,6 +203,67 @@ def test_a_laplacian_row_sum_rounded_to_0_under_torch_where_asks_for_a_safe_inpu
     assert {p["kind"] for p in rep["precursors"]} >= {"loss_jump", "grad_norm_jump"}, rep
 
 
+def test_faces_drawn_from_nan_areas_name_the_models_0_over_0_and_the_loss_that_raised(
+        tmp_path):
+    # the clean 3 x 3 template (no jitter) has its vertex 4 at the centroid: the direction
+    # d / |d| is 0/0 there, the areas NaN, and multinomial raises in the loss before the
+    # recorder's check; the recorder writes the bundle and notes it on the RuntimeError
+    g = torch.Generator().manual_seed(0)
+    model = M.make_normalized_deformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    verts, faces = M.grid_mesh(3)
+    with pytest.raises(RuntimeError, match="multinomial") as info:
+        with FlightRecorder(model, opt, loss_fn=M.sampled_chamfer, out_dir=tmp_path,
+                            factory=FACTORY + "make_normalized_deformer") as rec:
+            for step in range(4):
+                v = verts.expand(2, -1, -1) + 0.01 * torch.randn(2, 9, 3, generator=g)
+                if step == 2:
+                    v[1] = verts
+                target = torch.rand(2, 30, 3, generator=g)
+                loss = rec.loss_fn(model(v), faces, target)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    bundle = next(tmp_path.glob("*.nan"))
+    assert str(bundle) in " ".join(getattr(info.value, "__notes__", [])), info.value
+    rep = nanreplay_json(bundle)
+    assert _origin(rep) == (True, 2, "forward", "", "aten.div", [1], "invalid"), rep
+    assert rep["origin"]["source"] == line_of("* d / d.norm(dim=-1, keepdim=True)")
+    assert "0/0" in rep["hint"] and "add an eps" in rep["hint"], rep["hint"]
+    # (was: "the model's code raised ...", with no line: the loss raised, at its multinomial)
+    note = next(p for p in rep["problems"] if "code raised" in p)
+    assert note.startswith("the loss function's code raised RuntimeError: invalid multinomial")
+    assert line_of("idx = area.multinomial(n, replacement=True)") in note, note
+
+
+def test_padded_vertices_of_a_batched_uniform_laplacian_name_the_mesh_they_pad(tmp_path):
+    # mesh 3 of the step-2 batch has 12 of the 16 vertices: its 4 padded vertices have no
+    # edge, degree 0, and adj @ verts / deg is 0/0 in that mesh's rows only
+    g = torch.Generator().manual_seed(0)
+    model = M.make_normal_net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    verts, faces = M.grid_mesh()
+    e = torch.cat([faces[:, [0, 1]], faces[:, [1, 2]], faces[:, [2, 0]]])
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.uniform_laplacian_loss, out_dir=tmp_path,
+                            factory=FACTORY + "make_normal_net") as rec:
+            for step in range(4):
+                v = verts.expand(4, -1, -1) + 0.01 * torch.randn(4, 16, 3, generator=g)
+                edges = e.expand(4, -1, -1).clone()
+                if step == 2:  # the edges into the padding repeat a real edge instead
+                    keep = (edges[3] < 12).all(-1)
+                    edges[3] = torch.where(keep[:, None], edges[3], edges[3][keep][0])
+                    v[3, 12:] = 0.0
+                loss = rec.loss_fn(model(v), edges, torch.rand(4, 30, 3, generator=g))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (True, 2, "loss", "<loss>", "aten.div", [3], "invalid"), rep
+    assert rep["origin"]["source"] == line_of("lap = adj @ verts / deg - verts")
+    assert "0/0" in rep["hint"] and "add an eps" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("run", ["chamfer_clamped", "deform_clamped", "normals_unpadded",
                                  "eikonal_outside_the_clamp", "eikonal_norm"])
 def test_healthy_mesh_losses_train_without_an_event(tmp_path, run):
