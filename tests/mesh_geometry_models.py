@@ -76,6 +76,18 @@ def chamfer_l1_clamped(pred, gt):
     return (torch.sqrt(d1).mean(1) + torch.sqrt(d2).mean(1)).mean() / 2
 
 
+def chamfer_l1_clamped0(pred, gt):
+    """The same clamped at the domain's edge 0: finite, but sqrt's gradient there is not."""
+    d1, d2 = dist_chamfer(pred, gt)
+    d1, d2 = d1.clamp_min(0), d2.clamp_min(0)
+    return (d1.sqrt().mean(1) + d2.sqrt().mean(1)).mean() / 2
+
+
+def deform_chamfer_l1(verts, faces, target):
+    """PCN's CD_L1 clamped at 0 between a deformed mesh's vertices and target points."""
+    return chamfer_l1_clamped0(verts[None], target[None])
+
+
 def completion_batch(g: torch.Generator, b: int = 4, n: int = 48, keep: int = 24):
     """Complete clouds on a noisy sphere; the partial scan is a subset of the complete one."""
     gt = F.normalize(torch.randn(b, n, 3, generator=g), dim=-1)

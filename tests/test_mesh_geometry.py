@@ -62,7 +62,7 @@ def train_completion(out_dir, loss_fn, steps: int = 4) -> list[float]:
 
 
 def train_deform(out_dir, loss_fn, sliver_at: int | None, steps: int = 4,
-                 sgd: bool = False) -> list[float]:
+                 sgd: bool = False, on_template: bool = False) -> list[float]:
     """Pixel2Mesh's loop over shapes: a random shape code and target points per step, the
     template (or its copy with a collapsed face) deformed by the predicted offsets; Adam, or
     the pytorch3d tutorial's SGD with momentum 0.9 (at half its lr of 1.0)."""
@@ -77,6 +77,8 @@ def train_deform(out_dir, loss_fn, sliver_at: int | None, steps: int = 4,
         for step in range(steps):
             v, f = M.sliver(verts, faces) if step == sliver_at else (verts, faces)
             code, target = torch.randn(1, 8, generator=g), torch.rand(40, 3, generator=g)
+            if on_template:  # scanned points on the template's first two rows
+                target[:8] = v[:8]
             loss = rec.loss_fn(model(v, code), f, target)
             opt.zero_grad()
             loss.backward()
@@ -149,6 +151,20 @@ def test_chamfer_sqrt_of_the_expanded_distance_of_a_kept_input_point_is_precisio
     assert "float64 has exactly 0 there" in rep["hint"], rep["hint"]
     assert "d.clamp_min(1e-12).sqrt()), not to 0" in rep["hint"], rep["hint"]
     assert "vector_norm(x - y" in rep["hint"], rep["hint"]
+
+
+def test_chamfer_clamped_at_0_is_sqrts_backward_pole_where_a_vertex_is_on_its_target(
+        tmp_path):
+    # the fix "clamp to the domain" taken literally: clamp_min(0) keeps the forward finite,
+    # but the zero-initialised offsets leave vertices 0-7 exactly on target points, where
+    # sqrt's derivative is infinite (why the precision hint above asks for a floor above 0)
+    with pytest.raises(NonFiniteError) as info:
+        train_deform(tmp_path, M.deform_chamfer_l1, sliver_at=None, on_template=True)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (True, 0, "backward", "<loss>", "SqrtBackward0",
+                            list(range(8)), "invalid"), rep
+    assert rep["origin"]["source"] == line_of("return (d1.sqrt().mean(1)"), rep["origin"]
+    assert "vector_norm(d, dim=-1)" in rep["hint"] and "sqrt(x + eps)" in rep["hint"]
 
 
 def test_padded_faces_of_vertex_0_name_the_normals_0_over_0_on_that_mesh(tmp_path):
