@@ -59,6 +59,7 @@ from .origins import (
 )
 from .param_writes import number_note
 from .precursors import transient
+from .raised_note import raised_note
 from .recorded import (
     batch_non_finite,
     batch_size,
@@ -407,9 +408,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     if run1.error is not None:
         if origin is None and all(run1.loss_finite) and not run1.bad_grads:
             return _failed(report, step, run1, runner)  # before anything went non-finite
-        report["problems"].append(
-            f"the model's code raised {run1.raised} in the re-run (likely as it did in "
-            "training): the replay covers the step up to there")
+        report["problems"].append(raised_note(run1))
     if origin is not None and not run1.loss_first(origin):
         return add_iterates_note(report_forward(report, step, runner, run1, origin), run1)
     if run1.loss_finite and not all(run1.loss_finite):

@@ -45,7 +45,7 @@ import torch
 
 from recorder.finite import label
 
-from . import cancellation, domains, lost_eps, residue, saturation, upstream
+from . import cancellation, domains, lost_eps, residue, root_floor, saturation, upstream
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -144,8 +144,7 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         found.name, hit.evidence, _autocast(runner, micro_batch, phase)))
 
 
-# ---------------------------------------------------------------------------------------------
-# deciding from the evidence
+# deciding from the evidence ---------------------------------------------------------------
 
 
 def _advice(situation: str) -> str:
@@ -208,7 +207,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
         return Cause("precision", saturation.in_type_hint(name, what + seen, dt, ev) or (
             f"{what}{seen}: no value left {dt}'s range, but rounding pushed the input across the "
-            f"domain edge, which exact arithmetic does not cross{how}: " + _advice(situation)))
+            f"domain edge, which exact arithmetic does not cross{how}: " + _advice(situation)
+            + root_floor.advice(name, moved)))
     if said := saturation.rounded_hint(name, what, ev) or cancellation.rounded_hint(
             name, what, ev):
         return Cause("precision", said)

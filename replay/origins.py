@@ -38,6 +38,7 @@ from .loss_args import loss_args, loss_samples
 from .loss_grad import node_in_loss, probed_report
 from .loss_maker import made_in_loss
 from .losses import held_state_cause, non_finite_loss_state
+from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder
@@ -370,6 +371,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
         hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, made by "
                 f"{hit.op} at {hit.source} and carried without a non-finite output "
                 f"(saturated, masked or dropped); there: {cause.hint}")
+        hint = with_masked_pole(hint, hit.op, hit.made, cause.name)
         return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
     if b.saved == "nan" and allowed_nan_held(runner.step):
         # no op made it: a missing value of an allow_nan input, masked after it was used
