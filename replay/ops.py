@@ -314,6 +314,7 @@ class OpFinder:
         if weights_only:  # (and a complex result itself, which ``outs`` holds as a real view)
             for t in outs + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:
                 self._of_weights.add(t)
+        self.saturation.track_softmax(name, ins, outs, leaves)  # (its -inf entries too)
         if not in_finite:
             if self.state and not weights_only and self.first_met is None:
                 self._meet(name, outs)

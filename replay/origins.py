@@ -15,7 +15,7 @@ from recorder.capture import tensor_leaves
 from recorder.finite import finite, kind_of, label, tensors_kind
 from recorder.inner_optim import put_state, state_items
 
-from . import outside, summed_grads, through_time
+from . import below_one, outside, summed_grads, through_time
 from .backward import find_backward_origin
 from .cause import classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, eps0_text, inf_arith
@@ -122,6 +122,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                          underflowed=b.positive_input, dtype=b.dtype)
         cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
+        cause = below_one.recause(cause, b.node, b.complement, b.saved_zero)
         cause.hint = pole_hint(b, cause)
         return finish(report, {**_backward_fields(b), "phase": "loss"}, cause.name,
                       reproduced=step.event.get("phase") == "loss", hint=cause.hint)
@@ -371,6 +372,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
                      underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype,
                      hit=b.hook.op if b.hook is not None else None)
     cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
+    cause = below_one.recause(cause, b.node, b.complement, b.saved_zero)
     cause.hint = pole_hint(b, cause)
     if b.hook is not None:
         cause.hint = hook_hint(b, cause.hint)
