@@ -22,17 +22,14 @@ while it ran) and a re-run of the step in float64 tell the causes apart:
 - the op was given infinities (a ``-inf`` mask) and made NaN (inf - inf, softmax of an all
   ``-inf`` row): ``invalid``.
 
-A backward origin is ``invalid`` when the float64 re-run's gradients are non-finite too (the
-derivative has a pole there: sqrt at 0). When they are finite and an op with a pole saved an
-exact 0: ``underflow`` when that input came from exp, softmax or sigmoid of a finite argument
-(viewed, gathered, sliced, divided: sqrt(exp(-120)), positive in exact arithmetic), else
-``precision`` (rounding put its input on the pole: sqrt(1 - sigmoid(20)) at 0 in float32).
-Otherwise ``overflow``. Without an op (none found), the float64 re-run alone decides:
-``invalid`` or ``overflow``.
-
-The float64 re-run is :mod:`replay.float64_step`'s. Where the model refuses float64 (a kernel
-for half types only, a dtype check), the op computed alone in float64 can still say
-``overflow``; else the cause is left open (``None``) and the hint says why.
+A backward origin is ``invalid`` when the float64 re-run's gradients are non-finite too (a
+pole: sqrt at 0; but 1 - y of a y below 1, rounded to 0, is ``precision``: replay.below_one).
+When finite and an op with a pole saved an exact 0: ``underflow`` when that input came from
+exp, softmax or sigmoid of a finite argument (sqrt(exp(-120))), else ``precision`` (rounding
+put it on the pole: sqrt(1 - sigmoid(20)) in float32). Otherwise ``overflow``; without an op,
+the float64 re-run alone decides. That re-run is :mod:`replay.float64_step`'s; where the model
+refuses float64 (a half-only kernel), the op alone in float64 can still say ``overflow``, else
+the cause is left open (``None``) and the hint says why.
 """
 
 from __future__ import annotations
@@ -196,6 +193,8 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         also = "" if rounded else ", and below float64's range as well"
         return Cause("underflow", f"{what}: that 0 came from {src}; it underflowed in "
                      f"{_type(ev.input_dtypes[zero_from_exp[0]])}{also}: " + DO["log_space"])
+    if said := saturation.rounded_hint(what, ev, still):  # (before a generic precision)
+        return Cause("precision", said)
     if rounded or (rounded is None and not still):
         if rounded is None and any(bool((v == 0).any()) for v in ev.inputs):
             return Cause("underflow", f"{what}: float64 keeps the step finite, so that 0 is "
@@ -210,7 +209,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
                      f"not cross{how}: " + _advice(situation))
-    if said := saturation.rounded_hint(what, ev) or cancellation.rounded_hint(name, what, ev):
+    if said := cancellation.rounded_hint(name, what, ev):
         return Cause("precision", said)
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:

@@ -138,17 +138,19 @@ def _scalars(leaves: list) -> list[float]:
     return [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
-def hint(what: str) -> str:
-    """The ``precision`` hint of an op at its pole whose 0 input is such a complement."""
+def hint(what: str, too: bool = True) -> str:
+    """The ``precision`` hint of an op at its pole whose 0 input is such a complement;
+    ``too``: the float64 re-run rounded y to 1 as well."""
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over two "
             "or more entries) that exact arithmetic keeps below 1 for every finite argument, "
-            "rounded to 1 in float64 too: " + STABLE)
+            + ("rounded to 1 in float64 too: " if too else
+               "rounded to 1 (float64 keeps it below 1, which only moves the edge): ") + STABLE)
 
 
-def rounded_hint(what: str, ev) -> str | None:
+def rounded_hint(what: str, ev, too: bool = True) -> str | None:
     """:func:`hint` when an input of the op (its :class:`~replay.hits.Evidence` ``ev``) is a
     complement that rounding made 0 (:func:`rounded_zero`), else None."""
-    return hint(what) if rounded_zero(ev.inputs, ev.complement) else None
+    return hint(what, too) if rounded_zero(ev.inputs, ev.complement) else None
 
 
 def rounded_zero(inputs: list[torch.Tensor], complement: list[bool]) -> bool:

@@ -222,3 +222,15 @@ def make_ranker() -> nn.Module:
 
 def ranked_loss(sorted_targets, targets):
     return F.mse_loss(sorted_targets, targets.sort(-1, descending=True).values)
+
+
+def unlikelihood_loss(logits, wrong):
+    """Welleck et al.'s unlikelihood term: push the probability of the classes marked wrong
+    to 0 with ``-log(1 - p)``; their code clamps ``1 - p`` at 1e-5 first."""
+    p = F.softmax(logits, dim=-1)
+    return -(torch.log(1 - p) * wrong).sum(-1).mean()
+
+
+def unlikelihood_loss_clamped(logits, wrong):
+    p = F.softmax(logits, dim=-1)
+    return -(torch.log((1 - p).clamp(min=1e-5)) * wrong).sum(-1).mean()

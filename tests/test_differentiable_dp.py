@@ -29,12 +29,13 @@ def line_of(text: str) -> int:
 
 
 def train(out_dir, factory: str, loss_fn, batches, opt=torch.optim.Adam, lr: float = 1e-2,
-          anneal=None) -> NonFiniteError | None:
+          anneal=None, decay: float = 0.9) -> NonFiniteError | None:
     """``factory``'s model trained on ``batches`` (forward arguments, loss arguments) under
-    the recorder, with a StepLR schedule; ``anneal(model, step)`` sets the temperature."""
+    the recorder, with a StepLR schedule (``decay`` every 2 steps); ``anneal(model, step)``
+    sets the temperature."""
     model = getattr(M, factory)()
     optimizer = opt(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=decay)
     try:
         with FlightRecorder(model, optimizer, loss_fn=loss_fn, out_dir=out_dir,
                             factory=f"differentiable_dp_models:{factory}") as rec:
@@ -130,6 +131,31 @@ def test_relaxed_topk_log_of_one_minus_a_rounded_softmax_is_precision(tmp_path):
 
 def test_relaxed_topk_with_the_clamp_raises_nothing(tmp_path):
     assert train(tmp_path, "make_l2x_clamped", F.cross_entropy, l2x_batches(8)) is None
+
+
+def test_unlikelihood_of_a_softmax_rounded_to_one_is_precision_not_a_variance(tmp_path):
+    """The relaxed top-k selector (clamped) trained with the unlikelihood loss
+    -log(1 - softmax(logits)) of the wrong class: at step 20 row 4's right class has p = 1.0
+    in float32 (float64 keeps it below 1), log(0) is -inf, and ``* wrong`` makes it NaN
+    (log is taken of every class, the mask comes after). The report said
+    'precision ... (catastrophic cancellation, as in a variance E[x²] − E[x]²)'; the 0 is
+    1 - p of a softmax below 1 in exact arithmetic: its stable complement or the clamp."""
+    def batches(steps: int = 26):
+        for (x, gumbel), (y,) in l2x_batches(steps):
+            yield (x, gumbel), (F.one_hot(1 - y, 2).float(),)
+    err = train(tmp_path, "make_l2x_clamped", M.unlikelihood_loss, batches(), lr=0.05,
+                decay=1.0)
+    assert err is not None and (err.event["step"], err.event["phase"]) == (20, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "precision", "<loss>", "aten.log", "-inf", [4]), rep
+    assert o["source"] == f"differentiable_dp_models.py:{line_of('torch.log(1 - p) * wrong')}"
+    assert "a softmax over two or more entries" in rep["hint"], rep["hint"]
+    assert "float64 keeps it below 1" in rep["hint"] and "clamp_min" in rep["hint"], rep["hint"]
+    assert "variance" not in rep["hint"], rep["hint"]
+    assert train(tmp_path / "clamped", "make_l2x_clamped", M.unlikelihood_loss_clamped,
+                 batches(), lr=0.05, decay=1.0) is None
 
 
 # -- Gumbel-Sinkhorn and NeuralSort -----------------------------------------------------------
