@@ -285,8 +285,8 @@ class OpFinder:
     def positive(self, t: torch.Tensor) -> bool:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed.
         Seen run here, or, for a value made before (the model output a loss takes), on its
-        autograd graph."""
-        return t in self._positive or made_sign(t.grad_fn) > 0  # (sums need the sign)
+        autograd graph (not where exp here had -inf: partly positive, whose graph says all)."""
+        return t in self._positive or self.partly.mask(t) is None and made_sign(t.grad_fn) > 0
 
     def mark_made_by(self, fn, t: torch.Tensor) -> None:
         """``t`` stands for a value autograd node ``fn`` made, where no graph says so (a

@@ -120,8 +120,10 @@ class SinkhornSorter(nn.Module):
         self.net = nn.Sequential(nn.Linear(1, 32), nn.ReLU(), nn.Linear(32, N_SORT))
         self.tau, self.iters = 1.0, iters
 
-    def forward(self, x):
+    def forward(self, x, valid=None):
         log_alpha = self.net(x.unsqueeze(-1))  # (B, N, N)
+        if valid is not None:  # a padded list: no item goes to a padded slot
+            log_alpha = log_alpha.masked_fill(~valid[:, None, :], float("-inf"))
         P = torch.exp(log_alpha / self.tau)
         for _ in range(self.iters):
             P = P / P.sum(2, keepdim=True)
@@ -136,6 +138,12 @@ def make_sorter() -> nn.Module:
 
 def sort_loss(pred, x):
     return F.mse_loss(pred.squeeze(-1), x.sort(-1).values)
+
+
+def padded_sort_loss(pred, x, valid):
+    """Over the valid slots only: padded values sort last (2 is above every value)."""
+    target = x.masked_fill(~valid, 2.0).sort(-1).values
+    return ((pred.squeeze(-1) - target) ** 2 * valid).sum() / valid.sum()
 
 
 # -- L2X with relaxed subset sampling (soft top-k) ------------------------------------------

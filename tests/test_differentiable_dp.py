@@ -185,6 +185,29 @@ def test_probability_space_sinkhorn_at_an_annealed_tau_is_exp_overflow(tmp_path)
                  anneal=lambda m, s: setattr(m, "tau", max(0.7 ** s, 0.1))) is None
 
 
+def test_sinkhorn_over_a_padded_list_is_an_exact_0_not_an_underflow(tmp_path):
+    """At step 3 list 2 holds 3 items: its padded slots' logits are -inf, so exp gives their
+    columns exact 0s and the column normalisation divides 0 by 0. The report said
+    'underflow ... compute in log space': the graph of P = exp(...) / sums said positive
+    everywhere, though exp had been given -inf there (the op finder knew: partly positive).
+    Exact arithmetic makes that 0/0: ``invalid``, skip the rows where the sum is 0."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for step in range(6):
+        x, valid = torch.rand(8, M.N_SORT, generator=g), torch.ones(8, M.N_SORT, dtype=bool)
+        valid[2, 3:] = step != 3
+        batches.append(((x, valid), (x, valid)))
+    err = train(tmp_path, "make_sorter", M.padded_sort_loss, batches, lr=1e-2)
+    assert err is not None and (err.event["step"], err.event["phase"]) == (3, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["samples"]) == (
+        True, "invalid", "aten.div", "nan", [2]), rep
+    assert o["source"] == f"differentiable_dp_models.py:{line_of('P = P / P.sum(1, ')}"
+    assert "0 by 0" in rep["hint"] and "skip the rows where it is 0" in rep["hint"], rep["hint"]
+    assert "underflow" not in rep["hint"] and "log space" not in rep["hint"], rep["hint"]
+
+
 def test_neuralsort_temperature_annealed_to_zero_names_the_setting(tmp_path):
     """tau = 1 - step / 5 reaches exactly 0 at step 5: P_max / 0 is +-inf."""
     g = torch.Generator().manual_seed(0)
