@@ -67,8 +67,9 @@ def _nexts(node) -> list:
 
 def recause(cause: Cause, node: str, complement: bool, saved_zero: str | None) -> Cause:
     """``cause`` of backward origin ``node``, or ``precision`` when the 0 at its pole was such
-    a complement (the float64 re-run rounds it to 1 too, so it read as ``invalid``)."""
-    if not complement or saved_zero != "0" or cause.name not in ("invalid", "precision"):
+    a complement (the float64 re-run rounds it to 1 too, so it read as ``invalid``; where
+    float64 keeps it, the cause is ``precision`` already)."""
+    if not complement or saved_zero != "0" or cause.name != "invalid":
         return cause
     return Cause("precision", hint(f"{node} made a non-finite gradient at its input's 0, the "
                                    "pole of its derivative"))

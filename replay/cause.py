@@ -193,8 +193,6 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         also = "" if rounded else ", and below float64's range as well"
         return Cause("underflow", f"{what}: that 0 came from {src}; it underflowed in "
                      f"{_type(ev.input_dtypes[zero_from_exp[0]])}{also}: " + DO["log_space"])
-    if said := saturation.rounded_hint(what, ev, still):  # (before a generic precision)
-        return Cause("precision", said)
     if rounded or (rounded is None and not still):
         if rounded is None and any(bool((v == 0).any()) for v in ev.inputs):
             return Cause("underflow", f"{what}: float64 keeps the step finite, so that 0 is "
@@ -204,12 +202,12 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         # enough digits that the float64 value does not read as the value the op was given
         seen = (f" (float64 has {domains.g_apart(moved[2], *_given(ev, moved[1]))} there)"
                 if moved else "")
-        how = ("" if situation in _OWN_ADVICE or lost_eps.context(ev) else  # (an eps, lost)
-               " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
+        how = saturation.how(ev, "" if situation in _OWN_ADVICE or lost_eps.context(ev) else
+                             " (catastrophic cancellation, as in a variance E[x²] − E[x]²)")
         return Cause("precision", f"{what}{seen}: no value left {dt}'s range, but rounding "
                      "pushed the input across the domain edge, which exact arithmetic does "
-                     f"not cross{how}: " + _advice(situation))
-    if said := cancellation.rounded_hint(name, what, ev):
+                     f"not cross{how}: " + saturation.advice(ev, _advice(situation)))
+    if said := saturation.rounded_hint(what, ev) or cancellation.rounded_hint(name, what, ev):
         return Cause("precision", said)
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:

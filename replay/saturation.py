@@ -138,19 +138,32 @@ def _scalars(leaves: list) -> list[float]:
     return [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
-def hint(what: str, too: bool = True) -> str:
-    """The ``precision`` hint of an op at its pole whose 0 input is such a complement;
-    ``too``: the float64 re-run rounded y to 1 as well."""
+def hint(what: str) -> str:
+    """The ``precision`` hint of an op at its pole whose 0 input is such a complement."""
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over two "
             "or more entries) that exact arithmetic keeps below 1 for every finite argument, "
-            + ("rounded to 1 in float64 too: " if too else
-               "rounded to 1 (float64 keeps it below 1, which only moves the edge): ") + STABLE)
+            "rounded to 1 in float64 too: " + STABLE)
 
 
-def rounded_hint(what: str, ev, too: bool = True) -> str | None:
+def rounded_hint(what: str, ev) -> str | None:
     """:func:`hint` when an input of the op (its :class:`~replay.hits.Evidence` ``ev``) is a
     complement that rounding made 0 (:func:`rounded_zero`), else None."""
-    return hint(what, too) if rounded_zero(ev.inputs, ev.complement) else None
+    return hint(what) if rounded_zero(ev.inputs, ev.complement) else None
+
+
+def how(ev, otherwise: str) -> str:
+    """Where float64 kept it off the pole: how rounding put such a complement's 0 there."""
+    if not rounded_zero(ev.inputs, ev.complement):
+        return otherwise
+    return (" (it is 1 − y of a y that exact arithmetic keeps below 1 — tanh, sigmoid, a "
+            "normal cdf, a softmax over two or more entries — rounded to 1)")
+
+
+def advice(ev, otherwise: str) -> str:
+    """... and what to do: the complement's stable form, besides ``otherwise``."""
+    if not rounded_zero(ev.inputs, ev.complement):
+        return otherwise
+    return f"{otherwise}; {STABLE}"
 
 
 def rounded_zero(inputs: list[torch.Tensor], complement: list[bool]) -> bool:

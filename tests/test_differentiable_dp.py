@@ -152,8 +152,8 @@ def test_unlikelihood_of_a_softmax_rounded_to_one_is_precision_not_a_variance(tm
         True, "precision", "<loss>", "aten.log", "-inf", [4]), rep
     assert o["source"] == f"differentiable_dp_models.py:{line_of('torch.log(1 - p) * wrong')}"
     assert "a softmax over two or more entries" in rep["hint"], rep["hint"]
-    assert "float64 keeps it below 1" in rep["hint"] and "clamp_min" in rep["hint"], rep["hint"]
-    assert "variance" not in rep["hint"], rep["hint"]
+    assert "float64 has" in rep["hint"] and "clamp_min" in rep["hint"], rep["hint"]
+    assert "catastrophic cancellation" not in rep["hint"], rep["hint"]
     assert train(tmp_path / "clamped", "make_l2x_clamped", M.unlikelihood_loss_clamped,
                  batches(), lr=0.05, decay=1.0) is None
 
