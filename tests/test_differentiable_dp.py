@@ -224,3 +224,7 @@ def test_neuralsort_temperature_annealed_to_zero_names_the_setting(tmp_path):
         True, "invalid", "aten.div", list(range(8))), rep
     assert o["source"] == f"differentiable_dp_models.py:{line_of('F.softmax(P_max / tau')}"
     assert "temperature or scale annealed to 0" in rep["hint"], rep["hint"]
+    # the same schedule with a floor, as the paper's anneals keep, is a healthy run
+    assert train(tmp_path / "floor", "make_ranker", M.ranked_loss, batches,
+                 opt=torch.optim.SGD, lr=0.1,
+                 anneal=lambda m, s: setattr(m, "tau", max(1.0 - s / 5, 0.05))) is None
