@@ -45,8 +45,8 @@ from .loop_grads import no_backward_reached_the_output as _no_backward_reached_t
 from .loss_grad import loop_differentiation, not_rerun_term
 from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
+from .optimizer_origin import after_update_hint, report_optimizer
 from .origins import (
-    after_update_hint,
     infinity_the_loss_took,
     report_backward,
     report_dropped_nan,
@@ -54,7 +54,6 @@ from .origins import (
     report_loss,
     report_loss_backward,
     report_loss_not_in_bundle,
-    report_optimizer,
     report_weights,
 )
 from .param_writes import number_note

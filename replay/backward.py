@@ -26,6 +26,7 @@ from recorder.capture import tensor_leaves
 from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
+from .below_one import BelowOneNodes
 from .compat import sequence_nr
 from .copied_rows import CopiedRow, copied_row
 from .exp_factor import huge_exp_factor
@@ -82,6 +83,7 @@ class BackwardOrigin:
     # a quotient's divisor that needs no gradient is 0 there (see replay.pole_hints)
     divisor_of_data: bool = False
     constant_zero_divisor: bool = False  # ... or is a scalar constant 0 (x / cap, cap = 0)
+    complement: bool = False  # it took 1 - y of a y below 1 (replay.below_one)
     copied: CopiedRow | None = None  # a sqrt's 0 distance to a parameter row copied from it
     # no node made it: the engine summed this many finite gradients of the node's value's
     # uses into an infinity before the node ran (see replay.summed_grads)
@@ -262,7 +264,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     backward passes of their own during the forward (after the nodes are labelled)."""
     found = BackwardOrigin()
     handles: list = []
-    guards = GuardNodes()
+    guards, below = GuardNodes(), BelowOneNodes()
     watch = HookWatch(where or Samples(), lambda: found.node is not None,
                       lambda: (runner.micro_batch, runner.in_loss))
 
@@ -280,7 +282,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
             if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
                 _record(found, node, name, grad_inputs, grad_outputs, where or Samples())
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
-                found.lost_eps = guards.of(node)
+                found.lost_eps, found.complement = guards.of(node), below.complement_at(node)
                 found.copied = copied_row(node) if found.saved_zero == "0" else None
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))
             sums.sent(node, grad_inputs)
@@ -296,7 +298,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     labels = _NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
-    run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards),
+    run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards, below),
                      hooks=lambda m: labels.hooks(m) + (probe(m) if probe else [])
                      + watch.parameters(m),
                      backward_ctx=_loss_labeller(runner, labels.label))
@@ -367,10 +369,10 @@ def name_of_pick(node) -> bool:
 
 
 @contextlib.contextmanager
-def _watched(watch: HookWatch, guards: GuardNodes):
+def _watched(watch: HookWatch, guards: GuardNodes, below: BelowOneNodes):
     # (no NaN check: an autograd.grad in the forward or the loss, forces -dE/dpos, must run
     # on past its first NaN, as training did, for the nodes after the origin to name samples)
-    with _anomaly(check_nan=False), watch.registering(), guards:
+    with _anomaly(check_nan=False), watch.registering(), guards, below:
         yield
 
 

@@ -22,17 +22,14 @@ while it ran) and a re-run of the step in float64 tell the causes apart:
 - the op was given infinities (a ``-inf`` mask) and made NaN (inf - inf, softmax of an all
   ``-inf`` row): ``invalid``.
 
-A backward origin is ``invalid`` when the float64 re-run's gradients are non-finite too (the
-derivative has a pole there: sqrt at 0). When they are finite and an op with a pole saved an
-exact 0: ``underflow`` when that input came from exp, softmax or sigmoid of a finite argument
-(viewed, gathered, sliced, divided: sqrt(exp(-120)), positive in exact arithmetic), else
-``precision`` (rounding put its input on the pole: sqrt(1 - sigmoid(20)) at 0 in float32).
-Otherwise ``overflow``. Without an op (none found), the float64 re-run alone decides:
-``invalid`` or ``overflow``.
-
-The float64 re-run is :mod:`replay.float64_step`'s. Where the model refuses float64 (a half
-type's kernel, a dtype check), the op alone in float64 can still say ``overflow``; else the
-cause is left open (``None``) and the hint says why.
+A backward origin is ``invalid`` when the float64 re-run's gradients are non-finite too (a
+pole: sqrt at 0; but 1 - y of a y below 1, rounded to 0, is ``precision``: replay.below_one).
+When finite and an op with a pole saved an exact 0: ``underflow`` when that input came from
+exp, softmax or sigmoid of a finite argument (sqrt(exp(-120))), else ``precision`` (rounding
+put it on the pole: sqrt(1 - sigmoid(20)) in float32). Otherwise ``overflow``; without an op,
+the float64 re-run alone decides. That re-run is :mod:`replay.float64_step`'s; where the model
+refuses float64 (a half-only kernel), the op alone in float64 can still say ``overflow``, else
+the cause is left open (``None``) and the hint says why.
 """
 
 from __future__ import annotations
@@ -209,8 +206,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
             f"{what}{seen}: no value left {dt}'s range, but rounding pushed the input across the "
             f"domain edge, which exact arithmetic does not cross{how}: " + _advice(situation)
             + root_floor.advice(name, moved)))
-    if said := saturation.rounded_hint(name, what, ev) or cancellation.rounded_hint(
-            name, what, ev):
+    if said := saturation.rounded_hint(name, what, ev) or cancellation.rounded_hint(name, what, ev):
         return Cause("precision", said)
     past = _rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:

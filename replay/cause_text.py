@@ -122,7 +122,7 @@ LOSS_ARGUMENT_EVERY = (", and every row holds {kind}: a cause the rows share, no
                        "when every target of the batch is equal; add an eps or use the "
                        "dataset's statistics)")
 
-# An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (replay.origins.optimizer_hint)
+# An Adam-style update m / (sqrt(v) + eps) that made NaN with eps=0 (replay.optimizer_origin.optimizer_hint)
 EPS0_UPDATE = ("with eps=0 an element whose gradients have all been exactly 0 has m = v = 0, so "
                "m / (sqrt(v) + eps) is 0/0: set eps > 0 (the default 1e-8)")
 # The same for an optimizer written outside torch.optim (Sophia's m / max(rho * h, eps), Adam

@@ -285,8 +285,8 @@ class OpFinder:
     def positive(self, t: torch.Tensor) -> bool:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed.
         Seen run here, or, for a value made before (the model output a loss takes), on its
-        autograd graph."""
-        return t in self._positive or made_sign(t.grad_fn) > 0  # (sums need the sign)
+        autograd graph (not where exp here had -inf: partly positive, whose graph says all)."""
+        return t in self._positive or self.partly.mask(t) is None and made_sign(t.grad_fn) > 0
 
     def mark_made_by(self, fn, t: torch.Tensor) -> None:
         """``t`` stands for a value autograd node ``fn`` made, where no graph says so (a
@@ -314,6 +314,7 @@ class OpFinder:
         if weights_only:  # (and a complex result itself, which ``outs`` holds as a real view)
             for t in outs + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:
                 self._of_weights.add(t)
+        self.saturation.track_softmax(name, ins, outs, leaves)  # (its -inf entries too)
         if not in_finite:
             if self.state and not weights_only and self.first_met is None:
                 self._meet(name, outs)

@@ -1,6 +1,7 @@
 """The origin of the other events: weights non-finite before the step, a non-finite loss (re-run
 with the op finder), a loss the bundle cannot re-run, a gradient entering the model from
-outside, the backward (:mod:`replay.backward`), and the optimizer's update.
+outside, and the backward (:mod:`replay.backward`); the optimizer's update is
+:mod:`replay.optimizer_origin`'s.
 """
 
 from __future__ import annotations
@@ -9,16 +10,13 @@ import linecache
 import re
 from typing import Any
 
-import torch
-
 from recorder.capture import tensor_leaves
-from recorder.finite import finite, kind_of, label, tensors_kind
-from recorder.inner_optim import put_state, state_items
+from recorder.finite import finite, kind_of, label
 
-from . import outside, summed_grads, through_time
+from . import below_one, outside, summed_grads, through_time
 from .backward import find_backward_origin
 from .cause import classify
-from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, eps0_text, inf_arith
+from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, inf_arith
 from .copied_rows import recause
 from .coupled import coupled_rows
 from .dropped_grads import finite_params_note
@@ -28,8 +26,6 @@ from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, node_sources, with_node
 from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
-from .half_update import half_overflow_why
-from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .lineage import Lineage
 from .load import Step, autocast_as_recorded, differentiates_model
 from .log_sum_exp import with_log_sum_exp
@@ -42,7 +38,6 @@ from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder
-from .optim import eps_lost_text, per_parameter, stale_state
 from .param_writes import (
     built_non_finite_hint,
     forward_made,
@@ -57,9 +52,7 @@ from .rerun import Runner
 from .run_result import Run
 from .storages import state_of
 from .term_args import report_term_arg
-from .update_domain import domain_why, negative_input, update_domain, updated_rows
 from .weight_readers import bad_row_fields, first_reader, rows_text
-from .zero_grad import zero_gradient_text
 
 
 def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
@@ -130,6 +123,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         cause = classify(runner, "backward", node=b.node, saved=b.saved, at_pole=b.saved_zero,
                          underflowed=b.positive_input, dtype=b.dtype)
         cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
+        cause = below_one.recause(cause, b.node, b.complement, b.saved_zero)
         cause.hint = pole_hint(b, cause)
         cause.hint = exp_factor_hint(b, cause)
         cause.hint = fractional_power_hint(b, cause)
@@ -383,6 +377,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
                      underflowed=b.positive_input, inner=b.inner_op, dtype=b.dtype,
                      hit=b.hook.op if b.hook is not None else None)
     cause = recause(cause, b.node, b.copied, dict(runner.model.named_parameters()))
+    cause = below_one.recause(cause, b.node, b.complement, b.saved_zero)
     cause.hint = pole_hint(b, cause)
     cause.hint = exp_factor_hint(b, cause)
     cause.hint = fractional_power_hint(b, cause)
@@ -401,100 +396,3 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
             + "; fix that formula at this input (its limit's value there, torch.where on a "
             "safe input, an eps)")
     return report
-
-
-def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
-    decode_non_finite_hyper(step.optimizer)
-    runner.run(instrument=False)
-    _own_copies(step.model, step.optimizer)
-    stale = stale_state(step.model, step.optimizer)
-    finder = OpFinder()
-    with per_parameter(step.optimizer), finder:  # (a fused kernel shows no op)
-        step.optimizer.step()
-    params = dict(step.model.named_parameters())
-    bad = [n for n, p in params.items() if not finite(p)]
-    hit = finder.origin()
-    made = hit.made if hit else tensors_kind(params[n] for n in bad)
-    origin = origin_fields(phase="optimizer", params=bad, param=(bad or [None])[0],
-                           op=hit.op if hit else None, source=hit.source if hit else None,
-                           chain=finder.chain(), made=made)
-    domain = update_domain(hit)
-    origin["domain"] = domain
-    rows, where = updated_rows(bad[0], params[bad[0]]) if bad else ({}, "")
-    origin.update(rows)  # (an embedding's entities: which the update broke)
-    hint = optimizer_hint(step, hit.op if hit else None, made, bad, step.event.get("step"),
-                          "re-run from the copies taken before the update",
-                          stale=stale, domain=domain) + where if bad else None
-    return finish(report, origin, "optimizer", reproduced=bool(bad), hint=hint)
-
-
-def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[str], at,
-                   rerun_from: str, stale: tuple[str, str, str] | None = None,
-                   domain: str | None = None) -> str:
-    """The hint of an update re-run under the op finder that made ``made`` in ``params``: a
-    guard bundle's (:func:`report_optimizer`) or a rewind window's
-    (``replay.window_report``). An Adam-style update with ``eps=0`` in the bundle's
-    hyper-parameters that made NaN is the 0/0 of gradients that have all been exactly 0; one
-    whose eps is 0 in the weights' dtype (1e-8 in float16) divides by 0 where v rounded to 0.
-    ``domain``: the update's op left its domain (``replay.update_domain``)."""
-    opt = step.meta.get("optimizer") or {}
-    cls = opt.get("class", "the optimizer").rpartition(".")[2]
-    groups = opt.get("param_groups", [])
-    # (the groups holding the weights it made non-finite; every group when none is known)
-    own = [g for g in groups if set(g.get("params") or ()) & set(params)] or groups
-    bad = non_finite_hyper(step, at, own)
-    why = (_hyper_why(bad) if bad else
-           f"its state {stale[1]} of {stale[0]} already held {stale[2]} before this update "
-           "(the recorder does not read optimizer state each step): loaded that way "
-           "(optimizer.load_state_dict from a bad checkpoint) or written outside the "
-           "optimizer; resume from a checkpoint whose optimizer state is finite, or reset that "
-           "parameter's state"
-           if stale else
-           # a negative input (a rounded eigenvalue under Shampoo's -1/4 power) is no eps's
-           (None if negative_input(domain)
-            else _eps_why(step, own, params, made))
-           or (domain and domain_why(domain) + zero_gradient_text(step, params, at))
-           or half_overflow_why(step, made, params) or HINTS["optimizer"])
-    return (f"{op + ' in ' if op else ''}{cls}'s update at step {at} made {made} in "
-            f"{params[0]} from finite gradients and weights ({rerun_from}); {why}")
-
-
-def after_update_hint(step: Step, params: list[str]) -> str | None:
-    """The hint of an update the bundle cannot re-run (it holds the weights after it) whose
-    learning rate was non-finite (the ring buffer's record of its step) or whose eps was 0 (or
-    is 0 in the weights' dtype), which the bundle alone shows; else None."""
-    opt = step.meta.get("optimizer") or {}
-    groups = [g for g in opt.get("param_groups", []) if set(g.get("params") or ()) & set(params)]
-    bad = non_finite_hyper(step, step.event.get("step"), groups)
-    why = _hyper_why(bad) if bad else _eps_why(step, groups, params, None)
-    return why and (f"{opt.get('class', '').rpartition('.')[2]}'s update at step "
-                    f"{step.event.get('step')} made {params[0]} non-finite (not re-run: the "
-                    f"bundle holds the weights after it); {why}")
-
-
-def _hyper_why(bad: tuple[str, str]) -> str:
-    return (f"its {bad[0]} was {bad[1]} in that update: a schedule or the loop "
-            "computed it (a division by a step count of 0, a 0/0, a sqrt or log of a negative "
-            "step count); fix that value")
-
-
-def _eps_why(step: Step, own: list[dict], params: list[str], made: str | None) -> str | None:
-    """An eps that left the update's division by sqrt(v) + eps a division by 0: eps=0 where
-    the update made NaN, or the weights it left hold NaN (RAdam's 1 / (sqrt(v) + eps) made
-    +inf, which its m = 0 then made NaN), or an eps that the weights' dtype rounds to 0
-    (Adafactor's eps1 squared)."""
-    if "nan" in (made, step.event.get("kind")) and any(g.get("eps") == 0 for g in own):
-        return eps0_text((step.meta.get("optimizer") or {}).get("class", ""))
-    return eps_lost_text(step, own, params)
-
-
-def _own_copies(model, opt) -> None:
-    """Give the weights and the optimizer state copies of their own before an update writes
-    them in place: the rebuilt model shares the bundle's tensors (``replay.load``), which must
-    stay the state before the update for the what-ifs re-run after this one."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.clone()
-    for p, st in state_items(opt):
-        put_state(opt, p, {k: v.clone() if isinstance(v, torch.Tensor) else v
-                           for k, v in st.items()})

@@ -73,12 +73,13 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
     batch's own values; else None."""
     if watch is None or cause != "invalid" or hit is None or watch.op != hit.op:
         return None
-    what = "divisor" if hit.op == "aten.div" else "input"
-    return (f"{hit.op}'s {what} is the batch's own data (the model's input as given, or its "
+    what = "by 0: its divisor" if hit.op == "aten.div" else "of 0: its input"
+    return (f"{hit.op} {what} is the batch's own data (the model's input as given, or its "
             "ratio or product with other data), exactly 0 in the samples named: a 0 where the "
             "data should hold none (a price, volume or count of 0: a missing value filled with 0, a "
             "forward fill from a leading 0, an instrument not yet listed) is a bad record; "
             "repair it where the data is made (fill from the last valid value, drop or mask "
             "the sample), or, if 0 is a valid value there, do not take the op at it "
-            "(torch.where(x != 0, ...)). An eps on it would turn the record into a huge "
+            "(torch.where(x != 0, ...); log1p for a log of counts). An eps on it would turn "
+            "the record into a huge "
             "finite value the model trains on")

@@ -7,6 +7,11 @@ tanh(u) is 1.0 in float32 from u ≈ 9 (in float64 from u ≈ 19), so ``log(1 - 
 tanh-squashed Gaussian policy's log-probability correction, written without its eps — is
 log(0) in both types, while its exact value is about 2 log 2 - 2|u|. Float64 hitting the pole
 too does not make that ``invalid``: rounding put the input there, ``precision``.
+
+A softmax is strictly below 1 too wherever its slice holds two or more entries above -inf
+(its -inf entries are exactly 0, and a slice of one entry is exactly 1), even when some are
+-inf: relaxed top-k's successive ``softmax(w + log(1 - onehot))`` rounds a clear winner to
+1.0, and the next ``log(1 - onehot)`` is log(0).
 """
 
 from __future__ import annotations
@@ -30,11 +35,15 @@ KEEP = {"neg", "abs", "square", "pow", "clone", "_to_copy", "view", "_unsafe_vie
 _UNIT_NODES = {node_name(op) for op in UNIT_OPEN}
 _KEEP_NODES = {node_name(op) for op in KEEP if op != "pow"} | {"ReshapeAlias", "Index"}
 
+SOFTMAX = {"_softmax", "softmax"}
+
 # what a rounded complement needs instead of an eps
 STABLE = ("use the complement's stable form: log(1 - tanh(u)²) = 2·(log 2 − u − softplus(−2u)) "
           "(a tanh-squashed policy's correction), 1 − sigmoid(z) = sigmoid(−z) and "
           "log(1 − sigmoid(z)) = logsigmoid(−z), a normal's log(1 − Φ(z)) = "
-          "torch.special.log_ndtr(−z); or add an eps inside (1 − y² + 1e-6)")
+          "torch.special.log_ndtr(−z), log(1 − softmax(w)ᵢ) = logsumexp of w without wᵢ "
+          "minus logsumexp(w); or add an eps inside (1 − y² + 1e-6, "
+          "(1 − p).clamp_min(1e-20))")
 
 
 class Saturation:
@@ -65,6 +74,20 @@ class Saturation:
                 and _halves(name, leaves):
             for t in outs:  # a normal cdf, 0.5 * (1 + erf(x)), strictly inside (0, 1)
                 self._unit.add(t)
+
+    def track_softmax(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                      leaves: list) -> None:
+        """A softmax, its input finite or not (see the module): below 1 in exact arithmetic
+        where every slice along its dim holds two entries above -inf and no NaN or +inf."""
+        if name not in SOFTMAX or len(ins) != 1 or not outs:
+            return
+        dim = next((v for v in leaves[1:] if isinstance(v, int) and not isinstance(v, bool)),
+                   None)
+        x = ins[0]
+        if dim is None or x.dim() == 0 or bool((x.isnan() | (x == float("inf"))).any()):
+            return
+        if bool(((x > float("-inf")).sum(dim) >= 2).all()):
+            self._unit.add(outs[0])
 
     def mark_unit(self, t: torch.Tensor) -> None:
         """``t`` stands for a value tanh/sigmoid/erf made where no graph says so (a detached
@@ -118,9 +141,9 @@ def _scalars(leaves: list) -> list[float]:
 def hint(what: str, divides: bool = False) -> str:
     """The ``precision`` hint of an op at its pole whose 0 input is such a complement
     (``divides``: the op divides by it, where a probability is trimmed)."""
-    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf) that exact "
-            "arithmetic keeps below 1 for every finite argument, rounded to 1 in float64 "
-            "too: " + (TRIM if divides else "") + STABLE)
+    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over "
+            "two or more entries) that exact arithmetic keeps below 1 for every finite argument, "
+            "rounded to 1 in float64 too: " + (TRIM if divides else "") + STABLE)
 
 
 # what a probability some value is divided by needs
@@ -137,8 +160,9 @@ def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
     divisor needs (the generic hint would blame a cancelled variance); else None."""
     if not rounded_zero(ev.inputs, ev.complement):
         return None
-    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf) that exact "
-            f"arithmetic keeps below 1 for every finite argument, rounded to 1 in {dt}: "
+    return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over two "
+            f"or more entries) that exact arithmetic keeps below 1 for every finite argument, "
+            f"rounded to 1 in {dt}: "
             + (TRIM if _divides(name, ev) else LOGITS) + STABLE)
 
 

@@ -100,7 +100,7 @@ def load_weights(step, model: nn.Module) -> None:
     them as its buffers: every training forward writes buffers in place (running statistics),
     and the bundle's values must stay the step's start for every re-run after it (the
     ``--try`` what-ifs). Whatever updates the parameters in place gives them copies first
-    (``replay.origins.report_optimizer``, ``replay.window``)."""
+    (``replay.optimizer_origin.report_optimizer``, ``replay.window``)."""
     t, meta, dev = step.tensors, step.meta, step.device
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -15,7 +15,7 @@ from .cause_text import DO
 from .departure import departure
 from .findings import UPDATE_NOT_RERUN, finish, origin_fields
 from .load import Step
-from .origins import optimizer_hint
+from .optimizer_origin import optimizer_hint
 from .rewind_text import where
 from .weight_readers import bad_row_fields, rows_text
 from .weight_scale import scale_text, scaled_update

@@ -126,7 +126,7 @@ def test_log_return_of_a_delisted_last_print_saved_by_the_lstm_names_the_record(
         "aten.log", "-inf", line_of("torch.log(prices[:, 1:] / prices[:, :-1])")), o
     # (was: "clamp the op's input away from the pole (x.clamp_min(eps))", a made-up return
     # of log(eps) for a delisting; the 0 came from the record through the ratio)
-    assert "aten.log's input is the batch's own data" in rep["hint"], rep["hint"]
+    assert "aten.log of 0: its input is the batch's own data" in rep["hint"], rep["hint"]
     assert "clamp_min" not in rep["hint"], rep["hint"]
 
 
@@ -203,7 +203,7 @@ def test_log_volume_of_an_empty_book_level_names_the_record(tmp_path):
     assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
         "invalid", "", "aten.log", "-inf", [6]), rep
     assert o["source"] == line_of("torch.log(book[..., 1::2])")
-    assert "aten.log's input is the batch's own data" in rep["hint"], rep["hint"]
+    assert "aten.log of 0: its input is the batch's own data" in rep["hint"], rep["hint"]
 
 
 def test_entropic_risk_written_out_overflows_its_exp_and_asks_for_logsumexp(tmp_path):

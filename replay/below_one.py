@@ -1,0 +1,75 @@
+"""A backward origin at log(0) or 1/0 whose 0 is ``1 - y`` of a y exact arithmetic keeps
+below 1: the derivative's pole reached by rounding, not by the math (``precision``).
+
+The forward op finder tells it from the ops themselves (``replay.saturation``); a backward
+origin has only the graph: ``LogBackward0`` of ``RsubBackward1`` of a ``TanhBackward0`` or a
+``SoftmaxBackward0``. A softmax is below 1 only where its slice held two or more entries above
+-inf, which its node does not keep, so :class:`BelowOneNodes` notes those softmaxes as the
+backward finder's re-run makes them. Relaxed top-k (Xie & Ermon's subset sampling) is the
+case: ``w + log(1 - softmax(w / t))`` without the reference code's clamp, once the softmax
+rounds a clear winner to 1.0 (in float64 too).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .cause import Cause
+from .positive import node_op
+from .saturation import hint, made_unit
+
+
+class BelowOneNodes(TorchFunctionMode):
+    """Inside the block, the autograd nodes of softmaxes whose every slice held two or more
+    entries above -inf and no NaN or +inf: below 1 in exact arithmetic everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list = []  # (strong references, for the block's one re-run)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(func, "__name__", "") == "softmax" and args \
+                and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(dim, int) and _two_entries(args[0], dim):
+                self.nodes.append(out.grad_fn)
+        return out
+
+    def complement_at(self, node) -> bool:
+        """``node`` took ``1 - y`` (``rsub``) of such a softmax, or of tanh/sigmoid/erf."""
+        for fn in _nexts(node):
+            if fn is not None and node_op(fn) == "Rsub":
+                made = [g for g in _nexts(fn) if g is not None]
+                if made and (any(g is n for g in made for n in self.nodes)
+                             or made_unit(made[0])):
+                    return True
+        return False
+
+
+def _two_entries(x, dim: int) -> bool:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not x.is_floating_point():
+        return False
+    with torch.no_grad():
+        if bool((x.isnan() | (x == float("inf"))).any()):
+            return False
+        return bool(((x > float("-inf")).sum(dim) >= 2).all())
+
+
+def _nexts(node) -> list:
+    try:
+        return [fn for fn, _ in node.next_functions]
+    except Exception:  # not an autograd node, or one that cannot say
+        return []
+
+
+def recause(cause: Cause, node: str, complement: bool, saved_zero: str | None) -> Cause:
+    """``cause`` of backward origin ``node``, or ``precision`` when the 0 at its pole was such
+    a complement (the float64 re-run rounds it to 1 too, so it read as ``invalid``; where
+    float64 keeps it, the cause is ``precision`` already)."""
+    if not complement or saved_zero != "0" or cause.name != "invalid":
+        return cause
+    return Cause("precision", hint(f"{node} made a non-finite gradient at its input's 0, the "
+                                   "pole of its derivative"))
