@@ -1,0 +1,123 @@
+"""End to end: 3D Gaussian splatting in pure PyTorch (``gaussian_splatting_models``: gsplat's
+parameters and projection, 3DGS's covariance, SSIM + L1 loss and densification), trained under
+the recorder from a DataLoader of cameras until a planted bug fires, then replayed with the
+CLI. Densification swaps grown ``nn.Parameter``s into the module and the Adam between steps,
+as 3DGS's ``cat_tensors_to_optimizer`` does: the recorder must follow them, and the replay
+must rebuild the model with the run's number of Gaussians, not the factory's."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import gaussian_splatting_models as M
+import pytest
+import torch
+from bundles import nanreplay_json
+from torch.utils.data import DataLoader, TensorDataset
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # gaussian_splatting_models.py, the factories' module, is here
+
+
+def line_of(code: str) -> int:
+    """The line of gaussian_splatting_models.py holding ``code`` (once)."""
+    lines = (HERE / "gaussian_splatting_models.py").read_text().splitlines()
+    (n,) = [i for i, text in enumerate(lines, 1) if code in text]
+    return n
+
+
+def train(out_dir, factory: str, steps: int = 10, densify=None):
+    """gsplat's ``simple_trainer`` loop over a DataLoader of 2 cameras a batch; ``densify``:
+    ``{step: (kind, idx)}`` run before that step ("clone", "clone_zero_quats", "prune")."""
+    model = getattr(M, factory)()
+    opt = M.make_optimizer(model)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
+    vm, K = M.cameras(8)
+    img, dep = M.targets(vm, K)
+    loader = DataLoader(TensorDataset(vm, K, img, dep), batch_size=2, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    batches = (b for _ in range(steps) for b in loader)
+    with FlightRecorder(model, opt, loss_fn=M.splat_loss, out_dir=out_dir, lr_scheduler=sched,
+                        factory=f"gaussian_splatting_models:{factory}") as rec:
+        for step in range(steps):
+            kind, idx = (densify or {}).get(step, (None, None))
+            if kind == "prune":
+                M.prune_points(model, opt, idx)
+            elif kind is not None:
+                M.densify_clone(model, opt, torch.tensor(idx),
+                                fresh_quats=kind == "clone_zero_quats")
+            v, k, i, d = next(batches)
+            loss = rec.loss_fn(model(v, k), i, d)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    return model
+
+
+def test_densified_gaussians_with_zero_quaternions_are_replayed_with_the_runs_gaussians(
+        tmp_path):
+    """Clones whose quaternions were made as ``torch.zeros((N, 4))`` (the ``rots[:, 0] = 1``
+    forgotten): ``build_rotation``'s ``r / norm`` is 0/0 in their rows. The recorder used to
+    keep checking and bundling the parameters it saw at attach (24 Gaussians), so the replay
+    ran the stale ones and the event did NOT come back; the replay refused a bundle of 27."""
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_splats", densify={4: ("clone_zero_quats", [2, 5, 7])})
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (4, "forward", ""), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"]) == (
+        True, "invalid", "", "aten.div", "nan"), rep
+    assert o["source"] == f"gaussian_splatting_models.py:{line_of('q = r / norm[:, None]')}"
+    assert o["samples"] == [0, 1] and o["all_samples"], o  # (every camera sees the clones)
+    assert "0 by 0" in rep["hint"], rep["hint"]
+    assert any("replaced by the training loop" in p and "[27, 3]" in p
+               for p in rep["problems"]), rep["problems"]
+
+
+def test_healthy_densify_and_prune_run_raises_no_event_and_no_warning(tmp_path):
+    """The same loop, its Gaussians cloned (3DGS's way) and pruned between steps: nothing
+    fires, nothing is written, nothing is logged as unknown parameters."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = train(tmp_path, "make_splats", steps=12,
+                      densify={3: ("clone", [2, 5, 7]), 7: ("prune", [0, 1, 26])})
+    assert model.splats["means"].shape == (24, 3)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_expected_depth_without_eps_names_the_cameras_with_empty_pixels(tmp_path):
+    """gsplat's expected depth ``sum(w z) / sum(w)`` without its ``clamp_min(1e-10)``: a pixel
+    no Gaussian reaches (alpha under 1/255 everywhere, as the CUDA kernel drops) is 0/0. The
+    samples are the batch's cameras with such a pixel, recomputed here from the bundle."""
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_splats_depth_no_eps")
+    ev = info.value.event
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"]) == (
+        True, "invalid", "forward", "", "aten.div"), rep
+    assert o["source"] == f"gaussian_splatting_models.py:{line_of('depth = (w * depths')}"
+    # the cameras of the event's batch with a pixel no Gaussian reaches, rendered here from
+    # the bundle's weights and batch with gsplat's clamp (the accumulated alpha exactly 0)
+    from recorder.bundle import read_bundle
+    _, t = read_bundle(info.value.bundle_path)
+    model = M.make_splats()
+    model.load_state_dict({k.removeprefix("weights/"): v for k, v in t.items()
+                           if k.startswith("weights/")})
+    vm, K = t["batch/0/0"], t["batch/0/1"]
+    with torch.no_grad():
+        model.depth_eps = 0.0
+        _, depth = model(vm, K)
+    empty = [c for c in range(vm.shape[0]) if bool(torch.isnan(depth[c]).any())]
+    assert 0 < len(empty) < vm.shape[0] and ev["samples"] == empty, (empty, ev)
+    assert o["samples"] == empty, o
+    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
