@@ -121,3 +121,22 @@ def test_expected_depth_without_eps_names_the_cameras_with_empty_pixels(tmp_path
     assert 0 < len(empty) < vm.shape[0] and ev["samples"] == empty, (empty, ev)
     assert o["samples"] == empty, o
     assert "add an eps to the denominator" in rep["hint"], rep["hint"]
+
+
+def test_log_scales_of_duplicate_points_name_the_factorys_log_not_a_mask(tmp_path):
+    """3DGS's initial scales without ``clamp_min(dist2, 1e-7)``, over a cloud where COLMAP
+    wrote a point 4 times: their nearest distance is 0 and ``log(sqrt(0))`` is -inf in the
+    trained ``scales``. The weights hint used to read the -inf as an intended mask ("keep a
+    boolean mask in a buffer"); it now names the factory's op and line that made it."""
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_splats_duplicates_no_floor")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "weights", ["splats.scales"]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["reproduced"], rep["cause"], rep["origin"]["param"]) == (
+        True, "weights", "splats.scales"), rep
+    line = line_of("return torch.log(torch.sqrt(dist2))")
+    assert f"aten.log of 0 made -inf at gaussian_splatting_models.py:{line}" in rep["hint"], \
+        rep["hint"]
+    assert "mask in a buffer" not in rep["hint"], rep["hint"]
+    assert "row(s) 0, 1, 2, 3 of 24" in rep["hint"], rep["hint"]
