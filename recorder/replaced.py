@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from .compiled import eager_name
+from .events import Event
+from .finite import kind_of
 
 
 def group_heads(opt) -> list[torch.Tensor | None]:
@@ -36,3 +38,22 @@ def swapped(model: nn.Module, params: list[tuple[str, torch.Tensor]]
     held = {id(p) for p in now.values()}
     return {i: (n, now[n]) for i, (n, p) in enumerate(params)
             if id(p) not in held and n in now}
+
+
+def bad_kinds(moved: dict[int, tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Name -> kind of the swapped-in parameters already non-finite (one read per swap, which
+    is rare: a densification every few hundred steps): the loop wrote them, not an update."""
+    return {n: k for n, p in moved.values() if (k := kind_of(p.detach())) is not None}
+
+
+def swapped_in_event(step: int, bad: list[str], kinds: dict[str, str]) -> Event | None:
+    """The weights event for non-finite parameters ``bad`` an update seemed to make, when
+    every one was non-finite as the loop swapped it in (a relocation's ``logit(1)``): the
+    loop's write, before ``optimizer.step()`` ran. None otherwise."""
+    if not bad or not all(n in kinds for n in bad):
+        return None
+    return Event(step, phase="weights", params=bad, kind=kinds[bad[0]], first_seen_step=step,
+                 detail=f"non-finite values already in {len(bad)} parameter(s), first "
+                        f"{bad[0]}, first seen at step {step}: the training loop put them in as "
+                        "new parameters (replaced in the module and the optimizer since attach) "
+                        "holding them, before optimizer.step() ran")

@@ -30,7 +30,7 @@ from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .constants import inf_constants
 from .finite import matches
 from .ranks import Agreement
-from .replaced import group_heads, heads_moved, swapped
+from .replaced import bad_kinds, group_heads, heads_moved, swapped
 from .rng import module_generators
 from .samples import recurrent, seq_first
 from .settings import Settings
@@ -299,6 +299,8 @@ class Target:
         for i, (name, p) in moved.items():
             self.params[i] = (name, p)
             self.replaced.add(name)
+        if moved:  # (those swapped in non-finite: the loop's write, not the next update's)
+            self.replaced_bad = bad_kinds(moved)
         return bool(moved)
 
     def release(self) -> None:
@@ -321,6 +323,7 @@ class Target:
         self.groups = 0  # the optimizer's parameter groups when last partitioned
         self.group_heads: list[torch.Tensor | None] = []  # (their first parameters)
         self.replaced: set[str] = set()  # parameters the loop swapped for new ones
+        self.replaced_bad: dict[str, str] = {}  # (the last swap's non-finite ones: kinds)
         self.watched = None
         self.allowed_buffers: dict[int, weakref.ref] = {}
         self.norm_buffers: set[str] = set()

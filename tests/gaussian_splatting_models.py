@@ -266,6 +266,51 @@ def prune_points(model: GaussianSplats, optimizer, idx):
         model.splats[name] = param
 
 
+def replace_tensor_to_optimizer(model: GaussianSplats, optimizer, tensor, name: str):
+    """3DGS ``replace_tensor_to_optimizer``: ``tensor`` as the new parameter ``name``, its
+    Adam moments reset to zeros."""
+    for group in optimizer.param_groups:
+        if group["name"] != name:
+            continue
+        old = group["params"][0]
+        state = optimizer.state.get(old, None)
+        param = nn.Parameter(tensor.detach().clone())
+        if state is not None:
+            state["exp_avg"] = torch.zeros_like(tensor)
+            state["exp_avg_sq"] = torch.zeros_like(tensor)
+            del optimizer.state[old]
+            optimizer.state[param] = state
+        group["params"][0] = param
+        model.splats[name] = param
+
+
+def relocate(model: GaussianSplats, optimizer, dead, alive, clamp: bool = True):
+    """gsplat's MCMC ``relocate``: the dead Gaussians moved onto alive ones, the opacity of
+    the pair split so the pixels keep theirs, ``1 - (1 - o) ** (1 / 2)``, clamped below 1 as
+    gsplat does (``clamp``) before the logit."""
+    p = model.splats
+    opac = torch.sigmoid(p["opacities"].detach())
+    new = 1 - (1 - opac[alive]) ** 0.5
+    if clamp:
+        new = new.clamp(min=0.005, max=1 - torch.finfo(new.dtype).eps)
+    opacities = p["opacities"].detach().clone()
+    opacities[alive] = torch.logit(new)
+    opacities[dead] = torch.logit(new)
+    means = p["means"].detach().clone()
+    means[dead] = means[alive]
+    replace_tensor_to_optimizer(model, optimizer, opacities, "opacities")
+    replace_tensor_to_optimizer(model, optimizer, means, "means")
+
+
+def make_splats_opaque():
+    """Gaussians started from a checkpoint in which two are fully opaque (logit 20: sigmoid
+    is 1.0 in float32)."""
+    model = make_splats()
+    with torch.no_grad():
+        model.splats["opacities"][[3, 9]] = 20.0
+    return model
+
+
 def make_optimizer(model: GaussianSplats):
     """3DGS ``training_setup``: one Adam, a named group per attribute, eps 1e-15."""
     p = model.splats

@@ -35,7 +35,8 @@ def line_of(code: str) -> int:
 
 def train(out_dir, factory: str, steps: int = 10, densify=None):
     """gsplat's ``simple_trainer`` loop over a DataLoader of 2 cameras a batch; ``densify``:
-    ``{step: (kind, idx)}`` run before that step ("clone", "clone_zero_quats", "prune")."""
+    ``{step: (kind, idx)}`` run before that step ("clone", "clone_zero_quats", "prune",
+    "relocate_unclamped")."""
     model = getattr(M, factory)()
     opt = M.make_optimizer(model)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
@@ -50,6 +51,8 @@ def train(out_dir, factory: str, steps: int = 10, densify=None):
             kind, idx = (densify or {}).get(step, (None, None))
             if kind == "prune":
                 M.prune_points(model, opt, idx)
+            elif kind == "relocate_unclamped":  # (the dead first, then the alive they join)
+                M.relocate(model, opt, torch.tensor(idx[0]), torch.tensor(idx[1]), clamp=False)
             elif kind is not None:
                 M.densify_clone(model, opt, torch.tensor(idx),
                                 fresh_quats=kind == "clone_zero_quats")
@@ -140,3 +143,22 @@ def test_log_scales_of_duplicate_points_name_the_factorys_log_not_a_mask(tmp_pat
         rep["hint"]
     assert "mask in a buffer" not in rep["hint"], rep["hint"]
     assert "row(s) 0, 1, 2, 3 of 24" in rep["hint"], rep["hint"]
+
+
+def test_relocation_logit_of_an_opacity_of_one_is_the_loops_write_not_the_optimizers(tmp_path):
+    """gsplat's MCMC relocation without its clamp below 1: an alive Gaussian fully opaque
+    (sigmoid(20) is 1.0 in float32) splits its opacity as ``1 - (1 - 1) ** 0.5 = 1``, whose
+    logit is +inf, swapped in as the new ``opacities``. Its gradient is 0 (sigmoid saturated),
+    so the update leaves +inf. Was: "optimizer.step() made splats.opacities non-finite",
+    cause optimizer, NOT reproduced ("check the learning rate ... clip gradients")."""
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_splats_opaque", densify={4: ("relocate_unclamped",
+                                                           ([0, 1], [3, 9]))})
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"], ev["kind"]) == (
+        4, "weights", ["splats.opacities"], "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["reproduced"], rep["cause"], rep["origin"]["param"]) == (
+        True, "weights", "splats.opacities"), rep
+    assert "the training loop replaced splats.opacities" in rep["hint"], rep["hint"]
+    assert "logit" in rep["hint"] and "learning rate" not in rep["hint"], rep["hint"]
