@@ -155,6 +155,16 @@ def make_splats_duplicates_no_floor():
     return GaussianSplats(pts, knn_log_scales(pts, floor=0.0), eps2d=0.0)
 
 
+def make_splats_collapsed_no_dilation():
+    """gsplat's 0.3 dilation off (``eps2d=0``, as its anti-aliased mode is often ported) and a
+    Gaussian collapsed to a needle-free point by a scale regulariser (log-scales -30)."""
+    model = make_splats()
+    model.eps2d = 0.0
+    with torch.no_grad():
+        model.splats["scales"][5] = -30.0
+    return model
+
+
 def make_splats_depth_no_eps():
     torch.manual_seed(0)
     pts = init_points()

@@ -162,3 +162,22 @@ def test_relocation_logit_of_an_opacity_of_one_is_the_loops_write_not_the_optimi
         True, "weights", "splats.opacities"), rep
     assert "the training loop replaced splats.opacities" in rep["hint"], rep["hint"]
     assert "logit" in rep["hint"] and "learning rate" not in rep["hint"], rep["hint"]
+
+
+def test_collapsed_splat_without_dilation_is_an_underflowed_determinant_not_a_log_space_fix(
+        tmp_path):
+    """gsplat's 0.3 dilation off and a Gaussian shrunk to log-scales -30: its 2-D covariance's
+    determinant ``a * c - b * b`` is ~1.8e-51, 0 in float32, and the conic's ``c / det`` is
+    +inf. The cause is underflow (float64 keeps it); the advice was the log-space list
+    (log_softmax, a Cox loss, TRADES' KL), none of which a determinant has."""
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_splats_collapsed_no_dilation")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", ""), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["samples"]) == (
+        True, "underflow", "aten.div", "+inf", [0, 1]), rep
+    assert o["source"] == f"gaussian_splatting_models.py:{line_of('conics = torch.stack([c / det')}"
+    assert "dilated before its determinant" in rep["hint"], rep["hint"]
+    assert "log_softmax" not in rep["hint"], rep["hint"]
