@@ -33,7 +33,7 @@ def line_of(code: str) -> int:
     return n
 
 
-def train(out_dir, factory: str, steps: int = 10, densify=None):
+def train(out_dir, factory: str, steps: int = 10, densify=None, **recorder_kw):
     """gsplat's ``simple_trainer`` loop over a DataLoader of 2 cameras a batch; ``densify``:
     ``{step: (kind, idx)}`` run before that step ("clone", "clone_zero_quats", "prune",
     "relocate_unclamped")."""
@@ -46,7 +46,7 @@ def train(out_dir, factory: str, steps: int = 10, densify=None):
                         generator=torch.Generator().manual_seed(0))
     batches = (b for _ in range(steps) for b in loader)
     with FlightRecorder(model, opt, loss_fn=M.splat_loss, out_dir=out_dir, lr_scheduler=sched,
-                        factory=f"gaussian_splatting_models:{factory}") as rec:
+                        factory=f"gaussian_splatting_models:{factory}", **recorder_kw) as rec:
         for step in range(steps):
             kind, idx = (densify or {}).get(step, (None, None))
             if kind == "prune":
@@ -181,3 +181,18 @@ def test_collapsed_splat_without_dilation_is_an_underflowed_determinant_not_a_lo
     assert o["source"] == f"gaussian_splatting_models.py:{line_of('conics = torch.stack([c / det')}"
     assert "dilated before its determinant" in rep["hint"], rep["hint"]
     assert "log_softmax" not in rep["hint"], rep["hint"]
+
+
+def test_a_rewind_window_from_before_densification_is_not_re_run_as_evidence(tmp_path):
+    """The zero-quaternion clones recorded with ``rewind=2``: the window's copy (step 2) holds
+    24 Gaussians, the event step 27. Re-running the window cannot redo the loop's
+    densification, and said "every value finite: the event did NOT come back" beside the
+    reproduced step; the window is now not re-run, and the note says why."""
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_splats", densify={4: ("clone_zero_quats", [2, 5, 7])}, rewind=2)
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["reproduced"], rep["cause"], rep["origin"]["op"]) == (
+        True, "invalid", "aten.div"), rep
+    assert rep["window"] is None, rep["window"]
+    assert any("the rewind window was not re-run: the loop replaced splats." in p
+               and "densification" in p for p in rep["problems"]), rep["problems"]
