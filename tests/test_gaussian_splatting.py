@@ -86,15 +86,16 @@ def test_densified_gaussians_with_zero_quaternions_are_replayed_with_the_runs_ga
                for p in rep["problems"]), rep["problems"]
 
 
-def test_healthy_densify_and_prune_run_raises_no_event_and_no_warning(tmp_path):
+def test_healthy_densify_and_prune_run_raises_no_event_and_no_warning(tmp_path, caplog):
     """The same loop, its Gaussians cloned (3DGS's way) and pruned between steps: nothing
-    fires, nothing is written, nothing is logged as unknown parameters."""
+    fires, nothing is written, nothing is logged (as unknown parameters) or warned."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model = train(tmp_path, "make_splats", steps=12,
-                      densify={3: ("clone", [2, 5, 7]), 7: ("prune", [0, 1, 26])})
+        with caplog.at_level("WARNING", logger="nanreplay"):
+            model = train(tmp_path, "make_splats", steps=12,
+                          densify={3: ("clone", [2, 5, 7]), 7: ("prune", [0, 1, 26])})
     assert model.splats["means"].shape == (24, 3)
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [] and caplog.records == [], caplog.text
 
 
 def test_expected_depth_without_eps_names_the_cameras_with_empty_pixels(tmp_path):
