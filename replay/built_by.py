@@ -16,6 +16,11 @@ from recorder.finite import finite, kind_of
 from .compat import TorchDispatchMode, tree_leaves
 from .source import user_source
 
+# ops whose non-finite value from finite inputs is a pole or a domain's edge, not a result
+# too large for the type
+_POLES = {"log", "log2", "log10", "log1p", "div", "reciprocal", "rsqrt", "sqrt", "pow",
+          "logit", "atanh", "acos", "asin", "xlogy"}
+
 
 def _floating(t) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
@@ -57,9 +62,14 @@ def built_by_text(found, names: str, kinds: set[str]) -> str | None:
         return None
     op, made, low, src = found
     at = f" at {src}" if src else ""
+    head = f"the factory builds {names} non-finite: {op}"
+    tail = (f" made {made}{at} while the model was built, and no update or write of the loop "
+            "made them. Fix that initialisation: ")
+    if made != "nan" and low != 0 and op.removeprefix("aten.").rstrip("_") not in _POLES:
+        return (head + tail + "its true result is too large for the type (an outlier "
+                "among the values it starts from, a point far outside the others: drop or "
+                "clamp it, or rescale before the op)")
     given = " of 0" if low == 0 else f" (inputs as low as {low:.3g})"
-    return (f"the factory builds {names} non-finite: {op}{given} made {made}{at} while the "
-            "model was built, and no update or write of the loop made them. Fix that "
-            "initialisation: keep the op's input in its domain (clamp a distance or a count "
-            "away from 0 before a log or a division, as the value it starts from may be 0 "
-            "for some rows of the data)")
+    return (head + given + tail + "keep the op's input in its domain (clamp a distance or a "
+            "count away from 0 before a log or a division, as the value it starts from may "
+            "be 0 for some rows of the data)")

@@ -141,6 +141,15 @@ def init_points(seed: int = 0, duplicate: bool = False):
     return pts
 
 
+def make_splats_far_outlier():
+    """A cloud with one point COLMAP triangulated near infinity (a sky point at 3e19): its
+    squared distance to the others, 9e38, is past float32's 3.4e38."""
+    torch.manual_seed(0)
+    pts = init_points()
+    pts[7] = torch.tensor([3e19, 0.0, 0.0])
+    return GaussianSplats(pts, knn_log_scales(pts))
+
+
 def make_splats():
     torch.manual_seed(0)
     pts = init_points()

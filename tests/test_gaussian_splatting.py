@@ -197,3 +197,23 @@ def test_a_rewind_window_from_before_densification_is_not_re_run_as_evidence(tmp
     assert rep["window"] is None, rep["window"]
     assert any("the rewind window was not re-run: the loop replaced splats." in p
                and "densification" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_a_sky_point_near_infinity_is_named_as_the_factorys_overflow_not_a_pole(tmp_path):
+    """A point triangulated near infinity (3e19): ``cdist`` squares past float32 while the
+    initial scales are computed, +inf in ``scales`` row 7. The factory's op is named, and the
+    advice is the outlier's, not "clamp away from 0" (no pole was hit)."""
+    with pytest.raises(NonFiniteError) as info:
+        train(tmp_path, "make_splats_far_outlier")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"], ev["kind"]) == (
+        0, "weights", ["splats.scales"], "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["reproduced"], rep["cause"], rep["origin"]["param"]) == (
+        True, "weights", "splats.scales"), rep
+    line = line_of("d2 = torch.cdist(points, points)")
+    assert f"aten._cdist_forward made +inf at gaussian_splatting_models.py:{line}" in \
+        rep["hint"], rep["hint"]
+    assert "too large for the type" in rep["hint"] and "away from 0" not in rep["hint"], \
+        rep["hint"]
+    assert "row(s) 7 of 24" in rep["hint"], rep["hint"]
