@@ -278,8 +278,10 @@ class Target:
 
     def follow_optimizer(self) -> None:
         """Partition again when the optimizer has gained parameter groups since
-        (``add_param_group``: layers unfrozen mid-run), so that their gradients and updates
-        are checked too (one ``len`` per step)."""
+        (``add_param_group``: layers unfrozen mid-run), or when a group's first parameter is
+        another tensor (densification swapped new ones in: :meth:`follow_model` first), so
+        that their gradients and updates are checked too (one ``len`` and one identity test
+        per group, per step)."""
         opt = self.optimizer()
         if opt is None:
             return
