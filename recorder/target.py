@@ -265,7 +265,10 @@ class Target:
         model = self._model()
         if model is None:
             return {}
-        if self.follow_model(model):
+        # (with an optimizer: those it swapped in this step. Without one the loop's own
+        # update may have run since the forward read the old ones: the step's statistics
+        # are of those, and the new ones would be blamed for what the update wrote)
+        if self.has_optimizer and self.follow_model(model):
             self._partition()
         now = {id(p): eager_name(n) for n, p in model.named_parameters()}
         renamed = {n: now[id(p)] for n, p in self.params if now.get(id(p), n) != n}

@@ -33,10 +33,12 @@ def line_of(code: str) -> int:
     return n
 
 
-def train(out_dir, factory: str, steps: int = 10, densify=None, **recorder_kw):
+def train(out_dir, factory: str, steps: int = 10, densify=None, in_step: bool = False,
+          **recorder_kw):
     """gsplat's ``simple_trainer`` loop over a DataLoader of 2 cameras a batch; ``densify``:
     ``{step: (kind, idx)}`` run before that step ("clone", "clone_zero_quats", "prune",
-    "relocate_unclamped")."""
+    "relocate_unclamped"), or with ``in_step`` inside it, between ``backward()`` and
+    ``optimizer.step()`` as 3DGS's ``train.py`` does."""
     model = getattr(M, factory)()
     opt = M.make_optimizer(model)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
@@ -48,33 +50,42 @@ def train(out_dir, factory: str, steps: int = 10, densify=None, **recorder_kw):
     with FlightRecorder(model, opt, loss_fn=M.splat_loss, out_dir=out_dir, lr_scheduler=sched,
                         factory=f"gaussian_splatting_models:{factory}", **recorder_kw) as rec:
         for step in range(steps):
-            kind, idx = (densify or {}).get(step, (None, None))
-            if kind == "prune":
-                M.prune_points(model, opt, idx)
-            elif kind == "relocate_unclamped":  # (the dead first, then the alive they join)
-                M.relocate(model, opt, torch.tensor(idx[0]), torch.tensor(idx[1]), clamp=False)
-            elif kind is not None:
-                M.densify_clone(model, opt, torch.tensor(idx),
-                                fresh_quats=kind == "clone_zero_quats")
+            if not in_step:
+                _densify(model, opt, (densify or {}).get(step))
             v, k, i, d = next(batches)
             loss = rec.loss_fn(model(v, k), i, d)
             opt.zero_grad()
             loss.backward()
+            if in_step:
+                _densify(model, opt, (densify or {}).get(step))
             opt.step()
             sched.step()
     return model
 
 
+def _densify(model, opt, what) -> None:
+    kind, idx = what or (None, None)
+    if kind == "prune":
+        M.prune_points(model, opt, idx)
+    elif kind == "relocate_unclamped":  # (the dead first, then the alive they join)
+        M.relocate(model, opt, torch.tensor(idx[0]), torch.tensor(idx[1]), clamp=False)
+    elif kind is not None:
+        M.densify_clone(model, opt, torch.tensor(idx), fresh_quats=kind == "clone_zero_quats")
+
+
+@pytest.mark.parametrize("in_step", [False, True], ids=["between-steps", "3dgs-order"])
 def test_densified_gaussians_with_zero_quaternions_are_replayed_with_the_runs_gaussians(
-        tmp_path):
+        tmp_path, in_step):
     """Clones whose quaternions were made as ``torch.zeros((N, 4))`` (the ``rots[:, 0] = 1``
     forgotten): ``build_rotation``'s ``r / norm`` is 0/0 in their rows. The recorder used to
     keep checking and bundling the parameters it saw at attach (24 Gaussians), so the replay
-    ran the stale ones and the event did NOT come back; the replay refused a bundle of 27."""
+    ran the stale ones and the event did NOT come back; the replay refused a bundle of 27.
+    In 3DGS's order the clones join after step 4's backward, so step 5's forward fails."""
     with pytest.raises(NonFiniteError) as info:
-        train(tmp_path, "make_splats", densify={4: ("clone_zero_quats", [2, 5, 7])})
+        train(tmp_path, "make_splats", densify={4: ("clone_zero_quats", [2, 5, 7])},
+              in_step=in_step)
     ev = info.value.event
-    assert (ev["step"], ev["phase"], ev["module"]) == (4, "forward", ""), ev
+    assert (ev["step"], ev["phase"], ev["module"]) == (5 if in_step else 4, "forward", ""), ev
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"]) == (
@@ -92,7 +103,7 @@ def test_healthy_densify_and_prune_run_raises_no_event_and_no_warning(tmp_path, 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with caplog.at_level("WARNING", logger="nanreplay"):
-            model = train(tmp_path, "make_splats", steps=12,
+            model = train(tmp_path, "make_splats", steps=12, in_step=True,
                           densify={3: ("clone", [2, 5, 7]), 7: ("prune", [0, 1, 26])})
     assert model.splats["means"].shape == (24, 3)
     assert list(tmp_path.iterdir()) == [] and caplog.records == [], caplog.text
