@@ -116,13 +116,14 @@ def test_expected_depth_without_eps_names_the_cameras_with_empty_pixels(tmp_path
     with pytest.raises(NonFiniteError) as info:
         train(tmp_path, "make_splats_depth_no_eps")
     ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", ""), ev
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"]) == (
         True, "invalid", "forward", "", "aten.div"), rep
     assert o["source"] == f"gaussian_splatting_models.py:{line_of('depth = (w * depths')}"
-    # the cameras of the event's batch with a pixel no Gaussian reaches, rendered here from
-    # the bundle's weights and batch with gsplat's clamp (the accumulated alpha exactly 0)
+    # the cameras of the event's batch with a pixel no Gaussian reaches (its accumulated
+    # alpha exactly 0), rendered here from the bundle's weights and batch, outside the replay
     from recorder.bundle import read_bundle
     _, t = read_bundle(info.value.bundle_path)
     model = M.make_splats()
