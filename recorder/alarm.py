@@ -27,6 +27,7 @@ from .finite import tensors_kind
 from .holders import holders_of
 from .hooks import Health
 from .late_writes import moved_in_step
+from .replaced import swapped_in_event
 from .ring import StepLayout
 from .scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from .scalers import unregistered_scaler_in_use
@@ -85,6 +86,8 @@ class Alarm:
                 constants=target.constants,
                 weights_moved=not target.has_optimizer or moved_in_step(tape, target.watched))
             event = events.find_event(evidence, reason)
+            if event is not None and event.phase == "optimizer":  # (or the loop's swap-in)
+                event = swapped_in_event(event.step, event.params, target.replaced_bad) or event
         except Exception as e:  # a bug of ours must not lose the step the probe found bad
             evidence, event = None, _unfound(tape.step, reason, e)
         agreement = target.ranks
@@ -118,9 +121,10 @@ class Alarm:
         if not self._claim():
             self._take_part(step)
             return
-        event = events.optimizer_event(step, [n for n, _ in pairs], after_update=after_update,
+        event = swapped_in_event(step, [n for n, _ in pairs], self.target.replaced_bad) \
+            or (events.optimizer_event(step, [n for n, _ in pairs], after_update=after_update,
                                        kind=tensors_kind(p for _, p in pairs) or "nan"
-                                       ) if pairs else None
+                                       ) if pairs else None)
         if agreed:
             event = agreement.settle(event, step)
         if event is None:  # no rank's weights are non-finite (norms of huge values overflowed)

@@ -134,6 +134,8 @@ def _model(src: Sources, tape: Tape | None, guard, meta, tensors) -> None:
     written = src.target.written_in_step(tape) if tape is not None else []
     if written:  # before the first update: the step's own code wrote them (a data-dependent init)
         meta["written_in_step"] = [params[i][0] for i in written]
+    if src.target.replaced:  # swapped for new tensors (densified): shapes the factory lacks
+        meta["replaced_params"] = sorted(src.target.replaced)
     for name, p in params:
         w = guard["weights"].get(name, p) if guard else p
         tensors[f"weights/{name}"] = w.detach()

@@ -30,6 +30,7 @@ from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .constants import inf_constants
 from .finite import matches
 from .ranks import Agreement
+from .replaced import bad_kinds, group_heads, heads_moved, swapped
 from .rng import module_generators
 from .samples import recurrent, seq_first
 from .settings import Settings
@@ -211,6 +212,7 @@ class Target:
         held = {id(p) for g in opt.param_groups for p in g["params"] if not p.is_meta} \
             if opt is not None else set()  # (placeholders on the meta device: see bind)
         self.groups = len(opt.param_groups) if opt is not None else 0
+        self.group_heads = group_heads(opt) if opt is not None else []
         self._warn_unknown(held)
         self.constants = inf_constants(self.params, held)  # (never weights gone bad)
         # The gradients to measure: of the parameters that train now, and of the frozen ones
@@ -263,6 +265,11 @@ class Target:
         model = self._model()
         if model is None:
             return {}
+        # (with an optimizer: those it swapped in this step. Without one the loop's own
+        # update may have run since the forward read the old ones: the step's statistics
+        # are of those, and the new ones would be blamed for what the update wrote)
+        if self.has_optimizer and self.follow_model(model):
+            self._partition()
         now = {id(p): eager_name(n) for n, p in model.named_parameters()}
         renamed = {n: now[id(p)] for n, p in self.params if now.get(id(p), n) != n}
         if renamed:
@@ -274,11 +281,32 @@ class Target:
 
     def follow_optimizer(self) -> None:
         """Partition again when the optimizer has gained parameter groups since
-        (``add_param_group``: layers unfrozen mid-run), so that their gradients and updates
-        are checked too (one ``len`` per step)."""
+        (``add_param_group``: layers unfrozen mid-run), or when a group's first parameter is
+        another tensor (densification swapped new ones in: :meth:`follow_model` first), so
+        that their gradients and updates are checked too (one ``len`` and one identity test
+        per group, per step)."""
         opt = self.optimizer()
-        if opt is not None and len(opt.param_groups) != self.groups:
+        if opt is None:
+            return
+        if len(opt.param_groups) != self.groups:
             self._partition()
+        elif heads_moved(opt, self.group_heads):  # (densification swapped in parameters)
+            model = self._model()
+            if model is not None:
+                self.follow_model(model)
+            self._partition()
+
+    def follow_model(self, model: nn.Module) -> bool:
+        """Take the tensors the model holds now under the recorded names of parameters it
+        replaced (see :mod:`recorder.replaced`); their names join :attr:`replaced`, which the
+        bundle lists. Returns whether any was replaced."""
+        moved = swapped(model, self.params)
+        for i, (name, p) in moved.items():
+            self.params[i] = (name, p)
+            self.replaced.add(name)
+        if moved:  # (those swapped in non-finite: the loop's write, not the next update's)
+            self.replaced_bad = bad_kinds(moved)
+        return bool(moved)
 
     def release(self) -> None:
         """Drop every reference to parameters and buffers (at detach)."""
@@ -298,6 +326,9 @@ class Target:
         self.update_small: list[tuple[int, torch.Tensor]] = []
         self.unowned: list[tuple[int, torch.Tensor]] = []
         self.groups = 0  # the optimizer's parameter groups when last partitioned
+        self.group_heads: list[torch.Tensor | None] = []  # (their first parameters)
+        self.replaced: set[str] = set()  # parameters the loop swapped for new ones
+        self.replaced_bad: dict[str, str] = {}  # (the last swap's non-finite ones: kinds)
         self.watched = None
         self.allowed_buffers: dict[int, weakref.ref] = {}
         self.norm_buffers: set[str] = set()

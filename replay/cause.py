@@ -64,6 +64,7 @@ from .ops import Evidence, OpHit
 from .rerun import Runner
 from .step_dtype import autocast as _autocast
 from .step_dtype import step_dtype as _step_dtype
+from .underflow_advice import underflow_advice as advice
 
 __all__ = ["Cause", "classify"]
 
@@ -181,7 +182,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         # a half type's underflow that float32 holds: float32 from where it is made fixes it
         half, held = torch.finfo(it).bits < 32, abs(w) >= torch.finfo(torch.float32).tiny
         wider = DO["wider_under"] + "; or " if half and held else ""
-        how = "" if lost_eps.rounded_guard(ev, i, w) else ": " + wider + DO["log_space"]
+        how = "" if lost_eps.rounded_guard(ev, i, w) else ": " + wider + advice(name, ev, i)
         return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "
                      f"{_type(it)}'s smallest normal number {_g(torch.finfo(it).tiny)}, and "
                      f"was rounded to 0{BELOW_FLOAT32 if half and not held else ''}" + how)

@@ -51,6 +51,7 @@ from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
 from .storages import state_of
+from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
 from .weight_readers import bad_row_fields, first_reader, rows_text
 
@@ -79,7 +80,8 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
                                           # read them: the re-run reads those as written)
                                           **({} if late else first_reader(step)), **rows),
                     "weights", reproduced=True,
-                    hint=built_non_finite_hint(step, bad) or loop_written_hint(step, bad)
+                    hint=built_non_finite_hint(step, bad) or swapped_in_hint(step, bad)
+                    or loop_written_hint(step, bad)
                     or (None if step.meta.get("optimizer") else own_update_hint(step)))
     if (where := rows_text(bad[0], rows)) is not None and report.get("hint"):
         report["hint"] = f"{report['hint']}; {where}"

@@ -22,6 +22,7 @@ import torch
 from recorder.capture import batch_path
 from recorder.finite import finite, kind_of
 
+from .built_by import FirstMade, built_by_text
 from .errors import ReplayError
 from .load import Step, micro_batch_inputs
 from .ops import OpFinder
@@ -263,8 +264,10 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
     other."""
     if not bad or step.rebuild is None or not first_recorded(step):
         return None
+    made = FirstMade()  # (the factory's op that made the value, when one did)
     try:  # (the replay's model was built on the meta device: build it again, for its values)
-        model = step.rebuild()
+        with made:
+            model = step.rebuild()
         built = dict(model.named_parameters()) | dict(model.named_buffers())
     except Exception:  # the factory ran once already; this is only a better hint
         return None
@@ -282,6 +285,9 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
                 "or write of the loop made it. Fix the code that computes it when the model "
                 "is built (statistics of the data: a log of a value <= 0, a 0/0 of a constant "
                 "channel, a NaN record among those it averages)")
+    kinds = {kind_of(built[n]) for n in bad}
+    if (text := built_by_text(made.found, names, kinds)) is not None:
+        return text
     return (f"the factory builds {names} non-finite: the model starts so, no update or write "
             "of the loop made them. An intended -inf (forbidden transitions, a mask) does not "
             "belong in a trained parameter, whose updates and norms it spoils: keep a boolean "

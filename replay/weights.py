@@ -118,6 +118,7 @@ def load_weights(step, model: nn.Module) -> None:
                           + (_parametrized(missing, have) or _wrapped(expected, have)
                              or other_model(step)))
     done: dict[int, nn.Parameter] = {}
+    regrown: list[str] = []  # replaced by the loop with another shape (see below)
     # modules the recorded model held on the meta device: placeholders (a hypernetwork's main
     # network, whose weights functional_call swaps in at every call)
     placeholders = {m["name"] for m in meta.get("modules", []) if m.get("device") == "meta"}
@@ -133,7 +134,9 @@ def load_weights(step, model: nn.Module) -> None:
             raise ReplayError(f"the bundle holds no weights for parameter {name!r} of the model "
                               f"from the factory; {other_model(step)}")
         w = t[f"weights/{src}"]
-        if tuple(w.shape) != tuple(p.shape):
+        if tuple(w.shape) != tuple(p.shape) and src in meta.get("replaced_params", ()):
+            regrown.append(f"{name} {list(w.shape)} (the factory's {list(p.shape)})")
+        elif tuple(w.shape) != tuple(p.shape):
             raise ReplayError(f"weights/{src} has shape {list(w.shape)} in the bundle but "
                               f"{list(p.shape)} in the model from the factory; "
                               + other_model(step))
@@ -141,12 +144,24 @@ def load_weights(step, model: nn.Module) -> None:
         _keep_hooks(p, new)
         done[id(p)] = new
         assign(model, name, new, param=True)
+    _say_regrown(step, regrown)
     _load_buffers(step, model)
     model.train(meta.get("model", {}).get("training", True))
     flags = {m["name"]: m.get("training") for m in meta.get("modules", [])}
     for name, m in model.named_modules():
         if flags.get(name) is not None:
             m.training = flags[name]
+
+
+def _say_regrown(step, regrown: list[str]) -> None:
+    """The note for parameters the recorder saw the loop swap for new ones of another shape
+    (``meta["replaced_params"]``: densification), which the re-run takes from the bundle."""
+    if regrown:
+        step.problems.append(
+            f"parameter {regrown[0]}"
+            + (f" and {len(regrown) - 1} more were" if len(regrown) > 1 else " was")
+            + " replaced by the training loop with another shape (densified or pruned "
+            "Gaussians, a resized embedding): the re-run uses the bundle's")
 
 
 def _keep_hooks(old: nn.Parameter, new: nn.Parameter) -> None:

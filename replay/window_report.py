@@ -56,7 +56,9 @@ def add_window(step: Step, report: dict[str, Any]) -> bool:
     if o is None and not ok:
         report["problems"].append(
             f"re-running the window from the copy at step {win.copy_step} reached step {last} "
-            "with every value finite: the event does not come back from the window")
+            "with every value finite: the event does not come back from the window"
+            + ("; the loop replaced parameters since attach (replaced_params), which the "
+               "window's steps do not redo" if step.meta.get("replaced_params") else ""))
     elif not ok:
         report["problems"].append(
             f"re-running the window, the first non-finite value is at step {o.step} "
@@ -80,6 +82,20 @@ def _not_rerunnable(step: Step, report: dict[str, Any]) -> str | None:
     if not step.micro_batches:
         return ("the event step ran no forward of the recorded model (the loop wrote its "
                 "gradients, as Reptile's from a copy it trained), which a re-run cannot make")
+    if regrown := _regrown_in_window(step):
+        return (f"the loop replaced {regrown} with a parameter of another shape after the "
+                "window's copy was taken (densification or pruning), which the window's steps "
+                "cannot redo: the event step's own re-run is the evidence")
+    return None
+
+
+def _regrown_in_window(step: Step) -> str | None:
+    """The first parameter the loop replaced (``replaced_params``) whose shape in the
+    window's copy is not the event step's, or None."""
+    for n in step.meta.get("replaced_params") or ():
+        copy, now = step.tensors.get(f"rewind/weights/{n}"), step.tensors.get(f"weights/{n}")
+        if copy is not None and now is not None and copy.shape != now.shape:
+            return n
     return None
 
 

@@ -1,0 +1,75 @@
+"""The op of the factory's own code that made a parameter non-finite while the model was
+built: 3DGS's initial log-scales ``torch.log(torch.sqrt(dist2))`` of a point duplicated in
+the cloud (its nearest distance 0) without the reference's ``clamp_min(dist2, 1e-7)``. The
+weights hint names it with its line instead of reading the value as an intended mask, which
+is written as a literal (``torch.full(.., -inf)``, ``masked_fill(m, -inf)``) and so never an
+op of finite inputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from recorder.finite import finite, kind_of
+
+from .compat import TorchDispatchMode, tree_leaves
+from .source import user_source
+
+# ops whose non-finite value from finite inputs is a pole or a domain's edge, not a result
+# too large for the type
+_POLES = {"log", "log2", "log10", "log1p", "div", "reciprocal", "rsqrt", "sqrt", "pow",
+          "logit", "atanh", "acos", "asin", "xlogy"}
+
+
+def _floating(t) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+class FirstMade(TorchDispatchMode):
+    """Around a factory call: the first op that made a NaN/Inf of finite tensors and finite
+    numbers, as ``found``: (op, kind made, smallest input, ``file:line``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: tuple[str, str, float, str | None] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            self._look(func, (args, kwargs or {}), out)
+        return out
+
+    def _look(self, func, given, out) -> None:
+        outs = [t for t in tree_leaves(out) if _floating(t) and not t.is_meta]
+        made = next((k for k in map(kind_of, outs) if k is not None), None)
+        if made is None:
+            return
+        leaves = tree_leaves(given)
+        ins = [t for t in leaves if _floating(t)]
+        if not ins or not all(finite(t) for t in ins):
+            return  # (a value carried from a literal: the literal is what wrote it)
+        if any(isinstance(x, float) and not math.isfinite(x) for x in leaves):
+            return  # a literal -inf (a mask value)
+        low = min(float(t.detach().real.min()) for t in ins if t.numel()) \
+            if any(t.numel() for t in ins) else math.nan
+        self.found = (f"aten.{func.overloadpacket.__name__}", made, low, user_source())
+
+
+def built_by_text(found, names: str, kinds: set[str]) -> str | None:
+    """The hint's words for ``found`` when it made the kind the parameters hold."""
+    if found is None or found[1] not in kinds:
+        return None
+    op, made, low, src = found
+    at = f" at {src}" if src else ""
+    head = f"the factory builds {names} non-finite: {op}"
+    tail = (f" made {made}{at} while the model was built, and no update or write of the loop "
+            "made them. Fix that initialisation: ")
+    if made != "nan" and low != 0 and op.removeprefix("aten.").rstrip("_") not in _POLES:
+        return (head + tail + "its true result is too large for the type (an outlier "
+                "among the values it starts from, a point far outside the others: drop or "
+                "clamp it, or rescale before the op)")
+    given = " of 0" if low == 0 else f" (inputs as low as {low:.3g})"
+    return (head + given + tail + "keep the op's input in its domain (clamp a distance or a "
+            "count away from 0 before a log or a division, as the value it starts from may "
+            "be 0 for some rows of the data)")
