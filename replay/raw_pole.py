@@ -38,16 +38,14 @@ class RawPole:
 
     def __init__(self, batch: Any):
         self._storages = {t.untyped_storage().data_ptr(): version(t)
-                          for t in tensor_leaves(batch)
-                          if isinstance(t, torch.Tensor) and t.is_floating_point()}
+                          for t in tensor_leaves(batch) if _strided_float(t)}
         self.op: str | None = None
         self._carried = TensorSet()  # values whose 0s are the batch's own 0s
 
     def _raw(self, x) -> bool:
         # (a view of the batch's storage at the version it was given: no in-place op since)
-        return isinstance(x, torch.Tensor) and not x.requires_grad and x.is_floating_point() \
-            and (x in self._carried
-                 or self._storages.get(x.untyped_storage().data_ptr()) == version(x))
+        return _strided_float(x) and not x.requires_grad and (
+            x in self._carried or self._storages.get(x.untyped_storage().data_ptr()) == version(x))
 
     def track(self, name: str, args, out) -> None:
         name = name.split(".")[0]
@@ -83,3 +81,9 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
             "(torch.where(x != 0, ...); log1p for a log of counts). An eps on it would turn "
             "the record into a huge "
             "finite value the model trains on")
+
+
+def _strided_float(t) -> bool:
+    """A dense floating tensor (a sparse adjacency or a nested tensor has no storage to key)."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided \
+        and not t.is_nested
