@@ -15,6 +15,7 @@ import torch
 from .load import Step
 
 _HALF = (torch.float16, torch.bfloat16)
+TRY = "--try dtype=float32 tests it"  # (in the hint: what --try auto proposes for it)
 
 
 def half_overflow_why(step: Step, made: str | None, params: list[str]) -> str | None:
@@ -28,5 +29,4 @@ def half_overflow_why(step: Step, made: str | None, params: list[str]) -> str | 
             f"{torch.finfo(w.dtype).max:.4g}, the dtype of the weights and of the optimizer "
             "state it computes in (a quotient by a small second moment or eps, as ADOPT's "
             "g / max(sqrt(v), eps) where v was 0 at its first step): keep the weights and "
-            f"optimizer state in float32 (autocast for {dtype} compute; --try dtype=float32 "
-            "tests it)")
+            f"optimizer state in float32 (autocast for {dtype} compute; {TRY})")

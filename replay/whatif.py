@@ -27,6 +27,7 @@ from .departure import tries_note
 from .diverging import beyond_run_type, still_diverging
 from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
+from .half_update import TRY as HALF_UPDATE
 from .load import Step, autocast_dtype
 from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
 from .outliers import out_of_scale
@@ -177,22 +178,7 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     few = not n or 2 * len(samples) <= n
     if fits_drop and samples and few and not undroppable(step, o.get("micro_batch") or 0):
         out.append("drop=" + ",".join(str(s) for s in samples))
-    loss = o.get("phase") == "loss"  # (a loss the loop ran outside the forward's autocast)
-    low = any(m.get("dtype") in HALF for m in step.meta.get("modules", [])) \
-        or any(autocast_dtype(mb, loss) for mb in step.micro_batches)
-    # (an op computing in float32 under autocast needs float64; one overflowing bfloat16,
-    # with float32's range, too; one whose true result float64 overflows, no type)
-    if cause == "overflow" and BEYOND_FLOAT64 not in (report.get("hint") or ""):
-        made_in = _overflowed_in(o)
-        half = made_in == "float16" if made_in else low
-        out.append("dtype=float32" if half else "dtype=float64")
-    elif cause in ("underflow", "precision") and (low or o.get("dtype") in HALF) \
-            and BELOW_FLOAT32 not in (report.get("hint") or ""):
-        # a value float16 rounds to 0 is normal in float32; a difference bfloat16's 8 bits
-        # cancel below 0 keeps its sign (also where the op took a half output outside autocast)
-        out.append("dtype=float32")
-    elif cause == "precision" and (o.get("dtype") or "float32") == "float32":
-        out.append("dtype=float64")  # (float32's rounding crossed a boundary float64's did not)
+    out += _dtype_tries(step, report, cause, o)
     began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")
     grew = began is not None and began < (report.get("event") or {}).get("step", began)
     fits_update = cause in ("optimizer", "overflow") or (grew and cause != "weights")
@@ -213,6 +199,30 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
         if cause == "optimizer":
             out += _eps_tries(step, o.get("params") or [])
     return out
+
+
+def _dtype_tries(step: Step, report: dict[str, Any], cause, o: dict[str, Any]) -> list[str]:
+    """The compute type that fits the cause, if one does (see :func:`auto_tries`)."""
+    hint = report.get("hint") or ""
+    loss = o.get("phase") == "loss"  # (a loss the loop ran outside the forward's autocast)
+    low = any(m.get("dtype") in HALF for m in step.meta.get("modules", [])) \
+        or any(autocast_dtype(mb, loss) for mb in step.micro_batches)
+    # (an op computing in float32 under autocast needs float64; one overflowing bfloat16,
+    # with float32's range, too; one whose true result float64 overflows, no type)
+    if cause == "overflow" and BEYOND_FLOAT64 not in hint:
+        made_in = _overflowed_in(o)
+        return ["dtype=float32" if (made_in == "float16" if made_in else low)
+                else "dtype=float64"]
+    if cause in ("underflow", "precision") and (low or o.get("dtype") in HALF) \
+            and BELOW_FLOAT32 not in hint:
+        # a value float16 rounds to 0 is normal in float32; a difference bfloat16's 8 bits
+        # cancel below 0 keeps its sign (also where the op took a half output outside autocast)
+        return ["dtype=float32"]
+    if cause == "precision" and (o.get("dtype") or "float32") == "float32":
+        return ["dtype=float64"]  # (float32's rounding crossed a boundary float64's did not)
+    if cause == "optimizer" and HALF_UPDATE in hint:  # (weights and state kept in a half type)
+        return ["dtype=float32"]
+    return []
 
 
 def _eps_tries(step: Step, params: list[str]) -> list[str]:

@@ -229,6 +229,10 @@ def test_adopt_state_overflowing_float16_is_not_called_a_pole(out_dir):
     assert "check the learning rate" not in hint, hint
     tries = {t["try"]: t["finite"] for t in rep["what_if"]}
     assert tries == {"lr=0.1x": False, "dtype=float32": True}, tries
+    # --try auto proposes the type the hint names, besides the rate and the clip
+    auto = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    tries = {t["try"]: t["finite"] for t in auto["what_if"]}
+    assert tries["dtype=float32"] is True and tries["lr=0.1x"] is False, tries
 
 
 def test_muon_without_newton_schulz_eps_names_the_zero_gradient_and_zero_init(out_dir):
