@@ -47,6 +47,8 @@ def report_raised(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
 
 
 def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | None:
+    """The report of a re-run a distribution's check ended (see the module's docstring);
+    None when ``run`` ended otherwise."""
     said = refusal(run.error) if run.error is not None else None
     if said is None:
         return None
@@ -64,7 +66,8 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
         return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)
     value, valid, maker = _made(runner)  # a finite value outside the constraint
     bad = value[~valid] if value is not None else None
-    op, module, where = maker or (None, ("", 0, mb), source)
+    op, module, where = maker or (None, None, source)
+    module = module or ("", 0, mb)  # (an op outside every module call: the root's)
     phase = "loss" if module[0] == "<loss>" else "forward"  # (a distribution in loss_fn)
     origin = origin_fields(phase=phase, module=module[0], call=module[1], micro_batch=mb,
                            op=op, source=where, inputs_finite=True,
@@ -85,8 +88,8 @@ class _Makers(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() \
-                    and view_base(t) is None:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_nested \
+                    and t.layout == torch.strided and view_base(t) is None:
                 self.made[t.data_ptr()] = (f"aten.{func.overloadpacket.__name__}",
                                            self.calls.running(), user_source())
         return out
