@@ -22,17 +22,23 @@ from .errors import StopRun
 from .rerun import Runner
 
 
+@contextlib.contextmanager
+def in_float64(runner: Runner, default: torch.dtype | None = None):
+    """The runner's re-runs in float64 inside the block, every op upcast, with the step's
+    random draws made in its own type, that of the model's first floating parameter (or
+    ``default``): the same numbers as recorded (see draw_as_recorded)."""
+    draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()), default)
+    with runner.float64(), Float64(draw if draw != torch.float64 else None):
+        yield
+
+
 def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: int) -> bool:
     """Re-run in float64 (forward: up to the origin's call; the blamed op's call captured);
     whether it is still non-finite."""
     window = _Window(runner, *until, capture) if phase == "forward" and until else None
-    # the step's random draws in its own type: the same numbers (see draw_as_recorded)
-    draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()),
-                torch.get_default_dtype())
-    draw = draw if draw != torch.float64 else None
     entering: list[bool] = []  # a backward's gradients entering the model's outputs
     hooks = window.hooks if window else _entering(entering) if phase == "backward" else None
-    with runner.float64(), Float64(draw), \
+    with in_float64(runner, torch.get_default_dtype()), \
             _watch_loss(runner, capture if phase == "loss" else None, mb):
         try:
             run = runner.run(backward=phase == "backward", instrument=phase == "forward",

@@ -27,9 +27,10 @@ from recorder.linalg import linalg_reason
 
 from .cause import classify
 from .compat import TorchDispatchMode, tree_leaves
-from .dispatch import Float64, float_leaves, run_op
+from .dispatch import float_leaves, run_op
 from .errors import StopRun
 from .findings import finish, origin_fields
+from .float64_step import in_float64
 from .forward import find_op_in_call
 from .learned import Learned
 from .load import Step
@@ -153,8 +154,7 @@ def float64_matrix(runner: Runner, failed: Failed) -> Failed | None:
     """The same op call in the step re-run in float64: its matrix, whether it failed too."""
     calls = ModuleCalls(runner)
     mode = _Failing(calls, target=(failed.op, failed.occurrence))
-    draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()), None)
-    with runner.float64(), Float64(draw if draw != torch.float64 else None), mode:
+    with in_float64(runner), mode:
         run = runner.run(backward=False, instrument=False, hooks=calls.hooks)
     if mode.failed is None and run.error is not None:
         return None

@@ -25,8 +25,8 @@ from recorder.constraints import refusal
 
 from .cause import classify
 from .compat import TorchDispatchMode, tree_leaves
-from .dispatch import Float64
 from .findings import finish, origin_fields
+from .float64_step import in_float64
 from .forward import find_op_in_call
 from .linalg import ModuleCalls, report_linalg
 from .load import Step
@@ -142,9 +142,8 @@ def _judge(runner: Runner, refused: str, bad) -> tuple[str | None, str]:
     seen = ("its values" if bad is None or not bad.numel() else
             f"{bad.numel()} value(s) refused, " + (f"all {lo:.3g}" if lo == hi else
                                                    f"from {lo:.3g} to {hi:.3g}"))
-    draw = next((p.dtype for p in runner.model.parameters() if p.is_floating_point()), None)
     try:
-        with runner.float64(), Float64(draw if draw != torch.float64 else None):
+        with in_float64(runner):
             again = runner.run(backward=False, instrument=False)
     except Exception:  # the model refuses float64
         return None, f"{refused}: {seen}; the float64 re-run could not run, so whether exact " \
