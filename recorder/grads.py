@@ -21,6 +21,7 @@ from .target import Target
 _GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _PLAIN, _STRIDED = frozenset((torch.Tensor,)), frozenset((torch.strided,))
+_DENSE = torch.strided
 
 
 def small_param_norms(tape: Tape, target: Target, param_norms: bool) -> None:
@@ -58,8 +59,15 @@ def output_grad_norms(tape: Tape) -> None:
     micro-batches keep for the replay: taken when the step closes, in one loop, and checked
     with the parameters' gradients (a loss computed where the recorder cannot see it shows
     here even when the model's backward drops its non-finite entries)."""
+    mbs = tape.micro_batches
+    if len(mbs) == 1 and len(out_grads := mbs[0].out_grads) == 1:  # one forward, one output
+        (i, g), = out_grads.items()
+        if type(g) is torch.Tensor and g.layout is _DENSE and not g.requires_grad \
+                and g.numel() and (ref := tape.slots.sq_norm_dense(g, GRAD)) is not None:
+            tape.out_grad_norms = [(0, i, ref)]
+            return
     where, grads = [], []
-    for k, mb in enumerate(tape.micro_batches):
+    for k, mb in enumerate(mbs):
         if not mb.out_grads:
             continue
         for i, g in list(mb.out_grads.items()):

@@ -116,7 +116,7 @@ class RngCapture:
         np = sys.modules.get("numpy")
         if np is not None:
             state["numpy"] = self._numpy_state(np)
-        if torch.cuda.is_initialized():  # else no CUDA generator has drawn yet
+        if _cuda_initialized():  # else no CUDA generator has drawn yet
             state["cuda"] = torch.cuda.get_rng_state_all()
         for name, g in self.generators:
             state[GENERATOR + name] = g.get_state()
@@ -136,14 +136,23 @@ class RngCapture:
 
 
 def _fast_key(parts: tuple) -> tuple:
-    """Every generator's fingerprint (see :class:`_Fingerprinted`) and owner, and whether NumPy
-    or CUDA came in since: equal, no state moved."""
-    np, inst, pw, _, tw, rs, owner, nw, gauss = parts  # (torch's owner: the default generator)
-    now = sys.modules.get("numpy")
-    return (now, torch.cuda.is_initialized(), random.getstate.__self__, torch.default_generator,
-            _PY_WORDS(pw), inst.gauss_next, _TORCH_WORDS(tw),
-            np and (np.random.get_state.__self__, owner is getattr(rs, "_bit_generator", None),
-                    _NP_WORDS(nw), gauss[0][0], gauss[1][0]))
+    """Every generator's fingerprint (see :class:`_Fingerprinted`), and what would make the
+    capture read another generator: CUDA initialised (never, in a build without it), NumPy
+    imported, ``random``'s and ``np.random``'s functions rebound (each is a bound method made
+    once, at import). torch's default generator is one object for the process. Equal: no
+    state moved. (Each lookup here is a cache miss when a step opens, after its kernels.)"""
+    np, inst, pw, _, tw, _, _, nw, gauss = parts
+    return (_cuda_initialized(), random.getstate, _PY_WORDS(pw), inst.gauss_next,
+            _TORCH_WORDS(tw), sys.modules.get("numpy") if np is None else (
+                np.random.get_state, _NP_WORDS(nw), gauss[0][0], gauss[1][0]))
+
+
+def _never() -> bool:
+    return False
+
+
+# whether CUDA's generators are to be captured too (see RngCapture.__call__)
+_cuda_initialized = torch.cuda.is_initialized if torch.backends.cuda.is_built() else _never
 
 
 class _Fingerprinted:

@@ -297,6 +297,14 @@ class Slots:
             refs.append(self.norm(t, code, square=True))
         return refs
 
+    def sq_norm_dense(self, t: torch.Tensor, code: int) -> tuple[int, int] | None:
+        """:meth:`sq_norm` of one dense contiguous float32 tensor on this device (the gradient
+        entering a model's one output, once a step), else None: its usual case in one frame."""
+        if t.dtype is FLOAT32 and (t.is_cpu if self._cpu else t.device == self.device) \
+                and t.is_contiguous():
+            return self.sq_norm_flat([t.view(-1)], code)[0]
+        return None
+
     def sq_norm_flat(self, flats: list[torch.Tensor], code: int) -> list[tuple[int, int]]:
         """Squared 2-norms of flat float32 vectors on this device (see :class:`FlatViews`):
         one dot each, into its slot. (Dots made by ``map`` and copied into the slots in one
