@@ -260,8 +260,7 @@ class StepCycle:
         """Copy the step's statistics into the next ring row and compute, still on the device,
         a probe (see :func:`_read_probe`): three device ops, as this runs every step. Returns
         (layout, row, probe, scale): ``row`` is the whole step's (the ring keeps it cut when it
-        is wider than the ring), ``scale`` whether the probe carries the GradScaler's scale,
-        read in the same sync."""
+        is wider), ``scale`` whether the probe carries the GradScaler's scale (same read)."""
         if not tape.evaluation:  # (an evaluation's gradients are the last step's)
             output_grad_norms(tape)
             weight_step_norms(tape, self.target, self.settings.param_norms)
@@ -270,7 +269,7 @@ class StepCycle:
         # (a whole-vector row: the slots' length, which the ring follows when they grow)
         row = self.ring.reserve(total, tape.slots.device, grow=not tape.slots.short)
         full = row
-        if row.numel() == total and row.device == tape.slots.device:
+        if row.numel() == total and self.ring.device == tape.slots.device:
             torch.cat(pieces, out=row)
         else:  # a row longer than the ring is wide (stored truncated, checked whole), or a
             full = torch.cat(pieces)  # model moved to another device after the first step
@@ -279,7 +278,8 @@ class StepCycle:
         # (and cleared, so that a later step that writes fewer does not find them)
         if skipped:
             tape.slots.zero(GRAD)
-        probe, scale = self._fill_probe(full, row, shift + ends[STRICT if skipped else GRAD],
+        probe, scale = self._fill_probe(full, row, tape.slots.device,
+                                        shift + ends[STRICT if skipped else GRAD],
                                         shift + starts[NAN_ONLY],
                                         ends[NAN_ONLY] - starts[NAN_ONLY])
         return layout, full, probe, scale
@@ -306,7 +306,7 @@ class StepCycle:
             self.pending_update = self.pending_update if tape.evaluation else None
             layout.update_step, updates = pending.step, pending.refs
             piece = pending.slots.row_pieces()[0][0]  # (its STRICT region is all it has)
-            if piece.device == slots.device:
+            if pending.slots.device == slots.device:
                 pieces = [piece, *pieces]
                 shift = piece.numel()
             else:  # the model moved since: that evidence is void
@@ -317,16 +317,16 @@ class StepCycle:
                       tuple(updates), tuple(tape.out_grad_norms))
         return layout, pieces, shift, starts, ends
 
-    def _fill_probe(self, full: torch.Tensor, row: torch.Tensor, checked: int, start: int,
-                    n: int) -> tuple[torch.Tensor, bool]:
-        """The probe of a row whose first ``checked`` entries must be finite and whose ``n``
-        entries from ``start`` must not be NaN; whether it carries the GradScaler's scale."""
+    def _fill_probe(self, full: torch.Tensor, row: torch.Tensor, device: torch.device,
+                    checked: int, start: int, n: int) -> tuple[torch.Tensor, bool]:
+        """The probe of a row on ``device`` whose first ``checked`` entries must be finite and
+        whose ``n`` entries from ``start`` must not be NaN; whether it carries the scale."""
         probe = self._probe
-        if probe is None or probe.device != full.device:
-            probe = self._probe = torch.zeros(4, dtype=torch.float32, device=full.device)
-            self._probe_views = probe.unbind(0)
+        if probe is None or self._probe_views[0] is not device:  # (new slots: the model moved)
+            probe = self._probe = torch.zeros(4, dtype=torch.float32, device=device)
+            self._probe_views = (device, *probe.unbind(0))  # (``probe.device`` makes an object)
             self._probe_nan_only = False
-        finite, lo, _, scale_out = self._probe_views
+        _, finite, lo, _, scale_out = self._probe_views
         if full is row and checked:
             self.ring.probe_finite(checked, out=finite)
         else:

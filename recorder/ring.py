@@ -175,6 +175,7 @@ class RingBuffer:
     def __init__(self, history: int):
         self.history = history
         self.rows: torch.Tensor | None = None
+        self.device: torch.device | None = None  # the rows' (``rows.device`` makes an object)
         self.layouts: deque[StepLayout] = deque(maxlen=history)
         self._next = 0
         self.truncated = 0
@@ -208,7 +209,7 @@ class RingBuffer:
         rows = torch.full((self.history, width), math.nan, dtype=torch.float32, device=device)
         if self.rows is not None:
             rows[:, : self.rows.shape[1]].copy_(self.rows)
-        self.rows = rows
+        self.rows, self.device = rows, device
         self._slots = rows.unbind(0)  # row views made once, not per step
         self._views: list = [None] * self.history
         self._checked: list = [None] * self.history
