@@ -221,6 +221,18 @@ def copy(src: Path, dst: Path) -> Path:
 # running the CLI
 
 
+def line_number(models: str, text: str) -> int:
+    """The first line of ``tests/<models>`` holding ``text``: where a planted bug's op is
+    written (found by its text, so a test does not break when lines above it move)."""
+    lines = (Path(__file__).parent / models).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def source_line(models: str, text: str) -> str:
+    """``"<models>:N"`` (see :func:`line_number`), as a report names a source line."""
+    return f"{models}:{line_number(models, text)}"
+
+
 def invoke_cli(*args):
     """``nanreplay ARGS`` through click's runner; a raw exception or traceback fails the test."""
     from click.testing import CliRunner

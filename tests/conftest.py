@@ -96,6 +96,15 @@ def out_dir(tmp_path: Path) -> Path:
     return tmp_path / "bundles"
 
 
+@pytest.fixture
+def in_tests_dir(monkeypatch):
+    """Run from tests/, as a user runs nanreplay from their project root: the replay imports a
+    bundle's factory (``"gan_models:make_gan"``) only from the working directory, the one
+    place whose modules it trusts. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("in_tests_dir")``."""
+    monkeypatch.chdir(Path(__file__).parent)
+
+
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory) -> Path:
     """The bundle of examples/train_toy.py, made once per session (see tests/bundles.py)."""

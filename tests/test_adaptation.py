@@ -8,7 +8,6 @@ target rows' entropy. Each planted bug fires at its step and ``nanreplay`` names
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import adaptation_models as A
 import numpy as np
@@ -18,13 +17,10 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 NS, STEPS, BAD = 8, 6, 3  # source rows a batch; the planted step
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # adaptation_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def batch(step: int, nt: int = 8, repeat: bool = False):

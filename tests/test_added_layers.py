@@ -16,12 +16,7 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from recorder.target import UNKNOWN_WARNING
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train(out_dir: Path, reattach: bool) -> NonFiniteError:

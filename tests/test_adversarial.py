@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from pathlib import Path
 
 import adversarial_models as A
 import pytest
@@ -17,13 +16,10 @@ from bundles import invoke_cli, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 N = 16
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # adversarial_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_pgd_l2(out_dir, steps: int, tiny: float = 0.0):

@@ -6,7 +6,6 @@ anomaly mode, says whether that NaN reached the parameters or was dropped by a l
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import scale_models as SM
@@ -16,12 +15,7 @@ from bundles import invoke_cli
 from recorder import FlightRecorder
 from recorder.bundle import read_bundle
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # scale_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_under_anomaly_mode(tmp_path, clamped: bool) -> tuple[RuntimeError, dict]:

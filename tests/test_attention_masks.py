@@ -5,26 +5,18 @@ planted bug fires, then replayed with the CLI."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import attention_masks_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # attention_masks_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "attention_masks_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("attention_masks_models.py", text)
 
 
 def train(out_dir, factory: str, pads_at: dict[int, list[int]], steps: int = 4):

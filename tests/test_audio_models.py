@@ -16,13 +16,10 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from replay.cli import main as cli
 
-HERE = Path(__file__).parent
 K, ROW = 2, 3  # the step with an empty clip, and its row
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where audio_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_ctc(out_dir: Path, steps: int = 4) -> NonFiniteError:

@@ -4,8 +4,6 @@ this op in float32 (outside autocast, or .float() before it)', which it already 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import replay_models as R
 import torch
@@ -14,12 +12,7 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from replay import replay
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def test_a_float32_rmsnorm_under_bf16_autocast_is_named_in_float32(out_dir):

@@ -25,9 +25,7 @@ HERE = Path(__file__).parent
 K = 3
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(module, factory: str, batches, out_dir: Path, steps: int = 6) -> NonFiniteError:

@@ -17,12 +17,7 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # capsules_nas_models.py, the factories' module, lives here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train_text_capsnet(out_dir, eps_inside: bool = False, half: bool = False):

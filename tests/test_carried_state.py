@@ -14,13 +14,10 @@ from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 B, T = 6, 10
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # carried_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(out_dir: Path) -> NonFiniteError:

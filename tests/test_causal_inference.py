@@ -6,27 +6,20 @@ planted bug fires; then ``nanreplay`` on the bundle, as a user runs it."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import causal_inference_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where causal_inference_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "causal_inference_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("causal_inference_models.py", text)
 
 
 def train(out_dir, make: str, loss_fn, data: tuple, *, batch_size: int, epochs: int = 1,

@@ -35,9 +35,7 @@ K = 3  # the step at which every planted bug fires
 ROW = 5  # the row that carries it
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where cause_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(factory: str, make, out_dir: Path, *, loss_fn=None, steps: int = 6,

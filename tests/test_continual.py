@@ -7,7 +7,6 @@ recorder raises, then ``nanreplay`` names the module, op, step, cause and sample
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import continual_models as C
 import pytest
@@ -17,13 +16,10 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 FACTORY = "continual_models:make_tasknet"
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # continual_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 @pytest.mark.parametrize("with_loss_fn", [True, False], ids=["loss_fn", "record_loss-only"])

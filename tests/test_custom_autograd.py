@@ -20,9 +20,7 @@ HERE = Path(__file__).parent
 K = 3
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # autograd_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _line(text: str) -> str:

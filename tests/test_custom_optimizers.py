@@ -3,8 +3,6 @@ replay by the factory), trained under the recorder until their update goes non-f
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import zf_models as ZF
 from bundles import nanreplay_json
@@ -13,12 +11,7 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train(out_dir, make_opt, factory: str, dead: int | None = None, **kw) -> NonFiniteError:

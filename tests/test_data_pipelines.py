@@ -3,8 +3,6 @@ records corrupted late in a dataset, values missing as NaN that the model impute
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import data_pipelines_models as M
 import pytest
 import torch
@@ -15,12 +13,7 @@ from torch.utils.data import DataLoader, WeightedRandomSampler
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where data_pipelines_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def test_a_batch_cleaned_in_place_after_the_forward_is_not_replayed_as_it_ran(tmp_path):

@@ -7,28 +7,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import deep_clustering_models as M
 import pytest
 import torch
 import torch.nn.functional as F
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # deep_clustering_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    lines = Path(M.__file__).read_text().splitlines()
-    return f"deep_clustering_models.py:{next(i for i, t in enumerate(lines, 1) if text in t)}"
+    return source_line("deep_clustering_models.py", text)
 
 
 def recorded(out_dir, factory: str, model, opt, loss_fn=None):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-from pathlib import Path
 
 import dense_regression_models as D
 import pytest
@@ -20,12 +19,7 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where dense_regression_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train(out_dir, model, opt, crit, batches, factory, **kw):

@@ -21,9 +21,7 @@ HERE = Path(__file__).parent
 DEGENERATE = {10: [[4, 4, 12, 14], [20, 6, 20, 18]]}
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where detection_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train(out_dir, factory: str, ds, crit=None, steps: int = 6):

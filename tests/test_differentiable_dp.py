@@ -5,27 +5,19 @@ recorder until its planted bug fires, then replayed with the CLI as a user runs 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import differentiable_dp_models as M
 import pytest
 import torch
 import torch.nn.functional as F
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # differentiable_dp_models.py, the factories' module, lives here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "differentiable_dp_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("differentiable_dp_models.py", text)
 
 
 def train(out_dir, factory: str, loss_fn, batches, opt=torch.optim.Adam, lr: float = 1e-2,

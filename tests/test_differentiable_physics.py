@@ -7,28 +7,21 @@ CLI; the healthy versions train without an event."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import differentiable_physics_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 FACTORY = "differentiable_physics_models:"
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # differentiable_physics_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    lines = (HERE / "differentiable_physics_models.py").read_text().splitlines()
-    return "differentiable_physics_models.py:" + str(
-        next(i for i, line in enumerate(lines, 1) if text in line))
+    return source_line("differentiable_physics_models.py", text)
 
 
 def train_nbody(out_dir, factory: str, sizes_at: dict[int, list[int]], steps: int = 4):

@@ -7,7 +7,6 @@ module (teacher or student), op, samples and cause.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import distill_models as D
 import pytest
@@ -16,12 +15,7 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where distill_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def batch(step: int, n: int = 16):

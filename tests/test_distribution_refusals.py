@@ -11,21 +11,15 @@ from pathlib import Path
 import pytest
 import refusal_models as M
 import torch
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 
 from recorder import FlightRecorder
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # refusal_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "refusal_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("refusal_models.py", text)
 
 
 def train(out_dir, scale: str = "softplus", steps: int = 5, at: int = 3, **bad):

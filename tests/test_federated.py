@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-from pathlib import Path
 
 import federated_models as FM
 import pytest
@@ -20,14 +19,11 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 SIZES = [40, 24, 16, 32]  # the clients' samples
 STEPS = [math.ceil(n / FM.BATCH) for n in SIZES]  # their local steps a round
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # federated_models.py, the factories' module, is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def serial_rounds(model, opt, loss_fn, out_dir, rounds, data, aggregate, *, given_model=None,

@@ -30,9 +30,7 @@ HERE = Path(__file__).parent
 K = 3
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(out_dir: Path, monkeypatch, factory: str = "make_scaled_net",

@@ -26,9 +26,7 @@ HERE = Path(__file__).parent
 BATCH, K, ROW = 4, 2, 1
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # the factory's module is trusted from here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 @pytest.fixture(autouse=True)

@@ -15,13 +15,6 @@ from bundles import nanreplay_json
 from recorder import FlightRecorder, NonFiniteError
 from recorder.compat import distributions_validate_default
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where flow_models.py, the factory's module, lives
-
 
 def binarized(step: int, n: int = 8) -> torch.Tensor:
     """A batch of binarized images (MNIST's dynamic binarisation of grey levels)."""
@@ -30,7 +23,7 @@ def binarized(step: int, n: int = 8) -> torch.Tensor:
 
 
 # (each test starts with torch.distributions' validation on: see conftest)
-pytestmark = pytest.mark.usefixtures("validation_at_torch_default")
+pytestmark = pytest.mark.usefixtures("in_tests_dir", "validation_at_torch_default")
 
 
 def train(out_dir: Path, factory: str, loss, batch, steps: int = 5, lr: float = 1e-3,

@@ -19,13 +19,10 @@ from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
 from replay import replay
 
-HERE = Path(__file__).parent
 BAD_STEP, BAD_ROW = 6, 3
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_gan(out_dir: Path) -> NonFiniteError:

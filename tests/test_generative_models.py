@@ -15,12 +15,7 @@ from bundles import nanreplay_json
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where generative_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_vqvae(out_dir: Path, steps: int = 4, at=None, rewind: int | None = None, **quantize):

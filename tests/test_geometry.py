@@ -19,13 +19,10 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 ACOSH_ADVICE = "x.clamp_min(1 + eps)"
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # geometry_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _origin(rep: dict) -> tuple:

@@ -7,28 +7,23 @@ workers, trained under the recorder until a planted bug fires, then replayed wit
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import gpu_augmentation_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 BS = 8
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # gpu_augmentation_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    lines = (HERE / "gpu_augmentation_models.py").read_text().splitlines()
-    return f"gpu_augmentation_models.py:{next(i for i, s in enumerate(lines, 1) if text in s)}"
+    return source_line("gpu_augmentation_models.py", text)
 
 
 def train(out_dir, factory: str, data: M.Images, steps: int = 4, workers: int = 0,

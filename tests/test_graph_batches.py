@@ -17,13 +17,10 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 K, BAD = 4, 4  # the step the planted bug fires at, and the graph it is in (of 6)
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where graph_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _batches(plant: str, steps: int = 8, graphs: int = 6):

@@ -6,7 +6,6 @@ state), as re-training with either confirms."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import rewind_models as R
@@ -16,12 +15,7 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_half(out_dir, eps: float = 1e-8, steps: int = 3, rewind: int | None = 4):

@@ -4,7 +4,6 @@ whose float32 master copy an optimizer steps, written back into the model by han
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import precision_models as P
 import pytest
@@ -15,13 +14,10 @@ from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 K, ROW = 4, 5
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # precision_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train(out_dir, end_step_before_update: bool) -> NonFiniteError:

@@ -27,9 +27,7 @@ HERE = Path(__file__).parent
 BATCH, K = 4, 3
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # the factory's module is trusted from here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 class InOrder(transformers.Trainer):

@@ -7,29 +7,21 @@ recorder until a planted bug fires, then replayed with the CLI."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import hypernetworks_models as M
 import pytest
 import torch
 import torch.nn.functional as F
-from bundles import invoke_cli, nanreplay_json
+from bundles import invoke_cli, nanreplay_json, source_line
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # hypernetworks_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    lines = (HERE / "hypernetworks_models.py").read_text().splitlines()
-    n = next(i for i, line in enumerate(lines, 1) if text in line)
-    return f"hypernetworks_models.py:{n}"
+    return source_line("hypernetworks_models.py", text)
 
 
 def fit(out_dir, factory: str, loss_fn, batches, opt=torch.optim.Adam, rewind=None, **kw):

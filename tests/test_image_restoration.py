@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import json
-from pathlib import Path
 
 import image_restoration_models as M
 import pytest
@@ -21,12 +20,7 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where image_restoration_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _line_of(text: str, within=M) -> str:

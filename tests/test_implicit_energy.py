@@ -17,12 +17,7 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where implicit_energy_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_ebm(out_dir: Path, steps: int = 2, k: int = 10, step_size: float = 0.01,

@@ -34,9 +34,7 @@ HERE = Path(__file__).parent
 K = 3
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # the factories' module imports from here, as a project root
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _lm_loop(model, rec_kwargs, out_dir, steps=4, pad=False):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -25,19 +24,14 @@ from recorder.bundle import read_bundle  # noqa: E402
 from recorder.lightning import FlightRecorderCallback  # noqa: E402
 from replay import replay  # noqa: E402
 
-HERE = Path(__file__).parent
 K, BATCH = 3, 8
 pytestmark = [
+    pytest.mark.usefixtures("in_tests_dir"),
     # Lightning's own advice (worker counts, logging intervals) and its pytree shim's
     # deprecation notice: not this project's to act on
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # the factories' module is trusted from here
 
 
 def _fit(module, callback, train, val=None, ckpt_path=None, **trainer_args):

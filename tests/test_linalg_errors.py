@@ -20,12 +20,7 @@ from torch import nn
 
 from recorder import FlightRecorder
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where linalg_error_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _raised(out_dir: Path, run) -> tuple[int, Path]:

@@ -26,14 +26,10 @@ K = 3
 ENTERED = ("the gradient entering the model's output was non-finite; the model's backward made "
            "none of its own")
 pytestmark = [
+    pytest.mark.usefixtures("in_tests_dir"),
     pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's advice on workers, logging
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
 
 
 # ---------------------------------------------------------------------------------------------

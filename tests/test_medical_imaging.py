@@ -7,7 +7,6 @@ cause and fix."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import medical_imaging_models as M
 import pytest
@@ -19,12 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where medical_imaging_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 @pytest.mark.parametrize("batch_dice", [True, False])

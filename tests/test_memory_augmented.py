@@ -5,28 +5,22 @@ fires, then replayed with the CLI; and their healthy runs, which must run throug
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import memory_augmented_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 B, T = 4, 7  # the NTM's batch and chunk length (time-major: (T, B, bits))
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # memory_augmented_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "memory_augmented_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("memory_augmented_models.py", text)
 
 
 # ---------------------------------------------------------------------------------------------

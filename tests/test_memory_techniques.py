@@ -15,13 +15,10 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from replay import replay
 
-HERE = Path(__file__).parent
 K = 3  # the step at which the planted bugs fire
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # the factories' module is trusted from here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train_encoder(out_dir: Path, reentrant: bool) -> NonFiniteError:

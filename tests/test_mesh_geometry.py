@@ -8,28 +8,21 @@ healthy versions train without an event."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mesh_geometry_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 FACTORY = "mesh_geometry_models:"
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # mesh_geometry_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    lines = (HERE / "mesh_geometry_models.py").read_text().splitlines()
-    return "mesh_geometry_models.py:" + str(
-        next(i for i, line in enumerate(lines, 1) if text in line))
+    return source_line("mesh_geometry_models.py", text)
 
 
 def _origin(rep: dict) -> tuple:

@@ -5,7 +5,6 @@ and a forward that ran with adapted weights is not blamed on the factory."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import meta_models as MM
 import pytest
@@ -14,12 +13,7 @@ from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # meta_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(tmp_path, spoil, inner_lr=lambda it: 0.01):

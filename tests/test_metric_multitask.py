@@ -19,9 +19,7 @@ HERE = Path(__file__).parent
 K = 3  # the step the planted bugs fire at
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # metric_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def test_drop_keeps_the_features_of_a_batch_as_wide_as_it_is_long(tmp_path):

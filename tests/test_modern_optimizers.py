@@ -11,23 +11,17 @@ from pathlib import Path
 import modern_optimizers_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 from replay.report import to_text
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # modern_optimizers_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "modern_optimizers_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("modern_optimizers_models.py", text)
 
 
 def _epochs(model, opt, factory: str, epochs: int, n: int = 256, sched=None,

@@ -7,7 +7,6 @@ the replay sets the recorded ones it differs from, saying so."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +20,7 @@ from recorder.compiled import hook_sites
 from replay.attributes import restore_attributes
 from replay.cli import main as cli
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where this module, the factory's, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 class TemperatureSoftmax(nn.Module):

@@ -20,9 +20,7 @@ HERE = Path(__file__).parent
 K, BAD = 2, 3  # the step the planted bug fires at, and the molecule it is in (of 5)
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where molecule_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train(plant: str, out_dir: Path, **kw) -> NonFiniteError:

@@ -20,9 +20,7 @@ from recorder import FlightRecorder, NonFiniteError
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where nerf_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(code: str) -> int:

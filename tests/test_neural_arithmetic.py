@@ -7,28 +7,22 @@ then replayed with the CLI."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import neural_arithmetic_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 BS = 8
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # neural_arithmetic_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    lines = (HERE / "neural_arithmetic_models.py").read_text().splitlines()
-    return f"neural_arithmetic_models.py:{next(i for i, s in enumerate(lines, 1) if text in s)}"
+    return source_line("neural_arithmetic_models.py", text)
 
 
 class Half(M.Arithmetic):

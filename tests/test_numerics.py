@@ -15,13 +15,10 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 K = 3  # the step at which every planted bug fires
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where numerics_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(factory: str, make, out_dir: Path, loss_fn, steps: int = 6) -> NonFiniteError:

@@ -15,12 +15,7 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from recorder.foreign import WARNING
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 @pytest.mark.parametrize("unfreeze", ["requires_grad", "add_param_group"])

@@ -9,7 +9,6 @@ case."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import replay_models as R
@@ -21,13 +20,10 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from recorder.foreign import WARNING
 
-HERE = Path(__file__).parent
 K = 5  # the step whose sample 5 drives ShiftedLog below its domain
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def nanreplay_warnings(caplog) -> list[str]:

@@ -4,8 +4,6 @@ trained until its update goes non-finite, then replayed."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -16,12 +14,7 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train(out_dir, make_opt, make_sched=None, epochs: int = 2, batch_size: int = 32,

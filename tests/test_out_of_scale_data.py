@@ -5,7 +5,6 @@ record, so the hint names the samples and the tensor, and ``--try auto`` drops t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import cause_models as C
 import pytest
@@ -17,13 +16,10 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from replay.cli import main as cli
 
-HERE = Path(__file__).parent
 K, ROW = 3, 5
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where cause_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def test_a_target_out_of_scale_names_its_samples_and_auto_drops_them(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 import types
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -26,15 +25,11 @@ from recorder.capture import UnrebuildableLeaf, flatten_tree, map_tensors, unfla
 from recorder.samples import Samples, packed_in, packed_samples
 from replay import replay
 
-HERE = Path(__file__).parent
 K = 3  # the step at which the planted bugs fire (replay_models.packed_batch's ``at``)
 BAD = 3  # the sequence holding them: the longest, sorted position 0, not 3
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    """Replay from the directory holding the factories' module (see test_replay_e2e)."""
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 class Span(NamedTuple):

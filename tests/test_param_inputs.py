@@ -6,7 +6,6 @@ it, lower its learning rate), not to the op's inputs in general."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import scale_models as SM
@@ -15,12 +14,7 @@ from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # scale_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(tmp_path, model, crit, opt, batch, factory: str, steps: int = 20):

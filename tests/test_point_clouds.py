@@ -4,7 +4,6 @@ until the recorder raises, then runs ``nanreplay --json --try``."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import point_models as M
@@ -15,14 +14,11 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 K = 3  # the step the planted bug fires at; cloud 2 of 4 holds it
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where point_models.py, the factory's module, lives
-    warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
+pytestmark = [pytest.mark.usefixtures("in_tests_dir"),
+              pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")]
 
 
 def _train(plant: str, out_dir: Path) -> NonFiniteError:

@@ -28,14 +28,11 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from replay import replay
 
-HERE = Path(__file__).parent
 K = 5
 TARGET_ABSMAX = 45_000.0  # past 65504 / 2, below 65504
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where the recorded factory's module lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(out_dir: Path):

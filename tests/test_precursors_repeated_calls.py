@@ -7,7 +7,6 @@ RNN, whose values never changed."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import lm_models as LM
 import pytest
@@ -16,12 +15,7 @@ from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # lm_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def test_the_jump_is_named_at_the_rnn_and_the_dropout_call_after_it(tmp_path):

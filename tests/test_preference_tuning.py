@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,13 +17,10 @@ from bundles import invoke_cli
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 B = 4  # preference pairs a batch: rows 0-3 chosen, 4-7 rejected
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # zh_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_dpo(out_dir, steps: int, empty_at: int | None = None, bf16: bool = False):

@@ -4,8 +4,6 @@ noise from a ``torch.Generator``; trained under the recorder until it raises, th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import privacy_models as PM
 import pytest
 import torch
@@ -14,12 +12,7 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _data(n: int = 256, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,7 @@ HERE = Path(__file__).parent
 AUX_FROM = 6  # the step from which the loop adds the auxiliary head's loss
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # procedure_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train_lamb(out_dir, **kw) -> NonFiniteError:

@@ -10,22 +10,16 @@ from pathlib import Path
 import pytest
 import quant_finance_models as M
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-SOURCE = Path(M.__file__).read_text().splitlines()
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # quant_finance_models.py, the factories' module, is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    return f"quant_finance_models.py:{next(i for i, t in enumerate(SOURCE, 1) if text in t)}"
+    return source_line("quant_finance_models.py", text)
 
 
 def train(out_dir: Path, factory: str, loss, batches, lr: float = 1e-2) -> NonFiniteError:

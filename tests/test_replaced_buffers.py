@@ -18,12 +18,7 @@ from torch import nn
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train_lm(out_dir: Path, pad_at: int, longer_from: int = 2) -> NonFiniteError:

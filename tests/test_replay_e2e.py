@@ -31,11 +31,7 @@ HERE = Path(__file__).parent
 K = 3  # the step at which the planted bugs fire
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    """Replay from the directory holding the factories' module, as a user runs nanreplay from
-    their project root."""
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ the loss (``ToCopyBackward0``), cause ``overflow`` (finite in float64).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import replay_models as R
@@ -26,12 +25,7 @@ from replay.analyze import scale_of_the_step
 from replay.load import build, read_step
 from replay.window import Change, run_window, window_of
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where the recorded factory's module lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 @pytest.mark.parametrize("reason, settings, step", [

@@ -26,13 +26,10 @@ from recorder import FlightRecorder, NonFiniteError
 from replay.cli import main as cli
 from replay.precursors import find_precursors
 
-HERE = Path(__file__).parent
 K = 3
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(module, factory: str, make, out_dir: Path, *, loss_fn=None, steps: int = 6,

@@ -7,8 +7,6 @@ token ids was gone and the replay blamed the factory for building another model.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from bundles import replay_report
@@ -16,12 +14,7 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where this module, the factory's, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def make_regressor() -> nn.Module:

@@ -31,9 +31,7 @@ from recorder.bundle import read_bundle
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where the factories' modules live
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def nanreplay(bundle: Path, *tries: str) -> dict:

@@ -21,13 +21,10 @@ from torch.distributions import Categorical
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
 
-HERE = Path(__file__).parent
 T, ENVS = 8, 4  # rollout length, parallel environments: 32 samples an update
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # rl_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def rollout(agent, g):

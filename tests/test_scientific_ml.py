@@ -19,9 +19,7 @@ from recorder import FlightRecorder, NonFiniteError
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # sciml_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_pinn(tmp_path, steps=6, grid_from=3, make=SM.make_model, **kw):

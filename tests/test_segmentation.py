@@ -8,7 +8,6 @@ a mask passed to the forward; with a planted bug, the recorder fires at the plan
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import segmentation_models as M
@@ -17,12 +16,7 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where segmentation_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train(out_dir, model, opt, crit, batches, factory, **kw):

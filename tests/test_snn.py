@@ -6,7 +6,6 @@ re-run starts where the first left it and the step reads as nondeterministic."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import snn_models as S
@@ -16,12 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where snn_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def test_spike_counts_normalised_over_a_silent_output_name_the_silent_samples(tmp_path):

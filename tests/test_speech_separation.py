@@ -14,12 +14,7 @@ from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where speech_separation_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_enhancer(out_dir: Path, crit, steps: int = 3, short: tuple = (5,)) -> NonFiniteError:

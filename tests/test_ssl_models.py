@@ -24,9 +24,7 @@ from replay.rerun import Runner
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where ssl_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def views(step: int, n: int = 8):

@@ -5,26 +5,18 @@ trained tensor, run under the recorder until a planted bug fires, then replayed 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import style_transfer_models as M
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # style_transfer_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    lines = (HERE / "style_transfer_models.py").read_text().splitlines()
-    return f"style_transfer_models.py:{next(i for i, s in enumerate(lines, 1) if text in s)}"
+    return source_line("style_transfer_models.py", text)
 
 
 def tutorial(out_dir, factory: str, *, lbfgs: bool, half: bool = False, steps: int = 3,

@@ -6,7 +6,6 @@ is the probability, which log space (``log_softmax``) never makes."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import replay_models as R
@@ -15,13 +14,10 @@ import torch
 from recorder import FlightRecorder, NonFiniteError
 from replay import replay
 
-HERE = Path(__file__).parent
 K, ROW = 3, 6
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _mislabelled_out_of_scale(model, x: torch.Tensor, target: float = -95.0):

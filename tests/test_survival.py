@@ -16,12 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where survival_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(out_dir: Path, make, loss_fn, x, time, event, batch_size: int = 32):

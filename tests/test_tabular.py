@@ -6,7 +6,6 @@ planted step and ``nanreplay --json`` names the tensor or module, op, samples an
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import tabular_models as T
@@ -19,12 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from recorder import FlightRecorder, NonFiniteError
 from replay.cli import main as cli
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where tabular_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def test_targets_standardised_by_a_zero_batch_std_are_named_not_the_missing_values(tmp_path):

@@ -16,12 +16,7 @@ from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where tagging_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_tagger(model, ds, tmp_path, factory, epochs=1, **kw):

@@ -12,25 +12,17 @@ from pathlib import Path
 import pytest
 import timeseries_models as TS
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-SOURCE = Path(TS.__file__).read_text().splitlines()
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where timeseries_models.py, the factories' module, lives
-
 
 def line_of(text: str) -> str:
-    return f"timeseries_models.py:{next(i for i, t in enumerate(SOURCE, 1) if text in t)}"
+    return source_line("timeseries_models.py", text)
 
 
 # (each test starts with torch.distributions' validation on: see conftest)
-pytestmark = pytest.mark.usefixtures("validation_at_torch_default")
+pytestmark = pytest.mark.usefixtures("in_tests_dir", "validation_at_torch_default")
 
 
 @contextlib.contextmanager

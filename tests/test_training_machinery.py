@@ -4,8 +4,6 @@ and clipping."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import machinery_models as MM
 import numpy as np
 import pytest
@@ -15,13 +13,10 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 LR_INF = "its lr was inf in that update"
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _inverse_sqrt_warmup(out_dir, **kw) -> NonFiniteError:

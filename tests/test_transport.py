@@ -16,13 +16,10 @@ from bundles import nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 K, FAR = 3, 2  # the step a planted bug fires at, and the batch row that holds it
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where transport_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_clouds(out_dir: Path, loss_fn, steps: int = 6, far_at: int | None = K,

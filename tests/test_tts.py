@@ -15,12 +15,7 @@ from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where tts_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train_fastspeech2(out_dir: Path, crit: T.FastSpeech2Loss, steps: int = 3, **data):

@@ -19,13 +19,10 @@ from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
 from recorder.finite import bad_rows
 
-HERE = Path(__file__).parent
 K = 2  # the first step with a zero rating
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(out_dir: Path, *, sparse_first: bool) -> NonFiniteError:

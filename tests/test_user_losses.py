@@ -24,9 +24,7 @@ HERE = Path(__file__).parent
 K = 3  # the step the planted bugs fire at
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # the project root of these tests: user_losses.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(out_dir: Path, step_loss, *, loss_fn=None, spoil=None, steps: int = 6):

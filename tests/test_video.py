@@ -11,24 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 import video_models as V
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 # per batch of 4: one clip of batch 1 (index 5) has no valid frame
 LENGTHS = [4, 3, 2, 4, 4, 0, 4, 2, 4, 4, 4, 4]
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "video_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("video_models.py", text)
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where video_models.py, the factories' module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def train(out_dir: Path, factory: str, data: V.VideoDataset, soft: bool = False,

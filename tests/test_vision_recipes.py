@@ -16,9 +16,7 @@ from recorder import FlightRecorder, NonFiniteError
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def _train(out_dir, factory: str, steps: int = 6, spike: tuple[int, float] | None = None,

@@ -19,12 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # where weather_models.py, the factory's module, lives
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def rollout(model, x, lsm, leads: int, ckpt: bool):

@@ -17,7 +17,6 @@ Bundles are replayed with ``nanreplay BUNDLE --json``.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import infinity_models as I
 import pytest
@@ -32,13 +31,10 @@ from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
 from replay.cli import main as cli
 
-HERE = Path(__file__).parent
 K = 3
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def dead_feature_batch(step: int):

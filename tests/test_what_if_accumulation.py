@@ -7,7 +7,6 @@ recorded event."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import rewind_models as R
@@ -18,13 +17,10 @@ from torch import nn
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 ACCUMULATE = 4
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def accumulating_run(out_dir, peak_lr: float, lr_factor_from: int | None = None,
