@@ -21,6 +21,7 @@ from .load import Step
 from .log_sum_exp import with_log_sum_exp
 from .ops import OpFinder
 from .other_rows import note_other_rows
+from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
@@ -121,6 +122,8 @@ def with_param_advice(hint: str | None, cause: str, hit) -> str | None:
     of), if it did: the model's, or one of the loss's the optimizer trains (``<loss>.NAME``)."""
     if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE:
         return hint
+    if (own := divisor_hint(hint, cause, hit)) is not None:  # (a division by it)
+        return own
     ev = hit.evidence
     if cause != "overflow" and ev is not None and ev.elementwise and not any(ev.elementwise):
         return hint  # a matrix's domain (a determinant of 0), not its entries' range

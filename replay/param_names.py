@@ -12,6 +12,8 @@ import torch
 # ops whose output holds some of their one floating input's values, unchanged
 _COPIES = {"tril", "triu", "clone", "_to_copy", "contiguous", "diagonal_copy", "index",
            "index_select", "gather", "take_along_dim", "masked_select", "repeat", "expand_copy"}
+# divisions: their divisor alone decides the pole every quotient shares
+_DIVISIONS = {"div", "true_divide"}
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -39,12 +41,15 @@ class ParamNames:
             storages[ptr] = n if ptr not in storages else None  # (shared storage: neither)
         self.params.update({("storage", k): v for k, v in storages.items() if v is not None})
 
-    def among(self, ins: list[torch.Tensor]) -> str | None:
+    def among(self, ins: list[torch.Tensor], op: str | None = None) -> str | None:
         """The name of the op's one floating input when that is one of the model's
         parameters (a learnable scale or temperature used as is: ``logit_scale.exp()``), a
-        view or an unchanged copy of one. Not for ops of several inputs: a Linear's ``addmm``
-        takes its bias and weight with every input, and what overflows there is the
-        product, not the bias."""
+        view or an unchanged copy of one; of a division's divisor (``x / self.w``: RMTPP's
+        closed-form integral over its learned ``w``). Not for other ops of several inputs: a
+        Linear's ``addmm`` takes its bias and weight with every input, and what overflows
+        there is the product, not the bias."""
+        if op in _DIVISIONS and len(ins) == 2:
+            ins = ins[1:]
         if not self.params or len(ins) != 1:
             return None
         found = self.params.get((ins[0].data_ptr(), tuple(ins[0].shape)))
