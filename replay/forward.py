@@ -11,6 +11,7 @@ import inspect
 import os
 from typing import Any
 
+from .absorbed_log import absorbed_hint
 from .caller_picks import CallerPicks
 from .cause import classify
 from .errors import StopRun
@@ -88,11 +89,18 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
+    hint = _hint(step, runner, o, cause, (hit, node, finder.lineage), origin)
+    return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+
+
+def _hint(step: Step, runner: Runner, o, cause, found, origin) -> str | None:
+    """The forward origin's hint: the cause's, with what the op took (a parameter), the
+    backward node running it, a raw pole, a log-sum-exp or a log(1 + x) made before it."""
+    hit, node, lineage = found
     hint = with_node(origin, _with_param(step, runner, o, cause, hit), cause.name, node)
-    lineage = finder.lineage
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
-    return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+    return absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:

@@ -179,3 +179,22 @@ def test_healthy_point_processes_are_not_stopped(tmp_path):
     for factory in LOSSES:
         assert train(tmp_path / factory, factory, data, epochs=2) == 8
         assert not any((tmp_path / factory).glob("*.nan"))
+
+
+def test_thp_softplus_rounding_to_zero_points_at_the_softplus_not_the_log(tmp_path):
+    # compute_event without THP's 1e-9 and a sharp softplus (beta = 20): where beta * x is
+    # below about -17, 1 + exp(beta * x) rounds to 1 in float32 and the softplus's intensity
+    # is exactly 0, whose log in compute_event, two ops later, is -inf
+    err = event_of(tmp_path, "make_thp", ragged_at_third_batch(), guard="masked", beta=20.0)
+    assert (err.event["step"], err.event["phase"]) == (0, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["samples"]) == (
+        True, "precision", "aten.log", "-inf", [0, 1]), rep
+    assert o["source"] == f"point_processes_models.py:{line_of('event.masked_fill_(') + 1}"
+    # (was: "catastrophic cancellation, as in a variance E[x²] − E[x]²", at the log's line)
+    hint = rep["hint"]
+    softplus = line_of("torch.log(1 + torch.exp(temp))")
+    assert f"made at point_processes_models.py:{softplus} by log(1 + x)" in hint, hint
+    assert "torch.log1p(x)" in hint and "F.softplus(t, beta)" in hint, hint
+    assert "variance" not in hint, hint
