@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributions as D
 import torch.nn.functional as F
 from torch import nn
 
@@ -192,14 +193,14 @@ def make_thp(**kw):
 
 
 class LogNormMix(nn.Module):
-    def __init__(self, feature_eps=1e-8):
+    def __init__(self, feature_eps=1e-8, floor=1e-10):
         super().__init__()
         self.mark_embedding = nn.Embedding(NUM_TYPES + 1, EMBED, padding_idx=0)
         self.rnn = nn.GRU(1 + EMBED, HIDDEN, batch_first=True)
         self.linear = nn.Linear(HIDDEN, 3 * MIX)
         self.register_buffer("mean_log_inter_time", torch.tensor(0.0))
         self.register_buffer("std_log_inter_time", torch.tensor(1.0))
-        self.feature_eps = feature_eps
+        self.feature_eps, self.floor = feature_eps, floor
 
     def get_features(self, inter_times, marks):
         features = torch.log(inter_times + self.feature_eps).unsqueeze(-1)
@@ -218,12 +219,22 @@ class LogNormMix(nn.Module):
         locs = raw[..., :MIX]
         log_scales = raw[..., MIX:2 * MIX].clamp(-5.0, 3.0)
         log_weights = torch.log_softmax(raw[..., 2 * MIX:], dim=-1)
-        y = torch.log(inter_times.clamp(1e-10)).unsqueeze(-1)
+        if self.floor is None:  # torch.distributions' log-normal mixture, given the pads' 0
+            return self.inter_time_dist(locs, log_scales, log_weights).log_prob(inter_times)
+        y = torch.log(inter_times.clamp(self.floor)).unsqueeze(-1)
         z = (y - self.mean_log_inter_time) / self.std_log_inter_time
         normal = (-0.5 * ((z - locs) / log_scales.exp()) ** 2 - log_scales
                   - 0.5 * math.log(2 * math.pi))
         log_p = torch.logsumexp(log_weights + normal, dim=-1)
         return log_p - torch.log(self.std_log_inter_time) - y.squeeze(-1)
+
+    def inter_time_dist(self, locs, log_scales, log_weights):
+        """ifl-tpp's LogNormalMixtureDistribution, from torch.distributions' own parts."""
+        gmm = D.MixtureSameFamily(D.Categorical(logits=log_weights),
+                                  D.Normal(locs, log_scales.exp()))
+        return D.TransformedDistribution(gmm, [
+            D.AffineTransform(self.mean_log_inter_time, self.std_log_inter_time),
+            D.ExpTransform()])
 
 
 def lognormmix_loss(log_p, mask):

@@ -198,3 +198,23 @@ def test_thp_softplus_rounding_to_zero_points_at_the_softplus_not_the_log(tmp_pa
     assert f"made at point_processes_models.py:{softplus} by log(1 + x)" in hint, hint
     assert "torch.log1p(x)" in hint and "F.softplus(t, beta)" in hint, hint
     assert "variance" not in hint, hint
+
+
+def test_lognormmix_log_prob_refusing_the_pads_zero_gaps_asks_about_the_data(tmp_path):
+    # the mixture built from torch.distributions (validate_args on) without ifl-tpp's
+    # clamp(1e-10): the padded rows' inter-event times are 0, outside a LogNormal's support
+    with pytest.raises(ValueError) as info:
+        train(tmp_path, "make_lognormmix", ragged_at_third_batch(), floor=None)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    rep = nanreplay_json(Path(notes.split("Bundle: ")[1].split(";")[0]))
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], rep["cause"]) == (2, True, "invalid"), rep
+    assert "refused its value" in rep["event"]["detail"], rep["event"]
+    assert (o["phase"], o["op"], o["made"], o["samples"]) == (
+        "forward", "aten.mul", "0", [2, 3]), rep
+    assert o["source"] == f"point_processes_models.py:{line_of('inter_times = torch.diff(arrival_times')}"
+    # (was: "make the value satisfy it by construction (a scale through softplus or exp plus a
+    # floor ...)", advice for a parameter the model makes, not for the data given to log_prob)
+    hint = rep["hint"]
+    assert "the batch's data alone" in hint and "torch.where(mask, x, 1)" in hint, hint
+    assert "clamp_min(1e-10)" in hint and "by construction" not in hint, hint
