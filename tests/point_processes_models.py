@@ -12,7 +12,14 @@ factories of ``test_point_processes.py``:
   over uniformly sampled times (``compute_integral_unbiased``).
 - ``LogNormMix`` (Shchur et al. 2020), as shchur/ifl-tpp writes it: intensity-free, the log
   inter-event times as the GRU's features (``log(inter_times + 1e-8)``, standardised), a
-  mixture of log-normals whose log-density is a ``logsumexp`` over ``log_softmax`` weights.
+  mixture of log-normals whose log-density is a ``logsumexp`` over ``log_softmax`` weights
+  at ``inter_times.clamp(1e-10)``; or (``floor=None``) the repository's
+  ``LogNormalMixtureDistribution`` built from ``torch.distributions`` (``MixtureSameFamily``
+  under an affine and an exp transform), given the inter-event times as they are.
+
+The planted bugs are options of the factories: ``w_init=0.0``, ``batch_time_scale``,
+``guard`` (how ``compute_event`` keeps the pads' log out), ``beta``, ``feature_eps=0.0``,
+``floor=None``.
 
 Sequences come padded from a ``DataLoader`` with ``pad_events`` as its ``collate_fn``: times,
 types (0 is the pad) and a float mask.

@@ -124,10 +124,12 @@ def ragged_at_third_batch():
     return streams(8, 6) + streams(2, 6, seed=1) + streams(2, 4, seed=2)
 
 
-def test_thp_log_likelihood_times_the_mask_is_nan_at_the_pads(tmp_path):
-    # compute_event "simplified" to log(event) * mask: a pad's intensity is 0 (no type
-    # selected), log(0) = -inf, times the mask's 0 is NaN in the padded rows
-    err = event_of(tmp_path, "make_thp", ragged_at_third_batch(), guard="product")
+def test_thp_masking_the_log_after_it_is_named_at_the_pads(tmp_path):
+    # compute_event "simplified": a pad's intensity is 0 (no type selected), so
+    # log(event) * mask is -inf * 0 = NaN in the padded rows (forward), and
+    # torch.where(mask, log(event), 0) is finite but the log's backward divides the where's
+    # 0 gradient by that 0 (backward)
+    err = event_of(tmp_path / "product", "make_thp", ragged_at_third_batch(), guard="product")
     assert (err.event["step"], err.event["phase"]) == (2, "forward")
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
@@ -136,11 +138,7 @@ def test_thp_log_likelihood_times_the_mask_is_nan_at_the_pads(tmp_path):
     assert o["source"] == f"point_processes_models.py:{line_of('torch.log(event) * non_pad')}"
     assert "mask's 0" in rep["hint"] and "before" in rep["hint"], rep["hint"]
 
-
-def test_thp_where_around_the_log_sends_nan_back_from_the_pads(tmp_path):
-    # torch.where(mask, log(event), 0): a finite forward, but the log's backward divides the
-    # where's 0 gradient by the pad's intensity of 0
-    err = event_of(tmp_path, "make_thp", ragged_at_third_batch(), guard="where")
+    err = event_of(tmp_path / "where", "make_thp", ragged_at_third_batch(), guard="where")
     assert (err.event["step"], err.event["phase"]) == (2, "backward")
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
