@@ -21,10 +21,11 @@ def divisor_hint(hint: str, cause: str, hit) -> str | None:
     ev, name = hit.evidence, hit.param
     both = ev is not None and bool(ev.inputs) and bool((ev.inputs[0] == 0).any())
     return (f"{hit.op} of {'0 by 0 (0/0)' if both else 'a number by 0 (x/0)'}: the divisor is "
-            f"the parameter {name}, exactly 0 in this step (as initialised, or where an update "
-            "stepped it), one learned value for every element, so no row is to blame and "
-            "neither an eps in the data nor skipping batches helps: keep it away from 0 by "
-            f"construction (learn its log and use .exp(), softplus({name}) + eps, or a floor "
-            f"on its magnitude where it divides: torch.where({name}.abs() < eps, eps, {name})), "
-            "or, where the formula has a finite limit at 0 (a closed-form integral (exp(a + w "
-            "* t) - exp(a)) / w tends to exp(a) * t), compute that limit there")
+            f"the parameter {name} (as it is, or through ops of it alone: a clamp or relu at "
+            "0), exactly 0 in this step (as initialised, or where an update stepped it), one "
+            "learned value for every element, so no row is to blame and neither an eps in the "
+            "data nor skipping batches helps: keep it away from 0 by construction (learn its "
+            f"log and use .exp(), or softplus({name}) + eps; a clamp or relu at 0 reaches 0 "
+            "exactly, and its gradient there is 0, so it stays), or, where the formula has a "
+            "finite limit at 0 (a closed-form integral (exp(a + w * t) - exp(a)) / w tends to "
+            "exp(a) * t), compute that limit there")

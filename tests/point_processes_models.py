@@ -62,7 +62,7 @@ def sequences(g, n, length, gap=1.0):
 
 
 class RMTPP(nn.Module):
-    def __init__(self, w_init=0.1, batch_time_scale=False):
+    def __init__(self, w_init=0.1, batch_time_scale=False, w_min=None):
         super().__init__()
         self.embed = nn.Embedding(NUM_TYPES + 1, EMBED, padding_idx=0)
         self.rnn = nn.GRU(EMBED + 1, HIDDEN, batch_first=True)
@@ -71,7 +71,7 @@ class RMTPP(nn.Module):
         self.mark = nn.Linear(HIDDEN, NUM_TYPES + 1)
         self.intensity_w = nn.Parameter(torch.tensor(w_init))
         self.intensity_b = nn.Parameter(torch.tensor(0.1))
-        self.batch_time_scale = batch_time_scale
+        self.batch_time_scale, self.w_min = batch_time_scale, w_min
 
     def forward(self, times, types, mask):
         dt = torch.diff(times, dim=1, prepend=times[:, :1]) * mask
@@ -83,6 +83,8 @@ class RMTPP(nn.Module):
         h = torch.relu(self.hidden(h[:, :-1]))
         pred, gold = self.past(h).squeeze(-1), dt[:, 1:]
         w, b = self.intensity_w, self.intensity_b
+        if self.w_min is not None:  # an intensity that never decays with time
+            w = w.clamp(min=self.w_min)
         time_ll = (pred + w * gold + b
                    + (torch.exp(pred + b) - torch.exp(pred + w * gold + b)) / w)
         return time_ll, self.mark(h)

@@ -45,7 +45,7 @@ def train(out_dir, factory: str, data, epochs: int = 1, **kw):
     a batch, in order); returns the number of steps run."""
     model = getattr(M, factory)(**kw)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     loader = DataLoader(data, batch_size=4, collate_fn=M.pad_events)
     steps = 0
     with FlightRecorder(model, opt, loss_fn=LOSSES[factory], out_dir=out_dir,
@@ -73,21 +73,27 @@ def streams(n: int, length: int, gap: float = 1.0, seed: int = 0):
 
 
 def test_rmtpp_w_at_zero_names_the_parameter_divisor_not_a_batch_statistic(tmp_path):
-    # w initialised to 0 (every scalar of the config zero-initialised): the closed-form
-    # integral (exp(v.h + b) - exp(v.h + w * dt + b)) / w is 0/0 in every row
-    err = event_of(tmp_path, "make_rmtpp", streams(8, 6, gap=3.0), w_init=0.0)
-    assert (err.event["step"], err.event["phase"]) == (0, "forward")
-    rep = nanreplay_json(err.bundle_path)
-    o = rep["origin"]
-    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
-        True, "invalid", "", "aten.div", "nan", [0, 1, 2, 3]), rep
-    assert o["source"] == f"point_processes_models.py:{line_of('+ (torch.exp(pred + b)')}"
-    # (was: "a count, sum or statistic over the batch ... divide by count.clamp_min(1) ... or
-    # skip such batches", which leaves the learned w at 0 in every batch)
-    hint = rep["hint"]
-    assert "the divisor is the parameter intensity_w" in hint, hint
-    assert "clamp_min(1)" not in hint and "skip such batches" not in hint, hint
-    assert "by construction" in hint and "limit" in hint, hint
+    # w kept >= 0 by a clamp (an intensity that never decays): Adam steps the raw w below 0
+    # and the clamp makes it exactly 0, where the closed-form integral
+    # (exp(v.h + b) - exp(v.h + w * dt + b)) / w is 0/0 in every row
+    err = event_of(tmp_path / "clamp", "make_rmtpp", streams(8, 6, gap=3.0), epochs=10,
+                   w_min=0.0)
+    assert (err.event["step"], err.event["phase"]) == (12, "forward")
+    # and w initialised to 0 (every scalar of a config zero-initialised), at step 0
+    first = event_of(tmp_path / "init", "make_rmtpp", streams(8, 6, gap=3.0), w_init=0.0)
+    assert (first.event["step"], first.event["phase"]) == (0, "forward")
+    for e in (err, first):
+        rep = nanreplay_json(e.bundle_path)
+        o = rep["origin"]
+        assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"],
+                o["samples"]) == (True, "invalid", "", "aten.div", "nan", [0, 1, 2, 3]), rep
+        assert o["source"] == f"point_processes_models.py:{line_of('+ (torch.exp(pred + b)')}"
+        # (was: "a count, sum or statistic over the batch ... divide by count.clamp_min(1)
+        # ... or skip such batches", which leaves the learned w at 0 in every batch)
+        hint = rep["hint"]
+        assert "the divisor is the parameter intensity_w" in hint, hint
+        assert "clamp_min(1)" not in hint and "skip such batches" not in hint, hint
+        assert "by construction" in hint and "limit" in hint, hint
 
 
 def test_rmtpp_times_in_seconds_overflow_at_the_one_long_gap(tmp_path):
