@@ -1,6 +1,6 @@
 """The hint for a division whose divisor is one of the model's parameters at exactly 0
 (RMTPP's closed-form integral ``(exp(a) - exp(a + w * dt)) / w`` once its learned ``w`` is
-0). One learned value divides every element, so no row is to blame, and the advice for a
+0). A learned value divides every sample alike, so no row is to blame, and the advice for a
 0-d divisor made of the batch (clamp a count, add an eps to a statistic, skip such batches)
 would leave it at 0: the fix is to that parameter, or to the formula's limit there."""
 
@@ -22,10 +22,10 @@ def divisor_hint(hint: str, cause: str, hit) -> str | None:
     both = ev is not None and bool(ev.inputs) and bool((ev.inputs[0] == 0).any())
     return (f"{hit.op} of {'0 by 0 (0/0)' if both else 'a number by 0 (x/0)'}: the divisor is "
             f"the parameter {name} (as it is, or through ops of it alone: a clamp or relu at "
-            "0), exactly 0 in this step (as initialised, or where an update stepped it), one "
-            "learned value for every element, so no row is to blame and neither an eps in the "
-            "data nor skipping batches helps: keep it away from 0 by construction (learn its "
-            f"log and use .exp(), or softplus({name}) + eps; a clamp or relu at 0 reaches 0 "
-            "exactly, and its gradient there is 0, so it stays), or, where the formula has a "
-            "finite limit at 0 (a closed-form integral (exp(a + w * t) - exp(a)) / w tends to "
-            "exp(a) * t), compute that limit there")
+            "0), exactly 0 in this step (as initialised, or where an update stepped it), a "
+            "learned value, the same for every sample, so no row is to blame and neither an "
+            "eps in the data nor skipping batches helps: keep it away from 0 by construction "
+            f"(learn its log and use .exp(), or softplus({name}) + eps; a clamp or relu at 0 "
+            "reaches 0 exactly, and its gradient there is 0, so it stays), or, where the "
+            "formula has a finite limit at 0 (a closed-form integral (exp(a + w * t) - exp(a)) "
+            "/ w tends to exp(a) * t), compute that limit there")

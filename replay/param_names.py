@@ -72,11 +72,12 @@ class ParamNames:
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Follow a copy an op made of a parameter's values (``torch.tril(L)``), and a value
-        made of one parameter alone (``self.w.clamp(min=0)``, ``F.relu(self.w)``)."""
+        made of one parameter alone, value by value (``self.w.clamp(min=0)``, ``F.relu``)."""
         if not self.params or len(outs) != 1 or len(ins) != 1:
             return
         direct = self.among(ins)
         if direct is not None and name in _COPIES and (ptr := _storage(outs[0])) is not None:
             self._copies[ptr] = (weakref.ref(outs[0]), direct)
-        elif (param := direct or self._derived_from(ins[0])) is not None:
+        elif (param := direct or self._derived_from(ins[0])) is not None \
+                and outs[0].numel() == ins[0].numel():  # (value by value: no norm, no sum)
             self._derived[id(outs[0])] = (weakref.ref(outs[0]), param)

@@ -216,7 +216,8 @@ def test_lognormmix_log_prob_refusing_the_pads_zero_gaps_asks_about_the_data(tmp
     assert "refused its value" in rep["event"]["detail"], rep["event"]
     assert (o["phase"], o["op"], o["made"], o["samples"]) == (
         "forward", "aten.mul", "0", [2, 3]), rep
-    assert o["source"] == f"point_processes_models.py:{line_of('inter_times = torch.diff(arrival_times')}"
+    made = line_of("inter_times = torch.diff(arrival_times")
+    assert o["source"] == f"point_processes_models.py:{made}", o
     # (was: "make the value satisfy it by construction (a scale through softplus or exp plus a
     # floor ...)", advice for a parameter the model makes, not for the data given to log_prob)
     hint = rep["hint"]
