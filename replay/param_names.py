@@ -73,7 +73,8 @@ class ParamNames:
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Follow a copy an op made of a parameter's values (``torch.tril(L)``), and a value
         made of one parameter alone, value by value (``self.w.clamp(min=0)``, ``F.relu``)."""
-        if not self.params or len(outs) != 1 or len(ins) != 1:
+        if not self.params or len(outs) != 1 or len(ins) != 1 or ins[0].is_nested \
+                or ins[0].layout != torch.strided:  # (no data pointer to name it by)
             return
         direct = self.among(ins)
         if direct is not None and name in _COPIES and (ptr := _storage(outs[0])) is not None:
