@@ -28,6 +28,7 @@ from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
+from .softplus_overflow import softplus_hint
 from .source import is_torch_file, user_source
 from .storages import mask_buffers, state_of
 from .transforms import outside_transforms
@@ -95,12 +96,13 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
 
 def _hint(step: Step, runner: Runner, o, cause, found, origin) -> str | None:
     """The forward origin's hint: the cause's, with what the op took (a parameter), the
-    backward node running it, a raw pole, a log-sum-exp or a log(1 + x) made before it."""
+    backward node running it, a raw pole, a log-sum-exp, a log(1 + x) or softplus by hand."""
     hit, node, lineage = found
     hint = with_node(origin, _with_param(step, runner, o, cause, hit), cause.name, node)
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
-    return absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
+    hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
+    return softplus_hint(runner, hint, cause.name, hit)  # (its exp overflowed)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:

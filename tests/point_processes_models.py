@@ -18,8 +18,8 @@ factories of ``test_point_processes.py``:
   under an affine and an exp transform), given the inter-event times as they are.
 
 The planted bugs are options of the factories: ``w_init=0.0``, ``batch_time_scale``,
-``guard`` (how ``compute_event`` keeps the pads' log out), ``beta``, ``feature_eps=0.0``,
-``floor=None``.
+``guard`` (how ``compute_event`` keeps the pads' log out), ``beta``, ``threshold=None`` (THP's
+softplus without its hard threshold at 20), ``feature_eps=0.0``, ``floor=None``.
 
 Sequences come padded from a ``DataLoader`` with ``pad_events`` as its ``collate_fn``: times,
 types (0 is the pad) and a float mask.
@@ -108,10 +108,11 @@ def make_rmtpp(**kw):
 # Transformer Hawkes Process
 
 
-def softplus(x, beta):
+def softplus(x, beta, threshold=20):
     # hard thresholding at 20
     temp = beta * x
-    temp[temp > 20] = 20
+    if threshold is not None:
+        temp[temp > threshold] = threshold
     return 1.0 / beta * torch.log(1 + torch.exp(temp))
 
 
@@ -141,7 +142,7 @@ def compute_integral_unbiased(model, data, time, non_pad_mask, type_mask):
 
 
 class THP(nn.Module):
-    def __init__(self, guard="eps", beta=1.0):
+    def __init__(self, guard="eps", beta=1.0, threshold=20):
         super().__init__()
         d = HIDDEN
         self.num_types = NUM_TYPES
@@ -154,7 +155,7 @@ class THP(nn.Module):
         self.linear = nn.Linear(d, NUM_TYPES)
         self.alpha = nn.Parameter(torch.tensor(-0.1))
         self.beta = nn.Parameter(torch.tensor(beta))
-        self.guard = guard
+        self.guard, self.threshold = guard, threshold
 
     def temporal_enc(self, time, non_pad_mask):
         result = time.unsqueeze(-1) / self.position_vec
@@ -179,7 +180,7 @@ class THP(nn.Module):
         type_mask = torch.zeros([*event_type.size(), self.num_types])
         for i in range(self.num_types):
             type_mask[:, :, i] = (event_type == i + 1).float()
-        all_lambda = softplus(self.linear(data), self.beta)
+        all_lambda = softplus(self.linear(data), self.beta, self.threshold)
         type_lambda = torch.sum(all_lambda * type_mask, dim=2)
         event_ll = compute_event(type_lambda, non_pad_mask.squeeze(2), self.guard).sum(-1)
         non_event_ll = compute_integral_unbiased(self, data, event_time, non_pad_mask.squeeze(2),

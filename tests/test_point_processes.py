@@ -185,11 +185,12 @@ def test_healthy_point_processes_are_not_stopped(tmp_path):
         assert not any((tmp_path / factory).glob("*.nan"))
 
 
-def test_thp_softplus_rounding_to_zero_points_at_the_softplus_not_the_log(tmp_path):
+def test_thp_softplus_by_hand_at_both_ends_points_at_the_softplus(tmp_path):
     # compute_event without THP's 1e-9 and a sharp softplus (beta = 20): where beta * x is
     # below about -17, 1 + exp(beta * x) rounds to 1 in float32 and the softplus's intensity
     # is exactly 0, whose log in compute_event, two ops later, is -inf
-    err = event_of(tmp_path, "make_thp", ragged_at_third_batch(), guard="masked", beta=20.0)
+    err = event_of(tmp_path / "low", "make_thp", ragged_at_third_batch(), guard="masked",
+                   beta=20.0)
     assert (err.event["step"], err.event["phase"]) == (0, "forward")
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
@@ -198,10 +199,24 @@ def test_thp_softplus_rounding_to_zero_points_at_the_softplus_not_the_log(tmp_pa
     assert o["source"] == f"point_processes_models.py:{line_of('event.masked_fill_(') + 1}"
     # (was: "catastrophic cancellation, as in a variance E[x²] − E[x]²", at the log's line)
     hint = rep["hint"]
-    softplus = line_of("torch.log(1 + torch.exp(temp))")
-    assert f"made at point_processes_models.py:{softplus} by log(1 + x)" in hint, hint
+    softplus = f"point_processes_models.py:{line_of('torch.log(1 + torch.exp(temp))')}"
+    assert f"made at {softplus} by log(1 + x)" in hint, hint
     assert "torch.log1p(x)" in hint and "F.softplus(t, beta)" in hint, hint
     assert "variance" not in hint, hint
+
+    # the softplus without THP's hard threshold at 20 (beta = 100): exp(beta * x) overflows
+    err = event_of(tmp_path / "high", "make_thp", ragged_at_third_batch(), threshold=None,
+                   beta=100.0)
+    assert (err.event["step"], err.event["phase"]) == (0, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["source"]) == (
+        True, "overflow", "aten.exp", "+inf", softplus), rep
+    # (was: "subtract the row max before exp ... or compute it in float64")
+    hint = rep["hint"]
+    assert f"inside log(1 + exp(z)) at {softplus}: a softplus written by hand" in hint, hint
+    assert "F.softplus(z)" in hint and "torch.logaddexp" in hint, hint
+    assert "row max" not in hint, hint
 
 
 def test_lognormmix_log_prob_refusing_the_pads_zero_gaps_asks_about_the_data(tmp_path):
