@@ -91,7 +91,7 @@ class _Marks:
 def absorbed_hint(runner, hint: str | None, cause: str, hit) -> str | None:
     """``hint`` for a ``precision`` origin ``hit`` that took a 0 such a log made: where the
     0 was made and the formula that keeps ``x``; ``hint`` as it is otherwise."""
-    if cause != "precision" or hit is None or not hit.inputs_finite:
+    if cause != "precision" or hit is None or not hit.inputs_finite or hit.source is None:
         return hint
     watch = _Absorbed()
     try:

@@ -53,7 +53,8 @@ class _Followed(TorchDispatchMode):
 def softplus_hint(runner, hint: str | None, cause: str, hit) -> str | None:
     """``hint`` for an exp origin ``hit`` that overflowed inside ``log(1 + exp(z))``: the
     stable forms of that softplus; ``hint`` as it is otherwise."""
-    if cause != "overflow" or hit is None or hit.op not in ("aten.exp", "aten.exp_"):
+    if cause != "overflow" or hit is None or hit.op not in ("aten.exp", "aten.exp_") \
+            or hit.source is None:
         return hint
     follow = _Followed((hit.op, hit.source))
     try:
