@@ -11,6 +11,7 @@ import inspect
 import os
 from typing import Any
 
+from .absorbed_log import absorbed_hint
 from .caller_picks import CallerPicks
 from .cause import classify
 from .errors import StopRun
@@ -21,11 +22,13 @@ from .load import Step
 from .log_sum_exp import with_log_sum_exp
 from .ops import OpFinder
 from .other_rows import note_other_rows
+from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
+from .softplus_overflow import softplus_hint
 from .source import is_torch_file, user_source
 from .storages import mask_buffers, state_of
 from .transforms import outside_transforms
@@ -87,11 +90,19 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
+    hint = _hint(step, runner, o, cause, (hit, node, finder.lineage), origin)
+    return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+
+
+def _hint(step: Step, runner: Runner, o, cause, found, origin) -> str | None:
+    """The forward origin's hint: the cause's, with what the op took (a parameter), the
+    backward node running it, a raw pole, a log-sum-exp, a log(1 + x) or softplus by hand."""
+    hit, node, lineage = found
     hint = with_node(origin, _with_param(step, runner, o, cause, hit), cause.name, node)
-    lineage = finder.lineage
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
-    return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+    hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
+    return softplus_hint(runner, hint, cause.name, hit)  # (its exp overflowed)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
@@ -121,6 +132,8 @@ def with_param_advice(hint: str | None, cause: str, hit) -> str | None:
     of), if it did: the model's, or one of the loss's the optimizer trains (``<loss>.NAME``)."""
     if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE:
         return hint
+    if (own := divisor_hint(hint, cause, hit)) is not None:  # (a division by it)
+        return own
     ev = hit.evidence
     if cause != "overflow" and ev is not None and ev.elementwise and not any(ev.elementwise):
         return hint  # a matrix's domain (a determinant of 0), not its entries' range

@@ -112,7 +112,7 @@ class _Watch(TorchDispatchMode):
         intentional = literal_inf is not None or f.in_allowed_module() or filled
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
-                        rows=f.batch_rows(outs), param=f.param_among(ins), within=f.where,
+                        rows=f.batch_rows(outs), param=f.param_among(ins, name), within=f.where,
                         node=running_node(), seq=seq)
             if intentional:
                 if f.intentional is None:
@@ -278,9 +278,9 @@ class OpFinder:
         """Name the parameters ``named`` yields (``model.named_parameters()``)."""
         self.names.index(named)
 
-    def param_among(self, ins: list[torch.Tensor]) -> str | None:
-        """The parameter the op's one floating input is (see :mod:`replay.param_names`)."""
-        return self.names.among(ins)
+    def param_among(self, ins: list[torch.Tensor], op: str | None = None) -> str | None:
+        """The parameter the op's one input (a division's divisor) is: replay.param_names."""
+        return self.names.among(ins, op)
 
     def positive(self, t: torch.Tensor) -> bool:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed.

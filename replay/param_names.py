@@ -1,7 +1,9 @@
 """Which of the model's parameters an op took as its input: the parameter itself, a view of
 it (an element, ``log(self.sigma[i])``), or a copy of its values an op made without changing
 them (``torch.diagonal(torch.tril(self.chol))``: an SVGP's Cholesky factor, whose diagonal
-an update stepped to 0), so that the hint names the parameter to keep in the op's domain."""
+an update stepped to 0), so that the hint names the parameter to keep in the op's domain; a
+division's divisor also when an op made it of one parameter alone (RMTPP's ``w.clamp(min=0)``,
+which training takes to exactly 0)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 # ops whose output holds some of their one floating input's values, unchanged
 _COPIES = {"tril", "triu", "clone", "_to_copy", "contiguous", "diagonal_copy", "index",
            "index_select", "gather", "take_along_dim", "masked_select", "repeat", "expand_copy"}
+# divisions: their divisor alone decides the pole every quotient shares
+_DIVISIONS = {"div", "true_divide"}
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -27,11 +31,14 @@ class ParamNames:
         self.params: dict[tuple, str] = {}
         # the storage of a copy an op made of a parameter's values -> (the copy, the name)
         self._copies: dict[int, tuple[weakref.ref, str]] = {}
+        # id of a value an op made of one parameter alone (``w.clamp(min=0)``) -> (it, name):
+        # named as a division's divisor only, whose pole that parameter then decides
+        self._derived: dict[int, tuple[weakref.ref, str]] = {}
 
     def index(self, named) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
         and shape and by their storage (a view of one)."""
-        self.params, self._copies = {}, {}
+        self.params, self._copies, self._derived = {}, {}, {}
         storages: dict[int, str | None] = {}
         for n, p in named:
             self.params[(p.data_ptr(), tuple(p.shape))] = n
@@ -39,12 +46,15 @@ class ParamNames:
             storages[ptr] = n if ptr not in storages else None  # (shared storage: neither)
         self.params.update({("storage", k): v for k, v in storages.items() if v is not None})
 
-    def among(self, ins: list[torch.Tensor]) -> str | None:
+    def among(self, ins: list[torch.Tensor], op: str | None = None) -> str | None:
         """The name of the op's one floating input when that is one of the model's
         parameters (a learnable scale or temperature used as is: ``logit_scale.exp()``), a
-        view or an unchanged copy of one. Not for ops of several inputs: a Linear's ``addmm``
-        takes its bias and weight with every input, and what overflows there is the
-        product, not the bias."""
+        view or an unchanged copy of one; of a division's divisor (``x / self.w``: RMTPP's
+        closed-form integral over its learned ``w``). Not for other ops of several inputs: a
+        Linear's ``addmm`` takes its bias and weight with every input, and what overflows
+        there is the product, not the bias."""
+        if op in _DIVISIONS and len(ins) == 2:
+            return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:
             return None
         found = self.params.get((ins[0].data_ptr(), tuple(ins[0].shape)))
@@ -56,9 +66,19 @@ class ParamNames:
             return copy[1]
         return self.params.get(("storage", ptr))
 
+    def _derived_from(self, t: torch.Tensor) -> str | None:
+        hit = self._derived.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        """Follow a copy an op made of a parameter's values (``torch.tril(L)``)."""
-        if name in _COPIES and self.params and len(outs) == 1 \
-                and (param := self.among(ins)) is not None \
-                and (ptr := _storage(outs[0])) is not None:
-            self._copies[ptr] = (weakref.ref(outs[0]), param)
+        """Follow a copy an op made of a parameter's values (``torch.tril(L)``), and a value
+        made of one parameter alone, value by value (``self.w.clamp(min=0)``, ``F.relu``)."""
+        if not self.params or len(outs) != 1 or len(ins) != 1 or ins[0].is_nested \
+                or ins[0].layout != torch.strided:  # (no data pointer to name it by)
+            return
+        direct = self.among(ins)
+        if direct is not None and name in _COPIES and (ptr := _storage(outs[0])) is not None:
+            self._copies[ptr] = (weakref.ref(outs[0]), direct)
+        elif (param := direct or self._derived_from(ins[0])) is not None \
+                and outs[0].numel() == ins[0].numel():  # (value by value: no norm, no sum)
+            self._derived[id(outs[0])] = (weakref.ref(outs[0]), param)

@@ -31,6 +31,7 @@ from .forward import find_op_in_call
 from .linalg import ModuleCalls, report_linalg
 from .load import Step
 from .recorded import batch_size
+from .refused_value import data_value_hint, of_data
 from .rerun import Runner
 from .source import raised_at, user_source
 
@@ -65,6 +66,8 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
         report["problems"].append(f"{refused} at {source}: the {hit.made} that {hit.op} made")
         return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)
     value, valid, maker = _made(runner)  # a finite value outside the constraint
+    data = of_data(what, value)  # (log_prob's value, made of the batch alone)
+    value = value.detach() if value is not None else None
     bad = value[~valid] if value is not None else None
     op, module, where = maker or (None, None, source)
     module = module or ("", 0, mb)  # (an op outside every module call: the root's)
@@ -74,7 +77,7 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
                            made=_said(bad[:1]) if bad is not None and bad.numel() else None,
                            samples=_rows(value, valid, batch_size(step, mb)))
     report["problems"].append(f"{refused} at {source}")
-    cause, hint = _judge(runner, refused, bad)
+    cause, hint = _judge(runner, refused, bad, data)
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 
@@ -124,7 +127,7 @@ def _checked(error: BaseException) -> tuple[torch.Tensor | None, torch.Tensor | 
             if isinstance(value, torch.Tensor) and isinstance(valid, torch.Tensor) \
                     and valid.shape == value.shape[:valid.dim()]:  # (a simplex: per vector)
                 valid = valid.reshape(*valid.shape, *[1] * (value.dim() - valid.dim()))
-                found = value.detach(), valid.expand_as(value)
+                found = value, valid.expand_as(value)  # (not detached: whether it is learned)
         tb = tb.tb_next
     return found
 
@@ -136,8 +139,9 @@ def _rows(value, valid, n: int | None) -> list[int]:
     return (~valid).reshape(n, -1).any(1).nonzero().flatten().tolist()
 
 
-def _judge(runner: Runner, refused: str, bad) -> tuple[str | None, str]:
-    """The cause of the finite refused values ``bad``, by the step re-run in float64."""
+def _judge(runner: Runner, refused: str, bad, data: bool) -> tuple[str | None, str]:
+    """The cause of the finite refused values ``bad``, by the step re-run in float64;
+    ``data``: they are log_prob's value, made of the batch alone (replay.refused_value)."""
     lo, hi = (float(bad.min()), float(bad.max())) if bad is not None and bad.numel() else (0, 0)
     seen = ("its values" if bad is None or not bad.numel() else
             f"{bad.numel()} value(s) refused, " + (f"all {lo:.3g}" if lo == hi else
@@ -148,6 +152,8 @@ def _judge(runner: Runner, refused: str, bad) -> tuple[str | None, str]:
     except Exception:  # the model refuses float64
         return None, f"{refused}: {seen}; the float64 re-run could not run, so whether exact " \
                      "arithmetic gives the same is not known"
+    if again.error is not None and refusal(again.error) is not None and data:
+        return "invalid", data_value_hint(f"{refused}: {seen}, in float64 too")
     if again.error is not None and refusal(again.error) is not None:
         return "invalid", (f"{refused}: {seen}, in float64 too: the code gives it values its "
                            "constraint excludes; make the value satisfy it by construction "

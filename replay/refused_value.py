@@ -1,0 +1,28 @@
+"""A distribution refusing the value ``log_prob`` was given, where that value is the batch's
+data alone (nothing the model learns went into it: it needs no gradient).
+
+ifl-tpp's log-normal mixture of inter-event times, given a padded batch's times: the pads,
+and two events at the same time, are inter-event times of 0, outside a LogNormal's support
+(0, inf). The fix is to those records, or to where the mask applies, not the advice for a
+parameter the model makes (a scale through softplus plus a floor), which nothing here has.
+"""
+
+from __future__ import annotations
+
+
+def of_data(what: str, value) -> bool:
+    """``what`` the distribution refused is its value, and no gradient flows into it."""
+    return what == "value" and value is not None and not value.requires_grad
+
+
+def data_value_hint(said: str) -> str:
+    """The hint after ``said`` (what was refused, and that float64 refuses it too)."""
+    return (f"{said}: the value given to log_prob is the batch's data alone (nothing the "
+            "model learns), so the samples named hold records on the support's edge or "
+            "outside it (an inter-event time of 0 from two events at one time or from a "
+            "padded position, a 0 under a Gamma or a LogNormal, 0 or 1 under a Beta); "
+            "give log_prob a value inside the support where the mask drops the entry "
+            "(dist.log_prob(torch.where(mask, x, 1)) * mask), clamp it where a 0 is a "
+            "measurement floor (x.clamp_min(1e-10), as ifl-tpp does for inter-event times), "
+            "or drop such records where the data is made; a softplus or a floor on the "
+            "distribution's parameters does not change it")
