@@ -22,9 +22,7 @@ LOSSES = {"make_rmtpp": M.rmtpp_loss, "make_thp": M.thp_loss,
           "make_lognormmix": M.lognormmix_loss}
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # point_processes_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
