@@ -290,19 +290,21 @@ def lm_loss(logits, ids, attention_mask):
 
 
 class LeftPadded(torch.utils.data.Dataset):
-    """Token rows left-padded by ``pads[i]`` (id 0), with HF's mask and position ids; the
-    position ids start at ``offset`` (a chunk taken that far into a long document)."""
+    """Token rows, those of batch ``j`` left-padded by ``pads_at[j][i]`` (id 0), with HF's
+    mask and position ids; the position ids start at ``offset`` (a chunk taken that far into a
+    long document)."""
 
-    def __init__(self, pads, seed=0, offset=0, n_batches=16):
+    def __init__(self, pads_at, offset=0, n_batches=16, seed=0):
         g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(1, VOCAB, (len(pads) * n_batches, LENGTH), generator=g)
-        self.pads, self.offset = pads, offset
+        self.ids = torch.randint(1, VOCAB, (BATCH * n_batches, LENGTH), generator=g)
+        self.pads_at, self.offset = pads_at, offset
 
     def __len__(self):
         return len(self.ids)
 
     def __getitem__(self, i):
-        ids, p = self.ids[i].clone(), self.pads[i % len(self.pads)]
+        ids = self.ids[i].clone()
+        p = self.pads_at.get(i // BATCH, [0] * BATCH)[i % BATCH]
         am = torch.ones(LENGTH, dtype=torch.long)
         ids[:p], am[:p] = 0, 0
         pos = (am.cumsum(-1) - 1).clamp_min(0) + self.offset
