@@ -174,15 +174,20 @@ def rounded_guard(ev, i: int, w: float) -> bool:
 
 def said(eps: float, dt: torch.dtype) -> str:
     """The hint's addition for an ``eps`` that ``dt`` rounded to 0, or one exactly 0."""
-    name = str(dt).removeprefix("torch.")
-    where = "that input" if not isinstance(eps, CarriedEps) else \
-        "the values that input is a sum of products of (x + eps before the product)"
+    name, tiny = str(dt).removeprefix("torch."), torch.finfo(dt).tiny
+    if isinstance(eps, CarriedEps):  # (a product of two guarded factors is eps ** 2 at least)
+        where = "the values that input is a sum of products of (x + eps before the product)"
+        least = (f"at least {tiny ** 0.5:.3g} (the square root of {name}'s smallest normal "
+                 "number: the product of two guarded factors holds eps squared)")
+        zero_least, lost_least = least, least
+    else:
+        where = "that input"
+        zero_least = f"at least {tiny:.3g} in {name} (such eps's default to 1e-12 to 1e-6)"
+        lost_least = f"{name} keeps (at least its smallest normal number, {tiny:.3g})"
     if eps == 0:
         return (f"; the eps added to {where} is exactly 0 (an eps option set to 0, or 0 "
-                "meant as 'off'), so it guarded nothing: set it to a positive value, at "
-                f"least {torch.finfo(dt).tiny:.3g} in {name} (such eps's default to 1e-12 "
-                "to 1e-6)")
+                "meant as 'off'), so it guarded nothing: set it to a positive value, "
+                + zero_least)
     return (f"; the eps {eps:g} added to {where} is 0 in {name} (its smallest positive "
-            f"number is {smallest(dt):.3g}), so it guarded nothing: use an eps {name} "
-            f"keeps (at least its smallest normal number, {torch.finfo(dt).tiny:.3g}) or "
-            "compute this in float32")
+            f"number is {smallest(dt):.3g}), so it guarded nothing: use an eps {lost_least} "
+            "or compute this in float32")

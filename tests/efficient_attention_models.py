@@ -139,6 +139,25 @@ class LinearAttention(GQAProjections):
         return self.out(V)
 
 
+class FlatHeadsLinearAttention(GQAProjections):
+    """Linear attention over the heads folded into the batch, ``(b * h, t, d)``, as fairseq's
+    ``MultiheadAttention`` and xformers' kernels lay them out."""
+
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x, key_padding_mask, position_ids):
+        q, k, v = self.qkv(x)
+        b, h, t, d = q.shape
+        Q, K, V = (z.reshape(b * h, t, d) for z in (F.elu(q) + 1, F.elu(k) + 1, v))
+        K = K * key_padding_mask.repeat_interleave(h, dim=0)[:, :, None]
+        Z = 1 / (torch.einsum("nli,nli->nl", Q, K.cumsum(1)) + self.eps)
+        KV = torch.einsum("nsd,nsm->nsdm", K, V).cumsum(1)
+        out = torch.einsum("nld,nldm,nl->nlm", Q, KV, Z)
+        return self.out(out.view(b, h, t, d))
+
+
 class CosineAttention(GQAProjections):
     def __init__(self, clamp=True, init_scale=10.0):
         super().__init__()
@@ -338,6 +357,18 @@ def make_linear_no_eps():
 
 def make_linear_where():
     return make(lambda: LinearAttention(eps=0.0, where_guard=True))
+
+
+def make_flat_linear_no_eps():
+    return make(lambda: FlatHeadsLinearAttention(eps=0.0))
+
+
+def make_linear_eps_1e8():
+    return make(lambda: LinearAttention(eps=1e-8))
+
+
+def make_performer_relu_eps_1e8():
+    return make(lambda: PerformerAttention(generalized_attention=True, kernel_epsilon=1e-8))
 
 
 def make_cosine():

@@ -80,6 +80,21 @@ def test_performer_relu_features_without_kernel_epsilon_name_the_eps_before_the_
     assert "is exactly 0 (an eps option set to 0" in rep["hint"], rep["hint"]
 
 
+def test_performer_relu_kernel_epsilon_lost_in_float16_asks_for_one_whose_square_it_keeps(
+        tmp_path):
+    # kernel_epsilon = 1e-8 under float16 autocast is 0 in each feature; what would keep
+    # q . k_cumsum off 0 is eps squared, so float16's smallest normal number is not enough
+    err = train(tmp_path, "make_performer_relu_eps_1e8", {}, autocast=torch.float16)
+    rep, o = origin_of(err, 0)
+    assert (rep["cause"], o["module"], o["op"], o["made"]) == (
+        "underflow", "block.attn", "aten.reciprocal", "+inf"), rep
+    assert o["samples"] == err.event["samples"] and o["samples"], rep
+    assert "the eps 1e-08 added to the values that input is a sum of products of" in \
+        rep["hint"], rep["hint"]
+    assert "at least 0.00781 (the square root of float16's smallest normal" in rep["hint"], \
+        rep["hint"]
+
+
 def test_linear_attention_without_eps_in_an_accumulated_micro_batch(tmp_path):
     # fast-transformers' Z = 1 / (Q . K.cumsum + eps) with eps = 0: a left-padded row's first
     # queries have only padded (zeroed) keys so far; the padding comes in step 2's second
@@ -90,6 +105,17 @@ def test_linear_attention_without_eps_in_an_accumulated_micro_batch(tmp_path):
         "invalid", "block.attn", "aten.reciprocal", "+inf", 1, PADDED), rep
     assert o["source"] == f"efficient_attention_models.py:{line_of('Z = 1 / (torch.einsum')}"
     assert "the eps added to that input is exactly 0" in rep["hint"], rep["hint"]
+
+
+def test_linear_attention_over_heads_folded_into_the_batch_names_the_samples(tmp_path):
+    # fairseq's (b * h, t, d) layout: the rows of the divisor are sample-head pairs, and the
+    # report names the samples they belong to, not the flattened rows
+    err = train(tmp_path, "make_flat_linear_no_eps", {1: PADS})
+    rep, o = origin_of(err, 0)
+    assert (rep["cause"], o["module"], o["op"], o["micro_batch"], o["samples"]) == (
+        "invalid", "block.attn", "aten.reciprocal", 1, PADDED), rep
+    divisor = line_of('"nli,nli->nl", Q, K.cumsum(1)) + self.eps')
+    assert o["source"] == f"efficient_attention_models.py:{divisor}", rep
 
 
 def test_linear_attention_where_guard_is_a_backward_pole(tmp_path):
