@@ -32,7 +32,8 @@ _GUARDS = {"add", "add_", "clamp", "clamp_", "clamp_min", "clamp_min_"}
 # ops that keep the guarded value's 0 at 0: sqrt(n2 + eps) is as unguarded as n2 + eps (a
 # capsule's squash, s / sqrt(|s|^2 + eps); pow with a positive exponent)
 _KEEP_ZERO = {"sqrt", "pow"}
-# ops whose output is made of their one input's guarded values: moved, copied, summed
+# ops whose output is made of their one input's guarded values: moved, copied, summed (F.normalize's
+# x / norm.clamp_min(eps).expand_as(x) divides by the guard itself)
 _CARRY_ONE = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand",
               "unsqueeze", "squeeze", "clone", "_to_copy", "contiguous", "alias", "slice",
               "select", "sum", "cumsum"}
@@ -66,18 +67,15 @@ class LostEps:
         if _lost(eps, out) or name in _ADDS and _zero(eps, out):
             self._of[id(out)] = (weakref.ref(out), float(eps))
 
-    def _carried(self, name: str, args: Sequence[Any]) -> CarriedEps | None:
-        """The eps of the guarded values the op's output is made of, or None."""
+    def _carried(self, name: str, args: Sequence[Any]) -> float | None:
+        """The eps of the guarded values the op's output is made of, or None: a view, copy or
+        sum keeps its input's; a product of guarded factors carries theirs."""
         if name in _CARRY_ONE:
-            tensors = args[:1]
-        elif name in _CARRY_ALL:
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        else:
+            return self.of(args[0]) if isinstance(args[0], torch.Tensor) else None
+        if name not in _CARRY_ALL:
             return None
-        eps = [self.of(t) if isinstance(t, torch.Tensor) else None for t in tensors]
-        if not eps or None in eps:
-            return None
-        return CarriedEps(max(eps))
+        eps = [self.of(a) for a in args if isinstance(a, torch.Tensor)]
+        return CarriedEps(max(eps)) if eps and None not in eps else None
 
     def of(self, t: torch.Tensor) -> float | None:
         """The guard ``t`` was made with that its type rounded to 0, or None."""

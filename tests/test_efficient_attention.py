@@ -140,6 +140,38 @@ def test_rope_frequencies_left_in_float16_autocast_overflow_at_long_positions(tm
         rep["hint"]
 
 
+@pytest.mark.parametrize(("factory", "pads_at", "step", "samples"), [
+    ("make_performer", {}, 0, [2]), ("make_performer_relu", {2: PADS}, 1, PADDED)])
+def test_performer_normaliser_in_float16_autocast_asks_for_float32(tmp_path, factory, pads_at,
+                                                                   step, samples):
+    # D_inv = 1 / (q . k_cumsum) left in float16 autocast (performer-pytorch turns autocast off
+    # around it): the normaliser is tiny and positive, 1 / D ** 2 in the backward leaves
+    # float16's range, not float32's
+    err = train(tmp_path, factory, pads_at, autocast=torch.float16)
+    rep, o = origin_of(err, step, "backward")
+    assert (rep["cause"], o["module"], o["op"], o["samples"]) == (
+        "overflow", "block.attn", "ReciprocalBackward0", samples), rep
+    assert o["source"] == f"efficient_attention_models.py:{line_of('D_inv = 1.0 /')}"
+    # (was: only log space, a clamp or float64: float32 outside autocast is the fix)
+    assert "the gradient left float16's range, not float32's: first compute this op in " \
+        "float32 (outside autocast" in rep["hint"], rep["hint"]
+    # (was: "made by exp, softmax, sigmoid or softplus" of ReLU features too)
+    assert "linear attention's phi(q) . sum phi(k)" in rep["hint"], rep["hint"]
+
+
+def test_cosine_attention_normalize_eps_lost_in_float16_autocast(tmp_path):
+    # Swin V2's F.normalize(q) under CPU float16 autocast: a pad token's query is 0, its norm 0,
+    # and normalize's clamp_min(1e-12) is 0 in float16: 0 / 0
+    err = train(tmp_path, "make_cosine", {0: PADS}, autocast=torch.float16)
+    rep, o = origin_of(err, 0)
+    assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "underflow", "block.attn", "aten.div", "nan", PADDED), rep
+    assert o["source"] == f"efficient_attention_models.py:{line_of('F.normalize(q, dim=-1) @')}"
+    # (was: silent on the eps: normalize divides by norm.clamp_min(eps).expand_as(x), a view)
+    assert "the eps 1e-12 added to that input is 0 in float16" in rep["hint"], rep["hint"]
+    assert "compute this in float32" in rep["hint"], rep["hint"]
+
+
 def test_alibi_sliding_window_over_left_padding_is_a_fully_masked_row(tmp_path):
     # the window of a pad query holds only pads: every score -inf, softmax NaN
     err = train(tmp_path, "make_alibi", {0: PADS})
