@@ -6,14 +6,19 @@ each with the NaN/Inf bug that really happens in it. The factories of
   ``softmax_kernel`` writes them (``data_normalizer = d ** -0.25``, ``ratio = m ** -0.5``,
   ``exp(w.x - |x|^2 / 2 - max) + eps``), or its ``generalized_kernel`` (``generalized_attention``:
   ``relu(w.x) + kernel_epsilon``); ``kernel_epsilon=0`` is the bug: a query whose ReLU features
-  share no positive entry with the keys so far divides ``1 / (q . k_cumsum)`` by 0.
+  share no positive entry with the keys so far divides ``1 / (q . k_cumsum)`` by 0. Either
+  kernel's normaliser left in float16 autocast (performer-pytorch turns autocast off around
+  it) has a tiny ``D`` whose ``1 / D ** 2`` in the backward leaves float16's range.
 - ``LinearAttention``: idiap/fast-transformers' ``CausalLinearAttention`` (``elu(x) + 1``
   feature map, keys zeroed at padding, ``Z = 1 / (einsum(Q, K.cumsum) + eps)``); ``eps=0`` is
   the bug: a query whose keys so far are all padding divides by 0; ``where_guard`` puts 0 there
   with ``torch.where`` instead, whose backward still takes ``1 / 0``.
+- ``FlatHeadsLinearAttention``: the same over the heads folded into the batch, ``(b * h, t, d)``,
+  as fairseq's ``MultiheadAttention`` lays them out.
 - ``CosineAttention``: Swin Transformer V2's ``WindowAttention`` (microsoft/Swin-Transformer):
   ``normalize(q) @ normalize(k)^T * exp(logit_scale)`` with the learnable log scale
-  clamped at ``log(1 / 0.01)``; ``clamp=False`` forgets the clamp.
+  clamped at ``log(1 / 0.01)``; under float16 autocast on the CPU, ``F.normalize``'s
+  ``clamp_min(1e-12)`` of a pad token's zero query is 0.
 - ``RotaryAttention``: HF transformers' ``LlamaRotaryEmbedding`` (``inv_freq @ position_ids``
   under ``torch.autocast(enabled=False)``, "force float32 since bfloat16 loses precision on
   long contexts"); ``float32_freqs=False`` leaves autocast on.
@@ -159,18 +164,14 @@ class FlatHeadsLinearAttention(GQAProjections):
 
 
 class CosineAttention(GQAProjections):
-    def __init__(self, clamp=True, init_scale=10.0):
+    def __init__(self, init_scale=10.0):
         super().__init__()
         self.logit_scale = nn.Parameter(torch.log(init_scale * torch.ones((HEADS, 1, 1))))
-        self.clamp = clamp
 
     def forward(self, x, key_padding_mask, position_ids):
         q, k, v = self.qkv(x)
         attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
-        if self.clamp:
-            logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()
-        else:
-            logit_scale = self.logit_scale.exp()
+        logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()
         attn = attn * logit_scale
         attn = attn + causal_padding_bias(key_padding_mask, attn.dtype)
         return self.out(attn.softmax(dim=-1) @ v)
@@ -363,20 +364,12 @@ def make_flat_linear_no_eps():
     return make(lambda: FlatHeadsLinearAttention(eps=0.0))
 
 
-def make_linear_eps_1e8():
-    return make(lambda: LinearAttention(eps=1e-8))
-
-
 def make_performer_relu_eps_1e8():
     return make(lambda: PerformerAttention(generalized_attention=True, kernel_epsilon=1e-8))
 
 
 def make_cosine():
     return make(CosineAttention)
-
-
-def make_cosine_unclamped():
-    return make(lambda: CosineAttention(clamp=False))
 
 
 def make_rotary():
