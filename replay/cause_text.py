@@ -257,9 +257,11 @@ DO = {
                   "with a large finite negative number (a large finite cost) instead of -inf",
     # (after masked_row, for a max: the shift of a hand-written logsumexp or softmax)
     "max_shift": "; where this max shifts a hand-written logsumexp, m + log(sum(exp(x - m))) "
-                 "(a CRF's forward algorithm over forbidden transitions), x - m is -inf - -inf "
-                 "on such a row: call torch.logsumexp, which returns -inf for it, or replace "
-                 "an infinite m by 0",
+                 "(a CRF's forward algorithm over forbidden transitions), or is the running "
+                 "max of an online softmax over blocks of keys (FlashAttention's, whose row may "
+                 "have keys in later blocks: keeping one per row is then no fix), x - m is "
+                 "-inf - -inf on such a row: call torch.logsumexp, which returns -inf for it, "
+                 "or replace an infinite m by 0 before the shift (torch.where(m == -inf, 0, m))",
     "qr_rank": "keep the input full-rank (no repeated or zero column: add a small random "
                "perturbation or drop the dependent column), or make the orthonormal basis "
                "without QR's backward (torch.nn.utils.parametrizations.orthogonal)",
