@@ -34,16 +34,17 @@ _GUARDS = {"add", "add_", "clamp", "clamp_", "clamp_min", "clamp_min_"}
 _KEEP_ZERO = {"sqrt", "pow"}
 # ops whose output is made of their one input's guarded values: moved, copied, summed (F.normalize's
 # x / norm.clamp_min(eps).expand_as(x) divides by the guard itself)
+# (not a cast: an eps float16 lost is no longer said of the float32 copy's type)
 _CARRY_ONE = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand",
-              "unsqueeze", "squeeze", "clone", "_to_copy", "contiguous", "alias", "slice",
-              "select", "sum", "cumsum"}
+              "unsqueeze", "squeeze", "clone", "contiguous", "alias", "slice", "select", "sum",
+              "cumsum"}
 # products, each of whose factors must be guarded: w @ (x + eps) has no floor (w may be 0)
 _CARRY_ALL = {"mul", "bmm", "mm", "matmul", "dot"}
 
 
 class CarriedEps(float):
-    """The eps of the guarded values a sum or product was made of, not one added to it: the
-    hint says where it was added."""
+    """The eps of the guarded factors a product (or a sum of products) was made of, not one
+    added to it: the hint says where it was added."""
 
 
 class LostEps:
