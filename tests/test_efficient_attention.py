@@ -200,7 +200,9 @@ def test_online_softmax_without_the_running_max_guard(tmp_path):
 @pytest.mark.parametrize(("factory", "autocast", "offset"), [
     ("make_performer", None, 0), ("make_performer_relu", None, 0), ("make_linear", None, 0),
     ("make_cosine", None, 0), ("make_online", None, 0),
-    ("make_rotary", torch.float16, 70_000), ("make_rotary", torch.bfloat16, 70_000)])
+    ("make_rotary", torch.float16, 70_000), ("make_rotary", torch.bfloat16, 70_000),
+    ("make_performer", torch.bfloat16, 0), ("make_linear", torch.bfloat16, 0),
+    ("make_online", torch.bfloat16, 0)])
 def test_healthy_variants_run_clean(tmp_path, factory, autocast, offset):
     # the same padding, positions and autocast with the repositories' own guards: no event
     assert train(tmp_path, factory, {0: PADS, 3: PADS}, autocast=autocast, offset=offset) is None
