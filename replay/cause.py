@@ -485,12 +485,14 @@ def _backward_overflow(op: str, fn: str, pole: bool, dtype: torch.dtype,
                        from_exp: bool = False) -> Cause:
     """A gradient too large for its type, finite in float64; ``from_exp``: the op's input
     came from exp (a plain-domain Sinkhorn's ``K @ v``), tiny rather than clamped."""
+    # (float16's range, not float32's, was exceeded: autocast's or a .half() model's)
+    half = DO["pole_half"] if torch.finfo(dtype).max < torch.finfo(torch.float32).max / 2 else ""
     if pole and from_exp:
-        return Cause("overflow", NEAR_POLE_EXP.format(op=op, dtype=_type(dtype), fn=fn))
+        return Cause("overflow", NEAR_POLE_EXP.format(op=op, dtype=_type(dtype), fn=fn) + half)
     if pole:  # off the pole but near it: 1/y² of a division by an eps floor of 1e-30
         return Cause("overflow", f"{op}'s gradient is too large for {_type(dtype)} and finite "
                      f"in float64: {fn} grows without bound near its pole (1/y² for a "
                      "division by y), and the op's input is close to it, though not on it "
-                     "(a denominator clamped to a tiny eps); " + DO["near_pole"])
+                     "(a denominator clamped to a tiny eps); " + DO["near_pole"] + half)
     return Cause("overflow", f"{op}'s gradient is too large for its dtype and finite in "
                  "float64: " + _wider(dtype))

@@ -257,9 +257,11 @@ DO = {
                   "with a large finite negative number (a large finite cost) instead of -inf",
     # (after masked_row, for a max: the shift of a hand-written logsumexp or softmax)
     "max_shift": "; where this max shifts a hand-written logsumexp, m + log(sum(exp(x - m))) "
-                 "(a CRF's forward algorithm over forbidden transitions), x - m is -inf - -inf "
-                 "on such a row: call torch.logsumexp, which returns -inf for it, or replace "
-                 "an infinite m by 0",
+                 "(a CRF's forward algorithm over forbidden transitions), or is the running "
+                 "max of an online softmax over blocks of keys (FlashAttention's, whose row may "
+                 "have keys in later blocks: keeping one per row is then no fix), x - m is "
+                 "-inf - -inf on such a row: call torch.logsumexp, which returns -inf for it, "
+                 "or replace an infinite m by 0 before the shift (torch.where(m == -inf, 0, m))",
     "qr_rank": "keep the input full-rank (no repeated or zero column: add a small random "
                "perturbation or drop the dependent column), or make the orthonormal basis "
                "without QR's backward (torch.nn.utils.parametrizations.orthogonal)",
@@ -367,6 +369,9 @@ DO = {
                         "clip=1.0 re-run the bundle's rewind window with either)",
     "near_pole": "keep the input further from the pole (a larger eps, 1e-6 for float32: "
                  "GaussianNLLLoss(eps=1e-6), y.clamp_min(1e-6)) or compute it in float64",
+    # (after near_pole or log_space, for a gradient beyond float16's range only)
+    "pole_half": "; the gradient left float16's range, not float32's: first compute this op "
+                 "in float32 (outside autocast, or .float() before it)",
     "clamp": "clamp the input range (x.clamp(-c, c)) or rescale the inputs, or lower the "
              "learning rate",
     "clamp_exp": "clamp the exponent or the input range (subtract the row max before exp, "
@@ -424,8 +429,9 @@ OWN_INF = ("{op} is a custom autograd.Function's backward: its own {inner} compu
 # a division's gradient too large near the pole of a tiny positive sum of exp (1/y²)
 NEAR_POLE_EXP = ("{op}'s gradient is too large for {dtype} and finite in float64: {fn} grows "
                  "without bound near its pole (1/y² for a division by y), and the op's input, "
-                 "made by exp, softmax, sigmoid or softplus (or a sum of such values: "
-                 "Sinkhorn's K @ v with K = exp(-C / eps)), is tiny though not 0; "
+                 "made by exp, softmax, sigmoid or softplus (or a sum of products of positive "
+                 "values: Sinkhorn's K @ v with K = exp(-C / eps), linear attention's "
+                 "phi(q) . sum phi(k)), is tiny though not 0; "
                  + DO["log_space"] + ", or compute it in float64")
 INF_ARITH = {"sub": "inf - inf", "add": "inf + (-inf)", "mul": "0 * inf", "div": "inf / inf"}
 # NaN of infinities that were all put in on purpose (OpHit.from_mask): what met them, and

@@ -12,7 +12,10 @@ backward node at that pole took the output of an ``add`` whose eps was lost. An 
 in the options (BasicSR's Charbonnier ``sqrt(d ** 2 + eps)``, NAFNet's PSNR loss
 ``log(mse + eps)``, SSIM's ``C2`` in ``sigma1 + sigma2 + C2``) guards nothing either: the hint
 "add an eps" is no fix for a user who has one, so that one is said too (only for ``add``: a
-clamp at 0 is a range, ``x.clamp(0, 1)``, not an eps).
+clamp at 0 is a range, ``x.clamp(0, 1)``, not an eps). A divisor made of guarded values
+carries their eps (:class:`CarriedEps`): a kernel feature map's ``relu(x) + kernel_epsilon``
+(performer-pytorch's ``generalized_kernel``) with the eps set to 0 makes queries and keys of
+exact 0s, and ``1 / (q . k_cumsum)`` divides by their products' sum.
 """
 
 from __future__ import annotations
@@ -29,6 +32,19 @@ _GUARDS = {"add", "add_", "clamp", "clamp_", "clamp_min", "clamp_min_"}
 # ops that keep the guarded value's 0 at 0: sqrt(n2 + eps) is as unguarded as n2 + eps (a
 # capsule's squash, s / sqrt(|s|^2 + eps); pow with a positive exponent)
 _KEEP_ZERO = {"sqrt", "pow"}
+# ops whose output is made of their one input's guarded values: moved, copied, summed (F.normalize's
+# x / norm.clamp_min(eps).expand_as(x) divides by the guard itself)
+# (not a cast: an eps float16 lost is no longer said of the float32 copy's type)
+_CARRY_ONE = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand",
+              "unsqueeze", "squeeze", "clone", "contiguous", "alias", "slice", "select", "sum",
+              "cumsum"}
+# products, each of whose factors must be guarded: w @ (x + eps) has no floor (w may be 0)
+_CARRY_ALL = {"mul", "bmm", "mm", "matmul", "dot"}
+
+
+class CarriedEps(float):
+    """The eps of the guarded factors a product (or a sum of products) was made of, not one
+    added to it: the hint says where it was added."""
 
 
 class LostEps:
@@ -43,11 +59,24 @@ class LostEps:
                     isinstance(args[1], (int, float)) and args[1] > 0)):
             self._of[id(out)] = (weakref.ref(out), kept)
             return
+        if (carried := self._carried(name, args)) is not None:
+            self._of[id(out)] = (weakref.ref(out), carried)
+            return
         if name not in _GUARDS or len(args) < 2:
             return
         eps = args[1]
         if _lost(eps, out) or name in _ADDS and _zero(eps, out):
             self._of[id(out)] = (weakref.ref(out), float(eps))
+
+    def _carried(self, name: str, args: Sequence[Any]) -> float | None:
+        """The eps of the guarded values the op's output is made of, or None: a view, copy or
+        sum keeps its input's; a product of guarded factors carries theirs."""
+        if name in _CARRY_ONE:
+            return self.of(args[0]) if isinstance(args[0], torch.Tensor) else None
+        if name not in _CARRY_ALL:
+            return None
+        eps = [self.of(a) for a in args if isinstance(a, torch.Tensor)]
+        return CarriedEps(max(eps)) if eps and None not in eps else None
 
     def of(self, t: torch.Tensor) -> float | None:
         """The guard ``t`` was made with that its type rounded to 0, or None."""
@@ -144,13 +173,20 @@ def rounded_guard(ev, i: int, w: float) -> bool:
 
 def said(eps: float, dt: torch.dtype) -> str:
     """The hint's addition for an ``eps`` that ``dt`` rounded to 0, or one exactly 0."""
-    name = str(dt).removeprefix("torch.")
+    name, tiny = str(dt).removeprefix("torch."), torch.finfo(dt).tiny
+    if isinstance(eps, CarriedEps):  # (a product of two guarded factors is eps ** 2 at least)
+        where = "the values that input is a sum of products of (x + eps before the product)"
+        least = (f"at least {tiny ** 0.5:.3g} (the square root of {name}'s smallest normal "
+                 "number: the product of two guarded factors holds eps squared)")
+        zero_least, lost_least = least, least
+    else:
+        where = "that input"
+        zero_least = f"at least {tiny:.3g} in {name} (such eps's default to 1e-12 to 1e-6)"
+        lost_least = f"{name} keeps (at least its smallest normal number, {tiny:.3g})"
     if eps == 0:
-        return ("; the eps added to that input is exactly 0 (an eps option set to 0, or 0 "
-                "meant as 'off'), so it guarded nothing: set it to a positive value, at "
-                f"least {torch.finfo(dt).tiny:.3g} in {name} (such eps's default to 1e-12 "
-                "to 1e-6)")
-    return (f"; the eps {eps:g} added to that input is 0 in {name} (its smallest positive "
-            f"number is {smallest(dt):.3g}), so it guarded nothing: use an eps {name} "
-            f"keeps (at least its smallest normal number, {torch.finfo(dt).tiny:.3g}) or "
-            "compute this in float32")
+        return (f"; the eps added to {where} is exactly 0 (an eps option set to 0, or 0 "
+                "meant as 'off'), so it guarded nothing: set it to a positive value, "
+                + zero_least)
+    return (f"; the eps {eps:g} added to {where} is 0 in {name} (its smallest positive "
+            f"number is {smallest(dt):.3g}), so it guarded nothing: use an eps {lost_least} "
+            "or compute this in float32")
