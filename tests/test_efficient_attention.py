@@ -21,9 +21,7 @@ PADS = [0, 2, 0, 5, 0, 1]  # rows 1, 3, 5 left-padded
 PADDED = [i for i, p in enumerate(PADS) if p]
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # efficient_attention_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
