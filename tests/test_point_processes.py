@@ -217,6 +217,7 @@ def test_thp_softplus_by_hand_at_both_ends_points_at_the_softplus(tmp_path):
     assert "row max" not in hint, hint
 
 
+@pytest.mark.usefixtures("validation_at_torch_default")  # (a compiled test may turn it off)
 def test_lognormmix_log_prob_refusing_the_pads_zero_gaps_asks_about_the_data(tmp_path):
     # the mixture built from torch.distributions (validate_args on) without ifl-tpp's
     # clamp(1e-10): the padded rows' inter-event times are 0, outside a LogNormal's support
