@@ -175,8 +175,26 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
         return event
     if ev.overflowed:
         return None  # only norms of huge but finite weights or gradients overflowed
-    return Event(ev.tape.step, phase="forward",
-                 detail="non-finite statistic with no identifiable source")
+    return _written_event(ev) or Event(ev.tape.step, phase="forward",
+                                       detail="non-finite statistic with no identifiable source")
+
+
+def _written_event(ev: StepEvidence) -> Event | None:
+    """Weights the step's own code made non-finite in place (``changed``: TransE's renorm
+    ``weight.data.div_(norm)`` in the forward, a 0/0 on a zero row), while every output, the
+    loss and the gradients stayed finite: named, not 'no identifiable source'."""
+    if ev.param_tensors is None:
+        return None
+    bad = [i for i in sorted(ev.changed)
+           if not finite(local(ev.param_tensors[i]).detach())]
+    if not bad:
+        return None
+    names = [ev.param_names[i] for i in bad]
+    kind = tensors_kind(local(ev.param_tensors[i]).detach() for i in bad)
+    return Event(ev.tape.step, phase="forward", kind=kind, params=names,
+                 detail=f"parameter {names[0]} was made non-finite during the step by the "
+                        "model's own code (written in place, not by the optimizer), while "
+                        "every output, the loss and the gradients stayed finite")
 
 
 def _update_event(ev: StepEvidence) -> Event | None:

@@ -80,6 +80,7 @@ from .weight_scale import diverging_advice
 from .whatif import run_tries
 from .window import window_of
 from .window_report import add_window
+from .written_forward import report_written_forward
 
 __all__ = ["analyze", "analyze_bundle", "scale_of_the_step"]
 
@@ -434,6 +435,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return report_optimizer(report, step, runner)
     if (made := report_made_weights(report, step, run1)) is not None:
         return made  # (a MAML query forward on weights its inner update made non-finite)
+    if (wrote := report_written_forward(report, step, runner, run1)) is not None:
+        return wrote  # (NaN the forward wrote into the weights: TransE's in-place renorm)
     if (term := loop_differentiation(step)) is not None:  # before the branch below: that
         return not_rerun_term(report, step, term)  # term may be all the backward went through
     if phase == "backward" and _no_backward_reached_the_output(step):  # (losses kept aside)

@@ -36,6 +36,7 @@ from .optim import build_optimizer
 from .shards import resolve
 from .views import same_view
 from .weights import load_weights
+from .written_weights import refill_written
 
 WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/", "trained/")
 BATCH_PREFIXES = ("batch/", "loss_in/", "outgrad/")
@@ -215,6 +216,8 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
     step.rebuild = lambda: _call_factory(fn, spec, kwargs, on_meta=False)["model"]
     load_weights(step, model)
+    if refilled := refill_written(step, model):  # (NaN the step's code wrote into its weights)
+        step.problems.append(refilled)
     if restored := restore_attributes(meta, model):
         step.problems.append(restored_note(restored))
     step.trained = restore_trained(meta, step.tensors, model)  # (another optimizer's tensors)
