@@ -1,0 +1,157 @@
+"""Knowledge-graph embeddings trained under the flight recorder (``knowledge_graphs_models``):
+TransE renormalised in place with sparse embeddings, SparseAdam and corrupted triples from a
+DataLoader's workers; RotatE's self-adversarial loss over filtered negatives, with a filtered
+MRR evaluation in the loop; kbc's ComplEx with N3 over its ``sqrt(re^2 + im^2)`` factors,
+reciprocal relations and Adagrad; a hand-written 1-N binary cross entropy over DistMult."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import knowledge_graphs_models as M
+import pytest
+import torch
+from bundles import nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # knowledge_graphs_models.py is trusted here
+
+
+def line_of(text: str) -> str:
+    lines = (HERE / "knowledge_graphs_models.py").read_text().splitlines()
+    return f"knowledge_graphs_models.py:{next(i for i, s in enumerate(lines, 1) if text in s)}"
+
+
+def _train_transe(out_dir, pad: int) -> M.TransE:
+    model = M.make_transe(pad)
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)
+    loader = torch.utils.data.DataLoader(
+        M.CorruptedTriples(), batch_size=M.BATCH, shuffle=True, num_workers=2,
+        generator=torch.Generator().manual_seed(0))
+    with FlightRecorder(model, opt, loss_fn=M.MarginRankingLoss(), out_dir=out_dir,
+                        factory="knowledge_graphs_models:make_transe",
+                        factory_kwargs={"pad": pad}) as rec:
+        for _ in range(2):
+            for pos, neg in loader:
+                opt.zero_grad()
+                rec.loss_fn(model(pos, M.with_tails(pos, neg))).backward()
+                opt.step()
+        assert rec.health.internal_errors == 0
+    return model
+
+
+def test_transe_renormalised_in_place_with_a_zero_pad_row_names_the_division(tmp_path):
+    """TransE-PyTorch renormalises ``weight.data[:-1]`` in its forward, keeping its padding
+    entity (the last row, all 0) out; a vocabulary with "<pad>" first puts it at row 0, which
+    the renorm divides by its norm of 0. No output, loss or gradient is non-finite: the
+    recorder said 'non-finite statistic with no identifiable source', and the replay re-ran
+    from the bundle's NaN row (written in place through ``.data``, which bumps no version, so
+    each re-run renormalised the last one's weights again): 'two re-runs of the step disagree:
+    nondeterminism'."""
+    with pytest.raises(NonFiniteError) as info:
+        _train_transe(tmp_path, pad=0)
+    ev = info.value.event
+    assert (ev["step"], ev["params"], ev["kind"]) == (0, ["entities_emb.weight"], "nan"), ev
+    assert "no identifiable source" not in ev["detail"], ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"]) == (
+        True, "invalid", "forward", "", "aten.div_"), rep
+    assert (o["param"], o["rows"], o["rows_of"], o["samples"]) == (
+        "entities_emb.weight", [0], M.N_ENT, []), o
+    assert o["source"] == line_of("w.div_(w.norm("), o
+    assert "clamp_min(eps)" in rep["hint"] and "F.normalize" in rep["hint"], rep["hint"]
+    assert "nondeterminism" not in " ".join(rep["problems"]), rep["problems"]
+
+
+def test_transe_with_its_pad_row_kept_out_of_the_renorm_trains_without_events(tmp_path):
+    """The repository's own layout (the padding entity last, kept out of the renorm): sparse
+    gradients, SparseAdam, the forward's in-place writes and the workers' batches raise no
+    event, and the recorded run trains as an unrecorded one."""
+    model = _train_transe(tmp_path, pad=M.N_ENT - 1)
+    assert not list(tmp_path.glob("*.nan"))
+    assert torch.isfinite(model.entities_emb.weight).all()
+    assert bool((model.entities_emb.weight[-1] == 0).all())  # (padding_idx: never trained)
+
+
+def test_rotate_filtered_negatives_all_false_name_the_softmax_row(tmp_path):
+    """RotatE's self-adversarial weights ``softmax(score * alpha).detach()`` over negatives
+    filtered against the known triples (false negatives set to -inf): a row whose every
+    sampled tail is a known true tail is a softmax of all -inf. A filtered MRR evaluation
+    (scores of the other true tails at -inf) runs in the loop and raises nothing."""
+    model = M.make_rotate()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    known = torch.zeros(M.N_ENT, M.N_REL, M.N_ENT, dtype=torch.bool)
+    mrr = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.self_adversarial_loss, out_dir=tmp_path,
+                            factory="knowledge_graphs_models:make_rotate") as rec:
+            for step in range(6):
+                pos = M.triples(g)
+                neg = torch.randint(1, M.N_ENT, (M.BATCH, M.NEG), generator=g)
+                known[pos[:, 0], pos[:, 1], pos[:, 2]] = True
+                if step == 3:
+                    neg[2] = pos[2, 2]  # every sampled tail of row 2 is its true tail
+                false_negative = known[pos[:, 0, None], pos[:, 1, None], neg]
+                opt.zero_grad()
+                rec.loss_fn(model(pos, neg), false_negative).backward()
+                opt.step()
+                test = M.triples(g)
+                mrr.append(M.filtered_mrr(model, test, known[test[:, 0], test[:, 1]]))
+    assert len(mrr) == 3 and all(0 < m <= 1 for m in mrr), mrr
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["op"], o["samples"]) == (
+        True, "invalid", "loss", "aten._softmax", [2]), rep
+    assert o["source"] == line_of("F.softmax(negative_score * temperature"), o
+    assert o["chain"][0]["op"] == "aten.masked_fill" and o["chain"][0]["intentional"], o
+    assert "every entry is -inf" in rep["hint"], rep["hint"]
+    assert "large finite negative" in rep["hint"], rep["hint"]
+
+
+def test_complex_n3_of_a_modulus_dropped_to_0_is_sqrts_backward(tmp_path):
+    """kbc's ComplEx returns ``sqrt(re^2 + im^2)`` of the head and tail for N3 (``|x|^3``);
+    with dropout on the looked-up embeddings (LibKGE's), a coordinate whose real and
+    imaginary parts are both dropped is a modulus of exactly 0: N3's gradient there is 0, but
+    sqrt's derivative is infinite, and 0 * inf is NaN. The samples are the (reciprocal
+    doubled) rows with such a coordinate in the tail."""
+    model = M.make_complex(dropout=0.3)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    dropped: list[torch.Tensor] = []
+
+    def zero_moduli(_m, _args, out):
+        re, im = out[:, :M.DIM], out[:, M.DIM:]
+        dropped.append(((re == 0) & (im == 0)).any(1))
+
+    model.dropout.register_forward_hook(zero_moduli)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.N3Loss(), out_dir=tmp_path,
+                            factory="knowledge_graphs_models:make_complex",
+                            factory_kwargs={"dropout": 0.3}) as rec:
+            for _ in range(4):
+                x = M.reciprocal(M.triples(g))
+                dropped.clear()
+                opt.zero_grad()
+                rec.loss_fn(model(x), x[:, 2]).backward()
+                opt.step()
+    # (the tail's sqrt, the last made, is the first its backward runs: its rows are named)
+    rows = dropped[1].nonzero().flatten().tolist()
+    assert 0 < len(rows) < 2 * M.BATCH, rows
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "backward", ["embeddings.0.weight"])
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["op"], o["samples"]) == (
+        True, "invalid", "backward", "SqrtBackward0", rows), rep
+    assert o["source"] == line_of("torch.sqrt(rhs[0] ** 2 + rhs[1] ** 2)"), o
+    assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
