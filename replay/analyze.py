@@ -24,6 +24,7 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 
 from . import fidelity
 from .ascent import ascent_hint
+from .before_update import nan_before_update
 from .cast_overflow import data_hint
 from .data_scale import data_scale_hint
 from .derived_input import derived_input_hint
@@ -230,11 +231,14 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if after_update and (bad_weights or "weights" in step.stripped):
         # the update's own evidence first: a batch that is non-finite too came after it (a
         # GAN's fakes from a generator the same kind of update broke), not before
-        report["problems"].append(UPDATE_NOT_RERUN)
         params = bad_weights or list(step.event.get("params", []))
+        hint = params and after_update_hint(step, params)
+        if not hint and (before := nan_before_update(report, step, params)) is not None:
+            return before  # (NaN the loop wrote after the update before: a renorm's 0/0)
+        report["problems"].append(UPDATE_NOT_RERUN)
         return finish(report, origin_fields(phase="optimizer", params=params,
                                             param=(params or [None])[0]), "optimizer",
-                      reproduced=False, hint=params and after_update_hint(step, params))
+                      reproduced=False, hint=hint)
     inputs, targets = ([i for i, mb in enumerate(step.micro_batches) if mb.get(k)]
                        for k in ("inputs_changed", "targets_changed"))
     if targets and (not inputs or step.event.get("phase") == "loss"):  # (what the loss took)

@@ -51,9 +51,13 @@ class CorruptedTriples(torch.utils.data.Dataset):
 
 
 class TransE(nn.Module):
-    def __init__(self, pad: int = N_ENT - 1, sparse: bool = True, norm: int = 1):
+    """``in_forward=False``: the renormalisation is the loop's, after each update (the TransE
+    paper's Algorithm 1, ``e <- e / ||e||`` per iteration, as ports write it by hand)."""
+
+    def __init__(self, pad: int = N_ENT - 1, sparse: bool = True, norm: int = 1,
+                 in_forward: bool = True):
         super().__init__()
-        self.norm = norm
+        self.norm, self.in_forward = norm, in_forward
         # the out-of-vocabulary entity is a zero row (padding_idx); the repository keeps the
         # last row for it, a port that reads ids from a vocabulary with "<pad>" first puts it at 0
         self.entities_emb = nn.Embedding(N_ENT, DIM, padding_idx=pad, sparse=sparse)
@@ -67,9 +71,10 @@ class TransE(nn.Module):
                                                                           keepdim=True))
 
     def forward(self, positive_triplets, negative_triplets):
-        # -1 to avoid nan for OOV vector
-        w = self.entities_emb.weight.data[:-1, :]
-        w.div_(w.norm(p=1, dim=1, keepdim=True))
+        if self.in_forward:
+            # -1 to avoid nan for OOV vector
+            w = self.entities_emb.weight.data[:-1, :]
+            w.div_(w.norm(p=1, dim=1, keepdim=True))
         return self._distance(positive_triplets), self._distance(negative_triplets)
 
     def _distance(self, triplets):
@@ -78,9 +83,16 @@ class TransE(nn.Module):
                 - self.entities_emb(tails)).norm(p=self.norm, dim=-1)
 
 
-def make_transe(pad: int = N_ENT - 1) -> TransE:
+def make_transe(pad: int = N_ENT - 1, in_forward: bool = True) -> TransE:
     torch.manual_seed(0)
-    return TransE(pad)
+    return TransE(pad, sparse=in_forward, in_forward=in_forward)
+
+
+@torch.no_grad()
+def renormalise(emb: nn.Embedding) -> None:
+    """The loop's projection of every entity back onto the unit sphere, after the update."""
+    w = emb.weight
+    w.data = w / w.norm(p=2, dim=1, keepdim=True)
 
 
 def with_tails(pos: torch.Tensor, neg_tails: torch.Tensor) -> torch.Tensor:

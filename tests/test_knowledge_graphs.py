@@ -157,3 +157,38 @@ def test_complex_n3_of_a_modulus_dropped_to_0_is_sqrts_backward(tmp_path):
     # (was: only "torch.linalg.vector_norm(d, dim=-1)", which sums the rank dimension away)
     assert "torch.complex(re, im).abs()" in rep["hint"], rep["hint"]
     assert "dropout zeroed every term" in rep["hint"] and "sqrt(x + eps)" in rep["hint"]
+
+
+def test_a_renorm_in_the_loop_after_the_update_is_not_blamed_on_the_next_update(tmp_path):
+    """The loop renormalises the entities after each ``optimizer.step()``
+    (``w.data = w / w.norm(dim=1)``); the padding entity's zero row is 0/0. The recorder
+    checks an update's weights with the next step's read, so the NaN is seen after the next
+    update: 'optimizer.step() made entities_emb.weight non-finite', and the replay said the
+    update could not be re-run and to 'check the learning rate and schedule, eps, and clip
+    gradients'. Adam's state and the gradient are finite on that row: the row was NaN
+    before the update."""
+    model = M.make_transe(pad=0, in_forward=False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.MarginRankingLoss(), out_dir=tmp_path,
+                            factory="knowledge_graphs_models:make_transe",
+                            factory_kwargs={"pad": 0, "in_forward": False}) as rec:
+            for _ in range(4):
+                pos = M.triples(g)
+                neg = torch.randint(1, M.N_ENT, (M.BATCH, M.NEG), generator=g)
+                opt.zero_grad()
+                rec.loss_fn(model(pos, M.with_tails(pos, neg))).backward()
+                opt.step()
+                sched.step()
+                M.renormalise(model.entities_emb)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (1, "optimizer", ["entities_emb.weight"])
+    rep = nanreplay_json(info.value.bundle_path, code=1)
+    o = rep["origin"]
+    assert (rep["cause"], o["phase"], o["param"], o["rows"], o["rows_of"]) == (
+        "weights", "weights", "entities_emb.weight", [0], M.N_ENT), rep
+    assert "before the update at step 1" in rep["hint"], rep["hint"]
+    assert "after optimizer.step()" in rep["hint"] and "F.normalize" in rep["hint"]
+    assert "learning rate" not in rep["hint"], rep["hint"]
