@@ -129,12 +129,17 @@ class RotatE(nn.Module):
         self.entity_embedding = nn.Parameter(torch.zeros(N_ENT, 2 * DIM).uniform_(-r, r))
         self.relation_embedding = nn.Parameter(torch.zeros(N_REL, DIM).uniform_(-r, r))
 
-    def forward(self, sample, negative_tails):
+    def forward(self, sample, negative_tails, filtered=None):
+        """``filtered``: in evaluation, the candidate tails that form known triples, scored
+        -inf so that they rank last (LibKGE's filtered ranking)."""
         head = self.entity_embedding[sample[:, 0]].unsqueeze(1)
         relation = self.relation_embedding[sample[:, 1]].unsqueeze(1)
         tail = self.entity_embedding[sample[:, 2]].unsqueeze(1)
         negative = self.entity_embedding[negative_tails]
-        return self.score(head, relation, tail)[:, 0], self.score(head, relation, negative)
+        negative_score = self.score(head, relation, negative)
+        if filtered is not None:
+            negative_score = negative_score.masked_fill(filtered, float("-inf"))
+        return self.score(head, relation, tail)[:, 0], negative_score
 
     def score(self, head, relation, tail):
         pi = 3.14159265358979323846
@@ -261,11 +266,11 @@ def bce_by_hand(pred, target):
 
 def filtered_mrr(model: RotatE, test: torch.Tensor, known: torch.Tensor) -> float:
     """Filtered tail ranking: every entity scored as the tail, the other known true tails of
-    (h, r) pushed to -inf, the rank of the true tail among the rest."""
+    (h, r) at -inf (the model's ``filtered``), the rank of the true tail among the rest."""
+    model.eval()
     with torch.no_grad():
         every = torch.arange(N_ENT).expand(len(test), N_ENT)
-        _, scores = model(test, every)
-        scores = scores.masked_fill(known & ~F.one_hot(test[:, 2], N_ENT).bool(), float("-inf"))
-        true = scores.gather(1, test[:, 2:3])
-        rank = (scores > true).sum(1) + 1
+        true_score, scores = model(test, every, known & ~F.one_hot(test[:, 2], N_ENT).bool())
+        rank = (scores > true_score[:, None]).sum(1) + 1
+    model.train()
     return (1.0 / rank.float()).mean().item()

@@ -118,6 +118,33 @@ def test_rotate_filtered_negatives_all_false_name_the_softmax_row(tmp_path):
     assert "large finite negative" in rep["hint"], rep["hint"]
 
 
+def test_a_filtered_ranking_evaluation_returning_minus_inf_scores_is_no_event(tmp_path):
+    """Filtered MRR between steps, the model scoring the known true tails -inf in its own
+    forward (gradients off, eval mode): the recorder raised 'inf first in the output of
+    <root>' in the evaluation, in the middle of the user's metric code, though nothing takes
+    those scores but the ranking that wants them; a row whose every other tail is known
+    (a small graph) is fine too. Training is checked as before."""
+    model = M.make_rotate()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    known = torch.zeros(M.N_ENT, M.N_REL, M.N_ENT, dtype=torch.bool)
+    with FlightRecorder(model, opt, loss_fn=M.self_adversarial_loss, out_dir=tmp_path,
+                        factory="knowledge_graphs_models:make_rotate") as rec:
+        for _ in range(4):
+            pos = M.triples(g)
+            neg = torch.randint(1, M.N_ENT, (M.BATCH, M.NEG), generator=g)
+            known[pos[:, 0], pos[:, 1], pos[:, 2]] = True
+            opt.zero_grad()
+            rec.loss_fn(model(pos, neg), known[pos[:, 0, None], pos[:, 1, None], neg]).backward()
+            opt.step()
+            filtered = known[pos[:, 0], pos[:, 1]].clone()
+            filtered[0] = True  # (every tail of the first (h, r) known)
+            mrr = M.filtered_mrr(model, pos, filtered)
+            assert 0 < mrr <= 1
+        assert rec.health.internal_errors == 0 and rec.event is None
+    assert not list(tmp_path.glob("*.nan"))
+
+
 def test_complex_n3_of_a_modulus_dropped_to_0_is_sqrts_backward(tmp_path):
     """kbc's ComplEx returns ``sqrt(re^2 + im^2)`` of the head and tail for N3 (``|x|^3``);
     with dropout on the looked-up embeddings (LibKGE's), a coordinate whose real and
@@ -191,4 +218,37 @@ def test_a_renorm_in_the_loop_after_the_update_is_not_blamed_on_the_next_update(
         "weights", "weights", "entities_emb.weight", [0], M.N_ENT), rep
     assert "before the update at step 1" in rep["hint"], rep["hint"]
     assert "after optimizer.step()" in rep["hint"] and "F.normalize" in rep["hint"]
+    assert "learning rate" not in rep["hint"], rep["hint"]
+
+
+def test_a_hand_written_1_n_bce_of_a_sigmoid_rounded_to_1_points_at_the_logits(tmp_path):
+    """ConvE's 1-N scoring (``sigmoid`` of DistMult's scores against every entity) with its
+    binary cross entropy written out: a confident score rounds sigmoid to exactly 1.0 in
+    float32, and ``log(1 - pred)`` is log(0). The report names the log, the rows, the
+    rounding (precision, not a learning-rate problem) and the loss on the logits."""
+    model = M.make_distmult()
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(0)
+    preds: list[torch.Tensor] = []
+    model.register_forward_hook(lambda _m, _a, out: preds.append(out.detach()))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.bce_by_hand, out_dir=tmp_path,
+                            factory="knowledge_graphs_models:make_distmult") as rec:
+            for _ in range(30):
+                x = M.triples(g)
+                e2_multi = torch.zeros(M.BATCH, M.N_ENT)
+                e2_multi[torch.arange(M.BATCH), x[:, 2]] = 1
+                opt.zero_grad()
+                rec.loss_fn(model(x[:, :1], x[:, 1:2]), M.smoothed(e2_multi, 0.0)).backward()
+                opt.step()
+    rows = (preds[-1] == 1).any(1).nonzero().flatten().tolist()
+    assert rows and not (preds[-1] == 0).any(), rows  # (log(pred) is finite: log(1 - pred))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (len(preds) - 1, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["op"], o["made"], o["samples"]) == (
+        True, "precision", "loss", "aten.log", "-inf", rows), rep
+    assert o["source"] == line_of("torch.log(1 - pred)"), o
+    assert "binary_cross_entropy_with_logits" in rep["hint"], rep["hint"]
     assert "learning rate" not in rep["hint"], rep["hint"]
