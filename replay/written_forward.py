@@ -17,6 +17,7 @@ import torch
 
 from recorder.finite import finite
 
+from .fidelity import written_note
 from .forward import report_forward
 from .load import Step
 from .rerun import Runner
@@ -47,6 +48,9 @@ def report_written_forward(report, step: Step, runner: Runner, run: Run) -> dict
     o["samples"] = []  # (the rows are the weights', not the batch's)
     o["rows"], o["rows_of"] = (rows := _bad_rows(params[bad[0]])), len(params[bad[0]])
     report["reproduced"] = True
+    # (the note for a data-dependent init, ActNorm's, which this is not: the origin says it)
+    said = written_note(sorted(n for n in written if isinstance(n, str)))
+    report["problems"] = [p for p in report["problems"] if p != said]
     if report["cause"] == "invalid" and "div" in o["op"]:  # (a renormalisation's 0/0)
         report["hint"] = (
             f"{o['op']} wrote {o.get('made')} into rows {rows[:8]} of parameter {bad[0]} in "
