@@ -38,6 +38,7 @@ from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder
+from .other_makers import add_others
 from .param_writes import (
     built_non_finite_hint,
     forward_made,
@@ -388,6 +389,8 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
         cause.hint = f"{cause.hint}; {said}"
     report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
+    if b.hook is None and not b.summed:  # (the same pole elsewhere: the head's and the tail's)
+        add_others(report, runner, samples(runner.step), b.node, b.source)
     through_time.explain(report, runner, b.node, b.source, b.summed)  # (a rollout's)
     if b.inner_op:  # a hand-written backward: the bug is in its formula, not the forward
         path, _, line = b.inner_source.rpartition(":")

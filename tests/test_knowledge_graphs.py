@@ -184,6 +184,12 @@ def test_complex_n3_of_a_modulus_dropped_to_0_is_sqrts_backward(tmp_path):
     assert o["source"] == line_of("torch.sqrt(rhs[0] ** 2 + rhs[1] ** 2)"), o
     # (was: only "torch.linalg.vector_norm(d, dim=-1)", which sums the rank dimension away)
     assert "torch.complex(re, im).abs()" in rep["hint"], rep["hint"]
+    # the head's sqrt makes NaN too, in its own rows: named, and dropped with the tail's
+    # (was: only the tail's rows, and --try auto's drop of them came back NaN)
+    head = dropped[0].nonzero().flatten().tolist()
+    assert head != rows and o["also"] == [{"node": "SqrtBackward0", "source": line_of(
+        "torch.sqrt(lhs[0] ** 2 + lhs[1] ** 2)"), "samples": head}], o.get("also")
+    assert any("the fix is needed there too" in p for p in rep["problems"]), rep["problems"]
     assert "dropout zeroed every term" in rep["hint"] and "sqrt(x + eps)" in rep["hint"]
 
 
