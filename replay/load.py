@@ -64,6 +64,9 @@ class Step:
     trained: list[str] = field(default_factory=list)
     # builds the factory's model again, on a real device (its own initial values), or None
     rebuild: Any = None
+    # trained parameters the step's own code writes (the recorder's written_in_step): each
+    # re-run starts from them as kept (replay.frozen), their lost entries the factory's
+    written: list[str] = field(default_factory=list)
 
     @property
     def event(self) -> dict[str, Any]:
@@ -216,7 +219,8 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
     step.rebuild = lambda: _call_factory(fn, spec, kwargs, on_meta=False)["model"]
     load_weights(step, model)
-    if refilled := refill_written(step, model):  # (NaN the step's code wrote into its weights)
+    step.written = [n for n in meta.get("written_in_step") or () if isinstance(n, str)]
+    if refilled := refill_written(step, model, step.written):  # (NaN the step's code wrote)
         step.problems.append(refilled)
     if restored := restore_attributes(meta, model):
         step.problems.append(restored_note(restored))

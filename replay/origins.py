@@ -55,6 +55,7 @@ from .storages import state_of
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
 from .weight_readers import bad_row_fields, first_reader, rows_text
+from .written_forward import report_forward_wrote
 
 
 def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
@@ -64,6 +65,8 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     ev = step.event
     late = set(ev.get("written_after_forward") or ())  # (not bad as the step began)
     bad = [n for n in bad if n not in late] or bad
+    if (wrote := report_forward_wrote(report, step, bad)) is not None:
+        return wrote  # (trained ones an earlier forward wrote: TransE-PyTorch's renorm)
     if (made := forward_made(step, bad)) is not None:  # (frozen ones the forward wrote)
         numbers = list(made["numbers"])
         o = origin_fields(phase="input" if numbers else "weights", params=made["params"],

@@ -11,6 +11,7 @@ the root's whole call for the op that made them.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -22,18 +23,18 @@ from .forward import report_forward
 from .load import Step
 from .rerun import Runner
 from .run_result import Call, Run
+from .written_weights import refill_written
 
-__all__ = ["report_written_forward"]
+__all__ = ["report_forward_wrote", "report_written_forward"]
 
 
 def report_written_forward(report, step: Step, runner: Runner, run: Run) -> dict[str, Any] | None:
     """The report of the weights the re-run's forward wrote non-finite (as the recorded
     step's did), named at the op of the root's call that made them; None when it wrote
     none."""
-    written = step.meta.get("written_in_step") or ()
+    written = step.written
     params = dict(step.model.named_parameters())
-    bad = [n for n in written if isinstance(n, str) and n in params
-           and not finite(params[n].detach())]
+    bad = [n for n in written if n in params and not finite(params[n].detach())]
     root = next((c for c in run.calls if c.module == "" and not c.in_backward), None)
     if not bad or root is None:
         return None
@@ -49,7 +50,7 @@ def report_written_forward(report, step: Step, runner: Runner, run: Run) -> dict
     o["rows"], o["rows_of"] = (rows := _bad_rows(params[bad[0]])), len(params[bad[0]])
     report["reproduced"] = True
     # (the note for a data-dependent init, ActNorm's, which this is not: the origin says it)
-    said = written_note(sorted(n for n in written if isinstance(n, str)))
+    said = written_note(sorted(written))
     report["problems"] = [p for p in report["problems"] if p != said]
     if report["cause"] == "invalid" and "div" in o["op"]:  # (a renormalisation's 0/0)
         report["hint"] = (
@@ -62,6 +63,40 @@ def report_written_forward(report, step: Step, runner: Runner, run: Run) -> dict
         f"the forward wrote non-finite values into {', '.join(bad)} in place (its outputs "
         "stayed finite): the origin is the op that made them")
     return report
+
+
+def report_forward_wrote(report, step: Step, bad: list[str]) -> dict[str, Any] | None:
+    """Trained weights ``bad`` non-finite when the step began, which the model's own forward
+    writes: re-run from the factory's values for their non-finite entries, the forward makes
+    them non-finite again. An earlier forward the recorder checks no weights of made them so
+    (an evaluation before the first step: TransE-PyTorch's renorm runs in every forward). None
+    when the forward does not write them (the usual case: loaded so, written by the loop)."""
+    if step.model is None or step.stripped:
+        return None
+    params = dict(step.model.named_parameters())
+    trained = [n for n in bad if n in params and params[n].requires_grad]
+    kept, written = {n: params[n].data for n in trained}, step.written
+    note = refill_written(step, step.model, trained) if trained else None
+    if note is None:
+        return None
+    step.written = sorted(set(written) | set(trained))
+    found = None
+    try:
+        runner = Runner(step)
+        found = report_written_forward(copy.deepcopy(report), step, runner, runner.run())
+    except Exception:  # (the weights origin stands without this evidence)
+        found = None
+    if found is None:
+        step.written = written
+        for n, data in kept.items():
+            params[n].data = data
+        return None
+    found["problems"][:0] = [note, (
+        f"{', '.join(trained)} held NaN/Inf when step {step.event.get('step')} began, and the "
+        "model's forward writes them: re-run from finite values, it made them non-finite "
+        "again, so an earlier forward did (an evaluation between steps or before the first, "
+        "whose weights the recorder does not check)")]
+    return found
 
 
 def _bad_rows(p: torch.Tensor) -> list[int]:

@@ -18,11 +18,10 @@ from torch import nn
 __all__ = ["refill_written"]
 
 
-def refill_written(step, model: nn.Module) -> str | None:
-    """Replace the non-finite entries of ``model``'s ``written_in_step`` parameters by the
-    factory's finite values for them (a new tensor: the bundle's stays as read); the note for
-    the report, or None when there is none to refill."""
-    names = [n for n in step.meta.get("written_in_step") or () if isinstance(n, str)]
+def refill_written(step, model: nn.Module, names: list[str]) -> str | None:
+    """Replace the non-finite entries of ``model``'s parameters ``names`` (the recorder's
+    ``written_in_step``) by the factory's finite values for them (a new tensor: the bundle's
+    stays as read); the note for the report, or None when there is none to refill."""
     params = dict(model.named_parameters())
     bad = {n: ~torch.isfinite(params[n].detach()) for n in names
            if n in params and params[n].is_floating_point()

@@ -259,3 +259,40 @@ def test_a_hand_written_1_n_bce_of_a_sigmoid_rounded_to_1_points_at_the_logits(t
     assert o["source"] == line_of("torch.log(1 - pred)"), o
     assert "binary_cross_entropy_with_logits" in rep["hint"], rep["hint"]
     assert "learning rate" not in rep["hint"], rep["hint"]
+
+
+def test_transe_validated_before_training_names_the_forward_that_wrote_its_weights(tmp_path):
+    """The same renorm in the forward, first run by a validation before training (gradients
+    off): the evaluation's check reads no weights, so step 0 began with the NaN row, and the
+    report said it 'came in so, with the state_dict loaded before (a checkpoint...)'. Re-run
+    from the factory's values for that row, the forward writes the NaN again: its op is
+    named."""
+    model = M.make_transe(pad=0)
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.MarginRankingLoss(), out_dir=tmp_path,
+                            factory="knowledge_graphs_models:make_transe",
+                            factory_kwargs={"pad": 0}) as rec:
+            model.eval()
+            with torch.no_grad():
+                test = M.triples(g)
+                model(test, M.with_tails(test, torch.randint(1, M.N_ENT, (M.BATCH, M.NEG),
+                                                             generator=g)))
+            model.train()
+            for _ in range(3):
+                pos = M.triples(g)
+                neg = torch.randint(1, M.N_ENT, (M.BATCH, M.NEG), generator=g)
+                opt.zero_grad()
+                rec.loss_fn(model(pos, M.with_tails(pos, neg))).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "weights", ["entities_emb.weight"])
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["module"], o["op"]) == (
+        True, "invalid", "forward", "", "aten.div_"), rep
+    assert (o["param"], o["rows"], o["source"]) == (
+        "entities_emb.weight", [0], line_of("w.div_(w.norm(")), o
+    assert "clamp_min(eps)" in rep["hint"] and "checkpoint" not in rep["hint"], rep["hint"]
+    assert any("an earlier forward did" in p for p in rep["problems"]), rep["problems"]
