@@ -72,3 +72,11 @@ def enclosing_maker(by_order: list[dict], pos: int, names: list[str]) -> dict | 
             return e
         inner = own  # (its own inputs held the infinity: further out)
     return None
+
+
+def returned_infinity(evaluation: bool, has_loss: bool, calls: list[dict]) -> bool:
+    """By the default policy, the forward of an evaluation between steps (no loss, no update
+    follows) made +-Inf and no NaN: the scores a filtered ranking evaluation sets to -inf
+    (LibKGE's known triples), handed back to the caller, which ranks them; no event. In
+    training the loss takes the root output, so its infinity matters; here nothing does."""
+    return evaluation and not has_loss and not any(d["nan"] for d in calls)

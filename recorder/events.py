@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .capture import batch_path, flatten_tree, loss_path, object_tensors, tensor_leaves
-from .chain import chain_origin
+from .chain import chain_origin, returned_infinity
 from .constants import unchanged
 from .finite import (
     finite,
@@ -33,6 +33,7 @@ from .linalg import linalg_detail
 from .missing import rest_finite, root_input_name
 from .ring import StepLayout, decode_call
 from .samples import Samples, of_micro_batch, packed_in
+from .self_written import WRITTEN_DETAIL, self_written
 from .shards import local
 from .tape import Tape
 
@@ -102,6 +103,9 @@ class StepEvidence:
     # now is no evidence of what the step began with
     changed: set[int] = field(default_factory=set)
     overflowed: bool = False  # some non-finite norm was an overflow of finite values
+    # an evaluation forward returned +-Inf (no NaN anywhere) to the caller: its intended
+    # output (a filtered ranking's -inf scores), no event (see chain.returned_infinity)
+    returned_inf: bool = False
     seq_first: bool = False  # the model takes sequences first (see recorder.samples)
     recurrent: bool = False  # it holds a recurrent module (hidden states: batch in dim 1)
     # no optimizer (the step is open through the loop's own update), or the weights moved
@@ -173,10 +177,17 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
         if ev.late:
             event.written_after_forward = [ev.param_names[i] for i in ev.late]
         return event
-    if ev.overflowed:
+    if ev.overflowed or ev.returned_inf:
         return None  # only norms of huge but finite weights or gradients overflowed
-    return Event(ev.tape.step, phase="forward",
-                 detail="non-finite statistic with no identifiable source")
+    return _written_event(ev) or Event(ev.tape.step, phase="forward",
+                                       detail="non-finite statistic with no identifiable source")
+
+
+def _written_event(ev: StepEvidence) -> Event | None:
+    """Weights the step's own code made non-finite in place (see recorder.self_written)."""
+    found = self_written(ev.param_tensors, ev.param_names, ev.changed)
+    return found and Event(ev.tape.step, phase="forward", kind=found[1], params=found[0],
+                           detail=WRITTEN_DETAIL.format(name=found[0][0]))
 
 
 def _update_event(ev: StepEvidence) -> Event | None:
@@ -285,6 +296,10 @@ def _forward_event(ev: StepEvidence) -> Event | None:
         d, came_in = chain_origin(by_order, ev.allowed, ev.module_names, masked)
         if came_in:
             return _batch_event(ev, d, nan_only=False)
+        if d is not None and returned_infinity(ev.tape.evaluation, bool(ev.layout.loss),
+                                               ev.calls):
+            ev.returned_inf = True
+            return None
     if d is None:
         return None
     if (root := _unfinished_root(ev, d)) is not None:

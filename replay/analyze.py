@@ -24,6 +24,7 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 
 from . import fidelity
 from .ascent import ascent_hint
+from .before_update import nan_before_update
 from .cast_overflow import data_hint
 from .data_scale import data_scale_hint
 from .derived_input import derived_input_hint
@@ -80,6 +81,7 @@ from .weight_scale import diverging_advice
 from .whatif import run_tries
 from .window import window_of
 from .window_report import add_window
+from .written_forward import report_written_forward
 
 __all__ = ["analyze", "analyze_bundle", "scale_of_the_step"]
 
@@ -229,11 +231,14 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if after_update and (bad_weights or "weights" in step.stripped):
         # the update's own evidence first: a batch that is non-finite too came after it (a
         # GAN's fakes from a generator the same kind of update broke), not before
-        report["problems"].append(UPDATE_NOT_RERUN)
         params = bad_weights or list(step.event.get("params", []))
+        hint = params and after_update_hint(step, params)
+        if not hint and (before := nan_before_update(report, step, params)) is not None:
+            return before  # (NaN the loop wrote after the update before: a renorm's 0/0)
+        report["problems"].append(UPDATE_NOT_RERUN)
         return finish(report, origin_fields(phase="optimizer", params=params,
                                             param=(params or [None])[0]), "optimizer",
-                      reproduced=False, hint=params and after_update_hint(step, params))
+                      reproduced=False, hint=hint)
     inputs, targets = ([i for i, mb in enumerate(step.micro_batches) if mb.get(k)]
                        for k in ("inputs_changed", "targets_changed"))
     if targets and (not inputs or step.event.get("phase") == "loss"):  # (what the loss took)
@@ -434,6 +439,8 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
         return report_optimizer(report, step, runner)
     if (made := report_made_weights(report, step, run1)) is not None:
         return made  # (a MAML query forward on weights its inner update made non-finite)
+    if (wrote := report_written_forward(report, step, runner, run1)) is not None:
+        return wrote  # (NaN the forward wrote into the weights: TransE's in-place renorm)
     if (term := loop_differentiation(step)) is not None:  # before the branch below: that
         return not_rerun_term(report, step, term)  # term may be all the backward went through
     if phase == "backward" and _no_backward_reached_the_output(step):  # (losses kept aside)

@@ -351,8 +351,10 @@ DO = {
                      "before the op (torch.where(mask, x, 1)) or add an eps",
     "sqrt_pole": "; a distance or norm written as the sqrt of a sum of squares is 0 where "
                  "two points coincide (a padded triple's zero vectors, an entity paired with "
-                 "itself): torch.linalg.vector_norm(d, dim=-1) takes it with a gradient of 0 "
-                 "there, or take sqrt(x + eps)",
+                 "itself) or where dropout zeroed every term: torch.linalg.vector_norm(d, "
+                 "dim=-1) takes it with a gradient of 0 there (a complex modulus written "
+                 "elementwise, sqrt(re ** 2 + im ** 2): torch.complex(re, im).abs()), or take "
+                 "sqrt(x + eps)",
     "few": "reduce over more than one value (a batch of 1, an empty selection), pass "
            "correction=0 to var/std, or skip such batches",
     "wider": "compute this op in float32 (outside autocast, or .float() before it) or "

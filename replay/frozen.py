@@ -7,7 +7,8 @@ replaces or writes in place. A re-run of the step must start from them as the st
 it does from the buffers, or each re-run moves them again and the re-runs drift apart (two
 re-runs that disagree read as nondeterminism). Only frozen parameters are kept (a copy each):
 the trained ones change only in an optimizer's ``step()``, which a re-run of the step does
-not run.
+not run, except those the recorder saw the step's own code write (``written_in_step``: TransE's
+``weight.data.div_(norm)`` in its forward), kept too.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from .float64 import widened
 
 
 class FrozenParams:
-    """The model's parameters that require no gradient, as a run starts from them."""
+    """The model's parameters that require no gradient, and the trained ones named in
+    ``also``, as a run starts from them."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, also: frozenset[str] = frozenset()):
         self.model = model
         self.saved = {n: p.detach().clone() for n, p in model.named_parameters()
-                      if not p.requires_grad}
+                      if not p.requires_grad or n in also}
+        # (the trained ones, always put back: a write through ``.data`` bumps no version)
+        self.always = frozenset(also) & set(self.saved)
         self.marks = self._marks()
 
     def _marks(self) -> dict[str, tuple[int, int]]:
@@ -42,12 +46,12 @@ class FrozenParams:
         """Put back the kept parameters a run replaced or wrote (none, the usual case: one
         pointer and version read per frozen parameter)."""
         now = self._marks()
-        if now == self.marks:
+        if now == self.marks and not self.always:
             return
         with torch.no_grad():
             for n, p in self.model.named_parameters():
                 first = self.saved.get(n)
-                if first is not None and now.get(n) != self.marks.get(n) \
+                if first is not None and (now.get(n) != self.marks.get(n) or n in self.always) \
                         and first.shape == p.shape:
                     p.data = first.clone()
         self.marks = self._marks()
@@ -58,7 +62,7 @@ class FrozenParams:
         now = self._marks()
         with torch.no_grad():
             return [n for n, p in self.model.named_parameters()
-                    if now.get(n) != self.marks.get(n) and (first := self.saved.get(n))
+                    if not p.requires_grad and now.get(n) != self.marks.get(n) and (first := self.saved.get(n))
                     is not None and first.shape == p.shape and not p.is_meta
                     and not torch.allclose(first, p, rtol=0, atol=0, equal_nan=True)]
 

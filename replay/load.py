@@ -36,6 +36,7 @@ from .optim import build_optimizer
 from .shards import resolve
 from .views import same_view
 from .weights import load_weights
+from .written_weights import refill_written
 
 WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/", "trained/")
 BATCH_PREFIXES = ("batch/", "loss_in/", "outgrad/")
@@ -63,6 +64,9 @@ class Step:
     trained: list[str] = field(default_factory=list)
     # builds the factory's model again, on a real device (its own initial values), or None
     rebuild: Any = None
+    # trained parameters the step's own code writes (the recorder's written_in_step): each
+    # re-run starts from them as kept (replay.frozen), their lost entries the factory's
+    written: list[str] = field(default_factory=list)
 
     @property
     def event(self) -> dict[str, Any]:
@@ -215,6 +219,9 @@ def _build(step: Step, spec: str, explicit: bool, factory_kwargs: dict[str, Any]
     model = decompile(made["model"])  # a compiled model's layers re-run one by one
     step.rebuild = lambda: _call_factory(fn, spec, kwargs, on_meta=False)["model"]
     load_weights(step, model)
+    step.written = [n for n in meta.get("written_in_step") or () if isinstance(n, str)]
+    if refilled := refill_written(step, model, step.written):  # (NaN the step's code wrote)
+        step.problems.append(refilled)
     if restored := restore_attributes(meta, model):
         step.problems.append(restored_note(restored))
     step.trained = restore_trained(meta, step.tensors, model)  # (another optimizer's tensors)

@@ -38,6 +38,7 @@ from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder
+from .other_makers import add_others
 from .param_writes import (
     built_non_finite_hint,
     forward_made,
@@ -54,6 +55,7 @@ from .storages import state_of
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
 from .weight_readers import bad_row_fields, first_reader, rows_text
+from .written_forward import report_forward_wrote
 
 
 def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
@@ -63,6 +65,8 @@ def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
     ev = step.event
     late = set(ev.get("written_after_forward") or ())  # (not bad as the step began)
     bad = [n for n in bad if n not in late] or bad
+    if (wrote := report_forward_wrote(report, step, bad)) is not None:
+        return wrote  # (trained ones an earlier forward wrote: TransE-PyTorch's renorm)
     if (made := forward_made(step, bad)) is not None:  # (frozen ones the forward wrote)
         numbers = list(made["numbers"])
         o = origin_fields(phase="input" if numbers else "weights", params=made["params"],
@@ -388,6 +392,8 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
         cause.hint = f"{cause.hint}; {said}"
     report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
+    if b.hook is None and not b.summed:  # (the same pole elsewhere: the head's and the tail's)
+        add_others(report, runner, samples(runner.step), b.node, b.source)
     through_time.explain(report, runner, b.node, b.source, b.summed)  # (a rollout's)
     if b.inner_op:  # a hand-written backward: the bug is in its formula, not the forward
         path, _, line = b.inner_source.rpartition(":")

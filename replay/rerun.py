@@ -93,7 +93,8 @@ class Runner:
         # autograd.grad (a PINN's derivatives of the output), not in the step's backward
         self.in_loss = False
         self._initial_buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
-        self._frozen = FrozenParams(self.model)  # (a momentum encoder the forward updates)
+        # (a momentum encoder the forward updates; trained weights the step's code wrote)
+        self._frozen = FrozenParams(self.model, frozenset(step.written))
         # the loss's state too (DINO's centre, which each call of the loss replaces)
         # (kept here: a run may wrap step.loss_fn in a function, the float64 one's op watch)
         self._loss_module = step.loss_fn if isinstance(step.loss_fn, nn.Module) else None

@@ -30,6 +30,7 @@ from .errors import ReplayError, one_line
 from .half_update import TRY as HALF_UPDATE
 from .load import Step, autocast_dtype
 from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
+from .other_makers import drop_with_others
 from .outliers import out_of_scale
 from .recorded import batch_size
 from .weight_scale import scaled_update
@@ -165,7 +166,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     write."""
     cause, o = report.get("cause"), report.get("origin") or {}
     out: list[str] = []
-    samples = o.get("coupled") or o.get("samples") or []  # (a pair's partner goes too)
+    # (a pair's partner goes too; the samples of other nodes at the same pole too)
+    samples = o.get("coupled") or drop_with_others(o)
     fits_drop = cause in ("input", "invalid", "underflow", "precision")
     # an overflow in samples whose inputs are outliers of the batch points at their data too
     # (a record in the wrong unit), as does one spanning the batch (a BatchNorm mixes the

@@ -1,0 +1,75 @@
+"""NaN weights blamed on an update that cannot have made them: they were NaN before it.
+
+The recorder checks what an update wrote with the next step's host read, so NaN that the
+loop writes into the weights after ``optimizer.step()`` (OpenKE-style TransE renormalises its
+entities there, ``w.data = w / w.norm(dim=1, keepdim=True)``, a 0/0 on a zero padding row)
+reaches the next update unseen, and the next update's evidence shows it: an ``optimizer``
+event whose bundle holds the weights after the update. An elementwise update of a finite
+weight by a finite gradient and finite state is finite (or overflows to +-inf, never NaN)
+while its hyper-parameters are finite and its eps is above 0: where the state the bundle
+holds after it and the gradient are finite, a NaN weight was NaN before the update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .findings import finish, origin_fields
+from .load import Step
+
+__all__ = ["nan_before_update"]
+
+# torch.optim's updates that act entry by entry (no norm of the whole weight: LARS, LAMB's
+# trust ratio, Adafactor's factored second moment are not), by class name
+ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam",
+               "SparseAdam", "Adadelta"}
+
+
+def nan_before_update(report, step: Step, params: list[str]) -> dict[str, Any] | None:
+    """The report of NaN weights the update at the event cannot have made (see the module),
+    named with their rows; None when it may have (a non-finite gradient or state there, an
+    optimizer that is not elementwise, another kind)."""
+    opt = step.meta.get("optimizer") or {}
+    if step.event.get("kind") != "nan" or opt.get("class", "").rpartition(".")[2] \
+            not in ELEMENTWISE:
+        return None
+    name = params[0] if params else None
+    w = step.tensors.get(f"weights/{name}")
+    if w is None or not w.is_floating_point() or not _eps_above_0(opt, name):
+        return None
+    nan = torch.isnan(w)
+    beside = [t for k, t in step.tensors.items()
+              if (k == f"grads/{name}" or k.startswith(f"optim/{name}/"))
+              and t.shape == w.shape and t.is_floating_point()]
+    if not nan.any() or any(not bool(torch.isfinite(t[nan]).all()) for t in beside):
+        return None
+    rows = nan.reshape(len(w), -1).any(1).nonzero().flatten().tolist() if w.dim() else [0]
+    cls = opt["class"].rpartition(".")[2]
+    report["problems"].append(
+        f"the bundle holds {name} after {cls}'s update at step {step.event.get('step')}, "
+        f"NaN in rows {rows[:8]}; the gradient and the optimizer's state are finite there, "
+        f"and {cls}'s update of a finite weight with them is finite: the weight was NaN "
+        "before the update, not made by it")
+    origin = origin_fields(phase="weights", param=name, params=[name], made="nan",
+                           rows=rows, rows_of=len(w) if w.dim() else 1)
+    return finish(report, origin, "weights", reproduced=False, hint=(
+        f"{name} was NaN in rows {rows[:8]} before the update at step "
+        f"{step.event.get('step')} (which the recorder blamed: it checks an update's weights "
+        "at the next step), and every earlier check saw it finite: code that writes the "
+        "weights between the updates made the NaN, the loop after optimizer.step() (a "
+        "renormalisation w / w.norm() of a zero row: a padding row, an entity no batch has "
+        "looked up; a projection, a copy) or the forward in place; use F.normalize or "
+        "norm.clamp_min(eps) there, or record with guard_optimizer=True, which checks the "
+        "weights right after each update"))
+
+
+def _eps_above_0(opt: dict, name: str | None) -> bool:
+    """The groups holding ``name`` divide by an eps above 0 (or by nothing): 0/0 can be
+    made by an update with eps=0 of finite state (Adam's m / (sqrt(v) + 0) at m = v = 0)."""
+    for g in opt.get("param_groups", []):
+        if name in (g.get("params") or ()):
+            eps = g.get("eps", 1.0)  # (SGD's: none)
+            return isinstance(eps, (int, float)) and eps > 0
+    return True
