@@ -1,0 +1,100 @@
+"""End to end: learned image compression written the way CompressAI writes it
+(``learned_compression_models``: GDN, the factorized ``EntropyBottleneck``, the hyperprior's
+``GaussianConditional``, the rate-distortion loss as a dict, a main and an auxiliary optimizer
+with ``clip_grad_norm_``, as ``examples/train.py`` trains them), trained under the recorder
+until a planted bug fires, then replayed with the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import learned_compression_models as M
+import pytest
+import torch
+from bundles import nanreplay_json
+from torch.utils.data import DataLoader, TensorDataset
+
+from recorder import FlightRecorder, NonFiniteError
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _from_tests_dir(monkeypatch):
+    monkeypatch.chdir(HERE)  # learned_compression_models.py is trusted here
+
+
+def line_of(text: str) -> int:
+    lines = (HERE / "learned_compression_models.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def train(out_dir, factory: str, steps: int = 6, edit=None, **recorder) -> NonFiniteError | None:
+    """CompressAI's ``train_one_epoch``: the main Adam on everything but the quantiles, the aux
+    Adam on the quantiles stepped after it on ``aux_loss()``, the gradients clipped to norm 1,
+    ``ReduceLROnPlateau`` on the epoch's loss. ``edit(images)`` plants a bad batch."""
+    model = getattr(M, factory)()
+    optimizer, aux_optimizer = M.configure_optimizers(model)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "min")
+    criterion = M.RateDistortionLoss(lmbda=1e-2)
+    data = M.images(M.BATCH * steps)
+    if edit is not None:
+        edit(data)
+    loader = DataLoader(TensorDataset(data), batch_size=M.BATCH, shuffle=False)
+    try:
+        with FlightRecorder(model, optimizer, loss_fn=criterion, out_dir=out_dir,
+                            factory=f"learned_compression_models:{factory}", **recorder):
+            for (d,) in loader:
+                optimizer.zero_grad()
+                aux_optimizer.zero_grad()
+                out_criterion = criterion(model(d), d)
+                out_criterion["loss"].backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                aux_loss = model.aux_loss()
+                aux_loss.backward()
+                aux_optimizer.step()
+            scheduler.step(out_criterion["loss"].item())
+    except NonFiniteError as e:
+        return e
+    return None
+
+
+@pytest.mark.parametrize("factory", ["make_hyperprior", "make_mean_scale"])
+def test_healthy_hyperpriors_train_without_an_event(tmp_path, factory):
+    # the aux optimizer updates the quantiles outside the recorded optimizer, on a second
+    # backward after the recorded step closed; the likelihoods' LowerBound passes gradients
+    # through a custom autograd.Function: none of it is an event
+    assert train(tmp_path, factory, steps=8) is None
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_scales_without_their_lower_bound_ask_for_the_bound_not_a_mask(tmp_path):
+    # GaussianConditional without LowerBound(0.11) divides by the scales h_s ends with a ReLU:
+    # where it is 0, (0.5 - |y|) / 0 is +-inf, erfc makes it 0 or 2 and the likelihood 1, so
+    # the forward is finite; DivBackward0's gradient is -g * a / 0 ** 2 = 0 * inf = NaN
+    err = train(tmp_path, "make_hyperprior_no_scale_bound")
+    assert (err.event["step"], err.event["phase"]) == (0, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "invalid", "gaussian_conditional", "DivBackward0", "nan", list(range(M.BATCH))), rep
+    assert o["source"] == f"learned_compression_models.py:{line_of('(-half - values) / scales')}"
+    # (was: "make the op's input safe before the op (torch.where(mask, x, 1)) or add an eps",
+    # a mask for a value nothing masks, and no word that the ReLU'd scale needs a bound)
+    assert "ReLU" in rep["hint"] and "bound it below" in rep["hint"], rep["hint"]
+    assert "clamp_min" in rep["hint"] and "torch.where" not in rep["hint"], rep["hint"]
+
+
+def test_negative_scales_without_any_bound_are_a_log_of_a_negative_likelihood(tmp_path):
+    # the mean-scale h_s ends with a conv: its scales are negative where the bound is gone,
+    # upper - lower of the CDFs then is negative, and without the likelihood's LowerBound the
+    # loss's log takes it
+    err = train(tmp_path, "make_mean_scale_unbounded")
+    assert (err.event["step"], err.event["phase"]) == (0, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "invalid", "<loss>", "aten.log", "nan", list(range(M.BATCH))), rep
+    assert o["source"] == f"learned_compression_models.py:{line_of('torch.log(likelihoods)')}"
+    assert "negative" in rep["hint"] and "domain" in rep["hint"], rep["hint"]
