@@ -333,3 +333,8 @@ def make_mean_scale_no_scale_bound():
 def make_mean_scale_unbounded():
     torch.manual_seed(0)
     return MeanScaleHyperprior(scale_bound=None, y_likelihood_bound=0)
+
+
+def make_hyperprior_no_likelihood_bound():
+    torch.manual_seed(0)
+    return ScaleHyperprior(y_likelihood_bound=0, z_likelihood_bound=0)

@@ -29,7 +29,8 @@ def line_of(text: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if text in line)
 
 
-def train(out_dir, factory: str, steps: int = 6, edit=None, **recorder) -> NonFiniteError | None:
+def train(out_dir, factory: str, steps: int = 6, edit=None, losses=None,
+          **recorder) -> NonFiniteError | None:
     """CompressAI's ``train_one_epoch``: the main Adam on everything but the quantiles, the aux
     Adam on the quantiles stepped after it on ``aux_loss()``, the gradients clipped to norm 1,
     ``ReduceLROnPlateau`` on the epoch's loss. ``edit(images)`` plants a bad batch."""
@@ -49,6 +50,8 @@ def train(out_dir, factory: str, steps: int = 6, edit=None, **recorder) -> NonFi
                 aux_optimizer.zero_grad()
                 out_criterion = criterion(model(d), d)
                 out_criterion["loss"].backward()
+                if losses is not None:
+                    losses.append(out_criterion["loss"].item())
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 aux_loss = model.aux_loss()
@@ -98,3 +101,30 @@ def test_negative_scales_without_any_bound_are_a_log_of_a_negative_likelihood(tm
         True, "invalid", "<loss>", "aten.log", "nan", list(range(M.BATCH))), rep
     assert o["source"] == f"learned_compression_models.py:{line_of('torch.log(likelihoods)')}"
     assert "negative" in rep["hint"] and "domain" in rep["hint"], rep["hint"]
+
+
+def test_likelihoods_without_their_bound_replay_the_clipped_window_as_trained(tmp_path):
+    # without the likelihoods' LowerBound(1e-9), the Gaussian's upper - lower of two erfc
+    # tails, positive in exact arithmetic, rounds to 0 as the rate term pushes y out: log(0)
+    losses: list[float] = []
+    err = train(tmp_path, "make_hyperprior_no_likelihood_bound", losses=losses, rewind=2)
+    assert (err.event["step"], err.event["phase"]) == (3, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "underflow", "<loss>", "aten.log", "-inf", [1, 2, 3]), rep
+    assert o["source"] == f"learned_compression_models.py:{line_of('torch.log(likelihoods)')}"
+    assert "clamp_min(eps)" in rep["hint"], rep["hint"]
+    w = rep["window"]
+    # every recorded update was clipped to norm 1 (clip_grad_norm_): the re-run re-applies it.
+    # (was: the loss the ring records of a dict of terms, their mean, compared with the
+    # re-run's total, so no clip, gradient norm 325 and "the window's re-run is not the run:
+    # state the loop changed after the window's copy", a cause that was not there)
+    assert (w["reproduced"], w.get("departed")) == (True, None), w
+    assert w["loop_clip"] == pytest.approx(1.0, rel=1e-6), w
+    assert not any("is not the run" in p for p in rep["problems"]), rep["problems"]
+    # the window's losses are the loop's: the dict's "loss", not "loss" + "bpp_loss" +
+    # "mse_loss" (was: 148.94 for 148.27), and the loss event's kind is the term's +inf
+    per_step = [s["loss"] for s in w["per_step"][:3]]
+    assert per_step == pytest.approx(losses[:3], rel=1e-5), (per_step, losses)
+    assert (w["first_non_finite"]["step"], w["first_non_finite"]["kind"]) == (3, "+inf"), w
