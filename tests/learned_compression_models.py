@@ -46,43 +46,44 @@ class LowerBound(nn.Module):
 
 
 class NonNegativeParametrizer(nn.Module):
-    """``x ** 2 - pedestal``, ``x`` bounded below first so the value stays >= ``minimum``;
-    ``bound=False`` is the bug: nothing keeps the squared value above the pedestal."""
+    """``x ** 2 - pedestal``, ``x`` bounded below first so the value stays >= ``minimum``."""
 
-    def __init__(self, minimum: float = 0.0, reparam_offset: float = 2 ** -18,
-                 bound: bool = True):
+    def __init__(self, minimum: float = 0.0, reparam_offset: float = 2 ** -18):
         super().__init__()
         self.pedestal = reparam_offset ** 2
         self.register_buffer("pedestal_t", torch.Tensor([self.pedestal]))
-        bound_value = (minimum + self.pedestal) ** 0.5
-        self.lower_bound = LowerBound(bound_value) if bound else None
+        self.lower_bound = LowerBound((minimum + self.pedestal) ** 0.5)
 
     def init(self, x):
         return torch.sqrt(torch.max(x + self.pedestal, self.pedestal_t))
 
     def forward(self, x):
-        out = self.lower_bound(x) if self.lower_bound is not None else x
+        out = self.lower_bound(x)
         return out ** 2 - self.pedestal
 
 
 class GDN(nn.Module):
-    """``y[i] = x[i] / sqrt(beta[i] + sum_j(gamma[j, i] * x[j] ** 2))`` (Balle 2016)."""
+    """``y[i] = x[i] / sqrt(beta[i] + sum_j(gamma[j, i] * x[j] ** 2))`` (Balle 2016).
+    ``reparam=False`` is the re-implementation that learns beta and gamma as they are (no
+    ``NonNegativeParametrizer``): nothing keeps gamma's entries, or beta, non-negative."""
 
     def __init__(self, in_channels: int, inverse: bool = False, beta_min: float = 1e-6,
-                 gamma_init: float = 0.1, bound: bool = True, beta_init: float = 1.0):
+                 gamma_init: float = 0.1, reparam: bool = True):
         super().__init__()
         self.inverse = bool(inverse)
-        self.beta_reparam = NonNegativeParametrizer(minimum=beta_min, bound=bound)
-        beta = torch.full((in_channels,), beta_init)
-        self.beta = nn.Parameter(self.beta_reparam.init(beta))
-        self.gamma_reparam = NonNegativeParametrizer(bound=bound)
+        self.beta_reparam = NonNegativeParametrizer(minimum=beta_min) if reparam else None
+        self.gamma_reparam = NonNegativeParametrizer() if reparam else None
+        beta = torch.ones(in_channels)
         gamma = gamma_init * torch.eye(in_channels)
-        self.gamma = nn.Parameter(self.gamma_reparam.init(gamma))
+        self.beta = nn.Parameter(self.beta_reparam.init(beta) if reparam else beta)
+        self.gamma = nn.Parameter(self.gamma_reparam.init(gamma) if reparam else gamma)
 
     def forward(self, x):
         _, C, _, _ = x.size()
-        beta = self.beta_reparam(self.beta)
-        gamma = self.gamma_reparam(self.gamma)
+        beta, gamma = self.beta, self.gamma
+        if self.beta_reparam is not None:
+            beta = self.beta_reparam(beta)
+            gamma = self.gamma_reparam(gamma)
         gamma = gamma.reshape(C, C, 1, 1)
         norm = F.conv2d(x ** 2, gamma, beta)
         if self.inverse:
@@ -216,12 +217,12 @@ class GaussianConditional(nn.Module):
 class ScaleHyperprior(nn.Module):
     """Balle et al. 2018 (compressai.models.ScaleHyperprior), a few channels wide."""
 
-    def __init__(self, gdn_bound=True, scale_bound=0.11, z_likelihood_bound=1e-9,
-                 y_likelihood_bound=1e-9, beta_init=1.0):
+    def __init__(self, gdn_reparam=True, scale_bound=0.11, z_likelihood_bound=1e-9,
+                 y_likelihood_bound=1e-9):
         super().__init__()
-        self.g_a = nn.Sequential(conv(3, N), GDN(N, bound=gdn_bound, beta_init=beta_init),
+        self.g_a = nn.Sequential(conv(3, N), GDN(N, reparam=gdn_reparam),
                                  conv(N, M))
-        self.g_s = nn.Sequential(deconv(M, N), GDN(N, inverse=True, bound=gdn_bound),
+        self.g_s = nn.Sequential(deconv(M, N), GDN(N, inverse=True, reparam=gdn_reparam),
                                  deconv(N, 3))
         self.h_a = nn.Sequential(conv(M, N, 3, 1), nn.ReLU(inplace=True), conv(N, N))
         self.h_s = nn.Sequential(deconv(N, N), nn.ReLU(inplace=True), conv(N, M, 3, 1),
@@ -315,9 +316,9 @@ def make_hyperprior_no_z_bound():
     return ScaleHyperprior(z_likelihood_bound=0)
 
 
-def make_hyperprior_unbounded_gdn():
+def make_hyperprior_raw_gdn():
     torch.manual_seed(0)
-    return ScaleHyperprior(gdn_bound=False, beta_init=1e-4)
+    return ScaleHyperprior(gdn_reparam=False)
 
 
 def make_mean_scale():

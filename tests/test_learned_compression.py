@@ -29,13 +29,13 @@ def line_of(text: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if text in line)
 
 
-def train(out_dir, factory: str, steps: int = 6, edit=None, losses=None,
+def train(out_dir, factory: str, steps: int = 6, edit=None, losses=None, lr=1e-2,
           **recorder) -> NonFiniteError | None:
     """CompressAI's ``train_one_epoch``: the main Adam on everything but the quantiles, the aux
     Adam on the quantiles stepped after it on ``aux_loss()``, the gradients clipped to norm 1,
     ``ReduceLROnPlateau`` on the epoch's loss. ``edit(images)`` plants a bad batch."""
     model = getattr(M, factory)()
-    optimizer, aux_optimizer = M.configure_optimizers(model)
+    optimizer, aux_optimizer = M.configure_optimizers(model, lr=lr)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "min")
     criterion = M.RateDistortionLoss(lmbda=1e-2)
     data = M.images(M.BATCH * steps)
@@ -128,3 +128,20 @@ def test_likelihoods_without_their_bound_replay_the_clipped_window_as_trained(tm
     per_step = [s["loss"] for s in w["per_step"][:3]]
     assert per_step == pytest.approx(losses[:3], rel=1e-5), (per_step, losses)
     assert (w["first_non_finite"]["step"], w["first_non_finite"]["kind"]) == (3, "+inf"), w
+
+
+def test_gdn_without_its_reparameterization_names_the_negative_gamma(tmp_path):
+    # GDN re-implemented with beta and gamma learned as they are: Adam steps off-diagonal
+    # entries of the inverse GDN's gamma below 0 and conv2d(x ** 2, gamma, beta) goes negative
+    err = train(tmp_path, "make_hyperprior_raw_gdn", lr=3e-2)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (3, "forward", "g_s.1")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "invalid", "g_s.1", "aten.sqrt", "nan", list(range(M.BATCH))), rep
+    assert o["source"] == f"learned_compression_models.py:{line_of('norm = torch.sqrt(norm)')}"
+    # (was: "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt)",
+    # which hides the negative weights instead of keeping them non-negative)
+    assert "g_s.1.gamma (min -" in rep["hint"], rep["hint"]
+    assert "NonNegativeParametrizer" in rep["hint"] and "g_s.1.beta" not in rep["hint"], rep
+    assert "x.clamp_min(eps)" not in rep["hint"], rep["hint"]
