@@ -29,35 +29,40 @@ def line_of(text: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if text in line)
 
 
-def train(out_dir, factory: str, steps: int = 6, edit=None, losses=None, lr=1e-2,
+def train(out_dir, factory: str, steps: int = 6, edit=None, losses=None, lr=1e-2, epochs=1,
           **recorder) -> NonFiniteError | None:
-    """CompressAI's ``train_one_epoch``: the main Adam on everything but the quantiles, the aux
-    Adam on the quantiles stepped after it on ``aux_loss()``, the gradients clipped to norm 1,
-    ``ReduceLROnPlateau`` on the epoch's loss. ``edit(images)`` plants a bad batch."""
+    """CompressAI's ``train_one_epoch`` and ``test_epoch``: the main Adam on everything but
+    the quantiles, the aux Adam on the quantiles stepped after it on ``aux_loss()``, the
+    gradients clipped to norm 1, then an evaluation under ``no_grad`` (rounding, not noise)
+    whose loss ``ReduceLROnPlateau`` steps on. ``edit(images)`` plants a bad batch."""
     model = getattr(M, factory)()
     optimizer, aux_optimizer = M.configure_optimizers(model, lr=lr)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "min")
     criterion = M.RateDistortionLoss(lmbda=1e-2)
-    data = M.images(M.BATCH * steps)
+    data, test = M.images(M.BATCH * steps), M.images(M.BATCH, seed=1)
     if edit is not None:
         edit(data)
     loader = DataLoader(TensorDataset(data), batch_size=M.BATCH, shuffle=False)
     try:
         with FlightRecorder(model, optimizer, loss_fn=criterion, out_dir=out_dir,
                             factory=f"learned_compression_models:{factory}", **recorder):
-            for (d,) in loader:
-                optimizer.zero_grad()
-                aux_optimizer.zero_grad()
-                out_criterion = criterion(model(d), d)
-                out_criterion["loss"].backward()
-                if losses is not None:
-                    losses.append(out_criterion["loss"].item())
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                aux_loss = model.aux_loss()
-                aux_loss.backward()
-                aux_optimizer.step()
-            scheduler.step(out_criterion["loss"].item())
+            for _ in range(epochs):
+                model.train()
+                for (d,) in loader:
+                    optimizer.zero_grad()
+                    aux_optimizer.zero_grad()
+                    out_criterion = criterion(model(d), d)
+                    out_criterion["loss"].backward()
+                    if losses is not None:
+                        losses.append(out_criterion["loss"].item())
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    aux_loss = model.aux_loss()
+                    aux_loss.backward()
+                    aux_optimizer.step()
+                model.eval()
+                with torch.no_grad():
+                    scheduler.step(criterion(model(test), test)["loss"].item())
     except NonFiniteError as e:
         return e
     return None
@@ -68,7 +73,7 @@ def test_healthy_hyperpriors_train_without_an_event(tmp_path, factory):
     # the aux optimizer updates the quantiles outside the recorded optimizer, on a second
     # backward after the recorded step closed; the likelihoods' LowerBound passes gradients
     # through a custom autograd.Function: none of it is an event
-    assert train(tmp_path, factory, steps=8) is None
+    assert train(tmp_path, factory, steps=4, epochs=2) is None
     assert not list(tmp_path.glob("*.nan"))
 
 
