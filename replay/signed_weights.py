@@ -19,9 +19,13 @@ from .rerun import Runner
 
 # ops with a domain a negative input leaves (the hit's aten op, as its node is named)
 _DOMAIN = {"sqrt", "rsqrt", "log", "log2", "log10", "pow"}
-# weighted sums: the node, the saved data input and where its weight and bias come in
-_PRODUCTS = {"Convolution": ("input", (1, 2)), "Addmm": ("mat1", (0, 2)),
-             "Mm": ("self", (1,)), "Bmm": ("self", (1,))}
+# weighted sums: the node, its saved data input, where that input and the weight and bias
+# come in
+_PRODUCTS = {"Convolution": ("input", 0, (1, 2)), "Addmm": ("mat1", 1, (0, 2)),
+             "Mm": ("self", 0, (1,)), "Bmm": ("self", 0, (1,))}
+# ops whose values are >= 0 by their math (x ** 2, |x|, exp), not a layer's activation (a
+# ReLU feature's weighting is any Linear's, whose output is free to be negative)
+_NON_NEGATIVE = {"Pow", "Abs", "Exp", "Softplus", "Sigmoid"}
 _VIEWS = {"View", "UnsafeView", "Reshape", "ReshapeAlias", "Permute", "Transpose", "T",
           "Expand", "Unsqueeze", "Squeeze", "Clone", "ToCopy"}
 
@@ -41,7 +45,10 @@ def signed_weights_hint(runner: Runner, origin, hit) -> str | None:
     if not any(bool((p < 0).any()) for p in module.parameters()):
         return None  # (no re-run: the call's own weights are all non-negative)
     out = _call_output(runner, origin, module)
-    found = _weights_under(out, node_name(op)) if out is not None else None
+    try:
+        found = _weights_under(out, node_name(op)) if out is not None else None
+    except Exception:  # (a node that cannot say: a freed buffer, a custom Function's)
+        return None
     if not found:
         return None
     names = {id(p): n for n, p in runner.model.named_parameters()}
@@ -98,20 +105,24 @@ def _negative_weights(fn) -> list[torch.Tensor]:
         data = getattr(fn, f"_saved_{spec[0]}")
     except AttributeError:
         return []
-    if not isinstance(data, torch.Tensor) or not bool((data >= 0).all()):
+    made = _through_views(fn.next_functions[spec[1]][0])
+    if not isinstance(data, torch.Tensor) or not bool((data >= 0).all()) or made is None \
+            or node_op(made) not in _NON_NEGATIVE:
         return []
-    params = [_param(fn.next_functions[i][0]) for i in spec[1] if i < len(fn.next_functions)]
+    params = [_param(fn.next_functions[i][0]) for i in spec[2] if i < len(fn.next_functions)]
     return [p for p in params if p is not None and bool((p < 0).any())]
 
 
-def _param(fn, depth: int = 6) -> torch.Tensor | None:
-    """The parameter a weight input comes from as is or through views (``gamma.reshape``)."""
+def _through_views(fn, depth: int = 6):
+    """The node that made a value, past the views and copies (``gamma.reshape``) after it."""
     for _ in range(depth):
-        if fn is None:
-            return None
-        if hasattr(fn, "variable"):
-            return fn.variable
-        if node_op(fn) not in _VIEWS:
-            return None
+        if fn is None or hasattr(fn, "variable") or node_op(fn) not in _VIEWS:
+            return fn
         fn = fn.next_functions[0][0]
-    return None
+    return fn
+
+
+def _param(fn) -> torch.Tensor | None:
+    """The parameter a weight input comes from, as is or through views."""
+    fn = _through_views(fn)
+    return getattr(fn, "variable", None) if fn is not None else None
