@@ -106,6 +106,12 @@ def test_negative_scales_without_any_bound_are_a_log_of_a_negative_likelihood(tm
         True, "invalid", "<loss>", "aten.log", "nan", list(range(M.BATCH))), rep
     assert o["source"] == f"learned_compression_models.py:{line_of('torch.log(likelihoods)')}"
     assert "negative" in rep["hint"] and "domain" in rep["hint"], rep["hint"]
+    # (was: only "clamp the op's input into its domain (x.clamp_min(eps) before log)", which
+    # is the likelihood bound and hides the negative scales: the hint now says where the
+    # negative likelihoods were made)
+    made = ("the model's output['likelihoods']['y'], which module gaussian_conditional "
+            "returned, made by aten.sub")
+    assert made in rep["hint"], rep["hint"]
 
 
 def test_likelihoods_without_their_bound_replay_the_clipped_window_as_trained(tmp_path):
