@@ -126,6 +126,10 @@ def test_likelihoods_without_their_bound_replay_the_clipped_window_as_trained(tm
         True, "underflow", "<loss>", "aten.log", "-inf", [1, 2, 3]), rep
     assert o["source"] == f"learned_compression_models.py:{line_of('torch.log(likelihoods)')}"
     assert "clamp_min(eps)" in rep["hint"], rep["hint"]
+    # (was: no word of where the 0s were made; the bound belongs in the entropy model)
+    made = ("The 0s are the model's output['likelihoods']['y'], which module "
+            "gaussian_conditional returned, made by aten.sub: bound it where it is made")
+    assert made in rep["hint"], rep["hint"]
     w = rep["window"]
     # every recorded update was clipped to norm 1 (clip_grad_norm_): the re-run re-applies it.
     # (was: the loss the ring records of a dict of terms, their mean, compared with the
