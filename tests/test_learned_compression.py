@@ -30,11 +30,12 @@ def line_of(text: str) -> int:
 
 
 def train(out_dir, factory: str, steps: int = 6, edit=None, losses=None, lr=1e-2, epochs=1,
-          **recorder) -> NonFiniteError | None:
+          amp=False, **recorder) -> NonFiniteError | None:
     """CompressAI's ``train_one_epoch`` and ``test_epoch``: the main Adam on everything but
     the quantiles, the aux Adam on the quantiles stepped after it on ``aux_loss()``, the
     gradients clipped to norm 1, then an evaluation under ``no_grad`` (rounding, not noise)
-    whose loss ``ReduceLROnPlateau`` steps on. ``edit(images)`` plants a bad batch."""
+    whose loss ``ReduceLROnPlateau`` steps on. ``edit(images)`` plants a bad batch; ``amp``:
+    float16 autocast with a GradScaler, unscaled before the clip."""
     model = getattr(M, factory)()
     optimizer, aux_optimizer = M.configure_optimizers(model, lr=lr)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "min")
@@ -43,20 +44,25 @@ def train(out_dir, factory: str, steps: int = 6, edit=None, losses=None, lr=1e-2
     if edit is not None:
         edit(data)
     loader = DataLoader(TensorDataset(data), batch_size=M.BATCH, shuffle=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
     try:
         with FlightRecorder(model, optimizer, loss_fn=criterion, out_dir=out_dir,
-                            factory=f"learned_compression_models:{factory}", **recorder):
+                            factory=f"learned_compression_models:{factory}",
+                            **({"scaler": scaler} if amp else {}), **recorder):
             for _ in range(epochs):
                 model.train()
                 for (d,) in loader:
                     optimizer.zero_grad()
                     aux_optimizer.zero_grad()
-                    out_criterion = criterion(model(d), d)
-                    out_criterion["loss"].backward()
+                    with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                        out_criterion = criterion(model(d), d)
+                    scaler.scale(out_criterion["loss"]).backward()
                     if losses is not None:
                         losses.append(out_criterion["loss"].item())
+                    scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    optimizer.step()
+                    scaler.step(optimizer)
+                    scaler.update()
                     aux_loss = model.aux_loss()
                     aux_loss.backward()
                     aux_optimizer.step()
@@ -160,3 +166,21 @@ def test_gdn_without_its_reparameterization_names_the_negative_gamma(tmp_path):
     assert "g_s.1.gamma (min -" in rep["hint"], rep["hint"]
     assert "NonNegativeParametrizer" in rep["hint"] and "g_s.1.beta" not in rep["hint"], rep
     assert "x.clamp_min(eps)" not in rep["hint"], rep["hint"]
+
+
+def test_unscaled_16_bit_image_under_float16_autocast_is_named_as_data(tmp_path):
+    # a 16-bit crop loaded without its / 65535 in a float16 autocast run: GDN's x ** 2
+    # overflows float16 in that sample, and conv2d's 0 * inf (gamma's zero off-diagonal)
+    # makes NaN
+    def unscaled(images):
+        images[9].mul_(65535)
+
+    err = train(tmp_path, "make_hyperprior", edit=unscaled, amp=True)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (2, "forward", "g_a.1")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "overflow", "g_a.1", "aten.pow", "+inf", [1]), rep
+    assert o["source"] == f"learned_compression_models.py:{line_of('F.conv2d(x ** 2, gamma')}"
+    assert "float16" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    assert "--try drop=1" in rep["hint"], rep["hint"]
