@@ -7,9 +7,10 @@ eps, true of any quotient; but a divisor that needs no gradient, computed from t
 data (an area, a count, a target), is a degenerate record, which an eps would train toward a
 made-up target. :func:`pole_hint` says so; for a divisor that is a constant 0 (a scalar: logit
 soft-capping's ``cap * tanh(x / cap)`` with ``cap = 0`` meant as "off", a temperature or scale
-of 0) that the op should not run at all; for a learned divisor a ReLU cut to 0 (a hyperprior's
-predicted scales, :mod:`replay.clamped_divisor`) that it needs a lower bound; and, for a guard's eps that the type rounded to 0
-(``sqrt(x + 1e-12)`` in float16), that the eps was lost.
+of 0) that the op should not run at all; for a learned divisor a ReLU cut to 0 (a
+hyperprior's predicted scales, :mod:`replay.clamped_divisor`) that it needs a lower bound;
+and, for a guard's eps that the type rounded to 0 (``sqrt(x + 1e-12)`` in float16), that the
+eps was lost.
 """
 
 from __future__ import annotations
