@@ -7,8 +7,9 @@
 ``GaussianConditional`` of the scale hyperprior (Balle et al. 2018) and of the mean-scale model
 (Minnen et al. 2018), additive uniform noise in training, the rate-distortion loss
 ``lmbda * 255 ** 2 * MSE + bpp`` returned as CompressAI's dict, and the quantiles' auxiliary
-loss. Each planted bug is one a real repository forgot: a bound (``bound=False``), or
-``likelihood_bound=0``. The factories of ``test_learned_compression.py``."""
+loss. Each planted bug is one a re-implementation forgot: a bound (``scale_bound=None``,
+``likelihood_bound=0``) or GDN's reparameterization (``reparam=False``). The factories of
+``test_learned_compression.py``."""
 
 from __future__ import annotations
 
