@@ -35,7 +35,7 @@ from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
 from .ops import OpFinder
-from .pole_hints import constant_zero_divisor, divisor_of_data
+from .pole_hints import zero_divisor
 from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
@@ -80,9 +80,9 @@ class BackwardOrigin:
     # the eps of a guard whose output the node took (``sqrt(x + 1e-12)``) that the output's
     # type rounded to 0 (float16), see :class:`replay.lost_eps.GuardNodes`
     lost_eps: float | None = None
-    # a quotient's divisor that needs no gradient is 0 there (see replay.pole_hints)
-    divisor_of_data: bool = False
-    constant_zero_divisor: bool = False  # ... or is a scalar constant 0 (x / cap, cap = 0)
+    # why a quotient's divisor is 0 there (replay.pole_hints.zero_divisor): "data" (it needs
+    # no gradient), "constant" (a scalar 0: x / cap, cap = 0), "clamped" (a learned one a ReLU cut)
+    zero_divisor: str | None = None
     complement: bool = False  # it took 1 - y of a y below 1 (replay.below_one)
     copied: CopiedRow | None = None  # a sqrt's 0 distance to a parameter row copied from it
     # no node made it: the engine summed this many finite gradients of the node's value's
@@ -331,8 +331,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.exp_of = _exp_of(node)
     found.exp_factor = huge_exp_factor(node)
     found.fractional_power = fractional_power_at_zero(node)
-    found.divisor_of_data = divisor_of_data(node)
-    found.constant_zero_divisor = constant_zero_divisor(node)
+    found.zero_divisor = zero_divisor(node)
 
 
 def _record_sum(found: BackwardOrigin, node, name: str, uses: int, grad_outputs,

@@ -490,3 +490,12 @@ CONSTANT_ZERO_DIVISOR = (
     "every quotient is on the pole of its derivative; the forward hid the infinities "
     "(cap * tanh(x / cap) is 0 * +-1), the gradient cannot. Skip the op when the scalar is 0 "
     "(if cap: x = cap * torch.tanh(x / cap)) or reject 0 where the value is configured")
+
+# a backward origin at a quotient whose learned divisor a ReLU cut to 0 (replay.clamped_divisor)
+CLAMPED_DIVISOR = (
+    "{node} made a non-finite gradient from finite incoming gradients, in float64 too: the "
+    "division's divisor is a value the model predicts (a scale, a std, a norm) that a ReLU or "
+    "clamp(min=0) made exactly 0 there, the pole of the quotient's derivative; the forward hid "
+    "the infinity (a CDF of +-inf is 0 or 1), the gradient cannot. Non-negative is not enough "
+    "for a divisor: bound it below before dividing (scale.clamp_min(0.11), a LowerBound, "
+    "softplus(x) + eps) instead of ending it with a ReLU")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from recorder.capture import tensor_leaves
 from recorder.finite import stored
 
 
@@ -52,6 +53,17 @@ def total_norm(tensors) -> float | None:
     return float(torch.stack(norms).norm()) if norms else None
 
 
+def ring_loss(run) -> float | None:
+    """The re-run's loss as the recorder's ring measures it (``recorder.ring``): the mean,
+    over the step's loss calls, of each floating output's largest value. A loss_fn that
+    returns its total beside the terms it logs (CompressAI's ``{"bpp_loss", "mse_loss",
+    "loss"}``) is recorded as the mean of the three, which the total never equals: compared
+    with that total, every clipped update read as a re-run that had left training's path."""
+    vals = [float(t.detach().max()) for loss in run.losses for t in tensor_leaves(loss)
+            if t.is_floating_point() and t.numel()]
+    return sum(vals) / len(vals) if vals else None
+
+
 def clip_grads(params: list[torch.Tensor], max_norm: float) -> None:
     """``clip_grad_norm_`` of the gradients of ``params``; with a sparse one among them, which
     torch's refuses, scaled by the norm :func:`total_norm` measures."""
@@ -66,8 +78,8 @@ def clip_grads(params: list[torch.Tensor], max_norm: float) -> None:
 
 
 def _same_loss(step, k: int, loss: float | None) -> bool:
-    """The re-run's loss of step ``k`` is the recorded one (the ring's), as a clip, which
-    comes after the loss, leaves it; True when either is unknown (no loss to compare)."""
+    """The re-run's loss of step ``k`` (:func:`ring_loss`) is the recorded one (the ring's),
+    as a clip, which comes after the loss, leaves it; True when either is unknown."""
     rec = _recorded(step, k, "ring/loss")
     return rec is None or loss is None or not math.isfinite(loss) \
         or abs(loss - rec) <= 1e-5 * max(abs(rec), 1e-6)

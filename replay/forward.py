@@ -28,6 +28,7 @@ from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
 from .rerun import Runner
 from .run_result import Run
+from .signed_weights import signed_weights_hint
 from .softplus_overflow import softplus_hint
 from .source import is_torch_file, user_source
 from .storages import mask_buffers, state_of
@@ -124,6 +125,8 @@ def _with_param(step: Step, runner: Runner, o, found, hit) -> str | None:
         return own
     if cause == "invalid" and (zero := zero_state_hint(runner, o, hit)):
         return zero
+    if cause == "invalid" and (signed := signed_weights_hint(runner, o, hit)):
+        return signed  # (GDN's gamma learned without its reparameterization)
     return with_param_advice(hint, cause, hit)
 
 

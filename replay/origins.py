@@ -36,6 +36,7 @@ from .loss_maker import made_in_loss
 from .losses import held_state_cause, non_finite_loss_state
 from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
+from .negative_output import negative_output_hint
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder
 from .other_makers import add_others
@@ -176,6 +177,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     hint = with_log_sum_exp(cause.hint, cause.name, hit, finder.lineage.log_sum_exp)
+    hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (a likelihood below 0)
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from recorder.capture import tensor_leaves
 from recorder.finite import tensors_kind
 
 from .rerun import scalar_loss
@@ -45,7 +46,8 @@ def run_outcome(k: int, run) -> Outcome | None:
         j = run.loss_finite.index(False)
         mb = run.loss_micro_batches[j]
         loss = run.losses[j] if j < len(run.losses) else None
-        kind = kinds_of([loss]) if isinstance(loss, torch.Tensor) else None
+        # (a dict of terms, CompressAI's rate-distortion loss: its worst floating term's kind)
+        kind = kinds_of([t for t in tensor_leaves(loss) if t.is_floating_point()])
         return Outcome(k, run.loss_phase(j), module="<loss>", micro_batch=mb, kind=kind or "nan")
     bad = next(((i, d) for i, d in sorted(run.dropped.items()) if d[0]), None)
     if bad is not None:  # the step's own gradients are finite: the loop dropped these

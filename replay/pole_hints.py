@@ -7,8 +7,10 @@ eps, true of any quotient; but a divisor that needs no gradient, computed from t
 data (an area, a count, a target), is a degenerate record, which an eps would train toward a
 made-up target. :func:`pole_hint` says so; for a divisor that is a constant 0 (a scalar: logit
 soft-capping's ``cap * tanh(x / cap)`` with ``cap = 0`` meant as "off", a temperature or scale
-of 0) that the op should not run at all; and, for a guard's eps that the type rounded to 0
-(``sqrt(x + 1e-12)`` in float16), that the eps was lost.
+of 0) that the op should not run at all; for a learned divisor a ReLU cut to 0 (a
+hyperprior's predicted scales, :mod:`replay.clamped_divisor`) that it needs a lower bound;
+and, for a guard's eps that the type rounded to 0 (``sqrt(x + 1e-12)`` in float16), that the
+eps was lost.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from . import lost_eps
 from .cause import Cause
-from .cause_text import CONSTANT_ZERO_DIVISOR, DIVISOR_OF_DATA
+from .cause_text import CLAMPED_DIVISOR, CONSTANT_ZERO_DIVISOR, DIVISOR_OF_DATA
+from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .positive import node_op
 
@@ -46,12 +49,23 @@ def constant_zero_divisor(node) -> bool:
     return isinstance(other, torch.Tensor) and other.dim() == 0 and float(other) == 0.0
 
 
+def zero_divisor(node) -> str | None:
+    """Why quotient node ``node``'s divisor is 0 (see BackwardOrigin.zero_divisor), if it is."""
+    if divisor_of_data(node):
+        return "data"
+    if constant_zero_divisor(node):
+        return "constant"
+    return "clamped" if clamped_to_zero(node) else None
+
+
 def pole_hint(b, cause: Cause) -> str:
     """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`)."""
-    if b.divisor_of_data and cause.name == "invalid" and b.saved_zero == "0" and b.samples:
+    data = b.zero_divisor == "data" and b.saved_zero == "0" and b.samples
+    if data and cause.name == "invalid":
         return DIVISOR_OF_DATA.format(node=b.node)
-    if b.constant_zero_divisor and cause.name == "invalid":
-        return CONSTANT_ZERO_DIVISOR.format(node=b.node)
+    if b.zero_divisor in ("constant", "clamped") and cause.name == "invalid":
+        text = CONSTANT_ZERO_DIVISOR if b.zero_divisor == "constant" else CLAMPED_DIVISOR
+        return text.format(node=b.node)
     if b.lost_eps is None or b.saved_zero != "0" or b.dtype is None:
         return cause.hint
     return cause.hint + lost_eps.said(b.lost_eps, b.dtype)

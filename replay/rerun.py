@@ -357,9 +357,14 @@ def _dict_total(loss: dict) -> torch.Tensor | None:
     """A loss_fn returning a dict of terms (mmflow's and mmdet's ``{"loss_flow": ...}``,
     detectron2's ``loss_dict``), which the loop sums: the terms named ``loss...`` where any
     is (mmcv's ``parse_losses``: the others are logged), else every term; a term that is a
-    list of values (one per level) counted by its values' means, as mmcv does."""
+    list of values (one per level) counted by its values' means, as mmcv does. A scalar
+    named exactly ``loss`` is the total the loop backpropagates beside the terms it logs
+    (CompressAI's ``{"bpp_loss", "mse_loss", "loss"}``, Lightning's and HF's ``loss``): it
+    alone, or the re-run trains on the terms twice."""
     terms = {k: [t for t in tensor_leaves(v) if t.requires_grad] for k, v in loss.items()}
     terms = {k: ts for k, ts in terms.items() if ts}
+    if len(total := terms.get("loss", [])) == 1 and total[0].numel() == 1:
+        return total[0]
     named = [ts for k, ts in terms.items() if "loss" in str(k)]
     picked = [t.mean() for ts in (named or list(terms.values())) for t in ts]
     return sum(picked[1:], picked[0]) if picked else None

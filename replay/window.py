@@ -35,7 +35,7 @@ from recorder.finite import finite
 from recorder.inner_optim import clear_state, put_state, state_items
 
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
-from .clip import loop_clip, total_norm
+from .clip import loop_clip, ring_loss, total_norm
 from .departure import param_norms
 from .drop import drop_rows
 from .hyper import set_hyper
@@ -177,7 +177,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
                                 kind=kinds_of([p.grad for n, p in step.model.named_parameters()
                                                if n in bad_grads]))
             break
-        loop_clip(step, win, record, change, stats["grad_norm"], stats["loss"])
+        loop_clip(step, win, record, change, stats["grad_norm"], ring_loss(run))
         # (the GradScaler's skips follow the re-run's own gradients, as in training)
         if opt is None or (record is win.records[-1] and not _last_update_ran(step, win)):
             stats["param_norm"] = total_norm(step.model.parameters())

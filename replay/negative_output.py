@@ -1,0 +1,100 @@
+"""Where in the model a negative value the loss took out of its domain was made.
+
+A mean-scale hyperprior whose ``GaussianConditional`` lost both bounds returns likelihoods
+``upper - lower`` that are negative where a predicted scale is; the rate term's
+``torch.log(likelihoods)`` is NaN there. The loss's op is named, but the hint (clamp the op's
+input into its domain) points at the loss, while the value that cannot be negative (a
+likelihood, a variance, a norm) came out of the model so. :func:`negative_output_hint` adds
+which model output it is, which module returned it and which op made it, read from one
+re-run of the forward (only for such an op: an invalid log, sqrt or power of a negative);
+so it does for a likelihood that underflowed to 0 (``upper - lower`` of two CDF tails with
+the likelihood's lower bound removed), to bound where it is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .positive import POSITIVE, node_op
+from .rerun import Runner
+
+_DOMAIN = {"aten.log", "aten.log2", "aten.log10", "aten.sqrt", "aten.rsqrt", "aten.pow",
+           "aten.log1p"}
+
+
+def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None
+                         ) -> str | None:
+    """``hint`` with where the model made the negative input of the loss's ``hit`` (or, for
+    an underflow, its 0), when that input is one model output as returned (the one output
+    whose least value is the op's input's)."""
+    if hit is None or hit.op not in _DOMAIN or hint is None or hit.input_min is None \
+            or runner.model is None:
+        return hint
+    if not (cause == "invalid" and hit.input_min < 0) \
+            and not (cause == "underflow" and hit.input_min == 0):
+        return hint
+    try:
+        found = _made_in(runner, mb, hit.input_min)
+    except Exception:  # (a model the extra re-run cannot take: the hint as it was)
+        return hint
+    if found is None:
+        return hint
+    path, module, op = found
+    if cause == "underflow" and (op is None or op.removeprefix("aten.") in POSITIVE):
+        return hint  # (a softmax or exp output: the hint's log-space advice is the fix)
+    who = f"module {module}" if module else "the model's forward"
+    made = f", made by {op}" if op else ""
+    if cause == "underflow":
+        return (f"{hint}. The 0s are the model's {path}, which {who} returned{made}: bound it "
+                "where it is made (a likelihood's lower bound, clamp_min(1e-9) in that "
+                "module), so every use of it gets the bounded value")
+    return (f"{hint}. The negative values are the model's {path}, which {who} returned"
+            f"{made}: a value that must not be negative there (a likelihood, a variance, a "
+            "scale) came out of the model so; fix it where it is made (bound or "
+            "reparameterize what makes it negative), as a clamp in the loss would hide it")
+
+
+def _made_in(runner: Runner, mb: int, least: float) -> tuple[str, str, str | None] | None:
+    """(the output's path, the innermost module returning it, the op that made it) of the
+    model output of micro-batch ``mb`` whose least value is ``least``."""
+    calls: list[tuple[str, Any]] = []
+    names = {m: n for n, m in runner.model.named_modules()}
+
+    def post(m, args, out):
+        if runner.micro_batch == mb:
+            calls.append((names.get(m, ""), out))
+
+    runner.run(backward=False, instrument=False,
+               hooks=lambda model: [m.register_forward_hook(post) for m in model.modules()])
+    root = next((out for n, out in reversed(calls) if n == ""), None)
+    hits = [(path, t) for path, t in _paths(root, "output")
+            if t.is_floating_point() and t.numel() and float(t.detach().min()) == least]
+    if len(hits) != 1:  # (none, or several outputs it could be: say nothing)
+        return None
+    path, t = hits[0]
+    module = next((n for n, out in calls if n and any(u is t for u in _tensors(out))), "")
+    return path, module, _op(t)
+
+
+def _op(t: torch.Tensor) -> str | None:
+    fn = t.grad_fn
+    return f"aten.{node_op(fn).lower()}" if fn is not None and "Backward" in fn.name() \
+        else None
+
+
+def _paths(obj, at: str):
+    """(path, tensor) of each tensor in a nested output (``output['likelihoods']['y']``)."""
+    if isinstance(obj, torch.Tensor):
+        yield at, obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _paths(v, f"{at}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, f"{at}[{k!r}]")
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    return [t for _, t in _paths(out, "")]
