@@ -11,21 +11,18 @@ from pathlib import Path
 import knowledge_graphs_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 
 from recorder import FlightRecorder, NonFiniteError
 
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # knowledge_graphs_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    lines = (HERE / "knowledge_graphs_models.py").read_text().splitlines()
-    return f"knowledge_graphs_models.py:{next(i for i, s in enumerate(lines, 1) if text in s)}"
+    return source_line("knowledge_graphs_models.py", text)
 
 
 def _train_transe(out_dir, pad: int) -> M.TransE:

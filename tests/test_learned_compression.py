@@ -19,9 +19,7 @@ from recorder import FlightRecorder, NonFiniteError
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # learned_compression_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
