@@ -469,33 +469,3 @@ def no_float64(e: Exception) -> str:
 NO_FORWARD = ("the step ran no forward of the recorded model: the loop wrote the gradients of "
               "this update itself, from a copy of the model it trained (Reptile) or other "
               "code the replay cannot re-run")
-
-# a backward origin at a quotient whose divisor needs no gradient (replay.pole_hints)
-DIVISOR_OF_DATA = (
-    "{node} made a non-finite gradient from finite incoming gradients, in float64 too: a "
-    "division's divisor is exactly 0 there, the pole of the quotient's derivative, and it needs "
-    "no gradient (computed from the batch's data: an annotation's area, a count, a target; not "
-    "from anything the model learns). A forward that hides the quotient's infinity (exp(-d / 0) "
-    "is 0, a torch.where that masks it out) still sends the gradient through it: if such "
-    "records are degenerate (an instance of area 0, a box of zero width), drop or repair them "
-    "where the data is made or skip them in the loss before the division (an eps would train "
-    "toward a made-up target); else make the divisor safe before dividing "
-    "(torch.where(den > 0, den, 1))")
-
-# a backward origin at a quotient whose divisor is a scalar constant 0 (replay.pole_hints)
-CONSTANT_ZERO_DIVISOR = (
-    "{node} made a non-finite gradient from finite incoming gradients, in float64 too: the "
-    "division's divisor is a constant exactly 0 (a scalar no parameter reaches: a soft-cap, "
-    "temperature or scale set to 0, often meant as \"off\", or a count that came out 0), so "
-    "every quotient is on the pole of its derivative; the forward hid the infinities "
-    "(cap * tanh(x / cap) is 0 * +-1), the gradient cannot. Skip the op when the scalar is 0 "
-    "(if cap: x = cap * torch.tanh(x / cap)) or reject 0 where the value is configured")
-
-# a backward origin at a quotient whose learned divisor a ReLU cut to 0 (replay.clamped_divisor)
-CLAMPED_DIVISOR = (
-    "{node} made a non-finite gradient from finite incoming gradients, in float64 too: the "
-    "division's divisor is a value the model predicts (a scale, a std, a norm) that a ReLU or "
-    "clamp(min=0) made exactly 0 there, the pole of the quotient's derivative; the forward hid "
-    "the infinity (a CDF of +-inf is 0 or 1), the gradient cannot. Non-negative is not enough "
-    "for a divisor: bound it below before dividing (scale.clamp_min(0.11), a LowerBound, "
-    "softplus(x) + eps) instead of ending it with a ReLU")
