@@ -66,6 +66,24 @@ class AttributeWatch:
         except KeyError:  # one deleted since attach: the values at the event then
             self._started = None
 
+    @property
+    def started(self) -> list | None:
+        """The watched values as the open step began (one list per step: a reference keeps
+        them; None when one was deleted since attach)."""
+        return self._started
+
+    def differences(self, started: list | None) -> dict[str, dict[str, Any]]:
+        """Per watched module, the plain attributes in ``started`` (a step's :attr:`started`)
+        that differ from attach: what the loop had set when that step began."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, values in zip(self._names, started or ()):
+            start = self.at_attach[name]
+            found = zip(start, values if len(start) > 1 else (values,))
+            if diff := {k: v for k, v in found if _plain(k, v) and (
+                    type(start[k]) is not type(v) or not _same(start[k], v))}:
+                out[name] = diff
+        return out
+
     def changed(self, name: str, m: nn.Module) -> dict[str, int | float | bool]:
         """``m``'s plain attributes as the step found them (those added after attach: as
         it closed) where they differ from attach; none for a module added after it."""

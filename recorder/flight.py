@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,7 @@ class FlightRecorder:
         self.cycle = StepCycle(self.settings, self.target, self.health, self.alarm)
         if self.cycle.rewind is not None:  # (a loss given the model: see micro_batch_entry)
             self.cycle.rewind.modules = self.target.module_ids
+            self.cycle.rewind.watch = partial(getattr, self.target, "attributes")
         self.calls = CallHooks(self.target, self.cycle, self.health, self.loss_fn,
                                self.settings.param_norms)
         self.guard = OptimizerGuard(self.target, self.cycle, self.health, self.alarm)

@@ -73,6 +73,7 @@ class _Record:
     scale: float | None
     skipped: bool
     frozen: list[str] = field(default_factory=list)  # parameters with requires_grad False
+    attrs: list | None = None  # the modules' plain attributes as it began (AttributeWatch)
 
 
 class Rewind:
@@ -86,6 +87,7 @@ class Rewind:
         self._copies: list[_Copy] = []  # oldest first, at most two
         self._log: list[_Record] = []
         self.modules = None  # Target.module_ids, set by the recorder (see micro_batch_entry)
+        self.watch = None  # () -> Target.attributes, set by the recorder (see closed)
 
     # -- what the step cycle calls -----------------------------------------------------------
 
@@ -114,8 +116,12 @@ class Rewind:
         # the frozen parameters (requires_grad_(False), unfrozen later in the window): the
         # re-run, whose rebuilt model trains every one, leaves them as training did
         frozen = [n for n, p in params if not p.requires_grad]
+        # the loop's schedule of module attributes (a dropout p raised, a temperature
+        # annealed): each step re-runs with its own, not the event step's (a reference to
+        # the values the step's open took; compared with attach only at export)
+        attrs = self.watch().started if self.watch is not None else None
         self._log.append(_Record(tape.step, tape.rng, mbs, tensors, hyper, scale, skipped,
-                                 frozen))
+                                 frozen, attrs))
 
     def clear(self) -> None:
         self._copies, self._log, self._first = [], [], None
@@ -193,7 +199,8 @@ class Rewind:
                 "step": r.step, "rng": rng_meta, "micro_batches": r.micro_batches,
                 "hyper": [hyper_entry(h, f"{prefix}optim_group/{g}", tensors)
                           for g, h in enumerate(r.hyper)],
-                "scale": r.scale, "skipped": r.skipped, "frozen": r.frozen})
+                "scale": r.scale, "skipped": r.skipped, "frozen": r.frozen,
+                "attrs": self.watch().differences(r.attrs) if self.watch is not None else {}})
         meta["memory_bytes"] = self.nbytes()
         return meta
 

@@ -35,6 +35,32 @@ def restore_attributes(meta: dict[str, Any], model: nn.Module) -> list[str]:
     return restored
 
 
+def set_step_attributes(meta: dict[str, Any], model: nn.Module, attrs: dict | None) -> None:
+    """The plain attributes as one step of the rewind window began: ``attrs``, a record's
+    differences from attach by module (None in an older bundle: the model keeps the event
+    step's), where the loop had set them then, and the value at attach where it set them
+    only later (by the event step; the rest are the factory's, as for the step itself)."""
+    if attrs is None:
+        return
+    modules = dict(model.named_modules())
+    for info in meta.get("modules") or ():
+        m, at_attach = modules.get(info.get("name")), info.get("attrs_at_attach")
+        later, now = info.get("attrs"), attrs.get(info.get("name")) or {}
+        if m is None or not isinstance(at_attach, dict) or not (later or now):
+            continue
+        for k in {*(later or ()), *now}:
+            v, built = now.get(k, at_attach.get(k)), vars(m).get(k)
+            if type(built) is float and v in _SPELT:
+                v = float(v)
+            if k != "training" and type(v) in PLAIN and type(built) is type(v):
+                setattr(m, k, v)
+
+
+def event_attributes(meta: dict[str, Any]) -> dict[str, dict]:
+    """The event step's attributes by module, as :func:`set_step_attributes` takes them."""
+    return {info.get("name"): info.get("attrs") or {} for info in meta.get("modules") or ()}
+
+
 def restore_trained(meta: dict[str, Any], tensors: dict[str, torch.Tensor], model: nn.Module
                     ) -> list[str]:
     """Set the bundle's trained tensor attributes (``recorder.attributes.trained_tensors``:

@@ -34,6 +34,7 @@ from recorder.capture import map_tensors
 from recorder.finite import finite
 from recorder.inner_optim import clear_state, put_state, state_items
 
+from .attributes import event_attributes, set_step_attributes
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
 from .clip import loop_clip, ring_loss, total_norm
 from .departure import param_norms
@@ -140,6 +141,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
     peers = _peers(step, win, out.problems)
     factors: dict[int, list[float]] | None = {} if change == Change() else None
     for record in win.records:
+        set_step_attributes(step.meta, step.model, record.get("attrs"))  # (its schedule's)
         sub = _sub_step(step, win, record, change)
         runner = Runner(sub)
         runner.cast, runner.loss_factors = change.dtype, factors
@@ -186,6 +188,7 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         if _checked_update(step, opt, record["step"], change == Change(), out, stats):
             break
     win.loss_factors = win.loss_factors if factors is None else window_factors(factors)
+    set_step_attributes(step.meta, step.model, event_attributes(step.meta))
     return out
 
 

@@ -180,3 +180,30 @@ def make_gelu_regressor() -> nn.Module:
     """An MLP regressor with GELU and a LayerNorm (16 features, 1 target)."""
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64),
                          nn.GELU(), nn.Linear(64, 1))
+
+
+class TemperatureHead(nn.Module):
+    """Logits divided by a temperature the training loop anneals (a plain float attribute, as
+    Gumbel-softmax and distillation code keep it), set on the module between steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, N_CLASSES)
+        self.temperature = 1.0
+
+    def forward(self, h):
+        return self.proj(h) / self.temperature
+
+
+class AnnealedClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU())
+        self.head = TemperatureHead()
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def make_annealed_classifier() -> nn.Module:
+    return AnnealedClassifier()

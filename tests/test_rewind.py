@@ -185,6 +185,39 @@ def test_lr_schedule_spike_is_found_where_the_schedule_jumped(out_dir):
     assert tries["drop=0"]["origin"]["module"] == "head"
 
 
+def test_window_re_runs_each_step_with_the_attributes_the_loop_had_set_then(out_dir):
+    """A temperature the loop anneals linearly to 0 (``model.head.temperature = 1 - s / 4``,
+    no floor): step 4 divides the logits by 0. The window's steps re-run with the temperature
+    each had (1.0, 0.75, 0.5, 0.25): re-run with the event step's 0, step 0 was already
+    non-finite and the window said the run was not reproduced."""
+    torch.manual_seed(0)
+    model = R.make_annealed_classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, rewind=4,
+                            factory="rewind_models:make_annealed_classifier"):
+            for s in range(8):
+                model.head.temperature = 1.0 - s / 4
+                x, y = R.batch(s)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (4, "forward", "head")
+    meta, _ = read_bundle(err.bundle_path)
+    assert [r["attrs"] for r in meta["rewind"]["records"]] == [
+        {}, *({"head": {"temperature": 1.0 - s / 4}} for s in range(1, 5))]
+    rep = nanreplay(err.bundle_path)
+    assert (rep["reproduced"], rep["cause"], rep["origin"]["op"]) == (True, "invalid", "aten.div")
+    w = rep["window"]
+    assert w["reproduced"] and w["steps"] == [0, 4], w
+    first = w["first_non_finite"]
+    assert (first["step"], first["phase"], first["module"]) == (4, "forward", "head"), first
+    assert [s["step"] for s in w["per_step"]] == [0, 1, 2, 3, 4]
+    assert all(math.isfinite(s["loss"]) for s in w["per_step"][:4]), w["per_step"]
+
+
 def test_weights_growing_to_overflow_were_growing_before_the_window(out_dir):
     err = divergent_regression(out_dir)
     assert (err.event["step"], err.event["phase"]) == (40, "loss")
