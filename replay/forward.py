@@ -19,6 +19,7 @@ from .forward_grad import derivative_words, node_sources, with_node
 from .lineage import Lineage
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
+from .looked_up import looked_up_hint
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .parametrized import parametrization_hint
@@ -87,7 +88,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
-    hint = with_node(origin, _with_param(step, runner, o, cause, hit), cause.name, node)
+    hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
     lineage = finder.lineage
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
@@ -103,12 +104,15 @@ def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
     return derivative_words(hit, again.origin())
 
 
-def _with_param(step: Step, runner: Runner, o, found, hit) -> str | None:
+def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> str | None:
     """The hint, with the parameter the op took as is named: the fix is then to that
     parameter (bound it, or its learning rate), wherever its values come from; for an op of
     torch's own parametrization (weight_norm) of a layer of zeros, that layer's; for a
-    division by the module's own state, all 0 (a power iteration's u), that state's."""
+    division by the module's own state, all 0 (a power iteration's u), that state's; for a 0
+    looked up in a buffer (a word's sampling probability), that table's."""
     hint, cause = found.hint, found.name
+    if cause == "invalid" and (table := looked_up_hint(hint, runner.model, finder, hit)):
+        return table
     if cause == "invalid" and (own := parametrization_hint(step, o.module, hit and hit.op)):
         return own
     if cause == "invalid" and (zero := zero_state_hint(runner, o, hit)):
@@ -152,7 +156,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
     def hooks(model):
         hs = []
         target = model.get_submodule(module) if module else model
-        finder.index_params(model.named_parameters())
+        finder.index_params(model.named_parameters(), model.named_buffers())
         finder.state = state_of(model)
 
         def pre(m, args):

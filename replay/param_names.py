@@ -1,7 +1,9 @@
 """Which of the model's parameters an op took as its input: the parameter itself, a view of
 it (an element, ``log(self.sigma[i])``), or a copy of its values an op made without changing
 them (``torch.diagonal(torch.tril(self.chol))``: an SVGP's Cholesky factor, whose diagonal
-an update stepped to 0), so that the hint names the parameter to keep in the op's domain."""
+an update stepped to 0), so that the hint names the parameter to keep in the op's domain; and
+the buffer an op's input was looked up in (``log(self.q[targets])``: a table the model was
+built with, named by :mod:`replay.looked_up`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import torch
 # ops whose output holds some of their one floating input's values, unchanged
 _COPIES = {"tril", "triu", "clone", "_to_copy", "contiguous", "diagonal_copy", "index",
            "index_select", "gather", "take_along_dim", "masked_select", "repeat", "expand_copy"}
+
+# those that pick entries by index (a buffer's: a table looked up by the batch's ids)
+_LOOKUPS = {"index", "index_select", "gather", "take_along_dim", "embedding"}
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -27,11 +32,21 @@ class ParamNames:
         self.params: dict[tuple, str] = {}
         # the storage of a copy an op made of a parameter's values -> (the copy, the name)
         self._copies: dict[int, tuple[weakref.ref, str]] = {}
+        # a floating buffer's storage -> its name; a copy's, made of its values, -> (the copy,
+        # the name, whether an op picked entries of it by index on the way)
+        self._tables: dict[int, str] = {}
+        self._table_copies: dict[int, tuple[weakref.ref, str, bool]] = {}
+        # the buffer an input of the last op ``among(..., hit=True)`` was asked about came
+        # from: the op finder asks as it blames an op
+        self.hit_buffer: str | None = None
 
-    def index(self, named) -> None:
+    def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
-        and shape and by their storage (a view of one)."""
-        self.params, self._copies = {}, {}
+        and shape and by their storage (a view of one); and the floating ``buffers``
+        (``model.named_buffers()``) by their storage."""
+        self.params, self._copies, self._table_copies, self.hit_buffer = {}, {}, {}, None
+        self._tables = {p: n for n, b in buffers
+                        if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
         for n, p in named:
             self.params[(p.data_ptr(), tuple(p.shape))] = n
@@ -39,12 +54,16 @@ class ParamNames:
             storages[ptr] = n if ptr not in storages else None  # (shared storage: neither)
         self.params.update({("storage", k): v for k, v in storages.items() if v is not None})
 
-    def among(self, ins: list[torch.Tensor]) -> str | None:
+    def among(self, ins: list[torch.Tensor], hit: bool = False) -> str | None:
         """The name of the op's one floating input when that is one of the model's
         parameters (a learnable scale or temperature used as is: ``logit_scale.exp()``), a
         view or an unchanged copy of one. Not for ops of several inputs: a Linear's ``addmm``
         takes its bias and weight with every input, and what overflows there is the
-        product, not the bias."""
+        product, not the bias. ``hit``: the op is being blamed; keep the buffer one of its
+        inputs was looked up in by index (``hit_buffer``)."""
+        if hit:
+            self.hit_buffer = next((b for t in ins if (b := self._table_of(t)) is not None
+                                    and b[1]), (None,))[0]
         if not self.params or len(ins) != 1:
             return None
         found = self.params.get((ins[0].data_ptr(), tuple(ins[0].shape)))
@@ -57,8 +76,21 @@ class ParamNames:
         return self.params.get(("storage", ptr))
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        """Follow a copy an op made of a parameter's values (``torch.tril(L)``)."""
+        """Follow a copy an op made of a parameter's values (``torch.tril(L)``), or of a
+        buffer's (``self.q[targets]``)."""
+        if name in _COPIES | _LOOKUPS and len(ins) == 1 and len(outs) == 1 \
+                and (b := self._table_of(ins[0])) is not None \
+                and (ptr := _storage(outs[0])) is not None:
+            self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1] or name in _LOOKUPS)
         if name in _COPIES and self.params and len(outs) == 1 \
                 and (param := self.among(ins)) is not None \
                 and (ptr := _storage(outs[0])) is not None:
             self._copies[ptr] = (weakref.ref(outs[0]), param)
+
+    def _table_of(self, t: torch.Tensor) -> tuple[str, bool] | None:
+        """(the buffer ``t`` holds values of, whether picked by index), or None."""
+        ptr = _storage(t)
+        if ptr is None or (found := self._tables.get(ptr)) is not None:
+            return None if ptr is None else (found, False)
+        copy = self._table_copies.get(ptr)
+        return copy[1:] if copy is not None and copy[0]() is not None else None

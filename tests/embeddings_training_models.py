@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, DIM, WINDOW, NEGS, BATCH = 60, 16, 2, 5, 8
+MAX_CODE_LENGTH = 40  # word2vec.c's longest Huffman code
 
 
 def unigram_counts(seed: int = 0) -> torch.Tensor:
@@ -86,8 +87,9 @@ class SampledSoftmax(nn.Module):
     """rdspring1/PyTorch_GBW_LM: an LSTM's hidden state scored against the true word and the
     sampled ones, each logit corrected by the log of its sampling probability."""
 
-    def __init__(self, counts: torch.Tensor):
+    def __init__(self, counts: torch.Tensor, remove_accidental_hits: bool = False):
         super().__init__()
+        self.remove_accidental_hits = remove_accidental_hits
         self.embed = nn.Embedding(VOCAB, DIM)
         self.rnn = nn.LSTM(DIM, DIM, batch_first=True)
         self.params = nn.Linear(DIM, VOCAB)
@@ -99,6 +101,9 @@ class SampledSoftmax(nn.Module):
         true_logits = (h * true_w).sum(1) + true_b - torch.log(self.q[targets])
         sample_logits = h @ self.params.weight[sampled].t() + self.params.bias[sampled]
         sample_logits = sample_logits - torch.log(self.q[sampled])
+        if self.remove_accidental_hits:  # a sampled word that is the row's true word
+            hits = sampled[None, :] == targets[:, None]
+            sample_logits = sample_logits.masked_fill(hits, float("-inf"))
         return torch.cat([true_logits[:, None], sample_logits], 1)
 
 
@@ -106,10 +111,10 @@ class HierarchicalSoftmax(nn.Module):
     """weberrr/pytorch_word2vec: a word's probability is the product of the sigmoids of its
     Huffman path's inner nodes (``codes`` in {-1, +1}, 0 past the path's end)."""
 
-    def __init__(self, depth: int):
+    def __init__(self):
         super().__init__()
         self.u = nn.Embedding(VOCAB, DIM)
-        self.nodes = nn.Embedding(2 ** depth, DIM)
+        self.nodes = nn.Embedding(VOCAB - 1, DIM)  # a binary tree's inner nodes
         nn.init.uniform_(self.u.weight, -0.5 / DIM, 0.5 / DIM)
         nn.init.zeros_(self.nodes.weight)
 
@@ -163,9 +168,29 @@ def make_sampled_softmax() -> nn.Module:
     return SampledSoftmax(unigram_counts())
 
 
+def make_sampled_softmax_without_hits() -> nn.Module:
+    torch.manual_seed(0)
+    return SampledSoftmax(unigram_counts(), remove_accidental_hits=True)
+
+
 def make_hs() -> nn.Module:
     torch.manual_seed(0)
-    return HierarchicalSoftmax(depth=12)
+    return HierarchicalSoftmax()
+
+
+def make_hs_half() -> nn.Module:
+    return make_hs().half()
+
+
+def huffman_paths(words: torch.Tensor, lengths: torch.Tensor, seed: int):
+    """(inner nodes, codes) of the words' paths, padded to ``MAX_CODE_LENGTH``: the paths of
+    a large vocabulary's tree, whose rare words sit deep (the lengths given)."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(words)
+    points = torch.randint(0, VOCAB - 1, (n, MAX_CODE_LENGTH), generator=g)
+    codes = torch.randint(0, 2, (n, MAX_CODE_LENGTH), generator=g) * 2 - 1
+    codes[torch.arange(MAX_CODE_LENGTH)[None, :] >= lengths[:, None]] = 0
+    return points, codes
 
 
 def make_fasttext() -> nn.Module:
