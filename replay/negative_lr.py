@@ -22,9 +22,9 @@ def negative_lr_hint(step: Step, report: dict[str, Any]) -> None:
     if steps is None or lrs is None or lrs.ndim != 2 or not report.get("hint") \
             or not isinstance(at, int):
         return
-    rows = sorted((s, min(row)) for s, row in zip(steps.tolist(), lrs.tolist())
-                  if 0 <= s <= at and row)
-    below = [(s, lr) for s, lr in rows if lr < 0]
+    rows = sorted((s, row) for s, row in zip(steps.tolist(), lrs.tolist()) if 0 <= s <= at)
+    # (a group's NaN rate, Adafactor's lr=None, is no rate below 0)
+    below = [(s, min(v for v in row if v < 0)) for s, row in rows if any(v < 0 for v in row)]
     if not below:
         return
     (first, _), (last, lr) = below[0], below[-1]

@@ -134,9 +134,11 @@ class FastText(nn.Module):
         self.bag = nn.EmbeddingBag(buckets, DIM, mode="sum")
         self.fc = nn.Linear(DIM, classes)
 
-    def forward(self, subwords, offsets):
+    def forward(self, subwords, offsets, weights=None):
         ends = torch.cat([offsets[1:], offsets.new_tensor([subwords.numel()])])
         lengths = (ends - offsets).float()
+        if weights is not None:  # tf-idf weighted bags: normalised by their total weight
+            return self.fc(self.bag(subwords, offsets, per_sample_weights=weights))
         return self.fc(self.bag(subwords, offsets) / lengths[:, None])
 
 

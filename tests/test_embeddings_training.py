@@ -272,3 +272,39 @@ def test_hierarchical_softmax_product_of_a_deep_path_underflows_in_float16(tmp_p
             o["dtype"]) == (True, "underflow", "", "aten.log", "-inf", [2], "float16"), rep
     assert o["source"] == f"embeddings_training_models.py:{line_of('torch.log(torch.prod(')}"
     assert "float32 holds it" in rep["hint"] and "logsigmoid" in rep["hint"], rep["hint"]
+
+
+def test_fasttext_infinite_idf_weight_is_named_in_its_bag_after_an_empty_one(tmp_path):
+    # BUG: tf-idf weights log(N / df) for EmbeddingBag(per_sample_weights=): a subword no
+    # training document holds has df = 0 and an idf of +inf, in sample 6's bag at step 3;
+    # sample 2's bag is empty at every step (offsets repeat), which must not shift the bags
+    model = M.make_fasttext()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    df = torch.randint(1, 50, (200,), generator=g).float()
+    df[17] = 0
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, loss_fn=crit,
+                            factory=FACTORY + "make_fasttext"):
+            for step in range(6):
+                lengths = torch.randint(1, 6, (M.BATCH,), generator=g)
+                lengths[2] = 0
+                sub = torch.randint(0, 200, (int(lengths.sum()),), generator=g)
+                sub[sub == 17] = 18
+                offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+                if step == 3:
+                    sub[offsets[6]] = 17
+                idf = torch.log(1000 / df[sub])
+                y = torch.randint(0, 4, (M.BATCH,), generator=g)
+                loss = crit(model(sub, offsets, idf), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["tensor"], err.event["samples"]) \
+        == (3, "input", "args[2]", [6]), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["phase"], o["tensor"], o["made"],
+            o["samples"]) == (True, "input", "input", "args[2]", "+inf", [6]), rep
