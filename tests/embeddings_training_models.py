@@ -129,12 +129,14 @@ class FastText(nn.Module):
     """A fastText classifier over subword bags: each sentence's subword vectors summed by an
     ``nn.EmbeddingBag`` and averaged by its bag's length, then a linear classifier."""
 
-    def __init__(self, buckets: int = 200, classes: int = 4):
+    def __init__(self, buckets: int = 200, classes: int = 4, mode: str = "sum"):
         super().__init__()
-        self.bag = nn.EmbeddingBag(buckets, DIM, mode="sum")
+        self.bag = nn.EmbeddingBag(buckets, DIM, mode=mode, sparse=mode == "mean")
         self.fc = nn.Linear(DIM, classes)
 
     def forward(self, subwords, offsets, weights=None):
+        if self.bag.mode == "mean":  # (an empty bag's mean is a row of 0s)
+            return self.fc(self.bag(subwords, offsets))
         ends = torch.cat([offsets[1:], offsets.new_tensor([subwords.numel()])])
         lengths = (ends - offsets).float()
         if weights is not None:  # tf-idf weighted bags: normalised by their total weight
@@ -198,6 +200,11 @@ def huffman_paths(words: torch.Tensor, lengths: torch.Tensor, seed: int):
 def make_fasttext() -> nn.Module:
     torch.manual_seed(0)
     return FastText()
+
+
+def make_fasttext_mean() -> nn.Module:
+    torch.manual_seed(0)
+    return FastText(mode="mean")
 
 
 def make_adaptive() -> nn.Module:

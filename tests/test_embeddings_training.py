@@ -308,3 +308,30 @@ def test_fasttext_infinite_idf_weight_is_named_in_its_bag_after_an_empty_one(tmp
     o = rep["origin"]
     assert (rep["reproduced"], rep["cause"], o["phase"], o["tensor"], o["made"],
             o["samples"]) == (True, "input", "input", "args[2]", "+inf", [6]), rep
+
+
+def test_fasttext_mean_bags_with_empty_ones_under_sparse_adam_raise_nothing(tmp_path):
+    # EmbeddingBag(mode="mean", sparse=True) of bags of which some are empty (a row of 0s,
+    # finite gradients), SparseAdam beside the recorded Adam, both decayed linearly to 0
+    model = M.make_fasttext_mean()
+    sparse = torch.optim.SparseAdam(list(model.bag.parameters()), lr=0.05)
+    opt = torch.optim.Adam(model.fc.parameters(), lr=0.05)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: max(0.0, 1 - s / 6))
+              for o in (opt, sparse)]
+    crit = torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    with FlightRecorder(model, opt, out_dir=tmp_path, loss_fn=crit, lr_scheduler=scheds[0],
+                        factory=FACTORY + "make_fasttext_mean"):
+        for _ in range(8):
+            lengths = torch.randint(0, 4, (M.BATCH,), generator=g)
+            sub = torch.randint(0, 200, (int(lengths.sum()),), generator=g)
+            offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+            loss = crit(model(sub, offsets), torch.randint(0, 4, (M.BATCH,), generator=g))
+            sparse.zero_grad()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sparse.step()
+            for s in scheds:
+                s.step()
+    assert torch.isfinite(loss) and not list(tmp_path.iterdir())
