@@ -21,9 +21,12 @@ def looked_up_hint(hint: str | None, model: torch.nn.Module, finder, hit) -> str
     the op (``hit``, blamed from finite inputs) took a value looked up in a floating buffer
     of ``model`` that holds exactly 0 and its values were 0 where its output went
     non-finite; else None. It replaces ``hint``'s advice (an eps at the op, a clamp)."""
-    name = finder.names.hit_buffer
-    if hint is None or hit is None or name is None or hit is not finder.first \
-            or hit.evidence is None or not any(bool((v == 0).any()) for v in hit.evidence.inputs):
+    looked, ev = finder.names.hit_buffer, hit and hit.evidence
+    if hint is None or looked is None or hit is not finder.first or ev is None:
+        return None
+    name, i = looked
+    # (the 0 at the pole is the looked-up input's, not another's: prior[y] / count)
+    if i >= len(ev.inputs) or not ev.elementwise[i] or not bool((ev.inputs[i] == 0).any()):
         return None
     table = dict(model.named_buffers()).get(name)
     if table is None or not table.is_floating_point() or table.numel() == 0:

@@ -36,9 +36,9 @@ class ParamNames:
         # the name, whether an op picked entries of it by index on the way)
         self._tables: dict[int, str] = {}
         self._table_copies: dict[int, tuple[weakref.ref, str, bool]] = {}
-        # the buffer an input of the last op ``among(..., hit=True)`` was asked about came
-        # from: the op finder asks as it blames an op
-        self.hit_buffer: str | None = None
+        # (the buffer, which input) an input of the last op ``among(..., hit=True)`` was asked
+        # about was looked up in: the op finder asks as it blames an op
+        self.hit_buffer: tuple[str, int] | None = None
 
     def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
@@ -62,8 +62,8 @@ class ParamNames:
         product, not the bias. ``hit``: the op is being blamed; keep the buffer one of its
         inputs was looked up in by index (``hit_buffer``)."""
         if hit:
-            self.hit_buffer = next((b for t in ins if (b := self._table_of(t)) is not None
-                                    and b[1]), (None,))[0]
+            self.hit_buffer = next(((b[0], i) for i, t in enumerate(ins)
+                                    if (b := self._table_of(t)) is not None and b[1]), None)
         if not self.params or len(ins) != 1:
             return None
         found = self.params.get((ins[0].data_ptr(), tuple(ins[0].shape)))

@@ -107,6 +107,32 @@ class SampledSoftmax(nn.Module):
         return torch.cat([true_logits[:, None], sample_logits], 1)
 
 
+class NCE(nn.Module):
+    """Stonesjtu/Pytorch-NCE's ``NCELoss`` over a bag-of-context encoder: the model's
+    unnormalised probability ``exp(score - norm_term)`` of the target and of ``k`` noise words
+    drawn from the unigram distribution, each told from noise by ``p / (p + k q)``."""
+
+    def __init__(self, counts: torch.Tensor, k: int = NEGS, norm_term: float = 9.0):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.out = nn.Embedding(VOCAB, DIM)
+        self.bias = nn.Parameter(torch.zeros(VOCAB))
+        self.register_buffer("noise", counts / counts.sum())
+        self.k, self.norm_term = k, norm_term
+
+    def forward(self, context, target):
+        h = self.embed(context).mean(1)
+        noise = torch.multinomial(self.noise, len(target) * self.k, replacement=True).view(
+            len(target), self.k)
+        words = torch.cat([target[:, None], noise], 1)
+        score = (self.out(words) * h[:, None]).sum(-1) + self.bias[words]
+        p_model = torch.exp(score - self.norm_term)
+        p_noise = self.k * self.noise[words]
+        p_true = torch.cat([p_model[:, :1] / (p_model[:, :1] + p_noise[:, :1]),
+                            p_noise[:, 1:] / (p_model[:, 1:] + p_noise[:, 1:])], 1)
+        return -torch.log(p_true).sum(1).mean()
+
+
 class HierarchicalSoftmax(nn.Module):
     """weberrr/pytorch_word2vec: a word's probability is the product of the sigmoids of its
     Huffman path's inner nodes (``codes`` in {-1, +1}, 0 past the path's end)."""
@@ -175,6 +201,11 @@ def make_sampled_softmax() -> nn.Module:
 def make_sampled_softmax_without_hits() -> nn.Module:
     torch.manual_seed(0)
     return SampledSoftmax(unigram_counts(), remove_accidental_hits=True)
+
+
+def make_nce() -> nn.Module:
+    torch.manual_seed(0)
+    return NCE(unigram_counts())
 
 
 def make_hs() -> nn.Module:
