@@ -335,3 +335,27 @@ def test_fasttext_mean_bags_with_empty_ones_under_sparse_adam_raise_nothing(tmp_
             for s in scheds:
                 s.step()
     assert torch.isfinite(loss) and not list(tmp_path.iterdir())
+
+
+def test_nce_ratio_of_an_overflowing_model_probability_underflows_under_log(tmp_path):
+    # BUG: Adam at lr=1.0: scores grow until p_model = exp(score - norm_term) dwarfs a noise
+    # word's k * q, and q_noise / (p_model + q_noise) rounds to 0 under log
+    model = M.make_nce()
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path, factory=FACTORY + "make_nce"):
+            for _ in range(3):
+                for center, context in pairs_loader():
+                    loss = model(context, center)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+    err = info.value
+    assert err.event["phase"] == "forward", err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"]) == (
+        True, "underflow", "", "aten.log", "-inf"), rep
+    assert rep["event"]["step"] == err.event["step"] and len(o["samples"]) == 1, rep
+    assert o["source"] == f"embeddings_training_models.py:{line_of('torch.log(p_true)')}"
+    assert "compute in log space" in rep["hint"], rep["hint"]
