@@ -46,6 +46,7 @@ from .loop_grads import no_backward_reached_the_output as _no_backward_reached_t
 from .loss_grad import loop_differentiation, not_rerun_term
 from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
+from .negative_lr import negative_lr_hint
 from .optimizer_origin import after_update_hint, report_optimizer
 from .origins import (
     infinity_the_loss_took,
@@ -105,6 +106,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     if not add_window(step, report):  # (its measured growth says it, else the precursors)
         _diverging(report, step)
     ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)
+    negative_lr_hint(step, report)  # (a linear decay run past its end: descent turned ascent)
     checked_eps(step, report)  # (an eps the hint would propose, re-run before it is)
     o = report["origin"]
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers

@@ -20,6 +20,7 @@ from .forward_grad import derivative_words, node_sources, with_node
 from .lineage import Lineage
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
+from .looked_up import looked_up_hint
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
@@ -91,15 +92,17 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
-    hint = _hint(step, runner, o, cause, (hit, node, finder.lineage), origin)
+    hint = _hint(step, runner, finder, o, cause, (hit, node), origin)
     return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
 
 
-def _hint(step: Step, runner: Runner, o, cause, found, origin) -> str | None:
-    """The forward origin's hint: the cause's, with what the op took (a parameter), the
-    backward node running it, a raw pole, a log-sum-exp, a log(1 + x) or softplus by hand."""
-    hit, node, lineage = found
-    hint = with_node(origin, _with_param(step, runner, o, cause, hit), cause.name, node)
+def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin) -> str | None:
+    """The forward origin's hint: the cause's, with what the op took (a parameter, a table),
+    the backward node running it, a raw pole, a log-sum-exp, a log(1 + x) or softplus by
+    hand."""
+    hit, node = found
+    lineage = finder.lineage
+    hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
@@ -115,12 +118,15 @@ def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
     return derivative_words(hit, again.origin())
 
 
-def _with_param(step: Step, runner: Runner, o, found, hit) -> str | None:
+def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> str | None:
     """The hint, with the parameter the op took as is named: the fix is then to that
     parameter (bound it, or its learning rate), wherever its values come from; for an op of
     torch's own parametrization (weight_norm) of a layer of zeros, that layer's; for a
-    division by the module's own state, all 0 (a power iteration's u), that state's."""
+    division by the module's own state, all 0 (a power iteration's u), that state's; for a 0
+    looked up in a buffer (a word's sampling probability), that table's."""
     hint, cause = found.hint, found.name
+    if cause == "invalid" and (table := looked_up_hint(hint, runner.model, finder, hit)):
+        return table
     if cause == "invalid" and (own := parametrization_hint(step, o.module, hit and hit.op)):
         return own
     if cause == "invalid" and (zero := zero_state_hint(runner, o, hit)):
@@ -168,7 +174,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
     def hooks(model):
         hs = []
         target = model.get_submodule(module) if module else model
-        finder.index_params(model.named_parameters())
+        finder.index_params(model.named_parameters(), model.named_buffers())
         finder.state = state_of(model)
 
         def pre(m, args):

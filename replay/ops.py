@@ -274,13 +274,13 @@ class OpFinder:
         # the caller seeds one
         self.lineage: Lineage | None = None
 
-    def index_params(self, named) -> None:
-        """Name the parameters ``named`` yields (``model.named_parameters()``)."""
-        self.names.index(named)
+    def index_params(self, named, buffers=()) -> None:
+        """Name the parameters ``named`` yields (``model.named_parameters()``), the buffers."""
+        self.names.index(named, buffers)
 
     def param_among(self, ins: list[torch.Tensor], op: str | None = None) -> str | None:
         """The parameter the op's one input (a division's divisor) is: replay.param_names."""
-        return self.names.among(ins, op)
+        return self.names.among(ins, op, hit=True)
 
     def positive(self, t: torch.Tensor) -> bool:
         """``t`` came from exp/softmax/sigmoid of a finite argument: its zeros underflowed.

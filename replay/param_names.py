@@ -3,7 +3,8 @@ it (an element, ``log(self.sigma[i])``), or a copy of its values an op made with
 them (``torch.diagonal(torch.tril(self.chol))``: an SVGP's Cholesky factor, whose diagonal
 an update stepped to 0), so that the hint names the parameter to keep in the op's domain; a
 division's divisor also when an op made it of one parameter alone (RMTPP's ``w.clamp(min=0)``,
-which training takes to exactly 0)."""
+which training takes to exactly 0); and the buffer an op's input was looked up in
+(``log(self.q[targets])``: a table the model was built with, named by :mod:`replay.looked_up`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ _COPIES = {"tril", "triu", "clone", "_to_copy", "contiguous", "diagonal_copy", "
            "index_select", "gather", "take_along_dim", "masked_select", "repeat", "expand_copy"}
 # divisions: their divisor alone decides the pole every quotient shares
 _DIVISIONS = {"div", "true_divide"}
+
+# those that pick entries by index (a buffer's: a table looked up by the batch's ids)
+_LOOKUPS = {"index", "index_select", "gather", "take_along_dim", "embedding"}
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -34,11 +38,22 @@ class ParamNames:
         # id of a value an op made of one parameter alone (``w.clamp(min=0)``) -> (it, name):
         # named as a division's divisor only, whose pole that parameter then decides
         self._derived: dict[int, tuple[weakref.ref, str]] = {}
+        # a floating buffer's storage -> its name; a copy's, made of its values, -> (the copy,
+        # the name, whether an op picked entries of it by index on the way)
+        self._tables: dict[int, str] = {}
+        self._table_copies: dict[int, tuple[weakref.ref, str, bool]] = {}
+        # (the buffer, which input) an input of the last op ``among(..., hit=True)`` was asked
+        # about was looked up in: the op finder asks as it blames an op
+        self.hit_buffer: tuple[str, int] | None = None
 
-    def index(self, named) -> None:
+    def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
-        and shape and by their storage (a view of one)."""
+        and shape and by their storage (a view of one); and the floating ``buffers``
+        (``model.named_buffers()``) by their storage."""
         self.params, self._copies, self._derived = {}, {}, {}
+        self._table_copies, self.hit_buffer = {}, None
+        self._tables = {p: n for n, b in buffers
+                        if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
         for n, p in named:
             self.params[(p.data_ptr(), tuple(p.shape))] = n
@@ -46,13 +61,18 @@ class ParamNames:
             storages[ptr] = n if ptr not in storages else None  # (shared storage: neither)
         self.params.update({("storage", k): v for k, v in storages.items() if v is not None})
 
-    def among(self, ins: list[torch.Tensor], op: str | None = None) -> str | None:
+    def among(self, ins: list[torch.Tensor], op: str | None = None, hit: bool = False
+              ) -> str | None:
         """The name of the op's one floating input when that is one of the model's
         parameters (a learnable scale or temperature used as is: ``logit_scale.exp()``), a
         view or an unchanged copy of one; of a division's divisor (``x / self.w``: RMTPP's
         closed-form integral over its learned ``w``). Not for other ops of several inputs: a
         Linear's ``addmm`` takes its bias and weight with every input, and what overflows
-        there is the product, not the bias."""
+        there is the product, not the bias. ``hit``: the op is being blamed; keep the buffer
+        one of its inputs was looked up in by index (``hit_buffer``)."""
+        if hit:
+            self.hit_buffer = next(((b[0], i) for i, t in enumerate(ins)
+                                    if (b := self._table_of(t)) is not None and b[1]), None)
         if op in _DIVISIONS and len(ins) == 2:
             return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:
@@ -71,8 +91,13 @@ class ParamNames:
         return hit[1] if hit is not None and hit[0]() is t else None
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        """Follow a copy an op made of a parameter's values (``torch.tril(L)``), and a value
-        made of one parameter alone, value by value (``self.w.clamp(min=0)``, ``F.relu``)."""
+        """Follow a copy an op made of a parameter's values (``torch.tril(L)``) or of a
+        buffer's (``self.q[targets]``), and a value made of one parameter alone, value by
+        value (``self.w.clamp(min=0)``, ``F.relu``)."""
+        if name in _COPIES | _LOOKUPS and len(ins) == 1 and len(outs) == 1 \
+                and (b := self._table_of(ins[0])) is not None \
+                and (ptr := _storage(outs[0])) is not None:
+            self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1] or name in _LOOKUPS)
         if not self.params or len(outs) != 1 or len(ins) != 1 or ins[0].is_nested \
                 or ins[0].layout != torch.strided:  # (no data pointer to name it by)
             return
@@ -82,3 +107,11 @@ class ParamNames:
         elif (param := direct or self._derived_from(ins[0])) is not None \
                 and outs[0].numel() == ins[0].numel():  # (value by value: no norm, no sum)
             self._derived[id(outs[0])] = (weakref.ref(outs[0]), param)
+
+    def _table_of(self, t: torch.Tensor) -> tuple[str, bool] | None:
+        """(the buffer ``t`` holds values of, whether picked by index), or None."""
+        ptr = _storage(t)
+        if ptr is None or (found := self._tables.get(ptr)) is not None:
+            return None if ptr is None else (found, False)
+        copy = self._table_copies.get(ptr)
+        return copy[1:] if copy is not None and copy[0]() is not None else None
