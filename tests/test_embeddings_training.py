@@ -19,9 +19,7 @@ HERE = Path(__file__).parent
 FACTORY = "embeddings_training_models:"
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # embeddings_training_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
