@@ -183,3 +183,20 @@ def test_egnn_without_epsilon_names_the_chain_of_the_coincident_residues(tmp_pat
     assert o["source"] == line_of("coord_diff = coord_diff / norm"), o["source"]
     assert "eps added to that input is exactly 0" in rep["hint"], rep["hint"]
     assert "made-up target" not in rep["hint"], rep["hint"]
+
+
+def test_a_zero_initialised_full_quaternion_update_names_the_layer_not_only_an_eps(tmp_path):
+    # AF2 zero-initialises the backbone update (init="final"); predicting all four quaternion
+    # components, not OpenFold's (1, b, c, d), makes q = 0 and q / |q| is 0/0 at step 0 for
+    # every residue. An eps alone keeps q at 0: a rotation matrix of zeros
+    err = train_structure(tmp_path, "short", model_kw={"full_quaternion": True})
+    assert (err.event["step"], err.event["phase"]) == (0, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "invalid", "bb_update", "aten.div", "nan", list(range(M.BATCH))), rep
+    assert o["source"] == line_of("q = q / q.norm("), o["source"]
+    # (was: only "add an eps to the denominator (std + eps, d.clamp_min(eps))")
+    hint = rep["hint"]
+    assert "parameter bb_update.linear.weight, all 0" in hint, hint
+    assert "(1, b, c, d)" in hint and "small random values" in hint, hint
