@@ -159,10 +159,10 @@ class AlphaFoldLoss(nn.Module):
     """FAPE over CA positions plus the distogram cross-entropy, each averaged per chain."""
 
     def __init__(self, fape_eps: float = 1e-4, clamp: float = 10.0, per_chain_eps: float = 1e-6,
-                 frame_eps: float = 1e-8):
+                 frame_eps: float = 1e-8, rotation_weight: float = 0.0):
         super().__init__()
         self.fape_eps, self.clamp, self.per_chain_eps = fape_eps, clamp, per_chain_eps
-        self.frame_eps = frame_eps
+        self.frame_eps, self.rotation_weight = frame_eps, rotation_weight
 
     def forward(self, out, coords, mask):
         n, ca, c = coords.unbind(-2)
@@ -176,7 +176,12 @@ class AlphaFoldLoss(nn.Module):
         bins = torch.bucketize(dist, torch.linspace(2.0, 22.0, BINS - 1))
         ce = F.cross_entropy(out["distogram"].permute(0, 3, 1, 2), bins, reduction="none")
         ce = (ce * pair).sum((1, 2)) / (pair.sum((1, 2)) + self.per_chain_eps)
-        return (fape + 0.3 * ce).mean()
+        loss = fape + 0.3 * ce
+        if self.rotation_weight:  # the geodesic distance of the predicted rotations to the true
+            cos = ((out["rot"].transpose(-1, -2) @ rot_t).diagonal(dim1=-2, dim2=-1).sum(-1) - 1) / 2
+            angle = torch.acos(cos.clamp(-1.0, 1.0))
+            loss = loss + self.rotation_weight * (angle * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+        return loss.mean()
 
 
 class E_GCL(nn.Module):

@@ -200,3 +200,17 @@ def test_a_zero_initialised_full_quaternion_update_names_the_layer_not_only_an_e
     hint = rep["hint"]
     assert "parameter bb_update.linear.weight, all 0" in hint, hint
     assert "(1, b, c, d)" in hint and "small random values" in hint, hint
+
+
+def test_a_geodesic_rotation_loss_at_the_identity_is_acos_rounded_to_1(tmp_path):
+    # acos((trace(R_pred^T R_true) - 1) / 2), clamped to [-1, 1]: the zero-initialised
+    # backbone update leaves the predicted frames the true ones at step 0, the cosine rounds
+    # to exactly 1, and acos's derivative there is infinite (finite in float64)
+    err = train_structure(tmp_path, "short", loss_kw={"rotation_weight": 0.1})
+    assert (err.event["step"], err.event["phase"]) == (0, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["op"], o["samples"]) == (
+        "precision", "<loss>", "AcosBackward0", list(range(M.BATCH))), rep
+    assert o["source"] == line_of("angle = torch.acos("), o["source"]
+    assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"] and "atan2" in rep["hint"], rep["hint"]
