@@ -130,6 +130,7 @@ class StructureModule(nn.Module):
         self.angles = AngleResnet(angle_eps)
         self.distogram = nn.Linear(C_S, BINS)
         self.frame_eps, self.blocks = frame_eps, blocks
+        self.plddt = nn.Linear(C_S, 4)  # pLDDT bins
 
     def forward(self, aatype, coords, mask, recycles: int = 1):
         n, ca, c = coords.unbind(-2)
@@ -147,7 +148,8 @@ class StructureModule(nn.Module):
             prev = s
         angles, unnorm = self.angles(s, mask)
         pair = self.distogram(s[:, :, None] + s[:, None])
-        return {"rot": rot, "trans": trans, "angles": angles, "unnorm": unnorm, "distogram": pair}
+        return {"rot": rot, "trans": trans, "angles": angles, "unnorm": unnorm, "distogram": pair,
+                "plddt": self.plddt(s)}
 
 
 def make_structure(**kw) -> StructureModule:
@@ -159,10 +161,11 @@ class AlphaFoldLoss(nn.Module):
     """FAPE over CA positions plus the distogram cross-entropy, each averaged per chain."""
 
     def __init__(self, fape_eps: float = 1e-4, clamp: float = 10.0, per_chain_eps: float = 1e-6,
-                 frame_eps: float = 1e-8, rotation_weight: float = 0.0):
+                 frame_eps: float = 1e-8, rotation_weight: float = 0.0, plddt_weight: float = 0.0):
         super().__init__()
         self.fape_eps, self.clamp, self.per_chain_eps = fape_eps, clamp, per_chain_eps
         self.frame_eps, self.rotation_weight = frame_eps, rotation_weight
+        self.plddt_weight = plddt_weight
 
     def forward(self, out, coords, mask):
         n, ca, c = coords.unbind(-2)
@@ -181,6 +184,11 @@ class AlphaFoldLoss(nn.Module):
             cos = ((out["rot"].transpose(-1, -2) @ rot_t).diagonal(dim1=-2, dim2=-1).sum(-1) - 1) / 2
             angle = torch.acos(cos.clamp(-1.0, 1.0))
             loss = loss + self.rotation_weight * (angle * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+        if self.plddt_weight:  # each chain's pLDDT cross-entropy over its resolved residues
+            err = ((out["trans"] - ca) ** 2).sum(-1).detach().sqrt()
+            bins = torch.bucketize(err, torch.tensor([0.5, 1.0, 2.0])).masked_fill(mask == 0, -100)
+            per_chain = [F.cross_entropy(out["plddt"][b], bins[b]) for b in range(len(bins))]
+            loss = loss + self.plddt_weight * torch.stack(per_chain)
         return loss.mean()
 
 

@@ -214,3 +214,17 @@ def test_a_geodesic_rotation_loss_at_the_identity_is_acos_rounded_to_1(tmp_path)
         "precision", "<loss>", "AcosBackward0", list(range(M.BATCH))), rep
     assert o["source"] == line_of("angle = torch.acos("), o["source"]
     assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"] and "atan2" in rep["hint"], rep["hint"]
+
+
+def test_a_per_chain_plddt_cross_entropy_of_a_chain_without_resolved_residue(tmp_path):
+    # the loss loops over the chains, F.cross_entropy over each one's residues with the
+    # unresolved ones ignore_index: chain BAD has none resolved, the mean of nothing is 0/0,
+    # named by the chain the loop's logits[b] took
+    err = train_structure(tmp_path, "empty", loss_kw={"plddt_weight": 0.1})
+    assert (err.event["step"], err.event["phase"]) == (K, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "invalid", "<loss>", "aten.nll_loss_forward", "nan", [BAD]), rep
+    assert o["source"] == line_of("per_chain = [F.cross_entropy("), o["source"]
+    assert "ignore_index" in rep["hint"] and "max(count, 1)" in rep["hint"], rep["hint"]
