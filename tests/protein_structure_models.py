@@ -167,7 +167,7 @@ class AlphaFoldLoss(nn.Module):
         self.frame_eps, self.rotation_weight = frame_eps, rotation_weight
         self.plddt_weight = plddt_weight
 
-    def forward(self, out, coords, mask):
+    def forward(self, out, coords, mask, resolution):
         n, ca, c = coords.unbind(-2)
         rot_t, trans_t = rigid_from_3_points(n, ca, c, self.frame_eps)
         x_p = invert_apply(out["rot"], out["trans"], out["trans"][:, None].expand(-1, ca.shape[1], -1, -1))
@@ -189,7 +189,8 @@ class AlphaFoldLoss(nn.Module):
             bins = torch.bucketize(err, torch.tensor([0.5, 1.0, 2.0])).masked_fill(mask == 0, -100)
             per_chain = [F.cross_entropy(out["plddt"][b], bins[b]) for b in range(len(bins))]
             loss = loss + self.plddt_weight * torch.stack(per_chain)
-        return loss.mean()
+        # OpenFold's filter of the chains by the resolution of their experiment
+        return (loss * ((resolution >= 0.1) & (resolution <= 3.0))).mean()
 
 
 class E_GCL(nn.Module):
@@ -263,7 +264,8 @@ def chain(g: torch.Generator, m: int) -> dict:
     n = ca + torch.tensor([-1.2, 0.7, 0.1]) + 0.1 * torch.randn(m, 3, generator=g)
     c = ca + torch.tensor([1.3, 0.6, -0.2]) + 0.1 * torch.randn(m, 3, generator=g)
     return {"aatype": torch.randint(1, 21, (m,), generator=g),
-            "coords": torch.stack([n, ca, c], dim=1), "mask": torch.ones(m)}
+            "coords": torch.stack([n, ca, c], dim=1), "mask": torch.ones(m),
+            "resolution": 1.5 + float(torch.rand(1, generator=g))}
 
 
 def collate(chains: list[dict]) -> dict:
@@ -276,6 +278,7 @@ def collate(chains: list[dict]) -> dict:
         for key in out:
             out[key][b, :m] = c[key]
     out["lengths"] = [len(c["aatype"]) for c in chains]
+    out["resolution"] = torch.tensor([c["resolution"] for c in chains])
     return out
 
 

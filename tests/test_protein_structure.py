@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from recorder import FlightRecorder, NonFiniteError
 
 HERE = Path(__file__).parent
-K, BAD = 2, 1  # the step the planted chain is in, and its row
+K, BAD = 2, 2  # the step the planted chain is in, and its row
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def train_structure(out_dir, plant: str, model_kw=None, loss_kw=None, steps: int
             for b in loader:
                 opt.zero_grad()
                 out = model(b["aatype"], b["coords"], b["mask"])
-                loss = rec.loss_fn(out, b["coords"], b["mask"])
+                loss = rec.loss_fn(out, b["coords"], b["mask"], b["resolution"])
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
                 opt.step()
