@@ -10,7 +10,10 @@
   their norm (``AngleResnet``), a distogram head, and recycling of the detached single
   representation (``RecyclingEmbedder``).
 - ``AlphaFoldLoss``: FAPE (``openfold/utils/loss.py:compute_fape``: ``sqrt(d^2 + eps)``,
-  clamped at 10 A) and the distogram cross-entropy averaged per chain over its residues.
+  clamped at 10 A) and the distogram cross-entropy averaged per chain over its residues,
+  optionally a pLDDT cross-entropy per chain (unresolved residues ``ignore_index``) and a
+  geodesic rotation loss ``acos((tr(R_pred^T R_true) - 1) / 2)``; chains filtered by their
+  resolution as OpenFold's losses filter them.
 - ``EGNN``: Satorras et al.'s ``egnn_clean.py`` (``E_GCL`` with ``normalize=True``: the
   coordinate update ``(x_i - x_j) * phi(m_ij) / (|x_i - x_j| + epsilon)``), over edge lists
   of the residues' CA atoms, chains flattened into one graph as the QM9 example does.
