@@ -215,7 +215,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
                      f"{domains.g_apart(past[1], 0.0)} against {dt}'s {_g(past[0])}: the "
                      "margin shrank with the type's precision, so rounding put the input "
                      "there, which exact arithmetic does not: " + _advice(situation))
-    if (ev.of_data or ev.of_weights) and situation in _OF_RECORDS:
+    if (ev.of_data or ev.of_weights) and situation in _OF_RECORDS and not lost_eps.zero(ev):
         situation = ("compared" if ev.compared else "of_data") if ev.of_data else "of_weights"
     return Cause("invalid", f"{what}, which exact arithmetic makes too: " + DO[situation])
 

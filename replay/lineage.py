@@ -62,13 +62,15 @@ class Lineage:
 
     # -- seeds
 
-    def seed_samples(self, obj: Any, skip: Iterable[torch.Tensor] = (),
-                     batched: bool = False) -> None:
+    def seed_samples(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None,
+                     skip: Iterable[torch.Tensor] = (), batched: bool = False) -> None:
         """Each tensor inside element ``i`` of a list or tuple as long as the batch (a
-        ``collate_fn``'s targets, one dict per image) belongs to sample ``i``; ``skip``: the
-        model outputs (a list of feature levels as long as the batch is not per sample).
-        ``batched``: a tensor with the batch's samples (a loss's targets; not the model's
-        inputs, which the model's own code transforms) holds every sample's record too."""
+        ``collate_fn``'s targets, one dict per image) among a call's arguments belongs to
+        sample ``i``; the argument list itself is none (an EGNN layer's ``(h, x, row, col)``
+        in a batch of 4); ``skip``: the model outputs (a list of feature levels as long as the
+        batch is not per sample). ``batched``: a tensor with the batch's samples (a loss's
+        targets; not the model's inputs, which the model's own code transforms) holds every
+        sample's record too."""
         n, skipped = self.where.size, {id(t) for t in skip}
         if n < 2:
             return
@@ -91,7 +93,8 @@ class Lineage:
                 # a batched target (follow-up times, event flags): each row a sample's record
                 self._put(o, frozenset(range(n)))
 
-        walk(obj)
+        for a in (*args, *(kwargs or {}).values()):
+            walk(a)
 
     def _batched(self, e: Any) -> bool:
         """``e`` holds nothing per sample: only 0-d tensors or tensors with the batch's

@@ -31,7 +31,7 @@ def loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):
                    if t.requires_grad]
         finder.lineage.seed_learned([*trained, *step.loss_fn.parameters()]
                                     if isinstance(step.loss_fn, torch.nn.Module) else trained)
-        finder.lineage.seed_samples((args, kwargs), skip=[d for o in outputs for d in o],
+        finder.lineage.seed_samples(args, kwargs, skip=[d for o in outputs for d in o],
                                     batched=True)
     return args, kwargs
 

@@ -11,11 +11,13 @@ inputs carry one (:attr:`replay.hits.Evidence.lost_eps`), and :func:`context` sa
 backward node at that pole took the output of an ``add`` whose eps was lost. An eps set to 0
 in the options (BasicSR's Charbonnier ``sqrt(d ** 2 + eps)``, NAFNet's PSNR loss
 ``log(mse + eps)``, SSIM's ``C2`` in ``sigma1 + sigma2 + C2``) guards nothing either: the hint
-"add an eps" is no fix for a user who has one, so that one is said too (only for ``add``: a
-clamp at 0 is a range, ``x.clamp(0, 1)``, not an eps). A divisor made of guarded values
-carries their eps (:class:`CarriedEps`): a kernel feature map's ``relu(x) + kernel_epsilon``
-(performer-pytorch's ``generalized_kernel``) with the eps set to 0 makes queries and keys of
-exact 0s, and ``1 / (q . k_cumsum)`` divides by their products' sum.
+"add an eps" is no fix for a user who has one, so that one is said too: for ``add``, and for a
+clamp whose only bound is a floor of exactly 0 under a value with no negative entry, which it
+leaves as it is (OpenFold's torsion-angle norm ``sqrt(clamp(sum(s ** 2), min=eps))`` with eps
+0); a clamp to a range, ``x.clamp(0, 1)``, or one of values below 0 (a ReLU) is no eps. A
+divisor made of guarded values carries their eps (:class:`CarriedEps`): a kernel feature map's
+``relu(x) + kernel_epsilon`` (performer-pytorch's ``generalized_kernel``) with the eps set to 0
+makes queries and keys of exact 0s, and ``1 / (q . k_cumsum)`` divides by their products' sum.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class LostEps:
         eps = args[1]
         if _lost(eps, out) or name in _ADDS and _zero(eps, out):
             self._of[id(out)] = (weakref.ref(out), float(eps))
+        elif name not in _ADDS and _zero_floor(args, out):
+            self._of[id(out)] = (weakref.ref(out), Floor(0.0))
 
     def _carried(self, name: str, args: Sequence[Any]) -> float | None:
         """The eps of the guarded values the op's output is made of, or None: a view, copy or
@@ -85,6 +89,19 @@ class LostEps:
 
 
 _ADDS = {"add", "add_"}
+
+
+class Floor(float):
+    """An eps that is a clamp's floor under the value, not added to it (its words differ)."""
+
+
+def _zero_floor(args: Sequence[Any], out: Any) -> bool:
+    """A clamp's only bound (``args``: the value, the floor, no ceiling) is a float floor of
+    exactly 0 under a floating value it leaves unchanged: one with no negative entry, so the
+    clamp guards nothing (one host read, on the replay's slow path)."""
+    x, eps = args[0], args[1]
+    return _zero(eps, out) and (len(args) < 3 or args[2] is None) \
+        and isinstance(x, torch.Tensor) and x.is_floating_point() and not bool((x < 0).any())
 
 
 def _zero(eps: Any, out: Any) -> bool:
@@ -118,8 +135,10 @@ class GuardNodes(TorchFunctionMode):
         if name.rstrip("_") in _GUARDS and len(args) >= 1:
             eps = args[1] if len(args) > 1 else kwargs.get("min", kwargs.get("other"))
             zero = name in _ADDS and _zero(eps, out) and "radd" not in getattr(func, "__name__", "")
-            if (_lost(eps, out) or zero) and out.grad_fn is not None:
-                self.nodes.append((out.grad_fn, float(eps)))
+            floor = name not in _ADDS and isinstance(out, torch.Tensor) and _zero_floor(
+                (args[0], eps, args[2] if len(args) > 2 else kwargs.get("max")), out)
+            if (_lost(eps, out) or zero or floor) and out.grad_fn is not None:
+                self.nodes.append((out.grad_fn, Floor(0.0) if floor else float(eps)))
         return out
 
     def of(self, node) -> float | None:
@@ -146,7 +165,8 @@ def context(ev) -> str:
 
 def zero(ev) -> bool:
     """The eps :func:`context` says is one exactly 0 (a choice, not a rounding: what the hint
-    says besides, a mask after the op, still holds)."""
+    says besides, a mask after the op, still holds). An op on data alone guarded so is no
+    degenerate record either: the code foresaw zeros there, and the eps is their fix."""
     first = _first(ev)
     return first is not None and first[0] == 0
 
@@ -174,6 +194,11 @@ def rounded_guard(ev, i: int, w: float) -> bool:
 def said(eps: float, dt: torch.dtype) -> str:
     """The hint's addition for an ``eps`` that ``dt`` rounded to 0, or one exactly 0."""
     name, tiny = str(dt).removeprefix("torch."), torch.finfo(dt).tiny
+    if isinstance(eps, Floor):
+        return ("; the floor that input is clamped to is exactly 0 (an eps option set to 0, "
+                "or 0 meant as 'off'), and it has no negative entry, so the clamp guarded "
+                f"nothing: set it to a positive value, at least {tiny:.3g} in {name} (such "
+                "eps's default to 1e-12 to 1e-6)")
     if isinstance(eps, CarriedEps):  # (a product of two guarded factors is eps ** 2 at least)
         where = "the values that input is a sum of products of (x + eps before the product)"
         least = (f"at least {tiny ** 0.5:.3g} (the square root of {name}'s smallest normal "

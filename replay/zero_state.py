@@ -6,8 +6,14 @@ keeps it 0 (``W^T 0 = 0``, normalised with an eps: 0), so sigma is 0 and ``w / s
 An eps on that divisor, the usual remedy, would multiply the layer by 1/eps instead: the fix is
 to start the state nonzero. Told apart by one forward more: with the state filled with random
 values as the origin's module call begins, that call is finite. Only the origin module's own
-buffers and parameters without gradient are tried (a trained weight at 0, a zero-initialised
-layer put under a normalisation, is the eps's to handle: it keeps the layer at 0).
+buffers and parameters are tried. A trained parameter all 0 is a layer initialised to zeros
+(AF2's structure module zero-initialises its backbone update, ``init="final"``; predicting
+all four quaternion components and dividing them by their norm is then 0/0 at the first
+step): an eps is the fix where a 0 result is fine (a normalised row of zeros), but where the
+result must be a unit vector it keeps it 0 in every sample (a quaternion of 0 is no rotation),
+so the hint says both. Only for a division of values per sample: not of the weights (a
+zero-initialised layer's ``w / sigma`` under a spectral norm), where an eps keeps the layer at
+0, the eps's to handle.
 """
 
 from __future__ import annotations
@@ -40,9 +46,14 @@ def zero_state_hint(runner: Runner, origin, hit) -> str | None:
              for n, t in m.named_buffers(recurse=False)] + \
         [(f"parameter {prefix}{n} (no gradient)", p) for n, p in module.named_parameters()
          if not p.requires_grad]
-    for what, t in state:
+    # (a layer's output per sample, not a weight divided by its own norm: w / sigma)
+    trained = [(f"parameter {prefix}{n}", p) for n, p in module.named_parameters()
+               if p.requires_grad] if hit.rows else []
+    for what, t in state + trained:
         if t.is_floating_point() and t.numel() > 1 and not t.any() \
                 and _finite_without_zeros(runner, origin, module, t):
+            if t.requires_grad:  # (a layer the optimizer trains: initialised to zeros)
+                return ZERO_LAYER.format(op=hit.op, what=what)
             return (f"{hit.op}'s divisor comes from {what}, all 0 as the step began: with "
                     "random values in its place the call is finite. A state vector started at "
                     "zeros (a power iteration's u, which every iteration keeps at 0, normalised "
@@ -50,6 +61,17 @@ def zero_state_hint(runner: Runner, origin, hit) -> str | None:
                     "scale the layer up by 1/eps instead; start it nonzero (torch.randn, "
                     "normalised)")
     return None
+
+
+ZERO_LAYER = (
+    "{op}'s divisor comes from {what}, all 0 as the step began: with random values in its "
+    "place the call is finite. A layer of zeros (zero-initialised: AF2's init='final') "
+    "outputs 0 for every input, and dividing that output by its own norm or spread is 0/0. "
+    "Where the result must be a unit vector (a direction, a quaternion made a rotation), an "
+    "eps on the divisor keeps it 0 in every sample, no unit vector (a quaternion of 0 is no "
+    "rotation): give the vector a fixed nonzero part before normalising (the identity: "
+    "OpenFold's quaternion (1, b, c, d)), or initialise that layer with small random values; "
+    "where 0 is a fine result (a normalised row of zeros), add the eps to the divisor")
 
 
 def _finite_without_zeros(runner: Runner, origin, module, t: torch.Tensor) -> bool:
