@@ -21,9 +21,7 @@ HERE = Path(__file__).parent
 K, BAD = 2, 2  # the step the planted chain is in, and its row
 
 
-@pytest.fixture(autouse=True)
-def _from_tests_dir(monkeypatch):
-    monkeypatch.chdir(HERE)  # protein_structure_models.py is trusted here
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
