@@ -10,8 +10,6 @@ are named (``origin["also"]``: node, source line, samples), and ``drop`` drops t
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from typing import Any
 
 import torch
@@ -22,7 +20,7 @@ from recorder.samples import Samples
 
 from .backward import batch_rows, grad_fns
 from .rerun import Runner
-from .source import traceback_source
+from .source import node_source, node_tracebacks
 
 __all__ = ["add_others", "drop_with_others", "other_makers"]
 
@@ -43,7 +41,7 @@ def other_makers(runner: Runner, where: Samples, node: str | None, source: str |
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
             returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
             if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
-                key = (fn.name(), _source(fn))
+                key = (fn.name(), node_source(fn))
                 rows = batch_rows(fn, list(grad_inputs), where)
                 hits[key] = sorted(set(hits.get(key, [])) | set(rows))
         handles.append(fn.register_hook(hook))
@@ -63,7 +61,7 @@ def other_makers(runner: Runner, where: Samples, node: str | None, source: str |
             lambda m, args, out: walk(grad_fns(tensor_leaves(out))))]
 
     try:
-        runner.run(instrument=False, forward_ctx=_tracebacks, hooks=hooks)
+        runner.run(instrument=False, forward_ctx=node_tracebacks, hooks=hooks)
     finally:
         for h in handles:
             h.remove()
@@ -101,17 +99,3 @@ def also_note(origin: dict[str, Any]) -> str | None:
     return (f"other backward nodes made a non-finite gradient from finite ones in the same "
             f"pass: {named}; the fix is needed there too (dropping the samples named above "
             "alone leaves those)")
-
-
-def _source(fn) -> str | None:
-    tb = (getattr(fn, "metadata", None) or {}).get("traceback_")
-    return traceback_source("".join(tb) if isinstance(tb, list) else str(tb)) if tb else None
-
-
-@contextlib.contextmanager
-def _tracebacks():
-    """The forward under anomaly mode (NaN unchecked): each node keeps its source line."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.autograd.detect_anomaly(check_nan=False):
-            yield

@@ -7,12 +7,14 @@ A frame is the user's when it is neither torch's nor nanreplay's (nor Python's o
 
 from __future__ import annotations
 
+import contextlib
 import io
 import linecache
 import os
 import re
 import tokenize
 import traceback
+import warnings
 
 import torch
 
@@ -43,6 +45,23 @@ def traceback_source(text: str) -> str | None:
     """``file:line`` of the innermost user frame in a formatted traceback (an autograd node's
     forward traceback, as anomaly mode keeps it)."""
     return _first_user((path, line) for path, line in reversed(_FRAME.findall(text)))
+
+
+def node_source(fn) -> str | None:
+    """``file:line`` of the user's code whose forward made autograd node ``fn``, from the
+    traceback anomaly mode keeps on it (see :func:`node_tracebacks`); None without one."""
+    tb = (getattr(fn, "metadata", None) or {}).get("traceback_")
+    return traceback_source("".join(tb) if isinstance(tb, list) else str(tb)) if tb else None
+
+
+@contextlib.contextmanager
+def node_tracebacks():
+    """A forward under anomaly mode without its NaN check: each node keeps its forward's
+    traceback (:func:`node_source`), and a NaN raises nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.detect_anomaly(check_nan=False):
+            yield
 
 
 def _first_user(frames) -> str | None:

@@ -12,9 +12,7 @@ is inside it.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
 from functools import partial
 from typing import Any
 
@@ -26,7 +24,7 @@ from recorder.finite import finite
 from .compat import sequence_nr
 from .domains import g
 from .rerun import Runner
-from .source import traceback_source
+from .source import node_source, node_tracebacks
 
 MIN_NODES = 8  # earlier runs of the node at that line: fewer is no rollout
 GROWTH = 100.0  # the last incoming gradient's largest magnitude over the first's
@@ -101,7 +99,7 @@ def _incoming_sizes(runner: Runner, node: str, source: str) -> list[float]:
             if fn is None or fn in seen or sequence_nr(fn) <= before:
                 continue
             seen.add(fn)
-            if fn.name() == node and _source(fn) == source:
+            if fn.name() == node and node_source(fn) == source:
                 fn.register_hook(partial(hook, name))
             todo.extend(f for f, _ in fn.next_functions)
 
@@ -111,7 +109,7 @@ def _incoming_sizes(runner: Runner, node: str, source: str) -> list[float]:
                           m.register_forward_hook(partial(leave, name)))]
 
     try:
-        runner.run(instrument=False, forward_ctx=_traced, hooks=hooks)
+        runner.run(instrument=False, forward_ctx=node_tracebacks, hooks=hooks)
     except Exception:  # (a re-run that fails here only loses the growth, not the report)
         return []
     return [v for _, v in sizes] if len({name for name, _ in sizes}) == 1 else []
@@ -120,17 +118,3 @@ def _incoming_sizes(runner: Runner, node: str, source: str) -> list[float]:
 def _grad_fns(tree) -> list:
     return [t.grad_fn for t in tensor_leaves(tree)
             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-
-
-def _source(fn) -> str | None:
-    tb = (getattr(fn, "metadata", None) or {}).get("traceback_")
-    return traceback_source("".join(tb) if isinstance(tb, list) else str(tb)) if tb else None
-
-
-@contextlib.contextmanager
-def _traced():
-    """Anomaly mode without its NaN check: each node keeps its forward's traceback."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.autograd.detect_anomaly(check_nan=False):
-            yield
