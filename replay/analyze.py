@@ -46,7 +46,7 @@ from .loop_grads import no_backward_reached_the_output as _no_backward_reached_t
 from .loss_grad import loop_differentiation, not_rerun_term
 from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
-from .negative_lr import negative_lr_hint
+from .negative_lr import below_zero, negative_lr_hint
 from .optimizer_origin import after_update_hint, report_optimizer
 from .origins import (
     infinity_the_loss_took,
@@ -103,8 +103,8 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     report = _from_bundle(report, step) or _from_rerun(report, step)
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
         report["problems"].append(note)
-    if not add_window(step, report):  # (its measured growth says it, else the precursors)
-        _diverging(report, step)
+    if not add_window(step, report) and below_zero(step) is None:  # (else the precursors;
+        _diverging(report, step)  # a rate below 0 climbed: a smaller one is no fix)
     ascent_hint(step, report)  # (maximize=True with a loss that rose: after the growth's)
     negative_lr_hint(step, report)  # (a linear decay run past its end: descent turned ascent)
     checked_eps(step, report)  # (an eps the hint would propose, re-run before it is)

@@ -6,16 +6,13 @@ bug fires, then replayed with the CLI; and healthy runs, which must raise nothin
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import embeddings_training_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 FACTORY = "embeddings_training_models:"
 
 
@@ -23,8 +20,7 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "embeddings_training_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("embeddings_training_models.py", text)
 
 
 def pairs_loader(seed: int = 0):
@@ -69,6 +65,7 @@ def test_sgns_linear_decay_past_its_end_names_the_negative_learning_rate(tmp_pat
     # (was: "the run was diverging ... lower the learning rate or clip the gradients" only,
     # which leaves the schedule's ascent in place)
     assert "learning rate was below 0 from step 5" in rep["hint"], rep["hint"]
+    assert "the run was diverging" not in rep["hint"], rep["hint"]  # (a smaller rate: no fix)
     assert "max(0.0, 1 - step / total)" in rep["hint"], rep["hint"]
     assert "logsigmoid" in rep["hint"], rep["hint"]
 
