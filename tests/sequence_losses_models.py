@@ -217,3 +217,16 @@ def batch(step: int, short: dict[int, int] | None = None, n: int = 4):
 def noam(d_model: int, warmup: int):
     """ESPnet's ``NoamLR`` factor (step counted from 1)."""
     return lambda s: d_model ** -0.5 * min((s + 1) ** -0.5, (s + 1) * warmup ** -1.5)
+
+
+def nbest_batch(step: int, emptied: int | None = None, n: int = 4, beams: int = 3):
+    """An n-best list per utterance (B, N, L), its validity mask and each hypothesis' word
+    errors; ``emptied``: a row whose every hypothesis was pruned (a beam that found none)."""
+    g = torch.Generator().manual_seed(200 + step)
+    hyps = torch.randint(1, VOCAB, (n, beams, 5), generator=g)
+    mask = torch.ones(n, beams, dtype=torch.bool)
+    mask[:, -1] = torch.rand(n, generator=g) > 0.5  # some beams kept fewer hypotheses
+    if emptied is not None:
+        mask[emptied] = False
+    errors = torch.randint(0, 4, (n, beams), generator=g).float()
+    return hyps, mask, errors
