@@ -50,6 +50,7 @@ from .cause_text import (
     GROUP_REDUCTIONS,
     HINTS,
     INF_ARITH,
+    LSE_ALL_INF,
     MASK_ARITH,
     NEAR_POLE_EXP,
     OWN_INF,
@@ -455,8 +456,8 @@ def _saved_inf(op: str, name: str | None, saved: str, inner: str | None, still: 
     if inner and (what := inf_arith(inner, "")):  # (the backward's own inf - inf)
         return Cause("invalid", OWN_INF.format(op=op, inner=inner, what=what,
                                                saved=label(saved)))
-    if saved == "-inf" and name in ("logsumexp", "logcumsumexp"):
-        return Cause("invalid", DO["lse_all_inf"].format(op=op, name=name))
+    if saved == "-inf" and name in LSE_ALL_INF:
+        return Cause("invalid", DO[LSE_ALL_INF[name]].format(op=op, name=name))
     if name and not domains.never_a_pole(name):
         # an op with a pole made it (1/0 masked by torch.where): a pole in the forward
         return Cause("invalid", f"{op} multiplied a {label(saved)} it saved in the "

@@ -346,6 +346,15 @@ DO = {
                    "forward was finite after it; fill masked positions with a large finite "
                    "negative (-1e9; -1e4 in float16) instead of -inf, or keep one finite "
                    "term in every slice (an initial state h0 in a log-space scan)",
+    # logaddexp(-inf, -inf): a lattice's unreachable cells (a CTC or transducer alpha
+    # recursion started at -inf); the same 0/0 derivative, one cell at a time
+    "lae_both_inf": "{op} multiplied a -Inf it saved in the forward: {name} was given -inf "
+                    "in both arguments (a log-space recursion's unreachable cells, a CTC or "
+                    "transducer lattice's alpha started at -inf), so its result there is -inf "
+                    "and its derivative exp(a - result) is exp(-inf + inf) = NaN, though the "
+                    "loss was finite; start the unreachable cells at a large finite negative "
+                    "(-1e30; -1e4 in float16) instead of -inf, or use F.ctc_loss / "
+                    "torchaudio.functional.rnnt_loss, whose gradients skip those cells",
     "backward_pole": "a forward that masks the value out (torch.where, masked_fill) still "
                      "sends the gradient through both branches, so make the op's input safe "
                      "before the op (torch.where(mask, x, 1)) or add an eps",
@@ -469,3 +478,7 @@ def no_float64(e: Exception) -> str:
 NO_FORWARD = ("the step ran no forward of the recorded model: the loop wrote the gradients of "
               "this update itself, from a copy of the model it trained (Reptile) or other "
               "code the replay cannot re-run")
+
+# the forward ops whose derivative exp(x - result) is 0/0 where every term is -inf: which text
+LSE_ALL_INF = {"logsumexp": "lse_all_inf", "logcumsumexp": "lse_all_inf",
+               "logaddexp": "lae_both_inf", "logaddexp2": "lae_both_inf"}

@@ -29,6 +29,7 @@ from .cancellation import Cancellation
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
 from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
+from .earlier_nan import earlier_nan
 from .factors import made_by
 from .float64 import as_float64, upcast
 from .folds import folded_inputs, folds
@@ -452,16 +453,15 @@ class OpFinder:
         """The op to blame: the first unintentional non-finite maker, else the NaN maker."""
         return self.first or self.first_nan
 
-    def blamed(self) -> OpHit | None:
+    def blamed(self, made: str | None = None) -> OpHit | None:
         """:meth:`origin`, unless a reduction folded an intended fill into -inf before the NaN
-        (a fully masked row's logsumexp, a scatter max over a group with no element): the
-        NaN came from that, later (a log-domain Sinkhorn's ``f - C`` of a point every pair of
-        which is forbidden), so blame it; or unless the first infinity is one exact
-        arithmetic makes too (the log of a 0 it was given) and the NaN was made of finite
-        values after an op took the infinities back to finite ones (exp(-inf) = 0): it never
-        reached the NaN's maker, which is blamed."""
+        (a log-domain Sinkhorn's fully forbidden row), a NaN came first in a NaN result ``made``
+        (``earlier_nan``), or the first infinity is exact (a log of 0 given) and an op took it
+        back to finite values (exp(-inf) = 0) before the NaN was made of finite ones."""
         if self.intentional is not None and (reduced := self.reduced_first()) is not None:
             return reduced
+        if (earlier := earlier_nan(self.first, self.first_nan, made)) is not None:
+            return earlier
         n = self.first_nan
         if n is not None and n.inputs_finite and self.absorbed and self.first is not None \
                 and exact_pole(self.first):
@@ -483,11 +483,11 @@ class OpFinder:
         r, n = self.first_reduced, self.first_nan
         return r if self.first is None and r and (n is None or r.seq < n.seq) else None
 
-    def chain(self) -> list[dict[str, Any]]:
+    def chain(self, made: str | None = None) -> list[dict[str, Any]]:
         """Where the first non-finite value came from and where the first NaN was made (not
         an exact infinity taken back to finite values before it: :meth:`blamed`)."""
         out = []
-        start = None if self.first and self.blamed() is self.first_nan else \
+        start = None if self.first and self.blamed(made) is self.first_nan else \
             self.first or self.intentional
         if start is not None:
             out.append(start.as_json())

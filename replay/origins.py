@@ -151,7 +151,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     # no op made it of finite inputs: the loss folded in an infinity the output may hold (a -inf
     # mask, allow_inf), or took a buffer it holds non-finite (EWC's Fisher, Deep SVDD's NaN c)
     held = non_finite_loss_state(step.loss_fn)
-    hit = finder.blamed() or finder.first_reduced or (  # (first_met: a loss buffer's NaN
+    hit = finder.blamed(made) or finder.first_reduced or (  # (first_met: a loss buffer's NaN
         (finder.first_held or finder.first_met) if held else None)  # met the model output)
     if hit is None and (term := report_term_arg(report, step, mb)) is not None:
         return term  # (a penalty the loop made of the weights, given to the loss: passed on)
@@ -160,7 +160,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         hit.from_mask = not all(finite(t) for t in tensor_leaves((args, kwargs)))
     origin = origin_fields(
         phase="loss", module="<loss>", micro_batch=mb, op=hit.op if hit else None,
-        source=hit.source if hit else None, chain=finder.chain(),
+        source=hit.source if hit else None, chain=finder.chain(made),
         samples=loss_samples(step, run, mb) or (hit.rows if hit else None) or [],
         made=hit.made if hit else made,
         # (the type it computed in: a half model output the loop's loss took as it was)
