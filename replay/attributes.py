@@ -52,7 +52,7 @@ def set_step_attributes(meta: dict[str, Any], model: nn.Module, attrs: dict | No
             v, built = now.get(k, at_attach.get(k)), vars(m).get(k)
             if type(built) is float and v in _SPELT:
                 v = float(v)
-            if k != "training" and type(v) in PLAIN and type(built) is type(v):
+            if k != "training" and _same_kind(v, built):
                 setattr(m, k, v)
 
 
@@ -108,9 +108,17 @@ def _differing(meta: dict[str, Any], model: nn.Module, key: str):
             built = vars(m).get(k)
             if type(built) is float and v in _SPELT:  # a non-finite float, spelt (jsonable)
                 v = float(v)
-            if type(v) in PLAIN and type(built) is type(v) and built != v \
+            if _same_kind(v, built) and built != v \
                     and not (built != built and v != v):  # (NaN both: the same)
                 yield info["name"] or "<root>", m, k, v, built
+
+
+def _same_kind(v, built) -> bool:
+    """``v`` may stand for ``built``: the same plain type, or a number for a number (a loop's
+    schedule that sets a float temperature from a list of ints, ``beta = betas[step]``)."""
+    numbers = (int, float)
+    return type(v) in PLAIN and (type(built) is type(v) or (
+        type(v) in numbers and type(built) in numbers))
 
 
 def restored_note(restored: list[str]) -> str:
