@@ -112,7 +112,7 @@ def test_soft_tree_beta_set_from_an_int_schedule_is_restored_and_reproduces(tmp_
         True, "invalid", "", "LogBackward0"), rep
     assert o["source"] == source_line(MODELS, "torch.log(mu)")
     assert o["samples"] and 6 not in o["samples"], o["samples"]
-    assert any("<root>.beta = 16 (the factory built 1.0)" in p for p in rep["problems"]), rep
+    assert any("<root>.beta = 16.0 (the factory built 1.0)" in p for p in rep["problems"]), rep
 
 
 def test_gumbel_softmax_temperature_annealed_to_0_names_the_division_and_the_setting(tmp_path):
