@@ -26,13 +26,17 @@ N_NUM, CARDS, D_EMB, N_CLASSES = 4, (5, 3), 2, 3
 N_FEAT = N_NUM + D_EMB * len(CARDS)
 
 
-def loader(n: int = 64, batch: int = 16, seed: int = 0, mask_rows=()) -> DataLoader:
+def loader(n: int = 64, batch: int = 16, seed: int = 0, mask_rows=(),
+           partial: bool = False) -> DataLoader:
     """Numeric columns, categorical codes, a feature-availability mask (0: column missing for
-    that record) and class labels. ``mask_rows`` lists records with every feature missing."""
+    that record) and class labels. ``mask_rows`` lists records with every feature missing;
+    ``partial`` leaves the numeric columns out of every third record (other features kept)."""
     g = torch.Generator().manual_seed(seed)
     num = torch.randn(n, N_NUM, generator=g)
     cat = torch.stack([torch.randint(0, c, (n,), generator=g) for c in CARDS], 1)
     avail = torch.ones(n, N_FEAT)
+    if partial:
+        avail[::3, :N_NUM] = 0
     for r in mask_rows:
         avail[r] = 0
     y = torch.randint(0, N_CLASSES, (n,), generator=g)
