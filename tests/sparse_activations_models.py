@@ -9,6 +9,8 @@ as their public repositories write them:
   regulariser ``mean(sum(-M * log(M + eps)))`` (``tab_network.TabNetEncoder``; eps 1e-15 there).
 - ``SoftTree``: a soft decision tree (Frosst & Hinton; kimhc6028/soft-decision-tree): the
   probability of a leaf is the product of sigmoid routings along its path, then ``log``.
+- ``NodeLite``: NODE's feature choice (Qwicen/node ``lib/odst.py``) through entmax-1.5 as
+  deep-spin/entmax's ``Entmax15Function``, over the record's available features.
 - ``GumbelHead``: straight-through gumbel-softmax as ``torch.nn.functional.gumbel_softmax``
   writes it (``(logits + g) / tau``) with the temperature annealed by the training loop.
 
@@ -63,6 +65,73 @@ def sparsemax(z: torch.Tensor, dim: int = -1) -> torch.Tensor:
     k = support.sum(dim=dim, keepdim=True)
     tau = cumsum.gather(dim, (k - 1).clamp_min(0)) / k.to(z.dtype)
     return torch.clamp(z - tau, min=0)
+
+
+class Entmax15Function(torch.autograd.Function):
+    """entmax-1.5 as deep-spin/entmax's ``Entmax15Function`` (exact sort-based threshold)."""
+
+    @staticmethod
+    def forward(ctx, X, dim=-1):
+        ctx.dim = dim
+        max_val, _ = X.max(dim=dim, keepdim=True)
+        X = X - max_val  # same numerical stability trick as for softmax
+        X = X / 2  # divide by 2 to solve actual Entmax
+        Xsrt, _ = torch.sort(X, dim=dim, descending=True)
+        rho = torch.arange(1, X.size(dim) + 1, dtype=X.dtype, device=X.device)
+        mean = Xsrt.cumsum(dim) / rho
+        mean_sq = (Xsrt ** 2).cumsum(dim) / rho
+        ss = rho * (mean_sq - mean ** 2)
+        delta = (1 - ss) / rho
+        tau = mean - torch.sqrt(torch.clamp(delta, 0))
+        support_size = (tau <= Xsrt).sum(dim).unsqueeze(dim)
+        tau_star = tau.gather(dim, support_size - 1)
+        Y = torch.clamp(X - tau_star, min=0) ** 2
+        ctx.save_for_backward(Y)
+        return Y
+
+    @staticmethod
+    def backward(ctx, dY):
+        Y, = ctx.saved_tensors
+        gppr = Y.sqrt()  # = 1 / g'' (Y)
+        dX = dY * gppr
+        q = dX.sum(ctx.dim) / gppr.sum(ctx.dim)
+        dX -= q.unsqueeze(ctx.dim) * gppr
+        return dX, None
+
+
+class FeatureChoice(nn.Module):
+    """NODE's choice function over the available features (entmax15 of learned logits plus
+    the record's availability mask), feeding one oblivious split per tree."""
+
+    def __init__(self, trees: int = 4):
+        super().__init__()
+        self.logits = nn.Parameter(torch.rand(N_FEAT, trees))
+        self.thresholds = nn.Parameter(torch.zeros(trees))
+        self.log_temperatures = nn.Parameter(torch.zeros(trees))
+        self.response = nn.Linear(trees, N_CLASSES)
+
+    def forward(self, x, avail):
+        bias = torch.zeros_like(avail).masked_fill(avail == 0, float("-inf"))
+        z = self.logits.t()[None] + bias[:, None, :]  # (batch, trees, features)
+        w = Entmax15Function.apply(z, -1)
+        values = (w * x[:, None, :]).sum(-1)
+        split = torch.sigmoid((values - self.thresholds) * torch.exp(-self.log_temperatures))
+        return self.response(split)
+
+
+class NodeLite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedder = Embedder()
+        self.choice = FeatureChoice()
+
+    def forward(self, num, cat, avail):
+        return self.choice(self.embedder(num, cat), avail)
+
+
+def make_node() -> nn.Module:
+    torch.manual_seed(0)
+    return NodeLite()
 
 
 class AttentiveTransformer(nn.Module):
