@@ -42,7 +42,7 @@ import torch
 
 from recorder.finite import label
 
-from . import cancellation, domains, lost_eps, residue, root_floor, saturation, upstream
+from . import cancellation, domains, empty_rows, lost_eps, residue, root_floor, saturation, upstream
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -361,7 +361,7 @@ def _from_infinities(hit: OpHit) -> Cause:
                      + DO["inf_weight"])
     what = INF_ARITH.get(name, "NaN from infinities")
     if hit.from_mask and name in MASK_ARITH:  # the only infinities were put in on purpose
-        given, do = MASK_ARITH[name]
+        given, do = empty_rows.advice(hit) or MASK_ARITH[name]
         return Cause("invalid", f"{hit.op} computed {what}, NaN in exact arithmetic too, "
                      f"from {given} put in on purpose (a mask: the chain's start, or the "
                      f"model output's, which allow_inf lets hold it){do}")

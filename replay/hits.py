@@ -33,6 +33,7 @@ class OpHit:
     node: Any = None
     seq: int = 0  # how many ops of any kind came before it in the watched code
     from_mask: bool = False  # made NaN when only intended infinities (a mask) had been made
+    row_masked: bool = False  # and an operand's whole row was -inf there (replay.empty_rows)
 
     def as_json(self) -> dict[str, Any]:
         # (its dtype: the type an overflow of its output beat, which can be another than the

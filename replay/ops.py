@@ -25,6 +25,7 @@ import torch
 from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
+from . import empty_rows
 from .cancellation import Cancellation
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
 from .composite import Composites, composite_hit
@@ -144,7 +145,7 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
     with its evidence too when :meth:`OpFinder.blamed` may blame it (made of finite values
     after an exact infinity that an op took back to finite ones)."""
     hit.within, hit.rows = f.where, f.batch_rows(outs)
-    hit.from_mask = f.first is None and bool(f.intentional)
+    empty_rows.mark(hit, f.first is None and bool(f.intentional), ins, outs[0])
     mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit)  # (inf * mask's 0)
     if in_finite and f.absorbed and f.first is not None and exact_pole(f.first):
         try:
@@ -206,8 +207,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     exp_made=[f.positive(t) or f.partly.at(t, bad) for t in ins],
                     local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
-                    zero_dim=[t.dim() == 0 for t in ins],
-                    factor=[made_by(t) for t in ins],
+                    zero_dim=[t.dim() == 0 for t in ins], factor=[made_by(t) for t in ins],
                     sizes=list(f.sizes.get(func.overloadpacket.__name__, ())),
                     lost_eps=[f.lost_eps.of(t) for t in ins],
                     terms=[f.cancellation.at(t, bad) for t in ins],

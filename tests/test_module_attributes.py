@@ -80,14 +80,18 @@ def test_a_bundle_sets_only_attributes_the_model_has_of_the_same_type():
     model = TemperatureSoftmax()
     meta = {"modules": [
         {"name": "", "attrs": {"tau": 0.5, "missing": 3, "training": False}},
-        {"name": "drop", "attrs": {"p": 1, "inplace": True}},  # p: an int for a float
+        # p: an int for a float, the same number (a schedule of ints), set as the float 1.0
+        {"name": "drop", "attrs": {"p": 1, "inplace": True}},
         {"name": "nowhere", "attrs": {"tau": 2.0}},
-        {"name": "enc", "attrs": {"in_features": [1, 2]}},
+        # a float for an int (another number) and a list: left alone
+        {"name": "enc", "attrs": {"in_features": [1, 2], "out_features": 2.5}},
     ]}
     restored = restore_attributes(meta, model)
     assert restored == ["<root>.tau = 0.5 (the factory built 1.0)",
+                        "drop.p = 1.0 (the factory built 0.0)",
                         "drop.inplace = True (the factory built False)"], restored
-    assert (model.tau, model.drop.p, model.enc.in_features) == (0.5, 0.0, 8)
+    assert (model.tau, model.drop.p, model.enc.in_features) == (0.5, 1.0, 8)
+    assert type(model.drop.p) is float and type(model.enc.out_features) is int
     assert not hasattr(model, "missing") and model.training is True
 
 
