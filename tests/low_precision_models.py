@@ -35,14 +35,28 @@ def fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype, saturate: bool = True)
     return x + (q - x).detach()
 
 
+class CastToFloat8(nn.Module):
+    """The cast as a module of its own that returns the float8 codes (Transformer Engine's
+    ``Float8Tensor`` carries codes and scale out of the cast into the GEMM)."""
+
+    def __init__(self, dtype=torch.float8_e4m3fn):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x, scale):
+        fmax = torch.finfo(self.dtype).max
+        return (x.detach() * scale).clamp(-fmax, fmax).to(self.dtype)
+
+
 class Float8Linear(nn.Linear):
     """``nn.Linear`` whose input and weight pass through float8 with delayed scaling: the scale
     of each comes from the largest amax of the last ``HISTORY`` steps."""
 
     def __init__(self, d_in, d_out, act_dtype=torch.float8_e4m3fn, eps: float = 0.0,
-                 saturate: bool = True):
+                 saturate: bool = True, cast_module: bool = False):
         super().__init__(d_in, d_out)
         self.act_dtype, self.eps, self.saturate = act_dtype, eps, saturate
+        self.cast_x = CastToFloat8(act_dtype) if cast_module else None
         self.register_buffer("amax_history_x", torch.zeros(HISTORY))
         self.register_buffer("amax_history_w", torch.zeros(HISTORY))
 
@@ -66,7 +80,11 @@ class Float8Linear(nn.Linear):
         fmax = torch.finfo(self.act_dtype).max
         sx = self.scale_of(x, self.amax_history_x, fmax)
         sw = self.scale_of(self.weight, self.amax_history_w, E4M3_MAX)
-        x8 = fp8_cast(x, sx, self.act_dtype, self.saturate)
+        if self.cast_x is not None:
+            codes = self.cast_x(x, sx)
+            x8 = x + (codes.to(x.dtype) / sx - x).detach()
+        else:
+            x8 = fp8_cast(x, sx, self.act_dtype, self.saturate)
         w8 = fp8_cast(self.weight, sw, torch.float8_e4m3fn)
         return F.linear(x8, w8, self.bias)
 
@@ -102,6 +120,11 @@ def make_zero_init() -> nn.Module:
 def make_zero_init_fixed() -> nn.Module:
     torch.manual_seed(0)
     return Fp8Mlp(zero_init=True, eps=1e-12)
+
+
+def make_cast_modules() -> nn.Module:
+    torch.manual_seed(0)
+    return Fp8Mlp(eps=1e-12, cast_module=True)
 
 
 def make_e5m2_unsaturated() -> nn.Module:

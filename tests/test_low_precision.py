@@ -31,8 +31,9 @@ def token_batch(g, n: int = 8):
     return ids, mask, ids[:, 0] % M.N_CLASSES
 
 
-def train_fp8(out_dir, factory: str, steps: int = 6):
-    """AdamW with a warmup schedule; the forward takes a per-sample mask beside the input."""
+def train_fp8(out_dir, factory: str, steps: int = 6, bad: tuple[int, int] | None = None):
+    """AdamW with a warmup schedule; the forward takes a per-sample mask beside the input.
+    ``bad``: (step, sample) whose record holds a NaN feature."""
     model = getattr(M, factory)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
@@ -41,6 +42,8 @@ def train_fp8(out_dir, factory: str, steps: int = 6):
                         factory=f"low_precision_models:{factory}") as rec:
         for _ in range(steps):
             x, y = batch(g)
+            if bad is not None and rec.step == bad[0]:
+                x[bad[1], 3] = float("nan")
             loss = rec.loss_fn(model(x, torch.ones(len(x))), y)
             opt.zero_grad()
             loss.backward()
@@ -112,6 +115,20 @@ def test_zero_initialised_fp8_layer_asks_to_guard_the_scale_not_to_start_the_his
     assert "parameter proj.weight" in rep["hint"] and "amax.clamp(min=eps)" in rep["hint"], \
         rep["hint"]
     assert "start it nonzero" not in rep["hint"], rep["hint"]
+
+
+def test_a_module_returning_float8_codes_keeps_the_recorder_on(out_dir):
+    # the casts are modules of their own whose outputs are float8 codes; a corrupt record at
+    # step 3 must still be caught (was: "recorder disabled after an internal error
+    # (aminmax_cpu not implemented for 'Float8_e4m3fn')" at step 0, training unrecorded)
+    err = event_of(train_fp8, out_dir, "make_cast_modules", bad=(3, 2))
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (3, "input", "args[0]", [2])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["tensor"], o["samples"]) == (
+        True, "input", "args[0]", [2]), rep
+    assert "data pipeline" in rep["hint"], rep["hint"]
 
 
 def test_unsaturated_e5m2_cast_with_a_stale_delayed_scale_asks_to_saturate(out_dir):
