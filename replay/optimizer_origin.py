@@ -67,7 +67,7 @@ def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[st
     # (the groups holding the weights it made non-finite; every group when none is known)
     own = [g for g in groups if set(g.get("params") or ()) & set(params)] or groups
     bad = non_finite_hyper(step, at, own)
-    why = (_hyper_why(bad) if bad else stale_why if stale and stale_why else
+    why = (_hyper_why(bad) if bad else stale_why if stale_why else
            f"its state {stale[1]} of {stale[0]} already held {stale[2]} before this update "
            "(the recorder does not read optimizer state each step): loaded that way "
            "(optimizer.load_state_dict from a bad checkpoint) or written outside the "

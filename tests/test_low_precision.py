@@ -78,11 +78,13 @@ def train_scaled(out_dir, steps: int, max_scale=None):
     return scaler
 
 
-def train_fp8_adam(out_dir, clip: float, steps: int = 4):
+def train_fp8_adam(out_dir, clip: float, steps: int = 4, keep=None):
+    """``keep``: how the update stays replayable (guard_optimizer=True, or rewind=N)."""
     model = M.make_token_classifier()
     opt = M.AdamFp8State(model.parameters(), lr=1e-3, clip=clip)
     g = torch.Generator().manual_seed(0)
-    with FlightRecorder(model, opt, loss_fn=F.cross_entropy, out_dir=out_dir, guard_optimizer=True,
+    with FlightRecorder(model, opt, loss_fn=F.cross_entropy, out_dir=out_dir,
+                        **(keep or {"guard_optimizer": True}),
                         factory="low_precision_models:make_token_classifier_fp8_adam") as rec:
         for _ in range(steps):
             ids, mask, y = token_batch(g)
@@ -162,10 +164,11 @@ def test_an_uncapped_hand_written_loss_scale_that_reached_inf_is_named(out_dir):
     assert "compute the whole loss inside loss_fn" not in rep["hint"], rep["hint"]
 
 
-def test_fp8_adam_state_of_a_zero_block_is_named_with_its_absmax(out_dir):
+@pytest.mark.parametrize("keep", [{"guard_optimizer": True}, {"rewind": 2}])
+def test_fp8_adam_state_of_a_zero_block_is_named_with_its_absmax(out_dir, keep):
     # half the embedding rows never get a gradient: their moment blocks are 0, quantised as
     # 0 / absmax 0 (NaN codes) at step 0, dequantised into the update at step 1
-    err = event_of(train_fp8_adam, out_dir, clip=0.0)
+    err = event_of(train_fp8_adam, out_dir, clip=0.0, keep=keep)
     assert (err.event["step"], err.event["phase"], err.event["params"]) == (
         1, "optimizer", ["embed.weight"]), err.event
     # (was: KeyError 'm' from the optimizer's own step: its tuple state was not in the bundle)
