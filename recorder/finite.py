@@ -56,6 +56,12 @@ def stored(t: torch.Tensor) -> torch.Tensor:
     return t if t.layout == torch.strided else sparse_values(t)
 
 
+# the 1-byte float dtypes (hand-written FP8 training casts to and from them)
+FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                "float8_e5m2fnuz", "float8_e8m0fnu")
+                   if hasattr(torch, n))
+
+
 def ends(t: torch.Tensor) -> torch.Tensor:
     """(min, max) of a real floating tensor as a float64 pair, on its device. NaN propagates
     into both and +-Inf shows as an extreme, so the pair tells every kind in one reduction
@@ -67,6 +73,8 @@ def extrema(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.aminmax`` of ``t``'s stored values; (0, 0) when it has none (an empty batch,
     Poisson sampling's draw of no sample), whose finiteness nothing contradicts."""
     values = stored(t)
+    if values.dtype in FLOAT8:  # (aminmax has no float8 kernel)
+        values = values.float()
     if values.numel():
         return torch.aminmax(values)
     zero = values.new_zeros(())

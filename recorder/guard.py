@@ -25,6 +25,7 @@ from .cycle import StepCycle, UpdateEvidence
 from .grads import reread_changed_grads
 from .hooks import Health, Hook
 from .inner_optim import full_state
+from .seq_state import cloned
 from .shards import local
 from .slots import _WIDE, STRICT, FlatViews, Slots
 from .tape import Tape
@@ -300,8 +301,7 @@ def _copy_for_guard(optimizer, params) -> dict[str, Any]:
                 if p.grad is not None:
                     copies["grads"][n] = p.grad.detach().clone()
                 st = full_state(optimizer, p)
-                copies["state"][n] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                                      for k, v in st.items()}
+                copies["state"][n] = {k: cloned(v) for k, v in st.items()}
     for d in (copies["weights"], copies["grads"]):
         copies["tensors"].extend(d.values())
     for st in copies["state"].values():

@@ -29,6 +29,7 @@ from .rewind import Rewind
 from .ring import RingBuffer
 from .rng import rng_to_bundle
 from .samples import of_micro_batch
+from .seq_state import store_seq
 from .settings import Settings
 from .shards import class_name, localize, mixed_precision
 from .tape import Tape
@@ -214,6 +215,8 @@ def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
                 tensors[f"optim/{name}/{k}"] = v.detach()
+            elif store_seq(name, k, v, tensors, scalars):  # (quantised: codes and scales)
+                continue
             elif jsonish(v):
                 scalars.setdefault(name, {})[k] = v
     defaults = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opt.defaults.items()

@@ -59,6 +59,7 @@ from .cause_text import (
 )
 from .dispatch import OpAt
 from .domains import g as _g
+from .float8_cast import float8_cast_advice
 from .float64_step import float64_still
 from .literal_range import literal_hint, unheld_literal
 from .ops import Evidence, OpHit
@@ -285,8 +286,8 @@ def _wider(dtype: torch.dtype, op: str | None = None, ev: Evidence | None = None
     rescaling or float64 (and, for an exponential ``op`` or a product with a huge factor an
     exponential made, bounding its exponent): bfloat16 has float32's range, so what overflows
     it overflows float32 too."""
-    if torch.finfo(dtype).max < torch.finfo(torch.float32).max / 2:
-        return DO["wider"]
+    if torch.finfo(dtype).max < torch.finfo(torch.float32).max / 2:  # (a float8 cast: its own)
+        return float8_cast_advice(op, dtype) or DO["wider"]
     exp = op is not None and _name(op) in _EXPONENTIAL or ev is not None and _exp_factor(ev)
     return DO["wider64_exp"] if exp else DO["wider64"]
 

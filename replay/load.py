@@ -38,7 +38,8 @@ from .views import same_view
 from .weights import load_weights
 from .written_weights import refill_written
 
-WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/", "trained/")
+WEIGHT_PREFIXES = ("weights/", "buffers/", "grads/", "optim/", "optim_group/", "optim_seq/",
+                   "trained/")
 BATCH_PREFIXES = ("batch/", "loss_in/", "outgrad/")
 
 

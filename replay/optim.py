@@ -11,6 +11,7 @@ from torch import nn
 
 from recorder.finite import finite, tensors_kind
 from recorder.inner_optim import put_state, state_items
+from recorder.seq_state import load_seq
 
 from .cause_text import EPS0_CUSTOM_UPDATE, EPS_LOST_UPDATE, SQUARED_EPS_LOST
 
@@ -57,7 +58,8 @@ def build_optimizer(step, model: nn.Module, opt_factory):
         for key, t in step.tensors.items():
             if key.startswith(prefix):
                 state[key[len(prefix):]] = t.to(step.device) if t.dim() else t
-        state.update(scalars.get(name, {}))
+        state.update({k: load_seq(v, step.tensors, step.device)
+                      for k, v in scalars.get(name, {}).items()})
         if state:
             put_state(opt, p, state)
     return opt
@@ -174,8 +176,11 @@ def stale_state(model, opt) -> tuple[str, str, str] | None:
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in state_items(opt):
         for k, v in st.items():
-            if torch.is_tensor(v) and v.is_floating_point() and not finite(v):
-                return names.get(id(p), "?"), k, tensors_kind([v])
+            # (a tuple or list of tensors: a quantised state's codes and scales)
+            for i, t in enumerate(v if isinstance(v, (tuple, list)) else [v]):
+                if torch.is_tensor(t) and t.is_floating_point() and not finite(t):
+                    at = f"{k}[{i}]" if isinstance(v, (tuple, list)) else k
+                    return names.get(id(p), "?"), at, tensors_kind([t])
     return None
 
 

@@ -10,6 +10,7 @@ import torch
 
 from recorder.finite import finite, tensors_kind
 from recorder.inner_optim import put_state, state_items
+from recorder.seq_state import cloned
 
 from .cause_text import HINTS, eps0_text
 from .findings import finish, origin_fields
@@ -18,6 +19,7 @@ from .hyper import decode_non_finite_hyper, non_finite_hyper
 from .load import Step
 from .ops import OpFinder
 from .optim import eps_lost_text, per_parameter, stale_state
+from .quantised_state import zero_scale_why
 from .rerun import Runner
 from .update_domain import domain_why, negative_input, update_domain, updated_rows
 from .zero_grad import zero_gradient_text
@@ -28,6 +30,7 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     runner.run(instrument=False)
     _own_copies(step.model, step.optimizer)
     stale = stale_state(step.model, step.optimizer)
+    quantised = zero_scale_why(step.model, step.optimizer)  # (before the update rewrites it)
     finder = OpFinder()
     with per_parameter(step.optimizer), finder:  # (a fused kernel shows no op)
         step.optimizer.step()
@@ -44,26 +47,27 @@ def report_optimizer(report, step: Step, runner: Runner) -> dict[str, Any]:
     origin.update(rows)  # (an embedding's entities: which the update broke)
     hint = optimizer_hint(step, hit.op if hit else None, made, bad, step.event.get("step"),
                           "re-run from the copies taken before the update",
-                          stale=stale, domain=domain) + where if bad else None
+                          stale=stale, domain=domain, stale_why=quantised) + where if bad else None
     return finish(report, origin, "optimizer", reproduced=bool(bad), hint=hint)
 
 
 def optimizer_hint(step: Step, op: str | None, made: str | None, params: list[str], at,
                    rerun_from: str, stale: tuple[str, str, str] | None = None,
-                   domain: str | None = None) -> str:
+                   domain: str | None = None, stale_why: str | None = None) -> str:
     """The hint of an update re-run under the op finder that made ``made`` in ``params``: a
     guard bundle's (:func:`report_optimizer`) or a rewind window's
     (``replay.window_report``). An Adam-style update with ``eps=0`` in the bundle's
     hyper-parameters that made NaN is the 0/0 of gradients that have all been exactly 0; one
     whose eps is 0 in the weights' dtype (1e-8 in float16) divides by 0 where v rounded to 0.
-    ``domain``: the update's op left its domain (``replay.update_domain``)."""
+    ``domain``: the update's op left its domain (``replay.update_domain``); ``stale_why``: what
+    made the stale state non-finite, when known (``replay.quantised_state``)."""
     opt = step.meta.get("optimizer") or {}
     cls = opt.get("class", "the optimizer").rpartition(".")[2]
     groups = opt.get("param_groups", [])
     # (the groups holding the weights it made non-finite; every group when none is known)
     own = [g for g in groups if set(g.get("params") or ()) & set(params)] or groups
     bad = non_finite_hyper(step, at, own)
-    why = (_hyper_why(bad) if bad else
+    why = (_hyper_why(bad) if bad else stale_why if stale_why else
            f"its state {stale[1]} of {stale[0]} already held {stale[2]} before this update "
            "(the recorder does not read optimizer state each step): loaded that way "
            "(optimizer.load_state_dict from a bad checkpoint) or written outside the "
@@ -116,5 +120,4 @@ def _own_copies(model, opt) -> None:
         for p in model.parameters():
             p.data = p.data.clone()
     for p, st in state_items(opt):
-        put_state(opt, p, {k: v.clone() if isinstance(v, torch.Tensor) else v
-                           for k, v in st.items()})
+        put_state(opt, p, {k: cloned(v) for k, v in st.items()})

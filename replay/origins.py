@@ -31,6 +31,7 @@ from .load import Step, autocast_as_recorded, differentiates_model
 from .log_sum_exp import with_log_sum_exp
 from .logged_output import logged_output_cause
 from .loss_args import loss_args, loss_samples
+from .loss_factor import infinite_factor_hint
 from .loss_grad import node_in_loss, probed_report
 from .loss_maker import made_in_loss
 from .losses import held_state_cause, non_finite_loss_state
@@ -275,6 +276,9 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["problems"].append(spread)
     elif not fields["params"]:
         report["problems"].append(finite_params_note(step, fields.get("micro_batch"), "the loss"))
+    if scaled := infinite_factor_hint(step, fields.get("micro_batch")):  # (a loss scale of inf)
+        report["cause"], report["hint"] = "overflow", scaled
+        return report
     report["hint"] = outside.replayable_loss_hint(step)
     return report
 

@@ -31,9 +31,12 @@ class Outcome:
     source: str | None = None
     chain: list[dict[str, Any]] = field(default_factory=list)
     domain: str | None = None  # an update's op out of its domain (replay.update_domain)
+    stale_why: str | None = None  # what made its stale state non-finite (hint only, no JSON)
 
     def as_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out.pop("stale_why")
+        return out
 
 
 def run_outcome(k: int, run) -> Outcome | None:

@@ -18,6 +18,7 @@ from .shards import info_line
 
 _GROUPS = {"weights/": "weights", "trained/": "weights", "buffers/": "buffers",
            "grads/": "gradients", "optim/": "optimizer state", "optim_group/": "optimizer state",
+           "optim_seq/": "optimizer state",
            "batch/": "batch", "loss_in/": "loss targets", "outgrad/": "output gradients",
            "rng/": "RNG states", "ring/": "ring buffer", "loss/": "loss buffers",
            "sched/": "scheduler", "scaler/": "grad scaler"}

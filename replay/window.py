@@ -48,6 +48,7 @@ from .optim import needs_closure, per_parameter, state_note
 from .outcome import Outcome, kinds_of, loss_value, run_outcome
 from .outgrads import nonfinite_forwards
 from .peers import average_gradients, peer_gradients
+from .quantised_state import zero_scale_why
 from .recorded import scale_of_the_step
 from .rerun import Runner, restorable
 from .update_domain import update_domain
@@ -446,6 +447,7 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
             p.grad = before["grads"][id(p)]
     for p, _ in state_items(opt):
         put_state(opt, p, before["state"].get(id(p), {}))
+    why = zero_scale_why(model, opt)  # (a quantised state's NaN codes, before the update)
     finder = OpFinder()
     with per_parameter(opt), finder:
         opt.step()
@@ -453,7 +455,7 @@ def _update_outcome(k: int, step: Step, opt, before, bad: list[str]) -> Outcome:
     params = dict(model.named_parameters())
     return Outcome(k, "update", params=bad, kind=kinds_of([params[n] for n in bad]),
                    op=hit.op if hit else None, source=hit.source if hit else None,
-                   chain=finder.chain(), domain=update_domain(hit))
+                   chain=finder.chain(), domain=update_domain(hit), stale_why=why)
 
 
 def _stats(record: dict[str, Any], run, change: Change) -> dict[str, Any]:

@@ -164,4 +164,5 @@ def _optimizer_origin(step: Step, report: dict[str, Any], o, ok: bool) -> None:
               "made": o.kind, "step": o.step, "domain": o.domain}
     finish(report, origin, "optimizer", reproduced=ok,
            hint=optimizer_hint(step, o.op, o.kind, o.params, o.step,
-                               "re-run from the rewind window", domain=o.domain))
+                               "re-run from the rewind window", domain=o.domain,
+                               stale_why=o.stale_why))

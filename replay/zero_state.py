@@ -25,6 +25,7 @@ from recorder.finite import finite
 
 from .errors import StopRun
 from .rerun import Runner
+from .zero_statistic import zero_statistic_hint
 
 # ops whose non-finite result comes from a 0 divisor
 _DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
@@ -51,9 +52,13 @@ def zero_state_hint(runner: Runner, origin, hit) -> str | None:
                if p.requires_grad] if hit.rows else []
     for what, t in state + trained:
         if t.is_floating_point() and t.numel() > 1 and not t.any() \
-                and _finite_without_zeros(runner, origin, module, t):
+                and finite_without_zeros(runner, origin, module, t):
             if t.requires_grad:  # (a layer the optimizer trains: initialised to zeros)
                 return ZERO_LAYER.format(op=hit.op, what=what)
+            # (state the forward fills from a zero-initialised weight: an FP8 amax history)
+            if stat := zero_statistic_hint(hit.op, what, module, prefix, lambda p: (
+                    finite_without_zeros(runner, origin, module, p))):
+                return stat
             return (f"{hit.op}'s divisor comes from {what}, all 0 as the step began: with "
                     "random values in its place the call is finite. A state vector started at "
                     "zeros (a power iteration's u, which every iteration keeps at 0, normalised "
@@ -74,7 +79,7 @@ ZERO_LAYER = (
     "where 0 is a fine result (a normalised row of zeros), add the eps to the divisor")
 
 
-def _finite_without_zeros(runner: Runner, origin, module, t: torch.Tensor) -> bool:
+def finite_without_zeros(runner: Runner, origin, module, t: torch.Tensor) -> bool:
     """One forward with ``t`` filled with random values at each call of ``module`` (the
     re-run's reset puts it back): is the origin's call finite?"""
     state = {"calls": 0, "finite": False}
