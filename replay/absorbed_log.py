@@ -13,7 +13,6 @@ to the first op that made a non-finite value of one.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -95,7 +94,7 @@ def absorbed_hint(runner, hint: str | None, cause: str, hit) -> str | None:
         return hint
     watch = _Absorbed()
     try:
-        runner.run(backward=False, instrument=False, forward_ctx=lambda: _entered(watch))
+        runner.run(backward=False, instrument=False, forward_ctx=lambda: watch)
     except Exception:  # (the hint as it is: this only says where its 0 came from)
         return hint
     if watch.fed is None or watch.fed[:2] != (hit.op, hit.source):
@@ -111,9 +110,3 @@ def absorbed_hint(runner, hint: str | None, cause: str, hit) -> str | None:
             "torch.log1p(x) there (for log(1 + exp(t)): F.softplus(t), F.softplus(t, beta) "
             "for a softplus with a beta, or torch.logaddexp(0, t)), not an eps after it, "
             "which puts the eps where x belongs")
-
-
-@contextlib.contextmanager
-def _entered(mode: _Absorbed):
-    with mode:
-        yield

@@ -39,7 +39,7 @@ from .pole_hints import zero_divisor
 from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
 from .rerun import Runner
-from .source import traceback_source
+from .source import node_source, node_tracebacks
 from .summed_grads import SummedGrads
 from .transforms import outside_transforms
 
@@ -91,18 +91,11 @@ class BackwardOrigin:
 
 
 @contextlib.contextmanager
-def _anomaly(check_nan: bool = True):
+def _anomaly():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled..."
-        with torch.autograd.detect_anomaly(check_nan=check_nan):
+        with torch.autograd.detect_anomaly(check_nan=True):
             yield
-
-
-def _source(node) -> str | None:
-    tb = (getattr(node, "metadata", None) or {}).get("traceback_")
-    if not tb:
-        return None
-    return traceback_source("".join(tb) if isinstance(tb, list) else str(tb))
 
 
 def batch_rows(node, returned: list, where: Samples) -> list[int]:
@@ -322,7 +315,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
             where: Samples) -> None:
     """Node ``node`` (labelled ``name``) made the first non-finite gradient from finite ones."""
     returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
-    found.node, found.module, found.source = node.name(), name, _source(node)
+    found.node, found.module, found.source = node.name(), name, node_source(node)
     bad = next(g for g in returned if not finite(g))
     found.made, found.dtype = kind_of(bad), bad.dtype
     found.samples = batch_rows(node, list(grad_inputs), where)
@@ -338,7 +331,7 @@ def _record_sum(found: BackwardOrigin, node, name: str, uses: int, grad_outputs,
                 where: Samples) -> None:
     """The engine summed ``uses`` finite gradients into node ``node``'s non-finite input."""
     bad = next(g for g in grad_outputs if isinstance(g, torch.Tensor) and not finite(g))
-    found.node, found.module, found.source = node.name(), name, _source(node)
+    found.node, found.module, found.source = node.name(), name, node_source(node)
     found.made, found.dtype, found.summed = kind_of(bad), bad.dtype, uses
     found.samples = batch_rows_in(grad_outputs, where)
 
@@ -371,7 +364,7 @@ def name_of_pick(node) -> bool:
 def _watched(watch: HookWatch, guards: GuardNodes, below: BelowOneNodes):
     # (no NaN check: an autograd.grad in the forward or the loss, forces -dE/dpos, must run
     # on past its first NaN, as training did, for the nodes after the origin to name samples)
-    with _anomaly(check_nan=False), watch.registering(), guards, below:
+    with node_tracebacks(), watch.registering(), guards, below:
         yield
 
 
@@ -492,7 +485,7 @@ def _loss_labeller(runner: Runner, label):
             label(grad_fns([t]), name.rpartition(".")[0])
         # Nodes made during backward (reentrant checkpointing re-runs its blocks' forward
         # there) get their source line too; NaN must not raise before the hooks see it.
-        with _anomaly(check_nan=False):
+        with node_tracebacks():
             yield
 
     return ctx

@@ -16,7 +16,7 @@ from .caller_picks import CallerPicks
 from .cause import classify
 from .errors import StopRun
 from .findings import finish, origin_fields
-from .forward_grad import derivative_words, node_sources, with_node
+from .forward_grad import derivative_words, with_node
 from .lineage import Lineage
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
@@ -31,7 +31,7 @@ from .rerun import Runner
 from .run_result import Run
 from .signed_weights import signed_weights_hint
 from .softplus_overflow import softplus_hint
-from .source import is_torch_file, user_source
+from .source import is_torch_file, node_tracebacks, user_source
 from .storages import mask_buffers, state_of
 from .transforms import outside_transforms
 from .zero_state import zero_state_hint
@@ -114,7 +114,7 @@ def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
     forward line and what to say of it (:func:`derivative_words`); None for a forward op."""
     if hit is None or hit.node is None:
         return None
-    again = find_op_in_call(runner, o.module, o.call, o.micro_batch, node_sources)
+    again = find_op_in_call(runner, o.module, o.call, o.micro_batch, node_tracebacks)
     return derivative_words(hit, again.origin())
 
 

@@ -7,29 +7,21 @@ report names that node and the line of its forward op."""
 
 from __future__ import annotations
 
-import contextlib
 import linecache
 
-from .backward import _UNIT_POLE_NODES, _anomaly, _source
+from .backward import _UNIT_POLE_NODES
 from .cause_text import DO
 from .ops import OpHit
-
-
-@contextlib.contextmanager
-def node_sources():
-    """Anomaly mode without its NaN check: each node made keeps its forward traceback, and
-    the re-run goes on past the NaN as training did."""
-    with _anomaly(check_nan=False):
-        yield
+from .source import node_source
 
 
 def derivative_words(hit: OpHit, again: OpHit | None, by: str = "the forward's own"
                      ) -> tuple[str, str | None, str]:
     """The node running ``hit``'s op, its forward line (``again``: the same op found in a
-    re-run under :func:`node_sources`), and what to say of it; ``by``: whose autograd.grad
+    re-run under :func:`replay.source.node_tracebacks`), and what to say of it; ``by``: whose autograd.grad
     ran the node."""
     name = hit.node.name()
-    src = _source(again.node) if again is not None and again.node is not None else None
+    src = node_source(again.node) if again is not None and again.node is not None else None
     path, _, line = (src or "").rpartition(":")
     text = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
     at = f" of {src}" + (f" ({text})" if text else "") if src else ""

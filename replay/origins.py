@@ -23,7 +23,7 @@ from .dropped_grads import finite_params_note
 from .exp_factor import exp_factor_hint
 from .findings import finish, origin_fields
 from .forward import find_op_in_call, with_param_advice
-from .forward_grad import derivative_words, node_sources, with_node
+from .forward_grad import derivative_words, with_node
 from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
 from .lineage import Lineage
@@ -53,6 +53,7 @@ from .raw_pole import raw_pole_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
+from .source import node_tracebacks
 from .storages import state_of
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
@@ -139,7 +140,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
                       reproduced=step.event.get("phase") == "loss", hint=cause.hint)
     if differentiates_model(step, mb):  # its autograd.grad needs the forward's graph, which
         # the re-run's backward freed; its nodes keep their forward lines (replay.forward_grad)
-        run = runner.run(backward=False, instrument=False, forward_ctx=node_sources)
+        run = runner.run(backward=False, instrument=False, forward_ctx=node_tracebacks)
     finder = OpFinder(samples=samples(step))
     finder.state = state_of(step.loss_fn, runner.model)
     finder.index_params(runner.model.named_parameters())  # (with the loss's: <loss>.NAME)

@@ -20,11 +20,12 @@ import torch
 
 from recorder.finite import finite, kind_of
 
-from .backward import _anomaly, _NodeLabels, _source, batch_rows, grad_fns, saved_facts
+from .backward import _NodeLabels, batch_rows, grad_fns, saved_facts
 from .findings import finish, origin_fields
 from .load import Step, output_grads
 from .recorded import samples
 from .rerun import Runner, scalar_loss
+from .source import node_source, node_tracebacks
 
 
 @dataclass
@@ -84,7 +85,7 @@ def find_second_order(runner: Runner, before: int) -> SecondOrder | None:
     labels = _NodeLabels(lambda node, name: None)
     # (anomaly mode: forward nodes keep their traceback, second-order ones their parent)
     run = runner.run(backward=False, instrument=False, hooks=labels.hooks,
-                     forward_ctx=lambda: _anomaly(check_nan=False))
+                     forward_ctx=node_tracebacks)
     named = [(n, p) for n, p in runner.model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     for i, loss in zip(run.loss_micro_batches, run.losses):
@@ -94,7 +95,7 @@ def find_second_order(runner: Runner, before: int) -> SecondOrder | None:
         labels.label(grad_fns([loss]), "<loss>")
         if not _reached_again(runner.step, i, run.outputs[i], loss):
             continue
-        with _anomaly(check_nan=False):
+        with node_tracebacks():
             gs = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         pairs = [(g, p) for g, p in zip(gs, params) if g is not None and g.requires_grad]
         if not pairs or not all(finite(g) for g, _ in pairs):
@@ -102,14 +103,14 @@ def find_second_order(runner: Runner, before: int) -> SecondOrder | None:
         hit = _first_bad_node([g for g, _ in pairs], samples(runner.step, i))
         for p in params:
             p.grad = None
-        with _anomaly(check_nan=False):
+        with node_tracebacks():
             torch.autograd.backward([g for g, _ in pairs], [torch.ones_like(g) for g, _ in pairs],
                                     inputs=params, retain_graph=True)  # (saved_facts reads)
         bad = [n for n, p in named if p.grad is not None and not finite(p.grad)]
         if hit["node"] is None or not bad:
             continue
         node, fwd = hit["node"], _forward_node(hit["node"])
-        return SecondOrder(i, node.name(), fwd.name(), labels.names.get(fwd), _source(fwd),
+        return SecondOrder(i, node.name(), fwd.name(), labels.names.get(fwd), node_source(fwd),
                            hit["made"], saved_facts(fwd)[1] == "0", bad, hit["rows"])
     return None
 

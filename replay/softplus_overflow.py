@@ -10,7 +10,6 @@ origin: one forward re-run follows that exp's +inf into a log of 1 plus it (or i
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -58,7 +57,7 @@ def softplus_hint(runner, hint: str | None, cause: str, hit) -> str | None:
         return hint
     follow = _Followed((hit.op, hit.source))
     try:
-        runner.run(backward=False, instrument=False, forward_ctx=lambda: _entered(follow))
+        runner.run(backward=False, instrument=False, forward_ctx=lambda: follow)
     except Exception:  # (the hint as it is: this only says which formula the exp was in)
         return hint
     if follow.found is None:
@@ -72,9 +71,3 @@ def softplus_hint(runner, hint: str | None, cause: str, hit) -> str | None:
             "with a beta), which returns z above its threshold, or, with a learned beta, "
             "torch.logaddexp(torch.zeros_like(z), z), finite for every finite z (THP's own "
             "softplus caps beta * x at 20 for this)")
-
-
-@contextlib.contextmanager
-def _entered(mode: _Followed):
-    with mode:
-        yield
