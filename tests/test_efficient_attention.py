@@ -7,16 +7,13 @@ replayed with the CLI; and the same models without the bug, which must run clean
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import efficient_attention_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 PADS = [0, 2, 0, 5, 0, 1]  # rows 1, 3, 5 left-padded
 PADDED = [i for i, p in enumerate(PADS) if p]
 
@@ -25,8 +22,7 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "efficient_attention_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("efficient_attention_models.py", text)
 
 
 def train(out_dir, factory: str, pads_at: dict, steps: int = 3, accum: int = 2,

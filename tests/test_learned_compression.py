@@ -6,25 +6,19 @@ until a planted bug fires, then replayed with the CLI."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import learned_compression_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from recorder import FlightRecorder, NonFiniteError
-
-HERE = Path(__file__).parent
-
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "learned_compression_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("learned_compression_models.py", text)
 
 
 def train(out_dir, factory: str, steps: int = 6, edit=None, losses=None, lr=1e-2, epochs=1,

@@ -11,12 +11,10 @@ from pathlib import Path
 import point_processes_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import line_number, nanreplay_json
 from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
-
-HERE = Path(__file__).parent
 
 LOSSES = {"make_rmtpp": M.rmtpp_loss, "make_thp": M.thp_loss,
           "make_lognormmix": M.lognormmix_loss}
@@ -26,8 +24,7 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> int:
-    lines = (HERE / "point_processes_models.py").read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    return line_number("point_processes_models.py", text)
 
 
 def loss_of(rec, factory, model, times, types, mask):

@@ -7,17 +7,14 @@ bug fires, then replayed with the CLI."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import protein_structure_models as M
 import pytest
 import torch
-from bundles import nanreplay_json
+from bundles import nanreplay_json, source_line
 from torch.utils.data import DataLoader
 
 from recorder import FlightRecorder, NonFiniteError
 
-HERE = Path(__file__).parent
 K, BAD = 2, 2  # the step the planted chain is in, and its row
 
 
@@ -25,8 +22,7 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
 def line_of(text: str) -> str:
-    lines = (HERE / "protein_structure_models.py").read_text().splitlines()
-    return f"protein_structure_models.py:{next(i for i, t in enumerate(lines, 1) if text in t)}"
+    return source_line("protein_structure_models.py", text)
 
 
 def train_structure(out_dir, plant: str, model_kw=None, loss_kw=None, steps: int = 4):
