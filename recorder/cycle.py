@@ -68,7 +68,7 @@ class StepCycle:
         self.lock = threading.RLock()
         self.updated = False  # an optimizer step ran since the last step opened
         self.ever_updated = False  # the recorded optimizer's step() ran since attach
-        self.skips = 0  # GradScaler skips in a row
+        self.skips = 0  # skipped steps in a row (a GradScaler's, or the loop's own scaler's)
         self.eval_tail: Tape | None = None  # the last evaluation forward, until its loss runs
         self.unrooted_call: int | None = None  # a submodule that ran while no step was open
         self.transformed = False  # a root forward ran under a torch.func transform (unrecorded)
@@ -180,12 +180,12 @@ class StepCycle:
     # ------------------------------------------------------------------------------------------
     # closing
 
-    def close_open_step(self, at: str) -> None:
+    def close_open_step(self, at: str, skipped_by_loop: bool = False) -> None:
         if self.health.active and self.tape is not None:
             self.foreign.moved(self.tape, self.target.watched)  # (as a closing forward does)
-            self.close_tape(at=at)
+            self.close_tape(at=at, skipped_by_loop=skipped_by_loop)
 
-    def close_tape(self, at: str, forced: str | None = None) -> None:
+    def close_tape(self, at: str, forced: str | None = None, skipped_by_loop: bool = False) -> None:
         """Check the step with one host read; on an event (or ``forced``), write the bundle."""
         with self.lock:
             tape = self.tape
@@ -195,8 +195,8 @@ class StepCycle:
             if not tape.evaluation:
                 self.step += 1
         try:
-            layout, row, probe, scale = self.build_row(
-                tape, skipped=not tape.evaluation and self.skipped_by_scaler(tape))
+            skipped = not tape.evaluation and (skipped_by_loop or self.skipped_by_scaler(tape))
+            layout, row, probe, scale = self.build_row(tape, skipped)
         except Exception as e:
             self.health.internal_error(e)
             if at != "exception":
@@ -220,7 +220,7 @@ class StepCycle:
         reason = None
         if not ok:
             reason = "non_finite"
-        elif self.target.has_scaler:
+        elif self.target.has_scaler or layout.skipped or self.skips:
             self.skips = self.skips + 1 if layout.skipped else 0
             if layout.scale is not None and layout.scale < self.settings.min_scale:
                 reason = "scale_collapse"

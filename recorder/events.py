@@ -160,9 +160,11 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
     if reason == "constraint":  # (likewise: recorder.constraints)
         return Event(ev.tape.step, reason, phase="forward", detail=ev.tape.refused)
     if reason in ("scale_collapse", "scale_skipping"):
-        return Event(ev.tape.step, reason, phase="backward", kind="scale",
-                     detail=f"GradScaler scale {ev.layout.scale} after skipping steps "
-                            f"(reason {reason})")
+        scale = ev.layout.scale
+        return Event(ev.tape.step, reason, phase="backward", kind="scale", detail=(
+            f"GradScaler scale {scale} after skipping steps (reason {reason})"
+            if scale is not None else "the loop's own loss scaler skipped more than "
+            "max_skipped_steps updates in a row (end_step(skipped=True))"))
     ev.calls = [decode_call(ev.row, c) for c in ev.layout.calls]
     for finder in (_update_event, _weights_event):
         if (event := finder(ev)) is not None:

@@ -205,19 +205,22 @@ class FlightRecorder:
         self.target.release()
         self._attached = self.health.active = False
 
-    def end_step(self) -> None:
+    def end_step(self, skipped: bool = False) -> None:
         """Close the current step now: for loops without an optimizer that update by hand, and
         for a loop that skips an update (``optimizer.zero_grad()`` and no ``step()`` when the
         gradient norm is not finite), called before that ``zero_grad()``: the step is then
-        checked with its gradients, as ``step()`` would check them."""
+        checked with its gradients, as ``step()`` would check them. ``skipped=True``: the
+        loop's own loss scaler skips this update because the scaled gradients overflowed
+        (fairseq's, Megatron's dynamic loss scaling): closed as a step a GradScaler skipped,
+        its gradients unchecked, more than ``max_skipped_steps`` such skips in a row an event."""
         tape = self.cycle.tape
-        if tape is not None and tape.micro_batches and not tape.evaluation \
+        if tape is not None and tape.micro_batches and not tape.evaluation and not skipped \
                 and self.target.has_optimizer and self.health.active:
             try:  # (step()'s pre-hook reads them so; without it, no gradient was read)
                 reread_changed_grads(tape, self.target, self.settings.param_norms)
             except Exception as e:
                 self.health.internal_error(e)
-        self.cycle.close_open_step(at="end_step")
+        self.cycle.close_open_step(at="end_step", skipped_by_loop=bool(skipped))
 
     def record_loss(self, loss) -> None:
         """Check a loss computed outside :attr:`loss_fn` (an inline ``F.cross_entropy`` in a

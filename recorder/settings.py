@@ -37,7 +37,7 @@ class Settings:
     allow_nan: tuple[str, ...] = ()
     strict_inf: bool = False  # every +-Inf is an event (else only those that matter)
     min_scale: float = 1.0  # a GradScaler scale below this is an event (0: never)
-    max_skipped_steps: int = 50  # more GradScaler skips in a row are an event
+    max_skipped_steps: int = 50  # more skips in a row (GradScaler, end_step(skipped=True)) are an event
     guard_optimizer: bool = False  # copy the update's inputs, check weights right after it
     stats: str = "minmax"  # "full" adds means, RMS and parameter norms
     start_step: int = 0  # index of the first recorded step

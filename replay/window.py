@@ -170,12 +170,10 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
         bad_grads = [n for n, p in step.model.named_parameters()
                      if p.grad is not None and not finite(p.grad)]
         stats["grad_norm"] = total_norm(p.grad for p in step.model.parameters())
+        if _skipped_again(step, record, scale, bad_grads):
+            stats["skipped"] = True
+            continue
         if bad_grads:
-            # the GradScaler skips this update; at a GradScaler event's step that overflow is
-            # the event itself (the skip that collapsed the scale), not a step trained past
-            if scale is not None and not _scale_event_at(step, record):
-                stats["skipped"] = True
-                continue
             out.first = Outcome(record["step"], "backward", params=bad_grads,
                                 kind=kinds_of([p.grad for n, p in step.model.named_parameters()
                                                if n in bad_grads]))
@@ -247,6 +245,16 @@ def _used_scale(step: Step, win: Window, record: dict[str, Any]) -> float | None
         return scale
     backoff = ((step.meta.get("rewind") or {}).get("grad_scaler") or {}).get("backoff_factor")
     return scale / backoff if backoff else scale
+
+
+def _skipped_again(step: Step, record: dict[str, Any], scale: float | None,
+                   bad_grads: list[str]) -> bool:
+    """The re-run skips the record's update: the GradScaler skips it (its gradients overflowed),
+    or the loop's own scaler skipped it in training (``end_step(skipped=True)``: skipped again,
+    whatever the re-run's gradients). At a scale event's step that skip is the event itself
+    (the skip that collapsed the scale), not a step trained past."""
+    by_loop = scale is None and bool(record.get("skipped"))
+    return (by_loop or bool(bad_grads) and scale is not None) and not _scale_event_at(step, record)
 
 
 def _scale_event_at(step: Step, record: dict[str, Any]) -> bool:
