@@ -29,6 +29,7 @@ from .drop import compared_with, left_by, undroppable
 from .errors import ReplayError, one_line
 from .half_update import TRY as HALF_UPDATE
 from .load import Step, autocast_dtype
+from .negative_lr import below_zero
 from .optim import default_eps1, eps_lost, safe_eps, squared_eps_lost
 from .other_makers import drop_with_others
 from .outliers import out_of_scale
@@ -141,11 +142,12 @@ HALF = ("float16", "bfloat16")
 
 
 def _lr_kinds(groups) -> tuple[bool, bool]:
-    """(a group's lr is NaN or +-Inf, a group's lr is None: a relative step size, Hugging
-    Face's Adafactor's, which no factor scales)."""
+    """(a group's lr is NaN, +-Inf or below 0: a decay run past its end, whose fraction
+    climbs the loss too; a group's lr is None: a relative step size, Hugging Face's
+    Adafactor's, which no factor scales)."""
     lrs = [g.get("lr", 0.0) for g in groups]
-    return (any(v is not None and not math.isfinite(float(v)) for v in lrs),
-            any(v is None for v in lrs))
+    bad = [v for v in lrs if v is not None and not 0 <= float(v) < math.inf]
+    return bool(bad), any(v is None for v in lrs)
 
 
 def _overflowed_in(o: dict[str, Any]) -> str | None:
@@ -160,8 +162,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     domain or an overflow in samples whose inputs are outliers of the batch, a wider compute
     type for an overflow (float32 under float16/bfloat16) or a half type's underflow, a
     smaller learning rate and clipping for an update or a growth that began steps before (the
-    last finite learning rate instead, when the update's was itself NaN or Inf: a fraction of
-    it is too), a non-zero eps for an optimizer with ``eps=0``. None for weights written
+    last finite positive learning rate instead, when the update's was itself NaN, Inf or
+    below 0: a fraction of it is too), a non-zero eps for an optimizer with ``eps=0``. None for weights written
     outside ``optimizer.step()``: no change to the steps a re-run replays reaches that
     write."""
     cause, o = report.get("cause"), report.get("origin") or {}
@@ -183,7 +185,9 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     out += _dtype_tries(step, report, cause, o)
     began = ((report.get("window") or {}).get("precursors_began") or {}).get("step")
     grew = began is not None and began < (report.get("event") or {}).get("step", began)
-    fits_update = cause in ("optimizer", "overflow") or (grew and cause != "weights")
+    # (a rate below 0 before the event: whatever the cause, its updates climbed the loss)
+    fits_update = cause in ("optimizer", "overflow") or (grew and cause != "weights") \
+        or below_zero(step) is not None
     # an update whose own op left its domain (a trust ratio's 0/0) where no eps of the
     # optimizer's is at fault: any rate, any clip, makes the same value
     if cause == "optimizer" and o.get("domain") and step.optimizer is not None \
@@ -263,12 +267,12 @@ def _lr_before_jump(report: dict[str, Any]) -> float | None:
 
 
 def _last_finite_lr(step: Step) -> float | None:
-    """The largest learning rate of the last recorded step whose rates were all finite and
-    not all 0 (the schedule's before it went NaN or Inf), else the largest rate the scheduler
-    started from; None when there is none."""
+    """The largest learning rate of the last recorded step whose rates were all finite, none
+    below 0 and not all 0 (the schedule's before it went NaN, Inf or negative), else the
+    largest rate the scheduler started from; None when there is none."""
     lrs = step.tensors.get("ring/lr")
     for row in reversed(lrs.tolist() if lrs is not None else []):
-        if row and all(math.isfinite(v) for v in row) and max(row) > 0:
+        if row and all(0 <= v < math.inf for v in row) and max(row) > 0:
             return max(row)
     # none yet (a warm-up's (w / s) ** 0.5 is Inf at step 0, the ring's first row): the rate
     # the loop set, which a scheduler keeps in each group as ``initial_lr``

@@ -28,14 +28,14 @@ def pairs_loader(seed: int = 0):
                                        generator=torch.Generator().manual_seed(seed))
 
 
-def train_sgns(out_dir, lr: float, decay, epochs: int):
+def train_sgns(out_dir, lr: float, decay, epochs: int, **kw):
     """theeluwin/pytorch-sgns's loop: SparseAdam over both sparse tables, the learning rate
     decayed linearly by ``decay(step)``; the model returns the loss."""
     model = M.make_sgns()
     opt = torch.optim.SparseAdam(list(model.parameters()), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
     with FlightRecorder(model, opt, out_dir=out_dir, factory=FACTORY + "make_sgns",
-                        lr_scheduler=sched):
+                        lr_scheduler=sched, **kw):
         for _ in range(epochs):
             for center, context in pairs_loader():
                 loss = model(center, context)
@@ -68,6 +68,17 @@ def test_sgns_linear_decay_past_its_end_names_the_negative_learning_rate(tmp_pat
     assert "the run was diverging" not in rep["hint"], rep["hint"]  # (a smaller rate: no fix)
     assert "max(0.0, 1 - step / total)" in rep["hint"], rep["hint"]
     assert "logsigmoid" in rep["hint"], rep["hint"]
+
+
+def test_auto_tries_the_last_rate_above_zero_for_a_decay_run_past_its_end(tmp_path):
+    with pytest.raises(NonFiniteError) as info:
+        train_sgns(tmp_path, 0.5, lambda s: 1 - s / 4, epochs=4, rewind=8)
+    rep = nanreplay_json(info.value.bundle_path, "--try", "auto")
+    tries = {t["try"]: t for t in rep["what_if"]}
+    # step 3's rate, the last above 0 (0.5 * (1 - 3 / 4)); was: no rate tried (the cause is
+    # the log's underflow), and a tenth of the rate at the event (-1) climbs the loss too
+    assert "lr=0.125" in tries and "lr=0.1x" not in tries, tries
+    assert tries["lr=0.125"]["finite"] and not tries["lr=0.125"]["inconclusive"], tries
 
 
 def test_sgns_without_a_schedule_bug_raises_nothing(tmp_path):
