@@ -25,14 +25,34 @@ def strip(src: str | Path, dst: str | Path, parts: list[str]) -> Path:
     with BundleReader(src) as r:
         check_meta(r.meta, src)
         meta = dict(r.meta)
-        tensors = dict(r.tensors(lambda name: not name.startswith(drop)))
+        tensors = dict(r.tensors(lambda name: not _own_name(name).startswith(drop)))
     if "batch" in parts:
         # The batch's non-tensor values (strings, numbers, dict keys) live in the metadata.
-        meta["micro_batches"] = [{k: v for k, v in mb.items() if k not in BATCH_META_KEYS}
-                                 for mb in meta.get("micro_batches", [])]
+        meta["micro_batches"] = _without_batch(meta.get("micro_batches", []))
+        if isinstance(meta.get("rewind"), dict):  # (and the window's steps', as their tensors)
+            meta["rewind"] = {**meta["rewind"], "records": [
+                {**rec, "micro_batches": _without_batch(rec.get("micro_batches") or [])}
+                for rec in meta["rewind"].get("records") or []]}
     meta["stripped"] = sorted(set(meta.get("stripped", [])) | set(parts))
     dst.parent.mkdir(parents=True, exist_ok=True)
     return write_bundle(dst.parent, stem, meta, tensors)
+
+
+def _own_name(name: str) -> str:
+    """A tensor's name as the event step's own: a rewind window's copy of the weights
+    (``rewind/weights/...``) and its steps' batches (``rewind/step/<s>/batch/...``) are the
+    same data as the step's, stripped with them (kept, a "safe to share" copy held the batches
+    and weights of every step of the window)."""
+    if not name.startswith("rewind/"):
+        return name
+    rest = name[len("rewind/"):]
+    if rest.startswith("step/"):
+        rest = rest.split("/", 2)[-1]  # (past the step number)
+    return rest
+
+
+def _without_batch(mbs: list) -> list:
+    return [{k: v for k, v in mb.items() if k not in BATCH_META_KEYS} for mb in mbs]
 
 
 def strip_set(path: Path, dst: Path, parts: list[str]) -> list[Path]:
