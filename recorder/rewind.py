@@ -36,6 +36,7 @@ from .compat import scaler_tensors
 from .entries import hyper_entry, jsonish, micro_batch_entry, named_params
 from .inner_optim import state_items
 from .rng import rng_to_bundle
+from .seq_state import is_seq, store_seq
 
 log = logging.getLogger("nanreplay")
 
@@ -55,7 +56,9 @@ class _Copy:
         yield from self.weights.values()
         yield from self.buffers.values()
         for st in self.optim.values():
-            yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+            for v in st.values():  # (a tuple of tensors too: see _state_copy)
+                yield from ([v] if isinstance(v, torch.Tensor) else
+                            [x for x in v if x is not None] if is_seq(v) else ())
         for h in self.hyper:
             yield from (v for v in h.values() if isinstance(v, torch.Tensor))
         yield from tensor_leaves(self.scheduler)
@@ -168,6 +171,8 @@ class Rewind:
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     tensors[f"rewind/optim/{n}/{k}"] = v
+                elif store_seq(n, k, v, tensors, scalars, prefix="rewind/optim_seq/"):
+                    pass  # (a low-bit optimizer's (codes, scales): see recorder.seq_state)
                 elif jsonish(v):
                     scalars.setdefault(n, {})[k] = v
         meta: dict[str, Any] = {
@@ -239,8 +244,7 @@ def _take_copy(step, params, buffers, optimizer, scheduler, scaler, reuse: _Copy
                 if n is None:
                     continue
                 was = old.optim.get(n, {})
-                copy.optim[n] = {k: _to_host(v, was.get(k)) if isinstance(v, torch.Tensor)
-                                 else v for k, v in st.items()}
+                copy.optim[n] = {k: _state_copy(v, was.get(k)) for k, v in st.items()}
             copy.hyper = _hyper(optimizer)
         if scheduler is not None:
             copy.scheduler = map_tensors(scheduler.state_dict(), _to_host)
@@ -250,6 +254,19 @@ def _take_copy(step, params, buffers, optimizer, scheduler, scaler, reuse: _Copy
         copy.done = torch.cuda.Event()
         copy.done.record()
     return copy
+
+
+def _state_copy(v: Any, was: Any) -> Any:
+    """A host copy of one optimizer state value: a tensor, or a tuple or list of tensors (a
+    low-bit optimizer's (codes, scales), written in place by its updates: kept as it was, the
+    copy was the live state, and the bundle left it out), else ``v`` itself."""
+    if isinstance(v, torch.Tensor):
+        return _to_host(v, was if isinstance(was, torch.Tensor) else None)
+    if not is_seq(v):
+        return v
+    olds = list(was) if is_seq(was) and len(was) == len(v) else [None] * len(v)
+    return type(v)(None if x is None else _to_host(x, o if isinstance(o, torch.Tensor) else None)
+                   for x, o in zip(v, olds))
 
 
 def _hyper(optimizer) -> list[dict[str, Any]]:

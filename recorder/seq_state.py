@@ -16,28 +16,35 @@ SEQ = "$seq"
 PREFIX = "optim_seq/"
 
 
+def is_seq(v: Any) -> bool:
+    """``v`` is a tuple or list of tensors (and Nones)."""
+    return isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v) \
+        and all(x is None or isinstance(x, torch.Tensor) for x in v)
+
+
 def store_seq(name: str, key: str, v: Any, tensors: dict[str, torch.Tensor],
-              scalars: dict[str, dict[str, Any]]) -> bool:
+              scalars: dict[str, dict[str, Any]], prefix: str = PREFIX) -> bool:
     """Store ``v`` when it is a tuple or list of tensors (and Nones): its tensors into
-    ``tensors``, its layout into ``scalars[name][key]``. False for any other value."""
-    if not isinstance(v, (tuple, list)) or not any(isinstance(x, torch.Tensor) for x in v) \
-            or not all(x is None or isinstance(x, torch.Tensor) for x in v):
+    ``tensors`` (under ``prefix``: a rewind window's copy has its own), its layout into
+    ``scalars[name][key]``. False for any other value."""
+    if not is_seq(v):
         return False
     items: list[str | None] = []
     for i, x in enumerate(v):
-        items.append(None if x is None else f"{PREFIX}{name}/{key}/{i}")
+        items.append(None if x is None else f"{prefix}{name}/{key}/{i}")
         if x is not None:
             tensors[items[-1]] = x.detach()
     scalars.setdefault(name, {})[key] = {SEQ: type(v).__name__, "items": items}
     return True
 
 
-def load_seq(v: Any, tensors: dict[str, torch.Tensor], device) -> Any:
-    """A state scalar back as its tuple or list of tensors (on ``device``) when
-    :func:`store_seq` wrote it; any other value unchanged."""
+def load_seq(v: Any, tensors: dict[str, torch.Tensor], device, copy: bool = False) -> Any:
+    """A state scalar back as its tuple or list of tensors (on ``device``; copies with
+    ``copy``, which an update may write in place) when :func:`store_seq` wrote it; any other
+    value unchanged."""
     if not isinstance(v, dict) or SEQ not in v:
         return v
-    items = [None if k is None else tensors[k].to(device) for k in v["items"]]
+    items = [None if k is None else tensors[k].to(device, copy=copy) for k in v["items"]]
     return items if v[SEQ] == "list" else tuple(items)
 
 

@@ -33,6 +33,7 @@ import torch
 from recorder.capture import map_tensors
 from recorder.finite import finite
 from recorder.inner_optim import clear_state, put_state, state_items
+from recorder.seq_state import load_seq
 
 from .attributes import event_attributes, set_step_attributes
 from .began import precursors_began  # noqa: F401  (the window report's, re-exported)
@@ -377,8 +378,9 @@ def _restore(step: Step, win: Window, dtype: torch.dtype | None) -> None:
             name, _, k = key[len(prefix):].rpartition("/")
             # Adam's step counter stays as it was (a float32 tensor), moments follow ``dtype``
             states.setdefault(name, {})[k] = fresh(v) if k != "step" else v.to(dev, copy=True)
-    for name, st in scalars.items():
-        states.setdefault(name, {}).update(st)
+    for name, st in scalars.items():  # (a tuple of tensors back as one, copied)
+        states.setdefault(name, {}).update({k: load_seq(v, t, dev, copy=True)
+                                            for k, v in st.items()})
     for name, st in states.items():
         if name in names:
             put_state(opt, names[name], st)

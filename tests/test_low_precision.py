@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from bundles import nanreplay_json, source_line
 
 from recorder import FlightRecorder, NonFiniteError
+from recorder.bundle import read_bundle
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
@@ -78,16 +79,20 @@ def train_scaled(out_dir, steps: int, max_scale=None):
     return scaler
 
 
-def train_fp8_adam(out_dir, clip: float, steps: int = 4, keep=None):
-    """``keep``: how the update stays replayable (guard_optimizer=True, or rewind=N)."""
+def train_fp8_adam(out_dir, clip: float, steps: int = 4, keep=None, nan_at=None):
+    """``keep``: how the update stays replayable (guard_optimizer=True, or rewind=N);
+    ``nan_at``: the step whose mask holds a NaN."""
     model = M.make_token_classifier()
     opt = M.AdamFp8State(model.parameters(), lr=1e-3, clip=clip)
     g = torch.Generator().manual_seed(0)
+    factory = "make_token_classifier_fp8_adam" + ("_clipped" if clip else "")
     with FlightRecorder(model, opt, loss_fn=F.cross_entropy, out_dir=out_dir,
                         **(keep or {"guard_optimizer": True}),
-                        factory="low_precision_models:make_token_classifier_fp8_adam") as rec:
-        for _ in range(steps):
+                        factory=f"low_precision_models:{factory}") as rec:
+        for s in range(steps):
             ids, mask, y = token_batch(g)
+            if s == nan_at:
+                mask[2, 1] = float("nan")
             loss = rec.loss_fn(model(ids, mask), y)
             opt.zero_grad()
             loss.backward()
@@ -178,6 +183,20 @@ def test_fp8_adam_state_of_a_zero_block_is_named_with_its_absmax(out_dir, keep):
     # (was: "loaded that way (optimizer.load_state_dict from a bad checkpoint)")
     assert "whose scale is 0" in rep["hint"] and "absmax.clip(1e-12)" in rep["hint"], rep["hint"]
     assert "load_state_dict" not in rep["hint"], rep["hint"]
+
+
+def test_a_rewind_window_restores_tuple_optimizer_state(out_dir):
+    # the moments are (float8 codes, block scales) tuples from step 0 on; the window's copy
+    # at step 3 holds them (was: left out of the bundle, and the replay failed, KeyError 'm')
+    err = event_of(train_fp8_adam, out_dir, clip=1e-12, steps=8, keep={"rewind": 3},
+                   nan_at=6)
+    assert (err.event["step"], err.event["phase"], err.event["samples"]) == (6, "input", [2])
+    _, t = read_bundle(err.bundle_path)
+    assert t["rewind/optim_seq/embed.weight/m/0"].dtype == torch.float8_e4m3fn
+    rep = nanreplay_json(err.bundle_path)
+    w = rep["window"]
+    assert (rep["cause"], w["copy_step"], w["reproduced"], w["event_step"]) == (
+        "input", 3, True, 6), rep
 
 
 def test_healthy_low_precision_loops_raise_no_event(out_dir):
