@@ -222,7 +222,16 @@ def _optimizer(opt, params, guard, tensors) -> dict[str, Any]:
     defaults = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opt.defaults.items()
                 if jsonish(v)}
     return {"class": qualname(opt), "defaults": defaults, "param_groups": groups,
-            "state_scalars": scalars}
+            "state_scalars": scalars, "attrs": _optimizer_attrs(opt)}
+
+
+def _optimizer_attrs(opt) -> dict[str, Any]:
+    """A custom optimizer's settings kept outside its groups (``self.clip = clip``): the
+    public plain scalars of the instance, which a factory that builds it otherwise would
+    change (the replay sets them back and says so: ``replay.optim_attrs``)."""
+    return {k: v for k, v in getattr(opt, "__dict__", {}).items()
+            if not k.startswith("_") and k not in ("defaults", "state", "param_groups")
+            and (v is None or type(v) in (bool, int, float, str)) and jsonish(v)}
 
 
 def default_factory(model: nn.Module) -> str | None:

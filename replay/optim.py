@@ -14,6 +14,7 @@ from recorder.inner_optim import put_state, state_items
 from recorder.seq_state import load_seq
 
 from .cause_text import EPS0_CUSTOM_UPDATE, EPS_LOST_UPDATE, SQUARED_EPS_LOST
+from .optim_attrs import attrs_note, restore_attrs
 
 
 def build_optimizer(step, model: nn.Module, opt_factory):
@@ -51,6 +52,8 @@ def build_optimizer(step, model: nn.Module, opt_factory):
     except Exception as e:
         step.problems.append(f"the optimizer {path} could not be rebuilt ({type(e).__name__}: {e})")
         return None
+    if changed := restore_attrs(opt, info.get("attrs")):
+        step.problems.append(attrs_note(changed))
     scalars = info.get("state_scalars", {})
     for name, p in params.items():
         state = {}

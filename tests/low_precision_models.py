@@ -264,12 +264,7 @@ def kahan_step(params, masters, comps, lr: float, generator=None) -> None:
         p.grad = None
 
 
-def make_token_classifier_fp8_adam(clip: float = 0.0) -> dict:
+def make_token_classifier_fp8_adam() -> dict:
     """The model and its optimizer, so the replay can re-run the update."""
     return {"model": make_token_classifier(),
-            "optimizer": lambda params: AdamFp8State(params, lr=1e-3, clip=clip)}
-
-
-def make_token_classifier_fp8_adam_clipped() -> dict:
-    """As the healthy loop trains it: each block's absmax clipped away from 0."""
-    return make_token_classifier_fp8_adam(clip=1e-12)
+            "optimizer": lambda params: AdamFp8State(params, lr=1e-3)}

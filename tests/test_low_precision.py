@@ -85,10 +85,9 @@ def train_fp8_adam(out_dir, clip: float, steps: int = 4, keep=None, nan_at=None)
     model = M.make_token_classifier()
     opt = M.AdamFp8State(model.parameters(), lr=1e-3, clip=clip)
     g = torch.Generator().manual_seed(0)
-    factory = "make_token_classifier_fp8_adam" + ("_clipped" if clip else "")
     with FlightRecorder(model, opt, loss_fn=F.cross_entropy, out_dir=out_dir,
                         **(keep or {"guard_optimizer": True}),
-                        factory=f"low_precision_models:{factory}") as rec:
+                        factory="low_precision_models:make_token_classifier_fp8_adam") as rec:
         for s in range(steps):
             ids, mask, y = token_batch(g)
             if s == nan_at:
@@ -197,6 +196,9 @@ def test_a_rewind_window_restores_tuple_optimizer_state(out_dir):
     w = rep["window"]
     assert (rep["cause"], w["copy_step"], w["reproduced"], w["event_step"]) == (
         "input", 3, True, 6), rep
+    # the factory builds the optimizer without the loop's clip: training's is set back (was:
+    # the re-run's zero blocks made NaN moments at step 3, an update event at step 4)
+    assert any("clip: 0.0 -> 1e-12" in p for p in rep["problems"]), rep["problems"]
 
 
 def test_healthy_low_precision_loops_raise_no_event(out_dir):
