@@ -23,7 +23,7 @@ def restore_attrs(opt, recorded: Any) -> list[str]:
         if not isinstance(k, str) or not k.isidentifier() or k.startswith("_") or k not in own:
             continue
         now = own[k]
-        if now == v or not (now is None or v is None or type(now) is type(v)) \
+        if now == v or now != now and v != v or not (now is None or v is None or type(now) is type(v)) \
                 or not (v is None or type(v) in _SCALARS):
             continue
         setattr(opt, k, v)
