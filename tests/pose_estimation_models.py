@@ -289,3 +289,20 @@ def flip_coords(coords, flip_pairs=FLIP_PAIRS):
 
 def make_integral_masked() -> nn.Module:
     return make_integral("masked", 1.0)
+
+
+class BatchPose(nn.Module):
+    """An mmpose-style estimator called with the whole batch dict, ``model(batch)``: it reads
+    the image and the visibility it masks the integral head's heatmaps with."""
+
+    def __init__(self):
+        super().__init__()
+        self.pose = IntegralPose("sum")
+
+    def forward(self, batch):
+        return self.pose(batch["image"], batch["target_weight"])
+
+
+def make_batch_pose() -> nn.Module:
+    torch.manual_seed(0)
+    return BatchPose()

@@ -176,7 +176,7 @@ def test_an_invisible_joints_all_zero_target_heatmap_normalised_by_its_sum(
     if use_target_weight:
         mul = source_line(MODELS, "return (kl * target_weight[..., 0]).sum()")
         assert f"then aten.mul ({mul}) multiplied that NaN by a mask's 0" in hint, hint
-        assert "clamp_min(eps)" in hint and "degenerate record" in hint, hint
+        assert "clamp_min(eps)" in hint and "not in a bad record" in hint, hint
         assert "drop or repair" not in hint and "made-up target" not in hint, hint
     else:
         assert "mask's 0" not in hint and "drop or repair such records" in hint, hint
