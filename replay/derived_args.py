@@ -12,6 +12,7 @@ from finite ones is the origin, in the loss, with the rows of that argument's gr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Any
@@ -22,7 +23,7 @@ from recorder.capture import loss_path
 from recorder.finite import finite, kind_of
 
 from .findings import finish, origin_fields
-from .load import Step, loss_inputs
+from .load import Step, autocast_as_recorded, loss_inputs
 from .pole_hints import DIVISOR_OF_DATA, zero_divisor
 from .recorded import samples
 from .rerun import Runner
@@ -31,6 +32,10 @@ from .source import node_source, node_tracebacks
 DERIVED = ("{name}, which the loop made from the model's outputs (flip-test averaging, a "
            "sum of heads) and gave to loss_fn, received a non-finite gradient from the loss's "
            "backward: the replay re-ran the loss with it as an input that requires grad")
+
+RERUN_ON_VALUE = ("the loss was re-run on the value of {name} that the bundle holds and "
+                  "backpropagated to it; the loop's code that made it from the model's outputs "
+                  "is not re-run")
 
 
 def derived_arg_report(report, step: Step) -> dict[str, Any] | None:
@@ -54,7 +59,7 @@ def derived_arg_report(report, step: Step) -> dict[str, Any] | None:
             detail=DERIVED.format(name=name))
         cause, hint = _cause(node, wide is not None)
         report = finish(report, origin, cause, reproduced=True, hint=hint)
-        report["problems"].append(DERIVED.format(name=name))
+        report["problems"].append(RERUN_ON_VALUE.format(name=name))
         return report
     return None
 
@@ -94,7 +99,9 @@ def _backward(step: Step, mb: int, keys: list[str], wide: bool):
         args, kwargs = loss_inputs(view, mb, outs, objects=run.objects)
         if wide:
             args, kwargs = _widened((args, kwargs), made)
-        with node_tracebacks():
+        cast = contextlib.nullcontext() if wide else autocast_as_recorded(
+            step.micro_batches[mb], step.device, loss=True)
+        with node_tracebacks(), cast:
             loss = loss_fn(*args, **kwargs)
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             return None

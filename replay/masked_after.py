@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .cause_text import MASKED_AFTER_NAN
+from .cause_text import DO, MASKED_AFTER_NAN
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import run_op
 from .load import Step, autocast_as_recorded
@@ -26,7 +26,9 @@ from .masked_product import nan_times_zero
 from .rerun import Runner
 from .source import user_source
 
-_EXACT = "which exact arithmetic makes too: "
+# the degenerate-record advice of an op on data alone, replaced here as written (not once
+# replay.edge_probability has made it a propensity's)
+_OF_DATA = DO["of_data"]
 
 
 class _MaskAfter(TorchDispatchMode):
@@ -57,12 +59,13 @@ def _nan(leaves) -> bool:
 
 
 def masked_after_hint(report: dict[str, Any], step: Step) -> None:
-    """Replace the advice of an ``invalid`` NaN made in the loss when a product of the loss
-    then multiplied that NaN by a mask's 0 (see the module's docstring)."""
-    o = report["origin"]
+    """Replace the degenerate-record advice of an ``invalid`` NaN made in the loss when a
+    product of the loss then multiplied that NaN by a mask's 0 (see the module's docstring)."""
+    o, hint = report["origin"], report.get("hint") or ""
     if report.get("cause") != "invalid" or o.get("phase") != "loss" or o.get("made") != "nan" \
-            or o.get("module") != "<loss>" or step.model is None or step.loss_fn is None:
-        return
+            or o.get("module") != "<loss>" or _OF_DATA not in hint or step.model is None \
+            or step.loss_fn is None:
+        return  # (other advice, an eps lost to the type, stands)
     mb, watch = o.get("micro_batch") or 0, _MaskAfter()
     try:
         run = Runner(step).run(backward=False, instrument=False)
@@ -75,7 +78,6 @@ def masked_after_hint(report: dict[str, Any], step: Step) -> None:
     # (the origin's own NaN: a mask that met another op's NaN says nothing of it)
     if watch.masked is None or watch.first != (o.get("op"), o.get("source")):
         return
-    hint = report.get("hint") or ""
-    what = hint[:hint.index(_EXACT) + len(_EXACT) - 2] if _EXACT in hint else hint
+    what = hint[:hint.index(_OF_DATA)].rstrip().rstrip(":")
     op, source = watch.masked
     report["hint"] = what + MASKED_AFTER_NAN.format(op=op, at=f" ({source})" if source else "")
