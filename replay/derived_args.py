@@ -31,7 +31,7 @@ from .source import node_source, node_tracebacks
 
 DERIVED = ("{name}, which the loop made from the model's outputs (flip-test averaging, a "
            "sum of heads) and gave to loss_fn, received a non-finite gradient from the loss's "
-           "backward: the replay re-ran the loss with it as an input that requires grad")
+           "backward")
 
 RERUN_ON_VALUE = ("the loss was re-run on the value of {name} that the bundle holds and "
                   "backpropagated to it; the loop's code that made it from the model's outputs "
@@ -55,11 +55,11 @@ def derived_arg_report(report, step: Step) -> dict[str, Any] | None:
         wide = _backward(step, mb, keys, wide=True)
         origin = origin_fields(
             phase="backward", module="<loss>", micro_batch=mb, op=type(node).__name__,
-            made=kind_of(bad), samples=rows, tensor=name, source=node_source(node),
-            detail=DERIVED.format(name=name))
+            made=kind_of(bad), samples=rows, tensor=name, source=node_source(node))
         cause, hint = _cause(node, wide is not None)
         report = finish(report, origin, cause, reproduced=True, hint=hint)
-        report["problems"].append(RERUN_ON_VALUE.format(name=name))
+        report["problems"].append(DERIVED.format(name=name) + "; " + RERUN_ON_VALUE.format(
+            name=name))
         return report
     return None
 
