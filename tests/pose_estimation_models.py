@@ -306,3 +306,31 @@ class BatchPose(nn.Module):
 def make_batch_pose() -> nn.Module:
     torch.manual_seed(0)
     return BatchPose()
+
+
+class AdaptiveWingLoss(nn.Module):
+    """Wang et al.'s Adaptive Wing loss on heatmaps, as the authors' repository writes it
+    (the pixels split by ``delta < theta`` with boolean masks, ``pow`` with the exponent
+    ``alpha - y`` of the target), over the visible joints' heatmaps."""
+
+    def __init__(self, omega: float = 14.0, theta: float = 0.5, epsilon: float = 1.0,
+                 alpha: float = 2.1):
+        super().__init__()
+        self.omega, self.theta, self.epsilon, self.alpha = omega, theta, epsilon, alpha
+
+    def forward(self, pred, target, target_weight):
+        w = target_weight[..., None]
+        y, y_hat = target * w, pred * w
+        delta_y = (y - y_hat).abs()
+        delta_y1 = delta_y[delta_y < self.theta]
+        delta_y2 = delta_y[delta_y >= self.theta]
+        y1 = y[delta_y < self.theta]
+        y2 = y[delta_y >= self.theta]
+        loss1 = self.omega * torch.log(1 + torch.pow(delta_y1 / self.epsilon, self.alpha - y1))
+        A = self.omega * (1 / (1 + torch.pow(self.theta / self.epsilon, self.alpha - y2))) * (
+            self.alpha - y2) * torch.pow(self.theta / self.epsilon, self.alpha - y2 - 1) * (
+            1 / self.epsilon)
+        C = self.theta * A - self.omega * torch.log(
+            1 + torch.pow(self.theta / self.epsilon, self.alpha - y2))
+        loss2 = A * delta_y2 - C
+        return (loss1.sum() + loss2.sum()) / (len(loss1) + len(loss2))

@@ -253,3 +253,34 @@ def test_a_zero_area_person_in_the_oks_loss(out_dir, flip_test):
         assert not any("computed outside" in p for p in rep["problems"]), rep["problems"]
         assert any("made from the model's outputs" in p and "is not re-run" in p
                    for p in rep["problems"]), rep["problems"]
+
+
+def test_an_adaptive_wing_overflow_on_8_bit_target_heatmaps_blames_the_data(out_dir):
+    """Adaptive Wing loss, as its authors write it, takes ``pow(theta / eps, alpha - y - 1)``
+    of the target heatmap ``y``, meant in [0, 1]. The third batch's heatmaps come rendered as
+    8-bit images (0..255): 0.5 ** -253 overflows float32. The hint said to subtract the row
+    max before exp or bound a learned exponent; the op took the loss's data alone, and the
+    hint says so now and names that argument's range. (The boolean masks the output chose,
+    ``y[delta < theta]``, pick the target's values: they stay the data's.)"""
+    ds = M.KeypointDataset(16)
+    model = M.make_pose_resnet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = M.AdaptiveWingLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="pose_estimation_models:make_pose_resnet"):
+            for i, b in enumerate(M.loader(ds)):
+                target = b["target"] * 255 if i == 2 else b["target"]
+                opt.zero_grad()
+                crit(model(b["image"]), target, b["target_weight"]).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    rep, o = _report(info.value)
+    assert (o["module"], o["op"], o["made"], rep["cause"]) == \
+        ("<loss>", "aten.pow", "+inf", "overflow"), json.dumps(rep, indent=1)
+    assert o["source"] == source_line(MODELS, "A = self.omega * (1 / (1 + torch.pow(")
+    hint = rep["hint"]
+    assert hint.startswith("aten.pow's true result"), hint
+    assert f"loss's data alone (loss_args[1] up to {float(target.max()):.4g}" in hint, hint
+    assert "[0, 255] where [0, 1] is meant" in hint and "row max" not in hint, hint
