@@ -70,7 +70,7 @@ def _report(err):
     return rep, rep["origin"]
 
 
-@pytest.mark.parametrize("setup", ["heatmap", "wing", "oks"])
+@pytest.mark.parametrize("setup", ["heatmap", "awing", "wing", "oks"])
 def test_healthy_pose_training_raises_nothing_and_trains_the_same_weights(tmp_path, setup):
     """Two epochs of each setup on people with invisible joints, through a DataLoader with two
     workers (heatmap) whose collate_fn returns dicts, every other batch flipped on its tensors
@@ -80,6 +80,7 @@ def test_healthy_pose_training_raises_nothing_and_trains_the_same_weights(tmp_pa
     workers = 2 if setup == "heatmap" else 0
     factory, crit, head = {
         "heatmap": (M.make_pose_resnet, M.JointsMSELoss(), "heatmap"),
+        "awing": (M.make_pose_resnet, M.AdaptiveWingLoss(), "heatmap"),
         "wing": (M.make_integral_softmax, M.WingLoss(), "coords"),
         "oks": (M.make_integral_softmax, M.OKSLoss(), "oks")}[setup]
     spec = f"pose_estimation_models:{factory.__name__}"
