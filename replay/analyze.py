@@ -43,6 +43,7 @@ from .load import Step, build, read_step, validate_args_as_recorded
 from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
 from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
 from .loop_grads import no_backward_reached_the_output as _no_backward_reached_the_output
+from .loss_data import loss_data_hints
 from .loss_grad import loop_differentiation, not_rerun_term
 from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
@@ -114,6 +115,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
     data_scale_hint(report, step)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
+    loss_data_hints(report, step)  # (a 0/0 a mask's 0 met after; an overflow of data alone)
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report

@@ -76,6 +76,16 @@ MASK_AFTER_POLE = (
     "after the op does not keep out the values it was meant to drop. Select the valid entries "
     "before it (pred[valid], gt[valid]) or make its input safe where the mask is 0 "
     "(torch.where(valid, gt, 1))")
+# a NaN the loss made, then multiplied by a mask's 0 (replay.masked_after): the entry is one
+# the loss leaves out by design (an invisible keypoint's all-zero target), not a bad record
+MASKED_AFTER_NAN = (
+    "; then {op}{at} multiplied that NaN by a mask's 0 (a weight of 0: an invisible keypoint, "
+    "a background location, an ignored target), and NaN * 0 is NaN: the NaN is in entries the "
+    "loss was meant to leave out, not in a bad record, so nothing is to drop. Make the op safe "
+    "where the mask is 0 (clamp its denominator away from 0, "
+    "t.sum(-1, keepdim=True).clamp_min(eps): entries of weight 0 train toward nothing; or "
+    "torch.where(valid, t, 1) before it), or "
+    "select the weighted entries before the op (x[valid])")
 # a backward node that multiplied an allow_nan input's NaN, which the forward masked after it
 # used it (replay.origins.report_backward)
 ALLOWED_NAN_SAVED = (

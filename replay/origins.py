@@ -19,6 +19,7 @@ from .cause import classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, inf_arith
 from .copied_rows import recause
 from .coupled import coupled_rows
+from .derived_args import derived_arg_report
 from .dropped_grads import finite_params_note
 from .exp_factor import exp_factor_hint
 from .findings import finish, origin_fields
@@ -258,6 +259,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
             report["problems"].append(_not_called(step))
         return report
     fields, reproduced = found
+    if (derived := derived_arg_report(report, step)) is not None:  # (flip-test averaging)
+        return derived
     report = finish(report, origin_fields(**fields), None, reproduced=reproduced)
     info = step.meta.get("loss") or {}
     if info.get("kind") == "recorded":

@@ -1,0 +1,83 @@
+"""A loss's NaN that a mask's 0 was then meant to drop: ``(kl * target_weight).sum()``.
+
+Pose losses normalise each keypoint's target heatmap by its sum and weight the result by the
+keypoint's visibility; an invisible keypoint's target is all zeros (HRNet's
+``generate_target``), so the normalisation is 0/0 there, and its weight of 0 keeps the NaN
+(``NaN * 0`` is NaN). The op on the targets alone reads as a degenerate record ("drop or
+repair such records; an eps would train toward a made-up target"), but the entry is one the
+loss masks out by design: nothing is to drop, and an eps trains toward nothing there, as its
+weight is 0. The loss is re-run under a small dispatch mode that goes on past the first NaN
+(the op finder stops there): when a product then multiplied every NaN it met by 0
+(``replay.masked_product``), the hint names that product and says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .cause_text import DO, MASKED_AFTER_NAN
+from .compat import TorchDispatchMode, tree_leaves
+from .dispatch import run_op
+from .load import Step, autocast_as_recorded
+from .loss_args import loss_args
+from .masked_product import nan_times_zero
+from .rerun import Runner
+from .source import user_source
+
+# the degenerate-record advice of an op on data alone, replaced here as written (not once
+# replay.edge_probability has made it a propensity's)
+_OF_DATA = DO["of_data"]
+
+
+class _MaskAfter(TorchDispatchMode):
+    """The first op that made NaN of NaN-free values, then the first product that multiplied
+    the NaN it met by 0 everywhere, each as (op, source)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first: tuple[str, str | None] | None = None
+        self.masked: tuple[str, str | None] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = run_op(func, args, kwargs)
+        if self.masked is None:
+            name = func.overloadpacket.__name__
+            if self.first is None and _nan(tree_leaves(out)) and not _nan(
+                    tree_leaves((args, kwargs))):
+                self.first = (f"aten.{name}", user_source())
+            elif self.first is not None and nan_times_zero(name, args):
+                self.masked = (f"aten.{name}", user_source())
+        return out
+
+
+def _nan(leaves) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point()
+               and bool(torch.isnan(t).any()) for t in leaves)
+
+
+def masked_after_hint(report: dict[str, Any], step: Step) -> None:
+    """Replace the degenerate-record advice of an ``invalid`` NaN made in the loss when a
+    product of the loss then multiplied that NaN by a mask's 0 (see the module's docstring)."""
+    o, hint = report["origin"], report.get("hint") or ""
+    if report.get("cause") != "invalid" or o.get("phase") != "loss" or o.get("made") != "nan" \
+            or o.get("module") != "<loss>" or _OF_DATA not in hint or step.model is None \
+            or step.loss_fn is None:
+        return  # (other advice, an eps lost to the type, stands)
+    mb, watch = o.get("micro_batch") or 0, _MaskAfter()
+    try:
+        run = Runner(step).run(backward=False, instrument=False)
+        args, kwargs = loss_args(step, run, mb)
+        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
+                                                   loss=True), watch:
+            step.loss_fn(*args, **kwargs)
+    except Exception:  # (the hint adds what it saw; without it the origin's advice stands)
+        return
+    # (the origin's own NaN: a mask that met another op's NaN says nothing of it)
+    if watch.masked is None or watch.first != (o.get("op"), o.get("source")):
+        return
+    what = hint[:hint.index(_OF_DATA)].rstrip().rstrip(":")
+    op, source = watch.masked
+    report["hint"] = what + MASKED_AFTER_NAN.format(op=op, at=f" ({source})" if source else "")
