@@ -27,6 +27,7 @@ from .finite import tensors_kind
 from .holders import holders_of
 from .hooks import Health
 from .late_writes import moved_in_step
+from .pre_update import written_before_update_event
 from .replaced import swapped_in_event
 from .ring import StepLayout
 from .scalers import NOT_GIVEN as SCALER_NOT_GIVEN
@@ -122,6 +123,7 @@ class Alarm:
             self._take_part(step)
             return
         event = swapped_in_event(step, [n for n, _ in pairs], self.target.replaced_bad) \
+            or written_before_update_event(step, [n for n, _ in pairs], guard, self.renamed) \
             or (events.optimizer_event(step, [n for n, _ in pairs], after_update=after_update,
                                        kind=tensors_kind(p for _, p in pairs) or "nan"
                                        ) if pairs else None)

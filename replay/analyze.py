@@ -25,6 +25,7 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from . import fidelity
 from .ascent import ascent_hint
 from .before_update import nan_before_update
+from .pre_update import written_before_update
 from .cast_overflow import data_hint
 from .data_scale import data_scale_hint
 from .derived_input import derived_input_hint
@@ -98,7 +99,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
                                   else fidelity.changed_note(changed))
     if step.meta.get("scaler_not_given"):  # (a GradScaler's skipped step may be no bug)
         report["problems"].append(SCALER_NOT_GIVEN[0].lower() + SCALER_NOT_GIVEN[1:-1])
-    if late := sorted(_late(step)):
+    if (late := sorted(_late(step))) and not step.event.get("before_update"):
         report["problems"].append(fidelity.late_note(late, bool(step.meta.get("optimizer"))))
     report = _from_bundle(report, step) or _from_rerun(report, step)
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
@@ -306,6 +307,8 @@ def _weights_written_late(report, step: Step) -> dict[str, Any]:
     """Weights non-finite only after the step's forward ran (another optimizer's step(), or
     the loop's own update, wrote them from this step's gradients): not what the step ran with,
     so nothing to re-run."""
+    if step.event.get("before_update"):  # (between backward and step(): RigL's regrowth)
+        return written_before_update(report, step)
     hand = _late(step) and not step.meta.get("optimizer")
     fix = ("call rec.end_step() after backward, before the loop's own update (or give "
            "FlightRecorder the optimizer)" if hand else
