@@ -29,6 +29,7 @@ from .hooks import Health
 from .late_writes import moved_in_step
 from .pre_update import written_before_update_event
 from .replaced import swapped_in_event
+from .rewind import rename_window
 from .ring import StepLayout
 from .scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from .scalers import unregistered_scaler_in_use
@@ -163,6 +164,7 @@ class Alarm:
                 meta["model_held_by"] = held  # (a loss wrapper computed the loss: see replay)
             if self.renamed:  # (the replay says so: the factory's model may predate it)
                 meta["renamed_after_attach"] = self.renamed
+                rename_window(meta, tensors, self.renamed)
             path, moved = _write(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
         except Exception as e:
             why = (why_unwritable(out_dir, e) + _FAILED_TOO.format(out_dir=out_dir)

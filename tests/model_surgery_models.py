@@ -151,3 +151,24 @@ def rigl_update_pruned(layer: nn.Linear, optimizer, fraction: float) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
                 state[key][grown] = 0
+
+
+class ParamNet(nn.Module):
+    """An MLP with ``parametrizations.weight_norm`` on its first layer and an orthogonal
+    (``parametrizations.orthogonal``) square hidden layer, as a factory builds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.utils.parametrizations.weight_norm(nn.Linear(D_IN, HIDDEN))
+        self.rec = nn.utils.parametrizations.orthogonal(nn.Linear(HIDDEN, HIDDEN, bias=False))
+        self.fc3 = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.rec(h))
+        return self.fc3(h)
+
+
+def make_paramnet() -> ParamNet:
+    torch.manual_seed(0)
+    return ParamNet()
