@@ -25,7 +25,6 @@ from recorder.scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from . import fidelity
 from .ascent import ascent_hint
 from .before_update import nan_before_update
-from .pre_update import written_before_update
 from .cast_overflow import data_hint
 from .data_scale import data_scale_hint
 from .derived_input import derived_input_hint
@@ -60,6 +59,7 @@ from .origins import (
     report_weights,
 )
 from .param_writes import number_note
+from .pre_update import written_before_update
 from .precursors import transient
 from .raised_note import raised_note
 from .recorded import (

@@ -18,9 +18,8 @@ does: finite, every gradient that update took was finite.
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import torch
 

@@ -31,8 +31,8 @@ def written_before_update(report, step: Step) -> dict[str, Any]:
     if w is not None and w.dim():
         rows = (~torch.isfinite(w)).reshape(len(w), -1).any(1).nonzero().flatten().tolist()
     at = ev.get("step")
-    where = f" in rows {rows[:8]}{' (+%d)' % (len(rows) - 8) if len(rows) > 8 else ''}" \
-        if rows else ""
+    more = f" (+{len(rows) - 8})" if len(rows) > 8 else ""
+    where = f" in rows {rows[:8]}{more}" if rows else ""
     report["problems"].append(
         f"{name} was finite when step {at}'s forward and backward ran (the step's checks "
         f"passed) and non-finite{where} in the copy taken right before its optimizer.step(): "
