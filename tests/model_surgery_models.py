@@ -172,3 +172,32 @@ class ParamNet(nn.Module):
 def make_paramnet() -> ParamNet:
     torch.manual_seed(0)
     return ParamNet()
+
+
+class CosineHead(nn.Module):
+    """A cosine classifier (few-shot / imprinting heads): logits are the scaled cosine of
+    the feature and each class's weight row, the row normalised by hand."""
+
+    def __init__(self, d: int, classes: int, scale: float = 10.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(classes, d) * 0.1)
+        self.scale = scale
+
+    def forward(self, h):
+        w = self.weight / self.weight.norm(dim=1, keepdim=True)  # the bug: a pruned row is 0/0
+        return self.scale * F.normalize(h, dim=1) @ w.t()
+
+
+class CosineNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN))
+        self.head = CosineHead(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def make_cosine_net() -> CosineNet:
+    torch.manual_seed(0)
+    return CosineNet()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from bundles import nanreplay_json, source_line
 from torch import nn
+from torch.nn.utils import prune
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
@@ -221,3 +222,45 @@ def test_dead_units_reinitialised_with_the_std_of_one_live_unit(tmp_path):
         ("fc1", "aten.addmm", source_line(MODELS, "h = F.relu(self.fc1(x))"))
     assert o["last_update_step"] == 7
     assert "between that update and step 8" in rep["hint"]
+
+
+@pytest.mark.parametrize("rewind", [None, 3])
+def test_structured_pruning_of_a_cosine_head_names_the_masks_zero_rows(tmp_path, rewind):
+    """``prune.ln_structured(dim=0)`` at step 4 zeroes a class row of a cosine classifier,
+    whose forward divides each row by its norm: 0/0 in that very step. The hint was 'a
+    parametrisation reached the op's pole ... (a rate -relu(a) at 0, a scale trained to 0)';
+    with a rewind window copied before the pruning, the window's departure was put down to
+    load_state_dict, EWC's Fisher or plain attributes, not the pruning after its copy."""
+    model = M.make_cosine_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    crit = nn.CrossEntropyLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, rewind=rewind,
+                            factory="model_surgery_models:make_cosine_net"):
+            for step, (x, y) in enumerate(M.batches(12)):
+                if step == 4:
+                    for m in model.modules():
+                        if isinstance(m, (nn.Linear, M.CosineHead)):
+                            prune.ln_structured(m, "weight", amount=0.25, n=2, dim=0)
+                opt.zero_grad()
+                crit(model(x), y).backward()
+                opt.step()
+    err = info.value
+    zero = (model.head.weight_mask == 0).all(1).nonzero().flatten().tolist()
+    assert len(zero) == 1
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (4, "forward", "head")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], rep["reproduced"], o["op"], o["module"], o["samples"]) == \
+        ("invalid", True, "aten.div", "head", list(range(16)))
+    assert o["source"] == source_line(MODELS, "w = self.weight / self.weight.norm(dim=1")
+    assert f"(head.weight_mask, torch.nn.utils.prune) zeroes whole rows {zero} of 4" \
+        in rep["hint"]
+    departed = [p for p in rep["problems"] if "window's re-run of it is not the step" in p]
+    if rewind is None:
+        assert rep["window"] is None and not departed
+    else:
+        assert rep["window"]["copy_step"] == 0 and len(departed) == 1
+        assert "the loop pruned the model (torch.nn.utils.prune) after the recorder " \
+               "attached and the window's copy holds none of its masks (body.0.weight_mask, " \
+               "body.2.weight_mask, head.weight_mask)" in departed[0]
