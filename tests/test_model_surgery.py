@@ -222,6 +222,7 @@ def test_dead_units_reinitialised_with_the_std_of_one_live_unit(tmp_path):
         ("fc1", "aten.addmm", source_line(MODELS, "h = F.relu(self.fc1(x))"))
     assert o["last_update_step"] == 7
     assert "between that update and step 8" in rep["hint"]
+    assert "dead units re-initialised, with a std or norm over one value or none" in rep["hint"]
 
 
 @pytest.mark.parametrize("rewind", [None, 3])
