@@ -201,3 +201,20 @@ class CosineNet(nn.Module):
 def make_cosine_net() -> CosineNet:
     torch.manual_seed(0)
     return CosineNet()
+
+
+def net2wider(model: MLP, new_width: int, g: torch.Generator, fixed: bool = True) -> None:
+    """Net2WiderNet (Chen et al. 2016) on ``fc2``: new units copy random old ones, and each
+    old unit's outgoing weights are divided by how many units now carry it, so the widened
+    net computes the same function. ``fixed=False`` counts only the copies (forgetting the
+    unit itself): a unit never copied has count 0."""
+    old = model.fc2.out_features
+    idx = torch.cat([torch.arange(old), torch.randint(0, old, (new_width - old,), generator=g)])
+    counts = torch.bincount(idx if fixed else idx[old:], minlength=old).float()
+    wide, nxt = nn.Linear(model.fc2.in_features, new_width), nn.Linear(new_width, CLASSES)
+    with torch.no_grad():
+        wide.weight.copy_(model.fc2.weight[idx])
+        wide.bias.copy_(model.fc2.bias[idx])
+        nxt.weight.copy_(model.fc3.weight[:, idx] / counts[idx])
+        nxt.bias.copy_(model.fc3.bias)
+    model.fc2, model.fc3 = wide, nxt

@@ -137,7 +137,7 @@ def test_rigl_regrowth_nan_is_the_loops_write_not_the_update(tmp_path, pruned):
     of that step show the weight was NaN before it."""
     err, name, rows = _rigl(tmp_path, pruned, guard=False)
     assert (err.event["step"], err.event["phase"], err.event["params"]) == (3, "optimizer", [name])
-    rep = nanreplay_json(err.bundle_path, code=None)
+    rep = nanreplay_json(err.bundle_path, code=1)
     o = rep["origin"]
     assert (rep["cause"], rep["reproduced"], o["phase"], o["param"]) == \
         ("weights", False, "weights", name)
@@ -158,7 +158,7 @@ def test_guarded_rigl_regrowth_is_a_weights_event_written_before_the_update(tmp_
     assert (ev["step"], ev["phase"], ev["params"], ev["before_update"]) == \
         (3, "weights", [name], True)
     assert ev["written_after_forward"] == [name]
-    rep = nanreplay_json(err.bundle_path, code=None)
+    rep = nanreplay_json(err.bundle_path, code=1)
     o = rep["origin"]
     assert (rep["cause"], rep["reproduced"], rep["not_rerun"]) == \
         ("weights", False, "weights written after its forward")
@@ -181,7 +181,7 @@ def test_the_rewind_copy_of_a_pruned_weight_is_bundled_under_its_name_now(tmp_pa
     assert not any(k.startswith("rewind/weights/fc2.weight") and k.endswith("weight")
                    for k in tensors)
     assert bool(torch.isfinite(tensors["rewind/weights/fc2.weight_orig"]).all())
-    rep = nanreplay_json(err.bundle_path, code=None)
+    rep = nanreplay_json(err.bundle_path, code=1)
     win = rep["window"]
     assert (win["copy_step"], win["reproduced"], win["first_non_finite"]) == (6, False, None)
     assert (rep["cause"], rep["origin"]["param"], rep["origin"]["rows"]) == \
