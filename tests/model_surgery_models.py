@@ -218,3 +218,29 @@ def net2wider(model: MLP, new_width: int, g: torch.Generator, fixed: bool = True
         nxt.weight.copy_(model.fc3.weight[:, idx] / counts[idx])
         nxt.bias.copy_(model.fc3.bias)
     model.fc2, model.fc3 = wide, nxt
+
+
+class Regressor(nn.Module):
+    """A pretrained body (LeakyReLU MLP) and a regression head: the body is frozen first,
+    then unfrozen into a parameter group of its own (gradual unfreezing, ULMFiT-style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.LeakyReLU(0.1),
+                                  nn.Linear(HIDDEN, HIDDEN), nn.LeakyReLU(0.1))
+        self.head = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x)).squeeze(-1)
+
+
+def make_regressor() -> Regressor:
+    torch.manual_seed(0)
+    return Regressor()
+
+
+def regression_batches(n: int, seed: int = 0, size: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(size, D_IN, generator=g)
+        yield x, x[:, :4].sum(1) * 3.0

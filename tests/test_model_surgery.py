@@ -265,3 +265,55 @@ def test_structured_pruning_of_a_cosine_head_names_the_masks_zero_rows(tmp_path,
         assert "the loop pruned the model (torch.nn.utils.prune) after the recorder " \
                "attached and the window's copy holds none of its masks (body.0.weight_mask, " \
                "body.2.weight_mask, head.weight_mask)" in departed[0]
+
+
+def _unfreeze(rec_kwargs: dict | None):
+    """Gradual unfreezing: the head trains alone, then the body joins at step 5 in a group of
+    its own whose learning rate (0.1) is 10x the head's; the regression diverges until the
+    squared error overflows. Without ``rec_kwargs`` the plain loop's first non-finite loss's
+    step and batch; with them, the error and the live model and batch at the event."""
+    model = M.make_regressor()
+    model.body.requires_grad_(False)
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.01, momentum=0.9)
+    crit = nn.MSELoss()
+    rec = FlightRecorder(model, opt, loss_fn=crit, **rec_kwargs) if rec_kwargs else None
+    try:
+        if rec is not None:
+            rec.attach()
+        for step, (x, y) in enumerate(M.regression_batches(60)):
+            if step == 5:
+                model.body.requires_grad_(True)
+                opt.add_param_group({"params": model.body.parameters(), "lr": 0.1})
+            opt.zero_grad()
+            loss = crit(model(x), y)
+            if rec is None and not torch.isfinite(loss):
+                return step, None, model, x, y
+            loss.backward()
+            opt.step()
+    except NonFiniteError as e:
+        return e.event["step"], e, model, x, y
+    finally:
+        if rec is not None:
+            rec.detach()
+    raise AssertionError("the unfrozen body did not diverge")
+
+
+def test_a_body_unfrozen_with_a_10x_learning_rate_diverges_and_the_new_group_is_blamed(
+        tmp_path):
+    at, _, _, _, _ = _unfreeze(None)
+    step, err, model, x, y = _unfreeze({"out_dir": tmp_path, "rewind": 4,
+                                        "factory": "model_surgery_models:make_regressor"})
+    assert step == at and err is not None
+    assert (err.event["phase"], err.event["module"], err.event["kind"]) == \
+        ("loss", "<loss>", "+inf")
+    with torch.no_grad():  # the rows whose squared error is beyond float32
+        rows = torch.isinf((model(x) - y) ** 2).nonzero().flatten().tolist()
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["samples"]) == \
+        ("overflow", "aten.mse_loss", "<loss>", rows)
+    assert "the run was diverging" in rep["hint"] and "--try lr=0.1x" in rep["hint"]
+    first = rep["precursors"][0]
+    assert (first["step"], first["kind"]) == (5, "lr_jump")
+    assert first["detail"].startswith("learning rate (group 1) 0.1, of a group added at step "
+                                      "5, is 10x the other groups' 0.01")
