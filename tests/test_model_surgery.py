@@ -17,6 +17,7 @@ from torch.nn.utils import prune
 
 from recorder import FlightRecorder, NonFiniteError
 from recorder.bundle import read_bundle
+from recorder.target import REPLACED_WARNING
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
@@ -41,7 +42,8 @@ def _healthy(kind: str, record: bool, out_dir) -> dict[str, torch.Tensor]:
         model.fc1.register_forward_hook(lambda m, i, o: acts.__setitem__("fc1", o.detach()))
     early = None
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=FACTORY,
-                         rewind=4) if record else None
+                         rewind=4, guard_optimizer=kind in ("prune", "rigl")) \
+        if record else None
     if rec is not None:
         rec.attach()
     for step, (x, y) in enumerate(M.batches(14)):
@@ -317,3 +319,60 @@ def test_a_body_unfrozen_with_a_10x_learning_rate_diverges_and_the_new_group_is_
     assert (first["step"], first["kind"]) == (5, "lr_jump")
     assert first["detail"].startswith("learning rate (group 1) 0.1, of a group added at step "
                                       "5, is 10x the other groups' 0.01")
+
+
+def _widened(out_dir, fixed: bool, record: bool = True):
+    """Net2WiderNet on fc2 (32 -> 48) at step 5 of one recorded run: fc2 and fc3 replaced by
+    new ``nn.Linear``s under the same names, their parameters given to the optimizer with
+    ``add_param_group`` (the old ones stay in group 0, without gradients from then on).
+    ``fixed=False``: old units never copied get a count of 0, and fc3's weights divided by
+    it hold +-inf (or NaN) as the loop puts them in."""
+    model = M.make_mlp()
+    crit = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, factory=FACTORY) \
+        if record else None
+    try:
+        if rec is not None:
+            rec.attach()
+        for step, (x, y) in enumerate(M.batches(10)):
+            if step == 5:
+                M.net2wider(model, 48, g, fixed=fixed)
+                opt.add_param_group({"params": [*model.fc2.parameters(),
+                                                *model.fc3.parameters()]})
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            opt.step()
+    finally:
+        if rec is not None:
+            rec.detach()
+    return model, rec
+
+
+def test_a_widened_layer_is_followed_by_name_and_its_replacement_is_warned_about(
+        tmp_path, caplog):
+    """The new group's parameters were called 'parameters the model did not have when the
+    recorder attached ... neither checked nor bundled, and a bundle of the model cannot be
+    replayed', though they replace fc2's and fc3's under the same names (and the bundle
+    replays); what is really lost, the new modules' calls, went unsaid. Healthy, the run
+    trains as without the recorder."""
+    plain, _ = _widened(tmp_path, fixed=True, record=False)
+    recorded, rec = _widened(tmp_path, fixed=True)
+    assert rec.event is None
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), recorded.parameters()))
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("did not have when the recorder attached" in m for m in said)
+    assert said.count(REPLACED_WARNING.format(names="fc2, fc3")) == 1
+    with pytest.raises(NonFiniteError) as info:
+        _widened(tmp_path, fixed=False)
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["params"]) == \
+        (5, "weights", ["fc3.weight"])
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["param"], o["module"], o["op"]) == \
+        ("weights", "fc3.weight", "fc3", "aten.addmm")
+    assert "replaced fc3.weight with a new parameter" in rep["hint"]
+    assert "a division by a count of 0" in rep["hint"]
+    assert any("fc2.weight [48, 32] (the factory's [32, 32])" in p for p in rep["problems"])
