@@ -75,12 +75,11 @@ def rewind(model: nn.Module, early: dict[str, torch.Tensor]) -> None:
 # RigL / SET: drop and regrow connections in place
 
 
-def rigl_update(layer: nn.Linear, mask: torch.Tensor, optimizer, fraction: float,
-                regrow_scale: str = "row") -> None:
+def rigl_update(layer: nn.Linear, mask: torch.Tensor, optimizer, fraction: float) -> None:
     """Drop the ``fraction`` smallest active weights of ``layer`` and regrow as many inactive
-    connections where the dense gradient is largest (RigL). The regrown entries start from a
-    value scaled to their row's mean active magnitude (``row``: the norm of the row's
-    surviving weights over their count) and their Adam moments are zeroed."""
+    connections where the dense gradient is largest (RigL). The regrown entries start from
+    their row's mean surviving magnitude (the bug: a row with none left is 0/0), and their
+    Adam moments are zeroed."""
     with torch.no_grad():
         w, grad = layer.weight, layer.weight.grad
         active = int(mask.sum())
@@ -102,10 +101,6 @@ def rigl_update(layer: nn.Linear, mask: torch.Tensor, optimizer, fraction: float
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
                 state[key][grown] = 0
-
-
-def make_rigl_mlp() -> MLP:
-    return make_mlp()
 
 
 # ---------------------------------------------------------------------------------------------
