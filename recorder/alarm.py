@@ -27,7 +27,9 @@ from .finite import tensors_kind
 from .holders import holders_of
 from .hooks import Health
 from .late_writes import moved_in_step
+from .pre_update import written_before_update_event
 from .replaced import swapped_in_event
+from .rewind import rename_window
 from .ring import StepLayout
 from .scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from .scalers import unregistered_scaler_in_use
@@ -122,6 +124,7 @@ class Alarm:
             self._take_part(step)
             return
         event = swapped_in_event(step, [n for n, _ in pairs], self.target.replaced_bad) \
+            or written_before_update_event(step, [n for n, _ in pairs], guard, self.renamed) \
             or (events.optimizer_event(step, [n for n, _ in pairs], after_update=after_update,
                                        kind=tensors_kind(p for _, p in pairs) or "nan"
                                        ) if pairs else None)
@@ -161,6 +164,7 @@ class Alarm:
                 meta["model_held_by"] = held  # (a loss wrapper computed the loss: see replay)
             if self.renamed:  # (the replay says so: the factory's model may predate it)
                 meta["renamed_after_attach"] = self.renamed
+                rename_window(meta, tensors, self.renamed)
             path, moved = _write(out_dir, f"step{event.step:08d}-rank{rank}", meta, tensors)
         except Exception as e:
             why = (why_unwritable(out_dir, e) + _FAILED_TOO.format(out_dir=out_dir)

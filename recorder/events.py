@@ -41,7 +41,7 @@ __all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_gra
 
 # keys a bundle's event holds only when they are set
 _OPTIONAL = ("after_update", "first_seen_step", "last_update_step", "evaluation", "compiled",
-             "ranks", "written_after_forward", "nan_handled", "loss_given")
+             "ranks", "written_after_forward", "before_update", "nan_handled", "loss_given")
 
 
 @dataclass
@@ -71,6 +71,7 @@ class Event:
     ranks: dict[str, Any] | None = None
     # parameters the loop made non-finite after the forward read them (see late_writes)
     written_after_forward: list[str] | None = None
+    before_update: bool | None = None  # (those written after backward: recorder.pre_update)
     # the root input (allow_nan's name) whose NaN the rest of the step shows the model handled
     nan_handled: str | None = None
     # the loss given to record_loss is non-finite, loss_fn's of the micro-batch was finite

@@ -289,3 +289,26 @@ def _scaler_state(scaler) -> dict[str, Any]:
 
 def _size(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def rename_window(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                  renamed: dict[str, str]) -> None:
+    """The window's copies under the parameters' names now (:meth:`Target.rename`): a copy
+    taken under ``fc.weight`` before ``torch.nn.utils.prune`` re-registered it as
+    ``fc.weight_orig`` is that parameter's (by its old name the replay found no copy of the
+    pruned weight and re-ran the window from the bundle's, the event's, values)."""
+    window = meta.get("rewind")
+    if not window or not renamed:
+        return
+    for kind in ("weights", "optim"):
+        head = f"rewind/{kind}/"
+        for key in [k for k in tensors if k.startswith(head)]:
+            name, sep, rest = key[len(head):].partition("/") if kind == "optim" \
+                else (key[len(head):], "", "")
+            if name in renamed:
+                tensors[f"{head}{renamed[name]}{sep}{rest}"] = tensors.pop(key)
+    scalars = window.get("optimizer", {}).get("state_scalars", {})
+    window.get("optimizer", {})["state_scalars"] = {renamed.get(n, n): v
+                                                    for n, v in scalars.items()}
+    for record in window.get("records", []):
+        record["frozen"] = [renamed.get(n, n) for n in record.get("frozen", [])]

@@ -89,6 +89,7 @@ class Target:
         # what to do when only submodules run (a Trainer callback names its own option)
         self.unrooted_advice = _UNROOTED_ADVICE
         self.unknown_warned = False  # about parameters added to the model after attach
+        self.replaced_warned = False  # about hooked modules the model replaced since
         self.constants: dict[int, torch.Tensor] = {}  # frozen ±inf parameters (mask values)
         self.module_names: list[str] = []
         self.module_types: list[str] = []
@@ -252,9 +253,24 @@ class Target:
         head added since and given with ``add_param_group``), which nothing hooks, checks or
         bundles; attaching again reads the model anew."""
         unknown = held - {id(p) for _, p in self.params}
+        model = self._model() if unknown else None
+        if model is not None:  # (rare: a group added; those no longer in the model are stale)
+            unknown &= {id(p) for p in model.parameters()}
+            self._warn_replaced(model)
         if unknown and not self.unknown_warned:
             self.unknown_warned = True
             log.warning(UNKNOWN_WARNING.format(n=len(unknown)))
+
+    def _warn_replaced(self, model: nn.Module) -> None:
+        """Once: modules hooked at attach that the model holds no longer under their names (a
+        layer swapped for a wider one, Net2Net): their replacements' calls are not recorded,
+        though their parameters, followed by name (:meth:`follow_model`), are checked."""
+        now = dict(model.named_modules())
+        gone = [s.name for s in self.sites if s.name and now.get(s.name, s.module) is not s.module]
+        if gone and not self.replaced_warned:
+            self.replaced_warned = True
+            log.warning(REPLACED_WARNING.format(names=", ".join(gone[:4])
+                                                + (", ..." if len(gone) > 4 else "")))
 
     def rename(self) -> dict[str, str]:
         """Slow path: take the names the model gives the recorded parameters now, when the
@@ -289,6 +305,9 @@ class Target:
         if opt is None:
             return
         if len(opt.param_groups) != self.groups:
+            model = self._model()  # (new groups may hold parameters swapped in by name)
+            if model is not None and self.has_optimizer:
+                self.follow_model(model)
             self._partition()
         elif heads_moved(opt, self.group_heads):  # (densification swapped in parameters)
             model = self._model()
@@ -396,6 +415,12 @@ class Target:
             t, ref = base, self.allowed_buffers.get(id(base))
         return ref is not None and ref() is t
 
+
+REPLACED_WARNING = (
+    "nanreplay: the model replaced module(s) {names} since the recorder attached (a layer "
+    "swapped for a new one): their parameters are followed by name and checked, but the new "
+    "modules' calls are not recorded; call rec.detach() then rec.attach() after changing the "
+    "model")
 
 UNKNOWN_WARNING = (
     "nanreplay: the optimizer holds {n} parameter(s) that the model did not have when the "

@@ -60,6 +60,7 @@ from .origins import (
     report_weights,
 )
 from .param_writes import number_note
+from .pre_update import written_before_update
 from .precursors import transient
 from .raised_note import raised_note
 from .recorded import (
@@ -99,7 +100,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
                                   else fidelity.changed_note(changed))
     if step.meta.get("scaler_not_given"):  # (a GradScaler's skipped step may be no bug)
         report["problems"].append(SCALER_NOT_GIVEN[0].lower() + SCALER_NOT_GIVEN[1:-1])
-    if late := sorted(_late(step)):
+    if (late := sorted(_late(step))) and not step.event.get("before_update"):
         report["problems"].append(fidelity.late_note(late, bool(step.meta.get("optimizer"))))
     report = _from_bundle(report, step) or _from_rerun(report, step)
     if note := number_note(step, report):  # (a NaN number the forward took: no input)
@@ -308,6 +309,8 @@ def _weights_written_late(report, step: Step) -> dict[str, Any]:
     """Weights non-finite only after the step's forward ran (another optimizer's step(), or
     the loop's own update, wrote them from this step's gradients): not what the step ran with,
     so nothing to re-run."""
+    if step.event.get("before_update"):  # (between backward and step(): RigL's regrowth)
+        return written_before_update(report, step)
     hand = _late(step) and not step.meta.get("optimizer")
     fix = ("call rec.end_step() after backward, before the loop's own update (or give "
            "FlightRecorder the optimizer)" if hand else

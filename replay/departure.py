@@ -27,6 +27,22 @@ CHANGED = ("state the loop changed after the window's copy and that the copy doe
            "tensor attributes; values outside the batch)")
 
 
+def _changed(step: Step) -> str:
+    """:data:`CHANGED`, with the prune masks the bundle holds and the window's copy does not
+    first (``torch.nn.utils.prune`` after attach: the re-run applies the event's masks)."""
+    masks = [k.removeprefix("buffers/") for k in step.tensors
+             if k.startswith("buffers/") and k.endswith("_mask")
+             and f"weights/{k.removeprefix('buffers/').removesuffix('_mask')}_orig"
+             in step.tensors and f"rewind/{k}" not in step.tensors]
+    if not masks:
+        return CHANGED
+    return (f"the loop pruned the model (torch.nn.utils.prune) after the recorder attached "
+            f"and the window's copy holds none of its masks ({', '.join(masks[:3])}"
+            f"{', ...' if len(masks) > 3 else ''}): the re-run applies the masks the event's "
+            "step found from the copy on, which is not the run where the pruning, or a "
+            f"change of a mask, came after the copy; or {CHANGED}")
+
+
 def departure(step: Step, per_step: list[dict[str, Any]], loop_clip,
               weight_norms: dict[int, dict[str, float]] | None = None
               ) -> tuple[int, str] | None:
@@ -47,13 +63,13 @@ def departure(step: Step, per_step: list[dict[str, Any]], loop_clip,
         if math.isfinite(loss) and not math.isfinite(_number(stats.get("loss"))):
             # (the recorder checks every step's loss: a non-finite one would have raised)
             return s, (f"training ran step {s} with a finite loss ({loss:.4g}) and no event, "
-                       f"so the window's re-run of it is not the step that ran: {CHANGED}; "
+                       f"so the window's re-run of it is not the step that ran: {_changed(step)}; "
                        f"the window says nothing about the steps from {s} on")
         # (norms the re-run takes as the recorder read them: no loop clip, scaler or peers)
         if norms and math.isfinite(g) and math.isfinite(r) \
                 and abs(g - r) > _APART * max(abs(g), abs(r)):
             return s, (f"from step {s} the window's re-run is not the run: its gradient norm "
-                       f"{g:.4g} where training's was {r:.4g}; {CHANGED}; the window says "
+                       f"{g:.4g} where training's was {r:.4g}; {_changed(step)}; the window says "
                        f"nothing about the steps from {s} on")
         if norms and (moved := _weights_apart((weight_norms or {}).get(s), after.get(s))):
             name, got, was = moved
@@ -63,7 +79,7 @@ def departure(step: Step, per_step: list[dict[str, Any]], loop_clip,
                        f"before re-ran as it ran): the loop wrote them between the updates (a "
                        f"load_state_dict of weights it computed; a clamp_, renormalisation or "
                        f"mask applied after optimizer.step(), which the re-run does not "
-                       f"apply); {CHANGED}; the window says nothing about the steps from {s} "
+                       f"apply); {_changed(step)}; the window says nothing about the steps from {s} "
                        f"on")
     return None
 

@@ -25,6 +25,7 @@ from .ops import OpFinder
 from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint
+from .pruned import pruned_rows_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
 from .rerun import Runner
@@ -129,6 +130,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return table
     if cause == "invalid" and (own := parametrization_hint(step, o.module, hit and hit.op)):
         return own
+    if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):
+        return rows  # (structured pruning's zero rows, normalised by the forward)
     if cause == "invalid" and (zero := zero_state_hint(runner, o, hit)):
         return zero
     if cause == "invalid" and (signed := signed_weights_hint(runner, o, hit)):

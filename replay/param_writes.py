@@ -203,7 +203,9 @@ def _held_written_hint(step: Step, bad: list[str], names: str) -> str | None:
             "(weights it computed and loaded with load_state_dict or copy_: a federated "
             "round's average of the clients' state_dicts, a model soup or task-arithmetic "
             "merge, an EMA or SWA average copied in, k-means centroids set as a layer's "
-            "cluster centres or prototypes; or an in-place edit)"
+            "cluster centres or prototypes; or an in-place edit: connections pruned or "
+            "regrown, dead units re-initialised, with a std or norm over one value or none, "
+            "NaN)"
             + (f"; {spread}" if spread else "") + ". Check that code, and each tensor it "
             "loads (torch.isfinite(t).all()) before loading it; skip a non-finite "
             "contribution, and resume from a checkpoint before it")

@@ -16,7 +16,9 @@ def swapped_in_hint(step, bad: list[str]) -> str | None:
     names = ", ".join(bad[:2]) + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
     kind = step.event.get("kind") or "non-finite values"
     return (f"the training loop replaced {names} with a new parameter (swapped into the module "
-            f"and the optimizer: densification, pruning, a relocation or a reset) that already "
-            f"held {kind}, before any update: fix the code that computes its new values (a "
-            "logit of a probability that reached 1.0, a log of 0: clamp into the op's domain "
-            "first, as gsplat clamps opacities to [eps, 1 - eps] before its logit)")
+            f"and the optimizer: densification, pruning, a relocation or a reset, a layer "
+            f"widened) that already held {kind}, before any update: fix the code that computes "
+            "its new values (a logit of a probability that reached 1.0, a log of 0: clamp into "
+            "the op's domain first, as gsplat clamps opacities to [eps, 1 - eps] before its "
+            "logit; a division by a count of 0: Net2Net's replication counts must count the "
+            "unit itself)")

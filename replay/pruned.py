@@ -1,0 +1,44 @@
+"""An ``invalid`` op in a module that ``torch.nn.utils.prune`` pruned by whole rows.
+
+Structured pruning (``prune.ln_structured(m, "weight", amount, n, dim=0)``, a mask the loop
+computes by rows) zeroes entire rows of a weight: the module's forward then takes a norm, a
+sum or a mean over a row of zeros (a cosine classifier's ``w / w.norm(dim=1)``, a weight
+standardisation's ``(w - mean) / std``) and divides by it, 0/0. That is no parameter trained
+to 0 nor a buffer built so: it is the mask (``<module>.<name>_mask``) the loop applied, and
+its zero rows are what to name.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .load import Step
+
+__all__ = ["pruned_rows_hint"]
+
+_MASK = re.compile(r"^buffers/(?P<name>[^.]+)_mask$")
+
+
+def pruned_rows_hint(step: Step, module: str | None, op: str | None) -> str | None:
+    """The hint for an ``invalid`` op of ``module`` whose own weight a prune mask zeroes by
+    whole rows (along dim 0), else None."""
+    if module is None:
+        return None
+    head = f"buffers/{module}." if module else "buffers/"
+    for key, mask in step.tensors.items():
+        m = _MASK.match("buffers/" + key[len(head):]) if key.startswith(head) else None
+        if m is None or f"weights/{module + '.' if module else ''}{m['name']}_orig" \
+                not in step.tensors or mask.dim() < 2:
+            continue
+        zero = (mask.reshape(mask.shape[0], -1) == 0).all(1).nonzero().flatten().tolist()
+        if not zero:
+            continue
+        name = f"{module + '.' if module else ''}{m['name']}"
+        rows = f"{zero[:8]}" + (f" (+{len(zero) - 8})" if len(zero) > 8 else "")
+        return (f"{op or 'an op'} in {module or 'the model'} made 0/0 where {name}'s prune "
+                f"mask ({name}_mask, torch.nn.utils.prune) zeroes whole rows {rows} of "
+                f"{mask.shape[0]}: a norm, sum or std over a row of zeros is 0, and the "
+                "forward divides by it; clamp the divisor (w.norm(dim=1, keepdim=True)"
+                ".clamp_min(eps), F.normalize), or drop the pruned rows' outputs instead of "
+                "normalising them")
+    return None
