@@ -1,0 +1,244 @@
+"""End to end: deep anomaly detection and one-class training (Deep SVDD, DAGMM, an autoencoder
+on standardised features, a Gaussian density score through ``MultivariateNormal``) written as
+their repositories write them (``anomaly_detection_models``), trained under the recorder until
+a planted bug fires, then replayed with the CLI; healthy runs raise nothing and train the
+same weights as without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import anomaly_detection_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("anomaly_detection_models.py", text)
+
+
+def recording(record: bool, out_dir, factory: str, model, opt, loss_fn=None):
+    if not record:
+        return contextlib.nullcontext()
+    return FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                          factory=f"anomaly_detection_models:{factory}")
+
+
+def shuffled(X, batch_size: int = M.BATCH, drop_last: bool = False):
+    return DataLoader(X, batch_size=batch_size, shuffle=True, drop_last=drop_last,
+                      generator=torch.Generator().manual_seed(1))
+
+
+def same_state(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --------------------------------------------------------------------------------------------
+# Deep SVDD
+
+
+def train_svdd(out_dir, objective: str, record: bool = True, epochs: int = 5):
+    """Deep-SVDD-PyTorch's trainer: c from an initial forward pass (eps trick), Adam with
+    weight decay and a MultiStepLR, R set to the (1 - nu)-quantile after the warm-up."""
+    torch.manual_seed(0)
+    model = M.make_svdd()
+    loader = shuffled(M.normal_data(torch.Generator().manual_seed(0)))
+    model.c.copy_(M.init_center_c(model, loader))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-6)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3], gamma=0.1)
+    R, nu = torch.tensor(0.0), 0.1
+    with recording(record, out_dir, "make_svdd", model, opt, M.svdd_loss) as rec:
+        loss_fn = rec.loss_fn if record else M.svdd_loss
+        for epoch in range(epochs):
+            for x in loader:
+                opt.zero_grad()
+                outputs = model(x)
+                loss = loss_fn(outputs, model.c, R, nu, objective)
+                loss.backward()
+                opt.step()
+                if objective == "soft-boundary" and epoch >= 2:  # warm_up_n_epochs
+                    dist = torch.sum((outputs.detach() - model.c) ** 2, dim=1)
+                    R = M.get_radius(dist, nu)
+            sched.step()
+    return model, R
+
+
+@pytest.mark.parametrize("objective", ["one-class", "soft-boundary"])
+def test_healthy_deep_svdd_has_no_event_and_trains_the_same_weights(tmp_path, objective):
+    model, R = train_svdd(tmp_path, objective)
+    assert not list(tmp_path.glob("*.nan"))
+    bare, R_bare = train_svdd(tmp_path, objective, record=False)
+    assert same_state(model, bare) and torch.equal(R, R_bare)
+    assert (model.c.abs() >= 0.1).all()  # (the eps trick kept the centre off 0)
+
+
+# --------------------------------------------------------------------------------------------
+# DAGMM
+
+
+def train_dagmm(out_dir, X, record: bool = True, epochs: int = 2, drop_last: bool = False):
+    """danieltan07/dagmm's solver: Adam, the loss of reconstruction, energy and the penalty on
+    the covariances' diagonals, gradients clipped to 5."""
+    torch.manual_seed(0)
+    model = M.make_dagmm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    loader = shuffled(X, drop_last=drop_last)
+    with recording(record, out_dir, "make_dagmm", model, opt, M.dagmm_loss) as rec:
+        loss_fn = rec.loss_fn if record else M.dagmm_loss
+        for _epoch in range(epochs):
+            for x in loader:
+                opt.zero_grad()
+                enc, dec, z, gamma = model(x)
+                loss = loss_fn(x, dec, z, gamma)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5)
+                opt.step()
+    return model
+
+
+def test_healthy_dagmm_has_no_event_and_trains_the_same_weights(tmp_path):
+    X = M.normal_data(torch.Generator().manual_seed(0), n=66)
+    model = train_dagmm(tmp_path, X, drop_last=True)
+    assert not list(tmp_path.glob("*.nan"))
+    assert same_state(model, train_dagmm(tmp_path, X, record=False, drop_last=True))
+
+
+def test_dagmm_blank_record_relative_distance_is_a_division_by_its_zero_norm(tmp_path):
+    # |x - x'| / |x| of an all-zero record is +inf: z, then gamma and the GMM go NaN, and the
+    # loss's cholesky raises on the NaN covariance; the recorder has the forward event
+    X = M.normal_data(torch.Generator().manual_seed(0))
+    X[37] = 0
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        train_dagmm(tmp_path, X)
+    assert any("phase forward" in n for n in getattr(info.value, "__notes__", [])), info.value
+    [bundle] = tmp_path.glob("*.nan")
+    first = next(iter(shuffled(X)))  # the first batch, as the loader drew it
+    blank = (first.norm(dim=1) == 0).nonzero().flatten().tolist()
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["module"], o["op"],
+            o["made"], o["samples"]) == (0, True, "forward", "", "aten.div", "+inf", blank), rep
+    assert o["source"] == line_of("/ a.norm(2, dim=1)"), o
+    assert rep["cause"] == "invalid" and "by 0" in rep["hint"], rep
+    assert any("_LinAlgError" in p or "cholesky" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_dagmm_last_short_batch_covariance_fails_cholesky_as_few_samples(tmp_path):
+    # 66 records in batches of 16 leave 2 for the epoch's last step: each component's 3x3
+    # covariance of 2 points has rank 1, and float32 cannot hold DAGMM's 1e-12 on its diagonal
+    X = M.normal_data(torch.Generator().manual_seed(0), n=66)
+    with pytest.raises(torch.linalg.LinAlgError):
+        train_dagmm(tmp_path, X)
+    [bundle] = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["module"], o["op"],
+            o["made"], o["samples"], o["batch_size"]) == (
+        4, True, "loss", "<loss>", "aten.linalg_cholesky_ex", "LinAlgError", [], 2), rep
+    assert o["source"] == line_of("torch.linalg.cholesky(cov_k)"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "precision" and "smallest eigenvalue 1e-12" in hint, rep
+    # (was: only "add jitter scaled to the matrix": the batch's size was the reason)
+    assert "holds 2 samples, fewer than the matrix's 3 dimensions" in hint, hint
+    assert "drop_last=True" in hint, hint
+
+
+# --------------------------------------------------------------------------------------------
+# an autoencoder on standardised features
+
+
+def test_std_buffer_of_a_constant_feature_is_zero_over_zero_in_the_normaliser(tmp_path):
+    # a sensor stuck at 1.0 through the first window: the std buffer the first forward sets
+    # is 0 in that feature, and (x - mean) / std is 0/0 in every row of it
+    torch.manual_seed(0)
+    model = M.make_normalised_ae()
+    X = M.normal_data(torch.Generator().manual_seed(0))
+    X[:M.BATCH, 3] = 1.0
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info, recording(
+            True, tmp_path, "make_normalised_ae", model, opt, M.ae_loss) as rec:
+        for x in DataLoader(X, batch_size=M.BATCH):  # a time series: windows in order
+            opt.zero_grad()
+            out, xn = model(x)
+            rec.loss_fn(out, xn).backward()
+            opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "norm"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "norm", "aten.div", "nan", list(range(M.BATCH))), rep
+    assert o["source"] == line_of("return (x - self.mean) / self.std"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep
+
+
+# --------------------------------------------------------------------------------------------
+# a Gaussian density score through MultivariateNormal
+
+
+def train_gaussian_score(out_dir, factory: str, record: bool = True, steps: int = 12):
+    """A negative log-likelihood of each batch's embeddings under their own Gaussian, the
+    loss handed to the recorder with record_loss (the loop computes it inline)."""
+    torch.manual_seed(0)
+    model = getattr(M, factory)()
+    X = M.normal_data(torch.Generator().manual_seed(0))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    batches = [x for _epoch in range(3) for x in DataLoader(X, batch_size=M.BATCH)]
+    with recording(record, out_dir, factory, model, opt) as rec:
+        for x in batches[:steps]:
+            opt.zero_grad()
+            loss = model(x).mean()
+            if record:
+                rec.record_loss(loss)
+            loss.backward()
+            opt.step()
+    return model
+
+
+def dead_units(model, x) -> list[int]:
+    with torch.no_grad():
+        return (model.features(x) == 0).all(0).nonzero().flatten().tolist()
+
+
+def test_multivariate_normal_of_a_dead_relu_unit_names_the_covariance_not_a_view(tmp_path):
+    # the embeddings' last ReLU leaves a unit at 0 for the whole batch: the batch covariance
+    # has a zero row and column and MultivariateNormal's PositiveDefinite check refuses it
+    X = M.normal_data(torch.Generator().manual_seed(0))
+    loader = DataLoader(X, batch_size=M.BATCH)
+    with pytest.raises(ValueError, match="PositiveDefinite"):
+        train_gaussian_score(tmp_path, "make_gaussian_score_nojitter")
+    [bundle] = tmp_path.glob("*.nan")
+    step = int(re.search(r"step(\d+)", bundle.name)[1])
+    # the dead units at that step, in a run without the recorder stopped just before it
+    before = train_gaussian_score(tmp_path, "make_gaussian_score_nojitter", record=False,
+                                  steps=step)
+    x = list(loader)[step % len(loader)]
+    dead = dead_units(before, x)
+    assert dead, "the planted dead unit did not happen"
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    # (was: aten.transpose, the check's own value.mT, on the MultivariateNormal line)
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"]) == (
+        True, "forward", "", "aten.add"), rep
+    assert o["source"] == line_of("cov = zc.T @ zc"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid", rep
+    # (was: "16 value(s) refused ... a scale through softplus": every entry of the matrix)
+    assert "not positive-definite in float64 too" in hint and "softplus" not in hint, hint
+    assert f"row and column {', '.join(map(str, dead))} of it are exactly 0" in hint, hint
+    assert "ridge" in hint, hint
+
+
+def test_healthy_gaussian_score_with_jitter_has_no_event_and_same_weights(tmp_path):
+    model = train_gaussian_score(tmp_path, "make_gaussian_score", steps=12)
+    assert not list(tmp_path.glob("*.nan"))
+    assert same_state(model, train_gaussian_score(tmp_path, "make_gaussian_score",
+                                                  record=False, steps=12))
