@@ -127,7 +127,11 @@ def test_dagmm_blank_record_relative_distance_is_a_division_by_its_zero_norm(tmp
     assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["module"], o["op"],
             o["made"], o["samples"]) == (0, True, "forward", "", "aten.div", "+inf", blank), rep
     assert o["source"] == line_of("/ a.norm(2, dim=1)"), o
-    assert rep["cause"] == "invalid" and "by 0" in rep["hint"], rep
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and "aten.div by 0" in hint, rep
+    # (was: "add an eps to the denominator (std + eps)", which makes |x'| / eps of the record)
+    assert "norm of the batch's own records" in hint and "all zeros" in hint, hint
+    assert "std + eps" not in hint, hint
     assert any("_LinAlgError" in p or "cholesky" in p for p in rep["problems"]), rep["problems"]
 
 
