@@ -191,7 +191,7 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
     cause, hint = judge(failed.op, failed.matrix, exact, of_data)
     if cause == "precision":
         hint += few_samples_note(failed.matrix, exact.matrix,
-                                 batch_size(step, mb))
+                                 batch_size(step, mb), failed.op in _SPD)
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 

@@ -146,11 +146,33 @@ def compute_energy(z, phi, mu, cov, eps: float = 1e-12):
     return sample_energy, cov_diag
 
 
-def dagmm_loss(x, dec, z, gamma, lambda_energy: float = 0.1, lambda_cov_diag: float = 0.005):
+def compute_energy_inverse(z, phi, mu, cov, eps: float = 1e-12):
+    """The original DAGMM's energy: ``torch.inverse`` and the determinant of each component's
+    covariance (here ``torch.logdet``), the same mixture written out by hand."""
+    d = z.size(1)
+    cov_k = cov + eps * torch.eye(d)
+    cov_inverse = torch.inverse(cov_k)
+    log_det = torch.logdet(cov_k)
+    z_mu = z.unsqueeze(1) - mu.unsqueeze(0)
+    maha = torch.sum(torch.sum(z_mu.unsqueeze(-1) * cov_inverse.unsqueeze(0), dim=-2) * z_mu,
+                     dim=-1)
+    log_p = torch.log(phi) - 0.5 * maha - 0.5 * log_det - 0.5 * d * math.log(2 * math.pi)
+    sample_energy = -torch.log(torch.sum(torch.exp(log_p), dim=1))
+    cov_diag = torch.sum(1 / torch.diagonal(cov_k, dim1=-2, dim2=-1))
+    return sample_energy, cov_diag
+
+
+def dagmm_loss(x, dec, z, gamma, lambda_energy: float = 0.1, lambda_cov_diag: float = 0.005,
+               inverse: bool = False):
     recon_error = torch.mean((x - dec) ** 2)
     phi, mu, cov = compute_gmm_params(z, gamma)
-    sample_energy, cov_diag = compute_energy(z, phi, mu, cov)
+    sample_energy, cov_diag = (compute_energy_inverse if inverse else compute_energy)(
+        z, phi, mu, cov)
     return recon_error + lambda_energy * torch.mean(sample_energy) + lambda_cov_diag * cov_diag
+
+
+def dagmm_loss_inverse(x, dec, z, gamma):
+    return dagmm_loss(x, dec, z, gamma, inverse=True)
 
 
 def make_dagmm():

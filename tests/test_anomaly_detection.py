@@ -84,15 +84,16 @@ def test_healthy_deep_svdd_has_no_event_and_trains_the_same_weights(tmp_path, ob
 # DAGMM
 
 
-def train_dagmm(out_dir, X, record: bool = True, epochs: int = 2, drop_last: bool = False):
+def train_dagmm(out_dir, X, record: bool = True, epochs: int = 2, drop_last: bool = False,
+                loss_fn=M.dagmm_loss):
     """danieltan07/dagmm's solver: Adam, the loss of reconstruction, energy and the penalty on
     the covariances' diagonals, gradients clipped to 5."""
     torch.manual_seed(0)
     model = M.make_dagmm()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     loader = shuffled(X, drop_last=drop_last)
-    with recording(record, out_dir, "make_dagmm", model, opt, M.dagmm_loss) as rec:
-        loss_fn = rec.loss_fn if record else M.dagmm_loss
+    with recording(record, out_dir, "make_dagmm", model, opt, loss_fn) as rec:
+        loss_fn = rec.loss_fn if record else loss_fn
         for _epoch in range(epochs):
             for x in loader:
                 opt.zero_grad()
@@ -135,24 +136,46 @@ def test_dagmm_blank_record_relative_distance_is_a_division_by_its_zero_norm(tmp
     assert any("_LinAlgError" in p or "cholesky" in p for p in rep["problems"]), rep["problems"]
 
 
-def test_dagmm_last_short_batch_covariance_fails_cholesky_as_few_samples(tmp_path):
+@pytest.mark.parametrize("loss_fn, op, line", [
+    ("dagmm_loss", "aten.linalg_cholesky_ex", "torch.linalg.cholesky(cov_k)"),
+    ("dagmm_loss_inverse", "aten.linalg_inv_ex", "torch.inverse(cov_k)")])
+def test_dagmm_last_short_batch_covariance_fails_as_few_samples(tmp_path, loss_fn, op, line):
     # 66 records in batches of 16 leave 2 for the epoch's last step: each component's 3x3
     # covariance of 2 points has rank 1, and float32 cannot hold DAGMM's 1e-12 on its diagonal
     X = M.normal_data(torch.Generator().manual_seed(0), n=66)
     with pytest.raises(torch.linalg.LinAlgError):
-        train_dagmm(tmp_path, X)
+        train_dagmm(tmp_path, X, loss_fn=getattr(M, loss_fn))
     [bundle] = tmp_path.glob("*.nan")
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["module"], o["op"],
             o["made"], o["samples"], o["batch_size"]) == (
-        4, True, "loss", "<loss>", "aten.linalg_cholesky_ex", "LinAlgError", [], 2), rep
-    assert o["source"] == line_of("torch.linalg.cholesky(cov_k)"), o
+        4, True, "loss", "<loss>", op, "LinAlgError", [], 2), rep
+    assert o["source"] == line_of(line), o
     hint = rep["hint"]
-    assert rep["cause"] == "precision" and "smallest eigenvalue 1e-12" in hint, rep
+    assert rep["cause"] == "precision" and re.search(r"smallest \w+ ?value 1e-12,", hint), rep
     # (was: only "add jitter scaled to the matrix": the batch's size was the reason)
     assert "holds 2 samples, fewer than the matrix's 3 dimensions" in hint, hint
     assert "drop_last=True" in hint, hint
+
+
+def test_dagmm_logdet_of_a_three_sample_covariance_rounded_negative_is_precision(tmp_path):
+    # 67 records leave 3: each covariance of 3 points in 3 dimensions is singular but for
+    # the 1e-12, and float32 rounds one determinant below 0: torch.logdet is NaN in the
+    # second epoch's last step
+    X = M.normal_data(torch.Generator().manual_seed(0), n=67)
+    with pytest.raises(NonFiniteError) as info:
+        train_dagmm(tmp_path, X, loss_fn=M.dagmm_loss_inverse)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (9, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "loss", "<loss>", "aten.logdet", "nan", [0, 1, 2]), rep
+    assert o["source"] == line_of("torch.logdet(cov_k)"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "precision" and "determinant is negative" in hint, rep
+    assert "jitter on its diagonal" in hint, hint
 
 
 # --------------------------------------------------------------------------------------------
