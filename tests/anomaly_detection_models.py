@@ -105,9 +105,9 @@ class DAGMM(nn.Module):
         self.encoder = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, latent_dim))
         self.decoder = nn.Sequential(nn.Linear(latent_dim, 16), nn.Tanh(), nn.Linear(16, FEATURES))
         self.estimation = nn.Sequential(nn.Linear(latent_dim + 2, 10), nn.Tanh(),
-                                        nn.Dropout(p=0.5), nn.Linear(10, n_gmm),
-                                        nn.Softmax(dim=1))
+                                        nn.Dropout(p=0.5), nn.Linear(10, n_gmm))
         self.eps = eps
+        self.temperature = 1.0  # annealed down by a loop that sharpens the memberships
 
     def forward(self, x):
         enc = self.encoder(x)
@@ -115,7 +115,7 @@ class DAGMM(nn.Module):
         rec_cosine = F.cosine_similarity(x, dec, dim=1)
         rec_euclidean = relative_euclidean_distance(x, dec)
         z = torch.cat([enc, rec_euclidean.unsqueeze(-1), rec_cosine.unsqueeze(-1)], dim=1)
-        gamma = self.estimation(z)
+        gamma = F.softmax(self.estimation(z) / self.temperature, dim=1)
         return enc, dec, z, gamma
 
 
@@ -169,6 +169,12 @@ def dagmm_loss(x, dec, z, gamma, lambda_energy: float = 0.1, lambda_cov_diag: fl
     sample_energy, cov_diag = (compute_energy_inverse if inverse else compute_energy)(
         z, phi, mu, cov)
     return recon_error + lambda_energy * torch.mean(sample_energy) + lambda_cov_diag * cov_diag
+
+
+def dagmm_entropy_loss(x, dec, z, gamma, lambda_entropy: float = 0.1):
+    """DAGMM plus the memberships' entropy, to make each record choose one component."""
+    entropy = -torch.sum(gamma * torch.log(gamma), dim=1).mean()
+    return dagmm_loss(x, dec, z, gamma) + lambda_entropy * entropy
 
 
 def dagmm_loss_inverse(x, dec, z, gamma):

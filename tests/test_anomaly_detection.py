@@ -178,6 +178,48 @@ def test_dagmm_logdet_of_a_three_sample_covariance_rounded_negative_is_precision
     assert "jitter on its diagonal" in hint, hint
 
 
+def train_sharpened_dagmm(out_dir, record: bool = True, steps: int = 24):
+    """DAGMM with the memberships' entropy in the loss and their softmax's temperature
+    annealed down tenfold each epoch; returns the memberships and loss of the last step."""
+    torch.manual_seed(0)
+    model = M.make_dagmm()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    loader = shuffled(M.normal_data(torch.Generator().manual_seed(0)))
+    batches = [(epoch, x) for epoch in range(6) for x in loader]
+    with recording(record, out_dir, "make_dagmm", model, opt, M.dagmm_entropy_loss) as rec:
+        loss_fn = rec.loss_fn if record else M.dagmm_entropy_loss
+        for epoch, x in batches[:steps]:
+            model.temperature = 0.1 ** epoch
+            opt.zero_grad()
+            enc, dec, z, gamma = model(x)
+            loss = loss_fn(x, dec, z, gamma)
+            loss.backward()
+            opt.step()
+    return gamma, loss
+
+
+def test_membership_softmax_underflow_then_log_in_the_entropy_is_underflow(tmp_path):
+    # at temperature 0.01 a record's membership of a far component is exp(-170): 0 in
+    # float32, log(0) is -inf and the entropy's 0 * -inf is NaN
+    with pytest.raises(NonFiniteError) as info:
+        train_sharpened_dagmm(tmp_path)
+    ev = info.value.event
+    assert (ev["phase"], ev["module"]) == ("loss", "<loss>"), ev
+    # the same run without the recorder, to that step: which memberships are exactly 0
+    gamma, loss = train_sharpened_dagmm(tmp_path, record=False, steps=ev["step"] + 1)
+    assert loss.isnan()
+    zero = (gamma == 0).any(1).nonzero().flatten().tolist()
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "loss", "<loss>", "aten.log", "-inf", zero), rep
+    assert [c["op"] for c in o["chain"]] == ["aten.log", "aten.mul"], o["chain"]
+    assert o["source"] == line_of("gamma * torch.log(gamma)"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "underflow" and "log_softmax" in hint, rep
+    assert any("<root>.temperature = 0.01" in p for p in rep["problems"]), rep["problems"]
+
+
 # --------------------------------------------------------------------------------------------
 # an autoencoder on standardised features
 
