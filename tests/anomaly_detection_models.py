@@ -219,6 +219,40 @@ class NormalisedAE(nn.Module):
         return self.decoder(self.encoder(x)), x
 
 
+class ScoredAE(nn.Module):
+    """An autoencoder that also returns each record's anomaly score: its reconstruction error
+    standardised by running mean/variance buffers the training forward updates (as a
+    monitoring head does), the score taken with the statistics as the step found them."""
+
+    def __init__(self, momentum: float = 0.1, var_init: float = 0.0):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, FEATURES))
+        self.momentum = momentum
+        self.register_buffer("err_mean", torch.zeros(()))
+        self.register_buffer("err_var", torch.full((), var_init))
+
+    def forward(self, x):
+        x_hat = self.decoder(self.encoder(x))
+        err = ((x - x_hat) ** 2).mean(1)
+        score = (err - self.err_mean) / self.err_var.sqrt()
+        if self.training:
+            with torch.no_grad():
+                self.err_mean.lerp_(err.mean(), self.momentum)
+                self.err_var.lerp_(err.var(), self.momentum)
+        return x_hat, score
+
+
+def make_scored_ae():
+    torch.manual_seed(0)
+    return ScoredAE()
+
+
+def make_scored_ae_var_one():
+    torch.manual_seed(0)
+    return ScoredAE(var_init=1.0)
+
+
 def ae_loss(out, target):
     return F.mse_loss(out, target)
 

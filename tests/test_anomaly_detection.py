@@ -249,6 +249,50 @@ def test_std_buffer_of_a_constant_feature_is_zero_over_zero_in_the_normaliser(tm
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep
 
 
+def train_scored_ae(out_dir, factory: str, record: bool = True, epochs: int = 2):
+    """An autoencoder trained on MSE that returns each record's standardised score beside
+    its reconstruction (the score is monitored, not trained on)."""
+    torch.manual_seed(0)
+    model = getattr(M, factory)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = shuffled(M.normal_data(torch.Generator().manual_seed(0)))
+    crit = torch.nn.MSELoss()
+    with recording(record, out_dir, factory, model, opt, crit):
+        for _epoch in range(epochs):
+            for x in loader:
+                opt.zero_grad()
+                x_hat, score = model(x)
+                crit(x_hat, x).backward()
+                opt.step()
+    return model
+
+
+def test_running_variance_buffer_started_at_zero_names_the_buffer_not_the_batch(tmp_path):
+    # err_var starts at 0 and the forward divides by its sqrt before updating it: every
+    # score of step 0 is +inf
+    with pytest.raises(NonFiniteError) as info:
+        train_scored_ae(tmp_path, "make_scored_ae")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", ""), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.div", "+inf", list(range(M.BATCH))), rep
+    assert o["source"] == line_of("/ self.err_var.sqrt()"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid", rep
+    # (was: "a count, sum or statistic over the batch ... or skip such batches": the batch
+    # had nothing to do with it; the replay judged the buffer after the forward updated it)
+    assert "comes from buffer err_var, 0 as the step began" in hint, hint
+    assert "running_var" in hint and "skip such batches" not in hint, hint
+
+
+def test_healthy_scored_ae_has_no_event_and_trains_the_same_weights(tmp_path):
+    model = train_scored_ae(tmp_path, "make_scored_ae_var_one")
+    assert not list(tmp_path.glob("*.nan"))
+    assert same_state(model, train_scored_ae(tmp_path, "make_scored_ae_var_one", record=False))
+
+
 # --------------------------------------------------------------------------------------------
 # a Gaussian density score through MultivariateNormal
 
