@@ -31,7 +31,7 @@ from .forward import find_op_in_call
 from .linalg import ModuleCalls, report_linalg
 from .load import Step
 from .recorded import batch_size
-from .refused_matrix import is_matrix_refusal, matrix_judge
+from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
 from .refused_value import data_value_hint, of_data
 from .rerun import Runner
 from .source import raised_at, user_source
@@ -69,7 +69,8 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
     value, valid, maker = _made(runner)  # a finite value outside the constraint
     data = of_data(what, value)  # (log_prob's value, made of the batch alone)
     value = value.detach() if value is not None else None
-    bad = value[~valid] if value is not None else None
+    bad = cholesky_diagonal(constraint, value, valid,
+                            value[~valid] if value is not None else None)
     op, module, where = maker or (None, None, source)
     module = module or ("", 0, mb)  # (an op outside every module call: the root's)
     phase = "loss" if module[0] == "<loss>" else "forward"  # (a distribution in loss_fn)

@@ -43,3 +43,18 @@ def matrix_judge(refused: str, value64: torch.Tensor, valid64) -> tuple[str, str
         "are linearly dependent (a dead or constant feature, duplicated dimensions, fewer "
         "samples than dimensions); add a ridge to the diagonal (cov + eps * I, eps scaled to "
         "cov.diagonal().mean()) or drop the dependent dimensions")
+
+
+def cholesky_diagonal(constraint: str, value, valid, bad):
+    """Of a Cholesky factor refused (``LowerCholesky``: lower-triangular with a positive
+    diagonal), the diagonal entries at or below 0, which are what it refused (the check marks
+    whole matrices, the upper triangle's zeros and the finite entries included, so the 0s
+    an underflowed softplus or exp left on the diagonal read as a mix of 0 and 109, judged
+    ``precision``); ``bad`` as it is otherwise."""
+    if not constraint.startswith(("LowerCholesky", "CorrCholesky")) or value is None \
+            or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
+        return bad
+    diag = value.detach().diagonal(dim1=-2, dim2=-1)
+    refused = ~valid[..., 0, 0]
+    low = diag[refused][diag[refused] <= 0]
+    return low if low.numel() else bad

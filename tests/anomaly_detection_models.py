@@ -289,3 +289,23 @@ def make_gaussian_score():
 def make_gaussian_score_nojitter():
     torch.manual_seed(0)
     return GaussianScore(jitter=0.0)
+
+
+class ForecastScore(nn.Module):
+    """A forecaster's density score of the next window (time-series AD): a mean and a
+    diagonal Cholesky factor ``softplus(raw_scale)`` per record, through
+    ``MultivariateNormal(loc, scale_tril=...)``; returns the distribution."""
+
+    def __init__(self, dim: int = REP):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 2 * dim))
+        self.head = nn.Linear(FEATURES, 2 * dim)
+
+    def forward(self, x):
+        loc, raw_scale = (self.net(x) + self.head(x)).chunk(2, dim=-1)
+        return MultivariateNormal(loc, scale_tril=torch.diag_embed(F.softplus(raw_scale)))
+
+
+def make_forecast_score():
+    torch.manual_seed(0)
+    return ForecastScore()

@@ -355,3 +355,49 @@ def test_healthy_gaussian_score_with_jitter_has_no_event_and_same_weights(tmp_pa
     assert not list(tmp_path.glob("*.nan"))
     assert same_state(model, train_gaussian_score(tmp_path, "make_gaussian_score",
                                                   record=False, steps=12))
+
+
+def train_forecaster(out_dir, corrupt: float | None = None, record: bool = True):
+    """A forecaster's negative log-likelihood of the next window under its Gaussian; the
+    loop computes the loss inline and hands it over with record_loss. ``corrupt``: record 21
+    multiplied by it (a corrupt window)."""
+    torch.manual_seed(0)
+    model = M.make_forecast_score()
+    X = M.normal_data(torch.Generator().manual_seed(0))
+    if corrupt is not None:
+        X[21] *= corrupt
+    Y = 0.5 * X[:, :M.REP]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with recording(record, out_dir, "make_forecast_score", model, opt) as rec:
+        for i in range(0, len(X), M.BATCH):
+            opt.zero_grad()
+            loss = -model(X[i:i + M.BATCH]).log_prob(Y[i:i + M.BATCH]).mean()
+            if record:
+                rec.record_loss(loss)
+            loss.backward()
+            opt.step()
+    return model
+
+
+def test_cholesky_factor_of_an_underflowed_softplus_is_underflow_not_precision(tmp_path):
+    # a corrupt window (x -150) drives some of its softplus scales to 0 in float32: the
+    # factor's diagonal holds 0 and LowerCholesky refuses that record's matrix
+    with pytest.raises(ValueError, match="LowerCholesky"):
+        train_forecaster(tmp_path, corrupt=-150.0)
+    [bundle] = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["module"], o["made"],
+            o["samples"]) == (1, True, "forward", "", "0", [21 - M.BATCH]), rep
+    assert o["source"] == line_of("scale_tril=torch.diag_embed(F.softplus(raw_scale))"), o
+    hint = rep["hint"]
+    # (was: precision, "16 value(s) refused, from 0 to 109": every entry of the matrix)
+    assert rep["cause"] == "underflow", rep
+    assert "value(s) refused, all 0; float64 keeps them above 0" in hint, hint
+    assert "sample(s) 5 of batch" in hint, hint
+
+
+def test_healthy_forecaster_has_no_event_and_trains_the_same_weights(tmp_path):
+    model = train_forecaster(tmp_path)
+    assert not list(tmp_path.glob("*.nan"))
+    assert same_state(model, train_forecaster(tmp_path, record=False))
