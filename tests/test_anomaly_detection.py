@@ -47,10 +47,16 @@ def same_state(a, b) -> bool:
 
 def train_svdd(out_dir, objective: str, record: bool = True, epochs: int = 5):
     """Deep-SVDD-PyTorch's trainer: c from an initial forward pass (eps trick), Adam with
-    weight decay and a MultiStepLR, R set to the (1 - nu)-quantile after the warm-up."""
+    weight decay and a MultiStepLR, R set to the (1 - nu)-quantile after the warm-up; each
+    epoch scores a test set of normal records and anomalies (far out, blank) in eval mode
+    under no_grad, as its tester does."""
     torch.manual_seed(0)
     model = M.make_svdd()
-    loader = shuffled(M.normal_data(torch.Generator().manual_seed(0)))
+    g = torch.Generator().manual_seed(0)
+    loader = shuffled(M.normal_data(g))
+    test = torch.cat([M.normal_data(g, 8), 50 * torch.randn(4, M.FEATURES, generator=g),
+                      torch.zeros(2, M.FEATURES)])
+    scores = []
     model.c.copy_(M.init_center_c(model, loader))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-6)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3], gamma=0.1)
@@ -68,15 +74,22 @@ def train_svdd(out_dir, objective: str, record: bool = True, epochs: int = 5):
                     dist = torch.sum((outputs.detach() - model.c) ** 2, dim=1)
                     R = M.get_radius(dist, nu)
             sched.step()
-    return model, R
+            model.eval()
+            with torch.no_grad():
+                dist = torch.sum((model(test) - model.c) ** 2, dim=1)
+                scores.append(dist - R ** 2 if objective == "soft-boundary" else dist)
+            model.train()
+    return model, R, torch.stack(scores)
 
 
 @pytest.mark.parametrize("objective", ["one-class", "soft-boundary"])
 def test_healthy_deep_svdd_has_no_event_and_trains_the_same_weights(tmp_path, objective):
-    model, R = train_svdd(tmp_path, objective)
+    model, R, scores = train_svdd(tmp_path, objective)
     assert not list(tmp_path.glob("*.nan"))
-    bare, R_bare = train_svdd(tmp_path, objective, record=False)
+    bare, R_bare, scores_bare = train_svdd(tmp_path, objective, record=False)
     assert same_state(model, bare) and torch.equal(R, R_bare)
+    assert torch.equal(scores, scores_bare) and scores.isfinite().all()
+    assert (scores[-1, 8:12] > scores[-1, :8].max()).all()  # (the far anomalies score high)
     assert (model.c.abs() >= 0.1).all()  # (the eps trick kept the centre off 0)
 
 
