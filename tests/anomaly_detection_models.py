@@ -186,6 +186,32 @@ def make_dagmm():
     return DAGMM()
 
 
+class DAGMMScorer(DAGMM):
+    """DAGMM that keeps the mixture of its last training batch in buffers (as its solver keeps
+    ``phi, mu, cov`` for the test phase) and, in eval mode, returns each record's energy
+    under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("phi", torch.full((GMM_K,), 1 / GMM_K))
+        self.register_buffer("mu", torch.zeros(GMM_K, LATENT + 2))
+        self.register_buffer("cov", torch.eye(LATENT + 2).repeat(GMM_K, 1, 1))
+
+    def forward(self, x):
+        enc, dec, z, gamma = super().forward(x)
+        if self.training:
+            with torch.no_grad():
+                for buf, value in zip((self.phi, self.mu, self.cov), compute_gmm_params(z, gamma)):
+                    buf.copy_(value)
+            return enc, dec, z, gamma
+        return compute_energy(z, self.phi, self.mu, self.cov)[0]
+
+
+def make_dagmm_scorer():
+    torch.manual_seed(0)
+    return DAGMMScorer()
+
+
 # --------------------------------------------------------------------------------------------
 # an autoencoder on standardised features
 

@@ -191,6 +191,54 @@ def test_dagmm_logdet_of_a_three_sample_covariance_rounded_negative_is_precision
     assert "jitter on its diagonal" in hint, hint
 
 
+def score_with_dagmm(out_dir, strict_inf: bool):
+    """Two epochs of DAGMM, each followed by its test phase: the energy of 8 normal records
+    and 4 near-blank ones (norm ~1e-3, whose relative distance |x - x'| / |x| is huge) under
+    the mixture kept from training, in eval mode under no_grad."""
+    torch.manual_seed(0)
+    model = M.make_dagmm_scorer()
+    g = torch.Generator().manual_seed(0)
+    loader = shuffled(M.normal_data(g))
+    test = torch.cat([M.normal_data(g, 8), 1e-3 * torch.randn(4, M.FEATURES, generator=g)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    energies = []
+    with FlightRecorder(model, opt, loss_fn=M.dagmm_loss, out_dir=out_dir, strict_inf=strict_inf,
+                        factory="anomaly_detection_models:make_dagmm_scorer") as rec:
+        for _epoch in range(2):
+            model.train()
+            for x in loader:
+                opt.zero_grad()
+                enc, dec, z, gamma = model(x)
+                rec.loss_fn(x, dec, z, gamma).backward()
+                opt.step()
+            model.eval()
+            with torch.no_grad():
+                energies.append(model(test))
+    return energies
+
+
+def test_test_phase_energy_of_a_hand_written_log_sum_exp_underflows(tmp_path):
+    # every component's exp(log_p) of a near-blank record underflows to 0: log(0) = -inf
+    # and the energy is +inf. An infinity an evaluation forward returns is the user's to
+    # take by default (no event); with strict_inf it is one, named as an underflow
+    energies = score_with_dagmm(tmp_path / "default", strict_inf=False)
+    assert not list((tmp_path / "default").glob("*.nan"))
+    inf = (energies[0] == float("inf")).nonzero().flatten().tolist()
+    assert inf == [8, 9, 10, 11], energies[0]
+    with pytest.raises(NonFiniteError) as info:
+        score_with_dagmm(tmp_path, strict_inf=True)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["evaluation"], ev["samples"]) == (
+        4, "forward", "", True, inf), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.log", "-inf", inf), rep
+    assert o["source"] == line_of("-torch.log(torch.sum(torch.exp(log_p), dim=1))"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "underflow" and "logsumexp" in hint, rep
+
+
 def train_sharpened_dagmm(out_dir, record: bool = True, steps: int = 24):
     """DAGMM with the memberships' entropy in the loss and their softmax's temperature
     annealed down tenfold each epoch; returns the memberships and loss of the last step."""
