@@ -20,7 +20,7 @@ def few_samples_note(matrix32: torch.Tensor, matrix64: torch.Tensor, batch: int 
     float32's resolution of it (of a batch of matrices, the first that failed: its Cholesky
     factorisation for ``spd`` ops, else its inverse); else ''."""
     n = matrix64.shape[-1]
-    if not batch or batch >= n or matrix64.shape != matrix32.shape:
+    if not batch or batch >= n or matrix32 is None or matrix64.shape != matrix32.shape:
         return ""
     m = matrix32.detach().reshape(-1, n, n)
     info = (torch.linalg.cholesky_ex(m) if spd else torch.linalg.inv_ex(m)).info
