@@ -51,10 +51,12 @@ def zero_state_hint(runner: Runner, origin, hit) -> str | None:
     # (a layer's output per sample, not a weight divided by its own norm: w / sigma)
     trained = [(f"parameter {prefix}{n}", p) for n, p in module.named_parameters()
                if p.requires_grad] if hit.rows else []
-    # (a 0-d state too: a running variance; not a scalar trained parameter, param_divisor's;
-    # judged all 0 before any trial, whose forward may update the state)
+    # (judged all 0 before any trial, whose forward may update the state; a scalar state
+    # only when the forward makes it a statistic, not a flag: see _statistics)
     zero = [(what, t) for what, t in state + trained if t.is_floating_point()
-            and t.numel() > (1 if t.requires_grad else 0) and not t.any()]
+            and t.numel() > 1 and not t.any()]
+    zero += _statistics(runner, [(what, t) for what, t in state if t.is_floating_point()
+                                 and t.numel() == 1 and not t.any()])
     for what, t in zero:
         if finite_without_zeros(runner, origin, module, t):
             if t.requires_grad:  # (a layer the optimizer trains: initialised to zeros)
@@ -92,6 +94,19 @@ ZERO_LAYER = (
     "rotation): give the vector a fixed nonzero part before normalising (the identity: "
     "OpenFold's quaternion (1, b, c, d)), or initialise that layer with small random values; "
     "where 0 is a fine result (a normalised row of zeros), add the eps to the divisor")
+
+
+def _statistics(runner: Runner, scalars: list) -> list:
+    """Of the scalar states all 0 as the step began, those the step's forward sets to a value
+    other than a flag's 0 or 1 (a running variance, not a data-dependent init's float
+    ``initialized``, whose trial value would skip the init instead of standing in for a
+    statistic); the re-run is reset to the step's start after the one forward this takes."""
+    if not scalars:
+        return []
+    runner.run(backward=False, instrument=False)
+    kept = [(what, t) for what, t in scalars if float(t) not in (0.0, 1.0)]
+    runner.reset()
+    return kept
 
 
 def finite_without_zeros(runner: Runner, origin, module, t: torch.Tensor) -> bool:

@@ -219,11 +219,11 @@ def make_dagmm_scorer():
 class Standardize(nn.Module):
     """Mean/std buffers set from the first batch seen in training (data-dependent init)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, flag_dtype=torch.uint8):
         super().__init__()
         self.register_buffer("mean", torch.zeros(n))
         self.register_buffer("std", torch.ones(n))
-        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
+        self.register_buffer("initialized", torch.tensor(0, dtype=flag_dtype))
 
     def forward(self, x):
         if self.training and not self.initialized:
@@ -234,9 +234,9 @@ class Standardize(nn.Module):
 
 
 class NormalisedAE(nn.Module):
-    def __init__(self):
+    def __init__(self, flag_dtype=torch.uint8):
         super().__init__()
-        self.norm = Standardize(FEATURES)
+        self.norm = Standardize(FEATURES, flag_dtype)
         self.encoder = nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, 3))
         self.decoder = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, FEATURES))
 
@@ -286,6 +286,12 @@ def ae_loss(out, target):
 def make_normalised_ae():
     torch.manual_seed(0)
     return NormalisedAE()
+
+
+def make_normalised_ae_float_flag():
+    """Its init flag a float buffer (as vector-quantize-pytorch keeps ``initted``)."""
+    torch.manual_seed(0)
+    return NormalisedAE(torch.float32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -285,16 +285,18 @@ def test_membership_softmax_underflow_then_log_in_the_entropy_is_underflow(tmp_p
 # an autoencoder on standardised features
 
 
-def test_std_buffer_of_a_constant_feature_is_zero_over_zero_in_the_normaliser(tmp_path):
+@pytest.mark.parametrize("factory", ["make_normalised_ae", "make_normalised_ae_float_flag"])
+def test_std_buffer_of_a_constant_feature_is_zero_over_zero_in_the_normaliser(tmp_path,
+                                                                               factory):
     # a sensor stuck at 1.0 through the first window: the std buffer the first forward sets
     # is 0 in that feature, and (x - mean) / std is 0/0 in every row of it
     torch.manual_seed(0)
-    model = M.make_normalised_ae()
+    model = getattr(M, factory)()
     X = M.normal_data(torch.Generator().manual_seed(0))
     X[:M.BATCH, 3] = 1.0
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with pytest.raises(NonFiniteError) as info, recording(
-            True, tmp_path, "make_normalised_ae", model, opt, M.ae_loss) as rec:
+            True, tmp_path, factory, model, opt, M.ae_loss) as rec:
         for x in DataLoader(X, batch_size=M.BATCH):  # a time series: windows in order
             opt.zero_grad()
             out, xn = model(x)
@@ -308,6 +310,8 @@ def test_std_buffer_of_a_constant_feature_is_zero_over_zero_in_the_normaliser(tm
         True, "norm", "aten.div", "nan", list(range(M.BATCH))), rep
     assert o["source"] == line_of("return (x - self.mean) / self.std"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep
+    # (the float init flag, 0 as the step began, is no running statistic to start at 1)
+    assert "initialized" not in rep["hint"], rep["hint"]
 
 
 def train_scored_ae(out_dir, factory: str, record: bool = True, epochs: int = 2):
