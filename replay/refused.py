@@ -74,13 +74,14 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
     op, module, where = maker or (None, None, source)
     module = module or ("", 0, mb)  # (an op outside every module call: the root's)
     phase = "loss" if module[0] == "<loss>" else "forward"  # (a distribution in loss_fn)
+    matrix = value if is_matrix_refusal(constraint, value) else None
+    made = _said(bad[:1]) if bad is not None and bad.numel() else None
     origin = origin_fields(phase=phase, module=module[0], call=module[1], micro_batch=mb,
                            op=op, source=where, inputs_finite=True,
-                           made=_said(bad[:1]) if bad is not None and bad.numel() else None,
+                           made="a matrix not positive-definite" if matrix is not None else made,
                            samples=_rows(value, valid, batch_size(step, mb)))
     report["problems"].append(f"{refused} at {source}")
-    cause, hint = _judge(runner, refused, bad, data, value if is_matrix_refusal(constraint, value)
-                         else None)
+    cause, hint = _judge(runner, refused, bad, data, matrix)
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 

@@ -404,8 +404,9 @@ def test_multivariate_normal_of_a_dead_relu_unit_names_the_covariance_not_a_view
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     # (was: aten.transpose, the check's own value.mT, on the MultivariateNormal line)
-    assert (rep["reproduced"], o["phase"], o["module"], o["op"]) == (
-        True, "forward", "", "aten.add"), rep
+    # (made was "0.0655", the matrix's first entry, which nothing refused)
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["made"]) == (
+        True, "forward", "", "aten.add", "a matrix not positive-definite"), rep
     assert o["source"] == line_of("cov = zc.T @ zc"), o
     hint = rep["hint"]
     assert rep["cause"] == "invalid", rep
