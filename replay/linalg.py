@@ -29,6 +29,7 @@ from .cause import classify
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import float_leaves, run_op
 from .errors import StopRun
+from .few_samples import few_samples_note
 from .findings import finish, origin_fields
 from .float64_step import in_float64
 from .forward import find_op_in_call
@@ -188,6 +189,9 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
             "exact arithmetic is not known: " + _REMEDY["invalid"]))
     of_data = not failed.learned and 0 < len(origin["samples"]) < (batch_size(step, mb) or 0)
     cause, hint = judge(failed.op, failed.matrix, exact, of_data)
+    if cause == "precision":
+        hint += few_samples_note(failed.matrix, exact.matrix,
+                                 batch_size(step, mb), failed.op in _SPD)
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 

@@ -10,6 +10,8 @@ std); on a raw value it turns the bad record into a huge finite ratio the model 
 storage with a tensor of the batch, unmodified since, or is such a value's product or
 quotient with data (``p_t / p_{t-1}``, 0 where a delisted ``p_t`` is 0, before the log), and
 holds a 0 where the op went non-finite; :func:`raw_pole_hint` then points at the record.
+A norm of the batch's records (DAGMM's relative distance ``|x - x'| / |x|``) is 0 exactly
+for an all-zero record: a divisor made so points at blank records.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from .memo import TensorSet
 _POLE_OPERAND = {"div": 1, "reciprocal": 0, "log": 0, "log2": 0, "log10": 0, "rsqrt": 0}
 # ops whose 0 is a 0 of their first argument's (or, for mul, either's), as the record's 0
 _CARRY_ZERO = {"mul": 2, "div": 1}
+# reductions 0 exactly where every value they reduce is 0: a record's norm, 0 for a blank one
+_NORMS = {"linalg_vector_norm", "norm", "frobenius_norm"}
 # ops that keep the values of their first argument as they are
 _SAME_VALUES = {"slice", "select", "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze",
                 "permute", "transpose", "t", "expand", "clone", "contiguous", "alias"}
@@ -40,7 +44,9 @@ class RawPole:
         self._storages = {t.untyped_storage().data_ptr(): version(t)
                           for t in tensor_leaves(batch) if _strided_float(t)}
         self.op: str | None = None
+        self.blank = False  # the pole's operand is a norm of the records: all-zero ones
         self._carried = TensorSet()  # values whose 0s are the batch's own 0s
+        self._normed = TensorSet()  # those that are norms of the batch's records
 
     def _raw(self, x) -> bool:
         # (a view of the batch's storage at the version it was given: no in-place op since)
@@ -55,6 +61,9 @@ class RawPole:
                 name in _CARRY_ZERO and any(self._raw(a) for a in args[:_CARRY_ZERO[name]])
                 and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
             self._carried.add(out)
+        if name in _NORMS and self._raw(args[0]):
+            self._carried.add(out)
+            self._normed.add(out)
         at = _POLE_OPERAND.get(name)
         if at is None or len(args) <= at or not self._raw(x := args[at]):
             return
@@ -63,7 +72,7 @@ class RawPole:
         except RuntimeError:  # (shapes that do not broadcast to the output: not elementwise)
             return
         if bool(at_zero.any()):
-            self.op = f"aten.{name}"
+            self.op, self.blank = f"aten.{name}", x in self._normed
 
 
 def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
@@ -72,6 +81,14 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
     if watch is None or cause != "invalid" or hit is None or watch.op != hit.op:
         return None
     what = "by 0: its divisor" if hit.op == "aten.div" else "of 0: its input"
+    if watch.blank:
+        return (f"{hit.op} {what} is a norm of the batch's own records (the model's input as "
+                "given), exactly 0 in the samples named: those records are all zeros (a blank "
+                "or empty record: a missing row filled with 0, a padding row, an empty "
+                "capture); drop or repair them where the data is made, or give them a value "
+                "of their own (torch.where(norm > 0, ratio, 0)). An eps on the norm hides "
+                "them only where the numerator is 0 too (F.normalize's x / max(|x|, eps)); "
+                "elsewhere it makes a huge finite ratio the model trains on")
     return (f"{hit.op} {what} is the batch's own data (the model's input as given, or its "
             "ratio or product with other data), exactly 0 in the samples named: a 0 where the "
             "data should hold none (a price, volume or count of 0: a missing value filled with 0, a "

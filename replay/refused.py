@@ -24,13 +24,14 @@ from recorder.compat import view_base
 from recorder.constraints import refusal
 
 from .cause import classify
-from .compat import TorchDispatchMode, tree_leaves
+from .compat import TorchDispatchMode, returns_view, tree_leaves, writes_arguments
 from .findings import finish, origin_fields
 from .float64_step import in_float64
 from .forward import find_op_in_call
 from .linalg import ModuleCalls, report_linalg
 from .load import Step
 from .recorded import batch_size
+from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
 from .refused_value import data_value_hint, of_data
 from .rerun import Runner
 from .source import raised_at, user_source
@@ -68,16 +69,19 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
     value, valid, maker = _made(runner)  # a finite value outside the constraint
     data = of_data(what, value)  # (log_prob's value, made of the batch alone)
     value = value.detach() if value is not None else None
-    bad = value[~valid] if value is not None else None
+    bad = cholesky_diagonal(constraint, value, valid,
+                            value[~valid] if value is not None else None)
     op, module, where = maker or (None, None, source)
     module = module or ("", 0, mb)  # (an op outside every module call: the root's)
     phase = "loss" if module[0] == "<loss>" else "forward"  # (a distribution in loss_fn)
+    matrix = value if is_matrix_refusal(constraint, value) else None
+    made = _said(bad[:1]) if bad is not None and bad.numel() else None
     origin = origin_fields(phase=phase, module=module[0], call=module[1], micro_batch=mb,
                            op=op, source=where, inputs_finite=True,
-                           made=_said(bad[:1]) if bad is not None and bad.numel() else None,
+                           made="a matrix not positive-definite" if matrix is not None else made,
                            samples=_rows(value, valid, batch_size(step, mb)))
     report["problems"].append(f"{refused} at {source}")
-    cause, hint = _judge(runner, refused, bad, data)
+    cause, hint = _judge(runner, refused, bad, data, matrix)
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 
@@ -90,6 +94,10 @@ class _Makers(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # A view (the check's own value.mT, MultivariateNormal's expand) shares its base's
+        # data_ptr and, below autograd, has no _base: it would overwrite the base's maker.
+        if returns_view(func) and not writes_arguments(func):
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_nested \
                     and t.layout == torch.strided and view_base(t) is None:
@@ -139,9 +147,10 @@ def _rows(value, valid, n: int | None) -> list[int]:
     return (~valid).reshape(n, -1).any(1).nonzero().flatten().tolist()
 
 
-def _judge(runner: Runner, refused: str, bad, data: bool) -> tuple[str | None, str]:
+def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None) -> tuple[str | None, str]:
     """The cause of the finite refused values ``bad``, by the step re-run in float64;
-    ``data``: they are log_prob's value, made of the batch alone (replay.refused_value)."""
+    ``data``: they are log_prob's value, made of the batch alone (replay.refused_value);
+    ``matrix``: the refused value, a matrix refused as a whole (replay.refused_matrix)."""
     lo, hi = (float(bad.min()), float(bad.max())) if bad is not None and bad.numel() else (0, 0)
     seen = ("its values" if bad is None or not bad.numel() else
             f"{bad.numel()} value(s) refused, " + (f"all {lo:.3g}" if lo == hi else
@@ -152,6 +161,10 @@ def _judge(runner: Runner, refused: str, bad, data: bool) -> tuple[str | None, s
     except Exception:  # the model refuses float64
         return None, f"{refused}: {seen}; the float64 re-run could not run, so whether exact " \
                      "arithmetic gives the same is not known"
+    if again.error is not None and refusal(again.error) is not None and matrix is not None:
+        value64, valid64 = _checked(again.error)
+        if value64 is not None and value64.shape == matrix.shape:
+            return matrix_judge(refused, value64, valid64)
     if again.error is not None and refusal(again.error) is not None and data:
         return "invalid", data_value_hint(f"{refused}: {seen}, in float64 too")
     if again.error is not None and refusal(again.error) is not None:

@@ -41,6 +41,7 @@ def zero_state_hint(runner: Runner, origin, hit) -> str | None:
     except AttributeError:
         return None
     prefix = f"{origin.module}." if origin.module else ""
+    runner.reset()  # (the state as the step began: a forward that updates it ran since)
     # (not a norm layer's running statistics: running_mean starts at 0 by design)
     state = [(f"buffer {prefix}{sub}{'.' if sub else ''}{n}", t)
              for sub, m in module.named_modules() if not is_norm_layer(m)
@@ -50,15 +51,22 @@ def zero_state_hint(runner: Runner, origin, hit) -> str | None:
     # (a layer's output per sample, not a weight divided by its own norm: w / sigma)
     trained = [(f"parameter {prefix}{n}", p) for n, p in module.named_parameters()
                if p.requires_grad] if hit.rows else []
-    for what, t in state + trained:
-        if t.is_floating_point() and t.numel() > 1 and not t.any() \
-                and finite_without_zeros(runner, origin, module, t):
+    # (judged all 0 before any trial, whose forward may update the state; a scalar state
+    # only when the forward makes it a statistic, not a flag: see _statistics)
+    zero = [(what, t) for what, t in state + trained if t.is_floating_point()
+            and t.numel() > 1 and not t.any()]
+    zero += _statistics(runner, [(what, t) for what, t in state if t.is_floating_point()
+                                 and t.numel() == 1 and not t.any()])
+    for what, t in zero:
+        if finite_without_zeros(runner, origin, module, t):
             if t.requires_grad:  # (a layer the optimizer trains: initialised to zeros)
                 return ZERO_LAYER.format(op=hit.op, what=what)
             # (state the forward fills from a zero-initialised weight: an FP8 amax history)
             if stat := zero_statistic_hint(hit.op, what, module, prefix, lambda p: (
                     finite_without_zeros(runner, origin, module, p))):
                 return stat
+            if t.numel() == 1:  # (a scalar state: a running statistic, not a vector)
+                return ZERO_SCALAR_STATE.format(op=hit.op, what=what)
             return (f"{hit.op}'s divisor comes from {what}, all 0 as the step began: with "
                     "random values in its place the call is finite. A state vector started at "
                     "zeros (a power iteration's u, which every iteration keeps at 0, normalised "
@@ -66,6 +74,15 @@ def zero_state_hint(runner: Runner, origin, hit) -> str | None:
                     "scale the layer up by 1/eps instead; start it nonzero (torch.randn, "
                     "normalised)")
     return None
+
+
+ZERO_SCALAR_STATE = (
+    "{op}'s divisor comes from {what}, 0 as the step began: with another value in its place "
+    "the call is finite, so no sample is to blame. A running statistic the model keeps (a "
+    "variance or scale it updates as it trains) started at 0 is 0 when the first step "
+    "divides by it, before any update: start it where a divisor is neutral (1, as "
+    "BatchNorm's running_var), divide by it only once it has been updated, or add an eps "
+    "where it is used (var + eps)")
 
 
 ZERO_LAYER = (
@@ -79,11 +96,30 @@ ZERO_LAYER = (
     "where 0 is a fine result (a normalised row of zeros), add the eps to the divisor")
 
 
+def _statistics(runner: Runner, scalars: list) -> list:
+    """Of the scalar states all 0 as the step began, those the step's forward sets to a value
+    other than a flag's 0 or 1 (a running variance, not a data-dependent init's float
+    ``initialized``, whose trial value would skip the init instead of standing in for a
+    statistic); the re-run is reset to the step's start after the one forward this takes."""
+    if not scalars:
+        return []
+    runner.run(backward=False, instrument=False)
+    kept = [(what, t) for what, t in scalars if float(t) not in (0.0, 1.0)]
+    runner.reset()
+    return kept
+
+
 def finite_without_zeros(runner: Runner, origin, module, t: torch.Tensor) -> bool:
     """One forward with ``t`` filled with random values at each call of ``module`` (the
     re-run's reset puts it back): is the origin's call finite?"""
-    state = {"calls": 0, "finite": False}
     noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(0)).to(t)
+    # (positive values too: a state the forward takes the sqrt or log of, a variance)
+    return _finite_with(runner, origin, module, t, noise) or \
+        _finite_with(runner, origin, module, t, noise.abs() + 0.5)
+
+
+def _finite_with(runner: Runner, origin, module, t: torch.Tensor, noise) -> bool:
+    state = {"calls": 0, "finite": False}
 
     def pre(m, args):
         with torch.no_grad():
