@@ -312,3 +312,11 @@ def noam(optimizer, warmup: int = 4):
     """Warmup then inverse-sqrt decay (Vaswani et al.'s schedule)."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: D_MODEL ** -0.5 * min((s + 1) ** -0.5, (s + 1) * warmup ** -1.5))
+
+
+def copy_nll_of_log(final, tgt_out):
+    """The NLL over the log of the whole copy distribution, picked by ``nll_loss``: the loss
+    is finite (no target is an unfilled slot), the log's backward at those slots is 0 * inf."""
+    lprobs = torch.log(final)  # every slot, filled or not
+    return F.nll_loss(lprobs.reshape(-1, lprobs.size(-1)), tgt_out.reshape(-1),
+                      ignore_index=PAD)

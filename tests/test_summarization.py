@@ -93,9 +93,10 @@ def healthy(out_dir, factory, loss_fn, data, collate, call):
     return runs[1]
 
 
-def replay(err):
+def replay(err, problems=0):
     rep = nanreplay_json(err.bundle_path)
-    assert (rep["reproduced"], rep["problems"], rep["fidelity"]["matches"]) == (True, [], True)
+    assert (rep["reproduced"], len(rep["problems"]), rep["fidelity"]["matches"]) == (
+        True, problems, True), rep
     return rep, rep["origin"]
 
 
@@ -119,6 +120,13 @@ def assert_unfilled(hint: str, zeros_line: str):
 def test_transformer_on_padded_batches_raises_nothing_and_trains_the_same(tmp_path):
     # -inf in the causal mask, masked keys in every attention, PAD targets ignored
     data = M.corpus(24)
+    healthy(tmp_path, "make_seq2seq", M.Seq2SeqLoss(), data, M.collate_seq2seq, seq2seq_call)
+
+
+def test_an_empty_article_in_nn_transformer_itself_is_no_event(tmp_path):
+    # torch's attention gives a row with every key masked zeros, not NaN, where it does not
+    # return the weights (the encoder's and decoder's): nothing to report, the same weights
+    data = M.corpus(12, empty_article={4})
     healthy(tmp_path, "make_seq2seq", M.Seq2SeqLoss(), data, M.collate_seq2seq, seq2seq_call)
 
 
@@ -206,13 +214,30 @@ def test_saturated_p_gen_rounds_the_copy_mass_to_0_a_precision_cause(tmp_path):
 
 
 def test_one_empty_summary_is_0_over_0_in_the_per_summary_mean_of_its_sentence(tmp_path):
-    # See et al. average each summary's loss over its own length: summary 7 has none
-    data = M.corpus(12, empty_summary={7})
+    # See et al. average each summary's loss over its own length: summary 10 has none; the
+    # second micro-batch's scheduled-sampling draws re-run as drawn (fidelity matches)
+    data = M.corpus(12, empty_summary={10})
     err = event(tmp_path, "make_pointer", M.pointer_loss, data, M.collate_pointer, pointer_call)
-    assert (err.event["step"], err.event["micro_batch"], err.event["phase"]) == (1, 0, "loss")
+    assert (err.event["step"], err.event["micro_batch"], err.event["phase"]) == (1, 1, "loss")
     rep, o = replay(err)
     assert (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
-        "invalid", "<loss>", "aten.div", "nan", [7 - 6]), rep
+        "invalid", "<loss>", "aten.div", "nan", [10 - 9]), rep
     assert o["source"] == source_line(MODELS, "return (step_loss.sum(1) / dec_mask.sum(1))")
     # the 0 count is the data's, no constant of the model's: the 0/0 advice stands
     assert "skip the rows where it is 0" in rep["hint"] and "constants" not in rep["hint"]
+
+
+def test_log_of_the_whole_copy_distribution_is_nan_only_in_its_backward(tmp_path):
+    # nll_loss picks filled slots (a finite loss); log's backward at the unfilled slots is
+    # 0 * inf: NaN in the gradient entering the model output, which cat's backward then drops
+    data = M.corpus(12)
+    err = event(tmp_path, "make_copy", M.copy_nll_of_log, data, M.collate_pointer, copy_call)
+    assert (err.event["step"], err.event["phase"]) == (0, "backward")
+    *_, n_oov = batch = micro_batch(data, M.collate_pointer, err)
+    fewer = [i for i, row in enumerate(batch[1]) if len(set(row[row >= M.VOCAB].tolist())) < n_oov]
+    assert err.event["samples"] == fewer
+    rep, o = replay(err, problems=1)
+    assert fewer and (rep["cause"], o["phase"], o["module"], o["op"], o["samples"]) == (
+        "invalid", "backward", "<loss>", "LogBackward0", fewer), rep
+    assert o["source"] == source_line(MODELS, "every slot, filled or not")
+    assert "every parameter's gradient stayed finite" in rep["problems"][0], rep["problems"]
