@@ -1,9 +1,9 @@
 """A loss's log (or division) at exactly 0 where the 0 is a constant the model's forward wrote
 and never filled: a pointer-generator's extended vocabulary, ``cat([p_gen * p_vocab,
 zeros(B, n_oov)])`` then ``scatter_add`` of the copy mass, holds 0 in the slots of OOVs the
-sample's article lacks. A target id pointing at such a slot (an OOV mapped through another
-article's list), or a label-smoothing term summing ``log p`` over every slot, takes the log of
-that 0. The generic advice, an eps at the op, hides a wrong index or a slot that should not be
+sample's article lacks (or whose positions the attention masks: OOV words mapped to the
+padding id). A target id pointing at such a slot (an OOV mapped through another article's
+list), or a label-smoothing term summing ``log p`` over every slot, takes the log of that 0. The generic advice, an eps at the op, hides a wrong index or a slot that should not be
 in the sum; the hint names the line that wrote the zeros.
 
 Told by re-running the forward with the floating outputs of its zero-making ops (``zeros``,
@@ -92,9 +92,10 @@ def unfilled_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None) ->
     where = f"the zeros made at {line}" if line else "zeros the model's forward made"
     what = describe(hit.op.removeprefix("aten."), hit.evidence)[0] if hit.evidence else hit.op
     return (f"{what}: those 0s are constants the model wrote, not values that rounded to 0: "
-            f"{where} reached {hit.op} unchanged (entries nothing was added to or written "
-            "since, such as the extended vocabulary's slots of OOVs a sample's article lacks); "
-            "with them set to a tiny positive value the loss is finite. Check the index that "
-            "picks such a slot (a target id mapped to a slot its own sample never fills), or "
-            "leave the unfilled entries out of the op (mask them); an eps at the op would hide "
-            "them behind a huge finite value")
+            f"{where} reached {hit.op} unchanged (entries only zeros were added to since: an "
+            "extended vocabulary's slots of OOVs a sample's article lacks, or of words at "
+            "positions its attention masks); with them set to a tiny positive value the loss "
+            "is finite. Check the index that picks such a slot (a target id mapped to a slot "
+            "its own sample never fills) or the mask (a source position the mask hides: an "
+            "OOV id mapped to the padding id), or leave the unfilled entries out of the op; an "
+            "eps at the op would hide them behind a huge finite value")

@@ -70,18 +70,21 @@ def collate_seq2seq(examples, max_tgt: int = 6):
     return pad(src), pad(tgt_in), pad(tgt_out)
 
 
-def collate_pointer(examples, max_dec: int = 6, batch_oovs_for_targets: bool = False):
+def collate_pointer(examples, max_dec: int = 6, batch_oovs_for_targets: bool = False,
+                    unknown: int = UNK):
     """See et al.'s batcher: per article its OOV list, the article in the extended vocabulary,
     the target's OOVs mapped into that list (else UNK). ``batch_oovs_for_targets`` is the
     planted bug: targets mapped through the batch's merged OOV list instead of their own
     article's, so a summary word gets a slot its article's attention never fills. As in
-    ``collate_seq2seq``, an empty summary gives no target token."""
+    ``collate_seq2seq``, an empty summary gives no target token. ``unknown=PAD`` is the other
+    planted bug, ``word2id.get(w, 0)`` with 0 the padding id: the article's OOV words are
+    padding to the attention's mask, so no copy mass reaches their slots."""
     batch_oovs = sorted({w for art, _ in examples for w in art if w >= VOCAB})
     src, src_ext, tgt_in, tgt_out, n_oov = [], [], [], [], 0
     for art, summ in examples:
         oovs = sorted({w for w in art if w >= VOCAB})
         n_oov = max(n_oov, len(oovs))
-        src.append(to_vocab(art))
+        src.append([w if w < VOCAB else unknown for w in art])
         src_ext.append([w if w < VOCAB else VOCAB + oovs.index(w) for w in art])
         table = batch_oovs if batch_oovs_for_targets else oovs
         ext = [w if w < VOCAB else VOCAB + table.index(w) if w in table else UNK for w in summ]

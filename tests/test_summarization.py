@@ -256,3 +256,20 @@ def test_log_of_the_whole_copy_distribution_is_nan_only_in_its_backward(tmp_path
         "invalid", "backward", "<loss>", "LogBackward0", fewer), rep
     assert o["source"] == source_line(MODELS, "every slot, filled or not")
     assert "every parameter's gradient stayed finite" in rep["problems"][0], rep["problems"]
+
+
+def test_oov_words_mapped_to_the_padding_id_leave_their_copy_slots_at_0(tmp_path):
+    # word2id.get(w, 0): the article's OOV words are padding to the attention mask, so their
+    # slots of the extended vocabulary get no copy mass and a copied target's log is log 0
+    data = M.corpus(12)
+    collate = partial(M.collate_pointer, unknown=M.PAD)
+    err = event(tmp_path, "make_pointer", M.pointer_loss, data, collate, pointer_call)
+    assert (err.event["step"], err.event["phase"]) == (0, "loss")
+    tgt_out = micro_batch(data, collate, err)[4]
+    copied = [i for i in range(len(tgt_out)) if (tgt_out[i] >= M.VOCAB).any()]
+    rep, o = replay(err)
+    assert copied and (rep["cause"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "invalid", "<loss>", "aten.log", "-inf", copied), rep
+    assert o["source"] == source_line(MODELS, "step_loss = -torch.log(gold_probs)")
+    assert_unfilled(rep["hint"], "final.new_zeros(final.size(0), n_oov)")
+    assert "a source position the mask hides" in rep["hint"], rep["hint"]
