@@ -323,3 +323,20 @@ def copy_nll_of_log(final, tgt_out):
     lprobs = torch.log(final)  # every slot, filled or not
     return F.nll_loss(lprobs.reshape(-1, lprobs.size(-1)), tgt_out.reshape(-1),
                       ignore_index=PAD)
+
+
+class ConstrainedSeq2Seq(Seq2SeqTransformer):
+    """Generation restricted to the article's words and the special tokens (a copy-only
+    summarizer): the other logits are masked to -inf."""
+
+    def forward(self, src, tgt_in):
+        logits = self.generator(self.decode(src, tgt_in)[0])
+        allowed = torch.zeros(src.size(0), VOCAB, dtype=torch.bool)
+        allowed[:, :4] = True
+        allowed.scatter_(1, src, True)
+        return logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+
+
+def make_constrained() -> ConstrainedSeq2Seq:
+    torch.manual_seed(0)
+    return ConstrainedSeq2Seq()

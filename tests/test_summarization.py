@@ -39,7 +39,7 @@ def pointer_call(model, loss_fn, batch):
     return loss_fn(model(src, src_ext, lens, tgt_in, n_oov, ss_prob=0.25), tgt_out)
 
 
-def train(model, loader, call, loss_fn, out_dir=None, factory=None, amp=None):
+def train(model, loader, call, loss_fn, out_dir=None, factory=None, amp=None, **rec_kw):
     """Teacher-forced (or scheduled-sampling) training with ACCUM micro-batches per update,
     clipping and Noam's schedule, under CPU autocast in ``amp`` (float16 with a GradScaler);
     under the recorder when ``out_dir`` is given."""
@@ -49,7 +49,7 @@ def train(model, loader, call, loss_fn, out_dir=None, factory=None, amp=None):
     rec = None
     if out_dir is not None:
         rec = FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir, scaler=scaler,
-                             factory=f"summarization_models:{factory}").attach()
+                             factory=f"summarization_models:{factory}", **rec_kw).attach()
         loss_fn = rec.loss_fn
     try:
         opt.zero_grad()
@@ -76,22 +76,22 @@ def loader(data, collate, batch_size=3):
     return DataLoader(data, batch_size=batch_size, collate_fn=collate)
 
 
-def event(out_dir, factory, loss_fn, data, collate, call) -> NonFiniteError:
+def event(out_dir, factory, loss_fn, data, collate, call, **rec_kw) -> NonFiniteError:
     torch.manual_seed(1)        # dropout and scheduled sampling draw from the global RNG
     model = getattr(M, factory)()
     with pytest.raises(NonFiniteError) as info:
-        train(model, loader(data, collate), call, loss_fn, out_dir, factory)
+        train(model, loader(data, collate), call, loss_fn, out_dir, factory, **rec_kw)
     return info.value
 
 
-def healthy(out_dir, factory, loss_fn, data, collate, call, amp=None):
+def healthy(out_dir, factory, loss_fn, data, collate, call, amp=None, **rec_kw):
     """The same run with and without the recorder: no event, the same weights bit for bit."""
     runs = []
     for recorded in (False, True):
         torch.manual_seed(1)
         model = getattr(M, factory)()
         train(model, loader(data, collate), call, loss_fn,
-              out_dir if recorded else None, factory, amp)
+              out_dir if recorded else None, factory, amp, **rec_kw)
         runs.append(model.state_dict())
     assert not list(out_dir.glob("*.nan"))
     for name, t in runs[0].items():
@@ -273,3 +273,33 @@ def test_oov_words_mapped_to_the_padding_id_leave_their_copy_slots_at_0(tmp_path
     assert o["source"] == source_line(MODELS, "step_loss = -torch.log(gold_probs)")
     assert_unfilled(rep["hint"], "final.new_zeros(final.size(0), n_oov)")
     assert "a source position the mask hides" in rep["hint"], rep["hint"]
+
+
+def test_a_copy_only_vocabulary_names_the_masked_fill_it_returned_not_the_causal_mask(tmp_path):
+    # the -inf of the logits outside the article reaches the output (an event by default);
+    # the causal mask's full(-inf) came first in the call but attention consumed it
+    err = event(tmp_path, "make_constrained", M.Seq2SeqLoss(0.0), M.corpus(12),
+                M.collate_seq2seq, seq2seq_call)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (0, "forward", "")
+    rep, o = replay(err, problems=1)
+    # (was: aten.full at generate_square_subsequent_mask's line, which returned nothing)
+    assert (rep["cause"], o["module"], o["op"], o["made"]) == (
+        "invalid", "", "aten.masked_fill", "-inf"), rep
+    assert o["source"] == source_line(MODELS, 'return logits.masked_fill(~allowed')
+    assert [c["op"] for c in o["chain"]] == ["aten.masked_fill"], o["chain"]
+    assert rep["problems"][0].startswith("aten.masked_fill fills a literal -inf"), rep
+    assert "allow_inf=['']" in rep["problems"][0]
+
+
+def test_a_copy_only_vocabulary_allowed_trains_and_its_label_smoothing_is_named(tmp_path):
+    data = M.corpus(12)
+    healthy(tmp_path / "ok", "make_constrained", M.Seq2SeqLoss(0.0), data, M.collate_seq2seq,
+            seq2seq_call, allow_inf=[""])
+    # smoothing spreads target mass over the masked words: 0.1/V * -inf
+    err = event(tmp_path, "make_constrained", M.Seq2SeqLoss(0.1), data, M.collate_seq2seq,
+                seq2seq_call, allow_inf=[""])
+    assert (err.event["step"], err.event["phase"]) == (0, "loss")
+    rep, o = replay(err)
+    assert (rep["cause"], o["module"], o["op"], o["made"]) == (
+        "invalid", "<loss>", "aten.sum", "-inf"), rep
+    assert "label smoothing" in rep["hint"], rep["hint"]
