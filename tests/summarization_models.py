@@ -7,6 +7,8 @@
 - ``CopyTransformer``: the same, plus a copy attention (OpenNMT's copy generator, See et al.'s
   p_gen on a Transformer): the final distribution ``p_gen * p_vocab + (1 - p_gen) * attn``
   scattered over the extended vocabulary with ``scatter_add``.
+- ``ConstrainedSeq2Seq``: generation restricted to the article's words, the other logits
+  masked to -inf after the generator.
 - ``PointerGenerator``: See et al. (2017) as atulkum/pointer_summarizer ports it: a BiLSTM
   encoder, an LSTM decoder stepped one token at a time with Bahdanau attention and a coverage
   feature, scheduled sampling (the previous argmax fed back with probability ``ss_prob``), the

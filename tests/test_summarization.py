@@ -166,6 +166,8 @@ def test_empty_targets_after_truncation_are_a_loss_event_of_ignore_index_0_over_
     assert (rep["cause"], o["module"], o["op"], o["made"]) == (
         "invalid", "<loss>", "aten.nll_loss_forward", "nan"), rep
     assert o["source"] == source_line(MODELS, "return self.ce(logits.reshape")
+    # a scalar 0/0 of the whole micro-batch: no rows named, the hint says every target
+    assert (o["micro_batch"], o["samples"]) == (1, []), o
     assert "every target of the batch is ignore_index (0)" in rep["hint"], rep["hint"]
 
 
