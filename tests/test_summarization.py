@@ -305,3 +305,19 @@ def test_a_copy_only_vocabulary_allowed_trains_and_its_label_smoothing_is_named(
     assert (rep["cause"], o["module"], o["op"], o["made"]) == (
         "invalid", "<loss>", "aten.sum", "-inf"), rep
     assert "label smoothing" in rep["hint"], rep["hint"]
+
+
+def test_an_article_of_oov_words_only_is_0_over_0_in_the_attention_renormalisation(tmp_path):
+    # word2id.get(w, 0) again: article 1 is OOV words only, all padding to the mask, and
+    # softmax * mask / sum divides 0 by 0 at the first decoder step, before any loss
+    data = M.corpus(12)
+    data[1] = ([41, 45, 50, 44, 47], [45, 44])
+    collate = partial(M.collate_pointer, unknown=M.PAD)
+    err = event(tmp_path, "make_pointer", M.pointer_loss, data, collate, pointer_call)
+    assert (err.event["step"], err.event["phase"], err.event["module"], err.event["call"]) == (
+        0, "forward", "attention", 0)
+    rep, o = replay(err)
+    assert (rep["cause"], o["module"], o["call"], o["op"], o["made"], o["samples"]) == (
+        "invalid", "attention", 0, "aten.div", "nan", [1]), rep
+    assert o["source"] == source_line(MODELS, "attn_dist = attn_dist_ / normalization_factor")
+    assert "0 by 0" in rep["hint"] and "constants" not in rep["hint"], rep["hint"]
