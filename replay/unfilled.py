@@ -46,7 +46,7 @@ class _Marks(TorchDispatchMode):
             if line not in self.lines:
                 self.lines.append(line)
             if self.only is None or line in self.only:
-                out.fill_(MARK)
+                out.fill_(max(MARK, torch.finfo(out.dtype).tiny))  # (float16's too)
         return out
 
 
