@@ -29,6 +29,7 @@ from .pruned import pruned_rows_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
 from .rerun import Runner
+from .returned_fill import returned_fill
 from .run_result import Run
 from .signed_weights import signed_weights_hint
 from .softplus_overflow import softplus_hint
@@ -66,8 +67,9 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         finder.intentional = finder.intentional or start
         hit = finder.origin()
     if hit is None and finder.intentional is not None:
-        # The only non-finite value is a literal +-inf fill that leaves the module as it is.
-        hit = finder.intentional
+        # The only non-finite value is a literal +-inf fill that leaves the module as it is
+        # (the one it returned, not a causal mask's that attention consumed before).
+        hit = finder.intentional = returned_fill(runner, o, finder)
         made = (f"passes on the {hit.made} of buffer '{hit.buffer}'" if hit.buffer else
                 f"fills a literal {hit.made}")
         report["problems"].append(

@@ -8,7 +8,8 @@ likelihood, a variance, a norm) came out of the model so. :func:`negative_output
 which model output it is, which module returned it and which op made it, read from one
 re-run of the forward (only for such an op: an invalid log, sqrt or power of a negative);
 so it does for a likelihood that underflowed to 0 (``upper - lower`` of two CDF tails with
-the likelihood's lower bound removed), to bound where it is made.
+the likelihood's lower bound removed), to bound where it is made. A 0 the model wrote as a
+constant (an extended vocabulary's unfilled slot) is named by :mod:`replay.unfilled`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from .positive import POSITIVE, node_op
 from .rerun import Runner
+from .unfilled import unfilled_hint
 
 _DOMAIN = {"aten.log", "aten.log2", "aten.log10", "aten.sqrt", "aten.rsqrt", "aten.pow",
            "aten.log1p"}
@@ -28,7 +30,9 @@ def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | N
                          ) -> str | None:
     """``hint`` with where the model made the negative input of the loss's ``hit`` (or, for
     an underflow, its 0), when that input is one model output as returned (the one output
-    whose least value is the op's input's)."""
+    whose least value is the op's input's); for an invalid 0, the constant it wrote."""
+    if (unfilled := unfilled_hint(runner, mb, hit, cause, hint)) is not hint:
+        return unfilled
     if hit is None or hit.op not in _DOMAIN or hint is None or hit.input_min is None \
             or runner.model is None:
         return hint

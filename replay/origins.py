@@ -180,7 +180,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     hint = with_log_sum_exp(cause.hint, cause.name, hit, finder.lineage.log_sum_exp)
-    hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (a likelihood below 0)
+    hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (below 0; a slot left 0)
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))
