@@ -1,0 +1,115 @@
+"""End to end: contrastive retrieval trained with GradCache (``gradient_caching_models``): the
+batch embedded chunk by chunk under ``torch.no_grad()``, the loss on detached reps with its
+gradient cached, each chunk re-run with grad under its saved RNG state and backpropagated with
+``torch.dot(reps, cached)`` (or ``reps.backward(gradient=cached)``); and Barlow Twins / VICReg
+over two views. Planted bugs must be named by the replay; healthy runs must raise nothing and
+train bit for bit as without the recorder."""
+
+from __future__ import annotations
+
+import gradient_caching_models as M
+import pytest
+import torch
+from bundles import line_number, nanreplay_json
+
+from recorder import FlightRecorder, NonFiniteError
+
+FACTORY = "gradient_caching_models:"
+CHUNK = 4
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> int:
+    return line_number("gradient_caching_models.py", text)
+
+
+def pairs(n: int = 32, batch: int = 8, empty=()):
+    """Query/passage token ids (a query is its passage's first tokens), padded with 0 and
+    masked; passages ``empty`` are all padding (a blank document in the corpus)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.randint(1, M.VOCAB, (n, M.SEQ), generator=g)
+    pm = (torch.arange(M.SEQ) < torch.randint(3, M.SEQ + 1, (n, 1), generator=g)).long()
+    p = p * pm
+    q, qm = p.clone(), pm.clone()
+    q[:, 4:], qm[:, 4:] = 0, 0
+    p[list(empty)], pm[list(empty)] = 0, 0
+    ds = torch.utils.data.TensorDataset(q, qm, p, pm)
+    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True,
+                                       generator=torch.Generator().manual_seed(1))
+
+
+def train_gradcache(out_dir, *, steps: int, record: bool = True, init=None, scale_lr=1e-3,
+                    surrogate="dot", eps_pool=True, empty=()):
+    """luyug/GradCache's loop: ``cache_step`` on the query and passage batches, then the
+    optimizer; the loss's ``logit_scale`` trained in its own parameter group."""
+    model = M.make_encoder(eps_pool)
+    loss_fn = M.InfoNCE(clamp=False) if init is not None else M.InfoNCE()
+    if init is not None:
+        loss_fn.logit_scale.data.fill_(init)  # (a run resumed with the scale it had learned)
+    opt = torch.optim.AdamW([{"params": model.parameters()},
+                             {"params": loss_fn.parameters(), "lr": scale_lr}], lr=1e-3)
+    gc = M.GradCache(model, CHUNK, loss_fn, surrogate)
+    rec = FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                         factory=FACTORY + "make_encoder", factory_kwargs={"eps_pool": eps_pool}
+                         ) if record else None
+    losses = []
+    with rec or torch.enable_grad():
+        if record:
+            gc.loss_fn = rec.loss_fn
+        for q, qm, p, pm in pairs(empty=empty):
+            opt.zero_grad()
+            losses.append(gc.cache_step({"input_ids": q, "attention_mask": qm},
+                                        {"input_ids": p, "attention_mask": pm}))
+            opt.step()
+            if len(losses) == steps:
+                break
+    return model, loss_fn, losses
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                   b.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("surrogate", ["dot", "gradient"])
+def test_healthy_gradcache_raises_nothing_and_trains_as_without_the_recorder(tmp_path,
+                                                                             surrogate):
+    # the no-grad pass, the loss on detached reps and the chunks' backward with the cached
+    # gradient, dropout redrawn under each chunk's restored RNG state: nothing to report, and
+    # the recorder draws from no generator the RandContext restores
+    model, loss_fn, losses = train_gradcache(tmp_path, steps=3, surrogate=surrogate)
+    bare, bare_loss, bare_losses = train_gradcache(None, steps=3, record=False,
+                                                   surrogate=surrogate)
+    assert not list(tmp_path.iterdir())
+    assert same(model, bare) and same(loss_fn, bare_loss)
+    assert torch.equal(torch.stack(losses), torch.stack(bare_losses))
+
+
+def test_huge_but_finite_cached_gradients_then_the_no_grad_pass_raise_nothing(tmp_path):
+    # exp(88) = 1.7e38: every cached gradient is finite but its squared norm overflows, which
+    # the recorder rightly lets pass. The +inf norms stayed in its slots, and the next step's
+    # no-grad forwards (an evaluation to the recorder, which writes no gradient norm) read them
+    # back: "non-finite statistic with no identifiable source" at step 5, not reproduced
+    model, loss_fn, losses = train_gradcache(tmp_path, steps=7, init=88.0, scale_lr=0.1)
+    assert not list(tmp_path.iterdir())
+    assert all(torch.isfinite(v) for v in losses), losses
+    assert loss_fn.logit_scale.item() < 88.0  # (the scale did learn down)
+    bare, bare_loss, _ = train_gradcache(None, steps=7, record=False, init=88.0, scale_lr=0.1)
+    assert same(model, bare) and same(loss_fn, bare_loss)
+
+
+def test_unclamped_logit_scale_past_float32_names_the_exp_on_the_detached_reps(tmp_path):
+    # BUG: open_clip clamps logit_scale.exp() at 100; without it a scale learned to 89 makes
+    # exp overflow in the loss GradCache computes between its no-grad pass and the re-runs
+    with pytest.raises(NonFiniteError) as info:
+        train_gradcache(tmp_path, steps=3, init=89.0)
+    err = info.value
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "loss", "<loss>", "nan")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"]) == (
+        True, "overflow", "<loss>", "aten.exp", "+inf"), rep
+    assert o["source"] == f"gradient_caching_models.py:{line_of('scale = self.logit_scale.exp()')}"
+    assert "<loss>.logit_scale" in rep["hint"] and "clamp(max=" in rep["hint"], rep["hint"]
