@@ -15,7 +15,7 @@ from bundles import line_number, nanreplay_json
 from recorder import FlightRecorder, NonFiniteError
 
 FACTORY = "gradient_caching_models:"
-CHUNK = 4
+CHUNK, BATCH = 4, 8
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
@@ -24,7 +24,7 @@ def line_of(text: str) -> int:
     return line_number("gradient_caching_models.py", text)
 
 
-def pairs(n: int = 32, batch: int = 8, empty=()):
+def pairs(n: int = 32, empty=()):
     """Query/passage token ids (a query is its passage's first tokens), padded with 0 and
     masked; passages ``empty`` are all padding (a blank document in the corpus)."""
     g = torch.Generator().manual_seed(0)
@@ -35,7 +35,7 @@ def pairs(n: int = 32, batch: int = 8, empty=()):
     q[:, 4:], qm[:, 4:] = 0, 0
     p[list(empty)], pm[list(empty)] = 0, 0
     ds = torch.utils.data.TensorDataset(q, qm, p, pm)
-    return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True,
+    return torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True,
                                        generator=torch.Generator().manual_seed(1))
 
 
@@ -113,3 +113,31 @@ def test_unclamped_logit_scale_past_float32_names_the_exp_on_the_detached_reps(t
         True, "overflow", "<loss>", "aten.exp", "+inf"), rep
     assert o["source"] == f"gradient_caching_models.py:{line_of('scale = self.logit_scale.exp()')}"
     assert "<loss>.logit_scale" in rep["hint"] and "clamp(max=" in rep["hint"], rep["hint"]
+
+
+def test_blank_passage_in_the_no_grad_pass_names_its_row_of_the_loaders_batch(tmp_path):
+    # BUG: mean pooling divides by the token count without sentence-transformers' clamp at
+    # 1e-9: a passage of padding only is 0/0. GradCache's first pass runs the model on chunks
+    # of the batch under no_grad (an evaluation forward to the recorder), so the bundle holds
+    # one chunk, whose sample 0 is not the loader's: the report says which row it was
+    with pytest.raises(NonFiniteError) as info:
+        train_gradcache(tmp_path, steps=4, eps_pool=False, empty=[5, 21])
+    err = info.value
+    ev = err.event
+    batches = list(pairs(empty=[5, 21]))
+    blank = (batches[ev["step"]][3].sum(1) == 0).nonzero().flatten().tolist()
+    first = blank[0] // CHUNK  # (queries first, then the passage chunks in order)
+    rows = [r for r in blank if r // CHUNK == first]
+    chunk_rows = [r - first * CHUNK for r in rows]
+    assert (ev["phase"], ev["module"], ev["evaluation"], ev["samples"]) == (
+        "forward", "", True, chunk_rows), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["samples"]) == (
+        True, "invalid", "aten.div", "nan", chunk_rows), rep
+    assert o["source"] == f"gradient_caching_models.py:{line_of('pooled = (h * m).sum(1) / count')}"
+    assert o["batch_rows"] == rows, o
+    assert first > 0, blank  # (a chunk after the first: its rows are not the batch's)
+    note = next(p for p in rep["problems"] if "sliced them from" in p)
+    assert (f"rows {first * CHUNK} to {first * CHUNK + CHUNK - 1} of a {BATCH}-row tensor"
+            in note), note
