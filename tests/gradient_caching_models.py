@@ -23,11 +23,12 @@ VOCAB, PAD, DIM, SEQ = 50, 0, 16, 8
 class TextEncoder(nn.Module):
     """One encoder for queries and passages (DPR's shared-weights variant)."""
 
-    def __init__(self, eps_pool: bool = True):
+    def __init__(self, eps_pool: bool = True, project: bool = True):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM, padding_idx=PAD)
         self.layer = nn.TransformerEncoderLayer(DIM, 2, 32, dropout=0.1, batch_first=True)
-        self.proj = nn.Linear(DIM, DIM)
+        # (sentence-transformers' default stack has no Dense layer after the pooling)
+        self.proj = nn.Linear(DIM, DIM) if project else nn.Identity()
         self.eps_pool = eps_pool
 
     def forward(self, input_ids, attention_mask):
@@ -43,14 +44,16 @@ class InfoNCE(nn.Module):
     """In-batch negatives, CLIP's learned temperature ``logit_scale`` (open_clip clamps its
     exp at 100; ``clamp=False`` is the version without it)."""
 
-    def __init__(self, init: float = math.log(1 / 0.07), clamp: bool = True):
+    def __init__(self, init: float = math.log(1 / 0.07), clamp: bool = True,
+                 normalize=F.normalize):
         super().__init__()
         self.logit_scale = nn.Parameter(torch.tensor(init))
         self.clamp = clamp
+        self.normalize = normalize
 
     def forward(self, q_reps, p_reps):
-        q = F.normalize(q_reps, dim=-1)
-        p = F.normalize(p_reps, dim=-1)
+        q = self.normalize(q_reps, dim=-1)
+        p = self.normalize(p_reps, dim=-1)
         scale = self.logit_scale.exp()
         if self.clamp:
             scale = scale.clamp(max=100)
@@ -58,6 +61,11 @@ class InfoNCE(nn.Module):
         # GradCache's contrastive_loss: passages per query after the positive are hard negatives
         target = torch.arange(q.size(0)) * (p.size(0) // q.size(0))
         return F.cross_entropy(scores, target)
+
+
+def l2_normalize(x, dim: int = -1, eps: float = 1e-8):
+    """F.normalize written by hand, the eps clamped after the sqrt."""
+    return x / torch.sqrt((x * x).sum(dim, keepdim=True)).clamp(min=eps)
 
 
 class SigLipLoss(nn.Module):
@@ -168,8 +176,7 @@ class BarlowTwinsLoss(nn.Module):
         super().__init__()
         self.lambd = lambd
 
-    def forward(self, z):
-        z1, z2 = z
+    def forward(self, z1, z2):
         z1 = (z1 - z1.mean(0)) / z1.std(0)
         z2 = (z2 - z2.mean(0)) / z2.std(0)
         c = z1.T @ z2 / z1.size(0)
@@ -185,8 +192,7 @@ class VICRegLoss(nn.Module):
         super().__init__()
         self.eps, self.sim, self.std, self.cov = eps, sim, std, cov
 
-    def forward(self, z):
-        x, y = z
+    def forward(self, x, y):
         n, d = x.shape
         repr_loss = F.mse_loss(x, y)
         x = x - x.mean(dim=0)
@@ -200,9 +206,9 @@ class VICRegLoss(nn.Module):
         return self.sim * repr_loss + self.std * std_loss + self.cov * cov_loss
 
 
-def make_encoder(eps_pool: bool = True) -> TextEncoder:
+def make_encoder(eps_pool: bool = True, project: bool = True) -> TextEncoder:
     torch.manual_seed(0)
-    return TextEncoder(eps_pool)
+    return TextEncoder(eps_pool, project)
 
 
 def make_twins(relu_out: bool = False) -> TwinEncoder:

@@ -141,3 +141,72 @@ def test_blank_passage_in_the_no_grad_pass_names_its_row_of_the_loaders_batch(tm
     note = next(p for p in rep["problems"] if "sliced them from" in p)
     assert (f"rows {first * CHUNK} to {first * CHUNK + CHUNK - 1} of a {BATCH}-row tensor"
             in note), note
+
+
+@pytest.mark.parametrize("surrogate", ["dot", "gradient"])
+def test_nan_cached_gradient_of_a_blank_passage_is_said_to_come_from_the_cached_loss(
+        tmp_path, surrogate):
+    # BUG: the loss normalises by hand, sqrt(sum x^2).clamp(min=eps): a blank passage pools to
+    # exactly 0 (sentence-transformers' clamp keeps the pooling finite, and there is no Dense
+    # layer after it), so the loss is finite but its backward is 0 * inf at the sqrt. GradCache
+    # caches that NaN gradient and feeds it to the passage chunk's re-run. The loss ran before
+    # the step's first forward (the recorder checked it as the no-grad pass's): the replay
+    # said it "was not called in this step" and to "compute the step's loss with the loss
+    # module given as loss_fn", which the loop did
+    model = M.make_encoder(True, False)
+    loss_fn = M.InfoNCE(normalize=M.l2_normalize)
+    opt = torch.optim.AdamW([*model.parameters(), *loss_fn.parameters()], lr=1e-3)
+    gc = M.GradCache(model, CHUNK, loss_fn, surrogate)
+    batches = list(pairs(empty=[5, 21]))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory=FACTORY + "make_encoder",
+                            factory_kwargs={"project": False}) as rec:
+            gc.loss_fn = rec.loss_fn
+            for q, qm, p, pm in batches:
+                opt.zero_grad()
+                gc.cache_step({"input_ids": q, "attention_mask": qm},
+                              {"input_ids": p, "attention_mask": pm})
+                opt.step()
+    err = info.value
+    ev = err.event
+    blank = (batches[ev["step"]][3].sum(1) == 0).nonzero().flatten().tolist()
+    assert blank and ev["phase"] == "backward" and ev["kind"] == "nan", ev
+    first = blank[0] // CHUNK
+    rows = [r for r in blank if r // CHUNK == first]
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    mb = BATCH // CHUNK + first  # (the query chunks re-run first)
+    assert (rep["reproduced"], o["micro_batch"], o["tensor"], o["samples"], o["batch_rows"]) == (
+        True, mb, "grad of the model output", [r - first * CHUNK for r in rows], rows), rep
+    assert f"cached gradient of micro-batch {mb}" in rep["hint"], rep["hint"]
+    assert "compute the step's loss with the loss module" not in rep["hint"], rep["hint"]
+    note = next(p for p in rep["problems"] if "was not called in this step" in p)
+    assert "gradient_caching_models.InfoNCE" in note and "GradCache" in note, note
+
+
+@pytest.mark.filterwarnings("ignore:var.*degrees of freedom:UserWarning")
+def test_vicreg_over_a_last_batch_of_one_names_var_of_too_few_values(tmp_path):
+    # BUG: 33 pairs in batches of 8 without drop_last: the last batch holds one pair, and
+    # VICReg's variance (correction 1) of one sample is 0/0 in the cached loss
+    model = M.make_encoder()
+    loss_fn = M.VICRegLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gc = M.GradCache(model, CHUNK, loss_fn)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory=FACTORY + "make_encoder") as rec:
+            gc.loss_fn = rec.loss_fn
+            for q, qm, p, pm in pairs(n=33):
+                opt.zero_grad()
+                gc.cache_step({"input_ids": q, "attention_mask": qm},
+                              {"input_ids": p, "attention_mask": pm})
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["evaluation"]) == (4, "loss", "<loss>", True)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"]) == (
+        True, "invalid", "<loss>", "aten.var"), rep
+    assert o["source"] == f"gradient_caching_models.py:{line_of('std_x = torch.sqrt(x.var(')}"
+    assert "a batch of 1" in rep["hint"], rep["hint"]
