@@ -214,3 +214,79 @@ def make_encoder(eps_pool: bool = True, project: bool = True) -> TextEncoder:
 def make_twins(relu_out: bool = False) -> TwinEncoder:
     torch.manual_seed(0)
     return TwinEncoder(relu_out=relu_out)
+
+
+def _backward_hook(grad_output, sentence_features, loss_obj):
+    """sentence-transformers' CachedMultipleNegativesRankingLoss: inside the loss's backward,
+    each mini-batch re-run with grad under its RNG state and backpropagated with the cache."""
+    with torch.enable_grad():
+        for sentence_feature, grad, random_states in zip(sentence_features, loss_obj.cache,
+                                                         loss_obj.random_states):
+            for (reps_mb, _), grad_mb in zip(
+                    loss_obj.embed_minibatch_iter(sentence_feature, with_grad=True,
+                                                  copy_random_state=False,
+                                                  random_states=random_states), grad):
+                surrogate = torch.dot(reps_mb.flatten(), grad_mb.flatten()) * grad_output
+                surrogate.backward()
+
+
+class CachedMNRL(nn.Module):
+    """CachedMultipleNegativesRankingLoss (GradCache inside a loss module holding the model):
+    the forward embeds without grad, computes the loss with its backward on detached reps,
+    and returns it detached with a hook that runs the re-runs when the loop calls backward."""
+
+    def __init__(self, model, scale: float = 20.0, mini_batch_size: int = 4,
+                 normalize=F.normalize):
+        super().__init__()
+        self.model, self.scale, self.mini_batch_size = model, scale, mini_batch_size
+        self.normalize = normalize
+        self.cross_entropy_loss = nn.CrossEntropyLoss()
+        self.cache, self.random_states = None, None
+
+    def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state,
+                        random_state=None):
+        grad_context = torch.enable_grad if with_grad else torch.no_grad
+        with random_state or _Null(), grad_context():
+            random_state = RandContext() if copy_random_state else None
+            reps = self.model(**{k: v[begin:end] for k, v in sentence_feature.items()})
+        return reps, random_state
+
+    def embed_minibatch_iter(self, sentence_feature, with_grad, copy_random_state,
+                             random_states=None):
+        n = len(sentence_feature["input_ids"])
+        for i, b in enumerate(range(0, n, self.mini_batch_size)):
+            yield self.embed_minibatch(sentence_feature, b, b + self.mini_batch_size, with_grad,
+                                       copy_random_state,
+                                       None if random_states is None else random_states[i])
+
+    def calculate_loss_and_cache_gradients(self, reps):
+        embeddings_a = torch.cat(reps[0])
+        embeddings_b = torch.cat([torch.cat(r) for r in reps[1:]])
+        scores = self.normalize(embeddings_a, dim=-1) @ self.normalize(embeddings_b, dim=-1).T
+        labels = torch.arange(len(embeddings_a))
+        loss = self.cross_entropy_loss(scores * self.scale, labels)
+        loss.backward()
+        self.cache = [[r.grad for r in rs] for rs in reps]
+        return loss.detach().requires_grad_()
+
+    def forward(self, sentence_features, labels=None):
+        reps, self.random_states = [], []
+        for sentence_feature in sentence_features:
+            reps_mbs, random_state_mbs = [], []
+            for reps_mb, random_state in self.embed_minibatch_iter(
+                    sentence_feature, with_grad=False, copy_random_state=True):
+                reps_mbs.append(reps_mb.detach().requires_grad_())
+                random_state_mbs.append(random_state)
+            reps.append(reps_mbs)
+            self.random_states.append(random_state_mbs)
+        loss = self.calculate_loss_and_cache_gradients(reps)
+        loss.register_hook(lambda g: _backward_hook(g, sentence_features, self))
+        return loss
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gradient_caching_models as M
 import pytest
 import torch
+import torch.nn.functional as F
 from bundles import line_number, nanreplay_json
 
 from recorder import FlightRecorder, NonFiniteError
@@ -210,3 +211,51 @@ def test_vicreg_over_a_last_batch_of_one_names_var_of_too_few_values(tmp_path):
         True, "invalid", "<loss>", "aten.var"), rep
     assert o["source"] == f"gradient_caching_models.py:{line_of('std_x = torch.sqrt(x.var(')}"
     assert "a batch of 1" in rep["hint"], rep["hint"]
+
+
+def train_cached_mnrl(out_dir, *, steps: int, record: bool = True, **kw):
+    """sentence-transformers' loop with CachedMultipleNegativesRankingLoss: the loss module
+    holds the model, and the chunks' re-runs run inside the loop's loss.backward()."""
+    model = M.make_encoder(**kw)
+    hand = kw.get("project") is False  # (with the hand-written normalisation)
+    loss_fn = M.CachedMNRL(model, normalize=M.l2_normalize if hand else F.normalize)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=out_dir,
+                         factory=FACTORY + "make_encoder", factory_kwargs=kw) if record else None
+    losses = []
+    with rec or torch.enable_grad():
+        for q, qm, p, pm in pairs(empty=[5, 21]):
+            opt.zero_grad()
+            loss = loss_fn([{"input_ids": q, "attention_mask": qm},
+                            {"input_ids": p, "attention_mask": pm}])
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+            if len(losses) == steps:
+                break
+    return model, losses
+
+
+def test_healthy_cached_mnrl_whose_re_runs_run_inside_backward_raises_nothing(tmp_path):
+    model, losses = train_cached_mnrl(tmp_path, steps=3)
+    bare, bare_losses = train_cached_mnrl(None, steps=3, record=False)
+    assert not list(tmp_path.iterdir())
+    assert same(model, bare) and torch.equal(torch.stack(losses), torch.stack(bare_losses))
+
+
+def test_cached_mnrl_nan_cached_gradient_names_the_chunk_and_its_batch_row(tmp_path):
+    # the same hand-written normalisation at a blank passage's zero embedding, with the
+    # re-runs inside loss.backward()'s hook (nested backward() per mini-batch)
+    with pytest.raises(NonFiniteError) as info:
+        train_cached_mnrl(tmp_path, steps=4, project=False)
+    ev = info.value.event
+    assert (ev["phase"], ev["kind"]) == ("backward", "nan"), ev
+    blank = (list(pairs(empty=[5, 21]))[ev["step"]][3].sum(1) == 0).nonzero().flatten().tolist()
+    first = blank[0] // CHUNK
+    rows = [r for r in blank if r // CHUNK == first]
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    mb = BATCH // CHUNK + first
+    assert (rep["reproduced"], o["micro_batch"], o["samples"], o["batch_rows"]) == (
+        True, mb, [r - first * CHUNK for r in rows], rows), rep
+    assert f"cached gradient of micro-batch {mb}" in rep["hint"], rep["hint"]
