@@ -259,3 +259,44 @@ def test_cached_mnrl_nan_cached_gradient_names_the_chunk_and_its_batch_row(tmp_p
     assert (rep["reproduced"], o["micro_batch"], o["samples"], o["batch_rows"]) == (
         True, mb, [r - first * CHUNK for r in rows], rows), rep
     assert f"cached gradient of micro-batch {mb}" in rep["hint"], rep["hint"]
+
+
+def two_views(n: int = 256):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 10, generator=g)
+    noise = torch.randn(2, n, 10, generator=g)
+    ds = torch.utils.data.TensorDataset(x + 0.1 * noise[0], x + 0.1 * noise[1])
+    return torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True,
+                                       generator=torch.Generator().manual_seed(1))
+
+
+def test_barlow_twins_dead_feature_names_its_column_not_the_rows(tmp_path):
+    # BUG: the paper's pseudo-code standardises each feature by its batch std with no eps, and
+    # this projector ends in a ReLU; at a learning rate too high a unit dies (0 for every
+    # sample), its std is 0 and (z - mean) / std is 0/0 in that column of every row. The
+    # report said "all 32 rows" and "skip the rows where it is 0": no row is to blame
+    model = M.make_twins(relu_out=True)
+    loss_fn = M.BarlowTwinsLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9, weight_decay=1e-6)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory=FACTORY + "make_twins", factory_kwargs={"relu_out": True}):
+            for _ in range(3):
+                for y1, y2 in two_views():
+                    z1, z2 = model(y1, y2)
+                    loss = loss_fn(z1, z2)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+    ev = info.value.event
+    assert (ev["phase"], ev["module"]) == ("loss", "<loss>"), ev
+    dead = [(z == z[:1]).all(0).nonzero().flatten().tolist() for z in (z1, z2)]
+    first = 0 if dead[0] else 1
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["all_samples"]) == (
+        True, "invalid", "aten.div", "nan", True), rep
+    line = f"z{first + 1} = (z{first + 1} - z{first + 1}.mean(0)) / z{first + 1}.std(0)"
+    assert o["source"] == f"gradient_caching_models.py:{line_of(line)}", o
+    assert f"in the same column(s) {dead[first]} of every one of the 32 rows" in rep["hint"]
+    assert "no sample is to blame" in rep["hint"] and "skip the rows" not in rep["hint"]
