@@ -7,6 +7,8 @@ train bit for bit as without the recorder."""
 
 from __future__ import annotations
 
+import math
+
 import gradient_caching_models as M
 import pytest
 import torch
@@ -300,3 +302,30 @@ def test_barlow_twins_dead_feature_names_its_column_not_the_rows(tmp_path):
     assert o["source"] == f"gradient_caching_models.py:{line_of(line)}", o
     assert f"in the same column(s) {dead[first]} of every one of the 32 rows" in rep["hint"]
     assert "no sample is to blame" in rep["hint"] and "skip the rows" not in rep["hint"]
+
+
+def test_siglip_log_of_sigmoid_under_gradcache_names_the_underflow(tmp_path):
+    # BUG: SigLIP's loss written -log(sigmoid(z)) instead of -logsigmoid(z): with the learned
+    # temperature at 300 a hard negative's sigmoid underflows to 0 in the cached loss
+    model = M.make_encoder()
+    loss_fn = M.SigLipLoss(log_sigmoid=False)
+    loss_fn.t_prime.data.fill_(math.log(300.0))  # (resumed with the temperature it learned)
+    opt = torch.optim.AdamW([*model.parameters(), *loss_fn.parameters()], lr=1e-3)
+    gc = M.GradCache(model, CHUNK, loss_fn)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory=FACTORY + "make_encoder") as rec:
+            gc.loss_fn = rec.loss_fn
+            for q, qm, p, pm in pairs():
+                opt.zero_grad()
+                gc.cache_step({"input_ids": q, "attention_mask": qm},
+                              {"input_ids": p, "attention_mask": pm})
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["evaluation"]) == (0, "loss", "<loss>", True)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["made"]) == (
+        True, "underflow", "<loss>", "aten.log", "-inf"), rep
+    assert o["source"] == f"gradient_caching_models.py:{line_of('-torch.log(torch.sigmoid(')}"
+    assert "logsigmoid" in rep["hint"], rep["hint"]
