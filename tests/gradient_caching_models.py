@@ -6,7 +6,8 @@ the whole batch embedded under ``torch.no_grad()`` chunk by chunk with each chun
 kept (``RandContext``), the contrastive loss on detached reps, its gradient cached, and each
 chunk re-run with grad and backpropagated with its slice of that gradient. The losses: InfoNCE
 with in-batch negatives and a CLIP-style learned ``logit_scale``, SigLIP's sigmoid loss with a
-learned bias, Barlow Twins and VICReg over two views of a small MLP encoder.
+learned bias, Barlow Twins and VICReg; and sentence-transformers' CachedMultipleNegativesRanking
+Loss, whose chunks are re-run inside the loss's backward hook.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """End to end: contrastive retrieval trained with GradCache (``gradient_caching_models``): the
 batch embedded chunk by chunk under ``torch.no_grad()``, the loss on detached reps with its
 gradient cached, each chunk re-run with grad under its saved RNG state and backpropagated with
-``torch.dot(reps, cached)`` (or ``reps.backward(gradient=cached)``); and Barlow Twins / VICReg
-over two views. Planted bugs must be named by the replay; healthy runs must raise nothing and
-train bit for bit as without the recorder."""
+``torch.dot(reps, cached)`` (or ``reps.backward(gradient=cached)``), as luyug/GradCache and
+sentence-transformers' CachedMultipleNegativesRankingLoss (re-runs inside ``loss.backward()``)
+write it; InfoNCE with CLIP's learned ``logit_scale``, SigLIP, VICReg, and Barlow Twins over two
+views. Planted bugs must be named by the replay; healthy runs must raise nothing and train bit
+for bit as without the recorder."""
 
 from __future__ import annotations
 
