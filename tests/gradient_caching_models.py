@@ -69,6 +69,24 @@ def l2_normalize(x, dim: int = -1, eps: float = 1e-8):
     return x / torch.sqrt((x * x).sum(dim, keepdim=True)).clamp(min=eps)
 
 
+class DedupInfoNCE(nn.Module):
+    """In-batch negatives with duplicates masked out: a passage that is the positive of another
+    query in the batch is no negative (``-inf`` score). ``keep_own=False`` forgets to keep a
+    query's own positive out of that mask (``same & ~eye``)."""
+
+    def __init__(self, temperature: float = 0.05, keep_own: bool = True):
+        super().__init__()
+        self.temperature, self.keep_own = temperature, keep_own
+
+    def forward(self, q_reps, p_reps, doc_ids):
+        scores = F.normalize(q_reps, dim=-1) @ F.normalize(p_reps, dim=-1).T / self.temperature
+        same = doc_ids[:, None] == doc_ids[None, :]
+        if self.keep_own:
+            same &= ~torch.eye(len(doc_ids), dtype=torch.bool)
+        scores = scores.masked_fill(same, float("-inf"))
+        return F.cross_entropy(scores, torch.arange(len(doc_ids)))
+
+
 class SigLipLoss(nn.Module):
     """SigLIP: every pair a binary problem, learned temperature and bias (init 10, -10)."""
 

@@ -331,3 +331,36 @@ def test_siglip_log_of_sigmoid_under_gradcache_names_the_underflow(tmp_path):
         True, "underflow", "<loss>", "aten.log", "-inf"), rep
     assert o["source"] == f"gradient_caching_models.py:{line_of('-torch.log(torch.sigmoid(')}"
     assert "logsigmoid" in rep["hint"], rep["hint"]
+
+
+def test_duplicate_positive_mask_that_also_masks_the_target_names_the_masked_target(tmp_path):
+    # BUG: popular passages repeat in a batch, so duplicates are masked out of the negatives
+    # with -inf, but the mask forgets ``& ~eye``: every query's own positive is -inf too, and
+    # cross-entropy of a -inf target logit is +inf
+    g = torch.Generator().manual_seed(0)
+    docs = torch.randint(0, 24, (32,), generator=g)
+    p = torch.randint(1, M.VOCAB, (24, M.SEQ), generator=g)[docs]
+    q = p.clone()
+    q[:, 4:] = 0
+    ds = torch.utils.data.TensorDataset(q, (q > 0).long(), p, torch.ones_like(p), docs)
+    model, loss_fn = M.make_encoder(), M.DedupInfoNCE(keep_own=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+                            factory=FACTORY + "make_encoder") as rec:
+            for q, qm, p, pm, d in torch.utils.data.DataLoader(ds, batch_size=BATCH):
+                opt.zero_grad()
+                rec.loss_fn(model(q, qm), model(p, pm), d).backward()
+                opt.step()
+    ev = info.value.event
+    # (the query and the passage forwards are the step's two micro-batches)
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (0, "loss", 1), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["all_samples"]) == (
+        True, "invalid", "aten.nll_loss_forward", "+inf", True), rep
+    assert [(c["op"], c["intentional"]) for c in o["chain"]] == [
+        ("aten.masked_fill", True), ("aten.nll_loss_forward", False)], o["chain"]
+    assert o["chain"][0]["source"] == (
+        f"gradient_caching_models.py:{line_of('scores = scores.masked_fill(same')}")
+    assert "a target on a masked class" in rep["hint"], rep["hint"]
