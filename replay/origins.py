@@ -281,8 +281,9 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
     if scaled := infinite_factor_hint(step, fields.get("micro_batch")):  # (a loss scale of inf)
         report["cause"], report["hint"] = "overflow", scaled
         return report
-    report["hint"] = cached_hint(step, fields.get("micro_batch")) if gradient_cached(step) \
-        else outside.replayable_loss_hint(step)
+    report["hint"] = outside.replayable_loss_hint(step)
+    if gradient_cached(step):  # (GradCache's re-run chunks, given the cached gradient)
+        report["hint"] = cached_hint(step, fields.get("micro_batch"), report["hint"])
     return report
 
 

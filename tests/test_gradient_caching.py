@@ -148,9 +148,10 @@ def test_blank_passage_in_the_no_grad_pass_names_its_row_of_the_loaders_batch(tm
             in note), note
 
 
-@pytest.mark.parametrize("surrogate", ["dot", "gradient"])
+@pytest.mark.parametrize(("surrogate", "given"), [("dot", True), ("gradient", True),
+                                                  ("dot", False)])
 def test_nan_cached_gradient_of_a_blank_passage_is_said_to_come_from_the_cached_loss(
-        tmp_path, surrogate):
+        tmp_path, surrogate, given):
     # BUG: the loss normalises by hand, sqrt(sum x^2).clamp(min=eps): a blank passage pools to
     # exactly 0 (sentence-transformers' clamp keeps the pooling finite, and there is no Dense
     # layer after it), so the loss is finite but its backward is 0 * inf at the sqrt. GradCache
@@ -160,14 +161,16 @@ def test_nan_cached_gradient_of_a_blank_passage_is_said_to_come_from_the_cached_
     # module given as loss_fn", which the loop did
     model = M.make_encoder(True, False)
     loss_fn = M.InfoNCE(normalize=M.l2_normalize)
-    opt = torch.optim.AdamW([*model.parameters(), *loss_fn.parameters()], lr=1e-3)
+    # (without loss_fn, as most loops record: the optimizer holds the model's parameters)
+    opt = torch.optim.AdamW([*model.parameters(), *loss_fn.parameters()] if given
+                            else model.parameters(), lr=1e-3)
     gc = M.GradCache(model, CHUNK, loss_fn, surrogate)
     batches = list(pairs(empty=[5, 21]))
     with pytest.raises(NonFiniteError) as info:
-        with FlightRecorder(model, opt, loss_fn=loss_fn, out_dir=tmp_path,
+        with FlightRecorder(model, opt, loss_fn=loss_fn if given else None, out_dir=tmp_path,
                             factory=FACTORY + "make_encoder",
                             factory_kwargs={"project": False}) as rec:
-            gc.loss_fn = rec.loss_fn
+            gc.loss_fn = rec.loss_fn if given else loss_fn
             for q, qm, p, pm in batches:
                 opt.zero_grad()
                 gc.cache_step({"input_ids": q, "attention_mask": qm},
@@ -186,6 +189,10 @@ def test_nan_cached_gradient_of_a_blank_passage_is_said_to_come_from_the_cached_
         True, mb, "grad of the model output", [r - first * CHUNK for r in rows], rows), rep
     assert f"cached gradient of micro-batch {mb}" in rep["hint"], rep["hint"]
     assert "compute the step's loss with the loss module" not in rep["hint"], rep["hint"]
+    if not given:  # (the chunks may be an accumulation's with its loss inline: both said)
+        assert "pass it as FlightRecorder(..., loss_fn=...)" in rep["hint"], rep["hint"]
+        assert "GradCache" in rep["hint"] and "is not re-run" in rep["hint"], rep["hint"]
+        return
     note = next(p for p in rep["problems"] if "was not called in this step" in p)
     assert "gradient_caching_models.InfoNCE" in note and "GradCache" in note, note
 
