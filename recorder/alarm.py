@@ -35,6 +35,7 @@ from .scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from .scalers import unregistered_scaler_in_use
 from .settings import Settings
 from .shards import local
+from .slots import GRAD
 from .tape import Tape
 from .target import Target
 from .validate import why_unwritable
@@ -99,6 +100,10 @@ class Alarm:
         elif agreement is not None and event is not None:  # a cut-short step: this rank alone
             event.ranks = agreement.alone()
         if event is None:  # false alarm: norms of huge but finite tensors overflowed
+            # Their +inf stays in the slots, whose whole vector later rows copy: a row that
+            # writes no gradient norm (an evaluation forward's; GradCache's no-grad pass before
+            # its loss) would fail on it and find nothing. This row is in the ring already.
+            tape.slots.zero(GRAD)
             with self._lock:
                 self.fired = False
             return

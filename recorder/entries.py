@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .capture import flatten_tree, tensor_leaves
+from .chunks import sliced_rows
 from .compat import grad_hooks
 from .lossdesc import defined_at
 from .rng import rng_drawn, rng_to_bundle
@@ -54,6 +55,11 @@ def hyper_entry(h: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
     return out
 
 
+# the micro-batch's marks, written as ``true`` when set (see docs/bundle-format.md)
+_FLAGS = ("grads_dropped", "inputs_written", "inputs_changed", "targets_changed", "weights_moved",
+          "differentiated", "taken_again")
+
+
 def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
                       earlier: list | tuple = (), modules: Named | None = None,
                       params: Named | None = None) -> dict[str, Any]:
@@ -71,20 +77,11 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
     # loss with autograd.grad): the replay's copies must too
     if grad_inputs := [k for k, t in ts.items() if t.requires_grad]:
         out["grad_inputs"] = grad_inputs
-    if mb.grads_dropped:
-        out["grads_dropped"] = True
-    if mb.inputs_written:
-        out["inputs_written"] = True
-    if mb.inputs_changed:
-        out["inputs_changed"] = True
-    if mb.targets_changed:
-        out["targets_changed"] = True
-    if mb.weights_moved:
-        out["weights_moved"] = True
-    if mb.differentiated:
-        out["differentiated"] = True
-    if mb.taken_again:
-        out["taken_again"] = True
+    for flag in _FLAGS:  # (each present as true only)
+        if getattr(mb, flag):
+            out[flag] = True
+    if rows := sliced_rows(ts):  # (a chunk of the loader's batch: GradCache, x.split(k))
+        out["rows_of"] = rows
     if mb.rng is not None:
         before = next((m.rng for m in reversed(earlier) if m.rng is not None), None)
         out["rng"] = _rng_entry(rng_drawn(mb.rng, before), f"{prefix}rng/mb/{i}/", tensors)

@@ -26,6 +26,7 @@ from . import fidelity
 from .ascent import ascent_hint
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
+from .chunk_rows import chunk_note
 from .data_scale import data_scale_hint
 from .derived_input import derived_input_hint
 from .edge_probability import edge_probability_hint
@@ -114,6 +115,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
     o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
+    chunk_note(step, report)  # (a chunk of the loop's batch: its rows there)
     data_scale_hint(report, step)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
     loss_data_hints(report, step)  # (a 0/0 a mask's 0 met after; an overflow of data alone)

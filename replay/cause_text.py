@@ -189,6 +189,11 @@ DO = {
                   "result to 0 where the base is 0 (inv[deg == 0] = 0)",
     "divide": "add an eps to the denominator (std + eps, d.clamp_min(eps)) or skip the rows "
               "where it is 0",
+    "divide_feature": "no sample is to blame: a feature was constant over the batch (a dead "
+                      "ReLU unit, a collapsed projector output): add an eps to the "
+                      "statistic ((z - z.mean(0)) / (z.std(0) + eps), or BatchNorm1d("
+                      "affine=False), as Barlow Twins' own code normalises) and look at why the "
+                      "feature stopped varying",
     "divide_number": "the divisor is a Python number, the same for every element, so an eps "
                      "in the data does not help: find the setting that made it 0 (a drop "
                      "probability of 1 leaves keep_prob = 1 - p = 0, a temperature or scale "

@@ -220,9 +220,27 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
         # one value for every element: a count or a statistic over the batch (a Cox loss's
         # events.sum() over an all-censored batch), no row of which is to blame
         key = "divide_total"
+    if key == "divide" and (cols := _whole_columns(ev.bad)):
+        # the same features of every row: a divisor reduced over the batch (z.std(0)) was 0
+        # there, a feature constant over the batch, which no row is to blame for
+        what = "0 by 0 (0/0)" if bool(((ins[0] == 0) & (den == 0)).any()) else "x by 0"
+        return (f"{op} of {what} in the same column(s) {cols} of every one of the "
+                f"{ev.bad.shape[0]} rows: a divisor that is a statistic over the batch "
+                "(z.std(0), a feature's norm) was 0 there", "divide_feature")
     if bool(((ins[0] == 0) & (den == 0)).any()):
         return f"{op} of 0 by{by} 0 (0/0)", key
     return f"{op} by{by} 0 (x/0, a pole)", key
+
+
+def _whole_columns(bad: torch.Tensor) -> list[int] | None:
+    """The columns (last dim) of a ``(rows, features)`` mask that are bad in every row, when
+    they are all it holds and some columns are good; else None."""
+    if bad.dim() != 2 or bad.shape[0] < 2:
+        return None
+    cols = bad.all(0)
+    if not bool(cols.any()) or bool(cols.all()) or not torch.equal(bad, cols.expand_as(bad)):
+        return None
+    return cols.nonzero().flatten().tolist()[:8]
 
 
 def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:

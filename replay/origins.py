@@ -15,6 +15,7 @@ from recorder.finite import finite, kind_of, label
 
 from . import below_one, outside, summed_grads, through_time
 from .backward import find_backward_origin
+from .cached_grads import cached_hint, cached_note, gradient_cached
 from .cause import classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, inf_arith
 from .copied_rows import recause
@@ -284,6 +285,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
         report["cause"], report["hint"] = "overflow", scaled
         return report
     report["hint"] = outside.replayable_loss_hint(step)
+    if gradient_cached(step):  # (GradCache's re-run chunks, given the cached gradient)
+        report["hint"] = cached_hint(step, fields.get("micro_batch"), report["hint"])
     return report
 
 
@@ -303,7 +306,10 @@ def _exp_parameter(model, leaf) -> str | None:
 
 def _not_called(step: Step) -> str:
     info = step.meta.get("loss") or {}
-    return (f"the loss_fn given to the recorder ({info.get('name')}) was not called in this "
+    if gradient_cached(step):  # (called before the step, on a no-grad pass's outputs)
+        return cached_note(step)
+    return (f"the loss_fn given to the recorder ({info.get('name') or info.get('class')}) was "
+            "not called in this "
             "step, so the replay had no loss to re-run"
             + (": a plain function is seen only when called as rec.loss_fn(...)"
                if info.get("kind") == "function" else ""))
