@@ -26,10 +26,8 @@ from . import fidelity
 from .ascent import ascent_hint
 from .before_update import nan_before_update
 from .cast_overflow import data_hint
-from .chunk_rows import chunk_note
-from .data_scale import data_scale_hint
+from .data_hints import data_hints
 from .derived_input import derived_input_hint
-from .edge_probability import edge_probability_hint
 from .eps_checked import checked_eps
 from .errors import FactoryRefused
 from .fed_back import report_fed_back
@@ -44,7 +42,6 @@ from .load import Step, build, read_step, validate_args_as_recorded
 from .loop_grads import finite_gradients_reached_the_output as _finite_gradients_reached_the_output
 from .loop_grads import gradients_from_the_loop as _gradients_from_the_loop
 from .loop_grads import no_backward_reached_the_output as _no_backward_reached_the_output
-from .loss_data import loss_data_hints
 from .loss_grad import loop_differentiation, not_rerun_term
 from .masked_targets import masked_loss_hint
 from .moved_weights import report_moved_weights
@@ -115,10 +112,7 @@ def analyze(step: Step, tries: Sequence[str] = ()) -> dict[str, Any]:
     # whether the samples are the whole batch: "all 64 rows" says more than 64 numbers
     o["batch_size"] = batch_size(step, o.get("micro_batch") or 0) or None
     o["all_samples"] = bool(o["batch_size"]) and o["samples"] == list(range(o["batch_size"]))
-    chunk_note(step, report)  # (a chunk of the loop's batch: its rows there)
-    data_scale_hint(report, step)
-    edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
-    loss_data_hints(report, step)  # (a 0/0 a mask's 0 met after; an overflow of data alone)
+    data_hints(report, step)  # (a chunk's rows, an outlier, a mask's 0 after a 0/0, ...)
     if tries:
         report["what_if"] = run_tries(step, report, list(tries))
     return report

@@ -1,0 +1,24 @@
+"""What the data did, said once the report is made: the rows of the loop's batch a chunk's
+samples are (``replay.chunk_rows``); values far outside the batch's scale
+(``replay.data_scale``); a propensity of 0 or 1 given as data (``replay.edge_probability``);
+a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow of an op
+that took the loss's data alone (``replay.data_overflow``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .chunk_rows import chunk_note
+from .data_overflow import data_overflow_hint
+from .data_scale import data_scale_hint
+from .edge_probability import edge_probability_hint
+from .load import Step
+from .masked_after import masked_after_hint
+
+
+def data_hints(report: dict[str, Any], step: Step) -> None:
+    chunk_note(step, report)  # (a chunk of the loop's batch: its rows there)
+    data_scale_hint(report, step)
+    edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
+    masked_after_hint(report, step)  # (an invisible keypoint's 0/0, weighted by 0 after)
+    data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
