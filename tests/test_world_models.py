@@ -1,0 +1,172 @@
+"""DreamerV3 trained as its PyTorch ports train it (``world_models_models``): the world model's
+observation of replay-buffer sequences is the recorded forward, its loss ``loss_fn``; the
+actor and critic learn from imagined rollouts with optimizers of their own, stepped after the
+world model's in the same iteration, and the slow critic follows the critic by EMA. Planted:
+a return scale without its max(1, range) floor on a sparse-reward task, KL taken of one-hot
+samples, Adam's eps=0 on the zero-initialised critic; each recorded on one optimizer or
+another, as a user would try."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import world_models_models as W
+from bundles import nanreplay_json, source_line
+from torch import nn
+
+from recorder import FlightRecorder, NonFiniteError
+
+MODELS = "world_models_models.py"
+ACTOR = ["actor.0.weight", "actor.0.bias", "actor.1.weight", "actor.1.bias", "actor.3.weight",
+         "actor.3.bias"]
+CRITIC_HIDDEN = ["critic.0.weight", "critic.0.bias", "critic.1.weight", "critic.1.bias"]
+
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def train(out_dir: Path | None, steps: int = 4, *, recorded: str = "wm", floor: bool = True,
+          critic_eps: float = 1e-5, loss=W.WorldModelLoss, actor_recorder: bool = False,
+          unimix: bool = True) -> W.Agent:
+    """dreamerv3-torch's iteration: the world model's update, then the actor's and critic's
+    on a rollout imagined from its posterior states, then the slow critic's EMA. With
+    ``out_dir``, under a recorder on the agent given the ``recorded`` optimizer (and, with
+    ``actor_recorder``, a second one on the actor given the actor's)."""
+    agent = W.make_agent() if unimix else W.make_agent_without_unimix()
+    wm_opt = torch.optim.Adam(agent.wm.parameters(), lr=1e-4, eps=1e-8)
+    actor_opt = torch.optim.Adam(agent.actor.parameters(), lr=3e-5, eps=1e-5)
+    critic_opt = torch.optim.Adam(agent.critic.parameters(), lr=3e-5, eps=critic_eps)
+    crit, norm = loss(), W.ReturnNorm(floor=floor)
+    recs = []
+    if out_dir is not None:
+        opt = {"wm": wm_opt, "actor": actor_opt, "critic": critic_opt}[recorded]
+        recs.append(FlightRecorder(agent, opt, loss_fn=crit, out_dir=out_dir,
+                                   factory="world_models_models:make_agent").attach())
+        crit = recs[0].loss_fn
+    if actor_recorder:
+        recs.append(FlightRecorder(agent.actor, actor_opt, out_dir=out_dir / "actor",
+                                   factory="world_models_models:make_actor").attach())
+    torch.manual_seed(1)
+    try:
+        for step in range(steps):
+            obs, action, reward, is_first, cont = W.sequences(step, sparse=True)
+            out = agent(obs, action, is_first)
+            wm_opt.zero_grad()
+            crit(out, obs, reward, cont).backward()
+            nn.utils.clip_grad_norm_(agent.wm.parameters(), 1000.0)
+            wm_opt.step()
+            actor_loss, critic_loss = W.behavior_losses(agent, out["feat"], norm)
+            actor_opt.zero_grad()
+            critic_opt.zero_grad()
+            (actor_loss + critic_loss).backward()
+            nn.utils.clip_grad_norm_(agent.actor.parameters(), 100.0)
+            nn.utils.clip_grad_norm_(agent.critic.parameters(), 100.0)
+            actor_opt.step()
+            critic_opt.step()
+            W.update_slow(agent)
+    finally:
+        for rec in reversed(recs):
+            rec.detach()
+    return agent
+
+
+def event_of(out_dir: Path, **kw) -> NonFiniteError:
+    with pytest.raises(NonFiniteError) as info:
+        train(out_dir, **kw)
+    return info.value
+
+
+def test_healthy_dreamer_raises_no_event_and_trains_bit_identically(tmp_path):
+    """Sparse rewards (every return exactly 0 at first: the zero-initialised reward and critic
+    heads) under the max(1, range) floor, 1% unimix, free bits, three optimizers and two
+    recorders (the agent's on the world model's Adam, the actor's on its own): no event, and
+    the weights every optimizer and the EMA left are those of the run without recorders."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no recorder warning either)
+        recorded = train(tmp_path, actor_recorder=True)
+    plain = train(None)
+    assert list(tmp_path.rglob("*.nan")) == []
+    for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_return_range_of_zero_without_the_floor_is_named_as_another_optimizers(tmp_path):
+    """Every imagined return is exactly 0 at step 0, so the 5th-95th percentile range is 0 and
+    the advantages 0/0: the actor's Adam, which the recorder on the world model's does not
+    hold, writes NaN into the actor. The next step names those weights, reproduced, and says
+    another optimizer wrote them."""
+    err = event_of(tmp_path, floor=False)
+    assert (err.event["step"], err.event["phase"]) == (1, "weights")
+    assert err.event["params"] == ACTOR
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "weights"
+    assert rep["origin"]["params"] == ACTOR
+    assert "another optimizer's step() wrote them" in rep["hint"]
+
+
+def test_return_range_of_zero_recorded_on_the_actor_enters_from_the_loops_loss(tmp_path):
+    """The same bug under the recorder the hint above asks for, on the actor and its Adam:
+    each of the rollout's 5 actor calls is a micro-batch; the NaN entered the first one's
+    output gradient from the loop's actor loss, on every imagined start state (B * T = 24)."""
+    err = event_of(tmp_path, floor=False, actor_recorder=True)
+    assert (err.event["step"], err.event["phase"]) == (0, "backward")
+    assert Path(err.bundle_path).parent == tmp_path / "actor"
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True
+    assert (o["phase"], o["tensor"], o["micro_batch"], o["made"]) == \
+        ("loss", "grad of the model output", 0, "nan")
+    assert o["samples"] == list(range(24))
+
+
+def test_kl_of_one_hot_samples_names_the_log_of_zero(tmp_path):
+    """KL balancing taken of the posterior's straight-through one-hot sample instead of its
+    probabilities: log(0) of every sample's zeros, then 0 * inf. A loss event at step 0 whose
+    op, line and samples the replay names."""
+    err = event_of(tmp_path, loss=W.SampledKLLoss)
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (0, "loss", "<loss>")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True and rep["cause"] == "invalid"
+    assert (o["op"], o["module"], o["made"]) == ("aten.log", "<loss>", "-inf")
+    assert o["source"].startswith(source_line(MODELS, "(p * (torch.log(p) - torch.log(q)))"))
+    assert o["samples"] == [0, 1, 2, 3]
+
+
+def test_critic_eps0_names_the_critics_update_not_the_weights_later_steps_broke(tmp_path):
+    """Adam eps=0 on the critic, whose zero-initialised output gives its hidden layers
+    gradients of exactly 0: its first update is 0/0 there. Recorded on the critic's Adam, the
+    update's evidence is read as step 1 closes, and the bundle holds step 1's state, in which
+    the actor's Adam and the slow critic's EMA wrote NaN from it too. The report named the
+    actor's weights as made by the critic's update; now only the update's own, and the others
+    in a note."""
+    err = event_of(tmp_path, recorded="critic", critic_eps=0.0)
+    assert (err.event["step"], err.event["phase"]) == (0, "optimizer")
+    assert err.event["params"] == CRITIC_HIDDEN
+    rep = nanreplay_json(err.bundle_path, code=None)
+    assert rep["cause"] == "optimizer"
+    assert rep["origin"]["params"] == CRITIC_HIDDEN
+    assert "critic.0.weight non-finite" in rep["hint"] and "eps=0" in rep["hint"]
+    [note] = [p for p in rep["problems"] if "are not this update's" in p]
+    assert note.startswith("10 more parameter(s) are non-finite in the bundle (actor.0.weight,")
+    assert "the recorded optimizer does not hold" in note
+
+
+def test_critic_eps0_seen_from_the_world_model_names_both_writers(tmp_path):
+    """The same eps=0, recorded on the world model's Adam: no step reads the critic's weights
+    (its forward is the world model's) until their gradients go NaN at step 1's iteration, so
+    the event comes at step 2, when the actor (trained) and the slow critic (its EMA, frozen)
+    are NaN too. The hint used to fall back to 'checkpoint loading' for that mix; it now says
+    which writer each kind has."""
+    err = event_of(tmp_path, critic_eps=0.0)
+    assert (err.event["step"], err.event["phase"]) == (2, "weights")
+    rep = nanreplay_json(err.bundle_path)
+    assert rep["cause"] == "weights"
+    hint = rep["hint"]
+    assert hint.startswith("actor.0.weight, actor.0.bias (+10 more) train")
+    assert "another optimizer's step() wrote them" in hint and "eps=0" in hint
+    assert "And slow_critic.0.weight, slow_critic.0.bias (+4 more) require no gradient" in hint
+    assert "checkpoint loading" not in hint
