@@ -28,44 +28,52 @@ CRITIC_HIDDEN = ["critic.0.weight", "critic.0.bias", "critic.1.weight", "critic.
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
+def update(opt, scaler, loss, params, clip: float) -> None:
+    """dreamerv3-torch's ``Optimizer.__call__``: zero, (scaled) backward, unscale, clip,
+    step (skipped by the scaler on an overflowed gradient), update the scale."""
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    nn.utils.clip_grad_norm_(params, clip)
+    scaler.step(opt)
+    scaler.update()
+
+
 def train(out_dir: Path | None, steps: int = 4, *, recorded: str = "wm", floor: bool = True,
           critic_eps: float = 1e-5, loss=W.WorldModelLoss, actor_recorder: bool = False,
-          unimix: bool = True) -> W.Agent:
+          amp: bool = False) -> W.Agent:
     """dreamerv3-torch's iteration: the world model's update, then the actor's and critic's
-    on a rollout imagined from its posterior states, then the slow critic's EMA. With
-    ``out_dir``, under a recorder on the agent given the ``recorded`` optimizer (and, with
-    ``actor_recorder``, a second one on the actor given the actor's)."""
-    agent = W.make_agent() if unimix else W.make_agent_without_unimix()
-    wm_opt = torch.optim.Adam(agent.wm.parameters(), lr=1e-4, eps=1e-8)
-    actor_opt = torch.optim.Adam(agent.actor.parameters(), lr=3e-5, eps=1e-5)
-    critic_opt = torch.optim.Adam(agent.critic.parameters(), lr=3e-5, eps=critic_eps)
-    crit, norm = loss(), W.ReturnNorm(floor=floor)
-    recs = []
+    on a rollout imagined from its posterior states, then the slow critic's EMA; with ``amp``,
+    under float16 autocast with a GradScaler per optimizer. With ``out_dir``, under a recorder
+    on the agent given the ``recorded`` optimizer (and, with ``actor_recorder``, a second one
+    on the actor given the actor's)."""
+    agent = W.make_agent()
+    parts = {"wm": agent.wm, "actor": agent.actor, "critic": agent.critic}
+    opts = {"wm": torch.optim.Adam(agent.wm.parameters(), lr=1e-4, eps=1e-8),
+            "actor": torch.optim.Adam(agent.actor.parameters(), lr=3e-5, eps=1e-5),
+            "critic": torch.optim.Adam(agent.critic.parameters(), lr=3e-5, eps=critic_eps)}
+    scalers = {k: torch.amp.GradScaler("cpu", enabled=amp) for k in opts}
+    crit, norm, recs = loss(), W.ReturnNorm(floor=floor), []
     if out_dir is not None:
-        opt = {"wm": wm_opt, "actor": actor_opt, "critic": critic_opt}[recorded]
-        recs.append(FlightRecorder(agent, opt, loss_fn=crit, out_dir=out_dir,
+        recs.append(FlightRecorder(agent, opts[recorded], loss_fn=crit, out_dir=out_dir,
+                                   scaler=scalers[recorded] if amp else None,
                                    factory="world_models_models:make_agent").attach())
         crit = recs[0].loss_fn
     if actor_recorder:
-        recs.append(FlightRecorder(agent.actor, actor_opt, out_dir=out_dir / "actor",
+        recs.append(FlightRecorder(agent.actor, opts["actor"], out_dir=out_dir / "actor",
                                    factory="world_models_models:make_actor").attach())
     torch.manual_seed(1)
     try:
         for step in range(steps):
             obs, action, reward, is_first, cont = W.sequences(step, sparse=True)
-            out = agent(obs, action, is_first)
-            wm_opt.zero_grad()
-            crit(out, obs, reward, cont).backward()
-            nn.utils.clip_grad_norm_(agent.wm.parameters(), 1000.0)
-            wm_opt.step()
-            actor_loss, critic_loss = W.behavior_losses(agent, out["feat"], norm)
-            actor_opt.zero_grad()
-            critic_opt.zero_grad()
-            (actor_loss + critic_loss).backward()
-            nn.utils.clip_grad_norm_(agent.actor.parameters(), 100.0)
-            nn.utils.clip_grad_norm_(agent.critic.parameters(), 100.0)
-            actor_opt.step()
-            critic_opt.step()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                out = agent(obs, action, is_first)
+                losses = {"wm": crit(out, obs, reward, cont)}
+            update(opts["wm"], scalers["wm"], losses["wm"], parts["wm"].parameters(), 1000.0)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                losses["actor"], losses["critic"] = W.behavior_losses(agent, out["feat"], norm)
+            for k in ("actor", "critic"):
+                update(opts[k], scalers[k], losses[k], parts[k].parameters(), 100.0)
             W.update_slow(agent)
     finally:
         for rec in reversed(recs):
@@ -91,6 +99,21 @@ def test_healthy_dreamer_raises_no_event_and_trains_bit_identically(tmp_path):
     assert list(tmp_path.rglob("*.nan")) == []
     for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_healthy_amp_run_with_a_scaler_per_optimizer_raises_no_event(tmp_path):
+    """float16 autocast, a GradScaler per optimizer as dreamerv3-torch keeps them: the critic's
+    scaler finds its first scaled gradients overflowed and skips its update, leaving them inf
+    until its next zero_grad, after the world model's step has closed the next step. Those
+    were read as that step's gradients, a backward event in a run that trains fine; they are
+    no gradient of its backward, which the recorded update does not use. No event now, and
+    the weights are those of the run without the recorder."""
+    recorded = train(tmp_path, steps=3, amp=True)
+    plain = train(None, steps=3, amp=True)
+    assert list(tmp_path.rglob("*.nan")) == []
+    for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert all(torch.isfinite(p).all() for p in plain.parameters())
 
 
 def test_return_range_of_zero_without_the_floor_is_named_as_another_optimizers(tmp_path):

@@ -1,0 +1,32 @@
+"""Gradients the step's own backward did not write: those of trained parameters the recorded
+optimizer does not hold, left from before the step opened by another optimizer's backward.
+
+DreamerV3 steps three optimizers over one module: the world model's (recorded) closes the
+step, then the actor's and critic's losses write their gradients, each zeroed just before its
+own backward in the next iteration. Under AMP each has its GradScaler, which expects an
+overflowed (inf/NaN) gradient now and then and skips its update: that gradient is still there
+when the recorded step closes, unused by its update and made by no backward of it. Read as
+the step's, it raised a ``backward`` event in a run that trains fine.
+
+The keys are taken as a training step opens (``Target.follow_optimizer``: attribute reads of
+the few unowned parameters, none in the usual case), and read only on the slow path."""
+
+from __future__ import annotations
+
+import torch
+
+from .compat import version
+
+
+def grad_keys(params: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int] | None]:
+    """Each parameter's gradient as it is now: its identity and version (None: no gradient)."""
+    return [None if (g := p.grad) is None else (id(g), version(g)) for _, p in params]
+
+
+def stale_grads(params: list[tuple[int, torch.Tensor]],
+                keys: list[tuple[int, int] | None]) -> set[int]:
+    """The indices of ``params`` whose gradient is the one they held as the step opened."""
+    if len(keys) != len(params):  # (partitioned again since: nothing is known)
+        return set()
+    return {i for (i, p), key in zip(params, keys)
+            if key is not None and p.grad is not None and key == (id(p.grad), version(p.grad))}
