@@ -33,7 +33,7 @@ from .scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from .scalers import unregistered_scaler_in_use
 from .settings import Settings
 from .shards import local
-from .stale_grads import stale_grads
+from .stale_grads import unused_grads
 from .tape import Tape
 from .target import Target
 from .validate import why_unwritable
@@ -85,7 +85,7 @@ class Alarm:
                 changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
                 seq_first=target.seq_first, recurrent=target.recurrent,
                 constants=target.constants,
-                stale=stale_grads(target.unowned, target.unowned_grads),
+                stale=unused_grads(target),
                 weights_moved=not target.has_optimizer or moved_in_step(tape, target.watched))
             event = events.find_event(evidence, reason)
             if event is not None and event.phase == "optimizer":  # (or the loop's swap-in)

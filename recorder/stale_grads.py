@@ -8,6 +8,12 @@ overflowed (inf/NaN) gradient now and then and skips its update: that gradient i
 when the recorded step closes, unused by its update and made by no backward of it. Read as
 the step's, it raised a ``backward`` event in a run that trains fine.
 
+Under a GradScaler (the recorder's), the unowned parameters' gradients are left out whoever
+wrote them: an overflowed scaled gradient is what the scaler that steps them expects and
+skips (their own, or the recorder's, shared as PyTorch's AMP examples share one), as the
+recorded optimizer's own are no event when its scaler skips. Recorded on the actor's Adam,
+the world model's overflowed backward of the same step raised so.
+
 The keys are taken as a training step opens (``Target.follow_optimizer``: attribute reads of
 the few unowned parameters, none in the usual case), and read only on the slow path."""
 
@@ -30,3 +36,13 @@ def stale_grads(params: list[tuple[int, torch.Tensor]],
         return set()
     return {i for (i, p), key in zip(params, keys)
             if key is not None and p.grad is not None and key == (id(p.grad), version(p.grad))}
+
+
+def unused_grads(target) -> set[int]:
+    """The parameter indices (``recorder.target.Target``'s) whose non-finite gradients are no
+    event of the step: the unowned ones under a GradScaler, else those stale since it opened."""
+    if not target.unowned:
+        return set()
+    if target.has_scaler:
+        return {i for i, _ in target.unowned}
+    return stale_grads(target.unowned, target.unowned_grads)

@@ -28,26 +28,29 @@ CRITIC_HIDDEN = ["critic.0.weight", "critic.0.bias", "critic.1.weight", "critic.
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 
-def update(opt, scaler, loss, params, clip: float) -> None:
+def update(opt, scaler, loss, params, clip: float, guard: bool = False) -> None:
     """dreamerv3-torch's ``Optimizer.__call__``: zero, (scaled) backward, unscale, clip,
-    step (skipped by the scaler on an overflowed gradient), update the scale."""
+    step (skipped by the scaler on an overflowed gradient), update the scale; with ``guard``,
+    no step on a non-finite gradient norm, as JAX Dreamer's optimizer skips one."""
     opt.zero_grad()
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
-    nn.utils.clip_grad_norm_(params, clip)
-    scaler.step(opt)
+    norm = nn.utils.clip_grad_norm_(params, clip)
+    if not guard or torch.isfinite(norm):
+        scaler.step(opt)
     scaler.update()
 
 
 def train(out_dir: Path | None, steps: int = 4, *, recorded: str = "wm", floor: bool = True,
           critic_eps: float = 1e-5, loss=W.WorldModelLoss, actor_recorder: bool = False,
-          amp: bool = False) -> W.Agent:
+          amp: bool = False, make: str = "make_agent", guard: bool = False,
+          sparse_steps: int = 99) -> W.Agent:
     """dreamerv3-torch's iteration: the world model's update, then the actor's and critic's
     on a rollout imagined from its posterior states, then the slow critic's EMA; with ``amp``,
     under float16 autocast with a GradScaler per optimizer. With ``out_dir``, under a recorder
     on the agent given the ``recorded`` optimizer (and, with ``actor_recorder``, a second one
     on the actor given the actor's)."""
-    agent = W.make_agent()
+    agent = getattr(W, make)()
     parts = {"wm": agent.wm, "actor": agent.actor, "critic": agent.critic}
     opts = {"wm": torch.optim.Adam(agent.wm.parameters(), lr=1e-4, eps=1e-8),
             "actor": torch.optim.Adam(agent.actor.parameters(), lr=3e-5, eps=1e-5),
@@ -57,7 +60,7 @@ def train(out_dir: Path | None, steps: int = 4, *, recorded: str = "wm", floor: 
     if out_dir is not None:
         recs.append(FlightRecorder(agent, opts[recorded], loss_fn=crit, out_dir=out_dir,
                                    scaler=scalers[recorded] if amp else None,
-                                   factory="world_models_models:make_agent").attach())
+                                   factory=f"world_models_models:{make}").attach())
         crit = recs[0].loss_fn
     if actor_recorder:
         recs.append(FlightRecorder(agent.actor, opts["actor"], out_dir=out_dir / "actor",
@@ -65,7 +68,7 @@ def train(out_dir: Path | None, steps: int = 4, *, recorded: str = "wm", floor: 
     torch.manual_seed(1)
     try:
         for step in range(steps):
-            obs, action, reward, is_first, cont = W.sequences(step, sparse=True)
+            obs, action, reward, is_first, cont = W.sequences(step, sparse=step < sparse_steps)
             with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
                 out = agent(obs, action, is_first)
                 losses = {"wm": crit(out, obs, reward, cont)}
@@ -73,7 +76,7 @@ def train(out_dir: Path | None, steps: int = 4, *, recorded: str = "wm", floor: 
             with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
                 losses["actor"], losses["critic"] = W.behavior_losses(agent, out["feat"], norm)
             for k in ("actor", "critic"):
-                update(opts[k], scalers[k], losses[k], parts[k].parameters(), 100.0)
+                update(opts[k], scalers[k], losses[k], parts[k].parameters(), 100.0, guard)
             W.update_slow(agent)
     finally:
         for rec in reversed(recs):
@@ -101,19 +104,37 @@ def test_healthy_dreamer_raises_no_event_and_trains_bit_identically(tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_healthy_amp_run_with_a_scaler_per_optimizer_raises_no_event(tmp_path):
-    """float16 autocast, a GradScaler per optimizer as dreamerv3-torch keeps them: the critic's
-    scaler finds its first scaled gradients overflowed and skips its update, leaving them inf
-    until its next zero_grad, after the world model's step has closed the next step. Those
-    were read as that step's gradients, a backward event in a run that trains fine; they are
-    no gradient of its backward, which the recorded update does not use. No event now, and
-    the weights are those of the run without the recorder."""
-    recorded = train(tmp_path, steps=3, amp=True)
+@pytest.mark.parametrize("recorded", ["wm", "actor"])
+def test_healthy_amp_run_with_a_scaler_per_optimizer_raises_no_event(tmp_path, recorded):
+    """float16 autocast, a GradScaler per optimizer as dreamerv3-torch keeps them. Recorded on
+    the world model's Adam: the critic's scaler finds its first scaled gradients overflowed
+    and skips its update, leaving them inf until its next zero_grad, after the world model's
+    step has closed the next step. Recorded on the actor's: the world model's overflowed in
+    the same step, and its scaler skipped them. Either was read as the step's backward event
+    in a run that trains fine, though the recorded update does not use them. No event now,
+    and the weights are those of the run without the recorder."""
+    out = train(tmp_path, steps=3, amp=True, recorded=recorded)
     plain = train(None, steps=3, amp=True)
     assert list(tmp_path.rglob("*.nan")) == []
-    for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
+    for (name, a), b in zip(out.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(a, b), name
     assert all(torch.isfinite(p).all() for p in plain.parameters())
+
+
+def test_another_optimizers_skipped_nan_gradient_is_no_event_of_the_next_step(tmp_path):
+    """No AMP; the actor's update skips a non-finite gradient norm. Step 0's zero return range
+    (no floor; the first reward comes at step 1) gives the actor NaN gradients, whose update
+    it skips; they stay until its next
+    zero_grad, after the world model's step 1 has closed. They are no gradient of step 1's
+    backward: no event, and the run matches the one without the recorder."""
+    out = train(tmp_path, steps=3, floor=False, guard=True, sparse_steps=1)
+    plain = train(None, steps=3, floor=False, guard=True, sparse_steps=1)
+    assert list(tmp_path.rglob("*.nan")) == []
+    for (name, a), b in zip(out.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+    # (the first reward came at step 1: the actor trained from then on, finite)
+    assert not torch.equal(out.actor[0].weight, W.make_agent().actor[0].weight)
+    assert all(torch.isfinite(p).all() for p in out.parameters())
 
 
 def test_return_range_of_zero_without_the_floor_is_named_as_another_optimizers(tmp_path):
@@ -157,6 +178,22 @@ def test_kl_of_one_hot_samples_names_the_log_of_zero(tmp_path):
     assert (o["op"], o["module"], o["made"]) == ("aten.log", "<loss>", "-inf")
     assert o["source"].startswith(source_line(MODELS, "(p * (torch.log(p) - torch.log(q)))"))
     assert o["samples"] == [0, 1, 2, 3]
+
+
+def test_confident_posterior_without_unimix_is_an_underflow_not_outlying_data(tmp_path):
+    """Without DreamerV3's 1% unimix, a confident posterior's softmax rounds its small
+    probabilities to exactly 0 (4.7e-60 in float64), whose log the KL takes: an underflow, not
+    an invalid log of a true 0. The sparse task's rewards are all 0, and the report used to
+    add that samples 0 and 1 of them 'reach 0, the other rows being 0: out of scale'."""
+    err = event_of(tmp_path, steps=1, make="make_agent_without_unimix")
+    assert (err.event["step"], err.event["phase"]) == (0, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True and rep["cause"] == "underflow"
+    assert (o["op"], o["made"]) == ("aten.log", "-inf")
+    assert o["source"].startswith(source_line(MODELS, "(p * (torch.log(p) - torch.log(q)))"))
+    assert "log_softmax" in rep["hint"]
+    assert "out of scale" not in rep["hint"]
 
 
 def test_critic_eps0_names_the_critics_update_not_the_weights_later_steps_broke(tmp_path):

@@ -142,8 +142,13 @@ def make_agent() -> Agent:
 
 
 def make_agent_without_unimix() -> Agent:
+    """An agent whose latents lack the 1% unimix, as resumed from a long run: its posterior
+    has grown confident (logits spread over ~100), which plain softmax rounds to exact 0s."""
     torch.manual_seed(0)
-    return Agent(unimix=0.0)
+    agent = Agent(unimix=0.0)
+    with torch.no_grad():
+        agent.wm.rssm.post_net[-1].weight.mul_(100.0)
+    return agent
 
 
 def kl(p, q):
