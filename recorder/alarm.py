@@ -33,7 +33,7 @@ from .scalers import NOT_GIVEN as SCALER_NOT_GIVEN
 from .scalers import unregistered_scaler_in_use
 from .settings import Settings
 from .shards import local
-from .stale_grads import unused_grads
+from .stale_grads import held_first, unused_grads
 from .tape import Tape
 from .target import Target
 from .validate import why_unwritable
@@ -90,6 +90,8 @@ class Alarm:
             event = events.find_event(evidence, reason)
             if event is not None and event.phase == "optimizer":  # (or the loop's swap-in)
                 event = swapped_in_event(event.step, event.params, target.replaced_bad) or event
+            if event is not None and event.phase == "backward" and event.params:
+                held_first(event, target)
         except Exception as e:  # a bug of ours must not lose the step the probe found bad
             evidence, event = None, _unfound(tape.step, reason, e)
         agreement = target.ranks

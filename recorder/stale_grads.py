@@ -46,3 +46,16 @@ def unused_grads(target) -> set[int]:
     if target.has_scaler:
         return {i for i, _ in target.unowned}
     return stale_grads(target.unowned, target.unowned_grads)
+
+
+def held_first(event, target) -> None:
+    """A backward event's parameters with the recorded optimizer's first: the gradients its
+    update would use (the critic's, recorded on the critic's Adam) before those another
+    optimizer's backward of the same step broke too (the actor's, listed first by position)."""
+    unowned = {target.param_names[i] for i, _ in target.unowned}
+    params = sorted(event.params, key=lambda n: n in unowned)  # (stable: in model order)
+    if not unowned or params == event.params:
+        return
+    if event.detail:
+        event.detail = event.detail.replace(f"first {event.params[0]}", f"first {params[0]}")
+    event.params = params

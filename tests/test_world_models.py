@@ -44,7 +44,7 @@ def update(opt, scaler, loss, params, clip: float, guard: bool = False) -> None:
 def train(out_dir: Path | None, steps: int = 4, *, recorded: str = "wm", floor: bool = True,
           critic_eps: float = 1e-5, loss=W.WorldModelLoss, actor_recorder: bool = False,
           amp: bool = False, make: str = "make_agent", guard: bool = False,
-          sparse_steps: int = 99) -> W.Agent:
+          sparse_steps: int = 99, behavior=W.behavior_losses) -> W.Agent:
     """dreamerv3-torch's iteration: the world model's update, then the actor's and critic's
     on a rollout imagined from its posterior states, then the slow critic's EMA; with ``amp``,
     under float16 autocast with a GradScaler per optimizer. With ``out_dir``, under a recorder
@@ -74,7 +74,7 @@ def train(out_dir: Path | None, steps: int = 4, *, recorded: str = "wm", floor: 
                 losses = {"wm": crit(out, obs, reward, cont)}
             update(opts["wm"], scalers["wm"], losses["wm"], parts["wm"].parameters(), 1000.0)
             with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-                losses["actor"], losses["critic"] = W.behavior_losses(agent, out["feat"], norm)
+                losses["actor"], losses["critic"] = behavior(agent, out["feat"], norm)
             for k in ("actor", "critic"):
                 update(opts[k], scalers[k], losses[k], parts[k].parameters(), 100.0, guard)
             W.update_slow(agent)
@@ -230,3 +230,24 @@ def test_critic_eps0_seen_from_the_world_model_names_both_writers(tmp_path):
     assert "another optimizer's step() wrote them" in hint and "eps=0" in hint
     assert "And slow_critic.0.weight, slow_critic.0.bias (+4 more) require no gradient" in hint
     assert "checkpoint loading" not in hint
+
+
+def test_symexp_overflow_of_a_diverged_critic_blames_the_recorded_optimizers_gradients(
+        tmp_path):
+    """A symlog-MSE critic that diverged to ~90 decodes its values with an unclamped symexp:
+    exp(90) overflows, the returns are inf and the return range inf - inf, so both the actor's
+    and the critic's gradients are NaN in the step. Recorded on the critic's Adam, the event
+    listed the actor's first (model order), whose update the recorded one is not; the
+    critic's come first now. The world model's and actor's updates ran before the critic's
+    step closed it: the replay says it cannot re-run the step, and why."""
+    err = event_of(tmp_path, steps=1, recorded="critic", make="make_agent_diverged_critic",
+                   behavior=W.mse_behavior_losses)
+    ev = err.event
+    assert (ev["step"], ev["phase"]) == (0, "backward")
+    critic = [n for n in W.make_agent().state_dict() if n.startswith("critic.")]
+    assert ev["params"] == critic + ACTOR
+    assert ev["detail"].endswith("first critic.0.weight")
+    rep = nanreplay_json(err.bundle_path, code=None)
+    assert rep["reproduced"] is False and rep["cause"] is None
+    assert rep["origin"]["params"][:len(critic)] == critic
+    assert any("changed during the step before its step() ran" in p for p in rep["problems"])

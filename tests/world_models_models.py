@@ -241,6 +241,29 @@ def behavior_losses(agent, feat, norm, horizon=5):
     return actor_loss, critic_loss
 
 
+def mse_behavior_losses(agent, feat, norm, horizon=5):
+    """DreamerV3's ``symlog_mse`` critic instead of the two-hot one: one output in symlog
+    space, decoded with symexp for the returns, its exponent unclamped."""
+    feats, logp, ent = imagine(agent, feat.detach().flatten(0, 1), horizon)
+    with torch.no_grad():
+        reward = twohot_mean(agent.wm.reward(feats[:, 1:]))
+        cont = torch.sigmoid(agent.wm.cont(feats[:, 1:])).squeeze(-1)
+        value = symexp(agent.critic(feats)[..., 0])
+        ret = lambda_returns(reward, value, cont)
+        adv = (ret - value[:, :-1]) / norm(ret)
+    actor_loss = -(logp * adv + 3e-4 * ent).mean()
+    pred = agent.critic(feats[:, :-1].detach())[..., 0]
+    return actor_loss, ((pred - symlog(ret)) ** 2).mean()
+
+
+def make_agent_diverged_critic() -> Agent:
+    """An agent resumed from a run whose critic diverged: it predicts ~90 in symlog space."""
+    agent = make_agent()
+    with torch.no_grad():
+        agent.critic[-1].bias.fill_(90.0)
+    return agent
+
+
 @torch.no_grad()
 def update_slow(agent, fraction=0.02):
     for s, p in zip(agent.slow_critic.parameters(), agent.critic.parameters()):
