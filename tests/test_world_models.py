@@ -1,10 +1,11 @@
 """DreamerV3 trained as its PyTorch ports train it (``world_models_models``): the world model's
 observation of replay-buffer sequences is the recorded forward, its loss ``loss_fn``; the
 actor and critic learn from imagined rollouts with optimizers of their own, stepped after the
-world model's in the same iteration, and the slow critic follows the critic by EMA. Planted:
+world model's in the same iteration, and the slow critic follows the critic by EMA. Healthy:
+float32 and float16 AMP with a GradScaler per optimizer, recorded on either optimizer. Planted:
 a return scale without its max(1, range) floor on a sparse-reward task, KL taken of one-hot
-samples, Adam's eps=0 on the zero-initialised critic; each recorded on one optimizer or
-another, as a user would try."""
+samples, a confident posterior without unimix, Adam's eps=0 on the zero-initialised critic,
+symexp of a diverged critic; each recorded on one optimizer or another, as a user would try."""
 
 from __future__ import annotations
 
