@@ -216,20 +216,24 @@ def test_critic_eps0_names_the_critics_update_not_the_weights_later_steps_broke(
     assert "the recorded optimizer does not hold" in note
 
 
-def test_critic_eps0_seen_from_the_world_model_names_both_writers(tmp_path):
-    """The same eps=0, recorded on the world model's Adam: no step reads the critic's weights
-    (its forward is the world model's) until their gradients go NaN at step 1's iteration, so
-    the event comes at step 2, when the actor (trained) and the slow critic (its EMA, frozen)
-    are NaN too. The hint used to fall back to 'checkpoint loading' for that mix; it now says
-    which writer each kind has."""
-    err = event_of(tmp_path, critic_eps=0.0)
-    assert (err.event["step"], err.event["phase"]) == (2, "weights")
+@pytest.mark.parametrize("amp, step", [(False, 1), (True, 3)])
+def test_critic_eps0_seen_from_the_world_model_names_both_writers(tmp_path, amp, step):
+    """The same eps=0, recorded on the world model's Adam, whose forward never reads the
+    critic: its weights are checked as each step closes now (the event came at step 2, when a
+    gradient went NaN, with the actor's weights it had broken since), so the event is the step
+    after the critic's first update (under AMP its scaler skipped steps 0 and 1, overflowed),
+    on the critic and the EMA target the loop copied it into. The hint used to fall back to
+    'checkpoint loading' for that mix of trained and frozen weights; it names each writer."""
+    err = event_of(tmp_path, critic_eps=0.0, amp=amp)
+    assert (err.event["step"], err.event["phase"]) == (step, "weights")
+    assert err.event["params"] == CRITIC_HIDDEN + ["slow_" + n for n in CRITIC_HIDDEN]
     rep = nanreplay_json(err.bundle_path)
-    assert rep["cause"] == "weights"
+    assert rep["cause"] == "weights" and rep["reproduced"] is True
     hint = rep["hint"]
-    assert hint.startswith("actor.0.weight, actor.0.bias (+10 more) train")
-    assert "another optimizer's step() wrote them" in hint and "eps=0" in hint
-    assert "And slow_critic.0.weight, slow_critic.0.bias (+4 more) require no gradient" in hint
+    assert hint.startswith("critic.0.weight, critic.0.bias (+2 more) train")
+    assert f"non-finite when step {step} began: another optimizer's step() wrote them" in hint
+    assert "eps=0" in hint
+    assert "And slow_critic.0.weight, slow_critic.0.bias (+2 more) require no gradient" in hint
     assert "checkpoint loading" not in hint
 
 
