@@ -36,6 +36,7 @@ from .scalers import unregistered_scaler_in_use
 from .settings import Settings
 from .shards import local
 from .slots import GRAD
+from .stale_grads import held_first, unused_grads
 from .tape import Tape
 from .target import Target
 from .validate import why_unwritable
@@ -87,10 +88,13 @@ class Alarm:
                 changed=set(target.changed_in_step(tape)) | set(target.written_in_step(tape)),
                 seq_first=target.seq_first, recurrent=target.recurrent,
                 constants=target.constants,
+                stale=unused_grads(target),
                 weights_moved=not target.has_optimizer or moved_in_step(tape, target.watched))
             event = events.find_event(evidence, reason)
             if event is not None and event.phase == "optimizer":  # (or the loop's swap-in)
                 event = swapped_in_event(event.step, event.params, target.replaced_bad) or event
+            if event is not None and event.phase == "backward" and event.params:
+                held_first(event, target)
         except Exception as e:  # a bug of ours must not lose the step the probe found bad
             evidence, event = None, _unfound(tape.step, reason, e)
         agreement = target.ranks

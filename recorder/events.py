@@ -115,6 +115,7 @@ class StepEvidence:
     late: list[int] = field(default_factory=list)  # weights that update made non-finite
     # frozen parameters holding ±inf on purpose since attach (see recorder.constants)
     constants: dict[int, torch.Tensor] = field(default_factory=dict)
+    stale: set[int] = field(default_factory=set)  # gradients from before it (stale_grads)
 
     def samples(self, mb: int) -> Samples:
         """Where micro-batch ``mb``'s tensors hold their samples."""
@@ -124,6 +125,9 @@ class StepEvidence:
         """The parameters of ``pairs`` (index, row entry) whose norm is non-finite and whose
         tensor (or gradient) holds a NaN/Inf; notes norms that only overflowed."""
         bad = [i for i, k in pairs if not math.isfinite(self.row[k])]
+        if grads and self.stale:  # (another optimizer's, unused here: no event, as overflows)
+            self.overflowed |= bool(stale := self.stale.intersection(bad))
+            bad = [i for i in bad if i not in stale]
         really = bad
         if self.param_tensors is not None:
             really = []

@@ -146,9 +146,25 @@ def first_weight_norms(tape: Tape, target: Target) -> None:
                 [local(p).detach() for _, p in held], STRICT)))
 
 
+def unowned_weight_norms(tape: Tape, target: Target) -> None:
+    """Squared norms of the trained weights the recorded optimizer does not hold (none, the
+    usual case), every step: another optimizer updates them (DreamerV3's actor and critic
+    beside the world model's Adam), which leaves no update evidence here, and a forward that
+    never reads them (the world model's) would show their NaN only once a later gradient goes
+    bad, steps after, mixed with what it broke since (the critic's eps=0 update at step 0, seen
+    at step 2 with the actor's and the EMA target's)."""
+    held = [(i, p) for i, p in target.unowned if i not in tape.param_norms and checkable(local(p))]
+    if held:
+        with tape.lock:
+            tape.param_norms.update(zip([i for i, _ in held], tape.slots.sq_norm_each(
+                [local(p).detach() for _, p in held], STRICT)))
+
+
 def weight_step_norms(tape: Tape, target: Target, param_norms: bool) -> None:
     """The norms taken as a training step's row is built: the small parameters', then the
-    weights' before the first update."""
+    weights' before the first update, and those of the weights another optimizer updates."""
     if target.small:
         small_param_norms(tape, target, param_norms)
     first_weight_norms(tape, target)
+    if target.unowned:
+        unowned_weight_norms(tape, target)

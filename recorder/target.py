@@ -35,6 +35,7 @@ from .rng import module_generators
 from .samples import recurrent, seq_first
 from .settings import Settings
 from .shards import class_name, local, sharded
+from .stale_grads import grad_keys
 
 log = logging.getLogger("nanreplay")
 
@@ -231,6 +232,7 @@ class Target:
         self.large_last_first = ([i for i, _ in reversed(self.large)],
                                  [p for _, p in reversed(self.large)])
         self.update_small, self.update_large, self.unowned = [], [], []
+        self.unowned_grads: list[tuple[int, int] | None] = []
         self.watched: torch.Tensor | None = None
         if opt is not None:  # the weights an update writes (see recorder.guard)
             # trained parameters the optimizer does not hold: another optimizer's (a
@@ -314,6 +316,8 @@ class Target:
             if model is not None:
                 self.follow_model(model)
             self._partition()
+        if self.unowned:  # (their gradients as the step opens: see recorder.stale_grads)
+            self.unowned_grads = grad_keys(self.unowned)
 
     def follow_model(self, model: nn.Module) -> bool:
         """Take the tensors the model holds now under the recorded names of parameters it
@@ -344,6 +348,7 @@ class Target:
         self.update_large: list[tuple[int, torch.Tensor]] = []
         self.update_small: list[tuple[int, torch.Tensor]] = []
         self.unowned: list[tuple[int, torch.Tensor]] = []
+        self.unowned_grads: list[tuple[int, int] | None] = []  # (recorder.stale_grads)
         self.groups = 0  # the optimizer's parameter groups when last partitioned
         self.group_heads: list[torch.Tensor | None] = []  # (their first parameters)
         self.replaced: set[str] = set()  # parameters the loop swapped for new ones

@@ -78,6 +78,7 @@ from .source import distributed_call
 from .state import forward_written, state_notes
 from .trained_input import trained_input_hint
 from .unset_state import unset_state_or_raise
+from .update_params import others_note, update_params
 from .weight_scale import diverging_advice
 from .whatif import run_tries
 from .window import window_of
@@ -232,7 +233,8 @@ def _from_bundle(report, step: Step) -> dict[str, Any] | None:
     if after_update and (bad_weights or "weights" in step.stripped):
         # the update's own evidence first: a batch that is non-finite too came after it (a
         # GAN's fakes from a generator the same kind of update broke), not before
-        params = bad_weights or list(step.event.get("params", []))
+        params, others = update_params(step, bad_weights)
+        report["problems"].extend(filter(None, [others_note(step, others)]))
         hint = params and after_update_hint(step, params)
         if not hint and (before := nan_before_update(report, step, params)) is not None:
             return before  # (NaN the loop wrote after the update before: a renorm's 0/0)

@@ -52,8 +52,10 @@ def outlier_rows(step: Step, mb: int, factor: float = FACTOR
     for name, per in _row_magnitudes(step, mb):
         order = torch.argsort(per, descending=True, stable=True)
         ranked = per[order]
+        # (rows of 0 under rows of 0 stand above nothing: a sparse task's rewards all 0)
         gaps = [(float(ranked[k - 1] / ranked[k]) if ranked[k] > 0 else math.inf, k)
-                for k in range(1, len(per) // 2 + 1) if math.isfinite(ranked[k])]
+                for k in range(1, len(per) // 2 + 1)
+                if math.isfinite(ranked[k]) and ranked[k - 1] > 0]
         ratio, k = max(gaps, default=(0.0, 0))
         if ratio > factor:
             return sorted(order[:k].tolist()), {"tensor": name, "value": float(ranked[0]),

@@ -147,10 +147,21 @@ def loop_written_hint(step: Step, bad: list[str]) -> str | None:
         return None
     if trained == {True}:
         return _other_optimizer_hint(step, names, opt) if opt else None
-    if trained != {False}:
-        return None
+    if trained != {False}:  # (both: DreamerV3's critic, by its own Adam, and its EMA target)
+        return _mixed_hint(step, bad, params, frozen, opt) if opt else None
     return _frozen_hint(step, bad, names, "the optimizer does not hold them" if opt else
                         "the recorder was given no optimizer")
+
+
+def _mixed_hint(step: Step, bad: list[str], params: dict, frozen: set, opt: dict) -> str:
+    """Trained and frozen parameters, none of them the recorded optimizer's: each kind's
+    hint, the frozen ones' EMA having most likely copied the trained ones' values."""
+    kinds = ([n for n in bad if params[n].requires_grad and n not in frozen],
+             [n for n in bad if not params[n].requires_grad or n in frozen])
+    trained, still = (f"{', '.join(k[:2])}" + (f" (+{len(k) - 2} more)" if len(k) > 2 else "")
+                      for k in kinds)
+    return (_other_optimizer_hint(step, trained, opt) + ". And "
+            + _frozen_hint(step, kinds[1], still, "the optimizer does not hold them"))
 
 
 def _frozen_hint(step: Step, bad: list[str], names: str, held: str) -> str:
@@ -244,7 +255,7 @@ def _other_optimizer_hint(step: Step, names: str, opt: dict[str, Any]) -> str:
             "optimizer's step() wrote them, after the recorded one had closed the step before "
             "(deep mutual learning's or a GAN's second network), or the loop's own update "
             "did: check that optimizer's hyper-parameters (a NaN/Inf learning rate from its "
-            "schedule) and the gradients it used, and record that network's updates too (a "
+            "schedule, Adam's eps=0 where a gradient was all 0) and the gradients it used, and record that network's updates too (a "
             "FlightRecorder given that optimizer, or one optimizer over both networks)")
 
 

@@ -90,4 +90,6 @@ def test_another_optimizer_stepped_first_is_named_not_the_weights(tmp_path):
     text = invoke_cli(err.bundle_path).stdout.splitlines()
     assert text[:2] == ["nanreplay: step 2, backward event — not re-run (weights written after "
                         "its forward)",
-                        "  origin     backward: nan in the gradient of items.weight (+4 more)"]
+                        "  origin     backward: nan in the gradient of tower.0.weight (+4 more)"]
+    # (the recorded Adam's gradients first: SparseAdam's items.weight is not its update's)
+    assert err.event["params"][-1] == "items.weight"
