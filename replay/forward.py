@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from .absorbed_log import absorbed_hint
+from .backward_calls import backward_call_note, run_to_call, user_backward
 from .caller_picks import CallerPicks
 from .cause import classify
 from .errors import StopRun
@@ -86,6 +87,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
+    backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch),
                      hit=_counted_in(finder, hit, o))
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
@@ -112,7 +114,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
     """The backward node ``hit``'s op ran in (a derivative the forward took itself), its
     forward line and what to say of it (:func:`derivative_words`); None for a forward op."""
-    if hit is None or hit.node is None:
+    if hit is None or hit.node is None or user_backward(hit.node):
         return None
     again = find_op_in_call(runner, o.module, o.call, o.micro_batch, node_tracebacks)
     return derivative_words(hit, again.origin())
@@ -215,11 +217,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
         return hs + _track_calls(finder, target, (module, call), runner, mb)
 
     with picks if module else contextlib.nullcontext():  # (outermost: left last)
-        try:
-            runner.run(backward=False, instrument=False, hooks=hooks, forward_ctx=forward_ctx)
-        finally:
-            if state["active"]:
-                finder.__exit__(None, None, None)
+        run_to_call(runner, finder, state, call, hooks, forward_ctx)
     return finder
 
 

@@ -375,3 +375,25 @@ class AdjointODE(nn.Module):
 def make_adjoint() -> AdjointODE:
     torch.manual_seed(0)
     return AdjointODE()
+
+
+class DampedField(nn.Module):
+    """A learned field with a strong linear damping: y' = net(y) - k y (a dissipative system,
+    contracting forward in time, expanding when run backward)."""
+
+    def __init__(self, dim: int = 2, hidden: int = 32, damping: float = 200.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, dim))
+        self.damping = damping
+
+    def forward(self, t, y):
+        return self.net(y) - self.damping * y
+
+
+def make_adjoint_damped() -> AdjointODE:
+    """The adjoint's backward rebuilds y(t) by integrating from y(t1) back to t0: for a
+    dissipative field that reverse solve is unstable (ANODE, Gholami et al. 2019)."""
+    torch.manual_seed(0)
+    model = AdjointODE(steps=80)
+    model.func = DampedField()
+    return model

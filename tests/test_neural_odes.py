@@ -192,3 +192,38 @@ def test_latent_ode_negative_time_span_names_the_rk4_step_and_the_record(tmp_pat
     assert o["source"] == line_of("k2 = self.func(times[:, i], z + h / 2 * k1)"), o
     assert "diverging" in rep["hint"] and "args[1]" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def func_calls_until_non_finite(make: str, kind: str) -> tuple[int, list[int]]:
+    """The first call of ``model.func`` (forward and backward alike) that returns a
+    non-finite value in an unrecorded first step, and its rows."""
+    model = getattr(M, make)()
+    outs: list[torch.Tensor] = []
+    model.func.register_forward_hook(lambda m, i, o: outs.append(o.detach()))
+    args, targets = batch(kind, torch.Generator().manual_seed(0), None)
+    torch.nn.functional.mse_loss(model(*args), *targets).backward()
+    k = next(i for i, o in enumerate(outs) if not torch.isfinite(o).all())
+    return k, torch.nonzero(~torch.isfinite(outs[k]).all(1)).flatten().tolist()
+
+
+def test_adjoint_reverse_solve_names_the_func_call_its_backward_made(tmp_path):
+    """The adjoint method's backward rebuilds y(t) by integrating a strongly damped field
+    from t1 back to 0, which is unstable (the damping turns into growth): ``func``, called
+    again by the custom Function's backward, overflows in ``self.damping * y``. Its call comes
+    after the forward's 320, so a forward-only re-run never reached it (no op was named, and
+    the hint spoke of a pole of a derivative the forward took); the replay now re-runs the
+    backward to reach it, names the op on its line and its rows, and says it ran there."""
+    call, rows = func_calls_until_non_finite("make_adjoint_damped", "adjoint")
+    assert call > 4 * 80, call  # (after every call of the forward's RK4)
+    with pytest.raises(NonFiniteError) as info:
+        train("adjoint", "make_adjoint_damped", tmp_path, steps=1)
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["module"], ev["call"]) == (0, "func", call), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["samples"]) == ("func", call, "aten.mul", rows), o
+    assert o["source"] == line_of("return self.net(y) - self.damping * y"), o
+    assert rep["cause"] == "overflow" and "pole" not in rep["hint"], rep["hint"]
+    assert "node" not in o, o
+    assert any(p.startswith(f"func call {call} ran in the backward pass")
+               for p in rep["problems"]), rep["problems"]
