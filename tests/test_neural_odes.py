@@ -165,16 +165,19 @@ def test_cnf_fill_value_in_the_data_names_the_normal_log_density_and_the_record(
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-def test_healthy_cnf_and_adjoint_raise_nothing_and_train_the_same(tmp_path):
+@pytest.mark.parametrize("kind,make", [("cnf", "make_cnf"), ("adjoint", "make_adjoint"),
+                                       ("latent", "make_latent"), ("ignition", "make_ignition")])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """The CNF (autograd.grad with create_graph=True in every one of its 16 calls per step,
-    noise from randn_like) and the adjoint ODE (its Function's backward calls func again,
-    under the recorder's hooks): no event, bit-identical weights with and without it."""
-    for kind, make in (("cnf", "make_cnf"), ("adjoint", "make_adjoint")):
-        recorded = train(kind, make, tmp_path, steps=3)
-        plain = train(kind, make, tmp_path, steps=3, record=False)
-        assert not list(tmp_path.glob("*.nan")), kind
-        for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
-            assert torch.equal(a, b), (kind, name)
+    noise from randn_like), the adjoint ODE (its Function's backward calls func again, under
+    the recorder's hooks), the latent ODE (a GRU, the reparameterisation's randn_like, each
+    record's own times) and the RK4 rollout: no event, bit-identical weights with and
+    without the recorder."""
+    recorded = train(kind, make, tmp_path, steps=3)
+    plain = train(kind, make, tmp_path, steps=3, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_latent_ode_negative_time_span_names_the_rk4_step_and_the_record(tmp_path):
