@@ -10,12 +10,14 @@ FFJORD, RNODE, torchode and the Latent ODE paper write them, for ``test_neural_o
 - ``CNF``: FFJORD's continuous normalising flow; the ODE function takes ``autograd.grad`` of
   its output with ``create_graph=True`` inside ``forward`` (the Hutchinson trace estimator with
   noise from ``torch.randn_like``), RNODE's kinetic-energy and Jacobian-Frobenius terms, and
-  the standard normal's log-density of ``z`` in the loss.
+  the standard normal's log-density of ``z`` in the loss; ``make_cnf_rbf``: its dynamics an
+  RBF network whose centres were picked from training points (a hand-written distance's sqrt).
 - ``LatentODE``: Rubanova et al.'s latent ODE for irregularly sampled series: a GRU encoder
   over the reversed observations, the latent state decoded at each sample's own observation
   times (given to ``forward`` as a tensor), RK4 sub-steps between consecutive times.
 - ``AdjointODE``: the adjoint method as a custom ``torch.autograd.Function`` that integrates
-  the augmented state ``(y, a, a_theta)`` backwards in time in its ``backward``.
+  the augmented state ``(y, a, a_theta)`` backwards in time in its ``backward``; with a
+  strongly damped field (``make_adjoint_damped``) that reverse solve is unstable.
 """
 
 from __future__ import annotations
@@ -397,3 +399,36 @@ def make_adjoint_damped() -> AdjointODE:
     model = AdjointODE(steps=80)
     model.func = DampedField()
     return model
+
+
+class RBF(nn.Module):
+    """Laplacian radial basis features exp(-|u - c_k| / s) of the (z, t) input, the centres
+    picked from training points at t = 0 (as an RBF network's are, from its data)."""
+
+    def __init__(self, centres: torch.Tensor, scale: float = 0.5):
+        super().__init__()
+        self.register_buffer("centres", centres.clone())  # fixed centres, learned weights
+        self.scale = scale
+
+    def forward(self, u):
+        r = ((u[:, None, :] - self.centres[None]) ** 2).sum(-1).sqrt()  # the bug: sqrt'(0) = inf
+        return torch.exp(-r / self.scale)
+
+
+def make_cnf_rbf() -> CNF:
+    """FFJORD's CNF with an RBF network for dynamics; the Hutchinson estimator differentiates
+    it in forward, at a centre too."""
+    torch.manual_seed(0)
+    model = CNF()
+    points = moons_batch(torch.Generator().manual_seed(5), n=8)
+    centres = torch.cat([points, torch.zeros(8, 1)], 1)
+    model.odefunc.net = nn.Sequential(RBF(centres), nn.Linear(8, 2))
+    return model
+
+
+def moons_with_centre(g: torch.Generator, centre_row: int | None = None, n: int = 32):
+    """Two moons; ``centre_row`` is the training point the RBF's first centre was picked from."""
+    x = moons_batch(g, n=n)
+    if centre_row is not None:
+        x[centre_row] = moons_batch(torch.Generator().manual_seed(5), n=8)[0]
+    return x

@@ -38,11 +38,13 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
         return (y0,), (target,)
     if kind == "cnf":
         return (M.moons_batch(g, bad),), ()
+    if kind == "cnf_rbf":
+        return (M.moons_with_centre(g, bad),), ()
     x, times, mask = M.irregular_batch(g, bad)
     return (x, times), (x, mask)
 
 
-LOSSES = {"cnf": M.cnf_loss, "latent": M.latent_loss}
+LOSSES = {"cnf": M.cnf_loss, "cnf_rbf": M.cnf_loss, "latent": M.latent_loss}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -230,3 +232,22 @@ def test_adjoint_reverse_solve_names_the_func_call_its_backward_made(tmp_path):
     assert "node" not in o, o
     assert any(p.startswith(f"func call {call} ran in the backward pass")
                for p in rep["problems"]), rep["problems"]
+
+
+def test_cnf_hutchinson_grad_at_an_rbf_centre_names_sqrt_backward_inside_forward(tmp_path):
+    """An RBF network as the CNF's dynamics, its centres picked from training points: at
+    t = 0 the record that was a centre sits on it, and the Hutchinson estimator's
+    autograd.grad (create_graph=True, inside the ODE function's forward) runs SqrtBackward0 of
+    the hand-written distance at 0. The event is the ODE function's first call of the step
+    (its divergence output NaN on that row); the replay names the division inside that node,
+    the autograd.grad line, the sqrt's own line as the node's source, and the row."""
+    ev, bundle = fire("cnf_rbf", "make_cnf_rbf", tmp_path, bad=11)
+    assert (ev["step"], ev["module"], ev["call"], ev["samples"], ev["kind"]) == (
+        3, "odefunc", 0, [11], "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["node"], o["samples"]) == (
+        "odefunc", 0, "aten.div", "SqrtBackward0", [11]), o
+    assert o["source"] == line_of("e_dzdz = torch.autograd.grad(dz, z, self.e"), o
+    assert o["node_source"] == line_of("r = ((u[:, None, :] - self.centres[None]) ** 2)"), o
+    assert rep["cause"] == "invalid" and "pole" in rep["hint"], rep["hint"]
