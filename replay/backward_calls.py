@@ -41,7 +41,7 @@ def backward_call_note(report: dict, finder: Any, module: str, call: int) -> Non
             f"{module or '<root>'} call {call} ran in the backward pass, after the forward's "
             "calls: code the backward runs called it (a custom autograd.Function's backward, "
             "as the adjoint method's reverse solve does); the recorder counts it as a forward "
-            "call, and the bisection, which re-runs the forward only, cannot reach it")
+            "call, and no bisection was run: its probes re-run the forward only")
 
 
 def user_backward(node: Any) -> bool:

@@ -43,16 +43,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # by the default policy a NaN made from NaN-free inputs is searched for as a NaN (not when
     # the chain starts in a call enclosing the NaN's, whose own code made an infinity first)
     nan_only = not run.strict_inf and o.nan and o.inputs_nan_free and trigger is o
-    n_calls = run.forward_calls()  # those a probe (a forward-only re-run) reaches
-    probe_at, probes = runner.bisect(n_calls, nan_only=nan_only)
-    agrees = False
-    if probe_at is not None:
-        found = runner.probe_origin(probe_at, nan_only=nan_only)
-        probes += 1
-        agrees = found == (o.module, o.call, o.micro_batch)
-    # at most ceil(log2 calls) bisection runs, then the one run that finds the origin call
-    report["bisection"] = {"probes": probes, "agrees": agrees, "calls": n_calls,
-                           "limit": _log2_ceil(n_calls) + 1}
+    if not o.in_backward:  # (a call the backward made: no forward-only probe reaches it)
+        report["bisection"] = _bisect(runner, run, o, nan_only)
     recorded = o
     finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
     # (a reduction that folded the intended fill into -inf, which the NaN came from, later
@@ -96,6 +88,19 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         or (trigger is not None and _matches(step, {"module": trigger.module}))
     hint = _hint(step, runner, finder, o, cause, (hit, node), origin)
     return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+
+
+def _bisect(runner: Runner, run: Run, o, nan_only: bool) -> dict[str, Any]:
+    """At most ceil(log2 calls) bisection runs, then the one run that finds the origin call."""
+    n_calls = run.forward_calls()  # those a probe (a forward-only re-run) reaches
+    probe_at, probes = runner.bisect(n_calls, nan_only=nan_only)
+    agrees = False
+    if probe_at is not None:
+        found = runner.probe_origin(probe_at, nan_only=nan_only)
+        probes += 1
+        agrees = found == (o.module, o.call, o.micro_batch)
+    return {"probes": probes, "agrees": agrees, "calls": n_calls,
+            "limit": _log2_ceil(n_calls) + 1}
 
 
 def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin) -> str | None:

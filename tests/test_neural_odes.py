@@ -216,8 +216,9 @@ def test_adjoint_reverse_solve_names_the_func_call_its_backward_made(tmp_path):
     from t1 back to 0, which is unstable (the damping turns into growth): ``func``, called
     again by the custom Function's backward, overflows in ``self.damping * y``. Its call comes
     after the forward's 320, so a forward-only re-run never reached it (no op was named, and
-    the hint spoke of a pole of a derivative the forward took); the replay now re-runs the
-    backward to reach it, names the op on its line and its rows, and says it ran there."""
+    the hint spoke of a pole of a derivative the forward took, the bisection DISAGREED); the
+    replay now re-runs the backward to reach it, names the op on its line and its rows, says
+    it ran there, and runs no forward-only bisection for it."""
     call, rows = func_calls_until_non_finite("make_adjoint_damped", "adjoint")
     assert call > 4 * 80, call  # (after every call of the forward's RK4)
     with pytest.raises(NonFiniteError) as info:
@@ -232,6 +233,7 @@ def test_adjoint_reverse_solve_names_the_func_call_its_backward_made(tmp_path):
     assert "node" not in o, o
     assert any(p.startswith(f"func call {call} ran in the backward pass")
                for p in rep["problems"]), rep["problems"]
+    assert rep["bisection"] is None  # (its forward-only probes never reach that call)
 
 
 def test_cnf_hutchinson_grad_at_an_rbf_centre_names_sqrt_backward_inside_forward(tmp_path):
