@@ -432,3 +432,12 @@ def moons_with_centre(g: torch.Generator, centre_row: int | None = None, n: int 
     if centre_row is not None:
         x[centre_row] = moons_batch(torch.Generator().manual_seed(5), n=8)[0]
     return x
+
+
+def make_adaptive_zero_init() -> AdaptiveODE:
+    """The ODE function's last layer zero-initialised, so that the flow starts as the
+    identity (as CNFs and RNODE do): its slope f0 is 0 everywhere at the first step."""
+    model = make_adaptive()
+    nn.init.zeros_(model.func.net[-1].weight)
+    nn.init.zeros_(model.func.net[-1].bias)
+    return model

@@ -253,3 +253,24 @@ def test_cnf_hutchinson_grad_at_an_rbf_centre_names_sqrt_backward_inside_forward
     assert o["source"] == line_of("e_dzdz = torch.autograd.grad(dz, z, self.e"), o
     assert o["node_source"] == line_of("r = ((u[:, None, :] - self.centres[None]) ** 2)"), o
     assert rep["cause"] == "invalid" and "pole" in rep["hint"], rep["hint"]
+
+
+def test_zero_initialised_field_makes_the_unguarded_initial_step_infinite(tmp_path):
+    """The ODE function's last layer zero-initialised (a flow starting as the identity): its
+    slope is 0 in every row, Hairer's ``h0 = 0.01 d0 / d1`` is +inf, and ``h0 * f0`` is NaN
+    in the next line, handed to func's call 1. The event is the root's own code at step 0;
+    the replay names the division, every row, and the zero layer's weight as the divisor's
+    source."""
+    with pytest.raises(NonFiniteError) as info:
+        train("adaptive", "make_adaptive_zero_init", tmp_path, steps=2)
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["kind"]) == (0, "", "nan"), ev
+    assert ev["detail"].endswith("first taken in by func (call 1)"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == (
+        "", "aten.div", "+inf", True), o
+    assert o["source"] == line_of("h0 = 0.01 * d0 / d1"), o
+    assert [c["source"] for c in o["chain"]] == [o["source"], line_of(
+        "f1 = func(t0 + h0, y0 + h0[:, None] * f0)")], o["chain"]
+    assert rep["cause"] == "invalid" and "func.net.2.weight, all 0" in rep["hint"], rep["hint"]
