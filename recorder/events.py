@@ -31,6 +31,7 @@ from .graph_reach import from_model
 from .late_writes import read_finite, written_after_forward
 from .linalg import linalg_detail
 from .missing import rest_finite, root_input_name
+from .own_code import own_code_detail
 from .ring import StepLayout, decode_call
 from .samples import Samples, of_micro_batch, packed_in
 from .self_written import WRITTEN_DETAIL, self_written
@@ -321,6 +322,7 @@ def _forward_event(ev: StepEvidence) -> Event | None:
                                                    stacked=True)
     event.detail = (f"{event.kind} first in the output of {event.module or '<root>'} "
                     f"({event.module_type}), call {event.call}")
+    own_code_detail(event, ev.calls, d, ev.module_names)  # (its output finite)
     return event
 
 

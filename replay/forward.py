@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from .absorbed_log import absorbed_hint
+from .backward_calls import backward_call_note, run_to_call, user_backward
 from .caller_picks import CallerPicks
 from .cause import classify
 from .errors import StopRun
@@ -44,16 +45,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     # by the default policy a NaN made from NaN-free inputs is searched for as a NaN (not when
     # the chain starts in a call enclosing the NaN's, whose own code made an infinity first)
     nan_only = not run.strict_inf and o.nan and o.inputs_nan_free and trigger is o
-    n_calls = run.forward_calls()  # those a probe (a forward-only re-run) reaches
-    probe_at, probes = runner.bisect(n_calls, nan_only=nan_only)
-    agrees = False
-    if probe_at is not None:
-        found = runner.probe_origin(probe_at, nan_only=nan_only)
-        probes += 1
-        agrees = found == (o.module, o.call, o.micro_batch)
-    # at most ceil(log2 calls) bisection runs, then the one run that finds the origin call
-    report["bisection"] = {"probes": probes, "agrees": agrees, "calls": n_calls,
-                           "limit": _log2_ceil(n_calls) + 1}
+    if not o.in_backward:  # (a call the backward made: no forward-only probe reaches it)
+        report["bisection"] = _bisect(runner, run, o, nan_only)
     recorded = o
     finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
     # (a reduction that folded the intended fill into -inf, which the NaN came from, later
@@ -89,6 +82,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
+    backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch),
                      hit=_counted_in(finder, hit, o))
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
@@ -97,6 +91,19 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         or (trigger is not None and _matches(step, {"module": trigger.module}))
     hint = _hint(step, runner, finder, o, cause, (hit, node), origin)
     return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+
+
+def _bisect(runner: Runner, run: Run, o, nan_only: bool) -> dict[str, Any]:
+    """At most ceil(log2 calls) bisection runs, then the one run that finds the origin call."""
+    n_calls = run.forward_calls()  # those a probe (a forward-only re-run) reaches
+    probe_at, probes = runner.bisect(n_calls, nan_only=nan_only)
+    agrees = False
+    if probe_at is not None:
+        found = runner.probe_origin(probe_at, nan_only=nan_only)
+        probes += 1
+        agrees = found == (o.module, o.call, o.micro_batch)
+    return {"probes": probes, "agrees": agrees, "calls": n_calls,
+            "limit": _log2_ceil(n_calls) + 1}
 
 
 def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin) -> str | None:
@@ -115,7 +122,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:
     """The backward node ``hit``'s op ran in (a derivative the forward took itself), its
     forward line and what to say of it (:func:`derivative_words`); None for a forward op."""
-    if hit is None or hit.node is None:
+    if hit is None or hit.node is None or user_backward(hit.node):
         return None
     again = find_op_in_call(runner, o.module, o.call, o.micro_batch, node_tracebacks)
     return derivative_words(hit, again.origin())
@@ -220,11 +227,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
         return hs + _track_calls(finder, target, (module, call), runner, mb)
 
     with picks if module else contextlib.nullcontext():  # (outermost: left last)
-        try:
-            runner.run(backward=False, instrument=False, hooks=hooks, forward_ctx=forward_ctx)
-        finally:
-            if state["active"]:
-                finder.__exit__(None, None, None)
+        run_to_call(runner, finder, state, call, hooks, forward_ctx)
     return finder
 
 

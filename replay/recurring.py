@@ -3,11 +3,15 @@
 row may overflow at a step of its own, in the origin's op or a sibling (``exp(k)`` in one row,
 ``exp(k) * v`` in another). The origin's samples are every row an op of that module call made
 non-finite of values finite in it, not only the first call's rows (dropping those alone would
-leave the others' NaN); a row spoiled by another's non-finite value is not one."""
+leave the others' NaN); a row spoiled by another's non-finite value is not one. Nor is a row
+whose infinity the next op to take it made finite again: an adaptive ODE solver's step factor
+``(0.9 * ratio ** -0.2).clamp(0.2, 10)`` is +inf, then 10, in every row whose error is 0."""
 
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from recorder.finite import finite
@@ -19,6 +23,38 @@ from .fresh import POINTWISE
 # ops whose output row i is made of their first input's row i alone (the weights are shared):
 # an encoder's convolution that overflows in float16 in rows of its own
 _ROW_WISE = {"convolution", "_convolution"}
+
+
+@dataclass
+class _Widened:
+    """The rows added to one origin, each with the value that holds its infinity now (held
+    weakly): a row stays while no op has made that value finite again."""
+    hit: Any
+    base: set[int]
+    pending: list[tuple[weakref.ref, set[int]]] = field(default_factory=list)
+
+    def rows(self) -> list[int]:
+        return sorted(self.base.union(*(r for _, r in self.pending)))
+
+
+_WIDENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by OpFinder
+
+
+def _settle(w: _Widened, leaves: list, outs: list, rows_of) -> bool:
+    """Pending values this op takes: their rows follow its output while it is non-finite in
+    them (``0.9 * inf``), dropped where it made them finite (a clamp, a ``where``); all kept
+    when the output has no samples. Whether any was taken."""
+    taken = [i for i, (ref, _) in enumerate(w.pending) if any(ref() is t for t in leaves)]
+    if not taken:
+        return False
+    bad = next((t for t in outs if not finite(t)), None)
+    still = None if bad is None else rows_of([bad])
+    # (by position: weak references compare their tensors, elementwise)
+    rows = [w.pending[i][1] for i in taken]
+    w.pending = [p for i, p in enumerate(w.pending) if i not in taken]
+    if bad is not None:
+        w.pending += [(weakref.ref(bad), r if still is None else r & set(still)) for r in rows]
+    return True
 
 
 def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
@@ -33,6 +69,11 @@ def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
             or f.where != hit.within or f.in_allowed_module():
         return out
     leaves = tree_leaves((args, kwargs))
+    w = _WIDENED.get(f)
+    if w is None or w.hit is not hit:
+        w = _WIDENED[f] = _Widened(hit, set(hit.rows))
+    if _settle(w, leaves, float_leaves(out), f.batch_rows):
+        hit.rows = w.rows()
     if early:  # (so that the rows of a value sorted after the origin name their samples)
         f.reordered.track(func.overloadpacket.__name__, args, leaves, out)
         f.moved.track(func.overloadpacket.__name__, args, leaves, out)
@@ -41,7 +82,7 @@ def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
     outs = float_leaves(out)
     if all(finite(t) for t in outs):  # (batch_rows names the rows of a non-finite value)
         return out
-    new = set(f.batch_rows(outs) or []) - set(hit.rows)
+    new = set(f.batch_rows(outs) or []) - set(w.rows())
     ins = float_leaves(leaves)
     if not new or not ins or any(isinstance(a, float) and math.isinf(a) for a in leaves):
         return out
@@ -59,5 +100,6 @@ def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
             return out
         spoiled |= set(rows)
     if fresh := new - spoiled:
-        hit.rows = sorted(set(hit.rows) | fresh)
+        w.pending.append((weakref.ref(outs[0]), fresh))
+        hit.rows = w.rows()
     return out
