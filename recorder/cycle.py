@@ -24,11 +24,11 @@ from typing import NamedTuple
 import torch
 
 from .alarm import Alarm
+from .anomaly import anomaly_reason
 from .buffers import BufferSnapshots
 from .compat import scaler_scale, scaler_token, version_of
 from .constraints import constraint_detail, constraint_reason
 from .errors import NonFiniteError
-from .events import anomaly_reason
 from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, weight_step_norms
 from .hooks import Health

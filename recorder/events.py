@@ -454,15 +454,6 @@ def _unfinished_root(ev: StepEvidence, d: dict[str, Any]) -> dict[str, Any] | No
             "inputs_finite": not came, "inputs_all_finite": not came, "inputs_nan_free": not came}
 
 
-def anomaly_reason(exc: BaseException) -> str | None:
-    """``"anomaly"`` when ``exc`` is anomaly mode's error for a backward node that returned
-    NaN (``set_detect_anomaly(True)``): it raises inside backward, before the NaN reaches a
-    gradient the recorder reads, so the step's statistics alone would show nothing."""
-    text = str(exc) if isinstance(exc, RuntimeError) else ""
-    return "anomaly" if text.startswith("Function '") and " returned nan values in its " \
-        in text else None
-
-
 def optimizer_event(step: int, params: list[str], *, after_update: bool,
                     kind: str = "nan") -> Event:
     """An update that turned finite weights non-finite. ``after_update``: the bundle holds the

@@ -5,7 +5,7 @@ event.
 ``solve`` of a singular matrix, ``eigh`` that did not converge: the op raises inside one
 module's forward (or the loss) before any hook sees its output, and often from a matrix that
 is finite, so the step's statistics alone show nothing. :func:`linalg_reason` forces the
-bundle of such a step, as :func:`~recorder.events.anomaly_reason` does for anomaly mode's
+bundle of such a step, as :func:`~recorder.anomaly.anomaly_reason` does for anomaly mode's
 error; the exception itself goes on to the loop unchanged (with the summary as a note).
 """
 
