@@ -284,6 +284,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
                                   else spread)
     elif not fields["params"]:
         report["problems"].append(finite_params_note(step, fields.get("micro_batch"), "the loss"))
+    elif (zeroed := outside.scrubbed_note(step, fields["params"])) is not None:
+        report["problems"].append(zeroed)  # (ADA's nan_to_num of every gradient)
     if scaled := infinite_factor_hint(step, fields.get("micro_batch")):  # (a loss scale of inf)
         report["cause"], report["hint"] = "overflow", scaled
         return report
