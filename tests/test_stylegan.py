@@ -21,7 +21,10 @@ Planted bugs:
   NaN. The report said 'cause unknown, pass loss_fn', and that the loop 'spread the value
   after backward (a clip_grad_norm_ ...)', a clip this loop never had: the other parameters'
   NaN came through the derivative's own graph. It now takes that derivative in the re-run,
-  finds it exactly 0 in every sample, and says so (cause invalid).
+  finds it exactly 0 in every sample, and says so (cause invalid). With ADA's own
+  ``nan_to_num`` of every gradient before the update, the recorder still caught the NaN
+  entering ``ws``, but the replay said 'NOT reproduced' because the recorded parameter
+  gradients were the scrubbed zeros: it now tells the scrub (0 where the re-run's are NaN).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def opt_step(opt, scrub=True):
 
 
 def train(iters, make_g=M.make_generator, record=None, zero_latent_at=None, out_dir=None,
-          scrub=True):
+          scrub=True, corrupt_at=None):
     """The phases of one StyleGAN2-ADA iteration; ``record``: "G" or "D" (the module and
     optimizer given to the recorder)."""
     torch.manual_seed(0)
@@ -80,6 +83,8 @@ def train(iters, make_g=M.make_generator, record=None, zero_latent_at=None, out_
     with rec or contextlib.nullcontext():
         for it in range(iters):
             reals = M.real_images(it, B)
+            if it == corrupt_at:
+                reals[ZERO_ROW, 1] = float("nan")  # a corrupt image in the dataset
             # Gmain: the non-saturating logistic loss, with style mixing
             G.requires_grad_(True)
             D.requires_grad_(False)
@@ -213,3 +218,18 @@ def test_path_length_of_a_zero_gradient_is_named(scrub, tmp_path):
     # else more are NaN than the output gradient gives: the derivative's own graph, no clip
     assert ("nan_to_num" in notes) == scrub
     assert ("reaches the parameters directly" in notes) == (not scrub)
+
+
+def test_corrupt_real_image_on_the_discriminator(tmp_path):
+    """On D, an iteration is one step of three micro-batches (Gmain's D forward on the fakes,
+    Dmain's on the fakes, then on the reals) and Dreg's update one step more at iteration 0:
+    iteration 2's reals are step 3's micro-batch 2."""
+    with pytest.raises(NonFiniteError) as info:
+        train(4, record="D", corrupt_at=2, out_dir=tmp_path)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"]) == \
+        (3, "input", 2, [ZERO_ROW])
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["reproduced"] and rep["cause"] == "input"
+    assert rep["origin"]["samples"] == [ZERO_ROW]
+    assert "autograd graph" not in rep["hint"]  # (data, not another network's output)
