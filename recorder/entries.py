@@ -77,6 +77,9 @@ def micro_batch_entry(prefix: str, i: int, mb, tensors: dict[str, torch.Tensor],
     # loss with autograd.grad): the replay's copies must too
     if grad_inputs := [k for k, t in ts.items() if t.requires_grad]:
         out["grad_inputs"] = grad_inputs
+        # (of those, another network's output, not a leaf the loop trains: G's images to D)
+        if graph_inputs := [k for k in grad_inputs if ts[k].grad_fn is not None]:
+            out["graph_inputs"] = graph_inputs
     for flag in _FLAGS:  # (each present as true only)
         if getattr(mb, flag):
             out[flag] = True

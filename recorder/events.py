@@ -258,8 +258,9 @@ def _call_event(ev: StepEvidence, d: dict[str, Any], phase: str) -> Event:
 def _batch_event(ev: StepEvidence, d: dict[str, Any], nan_only: bool) -> Event:
     """Bad data: the root call ``d``'s inputs held the value."""
     mb = ev.tape.micro_batches[d["micro_batch"]]
+    outs = [t for m in ev.tape.micro_batches[:d["micro_batch"]] for t in _tensors(m.outputs)]
     found = _first_bad_tensor([list(mb.args), mb.kwargs], ev.samples(d["micro_batch"]),
-                              nan_only=nan_only)
+                              nan_only=nan_only, model=(outs, ev.param_tensors))  # (G's images)
     event = _call_event(ev, d, "input")
     if found:
         event.tensor, event.samples, event.kind = batch_path(found[0], len(mb.args)), *found[1:]

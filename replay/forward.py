@@ -141,7 +141,7 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return own
     if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):
         return rows  # (structured pruning's zero rows, normalised by the forward)
-    if cause == "invalid" and (zero := zero_state_hint(runner, o, hit)):
+    if cause == "invalid" and (zero := zero_state_hint(runner, o, hit, finder.samples)):
         return zero
     if cause == "invalid" and (signed := signed_weights_hint(runner, o, hit)):
         return signed  # (GDN's gamma learned without its reparameterization)

@@ -32,6 +32,7 @@ from .lineage import Lineage
 from .load import Step, autocast_as_recorded, differentiates_model
 from .log_sum_exp import with_log_sum_exp
 from .logged_output import logged_output_cause
+from .loop_term import loop_differentiated, loop_term_report, spread_by_term
 from .loss_args import loss_args, loss_samples
 from .loss_factor import infinite_factor_hint
 from .loss_grad import node_in_loss, probed_report
@@ -278,13 +279,20 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
             "feeding the recorded output gradient through the model's backward did not give "
             "the recorded non-finite parameter gradients back")
     elif (spread := outside.spread_after_backward(step, fields["params"])) is not None:
-        report["problems"].append(spread)
+        mb = fields.get("micro_batch")  # (a derivative term's backward reaches them itself)
+        report["problems"].append(spread_by_term(mb) if loop_differentiated(step, mb)
+                                  else spread)
     elif not fields["params"]:
         report["problems"].append(finite_params_note(step, fields.get("micro_batch"), "the loss"))
+    elif (zeroed := outside.scrubbed_note(step, fields["params"])) is not None:
+        report["problems"].append(zeroed)  # (ADA's nan_to_num of every gradient)
     if scaled := infinite_factor_hint(step, fields.get("micro_batch")):  # (a loss scale of inf)
         report["cause"], report["hint"] = "overflow", scaled
         return report
     report["hint"] = outside.replayable_loss_hint(step)
+    if loop_term_report(report, step, runner, fields.get("micro_batch"),
+                        fields.get("samples")):
+        return report
     if gradient_cached(step):  # (GradCache's re-run chunks, given the cached gradient)
         report["hint"] = cached_hint(step, fields.get("micro_batch"), report["hint"])
     return report

@@ -79,7 +79,7 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
         # clip_grad_norm_ scales every gradient by the NaN total norm)
         reproduced = bool(got) and (set(got) <= set(recorded) if recorded else True)
     else:  # the event was that gradient itself, every parameter's staying finite: as recorded
-        reproduced = not got
+        reproduced = not got or scrubbed(step, runner, got)  # (unless the loop zeroed them)
     mb, j = bad[0]
     g = grads[mb][j]
     n_out = len(grads[mb])
@@ -91,6 +91,37 @@ def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] |
         "positions": {"non_finite": int((~torch.isfinite(g)).sum()), "of": g.numel()},
     }
     return fields, reproduced
+
+
+def scrubbed(step: Step, runner: Runner, got: list[str]) -> bool:
+    """Whether the recorded gradients of ``got`` (non-finite after the re-run just fed the
+    output gradient) are finite and 0 wherever the re-run's are NaN: the loop replaced the
+    non-finite values before ``step()`` (StyleGAN2-ADA's ``nan_to_num(grad, nan=0, posinf=1e5,
+    neginf=-1e5)``), so the re-run is as training's backward was."""
+    params = dict(runner.model.named_parameters()) if runner.model is not None else {}
+    for name in got:
+        g, rec = getattr(params.get(name), "grad", None), step.tensors.get(f"grads/{name}")
+        if g is None or rec is None or rec.shape != g.shape or not finite(rec):
+            return False
+        if not bool((rec.to(g.device)[torch.isnan(g)] == 0).all()):
+            return False
+    return True
+
+
+SCRUBBED = (
+    "the recorded gradients of {names} are finite, 0 where the re-run's are NaN: the loop "
+    "replaced the non-finite gradients before optimizer.step() (torch.nan_to_num, as "
+    "StyleGAN2-ADA's training loop does): without the recorder's stop, the update would have "
+    "gone ahead on those values")
+
+
+def scrubbed_note(step: Step, got: list[str]) -> str | None:
+    """The note when the re-run's non-finite parameter gradients were recorded finite (see
+    :func:`scrubbed`, which ``entering_origin`` judged)."""
+    if not got or recorded_bad_grads(step) or step.event.get("params"):
+        return None
+    names = ", ".join(got[:3]) + (f" (+{len(got) - 3} more)" if len(got) > 3 else "")
+    return SCRUBBED.format(names=names)
 
 
 def recorded_bad_grads(step: Step) -> list[str]:

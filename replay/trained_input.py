@@ -25,6 +25,14 @@ TRAINED_INPUT = (
     "named, hold the tensor in the model as an nn.Parameter that the optimizer given to "
     "FlightRecorder trains. Data the loop only differentiates by (a PINN's collocation "
     "points) is checked as any batch: the data pipeline for these samples")
+# (a leaf no more: the input came with the autograd graph of a forward the loop ran before)
+GRAPH_INPUT = (
+    "{tensor} came with an autograd graph, no data and no tensor the loop trains: the output "
+    "of a forward the loop ran before (another network's: a GAN generator's images fed to the "
+    "discriminator, a teacher's or an encoder's output), which made it non-finite; record that "
+    "network "
+    "(FlightRecorder on it, with its own optimizer and a factory) to have the op that made it "
+    "named")
 BEFORE = "; the model took it finite at step {s}"
 LOSS = ", whose loss was {loss:.4g}"
 ZERO_LOSS = (
@@ -49,6 +57,8 @@ def trained_input_hint(step: Step, origin: dict[str, Any] | None = None) -> str 
     key, _ = origin_key(step, origin)
     if not key or key not in step.micro_batches[0].get("grad_inputs", ()):
         return None
+    if key in step.micro_batches[0].get("graph_inputs", ()):
+        return GRAPH_INPUT.format(tensor=origin.get("tensor"))
     before, remedy = "", EITHER
     if (last := _last_finite_input(step)) is not None:
         s, loss = last

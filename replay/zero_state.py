@@ -31,9 +31,11 @@ from .zero_statistic import zero_statistic_hint
 _DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
 
 
-def zero_state_hint(runner: Runner, origin, hit) -> str | None:
+def zero_state_hint(runner: Runner, origin, hit, samples=None) -> str | None:
     """The hint for an ``invalid`` division in ``origin`` (its module, call and micro-batch)
-    that state of that module all 0 made (see the module doc), else None."""
+    that state of that module all 0 made (see the module doc), else None. ``samples``: the
+    batch's (its ``size``), to tell a layer of zeros (every sample at the pole) from a zero
+    bias that some samples' zero inputs put there."""
     if hit is None or hit.op not in _DIVIDES or runner.model is None:
         return None
     try:
@@ -60,6 +62,8 @@ def zero_state_hint(runner: Runner, origin, hit) -> str | None:
     for what, t in zero:
         if finite_without_zeros(runner, origin, module, t):
             if t.requires_grad:  # (a layer the optimizer trains: initialised to zeros)
+                if some_rows(hit.rows, samples):
+                    return ZERO_IN_SOME_ROWS.format(op=hit.op, what=what, rows=hit.rows)
                 return ZERO_LAYER.format(op=hit.op, what=what)
             # (state the forward fills from a zero-initialised weight: an FP8 amax history)
             if stat := zero_statistic_hint(hit.op, what, module, prefix, lambda p: (
@@ -83,6 +87,24 @@ ZERO_SCALAR_STATE = (
     "divides by it, before any update: start it where a divisor is neutral (1, as "
     "BatchNorm's running_var), divide by it only once it has been updated, or add an eps "
     "where it is used (var + eps)")
+
+
+def some_rows(rows: list[int] | None, samples) -> bool:
+    """Did the pole hold in some samples of the batch only (the others finite with the same
+    zero parameter)?"""
+    size = getattr(samples, "size", None)
+    return bool(rows) and bool(size) and len(rows) < size
+
+
+# (StyleGAN2's demodulation without its eps: a style affine whose bias started at 0 gives a
+# style of 0 to a sample whose w is 0, and only that sample's rsqrt is of 0)
+ZERO_IN_SOME_ROWS = (
+    "{op}'s divisor is 0 in samples {rows} only, and comes from {what}, all 0 as the step "
+    "began: with random values in its place the call is finite. The other samples' divisors "
+    "were not 0 with that same parameter, so it is no layer of zeros: those samples' own "
+    "values into the layer (a latent or feature of 0) give 0 through it. Add an eps to the "
+    "divisor (rsqrt(x + 1e-8)), and start that parameter where the divisor cannot be 0 for "
+    "any input (a modulation's bias at 1)")
 
 
 ZERO_LAYER = (
