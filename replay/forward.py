@@ -69,7 +69,9 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     if hit is None and finder.intentional is not None:
         # The only non-finite value is a literal +-inf fill that leaves the module as it is
         # (the one it returned, not a causal mask's that attention consumed before).
-        hit = finder.intentional = returned_fill(runner, o, finder)
+        hit = finder.intentional = returned_fill(
+            runner, o, finder, lambda where, target: _track_calls(
+                where, target, (o.module, o.call), runner, o.micro_batch))
         made = (f"passes on the {hit.made} of buffer '{hit.buffer}'" if hit.buffer else
                 f"fills a literal {hit.made}")
         report["problems"].append(
