@@ -241,8 +241,15 @@ class EMAVectorQuantizer(nn.Module):
         self.register_buffer("embed", embed)
         self.register_buffer("cluster_size", torch.ones(size))
         self.register_buffer("embed_avg", embed.clone())
+        self.register_buffer("inited", torch.tensor(False))
 
     def forward(self, x):  # (N, dim)
+        if self.training and not self.inited:  # (EnCodec's kmeans_init: codes from the data)
+            with torch.no_grad():
+                pick = torch.randperm(x.shape[0])[:len(self.embed)]
+                self.embed.copy_(x[pick])
+                self.embed_avg.copy_(x[pick])
+                self.inited.fill_(True)
         dist = (x.pow(2).sum(1, keepdim=True) - 2 * x @ self.embed.t()
                 + self.embed.pow(2).sum(1)[None])
         ind = dist.argmin(1)
@@ -308,9 +315,10 @@ def make_codec() -> nn.Module:
 
 
 class MultiScaleSTFTLoss(nn.Module):
-    """EnCodec / DAC-style: over several FFT sizes, the L1 of the magnitudes plus the L1 of
-    their logs. ``floor``: the magnitude clamped before the log (the correct code); ``power``:
-    the magnitude as sqrt(re² + im²) (parallel_wavegan), else ``stft(...).abs()``."""
+    """Over several FFT sizes, the L1 of the magnitudes plus the L1 of their logs. EnCodec /
+    auraloss style: ``stft(...).abs()`` clamped at ``floor``, the estimate's log first;
+    ``power``: parallel_wavegan's ``sqrt(clamp(re² + im², floor))``, the target's log first
+    (its ``LogSTFTMagnitudeLoss``). ``floor=None``: the clamp forgotten."""
 
     def __init__(self, scales=(64, 128), floor: float | None = 1e-7, power: bool = False):
         super().__init__()
@@ -320,16 +328,20 @@ class MultiScaleSTFTLoss(nn.Module):
         spec = torch.stft(x, n_fft, n_fft // 4, window=torch.hann_window(n_fft),
                           return_complex=True)
         if self.power:
-            mag = torch.sqrt(spec.real ** 2 + spec.imag ** 2)
-        else:
-            mag = spec.abs()
+            power = spec.real ** 2 + spec.imag ** 2
+            return torch.sqrt(power.clamp(min=self.floor) if self.floor else power)
+        mag = spec.abs()
         return mag.clamp(min=self.floor) if self.floor is not None else mag
 
     def forward(self, y_hat, y):
         loss = 0.0
         for n_fft in self.scales:
             s_hat, s = self.magnitude(y_hat, n_fft), self.magnitude(y, n_fft)
-            loss = loss + F.l1_loss(s_hat, s) + F.l1_loss(torch.log(s_hat), torch.log(s))
+            if self.power:
+                log_term = F.l1_loss(torch.log(s), torch.log(s_hat))
+            else:
+                log_term = F.l1_loss(torch.log(s_hat), torch.log(s))
+            loss = loss + F.l1_loss(s_hat, s) + log_term
         return loss / len(self.scales)
 
 
