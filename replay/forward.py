@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 import os
 from typing import Any
 
@@ -207,6 +208,10 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
             if name in runner.allowed:
                 hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
                 hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
+        if "" in runner.allowed:  # ('' lets the root's output and own code hold +-inf, not
+            for m in model.children():  # its submodules': wav2vec 2.0's -inf logits)
+                hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, -1)))
+                hs.append(m.register_forward_hook(lambda *a: _bump(finder, 1)))
 
         def watch(m, args):  # (from the root call's start to the call's)
             picks.watching = runner.micro_batch == mb and state["count"] <= call
@@ -316,8 +321,13 @@ def origin_rows(step: Step, run: Run, o, hit) -> list[int]:
 
 
 def _root_rows(step: Step, run: Run) -> list[int]:
+    """(the NaN rows only where allow_inf lets the root's output hold +-inf: wav2vec 2.0's
+    -inf logits are no samples of a NaN the quantizer made of the whole batch's counts)"""
+    keep = (lambda outs: outs) if "" not in run.allowed else (
+        lambda outs: [t.nan_to_num(0.0, 0.0, 0.0).masked_fill(t.isnan(), math.nan)
+                      if t.is_floating_point() else t for t in outs])
     return next((rows for mb, outs in enumerate(run.outputs)
-                 if (rows := samples(step, mb).first_rows(outs, stacked=True))), [])
+                 if (rows := samples(step, mb).first_rows(keep(outs), stacked=True))), [])
 
 
 def module_source(step: Step, module: str) -> str | None:
