@@ -8,9 +8,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import math
 import os
 from typing import Any
+
+from recorder.finite import inf_read_finite
 
 from .absorbed_log import absorbed_hint
 from .caller_picks import CallerPicks
@@ -323,9 +324,7 @@ def origin_rows(step: Step, run: Run, o, hit) -> list[int]:
 def _root_rows(step: Step, run: Run) -> list[int]:
     """(the NaN rows only where allow_inf lets the root's output hold +-inf: wav2vec 2.0's
     -inf logits are no samples of a NaN the quantizer made of the whole batch's counts)"""
-    keep = (lambda outs: outs) if "" not in run.allowed else (
-        lambda outs: [t.nan_to_num(0.0, 0.0, 0.0).masked_fill(t.isnan(), math.nan)
-                      if t.is_floating_point() else t for t in outs])
+    keep = inf_read_finite if "" in run.allowed else (lambda outs: outs)
     return next((rows for mb, outs in enumerate(run.outputs)
                  if (rows := samples(step, mb).first_rows(keep(outs), stacked=True))), [])
 
