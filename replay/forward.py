@@ -205,14 +205,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                 finder.__exit__(None, None, None)
                 raise StopRun
 
-        for name, m in model.named_modules():
-            if name in runner.allowed:
-                hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
-                hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
-        if "" in runner.allowed:  # ('' lets the root's output and own code hold +-inf, not
-            for m in model.children():  # its submodules': wav2vec 2.0's -inf logits)
-                hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, -1)))
-                hs.append(m.register_forward_hook(lambda *a: _bump(finder, 1)))
+        hs.extend(_allowed_hooks(finder, model, runner.allowed))
 
         def watch(m, args):  # (from the root call's start to the call's)
             picks.watching = runner.micro_batch == mb and state["count"] <= call
@@ -234,6 +227,22 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
             if state["active"]:
                 finder.__exit__(None, None, None)
     return finder
+
+
+def _allowed_hooks(finder: OpFinder, model, allowed) -> list:
+    """Hooks keeping ``finder.allowed_depth`` above 0 inside the calls of ``allow_inf``
+    modules; '' lets the root's output and own code hold +-inf, not its submodules' (a
+    quantizer's log(0) beside wav2vec 2.0's -inf logits)."""
+    hs = []
+    for name, m in model.named_modules():
+        if name in allowed:
+            hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
+            hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
+    if "" in allowed:
+        for m in model.children():
+            hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, -1)))
+            hs.append(m.register_forward_hook(lambda *a: _bump(finder, 1)))
+    return hs
 
 
 def _bump(finder: OpFinder, d: int) -> None:
