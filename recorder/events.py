@@ -21,6 +21,7 @@ from .finite import (
     finite,
     flags_kind,
     has_nan,
+    inf_read_finite,
     kind_of,
     only_mask_infinities,
     pair_kind,
@@ -319,8 +320,9 @@ def _forward_event(ev: StepEvidence) -> Event | None:
     if ev.tape.micro_batches:
         mb = d["micro_batch"]
         outputs = ev.tape.micro_batches[mb].outputs
-        event.samples = ev.samples(mb).first_rows(_outputs(outputs), packed_in(outputs),
-                                                   stacked=True)
+        outs = _outputs(outputs)  # (NaN rows only, where allow_inf lets the root hold +-inf)
+        event.samples = ev.samples(mb).first_rows(
+            inf_read_finite(outs) if 0 in ev.allowed else outs, packed_in(outputs), stacked=True)
     event.detail = (f"{event.kind} first in the output of {event.module or '<root>'} "
                     f"({event.module_type}), call {event.call}")
     own_code_detail(event, ev.calls, d, ev.module_names)  # (its output finite)

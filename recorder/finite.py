@@ -189,3 +189,11 @@ def only_mask_infinities(tensors: Iterable[torch.Tensor]) -> bool:
     -inf there is intended (by the default policy, no event), unlike a data tensor's."""
     bad = [t for t in tensors if isinstance(t, torch.Tensor) and checkable(t) and not finite(t)]
     return bool(bad) and all(additive_mask(t) for t in bad)
+
+
+def inf_read_finite(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with their +-Inf read as 0 and their NaN kept: the rows of a NaN in a model
+    output that ``allow_inf`` lets hold +-Inf (wav2vec 2.0's -inf logits, whose rows are no
+    samples of a NaN made of the whole batch)."""
+    return [t.nan_to_num(0.0, 0.0, 0.0).masked_fill(t.isnan(), math.nan)
+            if t.is_floating_point() else t for t in tensors]

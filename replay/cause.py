@@ -64,6 +64,7 @@ from .float64_step import float64_still
 from .literal_range import literal_hint, unheld_literal
 from .ops import Evidence, OpHit
 from .rerun import Runner
+from .squared_zero import source as zero_source
 from .step_dtype import autocast as _autocast
 from .step_dtype import step_dtype as _step_dtype
 from .underflow_advice import underflow_advice as advice
@@ -188,13 +189,11 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         return Cause("underflow", f"{what}: that input is {_g(w)} in float64, below "
                      f"{_type(it)}'s smallest normal number {_g(torch.finfo(it).tiny)}, and "
                      f"was rounded to 0{BELOW_FLOAT32 if half and not held else ''}" + how)
-    if zero_from_exp:
-        src = (f"{_POSITIVE_OPS} of a finite argument (or a sum or matrix product of such "
-               "values: a softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with "
-               "K = exp(-C / eps)), positive in exact arithmetic")
+    if zero_from_exp:  # (or from a square of a non-zero value: re² + im²)
+        src, fix = zero_source(ev, zero_from_exp, _POSITIVE_OPS, DO["log_space"])
         also = "" if rounded else ", and below float64's range as well"
         return Cause("underflow", f"{what}: that 0 came from {src}; it underflowed in "
-                     f"{_type(ev.input_dtypes[zero_from_exp[0]])}{also}: " + DO["log_space"])
+                     f"{_type(ev.input_dtypes[zero_from_exp[0]])}{also}: " + fix)
     if rounded or (rounded is None and not still):
         if rounded is None and any(bool((v == 0).any()) for v in ev.inputs):
             return Cause("underflow", f"{what}: float64 keeps the step finite, so that 0 is "

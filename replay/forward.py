@@ -11,6 +11,8 @@ import inspect
 import os
 from typing import Any
 
+from recorder.finite import inf_read_finite
+
 from .absorbed_log import absorbed_hint
 from .backward_calls import backward_call_note, run_to_call, user_backward
 from .caller_picks import CallerPicks
@@ -62,7 +64,9 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     if hit is None and finder.intentional is not None:
         # The only non-finite value is a literal +-inf fill that leaves the module as it is
         # (the one it returned, not a causal mask's that attention consumed before).
-        hit = finder.intentional = returned_fill(runner, o, finder)
+        hit = finder.intentional = returned_fill(
+            runner, o, finder, lambda where, target: _track_calls(
+                where, target, (o.module, o.call), runner, o.micro_batch))
         made = (f"passes on the {hit.made} of buffer '{hit.buffer}'" if hit.buffer else
                 f"fills a literal {hit.made}")
         report["problems"].append(
@@ -208,10 +212,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                 finder.__exit__(None, None, None)
                 raise StopRun
 
-        for name, m in model.named_modules():
-            if name in runner.allowed:
-                hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
-                hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
+        hs.extend(_allowed_hooks(finder, model, runner.allowed))
 
         def watch(m, args):  # (from the root call's start to the call's)
             picks.watching = runner.micro_batch == mb and state["count"] <= call
@@ -229,6 +230,22 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
     with picks if module else contextlib.nullcontext():  # (outermost: left last)
         run_to_call(runner, finder, state, call, hooks, forward_ctx)
     return finder
+
+
+def _allowed_hooks(finder: OpFinder, model, allowed) -> list:
+    """Hooks keeping ``finder.allowed_depth`` above 0 inside the calls of ``allow_inf``
+    modules; '' lets the root's output and own code hold +-inf, not its submodules' (a
+    quantizer's log(0) beside wav2vec 2.0's -inf logits)."""
+    hs = []
+    for name, m in model.named_modules():
+        if name in allowed:
+            hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, 1)))
+            hs.append(m.register_forward_hook(lambda *a: _bump(finder, -1)))
+    if "" in allowed:
+        for m in model.children():
+            hs.append(m.register_forward_pre_hook(lambda *a: _bump(finder, -1)))
+            hs.append(m.register_forward_hook(lambda *a: _bump(finder, 1)))
+    return hs
 
 
 def _bump(finder: OpFinder, d: int) -> None:
@@ -317,8 +334,11 @@ def origin_rows(step: Step, run: Run, o, hit) -> list[int]:
 
 
 def _root_rows(step: Step, run: Run) -> list[int]:
+    """(the NaN rows only where allow_inf lets the root's output hold +-inf: wav2vec 2.0's
+    -inf logits are no samples of a NaN the quantizer made of the whole batch's counts)"""
+    keep = inf_read_finite if "" in run.allowed else (lambda outs: outs)
     return next((rows for mb, outs in enumerate(run.outputs)
-                 if (rows := samples(step, mb).first_rows(outs, stacked=True))), [])
+                 if (rows := samples(step, mb).first_rows(keep(outs), stacked=True))), [])
 
 
 def module_source(step: Step, module: str) -> str | None:

@@ -68,6 +68,7 @@ class Evidence:
     of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
     compared: bool = False  # and the loss compared it with the op's result on a learned value
     of_weights: bool = False  # every input a parameter or buffer, or made of them alone
+    squared: list[bool] = field(default_factory=list)  # exp_made[i] by a square (re² + im²)
     # a decomposition's values: "cholesky", "eigenvalues" or None each (replay.factors)
     factor: list[str | None] = field(default_factory=list)
     narrowest: torch.dtype | None = None  # the narrowest type an op before it made

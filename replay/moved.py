@@ -13,7 +13,9 @@ joints with the batch (dsntnn's ``gt.reshape(-1, 2)``, ``(B * K, 2)``): row ``r`
 values that all hold it in one dimension, ``transpose``, ``permute`` (``movedim``), and, of a
 followed value, ``unsqueeze``, ``select`` and reductions over other dimensions — and through
 a ``view`` / ``reshape`` merging the samples with the dimensions after them (each sample a
-``group`` of consecutive rows); and on through any op broadcasting such a value into its
+``group`` of consecutive rows) or with those before them too (wav2vec 2.0's contrastive logits
+``(1 + K, B, M)``, ``logits.transpose(0, 2).reshape(-1, 1 + K)``: row ``r`` is sample
+``r % B``, the batch repeated ``reps`` times); and on through any op broadcasting such a value into its
 output (``vals ** w``, ``preds - gt[None]``, a copy).
 """
 
@@ -34,7 +36,9 @@ from recorder.samples import Samples
 _REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "amax", "amin", "prod", "logsumexp"}
 _VIEWS = {"view", "reshape", "_unsafe_view"}
 
-Place = tuple[int, int]  # (the samples' dimension, the rows each sample holds there)
+# (the samples' dimension, the rows each sample holds there, how many times the batch's
+# rows repeat along it): row r is sample (r // group) % size
+Place = tuple[int, int, int]
 
 
 class Moved:
@@ -51,16 +55,18 @@ class Moved:
         """The non-finite samples of the first of ``outs`` whose samples an op moved."""
         for t in outs:
             if (p := self.place(t)) is not None:
-                return sorted({r // p[1] for r in bad_rows(t, p[0])})
+                return sorted({(r // p[1]) % self.samples.size for r in bad_rows(t, p[0])})
         return None
 
-    def _where(self, t: Any) -> Place | None:
-        """Where the samples of ``t`` are: followed, else as its shape says."""
+    def _where(self, t: Any, name: str = "") -> Place | None:
+        """Where the samples of ``t`` are: followed, else as its shape says (a value a
+        transpose moves read as made from the batch: ``(1 + K, B, M)`` logits hold them in
+        dim 1)."""
         if not isinstance(t, torch.Tensor) or t.is_nested:
             return None
         p = self.place(t)
-        return p if p is not None else (d, 1) if (d := self.samples.dim(t)) is not None \
-            else None
+        d = self.samples.dim(t, stacked=name in ("transpose", "permute"))
+        return p if p is not None else (d, 1, 1) if d is not None else None
 
     def track(self, name: str, args: Sequence[Any], leaves: list, out: Any) -> None:
         s = self.samples
@@ -72,23 +78,25 @@ class Moved:
         except (TypeError, ValueError, IndexError, ZeroDivisionError):
             return  # (arguments of an overload not foreseen: the shape says the samples)
         if p is not None or name in _VIEWS:  # (a view that mixes the samples: not followed)
-            if p and outs and outs[0].dim() > p[0] and outs[0].shape[p[0]] == s.size * p[1]:
+            if p and outs and outs[0].dim() > p[0] \
+                    and outs[0].shape[p[0]] == s.size * p[1] * p[2]:
                 self._put(outs[0], p)
             return
         # an elementwise op (broadcasting) keeps a followed value's samples where they were,
         # counted from the right
         ts = [t for t in leaves if isinstance(t, torch.Tensor) and not t.is_nested]
-        ends = {(q[0] - t.dim(), q[1]) for t in ts if (q := self.place(t)) is not None}
+        ends = {(q[0] - t.dim(), q[1], q[2]) for t in ts if (q := self.place(t)) is not None}
         if len(ends) != 1:
             return
-        end, group = ends.pop()
+        end, group, reps = ends.pop()
         for t in outs:
             d = t.dim() + end
-            if d < 0 or t.shape[d] != s.size * group or t.dim() < max(u.dim() for u in ts) \
+            if d < 0 or t.shape[d] != s.size * group * reps \
+                    or t.dim() < max(u.dim() for u in ts) \
                     or any(u.shape == t.shape and self.place(u) is None
                            and s.dim(u) not in (None, d) for u in ts):
                 continue  # (a reduction; or beside a value of its shape read by its shape)
-            self._put(t, (d, group))
+            self._put(t, (d, group, reps))
 
     def _moved(self, name: str, args: Sequence[Any], outs: list[torch.Tensor]) -> Place | None:
         """Where op ``name`` put the samples of its input, None when it moved none."""
@@ -98,17 +106,19 @@ class Moved:
             if len(at) != 1 or (p := at.pop()) is None:
                 return None
             k = _arg(args, 1, 0) % (x[0].dim() + 1)
-            return (p[0] + 1 if k <= p[0] else p[0], p[1])
-        if not isinstance(x, torch.Tensor) or (p := self._where(x)) is None:
+            return (p[0] + 1 if k <= p[0] else p[0], *p[1:])
+        if not isinstance(x, torch.Tensor) or (p := self._where(x, name)) is None:
             return None
-        (s, group), followed = p, self.place(x) is not None
+        (s, group, reps), followed = p, self.place(x) is not None
         if name == "transpose":
             a, b = (_arg(args, i, 0) % max(x.dim(), 1) for i in (1, 2))
-            return (b if s == a else a if s == b else s, group)
+            return (b if s == a else a if s == b else s, group, reps)
         if name == "permute":
             dims = [k % x.dim() for k in _arg(args, 1, ())]
-            return (dims.index(s), group) if s in dims else None
-        if name in _VIEWS and outs and s == 0:  # ((B, K, 2) as (B * K, 2); and back)
+            return (dims.index(s), group, reps) if s in dims else None
+        if name in _VIEWS and outs and s > 0 and reps == 1 and followed:  # ((M, B, C): (M * B, C))
+            return _merged(x, outs[0], s, group)
+        if name in _VIEWS and outs and s == 0 and reps == 1:  # ((B, K, 2) as (B * K, 2); back)
             p = _flattened(x, outs[0], group)
             # (a view of a value read by shape that merges nothing, w.view(-1, 1, 1) of as
             # many weights as samples, is read so too)
@@ -116,10 +126,10 @@ class Moved:
         if not followed:  # (the rest keep what the shape reads, or lose it)
             return None
         if name == "unsqueeze":  # (of (B,) read by shape: (1, B) is read so too)
-            return (s + 1 if _arg(args, 1, 0) % (x.dim() + 1) <= s else s, group)
+            return (s + 1 if _arg(args, 1, 0) % (x.dim() + 1) <= s else s, group, reps)
         if name == "select":
             k = _arg(args, 1, 0) % max(x.dim(), 1)
-            return None if k == s else (s - (k < s), group)
+            return None if k == s else (s - (k < s), group, reps)
         if name in _REDUCTIONS:
             dims = _arg(args, 1, None)
             dims = [dims] if isinstance(dims, int) else dims
@@ -127,7 +137,8 @@ class Moved:
                 return None  # (over every dim)
             dims = {k % x.dim() for k in dims}
             keep = bool(_arg(args, 2, False))
-            return None if s in dims else (s if keep else s - sum(k < s for k in dims), group)
+            return None if s in dims else (s if keep else s - sum(k < s for k in dims), group,
+                                           reps)
         return None
 
     def _put(self, t: torch.Tensor, p: Place) -> None:
@@ -143,10 +154,19 @@ def _flattened(x: torch.Tensor, out: torch.Tensor, group: int) -> Place | None:
     for j in range(x.dim()):  # dims 0..j of x merged into out's dim 0
         if math.prod(x.shape[:j + 1]) == out.shape[0]:
             g = out.shape[0] // n
-            return (0, g) if g * n == out.shape[0] and math.prod(x.shape[1:j + 1]) * group == g \
-                else None
+            return (0, g, 1) if g * n == out.shape[0] \
+                and math.prod(x.shape[1:j + 1]) * group == g else None
     if out.dim() > 1 and out.shape[0] == n and x.shape[0] == math.prod(out.shape[:1]) * group:
-        return (0, 1) if out.shape[1:].numel() * n == x.numel() else None
+        return (0, 1, 1) if out.shape[1:].numel() * n == x.numel() else None
+    return None
+
+
+def _merged(x: torch.Tensor, out: torch.Tensor, s: int, group: int) -> Place | None:
+    """Where a view of ``x`` merging its dims 0..j (j >= s, the samples' ``s``) into its dim 0
+    puts the samples: the batch repeated once for each index of the dims before ``s``."""
+    for j in range(s, x.dim()):
+        if math.prod(x.shape[:j + 1]) == out.shape[0]:
+            return (0, math.prod(x.shape[s + 1:j + 1]) * group, math.prod(x.shape[:s]))
     return None
 
 

@@ -37,6 +37,7 @@ from .folds import folded_inputs, folds
 from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage, pole_inputs
+from .literal_fill import literals
 from .lost_eps import LostEps
 from .masked_product import mask_after_pole, nan_times_zero
 from .memo import TensorSet
@@ -51,18 +52,6 @@ from .reordered import Reordered
 from .saturation import Saturation, made_unit
 from .source import user_source
 from .storages import storage_of
-
-# Ops whose literal NaN argument is the value they write: padding marked for nanmean/nansum
-# (``x.masked_fill(~mask, nan).nanmean(1)``), meant as a -inf mask is
-_FILLS = {"masked_fill", "masked_fill_", "full", "full_like", "new_full", "fill", "fill_",
-          "where", "index_fill", "index_fill_"}
-
-
-def _literals(name: str, leaves: list) -> tuple[float | None, bool]:
-    """The op's literal +-inf argument, and whether it is a fill writing a literal NaN."""
-    inf = next((a for a in leaves if isinstance(a, float) and math.isinf(a)), None)
-    return inf, name in _FILLS and any(isinstance(a, float) and math.isnan(a) for a in leaves)
-
 
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
@@ -85,6 +74,7 @@ class _Watch(TorchDispatchMode):
         name = func.overloadpacket.__name__
         occurrence, seq = f.count(name)
         ins = float_leaves(leaves := tree_leaves((args, kwargs)))
+        literal_inf, filled, ins = literals(name, leaves, ins)
         pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
         # an op writing into its arguments: keep what it was given, for the evidence
         before = clone_args(args, kwargs) if f.first is None and writes_arguments(func) \
@@ -110,7 +100,6 @@ class _Watch(TorchDispatchMode):
             return out
         if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
             return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
-        literal_inf, filled = _literals(name, leaves)
         intentional = literal_inf is not None or f.in_allowed_module() or filled
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
@@ -205,6 +194,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
     return Evidence(dtype=outs[k].dtype, bad=bad, inputs=[v for v, _ in taken],
                     input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
                     exp_made=[f.positive(t) or f.partly.at(t, bad) for t in ins],
+                    squared=[f.partly.squared(t) for t in ins],
                     local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
                     zero_dim=[t.dim() == 0 for t in ins], factor=[made_by(t) for t in ins],

@@ -27,7 +27,7 @@ PASS_ON = {"gather", "index_select", "select", "slice", "view", "_unsafe_view", 
            "contiguous", "alias", "narrow", "take_along_dim", "index", "unbind", "split",
            "split_with_sizes", "detach", "masked_select", "flatten", "unflatten", "diagonal",
            "as_strided", "div",  # div: a positive value over a finite one stays non-zero
-           "pow"}  # a positive base to any power stays positive
+           "pow", "sqrt"}  # a positive base to any power stays positive
 # sums of products of their inputs' elements: positive when every term is (a row sum of
 # exp, K @ v of a positive kernel and positive scalings)
 SUMS = {"add", "mm", "bmm", "mv", "dot", "vdot"}
@@ -201,6 +201,12 @@ class Partly:
 
     def __init__(self):
         self._masks: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        # those a square made (``re ** 2``), or views, sums and roots of one
+        self._squares: dict[int, weakref.ref] = {}
+
+    def squared(self, t: torch.Tensor) -> bool:
+        hit = self._squares.get(id(t))
+        return hit is not None and hit() is t
 
     def mask(self, t: torch.Tensor) -> torch.Tensor | None:
         hit = self._masks.get(id(t))
@@ -219,12 +225,17 @@ class Partly:
         """Mark ``outs[0]`` with where op ``func`` made it positive; ``positive(t)``: ``t`` is
         positive everywhere (returned: the mask, all True for a value positive everywhere).
         Only exp and the ops given a partly positive value pay."""
-        if not ins or not (name in _PARTLY_MAKE or name in _PARTLY_KEEP and any(
+        square = _square(name, given)
+        if outs and (square or name in _PARTLY_KEEP and any(self.squared(t) for t in ins)):
+            self._squares[id(outs[0])] = weakref.ref(outs[0])
+        if not ins or not (name in _PARTLY_MAKE or square or name in _PARTLY_KEEP and any(
                 self.mask(t) is not None for t in ins)) or any(
                 bool(t.isnan().any()) for t in ins):
             return None
         if name in _PARTLY_MAKE:
             m = torch.broadcast_to(ins[0].detach() > -math.inf, outs[0].shape)
+        elif square:  # (positive where the base is not 0: a 0 there underflowed)
+            m = torch.broadcast_to(ins[0].detach() != 0, outs[0].shape)
         else:
             m = self._kept(func, name, given, positive)
         if m is not None and not bool(m.all()) and bool(m.any()):
@@ -265,3 +276,12 @@ class Partly:
             return None
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out != 0 if isinstance(out, torch.Tensor) else None
+
+
+def _square(name: str, given: tuple) -> bool:
+    """Op ``name`` given ``(args, kwargs)`` squares its first argument (``x ** 2``, ``x * x``)."""
+    args = given[0] if given and isinstance(given[0], (tuple, list)) else ()
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+        return False
+    return (name == "pow" and isinstance(args[1], (int, float)) and args[1] == 2) or (
+        name == "mul" and args[1] is args[0])

@@ -1,0 +1,28 @@
+"""A 0 that a square of a non-zero value made: an underflow, not an exact 0.
+
+A power spectrum ``re ** 2 + im ** 2`` of a near-silent clip (samples around 1e-24, a
+resampler's ringing) holds values below float32's smallest subnormal: the squares round to 0,
+``sqrt`` keeps that 0 and the magnitude's ``log`` is -inf several ops later. Where the squared
+value was non-zero in its own type, exact arithmetic keeps the square positive; the report said
+``precision`` (rounding "across the domain edge", a cancellation) where nothing cancelled.
+:class:`replay.positive.Partly` marks such squares as positive where their base is non-zero,
+and this module words the cause.
+"""
+
+from __future__ import annotations
+
+__all__ = ["source"]
+
+
+def source(ev, zeros: list[int], positive_ops: str, log_space: str) -> tuple[str, str]:
+    """(where the op's 0 came from, what to do) for its inputs ``zeros`` holding an underflowed
+    0 that exact arithmetic keeps positive: a square's, else an exponential's."""
+    if all(i < len(ev.squared) and ev.squared[i] for i in zeros):
+        return ("a square of a non-zero value (x ** 2, x * x; a power spectrum re² + im² of a "
+                "near-silent clip), positive in exact arithmetic, or what sums and roots made "
+                "of it",
+                "floor it before the op (power.clamp_min(eps): parallel_wavegan's STFT "
+                "magnitude clamps re² + im² at 1e-7), or scale the values up before squaring")
+    return (f"{positive_ops} of a finite argument (or a sum or matrix product of such values: a "
+            "softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with K = exp(-C / eps)), positive "
+            "in exact arithmetic", log_space)
