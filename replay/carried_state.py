@@ -20,7 +20,7 @@ from recorder.capture import batch_path
 
 from .domains import g
 from .load import Step
-from .outliers import n_args
+from .recorded import n_args
 from .rerun import Runner
 
 

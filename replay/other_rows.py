@@ -13,8 +13,7 @@ from typing import Any
 from recorder.capture import batch_path
 
 from .load import Step
-from .outliers import n_args
-from .recorded import samples
+from .recorded import n_args, samples
 
 
 def other_input_rows(step: Step, hit, mb: int) -> tuple[str, list[int]] | None:

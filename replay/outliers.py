@@ -17,9 +17,10 @@ import torch
 from recorder.capture import batch_path, loss_path
 from recorder.missing import root_input_name
 
+from .carried_state import carried_keys
 from .domains import g
 from .load import Step
-from .recorded import nan_allowed, samples
+from .recorded import n_args, nan_allowed, samples
 
 FACTOR = 10.0  # the named rows' largest magnitude against every other row's
 
@@ -103,7 +104,6 @@ def out_of_scale(step: Step, origin: dict[str, Any]
         return found
     # (a model input: a state the model returned in the step before is no data; the forward
     # re-run that tells is made only here)
-    from .carried_state import carried_keys
     skip = frozenset(carried_keys(step, origin.get("micro_batch") or 0))
     return _out_of_scale(step, origin, skip) if found[1]["key"] in skip else found
 
@@ -130,11 +130,3 @@ def outlier_hint(found: dict[str, Any], rows: list[int], droppable: bool = True)
             "data of these samples is out of scale (a wrong unit, a corrupt record, a gain "
             f"never normalised), which a wider type would only hide; fix or filter them "
             f"({how})")
-
-
-def n_args(tree: Any) -> int:
-    """How many positional arguments the recorded root call had (``batch`` when one)."""
-    try:
-        return len(tree["$list"][0]["$list"])
-    except (KeyError, IndexError, TypeError):
-        return 1
