@@ -17,6 +17,7 @@ from .cause import classify
 from .errors import StopRun
 from .findings import finish, origin_fields
 from .forward_grad import derivative_words, with_node
+from .iteration import line_run
 from .lineage import Lineage
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
@@ -89,8 +90,10 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
-    cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch),
-                     hit=_counted_in(finder, hit, o))
+    counted = _counted_in(finder, hit, o)
+    cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=counted)
+    # (which run of its line: a loop over time steps runs it once a step)
+    origin["line_run"] = line_run(runner, o.module, o.call, o.micro_batch, counted)
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \

@@ -194,6 +194,64 @@ class ChunkGLA(nn.Module):
         return self.out(o)
 
 
+class RWKVTimeMix(nn.Module):
+    """RWKV-4's time mixing with the WKV recurrence written out as its reference CUDA kernel's
+    running max (``p = max(pp, u + k)``, ``e1 = exp(pp - p)``, ``e2 = exp(u + k - p)``), the
+    state started at ``pp = -1e38``. Padded positions get a key of ``-inf`` (no weight in the
+    average). ``start`` is the initial ``pp``: ``-inf`` makes ``pp - p`` a ``-inf - -inf`` at a
+    left-padded row's first positions."""
+
+    def __init__(self, dim: int, start: float = -1e38):
+        super().__init__()
+        self.start = start
+        self.time_decay = nn.Parameter(torch.linspace(-5.0, 1.0, dim))
+        self.time_first = nn.Parameter(torch.full((dim,), math.log(0.3)))
+        self.time_mix = nn.Parameter(torch.full((3, dim), 0.5))
+        self.key = nn.Linear(dim, dim, bias=False)
+        self.value = nn.Linear(dim, dim, bias=False)
+        self.receptance = nn.Linear(dim, dim, bias=False)
+        self.output = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, pad):
+        xx = F.pad(x, (0, 0, 1, -1))  # token shift
+        xk, xv, xr = (x * m + xx * (1 - m) for m in self.time_mix)
+        k = self.key(xk).masked_fill(pad[..., None], float("-inf"))
+        v, r = self.value(xv), torch.sigmoid(self.receptance(xr))
+        w, u = -torch.exp(self.time_decay), self.time_first
+        aa = torch.zeros_like(x[:, 0])
+        bb = torch.zeros_like(x[:, 0])
+        pp = torch.full_like(x[:, 0], self.start)
+        out = []
+        for t in range(x.shape[1]):
+            kt, vt = k[:, t], v[:, t]
+            ww = u + kt
+            p = torch.maximum(pp, ww)
+            e1, e2 = torch.exp(pp - p), torch.exp(ww - p)
+            out.append((e1 * aa + e2 * vt) / (e1 * bb + e2))
+            ww = pp + w
+            p = torch.maximum(ww, kt)
+            e1, e2 = torch.exp(ww - p), torch.exp(kt - p)
+            aa, bb, pp = e1 * aa + e2 * vt, e1 * bb + e2, p
+        return self.output(r * torch.stack(out, 1))
+
+
+class RWKVLM(nn.Module):
+    """Left-padded sequences (token 0), RWKV time-mixing blocks with LayerNorm pre-norms."""
+
+    def __init__(self, start: float = -1e38):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.norms = nn.ModuleList(nn.LayerNorm(DIM) for _ in range(2))
+        self.mixers = nn.ModuleList(RWKVTimeMix(DIM, start) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        x, pad = self.emb(ids), ids == 0
+        for norm, mix in zip(self.norms, self.mixers):
+            x = x + mix(norm(x), pad)
+        return self.head(x)
+
+
 class Block(nn.Module):
     def __init__(self, mixer: nn.Module):
         super().__init__()
@@ -258,3 +316,13 @@ def make_mlstm_unnormalized():
 def make_gla_unstable():
     torch.manual_seed(0)
     return SeqLM([ChunkGLA(DIM, HEADS, chunk=64, stable=False, normalizer=1.0)])
+
+
+def make_rwkv():
+    torch.manual_seed(0)
+    return RWKVLM()
+
+
+def make_rwkv_inf_start():
+    torch.manual_seed(0)
+    return RWKVLM(start=float("-inf"))

@@ -155,36 +155,42 @@ def test_an_slstm_without_its_stabilizer_is_an_overflow_of_the_carried_state(tmp
     assert o["source"] == source_line(MODELS, "n = f * n + i"), o["source"]
     assert step >= 3 and len(began) == step + 1, step  # (more than 100 time steps in)
     # the rows whose n overflows, recomputed in float64 from the state the step began with
-    assert o["samples"] == overflowing_slstm_rows(model, *began[step]) != [], o["samples"]
+    rows, first = overflowing_slstm_rows(model, *began[step])
+    assert o["samples"] == rows != [], o["samples"]
+    # the loop's time step it overflowed at: line_run is 1-based (the line runs once a step)
+    assert o["line_run"] == first + 1 > 1, (o["line_run"], first)
     assert "recurrent state args[1][1]" in rep["hint"] and "stabilizer" in rep["hint"], \
         rep["hint"]
     assert "out of scale" not in rep["hint"], rep["hint"]
     assert not [t for t in rep["what_if"] if t["try"].startswith("drop=")], rep["what_if"]
 
 
-def overflowing_slstm_rows(model, x, state) -> list[int]:
+def overflowing_slstm_rows(model, x, state) -> tuple[list[int], int]:
     """Rows whose ``f * n`` passes float32's range at any time step of a float64 run of the
     event step (the model holds the weights that step ran with: the recorder raised before
-    the update; the rows are independent, each overflows at a step of its own)."""
+    the update; the rows are independent, each overflows at a step of its own), and the
+    first time step where one does."""
     cell = model.cell.double()
     with torch.no_grad():
         u = model.norm.double()(model.emb.double()(x))
         c, n, _, h = (s.double() for s in state)
-        bad = torch.zeros(x.shape[0], dtype=torch.bool)
+        bad, first = torch.zeros(x.shape[0], dtype=torch.bool), []
         for t in range(x.shape[1]):
             zt, ft, it, ot = (cell.w(u[:, t]) + cell.r(h)).chunk(4, -1)
             f, i = ft.exp(), it.exp()
             bad |= (f * n).abs().amax(1) > torch.finfo(torch.float32).max
+            first += [t] if bad.any() and not first else []
             c, n = f * c + i * zt.tanh(), f * n + i
             h = ot.sigmoid() * c / n
-    return torch.nonzero(bad).flatten().tolist()
+    return torch.nonzero(bad).flatten().tolist(), first[0]
 
 
 def test_an_mlstm_without_its_normalizer_is_0_by_0_at_the_padded_rows(tmp_path):
     """mLSTM's ``h = C q / max(|n^T q|, exp(-m))`` written as ``C q / (n^T q)``: the padding
     token's embedding is 0, the bias-free LayerNorm and projections keep it 0, so ``q = 0``
     and the division is 0/0 at the padded positions (step 2, the first batch with padding),
-    named at the division in the timestep loop, on the padded rows, as invalid."""
+    named at the division in the timestep loop, on the padded rows, as invalid. The report
+    named the line only; now also which run of it (the loop's time step) made the NaN."""
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(1, G.VOCAB, (4, 48), generator=g) for _ in range(4)]
     batches[2][1, 40:] = 0
@@ -200,6 +206,8 @@ def test_an_mlstm_without_its_normalizer_is_0_by_0_at_the_padded_rows(tmp_path):
     assert o["source"] == source_line(MODELS, "hs.append(num / den)"), o["source"]
     padded = torch.nonzero((batches[2] == 0).any(1)).flatten().tolist()
     assert o["samples"] == padded == [1, 3], o["samples"]
+    # the time step of the first padded position (row 3's 30): the line's 31st run
+    assert o["line_run"] == 31, o["line_run"]
     assert "0 by 0" in rep["hint"], rep["hint"]
 
 
@@ -221,11 +229,14 @@ def test_a_chunk_exp_of_minus_cumsum_of_log_gates_is_an_overflow_at_that_exp(tmp
     assert (o["module"], o["call"], o["op"], o["made"], rep["cause"]) == \
         ("blocks.0.mixer", 0, "aten.exp", "+inf", "overflow"), json.dumps(rep, indent=1)
     assert o["source"] == source_line(MODELS, "ki = k[:, i] * torch.exp(-bi)"), o["source"]
-    assert o["samples"] == overflowing_gla_rows(model, batches[step]) != [], o["samples"]
+    rows, chunk = overflowing_gla_rows(model, batches[step])
+    assert o["samples"] == rows != [], o["samples"]
+    assert o["line_run"] == chunk + 1, (o["line_run"], chunk)  # (the line runs once a chunk)
 
 
-def overflowing_gla_rows(model, ids) -> list[int]:
-    """Rows whose chunk cumsum of log gates reaches below -88.72 anywhere."""
+def overflowing_gla_rows(model, ids) -> tuple[list[int], int]:
+    """Rows whose chunk cumsum of log gates reaches below -88.72 anywhere, and the first
+    chunk where one does."""
     block = model.blocks[0]
     mixer = block.mixer
     with torch.no_grad():
@@ -233,4 +244,38 @@ def overflowing_gla_rows(model, ids) -> list[int]:
         gates = F.logsigmoid(mixer.gk(x)).double() / mixer.normalizer
         b, t, d = gates.shape
         sums = gates.view(b, t // mixer.chunk, mixer.chunk, d).cumsum(2)
-    return torch.nonzero((-sums).flatten(1).amax(1) > MAX_EXP).flatten().tolist()
+    over = (-sums).amax((2, 3)) > MAX_EXP  # (b, chunks)
+    return torch.nonzero(over.any(1)).flatten().tolist(), int(over.any(0).nonzero()[0])
+
+
+def left_padded(g: torch.Generator) -> list[torch.Tensor]:
+    batches = [torch.randint(1, G.VOCAB, (4, 40), generator=g) for _ in range(3)]
+    batches[1][2, :10] = 0
+    batches[1][0, :3] = 0
+    return batches
+
+
+@pytest.mark.parametrize("factory,op,line", [
+    ("make_rwkv", "aten.div", "out.append((e1 * aa + e2 * vt) / (e1 * bb + e2))"),
+    ("make_rwkv_inf_start", "aten.sub", "e1, e2 = torch.exp(pp - p), torch.exp(ww - p)")])
+def test_rwkv_keys_masked_with_minus_inf_at_left_padding_are_named_on_the_padded_rows(
+        tmp_path, factory, op, line):
+    """RWKV-4's WKV with the keys of padded positions set to -inf (no weight in the
+    average): a left-padded row has nothing to average at its first positions. With the
+    reference's ``pp = -1e38`` start, ``e2 = exp(-inf) = 0`` and ``bb = 0`` make the output
+    0/0; with ``pp = -inf``, the running max is -inf too and ``pp - p`` is -inf - -inf. Both
+    are named at their op's line, on the left-padded rows, at the loop's first time step, as
+    invalid; the subtraction's NaN comes from the mask alone."""
+    batches = left_padded(torch.Generator().manual_seed(0))
+    with pytest.raises(NonFiniteError) as info:
+        train_lm(getattr(G, factory)(), factory, batches, tmp_path)
+    err = info.value
+    assert (err.event["step"], err.event["module"]) == (1, "mixers.0"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["made"], rep["cause"]) == \
+        ("mixers.0", 0, op, "nan", "invalid"), json.dumps(rep, indent=1)
+    assert o["source"] == source_line(MODELS, line), o["source"]
+    assert o["samples"] == [0, 2] and o["line_run"] == 1, o
+    if op == "aten.sub":
+        assert o["chain"][0]["intentional"] and "masked (-inf)" in rep["hint"], rep["hint"]
