@@ -14,6 +14,7 @@ from typing import Any
 from .absorbed_log import absorbed_hint
 from .caller_picks import CallerPicks
 from .cause import classify
+from .cumsum_exp import cumsum_exp_hint
 from .errors import StopRun
 from .findings import finish, origin_fields
 from .forward_grad import derivative_words, with_node
@@ -105,14 +106,15 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
 def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin) -> str | None:
     """The forward origin's hint: the cause's, with what the op took (a parameter, a table),
     the backward node running it, a raw pole, a log-sum-exp, a log(1 + x) or softplus by
-    hand."""
+    hand, an exp of a cumulative sum."""
     hit, node = found
     lineage = finder.lineage
     hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
-    return softplus_hint(runner, hint, cause.name, hit)  # (its exp overflowed)
+    hint = softplus_hint(runner, hint, cause.name, hit)  # (its exp overflowed)
+    return cumsum_exp_hint(runner, hint, cause.name, hit)  # (exp(-cumsum) of a chunk)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:

@@ -215,7 +215,8 @@ def test_a_chunk_exp_of_minus_cumsum_of_log_gates_is_an_overflow_at_that_exp(tmp
     """Chunkwise GLA with the keys scaled by ``exp(-b)`` (``b`` the chunk's cumsum of log
     gates) instead of ``exp(b_last - b)``: once the gates close, a 64-token chunk's log gates
     sum below -88 and exp overflows; named at that exp, on the rows whose chunk sum passed
-    exp's range, as an overflow."""
+    exp's range, as an overflow. The advice was the generic one (subtract the row max before
+    exp); now it names the cumsum the exp took and the differences that keep it in range."""
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(1, G.VOCAB, (4, 128), generator=g) for _ in range(40)]
     model = G.make_gla_unstable()
@@ -232,6 +233,9 @@ def test_a_chunk_exp_of_minus_cumsum_of_log_gates_is_an_overflow_at_that_exp(tmp
     rows, chunk = overflowing_gla_rows(model, batches[step])
     assert o["samples"] == rows != [], o["samples"]
     assert o["line_run"] == chunk + 1, (o["line_run"], chunk)  # (the line runs once a chunk)
+    made = source_line(MODELS, "transpose(2, 3).cumsum(-2)")
+    assert f"took a cumulative sum (made at {made})" in rep["hint"] and \
+        "exp(b_last - b)" in rep["hint"], rep["hint"]
 
 
 def overflowing_gla_rows(model, ids) -> tuple[list[int], int]:
