@@ -120,18 +120,23 @@ class RetNetRetention(nn.Module):
     the decay mask ``exp((i - j) log gamma)`` with +inf above the diagonal (exp of -inf is 0;
     ``nan_to_num`` for a head whose decay is 0), divided by the square root of its row sums."""
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, first: int = 5, masked_after: bool = False):
         super().__init__()
-        self.heads, self.dh = heads, dim // heads
+        self.heads, self.dh, self.masked_after = heads, dim // heads, masked_after
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.g = nn.Linear(dim, dim, bias=False)
         self.out = nn.Linear(dim, dim, bias=False)
         self.norm = nn.GroupNorm(heads, dim, affine=False)
-        decay = torch.log(1 - 2 ** (-5 - torch.arange(heads, dtype=torch.float)))
+        decay = torch.log(1 - 2 ** (-first - torch.arange(heads, dtype=torch.float)))
         self.register_buffer("decay", decay)
 
     def decay_mask(self, t: int):
         index = torch.arange(t).to(self.decay)
+        if self.masked_after:  # the causal mask multiplied in after the exp: exp(-(i - j) *
+            # log gamma) above the diagonal grows with the length (inf * 0 once it overflows)
+            mask = torch.exp((index[:, None] - index[None, :]) * self.decay[:, None, None])
+            mask = mask * torch.tril(torch.ones(t, t)).to(mask)
+            return mask / mask.sum(dim=-1, keepdim=True).sqrt()
         mask = torch.tril(torch.ones(t, t, device=self.decay.device)).bool()
         mask = torch.masked_fill(index[:, None] - index[None, :], ~mask, float("inf"))
         mask = torch.exp(mask * self.decay[:, None, None])
@@ -326,3 +331,10 @@ def make_rwkv():
 def make_rwkv_inf_start():
     torch.manual_seed(0)
     return RWKVLM(start=float("-inf"))
+
+
+def make_retnet_masked_after():
+    """RetNet with faster-decaying heads (gamma = 1 - 2^-2, 1 - 2^-3) and the causal mask
+    multiplied in after the exp."""
+    torch.manual_seed(0)
+    return SeqLM([RetNetRetention(DIM, HEADS, first=2, masked_after=True)])

@@ -283,3 +283,28 @@ def test_rwkv_keys_masked_with_minus_inf_at_left_padding_are_named_on_the_padded
     assert o["samples"] == [0, 2] and o["line_run"] == 1, o
     if op == "aten.sub":
         assert o["chain"][0]["intentional"] and "masked (-inf)" in rep["hint"], rep["hint"]
+
+
+def test_a_retnet_decay_mask_multiplied_in_after_its_exp_overflows_above_the_diagonal(
+        tmp_path):
+    """RetNet's decay mask written as ``exp((i - j) * log gamma) * tril``: above the diagonal
+    the exponent is positive and grows with the length, so a 512-token batch after shorter
+    ones overflows at the exp, and the mask's 0 makes inf * 0 = NaN. Named at the exp, every
+    row (the mask is the same for all), as an overflow; the hint only said to rescale the
+    exp's input; now it says the product after it multiplied every infinity by the mask's 0,
+    and to mask the exponent before the exp."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(1, G.VOCAB, (2, t), generator=g) for t in (64, 64, 96, 512)]
+    with pytest.raises(NonFiniteError) as info:
+        train_lm(G.make_retnet_masked_after(), "make_retnet_masked_after", batches, tmp_path)
+    err = info.value
+    assert (err.event["step"], err.event["phase"]) == (3, "forward"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], rep["cause"]) == \
+        ("blocks.0.mixer", "aten.exp", "+inf", "overflow"), json.dumps(rep, indent=1)
+    assert o["source"] == source_line(MODELS, "mask = torch.exp((index[:, None]"), o["source"]
+    assert o["all_samples"] is True, o
+    product = source_line(MODELS, "mask = mask * torch.tril")
+    assert f"then aten.mul ({product}) multiplied every infinity it made by a mask's 0" in \
+        rep["hint"] and "fill it with -inf" in rep["hint"], rep["hint"]
