@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .carried_state import carried_keys, carried_note
 from .drop import undroppable
 from .load import Step
 from .outliers import out_of_scale, outlier_hint
@@ -31,6 +32,9 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
     if found is not None:
         droppable = undroppable(step, o.get("micro_batch") or 0) is None
         report["hint"] = f"{report['hint']}. But {outlier_hint(found[1], found[0], droppable)}"
+    elif report["cause"] == "overflow" and (note := carried_note(
+            step, o, carried_keys(step, o.get("micro_batch") or 0))) is not None:
+        report["hint"] = f"{report['hint']}. But {note}"
     elif (ratio := _input_jump(report)) is not None:
         report["hint"] = (
             f"{report['hint']}. But the data fed to this step is out of scale: "

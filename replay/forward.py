@@ -17,9 +17,11 @@ from .absorbed_log import absorbed_hint
 from .backward_calls import backward_call_note, run_to_call, user_backward
 from .caller_picks import CallerPicks
 from .cause import classify
+from .cumsum_exp import cumsum_exp_hint
 from .errors import StopRun
 from .findings import finish, origin_fields
 from .forward_grad import derivative_words, with_node
+from .iteration import line_run
 from .lineage import Lineage
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
@@ -87,8 +89,10 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
-    cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch),
-                     hit=_counted_in(finder, hit, o))
+    counted = _counted_in(finder, hit, o)
+    cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=counted)
+    # (which run of its line: a loop over time steps runs it once a step)
+    origin["line_run"] = line_run(runner, o.module, o.call, o.micro_batch, counted)
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
@@ -113,14 +117,15 @@ def _bisect(runner: Runner, run: Run, o, nan_only: bool) -> dict[str, Any]:
 def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin) -> str | None:
     """The forward origin's hint: the cause's, with what the op took (a parameter, a table),
     the backward node running it, a raw pole, a log-sum-exp, a log(1 + x) or softplus by
-    hand."""
+    hand, an exp of a cumulative sum."""
     hit, node = found
     lineage = finder.lineage
     hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
-    return softplus_hint(runner, hint, cause.name, hit)  # (its exp overflowed)
+    hint = softplus_hint(runner, hint, cause.name, hit)  # (its exp overflowed)
+    return cumsum_exp_hint(runner, hint, cause.name, hit)  # (exp(-cumsum) of a chunk)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:

@@ -13,8 +13,7 @@ from typing import Any
 from recorder.capture import batch_path
 
 from .load import Step
-from .outliers import _n_args
-from .recorded import samples
+from .recorded import n_args, samples
 
 
 def other_input_rows(step: Step, hit, mb: int) -> tuple[str, list[int]] | None:
@@ -29,11 +28,11 @@ def other_input_rows(step: Step, hit, mb: int) -> tuple[str, list[int]] | None:
     if n == size or not bool(bad.any(1).all()) or not cols or len(cols) > n // 2:
         return None  # (not every sample's row, or no few indices of dim 1)
     entry = step.micro_batches[mb]
-    n_args = _n_args(entry.get("inputs"))
+    count = n_args(entry.get("inputs"))
     for key, raw in (entry.get("paths") or {}).items():
         t = step.tensors.get(key)
         if t is not None and t.is_floating_point() and t.dim() and t.shape[0] == n:
-            return batch_path(raw, n_args), cols
+            return batch_path(raw, count), cols
     return None
 
 

@@ -17,39 +17,40 @@ import torch
 from recorder.capture import batch_path, loss_path
 from recorder.missing import root_input_name
 
+from .carried_state import carried_keys
 from .domains import g
 from .load import Step
-from .recorded import nan_allowed, samples
+from .recorded import n_args, nan_allowed, samples
 
 FACTOR = 10.0  # the named rows' largest magnitude against every other row's
 
 
-def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR
-                  ) -> dict[str, Any] | None:
+def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR,
+                  skip: frozenset[str] = frozenset()) -> dict[str, Any] | None:
     """The first floating tensor of micro-batch ``mb`` (model inputs, then loss arguments)
     whose largest magnitude in ``rows`` is ``factor`` times that of every other row:
     ``{"tensor": its readable name, "value": that magnitude, "others": the other rows'}``;
     None when there is none (or ``rows`` is empty or the whole batch)."""
     if not rows:
         return None
-    for name, per in _row_magnitudes(step, mb):
+    for key, name, per in _row_magnitudes(step, mb, skip):
         if max(rows) >= len(per) or len(rows) >= len(per):
             continue
         mask = torch.zeros(len(per), dtype=torch.bool)
         mask[rows] = True
         top, others = float(per[mask].max()), float(per[~mask].max())
         if top > factor * others:
-            return {"tensor": name, "value": top, "others": others}
+            return {"tensor": name, "value": top, "others": others, "key": key}
     return None
 
 
-def outlier_rows(step: Step, mb: int, factor: float = FACTOR
-                 ) -> tuple[list[int], dict[str, Any]] | None:
+def outlier_rows(step: Step, mb: int, factor: float = FACTOR,
+                 skip: frozenset[str] = frozenset()) -> tuple[list[int], dict[str, Any]] | None:
     """For an overflow whose non-finite values span the whole batch (a BatchNorm, a batch
     mean, a similarity over every pair: the op mixes the samples), the few rows (at most half)
     of the first floating tensor whose magnitudes stand ``factor`` times above every other
     row's, at the widest such gap, with :func:`outlier_input`'s description; None if none."""
-    for name, per in _row_magnitudes(step, mb):
+    for key, name, per in _row_magnitudes(step, mb, skip):
         order = torch.argsort(per, descending=True, stable=True)
         ranked = per[order]
         # (rows of 0 under rows of 0 stand above nothing: a sparse task's rewards all 0)
@@ -59,27 +60,28 @@ def outlier_rows(step: Step, mb: int, factor: float = FACTOR
         ratio, k = max(gaps, default=(0.0, 0))
         if ratio > factor:
             return sorted(order[:k].tolist()), {"tensor": name, "value": float(ranked[0]),
-                                                "others": float(ranked[k])}
+                                                "others": float(ranked[k]), "key": key}
     return None
 
 
-def _row_magnitudes(step: Step, mb: int):
-    """(readable name, each sample's largest magnitude, NaN as +Inf) of the floating tensors of
-    micro-batch ``mb`` that have a sample dimension: model inputs, then loss arguments."""
+def _row_magnitudes(step: Step, mb: int, skip: frozenset[str] = frozenset()):
+    """(bundle key, readable name, each sample's largest magnitude, NaN as +Inf) of the
+    floating tensors of micro-batch ``mb`` that have a sample dimension, but those in
+    ``skip``: model inputs, then loss arguments."""
     if mb >= len(step.micro_batches):
         return
     entry, where = step.micro_batches[mb], samples(step, mb)
-    n_args = _n_args(entry.get("inputs"))
+    count = n_args(entry.get("inputs"))
     # (an allow_nan input's NaN is a missing value, of no magnitude: as +Inf, every row
     # missing one would stand above an out-of-scale record)
-    named = [(k, batch_path(raw, n_args), nan_allowed(step, root_input_name(raw)))
+    named = [(k, batch_path(raw, count), nan_allowed(step, root_input_name(raw)))
              for k, raw in (entry.get("paths") or {}).items()]
     # (not a loss argument the loop made of the model output, q.log(): it is no data)
     made = set(entry.get("loss_grad_args") or ())
     named += [(k, loss_path(raw), False) for k, raw in (entry.get("loss_paths") or {}).items()
               if k not in made]
     for key, name, missing in named:
-        t = step.tensors.get(key)
+        t = None if key in skip else step.tensors.get(key)
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
             continue
         d = 0 if where.per_node(t) else where.dim(t)
@@ -90,7 +92,7 @@ def _row_magnitudes(step: Step, mb: int):
             if where.per_node(t):  # (a row per node of a graph batch: each graph's largest)
                 ids = where.segments.ids.to(per.device)
                 per = per.new_zeros(where.size).scatter_reduce(0, ids, per, "amax")
-            yield name, per
+            yield key, name, per
 
 
 def out_of_scale(step: Step, origin: dict[str, Any]
@@ -98,10 +100,22 @@ def out_of_scale(step: Step, origin: dict[str, Any]
     """(rows, description) of an overflow origin's out-of-scale samples: its own samples when
     their data stands out (:func:`outlier_input`), or, when its non-finite values span the
     whole batch (an op that mixes the samples), the few rows that do (:func:`outlier_rows`)."""
+    found = _out_of_scale(step, origin)
+    if found is None or found[1]["key"] not in (step.micro_batches[
+            origin.get("micro_batch") or 0].get("paths") or {}):
+        return found
+    # (a model input: a state the model returned in the step before is no data; the forward
+    # re-run that tells is made only here)
+    skip = frozenset(carried_keys(step, origin.get("micro_batch") or 0))
+    return _out_of_scale(step, origin, skip) if found[1]["key"] in skip else found
+
+
+def _out_of_scale(step: Step, origin: dict[str, Any], skip: frozenset[str] = frozenset()
+                  ) -> tuple[list[int], dict[str, Any]] | None:
     mb, rows = origin.get("micro_batch") or 0, origin.get("samples") or []
     if origin.get("all_samples") or not rows:
-        return outlier_rows(step, mb)
-    found = outlier_input(step, mb, rows)
+        return outlier_rows(step, mb, skip=skip)
+    found = outlier_input(step, mb, rows, skip=skip)
     return (rows, found) if found is not None else None
 
 
@@ -118,11 +132,3 @@ def outlier_hint(found: dict[str, Any], rows: list[int], droppable: bool = True)
             "data of these samples is out of scale (a wrong unit, a corrupt record, a gain "
             f"never normalised), which a wider type would only hide; fix or filter them "
             f"({how})")
-
-
-def _n_args(tree: Any) -> int:
-    """How many positional arguments the recorded root call had (``batch`` when one)."""
-    try:
-        return len(tree["$list"][0]["$list"])
-    except (KeyError, IndexError, TypeError):
-        return 1

@@ -318,3 +318,11 @@ def scale_of_the_step(step: Step) -> float | None:
     backoff = state.get("backoff_factor", 0.5)
     skipped = "ring/skipped" in t and bool(t["ring/skipped"][i])
     return scales[i] / backoff if skipped and backoff else scales[i]
+
+
+def n_args(tree: Any) -> int:
+    """How many positional arguments the recorded root call had (``batch`` when one)."""
+    try:
+        return len(tree["$list"][0]["$list"])
+    except (KeyError, IndexError, TypeError):
+        return 1

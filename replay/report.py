@@ -133,6 +133,8 @@ def _origin_lines(report: dict[str, Any]) -> list[str]:
             op = f"{o['op']} of {o['node']}" + (f" ({o['node_source']})"
                                                 if o.get("node_source") else "") + " in "
         fin = ", inputs finite" if o.get("inputs_finite") else ""
+        # (a loop over time steps: the line ran the op before, finite; replay.iteration)
+        fin += f", run {o['line_run']} of its line" if (o.get("line_run") or 0) > 1 else ""
         lines.append(f"  origin     {o['phase']}: {made} made by {op}{_where(o)}{fin}")
         if o["phase"] == "weights" and o.get("module") is not None:  # replay.weight_readers
             read = f"{o['op']} in " if o.get("op") else ""

@@ -24,6 +24,14 @@ from .hits import Evidence
 MIN_CALLS = 8  # earlier finite calls of the op: fewer is no loop
 GROWTH = 100.0  # its last finite call's largest magnitude over the median of those calls
 STEADY = 0.5  # the least share of its calls no smaller than the one before
+# an overflow whose every infinity a mask's 0 then met: the entries the mask drops overflowed
+MASK_AFTER_OVERFLOW = (
+    "; then {op} multiplied every infinity it made by a mask's 0, and inf * 0 is NaN: the "
+    "entries that overflowed are the ones the mask drops (a causal mask multiplied in after "
+    "exp((i - j) * log gamma), whose entries above the diagonal grow with the length), so "
+    "no rescaling is needed: apply the mask to the op's input instead (fill it with -inf "
+    "where the mask is 0, so exp gives exactly 0 there, as RetNet's decay mask and Mamba-2's "
+    "segsum do)")
 
 
 def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) -> str:
@@ -39,7 +47,8 @@ def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) ->
     if cause == "precision":
         return _narrower(ev, cast)
     if cause == "overflow":
-        return _diverging(ev)
+        return MASK_AFTER_OVERFLOW.format(op=ev.masked_after) if ev.masked_after \
+            else _diverging(ev)
     return ""
 
 

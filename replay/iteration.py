@@ -1,0 +1,73 @@
+"""Which run of its source line the blamed op was, in the module call that made it.
+
+A recurrence written as a loop over time steps (an sLSTM's or mLSTM's ``for t in range(T)``,
+a WKV kernel's running max) runs the op's line once a step: the line alone does not say
+whether the first NaN came at the first step (a bad initial state) or after a hundred (a
+state growing until it overflowed, the first padded position). One more forward-only re-run
+counts the op's calls made at that line in the call, up to the blamed one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .compat import TorchDispatchMode
+from .dispatch import run_op
+from .errors import StopRun
+from .source import user_source
+
+# a line's runs are counted only while the op's calls before the blamed one are this few
+# (a stack walk each: a call of a large model's thousands of matmuls is no loop to name)
+MOST = 5000
+
+
+class _LineRuns(TorchDispatchMode):
+    """Counts the calls of ``op`` made at ``source`` among its first ``occurrence + 1``."""
+
+    def __init__(self, op: str, occurrence: int, source: str):
+        super().__init__()
+        self.name, self.occurrence, self.source = op.removeprefix("aten."), occurrence, source
+        self.seen = self.runs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = run_op(func, args, kwargs or {})
+        if func.overloadpacket.__name__ == self.name and self.seen <= self.occurrence:
+            self.seen += 1
+            self.runs += user_source() == self.source
+        return out
+
+
+def line_run(runner, module: str, call: int, mb: int, hit: Any) -> int | None:
+    """The 1-based run of ``hit``'s op at ``hit.source`` in call ``call`` of ``module``
+    (``hit.occurrence`` counted from that call's start); None when it cannot be told."""
+    if hit is None or not hit.source or hit.occurrence > MOST or hit.node is not None:
+        return None
+    counter = _LineRuns(hit.op, hit.occurrence, hit.source)
+    state = {"count": 0, "active": False}
+
+    def hooks(model):
+        target = model.get_submodule(module) if module else model
+
+        def pre(m, args):
+            if runner.micro_batch == mb:
+                if state["count"] == call:
+                    state["active"] = True
+                    counter.__enter__()
+                state["count"] += 1
+
+        def post(m, args, out):
+            if state["active"]:
+                state["active"] = False
+                counter.__exit__(None, None, None)
+                raise StopRun
+
+        return [target.register_forward_pre_hook(pre), target.register_forward_hook(post)]
+
+    try:
+        runner.run(backward=False, instrument=False, hooks=hooks)
+    except Exception:  # (no count then; the origin stands as found)
+        return None
+    finally:
+        if state["active"]:
+            counter.__exit__(None, None, None)
+    return counter.runs if counter.seen == hit.occurrence + 1 and counter.runs else None
