@@ -1,0 +1,199 @@
+"""End to end: off-policy RL loops as CleanRL and Stable-Baselines3 write them. SAC's critic
+(SB3's twin ``ContinuousCritic``) and actor each recorded with their own optimizer, while
+``log_alpha``'s optimizer and the Polyak updates of the target critic run unrecorded; the
+actor steps every 2nd iteration. C51's categorical projection onto fixed atoms. Planted:
+the squash correction's eps dropped (log(0) when tanh rounds to 1), C51's projection without
+its ``(l == u)`` term (a terminal transition's mass dropped, then renormalised: 0/0)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import numpy as np
+import offpolicy_rl_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+MODELS = "offpolicy_rl_models.py"
+GLITCH = 5  # the transition of the sampled batch whose observation a sensor glitch scaled
+
+
+def filled_buffer(size: int = 256) -> M.ReplayBuffer:
+    rb, rng = M.ReplayBuffer(size), np.random.default_rng(0)
+    for _ in range(size):
+        o = rng.standard_normal(M.OBS).astype(np.float32)
+        rb.add(o, o + 0.1 * rng.standard_normal(M.OBS), rng.uniform(-1, 1, M.ACT),
+               rng.standard_normal(), rng.random() < 0.05)
+    return rb
+
+
+def sac(out_dir, actor_factory="make_actor", record=("critic", "actor"), iters=10,
+        glitch=None, seen=None):
+    """CleanRL's SAC update with SB3's twin critic. ``glitch``: (iteration, "obs" or
+    "next_obs"), the batch field whose row GLITCH is scaled by 1e4 (an unnormalised reading).
+    ``seen``: filled with each recorder's step after the loop."""
+    actor, critic = getattr(M, actor_factory)(), M.make_critic()
+    critic_target = copy.deepcopy(critic).requires_grad_(False)
+    log_alpha = torch.zeros(1, requires_grad=True)
+    q_opt = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    actor_opt = torch.optim.Adam(actor.parameters(), lr=3e-4)
+    a_opt = torch.optim.Adam([log_alpha], lr=1e-3)
+    rb, recs = filled_buffer(), {}
+    torch.manual_seed(0)
+    with contextlib.ExitStack() as stack:
+        if "critic" in record:
+            recs["critic"] = stack.enter_context(FlightRecorder(
+                critic, q_opt, loss_fn=M.twin_q_loss, out_dir=out_dir,
+                factory="offpolicy_rl_models:make_critic"))
+        if "actor" in record:
+            recs["actor"] = stack.enter_context(FlightRecorder(
+                actor, actor_opt, out_dir=out_dir,
+                factory=f"offpolicy_rl_models:{actor_factory}"))
+        q_loss = recs["critic"].loss_fn if "critic" in recs else M.twin_q_loss
+        for it in range(iters):
+            obs, actions, next_obs, rewards, dones = rb.sample(16)
+            if glitch is not None and glitch[0] == it:
+                (obs if glitch[1] == "obs" else next_obs)[GLITCH] *= 1e4
+            alpha = log_alpha.detach().exp()
+            with torch.no_grad():
+                next_a, next_log_pi, _ = actor.get_action(next_obs)
+                min_qt = torch.min(*critic_target(next_obs, next_a)) - alpha * next_log_pi
+                next_q = rewards.flatten() + (1 - dones.flatten()) * 0.99 * min_qt.view(-1)
+            qf_loss = q_loss(critic(obs, actions), next_q)
+            q_opt.zero_grad()
+            qf_loss.backward()
+            q_opt.step()
+            if it % 2 == 0:  # delayed policy update
+                pi, log_pi, _ = actor.get_action(obs)
+                actor_loss = (alpha * log_pi - torch.min(*critic(obs, pi))).mean()
+                actor_opt.zero_grad()
+                actor_loss.backward()
+                actor_opt.step()
+                alpha_loss = (-log_alpha.exp() * (log_pi.detach() - M.ACT)).mean()
+                a_opt.zero_grad()
+                alpha_loss.backward()
+                a_opt.step()
+            M.soft_update(critic, critic_target, 0.005)
+        if seen is not None:
+            seen.update({k: r.step for k, r in recs.items()})
+    return [m.state_dict() for m in (actor, critic, critic_target)] + [log_alpha.detach()]
+
+
+def same(a, b) -> bool:
+    flat = [(x, y) for s, t in zip(a, b) for x, y in
+            (zip(s.values(), t.values()) if isinstance(s, dict) else [(s, t)])]
+    return all(torch.equal(x, y) for x, y in flat)
+
+
+def test_a_healthy_sac_run_under_two_recorders_is_silent_and_bit_identical(tmp_path):
+    """Critic and actor each recorded with their optimizer; alpha's optimizer and the target
+    critic's Polyak update unrecorded. No event, no bundle, the same weights as without the
+    recorders, and each recorder counted its own optimizer's steps (the actor's every 2nd)."""
+    seen: dict[str, int] = {}
+    recorded = sac(tmp_path, seen=seen)
+    assert same(recorded, sac(tmp_path, record=()))
+    assert seen == {"critic": 10, "actor": 5}
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_a_td_target_made_infinite_by_the_squash_correction_is_the_critics_input(tmp_path):
+    """``log(1 - tanh(u)^2)`` without eps: a glitched next observation saturates tanh, the
+    target actor's log-prob is +inf and the TD target -inf for that transition only. The critic's
+    recorder sees it as a loss target (its own forward is finite) at the step it happened."""
+    with pytest.raises(NonFiniteError) as info:
+        sac(tmp_path, "make_actor_no_eps", glitch=(5, "next_obs"))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["kind"], ev["samples"]) == \
+        (5, "input", "loss_args[1]", "-inf", [GLITCH])
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["reproduced"] is True and rep["cause"] == "input", rep["cause"]
+    assert rep["origin"]["samples"] == [GLITCH]
+    assert "target network" in rep["hint"], rep["hint"]
+
+
+def test_the_actors_own_log_0_is_an_event_of_the_actors_step(tmp_path):
+    """The glitch in the current observation of iteration 4 reaches the actor's loss: the
+    actor's recorder (stepped at iterations 0, 2, 4) raises at its step 2, before its update,
+    blaming that transition; the squash correction is in ``get_action``, outside the forward,
+    so the replay names the gradient entering the log_std output, not an op."""
+    with pytest.raises(NonFiniteError) as info:
+        sac(tmp_path, "make_actor_no_eps", record=("actor",), glitch=(4, "obs"))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (2, "backward")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True and o["phase"] == "loss" and o["samples"] == [GLITCH], o
+    assert "loss_fn" in rep["hint"]
+
+
+def c51(out_dir, keep_tied=True, record=True, iters=60, targets=None):
+    """CleanRL's C51 loop: epsilon-greedy acting under no_grad between updates (forwards of
+    the recorded network that open no step), an update every 2nd iteration after 20, the
+    target network copied with ``_foreach_lerp_`` every 5 updates."""
+    q = M.make_c51()
+    tq = copy.deepcopy(q)
+    opt = torch.optim.Adam(q.parameters(), lr=2.5e-4, eps=0.01 / 32)
+    rb, rng = M.ReplayBuffer(512), np.random.default_rng(0)
+    rec = FlightRecorder(q, opt, loss_fn=M.c51_loss, out_dir=out_dir,
+                         factory="offpolicy_rl_models:make_c51") if record else None
+    updates = 0
+    with rec or contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec else M.c51_loss
+        obs = rng.standard_normal(M.OBS).astype(np.float32)
+        for it in range(iters):
+            a = rng.integers(3)
+            if rng.random() > 0.3:
+                with torch.no_grad():
+                    a = q(torch.as_tensor(obs)[None])[0].item()
+            nobs = (0.9 * obs + 0.1 * rng.standard_normal(M.OBS)).astype(np.float32)
+            done = rng.random() < 0.1
+            rb.add(obs, nobs, np.array([a, 0]), 0.0 if done else rng.standard_normal(), done)
+            obs = rng.standard_normal(M.OBS).astype(np.float32) if done else nobs
+            if it >= 20 and it % 2 == 0:
+                o, act, no, rew, d = rb.sample(16)
+                with torch.no_grad():
+                    target = M.project_c51(tq(no)[1], rew, d, tq.atoms, 0.99, keep_tied)
+                if targets is not None:
+                    targets.append(target)
+                loss = loss_fn(q(o, act[:, 0].long())[1], target)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                updates += 1
+                if updates % 5 == 0:
+                    M.soft_update_foreach(q, tq, 1.0)
+    return [q.state_dict(), tq.state_dict()]
+
+
+def test_a_healthy_c51_run_is_silent_and_bit_identical(tmp_path):
+    assert same(c51(tmp_path), c51(tmp_path, record=False))
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_a_c51_projection_that_drops_an_atoms_mass_names_the_empty_target(tmp_path):
+    """Without ``(l == u)``, a terminal transition with reward 0 lands on atom 50 exactly:
+    its whole mass is dropped, and the loss's renormalisation is 0/0 on that row. The report
+    names the division, its line, the transition, and the target with no mass, not a
+    degenerate record of the dataset. The acting forwards between updates open no step."""
+    targets: list[torch.Tensor] = []
+    with pytest.raises(NonFiniteError) as info:
+        c51(tmp_path, keep_tied=False, targets=targets)
+    empty = (targets[-1].sum(-1) == 0).nonzero().flatten().tolist()
+    assert empty and not any(bool((t.sum(-1) == 0).any()) for t in targets[:-1])
+    step = len(targets) - 1  # (the updates: the acting forwards between them are no steps)
+    assert (info.value.event["step"], info.value.event["phase"]) == (step, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["module"], o["samples"], rep["cause"]) == \
+        ("aten.div", "<loss>", empty, "invalid"), rep
+    assert o["source"].startswith(source_line(MODELS, "target_pmfs / target_pmfs.sum("))
+    rows = ",".join(map(str, empty))
+    assert f"loss_args[1], non-negative weights per sample (a target distribution), holds " \
+        f"no mass at sample(s) {rows}" in rep["hint"], rep["hint"]
+    assert "dataset" not in rep["hint"]
