@@ -90,6 +90,28 @@ def make_actor_no_eps() -> Actor:
     return Actor(eps=0.0)
 
 
+class DeterministicActor(nn.Module):
+    """CleanRL's TD3 actor: a tanh-bounded action, rescaled to the action space."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(OBS, 32)
+        self.fc2 = nn.Linear(32, 32)
+        self.fc_mu = nn.Linear(32, ACT)
+        self.register_buffer("action_scale", torch.ones(ACT))
+        self.register_buffer("action_bias", torch.zeros(ACT))
+
+    def forward(self, x):
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return torch.tanh(self.fc_mu(x)) * self.action_scale + self.action_bias
+
+
+def make_td3_actor() -> DeterministicActor:
+    torch.manual_seed(5)
+    return DeterministicActor()
+
+
 class SAC(nn.Module):
     """Every network of the agent in one module (the recorder watches one model)."""
 

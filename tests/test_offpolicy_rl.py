@@ -197,3 +197,70 @@ def test_a_c51_projection_that_drops_an_atoms_mass_names_the_empty_target(tmp_pa
     assert f"loss_args[1], non-negative weights per sample (a target distribution), holds " \
         f"no mass at sample(s) {rows}" in rep["hint"], rep["hint"]
     assert "dataset" not in rep["hint"]
+
+
+def td3(out_dir, record=True, iters=10, seen=None):
+    """CleanRL's TD3: target policy smoothing noise drawn in the loop, the actor and the
+    Polyak updates (``_foreach_lerp_``) every 2nd iteration only."""
+    actor, critic = M.make_td3_actor(), M.make_critic()
+    actor_target = copy.deepcopy(actor).requires_grad_(False)
+    critic_target = copy.deepcopy(critic).requires_grad_(False)
+    q_opt = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    actor_opt = torch.optim.Adam(actor.parameters(), lr=3e-4)
+    rb, recs = filled_buffer(), {}
+    torch.manual_seed(0)
+    with contextlib.ExitStack() as stack:
+        if record:
+            recs["critic"] = stack.enter_context(FlightRecorder(
+                critic, q_opt, loss_fn=M.twin_q_loss, out_dir=out_dir,
+                factory="offpolicy_rl_models:make_critic"))
+            recs["actor"] = stack.enter_context(FlightRecorder(
+                actor, actor_opt, out_dir=out_dir, factory="offpolicy_rl_models:make_td3_actor"))
+        q_loss = recs["critic"].loss_fn if record else M.twin_q_loss
+        for it in range(iters):
+            obs, actions, next_obs, rewards, dones = rb.sample(16)
+            with torch.no_grad():
+                noise = (torch.randn_like(actions) * 0.2).clamp(-0.5, 0.5)
+                next_a = (actor_target(next_obs) + noise).clamp(-1.0, 1.0)
+                min_qt = torch.min(*critic_target(next_obs, next_a))
+                next_q = rewards.flatten() + (1 - dones.flatten()) * 0.99 * min_qt.view(-1)
+            qf_loss = q_loss(critic(obs, actions), next_q)
+            q_opt.zero_grad()
+            qf_loss.backward()
+            q_opt.step()
+            if it % 2 == 0:
+                actor_loss = -critic(obs, actor(obs))[0].mean()
+                actor_opt.zero_grad()
+                actor_loss.backward()
+                actor_opt.step()
+                M.soft_update_foreach(actor, actor_target, 0.005)
+                M.soft_update_foreach(critic, critic_target, 0.005)
+        if seen is not None:
+            seen.update({k: r.step for k, r in recs.items()})
+    return [m.state_dict() for m in (actor, critic, actor_target, critic_target)]
+
+
+def test_a_healthy_td3_run_with_delayed_actor_updates_is_silent_and_bit_identical(tmp_path):
+    """The critic's forward in the actor's update is the first micro-batch of the critic's
+    next step (its gradients zeroed by ``q_opt.zero_grad()``): no event, no change."""
+    seen: dict[str, int] = {}
+    assert same(td3(tmp_path, seen=seen), td3(tmp_path, record=False))
+    assert seen == {"critic": 10, "actor": 5}
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_an_agent_container_with_no_forward_is_said_when_the_recorder_is_built(tmp_path, caplog):
+    """CleanRL's networks held in one module with no forward (``SAC``: actor, twin critics,
+    their targets, ``log_alpha``): the loop calls the submodules, so no step ever opens. The
+    recorder says so at once, naming the networks and what to record instead, not only after
+    the first update."""
+    agent = M.make_sac()
+    q_opt = torch.optim.Adam([*agent.qf1.parameters(), *agent.qf2.parameters()], lr=1e-3)
+    with caplog.at_level("WARNING", logger="nanreplay"), \
+            FlightRecorder(agent, q_opt, out_dir=tmp_path, factory="offpolicy_rl_models:make_sac"):
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and "SAC has no forward of its own" in said[0], said
+        assert "(actor, qf1, qf2, qf1_target)" in said[0], said[0]
+    critic = M.make_critic()  # (the recorder holds its model weakly)
+    with FlightRecorder(critic, None, out_dir=tmp_path):  # (a forward: nothing said)
+        assert len(caplog.records) == 1
