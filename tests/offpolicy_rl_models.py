@@ -243,3 +243,33 @@ def twin_q_loss(qs, next_q_value):
     """The critics' TD loss over both Q networks (CleanRL's ``qf1_loss + qf2_loss``)."""
     q1, q2 = qs
     return F.mse_loss(q1.view(-1), next_q_value) + F.mse_loss(q2.view(-1), next_q_value)
+
+
+class QRNetwork(nn.Module):
+    """SB3-contrib's QR-DQN network: ``n_quantiles`` values per action."""
+
+    def __init__(self, n_actions: int = 3, n_quantiles: int = 16):
+        super().__init__()
+        self.n, self.n_quantiles = n_actions, n_quantiles
+        self.net = nn.Sequential(nn.Linear(OBS, 32), nn.ReLU(),
+                                 nn.Linear(32, n_actions * n_quantiles))
+
+    def forward(self, x):
+        return self.net(x).view(-1, self.n_quantiles, self.n)
+
+
+def make_qr() -> QRNetwork:
+    torch.manual_seed(6)
+    return QRNetwork()
+
+
+def quantile_huber_loss(current_quantiles, target_quantiles, weights):
+    """SB3-contrib's pairwise quantile Huber loss (kappa 1), per sample, importance-weighted."""
+    n = current_quantiles.shape[-1]
+    cum_prob = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    pairwise_delta = target_quantiles.unsqueeze(-2) - current_quantiles.unsqueeze(-1)
+    abs_delta = torch.abs(pairwise_delta)
+    huber = torch.where(abs_delta > 1, abs_delta - 0.5, pairwise_delta ** 2 * 0.5)
+    loss = torch.abs(cum_prob.view(1, -1, 1) - (pairwise_delta.detach() < 0).float()) * huber
+    per_sample = loss.sum(dim=-2).mean(dim=-1)
+    return (weights * per_sample).mean()

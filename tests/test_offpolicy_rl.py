@@ -264,3 +264,65 @@ def test_an_agent_container_with_no_forward_is_said_when_the_recorder_is_built(t
     critic = M.make_critic()  # (the recorder holds its model weakly)
     with FlightRecorder(critic, None, out_dir=tmp_path):  # (a forward: nothing said)
         assert len(caplog.records) == 1
+
+
+def qr_dqn_per(out_dir, weight_eps=0.0, record=True, iters=20, zeros=None):
+    """SB3-contrib's QR-DQN loss on prioritized replay. New transitions' priorities start at
+    0 (the second half of the buffer); the sampling adds 0.01 to every priority, the
+    importance weights ``(N * P(i)) ** -beta / max w`` add ``weight_eps``. ``zeros``: for
+    each update, the batch positions whose transition had priority 0."""
+    q = M.make_qr()
+    tq = copy.deepcopy(q)
+    opt = torch.optim.Adam(q.parameters(), lr=5e-4)
+    rb, rng = M.ReplayBuffer(64), np.random.default_rng(1)
+    prio = np.zeros(64)
+    for _ in range(64):
+        o = rng.standard_normal(M.OBS).astype(np.float32)
+        rb.add(o, o, np.array([rng.integers(3), 0]), rng.standard_normal(), rng.random() < 0.1)
+    prio[:32] = 1.0
+    rec = FlightRecorder(q, opt, loss_fn=M.quantile_huber_loss, out_dir=out_dir,
+                         factory="offpolicy_rl_models:make_qr") if record else None
+    with rec or contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec else M.quantile_huber_loss
+        for _ in range(iters):
+            p = (prio + 0.01) ** 0.6
+            idx = rng.choice(64, size=16, p=p / p.sum())
+            if zeros is not None:
+                zeros.append(np.flatnonzero(prio[idx] == 0).tolist())
+            o, a, no, r, d = rb.take(idx)
+            w = M.per_weights((prio + weight_eps) ** 0.6, idx, beta=0.4)
+            with torch.no_grad():
+                nq = tq(no)
+                target = r + 0.99 * (1 - d) * nq[torch.arange(16), :, nq.mean(1).argmax(1)]
+            cur = q(o)[torch.arange(16), :, a[:, 0].long()]
+            loss = loss_fn(cur, target, w)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                prio[idx] = (target.unsqueeze(-2) - cur.unsqueeze(-1)).abs().mean((1, 2)).numpy()
+    return [q.state_dict()]
+
+
+def test_a_healthy_qr_dqn_on_prioritized_replay_is_silent_and_bit_identical(tmp_path):
+    assert same(qr_dqn_per(tmp_path, 0.01), qr_dqn_per(tmp_path, 0.01, record=False))
+    assert not list(tmp_path.glob("*.nan"))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy: 0 ** -beta, inf / inf)
+def test_an_importance_weight_of_a_priority_of_0_names_the_infinite_normalisation(tmp_path):
+    """The first batch drawing a transition of priority 0: its weight is 0^-beta = inf, the
+    max inf, so inf/inf = NaN for it and 0 for every other sample. An ``input`` event on the
+    weights, at that update, naming those transitions; the hint reads the 0s beside the NaN
+    as a normalisation by an infinite total and names the priority of 0."""
+    zeros: list[list[int]] = []
+    with pytest.raises(NonFiniteError) as info:
+        qr_dqn_per(tmp_path, zeros=zeros)
+    assert zeros[-1] and not any(zeros[:-1])
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["kind"], ev["samples"]) == \
+        (len(zeros) - 1, "input", "loss_args[2]", "nan", zeros[-1])
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["cause"] == "input" and rep["origin"]["samples"] == zeros[-1], rep["origin"]
+    assert "every finite entry of loss_args[2] is exactly 0, beside its NaNs" in rep["hint"]
+    assert "transition of priority 0 is 0^−β = inf" in rep["hint"], rep["hint"]
