@@ -70,6 +70,10 @@ class Saturation:
                 self._complement.add(t)
                 if _scalars(leaves)[0] == 1:  # (inside (0, 2))
                     self._twice_unit.add(t)
+        elif name == "add" and len(ins) == 1 and ins[0] in self._complement \
+                and _non_negative(leaves):
+            for t in outs:  # 1 - y + eps, eps >= 0 (0: an eps option set to 0): still above 0
+                self._complement.add(t)
         elif name in ("mul", "div") and len(ins) == 1 and ins[0] in self._twice_unit \
                 and _halves(name, leaves):
             for t in outs:  # a normal cdf, 0.5 * (1 + erf(x)), strictly inside (0, 1)
@@ -124,6 +128,12 @@ def _one_or_more(leaves: list) -> bool:
     """The op's scalar operand is at least 1 (``rsub(y, 1)`` is ``1 - y``), with alpha 1."""
     scalars = _scalars(leaves)
     return len(scalars) >= 1 and scalars[0] >= 1 and all(v == 1 for v in scalars[1:])
+
+
+def _non_negative(leaves: list) -> bool:
+    """The op's scalar operand is 0 or more, with alpha 1 (``x + eps``)."""
+    scalars = _scalars(leaves)
+    return len(scalars) >= 1 and scalars[0] >= 0 and all(v == 1 for v in scalars[1:])
 
 
 def _halves(name: str, leaves: list) -> bool:

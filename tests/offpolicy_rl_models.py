@@ -64,6 +64,29 @@ class Actor(nn.Module):
         return action, log_prob, mean
 
 
+class SquashedActor(Actor):
+    """The actor whose forward samples (SpinningUp's ``SquashedGaussianMLPActor``, pranz24's
+    ``sample``): the action and its log-probability, squash correction included."""
+
+    def get_action(self, x):
+        return self(x)
+
+    def forward(self, x):
+        h = F.relu(self.fc2(F.relu(self.fc1(x))))
+        mean = self.fc_mean(h)
+        log_std = self.fc_logstd(h).clamp(LOG_STD_MIN, LOG_STD_MAX)
+        normal = torch.distributions.Normal(mean, log_std.exp())
+        x_t = normal.rsample()
+        y_t = torch.tanh(x_t)
+        log_prob = normal.log_prob(x_t) - torch.log(1 - y_t.pow(2) + self.eps)
+        return y_t, log_prob.sum(1, keepdim=True), torch.tanh(mean)
+
+
+def make_squashed_actor_no_eps() -> SquashedActor:
+    torch.manual_seed(4)
+    return SquashedActor(eps=0.0)
+
+
 class TwinCritic(nn.Module):
     """SB3's ``ContinuousCritic``: both Q networks in one forward, which returns both."""
 

@@ -326,3 +326,32 @@ def test_an_importance_weight_of_a_priority_of_0_names_the_infinite_normalisatio
     assert rep["cause"] == "input" and rep["origin"]["samples"] == zeros[-1], rep["origin"]
     assert "every finite entry of loss_args[2] is exactly 0, beside its NaNs" in rep["hint"]
     assert "transition of priority 0 is 0^−β = inf" in rep["hint"], rep["hint"]
+
+
+def test_a_squash_log_0_in_the_actors_own_forward_names_the_log_and_its_line(tmp_path):
+    """The actor's forward computes the log-probability (SpinningUp's actor) without the
+    eps; the glitch is in the current observation of iteration 4, whose actor update is the
+    actor's step 2. Its training forward returns +inf: a forward event of that step (the
+    critic, whose forward in that update was finite, raises nothing). The replay names the
+    log, its line, the transition and tanh rounded to 1: precision."""
+    with pytest.raises(NonFiniteError) as info:
+        sac(tmp_path, "make_squashed_actor_no_eps", glitch=(4, "obs"))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (2, "forward", [GLITCH]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("aten.log", "-inf", [GLITCH], "precision"), (o, rep["cause"])
+    assert o["source"].startswith(source_line(MODELS, "torch.log(1 - y_t.pow(2) + self.eps)"))
+
+
+def test_a_squash_log_0_in_the_actors_no_grad_target_forward_reaches_the_critic(tmp_path):
+    """The same actor, the glitch in the next observation of iteration 5: the actor's no_grad
+    forward for the TD target is an evaluation forward whose +inf output no loss of the actor
+    takes (no event, by design); the critic's recorder names the target it reached."""
+    with pytest.raises(NonFiniteError) as info:
+        sac(tmp_path, "make_squashed_actor_no_eps", glitch=(5, "next_obs"))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == \
+        (5, "input", "loss_args[1]", [GLITCH]), ev
+    assert [p.name for p in tmp_path.glob("*.nan")] == ["step00000005-rank0.nan"]
