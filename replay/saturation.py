@@ -70,14 +70,22 @@ class Saturation:
                 self._complement.add(t)
                 if _scalars(leaves)[0] == 1:  # (inside (0, 2))
                     self._twice_unit.add(t)
-        elif name == "add" and len(ins) == 1 and ins[0] in self._complement \
-                and _non_negative(leaves):
-            for t in outs:  # 1 - y + eps, eps >= 0 (0: an eps option set to 0): still above 0
-                self._complement.add(t)
         elif name in ("mul", "div") and len(ins) == 1 and ins[0] in self._twice_unit \
                 and _halves(name, leaves):
             for t in outs:  # a normal cdf, 0.5 * (1 + erf(x)), strictly inside (0, 1)
                 self._unit.add(t)
+        elif (name == "add" and len(ins) == 1 and ins[0] in self._complement
+              and _non_negative(leaves)) or (name == "mul" and self._scaled(ins, leaves)):
+            for t in outs:  # 1 - y + eps, eps >= 0 (0: an eps option set to 0), or scaled by
+                self._complement.add(t)  # a positive action_scale: still above 0
+
+    def _scaled(self, ins: list[torch.Tensor], leaves: list) -> bool:
+        """A product of a complement and factors all above 0 (CleanRL's squash correction
+        ``action_scale * (1 - y²)``, a positive buffer): above 0 in exact arithmetic."""
+        mine = [t in self._complement for t in ins]
+        return any(mine) and all(v > 0 for v in _scalars(leaves)) and all(
+            m or (t.is_floating_point() and bool((t > 0).all()) and bool(t.isfinite().all()))
+            for t, m in zip(ins, mine))
 
     def track_softmax(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                       leaves: list) -> None:

@@ -78,7 +78,8 @@ class SquashedActor(Actor):
         normal = torch.distributions.Normal(mean, log_std.exp())
         x_t = normal.rsample()
         y_t = torch.tanh(x_t)
-        log_prob = normal.log_prob(x_t) - torch.log(1 - y_t.pow(2) + self.eps)
+        correction = torch.log(self.action_scale * (1 - y_t.pow(2)) + self.eps)
+        log_prob = normal.log_prob(x_t) - correction
         return y_t, log_prob.sum(1, keepdim=True), torch.tanh(mean)
 
 

@@ -342,7 +342,10 @@ def test_a_squash_log_0_in_the_actors_own_forward_names_the_log_and_its_line(tmp
     o = rep["origin"]
     assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
         ("aten.log", "-inf", [GLITCH], "precision"), (o, rep["cause"])
-    assert o["source"].startswith(source_line(MODELS, "torch.log(1 - y_t.pow(2) + self.eps)"))
+    line = "correction = torch.log(self.action_scale * (1 - y_t.pow(2)) + self.eps)"
+    assert o["source"].startswith(source_line(MODELS, line)), o["source"]
+    assert "the eps added to that input is exactly 0" in rep["hint"], rep["hint"]
+    assert "2·(log 2 − u − softplus(−2u))" in rep["hint"], rep["hint"]
 
 
 def test_a_squash_log_0_in_the_actors_no_grad_target_forward_reaches_the_critic(tmp_path):
