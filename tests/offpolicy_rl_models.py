@@ -297,3 +297,24 @@ def quantile_huber_loss(current_quantiles, target_quantiles, weights):
     loss = torch.abs(cum_prob.view(1, -1, 1) - (pairwise_delta.detach() < 0).float()) * huber
     per_sample = loss.sum(dim=-2).mean(dim=-1)
     return (weights * per_sample).mean()
+
+
+class DQNPolicy(nn.Module):
+    """SB3's ``DQNPolicy``: the online Q network and its target in one module; ``forward`` is
+    the online network's, the loop calls ``q_net_target`` itself."""
+
+    def __init__(self, n_actions: int = 3):
+        super().__init__()
+        self.q_net = nn.Sequential(nn.Linear(OBS, 32), nn.ReLU(), nn.Linear(32, n_actions))
+        self.q_net_target = nn.Sequential(nn.Linear(OBS, 32), nn.ReLU(),
+                                          nn.Linear(32, n_actions))
+        self.q_net_target.load_state_dict(self.q_net.state_dict())
+        self.q_net_target.requires_grad_(False)
+
+    def forward(self, x):
+        return self.q_net(x)
+
+
+def make_dqn_policy() -> DQNPolicy:
+    torch.manual_seed(7)
+    return DQNPolicy()

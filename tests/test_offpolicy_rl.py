@@ -358,3 +358,61 @@ def test_a_squash_log_0_in_the_actors_no_grad_target_forward_reaches_the_critic(
     assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == \
         (5, "input", "loss_args[1]", [GLITCH]), ev
     assert [p.name for p in tmp_path.glob("*.nan")] == ["step00000005-rank0.nan"]
+
+
+# A single-file script's network (CleanRL's ``dqn.py`` defines its QNetwork in ``__main__``),
+# which the replay cannot import to rebuild
+ScriptPolicy = type("DQNPolicy", (M.DQNPolicy,), {"__module__": "__main__"})
+
+
+def dqn(out_dir, record=True, bad_tau_at=None):
+    """SB3's DQN: its policy holds ``q_net`` and ``q_net_target``, the loop calls the target
+    under no_grad and Polyak-averages it in place after each update (``tau`` NaN at
+    iteration ``bad_tau_at``: a schedule that divided by 0). Its class is the script's."""
+    torch.manual_seed(7)
+    m = ScriptPolicy()
+    opt = torch.optim.Adam(m.q_net.parameters(), lr=1e-3)
+    rb = M.ReplayBuffer(128)
+    rng = np.random.default_rng(0)
+    for _ in range(128):
+        o = rng.standard_normal(M.OBS).astype(np.float32)
+        rb.add(o, o, np.array([rng.integers(3), 0]), rng.standard_normal(), rng.random() < 0.1)
+    rec = FlightRecorder(m, opt, out_dir=out_dir) if record else None
+    with rec or contextlib.nullcontext():
+        for it in range(10):
+            o, a, no, r, d = rb.sample(16)
+            with torch.no_grad():
+                target_max = m.q_net_target(no).max(dim=1)[0]
+                td_target = r.flatten() + 0.99 * target_max * (1 - d.flatten())
+            old_val = m(o).gather(1, a[:, :1].long()).squeeze()
+            loss = torch.nn.functional.smooth_l1_loss(old_val, td_target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tau = float("nan") if it == bad_tau_at else 0.1
+            M.soft_update(m.q_net, m.q_net_target, tau)
+    return [m.state_dict()]
+
+
+def test_a_healthy_dqn_with_its_target_inside_the_recorded_policy_is_silent(tmp_path):
+    """The target's in-place Polyak writes (frozen parameters of the recorded model, outside
+    any optimizer) and its no_grad calls before the step's forward raise nothing."""
+    assert same(dqn(tmp_path), dqn(tmp_path, record=False))
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def test_a_polyak_update_with_a_nan_tau_is_the_loops_update_without_a_factory(tmp_path):
+    """The NaN tau of iteration 6 writes NaN into every target weight after step 6's update:
+    a ``weights`` event at step 7. Recorded with no factory, of a class the replay cannot
+    rebuild, the report still names the loop's own update of frozen parameters the optimizer
+    does not hold (the bundle says which are frozen and which it holds); it said 'find what
+    writes weights outside optimizer.step() (checkpoint loading, in-place edits)'."""
+    with pytest.raises(NonFiniteError) as info:
+        dqn(tmp_path, bad_tau_at=6)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (7, "weights", "nan"), ev
+    assert ev["params"] == [f"q_net_target.{i}.{w}" for i in (0, 2) for w in ("weight", "bias")]
+    rep = nanreplay_json(info.value.bundle_path, code=None)
+    assert rep["cause"] == "weights", rep["cause"]
+    assert "require no gradient and the optimizer does not hold them" in rep["hint"], rep["hint"]
+    assert "every element of them is non-finite" in rep["hint"], rep["hint"]
