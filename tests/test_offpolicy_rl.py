@@ -132,7 +132,7 @@ def test_the_actors_own_log_0_is_an_event_of_the_actors_step(tmp_path):
     assert "loss_fn" in rep["hint"]
 
 
-def c51(out_dir, keep_tied=True, record=True, iters=60, targets=None):
+def c51(out_dir, keep_tied=True, record=True, iters=60, targets=None, nan_obs_at=None):
     """CleanRL's C51 loop: epsilon-greedy acting under no_grad between updates (forwards of
     the recorded network that open no step), an update every 2nd iteration after 20, the
     target network copied with ``_foreach_lerp_`` every 5 updates."""
@@ -147,6 +147,8 @@ def c51(out_dir, keep_tied=True, record=True, iters=60, targets=None):
         loss_fn = rec.loss_fn if rec else M.c51_loss
         obs = rng.standard_normal(M.OBS).astype(np.float32)
         for it in range(iters):
+            if it == nan_obs_at:
+                obs[2] = np.nan  # the environment returned a NaN reading
             a = rng.integers(3)
             if rng.random() > 0.3:
                 with torch.no_grad():
@@ -169,6 +171,18 @@ def c51(out_dir, keep_tied=True, record=True, iters=60, targets=None):
                 if updates % 5 == 0:
                     M.soft_update_foreach(q, tq, 1.0)
     return [q.state_dict(), tq.state_dict()]
+
+
+def test_a_nan_observation_while_acting_is_an_evaluation_input_event(tmp_path):
+    """The epsilon-greedy action of iteration 24 (after 2 updates) is a no_grad forward
+    between steps: an evaluation forward before step 2, its one sample the NaN reading."""
+    with pytest.raises(NonFiniteError) as info:
+        c51(tmp_path, nan_obs_at=24)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"], ev["evaluation"]) == \
+        (2, "input", "batch", [0], True), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["cause"] == "input" and rep["reproduced"] is True
 
 
 def test_a_healthy_c51_run_is_silent_and_bit_identical(tmp_path):
