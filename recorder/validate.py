@@ -61,6 +61,7 @@ def check_model(model, optimizer, loss_fn=None) -> None:
                         f"{type(model).__name__}; pass the module whose forward runs the step")
     check_supported(model)  # FSDP2 is recorded; FSDP1 and tensor parallelism are refused
     _check_not_replicated(model)
+    _warn_no_forward(model)
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FlightRecorder: optimizer must be a torch.optim.Optimizer, got "
@@ -74,6 +75,24 @@ def check_model(model, optimizer, loss_fn=None) -> None:
             raise ValueError(f"FlightRecorder: {len(stray)} optimizer parameter(s) are not "
                              f"parameters of the model (shapes {shapes}); build the optimizer "
                              "from this model's parameters()" + STRAY_INPUT)
+
+
+def _warn_no_forward(model: nn.Module) -> None:
+    """A container with no forward of its own (an RL agent holding its actor, critics and
+    target critics, which the loop calls one by one) never opens a step: the recorder opens
+    one at the recorded model's forward. Said when the recorder is built, not after the first
+    update (when only the submodule that ran is named), with what to record instead."""
+    if type(model).forward is not nn.Module.forward:
+        return
+    parts = [n for n, m in model.named_children() if any(True for _ in m.parameters())]
+    named = f" ({', '.join(parts[:4])})" if parts else ""
+    log.warning("nanreplay: %s has no forward of its own, and the recorder opens a step at the "
+                "recorded model's forward: a loop that calls its submodules%s one by one "
+                "opens none, and nothing is recorded or checked. Give each network the loop "
+                "calls a FlightRecorder of its own, with the optimizer that steps it "
+                "(FlightRecorder(agent.critic, critic_optimizer) and "
+                "FlightRecorder(agent.actor, actor_optimizer)), or give the container a forward "
+                "that runs the step", type(model).__name__, named)
 
 
 def check_loss_fn(loss_fn) -> None:

@@ -1,6 +1,8 @@
 """What the data did, said once the report is made: the rows of the loop's batch a chunk's
 samples are (``replay.chunk_rows``); values far outside the batch's scale
 (``replay.data_scale``); a propensity of 0 or 1 given as data (``replay.edge_probability``);
+a target distribution the loop built with no mass in a row (``replay.massless_rows``);
+a loss argument normalised by an infinite total (``replay.inf_normalised``);
 a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow of an op
 that took the loss's data alone (``replay.data_overflow``)."""
 
@@ -12,13 +14,17 @@ from .chunk_rows import chunk_note
 from .data_overflow import data_overflow_hint
 from .data_scale import data_scale_hint
 from .edge_probability import edge_probability_hint
+from .inf_normalised import inf_normalised_hint
 from .load import Step
 from .masked_after import masked_after_hint
+from .massless_rows import massless_rows_hint
 
 
 def data_hints(report: dict[str, Any], step: Step) -> None:
     chunk_note(step, report)  # (a chunk of the loop's batch: its rows there)
     data_scale_hint(report, step)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
+    massless_rows_hint(report, step)  # (a projected target that lost its mass: C51)
+    inf_normalised_hint(report, step)  # (NaN beside 0s: w / w.max() of an infinite w)
     masked_after_hint(report, step)  # (an invisible keypoint's 0/0, weighted by 0 after)
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)

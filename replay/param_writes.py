@@ -132,12 +132,16 @@ def loop_written_hint(step: Step, bad: list[str]) -> str | None:
     optimizer stepped after the recorded one; and those it holds (``_held_written_hint``).
     None for any other."""
     opt = step.meta.get("optimizer")
-    if step.model is None:
-        return None
     held = {n for g in (opt or {}).get("param_groups") or [] for n in g.get("params") or []}
-    params = dict(step.model.named_parameters())
     frozen = set(step.meta.get("frozen") or ())  # (as the step ran; the factory may train them)
     names = f"{', '.join(bad[:2])}" + (f" (+{len(bad) - 2} more)" if len(bad) > 2 else "")
+    if step.model is None:  # (no factory: the bundle's names and flags, frozen ones only)
+        recorded = set(step.meta.get("params") or ())
+        if not all(n in recorded and n in frozen and n not in held for n in bad):
+            return None
+        return _frozen_hint(step, bad, names, "the optimizer does not hold them" if opt else
+                            "the recorder was given no optimizer")
+    params = dict(step.model.named_parameters())
     if not all(n in params for n in bad):
         return None
     trained = {params[n].requires_grad and n not in frozen for n in bad}

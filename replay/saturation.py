@@ -74,6 +74,18 @@ class Saturation:
                 and _halves(name, leaves):
             for t in outs:  # a normal cdf, 0.5 * (1 + erf(x)), strictly inside (0, 1)
                 self._unit.add(t)
+        elif (name == "add" and len(ins) == 1 and ins[0] in self._complement
+              and _non_negative(leaves)) or (name == "mul" and self._scaled(ins, leaves)):
+            for t in outs:  # 1 - y + eps, eps >= 0 (0: an eps option set to 0), or scaled by
+                self._complement.add(t)  # a positive action_scale: still above 0
+
+    def _scaled(self, ins: list[torch.Tensor], leaves: list) -> bool:
+        """A product of a complement and factors all above 0 (CleanRL's squash correction
+        ``action_scale * (1 - y²)``, a positive buffer): above 0 in exact arithmetic."""
+        mine = [t in self._complement for t in ins]
+        return any(mine) and all(v > 0 for v in _scalars(leaves)) and all(
+            m or (t.is_floating_point() and bool((t > 0).all()) and bool(t.isfinite().all()))
+            for t, m in zip(ins, mine))
 
     def track_softmax(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                       leaves: list) -> None:
@@ -124,6 +136,12 @@ def _one_or_more(leaves: list) -> bool:
     """The op's scalar operand is at least 1 (``rsub(y, 1)`` is ``1 - y``), with alpha 1."""
     scalars = _scalars(leaves)
     return len(scalars) >= 1 and scalars[0] >= 1 and all(v == 1 for v in scalars[1:])
+
+
+def _non_negative(leaves: list) -> bool:
+    """The op's scalar operand is 0 or more, with alpha 1 (``x + eps``)."""
+    scalars = _scalars(leaves)
+    return len(scalars) >= 1 and scalars[0] >= 0 and all(v == 1 for v in scalars[1:])
 
 
 def _halves(name: str, leaves: list) -> bool:
