@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from .absorbed_log import absorbed_hint
+from .buffer_divisor import buffer_divisor_hint
 from .caller_picks import CallerPicks
 from .cause import classify
 from .errors import StopRun
@@ -130,6 +131,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
     hint, cause = found.hint, found.name
     if cause == "invalid" and (table := looked_up_hint(hint, runner.model, finder, hit)):
         return table
+    if cause == "invalid" and (knots := buffer_divisor_hint(hint, runner.model, finder, hit)):
+        return knots
     if cause == "invalid" and (own := parametrization_hint(step, o.module, hit and hit.op)):
         return own
     if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):

@@ -25,6 +25,7 @@ import torch
 from recorder.finite import finite
 from recorder.linalg import linalg_reason
 
+from .buffer_divisor import buffer_divisor_hint
 from .cause import classify
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import float_leaves, run_op
@@ -267,4 +268,5 @@ def _non_finite_matrix(report, runner: Runner, failed: Failed, origin) -> dict[s
                   samples=hit.rows or [], inputs_finite=True)
     report["problems"].append(f"aten.{failed.op} raised on the {hit.made} that {hit.op} made "
                               f"({failed.error})")
-    return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)
+    hint = cause.name == "invalid" and buffer_divisor_hint(cause.hint, runner.model, finder, hit)
+    return finish(report, origin, cause.name, reproduced=True, hint=hint or cause.hint)
