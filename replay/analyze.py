@@ -461,7 +461,7 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
                                 or (kept := report_graph_args(report, step)) is not None):
         return kept
     if phase == "backward" and _finite_gradients_reached_the_output(step):
-        return _gradients_from_the_loop(report, step, reached=True)
+        return _gradients_from_the_loop(report, step, reached=True, runner=runner)
     if (moved := report_moved_weights(report, step, runner)) is not None:
         return moved
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")

@@ -273,7 +273,9 @@ class Runner:
                 # gradients come from the loss, times what the loop and the GradScaler put on it
                 f = (k or self.step.micro_batches[i].get("loss_factor") or 1.0) \
                     * (self.loss_scale or 1.0)
-                (loss * f).backward(inputs=own)
+                # (kept: its direct path may share the forward's nodes, a regulariser over
+                # activations the forward kept on a module, which the output's path needs next)
+                (loss * f).backward(inputs=own, retain_graph=True)
             torch.autograd.backward(*with_kept(self, [o for o, _ in pairs],
                                                [g.to(o.dtype) for o, g in pairs]))
         elif (loss := scalar_loss(loss)) is not None:

@@ -139,23 +139,25 @@ class PykanLayer(nn.Module):
     """pykan's KANLayer idea in brief: per-edge activations phi(x) kept for the regulariser
     (``acts_scale``: the mean |phi| of each edge over the batch), summed into the outputs."""
 
-    def __init__(self, in_dim, out_dim):
+    def __init__(self, in_dim, out_dim, base_fun=True):
         super().__init__()
         self.kan = KANLinear(in_dim, out_dim)
+        self.base_fun = base_fun  # pykan's base_fun='zero': splines only
 
     def forward(self, x):
         k = self.kan
-        phi = (F.silu(x)[:, None, :] * k.base_weight
-               + torch.einsum("bic,oic->boi", k.b_splines(x), k.scaled_spline_weight))
+        phi = torch.einsum("bic,oic->boi", k.b_splines(x), k.scaled_spline_weight)
+        if self.base_fun:
+            phi = phi + F.silu(x)[:, None, :] * k.base_weight
         self.acts_scale = phi.abs().mean(0)  # (out, in), read by the regulariser
         return phi.sum(-1)
 
 
 class PykanNet(nn.Module):
-    def __init__(self):
+    def __init__(self, base_fun=True):
         super().__init__()
-        self.l0 = PykanLayer(D_IN, HIDDEN)
-        self.l1 = PykanLayer(HIDDEN, D_OUT)
+        self.l0 = PykanLayer(D_IN, HIDDEN, base_fun)
+        self.l1 = PykanLayer(HIDDEN, D_OUT, base_fun)
 
     def forward(self, x):
         return self.l1(self.l0(x))
@@ -164,6 +166,11 @@ class PykanNet(nn.Module):
 def make_pykan():
     torch.manual_seed(0)
     return PykanNet()
+
+
+def make_spline_only_pykan():
+    torch.manual_seed(0)
+    return PykanNet(base_fun=False)
 
 
 def pykan_reg(model, lamb_l1=1.0, lamb_entropy=2.0):
@@ -199,16 +206,33 @@ class ChebyKANLayer(nn.Module):
 
 
 class ChebyKAN(nn.Module):
+    """A linear stem, then ChebyKAN layers (the stem's outputs go through tanh unnormalised)."""
+
     def __init__(self):
         super().__init__()
-        self.c0 = ChebyKANLayer(D_IN, HIDDEN)
+        self.stem = nn.Linear(D_IN, HIDDEN)
+        self.c0 = ChebyKANLayer(HIDDEN, HIDDEN)
         self.norm = nn.LayerNorm(HIDDEN)
         self.c1 = ChebyKANLayer(HIDDEN, D_OUT)
 
     def forward(self, x):
-        return self.c1(self.norm(self.c0(x)))
+        return self.c1(self.norm(self.c0(self.stem(x))))
 
 
 def make_cheby():
     torch.manual_seed(0)
     return ChebyKAN()
+
+
+def pykan_loss(out, y, model):
+    """MSE plus pykan's regulariser, inside the loss the recorder is given."""
+    return F.mse_loss(out, y) + 1e-2 * pykan_reg(model)
+
+
+def make_gels_kan():
+    """The layers refit with ``gels`` (QR, full rank assumed: the one driver torch has on CUDA)."""
+    torch.manual_seed(0)
+    model = KAN()
+    for layer in model.layers:
+        layer.driver = "gels"
+    return model
