@@ -132,6 +132,10 @@ class Runner:
 
     # -- state reset -------------------------------------------------------------------------
 
+    def keep_written(self, written: dict[str, torch.Tensor]) -> None:
+        """Restore these trained parameters before each run (replay.refit_in_forward)."""
+        self._frozen.keep(written)
+
     def frozen_written(self) -> list[str]:
         """The frozen parameters the last run's forward wrote (see FrozenParams.written)."""
         return self._frozen.written()

@@ -1,0 +1,34 @@
+"""Trained parameters the model's own forward writes through ``.data`` (efficient-kan's grid
+update refits its spline coefficients in place, ``self.spline_weight.data.copy_(lstsq(...))``,
+inside the forward that passes ``update_grid=True``). A write through ``.data`` bumps no
+version, so neither the recorder (``written_in_step``) nor the re-run's reset sees it: each
+re-run starts from the coefficients the one before wrote, and two re-runs disagree, which
+reads as nondeterminism. Found by value after the first re-run and put back before each later
+one (the bundle holds them as that step's forward left them)."""
+
+from __future__ import annotations
+
+import torch
+
+from .rerun import Runner
+from .run_result import Run
+
+
+def two_runs(report, runner: Runner) -> tuple[Run, Run]:
+    """The step re-run twice, each from the same trained parameters."""
+    before = {n: p.detach().clone() for n, p in runner.model.named_parameters()
+              if p.requires_grad}
+    run1 = runner.run()
+    written = {n: first for n, p in runner.model.named_parameters()
+               if (first := before.get(n)) is not None and first.shape == p.shape
+               and not torch.equal(first.nan_to_num(), p.detach().nan_to_num())}
+    del before
+    if not written:
+        return run1, runner.run()
+    runner.keep_written(written)
+    report["problems"].append(
+        f"the model's forward writes its trained parameters ({', '.join(list(written)[:4])}"
+        f"{' +' + str(len(written) - 4) + ' more' if len(written) > 4 else ''}) itself, "
+        "through .data (a refit in place, a grid update): the bundle holds them as this "
+        "step's forward left them, and each re-run starts from those")
+    return run1, runner.run()
