@@ -17,11 +17,10 @@ from .run_result import Run
 def two_runs(report, runner: Runner) -> tuple[Run, Run]:
     """The step re-run twice, each from the same trained parameters."""
     before = {n: p.detach().clone() for n, p in runner.model.named_parameters()
-              if p.requires_grad}
+              if p.requires_grad and _plain(p)}
     run1 = runner.run()
     written = {n: first for n, p in runner.model.named_parameters()
-               if (first := before.get(n)) is not None and first.shape == p.shape
-               and not torch.equal(first.nan_to_num(), p.detach().nan_to_num())}
+               if (first := before.get(n)) is not None and _plain(p) and _changed(first, p)}
     del before
     if not written:
         return run1, runner.run()
@@ -32,3 +31,14 @@ def two_runs(report, runner: Runner) -> tuple[Run, Run]:
         "through .data (a refit in place, a grid update): the bundle holds them as this "
         "step's forward left them, and each re-run starts from those")
     return run1, runner.run()
+
+
+def _plain(p: torch.Tensor) -> bool:
+    """A dense tensor with values here (not a meta placeholder: a hypernetwork's target)."""
+    return not p.is_meta and p.layout == torch.strided and type(p.data) is torch.Tensor
+
+
+def _changed(first: torch.Tensor, p: torch.Tensor) -> bool:
+    """Written in place, values only (a parameter replaced by another shape is not this)."""
+    return first.shape == p.shape and first.dtype == p.dtype and first.device == p.device \
+        and not torch.equal(first.nan_to_num(), p.detach().nan_to_num())
