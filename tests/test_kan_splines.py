@@ -285,3 +285,33 @@ def test_chebykan_healthy_run_is_silent_and_identical(tmp_path):
         return model
     assert same_state(run(tmp_path), run(None))
     assert not list(tmp_path.glob("*.nan"))
+
+
+def test_entropy_of_an_all_zero_layer_under_lbfgs_is_the_closure_evaluation(tmp_path):
+    """pykan's LBFGS fit: each closure evaluation is a step of the recorder's. The shifted
+    batch of step K (the K-th ``opt.step(closure)``) makes the first layer's activations all
+    0 at its first evaluation; the bundle's step is that evaluation's, re-run, the shares'
+    division named."""
+    model = M.make_spline_only_pykan()
+    opt = torch.optim.LBFGS(model.parameters(), lr=1, history_size=10, max_iter=3,
+                            line_search_fn="strong_wolfe")
+    evaluations = []
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.pykan_loss, out_dir=tmp_path,
+                            factory="kan_splines_models:make_spline_only_pykan") as rec:
+            for step in range(6):
+                x, y = regression(step, n=16, shift=10.0)
+
+                def closure(x=x, y=y, step=step):
+                    evaluations.append(step)
+                    opt.zero_grad()
+                    loss = rec.loss_fn(model(x), y, model)
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+    assert evaluations[-1] == K and evaluations.count(K) == 1
+    assert (info.value.event["step"], info.value.event["phase"]) == (len(evaluations) - 1, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], rep["cause"]) == (True, "aten.div", "invalid"), report(rep)
+    assert o["source"] == source_line(MODELS, "p = acts / l1"), o["source"]
