@@ -67,6 +67,8 @@ def note_error(tape: Tape, exc: BaseException) -> None:
     text = str(exc).strip().splitlines()
     name = ("torch.linalg.LinAlgError" if isinstance(exc, torch.linalg.LinAlgError)
             else type(exc).__name__)
+    if text and (illegal := _ILLEGAL.search(text[0])):  # (not the "internal assert" around it)
+        text = [f"torch.{illegal.group(0)} (LAPACK's refusal of a NaN or Inf in the matrix)"]
     tape.linalg_error = f"{name}: {text[0].rstrip('.') if text else ''}".rstrip(": ")
 
 

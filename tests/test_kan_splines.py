@@ -163,6 +163,9 @@ def test_repeated_knots_after_an_adaptive_grid_update_name_the_knot_buffer(tmp_p
     bundles = list(tmp_path.glob("*.nan"))
     assert len(bundles) == 1 and any(str(bundles[0]) in n for n in info.value.__notes__)
     rep = nanreplay_json(bundles[0])
+    assert rep["event"]["detail"].startswith(
+        "RuntimeError: torch.linalg.lstsq: (Batch element 2): Argument 4 has illegal value "
+        "(LAPACK's refusal of a NaN or Inf in the matrix)"), rep["event"]["detail"]
     o = rep["origin"]
     assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["op"], rep["cause"]) == (
         K, True, "forward", "aten.div", "invalid"), report(rep)
@@ -315,3 +318,28 @@ def test_entropy_of_an_all_zero_layer_under_lbfgs_is_the_closure_evaluation(tmp_
     o = rep["origin"]
     assert (rep["reproduced"], o["op"], rep["cause"]) == (True, "aten.div", "invalid"), report(rep)
     assert o["source"] == source_line(MODELS, "p = acts / l1"), o["source"]
+
+
+def test_only_a_difference_of_a_buffers_entries_is_named_as_the_divisor():
+    """The knot hint's trigger: a divisor made by subtracting one buffer's entries (knot
+    spans), not one that merely is a buffer (a running variance of 0) or mixes in the
+    batch."""
+    from replay.param_names import ParamNames
+
+    m = nn.Module()
+    m.register_buffer("grid", torch.tensor([[0.0, 0.0, 1.0, 2.0]]))
+    m.register_buffer("var", torch.zeros(3))
+    names = ParamNames()
+    names.index(m.named_parameters(), m.named_buffers())
+    x = torch.rand(5, 1, 3)
+    hi, lo = m.grid[:, 1:], m.grid[:, :-1]
+    span = hi - lo
+    names.track("sub", [hi, lo], [span])
+    names.among([x - lo, span], "div", hit=True)
+    assert names.hit_divisor_buffer == "grid"
+    names.among([x, m.var], "div", hit=True)
+    assert names.hit_divisor_buffer is None
+    mixed = span + x
+    names.track("add", [span, x], [mixed])
+    names.among([x, mixed], "div", hit=True)
+    assert names.hit_divisor_buffer is None
