@@ -116,6 +116,12 @@ class KAN(nn.Module):
             x = layer(x)
         return x
 
+    def update_grid_from_samples(self, x):
+        """pykan's: each layer's grid from the activations reaching it, layer by layer."""
+        for layer in self.layers:
+            layer.update_grid(x)
+            x = layer(x)
+
     def regularization_loss(self, regularize_activation=1.0, regularize_entropy=1.0):
         return sum(layer.regularization_loss(regularize_activation, regularize_entropy)
                    for layer in self.layers)

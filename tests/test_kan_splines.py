@@ -343,3 +343,37 @@ def test_only_a_difference_of_a_buffers_entries_is_named_as_the_divisor():
     names.track("add", [span, x], [mixed])
     names.among([x, mixed], "div", hit=True)
     assert names.hit_divisor_buffer is None
+
+
+@pytest.mark.parametrize("how", ["pykan", "no_grad"])
+def test_grid_updates_between_steps_raise_nothing_and_change_nothing(tmp_path, how, caplog):
+    """The grid updated between steps: pykan's ``update_grid_from_samples`` (the layers
+    called one by one, with gradients on, outside a root forward) or efficient-kan's forward
+    with ``update_grid=True`` under no_grad (an evaluation forward to the recorder): no
+    event, no warning, and the same weights as without the recorder."""
+    def run(out_dir):
+        model = M.make_kan()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        crit = nn.MSELoss()
+        with (contextlib.nullcontext() if out_dir is None else FlightRecorder(
+                model, opt, loss_fn=crit, out_dir=out_dir,
+                factory="kan_splines_models:make_kan")):
+            for step in range(6):
+                x, y = regression(step)
+                if step in (2, 4) and how == "pykan":
+                    model.update_grid_from_samples(x)
+                elif step in (2, 4):
+                    with torch.no_grad():
+                        model(x, update_grid=True)
+                opt.zero_grad()
+                (crit(model(x), y) + 1e-4 * model.regularization_loss()).backward()
+                opt.step()
+        return model
+    import logging
+    import warnings
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING):
+        warnings.simplefilter("error")
+        recorded = run(tmp_path)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert same_state(recorded, run(None))
+    assert not list(tmp_path.glob("*.nan"))
