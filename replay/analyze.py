@@ -70,7 +70,6 @@ from .recorded import (
     stepped_after_forward,
 )
 from .recurrence import add_iterates_note
-from .refit_in_forward import two_runs
 from .refused import report_raised
 from .rerun import Runner
 from .second_order import adapted_from_gradient, report_made_weights, report_second_order
@@ -396,7 +395,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     runner = Runner(step)
     if step.event.get("kind") == "scale":  # a GradScaler event: re-run the scaled backward
         runner.loss_scale = scale_of_the_step(step)
-    run1, run2 = two_runs(report, runner)  # (twice from the same weights: refit_in_forward)
+    run1, run2 = runner.run_twice(report)  # (from the same weights: refit_in_forward)
     if run1.signature() != run2.signature():
         report["problems"].append("two re-runs of the step disagree: nondeterminism")
         return finish(report, origin_fields(), "not_reproduced", reproduced=False)

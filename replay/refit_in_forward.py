@@ -4,33 +4,32 @@ inside the forward that passes ``update_grid=True``). A write through ``.data`` 
 version, so neither the recorder (``written_in_step``) nor the re-run's reset sees it: each
 re-run starts from the coefficients the one before wrote, and two re-runs disagree, which
 reads as nondeterminism. Found by value after the first re-run and put back before each later
-one (the bundle holds them as that step's forward left them)."""
+one (:meth:`replay.rerun.Runner.run_twice`; the bundle holds them as that step's forward left
+them)."""
 
 from __future__ import annotations
 
 import torch
-
-from .rerun import Runner
-from .run_result import Run
+from torch import nn
 
 
-def two_runs(report, runner: Runner) -> tuple[Run, Run]:
-    """The step re-run twice, each from the same trained parameters."""
-    before = {n: p.detach().clone() for n, p in runner.model.named_parameters()
-              if p.requires_grad and _plain(p)}
-    run1 = runner.run()
-    written = {n: first for n, p in runner.model.named_parameters()
-               if (first := before.get(n)) is not None and _plain(p) and _changed(first, p)}
-    del before
-    if not written:
-        return run1, runner.run()
-    runner.keep_written(written)
-    report["problems"].append(
-        f"the model's forward writes its trained parameters ({', '.join(list(written)[:4])}"
-        f"{' +' + str(len(written) - 4) + ' more' if len(written) > 4 else ''}) itself, "
-        "through .data (a refit in place, a grid update): the bundle holds them as this "
-        "step's forward left them, and each re-run starts from those")
-    return run1, runner.run()
+def trained_copies(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the model's trained parameters, as a run begins."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()
+            if p.requires_grad and _plain(p)}
+
+
+def written_since(model: nn.Module, before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Those of ``before`` whose values the run changed in place, as they were."""
+    return {n: first for n, p in model.named_parameters()
+            if (first := before.get(n)) is not None and _plain(p) and _changed(first, p)}
+
+
+def written_note(written: dict[str, torch.Tensor]) -> str:
+    more = f" +{len(written) - 4} more" if len(written) > 4 else ""
+    return (f"the model's forward writes its trained parameters ({', '.join(list(written)[:4])}"
+            f"{more}) itself, through .data (a refit in place, a grid update): the bundle "
+            "holds them as this step's forward left them, and each re-run starts from those")
 
 
 def _plain(p: torch.Tensor) -> bool:

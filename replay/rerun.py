@@ -43,6 +43,7 @@ from .loopscale import loss_factor
 from .loss_params import trained_loss_params
 from .module_state import ModuleState
 from .precision import precision_hooks
+from .refit_in_forward import trained_copies, written_note, written_since
 from .run_result import Run, dropped_non_finite
 from .source import OP_ERROR, raised_by_model
 
@@ -132,9 +133,17 @@ class Runner:
 
     # -- state reset -------------------------------------------------------------------------
 
-    def keep_written(self, written: dict[str, torch.Tensor]) -> None:
-        """Restore these trained parameters before each run (replay.refit_in_forward)."""
-        self._frozen.keep(written)
+    def run_twice(self, report) -> tuple[Run, Run]:
+        """The step re-run twice from the same trained parameters: those the first run's
+        forward wrote through ``.data`` are put back (and said in ``report``) before the
+        second and every later run (:mod:`replay.refit_in_forward`)."""
+        before = trained_copies(self.model)
+        run1 = self.run()
+        if written := written_since(self.model, before):
+            self._frozen.keep(written)
+            report["problems"].append(written_note(written))
+        del before
+        return run1, self.run()
 
     def frozen_written(self) -> list[str]:
         """The frozen parameters the last run's forward wrote (see FrozenParams.written)."""
