@@ -24,13 +24,20 @@ from .tape import Tape
 # say other things: a bug in the code, not a matrix the step made
 _MESSAGE = re.compile(r"^(torch\.)?linalg\.\w+: .*(is zero|singular|positive-definite|"
                       r"converge|infs or NaNs)")
+# MKL's LAPACK checks a matrix for NaN/Inf and reports one as an illegal argument, which torch
+# raises as an internal assert (``torch.linalg.lstsq: (Batch element 2): Argument 4 has illegal
+# value``): torch checked shapes and dtypes before, so it is the values the step made
+_ILLEGAL = re.compile(r"linalg\.\w+: (\(Batch element \d+\): )?Argument \d+ has illegal value")
 
 
 def linalg_reason(exc: BaseException) -> str | None:
     """``"linalg"`` when ``exc`` is a decomposition or inversion that failed."""
     if isinstance(exc, torch.linalg.LinAlgError):
         return "linalg"
-    return "linalg" if isinstance(exc, RuntimeError) and _MESSAGE.match(str(exc)) else None
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    return "linalg" if _MESSAGE.match(text) or _ILLEGAL.search(text) else None
 
 
 def raised_inside(exc: BaseException, modules) -> bool:
@@ -60,6 +67,8 @@ def note_error(tape: Tape, exc: BaseException) -> None:
     text = str(exc).strip().splitlines()
     name = ("torch.linalg.LinAlgError" if isinstance(exc, torch.linalg.LinAlgError)
             else type(exc).__name__)
+    if text and (illegal := _ILLEGAL.search(text[0])):  # (not the "internal assert" around it)
+        text = [f"torch.{illegal.group(0)} (LAPACK's refusal of a NaN or Inf in the matrix)"]
     tape.linalg_error = f"{name}: {text[0].rstrip('.') if text else ''}".rstrip(": ")
 
 

@@ -397,7 +397,7 @@ def _from_rerun(report, step: Step) -> dict[str, Any]:
     runner = Runner(step)
     if step.event.get("kind") == "scale":  # a GradScaler event: re-run the scaled backward
         runner.loss_scale = scale_of_the_step(step)
-    run1, run2 = runner.run(), runner.run()
+    run1, run2 = runner.run_twice(report)  # (from the same weights: refit_in_forward)
     if run1.signature() != run2.signature():
         report["problems"].append("two re-runs of the step disagree: nondeterminism")
         return finish(report, origin_fields(), "not_reproduced", reproduced=False)
@@ -463,7 +463,7 @@ def _not_reproduced(report, step: Step, runner: Runner, phase: str) -> dict[str,
                                 or (kept := report_graph_args(report, step)) is not None):
         return kept
     if phase == "backward" and _finite_gradients_reached_the_output(step):
-        return _gradients_from_the_loop(report, step, reached=True)
+        return _gradients_from_the_loop(report, step, reached=True, runner=runner)
     if (moved := report_moved_weights(report, step, runner)) is not None:
         return moved
     report["problems"].append(f"the recorded {phase} event did not come back in the re-run")

@@ -55,6 +55,6 @@ def backward_cut(runner, root: torch.Tensor, outs: list[torch.Tensor],
                                allow_unused=True) if live else ()
     leaves = [*direct_params(runner.model, cut), *trained_loss_params(runner.step)]
     if leaves:
-        root.backward(inputs=leaves)
+        root.backward(inputs=leaves, retain_graph=True)  # (see Runner._backward)
     pairs = [(o, g) for (o, _), g in zip(live, sent) if g is not None]
     torch.autograd.backward(*with_kept(runner, [o for o, _ in pairs], [g for _, g in pairs]))

@@ -15,6 +15,7 @@ from recorder.finite import inf_read_finite
 
 from .absorbed_log import absorbed_hint
 from .backward_calls import backward_call_note, run_to_call, user_backward
+from .buffer_divisor import buffer_divisor_hint
 from .caller_picks import CallerPicks
 from .cause import classify
 from .cumsum_exp import cumsum_exp_hint
@@ -146,6 +147,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
     hint, cause = found.hint, found.name
     if cause == "invalid" and (table := looked_up_hint(hint, runner.model, finder, hit)):
         return table
+    if cause == "invalid" and (knots := buffer_divisor_hint(hint, runner.model, finder, hit)):
+        return knots
     if cause == "invalid" and (own := parametrization_hint(step, o.module, hit and hit.op)):
         return own
     if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):

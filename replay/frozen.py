@@ -34,6 +34,13 @@ class FrozenParams:
         self.always = frozenset(also) & set(self.saved)
         self.marks = self._marks()
 
+    def keep(self, written: dict[str, torch.Tensor]) -> None:
+        """Put back ``written`` (trained parameters a run's forward wrote through ``.data``,
+        by name, as the run began) before every later run too."""
+        self.saved.update(written)
+        self.always = self.always | frozenset(written)
+        self.marks = self._marks()
+
     def _marks(self) -> dict[str, tuple[int, int]]:
         """Where each kept parameter's data is and its version: ``.data =`` moves the first,
         an in-place write the second."""

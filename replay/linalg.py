@@ -25,6 +25,7 @@ import torch
 from recorder.finite import finite
 from recorder.linalg import linalg_reason
 
+from .buffer_divisor import buffer_divisor_hint
 from .cause import classify
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import float_leaves, run_op
@@ -221,14 +222,16 @@ def judge(op: str, m32: torch.Tensor, exact: Failed, of_data: bool = False) -> t
     what = "eigenvalue" if spd else "singular value"
     said = f"smallest {what} {lo:.3g}, largest {hi:.3g}"
     if exact.raised or lo <= tol:
-        kind = "not positive-definite" if spd else "singular"
+        kind = "not positive-definite" if spd else "rank-deficient" \
+            if op == "linalg_lstsq" else "singular"
         remedy = "of_data" if of_data else "invalid" if spd else "singular"
+        remedy = "least_squares" if op == "linalg_lstsq" and not of_data else remedy
         return "invalid", (f"aten.{op}: the matrix is {kind} in exact arithmetic too (float64 "
                            f"re-run: {said}); " + _REMEDY[remedy])
     return "precision", (f"aten.{op}: the matrix is {'positive-definite' if spd else 'invertible'}"
                          f" in float64 ({said}, condition {hi / lo:.3g}) but not as "
                          f"{str(m32.dtype).removeprefix('torch.')} rounded it; "
-                         + _REMEDY["precision"])
+                         + _REMEDY["least_squares" if op == "linalg_lstsq" else "precision"])
 
 
 _REMEDY = {
@@ -239,6 +242,14 @@ _REMEDY = {
     "singular": "its rows are linearly dependent (a zero or duplicated row, fewer samples than "
                 "features): use torch.linalg.lstsq or pinv, or add a ridge to the diagonal "
                 "(A + eps * I)",
+    # (lstsq itself: its advice to use lstsq is no advice; a tall matrix's columns are what
+    # its QR driver needs independent)
+    "least_squares": "its columns are linearly dependent (a column of zeros: a feature or a "
+                     "basis function no sample reaches, a B-spline's basis over a knot span "
+                     "no point falls in; duplicated columns), and the driver 'gels' (QR, the "
+                     "only one on CUDA) needs full column rank: use driver='gelsd' or "
+                     "'gelsy' (CPU), torch.linalg.pinv(A) @ B, or a ridge (solve (A^T A + eps "
+                     "* I) x = A^T B)",
     # (replay.learned: no parameter or buffer went into the matrix, some samples' failed)
     "of_data": "it was computed from the batch's data alone (nothing the model learns), so "
                "the records of the samples named are degenerate (a box of zero width or "
@@ -267,4 +278,5 @@ def _non_finite_matrix(report, runner: Runner, failed: Failed, origin) -> dict[s
                   samples=hit.rows or [], inputs_finite=True)
     report["problems"].append(f"aten.{failed.op} raised on the {hit.made} that {hit.op} made "
                               f"({failed.error})")
-    return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)
+    hint = cause.name == "invalid" and buffer_divisor_hint(cause.hint, runner.model, finder, hit)
+    return finish(report, origin, cause.name, reproduced=True, hint=hint or cause.hint)

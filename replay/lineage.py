@@ -37,6 +37,10 @@ from .raw_pole import RawPole
 _JOINS = {"cat", "stack", "hstack", "vstack", "concat", "concatenate"}
 # ops whose pole is at one of their inputs only: x * log(y)'s is at y
 _POLE_INPUT = {"xlogy": -1, "special_xlog1py": -1}
+# ops whose output's row i along the dim they take (their positional argument at the index
+# given; -1 when absent) is no longer input row i: an order statistic or a running total
+_REORDERS = {"sort": 1, "topk": 2, "kthvalue": 2, "cumsum": 1, "cumprod": 1, "cummax": 1,
+             "cummin": 1, "logcumsumexp": 1}
 # elementwise ops a loss may apply to the estimate and the target alike before comparing them
 _TRANSFORMS = {"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "pow"}
 
@@ -59,6 +63,9 @@ class Lineage:
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
+        # values whose rows along the samples' dimension are no samples' (a sort over the
+        # batch: ``x_sorted[0]`` is each feature's minimum, not sample 0's record)
+        self.mixed = TensorSet()
 
     # -- seeds
 
@@ -120,6 +127,7 @@ class Lineage:
             for t in outs:
                 self.learned.add(t)
         self._compare(name.rstrip("_"), ins, outs, learned)
+        self._mix(name, args, ins, outs)
         picked = self._picked(name, args, outs)
         if picked is not None:
             for t, s in zip(outs, picked):
@@ -151,9 +159,26 @@ class Lineage:
             if any((not w, shape) in sides for w, shape in sides):  # learned beside data
                 self.compared.add(op)
 
+    def _mix(self, name: str, args: Sequence[Any], ins: list[torch.Tensor],
+             outs: list[torch.Tensor]) -> None:
+        """Mark the outputs of an op over the samples' dimension that moves values across
+        rows (``_REORDERS``), and those a mixed value's rows go on into (its views, slices)."""
+        if name in _REORDERS and ins:
+            i = _REORDERS[name]
+            dim = args[i] if len(args) > i and isinstance(args[i], int) else -1
+            d = self.where.dim(ins[0])
+            mixed = d is not None and dim % max(ins[0].dim(), 1) == d
+        else:
+            mixed = any(t in self.mixed for t in ins)
+        for t in outs if mixed else ():
+            if self.where.dim(t) is not None:
+                self.mixed.add(t)
+
     def _picked(self, name: str, args: Sequence[Any], outs: list[torch.Tensor]):
-        """One sample per output of ``x[i]`` (select) or ``x.unbind()`` along the samples."""
-        if name not in ("select", "unbind") or not args or not isinstance(args[0], torch.Tensor):
+        """One sample per output of ``x[i]`` (select) or ``x.unbind()`` along the samples
+        (not of a value whose rows are no samples')."""
+        if name not in ("select", "unbind") or not args or not isinstance(args[0], torch.Tensor) \
+                or args[0] in self.mixed:
             return None
         x, dim = args[0], (args[1] if len(args) > 1 else 0)
         d = self.where.dim(x)

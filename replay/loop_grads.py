@@ -9,6 +9,7 @@ from typing import Any
 from . import outside
 from .cause_text import NO_FORWARD
 from .findings import finish, origin_fields
+from .kept_terms import kept_terms_text
 from .load import Step
 from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
 
@@ -29,12 +30,14 @@ def finite_gradients_reached_the_output(step: Step) -> bool:
     return any(grads.values()) and not outside.non_finite_entries(grads)
 
 
-def gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[str, Any]:
+def gradients_from_the_loop(report, step: Step, reached: bool = False,
+                            runner=None) -> dict[str, Any]:
     """A backward event of a step whose gradients no backward through the recorded forward
     made (``reached``: none from the finite gradients that reached its output): the loop
     wrote them (per-sample gradients under torch.func, a hand-written clip or noise,
     gradient surgery's ``p.grad = ...`` after ``autograd.grad`` per task), in code the replay
-    cannot re-run."""
+    cannot re-run. With ``runner``, values the forward keeps on its modules (a regulariser's
+    activations) are named as where the loop's term came from (:mod:`replay.kept_terms`)."""
     params = step.event.get("params") or []
     zero = zero_gradient_rows(step)
     report["problems"].append(
@@ -58,6 +61,8 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False) -> dict[s
         "(Reptile's p - fast_p from a copy the loop trained); check that code at this "
         "step, e.g. a division by a norm that is 0" + zero_rows_text(zero)
         + empty_batch_text(step))
+    if reached and runner is not None and (kept := kept_terms_text(runner)):
+        report["hint"] = kept
     if zero:  # (the first micro-batch's: the origin names one)
         report["origin"]["micro_batch"], report["origin"]["samples"] = next(iter(zero.items()))
     return report

@@ -18,6 +18,9 @@ _COPIES = {"tril", "triu", "clone", "_to_copy", "contiguous", "diagonal_copy", "
 # divisions: their divisor alone decides the pole every quotient shares
 _DIVISIONS = {"div", "true_divide"}
 
+# differences of entries: a divisor made so of one buffer is 0 where two entries are equal
+_DIFFERENCES = {"sub", "rsub", "diff"}
+
 # those that pick entries by index (a buffer's: a table looked up by the batch's ids)
 _LOOKUPS = {"index", "index_select", "gather", "take_along_dim", "embedding"}
 
@@ -45,6 +48,11 @@ class ParamNames:
         # (the buffer, which input) an input of the last op ``among(..., hit=True)`` was asked
         # about was looked up in: the op finder asks as it blames an op
         self.hit_buffer: tuple[str, int] | None = None
+        # id of a value ops made of one buffer's values alone by a difference of its entries
+        # (a spline's knot spans ``grid[:, 1:] - grid[:, :-1]``) -> (it, the name); and the
+        # buffer the divisor of the last division ``among(..., hit=True)`` was so made of
+        self._of_buffer: dict[int, tuple[weakref.ref, str]] = {}
+        self.hit_divisor_buffer: str | None = None
 
     def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
@@ -52,6 +60,7 @@ class ParamNames:
         (``model.named_buffers()``) by their storage."""
         self.params, self._copies, self._derived = {}, {}, {}
         self._table_copies, self.hit_buffer = {}, None
+        self._of_buffer, self.hit_divisor_buffer = {}, None
         self._tables = {p: n for n, b in buffers
                         if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
@@ -73,6 +82,8 @@ class ParamNames:
         if hit:
             self.hit_buffer = next(((b[0], i) for i, t in enumerate(ins)
                                     if (b := self._table_of(t)) is not None and b[1]), None)
+        if hit and op in _DIVISIONS and len(ins) == 2:
+            self.hit_divisor_buffer = self._differenced(ins[1])
         if op in _DIVISIONS and len(ins) == 2:
             return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:
@@ -98,6 +109,7 @@ class ParamNames:
                 and (b := self._table_of(ins[0])) is not None \
                 and (ptr := _storage(outs[0])) is not None:
             self._table_copies[ptr] = (weakref.ref(outs[0]), b[0], b[1] or name in _LOOKUPS)
+        self._track_buffer(name, ins, outs)
         if not self.params or len(outs) != 1 or len(ins) != 1 or ins[0].is_nested \
                 or ins[0].layout != torch.strided:  # (no data pointer to name it by)
             return
@@ -107,6 +119,29 @@ class ParamNames:
         elif (param := direct or self._derived_from(ins[0])) is not None \
                 and outs[0].numel() == ins[0].numel():  # (value by value: no norm, no sum)
             self._derived[id(outs[0])] = (weakref.ref(outs[0]), param)
+
+    def _track_buffer(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]
+                      ) -> None:
+        """Outputs of a difference of one buffer's entries (views of it, copies), and of ops
+        on those alone, named by that buffer (a running variance divided by is not one)."""
+        floats = [t for t in ins if t.is_floating_point()]
+        names = {self._buffer_of(t) for t in floats}
+        if len(names) != 1 or None in names or not self._tables:
+            return
+        if name not in _DIFFERENCES and not any(self._differenced(t) for t in floats):
+            return
+        name = names.pop()
+        for t in outs:
+            self._of_buffer[id(t)] = (weakref.ref(t), name)
+
+    def _buffer_of(self, t: torch.Tensor) -> str | None:
+        if (b := self._table_of(t)) is not None:
+            return b[0]
+        return self._differenced(t)
+
+    def _differenced(self, t: torch.Tensor) -> str | None:
+        hit = self._of_buffer.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
 
     def _table_of(self, t: torch.Tensor) -> tuple[str, bool] | None:
         """(the buffer ``t`` holds values of, whether picked by index), or None."""

@@ -43,6 +43,7 @@ from .loopscale import loss_factor
 from .loss_params import trained_loss_params
 from .module_state import ModuleState
 from .precision import precision_hooks
+from .refit_in_forward import trained_copies, written_note, written_since
 from .run_result import Run, dropped_non_finite
 from .source import OP_ERROR, raised_by_model
 
@@ -131,6 +132,18 @@ class Runner:
         self.kept: list[tuple[str, torch.Tensor]] = []
 
     # -- state reset -------------------------------------------------------------------------
+
+    def run_twice(self, report) -> tuple[Run, Run]:
+        """The step re-run twice from the same trained parameters: those the first run's
+        forward wrote through ``.data`` are put back (and said in ``report``) before the
+        second and every later run (:mod:`replay.refit_in_forward`)."""
+        before = trained_copies(self.model)
+        run1 = self.run()
+        if written := written_since(self.model, before):
+            self._frozen.keep(written)
+            report["problems"].append(written_note(written))
+        del before
+        return run1, self.run()
 
     def frozen_written(self) -> list[str]:
         """The frozen parameters the last run's forward wrote (see FrozenParams.written)."""
@@ -273,7 +286,9 @@ class Runner:
                 # gradients come from the loss, times what the loop and the GradScaler put on it
                 f = (k or self.step.micro_batches[i].get("loss_factor") or 1.0) \
                     * (self.loss_scale or 1.0)
-                (loss * f).backward(inputs=own)
+                # (kept: its direct path may share the forward's nodes, a regulariser over
+                # activations the forward kept on a module, which the output's path needs next)
+                (loss * f).backward(inputs=own, retain_graph=True)
             torch.autograd.backward(*with_kept(self, [o for o, _ in pairs],
                                                [g.to(o.dtype) for o, g in pairs]))
         elif (loss := scalar_loss(loss)) is not None:
