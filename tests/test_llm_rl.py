@@ -1,0 +1,164 @@
+"""End to end: RL post-training of a tiny Llama as TRL's GRPOTrainer / PPOTrainer write it
+(``llm_rl_models``): left-padded prompts with ``attention_mask`` and ``position_ids``, sampled
+completions with a completion mask, several optimisation iterations over one rollout in
+micro-batches of gradient accumulation, clip_grad_norm_, AdamW with a cosine warmup."""
+
+from __future__ import annotations
+
+import copy
+
+import llm_rl_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+from transformers import get_cosine_schedule_with_warmup
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+P, G = 3, 4  # prompts a rollout, completions a prompt (num_generations)
+MODELS = "llm_rl_models.py"
+
+
+def equal_rewards(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """Every completion of ``group`` gets the same reward (all solved the task)."""
+    rewards = rewards.clone()
+    rewards[group * G:(group + 1) * G] = 1.0
+    return rewards
+
+
+def train_grpo(out_dir, steps: int, record: bool = True, factory: str = "make_policy",
+               plants=None, loss_type: str = "grpo", bf16: bool = False, iterations: int = 2,
+               accum: int = 2, seen=None, **rec_kw):
+    """``plants[step]``: what goes wrong at that generation step (``eos_boost`` added to EOS's
+    logit, ``mask_truncated``: TRL's mask_truncated_completions, ``equal_group``: that group's
+    completions all earn reward 1 and the advantages drop their eps). ``seen`` collects each
+    rollout's ``finished`` rows."""
+    policy = getattr(M, factory)()
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    sched = get_cosine_schedule_with_warmup(opt, 2, steps * iterations)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(policy, opt, loss_fn=M.grpo_loss, out_dir=out_dir,
+                         factory=f"llm_rl_models:{factory}", **rec_kw) if record else None
+    loss_fn = rec.attach().loss_fn if rec else M.grpo_loss
+    try:
+        for step in range(steps):
+            plant = (plants or {}).get(step, {})
+            p_ids, p_mask = (t.repeat_interleave(G, 0) for t in M.prompts(g, P))
+            c_ids, c_mask, finished = M.sample(policy, p_ids, p_mask, g,
+                                               eos_boost=plant.get("eos_boost", 0.0))
+            if seen is not None:
+                seen.append(finished)
+            rewards = ((c_ids >= 3) & (c_ids < 20)).float().mean(1)
+            if plant.get("mask_truncated"):  # TRL's mask_truncated_completions=True
+                c_mask = c_mask * finished[:, None]
+            ids, am = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+            pos = M.positions(am)
+            with torch.no_grad():
+                old = M.per_token_logps(M.logits_of(policy(ids, attention_mask=am,
+                                                           position_ids=pos)), ids, M.COMPLETION)
+                ref_logps = M.per_token_logps(M.logits_of(ref(ids, attention_mask=am,
+                                                              position_ids=pos)), ids,
+                                              M.COMPLETION)
+            if "equal_group" in plant:
+                rewards = equal_rewards(rewards, plant["equal_group"])
+            adv = M.group_advantages(rewards, G, eps=None if "equal_group" in plant else 1e-4)
+            mb = len(ids) // accum
+            for _ in range(iterations):
+                for k in range(accum):
+                    s = slice(k * mb, (k + 1) * mb)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        logits = M.logits_of(policy(ids[s], attention_mask=am[s],
+                                                    position_ids=pos[s]))
+                    loss = loss_fn(logits, ids[s], c_mask[s], old[s], ref_logps[s], adv[s],
+                                   loss_type=loss_type) / accum
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+    finally:
+        if rec:
+            rec.detach()
+    return policy
+
+
+def raised(fn, *args, **kw) -> NonFiniteError:
+    with pytest.raises(NonFiniteError) as info:
+        fn(*args, **kw)
+    return info.value
+
+
+def same_weights(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                  b.state_dict().values()))
+
+
+def test_grpo_group_of_equal_rewards_without_eps_names_that_groups_rows(tmp_path):
+    """Generation step 2's second group all earn reward 1: std 0, and the advantages computed
+    without eps are 0/0. The NaN reaches the loss as its ``advantages`` argument at the first
+    optimizer step of that rollout (2 iterations a rollout: step 4), in micro-batch 0, whose
+    rows 4 and 5 are that group's (6-7 are in micro-batch 1)."""
+    err = raised(train_grpo, tmp_path, 4, plants={2: {"equal_group": 1}})
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (4, "input", 0), ev
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["samples"]) == (True, "input", [4, 5]), rep
+    assert rep["hint"].startswith("loss_args[5] (advantages) is an argument of the loss"), rep["hint"]
+    assert rep["event"]["tensor"] == "loss_args[5]"
+
+
+def test_grpo_sequence_mean_of_a_truncated_completion_is_0_by_0_in_its_row(tmp_path):
+    """TRL before 0.15 divided each row's token sum by ``completion_mask.sum(1)`` unclamped;
+    with mask_truncated_completions a completion that never sampled EOS has a mask of 0s:
+    0/0 in that row at the first step after that rollout (generation step 1: step 2)."""
+    seen = []
+    err = raised(train_grpo, tmp_path, 3, plants={1: {"mask_truncated": True, "eos_boost": 2.0}},
+                 loss_type="grpo_unclamped", seen=seen)
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (2, "loss", 0)
+    truncated = [i for i in range(P * G // 2) if not seen[1][i]]
+    assert 0 < len(truncated) < P * G // 2, seen[1]  # (some rows, not all: a row is named)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["samples"]) == (
+        "invalid", "aten.div", "<loss>", truncated), rep
+    assert o["source"] == source_line(MODELS, "/ m.sum(-1)).mean()")
+
+
+def test_grpo_token_level_mean_of_a_batch_of_empty_completions_names_no_row(tmp_path):
+    """bnpo's ``sum / completion_mask.sum()`` over a micro-batch whose every completion ran
+    out of tokens without EOS (masked away): 0/0 of the 0-d divisor, no row to blame."""
+    err = raised(train_grpo, tmp_path, 3, loss_type="bnpo_unclamped",
+                 plants={1: {"mask_truncated": True, "eos_boost": -100.0}})
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (2, "loss", 0)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["samples"]) == ("invalid", "aten.div", []), rep
+    assert o["source"] == source_line(MODELS, "/ m.sum()  # the bug")
+    assert "one 0-d value for every element" in rep["hint"], rep["hint"]
+
+
+def test_padded_vocabulary_mask_reaching_the_output_is_the_roots_own_fill(tmp_path):
+    """A policy masking its padded vocabulary's logits with -inf after the LM returned: the
+    report named the fill's op and line but the module of the first -inf fill inside the
+    call (``lm.model.layers.0.self_attn``), which never ran that line."""
+    err = raised(train_grpo, tmp_path, 1, factory="make_masked_vocab_policy")
+    assert (err.event["step"], err.event["phase"], err.event["module"]) == (0, "forward", "")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "", "aten.masked_fill", "-inf", list(range(P * G // 2))), rep
+    assert o["source"] == source_line(MODELS, 'masked_fill(self.invalid, float("-inf"))')
+    assert any("allow_inf=['']" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_healthy_bf16_grpo_with_an_allowed_vocabulary_mask_raises_nothing(tmp_path):
+    """Left padding's masked attention, the rollout's -inf on PAD, the policy's -inf logits
+    (allowed): no event, and the weights are those of the run without the recorder."""
+    kw = {"factory": "make_masked_vocab_policy", "bf16": True}
+    recorded = train_grpo(tmp_path, 3, allow_inf=[""], **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    assert same_weights(recorded, train_grpo(tmp_path, 3, record=False, **kw))
