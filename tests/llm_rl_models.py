@@ -196,10 +196,12 @@ class MaskedVocabPolicy(nn.Module):
     multiple of 128): the padded ids' logits are set to ``-inf`` in ``forward`` so they are
     never sampled and take no probability (an intended -inf in every output)."""
 
-    def __init__(self):
+    def __init__(self, forbid_pad: bool = False):
         super().__init__()
         self.lm = tiny_llama()
-        self.register_buffer("invalid", torch.arange(VOCAB) >= REAL_VOCAB, persistent=False)
+        invalid = torch.arange(VOCAB) >= REAL_VOCAB
+        invalid[PAD] = forbid_pad  # (never generate padding: but padding's labels are PAD)
+        self.register_buffer("invalid", invalid, persistent=False)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         logits = self.lm(input_ids, attention_mask=attention_mask,
@@ -209,3 +211,7 @@ class MaskedVocabPolicy(nn.Module):
 
 def make_masked_vocab_policy() -> MaskedVocabPolicy:
     return MaskedVocabPolicy()
+
+
+def make_pad_forbidding_policy() -> MaskedVocabPolicy:
+    return MaskedVocabPolicy(forbid_pad=True)

@@ -34,7 +34,7 @@ def train_grpo(out_dir, steps: int, record: bool = True, factory: str = "make_po
     """``plants[step]``: what goes wrong at that generation step (``eos_boost`` added to EOS's
     logit, ``mask_truncated``: TRL's mask_truncated_completions, ``equal_group``: that group's
     completions all earn reward 1 and the advantages drop their eps). ``seen`` collects each
-    rollout's ``finished`` rows."""
+    rollout's ``finished`` rows and completion mask."""
     policy = getattr(M, factory)()
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -50,7 +50,7 @@ def train_grpo(out_dir, steps: int, record: bool = True, factory: str = "make_po
             c_ids, c_mask, finished = M.sample(policy, p_ids, p_mask, g,
                                                eos_boost=plant.get("eos_boost", 0.0))
             if seen is not None:
-                seen.append(finished)
+                seen.append({"finished": finished, "mask": c_mask})
             rewards = ((c_ids >= 3) & (c_ids < 20)).float().mean(1)
             if plant.get("mask_truncated"):  # TRL's mask_truncated_completions=True
                 c_mask = c_mask * finished[:, None]
@@ -119,7 +119,7 @@ def test_grpo_sequence_mean_of_a_truncated_completion_is_0_by_0_in_its_row(tmp_p
     err = raised(train_grpo, tmp_path, 3, plants={1: {"mask_truncated": True, "eos_boost": 2.0}},
                  loss_type="grpo_unclamped", seen=seen)
     assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (2, "loss", 0)
-    truncated = [i for i in range(P * G // 2) if not seen[1][i]]
+    truncated = [i for i in range(P * G // 2) if not seen[1]["finished"][i]]
     assert 0 < len(truncated) < P * G // 2, seen[1]  # (some rows, not all: a row is named)
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
@@ -162,3 +162,112 @@ def test_healthy_bf16_grpo_with_an_allowed_vocabulary_mask_raises_nothing(tmp_pa
     recorded = train_grpo(tmp_path, 3, allow_inf=[""], **kw)
     assert not list(tmp_path.glob("*.nan"))
     assert same_weights(recorded, train_grpo(tmp_path, 3, record=False, **kw))
+
+
+def gae(old_logps, ref_logps, old_values, score, mask, kl_coef=0.05, gamma=1.0, lam=0.95):
+    """TRL's PPOTrainer: per-token rewards (KL penalty, the score at the last token), GAE,
+    advantages whitened over the valid tokens."""
+    r = -kl_coef * (old_logps - ref_logps)
+    r[torch.arange(len(r)), mask.cumsum(-1).argmax(-1)] += score
+    adv, last = torch.zeros_like(r), torch.zeros(len(r))
+    for t in reversed(range(r.shape[1])):
+        nxt = old_values[:, t + 1] if t + 1 < r.shape[1] else torch.zeros(len(r))
+        last = r[:, t] + gamma * nxt - old_values[:, t] + gamma * lam * last
+        adv[:, t] = last
+    returns = adv + old_values
+    mean = M.masked_mean(adv, mask)
+    var = M.masked_mean((adv - mean) ** 2, mask)
+    return (adv - mean) * torch.rsqrt(var + 1e-8) * mask, returns
+
+
+def train_ppo(out_dir, rollouts: int, record: bool = True, epochs: int = 2, minibatches: int = 2,
+              accum: int = 2, stale=None, bf16: bool = False):
+    """PPO epochs over each rollout of 8 prompts, shuffled into mini-batches of ``accum``
+    micro-batches each; ``stale = (rollout, epoch, minibatch, micro-batch)``: there the first
+    row's first old log-probability is the rollout engine's sentinel -9999."""
+    torch.manual_seed(1)  # (the value head's dropout)
+    model = M.make_policy_with_value()
+    ref = copy.deepcopy(model.lm).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    sched = get_cosine_schedule_with_warmup(opt, 1, rollouts * epochs * minibatches)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=M.ppo_loss, out_dir=out_dir,
+                         factory="llm_rl_models:make_policy_with_value") if record else None
+    loss_fn = rec.attach().loss_fn if rec else M.ppo_loss
+    try:
+        for it in range(rollouts):
+            p_ids, p_mask = M.prompts(g, 8)
+            c_ids, c_mask, _ = M.sample(model.lm, p_ids, p_mask, g)
+            ids, am = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1)
+            pos, mask = M.positions(am), c_mask.float()
+            with torch.no_grad():
+                logits, values = model.eval()(ids, am, pos)
+                model.train()
+                old = M.per_token_logps(logits, ids, M.COMPLETION)
+                ref_logps = M.per_token_logps(ref(ids, attention_mask=am,
+                                                  position_ids=pos).logits, ids, M.COMPLETION)
+                old_v = values[:, :-1][:, -M.COMPLETION:]
+                score = ((c_ids >= 3) & (c_ids < 20) & (c_mask == 1)).float().sum(1)
+                adv, returns = gae(old, ref_logps, old_v, score, mask)
+            for ep in range(epochs):
+                perm = torch.randperm(len(ids), generator=g)
+                for j, mb in enumerate(perm.chunk(minibatches)):
+                    for k, c in enumerate(mb.chunk(accum)):
+                        o = old[c]
+                        if stale == (it, ep, j, k):
+                            o = o.clone()
+                            o[0, 0] = -9999.0
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                            out = model(ids[c], am[c], pos[c])
+                        loss = loss_fn(out, ids[c], mask[c], o, old_v[c], adv[c],
+                                       returns[c]) / accum
+                        loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+    finally:
+        if rec:
+            rec.detach()
+    return model
+
+
+def test_ppo_sentinel_old_logprob_overflows_the_ratio_in_the_second_epoch(tmp_path):
+    """Rollout 1, PPO epoch 1, mini-batch 0, micro-batch 1: 4 optimizer steps a rollout, so
+    step 4 + 2 = 6. ``exp(logp + 9999)`` is beyond float64 too: an overflow, the row named,
+    and no advice to compute it in float64."""
+    err = raised(train_ppo, tmp_path, 2, stale=(1, 1, 0, 1))
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (6, "loss", 1)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["made"], o["samples"], o["micro_batch"]) == (
+        "overflow", "aten.exp", "+inf", [0], 1), rep
+    assert o["source"] == source_line(MODELS, "ratio = torch.exp(logps - old_logps)")
+    assert "float64 holds it" not in rep["hint"], rep["hint"]
+
+
+def test_healthy_bf16_ppo_with_value_head_dropout_raises_nothing(tmp_path):
+    recorded = train_ppo(tmp_path, 2, bf16=True)
+    assert not list(tmp_path.glob("*.nan"))
+    assert same_weights(recorded, train_ppo(tmp_path, 2, record=False, bf16=True))
+
+
+def test_pad_labels_under_a_policy_forbidding_pad_name_every_infinite_argument(tmp_path):
+    """The policy forbids PAD with -inf logits (allowed), but the padding after EOS is
+    labelled PAD: every log-probability gathered there is -inf, the old, the reference and the
+    new ones. The recorder names the first loss argument holding one (``old_logps``); the NaN is
+    made by the KL's ``ref_logps - logps``, which never reads it: the hint said "made NaN of
+    it"; it now names each argument holding -inf, by its parameter name."""
+    seen = []
+    err = raised(train_grpo, tmp_path, 1, factory="make_pad_forbidding_policy", seen=seen,
+                 allow_inf=[""])
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["kind"]) == (0, "input", "loss_args[3]",
+                                                                   "-inf"), ev
+    padded = [i for i in range(P * G // 2) if not bool(seen[0]["mask"][i].all())]
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", padded), rep
+    assert rep["hint"].startswith(
+        "loss_args[3] (old_logps) holds -inf and no NaN (as do loss_args[0] (logits) and "
+        "loss_args[4] (ref_logps)), and the loss made NaN of infinities: aten.sub ("
+        + source_line(MODELS, "kl = torch.exp(ref_logps - logps)")), rep["hint"]
