@@ -2,7 +2,8 @@
 samples are (``replay.chunk_rows``); values far outside the batch's scale
 (``replay.data_scale``); a propensity of 0 or 1 given as data (``replay.edge_probability``);
 a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow of an op
-that took the loss's data alone (``replay.data_overflow``)."""
+that took the loss's data alone (``replay.data_overflow``); the samples a loss argument of a
+value per pair or group reaches (``replay.grouped_arg``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from .chunk_rows import chunk_note
 from .data_overflow import data_overflow_hint
 from .data_scale import data_scale_hint
 from .edge_probability import edge_probability_hint
+from .grouped_arg import grouped_arg_hint
 from .load import Step
 from .masked_after import masked_after_hint
 
@@ -22,3 +24,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
     masked_after_hint(report, step)  # (an invisible keypoint's 0/0, weighted by 0 after)
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
+    grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)

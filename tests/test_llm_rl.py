@@ -271,3 +271,78 @@ def test_pad_labels_under_a_policy_forbidding_pad_name_every_infinite_argument(t
         "loss_args[3] (old_logps) holds -inf and no NaN (as do loss_args[0] (logits) and "
         "loss_args[4] (ref_logps)), and the loss made NaN of infinities: aten.sub ("
         + source_line(MODELS, "kl = torch.exp(ref_logps - logps)")), rep["hint"]
+
+
+def preference_pairs(n: int, g: torch.Generator):
+    """Prompt + chosen and prompt + rejected ids (left-padded prompts, 4-token answers; the
+    chosen ones start with token 5) and the rating gap of each pair (UltraFeedback's scores)."""
+    p_ids, p_mask = M.prompts(g, n)
+    chosen = torch.randint(3, M.VOCAB, (n, 4), generator=g)
+    rejected = torch.randint(3, M.VOCAB, (n, 4), generator=g)
+    chosen[:, 0], rejected[:, 0] = 5, 30
+    ones = torch.ones(n, 4, dtype=torch.long)
+    margin = torch.randint(1, 4, (n,), generator=g).float()
+    return (torch.cat([p_ids, chosen], 1), torch.cat([p_mask, ones], 1),
+            torch.cat([p_ids, rejected], 1), torch.cat([p_mask, ones], 1), margin)
+
+
+def train_reward_model(out_dir, epochs: int, record: bool = True, unrated=None,
+                       bf16: bool = False):
+    """TRL's RewardTrainer: chosen and rejected scored in one concatenated batch, the margin
+    subtracted (``-logsigmoid(r_c - r_r - margin)``); ``unrated``: that pair's rating is
+    missing, NaN in the dataset. Returns the model and the order the loader drew."""
+    model = M.make_reward_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    data = preference_pairs(24, g)
+    if unrated is not None:
+        data[-1][unrated] = float("nan")
+    order = []
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.arange(24), *data), batch_size=8, shuffle=True,
+        generator=g)
+    rec = FlightRecorder(model, opt, loss_fn=M.bradley_terry, out_dir=out_dir,
+                         factory="llm_rl_models:make_reward_model") if record else None
+    loss_fn = rec.attach().loss_fn if rec else M.bradley_terry
+    try:
+        for _ in range(epochs):
+            for idx, c_ids, c_mask, r_ids, r_mask, margin in loader:
+                order.append(idx)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    rewards = model(torch.cat([c_ids, r_ids]), torch.cat([c_mask, r_mask]))
+                n = len(c_ids)
+                loss = loss_fn(rewards[:n].float(), rewards[n:].float(), margin)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+    finally:
+        if rec:
+            rec.detach()
+    return model, order
+
+
+def test_reward_model_pair_without_rating_names_its_rows_in_the_shuffled_batch(tmp_path):
+    """A pair whose rating is missing (NaN margin, 8 values for the 16 rows of chosen then
+    rejected answers): the event names no samples ("not per sample"), and the replay said it
+    was a shared argument such as a class weight; one backward of the loss names the pair's two
+    rows, where the loader's shuffle put record 13."""
+    with pytest.raises(NonFiniteError) as info:
+        train_reward_model(tmp_path, 2, unrated=13)
+    err = info.value
+    step = err.event["step"]
+    _, order = train_reward_model(tmp_path / "clean", 2, record=False)
+    row = order[step].tolist().index(13)
+    assert step == next(i for i, idx in enumerate(order) if 13 in idx.tolist())
+    assert (err.event["phase"], err.event["tensor"]) == ("input", "loss_args[2]"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [row, row + 8]), rep
+    assert rep["hint"].startswith(
+        "loss_args[2] (shape (8,)) has no row per sample of the model's 16-row batch, but its "
+        f"NaN reaches the gradient of the model output in rows [{row}, {row + 8}] only"), rep
+
+
+def test_healthy_bf16_reward_model_raises_nothing(tmp_path):
+    recorded, _ = train_reward_model(tmp_path, 1, bf16=True)
+    assert not list(tmp_path.glob("*.nan"))
+    assert same_weights(recorded, train_reward_model(tmp_path, 1, record=False, bf16=True)[0])
