@@ -45,7 +45,9 @@ def grouped_arg_hint(report: dict[str, Any], step: Step) -> None:
         return
     rows, n = _reached_rows(step, mb)
     if rows and len(rows) < n:
-        o["samples"] = rows
+        # (grouped: a drop of those rows would leave the argument's own rows as they are, so
+        # --try auto proposes none)
+        o["samples"], o["grouped"] = rows, True
         report["hint"] = GROUPED_ARG.format(tensor=tensor, shape=tuple(t.shape), n=n,
                                             kind=label(kind_of(t)), rows=rows)
 

@@ -181,7 +181,7 @@ def gae(old_logps, ref_logps, old_values, score, mask, kl_coef=0.05, gamma=1.0, 
 
 
 def train_ppo(out_dir, rollouts: int, record: bool = True, epochs: int = 2, minibatches: int = 2,
-              accum: int = 2, stale=None, bf16: bool = False):
+              accum: int = 2, stale=None, bf16: bool = False, sentinel: float = -9999.0):
     """PPO epochs over each rollout of 8 prompts, shuffled into mini-batches of ``accum``
     micro-batches each; ``stale = (rollout, epoch, minibatch, micro-batch)``: there the first
     row's first old log-probability is the rollout engine's sentinel -9999."""
@@ -216,7 +216,7 @@ def train_ppo(out_dir, rollouts: int, record: bool = True, epochs: int = 2, mini
                         o = old[c]
                         if stale == (it, ep, j, k):
                             o = o.clone()
-                            o[0, 0] = -9999.0
+                            o[0, 0] = sentinel
                         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                             out = model(ids[c], am[c], pos[c])
                         loss = loss_fn(out, ids[c], mask[c], o, old_v[c], adv[c],
@@ -326,7 +326,8 @@ def test_reward_model_pair_without_rating_names_its_rows_in_the_shuffled_batch(t
     """A pair whose rating is missing (NaN margin, 8 values for the 16 rows of chosen then
     rejected answers): the event names no samples ("not per sample"), and the replay said it
     was a shared argument such as a class weight; one backward of the loss names the pair's two
-    rows, where the loader's shuffle put record 13."""
+    rows, where the loader's shuffle put record 13 (and ``--try auto`` proposes no drop: the
+    margin would keep its row, and that re-run raised)."""
     with pytest.raises(NonFiniteError) as info:
         train_reward_model(tmp_path, 2, unrated=13)
     err = info.value
@@ -335,8 +336,10 @@ def test_reward_model_pair_without_rating_names_its_rows_in_the_shuffled_batch(t
     row = order[step].tolist().index(13)
     assert step == next(i for i, idx in enumerate(order) if 13 in idx.tolist())
     assert (err.event["phase"], err.event["tensor"]) == ("input", "loss_args[2]"), err.event
-    rep = nanreplay_json(err.bundle_path)
+    rep = nanreplay_json(err.bundle_path, "--try", "auto")
     assert (rep["cause"], rep["origin"]["samples"]) == ("input", [row, row + 8]), rep
+    # (no drop=ROW,ROW+8: the margin keeps its 8 values, and that re-run raised)
+    assert rep["what_if"] == [], rep["what_if"]
     assert rep["hint"].startswith(
         "loss_args[2] (shape (8,)) has no row per sample of the model's 16-row batch, but its "
         f"NaN reaches the gradient of the model output in rows [{row}, {row + 8}] only"), rep
