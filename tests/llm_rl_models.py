@@ -83,6 +83,12 @@ def per_token_logps(logits, input_ids, logits_to_keep: int, temperature: float =
     return torch.gather(logps, 2, labels.unsqueeze(-1)).squeeze(-1)
 
 
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """verl's ``entropy_from_logits``: logsumexp minus the expected logit."""
+    pd = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+
+
 def group_advantages(rewards: torch.Tensor, group: int, eps: float | None = 1e-4):
     """GRPO's advantages: each completion's reward against its group's mean and std."""
     mean = rewards.view(-1, group).mean(1).repeat_interleave(group)
@@ -93,7 +99,8 @@ def group_advantages(rewards: torch.Tensor, group: int, eps: float | None = 1e-4
 
 
 def grpo_loss(logits, input_ids, completion_mask, old_logps, ref_logps, advantages,
-              beta: float = 0.04, eps_clip: float = 0.2, loss_type: str = "grpo"):
+              beta: float = 0.04, eps_clip: float = 0.2, loss_type: str = "grpo",
+              entropy_coeff: float = 0.0):
     """TRL's ``GRPOTrainer.compute_loss``: the clipped ratio of new to old log-probabilities,
     the k3 KL estimator to the reference, normalised per sequence (``grpo``), over the batch's
     tokens (``bnpo``) or by a constant (``dr_grpo``)."""
@@ -103,6 +110,9 @@ def grpo_loss(logits, input_ids, completion_mask, old_logps, ref_logps, advantag
     coef_2 = torch.clamp(coef_1, 1 - eps_clip, 1 + eps_clip)
     adv = advantages.unsqueeze(1)
     per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv) + beta * kl
+    if entropy_coeff:  # verl's entropy bonus, over the completion's logits
+        logits = logits[:, :-1][:, -completion_mask.shape[1]:].float()
+        per_token_loss = per_token_loss - entropy_coeff * entropy_from_logits(logits)
     m = completion_mask.float()
     if loss_type == "grpo":
         return ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
@@ -215,3 +225,11 @@ def make_masked_vocab_policy() -> MaskedVocabPolicy:
 
 def make_pad_forbidding_policy() -> MaskedVocabPolicy:
     return MaskedVocabPolicy(forbid_pad=True)
+
+
+def make_checkpointed_policy() -> nn.Module:
+    """The policy with activation checkpointing, as TRL's ``gradient_checkpointing=True`` and
+    verl's ``enable_gradient_checkpointing`` set it (non-reentrant)."""
+    policy = tiny_llama()
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy

@@ -30,7 +30,7 @@ def equal_rewards(rewards: torch.Tensor, group: int) -> torch.Tensor:
 
 def train_grpo(out_dir, steps: int, record: bool = True, factory: str = "make_policy",
                plants=None, loss_type: str = "grpo", bf16: bool = False, iterations: int = 2,
-               accum: int = 2, seen=None, **rec_kw):
+               accum: int = 2, seen=None, entropy_coeff: float = 0.0, **rec_kw):
     """``plants[step]``: what goes wrong at that generation step (``eos_boost`` added to EOS's
     logit, ``mask_truncated``: TRL's mask_truncated_completions, ``equal_group``: that group's
     completions all earn reward 1 and the advantages drop their eps). ``seen`` collects each
@@ -73,7 +73,7 @@ def train_grpo(out_dir, steps: int, record: bool = True, factory: str = "make_po
                         logits = M.logits_of(policy(ids[s], attention_mask=am[s],
                                                     position_ids=pos[s]))
                     loss = loss_fn(logits, ids[s], c_mask[s], old[s], ref_logps[s], adv[s],
-                                   loss_type=loss_type) / accum
+                                   loss_type=loss_type, entropy_coeff=entropy_coeff) / accum
                     loss.backward()
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
                 opt.step()
@@ -349,3 +349,26 @@ def test_healthy_bf16_reward_model_raises_nothing(tmp_path):
     recorded, _ = train_reward_model(tmp_path, 1, bf16=True)
     assert not list(tmp_path.glob("*.nan"))
     assert same_weights(recorded, train_reward_model(tmp_path, 1, record=False, bf16=True)[0])
+
+
+def test_entropy_bonus_over_masked_vocabulary_logits_is_0_times_inf(tmp_path):
+    """verl's ``entropy_from_logits`` (``sum(softmax * logits)``) over a policy's -inf logits of
+    its padded vocabulary (allowed): 0 * -inf in every row; the product and the mask named."""
+    err = raised(train_grpo, tmp_path, 1, factory="make_masked_vocab_policy", allow_inf=[""],
+                 entropy_coeff=0.01)
+    assert (err.event["step"], err.event["phase"]) == (0, "loss")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["samples"]) == ("invalid", "aten.mul",
+                                                     list(range(P * G // 2))), rep
+    assert o["source"] == source_line(MODELS, "torch.sum(pd * logits, dim=-1)")
+    assert "0 * inf" in rep["hint"] and "torch.finfo(dtype).min" in rep["hint"], rep["hint"]
+
+
+def test_healthy_grpo_with_activation_checkpointing_raises_nothing(tmp_path):
+    """Non-reentrant checkpointing re-runs each decoder layer in the backward, hooks and all:
+    no event, no change to the training."""
+    recorded = train_grpo(tmp_path, 2, factory="make_checkpointed_policy", bf16=True)
+    assert not list(tmp_path.glob("*.nan"))
+    assert same_weights(recorded, train_grpo(tmp_path, 2, factory="make_checkpointed_policy",
+                                             bf16=True, record=False))
