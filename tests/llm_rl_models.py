@@ -229,7 +229,9 @@ def make_pad_forbidding_policy() -> MaskedVocabPolicy:
 
 def make_checkpointed_policy() -> nn.Module:
     """The policy with activation checkpointing, as TRL's ``gradient_checkpointing=True`` and
-    verl's ``enable_gradient_checkpointing`` set it (non-reentrant)."""
+    verl's ``enable_gradient_checkpointing`` set it (non-reentrant; older transformers call it
+    ``gradient_checkpointing_enable``)."""
     policy = tiny_llama()
-    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.activation_checkpointing_enable({"use_reentrant": False})
+    policy.config.use_cache = False
     return policy
