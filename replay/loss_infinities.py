@@ -46,7 +46,12 @@ class LossCall:
 
 def others_text(call: LossCall, tensor: str, loss_fn) -> str:
     """`` (as do A and B)``: the arguments other than ``tensor`` holding an infinity."""
-    others = [n for n in call.infinite(loss_fn) if n.split(" ")[0] != tensor]
+    others = [n for n in call.infinite(loss_fn) if not _holds(n.split(" ")[0], tensor)]
     if not others:
         return ""
     return f" (as do {', '.join(others[:-1])}{' and ' if len(others) > 1 else ''}{others[-1]})"
+
+
+def _holds(top: str, tensor: str) -> bool:
+    """Whether ``tensor`` is the top-level argument ``top`` or an element of it."""
+    return tensor == top or tensor.startswith((top + "[", top + "."))
