@@ -4,7 +4,8 @@ samples are (``replay.chunk_rows``); values far outside the batch's scale
 a target distribution the loop built with no mass in a row (``replay.massless_rows``);
 a loss argument normalised by an infinite total (``replay.inf_normalised``);
 a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow of an op
-that took the loss's data alone (``replay.data_overflow``)."""
+that took the loss's data alone (``replay.data_overflow``); the samples a loss argument of a
+value per pair or group reaches (``replay.grouped_arg``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .chunk_rows import chunk_note
 from .data_overflow import data_overflow_hint
 from .data_scale import data_scale_hint
 from .edge_probability import edge_probability_hint
+from .grouped_arg import grouped_arg_hint
 from .inf_normalised import inf_normalised_hint
 from .load import Step
 from .masked_after import masked_after_hint
@@ -28,3 +30,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     inf_normalised_hint(report, step)  # (NaN beside 0s: w / w.max() of an infinite w)
     masked_after_hint(report, step)  # (an invisible keypoint's 0/0, weighted by 0 after)
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
+    grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)

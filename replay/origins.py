@@ -33,9 +33,11 @@ from .load import Step, autocast_as_recorded, differentiates_model
 from .log_sum_exp import with_log_sum_exp
 from .logged_output import logged_output_cause
 from .loop_term import loop_differentiated, loop_term_report, spread_by_term
+from .loss_arg_name import with_param_name
 from .loss_args import loss_args, loss_samples
 from .loss_factor import infinite_factor_hint
 from .loss_grad import node_in_loss, probed_report
+from .loss_infinities import LossCall, others_text
 from .loss_maker import made_in_loss
 from .losses import held_state_cause, non_finite_loss_state
 from .masked_pole import with_masked_pole
@@ -197,14 +199,18 @@ def infinity_the_loss_took(step: Step, origin: dict[str, Any]) -> str | None:
     if not tensor.startswith("loss_") or made not in ("+inf", "-inf") \
             or step.model is None or step.loss_fn is None:
         return None
-    finder = watched_loss_rerun(step, origin.get("micro_batch") or 0)
+    call = LossCall()
+    finder = watched_loss_rerun(step, origin.get("micro_batch") or 0, accept=call)
     hit = finder and finder.first_nan
     if hit is None:
         return None
     what = inf_arith(hit.op, "NaN from infinities")
     at = f" ({hit.source})" if hit.source else ""
-    return (f"{tensor} holds {made} and no NaN, and the loss made NaN of it: {hit.op}{at} "
-            f"computed {what}. A {made} made on purpose (a log-probability of exactly 0, a "
+    # (the op may take another argument's infinity than the one the recorder named first)
+    others = others_text(call, tensor, step.loss_fn)
+    of = "of infinities" if others else "of it"
+    return (f"{with_param_name(tensor, step.loss_fn)} holds {made} and no NaN{others}, and "
+            f"the loss made NaN {of}: {hit.op}{at} computed {what}. A {made} made on purpose (a log-probability of exactly 0, a "
             "masked class) must not reach that op: clamp it to a finite floor (-1e4) or give "
             "the loss probabilities (log_target=False); else check the data pipeline for "
             "these samples")

@@ -35,6 +35,7 @@ from .cause_text import (
 )
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
+from .loss_arg_name import with_param_name
 from .shared_loss_arg import shared_loss_arg_hint
 
 
@@ -226,7 +227,8 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         kind = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}.get(origin.get("made"), "NaN/Inf")
         rows, n = origin.get("samples") or [], batch_size(step, origin.get("micro_batch") or 0)
         every = LOSS_ARGUMENT_EVERY.format(kind=kind) if n and rows == list(range(n)) else ""
-        return LOSS_ARGUMENT.format(tensor=tensor, every=every, kind=kind)
+        return LOSS_ARGUMENT.format(tensor=with_param_name(tensor, step.loss_fn), every=every,
+                                    kind=kind)
     if origin.get("samples") or not tensor:
         return None
     return SHARED_INPUT.format(tensor=f"the input {tensor}") + _some_rows(

@@ -170,7 +170,8 @@ def auto_tries(step: Step, report: dict[str, Any]) -> list[str]:
     out: list[str] = []
     # (a pair's partner goes too; the samples of other nodes at the same pole too)
     samples = o.get("coupled") or drop_with_others(o)
-    fits_drop = cause in ("input", "invalid", "underflow", "precision")
+    # (not the rows a per-pair loss argument reached: that argument keeps its own rows)
+    fits_drop = cause in ("input", "invalid", "underflow", "precision") and not o.get("grouped")
     # an overflow in samples whose inputs are outliers of the batch points at their data too
     # (a record in the wrong unit), as does one spanning the batch (a BatchNorm mixes the
     # rows) whose inputs hold a few such rows: dropping them tells the data from the model
