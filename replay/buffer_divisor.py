@@ -26,14 +26,15 @@ def buffer_divisor_hint(hint: str | None, model: torch.nn.Module, finder, hit) -
             or len(ev.inputs) < 2 or not bool((ev.inputs[1] == 0).any()):
         return None
     what = describe(hit.op.removeprefix("aten."), ev)[0]
-    return (f"{what}: the divisor was made of the model's buffer {name} alone (its entries "
-            "and their differences: no sample's record, nothing learned), 0 where the "
-            f"entries it subtracts are equal{_ties(model, name)}. Every sample divides by it "
-            "alike, so no record is to blame and an eps in the data does not help: keep its "
-            "entries apart where the code writes them (knots placed at quantiles of tied "
-            "values repeat: mix in a uniform grid, drop or nudge repeated knots) or give the "
-            "formula its value where the divisor is 0 (Cox-de Boor's recursion takes 0/0 as "
-            "0: divide by torch.where(d == 0, 1, d) and zero those terms)")
+    return (f"{what}: the divisor was made of the model's buffers alone (the buffer {name}: "
+            "its entries and their differences, no sample's record, nothing learned), 0 where "
+            f"the entries it subtracts are equal{_ties(model, name)}. Every sample divides by "
+            "it alike, so no record is to blame and an eps in the data does not help: keep its "
+            "entries apart where the code writes them (a mesh's duplicated nodes make an edge "
+            "of length 0; knots placed at quantiles of tied values repeat: mix in a uniform "
+            "grid, drop or nudge repeated knots) or give the formula its value where the "
+            "divisor is 0 (a B-spline's Cox-de Boor recursion takes 0/0 as 0: divide by "
+            "torch.where(d == 0, 1, d) and zero those terms)")
 
 
 def _ties(model: torch.nn.Module, name: str) -> str:
