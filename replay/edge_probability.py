@@ -21,22 +21,34 @@ from .load import Step
 from .recorded import samples
 
 _DIVIDING = {"aten.div", "aten.div_", "aten.reciprocal"}
-_OF_DATA = "what it took there was computed from the batch's data alone"
+OF_DATA = "what it took there was computed from the batch's data alone"
 
 
-def edge_probability_hint(report: dict[str, Any], step: Step) -> None:
-    """Replace an ``invalid`` division's degenerate-record advice (:data:`_OF_DATA`) when a
-    probability of the micro-batch (:func:`_at_edge`) is 0 or 1 at every named sample."""
+def data_division_rows(report: dict[str, Any]) -> tuple[list[int], str] | None:
+    """(the samples, the hint) of an ``invalid`` division of the data alone whose hint gives
+    the degenerate-record advice (:data:`OF_DATA`) for some of the batch's samples; else None:
+    what a hint naming the tensor that divided there (a probability at 0 or 1, a target with
+    no mass) replaces."""
     o, hint = report["origin"], report.get("hint") or ""
     rows = o.get("samples") or []
     if report.get("cause") != "invalid" or o.get("op") not in _DIVIDING or not rows \
-            or _OF_DATA not in hint or o.get("all_samples"):
+            or OF_DATA not in hint or o.get("all_samples"):
+        return None
+    return rows, hint
+
+
+def edge_probability_hint(report: dict[str, Any], step: Step) -> None:
+    """Replace an ``invalid`` division's degenerate-record advice (:func:`data_division_rows`)
+    when a probability of the micro-batch (:func:`_at_edge`) is 0 or 1 at every named
+    sample."""
+    if (found := data_division_rows(report)) is None:
         return
-    name = _at_edge(step, o.get("micro_batch") or 0, rows)
+    rows, hint = found
+    name = _at_edge(step, report["origin"].get("micro_batch") or 0, rows)
     if name is not None:
         which = ",".join(str(r) for r in rows)
         report["hint"] = (
-            hint[:hint.index(_OF_DATA)] + f"{_OF_DATA}, and {name}, a probability (its values "
+            hint[:hint.index(OF_DATA)] + f"{OF_DATA}, and {name}, a probability (its values "
             f"lie in [0, 1]), is exactly 0 or 1 at sample(s) {which}: a propensity score or "
             "an importance probability from a classifier (a tree's pure leaf predicts 0 or 1) "
             "divides as e, 1 − e or e·(1 − e) only kept off 0 and 1: trim it where it is "

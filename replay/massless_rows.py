@@ -17,27 +17,23 @@ import torch
 
 from recorder.capture import loss_path
 
+from .edge_probability import OF_DATA, data_division_rows
 from .load import Step
 from .recorded import samples
 
-_DIVIDING = {"aten.div", "aten.div_", "aten.reciprocal"}
-_OF_DATA = "what it took there was computed from the batch's data alone"
-
 
 def massless_rows_hint(report: dict[str, Any], step: Step) -> None:
-    """Replace an ``invalid`` division's degenerate-record advice (:data:`_OF_DATA`) when a
-    loss argument of the micro-batch holds a distribution per sample (:func:`_massless`)
-    whose every named sample's row is all 0."""
-    o, hint = report["origin"], report.get("hint") or ""
-    rows = o.get("samples") or []
-    if report.get("cause") != "invalid" or o.get("op") not in _DIVIDING or not rows \
-            or _OF_DATA not in hint or o.get("all_samples"):
+    """Replace an ``invalid`` division's degenerate-record advice (:func:`data_division_rows`)
+    when a loss argument of the micro-batch holds a distribution per sample
+    (:func:`_massless`) whose every named sample's row is all 0."""
+    if (found := data_division_rows(report)) is None:
         return
-    name = _massless(step, o.get("micro_batch") or 0, rows)
+    rows, hint = found
+    name = _massless(step, report["origin"].get("micro_batch") or 0, rows)
     if name is not None:
         which = ",".join(str(r) for r in rows)
         report["hint"] = (
-            hint[:hint.index(_OF_DATA)] + f"{_OF_DATA}, and {name}, non-negative weights per "
+            hint[:hint.index(OF_DATA)] + f"{OF_DATA}, and {name}, non-negative weights per "
             f"sample (a target distribution), holds no mass at sample(s) {which}: every "
             "entry of their rows is exactly 0, so normalising it (p / p.sum()) is 0/0 there. "
             "The record need not be degenerate: check the code that built that target for "
