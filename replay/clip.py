@@ -15,7 +15,7 @@ from recorder.finite import stored
 
 
 def loop_clip(step, win, record: dict[str, Any], change, norm: float | None,
-              loss: float | None = None) -> None:
+              loss: float | None = None, factors=()) -> float | None:
     """The loop's own ``clip_grad_norm_`` between backward and ``optimizer.step()``, which
     the recorder saw only as the smaller gradient norm the update used (the ring's). Left
     out, a window whose every update was clipped ran away where training did not. The
@@ -24,7 +24,12 @@ def loop_clip(step, win, record: dict[str, Any], change, norm: float | None,
     that max_norm, or to the try's own ``clip``. A larger norm where the re-run's ``loss``
     is not the recorded one is no clipping: the re-run has left training's path (an optimizer
     wrapper's state the bundle lacks, Lookahead's slow weights or its inner Adam's moments),
-    and scaling its gradients to the recorded norm would hide that and clip every what-if."""
+    and scaling its gradients to the recorded norm would hide that and clip every what-if.
+    A norm larger by the very factor the loop put on the loss (``factors``, this step's:
+    ``(loss * scale).backward()``) is the loop's own unscaling (``p.grad.div_(scale)``, a loss
+    scaler written by hand): the gradients are divided by it, as the loop did, and so are a
+    what-if's, by the factor it puts on its loss. Returns the norm the update then used, for
+    an unscaling (the window's statistics show that one, as the ring does), else None."""
     params = [p for p in step.model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     if change.clip is not None:
@@ -33,13 +38,28 @@ def loop_clip(step, win, record: dict[str, Any], change, norm: float | None,
         rec = _recorded_grad_norm(step, record["step"])
         if rec is None or norm is None or not norm > rec * (1 + 1e-3) \
                 or not _same_loss(step, record["step"], loss):
-            return
+            return None
         for g in grads:
             g.mul_(rec / norm)
+        if (k := _one(factors)) is not None and k > 1 + 1e-3 and abs(norm / rec / k - 1) < 1e-3:
+            win.loop_unscale = True
+            return rec
         if rec > 0:  # (0: clip_grad_norm_ of an infinite norm zeroed the gradients)
             win.loop_clip = max(win.loop_clip or 0.0, rec)
     elif win.loop_clip is not None:
         clip_grads(params, win.loop_clip)
+    if change.clip is None and change != type(change)() and win.loop_unscale \
+            and (k := _one(win.loss_factors or ())) is not None:
+        for g in grads:
+            g.div_(k)
+    return None
+
+
+def _one(factors) -> float | None:
+    """The factor every micro-batch's loss was multiplied by, if one and finite."""
+    ks = [float(k) for k in factors]
+    return ks[0] if ks and math.isfinite(ks[0]) and all(
+        abs(k - ks[0]) <= 1e-6 * abs(ks[0]) for k in ks) else None
 
 
 def total_norm(tensors) -> float | None:

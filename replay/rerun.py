@@ -118,6 +118,7 @@ class Runner:
         # when a dict: the loop's factor on the loss (accumulation's 1/k) of each micro-batch
         # backpropagated from its recorded output gradients, by index (replay.loopscale)
         self.loss_factors: dict[int, list[float]] | None = None
+        self.step_factors: list[float] = []  # (this runner's: one step's, replay.clip)
         self.last_loss = None
         self.cut: list[torch.Tensor] | None = None  # stand-ins for outputs: replay.direct_grads
         # back-propagate the recorded output gradients even when non-finite: no loss to re-run
@@ -282,6 +283,7 @@ class Runner:
                 if self.loss_factors is not None or own else None
             if self.loss_factors is not None and k is not None:
                 self.loss_factors.setdefault(i, []).append(k)
+                self.step_factors.append(k)
             if own:  # the loss's trained parameters (a temperature) are past the outputs: their
                 # gradients come from the loss, times what the loop and the GradScaler put on it
                 f = (k or self.step.micro_batches[i].get("loss_factor") or 1.0) \

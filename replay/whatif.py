@@ -282,6 +282,12 @@ def _last_finite_lr(step: Step) -> float | None:
         else None
 
 
+def _as_the_window_found(win: Window, w: dict[str, Any]) -> None:
+    """The loop's clip, loss factors and unscaling the window's re-run found, for its tries."""
+    win.loop_clip, win.loss_factors = w.get("loop_clip"), w.get("loss_factors")
+    win.loop_unscale = bool(w.get("loop_unscale"))
+
+
 def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict[str, Any]]:
     """Each try re-run separately: ``{"try", "finite", "inconclusive", "event_step", "origin",
     "steps"}``. A try is inconclusive when the re-run without any change is finite too (a
@@ -299,9 +305,8 @@ def run_tries(step: Step, report: dict[str, Any], tries: list[str]) -> list[dict
     for label, change in parsed:
         check_applicable(step, label, change)
     win = win or step_as_window(step)
-    if win.from_rewind and report.get("window"):  # the loop's clip and loss factors the
-        win.loop_clip = report["window"].get("loop_clip")  # window's re-run found
-        win.loss_factors = report["window"].get("loss_factors")
+    if win.from_rewind and report.get("window"):
+        _as_the_window_found(win, report["window"])
     unchanged_finite = _unchanged_finite(step, report, win)
     out = []
     for label, change in parsed:

@@ -68,6 +68,7 @@ class Window:
     from_rewind: bool
     # the max_norm of the loop's own clip_grad_norm_, as the unchanged re-run found it
     loop_clip: float | None = None
+    loop_unscale: bool = False  # the loop divides its gradients by its loss's factor (clip)
     # the loop's factor on each micro-batch's loss (accumulation's 1/k), by its index in the
     # step, as the unchanged re-run found them
     loss_factors: list[float] | None = None
@@ -179,7 +180,9 @@ def run_window(step: Step, win: Window, change: Change | None = None) -> WindowR
                                 kind=kinds_of([p.grad for n, p in step.model.named_parameters()
                                                if n in bad_grads]))
             break
-        loop_clip(step, win, record, change, stats["grad_norm"], ring_loss(run))
+        if (used := loop_clip(step, win, record, change, stats["grad_norm"], ring_loss(run),
+                              runner.step_factors)) is not None:
+            stats["grad_norm"] = used  # (the loop's own unscaling: the norm its update used)
         # (the GradScaler's skips follow the re-run's own gradients, as in training)
         if opt is None or (record is win.records[-1] and not _last_update_ran(step, win)):
             stats["param_norm"] = total_norm(step.model.parameters())

@@ -88,6 +88,12 @@ def test_a_later_event_replays_its_window_with_the_loops_skips(out_dir):
     # first non-finite value came at step 0)
     assert (w["steps"], w["reproduced"], w["event_step"]) == ([0, 7], True, 7), w
     assert [s["step"] for s in w["per_step"] if s["skipped"]] == [s for s in skips if s < 7]
+    # the loop divides its gradients by the scale it put on the loss: the re-run does too
+    # (was: read as gradient clipping to the recorded norm, and the scaled norms, 1e37, made
+    # a "gradient norm began" precursor at the first update)
+    assert (w["loop_unscale"], w["loop_clip"], w["precursors_began"]) == (True, None, None), w
+    norms = [s["grad_norm"] for s in w["per_step"] if not s["skipped"] and s["step"] < 7]
+    assert norms and all(0 < n < 10 for n in norms), norms
 
 
 def test_a_scaler_that_never_recovers_is_a_skipping_event(out_dir):
