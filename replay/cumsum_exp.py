@@ -5,16 +5,14 @@ over a chunk and scale queries by ``exp(b)``, keys by ``exp(-b)``: ``exp(-b)`` g
 chunk's length until it overflows once the gates' logs sum below -88 (float32). The generic
 advice for an exp's overflow (subtract the row max) misses the form that is finite by
 construction: exp of differences of the running sum that are never positive. Only for an exp
-origin: one forward re-run follows the cumsum's output (through views, negation, scaling and
-dtype casts) into the exp at the origin's line.
+origin: the forward re-run of ``replay.exp_overflow`` follows the cumsum's output (through
+views, negation, scaling and dtype casts) into the exp at the origin's line.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .compat import TorchDispatchMode
-from .dispatch import run_op
 from .memo import TensorSet
 from .source import user_source
 
@@ -24,23 +22,17 @@ _PASS = {"neg", "view", "_unsafe_view", "reshape", "transpose", "permute", "sele
          "mul", "div", "unflatten", "flatten", "narrow"}
 
 
-class _Followed(TorchDispatchMode):
+class CumsumFollowed:
     """Marks cumsum outputs and what passes them on; ``found``: the line of the cumsum whose
     value the exp at ``at`` (op, line) took when it made +inf."""
 
     def __init__(self, at: tuple[str, str | None]):
-        super().__init__()
         self.at, self.sums = at, TensorSet()
         self.lines: dict[int, str | None] = {}
         self.found: str | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        out = run_op(func, args, kwargs or {})
-        first = args[0] if args else None
-        if self.found is not None or not isinstance(out, torch.Tensor) \
-                or not isinstance(first, torch.Tensor):
-            return out
+    def see(self, name: str, args, out: torch.Tensor, first: torch.Tensor) -> None:
+        """One op of the re-run (``replay.exp_overflow``), until ``found``."""
         if name == "cumsum":
             self.sums.add(out)
             self.lines[id(out)] = user_source()
@@ -51,24 +43,13 @@ class _Followed(TorchDispatchMode):
         elif f"aten.{name}" == self.at[0] and first in self.sums \
                 and user_source() == self.at[1] and bool(torch.isposinf(out.detach()).any()):
             self.found = self.lines.get(id(first)) or "?"
-        return out
 
 
-def cumsum_exp_hint(runner, hint: str | None, cause: str, hit) -> str | None:
-    """``hint`` for an exp origin ``hit`` that overflowed on a cumulative sum taken as is
-    (not a difference of two): exp of differences of it that stay at or below 0; ``hint``
-    as it is otherwise."""
-    if cause != "overflow" or hit is None or hit.op not in ("aten.exp", "aten.exp_") \
-            or hit.source is None:
-        return hint
-    follow = _Followed((hit.op, hit.source))
-    try:
-        runner.run(backward=False, instrument=False, forward_ctx=lambda: follow)
-    except Exception:  # (the hint as it is: this only says what the exp was given)
-        return hint
-    if follow.found is None:
-        return hint
-    return (f"{hit.op} took a cumulative sum (made at {follow.found}) as it is: exp of a "
+def cumsum_exp_text(hit, found: str) -> str:
+    """The hint for an exp origin ``hit`` that overflowed on the cumulative sum made at
+    ``found`` (see :class:`CumsumFollowed`) taken as is, not a difference of two: exp of
+    differences of it that stay at or below 0."""
+    return (f"{hit.op} took a cumulative sum (made at {found}) as it is: exp of a "
             "running sum of log gates or decays grows with the length it runs over, until it "
             "passes the type's range (88.7 in float32) however the inputs are scaled; take exp "
             "only of differences of the sum that are never positive (the keys' exp(b_last - "

@@ -18,8 +18,8 @@ from .backward_calls import backward_call_note, run_to_call, user_backward
 from .buffer_divisor import buffer_divisor_hint
 from .caller_picks import CallerPicks
 from .cause import classify
-from .cumsum_exp import cumsum_exp_hint
 from .errors import StopRun
+from .exp_overflow import exp_overflow_hint
 from .findings import finish, origin_fields
 from .forward_grad import derivative_words, with_node
 from .iteration import line_run
@@ -38,7 +38,6 @@ from .rerun import Runner
 from .returned_fill import returned_fill
 from .run_result import Run
 from .signed_weights import signed_weights_hint
-from .softplus_overflow import softplus_hint
 from .source import is_torch_file, node_tracebacks, user_source
 from .storages import mask_buffers, state_of
 from .transforms import outside_transforms
@@ -125,8 +124,8 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
-    hint = softplus_hint(runner, hint, cause.name, hit)  # (its exp overflowed)
-    return cumsum_exp_hint(runner, hint, cause.name, hit)  # (exp(-cumsum) of a chunk)
+    # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
+    return exp_overflow_hint(runner, hint, cause.name, hit)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:

@@ -5,7 +5,8 @@ Hawkes Process ``1 / beta * log(1 + exp(beta * x))`` (with a hard threshold at 2
 of it drop): exp overflows wherever z is above 88 in float32, though the softplus is about z
 there. The generic advice for an exp's overflow (subtract the row max, bound the exponent,
 float64) misses that the formula has a form finite for every finite z. Only for an exp
-origin: one forward re-run follows that exp's +inf into a log of 1 plus it (or its log1p).
+origin: the forward re-run of ``replay.exp_overflow`` follows that exp's +inf into a log of 1
+plus it (or its log1p).
 """
 
 from __future__ import annotations
@@ -14,30 +15,22 @@ import math
 
 import torch
 
-from .compat import TorchDispatchMode
-from .dispatch import run_op
 from .memo import TensorSet
 from .source import user_source
 
 _LOGS = {"log", "log2", "log10"}
 
 
-class _Followed(TorchDispatchMode):
+class SoftplusFollowed:
     """Marks the +inf outputs of the exp at ``at`` (op, line), then ``1 + `` them; ``found``:
     the line of the first log given such a sum (or log1p given such an exp)."""
 
     def __init__(self, at: tuple[str, str | None]):
-        super().__init__()
         self.at, self.exps, self.sums = at, TensorSet(), TensorSet()
         self.found: str | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        out = run_op(func, args, kwargs or {})
-        first = args[0] if args else None
-        if self.found is not None or not isinstance(out, torch.Tensor) \
-                or not isinstance(first, torch.Tensor):
-            return out
+    def see(self, name: str, args, out: torch.Tensor, first: torch.Tensor) -> None:
+        """One op of the re-run (``replay.exp_overflow``), until ``found``."""
         if f"aten.{name}" == self.at[0] and user_source() == self.at[1]:
             if bool(torch.isposinf(out.detach()).any()):
                 self.exps.add(out)
@@ -46,25 +39,14 @@ class _Followed(TorchDispatchMode):
             self.sums.add(out)
         elif name in _LOGS and first in self.sums or name == "log1p" and first in self.exps:
             self.found = user_source()
-        return out
 
 
-def softplus_hint(runner, hint: str | None, cause: str, hit) -> str | None:
-    """``hint`` for an exp origin ``hit`` that overflowed inside ``log(1 + exp(z))``: the
-    stable forms of that softplus; ``hint`` as it is otherwise."""
-    if cause != "overflow" or hit is None or hit.op not in ("aten.exp", "aten.exp_") \
-            or hit.source is None:
-        return hint
-    follow = _Followed((hit.op, hit.source))
-    try:
-        runner.run(backward=False, instrument=False, forward_ctx=lambda: follow)
-    except Exception:  # (the hint as it is: this only says which formula the exp was in)
-        return hint
-    if follow.found is None:
-        return hint
+def softplus_text(hit, found: str) -> str:
+    """The hint for an exp origin ``hit`` that overflowed inside ``log(1 + exp(z))`` at
+    ``found`` (see :class:`SoftplusFollowed`): the stable forms of that softplus."""
     dt = hit.evidence.dtype if hit.evidence is not None else torch.float32
     top = math.log(torch.finfo(dt).max)
-    return (f"{hit.op} overflowed inside log(1 + exp(z)) at {follow.found}: a softplus "
+    return (f"{hit.op} overflowed inside log(1 + exp(z)) at {found}: a softplus "
             f"written by hand, whose exp is beyond {str(dt).removeprefix('torch.')}'s range "
             f"wherever z is above {top:.3g}, though the softplus there is about z (float64 "
             "only moves that edge): use F.softplus(z) (F.softplus(x, beta) for a softplus "

@@ -1,0 +1,50 @@
+"""What an exp that overflowed in the forward was part of, from one forward re-run: a softplus
+written by hand, ``log(1 + exp(z))`` (``replay.softplus_overflow``), or an exp of a cumulative
+sum taken as is (``replay.cumsum_exp``). Each has a form finite by construction, which the
+generic advice for an exp's overflow (subtract the row max, bound the exponent, float64)
+misses."""
+
+from __future__ import annotations
+
+import torch
+
+from .compat import TorchDispatchMode
+from .cumsum_exp import CumsumFollowed, cumsum_exp_text
+from .dispatch import run_op
+from .softplus_overflow import SoftplusFollowed, softplus_text
+
+
+class _Following(TorchDispatchMode):
+    """Runs each op once and shows it to each follower that has not found its pattern yet."""
+
+    def __init__(self, *followers):
+        super().__init__()
+        self.followers = followers
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = run_op(func, args, kwargs or {})
+        first = args[0] if args else None
+        if isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor):
+            name = func.overloadpacket.__name__
+            for f in self.followers:
+                if f.found is None:
+                    f.see(name, args, out, first)
+        return out
+
+
+def exp_overflow_hint(runner, hint: str | None, cause: str, hit) -> str | None:
+    """``hint`` for an exp origin ``hit`` that overflowed: the cumulative sum's form where the
+    exp took one, else the softplus's where it was inside ``log(1 + exp(z))``; ``hint`` as it
+    is otherwise (and for any other origin)."""
+    if cause != "overflow" or hit is None or hit.op not in ("aten.exp", "aten.exp_") \
+            or hit.source is None:
+        return hint
+    at = (hit.op, hit.source)
+    soft, sums = SoftplusFollowed(at), CumsumFollowed(at)
+    try:
+        runner.run(backward=False, instrument=False, forward_ctx=lambda: _Following(soft, sums))
+    except Exception:  # (the hint as it is: this only says what the exp was given, or in)
+        return hint
+    if sums.found is not None:
+        return cumsum_exp_text(hit, sums.found)
+    return softplus_text(hit, soft.found) if soft.found is not None else hint
