@@ -15,52 +15,35 @@ from typing import Any
 
 import torch
 
-from recorder.capture import loss_path
-
-from .edge_probability import OF_DATA, data_division_rows
+from .edge_probability import loss_args_by_sample, name_divided_data
 from .load import Step
-from .recorded import samples
 
 
 def massless_rows_hint(report: dict[str, Any], step: Step) -> None:
-    """Replace an ``invalid`` division's degenerate-record advice (:func:`data_division_rows`)
+    """Replace an ``invalid`` division's degenerate-record advice (:func:`name_divided_data`)
     when a loss argument of the micro-batch holds a distribution per sample
     (:func:`_massless`) whose every named sample's row is all 0."""
-    if (found := data_division_rows(report)) is None:
-        return
-    rows, hint = found
-    name = _massless(step, report["origin"].get("micro_batch") or 0, rows)
-    if name is not None:
-        which = ",".join(str(r) for r in rows)
-        report["hint"] = (
-            hint[:hint.index(OF_DATA)] + f"{OF_DATA}, and {name}, non-negative weights per "
-            f"sample (a target distribution), holds no mass at sample(s) {which}: every "
-            "entry of their rows is exactly 0, so normalising it (p / p.sum()) is 0/0 there. "
-            "The record need not be degenerate: check the code that built that target for "
-            "mass it dropped (C51's projection onto the atoms without the (l == u) term "
-            "loses a target that lands exactly on an atom, as a terminal transition's reward "
-            "of 0 does; a scatter or index_add_ that wrote nothing into the row), and do not "
-            "renormalise a target that must already sum to 1")
+    name_divided_data(report, step, _massless, lambda which: (
+        f"non-negative weights per sample (a target distribution), holds no mass at "
+        f"sample(s) {which}: every entry of their rows is exactly 0, so normalising it "
+        "(p / p.sum()) is 0/0 there. The record need not be degenerate: check the code that "
+        "built that target for mass it dropped (C51's projection onto the atoms without the "
+        "(l == u) term loses a target that lands exactly on an atom, as a terminal "
+        "transition's reward of 0 does; a scatter or index_add_ that wrote nothing into the "
+        "row), and do not renormalise a target that must already sum to 1"))
 
 
 def _massless(step: Step, mb: int, rows: list[int]) -> str | None:
     """The readable name of the first floating loss argument of micro-batch ``mb`` holding
     several entries per sample, all non-negative, some strictly between 0 and 1 (no 0/1
     mask), whose rows ``rows`` are all exactly 0 while another sample's row has mass."""
-    if mb >= len(step.micro_batches):
-        return None
-    entry, where = step.micro_batches[mb], samples(step, mb)
-    for key, raw in (entry.get("loss_paths") or {}).items():
-        t = step.tensors.get(key)
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.numel():
-            continue
-        d = where.dim(t)
-        if d is None or t.numel() == t.shape[d] or max(rows) >= t.shape[d] \
+    for name, t, d in loss_args_by_sample(step, mb):
+        if t.numel() == t.shape[d] or max(rows) >= t.shape[d] \
                 or not bool((t >= 0).all()) or not bool(((t > 0) & (t < 1)).any()):
             continue
         mass = t.movedim(d, 0).reshape(t.shape[d], -1).sum(-1)
         named = torch.zeros_like(mass, dtype=torch.bool)
         named[rows] = True
         if not bool(mass[named].any()) and bool(mass[~named].gt(0).any()):
-            return loss_path(raw)
+            return name
     return None
