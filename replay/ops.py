@@ -25,7 +25,7 @@ import torch
 from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
-from . import empty_rows
+from . import data_divisor, empty_rows
 from .cancellation import Cancellation
 from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
 from .composite import Composites, composite_hit
@@ -112,7 +112,7 @@ class _Watch(TorchDispatchMode):
                 given = before if before is not None else (args, kwargs)
                 try:
                     hit.evidence = f.of_records(_evidence(func, given, outs, f),
-                                                pole_inputs(op, ins), hit.rows, leaves)
+                                                pole_inputs(op, ins), hit.rows, leaves, op)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
@@ -375,13 +375,15 @@ class OpFinder:
                     in self.lineage.compared
 
     def of_records(self, ev: Evidence, ins: list[torch.Tensor], rows: list[int] | None,
-                   leaves: list | None = None) -> Evidence:
+                   leaves: list | None = None, op: str = "") -> Evidence:
         """``ev``, marked ``of_data`` when the op computed on data alone (see
         :mod:`replay.lineage`) in some of the samples: the mark of bad records, not of code
         that does so in every sample; ``of_weights`` when on the weights alone (of ``leaves``,
         its arguments, whose complex tensors ``ins`` holds as real views)."""
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
+        ev.data_divisor = not ev.of_data and data_divisor.marked(  # (x_hat / x.norm() of 0)
+            self.lineage, op, ins, rows, self.samples.size)
         ev.of_weights = bool(self.state) and self._of_weights_only(
             [t for t in (ins if leaves is None else leaves) if isinstance(t, torch.Tensor)
              and (t.is_floating_point() or t.is_complex())])

@@ -1,0 +1,159 @@
+"""End to end on sparse autoencoders trained on a frozen transformer's cached activations
+(``sparse_autoencoders_models``): SAELens's ReLU SAE (decoder-norm-weighted L1, unit-norm
+decoder rows re-applied after each step, the gradient's parallel component removed before
+it, ghost grads for dead latents given to ``forward`` as a mask), OpenAI's TopK SAE with
+AuxK and normalised MSE, and Gemma Scope's JumpReLU with straight-through threshold
+estimators. Each planted bug of the domain fires under the recorder and is replayed with the
+CLI; the healthy versions raise no event and train bit-identically with and without the
+recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import sparse_autoencoders_models as M
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+BATCH, SEQS = 64, 32
+
+
+def line_of(text: str) -> str:
+    return source_line("sparse_autoencoders_models.py", text)
+
+
+def batches(steps: int, short_last: bool = False, bos_last: bool = False):
+    """The cached activations of each step: the buffer refilled with ``SEQS`` contexts, then
+    one shuffled batch drawn; the last refill short of contexts (its draw reaches rows left
+    zero) or keeping the BOS position."""
+    g = torch.Generator().manual_seed(0)
+    buffer = M.ActivationBuffer(M.frozen_lm(), SEQS, g)
+    for step in range(steps):
+        last = step == steps - 1
+        buffer.fill(SEQS - 4 if short_last and last else SEQS, keep_bos=bos_last and last)
+        yield buffer.next_batch(BATCH)
+
+
+def step_outputs(model, loss_fn, x, dead):
+    """The loss of one batch, and the latents that fired, as each SAE's loop computes them."""
+    if isinstance(model, M.ReLUSAE):
+        x_hat, f, norms, ghost_out = model(x, dead)
+        return loss_fn(x_hat, f, norms, ghost_out, x), f
+    if isinstance(model, M.TopKSAE):
+        x_hat, f, aux = model(x, dead)
+        return loss_fn(x_hat, f, aux, x), f
+    x_hat, f, l0 = model(x)
+    return loss_fn(x_hat, f, l0, x), f
+
+
+def train(make: str, out_dir, steps: int = 4, record: bool = True, ghost: bool = False,
+          normalized: bool = False, **plant):
+    """SAELens's loop: Adam, a warm-up of the learning rate, gradient clipping, the parallel
+    component of W_dec's gradient removed before the step and its rows set to unit norm
+    after; latents not fired in the last step are dead (ghost grads, AuxK)."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=4e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
+    crit = {"make_topk": M.topk_loss, "make_jumprelu": M.jumprelu_loss}.get(
+        make, M.SAELoss(normalized=normalized))
+    relu = isinstance(model, M.ReLUSAE)
+    since_fired = torch.zeros(M.N_LATENTS)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"sparse_autoencoders_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for x in batches(steps, **plant):
+            dead = since_fired >= 1 if ghost or make == "make_topk" else None
+            loss, f = step_outputs(model, loss_fn, x, dead)
+            opt.zero_grad()
+            loss.backward()
+            if relu:
+                model.remove_gradient_parallel_to_decoder_directions()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if relu:
+                model.set_decoder_norm_to_unit_norm()
+            since_fired += 1
+            since_fired[(f.detach() > 0).any(0)] = 0
+    return model
+
+
+def fire(make: str, tmp_path, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, tmp_path, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def last_batch(**plant) -> torch.Tensor:
+    return list(batches(4, **plant))[-1]
+
+
+def test_normalized_mse_of_unfilled_buffer_rows_names_the_division_and_the_empty_rows(tmp_path):
+    """A short refill of the activation buffer (fewer contexts than it holds) leaves rows of
+    its fresh ``torch.zeros`` that the shuffled draw still reaches; OpenAI's normalised MSE
+    divides each row's error by its input's mean square, 0 there: a loss event, named at that
+    division on exactly the all-zero rows, and the hint says the divisor is the data's (an
+    eps would weight those rows' error by 1/eps) and to drop or mask such records."""
+    x = last_batch(short_last=True)
+    empty = torch.nonzero((x == 0).all(1)).flatten().tolist()
+    assert 0 < len(empty) < len(x), empty
+    ev, bundle = fire("make_relu", tmp_path, normalized=True, short_last=True)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "+inf")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["samples"]) == (True, "aten.div", empty), o
+    assert o["source"] == line_of("/ (x ** 2).mean(dim=1)).mean()"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and "divisor there was computed from the batch's data " \
+        "alone" in hint and "weight their error by 1/eps" in hint, hint
+    assert "leave them out of the loss" in hint, hint
+
+
+def test_ghost_grads_exp_of_a_bos_massive_activation_names_the_exp_and_the_bos_rows(tmp_path):
+    """The buffer keeps the BOS position, whose attention-sink activation is ~1e3 in a few
+    dimensions; SAELens's ghost grads take ``exp`` of the dead latents' pre-activations, which
+    overflows on those rows (then ``inf * 0`` of the norm scaling is NaN). The replay names
+    the exp in the root module on exactly the BOS rows, overflow, and the rows' out-of-scale
+    data with the drop that re-runs the step finite."""
+    x = last_batch(bos_last=True)
+    bos = torch.nonzero(x.norm(dim=1) > 100).flatten().tolist()
+    assert 0 < len(bos) < len(x), bos
+    ev, bundle = fire("make_relu", tmp_path, ghost=True, bos_last=True)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", bos), ev
+    which = ",".join(map(str, bos))
+    rep = nanreplay_json(bundle, "--try", f"drop={which}")
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["made"], o["samples"]) == (
+        "", 0, "aten.exp", "+inf", bos), o
+    assert o["source"] == line_of("ghost = torch.exp(pre[:, dead_mask]) @ W_dec[dead_mask]"), o
+    assert rep["cause"] == "overflow" and "out of scale" in rep["hint"], rep["hint"]
+    assert f"--try drop={which}" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_unrecorded_ghost_grads_overflow_turns_every_weight_nan(tmp_path):
+    """Without the recorder the ghost loss's NaN reaches Adam, and the decoder is NaN after
+    the step: the event above is the bug, not a false alarm."""
+    model = train("make_relu", tmp_path, record=False, ghost=True, bos_last=True)
+    assert not torch.isfinite(model.W_dec).all()
+
+
+@pytest.mark.parametrize("make,kw", [("make_relu", {"ghost": True}),
+                                     ("make_relu", {"normalized": True}),
+                                     ("make_topk", {}), ("make_jumprelu", {})])
+def test_healthy_saes_raise_nothing_and_train_the_same(tmp_path, make, kw):
+    """Ghost grads on sound activations, the normalised MSE, TopK's scatter with AuxK's
+    ``-inf`` fill of the live latents (it stays inside the forward) and JumpReLU's
+    straight-through threshold Functions: no event, and bit-identical weights with and
+    without the recorder (the loop's gradient projection and renormalisation included)."""
+    recorded = train(make, tmp_path, **kw)
+    plain = train(make, tmp_path, record=False, **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
