@@ -41,6 +41,7 @@ from .signed_weights import signed_weights_hint
 from .source import is_torch_file, node_tracebacks, user_source
 from .storages import mask_buffers, state_of
 from .transforms import outside_transforms
+from .zero_param_rows import zero_param_rows_hint
 from .zero_state import zero_state_hint
 
 
@@ -152,6 +153,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return own
     if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):
         return rows  # (structured pruning's zero rows, normalised by the forward)
+    if cause == "invalid" and (rows := zero_param_rows_hint(runner.model, o.module, hit)):
+        return rows  # (a weight's rows the loop wrote 0, normalised by the forward)
     if cause == "invalid" and (zero := zero_state_hint(runner, o, hit, finder.samples)):
         return zero
     if cause == "invalid" and (signed := signed_weights_hint(runner, o, hit)):

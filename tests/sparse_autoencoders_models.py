@@ -18,8 +18,9 @@ OpenAI's ``sparse_autoencoder`` and Anthropic's updates write them, for
   AuxK loss of the dead latents' top pre-activations reconstructing the residual.
 - ``JumpReLUSAE``: Gemma Scope's JumpReLU with straight-through estimators of the threshold
   (custom ``autograd.Function``s with a rectangle kernel) and the L0 penalty.
-- ``sae_loss`` (OpenAI's normalised MSE: each row's squared error over its squared norm) and
-  ``SAELoss`` (SAELens's MSE plus the weighted L1 and the ghost-grad term).
+- ``normalized_mse`` (OpenAI's: each row's squared error over its squared norm),
+  ``fraction_of_variance_unexplained`` (the batch's error over its variance) and ``SAELoss``
+  (SAELens's MSE or one of those, plus the weighted L1 and the ghost-grad term).
 """
 
 from __future__ import annotations
@@ -129,6 +130,18 @@ class ReLUSAE(nn.Module):
         return x_hat, f, W_dec.norm(dim=-1), ghost
 
     @torch.no_grad()
+    def resample_dead(self, dead: torch.Tensor, inputs: torch.Tensor):
+        """Anthropic's resampling: each dead latent's decoder row becomes an input drawn from
+        the buffer (its direction: the forward normalises it), its encoder column that input
+        scaled to the live columns' mean norm times 0.2, its bias 0."""
+        idx = torch.nonzero(dead).flatten()
+        live_norm = self.W_enc.data[:, ~dead].norm(dim=0).mean()
+        self.W_dec.data[idx] = inputs[:len(idx)]
+        unit = inputs[:len(idx)] / inputs[:len(idx)].norm(dim=-1, keepdim=True).clamp_min(1e-8)
+        self.W_enc.data[:, idx] = (unit * live_norm * 0.2).t()
+        self.b_enc.data[idx] = 0.0
+
+    @torch.no_grad()
     def set_decoder_norm_to_unit_norm(self):
         self.W_dec.data /= self.W_dec.data.norm(dim=-1, keepdim=True)
 
@@ -230,6 +243,11 @@ def make_jumprelu() -> JumpReLUSAE:
 # ---------------------------------------------------------------------------------------------
 # Losses
 
+def fraction_of_variance_unexplained(x_hat, x):
+    """SAELens's FVU: the batch's squared error over its total variance about the mean."""
+    return ((x_hat - x) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()
+
+
 def normalized_mse(x_hat, x):
     """OpenAI's ``normalized_mean_squared_error``: each row's error over its squared norm."""
     return (((x_hat - x) ** 2).mean(dim=1) / (x ** 2).mean(dim=1)).mean()
@@ -239,13 +257,14 @@ class SAELoss(nn.Module):
     """SAELens's training loss: MSE, the decoder-norm-weighted L1 and the ghost-grad MSE
     (scaled by the residual's norm per row)."""
 
-    def __init__(self, l1_coefficient: float = 1e-3, normalized: bool = False):
+    def __init__(self, l1_coefficient: float = 1e-3, normalized: str | None = None):
         super().__init__()
         self.l1_coefficient = l1_coefficient
         self.normalized = normalized
 
     def forward(self, x_hat, f, dec_norms, ghost, x):
-        mse = normalized_mse(x_hat, x) if self.normalized else F.mse_loss(x_hat, x)
+        mse = {"rows": normalized_mse, "fvu": fraction_of_variance_unexplained}.get(
+            self.normalized, F.mse_loss)(x_hat, x)
         l1 = (f * dec_norms).sum(-1).mean()
         loss = mse + self.l1_coefficient * l1
         if ghost is not None:

@@ -27,16 +27,20 @@ def line_of(text: str) -> str:
     return source_line("sparse_autoencoders_models.py", text)
 
 
-def batches(steps: int, short_last: bool = False, bos_last: bool = False):
-    """The cached activations of each step: the buffer refilled with ``SEQS`` contexts, then
-    one shuffled batch drawn; the last refill short of contexts (its draw reaches rows left
-    zero) or keeping the BOS position."""
+def batches(steps: int, short_last: bool = False, bos_last: bool = False,
+            short_at: int | None = None, dry_last: bool = False):
+    """(batch, buffer) of each step: the buffer refilled with ``SEQS`` contexts, then one
+    shuffled batch drawn; the last refill (or that of step ``short_at``) short of contexts
+    (its draws reach rows left zero) or empty (the token stream ran dry: every row zero), or
+    the last keeping the BOS position."""
     g = torch.Generator().manual_seed(0)
     buffer = M.ActivationBuffer(M.frozen_lm(), SEQS, g)
     for step in range(steps):
         last = step == steps - 1
-        buffer.fill(SEQS - 4 if short_last and last else SEQS, keep_bos=bos_last and last)
-        yield buffer.next_batch(BATCH)
+        short = short_last and last or step == short_at
+        n = 0 if dry_last and last else SEQS - 4 if short else SEQS
+        buffer.fill(n, keep_bos=bos_last and last)
+        yield buffer.next_batch(BATCH), buffer
 
 
 def step_outputs(model, loss_fn, x, dead):
@@ -52,10 +56,11 @@ def step_outputs(model, loss_fn, x, dead):
 
 
 def train(make: str, out_dir, steps: int = 4, record: bool = True, ghost: bool = False,
-          normalized: bool = False, **plant):
+          normalized: str | None = None, resample_at: int | None = None, **plant):
     """SAELens's loop: Adam, a warm-up of the learning rate, gradient clipping, the parallel
     component of W_dec's gradient removed before the step and its rows set to unit norm
-    after; latents not fired in the last step are dead (ghost grads, AuxK)."""
+    after; latents not fired in the last step are dead (ghost grads, AuxK), resampled from
+    the buffer's next inputs after step ``resample_at``."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=4e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
@@ -67,7 +72,7 @@ def train(make: str, out_dir, steps: int = 4, record: bool = True, ghost: bool =
                          factory=f"sparse_autoencoders_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
-        for x in batches(steps, **plant):
+        for step, (x, buffer) in enumerate(batches(steps, **plant)):
             dead = since_fired >= 1 if ghost or make == "make_topk" else None
             loss, f = step_outputs(model, loss_fn, x, dead)
             opt.zero_grad()
@@ -81,6 +86,8 @@ def train(make: str, out_dir, steps: int = 4, record: bool = True, ghost: bool =
                 model.set_decoder_norm_to_unit_norm()
             since_fired += 1
             since_fired[(f.detach() > 0).any(0)] = 0
+            if step == resample_at:
+                model.resample_dead(since_fired >= 1, buffer.next_batch(M.N_LATENTS))
     return model
 
 
@@ -91,7 +98,7 @@ def fire(make: str, tmp_path, **kw):
 
 
 def last_batch(**plant) -> torch.Tensor:
-    return list(batches(4, **plant))[-1]
+    return list(batches(4, **plant))[-1][0]
 
 
 def test_normalized_mse_of_unfilled_buffer_rows_names_the_division_and_the_empty_rows(tmp_path):
@@ -103,7 +110,7 @@ def test_normalized_mse_of_unfilled_buffer_rows_names_the_division_and_the_empty
     x = last_batch(short_last=True)
     empty = torch.nonzero((x == 0).all(1)).flatten().tolist()
     assert 0 < len(empty) < len(x), empty
-    ev, bundle = fire("make_relu", tmp_path, normalized=True, short_last=True)
+    ev, bundle = fire("make_relu", tmp_path, normalized="rows", short_last=True)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "+inf")
     rep = nanreplay_json(bundle)
     o = rep["origin"]
@@ -145,7 +152,8 @@ def test_unrecorded_ghost_grads_overflow_turns_every_weight_nan(tmp_path):
 
 
 @pytest.mark.parametrize("make,kw", [("make_relu", {"ghost": True}),
-                                     ("make_relu", {"normalized": True}),
+                                     ("make_relu", {"normalized": "rows"}),
+                                     ("make_relu", {"normalized": "fvu"}),
                                      ("make_topk", {}), ("make_jumprelu", {})])
 def test_healthy_saes_raise_nothing_and_train_the_same(tmp_path, make, kw):
     """Ghost grads on sound activations, the normalised MSE, TopK's scatter with AuxK's
@@ -157,3 +165,44 @@ def test_healthy_saes_raise_nothing_and_train_the_same(tmp_path, make, kw):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_resampled_dead_latent_from_an_empty_row_names_the_zero_decoder_row(tmp_path):
+    """Anthropic's resampling after step 2 writes each dead latent's decoder row from the
+    buffer's next inputs, not normalised (the forward divides each row by its norm); a short
+    refill left zero rows there, so one decoder row is all 0 and the forward's
+    ``W_dec / W_dec.norm(dim=-1, keepdim=True)`` is 0/0 in that row, NaN in every sample's
+    reconstruction. The replay names the division on its line, every sample, and the
+    parameter's zero row (the one an unrecorded copy of the run leaves 0) as written by code,
+    not by a gradient step."""
+    before = train("make_relu_normalized", tmp_path, steps=3, record=False, resample_at=2,
+                   short_at=2)
+    zero = torch.nonzero((before.W_dec == 0).all(1)).flatten().tolist()
+    assert len(zero) == 1, zero
+    ev, bundle = fire("make_relu_normalized", tmp_path, resample_at=2, short_at=2)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["all_samples"]) == (
+        True, "", "aten.div", "nan", True), o
+    assert o["source"] == line_of("return self.W_dec / self.W_dec.norm(dim=-1, keepdim=True)")
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and f"parameter W_dec is 0 in whole slices along dim 0 " \
+        f"({zero[0]})" in hint, hint
+    assert "code wrote it" in hint and "clamp_min(eps)" in hint, hint
+
+
+def test_variance_normalised_mse_of_a_dry_stream_blames_no_row_and_skips_the_batch(tmp_path):
+    """The token stream runs dry: the last refill caches nothing and the whole batch is the
+    fresh buffer's zeros. The fraction of variance unexplained divides the batch's error by
+    its variance about the mean, a 0-d 0: the replay names that division with no sample to
+    blame, and says to skip such batches or guard the statistic, not to drop rows."""
+    assert bool((last_batch(dry_last=True) == 0).all())
+    ev, bundle = fire("make_relu", tmp_path, normalized="fvu", dry_last=True)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "+inf")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["samples"]) == (True, "aten.div", []), o
+    assert o["source"] == line_of("/ ((x - x.mean(0)) ** 2).sum()"), o
+    assert rep["cause"] == "invalid" and "no row is to blame" in rep["hint"], rep["hint"]
+    assert "skip such batches" in rep["hint"], rep["hint"]

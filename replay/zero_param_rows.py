@@ -1,0 +1,52 @@
+"""A forward division 0/0 exactly in the rows of a parameter that are all 0: weight
+normalisation (``W_dec / W_dec.norm(dim=-1, keepdim=True)``, a cosine classifier's
+``w / w.norm(dim=1)``) of a row no update made 0 but code wrote so (a sparse autoencoder's
+dead latents resampled from an input of zeros, a reset of dead units, a mask). The generic
+advice for weights (keep a parametrisation off its pole) does not say which rows, nor that
+they were written; structured pruning's mask is :mod:`replay.pruned`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["zero_param_rows_hint"]
+
+_DIVISIONS = {"aten.div", "aten.true_divide"}
+SHOWN = 8  # rows named in the hint
+
+
+def zero_param_rows_hint(model: torch.nn.Module, module: str | None, hit) -> str | None:
+    """The hint for ``hit``, a division that made NaN (0/0) in module ``module``, whose
+    non-finite output entries are exactly the rows (along one dim) of one of the module's
+    parameters of the output's shape that are all 0; else None."""
+    ev = hit.evidence if hit is not None else None
+    if ev is None or hit.op not in _DIVISIONS or hit.made != "nan" or module is None:
+        return None
+    try:
+        sub = model.get_submodule(module)
+    except AttributeError:
+        return None
+    for name, p in sub.named_parameters():
+        if p.dim() < 2 or tuple(p.shape) != tuple(ev.bad.shape):
+            continue
+        for d in range(p.dim()):
+            zero = (p.detach().movedim(d, 0).reshape(p.shape[d], -1) == 0).all(1)
+            bad = ev.bad.movedim(d, 0).reshape(p.shape[d], -1).any(1)
+            if bool(zero.any()) and not bool(zero.all()) and torch.equal(bad, zero):
+                return _says(hit.op, f"{module}.{name}" if module else name, d,
+                             zero.nonzero().flatten().tolist())
+    return None
+
+
+def _says(op: str, name: str, dim: int, rows: list[int]) -> str:
+    shown = ", ".join(map(str, rows[:SHOWN])) + (f", ... ({len(rows)} in all)"
+                                                 if len(rows) > SHOWN else "")
+    return (f"{op} of 0 by 0 (0/0) exactly where the parameter {name} is 0 in whole slices "
+            f"along dim {dim} ({shown}), as this step began: a norm, sum or std over such a "
+            "slice is 0 and the forward divides by it (weight normalisation: "
+            "w / w.norm(dim, keepdim=True)). No gradient step zeroes a whole slice exactly: "
+            "code wrote it (a resampling or re-initialisation of dead units from an input of "
+            "zeros, a reset of their weights, a mask, a zero init): write a non-zero direction "
+            "there (or skip those units), or clamp the divisor "
+            "(w.norm(dim, keepdim=True).clamp_min(eps), F.normalize)")
