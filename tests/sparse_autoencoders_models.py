@@ -142,6 +142,16 @@ class ReLUSAE(nn.Module):
         self.b_enc.data[idx] = 0.0
 
     @torch.no_grad()
+    def reset_adam_state(self, opt: torch.optim.Optimizer, dead: torch.Tensor):
+        """Anthropic's reset of the resampled latents' Adam moments (rows of W_dec, columns
+        of W_enc, entries of b_enc), so stale momentum does not undo the resampling."""
+        for p, rows in ((self.W_dec, dead), (self.W_enc, (slice(None), dead)),
+                        (self.b_enc, dead)):
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in opt.state.get(p, {}):
+                    opt.state[p][key][rows] = 0.0
+
+    @torch.no_grad()
     def set_decoder_norm_to_unit_norm(self):
         self.W_dec.data /= self.W_dec.data.norm(dim=-1, keepdim=True)
 

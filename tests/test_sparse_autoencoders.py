@@ -88,6 +88,7 @@ def train(make: str, out_dir, steps: int = 4, record: bool = True, ghost: bool =
             since_fired[(f.detach() > 0).any(0)] = 0
             if step == resample_at:
                 model.resample_dead(since_fired >= 1, buffer.next_batch(M.N_LATENTS))
+                model.reset_adam_state(opt, since_fired >= 1)
     return model
 
 
@@ -206,3 +207,25 @@ def test_variance_normalised_mse_of_a_dry_stream_blames_no_row_and_skips_the_bat
     assert o["source"] == line_of("/ ((x - x.mean(0)) ** 2).sum()"), o
     assert rep["cause"] == "invalid" and "no row is to blame" in rep["hint"], rep["hint"]
     assert "skip such batches" in rep["hint"], rep["hint"]
+
+
+def test_unit_norm_constraint_of_a_resampled_zero_row_names_the_loops_write(tmp_path):
+    """Without the forward's normalisation, the zero decoder row the resampling wrote (its
+    Adam moments reset, its encoder column 0, so it never fires and no update moves it)
+    reaches SAELens's ``set_decoder_norm_to_unit_norm`` after step 3's update: 0/0 writes
+    NaN into that row outside the optimizer. The recorder stops step 4 on W_dec; the replay
+    says the loop wrote it between step 3's update and step 4 (dead units re-initialised, a
+    norm of zero) and names the very row."""
+    before = train("make_relu", tmp_path, steps=3, record=False, resample_at=2, short_at=2)
+    zero = torch.nonzero((before.W_dec == 0).all(1)).flatten().tolist()
+    assert len(zero) == 1, zero
+    ev, bundle = fire("make_relu", tmp_path, steps=5, resample_at=2, short_at=2)
+    assert (ev["step"], ev["phase"], ev["params"], ev["kind"]) == (4, "weights", ["W_dec"],
+                                                                  "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["param"], rep["cause"]) == (True, "W_dec", "weights"), rep
+    hint = rep["hint"]
+    assert "the loop wrote it between that update and step 4" in hint, hint
+    assert "dead units re-initialised" in hint, hint
+    assert f"only row(s) {zero[0]} of 128 of W_dec are non-finite" in hint, hint
