@@ -208,7 +208,9 @@ def _held_written_hint(step: Step, bad: list[str], names: str) -> str | None:
                 "non-finite at the first step the recorder saw: no update ran since it "
                 f"attached, so {they.split()[0]} came in so, with the state_dict loaded before (a checkpoint, "
                 "or weights computed by hand: a model soup, a task-arithmetic or TIES merge, a "
-                "federated aggregate)" + (f"; {spread}" if spread else "") + ". Check each "
+                "federated aggregate, or a data-dependent init from the first batches: a "
+                "decoder bias set to their geometric median or mean, k-means centroids, of an "
+                "empty or constant batch)" + (f"; {spread}" if spread else "") + ". Check each "
                 "tensor where it is made or loaded (torch.isfinite(t).all()) and load finite "
                 "ones")
     if last is None:

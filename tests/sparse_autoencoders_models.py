@@ -250,6 +250,17 @@ def make_jumprelu() -> JumpReLUSAE:
     return JumpReLUSAE()
 
 
+@torch.no_grad()
+def geometric_median(points: torch.Tensor, iters: int = 20) -> torch.Tensor:
+    """Weiszfeld's iteration from the mean, as SAELens initialises ``b_dec`` from the first
+    buffer's activations: each step a mean weighted by the inverse distances."""
+    median = points.mean(0)
+    for _ in range(iters):
+        weights = 1 / (points - median).norm(dim=1)
+        median = (weights[:, None] * points).sum(0) / weights.sum()
+    return median
+
+
 # ---------------------------------------------------------------------------------------------
 # Losses
 

@@ -28,7 +28,7 @@ def line_of(text: str) -> str:
 
 
 def batches(steps: int, short_last: bool = False, bos_last: bool = False,
-            short_at: int | None = None, dry_last: bool = False):
+            short_at: int | None = None, dry_last: bool = False, dry_first: bool = False):
     """(batch, buffer) of each step: the buffer refilled with ``SEQS`` contexts, then one
     shuffled batch drawn; the last refill (or that of step ``short_at``) short of contexts
     (its draws reach rows left zero) or empty (the token stream ran dry: every row zero), or
@@ -38,7 +38,8 @@ def batches(steps: int, short_last: bool = False, bos_last: bool = False,
     for step in range(steps):
         last = step == steps - 1
         short = short_last and last or step == short_at
-        n = 0 if dry_last and last else SEQS - 4 if short else SEQS
+        dry = dry_last and last or dry_first and step == 0
+        n = 0 if dry else SEQS - 4 if short else SEQS
         buffer.fill(n, keep_bos=bos_last and last)
         yield buffer.next_batch(BATCH), buffer
 
@@ -56,7 +57,8 @@ def step_outputs(model, loss_fn, x, dead):
 
 
 def train(make: str, out_dir, steps: int = 4, record: bool = True, ghost: bool = False,
-          normalized: str | None = None, resample_at: int | None = None, **plant):
+          normalized: str | None = None, resample_at: int | None = None,
+          median_init: bool = False, **plant):
     """SAELens's loop: Adam, a warm-up of the learning rate, gradient clipping, the parallel
     component of W_dec's gradient removed before the step and its rows set to unit norm
     after; latents not fired in the last step are dead (ghost grads, AuxK), resampled from
@@ -73,6 +75,10 @@ def train(make: str, out_dir, steps: int = 4, record: bool = True, ghost: bool =
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for step, (x, buffer) in enumerate(batches(steps, **plant)):
+            if step == 0 and median_init:  # (SAELens: b_dec from the first buffer's median)
+                model.b_dec.data = M.geometric_median(buffer.acts)
+            if step == 0 and median_init:  # (SAELens: b_dec from the first buffer's median)
+                model.b_dec.data = M.geometric_median(buffer.acts).to(model.b_dec.dtype)
             dead = since_fired >= 1 if ghost or make == "make_topk" else None
             loss, f = step_outputs(model, loss_fn, x, dead)
             opt.zero_grad()
@@ -229,3 +235,22 @@ def test_unit_norm_constraint_of_a_resampled_zero_row_names_the_loops_write(tmp_
     assert "the loop wrote it between that update and step 4" in hint, hint
     assert "dead units re-initialised" in hint, hint
     assert f"only row(s) {zero[0]} of 128 of W_dec are non-finite" in hint, hint
+
+
+def test_geometric_median_init_of_an_empty_buffer_names_b_dec_as_it_came_in(tmp_path):
+    """SAELens initialises ``b_dec`` to the first buffer's geometric median; with the stream
+    dry at the first refill every point is 0, Weiszfeld's inverse distances are 1/0 and the
+    median inf/inf: b_dec is NaN before the first step. The recorder stops step 0 on b_dec
+    (no update ran), and the replay names it, read by the first op of the forward, as come in
+    non-finite, made before the recorder attached by a data-dependent init (not an update)."""
+    assert bool(torch.isnan(M.geometric_median(torch.zeros(8, M.D_MODEL))).all())
+    ev, bundle = fire("make_relu", tmp_path, median_init=True, dry_first=True)
+    assert (ev["step"], ev["phase"], ev["params"], ev["kind"]) == (0, "weights", ["b_dec"],
+                                                                  "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["param"], rep["cause"], o["all_samples"]) == ("b_dec", "weights", True), rep
+    assert o["source"] == line_of("pre = (x - self.b_dec) @ self.W_enc + self.b_enc"), o
+    hint = rep["hint"]
+    assert "non-finite at the first step the recorder saw" in hint, hint
+    assert "geometric median" in hint and "every element of it is non-finite" in hint, hint
