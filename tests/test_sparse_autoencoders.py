@@ -254,3 +254,39 @@ def test_geometric_median_init_of_an_empty_buffer_names_b_dec_as_it_came_in(tmp_
     hint = rep["hint"]
     assert "non-finite at the first step the recorder saw" in hint, hint
     assert "geometric median" in hint and "every element of it is non-finite" in hint, hint
+
+
+def train_bf16(out_dir, record: bool = True, steps: int = 3, accum: int = 2):
+    """OpenAI's TopK SAE trained as large runs are: the forward under bfloat16 autocast, the
+    batch split into ``accum`` micro-batches whose losses accumulate into one update,
+    AdamW and clipping; AuxK's dead latents from the firing counts."""
+    model = M.make_topk()
+    opt = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.0)
+    since_fired = torch.zeros(M.N_LATENTS)
+    rec = FlightRecorder(model, opt, loss_fn=M.topk_loss, out_dir=out_dir,
+                         factory="sparse_autoencoders_models:make_topk") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.topk_loss
+        for x, _ in batches(steps):
+            opt.zero_grad()
+            for part in x.chunk(accum):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    x_hat, f, aux = model(part, since_fired >= 1)
+                loss = loss_fn(x_hat.float(), f, aux.float(), part) / accum
+                loss.backward()
+                since_fired[(f.detach() > 0).any(0)] = -1
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            since_fired += 1
+    return model
+
+
+def test_bf16_topk_with_accumulation_raises_nothing_and_trains_the_same(tmp_path):
+    """bfloat16 autocast, two micro-batches per update, AuxK's ``-inf`` fill of the live
+    latents inside the forward: no event, and the same weights with and without the
+    recorder."""
+    recorded = train_bf16(tmp_path)
+    plain = train_bf16(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
