@@ -15,7 +15,9 @@ OpenAI's ``sparse_autoencoder`` and Anthropic's updates write them, for
   given to ``forward`` as a boolean mask; ``normalize_in_forward``: the decoder's rows divided
   by their norms inside ``forward`` (the constraint as a reparameterisation).
 - ``TopKSAE``: OpenAI's TopK autoencoder (``topk`` then ``scatter`` into zeros, ReLU) with the
-  AuxK loss of the dead latents' top pre-activations reconstructing the residual.
+  AuxK loss of the dead latents' top pre-activations reconstructing the residual;
+  ``standardize``: each input row standardised first (OpenAI's LN preprocessing, here without
+  its eps), returned for the loss.
 - ``JumpReLUSAE``: Gemma Scope's JumpReLU with straight-through estimators of the threshold
   (custom ``autograd.Function``s with a rectangle kernel) and the L0 penalty.
 - ``normalized_mse`` (OpenAI's: each row's squared error over its squared norm),
@@ -162,7 +164,8 @@ class ReLUSAE(nn.Module):
 
 
 class TopKSAE(nn.Module):
-    def __init__(self, d: int = D_MODEL, m: int = N_LATENTS, k: int = 8, k_aux: int = 16):
+    def __init__(self, d: int = D_MODEL, m: int = N_LATENTS, k: int = 8, k_aux: int = 16,
+                 standardize: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.encoder = nn.Linear(d, m, bias=False)
@@ -171,9 +174,12 @@ class TopKSAE(nn.Module):
         self.decoder.weight.data /= self.decoder.weight.data.norm(dim=0, keepdim=True)
         self.pre_bias = nn.Parameter(torch.zeros(d))
         self.latent_bias = nn.Parameter(torch.zeros(m))
-        self.k, self.k_aux = k, k_aux
+        self.k, self.k_aux, self.standardize = k, k_aux, standardize
 
     def forward(self, x, dead_mask):
+        if self.standardize:  # OpenAI's LN preprocessing (theirs has an eps; this one not)
+            mu = x.mean(-1, keepdim=True)
+            x = (x - mu) / x.std(-1, keepdim=True)
         pre = self.encoder(x - self.pre_bias) + self.latent_bias
         values, idx = torch.topk(pre, self.k, dim=-1)
         f = torch.zeros_like(pre).scatter(-1, idx, F.relu(values))
@@ -182,7 +188,7 @@ class TopKSAE(nn.Module):
         aux_pre = pre.masked_fill(~dead_mask, float("-inf"))
         aux_vals, aux_idx = torch.topk(aux_pre, self.k_aux, dim=-1)
         aux_f = torch.zeros_like(pre).scatter(-1, aux_idx, F.relu(aux_vals))
-        return x_hat, f, self.decoder(aux_f)
+        return x_hat, f, self.decoder(aux_f), x
 
 
 class JumpReLU(torch.autograd.Function):
@@ -246,6 +252,10 @@ def make_topk() -> TopKSAE:
     return TopKSAE()
 
 
+def make_topk_standardized() -> TopKSAE:
+    return TopKSAE(standardize=True)
+
+
 def make_jumprelu() -> JumpReLUSAE:
     return JumpReLUSAE()
 
@@ -296,6 +306,7 @@ class SAELoss(nn.Module):
 
 
 def topk_loss(x_hat, f, aux_recon, x, aux_coeff: float = 1 / 32):
+    """MSE against the input the SAE saw (standardised, when it standardises: ``x``)."""
     residual = (x - x_hat).detach()
     return F.mse_loss(x_hat, x) + aux_coeff * F.mse_loss(aux_recon, residual)
 

@@ -50,8 +50,8 @@ def step_outputs(model, loss_fn, x, dead):
         x_hat, f, norms, ghost_out = model(x, dead)
         return loss_fn(x_hat, f, norms, ghost_out, x), f
     if isinstance(model, M.TopKSAE):
-        x_hat, f, aux = model(x, dead)
-        return loss_fn(x_hat, f, aux, x), f
+        x_hat, f, aux, seen = model(x, dead)
+        return loss_fn(x_hat, f, aux, seen), f
     x_hat, f, l0 = model(x)
     return loss_fn(x_hat, f, l0, x), f
 
@@ -66,7 +66,8 @@ def train(make: str, out_dir, steps: int = 4, record: bool = True, ghost: bool =
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=4e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
-    crit = {"make_topk": M.topk_loss, "make_jumprelu": M.jumprelu_loss}.get(
+    crit = {"make_topk": M.topk_loss, "make_topk_standardized": M.topk_loss,
+            "make_jumprelu": M.jumprelu_loss}.get(
         make, M.SAELoss(normalized=normalized))
     relu = isinstance(model, M.ReLUSAE)
     since_fired = torch.zeros(M.N_LATENTS)
@@ -79,7 +80,7 @@ def train(make: str, out_dir, steps: int = 4, record: bool = True, ghost: bool =
                 model.b_dec.data = M.geometric_median(buffer.acts)
             if step == 0 and median_init:  # (SAELens: b_dec from the first buffer's median)
                 model.b_dec.data = M.geometric_median(buffer.acts).to(model.b_dec.dtype)
-            dead = since_fired >= 1 if ghost or make == "make_topk" else None
+            dead = since_fired >= 1 if ghost or make.startswith("make_topk") else None
             loss, f = step_outputs(model, loss_fn, x, dead)
             opt.zero_grad()
             loss.backward()
@@ -271,8 +272,8 @@ def train_bf16(out_dir, record: bool = True, steps: int = 3, accum: int = 2):
             opt.zero_grad()
             for part in x.chunk(accum):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    x_hat, f, aux = model(part, since_fired >= 1)
-                loss = loss_fn(x_hat.float(), f, aux.float(), part) / accum
+                    x_hat, f, aux, seen = model(part, since_fired >= 1)
+                loss = loss_fn(x_hat.float(), f, aux.float(), seen) / accum
                 loss.backward()
                 since_fired[(f.detach() > 0).any(0)] = -1
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -290,3 +291,20 @@ def test_bf16_topk_with_accumulation_raises_nothing_and_trains_the_same(tmp_path
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_input_standardisation_of_unfilled_buffer_rows_names_the_std_division(tmp_path):
+    """OpenAI's preprocessing standardises each input row in the forward; written without
+    its eps, the unfilled buffer's zero rows are 0/0 there. The replay names that division
+    on its line in the root's call, exactly the all-zero rows, and to guard the std."""
+    x = last_batch(short_last=True)
+    empty = torch.nonzero((x == 0).all(1)).flatten().tolist()
+    ev, bundle = fire("make_topk_standardized", tmp_path, short_last=True)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", empty)
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["made"], o["samples"]) == (
+        "", 0, "aten.div", "nan", empty), o
+    assert o["source"] == line_of("x = (x - mu) / x.std(-1, keepdim=True)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "std + eps" in rep["hint"], rep["hint"]
