@@ -31,7 +31,8 @@ N_CHANS, N_TIMES, N_CLASSES, FS = 8, 200, 4, 100.0
 
 
 def mi_batch(g: torch.Generator, n: int = 16, dropout_row: int | None = None,
-             flat: tuple[int, int] | None = None):
+             flat: tuple[int, int] | None = None, volts_row: int | None = None,
+             scaled_row: int | None = None, reference: int | None = None):
     """Synthetic motor-imagery trials ``(n, C, T)`` (µV-scaled): each class a mu-band
     rhythm of its own frequency over its own pair of electrodes, on pink-ish noise.
     ``dropout_row``: an amplifier dropout, every electrode at 0 for one second of the trial;
@@ -48,6 +49,12 @@ def mi_batch(g: torch.Generator, n: int = 16, dropout_row: int | None = None,
         x[dropout_row, :, 60:170] = 0.0
     if flat is not None:
         x[flat[0], flat[1]] = 0.0
+    if reference is not None:  # the reference electrode, 0 against itself
+        x[:, reference] = 0.0
+    if volts_row is not None:  # (the others in µV)
+        x[volts_row] *= 1e-6
+    if scaled_row is not None:  # a recording exported in nV, 1000x the others' µV
+        x[scaled_row] *= 1e3
     return x, y
 
 
@@ -148,6 +155,29 @@ class EEGNet(nn.Module):
 def make_eegnet() -> EEGNet:
     torch.manual_seed(0)
     return EEGNet()
+
+
+class DatasetNorm(nn.Module):
+    """Each electrode standardised by the training set's mean and std (a StandardScaler fit
+    once, kept as buffers)."""
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor):
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+
+    def forward(self, x):
+        return (x - self.mean) / self.std  # the bug: the reference electrode's std is 0
+
+
+def make_eegnet_dataset_norm() -> EEGNet:
+    """EEGNet behind the training set's per-electrode statistics, recorded against electrode
+    0 (the reference, identically 0 after re-referencing)."""
+    torch.manual_seed(0)
+    model = EEGNet()
+    x, _ = mi_batch(torch.Generator().manual_seed(7), n=64, reference=0)
+    model.norm = DatasetNorm(x.mean((0, 2))[:, None], x.std((0, 2))[:, None])
+    return model
 
 
 def make_eegnet_zscore() -> EEGNet:

@@ -26,16 +26,18 @@ def line_of(text: str) -> str:
 
 
 def train_eeg(make: str, out_dir, steps: int = 4, record: bool = True, bad=None,
-              accumulate: int = 1):
-    """AdamW with a cosine schedule and gradient clipping, as braindecode's recipes train;
+              accumulate: int = 1, fp16: bool = False):
+    """AdamW with a cosine schedule and gradient clipping, as braindecode's recipes train
+    (``fp16``: under float16 autocast with a GradScaler, unscaled before the clipping);
     ``bad`` (keyword arguments of ``mi_batch``) is planted in the last step's batch."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
     crit = nn.CrossEntropyLoss(label_smoothing=0.1)
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)  # (dropout)
-    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler,
                          factory=f"biosignals_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
@@ -44,10 +46,14 @@ def train_eeg(make: str, out_dir, steps: int = 4, record: bool = True, bad=None,
             for k in range(accumulate):
                 last = step == steps - 1 and k == accumulate - 1
                 x, y = M.mi_batch(g, **(bad if bad and last else {}))
-                loss = loss_fn(model(x), y) / accumulate
-                loss.backward()
+                with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                    logits = model(x)
+                loss = loss_fn(logits.float(), y) / accumulate
+                scaler.scale(loss).backward()
+            scaler.unscale_(opt)
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             sched.step()
             if isinstance(model, M.EEGNet):
                 M.max_norm_(model)
@@ -275,6 +281,58 @@ def test_rank_deficient_covariance_names_the_log_of_eighs_eigenvalue(tmp_path):
     assert "evals.clamp_min(eps)" in rep["hint"] and "eps * I" in rep["hint"], rep["hint"]
 
 
+def test_hand_written_amplitude_spectrum_of_a_dropout_names_sqrt_backward_and_the_trial(tmp_path):
+    """Log-amplitude spectra of learned spatial filters, the amplitude written as
+    ``sqrt(re ** 2 + im ** 2)`` and floored at 1e-6 before the log: the forward is finite over
+    the dropout trial's all-zero STFT frames, but sqrt's derivative there is 1/0 and the
+    floor's zero gradient makes it NaN, a backward event on the spatial filter. The replay
+    names SqrtBackward0 on its line, the complex modulus ``.abs()`` in the hint, and trial 5:
+    the node's gradient has every filter of every trial as a row ``(B * 6, F, frames)``, read
+    back as samples where the reshape's backward unflattens it (it named no sample before)."""
+    ev, bundle = fire(train_tangent, "make_spectral", tmp_path, bad={"dropout_row": 5})
+    assert (ev["step"], ev["phase"], ev["params"]) == (3, "backward", ["spatial.weight"]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "backward", "", "SqrtBackward0", "nan", [5]), o
+    assert o["source"] == line_of("amp = (spec.real ** 2 + spec.imag ** 2).sqrt()"), o
+    assert rep["cause"] == "invalid" and "torch.complex(re, im).abs()" in rep["hint"], rep["hint"]
+
+
+def test_float16_square_of_a_recording_in_nanovolts_names_the_data(tmp_path):
+    """ShallowConvNet (with braindecode's safe log) under float16 autocast with a GradScaler:
+    one recording exported in nV, 1000x the others' µV, and the square of its filtered
+    signal passes float16's 65504. The replay names the square on its line, the record,
+    overflow, and the record's data out of scale, not only a wider type."""
+    ev, bundle = fire(train_eeg, "make_shallow_safe", tmp_path, fp16=True,
+                      bad={"scaled_row": 3})
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [3]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["dtype"], o["samples"]) == (
+        "aten.mul", "+inf", "float16", [3]), o
+    assert o["source"] == line_of("power = self.pool(x * x)"), o
+    assert rep["cause"] == "overflow" and "sample(s) 3 of batch reach" in rep["hint"], rep["hint"]
+    assert "out of scale" in rep["hint"] and "--try drop=3" in rep["hint"], rep["hint"]
+
+
+def test_float16_square_of_a_recording_in_volts_underflows_and_names_the_data(tmp_path):
+    """The converse: one recording left in volts among µV ones, whose squares (1e-10)
+    float16 rounds to 0, and the log of the pooled power is -inf. The replay names the log,
+    the record, underflow with float32 as the type that holds the value, and (new) the
+    record's data as 1e5x and more below every other record's: before, the hint spoke of the
+    type only, and a user would have cast to float32 and kept the record in the wrong unit."""
+    ev, bundle = fire(train_eeg, "make_shallow", tmp_path, fp16=True, bad={"volts_row": 3})
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [3]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["dtype"], o["samples"]) == ("aten.log", "-inf", "float16", [3]), o
+    assert o["source"] == line_of("feats = torch.log(power)  # the bug"), o
+    assert rep["cause"] == "underflow" and "float32 holds it" in rep["hint"], rep["hint"]
+    assert "sample(s) 3 of batch reach only" in rep["hint"], rep["hint"]
+    assert "volts among microvolts" in rep["hint"] and "--try drop=3" in rep["hint"], rep["hint"]
+
+
 def test_unguarded_runs_go_nan_without_the_recorder(tmp_path):
     """Unrecorded, the planted bugs above end in NaN weights (the events are no false
     alarms)."""
@@ -283,21 +341,26 @@ def test_unguarded_runs_go_nan_without_the_recorder(tmp_path):
         assert not all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("run", ["shallow_safe", "eegnet", "reeig", "ecg_amp", "attention"])
+@pytest.mark.parametrize("run", ["shallow_safe", "eegnet", "eegnet_fp16", "reeig", "ecg_amp",
+                                 "attention", "spectral_abs"])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, run):
     """braindecode's safe log over the dropout trial, EEGNet with accumulation and its
-    max-norm constraints, the tangent space with ReEig's eigenvalue floor over a flat
+    max-norm constraints (and under float16 autocast with a GradScaler), the tangent space with ReEig's eigenvalue floor over a flat
     electrode, the ECG ResNet under bf16 autocast with a floored ``pos_weight``, and the
-    channel attention's -inf padding mask: no event, bit-identical weights with and without
+    channel attention's -inf padding mask, and the log-amplitude spectra by ``spec.abs()``
+    (gradient 0 at 0) over the dropout trial: no event, bit-identical weights with and without
     the recorder."""
     runs = {
         "shallow_safe": lambda rec: train_eeg("make_shallow_safe", tmp_path, record=rec,
                                               bad={"dropout_row": 5}),
         "eegnet": lambda rec: train_eeg("make_eegnet", tmp_path, record=rec, accumulate=2),
+        "eegnet_fp16": lambda rec: train_eeg("make_eegnet", tmp_path, record=rec, fp16=True),
         "reeig": lambda rec: train_tangent("make_tangent_reeig", tmp_path, record=rec,
                                            bad={"flat": (9, 2)}),
         "ecg_amp": lambda rec: train_ecg(tmp_path, record=rec, floor=1.0, amp=True),
         "attention": lambda rec: train_attention(tmp_path, record=rec),
+        "spectral_abs": lambda rec: train_tangent("make_spectral_abs", tmp_path, record=rec,
+                                                  bad={"dropout_row": 5}),
     }
     recorded, plain = runs[run](True), runs[run](False)
     assert not list(tmp_path.glob("*.nan"))
