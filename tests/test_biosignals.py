@@ -1,10 +1,13 @@
 """End to end on EEG and ECG models (``biosignals_models``): braindecode's ShallowConvNet (square,
-average-pooled power, log), EEGNet with per-electrode z-scoring in the model or in the
-DataLoader's workers, a 12-lead ECG ResNet under a multi-label BCE with ``pos_weight``, and a
-log-Euclidean tangent-space network (``torch.linalg.eigh`` of the spatial covariance). Each
-planted failure of the domain (a dropout segment, a disconnected electrode, a label absent from
-the fold, a rank-deficient covariance) fires under the recorder and is replayed with the CLI;
-the healthy versions raise no event and train bit-identically with and without the recorder."""
+average-pooled power, log; in float32 and under float16 autocast with a GradScaler), EEGNet with
+per-electrode z-scoring in the model, by the training set's statistics, or in the DataLoader's
+workers, a 12-lead ECG ResNet under a multi-label BCE with ``pos_weight``, a log-Euclidean
+tangent-space network (``torch.linalg.eigh`` of the spatial covariance), log-amplitude STFT
+spectra of learned spatial filters, and electrodes as tokens under a padding mask. Each
+planted failure of the domain (a dropout segment, a disconnected or reference electrode, a
+label absent from the fold, a rank-deficient covariance, a recording in the wrong unit) fires
+under the recorder and is replayed with the CLI; the healthy versions raise no event and train
+bit-identically with and without the recorder."""
 
 from __future__ import annotations
 
@@ -102,8 +105,8 @@ def tangent_batch(g, bad):
 
 
 def train_tangent(make: str, out_dir, steps: int = 4, record: bool = True, bad=None):
-    """Adam on the tangent-space features of the band-passed covariance, as the
-    Riemannian EEG pipelines train their head (and the filter) end to end."""
+    """Adam, no clipping, as the Riemannian and spectral-feature EEG pipelines train their
+    head (and the filters before it) end to end."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     crit = nn.CrossEntropyLoss()
@@ -224,6 +227,25 @@ def test_eegnet_zscore_of_a_flat_electrode_names_the_division_and_the_trial(tmp_
     assert o["source"] == line_of("return (x - mean) / (std + self.eps)"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert "exactly 0" in rep["hint"] and "set it to a positive value" in rep["hint"], rep["hint"]
+
+
+def test_training_set_std_of_the_reference_electrode_names_the_buffer_not_rows(tmp_path):
+    """EEGNet behind the training set's per-electrode mean and std (buffers), recorded
+    against electrode 0, the reference, identically 0: its std is 0 and every trial's
+    electrode 0 is 0/0. The replay names the division on its line and every trial; the hint
+    names the buffer ``norm.std`` at entry (0, 0) and the floor where it is computed, where it
+    said 'add an eps to the denominator or skip the rows where it is 0' (every row is)."""
+    ev, bundle = fire(train_eeg, "make_eegnet_dataset_norm", tmp_path, steps=1,
+                      bad={"reference": 0})
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"]) == (0, "forward", "norm", 0), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == (
+        "norm", "aten.div", "nan", True), o
+    assert o["source"] == line_of("return (x - self.mean) / self.std"), o
+    assert rep["cause"] == "invalid", rep
+    assert "buffer norm.std as is, 0 at (0, 0) of its shape (8, 1)" in rep["hint"], rep["hint"]
+    assert "std.clamp_min(eps)" in rep["hint"] and "skip the rows" not in rep["hint"], rep["hint"]
 
 
 def test_flat_electrode_zscored_in_the_loader_names_the_trial_and_the_electrode(tmp_path):
