@@ -345,3 +345,35 @@ def make_spectral() -> SpectralNet:
 def make_spectral_abs() -> SpectralNet:
     torch.manual_seed(0)
     return SpectralNet(by_abs=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# relative band powers from the FFT
+
+BANDS = ((4.0, 8.0), (8.0, 13.0), (13.0, 30.0), (30.0, 45.0))  # theta, alpha, beta, gamma
+
+
+class RelativeBandPower(nn.Module):
+    """Learned spatial filters (no offset), each filtered signal's periodogram by
+    ``torch.fft.rfft``, its power in the classic bands relative to the total, log-ratio
+    features and a linear head (the hand-crafted features of sleep staging and BCI
+    baselines, end to end)."""
+
+    def __init__(self, n_chans: int = N_CHANS, n_filters: int = 6, n_classes: int = N_CLASSES):
+        super().__init__()
+        self.spatial = nn.Linear(n_chans, n_filters, bias=False)
+        freqs = torch.fft.rfftfreq(N_TIMES, 1 / FS)
+        self.register_buffer("bands", torch.stack([(freqs >= lo) & (freqs < hi)
+                                                   for lo, hi in BANDS]).float())
+        self.head = nn.Linear(n_filters * len(BANDS), n_classes)
+
+    def forward(self, x):  # (B, C, T)
+        v = self.spatial(x.transpose(1, 2)).transpose(1, 2)
+        power = torch.fft.rfft(v, dim=-1).abs() ** 2
+        rel = (power @ self.bands.T) / power.sum(-1, keepdim=True)  # the bug: 0/0, a blank trial
+        return self.head(torch.log(rel).flatten(1))
+
+
+def make_band_power() -> RelativeBandPower:
+    torch.manual_seed(0)
+    return RelativeBandPower()

@@ -355,6 +355,23 @@ def test_float16_square_of_a_recording_in_volts_underflows_and_names_the_data(tm
     assert "volts among microvolts" in rep["hint"] and "--try drop=3" in rep["hint"], rep["hint"]
 
 
+def test_relative_band_power_of_a_blank_trial_names_the_ratio_and_the_trial(tmp_path):
+    """Relative band powers from ``torch.fft.rfft`` of learned spatial filters: a trial the
+    acquisition wrote as zeros on every electrode has a total power of 0, and its band /
+    total is 0/0. The replay names the division on its line (past the FFT), the trial, the
+    eps, and dropping the trial makes the step finite."""
+    ev, bundle = fire(train_tangent, "make_band_power", tmp_path,
+                      bad={"flat": (5, slice(None))})
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [5]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.div", "nan", [5]), o
+    assert o["source"] == line_of("rel = (power @ self.bands.T) / power.sum(-1"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "d.clamp_min(eps)" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 def test_unguarded_runs_go_nan_without_the_recorder(tmp_path):
     """Unrecorded, the planted bugs above end in NaN weights (the events are no false
     alarms)."""
