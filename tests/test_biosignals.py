@@ -372,6 +372,33 @@ def test_relative_band_power_of_a_blank_trial_names_the_ratio_and_the_trial(tmp_
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_class_weight_0_for_unscored_epochs_names_the_batch_of_only_that_class(tmp_path):
+    """Sleep-staging style class weights with 0 for the unscored class, and a recording's
+    unscored tail read in order fills one batch: CrossEntropyLoss divides by a total target
+    weight of 0. The replay names nll_loss and says every target is of the class weighted 0."""
+    model = M.make_eegnet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="biosignals_models:make_eegnet") as rec:
+            for step in range(3):
+                x, y = M.mi_batch(g)
+                if step == 2:
+                    y[:] = 3
+                loss = rec.loss_fn(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (2, "loss"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["origin"]["op"], rep["cause"]) == ("aten.nll_loss_forward", "invalid"), rep
+    assert "total target weight of 0" in rep["hint"], rep["hint"]
+    assert "all of class 3, whose weight is 0" in rep["hint"], rep["hint"]
+
+
 def test_unguarded_runs_go_nan_without_the_recorder(tmp_path):
     """Unrecorded, the planted bugs above end in NaN weights (the events are no false
     alarms)."""
