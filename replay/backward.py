@@ -42,6 +42,7 @@ from .rerun import Runner
 from .source import node_source, node_tracebacks
 from .summed_grads import SummedGrads
 from .transforms import outside_transforms
+from .unflattened import unflattened_rows
 
 
 @dataclass
@@ -345,6 +346,8 @@ def _later_samples(found: BackwardOrigin, node, name: str, grad_inputs, grad_out
         return batch_rows_in(grad_outputs, where) if name != "<loss>" else []
     if name_of_pick(node):  # (the backward of x[to_apply]: the picked rows put back)
         return batch_rows(node, list(grad_inputs), where)
+    if rows := unflattened_rows(node, grad_inputs, grad_outputs, where):
+        return rows  # (rows (B * C, ...) made back into (B, C, ...))
     # (per edge of a graph batch, a pair distance's): the graphs of the first per-node
     # gradient it reached (an atom's position's)
     return node_rows(node, list(grad_inputs), where) if where.segments is not None else []

@@ -1,4 +1,4 @@
-"""An overflow whose data, not the op nor the training, is out of scale.
+"""An overflow (or underflow) whose data, not the op nor the training, is out of scale.
 
 Two readings of the bundle say so. Samples whose recorded data (an input, a loss target) is 10x
 larger than every other row's (:mod:`replay.outliers`): a record in the wrong unit. Or, where
@@ -6,7 +6,8 @@ no row stands out (a tensor without a batch dimension: a hypernetwork's task des
 condition for every sample; a whole batch in the wrong unit), every layer's absmax jumping
 at the event's own step from the first layer that takes the batch, with no learning-rate,
 gradient or weight jump before it (the precursor :data:`replay.precursors.INPUT_JUMP`): the
-step was fed other data. Either way the op's own remedies (clamp it, a wider type, a lower
+step was fed other data. An underflow's samples may stand 10x below every other row instead
+(a record in volts among microvolts, whose squares float16 rounds to 0). Either way the op's own remedies (clamp it, a wider type, a lower
 learning rate) would hide the data's fault: the hint says so.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 from .carried_state import carried_keys, carried_note
 from .drop import undroppable
 from .load import Step
-from .outliers import out_of_scale, outlier_hint
+from .outliers import out_of_scale, outlier_hint, undersized_hint, undersized_input
 from .precursors import INPUT_JUMP
 
 
@@ -32,6 +33,10 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
     if found is not None:
         droppable = undroppable(step, o.get("micro_batch") or 0) is None
         report["hint"] = f"{report['hint']}. But {outlier_hint(found[1], found[0], droppable)}"
+    elif report["cause"] == "underflow" and (small := undersized_input(
+            step, o.get("micro_batch") or 0, o.get("samples") or [])) is not None:
+        droppable = undroppable(step, o.get("micro_batch") or 0) is None
+        report["hint"] = f"{report['hint']}. But {undersized_hint(small, o['samples'], droppable)}"
     elif report["cause"] == "overflow" and (note := carried_note(
             step, o, carried_keys(step, o.get("micro_batch") or 0))) is not None:
         report["hint"] = f"{report['hint']}. But {note}"

@@ -44,6 +44,24 @@ def outlier_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR,
     return None
 
 
+def undersized_input(step: Step, mb: int, rows: list[int], factor: float = FACTOR
+                     ) -> dict[str, Any] | None:
+    """An underflow's converse of :func:`outlier_input`: the first floating tensor whose
+    largest magnitude in ``rows`` is nonzero and ``factor`` times below that of every other
+    row (a record in volts among records in microvolts), described alike; None if none."""
+    if not rows:
+        return None
+    for key, name, per in _row_magnitudes(step, mb):
+        if max(rows) >= len(per) or len(rows) >= len(per):
+            continue
+        mask = torch.zeros(len(per), dtype=torch.bool)
+        mask[rows] = True
+        top, others = float(per[mask].max()), float(per[~mask].min())
+        if 0 < top and factor * top < others < math.inf:
+            return {"tensor": name, "value": top, "others": others, "key": key}
+    return None
+
+
 def outlier_rows(step: Step, mb: int, factor: float = FACTOR,
                  skip: frozenset[str] = frozenset()) -> tuple[list[int], dict[str, Any]] | None:
     """For an overflow whose non-finite values span the whole batch (a BatchNorm, a batch
@@ -122,13 +140,27 @@ def _out_of_scale(step: Step, origin: dict[str, Any], skip: frozenset[str] = fro
 def outlier_hint(found: dict[str, Any], rows: list[int], droppable: bool = True) -> str:
     """The sentence an overflow's hint gains when its samples' data is out of scale;
     ``droppable``: ``--try drop`` can remove them from the recorded batch."""
-    which = ",".join(str(r) for r in rows)
-    how = (f"--try drop={which} re-runs the step without them" if droppable else
-           "the graphs of a batch concatenated node by node cannot be cut from the recorded "
-           "batch: leave them out of the dataset and train again")
+    which, how = ",".join(str(r) for r in rows), _how(rows, droppable)
     ratio = (f", {g(found['value'] / found['others'])}x the other rows' largest "
              f"{g(found['others'])}" if found["others"] > 0 else ", the other rows being 0")
     return (f"sample(s) {which} of {found['tensor']} reach {g(found['value'])}{ratio}: the "
             "data of these samples is out of scale (a wrong unit, a corrupt record, a gain "
             f"never normalised), which a wider type would only hide; fix or filter them "
             f"({how})")
+
+
+def undersized_hint(found: dict[str, Any], rows: list[int], droppable: bool = True) -> str:
+    """The sentence an underflow's hint gains when its samples' data is far below the other
+    rows' scale (:func:`undersized_input`)."""
+    return (f"sample(s) {','.join(str(r) for r in rows)} of {found['tensor']} reach only "
+            f"{g(found['value'])}, {g(found['others'] / found['value'])}x below the smallest "
+            f"of the other rows' largest {g(found['others'])}: the data of these samples is "
+            "out of scale (a wrong unit, as volts among microvolts; a gain or calibration "
+            "never applied), which a wider type would only hide; fix or filter them "
+            f"({_how(rows, droppable)})")
+
+
+def _how(rows: list[int], droppable: bool) -> str:
+    return (f"--try drop={','.join(str(r) for r in rows)} re-runs the step without them"
+            if droppable else "the graphs of a batch concatenated node by node cannot be cut "
+            "from the recorded batch: leave them out of the dataset and train again")

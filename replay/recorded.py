@@ -37,6 +37,7 @@ from .findings import origin_fields
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import with_param_name
 from .shared_loss_arg import shared_loss_arg_hint
+from .whole_slices import WHOLE_SLICES, whole_slices
 
 
 def samples(step: Step, i: int = 0) -> Samples:
@@ -220,6 +221,8 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         return WHOLE_TENSOR.format(tensor=tensor, kind=whole, evaluating=evaluating)
     if cols := _whole_columns(step, origin, key):
         return WHOLE_COLUMNS.format(tensor=tensor, cols=cols)
+    if key and (where := whole_slices(step.tensors.get(key), _sample_dim(step, origin, key))):
+        return WHOLE_SLICES.format(tensor=tensor, where=where)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
         where = samples(step, origin.get("micro_batch") or 0)
         if shared := shared_loss_arg_hint(step, origin, where):  # (class weights, no rows)
@@ -273,6 +276,11 @@ def _whole_tensor(step: Step, origin: dict[str, Any], key: str) -> str:
     if kinds == {"+Inf", "-Inf"}:
         return "+Inf or -Inf"
     return kinds.pop() if len(kinds) == 1 else "NaN/Inf"
+
+
+def _sample_dim(step: Step, origin: dict[str, Any], key: str) -> int | None:
+    t = step.tensors.get(key)
+    return None if t is None else samples(step, origin.get("micro_batch") or 0).dim(t)
 
 
 def _whole_columns(step: Step, origin: dict[str, Any], key: str) -> str:

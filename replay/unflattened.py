@@ -1,0 +1,28 @@
+"""The samples of a backward origin whose gradient has the batch flattened with the dimension
+after it (an STFT of every channel of every trial, ``x.reshape(B * C, T)``: rows ``(B * C,
+...)``, which the shape does not say are samples): the view node that unflattens that gradient
+back to ``(B, C, ...)`` later in the backward names them, as rows of the batch's dim 0."""
+
+from __future__ import annotations
+
+import torch
+
+from recorder.finite import finite
+from recorder.samples import Samples
+
+_VIEWS = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
+
+
+def unflattened_rows(node, grad_inputs, grad_outputs, where: Samples) -> list[int]:
+    """The non-finite samples of the gradient ``node`` returned, when ``node`` is a view's
+    backward turning rows ``(B * k, ...)`` into ``(B, k, ...)``; [] otherwise."""
+    if not where.size or node.name() not in _VIEWS:
+        return []
+    came = next((g for g in grad_outputs if isinstance(g, torch.Tensor)), None)
+    back = next((g for g in grad_inputs if isinstance(g, torch.Tensor)), None)
+    if came is None or back is None or came.dim() < 1 or back.dim() < 2:
+        return []
+    if back.shape[0] != where.size or came.shape[0] != back.shape[0] * back.shape[1] \
+            or back.shape[1] < 2 or finite(back):
+        return []
+    return where.rows(back)

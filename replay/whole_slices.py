@@ -1,0 +1,33 @@
+"""A batch tensor whose non-finite values fill whole slices of some samples (sample 6's
+electrode 3 at every time step) while the rest of each such sample is finite: the mark of a
+step of the data pipeline run per sample and per slice (a channel's standardisation by its own
+zero std: a flat, disconnected electrode; a blank image channel), not of a bad record."""
+
+from __future__ import annotations
+
+import torch
+
+WHOLE_SLICES = (
+    "the batch itself holds NaN/Inf, and {tensor} holds it in whole slices of its samples, "
+    "each sample finite elsewhere: {where}, every value of each: a per-sample, per-slice step "
+    "of the data pipeline made them, not a bad record (a standardisation of each channel by "
+    "its own std, 0 for a flat channel: a disconnected electrode, a saturated sensor, a blank "
+    "image channel; add an eps to the std, or interpolate or drop the channel)")
+
+
+def whole_slices(t: torch.Tensor | None, d: int | None) -> str:
+    """``t``'s non-finite (sample, index of the dim after ``d``) slices as text when they are
+    non-finite throughout and no sample is non-finite as a whole ("" otherwise: a record bad
+    throughout, a few scattered values, a tensor of fewer than 3 dims)."""
+    if t is None or d is None or t.dim() < 3 or not t.is_floating_point():
+        return ""
+    x = t.detach().movedim(d, 0)
+    bad = ~torch.isfinite(x.reshape(x.shape[0], x.shape[1], -1))
+    full, some = bad.all(-1), bad.any(-1)
+    rows = some.any(1)
+    if not bool(rows.any()) or bool((full != some).any()) or bool(full[rows].all(1).any()):
+        return ""
+    k = 1 if d == 0 else 0  # x's dim 1, as t numbers it
+    pairs = full.nonzero().tolist()
+    more = f" (+{len(pairs) - 8})" if len(pairs) > 8 else ""
+    return ", ".join(f"sample {s} at index {i} of dim {k}" for s, i in pairs[:8]) + more
