@@ -271,7 +271,8 @@ def train_pcgrad(out_dir, steps=4, plant=None, surgery=pcgrad, record=True):
 def train_weighted(out_dir, crit, steps=4, plant=None, record=True):
     """A loss module over the three heads (fixed weights, or uncertainty weighting whose
     log-variances AdamW trains with the model) under bfloat16 autocast, the scene head
-    restricted to the dataset's classes by a ``-inf`` mask, clipping, a step schedule."""
+    restricted to the dataset's classes by a ``-inf`` mask, clipping, a step schedule. The
+    dataset labels the first two scene classes only."""
     model = make_scenenet()
     opt = torch.optim.AdamW([*model.parameters(), *crit.parameters()], lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
@@ -280,12 +281,15 @@ def train_weighted(out_dir, crit, steps=4, plant=None, record=True):
                    allow_inf=[""]).attach() if record else None
     loss_fn = rec.loss_fn if rec is not None else crit
     try:
-        for x, seg, depth, scene in batches(steps, plant):
+        for step, (x, seg, depth, scene) in enumerate(batches(steps)):
+            scene = scene % 2
+            if plant is not None:
+                plant(step, x, seg, depth, scene)
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = model(x, task_mask=allowed)
             out = {k: v.float() for k, v in out.items()}
-            loss_fn(out, seg, depth, scene.clamp(max=1)).backward()
+            loss_fn(out, seg, depth, scene).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
             sched.step()

@@ -158,3 +158,21 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, run):
     assert not list(tmp_path.glob("*.nan"))
     same_weights(recorded, plain)
     assert all(torch.isfinite(p).all() for p in recorded.parameters())
+
+
+def test_a_scene_label_on_a_masked_class_names_its_record(tmp_path):
+    """The scene head masks the class this dataset does not label with ``-inf`` (allowed),
+    but record 5's label at step K is that class (a label map from another dataset's
+    taxonomy): its cross-entropy is +inf. Named at the loss's nll_loss on sample 5, with the
+    target on a masked class in the hint."""
+    def foreign_label(step, x, seg, depth, scene):
+        if step == K:
+            scene[5] = 2
+    crit = M.MultiTaskLoss(depth_loss=M.depth_l1_guarded)
+    ev, bundle = fire(M.train_weighted, tmp_path, crit, plant=foreign_label)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (K, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["samples"], rep["cause"]) == ("aten.nll_loss_forward", [5], "invalid"), rep
+    assert o["source"] == line_of("F.cross_entropy(out[\"scene\"], scene)]"), o
+    assert "a target on a masked class" in rep["hint"], rep["hint"]
