@@ -84,7 +84,7 @@ def test_mgda_loss_normaliser_of_a_zero_loss_names_a_nan_factor_of_the_whole_los
     o = rep["origin"]
     assert rep["reproduced"] is True, rep
     assert (o["phase"], o["module"], o["tensor"], o["samples"]) == (
-        "loss", "<loss>", "grad of the model output 0", list(range(8))), o
+        "loss", "<loss>", 'grad of the model output 0 (out["seg"])', list(range(8))), o
     hint = rep["hint"]
     assert "every sample of each of the model's outputs received a NaN gradient" in hint, hint
     assert "one NaN factor likely scaled the loss as a whole" in hint, hint
@@ -101,9 +101,11 @@ def test_a_record_with_a_nan_target_is_not_called_a_nan_factor(tmp_path):
             depth[6, 2, 3] = float("nan")
     ev, bundle = fire(M.train_mgda, tmp_path, plant=corrupt, kind="equal",
                       depth_loss=M.depth_mse)
-    rep = nanreplay_json(bundle, code=None)
+    rep = nanreplay_json(bundle)
     assert ev["step"] == K, ev
-    assert rep["origin"]["samples"] == [6], rep["origin"]
+    assert rep["reproduced"] is True, rep
+    assert (rep["origin"]["tensor"], rep["origin"]["samples"]) == (
+        'grad of the model output 1 (out["depth"])', [6]), rep["origin"]
     assert "NaN factor" not in rep["hint"], rep["hint"]
 
 
