@@ -241,19 +241,26 @@ def recorder(model, opt, out_dir, make: str, **kw):
     return FlightRecorder(model, opt, out_dir=out_dir, factory=FACTORY + make, **kw)
 
 
-def train_pcgrad(out_dir, steps=4, plant=None, surgery=pcgrad, record=True):
+def train_pcgrad(out_dir, steps=4, plant=None, surgery=pcgrad, record=True, amp=False):
     """PCGrad over the shared trunk (task order shuffled each step, as the paper's code does),
-    the heads' own gradients from the summed loss; Adam."""
+    the heads' own gradients from the summed loss; Adam. ``amp``: the forward under float16
+    autocast, every task gradient taken of the GradScaler's scaled loss, ``scaler.step``."""
     import random
     model = make_scenenet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
     shared = list(model.trunk.parameters())
     heads = [p for n, p in model.named_parameters() if not n.startswith("trunk")]
     rng = random.Random(0)
-    rec = recorder(model, opt, out_dir, "make_scenenet").attach() if record else None
+    rec = recorder(model, opt, out_dir, "make_scenenet",
+                   scaler=scaler if amp else None).attach() if record else None
     try:
         for x, seg, depth, scene in batches(steps, plant):
-            losses = task_losses(model(x), seg, depth, scene, depth_l1_guarded)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                out = model(x)
+            out = {k: v.float() for k, v in out.items()}
+            losses = [scaler.scale(loss) for loss in
+                      task_losses(out, seg, depth, scene, depth_l1_guarded)]
             grads = torch.stack([flat_grad(loss, shared) for loss in losses])
             order = list(range(len(losses)))
             rng.shuffle(order)
@@ -261,7 +268,8 @@ def train_pcgrad(out_dir, steps=4, plant=None, surgery=pcgrad, record=True):
             write_grads(shared, surgery(grads, order))
             for p, g in zip(heads, torch.autograd.grad(sum(losses), heads)):
                 p.grad = g
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
     finally:
         if rec is not None:
             rec.detach()

@@ -140,16 +140,20 @@ def same_weights(a, b):
         assert torch.equal(p, q), name
 
 
-@pytest.mark.parametrize("run", ["pcgrad_guarded", "mgda", "gradnorm", "uncertainty"])
+@pytest.mark.parametrize("run", ["pcgrad_guarded", "pcgrad_amp", "mgda", "gradnorm",
+                                 "uncertainty"])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, run):
     """PCGrad with the eps on ||g_j||^2 over a batch without depth (a task gradient of exactly
-    0), MGDA without a normaliser, GradNorm (double backward at the last shared layer,
+    0), the same under float16 autocast with a GradScaler (task gradients of the scaled
+    losses), MGDA without a normaliser, GradNorm (double backward at the last shared layer,
     weights renormalised in place) and uncertainty weighting under bfloat16 autocast with the
     scene head's ``-inf`` class mask (allowed): no event, bit-identical weights with and
     without the recorder."""
     train = {
         "pcgrad_guarded": lambda d, record: M.train_pcgrad(
             d, plant=no_depth, surgery=M.pcgrad_guarded, record=record),
+        "pcgrad_amp": lambda d, record: M.train_pcgrad(
+            d, plant=no_depth, surgery=M.pcgrad_guarded, record=record, amp=True),
         "mgda": lambda d, record: M.train_mgda(d, plant=no_depth, kind="none", record=record),
         "gradnorm": lambda d, record: M.train_gradnorm(d, plant=no_depth, record=record),
         "uncertainty": lambda d, record: M.train_weighted(d, M.UncertaintyLoss(),
