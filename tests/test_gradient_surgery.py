@@ -182,3 +182,23 @@ def test_a_scene_label_on_a_masked_class_names_its_record(tmp_path):
     assert (o["op"], o["samples"], rep["cause"]) == ("aten.nll_loss_forward", [5], "invalid"), rep
     assert o["source"] == line_of("F.cross_entropy(out[\"scene\"], scene)]"), o
     assert "a target on a masked class" in rep["hint"], rep["hint"]
+
+
+def test_pcgrad_under_a_grad_scaler_whose_scale_collapses_on_nan_steps_says_so(tmp_path):
+    """Under float16 autocast with a GradScaler, every other batch lacks depth and PCGrad's
+    0/0 makes its shared gradients NaN: the scaler takes each for an overflow, skips the
+    update and halves its scale, until the recorder's scale_collapse event. The replay names
+    the loop's own gradients and out["depth"], and says the scaler skipped for a NaN, not an
+    overflow, which no scale fixes; before, nothing told the skipped steps from overflows."""
+    def every_other(step, x, seg, depth, scene):
+        if step % 2:
+            depth.zero_()
+    ev, bundle = fire(M.train_pcgrad, tmp_path, steps=40, plant=every_other, amp=True)
+    assert (ev["reason"], ev["kind"], ev["step"] % 2) == ("scale_collapse", "scale", 1), ev
+    rep = nanreplay_json(bundle, code=1)
+    hint = rep["hint"]
+    assert rep["cause"] == "not_reproduced", rep
+    assert "written by the loop's own code" in hint, hint
+    assert "model's output out[\"depth\"] was exactly 0 in every element" in hint, hint
+    assert "the GradScaler skipped this step for gradients that are NaN" in hint, hint
+    assert "no scale makes a 0/0 finite" in hint, hint
