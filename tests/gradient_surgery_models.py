@@ -103,6 +103,18 @@ class MultiTaskLoss(nn.Module):
         return sum(w * loss for w, loss in zip(self.weights, losses))
 
 
+class PartialLabelLoss(MultiTaskLoss):
+    """Mixed datasets: a scene label of -1 where the record's dataset has none; the scene loss
+    over the records that have one (``logits[has]``), as multi-dataset loaders write it."""
+
+    def forward(self, out, seg, depth, scene):
+        has = scene >= 0
+        losses = [F.cross_entropy(out["seg"], seg, ignore_index=IGNORE),
+                  self.depth_loss(out["depth"], depth),
+                  F.cross_entropy(out["scene"][has], scene[has])]  # the bug: no record has one
+        return sum(w * loss for w, loss in zip(self.weights, losses))
+
+
 class UncertaintyLoss(nn.Module):
     """Kendall et al.'s homoscedastic uncertainty weighting as LibMTL writes it:
     ``L / (2 exp(s)) + s / 2`` per task, the log-variances ``s`` trained with the model."""

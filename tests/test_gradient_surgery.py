@@ -202,3 +202,22 @@ def test_pcgrad_under_a_grad_scaler_whose_scale_collapses_on_nan_steps_says_so(t
     assert "model's output out[\"depth\"] was exactly 0 in every element" in hint, hint
     assert "the GradScaler skipped this step for gradients that are NaN" in hint, hint
     assert "no scale makes a 0/0 finite" in hint, hint
+
+
+def test_a_batch_with_no_scene_label_names_the_empty_cross_entropy(tmp_path):
+    """Mixed datasets: records without a scene label carry -1 and the scene loss runs over
+    ``logits[has]``; step K's batch comes wholly from the dataset without scene labels, the
+    selection is empty and cross_entropy's mean of no record is 0/0. Named at that
+    nll_loss on its line, with 'skip such batches' in the hint."""
+    def unlabelled(step, x, seg, depth, scene):
+        scene[::3] = -1
+        if step == K:
+            scene.fill_(-1)
+    crit = M.PartialLabelLoss(depth_loss=M.depth_l1_guarded)
+    ev, bundle = fire(M.train_weighted, tmp_path, crit, plant=unlabelled)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (K, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], rep["cause"]) == ("aten.nll_loss_forward", "invalid"), rep
+    assert o["source"] == line_of("F.cross_entropy(out[\"scene\"][has], scene[has])]"), o
+    assert "of an empty tensor" in rep["hint"] and "skip such batches" in rep["hint"], rep
