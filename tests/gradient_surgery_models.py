@@ -24,15 +24,16 @@ N_SEG, N_SCENE, IGNORE = 4, 3, 255
 
 
 class SceneNet(nn.Module):
-    """Shared trunk, three task heads; returns a dict of task outputs."""
+    """Shared trunk, three task heads; returns a dict of task outputs. ``depth_act``: the
+    depth head's output activation (softplus; BTS-style heads use ReLU)."""
 
-    def __init__(self, width: int = 8):
+    def __init__(self, width: int = 8, depth_act: type = nn.Softplus):
         super().__init__()
         self.trunk = nn.Sequential(
             nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
             nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU())
         self.seg_head = nn.Conv2d(width, N_SEG, 1)
-        self.depth_head = nn.Sequential(nn.Conv2d(width, 1, 1), nn.Softplus())
+        self.depth_head = nn.Sequential(nn.Conv2d(width, 1, 1), depth_act())
         self.scene_head = nn.Linear(width, N_SCENE)
 
     def last_shared(self) -> nn.Parameter:
@@ -51,6 +52,11 @@ class SceneNet(nn.Module):
 def make_scenenet() -> SceneNet:
     torch.manual_seed(0)
     return SceneNet()
+
+
+def make_relu_depth() -> SceneNet:
+    torch.manual_seed(0)
+    return SceneNet(depth_act=nn.ReLU)
 
 
 class GradNormNet(SceneNet):
@@ -78,6 +84,13 @@ def depth_l1_guarded(pred, gt):
     """The same loss with a batch without any valid pixel counted as 0 (its gradient 0)."""
     valid = (gt > 0).float()
     return ((pred - gt).abs() * valid).sum() / valid.sum().clamp_min(1)
+
+
+def silog(pred, gt, lam: float = 0.85):
+    """Eigen et al.'s scale-invariant log loss over the valid pixels (BTS, AdaBins)."""
+    valid = gt > 0
+    d = torch.log(pred[valid]) - torch.log(gt[valid])  # the bug: a ReLU head can predict 0
+    return torch.sqrt((d ** 2).mean() - lam * d.mean() ** 2) * 10
 
 
 def depth_mse(pred, gt):

@@ -221,3 +221,34 @@ def test_a_batch_with_no_scene_label_names_the_empty_cross_entropy(tmp_path):
     assert (o["op"], rep["cause"]) == ("aten.nll_loss_forward", "invalid"), rep
     assert o["source"] == line_of("F.cross_entropy(out[\"scene\"][has], scene[has])]"), o
     assert "of an empty tensor" in rep["hint"] and "skip such batches" in rep["hint"], rep
+
+
+def test_silog_over_a_relu_depth_head_names_the_log_of_zero_and_its_records(tmp_path):
+    """A BTS-style depth head ending in ReLU under the scale-invariant log loss: the head
+    predicts exactly 0 at some valid pixels from the first step, log(0) = -inf (then inf - inf
+    in the variance term). Named at the log on its line, on the records holding such a pixel
+    (counted here on an unrecorded forward), with the clamp in the hint."""
+    model = M.make_relu_depth()
+    crit = M.MultiTaskLoss(depth_loss=M.silog)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, seg, depth, scene = next(M.batches(1))
+    with torch.no_grad():
+        pred = M.make_relu_depth()(x)["depth"]
+    rows = ((pred == 0) & (depth > 0)).flatten(1).any(1).nonzero().flatten().tolist()
+    with pytest.raises(NonFiniteError) as info:
+        rec = M.recorder(model, opt, tmp_path, "make_relu_depth", loss_fn=crit).attach()
+        try:
+            for x, seg, depth, scene in M.batches(4):
+                opt.zero_grad()
+                rec.loss_fn(model(x), seg, depth, scene % 2).backward()
+                opt.step()
+        finally:
+            rec.detach()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev  # (inf - inf)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "aten.log", "-inf", rows, "invalid"), rep
+    assert o["source"] == line_of("d = torch.log(pred[valid]) - torch.log(gt[valid])"), o
+    assert "clamp the op's input away from the pole" in rep["hint"], rep["hint"]
