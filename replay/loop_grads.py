@@ -11,7 +11,9 @@ from .cause_text import NO_FORWARD
 from .findings import finish, origin_fields
 from .kept_terms import kept_terms_text
 from .load import Step
+from .nan_skips import nan_skips_text
 from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
+from .zero_tasks import zero_outputs_text
 
 
 def no_backward_reached_the_output(step: Step) -> bool:
@@ -60,7 +62,8 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
         "and its op named), a difference of weights "
         "(Reptile's p - fast_p from a copy the loop trained); check that code at this "
         "step, e.g. a division by a norm that is 0" + zero_rows_text(zero)
-        + empty_batch_text(step))
+        + empty_batch_text(step) + zero_outputs_text(step, runner)
+        + nan_skips_text(step))
     if reached and runner is not None and (kept := kept_terms_text(runner)):
         report["hint"] = kept
     if zero:  # (the first micro-batch's: the origin names one)

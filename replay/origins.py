@@ -42,6 +42,7 @@ from .loss_maker import made_in_loss
 from .losses import held_state_cause, non_finite_loss_state
 from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
+from .nan_factor import nan_factor_text
 from .negative_output import negative_output_hint
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .ops import OpFinder
@@ -295,7 +296,8 @@ def report_entering(report, step: Step, runner: Runner) -> dict[str, Any] | None
     if scaled := infinite_factor_hint(step, fields.get("micro_batch")):  # (a loss scale of inf)
         report["cause"], report["hint"] = "overflow", scaled
         return report
-    report["hint"] = outside.replayable_loss_hint(step)
+    report["hint"] = (outside.replayable_loss_hint(step)
+                      + nan_factor_text(step, fields.get("micro_batch")))
     if loop_term_report(report, step, runner, fields.get("micro_batch"),
                         fields.get("samples")):
         return report

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from recorder.capture import distribution_labels, output_leaves
+from recorder.capture import distribution_labels, flatten_tree, output_leaves
 from recorder.finite import finite, kind_of
 
 from .load import Step, output_grads
@@ -57,10 +57,25 @@ def feed(runner: Runner, grads: dict[int, dict[int, torch.Tensor]],
 
 
 def _output_name(objects: list, mb: int, j: int, n_out: int) -> str:
-    """`` 2``, or `` (StudentT.scale)`` for a distribution's tensor: which output it is."""
+    """`` 2``, `` (StudentT.scale)`` for a distribution's tensor, `` 1 (out["depth"])`` for a
+    tensor under a dict's key (a multi-task model's heads): which output it is."""
     leaves = list(output_leaves(objects[mb])) if mb < len(objects) else []
     name = distribution_labels(objects[mb]).get(id(leaves[j])) if j < len(leaves) else None
-    return f" ({name})" if name else f" {j}" if n_out > 1 else ""
+    if name:
+        return f" ({name})"
+    key = _keyed_path(objects[mb], j, len(leaves)) if j < len(leaves) and n_out > 1 else None
+    return f" {j} (out{key})" if key else f" {j}" if n_out > 1 else ""
+
+
+def _keyed_path(obj, j: int, n: int) -> str | None:
+    """The path of output leaf ``j`` when it passes through a dict's key (``["depth"]``);
+    None when the paths do not line up with the leaves (objects beside the tensors)."""
+    _, tensors, paths = flatten_tree(obj, "o")
+    keys = list(tensors)
+    if len(keys) != n:
+        return None
+    path = paths[keys[j]]
+    return path if "[\"" in path else None
 
 
 def entering_origin(step: Step, runner: Runner) -> tuple[dict[str, Any], bool] | None:

@@ -214,6 +214,6 @@ def test_a_loss_wrapper_holding_the_recorded_model_is_named_in_the_hint(tmp_path
     rep = nanreplay_json(info.value.bundle_path, code=None)
     o = rep["origin"]
     assert (rep["event"]["step"], o["phase"], o["tensor"], o["samples"]) == (
-        K, "loss", "grad of the model output 1", [6]), o
+        K, "loss", 'grad of the model output 1 (out["reg"])', [6]), o
     assert "LossWrapper (metric_models:LossWrapper) holds the model as .model" in rep["hint"]
     assert "give it to FlightRecorder" in rep["hint"], rep["hint"]
