@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from . import lost_eps
+from . import lost_eps, xlogx
 from .cause_text import DO, MASK_AFTER_POLE
 from .hits import Evidence
 
@@ -44,6 +44,8 @@ def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) ->
         return lost + (masked if lost_eps.zero(ev) else "")  # (an eps of 0: the mask too)
     if masked:
         return masked
+    if cause == "invalid" and (own := xlogx.context(ev)):
+        return own
     if cause == "precision":
         return _narrower(ev, cast)
     if cause == "overflow":
