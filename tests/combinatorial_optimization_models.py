@@ -230,3 +230,58 @@ def cvrp_batch(g: torch.Generator, n_inst: int = 6, nodes: int = 6, raw: int | N
     if raw is not None:
         scale[raw] = 1.0
     return depot, loc, demand / scale
+
+
+class PointerNet(nn.Module):
+    """Vinyals et al.'s pointer network trained on solver tours by teacher forcing: an LSTM
+    encoder over the cities, an LSTM decoder fed the last city's embedding, additive attention
+    ``v^T tanh(W1 e_j + W2 d_i)`` as the pointer, visited cities masked with -inf."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.embed = nn.Linear(2, hidden)
+        self.encoder = nn.LSTM(hidden, hidden, batch_first=True)
+        self.decoder = nn.LSTMCell(hidden, hidden)
+        self.W1 = nn.Linear(hidden, hidden, bias=False)
+        self.W2 = nn.Linear(hidden, hidden, bias=False)
+        self.v = nn.Linear(hidden, 1, bias=False)
+        self.start = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, cities, tour):
+        b, n, _ = cities.shape
+        emb = self.embed(cities)
+        enc, (h, c) = self.encoder(emb)
+        h, c, x = h[0], c[0], self.start.expand(b, -1)
+        keys = self.W1(enc)
+        mask = torch.zeros(b, n, dtype=torch.bool)
+        rows, out = torch.arange(b), []
+        for i in range(tour.size(1)):
+            h, c = self.decoder(x, (h, c))
+            u = self.v(torch.tanh(keys + self.W2(h)[:, None])).squeeze(2)
+            out.append(u.masked_fill(mask, float("-inf")).log_softmax(1))
+            nxt = tour[:, i]  # teacher forcing: the solver's next city
+            mask = mask.clone()
+            mask[rows, nxt] = True
+            x = emb[rows, nxt]
+        return torch.stack(out, 1)
+
+
+def make_pointer() -> PointerNet:
+    torch.manual_seed(0)
+    return PointerNet()
+
+
+def pointer_loss(log_p, tour):
+    return F.nll_loss(log_p.flatten(0, 1), tour.flatten())
+
+
+def solver_tours(g: torch.Generator, n_inst: int = 6, nodes: int = 8,
+                 closed: int | None = None):
+    """Cities and their tours as a solver writes them (a permutation); ``closed``: an
+    instance whose tour came in closed, its start city repeated at the end (Concorde's output
+    read as a cycle) and its last city cut to keep the length."""
+    cities = torch.rand(n_inst, nodes, 2, generator=g)
+    tours = torch.stack([torch.randperm(nodes, generator=g) for _ in range(n_inst)])
+    if closed is not None:
+        tours[closed, -1] = tours[closed, 0]
+    return cities, tours

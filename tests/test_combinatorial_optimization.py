@@ -27,8 +27,9 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, out_dir, bad: int | None = None, steps: int = 4, record: bool = True,
-          normalize: bool = False):
-    """POMO's training loop; the instance ``bad`` is planted in the last step's batch."""
+          normalize: bool = False, amp: bool = False):
+    """POMO's training loop (the rollouts under bfloat16 autocast with ``amp``); the instance
+    ``bad`` is planted in the last step's batch."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, weight_decay=1e-6)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, [3], gamma=0.1)
@@ -45,7 +46,8 @@ def train(make: str, out_dir, bad: int | None = None, steps: int = 4, record: bo
                 args = (M.tsp_batch(g, stacked=plant),)
             else:
                 args = M.cvrp_batch(g, raw=plant)
-            out = model(*args)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = model(*args)
             loss = loss_fn(*out) if crit is not M.pomo_loss else loss_fn(*out,
                                                                           normalize=normalize)
             opt.zero_grad()
@@ -141,13 +143,76 @@ def test_entropy_of_masked_probabilities_is_invalid_not_an_underflow(tmp_path):
     assert "torch.special.xlogy(p, p)" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.parametrize("make", ["make_tsp", "make_cvrp", "make_cvrp_greedy"])
-def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make):
+@pytest.mark.parametrize("make,amp", [("make_tsp", False), ("make_tsp", True),
+                                      ("make_cvrp", False), ("make_cvrp_greedy", False)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, amp):
     """Every decoding step adds a mask holding -inf (visited nodes, the depot, over-capacity
-    customers) before two softmaxes: no event, and bit-identical weights with and without the
-    recorder (the multinomial draws from the global RNG included)."""
-    recorded = train(make, tmp_path)
-    plain = train(make, tmp_path, record=False)
+    customers) before two softmaxes (under bfloat16 autocast too): no event, and bit-identical
+    weights with and without the recorder (the multinomial draws from the global RNG
+    included)."""
+    recorded = train(make, tmp_path, amp=amp)
+    plain = train(make, tmp_path, record=False, amp=amp)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def train_pointer(out_dir, bad: int | None = None, steps: int = 4, record: bool = True,
+                  **rec_kw):
+    """Supervised pointer network on solver tours (teacher forcing, nll of each step's
+    log-softmax over the unvisited cities); ``bad``: that instance's tour in the last step's
+    batch came in closed."""
+    model = M.make_pointer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=M.pointer_loss, out_dir=out_dir,
+                         factory="combinatorial_optimization_models:make_pointer",
+                         **rec_kw) if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.pointer_loss
+        for step in range(steps):
+            cities, tours = M.solver_tours(g, closed=bad if step == steps - 1 else None)
+            loss = loss_fn(model(cities, tours), tours)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+            opt.step()
+    return model
+
+
+def test_pointer_network_log_probabilities_holding_the_mask_need_allow_inf(tmp_path):
+    """The pointer's log-softmax over masked cities returns -inf for the visited ones, by
+    design: without ``allow_inf`` the first step stops, and the replay names the masked_fill of
+    a literal -inf and says which ``allow_inf`` records it."""
+    with pytest.raises(NonFiniteError) as info:
+        train_pointer(tmp_path)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"], o["made"]) == (
+        0, "", "aten.masked_fill", "-inf"), o
+    assert "allow_inf" in rep["hint"], rep["hint"]
+
+
+def test_pointer_network_closed_solver_tour_names_the_loss_and_the_instance(tmp_path):
+    """Instance 4's label tour came in closed (its start city again at the end): the last
+    step's target is a city the mask closed, its log-probability -inf, the nll +inf. A loss
+    event; the replay names nll_loss, instance 4 (its rows of ``log_p.flatten(0, 1)``, 8 a
+    sample), and a target on a masked class."""
+    with pytest.raises(NonFiniteError) as info:
+        train_pointer(tmp_path, bad=4, allow_inf=[""])
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.nll_loss_forward", "+inf", [4]), o
+    assert o["source"] == line_of("return F.nll_loss(log_p.flatten(0, 1), tour.flatten())"), o
+    assert rep["cause"] == "invalid" and "a target on a masked class" in rep["hint"], rep["hint"]
+
+
+def test_healthy_pointer_network_under_allow_inf_trains_the_same(tmp_path):
+    recorded = train_pointer(tmp_path, allow_inf=[""])
+    plain = train_pointer(tmp_path, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
