@@ -221,8 +221,9 @@ def tsp_batch(g: torch.Generator, n_inst: int = 6, nodes: int = 8, stacked: int 
 
 def cvrp_batch(g: torch.Generator, n_inst: int = 6, nodes: int = 6, raw: int | None = None,
                capacity: float = 30.0):
-    """CVRP instances with integer demands 1..9 divided by the capacity; ``raw``: an
-    instance whose demands came in undivided (a demand of 3 is 3 vehicle loads)."""
+    """CVRP instances with integer demands 1..9 divided by the capacity (as many instances as
+    customers, as CVRP20 trained in batches of 20 has); ``raw``: an instance whose demands came
+    in undivided (a demand of 3 is 3 vehicle loads)."""
     depot = torch.rand(n_inst, 2, generator=g)
     loc = torch.rand(n_inst, nodes, 2, generator=g)
     demand = torch.randint(1, 10, (n_inst, nodes), generator=g).float()

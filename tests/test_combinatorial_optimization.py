@@ -89,12 +89,18 @@ def test_cvrp_undivided_demands_mask_every_node_and_multinomial_raises(tmp_path)
 
 def test_cvrp_greedy_rollout_of_undivided_demands_names_the_instance(tmp_path):
     """The same data under greedy decoding (``argmax`` takes the NaN row on): a forward event
-    on instance 2 at step 3, and the same report."""
+    on instance 2 at step 3, and the same report. Dropping the instance makes the step finite:
+    its demands ``(B, N)``, in a batch of as many instances as customers, are cut by row only
+    (they were read as a pairwise ``(B, B)`` matrix and cut by column too, and the re-run
+    failed on shapes)."""
     with pytest.raises(NonFiniteError) as info:
         train("make_cvrp_greedy", tmp_path, bad=2)
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (3, "forward", "nan", [2]), ev
-    assert_fully_masked_row(nanreplay_json(info.value.bundle_path))
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=2")
+    assert_fully_masked_row(rep)
+    (tried,) = rep["what_if"]
+    assert (tried["finite"], tried.get("error")) == (True, None), tried
 
 
 def test_unrecorded_greedy_cvrp_ends_with_nan_weights(tmp_path):
