@@ -113,17 +113,19 @@ def test_unrecorded_greedy_cvrp_ends_with_nan_weights(tmp_path):
 def test_normalised_advantage_of_an_instance_whose_rollouts_tie_names_the_std(tmp_path):
     """Instance 3's nodes all lie on one point: every POMO rollout has length 0, so the
     advantage normalised by its standard deviation is 0/0. A loss event; the replay names the
-    division, its line, the instance and an eps for the denominator."""
+    division, its line, the instance and an eps for the denominator; dropping the instance
+    makes the step finite."""
     with pytest.raises(NonFiniteError) as info:
         train("make_tsp", tmp_path, bad=3, normalize=True)
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
-    rep = nanreplay_json(info.value.bundle_path)
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=3")
     o = rep["origin"]
     assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["samples"]) == (
         True, "loss", "<loss>", "aten.div", [3]), o
     assert o["source"] == line_of("adv = adv / adv.std(1, keepdim=True)"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"] and "eps" in rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
 def test_entropy_of_masked_probabilities_is_invalid_not_an_underflow(tmp_path):
