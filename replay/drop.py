@@ -146,11 +146,16 @@ def _pairwise(x: torch.Tensor, inputs: list) -> bool:
     per sample that happen to number ``B`` (an MLP's ``(16, 16)`` batch): symmetric, or
     non-negative beside a per-sample input of another width (the nodes' features); never a
     length mask, whose every row is valid then padded (a ``(B, T)`` frame mask where the batch
-    has as many clips as frames: all True when no clip is padded, so symmetric)."""
+    has as many clips as frames: all True when no clip is padded, so symmetric), nor one beside
+    a per-sample ``(B, B, F)`` input, whose dim 1 holds each sample's items (a CVRP batch of as
+    many instances as customers: the demands ``(B, N)`` beside the cities ``(B, N, 2)``)."""
     if x.dim() != 2 or x.shape[0] != x.shape[1] or _length_mask(x):
         return False
     if torch.equal(x, x.T):
         return True
+    if any(isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[:2] == x.shape
+           for t in inputs):
+        return False  # (B values per sample beside (B, B, F): CVRP's demands beside its cities)
     beside = any(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == x.shape[0]
                  and t.shape[1] != x.shape[0] for t in inputs)
     return beside and not x.is_complex() and bool((x >= 0).all())

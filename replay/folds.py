@@ -34,10 +34,11 @@ def folds(func, out: torch.Tensor, pairs, ins) -> bool:
 _AT_TARGET = frozenset({"nll_loss_forward", "nll_loss2d_forward"})
 
 
-def folded_inputs(func, args, ins: list[torch.Tensor], pairs) -> list[torch.Tensor]:
+def folded_inputs(func, args, ins: list[torch.Tensor], pairs, moved=None) -> list[torch.Tensor]:
     """The non-finite inputs a reduction folded in; for nll_loss, the entries it took at the
     targets (0 where a row's target is ignore_index or has weight 0), whose rows are the samples
-    whose loss is non-finite."""
+    whose loss is non-finite (in the rows of its input: ``moved`` follows them where a view
+    merged the samples with the steps after them, a decoder's ``log_p.flatten(0, 1)``)."""
     bad = [t for t, (a, b) in zip(ins, pairs) if not pair_ok(a, b)]
     if func.overloadpacket.__name__ not in _AT_TARGET or len(args) < 5:
         return bad
@@ -50,4 +51,7 @@ def folded_inputs(func, args, ins: list[torch.Tensor], pairs) -> list[torch.Tens
         skip = target == ignore
         if isinstance(weight, torch.Tensor):
             skip = skip | (weight[at] == 0)
-        return [taken.masked_fill(skip, 0.0)]
+        taken = taken.masked_fill(skip, 0.0)
+    if moved is not None:
+        moved.same_rows(x, taken)
+    return [taken]

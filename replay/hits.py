@@ -79,6 +79,8 @@ class Evidence:
     terms: list = field(default_factory=list)  # a difference's terms' size (replay.cancellation)
     # the product that multiplied its infinity by a mask's 0, made NaN (replay.masked_product)
     masked_after: str | None = None
+    # the product that multiplied a log's -inf by that log's own 0 (p * log p: replay.xlogx)
+    own_zero_after: str | None = None
 
 
 # ops with a pole at an input of 0, where a 0 they are given makes an infinity

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import xlogx
 from .cause_text import MASKED_BY_PRODUCT
 
 # products elementwise, in and out of place (a bool mask is promoted to the NaN's dtype)
@@ -48,6 +49,8 @@ def mask_after_pole(first, name: str, args, hit) -> None:
             return
     if met:
         ev.masked_after = f"{hit.op}" + (f" ({hit.source})" if hit.source else "")
+    else:
+        xlogx.note(first, args, hit, _met)
 
 
 def _mask_like(factor) -> bool:

@@ -58,6 +58,13 @@ class Moved:
                 return sorted({(r // p[1]) % self.samples.size for r in bad_rows(t, p[0])})
         return None
 
+    def same_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst`` holds ``src``'s rows in its dim 0 (an entry taken from each): its samples
+        are where an op moved ``src``'s, when that is dim 0."""
+        p = self.place(src)
+        if p is not None and p[0] == 0 and dst.dim() and dst.shape[0] == src.shape[0]:
+            self._put(dst, p)
+
     def _where(self, t: Any, name: str = "") -> Place | None:
         """Where the samples of ``t`` are: followed, else as its shape says (a value a
         transpose moves read as made from the batch: ``(1 + K, B, M)`` logits hold them in

@@ -413,7 +413,8 @@ class OpFinder:
                     pairs) -> list[int] | None:
         """The samples of a reduction's non-finite output; of a 0-d one (a loss's mean over
         the batch), those of the non-finite inputs it folded in (``folds.folded_inputs``)."""
-        return self.batch_rows(outs) or self.batch_rows(folded_inputs(func, args, ins, pairs))
+        return self.batch_rows(outs) or self.batch_rows(
+            folded_inputs(func, args, ins, pairs, self.moved))
 
     def __enter__(self) -> OpFinder:
         self._mode.__enter__()

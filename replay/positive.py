@@ -188,8 +188,9 @@ def _leaf(fn, depth: int = 6):
 # ops that, given a value positive at some positions, keep it positive where their terms are:
 # views and sums of it (positive factors kept as they are), stacks and products of it
 _PARTLY_KEEP = PASS_ON | REDUCTIONS | SUMS | {"mul", "stack", "cat"}
-# ops whose result is positive in exact arithmetic where their argument is not -inf
-_PARTLY_MAKE = {"exp", "exp2", "sigmoid", "special_expit"}
+# ops whose result is positive in exact arithmetic where their argument is not -inf (softmax
+# of masked scores: its 0 at a masked entry is the mask's, not an underflow)
+_PARTLY_MAKE = {"exp", "exp2", "sigmoid", "special_expit", "_softmax", "softmax"}
 
 
 class Partly:

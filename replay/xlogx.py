@@ -1,0 +1,39 @@
+"""A log's -inf at 0 multiplied by a 0 at the same entries: ``p * log(p)``.
+
+An entropy bonus or a KL term over probabilities that are exactly 0 (the entries a mask's
+-inf gave softmax: a pointer network's visited nodes) is 0 in the limit, but computed as a
+product it is ``0 * -inf = NaN``. The data's own 0, not a 0/1 mask applied after the pole
+(:func:`replay.masked_product.mask_after_pole`), so the fix is the form with that limit built
+in, not an eps or an earlier mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LOGS = {"aten.log", "aten.log2", "aten.log10"}
+TEXT = ("; then {op} multiplied that -inf by a 0 at the same entries (p * log(p): an entropy "
+        "or KL term over probabilities that are exactly 0, the entries a mask's -inf gave "
+        "softmax), and 0 * -inf is NaN though the term's limit is 0: compute it as "
+        "torch.special.xlogy(p, p) (torch.special.entr(p) for -p log p), which is 0 there, "
+        "or from log_softmax with the masked terms zeroed by torch.where")
+
+
+def note(first, args, hit, met) -> None:
+    """Note ``hit``'s product on ``first``'s evidence when ``first`` is a log that made -inf
+    and the product's other factor is 0 wherever that -inf is (``met(x, factor, bad)``)."""
+    ev = first.evidence if first is not None else None
+    if ev is None or first.op not in _LOGS or first.made != "-inf" or len(args) < 2:
+        return
+    with torch.no_grad():
+        try:
+            own = met(args[0], args[1], torch.isneginf) or met(args[1], args[0], torch.isneginf)
+        except RuntimeError:
+            return
+    if own:
+        ev.own_zero_after = f"{hit.op}" + (f" ({hit.source})" if hit.source else "")
+
+
+def context(ev) -> str:
+    """The hint's addition for a log whose -inf a product took by a 0 (``""`` when none)."""
+    return TEXT.format(op=ev.own_zero_after) if ev.own_zero_after else ""
