@@ -92,24 +92,28 @@ def pattern_batch(g: torch.Generator, loud_row: int | None = None, n: int = 16):
 class HopfieldPooling(nn.Module):
     """A learned state pattern (the query) retrieves from the bag's instances."""
 
-    def __init__(self, dim: int = D, heads: int = 2, beta: float | None = None):
+    def __init__(self, dim: int = D, heads: int = 2, beta: float | None = None,
+                 empty_to_zero: bool = False):
         super().__init__()
         self.query = nn.Parameter(torch.randn(heads, dim) * 0.1)
         self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.beta = beta if beta is not None else dim ** -0.5
+        self.empty_to_zero = empty_to_zero
 
     def forward(self, x, mask):
         scores = self.beta * torch.einsum("hd,bnd->bhn", self.query, self.k(x))
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
         attn = scores.softmax(-1)  # a bag with every instance masked: a row of all -inf
+        if self.empty_to_zero:  # the usual guard: an empty bag pools to 0
+            attn = attn.nan_to_num(0.0)
         return torch.einsum("bhn,bnd->bhd", attn, self.v(x)).flatten(1)
 
 
 class MILNet(nn.Module):
-    def __init__(self, heads: int = 2):
+    def __init__(self, heads: int = 2, empty_to_zero: bool = False):
         super().__init__()
         self.instance = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D))
-        self.pool = HopfieldPooling(heads=heads)
+        self.pool = HopfieldPooling(heads=heads, empty_to_zero=empty_to_zero)
         self.head = nn.Linear(heads * D, 1)
 
     def forward(self, x, mask):
@@ -119,6 +123,11 @@ class MILNet(nn.Module):
 def make_mil() -> MILNet:
     torch.manual_seed(0)
     return MILNet()
+
+
+def make_mil_guarded() -> MILNet:
+    torch.manual_seed(0)
+    return MILNet(empty_to_zero=True)
 
 
 class Bags(torch.utils.data.Dataset):
@@ -249,3 +258,62 @@ def make_dense_am_high_power() -> DenseAM:
     with torch.no_grad():
         model.mem.normal_()
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# CLOOB: Hopfield retrieval of both modalities, the InfoLOOB loss
+
+
+class CLOOB(nn.Module):
+    """Fürst et al.'s CLOOB: image and text embeddings, each modality's batch retrieved from
+    the batch's stored embeddings by a Hopfield update, then L2-normalised."""
+
+    def __init__(self, beta: float = 8.0):
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(D, 32), nn.GELU(), nn.Linear(32, D))
+        self.text = nn.Sequential(nn.Linear(D, 32), nn.GELU(), nn.Linear(32, D))
+        self.beta = beta
+
+    def retrieve(self, state, stored):
+        return (self.beta * state @ stored.t()).softmax(-1) @ stored
+
+    def forward(self, img, txt):
+        x, y = F.normalize(self.image(img), dim=-1), F.normalize(self.text(txt), dim=-1)
+        u_x, u_y = self.retrieve(x, x), self.retrieve(y, x)
+        v_x, v_y = self.retrieve(x, y), self.retrieve(y, y)
+        return tuple(F.normalize(t, dim=-1) for t in (u_x, u_y, v_x, v_y))
+
+
+def info_loob(a, b, inv_tau: float = 30.0):
+    """InfoLOOB by hand: the positive pair over the sum of the others (leave one out); a
+    batch of one sample has no other, its sum is 0."""
+    s = inv_tau * a @ b.t()
+    e = torch.exp(s)  # (s of unit vectors is at most inv_tau: e^30 is finite)
+    pos = e.diagonal()
+    neg = (e * (1 - torch.eye(len(s)))).sum(1)
+    return -torch.log(pos / neg).mean()
+
+
+def cloob_loss(u_x, u_y, v_x, v_y, inv_tau: float = 30.0):
+    return (info_loob(u_x, u_y, inv_tau) + info_loob(v_y, v_x, inv_tau)) / inv_tau
+
+
+def make_cloob() -> CLOOB:
+    torch.manual_seed(0)
+    return CLOOB()
+
+
+class Pairs(torch.utils.data.Dataset):
+    """Paired views: a text feature a noisy linear map of its image's."""
+
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.img = torch.randn(n, D, generator=g)
+        mix = torch.randn(D, D, generator=torch.Generator().manual_seed(11)) / D ** 0.5
+        self.txt = self.img @ mix + 0.1 * torch.randn(n, D, generator=g)
+
+    def __len__(self):
+        return len(self.img)
+
+    def __getitem__(self, i):
+        return self.img[i], self.txt[i]

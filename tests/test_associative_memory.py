@@ -36,6 +36,11 @@ def batches(kind: str, steps: int, bad: int | None):
         for _ in range(steps):
             yield [((x, mask), (y,)) for x, mask, y in (next(it), next(it))]
         return
+    if kind == "cloob":  # 16 pairs a step; 48 + bad pairs leave a last batch of bad
+        loader = torch.utils.data.DataLoader(M.Pairs(16 * (steps - 1) + (bad or 16)),
+                                             batch_size=16)
+        yield from ([((img, txt), ())] for img, txt in loader)
+        return
     g = torch.Generator().manual_seed(0)
     make = M.pixel_batch if kind == "dense" else M.pattern_batch
     for step in range(steps):
@@ -43,7 +48,8 @@ def batches(kind: str, steps: int, bad: int | None):
         yield [((x,), (y,))]
 
 
-LOSSES = {"dense": M.dense_am_loss, "mil": torch.nn.BCEWithLogitsLoss()}
+LOSSES = {"dense": M.dense_am_loss, "mil": torch.nn.BCEWithLogitsLoss(),
+          "cloob": M.cloob_loss}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -61,8 +67,9 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
         for micro in batches(kind, steps, bad):
             opt.zero_grad()
             for args, targets in micro:
-                loss = loss_fn(model(*args), *targets) / len(micro)
-                loss.backward()
+                out = model(*args)
+                loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets)
+                (loss / len(micro)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
@@ -169,14 +176,34 @@ def test_energy_descent_with_too_large_a_step_says_the_iterates_diverged(tmp_pat
     assert "lr below 2 / its curvature" in rep["hint"], rep["hint"]
 
 
+def test_infoloob_of_a_last_batch_of_one_says_the_batch_not_an_eps(tmp_path):
+    """CLOOB's InfoLOOB divides each positive pair by the sum over the batch's other samples;
+    49 pairs in batches of 16 leave a last batch of one, whose sum of no negatives is 0: the
+    loss is +inf at step 3. The replay names the division on its line and that the loss is
+    finite on that sample given twice: the batch of one, fixed by drop_last, not an eps."""
+    ev, bundle = fire("cloob", "make_cloob", tmp_path, bad=1)
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"], o["batch_size"]) == (
+        "loss", "aten.div", "+inf", [0], 1), o
+    assert o["source"] == line_of("return -torch.log(pos / neg).mean()"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "finite on that sample given twice" in rep["hint"], rep["hint"]
+    assert "drop_last=True" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make,bad", [
     ("hop", "make_hopfield", 5), ("mil", "make_mil", None), ("dense", "make_dense_am", None),
-    ("hop", "make_energy", None)])
+    ("hop", "make_energy", None), ("mil", "make_mil_guarded", 13),
+    ("cloob", "make_cloob", None)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
     """The Hopfield layer's own softmax on the same loud record, the pooling over padded bags
-    (-inf in every padded score, inside the softmax), the dense memory on scaled images and
-    the energy descent (autograd.grad with create_graph=True inside forward): no event,
-    bit-identical weights with and without the recorder."""
+    (-inf in every padded score, inside the softmax), the dense memory on scaled images, the
+    energy descent (autograd.grad with create_graph=True inside forward), the pooling that
+    zeroes an empty bag's NaN attention (nan_to_num: NaN made inside, none out, none in the
+    gradients) and CLOOB on full batches: no event, bit-identical weights with and without
+    the recorder."""
     recorded = train(kind, make, tmp_path, bad=bad, steps=3)
     plain = train(kind, make, tmp_path, bad=bad, steps=3, record=False)
     assert not list(tmp_path.glob("*.nan"))
