@@ -317,3 +317,27 @@ class Pairs(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.img[i], self.txt[i]
+
+
+# ---------------------------------------------------------------------------------------------
+# a classifier by the energy of each class's memories
+
+
+class ClassMemories(nn.Module):
+    """Each class stores memories; its logit is the negative Hopfield energy of the query,
+    ``lse(beta, M_c q) = log(sum_mu exp(beta m_mu . q)) / beta``, written out by hand."""
+
+    def __init__(self, classes: int = 4, per_class: int = 8, beta: float = 40.0):
+        super().__init__()
+        self.query = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D))
+        self.memories = nn.Parameter(torch.randn(classes, per_class, D))
+        self.beta = beta
+
+    def forward(self, x):
+        s = torch.einsum("cmd,bd->bcm", self.memories, self.query(x))
+        return torch.log(torch.exp(self.beta * s).sum(-1)) / self.beta  # the bug: not lse
+
+
+def make_class_memories() -> ClassMemories:
+    torch.manual_seed(0)
+    return ClassMemories()

@@ -193,6 +193,22 @@ def test_infoloob_of_a_last_batch_of_one_says_the_batch_not_an_eps(tmp_path):
     assert "drop_last=True" in rep["hint"], rep["hint"]
 
 
+def test_class_energies_by_hand_name_the_exp_and_logsumexp(tmp_path):
+    """Each class's logit the negative Hopfield energy lse(beta, M_c q), written as
+    log(sum(exp(beta s))) with beta = 40: the exp overflows for most records at the first
+    step. The replay names the exp on its line, the records the recorder named, overflow, and
+    torch.logsumexp as the fix rather than clamping the exponent."""
+    ev, bundle = fire("hop", "make_class_memories", tmp_path, bad=None)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "", "aten.exp", "+inf", ev["samples"]), o
+    assert 8 < len(o["samples"]) < 16, o
+    assert o["source"] == line_of("return torch.log(torch.exp(self.beta * s).sum(-1))"), o
+    assert rep["cause"] == "overflow" and "torch.logsumexp(x, dim)" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make,bad", [
     ("hop", "make_hopfield", 5), ("mil", "make_mil", None), ("dense", "make_dense_am", None),
     ("hop", "make_energy", None), ("mil", "make_mil_guarded", 13),
