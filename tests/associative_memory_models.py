@@ -341,3 +341,45 @@ class ClassMemories(nn.Module):
 def make_class_memories() -> ClassMemories:
     torch.manual_seed(0)
     return ClassMemories()
+
+
+# ---------------------------------------------------------------------------------------------
+# a Hopfield lookup into a queue of past embeddings
+
+
+class BankRetrieval(nn.Module):
+    """The stored patterns are a FIFO queue of the last batches' embeddings (a MoCo-style
+    memory bank, a buffer), L2-normalised by hand before the retrieval; the queue starts as
+    zeros, filled batch by batch."""
+
+    def __init__(self, slots: int = 64, beta: float = 8.0, classes: int = 4):
+        super().__init__()
+        self.encode = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, D))
+        self.head = nn.Linear(2 * D, classes)
+        self.register_buffer("bank", torch.zeros(slots, D))
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+        self.beta = beta
+
+    def forward(self, x):
+        z = F.normalize(self.encode(x), dim=-1)
+        keys = self.bank / self.bank.norm(dim=-1, keepdim=True)  # the bug: 0/0 in empty slots
+        out = (self.beta * z @ keys.t()).softmax(-1) @ keys
+        if self.training:
+            with torch.no_grad():
+                i = int(self.ptr)
+                self.bank[i:i + len(z)] = z.detach()
+                self.ptr.fill_((i + len(z)) % len(self.bank))
+        return self.head(torch.cat([z, out], -1))
+
+
+def make_bank() -> BankRetrieval:
+    torch.manual_seed(0)
+    return BankRetrieval()
+
+
+def make_bank_random() -> BankRetrieval:
+    """MoCo's start: the queue filled with normalised random vectors."""
+    torch.manual_seed(0)
+    model = BankRetrieval()
+    model.bank.copy_(F.normalize(torch.randn_like(model.bank), dim=-1))
+    return model

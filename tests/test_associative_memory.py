@@ -209,17 +209,36 @@ def test_class_energies_by_hand_name_the_exp_and_logsumexp(tmp_path):
     assert rep["cause"] == "overflow" and "torch.logsumexp(x, dim)" in rep["hint"], rep["hint"]
 
 
+def test_memory_bank_of_zeros_names_the_division_and_the_buffer(tmp_path):
+    """A Hopfield lookup into a FIFO queue of past embeddings (a buffer written in forward),
+    the queue started as zeros and L2-normalised by hand: 0/0 in every empty slot at the first
+    step, NaN keys every query reads. The replay names the division on its line, every
+    record, invalid, the bank buffer all 0 as the step began and a nonzero start."""
+    ev, bundle = fire("hop", "make_bank", tmp_path, bad=None)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        0, "forward", "", list(range(16))), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == (
+        "", "aten.div", "nan", True), o
+    assert o["source"] == line_of("keys = self.bank / self.bank.norm(dim=-1, keepdim=True)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "buffer bank, all 0 as the step began" in rep["hint"], rep["hint"]
+    assert "start it nonzero" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make,bad", [
     ("hop", "make_hopfield", 5), ("mil", "make_mil", None), ("dense", "make_dense_am", None),
     ("hop", "make_energy", None), ("mil", "make_mil_guarded", 13),
-    ("cloob", "make_cloob", None)])
+    ("cloob", "make_cloob", None), ("hop", "make_bank_random", None)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
     """The Hopfield layer's own softmax on the same loud record, the pooling over padded bags
     (-inf in every padded score, inside the softmax), the dense memory on scaled images, the
     energy descent (autograd.grad with create_graph=True inside forward), the pooling that
     zeroes an empty bag's NaN attention (nan_to_num: NaN made inside, none out, none in the
-    gradients) and CLOOB on full batches: no event, bit-identical weights with and without
-    the recorder."""
+    gradients), CLOOB on full batches and the queue of embeddings started as MoCo starts it
+    (written in place in forward): no event, bit-identical weights with and without the
+    recorder."""
     recorded = train(kind, make, tmp_path, bad=bad, steps=3)
     plain = train(kind, make, tmp_path, bad=bad, steps=3, record=False)
     assert not list(tmp_path.glob("*.nan"))
