@@ -53,9 +53,10 @@ LOSSES = {"dense": M.dense_am_loss, "mil": torch.nn.BCEWithLogitsLoss(),
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
-          record: bool = True):
+          record: bool = True, amp: bool = False):
     """AdamW with a cosine schedule and gradient clipping, as hopfield-layers' examples
-    train; the loss of each micro-batch divided by their number. Returns the model."""
+    train; the loss of each micro-batch divided by their number; ``amp``: the forward and
+    the loss under bfloat16 autocast. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
@@ -67,8 +68,9 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
         for micro in batches(kind, steps, bad):
             opt.zero_grad()
             for args, targets in micro:
-                out = model(*args)
-                loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    out = model(*args)
+                    loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets)
                 (loss / len(micro)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -76,18 +78,20 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
     return model
 
 
-def fire(kind: str, make: str, tmp_path, bad: int | None):
+def fire(kind: str, make: str, tmp_path, bad: int | None, amp: bool = False):
     with pytest.raises(NonFiniteError) as info:
-        train(kind, make, tmp_path, bad)
+        train(kind, make, tmp_path, bad, amp=amp)
     return info.value.event, info.value.bundle_path
 
 
-def test_hopfield_softmax_by_hand_names_the_exp_and_the_loud_record(tmp_path):
+@pytest.mark.parametrize("amp", [False, True])
+def test_hopfield_softmax_by_hand_names_the_exp_and_the_loud_record(tmp_path, amp):
     """softmax(beta * xi K^T) written as exp over its row sum with beta = 8: a record at 30x
     the others' scale makes beta * score pass 88, the exp overflows and inf / inf is NaN in
     the Hopfield layer. The replay names the exp on its line, the record, overflow, the row
-    max to subtract before exp, and the record's out-of-scale data."""
-    ev, bundle = fire("hop", "make_hopfield_by_hand", tmp_path, bad=5)
+    max to subtract before exp, and the record's out-of-scale data; under bfloat16 autocast
+    too, where the scores' matmul, hence the exp, is bfloat16."""
+    ev, bundle = fire("hop", "make_hopfield_by_hand", tmp_path, bad=5, amp=amp)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
         3, "forward", "hopfield", [5]), ev
     rep = nanreplay_json(bundle, "--try", "drop=5")
@@ -95,6 +99,7 @@ def test_hopfield_softmax_by_hand_names_the_exp_and_the_loud_record(tmp_path):
     assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
         True, "hopfield", "aten.exp", "+inf", [5]), o
     assert o["source"] == line_of("e = torch.exp(scores)"), o
+    assert o["dtype"] == ("bfloat16" if amp else "float32"), o
     assert rep["cause"] == "overflow", rep["cause"]
     assert "subtract the row max before exp" in rep["hint"], rep["hint"]
     assert "sample(s) 5" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
@@ -227,20 +232,22 @@ def test_memory_bank_of_zeros_names_the_division_and_the_buffer(tmp_path):
     assert "start it nonzero" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.parametrize("kind,make,bad", [
-    ("hop", "make_hopfield", 5), ("mil", "make_mil", None), ("dense", "make_dense_am", None),
-    ("hop", "make_energy", None), ("mil", "make_mil_guarded", 13),
-    ("cloob", "make_cloob", None), ("hop", "make_bank_random", None)])
-def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
+@pytest.mark.parametrize("kind,make,bad,amp", [
+    ("hop", "make_hopfield", 5, False), ("mil", "make_mil", None, False),
+    ("dense", "make_dense_am", None, False), ("hop", "make_energy", None, False),
+    ("mil", "make_mil_guarded", 13, False), ("cloob", "make_cloob", None, False),
+    ("hop", "make_bank_random", None, False), ("hop", "make_hopfield", 5, True),
+    ("mil", "make_mil_guarded", 13, True)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad, amp):
     """The Hopfield layer's own softmax on the same loud record, the pooling over padded bags
     (-inf in every padded score, inside the softmax), the dense memory on scaled images, the
     energy descent (autograd.grad with create_graph=True inside forward), the pooling that
     zeroes an empty bag's NaN attention (nan_to_num: NaN made inside, none out, none in the
     gradients), CLOOB on full batches and the queue of embeddings started as MoCo starts it
     (written in place in forward): no event, bit-identical weights with and without the
-    recorder."""
-    recorded = train(kind, make, tmp_path, bad=bad, steps=3)
-    plain = train(kind, make, tmp_path, bad=bad, steps=3, record=False)
+    recorder; the Hopfield layer and the guarded pooling under bfloat16 autocast too."""
+    recorded = train(kind, make, tmp_path, bad=bad, steps=3, amp=amp)
+    plain = train(kind, make, tmp_path, bad=bad, steps=3, record=False, amp=amp)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
