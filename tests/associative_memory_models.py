@@ -15,6 +15,14 @@ them, for ``test_associative_memory``:
 - ``EnergyRetrieval``: retrieval by gradient descent on the modern Hopfield energy
   ``E = -lse(beta, X^T xi) + xi.xi / 2`` inside ``forward`` (``autograd.grad`` with
   ``create_graph=True``), a step size given at construction.
+- ``CLOOB``: Fürst et al.'s Hopfield retrieval of both modalities from the batch's embeddings
+  and the InfoLOOB loss by hand (the positive over the sum of the other samples).
+- ``ClassMemories``: each class's logit the negative Hopfield energy of its memories, the
+  log-sum-exp written out as ``log(sum(exp(beta s)))``.
+- ``BankRetrieval``: a Hopfield lookup into a FIFO queue of past embeddings (a buffer written
+  in ``forward``), normalised by hand.
+- ``PMANet``: multiple-instance pooling by ``nn.MultiheadAttention`` with a learned query and
+  the bags' ``key_padding_mask`` (set transformers' PMA).
 """
 
 from __future__ import annotations
@@ -383,3 +391,35 @@ def make_bank_random() -> BankRetrieval:
     model = BankRetrieval()
     model.bank.copy_(F.normalize(torch.randn_like(model.bank), dim=-1))
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# pooling by torch's multi-head attention with a learned query (set transformers' PMA)
+
+
+class PMAPooling(nn.Module):
+    def __init__(self, dim: int = D, heads: int = 2):
+        super().__init__()
+        self.seed = nn.Parameter(torch.randn(1, 1, dim) * 0.1)
+        self.mha = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, x, mask):
+        q = self.seed.expand(len(x), -1, -1)
+        out, _ = self.mha(q, x, x, key_padding_mask=~mask)  # True: padding, ignored
+        return out.squeeze(1)
+
+
+class PMANet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.instance = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D))
+        self.pool = PMAPooling()
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x, mask):
+        return self.head(self.pool(self.instance(x), mask)).squeeze(-1)
+
+
+def make_pma() -> PMANet:
+    torch.manual_seed(0)
+    return PMANet()

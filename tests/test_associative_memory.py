@@ -106,20 +106,24 @@ def test_hopfield_softmax_by_hand_names_the_exp_and_the_loud_record(tmp_path, am
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-def test_hopfield_pooling_of_an_empty_bag_names_the_softmax_and_the_bag(tmp_path):
+@pytest.mark.parametrize("make,module,text", [
+    ("make_mil", "pool", "attn = scores.softmax(-1)  # a bag with every"),
+    ("make_pma", "pool.mha", "out, _ = self.mha(q, x, x, key_padding_mask=~mask)")])
+def test_pooling_of_an_empty_bag_names_the_softmax_and_the_bag(tmp_path, make, module, text):
     """A slide whose tiles were all filtered out as background: its bag pads to a row of
-    False, masked_fill(-inf) fills every score, and the softmax of a row of -inf is NaN. Bag
-    13 is the sixth of the step's second micro-batch: the replay names the softmax in the
-    pooling, micro-batch 1, sample 5, and says to keep one key per row or mask with a finite
-    number."""
-    ev, bundle = fire("mil", "make_mil", tmp_path, bad=13)
+    False, the -inf mask fills every score, and the softmax of a row of -inf is NaN (in
+    hopfield-layers' HopfieldPooling by hand, and in torch's MultiheadAttention given the
+    key_padding_mask with a learned query: set transformers' PMA). Bag 13 is the sixth of the
+    step's second micro-batch: the replay names the softmax in the pooling, micro-batch 1,
+    sample 5, and says to keep one key per row or mask with a finite number."""
+    ev, bundle = fire("mil", make, tmp_path, bad=13)
     assert (ev["step"], ev["phase"], ev["module"], ev["micro_batch"], ev["samples"]) == (
-        0, "forward", "pool", 1, [5]), ev
+        0, "forward", module, 1, [5]), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["module"], o["op"], o["micro_batch"], o["samples"], rep["cause"]) == (
-        "pool", "aten._softmax", 1, [5], "invalid"), rep
-    assert o["source"] == line_of("attn = scores.softmax(-1)  # a bag with every"), o
+        module, "aten._softmax", 1, [5], "invalid"), rep
+    assert o["source"] == line_of(text), o
     assert "fully masked row" in rep["hint"] and "keep at least one key" in rep["hint"], \
         rep["hint"]
 
@@ -237,7 +241,7 @@ def test_memory_bank_of_zeros_names_the_division_and_the_buffer(tmp_path):
     ("dense", "make_dense_am", None, False), ("hop", "make_energy", None, False),
     ("mil", "make_mil_guarded", 13, False), ("cloob", "make_cloob", None, False),
     ("hop", "make_bank_random", None, False), ("hop", "make_hopfield", 5, True),
-    ("mil", "make_mil_guarded", 13, True)])
+    ("mil", "make_mil_guarded", 13, True), ("mil", "make_pma", None, False)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad, amp):
     """The Hopfield layer's own softmax on the same loud record, the pooling over padded bags
     (-inf in every padded score, inside the softmax), the dense memory on scaled images, the
