@@ -423,3 +423,13 @@ class PMANet(nn.Module):
 def make_pma() -> PMANet:
     torch.manual_seed(0)
     return PMANet()
+
+
+def make_dense_am_steep() -> DenseAM:
+    """n = 40 with memories at 0.4: relu(x) ** 40 stays below float32's largest value (x up
+    to 9.0), but its derivative 40 x ** 39 does not."""
+    torch.manual_seed(0)
+    model = DenseAM(n=40, beta=1e-30)
+    with torch.no_grad():
+        model.mem.normal_().mul_(0.4)
+    return model

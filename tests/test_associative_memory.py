@@ -160,6 +160,25 @@ def test_dense_am_image_in_0_255_names_the_power_and_the_record(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_dense_am_derivative_overflow_is_an_overflow_not_a_pole(tmp_path):
+    """relu(x) ** 40 with x up to 9.0: the forward's 1.6e38 fits float32, its derivative
+    40 * x ** 39 does not, and a saturated tanh's 0 gradient times it is NaN: a backward event
+    at the first step. The replay names the power's backward node on its line and overflow,
+    with the power's normalisation, where it said 'precision: rounding put the op's input on
+    its pole' (the ReLU's exact 0s, where x ** 40 has no pole)."""
+    ev, bundle = fire("dense", "make_dense_am_steep", tmp_path, bad=None)
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "backward", ["mem"]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"]) == (
+        "backward", "", "PowBackward0", "nan"), o
+    assert o["source"] == line_of("minus = F.relu(base[:, :, None]) ** self.n"), o
+    assert rep["cause"] == "overflow", (rep["cause"], rep["hint"])
+    assert "the derivative 40 * x ** 39 of x ** 40" in rep["hint"], rep["hint"]
+    assert "divide it by its largest value before the power" in rep["hint"], rep["hint"]
+    assert "pole, where" not in rep["hint"], rep["hint"]
+
+
 def test_unrecorded_dense_am_goes_nan_silently(tmp_path):
     """Without the recorder the overflowing run's weights turn NaN: the event is the bug."""
     model = train("dense", "make_dense_am_high_power", tmp_path, record=False)
