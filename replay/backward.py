@@ -38,6 +38,7 @@ from .ops import OpFinder
 from .pole_hints import zero_divisor
 from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
+from .power_grad import steep_power
 from .rerun import Runner
 from .source import node_source, node_tracebacks
 from .summed_grads import SummedGrads
@@ -71,6 +72,7 @@ class BackwardOrigin:
     exp_of: torch.Tensor | None = None  # the parameter whose exp that input is (log_std)
     exp_factor: float | None = None  # a product's huge saved factor from exp (exp_factor)
     fractional_power: tuple[float, int, bool] | None = None  # |w| ** 0.5 at w = 0
+    steep_power: float | None = None  # x ** 40's exponent (replay.power_grad)
     # a custom autograd.Function's node: the aten op of its own backward code that made the
     # value, and that code's line (the forward line above is where the node was made)
     inner_op: str | None = None
@@ -325,6 +327,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.exp_of = _exp_of(node)
     found.exp_factor = huge_exp_factor(node)
     found.fractional_power = fractional_power_at_zero(node)
+    found.steep_power = steep_power(node)
     found.zero_divisor = zero_divisor(node)
 
 

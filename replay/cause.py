@@ -63,6 +63,7 @@ from .float8_cast import float8_cast_advice
 from .float64_step import float64_still
 from .literal_range import literal_hint, unheld_literal
 from .ops import Evidence, OpHit
+from .power_overflow import power_advice
 from .rerun import Runner
 from .squared_zero import source as zero_source
 from .step_dtype import autocast as _autocast
@@ -288,7 +289,7 @@ def _wider(dtype: torch.dtype, op: str | None = None, ev: Evidence | None = None
     if torch.finfo(dtype).max < torch.finfo(torch.float32).max / 2:  # (a float8 cast: its own)
         return float8_cast_advice(op, dtype) or DO["wider"]
     exp = op is not None and _name(op) in _EXPONENTIAL or ev is not None and _exp_factor(ev)
-    return DO["wider64_exp"] if exp else DO["wider64"]
+    return power_advice(op, ev) or (DO["wider64_exp"] if exp else DO["wider64"])
 
 
 def _exp_factor(ev: Evidence) -> bool:

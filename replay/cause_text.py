@@ -324,14 +324,15 @@ DO = {
                           "torch.autocast(device_type, enabled=False) around it, its inputs "
                           "cast with .float() first; else without the cast to the narrow "
                           "type)",
-    "iteration": "make the iteration converge rather than widen the type (a Newton-Schulz "
-                 "square root or inverse converges only for a matrix scaled to a norm below "
-                 "1: divide it by its trace or Frobenius norm first and rescale the result; a "
-                 "power iteration: normalise every step; a fixed-point iteration, as a "
-                 "deep-equilibrium layer's g = Jᵀg + grad, converges only while the "
-                 "Jacobian's spectral radius is below 1: stop it at a tolerance, solve with "
-                 "Anderson or Broyden, or penalise ‖J‖ (a Jacobian regulariser)), or bound the "
-                 "steps of an unrolled solver or recurrence",
+    "iteration": "make the iteration converge rather than widen the type (a Newton-Schulz square "
+                 "root or inverse converges only for a matrix scaled to a norm below 1: divide "
+                 "it by its trace or Frobenius norm first and rescale the result; a power "
+                 "iteration: normalise every step; a fixed-point iteration, as a "
+                 "deep-equilibrium layer's g = Jᵀg + grad, converges only while the Jacobian's "
+                 "spectral radius is below 1: stop it at a tolerance, solve with Anderson or "
+                 "Broyden, or penalise ‖J‖ (a Jacobian regulariser); a descent x - lr * grad on "
+                 "an energy in the forward (a Hopfield retrieval): lr below 2 / its curvature), "
+                 "or bound the steps of an unrolled solver or recurrence",
     "singular": "keep the matrix full-rank: a covariance or kernel matrix with jitter on its "
                 "diagonal (K + eps * I, as gpytorch's psd_safe_cholesky does) and without "
                 "repeated rows; a learned invertible map (a flow's 1x1 convolution) "

@@ -5,7 +5,8 @@ a target distribution the loop built with no mass in a row (``replay.massless_ro
 a loss argument normalised by an infinite total (``replay.inf_normalised``);
 a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow of an op
 that took the loss's data alone (``replay.data_overflow``); the samples a loss argument of a
-value per pair or group reaches (``replay.grouped_arg``)."""
+value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
+micro-batch of one sample (``replay.single_sample``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .inf_normalised import inf_normalised_hint
 from .load import Step
 from .masked_after import masked_after_hint
 from .massless_rows import massless_rows_hint
+from .single_sample import single_sample_hint
 
 
 def data_hints(report: dict[str, Any], step: Step) -> None:
@@ -31,3 +33,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     masked_after_hint(report, step)  # (an invisible keypoint's 0/0, weighted by 0 after)
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
+    single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)

@@ -55,6 +55,7 @@ from .param_writes import (
     own_update_hint,
 )
 from .pole_hints import pole_hint
+from .power_grad import steep_power_cause
 from .raw_pole import raw_pole_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
@@ -419,6 +420,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause.hint = pole_hint(b, cause)
     cause.hint = exp_factor_hint(b, cause)
     cause.hint = fractional_power_hint(b, cause)
+    cause = steep_power_cause(b, cause)
     if b.hook is not None:
         cause.hint = hook_hint(b, cause.hint)
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
