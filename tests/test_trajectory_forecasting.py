@@ -1,0 +1,170 @@
+"""End to end on trajectory forecasting (``trajectory_forecasting_models``): scenes of agents
+padded per scene with a validity mask given to ``forward``, social attention with ``-inf`` for
+absent agents, teacher forcing, a bivariate Gaussian head (``rho = tanh(.)``) and its NLL
+averaged over each scene's valid agents, a GMM head trained winner-takes-all over masked
+future steps, VectorNet's polyline subgraphs max-pooled over padded points. Adam with
+OneCycleLR and gradient clipping, batches from a DataLoader. Each planted failure of the domain
+fires under the recorder and is replayed with the CLI; the healthy runs raise no event and
+train bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import trajectory_forecasting_models as M
+from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader, TensorDataset
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("trajectory_forecasting_models.py", text)
+
+
+def batches(kind: str, steps: int, plant: dict):
+    """The last step's batch carries the plant. Returns (model args, loss extras) a step."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(steps):
+        kw = plant if step == steps - 1 else {}
+        if kind == "social":
+            obs, valid, fut = M.scenes(g, **kw)
+            out.append(((obs, valid, fut), (fut, valid)))
+        elif kind == "multimodal":
+            obs, fut, mask = M.tracks(g, **kw)
+            out.append(((obs,), (fut, mask)))
+        else:
+            obs, points, pmask, poly, fut = M.lane_scenes(g, **kw)
+            out.append(((obs, points, pmask, poly), (fut,)))
+    return out
+
+
+def vectornet_loss(pred, fut):
+    return torch.nn.functional.smooth_l1_loss(pred, fut)
+
+
+LOSSES = {"social": M.scene_nll, "multimodal": M.wta_loss, "vectornet": vectornet_loss}
+
+
+def train(kind: str, make: str, out_dir, plant: dict | None = None, steps: int = 4,
+          record: bool = True, loss=None):
+    """Adam with OneCycleLR and gradient clipping, each step's batch from a DataLoader over
+    that step's tensors. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=steps)
+    crit = loss or LOSSES[kind]
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"trajectory_forecasting_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for args, extras in batches(kind, steps, plant or {}):
+            n = len(args[0])
+            loader = DataLoader(TensorDataset(*args, *extras), batch_size=n, shuffle=False)
+            for tensors in loader:
+                margs, mextras = tensors[:len(args)], tensors[len(args):]
+                out = model(*margs)
+                loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *mextras)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+    return model
+
+
+def fire(kind: str, make: str, tmp_path, **plant):
+    with pytest.raises(NonFiniteError) as info:
+        train(kind, make, tmp_path, plant)
+    return info.value.event, info.value.bundle_path
+
+
+def test_lone_agent_with_no_neighbour_names_the_softmax_of_its_fully_masked_row(tmp_path):
+    """Social attention over the other agents only (Social-LSTM's pooling excludes the agent
+    itself): in a scene with one pedestrian its row of scores is -inf everywhere and the
+    softmax is NaN. The event and the replay name the attention module's softmax, scene 2 (not
+    a row of the agents flattened into the LSTM's batch), a fully masked row, and the fix:
+    keep one key per row."""
+    ev, bundle = fire("social", "make_social_neighbours", tmp_path, lone=2)
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["samples"], ev["kind"]) == (
+        3, "forward", "social", 0, [2], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "social", "aten._softmax", "nan", [2]), o
+    assert o["source"] == line_of("attn = torch.softmax(scores, dim=-1)"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_scene_without_valid_agents_names_the_masked_mean_of_the_nll(tmp_path):
+    """Every track of scene 5 was filtered out as too short, so its valid mask is all False:
+    the model is finite (the agent attends to itself), but the NLL's mean over the scene's
+    valid agents is 0/0. A loss event, named at that division, on scene 5, 0/0."""
+    ev, bundle = fire("social", "make_social", tmp_path, empty=5)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "loss", "<loss>", "aten.div", "nan", [5]), o
+    assert o["source"] == line_of("per_scene = (nll * m).sum(1) / m.sum(1)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_agent_leaving_the_view_names_the_sqrt_backward_of_its_padded_steps(tmp_path):
+    """Winner-takes-all minADE over masked future steps: both the prediction and the target are
+    zeroed at the steps agent 6 is no longer seen, so its squared distance there is 0 and
+    sqrt's gradient is infinite; times the mask's 0 it is NaN in every weight. The replay
+    names SqrtBackward0 on that line, sample 6, the vector_norm / eps fix, and that the eps
+    given (0.0) guarded nothing."""
+    ev, bundle = fire("multimodal", "make_multimodal", tmp_path, leaving=6)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "backward", "<loss>", "SqrtBackward0", "nan", [6]), o
+    assert o["source"] == line_of("dist = (d + eps).sqrt()"), o
+    assert rep["cause"] == "invalid", rep
+    assert "vector_norm" in rep["hint"] and "exactly 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_polyline_cropped_to_no_point_names_the_max_pool_of_its_scene(tmp_path):
+    """VectorNet's subgraph max-pools each polyline over its valid points, padding filled with
+    -inf; a lane cropped out of the region of interest keeps its polyline slot with no valid
+    point, and its feature is -inf. The event and the replay name the subgraph's max, scene 4,
+    a fully masked row."""
+    ev, bundle = fire("vectornet", "make_vectornet", tmp_path, cropped=4)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        3, "forward", "subgraph", [4], "-inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=4")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "subgraph", "aten.max", "-inf", [4]), o
+    assert o["source"] == line_of("return h.max(dim=2).values"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+@pytest.mark.parametrize("kind,make,plant,loss", [
+    ("social", "make_social", {}, None),
+    ("multimodal", "make_multimodal", {"leaving": 6}, M.wta_loss_eps),
+    ("vectornet", "make_vectornet", {}, None)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, plant, loss):
+    """Padded agents' -inf scores inside the softmax, padded points' -inf inside the max pool,
+    padded polylines under MultiheadAttention's key_padding_mask, an agent leaving the view
+    under the sqrt with its eps: no event, and weights bit-identical with and without the
+    recorder."""
+    recorded = train(kind, make, tmp_path, plant, loss=loss)
+    plain = train(kind, make, tmp_path, plant, loss=loss, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
