@@ -52,7 +52,7 @@ LOSSES = {"social": M.scene_nll, "multimodal": M.wta_loss, "vectornet": vectorne
 
 
 def train(kind: str, make: str, out_dir, plant: dict | None = None, steps: int = 4,
-          record: bool = True, loss=None):
+          record: bool = True, loss=None, bf16: bool = False, **rec_kw):
     """Adam with OneCycleLR and gradient clipping, each step's batch from a DataLoader over
     that step's tensors. Returns the model."""
     model = getattr(M, make)()
@@ -60,7 +60,7 @@ def train(kind: str, make: str, out_dir, plant: dict | None = None, steps: int =
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=steps)
     crit = loss or LOSSES[kind]
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                         factory=f"trajectory_forecasting_models:{make}") if record else None
+                         factory=f"trajectory_forecasting_models:{make}", **rec_kw) if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for args, extras in batches(kind, steps, plant or {}):
@@ -68,8 +68,9 @@ def train(kind: str, make: str, out_dir, plant: dict | None = None, steps: int =
             loader = DataLoader(TensorDataset(*args, *extras), batch_size=n, shuffle=False)
             for tensors in loader:
                 margs, mextras = tensors[:len(args)], tensors[len(args):]
-                out = model(*margs)
-                loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *mextras)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    out = model(*margs)
+                    loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *mextras)
                 opt.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -78,9 +79,9 @@ def train(kind: str, make: str, out_dir, plant: dict | None = None, steps: int =
     return model
 
 
-def fire(kind: str, make: str, tmp_path, **plant):
+def fire(kind: str, make: str, tmp_path, bf16: bool = False, rec_kw=None, **plant):
     with pytest.raises(NonFiniteError) as info:
-        train(kind, make, tmp_path, plant)
+        train(kind, make, tmp_path, plant, bf16=bf16, **(rec_kw or {}))
     return info.value.event, info.value.bundle_path
 
 
@@ -168,3 +169,77 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, pla
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_scene_in_pixels_saturates_rho_and_the_nll_divides_by_its_rounded_complement(tmp_path):
+    """ETH/UCY's homography was not applied to scene 3, so its displacements are in pixels,
+    150 times too large; the head also sees the last displacement, and its rho = tanh(.) is
+    1.0 in float32 there. The NLL's ``z / (2 (1 - rho²))`` divides by 0, +inf: the replay names
+    that division on scene 3 and ``precision``: 1 - rho² is a complement that exact arithmetic
+    keeps above 0 (float64 has a true, tiny value, not a cancellation's residue however large
+    z is), and the hint's fix clamps rho."""
+    ev, bundle = fire("social", "make_social_skip", tmp_path, pixels=3, scale=150.0)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "loss", "<loss>", "aten.div", "+inf", [3]), o
+    assert o["source"] == line_of("return (z / (2 * one_minus) + log_sigma.sum(-1)"), o
+    assert rep["cause"] == "precision", rep["hint"]
+    assert "rounded to 1 in float32" in rep["hint"], rep["hint"]
+    assert "ρ.clamp(−1 + eps, 1 − eps)" in rep["hint"], rep["hint"]
+    assert "residue" not in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_rho_rounded_to_one_in_bfloat16_is_named_in_bfloat16(tmp_path):
+    """The same head under bfloat16 autocast, the scene only 40 times too large: float32
+    keeps rho below 1 (the run without autocast raises nothing), bfloat16's tanh rounds it to
+    1.0. The division itself runs in float32 (z is, the target being float32), so the hint
+    names the type that rounded, the complement's, and says to compute what feeds it in
+    float32."""
+    train("social", "make_social_skip", tmp_path, {"pixels": 3, "scale": 40.0})
+    assert not list(tmp_path.glob("*.nan"))
+    ev, bundle = fire("social", "make_social_skip", tmp_path, bf16=True, pixels=3, scale=40.0)
+    assert (ev["step"], ev["phase"]) == (3, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "+inf", [3])
+    assert rep["cause"] == "precision", rep["hint"]
+    assert "rounded to 1 in bfloat16" in rep["hint"], rep["hint"]
+    assert "compute what feeds this op in float32" in rep["hint"], rep["hint"]
+
+
+NAN_PADDED = {"allow_nan": ["args[0]", "args[2]"]}
+
+
+def test_nan_padded_future_fed_by_teacher_forcing_names_that_input_not_the_imputed_one(
+        tmp_path):
+    """trajdata pads absent agents with NaN, in the observed past (args[0]) and the future
+    (args[2]) alike, both under allow_nan (the last step's batch comes from such a loader); the model imputes the past, but teacher forcing feeds
+    the raw future to the decoder and its NaN reach the outputs. The recorder names the first
+    input holding NaN, args[0]; the replay's re-runs find the future's NaN are the ones that
+    leak (set to 0, the outputs are NaN-free; the past's set to 0, they are not) and name
+    args[2], on the scenes with absent agents, and where forward uses it unimputed."""
+    ev, bundle = fire("social", "make_social", tmp_path, rec_kw=NAN_PADDED, pad=float("nan"))
+    assert (ev["step"], ev["phase"], ev["tensor"]) == (3, "input", "args[0]"), ev
+    (_, valid, _), _ = batches("social", 4, {"pad": float("nan")})[-1]
+    padded = torch.nonzero(~valid.all(1)).flatten().tolist()
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["cause"], o["phase"], o["tensor"], o["samples"]) == (
+        "input", "input", "args[2]", padded), o
+    assert "find where forward uses args[2] before (or without) imputing it" in rep["hint"]
+    assert any("args[2]'s got past" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_nan_padded_scenes_imputed_everywhere_raise_nothing_and_train_the_same(tmp_path):
+    """The same NaN-padded scenes with the future imputed before teacher forcing and in the
+    loss: allow_nan's missing values stay inside, no event, bit-identical weights."""
+    recorded = train("social", "make_social_imputed", tmp_path, {"pad": float("nan")},
+                     **NAN_PADDED)
+    plain = train("social", "make_social_imputed", tmp_path, {"pad": float("nan")},
+                  record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name

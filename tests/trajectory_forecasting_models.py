@@ -52,25 +52,31 @@ class SocialAttention(nn.Module):
 
 
 class SocialGaussian(nn.Module):
-    def __init__(self, hidden: int = 16, self_attend: bool = True):
+    def __init__(self, hidden: int = 16, self_attend: bool = True, skip: bool = False,
+                 impute_future: bool = False):
         super().__init__()
+        self.impute_future = impute_future
+        self.skip = skip  # the head also sees the last displacement (a residual input)
         self.embed = nn.Linear(2, hidden)
         self.encoder = nn.LSTM(hidden, hidden, batch_first=True)
         self.social = SocialAttention(hidden, self_attend)
         self.decoder = nn.LSTMCell(hidden, hidden)
-        self.head = nn.Linear(hidden, 5)
+        self.head = nn.Linear(hidden + 2 * skip, 5)
 
     def forward(self, obs, valid, fut):
         """obs (B, A, T_OBS, 2) displacements, valid (B, A) bool, fut (B, A, T_PRED, 2): the
         ground-truth future fed back at each step (teacher forcing)."""
         b, a = valid.shape
+        obs = torch.nan_to_num(obs)  # absent agents' positions are NaN (trajdata's padding)
+        if self.impute_future:  # (the bug without it: teacher forcing feeds their NaN future)
+            fut = torch.nan_to_num(fut)
         x = F.relu(self.embed(obs.flatten(0, 1)))
         _, (h, c) = self.encoder(x)
         h = self.social(h[0].view(b, a, -1), valid).flatten(0, 1)
         c, prev, outs = c[0], obs[:, :, -1].flatten(0, 1), []
         for t in range(fut.shape[2]):
             h, c = self.decoder(F.relu(self.embed(prev)), (h, c))
-            outs.append(self.head(h))
+            outs.append(self.head(torch.cat([h, prev], -1) if self.skip else h))
             prev = fut[:, :, t].flatten(0, 1)
         out = torch.stack(outs, 1).view(b, a, fut.shape[2], 5)
         mu, log_sigma = out[..., :2], out[..., 2:4]
@@ -91,7 +97,9 @@ def bivariate_nll(mu, log_sigma, rho, target):
 
 def scene_nll(mu, log_sigma, rho, target, valid):
     """The NLL averaged over each scene's valid agents, then over the scenes."""
+    target = torch.nan_to_num(target)  # (absent agents' NaN: where's backward would be NaN)
     nll = bivariate_nll(mu, log_sigma, rho, target).mean(-1)  # (B, A)
+    nll = torch.where(valid, nll, 0.0)
     m = valid.float()
     per_scene = (nll * m).sum(1) / m.sum(1)  # the bug: 0/0 for a scene with no valid agent
     return per_scene.mean()
@@ -102,17 +110,28 @@ def make_social() -> SocialGaussian:
     return SocialGaussian()
 
 
+def make_social_skip() -> SocialGaussian:
+    torch.manual_seed(0)
+    return SocialGaussian(skip=True)
+
+
+def make_social_imputed() -> SocialGaussian:
+    torch.manual_seed(0)
+    return SocialGaussian(impute_future=True)
+
+
 def make_social_neighbours() -> SocialGaussian:
     torch.manual_seed(0)
     return SocialGaussian(self_attend=False)
 
 
 def scenes(g: torch.Generator, n: int = 8, lone: int | None = None, empty: int | None = None,
-           world: int | None = None):
+           pixels: int | None = None, scale: float = 40.0, pad=0.0):
     """``n`` scenes of 2..A agents walking with small displacements (already relative to the
     last observed position, in metres). ``lone``: that scene has one agent; ``empty``: no valid
-    agent (every track in it was filtered out as too short); ``world``: that scene's
-    displacements were left in centimetres of the world frame (the normalisation skipped)."""
+    agent (every track in it was filtered out as too short); ``pixels``: that scene's
+    displacements are in image pixels (ETH/UCY's homography to metres was not applied to it),
+    ``scale`` times too large. ``pad``: what absent agents hold (NaN: trajdata's padding)."""
     counts = torch.randint(2, A + 1, (n,), generator=g)
     if lone is not None:
         counts[lone] = 1
@@ -122,11 +141,11 @@ def scenes(g: torch.Generator, n: int = 8, lone: int | None = None, empty: int |
     vel = 0.3 * torch.randn(n, A, 1, 2, generator=g)
     obs = vel + 0.05 * torch.randn(n, A, T_OBS, 2, generator=g)
     fut = vel + 0.05 * torch.randn(n, A, T_PRED, 2, generator=g)
-    if world is not None:
-        obs[world] *= 1e4
-        fut[world] *= 1e4
-    obs, fut = obs * valid[..., None, None], fut * valid[..., None, None]  # padding is zeros
-    return obs, valid, fut
+    if pixels is not None:
+        obs[pixels] *= scale
+        fut[pixels] *= scale
+    absent = ~valid[..., None, None]
+    return obs.masked_fill(absent, pad), valid, fut.masked_fill(absent, pad)
 
 
 # ---------------------------------------------------------------------------------------------
