@@ -52,36 +52,39 @@ LOSSES = {"social": M.scene_nll, "multimodal": M.wta_loss, "vectornet": vectorne
 
 
 def train(kind: str, make: str, out_dir, plant: dict | None = None, steps: int = 4,
-          record: bool = True, loss=None, bf16: bool = False, **rec_kw):
+          record: bool = True, loss=None, bf16: bool = False, accum: int = 1, **rec_kw):
     """Adam with OneCycleLR and gradient clipping, each step's batch from a DataLoader over
-    that step's tensors. Returns the model."""
+    that step's tensors, in ``accum`` micro-batches of gradient accumulation. Returns the
+    model."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=steps)
     crit = loss or LOSSES[kind]
-    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                         factory=f"trajectory_forecasting_models:{make}", **rec_kw) if record else None
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, **rec_kw,
+                         factory=f"trajectory_forecasting_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for args, extras in batches(kind, steps, plant or {}):
             n = len(args[0])
-            loader = DataLoader(TensorDataset(*args, *extras), batch_size=n, shuffle=False)
+            loader = DataLoader(TensorDataset(*args, *extras), batch_size=n // accum,
+                                shuffle=False)
+            opt.zero_grad()
             for tensors in loader:
                 margs, mextras = tensors[:len(args)], tensors[len(args):]
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     out = model(*margs)
                     loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *mextras)
-                opt.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                sched.step()
+                (loss / accum).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
     return model
 
 
-def fire(kind: str, make: str, tmp_path, bf16: bool = False, rec_kw=None, **plant):
+def fire(kind: str, make: str, tmp_path, bf16: bool = False, rec_kw=None, accum: int = 1,
+         **plant):
     with pytest.raises(NonFiniteError) as info:
-        train(kind, make, tmp_path, plant, bf16=bf16, **(rec_kw or {}))
+        train(kind, make, tmp_path, plant, bf16=bf16, accum=accum, **(rec_kw or {}))
     return info.value.event, info.value.bundle_path
 
 
@@ -243,3 +246,19 @@ def test_nan_padded_scenes_imputed_everywhere_raise_nothing_and_train_the_same(t
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kind,make,plant,mb,row,phase,op", [
+    ("social", "make_social", {"empty": 5}, 1, 1, "loss", "aten.div"),
+    ("multimodal", "make_multimodal", {"leaving": 13}, 1, 5, "backward", "SqrtBackward0")])
+def test_under_gradient_accumulation_the_micro_batch_and_its_row_are_named(
+        tmp_path, kind, make, plant, mb, row, phase, op):
+    """The same failures with each step's batch in two micro-batches of accumulation: scene 5
+    of 8 is row 1 of micro-batch 1, agent 13 of 16 row 5 of micro-batch 1; dropping that row of
+    that micro-batch makes the step finite."""
+    ev, bundle = fire(kind, make, tmp_path, accum=2, **plant)
+    assert (ev["step"], ev["phase"]) == (3, phase), ev
+    rep = nanreplay_json(bundle, "--try", f"drop={row}")
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["micro_batch"], o["samples"]) == (phase, op, mb, [row]), o
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
