@@ -262,3 +262,19 @@ def test_under_gradient_accumulation_the_micro_batch_and_its_row_are_named(
     o = rep["origin"]
     assert (o["phase"], o["op"], o["micro_batch"], o["samples"]) == (phase, op, mb, [row]), o
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_scene_without_lanes_names_the_softmax_inside_multihead_attention(tmp_path):
+    """A parking-lot scene has no lane within the radius: every polyline slot is padding, so
+    MultiheadAttention's key_padding_mask masks every key of its query and the softmax inside
+    torch's attention is NaN. The replay names the op inside nn.MultiheadAttention's own code,
+    the user's line that called it, scene 2, a fully masked row."""
+    ev, bundle = fire("vectornet", "make_vectornet", tmp_path, no_lanes=2)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        3, "forward", "glob", [2], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["samples"]) == ("glob", 0, "aten._softmax", [2])
+    assert o["source"] == line_of("ctx, _ = self.glob(q, lanes, lanes, key_padding_mask="), o
+    assert rep["cause"] == "invalid" and "keep at least one key per row" in rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]

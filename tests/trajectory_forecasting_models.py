@@ -238,10 +238,12 @@ def make_vectornet() -> VectorNet:
 
 
 def lane_scenes(g: torch.Generator, n: int = 8, cropped: int | None = None, p: int = 5,
-                pts: int = 6):
+                pts: int = 6, no_lanes: int | None = None):
     """Lane polylines as (start xy, end xy) vectors, padded to ``pts`` points. ``cropped``: in
     that scene polyline 3 was cropped to the region of interest and lost every point, yet its
-    slot stays marked as a valid polyline (the point mask was updated, the polyline mask not)."""
+    slot stays marked as a valid polyline (the point mask was updated, the polyline mask not).
+    ``no_lanes``: that scene (a parking lot) has no lane within the radius: every polyline slot
+    is padding, holding one zero point (as padded slots are filled) and masked out."""
     obs, fut, _ = tracks(g, n)
     points = torch.randn(n, p, pts, 4, generator=g)
     counts = torch.randint(2, pts + 1, (n, p), generator=g)
@@ -250,6 +252,9 @@ def lane_scenes(g: torch.Generator, n: int = 8, cropped: int | None = None, p: i
     poly_mask[:, -1] = False  # the last slot is padding in every scene
     if cropped is not None:
         point_mask[cropped, 3] = False
+    if no_lanes is not None:
+        poly_mask[no_lanes] = False
+        point_mask[no_lanes] = torch.arange(pts) == 0
     return obs, points * point_mask[..., None], point_mask, poly_mask, fut
 
 
