@@ -278,3 +278,23 @@ def test_scene_without_lanes_names_the_softmax_inside_multihead_attention(tmp_pa
     assert o["source"] == line_of("ctx, _ = self.glob(q, lanes, lanes, key_padding_mask="), o
     assert rep["cause"] == "invalid" and "keep at least one key per row" in rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_softplus_sigma_underflowing_in_a_scene_in_millimetres_names_its_log(tmp_path):
+    """Sigma as MultiPath writes it, softplus of the head's output, whose log the NLL takes:
+    scene 3 was exported in millimetres (1000 times too large), the head's output there is
+    hundreds below 0 and softplus of it is about 1e-47, which float32 rounds to 0, so the log
+    is -inf. The replay names that log on scene 3, ``underflow`` (float64 has the value), the
+    clamp away from 0, and the scene's data out of scale with the drop that tests it."""
+    with pytest.raises(NonFiniteError) as info:
+        train("social", "make_social_skip", tmp_path, {"pixels": 3, "scale": 1000.0},
+              loss=M.scene_nll_softplus)
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "loss")
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.log", "-inf", [3])
+    assert o["source"] == line_of("log_sigma = torch.stack([sx, sy], -1).log()"), o
+    assert rep["cause"] == "underflow", rep["hint"]
+    assert "clamp_min(eps)" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    assert "sample(s) 3 of args[0]" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]

@@ -84,9 +84,12 @@ class SocialGaussian(nn.Module):
         return mu, log_sigma, rho
 
 
-def bivariate_nll(mu, log_sigma, rho, target):
-    """Social-LSTM's bivariate Gaussian NLL per agent and step."""
-    sx, sy = log_sigma[..., 0].exp(), log_sigma[..., 1].exp()
+def bivariate_nll(mu, log_sigma, rho, target, scale=torch.exp):
+    """Social-LSTM's bivariate Gaussian NLL per agent and step; ``scale`` maps the head's
+    output to sigma (exp; softplus as MultiPath writes it, whose log it then takes)."""
+    sx, sy = scale(log_sigma[..., 0]), scale(log_sigma[..., 1])
+    if scale is not torch.exp:
+        log_sigma = torch.stack([sx, sy], -1).log()
     dx = (target[..., 0] - mu[..., 0]) / sx
     dy = (target[..., 1] - mu[..., 1]) / sy
     one_minus = 1 - rho ** 2
@@ -95,14 +98,18 @@ def bivariate_nll(mu, log_sigma, rho, target):
             + math.log(2 * math.pi))
 
 
-def scene_nll(mu, log_sigma, rho, target, valid):
+def scene_nll(mu, log_sigma, rho, target, valid, scale=torch.exp):
     """The NLL averaged over each scene's valid agents, then over the scenes."""
     target = torch.nan_to_num(target)  # (absent agents' NaN: where's backward would be NaN)
-    nll = bivariate_nll(mu, log_sigma, rho, target).mean(-1)  # (B, A)
+    nll = bivariate_nll(mu, log_sigma, rho, target, scale).mean(-1)  # (B, A)
     nll = torch.where(valid, nll, 0.0)
     m = valid.float()
     per_scene = (nll * m).sum(1) / m.sum(1)  # the bug: 0/0 for a scene with no valid agent
     return per_scene.mean()
+
+
+def scene_nll_softplus(mu, raw_sigma, rho, target, valid):
+    return scene_nll(mu, raw_sigma, rho, target, valid, scale=F.softplus)
 
 
 def make_social() -> SocialGaussian:
@@ -130,8 +137,8 @@ def scenes(g: torch.Generator, n: int = 8, lone: int | None = None, empty: int |
     """``n`` scenes of 2..A agents walking with small displacements (already relative to the
     last observed position, in metres). ``lone``: that scene has one agent; ``empty``: no valid
     agent (every track in it was filtered out as too short); ``pixels``: that scene's
-    displacements are in image pixels (ETH/UCY's homography to metres was not applied to it),
-    ``scale`` times too large. ``pad``: what absent agents hold (NaN: trajdata's padding)."""
+    displacements are in another unit (image pixels: ETH/UCY's homography to metres was not
+    applied to it; millimetres), ``scale`` times too large. ``pad``: what absent agents hold (NaN: trajdata's padding)."""
     counts = torch.randint(2, A + 1, (n,), generator=g)
     if lone is not None:
         counts[lone] = 1
