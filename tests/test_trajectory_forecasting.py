@@ -158,17 +158,19 @@ def test_polyline_cropped_to_no_point_names_the_max_pool_of_its_scene(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-@pytest.mark.parametrize("kind,make,plant,loss", [
-    ("social", "make_social", {}, None),
-    ("multimodal", "make_multimodal", {"leaving": 6}, M.wta_loss_eps),
-    ("vectornet", "make_vectornet", {}, None)])
-def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, plant, loss):
-    """Padded agents' -inf scores inside the softmax, padded points' -inf inside the max pool,
-    padded polylines under MultiheadAttention's key_padding_mask, an agent leaving the view
-    under the sqrt with its eps: no event, and weights bit-identical with and without the
-    recorder."""
-    recorded = train(kind, make, tmp_path, plant, loss=loss)
-    plain = train(kind, make, tmp_path, plant, loss=loss, record=False)
+@pytest.mark.parametrize("kind,make,plant,loss,bf16", [
+    ("social", "make_social", {}, None, False),
+    ("social", "make_social_skip", {}, None, True),
+    ("multimodal", "make_multimodal", {"leaving": 6}, M.wta_loss_eps, False),
+    ("vectornet", "make_vectornet", {}, None, False)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, plant, loss, bf16):
+    """Padded agents' -inf scores inside the softmax (under bfloat16 autocast too), padded
+    points' -inf inside the max pool, padded polylines under MultiheadAttention's
+    key_padding_mask, an agent leaving the view under the sqrt with its eps: no event, and
+    weights bit-identical with and without the recorder."""
+    recorded = train(kind, make, tmp_path, plant, loss=loss, bf16=bf16, accum=1 + bf16)
+    plain = train(kind, make, tmp_path, plant, loss=loss, bf16=bf16, accum=1 + bf16,
+                  record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
