@@ -300,3 +300,24 @@ def test_softplus_sigma_underflowing_in_a_scene_in_millimetres_names_its_log(tmp
     assert "clamp_min(eps)" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
     assert "sample(s) 3 of args[0]" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_cholesky_factor_of_a_saturated_rho_refused_by_the_distribution_is_precision(tmp_path):
+    """Trajectron++ builds each component as MultivariateNormal(mu, scale_tril) from sigma and
+    rho; in the scene 150 times too large rho rounds to 1.0 and the factor's second diagonal
+    entry, sigma_y sqrt(1 - rho²), is 0, which LowerCholesky refuses. float64 has it at about
+    1e-7, far inside float32's range: no underflow (whose advice, a floor on a softplus or exp,
+    is not the fix) but the rounding of rho: ``precision``, with the clamp of rho, on the
+    stack that built the factor, scene 3."""
+    with pytest.raises(ValueError):
+        train("social", "make_social_skip", tmp_path, {"pixels": 3, "scale": 150.0},
+              loss=M.mvn_scene_nll)
+    [bundle] = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "loss", "<loss>", "aten.stack", "0", [3]), o
+    assert rep["cause"] == "precision", rep["hint"]
+    assert "refused its parameter scale_tril" in rep["hint"], rep["hint"]
+    assert "no underflow" in rep["hint"] and "ρ.clamp(−1 + eps, 1 − eps)" in rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]

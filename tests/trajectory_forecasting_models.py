@@ -268,3 +268,17 @@ def lane_scenes(g: torch.Generator, n: int = 8, cropped: int | None = None, p: i
 def wta_loss_eps(traj, log_pi, fut, fut_mask):
     """The same loss with the usual eps under the sqrt (its gradient finite at padded steps)."""
     return wta_loss(traj, log_pi, fut, fut_mask, eps=1e-6)
+
+
+def mvn_scene_nll(mu, log_sigma, rho, target, valid):
+    """The NLL through torch.distributions, as Trajectron++'s GMM2D builds each component:
+    the Cholesky factor of the covariance from sigma and rho (its diagonal's second entry
+    sigma_y sqrt(1 - rho²), 0 once rho is 1.0)."""
+    sx, sy = log_sigma[..., 0].exp(), log_sigma[..., 1].exp()
+    zero = torch.zeros_like(sx)
+    tril = torch.stack([torch.stack([sx, zero], -1),
+                        torch.stack([rho * sy, sy * (1 - rho ** 2).sqrt()], -1)], -2)
+    dist = torch.distributions.MultivariateNormal(mu, scale_tril=tril)
+    nll = -dist.log_prob(torch.nan_to_num(target)).mean(-1)
+    m = valid.float()
+    return ((nll * m).sum(1) / m.sum(1).clamp_min(1)).mean()
