@@ -161,10 +161,12 @@ def test_polyline_cropped_to_no_point_names_the_max_pool_of_its_scene(tmp_path):
 @pytest.mark.parametrize("kind,make,plant,loss,bf16", [
     ("social", "make_social", {}, None, False),
     ("social", "make_social_skip", {}, None, True),
+    ("social", "make_social_neighbours_sdpa", {"lone": 2}, None, False),
     ("multimodal", "make_multimodal", {"leaving": 6}, M.wta_loss_eps, False),
     ("vectornet", "make_vectornet", {}, None, False)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, plant, loss, bf16):
-    """Padded agents' -inf scores inside the softmax (under bfloat16 autocast too), padded
+    """Padded agents' -inf scores inside the softmax (under bfloat16 autocast too), a lone
+    agent's row with no key under scaled_dot_product_attention (which returns 0 there), padded
     points' -inf inside the max pool, padded polylines under MultiheadAttention's
     key_padding_mask, an agent leaving the view under the sqrt with its eps: no event, and
     weights bit-identical with and without the recorder."""

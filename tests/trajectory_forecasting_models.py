@@ -33,10 +33,10 @@ T_OBS, T_PRED, A = 6, 4, 4
 class SocialAttention(nn.Module):
     """Each agent attends to the scene's other agents; absent agents get -inf."""
 
-    def __init__(self, hidden: int, self_attend: bool):
+    def __init__(self, hidden: int, self_attend: bool, sdpa: bool = False):
         super().__init__()
         self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
-        self.self_attend = self_attend
+        self.self_attend, self.sdpa = self_attend, sdpa
 
     def forward(self, h, valid):
         b, a, d = h.shape
@@ -46,6 +46,10 @@ class SocialAttention(nn.Module):
             keep = valid[:, None, :] | eye
         else:  # neighbours only, as Social-LSTM's pooling: a lone agent has none
             keep = valid[:, None, :] & ~eye
+        if self.sdpa:  # torch's attention returns 0 for a row with no key (a lone agent)
+            out = F.scaled_dot_product_attention(self.q(h)[:, None], self.k(h)[:, None],
+                                                 self.v(h)[:, None], attn_mask=keep[:, None])
+            return h + out[:, 0]
         scores = scores.masked_fill(~keep, float("-inf"))
         attn = torch.softmax(scores, dim=-1)
         return h + attn @ self.v(h)
@@ -53,13 +57,13 @@ class SocialAttention(nn.Module):
 
 class SocialGaussian(nn.Module):
     def __init__(self, hidden: int = 16, self_attend: bool = True, skip: bool = False,
-                 impute_future: bool = False):
+                 impute_future: bool = False, sdpa: bool = False):
         super().__init__()
         self.impute_future = impute_future
         self.skip = skip  # the head also sees the last displacement (a residual input)
         self.embed = nn.Linear(2, hidden)
         self.encoder = nn.LSTM(hidden, hidden, batch_first=True)
-        self.social = SocialAttention(hidden, self_attend)
+        self.social = SocialAttention(hidden, self_attend, sdpa)
         self.decoder = nn.LSTMCell(hidden, hidden)
         self.head = nn.Linear(hidden + 2 * skip, 5)
 
@@ -125,6 +129,11 @@ def make_social_skip() -> SocialGaussian:
 def make_social_imputed() -> SocialGaussian:
     torch.manual_seed(0)
     return SocialGaussian(impute_future=True)
+
+
+def make_social_neighbours_sdpa() -> SocialGaussian:
+    torch.manual_seed(0)
+    return SocialGaussian(self_attend=False, sdpa=True)
 
 
 def make_social_neighbours() -> SocialGaussian:
