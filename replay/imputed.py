@@ -17,10 +17,16 @@ from .cause import classify
 from .cause_text import ALLOWED_NAN_GOT_PAST
 from .findings import finish, origin_fields
 from .forward import find_op_in_call
+from .leaked_input import leaking_input
 from .load import Step
 from .masked_product import masked_hint
 from .recorded import nan_allowed, origin_key
 from .rerun import Runner
+
+# the input the re-run found leaking, where the recorder named the first one holding NaN
+LEAKED = ("the recorder named {named}, the first allow_nan input holding NaN; the re-run's "
+          "outputs come out NaN-free once {tensor}'s NaN are set to 0, and not once {named}'s "
+          "are: {tensor}'s got past the model's handling")
 
 # made_from_imputed's answer when the re-run's model left no NaN: re-run the step instead
 RERUN: dict[str, Any] = {}
@@ -54,6 +60,10 @@ def made_from_imputed(report, step: Step, origin: dict[str, Any]) -> dict[str, A
         # the rebuilt model imputes every missing value: the NaN does not come back from
         # the bundle's batch alone, so the step is re-run as any other (the fidelity check)
         return RERUN
+    if finder.first_nan is None and (leaked := leaking_input(
+            step, origin, lambda m: _nan_left(runner, m))):
+        report["problems"].append(LEAKED.format(named=origin.get("tensor"), **leaked))
+        origin.update(leaked)  # (the caller's input origin: the input that leaked)
     if finder.first_nan is None and finder.masked_nan is not None:  # (nan * mask)
         leaked = ALLOWED_NAN_GOT_PAST.format(tensor=origin.get("tensor"))
         return finish(report, origin, "input", reproduced=True,

@@ -15,6 +15,7 @@ The re-run raises the same ``ValueError``. Then:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -32,6 +33,7 @@ from .linalg import ModuleCalls, report_linalg
 from .load import Step
 from .recorded import batch_size
 from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
+from .refused_rounding import capture, float64_zeros, rounded_hint
 from .refused_value import data_value_hint, of_data
 from .rerun import Runner
 from .source import raised_at, user_source
@@ -81,7 +83,8 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
                            made="a matrix not positive-definite" if matrix is not None else made,
                            samples=_rows(value, valid, batch_size(step, mb)))
     report["problems"].append(f"{refused} at {source}")
-    cause, hint = _judge(runner, refused, bad, data, matrix)
+    cause, hint = _judge(runner, refused, bad, data, matrix,
+                         zeros_at=(capture(maker, value), value, valid, constraint))
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 
@@ -147,16 +150,19 @@ def _rows(value, valid, n: int | None) -> list[int]:
     return (~valid).reshape(n, -1).any(1).nonzero().flatten().tolist()
 
 
-def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None) -> tuple[str | None, str]:
+def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None,
+           zeros_at=(None, None, None, None)) -> tuple[str | None, str]:
     """The cause of the finite refused values ``bad``, by the step re-run in float64;
     ``data``: they are log_prob's value, made of the batch alone (replay.refused_value);
-    ``matrix``: the refused value, a matrix refused as a whole (replay.refused_matrix)."""
+    ``matrix``: the refused value, a matrix refused as a whole (replay.refused_matrix);
+    ``zeros_at``: the capture of its maker op, the value, its mask and the constraint
+    (replay.refused_rounding)."""
     lo, hi = (float(bad.min()), float(bad.max())) if bad is not None and bad.numel() else (0, 0)
     seen = ("its values" if bad is None or not bad.numel() else
             f"{bad.numel()} value(s) refused, " + (f"all {lo:.3g}" if lo == hi else
                                                    f"from {lo:.3g} to {hi:.3g}"))
     try:
-        with in_float64(runner):
+        with in_float64(runner), zeros_at[0] or contextlib.nullcontext():
             again = runner.run(backward=False, instrument=False)
     except Exception:  # the model refuses float64
         return None, f"{refused}: {seen}; the float64 re-run could not run, so whether exact " \
@@ -173,6 +179,9 @@ def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None) -> tuple[
                            "(a scale through softplus or exp plus a floor, probabilities "
                            "through softmax, logits instead of probs)")
     zeros = bad is not None and bad.numel() and not bad.any()
+    if zeros and (said := rounded_hint(refused, seen, float64_zeros(*zeros_at),
+                                       zeros_at[1].dtype)):
+        return "precision", said
     if zeros:
         return "underflow", (f"{refused}: {seen}; float64 keeps them above 0, so they are "
                              "positive values the type rounded to 0 (softplus or exp of a very "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import saturation
 from .dispatch import OpAt
 from .domains import g
 from .hits import Evidence
@@ -65,6 +66,10 @@ def divisor_residue(name: str, capture: OpAt | None, ev: Evidence) -> float | No
 def hint(name: str, capture: OpAt | None, ev: Evidence, what: str, advice: str) -> str | None:
     """The ``invalid`` hint for a division whose float64 divisor is such a residue, else None.
     (``what``: the op and what it was given; ``advice``: the division's.)"""
+    # (1 - tanh(u)² of a saturated tanh: exact arithmetic keeps it above 0, so float64's small
+    # value is the true one however large the numerator: precision, replay.saturation's)
+    if saturation.rounded_zero(ev.inputs, ev.complement):
+        return None
     left = divisor_residue(name, capture, ev)
     if left is None:
         return None

@@ -167,7 +167,9 @@ def hint(what: str, divides: bool = False) -> str:
 # what a probability some value is divided by needs
 TRIM = ("a probability that divides (an inverse propensity weight t / e + (1 − t) / (1 − e), "
         "an importance weight) is trimmed away from 0 and 1 before it divides: "
-        "e.clamp(0.01, 0.99), or e.clamp(eps, 1 − eps) with an eps the type resolves; or ")
+        "e.clamp(0.01, 0.99), or e.clamp(eps, 1 − eps) with an eps the type resolves, and so "
+        "is a correlation ρ = tanh(·) in 1 − ρ² (a bivariate Gaussian's): "
+        "ρ.clamp(−1 + eps, 1 − eps); or ")
 # (a binary cross-entropy written by hand: the loss has the logits-form already)
 LOGITS = "a binary cross-entropy's log(1 − p) takes the logits, binary_cross_entropy_with_logits; or "
 
@@ -180,8 +182,17 @@ def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
         return None
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over two "
             f"or more entries) that exact arithmetic keeps below 1 for every finite argument, "
-            f"rounded to 1 in {dt}: "
+            f"rounded to 1 in {_complement_type(ev) or dt}: "
             + (TRIM if _divides(name, ev) else LOGITS) + STABLE)
+
+
+def _complement_type(ev) -> str | None:
+    """The type of the complement that is 0: a bfloat16 tanh's 1 - y² divides a float32 value
+    under autocast, where the op's own output type is not the one that rounded."""
+    for v, c, dt in zip(ev.inputs, ev.complement, ev.input_dtypes):
+        if c and bool((v == 0).any()):
+            return str(dt).removeprefix("torch.")
+    return None
 
 
 def rounded_hint(name: str, what: str, ev) -> str | None:
