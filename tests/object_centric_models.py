@@ -20,8 +20,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+
+SQRT_2PI = math.sqrt(2 * math.pi)
 
 
 class SlotAttention(nn.Module):
@@ -121,7 +125,7 @@ class SlotAutoencoder(nn.Module):
             alpha_logits = torch.where(slot_mask[:, :, None, None, None], alpha_logits, fill)
         masks = alpha_logits.softmax(dim=1)
         recon = (rgb * masks).sum(dim=1)
-        return recon, masks
+        return recon, masks, rgb
 
 
 def make_autoencoder() -> SlotAutoencoder:
@@ -145,22 +149,32 @@ def scenes(g: torch.Generator, empty: int | None = None, background: bool = True
     return img, slot_mask
 
 
+def mixture_nll(recon, masks, rgb, image, sigma: float = 0.3):
+    """MONet/IODINE's pixel likelihood: a mixture over slots of Gaussians at each slot's
+    colour, weighted by its alpha mask, the densities exponentiated and summed by hand."""
+    log_lik = -((image[:, None] - rgb) ** 2) / (2 * sigma ** 2) - math.log(sigma * SQRT_2PI)
+    lik = (masks * log_lik.sum(2, keepdim=True).exp()).sum(dim=1)
+    return -torch.log(lik).mean()
+
+
 class Dinosaur(nn.Module):
     """DINOSAUR: slots over frozen ViT patch features, an MLP decoder broadcast to every patch,
     the features reconstructed as the alpha-weighted sum over slots."""
 
     def __init__(self, feat: int = 48, dim: int = 32, patches: int = 16, num_slots: int = 4,
-                 eps: float = 1e-8, fp16: bool = False):
+                 eps: float = 1e-8, amp: torch.dtype | None = None,
+                 scale: float | None = None):
         super().__init__()
-        self.fp16 = fp16
+        self.amp = amp
         self.proj = nn.Sequential(nn.LayerNorm(feat), nn.Linear(feat, dim), nn.ReLU(),
                                   nn.Linear(dim, dim))
-        self.slot_attention = SlotAttention(num_slots, dim, eps=eps)
+        self.slot_attention = SlotAttention(num_slots, dim, eps=eps, scale=scale)
         self.pos = nn.Parameter(torch.randn(1, 1, patches, dim) * 0.02)
         self.decoder = nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, feat + 1))
 
     def forward(self, features, token_mask):
-        with torch.autocast("cpu", dtype=torch.float16, enabled=self.fp16):
+        amp = self.amp is not None
+        with torch.autocast("cpu", dtype=self.amp or torch.bfloat16, enabled=amp):
             slots, attn = self.slot_attention(self.proj(features), token_mask)
             out = self.decoder(slots[:, :, None, :] + self.pos)  # (B, K, N, feat + 1)
             recon, alpha = out[..., :-1], out[..., -1:].softmax(dim=1)
@@ -177,6 +191,19 @@ def make_dinosaur_no_eps() -> Dinosaur:
     return Dinosaur(eps=0.0)
 
 
+def make_dinosaur_fp16() -> Dinosaur:
+    """fp16 autocast, the logits sharpened by an inverse temperature of 10 (in place of
+    1/sqrt(d)), the reference code's eps of 1e-8."""
+    torch.manual_seed(0)
+    return Dinosaur(amp=torch.float16, scale=10.0)
+
+
+def make_dinosaur_bf16() -> Dinosaur:
+    """The same under bf16 autocast, whose range keeps 1e-8."""
+    torch.manual_seed(0)
+    return Dinosaur(amp=torch.bfloat16, scale=10.0)
+
+
 def vit_features(g: torch.Generator, empty: int | None = None, n: int = 8, patches: int = 16,
                  feat: int = 48):
     """Patch features of images of different sizes padded to ``patches`` tokens; the record
@@ -189,16 +216,49 @@ def vit_features(g: torch.Generator, empty: int | None = None, n: int = 8, patch
     return x * mask[..., None], mask
 
 
+class SAVi(Dinosaur):
+    """SAVi / VideoSAUR over per-frame patch features: the first frame's slots from the learned
+    init, each later frame's from the previous frame's slots through a transformer predictor
+    (slot carry-over); the features of every frame reconstructed by the broadcast decoder."""
+
+    def __init__(self, eps: float = 1e-8, dim: int = 32):
+        super().__init__(eps=eps, dim=dim)
+        self.predictor = nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.0, batch_first=True)
+
+    def forward(self, video, token_mask):  # (B, T, N, F), (B, T, N)
+        slots, recons, attns = None, [], []
+        for t in range(video.shape[1]):
+            if slots is not None:
+                slots = self.predictor(slots)
+            slots, attn = self.slot_attention(self.proj(video[:, t]), token_mask[:, t], slots)
+            out = self.decoder(slots[:, :, None, :] + self.pos)
+            alpha = out[..., -1:].softmax(dim=1)
+            recons.append((out[..., :-1] * alpha).sum(dim=1))
+            attns.append(attn)
+        return torch.stack(recons, 1), torch.stack(attns, 1)
+
+
+def make_savi() -> SAVi:
+    torch.manual_seed(0)
+    return SAVi()
+
+
+def make_savi_no_eps() -> SAVi:
+    torch.manual_seed(0)
+    return SAVi(eps=0.0)
+
+
+def video_features(g: torch.Generator, lost: int | None = None, frames: int = 4, n: int = 4):
+    """Clips of ``frames`` frames' patch features; in the clip ``lost``, frame 2 failed to
+    decode and came out with no valid patch."""
+    clips = [vit_features(g, n=n) for _ in range(frames)]
+    x, mask = torch.stack([c[0] for c in clips], 1), torch.stack([c[1] for c in clips], 1)
+    if lost is not None:
+        x[lost, 2], mask[lost, 2] = 0.0, False
+    return x, mask
+
+
 def masked_feature_loss(recon, attn, target, mask):
     """DINOSAUR's MSE over the valid patches (the attention is logged, not trained)."""
     err = ((recon - target) ** 2).mean(-1)
     return (err * mask).sum() / mask.sum().clamp_min(1)
-
-
-def make_dinosaur_fp16() -> Dinosaur:
-    """fp16 autocast, and the logits sharpened by an inverse temperature of 10 on top of the
-    1/sqrt(d) scale (as sharpened slot attention variants do)."""
-    torch.manual_seed(0)
-    model = Dinosaur(fp16=True)
-    model.slot_attention.scale = 10.0
-    return model

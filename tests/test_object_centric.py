@@ -28,8 +28,18 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     if kind == "dinosaur":
         x, mask = M.vit_features(g, bad)
         return (x, mask), (x, mask)
-    img, slot_mask = M.scenes(g, bad, background=kind == "scenes_bg")
+    if kind == "video":
+        x, mask = M.video_features(g, bad)
+        return (x, mask), (x, mask)
+    img, slot_mask = M.scenes(g, None if kind == "mixture" else bad,
+                              background=kind != "scenes")
+    if kind == "mixture" and bad is not None:
+        img[bad] *= 255  # a frame saved as 0-255 among 0-1 frames
     return (img, slot_mask), (img,)
+
+
+LOSSES = {"dinosaur": M.masked_feature_loss, "video": M.masked_feature_loss,
+          "mixture": M.mixture_nll}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -40,7 +50,7 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=4e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-    crit = M.masked_feature_loss if kind == "dinosaur" else torch.nn.MSELoss()
+    crit = LOSSES.get(kind, torch.nn.MSELoss())
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)  # (the slots' initial noise)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
@@ -50,8 +60,7 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
         for step in range(steps):
             args, targets = batch(kind, g, bad if step == steps - 1 else None)
             out = model(*args)
-            loss = loss_fn(*out[:1], *targets) if kind != "dinosaur" else loss_fn(
-                *out, *targets)
+            loss = loss_fn(*(out if kind in LOSSES else out[:1]), *targets)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -60,7 +69,7 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
     return model
 
 
-def fire(kind: str, make: str, tmp_path, bad: int):
+def fire(kind: str, make: str, tmp_path, bad: int | None):
     with pytest.raises(NonFiniteError) as info:
         train(kind, make, tmp_path, bad)
     return info.value.event, info.value.bundle_path
@@ -101,14 +110,78 @@ def test_alpha_softmax_over_no_active_slot_names_the_softmax_and_the_blank_scene
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_savi_frame_without_patches_names_the_call_of_that_frame(tmp_path):
+    """SAVi's slots carried from frame to frame, the weighted mean without eps: clip 1's
+    frame 2 decoded with no valid patch. Slot attention runs once per frame; the event and the
+    replay name its call 2 (the frame), the division and clip 1, whose earlier frames were
+    finite."""
+    ev, bundle = fire("video", "make_savi_no_eps", tmp_path, bad=1)
+    assert (ev["step"], ev["module"], ev["call"], ev["samples"]) == (
+        3, "slot_attention", 2, [1]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["samples"], rep["cause"]) == (
+        "slot_attention", 2, "aten.div", [1], "invalid"), rep
+    assert o["source"] == line_of("attn = attn / attn.sum(dim=-1, keepdim=True)  # the"), o
+
+
+def fp16_nan_rows() -> list[int]:
+    """The rows of the first step's slot-attention output that an unrecorded fp16 run makes
+    non-finite (the replay's claim, checked independently)."""
+    model = M.make_dinosaur_fp16()
+    torch.manual_seed(1)
+    x, mask = M.vit_features(torch.Generator().manual_seed(0))
+    _, attn = model(x, mask)
+    return torch.nonzero(~torch.isfinite(attn).flatten(1).all(1)).flatten().tolist()
+
+
+def test_fp16_sharpened_attention_names_the_eps_float16_cannot_hold(tmp_path):
+    """DINOSAUR under fp16 autocast with sharpened logits (an inverse temperature of 10): a
+    slot that loses every patch gets softmax weights that underflow to 0 in float16, and the
+    reference code's eps of 1e-8 rounds to 0 in float16 too, so the weighted mean's
+    normalisation is 0/0 in the very first step. The replay calls it underflow, names the
+    eps float16 cannot hold and the row an unrecorded run breaks; bf16 autocast (range of
+    float32) trains the same model without an event (below)."""
+    rows = fp16_nan_rows()
+    assert rows, rows
+    ev, bundle = fire("dinosaur", "make_dinosaur_fp16", tmp_path, bad=None)
+    assert (ev["step"], ev["module"], ev["samples"]) == (0, "slot_attention", rows), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "slot_attention", "aten.div", rows, "underflow"), rep
+    assert o["source"] == line_of("attn = attn / attn.sum(dim=-1, keepdim=True)"), o
+    assert "the eps 1e-08 added to that input is 0 in float16" in rep["hint"], rep["hint"]
+
+
+def test_mixture_likelihood_of_an_unscaled_frame_names_the_log_and_the_frame(tmp_path):
+    """MONet's pixel mixture likelihood exponentiated and summed by hand: a frame saved as
+    0-255 puts every slot's Gaussian density below float32's range, the sum is 0 and its log
+    -inf. A loss event; the replay names the log, the frame, underflow, log space, and the
+    frame's data as out of scale; dropping it makes the step finite."""
+    ev, bundle = fire("mixture", "make_autoencoder", tmp_path, bad=6)
+    assert (ev["step"], ev["phase"]) == (3, "loss"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "loss", "aten.log", "-inf", [6], "underflow"), rep
+    assert o["source"] == line_of("return -torch.log(lik).mean()"), o
+    assert "logsumexp" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 @pytest.mark.parametrize("kind,make", [("scenes_bg", "make_autoencoder"),
-                                       ("dinosaur", "make_dinosaur")])
+                                       ("dinosaur", "make_dinosaur"),
+                                       ("dinosaur", "make_dinosaur_bf16"),
+                                       ("video", "make_savi"), ("mixture", "make_autoencoder")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """A blank scene whose background slot stays active (the other slots' -inf alpha logits
-    stay inside the softmax), and an empty DINOSAUR record under the weighted mean's eps: no
-    event, bit-identical weights with and without the recorder."""
-    recorded = train(kind, make, tmp_path, bad=2)
-    plain = train(kind, make, tmp_path, bad=2, record=False)
+    stay inside the softmax), an empty DINOSAUR record and a SAVi clip's empty frame under the
+    weighted mean's eps, sharpened logits under bf16 autocast, the mixture likelihood of
+    in-scale frames: no event, bit-identical weights with and without the recorder."""
+    bad = None if kind == "mixture" else 2
+    recorded = train(kind, make, tmp_path, bad=bad)
+    plain = train(kind, make, tmp_path, bad=bad, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
