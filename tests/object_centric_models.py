@@ -262,3 +262,10 @@ def masked_feature_loss(recon, attn, target, mask):
     """DINOSAUR's MSE over the valid patches (the attention is logged, not trained)."""
     err = ((recon - target) ** 2).mean(-1)
     return (err * mask).sum() / mask.sum().clamp_min(1)
+
+
+def feature_loss_with_entropy(recon, attn, target, mask, weight: float = 0.01):
+    """DINOSAUR's loss plus an entropy penalty that sharpens each slot's attention over the
+    patches (its row of the normalised weighted-mean attention)."""
+    entropy = -(attn * attn.log()).sum(-1).mean()
+    return masked_feature_loss(recon, attn, target, mask) + weight * entropy

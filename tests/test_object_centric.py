@@ -25,7 +25,7 @@ def line_of(text: str) -> str:
 
 def batch(kind: str, g: torch.Generator, bad: int | None):
     """(model args, loss args after the model's outputs) of one step."""
-    if kind == "dinosaur":
+    if kind in ("dinosaur", "entropy"):
         x, mask = M.vit_features(g, bad)
         return (x, mask), (x, mask)
     if kind == "video":
@@ -39,7 +39,7 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
 
 
 LOSSES = {"dinosaur": M.masked_feature_loss, "video": M.masked_feature_loss,
-          "mixture": M.mixture_nll}
+          "mixture": M.mixture_nll, "entropy": M.feature_loss_with_entropy}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -170,9 +170,66 @@ def test_mixture_likelihood_of_an_unscaled_frame_names_the_log_and_the_frame(tmp
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_attention_entropy_over_padded_patches_names_the_log_and_the_padded_records(tmp_path):
+    """An entropy penalty ``-(attn * attn.log())`` on the weighted mean's attention, without
+    its eps: the token mask left exact zeros at the padded patches, log(0) = -inf, 0 * -inf =
+    NaN, in the loss of the very first step. The replay names the log (the mul after it in
+    the chain), exactly the records that have padding, and clamping away from the pole."""
+    g = torch.Generator().manual_seed(0)
+    padded = torch.nonzero(~M.vit_features(g)[1].all(1)).flatten().tolist()
+    assert 0 < len(padded) < 8, padded
+    ev, bundle = fire("entropy", "make_dinosaur_no_eps", tmp_path, bad=None)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "loss", "aten.log", "-inf", padded, "invalid"), rep
+    assert o["source"] == line_of("entropy = -(attn * attn.log()).sum(-1).mean()"), o
+    assert "clamp_min(eps)" in rep["hint"], rep["hint"]
+
+
+def train_fp16_scaled(record: bool, out_dir, steps: int = 4):
+    """DINOSAUR under fp16 autocast with a GradScaler started at 2**24 (it skips the first
+    steps' overflowing gradients and halves its scale) and 2 accumulated micro-batches."""
+    model = M.Dinosaur(amp=torch.float16)
+    opt = torch.optim.AdamW(model.parameters(), lr=4e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    rec = FlightRecorder(model, opt, loss_fn=M.masked_feature_loss, out_dir=out_dir,
+                         factory="object_centric_models:make_dinosaur",
+                         scaler=scaler) if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.masked_feature_loss
+        for _ in range(steps):
+            opt.zero_grad()
+            for _ in range(2):
+                x, mask = M.vit_features(g)
+                loss = loss_fn(*model(x, mask), x, mask) / 2
+                scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+    return model, scaler.get_scale()
+
+
+def test_fp16_grad_scaler_skips_are_no_event_and_train_the_same(tmp_path):
+    """The GradScaler's skipped steps (its scaled gradients overflow float16) are no event;
+    the weights are bit-identical with and without the recorder."""
+    torch.manual_seed(0)
+    recorded, scale = train_fp16_scaled(True, tmp_path)
+    torch.manual_seed(0)
+    plain, _ = train_fp16_scaled(False, tmp_path)
+    assert scale < 2.0 ** 24 and not list(tmp_path.glob("*.nan")), scale
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("kind,make", [("scenes_bg", "make_autoencoder"),
                                        ("dinosaur", "make_dinosaur"),
                                        ("dinosaur", "make_dinosaur_bf16"),
+                                       ("entropy", "make_dinosaur"),
                                        ("video", "make_savi"), ("mixture", "make_autoencoder")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """A blank scene whose background slot stays active (the other slots' -inf alpha logits
