@@ -96,9 +96,10 @@ class SoftPositionEmbed(nn.Module):
 class SlotAutoencoder(nn.Module):
     """Locatello et al.'s object discovery model on 8x8 scenes."""
 
-    def __init__(self, res: int = 8, dim: int = 32, num_slots: int = 4, eps: float = 1e-8):
+    def __init__(self, res: int = 8, dim: int = 32, num_slots: int = 4, eps: float = 1e-8,
+                 log_masks: bool = False):
         super().__init__()
-        self.res, self.dim = res, dim
+        self.res, self.dim, self.log_masks = res, dim, log_masks
         self.encoder = nn.Sequential(nn.Conv2d(3, dim, 5, padding=2), nn.ReLU(),
                                      nn.Conv2d(dim, dim, 5, padding=2), nn.ReLU())
         self.enc_pos = SoftPositionEmbed(dim, res, res)
@@ -123,6 +124,8 @@ class SlotAutoencoder(nn.Module):
         if slot_mask is not None:  # inactive slots own no pixel
             fill = torch.full_like(alpha_logits, float("-inf"))
             alpha_logits = torch.where(slot_mask[:, :, None, None, None], alpha_logits, fill)
+        if self.log_masks:  # for a mixture likelihood in log space: -inf for inactive slots
+            return rgb, alpha_logits.log_softmax(dim=1)
         masks = alpha_logits.softmax(dim=1)
         recon = (rgb * masks).sum(dim=1)
         return recon, masks, rgb
@@ -155,6 +158,18 @@ def mixture_nll(recon, masks, rgb, image, sigma: float = 0.3):
     log_lik = -((image[:, None] - rgb) ** 2) / (2 * sigma ** 2) - math.log(sigma * SQRT_2PI)
     lik = (masks * log_lik.sum(2, keepdim=True).exp()).sum(dim=1)
     return -torch.log(lik).mean()
+
+
+def mixture_nll_log_space(rgb, log_masks, image, sigma: float = 0.3):
+    """The same likelihood in log space (Genesis's, IODINE's): logsumexp over slots of the log
+    masks plus each slot's log-density; an inactive slot's log mask is -inf."""
+    log_lik = -((image[:, None] - rgb) ** 2) / (2 * sigma ** 2) - math.log(sigma * SQRT_2PI)
+    return -torch.logsumexp(log_masks + log_lik.sum(2, keepdim=True), dim=1).mean()
+
+
+def make_autoencoder_log_masks() -> SlotAutoencoder:
+    torch.manual_seed(0)
+    return SlotAutoencoder(log_masks=True)
 
 
 class Dinosaur(nn.Module):

@@ -32,18 +32,19 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
         x, mask = M.video_features(g, bad)
         return (x, mask), (x, mask)
     img, slot_mask = M.scenes(g, None if kind == "mixture" else bad,
-                              background=kind != "scenes")
+                              background=kind not in ("scenes", "log_mixture"))
     if kind == "mixture" and bad is not None:
         img[bad] *= 255  # a frame saved as 0-255 among 0-1 frames
     return (img, slot_mask), (img,)
 
 
 LOSSES = {"dinosaur": M.masked_feature_loss, "video": M.masked_feature_loss,
-          "mixture": M.mixture_nll, "entropy": M.feature_loss_with_entropy}
+          "mixture": M.mixture_nll, "entropy": M.feature_loss_with_entropy,
+          "log_mixture": M.mixture_nll_log_space, "log_mixture_bg": M.mixture_nll_log_space}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
-          record: bool = True):
+          record: bool = True, **settings):
     """Adam with the Slot Attention paper's linear warmup, gradient clipping at 1 as its
     follow-ups do; the sample ``bad`` is planted in the last step's batch. Returns the
     model."""
@@ -54,7 +55,7 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)  # (the slots' initial noise)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                         factory=f"object_centric_models:{make}") if record else None
+                         factory=f"object_centric_models:{make}", **settings) if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for step in range(steps):
@@ -69,9 +70,9 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
     return model
 
 
-def fire(kind: str, make: str, tmp_path, bad: int | None):
+def fire(kind: str, make: str, tmp_path, bad: int | None, **settings):
     with pytest.raises(NonFiniteError) as info:
-        train(kind, make, tmp_path, bad)
+        train(kind, make, tmp_path, bad, **settings)
     return info.value.event, info.value.bundle_path
 
 
@@ -222,6 +223,45 @@ def test_fp16_grad_scaler_skips_are_no_event_and_train_the_same(tmp_path):
     torch.manual_seed(0)
     plain, _ = train_fp16_scaled(False, tmp_path)
     assert scale < 2.0 ** 24 and not list(tmp_path.glob("*.nan")), scale
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_log_masks_in_the_output_name_the_fill_and_the_allow_inf_pattern(tmp_path):
+    """Genesis-style log masks returned for a log-space mixture likelihood hold the -inf of
+    the inactive slots in the root output: by default an event (in the first step, every
+    scene has an inactive slot), which the replay says is the intended fill and answers with
+    the ``allow_inf`` pattern of the root."""
+    ev, bundle = fire("log_mixture", "make_autoencoder_log_masks", tmp_path, bad=None)
+    assert (ev["step"], ev["module"], ev["kind"]) == (0, "", "-inf"), ev
+    rep = nanreplay_json(bundle)
+    assert (rep["origin"]["op"], rep["origin"]["all_samples"]) == ("aten.full_like", True)
+    assert "allow_inf=['']" in " ".join(rep["problems"]), rep["problems"]
+
+
+def test_log_softmax_over_no_active_slot_names_only_the_blank_scene(tmp_path):
+    """The same log masks recorded with ``allow_inf=[""]``, the slot mask without the
+    background's slot: the blank scene's log_softmax over slots is NaN, while every scene's
+    inactive slots keep their -inf. The NaN's sample is the blank scene alone, not every row
+    holding an allowed -inf (before, the replay said all 8 rows)."""
+    ev, bundle = fire("log_mixture", "make_autoencoder_log_masks", tmp_path, bad=2,
+                      allow_inf=[""])
+    assert (ev["step"], ev["module"], ev["samples"], ev["kind"]) == (3, "", [2], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "aten._log_softmax", "nan", [2], "invalid"), rep
+    assert o["source"] == line_of("return rgb, alpha_logits.log_softmax(dim=1)"), o
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_allowed_log_masks_with_a_background_slot_raise_nothing_and_train_the_same(tmp_path):
+    """With the background's slot active and ``allow_inf=[""]``, the log masks' -inf reach
+    the output and the loss's logsumexp every step: no event, bit-identical weights."""
+    kind, make = "log_mixture_bg", "make_autoencoder_log_masks"
+    recorded = train(kind, make, tmp_path, bad=2, allow_inf=[""])
+    plain = train(kind, make, tmp_path, bad=2, record=False)
+    assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
 
