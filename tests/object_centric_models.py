@@ -97,14 +97,14 @@ class SlotAutoencoder(nn.Module):
     """Locatello et al.'s object discovery model on 8x8 scenes."""
 
     def __init__(self, res: int = 8, dim: int = 32, num_slots: int = 4, eps: float = 1e-8,
-                 log_masks: bool = False):
+                 log_masks: bool = False, implicit: bool = False):
         super().__init__()
         self.res, self.dim, self.log_masks = res, dim, log_masks
         self.encoder = nn.Sequential(nn.Conv2d(3, dim, 5, padding=2), nn.ReLU(),
                                      nn.Conv2d(dim, dim, 5, padding=2), nn.ReLU())
         self.enc_pos = SoftPositionEmbed(dim, res, res)
         self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
-        self.slot_attention = SlotAttention(num_slots, dim, eps=eps)
+        self.slot_attention = SlotAttention(num_slots, dim, eps=eps, implicit=implicit)
         self.dec_pos = SoftPositionEmbed(dim, res, res)
         self.decoder = nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1), nn.ReLU(),
                                      nn.Conv2d(dim, 4, 3, padding=1))
@@ -165,6 +165,11 @@ def mixture_nll_log_space(rgb, log_masks, image, sigma: float = 0.3):
     masks plus each slot's log-density; an inactive slot's log mask is -inf."""
     log_lik = -((image[:, None] - rgb) ** 2) / (2 * sigma ** 2) - math.log(sigma * SQRT_2PI)
     return -torch.logsumexp(log_masks + log_lik.sum(2, keepdim=True), dim=1).mean()
+
+
+def make_autoencoder_implicit() -> SlotAutoencoder:
+    torch.manual_seed(0)
+    return SlotAutoencoder(implicit=True)
 
 
 def make_autoencoder_log_masks() -> SlotAutoencoder:

@@ -267,13 +267,14 @@ def test_allowed_log_masks_with_a_background_slot_raise_nothing_and_train_the_sa
 
 
 @pytest.mark.parametrize("kind,make", [("scenes_bg", "make_autoencoder"),
+                                       ("scenes_bg", "make_autoencoder_implicit"),
                                        ("dinosaur", "make_dinosaur"),
                                        ("dinosaur", "make_dinosaur_bf16"),
                                        ("entropy", "make_dinosaur"),
                                        ("video", "make_savi"), ("mixture", "make_autoencoder")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """A blank scene whose background slot stays active (the other slots' -inf alpha logits
-    stay inside the softmax), an empty DINOSAUR record and a SAVi clip's empty frame under the
+    stay inside the softmax; also with implicit differentiation's detached last iteration), an empty DINOSAUR record and a SAVi clip's empty frame under the
     weighted mean's eps, sharpened logits under bf16 autocast, the mixture likelihood of
     in-scale frames: no event, bit-identical weights with and without the recorder."""
     bad = None if kind == "mixture" else 2
