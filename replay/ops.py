@@ -288,6 +288,7 @@ class OpFinder:
         strictly inside (-1, 1) (its ``1 - y`` cannot be 0 in exact arithmetic)."""
         if made_sign(fn) > 0:
             self._positive.add(t)
+        self.partly.mark_filled(fn, t)  # (a softmax over a fill: positive where non-zero)
         if made_unit(fn):
             self.saturation.mark_unit(t)
 

@@ -289,3 +289,12 @@ def feature_loss_with_entropy(recon, attn, target, mask, weight: float = 0.01):
     patches (its row of the normalised weighted-mean attention)."""
     entropy = -(attn * attn.log()).sum(-1).mean()
     return masked_feature_loss(recon, attn, target, mask) + weight * entropy
+
+
+def colour_consistency_loss(recon, masks, rgb, image, weight: float = 0.1):
+    """The reconstruction MSE plus a term pulling each slot's decoded colour to the mean
+    colour of the pixels its alpha mask owns (the mask-weighted mean by hand)."""
+    area = masks.sum(dim=(-2, -1))  # (B, K, 1)
+    owned = (masks * image[:, None]).sum(dim=(-2, -1)) / area  # (B, K, 3)
+    consistency = ((rgb.mean(dim=(-2, -1)) - owned) ** 2).mean()
+    return ((recon - image) ** 2).mean() + weight * consistency

@@ -40,7 +40,8 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
 
 LOSSES = {"dinosaur": M.masked_feature_loss, "video": M.masked_feature_loss,
           "mixture": M.mixture_nll, "entropy": M.feature_loss_with_entropy,
-          "log_mixture": M.mixture_nll_log_space, "log_mixture_bg": M.mixture_nll_log_space}
+          "log_mixture": M.mixture_nll_log_space, "log_mixture_bg": M.mixture_nll_log_space,
+          "colour": M.colour_consistency_loss}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -227,6 +228,46 @@ def test_fp16_grad_scaler_skips_are_no_event_and_train_the_same(tmp_path):
         assert torch.equal(a, b), name
 
 
+class SceneSet(torch.utils.data.Dataset):
+    """16 scenes as dict records (scene 13 blank, no background slot), as a DataLoader
+    yields them."""
+
+    def __init__(self):
+        self.img, self.slot_mask = M.scenes(torch.Generator().manual_seed(0), 13,
+                                            background=False, n=16)
+
+    def __len__(self):
+        return len(self.img)
+
+    def __getitem__(self, i):
+        return {"image": self.img[i], "slot_mask": self.slot_mask[i]}
+
+
+def test_dataloader_dict_batches_name_the_blank_scene_by_its_row(tmp_path):
+    """The same alpha softmax over no active slot, fed by a DataLoader of dict records as
+    keyword arguments (``model(**batch)``): the fourth batch holds scene 13, its row 1; the
+    replay names the softmax on row 1 and dropping it makes the step finite."""
+    model = M.make_autoencoder()
+    opt = torch.optim.Adam(model.parameters(), lr=4e-4)
+    torch.manual_seed(1)
+    loader = torch.utils.data.DataLoader(SceneSet(), batch_size=4)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="object_centric_models:make_autoencoder") as rec:
+            for batch in loader:
+                loss = rec.loss_fn(model(**batch)[0], batch["image"])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["samples"]) == (3, "", [1]), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=1")
+    o = rep["origin"]
+    assert (o["op"], o["samples"], rep["cause"]) == ("aten._softmax", [1], "invalid"), rep
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 def test_log_masks_in_the_output_name_the_fill_and_the_allow_inf_pattern(tmp_path):
     """Genesis-style log masks returned for a log-space mixture likelihood hold the -inf of
     the inactive slots in the root output: by default an event (in the first step, every
@@ -264,6 +305,26 @@ def test_allowed_log_masks_with_a_background_slot_raise_nothing_and_train_the_sa
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_mask_weighted_colour_of_an_inactive_slot_is_a_0_by_0_not_an_underflow(tmp_path):
+    """A colour-consistency term divides each slot's mask-weighted colour by its mask's area;
+    an inactive slot's alpha logits are -inf, its softmax mask exactly 0, so the area is 0
+    and the division 0/0 in the loss of the first step, in every scene with an inactive
+    slot. The replay names the division on those scenes and says invalid, an eps or a skip:
+    before, it read the model's softmax on the autograd graph as positive and called the 0
+    an underflow, to fix in log space, though exact arithmetic gives the same 0."""
+    g = torch.Generator().manual_seed(0)
+    inactive = torch.nonzero(~M.scenes(g)[1].all(1)).flatten().tolist()
+    assert 0 < len(inactive) < 8, inactive
+    ev, bundle = fire("colour", "make_autoencoder", tmp_path, bad=None)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "loss", "aten.div", "nan", inactive, "invalid"), rep
+    assert o["source"] == line_of("owned = (masks * image[:, None]).sum(dim=(-2, -1)) / area")
+    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("kind,make", [("scenes_bg", "make_autoencoder"),
