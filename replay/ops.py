@@ -42,6 +42,7 @@ from .lost_eps import LostEps
 from .masked_product import mask_after_pole, nan_times_zero
 from .memo import TensorSet
 from .moved import Moved
+from .nan_rows import nan_rows
 from .op_inputs import input_ends as _input_ends
 from .op_inputs import values_at as _at
 from .param_names import ParamNames
@@ -134,6 +135,8 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
     with its evidence too when :meth:`OpFinder.blamed` may blame it (made of finite values
     after an exact infinity that an op took back to finite ones)."""
     hit.within, hit.rows = f.where, f.batch_rows(outs)
+    if not in_finite:  # (infinities it passed on: the rows it made NaN in are the samples)
+        hit.rows = nan_rows(f.batch_rows, outs, hit.rows)
     empty_rows.mark(hit, f.first is None and bool(f.intentional), ins, outs[0])
     mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit)  # (inf * mask's 0)
     if in_finite and f.absorbed and f.first is not None and exact_pole(f.first):
@@ -285,6 +288,7 @@ class OpFinder:
         strictly inside (-1, 1) (its ``1 - y`` cannot be 0 in exact arithmetic)."""
         if made_sign(fn) > 0:
             self._positive.add(t)
+        self.partly.mark_filled(fn, t)  # (a softmax over a fill: positive where non-zero)
         if made_unit(fn):
             self.saturation.mark_unit(t)
 

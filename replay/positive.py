@@ -99,7 +99,7 @@ def made_sign(fn, depth: int = 8) -> int:
     try:
         for op, node in first_inputs(fn, depth):
             if op in _POSITIVE_NODES:
-                return sign
+                return 0 if _masked_input(node, depth) else sign
             if op == "Neg":
                 sign = -sign
             elif op == "Mul":
@@ -113,6 +113,38 @@ def made_sign(fn, depth: int = 8) -> int:
     except Exception:  # not an autograd node, or one that cannot say
         return 0
     return 0
+
+
+# nodes of ops that replace some positions with a value the graph does not hold (a mask's
+# fill, often -inf: where(active, logits, -inf), masked_fill, x[m] = -inf)
+_FILL_NODES = {"Where", "MaskedFill", "IndexPut"}
+
+
+def _masked_input(fn, depth: int) -> bool:
+    """The input of exp/softmax node ``fn`` came, through views, from a fill: a 0 it holds
+    may be exp(-inf) of a masked position, exact, not an underflow (the graph keeps no
+    input value to tell; the op finder, which sees the -inf, never marks that result)."""
+    nxt = next((f for f, _ in fn.next_functions if f is not None), None)
+    for op, _ in first_inputs(nxt, depth):
+        if op in _FILL_NODES:
+            return True
+        if op not in _PASS_ON_NODES:
+            return False
+    return False
+
+
+def filled_mask(t: torch.Tensor, fn=None) -> torch.Tensor | None:
+    """Where a value made before the watched code ran (a model's alpha masks) is positive,
+    when exp/softmax (autograd node ``fn``, by default its own) made it of an input a fill
+    replaced (:func:`_masked_input`): at its non-zero entries, its zeros being masked
+    positions or underflows alike; else None."""
+    fn = getattr(t, "grad_fn", None) if fn is None else fn
+    try:
+        if fn is None or node_op(fn) not in _POSITIVE_NODES or not _masked_input(fn, 8):
+            return None
+        return t.detach() != 0
+    except Exception:  # (a node that cannot say)
+        return None
 
 
 def _sign_of(t) -> int:
@@ -209,9 +241,15 @@ class Partly:
         hit = self._squares.get(id(t))
         return hit is not None and hit() is t
 
+    def mark_filled(self, fn, t: torch.Tensor) -> None:
+        """Mark ``t``, a detached copy of the value autograd node ``fn`` made, with
+        :func:`filled_mask`'s positions."""
+        if (m := filled_mask(t, fn)) is not None:
+            self._masks[id(t)] = (weakref.ref(t), m)
+
     def mask(self, t: torch.Tensor) -> torch.Tensor | None:
         hit = self._masks.get(id(t))
-        return hit[1] if hit is not None and hit[0]() is t else None
+        return hit[1] if hit is not None and hit[0]() is t else filled_mask(t)
 
     def at(self, t: torch.Tensor, bad: torch.Tensor) -> bool:
         """``t`` is positive at every position of ``bad`` (the op's non-finite output)."""
