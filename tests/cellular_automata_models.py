@@ -27,8 +27,11 @@ class GrowingCA(nn.Module):
 
     def __init__(self, channels: int = 16, hidden: int = 64, fire_rate: float = 0.5,
                  zero_init: bool = True, alive_mask: bool = True,
-                 filters: tuple[torch.Tensor, ...] = (IDENTITY, SOBEL, SOBEL.T)):
+                 filters: tuple[torch.Tensor, ...] = (IDENTITY, SOBEL, SOBEL.T),
+                 mask_seed: int | None = None):
         super().__init__()
+        # the update masks from a generator of the model's own (reproducible CA rollouts)
+        self.gen = torch.Generator().manual_seed(mask_seed) if mask_seed is not None else None
         self.channels, self.fire_rate, self.alive_mask = channels, fire_rate, alive_mask
         kernels = torch.stack(filters)[:, None]  # (filters, 1, 3, 3)
         self.register_buffer("kernels", kernels.repeat(channels, 1, 1, 1))
@@ -47,7 +50,7 @@ class GrowingCA(nn.Module):
     def update(self, x):
         pre_life = self.alive(x)
         dx = self.w2(torch.relu(self.w1(self.perceive(x))))
-        fire = (torch.rand(x.shape[0], 1, *x.shape[2:], device=x.device) <= self.fire_rate)
+        fire = torch.rand(x.shape[0], 1, *x.shape[2:], generator=self.gen) <= self.fire_rate
         x = x + dx * fire.to(x.dtype)
         if self.alive_mask:
             life = pre_life & self.alive(x)
@@ -63,6 +66,11 @@ class GrowingCA(nn.Module):
 def make_growing() -> GrowingCA:
     torch.manual_seed(0)
     return GrowingCA()
+
+
+def make_growing_seeded() -> GrowingCA:
+    torch.manual_seed(0)
+    return GrowingCA(mask_seed=42)
 
 
 def make_growing_unmasked() -> GrowingCA:
@@ -108,11 +116,14 @@ class AliveLoss(nn.Module):
         return per_sample.mean()
 
 
-def damage_mask(n: int, size: int, g: torch.Generator) -> torch.Tensor:
-    """Circles of radius 0.1-0.4 of the grid cut out of each sample (the paper's damage)."""
+def damage_mask(n: int, size: int, g: torch.Generator, central: bool = False) -> torch.Tensor:
+    """Circles of radius 0.1-0.4 of the grid cut out of each sample (the paper's damage);
+    ``central``: centred on the seed's cell, where a young pattern lives."""
     yy, xx = torch.meshgrid(torch.linspace(-1, 1, size), torch.linspace(-1, 1, size),
                             indexing="ij")
     centre = torch.rand(n, 2, 1, 1, generator=g) - 0.5
+    if central:
+        centre = torch.full((n, 2, 1, 1), 1 / (size - 1))
     r = torch.rand(n, 1, 1, generator=g) * 0.3 + 0.1
     inside = (xx - centre[:, 0]) ** 2 + (yy - centre[:, 1]) ** 2 < r ** 2
     return (~inside).float()[:, None]

@@ -27,7 +27,8 @@ def line_of(text: str) -> str:
 
 
 def train_growing(make: str, out_dir, *, steps: int = 3, ca_steps: int = 32, eps: float = 1e-8,
-                  pool_size: int = 8, lr: float = 2e-3, record: bool = True):
+                  pool_size: int = 8, lr: float = 2e-3, record: bool = True,
+                  crit: torch.nn.Module | None = None, central_damage: bool = False):
     """The Growing NCA notebook's loop: a batch drawn from the pool, sorted by loss, its worst
     sample replaced by the seed and its best one damaged; the gradient of each parameter
     divided by its norm before Adam; the batch written back into the pool. Returns the
@@ -35,7 +36,7 @@ def train_growing(make: str, out_dir, *, steps: int = 3, ca_steps: int = 32, eps
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, [2000], 0.1)
-    crit, target = M.PixelLoss(), M.target_image()
+    crit, target = crit or M.PixelLoss(), M.target_image()
     pool = M.seed_state(pool_size)
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)  # (the stochastic update masks)
@@ -43,15 +44,16 @@ def train_growing(make: str, out_dir, *, steps: int = 3, ca_steps: int = 32, eps
                          factory=f"cellular_automata_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
-        for _ in range(steps):
+        for step in range(steps):
             idx = torch.randint(pool_size, (4,), generator=g)
             order = M.per_sample_loss(pool[idx], target).argsort(descending=True)
             idx = idx[order]
             x0 = pool[idx]
             x0[:1] = M.seed_state(1)
-            x0[-1:] *= M.damage_mask(1, 16, g)
+            x0[-1:] *= M.damage_mask(1, 16, g, central_damage and step == steps - 1)
             x = model(x0, ca_steps)
-            loss = loss_fn(x, target)
+            extra = (model.alive(x).float(),) if isinstance(crit, M.AliveLoss) else ()
+            loss = loss_fn(x, target, *extra)
             opt.zero_grad()
             loss.backward()
             with torch.no_grad():
@@ -84,11 +86,14 @@ def test_gradient_normalisation_without_eps_names_the_zero_gradient_of_the_zero_
     assert "X / (X.norm() + eps)" in hint, hint
 
 
-def test_healthy_growing_ca_raises_nothing_and_trains_the_same(tmp_path):
+@pytest.mark.parametrize("make", ["make_growing", "make_growing_seeded"])
+def test_healthy_growing_ca_raises_nothing_and_trains_the_same(tmp_path, make):
     """The notebook's loop as written (eps kept): no event over the pool, damage and the
-    stochastic updates, and weights and pool bit-identical with and without the recorder."""
-    model, pool = train_growing("make_growing", tmp_path, steps=4)
-    plain, plain_pool = train_growing("make_growing", tmp_path, steps=4, record=False)
+    stochastic updates (from the global RNG, or the model's own generator, which the
+    recorder reads at each step), and weights and pool bit-identical with and without the
+    recorder."""
+    model, pool = train_growing(make, tmp_path, steps=4)
+    plain, plain_pool = train_growing(make, tmp_path, steps=4, record=False)
     assert not list(tmp_path.glob("*.nan"))
     assert torch.equal(pool, plain_pool)
     for (name, a), b in zip(model.named_parameters(), plain.parameters()):
@@ -177,3 +182,24 @@ def test_healthy_texture_ca_raises_nothing_and_trains_the_same(tmp_path):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_alive_normalised_loss_of_a_pattern_damage_killed_names_the_division_and_sample(
+        tmp_path):
+    """An MSE over the living cells divided by each sample's count of them: the damage of
+    the last step cuts its circle over the young pattern's centre, every cell of that sample
+    dies (the alive mask of its output is all 0) and its term is 0/0. The update masks come
+    from the model's own ``torch.Generator``, which the replay restores: the event is
+    reproduced, named at the division on its line, on the damaged sample (the batch's last
+    row), and dropping it makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train_growing("make_growing_seeded", tmp_path, crit=M.AliveLoss(), central_damage=True)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (2, "loss", "<loss>", "nan")
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=3")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.div", "nan", [3]), o
+    assert o["source"] == line_of("per_sample = err.sum(dim=(1, 2, 3)) / alive.sum("), o
+    assert rep["cause"] == "invalid" and "skip the rows where it is 0" in rep["hint"], rep
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
