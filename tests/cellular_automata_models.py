@@ -168,6 +168,9 @@ class VGGish(nn.Module):
         return [f1, f2]
 
 
+CAFFE_MEAN = torch.tensor([103.939, 116.779, 123.68])[None, :, None, None]
+
+
 def gram(f, normalise: bool):
     b, c, h, w = f.shape
     f = f.reshape(b, c, h * w)
@@ -180,16 +183,21 @@ def gram(f, normalise: bool):
 class GramLoss(nn.Module):
     """The style loss of Gatys et al. against the target texture's Gram matrices."""
 
-    def __init__(self, target: torch.Tensor, normalise: bool = False):
+    def __init__(self, target: torch.Tensor, normalise: bool = False, caffe: bool = False):
         super().__init__()
-        self.vgg, self.normalise = VGGish(), normalise
+        self.vgg, self.normalise, self.caffe = VGGish(), normalise, caffe
         with torch.no_grad():
-            grams = [gram(f, normalise) for f in self.vgg(target)]
+            grams = [gram(f, normalise) for f in self.vgg(self.preprocess(target))]
         for i, g in enumerate(grams):
             self.register_buffer(f"target{i}", g)
 
+    def preprocess(self, rgb):
+        if self.caffe:  # Caffe's VGG weights (Gatys et al.'s code): 0-255, mean subtracted
+            return rgb * 255 - CAFFE_MEAN.to(rgb.device)
+        return rgb
+
     def forward(self, rgb):
-        feats = self.vgg(rgb)
+        feats = self.vgg(self.preprocess(rgb))
         loss = 0.0
         for i, f in enumerate(feats):
             loss = loss + (gram(f, self.normalise) - getattr(self, f"target{i}")).pow(2).sum()

@@ -125,13 +125,14 @@ def test_unmasked_pool_state_that_grew_over_training_steps_overflows_the_loss(tm
 
 
 def train_texture(out_dir, *, black: int | None = None, normalise: bool = True,
-                  steps: int = 4, record: bool = True):
+                  steps: int = 4, record: bool = True, caffe: bool = False):
     """Self-Organising Textures: a pool of small random states, 24 CA steps, the Gram loss of
     frozen VGG-like features, the gradient normalisation, Adam with gradient accumulation
     over two half-batches; ``black``: a pool sample of the last step gone black (RGB 0)."""
     model = M.make_texture()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    crit = M.GramLoss(M.stripes(), normalise=normalise)
+    crit = M.GramLoss(M.stripes(), normalise=normalise, caffe=caffe)
+    scaler = torch.amp.GradScaler("cpu", enabled=caffe)  # (float16 autocast with it)
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)
     pool = torch.rand(8, 12, 16, 16, generator=g) * 0.2 - 0.1
@@ -146,12 +147,15 @@ def train_texture(out_dir, *, black: int | None = None, normalise: bool = True,
                 x0[black, :3] = -0.5
             opt.zero_grad()
             for half in (x0[:2], x0[2:]):
-                loss = loss_fn(model(half, 24)) / 2
-                loss.backward()
+                with torch.autocast("cpu", dtype=torch.float16, enabled=caffe):
+                    loss = loss_fn(model(half, 24)) / 2
+                scaler.scale(loss).backward()
+            scaler.unscale_(opt)
             with torch.no_grad():
                 for p in model.parameters():
                     p.grad /= p.grad.norm() + 1e-8
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
     return model
 
 
@@ -203,3 +207,20 @@ def test_alive_normalised_loss_of_a_pattern_damage_killed_names_the_division_and
     assert o["source"] == line_of("per_sample = err.sum(dim=(1, 2, 3)) / alive.sum("), o
     assert rep["cause"] == "invalid" and "skip the rows where it is 0" in rep["hint"], rep
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_gram_of_caffe_scaled_features_under_float16_autocast_names_the_bmm(tmp_path):
+    """Caffe's VGG weights take 0-255 images, so the features are in the tens and the Gram's
+    sum over the pixels (einsum, a bmm under autocast) passes float16's 65504 before its
+    division by h * w: an overflow at step 0 in the loss of the first half-batch, on both
+    its rows, with the advice to compute that op in float32 or rescale its inputs."""
+    with pytest.raises(NonFiniteError) as info:
+        train_texture(tmp_path, normalise=False, caffe=True)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["kind"]) == (0, "loss", 0, "+inf")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], o["dtype"], rep["cause"]) == (
+        "<loss>", "aten.bmm", [0, 1], "float16", "overflow"), rep
+    assert o["source"] == line_of('g = torch.einsum("bci,bdi->bcd", f, f) / (h * w)'), o
+    assert "compute this op in float32" in rep["hint"], rep["hint"]
