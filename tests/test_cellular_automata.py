@@ -108,7 +108,9 @@ def test_unmasked_pool_state_that_grew_over_training_steps_overflows_the_loss(tm
     grows about 15% a step. The pool feeds each sample's state back into the next training
     step, so after a few of them a pool sample has been iterated hundreds of times and its
     squared error in the loss overflows. The replay names the pow on the loss's line, the
-    pool sample's row, overflow, and that the run was diverging."""
+    pool sample's row, overflow, that the run was diverging, and that the row is the pool's
+    state grown over the steps before (its input absmax jumped a step earlier), no corrupt
+    record to drop."""
     with pytest.raises(NonFiniteError) as info:
         train_growing("make_growing_unmasked", tmp_path, **UNMASKED)
     ev = info.value.event
@@ -121,7 +123,9 @@ def test_unmasked_pool_state_that_grew_over_training_steps_overflows_the_loss(tm
     assert (o["phase"], o["module"], o["op"], o["samples"], rep["cause"]) == (
         "loss", "<loss>", "aten.pow", [1], "overflow"), rep
     assert o["source"] == line_of("return (x[:, :4] - target).pow(2).mean(dim=(1, 2, 3))"), o
-    assert "diverging" in rep["hint"], rep["hint"]
+    hint = rep["hint"]
+    assert "diverging" in hint and "a state the loop feeds back" in hint, hint
+    assert "alive mask" in hint and "corrupt record" not in hint, hint  # (no data to drop)
 
 
 def train_texture(out_dir, *, black: int | None = None, normalise: bool = True,
