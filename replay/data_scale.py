@@ -18,6 +18,7 @@ from typing import Any
 
 from .carried_state import carried_keys, carried_note
 from .drop import undroppable
+from .grown_input import grown_input_note
 from .load import Step
 from .outliers import out_of_scale, outlier_hint, undersized_hint, undersized_input
 from .precursors import INPUT_JUMP
@@ -30,7 +31,9 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
     if report.get("cause") not in ("overflow", "underflow") or not report.get("hint"):
         return
     found = out_of_scale(step, o)
-    if found is not None:
+    if found is not None and (grown := grown_input_note(report, *found)):
+        report["hint"] = f"{report['hint']}. But {grown}"
+    elif found is not None:
         droppable = undroppable(step, o.get("micro_batch") or 0) is None
         report["hint"] = f"{report['hint']}. But {outlier_hint(found[1], found[0], droppable)}"
     elif report["cause"] == "underflow" and (small := undersized_input(

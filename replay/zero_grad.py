@@ -11,6 +11,8 @@ from, which show both.
 
 from __future__ import annotations
 
+import torch
+
 from .load import Step
 
 
@@ -22,13 +24,39 @@ def zero_gradient_text(step: Step, params: list[str], at) -> str:
     g = step.tensors.get(f"grads/{params[0]}")
     if g is None or not g.numel() or not g.is_floating_point() or bool(g.any()):
         return ""
+    text = f"; {params[0]}'s gradient was exactly 0 in every element at step {at}"
+    return text + zero_layers_text(step, "the update")
+
+
+def zero_layers_text(step: Step, divider: str) -> str:
+    """Why a gradient is exactly 0: the all-zero weight matrices of the bundle (a layer
+    initialised to zero), and the fix, keeping the eps in the norm ``divider`` divides by."""
     zeros = [k.removeprefix("weights/") for k, w in step.tensors.items()
              if k.startswith("weights/") and w.dim() >= 2 and w.numel() and not bool(w.any())]
-    text = f"; {params[0]}'s gradient was exactly 0 in every element at step {at}"
     if not zeros:
-        return text + " (no gradient reached it: keep the eps in the norm it divides by)"
+        return " (no gradient reached it: keep the eps in the norm it divides by)"
     shown = ", ".join(zeros[:3]) + (f" (+{len(zeros) - 3} more)" if len(zeros) > 3 else "")
-    return (f"{text}, and {shown} {'is' if len(zeros) == 1 else 'are'} all 0 in the bundle: a "
+    return (f", and {shown} {'is' if len(zeros) == 1 else 'are'} all 0 in the bundle: a "
             "layer initialised to zero passes no gradient back to the layers before it until "
-            "its own first update; keep the eps in the norm the update divides by "
+            f"its own first update; keep the eps in the norm {divider} divides by "
             "(X / (X.norm() + eps)) or skip parameters whose gradient norm is 0")
+
+
+def normalised_zero_gradient(step: Step, runner, params: list[str]) -> str:
+    """The hint for gradients the loop's own code made NaN in every element where the re-run's
+    backward makes them exactly 0 in every element: the loop divided each by its norm (the
+    per-parameter normalisation ``g / g.norm()`` of neural cellular automata, normalised SGD)
+    without eps, 0/0; ``""`` otherwise."""
+    recorded = step.tensors.get(f"grads/{params[0]}") if params and runner is not None else None
+    if recorded is None or not recorded.numel() or not bool(torch.isnan(recorded).all()):
+        return ""  # (a norm of 0 divides every element: a NaN in some only is another bug)
+    runner.run(instrument=False)
+    grads = {n: p.grad for n, p in runner.model.named_parameters()}
+    zero = [n for n in params if n in grads and (grads[n] is None or not bool(grads[n].any()))]
+    if params[0] not in zero:
+        return ""
+    names = ", ".join(zero)
+    return (f"the re-run's backward makes the gradient of {names} exactly 0 in every element, "
+            "and the loop's own code turned it into NaN in every element between backward and "
+            "step(): a division by its norm, which is 0 (0/0: a per-parameter gradient "
+            "normalisation g / g.norm() without eps)" + zero_layers_text(step, "the loop"))
