@@ -387,7 +387,7 @@ class OpFinder:
         ev.of_data = self.lineage is not None and self.lineage.of_data(ins) and bool(rows) \
             and len(rows) < self.samples.size
         ev.data_divisor = not ev.of_data and data_divisor.marked(  # (x_hat / x.norm() of 0)
-            self.lineage, op, ins, rows, self.samples.size)
+            self.lineage, op, ins, rows, self.samples.size if self.samples else 0)
         ev.of_weights = bool(self.state) and self._of_weights_only(
             [t for t in (ins if leaves is None else leaves) if isinstance(t, torch.Tensor)
              and (t.is_floating_point() or t.is_complex())])
