@@ -28,9 +28,19 @@ ADVICE = (
 
 def marked(lineage, op: str, ins: list[torch.Tensor], rows: list[int] | None,
            size: int) -> bool:
-    """``op`` divided a learned value by a tensor made of the data alone, in some of the
-    batch's ``size`` samples (``rows``): the data's divisor, not the dividend, is to blame."""
+    """``op`` divided a learned non-zero value by a tensor made of the data alone, 0 in some
+    of the batch's ``size`` samples (``rows``): the data's divisor, not the dividend, is to
+    blame."""
     if lineage is None or not rows or len(rows) >= size or len(ins) != 2 \
             or op.removeprefix("aten.").split(".")[0].rstrip("_") not in _DIVIDES:
         return False
-    return lineage.of_data(ins[1:]) and not lineage.of_data(ins[:1])
+    if not (lineage.of_data(ins[1:]) and not lineage.of_data(ins[:1])):
+        return False
+    # x / 0 of a non-zero x (+-Inf): an eps would make the error 1/eps. A 0/0 where the dividend
+    # is 0 too (a prototype's sum over no support sample by its count) is an empty group that
+    # an eps or a count floor turns into 0: the usual advice stands there
+    num, den = ins
+    try:
+        return bool(((den == 0) & (num != 0)).any())
+    except RuntimeError:  # (shapes that do not broadcast: say nothing)
+        return False

@@ -304,6 +304,7 @@ def test_softplus_sigma_underflowing_in_a_scene_in_millimetres_names_its_log(tmp
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+@pytest.mark.usefixtures("validation_at_torch_default")  # (a compiled test may turn it off)
 def test_cholesky_factor_of_a_saturated_rho_refused_by_the_distribution_is_precision(tmp_path):
     """Trajectron++ builds each component as MultivariateNormal(mu, scale_tril) from sigma and
     rho; in the scene 150 times too large rho rounds to 1.0 and the factor's second diagonal
