@@ -22,6 +22,7 @@ from .errors import StopRun
 from .exp_overflow import exp_overflow_hint
 from .findings import finish, origin_fields
 from .forward_grad import derivative_words, with_node
+from .held_divisor import held_divisor_hint
 from .iteration import line_run
 from .lineage import Lineage
 from .load import Step
@@ -156,6 +157,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return zero
     if cause == "invalid" and (signed := signed_weights_hint(runner, o, hit)):
         return signed  # (GDN's gamma learned without its reparameterization)
+    if held := held_divisor_hint(hint, cause, finder, hit, runner.model.named_buffers()):
+        return held  # (a running statistic the model keeps, 0 for a class)
     return with_param_advice(hint, cause, hit)
 
 
