@@ -77,11 +77,21 @@ def weak(x, g: torch.Generator):
     return torch.roll(x, (dy, dx), (-2, -1))
 
 
-def strong(x, g: torch.Generator):
-    """The weak view plus RandAugment-like contrast and Cutout of a 3x3 patch."""
+def autocontrast(x):
+    """PIL's AutoContrast on the batch: each image's channels stretched to [0, 1]."""
+    lo = x.amin((2, 3), keepdim=True)
+    hi = x.amax((2, 3), keepdim=True)
+    return (x - lo) / (hi - lo)  # the bug: a constant channel (a blank frame) is 0/0
+
+
+def strong(x, g: torch.Generator, contrast: bool = False):
+    """The weak view plus RandAugment-like contrast (or AutoContrast) and Cutout of a 3x3
+    patch."""
     x = weak(x, g)
     c = 0.5 + torch.rand(x.shape[0], 1, 1, 1, generator=g)
     x = (x - x.mean((1, 2, 3), keepdim=True)) * c + x.mean((1, 2, 3), keepdim=True)
+    if contrast:
+        x = autocontrast(x)
     i, j = (int(v) for v in torch.randint(0, SIDE - 3, (2,), generator=g))
     x = x.clone()
     x[:, :, i:i + 3, j:j + 3] = 0.5
@@ -137,6 +147,33 @@ def make_da_loss() -> DistAlignLoss:
 
 def make_da_hist_loss() -> DistAlignLoss:
     return DistAlignLoss(hard=True)
+
+
+class SoftMatchLoss(nn.Module):
+    """SoftMatch: each unlabelled row weighted by a truncated Gaussian of its confidence,
+    ``exp(-clamp(p - mu, max=0)^2 / (2 var / n_sigma^2))``, with the confidences' mean and
+    variance kept as running estimates (EMA of each batch's ``mean()`` and ``var()``)."""
+
+    def __init__(self, momentum: float = 0.999, n_sigma: float = 2.0):
+        super().__init__()
+        self.momentum, self.n_sigma = momentum, n_sigma
+        self.register_buffer("mu", torch.tensor(1 / CLASSES))
+        self.register_buffer("var", torch.tensor(1.0))
+
+    def forward(self, logits_x, y, logits_w, logits_s):
+        sup = F.cross_entropy(logits_x, y)
+        with torch.no_grad():
+            conf, pseudo = logits_w.softmax(-1).max(-1)
+            m = self.momentum
+            self.mu.mul_(m).add_(conf.mean(), alpha=1 - m)
+            self.var.mul_(m).add_(conf.var(unbiased=True), alpha=1 - m)  # the bug: 1 row
+            mask = torch.exp(-(torch.clamp(conf - self.mu, max=0.0) ** 2)
+                             / (2 * self.var / self.n_sigma ** 2))
+        return sup + (F.cross_entropy(logits_s, pseudo, reduction="none") * mask).mean()
+
+
+def make_softmatch_loss() -> SoftMatchLoss:
+    return SoftMatchLoss()
 
 
 def uda_loss(logits_x, y, logits_w, logits_s, temperature: float = 0.4,

@@ -52,9 +52,12 @@ def ema_update(ema, model, decay: float = 0.999):
         e.copy_(b)
 
 
-def fixmatch(loss, out_dir, steps: int = 4, record: bool = True):
+def fixmatch(loss, out_dir, steps: int = 4, record: bool = True, blank: int | None = None,
+             last: int = B * MU):
     """FixMatch's training loop; ``loss`` a module or function of (logits_x, y, logits_w,
-    logits_s). Returns the model and its EMA copy."""
+    logits_s). ``blank``: the strong views use AutoContrast, and the unlabelled record
+    ``blank`` of the last step is a blank grey frame; ``last``: the unlabelled batch size of
+    the last step (a loader without ``drop_last``). Returns the model and its EMA copy."""
     model = M.make_wrn()
     ema = copy.deepcopy(model).requires_grad_(False)
     opt, sched = optimizer(model, steps)
@@ -63,11 +66,13 @@ def fixmatch(loss, out_dir, steps: int = 4, record: bool = True):
                          factory="semi_supervised_models:make_wrn") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
-        for _ in range(steps):
+        for step in range(steps):
             x, y = M.images(g, B)
-            u, _ = M.images(g, B * MU)
-            inputs = M.interleave(torch.cat((M.weak(x, g), M.weak(u, g), M.strong(u, g))),
-                                  2 * MU + 1)
+            u, _ = M.images(g, B * MU if step < steps - 1 else last)
+            if blank is not None and step == steps - 1:
+                u[blank] = 0.5
+            views = (M.weak(x, g), M.weak(u, g), M.strong(u, g, contrast=blank is not None))
+            inputs = M.interleave(torch.cat(views), 2 * MU + 1)
             logits = M.de_interleave(model(inputs), 2 * MU + 1)
             logits_w, logits_s = logits[B:].chunk(2)
             total = loss_fn(logits[:B], y, logits_w, logits_s)
@@ -189,21 +194,53 @@ def test_mixmatch_sharpening_underflow_names_the_target_rows_and_the_temperature
     assert "empty cluster" not in hint, hint
 
 
+def test_autocontrast_of_a_blank_unlabelled_frame_names_its_strong_view_row(tmp_path):
+    """A blank grey frame among the unlabelled images: the strong view's AutoContrast on the
+    batch, ``(x - lo) / (hi - lo)``, is 0/0 in every channel of it, and FixMatch's interleave
+    moves that strong view to a row of its own in the model's batch. The recorder stops at
+    the model's input before the forward, and the replay names that row (where interleave
+    put it), the input cause and the normalisation's division by zero."""
+    row = M.interleave(torch.arange(B + 2 * B * MU), 2 * MU + 1).tolist().index(
+        B + B * MU + 3)
+    ev, bundle = fire(fixmatch, M.uda_loss, tmp_path, blank=3)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (3, "input", "batch", [row])
+    rep = nanreplay_json(bundle)
+    assert (rep["origin"]["samples"], rep["cause"]) == ([row], "input"), rep
+    assert "division by zero in normalisation" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0:UserWarning")
+def test_softmatch_variance_of_a_last_batch_of_one_names_the_var(tmp_path):
+    """SoftMatch's running variance of the confidences takes each batch's unbiased
+    ``var()``: the unlabelled loader's last batch (no ``drop_last``) holds one image, whose
+    variance is 0/0, and the Gaussian weights of every row turn NaN. The replay names the
+    var on its line, the division by n - 1 = 0 and the advice for a batch of one; the 0-d
+    running buffer the re-run leaves NaN does not break the replay."""
+    ev, bundle = fire(fixmatch, M.make_softmatch_loss(), tmp_path, last=1)
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], rep["cause"]) == ("aten.var", "nan", "invalid"), rep
+    assert o["source"] == line_of("conf.var(unbiased=True)"), o
+    assert "a batch of 1" in rep["hint"] and "correction=0" in rep["hint"], rep["hint"]
+
+
 def same_weights(a, b):
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("kind", ["align", "uda", "mixmatch"])
+@pytest.mark.parametrize("kind", ["align", "uda", "softmatch", "mixmatch"])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind):
-    """Distribution alignment from a uniform running mean (USB's), UDA at T = 0.4 and
-    MixMatch at T = 0.5, each masking most unlabelled rows to 0: no event, and the model,
-    its EMA copy and the loss's running mean are bit-identical with and without the
-    recorder."""
+    """Distribution alignment from a uniform running mean (USB's), UDA at T = 0.4, SoftMatch
+    over full batches and MixMatch at T = 0.5, each masking most unlabelled rows to 0: no
+    event, and the model, its EMA copy and the loss's running statistics are bit-identical
+    with and without the recorder."""
     def run(record):
         if kind == "mixmatch":
             return (*mixmatch(0.5, tmp_path, steps=3, record=record), None)
-        loss = M.make_da_loss() if kind == "align" else M.uda_loss
+        loss = {"align": M.make_da_loss, "softmatch": M.make_softmatch_loss}.get(
+            kind, lambda: M.uda_loss)()
         return (*fixmatch(loss, tmp_path, steps=3, record=record), loss)
 
     recorded, plain = run(True), run(False)
@@ -211,3 +248,5 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind):
     for a, b in zip(recorded, plain):
         if isinstance(a, torch.nn.Module):
             same_weights(a, b)
+    if kind == "softmatch":
+        assert recorded[2].var != 1.0, recorded[2].var  # (it ran, and updated its buffers)
