@@ -53,11 +53,12 @@ def ema_update(ema, model, decay: float = 0.999):
 
 
 def fixmatch(loss, out_dir, steps: int = 4, record: bool = True, blank: int | None = None,
-             last: int = B * MU):
+             last: int = B * MU, bf16: bool = False):
     """FixMatch's training loop; ``loss`` a module or function of (logits_x, y, logits_w,
     logits_s). ``blank``: the strong views use AutoContrast, and the unlabelled record
     ``blank`` of the last step is a blank grey frame; ``last``: the unlabelled batch size of
-    the last step (a loader without ``drop_last``). Returns the model and its EMA copy."""
+    the last step (a loader without ``drop_last``); ``bf16``: the forward and the loss under
+    bfloat16 autocast. Returns the model and its EMA copy."""
     model = M.make_wrn()
     ema = copy.deepcopy(model).requires_grad_(False)
     opt, sched = optimizer(model, steps)
@@ -73,9 +74,10 @@ def fixmatch(loss, out_dir, steps: int = 4, record: bool = True, blank: int | No
                 u[blank] = 0.5
             views = (M.weak(x, g), M.weak(u, g), M.strong(u, g, contrast=blank is not None))
             inputs = M.interleave(torch.cat(views), 2 * MU + 1)
-            logits = M.de_interleave(model(inputs), 2 * MU + 1)
-            logits_w, logits_s = logits[B:].chunk(2)
-            total = loss_fn(logits[:B], y, logits_w, logits_s)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = M.de_interleave(model(inputs), 2 * MU + 1)
+                logits_w, logits_s = logits[B:].chunk(2)
+                total = loss_fn(logits[:B], y, logits_w, logits_s)
             opt.zero_grad()
             total.backward()
             opt.step()
@@ -230,10 +232,10 @@ def same_weights(a, b):
         assert torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("kind", ["align", "uda", "softmatch", "mixmatch"])
+@pytest.mark.parametrize("kind", ["align", "uda", "uda_bf16", "softmatch", "mixmatch"])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind):
-    """Distribution alignment from a uniform running mean (USB's), UDA at T = 0.4, SoftMatch
-    over full batches and MixMatch at T = 0.5, each masking most unlabelled rows to 0: no
+    """Distribution alignment from a uniform running mean (USB's), UDA at T = 0.4 (also
+    under bfloat16 autocast), SoftMatch over full batches and MixMatch at T = 0.5, each masking most unlabelled rows to 0: no
     event, and the model, its EMA copy and the loss's running statistics are bit-identical
     with and without the recorder."""
     def run(record):
@@ -241,7 +243,8 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind):
             return (*mixmatch(0.5, tmp_path, steps=3, record=record), None)
         loss = {"align": M.make_da_loss, "softmatch": M.make_softmatch_loss}.get(
             kind, lambda: M.uda_loss)()
-        return (*fixmatch(loss, tmp_path, steps=3, record=record), loss)
+        return (*fixmatch(loss, tmp_path, steps=3, record=record, bf16=kind == "uda_bf16"),
+                loss)
 
     recorded, plain = run(True), run(False)
     assert not list(tmp_path.glob("*.nan"))
