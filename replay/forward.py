@@ -22,6 +22,7 @@ from .errors import StopRun
 from .exp_overflow import exp_overflow_hint
 from .findings import finish, origin_fields
 from .forward_grad import derivative_words, with_node
+from .held_divisor import held_divisor_hint
 from .iteration import line_run
 from .lineage import Lineage
 from .load import Step
@@ -39,7 +40,6 @@ from .returned_fill import returned_fill
 from .run_result import Run
 from .signed_weights import signed_weights_hint
 from .source import is_torch_file, node_tracebacks, user_source
-from .stat_divisor import stat_divisor_hint
 from .storages import mask_buffers, state_of
 from .transforms import outside_transforms
 from .zero_param_rows import zero_param_rows_hint
@@ -150,8 +150,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return table
     if cause == "invalid" and (knots := buffer_divisor_hint(hint, runner.model, finder, hit)):
         return knots
-    if cause == "invalid" and (stat := stat_divisor_hint(runner.model, finder, hit)):
-        return stat  # (x / self.std: a kept statistic at 0)
+    if held := held_divisor_hint(hint, cause, finder, hit, runner.model.named_buffers()):
+        return held  # (a statistic the model keeps: x / self.std, p / self.p_model)
     if cause == "invalid" and (own := parametrization_hint(step, o.module, hit and hit.op)):
         return own
     if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):

@@ -11,6 +11,7 @@ loss re-run under the op finder names it (``aten.log`` of 0, a pole), its rows a
 from __future__ import annotations
 
 from .cause import Cause, classify
+from .held_divisor import loss_buffers
 from .hits import OpHit
 from .lineage import Lineage
 from .load import autocast_as_recorded
@@ -21,6 +22,18 @@ from .rerun import Runner
 from .storages import state_of
 
 
+def loss_op_finder(runner: Runner) -> OpFinder:
+    """An op finder for a re-run of the loss alone: the loss's and the model's state held,
+    their parameters named (the loss's trained ones as ``<loss>.NAME``), and the loss's
+    buffers (a divisor it keeps: :mod:`replay.held_divisor`)."""
+    step = runner.step
+    finder = OpFinder(samples=samples(step))
+    finder.state = state_of(step.loss_fn, runner.model)
+    finder.index_params(runner.model.named_parameters(), loss_buffers(step.loss_fn))
+    finder.lineage = Lineage(finder.samples)
+    return finder
+
+
 def made_in_loss(runner: Runner, mb: int) -> tuple[OpHit, Cause] | None:
     """(op, cause) of the first loss op of micro-batch ``mb`` that made a non-finite value
     from finite inputs; None when none did (or the loss cannot be re-run alone)."""
@@ -28,10 +41,7 @@ def made_in_loss(runner: Runner, mb: int) -> tuple[OpHit, Cause] | None:
     if step.loss_fn is None:
         return None
     run = runner.run(backward=False, instrument=False)
-    finder = OpFinder(samples=samples(step))
-    finder.state = state_of(step.loss_fn, runner.model)
-    finder.index_params(runner.model.named_parameters())
-    finder.lineage = Lineage(finder.samples)
+    finder = loss_op_finder(runner)
     try:
         args, kwargs = loss_args(step, run, mb, finder)
         with autocast_as_recorded(step.micro_batches[mb], step.device, loss=True), finder:

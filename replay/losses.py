@@ -293,8 +293,8 @@ def non_finite_loss_state(loss_fn) -> str | None:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = ~torch.isfinite(t.detach())
             vals = ", ".join(str(v) for v in t.detach()[bad][:3].tolist())
-            at = ", ".join(str(tuple(i) if len(i) > 1 else i[0])
-                           for i in bad.nonzero()[:3].tolist())
+            at = ", ".join(str(tuple(i) if len(i) > 1 else i[0])  # (none for a 0-d one)
+                           for i in bad.nonzero()[:3].tolist() if i)
             return f"the loss's {name!r} holding {vals}" + (f" at index {at}" if at else "")
     return None
 

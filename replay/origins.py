@@ -28,7 +28,7 @@ from .forward import find_op_in_call, with_param_advice
 from .forward_grad import derivative_words, with_node
 from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
-from .lineage import Lineage
+from .held_divisor import held_divisor_hint, loss_buffers
 from .load import Step, autocast_as_recorded, differentiates_model
 from .log_sum_exp import with_log_sum_exp
 from .logged_output import logged_output_cause
@@ -38,14 +38,13 @@ from .loss_args import loss_args, loss_samples
 from .loss_factor import infinite_factor_hint
 from .loss_grad import node_in_loss, probed_report
 from .loss_infinities import LossCall, others_text
-from .loss_maker import made_in_loss
+from .loss_maker import loss_op_finder, made_in_loss
 from .losses import held_state_cause, non_finite_loss_state
 from .masked_pole import with_masked_pole
 from .masked_targets import watched_loss_rerun
 from .nan_factor import nan_factor_text
 from .negative_output import negative_output_hint
 from .object_outputs import came_inside_objects, report_forward_behind_objects
-from .ops import OpFinder
 from .other_makers import add_others
 from .param_writes import (
     built_non_finite_hint,
@@ -61,7 +60,6 @@ from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
 from .source import node_tracebacks
-from .storages import state_of
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
 from .weight_readers import bad_row_fields, first_reader, rows_text
@@ -148,10 +146,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     if differentiates_model(step, mb):  # its autograd.grad needs the forward's graph, which
         # the re-run's backward freed; its nodes keep their forward lines (replay.forward_grad)
         run = runner.run(backward=False, instrument=False, forward_ctx=node_tracebacks)
-    finder = OpFinder(samples=samples(step))
-    finder.state = state_of(step.loss_fn, runner.model)
-    finder.index_params(runner.model.named_parameters())  # (with the loss's: <loss>.NAME)
-    finder.lineage = Lineage(finder.samples)
+    finder = loss_op_finder(runner)  # (the loss's parameters: <loss>.NAME; its buffers)
     args, kwargs = loss_args(step, run, mb, finder)
     with autocast_as_recorded(step.micro_batches[mb], step.device, loss=True), finder:
         loss = step.loss_fn(*args, **kwargs)
@@ -187,6 +182,8 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     hint = with_log_sum_exp(cause.hint, cause.name, hit, finder.lineage.log_sum_exp)
     hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (below 0; a slot left 0)
+    hint = held_divisor_hint(hint, cause.name, finder, hit,
+                             loss_buffers(step.loss_fn)) or hint  # (<loss>.p_model)
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))

@@ -53,8 +53,9 @@ class ParamNames:
         # buffer the divisor of the last division ``among(..., hit=True)`` was so made of
         self._of_buffer: dict[int, tuple[weakref.ref, str]] = {}
         self.hit_divisor_buffer: str | None = None
-        # the buffer that divisor is, as is or a view (a kept statistic: ``x / self.std``)
-        self.hit_divisor_table: str | None = None
+        # the buffer the divisor of that division is, as is, a view or an unchanged copy (a
+        # statistic kept by the code: ``x / self.std``, ``p / self.p_model``)
+        self.hit_divisor_held: str | None = None
 
     def index(self, named, buffers=()) -> None:
         """Name the parameters ``named`` yields (``model.named_parameters()``), by address
@@ -62,7 +63,7 @@ class ParamNames:
         (``model.named_buffers()``) by their storage."""
         self.params, self._copies, self._derived = {}, {}, {}
         self._table_copies, self.hit_buffer = {}, None
-        self._of_buffer, self.hit_divisor_buffer, self.hit_divisor_table = {}, None, None
+        self._of_buffer, self.hit_divisor_buffer, self.hit_divisor_held = {}, None, None
         self._tables = {p: n for n, b in buffers
                         if b.is_floating_point() and (p := _storage(b)) is not None}
         storages: dict[int, str | None] = {}
@@ -86,8 +87,8 @@ class ParamNames:
                                     if (b := self._table_of(t)) is not None and b[1]), None)
         if hit and op in _DIVISIONS and len(ins) == 2:
             self.hit_divisor_buffer = self._differenced(ins[1])
-            table = self._table_of(ins[1])
-            self.hit_divisor_table = table[0] if table is not None and not table[1] else None
+            held = self._table_of(ins[1])
+            self.hit_divisor_held = held[0] if held is not None and not held[1] else None
         if op in _DIVISIONS and len(ins) == 2:
             return self.among(ins[1:]) or self._derived_from(ins[1])
         if not self.params or len(ins) != 1:

@@ -431,10 +431,14 @@ def _origin(o) -> dict[str, Any]:
 
 def _recorded_loss_input(step: Step, report: dict[str, Any], o) -> bool:
     """The try's first event is the loss's input at the event step while the event was not an
-    input event: a recorded loss input held the NaN the model made (see RECORDED_LOSS_INPUT)."""
+    input event on a loss argument: a recorded loss input held the NaN the model made (see
+    RECORDED_LOSS_INPUT), also the NaN of a model input that the try dropped (a blank frame's
+    row of FixMatch's interleaved batch, whose output the loop de-interleaved and sliced)."""
+    origin = report.get("origin") or {}
     return o is not None and o.phase == "input" and o.module == "<loss>" \
         and o.step == step.event.get("step") \
-        and (report.get("origin") or {}).get("phase") != "input"
+        and not (origin.get("phase") == "input"
+                 and str(origin.get("tensor") or "").startswith("loss_"))
 
 
 def _no_verdict(label: str, **why: Any) -> dict[str, Any]:

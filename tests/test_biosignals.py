@@ -244,7 +244,8 @@ def test_training_set_std_of_the_reference_electrode_names_the_buffer_not_rows(t
         "norm", "aten.div", "nan", True), o
     assert o["source"] == line_of("return (x - self.mean) / self.std"), o
     assert rep["cause"] == "invalid", rep
-    assert "buffer norm.std as is, 0 at (0, 0) of its shape (8, 1)" in rep["hint"], rep["hint"]
+    assert "the buffer norm.std as the code keeps it, 0 at entry (0, 0) of its shape (8, 1)" \
+        in rep["hint"], rep["hint"]
     assert "std.clamp_min(eps)" in rep["hint"] and "skip the rows" not in rep["hint"], rep["hint"]
 
 

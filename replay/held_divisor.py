@@ -1,0 +1,58 @@
+"""A division whose divisor is one of the model's or the loss's buffers as the code keeps it,
+0 in some entries: a statistic of the data (a training set's per-feature std, ``(x -
+self.mean) / self.std``, 0 for a feature constant there: an EEG reference electrode) or a
+running one (ReMixMatch's distribution alignment, ``p * p_target / self.p_model``, 0 for a
+class no row predicted yet). Every sample divides by the same entries, so the generic advice
+(an eps in the data, skip the rows, a feature constant over the batch) points away from the
+fix, which is where the buffer is computed, starts and is updated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from recorder.target import LOSS_PREFIX
+
+__all__ = ["held_divisor_hint", "loss_buffers"]
+
+SHOWN = 8  # entries named in the hint
+
+
+def loss_buffers(loss) -> list[tuple[str, torch.Tensor]]:
+    """The loss module's buffers, named ``<loss>.NAME`` as its parameters are."""
+    if not isinstance(loss, torch.nn.Module):
+        return []
+    return list(loss.named_buffers(prefix=LOSS_PREFIX[:-1]))
+
+
+def held_divisor_hint(hint: str | None, cause: str, finder, hit,
+                      buffers: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The hint naming the buffer the blamed division (``hit``) divided by as is, and its
+    entries at 0, when it is one of ``buffers`` (name, tensor); else None."""
+    name = finder.names.hit_divisor_held
+    ev = hit and hit.evidence
+    if hint is None or cause != "invalid" or name is None or hit is not finder.first \
+            or ev is None or len(ev.inputs) < 2:
+        return None
+    buf = dict(buffers).get(name)
+    if buf is None or not bool((buf == 0).any()):
+        return None
+    at = (buf.detach() == 0).nonzero()
+    where = ", ".join(str(tuple(i)) if len(i) > 1 else str(i[0]) for i in at[:SHOWN].tolist()) \
+        + (f", ... ({len(at)} in all)" if len(at) > SHOWN else "")
+    what = "0 by 0 (0/0)" if bool(((ev.inputs[0] == 0) & (ev.inputs[1] == 0)).any()) \
+        else "x by 0 (x/0)"
+    short = name.rpartition(".")[2]
+    return (f"{hit.op} of {what}: the divisor is the buffer {name} as the code keeps it, 0 at "
+            f"entr{'ies' if len(at) > 1 else 'y'} {where} of its shape {tuple(buf.shape)}; "
+            "every sample divides by the same entries, so no record is to blame, there are no "
+            "rows to drop and an eps in the data does not help. A statistic of the data (a "
+            "training set's std or scale) is 0 for a feature constant where it was computed "
+            "(an EEG reference electrode, 0 against itself; a sensor never connected): floor it "
+            "there (std.clamp_min(eps); scikit-learn's StandardScaler sets a zero scale to 1) or "
+            "drop that feature. A running statistic (a running mean of the class "
+            "probabilities, a count or histogram per class) is 0 where it started at 0 or was "
+            "never updated: start it above 0 (uniform, not zeros), update it with the batch "
+            f"before dividing, or divide by self.{short}.clamp_min(eps)")
