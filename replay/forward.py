@@ -72,7 +72,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
                 where, target, (o.module, o.call), runner, o.micro_batch))
         made = (f"passes on the {hit.made} of buffer '{hit.buffer}'" if hit.buffer else
                 f"fills a literal {hit.made}")
-        flipped = negated(hit.made, o.kind)  # (a mask's -inf leaving the call as +inf)
+        flipped = negated(hit.made, o.kind, run, o.micro_batch)  # (a mask's -inf as +inf)
         report["problems"].append(
             f"{hit.op} {made} that reaches the output of "
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
@@ -96,7 +96,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     counted = _counted_in(finder, hit, o)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=counted)
     if flipped:
-        cause = Cause("invalid", negated_hint(hit.op, hit.made))
+        cause = Cause("invalid", negated_hint(hit.op))
     # (which run of its line: a loop over time steps runs it once a step)
     origin["line_run"] = line_run(runner, o.module, o.call, o.micro_batch, counted)
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the

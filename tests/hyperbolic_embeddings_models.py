@@ -112,9 +112,18 @@ class MinusLate(PoincareEmbedding):
         return torch.cat([pos[:, None], negs], 1)
 
 
-def make_poincare(minus_late: bool = False) -> PoincareEmbedding:
+class MaskedDistances(PoincareEmbedding):
+    """The model returns distances, the known ancestors' at +inf on purpose (masked as -inf
+    scores, then negated back); :func:`distance_loss` negates them into logits."""
+
+    def forward(self, u, v, neg, known):
+        return -super().forward(u, v, neg, known)
+
+
+def make_poincare(minus_late: bool = False, distances: bool = False) -> PoincareEmbedding:
     torch.manual_seed(0)
-    return MinusLate() if minus_late else PoincareEmbedding()
+    return MinusLate() if minus_late else MaskedDistances() if distances else \
+        PoincareEmbedding()
 
 
 def acosh_dist(u, v):
@@ -151,6 +160,10 @@ def make_nickel_kiela(dtype: str = "float64", masked: bool = True) -> NickelKiel
 def ranking_loss(logits):
     """Nickel & Kiela's loss: softmax over (positive, negatives), the positive first."""
     return F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long))
+
+
+def distance_loss(dists):
+    return ranking_loss(-dists)
 
 
 @torch.no_grad()

@@ -29,14 +29,15 @@ def _origin(rep: dict) -> tuple:
 
 
 def _train_embeddings(model, out_dir, factory: str, steps: int, record: bool = True,
-                      lr: float = 0.3, resample_self: bool = False, **kw):
+                      lr: float = 0.3, resample_self: bool = False, loss=M.ranking_loss,
+                      **kw):
     """Nickel & Kiela's loop: the ranking loss over (child, ancestor, negatives), Riemannian
     SGD written in the loop (the recorder checks the step before it); ``allow_inf`` names the
     root, whose logits hold the known ancestors' -inf. Returns the batches."""
     g, batches = torch.Generator().manual_seed(0), []
-    rec = FlightRecorder(model, None, loss_fn=M.ranking_loss, out_dir=out_dir,
+    rec = FlightRecorder(model, None, loss_fn=loss, out_dir=out_dir,
                          factory=FACTORY + factory, **kw) if record else None
-    loss_fn = rec.attach().loss_fn if rec is not None else M.ranking_loss
+    loss_fn = rec.attach().loss_fn if rec is not None else loss
     try:
         for _ in range(steps):
             batches.append(M.tree_batch(g, resample_self=resample_self))
@@ -73,6 +74,20 @@ def test_a_minus_before_the_masked_fill_names_the_flipped_mask_not_allow_inf(out
     assert "the output holds +inf" in hint and "flipped its sign" in hint, hint
     assert "(-d).masked_fill(m, -inf)" in hint and "record with allow_inf" not in hint
     assert any("as +inf: its sign was flipped" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_distances_returned_at_plus_inf_on_purpose_keep_the_allow_inf_advice(out_dir):
+    """The model returns distances, the masked ones +inf on purpose (a -inf score negated),
+    and the loss negates them back into logits: its loss is finite, so the +inf is a mask the
+    output is meant to hold, not a flipped sign."""
+    model = M.make_poincare(distances=True)
+    with pytest.raises(NonFiniteError) as info:
+        _train_embeddings(model, out_dir, "make_poincare", 3, loss=M.distance_loss,
+                          factory_kwargs={"distances": True})
+    assert info.value.event["kind"] == "+inf"
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["origin"]["op"], rep["cause"]) == ("aten.masked_fill", "invalid"), rep["origin"]
+    assert "record with allow_inf" in rep["hint"] and "flipped" not in rep["hint"], rep["hint"]
 
 
 def test_the_anchor_masked_as_its_own_negative_is_acosh_at_1_in_the_backward(out_dir):
