@@ -23,6 +23,7 @@ from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .masked_grad import MASKED_INCOMING
 from .positive import node_op
+from .unit_eps import narrow_eps
 
 # a backward origin at a quotient whose divisor needs no gradient
 DIVISOR_OF_DATA = (
@@ -92,6 +93,8 @@ def pole_hint(b, cause: Cause) -> str:
     """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`),
     with what a 0 incoming gradient says of a mask after the op (replay.masked_grad)."""
     hint = _pole_hint(b, cause)
+    if cause.name == "precision":
+        hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16)
     if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint:
         return hint
     return f"{hint}; but {MASKED_INCOMING.format(node=b.node)}"

@@ -120,10 +120,12 @@ class MaskedDistances(PoincareEmbedding):
         return -super().forward(u, v, neg, known)
 
 
-def make_poincare(minus_late: bool = False, distances: bool = False) -> PoincareEmbedding:
+def make_poincare(minus_late: bool = False, distances: bool = False,
+                  dtype: str = "float32") -> PoincareEmbedding:
     torch.manual_seed(0)
-    return MinusLate() if minus_late else MaskedDistances() if distances else \
+    model = MinusLate() if minus_late else MaskedDistances() if distances else \
         PoincareEmbedding()
+    return model.to(getattr(torch, dtype))
 
 
 def acosh_dist(u, v):

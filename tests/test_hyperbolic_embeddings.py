@@ -30,7 +30,7 @@ def _origin(rep: dict) -> tuple:
 
 def _train_embeddings(model, out_dir, factory: str, steps: int, record: bool = True,
                       lr: float = 0.3, resample_self: bool = False, loss=M.ranking_loss,
-                      **kw):
+                      eps: float = 1e-5, **kw):
     """Nickel & Kiela's loop: the ranking loss over (child, ancestor, negatives), Riemannian
     SGD written in the loop (the recorder checks the step before it); ``allow_inf`` names the
     root, whose logits hold the known ancestors' -inf. Returns the batches."""
@@ -45,7 +45,7 @@ def _train_embeddings(model, out_dir, factory: str, steps: int, record: bool = T
             loss_fn(model(*batches[-1])).backward()
             if rec is not None:
                 rec.end_step()
-            M.rsgd_(model.emb.weight, lr)
+            M.rsgd_(model.emb.weight, lr, eps)
     finally:
         if rec is not None:
             rec.detach()
@@ -124,6 +124,33 @@ def test_an_unmasked_arcosh_at_1_keeps_its_own_advice(out_dir):
     assert rep["origin"]["op"] == "AcoshBackward0" and rep["cause"] == "invalid", rep["origin"]
     assert "equal to its anchor: resample it" in rep["hint"], rep["hint"]
     assert "the gradient entering" not in rep["hint"]
+
+
+def test_a_float16_table_rounds_the_artanh_clamp_to_1_under_the_mask(out_dir):
+    """The embedding table kept in float16, hyptorch's artanh clamped to 1 - 1e-5, which is 1
+    in float16: a known ancestor near the boundary (masked to -inf) makes atanh(1), whose
+    backward is NaN under the mask's 0. The hint gave float32's eps, the one the code has."""
+    model = M.make_poincare(dtype="float16")
+    with pytest.raises(NonFiniteError) as info:
+        _train_embeddings(model, out_dir, "make_poincare", 8, lr=10.0, eps=1e-3,
+                          allow_inf=[""], factory_kwargs={"dtype": "float16"})
+    err = info.value
+    u, v, neg, known = _batch_at(err.event["step"])
+    w = model.emb.weight.detach()  # (the event's weights: the loop's update did not run)
+    at_one = M.mobius_add(-w[u][:, None], w[neg]).norm(dim=-1).clamp(max=1 - 1e-5) == 1
+    rows = (at_one & known).any(1).nonzero().flatten().tolist()
+    assert rows and err.event["phase"] == "backward"
+    rep = nanreplay_json(err.bundle_path)
+    assert _origin(rep) == (err.event["step"], "backward", "", "AtanhBackward0", rows,
+                            "precision"), rep["origin"]
+    hint = rep["hint"]
+    assert "in float16 the largest number below 1 is 1 - 0.00049" in hint, hint
+    assert "an eps of at least 0.001" in hint and "the gradient entering" in hint
+
+
+def _batch_at(step: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    return [M.tree_batch(g) for _ in range(step + 1)][-1]
 
 
 def test_a_curvature_trained_below_zero_names_the_pow_and_the_parameter(out_dir):
