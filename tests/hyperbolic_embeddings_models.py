@@ -242,3 +242,67 @@ def features(g: torch.Generator, n: int = 32, d: int = 8, classes: int = 4) -> t
     y = torch.randint(0, classes, (n,), generator=g)
     centres = torch.linspace(-1.5, 1.5, classes)[:, None].expand(classes, d)
     return centres[y] + 0.3 * torch.randn(n, d, generator=g), y
+
+
+# --- the Lorentz model: points as tangent vectors at the origin -----------------------------
+
+
+def lorentz_expmap0(v):
+    """exp_o(v) on the hyperboloid: (cosh |v|, sinh |v| v / |v|), without a floor on |v|."""
+    n = v.norm(dim=-1, keepdim=True)
+    return torch.cat([torch.cosh(n), torch.sinh(n) * v / n], -1)
+
+
+def lorentz_dist(x, y, eps: float = 1e-6):
+    """acosh(-<x, y>_L), clamped to 1 + eps (the rounding below 1 handled)."""
+    inner = -x[..., :1] * y[..., :1] + (x[..., 1:] * y[..., 1:]).sum(-1, keepdim=True)
+    return torch.acosh((-inner).clamp_min(1 + eps)).squeeze(-1)
+
+
+class LorentzEmbedding(nn.Module):
+    """``forward(u, v, neg)``: minus the Lorentz distances of (u, v) and of (u, each negative);
+    entity 0 is padding (a batch's negative lists padded to one length), its row all 0."""
+
+    def __init__(self, n: int = N_ENT + 1, dim: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(n, dim, padding_idx=0)
+        with torch.no_grad():
+            self.emb.weight[1:].uniform_(-0.1, 0.1)
+
+    def forward(self, u, v, neg):
+        x = lorentz_expmap0(self.emb(u))
+        pos = -lorentz_dist(x, lorentz_expmap0(self.emb(v)))
+        negs = -lorentz_dist(x[:, None], lorentz_expmap0(self.emb(neg)))
+        return torch.cat([pos[:, None], negs], 1)
+
+
+def make_lorentz() -> LorentzEmbedding:
+    torch.manual_seed(0)
+    return LorentzEmbedding()
+
+
+class ClosureDataset(torch.utils.data.Dataset):
+    """(child, ancestor) pairs of the tree (ids shifted by 1: 0 pads), each with its own
+    number of sampled negatives (poincare-embeddings' sampler draws until it has enough
+    non-ancestors)."""
+
+    def __init__(self, seed: int = 0, k: int = 6):
+        g = torch.Generator().manual_seed(seed)
+        child = torch.arange(1, N_ENT)
+        self.pairs = torch.stack([child, (child - 1) // 2], 1) + 1
+        self.negs = [torch.randint(1, N_ENT + 1, (int(torch.randint(2, k + 1, (1,),
+                                                                    generator=g)),),
+                                   generator=g) for _ in child]
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        return self.pairs[i], self.negs[i]
+
+
+def collate(items):
+    """Negative lists padded with entity 0 to the batch's longest."""
+    pairs = torch.stack([p for p, _ in items])
+    neg = nn.utils.rnn.pad_sequence([n for _, n in items], batch_first=True)
+    return pairs[:, 0], pairs[:, 1], neg

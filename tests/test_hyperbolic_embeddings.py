@@ -218,3 +218,29 @@ def _train_hypnet(out_dir, record: bool) -> torch.nn.Module:
         assert rec.event is None and rec.health.internal_errors == 0
         rec.detach()
     return model
+
+
+def test_lorentz_negatives_padded_with_a_zero_row_name_the_expmaps_0_over_0(out_dir):
+    """The Lorentz model with points as tangent vectors at the origin, a DataLoader whose
+    collate pads each pair's negatives with entity 0 (``padding_idx``, a row of zeros): the
+    exp map's sinh(|v|) v / |v| is 0/0 there, in the third call of its line (the
+    negatives'), on the records with padding."""
+    model = M.make_lorentz()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(M.ClosureDataset(), batch_size=8, shuffle=True,
+                                         collate_fn=M.collate,
+                                         generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.ranking_loss, out_dir=out_dir,
+                            factory=FACTORY + "make_lorentz") as rec:
+            for u, v, neg in loader:
+                opt.zero_grad()
+                rec.loss_fn(model(u, v, neg)).backward()
+                opt.step()
+    rows = (neg == 0).any(1).nonzero().flatten().tolist()
+    assert rows and len(rows) < len(neg) and info.value.event["step"] == 0
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (0, "forward", "", "aten.div", rows, "invalid"), rep["origin"]
+    assert rep["origin"]["source"] == source_line(MODELS, "torch.sinh(n) * v / n")
+    assert rep["origin"]["line_run"] == 3, rep["origin"]  # (the negatives' call, of 3)
+    assert "0/0" in rep["hint"] and "clamp_min(eps)" in rep["hint"], rep["hint"]
