@@ -244,3 +244,31 @@ def test_lorentz_negatives_padded_with_a_zero_row_name_the_expmaps_0_over_0(out_
     assert rep["origin"]["source"] == source_line(MODELS, "torch.sinh(n) * v / n")
     assert rep["origin"]["line_run"] == 3, rep["origin"]  # (the negatives' call, of 3)
     assert "0/0" in rep["hint"] and "clamp_min(eps)" in rep["hint"], rep["hint"]
+
+
+def test_accumulated_micro_batch_with_the_masked_anchor_is_named_with_its_rows(out_dir):
+    """Two micro-batches a step, Nickel & Kiela's burn-in (lr / 10 for two steps, LambdaLR)
+    and the projection after ``step()``; the sampler stops excluding the anchor in step 3's
+    second micro-batch: the event is that micro-batch's AcoshBackward0 under the mask."""
+    model = M.make_nickel_kiela()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 if s < 2 else 1.0)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.ranking_loss, out_dir=out_dir,
+                            factory=FACTORY + "make_nickel_kiela", allow_inf=[""]) as rec:
+            for step in range(5):
+                opt.zero_grad()
+                for mb in range(2):
+                    child, v, neg, known = M.tree_batch(g, resample_self=(step, mb) != (3, 1))
+                    (rec.loss_fn(model(child, v, neg, known)) / 2).backward()
+                opt.step()
+                sched.step()
+                with torch.no_grad():
+                    model.emb.weight.copy_(torch.renorm(model.emb.weight, 2, 0, 1 - 1e-5))
+    rows = (neg == child[:, None]).any(1).nonzero().flatten().tolist()
+    assert rows and (step, info.value.event["phase"]) == (3, "backward")
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (3, "backward", "", "AcoshBackward0", rows, "invalid"), \
+        rep["origin"]
+    assert rep["origin"]["micro_batch"] == 1 and "the gradient entering" in rep["hint"]
