@@ -181,16 +181,19 @@ def test_a_curvature_trained_below_zero_names_the_pow_and_the_parameter(out_dir)
     assert "softplus" in rep["hint"] and "learn its log" in rep["hint"]
 
 
-@pytest.mark.parametrize("kind", ["poincare", "hypnet"])
+@pytest.mark.parametrize("kind", ["poincare", "nickel_kiela", "hypnet"])
 def test_healthy_runs_raise_nothing_and_train_the_same(out_dir, kind):
     """hyptorch's distance with the known ancestors (and the anchor itself) masked to -inf,
     allow_inf on the root: its norm of (-u) (+) u = 0 has a gradient of 0 there, no event in
-    20 steps; the hyperbolic network with a fixed curvature under clip_grad_norm_. Both train
-    bit for bit as without the recorder."""
-    if kind == "poincare":
-        a, b = M.make_poincare(), M.make_poincare()
-        _train_embeddings(a, out_dir, "make_poincare", 20, allow_inf=[""])
-        _train_embeddings(b, out_dir, "make_poincare", 20, record=False)
+    20 steps; Nickel & Kiela's arcosh with the anchor resampled out of its negatives (the
+    ancestors still masked); the hyperbolic network with a fixed curvature under
+    clip_grad_norm_ and StepLR. All train bit for bit as without the recorder."""
+    if kind != "hypnet":
+        make = getattr(M, f"make_{kind}")
+        a, b = make(), make()
+        for model, record in ((a, True), (b, False)):
+            _train_embeddings(model, out_dir, f"make_{kind}", 20, record=record,
+                              resample_self=kind == "nickel_kiela", allow_inf=[""])
     else:
         a, b = (_train_hypnet(out_dir, record) for record in (True, False))
     assert not list(out_dir.glob("*.nan"))
