@@ -76,6 +76,25 @@ def test_a_minus_before_the_masked_fill_names_the_flipped_mask_not_allow_inf(out
     assert any("as +inf: its sign was flipped" in p for p in rep["problems"]), rep["problems"]
 
 
+def test_the_flipped_mask_under_allow_inf_is_a_plus_inf_row_not_a_fully_masked_one(out_dir):
+    """The same model recorded with allow_inf on the root (the advice the report gave): the
+    loss's log_softmax makes NaN of the rows holding +inf. The report said 'a row whose every
+    entry is -inf (a fully masked row)' and to keep one key per row; no row was masked."""
+    model = M.make_poincare(minus_late=True)
+    with pytest.raises(NonFiniteError) as info:
+        _train_embeddings(model, out_dir, "make_poincare", 3, allow_inf=[""],
+                          factory_kwargs={"minus_late": True})
+    known = M.tree_batch(torch.Generator().manual_seed(0))[3]
+    rows = known.any(1).nonzero().flatten().tolist()
+    assert rows and info.value.event["phase"] == "loss"
+    rep = nanreplay_json(info.value.bundle_path)
+    assert _origin(rep) == (0, "loss", "<loss>", "aten._log_softmax", rows, "invalid"), \
+        rep["origin"]
+    hint = rep["hint"]
+    assert hint.startswith("aten._log_softmax of a row holding +inf"), hint
+    assert "(-d).masked_fill(m, -inf)" in hint and "fully masked" not in hint
+
+
 def test_distances_returned_at_plus_inf_on_purpose_keep_the_allow_inf_advice(out_dir):
     """The model returns distances, the masked ones +inf on purpose (a -inf score negated),
     and the loss negates them back into logits: its loss is finite, so the +inf is a mask the
