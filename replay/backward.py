@@ -34,6 +34,7 @@ from .factors import at_tie
 from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
+from .masked_grad import zero_where_nan
 from .ops import OpFinder
 from .pole_hints import zero_divisor
 from .pooled import pooled_size
@@ -91,6 +92,7 @@ class BackwardOrigin:
     # no node made it: the engine summed this many finite gradients of the node's value's
     # uses into an infinity before the node ran (see replay.summed_grads)
     summed: int = 0
+    masked: bool = False  # NaN only where its incoming gradient is 0 (replay.masked_grad)
 
 
 @contextlib.contextmanager
@@ -329,6 +331,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.fractional_power = fractional_power_at_zero(node)
     found.steep_power = steep_power(node)
     found.zero_divisor = zero_divisor(node)
+    found.masked = zero_where_nan(grad_inputs, grad_outputs)
 
 
 def _record_sum(found: BackwardOrigin, node, name: str, uses: int, grad_outputs,

@@ -63,6 +63,7 @@ from .float8_cast import float8_cast_advice
 from .float64_step import float64_still
 from .literal_range import literal_hint, unheld_literal
 from .ops import Evidence, OpHit
+from .plus_inf_row import row_hint
 from .power_overflow import power_advice
 from .rerun import Runner
 from .squared_zero import source as zero_source
@@ -349,8 +350,7 @@ def _from_infinities(hit: OpHit) -> Cause:
     chain shows)."""
     name = _name(hit.op).rstrip("_")
     if name in _ROW_REDUCTIONS:  # softmax: NaN; logsumexp, amax: -inf (OpFinder.first_reduced)
-        return Cause("invalid", f"{hit.op} of a row whose every entry is -inf (a fully masked "
-                     "row): " + DO["masked_row"] + DO["max_shift"] * (name in ("max", "amax")))
+        return Cause("invalid", row_hint(hit, name))  # (or of a +inf it held)
     if name in GROUP_REDUCTIONS:  # OpFinder.first_reduced: the fill it started from
         return Cause("invalid", f"{hit.op} left the {hit.made} it started from in the rows no "
                      "element was reduced into (an empty group: a graph without nodes): "

@@ -17,7 +17,7 @@ from .absorbed_log import absorbed_hint
 from .backward_calls import backward_call_note, run_to_call, user_backward
 from .buffer_divisor import buffer_divisor_hint
 from .caller_picks import CallerPicks
-from .cause import classify
+from .cause import Cause, classify
 from .errors import StopRun
 from .exp_overflow import exp_overflow_hint
 from .findings import finish, origin_fields
@@ -28,6 +28,7 @@ from .lineage import Lineage
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
 from .looked_up import looked_up_hint
+from .negated_fill import negated, negated_hint
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
@@ -57,7 +58,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
     # (a reduction that folded the intended fill into -inf, which the NaN came from, later
     # or in a child of this call, is blamed rather than that NaN)
-    hit = finder.blamed()
+    hit, flipped = finder.blamed(), False
     if hit is None and finder.intentional is not None and trigger not in (None, o):
         # the call where the chain seemed to start only filled an intended +-inf (a mask):
         # the event is the NaN made from it later
@@ -73,11 +74,14 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
                 where, target, (o.module, o.call), runner, o.micro_batch))
         made = (f"passes on the {hit.made} of buffer '{hit.buffer}'" if hit.buffer else
                 f"fills a literal {hit.made}")
+        flipped = negated(hit.made, o.kind, run, o.micro_batch)  # (a mask's -inf as +inf)
         report["problems"].append(
             f"{hit.op} {made} that reaches the output of "
             f"'{o.module or '<root>'}'; if that infinity is intended, record with "
             f"FlightRecorder(..., allow_inf=[{o.module!r}])"
-            + (" ('' names the root; '*' would allow every module)" if not o.module else ""))
+            + (" ('' names the root; '*' would allow every module)" if not o.module else "")
+            if not flipped else f"{hit.op} fills a literal {hit.made} that reaches the output "
+            f"of '{o.module or '<root>'}' as {o.kind}: its sign was flipped after the fill")
     node = _node_of(runner, o, hit)
     o = _innermost(run, o, hit)
     rows = origin_rows(step, run, o, hit)
@@ -93,6 +97,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     counted = _counted_in(finder, hit, o)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=counted)
+    if flipped:
+        cause = Cause("invalid", negated_hint(hit.op))
     # (which run of its line: a loop over time steps runs it once a step)
     origin["line_run"] = line_run(runner, o.module, o.call, o.micro_batch, counted)
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the

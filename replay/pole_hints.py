@@ -21,7 +21,9 @@ from . import lost_eps
 from .cause import Cause
 from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
+from .masked_grad import MASKED_INCOMING
 from .positive import node_op
+from .unit_eps import narrow_eps
 
 # a backward origin at a quotient whose divisor needs no gradient
 DIVISOR_OF_DATA = (
@@ -88,7 +90,17 @@ def zero_divisor(node) -> str | None:
 
 
 def pole_hint(b, cause: Cause) -> str:
-    """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`)."""
+    """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`),
+    with what a 0 incoming gradient says of a mask after the op (replay.masked_grad)."""
+    hint = _pole_hint(b, cause)
+    if cause.name == "precision":
+        hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16)
+    if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint:
+        return hint
+    return f"{hint}; but {MASKED_INCOMING.format(node=b.node)}"
+
+
+def _pole_hint(b, cause: Cause) -> str:
     data = b.zero_divisor == "data" and b.saved_zero == "0" and b.samples
     if data and cause.name == "invalid":
         return DIVISOR_OF_DATA.format(node=b.node)

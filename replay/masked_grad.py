@@ -1,0 +1,34 @@
+"""A backward node's NaN where the gradient entering it is 0: the op's output was dropped
+after it (a known positive's distance set to -inf by ``masked_fill``, a ``torch.where``'s
+other branch, a product with a mask's 0), yet the node still ran at those entries, and its
+infinite derivative at the pole times that 0 is NaN. The pole's own advice (resample the
+entry, clamp the input) reads as if the entry reached the loss; the mask the user wrote to
+exclude it does not act on the backward, so the fix is a safe input before the op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MASKED_INCOMING", "zero_where_nan"]
+
+MASKED_INCOMING = ("the gradient entering {node} is 0 at every entry where it made NaN: the "
+                   "forward dropped the op's output there after the op (masked_fill, "
+                   "torch.where, a product with a mask's 0), which does not stop the backward "
+                   "(0 times the infinite derivative at the pole is NaN); make the masked "
+                   "entries' input safe before the op (torch.where(mask, safe, x), or leave "
+                   "them out of the op's input), not its output")
+
+
+def zero_where_nan(grad_inputs, grad_outputs) -> bool:
+    """Whether the node's first non-finite returned gradient is NaN only where the one
+    incoming gradient of the same shape (an elementwise op's) is exactly 0."""
+    outs = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
+    if len(outs) != 1:
+        return False
+    bad = next((g for g in grad_inputs if isinstance(g, torch.Tensor)
+                and not bool(torch.isfinite(g).all())), None)
+    if bad is None or bad.shape != outs[0].shape:
+        return False
+    nan = torch.isnan(bad)
+    return bool(nan.any()) and bool((outs[0][nan] == 0).all())
