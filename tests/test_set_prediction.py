@@ -1,0 +1,143 @@
+"""End to end on DETR-style set prediction (``set_prediction_models``): object queries through
+a transformer decoder, Hungarian matching of the predictions to each image's targets,
+DETR's losses over the matched pairs with auxiliary losses from every decoder layer, images of
+different sizes padded into a batch with their padding mask passed into ``forward``, images
+without objects, AdamW with a lower backbone learning rate and gradient clipping at 0.1. Each
+planted bug of the domain fires under the recorder and is replayed with the CLI; the healthy
+run raises no event and trains bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import set_prediction_models as M
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("set_prediction_models.py", text)
+
+
+def train(ds, crit, out_dir, collate=M.collate_fn, steps: int = 6, record: bool = True):
+    """DETR's main.py loop, small: AdamW (backbone at a tenth of the learning rate), gradient
+    clipping at 0.1, a step schedule. Returns the model."""
+    model = M.make_detr()
+    opt = torch.optim.AdamW(M.param_groups(model), lr=1e-4, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 200)
+    torch.manual_seed(1)  # (the transformer's dropout)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="set_prediction_models:make_detr") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step, (images, mask, targets) in enumerate(M.loader(ds, collate=collate)):
+            if step == steps:
+                break
+            loss = loss_fn(model(images, mask), targets)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(ds, crit, tmp_path, collate=M.collate_fn):
+    with pytest.raises(NonFiniteError) as info:
+        train(ds, crit, tmp_path, collate)
+    return info.value.event, info.value.bundle_path
+
+
+def test_healthy_detr_with_padding_and_empty_images_raises_nothing_and_trains_the_same(
+        tmp_path):
+    """Padding masks in every batch (the -inf of ``key_padding_mask`` stays inside each
+    attention's softmax), images without objects (the matcher's empty matches, the
+    no-object class weighted by eos_coef), num_boxes clamped to 1: no event, and the weights
+    are bit-identical with and without the recorder."""
+    ds = M.Shapes(empty=(1, 5, 9))
+    recorded = train(ds, M.SetCriterion(), tmp_path)
+    plain = train(ds, M.SetCriterion(), tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_unclamped_num_boxes_of_a_batch_without_objects_is_a_count_read_by_item(tmp_path):
+    """DETR's ``num_boxes`` without its ``torch.clamp(num_boxes, min=1)``, read by ``.item()``
+    as DETR reads it, and a batch (images 8-11) with no object: the L1 sum over no matched
+    pair is 0, divided by the Python number 0. The hint called that number a setting ('a drop
+    probability of 1, a temperature annealed to 0'); the replay now sees that ``.item()``
+    read it from a tensor of the step, blames no image, and says to clamp the count."""
+    ev, bundle = fire(M.Shapes(empty=(1, 8, 9, 10, 11)), M.SetCriterion(clamp_num_boxes=False),
+                      tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (2, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.div", "nan", []), o
+    assert o["source"] == line_of("return loss_bbox.sum() / num_boxes, loss_giou.sum()"), o
+    assert rep["cause"] == "invalid", rep["hint"]
+    assert ".item() read from a tensor" in rep["hint"], rep["hint"]
+    assert "clamp_min(1)" in rep["hint"] and "temperature" not in rep["hint"], rep["hint"]
+
+
+def test_a_per_image_mean_over_an_image_without_objects_names_that_image(tmp_path):
+    """Box losses averaged per image, then over the images (a common rewrite of DETR's
+    num_boxes normalisation): image 1 has no object, and the mean of its empty set of matched
+    pairs is 0/0. The replay names the mean, its line, image 1 alone, step 0."""
+    ev, bundle = fire(M.Shapes(empty=(1, 9)), M.SetCriterion(per_image=True), tmp_path)
+    assert (ev["step"], ev["phase"]) == (0, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.mean", "nan", [1]), o
+    assert o["source"] == line_of('l1.append(F.l1_loss(src_b, tgt_b, reduction="none")'), o
+    assert rep["cause"] == "invalid" and "empty" in rep["hint"], rep["hint"]
+
+
+def test_eos_coef_zero_and_a_batch_without_objects_has_no_target_weight(tmp_path):
+    """``eos_coef=0`` (the no-object class ignored) and a batch whose every query is matched
+    to no-object: the class weight vector gives the weighted cross-entropy a total weight of
+    0, and its mean is 0/0. The replay names nll_loss2d in the loss, on the cross-entropy's
+    line, and says the targets are all of the class whose weight is 0."""
+    ev, bundle = fire(M.Shapes(empty=(1, 8, 9, 10, 11)), M.SetCriterion(eos_coef=0.0), tmp_path)
+    assert (ev["step"], ev["phase"]) == (2, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.nll_loss2d_forward", "nan", []), o
+    assert o["source"] == line_of("return F.cross_entropy(logits.transpose(1, 2)"), o
+    assert rep["cause"] == "invalid", rep["hint"]
+    assert f"are all of class {M.CLASSES}, whose weight is 0" in rep["hint"], rep["hint"]
+
+
+def unpadded_images(ds, step: int) -> list[int]:
+    """The images of batch ``step`` whose feature map has no padding at all, by the
+    backbone's own mask downsampling (the rows an inverted mask covers whole)."""
+    images, mask, _ = list(M.loader(ds))[step]
+    _, m = M.make_detr().backbone(images, mask)
+    return torch.nonzero(~m.flatten(1).any(1)).flatten().tolist()
+
+
+def test_a_pixel_mask_passed_as_the_padding_mask_covers_the_unpadded_images(tmp_path):
+    """Hugging Face's ``pixel_mask`` (1 on the image) handed to DETR's own model, whose
+    ``key_padding_mask`` is True on padding: an image with no padding is masked at every key,
+    and the encoder's first self-attention softmax is NaN for exactly those images. The
+    event and the replay name that attention, its softmax, and those images."""
+    ds = M.Shapes()
+    rows = unpadded_images(ds, 0)
+    assert 0 < len(rows) < 4, rows
+    ev, bundle = fire(ds, M.SetCriterion(), tmp_path, collate=M.hf_collate_fn)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        0, "forward", "encoder.0.self_attn", rows), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "encoder.0.self_attn", "aten._softmax", "nan", rows), o
+    assert o["source"] == line_of("src2 = self.self_attn(q, k, value=src, key_padding_mask"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
