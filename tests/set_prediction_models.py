@@ -138,12 +138,15 @@ class Backbone(nn.Module):
         return f, m
 
 
-def position_embedding_sine(mask, num_pos_feats: int = D // 2, temperature: float = 10000.0):
-    """DETR's PositionEmbeddingSine(normalize=True) of the padding mask."""
+def position_embedding_sine(mask, num_pos_feats: int = D // 2, temperature: float = 10000.0,
+                            eps: float = 1e-6):
+    """DETR's PositionEmbeddingSine(normalize=True) of the padding mask: each position's count
+    of unpadded rows (columns) above it over its column's (row's) total, which is 0 in a
+    column (row) of padding only."""
     not_mask = ~mask
     y_embed = not_mask.cumsum(1, dtype=torch.float32)
     x_embed = not_mask.cumsum(2, dtype=torch.float32)
-    eps, scale = 1e-6, 2 * math.pi
+    scale = 2 * math.pi
     y_embed = y_embed / (y_embed[:, -1:, :] + eps) * scale
     x_embed = x_embed / (x_embed[:, :, -1:] + eps) * scale
     dim_t = torch.arange(num_pos_feats, dtype=torch.float32)
@@ -202,8 +205,11 @@ class MLP(nn.Module):
 
 
 class DETR(nn.Module):
-    def __init__(self, enc_layers: int = 2, dec_layers: int = 2):
+    """``pos_eps``: the position embedding's eps (DETR's 1e-6; 0 in a rewrite that drops it)."""
+
+    def __init__(self, enc_layers: int = 2, dec_layers: int = 2, pos_eps: float = 1e-6):
         super().__init__()
+        self.pos_eps = pos_eps
         self.backbone = Backbone()
         self.input_proj = nn.Conv2d(32, D, 1)
         self.query_embed = nn.Embedding(QUERIES, D)
@@ -215,7 +221,7 @@ class DETR(nn.Module):
 
     def forward(self, images, mask):
         feat, mask = self.backbone(images, mask)
-        pos = position_embedding_sine(mask).flatten(2).permute(2, 0, 1)
+        pos = position_embedding_sine(mask, eps=self.pos_eps).flatten(2).permute(2, 0, 1)
         src = self.input_proj(feat).flatten(2).permute(2, 0, 1)  # (HW, B, D)
         mask = mask.flatten(1)
         for layer in self.encoder:
@@ -236,6 +242,11 @@ class DETR(nn.Module):
 def make_detr() -> DETR:
     torch.manual_seed(0)
     return DETR()
+
+
+def make_detr_no_eps() -> DETR:
+    torch.manual_seed(0)
+    return DETR(pos_eps=0.0)
 
 
 def param_groups(model: DETR, lr: float = 1e-4, lr_backbone: float = 1e-5):

@@ -24,15 +24,16 @@ def line_of(text: str) -> str:
     return source_line("set_prediction_models.py", text)
 
 
-def train(ds, crit, out_dir, collate=M.collate_fn, steps: int = 6, record: bool = True):
+def train(ds, crit, out_dir, collate=M.collate_fn, steps: int = 6, record: bool = True,
+          make: str = "make_detr"):
     """DETR's main.py loop, small: AdamW (backbone at a tenth of the learning rate), gradient
     clipping at 0.1, a step schedule. Returns the model."""
-    model = M.make_detr()
+    model = getattr(M, make)()
     opt = torch.optim.AdamW(M.param_groups(model), lr=1e-4, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.StepLR(opt, 200)
     torch.manual_seed(1)  # (the transformer's dropout)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                         factory="set_prediction_models:make_detr") if record else None
+                         factory=f"set_prediction_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for step, (images, mask, targets) in enumerate(M.loader(ds, collate=collate)):
@@ -141,3 +142,35 @@ def test_a_pixel_mask_passed_as_the_padding_mask_covers_the_unpadded_images(tmp_
         "encoder.0.self_attn", "aten._softmax", "nan", rows), o
     assert o["source"] == line_of("src2 = self.self_attn(q, k, value=src, key_padding_mask"), o
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+
+
+def padded_feature_rows(ds, step: int) -> list[int]:
+    """The images of batch ``step`` with a feature-map row of padding only (a position
+    embedding's 0 count of unpadded columns there)."""
+    images, mask, _ = list(M.loader(ds))[step]
+    _, m = M.make_detr().backbone(images, mask)
+    return torch.nonzero(m.all(2).any(1)).flatten().tolist()
+
+
+def test_a_position_embedding_without_its_eps_divides_a_padded_row_by_zero(tmp_path):
+    """DETR's PositionEmbeddingSine normalises each position's count of unpadded columns by
+    its row's total, plus eps = 1e-6; a rewrite with eps 0 divides 0 by 0 in every feature
+    row of padding only. The model's own code (no submodule) makes the NaN: the event and the
+    replay name the root, the division's line and the images with such a row. The hint said
+    the divisor came from ``backbone.body.1.bias`` (a BatchNorm bias, 0 at init), 'all 0 as
+    the step began: with random values in its place the call is finite': the trial read the
+    model's dict of outputs as holding no tensor, so finite. It now says the eps is 0."""
+    ds = M.Shapes()
+    rows = padded_feature_rows(ds, 0)
+    assert 0 < len(rows) < 4, rows
+    with pytest.raises(NonFiniteError) as info:
+        train(ds, M.SetCriterion(), tmp_path, make="make_detr_no_eps")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (0, "forward", "", rows), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "nan", rows), o
+    assert o["source"] == line_of("x_embed = x_embed / (x_embed[:, :, -1:] + eps)"), o
+    assert rep["cause"] == "invalid", rep["hint"]
+    assert "0 by 0" in rep["hint"] and "exactly 0" in rep["hint"], rep["hint"]
+    assert "bias" not in rep["hint"], rep["hint"]
