@@ -144,7 +144,9 @@ def test_a_pixel_mask_passed_as_the_padding_mask_covers_the_unpadded_images(tmp_
     """Hugging Face's ``pixel_mask`` (1 on the image) handed to DETR's own model, whose
     ``key_padding_mask`` is True on padding: an image with no padding is masked at every key,
     and the encoder's first self-attention softmax is NaN for exactly those images. The
-    event and the replay name that attention, its softmax, and those images."""
+    event and the replay name that attention, its softmax, and those images. The hint said
+    to keep a key per row or fill with a finite number; it now names the argument that masked
+    those images whole and says a mask of the keep convention must be inverted."""
     ds = M.Shapes()
     rows = unpadded_images(ds, 0)
     assert 0 < len(rows) < 4, rows
@@ -157,6 +159,8 @@ def test_a_pixel_mask_passed_as_the_padding_mask_covers_the_unpadded_images(tmp_
         "encoder.0.self_attn", "aten._softmax", "nan", rows), o
     assert o["source"] == line_of("src2 = self.self_attn(q, k, value=src, key_padding_mask"), o
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert f"key_padding_mask is True (masked) at every position of samples {rows}" \
+        in rep["hint"] and "must be inverted" in rep["hint"], rep["hint"]
 
 
 def padded_feature_rows(ds, step: int) -> list[int]:
