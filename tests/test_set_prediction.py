@@ -105,15 +105,19 @@ def test_unclamped_num_boxes_of_a_batch_without_objects_is_a_count_read_by_item(
 def test_a_per_image_mean_over_an_image_without_objects_names_that_image(tmp_path):
     """Box losses averaged per image, then over the images (a common rewrite of DETR's
     num_boxes normalisation): image 1 has no object, and the mean of its empty set of matched
-    pairs is 0/0. The replay names the mean, its line, image 1 alone, step 0."""
+    pairs is 0/0. The replay names the mean, its line, image 1 alone, step 0; dropping image 1
+    (and its target dict) makes the step finite, dropping image 0 does not."""
     ev, bundle = fire(M.Shapes(empty=(1, 9)), M.SetCriterion(per_image=True), tmp_path)
     assert (ev["step"], ev["phase"]) == (0, "loss"), ev
-    rep = nanreplay_json(bundle)
+    rep = nanreplay_json(bundle, "--try", "drop=1", "--try", "drop=0")
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"], o["samples"]) == (
         "<loss>", "aten.mean", "nan", [1]), o
     assert o["source"] == line_of('l1.append(F.l1_loss(src_b, tgt_b, reduction="none")'), o
     assert rep["cause"] == "invalid" and "empty" in rep["hint"], rep["hint"]
+    # (the image goes with its target dict: the step is finite without image 1 only)
+    assert [(w["try"], w["finite"]) for w in rep["what_if"]] == [
+        ("drop=1", True), ("drop=0", False)], rep["what_if"]
 
 
 def test_eos_coef_zero_and_a_batch_without_objects_has_no_target_weight(tmp_path):
