@@ -226,6 +226,10 @@ class DETR(nn.Module):
         mask = mask.flatten(1)
         for layer in self.encoder:
             src = layer(src, mask, pos)
+        return self.decode(images, src, mask, pos)
+
+    def decode(self, images, src, mask, pos):
+        """The decoder over the encoder's memory ``(HW, B, D)``, and the heads."""
         query_pos = self.query_embed.weight[:, None].repeat(1, images.shape[0], 1)
         tgt, hs = torch.zeros_like(query_pos), []
         for layer in self.decoder:
@@ -247,6 +251,92 @@ def make_detr() -> DETR:
 def make_detr_no_eps() -> DETR:
     torch.manual_seed(0)
     return DETR(pos_eps=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deformable DETR's encoder (one feature level): valid ratios of the padding mask, reference
+# points normalised by them, deformable attention sampling the value map by grid_sample
+
+
+def get_valid_ratio(mask):
+    """Deformable DETR's: the unpadded share of each image's height and width, read on its
+    first column and row."""
+    _, h, w = mask.shape
+    valid_h, valid_w = torch.sum(~mask[:, :, 0], 1), torch.sum(~mask[:, 0, :], 1)
+    return torch.stack([valid_w.float() / w, valid_h.float() / h], -1)
+
+
+def get_reference_points(h, w, valid_ratios):
+    """Each cell's centre, normalised by the image's own unpadded size (B, HW, 2)."""
+    ref_y, ref_x = torch.meshgrid(torch.linspace(0.5, h - 0.5, h),
+                                  torch.linspace(0.5, w - 0.5, w), indexing="ij")
+    ref_y = ref_y.reshape(-1)[None] / (valid_ratios[:, None, 1] * h)
+    ref_x = ref_x.reshape(-1)[None] / (valid_ratios[:, None, 0] * w)
+    return torch.stack((ref_x, ref_y), -1) * valid_ratios[:, None]
+
+
+class MSDeformAttn(nn.Module):
+    """Deformable attention over one level, ``ms_deform_attn_core_pytorch``'s grid_sample."""
+
+    def __init__(self, d: int = D, heads: int = 4, points: int = 4):
+        super().__init__()
+        self.heads, self.points = heads, points
+        self.sampling_offsets = nn.Linear(d, heads * points * 2)
+        self.attention_weights = nn.Linear(d, heads * points)
+        self.value_proj, self.output_proj = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, query, reference_points, value, shape, padding_mask):
+        b, lq, d = query.shape
+        h, w = shape
+        value = self.value_proj(value).masked_fill(padding_mask[..., None], 0.0)
+        value = value.view(b, h * w, self.heads, d // self.heads).permute(0, 2, 3, 1)
+        value = value.reshape(b * self.heads, d // self.heads, h, w)
+        off = self.sampling_offsets(query).view(b, lq, self.heads, self.points, 2)
+        attn = self.attention_weights(query).view(b, lq, self.heads, self.points).softmax(-1)
+        loc = reference_points[:, :, None, None, :] + off / torch.tensor([w, h])
+        grid = (2 * loc - 1).permute(0, 2, 1, 3, 4).reshape(b * self.heads, lq, self.points, 2)
+        sampled = F.grid_sample(value, grid, mode="bilinear", padding_mode="zeros",
+                                align_corners=False)  # (B*heads, d_h, Lq, points)
+        attn = attn.permute(0, 2, 1, 3).reshape(b * self.heads, 1, lq, self.points)
+        out = (sampled * attn).sum(-1).view(b, d, lq).transpose(1, 2)
+        return self.output_proj(out)
+
+
+class DeformableEncoderLayer(nn.Module):
+    def __init__(self, d: int = D, ff: int = 64):
+        super().__init__()
+        self.self_attn = MSDeformAttn(d)
+        self.linear1, self.linear2 = nn.Linear(d, ff), nn.Linear(ff, d)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+
+    def forward(self, src, pos, reference_points, shape, padding_mask):
+        src = self.norm1(src + self.self_attn(src + pos, reference_points, src, shape,
+                                              padding_mask))
+        return self.norm2(src + self.linear2(F.relu(self.linear1(src))))
+
+
+class DeformableDETR(DETR):
+    """DETR with Deformable DETR's encoder (batch-first), the decoder kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.ModuleList(DeformableEncoderLayer() for _ in range(2))
+
+    def forward(self, images, mask):
+        feat, mask = self.backbone(images, mask)
+        h, w = feat.shape[-2:]
+        valid_ratios = get_valid_ratio(mask)
+        reference_points = get_reference_points(h, w, valid_ratios)
+        pos = position_embedding_sine(mask, eps=self.pos_eps).flatten(2).transpose(1, 2)
+        src, mask = self.input_proj(feat).flatten(2).transpose(1, 2), mask.flatten(1)
+        for layer in self.encoder:
+            src = layer(src, pos, reference_points, (h, w), mask)
+        return self.decode(images, src.transpose(0, 1), mask, pos.transpose(0, 1))
+
+
+def make_deformable_detr() -> DeformableDETR:
+    torch.manual_seed(0)
+    return DeformableDETR()
 
 
 def param_groups(model: DETR, lr: float = 1e-4, lr_backbone: float = 1e-5):

@@ -197,3 +197,41 @@ def test_a_position_embedding_without_its_eps_divides_a_padded_row_by_zero(tmp_p
     assert rep["cause"] == "invalid", rep["hint"]
     assert "0 by 0" in rep["hint"] and "exactly 0" in rep["hint"], rep["hint"]
     assert "bias" not in rep["hint"], rep["hint"]
+
+
+def test_healthy_deformable_detr_raises_nothing_and_trains_the_same(tmp_path):
+    """Deformable DETR's encoder: valid ratios of the padding mask, reference points
+    normalised by them, the value map's padding filled with 0 and sampled by grid_sample
+    (sampling points off the map read the zero padding): no event, bit-identical weights."""
+    ds = M.Shapes(empty=(1, 5))
+    recorded = train(ds, M.SetCriterion(), tmp_path, make="make_deformable_detr", steps=4)
+    plain = train(ds, M.SetCriterion(), tmp_path, make="make_deformable_detr", steps=4,
+                  record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_a_pixel_mask_given_to_deformable_detr_zeroes_the_valid_ratios(tmp_path):
+    """The keep-convention pixel_mask again, into Deformable DETR: its valid ratios count
+    the unpadded rows and columns as ``~mask`` on the first column and row, which the
+    inverted mask makes 0 for every image with no padding along that side (each image of a
+    batch is as tall or as wide as the batch). The reference points divide by them: +inf, then
+    inf * 0 = NaN. The replay names the division on its line in the model's own code, and
+    every image of the batch."""
+    ds = M.Shapes()
+    images, mask, _ = next(iter(M.loader(ds, collate=M.hf_collate_fn)))
+    ratios = M.get_valid_ratio(M.make_detr().backbone(images, mask)[1])
+    assert bool((ratios == 0).any(1).all()) and not bool((ratios == 0).all()), ratios
+    with pytest.raises(NonFiniteError) as info:
+        train(ds, M.SetCriterion(), tmp_path, collate=M.hf_collate_fn,
+              make="make_deformable_detr")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        0, "forward", "", [0, 1, 2, 3]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == (
+        "", "aten.div", "+inf", True), o
+    assert o["source"] == line_of("ref_y = ref_y.reshape(-1)[None] / (valid_ratios"), o
+    assert rep["cause"] == "invalid" and "by 0" in rep["hint"], rep["hint"]
