@@ -218,7 +218,9 @@ def test_a_pixel_mask_given_to_deformable_detr_zeroes_the_valid_ratios(tmp_path)
     inverted mask makes 0 for every image with no padding along that side (each image of a
     batch is as tall or as wide as the batch). The reference points divide by them: +inf, then
     inf * 0 = NaN. The replay names the division on its line in the model's own code, and
-    every image of the batch."""
+    every image of the batch. The hint called the images degenerate records (the division's
+    own rows, images 1 and 3, were some of the batch; the x division made the other two);
+    rows widened to every image are the code's, as the op finder's own rule has it."""
     ds = M.Shapes()
     images, mask, _ = next(iter(M.loader(ds, collate=M.hf_collate_fn)))
     ratios = M.get_valid_ratio(M.make_detr().backbone(images, mask)[1])
@@ -235,3 +237,4 @@ def test_a_pixel_mask_given_to_deformable_detr_zeroes_the_valid_ratios(tmp_path)
         "", "aten.div", "+inf", True), o
     assert o["source"] == line_of("ref_y = ref_y.reshape(-1)[None] / (valid_ratios"), o
     assert rep["cause"] == "invalid" and "by 0" in rep["hint"], rep["hint"]
+    assert "degenerate" not in rep["hint"], rep["hint"]
