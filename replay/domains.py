@@ -212,9 +212,13 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
     # an int one is a count or a size (int(mask.sum()), a token count passed to the loss,
     # W - 1 of a one-pixel feature map)
     second = _second(ev)  # (an integer divisor is no floating input: a token count's sum())
-    by, key = ("", "divide")
+    by, key, read = "", "divide", ""
     if len(ins) < 2 and isinstance(second, (int, float)) and not isinstance(second, bool):
         by, key = " the number", "divide_count" if isinstance(second, int) else "divide_number"
+        if key == "divide_number" and second in ev.read:
+            # a float .item() read (DETR's num_boxes.item()): a count or total the step
+            # computed, advised on as the 0-d tensor it was read from
+            key, read = "divide_total", " that .item() read from a tensor"
     if key == "divide" and (ev.zero_dim[1:2] == [True] or (
             len(ins) < 2 and isinstance(second, torch.Tensor) and second.dim() == 0)):
         # one value for every element: a count or a statistic over the batch (a Cox loss's
@@ -228,8 +232,8 @@ def _division(op: str, ev: Evidence, ins: list[torch.Tensor],
                 f"{ev.bad.shape[0]} rows: a divisor that is a statistic over the batch "
                 "(z.std(0), a feature's norm) was 0 there", "divide_feature")
     if bool(((ins[0] == 0) & (den == 0)).any()):
-        return f"{op} of 0 by{by} 0 (0/0)", key
-    return f"{op} by{by} 0 (x/0, a pole)", key
+        return f"{op} of 0 by{by} 0{read} (0/0)", key
+    return f"{op} by{by} 0{read} (x/0, a pole)", key
 
 
 def _whole_columns(bad: torch.Tensor) -> list[int] | None:

@@ -63,6 +63,7 @@ class Evidence:
     output: int = 0  # which floating output ``bad`` is over
     empty: bool = False  # a floating input has no element (the mean of nothing is 0/0)
     args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
+    read: frozenset = frozenset()  # those of its numbers .item() read (replay.read_numbers)
     complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
     zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
     of_data: bool = False  # no input was learned (replay.lineage): made of the data alone

@@ -48,6 +48,7 @@ from .op_inputs import values_at as _at
 from .param_names import ParamNames
 from .pooled import Pooled
 from .positive import Partly, made_sign, positive_result
+from .read_numbers import ReadNumbers
 from .recurring import widen_rows
 from .reordered import Reordered
 from .saturation import Saturation, made_unit
@@ -207,7 +208,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
-                    args=plain)
+                    args=plain, read=f.read.of(plain))
 
 
 class OpFinder:
@@ -246,6 +247,7 @@ class OpFinder:
         self._mode = _Watch(self)
         self.composites = Composites()  # where torch.logdet runs (replay.composite)
         self.lost_eps = LostEps()  # t + eps where t's type rounds eps to 0 (replay.lost_eps)
+        self.read = ReadNumbers()  # the numbers .item() read (replay.read_numbers)
         # the model's parameters by name, indexed by the caller that runs it
         self.names = ParamNames()
         # the innermost module call running now, (name, call), as its caller tracks it
@@ -370,6 +372,7 @@ class OpFinder:
         too: a loss's matches, masks, labels)."""
         self.composites.see(name, args, self.seen - 1)
         self.lost_eps.track(name, args, out)
+        self.read.track(name, out)
         self.reordered.track(name, args, leaves, out)
         self.moved.track(name, args, leaves, out)
         if self.lineage is not None:

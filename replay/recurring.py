@@ -32,6 +32,7 @@ class _Widened:
     hit: Any
     base: set[int]
     pending: list[tuple[weakref.ref, set[int]]] = field(default_factory=list)
+    of_data: bool | None = None  # the hit's evidence's, as its own rows set it
 
     def rows(self) -> list[int]:
         return sorted(self.base.union(*(r for _, r in self.pending)))
@@ -73,7 +74,7 @@ def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
     if w is None or w.hit is not hit:
         w = _WIDENED[f] = _Widened(hit, set(hit.rows))
     if _settle(w, leaves, float_leaves(out), f.batch_rows):
-        hit.rows = w.rows()
+        _every_sample(f, w)
     if early:  # (so that the rows of a value sorted after the origin name their samples)
         f.reordered.track(func.overloadpacket.__name__, args, leaves, out)
         f.moved.track(func.overloadpacket.__name__, args, leaves, out)
@@ -101,5 +102,19 @@ def widen_rows(f: Any, func, args, kwargs, out, early: bool = False):
         spoiled |= set(rows)
     if fresh := new - spoiled:
         w.pending.append((weakref.ref(outs[0]), fresh))
-        hit.rows = w.rows()
+        _every_sample(f, w)
     return out
+
+
+def _every_sample(f: Any, w: _Widened) -> None:
+    """Set the origin's rows to ``w``'s. Rows widened to every sample of the batch: the
+    call's code hit the pole in each of them (Deformable DETR's valid ratios of an inverted
+    mask, 0 in height for some images and in width for the others), not a degenerate record
+    (``OpFinder.of_records``' rule, on the origin op's rows alone)."""
+    w.hit.rows = w.rows()
+    ev, size = w.hit.evidence, getattr(f.samples, "size", None)
+    if ev is None or not size:
+        return
+    if w.of_data is None:
+        w.of_data = ev.of_data
+    ev.of_data = w.of_data and len(w.hit.rows) < size

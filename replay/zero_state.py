@@ -164,6 +164,8 @@ def _finite_with(runner: Runner, origin, module, t: torch.Tensor, noise) -> bool
 def _tensors(out) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):  # (DETR's {"pred_logits": ..., "aux_outputs": [...]})
+        out = list(out.values())
     if isinstance(out, (tuple, list)):
         return [t for o in out for t in _tensors(o)]
     return []

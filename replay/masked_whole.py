@@ -1,0 +1,70 @@
+"""A softmax made NaN on rows that a mask argument of its module call masked whole.
+
+An attention given a padding mask (``nn.MultiheadAttention``'s ``key_padding_mask``, True
+where a key is ignored) whose every entry is True for some samples has no key left for
+them, and its softmax is NaN there. The generic advice (keep a key per row, or fill with a
+finite number) does not say which argument did it, nor the usual reason in set prediction
+and NLP: a mask of the other convention (1 = keep: Hugging Face's ``attention_mask`` and
+``pixel_mask``) passed as a padding mask, which masks every sample without padding whole.
+:func:`masked_whole_hint` names the argument (read on one forward of the origin's call).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .errors import StopRun
+from .rerun import Runner
+
+__all__ = ["masked_whole_hint"]
+
+
+def masked_whole_hint(runner: Runner, origin, hint: str | None, rows) -> str | None:
+    """``hint`` with the mask argument of the origin's module call that is True (or 1) at
+    every position of the samples ``rows``, where the hint says a fully masked row made the
+    NaN; else None."""
+    if hint is None or "(a fully masked row)" not in hint or not rows or runner.model is None:
+        return None
+    try:
+        module = runner.model.get_submodule(origin.module or "")
+    except AttributeError:
+        return None
+    named = _call_arguments(runner, origin, module)
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_floating_point() \
+                or max(rows) >= t.shape[0] or bool(((t != 0) & (t != 1)).any()):
+            continue
+        whole = t[rows].flatten(1).all(1)
+        if bool(whole.all()) and not bool(t.flatten(1).all(1).all()):
+            return (f"{hint}; {name} is True (masked) at every position of samples {rows}, "
+                    "and not of the others: if those samples hold no padding, the mask has "
+                    "the other convention (1 = keep: Hugging Face's attention_mask and "
+                    "pixel_mask) and must be inverted (~mask.bool()); if they are padding "
+                    "only (an empty image or sequence), leave them out of the batch")
+    return None
+
+
+def _call_arguments(runner: Runner, origin, module) -> dict:
+    """The origin call's arguments by parameter name (one forward, stopped there)."""
+    state: dict = {"calls": 0, "named": {}}
+
+    def pre(m, args, kwargs):
+        if runner.micro_batch != origin.micro_batch:
+            return
+        if state["calls"] == origin.call:
+            try:
+                state["named"] = dict(inspect.signature(m.forward).bind(*args, **kwargs)
+                                      .arguments)
+            except TypeError:
+                state["named"] = dict(kwargs)
+            raise StopRun
+        state["calls"] += 1
+
+    try:
+        runner.run(backward=False, instrument=False, hooks=lambda model: [
+            module.register_forward_pre_hook(pre, with_kwargs=True)])
+    except Exception:  # (the arguments help the hint; the hint stands without them)
+        return {}
+    return state["named"]
