@@ -38,6 +38,7 @@ from .rerun import Runner
 from .returned_fill import returned_fill
 from .run_result import Run
 from .signed_weights import signed_weights_hint
+from .singular_inverse import singular_inverse_hint
 from .source import is_torch_file, node_tracebacks, user_source
 from .storages import mask_buffers, state_of
 from .transforms import outside_transforms
@@ -117,13 +118,14 @@ def _bisect(runner: Runner, run: Run, o, nan_only: bool) -> dict[str, Any]:
 def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin) -> str | None:
     """The forward origin's hint: the cause's, with what the op took (a parameter, a table),
     the backward node running it, a raw pole, a log-sum-exp, a log(1 + x) or softplus by
-    hand, an exp of a cumulative sum."""
+    hand, an inverse of a singular matrix, an exp of a cumulative sum."""
     hit, node = found
     lineage = finder.lineage
     hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
+    hint = singular_inverse_hint(runner, hint, cause.name, hit)  # (made of a singular's inverse)
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
     return exp_overflow_hint(runner, hint, cause.name, hit)
 

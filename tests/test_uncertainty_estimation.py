@@ -31,6 +31,7 @@ SPECS = {  # kind: (factory, batches, loss)
     "focal": ("make_focal", M.class_batch, lambda: M.FocalLoss(gamma=0.5)),
     "sngp": ("make_sngp", M.class_batch, torch.nn.CrossEntropyLoss),
     "sngp_no_ridge": ("make_sngp_no_ridge", M.class_batch, torch.nn.CrossEntropyLoss),
+    "sngp_inv": ("make_sngp_inv_no_ridge", M.class_batch, torch.nn.CrossEntropyLoss),
 }
 
 
@@ -201,6 +202,29 @@ def test_sngp_precision_without_ridge_is_named_singular(tmp_path):
     assert "ridge" in rep["hint"] and "fewer samples than features" in rep["hint"], rep["hint"]
 
 
+def test_sngp_inverse_of_a_singular_precision_names_the_inverse_behind_the_sqrt(tmp_path):
+    """The same precision without its ridge, inverted with torch.linalg.inv, which raises
+    only on an exactly singular matrix: the rank-16 64x64 precision comes back as a finite
+    "covariance" of rounding noise, phi^T Sigma phi is negative for some records and the
+    mean-field sqrt(1 + pi / 8 var) is NaN. The replay names the sqrt and its rows, and the
+    hint sends the user to the inverse's line and the ridge, not to a clamp of the sqrt."""
+    ev, bundle = fire("sngp_inv", tmp_path)
+    model = M.make_sngp_inv_no_ridge()
+    x, _ = M.class_batch(torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        rows = torch.nonzero(~torch.isfinite(model(x)).all(1)).flatten().tolist()
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (0, "forward", "", rows)
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "", "aten.sqrt", rows, "invalid"), rep
+    assert o["source"] == line_of("return logits / torch.sqrt(1 + math.pi / 8 * var)"), o
+    inv = line_of("cov = torch.linalg.inv(self.precision)")
+    assert f"made from aten.linalg_inv_ex ({inv}) of a matrix singular" in rep["hint"], rep
+    assert "add a ridge" in rep["hint"] and "clamping" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,acquire", [("edl_softplus", False), ("ensemble", False),
                                           ("penalty", True), ("sngp", False)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, acquire):
@@ -247,3 +271,52 @@ def test_temperature_scaling_by_lbfgs_fits_the_same_temperature(tmp_path):
     recorded = fit_temperature(tmp_path)
     assert not list(tmp_path.glob("*.nan"))
     assert recorded == fit_temperature(tmp_path, record=False) and recorded > 1.5
+
+
+def train_masked(out_dir, record: bool = True, allow_inf=None, steps: int = 4,
+                 accum: int = 2) -> torch.nn.Module:
+    """MC dropout over records whose unavailable classes are -inf logits, cross-entropy
+    (which reads only the label's logit and the log-sum-exp), two accumulated micro-batches a
+    step."""
+    model = M.make_masked_mc_dropout()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = torch.nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    kw = {} if allow_inf is None else {"allow_inf": allow_inf}
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, **kw,
+                         factory="uncertainty_estimation_models:make_masked_mc_dropout") \
+        if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for _ in range(steps):
+            opt.zero_grad()
+            for _ in range(accum):
+                x, available, y = M.masked_batch(g)
+                loss = loss_fn(model(x, available), y) / accum
+                loss.backward()
+            opt.step()
+    return model
+
+
+def test_masked_classes_in_the_output_name_the_fill_and_the_allow_inf_to_add(tmp_path):
+    """By default a -inf reaching the root output is an event (the recorder cannot know the
+    loss reads it only where allowed); the replay names the literal fill, intended, and the
+    exact allow_inf setting that records such a model."""
+    with pytest.raises(NonFiniteError) as info:
+        train_masked(tmp_path)
+    assert (info.value.event["step"], info.value.event["kind"]) == (0, "-inf")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"]) == ("", "aten.masked_fill", "-inf"), o
+    assert "allow_inf" in rep["hint"] and "allow_inf=['']" in " ".join(rep["problems"]), rep
+
+
+def test_masked_classes_with_allow_inf_raise_nothing_and_train_the_same(tmp_path):
+    """With allow_inf=[""] (the root's output): no event over accumulated micro-batches with
+    dropout, and bit-identical weights with and without the recorder."""
+    recorded = train_masked(tmp_path, allow_inf=[""])
+    plain = train_masked(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name

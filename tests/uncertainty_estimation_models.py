@@ -312,3 +312,27 @@ class TemperatureScaler(nn.Module):
 
 def make_temperature() -> TemperatureScaler:
     return TemperatureScaler()
+
+
+# ---------------------------------------------------------------------------------------------
+# classes unavailable per record (a label space that varies by site), masked with -inf
+
+
+class MaskedMCDropout(MCDropoutNet):
+    """MC dropout whose logits of the classes a record cannot take are -inf."""
+
+    def forward(self, x, available):
+        return self.body(x).masked_fill(~available, float("-inf"))
+
+
+def make_masked_mc_dropout() -> MaskedMCDropout:
+    torch.manual_seed(0)
+    return MaskedMCDropout()
+
+
+def masked_batch(g: torch.Generator, n: int = 16):
+    """Records with their available classes (the label's always among them)."""
+    x, y = class_batch(g, n=n)
+    available = torch.rand(n, K, generator=g) < 0.6
+    available[torch.arange(n), y] = True
+    return x, available, y
