@@ -27,6 +27,7 @@ SPECS = {  # kind: (factory, batches, loss)
     "hetero": ("make_hetero", M.regression_batch, lambda: M.gaussian_nll),
     "exp_var": ("make_exp_var", M.regression_batch, lambda: M.variance_nll),
     "ensemble": ("make_ensemble_member", M.regression_batch, M.EnsembleNLL),
+    "joint": ("make_joint_ensemble", M.price_batch, lambda: M.mixture_nll),
     "penalty": ("make_mc_dropout", M.class_batch, M.ConfidencePenalty),
     "focal": ("make_focal", M.class_batch, lambda: M.FocalLoss(gamma=0.5)),
     "sngp": ("make_sngp", M.class_batch, torch.nn.CrossEntropyLoss),
@@ -152,6 +153,28 @@ def test_log_variance_underflow_names_the_log_of_its_exp_and_the_record(tmp_path
     assert o["source"] == line_of(line), o
     assert "log(exp(x)) is x" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_joint_ensemble_variance_by_moments_is_named_a_cancellation(tmp_path):
+    """A jointly trained ensemble's moment-matched variance E[var + mu^2] - E[mu]^2 on prices
+    in their own units (mu ~ 2.5e5, mu^2 ~ 6e10, float32's spacing there ~ 8e3): the two
+    terms agree to rounding and the difference is 0 or negative for some records at the first
+    step (float64: 0.665), whose log is -inf or NaN. Named at the log, on exactly those
+    records, precision, with the variance's stable form (torch.var, centring) as the fix."""
+    ev, bundle = fire("joint", tmp_path)
+    model = M.make_joint_ensemble()
+    x, _ = M.price_batch(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mus, variances = model(x)
+        var = (variances + mus ** 2).mean(0) - mus.mean(0) ** 2
+    rows = torch.nonzero(var <= 0).flatten().tolist()  # (log: NaN below 0, -inf at 0)
+    assert rows and (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.log", "nan", rows, "precision"), rep
+    assert o["source"] == line_of("(y - mu) ** 2 / (2 * var)).mean()  # of the mixture"), o
+    assert "E[x²] − E[x]²" in rep["hint"] and "torch.var" in rep["hint"], rep["hint"]
 
 
 def test_entropy_penalty_of_an_underflowed_softmax_names_the_log(tmp_path):
