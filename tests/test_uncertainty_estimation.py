@@ -28,6 +28,7 @@ SPECS = {  # kind: (factory, batches, loss)
     "exp_var": ("make_exp_var", M.regression_batch, lambda: M.variance_nll),
     "ensemble": ("make_ensemble_member", M.regression_batch, M.EnsembleNLL),
     "joint": ("make_joint_ensemble", M.price_batch, lambda: M.mixture_nll),
+    "der": ("make_der", M.regression_batch, lambda: M.nig_nll),
     "penalty": ("make_mc_dropout", M.class_batch, M.ConfidencePenalty),
     "focal": ("make_focal", M.class_batch, lambda: M.FocalLoss(gamma=0.5)),
     "sngp": ("make_sngp", M.class_batch, torch.nn.CrossEntropyLoss),
@@ -175,6 +176,30 @@ def test_joint_ensemble_variance_by_moments_is_named_a_cancellation(tmp_path):
         "<loss>", "aten.log", "nan", rows, "precision"), rep
     assert o["source"] == line_of("(y - mu) ** 2 / (2 * var)).mean()  # of the mixture"), o
     assert "E[x²] − E[x]²" in rep["hint"] and "torch.var" in rep["hint"], rep["hint"]
+
+
+def test_evidential_regression_relu_nu_names_the_pole_and_the_relu_behind_it(tmp_path):
+    """Deep evidential regression with nu = relu(.): the evidence regulariser pushes nu down
+    and within a few steps a record's nu is exactly 0, so log(pi / nu) is +inf. Named at the
+    reciprocal in the NIG NLL, on exactly the records whose nu is 0 (counted on an unrecorded
+    run), invalid, with the model output and the relu that made the 0 and softplus as the
+    fix, not only an eps in the loss."""
+    ev, bundle = fire("der", tmp_path, steps=40, lr=1e-2)
+    step = ev["step"]
+    model = train("der", None, steps=step, lr=1e-2, record=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(step + 1):
+        x, _ = M.regression_batch(g)
+    with torch.no_grad():
+        rows = torch.nonzero(model(x)[1] == 0).flatten().tolist()
+    assert rows and (ev["phase"], ev["kind"]) == ("loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.reciprocal", "+inf", rows, "invalid"), rep
+    assert o["source"] == line_of("nll = (0.5 * torch.log(math.pi / nu)"), o
+    assert "model's output[1]" in rep["hint"] and "made by aten.relu" in rep["hint"], rep
+    assert "softplus(x) + eps" in rep["hint"], rep["hint"]
 
 
 def test_entropy_penalty_of_an_underflowed_softmax_names_the_log(tmp_path):

@@ -213,6 +213,34 @@ def price_batch(g: torch.Generator, bad: int | None = None, n: int = 16, scale: 
     return x, 2.5e5 + 1e3 * y
 
 
+class DeepEvidentialRegression(nn.Module):
+    """Amini et al.'s Normal-Inverse-Gamma head: (gamma, nu, alpha, beta), with nu and beta
+    made positive by relu (as several ports write it) and alpha = softplus + 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, 32), nn.SiLU(), nn.Linear(32, 32), nn.SiLU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        gamma, nu, alpha, beta = self.head(self.body(x)).float().unbind(-1)
+        return gamma, F.relu(nu), F.softplus(alpha) + 1, F.relu(beta) + 1e-6
+
+
+def nig_nll(gamma, nu, alpha, beta, y, coeff: float = 0.01):
+    """The NIG negative log-likelihood and the evidence regulariser |y - gamma| (2 nu + alpha)."""
+    omega = 2 * beta * (1 + nu)
+    nll = (0.5 * torch.log(math.pi / nu) - alpha * torch.log(omega)  # the bug: nu = relu(.) = 0
+           + (alpha + 0.5) * torch.log(nu * (y - gamma) ** 2 + omega)
+           + torch.lgamma(alpha) - torch.lgamma(alpha + 0.5))
+    return (nll + coeff * (y - gamma).abs() * (2 * nu + alpha)).mean()
+
+
+def make_der() -> DeepEvidentialRegression:
+    torch.manual_seed(0)
+    return DeepEvidentialRegression()
+
+
 # ---------------------------------------------------------------------------------------------
 # MC dropout, confidence penalty, BALD
 
