@@ -42,10 +42,11 @@ def line_of(text: str) -> str:
 
 
 def train(kind: str, out_dir, bad: int | None = None, scale: float = 1.0, steps: int = 4,
-          lr: float = 1e-3, record: bool = True, acquire: bool = False):
+          lr: float = 1e-3, record: bool = True, acquire: bool = False, amp: bool = False):
     """AdamW with a step schedule and gradient clipping; the EDL loss's annealing epoch set by
     the loop; record ``bad`` of the last step's batch ``scale`` times too large; ``acquire``:
-    BALD scores of a pool between steps (dropout on, no grad), as active learning does."""
+    BALD scores of a pool between steps (dropout on, no grad), as active learning does;
+    ``amp``: forward and loss under bfloat16 autocast."""
     make, data, loss = SPECS[kind]
     model, crit = getattr(M, make)(), loss()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
@@ -62,8 +63,9 @@ def train(kind: str, out_dir, bad: int | None = None, scale: float = 1.0, steps:
             if isinstance(crit, M.EDLLoss):
                 crit.epoch = step
             x, y = data(g, bad if step == steps - 1 else None, scale=scale)
-            out = model(x)
-            loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = model(x)
+                loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), y)
             opt.zero_grad()
             loss.backward()
             model.losses.append(loss.detach())
@@ -273,15 +275,18 @@ def test_sngp_inverse_of_a_singular_precision_names_the_inverse_behind_the_sqrt(
     assert "add a ridge" in rep["hint"] and "clamping" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.parametrize("kind,acquire", [("edl_softplus", False), ("ensemble", False),
-                                          ("penalty", True), ("sngp", False)])
-def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, acquire):
-    """Softplus evidence (lgamma/digamma KL), GaussianNLLLoss on a softplus variance, MC
-    dropout with BALD acquisition between steps (its dropout draws from the same RNG), SNGP
-    (spectral norm's power iteration, the precision buffer updated in forward): no event,
-    bit-identical weights and buffers with and without the recorder."""
-    recorded = train(kind, tmp_path, steps=4, acquire=acquire)
-    plain = train(kind, tmp_path, steps=4, acquire=acquire, record=False)
+@pytest.mark.parametrize("kind,acquire,amp", [
+    ("edl_softplus", False, False), ("ensemble", False, False), ("ensemble", False, True),
+    ("penalty", True, False), ("sngp", False, False), ("der", False, True)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, acquire, amp):
+    """Softplus evidence (lgamma/digamma KL), GaussianNLLLoss on a softplus variance (also
+    under bfloat16 autocast), MC dropout with BALD acquisition between steps (its dropout
+    draws from the same RNG), SNGP (spectral norm's power iteration, the precision buffer
+    updated in forward), evidential regression's NIG NLL under bfloat16 autocast (a few steps,
+    before any nu reaches 0): no event, bit-identical weights and buffers with and without
+    the recorder."""
+    recorded = train(kind, tmp_path, steps=4, acquire=acquire, amp=amp)
+    plain = train(kind, tmp_path, steps=4, acquire=acquire, amp=amp, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(a, b), name
