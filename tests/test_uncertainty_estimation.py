@@ -365,6 +365,34 @@ def test_masked_classes_in_the_output_name_the_fill_and_the_allow_inf_to_add(tmp
     assert "allow_inf" in rep["hint"] and "allow_inf=['']" in " ".join(rep["problems"]), rep
 
 
+def test_label_smoothing_over_masked_classes_names_the_sum_and_the_smoothing(tmp_path):
+    """The same masked logits under allow_inf, with label_smoothing=0.1: the smoothing term
+    sums log-probabilities over every class, the masked ones' -inf too, and the loss is
+    +inf. The event says the model output holds no NaN (its -inf allowed, not "finite"); the
+    replay names the sum that folded the intended -inf in, on the records with a masked
+    class, and the smoothing spread over masked classes as the fix."""
+    model = M.make_masked_mc_dropout()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    x, available, y = M.masked_batch(torch.Generator().manual_seed(0))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path, allow_inf=[""],
+                            factory="uncertainty_estimation_models:make_masked_mc_dropout"
+                            ) as rec:
+            opt.zero_grad()
+            rec.loss_fn(model(x, available), y).backward()
+            opt.step()
+    ev = info.value.event
+    assert (ev["phase"], ev["kind"]) == ("loss", "+inf"), ev
+    assert ev["detail"] == "the loss is non-finite while the model output holds no NaN", ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    rows = torch.nonzero(~available.all(1)).flatten().tolist()
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.sum", rows, "invalid"), rep
+    assert "label smoothing" in rep["hint"] and "masked" in rep["hint"], rep["hint"]
+
+
 def test_masked_classes_with_allow_inf_raise_nothing_and_train_the_same(tmp_path):
     """With allow_inf=[""] (the root's output): no event over accumulated micro-batches with
     dropout, and bit-identical weights with and without the recorder."""
