@@ -348,7 +348,8 @@ def _loss_event(ev: StepEvidence) -> Event | None:
             event.detail = f"non-finite value in the loss target {path}"
         else:
             event.phase = "loss"
-            event.detail = "the loss is non-finite while the model output is finite"
+            event.detail = ("the loss is non-finite while the model output "  # (allow_inf's +-inf)
+                            + ("holds no NaN" if 0 in ev.allowed else "is finite"))
             if k in ev.tape.given_loss and any(  # (loss_fn ran first, finite: k is the first)
                     m == mb_i and j not in ev.tape.given_loss
                     for j, (m, _, _) in enumerate(ev.layout.loss[:k])):

@@ -41,6 +41,7 @@ from .rerun import Runner
 from .returned_fill import returned_fill
 from .run_result import Run
 from .signed_weights import signed_weights_hint
+from .singular_inverse import singular_inverse_hint
 from .source import is_torch_file, node_tracebacks, user_source
 from .storages import mask_buffers, state_of
 from .transforms import outside_transforms
@@ -126,7 +127,7 @@ def _bisect(runner: Runner, run: Run, o, nan_only: bool) -> dict[str, Any]:
 def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin) -> str | None:
     """The forward origin's hint: the cause's, with what the op took (a parameter, a table),
     the backward node running it, a raw pole, a log-sum-exp, a log(1 + x) or softplus by
-    hand, an exp of a cumulative sum."""
+    hand, an inverse of a singular matrix, an exp of a cumulative sum."""
     hit, node = found
     lineage = finder.lineage
     hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
@@ -135,6 +136,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
     # (a padding mask True at every key of the NaN samples: key_padding_mask)
     hint = masked_whole_hint(runner, o, hint, origin.get("samples")) or hint
+    hint = singular_inverse_hint(runner, hint, cause.name, hit)  # (made of a singular's inverse)
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
     return exp_overflow_hint(runner, hint, cause.name, hit)
 

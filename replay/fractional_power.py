@@ -53,12 +53,16 @@ def fractional_power_at_zero(node) -> tuple[float, int, bool] | None:
 
 def fractional_power_hint(b, cause: Cause) -> str:
     """``cause``'s hint for backward origin ``b`` at such a power (see
-    :func:`fractional_power_at_zero`)."""
-    if cause.name != "invalid" or b.fractional_power is None:
+    :func:`fractional_power_at_zero`), whose zeros are exact or made by rounding."""
+    if cause.name not in ("invalid", "precision") or b.fractional_power is None:
         return cause.hint
     p, zeros, weights = b.fractional_power
     said = (f"{b.node}: x ** {p:g} has an infinite derivative at x = 0, and its base holds "
             f"{zeros} exact 0(s)")
+    if cause.name == "precision":  # the generic rounding advice (torch.var, logsigmoid) misleads
+        return (said + " that rounding made, positive in float64 (1 - p of a probability "
+                "rounded to 1: a focal loss's (1 - p) ** gamma with gamma < 1): floor the base "
+                "before the power, x.clamp_min(eps) ** p or (x + eps) ** p")
     if not weights:
         return said + ": take (x + eps) ** p, or leave the zeros out before the power"
     return (said + ", entries of a parameter: weights at exactly 0, which pruning or a "

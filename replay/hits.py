@@ -71,6 +71,7 @@ class Evidence:
     data_divisor: bool = False  # a learned value over a divisor of data (replay.data_divisor)
     of_weights: bool = False  # every input a parameter or buffer, or made of them alone
     squared: list[bool] = field(default_factory=list)  # exp_made[i] by a square (re² + im²)
+    of_exp: list[bool] = field(default_factory=list)  # inputs[i] is exp's own result
     # a decomposition's values: "cholesky", "eigenvalues" or None each (replay.factors)
     factor: list[str | None] = field(default_factory=list)
     narrowest: torch.dtype | None = None  # the narrowest type an op before it made

@@ -9,7 +9,9 @@ which model output it is, which module returned it and which op made it, read fr
 re-run of the forward (only for such an op: an invalid log, sqrt or power of a negative);
 so it does for a likelihood that underflowed to 0 (``upper - lower`` of two CDF tails with
 the likelihood's lower bound removed), to bound where it is made. A 0 the model wrote as a
-constant (an extended vocabulary's unfilled slot) is named by :mod:`replay.unfilled`.
+constant (an extended vocabulary's unfilled slot) is named by :mod:`replay.unfilled`. An
+exact 0 a ReLU-like cut made (deep evidential regression's ``nu = relu(.)`` under
+``log(pi / nu)``) is named too: non-negative is not enough for a divisor or a log.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from .unfilled import unfilled_hint
 
 _DOMAIN = {"aten.log", "aten.log2", "aten.log10", "aten.sqrt", "aten.rsqrt", "aten.pow",
            "aten.log1p"}
+# one-input ops with a pole at 0, and the ops that cut their input to exactly 0 there
+_POLES = {"aten.log", "aten.log2", "aten.log10", "aten.rsqrt", "aten.reciprocal"}
+_CUTS = {"aten.relu", "aten.threshold", "aten.clampmin", "aten.clamp", "aten.hardtanh"}
 
 
 def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None
@@ -33,11 +38,12 @@ def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | N
     whose least value is the op's input's); for an invalid 0, the constant it wrote."""
     if (unfilled := unfilled_hint(runner, mb, hit, cause, hint)) is not hint:
         return unfilled
-    if hit is None or hit.op not in _DOMAIN or hint is None or hit.input_min is None \
-            or runner.model is None:
+    if hit is None or hit.op not in _DOMAIN | _POLES or hint is None \
+            or hit.input_min is None or runner.model is None:
         return hint
-    if not (cause == "invalid" and hit.input_min < 0) \
-            and not (cause == "underflow" and hit.input_min == 0):
+    cut = cause == "invalid" and hit.input_min == 0 and hit.op in _POLES
+    if not (cause == "invalid" and hit.input_min < 0 and hit.op in _DOMAIN) and not cut \
+            and not (cause == "underflow" and hit.input_min == 0 and hit.op in _DOMAIN):
         return hint
     try:
         found = _made_in(runner, mb, hit.input_min)
@@ -50,6 +56,13 @@ def negative_output_hint(runner: Runner, mb: int, hit, cause: str, hint: str | N
         return hint  # (a softmax or exp output: the hint's log-space advice is the fix)
     who = f"module {module}" if module else "the model's forward"
     made = f", made by {op}" if op else ""
+    if cut:
+        if op not in _CUTS:
+            return hint
+        return (f"{hint}. The 0s are the model's {path}, which {who} returned{made}, exactly 0 "
+                "wherever its input is negative: non-negative is not enough for a divisor or a "
+                "log; bound it below where it is made (softplus(x) + eps, or exp of a learned "
+                "log), which an eps in the loss would only patch")
     if cause == "underflow":
         return (f"{hint}. The 0s are the model's {path}, which {who} returned{made}: bound it "
                 "where it is made (a likelihood's lower bound, clamp_min(1e-9) in that "

@@ -54,6 +54,7 @@ from .reordered import Reordered
 from .saturation import Saturation, made_unit
 from .source import user_source
 from .storages import storage_of
+from .underflow_advice import made_by_exp
 
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
@@ -199,6 +200,7 @@ def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
                     input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
                     exp_made=[f.positive(t) or f.partly.at(t, bad) for t in ins],
                     squared=[f.partly.squared(t) for t in ins],
+                    of_exp=[t in f.exps or made_by_exp(t) for t in ins],
                     local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
                     zero_dim=[t.dim() == 0 for t in ins], factor=[made_by(t) for t in ins],
@@ -241,6 +243,7 @@ class OpFinder:
         self.made_in: set[torch.dtype] = set()  # the floating types the watched ops made
         self.sizes: dict[str, list[float]] = {}  # each op's finite calls' largest magnitude
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
+        self.exps = TensorSet()  # exp's own results (a log of one: replay.underflow_advice)
         self.partly = Partly()  # and those it keeps > 0 at some positions (a bool mask each)
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self.cancellation = Cancellation()  # and E[x²] - E[x]², which it can make < 0
@@ -291,6 +294,8 @@ class OpFinder:
         if made_sign(fn) > 0:
             self._positive.add(t)
         self.partly.mark_filled(fn, t)  # (a softmax over a fill: positive where non-zero)
+        if made_by_exp(t, fn=fn):
+            self.exps.add(t)
         if made_unit(fn):
             self.saturation.mark_unit(t)
 
@@ -307,6 +312,8 @@ class OpFinder:
             self._positive.add(outs[0])
         self.made_in.update(t.dtype for t in outs)
         self.names.track(name, ins, outs)
+        if name in ("exp", "exp_"):
+            self.exps.add(outs[0])
         weights_only = bool(self.state) and self._of_weights_only(leaves)
         if weights_only:  # (and a complex result itself, which ``outs`` holds as a real view)
             for t in outs + [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:

@@ -2,13 +2,24 @@
 or sigmoid (``Evidence.exp_made``) has a log-space rewrite; a product or difference of small
 finite numbers has none in the code (a 2x2 determinant ``a * c - b * b`` of a Gaussian splat
 collapsed to a point, without gsplat's 0.3 dilation of its 2-D covariance), and the fix is a
-floor where it is made, which the log-space list (log_softmax, logsumexp, a Cox loss) hides."""
+floor where it is made, which the log-space list (log_softmax, logsumexp, a Cox loss) hides.
+A log of the exp itself (``var = log_var.exp()`` then ``log(var)`` in a hand-written Gaussian
+NLL) needs none of that list: the round trip is the exponent."""
 
 from __future__ import annotations
 
 from .cause_text import DO
+from .positive import node_op
 
 _DIVISIONS = {"div", "div_", "reciprocal", "reciprocal_", "rsqrt", "rsqrt_"}
+_LOGS = {"log", "log_", "log2", "log10"}
+_VIEWS = {"View", "UnsafeView", "Reshape", "ReshapeAlias", "Squeeze", "Unsqueeze", "Select",
+          "Slice", "Expand", "Clone", "Alias"}
+
+LOG_OF_EXP = ("its input is an exp's result (log(exp(x)) is x): take the exponent itself "
+              "instead of the log of its exp (a Gaussian NLL's 0.5 * log_var, with "
+              "(y - mu) ** 2 * torch.exp(-log_var) for the division), which no underflow "
+              "reaches; or ")
 
 FLOOR = ("it is made of small finite numbers (products, differences), not of an exponential, "
          "so no log-space form exists: keep it away from 0 where it is made (a floor on its "
@@ -17,8 +28,30 @@ FLOOR = ("it is made of small finite numbers (products, differences), not of an 
          "(det.clamp_min(eps)), or compute it in float64")
 
 
+def made_by_exp(t, depth: int = 6, fn=None) -> bool:
+    """Whether tensor ``t`` is (a view of) ``exp``'s result, on the autograd graph (so only
+    when the forward recorded gradients; ``fn``: the node that made a detached copy ``t``)."""
+    try:
+        fn = fn or t.grad_fn
+        for _ in range(depth):
+            if fn is None:
+                return False
+            op = node_op(fn)
+            if op == "Exp":
+                return True
+            if op not in _VIEWS:
+                return False
+            fn = next((f for f, _ in fn.next_functions if f is not None), None)
+    except Exception:  # not an autograd node, or one that cannot say
+        return False
+    return False
+
+
 def underflow_advice(name: str, ev, i: int) -> str:
-    """``DO["log_space"]`` unless input ``i`` of op ``name`` is a divisor no exponential made."""
+    """``DO["log_space"]`` unless input ``i`` of op ``name`` is a divisor no exponential made
+    or (first) a log's input that exp itself made."""
     if name in _DIVISIONS and not ev.exp_made[i] and (name != "div" or i == 1):
         return FLOOR
+    if name in _LOGS and i < len(ev.of_exp) and ev.of_exp[i]:
+        return LOG_OF_EXP + DO["log_space"]
     return DO["log_space"]
