@@ -43,6 +43,7 @@ import torch
 from recorder.finite import label
 
 from . import cancellation, domains, empty_rows, lost_eps, residue, root_floor, saturation, upstream
+from .bessel import scaled_log
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -141,7 +142,7 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         return _from_infinities(hit) if still else \
             _overflow_among_infinities(hit, _step_dtype(runner, micro_batch))
     found = _from_evidence(hit, capture, still)  # (what the ops before it add, see upstream)
-    return Cause(found.name, found.hint + upstream.context(
+    return Cause(found.name, scaled_log(hit.op, found) + upstream.context(
         found.name, hit.evidence, _autocast(runner, micro_batch, phase)))
 
 

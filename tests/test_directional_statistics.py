@@ -1,0 +1,204 @@
+"""End to end on directional statistics and rotations (``directional_statistics_models``):
+surface normals from Vector Neurons with a von Mises-Fisher NLL on S^2, wind direction with a
+(sin, cos) head and a von Mises NLL, siamese relative camera pose from the 6D representation
+with the geodesic loss, head pose as unit quaternions. Each planted bug of the domain fires
+under the recorder and is replayed with the CLI; the healthy versions raise no event and train
+bit-identically with and without the recorder. A von Mises NLL's ``log(i0(kappa))`` that
+overflowed was ``invalid``, "at a pole or outside its domain" (i0 has neither), with the
+advice to clamp the input away from a pole; it is an overflow, and the fix is
+``torch.special.i0e``."""
+
+from __future__ import annotations
+
+import contextlib
+
+import directional_statistics_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader, TensorDataset
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+STEPS = 4  # the planted record is in the last step's batch
+BAD = 5
+
+
+def line_of(text: str) -> str:
+    return source_line("directional_statistics_models.py", text)
+
+
+def batches(kind: str, bad: int | None, dups=()):
+    """``STEPS`` batches of (model args, loss args after the model's outputs); ``bad`` is
+    planted in the last one (``dups``: the relative-pose pairs of one frame twice)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(STEPS):
+        b = bad if step == STEPS - 1 else None
+        if kind == "normals":
+            pts, normal = M.neighbourhoods(g, dup=b)
+            out.append(((pts,), (normal,)))
+        elif kind == "wind":
+            x, theta = M.station_batch(g, raw=b)
+            out.append(((x,), (theta,)))
+        elif kind == "relpose":
+            v1, v2 = torch.randn(8, 24, generator=g), torch.randn(8, 24, generator=g)
+            r_gt = M.random_rotations(g, 8)
+            for i in dups if step == STEPS - 1 else ():
+                v2[i], r_gt[i] = v1[i], torch.eye(3)  # a frame paired with itself
+            out.append(((v1, v2), (r_gt,)))
+        else:
+            lm = torch.randn(8, 40, generator=g)
+            q = torch.nn.functional.normalize(torch.randn(8, 4, generator=g), dim=-1)
+            if b is not None:
+                q[b] = 0  # a frame whose pose was never annotated, stored as zeros
+            out.append(((lm,), (q,)))
+    return out
+
+
+SETUPS = {  # kind: (factory, loss)
+    "normals": ("make_normals", M.vmf_s2_nll),
+    "wind": ("make_wind", M.von_mises_nll),
+    "wind_scaled": ("make_wind_scaled", M.von_mises_nll_scaled),
+    "relpose": ("make_relpose", M.geodesic_loss),
+    "relpose_clamped": ("make_relpose", M.geodesic_loss_clamped),
+    "quat": ("make_headpose", M.quat_loss),
+}
+
+
+def train(kind: str, out_dir, bad: int | None = None, record: bool = True, dups=(),
+          steps: int = STEPS):
+    """AdamW with warm-up then cosine decay and gradient clipping, as pose and direction
+    regressors train; the normals through a DataLoader of the step's patches. Returns the
+    model."""
+    make, crit = SETUPS[kind]
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=STEPS)
+    torch.manual_seed(1)  # (the head-pose net's dropout)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"directional_statistics_models:{make}") if record else None
+    data = batches(kind.split("_")[0], bad, dups)[:steps]
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for args, targets in data:
+            if kind == "normals":  # one loader per step: the patches in a fixed order
+                loader = DataLoader(TensorDataset(*args, *targets), batch_size=len(args[0]))
+                pts, normal = next(iter(loader))
+                args, targets = (pts,), (normal,)
+            out = model(*args)
+            loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(kind: str, tmp_path, bad: int | None = BAD, dups=()):
+    with pytest.raises(NonFiniteError) as info:
+        train(kind, tmp_path, bad, dups=dups)
+    return info.value.event, info.value.bundle_path
+
+
+def origin(rep: dict) -> tuple:
+    o = rep["origin"]
+    return (rep["event"]["step"], o["phase"], o["module"], o["op"], o["samples"], rep["cause"])
+
+
+def test_a_patch_of_one_repeated_point_is_a_zero_normal_normalised_0_over_0(tmp_path):
+    """A scanner's duplicated returns: one patch is a single point K times. Centred at its
+    centroid it is all zeros, Vector Neurons have no bias (a bias is not equivariant), so the
+    predicted normal is the zero vector and ``v / v.norm()`` is 0/0. The replay names that
+    division on the patch's row, in the root's forward, with the eps advice."""
+    ev, bundle = fire("normals", tmp_path)
+    assert (ev["step"], ev["phase"], ev["samples"]) == (STEPS - 1, "forward", [BAD]), ev
+    rep = nanreplay_json(bundle, "--try", f"drop={BAD}")
+    assert origin(rep) == (STEPS - 1, "forward", "", "aten.div", [BAD], "invalid"), rep
+    assert rep["origin"]["source"] == line_of("mu = v / v.norm(dim=-1, keepdim=True)")
+    assert "0 by 0" in rep["hint"] and "clamp_min(eps)" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_log_i0_of_a_concentration_past_float32_is_an_overflow_fixed_by_i0e(tmp_path):
+    """One station's pressure kept in Pa (101325, never standardised) drives the softplus
+    concentration to ~5000, and ``log(torch.special.i0(kappa))`` of the von Mises NLL
+    overflows (I0 grows like e^kappa): a loss event, named at aten.i0 on the station's row,
+    ``overflow`` (i0 has no pole or domain edge), with the exponentially scaled variant as
+    the fix and the record's out-of-scale data."""
+    ev, bundle = fire("wind", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (STEPS - 1, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    assert origin(rep) == (STEPS - 1, "loss", "<loss>", "aten.i0", [BAD], "overflow"), rep
+    assert rep["origin"]["source"] == line_of("torch.log(torch.special.i0(kappa))")
+    hint = rep["hint"]
+    assert "log(torch.special.i0e(x)) + x.abs()" in hint and "pole" not in hint, hint
+    assert "out of scale" in hint and f"drop={BAD}" in hint, hint
+
+
+def test_the_scaled_von_mises_nll_trains_through_the_same_record_unchanged(tmp_path):
+    """``log(i0e(kappa)) + kappa`` on the same batches: no event, and the weights are
+    bit-identical with and without the recorder."""
+    recorded = train("wind_scaled", tmp_path, BAD)
+    plain = train("wind_scaled", tmp_path, BAD, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+DUPS = (1, 2, 5, 6)  # (which of them round past 1 depends on the CPU: see rows_past_one)
+
+
+def rows_past_one() -> list[int]:
+    """The pairs whose unclamped geodesic cosine rounds above 1 in the last step, computed on
+    an unrecorded copy of the run (which rows do depends on how the CPU's kernels sum)."""
+    model = train("relpose", None, steps=STEPS - 1, record=False, dups=DUPS)
+    (v1, v2), (r_gt,) = batches("relpose", None, DUPS)[-1]
+    with torch.no_grad():
+        rel = model(v1, v2)
+        cos = (torch.diagonal(rel.transpose(-1, -2) @ r_gt, dim1=-2, dim2=-1).sum(-1) - 1) / 2
+    return torch.nonzero(cos > 1).flatten().tolist()
+
+
+def test_a_frame_paired_with_itself_rounds_the_geodesic_cosine_past_one(tmp_path):
+    """Relative pose of a frame paired with itself (a video's repeated frame): ``R1^T R2`` is
+    the identity up to rounding and the trace's cosine rounds to 1.0000001 on some pairs, so
+    the unclamped ``acos`` is NaN there. The replay names the acos in the loss on exactly those
+    pairs, ``precision``, and the clamp inside (-1, 1)."""
+    rows = rows_past_one()
+    assert rows and set(rows) <= set(DUPS), rows
+    ev, bundle = fire("relpose", tmp_path, bad=None, dups=DUPS)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (STEPS - 1, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    assert origin(rep) == (STEPS - 1, "loss", "<loss>", "aten.acos", rows, "precision"), rep
+    assert rep["origin"]["source"] == line_of("return torch.acos(cos).mean()"), rep["origin"]
+    assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"], rep["hint"]
+
+
+def test_an_unannotated_pose_stored_as_a_zero_quaternion_is_the_records_fault(tmp_path):
+    """A frame never annotated, its quaternion written as (0, 0, 0, 0): the loss renormalises
+    the target, 0/0. The replay names the loss's division on that frame and says the record
+    is degenerate (data alone, nothing the model learns): repair or skip it, no eps."""
+    ev, bundle = fire("quat", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (STEPS - 1, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    assert origin(rep) == (STEPS - 1, "loss", "<loss>", "aten.div", [BAD], "invalid"), rep
+    assert rep["origin"]["source"] == line_of("q_gt = q_gt / q_gt.norm(dim=-1, keepdim=True)")
+    assert "computed from the batch's data alone" in rep["hint"], rep["hint"]
+    assert "drop or repair such records" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kind,bad,dups", [("relpose_clamped", None, DUPS), ("quat", None, ()),
+                                           ("normals", None, ())])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, bad, dups):
+    """The clamped geodesic loss over the same self-paired frames, the quaternion head with
+    its dropout, the Vector Neurons through a DataLoader: no event, and bit-identical weights
+    with and without the recorder."""
+    recorded = train(kind, tmp_path, bad, dups=dups)
+    plain = train(kind, tmp_path, bad, record=False, dups=dups)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
