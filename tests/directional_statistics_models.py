@@ -97,18 +97,28 @@ def vmf_s2_nll(mu, kappa, target):
     return -(log_c + kappa * dot).mean()
 
 
-def neighbourhoods(g: torch.Generator, n: int = 12, dup: int | None = None):
+def vmf_s2_nll_sinh(mu, kappa, target):
+    """The same NLL with C_3 as the textbook writes it, kappa / (4 pi sinh(kappa))."""
+    dot = (mu * target).sum(-1).abs()
+    log_c = kappa.log() - math.log(4 * math.pi) - torch.log(torch.sinh(kappa))
+    return -(log_c + kappa * dot).mean()
+
+
+def neighbourhoods(g: torch.Generator, n: int = 12, dup: int | None = None,
+                   mm: int | None = None):
     """Patches of a noisy plane at a random orientation and their normals; ``dup``'s patch is
     a single scanned point repeated K times (a scanner's duplicated returns)."""
     normal = F.normalize(torch.randn(n, 3, generator=g), dim=-1)
     a = F.normalize(torch.linalg.cross(normal, torch.randn(n, 3, generator=g)), dim=-1)
     b = torch.linalg.cross(normal, a)
-    uv = torch.randn(n, K_NEIGH, 2, generator=g)
+    uv = 1.5 * torch.randn(n, K_NEIGH, 2, generator=g)
     pts = uv[..., :1] * a[:, None] + uv[..., 1:] * b[:, None]
     pts = pts + 0.02 * torch.randn(n, K_NEIGH, 3, generator=g) + torch.randn(n, 1, 3, generator=g)
     pts = torch.round(pts * 1024) / 1024  # the scanner's fixed-point millimetre grid
     if dup is not None:
         pts[dup] = pts[dup, :1].expand(K_NEIGH, 3)
+    if mm is not None:
+        pts[mm] *= 1000  # a scan exported in millimetres among metres
     return pts, normal
 
 

@@ -30,15 +30,16 @@ def line_of(text: str) -> str:
     return source_line("directional_statistics_models.py", text)
 
 
-def batches(kind: str, bad: int | None, dups=()):
+def batches(kind: str, bad: int | None, dups=(), mm: int | None = None):
     """``STEPS`` batches of (model args, loss args after the model's outputs); ``bad`` is
-    planted in the last one (``dups``: the relative-pose pairs of one frame twice)."""
+    planted in the last one (``dups``: the relative-pose pairs of one frame twice; ``mm``: a
+    patch in millimetres)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for step in range(STEPS):
         b = bad if step == STEPS - 1 else None
         if kind == "normals":
-            pts, normal = M.neighbourhoods(g, dup=b)
+            pts, normal = M.neighbourhoods(g, dup=b, mm=mm if step == STEPS - 1 else None)
             out.append(((pts,), (normal,)))
         elif kind == "wind":
             x, theta = M.station_batch(g, raw=b)
@@ -60,6 +61,7 @@ def batches(kind: str, bad: int | None, dups=()):
 
 SETUPS = {  # kind: (factory, loss)
     "normals": ("make_normals", M.vmf_s2_nll),
+    "normals_sinh": ("make_normals", M.vmf_s2_nll_sinh),
     "wind": ("make_wind", M.von_mises_nll),
     "wind_scaled": ("make_wind_scaled", M.von_mises_nll_scaled),
     "relpose": ("make_relpose", M.geodesic_loss),
@@ -69,7 +71,7 @@ SETUPS = {  # kind: (factory, loss)
 
 
 def train(kind: str, out_dir, bad: int | None = None, record: bool = True, dups=(),
-          steps: int = STEPS):
+          steps: int = STEPS, mm: int | None = None):
     """AdamW with warm-up then cosine decay and gradient clipping, as pose and direction
     regressors train; the normals through a DataLoader of the step's patches. Returns the
     model."""
@@ -80,11 +82,11 @@ def train(kind: str, out_dir, bad: int | None = None, record: bool = True, dups=
     torch.manual_seed(1)  # (the head-pose net's dropout)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                          factory=f"directional_statistics_models:{make}") if record else None
-    data = batches(kind.split("_")[0], bad, dups)[:steps]
+    data = batches(kind.split("_")[0], bad, dups, mm)[:steps]
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for args, targets in data:
-            if kind == "normals":  # one loader per step: the patches in a fixed order
+            if kind.startswith("normals"):  # one loader per step: the patches in a fixed order
                 loader = DataLoader(TensorDataset(*args, *targets), batch_size=len(args[0]))
                 pts, normal = next(iter(loader))
                 args, targets = (pts,), (normal,)
@@ -98,9 +100,9 @@ def train(kind: str, out_dir, bad: int | None = None, record: bool = True, dups=
     return model
 
 
-def fire(kind: str, tmp_path, bad: int | None = BAD, dups=()):
+def fire(kind: str, tmp_path, bad: int | None = BAD, dups=(), mm: int | None = None):
     with pytest.raises(NonFiniteError) as info:
-        train(kind, tmp_path, bad, dups=dups)
+        train(kind, tmp_path, bad, dups=dups, mm=mm)
     return info.value.event, info.value.bundle_path
 
 
@@ -120,6 +122,20 @@ def test_a_patch_of_one_repeated_point_is_a_zero_normal_normalised_0_over_0(tmp_
     assert origin(rep) == (STEPS - 1, "forward", "", "aten.div", [BAD], "invalid"), rep
     assert rep["origin"]["source"] == line_of("mu = v / v.norm(dim=-1, keepdim=True)")
     assert "0 by 0" in rep["hint"] and "clamp_min(eps)" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_the_textbook_vmf_normaliser_of_a_scan_in_millimetres_overflows_sinh(tmp_path):
+    """C_3 = kappa / (4 pi sinh(kappa)) as the textbook writes it: one scan exported in
+    millimetres scales the invariant features, the concentration reaches ~95 and sinh
+    overflows float32 (float64 holds it). The replay names the sinh on that patch, overflow,
+    and the patch's out-of-scale data to fix or drop (dropping it makes the step finite)."""
+    ev, bundle = fire("normals_sinh", tmp_path, bad=None, mm=BAD)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (STEPS - 1, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle, "--try", f"drop={BAD}")
+    assert origin(rep) == (STEPS - 1, "loss", "<loss>", "aten.sinh", [BAD], "overflow"), rep
+    assert rep["origin"]["source"] == line_of("torch.log(torch.sinh(kappa))"), rep["origin"]
+    assert "float64 holds it" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
@@ -191,14 +207,15 @@ def test_an_unannotated_pose_stored_as_a_zero_quaternion_is_the_records_fault(tm
     assert "drop or repair such records" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.parametrize("kind,bad,dups", [("relpose_clamped", None, DUPS), ("quat", None, ()),
-                                           ("normals", None, ())])
-def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, bad, dups):
+@pytest.mark.parametrize("kind,dups,mm", [("relpose_clamped", DUPS, None), ("quat", (), None),
+                                          ("normals", (), BAD)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, dups, mm):
     """The clamped geodesic loss over the same self-paired frames, the quaternion head with
-    its dropout, the Vector Neurons through a DataLoader: no event, and bit-identical weights
-    with and without the recorder."""
-    recorded = train(kind, tmp_path, bad, dups=dups)
-    plain = train(kind, tmp_path, bad, record=False, dups=dups)
+    its dropout, the Vector Neurons through a DataLoader with the stable log C_3 over the scan
+    in millimetres (kappa ~100): no event, and bit-identical weights with and without the
+    recorder."""
+    recorded = train(kind, tmp_path, dups=dups, mm=mm)
+    plain = train(kind, tmp_path, record=False, dups=dups, mm=mm)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
