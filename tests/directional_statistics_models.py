@@ -256,3 +256,93 @@ def quat_loss(q, q_gt):
     renormalised (a CSV's rounded digits)."""
     q_gt = q_gt / q_gt.norm(dim=-1, keepdim=True)
     return (1 - (q * q_gt).sum(-1).pow(2)).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# camera orientation from look-at targets (a dataset's __getitem__)
+
+
+def look_at(eye, target, up=(0.0, 0.0, 1.0)):
+    """The camera-to-world rotation of a camera at ``eye`` looking at ``target``, the world's
+    ``up`` fixing the roll (OpenGL's gluLookAt, as NeRF and drone datasets build poses)."""
+    fwd = target - eye
+    fwd = fwd / fwd.norm()
+    right = torch.linalg.cross(fwd, torch.tensor(up))
+    right = right / right.norm()
+    down = torch.linalg.cross(fwd, right)
+    return torch.stack((right, down, fwd), dim=-1)
+
+
+class LookAtViews(torch.utils.data.Dataset):
+    """Image features and the camera's rotation of drone views around a site; ``nadir``'s
+    view looks straight down, where ``fwd`` and the world's up are collinear."""
+
+    def __init__(self, g: torch.Generator, n: int = 8, nadir: int | None = None):
+        self.feats = torch.randn(n, 24, generator=g)
+        self.eyes = torch.randn(n, 3, generator=g) * 5 + torch.tensor([0.0, 0.0, 20.0])
+        if nadir is not None:
+            self.eyes[nadir] = torch.tensor([0.0, 0.0, 30.0])
+
+    def __len__(self):
+        return len(self.feats)
+
+    def __getitem__(self, i):
+        return self.feats[i], look_at(self.eyes[i], torch.zeros(3))
+
+
+class AbsPoseNet(nn.Module):
+    """A rotation regressor from the 6D representation (``rotation_6d``)."""
+
+    def __init__(self, feat: int = 24, hidden: int = 64):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(feat, hidden), nn.ReLU(), nn.Linear(hidden, 6))
+
+    def forward(self, x):
+        return rotation_6d(self.encoder(x))
+
+
+def make_abspose():
+    torch.manual_seed(0)
+    return AbsPoseNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# spherical embeddings: ArcFace over a sampled subset of classes (Partial FC)
+
+N_ID = 32
+
+
+class PartialArcFace(nn.Module):
+    """insightface's ArcFace head over Partial FC: the class centres and the embedding on the
+    unit sphere, the additive angular margin on the target's cosine, and the classes outside
+    this step's sample masked out with -inf before the softmax cross-entropy, which it
+    returns per sample."""
+
+    def __init__(self, dim: int = 16, s: float = 30.0, m: float = 0.5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(N_ID, dim) * 0.01)
+        self.s, self.m = s, m
+
+    def forward(self, emb, labels, sampled):
+        cos = F.linear(F.normalize(emb), F.normalize(self.weight)).clamp(-1 + 1e-7, 1 - 1e-7)
+        target = cos.gather(1, labels[:, None])
+        with_margin = torch.cos(torch.acos(target) + self.m)
+        logits = cos.scatter(1, labels[:, None], with_margin) * self.s
+        logits = logits.masked_fill(~sampled, float("-inf"))
+        return F.cross_entropy(logits, labels, reduction="none")
+
+
+class FaceNet(nn.Module):
+    def __init__(self, feat: int = 24, dim: int = 16):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(feat, 64), nn.BatchNorm1d(64), nn.PReLU(),
+                                      nn.Linear(64, dim), nn.BatchNorm1d(dim))
+        self.head = PartialArcFace(dim)
+
+    def forward(self, x, labels, sampled):
+        return self.head(self.backbone(x), labels, sampled)
+
+
+def make_face():
+    torch.manual_seed(0)
+    return FaceNet()

@@ -219,3 +219,109 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, dups, mm)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def train_lookat(out_dir, nadir: int | None, record: bool = True):
+    """The 6D regressor on drone views whose rotations the dataset builds with look-at,
+    through a DataLoader, the clamped geodesic loss; ``nadir``'s view in the last step looks
+    straight down."""
+    model = M.make_abspose()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=M.geodesic_loss_clamped, out_dir=out_dir,
+                         factory="directional_statistics_models:make_abspose") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.geodesic_loss_clamped
+        for step in range(STEPS):
+            views = M.LookAtViews(g, nadir=nadir if step == STEPS - 1 else None)
+            for x, r_gt in DataLoader(views, batch_size=8):
+                loss = loss_fn(model(x), r_gt)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    return model
+
+
+def test_a_nadir_view_makes_the_look_at_target_nan_and_names_the_data(tmp_path):
+    """A drone's nadir view looks straight down, along the world's up: look-at's
+    ``cross(fwd, up)`` is the zero vector and normalising it is 0/0, in the dataset's
+    ``__getitem__``. The recorder stops at the loss's target before anything is computed from
+    it; the replay names that argument by its parameter name, the view's row, ``input``, and
+    the data pipeline to fix."""
+    with pytest.raises(NonFiniteError) as info:
+        train_lookat(tmp_path, nadir=BAD)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        STEPS - 1, "input", "loss_args[1]", [BAD]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["origin"]["phase"], rep["origin"]["samples"], rep["cause"]) == (
+        "input", [BAD], "input"), rep
+    assert "loss_args[1] (r_gt)" in rep["hint"] and "fix the data pipeline" in rep["hint"]
+
+
+def train_face(out_dir, forgot_positives: bool, record: bool = True):
+    """ArcFace over Partial FC, as insightface trains it: SGD with momentum and weight decay,
+    half the classes sampled per step, the batch's own classes always among them (a sampler
+    that forgot them in the last step with ``forgot_positives``). The model returns the loss
+    per sample; the loop takes the mean."""
+    model = M.make_face()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.PolynomialLR(opt, total_iters=STEPS, power=2.0)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, out_dir=out_dir,
+                         factory="directional_statistics_models:make_face") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        for step in range(STEPS):
+            x = torch.randn(16, 24, generator=g)
+            y = torch.randint(0, M.N_ID, (16,), generator=g)
+            sampled = torch.zeros(M.N_ID, dtype=torch.bool)
+            sampled[torch.randperm(M.N_ID, generator=g)[:M.N_ID // 2]] = True
+            if not (forgot_positives and step == STEPS - 1):
+                sampled[y] = True
+            loss = model(x, y, sampled.expand(len(y), -1)).mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            sched.step()
+    return model, (y, sampled)
+
+
+def test_partial_fc_that_left_out_the_batchs_own_classes_names_the_masked_targets(tmp_path):
+    """The class sampler forgot to add the batch's positive classes: their logits are the
+    -inf of the mask, and the cross-entropy of a target on a masked class is +inf. The event
+    is the head's output on those samples; the replay names the nll_loss that folded the
+    mask's -inf in (after the masked_fill), on the same samples, and the target on a masked
+    class."""
+    with pytest.raises(NonFiniteError) as info:
+        train_face(tmp_path, forgot_positives=True)
+    _, (y, sampled) = train_face(None, forgot_positives=True, record=False)
+    rows = torch.nonzero(~sampled[y]).flatten().tolist()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"], ev["samples"]) == (
+        STEPS - 1, "forward", "head", "+inf", rows), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin(rep) == (STEPS - 1, "forward", "head", "aten.nll_loss_forward", rows,
+                           "invalid"), rep
+    assert [c["op"] for c in rep["origin"]["chain"]] == ["aten.masked_fill",
+                                                         "aten.nll_loss_forward"], rep
+    assert "a target on a masked class" in rep["hint"], rep["hint"]
+
+
+def test_healthy_partial_fc_with_its_inf_mask_inside_the_head_trains_the_same(tmp_path):
+    """The -inf mask stays inside the head (its per-sample losses are finite): no event, and
+    bit-identical weights with and without the recorder."""
+    recorded, _ = train_face(tmp_path, forgot_positives=False)
+    plain, _ = train_face(tmp_path, forgot_positives=False, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_healthy_look_at_views_train_the_same(tmp_path):
+    """Oblique views only (look-at well defined): no event, bit-identical weights."""
+    recorded = train_lookat(tmp_path, nadir=None)
+    plain = train_lookat(tmp_path, nadir=None, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
