@@ -212,6 +212,12 @@ def geodesic_loss(r_pred, r_gt):
     return torch.acos(cos).mean()
 
 
+def geodesic_loss_clamped_to_one(r_pred, r_gt):
+    """The clamp many repositories write: into acos's domain, onto its edge."""
+    cos = (torch.diagonal(r_pred.transpose(-1, -2) @ r_gt, dim1=-2, dim2=-1).sum(-1) - 1) / 2
+    return torch.acos(cos.clamp(-1, 1)).mean()
+
+
 def geodesic_loss_clamped(r_pred, r_gt, eps: float = 1e-6):
     cos = (torch.diagonal(r_pred.transpose(-1, -2) @ r_gt, dim1=-2, dim2=-1).sum(-1) - 1) / 2
     return torch.acos(cos.clamp(-1 + eps, 1 - eps)).mean()

@@ -66,6 +66,7 @@ SETUPS = {  # kind: (factory, loss)
     "wind_scaled": ("make_wind_scaled", M.von_mises_nll_scaled),
     "relpose": ("make_relpose", M.geodesic_loss),
     "relpose_clamped": ("make_relpose", M.geodesic_loss_clamped),
+    "relpose_edge": ("make_relpose", M.geodesic_loss_clamped_to_one),
     "quat": ("make_headpose", M.quat_loss),
 }
 
@@ -168,15 +169,15 @@ def test_the_scaled_von_mises_nll_trains_through_the_same_record_unchanged(tmp_p
 DUPS = (1, 2, 5, 6)  # (which of them round past 1 depends on the CPU: see rows_past_one)
 
 
-def rows_past_one() -> list[int]:
-    """The pairs whose unclamped geodesic cosine rounds above 1 in the last step, computed on
-    an unrecorded copy of the run (which rows do depends on how the CPU's kernels sum)."""
+def last_cosines() -> torch.Tensor:
+    """The geodesic cosines of the last step's pairs, computed on an unrecorded copy of the
+    run (which self-paired rows round past 1, or to exactly 1, depends on how the CPU's
+    kernels sum)."""
     model = train("relpose", None, steps=STEPS - 1, record=False, dups=DUPS)
     (v1, v2), (r_gt,) = batches("relpose", None, DUPS)[-1]
     with torch.no_grad():
         rel = model(v1, v2)
-        cos = (torch.diagonal(rel.transpose(-1, -2) @ r_gt, dim1=-2, dim2=-1).sum(-1) - 1) / 2
-    return torch.nonzero(cos > 1).flatten().tolist()
+        return (torch.diagonal(rel.transpose(-1, -2) @ r_gt, dim1=-2, dim2=-1).sum(-1) - 1) / 2
 
 
 def test_a_frame_paired_with_itself_rounds_the_geodesic_cosine_past_one(tmp_path):
@@ -184,7 +185,7 @@ def test_a_frame_paired_with_itself_rounds_the_geodesic_cosine_past_one(tmp_path
     the identity up to rounding and the trace's cosine rounds to 1.0000001 on some pairs, so
     the unclamped ``acos`` is NaN there. The replay names the acos in the loss on exactly those
     pairs, ``precision``, and the clamp inside (-1, 1)."""
-    rows = rows_past_one()
+    rows = torch.nonzero(last_cosines() > 1).flatten().tolist()
     assert rows and set(rows) <= set(DUPS), rows
     ev, bundle = fire("relpose", tmp_path, bad=None, dups=DUPS)
     assert (ev["step"], ev["phase"], ev["kind"]) == (STEPS - 1, "loss", "nan"), ev
@@ -192,6 +193,23 @@ def test_a_frame_paired_with_itself_rounds_the_geodesic_cosine_past_one(tmp_path
     assert origin(rep) == (STEPS - 1, "loss", "<loss>", "aten.acos", rows, "precision"), rep
     assert rep["origin"]["source"] == line_of("return torch.acos(cos).mean()"), rep["origin"]
     assert "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"], rep["hint"]
+
+
+def test_a_geodesic_cosine_clamped_onto_one_is_acos_at_its_edge_in_backward(tmp_path):
+    """``cos.clamp(-1, 1)``, as many repositories write it, keeps the forward finite but puts
+    the self-paired rows on acos's edge, where its derivative is infinite: a backward event.
+    The replay names AcosBackward0 in the loss on exactly the rows whose cosine is 1 after
+    the clamp, ``invalid`` (the identity's cosine is 1 in exact arithmetic too), and the clamp
+    inside (-1, 1)."""
+    rows = torch.nonzero(last_cosines() >= 1).flatten().tolist()
+    assert rows and set(rows) <= set(DUPS), rows
+    ev, bundle = fire("relpose_edge", tmp_path, bad=None, dups=DUPS)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (STEPS - 1, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    assert origin(rep) == (STEPS - 1, "backward", "<loss>", "AcosBackward0", rows,
+                           "invalid"), rep
+    assert rep["origin"]["source"] == line_of("return torch.acos(cos.clamp(-1, 1)).mean()")
+    assert "exactly +-1" in rep["hint"] and "cos.clamp(-1 + eps, 1 - eps)" in rep["hint"]
 
 
 def test_an_unannotated_pose_stored_as_a_zero_quaternion_is_the_records_fault(tmp_path):
