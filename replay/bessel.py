@@ -22,11 +22,11 @@ def scaled_log(op: str, found) -> str:
     scaled = _SCALED.get(op.removeprefix("aten.").rstrip("_"))
     if found.name != "overflow" or scaled is None:
         return found.hint
-    fix = (f"it grows like e^x / sqrt(2 pi x), so take its log from the exponentially scaled "
-           f"variant: log(torch.special.{scaled}(x)) + x.abs() (a von Mises normaliser "
+    fix = (f"{op} grows like e^|x| / sqrt(2 pi |x|): take its log from the exponentially "
+           f"scaled variant, log(torch.special.{scaled}(x)) + x.abs() (a von Mises normaliser "
            f"log(2 pi I0(kappa))), finite for any x, where a clamp of x caps the concentration "
            f"and float64 only moves the overflow to x ≈ 713")
     for key in _GENERIC:
         if found.hint.endswith(DO[key]):
-            return found.hint[:-len(DO[key])] + fix
+            return found.hint[:-len(DO[key])].removesuffix(": ") + "; " + fix
     return f"{found.hint}; {fix}"

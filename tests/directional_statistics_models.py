@@ -165,14 +165,18 @@ def von_mises_nll_scaled(mu, kappa, theta):
             - kappa * torch.cos(theta - mu)).mean()
 
 
-def station_batch(g: torch.Generator, n: int = 16, raw: int | None = None):
-    """Standardised readings (pressure, temperature, humidity, u/v of a model forecast, hour)
-    and the observed direction; ``raw``'s record kept its pressure in Pa (101325), the
+def station_batch(g: torch.Generator, n: int = 16, raw: int | None = None,
+                  alpine: int | None = None):
+    """Standardised readings (pressure, the station's altitude, humidity, u/v of a model
+    forecast, hour) and the observed direction; ``raw``'s record kept its pressure in Pa
+    (101325), ``alpine``'s its altitude in metres (2300, a station added later), the
     standardisation skipped."""
     x = torch.randn(n, N_FEAT, generator=g)
     theta = torch.atan2(x[:, 3], x[:, 4]) + 0.3 * torch.randn(n, generator=g)
     if raw is not None:
         x[raw, 0] = 101325.0
+    if alpine is not None:
+        x[alpine, 1] = 2300.0
     return x, theta
 
 

@@ -33,7 +33,7 @@ def line_of(text: str) -> str:
 def batches(kind: str, bad: int | None, dups=(), mm: int | None = None):
     """``STEPS`` batches of (model args, loss args after the model's outputs); ``bad`` is
     planted in the last one (``dups``: the relative-pose pairs of one frame twice; ``mm``: a
-    patch in millimetres)."""
+    patch in millimetres, a station's altitude in metres)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for step in range(STEPS):
@@ -42,7 +42,7 @@ def batches(kind: str, bad: int | None, dups=(), mm: int | None = None):
             pts, normal = M.neighbourhoods(g, dup=b, mm=mm if step == STEPS - 1 else None)
             out.append(((pts,), (normal,)))
         elif kind == "wind":
-            x, theta = M.station_batch(g, raw=b)
+            x, theta = M.station_batch(g, raw=b, alpine=mm if step == STEPS - 1 else None)
             out.append(((x,), (theta,)))
         elif kind == "relpose":
             v1, v2 = torch.randn(8, 24, generator=g), torch.randn(8, 24, generator=g)
@@ -154,6 +154,19 @@ def test_log_i0_of_a_concentration_past_float32_is_an_overflow_fixed_by_i0e(tmp_
     hint = rep["hint"]
     assert "log(torch.special.i0e(x)) + x.abs()" in hint and "pole" not in hint, hint
     assert "out of scale" in hint and f"drop={BAD}" in hint, hint
+
+
+def test_log_i0_past_float32_that_float64_holds_is_still_fixed_by_i0e_not_float64(tmp_path):
+    """An alpine station's altitude in metres (2300) drives kappa to ~100: i0 overflows
+    float32 and float64 holds it, but float64 only moves the edge (to kappa ≈ 713); the hint
+    gives the scaled variant in place of the generic "rescale or compute it in float64"."""
+    ev, bundle = fire("wind", tmp_path, bad=None, mm=BAD)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (STEPS - 1, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    assert origin(rep) == (STEPS - 1, "loss", "<loss>", "aten.i0", [BAD], "overflow"), rep
+    hint = rep["hint"]
+    assert "float64 holds it" in hint and "torch.special.i0e(x)" in hint, hint
+    assert "compute it in float64" not in hint and "out of scale" in hint, hint
 
 
 def test_the_scaled_von_mises_nll_trains_through_the_same_record_unchanged(tmp_path):
