@@ -43,7 +43,6 @@ import torch
 from recorder.finite import label
 
 from . import cancellation, domains, empty_rows, lost_eps, residue, root_floor, saturation, upstream
-from .bessel import scaled_log
 from .cause_text import (
     BELOW_FLOAT32,
     BEYOND_FLOAT64,
@@ -65,6 +64,7 @@ from .float64_step import float64_still
 from .literal_range import literal_hint, unheld_literal
 from .ops import Evidence, OpHit
 from .rerun import Runner
+from .scaled_log import log_advice
 from .squared_zero import source as zero_source
 from .step_dtype import autocast as _autocast
 from .step_dtype import step_dtype as _step_dtype
@@ -142,7 +142,7 @@ def classify(runner: Runner, phase: str, until: tuple[str, int, int] | None = No
         return _from_infinities(hit) if still else \
             _overflow_among_infinities(hit, _step_dtype(runner, micro_batch))
     found = _from_evidence(hit, capture, still)  # (what the ops before it add, see upstream)
-    return Cause(found.name, scaled_log(hit.op, found) + upstream.context(
+    return Cause(found.name, found.hint + upstream.context(
         found.name, hit.evidence, _autocast(runner, micro_batch, phase)))
 
 
@@ -174,7 +174,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         also = "" if ev.dtype == torch.float64 else BEYOND_FLOAT64
         exp = name.rstrip("_") in _EXPONENTIALS or _exp_factor(ev)
         return Cause("overflow", f"{op}'s true result is too large for {dt}{also}: "
-                     + DO["clamp_exp" if exp else "clamp"])
+                     + log_advice(op, DO["clamp_exp" if exp else "clamp"]))
     what, situation = domains.describe(name, ev)
     zero_from_exp = [i for i, v in enumerate(ev.inputs)
                      if ev.exp_made[i] and ev.elementwise[i] and bool((v == 0).any())]
@@ -228,15 +228,15 @@ def _beyond_type(op: str, ev: Evidence) -> Cause:
     if (literal := unheld_literal(ev)) is not None:  # (-1e9 for a mask, under float16)
         return Cause("overflow", literal_hint(op, literal, ev.dtype))
     big = float(ev.local64.abs().max()) if ev.local64.numel() else math.inf
-    top = torch.finfo(ev.dtype).max
-    big_s, top_s = domains.g_pair(big, top)
+    big_s, top_s = domains.g_pair(big, top := torch.finfo(ev.dtype).max)
     if big <= top:  # the result fits: a value the op made on the way did not (a sum of
         # squares before the mean, as mse_loss and norms take), so say that, not "beyond"
         return Cause("overflow", f"{op}'s true result (up to {big_s}) fits in {dt}, but a value "
                      f"it computes on the way (a sum or product before its result) is beyond "
                      f"{dt}'s largest value {top_s}; float64 holds it: " + _wider(ev.dtype))
     return Cause("overflow", f"{op}'s true result (up to {big_s}) is finite but beyond "
-                 f"{dt}'s largest value {top_s}; float64 holds it: " + _wider(ev.dtype, op, ev))
+                 f"{dt}'s largest value {top_s}; float64 holds it: "
+                 + log_advice(op, _wider(ev.dtype, op, ev)))
 
 
 def _edge_excess(base: str, x: torch.Tensor) -> float | None:

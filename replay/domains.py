@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .bessel import BESSEL
 from .hits import Evidence
+from .scaled_log import BESSEL
 
 # Ops with neither a pole nor a domain edge: from finite inputs, only a result too large for
 # the type is non-finite (a NaN is inf - inf inside the op's own sum).

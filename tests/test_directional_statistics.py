@@ -130,13 +130,15 @@ def test_the_textbook_vmf_normaliser_of_a_scan_in_millimetres_overflows_sinh(tmp
     """C_3 = kappa / (4 pi sinh(kappa)) as the textbook writes it: one scan exported in
     millimetres scales the invariant features, the concentration reaches ~95 and sinh
     overflows float32 (float64 holds it). The replay names the sinh on that patch, overflow,
-    and the patch's out-of-scale data to fix or drop (dropping it makes the step finite)."""
+    the log written without sinh, and the patch's out-of-scale data to fix or drop (dropping
+    it makes the step finite)."""
     ev, bundle = fire("normals_sinh", tmp_path, bad=None, mm=BAD)
     assert (ev["step"], ev["phase"], ev["kind"]) == (STEPS - 1, "loss", "+inf"), ev
     rep = nanreplay_json(bundle, "--try", f"drop={BAD}")
     assert origin(rep) == (STEPS - 1, "loss", "<loss>", "aten.sinh", [BAD], "overflow"), rep
     assert rep["origin"]["source"] == line_of("torch.log(torch.sinh(kappa))"), rep["origin"]
     assert "float64 holds it" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    assert "log(sinh(x)) = x + log1p(-exp(-2 * x)) - log(2)" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
