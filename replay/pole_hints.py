@@ -22,6 +22,8 @@ from .cause import Cause
 from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .positive import node_op
+from .rounded_bound import RoundedBound
+from .rounded_bound import said as said_bound
 
 # a backward origin at a quotient whose divisor needs no gradient
 DIVISOR_OF_DATA = (
@@ -95,6 +97,8 @@ def pole_hint(b, cause: Cause) -> str:
     if b.zero_divisor in ("constant", "clamped") and cause.name == "invalid":
         text = CONSTANT_ZERO_DIVISOR if b.zero_divisor == "constant" else CLAMPED_DIVISOR
         return text.format(node=b.node)
+    if isinstance(b.lost_eps, RoundedBound):  # (a clamp's bound rounded onto acos's edge)
+        return cause.hint + said_bound(b.lost_eps) if b.saved_zero == "1" else cause.hint
     if b.lost_eps is None or b.saved_zero != "0" or b.dtype is None:
         return cause.hint
     return cause.hint + lost_eps.said(b.lost_eps, b.dtype)

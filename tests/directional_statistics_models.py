@@ -17,6 +17,11 @@
 - ``HeadPoseNet``: head-pose regression to unit quaternions (``q / q.norm()``), the loss
   ``1 - <q, q_gt>^2`` on quaternions the dataset stores as given (``quat_loss`` normalises the
   target too).
+- ``LookAtViews``/``AbsPoseNet``: drone views whose camera rotations a dataset builds with
+  look-at (the world's up fixing the roll), regressed from the 6D representation.
+- ``FaceNet``: spherical embeddings with insightface's ArcFace head over Partial FC (the
+  classes outside the step's sample masked with -inf), its cosines in the autocast type or in
+  float32 (``make_face_fp32_cos``).
 """
 
 from __future__ import annotations
@@ -328,13 +333,16 @@ class PartialArcFace(nn.Module):
     this step's sample masked out with -inf before the softmax cross-entropy, which it
     returns per sample."""
 
-    def __init__(self, dim: int = 16, s: float = 30.0, m: float = 0.5):
+    def __init__(self, dim: int = 16, s: float = 30.0, m: float = 0.5, fp32_cos: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(N_ID, dim) * 0.01)
-        self.s, self.m = s, m
+        self.s, self.m, self.fp32_cos = s, m, fp32_cos
 
     def forward(self, emb, labels, sampled):
-        cos = F.linear(F.normalize(emb), F.normalize(self.weight)).clamp(-1 + 1e-7, 1 - 1e-7)
+        with torch.autocast(emb.device.type, enabled=not self.fp32_cos):
+            emb = emb.float() if self.fp32_cos else emb
+            cos = F.linear(F.normalize(emb), F.normalize(self.weight))
+        cos = cos.clamp(-1 + 1e-7, 1 - 1e-7)
         target = cos.gather(1, labels[:, None])
         with_margin = torch.cos(torch.acos(target) + self.m)
         logits = cos.scatter(1, labels[:, None], with_margin) * self.s
@@ -343,11 +351,11 @@ class PartialArcFace(nn.Module):
 
 
 class FaceNet(nn.Module):
-    def __init__(self, feat: int = 24, dim: int = 16):
+    def __init__(self, feat: int = 24, dim: int = 16, fp32_cos: bool = False):
         super().__init__()
         self.backbone = nn.Sequential(nn.Linear(feat, 64), nn.BatchNorm1d(64), nn.PReLU(),
                                       nn.Linear(64, dim), nn.BatchNorm1d(dim))
-        self.head = PartialArcFace(dim)
+        self.head = PartialArcFace(dim, fp32_cos=fp32_cos)
 
     def forward(self, x, labels, sampled):
         return self.head(self.backbone(x), labels, sampled)
@@ -356,3 +364,9 @@ class FaceNet(nn.Module):
 def make_face():
     torch.manual_seed(0)
     return FaceNet()
+
+
+def make_face_fp32_cos():
+    """The head's cosines in float32 under autocast, where 1 - 1e-7 is below 1."""
+    torch.manual_seed(0)
+    return FaceNet(fp32_cos=True)

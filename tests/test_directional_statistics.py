@@ -1,12 +1,15 @@
 """End to end on directional statistics and rotations (``directional_statistics_models``):
 surface normals from Vector Neurons with a von Mises-Fisher NLL on S^2, wind direction with a
 (sin, cos) head and a von Mises NLL, siamese relative camera pose from the 6D representation
-with the geodesic loss, head pose as unit quaternions. Each planted bug of the domain fires
-under the recorder and is replayed with the CLI; the healthy versions raise no event and train
-bit-identically with and without the recorder. A von Mises NLL's ``log(i0(kappa))`` that
-overflowed was ``invalid``, "at a pole or outside its domain" (i0 has neither), with the
-advice to clamp the input away from a pole; it is an overflow, and the fix is
-``torch.special.i0e``."""
+with the geodesic loss, head pose as unit quaternions, look-at camera targets, ArcFace over
+Partial FC and over imprinted identities under bfloat16 autocast. Each planted bug of the
+domain fires under the recorder and is replayed with the CLI; the healthy versions raise no
+event and train bit-identically with and without the recorder. A von Mises NLL's
+``log(i0(kappa))`` that overflowed was ``invalid``, "at a pole or outside its domain" (i0 has
+neither), with the advice to clamp the input away from a pole: it is an overflow, fixed by
+``torch.special.i0e`` (and sinh's by the log written without it); ArcFace's
+``cos.clamp(-1 + 1e-7, 1 - 1e-7)`` under bfloat16 was told to clamp into (-1 + eps, 1 - eps),
+which it does: the bound is 1 in bfloat16."""
 
 from __future__ import annotations
 
@@ -358,3 +361,92 @@ def test_healthy_look_at_views_train_the_same(tmp_path):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def imprinted(make: str):
+    """The model with one class centre per enrolment image (its normalised embedding), and
+    the enrolment batch."""
+    model = getattr(M, make)()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(M.N_ID, 24, generator=g), torch.arange(M.N_ID)
+    with torch.no_grad():
+        model.head.weight.copy_(torch.nn.functional.normalize(model.backbone(x)))
+    return model, x, y
+
+
+def train_imprinted(out_dir, make: str, record: bool = True):
+    """New identities enrolled by weight imprinting (Qi et al. 2018): each class centre is its
+    enrolment image's normalised embedding, then ArcFace fine-tunes on the enrolment batch
+    under bfloat16 autocast. Returns the model and the batch."""
+    model, x, y = imprinted(make)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sampled = torch.ones(M.N_ID, M.N_ID, dtype=torch.bool)
+    rec = FlightRecorder(model, opt, out_dir=out_dir,
+                         factory=f"directional_statistics_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, y, sampled).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model, x
+
+
+def test_an_arcface_clamp_whose_eps_bfloat16_rounds_away_names_the_bound(tmp_path):
+    """ArcFace's ``cos.clamp(-1 + 1e-7, 1 - 1e-7)`` under bfloat16 autocast: 1 - 1e-7 is 1.0
+    in bfloat16, the imprinted identities' cosines round to 1 or past it and are clamped to
+    exactly 1, and acos's derivative is infinite there. The replay names AcosBackward0 in the
+    head on those identities, ``precision``; the hint said to clamp into (-1 + eps, 1 - eps),
+    which the code does: it now says the bound is 1 in bfloat16 and what eps the type keeps."""
+    model, x, _ = imprinted("make_face")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (the head's cosines)
+        cos = torch.nn.functional.linear(torch.nn.functional.normalize(model.backbone(x)),
+                                         torch.nn.functional.normalize(model.head.weight))
+        rows = torch.nonzero(cos.diagonal().clamp(-1 + 1e-7, 1 - 1e-7) == 1).flatten().tolist()
+    assert len(rows) > M.N_ID // 2, rows
+    with pytest.raises(NonFiniteError) as info:
+        train_imprinted(tmp_path, "make_face")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (0, "backward"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert origin(rep) == (0, "backward", "head", "AcosBackward0", rows, "precision"), rep
+    assert rep["origin"]["source"] == line_of("torch.cos(torch.acos(target) + self.m)")
+    hint = rep["hint"]
+    assert "its bound 0.9999999 is 1 in bfloat16" in hint and "at least 0.00391" in hint, hint
+
+
+def test_arcface_cosines_in_float32_under_autocast_train_the_same(tmp_path):
+    """The fix: the head's cosines in float32 (autocast off there), the same imprinting and
+    bfloat16 backbone: no event, and bit-identical weights with and without the recorder."""
+    recorded, _ = train_imprinted(tmp_path, "make_face_fp32_cos")
+    plain, _ = train_imprinted(tmp_path, "make_face_fp32_cos", record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_accumulated_micro_batches_name_the_station_in_its_micro_batch_and_the_loops_batch(
+        tmp_path):
+    """Gradient accumulation over two chunks of 8 of the loop's batch of 16, the Pa record in
+    row 13: the event is the second micro-batch's loss; the replay names aten.i0 there, sample
+    5 of that micro-batch and row 13 of the loop's batch."""
+    model = M.make_wind()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.von_mises_nll, out_dir=tmp_path,
+                            factory="directional_statistics_models:make_wind") as rec:
+            for step in range(STEPS):
+                x, theta = M.station_batch(g, raw=13 if step == STEPS - 1 else None)
+                opt.zero_grad()
+                for xs, ts in zip(x.chunk(2), theta.chunk(2)):
+                    (rec.loss_fn(*model(xs), ts) / 2).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (STEPS - 1, "loss", 1), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["micro_batch"], o["op"], o["samples"], o["batch_rows"], rep["cause"]) == (
+        1, "aten.i0", [5], [13], "overflow"), o
+    assert "torch.special.i0e(x)" in rep["hint"], rep["hint"]
