@@ -66,6 +66,7 @@ from .ops import Evidence, OpHit
 from .plus_inf_row import row_hint
 from .power_overflow import power_advice
 from .rerun import Runner
+from .scaled_log import log_advice
 from .squared_zero import source as zero_source
 from .step_dtype import autocast as _autocast
 from .step_dtype import step_dtype as _step_dtype
@@ -175,7 +176,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
         also = "" if ev.dtype == torch.float64 else BEYOND_FLOAT64
         exp = name.rstrip("_") in _EXPONENTIALS or _exp_factor(ev)
         return Cause("overflow", f"{op}'s true result is too large for {dt}{also}: "
-                     + DO["clamp_exp" if exp else "clamp"])
+                     + log_advice(op, DO["clamp_exp" if exp else "clamp"]))
     what, situation = domains.describe(name, ev)
     zero_from_exp = [i for i, v in enumerate(ev.inputs)
                      if ev.exp_made[i] and ev.elementwise[i] and bool((v == 0).any())]
@@ -229,15 +230,15 @@ def _beyond_type(op: str, ev: Evidence) -> Cause:
     if (literal := unheld_literal(ev)) is not None:  # (-1e9 for a mask, under float16)
         return Cause("overflow", literal_hint(op, literal, ev.dtype))
     big = float(ev.local64.abs().max()) if ev.local64.numel() else math.inf
-    top = torch.finfo(ev.dtype).max
-    big_s, top_s = domains.g_pair(big, top)
+    big_s, top_s = domains.g_pair(big, top := torch.finfo(ev.dtype).max)
     if big <= top:  # the result fits: a value the op made on the way did not (a sum of
         # squares before the mean, as mse_loss and norms take), so say that, not "beyond"
         return Cause("overflow", f"{op}'s true result (up to {big_s}) fits in {dt}, but a value "
                      f"it computes on the way (a sum or product before its result) is beyond "
                      f"{dt}'s largest value {top_s}; float64 holds it: " + _wider(ev.dtype))
     return Cause("overflow", f"{op}'s true result (up to {big_s}) is finite but beyond "
-                 f"{dt}'s largest value {top_s}; float64 holds it: " + _wider(ev.dtype, op, ev))
+                 f"{dt}'s largest value {top_s}; float64 holds it: "
+                 + log_advice(op, _wider(ev.dtype, op, ev)))
 
 
 def _edge_excess(base: str, x: torch.Tensor) -> float | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .hits import Evidence
+from .scaled_log import BESSEL
 
 # Ops with neither a pole nor a domain edge: from finite inputs, only a result too large for
 # the type is non-finite (a NaN is inf - inf inside the op's own sum).
@@ -19,7 +20,7 @@ _NO_POLE = {"exp", "exp2", "expm1", "mul", "add", "sub", "sum", "mean", "mm", "b
             "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot", "linear", "convolution",
             "_convolution", "cumsum", "prod", "cumprod", "sinh", "cosh", "square", "einsum",
             "_to_copy", "copy_", "linalg_vector_norm", "norm", "ldexp", "addcmul", "lerp",
-            "_softmax", "_log_softmax", "logsumexp", "mul_", "add_", "sub_", "exp_"}
+            "_softmax", "_log_softmax", "logsumexp", "mul_", "add_", "sub_", "exp_"} | BESSEL
 
 
 # Ops whose derivative has a pole (a backward node's lower-cased name, ``SqrtBackward0``:

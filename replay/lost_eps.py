@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .rounded_bound import moved_bound, rounded_bound
+
 # ops that take a guard as a number: t + eps, t.clamp_min(eps), t.clamp(min=eps)
 _GUARDS = {"add", "add_", "clamp", "clamp_", "clamp_min", "clamp_min_"}
 # ops that keep the guarded value's 0 at 0: sqrt(n2 + eps) is as unguarded as n2 + eps (a
@@ -139,6 +141,9 @@ class GuardNodes(TorchFunctionMode):
                 (args[0], eps, args[2] if len(args) > 2 else kwargs.get("max")), out)
             if (_lost(eps, out) or zero or floor) and out.grad_fn is not None:
                 self.nodes.append((out.grad_fn, Floor(0.0) if floor else float(eps)))
+            elif name.startswith("clamp") and getattr(out, "grad_fn", None) is not None and \
+                    (bound := rounded_bound(args, kwargs, out)) is not None:
+                self.nodes.append((out.grad_fn, bound))  # (onto acos's edge: replay.rounded_bound)
         return out
 
     def of(self, node) -> float | None:
@@ -147,7 +152,8 @@ class GuardNodes(TorchFunctionMode):
             nexts = [fn for fn, _ in node.next_functions if fn is not None]
         except Exception:  # not an autograd node, or one that cannot say
             return None
-        return next((eps for fn in nexts for n, eps in self.nodes if fn is n), None)
+        direct = next((eps for fn in nexts for n, eps in self.nodes if fn is n), None)
+        return direct if direct is not None else moved_bound(self.nodes, nexts)
 
 
 def smallest(dtype: torch.dtype) -> float:

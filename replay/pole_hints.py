@@ -23,6 +23,8 @@ from .clamped_divisor import clamped_to_zero
 from .compat import saved_value
 from .masked_grad import MASKED_INCOMING
 from .positive import node_op
+from .rounded_bound import RoundedBound
+from .rounded_bound import said as said_bound
 from .unit_eps import narrow_eps
 
 # a backward origin at a quotient whose divisor needs no gradient
@@ -93,8 +95,9 @@ def pole_hint(b, cause: Cause) -> str:
     """``cause``'s hint for backward origin ``b`` (a :class:`~replay.backward.BackwardOrigin`),
     with what a 0 incoming gradient says of a mask after the op (replay.masked_grad)."""
     hint = _pole_hint(b, cause)
-    if cause.name == "precision":
-        hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16)
+    if cause.name == "precision" and not isinstance(b.lost_eps, RoundedBound):
+        hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16; a
+        # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)
     if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint:
         return hint
     return f"{hint}; but {MASKED_INCOMING.format(node=b.node)}"
@@ -107,6 +110,8 @@ def _pole_hint(b, cause: Cause) -> str:
     if b.zero_divisor in ("constant", "clamped") and cause.name == "invalid":
         text = CONSTANT_ZERO_DIVISOR if b.zero_divisor == "constant" else CLAMPED_DIVISOR
         return text.format(node=b.node)
+    if isinstance(b.lost_eps, RoundedBound):  # (a clamp's bound rounded onto acos's edge)
+        return cause.hint + said_bound(b.lost_eps) if b.saved_zero == "1" else cause.hint
     if b.lost_eps is None or b.saved_zero != "0" or b.dtype is None:
         return cause.hint
     return cause.hint + lost_eps.said(b.lost_eps, b.dtype)
