@@ -165,9 +165,15 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
     name = node.get("class", "?")
     what = f"the loss {name}" if top else f"the loss's submodule {name}"
     spec = node.get("import")
-    if not isinstance(spec, str):
+    if isinstance(spec, str):
+        cls = _import(spec, f"loss class {name}")
+    elif into is not None and _class_name(type(into)) == name:
+        # a class made at run time, which no import path leads to (parametrize's
+        # ParametrizedConv1d under weight_norm or spectral_norm): the parent's own
+        # construction made it again, so the recorded state goes into that one
+        cls = type(into)
+    else:
         raise Unrebuildable(_why(node, what, "class MyLoss(nn.Module): ..."))
-    cls = _import(spec, f"loss class {name}")
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise Unrebuildable(f"the recorded loss class {spec} is not an nn.Module subclass; "
                             f"{_FACTORY_WAY[3:]}")
@@ -206,6 +212,11 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
                             f"{', '.join(lost[:3])}: not JSON values, tensors, modules or "
                             f"importable functions), so it was not rebuilt; {_FACTORY_WAY[3:]}")
     return m
+
+
+def _class_name(cls: type) -> str:
+    """A class's name as ``recorder.lossdesc`` records it."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _array(t: torch.Tensor, what: str, k: str):
