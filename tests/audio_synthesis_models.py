@@ -4,7 +4,8 @@
 - ``DDSP``: Engel et al.'s autoencoder without z (ddsp_pytorch's layout): f0 and loudness per
   frame through MLPs and a GRU, harmonic amplitudes and noise band magnitudes by
   ``exp_sigmoid`` (``2 sigmoid(x)^ln 10 + 1e-7``), harmonics above Nyquist removed and the
-  harmonic distribution normalised, the frames upsampled to the audio rate, the phase a
+  harmonic distribution normalised (or, ``make_ddsp_softmax``, a softmax over the harmonics
+  below Nyquist, those above masked with -inf), the frames upsampled to the audio rate, the phase a
   cumulative sum of ``2 pi f0 / sr``, filtered noise by a frequency-domain FIR (``irfft`` of
   the band magnitudes, a Hann window, ``rfft`` convolution); ``SpectralLoss``: the multi-scale
   spectral loss, ``|S|`` and ``log |S|`` of ``torch.stft`` at several FFT sizes.
@@ -90,13 +91,13 @@ def fft_convolve(signal, kernel):
 class DDSP(nn.Module):
     """f0 (Hz) and loudness (normalised dB) per frame to audio, (B, frames) -> (B, frames*HOP)."""
 
-    def __init__(self, hidden: int = 32, nyquist_floor: float = 1e-4):
+    def __init__(self, hidden: int = 32, nyquist_floor: float = 1e-4, softmax: bool = False):
         super().__init__()
         self.in_mlps = nn.ModuleList([mlp(1, hidden), mlp(1, hidden)])
         self.gru = nn.GRU(2 * hidden, hidden, batch_first=True)
         self.out_mlp = mlp(hidden + 2, hidden)
         self.proj = nn.ModuleList([nn.Linear(hidden, N_HARM + 1), nn.Linear(hidden, N_BANDS)])
-        self.nyquist_floor = nyquist_floor
+        self.nyquist_floor, self.softmax = nyquist_floor, softmax
         self.register_buffer("cache_gru", torch.zeros(1, 1, hidden))
 
     def forward(self, pitch, loudness):
@@ -105,11 +106,18 @@ class DDSP(nn.Module):
         hidden = torch.cat([self.gru(hidden)[0], pitch / 1000, loudness], -1)
         hidden = self.out_mlp(hidden)
 
-        param = exp_sigmoid(self.proj[0](hidden))
-        total_amp, amplitudes = param[..., :1], param[..., 1:]
-        amplitudes = remove_above_nyquist(amplitudes, pitch, SR, self.nyquist_floor)
-        amplitudes = amplitudes / amplitudes.sum(-1, keepdim=True)
-        amplitudes = amplitudes * total_amp
+        param = self.proj[0](hidden)
+        if self.softmax:  # the distribution as a softmax over the harmonics below Nyquist
+            total_amp = exp_sigmoid(param[..., :1])
+            k = torch.arange(1, N_HARM + 1, device=pitch.device)
+            logits = param[..., 1:].masked_fill(pitch * k >= SR / 2, float("-inf"))
+            amplitudes = torch.softmax(logits, -1) * total_amp
+        else:
+            param = exp_sigmoid(param)
+            total_amp, amplitudes = param[..., :1], param[..., 1:]
+            amplitudes = remove_above_nyquist(amplitudes, pitch, SR, self.nyquist_floor)
+            amplitudes = amplitudes / amplitudes.sum(-1, keepdim=True)
+            amplitudes = amplitudes * total_amp
 
         amplitudes = upsample(amplitudes, HOP)
         pitch = upsample(pitch, HOP)
@@ -132,6 +140,11 @@ def make_ddsp_no_nyquist_floor() -> nn.Module:
     """A port of the Nyquist mask as a plain 0/1 mask (the bug: no ``+ 1e-4``)."""
     torch.manual_seed(0)
     return DDSP(nyquist_floor=0.0)
+
+
+def make_ddsp_softmax() -> nn.Module:
+    torch.manual_seed(0)
+    return DDSP(softmax=True)
 
 
 class SpectralLoss(nn.Module):
@@ -229,11 +242,14 @@ class Generator(nn.Module):
             nn.init.zeros_(post.bias)
         self.conv_post = wn(post)
 
-    def forward(self, mel):
+    def forward(self, mel, lengths=None):
         x = self.conv_pre(mel)
         for up, block in zip(self.ups, self.resblocks):
             x = block(up(F.leaky_relu(x, 0.1)))
-        return torch.tanh(self.conv_post(F.leaky_relu(x)))
+        y = torch.tanh(self.conv_post(F.leaky_relu(x)))
+        if lengths is not None:  # silence past each clip's end, as its padded target
+            y = y * (torch.arange(y.shape[-1]) < lengths[:, None, None])
+        return y
 
 
 def make_generator() -> nn.Module:
@@ -312,13 +328,25 @@ def mel_basis(n_mels: int = 16, n_fft: int = 64, sr: int = SR) -> torch.Tensor:
 MEL = mel_basis()
 
 
-def mel_spectrogram(y, n_fft: int = 64, hop: int = 16, clip: float = 1e-5):
+def mel_spectrogram(y, n_fft: int = 64, hop: int = 16, eps: float = 1e-9):
     """HiFi-GAN's meldataset.mel_spectrogram: reflect pad, |stft|, mel, log(clamp)."""
     y = F.pad(y.unsqueeze(1), ((n_fft - hop) // 2, (n_fft - hop) // 2), mode="reflect")
     spec = torch.stft(y.squeeze(1), n_fft, hop, window=torch.hann_window(n_fft), center=False,
                       return_complex=True)
-    spec = torch.sqrt(spec.real.pow(2) + spec.imag.pow(2) + 1e-9)
-    return torch.log(torch.clamp(MEL @ spec, min=clip))
+    if eps == 0:  # the bug: sqrt's gradient at a frame of exact silence is 1/0
+        spec = torch.sqrt(spec.real.pow(2) + spec.imag.pow(2))
+    else:
+        spec = torch.sqrt(spec.real.pow(2) + spec.imag.pow(2) + eps)
+    return torch.log(torch.clamp(MEL @ spec, min=1e-5))
+
+
+def log_mel_no_floor(y, n_fft: int = 64, hop: int = 16):
+    """A data pipeline's own log-mel (torchaudio's MelSpectrogram, then log): the bug, no
+    floor, so a frame of exact silence is log(0) = -inf."""
+    y = F.pad(y.unsqueeze(1), ((n_fft - hop) // 2, (n_fft - hop) // 2), mode="reflect")
+    spec = torch.stft(y.squeeze(1), n_fft, hop, window=torch.hann_window(n_fft), center=False,
+                      return_complex=True)
+    return torch.log(MEL @ spec.abs())
 
 
 def feature_loss(fmap_r, fmap_g):
@@ -340,12 +368,47 @@ def generator_loss(gen_outputs):
     return sum(torch.mean((1 - dg) ** 2) for dg in gen_outputs)
 
 
-def vocoder_batch(g: torch.Generator, n: int = 4, frames: int = 8):
-    """(mel, audio) of short notes: audio (B, frames*16), its log-mel (B, 16, frames)."""
-    t = torch.arange(frames * 16) / SR
-    f0 = 200 + 400 * torch.rand(n, 1, generator=g)
-    audio = 0.5 * torch.sin(2 * math.pi * f0 * t) + 0.01 * torch.randn(n, t.numel(), generator=g)
-    return mel_spectrogram(audio), audio
+class GeneratorLoss(nn.Module):
+    """The generator's objective as one module around the discriminator (as ESPnet's and
+    Coqui's GAN vocoder recipes wrap it): least squares + feature matching + 45 x mel L1."""
+
+    def __init__(self, disc: nn.Module, mel_eps: float = 1e-9):
+        super().__init__()
+        self.disc, self.mel_eps = disc, mel_eps
+
+    def forward(self, y_g_hat, y):
+        y_g_hat_mel = mel_spectrogram(y_g_hat.squeeze(1), eps=self.mel_eps)
+        loss_mel = F.l1_loss(mel_spectrogram(y.squeeze(1)), y_g_hat_mel) * 45
+        _, fake, fmap_r, fmap_g = self.disc(y, y_g_hat)
+        return generator_loss(fake) + feature_loss(fmap_r, fmap_g) + loss_mel
+
+
+class Notes(torch.utils.data.Dataset):
+    """Short notes, (audio,) each; ``short`` are the indices of clips 48 samples long."""
+
+    def __init__(self, n: int = 12, length: int = 128, short=(), seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        t = torch.arange(length) / SR
+        f0 = 200 + 400 * torch.rand(n, 1, generator=g)
+        noise = 0.01 * torch.randn(n, length, generator=g)
+        self.clips = list(0.5 * torch.sin(2 * math.pi * f0 * t) + noise)
+        for i in short:
+            self.clips[i] = self.clips[i][:48]
+
+    def __len__(self):
+        return len(self.clips)
+
+    def __getitem__(self, i):
+        return self.clips[i]
+
+
+def collate(clips, floor: bool = True):
+    """(mel, audio, lengths): the clips padded with silence to the longest, their log-mels."""
+    lengths = torch.tensor([len(c) for c in clips])
+    audio = torch.zeros(len(clips), int(lengths.max()))
+    for i, c in enumerate(clips):
+        audio[i, :len(c)] = c
+    return (mel_spectrogram if floor else log_mel_no_floor)(audio), audio, lengths
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ the healthy versions raise no event and train bit-identically with and without t
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import audio_synthesis_models as M
 import pytest
 import torch
-import torch.nn.functional as F
 from bundles import nanreplay_json, source_line
 
 from recorder import FlightRecorder, NonFiniteError
@@ -54,30 +54,31 @@ def train_ddsp(out_dir, make: str = "make_ddsp", *, steps: int = 4, record: bool
     return model
 
 
-def train_hifigan(out_dir, make: str = "make_generator", *, steps: int = 3, record: bool = True):
-    """HiFi-GAN's train.py: AdamW(0.8, 0.99) for each network, the discriminator's update on the
-    detached fake, then the generator's on 45 x mel L1 + feature matching + adversarial; the
-    recorder is given the generator and its optimizer."""
+def train_hifigan(out_dir, make: str = "make_generator", *, record: bool = True, short=(),
+                  sqrt_eps: float = 1e-9, floor: bool = True):
+    """HiFi-GAN's train.py over a DataLoader (3 batches of 4): AdamW(0.8, 0.99) for each
+    network, the discriminator's update on the detached fake, then the generator's on 45 x mel
+    L1 + feature matching + adversarial (one loss module around the discriminator); the recorder is given the generator and its
+    optimizer. ``short`` clips are padded with silence by the collate, ``floor`` its log-mel's
+    clamp, ``sqrt_eps`` the loss's magnitude eps."""
     gen, disc = getattr(M, make)(), M.Discriminator()
+    crit = M.GeneratorLoss(disc, sqrt_eps)
     opt_g = torch.optim.AdamW(gen.parameters(), 2e-4, betas=(0.8, 0.99))
     opt_d = torch.optim.AdamW(disc.parameters(), 2e-4, betas=(0.8, 0.99))
     scheds = [torch.optim.lr_scheduler.ExponentialLR(o, 0.999) for o in (opt_g, opt_d)]
-    g = torch.Generator().manual_seed(0)
-    with recording(gen, opt_g, None, out_dir, make, record):
-        for _ in range(steps):
-            mel, y = M.vocoder_batch(g)
+    loader = torch.utils.data.DataLoader(M.Notes(short=short), batch_size=4,
+                                         collate_fn=functools.partial(M.collate, floor=floor))
+    with recording(gen, opt_g, crit, out_dir, make, record):
+        for mel, y, lengths in loader:
             y = y.unsqueeze(1)
-            y_g_hat = gen(mel)
+            y_g_hat = gen(mel, lengths)
             opt_d.zero_grad()
             real, fake, _, _ = disc(y, y_g_hat.detach())
             M.discriminator_loss(real, fake).backward()
             opt_d.step()
 
             opt_g.zero_grad()
-            loss_mel = F.l1_loss(mel, M.mel_spectrogram(y_g_hat.squeeze(1))) * 45
-            _, fake, fmap_r, fmap_g = disc(y, y_g_hat)
-            loss = M.generator_loss(fake) + M.feature_loss(fmap_r, fmap_g) + loss_mel
-            loss.backward()
+            crit(y_g_hat, y).backward()
             opt_g.step()
             for s in scheds:
                 s.step()
@@ -109,13 +110,16 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module):
         assert torch.equal(x, y), name
 
 
-def test_healthy_ddsp_raises_nothing_and_trains_the_same(tmp_path):
+@pytest.mark.parametrize("make,bad", [("make_ddsp", {"glitch": 3, "padded": 5}),
+                                      ("make_ddsp_softmax", {"padded": 5})])
+def test_healthy_ddsp_raises_nothing_and_trains_the_same(tmp_path, make, bad):
     """exp_sigmoid's floor, the Nyquist mask's + 1e-4 and the spectral loss's eps: a record
     whose pitch tracker jumped above Nyquist and a clip padded with digital silence raise no
-    event, and the weights are bit-identical with and without the recorder (the noise's
-    torch.rand draws the same)."""
-    recorded = train_ddsp(tmp_path, glitch=3, padded=5)
-    plain = train_ddsp(tmp_path, glitch=3, padded=5, record=False)
+    event; the softmax over the harmonics below Nyquist takes the -inf its mask writes over the
+    high notes' upper harmonics in every step (a mask that stays inside). The weights are
+    bit-identical with and without the recorder (the noise's torch.rand draws the same)."""
+    recorded = train_ddsp(tmp_path, make, **bad)
+    plain = train_ddsp(tmp_path, make, record=False, **bad)
     assert not list(tmp_path.glob("*.nan"))
     same_weights(recorded, plain)
 
@@ -123,8 +127,8 @@ def test_healthy_ddsp_raises_nothing_and_trains_the_same(tmp_path):
 def test_healthy_hifigan_raises_nothing_and_trains_the_same(tmp_path):
     """weight_norm and spectral_norm parametrizations, two optimizers, the discriminator run
     on the detached fake then again for the generator: no event, the same weights."""
-    recorded = train_hifigan(tmp_path)
-    plain = train_hifigan(tmp_path, record=False)
+    recorded = train_hifigan(tmp_path, short=[9])
+    plain = train_hifigan(tmp_path, short=[9], record=False)
     assert not list(tmp_path.glob("*.nan"))
     for a, b in zip(recorded, plain):
         same_weights(a, b)
@@ -161,6 +165,24 @@ def test_nyquist_mask_without_floor_names_the_harmonic_normalisation_and_the_rec
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_softmax_of_harmonics_all_above_nyquist_names_the_fully_masked_row(tmp_path):
+    """The harmonic distribution as a softmax whose harmonics above Nyquist are masked with
+    -inf: record 3's 4.2 kHz glitch masks every harmonic of its frames, a fully masked row.
+    The replay names the softmax on its line, the mask's -inf as intended, record 3, and says
+    to keep one entry per row or mask with a finite number; dropping it makes the step
+    finite."""
+    ev, bundle = fire(train_ddsp, tmp_path, "make_ddsp_softmax", glitch=3)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        3, "forward", "", [3], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten._softmax", "nan", [3])
+    assert o["source"] == line_of("amplitudes = torch.softmax(logits, -1) * total_amp"), o
+    assert rep["cause"] == "invalid" and "every entry is -inf" in rep["hint"], rep["hint"]
+    assert "large finite negative number" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 def test_log_magnitude_of_padded_silence_names_the_target_and_the_floor(tmp_path):
     """The spectral loss's log |S| without its eps: clip 5 is short and padded with digital
     silence, whose STFT frames are exactly 0, so log |S_target| is -inf and the L1 +inf. A loss
@@ -189,6 +211,41 @@ def test_weight_norm_of_a_zero_initialised_conv_names_the_parametrization(tmp_pa
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"]) == (
         "conv_post.parametrizations.weight.0", "aten._weight_norm_interface", "nan"), o
-    assert o["source"] == line_of("return torch.tanh(self.conv_post(F.leaky_relu(x)))"), o
+    assert o["source"] == line_of("y = torch.tanh(self.conv_post(F.leaky_relu(x)))"), o
     assert rep["cause"] == "invalid" and "original1, which is all 0" in rep["hint"]
     assert "zero its magnitude original0" in rep["hint"], rep["hint"]
+
+
+def test_magnitude_without_eps_at_a_padded_frame_names_sqrt_backward_in_the_loss(tmp_path):
+    """The mel loss's magnitude written as sqrt(re² + im²) without HiFi-GAN's + 1e-9: the
+    generator's output is silenced past clip 9's end (row 1 of the last batch), so those STFT
+    frames are exactly 0, the log-mel's clamp passes no gradient there and sqrt's backward
+    makes 0 * 1/0 = NaN. The loss module holds the discriminator, whose convs are
+    weight_norm/spectral_norm parametrized (classes made at run time, rebuilt by the
+    discriminator's own construction): the replay re-runs it and names SqrtBackward0 in the
+    loss on its line, the short clip, and the complex modulus's own abs."""
+    ev, bundle = fire(train_hifigan, tmp_path, short=[9], sqrt_eps=0.0)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (2, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == (
+        "backward", "<loss>", "SqrtBackward0", [1]), o
+    assert o["source"] == line_of("spec = torch.sqrt(spec.real.pow(2) + spec.imag.pow(2))")
+    assert rep["cause"] == "invalid" and "torch.complex(re, im).abs()" in rep["hint"]
+    assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
+
+
+def test_log_mel_of_zero_padding_in_the_collate_is_an_input_event_pointing_at_the_log(
+        tmp_path):
+    """The collate's own log-mel without a floor: clip 9 is padded with silence to the
+    batch's length, and its padded frames' mel is log(0) = -inf. An input event on the short
+    clip (row 1), and the hint says the -Inf alone is what a log of 0 makes, and where."""
+    ev, bundle = fire(train_hifigan, tmp_path, short=[9], floor=False)
+    assert (ev["step"], ev["phase"], ev["samples"], ev["kind"]) == (2, "input", [1], "-inf")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["made"], o["samples"]) == (
+        "input", "args[0]", "-inf", [1]), o
+    assert rep["cause"] == "input", rep["cause"]
+    assert rep["hint"].startswith("args[0] holds -Inf and no NaN or +Inf, which log(0) makes")
+    assert "log-mel" in rep["hint"] and "clamp_min(1e-5)" in rep["hint"], rep["hint"]
