@@ -142,6 +142,46 @@ def make_ddsp_no_nyquist_floor() -> nn.Module:
     return DDSP(nyquist_floor=0.0)
 
 
+class Loudness(nn.Module):
+    """Frame loudness in dB from the audio, normalised (DDSP's compute_loudness, without the
+    A-weighting): 10 log10 of each frame's mean power."""
+
+    def __init__(self, eps: float = 1e-10):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, audio):
+        frames = audio.reshape(audio.shape[0], -1, HOP)
+        power = frames.pow(2).mean(-1)
+        if self.eps == 0:  # the bug: the dB of a frame of digital silence is -inf
+            db = 10 * torch.log10(power)
+        else:
+            db = 10 * torch.log10(power + self.eps)
+        return (db + 20) / 20
+
+
+class DDSPAutoencoder(nn.Module):
+    """DDSP as it trains on audio: the loudness computed from the audio in forward, f0 given
+    (a pitch tracker's, precomputed)."""
+
+    def __init__(self, eps: float = 1e-10):
+        super().__init__()
+        self.loudness, self.ddsp = Loudness(eps), DDSP()
+
+    def forward(self, pitch, audio):
+        return self.ddsp(pitch, self.loudness(audio))
+
+
+def make_autoencoder() -> nn.Module:
+    torch.manual_seed(0)
+    return DDSPAutoencoder()
+
+
+def make_autoencoder_no_eps() -> nn.Module:
+    torch.manual_seed(0)
+    return DDSPAutoencoder(eps=0.0)
+
+
 def make_ddsp_softmax() -> nn.Module:
     torch.manual_seed(0)
     return DDSP(softmax=True)

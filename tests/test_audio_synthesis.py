@@ -45,7 +45,8 @@ def train_ddsp(out_dir, make: str = "make_ddsp", *, steps: int = 4, record: bool
     with recording(model, opt, crit, out_dir, make, record):
         for step in range(steps):
             f0, loud, audio = M.ddsp_batch(g, **(bad if step == steps - 1 else {}))
-            loss = crit(model(f0, loud), audio)
+            inputs = (f0, audio) if "autoencoder" in make else (f0, loud)
+            loss = crit(model(*inputs), audio)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -85,9 +86,11 @@ def train_hifigan(out_dir, make: str = "make_generator", *, record: bool = True,
     return gen, disc
 
 
-def train_wavenet(out_dir, *, steps: int = 4, record: bool = True, accumulate: int = 2):
+def train_wavenet(out_dir, *, steps: int = 4, record: bool = True, accumulate: int = 2,
+                  bf16: bool = False):
     """Teacher-forced WaveNet: cross-entropy over 256 mu-law classes, Adam with a step decay,
-    two micro-batches accumulated per update."""
+    two micro-batches accumulated per update; ``bf16``: the forward under bfloat16 autocast,
+    the cross-entropy of its logits in float32."""
     model = M.make_wavenet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
@@ -96,7 +99,9 @@ def train_wavenet(out_dir, *, steps: int = 4, record: bool = True, accumulate: i
     with recording(model, opt, crit, out_dir, "make_wavenet", record):
         for _, k in itertools.product(range(steps), range(accumulate)):
             x, y = M.wavenet_batch(g)
-            (crit(model(x), y) / accumulate).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(x)
+            (crit(logits.float(), y) / accumulate).backward()
             if k == accumulate - 1:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
@@ -111,7 +116,8 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module):
 
 
 @pytest.mark.parametrize("make,bad", [("make_ddsp", {"glitch": 3, "padded": 5}),
-                                      ("make_ddsp_softmax", {"padded": 5})])
+                                      ("make_ddsp_softmax", {"padded": 5}),
+                                      ("make_autoencoder", {"padded": 5})])
 def test_healthy_ddsp_raises_nothing_and_trains_the_same(tmp_path, make, bad):
     """exp_sigmoid's floor, the Nyquist mask's + 1e-4 and the spectral loss's eps: a record
     whose pitch tracker jumped above Nyquist and a clip padded with digital silence raise no
@@ -134,9 +140,12 @@ def test_healthy_hifigan_raises_nothing_and_trains_the_same(tmp_path):
         same_weights(a, b)
 
 
-def test_healthy_wavenet_raises_nothing_and_trains_the_same(tmp_path):
-    recorded = train_wavenet(tmp_path)
-    plain = train_wavenet(tmp_path, record=False)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_healthy_wavenet_raises_nothing_and_trains_the_same(tmp_path, bf16):
+    """Two accumulated micro-batches an update, in float32 and under bfloat16 autocast: no
+    event, the same weights with and without the recorder."""
+    recorded = train_wavenet(tmp_path, bf16=bf16)
+    plain = train_wavenet(tmp_path, bf16=bf16, record=False)
     assert not list(tmp_path.glob("*.nan"))
     same_weights(recorded, plain)
 
@@ -180,6 +189,24 @@ def test_softmax_of_harmonics_all_above_nyquist_names_the_fully_masked_row(tmp_p
     assert o["source"] == line_of("amplitudes = torch.softmax(logits, -1) * total_amp"), o
     assert rep["cause"] == "invalid" and "every entry is -inf" in rep["hint"], rep["hint"]
     assert "large finite negative number" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_loudness_of_digital_silence_names_the_log10_and_the_padded_clip(tmp_path):
+    """The autoencoder's loudness, computed from the audio in forward, as 10 log10 of each
+    frame's power without its eps: clip 5's zero padding is -inf dB. The recorder names the
+    loudness module and clip 5; the replay the log10 on its line, the pole at 0 and its
+    eps; dropping the clip makes the step finite."""
+    ev, bundle = fire(train_ddsp, tmp_path, "make_autoencoder_no_eps", padded=5)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        3, "forward", "loudness", [5], "-inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "loudness", "aten.log10", "-inf", [5]), o
+    assert o["source"] == line_of("db = 10 * torch.log10(power)"), o
+    assert rep["cause"] == "invalid" and "of 0 (log has a pole at 0" in rep["hint"]
+    assert "clamp_min(eps)" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
