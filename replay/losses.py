@@ -22,6 +22,7 @@ from torch import nn
 from recorder.validate import import_object
 
 from .compat import remove_member
+from .loss_network import network_hint
 from .trust import defined_in, installed_roots, module_origin, trusted_path
 
 _FACTORY_WAY = "or return it from the factory as {'model': ..., 'loss_fn': ...}"
@@ -310,11 +311,14 @@ def non_finite_loss_state(loss_fn) -> str | None:
     return None
 
 
-def held_state_cause(cause, hit, held: str | None):
+def held_state_cause(cause, hit, held: str | None, step=None):
     """``cause`` of a loss op ``hit``, or ``weights`` when the op took a non-finite tensor
-    of the loss's own (``held``: :func:`non_finite_loss_state`'s words) as the step began."""
+    of the loss's own (``held``: :func:`non_finite_loss_state`'s words) as the step began; of
+    a network's parameters the loss holds, another optimizer's (``replay.loss_network``)."""
     if hit is None or hit.inputs_finite or held is None:
         return cause
+    if (network := network_hint(step, hit.op, held)) is not None:
+        return type(cause)("weights", network)
     return type(cause)("weights", f"{hit.op} took {held}, as the step began: a value made "
                        "before the step (class weights 1/count with a class absent from the "
                        "counts: 1/0; an EWC Fisher normalised by its max, 0 for a parameter "
