@@ -326,12 +326,15 @@ class PeriodDisc(nn.Module):
 
 
 class ScaleDisc(nn.Module):
-    def __init__(self, ch: int = 8):
+    def __init__(self, ch: int = 8, zero_post: bool = False):
         super().__init__()
         sn = nn.utils.parametrizations.spectral_norm
         self.convs = nn.ModuleList([sn(nn.Conv1d(1, ch, 15, 1, padding=7)),
                                     sn(nn.Conv1d(ch, ch, 41, 4, groups=4, padding=20))])
-        self.post = sn(nn.Conv1d(ch, 1, 3, 1, padding=1))
+        post = nn.Conv1d(ch, 1, 3, 1, padding=1)
+        if zero_post:  # the bug: a zero-initialised head under spectral_norm is 0 / sigma = 0/0
+            nn.init.zeros_(post.weight)
+        self.post = sn(post)
 
     def forward(self, x):
         fmap = []
@@ -343,10 +346,15 @@ class ScaleDisc(nn.Module):
         return x.flatten(1), fmap
 
 
+def make_discriminator_zero_post() -> nn.Module:
+    torch.manual_seed(1)
+    return Discriminator(zero_post=True)
+
+
 class Discriminator(nn.Module):
-    def __init__(self):
+    def __init__(self, zero_post: bool = False):
         super().__init__()
-        self.discs = nn.ModuleList([PeriodDisc(2), PeriodDisc(3), ScaleDisc()])
+        self.discs = nn.ModuleList([PeriodDisc(2), PeriodDisc(3), ScaleDisc(zero_post=zero_post)])
 
     def forward(self, y, y_hat):
         outs = [(d(y), d(y_hat)) for d in self.discs]

@@ -56,13 +56,13 @@ def train_ddsp(out_dir, make: str = "make_ddsp", *, steps: int = 4, record: bool
 
 
 def train_hifigan(out_dir, make: str = "make_generator", *, record: bool = True, short=(),
-                  sqrt_eps: float = 1e-9, floor: bool = True):
+                  sqrt_eps: float = 1e-9, floor: bool = True, zero_disc: bool = False):
     """HiFi-GAN's train.py over a DataLoader (3 batches of 4): AdamW(0.8, 0.99) for each
     network, the discriminator's update on the detached fake, then the generator's on 45 x mel
     L1 + feature matching + adversarial (one loss module around the discriminator); the recorder is given the generator and its
     optimizer. ``short`` clips are padded with silence by the collate, ``floor`` its log-mel's
     clamp, ``sqrt_eps`` the loss's magnitude eps."""
-    gen, disc = getattr(M, make)(), M.Discriminator()
+    gen, disc = getattr(M, make)(), M.Discriminator(zero_disc)
     crit = M.GeneratorLoss(disc, sqrt_eps)
     opt_g = torch.optim.AdamW(gen.parameters(), 2e-4, betas=(0.8, 0.99))
     opt_d = torch.optim.AdamW(disc.parameters(), 2e-4, betas=(0.8, 0.99))
@@ -276,3 +276,46 @@ def test_log_mel_of_zero_padding_in_the_collate_is_an_input_event_pointing_at_th
     assert rep["cause"] == "input", rep["cause"]
     assert rep["hint"].startswith("args[0] holds -Inf and no NaN or +Inf, which log(0) makes")
     assert "log-mel" in rep["hint"] and "clamp_min(1e-5)" in rep["hint"], rep["hint"]
+
+
+def test_discriminator_broken_by_its_own_optimizer_is_named_as_the_loss_network(tmp_path):
+    """The scale discriminator's head zero-initialised under spectral_norm: its forward in
+    the discriminator's update is 0/0, whose NaN gradients the discriminator's AdamW (not the
+    recorder's) writes into its weights. The generator's recorded loss then runs the NaN
+    discriminator: a loss event at step 0, whose cause is the loss's network's weights, naming
+    the first non-finite parameter and saying to record that network with its optimizer."""
+    ev, bundle = fire(train_hifigan, tmp_path, zero_disc=True)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "loss", "<loss>", "nan")
+    rep = nanreplay_json(bundle)
+    assert (rep["origin"]["phase"], rep["origin"]["module"]) == ("loss", "<loss>"), rep["origin"]
+    assert rep["cause"] == "weights", rep["cause"]
+    hint = rep["hint"]
+    assert "the loss holds a network whose parameters are non-finite (6 of 24, first " \
+           "disc.discs.2.convs.0.bias)" in hint, hint
+    assert "FlightRecorder(disc, its optimizer, ...)" in hint, hint
+    assert "class weights" not in hint, hint
+
+
+def test_discriminator_recorded_names_spectral_norm_of_the_zero_head(tmp_path):
+    """Following that advice: the discriminator recorded with its optimizer. The event is in
+    the discriminator's first forward, and the replay names spectral_norm's division by the
+    zero head's norm and says to initialise it nonzero."""
+    gen, disc = M.make_generator(), M.make_discriminator_zero_post()
+    opt_d = torch.optim.AdamW(disc.parameters(), 2e-4, betas=(0.8, 0.99))
+    loader = torch.utils.data.DataLoader(M.Notes(), batch_size=4, collate_fn=M.collate)
+    with pytest.raises(NonFiniteError) as info:
+        with recording(disc, opt_d, None, tmp_path, "make_discriminator_zero_post", True):
+            for mel, y, lengths in loader:
+                opt_d.zero_grad()
+                real, fake, _, _ = disc(y.unsqueeze(1), gen(mel, lengths).detach())
+                M.discriminator_loss(real, fake).backward()
+                opt_d.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (
+        0, "forward", "discs.2.post.parametrizations.weight.0"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"]) == (
+        "discs.2.post.parametrizations.weight.0", "aten.div", "nan"), o
+    assert rep["cause"] == "invalid" and "_SpectralNorm parametrization" in rep["hint"]
+    assert "weight.original, which is all 0" in rep["hint"], rep["hint"]
