@@ -225,10 +225,11 @@ def tone(g: torch.Generator, n: int):
 
 
 def ddsp_batch(g: torch.Generator, n: int = 8, *, glitch: int | None = None,
-               padded: int | None = None):
+               padded: int | None = None, unvoiced: int | None = None):
     """(pitch, loudness, audio). ``glitch``: the pitch tracker jumped above Nyquist for the
     middle frames of that record (an unvoiced hiss tracked as a 4.2 kHz pitch); ``padded``: that
-    clip is short, and the collate pads its audio with digital silence after 3 frames."""
+    clip is short, and the collate pads its audio with digital silence after 3 frames;
+    ``unvoiced``: that record's f0 is librosa.pyin's, NaN in its unvoiced frames."""
     f0, loud, audio = tone(g, n)
     if glitch is not None:
         f0[glitch, 6:10] = 4200.0
@@ -236,6 +237,8 @@ def ddsp_batch(g: torch.Generator, n: int = 8, *, glitch: int | None = None,
         audio[padded, 3 * HOP:] = 0.0
         loud[padded, 3:] = (20 * math.log10(1e-5) + 20) / 20
         f0[padded, 3:] = 0.0
+    if unvoiced is not None:
+        f0[unvoiced, 12:] = float("nan")
     return f0, loud, audio
 
 

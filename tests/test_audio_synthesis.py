@@ -319,3 +319,17 @@ def test_discriminator_recorded_names_spectral_norm_of_the_zero_head(tmp_path):
         "discs.2.post.parametrizations.weight.0", "aten.div", "nan"), o
     assert rep["cause"] == "invalid" and "_SpectralNorm parametrization" in rep["hint"]
     assert "weight.original, which is all 0" in rep["hint"], rep["hint"]
+
+
+def test_pyin_nan_f0_of_unvoiced_frames_is_an_input_event_on_the_record(tmp_path):
+    """Record 6's f0 from librosa.pyin, NaN in its unvoiced frames, fed to DDSP as it is: an
+    input event on args[0] (the pitch), record 6 alone, and dropping it makes the step
+    finite."""
+    ev, bundle = fire(train_ddsp, tmp_path, unvoiced=6)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"], ev["kind"]) == (
+        3, "input", "args[0]", [6], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["made"], o["samples"]) == ("input", "args[0]", "nan", [6])
+    assert rep["cause"] == "input" and "data pipeline" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
