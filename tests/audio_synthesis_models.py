@@ -271,9 +271,11 @@ class ResBlock(nn.Module):
 class Generator(nn.Module):
     """Mel (B, n_mels, frames) to audio (B, 1, frames * 16): two x4 transposed convs."""
 
-    def __init__(self, n_mels: int = 16, ch: int = 32, zero_post: bool = False):
+    def __init__(self, n_mels: int = 16, ch: int = 32, zero_post: bool = False,
+                 legacy: bool = False):
         super().__init__()
-        wn = nn.utils.parametrizations.weight_norm
+        # (legacy: the hook-based torch.nn.utils.weight_norm HiFi-GAN's own code imports)
+        wn = nn.utils.weight_norm if legacy else nn.utils.parametrizations.weight_norm
         self.conv_pre = wn(nn.Conv1d(n_mels, ch, 7, 1, padding=3))
         self.ups = nn.ModuleList([wn(nn.ConvTranspose1d(ch // 2 ** i, ch // 2 ** (i + 1), 8, 4,
                                                         padding=2)) for i in range(2)])
@@ -303,6 +305,11 @@ def make_generator() -> nn.Module:
 def make_generator_zero_post() -> nn.Module:
     torch.manual_seed(0)
     return Generator(zero_post=True)
+
+
+def make_generator_zero_post_legacy() -> nn.Module:
+    torch.manual_seed(0)
+    return Generator(zero_post=True, legacy=True)
 
 
 class PeriodDisc(nn.Module):

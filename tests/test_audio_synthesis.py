@@ -278,6 +278,24 @@ def test_log_mel_of_zero_padding_in_the_collate_is_an_input_event_pointing_at_th
     assert "log-mel" in rep["hint"] and "clamp_min(1e-5)" in rep["hint"], rep["hint"]
 
 
+def test_hook_based_weight_norm_of_a_zero_initialised_conv_names_weight_v(tmp_path):
+    """The same zero-initialised last conv under the hook-based torch.nn.utils.weight_norm
+    that HiFi-GAN's own code imports (weight_g and weight_v on the conv, g * v / |v| in a
+    forward pre-hook): the replay names the op in conv_post, weight_v all 0, and to zero
+    weight_g instead."""
+    ev, bundle = fire(train_hifigan, tmp_path, "make_generator_zero_post_legacy")
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
+        0, "forward", "conv_post", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"]) == (
+        "conv_post", "aten._weight_norm_interface", "nan"), o
+    assert o["source"] == line_of("y = torch.tanh(self.conv_post(F.leaky_relu(x)))"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "divides by the norm of conv_post.weight_v, which is all 0" in rep["hint"]
+    assert "zero conv_post.weight_g instead" in rep["hint"], rep["hint"]
+
+
 def test_discriminator_broken_by_its_own_optimizer_is_named_as_the_loss_network(tmp_path):
     """The scale discriminator's head zero-initialised under spectral_norm: its forward in
     the discriminator's update is 0/0, whose NaN gradients the discriminator's AdamW (not the
