@@ -2,7 +2,8 @@
 65504) that holds ±Inf and no NaN: the likeliest origin is a cast. ``x.half()`` of a value
 beyond the type's range is ±inf, so a float16 data pipeline, or targets cast to a half model's
 dtype, turns an extrapolation range's large values into infinities no record ever held. The
-data-pipeline hints (bad files, a std of 0, a teacher's output) do not say so."""
+data-pipeline hints (bad files, a std of 0, a teacher's output) do not say so. A wider tensor's
+-Inf alone is a log of 0 instead (``replay.log_zero_input``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from recorder.finite import has_nan
 
 from .cause_text import HINTS
 from .load import Step
+from .log_zero_input import log_zero_lead
 from .recorded import input_hint, origin_key
 
 CAST = ("{tensor} is {dtype} and holds {kind} but no NaN: {dtype}'s largest value is {top:g}, "
@@ -56,6 +58,12 @@ def cast_overflow(step: Step, origin: dict[str, Any], hint: str) -> str:
 
 
 def data_hint(origin: dict[str, Any], step: Step) -> str:
-    """:func:`replay.recorded.input_hint` (else the data pipeline's hint), led by a cast's
-    overflow where the tensor's type and values point to one."""
-    return cast_overflow(step, origin, input_hint(origin, step) or HINTS["input"])
+    """:func:`replay.recorded.input_hint` (else the data pipeline's hint, led by a log of 0
+    where a wide tensor holds -Inf alone), led by a cast's overflow where the tensor's type and
+    values point to one."""
+    hint = input_hint(origin, step)
+    if hint is None:
+        t = _tensor(step, origin)
+        wide = t is not None and not _narrow(t.dtype)
+        hint = log_zero_lead(t if wide else None, origin.get("tensor"), HINTS["input"])
+    return cast_overflow(step, origin, hint)

@@ -22,6 +22,7 @@ from torch import nn
 from recorder.validate import import_object
 
 from .compat import remove_member
+from .loss_network import network_hint
 from .trust import defined_in, installed_roots, module_origin, trusted_path
 
 _FACTORY_WAY = "or return it from the factory as {'model': ..., 'loss_fn': ...}"
@@ -165,9 +166,15 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
     name = node.get("class", "?")
     what = f"the loss {name}" if top else f"the loss's submodule {name}"
     spec = node.get("import")
-    if not isinstance(spec, str):
+    if isinstance(spec, str):
+        cls = _import(spec, f"loss class {name}")
+    elif into is not None and _class_name(type(into)) == name:
+        # a class made at run time, which no import path leads to (parametrize's
+        # ParametrizedConv1d under weight_norm or spectral_norm): the parent's own
+        # construction made it again, so the recorded state goes into that one
+        cls = type(into)
+    else:
         raise Unrebuildable(_why(node, what, "class MyLoss(nn.Module): ..."))
-    cls = _import(spec, f"loss class {name}")
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise Unrebuildable(f"the recorded loss class {spec} is not an nn.Module subclass; "
                             f"{_FACTORY_WAY[3:]}")
@@ -206,6 +213,11 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
                             f"{', '.join(lost[:3])}: not JSON values, tensors, modules or "
                             f"importable functions), so it was not rebuilt; {_FACTORY_WAY[3:]}")
     return m
+
+
+def _class_name(cls: type) -> str:
+    """A class's name as ``recorder.lossdesc`` records it."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _array(t: torch.Tensor, what: str, k: str):
@@ -299,11 +311,14 @@ def non_finite_loss_state(loss_fn) -> str | None:
     return None
 
 
-def held_state_cause(cause, hit, held: str | None):
+def held_state_cause(cause, hit, held: str | None, step=None):
     """``cause`` of a loss op ``hit``, or ``weights`` when the op took a non-finite tensor
-    of the loss's own (``held``: :func:`non_finite_loss_state`'s words) as the step began."""
+    of the loss's own (``held``: :func:`non_finite_loss_state`'s words) as the step began; of
+    a network's parameters the loss holds, another optimizer's (``replay.loss_network``)."""
     if hit is None or hit.inputs_finite or held is None:
         return cause
+    if (network := network_hint(step, hit.op, held)) is not None:
+        return type(cause)("weights", network)
     return type(cause)("weights", f"{hit.op} took {held}, as the step began: a value made "
                        "before the step (class weights 1/count with a class absent from the "
                        "counts: 1/0; an EWC Fisher normalised by its max, 0 for a parameter "

@@ -176,7 +176,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     if came_inside_objects(hit, args, kwargs, held) and (
             fwd := report_forward_behind_objects(report, step, runner, mb, hit)) is not None:
         return fwd
-    cause = held_state_cause(classify(runner, "loss", hit=hit, micro_batch=mb), hit, held)
+    cause = held_state_cause(classify(runner, "loss", hit=hit, micro_batch=mb), hit, held, step)
     if hit is not None and hit.from_mask:  # (or the loop's log of an output: q.log())
         cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None

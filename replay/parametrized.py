@@ -4,7 +4,8 @@
 followed. Such a parametrization divides its parameter ``original`` (``original0`` and
 ``original1``: weight_norm's magnitude and direction) by a norm of it, which is 0 where the
 parameter is 0 (a layer initialised to zeros, a common trick for a last layer, then put under
-the parametrization). This names that parameter and its rows of zeros."""
+the parametrization). This names that parameter and its rows of zeros; so for the hook-based
+``torch.nn.utils.weight_norm``, whose ``weight_v`` is divided by its norm the same way."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ _SITE = re.compile(r"^(?:(?P<owner>.*)\.)?parametrizations\.(?P<tensor>[^.]+)\.\
 
 def parametrization_hint(step: Step, module: str | None, op: str | None) -> str | None:
     """The hint for an ``invalid`` op of torch's parametrization module ``module`` whose own
-    parameter holds rows of zeros, else None."""
+    parameter holds rows of zeros (or of a layer under the hook-based weight_norm), else
+    None."""
     site = _SITE.match(module or "")
+    if site is None and step.model is not None:
+        return _legacy_weight_norm(step, module or "", op)
     if site is None or step.model is None:
         return None
     try:
@@ -49,6 +53,31 @@ def parametrization_hint(step: Step, module: str | None, op: str | None) -> str 
                 "driven there by its updates has norm 0 and the parametrization 0/0; "
                 "initialise that parameter nonzero" + (_WEIGHT_NORM if "original1" in name
                                                         else ""))
+    return None
+
+
+def _legacy_weight_norm(step: Step, module: str, op: str | None) -> str | None:
+    """The hook-based ``torch.nn.utils.weight_norm`` (HiFi-GAN's and many vocoders' own code),
+    told by the pair of parameters it leaves on the layer, ``NAME_g`` and ``NAME_v`` in place
+    of ``NAME``: the hook computes ``g * v / |v|`` before each forward, 0/0 in a row of ``v``
+    all 0."""
+    prefix = f"{module}." if module else ""
+    for key in sorted(step.tensors):
+        name = key.removeprefix("weights/")
+        if not key.startswith(f"weights/{prefix}") or not name.endswith("_v") \
+                or "." in name[len(prefix):] or f"weights/{name[:-2]}_g" not in step.tensors:
+            continue
+        zero = _zero_rows(step.tensors[key])
+        if zero is None:
+            continue
+        rows, n = zero
+        where = "is all 0" if rows == n else f"has {rows} of its {n} rows all 0"
+        return (f"{op or 'an op'} in torch's hook-based weight_norm of {prefix}"
+                f"{name[len(prefix):-2]} (torch.nn.utils.weight_norm: g * v / |v| before each "
+                f"forward) divides by the norm of {name}, which {where}: a layer initialised "
+                "to zeros (nn.init.zeros_) and then put under weight_norm has norm 0 and the "
+                f"weight 0/0; initialise it nonzero (to start the layer at 0, zero "
+                f"{name[:-2]}_g instead: the weight is then 0, and finite)")
     return None
 
 
