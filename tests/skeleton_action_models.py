@@ -1,0 +1,303 @@
+"""Skeleton-based action recognition and motion prediction written as ST-GCN, MS-G3D, CTR-GCN
+and 2s-AGCN's repositories write them, for ``test_skeleton_action``.
+
+Input layout is ST-GCN's ``(N, C, T, V, M)``: coordinates, frames, joints, persons (the second
+person zero-filled when only one is in the clip), with the pose estimator's confidence
+``(N, T, V, M)`` (0 for a joint it missed, whose coordinates it zero-fills).
+
+- ``STGCN``: data batch-norm over ``V * C`` channels, persons folded into the batch
+  (``N * M``), spatial graph convolutions with 2s-AGCN's learned adjacency offset and
+  confidence-masked edges, the graph normalised ``D^-1/2 A D^-1/2`` per sample, temporal
+  convolutions, a residual, global pooling and the mean over persons.
+- ``BoneStream``: 2s-AGCN's bone stream (child minus parent), normalised to unit length, and
+  joint angles by ``acos`` of the normalised bones' dot products (a kinematic feature).
+- ``PersonNorm``: each person centred on the hip and scaled by their own body size.
+- ``MotionPredictor``: a GRU over poses, predicting the next frames as residuals, with a
+  relative velocity loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# An 8-joint upper-body skeleton: hip, spine, neck, head, shoulders, hands.
+PARENTS = [0, 0, 1, 2, 2, 4, 2, 6]
+BONES = [(j, p) for j, p in enumerate(PARENTS) if j != p]
+V = len(PARENTS)
+
+
+def adjacency(self_loops: bool = True) -> torch.Tensor:
+    a = torch.zeros(V, V)
+    for j, p in BONES:
+        a[j, p] = a[p, j] = 1.0
+    return a + torch.eye(V) if self_loops else a
+
+
+def normalize_sym(a: torch.Tensor, guard: str = "") -> torch.Tensor:
+    """D^-1/2 A D^-1/2 over the last two dims (GCN's symmetric normalisation). ``guard``: an
+    isolated joint's row and column left at 0, after the pow (``"fill"``: PyG's
+    ``deg_inv_sqrt.masked_fill_(deg_inv_sqrt == inf, 0)``, whose backward through a learned
+    degree is still inf * 0) or with the pow given a safe base (``"safe"``)."""
+    deg = a.sum(-1)
+    if guard == "safe":
+        deg = torch.where(deg > 0, deg, torch.ones_like(deg))
+    d = deg.pow(-0.5)  # the bug: a joint without edges has degree 0
+    if guard:
+        d = d.masked_fill(a.sum(-1) == 0, 0.0)
+    return d[..., :, None] * a * d[..., None, :]
+
+
+class GraphConv(nn.Module):
+    """ST-GCN's spatial unit with 2s-AGCN's learned offset ``B`` added to the fixed graph; the
+    edges of joints the estimator missed are cut per sample (``conf`` as an extra argument)."""
+
+    def __init__(self, cin: int, cout: int, self_loops: bool = True, guard: str = ""):
+        super().__init__()
+        self.register_buffer("A", adjacency(self_loops))
+        self.guard = guard
+        self.B = nn.Parameter(torch.zeros(V, V))
+        self.conv = nn.Conv2d(cin, cout, 1)
+
+    def forward(self, x, conf):  # x (N, C, T, V), conf (N, T, V)
+        seen = (conf > 0.1).float().amax(1)  # (N, V): a joint seen in some frame
+        a = (self.A + self.B.abs()) * seen[:, :, None] * seen[:, None, :]
+        a = normalize_sym(a, self.guard)
+        return torch.einsum("nctv,nvw->nctw", self.conv(x), a)
+
+
+class STGCNBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1, self_loops: bool = True,
+                 guard: str = ""):
+        super().__init__()
+        self.gcn = GraphConv(cin, cout, self_loops, guard)
+        self.tcn = nn.Sequential(nn.BatchNorm2d(cout), nn.ReLU(),
+                                 nn.Conv2d(cout, cout, (3, 1), (stride, 1), (1, 0)),
+                                 nn.BatchNorm2d(cout), nn.Dropout(0.0))
+        self.residual = (nn.Identity() if cin == cout and stride == 1
+                         else nn.Sequential(nn.Conv2d(cin, cout, 1, (stride, 1)),
+                                            nn.BatchNorm2d(cout)))
+
+    def forward(self, x, conf):
+        return F.relu(self.tcn(self.gcn(x, conf)) + self.residual(x))
+
+
+class STGCN(nn.Module):
+    def __init__(self, in_channels: int = 3, classes: int = 5, persons: int = 2,
+                 self_loops: bool = True, stream: nn.Module | None = None, guard: str = "",
+                 attention: bool = False):
+        super().__init__()
+        self.stream = stream if stream is not None else nn.Identity()
+        self.data_bn = nn.BatchNorm1d(persons * V * in_channels)
+        self.blocks = nn.ModuleList([STGCNBlock(in_channels, 16, 1, self_loops, guard),
+                                     STGCNBlock(16, 32, 2, self_loops, guard)])
+        self.pool = JointAttentionPool(32) if attention else None
+        self.fc = nn.Linear(32, classes)
+
+    def forward(self, x, conf):  # x (N, C, T, V, M), conf (N, T, V, M)
+        x = self.stream(x)
+        n, c, t, v, m = x.shape
+        x = x.permute(0, 4, 3, 1, 2).reshape(n, m * v * c, t)
+        x = self.data_bn(x).view(n, m, v, c, t).permute(0, 1, 3, 4, 2).reshape(n * m, c, t, v)
+        conf = conf.permute(0, 3, 1, 2).reshape(n * m, t, v)
+        for block in self.blocks:
+            x = block(x, conf)
+        x = x.mean(2) if self.pool is None else self.pool(x.mean(2), conf)
+        x = x.mean(-1).view(n, m, -1).mean(1)
+        return self.fc(x)
+
+
+class JointAttentionPool(nn.Module):
+    """Attention over the joints, the missing ones masked with -inf (where a person has any
+    joint seen: the padded person, none seen, is left unmasked, its features all 0)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.score = nn.Linear(channels, 1)
+
+    def forward(self, x, conf):  # x (N*M, C, V), conf (N*M, T, V)
+        seen = conf.amax(1) > 0.1
+        logits = self.score(x.transpose(1, 2)).squeeze(-1)  # (N*M, V)
+        hide = ~seen & seen.any(-1, keepdim=True)
+        w = logits.masked_fill(hide, float("-inf")).softmax(-1)
+        return x * w[:, None] * V
+
+
+def make_stgcn() -> STGCN:
+    torch.manual_seed(0)
+    return STGCN()
+
+
+def make_stgcn_filled() -> STGCN:
+    """Isolated joints' inverse degrees filled with 0 after the pow, attention pooling over
+    the seen joints."""
+    torch.manual_seed(0)
+    return STGCN(guard="fill", attention=True)
+
+
+def make_stgcn_guarded() -> STGCN:
+    """Isolated joints' degrees made safe before the pow, attention pooling as above."""
+    torch.manual_seed(0)
+    return STGCN(guard="safe", attention=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# bone stream and joint angles
+
+
+class BoneStream(nn.Module):
+    """2s-AGCN's bone input: each bone the child joint minus its parent, as a unit direction
+    times its length's log (scale-invariant directions, as several skeleton papers use)."""
+
+    def forward(self, x):  # (N, 3, T, V, M)
+        bones = x[:, :, :, 1:] - x[:, :, :, PARENTS[1:]]  # (the root has no bone)
+        length = bones.norm(dim=1, keepdim=True)
+        unit = bones / length  # the bug: a zero-filled frame has bones of length 0
+        return torch.cat([torch.zeros_like(x[:, :, :, :1]), unit], 3)
+
+
+class AngleStream(nn.Module):
+    """Each joint's bending angle: acos of the dot product of its bone and its parent's bone,
+    both normalised (F.normalize's eps keeps zero bones finite); 3 channels: angle, its cos,
+    and the bone length."""
+
+    def forward(self, x):  # (N, 3, T, V, M)
+        bones = torch.zeros_like(x)
+        for j, p in BONES:
+            bones[:, :, :, j] = x[:, :, :, j] - x[:, :, :, p]
+        u = F.normalize(bones, dim=1)
+        parent = u[:, :, :, PARENTS]
+        cos = (u * parent).sum(1, keepdim=True)
+        angle = torch.acos(cos)  # the bug: no clamp, acos'(±1) is infinite
+        return torch.cat([angle, cos, bones.norm(dim=1, keepdim=True)], 1)
+
+
+def make_bone() -> STGCN:
+    torch.manual_seed(0)
+    return STGCN(stream=BoneStream())
+
+
+def make_angle() -> STGCN:
+    torch.manual_seed(0)
+    return STGCN(stream=AngleStream())
+
+
+# ---------------------------------------------------------------------------------------------
+# per-person normalisation
+
+
+class PersonNorm(nn.Module):
+    """Centre each person on their hip (joint 0 of the first frame) and divide by their size,
+    the largest joint distance from it over the clip."""
+
+    def forward(self, x):  # (N, 3, T, V, M)
+        centred = x - x[:, :, :1, :1]
+        scale = centred.norm(dim=1, keepdim=True).amax((2, 3), keepdim=True)
+        return centred / scale  # the bug: the padded second person has size 0
+
+
+def make_person_norm() -> STGCN:
+    torch.manual_seed(0)
+    return STGCN(stream=PersonNorm())
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+def skeleton_batch(g: torch.Generator, n: int = 10, t: int = 6, classes: int = 5):
+    """Noisy upper-body poses in metres, both persons present, every joint seen."""
+    rest = torch.tensor([[0, 0, 0], [0, .3, 0], [0, .6, 0], [0, .8, 0], [-.2, .6, 0],
+                         [-.5, .5, 0], [.2, .6, 0], [.5, .5, 0]]).T  # (3, V)
+    x = rest[None, :, None, :, None] + 0.05 * torch.randn(n, 3, t, V, 2, generator=g)
+    x[..., 1] += 1.0  # the second person stands a metre to the side
+    conf = 0.5 + 0.5 * torch.rand(n, t, V, 2, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return x, conf, y
+
+
+def random_rotation(x: torch.Tensor, g: torch.Generator, degrees: float = 15.0):
+    """ST-GCN's random_rot augmentation: a rotation about the vertical axis per sample."""
+    theta = (torch.rand(x.shape[0], generator=g) * 2 - 1) * degrees * torch.pi / 180
+    c, s, z, o = theta.cos(), theta.sin(), torch.zeros_like(theta), torch.ones_like(theta)
+    rot = torch.stack([torch.stack([c, z, s], -1), torch.stack([z, o, z], -1),
+                       torch.stack([-s, z, c], -1)], -2)  # (N, 3, 3)
+    return torch.einsum("nij,njtvm->nitvm", rot, x)
+
+
+def missing_joints(x, conf, row: int, joints=(5, 7)):
+    """The estimator lost ``joints`` of sample ``row`` in every frame: conf 0, coordinates 0."""
+    x[row, :, :, list(joints)] = 0.0
+    conf[row, :, list(joints)] = 0.0
+
+
+def lost_frame(x, conf, row: int, frame: int):
+    """The estimator lost the person in one frame of ``row``: every joint zero-filled."""
+    x[row, :, frame, :, 0] = 0.0
+    conf[row, frame, :, 0] = 0.0
+
+
+def single_person(x, conf, row: int):
+    """Only one person in the clip: the second is padded with zeros."""
+    x[row, ..., 1] = 0.0
+    conf[row, ..., 1] = 0.0
+
+
+def straight_arm(x, row: int):
+    """Sample ``row`` holds its left arm straight out: neck, shoulder and hand collinear."""
+    x[row, :, :, 2, 0] = torch.tensor([0.0, 0.5, 0.0])[:, None]
+    x[row, :, :, 4, 0] = torch.tensor([-0.25, 0.5, 0.0])[:, None]
+    x[row, :, :, 5, 0] = torch.tensor([-0.5, 0.5, 0.0])[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# motion prediction
+
+
+class MotionPredictor(nn.Module):
+    """A seq2seq GRU over flattened poses (Martinez et al. 2017): the decoder predicts each next
+    pose as a residual of the last one."""
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.encoder = nn.GRU(3 * V, hidden, batch_first=True)
+        self.cell = nn.GRUCell(3 * V, hidden)
+        self.out = nn.Linear(hidden, 3 * V)
+
+    def forward(self, past, horizon: int):  # past (N, T, V, 3)
+        n, t = past.shape[:2]
+        _, h = self.encoder(past.reshape(n, t, -1))
+        h, pose, preds = h[0], past[:, -1].reshape(n, -1), []
+        for _ in range(horizon):
+            h = self.cell(pose, h)
+            pose = pose + self.out(h)
+            preds.append(pose)
+        return torch.stack(preds, 1).view(n, horizon, V, 3)
+
+
+def make_motion() -> MotionPredictor:
+    torch.manual_seed(0)
+    return MotionPredictor()
+
+
+def relative_velocity_loss(pred, future, last):
+    """Position error plus the velocity error relative to the true speed of each joint."""
+    pos = (pred - future).norm(dim=-1).mean()
+    vp = torch.diff(torch.cat([last[:, None], pred], 1), dim=1)
+    vt = torch.diff(torch.cat([last[:, None], future], 1), dim=1)
+    rel = (vp - vt).norm(dim=-1) / vt.norm(dim=-1)  # the bug: a joint at rest has speed 0
+    return pos + 0.1 * rel.mean()
+
+
+def motion_batch(g: torch.Generator, n: int = 8, t: int = 6, horizon: int = 4,
+                 frozen: int | None = None):
+    """Poses drifting with a random velocity; ``frozen``: a sample whose capture froze (the
+    same pose repeated, every joint's speed exactly 0)."""
+    base = torch.randn(n, 1, V, 3, generator=g) * 0.3
+    vel = torch.randn(n, 1, V, 3, generator=g) * 0.02
+    steps = torch.arange(t + horizon, dtype=torch.float32)[None, :, None, None]
+    seq = base + vel * steps + 0.005 * torch.randn(n, t + horizon, V, 3, generator=g)
+    if frozen is not None:
+        seq[frozen] = seq[frozen, :1]
+    return seq[:, :t], seq[:, t:]

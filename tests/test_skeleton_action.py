@@ -1,0 +1,164 @@
+"""End to end on skeleton-based action recognition and motion prediction
+(``skeleton_action_models``): ST-GCN over ``(N, C, T, V, M)`` clips with persons folded into the
+batch, 2s-AGCN's learned adjacency offset under the confidence mask, bone and joint-angle
+streams, per-person normalisation, ST-GCN's random rotation from a ``torch.Generator``, label
+smoothing, SGD with Nesterov momentum and a linear warmup, gradient clipping; a GRU motion
+predictor with a relative velocity loss. Each planted failure of the domain fires under the
+recorder and is replayed with the CLI; the healthy runs raise no event and train
+bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import skeleton_action_models as M
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("skeleton_action_models.py", text)
+
+
+PLANTS = {
+    "missing": lambda x, conf, rows: [M.missing_joints(x, conf, r) for r in rows],
+    "lost_frame": lambda x, conf, rows: [M.lost_frame(x, conf, r, 3) for r in rows],
+    "single": lambda x, conf, rows: [M.single_person(x, conf, r) for r in rows],
+    "straight": lambda x, conf, rows: [M.straight_arm(x, r) for r in rows],
+}
+
+
+def train(make: str, out_dir, plant: str | None = None, rows=(), steps: int = 4,
+          record: bool = True, rotate: bool = True, accumulate: int = 1):
+    """ST-GCN's recipe: SGD with Nesterov momentum and weight decay, a linear warmup, label
+    smoothing, clipping; the rows ``rows`` of the last step's batch get ``plant``."""
+    model = getattr(M, make)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                          weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    crit = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"skeleton_action_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            opt.zero_grad()
+            for _ in range(accumulate):
+                x, conf, y = M.skeleton_batch(g)
+                if plant and step == steps - 1:  # (the dataset's record, then augmented)
+                    PLANTS[plant](x, conf, rows)
+                if rotate:
+                    x = M.random_rotation(x, g)
+                loss = loss_fn(model(x, conf), y) / accumulate
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 4.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(make: str, tmp_path, plant: str, rows, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, tmp_path, plant, rows, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def test_joints_missing_in_every_frame_isolate_them_in_the_masked_graph(tmp_path):
+    """The estimator lost both hands of clip 2 (confidence 0, coordinates zero-filled): the
+    confidence mask cuts every edge of those joints, self-loops included, so their degree is
+    0 and ``deg.pow(-0.5)`` is +inf, NaN once multiplied by the cut edges' 0. The block's rows
+    are clips times persons (ST-GCN folds ``M`` into the batch before the blocks): the replay
+    names the pow in the first block's graph conv, on clip 2 only, with the degree advice;
+    dropping the clip makes the step finite."""
+    ev, bundle = fire("make_stgcn", tmp_path, "missing", [2])
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"]) == (
+        3, "forward", "blocks.0.gcn", 0), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["call"], o["op"], o["made"], o["samples"]) == (
+        True, "blocks.0.gcn", 0, "aten.pow", "+inf", [2]), o
+    assert o["source"] == line_of("d = deg.pow(-0.5)"), o
+    assert rep["cause"] == "invalid" and "deg == 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_lost_frame_zero_length_bones_name_the_bone_normalisation(tmp_path):
+    """The estimator lost the person in frame 3 of clip 4: every joint there zero-filled, so
+    every bone has length 0 and the bone stream's ``bones / length`` is 0/0. The replay names
+    the division in the stream, clip 4 (the batch-norm after it spreads the NaN to every clip's
+    output, which is what the recorder's event rows show), and the eps advice."""
+    ev, bundle = fire("make_bone", tmp_path, "lost_frame", [4])
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "stream", "nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("stream", "aten.div", "nan", [4])
+    assert o["source"] == line_of("unit = bones / length"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+
+
+def test_straight_arm_rounds_the_cosine_past_one_under_rotation(tmp_path):
+    """Clip 3 holds its left arm straight out (neck, shoulder, hand collinear): after the
+    random rotation the two bones' unit vectors differ by rounding, their dot product is
+    1.0000001 and the unclamped ``acos`` is NaN. The replay names the acos, clip 3, a precision
+    cause (float64 gives 1) and the clamp advice."""
+    ev, bundle = fire("make_angle", tmp_path, "straight", [3])
+    assert (ev["step"], ev["module"]) == (3, "stream"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("stream", "aten.acos", "nan", [3])
+    assert o["source"] == line_of("angle = torch.acos(cos)"), o
+    assert rep["cause"] == "precision" and "clamp" in rep["hint"], rep["hint"]
+
+
+def test_padded_second_person_divided_by_its_own_size(tmp_path):
+    """Clips 2 and 5 have one person; the second is padded with zeros, whose size (largest
+    distance from the hip) is 0, so the per-person normalisation is 0/0. The replay names the
+    division and exactly those clips; dropping them makes the step finite."""
+    ev, bundle = fire("make_person_norm", tmp_path, "single", [2, 5])
+    assert (ev["step"], ev["module"]) == (3, "stream"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2,5")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "stream", "aten.div", "nan", [2, 5]), o
+    assert o["source"] == line_of("return centred / scale"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+@pytest.mark.parametrize("plant,rows", [("missing", [2]), ("single", [2, 5])])
+def test_guarded_graph_with_masked_attention_raises_nothing_and_trains_the_same(
+        tmp_path, plant, rows):
+    """The isolated joints' degrees guarded (``d[deg == 0] = 0``) and attention pooling that
+    fills the missing joints' logits with -inf (the padded person's whole row left unmasked):
+    the same planted clips, two micro-batches per step, raise no event, and the weights are
+    bit-identical with and without the recorder."""
+    recorded = train("make_stgcn_guarded", tmp_path, plant, rows, accumulate=2)
+    plain = train("make_stgcn_guarded", tmp_path, plant, rows, accumulate=2, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+    assert all(torch.isfinite(p).all() for p in plain.parameters())
+
+
+def test_inverse_degree_filled_after_the_pow_still_makes_a_nan_gradient(tmp_path):
+    """PyG's guard, the isolated joint's ``deg ** -0.5`` filled with 0 after the pow, keeps the
+    forward finite; but the degree is learned (2s-AGCN's offset ``B``), and PowBackward0 at
+    degree 0 multiplies the fill's zero gradient by an infinite derivative. A backward event;
+    the replay names the pow's backward node on the pow's line, in the last block's graph conv
+    (the first the backward reaches), and says to make the input safe before the op rather
+    than masking after."""
+    ev, bundle = fire("make_stgcn_filled", tmp_path, "missing", [2], accumulate=2)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"]) == (
+        "backward", "blocks.1.gcn", "PowBackward0", "nan"), o
+    assert o["source"] == line_of("d = deg.pow(-0.5)"), o
+    assert rep["cause"] == "invalid", rep
+    assert "masked_fill" in rep["hint"] and "safe before the op" in rep["hint"], rep["hint"]
