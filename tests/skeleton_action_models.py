@@ -281,13 +281,21 @@ def make_motion() -> MotionPredictor:
     return MotionPredictor()
 
 
-def relative_velocity_loss(pred, future, last):
-    """Position error plus the velocity error relative to the true speed of each joint."""
-    pos = (pred - future).norm(dim=-1).mean()
-    vp = torch.diff(torch.cat([last[:, None], pred], 1), dim=1)
-    vt = torch.diff(torch.cat([last[:, None], future], 1), dim=1)
-    rel = (vp - vt).norm(dim=-1) / vt.norm(dim=-1)  # the bug: a joint at rest has speed 0
-    return pos + 0.1 * rel.mean()
+class RelativeVelocityLoss(nn.Module):
+    """MPJPE plus the velocity error relative to each joint's true speed and an acceleration
+    term; ``eps`` (0: the bug) keeps a joint at rest, speed 0, out of the division."""
+
+    def __init__(self, eps: float = 0.0):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, pred, future, last):
+        pos = (pred - future).norm(dim=-1).mean()
+        vp = torch.diff(torch.cat([last[:, None], pred], 1), dim=1)
+        vt = torch.diff(torch.cat([last[:, None], future], 1), dim=1)
+        rel = (vp - vt).norm(dim=-1) / (vt.norm(dim=-1) + self.eps)
+        acc = (torch.diff(vp, dim=1) - torch.diff(vt, dim=1)).abs().mean()
+        return pos + 0.1 * rel.mean() + 0.1 * acc
 
 
 def motion_batch(g: torch.Generator, n: int = 8, t: int = 6, horizon: int = 4,

@@ -162,3 +162,59 @@ def test_inverse_degree_filled_after_the_pow_still_makes_a_nan_gradient(tmp_path
     assert o["source"] == line_of("d = deg.pow(-0.5)"), o
     assert rep["cause"] == "invalid", rep
     assert "masked_fill" in rep["hint"] and "safe before the op" in rep["hint"], rep["hint"]
+
+
+def train_motion(out_dir, frozen: int | None = None, eps: float = 0.0, steps: int = 4,
+                 record: bool = True):
+    """Martinez et al.'s recipe: Adam, a step decay, clipping at 5; batches from a
+    DataLoader over the clips; ``frozen``: a clip of the last batch whose capture froze."""
+    model = M.make_motion()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    crit = M.RelativeVelocityLoss(eps)
+    g = torch.Generator().manual_seed(0)
+    clips = [M.motion_batch(g, frozen=frozen if k == steps - 1 else None) for k in range(steps)]
+    data = torch.utils.data.TensorDataset(torch.cat([c[0] for c in clips]),
+                                          torch.cat([c[1] for c in clips]))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="skeleton_action_models:make_motion") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for past, future in loader:
+            pred = model(past, future.shape[1])
+            loss = loss_fn(pred, future, past[:, -1])
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def test_frozen_capture_divides_the_velocity_error_by_a_speed_of_zero(tmp_path):
+    """Clip 5 of the last batch froze in capture (one pose repeated): every joint's true
+    speed is 0 and the relative velocity error is x/0 = +inf, with the loss's eps at 0. A loss
+    event; the replay names the division in the loss, clip 5, and says the eps of 0 guarded
+    nothing; dropping the clip makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train_motion(tmp_path, frozen=5)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "loss", "<loss>", "aten.div", "+inf", [5]), o
+    assert o["source"] == line_of("rel = (vp - vt).norm(dim=-1) / (vt.norm(dim=-1) + self.eps)")
+    assert rep["cause"] == "invalid" and "exactly 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_motion_predictor_with_an_eps_raises_nothing_and_trains_the_same(tmp_path):
+    """The same frozen clip with ``eps=1e-3``: no event, bit-identical weights with and without
+    the recorder."""
+    recorded = train_motion(tmp_path, frozen=5, eps=1e-3)
+    plain = train_motion(tmp_path, frozen=5, eps=1e-3, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
