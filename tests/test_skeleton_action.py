@@ -34,9 +34,10 @@ PLANTS = {
 
 
 def train(make: str, out_dir, plant: str | None = None, rows=(), steps: int = 4,
-          record: bool = True, rotate: bool = True, accumulate: int = 1):
+          record: bool = True, rotate: bool = True, accumulate: int = 1, amp: bool = False):
     """ST-GCN's recipe: SGD with Nesterov momentum and weight decay, a linear warmup, label
-    smoothing, clipping; the rows ``rows`` of the last step's batch get ``plant``."""
+    smoothing, clipping; the rows ``rows`` of the last step's batch get ``plant``; ``amp``:
+    the forward under CPU autocast to bfloat16."""
     model = getattr(M, make)()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
                           weight_decay=1e-4)
@@ -49,13 +50,16 @@ def train(make: str, out_dir, plant: str | None = None, rows=(), steps: int = 4,
         loss_fn = rec.loss_fn if rec is not None else crit
         for step in range(steps):
             opt.zero_grad()
-            for _ in range(accumulate):
+            for k in range(accumulate):
                 x, conf, y = M.skeleton_batch(g)
-                if plant and step == steps - 1:  # (the dataset's record, then augmented)
+                # (the dataset's record, then augmented; in the step's last micro-batch)
+                if plant and step == steps - 1 and k == accumulate - 1:
                     PLANTS[plant](x, conf, rows)
                 if rotate:
                     x = M.random_rotation(x, g)
-                loss = loss_fn(model(x, conf), y) / accumulate
+                with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                    out = model(x, conf)
+                loss = loss_fn(out.float(), y) / accumulate
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 4.0)
             opt.step()
@@ -69,20 +73,24 @@ def fire(make: str, tmp_path, plant: str, rows, **kw):
     return info.value.event, info.value.bundle_path
 
 
-def test_joints_missing_in_every_frame_isolate_them_in_the_masked_graph(tmp_path):
+@pytest.mark.parametrize("accumulate,amp", [(1, False), (2, True)])
+def test_joints_missing_in_every_frame_isolate_them_in_the_masked_graph(tmp_path, accumulate,
+                                                                        amp):
     """The estimator lost both hands of clip 2 (confidence 0, coordinates zero-filled): the
     confidence mask cuts every edge of those joints, self-loops included, so their degree is
     0 and ``deg.pow(-0.5)`` is +inf, NaN once multiplied by the cut edges' 0. The block's rows
     are clips times persons (ST-GCN folds ``M`` into the batch before the blocks): the replay
     names the pow in the first block's graph conv, on clip 2 only, with the degree advice;
-    dropping the clip makes the step finite."""
-    ev, bundle = fire("make_stgcn", tmp_path, "missing", [2])
+    dropping the clip makes the step finite. So too in the second of two micro-batches under
+    bfloat16 autocast."""
+    ev, bundle = fire("make_stgcn", tmp_path, "missing", [2], accumulate=accumulate, amp=amp)
     assert (ev["step"], ev["phase"], ev["module"], ev["call"]) == (
         3, "forward", "blocks.0.gcn", 0), ev
     rep = nanreplay_json(bundle, "--try", "drop=2")
     o = rep["origin"]
     assert (rep["reproduced"], o["module"], o["call"], o["op"], o["made"], o["samples"]) == (
         True, "blocks.0.gcn", 0, "aten.pow", "+inf", [2]), o
+    assert o["micro_batch"] == accumulate - 1, o
     assert o["source"] == line_of("d = deg.pow(-0.5)"), o
     assert rep["cause"] == "invalid" and "deg == 0" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
@@ -165,20 +173,21 @@ def test_inverse_degree_filled_after_the_pow_still_makes_a_nan_gradient(tmp_path
 
 
 def train_motion(out_dir, frozen: int | None = None, eps: float = 0.0, steps: int = 4,
-                 record: bool = True):
+                 record: bool = True, make: str = "make_motion", loss=None, at: int = -1):
     """Martinez et al.'s recipe: Adam, a step decay, clipping at 5; batches from a
-    DataLoader over the clips; ``frozen``: a clip of the last batch whose capture froze."""
-    model = M.make_motion()
+    DataLoader over the clips; ``frozen``: a clip of batch ``at`` whose capture froze."""
+    model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=5e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
-    crit = M.RelativeVelocityLoss(eps)
+    crit = loss or M.RelativeVelocityLoss(eps)
     g = torch.Generator().manual_seed(0)
-    clips = [M.motion_batch(g, frozen=frozen if k == steps - 1 else None) for k in range(steps)]
+    clips = [M.motion_batch(g, frozen=frozen if k == at % steps else None)
+             for k in range(steps)]
     data = torch.utils.data.TensorDataset(torch.cat([c[0] for c in clips]),
                                           torch.cat([c[1] for c in clips]))
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                         factory="skeleton_action_models:make_motion") if record else None
+                         factory=f"skeleton_action_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for past, future in loader:
@@ -218,3 +227,23 @@ def test_motion_predictor_with_an_eps_raises_nothing_and_trains_the_same(tmp_pat
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_zero_velocity_start_on_a_frozen_clip_makes_the_distance_gradient_infinite(tmp_path):
+    """The residual head zero-initialised predicts the last pose repeated; a frozen clip's
+    future is exactly that pose, so the hand-written distance ``sqrt(sum(d ** 2))`` is
+    sqrt(0), whose derivative is infinite: a backward event at step 0. The replay names
+    SqrtBackward0 in the loss on its line, the clip, and vector_norm's gradient of 0 there;
+    dropping the clip makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train_motion(tmp_path, frozen=6, make="make_motion_zero_velocity", loss=M.mpjpe_loss,
+                     at=0)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=6")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "backward", "<loss>", "SqrtBackward0", "+inf", [6]), o
+    assert o["source"] == line_of("pos = ((pred - future) ** 2).sum(-1).sqrt().mean()"), o
+    assert rep["cause"] == "invalid" and "vector_norm" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
