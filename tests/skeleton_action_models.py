@@ -12,6 +12,7 @@ person zero-filled when only one is in the clip), with the pose estimator's conf
 - ``BoneStream``: 2s-AGCN's bone stream (child minus parent), normalised to unit length, and
   joint angles by ``acos`` of the normalised bones' dot products (a kinematic feature).
 - ``PersonNorm``: each person centred on the hip and scaled by their own body size.
+- ``SkeletonClips``: a Dataset normalising each person by their torso length when read.
 - ``MotionPredictor``: a GRU over poses, predicting the next frames as residuals, with a
   relative velocity loss.
 """
@@ -215,6 +216,28 @@ def skeleton_batch(g: torch.Generator, n: int = 10, t: int = 6, classes: int = 5
     conf = 0.5 + 0.5 * torch.rand(n, t, V, 2, generator=g)
     y = torch.randint(0, classes, (n,), generator=g)
     return x, conf, y
+
+
+class SkeletonClips(torch.utils.data.Dataset):
+    """Clips normalised as NTU loaders do when they are read: centred on the first frame's
+    hip, divided by that frame's torso length (hip to neck), so every subject has one size."""
+
+    def __init__(self, x, conf, y):
+        self.x, self.conf, self.y = x, conf, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        x = self.x[i] - self.x[i, :, :1, :1]
+        torso = (x[:, 0, 2] - x[:, 0, 0]).norm(dim=0)  # (M,): each person's
+        return x / torso, self.conf[i], self.y[i]  # the bug: a padded person's torso is 0
+
+
+def balanced_class_weights(labels: torch.Tensor, classes: int) -> torch.Tensor:
+    """sklearn's 'balanced' weights, n / (classes * count): the rare actions weigh more."""
+    counts = torch.bincount(labels, minlength=classes).float()
+    return counts.sum() / (classes * counts)  # the bug: an action absent from the split
 
 
 def random_rotation(x: torch.Tensor, g: torch.Generator, degrees: float = 15.0):

@@ -247,3 +247,54 @@ def test_zero_velocity_start_on_a_frozen_clip_makes_the_distance_gradient_infini
     assert o["source"] == line_of("pos = ((pred - future) ** 2).sum(-1).sqrt().mean()"), o
     assert rep["cause"] == "invalid" and "vector_norm" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def train_split(out_dir, absent: int | None = None, single: int | None = None):
+    """Four batches of a split through the NTU-style Dataset and a DataLoader, the loss
+    weighted by the split's balanced class weights; ``absent``: an action no clip of the split
+    has (relabelled); ``single``: a clip with one person."""
+    g = torch.Generator().manual_seed(0)
+    xs, confs, ys = zip(*[M.skeleton_batch(g) for _ in range(4)])
+    x, conf, y = torch.cat(xs), torch.cat(confs), torch.cat(ys)
+    if absent is not None:
+        y[y == absent] = (absent + 1) % 5
+    if single is not None:
+        M.single_person(x, conf, single)
+    crit = torch.nn.CrossEntropyLoss(weight=M.balanced_class_weights(y, 5), label_smoothing=0.1)
+    model = M.make_stgcn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    loader = torch.utils.data.DataLoader(M.SkeletonClips(x, conf, y), batch_size=10)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="skeleton_action_models:make_stgcn") as rec:
+            for xb, cb, yb in loader:
+                opt.zero_grad()
+                rec.loss_fn(model(xb, cb), yb).backward()
+                opt.step()
+    return info.value.event, info.value.bundle_path
+
+
+def test_action_absent_from_the_split_gives_its_class_weight_inf(tmp_path):
+    """sklearn's balanced weights n / (classes * count) of a split without action 4: its
+    weight is inf, which label smoothing takes into every clip's loss (the smoothed target
+    puts mass on every class). A loss event at step 0; the replay says it is the loss's
+    'weight' holding inf at index 4, made before the step, and to clamp the count."""
+    ev, bundle = train_split(tmp_path, absent=4)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    assert (rep["origin"]["phase"], rep["origin"]["module"]) == ("loss", "<loss>"), rep
+    assert rep["cause"] == "weights", rep
+    assert "'weight' holding inf at index 4" in rep["hint"], rep["hint"]
+    assert "count.clamp_min(1)" in rep["hint"], rep["hint"]
+
+
+def test_padded_person_normalised_in_the_dataset_is_bad_input(tmp_path):
+    """The Dataset divides each person by their torso length; clip 33 has one person, the
+    padded one's torso is 0, and the clip reaches the model holding NaN (batch 3, row 3): an
+    input event on that row, the data pipeline named as the place to look."""
+    ev, bundle = train_split(tmp_path, single=33)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        3, "input", "args[0]", [3]), ev
+    rep = nanreplay_json(bundle)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [3]), rep
+    assert "division by zero in normalisation" in rep["hint"], rep["hint"]
