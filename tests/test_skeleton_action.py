@@ -80,8 +80,10 @@ def test_joints_missing_in_every_frame_isolate_them_in_the_masked_graph(tmp_path
     confidence mask cuts every edge of those joints, self-loops included, so their degree is
     0 and ``deg.pow(-0.5)`` is +inf, NaN once multiplied by the cut edges' 0. The block's rows
     are clips times persons (ST-GCN folds ``M`` into the batch before the blocks): the replay
-    names the pow in the first block's graph conv, on clip 2 only, with the degree advice;
-    dropping the clip makes the step finite. So too in the second of two micro-batches under
+    names the pow in the first block's graph conv, on clip 2 only, with the degree advice (a
+    fill after the pow would leave the learned degree's gradient NaN, as the test below
+    shows: the hint says to give the pow a safe base); dropping the clip makes the step
+    finite. So too in the second of two micro-batches under
     bfloat16 autocast."""
     ev, bundle = fire("make_stgcn", tmp_path, "missing", [2], accumulate=accumulate, amp=amp)
     assert (ev["step"], ev["phase"], ev["module"], ev["call"]) == (
@@ -93,6 +95,7 @@ def test_joints_missing_in_every_frame_isolate_them_in_the_masked_graph(tmp_path
     assert o["micro_batch"] == accumulate - 1, o
     assert o["source"] == line_of("d = deg.pow(-0.5)"), o
     assert rep["cause"] == "invalid" and "deg == 0" in rep["hint"], rep["hint"]
+    assert "torch.where(deg > 0, deg, 1)" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
