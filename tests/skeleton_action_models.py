@@ -87,7 +87,7 @@ class STGCNBlock(nn.Module):
 class STGCN(nn.Module):
     def __init__(self, in_channels: int = 3, classes: int = 5, persons: int = 2,
                  self_loops: bool = True, stream: nn.Module | None = None, guard: str = "",
-                 attention: bool = False):
+                 attention: bool = False, valid_mean: bool = False):
         super().__init__()
         self.stream = stream if stream is not None else nn.Identity()
         self.data_bn = nn.BatchNorm1d(persons * V * in_channels)
@@ -95,6 +95,7 @@ class STGCN(nn.Module):
                                      STGCNBlock(16, 32, 2, self_loops, guard)])
         self.pool = JointAttentionPool(32) if attention else None
         self.fc = nn.Linear(32, classes)
+        self.valid_mean = valid_mean  # the mean over the persons seen, not over M
 
     def forward(self, x, conf):  # x (N, C, T, V, M), conf (N, T, V, M)
         x = self.stream(x)
@@ -105,7 +106,13 @@ class STGCN(nn.Module):
         for block in self.blocks:
             x = block(x, conf)
         x = x.mean(2) if self.pool is None else self.pool(x.mean(2), conf)
-        x = x.mean(-1).view(n, m, -1).mean(1)
+        x = x.mean(-1).view(n, m, -1)
+        if self.valid_mean:
+            present = (conf.view(n, m, -1).amax(-1) > 0.1).float()  # (N, M)
+            # the bug: a clip where the estimator found nobody has no person to average
+            x = (x * present[..., None]).sum(1) / present.sum(1, keepdim=True)
+        else:
+            x = x.mean(1)
         return self.fc(x)
 
 
@@ -141,6 +148,12 @@ def make_stgcn_guarded() -> STGCN:
     """Isolated joints' degrees made safe before the pow, attention pooling as above."""
     torch.manual_seed(0)
     return STGCN(guard="safe", attention=True)
+
+
+def make_stgcn_person_mean() -> STGCN:
+    """The guarded graph, persons averaged over those present in the clip."""
+    torch.manual_seed(0)
+    return STGCN(guard="safe", valid_mean=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +278,12 @@ def single_person(x, conf, row: int):
     """Only one person in the clip: the second is padded with zeros."""
     x[row, ..., 1] = 0.0
     conf[row, ..., 1] = 0.0
+
+
+def empty_clip(x, conf, row: int):
+    """The estimator found nobody in clip ``row``: both persons zero-filled."""
+    x[row] = 0.0
+    conf[row] = 0.0
 
 
 def straight_arm(x, row: int):

@@ -30,6 +30,7 @@ PLANTS = {
     "lost_frame": lambda x, conf, rows: [M.lost_frame(x, conf, r, 3) for r in rows],
     "single": lambda x, conf, rows: [M.single_person(x, conf, r) for r in rows],
     "straight": lambda x, conf, rows: [M.straight_arm(x, r) for r in rows],
+    "empty": lambda x, conf, rows: [M.empty_clip(x, conf, r) for r in rows],
 }
 
 
@@ -142,15 +143,16 @@ def test_padded_second_person_divided_by_its_own_size(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-@pytest.mark.parametrize("plant,rows", [("missing", [2]), ("single", [2, 5])])
+@pytest.mark.parametrize("plant,rows,amp", [("missing", [2], False), ("single", [2, 5], True)])
 def test_guarded_graph_with_masked_attention_raises_nothing_and_trains_the_same(
-        tmp_path, plant, rows):
+        tmp_path, plant, rows, amp):
     """The isolated joints' degrees guarded (``d[deg == 0] = 0``) and attention pooling that
     fills the missing joints' logits with -inf (the padded person's whole row left unmasked):
-    the same planted clips, two micro-batches per step, raise no event, and the weights are
-    bit-identical with and without the recorder."""
-    recorded = train("make_stgcn_guarded", tmp_path, plant, rows, accumulate=2)
-    plain = train("make_stgcn_guarded", tmp_path, plant, rows, accumulate=2, record=False)
+    the same planted clips, two micro-batches per step (under bfloat16 autocast too), raise
+    no event, and the weights are bit-identical with and without the recorder."""
+    recorded = train("make_stgcn_guarded", tmp_path, plant, rows, accumulate=2, amp=amp)
+    plain = train("make_stgcn_guarded", tmp_path, plant, rows, accumulate=2, amp=amp,
+                  record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
@@ -301,3 +303,18 @@ def test_padded_person_normalised_in_the_dataset_is_bad_input(tmp_path):
     rep = nanreplay_json(bundle)
     assert (rep["cause"], rep["origin"]["samples"]) == ("input", [3]), rep
     assert "division by zero in normalisation" in rep["hint"], rep["hint"]
+
+
+def test_clip_with_nobody_in_it_divides_by_no_person_present(tmp_path):
+    """The graph guarded, persons averaged over those present: clip 7, where the estimator
+    found nobody, has none, and the root's own ``sum / present.sum()`` is 0/0. The replay
+    names the division in the root module on clip 7; dropping it makes the step finite."""
+    ev, bundle = fire("make_stgcn_person_mean", tmp_path, "empty", [7])
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        3, "forward", "", [7]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=7")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "nan", [7]), o
+    assert o["source"] == line_of("x = (x * present[..., None]).sum(1) / present.sum(1"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
