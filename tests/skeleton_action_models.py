@@ -187,6 +187,24 @@ class AngleStream(nn.Module):
         return torch.cat([angle, cos, bones.norm(dim=1, keepdim=True)], 1)
 
 
+class RandomRotation(nn.Module):
+    """ST-GCN's random_rot as a layer, in training mode only, drawing from its own generator
+    (as GPU augmentation pipelines keep one, seeded once)."""
+
+    def __init__(self, degrees: float = 15.0, seed: int = 3):
+        super().__init__()
+        self.degrees, self.gen = degrees, torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        return random_rotation(x, self.gen, self.degrees) if self.training else x
+
+
+def make_angle_augmented() -> STGCN:
+    """The angle stream after a rotation layer with its own generator."""
+    torch.manual_seed(0)
+    return STGCN(stream=nn.Sequential(RandomRotation(), AngleStream()))
+
+
 def make_bone() -> STGCN:
     torch.manual_seed(0)
     return STGCN(stream=BoneStream())

@@ -318,3 +318,16 @@ def test_clip_with_nobody_in_it_divides_by_no_person_present(tmp_path):
     assert o["source"] == line_of("x = (x * present[..., None]).sum(1) / present.sum(1"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_rotation_layer_with_its_own_generator_is_replayed_with_its_draw(tmp_path):
+    """The rotation as a layer drawing from a generator it keeps (seeded once, drawn at every
+    step): whether clip 3's straight arm rounds its cosine past 1 depends on that step's
+    angle, so the replay reproduces only with the layer's generator set back to the state it
+    had at step 3. It does, and names the acos on clip 3."""
+    ev, bundle = fire("make_angle_augmented", tmp_path, "straight", [3], rotate=False)
+    assert (ev["step"], ev["module"]) == (3, "stream.1"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"], rep["cause"]) == (
+        True, "stream.1", "aten.acos", [3], "precision"), rep
