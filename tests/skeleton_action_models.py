@@ -11,6 +11,7 @@ person zero-filled when only one is in the clip), with the pose estimator's conf
   convolutions, a residual, global pooling and the mean over persons.
 - ``BoneStream``: 2s-AGCN's bone stream (child minus parent), normalised to unit length, and
   joint angles by ``acos`` of the normalised bones' dot products (a kinematic feature).
+- ``MultiScaleGraphConv``: MS-G3D's disentangled k-hop graphs, normalised once when built.
 - ``PersonNorm``: each person centred on the hip and scaled by their own body size.
 - ``SkeletonClips``: a Dataset normalising each person by their torso length when read.
 - ``MotionPredictor``: a GRU over poses, predicting the next frames as residuals, with a
@@ -154,6 +155,44 @@ def make_stgcn_person_mean() -> STGCN:
     """The guarded graph, persons averaged over those present in the clip."""
     torch.manual_seed(0)
     return STGCN(guard="safe", valid_mean=True)
+
+
+def k_adjacency(k: int) -> torch.Tensor:
+    """MS-G3D's disentangled k-hop adjacency: joints exactly k hops apart (k = 0: self)."""
+    if k == 0:
+        return torch.eye(V)
+    hop = adjacency(True)
+    reach = [torch.linalg.matrix_power(hop, i).clamp(max=1) for i in (k - 1, k)]
+    return reach[1] - reach[0]
+
+
+class MultiScaleGraphConv(nn.Module):
+    """MS-G3D's MS-GCN: one 1x1 conv per scale, over that scale's normalised graph; the
+    graphs built once (the bug: more scales than the skeleton's diameter leave a graph with
+    no edge, whose D^-1/2 is inf everywhere and makes the buffer NaN)."""
+
+    def __init__(self, cin: int, cout: int, scales: int):
+        super().__init__()
+        self.register_buffer("A", torch.stack([normalize_sym(k_adjacency(k))
+                                               for k in range(scales)]))
+        self.conv = nn.Conv2d(cin, cout * scales, 1)
+        self.scales = scales
+
+    def forward(self, x, conf):
+        n, _, t, v = x.shape
+        y = self.conv(x).view(n, self.scales, -1, t, v)
+        return torch.einsum("nkctv,kvw->nctw", y, self.A)
+
+
+def make_msg3d(scales: int = 6) -> STGCN:
+    """ST-GCN with MS-G3D's multi-scale graph convolution in each block; 6 scales on a
+    skeleton 4 hops across."""
+    torch.manual_seed(0)
+    model = STGCN()
+    for b in model.blocks:
+        conv = b.gcn.conv
+        b.gcn = MultiScaleGraphConv(conv.in_channels, conv.out_channels, scales)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

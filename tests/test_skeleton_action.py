@@ -331,3 +331,19 @@ def test_rotation_layer_with_its_own_generator_is_replayed_with_its_draw(tmp_pat
     o = rep["origin"]
     assert (rep["reproduced"], o["module"], o["op"], o["samples"], rep["cause"]) == (
         True, "stream.1", "aten.acos", [3], "precision"), rep
+
+
+def test_more_scales_than_the_skeleton_is_wide_builds_a_nan_graph(tmp_path):
+    """MS-G3D's disentangled k-hop graphs, 6 scales on a skeleton at most 4 hops across:
+    from k = 3 some joints (k = 5: all) have no joint k hops away, degree 0, and the graphs
+    normalised once in ``__init__`` hold NaN. The event is the first multi-scale conv's
+    forward at step 0; the replay says the factory builds the buffer non-finite (not the
+    data, not an update), names the scales 3, 4 and 5, and the einsum that took it."""
+    ev, bundle = fire("make_msg3d", tmp_path, None, [])
+    assert (ev["step"], ev["module"]) == (0, "blocks.0.gcn"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["cause"], o["module"], o["op"]) == ("weights", "blocks.0.gcn", "aten.bmm"), rep
+    assert o["source"] == line_of('return torch.einsum("nkctv,kvw->nctw", y, self.A)'), o
+    assert "the factory builds buffer blocks.0.gcn.A, blocks.1.gcn.A non-finite" in rep["hint"]
+    assert "row(s) 3, 4, 5 of 6 of blocks.0.gcn.A" in rep["hint"], rep["hint"]
