@@ -164,14 +164,15 @@ def test_inverse_degree_filled_after_the_pow_still_makes_a_nan_gradient(tmp_path
     forward finite; but the degree is learned (2s-AGCN's offset ``B``), and PowBackward0 at
     degree 0 multiplies the fill's zero gradient by an infinite derivative. A backward event;
     the replay names the pow's backward node on the pow's line, in the last block's graph conv
-    (the first the backward reaches), and says to make the input safe before the op rather
+    (the first the backward reaches), clip 2 (the node's gradient is over clips times
+    persons, folded before the blocks), and says to make the input safe before the op rather
     than masking after."""
     ev, bundle = fire("make_stgcn_filled", tmp_path, "missing", [2], accumulate=2)
     assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
-    assert (o["phase"], o["module"], o["op"], o["made"]) == (
-        "backward", "blocks.1.gcn", "PowBackward0", "nan"), o
+    assert (o["phase"], o["module"], o["op"], o["made"], o["micro_batch"], o["samples"]) == (
+        "backward", "blocks.1.gcn", "PowBackward0", "nan", 1, [2]), o
     assert o["source"] == line_of("d = deg.pow(-0.5)"), o
     assert rep["cause"] == "invalid", rep
     assert "masked_fill" in rep["hint"] and "safe before the op" in rep["hint"], rep["hint"]
