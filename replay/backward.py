@@ -31,6 +31,7 @@ from .compat import sequence_nr
 from .copied_rows import CopiedRow, copied_row
 from .exp_factor import huge_exp_factor
 from .factors import at_tie
+from .folded_grads import FoldedGrads
 from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
@@ -262,7 +263,8 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     backward passes of their own during the forward (after the nodes are labelled)."""
     found = BackwardOrigin()
     handles: list = []
-    guards, below = GuardNodes(), BelowOneNodes()
+    # (folded: rows of a batch the forward folded, x.reshape(N * M, ...))
+    guards, below, folded = GuardNodes(), BelowOneNodes(), FoldedGrads(where or Samples())
     watch = HookWatch(where or Samples(), lambda: found.node is not None,
                       lambda: (runner.micro_batch, runner.in_loss))
 
@@ -278,7 +280,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
             returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
             if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
-                _record(found, node, name, grad_inputs, grad_outputs, where or Samples())
+                _record(found, node, name, grad_inputs, grad_outputs, where or Samples(), folded)
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
                 found.lost_eps, found.complement = guards.of(node), below.complement_at(node)
                 found.copied = copied_row(node) if found.saved_zero == "0" else None
@@ -296,7 +298,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     labels = _NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
-    run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards, below),
+    run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards, below, folded),
                      hooks=lambda m: labels.hooks(m) + (probe(m) if probe else [])
                      + watch.parameters(m),
                      backward_ctx=_loss_labeller(runner, labels.label))
@@ -317,13 +319,14 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
 
 def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
-            where: Samples) -> None:
+            where: Samples, folded: FoldedGrads) -> None:
     """Node ``node`` (labelled ``name``) made the first non-finite gradient from finite ones."""
     returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
     found.node, found.module, found.source = node.name(), name, node_source(node)
     bad = next(g for g in returned if not finite(g))
     found.made, found.dtype = kind_of(bad), bad.dtype
-    found.samples = batch_rows(node, list(grad_inputs), where)
+    found.samples = batch_rows(node, list(grad_inputs), where) \
+        or folded.rows(node, list(grad_inputs))
     found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
     found.positive_input = from_positive(node)
     found.exp_of = _exp_of(node)
@@ -370,10 +373,10 @@ def name_of_pick(node) -> bool:
 
 
 @contextlib.contextmanager
-def _watched(watch: HookWatch, guards: GuardNodes, below: BelowOneNodes):
+def _watched(watch: HookWatch, guards: GuardNodes, below: BelowOneNodes, folded: FoldedGrads):
     # (no NaN check: an autograd.grad in the forward or the loss, forces -dE/dpos, must run
     # on past its first NaN, as training did, for the nodes after the origin to name samples)
-    with node_tracebacks(), watch.registering(), guards, below:
+    with node_tracebacks(), watch.registering(), guards, below, folded:
         yield
 
 

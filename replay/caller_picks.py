@@ -7,6 +7,11 @@ is the sample of the mask's ``r``-th true element. :class:`CallerPicks` watches 
 from the root call's start to that call with a :class:`replay.reordered.Reordered`, which
 follows such picks (and ``x[order]``, ``flip``), so the finder can start from what the
 caller's code did to the rows of what it passes on.
+
+It follows the samples' dimension there too (:class:`replay.moved.Moved`): ST-GCN folds the
+persons of each clip into the batch before its blocks, ``x.permute(0, 4, 3, 1, 2)`` then
+``.reshape(N * M, C, T, V)``, so a block's row ``r`` is sample ``r // M``, which the block's
+own ops cannot tell.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from typing import Any
 
 import torch
 
+from recorder.samples import Samples
+
 from .compat import TorchDispatchMode, tree_leaves
+from .moved import Moved
 from .reordered import Reordered
 
 
@@ -24,23 +32,28 @@ class CallerPicks(TorchDispatchMode):
     would be undone by ``torch.inference_mode()``'s exit, which restores the dispatch keys it
     found: a teacher run under it in the forward); it follows the rows while ``watching``."""
 
-    def __init__(self, size: int):
+    def __init__(self, samples: Samples | None):
         super().__init__()
-        self.reordered = Reordered(size)
+        self.reordered = Reordered(samples.size if samples and samples.size else 0)
+        self.moved = Moved(samples)
         self.watching = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)  # (as no mode: what the op raises is the model's)
         if self.watching:
-            self.reordered.track(func.overloadpacket.__name__, args,
-                                 tree_leaves((args, kwargs)), out)
+            name, leaves = func.overloadpacket.__name__, tree_leaves((args, kwargs))
+            self.reordered.track(name, args, leaves, out)
+            self.moved.track(name, args, leaves, out)
         return out
 
-    def hand_on(self, args: Any, to: Reordered) -> None:
+    def hand_on(self, args: Any, to: Reordered, moved: Moved) -> None:
         """Gives ``to`` the samples in the rows of the call's input tensors ``args``, and
-        stops watching."""
+        ``moved`` where their samples are when the caller moved or folded them; stops
+        watching."""
         self.watching = False
         for t in tree_leaves(args):
             if isinstance(t, torch.Tensor) and (order := self.reordered.order(t)) is not None:
                 to.follow(t, order)
+            if isinstance(t, torch.Tensor) and (place := self.moved.place(t)) is not None:
+                moved.follow(t, place)

@@ -209,7 +209,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
     finder = OpFinder(samples=samples(runner.step, mb), mask_buffers=mask_buffers(runner.model))
     state, batch = {"count": 0, "active": False}, {}
     # (rows the caller's code picked out of the batch: out[p] = transform(x[p]))
-    picks = CallerPicks(finder.samples.size if finder.samples and finder.samples.size else 0)
+    picks = CallerPicks(finder.samples)
 
     def hooks(model):
         hs = []
@@ -227,7 +227,7 @@ def find_op_in_call(runner: Runner, module: str, call: int, mb: int,
                     finder.lineage.seed_samples(args)
                     finder.lineage.raw = RawPole(batch.get("given"))
                     finder.__enter__()
-                    picks.hand_on(args, finder.reordered)
+                    picks.hand_on(args, finder.reordered, finder.moved)
                 state["count"] += 1
 
         def post(m, args, out):

@@ -148,6 +148,10 @@ class Moved:
                                            reps)
         return None
 
+    def follow(self, t: torch.Tensor, p: Place) -> None:
+        """Follows ``t``, whose samples an op outside this tracker's run put at ``p``."""
+        self._put(t, p)
+
     def _put(self, t: torch.Tensor, p: Place) -> None:
         self._of[id(t)] = (weakref.ref(t), p)
 
