@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .capture import batch_path, flatten_tree, loss_path, object_tensors, tensor_leaves
+from .capture import batch_path, flatten_tree, loss_path, object_tensors
 from .chain import chain_origin, returned_infinity
 from .constants import unchanged
 from .finite import (
@@ -37,7 +37,7 @@ from .ring import StepLayout, decode_call
 from .samples import Samples, of_micro_batch, packed_in
 from .self_written import WRITTEN_DETAIL, self_written
 from .shards import local
-from .tape import Tape
+from .tape import Tape, fed_to
 
 __all__ = ["Event", "StepEvidence", "find_event", "optimizer_event", "output_grad_bad"]
 
@@ -347,9 +347,10 @@ def _loss_event(ev: StepEvidence) -> Event | None:
             event.phase, event.tensor, event.samples, event.kind = "input", path, *found[1:]
             event.detail = f"non-finite value in the loss target {path}"
         else:
-            event.phase = "loss"
-            event.detail = ("the loss is non-finite while the model output "  # (allow_inf's +-inf)
-                            + ("holds no NaN" if 0 in ev.allowed else "is finite"))
+            event.phase = "loss"  # (an output's +-Inf here is one allow_inf let through)
+            held = "holds no NaN (its +-Inf, allowed, reached the loss)" if any(
+                not finite(t) for t in outs if t.is_floating_point()) else "is finite"
+            event.detail = f"the loss is non-finite while the model output {held}"
             if k in ev.tape.given_loss and any(  # (loss_fn ran first, finite: k is the first)
                     m == mb_i and j not in ev.tape.given_loss
                     for j, (m, _, _) in enumerate(ev.layout.loss[:k])):
@@ -410,21 +411,13 @@ def _output_grad_detail(ev: StepEvidence, mb_i: int) -> str:
     if later is not None:  # (a zero_grad with no step(): an update the loop skipped)
         grads += f" (the loop dropped micro-batch {mb_i}'s before micro-batch {later})"
     head = f"non-finite gradient entering the model output (micro-batch {mb_i}) while {grads}"
-    if (fed := _fed_to(ev, mb_i)) is not None:
+    if (fed := fed_to(ev.tape.micro_batches, mb_i)) is not None:
         return (f"{head}: micro-batch {fed} took that output as its input (a rollout feeding "
                 "the model its own output), so its backward may have sent it")
     if any(m == mb_i for m, _, _ in ev.layout.loss):
         return (f"{head}: the loss from loss_fn is finite, so its backward made it (a "
                 "derivative's pole: sqrt or a norm at 0, a division)")
     return f"{head}: the loss, computed outside the recorder, or its backward made it"
-
-
-def _fed_to(ev: StepEvidence, mb_i: int) -> int | None:
-    """The first later micro-batch that took micro-batch ``mb_i``'s output, the very tensor,
-    as an input (an autoregressive rollout's next lead time), or None."""
-    outs = {id(t) for t in tensor_leaves(ev.tape.micro_batches[mb_i].outputs)}
-    return next((j for j, m in enumerate(ev.tape.micro_batches) if j > mb_i and any(
-        id(t) in outs for t in tensor_leaves([list(m.args), m.kwargs]))), None)
 
 
 def output_grad_bad(ev: StepEvidence) -> bool:

@@ -254,6 +254,14 @@ class Tape:
         return n - 1 if by_thread is None else by_thread.get(get_ident(), n - 1)
 
 
+def fed_to(micro_batches: list[MicroBatch], i: int) -> int | None:
+    """The first micro-batch after ``i`` that took micro-batch ``i``'s output, the very tensor,
+    as an input (an autoregressive rollout's next lead time), or None."""
+    outs = {id(t) for t in tensor_leaves(micro_batches[i].outputs)}
+    return next((j for j, m in enumerate(micro_batches) if j > i and any(
+        id(t) in outs for t in tensor_leaves([list(m.args), m.kwargs]))), None)
+
+
 def _copy(t: torch.Tensor) -> torch.Tensor:
     c = t.detach().clone()  # (one the loop differentiates by still requires grad in the replay)
     return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c

@@ -210,6 +210,9 @@ def test_pointer_network_closed_solver_tour_names_the_loss_and_the_instance(tmp_
         train_pointer(tmp_path, bad=4, allow_inf=[""])
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    # (the output's log-probabilities hold the mask's -inf: not "the model output is finite")
+    assert ev["detail"] == ("the loss is non-finite while the model output holds no NaN (its "
+                            "+-Inf, allowed, reached the loss)"), ev
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
     assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
