@@ -17,17 +17,13 @@ import contextlib
 import re
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
 
 import torch
 
-from recorder.capture import tensor_leaves
 from recorder.finite import finite, kind_of
 from recorder.samples import Samples
 
 from .below_one import BelowOneNodes
-from .compat import sequence_nr
 from .copied_rows import CopiedRow, copied_row
 from .exp_factor import huge_exp_factor
 from .factors import at_tie
@@ -36,6 +32,7 @@ from .fractional_power import fractional_power_at_zero
 from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch, module_hook_hit
 from .lost_eps import GuardNodes
 from .masked_grad import zero_where_nan
+from .node_labels import NodeLabels, loss_labeller
 from .ops import OpFinder
 from .pole_hints import zero_divisor
 from .pooled import pooled_size
@@ -44,7 +41,6 @@ from .power_grad import steep_power
 from .rerun import Runner
 from .source import node_source, node_tracebacks
 from .summed_grads import SummedGrads
-from .transforms import outside_transforms
 from .unflattened import unflattened_rows
 
 
@@ -296,12 +292,12 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
 
     custom: list[bool] = []
 
-    labels = _NodeLabels(on_node)
+    labels = NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
     run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards, below, folded),
                      hooks=lambda m: labels.hooks(m) + (probe(m) if probe else [])
                      + watch.parameters(m),
-                     backward_ctx=_loss_labeller(runner, labels.label))
+                     backward_ctx=loss_labeller(runner, labels.label))
     for h in handles:
         h.remove()
     found.params = run.bad_grads
@@ -413,10 +409,10 @@ def _inside_custom(runner: Runner, found: BackwardOrigin) -> None:
             handles.extend([node.register_prehook(enter), node.register_hook(leave)])
 
     active: list[bool] = []
-    labels = _NodeLabels(on_node)
+    labels = NodeLabels(on_node)
     try:
         runner.run(instrument=False, hooks=labels.hooks,
-                   backward_ctx=_loss_labeller(runner, labels.label))
+                   backward_ctx=loss_labeller(runner, labels.label))
     finally:
         for h in handles:
             h.remove()
@@ -428,76 +424,3 @@ def _inside_custom(runner: Runner, found: BackwardOrigin) -> None:
         found.source = hit.source or found.source
     elif hit is not None and hit.source:
         found.inner_op, found.inner_source = hit.op, hit.source
-
-
-class _NodeLabels:
-    """Which module's forward made each autograd node: the innermost module whose call made
-    it. A module's call made the nodes behind its outputs that are newer than its inputs'
-    (node numbers grow as nodes are made); older ones it meets there were made by its
-    parent's own code (a custom ``autograd.Function`` applied between two layers, say) and
-    are left to the parent's call. ``on_new(node, name)`` runs once per node labelled."""
-
-    def __init__(self, on_new):
-        self.on_new = on_new
-        self.names: dict[Any, str] = {}
-        # per open module call: its inputs' newest node number, and the older nodes its
-        # children's calls stopped at
-        self.calls: list[tuple[int, list]] = []
-
-    def label(self, nodes, name: str, before: int = -1) -> list:
-        """Label the nodes behind ``nodes`` newer than node number ``before``; returns the
-        unlabelled older ones it stopped at."""
-        todo, stopped = list(nodes), []
-        while todo:
-            node = todo.pop()
-            if node is None or node in self.names:
-                continue
-            if sequence_nr(node) <= before:
-                stopped.append(node)
-                continue
-            self.names[node] = name
-            self.on_new(node, name)
-            todo.extend(n for n, _ in node.next_functions if n is not None)
-        return stopped
-
-    def hooks(self, model) -> list:
-        handles = []
-        for name, m in model.named_modules():
-            handles.append(m.register_forward_pre_hook(outside_transforms(self._pre),
-                                                       with_kwargs=True))
-            handles.append(m.register_forward_hook(outside_transforms(partial(self._post,
-                                                                              name))))
-        return handles
-
-    def _pre(self, module, args, kwargs) -> None:
-        newest = [sequence_nr(n) for n in grad_fns(tensor_leaves([args, kwargs]))]
-        self.calls.append((max(newest, default=-1), []))
-
-    def _post(self, name: str, module, args, output) -> None:
-        before, pending = self.calls.pop() if self.calls else (-1, [])
-        stopped = self.label(grad_fns(tensor_leaves(output)) + pending, name, before)
-        if self.calls:
-            self.calls[-1][1].extend(stopped)
-        else:  # made before the model's forward (from its inputs): the root's, as before
-            self.label(stopped, name)
-
-
-def grad_fns(tensors) -> list:
-    """The autograd nodes that made ``tensors`` (those that have one)."""
-    return [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn]
-
-
-def _loss_labeller(runner: Runner, label):
-    """The backward's context: labels the loss's autograd nodes ``<loss>`` just before backward
-    runs, and keeps the forward traceback of nodes created during it."""
-    @contextlib.contextmanager
-    def ctx():
-        label(grad_fns(tensor_leaves(runner.last_loss)), "<loss>")
-        for name, t in runner.kept:  # (values the forward kept aside: replay.kept_aside)
-            label(grad_fns([t]), name.rpartition(".")[0])
-        # Nodes made during backward (reentrant checkpointing re-runs its blocks' forward
-        # there) get their source line too; NaN must not raise before the hooks see it.
-        with node_tracebacks():
-            yield
-
-    return ctx

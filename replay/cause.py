@@ -63,6 +63,7 @@ from .float8_cast import float8_cast_advice
 from .float64_step import float64_still
 from .literal_range import literal_hint, unheld_literal
 from .ops import Evidence, OpHit
+from .past_edge import rounded_past_edge
 from .plus_inf_row import row_hint
 from .power_overflow import power_advice
 from .rerun import Runner
@@ -213,7 +214,7 @@ def _from_evidence(hit: OpHit, capture: OpAt | None, still: bool) -> Cause:
             + root_floor.advice(name, moved)))
     if said := saturation.rounded_hint(name, what, ev) or cancellation.rounded_hint(name, what, ev):
         return Cause("precision", said)
-    past = _rounded_past_edge(name, ev, capture) if rounded is False else None
+    past = rounded_past_edge(name, ev, capture) if rounded is False else None
     if past is not None:
         return Cause("precision", f"{what}: float64 is past the edge too, but by "
                      f"{domains.g_apart(past[1], 0.0)} against {dt}'s {_g(past[0])}: the "
@@ -239,43 +240,6 @@ def _beyond_type(op: str, ev: Evidence) -> Cause:
     return Cause("overflow", f"{op}'s true result (up to {big_s}) is finite but beyond "
                  f"{dt}'s largest value {top_s}; float64 holds it: "
                  + log_advice(op, _wider(ev.dtype, op, ev)))
-
-
-def _edge_excess(base: str, x: torch.Tensor) -> float | None:
-    """How far past its domain edge op ``base``'s first input ``x`` went (0 when not past);
-    None for an op without such an edge."""
-    if base in ("acos", "asin", "atanh"):
-        d = x.abs() - 1
-    elif base == "acosh":
-        d = 1 - x
-    elif base == "log1p":
-        d = -1 - x
-    elif base in ("sqrt", "log", "log2", "log10", "rsqrt", "pow"):
-        d = -x
-    else:
-        return None
-    return float(d.clamp_min(0).max()) if d.numel() else None
-
-
-def _rounded_past_edge(name: str, ev: Evidence, capture: OpAt | None):
-    """(the dtype's, float64's) margin past the domain edge when the float64 re-run crossed it
-    too but by a margin at least 1000x smaller: a unit vectors' cosine is 1.0000001 in float32
-    and 1.0000000000000004 in float64, a cancelled variance -8 and -1e-9. Rounding moved the
-    input in both types (the margin scales with the epsilon); a value truly outside the domain
-    is as far out in both. None otherwise."""
-    if capture is None or capture.inputs is None or not ev.inputs or not ev.elementwise[0] \
-            or ev.input_dtypes[0] == torch.float64:
-        return None
-    try:
-        x64 = torch.broadcast_to(capture.inputs[0].double(),
-                                 ev.bad.shape)[ev.bad.to(capture.inputs[0].device)].cpu()
-    except RuntimeError:
-        return None
-    base = name.rstrip("_")
-    e32, e64 = _edge_excess(base, ev.inputs[0]), _edge_excess(base, x64)
-    if e32 is None or e64 is None or not e32 > 0 or not 0 < e64 <= e32 * 1e-3:
-        return None
-    return e32, e64
 
 
 def _given(ev: Evidence, i: int) -> list[float]:

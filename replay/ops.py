@@ -27,14 +27,12 @@ from recorder.samples import Samples
 
 from . import data_divisor, empty_rows
 from .cancellation import Cancellation
-from .compat import TorchDispatchMode, running_node, tree_leaves, tree_map, writes_arguments
+from .compat import TorchDispatchMode, running_node, tree_leaves, writes_arguments
 from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
 from .earlier_nan import earlier_nan
-from .factors import made_by
-from .float64 import as_float64, upcast
 from .folds import folded_inputs, folds
-from .fresh import POINTWISE, fresh_positions, inputs_there, made_there
+from .fresh import POINTWISE
 from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage, pole_inputs
 from .literal_fill import literals
@@ -43,8 +41,8 @@ from .masked_product import mask_after_pole, nan_times_zero
 from .memo import TensorSet
 from .moved import Moved
 from .nan_rows import nan_rows
+from .op_evidence import made_beside, op_evidence
 from .op_inputs import input_ends as _input_ends
-from .op_inputs import values_at as _at
 from .param_names import ParamNames
 from .pooled import Pooled
 from .positive import Partly, made_sign, positive_result
@@ -114,13 +112,13 @@ class _Watch(TorchDispatchMode):
             else:
                 given = before if before is not None else (args, kwargs)
                 try:
-                    hit.evidence = f.of_records(_evidence(func, given, outs, f),
+                    hit.evidence = f.of_records(op_evidence(func, given, outs, f),
                                                 pole_inputs(op, ins), hit.rows, leaves, op)
                 except Exception:  # evidence helps the cause; the op is named without it
                     hit.evidence = None
                 f.first = hit
         elif f.first is None and not intentional:  # beside non-finite values it was given
-            f.first = _made_beside(func, op, before or (args, kwargs), outs, occurrence, f)
+            f.first = made_beside(func, op, before or (args, kwargs), outs, occurrence, f)
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
                 and folds(func, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
@@ -143,74 +141,10 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
     mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit)  # (inf * mask's 0)
     if in_finite and f.absorbed and f.first is not None and exact_pole(f.first):
         try:
-            hit.evidence = f.of_records(_evidence(func, given, outs, f), ins, hit.rows)
+            hit.evidence = f.of_records(op_evidence(func, given, outs, f), ins, hit.rows)
         except Exception:  # (evidence helps the cause; the op is named without it)
             hit.evidence = None
     return hit
-
-
-def _made_beside(func, op: str, given, outs: list[torch.Tensor], occurrence: int,
-                 f: OpFinder) -> OpHit | None:
-    """The hit of a pointwise op that made non-finite values from finite ones where other
-    inputs it took were non-finite already (see :mod:`replay.fresh`), or None. Not for a
-    complex op: it mixes the real and imaginary parts, so a NaN real part it was given makes
-    the imaginary part NaN, which the real views' positions would take for a new NaN."""
-    if any(isinstance(t, torch.Tensor) and t.is_complex() for t in tree_leaves(given)):
-        return None
-    ins = float_leaves(given)
-    made = fresh_positions(func, ins, outs[0])
-    if made is None:
-        return None
-    lo, hi = inputs_there(ins, made, outs[0].shape)
-    marked = torch.zeros(outs[0].shape).masked_fill_(made.cpu(), math.nan)  # (its rows)
-    hit = OpHit(op, made_there(outs[0], made), user_source(), lo, hi, False, occurrence, True,
-                rows=f.batch_rows([marked]), within=f.where, node=running_node())
-    try:
-        hit.evidence = _evidence(func, given, outs, f, bad=made)
-    except Exception:  # (as for an op of finite inputs: named without it)
-        hit.evidence = None
-    return hit
-
-
-def _evidence(func, given, outs: list[torch.Tensor], f: OpFinder,
-              bad: torch.Tensor | None = None) -> Evidence:
-    """What the cause needs of the op's values where its first non-finite output is
-    non-finite (or at ``bad``, over its first output: the values it made itself)."""
-    args, kwargs = given
-    if bad is None:
-        k = next(i for i, t in enumerate(outs) if not bool(torch.isfinite(t).all()))
-        bad = ~torch.isfinite(outs[k].detach())
-    else:
-        k = 0
-    ins = float_leaves((args, kwargs))
-    taken = [_at(t, bad) for t in ins]
-    local = None
-    if torch.Tag.nondeterministic_seeded not in func.tags:  # a re-run would draw random numbers
-        a64, k64 = as_float64(func, upcast(args), upcast(kwargs))
-        try:
-            with torch.no_grad():
-                r = float_leaves(func(*a64, **k64))
-            if k < len(r) and r[k].shape == bad.shape:
-                local = r[k].detach()[bad]
-        except Exception:  # an op that refuses float64 (a fused kernel): no local answer
-            local = None
-    plain = tuple(tree_map(lambda v: None if isinstance(v, torch.Tensor)
-                           and (v.is_floating_point() or v.is_complex()) else v, list(args)))
-    return Evidence(dtype=outs[k].dtype, bad=bad, inputs=[v for v, _ in taken],
-                    input_dtypes=[t.dtype for t in ins], elementwise=[e for _, e in taken],
-                    exp_made=[f.positive(t) or f.partly.at(t, bad) for t in ins],
-                    squared=[f.partly.squared(t) for t in ins],
-                    of_exp=[t in f.exps or made_by_exp(t) for t in ins],
-                    local64=local,
-                    complement=[f.saturation.complement(t) for t in ins],
-                    zero_dim=[t.dim() == 0 for t in ins], factor=[made_by(t) for t in ins],
-                    sizes=list(f.sizes.get(func.overloadpacket.__name__, ())),
-                    lost_eps=[f.lost_eps.of(t) for t in ins],
-                    terms=[f.cancellation.at(t, bad) for t in ins],
-                    others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
-                    empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
-                              and t.numel() == 0 for t in tree_leaves((args, kwargs))),
-                    args=plain, read=f.read.of(plain))
 
 
 class OpFinder:

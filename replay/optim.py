@@ -13,7 +13,7 @@ from recorder.finite import finite, tensors_kind
 from recorder.inner_optim import put_state, state_items
 from recorder.seq_state import load_seq
 
-from .cause_text import EPS0_CUSTOM_UPDATE, EPS_LOST_UPDATE, SQUARED_EPS_LOST
+from .eps_text import EPS0_CUSTOM_UPDATE, EPS_LOST_UPDATE, SQUARED_EPS_LOST
 from .optim_attrs import attrs_note, restore_attrs
 
 

@@ -12,7 +12,8 @@ from recorder.finite import finite, tensors_kind
 from recorder.inner_optim import put_state, state_items
 from recorder.seq_state import cloned
 
-from .cause_text import HINTS, eps0_text
+from .cause_text import HINTS
+from .eps_text import eps0_text
 from .findings import finish, origin_fields
 from .half_update import half_overflow_why
 from .hyper import decode_non_finite_hyper, non_finite_hyper

@@ -20,9 +20,10 @@ import torch
 
 from recorder.finite import finite, kind_of
 
-from .backward import _NodeLabels, batch_rows, grad_fns, saved_facts
+from .backward import batch_rows, saved_facts
 from .findings import finish, origin_fields
 from .load import Step, output_grads
+from .node_labels import NodeLabels, grad_fns
 from .recorded import samples
 from .rerun import Runner, scalar_loss
 from .source import node_source, node_tracebacks
@@ -82,7 +83,7 @@ def report_second_order(report, step: Step, runner: Runner, fid) -> dict | None:
 def find_second_order(runner: Runner, before: int) -> SecondOrder | None:
     """The first earlier micro-batch (before ``before``) whose second-order backward makes a
     non-finite value from finite ones, and that node."""
-    labels = _NodeLabels(lambda node, name: None)
+    labels = NodeLabels(lambda node, name: None)
     # (anomaly mode: forward nodes keep their traceback, second-order ones their parent)
     run = runner.run(backward=False, instrument=False, hooks=labels.hooks,
                      forward_ctx=node_tracebacks)
