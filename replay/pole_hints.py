@@ -98,7 +98,8 @@ def pole_hint(b, cause: Cause) -> str:
     if cause.name == "precision" and not isinstance(b.lost_eps, RoundedBound):
         hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16; a
         # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)
-    if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint:
+    if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint \
+            or b.zero_divisor in ("constant", "clamped"):  # (their hints say the forward hid it)
         return hint
     return f"{hint}; but {MASKED_INCOMING.format(node=b.node)}"
 

@@ -163,8 +163,10 @@ def test_a_float16_table_rounds_the_artanh_clamp_to_1_under_the_mask(out_dir):
     assert _origin(rep) == (err.event["step"], "backward", "", "AtanhBackward0", rows,
                             "precision"), rep["origin"]
     hint = rep["hint"]
-    assert "in float16 the largest number below 1 is 1 - 0.00049" in hint, hint
-    assert "an eps of at least 0.001" in hint and "the gradient entering" in hint
+    # (the clamp's bound 1 - 1e-5 is 1 in float16: replay.rounded_bound says so, with the eps
+    # float16 resolves below 1, in place of the generic narrow-type eps of replay.unit_eps)
+    assert "its bound 0.99999 is 1 in float16" in hint and "at least 0.000488" in hint, hint
+    assert "the gradient entering" in hint, hint
 
 
 def _batch_at(step: int) -> tuple:
@@ -294,3 +296,17 @@ def test_accumulated_micro_batch_with_the_masked_anchor_is_named_with_its_rows(o
     assert _origin(rep) == (3, "backward", "", "AcoshBackward0", rows, "invalid"), \
         rep["origin"]
     assert rep["origin"]["micro_batch"] == 1 and "the gradient entering" in rep["hint"]
+
+
+def test_the_eps_a_half_type_resolves_below_1_is_named_for_unit_poles_only():
+    """Where no clamp of the code's is in sight (replay.rounded_bound names one), a unit pole
+    reached by rounding in float16 or bfloat16 gets the spacing below 1 of that type and an
+    eps above it; float32 and other nodes get nothing added."""
+    from replay.unit_eps import narrow_eps
+
+    half = narrow_eps("AtanhBackward0", torch.float16)
+    assert "in float16 the largest number below 1 is 1 - 0.00049" in half, half
+    assert "an eps of at least 0.001" in half, half
+    assert "1 - 0.0039" in narrow_eps("AcosBackward0", torch.bfloat16)
+    assert narrow_eps("AtanhBackward0", torch.float32) == ""
+    assert narrow_eps("SqrtBackward0", torch.float16) == ""
