@@ -108,6 +108,21 @@ class LatentNP(nn.Module):
         return mu, sigma, gauss_kl(post, prior)
 
 
+class LatentNPDist(LatentNP):
+    """The latent NP with its distributions as ``torch.distributions.Normal`` objects (argument
+    validation on, the default) and the KL from ``kl_divergence``."""
+
+    def forward(self, x_c, y_c, mask_c, x_t, y_t, mask_t):
+        r = masked_mean_clamped(self.det(torch.cat([x_c, y_c], -1)), mask_c)
+        prior = torch.distributions.Normal(*self.latent(x_c, y_c, mask_c))
+        post = torch.distributions.Normal(*self.latent(
+            torch.cat([x_c, x_t], 1), torch.cat([y_c, y_t], 1), torch.cat([mask_c, mask_t], 1)))
+        z = post.rsample()
+        n = x_t.shape[1]
+        mu, sigma = self.decoder(torch.cat([r, z], -1)[:, None].expand(-1, n, -1), x_t)
+        return mu, sigma, torch.distributions.kl_divergence(post, prior).sum(-1)
+
+
 def gauss_kl(q, p):
     """KL(N(mq, sq) || N(mp, sp)) summed over z, in closed form (the ELBO's regulariser)."""
     (mq, sq), (mp, sp) = q, p
@@ -243,6 +258,11 @@ def make_latent() -> LatentNP:
 def make_latent_no_floor() -> LatentNP:
     torch.manual_seed(0)
     return LatentNP(floor=0.0)
+
+
+def make_latent_dist_no_floor() -> LatentNPDist:
+    torch.manual_seed(0)
+    return LatentNPDist(floor=0.0)
 
 
 def make_anp() -> AttentiveNP:

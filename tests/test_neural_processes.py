@@ -221,3 +221,20 @@ def test_guarded_neural_processes_raise_nothing_and_train_the_same(tmp_path, kin
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+def test_latent_np_normal_refusing_a_zero_scale_names_the_sigmoid_that_made_it(tmp_path):
+    """The same zero floor with the latent path as ``torch.distributions.Normal`` objects:
+    ``Normal`` refuses the task's scale of 0. The 0 was made by ``sigmoid`` (its input, from
+    the task in milliseconds, is far below -88), not by the ``mul`` and ``add`` of the floor
+    after it, which only passed it on: the report names the sigmoid, the task, an underflow, a
+    floor as the fix, and the unit error."""
+    with pytest.raises(ValueError):
+        train("latent", "make_latent_dist_no_floor", tmp_path, big=BAD_TASK)
+    rep = nanreplay_json(next(tmp_path.glob("*.nan")))
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"], o["made"], o["samples"]) == (
+        BAD_STEP, "latent", "aten.sigmoid", "0", [BAD_ROW]), o
+    assert o["source"] == line_of("(1 - self.floor) * torch.sigmoid(raw)"), o
+    assert rep["cause"] == "underflow" and "add a floor" in rep["hint"], rep["hint"]
+    assert f"--try drop={BAD_ROW}" in rep["hint"], rep["hint"]
