@@ -286,11 +286,13 @@ def rbf(x1, x2, scale: float = 0.4, var: float = 1.0):
 class GPTasks(torch.utils.data.Dataset):
     """Task i: a function drawn from GP(0, RBF) at sorted random x in [-2, 2], split into
     a context set of 3..10 points (``empty``: task index whose context is empty) and the rest
-    as targets; ``big``: a task index whose x are in milliseconds (x 1000: a unit error)."""
+    as targets; ``big``: a task index whose x are in milliseconds (x 1000: a unit error);
+    ``full``: a task index whose every point went to the context (no target)."""
 
     def __init__(self, n: int, seed: int, jitter: float = 1e-4, empty: int | None = None,
-                 big: int | None = None, max_points: int = 24, big_scale: float = 1e3):
-        self.big_scale = big_scale
+                 big: int | None = None, max_points: int = 24, big_scale: float = 1e3,
+                 full: int | None = None):
+        self.big_scale, self.full = big_scale, full
         self.n, self.seed, self.jitter, self.max_points = n, seed, jitter, max_points
         self.empty, self.big = empty, big
 
@@ -304,6 +306,7 @@ class GPTasks(torch.utils.data.Dataset):
         chol = torch.linalg.cholesky(rbf(x, x) + self.jitter * torch.eye(m))
         y = chol @ torch.randn(m, generator=g)
         n_c = 0 if i == self.empty else int(torch.randint(3, 11, (1,), generator=g))
+        n_c = m if i == self.full else n_c  # every point a context point: no target left
         if i == self.big:
             x = x * self.big_scale
         perm = torch.randperm(m, generator=g)

@@ -238,3 +238,50 @@ def test_latent_np_normal_refusing_a_zero_scale_names_the_sigmoid_that_made_it(t
     assert o["source"] == line_of("(1 - self.floor) * torch.sigmoid(raw)"), o
     assert rep["cause"] == "underflow" and "add a floor" in rep["hint"], rep["hint"]
     assert f"--try drop={BAD_ROW}" in rep["hint"], rep["hint"]
+
+
+def test_latent_np_task_without_targets_names_the_per_task_mean_of_the_nll(tmp_path):
+    """A task whose every point was drawn into the context: its target mask is all 0 and the
+    NLL's per-task mean ``sum / count`` is 0/0 in the loss (the model output is finite). The
+    report names the loss's division on its line, that task, and a guard of the count."""
+    ev, bundle = fire("latent", "make_latent", tmp_path, full=BAD_TASK)
+    assert (ev["step"], ev["phase"], ev["module"]) == (BAD_STEP, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == (
+        "loss", "<loss>", "aten.div", [BAD_ROW]), o
+    assert o["source"] == line_of("(ll * mask_t).sum(1) / mask_t.sum(1)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+
+
+def train_accumulated(out_dir, make: str, **data):
+    """bf16 autocast on CPU, two micro-batches of 4 tasks accumulated per AdamW step."""
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(M.GPTasks(32, seed=0, **data), batch_size=4,
+                                         collate_fn=M.collate)
+    with FlightRecorder(model, opt, loss_fn=M.gaussian_nll, out_dir=out_dir,
+                        factory=f"neural_processes_models:{make}") as rec:
+        for i, (x_c, y_c, m_c, x_t, y_t, m_t) in enumerate(loader):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                mu, sigma = model(x_c, y_c, m_c, x_t)
+            (rec.loss_fn(mu.float(), sigma.float(), y_t, m_t) / 2).backward()
+            if i % 2 == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+
+
+def test_anp_under_bf16_accumulation_names_the_micro_batch_of_the_empty_task(tmp_path):
+    """The ANP's empty task under bf16 autocast with two accumulated micro-batches of 4: task
+    19 is row 3 of the first micro-batch of step 2. The event and the report say so."""
+    with pytest.raises(NonFiniteError) as info:
+        train_accumulated(tmp_path, "make_anp", empty=BAD_TASK)
+    ev = info.value.event
+    assert (ev["step"], ev["micro_batch"], ev["module"], ev["samples"]) == (
+        2, 0, "cross", [3]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["micro_batch"], o["module"], o["op"], o["samples"]) == (
+        0, "cross", "aten._softmax", [3]), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
