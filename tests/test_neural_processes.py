@@ -285,3 +285,10 @@ def test_anp_under_bf16_accumulation_names_the_micro_batch_of_the_empty_task(tmp
     assert (o["micro_batch"], o["module"], o["op"], o["samples"]) == (
         0, "cross", "aten._softmax", [3]), o
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+
+
+def test_anp_under_bf16_accumulation_with_padded_contexts_raises_nothing(tmp_path):
+    """Every task with a context: the -inf of the padded keys stays inside the bf16 softmax
+    under accumulation, and no event is raised."""
+    train_accumulated(tmp_path, "make_anp")
+    assert not list(tmp_path.glob("*.nan"))
