@@ -123,6 +123,38 @@ class LatentNPDist(LatentNP):
         return mu, sigma, torch.distributions.kl_divergence(post, prior).sum(-1)
 
 
+class LogVarEncoder(LatentEncoder):
+    """The latent encoder parameterised by log-variance, as the NP notebooks write it."""
+
+    def forward(self, x, y, mask):
+        s = masked_mean_clamped(self.net(torch.cat([x, y], -1)), mask)
+        return self.head(s).chunk(2, -1)  # (mean, log-variance)
+
+
+class LatentNPLogVar(LatentNP):
+    """The latent NP with z's Gaussians as (mean, log-variance) and the KL written in them."""
+
+    def __init__(self):
+        super().__init__()
+        self.latent = LogVarEncoder()
+
+    def forward(self, x_c, y_c, mask_c, x_t, y_t, mask_t):
+        r = masked_mean_clamped(self.det(torch.cat([x_c, y_c], -1)), mask_c)
+        prior = self.latent(x_c, y_c, mask_c)
+        post = self.latent(torch.cat([x_c, x_t], 1), torch.cat([y_c, y_t], 1),
+                           torch.cat([mask_c, mask_t], 1))
+        z = post[0] + (0.5 * post[1]).exp() * torch.randn_like(post[1])
+        n = x_t.shape[1]
+        mu, sigma = self.decoder(torch.cat([r, z], -1)[:, None].expand(-1, n, -1), x_t)
+        return mu, sigma, logvar_kl(post, prior)
+
+
+def logvar_kl(q, p):
+    """KL(q || p) of diagonal Gaussians given as (mean, log-variance)."""
+    (mq, lq), (mp, lp) = q, p
+    return 0.5 * (lp - lq + (lq.exp() + (mq - mp) ** 2) / lp.exp() - 1).sum(-1)
+
+
 def gauss_kl(q, p):
     """KL(N(mq, sq) || N(mp, sp)) summed over z, in closed form (the ELBO's regulariser)."""
     (mq, sq), (mp, sp) = q, p
@@ -263,6 +295,11 @@ def make_latent_no_floor() -> LatentNP:
 def make_latent_dist_no_floor() -> LatentNPDist:
     torch.manual_seed(0)
     return LatentNPDist(floor=0.0)
+
+
+def make_latent_logvar() -> LatentNPLogVar:
+    torch.manual_seed(0)
+    return LatentNPLogVar()
 
 
 def make_anp() -> AttentiveNP:

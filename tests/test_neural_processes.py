@@ -292,3 +292,19 @@ def test_anp_under_bf16_accumulation_with_padded_contexts_raises_nothing(tmp_pat
     under accumulation, and no event is raised."""
     train_accumulated(tmp_path, "make_anp")
     assert not list(tmp_path.glob("*.nan"))
+
+
+def test_latent_np_logvar_kl_names_the_exp_overflow_before_the_nan(tmp_path):
+    """The latent NP in log-variance with the task in milliseconds: the log-variances reach
+    ~160, ``exp`` overflows in both the numerator and the denominator of the KL, and their
+    ratio is NaN. The report names the exp (the +inf it made, then the div's NaN), the task,
+    an overflow, a bound on the learned exponent, and the unit error."""
+    ev, bundle = fire("latent", "make_latent_logvar", tmp_path, big=BAD_TASK)
+    assert (ev["step"], ev["module"], ev["samples"]) == (BAD_STEP, "", [BAD_ROW]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "", "aten.exp", "+inf", [BAD_ROW]), o
+    assert o["source"] == line_of("(lq.exp() + (mq - mp) ** 2) / lp.exp()"), o
+    assert rep["cause"] == "overflow" and "bound a learned exponent" in rep["hint"], rep
+    assert f"--try drop={BAD_ROW}" in rep["hint"], rep["hint"]
