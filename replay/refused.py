@@ -31,6 +31,7 @@ from .float64_step import in_float64
 from .forward import find_op_in_call
 from .linalg import ModuleCalls, report_linalg
 from .load import Step
+from .passed_zeros import zeros_maker
 from .recorded import batch_size
 from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
 from .refused_rounding import capture, float64_zeros, rounded_hint
@@ -68,11 +69,13 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
                                samples=hit.rows or [], inputs_finite=True)
         report["problems"].append(f"{refused} at {source}: the {hit.made} that {hit.op} made")
         return finish(report, origin, cause.name, reproduced=True, hint=cause.hint)
-    value, valid, maker = _made(runner)  # a finite value outside the constraint
+    value, valid, makers = _made(runner)  # a finite value outside the constraint
     data = of_data(what, value)  # (log_prob's value, made of the batch alone)
     value = value.detach() if value is not None else None
     bad = cholesky_diagonal(constraint, value, valid,
                             value[~valid] if value is not None else None)
+    zeros = bad is not None and bad.numel() and not bad.any()
+    maker = makers[1] if zeros and makers[1] else makers[0]  # (the op that made the 0)
     op, module, where = maker or (None, None, source)
     module = module or ("", 0, mb)  # (an op outside every module call: the root's)
     phase = "loss" if module[0] == "<loss>" else "forward"  # (a distribution in loss_fn)
@@ -89,11 +92,12 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
 
 
 class _Makers(TorchDispatchMode):
-    """Which op (and module call, and line) wrote each floating tensor last, by storage."""
+    """Which op (and module call, and line) wrote each floating tensor last, by storage; and
+    which first made its zeros (``zeros``, see replay.passed_zeros)."""
 
     def __init__(self, calls: ModuleCalls):
         super().__init__()
-        self.calls, self.made = calls, {}
+        self.calls, self.made, self.zeros = calls, {}, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -104,24 +108,27 @@ class _Makers(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_nested \
                     and t.layout == torch.strided and view_base(t) is None:
-                self.made[t.data_ptr()] = (f"aten.{func.overloadpacket.__name__}",
-                                           self.calls.running(), user_source())
+                made = (f"aten.{func.overloadpacket.__name__}", self.calls.running(),
+                        user_source())
+                self.made[t.data_ptr()] = made
+                self.zeros[t.data_ptr()] = zeros_maker(t, args, kwargs, self.zeros) or made
         return out
 
 
 def _made(runner: Runner):
     """The step re-run with the op that wrote each tensor kept: the refused value, its mask
-    of valid entries and (op, (module, call, micro-batch), source) of its maker, if seen."""
+    of valid entries and the (op, (module, call, micro-batch), source) of its maker and of the
+    op that made its zeros, each None if not seen."""
     calls = ModuleCalls(runner)
     makers = _Makers(calls)
     with makers:
         again = runner.run(backward=False, instrument=False, hooks=calls.hooks)
     value, valid = _checked(again.error) if again.error is not None else (None, None)
     if value is None:
-        return None, None, None
+        return None, None, (None, None)
     base = view_base(value)
-    base = value if base is None else base
-    return value, valid, makers.made.get(base.data_ptr())
+    key = (value if base is None else base).data_ptr()
+    return value, valid, (makers.made.get(key), makers.zeros.get(key))
 
 
 def _said(first: torch.Tensor) -> str:
@@ -184,8 +191,8 @@ def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None,
         return "precision", said
     if zeros:
         return "underflow", (f"{refused}: {seen}; float64 keeps them above 0, so they are "
-                             "positive values the type rounded to 0 (softplus or exp of a very "
-                             "negative input): add a floor (F.softplus(x) + 1e-4, "
+                             "positive values the type rounded to 0 (softplus, exp or sigmoid of a "
+                             "very negative input): add a floor (F.softplus(x) + 1e-4, "
                              "x.exp().clamp_min(1e-6)) or parametrize in log space")
     return "precision", (f"{refused}: {seen}; float64 accepts them, so the type's rounding "
                          "pushed them across the constraint: compute them in float32/float64 "
