@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from recorder.errors import first_line
 
+from .singular_values import ADVICE as SINGULAR_VALUES
+
 CAUSES = ("input", "weights", "optimizer", "invalid", "overflow", "underflow", "precision",
           "not_reproduced")
 
@@ -283,6 +285,7 @@ DO = {
                 "psd_safe_cholesky retries with 1e-6, 1e-5, 1e-4), or factor it in float64; "
                 "repeated inputs (identical rows) make a kernel matrix singular up to its "
                 "noise",
+    "singular_values": SINGULAR_VALUES,
     "eigenvalues": "clamp the eigenvalues before the op (evals.clamp_min(eps), as matrix "
                    "square roots and whitening do) or add eps * I to the matrix first; a "
                    "covariance of fewer samples than features is singular, so a larger batch "
