@@ -64,6 +64,37 @@ class PendulumTrajectories(Dataset):
         return self.traj[i], self.dt[i]
 
 
+def lorenz_euler(s0: torch.Tensor, steps: int, dt: float, sigma: float = 10.0,
+                 rho: float = 28.0, beta: float = 8 / 3) -> torch.Tensor:
+    """(steps, 3) states of the Lorenz system by forward Euler (stable only for a small dt)."""
+    s, out = s0.clone(), []
+    for _ in range(steps):
+        out.append(s)
+        x, y, z = s
+        s = s + dt * torch.stack([sigma * (y - x), x * (rho - z) - y, x * y - beta * z])
+    return torch.stack(out)
+
+
+class LorenzTrajectories(Dataset):
+    """Lorenz trajectories scaled by 1/10 (the attractor's size); ``coarse``: indices
+    simulated with a step of 0.5 (a config's coarse step for another system), where Euler
+    is unstable and the states overflow to inf, then NaN."""
+
+    def __init__(self, n: int = 32, steps: int = 12, dt: float = 0.01, seed: int = 0,
+                 coarse: tuple[int, ...] = ()):
+        g = torch.Generator().manual_seed(seed)
+        init = torch.randn(n, 3, generator=g) * 5
+        self.traj = [lorenz_euler(init[i], steps, 0.5 if i in coarse else dt) / 10
+                     for i in range(n)]
+        self.dt = torch.full((n,), dt)
+
+    def __len__(self):
+        return len(self.traj)
+
+    def __getitem__(self, i):
+        return self.traj[i], self.dt[i]
+
+
 # ---------------------------------------------------------------------------------------------
 # deep Koopman autoencoder
 
@@ -105,6 +136,11 @@ def koopman_loss(recon, pred, z_next, z_adv, x, w_pred: float = 1.0, w_lin: floa
 def make_deep_koopman() -> DeepKoopman:
     torch.manual_seed(0)
     return DeepKoopman()
+
+
+def make_deep_koopman_lorenz() -> DeepKoopman:
+    torch.manual_seed(0)
+    return DeepKoopman(n=3)
 
 
 def make_deep_koopman_gain() -> DeepKoopman:

@@ -23,22 +23,25 @@ pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
 LOSSES = {"make_deep_koopman": M.koopman_loss, "make_deep_koopman_gain": M.koopman_loss,
           "make_spectral": M.spectral_loss, "make_spectral_eye": M.spectral_loss,
-          "make_continuous": M.koopman_loss, "make_latent_dmd": M.dmd_loss}
+          "make_continuous": M.koopman_loss, "make_latent_dmd": M.dmd_loss,
+          "make_deep_koopman_lorenz": M.koopman_loss}
 
 
 def line_of(text: str) -> str:
     return source_line("koopman_dynamics_models.py", text)
 
 
-def train(make: str, out_dir, steps: int = 12, rest=(), dt_ms=(), record: bool = True):
+def train(make: str, out_dir, steps: int = 12, rest=(), dt_ms=(), coarse=None,
+          record: bool = True):
     """Adam with a step schedule and gradient clipping over 4 batches of 8 trajectories
     (``steps`` states each, in dataset order: record 27 is sample 3 of step 3, record 29
-    sample 5). Returns the model."""
+    sample 5); Lorenz trajectories when ``coarse`` is given. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     crit = LOSSES[make]
-    data = M.PendulumTrajectories(n=32, steps=steps, rest=rest, dt_ms=dt_ms)
+    data = M.PendulumTrajectories(n=32, steps=steps, rest=rest, dt_ms=dt_ms) \
+        if coarse is None else M.LorenzTrajectories(n=32, steps=steps, coarse=coarse)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                          factory=f"koopman_dynamics_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
@@ -128,6 +131,17 @@ def test_identity_initialised_operator_puts_eig_backward_at_its_repeated_eigenva
     assert (o["phase"], o["op"]) == ("backward", "LinalgEigBackward0"), o
     assert o["source"] == line_of("lam, V = torch.linalg.eig(self.K.weight)"), o
     assert rep["cause"] == "invalid" and "repeated eigenvalues" in rep["hint"], rep["hint"]
+
+
+def test_lorenz_record_simulated_with_an_unstable_euler_step_is_named_as_input(tmp_path):
+    """One Lorenz trajectory was simulated with a coarse step (0.5, where forward Euler is
+    unstable): its states overflow to inf and NaN in the dataset. The event is the model's
+    input at step 3 on that record (sample 2), and the replay says the batch held it."""
+    ev, bundle = fire("make_deep_koopman_lorenz", tmp_path, coarse=(26,))
+    assert (ev["step"], ev["phase"], ev["samples"]) == (3, "input", [2]), ev
+    rep = nanreplay_json(bundle)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [2]), rep
+    assert "data pipeline" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("make", ["make_deep_koopman", "make_spectral", "make_continuous",
