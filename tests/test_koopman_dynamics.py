@@ -32,10 +32,11 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, out_dir, steps: int = 12, rest=(), dt_ms=(), coarse=None,
-          record: bool = True):
+          record: bool = True, bf16: bool = False):
     """Adam with a step schedule and gradient clipping over 4 batches of 8 trajectories
     (``steps`` states each, in dataset order: record 27 is sample 3 of step 3, record 29
-    sample 5); Lorenz trajectories when ``coarse`` is given. Returns the model."""
+    sample 5); Lorenz trajectories when ``coarse`` is given; the forward under bfloat16
+    autocast with ``bf16``. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -47,8 +48,9 @@ def train(make: str, out_dir, steps: int = 12, rest=(), dt_ms=(), coarse=None,
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for x, dt in DataLoader(data, batch_size=8):
-            out = model(x, dt) if make == "make_continuous" else model(x)
-            loss = loss_fn(*out, x)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(x, dt) if make == "make_continuous" else model(x)
+            loss = loss_fn(*(o.float() for o in out), x)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -144,14 +146,16 @@ def test_lorenz_record_simulated_with_an_unstable_euler_step_is_named_as_input(t
     assert "data pipeline" in rep["hint"], rep["hint"]
 
 
-@pytest.mark.parametrize("make", ["make_deep_koopman", "make_spectral", "make_continuous",
-                                  "make_latent_dmd"])
-def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make):
-    """A unit-gain operator, eig of a random orthogonal K (complex eigenvalues, unit-norm
-    eigenvectors, distinct), a generator at every record's own 0.1 s step, DMD of moving
-    pendulums: no event, bit-identical weights with and without the recorder."""
-    recorded = train(make, tmp_path)
-    plain = train(make, tmp_path, record=False)
+@pytest.mark.parametrize("make,bf16", [("make_deep_koopman", False), ("make_spectral", False),
+                                       ("make_continuous", False), ("make_latent_dmd", False),
+                                       ("make_deep_koopman", True)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, bf16):
+    """A unit-gain operator (also under bfloat16 autocast: its 11 matrix powers in bf16), eig
+    of a random orthogonal K (complex eigenvalues, unit-norm eigenvectors, distinct), a
+    generator at every record's own 0.1 s step, DMD of moving pendulums: no event,
+    bit-identical weights with and without the recorder."""
+    recorded = train(make, tmp_path, bf16=bf16)
+    plain = train(make, tmp_path, record=False, bf16=bf16)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
