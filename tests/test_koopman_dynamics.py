@@ -32,7 +32,7 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, out_dir, steps: int = 12, rest=(), dt_ms=(), coarse=None,
-          record: bool = True, bf16: bool = False):
+          record: bool = True, bf16: bool = False, dt: float = 0.1):
     """Adam with a step schedule and gradient clipping over 4 batches of 8 trajectories
     (``steps`` states each, in dataset order: record 27 is sample 3 of step 3, record 29
     sample 5); Lorenz trajectories when ``coarse`` is given; the forward under bfloat16
@@ -41,7 +41,7 @@ def train(make: str, out_dir, steps: int = 12, rest=(), dt_ms=(), coarse=None,
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     crit = LOSSES[make]
-    data = M.PendulumTrajectories(n=32, steps=steps, rest=rest, dt_ms=dt_ms) \
+    data = M.PendulumTrajectories(n=32, steps=steps, dt=dt, rest=rest, dt_ms=dt_ms) \
         if coarse is None else M.LorenzTrajectories(n=32, steps=steps, coarse=coarse)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                          factory=f"koopman_dynamics_models:{make}") if record else None
@@ -97,6 +97,23 @@ def test_time_step_in_milliseconds_overflows_the_generator_rollout_on_that_recor
     assert o["source"] == line_of('z_adv = torch.einsum("bij,bj->bi", K, z_adv)'), o
     assert rep["cause"] == "overflow", rep["hint"]
     assert "sample(s) 5 of args[1]" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_time_step_in_milliseconds_overflows_the_generator_matrix_exp_itself(tmp_path):
+    """Sampled at 1 s, one record's step exported in milliseconds: ``matrix_exp(L * 1000)``
+    itself overflows on that record. The replay names the matrix exponential on its line,
+    sample 5, says it grows as e^(max Re lambda) of the matrix it was given (not "subtract the
+    row max before exp") and still points at ``dt``'s out-of-scale row."""
+    ev, bundle = fire("make_continuous", tmp_path, dt=1.0, dt_ms=(29,))
+    assert (ev["step"], ev["module"], ev["samples"]) == (3, "", [5]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["op"], o["samples"], rep["cause"]) == ("aten.linalg_matrix_exp", [5], "overflow"), o
+    assert o["source"] == line_of("K = torch.linalg.matrix_exp(self.L[None] * dt[:, None, None])")
+    assert "matrix_exp grows as e^(max Re lambda)" in rep["hint"], rep["hint"]
+    assert "subtract the row max" not in rep["hint"], rep["hint"]
+    assert "sample(s) 5 of args[1]" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
