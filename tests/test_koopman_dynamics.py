@@ -152,6 +152,14 @@ def test_identity_initialised_operator_puts_eig_backward_at_its_repeated_eigenva
     assert rep["cause"] == "invalid" and "repeated eigenvalues" in rep["hint"], rep["hint"]
 
 
+def test_unrecorded_identity_operator_fails_a_step_later_inside_eig(tmp_path):
+    """Without the recorder the identity-initialised run's first update (gradient clipping
+    of NaN gradients) makes K NaN, and the next step's eig refuses it: an error about eig's
+    input a step after the bug, which the event above names where it happened."""
+    with pytest.raises(RuntimeError, match="should not contain infs or NaNs"):
+        train("make_spectral_eye", tmp_path, record=False)
+
+
 def test_lorenz_record_simulated_with_an_unstable_euler_step_is_named_as_input(tmp_path):
     """One Lorenz trajectory was simulated with a coarse step (0.5, where forward Euler is
     unstable): its states overflow to inf and NaN in the dataset. The event is the model's
