@@ -51,7 +51,8 @@ def value_gap(name: str) -> tuple[str, str] | None:
     op, values = _GAP_DERIVATIVES[name]
     return (f"the gradient of {op}'s vectors divides by the differences between its {values}, "
             f"infinite where two are equal (repeated {values}: a matrix with a symmetry, "
-            "identical rows or samples, a rank-deficient or scaled-identity input)", "value_gap")
+            "identical rows or samples, a rank-deficient or scaled-identity input, a learned "
+            "matrix initialised to the identity)", "value_gap")
 
 
 def g(x: float) -> str:

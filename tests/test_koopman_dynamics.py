@@ -141,7 +141,8 @@ def test_identity_initialised_operator_puts_eig_backward_at_its_repeated_eigenva
     """K initialised to the identity (start from the identity map): its eigenvalues are all 1,
     and the eigenfunction loss differentiates eig's eigenvectors, whose backward divides by
     the eigenvalues' differences. A backward event at step 0; the replay names
-    LinalgEigBackward0 on the eig line and says repeated eigenvalues."""
+    LinalgEigBackward0 on the eig line, says repeated eigenvalues and advises an
+    initialisation without ties."""
     ev, bundle = fire("make_spectral_eye", tmp_path)
     assert (ev["step"], ev["phase"]) == (0, "backward"), ev
     assert "K.weight" in ev["params"], ev
@@ -150,6 +151,7 @@ def test_identity_initialised_operator_puts_eig_backward_at_its_repeated_eigenva
     assert (o["phase"], o["op"]) == ("backward", "LinalgEigBackward0"), o
     assert o["source"] == line_of("lam, V = torch.linalg.eig(self.K.weight)"), o
     assert rep["cause"] == "invalid" and "repeated eigenvalues" in rep["hint"], rep["hint"]
+    assert "initialise a learned matrix without ties" in rep["hint"], rep["hint"]
 
 
 def test_unrecorded_identity_operator_fails_a_step_later_inside_eig(tmp_path):
