@@ -62,6 +62,7 @@ from .domains import g as _g
 from .float8_cast import float8_cast_advice
 from .float64_step import float64_still
 from .literal_range import literal_hint, unheld_literal
+from .operator_power import operator_power_advice
 from .ops import Evidence, OpHit
 from .past_edge import rounded_past_edge
 from .plus_inf_row import row_hint
@@ -255,7 +256,8 @@ def _wider(dtype: torch.dtype, op: str | None = None, ev: Evidence | None = None
     if torch.finfo(dtype).max < torch.finfo(torch.float32).max / 2:  # (a float8 cast: its own)
         return float8_cast_advice(op, dtype) or DO["wider"]
     exp = op is not None and _name(op) in _EXPONENTIAL or ev is not None and _exp_factor(ev)
-    return power_advice(op, ev) or (DO["wider64_exp"] if exp else DO["wider64"])
+    return power_advice(op, ev) or operator_power_advice(op, ev) or (
+        DO["wider64_exp"] if exp else DO["wider64"])
 
 
 def _exp_factor(ev: Evidence) -> bool:

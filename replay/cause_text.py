@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from recorder.errors import first_line
 
+from .singular_values import ADVICE as SINGULAR_VALUES
+
 CAUSES = ("input", "weights", "optimizer", "invalid", "overflow", "underflow", "precision",
           "not_reproduced")
 
@@ -250,8 +252,10 @@ DO = {
     "value_gap": "differentiate only what has no such term (torch.linalg.eigvalsh, svdvals, "
                  "a matrix norm), compute the matrix function without the decomposition (a "
                  "Newton-Schulz iteration for an inverse square root or a whitening), or skip "
-                 "degenerate inputs (a batch of identical samples); adding eps * I does not "
-                 "help, it shifts every value alike",
+                 "degenerate inputs (a batch of identical samples); initialise a learned "
+                 "matrix without ties (orthogonal, or the identity plus small noise, for a "
+                 "Koopman operator or a recurrent weight); adding eps * I does not help, it "
+                 "shifts every value alike",
     "inf_literal": "put the infinity in with masked_fill(mask, float('-inf')) or "
                    "torch.where(mask, float('-inf'), 0.0) rather than multiplying by it, or mask "
                    "with a large finite negative number (torch.finfo(dtype).min)",
@@ -283,6 +287,7 @@ DO = {
                 "psd_safe_cholesky retries with 1e-6, 1e-5, 1e-4), or factor it in float64; "
                 "repeated inputs (identical rows) make a kernel matrix singular up to its "
                 "noise",
+    "singular_values": SINGULAR_VALUES,
     "eigenvalues": "clamp the eigenvalues before the op (evals.clamp_min(eps), as matrix "
                    "square roots and whitening do) or add eps * I to the matrix first; a "
                    "covariance of fewer samples than features is singular, so a larger batch "

@@ -13,6 +13,7 @@ import torch
 
 from .hits import Evidence
 from .scaled_log import BESSEL
+from .singular_values import singular_divisor
 
 # Ops with neither a pole nor a domain edge: from finite inputs, only a result too large for
 # the type is non-finite (a NaN is inf - inf inside the op's own sum).
@@ -50,7 +51,8 @@ def value_gap(name: str) -> tuple[str, str] | None:
     op, values = _GAP_DERIVATIVES[name]
     return (f"the gradient of {op}'s vectors divides by the differences between its {values}, "
             f"infinite where two are equal (repeated {values}: a matrix with a symmetry, "
-            "identical rows or samples, a rank-deficient or scaled-identity input)", "value_gap")
+            "identical rows or samples, a rank-deficient or scaled-identity input, a learned "
+            "matrix initialised to the identity)", "value_gap")
 
 
 def g(x: float) -> str:
@@ -249,8 +251,8 @@ def _whole_columns(bad: torch.Tensor) -> list[int] | None:
 
 
 def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:
-    """A log-determinant's, or an op given a failed Cholesky factor's pivot (see
-    :mod:`replay.factors`): what it was given, and the advice; else None."""
+    """A log-determinant's, an op given a failed Cholesky factor's pivot or svd's singular
+    value of 0 (see :mod:`replay.factors`): what it was given, and the advice; else None."""
     if base in ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet"):
         # (in the type it ran in: float64 may give a matrix float32 made indefinite a sign > 0)
         return _log_determinant(op, ev.inputs[0].to(ev.input_dtypes[0]) if ev.inputs else None)
@@ -258,6 +260,8 @@ def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:
     if not made or not bool((made[0][0] <= 0).any()):
         return None
     (v, kind), dt = made[0], str(ev.dtype).removeprefix("torch.")
+    if kind == "singular_values":  # (a division's divisor: 0 only, singular values are >= 0)
+        return singular_divisor(op, g(float(v.min())))
     if kind == "cholesky":
         return (f"{op} of a Cholesky factor's diagonal entry of {g(float(v.min()))}: "
                 "linalg.cholesky_ex met a pivot <= 0 there (the matrix is not positive-definite "

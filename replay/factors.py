@@ -7,7 +7,9 @@
   domain because the factorisation failed, which no clamp of the log repairs;
 - ``eigh``'s eigenvalues: those of a singular positive semi-definite matrix (a covariance of
   fewer samples than features) are 0 in exact arithmetic and come out slightly negative, so
-  their ``sqrt``, ``log`` or ``rsqrt`` (a matrix square root, a whitening) is NaN.
+  their ``sqrt``, ``log`` or ``rsqrt`` (a matrix square root, a whitening) is NaN;
+- ``svd``'s singular values: 0 where the matrix is rank-deficient, a pseudo-inverse's divisor
+  (:mod:`replay.singular_values`).
 
 Followed on the autograd graph (so only when the forward recorded gradients), as
 :func:`replay.positive.made_positive` follows exp.
@@ -22,7 +24,8 @@ from .positive import node_op
 
 # node -> (its output that holds the values, what they are)
 _FACTOR_NODES = {"LinalgCholeskyEx": (0, "cholesky"), "LinalgCholesky": (0, "cholesky"),
-                 "Cholesky": (0, "cholesky"), "LinalgEigh": (0, "eigenvalues")}
+                 "Cholesky": (0, "cholesky"), "LinalgEigh": (0, "eigenvalues"),
+                 "LinalgSvd": (1, "singular_values"), "LinalgSvdvals": (0, "singular_values")}
 # ops that pass a factor's values on unchanged
 _VIEW_NODES = {"Diagonal", "Select", "Slice", "View", "UnsafeView", "ReshapeAlias", "Squeeze",
                "Unsqueeze", "Clone", "ToCopy", "Expand", "Permute", "Transpose", "T", "Alias",
@@ -31,7 +34,8 @@ _VIEW_NODES = {"Diagonal", "Select", "Slice", "View", "UnsafeView", "ReshapeAlia
 
 def made_by(t, depth: int = 8) -> str | None:
     """``"cholesky"`` when tensor ``t`` holds (a view of) a Cholesky factor's values,
-    ``"eigenvalues"`` when it holds eigh's eigenvalues, else None."""
+    ``"eigenvalues"`` when it holds eigh's eigenvalues, ``"singular_values"`` svd's S, else
+    None."""
     try:
         fn, out = t.grad_fn, t.output_nr
         for _ in range(depth):

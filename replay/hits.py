@@ -83,6 +83,8 @@ class Evidence:
     masked_after: str | None = None
     # the product that multiplied a log's -inf by that log's own 0 (p * log p: replay.xlogx)
     own_zero_after: str | None = None
+    # a matrix product's square inputs' spectral radii (replay.operator_power)
+    radii: list = field(default_factory=list)
 
 
 # ops with a pole at an input of 0, where a 0 they are given makes an infinity

@@ -15,6 +15,7 @@ from .float64 import as_float64, upcast
 from .fresh import fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit
 from .op_inputs import values_at
+from .operator_power import radii
 from .source import user_source
 from .underflow_advice import made_by_exp
 
@@ -83,4 +84,5 @@ def op_evidence(func, given, outs: list[torch.Tensor], f,
                     others=[t.detach() for i, t in enumerate(outs) if i != k], output=k,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
-                    args=plain, read=f.read.of(plain))
+                    args=plain, read=f.read.of(plain),
+                    radii=radii(func.overloadpacket.__name__, ins))
