@@ -1,0 +1,151 @@
+"""End to end on learning rules without end-to-end backprop (``local_learning_models``):
+Hinton's Forward-Forward (per-layer goodness, inputs normalised by their length, ``detach``
+between layers), a predictive coding network relaxing its latents by gradient steps on a local
+energy inside ``forward`` (``autograd.grad`` in a loop) before its local weight updates, and a
+Hebbian feature layer updated in place under ``torch.no_grad()`` after a backprop-trained
+readout's step. Each planted bug of the domain fires under the recorder and is replayed with
+the CLI; the healthy versions raise no event and train bit-identically with and without the
+recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import local_learning_models as M
+import pytest
+import torch
+import torch.nn.functional as F
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+LOSSES = {"ff": M.ff_loss, "pc": M.pc_loss, "hebb": F.cross_entropy}
+
+
+def line_of(text: str) -> str:
+    return source_line("local_learning_models.py", text)
+
+
+def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
+          record: bool = True, hebb_lr: float = 0.01, oja: bool = True):
+    """Adam over the trained parameters, a step schedule and gradient clipping; ``bad``: the
+    FF sample blanked in the last step's batch. The Hebbian layer learns after each step of
+    the readout, in place. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    crit = LOSSES[kind]
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"local_learning_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            if kind == "ff":
+                loss = loss_fn(*model(*M.ff_batch(g, bad if step == steps - 1 else None)))
+            elif kind == "pc":
+                loss = loss_fn(model(*M.pc_batch(g)))
+            else:
+                x, y = M.hebb_batch(g)
+                logits, h = model(x)
+                loss = loss_fn(logits, y)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if kind == "hebb":
+                M.hebbian_update(model, x, h.detach(), lr=hebb_lr, oja=oja)
+    return model
+
+
+def fire(kind: str, make: str, tmp_path, bad: int | None = None, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(kind, make, tmp_path, bad, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_ff_blank_record_normalised_without_eps_names_the_division_and_its_sample(tmp_path):
+    """A Forward-Forward layer normalises its input by its length without eps; a blank record
+    (its label pixels lost too) is 0/0 in the first layer's positive pass. The replay names the
+    division in layers.0, call 0 (the positive batch's), its line and sample 5, says the
+    divisor is the norm of all-zero records of the batch, and dropping the record makes the
+    step finite."""
+    ev, bundle = fire("ff", "make_ff", tmp_path, bad=5)
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["samples"], ev["kind"]) == (
+        3, "forward", "layers.0", 0, [5], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["call"], o["op"], o["samples"]) == (
+        True, "layers.0", 0, "aten.div", [5]), o
+    assert o["source"] == line_of("x = x / x.norm(dim=1, keepdim=True)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "all zeros" in rep["hint"] and "norm > 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_predictive_coding_inference_rate_past_stability_says_the_loop_diverged(tmp_path):
+    """The latents' inference rate raised to 3 to relax in fewer iterations: past the local
+    energy's stability bound the relaxation inside forward diverges, and the energy's sum
+    overflows at the first step, in every sample. The replay names that sum on the energy's
+    line in the root's own loop, overflow, and says the loop running that line was diverging
+    (the op's values at its earlier runs grew run after run), with the step size to lower."""
+    ev, bundle = fire("pc", "make_pc_fast", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["all_samples"], rep["cause"]) == (
+        "", "aten.sum", True, "overflow"), rep
+    assert o["source"] == line_of("return sum(0.5 * (xs[i + 1] - p(torch.tanh(xs[i])))"), o
+    assert o["line_run"] > 100, o
+    assert "loop running that line was diverging" in rep["hint"], rep["hint"]
+    assert "smaller inference step size" in rep["hint"], rep["hint"]
+    assert any("run after run" in p for p in rep["problems"]), rep["problems"]
+
+
+@pytest.mark.parametrize("oja,lr,step", [(False, 0.5, 44), (True, 0.8, 6)])
+def test_hebbian_rule_growing_the_weights_says_the_update_grew_them(tmp_path, oja, lr, step):
+    """The Hebbian layer's rule with its Oja decay term left out grows the weights by a factor
+    each step until a row overflows at step 44; Oja's rule at a rate past its stable range
+    overshoots its decay term and overflows within six steps. Either way a weights event on
+    hebb.weight, which no optimizer holds. The replay says the loop's own update wrote them,
+    and, from the ring's history of hebb's output growing step after step, that the rule grew
+    them without bound, with Oja's decay and row renormalisation as the fix."""
+    ev, bundle = fire("hebb", "make_hebb", tmp_path, steps=60, hebb_lr=lr, oja=oja)
+    assert (ev["step"], ev["phase"], ev["params"], ev["kind"]) == (
+        step, "weights", ["hebb.weight"], "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], rep["cause"]) == ("weights", "weights"), rep
+    assert o["source"] == line_of("h = F.relu(self.hebb(x))"), o
+    assert "the loop's own update of them did" in rep["hint"], rep["hint"]
+    assert "grew its weights without bound" in rep["hint"], rep["hint"]
+    assert "Oja's decay" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kind,make,kw", [
+    ("ff", "make_ff_eps", {"bad": 5}), ("pc", "make_pc", {}),
+    ("hebb", "make_hebb", {"steps": 20})])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, kw):
+    """FF with eps on its norm (a blank record normalises to 0, finite), predictive coding at
+    a stable inference rate (autograd.grad on the energy in every one of 20 iterations) and
+    Oja's rule: no event, bit-identical weights with and without the recorder."""
+    recorded = train(kind, make, tmp_path, **kw)
+    plain = train(kind, make, tmp_path, record=False, **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    same_weights(recorded, plain)
+
+
+def test_unrecorded_hebbian_run_ends_with_non_finite_weights(tmp_path):
+    """Without the recorder the same run goes on with an infinite Hebbian layer: the event
+    above is the bug, not a false alarm."""
+    model = train("hebb", "make_hebb", tmp_path, steps=60, hebb_lr=0.5, oja=False,
+                  record=False)
+    assert not torch.isfinite(model.hebb.weight).all()
