@@ -11,6 +11,8 @@
   the local energy ``sum ||x_l - W_l f(x_{l-1})||^2 / 2`` with the output clamped to the
   target, then the weights learn from the local errors (the loss is the relaxed energy, each
   layer's prediction seeing detached latents).
+- ``TPNet``: target propagation (Lee et al.) through the top tanh layer's analytic inverse
+  ``W2^+ (atanh(t) - b2)``, each layer learning from its own detached target.
 - ``HebbNet``: a Hebbian/Oja feature layer updated in ``torch.no_grad()`` in place after a
   backprop-trained linear readout's step (Krotov & Hopfield's two-stage recipe, online).
 """
@@ -178,4 +180,56 @@ def make_hebb() -> HebbNet:
 def hebb_batch(g: torch.Generator, n: int = 16):
     x = torch.randn(n, 12, generator=g) + 1.0
     y = torch.randint(0, 3, (n,), generator=g)
+    return x, y
+
+
+# ---------------------------------------------------------------------------------------------
+# target propagation through an invertible tanh layer
+
+
+class TPNet(nn.Module):
+    """Two tanh layers trained by target propagation (Lee et al.'s TP with the top layer's
+    analytic inverse): the output's target is a step from the output toward the label, the
+    hidden layer's target that target pulled back through ``W2^+ (atanh(t) - b2)``, and each
+    layer learns from its own squared error against its detached target."""
+
+    def __init__(self, n_in: int = 10, hidden: int = 12, n_out: int = 4, beta: float = 0.5):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(n_in, hidden), nn.Linear(hidden, n_out)
+        self.beta = beta
+
+    def forward(self, x, y):
+        h1 = torch.tanh(self.l1(x))
+        out = torch.tanh(self.l2(h1.detach()))  # no backprop between layers
+        with torch.no_grad():
+            t2 = out + self.beta * (y - out)
+            t1 = (torch.atanh(t2) - self.l2.bias) @ torch.linalg.pinv(self.l2.weight).T
+            t1 = t1.clamp(-0.99, 0.99)
+        return torch.stack([(out - t2).pow(2).sum(1), (h1 - t1).pow(2).sum(1)], 1)
+
+
+def make_tp() -> TPNet:
+    torch.manual_seed(0)
+    return TPNet()
+
+
+def make_tp_full() -> TPNet:
+    """The target step taken all the way to the label (beta = 1)."""
+    torch.manual_seed(0)
+    return TPNet(beta=1.0)
+
+
+def tp_batch(g: torch.Generator, n: int = 16):
+    """Labels as tanh targets: +-0.9 for the class and the rest."""
+    x = torch.randn(n, 10, generator=g)
+    y = torch.full((n, 4), -0.9)
+    y[torch.arange(n), x[:, :4].argmax(1)] = 0.9
+    return x, y
+
+
+def tp_batch_saturated(g: torch.Generator, row: int = 6, n: int = 16):
+    """One record's labels written as +-1, tanh's asymptotes (a label file from a softmax
+    pipeline mixed in): atanh of a target at 1 is infinite."""
+    x, y = tp_batch(g, n)
+    y[row] = y[row].sign()
     return x, y

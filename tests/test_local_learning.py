@@ -1,7 +1,8 @@
 """End to end on learning rules without end-to-end backprop (``local_learning_models``):
 Hinton's Forward-Forward (per-layer goodness, inputs normalised by their length, ``detach``
 between layers), a predictive coding network relaxing its latents by gradient steps on a local
-energy inside ``forward`` (``autograd.grad`` in a loop) before its local weight updates, and a
+energy inside ``forward`` (``autograd.grad`` in a loop) before its local weight updates, target
+propagation through a tanh layer's analytic inverse, and a
 Hebbian feature layer updated in place under ``torch.no_grad()`` after a backprop-trained
 readout's step. Each planted bug of the domain fires under the recorder and is replayed with
 the CLI; the healthy versions raise no event and train bit-identically with and without the
@@ -21,7 +22,7 @@ from recorder import FlightRecorder, NonFiniteError
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
-LOSSES = {"ff": M.ff_loss, "pc": M.pc_loss, "hebb": F.cross_entropy}
+LOSSES = {"ff": M.ff_loss, "pc": M.pc_loss, "tp": M.pc_loss, "hebb": F.cross_entropy}
 
 
 def line_of(text: str) -> str:
@@ -47,6 +48,9 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
                 loss = loss_fn(*model(*M.ff_batch(g, bad if step == steps - 1 else None)))
             elif kind == "pc":
                 loss = loss_fn(model(*M.pc_batch(g)))
+            elif kind == "tp":  # (bad: the record whose labels are written as +-1)
+                last = bad is not None and step == steps - 1
+                loss = loss_fn(model(*(M.tp_batch_saturated(g, bad) if last else M.tp_batch(g))))
             else:
                 x, y = M.hebb_batch(g)
                 logits, h = model(x)
@@ -110,6 +114,25 @@ def test_predictive_coding_inference_rate_past_stability_says_the_loop_diverged(
     assert any("run after run" in p for p in rep["problems"]), rep["problems"]
 
 
+def test_target_propagation_label_at_tanhs_asymptote_names_the_atanh_and_its_record(tmp_path):
+    """Target propagation with the target step taken to the label (beta = 1) pulls the output's
+    target back through tanh's analytic inverse; one record's labels written as +-1 (tanh's
+    asymptotes) make atanh infinite there, and the pseudo-inverse's matmul NaN. The replay
+    names the atanh on its line, the record's sample, invalid math at the pole, and says to
+    clamp its input inside (-1, 1); dropping the record makes the step finite."""
+    ev, bundle = fire("tp", "make_tp_full", tmp_path, bad=6)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        3, "forward", "", [6], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "", "aten.atanh", [6], "invalid"), rep
+    assert o["source"] == line_of("t1 = (torch.atanh(t2) - self.l2.bias)"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.atanh", "aten.mm"], o["chain"]
+    assert "(a pole)" in rep["hint"] and "inside (-1, 1)" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 @pytest.mark.parametrize("oja,lr,step", [(False, 0.5, 44), (True, 0.8, 6)])
 def test_hebbian_rule_growing_the_weights_says_the_update_grew_them(tmp_path, oja, lr, step):
     """The Hebbian layer's rule with its Oja decay term left out grows the weights by a factor
@@ -131,7 +154,7 @@ def test_hebbian_rule_growing_the_weights_says_the_update_grew_them(tmp_path, oj
 
 
 @pytest.mark.parametrize("kind,make,kw", [
-    ("ff", "make_ff_eps", {"bad": 5}), ("pc", "make_pc", {}),
+    ("ff", "make_ff_eps", {"bad": 5}), ("pc", "make_pc", {}), ("tp", "make_tp", {}),
     ("hebb", "make_hebb", {"steps": 20})])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, kw):
     """FF with eps on its norm (a blank record normalises to 0, finite), predictive coding at
