@@ -129,7 +129,7 @@ def test_target_propagation_label_at_tanhs_asymptote_names_the_atanh_and_its_rec
         "", "aten.atanh", [6], "invalid"), rep
     assert o["source"] == line_of("t1 = (torch.atanh(t2) - self.l2.bias)"), o
     assert [c["op"] for c in o["chain"]] == ["aten.atanh", "aten.mm"], o["chain"]
-    assert "(a pole)" in rep["hint"] and "inside (-1, 1)" in rep["hint"], rep["hint"]
+    assert "of -1 and 1 (its poles)" in rep["hint"] and "inside (-1, 1)" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
