@@ -172,3 +172,42 @@ def test_unrecorded_hebbian_run_ends_with_non_finite_weights(tmp_path):
     model = train("hebb", "make_hebb", tmp_path, steps=60, hebb_lr=0.5, oja=False,
                   record=False)
     assert not torch.isfinite(model.hebb.weight).all()
+
+
+def train_per_layer(make: str, out_dir, bad: int | None, record: bool = True, steps: int = 5):
+    """Forward-Forward with one Adam per layer, as most FF code trains; the recorder is given
+    the first layer's, stepped first (docs/guide.md: two optimizers)."""
+    model = getattr(M, make)()
+    opts = [torch.optim.Adam(layer.parameters(), lr=0.03) for layer in model.layers]
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opts[0], loss_fn=M.ff_loss, out_dir=out_dir,
+                         factory=f"local_learning_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.ff_loss
+        for step in range(steps):
+            loss = loss_fn(*model(*M.ff_batch(g, bad if step == steps - 1 else None)))
+            for opt in opts:
+                opt.zero_grad()
+            loss.backward()
+            for opt in opts:
+                opt.step()
+    return model
+
+
+def test_ff_one_optimizer_per_layer_trains_the_same_and_names_the_blank_record(tmp_path):
+    """Per-layer Adams: with eps, a blank record raises nothing and the weights are
+    bit-identical with and without the recorder; without eps, the blank record's 0/0 is named
+    in layers.0 on its sample, and dropping it (the unrecorded layer's Adam re-run from the
+    bundle's weights) makes the step finite."""
+    same_weights(train_per_layer("make_ff_eps", tmp_path, 3),
+                 train_per_layer("make_ff_eps", tmp_path, 3, record=False))
+    assert not list(tmp_path.glob("*.nan"))
+    with pytest.raises(NonFiniteError) as info:
+        train_per_layer("make_ff", tmp_path, 3)
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["samples"]) == (4, "layers.0", [3]), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "layers.0", "aten.div", [3], "invalid"), rep
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
