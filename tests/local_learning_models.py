@@ -5,7 +5,8 @@
   layer's input normalised by its length ``x / (x.norm(dim=1, keepdim=True) + eps)``, a ReLU,
   goodness the mean of squared activations, the loss ``softplus(-(g_pos - theta))`` and
   ``softplus(g_neg - theta)`` per layer, ``detach`` between layers, one Adam over all layers.
-  Negative data: the image with a wrong label embedded in its first pixels.
+  Negative data: the image with a wrong label embedded in its first pixels. ``make_ff_amp``:
+  raw pixels into the first layer and Hinton's summed goodness, for float16 autocast.
 - ``PCNet``: a predictive coding network (Whittington & Bogacz; Millidge's pypc): latents
   initialised by a feed-forward sweep, relaxed in ``forward`` by ``n_iter`` gradient steps on
   the local energy ``sum ||x_l - W_l f(x_{l-1})||^2 / 2`` with the output clamped to the
@@ -28,12 +29,14 @@ from torch import nn
 
 
 class FFLayer(nn.Linear):
-    def __init__(self, n_in: int, n_out: int, eps: float | None):
+    def __init__(self, n_in: int, n_out: int, eps: float | None, norm: bool = True):
         super().__init__(n_in, n_out)
-        self.eps = eps
+        self.eps, self.norm = eps, norm
 
     def forward(self, x):
-        if self.eps is None:
+        if not self.norm:  # (the first layer of some FF code takes the pixels as they are)
+            pass
+        elif self.eps is None:
             x = x / x.norm(dim=1, keepdim=True)  # the bug: a row of zeros is 0/0
         else:
             x = x / (x.norm(dim=1, keepdim=True) + self.eps)
@@ -43,17 +46,20 @@ class FFLayer(nn.Linear):
 class FFNet(nn.Module):
     """Goodness of the positive and negative batches per layer: ``(layers, B)`` each."""
 
-    def __init__(self, dims=(20, 32, 32), eps: float | None = 1e-4):
+    def __init__(self, dims=(20, 32, 32), eps: float | None = 1e-4, raw_first: bool = False,
+                 summed: bool = False):
         super().__init__()
-        self.layers = nn.ModuleList(FFLayer(a, b, eps) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(FFLayer(a, b, eps, norm=not (raw_first and i == 0))
+                                    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])))
+        self.summed = summed  # goodness as Hinton's sum of squares, not their mean
 
     def forward(self, x_pos, x_neg):
         g_pos, g_neg = [], []
         h_pos, h_neg = x_pos, x_neg
         for layer in self.layers:
             h_pos, h_neg = layer(h_pos), layer(h_neg)
-            g_pos.append(h_pos.pow(2).mean(1))
-            g_neg.append(h_neg.pow(2).mean(1))
+            g_pos.append(h_pos.pow(2).sum(1) if self.summed else h_pos.pow(2).mean(1))
+            g_neg.append(h_neg.pow(2).sum(1) if self.summed else h_neg.pow(2).mean(1))
             h_pos, h_neg = h_pos.detach(), h_neg.detach()  # no backprop between layers
         return torch.stack(g_pos), torch.stack(g_neg)
 
@@ -73,6 +79,13 @@ def make_ff_eps() -> FFNet:
     return FFNet(eps=1e-4)
 
 
+def make_ff_amp() -> FFNet:
+    """Raw pixels into the first layer, goodness summed over 64 units (threshold 64), trained
+    under float16 autocast."""
+    torch.manual_seed(0)
+    return FFNet(dims=(20, 64, 64), raw_first=True, summed=True)
+
+
 def ff_batch(g: torch.Generator, blank: int | None = None, n: int = 16, classes: int = 4):
     """Positive data: the label one-hot in the first ``classes`` pixels of the image; negative:
     a random wrong label. ``blank``: an all-black image whose label pixels the loader lost too
@@ -86,6 +99,16 @@ def ff_batch(g: torch.Generator, blank: int | None = None, n: int = 16, classes:
     if blank is not None:
         x_pos[blank] = 0.0
         x_neg[blank] = 0.0
+    return x_pos, x_neg
+
+
+def ff_batch_unscaled(g: torch.Generator, row: int | None = None, n: int = 16):
+    """:func:`ff_batch` with one record's pixels left in [0, 255] (a loader path that skipped
+    ToTensor's division by 255)."""
+    x_pos, x_neg = ff_batch(g, None, n)
+    if row is not None:
+        x_pos[row, 4:] *= 255
+        x_neg[row, 4:] *= 255
     return x_pos, x_neg
 
 

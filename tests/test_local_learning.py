@@ -211,3 +211,47 @@ def test_ff_one_optimizer_per_layer_trains_the_same_and_names_the_blank_record(t
     assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
         "layers.0", "aten.div", [3], "invalid"), rep
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def train_amp(out_dir, bad: int | None, record: bool = True, steps: int = 4):
+    """FF with raw pixels into the first layer and summed goodness, under float16 autocast
+    with a GradScaler (the loss in float32, threshold 64)."""
+    model = M.make_ff_amp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=M.ff_loss, out_dir=out_dir, scaler=scaler,
+                         factory="local_learning_models:make_ff_amp") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.ff_loss
+        for step in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                g_pos, g_neg = model(*M.ff_batch_unscaled(g, bad if step == steps - 1 else None))
+            loss = loss_fn(g_pos.float(), g_neg.float(), 64.0)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return model
+
+
+def test_ff_float16_goodness_of_an_unscaled_record_names_the_sum_and_the_data(tmp_path):
+    """Under float16 autocast, one record left in [0, 255] makes its summed goodness
+    (sum of 64 squared activations) overflow float16 in the positive pass: the replay names
+    that sum on its line, sample 9, overflow, float16, and the record's out-of-scale data as
+    the fix; dropping it makes the step finite. The same run on scaled records raises
+    nothing and trains the same with and without the recorder."""
+    same_weights(train_amp(tmp_path, None), train_amp(tmp_path, None, record=False))
+    assert not list(tmp_path.glob("*.nan"))
+    with pytest.raises(NonFiniteError) as info:
+        train_amp(tmp_path, 9)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        3, "forward", "", [9], "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=9")
+    o = rep["origin"]
+    assert (o["op"], o["samples"], o["dtype"], rep["cause"]) == (
+        "aten.sum", [9], "float16", "overflow"), rep
+    assert o["source"] == line_of("g_pos.append(h_pos.pow(2).sum(1)"), o
+    assert "out of scale" in rep["hint"] and "args[0]" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
