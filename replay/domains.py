@@ -185,8 +185,9 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
     if base in ("acos", "asin", "atanh") and x.numel():
         top = float(x[x.abs().argmax()])
         advice = "atanh" if base == "atanh" else "unit"
-        if base == "atanh" and abs(top) == 1:
-            return f"{op} of {g(top)} (a pole)", advice
+        if base == "atanh" and abs(top) == 1:  # (both poles where rows hit both: +-inf)
+            both = bool((x == 1).any()) and bool((x == -1).any())
+            return f"{op} of {'-1 and 1 (its poles)' if both else g(top) + ' (a pole)'}", advice
         edge = "[-1, 1]" if base != "atanh" else "(-1, 1)"
         return f"{op} of a number outside {edge} ({g_apart(top, 1.0, -1.0)})", advice
     if base == "acosh" and x.numel():  # (x.clamp_min(eps), the generic advice, is below 1)

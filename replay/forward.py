@@ -37,6 +37,7 @@ from .parametrized import parametrization_hint
 from .pruned import pruned_rows_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
+from .recurrence import add_line_note
 from .rerun import Runner
 from .returned_fill import returned_fill
 from .run_result import Run
@@ -101,14 +102,14 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=counted)
     if flipped:
         cause = Cause("invalid", negated_hint(hit.op))
-    # (which run of its line: a loop over time steps runs it once a step)
-    origin["line_run"] = line_run(runner, o.module, o.call, o.micro_batch, counted)
+    # (which run of its line, a loop over time steps running it once a step; its values there)
+    origin["line_run"], vals = line_run(runner, o.module, o.call, o.micro_batch, counted)
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
         or (trigger is not None and _matches(step, {"module": trigger.module}))
     hint = _hint(step, runner, finder, o, cause, (hit, node), origin)
-    return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
+    return add_line_note(finish(report, origin, cause.name, reproduced=reproduced, hint=hint), vals)
 
 
 def _bisect(runner: Runner, run: Run, o, nan_only: bool) -> dict[str, Any]:

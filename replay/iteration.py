@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .compat import TorchDispatchMode
 from .dispatch import run_op
 from .errors import StopRun
@@ -28,20 +30,28 @@ class _LineRuns(TorchDispatchMode):
         super().__init__()
         self.name, self.occurrence, self.source = op.removeprefix("aten."), occurrence, source
         self.seen = self.runs = 0
+        self.sizes: list[Any] = []  # each earlier run's largest magnitude, on the device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = run_op(func, args, kwargs or {})
         if func.overloadpacket.__name__ == self.name and self.seen <= self.occurrence:
             self.seen += 1
-            self.runs += user_source() == self.source
+            here = user_source() == self.source
+            self.runs += here
+            if here and self.seen <= self.occurrence and isinstance(out, torch.Tensor) \
+                    and out.is_floating_point() and out.numel():
+                self.sizes.append(out.detach().abs().amax().float())
         return out
 
 
-def line_run(runner, module: str, call: int, mb: int, hit: Any) -> int | None:
+def line_run(runner, module: str, call: int, mb: int, hit: Any
+             ) -> tuple[int | None, list[float]]:
     """The 1-based run of ``hit``'s op at ``hit.source`` in call ``call`` of ``module``
-    (``hit.occurrence`` counted from that call's start); None when it cannot be told."""
+    (``hit.occurrence`` counted from that call's start); None when it cannot be told. With it,
+    the largest magnitude of the op's output at each earlier run of the line (a loop in the
+    module's own code growing run after run: :mod:`replay.recurrence`)."""
     if hit is None or not hit.source or hit.occurrence > MOST or hit.node is not None:
-        return None
+        return None, []
     counter = _LineRuns(hit.op, hit.occurrence, hit.source)
     state = {"count": 0, "active": False}
 
@@ -66,8 +76,11 @@ def line_run(runner, module: str, call: int, mb: int, hit: Any) -> int | None:
     try:
         runner.run(backward=False, instrument=False, hooks=hooks)
     except Exception:  # (no count then; the origin stands as found)
-        return None
+        return None, []
     finally:
         if state["active"]:
             counter.__exit__(None, None, None)
-    return counter.runs if counter.seen == hit.occurrence + 1 and counter.runs else None
+    if counter.seen != hit.occurrence + 1 or not counter.runs:
+        return None, []
+    sizes = torch.stack(counter.sizes).tolist() if counter.sizes else []  # (one host read)
+    return counter.runs, sizes

@@ -24,6 +24,7 @@ from recorder.finite import finite, kind_of
 
 from .built_by import FirstMade, built_by_text
 from .errors import ReplayError
+from .grown_weights import grown_rule_hint
 from .load import Step, micro_batch_inputs
 from .ops import OpFinder
 from .rerun import Runner
@@ -182,7 +183,8 @@ def _frozen_hint(step: Step, bad: list[str], names: str, held: str) -> str:
                if every else "")
             + ": check that update (t.mul_(m).add_(s, alpha=1 - m), torch._foreach_lerp_(t, s, "
             "1 - m)) for a non-finite momentum m, from its schedule, or source weight s, guard "
-            "it (math.isfinite(m)), and resume from a checkpoint before it")
+            "it (math.isfinite(m)), and resume from a checkpoint before it"
+            + (grown_rule_hint(step, bad) or ""))
 
 
 # the end of a hint for parameters non-finite at the first step the recorder saw

@@ -10,6 +10,12 @@ from typing import Any
 
 from .run_result import Call, Run
 
+# (the end of an overflow's hint; a report says it once)
+_ADVICE = ("which a wider type only postpones: take smaller or adaptive solver steps (a smaller "
+           "dt, a smaller inference step size), bound the dynamics (a tanh or a clamp on the "
+           "vector field, spectral normalisation; a fixed-point map must be a contraction: "
+           "weight normalisation, a Jacobian penalty) or lower the learning rate that made "
+           "them unstable")
 MIN_CALLS = 8  # earlier calls of the module in the micro-batch: fewer is no recurrence
 GROWTH = 100.0  # its last finite output's largest magnitude over its first call's
 STEADY = 0.5  # the least share of its calls whose output is no smaller than the one before
@@ -31,9 +37,16 @@ def diverging_iterates(run: Run, module: str, call: float, mb: int) -> dict[str,
     sizes = [(c.call, _absmax(c)) for c in before]
     if any(v is None for _, v in sizes):
         return None
+    return grew(sizes)
+
+
+def grew(sizes: list[tuple[int, float]], least: int = MIN_CALLS) -> dict[str, Any] | None:
+    """:func:`diverging_iterates`'s test on ``(call or run, largest magnitude)`` pairs, at
+    least ``least`` of them."""
+    sizes = list(sizes)
     while sizes and sizes[0][1] == 0:  # (a solve from z = 0: its first map of 0 is 0)
         sizes.pop(0)
-    if len(sizes) < MIN_CALLS:
+    if len(sizes) < least or not all(math.isfinite(v) for _, v in sizes):
         return None
     (c0, first), (c1, last) = sizes[0], sizes[-1]
     if first <= 0 or last < GROWTH * first or last < max(v for _, v in sizes):
@@ -42,6 +55,44 @@ def diverging_iterates(run: Run, module: str, call: float, mb: int) -> dict[str,
     if rising < STEADY * (len(sizes) - 1):
         return None
     return {"first": first, "last": last, "from_call": c0, "to_call": c1}
+
+
+def _chunk_peaks(sizes: list[float]) -> list[tuple[int, float]]:
+    """``(run, largest magnitude)`` of the largest of each of :data:`MIN_CALLS` consecutive
+    chunks of runs, the last ending at the last run: a line run once per layer of each
+    iteration interleaves a growing sequence with a bounded one (a saturated layer's)."""
+    n = len(sizes) // MIN_CALLS
+    if n == 0:
+        return []
+    start = len(sizes) - n * MIN_CALLS
+    peaks = []
+    for i in range(start, len(sizes), n):
+        chunk = sizes[i:i + n]
+        j = max(range(n), key=lambda k: chunk[k])
+        peaks.append((i + j + 1, chunk[j]))
+    return peaks
+
+
+def add_line_note(report: dict[str, Any], sizes: list[float]) -> dict[str, Any]:
+    """The forward report with a note (and, for an overflow, the hint's end) when the origin
+    op's line ran in a loop of its module's own code whose values at that line grew run after
+    run before the one that overflowed (a predictive coding network's inference loop relaxing
+    its latents with too large a step, an unrolled optimiser, a fixed-point iteration written
+    inline): no module is called again on its own output there for
+    :func:`add_iterates_note` to see."""
+    o = report.get("origin") or {}
+    d = grew(_chunk_peaks(sizes))
+    if d is None:
+        return report
+    report["problems"].append(
+        f"{o.get('op')} at its line grew from {d['first']:.3g} (run {d['from_call']}) to "
+        f"{d['last']:.3g} (run {d['to_call']}) within this call of "
+        f"{o.get('module') or '<root>'}, run after run: a loop in its own code (an inference "
+        "or fixed-point loop, an unrolled optimiser) was diverging")
+    if report.get("cause") == "overflow":
+        report["hint"] = (f"{report.get('hint') or ''}; but the loop running that line was "
+                          f"diverging, {_ADVICE}")
+    return report
 
 
 def add_iterates_note(report: dict[str, Any], run: Run) -> dict[str, Any]:
@@ -56,7 +107,7 @@ def add_iterates_note(report: dict[str, Any], run: Run) -> dict[str, Any]:
         return report
     d = diverging_iterates(run, o["module"], math.inf if backward else o["call"],
                            o.get("micro_batch") or 0)
-    if d is None:
+    if d is None or _ADVICE in (report.get("hint") or ""):  # (the line's loop said it)
         return report
     name = o["module"] or "<root>"
     where = ("in the forward, and the backward took those values" if backward else
@@ -68,9 +119,5 @@ def add_iterates_note(report: dict[str, Any], run: Run) -> dict[str, Any]:
         "it again on its own output, it was diverging")
     if report.get("cause") == "overflow":
         report["hint"] = (
-            f"{report.get('hint') or ''}; but the iterates of {name} were diverging, which a "
-            "wider type only postpones: take smaller or adaptive solver steps (a smaller dt), "
-            "bound the dynamics (a tanh or a clamp on the vector field, spectral "
-            "normalisation; a fixed-point map must be a contraction: weight normalisation, a "
-            "Jacobian penalty) or lower the learning rate that made them unstable")
+            f"{report.get('hint') or ''}; but the iterates of {name} were diverging, {_ADVICE}")
     return report
