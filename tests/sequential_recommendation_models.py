@@ -8,7 +8,7 @@
 - ``BERT4Rec``: bidirectional blocks with hand-written attention, the padding mask filled with
   ``-inf`` before the softmax, trained with the cloze objective (a ``[MASK]`` item id).
 - losses: sampled softmax with the logQ correction from the training set's popularity counts
-  (``LogQSampledSoftmax``), BPR (``BPRLoss``), and in-batch negatives with the accidental
+  (``LogQLoss``), BPR (``BPRLoss``), gSASRec's gBCE (``GBCELoss``), and in-batch negatives with the accidental
   positives masked to ``-inf`` (``InBatchSoftmax``).
 """
 
@@ -175,3 +175,30 @@ class InBatchSoftmax(nn.Module):
         eye = torch.eye(len(positives), dtype=torch.bool)
         logits = logits.masked_fill(same & ~eye, float("-inf"))
         return F.cross_entropy(logits, torch.arange(len(positives)))
+
+
+class GBCELoss(nn.Module):
+    """gSASRec's gBCE: the positive's probability raised to beta, from the negative sampling
+    rate alpha and the calibration t, over [positive, negatives]."""
+
+    def __init__(self, negatives: int, n_items: int = N_ITEMS, t: float = 0.75,
+                 stable: bool = False):
+        super().__init__()
+        alpha = negatives / (n_items - 1)
+        self.beta = alpha * (t * (1 - 1 / alpha) + 1 / alpha)
+        self.stable = stable
+
+    def forward(self, scores):  # the positive in column 0
+        pos, neg = scores[:, :1], scores[:, 1:]
+        if self.stable:  # gSASRec's own code: float64, the probabilities kept off 0 and 1
+            eps, top = 1e-10, torch.finfo(torch.float64).max
+            pos_probs = torch.clamp(torch.sigmoid(pos.double()), eps, 1 - eps)
+            adjusted = torch.clamp(pos_probs.pow(-self.beta), 1 + eps, top)
+            pos_logits = torch.clamp(1.0 / (adjusted - 1), eps, top).log().to(neg.dtype)
+        else:
+            pos_probs = torch.sigmoid(pos)
+            pos_logits = torch.log(1.0 / (pos_probs.pow(-self.beta) - 1))  # the bug: sigmoid 1
+        logits = torch.cat([pos_logits, neg], 1)
+        labels = torch.zeros_like(logits)
+        labels[:, 0] = 1.0
+        return F.binary_cross_entropy_with_logits(logits, labels)

@@ -242,3 +242,30 @@ def test_sasrec_key_padding_mask_under_the_causal_mask_names_both_masks(tmp_path
     assert "key_padding_mask and attn_mask together mask every key" in h, h
     assert "neither alone; each such query position is padding itself" in h, h
     assert "timeline mask" in h and "pad on the right" in h, h
+
+
+def test_gbce_of_a_confident_positive_names_the_rounded_sigmoid_power(tmp_path):
+    """gSASRec's gBCE written with probabilities, ``log(1 / (sigmoid(pos)^-beta - 1))``: over
+    unnormalised item2vec vectors a positive scores far above 17, sigmoid is 1.0 (in float64
+    too past 37), its power minus 1 is 0 and the reciprocal +inf; the loss is NaN at the first
+    step. The replay names the reciprocal, its line and the users whose sigmoid rounded, the
+    cause precision (not an eps to add: exact arithmetic keeps it above 0), and the stable
+    form from the logits."""
+    ev, bundle = fire("make_sasrec_item2vec", M.GBCELoss(8), "gbce", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.reciprocal", "+inf", [1, 8, 10, 13]), o
+    assert o["source"] == line_of("pos_logits = torch.log(1.0 / (pos_probs.pow(-self.beta)"), o
+    assert rep["cause"] == "precision", rep["cause"]
+    assert "sigmoid(z)^−b − 1 of a sigmoid" in rep["hint"], rep["hint"]
+    assert "expm1(−b·logsigmoid(z))" in rep["hint"], rep["hint"]
+
+
+def test_gbce_from_the_logits_raises_nothing_and_trains_the_same(tmp_path):
+    recorded = train("make_sasrec_item2vec", M.GBCELoss(8, stable=True), "gbce", tmp_path)
+    plain = train("make_sasrec_item2vec", M.GBCELoss(8, stable=True), "gbce", tmp_path,
+                  record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    params_equal(recorded, plain)
