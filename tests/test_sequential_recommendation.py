@@ -47,9 +47,10 @@ def sampled_candidates(nxt, negatives: int, g):
 
 
 def train(make: str, loss, kind: str, out_dir, steps: int = 4, record: bool = True,
-          plant=None):
+          plant=None, accum: int = 1):
     """Adam with weight decay on the embeddings too, a linear warm-up, gradient clipping, the
-    DataLoader's shuffled batches of 16 users; ``plant(seq, cand)`` edits the last batch."""
+    DataLoader's shuffled batches of 16 users (``accum`` micro-batches of them per update);
+    ``plant(seq, cand)`` edits the last batch."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
@@ -68,25 +69,29 @@ def train(make: str, loss, kind: str, out_dir, steps: int = 4, record: bool = Tr
                 cand = sampled_candidates(pos, 1 if kind == "bpr" else 8, g)
             if plant is not None and step == steps - 1:
                 seq, cand = plant(seq, cand)
-            if kind == "bert":
-                masked = seq.clone()
-                hide = (torch.rand(seq.shape) < 0.3) & (seq != 0)
-                hide[:, -1] |= seq[:, -1] != 0
-                masked[hide] = M.MASK_ID
-                labels = torch.where(hide, seq, torch.zeros_like(seq))
-                out = loss_fn(model(masked).flatten(0, 1), labels.flatten())
-            elif kind == "inbatch":
-                out = loss_fn(model(seq, cand), pos)
-            elif kind == "logq":
-                out = loss_fn(model(seq, cand), cand)
-            else:
-                out = loss_fn(model(seq, cand))
             opt.zero_grad()
-            out.backward()
+            for mb in zip(*(t.chunk(accum) for t in (seq, pos, cand))):
+                (forward(model, loss_fn, kind, *mb) / accum).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
     return model
+
+
+def forward(model, loss_fn, kind: str, seq, pos, cand):
+    """One micro-batch's loss."""
+    if kind == "bert":
+        masked = seq.clone()
+        hide = (torch.rand(seq.shape) < 0.3) & (seq != 0)
+        hide[:, -1] |= seq[:, -1] != 0
+        masked[hide] = M.MASK_ID
+        labels = torch.where(hide, seq, torch.zeros_like(seq))
+        return loss_fn(model(masked).flatten(0, 1), labels.flatten())
+    if kind == "inbatch":
+        return loss_fn(model(seq, cand), pos)
+    if kind == "logq":
+        return loss_fn(model(seq, cand), cand)
+    return loss_fn(model(seq, cand))
 
 
 def fire(*args, **kw):
@@ -124,6 +129,23 @@ def test_logq_correction_of_an_item_the_counts_never_saw_names_the_table_entry(t
     assert rep["cause"] == "invalid", rep["cause"]
     assert "the buffer <loss>.counts" in rep["hint"] and "58" in rep["hint"], rep["hint"]
     assert "counts + 1" in rep["hint"] and "degenerate" not in rep["hint"], rep["hint"]
+
+
+def test_logq_under_gradient_accumulation_names_the_micro_batch_and_its_row(tmp_path):
+    """The same never-counted negative drawn for user 13, in the second of two micro-batches
+    of 8 users: the event and the replay name micro-batch 1 and its row 5, and the table."""
+    def late(seq, cand):
+        cand = cand.clone()
+        cand[13, 3] = 58
+        return seq, cand
+
+    _, _, counts = interactions()
+    ev, bundle = fire("make_sasrec", M.LogQLoss(counts), "logq", tmp_path, plant=late, accum=2)
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (3, "loss", 1), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["micro_batch"], o["op"], o["samples"]) == (1, "aten.log", [5]), o
+    assert "the buffer <loss>.counts" in rep["hint"], rep["hint"]
 
 
 def test_logq_with_smoothed_counts_raises_nothing_and_trains_the_same(tmp_path):
