@@ -92,9 +92,9 @@ def make_sasrec_item2vec() -> SASRec:
 
 
 class BERT4RecAttention(nn.Module):
-    def __init__(self, d: int, heads: int = 2):
+    def __init__(self, d: int, heads: int = 2, fill: float = float("-inf")):
         super().__init__()
-        self.heads, self.dk = heads, d // heads
+        self.heads, self.dk, self.fill = heads, d // heads, fill
         self.qkv = nn.Linear(d, 3 * d)
         self.out = nn.Linear(d, d)
 
@@ -102,15 +102,15 @@ class BERT4RecAttention(nn.Module):
         b, length, d = x.shape
         q, k, v = self.qkv(x).view(b, length, 3, self.heads, self.dk).permute(2, 0, 3, 1, 4)
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.dk)
-        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(pad[:, None, None, :], self.fill)
         attn = torch.softmax(scores, dim=-1)
         return self.out((attn @ v).transpose(1, 2).reshape(b, length, d))
 
 
 class BERT4RecBlock(nn.Module):
-    def __init__(self, d: int):
+    def __init__(self, d: int, fill: float):
         super().__init__()
-        self.attn = BERT4RecAttention(d)
+        self.attn = BERT4RecAttention(d, fill=fill)
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.ffn = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
@@ -120,11 +120,12 @@ class BERT4RecBlock(nn.Module):
 
 
 class BERT4Rec(nn.Module):
-    def __init__(self, n_items: int = N_ITEMS, d: int = D, max_len: int = MAX_LEN):
+    def __init__(self, n_items: int = N_ITEMS, d: int = D, max_len: int = MAX_LEN,
+                 fill: float = float("-inf")):
         super().__init__()
         self.item_emb = nn.Embedding(n_items + 2, d, padding_idx=0)  # + [MASK]
         self.pos_emb = nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList(BERT4RecBlock(d) for _ in range(2))
+        self.blocks = nn.ModuleList(BERT4RecBlock(d, fill) for _ in range(2))
         self.head = nn.Linear(d, n_items + 2)
 
     def forward(self, seq):
@@ -138,6 +139,12 @@ class BERT4Rec(nn.Module):
 def make_bert4rec() -> BERT4Rec:
     torch.manual_seed(0)
     return BERT4Rec()
+
+
+def make_bert4rec_finite_fill() -> BERT4Rec:
+    """RecBole's mask: a large finite negative number, -10000, for padded keys."""
+    torch.manual_seed(0)
+    return BERT4Rec(fill=-10000.0)
 
 
 class LogQLoss(nn.Module):

@@ -216,6 +216,18 @@ def test_unrecorded_bert4rec_all_padding_user_poisons_the_weights_silently(tmp_p
     assert not all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_bert4rec_with_recbole_s_finite_fill_raises_nothing_and_trains_the_same(tmp_path):
+    """RecBole's -10000 for padded keys on the same batches, the blank user included: its row
+    attends uniformly to padding, no event, and the weights are bit-identical with and
+    without the recorder."""
+    loss = torch.nn.CrossEntropyLoss(ignore_index=0)
+    recorded = train("make_bert4rec_finite_fill", loss, "bert", tmp_path, plant=blank_user)
+    plain = train("make_bert4rec_finite_fill", loss, "bert", tmp_path, plant=blank_user,
+                  record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    params_equal(recorded, plain)
+
+
 def test_in_batch_negatives_with_accidental_positives_at_minus_inf_raise_nothing(tmp_path):
     """In-batch negatives whose duplicates of the user's own positive are masked to -inf: the
     -inf stays inside the cross-entropy (every row keeps its diagonal), so no event, and the
