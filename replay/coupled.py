@@ -36,4 +36,34 @@ def coupled_rows(step: Step, run: Run, mb: int, named: list[int]) -> list[int]:
         return []
     where = samples(step, mb)
     rows = sorted({r for g in grads if g is not None for r in where.rows(g)})
-    return rows if set(named) < set(rows) and 2 * len(rows) <= where.size else []
+    if not (set(named) < set(rows) and 2 * len(rows) <= where.size):
+        return []
+    own = _own_rows(step, mb, outputs, run, where, named)
+    return [] if set(rows) - set(named) <= own else rows
+
+
+def _own_rows(step: Step, mb: int, outputs, run: Run, where, named: list[int]) -> set[int]:
+    """The rows whose gradient stays non-finite with the ``named`` rows left out of the model
+    output (a per-row loss: gBCE's pow of a sigmoid near 0 overflowing in its backward, no
+    pair): no coupling. Empty where the loss cannot take the rows left out (a pair's halves,
+    targets of the full batch)."""
+    keep = [r for r in range(where.size) if r not in set(named)]
+    try:
+        dims = [where.dim(t) for t in outputs[mb]]
+        cut = list(outputs)  # (the other micro-batches' as they were)
+        cut[mb] = [t if d is None else t.index_select(d, torch.tensor(keep))
+                   for t, d in zip(outputs[mb], dims)]
+        leaves = [(t.requires_grad_(), d) for t, d in zip(cut[mb], dims)
+                  if t.is_floating_point()]
+        args, kwargs = loss_inputs(step, mb, cut, objects=run.objects)
+        with torch.enable_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
+                                                       loss=True):
+            loss = [t for t in tensor_leaves(step.loss_fn(*args, **kwargs))
+                    if t.requires_grad and t.is_floating_point()]
+            grads = torch.autograd.grad([t.sum() for t in loss], [t for t, _ in leaves],
+                                        allow_unused=True)
+    except Exception:  # (no coupling to rule out)
+        return set()
+    return {keep[j] for g, (_, d) in zip(grads, leaves) if g is not None and d is not None
+            for j in (~torch.isfinite(g)).movedim(d, 0).flatten(1).any(1).nonzero().flatten()
+            .tolist()}

@@ -158,7 +158,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
     division by the module's own state, all 0 (a power iteration's u), that state's; for a 0
     looked up in a buffer (a word's sampling probability), that table's."""
     hint, cause = found.hint, found.name
-    if cause == "invalid" and (table := looked_up_hint(hint, runner.model, finder, hit)):
+    if cause == "invalid" and (
+            table := looked_up_hint(hint, runner.model.named_buffers(), finder, hit)):
         return table
     if cause == "invalid" and (knots := buffer_divisor_hint(hint, runner.model, finder, hit)):
         return knots

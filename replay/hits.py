@@ -65,6 +65,7 @@ class Evidence:
     args: tuple = ()  # positional arguments, floating tensors replaced by None (CTC lengths)
     read: frozenset = frozenset()  # those of its numbers .item() read (replay.read_numbers)
     complement: list[bool] = field(default_factory=list)  # 1 - tanh(u)² (replay.saturation)
+    power: list[bool] = field(default_factory=list)  # and of those, sigmoid(z)^-b - 1
     zero_dim: list[bool] = field(default_factory=list)  # inputs[i] was 0-d (events.sum())
     of_data: bool = False  # no input was learned (replay.lineage): made of the data alone
     compared: bool = False  # and the loss compared it with the op's result on a learned value

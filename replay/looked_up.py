@@ -1,11 +1,14 @@
-"""A forward op at its pole of 0 whose input was looked up in a buffer of the model (a word's
-sampling probability in sampled softmax's log-Q correction, ``log(self.q[targets])``; a class
-prior, an idf weight): the 0 is an entry of a table the model was built with, which the batch
-picked by id (a word the counts never saw). The generic advice, an eps at the op, hides the
+"""An op at its pole of 0 whose input was looked up in a buffer of the model or the loss (a
+word's sampling probability in sampled softmax's log-Q correction, ``log(self.q[targets])``,
+or a count normalised where it is looked up, ``log(self.counts[ids] / self.counts.sum())``;
+a class prior, an idf weight): the 0 is an entry of a table the code was built with, which
+the batch picked by id (a word or an item the counts never saw). The generic advice, an eps at the op, hides the
 rare id behind a huge finite value; the fix is the table, where it is built.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -16,10 +19,12 @@ __all__ = ["looked_up_hint"]
 SHOWN = 8  # entries named in the hint (then "..." and how many)
 
 
-def looked_up_hint(hint: str | None, model: torch.nn.Module, finder, hit) -> str | None:
+def looked_up_hint(hint: str | None, buffers: Iterable[tuple[str, torch.Tensor]], finder,
+                   hit) -> str | None:
     """The hint naming the buffer the blamed op's 0 came from, with its zero entries, when
     the op (``hit``, blamed from finite inputs) took a value looked up in a floating buffer
-    of ``model`` that holds exactly 0 and its values were 0 where its output went
+    of ``buffers`` (name, tensor: the model's, or the loss's ``<loss>.NAME``) that holds
+    exactly 0 and its values were 0 where its output went
     non-finite; else None. It replaces ``hint``'s advice (an eps at the op, a clamp)."""
     looked, ev = finder.names.hit_buffer, hit and hit.evidence
     if hint is None or looked is None or hit is not finder.first or ev is None:
@@ -28,7 +33,7 @@ def looked_up_hint(hint: str | None, model: torch.nn.Module, finder, hit) -> str
     # (the 0 at the pole is the looked-up input's, not another's: prior[y] / count)
     if i >= len(ev.inputs) or not ev.elementwise[i] or not bool((ev.inputs[i] == 0).any()):
         return None
-    table = dict(model.named_buffers()).get(name)
+    table = dict(buffers).get(name)
     if table is None or not table.is_floating_point() or table.numel() == 0:
         return None
     rows = (table == 0).reshape(len(table), -1).any(1).nonzero().flatten().tolist()
@@ -38,7 +43,7 @@ def looked_up_hint(hint: str | None, model: torch.nn.Module, finder, hit) -> str
                                                if len(rows) > SHOWN else "")
     what = describe(hit.op.removeprefix("aten."), hit.evidence)[0]
     return (f"{what}: its input was looked up in the buffer {name}, a table the "
-            f"model was built with, which is exactly 0 at {len(rows)} of its {len(table)} "
+            f"code was built with, which is exactly 0 at {len(rows)} of its {len(table)} "
             f"entries ({ids}): the batch picked one of them by id (a word or class the counts "
             f"behind the table never saw, a sampling probability of 0). Fix the table where "
             f"it is built (smooth the counts, counts + 1, or floor it) or keep those ids out "

@@ -6,7 +6,9 @@ them, and its softmax is NaN there. The generic advice (keep a key per row, or f
 finite number) does not say which argument did it, nor the usual reason in set prediction
 and NLP: a mask of the other convention (1 = keep: Hugging Face's ``attention_mask`` and
 ``pixel_mask``) passed as a padding mask, which masks every sample without padding whole.
-:func:`masked_whole_hint` names the argument (read on one forward of the origin's call).
+:func:`masked_whole_hint` names the argument (read on one forward of the origin's call); or
+the padding mask and the attention mask that leave some query positions no key together
+(a causal mask over left-padded sequences: the padded positions before a sample's first item).
 """
 
 from __future__ import annotations
@@ -43,6 +45,35 @@ def masked_whole_hint(runner: Runner, origin, hint: str | None, rows) -> str | N
                     "the other convention (1 = keep: Hugging Face's attention_mask and "
                     "pixel_mask) and must be inverted (~mask.bool()); if they are padding "
                     "only (an empty image or sequence), leave them out of the batch")
+    return _masked_together(hint, named, rows)
+
+
+def _masked_together(hint: str, named: dict, rows) -> str | None:
+    """``hint`` with the padding mask ``(B, L)`` and the attention mask ``(L, L)`` of the call
+    that leave no key to some query positions of the samples ``rows`` together, neither
+    alone: SASRec's causal mask over left-padded sequences with the padding as
+    ``key_padding_mask`` (a padded position sees only the padding before it)."""
+    two = {n: t for n, t in named.items() if isinstance(t, torch.Tensor) and t.dim() == 2}
+    for pn, pad in two.items():
+        for an, att in two.items():
+            if an == pn or pad.is_floating_point() or max(rows) >= pad.shape[0] \
+                    or att.shape != (pad.shape[1],) * 2:
+                continue
+            blocked = torch.isneginf(att) if att.is_floating_point() else att.bool()
+            dead = (blocked | pad.bool()[:, None, :]).all(-1)  # (B, queries): no key left
+            if bool(blocked.all(-1).any()) or not bool(dead[rows].any(1).all()) \
+                    or bool(pad.bool()[rows].all(1).any()):
+                continue
+            own = "; each such query position is padding itself" \
+                if bool(pad.bool()[dead].all()) else ""
+            return (f"{hint}; {pn} and {an} together mask every key of {int(dead.sum())} "
+                    f"query positions of samples {rows}, neither alone{own} (under a causal "
+                    "mask a left-padded position sees only the padding before it). The model "
+                    "means to drop those positions' outputs, but 0 * NaN is NaN: leave the "
+                    "padding to the causal mask and zero the padded outputs after the "
+                    "attention (SASRec's timeline mask), give the masks as one float mask "
+                    "of a large finite negative number (RecBole's -10000) instead of "
+                    "True or -inf, or pad on the right")
     return None
 
 

@@ -32,6 +32,7 @@ from .held_divisor import held_divisor_hint, loss_buffers
 from .load import Step, autocast_as_recorded, differentiates_model
 from .log_sum_exp import with_log_sum_exp
 from .logged_output import logged_output_cause
+from .looked_up import looked_up_hint
 from .loop_term import loop_differentiated, loop_term_report, spread_by_term
 from .loss_arg_name import with_param_name
 from .loss_args import loss_args, loss_samples
@@ -182,8 +183,9 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
     hint = with_log_sum_exp(cause.hint, cause.name, hit, finder.lineage.log_sum_exp)
     hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (below 0; a slot left 0)
-    hint = held_divisor_hint(hint, cause.name, finder, hit,
-                             loss_buffers(step.loss_fn)) or hint  # (<loss>.p_model)
+    bufs = loss_buffers(step.loss_fn)  # (<loss>.p_model; <loss>.counts a 0 of the ids picked)
+    hint = held_divisor_hint(hint, cause.name, finder, hit, bufs) or hint
+    hint = (cause.name == "invalid" and looked_up_hint(hint, bufs, finder, hit)) or hint
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))

@@ -8,6 +8,10 @@ tanh-squashed Gaussian policy's log-probability correction, written without its 
 log(0) in both types, while its exact value is about 2 log 2 - 2|u|. Float64 hitting the pole
 too does not make that ``invalid``: rounding put the input there, ``precision``.
 
+A sigmoid lies strictly inside (0, 1), so a negative power of it is strictly above 1 and
+``y^-b - 1`` strictly above 0: gSASRec's gBCE, ``log(1 / (sigmoid(z)^-beta - 1))``, whose
+sigmoid rounds to 1.0 for a confident positive.
+
 A softmax is strictly below 1 too wherever its slice holds two or more entries above -inf
 (its -inf entries are exactly 0, and a slice of one entry is exactly 1), even when some are
 -inf: relaxed top-k's successive ``softmax(w + log(1 - onehot))`` rounds a clear winner to
@@ -54,11 +58,16 @@ class Saturation:
         self._unit = TensorSet()
         self._complement = TensorSet()
         self._twice_unit = TensorSet()  # 1 + y, 1 - y: strictly inside (0, 2)
+        self._positive = TensorSet()  # sigmoid's: strictly inside (0, 1)
+        self._above_one = TensorSet()  # a negative power of those
+        self._power = TensorSet()  # y^-b - 1: complements (above 0) of those
 
     def track(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
               leaves: list) -> None:
         """After an op with finite inputs ran: mark its outputs (see the class)."""
         unit = [t in self._unit for t in ins]
+        if self._track_power(name, ins, outs, leaves):
+            return
         if name in UNIT_OPEN or (ins and all(unit) and (
                 name in KEEP and _positive_power(name, leaves) or name == "mul"
                 and all(abs(v) <= 1 for v in _scalars(leaves)))):
@@ -78,6 +87,30 @@ class Saturation:
               and _non_negative(leaves)) or (name == "mul" and self._scaled(ins, leaves)):
             for t in outs:  # 1 - y + eps, eps >= 0 (0: an eps option set to 0), or scaled by
                 self._complement.add(t)  # a positive action_scale: still above 0
+
+    def _track_power(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                     leaves: list) -> bool:
+        """sigmoid(z) (inside (0, 1)), its negative power (above 1), and that minus at most 1
+        (above 0: a complement); whether the op was one of those."""
+        scalars = _scalars(leaves)
+        if name in ("sigmoid", "special_expit"):
+            marks = [self._positive, self._unit]
+        elif name == "pow" and len(ins) == 1 and ins[0] in self._positive \
+                and scalars and scalars[0] < 0:
+            marks = [self._above_one]
+        elif name in ("sub", "add") and len(ins) == 1 and ins[0] in self._above_one \
+                and scalars and all(v == 1 for v in scalars[1:]) \
+                and (scalars[0] <= 1 if name == "sub" else scalars[0] >= -1):
+            marks = [self._complement, self._power]
+        else:
+            return False
+        for t in outs:
+            for m in marks:
+                m.add(t)
+        return True
+
+    def power(self, t: torch.Tensor) -> bool:
+        return t in self._power
 
     def _scaled(self, ins: list[torch.Tensor], leaves: list) -> bool:
         """A product of a complement and factors all above 0 (CleanRL's squash correction
@@ -156,6 +189,22 @@ def _scalars(leaves: list) -> list[float]:
     return [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
+# what a rounded sigmoid(z)^-b - 1 needs
+POWER = ("that 0 is sigmoid(z)^−b − 1 of a sigmoid that exact arithmetic keeps below 1 for "
+         "every finite z (its negative power above 1), rounded to 1 in {dt}: compute it from the "
+         "logits, sigmoid(z)^−b − 1 = expm1(−b·logsigmoid(z)), so gSASRec's gBCE "
+         "log(1 / (sigmoid(z)^−b − 1)) = −log(expm1(−b·logsigmoid(z))) (in float64: "
+         "float32's logsigmoid is 0 past z ≈ 100); or clamp the probability below 1 "
+         "(p.clamp(eps, 1 − eps) in float64, and y^−b − 1 above eps, as gSASRec's code does)")
+
+
+def _power_hint(what: str, ev, dt: str) -> str | None:
+    """The hint when the 0 is such a y^-b - 1 (:meth:`Saturation.power`), else None."""
+    if not any(p and bool((v == 0).any()) for v, p in zip(ev.inputs, ev.power)):
+        return None
+    return f"{what}: " + POWER.format(dt=dt)
+
+
 def hint(what: str, divides: bool = False) -> str:
     """The ``precision`` hint of an op at its pole whose 0 input is such a complement
     (``divides``: the op divides by it, where a probability is trimmed)."""
@@ -180,6 +229,8 @@ def in_type_hint(name: str, what: str, dt: str, ev) -> str | None:
     divisor needs (the generic hint would blame a cancelled variance); else None."""
     if not rounded_zero(ev.inputs, ev.complement):
         return None
+    if said := _power_hint(what, ev, _complement_type(ev) or dt):
+        return said
     return (f"{what}: that 0 is 1 − y of a y (tanh, sigmoid, a normal cdf, a softmax over two "
             f"or more entries) that exact arithmetic keeps below 1 for every finite argument, "
             f"rounded to 1 in {_complement_type(ev) or dt}: "
@@ -198,7 +249,9 @@ def _complement_type(ev) -> str | None:
 def rounded_hint(name: str, what: str, ev) -> str | None:
     """:func:`hint` when an input of op ``name`` (its :class:`~replay.hits.Evidence` ``ev``)
     is a complement that rounding made 0 (:func:`rounded_zero`), else None."""
-    return hint(what, _divides(name, ev)) if rounded_zero(ev.inputs, ev.complement) else None
+    if not rounded_zero(ev.inputs, ev.complement):
+        return None
+    return _power_hint(what, ev, "float64 too") or hint(what, _divides(name, ev))
 
 
 def _divides(name: str, ev) -> bool:
