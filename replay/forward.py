@@ -34,6 +34,7 @@ from .ops import OpFinder
 from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint
+from .picked_fill import picked_hint, picked_origin
 from .pruned import pruned_rows_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
@@ -58,9 +59,9 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         report["bisection"] = _bisect(runner, run, o, nan_only)
     recorded = o
     finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
-    # (a reduction that folded the intended fill into -inf, which the NaN came from, later
-    # or in a child of this call, is blamed rather than that NaN)
-    hit, flipped = finder.blamed(), False
+    # (blamed: a reduction that folded the intended fill into -inf, the NaN's source, over
+    # that NaN; an index op that picked a fill's infinity over a NaN the output never held)
+    (hit, picked), flipped = picked_origin(finder, finder.blamed(), o.kind), False
     if hit is None and finder.intentional is not None and trigger not in (None, o):
         # the call where the chain seemed to start only filled an intended +-inf (a mask):
         # the event is the NaN made from it later
@@ -99,8 +100,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     counted = _counted_in(finder, hit, o)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=counted)
-    if flipped:
-        cause = Cause("invalid", negated_hint(hit.op))
+    if flipped or picked:
+        cause = Cause("invalid", picked_hint(hit) if picked else negated_hint(hit.op))
     # (which run of its line: a loop over time steps runs it once a step)
     origin["line_run"] = line_run(runner, o.module, o.call, o.micro_batch, counted)
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the

@@ -1,0 +1,186 @@
+"""End to end on GFlowNets over torchgfn's hypergrid (``gflownets_models``): trajectory balance
+with a learned log Z (its own Adam group at a higher learning rate, as torchgfn trains it),
+trajectories sampled inside ``forward`` with epsilon-uniform exploration and masked policies,
+and detailed balance with a state-flow head over padded trajectories from a replay buffer.
+Each planted bug of the domain fires under the recorder and is replayed with the CLI; the
+healthy versions (one of them making NaN inside ``forward`` that a ``torch.where`` keeps out)
+raise no event and train bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import gflownets_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+BATCH = 16
+
+
+def line_of(text: str) -> str:
+    return source_line("gflownets_models.py", text)
+
+
+def train_tb(make: str, out_dir, r0: float = 1e-3, steps: int = 6, record: bool = True):
+    """torchgfn's trajectory-balance recipe: Adam, log Z in its own group at lr 0.1, gradient
+    clipping, a step schedule. Returns the model."""
+    model = getattr(M, make)()
+    crit = M.TBLoss(r0)
+    opt = torch.optim.Adam([
+        {"params": [*model.pf.parameters(), *model.pb.parameters()], "lr": 1e-3},
+        {"params": [model.log_z], "lr": 0.1}])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    torch.manual_seed(1)  # (the sampler's draws inside forward)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"gflownets_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for _ in range(steps):
+            loss = loss_fn(*model(torch.zeros(BATCH, M.D, dtype=torch.long)))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def db_batches(steps: int):
+    """Batches of padded trajectories drawn from a replay buffer of random ones, with the log
+    reward of each terminal state (``R0 = 0.01``)."""
+    g = torch.Generator().manual_seed(0)
+    buffer = M.rollout(g, 64)
+    for _ in range(steps):
+        idx = torch.randint(len(buffer), (BATCH,), generator=g)
+        states, actions, pad = M.pad_trajectories([buffer[i] for i in idx])
+        yield states, actions, pad, torch.log(M.hypergrid_reward(states[:, -1], 1e-2))
+
+
+def train_db(make: str, out_dir, steps: int = 4, record: bool = True):
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rec = FlightRecorder(model, opt, loss_fn=M.db_loss, out_dir=out_dir,
+                         factory=f"gflownets_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.db_loss
+        for states, actions, pad, log_r in db_batches(steps):
+            loss = loss_fn(model(states, actions, pad, log_r), pad)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model
+
+
+def fire(run, *args, **kwargs):
+    with pytest.raises(NonFiniteError) as info:
+        run(*args, **kwargs)
+    return info.value.event, info.value.bundle_path
+
+
+def test_log_of_a_zero_reward_names_the_log_in_the_loss_and_the_zero_reward_states(tmp_path):
+    """The "hard" hypergrid (``R0 = 0``): every terminal state off the modes has reward
+    exactly 0, and ``log R(x)`` in the trajectory-balance loss is -inf at the first step. A
+    loss event; the replay names the log on its line, the trajectories whose terminal state
+    has reward 0 (counted on an unrecorded copy of the step), and says to clamp."""
+    model = M.make_tb()
+    torch.manual_seed(1)
+    x = model(torch.zeros(BATCH, M.D, dtype=torch.long))[3]
+    zero = (M.hypergrid_reward(x, 0.0) == 0).nonzero().flatten().tolist()
+    assert 0 < len(zero) < BATCH, zero
+    ev, bundle = fire(train_tb, "make_tb", tmp_path, r0=0.0)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.log", "-inf", zero), o
+    assert o["source"] == line_of("log_r = torch.log(hypergrid_reward(x, self.r0))"), o
+    assert rep["cause"] == "invalid" and "clamp" in rep["hint"], rep["hint"]
+
+
+def masked_actions_taken(steps: int) -> tuple[int, list[int]]:
+    """The iteration of the sampling loop at which the exploration first took an action the
+    mask forbids in the step after ``steps``, and the trajectories that took it (counted on
+    an unrecorded copy of the run)."""
+    model = train_tb("make_tb_uniform_over_all", None, steps=steps, record=False)
+    taken, explore = [], model.explore
+
+    def spy(logits, mask):
+        act = explore(logits, mask)
+        taken.append((~mask.gather(-1, act[:, None])).flatten().nonzero().flatten().tolist())
+        return act
+
+    model.explore = spy
+    model(torch.zeros(BATCH, M.D, dtype=torch.long))
+    it = next(i for i, rows in enumerate(taken) if rows)
+    return it, taken[it]
+
+
+def test_exploration_over_masked_actions_names_the_gather_of_the_action_taken(tmp_path):
+    """Epsilon-uniform exploration spread over every action, valid or not: at a grid edge a
+    trajectory steps off the grid, and the forward policy's log-probability of that action,
+    gathered from the masked ``log_softmax``, is -inf (the -inf sum of log PF in the model's
+    output). Every step also makes a NaN the sum never sees: the backward policy's
+    ``log_softmax`` at the start state, whose every parent is masked, kept out by
+    ``torch.where(moved, lb, 0)``. The replay names the gather (not that dropped NaN, nor a
+    mask's fill), its line and run (the loop's iteration), the trajectory, and says the
+    index points at a masked entry."""
+    it, rows = masked_actions_taken(steps=5)
+    ev, bundle = fire(train_tb, "make_tb_uniform_over_all", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"], ev["samples"]) == (
+        5, "forward", "", "-inf", rows), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], o["line_run"]) == (
+        "", "aten.gather", "-inf", rows, it + 1), o
+    assert o["source"] == line_of("lp = logits.log_softmax(-1).gather(-1, act[:, None])"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.gather"], o["chain"]
+    assert rep["cause"] == "invalid", rep
+    assert "index" in rep["hint"] and "allowed" in rep["hint"], rep["hint"]
+    assert "allow_inf" not in rep["hint"] and not rep["problems"], rep
+
+
+def test_unrecorded_exploration_over_masked_actions_breaks_the_weights(tmp_path):
+    """Without the recorder the same run's -inf log PF makes the loss +inf and the clipped
+    update NaN: the event above is the bug, not a false alarm."""
+    model = train_tb("make_tb_uniform_over_all", None, steps=6, record=False)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_sink_padding_times_a_zero_mask_names_the_fully_masked_log_softmax(tmp_path):
+    """Detailed balance over trajectories padded with the sink state, whose every forward
+    action is masked: its ``log_softmax`` row is all -inf, NaN, and ``delta * pad`` keeps the
+    NaN (NaN * 0). The replay names the log_softmax on its line, every trajectory shorter
+    than the longest (the padded ones), and the fully masked row."""
+    ev, bundle = fire(train_db, "make_db", tmp_path)
+    _, _, pad, _ = next(db_batches(1))
+    padded = (~pad.all(1)).nonzero().flatten().tolist()
+    assert 0 < len(padded) < BATCH, padded
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"], ev["samples"]) == (
+        0, "forward", "", "nan", padded), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "", "aten._log_softmax", "nan", padded), o
+    assert o["source"] == line_of("lpf = logits.log_softmax(-1).gather(-1, actions[..., None])")
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("run,make", [(train_tb, "make_tb"), (train_db, "make_db_where"),
+                                      (train_db, "make_db_healthy")])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, run, make):
+    """Trajectory balance with exploration over the valid actions only (and the backward
+    policy's dropped NaN at the start state in every step); detailed balance whose sink rows'
+    NaN is kept out by ``torch.where`` (masked_fill's backward zeroes their gradient); and with
+    the terminal state's mask on the padding: no event, bit-identical weights with and without
+    the recorder."""
+    recorded = run(make, tmp_path)
+    plain = run(make, tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+        assert torch.isfinite(a).all(), name
