@@ -102,6 +102,37 @@ def test_log_of_a_zero_reward_names_the_log_in_the_loss_and_the_zero_reward_stat
     assert rep["cause"] == "invalid" and "clamp" in rep["hint"], rep["hint"]
 
 
+def test_log_z_learning_rate_diverging_names_the_overflowing_square_and_the_divergence(
+        tmp_path):
+    """Log Z in its own group at a rate 3000x the policies' (recipes give log Z a much higher
+    rate, there under Adam, whose steps the rate bounds), here under SGD with momentum and
+    no clipping: log Z overshoots the balance by more at every step, the loss jumps at step 2
+    and the squared log-ratio overflows at step 9. The replay names the square on its line,
+    overflow, the loss's jump at step 2 and the advice to lower the learning rate."""
+    model = M.make_tb()
+    opt = torch.optim.SGD([
+        {"params": [*model.pf.parameters(), *model.pb.parameters()], "lr": 1e-3},
+        {"params": [model.log_z], "lr": 3.0}], momentum=0.9)
+    torch.manual_seed(1)
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=M.TBLoss(), out_dir=tmp_path,
+            factory="gflownets_models:make_tb") as rec:
+        for _ in range(20):
+            loss = rec.loss_fn(*model(torch.zeros(BATCH, M.D, dtype=torch.long)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (9, "loss", "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"]) == ("<loss>", "aten.pow", "+inf"), o
+    assert o["source"] == line_of("return (log_z + log_pf - log_r - log_pb).pow(2).mean()"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "diverging" in rep["hint"] and "lower the learning rate" in rep["hint"], rep["hint"]
+    assert (rep["precursors"][0]["kind"], rep["precursors"][0]["step"]) == ("loss_jump", 2)
+
+
 def masked_actions_taken(steps: int) -> tuple[int, list[int]]:
     """The iteration of the sampling loop at which the exploration first took an action the
     mask forbids in the step after ``steps``, and the trajectories that took it (counted on
