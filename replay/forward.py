@@ -28,6 +28,7 @@ from .lineage import Lineage
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
 from .looked_up import looked_up_hint
+from .masked_product import masked_row_product_hint
 from .masked_whole import masked_whole_hint
 from .negated_fill import negated, negated_hint
 from .ops import OpFinder
@@ -137,6 +138,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
     # (a padding mask True at every key of the NaN samples: key_padding_mask)
     hint = masked_whole_hint(runner, o, hint, origin.get("samples")) or hint
+    hint = masked_row_product_hint(hint, finder, hit)  # (then multiplied by a mask's 0)
     hint = singular_inverse_hint(runner, hint, cause.name, hit)  # (made of a singular's inverse)
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
     return exp_overflow_hint(runner, hint, cause.name, hit)

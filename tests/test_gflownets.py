@@ -50,25 +50,25 @@ def train_tb(make: str, out_dir, r0: float = 1e-3, steps: int = 6, record: bool 
     return model
 
 
-def db_batches(steps: int):
+def db_batches(steps: int, r0: float = 1e-2):
     """Batches of padded trajectories drawn from a replay buffer of random ones, with the log
-    reward of each terminal state (``R0 = 0.01``)."""
+    reward of each terminal state."""
     g = torch.Generator().manual_seed(0)
     buffer = M.rollout(g, 64)
     for _ in range(steps):
         idx = torch.randint(len(buffer), (BATCH,), generator=g)
         states, actions, pad = M.pad_trajectories([buffer[i] for i in idx])
-        yield states, actions, pad, torch.log(M.hypergrid_reward(states[:, -1], 1e-2))
+        yield states, actions, pad, torch.log(M.hypergrid_reward(states[:, -1], r0))
 
 
-def train_db(make: str, out_dir, steps: int = 4, record: bool = True):
+def train_db(make: str, out_dir, steps: int = 4, record: bool = True, r0: float = 1e-2):
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     rec = FlightRecorder(model, opt, loss_fn=M.db_loss, out_dir=out_dir,
                          factory=f"gflownets_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else M.db_loss
-        for states, actions, pad, log_r in db_batches(steps):
+        for states, actions, pad, log_r in db_batches(steps, r0):
             loss = loss_fn(model(states, actions, pad, log_r), pad)
             opt.zero_grad()
             loss.backward()
@@ -186,7 +186,8 @@ def test_sink_padding_times_a_zero_mask_names_the_fully_masked_log_softmax(tmp_p
     """Detailed balance over trajectories padded with the sink state, whose every forward
     action is masked: its ``log_softmax`` row is all -inf, NaN, and ``delta * pad`` keeps the
     NaN (NaN * 0). The replay names the log_softmax on its line, every trajectory shorter
-    than the longest (the padded ones), and the fully masked row."""
+    than the longest (the padded ones), the fully masked row, and the product that kept the
+    NaN it was meant to drop, with torch.where as the way to drop it."""
     ev, bundle = fire(train_db, "make_db", tmp_path)
     _, _, pad, _ = next(db_batches(1))
     padded = (~pad.all(1)).nonzero().flatten().tolist()
@@ -199,6 +200,27 @@ def test_sink_padding_times_a_zero_mask_names_the_fully_masked_log_softmax(tmp_p
         "", "aten._log_softmax", "nan", padded), o
     assert o["source"] == line_of("lpf = logits.log_softmax(-1).gather(-1, actions[..., None])")
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    kept = f"aten.mul ({line_of('return delta * pad')}) then multiplied those NaN by a mask's 0"
+    assert kept in rep["hint"] and "torch.where(mask, x, 0)" in rep["hint"], rep["hint"]
+
+
+def test_log_reward_of_zero_in_the_buffer_is_an_input_event_on_those_trajectories(tmp_path):
+    """The replay buffer stores ``log R(x)`` computed in the data pipeline, on the hard grid
+    (``R0 = 0``): a terminal state off the modes has log reward -inf, given to the model as
+    its fourth argument. An input event at step 0; the replay names that argument, the
+    trajectories ending off the modes, and log(0) with the clamp to add."""
+    _, _, _, log_r = next(db_batches(1, 0.0))
+    zero = (log_r == float("-inf")).nonzero().flatten().tolist()
+    assert 0 < len(zero) < BATCH, zero
+    ev, bundle = fire(train_db, "make_db_healthy", tmp_path, r0=0.0)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        0, "input", "args[3]", zero), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["made"], o["samples"]) == (
+        "input", "args[3]", "-inf", zero), o
+    assert rep["cause"] == "input" and "log(0)" in rep["hint"], rep["hint"]
+    assert "clamp" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("run,make", [(train_tb, "make_tb"), (train_db, "make_db_where"),
