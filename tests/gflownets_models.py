@@ -201,3 +201,43 @@ def make_db_where() -> nn.Module:
 def make_db_healthy() -> nn.Module:
     torch.manual_seed(0)
     return BufferDB(sink=False, where_pad=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow matching (Bengio et al. 2021): in-flow equals out-flow at every visited state
+
+
+class FlowMatching(nn.Module):
+    """Edge flows ``log F(s -> s + e_i)`` from one head; a state's in-flow is the logsumexp
+    over its parents' edges into it (a coordinate at 0 has no parent there: -inf), its
+    out-flow the logsumexp over its children and its reward (every state can stop). Returns
+    ``(log in-flow, log out-flow)`` of the states given (not the start state, which has no
+    parent)."""
+
+    def __init__(self):
+        super().__init__()
+        self.edge = mlp(D, D)
+
+    def forward(self, s: torch.Tensor, log_r: torch.Tensor):
+        eye = torch.eye(D, dtype=torch.long)
+        parents = s[:, None, :] - eye  # parent i: one step back along coordinate i
+        into = self.edge(preprocess(parents)).diagonal(dim1=1, dim2=2)  # F(parent_i -> s)
+        log_in = into.masked_fill(~backward_mask(s), float("-inf")).logsumexp(-1)
+        out = self.edge(preprocess(s)).masked_fill(~forward_mask(s)[:, :D], float("-inf"))
+        log_out = torch.cat([out, log_r[:, None]], -1).logsumexp(-1)
+        return log_in, log_out
+
+
+def fm_loss(log_in, log_out):
+    return (log_in - log_out).pow(2).mean()
+
+
+def visited_states(trajs: list[torch.Tensor], with_start: bool) -> torch.Tensor:
+    """Every state the trajectories visit, the start state only when ``with_start`` (the
+    reference code's loop from ``t = 1``; from 0: the bug)."""
+    return torch.cat([tr[0 if with_start else 1:] for tr in trajs])
+
+
+def make_fm() -> nn.Module:
+    torch.manual_seed(0)
+    return FlowMatching()

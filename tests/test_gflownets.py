@@ -1,7 +1,8 @@
 """End to end on GFlowNets over torchgfn's hypergrid (``gflownets_models``): trajectory balance
 with a learned log Z (its own Adam group at a higher learning rate, as torchgfn trains it),
 trajectories sampled inside ``forward`` with epsilon-uniform exploration and masked policies,
-and detailed balance with a state-flow head over padded trajectories from a replay buffer.
+and detailed balance with a state-flow head over padded trajectories from a replay buffer,
+and flow matching over the visited states.
 Each planted bug of the domain fires under the recorder and is replayed with the CLI; the
 healthy versions (one of them making NaN inside ``forward`` that a ``torch.where`` keeps out)
 raise no event and train bit-identically with and without the recorder."""
@@ -70,6 +71,31 @@ def train_db(make: str, out_dir, steps: int = 4, record: bool = True, r0: float 
         loss_fn = rec.loss_fn if rec is not None else M.db_loss
         for states, actions, pad, log_r in db_batches(steps, r0):
             loss = loss_fn(model(states, actions, pad, log_r), pad)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model
+
+
+def fm_states(steps: int, with_start: bool):
+    """Each step's visited states of 8 fresh random trajectories, and their log rewards."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        s = M.visited_states(M.rollout(g, 8), with_start)
+        yield s, torch.log(M.hypergrid_reward(s, 1e-2))
+
+
+def train_fm(make: str, out_dir, steps: int = 4, record: bool = True, with_start: bool = False):
+    """Flow matching over the states of on-the-fly trajectories; ``with_start``: the start
+    state too (the bug)."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rec = FlightRecorder(model, opt, loss_fn=M.fm_loss, out_dir=out_dir,
+                         factory=f"gflownets_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.fm_loss
+        for s, log_r in fm_states(steps, with_start):
+            loss = loss_fn(*model(s, log_r))
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -223,14 +249,34 @@ def test_log_reward_of_zero_in_the_buffer_is_an_input_event_on_those_trajectorie
     assert "clamp" in rep["hint"], rep["hint"]
 
 
+def test_flow_matching_over_the_start_state_names_the_logsumexp_of_no_parent(tmp_path):
+    """Flow matching's loop over the visited states from t = 0 instead of 1: the start state
+    has no parent, its in-flow is the logsumexp of a row of -inf only. The replay names that
+    logsumexp on its line, the start states' rows (one per trajectory in the flattened
+    batch) and the fully masked row."""
+    s, _ = next(fm_states(1, True))
+    starts = (s == 0).all(1).nonzero().flatten().tolist()
+    assert len(starts) == 8, starts
+    ev, bundle = fire(train_fm, "make_fm", tmp_path, with_start=True)
+    assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (
+        0, "forward", "-inf", starts), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "", "aten.logsumexp", "-inf", starts), o
+    assert o["source"] == line_of("log_in = into.masked_fill(~backward_mask(s)"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("run,make", [(train_tb, "make_tb"), (train_db, "make_db_where"),
-                                      (train_db, "make_db_healthy")])
+                                      (train_db, "make_db_healthy"), (train_fm, "make_fm")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, run, make):
     """Trajectory balance with exploration over the valid actions only (and the backward
     policy's dropped NaN at the start state in every step); detailed balance whose sink rows'
     NaN is kept out by ``torch.where`` (masked_fill's backward zeroes their gradient); and with
-    the terminal state's mask on the padding: no event, bit-identical weights with and without
-    the recorder."""
+    the terminal state's mask on the padding; flow matching from t = 1 (its -inf in-flow
+    entries at a coordinate 0 stay inside the logsumexp): no event, bit-identical weights
+    with and without the recorder."""
     recorded = run(make, tmp_path)
     plain = run(make, tmp_path, record=False)
     assert not list(tmp_path.glob("*.nan"))
