@@ -16,6 +16,8 @@ for ``test_gflownets``.
 - ``BufferDB``: detailed balance with a state-flow head over trajectories from a replay buffer,
   padded to the longest with a padding mask (the sink state after ``stop``: every forward action
   masked), the per-step terms summed with the mask.
+- ``FlowMatching``: Bengio et al.'s flow-matching condition with edge flows, the in-flow a
+  logsumexp over the masked parents' edges, the out-flow over the children and the reward.
 """
 
 from __future__ import annotations
