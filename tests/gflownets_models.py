@@ -102,14 +102,17 @@ class OnPolicyTB(nn.Module):
 
 
 class TBLoss(nn.Module):
-    """Trajectory balance's squared log-ratio, the log reward of each terminal state."""
+    """Trajectory balance's squared log-ratio, the log reward of each terminal state;
+    ``clip_min``: torchgfn's ``log_reward_clip_min`` (a reward of 0 counts as ``clip_min``)."""
 
-    def __init__(self, r0: float = 1e-3):
+    def __init__(self, r0: float = 1e-3, clip_min: float | None = None):
         super().__init__()
-        self.r0 = r0
+        self.r0, self.clip_min = r0, clip_min
 
     def forward(self, log_z, log_pf, log_pb, x):
         log_r = torch.log(hypergrid_reward(x, self.r0))
+        if self.clip_min is not None:
+            log_r = log_r.clamp(min=self.clip_min)
         return (log_z + log_pf - log_r - log_pb).pow(2).mean()
 
 

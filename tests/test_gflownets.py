@@ -27,11 +27,12 @@ def line_of(text: str) -> str:
     return source_line("gflownets_models.py", text)
 
 
-def train_tb(make: str, out_dir, r0: float = 1e-3, steps: int = 6, record: bool = True):
+def train_tb(make: str, out_dir, r0: float = 1e-3, steps: int = 6, record: bool = True,
+             clip_min: float | None = None):
     """torchgfn's trajectory-balance recipe: Adam, log Z in its own group at lr 0.1, gradient
     clipping, a step schedule. Returns the model."""
     model = getattr(M, make)()
-    crit = M.TBLoss(r0)
+    crit = M.TBLoss(r0, clip_min)
     opt = torch.optim.Adam([
         {"params": [*model.pf.parameters(), *model.pb.parameters()], "lr": 1e-3},
         {"params": [model.log_z], "lr": 0.1}])
@@ -157,6 +158,17 @@ def test_log_z_learning_rate_diverging_names_the_overflowing_square_and_the_dive
     assert rep["cause"] == "overflow", rep["cause"]
     assert "diverging" in rep["hint"] and "lower the learning rate" in rep["hint"], rep["hint"]
     assert (rep["precursors"][0]["kind"], rep["precursors"][0]["step"]) == ("loss_jump", 2)
+
+
+def test_clipped_log_reward_of_the_hard_grid_raises_nothing_and_trains_the_same(tmp_path):
+    """The hard grid (``R0 = 0``) with torchgfn's ``log_reward_clip_min``: ``log R(x)`` is -inf
+    inside the loss at every step and the clamp takes it to -100 before the loss uses it. No
+    event, and bit-identical finite weights with and without the recorder."""
+    recorded = train_tb("make_tb", tmp_path, r0=0.0, clip_min=-100.0)
+    plain = train_tb("make_tb", tmp_path, r0=0.0, clip_min=-100.0, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b) and torch.isfinite(a).all(), name
 
 
 def masked_actions_taken(steps: int) -> tuple[int, list[int]]:
