@@ -23,3 +23,13 @@ def earlier_nan(first: OpHit | None, first_nan: OpHit | None,
     if made != "nan" or first is None or first_nan is None or first_nan.inputs_finite:
         return None
     return first_nan if first_nan.seq < first.seq else None
+
+
+def dropped_nan(hit: OpHit | None, first: OpHit | None, first_nan: OpHit | None,
+                kind: str | None) -> bool:
+    """Whether ``hit`` is a NaN made of infinities that the call dropped before its output,
+    which holds infinities and no NaN (``kind``): a policy's ``log_softmax`` over a state with
+    every action masked, kept out by ``torch.where(moved, lb, 0)``. It is not where that
+    output's infinity came from."""
+    return (hit is not None and hit is first_nan and first is None and hit.made == "nan"
+            and not hit.inputs_finite and kind in ("+inf", "-inf"))

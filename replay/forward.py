@@ -28,12 +28,14 @@ from .lineage import Lineage
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
 from .looked_up import looked_up_hint
+from .masked_product import masked_row_product_hint
 from .masked_whole import masked_whole_hint
 from .negated_fill import negated, negated_hint
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint
+from .picked_fill import picked_hint, picked_origin
 from .pruned import pruned_rows_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
@@ -59,9 +61,9 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         report["bisection"] = _bisect(runner, run, o, nan_only)
     recorded = o
     finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
-    # (a reduction that folded the intended fill into -inf, which the NaN came from, later
-    # or in a child of this call, is blamed rather than that NaN)
-    hit, flipped = finder.blamed(), False
+    # (blamed: a reduction that folded the intended fill into -inf, the NaN's source, over
+    # that NaN; an index op that picked a fill's infinity over a NaN the output never held)
+    (hit, picked), flipped = picked_origin(finder, finder.blamed(), o.kind), False
     if hit is None and finder.intentional is not None and trigger not in (None, o):
         # the call where the chain seemed to start only filled an intended +-inf (a mask):
         # the event is the NaN made from it later
@@ -100,8 +102,8 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     counted = _counted_in(finder, hit, o)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=counted)
-    if flipped:
-        cause = Cause("invalid", negated_hint(hit.op))
+    if flipped or picked:
+        cause = Cause("invalid", picked_hint(hit) if picked else negated_hint(hit.op))
     # (which run of its line, a loop over time steps running it once a step; its values there)
     origin["line_run"], vals = line_run(runner, o.module, o.call, o.micro_batch, counted)
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
@@ -137,6 +139,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
     # (a padding mask True at every key of the NaN samples: key_padding_mask)
     hint = masked_whole_hint(runner, o, hint, origin.get("samples")) or hint
+    hint = masked_row_product_hint(hint, finder, hit)  # (then multiplied by a mask's 0)
     hint = singular_inverse_hint(runner, hint, cause.name, hit)  # (made of a singular's inverse)
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
     return exp_overflow_hint(runner, hint, cause.name, hit)

@@ -83,3 +83,17 @@ def masked_hint(origin: dict, hit) -> str:
     origin["source"] = origin.get("source") or source
     return MASKED_BY_PRODUCT.format(op=op, at=f" ({source})" if source else "",
                                     tensor=origin.get("tensor"), rows=origin.get("samples"))
+
+
+def masked_row_product_hint(hint: str | None, finder, hit) -> str | None:
+    """``hint``, with the product that then multiplied the NaN of a fully masked row by a
+    mask's 0 (padding steps' ``delta * pad`` after a ``log_softmax`` over a sink state with
+    every action masked): the product keeps it, NaN * 0 being NaN."""
+    kept = finder.masked_nan
+    if hint is None or hit is None or kept is None or not hit.row_masked or hit.made != "nan":
+        return hint
+    at = f" ({kept.source})" if kept.source else ""
+    return (f"{hint}; {kept.op}{at} then multiplied those NaN by a mask's 0 to drop them, "
+            "which keeps them (NaN * 0 is NaN): drop them with torch.where(mask, x, 0) instead, "
+            "and give each masked row one allowed entry (a padded step's terminal action): "
+            "the gradient of an all -inf row is NaN too unless masked_fill made its -inf")

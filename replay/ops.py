@@ -44,6 +44,7 @@ from .nan_rows import nan_rows
 from .op_evidence import made_beside, op_evidence
 from .op_inputs import input_ends as _input_ends
 from .param_names import ParamNames
+from .picked_fill import note_pick
 from .pooled import Pooled
 from .positive import Partly, made_sign, positive_result
 from .read_numbers import ReadNumbers
@@ -160,6 +161,7 @@ class OpFinder:
         # whose only non-finite inputs are views of one passes on an intended infinity
         self.mask_buffers = mask_buffers or {}
         self.first_nan: OpHit | None = None
+        self.picked: OpHit | None = None  # an index op that took a fill's +-inf (picked_fill)
         self.absorbed = False  # an op made finite values of infinities before the first NaN
         # the first product of a NaN by 0 (a 0/1 mask multiplied into missing values)
         self.masked_nan: OpHit | None = None
@@ -254,6 +256,7 @@ class OpFinder:
                 self._of_weights.add(t)
         self.saturation.track_softmax(name, ins, outs, leaves)  # (its -inf entries too)
         if not in_finite:
+            note_pick(self, name, ins, outs)  # (a masked action's -inf gathered)
             if self.state and not weights_only and self.first_met is None:
                 self._meet(name, outs)
             elif weights_only and self.first_held is None:  # (a loss's NaN buffer times p)
