@@ -80,11 +80,13 @@ def _seeded():
     yield
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def validation_at_torch_default():
     """torch.distributions' validation at torch's default (on), as a training script and the
     nanreplay process start: a torch.compile elsewhere in this test process turned it off for
-    the process (dynamo's patcher calls ``set_default_validate_args(False)``)."""
+    the process (dynamo's patcher calls ``set_default_validate_args(False)``). For every test:
+    one whose model's distribution refuses a value passes or fails by the order xdist ran the
+    tests in otherwise."""
     before = torch.distributions.Distribution._validate_args
     torch.distributions.Distribution.set_default_validate_args(True)
     yield
