@@ -117,6 +117,23 @@ def test_fp16_fourier_features_of_unnormalised_coordinates_name_the_projection(t
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_occupancy_bce_by_hand_names_the_log_and_the_point_behind_its_near_copy(tmp_path):
+    """The occupancy net evaluates each point and a point drawn near it, ``cat([x, near])``:
+    its logits have twice the batch's rows. One point left in the scanner's units saturates
+    the sigmoid to 1.0, and the hand-written BCE's ``log(1 - p)`` is -inf. The loss re-run
+    alone could not tell which record rows 8 and 40 are (it named none); the replay now
+    follows the samples through the forward's cat and names record 8, the log on its line,
+    and ``logsigmoid(-z)`` as the fix; dropping the record makes the step finite."""
+    ev, bundle = fire("occupancy", "make_occupancy", M.occupancy_bce, tmp_path, bad=8)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=8")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.log", "-inf", [8]), o
+    assert o["source"] == line_of("return -(y * torch.log(p) + (1 - y) * torch.log(1 - p))"), o
+    assert rep["cause"] == "precision" and "logsigmoid(−z)" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 @pytest.mark.parametrize("kind,make,loss", [
     ("sdf", "make_hash_sdf", M.safe_sdf_loss), ("siren", "make_siren_poisson", M.poisson_loss),
     ("occupancy", "make_occupancy", M.occupancy_bce)])
