@@ -148,3 +148,41 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, los
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def train_scaled(out_dir, record: bool = True, steps: int = 5):
+    """The Fourier field under fp16 autocast with a GradScaler whose first scale (2^40)
+    overflows the fp16 gradients of every step here: each update is skipped and the scale
+    halved, as AMP does; unscale_ before clipping. Returns (model, the scales seen)."""
+    model, loss = M.make_fourier(), torch.nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    g, scales = torch.Generator().manual_seed(0), []
+    rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir, scaler=scaler,
+                         factory="neural_fields_models:make_fourier") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else loss
+        for _ in range(steps):
+            x, rgb = M.pixel_batch(g, None)
+            with torch.autocast("cpu", dtype=torch.float16):
+                pred = model(x)
+            opt.zero_grad()
+            scaler.scale(loss_fn(pred.float(), rgb)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    return model, scales
+
+
+def test_grad_scaler_skipping_overflowed_fp16_steps_is_no_event(tmp_path):
+    """Inf gradients the GradScaler finds and skips are AMP working, not a NaN to stop on:
+    no bundle, the same halved scales and bit-identical weights with and without the
+    recorder."""
+    recorded, scales = train_scaled(tmp_path)
+    plain, plain_scales = train_scaled(tmp_path, record=False)
+    assert scales == plain_scales and scales[0] == 2.0 ** 39, scales
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
