@@ -63,6 +63,7 @@ from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
 from .weight_readers import bad_row_fields, first_reader, rows_text
 from .written_forward import report_forward_wrote
+from .zero_head import zero_head_hint
 
 
 def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
@@ -182,6 +183,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (below 0; a slot left 0)
     hint = held_divisor_hint(hint, cause.name, finder, hit,
                              loss_buffers(step.loss_fn)) or hint  # (<loss>.p_model)
+    hint = zero_head_hint(runner, mb, hit, cause.name, hint)  # (normals of a constant field)
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))

@@ -272,3 +272,13 @@ def occupancy_batch(g: torch.Generator, bad: int | None, n: int = 32):
     if bad is not None:
         x[bad] = x[bad] * 1e4
     return x, occ
+
+
+def make_hash_sdf_zero_head() -> HashSDF:
+    """The SDF's last layer zero-initialised with a bias of -0.3 (a field starting as a
+    constant, as some ports start a residual head): its gradient is 0 at every point."""
+    model = make_hash_sdf()
+    with torch.no_grad():
+        model.net[-1].weight.zero_()
+        model.net[-1].bias.fill_(-0.3)
+    return model

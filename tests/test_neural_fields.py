@@ -85,6 +85,22 @@ def test_normals_of_a_flat_field_name_the_division_and_the_point(tmp_path):
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"] and "eps" in rep["hint"], rep
 
 
+def test_normals_of_a_zero_initialised_head_name_the_layer_not_only_an_eps(tmp_path):
+    """The SDF's last layer zero-initialised: the field is constant, its gradient 0 at every
+    point, and the normals are 0/0 in every sample at step 0. An eps would keep every normal
+    0; the replay names the division, every row, and the zero weight, found by a re-run with
+    it filled with random values."""
+    with pytest.raises(NonFiniteError) as info:
+        train("sdf", "make_hash_sdf_zero_head", M.sdf_loss, tmp_path)
+    assert (info.value.event["step"], info.value.event["phase"]) == (0, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["all_samples"]) == ("aten.div", True), o
+    assert o["source"] == line_of("normals = grad / grad_norm[:, None]"), o
+    assert rep["cause"] == "invalid" and "parameter net.4.weight, all 0" in rep["hint"], rep
+    assert "initialise that layer with small random values" in rep["hint"], rep["hint"]
+
+
 def test_eikonal_sqrt_at_a_zero_gradient_names_sqrt_backward_and_vector_norm(tmp_path):
     """The normals by F.normalize (its eps), but the eikonal's ``|grad|`` written as
     ``sqrt(sum(g^2))``: its backward divides by 2 sqrt(0) at the flat point. A backward event
