@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import torch
 
+from .recorded import samples
 from .rerun import Runner
-from .zero_state import ZERO_LAYER
+from .zero_state import ZERO_LAYER, some_rows
 
 _DIVIDES = {"aten.div", "aten.reciprocal", "aten.rsqrt"}
 
 
 def zero_head_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None) -> str | None:
     """The hint naming a trained weight matrix of the model, all 0 as the step began, without
-    which the loss of micro-batch ``mb`` is finite; else ``hint``."""
-    if cause != "invalid" or hit is None or hit.op not in _DIVIDES or runner.model is None:
-        return hint
+    which the loss of micro-batch ``mb`` is finite, when the division is at its pole in every
+    sample; else ``hint``."""
+    if cause != "invalid" or hit is None or hit.op not in _DIVIDES or runner.model is None \
+            or not hit.rows or some_rows(hit.rows, samples(runner.step, mb)):
+        return hint  # (at the pole in some samples only: their own values, not a layer of 0)
     runner.reset()  # (the weights as the step began)
     zero = [(n, p) for n, p in runner.model.named_parameters() if p.requires_grad
             and p.is_floating_point() and p.dim() > 1 and not p.any()]

@@ -282,3 +282,14 @@ def make_hash_sdf_zero_head() -> HashSDF:
         model.net[-1].weight.zero_()
         model.net[-1].bias.fill_(-0.3)
     return model
+
+
+def cosine_sdf_loss(sdf, grad, gt_sdf, gt_normals, on_surface):
+    """IGR's loss with the cosine written out and masked to the surface points by a product
+    (the off-surface points carry zero normals: their cosine is 0/0, which ``* surf`` keeps)."""
+    cos = (grad * gt_normals).sum(-1) / (grad.norm(dim=-1) * gt_normals.norm(dim=-1))
+    surf = on_surface.float()
+    normal_term = (surf * (1 - cos)).sum() / surf.sum()
+    sdf_term = (sdf.squeeze(-1).abs() * surf).sum() / surf.sum()
+    eikonal = ((torch.linalg.vector_norm(grad, dim=-1) - 1) ** 2).mean()
+    return 3e3 * sdf_term + 1e2 * normal_term + 5e1 * eikonal

@@ -101,6 +101,24 @@ def test_normals_of_a_zero_initialised_head_name_the_layer_not_only_an_eps(tmp_p
     assert "initialise that layer with small random values" in rep["hint"], rep["hint"]
 
 
+def test_hand_written_cosine_masked_by_a_product_names_the_mask_too(tmp_path):
+    """The normal term's cosine written out: the off-surface points carry zero target
+    normals, their cosine is 0/0, and the surface mask applied by a product keeps the NaN.
+    The replay names the division, exactly the 16 off-surface rows, and adds that the mask's
+    product kept it, naming its line and ``torch.where`` / selecting the entries before it."""
+    with pytest.raises(NonFiniteError) as info:
+        train("sdf", "make_hash_sdf", M.cosine_sdf_loss, tmp_path)
+    assert (info.value.event["step"], info.value.event["phase"]) == (0, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["samples"]) == ("aten.div", list(range(16, 32))), o
+    assert o["source"] == line_of("cos = (grad * gt_normals).sum(-1) / (grad.norm(dim=-1)"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and "0 by 0" in hint, hint
+    assert f"then aten.mul ({line_of('normal_term = (surf * (1 - cos))')})" in hint, hint
+    assert "torch.where(valid, t, 1)" in hint and "nothing is to drop" in hint, hint
+
+
 def test_eikonal_sqrt_at_a_zero_gradient_names_sqrt_backward_and_vector_norm(tmp_path):
     """The normals by F.normalize (its eps), but the eikonal's ``|grad|`` written as
     ``sqrt(sum(g^2))``: its backward divides by 2 sqrt(0) at the flat point. A backward event
