@@ -6,18 +6,21 @@ from __future__ import annotations
 import torch
 
 from .load import Step, differentiates_model, loss_inputs
+from .moved import Moved
 from .ops import OpFinder
 from .recorded import samples
 from .run_result import Run
 
 
-def loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):
+def loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None,
+              moved: Moved | None = None):
     """The loss's arguments, the model outputs detached; ``finder`` is told which of those
     the model made by exp, softmax, sigmoid or softplus, or by tanh or sigmoid (their graph is
     cut here), so that a 0 the loss takes the log of (a softplus variance) reads as the
     underflow it is, and a 0 of 1 - h (a sigmoid hazard rounded to 1) as rounding; its
     lineage, which outputs were on the autograd graph and which arguments are per sample (a
-    list of per-image target dicts)."""
+    list of per-image target dicts); ``moved``: where the forward put the outputs' samples
+    (:mod:`replay.output_places`), handed to ``finder``."""
     if differentiates_model(step, mb):  # (the loss differentiates them: not cut)
         return loss_inputs(step, mb, run.outputs, run.inputs[mb], run.objects)
     outputs = [[t.detach() for t in o] for o in run.outputs]
@@ -25,6 +28,8 @@ def loss_args(step: Step, run: Run, mb: int, finder: OpFinder | None = None):
         for made, cut in zip(run.outputs, outputs):
             for t, d in zip(made, cut):
                 finder.mark_made_by(t.grad_fn, d)
+                if moved is not None and (place := moved.place(t)) is not None:
+                    finder.moved.follow(d, place)
     args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects)
     if finder is not None and finder.lineage is not None:
         trained = [d for made, cut in zip(run.outputs, outputs) for t, d in zip(made, cut)

@@ -29,6 +29,7 @@ from .source import user_source
 # the degenerate-record advice of an op on data alone, replaced here as written (not once
 # replay.edge_probability has made it a propensity's)
 _OF_DATA = DO["of_data"]
+_ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
 
 
 class _MaskAfter(TorchDispatchMode):
@@ -59,12 +60,13 @@ def _nan(leaves) -> bool:
 
 
 def masked_after_hint(report: dict[str, Any], step: Step) -> None:
-    """Replace the degenerate-record advice of an ``invalid`` NaN made in the loss when a
-    product of the loss then multiplied that NaN by a mask's 0 (see the module's docstring)."""
+    """Replace the degenerate-record advice of an ``invalid`` NaN made in the loss (or add to
+    a 0/0's) when a product of the loss then multiplied that NaN by a mask's 0 (see the
+    module's docstring)."""
     o, hint = report["origin"], report.get("hint") or ""
     if report.get("cause") != "invalid" or o.get("phase") != "loss" or o.get("made") != "nan" \
-            or o.get("module") != "<loss>" or _OF_DATA not in hint or step.model is None \
-            or step.loss_fn is None:
+            or o.get("module") != "<loss>" or step.model is None or step.loss_fn is None \
+            or (_OF_DATA not in hint and _ZERO_BY_ZERO not in hint):
         return  # (other advice, an eps lost to the type, stands)
     mb, watch = o.get("micro_batch") or 0, _MaskAfter()
     try:
@@ -78,6 +80,9 @@ def masked_after_hint(report: dict[str, Any], step: Step) -> None:
     # (the origin's own NaN: a mask that met another op's NaN says nothing of it)
     if watch.masked is None or watch.first != (o.get("op"), o.get("source")):
         return
-    what = hint[:hint.index(_OF_DATA)].rstrip().rstrip(":")
+    # (a 0/0 of the model's values, a cosine of off-surface points whose target normal is 0:
+    # its eps advice stands, the mask's is added)
+    what = hint[:hint.index(_OF_DATA)].rstrip().rstrip(":") if _OF_DATA in hint \
+        else hint.rstrip(".")
     op, source = watch.masked
     report["hint"] = what + MASKED_AFTER_NAN.format(op=op, at=f" ({source})" if source else "")

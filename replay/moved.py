@@ -10,13 +10,14 @@ joints with the batch (dsntnn's ``gt.reshape(-1, 2)``, ``(B * K, 2)``): row ``r`
 ``r // K``, which the shape does not say either.
 
 :class:`Moved` follows the samples' dimension through the ops that move it — ``stack`` of
-values that all hold it in one dimension, ``transpose``, ``permute`` (``movedim``), and, of a
-followed value, ``unsqueeze``, ``select`` and reductions over other dimensions — and through
-a ``view`` / ``reshape`` merging the samples with the dimensions after them (each sample a
-``group`` of consecutive rows) or with those before them too (wav2vec 2.0's contrastive logits
-``(1 + K, B, M)``, ``logits.transpose(0, 2).reshape(-1, 1 + K)``: row ``r`` is sample
-``r % B``, the batch repeated ``reps`` times); and on through any op broadcasting such a value into its
-output (``vals ** w``, ``preds - gt[None]``, a copy).
+values that all hold it in one dimension, ``cat`` along it (the batch again for each part: an
+occupancy net's ``cat([x, near])``), ``transpose``, ``permute`` (``movedim``), and, of a
+followed value, ``unsqueeze``, ``squeeze``, ``select`` and reductions over other dimensions —
+and through a ``view`` / ``reshape`` merging the samples with the dimensions after them (each
+sample a ``group`` of consecutive rows) or with those before them too (wav2vec 2.0's
+contrastive logits ``(1 + K, B, M)``, ``logits.transpose(0, 2).reshape(-1, 1 + K)``: row ``r``
+is sample ``r % B``, the batch repeated ``reps`` times); and on through any op broadcasting
+such a value into its output (``vals ** w``, ``preds - gt[None]``, a copy).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class Moved:
                 return None
             k = _arg(args, 1, 0) % (x[0].dim() + 1)
             return (p[0] + 1 if k <= p[0] else p[0], *p[1:])
+        if name == "cat" and isinstance(x, (list, tuple)):
+            return self._concatenated([t for t in x if t.numel()], _arg(args, 1, 0))
         if not isinstance(x, torch.Tensor) or (p := self._where(x, name)) is None:
             return None
         (s, group, reps), followed = p, self.place(x) is not None
@@ -134,6 +137,10 @@ class Moved:
             return None
         if name == "unsqueeze":  # (of (B,) read by shape: (1, B) is read so too)
             return (s + 1 if _arg(args, 1, 0) % (x.dim() + 1) <= s else s, group, reps)
+        if name == "squeeze":  # (a field's (N, 1) output as (N,); the samples' dim is > 1)
+            dims = _arg(args, 1, range(x.dim()))
+            dims = [dims] if isinstance(dims, int) else dims
+            return (s - sum(k % x.dim() < s and x.shape[k] == 1 for k in dims), group, reps)
         if name == "select":
             k = _arg(args, 1, 0) % max(x.dim(), 1)
             return None if k == s else (s - (k < s), group, reps)
@@ -147,6 +154,16 @@ class Moved:
             return None if s in dims else (s if keep else s - sum(k < s for k in dims), group,
                                            reps)
         return None
+
+    def _concatenated(self, parts: list[torch.Tensor], k: int) -> Place | None:
+        """Where ``cat(parts, k)`` puts the samples all ``parts`` hold at one place: along ``k``,
+        the batch once more per part (an SDF's surface points and the points sampled near them,
+        ``cat([x, x + noise])``: row r is sample r % B); along another dim, where they were."""
+        at = {self._where(t) for t in parts}
+        if not parts or len(at) != 1 or (p := at.pop()) is None:
+            return None
+        k %= parts[0].dim()
+        return (k, p[1], p[2] * len(parts)) if k == p[0] else p
 
     def follow(self, t: torch.Tensor, p: Place) -> None:
         """Follows ``t``, whose samples an op outside this tracker's run put at ``p``."""

@@ -13,7 +13,7 @@ from typing import Any
 from recorder.capture import tensor_leaves
 from recorder.finite import finite, kind_of, label
 
-from . import below_one, outside, summed_grads, through_time
+from . import below_one, output_places, outside, summed_grads, through_time
 from .backward import find_backward_origin
 from .cached_grads import cached_hint, cached_note, gradient_cached
 from .cause import classify
@@ -29,7 +29,7 @@ from .forward_grad import derivative_words, with_node
 from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
 from .held_divisor import held_divisor_hint, loss_buffers
-from .load import Step, autocast_as_recorded, differentiates_model
+from .load import Step, autocast_as_recorded
 from .log_sum_exp import with_log_sum_exp
 from .logged_output import logged_output_cause
 from .looked_up import looked_up_hint
@@ -60,11 +60,11 @@ from .raw_pole import raw_pole_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
-from .source import node_tracebacks
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
 from .weight_readers import bad_row_fields, first_reader, rows_text
 from .written_forward import report_forward_wrote
+from .zero_head import zero_head_hint
 
 
 def report_weights(report, step: Step, bad: list[str]) -> dict[str, Any]:
@@ -144,11 +144,10 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
         cause.hint = fractional_power_hint(b, cause)
         return finish(report, {**_backward_fields(b), "phase": "loss"}, cause.name,
                       reproduced=step.event.get("phase") == "loss", hint=cause.hint)
-    if differentiates_model(step, mb):  # its autograd.grad needs the forward's graph, which
-        # the re-run's backward freed; its nodes keep their forward lines (replay.forward_grad)
-        run = runner.run(backward=False, instrument=False, forward_ctx=node_tracebacks)
+    # (a graph kept for the loss's autograd.grad; the samples where the forward moved them)
+    run, moved = output_places.loss_run(runner, run, mb)
     finder = loss_op_finder(runner)  # (the loss's parameters: <loss>.NAME; its buffers)
-    args, kwargs = loss_args(step, run, mb, finder)
+    args, kwargs = loss_args(step, run, mb, finder, moved)
     with autocast_as_recorded(step.micro_batches[mb], step.device, loss=True), finder:
         loss = step.loss_fn(*args, **kwargs)
     made = next((kind_of(t) for t in tensor_leaves(loss) if not finite(t)), None)
@@ -186,6 +185,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     bufs = loss_buffers(step.loss_fn)  # (<loss>.p_model; <loss>.counts a 0 of the ids picked)
     hint = held_divisor_hint(hint, cause.name, finder, hit, bufs) or hint
     hint = (cause.name == "invalid" and looked_up_hint(hint, bufs, finder, hit)) or hint
+    hint = zero_head_hint(runner, mb, hit, cause.name, hint)  # (normals of a constant field)
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))
