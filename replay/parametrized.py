@@ -42,11 +42,9 @@ def parametrization_hint(step: Step, module: str | None, op: str | None) -> str 
                    if k.startswith(f"weights/{prefix}original"))
     # (weight_norm's magnitude original0 multiplies: only its direction original1 divides)
     for name in [n for n in names if not n.endswith(".original0")] or names:
-        zero = _zero_rows(step.tensors[f"weights/{name}"])
-        if zero is None:
+        where = _zero_rows(step.tensors[f"weights/{name}"])
+        if where is None:
             continue
-        rows, n = zero
-        where = "is all 0" if rows == n else f"has {rows} of its {n} rows all 0"
         return (f"{op or 'an op'} in torch's {kind.__name__} parametrization of "
                 f"{owner + '.' if owner else ''}{tensor} divides by a norm of its parameter "
                 f"{name}, which {where}: a layer initialised to zeros (nn.init.zeros_) or "
@@ -67,11 +65,9 @@ def _legacy_weight_norm(step: Step, module: str, op: str | None) -> str | None:
         if not key.startswith(f"weights/{prefix}") or not name.endswith("_v") \
                 or "." in name[len(prefix):] or f"weights/{name[:-2]}_g" not in step.tensors:
             continue
-        zero = _zero_rows(step.tensors[key])
-        if zero is None:
+        where = _zero_rows(step.tensors[key])
+        if where is None:
             continue
-        rows, n = zero
-        where = "is all 0" if rows == n else f"has {rows} of its {n} rows all 0"
         return (f"{op or 'an op'} in torch's hook-based weight_norm of {prefix}"
                 f"{name[len(prefix):-2]} (torch.nn.utils.weight_norm: g * v / |v| before each "
                 f"forward) divides by the norm of {name}, which {where}: a layer initialised "
@@ -81,9 +77,12 @@ def _legacy_weight_norm(step: Step, module: str, op: str | None) -> str | None:
     return None
 
 
-def _zero_rows(w: torch.Tensor) -> tuple[int, int] | None:
-    """(rows all 0, rows) of ``w`` along its first dimension, None when no row is all 0."""
+def _zero_rows(w: torch.Tensor) -> str | None:
+    """What of ``w`` is 0 along its first dimension ("is all 0", "has 2 of its 8 rows all
+    0"), None when no row is all 0."""
     if not w.is_floating_point() or w.dim() == 0 or w.numel() == 0:
         return None
-    rows = int((w.reshape(w.shape[0], -1) == 0).all(1).sum())
-    return (rows, w.shape[0]) if rows else None
+    rows, n = int((w.reshape(w.shape[0], -1) == 0).all(1).sum()), w.shape[0]
+    if not rows:
+        return None
+    return "is all 0" if rows == n else f"has {rows} of its {n} rows all 0"
