@@ -13,12 +13,11 @@ to the first op that made a non-finite value of one.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import run_op
+from .memo import TensorMarks
 from .source import user_source
 
 _LOGS = {"log", "log2", "log10"}
@@ -31,7 +30,7 @@ class _Absorbed(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.sums, self.zeros = _Marks(), _Marks()
+        self.sums, self.zeros = TensorMarks(), TensorMarks()
         self.fed: tuple[str, str | None, tuple] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -66,25 +65,6 @@ class _Absorbed(TorchDispatchMode):
         lost = (out == 1) & (args[0] != 0)
         if bool(lost.any()):
             self.sums.put(out, float(args[0][lost].abs().max()))
-
-
-class _Marks:
-    """A value per tensor, while it lives (by identity, checked by a weak reference). No
-    version check: inside a dispatch mode an in-place op's version bump comes after it
-    returns, and the mode itself says what an in-place write kept."""
-
-    def __init__(self):
-        self._of: dict[int, tuple[weakref.ref, object]] = {}
-
-    def get(self, t) -> object:
-        hit = self._of.get(id(t))
-        return hit[1] if hit is not None and hit[0]() is t else None
-
-    def put(self, t: torch.Tensor, value: object) -> None:
-        self._of[id(t)] = (weakref.ref(t), value)
-
-    def drop(self, t: torch.Tensor) -> None:
-        self._of.pop(id(t), None)
 
 
 def absorbed_hint(runner, hint: str | None, cause: str, hit) -> str | None:

@@ -57,3 +57,22 @@ class TensorSet:
     def __contains__(self, t: torch.Tensor) -> bool:
         ref = self._refs.get(id(t))
         return ref is not None and ref() is t
+
+
+class TensorMarks:
+    """A mark per tensor while it lives, by identity (checked by a weak reference); unlike
+    :class:`TensorMemo` not cleared by an in-place write: the dispatch mode that marks says
+    itself what such a write kept (``put`` again, or ``drop``)."""
+
+    def __init__(self):
+        self._of: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, t) -> Any:
+        hit = self._of.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def put(self, t: torch.Tensor, mark: Any) -> None:
+        self._of[id(t)] = (weakref.ref(t), mark)
+
+    def drop(self, t: torch.Tensor) -> None:
+        self._of.pop(id(t), None)

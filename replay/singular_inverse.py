@@ -12,12 +12,11 @@ makes one) to the first op that made a non-finite value of one.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import run_op
+from .memo import TensorMarks
 from .source import user_source
 
 # ops whose result is (a product with) a matrix inverse
@@ -37,30 +36,13 @@ def _singular(a: torch.Tensor) -> tuple[float, float] | None:
     return (float(lo[k]), float(hi[k])) if float(lo[k]) <= tol else None
 
 
-class _Marks:
-    """A mark per tensor, while it lives (by identity, checked by a weak reference)."""
-
-    def __init__(self):
-        self._of: dict[int, tuple[weakref.ref, tuple]] = {}
-
-    def get(self, t) -> tuple | None:
-        hit = self._of.get(id(t))
-        return hit[1] if hit is not None and hit[0]() is t else None
-
-    def put(self, t: torch.Tensor, mark: tuple) -> None:
-        self._of[id(t)] = (weakref.ref(t), mark)
-
-    def drop(self, t: torch.Tensor) -> None:
-        self._of.pop(id(t), None)
-
-
 class _Inverted(TorchDispatchMode):
     """Marks each inverse of a singular matrix (``(op, line, singular values)``) and every
     value made of one; ``fed``: the first op given one that made a non-finite value."""
 
     def __init__(self):
         super().__init__()
-        self.marks = _Marks()
+        self.marks = TensorMarks()
         self.fed: tuple[str, str | None, tuple] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
