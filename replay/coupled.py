@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from recorder.capture import tensor_leaves
+from recorder.samples import Samples
 
 from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
 from .recorded import samples
@@ -19,12 +20,28 @@ def coupled_rows(step: Step, run: Run, mb: int, named: list[int]) -> list[int]:
     """The samples whose rows of the model output get a non-finite gradient from the loss,
     when they hold ``named`` and more (else []): one backward of the loss alone, paid only
     by a loss event with named samples."""
-    if not named or differentiates_model(step, mb) or mb >= len(run.outputs):
+    got = loss_grad_rows(step, run, mb) if named else None
+    if got is None:
         return []
+    rows, where = got
+    if not (set(named) < set(rows) and 2 * len(rows) <= where.size):
+        return []
+    outputs = [[t.detach() for t in o] for o in run.outputs]
+    own = _own_rows(step, mb, outputs, run, where, named)
+    return [] if set(rows) - set(named) <= own else rows
+
+
+def loss_grad_rows(step: Step, run: Run, mb: int) -> tuple[list[int], Samples] | None:
+    """(the samples whose rows of micro-batch ``mb``'s model output, as ``run`` made it, get
+    a non-finite gradient from the loss alone, that micro-batch's samples): one backward of
+    the loss over the outputs detached. None where it cannot be told: a loss given the model,
+    no floating output, a loss that takes no gradient here."""
+    if differentiates_model(step, mb) or mb >= len(run.outputs):
+        return None
     outputs = [[t.detach() for t in o] for o in run.outputs]
     leaves = [t.requires_grad_() for t in outputs[mb] if t.is_floating_point()]
     if not leaves:
-        return []
+        return None
     try:
         args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects)
         with torch.enable_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
@@ -32,14 +49,10 @@ def coupled_rows(step: Step, run: Run, mb: int, named: list[int]) -> list[int]:
             loss = [t for t in tensor_leaves(step.loss_fn(*args, **kwargs))
                     if t.requires_grad and t.is_floating_point()]
             grads = torch.autograd.grad([t.sum() for t in loss], leaves, allow_unused=True)
-    except Exception:  # (a loss that takes no gradient here: no coupling to tell)
-        return []
+    except Exception:  # (a loss that takes no gradient here)
+        return None
     where = samples(step, mb)
-    rows = sorted({r for g in grads if g is not None for r in where.rows(g)})
-    if not (set(named) < set(rows) and 2 * len(rows) <= where.size):
-        return []
-    own = _own_rows(step, mb, outputs, run, where, named)
-    return [] if set(rows) - set(named) <= own else rows
+    return sorted({r for g in grads if g is not None for r in where.rows(g)}), where
 
 
 def _own_rows(step: Step, mb: int, outputs, run: Run, where, named: list[int]) -> set[int]:

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from recorder.capture import loss_path, tensor_leaves
+from recorder.capture import loss_path
 from recorder.finite import kind_of, label
 
-from .load import Step, autocast_as_recorded, differentiates_model, loss_inputs
-from .recorded import samples
+from .coupled import loss_grad_rows
+from .load import Step, differentiates_model
 from .rerun import Runner
 
 GROUPED_ARG = (
@@ -55,19 +55,11 @@ def grouped_arg_hint(report: dict[str, Any], step: Step) -> None:
 def _reached_rows(step: Step, mb: int) -> tuple[list[int], int]:
     """(the samples whose rows of the model output get a non-finite gradient from micro-batch
     ``mb``'s loss, the batch's size); ([], 0) when that cannot be told."""
-    if differentiates_model(step, mb):
+    if differentiates_model(step, mb):  # (before the re-run: it would tell nothing)
         return [], 0
     try:
         run = Runner(step).run(backward=False, instrument=False)
-        outputs = [[t.detach() for t in out] for out in run.outputs]
-        leaves = [t.requires_grad_() for t in outputs[mb] if t.is_floating_point()]
-        args, kwargs = loss_inputs(step, mb, outputs, objects=run.objects)
-        with torch.enable_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
-                                                       loss=True):
-            loss = [x for x in tensor_leaves(step.loss_fn(*args, **kwargs))
-                    if x.requires_grad and x.is_floating_point()]
-            grads = torch.autograd.grad([x.sum() for x in loss], leaves, allow_unused=True)
-    except Exception:  # (a loss that takes no gradient here: no rows to tell)
+    except Exception:
         return [], 0
-    where = samples(step, mb)
-    return sorted({r for g in grads if g is not None for r in where.rows(g)}), where.size or 0
+    got = loss_grad_rows(step, run, mb)
+    return ([], 0) if got is None else (got[0], got[1].size or 0)
