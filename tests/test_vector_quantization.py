@@ -1,0 +1,175 @@
+"""End to end on vector-quantised models (``vector_quantization_models``): DALL-E's dVAE with a
+Gumbel-softmax temperature the loop anneals, a cosine-similarity codebook over padded speech
+features, a VQGAN quantiser's expanded distance and codebook-usage entropy under float16
+autocast with a GradScaler, and FSQ feeding an EMA codebook with Laplace smoothing and
+dead-code restarts. Each planted bug of the domain fires under the recorder and is replayed
+with the CLI; the healthy versions raise no event and train bit-identically with and without
+the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import vector_quantization_models as M
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+STEPS = 4
+
+
+def line_of(text: str) -> str:
+    return source_line("vector_quantization_models.py", text)
+
+
+def image_batches(g, bad):
+    return [((img,), (img,)) for img in (M.images(g) for _ in range(STEPS))]
+
+
+def tokenizer_batches(g, bad):
+    """Length-bucketed batches of full utterances; the last batch pads the rows ``bad``."""
+    out = []
+    for step in range(STEPS):
+        lengths = [12] * 8
+        if step == STEPS - 1:
+            for row in bad or ():
+                lengths[row] = 7
+        feats, lens = M.padded_features(g, lengths)
+        out.append(((feats, lens), (feats,)))
+    return out
+
+
+def vqgan_batches(g, bad):
+    """Images scaled to [-1, 1] as taming-transformers feeds them; in the last batch the rows
+    ``bad`` are raw 12-bit camera frames (0..4095) whose ``/ 4095`` the loader skipped."""
+    out = []
+    for step in range(STEPS):
+        img = M.images(g)
+        scaled = img * 2 - 1
+        if step == STEPS - 1:
+            for row in bad or ():
+                scaled[row] = img[row] * 4095
+        out.append(((scaled,), (scaled,)))
+    return out
+
+
+KINDS = {  # batches, loss, optimizer's lr
+    "dvae": (image_batches, M.dvae_loss),
+    "tokenizer": (tokenizer_batches, M.tokenizer_loss),
+    "vqgan": (vqgan_batches, M.vqgan_loss),
+    "fsq": (image_batches, M.fsq_loss),
+}
+
+
+def train(kind: str, make: str, out_dir, bad=None, record: bool = True,
+          temperature=M.linear_temperature):
+    """AdamW with warmup-free cosine decay and gradient clipping, as taming-transformers and
+    DALLE-pytorch train; the dVAE's temperature set on the model before each step; the VQGAN
+    under float16 autocast with a GradScaler (unscaled before clipping). Returns the model."""
+    batches, crit = KINDS[kind]
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.5, 0.9))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+    amp = kind == "vqgan"
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)  # (Gumbel noise, dead-code restarts)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler if amp else None,
+                         factory=f"vector_quantization_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step, (args, targets) in enumerate(batches(g, bad)):
+            if kind == "dvae":
+                model.temperature = temperature(step, STEPS)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                out = model(*args)
+                loss = loss_fn(*out, *targets)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+    return model
+
+
+def fire(kind: str, make: str, tmp_path, bad=None, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(kind, make, tmp_path, bad, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def test_gumbel_temperature_annealed_to_zero_names_the_division_and_the_setting(tmp_path):
+    """A linear temperature schedule without a floor sets ``model.temperature = 0`` at the last
+    step: ``gumbel_softmax`` divides the noisy logits by 0 (+-inf), its softmax makes NaN in
+    every row. The replay re-runs with the recorded temperature, names the division by the
+    number 0 on the Gumbel line, and points at the annealed setting, not at an eps."""
+    ev, bundle = fire("dvae", "make_dvae", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"]) == (
+        True, "", "aten.div", "+inf"), o
+    assert o["source"] == line_of("soft_one_hot = F.gumbel_softmax("), o
+    assert o["samples"] == list(range(8)), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "by the number 0" in rep["hint"] and "temperature" in rep["hint"], rep["hint"]
+    assert any("<root>.temperature = 0.0 (the factory built 0.9)" in p for p in rep["problems"])
+
+
+def test_cosine_codebook_normalising_a_padded_frame_names_the_division_and_the_padded_rows(
+        tmp_path):
+    """The tokenizer zeroes the padded frames before quantising, then l2-normalises by hand:
+    0/0 at every padded frame. Only the utterances the last batch padded (2 and 5) are named,
+    with the eps advice."""
+    ev, bundle = fire("tokenizer", "make_tokenizer", tmp_path, bad=[2, 5])
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
+        3, "forward", "quantizer", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2,5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "quantizer", "aten.div", "nan", [2, 5]), o
+    assert o["source"] == line_of("z = z / z.norm(dim=-1, keepdim=True)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"] and "eps" in rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_float16_distance_of_a_raw_frame_is_overflow_of_the_squared_norm_and_the_frame(
+        tmp_path):
+    """Under float16 autocast the expanded distance's ``flat.pow(2)`` stays float16 on the CPU
+    and overflows for the raw 12-bit frame 3; the entropy's softmax over ``-dist`` then makes
+    NaN. The replay names the pow (not the softmax that made the NaN), overflow, and the frame
+    as out of scale, which a wider type would only hide."""
+    ev, bundle = fire("vqgan", "make_vqgan", tmp_path, bad=[3])
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
+        3, "forward", "quantize", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "quantize", "aten.pow", "+inf", [3]), o
+    assert o["source"] == line_of("dist = (flat.pow(2).sum(1, keepdim=True)"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "float32" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kind, make, bad, kw", [
+    ("dvae", "make_dvae", None, {"temperature": M.exp_temperature}),
+    ("tokenizer", "make_tokenizer_safe", [2, 5], {}),
+    ("vqgan", "make_vqgan_fp32", None, {}),
+    ("fsq", "make_fsq", None, {}),
+])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad, kw):
+    """The fixed versions (a floored temperature, ``F.normalize``'s eps over padded frames,
+    float32 distances) and FSQ into an EMA codebook with Laplace smoothing and dead-code
+    restarts: no event, and bit-identical weights and codebooks with and without the
+    recorder."""
+    recorded = train(kind, make, tmp_path, bad, **kw)
+    plain = train(kind, make, tmp_path, bad, record=False, **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
