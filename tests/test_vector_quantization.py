@@ -157,14 +157,33 @@ def test_float16_distance_of_a_raw_frame_is_overflow_of_the_squared_norm_and_the
     assert "float32" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
 
 
+def test_kl_over_a_padded_vocabulary_names_the_product_and_the_mask_not_the_gumbel(tmp_path):
+    """The codebook is padded to 32 codes and the 5 padding codes masked with -inf: the
+    Gumbel-softmax gives them probability 0 (no NaN), but the KL to the uniform prior computes
+    ``exp(-inf) * (-inf - log_uniform)``, 0 * -inf, in every row at the first step. The replay
+    names kl_div's product, with the masked_fill as the chain's intended start, and tells to
+    keep the masked codes out of the KL."""
+    ev, bundle = fire("dvae", "make_dvae_padded", tmp_path, temperature=M.exp_temperature)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.mul", "nan", list(range(8))), o
+    assert o["source"] == line_of("kl = F.kl_div(log_uniform, qy"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "the KL over the unmasked columns only" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind, make, bad, kw", [
     ("dvae", "make_dvae", None, {"temperature": M.exp_temperature}),
+    ("dvae", "make_dvae_padded_fixed", None, {"temperature": M.exp_temperature}),
     ("tokenizer", "make_tokenizer_safe", [2, 5], {}),
     ("vqgan", "make_vqgan_fp32", None, {}),
     ("fsq", "make_fsq", None, {}),
 ])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad, kw):
-    """The fixed versions (a floored temperature, ``F.normalize``'s eps over padded frames,
+    """The fixed versions (a floored temperature, the KL over the used codes while the
+    Gumbel-softmax keeps its -inf padding codes, ``F.normalize``'s eps over padded frames,
     float32 distances) and FSQ into an EMA codebook with Laplace smoothing and dead-code
     restarts: no event, and bit-identical weights and codebooks with and without the
     recorder."""

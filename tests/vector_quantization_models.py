@@ -51,21 +51,30 @@ def images(g: torch.Generator, n: int = 8, size: int = 8) -> torch.Tensor:
 
 
 class DiscreteVAE(nn.Module):
-    def __init__(self, num_tokens: int = 32, dim: int = 16, kl_weight: float = 0.1):
+    def __init__(self, num_tokens: int = 32, dim: int = 16, kl_weight: float = 0.1,
+                 used_tokens: int | None = None, kl_over_used: bool = False):
         super().__init__()
-        self.num_tokens, self.kl_weight = num_tokens, kl_weight
+        self.num_tokens, self.kl_weight, self.kl_over_used = num_tokens, kl_weight, kl_over_used
         self.encoder = encoder(num_tokens)
         self.codebook = nn.Embedding(num_tokens, dim)
         self.decoder = decoder(dim)
         self.temperature = 0.9
+        # a vocabulary padded to a multiple of 8 for the tensor cores: the padding codes
+        # are masked out of the logits with -inf
+        used = torch.arange(num_tokens) < (used_tokens or num_tokens)
+        self.register_buffer("used", used, persistent=False)
 
     def forward(self, img):
-        logits = self.encoder(img)
+        logits = self.encoder(img).masked_fill(~self.used[:, None, None], float("-inf"))
         soft_one_hot = F.gumbel_softmax(logits, tau=self.temperature, dim=1, hard=False)
         sampled = torch.einsum("bnhw,nd->bdhw", soft_one_hot, self.codebook.weight)
         out = self.decoder(sampled)
-        qy = F.log_softmax(logits.flatten(2).transpose(1, 2), dim=-1)
-        log_uniform = torch.full_like(qy, -math.log(self.num_tokens))
+        logits = logits.flatten(2).transpose(1, 2)
+        if self.kl_over_used:
+            logits = logits[..., self.used]
+        qy = F.log_softmax(logits, dim=-1)
+        log_uniform = torch.full_like(qy, -math.log(qy.shape[-1]))
+        # with padding codes: exp(-inf) * (-inf - log_uniform) is 0 * -inf in kl_div
         kl = F.kl_div(log_uniform, qy, reduction="batchmean", log_target=True)
         return out, self.kl_weight * kl
 
@@ -85,6 +94,16 @@ def exp_temperature(step: int, total: int, start: float = 0.9, temp_min: float =
 def make_dvae() -> DiscreteVAE:
     torch.manual_seed(0)
     return DiscreteVAE()
+
+
+def make_dvae_padded() -> DiscreteVAE:
+    torch.manual_seed(0)
+    return DiscreteVAE(used_tokens=27)
+
+
+def make_dvae_padded_fixed() -> DiscreteVAE:
+    torch.manual_seed(0)
+    return DiscreteVAE(used_tokens=27, kl_over_used=True)
 
 
 # ---------------------------------------------------------------------------------------------
