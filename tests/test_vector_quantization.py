@@ -43,6 +43,16 @@ def tokenizer_batches(g, bad):
     return out
 
 
+def padded_batches(g, bad):
+    """Every batch pads a few utterances (a collate over random lengths)."""
+    out = []
+    for _ in range(STEPS):
+        lengths = torch.randint(4, 13, (8,), generator=g).tolist()
+        feats, lens = M.padded_features(g, lengths)
+        out.append(((feats, lens), (feats,)))
+    return out
+
+
 def vqgan_batches(g, bad):
     """Images scaled to [-1, 1] as taming-transformers feeds them; in the last batch the rows
     ``bad`` are raw 12-bit camera frames (0..4095) whose ``/ 4095`` the loader skipped."""
@@ -60,6 +70,7 @@ def vqgan_batches(g, bad):
 KINDS = {  # batches, loss, optimizer's lr
     "dvae": (image_batches, M.dvae_loss),
     "tokenizer": (tokenizer_batches, M.tokenizer_loss),
+    "restarts": (padded_batches, M.tokenizer_loss),
     "vqgan": (vqgan_batches, M.vqgan_loss),
     "fsq": (image_batches, M.fsq_loss),
 }
@@ -174,17 +185,36 @@ def test_kl_over_a_padded_vocabulary_names_the_product_and_the_mask_not_the_gumb
     assert "the KL over the unmasked columns only" in rep["hint"], rep["hint"]
 
 
+def test_dead_code_restarted_from_a_padded_frame_names_the_zero_code_rows(tmp_path):
+    """Dead codes restart from random frames of the batch, padded (zeroed) frames included; the
+    codes are l2-normalised by hand, so a restarted zero code is 0/0 at the next step, in every
+    row (its NaN similarity wins every argmax). The replay names the division, the zero rows of
+    the codebook and the restart from zeros as what wrote them."""
+    ev, bundle = fire("restarts", "make_tokenizer_restarts", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
+        2, "forward", "quantizer", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "quantizer", "aten.div", "nan", list(range(8))), o
+    assert o["source"] == line_of("codes = w / w.norm(dim=-1, keepdim=True)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "quantizer.embed.weight is 0 in whole slices along dim 0" in rep["hint"]
+    assert "re-initialisation of dead units from an input of zeros" in rep["hint"]
+
+
 @pytest.mark.parametrize("kind, make, bad, kw", [
     ("dvae", "make_dvae", None, {"temperature": M.exp_temperature}),
     ("dvae", "make_dvae_padded_fixed", None, {"temperature": M.exp_temperature}),
     ("tokenizer", "make_tokenizer_safe", [2, 5], {}),
+    ("restarts", "make_tokenizer_valid_restarts", None, {}),
     ("vqgan", "make_vqgan_fp32", None, {}),
     ("fsq", "make_fsq", None, {}),
 ])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad, kw):
     """The fixed versions (a floored temperature, the KL over the used codes while the
     Gumbel-softmax keeps its -inf padding codes, ``F.normalize``'s eps over padded frames,
-    float32 distances) and FSQ into an EMA codebook with Laplace smoothing and dead-code
+    dead codes restarted from valid frames only, float32 distances) and FSQ into an EMA codebook with Laplace smoothing and dead-code
     restarts: no event, and bit-identical weights and codebooks with and without the
     recorder."""
     recorded = train(kind, make, tmp_path, bad, **kw)

@@ -137,12 +137,53 @@ class CosineVQ(nn.Module):
         return self.proj_out(zq), vq_loss
 
 
+class RestartCosineVQ(nn.Module):
+    """The cosine codebook learned by its codebook loss, each code's usage an EMA; a code
+    unused for a few steps restarts from a random frame of the batch (Jukebox, SoundStream).
+    ``valid_restarts=False`` draws from every frame, the padded (zeroed) ones too, and the
+    codes are l2-normalised by hand: a restarted zero code is 0/0 at the next step."""
+
+    def __init__(self, dim: int, codebook_dim: int = 8, n_codes: int = 32, beta: float = 0.25,
+                 decay: float = 0.3, threshold: float = 0.1, valid_restarts: bool = False):
+        super().__init__()
+        self.proj_in = nn.Linear(dim, codebook_dim)
+        self.embed = nn.Embedding(n_codes, codebook_dim)
+        self.proj_out = nn.Linear(codebook_dim, dim)
+        self.register_buffer("usage", torch.ones(n_codes))
+        self.beta, self.decay, self.threshold = beta, decay, threshold
+        self.valid_restarts = valid_restarts
+
+    def forward(self, x, mask):
+        z = F.normalize(self.proj_in(x) * mask[..., None], dim=-1)
+        w = self.embed.weight
+        codes = w / w.norm(dim=-1, keepdim=True)  # a zero code is 0/0
+        ind = (z @ codes.t()).argmax(-1)
+        zq = codes[ind]
+        per_frame = self.beta * (zq.detach() - z).pow(2).sum(-1) + (zq - z.detach()).pow(2).sum(-1)
+        vq_loss = (per_frame * mask).sum() / mask.sum()
+        if self.training:
+            self.restart_dead(z, ind, mask)
+        zq = z + (zq - z).detach()
+        return self.proj_out(zq), vq_loss
+
+    @torch.no_grad()
+    def restart_dead(self, z, ind, mask):
+        used = F.one_hot(ind[mask.bool()], self.usage.shape[0]).sum(0).float()
+        self.usage.mul_(self.decay).add_(used, alpha=1 - self.decay)
+        dead = self.usage < self.threshold
+        if bool(dead.any()):
+            frames = z[mask.bool()] if self.valid_restarts else z.reshape(-1, z.shape[-1])
+            pick = torch.randint(0, frames.shape[0], (int(dead.sum()),))
+            self.embed.weight.data[dead] = frames[pick]  # the bug: a padded frame is a zero vector
+            self.usage[dead] = 1.0
+
+
 class SpeechTokenizer(nn.Module):
-    def __init__(self, feats: int = 16, hidden: int = 32, safe: bool = False):
+    def __init__(self, feats: int = 16, hidden: int = 32, quantizer: nn.Module | None = None):
         super().__init__()
         self.encoder = nn.Sequential(nn.Conv1d(feats, hidden, 3, padding=1), nn.GELU(),
                                      nn.Conv1d(hidden, hidden, 3, padding=1))
-        self.quantizer = CosineVQ(hidden, safe=safe)
+        self.quantizer = quantizer or CosineVQ(hidden)
         self.decoder = nn.Sequential(nn.Conv1d(hidden, hidden, 3, padding=1), nn.GELU(),
                                      nn.Conv1d(hidden, feats, 3, padding=1))
 
@@ -165,7 +206,17 @@ def make_tokenizer() -> SpeechTokenizer:
 
 def make_tokenizer_safe() -> SpeechTokenizer:
     torch.manual_seed(0)
-    return SpeechTokenizer(safe=True)
+    return SpeechTokenizer(quantizer=CosineVQ(32, safe=True))
+
+
+def make_tokenizer_restarts() -> SpeechTokenizer:
+    torch.manual_seed(0)
+    return SpeechTokenizer(quantizer=RestartCosineVQ(32))
+
+
+def make_tokenizer_valid_restarts() -> SpeechTokenizer:
+    torch.manual_seed(0)
+    return SpeechTokenizer(quantizer=RestartCosineVQ(32, valid_restarts=True))
 
 
 def padded_features(g: torch.Generator, lengths: list[int], steps: int = 12, feats: int = 16):
