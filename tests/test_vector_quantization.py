@@ -203,18 +203,40 @@ def test_dead_code_restarted_from_a_padded_frame_names_the_zero_code_rows(tmp_pa
     assert "re-initialisation of dead units from an input of zeros" in rep["hint"]
 
 
+def test_soft_kmeans_sqrt_distance_to_codes_initialised_from_the_batch_names_its_backward(
+        tmp_path):
+    """The codebook is initialised on the first batch from its own frames, so each picked frame
+    is at distance exactly 0 from its code; the hand-written euclidean distance's sqrt has an
+    infinite derivative there: a backward event at step 0. The replay names SqrtBackward0 in the
+    quantizer, the utterances whose frames became codes (recomputed from the same draw), and
+    the sqrt of a sum of squares at coinciding points, with ``vector_norm`` as the fix."""
+    ev, bundle = fire("tokenizer", "make_tokenizer_dkm", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    torch.manual_seed(1)  # train's seed; the init's randperm is the step's first draw
+    picked = sorted(set((torch.randperm(8 * 12)[:8] // 12).tolist()))
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        True, "quantizer", "SqrtBackward0", picked), o
+    assert o["source"] == line_of("dist = sq if self.squared else sq.sqrt()"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "where two points coincide" in rep["hint"] and "vector_norm" in rep["hint"]
+
+
 @pytest.mark.parametrize("kind, make, bad, kw", [
     ("dvae", "make_dvae", None, {"temperature": M.exp_temperature}),
     ("dvae", "make_dvae_padded_fixed", None, {"temperature": M.exp_temperature}),
     ("tokenizer", "make_tokenizer_safe", [2, 5], {}),
     ("restarts", "make_tokenizer_valid_restarts", None, {}),
+    ("tokenizer", "make_tokenizer_dkm_squared", None, {}),
     ("vqgan", "make_vqgan_fp32", None, {}),
     ("fsq", "make_fsq", None, {}),
 ])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad, kw):
     """The fixed versions (a floored temperature, the KL over the used codes while the
     Gumbel-softmax keeps its -inf padding codes, ``F.normalize``'s eps over padded frames,
-    dead codes restarted from valid frames only, float32 distances) and FSQ into an EMA codebook with Laplace smoothing and dead-code
+    dead codes restarted from valid frames only, soft k-means over squared distances, float32
+    distances) and FSQ into an EMA codebook with Laplace smoothing and dead-code
     restarts: no event, and bit-identical weights and codebooks with and without the
     recorder."""
     recorded = train(kind, make, tmp_path, bad, **kw)

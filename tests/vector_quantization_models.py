@@ -178,6 +178,34 @@ class RestartCosineVQ(nn.Module):
             self.usage[dead] = 1.0
 
 
+class SoftKMeansVQ(nn.Module):
+    """Differentiable k-means (DKM) as a soft VQ: assignments ``softmax(-d / T)`` over the
+    euclidean distances to the codes, the soft code their weighted mean; the codebook is
+    initialised on the first training batch from its own frames (lucidrains' ``init_embed_``).
+    ``squared=False`` writes the distance with a ``sqrt``: a frame that became a code is at
+    distance exactly 0, where the sqrt's derivative is infinite."""
+
+    def __init__(self, dim: int, n_codes: int = 8, temperature: float = 0.5,
+                 squared: bool = False):
+        super().__init__()
+        self.embed = nn.Parameter(torch.zeros(n_codes, dim))
+        self.register_buffer("initted", torch.tensor(False))
+        self.temperature, self.squared = temperature, squared
+
+    def forward(self, x, mask):
+        flat = x.reshape(-1, x.shape[-1])
+        if self.training and not bool(self.initted):
+            with torch.no_grad():
+                pick = torch.randperm(flat.shape[0])[:self.embed.shape[0]]
+                self.embed.copy_(flat[pick])
+                self.initted.fill_(True)
+        sq = (flat[:, None] - self.embed[None]).pow(2).sum(-1)
+        dist = sq if self.squared else sq.sqrt()  # the bug: sqrt's gradient at a distance of 0
+        assign = (-dist / self.temperature).softmax(-1)
+        soft = assign @ self.embed
+        return soft.view_as(x), dist.new_zeros(())
+
+
 class SpeechTokenizer(nn.Module):
     def __init__(self, feats: int = 16, hidden: int = 32, quantizer: nn.Module | None = None):
         super().__init__()
@@ -207,6 +235,16 @@ def make_tokenizer() -> SpeechTokenizer:
 def make_tokenizer_safe() -> SpeechTokenizer:
     torch.manual_seed(0)
     return SpeechTokenizer(quantizer=CosineVQ(32, safe=True))
+
+
+def make_tokenizer_dkm() -> SpeechTokenizer:
+    torch.manual_seed(0)
+    return SpeechTokenizer(quantizer=SoftKMeansVQ(32))
+
+
+def make_tokenizer_dkm_squared() -> SpeechTokenizer:
+    torch.manual_seed(0)
+    return SpeechTokenizer(quantizer=SoftKMeansVQ(32, squared=True))
 
 
 def make_tokenizer_restarts() -> SpeechTokenizer:
