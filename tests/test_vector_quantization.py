@@ -73,6 +73,7 @@ KINDS = {  # batches, loss, optimizer's lr
     "restarts": (padded_batches, M.tokenizer_loss),
     "vqgan": (vqgan_batches, M.vqgan_loss),
     "fsq": (image_batches, M.fsq_loss),
+    "rvq": (image_batches, M.dvae_loss),
 }
 
 
@@ -223,6 +224,22 @@ def test_soft_kmeans_sqrt_distance_to_codes_initialised_from_the_batch_names_its
     assert "where two points coincide" in rep["hint"] and "vector_norm" in rep["hint"]
 
 
+def test_quantizer_dropout_keeping_no_stage_names_the_mean_over_stages_and_its_samples(tmp_path):
+    """SoundStream's per-sample quantizer dropout drawn with ``randint(0, Q + 1)``: a sample that
+    keeps no stage averages its commitment over 0 stages, 0/0. The replay names the division
+    and exactly the samples the draw gave 0 stages (recomputed from the same draw)."""
+    ev, bundle = fire("rvq", "make_rvq", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "rvq", "nan"), ev
+    torch.manual_seed(1)  # train's seed; the dropout's draw is the step's first
+    none_kept = torch.nonzero(torch.randint(0, 5, (8,)) == 0).flatten().tolist()
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "rvq", "aten.div", "nan", none_kept), o
+    assert o["source"] == line_of("per_sample = (torch.stack(losses, 1) * active).sum(1)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind, make, bad, kw", [
     ("dvae", "make_dvae", None, {"temperature": M.exp_temperature}),
     ("dvae", "make_dvae_padded_fixed", None, {"temperature": M.exp_temperature}),
@@ -231,12 +248,13 @@ def test_soft_kmeans_sqrt_distance_to_codes_initialised_from_the_batch_names_its
     ("tokenizer", "make_tokenizer_dkm_squared", None, {}),
     ("vqgan", "make_vqgan_fp32", None, {}),
     ("fsq", "make_fsq", None, {}),
+    ("rvq", "make_rvq_fixed", None, {}),
 ])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad, kw):
     """The fixed versions (a floored temperature, the KL over the used codes while the
     Gumbel-softmax keeps its -inf padding codes, ``F.normalize``'s eps over padded frames,
     dead codes restarted from valid frames only, soft k-means over squared distances, float32
-    distances) and FSQ into an EMA codebook with Laplace smoothing and dead-code
+    distances, quantizer dropout keeping at least one stage) and FSQ into an EMA codebook with Laplace smoothing and dead-code
     restarts: no event, and bit-identical weights and codebooks with and without the
     recorder."""
     recorded = train(kind, make, tmp_path, bad, **kw)

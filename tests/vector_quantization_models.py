@@ -338,6 +338,65 @@ def make_vqgan_fp32() -> EntropyVQGAN:
 
 
 # ---------------------------------------------------------------------------------------------
+# residual VQ with SoundStream's quantizer dropout
+
+
+class ResidualVQ(nn.Module):
+    """Stages of nearest-code VQ on the residual of the previous ones; in training each sample
+    keeps only its first ``n_q`` stages (quantizer dropout, per sample), its commitment loss
+    the mean over the stages it kept. ``min_stages=0`` is the off-by-one
+    ``torch.randint(0, Q + 1)`` for ``randint(1, Q + 1)``: a sample keeping no stage is 0/0."""
+
+    def __init__(self, dim: int, stages: int = 4, n_codes: int = 16, min_stages: int = 1):
+        super().__init__()
+        self.codebooks = nn.ModuleList(nn.Embedding(n_codes, dim) for _ in range(stages))
+        self.min_stages = min_stages
+
+    def forward(self, z):  # (B, N, D)
+        b, stages = z.shape[0], len(self.codebooks)
+        n_q = torch.full((b,), stages)
+        if self.training:
+            n_q = torch.randint(self.min_stages, stages + 1, (b,))
+        residual, out, losses = z, torch.zeros_like(z), []
+        for i, codebook in enumerate(self.codebooks):
+            keep = (i < n_q).to(z.dtype)[:, None, None]
+            ind = torch.cdist(residual, codebook.weight[None].expand(b, -1, -1)).argmin(-1)
+            q = codebook(ind)
+            losses.append(((q - residual.detach()).pow(2) + 0.25 * (q.detach() - residual)
+                           .pow(2)).mean((1, 2)))
+            q = residual + (q - residual).detach()
+            out = out + q * keep
+            residual = residual - q.detach() * keep
+        active = (torch.arange(stages)[None] < n_q[:, None]).to(z.dtype)
+        per_sample = (torch.stack(losses, 1) * active).sum(1) / active.sum(1)
+        return out, per_sample.mean()
+
+
+class RVQCodec(nn.Module):
+    def __init__(self, dim: int = 16, min_stages: int = 1):
+        super().__init__()
+        self.encoder = encoder(dim)
+        self.rvq = ResidualVQ(dim, min_stages=min_stages)
+        self.decoder = decoder(dim)
+
+    def forward(self, img):
+        z = self.encoder(img)
+        b, d, h, w = z.shape
+        q, commit = self.rvq(z.flatten(2).transpose(1, 2))
+        return self.decoder(q.transpose(1, 2).reshape(b, d, h, w)), commit
+
+
+def make_rvq() -> RVQCodec:
+    torch.manual_seed(0)
+    return RVQCodec(min_stages=0)
+
+
+def make_rvq_fixed() -> RVQCodec:
+    torch.manual_seed(0)
+    return RVQCodec()
+
+
+# ---------------------------------------------------------------------------------------------
 # finite scalar quantisation, and an EMA codebook with smoothing and dead-code restarts
 
 
