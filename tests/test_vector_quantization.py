@@ -78,7 +78,7 @@ KINDS = {  # batches, loss, optimizer's lr
 
 
 def train(kind: str, make: str, out_dir, bad=None, record: bool = True,
-          temperature=M.linear_temperature):
+          temperature=M.linear_temperature, init_scale: float = 2.0 ** 16):
     """AdamW with warmup-free cosine decay and gradient clipping, as taming-transformers and
     DALLE-pytorch train; the dVAE's temperature set on the model before each step; the VQGAN
     under float16 autocast with a GradScaler (unscaled before clipping). Returns the model."""
@@ -87,7 +87,8 @@ def train(kind: str, make: str, out_dir, bad=None, record: bool = True,
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.5, 0.9))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
     amp = kind == "vqgan"
-    scaler = torch.amp.GradScaler("cpu", enabled=amp)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=amp)
+    model.scales = []  # the scaler's scale after each step (a skipped step halves it)
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)  # (Gumbel noise, dead-code restarts)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler if amp else None,
@@ -107,6 +108,7 @@ def train(kind: str, make: str, out_dir, bad=None, record: bool = True,
             scaler.step(opt)
             scaler.update()
             sched.step()
+            model.scales.append(scaler.get_scale())
     return model
 
 
@@ -259,6 +261,20 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad
     recorder."""
     recorded = train(kind, make, tmp_path, bad, **kw)
     plain = train(kind, make, tmp_path, bad, record=False, **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+    if kind == "fsq":  # the restarts' randint drew the same rows under the recorder
+        assert recorded.vq.restarts == plain.vq.restarts > 0
+
+
+def test_float16_steps_the_grad_scaler_skips_are_not_events(tmp_path):
+    """A GradScaler started far too high (2**40): every step's float16 gradients overflow and
+    the scaler skips the update and halves its scale, as it should; the recorder raises
+    nothing, and the weights stay bit-identical to an unrecorded run's."""
+    recorded = train("vqgan", "make_vqgan_fp32", tmp_path, init_scale=2.0 ** 40)
+    plain = train("vqgan", "make_vqgan_fp32", tmp_path, init_scale=2.0 ** 40, record=False)
+    assert recorded.scales == plain.scales == [2.0 ** 39, 2.0 ** 38, 2.0 ** 37, 2.0 ** 36]
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(a, b), name

@@ -419,10 +419,11 @@ class EMACodebook(nn.Module):
     """VQ-VAE-2's EMA codebook with Laplace smoothing; codes unused for a while restart from
     random vectors of the batch (Jukebox)."""
 
-    def __init__(self, dim: int, n_codes: int = 32, decay: float = 0.9, eps: float = 1e-5,
-                 threshold: float = 0.05):
+    def __init__(self, dim: int, n_codes: int = 32, decay: float = 0.5, eps: float = 1e-5,
+                 threshold: float = 0.1):
         super().__init__()
         self.decay, self.eps, self.threshold = decay, eps, threshold
+        self.restarts = 0  # codes restarted so far (logged)
         self.register_buffer("embed", torch.randn(n_codes, dim))
         self.register_buffer("cluster_size", torch.ones(n_codes))
         self.register_buffer("embed_sum", self.embed.clone())
@@ -442,6 +443,7 @@ class EMACodebook(nn.Module):
                 dead = self.cluster_size < self.threshold
                 if bool(dead.any()):
                     pick = torch.randint(0, flat.shape[0], (int(dead.sum()),))
+                    self.restarts += int(dead.sum())
                     self.embed[dead] = flat[pick]
                     self.embed_sum[dead] = flat[pick]
                     self.cluster_size[dead] = 1.0
