@@ -268,6 +268,7 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad
         assert recorded.vq.restarts == plain.vq.restarts > 0
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # (skips)
 def test_float16_steps_the_grad_scaler_skips_are_not_events(tmp_path):
     """A GradScaler started far too high (2**40): every step's float16 gradients overflow and
     the scaler skips the update and halves its scale, as it should; the recorder raises
