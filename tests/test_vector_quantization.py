@@ -171,6 +171,35 @@ def test_float16_distance_of_a_raw_frame_is_overflow_of_the_squared_norm_and_the
     assert "float32" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
 
 
+def test_temperature_given_to_forward_as_an_argument_is_replayed_from_the_batch(tmp_path):
+    """DALLE-pytorch's loop: ``loss = vae(images, return_loss=True, temp=temp)``, no loss
+    function, the annealed temperature a forward argument (no attribute changes). The bundle
+    keeps the Python arguments, so the replay re-runs with ``temp=0.0`` and names the same
+    division by the number 0 as when the loop set the attribute."""
+    model = M.make_dvae()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, out_dir=tmp_path,
+                            factory="vector_quantization_models:make_dvae"):
+            for step in range(STEPS):
+                loss = model(M.images(g), return_loss=True,
+                             temp=M.linear_temperature(step, STEPS))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "", "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.div", "+inf", list(range(8))), o
+    assert o["source"] == line_of("soft_one_hot = F.gumbel_softmax(logits, tau=temp"), o
+    assert rep["cause"] == "invalid" and "by the number 0" in rep["hint"], rep["hint"]
+    assert not any("temperature" in p for p in rep.get("problems", [])), rep["problems"]
+
+
 def test_kl_over_a_padded_vocabulary_names_the_product_and_the_mask_not_the_gumbel(tmp_path):
     """The codebook is padded to 32 codes and the 5 padding codes masked with -inf: the
     Gumbel-softmax gives them probability 0 (no NaN), but the KL to the uniform prior computes

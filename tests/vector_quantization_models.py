@@ -2,8 +2,9 @@
 
 - ``DiscreteVAE``: DALL-E's dVAE as lucidrains' DALLE-pytorch writes it: a conv encoder's
   logits over the codebook, ``F.gumbel_softmax(logits, tau=self.temperature, dim=1)`` mixing
-  the codebook's embeddings, the KL of the codes' posterior to the uniform prior; the loop
-  anneals ``model.temperature`` (``linear_temperature``: linear to 0 without a floor, the bug;
+  the codebook's embeddings, the KL of the codes' posterior to the uniform prior (a vocabulary
+  padded with -inf-masked codes: ``make_dvae_padded``), ``vae(img, return_loss=True, temp=t)``
+  as DALLE-pytorch calls it; or the loop anneals ``model.temperature`` (``linear_temperature``: linear to 0 without a floor, the bug;
   ``exp_temperature``: DALLE-pytorch's exponential decay floored at ``temp_min``).
 - ``SpeechTokenizer``: a factorised, l2-normalised (cosine-similarity) codebook as ViT-VQGAN and
   the speech tokenizers write it, over padded feature sequences: the encoder's frames are
@@ -64,9 +65,11 @@ class DiscreteVAE(nn.Module):
         used = torch.arange(num_tokens) < (used_tokens or num_tokens)
         self.register_buffer("used", used, persistent=False)
 
-    def forward(self, img):
+    def forward(self, img, return_loss: bool = False, temp: float | None = None):
+        """DALLE-pytorch's signature: ``vae(images, return_loss=True, temp=temp)`` is the loss."""
+        temp = self.temperature if temp is None else temp
         logits = self.encoder(img).masked_fill(~self.used[:, None, None], float("-inf"))
-        soft_one_hot = F.gumbel_softmax(logits, tau=self.temperature, dim=1, hard=False)
+        soft_one_hot = F.gumbel_softmax(logits, tau=temp, dim=1, hard=False)
         sampled = torch.einsum("bnhw,nd->bdhw", soft_one_hot, self.codebook.weight)
         out = self.decoder(sampled)
         logits = logits.flatten(2).transpose(1, 2)
@@ -76,6 +79,8 @@ class DiscreteVAE(nn.Module):
         log_uniform = torch.full_like(qy, -math.log(qy.shape[-1]))
         # with padding codes: exp(-inf) * (-inf - log_uniform) is 0 * -inf in kl_div
         kl = F.kl_div(log_uniform, qy, reduction="batchmean", log_target=True)
+        if return_loss:
+            return F.mse_loss(out, img) + self.kl_weight * kl
         return out, self.kl_weight * kl
 
 
