@@ -153,6 +153,36 @@ def test_cosine_codebook_normalising_a_padded_frame_names_the_division_and_the_p
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_padded_frames_in_the_second_micro_batch_are_named_as_its_rows(tmp_path):
+    """Gradient accumulation over two micro-batches of 4 utterances (the loss divided by 2):
+    the last step's second micro-batch pads utterances 1 and 3. The event and the replay name
+    micro-batch 1 and its own rows 1 and 3, the division and the eps advice."""
+    model = M.make_tokenizer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.tokenizer_loss, out_dir=tmp_path,
+                            factory="vector_quantization_models:make_tokenizer") as rec:
+            for step in range(3):
+                opt.zero_grad()
+                for micro in range(2):
+                    lengths = [6 if step == 2 and micro == 1 and i in (1, 3) else 12
+                               for i in range(4)]
+                    feats, lens = M.padded_features(g, lengths)
+                    (rec.loss_fn(*model(feats, lens), feats) / 2).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["micro_batch"], ev["module"], ev["samples"]) == (
+        2, 1, "quantizer", [1, 3]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["micro_batch"], o["module"], o["op"], o["samples"]) == (
+        True, 1, "quantizer", "aten.div", [1, 3]), o
+    assert o["source"] == line_of("z = z / z.norm(dim=-1, keepdim=True)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+
+
 def test_float16_distance_of_a_raw_frame_is_overflow_of_the_squared_norm_and_the_frame(
         tmp_path):
     """Under float16 autocast the expanded distance's ``flat.pow(2)`` stays float16 on the CPU
