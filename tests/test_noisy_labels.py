@@ -1,0 +1,203 @@
+"""End to end on learning with noisy labels (``noisy_labels_models``): symmetric cross
+entropy, generalized cross entropy, active-passive losses, forward correction by a transition
+matrix estimated from a trusted subset, Co-teaching's exchange of small-loss samples,
+bootstrapping, and DivideMix's GMM on the per-sample losses. Each planted bug of the domain
+fires under the recorder and is replayed with the CLI; the healthy versions raise no event and
+train bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import noisy_labels_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader, TensorDataset
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("noisy_labels_models.py", text)
+
+
+def loader(n: int = 192, batch: int = 32, scale_row: int | None = None):
+    """The noisy training set in order (the planted record's index is its place in the
+    batches); ``scale_row``: a record whose features were never standardised (x 1000)."""
+    x, noisy, _ = M.noisy_dataset(n)
+    if scale_row is not None:
+        x[scale_row] *= 1000.0
+    return DataLoader(TensorDataset(x, noisy), batch_size=batch, shuffle=False)
+
+
+def transition(trusted_without: int | None = None) -> torch.Tensor:
+    """T from the first 60 records' (clean, noisy) pairs, the trusted subset;
+    ``trusted_without``: a noisy class left out of it (the subset was drawn before that
+    class's records were labelled)."""
+    _, noisy, clean = M.noisy_dataset(400, seed=1)
+    keep = torch.arange(400) < 60
+    if trusted_without is not None:
+        keep &= noisy != trusted_without
+    return M.estimate_transition(clean[keep], noisy[keep])
+
+
+def train(make: str, crit, out_dir, data, epochs: int = 1, record: bool = True,
+          clip: float = 5.0):
+    """SGD with momentum, a step schedule and gradient clipping, as the noisy-label
+    repositories train; ``crit`` is called as ``crit(logits, y)``. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    torch.manual_seed(1)  # (dropout)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"noisy_labels_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for _ in range(epochs):
+            for x, y in data:
+                loss = loss_fn(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                sched.step()
+    return model
+
+
+def train_coteaching(out_dir, n: int = 192, epochs: int = 2, record: bool = True):
+    """Han et al.'s loop: Adam over both peers, the forget rate ramped up over the first
+    epoch by ``forget_schedule``, the lr decayed linearly; ``n`` records in batches of 32
+    (``drop_last=False``: 193 leaves a last batch of one record)."""
+    model = M.make_pair()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rates = M.forget_schedule(0.2, num_gradual=1, n_epoch=epochs)
+    x, noisy, _ = M.noisy_dataset(n)
+    data = DataLoader(TensorDataset(x, noisy), batch_size=32, shuffle=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / (epochs * len(data)))
+    torch.manual_seed(1)
+    rec = FlightRecorder(model, opt, loss_fn=M.coteaching_loss, out_dir=out_dir,
+                         factory="noisy_labels_models:make_pair") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.coteaching_loss
+        for epoch in range(epochs):
+            for xb, yb in data:
+                logits_1, logits_2 = model(xb)
+                loss = loss_fn(logits_1, logits_2, yb, rates[epoch])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+    return model
+
+
+def fire(make: str, crit, tmp_path, data):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, crit, tmp_path, data)
+    return info.value.event, info.value.bundle_path
+
+
+def test_reverse_ce_without_the_clamp_names_the_log_of_the_one_hot_labels(tmp_path):
+    """Symmetric CE's reverse term without ``clamp(min=1e-4)`` on the one-hot labels (the
+    paper's A = -4): ``log 0`` in every class but the label's, so every row's RCE is +inf at
+    the first step. A loss event; the replay names the log on the RCE line, every row, and
+    says to clamp its input away from the pole (the paper's clamp)."""
+    ev, bundle = fire("make_net", M.SCELoss(clamp=False), tmp_path, loader())
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "loss", "<loss>", "+inf")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.log", "-inf", list(range(32))), o
+    assert o["source"] == line_of("rce = -1 * torch.sum(pred * torch.log(label_one_hot)"), o
+    assert rep["cause"] == "invalid" and "clamp" in rep["hint"], rep["hint"]
+
+
+def test_gce_without_the_clamp_names_the_pow_gradient_at_zero_and_the_record(tmp_path):
+    """GCE's ``p_y ** q`` without APL's ``clamp(min=1e-7)``: a record whose features were
+    never standardised (x 1000) gives logits of ~1e3, its noisy label's softmax probability
+    underflows to 0, and ``q p^(q-1)`` is +inf there in backward (the forward stays finite).
+    The replay names PowBackward0 on the GCE line, the record's row, underflow, the clamp, and
+    the record's out-of-scale data; dropping it makes the step finite."""
+    ev, bundle = fire("make_plain_net", M.GCELoss(clamp=False), tmp_path,
+                      loader(scale_row=163))
+    assert (ev["step"], ev["phase"], ev["kind"]) == (5, "backward", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == (
+        "backward", "<loss>", "PowBackward0", [3]), o
+    assert o["source"] == line_of("gce = (1.0 - p_y ** self.q) / self.q"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "clamp_min(eps)" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_unclamped_gce_without_the_recorder_turns_the_weights_nan(tmp_path):
+    """The event above is the bug, not a false alarm: unrecorded, clipping the NaN gradient
+    norm leaves NaN in every weight it scales."""
+    model = train("make_plain_net", M.GCELoss(clamp=False), tmp_path, loader(scale_row=163),
+                  record=False)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_transition_matrix_with_a_zero_column_names_the_log_of_the_corrected_probs(tmp_path):
+    """Forward correction with T estimated from a trusted subset that holds no record of
+    noisy class 5: T's column 5 is 0, so ``softmax(logits) @ T`` is 0 there and its log is
+    -inf, which the NLL picks in every row labelled 5 at the first step. The replay names the
+    log on the forward-correction line in the loss."""
+    ev, bundle = fire("make_net", M.ForwardCorrected(transition(trusted_without=5)), tmp_path,
+                      loader())
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "loss", "<loss>", "+inf")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"]) == ("<loss>", "aten.log", "-inf"), o
+    assert o["source"] == line_of("return F.nll_loss(torch.log(noisy_prob), noisy_labels)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+
+
+def test_coteaching_last_batch_of_one_record_names_the_mean_over_no_sample(tmp_path):
+    """193 records in batches of 32 leave a last batch of one; once the forget rate reaches
+    0.2, ``int(0.8 * 1) = 0`` samples are remembered and the peer's cross entropy is a mean
+    over an empty selection (0/0) at the last step of the second epoch. The replay names the
+    NLL on the exchange's line, invalid, the empty selection and ``drop_last=True``."""
+    with pytest.raises(NonFiniteError) as info:
+        train_coteaching(tmp_path, n=193)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (13, "loss", "<loss>", "nan")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"]) == ("<loss>", "aten.nll_loss_forward", "nan"), o
+    assert o["source"] == line_of("loss_1_update = F.cross_entropy(y_1[ind_2_update]"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "an empty selection" in rep["hint"] and "drop_last=True" in rep["hint"], rep["hint"]
+
+
+HEALTHY = [("make_net", lambda: M.SCELoss()), ("make_plain_net", lambda: M.GCELoss()),
+           ("make_net", lambda: M.NCEandRCE()), ("make_net", lambda: M.BootstrapLoss()),
+           ("make_net", lambda: M.ForwardCorrected(transition())),
+           ("make_net", lambda: torch.nn.CrossEntropyLoss(label_smoothing=0.1))]
+
+
+@pytest.mark.parametrize("make,crit", HEALTHY, ids=["sce", "gce", "nce_rce", "bootstrap",
+                                                    "forward", "smoothing"])
+def test_healthy_losses_raise_nothing_and_train_the_same(tmp_path, make, crit):
+    """The clamped SCE and GCE (on the unstandardised record too), APL's NCE+RCE,
+    bootstrapping, forward correction by a full T, label smoothing: two epochs, no event,
+    bit-identical weights with and without the recorder."""
+    data = loader(scale_row=163 if make == "make_plain_net" else None)
+    recorded = train(make, crit(), tmp_path, data, epochs=2)
+    plain = train(make, crit(), tmp_path, data, epochs=2, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_healthy_coteaching_raises_nothing_and_trains_the_same(tmp_path):
+    """192 records (no batch of one): argsort, the exchanged index selections and a forget
+    rate ramp; no event, bit-identical peers with and without the recorder."""
+    recorded = train_coteaching(tmp_path, n=192)
+    plain = train_coteaching(tmp_path, n=192, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
