@@ -189,6 +189,14 @@ def gmm_clean_prob(losses: torch.Tensor, iters: int = 10, reg: float = 0.0) -> t
     return resp[:, mu.argmin()]
 
 
+def refined_ce(logits, labels, w):
+    """DivideMix's label refinement on the labelled set: the given label mixed with the
+    model's own prediction by each record's clean probability ``w``, then soft-target CE."""
+    one_hot = F.one_hot(labels, logits.shape[1]).float()
+    targets = w[:, None] * one_hot + (1 - w[:, None]) * F.softmax(logits, 1).detach()
+    return -(targets * F.log_softmax(logits, 1)).sum(1).mean()
+
+
 # ---------------------------------------------------------------------------------------------
 # data: Gaussian class clusters, 30% symmetric label noise
 

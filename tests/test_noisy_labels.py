@@ -145,7 +145,8 @@ def test_transition_matrix_with_a_zero_column_names_the_log_of_the_corrected_pro
     """Forward correction with T estimated from a trusted subset that holds no record of
     noisy class 5: T's column 5 is 0, so ``softmax(logits) @ T`` is 0 there and its log is
     -inf, which the NLL picks in every row labelled 5 at the first step. The replay names the
-    log on the forward-correction line in the loss."""
+    log on the forward-correction line in the loss, and says the 0 is column 5 of the
+    product's right operand, all 0: the matrix to fill, not a log to clamp."""
     ev, bundle = fire("make_net", M.ForwardCorrected(transition(trusted_without=5)), tmp_path,
                       loader())
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "loss", "<loss>", "+inf")
@@ -154,6 +155,8 @@ def test_transition_matrix_with_a_zero_column_names_the_log_of_the_corrected_pro
     assert (o["module"], o["op"], o["made"]) == ("<loss>", "aten.log", "-inf"), o
     assert o["source"] == line_of("return F.nll_loss(torch.log(noisy_prob), noisy_labels)"), o
     assert rep["cause"] == "invalid", rep["cause"]
+    assert "matrix product's column(s) [5], where its right operand (6, 6) holds only 0" in \
+        rep["hint"] and "re-estimate the matrix" in rep["hint"], rep["hint"]
 
 
 def test_coteaching_last_batch_of_one_record_names_the_mean_over_no_sample(tmp_path):
@@ -198,6 +201,73 @@ def test_healthy_coteaching_raises_nothing_and_trains_the_same(tmp_path):
     rate ramp; no event, bit-identical peers with and without the recorder."""
     recorded = train_coteaching(tmp_path, n=192)
     plain = train_coteaching(tmp_path, n=192, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def per_sample_losses(model, data) -> torch.Tensor:
+    """DivideMix's ``eval_train``: every record's CE under the model in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        losses = torch.cat([torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+                            for x, y, _ in data])
+    model.train()
+    return losses
+
+
+def train_dividemix(out_dir, reg: float, outlier: int | None = None, epochs: int = 2,
+                    record: bool = True):
+    """Each epoch begins with the GMM on every record's loss; its clean probability weighs
+    each record's label against the model's prediction (``refined_ce``). ``outlier``: a
+    record never standardised (x 30), whose loss stands alone."""
+    model = M.make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9, weight_decay=5e-4)
+    x, noisy, _ = M.noisy_dataset(192)
+    if outlier is not None:
+        x[outlier] *= 30.0
+    data = DataLoader(TensorDataset(x, noisy, torch.arange(192)), batch_size=32)
+    torch.manual_seed(1)
+    rec = FlightRecorder(model, opt, loss_fn=M.refined_ce, out_dir=out_dir,
+                         factory="noisy_labels_models:make_net") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.refined_ce
+        for _ in range(epochs):
+            prob = M.gmm_clean_prob(per_sample_losses(model, data), reg=reg)
+            for xb, yb, idx in data:
+                loss = loss_fn(model(xb), yb, prob[idx])
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                opt.step()
+    return model
+
+
+def test_dividemix_gmm_without_reg_covar_names_the_clean_probability_argument(tmp_path):
+    """The torch GMM without sklearn's ``reg_covar``: the outlier's loss stands alone, the
+    high-loss component collapses onto it, its variance is exactly 0 and the E-step's
+    ``(x - mu)² / var`` is 0/0, so every clean probability is NaN before the first step. The
+    NaN is made by the loop, outside the model and the loss: an input event at step 0 naming
+    the loss's argument ``w`` in every row, and the hint sends the user to the loop's code
+    that computes it."""
+    with pytest.raises(NonFiniteError) as info:
+        train_dividemix(tmp_path, reg=0.0, outlier=40)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "input", "<loss>", "nan")
+    assert ev["detail"].endswith("loss_args[2]"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["samples"], rep["cause"]) == (
+        True, "input", list(range(32)), "input"), rep
+    assert "loss_args[2] (w) is an argument of the loss" in rep["hint"], rep["hint"]
+    assert "if the loop computes it" in rep["hint"], rep["hint"]
+
+
+def test_dividemix_with_reg_covar_raises_nothing_and_trains_the_same(tmp_path):
+    """DivideMix's ``reg_covar=5e-4`` on the same outlier: no event over two epochs of GMM
+    fits, bit-identical weights with and without the recorder."""
+    recorded = train_dividemix(tmp_path, reg=5e-4, outlier=40)
+    plain = train_dividemix(tmp_path, reg=5e-4, outlier=40, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
