@@ -163,7 +163,8 @@ def test_coteaching_last_batch_of_one_record_names_the_mean_over_no_sample(tmp_p
     """193 records in batches of 32 leave a last batch of one; once the forget rate reaches
     0.2, ``int(0.8 * 1) = 0`` samples are remembered and the peer's cross entropy is a mean
     over an empty selection (0/0) at the last step of the second epoch. The replay names the
-    NLL on the exchange's line, invalid, the empty selection and ``drop_last=True``."""
+    NLL on the exchange's line, invalid, the empty selection, a batch of one whose share rounds
+down to no sample, and ``drop_last=True`` or keeping at least one."""
     with pytest.raises(NonFiniteError) as info:
         train_coteaching(tmp_path, n=193)
     ev = info.value.event
@@ -174,6 +175,7 @@ def test_coteaching_last_batch_of_one_record_names_the_mean_over_no_sample(tmp_p
     assert o["source"] == line_of("loss_1_update = F.cross_entropy(y_1[ind_2_update]"), o
     assert rep["cause"] == "invalid", rep["cause"]
     assert "an empty selection" in rep["hint"] and "drop_last=True" in rep["hint"], rep["hint"]
+    assert "int(remember_rate * n)" in rep["hint"] and "max(1, int(rate * n))" in rep["hint"]
 
 
 HEALTHY = [("make_net", lambda: M.SCELoss()), ("make_plain_net", lambda: M.GCELoss()),
