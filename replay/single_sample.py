@@ -5,8 +5,9 @@ contrastive loss's negatives and a leave-one-out mean are sums of the same kind;
 the batch rounded down (Co-teaching's ``int(remember_rate * n)`` small-loss samples) is a
 count of the same kind. A ``DataLoader``'s last batch (``drop_last=False``) of one record
 leaves that sum or count empty, 0, and the division's advice (an eps in the denominator)
-would hide a loss with nothing to compare. The loss is re-run on the re-computed outputs and the recorded loss arguments with every
-tensor of one row given twice: finite there, the batch of one is why.
+would hide a loss with nothing to compare. The loss is re-run on the re-computed outputs and
+the recorded loss arguments with every tensor of one row given twice: finite there, the
+batch of one is why.
 """
 
 from __future__ import annotations
