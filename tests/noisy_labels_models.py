@@ -49,6 +49,20 @@ def make_plain_net() -> Net:
     return Net(norm=False)
 
 
+class SubsetNet(Net):
+    """A classifier trained on a union of noisy web datasets, each labelling a subset of the
+    classes: the classes a record's source never uses are masked out of its logits (-inf),
+    an extra ``forward`` argument."""
+
+    def forward(self, x, valid):
+        return super().forward(x).masked_fill(~valid, float("-inf"))
+
+
+def make_subset_net() -> SubsetNet:
+    torch.manual_seed(0)
+    return SubsetNet()
+
+
 class SCELoss(nn.Module):
     """Wang et al. 2019 (github.com/HanxunH/SCELoss-Reproduce)."""
 

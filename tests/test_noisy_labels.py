@@ -273,3 +273,57 @@ def test_dividemix_with_reg_covar_raises_nothing_and_trains_the_same(tmp_path):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def train_subsets(out_dir, smoothing: float, record: bool = True, allow_inf=("",)):
+    """Records of two sources: the second labels only classes 0-3, so classes 4 and 5 are
+    masked out of its logits; AdamW, cross entropy with ``label_smoothing``."""
+    model = M.make_subset_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, noisy, _ = M.noisy_dataset(128)
+    source = torch.arange(128) % 2
+    noisy = torch.where(source == 1, noisy % 4, noisy)
+    valid = torch.ones(128, M.CLASSES, dtype=torch.bool)
+    valid[source == 1, 4:] = False
+    crit = torch.nn.CrossEntropyLoss(label_smoothing=smoothing)
+    torch.manual_seed(1)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="noisy_labels_models:make_subset_net",
+                         allow_inf=list(allow_inf)) if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for xb, vb, yb in DataLoader(TensorDataset(x, valid, noisy), batch_size=32):
+            loss = loss_fn(model(xb, vb), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model
+
+
+def test_label_smoothing_over_masked_classes_names_the_sum_and_the_masked_records(tmp_path):
+    """Label smoothing spreads 0.1 of every target over all classes, the masked ones too, so
+    the records of the second source take ``0.1 / 6 * -inf`` (the -inf mask, allowed, then
+    reached the loss): a loss event at the first step. The replay names the loss's sum, the
+    masked records (the odd rows) only, and says to give the masked classes zero weight
+    (label smoothing over masked classes) or mask with a finite number."""
+    with pytest.raises(NonFiniteError) as info:
+        train_subsets(tmp_path, smoothing=0.1)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "loss", "<loss>", "+inf")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.sum", "-inf", list(range(1, 32, 2))), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "label smoothing or soft targets spread over masked classes" in rep["hint"], rep
+    assert "large finite negative number" in rep["hint"], rep["hint"]
+
+
+def test_masked_classes_without_smoothing_raise_nothing_and_train_the_same(tmp_path):
+    """The same -inf mask (allowed) with plain cross entropy: the NLL reads only the
+    records' own (unmasked) targets, so it stays inside; no event, bit-identical weights."""
+    recorded = train_subsets(tmp_path, smoothing=0.0)
+    plain = train_subsets(tmp_path, smoothing=0.0, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
