@@ -327,3 +327,55 @@ def test_masked_classes_without_smoothing_raise_nothing_and_train_the_same(tmp_p
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def train_accumulated(crit, out_dir, scale_row: int | None = None, record: bool = True):
+    """bfloat16 autocast and two micro-batches of 16 accumulated per update, as a large-batch
+    noisy-label recipe on a small device runs; ``scale_row``: a record never standardised."""
+    model = M.make_plain_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    torch.manual_seed(1)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="noisy_labels_models:make_plain_net") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for i, (x, y) in enumerate(loader(scale_row=scale_row, batch=16)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(model(x), y) / 2
+            loss.backward()
+            if i % 2 == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                opt.step()
+                opt.zero_grad()
+    return model
+
+
+def test_gce_under_bf16_accumulation_names_the_micro_batch_and_its_record(tmp_path):
+    """The unclamped GCE under bfloat16 autocast with two micro-batches per update: record
+    185 is row 9 of the second micro-batch of update 5. The replay names that micro-batch,
+    its row, PowBackward0 in bfloat16 on the GCE line, underflow, and the out-of-scale
+    record; dropping it makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train_accumulated(M.GCELoss(clamp=False), tmp_path, scale_row=185)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (5, "backward", "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=9")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["micro_batch"], o["samples"]) == (
+        "backward", "<loss>", "PowBackward0", 1, [9]), o
+    assert o["source"] == line_of("gce = (1.0 - p_y ** self.q) / self.q"), o
+    assert rep["cause"] == "underflow" and "in bfloat16" in rep["hint"], rep["hint"]
+    assert "sample(s) 9 of batch" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+@pytest.mark.parametrize("crit", [M.GCELoss, M.SCELoss], ids=["gce", "sce"])
+def test_bf16_accumulation_of_clamped_losses_raises_nothing_and_trains_the_same(tmp_path,
+                                                                                crit):
+    """The clamped GCE (on the unstandardised record) and SCE under bfloat16 autocast with
+    accumulation: no event, bit-identical weights with and without the recorder."""
+    recorded = train_accumulated(crit(), tmp_path, scale_row=185)
+    plain = train_accumulated(crit(), tmp_path, scale_row=185, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
