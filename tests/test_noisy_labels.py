@@ -379,3 +379,57 @@ def test_bf16_accumulation_of_clamped_losses_raises_nothing_and_trains_the_same(
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def train_two_optimizers(out_dir, n: int = 193, epochs: int = 2, record: bool = True):
+    """The reference Co-teaching script's layout: two networks, an Adam each, the recorder on
+    the first (the second's logits enter its loss as a peer's output)."""
+    net1 = M.make_plain_net()
+    torch.manual_seed(2)  # (peers start apart)
+    net2 = M.Net(norm=False)
+    opt1 = torch.optim.Adam(net1.parameters(), lr=1e-3)
+    opt2 = torch.optim.Adam(net2.parameters(), lr=1e-3)
+    rates = M.forget_schedule(0.2, num_gradual=1, n_epoch=epochs)
+    x, noisy, _ = M.noisy_dataset(n)
+    data = DataLoader(TensorDataset(x, noisy), batch_size=32)
+    torch.manual_seed(1)
+    rec = FlightRecorder(net1, opt1, loss_fn=M.coteaching_loss, out_dir=out_dir,
+                         factory="noisy_labels_models:make_plain_net") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.coteaching_loss
+        for epoch in range(epochs):
+            for xb, yb in data:
+                loss = loss_fn(net1(xb), net2(xb), yb, rates[epoch])
+                opt1.zero_grad()
+                opt2.zero_grad()
+                loss.backward()
+                opt1.step()
+                opt2.step()
+    return net1, net2
+
+
+def test_coteaching_with_an_optimizer_per_network_replays_the_peer_and_names_the_batch(
+        tmp_path):
+    """The same batch of one with the recorder on the first network only: the second's
+    logits are a peer's output the bundle keeps as a loss argument. The replay reproduces the
+    step from it and names the same NLL of the empty selection and the batch of one."""
+    with pytest.raises(NonFiniteError) as info:
+        train_two_optimizers(tmp_path)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (13, "loss", "<loss>", "nan")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["batch_size"]) == (
+        True, "aten.nll_loss_forward", 1), rep
+    assert o["source"] == line_of("loss_1_update = F.cross_entropy(y_1[ind_2_update]"), o
+    assert "finite on that sample given twice" in rep["hint"], rep["hint"]
+
+
+def test_healthy_coteaching_with_two_optimizers_trains_the_same(tmp_path):
+    """192 records: no event; both peers bit-identical with and without the recorder."""
+    recorded = train_two_optimizers(tmp_path, n=192)
+    plain = train_two_optimizers(tmp_path, n=192, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for net_a, net_b in zip(recorded, plain):
+        for (name, a), b in zip(net_a.named_parameters(), net_b.parameters()):
+            assert torch.equal(a, b), name
