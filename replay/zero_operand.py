@@ -40,7 +40,7 @@ class ZeroOperand:
         with torch.no_grad():
             cols = (b == 0).all(-2)  # (..., n): column j of b all 0
             rows = (a == 0).all(-1)  # (..., m): row i of a all 0
-            if bool(cols.any()) or bool(rows.any()):
+            if bool(cols.any() | rows.any()):  # (one host read per product)
                 self._lines.put(out, (cols, rows, tuple(b.shape), tuple(a.shape)))
 
     def find(self, ins: list[torch.Tensor], bad: torch.Tensor) -> str | None:
