@@ -135,6 +135,30 @@ def estimate_transition(clean: torch.Tensor, noisy: torch.Tensor,
     return counts / counts.sum(1, keepdim=True).clamp_min(1)
 
 
+class NoiseAdaptation(nn.Module):
+    """Goldberger & Ben-Reuven 2017's noise adaptation layer: the classifier's clean posterior
+    through a learned transition ``softmax(W)``, initialised at the log of an estimate; the
+    model returns the log of the noisy-label posterior, trained by NLL."""
+
+    def __init__(self, transition: torch.Tensor):
+        super().__init__()
+        self.base = Net()
+        self.W = nn.Parameter(torch.log(transition))  # the bug: log 0 of a zero column
+
+    def forward(self, x):
+        noisy_prob = F.softmax(self.base(x), dim=1) @ F.softmax(self.W, dim=1)
+        return torch.log(noisy_prob)
+
+
+def make_noise_adaptation() -> NoiseAdaptation:
+    """T from the trusted subset that holds no record of noisy class 5 (as the test builds
+    it)."""
+    _, noisy, clean = noisy_dataset(400, seed=1)
+    keep = (torch.arange(400) < 60) & (noisy != 5)
+    torch.manual_seed(0)
+    return NoiseAdaptation(estimate_transition(clean[keep], noisy[keep]))
+
+
 class BootstrapLoss(nn.Module):
     """Reed et al. 2015's hard bootstrapping."""
 

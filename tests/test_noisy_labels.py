@@ -433,3 +433,21 @@ def test_healthy_coteaching_with_two_optimizers_trains_the_same(tmp_path):
     for net_a, net_b in zip(recorded, plain):
         for (name, a), b in zip(net_a.named_parameters(), net_b.parameters()):
             assert torch.equal(a, b), name
+
+
+def test_noise_adaptation_layer_started_at_log_of_a_zero_column_names_the_factory(tmp_path):
+    """The noise adaptation layer's transition logits initialised as ``log(T)`` of the
+    estimate with a zero column: the parameter holds -inf before any update. A weights event
+    at step 0 naming W; the replay says the factory built it, at the log on the
+    initialisation's line, and to keep that log's input (a count) away from 0."""
+    ev, bundle = fire("make_noise_adaptation", torch.nn.NLLLoss(), tmp_path, loader())
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "weights", "-inf"), ev
+    assert "first W" in ev["detail"], ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["param"], o["op"]) == ("weights", "W", "aten.log"), o
+    assert rep["cause"] == "weights", rep["cause"]
+    init = line_of("self.W = nn.Parameter(torch.log(transition))")
+    assert f"the factory builds W non-finite: aten.log of 0 made -inf at {init}" in \
+        rep["hint"], rep["hint"]
+    assert "clamp a distance or a count away from 0" in rep["hint"], rep["hint"]
