@@ -2,7 +2,9 @@
 APL's ``losses.py``, GCE, Co-teaching's ``loss_coteaching``, DivideMix's per-sample losses,
 forward correction with an estimated transition matrix), for ``test_noisy_labels``.
 
-- ``Net``: the small MLP classifier (BatchNorm, dropout) the losses train.
+- ``Net``: the small MLP classifier (BatchNorm, dropout) the losses train; ``SubsetNet``:
+  its logits masked with -inf outside the classes a record's source labels (an extra
+  ``forward`` argument), for a union of web datasets.
 - ``SCELoss``: symmetric cross entropy, ``alpha CE + beta RCE``; RCE's ``log`` of the one-hot
   labels must be clamped (``A = log(1e-4) = -4``) or it is ``log 0``.
 - ``GCELoss``: generalized cross entropy ``(1 - p_y^q) / q`` over softmax probabilities
@@ -12,8 +14,11 @@ forward correction with an estimated transition matrix), for ``test_noisy_labels
   the transition matrix ``T`` estimated from anchor points (a buffer).
 - ``CoTeachingPair`` + ``coteaching_loss``: two networks exchanging their small-loss samples,
   ``num_remember = int((1 - forget_rate) * len(batch))``.
+- ``NoiseAdaptation``: Goldberger & Ben-Reuven's noise adaptation layer, a learned
+  transition ``softmax(W)`` started at the log of an estimate.
 - ``BootstrapLoss``: hard bootstrapping, ``beta y + (1 - beta) argmax p`` as the target.
-- ``gmm_clean_prob``: DivideMix's two-component GMM on the per-sample losses, in torch.
+- ``gmm_clean_prob``: DivideMix's two-component GMM on the per-sample losses, in torch;
+  ``refined_ce``: its label refinement by each record's clean probability.
 """
 
 from __future__ import annotations

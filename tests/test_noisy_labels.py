@@ -1,7 +1,9 @@
 """End to end on learning with noisy labels (``noisy_labels_models``): symmetric cross
 entropy, generalized cross entropy, active-passive losses, forward correction by a transition
-matrix estimated from a trusted subset, Co-teaching's exchange of small-loss samples,
-bootstrapping, and DivideMix's GMM on the per-sample losses. Each planted bug of the domain
+matrix estimated from a trusted subset and a learned noise adaptation layer, Co-teaching's
+exchange of small-loss samples (one optimizer over both peers, or one each), bootstrapping,
+DivideMix's GMM on the per-sample losses, label smoothing over -inf masked classes, and
+bfloat16 autocast with accumulated micro-batches. Each planted bug of the domain
 fires under the recorder and is replayed with the CLI; the healthy versions raise no event and
 train bit-identically with and without the recorder."""
 
