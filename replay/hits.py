@@ -86,6 +86,8 @@ class Evidence:
     own_zero_after: str | None = None
     # a matrix product's square inputs' spectral radii (replay.operator_power)
     radii: list = field(default_factory=list)
+    # a pole's 0 that a matrix product's all-0 column or row made (replay.zero_operand)
+    zero_operand: str | None = None
 
 
 # ops with a pole at an input of 0, where a 0 they are given makes an infinity

@@ -86,4 +86,5 @@ def op_evidence(func, given, outs: list[torch.Tensor], f,
                     empty=any(isinstance(t, torch.Tensor) and t.is_floating_point()
                               and t.numel() == 0 for t in tree_leaves((args, kwargs))),
                     args=plain, read=f.read.of(plain),
-                    radii=radii(func.overloadpacket.__name__, ins))
+                    radii=radii(func.overloadpacket.__name__, ins),
+                    zero_operand=f.zero_operand.find(ins, bad))

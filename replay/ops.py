@@ -54,6 +54,7 @@ from .saturation import Saturation, made_unit
 from .source import user_source
 from .storages import storage_of
 from .underflow_advice import made_by_exp
+from .zero_operand import ZeroOperand
 
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                   "resize_", "set_"}
@@ -187,6 +188,7 @@ class OpFinder:
         self.composites = Composites()  # where torch.logdet runs (replay.composite)
         self.lost_eps = LostEps()  # t + eps where t's type rounds eps to 0 (replay.lost_eps)
         self.read = ReadNumbers()  # the numbers .item() read (replay.read_numbers)
+        self.zero_operand = ZeroOperand()  # mm's lines an operand's 0 line zeroed
         # the model's parameters by name, indexed by the caller that runs it
         self.names = ParamNames()
         # the innermost module call running now, (name, call), as its caller tracks it
@@ -317,6 +319,7 @@ class OpFinder:
         self.composites.see(name, args, self.seen - 1)
         self.lost_eps.track(name, args, out)
         self.read.track(name, out)
+        self.zero_operand.track(name, args, out)
         self.reordered.track(name, args, leaves, out)
         self.moved.track(name, args, leaves, out)
         if self.lineage is not None:

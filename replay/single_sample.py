@@ -1,11 +1,13 @@
 """A loss made non-finite by a micro-batch of one sample: finite with that sample given twice.
 
 InfoLOOB (CLOOB) divides each positive pair by the sum over the batch's other samples; a
-contrastive loss's negatives and a leave-one-out mean are sums of the same kind. A
-``DataLoader``'s last batch (``drop_last=False``) of one record leaves that sum empty, 0, and
-the division's advice (an eps in the denominator) would hide a loss with nothing to compare.
-The loss is re-run on the re-computed outputs and the recorded loss arguments with every
-tensor of one row given twice: finite there, the batch of one is why.
+contrastive loss's negatives and a leave-one-out mean are sums of the same kind; a share of
+the batch rounded down (Co-teaching's ``int(remember_rate * n)`` small-loss samples) is a
+count of the same kind. A ``DataLoader``'s last batch (``drop_last=False``) of one record
+leaves that sum or count empty, 0, and the division's advice (an eps in the denominator)
+would hide a loss with nothing to compare. The loss is re-run on the re-computed outputs and
+the recorded loss arguments with every tensor of one row given twice: finite there, the
+batch of one is why.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ def single_sample_hint(report: dict[str, Any], step: Step) -> None:
         return
     report["hint"] = (report.get("hint") or "") + (
         "; but the micro-batch holds 1 sample, and the loss is finite on that sample given "
-        "twice: the 0 is a sum over the batch's other samples (InfoLOOB's or a contrastive "
-        "loss's negatives, a leave-one-out mean), empty in a batch of one, not an eps "
-        "missing: drop the last incomplete batch (DataLoader(..., drop_last=True)) or skip "
-        "batches of one sample")
+        "twice: the 0 comes from the batch's size, not an eps missing: a sum over the "
+        "batch's other samples (InfoLOOB's or a contrastive loss's negatives, a leave-one-out "
+        "mean) or a share of the batch rounded down (Co-teaching's int(remember_rate * n) "
+        "small-loss samples, a top-k), empty in a batch of one: drop the last incomplete "
+        "batch (DataLoader(..., drop_last=True)) or skip batches of one sample (a share: keep "
+        "at least one, max(1, int(rate * n)))")

@@ -48,6 +48,8 @@ def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) ->
         return data_divisor.ADVICE
     if cause == "invalid" and (own := xlogx.context(ev)):
         return own
+    if cause == "invalid" and ev.zero_operand:
+        return ev.zero_operand
     if cause == "precision":
         return _narrower(ev, cast)
     if cause == "overflow":
