@@ -5,7 +5,8 @@ estimated from counts on a trusted subset that never held some noisy class: ``T`
 for that class is 0, so every sample's corrected probability is exactly 0 there whatever the
 model predicts, and the log is -inf. The generic advice (clamp the log's input) hides a wrong
 matrix and leaves that class untrainable; the column is the bug. The op finder's watch keeps,
-per ``mm``/``bmm`` result while it lives unmodified, the lines an all-0 operand line zeroed.
+per ``mm``/``bmm`` result while it lives unmodified, which of its lines an all-0 operand
+line zeroed (no host read: only a blamed op's inputs are looked at).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class ZeroOperand:
 
     def track(self, name: str, args, out) -> None:
         """After an op ran: keep ``mm``/``bmm``'s zero columns of its right operand and zero
-        rows of its left one, when it has any."""
+        rows of its left one (as device masks)."""
         if name not in ("mm", "bmm") or len(args) < 2 or not isinstance(out, torch.Tensor) \
                 or not out.is_floating_point() or out.layout != torch.strided:
             return
@@ -40,8 +41,9 @@ class ZeroOperand:
         with torch.no_grad():
             cols = (b == 0).all(-2)  # (..., n): column j of b all 0
             rows = (a == 0).all(-1)  # (..., m): row i of a all 0
-            if bool(cols.any() | rows.any()):  # (one host read per product)
-                self._lines.put(out, (cols, rows, tuple(b.shape), tuple(a.shape)))
+        # kept whether or not any line is 0: a host read per product to tell would cost a
+        # sync per matmul of the re-run on CUDA; these are only read when an op is blamed
+        self._lines.put(out, (cols, rows, tuple(b.shape), tuple(a.shape)))
 
     def find(self, ins: list[torch.Tensor], bad: torch.Tensor) -> str | None:
         """The hint's addition when an input of the blamed op is such a product's result,
