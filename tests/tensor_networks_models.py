@@ -16,6 +16,10 @@ classifier, torchmps, Han et al.'s Born machine, Novikov et al.'s TT layers), fo
 - ``TTSVDLinear``: a Linear whose weight is projected onto rank ``r`` by a truncated SVD in each
   forward (TT-SVD of the weight), the rank-r factors fed on; an ``eye_`` initialisation ties
   every singular value.
+- ``EntangledMPS``: the normalised classifier plus the entanglement entropy of its middle bond
+  as a regulariser; grown from bond 6 to 10 by zero padding, some singular values are 0.
+- ``LogMPS``: a non-negative MPS (a left-to-right HMM) contracted by logsumexp, its band and
+  start state -inf masks (``fill=-1e9``: the finite fill).
 """
 
 from __future__ import annotations
@@ -323,3 +327,43 @@ def make_entangled_grown_xlogy() -> EntangledMPS:
 
 def entangled_loss(logits, entropy, y):
     return F.cross_entropy(logits, y) + 1e-2 * entropy
+
+
+# ---------------------------------------------------------------------------------------------
+# non-negative MPS (an HMM) contracted in log space
+
+
+class LogMPS(nn.Module):
+    """Glasser et al.'s non-negative MPS, equivalently a left-to-right HMM over the bond
+    states, contracted in log space: a log-likelihood by logsumexp site by site. The band
+    (a state moves on by at most one) is a -inf mask on the transition logits; every string
+    starts in state 0, so the states past t are unreachable at site t."""
+
+    def __init__(self, bond: int = 8, n_symbols: int = 2, fill: float = float("-inf")):
+        super().__init__()
+        self.trans = nn.Parameter(0.1 * torch.randn(bond, bond))
+        self.emit = nn.Parameter(0.1 * torch.randn(bond, n_symbols))
+        self.register_buffer("band", torch.ones(bond, bond).triu().tril(1).bool())
+        init = torch.full((bond,), fill)
+        init[0] = 0.0
+        self.register_buffer("log_init", init)
+        self.fill = fill  # -inf: the bug; -1e9 (the fix): no slice of the scan all -inf
+
+    def forward(self, x):
+        log_t = torch.log_softmax(self.trans.masked_fill(~self.band, self.fill), 1)
+        log_e = torch.log_softmax(self.emit, 1)
+        alpha = self.log_init + log_e[:, x[:, 0]].T  # (B, D)
+        for i in range(1, x.shape[1]):
+            # all -inf for a state not yet reachable
+            alpha = torch.logsumexp(alpha[:, :, None] + log_t, 1) + log_e[:, x[:, i]].T
+        return torch.logsumexp(alpha, 1)
+
+
+def make_log_mps() -> LogMPS:
+    torch.manual_seed(0)
+    return LogMPS()
+
+
+def make_log_mps_finite_fill() -> LogMPS:
+    torch.manual_seed(0)
+    return LogMPS(fill=-1e9)

@@ -31,14 +31,14 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     if kind == "sequence":
         x, mask, y = M.sequence_batch(g, bad)
         return (x, mask), (y,)
-    if kind == "born":
+    if kind in ("born", "log_mps"):
         return (M.binary_batch(g),), ()
     x, y = M.regression_batch(g)
     return (x,), (y,)
 
 
 LOSSES = {"sequence": M.sequence_loss, "born": M.nll, "image": torch.nn.CrossEntropyLoss(),
-          "entangled": M.entangled_loss}
+          "entangled": M.entangled_loss, "log_mps": M.nll}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -185,14 +185,32 @@ def test_the_advised_entropy_trains_and_the_plain_xlogy_does_not(tmp_path):
     assert torch.isfinite(entropy) and torch.isnan(s.grad).all(), s.grad
 
 
+def test_log_space_mps_with_unreachable_states_names_the_logsumexp_backward(tmp_path):
+    """A left-to-right non-negative MPS (an HMM) contracted by logsumexp, its band and start
+    state -inf masks: the forward is finite (the -inf stay inside, no forward event), but at
+    the first sites the states not yet reachable take a logsumexp of -inf alone, whose
+    backward is exp(-inf + inf) = NaN. The replay names LogsumexpBackward0 on its line and
+    the fix the finite-fill run below trains with: a large finite negative instead of -inf."""
+    ev, bundle = fire("log_mps", "make_log_mps", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"]) == ("backward", "", "LogsumexpBackward0"), o
+    assert o["source"] == line_of("alpha = torch.logsumexp(alpha[:, :, None] + log_t, 1)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "-inf in every position of a slice" in rep["hint"], rep["hint"]
+    assert "large finite negative (-1e9" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make,bad", [
     ("image", "make_mps", None), ("sequence", "make_sequence_skip", 5),
-    ("born", "make_born_scaled", None), ("regression", "make_tt", None)])
+    ("born", "make_born_scaled", None), ("regression", "make_tt", None),
+    ("log_mps", "make_log_mps_finite_fill", None)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
     """The normalised MPS classifier, the sequence MPS whose pads are the identity (a
-    ``torch.where`` over the padded record's sites), the Born machine with Z rescaled per site
-    and the SVD projection of a weight without ties: no event, bit-identical weights with and
-    without the recorder."""
+    ``torch.where`` over the padded record's sites), the Born machine with Z rescaled per
+    site, the SVD projection of a weight without ties and the log-space MPS whose masks fill
+    -1e9: no event, bit-identical weights with and without the recorder."""
     recorded = train(kind, make, tmp_path, bad)
     plain = train(kind, make, tmp_path, bad, record=False)
     assert not list(tmp_path.glob("*.nan"))
