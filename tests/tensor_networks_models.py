@@ -282,11 +282,13 @@ class EntangledMPS(MPSClassifier):
     """The normalised MPS classifier, also returning the entanglement entropy of its middle
     bond (the singular values of the middle core's matricisation), which the loss penalises."""
 
-    limit_form = False
+    limit_form = condition = False
 
     def forward(self, x):
         n, bond = self.cores.shape[0], self.cores.shape[1]
         s = torch.linalg.svdvals(self.cores[n // 2].reshape(bond * 2, bond))
+        if self.condition:  # a penalty on the bond's condition number, largest over smallest
+            return super().forward(x), (s[0] / s[-1]).log()  # the bug: s[-1] of a padded bond
         p = s.pow(2) / s.pow(2).sum()
         if self.limit_form:  # 0 at p = 0, with a finite gradient there
             entropy = -torch.special.xlogy(p, p.clamp_min(torch.finfo(p.dtype).tiny)).sum()
@@ -322,6 +324,12 @@ def make_entangled_grown() -> EntangledMPS:
 def make_entangled_grown_xlogy() -> EntangledMPS:
     model = make_entangled_grown()
     model.limit_form = True
+    return model
+
+
+def make_conditioned_grown() -> EntangledMPS:
+    model = make_entangled_grown()
+    model.condition = True
     return model
 
 

@@ -172,6 +172,24 @@ def test_entropy_of_a_zero_padded_bond_names_the_log_and_a_form_with_a_finite_gr
     assert "not as xlogy(p, p)" in rep["hint"], rep["hint"]
 
 
+def test_condition_number_of_a_zero_padded_bond_names_the_singular_value_of_0(tmp_path):
+    """The grown MPS with a penalty on its middle bond's condition number, ``s[0] / s[-1]``:
+    the padded bond's smallest singular value is exactly 0, +inf at the first step. The
+    replay names the division by a singular value of 0 (the divisor, not the numerator, which
+    svd made too), a rank-deficient matrix, and a truncation by a tolerance; not a count or
+    statistic of the batch to clamp."""
+    ev, bundle = fire("entangled", "make_conditioned_grown", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "forward", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"]) == ("", "aten.div", "+inf"), o
+    assert o["source"] == line_of("(s[0] / s[-1]).log()"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "by a singular value of 0 from linalg.svd" in rep["hint"], rep["hint"]
+    assert "truncate by a tolerance" in rep["hint"], rep["hint"]
+    assert "skip such batches" not in rep["hint"], rep["hint"]
+
+
 def test_the_advised_entropy_trains_and_the_plain_xlogy_does_not(tmp_path):
     """The hint's form trains the grown MPS with no event and finite weights; xlogy(p, p),
     which the hint warns off, is finite in the forward and NaN in every gradient."""
