@@ -20,6 +20,7 @@ classifier, torchmps, Han et al.'s Born machine, Novikov et al.'s TT layers), fo
   as a regulariser; grown from bond 6 to 10 by zero padding, some singular values are 0.
 - ``LogMPS``: a non-negative MPS (a left-to-right HMM) contracted by logsumexp, its band and
   start state -inf masks (``fill=-1e9``: the finite fill).
+- ``IsometricMPS``: left-isometric cores, the Q of a QR of each core's parameter.
 """
 
 from __future__ import annotations
@@ -375,3 +376,31 @@ def make_log_mps() -> LogMPS:
 def make_log_mps_finite_fill() -> LogMPS:
     torch.manual_seed(0)
     return LogMPS(fill=-1e9)
+
+
+# ---------------------------------------------------------------------------------------------
+# isometric MPS: each core an isometry by QR of a free parameter
+
+
+class IsometricMPS(MPSClassifier):
+    """The classifier with left-isometric cores (a unitary / quantum-circuit MPS): each core is
+    the Q of a QR of its parameter's matricisation, so no boundary norm can grow or shrink."""
+
+    def forward(self, x):
+        n, bond = self.cores.shape[0], self.cores.shape[1]
+        q, _ = torch.linalg.qr(self.cores.reshape(n, bond * 2, bond))
+        phi, v = trig_features(x), self.left.expand(x.shape[0], -1)
+        for i, core in enumerate(q.reshape(n, bond, 2, bond)):
+            v = torch.einsum("bl,bs,lsr->br", v, phi[:, i], core)
+        return v @ self.label
+
+
+def make_isometric() -> IsometricMPS:
+    torch.manual_seed(0)
+    return IsometricMPS(bond=6)
+
+
+def make_isometric_grown() -> IsometricMPS:
+    model = make_isometric()
+    grow_bond(model, 10)
+    return model

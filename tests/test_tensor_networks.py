@@ -190,6 +190,22 @@ def test_condition_number_of_a_zero_padded_bond_names_the_singular_value_of_0(tm
     assert "skip such batches" not in rep["hint"], rep["hint"]
 
 
+def test_isometric_cores_of_a_zero_padded_bond_name_the_qr_backward(tmp_path):
+    """Left-isometric cores made by QR of their parameters, the bond grown from 6 to 10 by
+    zero padding: the matricisations have zero columns, R's diagonal is 0 there and QR's
+    backward divides by it. The replay names LinalgQrBackward0 on the QR's line, invalid,
+    and the zero or dependent columns to avoid."""
+    ev, bundle = fire("image", "make_isometric_grown", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"]) == ("backward", "", "LinalgQrBackward0"), o
+    assert o["source"] == line_of("q, _ = torch.linalg.qr(self.cores.reshape("), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "diagonal of its R factor" in rep["hint"], rep["hint"]
+    assert "zero column" in rep["hint"], rep["hint"]
+
+
 def test_the_advised_entropy_trains_and_the_plain_xlogy_does_not(tmp_path):
     """The hint's form trains the grown MPS with no event and finite weights; xlogy(p, p),
     which the hint warns off, is finite in the forward and NaN in every gradient."""
@@ -223,12 +239,12 @@ def test_log_space_mps_with_unreachable_states_names_the_logsumexp_backward(tmp_
 @pytest.mark.parametrize("kind,make,bad", [
     ("image", "make_mps", None), ("sequence", "make_sequence_skip", 5),
     ("born", "make_born_scaled", None), ("regression", "make_tt", None),
-    ("log_mps", "make_log_mps_finite_fill", None)])
+    ("log_mps", "make_log_mps_finite_fill", None), ("image", "make_isometric", None)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
     """The normalised MPS classifier, the sequence MPS whose pads are the identity (a
     ``torch.where`` over the padded record's sites), the Born machine with Z rescaled per
-    site, the SVD projection of a weight without ties and the log-space MPS whose masks fill
-    -1e9: no event, bit-identical weights with and without the recorder."""
+    site, the SVD projection of a weight without ties, the log-space MPS whose masks fill
+    -1e9 and the isometric MPS at its own bond (QR of full-rank matricisations): no event, bit-identical weights with and without the recorder."""
     recorded = train(kind, make, tmp_path, bad)
     plain = train(kind, make, tmp_path, bad, record=False)
     assert not list(tmp_path.glob("*.nan"))
