@@ -21,6 +21,7 @@ classifier, torchmps, Han et al.'s Born machine, Novikov et al.'s TT layers), fo
 - ``LogMPS``: a non-negative MPS (a left-to-right HMM) contracted by logsumexp, its band and
   start state -inf masks (``fill=-1e9``: the finite fill).
 - ``IsometricMPS``: left-isometric cores, the Q of a QR of each core's parameter.
+- ``TTLinear``: a TT-matrix Linear (two cores, one einsum), run under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -404,3 +405,38 @@ def make_isometric_grown() -> IsometricMPS:
     model = make_isometric()
     grow_bond(model, 10)
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor-train Linear (Novikov et al.'s TT-matrix)
+
+
+class TTLinear(nn.Module):
+    """A (16 x 16) weight as a TT-matrix of two cores, ``in = 4 x 4``, ``out = 4 x 4``, rank r,
+    applied to the input by one einsum (no dense weight is ever formed)."""
+
+    def __init__(self, rank: int = 3):
+        super().__init__()
+        self.g1 = nn.Parameter(torch.randn(4, 4, rank) / 2)
+        self.g2 = nn.Parameter(torch.randn(rank, 4, 4) / math.sqrt(2 * rank))
+        self.bias = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x):
+        y = torch.einsum("bij,ikr,rjl->bkl", x.reshape(-1, 4, 4), self.g1, self.g2)
+        return y.reshape(-1, 16) + self.bias
+
+
+class TTNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.tt, self.out = nn.Linear(8, 16), TTLinear(), nn.Linear(16, 1)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the TT contraction in bf16
+            h = F.gelu(self.tt(F.gelu(self.inp(x))))
+        return self.out(h.float())
+
+
+def make_tt_bf16() -> TTNet:
+    torch.manual_seed(0)
+    return TTNet()

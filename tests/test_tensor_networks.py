@@ -239,12 +239,15 @@ def test_log_space_mps_with_unreachable_states_names_the_logsumexp_backward(tmp_
 @pytest.mark.parametrize("kind,make,bad", [
     ("image", "make_mps", None), ("sequence", "make_sequence_skip", 5),
     ("born", "make_born_scaled", None), ("regression", "make_tt", None),
-    ("log_mps", "make_log_mps_finite_fill", None), ("image", "make_isometric", None)])
+    ("log_mps", "make_log_mps_finite_fill", None), ("image", "make_isometric", None),
+    ("regression", "make_tt_bf16", None)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
     """The normalised MPS classifier, the sequence MPS whose pads are the identity (a
     ``torch.where`` over the padded record's sites), the Born machine with Z rescaled per
     site, the SVD projection of a weight without ties, the log-space MPS whose masks fill
-    -1e9 and the isometric MPS at its own bond (QR of full-rank matricisations): no event, bit-identical weights with and without the recorder."""
+    -1e9, the isometric MPS at its own bond (QR of full-rank matricisations) and a TT-matrix
+    Linear contracted by einsum under bf16 autocast: no event, bit-identical weights with
+    and without the recorder."""
     recorded = train(kind, make, tmp_path, bad)
     plain = train(kind, make, tmp_path, bad, record=False)
     assert not list(tmp_path.glob("*.nan"))
