@@ -22,6 +22,7 @@ classifier, torchmps, Han et al.'s Born machine, Novikov et al.'s TT layers), fo
   start state -inf masks (``fill=-1e9``: the finite fill).
 - ``IsometricMPS``: left-isometric cores, the Q of a QR of each core's parameter.
 - ``TTLinear``: a TT-matrix Linear (two cores, one einsum), run under bf16 autocast.
+- ``SymmetricBorn``: a particle-number-conserving Born machine (a U(1) block mask on the cores).
 """
 
 from __future__ import annotations
@@ -440,3 +441,56 @@ class TTNet(nn.Module):
 def make_tt_bf16() -> TTNet:
     torch.manual_seed(0)
     return TTNet()
+
+
+# ---------------------------------------------------------------------------------------------
+# particle-number-conserving Born machine (a U(1)-symmetric MPS)
+
+
+class SymmetricBorn(nn.Module):
+    """A Born machine over strings of ``n_sites`` bits with exactly ``k`` ones: the bond index
+    counts the ones so far (a U(1) block structure as a fixed mask on the cores), the right
+    boundary picks count k, so a string with another count has amplitude exactly 0. log |psi|^2
+    is tracked in log scale; Z sums |psi|^2 over the symmetric sector by transfer matrices."""
+
+    def __init__(self, n_sites: int = 16, k: int = 4):
+        super().__init__()
+        bond = k + 2
+        self.cores = nn.Parameter(1 + 0.1 * torch.randn(n_sites, bond, 2, bond))
+        mask = torch.zeros(bond, 2, bond)
+        for c in range(bond):
+            mask[c, 0, c] = 1.0
+            if c + 1 < bond:
+                mask[c, 1, c + 1] = 1.0
+        self.register_buffer("mask", mask)
+        self.register_buffer("left", F.one_hot(torch.tensor(0), bond).float())
+        self.register_buffer("right", F.one_hot(torch.tensor(k), bond).float())
+
+    def forward(self, x):
+        cores = self.cores * self.mask
+        v, log_norm = self.left.expand(x.shape[0], -1), torch.zeros(x.shape[0])
+        env, log_z = torch.outer(self.left, self.left), torch.zeros(())
+        for i, a in enumerate(cores):
+            v = torch.einsum("bl,lbr->br", v, a[:, x[:, i], :])
+            norm = v.norm(dim=1, keepdim=True)
+            v, log_norm = v / norm, log_norm + norm.squeeze(1).log()
+            env = torch.einsum("lm,lsr,msn->rn", env, a, a)
+            s = env.norm()
+            env, log_z = env / s, log_z + s.log()
+        log_z = log_z + (self.right @ env @ self.right).log()
+        return 2 * (log_norm + (v @ self.right).abs().log()) - log_z  # -inf off the sector
+
+
+def make_symmetric_born() -> SymmetricBorn:
+    torch.manual_seed(0)
+    return SymmetricBorn()
+
+
+def sector_batch(g: torch.Generator, bad: int | None = None, n: int = 16, k: int = 4):
+    """Occupation strings of 16 sites with exactly k particles; ``bad``: one with a bit
+    flipped on (a corrupted record: k + 1 particles)."""
+    order = torch.rand(n, 16, generator=g).argsort(1)
+    x = torch.zeros(n, 16, dtype=torch.long).scatter_(1, order[:, :k], 1)
+    if bad is not None:
+        x[bad, order[bad, k]] = 1
+    return x

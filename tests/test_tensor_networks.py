@@ -31,6 +31,8 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     if kind == "sequence":
         x, mask, y = M.sequence_batch(g, bad)
         return (x, mask), (y,)
+    if kind == "sector":
+        return (M.sector_batch(g, bad),), ()
     if kind in ("born", "log_mps"):
         return (M.binary_batch(g),), ()
     x, y = M.regression_batch(g)
@@ -38,7 +40,8 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
 
 
 LOSSES = {"sequence": M.sequence_loss, "born": M.nll, "image": torch.nn.CrossEntropyLoss(),
-          "entangled": M.entangled_loss, "log_mps": M.nll}
+          "entangled": M.entangled_loss, "log_mps": M.nll,
+          "sector": M.nll}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -206,6 +209,21 @@ def test_isometric_cores_of_a_zero_padded_bond_name_the_qr_backward(tmp_path):
     assert "zero column" in rep["hint"], rep["hint"]
 
 
+def test_record_outside_the_symmetric_sector_names_the_log_and_the_record(tmp_path):
+    """A particle-number-conserving Born machine (a U(1) mask on the cores) given one record
+    with a bit flipped on: k + 1 particles, amplitude exactly 0 by the symmetry, log 0 = -inf
+    in its log-likelihood. The replay names the log on its line, that record alone, invalid
+    (exact arithmetic makes the 0 too), and dropping it makes the step finite."""
+    ev, bundle = fire("sector", "make_symmetric_born", tmp_path, bad=6)
+    assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (3, "forward", "-inf", [6]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log", "-inf", [6]), o
+    assert o["source"] == line_of("(v @ self.right).abs().log()) - log_z"), o
+    assert rep["cause"] == "invalid" and "log of 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 def test_the_advised_entropy_trains_and_the_plain_xlogy_does_not(tmp_path):
     """The hint's form trains the grown MPS with no event and finite weights; xlogy(p, p),
     which the hint warns off, is finite in the forward and NaN in every gradient."""
@@ -240,13 +258,14 @@ def test_log_space_mps_with_unreachable_states_names_the_logsumexp_backward(tmp_
     ("image", "make_mps", None), ("sequence", "make_sequence_skip", 5),
     ("born", "make_born_scaled", None), ("regression", "make_tt", None),
     ("log_mps", "make_log_mps_finite_fill", None), ("image", "make_isometric", None),
-    ("regression", "make_tt_bf16", None)])
+    ("regression", "make_tt_bf16", None), ("sector", "make_symmetric_born", None)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
     """The normalised MPS classifier, the sequence MPS whose pads are the identity (a
     ``torch.where`` over the padded record's sites), the Born machine with Z rescaled per
     site, the SVD projection of a weight without ties, the log-space MPS whose masks fill
     -1e9, the isometric MPS at its own bond (QR of full-rank matricisations) and a TT-matrix
-    Linear contracted by einsum under bf16 autocast: no event, bit-identical weights with
+    Linear contracted by einsum under bf16 autocast, the symmetric Born machine on records
+    of its sector: no event, bit-identical weights with
     and without the recorder."""
     recorded = train(kind, make, tmp_path, bad)
     plain = train(kind, make, tmp_path, bad, record=False)
