@@ -263,10 +263,9 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bad
     """The normalised MPS classifier, the sequence MPS whose pads are the identity (a
     ``torch.where`` over the padded record's sites), the Born machine with Z rescaled per
     site, the SVD projection of a weight without ties, the log-space MPS whose masks fill
-    -1e9, the isometric MPS at its own bond (QR of full-rank matricisations) and a TT-matrix
-    Linear contracted by einsum under bf16 autocast, the symmetric Born machine on records
-    of its sector: no event, bit-identical weights with
-    and without the recorder."""
+    -1e9, the isometric MPS at its own bond (QR of full-rank matricisations), a TT-matrix
+    Linear contracted by einsum under bf16 autocast and the symmetric Born machine on records
+    of its sector: no event, bit-identical weights with and without the recorder."""
     recorded = train(kind, make, tmp_path, bad)
     plain = train(kind, make, tmp_path, bad, record=False)
     assert not list(tmp_path.glob("*.nan"))
