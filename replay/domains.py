@@ -257,8 +257,10 @@ def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:
     if base in ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet"):
         # (in the type it ran in: float64 may give a matrix float32 made indefinite a sign > 0)
         return _log_determinant(op, ev.inputs[0].to(ev.input_dtypes[0]) if ev.inputs else None)
-    made = [(v, f) for v, e, f in zip(ev.inputs, ev.elementwise, ev.factor) if e and f]
-    if not made or not bool((made[0][0] <= 0).any()):
+    # (the one at or below 0: a condition number s[0] / s[-1] has singular values on both sides)
+    made = [(v, f) for v, e, f in zip(ev.inputs, ev.elementwise, ev.factor)
+            if e and f and bool((v <= 0).any())]
+    if not made:
         return None
     (v, kind), dt = made[0], str(ev.dtype).removeprefix("torch.")
     if kind == "singular_values":  # (a division's divisor: 0 only, singular values are >= 0)

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from .chain_product import chain_length
 from .compat import running_node, tree_leaves, tree_map
 from .dispatch import float_leaves
 from .factors import made_by
@@ -75,6 +76,7 @@ def op_evidence(func, given, outs: list[torch.Tensor], f,
                     exp_made=[f.positive(t) or f.partly.at(t, bad) for t in ins],
                     squared=[f.partly.squared(t) for t in ins],
                     of_exp=[t in f.exps or made_by_exp(t) for t in ins],
+                    chained=[chain_length(t) for t in ins],
                     local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
                     power=[f.saturation.power(t) for t in ins],

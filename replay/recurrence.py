@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .chain_product import PRODUCT_OPS, RUNNING
 from .run_result import Call, Run
 
 # (the end of an overflow's hint; a report says it once)
@@ -91,7 +92,8 @@ def add_line_note(report: dict[str, Any], sizes: list[float]) -> dict[str, Any]:
         "or fixed-point loop, an unrolled optimiser) was diverging")
     if report.get("cause") == "overflow":
         report["hint"] = (f"{report.get('hint') or ''}; but the loop running that line was "
-                          f"diverging, {_ADVICE}")
+                          f"diverging, {_ADVICE}"
+                          + (RUNNING if o.get("op") in PRODUCT_OPS else ""))
     return report
 
 

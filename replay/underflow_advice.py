@@ -9,6 +9,7 @@ NLL) needs none of that list: the round trip is the exponent."""
 from __future__ import annotations
 
 from .cause_text import DO
+from .chain_product import CHAIN, LEAST
 from .positive import node_op
 
 _DIVISIONS = {"div", "div_", "reciprocal", "reciprocal_", "rsqrt", "rsqrt_"}
@@ -52,6 +53,9 @@ def underflow_advice(name: str, ev, i: int) -> str:
     or (first) a log's input that exp itself made."""
     if name in _DIVISIONS and not ev.exp_made[i] and (name != "div" or i == 1):
         return FLOOR
+    if (name in _LOGS or name in _DIVISIONS) and i < len(ev.chained) \
+            and ev.chained[i] >= LEAST:  # (before FLOOR: a chain's 0 has a log-space form)
+        return CHAIN.format(n=ev.chained[i])
     if name in _LOGS and i < len(ev.of_exp) and ev.of_exp[i]:
         return LOG_OF_EXP + DO["log_space"]
     return DO["log_space"]

@@ -4,7 +4,8 @@ An entropy bonus or a KL term over probabilities that are exactly 0 (the entries
 -inf gave softmax: a pointer network's visited nodes) is 0 in the limit, but computed as a
 product it is ``0 * -inf = NaN``. The data's own 0, not a 0/1 mask applied after the pole
 (:func:`replay.masked_product.mask_after_pole`), so the fix is the form with that limit built
-in, not an eps or an earlier mask.
+in, not an eps or an earlier mask. That form's gradient must be finite at 0 too: xlogy(p, p)'s
+with respect to its second argument is p / p, NaN there, and entr's is -log(0) - 1.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import torch
 _LOGS = {"aten.log", "aten.log2", "aten.log10"}
 TEXT = ("; then {op} multiplied that -inf by a 0 at the same entries (p * log(p): an entropy "
         "or KL term over probabilities that are exactly 0, the entries a mask's -inf gave "
-        "softmax), and 0 * -inf is NaN though the term's limit is 0: compute it as "
-        "torch.special.xlogy(p, p) (torch.special.entr(p) for -p log p), which is 0 there, "
-        "or from log_softmax with the masked terms zeroed by torch.where")
+        "softmax, a singular value of 0), and 0 * -inf is NaN though the term's limit is 0: "
+        "compute it as torch.special.xlogy(p, p.clamp_min(tiny)) (tiny = "
+        "torch.finfo(p.dtype).tiny), which is 0 there with a finite gradient, or from "
+        "log_softmax with the masked terms zeroed by torch.where; not as xlogy(p, p) or "
+        "torch.special.entr(p), also 0 there but with a NaN or infinite gradient at p = 0 "
+        "that the backward of a p with gradients spreads")
 
 
 def note(first, args, hit, met) -> None:
