@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +271,7 @@ class PINet(nn.Module):
 
     def forward(self, x0):
         n = len(x0)
-        u = 0.5 * torch.randn(n, self.k, self.t, generator=None)
+        u = 0.5 * torch.randn(n, self.k, self.t)
         x, cost = x0[:, None].expand(n, self.k, 2), torch.zeros(n, self.k)
         for i in range(self.t):
             x = x + 0.1 * self.dyn(torch.cat([x, u[..., i:i + 1]], -1))

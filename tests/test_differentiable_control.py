@@ -73,3 +73,115 @@ def fire(kind: str, make: str, tmp_path, bad: int):
     with pytest.raises(NonFiniteError) as info:
         train(kind, make, tmp_path, bad)
     return info.value.event, info.value.bundle_path
+
+
+def test_log_barrier_at_an_infeasible_start_names_the_log_and_the_record(tmp_path):
+    """The interior-point barrier -mu (log(p_max - p) + log(p_max + p)) is defined only inside
+    the box; a start state drawn past the limit (1.3 > 1) puts the rollout's positions
+    outside, and the log of the negative slack is NaN in the loss. The replay names that log,
+    its line, the record and ``invalid`` math of a negative number."""
+    ev, bundle = fire("barrier", "make_barrier", tmp_path, bad=5)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.log", "nan", [5]), o
+    assert o["source"] == line_of("barrier = -mu * (torch.log(P_MAX - ps)"), o
+    assert rep["cause"] == "invalid" and "of a negative number" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_riccati_cholesky_of_an_indefinite_q_uu_says_negative_curvature(tmp_path):
+    """A differentiable MPC layer expands the swing-up cost 1 - cos(th) at each record's
+    start: for a pendulum hanging down (th = 3.1) its curvature cos(th) is negative, and six
+    steps into the Riccati recursion Q_uu = R + B^T V B is negative: ``cholesky`` raises. The
+    replay names the Cholesky in the root's forward, its line, the record (batch element 3),
+    and says the matrix is indefinite in float64 too, fixed by a regularisation larger than
+    its negative eigenvalue (Levenberg-Marquardt's mu) or a Gauss-Newton curvature; not
+    "linearly dependent rows" and a small ridge, which do not reach a negative eigenvalue."""
+    with pytest.raises(torch.linalg.LinAlgError):
+        train("mpc", "make_mpc", tmp_path, bad=3)
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "forward", "", "aten.linalg_cholesky_ex", "LinAlgError", [3]), o
+    assert o["source"] == line_of("L = torch.linalg.cholesky(Q_uu)"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and "indefinite in exact arithmetic too" in hint, hint
+    assert "batch element 3" in hint and "Levenberg-Marquardt" in hint \
+        and "Gauss-Newton" in hint, hint
+    assert "linearly dependent" not in hint, hint
+
+
+def test_cartpole_episode_with_a_period_in_milliseconds_names_the_diverging_euler_step(
+        tmp_path):
+    """Domain randomisation of the control period with one episode's dt logged in ms (20
+    read as 20 s): semi-implicit Euler of the cart-pole diverges over the rollout and a
+    product overflows in the root's own loop. The replay names that product on the record's
+    row, an overflow of diverging iterates, and the dt argument's out-of-scale row; dropping
+    the episode makes the step finite."""
+    ev, bundle = fire("cartpole", "make_cartpole", tmp_path, bad=6)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [6]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.mul", "+inf", [6]), o
+    assert o["source"] == line_of("x = x + dt * x_dot"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "overflow" and "diverging" in hint, hint
+    assert "sample(s) 6 of args[1] reach 20" in hint, hint
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_hand_written_radius_of_padded_predictions_names_sqrt_backward(tmp_path):
+    """A learned pendulum model's predictions are zeroed on the padded steps of an episode
+    that ended early; the loss keeps (cos, sin) on the unit circle with a radius written as
+    sqrt(c² + s²), whose derivative is 0/0 at those zeros though the mask removes them from
+    the loss. A backward event: the replay names SqrtBackward0 in the loss on the episode's
+    row, and asks for vector_norm or a safe input rather than a mask after the op."""
+    ev, bundle = fire("circle", "make_dynamics", tmp_path, bad=2)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "SqrtBackward0", "nan", [2]), o
+    assert o["source"] == line_of("radius = torch.sqrt(pred[..., 0] ** 2"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and "torch.linalg.vector_norm" in hint \
+        and "both branches" in hint, hint
+
+
+def test_mppi_weights_of_a_far_record_underflow_to_0_over_0(tmp_path):
+    """PI-Net's path-integral weights exp(-S / lambda), normalised by their sum as written
+    by hand: a record 12 units from the goal has every sampled cost above 104, every weight
+    underflows to 0 and the normalisation is 0/0. The replay names that division on the
+    record's row as an underflow of exp, asks for log space, and names the record's
+    out-of-scale state."""
+    ev, bundle = fire("pinet", "make_pinet", tmp_path, bad=4)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [4]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.div", "nan", [4]), o
+    assert o["source"] == line_of("w = w / w.sum(1, keepdim=True)"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "underflow" and "log space" in hint, hint
+    assert "sample(s) 4 of batch reach 12" in hint, hint
+
+
+@pytest.mark.parametrize("kind,make,bad", [
+    ("barrier", "make_barrier", None), ("mpc", "make_mpc_gauss_newton", 3),
+    ("cartpole", "make_cartpole", None), ("dynamics", "make_dynamics", 2),
+    ("pinet", "make_pinet_softmax", 4)])
+def test_healthy_controllers_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
+    """The fixed versions on the same kind of batches: feasible starts under the barrier,
+    the Gauss-Newton curvature with the hanging pendulum in the batch, 10-30 ms control
+    periods, atan2 of the padded steps' (0, 0) (torch's atan2 backward is 0 there) with the
+    masked loss, and softmax weights for the far record: no event, and bit-identical weights
+    with and without the recorder."""
+    recorded = train(kind, make, tmp_path, bad, steps=3)
+    plain = train(kind, make, tmp_path, bad, steps=3, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
