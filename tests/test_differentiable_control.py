@@ -79,7 +79,8 @@ def test_log_barrier_at_an_infeasible_start_names_the_log_and_the_record(tmp_pat
     """The interior-point barrier -mu (log(p_max - p) + log(p_max + p)) is defined only inside
     the box; a start state drawn past the limit (1.3 > 1) puts the rollout's positions
     outside, and the log of the negative slack is NaN in the loss. The replay names that log,
-    its line, the record and ``invalid`` math of a negative number."""
+    its line, the record and ``invalid`` math of a negative number, and says that a clamp
+    would hide a barrier's violation: start feasible, or relax the barrier."""
     ev, bundle = fire("barrier", "make_barrier", tmp_path, bad=5)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "nan"), ev
     rep = nanreplay_json(bundle, "--try", "drop=5")
@@ -87,7 +88,11 @@ def test_log_barrier_at_an_infeasible_start_names_the_log_and_the_record(tmp_pat
     assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
         True, "<loss>", "aten.log", "nan", [5]), o
     assert o["source"] == line_of("barrier = -mu * (torch.log(P_MAX - ps)"), o
-    assert rep["cause"] == "invalid" and "of a negative number" in rep["hint"], rep["hint"]
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and "of a negative number" in hint, hint
+    # (was only "x.clamp_min(eps) before log or sqrt", which hides a barrier's violation)
+    assert "log barrier" in hint and "start feasible" in hint and "relaxed log barrier" in hint, \
+        hint
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
@@ -156,8 +161,8 @@ def test_mppi_weights_of_a_far_record_underflow_to_0_over_0(tmp_path):
     """PI-Net's path-integral weights exp(-S / lambda), normalised by their sum as written
     by hand: a record 12 units from the goal has every sampled cost above 104, every weight
     underflows to 0 and the normalisation is 0/0. The replay names that division on the
-    record's row as an underflow of exp, asks for log space, and names the record's
-    out-of-scale state."""
+    record's row as an underflow of exps normalised by their own sum, asks for softmax (the
+    row's max subtracted) rather than a clamp, and names the record's out-of-scale state."""
     ev, bundle = fire("pinet", "make_pinet", tmp_path, bad=4)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [4]), ev
     rep = nanreplay_json(bundle)
@@ -166,7 +171,10 @@ def test_mppi_weights_of_a_far_record_underflow_to_0_over_0(tmp_path):
         True, "", "aten.div", "nan", [4]), o
     assert o["source"] == line_of("w = w / w.sum(1, keepdim=True)"), o
     hint = rep["hint"]
-    assert rep["cause"] == "underflow" and "log space" in hint, hint
+    assert rep["cause"] == "underflow" and "torch.softmax(s, dim)" in hint, hint
+    # (was the generic "... or clamp the value away from 0 (x.clamp_min(eps)) before log or
+    # division", which makes every weight of the record 0)
+    assert "clamp_min" not in hint and "subtract the max" in hint, hint
     assert "sample(s) 4 of batch reach 12" in hint, hint
 
 
