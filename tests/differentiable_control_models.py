@@ -55,18 +55,57 @@ def barrier_loss(ps, us, goal, mu: float = 0.01):
     return (track + barrier).mean()
 
 
+def control_barrier_loss(ps, actions, goal, mu: float = 0.01):
+    """Tracking cost plus a barrier on the control limit, -mu log(1 - a^2), of the policy's
+    normalised actions a = tanh(z) (an actuator's saturation kept out of reach)."""
+    track = ((ps - goal[:, None]) ** 2).sum(1)
+    barrier = -mu * torch.log(1 - actions ** 2).sum(1)
+    return (track + barrier).mean()
+
+
+class ReluBarrierPolicy(nn.Module):
+    """A ReLU policy (unbounded pre-activations) acting in normalised units, a = tanh(z) in
+    (-1, 1), which the point mass scales by u_max; returns positions and those actions."""
+
+    def __init__(self, hidden: int = 32, u_max: float = 2.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                                 nn.ReLU(), nn.Linear(hidden, 1))
+        self.u_max = u_max
+
+    def forward(self, x0):
+        p, v = x0[:, 0], x0[:, 1]
+        ps, actions = [], []
+        for _ in range(HORIZON):
+            a = torch.tanh(self.net(torch.stack([p, v], 1)))[:, 0]
+            v = v + DT_PM * self.u_max * a
+            p = p + DT_PM * v
+            ps.append(p)
+            actions.append(a)
+        return torch.stack(ps, 1), torch.stack(actions, 1)
+
+
+def make_relu_barrier() -> ReluBarrierPolicy:
+    torch.manual_seed(0)
+    return ReluBarrierPolicy()
+
+
 def make_barrier() -> BarrierPolicy:
     torch.manual_seed(0)
     return BarrierPolicy()
 
 
-def start_states(g: torch.Generator, n: int = 16, outside: int | None = None):
+def start_states(g: torch.Generator, n: int = 16, outside: int | None = None,
+                 fast: int | None = None):
     """Starts inside the box, at rest-ish; ``outside``: a start sampled past the limit (a
-    dataset of start states drawn from a wider range than the constraint)."""
+    dataset of start states drawn from a wider range than the constraint); ``fast``: a
+    velocity logged in mm/s among m/s."""
     x0 = torch.stack([(torch.rand(n, generator=g) - 0.5) * 1.2,
                       (torch.rand(n, generator=g) - 0.5) * 0.4], 1)
     if outside is not None:
         x0[outside] = torch.tensor([1.3, 0.0])
+    if fast is not None:
+        x0[fast, 1] = 600.0
     goal = (torch.rand(n, generator=g) - 0.5) * 1.0
     return x0, goal
 

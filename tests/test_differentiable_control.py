@@ -28,6 +28,9 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     if kind == "barrier":
         x0, goal = M.start_states(g, outside=bad)
         return (x0,), (goal,)
+    if kind == "limits":
+        x0, goal = M.start_states(g, fast=bad)
+        return (x0,), (goal,)
     if kind == "mpc":
         x0, u_star = M.pendulum_states(g, fallen=bad)
         return (x0,), (u_star,)
@@ -41,7 +44,7 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
 
 
 LOSSES = {"barrier": M.barrier_loss, "cartpole": M.cartpole_cost, "dynamics": M.angle_loss,
-          "circle": M.angle_loss_on_circle}
+          "circle": M.angle_loss_on_circle, "limits": M.control_barrier_loss}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -94,6 +97,27 @@ def test_log_barrier_at_an_infeasible_start_names_the_log_and_the_record(tmp_pat
     assert "log barrier" in hint and "start feasible" in hint and "relaxed log barrier" in hint, \
         hint
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_control_limit_barrier_of_a_saturated_tanh_is_precision_with_its_stable_form(
+        tmp_path):
+    """A ReLU policy acts in normalised units a = tanh(z), its control limit a barrier
+    -mu log(1 - a²) in the loss. A record whose velocity was logged in mm/s (600) drives z
+    past 9, where tanh is 1.0 in float32 (float64 keeps 1 - a² at 2e-15): log(0) on that
+    record. The actions reach the loss stacked over the rollout, one tanh per step; that
+    stack hid the tanh, so the report said a cancellation "as in a variance" with its
+    advice. Now: ``precision``, 1 - y of a tanh rounded to 1, and the complement's stable
+    form 2·(log 2 − u − softplus(−2u))."""
+    ev, bundle = fire("limits", "make_relu_barrier", tmp_path, bad=9)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.log", "-inf", [9]), o
+    assert o["source"] == line_of("barrier = -mu * torch.log(1 - actions ** 2)"), o
+    hint = rep["hint"]
+    assert rep["cause"] == "precision" and "that 0 is 1 − y of a y (tanh" in hint, hint
+    assert "2·(log 2 − u − softplus(−2u))" in hint and "variance" not in hint, hint
 
 
 def test_riccati_cholesky_of_an_indefinite_q_uu_says_negative_curvature(tmp_path):
@@ -179,7 +203,8 @@ def test_mppi_weights_of_a_far_record_underflow_to_0_over_0(tmp_path):
 
 
 @pytest.mark.parametrize("kind,make,bad", [
-    ("barrier", "make_barrier", None), ("mpc", "make_mpc_gauss_newton", 3),
+    ("barrier", "make_barrier", None), ("limits", "make_relu_barrier", None),
+    ("mpc", "make_mpc_gauss_newton", 3),
     ("cartpole", "make_cartpole", None), ("dynamics", "make_dynamics", 2),
     ("pinet", "make_pinet_softmax", 4)])
 def test_healthy_controllers_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
