@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 # an eigenvalue this far below 0, relative to its matrix's largest, is no rounding of a
-# singular PSD matrix (which float64 leaves at about n * 1e-16 of it)
-_NEGATIVE = 1e-6
+# singular PSD matrix (which float64 leaves at about n * 1e-16 of it), nor of one whose
+# float64 re-run still reads float32 sums a cancellation left near 0 (about 1e-7 of it)
+_NEGATIVE = 1e-3
 
 
 def indefinite_hint(op: str, a64: torch.Tensor) -> str | None:
