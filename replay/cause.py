@@ -82,7 +82,7 @@ _POSITIVE_OPS = "exp, softmax, sigmoid or softplus"
 # situations whose advice holds for a rounding that crossed the edge too (else: "stable")
 _OWN_ADVICE = ("unit", "acosh", "atanh", "cholesky", "eigenvalues", "log_det", "singular")
 # situations whose advice an op on data (or weights) alone replaces (of_data, of_weights)
-_OF_RECORDS = ("pole", "log1p_pole", "domain", "power_domain", "divide")
+_OF_RECORDS = ("pole", "log1p_pole", "domain", "log_domain", "power_domain", "divide")
 # ops whose overflow an exponent drives: "subtract the row max before exp" applies to them
 _EXPONENTIALS = {"exp", "exp2", "expm1", "sinh", "cosh", "_softmax", "logsumexp"}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from recorder.errors import first_line
 
+from .log_domain import ADVICE as LOG_DOMAIN
 from .singular_values import ADVICE as SINGULAR_VALUES
 
 CAUSES = ("input", "weights", "optimizer", "invalid", "overflow", "underflow", "precision",
@@ -211,6 +212,7 @@ DO = {
                   "code that builds the buffer, or add an eps",
     "domain": "clamp the op's input into its domain (x.clamp_min(eps) before log or sqrt) "
               "or fix what drives it out",
+    "log_domain": LOG_DOMAIN,
     # (not domain's "x.clamp_min(eps) before log or sqrt": a power's base may be 0, and a
     # negative one is often a normalised value the power was meant to see before)
     "power_domain": "keep the base at or above 0 where it must be (x.clamp_min(0) ** p; a "

@@ -163,7 +163,7 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         x = ins[-1] if base == "xlogy" and ins else x
         zero, neg = bool((x == 0).any()), bool((x < 0).any())
         if neg:
-            return f"{op} of a negative number (as low as {g(float(x.min()))})", "domain"
+            return f"{op} of a negative number (as low as {g(float(x.min()))})", "log_domain"
         return f"{op} of 0 (log has a pole at 0: -inf)", "pole"
     if base == "log1p":
         return ((f"{op} of a number below -1 (as low as {low})", "domain") if bool(

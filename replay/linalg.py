@@ -11,8 +11,9 @@ matrix. Then:
 - a finite matrix: the step is re-run in float64 up to that same op call. Singular (or not
   positive-definite) there too, by its eigenvalues or singular values against float64's
   rounding, or the float64 op failing as well: ``invalid`` (duplicated or constant rows, a
-  dead feature, fewer samples than features). Positive-definite (invertible) in float64:
-  float32's rounding made it fail, ``precision``.
+  dead feature, fewer samples than features; a clearly negative eigenvalue: an indefinite
+  matrix, :mod:`replay.indefinite`). Positive-definite (invertible) in float64: float32's
+  rounding made it fail, ``precision``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .few_samples import few_samples_note
 from .findings import finish, origin_fields
 from .float64_step import in_float64
 from .forward import find_op_in_call
+from .indefinite import indefinite_hint
 from .learned import Learned
 from .load import Step
 from .recorded import batch_size
@@ -221,6 +223,8 @@ def judge(op: str, m32: torch.Tensor, exact: Failed, of_data: bool = False) -> t
     tol = n * torch.finfo(torch.float64).eps * max(hi, 1e-300)
     what = "eigenvalue" if spd else "singular value"
     said = f"smallest {what} {lo:.3g}, largest {hi:.3g}"
+    if spd and lo < 0 and (negative := indefinite_hint(op, a)) is not None:
+        return "invalid", negative
     if exact.raised or lo <= tol:
         kind = "not positive-definite" if spd else "rank-deficient" \
             if op == "linalg_lstsq" else "singular"

@@ -39,6 +39,8 @@ KEEP = {"neg", "abs", "square", "pow", "clone", "_to_copy", "view", "_unsafe_vie
 _UNIT_NODES = {node_name(op) for op in UNIT_OPEN}
 _KEEP_NODES = {node_name(op) for op in KEEP if op != "pow"} | {"ReshapeAlias", "Index"}
 
+# nodes joining several values, inside (-1, 1) when every one of them is
+_PIECES = {"Stack", "Cat"}
 SOFTMAX = {"_softmax", "softmax"}
 
 # what a rounded complement needs instead of an eps
@@ -145,11 +147,16 @@ class Saturation:
 
 def made_unit(fn, depth: int = 8) -> bool:
     """Whether autograd node ``fn`` made its value by tanh, sigmoid or erf (directly, or
-    viewed, selected, gathered, negated): strictly inside (-1, 1) in exact arithmetic."""
+    viewed, selected, gathered, negated, or stacked or concatenated from such values alone: a
+    rollout's actions, one tanh per step): strictly inside (-1, 1) in exact arithmetic."""
     try:
-        for op, _ in first_inputs(fn, depth):
+        for op, node in first_inputs(fn, depth):
             if op in _UNIT_NODES:
                 return True
+            if op in _PIECES:  # (a piece that needs no grad is None: nothing known of it)
+                pieces = [f for f, _ in node.next_functions]
+                return bool(pieces) and depth > 1 and all(
+                    f is not None and made_unit(f, depth - 1) for f in pieces)
             if op not in _KEEP_NODES:
                 return False
     except Exception:  # not an autograd node, or one that cannot say

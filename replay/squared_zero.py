@@ -11,6 +11,8 @@ and this module words the cause.
 
 from __future__ import annotations
 
+from .exp_normalised import normalised
+
 __all__ = ["source"]
 
 
@@ -23,6 +25,8 @@ def source(ev, zeros: list[int], positive_ops: str, log_space: str) -> tuple[str
                 "of it",
                 "floor it before the op (power.clamp_min(eps): parallel_wavegan's STFT "
                 "magnitude clamps re² + im² at 1e-7), or scale the values up before squaring")
+    if (own := normalised(ev, zeros)) is not None:
+        return own
     return (f"{positive_ops} of a finite argument (or a sum or matrix product of such values: a "
             "softmin's sum(exp(-r / gamma)), Sinkhorn's K @ v with K = exp(-C / eps)), positive "
             "in exact arithmetic", log_space)
