@@ -1,0 +1,183 @@
+"""End to end on matrix factorisation (``matrix_factorization_models``): Poisson / KL NMF by
+gradient over a DataLoader of (user, item, count) triples, online NMF whose weights come from
+Lee-Seung multiplicative updates in ``no_grad`` with a dictionary learned by projected
+gradient, ALS-WR's per-user normal equations solved in forward, and a weighted low-rank
+approximation with an observation mask. Each planted bug of the domain fires under the
+recorder and is replayed with the CLI; the healthy versions raise no event and train
+bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import matrix_factorization_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader, TensorDataset
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("matrix_factorization_models.py", text)
+
+
+def batches(kind: str, g: torch.Generator, steps: int, bad: int | None, missing=0.0):
+    """(model args, loss args after the model's output) of each step; ``bad`` planted in the
+    last step's batch."""
+    for step in range(steps):
+        plant = bad if step == steps - 1 else None
+        if kind == "poisson":
+            u, i, v = M.count_triples(g, zero_at=plant)
+            # shuffle=False keeps the planted triple's row; a DataLoader, as the loop would
+            for bu, bi, bv in DataLoader(TensorDataset(u, i, v), batch_size=len(u)):
+                yield (bu, bi), (bv,)
+        elif kind == "coder":
+            v = M.documents(g, empty=plant)
+            yield (v,), (v,)
+        elif kind == "als":
+            r, m = M.rating_matrix(g, cold=plant, missing=missing)
+            yield (r, m), (r, m)
+        else:
+            r, m = M.rating_matrix(g, n=M.USERS, missing=float("nan") if plant is not None
+                                   else missing)
+            yield (torch.arange(M.USERS),), (r, m)
+
+
+LOSSES = {"poisson": M.kl_loss, "coder": torch.nn.MSELoss(), "als": M.als_loss,
+          "low_rank": M.masked_mse}
+
+
+def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
+          record: bool = True, loss=None, missing=0.0):
+    """Adam with gradient clipping and a step schedule; the NMF dictionary projected back to
+    the non-negative orthant after each step. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    crit = loss or LOSSES[kind]
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"matrix_factorization_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for args, targets in batches(kind, g, steps, bad, missing):
+            opt.zero_grad()
+            loss_fn(model(*args), *targets).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            sched.step()
+            if kind == "coder":
+                with torch.no_grad():
+                    model.H.clamp_(min=0.0)
+    return model
+
+
+def fire(kind: str, make: str, tmp_path, bad: int, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(kind, make, tmp_path, bad, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def same_training(kind: str, make: str, tmp_path, bad: int, **kw) -> None:
+    """No event, and bit-identical weights with and without the recorder."""
+    recorded = train(kind, make, tmp_path, bad, **kw)
+    plain = train(kind, make, tmp_path, bad, record=False, **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_kl_nmf_zero_count_names_the_log_and_the_xlogy_fix(tmp_path):
+    """A count of 0 joined into the click log: the generalised KL loss's ``v log(v / wh)`` is
+    0 * log(0) = 0 * -inf = NaN in that triple. The replay names the log's -inf, the mul that
+    made the NaN, the triple's row, and xlogy (0 log 0 = 0) as the fix; dropping the row makes
+    the step finite."""
+    ev, bundle = fire("poisson", "make_poisson", tmp_path, bad=5)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["op"], o["made"], o["samples"]) == (
+        True, "loss", "aten.log", "-inf", [5]), o
+    assert o["source"] == line_of("return (v * torch.log(v / wh) - v + wh).mean()"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.log", "aten.mul"], o["chain"]
+    assert rep["cause"] == "invalid" and "xlogy" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_kl_nmf_with_xlogy_takes_zero_counts_without_an_event(tmp_path):
+    same_training("poisson", "make_poisson", tmp_path, 5, loss=M.kl_loss_xlogy)
+
+
+def test_multiplicative_update_without_eps_names_the_empty_document(tmp_path):
+    """An empty document (a zero row of V): Lee-Seung's first update sets its weights to
+    0 * x / y = 0, the second divides 0 by ``w H H^T`` = 0. The NaN is made in ``no_grad``
+    inside the root's forward; the replay names the division, its line, the document's row,
+    the second run of the line, and that the eps added to the denominator was 0."""
+    ev, bundle = fire("coder", "make_coder", tmp_path, bad=3)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        3, "forward", "", [3], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], o["inputs_finite"]) == (
+        "", "aten.div", "nan", [3], True), o
+    assert o["source"] == line_of("w = w * (v @ h.T) / (w @ hht + self.eps)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "eps added to that input is exactly 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_multiplicative_update_with_eps_keeps_empty_documents_at_zero(tmp_path):
+    """sklearn's eps in the denominator: the empty document's weights stay 0, no event, and
+    the projected-gradient dictionary trains the same with and without the recorder."""
+    same_training("coder", "make_coder_eps", tmp_path, 3)
+
+
+def test_als_wr_cold_user_names_the_solve_and_the_all_zero_normal_equations(tmp_path):
+    """ALS-WR's ridge ``lambda * n_u * I`` is 0 for a user who rated nothing, whose normal
+    equations are then 0 x = 0: ``torch.linalg.solve`` raises for that batch element. The
+    LinAlgError reaches the loop unchanged, with the bundle in its note; the replay names the
+    solve, the user's row, and (where the batch's spectrum would quote other users' singular
+    values) that this user's matrix is all zeros, the count-scaled ridge vanishing with it."""
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        train("als", "make_als", tmp_path, bad=4)
+    bundle, = tmp_path.glob("*.nan")
+    assert any(str(bundle) in n for n in info.value.__notes__), info.value.__notes__
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        3, True, "", "aten._linalg_solve_ex", [4]), o
+    assert o["source"] == line_of("x = torch.linalg.solve(a, b)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert rep["hint"].startswith("aten._linalg_solve_ex: the matrix of sample 4 is all zeros"), \
+        rep["hint"]
+    assert "lambda * max(n_u, 1)" in rep["hint"], rep["hint"]
+
+
+def test_als_with_a_constant_ridge_solves_cold_users(tmp_path):
+    """The plain ridge ``lambda I``: a cold user's factor is 0, no event, same training."""
+    same_training("als", "make_als_ridge", tmp_path, 4)
+
+
+def test_masked_loss_over_nan_missing_ratings_names_the_mask_product(tmp_path):
+    """Ratings pivoted with pandas hold NaN where unobserved; the squared error multiplied by
+    the observation mask keeps NaN * 0 = NaN. An input event on the ratings; the replay names
+    the mask product and says to fill or select before the loss, not after."""
+    ev, bundle = fire("low_rank", "make_low_rank", tmp_path, bad=0)
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "input", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["made"], rep["cause"]) == ("input", "nan", "input"), rep
+    assert o["source"] == line_of("mask.sum()  # NaN * 0 is NaN"), o
+    assert "multiplied the NaN of loss_args[1]" in rep["hint"], rep["hint"]
+    assert "torch.where(observed, x, 0)" in rep["hint"], rep["hint"]
+
+
+def test_nan_missing_ratings_kept_out_by_where_raise_nothing(tmp_path):
+    """The same NaN-holding ratings with the error zeroed by ``torch.where`` before it is
+    squared: the NaN never leaves the loss's input, its gradient is 0 there, so no event (a
+    NaN target the loss keeps out is not a false alarm) and the same training."""
+    same_training("low_rank", "make_low_rank", tmp_path, 0, loss=M.masked_mse_where)
