@@ -11,6 +11,8 @@
 - ``ALSRecommender``: item factors learned by gradient, each user's factor solved in
   ``forward`` from the normal equations of the items that user rated, with ALS-WR's weighted
   regularisation ``lambda * n_u * I`` (Zhou et al. 2008), by ``torch.linalg.solve``.
+- ``ProjectedNMF``: full-batch KL-NMF of weekly counts by projected gradient (Adam, then the
+  factors clamped to >= 0, as Lin 2007's projected gradient does), the loss with xlogy.
 - ``MaskedLowRank``: weighted low-rank approximation of a ratings matrix with missing
   entries, the squared error multiplied by the observation mask.
 """
@@ -64,6 +66,39 @@ def count_triples(g: torch.Generator, n: int = 96, zero_at: int | None = None):
     if zero_at is not None:
         v[zero_at] = 0.0
     return u, i, v
+
+
+# ---------------------------------------------------------------------------------------------
+# projected-gradient KL-NMF of the whole matrix
+
+
+class ProjectedNMF(nn.Module):
+    def __init__(self, users: int = USERS, items: int = ITEMS, rank: int = RANK):
+        super().__init__()
+        self.W = nn.Parameter(torch.rand(users, rank) * 0.1)
+        self.H = nn.Parameter(torch.rand(rank, items) + 0.5)
+
+    def forward(self, users):
+        return self.W[users] @ self.H
+
+    @torch.no_grad()
+    def project(self, floor: float = 0.0):
+        """Back onto the feasible set after each step (the bug: a floor of 0, not eps)."""
+        self.W.clamp_(min=floor)
+        self.H.clamp_(min=floor)
+
+
+def make_projected() -> ProjectedNMF:
+    torch.manual_seed(0)
+    return ProjectedNMF()
+
+
+def weekly_counts(g: torch.Generator, silent: int | None = None):
+    """One week's (users x items) counts; ``silent``: a user with no activity (a row of 0)."""
+    v = torch.poisson(torch.full((USERS, ITEMS), 1.5), generator=g)
+    if silent is not None:
+        v[silent] = 0.0
+    return v
 
 
 # ---------------------------------------------------------------------------------------------

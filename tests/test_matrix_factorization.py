@@ -38,6 +38,9 @@ def batches(kind: str, g: torch.Generator, steps: int, bad: int | None, missing=
         elif kind == "coder":
             v = M.documents(g, empty=plant)
             yield (v,), (v,)
+        elif kind == "projected":  # the user is silent every week
+            v = M.weekly_counts(g, bad)
+            yield (torch.arange(M.USERS),), (v,)
         elif kind == "als":
             r, m = M.rating_matrix(g, cold=plant, missing=missing)
             yield (r, m), (r, m)
@@ -47,16 +50,19 @@ def batches(kind: str, g: torch.Generator, steps: int, bad: int | None, missing=
             yield (torch.arange(M.USERS),), (r, m)
 
 
-LOSSES = {"poisson": M.kl_loss, "coder": torch.nn.MSELoss(), "als": M.als_loss,
+LOSSES = {"poisson": M.kl_loss, "projected": M.kl_loss_xlogy, "coder": torch.nn.MSELoss(), "als": M.als_loss,
           "low_rank": M.masked_mse}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
-          record: bool = True, loss=None, missing=0.0):
-    """Adam with gradient clipping and a step schedule; the NMF dictionary projected back to
+          record: bool = True, loss=None, missing=0.0, floor: float = 0.0,
+          lr: float = 1e-2, sgd: bool = False):
+    """Adam with gradient clipping and a step schedule (``sgd``: Funk-SVD's plain SGD with
+    momentum, neither); the NMF dictionary projected back to
     the non-negative orthant after each step. Returns the model."""
     model = getattr(M, make)()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = (torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if sgd
+           else torch.optim.Adam(model.parameters(), lr=lr))
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     crit = loss or LOSSES[kind]
     g = torch.Generator().manual_seed(0)
@@ -67,12 +73,16 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
         for args, targets in batches(kind, g, steps, bad, missing):
             opt.zero_grad()
             loss_fn(model(*args), *targets).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            if not sgd:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
-            sched.step()
+            if not sgd:
+                sched.step()
             if kind == "coder":
                 with torch.no_grad():
                     model.H.clamp_(min=0.0)
+            if kind == "projected":
+                model.project(floor)
     return model
 
 
@@ -181,3 +191,45 @@ def test_nan_missing_ratings_kept_out_by_where_raise_nothing(tmp_path):
     squared: the NaN never leaves the loss's input, its gradient is 0 there, so no event (a
     NaN target the loss keeps out is not a false alarm) and the same training."""
     same_training("low_rank", "make_low_rank", tmp_path, 0, loss=M.masked_mse_where)
+
+
+def test_projected_kl_nmf_names_xlogys_gradient_at_a_factor_row_projected_to_zero(tmp_path):
+    """Full-batch KL-NMF with xlogy (counts of 0 are fine in the forward) by projected
+    gradient: a user silent every week has their row of W pushed down and projected onto 0
+    exactly by ``clamp_(min=0)`` after the first steps, so ``wh`` is 0 where ``v`` is 0 and
+    xlogy's gradient ``v / wh`` is 0/0. A backward event at step 2 with a finite loss; the
+    replay names XlogyBackward0 on the user's row and says y must stay off 0 (a projection
+    onto [eps, inf)), not the masked-forward advice."""
+    ev, bundle = fire("projected", "make_projected", tmp_path, bad=5, lr=0.05)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (2, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "backward", "<loss>", "XlogyBackward0", "nan", [5]), o
+    assert o["source"] == line_of("torch.xlogy(v, v) - torch.xlogy(v, wh)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "its gradient for y is x / y, 0/0" in rep["hint"], rep["hint"]
+    assert "clamp_(min=eps)" in rep["hint"] and "both branches" not in rep["hint"], rep["hint"]
+
+
+def test_projected_kl_nmf_with_an_eps_floor_trains_the_silent_user(tmp_path):
+    """The projection onto [1e-6, inf): the silent user's rate stays positive, no event, and
+    the same training with and without the recorder."""
+    same_training("projected", "make_projected", tmp_path, 5, lr=0.05, floor=1e-6)
+
+
+def test_sgd_on_uncentred_ratings_diverges_and_the_replay_says_so(tmp_path):
+    """Funk-SVD-style SGD with momentum at lr 5 on raw 1-5 ratings, unclipped:
+    the factors grow step after step until ``U @ V^T`` overflows at step 7 in every user's
+    row. The replay names the product and overflow, and (from the recorded history) that the
+    run was diverging since step 2, so the fix is the learning rate, not float64."""
+    ev, bundle = fire("low_rank", "make_low_rank", tmp_path, bad=None, steps=20, lr=5.0,
+                      sgd=True)
+    assert (ev["step"], ev["phase"], ev["module"]) == (7, "forward", ""), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "", "aten.mm", list(range(M.USERS)), "overflow"), rep
+    assert o["source"] == line_of("return self.U[users] @ self.V.T"), o
+    assert "diverging" in rep["hint"] and "lower the learning rate" in rep["hint"], rep["hint"]
+    assert rep["precursors"][0]["step"] == 2, rep["precursors"]
