@@ -13,6 +13,9 @@
   regularisation ``lambda * n_u * I`` (Zhou et al. 2008), by ``torch.linalg.solve``.
 - ``ProjectedNMF``: full-batch KL-NMF of weekly counts by projected gradient (Adam, then the
   factors clamped to >= 0, as Lin 2007's projected gradient does), the loss with xlogy.
+- ``HeteroscedasticPMF``: probabilistic MF with Gaussian priors on the factors (a weight decay
+  in MAP form) and a per-rating noise variance ``softplus`` of the item's side features, in a
+  Gaussian negative log-likelihood ``0.5 log var + (r - mu)^2 / (2 var)``.
 - ``MaskedLowRank``: weighted low-rank approximation of a ratings matrix with missing
   entries, the squared error multiplied by the observation mask.
 """
@@ -196,6 +199,57 @@ def rating_matrix(g: torch.Generator, n: int = 12, cold: int | None = None, miss
     if cold is not None:
         mask[cold] = 0.0
     return torch.where(mask.bool(), ratings, torch.full_like(ratings, missing)), mask
+
+
+# ---------------------------------------------------------------------------------------------
+# probabilistic MF with a learned noise variance
+
+
+class HeteroscedasticPMF(nn.Module):
+    def __init__(self, users: int = USERS, items: int = ITEMS, rank: int = RANK,
+                 features: int = 3, min_var: float = 0.0):
+        super().__init__()
+        self.user = nn.Embedding(users, rank)
+        self.item = nn.Embedding(items, rank)
+        nn.init.normal_(self.user.weight, 0.0, 0.1)
+        nn.init.normal_(self.item.weight, 0.0, 0.1)
+        self.mu = nn.Parameter(torch.tensor(3.0))
+        self.noise = nn.Linear(features, 1)
+        self.min_var = min_var
+
+    def forward(self, u, i, side):
+        mean = (self.user(u) * self.item(i)).sum(-1) + self.mu
+        var = F.softplus(self.noise(side).squeeze(-1))  # the bug: no floor
+        if self.min_var:  # (the fix: a floor on the variance)
+            var = var + self.min_var
+        return mean, var
+
+
+def gaussian_nll(mean, var, r):
+    return (0.5 * torch.log(var) + (r - mean) ** 2 / (2 * var)).mean()
+
+
+def make_pmf() -> HeteroscedasticPMF:
+    torch.manual_seed(0)
+    return HeteroscedasticPMF()
+
+
+def make_pmf_floored() -> HeteroscedasticPMF:
+    torch.manual_seed(0)
+    return HeteroscedasticPMF(min_var=1e-4)
+
+
+def rated_triples(g: torch.Generator, n: int = 64, raw_count_at: int | None = None):
+    """(user, item, item side features, rating); the side features are standardised (log
+    popularity, genre share, year); ``raw_count_at``: that record's popularity column holds the
+    raw view count (2e5), a join against an unprocessed table."""
+    u = torch.randint(0, USERS, (n,), generator=g)
+    i = torch.randint(0, ITEMS, (n,), generator=g)
+    side = torch.randn(n, 3, generator=g)
+    if raw_count_at is not None:
+        side[raw_count_at, 0] = 2e5
+    r = torch.randint(1, 6, (n,), generator=g).float()
+    return u, i, side, r
 
 
 # ---------------------------------------------------------------------------------------------

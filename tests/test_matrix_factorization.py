@@ -41,6 +41,10 @@ def batches(kind: str, g: torch.Generator, steps: int, bad: int | None, missing=
         elif kind == "projected":  # the user is silent every week
             v = M.weekly_counts(g, bad)
             yield (torch.arange(M.USERS),), (v,)
+        elif kind == "pmf":
+            u, i, side, r = M.rated_triples(g, raw_count_at=plant)
+            for bu, bi, bs, br in DataLoader(TensorDataset(u, i, side, r), batch_size=32):
+                yield (bu, bi, bs), (br,)
         elif kind == "als":
             r, m = M.rating_matrix(g, cold=plant, missing=missing)
             yield (r, m), (r, m)
@@ -50,7 +54,8 @@ def batches(kind: str, g: torch.Generator, steps: int, bad: int | None, missing=
             yield (torch.arange(M.USERS),), (r, m)
 
 
-LOSSES = {"poisson": M.kl_loss, "projected": M.kl_loss_xlogy, "coder": torch.nn.MSELoss(), "als": M.als_loss,
+LOSSES = {"poisson": M.kl_loss, "projected": M.kl_loss_xlogy, "coder": torch.nn.MSELoss(),
+          "als": M.als_loss, "pmf": M.gaussian_nll,
           "low_rank": M.masked_mse}
 
 
@@ -72,7 +77,8 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
         loss_fn = rec.loss_fn if rec is not None else crit
         for args, targets in batches(kind, g, steps, bad, missing):
             opt.zero_grad()
-            loss_fn(model(*args), *targets).backward()
+            out = model(*args)
+            loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets).backward()
             if not sgd:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
@@ -233,3 +239,28 @@ def test_sgd_on_uncentred_ratings_diverges_and_the_replay_says_so(tmp_path):
     assert o["source"] == line_of("return self.U[users] @ self.V.T"), o
     assert "diverging" in rep["hint"] and "lower the learning rate" in rep["hint"], rep["hint"]
     assert rep["precursors"][0]["step"] == 2, rep["precursors"]
+
+
+def test_pmf_softplus_variance_underflow_names_the_log_and_the_raw_count_record(tmp_path):
+    """A record whose popularity feature is the raw view count (2e5, not its standardised
+    log): the noise head's ``softplus(w . side)`` is softplus(-2e4), positive in exact
+    arithmetic but 0 in float32 (and float64), and the Gaussian NLL's ``log(var)`` is -inf,
+    ``(r - mean)^2 / (2 var)`` +inf: NaN. A loss event at step 6 (two DataLoader batches a
+    week); the replay names the log on that record, underflow (not a 0 exact arithmetic
+    makes), and the record's out-of-scale feature; dropping it makes the step finite."""
+    ev, bundle = fire("pmf", "make_pmf", tmp_path, bad=7)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (6, "loss", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=7")
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "loss", "aten.log", "-inf", [7], "underflow"), rep
+    assert o["source"] == line_of("return (0.5 * torch.log(var) + (r - mean) ** 2"), o
+    assert "softplus" in rep["hint"] and "sample(s) 7 of args[2]" in rep["hint"], rep["hint"]
+    assert "out of scale" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_pmf_with_a_variance_floor_takes_the_raw_count_record(tmp_path):
+    """``softplus(...) + 1e-4``: the same record gives a large but finite loss, no event, and
+    the same training with and without the recorder."""
+    same_training("pmf", "make_pmf_floored", tmp_path, 7)
