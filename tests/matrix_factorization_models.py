@@ -4,6 +4,8 @@
 - ``PoissonMF``: non-negative factorisation of counts (users x items) by gradient: softplus
   factors, the generalised KL / Poisson loss ``v log(v / wh) - v + wh`` over the observed
   (user, item, count) triples a DataLoader gives.
+- ``LeeSeungNMF``: the whole matrix factorised by Lee & Seung's multiplicative updates for the
+  Frobenius loss, written in place in ``torch.no_grad()`` by the loop, no optimizer.
 - ``NMFCoder``: online NMF / dictionary learning over documents (rows of a term matrix):
   ``forward`` infers each row's weights by Lee-Seung multiplicative updates in
   ``torch.no_grad()`` (``w *= (v H^T) / (w H H^T)``), the dictionary ``H`` is learned by
@@ -102,6 +104,35 @@ def weekly_counts(g: torch.Generator, silent: int | None = None):
     if silent is not None:
         v[silent] = 0.0
     return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Lee & Seung's multiplicative updates of the whole matrix, no optimizer
+
+
+class LeeSeungNMF(nn.Module):
+    def __init__(self, users: int = USERS, items: int = ITEMS, rank: int = RANK):
+        super().__init__()
+        self.W = nn.Parameter(torch.rand(users, rank) + 0.1, requires_grad=False)
+        self.H = nn.Parameter(torch.rand(rank, items) + 0.1, requires_grad=False)
+
+    def forward(self):
+        return self.W @ self.H
+
+    @torch.no_grad()
+    def update(self, v, wh, eps: float = 0.0):
+        """One multiplicative update of H then W (the bug: eps = 0)."""
+        self.H.mul_((self.W.T @ v) / (self.W.T @ wh + eps))
+        self.W.mul_((v @ self.H.T) / (self.W @ self.H @ self.H.T + eps))
+
+
+def make_lee_seung() -> LeeSeungNMF:
+    torch.manual_seed(0)
+    return LeeSeungNMF()
+
+
+def frobenius(wh, v):
+    return 0.5 * (v - wh).pow(2).sum()
 
 
 # ---------------------------------------------------------------------------------------------

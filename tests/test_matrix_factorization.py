@@ -264,3 +264,50 @@ def test_pmf_with_a_variance_floor_takes_the_raw_count_record(tmp_path):
     """``softplus(...) + 1e-4``: the same record gives a large but finite loss, no event, and
     the same training with and without the recorder."""
     same_training("pmf", "make_pmf_floored", tmp_path, 7)
+
+
+def lee_seung(out_dir, eps: float, steps: int = 6, record: bool = True):
+    """The whole (users x items) matrix, an item no one interacted with (column 6 all 0),
+    factorised by the loop's multiplicative updates with no optimizer; ``rec.end_step()``
+    after each forward and loss, before the update, as the guide asks of such loops."""
+    model = M.make_lee_seung()
+    g = torch.Generator().manual_seed(0)
+    v = M.weekly_counts(g)
+    v[:, 6] = 0.0
+    rec = FlightRecorder(model, None, loss_fn=M.frobenius, out_dir=out_dir,
+                         factory="matrix_factorization_models:make_lee_seung") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        for _ in range(steps):
+            wh = model()
+            (rec.loss_fn if rec is not None else M.frobenius)(wh, v)
+            if rec is not None:
+                rec.end_step()
+            model.update(v, wh, eps)
+    return model
+
+
+def test_multiplicative_updates_without_eps_name_the_items_column_of_h(tmp_path):
+    """The item's column of H is 0 after the first update (its numerator W^T v is 0) and
+    0/0 at the second, and W's update, a product with all of H, is then NaN throughout: a
+    weights event at step 2. The replay cannot re-run the loop's update; its hint says H is
+    non-finite only in column 6, W throughout as a product spreads it, and names the
+    multiplicative update's missing eps, not only an EMA's momentum."""
+    with pytest.raises(NonFiniteError) as info:
+        lee_seung(tmp_path, eps=0.0)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], sorted(ev["params"])) == (2, "weights", ["H", "W"]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert rep["cause"] == "weights", rep["cause"]
+    assert "(H: 4 of 80, whole slices along dim 1: 6), and W non-finite throughout" in \
+        rep["hint"], rep["hint"]
+    assert "multiplicative update's num / den without an eps" in rep["hint"], rep["hint"]
+
+
+def test_multiplicative_updates_with_eps_raise_nothing_and_factorise_the_same(tmp_path):
+    """sklearn's eps in both denominators: the item's column of H stays 0, no event, and
+    the recorder (with its end_step each iteration) leaves the factors bit-identical."""
+    recorded = lee_seung(tmp_path, eps=1e-10)
+    plain = lee_seung(tmp_path, eps=1e-10, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    assert torch.equal(recorded.W, plain.W) and torch.equal(recorded.H, plain.H)
+    assert bool((recorded.H[:, 6] == 0).all())
