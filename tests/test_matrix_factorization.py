@@ -25,16 +25,18 @@ def line_of(text: str) -> str:
     return source_line("matrix_factorization_models.py", text)
 
 
-def batches(kind: str, g: torch.Generator, steps: int, bad: int | None, missing=0.0):
+def batches(kind: str, g: torch.Generator, steps: int, bad: int | None, missing=0.0,
+            accum: int = 1):
     """(model args, loss args after the model's output) of each step; ``bad`` planted in the
     last step's batch."""
     for step in range(steps):
         plant = bad if step == steps - 1 else None
         if kind == "poisson":
             u, i, v = M.count_triples(g, zero_at=plant)
-            # shuffle=False keeps the planted triple's row; a DataLoader, as the loop would
-            for bu, bi, bv in DataLoader(TensorDataset(u, i, v), batch_size=len(u)):
-                yield (bu, bi), (bv,)
+            # shuffle=False keeps the planted triple's row; a DataLoader, as the loop would;
+            # batches of 48 are the accumulated micro-batches of one step (``accum``)
+            yield [((bu, bi), (bv,)) for bu, bi, bv in
+                   DataLoader(TensorDataset(u, i, v), batch_size=len(u) // accum)]
         elif kind == "coder":
             v = M.documents(g, empty=plant)
             yield (v,), (v,)
@@ -61,7 +63,7 @@ LOSSES = {"poisson": M.kl_loss, "projected": M.kl_loss_xlogy, "coder": torch.nn.
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
           record: bool = True, loss=None, missing=0.0, floor: float = 0.0,
-          lr: float = 1e-2, sgd: bool = False):
+          lr: float = 1e-2, sgd: bool = False, accum: int = 1):
     """Adam with gradient clipping and a step schedule (``sgd``: Funk-SVD's plain SGD with
     momentum, neither); the NMF dictionary projected back to
     the non-negative orthant after each step. Returns the model."""
@@ -75,10 +77,12 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
                          factory=f"matrix_factorization_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
-        for args, targets in batches(kind, g, steps, bad, missing):
+        for batch in batches(kind, g, steps, bad, missing, accum):
             opt.zero_grad()
-            out = model(*args)
-            loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets).backward()
+            for args, targets in batch if isinstance(batch, list) else [batch]:
+                out = model(*args)
+                loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets)
+                (loss / accum).backward()
             if not sgd:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
@@ -311,3 +315,16 @@ def test_multiplicative_updates_with_eps_raise_nothing_and_factorise_the_same(tm
     assert not list(tmp_path.glob("*.nan"))
     assert torch.equal(recorded.W, plain.W) and torch.equal(recorded.H, plain.H)
     assert bool((recorded.H[:, 6] == 0).all())
+
+
+def test_kl_nmf_zero_count_in_the_second_accumulated_micro_batch(tmp_path):
+    """Two accumulated micro-batches of 48 triples a step; the count of 0 is triple 53, row 5
+    of the second: the event and the replay name micro-batch 1 and its row 5, and the
+    xlogy fix."""
+    ev, bundle = fire("poisson", "make_poisson", tmp_path, bad=53, accum=2)
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (3, "loss", 1), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["micro_batch"], o["samples"], rep["cause"]) == (
+        "aten.log", 1, [5], "invalid"), o
+    assert "xlogy" in rep["hint"], rep["hint"]
