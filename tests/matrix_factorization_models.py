@@ -18,6 +18,9 @@
 - ``HeteroscedasticPMF``: probabilistic MF with Gaussian priors on the factors (a weight decay
   in MAP form) and a per-rating noise variance ``softplus`` of the item's side features, in a
   Gaussian negative log-likelihood ``0.5 log var + (r - mu)^2 / (2 var)``.
+- ``SeenMaskedMF``: MF scoring every item for next-item prediction, the items each user has
+  already interacted with masked out by ``masked_fill(seen, -inf)`` before the softmax
+  cross-entropy (as implicit-feedback recommenders rank only unseen items).
 - ``MaskedLowRank``: weighted low-rank approximation of a ratings matrix with missing
   entries, the squared error multiplied by the observation mask.
 """
@@ -281,6 +284,39 @@ def rated_triples(g: torch.Generator, n: int = 64, raw_count_at: int | None = No
         side[raw_count_at, 0] = 2e5
     r = torch.randint(1, 6, (n,), generator=g).float()
     return u, i, side, r
+
+
+# ---------------------------------------------------------------------------------------------
+# full softmax over the items, the seen ones masked out
+
+
+class SeenMaskedMF(nn.Module):
+    def __init__(self, users: int = USERS, items: int = ITEMS, rank: int = RANK):
+        super().__init__()
+        self.user = nn.Embedding(users, rank)
+        self.item = nn.Embedding(items, rank)
+
+    def forward(self, u, seen):
+        scores = self.user(u) @ self.item.weight.T
+        return scores.masked_fill(seen, float("-inf"))  # rank only the items not yet seen
+
+
+def make_seen_masked() -> SeenMaskedMF:
+    torch.manual_seed(0)
+    return SeenMaskedMF()
+
+
+def next_items(g: torch.Generator, n: int = 16, leaked: int | None = None):
+    """Users, their history (a bool mask over the items) and the next item they interacted
+    with, never in their history; ``leaked``: that user's history was built from the whole
+    log, the next item included (a split by row instead of by time)."""
+    u = torch.randint(0, USERS, (n,), generator=g)
+    seen = torch.rand(n, ITEMS, generator=g) < 0.3
+    target = torch.randint(0, ITEMS, (n,), generator=g)
+    seen[torch.arange(n), target] = False
+    if leaked is not None:
+        seen[leaked, target[leaked]] = True
+    return u, seen, target
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ def batches(kind: str, g: torch.Generator, steps: int, bad: int | None, missing=
             u, i, side, r = M.rated_triples(g, raw_count_at=plant)
             for bu, bi, bs, br in DataLoader(TensorDataset(u, i, side, r), batch_size=32):
                 yield (bu, bi, bs), (br,)
+        elif kind == "seen":
+            u, seen, target = M.next_items(g, leaked=plant)
+            yield (u, seen), (target,)
         elif kind == "als":
             r, m = M.rating_matrix(g, cold=plant, missing=missing)
             yield (r, m), (r, m)
@@ -57,7 +60,7 @@ def batches(kind: str, g: torch.Generator, steps: int, bad: int | None, missing=
 
 
 LOSSES = {"poisson": M.kl_loss, "projected": M.kl_loss_xlogy, "coder": torch.nn.MSELoss(),
-          "als": M.als_loss, "pmf": M.gaussian_nll,
+          "als": M.als_loss, "pmf": M.gaussian_nll, "seen": torch.nn.CrossEntropyLoss(),
           "low_rank": M.masked_mse}
 
 
@@ -73,8 +76,10 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     crit = loss or LOSSES[kind]
     g = torch.Generator().manual_seed(0)
+    # (the seen items' -inf scores are intended: allowed in the root's output)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                         factory=f"matrix_factorization_models:{make}") if record else None
+                         factory=f"matrix_factorization_models:{make}",
+                         allow_inf=[""] if kind == "seen" else []) if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for batch in batches(kind, g, steps, bad, missing, accum):
@@ -328,3 +333,27 @@ def test_kl_nmf_zero_count_in_the_second_accumulated_micro_batch(tmp_path):
     assert (o["op"], o["micro_batch"], o["samples"], rep["cause"]) == (
         "aten.log", 1, [5], "invalid"), o
     assert "xlogy" in rep["hint"], rep["hint"]
+
+
+def test_seen_items_mask_holding_the_target_names_the_user_and_the_disagreement(tmp_path):
+    """Next-item prediction over every item, the user's seen items masked to -inf (allowed in
+    the output). One user's history was built from the whole log, the held-out next item
+    included: its probability is 0 and the cross-entropy +inf. The replay names the NLL on
+    that user's row and says the target and the mask disagree (unmask the target), not to
+    give masked classes zero weight or use label smoothing."""
+    ev, bundle = fire("seen", "make_seen_masked", tmp_path, bad=9)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=9")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "<loss>", "aten.nll_loss_forward", "+inf", [9], "invalid"), rep
+    assert "a target on a masked class" in rep["hint"], rep["hint"]
+    assert "seen[rows, target] = False" in rep["hint"], rep["hint"]
+    assert "label smoothing" not in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_seen_items_masked_to_minus_inf_under_allow_inf_raise_nothing(tmp_path):
+    """The -inf of every seen item stays inside the softmax (no target is seen): no event,
+    and the same training with and without the recorder."""
+    same_training("seen", "make_seen_masked", tmp_path, None)
