@@ -357,3 +357,23 @@ def test_seen_items_masked_to_minus_inf_under_allow_inf_raise_nothing(tmp_path):
     """The -inf of every seen item stays inside the softmax (no target is seen): no event,
     and the same training with and without the recorder."""
     same_training("seen", "make_seen_masked", tmp_path, None)
+
+
+def test_pmf_normal_refusing_an_underflowed_scale_is_underflow_of_the_record(tmp_path):
+    """The same record through ``torch.distributions.Normal(mean, var.sqrt())``: its check
+    refuses the scale 0 (a ValueError, raised as is, with the bundle in its note). softplus
+    of -2e4 underflows in float64 too, which the replay read as a value the code gives by
+    construction (``invalid``); softplus is never 0, so it is ``underflow``, with the
+    record's out-of-scale feature named as for the log above."""
+    with pytest.raises(ValueError) as info:
+        train("pmf", "make_pmf", tmp_path, bad=7, loss=M.normal_nll)
+    bundle, = tmp_path.glob("*.nan")
+    assert any(str(bundle) in n for n in info.value.__notes__), info.value.__notes__
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"], o["made"], o["samples"]) == (
+        6, "", "aten.softplus", "0", [7]), o
+    assert o["source"] == line_of("var = F.softplus(self.noise(side).squeeze(-1))"), o
+    assert rep["cause"] == "underflow", rep["hint"]
+    assert "aten.softplus is positive in exact arithmetic" in rep["hint"], rep["hint"]
+    assert "sample(s) 7 of args[2] reach 2e+05" in rep["hint"], rep["hint"]
