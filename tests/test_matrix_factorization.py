@@ -66,7 +66,7 @@ LOSSES = {"poisson": M.kl_loss, "projected": M.kl_loss_xlogy, "coder": torch.nn.
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
           record: bool = True, loss=None, missing=0.0, floor: float = 0.0,
-          lr: float = 1e-2, sgd: bool = False, accum: int = 1):
+          lr: float = 1e-2, sgd: bool = False, accum: int = 1, bf16: bool = False):
     """Adam with gradient clipping and a step schedule (``sgd``: Funk-SVD's plain SGD with
     momentum, neither); the NMF dictionary projected back to
     the non-negative orthant after each step. Returns the model."""
@@ -85,7 +85,8 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
         for batch in batches(kind, g, steps, bad, missing, accum):
             opt.zero_grad()
             for args, targets in batch if isinstance(batch, list) else [batch]:
-                out = model(*args)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    out = model(*args)
                 loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets)
                 (loss / accum).backward()
             if not sgd:
@@ -116,12 +117,13 @@ def same_training(kind: str, make: str, tmp_path, bad: int, **kw) -> None:
         assert torch.equal(a, b), name
 
 
-def test_kl_nmf_zero_count_names_the_log_and_the_xlogy_fix(tmp_path):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_kl_nmf_zero_count_names_the_log_and_the_xlogy_fix(tmp_path, bf16):
     """A count of 0 joined into the click log: the generalised KL loss's ``v log(v / wh)`` is
     0 * log(0) = 0 * -inf = NaN in that triple. The replay names the log's -inf, the mul that
     made the NaN, the triple's row, and xlogy (0 log 0 = 0) as the fix; dropping the row makes
-    the step finite."""
-    ev, bundle = fire("poisson", "make_poisson", tmp_path, bad=5)
+    the step finite. The same with the model's forward under bfloat16 autocast."""
+    ev, bundle = fire("poisson", "make_poisson", tmp_path, bad=5, bf16=bf16)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "nan"), ev
     rep = nanreplay_json(bundle, "--try", "drop=5")
     o = rep["origin"]
@@ -133,8 +135,11 @@ def test_kl_nmf_zero_count_names_the_log_and_the_xlogy_fix(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-def test_kl_nmf_with_xlogy_takes_zero_counts_without_an_event(tmp_path):
-    same_training("poisson", "make_poisson", tmp_path, 5, loss=M.kl_loss_xlogy)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_kl_nmf_with_xlogy_takes_zero_counts_without_an_event(tmp_path, bf16):
+    """xlogy's 0 log 0 = 0 (the rate wh > 0 by softplus): no event, the same training, also
+    under bfloat16 autocast."""
+    same_training("poisson", "make_poisson", tmp_path, 5, loss=M.kl_loss_xlogy, bf16=bf16)
 
 
 def test_multiplicative_update_without_eps_names_the_empty_document(tmp_path):
