@@ -36,7 +36,7 @@ def partial_hint(tensors: dict[str, torch.Tensor]) -> str:
     """The text for parameters (name: bundle tensor) of which some are non-finite only in part
     ("" when none is, or all are)."""
     partial = {n: t for n, t in tensors.items() if bool(torch.isfinite(t).any())}
-    if not partial or len(partial) == len(tensors) and len(tensors) > 1:
+    if not partial:
         return ""
     said = "; ".join(f"{n}: {slices_text(t)}" for n, t in partial.items())
     whole = [n for n in tensors if n not in partial]
