@@ -1,10 +1,13 @@
 """End to end on matrix factorisation (``matrix_factorization_models``): Poisson / KL NMF by
-gradient over a DataLoader of (user, item, count) triples, online NMF whose weights come from
-Lee-Seung multiplicative updates in ``no_grad`` with a dictionary learned by projected
-gradient, ALS-WR's per-user normal equations solved in forward, and a weighted low-rank
-approximation with an observation mask. Each planted bug of the domain fires under the
-recorder and is replayed with the CLI; the healthy versions raise no event and train
-bit-identically with and without the recorder."""
+gradient over a DataLoader of (user, item, count) triples (accumulated, under bfloat16
+autocast), full-batch KL-NMF by projected gradient, online NMF whose weights come from
+Lee-Seung multiplicative updates in ``no_grad``, the whole matrix by the loop's own
+multiplicative updates with no optimizer, ALS-WR's per-user normal equations solved in
+forward, a heteroscedastic PMF's softplus noise variance (by hand and through
+``torch.distributions``), next-item MF with a seen-items -inf mask, a weighted low-rank
+approximation with an observation mask, and Funk-SVD's SGD diverging. Each planted bug of the
+domain fires under the recorder and is replayed with the CLI; the healthy versions raise no
+event and train bit-identically with and without the recorder."""
 
 from __future__ import annotations
 
@@ -68,8 +71,8 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
           record: bool = True, loss=None, missing=0.0, floor: float = 0.0,
           lr: float = 1e-2, sgd: bool = False, accum: int = 1, bf16: bool = False):
     """Adam with gradient clipping and a step schedule (``sgd``: Funk-SVD's plain SGD with
-    momentum, neither); the NMF dictionary projected back to
-    the non-negative orthant after each step. Returns the model."""
+    momentum, neither); the NMF factors projected back onto the non-negative orthant (``floor``
+    and up) after each step; ``accum`` micro-batches a step. Returns the model."""
     model = getattr(M, make)()
     opt = (torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if sgd
            else torch.optim.Adam(model.parameters(), lr=lr))
