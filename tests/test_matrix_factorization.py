@@ -385,3 +385,30 @@ def test_pmf_normal_refusing_an_underflowed_scale_is_underflow_of_the_record(tmp
     assert rep["cause"] == "underflow", rep["hint"]
     assert "aten.softplus is positive in exact arithmetic" in rep["hint"], rep["hint"]
     assert "sample(s) 7 of args[2] reach 2e+05" in rep["hint"], rep["hint"]
+
+
+def test_masked_mean_over_a_batch_of_cold_users_names_the_zero_count(tmp_path):
+    """Mini-batches of 8 users; at step 3 none of them has rated anything yet (new sign-ups
+    in one batch), so the masked mean's ``mask.sum()`` is 0 and the loss is 0/0. The replay
+    names the division, blames no row (the divisor is one count for the batch) and gives
+    ``clamp_min(1)``."""
+    model = M.make_low_rank()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.masked_mse, out_dir=tmp_path,
+                            factory="matrix_factorization_models:make_low_rank") as rec:
+            for step in range(4):
+                r, m = M.rating_matrix(g, n=8)
+                if step == 3:
+                    m.zero_()
+                opt.zero_grad()
+                rec.loss_fn(model(torch.arange(8) + 8 * (step % 3)), r, m).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (3, "loss")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "loss", "aten.div", "nan", [], "invalid"), rep
+    assert o["source"] == line_of("mask.sum()  # NaN * 0 is NaN"), o
+    assert "no row is to blame" in rep["hint"] and "clamp_min(1)" in rep["hint"], rep["hint"]
