@@ -82,7 +82,8 @@ class BackwardOrigin:
     # type rounded to 0 (float16), see :class:`replay.lost_eps.GuardNodes`
     lost_eps: float | None = None
     # why a quotient's divisor is 0 there (replay.pole_hints.zero_divisor): "data" (it needs
-    # no gradient), "constant" (a scalar 0: x / cap, cap = 0), "clamped" (a learned one a ReLU cut)
+    # no gradient), "constant" (a scalar 0: x / cap, cap = 0), "clamped" (a learned one a ReLU cut),
+    # "xlogy" (xlogy(x, y)'s x / y at x = y = 0)
     zero_divisor: str | None = None
     complement: bool = False  # it took 1 - y of a y below 1 (replay.below_one)
     copied: CopiedRow | None = None  # a sqrt's 0 distance to a parameter row copied from it

@@ -61,6 +61,7 @@ from .dispatch import OpAt
 from .domains import g as _g
 from .float8_cast import float8_cast_advice
 from .float64_step import float64_still
+from .forbidden_target import forbidden_target_hint
 from .literal_range import literal_hint, unheld_literal
 from .operator_power import operator_power_advice
 from .ops import Evidence, OpHit
@@ -323,6 +324,8 @@ def _from_infinities(hit: OpHit) -> Cause:
                      "element was reduced into (an empty group: a graph without nodes): "
                      + DO["empty_group"])
     if hit.made != "nan":  # OpFinder.first_reduced: an infinity it was given, summed in
+        if forbidden := forbidden_target_hint(name, hit.made):  # (a target the mask forbids)
+            return Cause("invalid", forbidden)
         return Cause("invalid", f"{hit.op} folded an infinity it was given into {hit.made} "
                      "(one held on purpose, such as a -inf mask under allow_inf: a "
                      "log-probability of exactly 0, infinite in exact arithmetic too): "

@@ -31,6 +31,7 @@ from .cause import classify
 from .compat import TorchDispatchMode, tree_leaves
 from .dispatch import float_leaves, run_op
 from .errors import StopRun
+from .failed_samples import all_zero_hint, failed_matrices
 from .few_samples import few_samples_note
 from .findings import finish, origin_fields
 from .float64_step import in_float64
@@ -191,7 +192,7 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
             f"aten.{failed.op} failed on a finite matrix; {why}, so whether it is singular in "
             "exact arithmetic is not known: " + _REMEDY["invalid"]))
     of_data = not failed.learned and 0 < len(origin["samples"]) < (batch_size(step, mb) or 0)
-    cause, hint = judge(failed.op, failed.matrix, exact, of_data)
+    cause, hint = judge(failed.op, failed.matrix, exact, of_data, origin["samples"])
     if cause == "precision":
         hint += few_samples_note(failed.matrix, exact.matrix,
                                  batch_size(step, mb), failed.op in _SPD)
@@ -211,11 +212,16 @@ def failed_rows(failed: Failed, n: int | None) -> list[int]:
     return info.nonzero().flatten().tolist()
 
 
-def judge(op: str, m32: torch.Tensor, exact: Failed, of_data: bool = False) -> tuple[str, str]:
+def judge(op: str, m32: torch.Tensor, exact: Failed, of_data: bool = False,
+          rows: list[int] = ()) -> tuple[str, str]:
     """``invalid`` or ``precision`` for a finite matrix ``m32`` that made ``op`` fail, from
-    the float64 re-run's matrix ``exact``; ``of_data``: the batch alone made the matrices,
-    of which only some samples' failed (see :mod:`replay.learned`)."""
-    a = exact.matrix.detach().to(torch.float64)
+    the float64 re-run's matrix ``exact`` (the matrices of the failing samples ``rows`` in a
+    batch of them); ``of_data``: the batch alone made the matrices, of which only some
+    samples' failed (see :mod:`replay.learned`)."""
+    a = failed_matrices(exact.matrix.detach().to(torch.float64), list(rows))
+    zero = not of_data and all_zero_hint(op, a, list(rows))
+    if zero:
+        return "invalid", zero
     n = a.shape[-1]
     spd = op in _SPD
     vals = (torch.linalg.eigvalsh((a + a.mT) / 2) if spd else torch.linalg.svdvals(a))

@@ -27,6 +27,7 @@ from .errors import ReplayError
 from .grown_weights import grown_rule_hint
 from .load import Step, micro_batch_inputs
 from .ops import OpFinder
+from .partial_params import partial_hint
 from .rerun import Runner
 
 
@@ -173,6 +174,9 @@ def _frozen_hint(step: Step, bad: list[str], names: str, held: str) -> str:
     """Frozen parameters non-finite as the step began: the loop's EMA update wrote them."""
     tensors = [t for n in bad if (t := step.tensors.get(f"weights/{n}")) is not None]
     every = all(not torch.isfinite(t).any() for t in tensors) and tensors
+    # (some only in whole slices: an element-wise division, a multiplicative update's 0/0)
+    partial = "" if every else partial_hint(
+        {n: t for n in bad if (t := step.tensors.get(f"weights/{n}")) is not None})
     if first_recorded(step):
         return (f"{names} require no gradient and {held} (a frozen teacher or target "
                 "network), and " + _CAME_IN)
@@ -181,7 +185,8 @@ def _frozen_hint(step: Step, bad: list[str], names: str, held: str) -> str:
             "(or a checkpoint load)"
             + (", and every element of them is non-finite, as a non-finite coefficient makes"
                if every else "")
-            + ": check that update (t.mul_(m).add_(s, alpha=1 - m), torch._foreach_lerp_(t, s, "
+            + partial + ("; else check" if partial else ": check")
+            + " that update (t.mul_(m).add_(s, alpha=1 - m), torch._foreach_lerp_(t, s, "
             "1 - m)) for a non-finite momentum m, from its schedule, or source weight s, guard "
             "it (math.isfinite(m)), and resume from a checkpoint before it"
             + (grown_rule_hint(step, bad) or ""))

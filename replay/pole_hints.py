@@ -9,6 +9,7 @@ made-up target. :func:`pole_hint` says so; for a divisor that is a constant 0 (a
 soft-capping's ``cap * tanh(x / cap)`` with ``cap = 0`` meant as "off", a temperature or scale
 of 0) that the op should not run at all; for a learned divisor a ReLU cut to 0 (a
 hyperprior's predicted scales, :mod:`replay.clamped_divisor`) that it needs a lower bound;
+for xlogy's ``x / y`` at x = y = 0 (:mod:`replay.xlogy_pole`) that y must stay off 0;
 and, for a guard's eps that the type rounded to 0 (``sqrt(x + 1e-12)`` in float16), that the
 eps was lost.
 """
@@ -26,6 +27,7 @@ from .positive import node_op
 from .rounded_bound import RoundedBound
 from .rounded_bound import said as said_bound
 from .unit_eps import narrow_eps
+from .xlogy_pole import ZERO_ZERO, xlogy_at_zero
 
 # a backward origin at a quotient whose divisor needs no gradient
 DIVISOR_OF_DATA = (
@@ -88,6 +90,8 @@ def zero_divisor(node) -> str | None:
         return "data"
     if constant_zero_divisor(node):
         return "constant"
+    if xlogy_at_zero(node):
+        return "xlogy"
     return "clamped" if clamped_to_zero(node) else None
 
 
@@ -99,7 +103,8 @@ def pole_hint(b, cause: Cause) -> str:
         hint += narrow_eps(b.node, b.dtype)  # (float32's eps, rounded away in float16; a
         # clamp's bound rounded onto the edge says so itself: replay.rounded_bound)
     if not b.masked or cause.name not in ("invalid", "precision") or "both branches" in hint \
-            or b.zero_divisor in ("constant", "clamped"):  # (their hints say the forward hid it)
+            or b.zero_divisor in ("constant", "clamped", "xlogy"):  # (their hints say the
+        # forward hid it)
         return hint
     return f"{hint}; but {MASKED_INCOMING.format(node=b.node)}"
 
@@ -108,6 +113,8 @@ def _pole_hint(b, cause: Cause) -> str:
     data = b.zero_divisor == "data" and b.saved_zero == "0" and b.samples
     if data and cause.name == "invalid":
         return DIVISOR_OF_DATA.format(node=b.node)
+    if b.zero_divisor == "xlogy" and cause.name == "invalid":
+        return ZERO_ZERO.format(node=b.node)
     if b.zero_divisor in ("constant", "clamped") and cause.name == "invalid":
         text = CONSTANT_ZERO_DIVISOR if b.zero_divisor == "constant" else CLAMPED_DIVISOR
         return text.format(node=b.node)

@@ -35,6 +35,7 @@ from .passed_zeros import zeros_maker
 from .recorded import batch_size
 from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
 from .refused_rounding import capture, float64_zeros, rounded_hint
+from .refused_underflow import positive_underflow
 from .refused_value import data_value_hint, of_data
 from .rerun import Runner
 from .source import raised_at, user_source
@@ -87,7 +88,7 @@ def report_refused(report, step: Step, runner: Runner, run) -> dict[str, Any] | 
                            samples=_rows(value, valid, batch_size(step, mb)))
     report["problems"].append(f"{refused} at {source}")
     cause, hint = _judge(runner, refused, bad, data, matrix,
-                         zeros_at=(capture(maker, value), value, valid, constraint))
+                         zeros_at=(capture(maker, value), value, valid, constraint), op=op)
     return finish(report, origin, cause, reproduced=True, hint=hint)
 
 
@@ -158,12 +159,12 @@ def _rows(value, valid, n: int | None) -> list[int]:
 
 
 def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None,
-           zeros_at=(None, None, None, None)) -> tuple[str | None, str]:
+           zeros_at=(None, None, None, None), op: str | None = None) -> tuple[str | None, str]:
     """The cause of the finite refused values ``bad``, by the step re-run in float64;
     ``data``: they are log_prob's value, made of the batch alone (replay.refused_value);
     ``matrix``: the refused value, a matrix refused as a whole (replay.refused_matrix);
     ``zeros_at``: the capture of its maker op, the value, its mask and the constraint
-    (replay.refused_rounding)."""
+    (replay.refused_rounding); ``op``: the aten op that made the refused zeros."""
     lo, hi = (float(bad.min()), float(bad.max())) if bad is not None and bad.numel() else (0, 0)
     seen = ("its values" if bad is None or not bad.numel() else
             f"{bad.numel()} value(s) refused, " + (f"all {lo:.3g}" if lo == hi else
@@ -180,12 +181,15 @@ def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None,
             return matrix_judge(refused, value64, valid64)
     if again.error is not None and refusal(again.error) is not None and data:
         return "invalid", data_value_hint(f"{refused}: {seen}, in float64 too")
+    zeros = bad is not None and bad.numel() and not bad.any()
+    if again.error is not None and refusal(again.error) is not None and zeros \
+            and (said := positive_underflow(refused, seen, op)):
+        return said
     if again.error is not None and refusal(again.error) is not None:
         return "invalid", (f"{refused}: {seen}, in float64 too: the code gives it values its "
                            "constraint excludes; make the value satisfy it by construction "
                            "(a scale through softplus or exp plus a floor, probabilities "
                            "through softmax, logits instead of probs)")
-    zeros = bad is not None and bad.numel() and not bad.any()
     if zeros and (said := rounded_hint(refused, seen, float64_zeros(*zeros_at),
                                        zeros_at[1].dtype)):
         return "precision", said
