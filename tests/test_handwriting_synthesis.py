@@ -1,0 +1,184 @@
+"""End to end on Graves' handwriting synthesis (``handwriting_synthesis_models``): an LSTM cell
+stepped over pen offsets with a soft attention window over the transcription, a second LSTM,
+a mixture density output layer and the masked NLL of padded stroke sequences, trained with Adam,
+an exponential learning-rate decay, gradient-norm clipping and Graves' derivative clipping
+(gradient hooks the forward registers). Each planted bug of the domain fires under the recorder
+and is replayed with the CLI; the healthy run raises no event and trains bit-identically with
+and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import handwriting_synthesis_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("handwriting_synthesis_models.py", text)
+
+
+def planted(kind: str, batch, bad: int):
+    """The step's batch with sample ``bad`` broken as ``kind`` says."""
+    target, mask, chars, char_mask = batch
+    if kind == "jump":  # an unclipped pen-up jump to the next word, in raw units
+        target[bad, 5, :2] = torch.tensor([60.0, -4.0])
+    elif kind == "empty":  # a stroke file that was empty after filtering
+        target[bad], mask[bad] = 0.0, 0.0
+    elif kind == "no_text":  # a transcription whose characters were all outside the alphabet
+        chars[bad], char_mask[bad] = 0.0, 0.0
+    return target, mask, chars, char_mask
+
+
+def train(make: str, loss: str, out_dir, kind: str | None = None, bad: int = 0,
+          steps: int = 4, record: bool = True):
+    """Adam with an exponential decay and clip_grad_norm_, as the ports train; the last
+    step's batch is broken by ``kind``. Returns the model."""
+    model = getattr(M, make)()
+    if kind == "rho":
+        M.resume_correlated(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
+    crit = getattr(M, loss)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"handwriting_synthesis_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            batch = M.strokes_batch(g)
+            if kind is not None and step == steps - 1:
+                batch = planted(kind, batch, bad)
+            target, mask, chars, char_mask = batch
+            out = model(M.teacher_forced(target), chars, char_mask)
+            value = loss_fn(*out, target, mask)
+            opt.zero_grad()
+            value.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(make: str, loss: str, tmp_path, kind: str, bad: int):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, loss, tmp_path, kind, bad)
+    return info.value.event, info.value.bundle_path
+
+
+def test_mixture_summed_in_probability_space_names_the_log_of_the_underflow(tmp_path):
+    """Graves' eq. 26 written as printed, ``log(sum_j pi_j N_j)``: an unclipped pen-up jump of
+    60 (raw units in a normalised line) puts every component's density below float32's range
+    at that pen point, the sum is 0 and its log -inf. The replay names that log on the line
+    holding the jump, underflow, logsumexp as the fix and the record as out of scale;
+    dropping it makes the step finite."""
+    ev, bundle = fire("make_synthesis", "mdn_loss_prob", tmp_path, "jump", bad=3)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.log", "-inf", [3]), o
+    assert o["source"] == line_of("mix = torch.log((pi * torch.exp(log_n)).sum(-1))"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "logsumexp" in rep["hint"] and "sample(s) 3" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_logsumexp_mixture_takes_the_same_jump_without_an_event(tmp_path):
+    """The same batch under the logsumexp loss: a large but finite NLL, no event, and the
+    recorder leaves the training bit-identical."""
+    recorded = train("make_synthesis", "mdn_loss", tmp_path, "jump", bad=3)
+    plain = train("make_synthesis", "mdn_loss", tmp_path, "jump", bad=3, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_per_line_mean_over_an_empty_stroke_file_names_the_division_and_the_line(tmp_path):
+    """Each line's NLL divided by its own number of pen points: a line whose stroke file was
+    empty has a mask of zeros, and the masked sum over it is 0 too, 0/0. The replay names
+    the division of the loss, that line, invalid, and an eps or skipping the empty rows."""
+    ev, bundle = fire("make_synthesis", "mdn_loss_per_line", tmp_path, "empty", bad=2)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "nan", [2]), o
+    assert o["source"] == line_of("return ((step_nll(out, target) * mask).sum(1) / mask.sum(1))"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_normalised_window_over_a_lost_transcription_names_the_window_call(tmp_path):
+    """A port that divides the window's weights by their sum over the characters: a line
+    whose transcription lost every character (all outside the alphabet) has a character mask
+    of zeros, so phi is 0 and the division 0/0 at the first pen point. The recorder names
+    the window's first call and the line; the replay the division on its line."""
+    ev, bundle = fire("make_normalised_window", "mdn_loss", tmp_path, "no_text", bad=6)
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["samples"]) == (
+        3, "forward", "window", 0, [6]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["samples"], o["inputs_finite"]) == (
+        "window", 0, "aten.div", [6], True), o
+    assert o["source"] == line_of("phi = phi / phi.sum(-1, keepdim=True)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def saturated_rows() -> list[int]:
+    """The lines of the first batch where ``tanh`` rounds some rho to exactly +-1 in float32,
+    counted on an unrecorded copy of the model (the replay's claim, checked independently)."""
+    model = M.make_synthesis()
+    M.resume_correlated(model)
+    target, mask, chars, char_mask = M.strokes_batch(torch.Generator().manual_seed(0))
+    rho = model(M.teacher_forced(target), chars, char_mask)[5]
+    return torch.nonzero((rho.abs() == 1).flatten(1).any(1)).flatten().tolist()
+
+
+def test_correlation_rounded_to_one_names_the_division_by_one_minus_rho_squared(tmp_path):
+    """A checkpoint trained long on ruled, diagonal strokes: ``rho = tanh(rho_hat)`` with
+    |rho_hat| > 9 rounds to 1 in float32, and ``-z / (2 (1 - rho^2))`` divides by 0 at the
+    first step. The replay names that division, the lines where rho rounded (as counted on an
+    unrecorded copy), precision (float64 keeps 1 - rho^2 > 0), and clamping rho as the fix."""
+    rows = saturated_rows()
+    assert 0 < len(rows) < M.BATCH, rows
+    ev, bundle = fire("make_synthesis", "mdn_loss", tmp_path, "rho", bad=0)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "-inf", rows), o
+    assert o["source"] == line_of("return (-z / (2 * one_m) - math.log(2 * math.pi)"), o
+    assert rep["cause"] == "precision" and "tanh" in rep["hint"], rep["hint"]
+    assert "\u03c1.clamp(" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("make,loss", [("make_synthesis", "mdn_loss"),
+                                       ("make_normalised_window", "mdn_loss_prob"),
+                                       ("make_synthesis", "mdn_loss_per_line")])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, loss):
+    """The healthy lines (padded pen points under the mask, Graves' derivative clipping by
+    hooks, the window's LSTM cell stepped in Python): no event, and bit-identical weights
+    with and without the recorder."""
+    recorded = train(make, loss, tmp_path, steps=3)
+    plain = train(make, loss, tmp_path, steps=3, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kind,make,loss,bad", [
+    ("jump", "make_synthesis", "mdn_loss_prob", 3),
+    ("empty", "make_synthesis", "mdn_loss_per_line", 2),
+    ("no_text", "make_normalised_window", "mdn_loss", 6)])
+def test_unrecorded_planted_runs_end_with_non_finite_weights(tmp_path, kind, make, loss, bad):
+    """Without the recorder the planted steps' NaN reaches the weights through Adam (the
+    gradient-norm clip passes it on): the events above are the bugs, not false alarms."""
+    model = train(make, loss, tmp_path, kind, bad, record=False)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
