@@ -37,12 +37,12 @@ def planted(kind: str, batch, bad: int):
 
 
 def train(make: str, loss: str, out_dir, kind: str | None = None, bad: int = 0,
-          steps: int = 4, record: bool = True):
+          steps: int = 4, record: bool = True, amp: bool = False):
     """Adam with an exponential decay and clip_grad_norm_, as the ports train; the last
     step's batch is broken by ``kind``. Returns the model."""
     model = getattr(M, make)()
     if kind == "rho":
-        M.resume_correlated(model)
+        M.resume_correlated(model, 20.0 if amp else 40.0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
     crit = getattr(M, loss)
@@ -56,8 +56,9 @@ def train(make: str, loss: str, out_dir, kind: str | None = None, bad: int = 0,
             if kind is not None and step == steps - 1:
                 batch = planted(kind, batch, bad)
             target, mask, chars, char_mask = batch
-            out = model(M.teacher_forced(target), chars, char_mask)
-            value = loss_fn(*out, target, mask)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = model(M.teacher_forced(target), chars, char_mask)
+                value = loss_fn(*out, target, mask)
             opt.zero_grad()
             value.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -132,13 +133,15 @@ def test_normalised_window_over_a_lost_transcription_names_the_window_call(tmp_p
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-def saturated_rows() -> list[int]:
-    """The lines of the first batch where ``tanh`` rounds some rho to exactly +-1 in float32,
-    counted on an unrecorded copy of the model (the replay's claim, checked independently)."""
+def saturated_rows(amp: bool = False) -> list[int]:
+    """The lines of the first batch where ``tanh`` rounds some rho to exactly +-1 (in float32,
+    or bfloat16 under ``amp``), counted on an unrecorded copy of the model (the replay's
+    claim, checked independently)."""
     model = M.make_synthesis()
-    M.resume_correlated(model)
+    M.resume_correlated(model, 20.0 if amp else 40.0)
     target, mask, chars, char_mask = M.strokes_batch(torch.Generator().manual_seed(0))
-    rho = model(M.teacher_forced(target), chars, char_mask)[5]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        rho = model(M.teacher_forced(target), chars, char_mask)[5]
     return torch.nonzero((rho.abs() == 1).flatten(1).any(1)).flatten().tolist()
 
 
@@ -157,6 +160,34 @@ def test_correlation_rounded_to_one_names_the_division_by_one_minus_rho_squared(
     assert o["source"] == line_of("return (-z / (2 * one_m) - math.log(2 * math.pi)"), o
     assert rep["cause"] == "precision" and "tanh" in rep["hint"], rep["hint"]
     assert "\u03c1.clamp(" in rep["hint"], rep["hint"]
+
+
+def test_correlation_rounded_to_one_by_bf16_autocast_says_the_type_and_float32(tmp_path):
+    """The same head less sharpened (|rho_hat| up to ~6, where float32's tanh stays below 1)
+    under bfloat16 autocast, the loss inside the autocast region as the ports write it: rho
+    rounds to 1 in bfloat16. The replay names the division, the lines where bfloat16 rounded
+    (counted on an unrecorded copy), precision in bfloat16, and computing in float32."""
+    rows, exact = saturated_rows(amp=True), saturated_rows()
+    assert 0 < len(rows) < M.BATCH and len(rows) > len(exact), (rows, exact)
+    with pytest.raises(NonFiniteError) as info:
+        train("make_synthesis", "mdn_loss", tmp_path, "rho", amp=True)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "-inf", rows), o
+    assert rep["cause"] == "precision" and "rounded to 1 in bfloat16" in rep["hint"], rep["hint"]
+    assert "\u03c1.clamp(" in rep["hint"] and "in float32" in rep["hint"], rep["hint"]
+
+
+def test_healthy_bf16_autocast_run_raises_nothing_and_trains_the_same(tmp_path):
+    """bfloat16 autocast over the model and the loss, healthy lines: no event, and the
+    recorder leaves the training bit-identical."""
+    recorded = train("make_synthesis", "mdn_loss", tmp_path, steps=3, amp=True)
+    plain = train("make_synthesis", "mdn_loss", tmp_path, steps=3, record=False, amp=True)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("make,loss", [("make_synthesis", "mdn_loss"),
