@@ -31,6 +31,8 @@ def planted(kind: str, batch, bad: int):
         target[bad, 5, :2] = torch.tensor([60.0, -4.0])
     elif kind == "empty":  # a stroke file that was empty after filtering
         target[bad], mask[bad] = 0.0, 0.0
+    elif kind == "garbage_pad":  # a collate_fn's torch.empty: padded steps hold stale memory
+        target[mask == 0] = 1e30
     elif kind == "no_text":  # a transcription whose characters were all outside the alphabet
         chars[bad], char_mask[bad] = 0.0, 0.0
     return target, mask, chars, char_mask
@@ -104,7 +106,8 @@ def test_logsumexp_mixture_takes_the_same_jump_without_an_event(tmp_path):
 def test_per_line_mean_over_an_empty_stroke_file_names_the_division_and_the_line(tmp_path):
     """Each line's NLL divided by its own number of pen points: a line whose stroke file was
     empty has a mask of zeros, and the masked sum over it is 0 too, 0/0. The replay names
-    the division of the loss, that line, invalid, and an eps or skipping the empty rows."""
+    the division of the loss, that line, invalid, an eps or skipping the empty rows, and the
+    loss's mask argument that is empty in that line alone."""
     ev, bundle = fire("make_synthesis", "mdn_loss_per_line", tmp_path, "empty", bad=2)
     assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
     rep = nanreplay_json(bundle, "--try", "drop=2")
@@ -113,6 +116,8 @@ def test_per_line_mean_over_an_empty_stroke_file_names_the_division_and_the_line
     assert o["source"] == line_of("return ((step_nll(out, target) * mask).sum(1) / mask.sum(1))"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
+    # (the data the line lacks: the loss's stroke mask, the 9th argument after 7 outputs)
+    assert "Sample(s) 2 are empty records: loss_args[8] (0/1 data) has no entry" in rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
@@ -120,7 +125,8 @@ def test_normalised_window_over_a_lost_transcription_names_the_window_call(tmp_p
     """A port that divides the window's weights by their sum over the characters: a line
     whose transcription lost every character (all outside the alphabet) has a character mask
     of zeros, so phi is 0 and the division 0/0 at the first pen point. The recorder names
-    the window's first call and the line; the replay the division on its line."""
+    the window's first call and the line; the replay the division on its line, and the
+    model's inputs (characters, their mask) empty in that line alone."""
     ev, bundle = fire("make_normalised_window", "mdn_loss", tmp_path, "no_text", bad=6)
     assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["samples"]) == (
         3, "forward", "window", 0, [6]), ev
@@ -130,7 +136,39 @@ def test_normalised_window_over_a_lost_transcription_names_the_window_call(tmp_p
         "window", 0, "aten.div", [6], True), o
     assert o["source"] == line_of("phi = phi / phi.sum(-1, keepdim=True)"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    # (the one-hot characters and their mask, both empty in that line alone)
+    assert "Sample(s) 6 are empty records: args[1] and args[2] (0/1 data) have" in rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def padded_rows(step: int = 3) -> list[int]:
+    """The lines of step ``step``'s batch shorter than the longest possible (those with padded
+    pen points), read from the batch generator itself."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(step + 1):
+        _, mask, _, _ = M.strokes_batch(g)
+    return torch.nonzero((mask == 0).any(1)).flatten().tolist()
+
+
+def test_padding_from_torch_empty_names_the_overflow_and_the_mask_that_kept_it(tmp_path):
+    """A collate_fn that allocates the padded batch with ``torch.empty`` and writes only each
+    line's points: the padded steps hold stale memory (1e30 here, a deterministic stand-in).
+    The square of the standardised offset overflows there, ``-z / (2 (1 - rho^2))`` turns the
+    infinity into NaN, and ``(nll * mask)`` keeps it (inf * 0). The replay names the pow on
+    its line, every line with padding, overflow, and the mask's product with the fix: pad
+    with 0 or keep the padded steps out of the op."""
+    rows = padded_rows()
+    assert rows, rows
+    ev, bundle = fire("make_synthesis", "mdn_loss", tmp_path, "garbage_pad", bad=0)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.pow", "+inf", rows), o
+    assert o["source"] == line_of("z = z1 ** 2 + z2 ** 2 - 2 * rho * z1 * z2"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    mul = line_of("return (step_nll(out, target) * mask).sum() / mask.sum()")
+    assert f"multiplied by a mask's 0 in aten.mul ({mul})" in rep["hint"], rep["hint"]
+    assert "pad with 0" in rep["hint"], rep["hint"]
 
 
 def saturated_rows(amp: bool = False) -> list[int]:
