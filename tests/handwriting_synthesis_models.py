@@ -174,3 +174,11 @@ def resume_correlated(model: nn.Module, factor: float = 40.0) -> None:
     (|rho_hat| > 9)."""
     with torch.no_grad():
         model.head.linear.weight[-MIXTURES:] *= factor
+
+
+def resume_collapsed(model: nn.Module, factor: float = 600.0) -> None:
+    """The state of a checkpoint whose mixture collapsed onto few components (an MDN's usual
+    mode collapse): the mixture-weight rows of the output layer grew until the softmax's
+    smallest weights underflow to exactly 0 in float32."""
+    with torch.no_grad():
+        model.head.linear.weight[1:1 + MIXTURES] *= factor

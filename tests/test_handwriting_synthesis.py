@@ -45,6 +45,8 @@ def train(make: str, loss: str, out_dir, kind: str | None = None, bad: int = 0,
     model = getattr(M, make)()
     if kind == "rho":
         M.resume_correlated(model, 20.0 if amp else 40.0)
+    elif kind == "collapsed":
+        M.resume_collapsed(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
     crit = getattr(M, loss)
@@ -226,6 +228,30 @@ def test_healthy_bf16_autocast_run_raises_nothing_and_trains_the_same(tmp_path):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_collapsed_mixture_names_the_backward_of_log_pi_and_log_softmax(tmp_path):
+    """A checkpoint whose mixture collapsed onto few components: the softmax's smallest
+    weights underflow to exactly 0, ``log(pi)`` is -inf there and the logsumexp keeps the loss
+    finite, but its backward hands those entries a gradient of 0 and log's derivative makes
+    0/0: a backward event. The replay names LogBackward0 in the loss on the logsumexp's line,
+    the lines where some pi is 0 (counted on an unrecorded copy), underflow, and log_softmax
+    as the fix."""
+    model = M.make_synthesis()
+    M.resume_collapsed(model)
+    target, mask, chars, char_mask = M.strokes_batch(torch.Generator().manual_seed(0))
+    pi = model(M.teacher_forced(target), chars, char_mask)[0]
+    rows = torch.nonzero((pi == 0).flatten(1).any(1)).flatten().tolist()
+    assert rows, rows
+    ev, bundle = fire("make_synthesis", "mdn_loss", tmp_path, "collapsed", bad=0)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == (
+        "backward", "<loss>", "LogBackward0", rows), o
+    assert o["source"] == line_of("mix = torch.logsumexp(torch.log(pi) + log_n, -1)"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "log_softmax instead of log(softmax)" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("make,loss", [("make_synthesis", "mdn_loss"),
