@@ -33,6 +33,10 @@ def planted(kind: str, batch, bad: int):
         target[bad], mask[bad] = 0.0, 0.0
     elif kind == "garbage_pad":  # a collate_fn's torch.empty: padded steps hold stale memory
         target[mask == 0] = 1e30
+    elif kind == "dot":  # a line of one dot (the pen never moved), then each line scaled by
+        target[bad, :, :2] = 0.0  # its own std, as the loop below does for this kind
+        xy = target[..., :2]
+        target = torch.cat([xy / xy.std(1, keepdim=True), target[..., 2:]], -1)
     elif kind == "no_text":  # a transcription whose characters were all outside the alphabet
         chars[bad], char_mask[bad] = 0.0, 0.0
     return target, mask, chars, char_mask
@@ -140,6 +144,21 @@ def test_normalised_window_over_a_lost_transcription_names_the_window_call(tmp_p
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     # (the one-hot characters and their mask, both empty in that line alone)
     assert "Sample(s) 6 are empty records: args[1] and args[2] (0/1 data) have" in rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_line_scaled_by_its_own_std_of_a_dot_is_an_input_event_on_that_line(tmp_path):
+    """The loop scales each line's offsets by their own std: a line that is one dot (the pen
+    never moved) has std 0, and its offsets are 0/0 before the model sees them. The recorder
+    stops at the input, on that line; the replay says the batch holds the NaN, points at a
+    normalisation's division, and dropping the line makes the step finite."""
+    ev, bundle = fire("make_synthesis", "mdn_loss", tmp_path, "dot", bad=4)
+    assert (ev["step"], ev["phase"], ev["samples"], ev["kind"]) == (3, "input", [4], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=4")
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], rep["cause"]) == (
+        "input", "args[0]", [4], "input"), rep
+    assert "division by zero in normalisation" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
