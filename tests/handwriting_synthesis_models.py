@@ -182,3 +182,33 @@ def resume_collapsed(model: nn.Module, factor: float = 600.0) -> None:
     smallest weights underflow to exactly 0 in float32."""
     with torch.no_grad():
         model.head.linear.weight[1:1 + MIXTURES] *= factor
+
+
+class Lines(torch.utils.data.Dataset):
+    """Lines of variable length as a dataset holds them: (points, characters), unpadded."""
+
+    def __init__(self, n: int = 32):
+        g = torch.Generator().manual_seed(3)
+        self.items = []
+        for _ in range(n):
+            t = int(torch.randint(12, STEPS + 1, (1,), generator=g))
+            c = int(torch.randint(3, CHARS + 1, (1,), generator=g))
+            xy = torch.randn(t, 2, generator=g) * 0.5 + 0.1
+            pen = (torch.rand(t, 1, generator=g) < 0.15).float()
+            self.items.append((torch.cat([xy, pen], -1), torch.randint(0, ALPHABET, (c,), generator=g)))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def collate(items):
+    """pad_sequence of the points and characters, with their masks (the ports' collate_fn)."""
+    pts = nn.utils.rnn.pad_sequence([p for p, _ in items], batch_first=True)
+    ids = nn.utils.rnn.pad_sequence([c for _, c in items], batch_first=True)
+    mask = (torch.arange(pts.shape[1]) < torch.tensor([len(p) for p, _ in items])[:, None])
+    char_mask = (torch.arange(ids.shape[1]) < torch.tensor([len(c) for _, c in items])[:, None])
+    chars = nn.functional.one_hot(ids, ALPHABET).float() * char_mask[..., None]
+    return pts, mask.float(), chars, char_mask.float()

@@ -287,6 +287,41 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, loss):
         assert torch.equal(a, b), name
 
 
+def train_loader(out_dir, record: bool = True, accumulate: int = 2):
+    """A DataLoader over variable-length lines (pad_sequence in the collate_fn), gradient
+    accumulation over ``accumulate`` micro-batches, AdamW with a StepLR. Returns the model."""
+    torch.manual_seed(5)  # (the loader's shuffle)
+    model = M.make_synthesis()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    loader = torch.utils.data.DataLoader(M.Lines(), batch_size=4, shuffle=True,
+                                         collate_fn=M.collate)
+    rec = FlightRecorder(model, opt, loss_fn=M.mdn_loss, out_dir=out_dir,
+                         factory="handwriting_synthesis_models:make_synthesis") \
+        if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.mdn_loss
+        for i, (target, mask, chars, char_mask) in enumerate(loader):
+            out = model(M.teacher_forced(target), chars, char_mask)
+            (loss_fn(*out, target, mask) / accumulate).backward()
+            if (i + 1) % accumulate == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+    return model
+
+
+def test_healthy_loader_with_accumulation_raises_nothing_and_trains_the_same(tmp_path):
+    """Variable-length lines padded by the collate_fn, two micro-batches per update: no event,
+    and bit-identical weights with and without the recorder."""
+    recorded = train_loader(tmp_path)
+    plain = train_loader(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("kind,make,loss,bad", [
     ("jump", "make_synthesis", "mdn_loss_prob", 3),
     ("empty", "make_synthesis", "mdn_loss_per_line", 2),
