@@ -187,11 +187,11 @@ def resume_collapsed(model: nn.Module, factor: float = 600.0) -> None:
 class Lines(torch.utils.data.Dataset):
     """Lines of variable length as a dataset holds them: (points, characters), unpadded."""
 
-    def __init__(self, n: int = 32):
+    def __init__(self, n: int = 32, empty: int | None = None):
         g = torch.Generator().manual_seed(3)
         self.items = []
         for _ in range(n):
-            t = int(torch.randint(12, STEPS + 1, (1,), generator=g))
+            t = int(torch.randint(12, STEPS + 1, (1,), generator=g)) * (len(self.items) != empty)
             c = int(torch.randint(3, CHARS + 1, (1,), generator=g))
             xy = torch.randn(t, 2, generator=g) * 0.5 + 0.1
             pen = (torch.rand(t, 1, generator=g) < 0.15).float()

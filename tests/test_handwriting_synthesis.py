@@ -287,20 +287,22 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, loss):
         assert torch.equal(a, b), name
 
 
-def train_loader(out_dir, record: bool = True, accumulate: int = 2):
+def train_loader(out_dir, record: bool = True, accumulate: int = 2, loss: str = "mdn_loss",
+                 empty: int | None = None):
     """A DataLoader over variable-length lines (pad_sequence in the collate_fn), gradient
     accumulation over ``accumulate`` micro-batches, AdamW with a StepLR. Returns the model."""
     torch.manual_seed(5)  # (the loader's shuffle)
     model = M.make_synthesis()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    loader = torch.utils.data.DataLoader(M.Lines(), batch_size=4, shuffle=True,
+    loader = torch.utils.data.DataLoader(M.Lines(empty=empty), batch_size=4, shuffle=True,
                                          collate_fn=M.collate)
-    rec = FlightRecorder(model, opt, loss_fn=M.mdn_loss, out_dir=out_dir,
+    crit = getattr(M, loss)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
                          factory="handwriting_synthesis_models:make_synthesis") \
         if record else None
     with rec if rec is not None else contextlib.nullcontext():
-        loss_fn = rec.loss_fn if rec is not None else M.mdn_loss
+        loss_fn = rec.loss_fn if rec is not None else crit
         for i, (target, mask, chars, char_mask) in enumerate(loader):
             out = model(M.teacher_forced(target), chars, char_mask)
             (loss_fn(*out, target, mask) / accumulate).backward()
@@ -320,6 +322,29 @@ def test_healthy_loader_with_accumulation_raises_nothing_and_trains_the_same(tmp
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_empty_line_in_the_second_micro_batch_names_that_micro_batch_and_row(tmp_path):
+    """The dataset's 14th line lost its points: the collate_fn pads it to a mask of zeros in
+    the second micro-batch of the first update, and the per-line mean divides 0 by 0 there.
+    The recorder names that micro-batch; the replay the division, the line's row within it
+    (where the shuffled loader put it, read from the loader itself) and the empty mask."""
+    torch.manual_seed(5)
+    M.make_synthesis()  # (the draws train_loader makes before the shuffle)
+    loader = torch.utils.data.DataLoader(M.Lines(empty=13), batch_size=4, shuffle=True,
+                                         collate_fn=M.collate)
+    where = [(i, r) for i, (_, mask, _, _) in enumerate(loader)
+             for r in torch.nonzero(mask.sum(1) == 0).flatten().tolist()]
+    assert len(where) == 1 and where[0][0] % 2 == 1, where
+    with pytest.raises(NonFiniteError) as info:
+        train_loader(tmp_path, loss="mdn_loss_per_line", empty=13)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (where[0][0] // 2, "loss", 1), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["micro_batch"], o["op"], o["samples"], rep["cause"]) == (
+        1, "aten.div", [where[0][1]], "invalid"), rep
+    assert f"Sample(s) {where[0][1]} are empty records: loss_args[8]" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("kind,make,loss,bad", [
