@@ -148,6 +148,21 @@ def mdn_loss_per_line(*args):
     return ((step_nll(out, target) * mask).sum(1) / mask.sum(1)).mean()
 
 
+def mdn_loss_dist(*args):
+    """The mixture by torch.distributions, as ports built on MixtureSameFamily write it: the
+    bivariate normal's Cholesky factor from sigma and rho, and the Bernoulli's log_prob."""
+    pi, mu1, mu2, s1, s2, rho, eos, target, mask = args
+    zero = torch.zeros_like(s1)
+    tril = torch.stack([torch.stack([s1, zero], -1),
+                        torch.stack([rho * s2, s2 * torch.sqrt(1 - rho ** 2)], -1)], -2)
+    mix = torch.distributions.MixtureSameFamily(
+        torch.distributions.Categorical(probs=pi),
+        torch.distributions.MultivariateNormal(torch.stack([mu1, mu2], -1), scale_tril=tril))
+    ll = mix.log_prob(target[..., :2]) + torch.distributions.Bernoulli(probs=eos).log_prob(
+        target[..., 2])
+    return -(ll * mask).sum() / mask.sum()
+
+
 def strokes_batch(g: torch.Generator, n: int = BATCH):
     """Normalised pen offsets of ``n`` lines of 12..STEPS points, zero-padded, with the
     stroke mask, the one-hot transcriptions of 3..CHARS characters and their mask."""

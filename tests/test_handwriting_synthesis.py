@@ -47,7 +47,7 @@ def train(make: str, loss: str, out_dir, kind: str | None = None, bad: int = 0,
     """Adam with an exponential decay and clip_grad_norm_, as the ports train; the last
     step's batch is broken by ``kind``. Returns the model."""
     model = getattr(M, make)()
-    if kind == "rho":
+    if kind in ("rho", "rho_dist"):
         M.resume_correlated(model, 20.0 if amp else 40.0)
     elif kind == "collapsed":
         M.resume_collapsed(model)
@@ -218,6 +218,25 @@ def test_correlation_rounded_to_one_names_the_division_by_one_minus_rho_squared(
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "-inf", rows), o
     assert o["source"] == line_of("return (-z / (2 * one_m) - math.log(2 * math.pi)"), o
     assert rep["cause"] == "precision" and "tanh" in rep["hint"], rep["hint"]
+    assert "\u03c1.clamp(" in rep["hint"], rep["hint"]
+
+
+def test_distributions_loss_refusing_the_rounded_correlation_is_a_constraint_event(tmp_path):
+    """The same checkpoint under a MixtureSameFamily of MultivariateNormals: the Cholesky
+    factor's ``s2 * sqrt(1 - rho^2)`` is 0 where rho rounded to 1, and the distribution's
+    check raises ValueError (the loop sees the user's own error). The recorder writes the
+    bundle of that step; the replay names the loss, the lines where rho rounded (counted on
+    an unrecorded copy), precision (float64 keeps the diagonal above 0) and clamping rho."""
+    rows = saturated_rows()
+    with pytest.raises(ValueError, match="LowerCholesky"):
+        train("make_synthesis", "mdn_loss_dist", tmp_path, "rho", bad=0)
+    bundle, = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["module"], o["made"], o["samples"]) == (
+        0, "loss", "<loss>", "0", rows), o
+    assert rep["cause"] == "precision", rep["cause"]
+    assert "MultivariateNormal refused its parameter scale_tril" in rep["hint"], rep["hint"]
     assert "\u03c1.clamp(" in rep["hint"], rep["hint"]
 
 
