@@ -227,3 +227,16 @@ def collate(items):
     char_mask = (torch.arange(ids.shape[1]) < torch.tensor([len(c) for _, c in items])[:, None])
     chars = nn.functional.one_hot(ids, ALPHABET).float() * char_mask[..., None]
     return pts, mask.float(), chars, char_mask.float()
+
+
+def long_lines(g: torch.Generator, short: int, n: int = BATCH, steps: int = 60):
+    """Lines of ``steps`` pen points with transcriptions of CHARS characters, but line
+    ``short``, whose transcription was cut to its first character (a misaligned label)."""
+    xy = torch.randn(n, steps, 2, generator=g) * 0.5 + 0.1
+    pen = (torch.rand(n, steps, generator=g) < 0.15).float()
+    target, mask = torch.cat([xy, pen[..., None]], -1), torch.ones(n, steps)
+    ids = torch.randint(0, ALPHABET, (n, CHARS), generator=g)
+    char_mask = torch.ones(n, CHARS)
+    char_mask[short, 1:] = 0.0
+    chars = nn.functional.one_hot(ids, ALPHABET).float() * char_mask[..., None]
+    return target, mask, chars, char_mask

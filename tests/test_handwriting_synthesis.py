@@ -375,3 +375,45 @@ def test_unrecorded_planted_runs_end_with_non_finite_weights(tmp_path, kind, mak
     gradient-norm clip passes it on): the events above are the bugs, not false alarms."""
     model = train(make, loss, tmp_path, kind, bad, record=False)
     assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def first_empty_window(short: int) -> tuple[int, list[int]]:
+    """The call of the window whose output first goes NaN, and its rows, counted by a hook on
+    an unrecorded copy (the replay's claim, checked independently)."""
+    model = M.make_normalised_window()
+    windows: list[torch.Tensor] = []
+    model.window.register_forward_hook(lambda m, i, o: windows.append(o[0].detach()))
+    target, _, chars, char_mask = M.long_lines(torch.Generator().manual_seed(0), short)
+    model(M.teacher_forced(target), chars, char_mask)
+    k = next(i for i, w in enumerate(windows) if not torch.isfinite(w).all())
+    return k, torch.nonzero(~torch.isfinite(windows[k]).all(1)).flatten().tolist()
+
+
+def test_window_run_past_a_cut_transcription_names_the_call_it_underflowed(tmp_path):
+    """A line of 60 pen points whose transcription was cut to one character: kappa grows by
+    its exp increments past the text's end, every Gaussian of the normalised window
+    underflows to 0 over the one character left, and ``phi / phi.sum()`` is 0/0 at a late
+    pen point. The recorder and the replay name that call of the window (as a hook counts it
+    on an unrecorded copy), the line, the division, and underflow with log space as the fix;
+    dropping the line makes the step finite."""
+    call, rows = first_empty_window(short=2)
+    assert call > 30 and rows == [2], (call, rows)
+    model = M.make_normalised_window()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    target, mask, chars, char_mask = M.long_lines(torch.Generator().manual_seed(0), 2)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.mdn_loss, out_dir=tmp_path,
+                            factory="handwriting_synthesis_models:make_normalised_window") as rec:
+            out = model(M.teacher_forced(target), chars, char_mask)
+            rec.loss_fn(*out, target, mask).backward()
+            opt.step()
+    ev = info.value.event
+    assert (ev["phase"], ev["module"], ev["call"], ev["samples"]) == (
+        "forward", "window", call, rows), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["samples"], o["inputs_finite"]) == (
+        "window", call, "aten.div", rows, True), o
+    assert o["source"] == line_of("phi = phi / phi.sum(-1, keepdim=True)"), o
+    assert rep["cause"] == "underflow" and "log space" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
