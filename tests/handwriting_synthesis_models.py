@@ -8,8 +8,10 @@ stroke sequences. Derivatives are clipped inside the network as Graves did (LSTM
 [-10, 10], the output layer's inputs to [-100, 100]) by gradient hooks the forward registers.
 
 The planted bugs are the domain's own: the mixture density summed in probability space (log of
-an underflowed 0), a per-line mean over an empty stroke file (0/0), and a window normalised
-over a transcription that lost all its characters (0/0)."""
+an underflowed 0), a per-line mean over an empty stroke file (0/0), a window normalised over a
+transcription that lost all its characters (0/0) or run past one cut to a character (phi
+underflowed), rho rounded to +-1 by tanh (float32, bfloat16, a MultivariateNormal's Cholesky
+factor), a collapsed mixture's log(pi), padding holding stale memory under ``nll * mask``."""
 
 from __future__ import annotations
 
