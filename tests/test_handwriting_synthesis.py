@@ -417,3 +417,28 @@ def test_window_run_past_a_cut_transcription_names_the_call_it_underflowed(tmp_p
     assert o["source"] == line_of("phi = phi / phi.sum(-1, keepdim=True)"), o
     assert rep["cause"] == "underflow" and "log space" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_end_of_stroke_probability_rounded_to_one_names_log_of_its_complement(tmp_path):
+    """The end-of-stroke Bernoulli written by hand, ``(1 - pen) * log(1 - eos)`` with
+    ``eos = sigmoid(e_hat)``: a checkpoint whose e_hat is past 17 everywhere rounds eos to 1,
+    and ``log(1 - eos)`` is log 0 at the first step. The replay names that log on its line,
+    precision, and ``logsigmoid(-z)`` as the fix."""
+    model = M.make_synthesis()
+    M.resume_sure_of_pen_lifts(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    target, mask, chars, char_mask = M.strokes_batch(torch.Generator().manual_seed(0))
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.mdn_loss, out_dir=tmp_path,
+                            factory="handwriting_synthesis_models:make_synthesis") as rec:
+            out = model(M.teacher_forced(target), chars, char_mask)
+            rec.loss_fn(*out, target, mask).backward()
+            opt.step()
+    assert bool((out[6] == 1).all()), out[6]
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "loss", "<loss>", "aten.log", "-inf", list(range(M.BATCH))), o
+    assert o["source"] == line_of("pen_ll = pen * torch.log(eos) + (1 - pen) * torch.log(1 - eos)")
+    assert rep["cause"] == "precision", rep["cause"]
+    assert "log(1 \u2212 sigmoid(z)) = logsigmoid(\u2212z)" in rep["hint"], rep["hint"]
