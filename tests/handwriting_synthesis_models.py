@@ -245,8 +245,8 @@ def long_lines(g: torch.Generator, short: int, n: int = BATCH, steps: int = 60):
 
 
 def resume_sure_of_pen_lifts(model: nn.Module) -> None:
-    """A checkpoint whose end-of-stroke logit grew past sigmoid's float32 range (|e_hat| > 17
-    everywhere: the data's rare pen lifts, weighted up by a careless class weight)."""
+    """A checkpoint whose end-of-stroke logit grew past sigmoid's float32 range (e_hat > 17
+    at many pen points: the data's rare pen lifts, weighted up by a careless class weight)."""
     with torch.no_grad():
         model.head.linear.weight[0] *= 300
         model.head.linear.bias[0] = 40.0

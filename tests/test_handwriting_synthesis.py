@@ -421,8 +421,8 @@ def test_window_run_past_a_cut_transcription_names_the_call_it_underflowed(tmp_p
 
 def test_end_of_stroke_probability_rounded_to_one_names_log_of_its_complement(tmp_path):
     """The end-of-stroke Bernoulli written by hand, ``(1 - pen) * log(1 - eos)`` with
-    ``eos = sigmoid(e_hat)``: a checkpoint whose e_hat is past 17 everywhere rounds eos to 1,
-    and ``log(1 - eos)`` is log 0 at the first step. The replay names that log on its line,
+    ``eos = sigmoid(e_hat)``: a checkpoint whose e_hat is past 17 at some pen points of every
+    line rounds eos to 1 there, and ``log(1 - eos)`` is log 0 at the first step. The replay names that log on its line,
     precision, and ``logsigmoid(-z)`` as the fix."""
     model = M.make_synthesis()
     M.resume_sure_of_pen_lifts(model)
@@ -434,7 +434,7 @@ def test_end_of_stroke_probability_rounded_to_one_names_log_of_its_complement(tm
             out = model(M.teacher_forced(target), chars, char_mask)
             rec.loss_fn(*out, target, mask).backward()
             opt.step()
-    assert bool((out[6] == 1).all()), out[6]
+    assert bool((out[6] == 1).any(1).all()), out[6]  # (some pen point of every line)
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
     assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
