@@ -3,10 +3,12 @@ samples are (``replay.chunk_rows``); values far outside the batch's scale
 (``replay.data_scale``); a propensity of 0 or 1 given as data (``replay.edge_probability``);
 a target distribution the loop built with no mass in a row (``replay.massless_rows``);
 a loss argument normalised by an infinite total (``replay.inf_normalised``);
-a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow of an op
+a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow in
+entries a mask's 0 then met (``replay.masked_overflow``); an overflow of an op
 that took the loss's data alone (``replay.data_overflow``); the samples a loss argument of a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
-micro-batch of one sample (``replay.single_sample``)."""
+micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
+(``replay.empty_records``)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ from .chunk_rows import chunk_note
 from .data_overflow import data_overflow_hint
 from .data_scale import data_scale_hint
 from .edge_probability import edge_probability_hint
+from .empty_records import empty_records_hint
 from .grouped_arg import grouped_arg_hint
 from .inf_normalised import inf_normalised_hint
 from .load import Step
 from .masked_after import masked_after_hint
+from .masked_overflow import masked_overflow_hint
 from .massless_rows import massless_rows_hint
 from .single_sample import single_sample_hint
 
@@ -31,6 +35,8 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     massless_rows_hint(report, step)  # (a projected target that lost its mass: C51)
     inf_normalised_hint(report, step)  # (NaN beside 0s: w / w.max() of an infinite w)
     masked_after_hint(report, step)  # (an invisible keypoint's 0/0, weighted by 0 after)
+    masked_overflow_hint(report, step)  # (padded steps' overflow, masked by nll * mask)
     data_overflow_hint(report, step)  # (a loss's pow of its targets alone: 0..255 heatmaps)
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
+    empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)

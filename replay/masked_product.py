@@ -32,6 +32,23 @@ def nan_times_zero(name: str, args) -> bool:
             return False
 
 
+def mask_dropped(name: str, args) -> bool:
+    """Whether aten op ``name`` multiplied every non-finite value of one operand by a 0/1
+    mask's exact 0 (padding's ``nll * mask`` after the padded entries overflowed)."""
+    if name not in _PRODUCTS or len(args) < 2:
+        return False
+    a, b = args[0], args[1]
+    with torch.no_grad():
+        try:
+            return bool((_met(a, b, _bad) and _mask_like(b)) or (_met(b, a, _bad) and _mask_like(a)))
+        except RuntimeError:  # shapes that do not broadcast: the op would have raised
+            return False
+
+
+def _bad(x: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(x)
+
+
 def mask_after_pole(first, name: str, args, hit) -> None:
     """When the first NaN (``hit``, of op ``name`` on ``args``) is a product of an infinity
     by a mask's exact 0, and the op blamed (``first``) made that infinity at a pole

@@ -1,0 +1,70 @@
+"""Records with nothing in them, where a division made 0/0 on their samples.
+
+A mean over each record's valid entries, ``(x * mask).sum(1) / mask.sum(1)``, a window or
+attention normalised by its sum over the record's kept positions (``phi * char_mask``, then
+``phi / phi.sum()``), divide by a count or a mass that is 0 when the record is empty: a
+stroke file left empty by filtering, a transcription none of whose characters is in the
+alphabet. The op's advice (an eps) is one fix; the hint adds which data the named samples
+lack, a 0/1 tensor of the batch (a mask, a one-hot sequence) with no entry set in their rows
+while every other sample has one, so the user can filter such records where they are made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from recorder.capture import batch_path, loss_path
+
+from .load import Step
+from .recorded import n_args, samples
+
+_DIVIDING = {"aten.div", "aten.div_", "aten.reciprocal"}
+
+
+def empty_records_hint(report: dict[str, Any], step: Step) -> None:
+    """Append the 0/1 tensors empty in exactly the samples of an ``invalid`` 0/0 division."""
+    o = report["origin"]
+    rows, mb = o.get("samples") or [], o.get("micro_batch") or 0
+    if report.get("cause") != "invalid" or o.get("op") not in _DIVIDING or not rows \
+            or o.get("all_samples") or "0 by 0" not in (report.get("hint") or ""):
+        return
+    names = [name for name, t, d in _data(step, mb) if _empty_in(t, d, rows)]
+    if names:
+        which = ",".join(str(r) for r in rows)
+        report["hint"] = (
+            f"{report['hint']}. Sample(s) {which} are empty records: {' and '.join(names)} "
+            f"(0/1 data) {'has' if len(names) == 1 else 'have'} no entry set in their rows "
+            "and one in every other sample's (a "
+            "mask with no valid position, a sequence of length 0, a transcription with no "
+            "character), so a count or a sum over them is the 0 divided here; filter such "
+            "records where the data is made (the dataset, the collate_fn) or floor the "
+            f"count (count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
+
+
+def _data(step: Step, mb: int):
+    """(readable name, tensor, sample dim) of the micro-batch's floating model inputs, then
+    its loss arguments that are data (not made of the model output)."""
+    if mb >= len(step.micro_batches):
+        return
+    entry, where = step.micro_batches[mb], samples(step, mb)
+    count, made = n_args(entry.get("inputs")), set(entry.get("loss_grad_args") or ())
+    named = [(k, batch_path(raw, count)) for k, raw in (entry.get("paths") or {}).items()]
+    named += [(k, loss_path(raw)) for k, raw in (entry.get("loss_paths") or {}).items()
+              if k not in made]
+    for key, name in named:
+        t = step.tensors.get(key)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() \
+                and (d := where.dim(t)) is not None and t.numel() > t.shape[d]:
+            yield name, t, d
+
+
+def _empty_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
+    """``t`` holds only 0s and 1s, none set in ``rows``, some in every other row."""
+    if max(rows) >= t.shape[d] or len(rows) >= t.shape[d] or not bool(((t == 0) | (t == 1)).all()):
+        return False
+    kept = t.detach().movedim(d, 0).reshape(t.shape[d], -1).ne(0).any(1)
+    named = torch.zeros_like(kept)
+    named[rows] = True
+    return not bool(kept[named].any()) and bool(kept[~named].all())
