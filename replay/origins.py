@@ -62,6 +62,7 @@ from .rerun import Runner
 from .run_result import Run
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
+from .twice_differentiated import twice_hint
 from .weight_readers import bad_row_fields, first_reader, rows_text
 from .written_forward import report_forward_wrote
 from .zero_head import zero_head_hint
@@ -420,6 +421,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause.hint = exp_factor_hint(b, cause)
     cause.hint = fractional_power_hint(b, cause)
     cause = steep_power_cause(b, cause)
+    cause.hint = twice_hint(b, cause.hint)
     if b.hook is not None:
         cause.hint = hook_hint(b, cause.hint)
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
