@@ -226,6 +226,58 @@ def padded_collate(mols):
     return z, pos, nbh, nmask, (z > 0).float(), energy
 
 
+class DenseEGNNLayer(nn.Module):
+    """EGNN's (Satorras et al. 2021) invariant update over all pairs of a padded batch: the
+    edge MLP reads both atoms' features and their squared distance."""
+
+    def __init__(self, f: int):
+        super().__init__()
+        self.edge = nn.Sequential(nn.Linear(2 * f + 1, f), nn.SiLU(), nn.Linear(f, f), nn.SiLU())
+        self.node = nn.Sequential(nn.Linear(2 * f, f), nn.SiLU(), nn.Linear(f, f))
+
+    def forward(self, h, d, pair_mask):
+        b, a, f = h.shape
+        pairs = torch.cat([h[:, :, None].expand(b, a, a, f), h[:, None].expand(b, a, a, f),
+                           d[..., None]], -1)
+        m = (self.edge(pairs) * pair_mask[..., None]).sum(2)
+        return h + self.node(torch.cat([h, m], -1))
+
+
+class DenseEGNN(nn.Module):
+    """A dense EGNN energy model trained under bfloat16 autocast; the pair distances from
+    the Gram matrix, |x_i|^2 + |x_j|^2 - 2 x_i . x_j, as torch.cdist's matmul path does."""
+
+    def __init__(self, f: int = 16, layers: int = 2, gram: bool = True):
+        super().__init__()
+        self.gram = gram
+        self.embedding = nn.Embedding(20, f, padding_idx=0)
+        self.layers = nn.ModuleList(DenseEGNNLayer(f) for _ in range(layers))
+        self.readout = nn.Sequential(nn.Linear(f, f), nn.SiLU(), nn.Linear(f, 1))
+
+    def forward(self, z, pos, atom_mask):
+        if self.gram:
+            sq = (pos ** 2).sum(-1)
+            d2 = sq[:, :, None] + sq[:, None, :] - 2 * pos @ pos.transpose(1, 2)
+            d = torch.sqrt(d2)  # the bug: rounding makes d2 of an atom with itself negative
+        else:  # (the fix: the differences' norm, 0 with a gradient of 0 on the diagonal)
+            d = torch.linalg.vector_norm(pos[:, :, None] - pos[:, None], dim=-1)
+        eye = torch.eye(pos.shape[1], dtype=torch.bool)
+        pair_mask = atom_mask[:, :, None] * atom_mask[:, None, :] * ~eye
+        h = self.embedding(z)
+        for layer in self.layers:
+            h = layer(h, d, pair_mask)
+        return (self.readout(h).squeeze(-1) * atom_mask).sum(1)
+
+
+def make_egnn(gram: bool = True) -> DenseEGNN:
+    torch.manual_seed(0)
+    return DenseEGNN(gram=gram)
+
+
+def make_egnn_differences() -> DenseEGNN:
+    return make_egnn(gram=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # data
 

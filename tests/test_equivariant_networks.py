@@ -2,8 +2,8 @@
 PaiNN's scalar and vector features passed along a radius graph with ``index_add``, its
 vector gate reading ``sqrt(sum(V v ** 2))``, forces ``-dE/dpos`` taken in the forward with
 ``create_graph=True`` and an energy-and-forces loss (AdamW, ReduceLROnPlateau, gradient
-clipping), and a QM9 energy model over schnetpack 1.x's padded neighbour lists with DimeNet's
-Bessel basis. Each planted bug fires under the recorder and is replayed with the CLI; the
+clipping), a QM9 energy model over schnetpack 1.x's padded neighbour lists with DimeNet's
+Bessel basis, and a dense EGNN under bfloat16 autocast. Each planted bug fires under the recorder and is replayed with the CLI; the
 fixed versions raise no event and train bit-identically with and without the recorder."""
 
 from __future__ import annotations
@@ -58,6 +58,24 @@ def train_padded(make: str, out_dir, record: bool = True):
         for z, pos, nbh, nmask, amask, e in M.batches(None, collate=M.padded_collate):
             opt.zero_grad()
             loss_fn(model(z, pos, nbh, nmask, amask), e).backward()
+            opt.step()
+    return model
+
+
+def train_egnn(make: str, out_dir, record: bool = True):
+    """QM9's U0 under bfloat16 autocast, L1 loss, Adam."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-4)
+    crit = torch.nn.L1Loss()
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"equivariant_networks_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for z, pos, _, _, amask, e in M.batches(None, collate=M.padded_collate):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(model(z, pos, amask), e)
+            loss.backward()
             opt.step()
     return model
 
@@ -132,12 +150,31 @@ def test_bessel_basis_limit_under_a_where_names_the_division_of_padded_pairs(tmp
     assert "safe before the op" in rep["hint"] and "torch.where(" in rep["hint"], rep["hint"]
 
 
+def test_gram_distances_under_bf16_autocast_name_the_sqrt_and_the_cancellation(tmp_path):
+    """EGNN's pair distances from the Gram matrix, whose matmul autocast runs in bfloat16:
+    |x_i|^2 + |x_i|^2 - 2 x_i . x_i of an atom with itself rounds below 0 and its sqrt is
+    NaN in the first forward, in every molecule. The replay names the sqrt on its line, a
+    precision cause (float64 has 0 there), the bfloat16 autocast that fed it, and the
+    difference's norm as the fix."""
+    ev, bundle = fire(train_egnn, "make_egnn", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "", "aten.sqrt", list(range(6)), "precision"), rep
+    assert o["source"] == line_of("d = torch.sqrt(d2)"), o
+    assert "bfloat16 autocast" in rep["hint"], rep["hint"]
+    assert "torch.linalg.vector_norm(x - y, dim=-1)" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("train,make", [(train_painn, "make_painn"),
-                                        (train_padded, "make_padded_safe")])
+                                        (train_padded, "make_padded_safe"),
+                                        (train_egnn, "make_egnn_differences")])
 def test_fixed_models_raise_nothing_and_train_the_same(tmp_path, train, make):
     """PaiNN with its eps of 1e-8 on the batch with the isolated ion (forces by
-    autograd.grad inside the recorded forward), and the Bessel basis with the divisor made
-    safe before the division: no event, bit-identical weights with and without the
+    autograd.grad inside the recorded forward), the Bessel basis with the divisor made safe
+    before the division, and the dense EGNN under bfloat16 autocast with the differences'
+    norm (0 on the diagonal, which the pair mask's product drops): no event, bit-identical weights with and without the
     recorder."""
     recorded = train(make, tmp_path)
     plain = train(make, tmp_path, record=False)
