@@ -30,6 +30,15 @@ def cosine_cutoff(d: torch.Tensor, cutoff: float) -> torch.Tensor:
     return 0.5 * (torch.cos(d * math.pi / cutoff) + 1.0) * (d < cutoff)
 
 
+def bump_cutoff(d: torch.Tensor, cutoff: float, safe: bool = False) -> torch.Tensor:
+    """The smooth bump cutoff exp(-x^2 / (1 - x^2)), x = d / cutoff, 0 beyond the cutoff;
+    ``safe``: the double where, x made 0 past the edge before the exp."""
+    x = d / cutoff
+    if safe:
+        x = torch.where(x < 1, x, torch.zeros_like(x))
+    return torch.where(x < 1, torch.exp(-x ** 2 / (1 - x ** 2)), 0.0)  # the bug: exp overflows just past 1
+
+
 class GaussianRBF(nn.Module):
     def __init__(self, n: int, cutoff: float):
         super().__init__()
@@ -84,9 +93,9 @@ class PaiNN(nn.Module):
     """PaiNN (Schuett et al. 2021) with SchNetPack's energy and force heads."""
 
     def __init__(self, f: int = 16, n_rbf: int = 12, cutoff: float = 4.0, layers: int = 2,
-                 eps: float | None = 1e-8):
+                 eps: float | None = 1e-8, skin: float = 0.0, cutoff_fn: str = "cosine"):
         super().__init__()
-        self.cutoff = cutoff
+        self.cutoff, self.skin, self.cutoff_fn = cutoff, skin, cutoff_fn
         self.embedding = nn.Embedding(20, f)
         self.rbf = GaussianRBF(n_rbf, cutoff)
         self.messages = nn.ModuleList(PaiNNMessage(f, n_rbf) for _ in range(layers))
@@ -96,12 +105,17 @@ class PaiNN(nn.Module):
     def forward(self, z, pos, batch, num_molecules: int):
         with torch.enable_grad():
             pos.requires_grad_(True)
-            edge_index = radius_graph(pos, batch, self.cutoff)
+            # (a Verlet list keeps pairs up to cutoff + skin, so it need not be rebuilt often)
+            edge_index = radius_graph(pos, batch, self.cutoff + self.skin)
             j, i = edge_index
             vec = pos[j] - pos[i]
             d = torch.linalg.vector_norm(vec, dim=-1)
             unit = vec / d[:, None]
-            rbf, fcut = self.rbf(d), cosine_cutoff(d, self.cutoff)
+            rbf = self.rbf(d)
+            if self.cutoff_fn == "cosine":
+                fcut = cosine_cutoff(d, self.cutoff)
+            else:
+                fcut = bump_cutoff(d, self.cutoff, safe=self.cutoff_fn == "bump_safe")
             s = self.embedding(z)
             v = torch.zeros(len(z), 3, s.shape[1], dtype=s.dtype)  # vectors start at 0
             for message, update in zip(self.messages, self.updates):
@@ -124,6 +138,14 @@ def make_painn_no_eps() -> PaiNN:
 
 def make_painn_vector_norm() -> PaiNN:
     return make_painn(eps=None)
+
+
+def make_painn_bump() -> PaiNN:
+    return make_painn(skin=1.0, cutoff_fn="bump")
+
+
+def make_painn_bump_safe() -> PaiNN:
+    return make_painn(skin=1.0, cutoff_fn="bump_safe")
 
 
 class EnergyForceLoss(nn.Module):
@@ -307,6 +329,14 @@ def with_counterion(z: torch.Tensor, pos: torch.Tensor, far: float = 9.0):
     return torch.cat([z, torch.tensor([11])]), torch.cat([pos, ion[None]])
 
 
+def with_shell_atom(z: torch.Tensor, pos: torch.Tensor, at: float = 4.012):
+    """A hydrogen ``at`` Angstrom from atom 0, away from the molecule's centre: just past the
+    4 Angstrom cutoff, within the Verlet list's skin."""
+    away = pos[0] - pos.mean(0)
+    h = pos[0] + at * away / away.norm()
+    return torch.cat([z, torch.tensor([1])]), torch.cat([pos, h[None]])
+
+
 def collate(mols):
     """PyG's ``Batch.from_data_list``: atoms concatenated, the batch vector, one energy per
     molecule, one force per atom, and each molecule's atom count."""
@@ -317,16 +347,16 @@ def collate(mols):
 
 
 def batches(bad: int | None, steps: int = 4, molecules: int = 6, plant_at: int = 3,
-            collate=collate):
+            collate=collate, plant=with_counterion):
     """Collated batches of random molecules; at step ``plant_at`` molecule ``bad`` (if any)
-    comes with its counter-ion."""
+    is changed by ``plant`` (by default, it comes with its counter-ion)."""
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         data = []
         for k in range(molecules):
             z, pos = molecule(g, int(torch.randint(3, 7, (1,), generator=g)))
             if step == plant_at and k == bad:
-                z, pos = with_counterion(z, pos)
+                z, pos = plant(z, pos)
             e, f = reference(z, pos)
             data.append((z, pos, e, f))
         yield collate(data)

@@ -26,7 +26,7 @@ def line_of(text: str) -> str:
     return source_line("equivariant_networks_models.py", text)
 
 
-def train_painn(make: str, out_dir, record: bool = True):
+def train_painn(make: str, out_dir, record: bool = True, plant=M.with_counterion, bad=ION):
     """SchNetPack's recipe: AdamW, ReduceLROnPlateau on the loss, clipping at 10."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.01)
@@ -36,7 +36,7 @@ def train_painn(make: str, out_dir, record: bool = True):
                          factory=f"equivariant_networks_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
-        for z, pos, batch, e, f, n_atoms in M.batches(ION):
+        for z, pos, batch, e, f, n_atoms in M.batches(bad, plant=plant):
             opt.zero_grad()
             loss = loss_fn(model(z, pos, batch, len(e)), e, f, n_atoms)
             loss.backward()
@@ -126,6 +126,50 @@ def test_painn_gate_through_vector_norm_names_the_norm_line_not_the_forces_line(
     assert not rep["problems"], rep["problems"]
 
 
+def test_smooth_cutoff_past_its_edge_names_the_exp_and_the_double_where(tmp_path):
+    """A Verlet list with a 1 Angstrom skin keeps a hydrogen 4.012 Angstrom from atom 0 of
+    molecule 4, just past the 4 Angstrom cutoff, where the bump exp(-x^2 / (1 - x^2))
+    overflows; the torch.where after it keeps the energy finite, but the forces'
+    autograd.grad multiplies that +inf by the where's 0 gradient: NaN forces. The replay
+    names the exp on its line and the molecule, and says to make the input safe inside the
+    where (the double where), not to rescale or widen a value that is never used."""
+    with pytest.raises(NonFiniteError) as info:
+        train_painn("make_painn_bump", tmp_path, plant=M.with_shell_atom, bad=4)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [4]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"], rep["cause"]) == (
+        "", "aten.exp", "+inf", [4], "overflow"), rep
+    assert o["source"] == line_of("torch.where(x < 1, torch.exp(-x ** 2 / (1 - x ** 2)), 0.0)")
+    assert "the double where" in rep["hint"] and "ExpBackward0" in rep["hint"], rep["hint"]
+    assert "compute it in float64" not in rep["hint"], rep["hint"]
+
+
+def test_accumulated_micro_batches_name_the_ion_in_the_second_micro_batch(tmp_path):
+    """Gradient accumulation over two batches per update (the loss halved, one clip and one
+    AdamW step per pair): the ion's batch is micro-batch 1 of update 1, whose batch vector
+    holds other atom counts than micro-batch 0's. The replay named no molecule there (it read
+    the backward's rows with micro-batch 0's batch vector); now the ion's."""
+    model = M.make_painn_no_eps()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.01)
+    crit = M.EnergyForceLoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="equivariant_networks_models:make_painn_no_eps") as rec:
+            for k, (z, pos, batch, e, f, n_atoms) in enumerate(M.batches(ION)):
+                (rec.loss_fn(model(z, pos, batch, len(e)), e, f, n_atoms) / 2).backward()
+                if k % 2 == 1:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+                    opt.step()
+                    opt.zero_grad()
+    assert (info.value.event["step"], info.value.event["phase"]) == (1, "backward")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["micro_batch"], o["samples"], rep["cause"]) == (
+        "updates.1", "SqrtBackward0", 1, [ION], "invalid"), rep
+
+
 def _padded_molecules() -> list[int]:
     """Step 0's molecules smaller than its largest: their neighbour lists hold padding."""
     z, *_ = next(M.batches(None, collate=M.padded_collate))
@@ -178,6 +222,17 @@ def test_fixed_models_raise_nothing_and_train_the_same(tmp_path, train, make):
     recorder."""
     recorded = train(make, tmp_path)
     plain = train(make, tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_double_where_cutoff_past_its_edge_raises_nothing_and_trains_the_same(tmp_path):
+    """The bump cutoff with x made 0 past the edge before the exp, on the batch with the
+    hydrogen in the skin: no event, bit-identical weights with and without the recorder."""
+    run = {"plant": M.with_shell_atom, "bad": 4}
+    recorded = train_painn("make_painn_bump_safe", tmp_path, **run)
+    plain = train_painn("make_painn_bump_safe", tmp_path, record=False, **run)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
