@@ -72,9 +72,10 @@ class PaiNNUpdate(nn.Module):
     """PaiNN's update block: the gate reads the norm of a linear map of each atom's vectors
     (schnetpack: ``torch.sqrt(torch.sum(mu_V ** 2, dim=-2) + self.epsilon)``)."""
 
-    def __init__(self, f: int, eps: float | None):
+    def __init__(self, f: int, eps: float | None, norm_activation: bool = False):
         super().__init__()
-        self.f, self.eps = f, eps
+        self.f, self.eps, self.norm_activation = f, eps, norm_activation
+        self.gate_bias = nn.Parameter(torch.zeros(f))
         self.U = nn.Linear(f, f, bias=False)
         self.V = nn.Linear(f, f, bias=False)
         self.mlp = nn.Sequential(nn.Linear(2 * f, f), nn.SiLU(), nn.Linear(f, 3 * f))
@@ -86,20 +87,25 @@ class PaiNNUpdate(nn.Module):
         else:
             vnorm = torch.sqrt(torch.sum(vv ** 2, dim=-2) + self.eps)  # eps=0: the bug at v = 0
         a_vv, a_sv, a_ss = self.mlp(torch.cat([s, vnorm], -1)).split(self.f, dim=-1)
-        return s + (uv * vv).sum(-2) * a_sv + a_ss, v + a_vv[:, None, :] * uv
+        v = v + a_vv[:, None, :] * uv
+        if self.norm_activation:  # e3nn's NormActivation(normalize=True), epsilon None
+            vn = torch.linalg.vector_norm(v, dim=-2, keepdim=True)
+            v = v / vn * torch.sigmoid(vn + self.gate_bias)  # the bug: 0/0 at a zero vector
+        return s + (uv * vv).sum(-2) * a_sv + a_ss, v
 
 
 class PaiNN(nn.Module):
     """PaiNN (Schuett et al. 2021) with SchNetPack's energy and force heads."""
 
     def __init__(self, f: int = 16, n_rbf: int = 12, cutoff: float = 4.0, layers: int = 2,
-                 eps: float | None = 1e-8, skin: float = 0.0, cutoff_fn: str = "cosine"):
+                 eps: float | None = 1e-8, skin: float = 0.0, cutoff_fn: str = "cosine",
+                 norm_activation: bool = False):
         super().__init__()
         self.cutoff, self.skin, self.cutoff_fn = cutoff, skin, cutoff_fn
         self.embedding = nn.Embedding(20, f)
         self.rbf = GaussianRBF(n_rbf, cutoff)
         self.messages = nn.ModuleList(PaiNNMessage(f, n_rbf) for _ in range(layers))
-        self.updates = nn.ModuleList(PaiNNUpdate(f, eps) for _ in range(layers))
+        self.updates = nn.ModuleList(PaiNNUpdate(f, eps, norm_activation) for _ in range(layers))
         self.readout = nn.Sequential(nn.Linear(f, f), nn.SiLU(), nn.Linear(f, 1))
 
     def forward(self, z, pos, batch, num_molecules: int):
@@ -138,6 +144,10 @@ def make_painn_no_eps() -> PaiNN:
 
 def make_painn_vector_norm() -> PaiNN:
     return make_painn(eps=None)
+
+
+def make_painn_norm_activation() -> PaiNN:
+    return make_painn(norm_activation=True)
 
 
 def make_painn_bump() -> PaiNN:

@@ -146,6 +146,22 @@ def test_smooth_cutoff_past_its_edge_names_the_exp_and_the_double_where(tmp_path
     assert "compute it in float64" not in rep["hint"], rep["hint"]
 
 
+def test_norm_activation_of_an_isolated_ion_names_the_division_in_the_forward(tmp_path):
+    """e3nn's NormActivation with normalize=True and no epsilon, v / |v| * sigmoid(|v| + b):
+    the ion's vectors are 0, so the forward's division is 0/0 in the first update block. The
+    recorder and the replay name that call, the division on its line, the ion's molecule,
+    and an eps in the denominator."""
+    ev, bundle = fire(train_painn, "make_painn_norm_activation", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        3, "forward", "updates.0", [ION]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["samples"], rep["cause"]) == (
+        "updates.0", 0, "aten.div", [ION], "invalid"), rep
+    assert o["source"] == line_of("v = v / vn * torch.sigmoid(vn + self.gate_bias)"), o
+    assert "0 by 0" in rep["hint"] and "eps" in rep["hint"], rep["hint"]
+
+
 def test_accumulated_micro_batches_name_the_ion_in_the_second_micro_batch(tmp_path):
     """Gradient accumulation over two batches per update (the loss halved, one clip and one
     AdamW step per pair): the ion's batch is micro-batch 1 of update 1, whose batch vector
