@@ -8,6 +8,8 @@ is no fix: its gradient, masked to 0 at a zero vector, is 0/0 to differentiate a
 
 from __future__ import annotations
 
+import torch
+
 from .cause_text import DO
 
 __all__ = ["at_forward_node", "derived", "forward_node", "twice_hint"]
@@ -33,10 +35,13 @@ def derived(node) -> bool:
 
 
 def _parent(node):
+    """The node whose backward made ``node``; None for a custom Function's (reentrant
+    checkpointing re-runs its block's forward there: forward nodes, not a derivative's)."""
     try:
-        return (getattr(node, "metadata", None) or {}).get("parent_")
+        parent = (getattr(node, "metadata", None) or {}).get("parent_")
     except RuntimeError:  # (a node that cannot hold metadata)
         return None
+    return None if isinstance(parent, torch.autograd.function.BackwardCFunction) else parent
 
 
 def at_forward_node(b, names: dict) -> None:
