@@ -191,17 +191,23 @@ class BesselBasis(nn.Module):
 class PaddedInteraction(nn.Module):
     """SchNet's interaction over schnetpack 1.x's padded neighbour lists ``(B, A, K)``."""
 
-    def __init__(self, f: int, n_rbf: int):
+    def __init__(self, f: int, n_rbf: int, attention: bool = False):
         super().__init__()
         self.filter = nn.Sequential(nn.Linear(n_rbf, f), nn.SiLU(), nn.Linear(f, f))
         self.lin = nn.Linear(f, f)
         self.out = nn.Sequential(nn.SiLU(), nn.Linear(f, f))
+        self.score = nn.Linear(f, 1) if attention else None
 
     def forward(self, h, rbf, fcut, neighbors, neighbor_mask):
         b, a, k = neighbors.shape
         hj = torch.gather(self.lin(h), 1, neighbors.reshape(b, a * k, 1).expand(-1, -1, h.shape[-1]))
         w = self.filter(rbf) * (fcut * neighbor_mask)[..., None]
-        return h + self.out((hj.view(b, a, k, -1) * w).sum(2))
+        msg = hj.view(b, a, k, -1) * w
+        if self.score is None:
+            return h + self.out(msg.sum(2))
+        # an equivariant transformer's attention over the neighbours, padding masked to -inf
+        logits = self.score(msg).squeeze(-1).masked_fill(neighbor_mask == 0, float("-inf"))
+        return h + self.out((logits.softmax(-1)[..., None] * msg).sum(2))
 
 
 class PaddedDimeNet(nn.Module):
@@ -211,12 +217,12 @@ class PaddedDimeNet(nn.Module):
     ``atom_distances`` does."""
 
     def __init__(self, f: int = 16, n_rbf: int = 8, cutoff: float = 5.0, blocks: int = 2,
-                 safe: bool = False):
+                 safe: bool = False, attention: bool = False):
         super().__init__()
         self.cutoff = cutoff
         self.embedding = nn.Embedding(20, f, padding_idx=0)
         self.rbf = BesselBasis(n_rbf, cutoff, safe)
-        self.blocks = nn.ModuleList(PaddedInteraction(f, n_rbf) for _ in range(blocks))
+        self.blocks = nn.ModuleList(PaddedInteraction(f, n_rbf, attention) for _ in range(blocks))
         self.readout = nn.Sequential(nn.Linear(f, f), nn.SiLU(), nn.Linear(f, 1))
 
     def forward(self, z, pos, neighbors, neighbor_mask, atom_mask):
@@ -231,9 +237,13 @@ class PaddedDimeNet(nn.Module):
         return (self.readout(h).squeeze(-1) * atom_mask).sum(1)
 
 
-def make_padded(safe: bool = False) -> PaddedDimeNet:
+def make_padded(safe: bool = False, attention: bool = False) -> PaddedDimeNet:
     torch.manual_seed(0)
-    return PaddedDimeNet(safe=safe)
+    return PaddedDimeNet(safe=safe, attention=attention)
+
+
+def make_padded_attention() -> PaddedDimeNet:
+    return make_padded(safe=True, attention=True)
 
 
 def make_padded_safe() -> PaddedDimeNet:

@@ -227,6 +227,21 @@ def test_gram_distances_under_bf16_autocast_name_the_sqrt_and_the_cancellation(t
     assert "torch.linalg.vector_norm(x - y, dim=-1)" in rep["hint"], rep["hint"]
 
 
+def test_neighbour_attention_of_padding_atoms_names_the_fully_masked_softmax(tmp_path):
+    """An equivariant transformer's attention over the padded neighbour lists, padding
+    masked to -inf: a padding atom has no neighbour at all, so its row's softmax is all
+    -inf, NaN in the first block. The replay names the softmax (the -inf fill intentional),
+    the padded molecules, and says to keep one key per row or mask with a finite number."""
+    ev, bundle = fire(train_padded, "make_padded_attention", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "blocks.0"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == (
+        "blocks.0", "aten._softmax", _padded_molecules(), "invalid"), rep
+    assert o["source"] == line_of("return h + self.out((logits.softmax(-1)"), o
+    assert "fully masked row" in rep["hint"] and "large finite negative" in rep["hint"], rep
+
+
 @pytest.mark.parametrize("train,make", [(train_painn, "make_painn"),
                                         (train_padded, "make_padded_safe"),
                                         (train_egnn, "make_egnn_differences")])
