@@ -191,8 +191,9 @@ class BesselBasis(nn.Module):
 class PaddedInteraction(nn.Module):
     """SchNet's interaction over schnetpack 1.x's padded neighbour lists ``(B, A, K)``."""
 
-    def __init__(self, f: int, n_rbf: int, attention: bool = False):
+    def __init__(self, f: int, n_rbf: int, attention: bool = False, keep_one: bool = False):
         super().__init__()
+        self.keep_one = keep_one
         self.filter = nn.Sequential(nn.Linear(n_rbf, f), nn.SiLU(), nn.Linear(f, f))
         self.lin = nn.Linear(f, f)
         self.out = nn.Sequential(nn.SiLU(), nn.Linear(f, f))
@@ -206,7 +207,10 @@ class PaddedInteraction(nn.Module):
         if self.score is None:
             return h + self.out(msg.sum(2))
         # an equivariant transformer's attention over the neighbours, padding masked to -inf
-        logits = self.score(msg).squeeze(-1).masked_fill(neighbor_mask == 0, float("-inf"))
+        allowed = neighbor_mask > 0
+        if self.keep_one:  # (the fix: a padding atom attends to its first slot, a zero message)
+            allowed = allowed | ~allowed.any(-1, keepdim=True) & (torch.arange(k) == 0)
+        logits = self.score(msg).squeeze(-1).masked_fill(~allowed, float("-inf"))
         return h + self.out((logits.softmax(-1)[..., None] * msg).sum(2))
 
 
@@ -217,12 +221,13 @@ class PaddedDimeNet(nn.Module):
     ``atom_distances`` does."""
 
     def __init__(self, f: int = 16, n_rbf: int = 8, cutoff: float = 5.0, blocks: int = 2,
-                 safe: bool = False, attention: bool = False):
+                 safe: bool = False, attention: bool = False, keep_one: bool = False):
         super().__init__()
         self.cutoff = cutoff
         self.embedding = nn.Embedding(20, f, padding_idx=0)
         self.rbf = BesselBasis(n_rbf, cutoff, safe)
-        self.blocks = nn.ModuleList(PaddedInteraction(f, n_rbf, attention) for _ in range(blocks))
+        self.blocks = nn.ModuleList(PaddedInteraction(f, n_rbf, attention, keep_one)
+                                    for _ in range(blocks))
         self.readout = nn.Sequential(nn.Linear(f, f), nn.SiLU(), nn.Linear(f, 1))
 
     def forward(self, z, pos, neighbors, neighbor_mask, atom_mask):
@@ -237,13 +242,18 @@ class PaddedDimeNet(nn.Module):
         return (self.readout(h).squeeze(-1) * atom_mask).sum(1)
 
 
-def make_padded(safe: bool = False, attention: bool = False) -> PaddedDimeNet:
+def make_padded(safe: bool = False, attention: bool = False, keep_one: bool = False
+                ) -> PaddedDimeNet:
     torch.manual_seed(0)
-    return PaddedDimeNet(safe=safe, attention=attention)
+    return PaddedDimeNet(safe=safe, attention=attention, keep_one=keep_one)
 
 
 def make_padded_attention() -> PaddedDimeNet:
     return make_padded(safe=True, attention=True)
+
+
+def make_padded_attention_kept() -> PaddedDimeNet:
+    return make_padded(safe=True, attention=True, keep_one=True)
 
 
 def make_padded_safe() -> PaddedDimeNet:

@@ -244,12 +244,15 @@ def test_neighbour_attention_of_padding_atoms_names_the_fully_masked_softmax(tmp
 
 @pytest.mark.parametrize("train,make", [(train_painn, "make_painn"),
                                         (train_padded, "make_padded_safe"),
-                                        (train_egnn, "make_egnn_differences")])
+                                        (train_egnn, "make_egnn_differences"),
+                                        (train_padded, "make_padded_attention_kept")])
 def test_fixed_models_raise_nothing_and_train_the_same(tmp_path, train, make):
     """PaiNN with its eps of 1e-8 on the batch with the isolated ion (forces by
     autograd.grad inside the recorded forward), the Bessel basis with the divisor made safe
     before the division, and the dense EGNN under bfloat16 autocast with the differences'
-    norm (0 on the diagonal, which the pair mask's product drops): no event, bit-identical weights with and without the
+    norm (0 on the diagonal, which the pair mask's product drops), and the neighbour
+    attention whose padding atoms keep one slot (its -inf mask stays inside the softmax):
+    no event, bit-identical weights with and without the
     recorder."""
     recorded = train(make, tmp_path)
     plain = train(make, tmp_path, record=False)
