@@ -17,6 +17,7 @@ import contextlib
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ from .power_grad import steep_power
 from .rerun import Runner
 from .source import node_source, node_tracebacks
 from .summed_grads import SummedGrads
+from .twice_differentiated import at_forward_node, derived, forward_node
 from .unflattened import unflattened_rows
 
 
@@ -87,6 +89,10 @@ class BackwardOrigin:
     zero_divisor: str | None = None
     complement: bool = False  # it took 1 - y of a y below 1 (replay.below_one)
     copied: CopiedRow | None = None  # a sqrt's 0 distance to a parameter row copied from it
+    # the forward differentiated itself (create_graph=True); the forward node whose derivative
+    # made the node, when one did (replay.twice_differentiated)
+    twice: bool = False
+    derivative_of: Any = None  # (the node itself until the run ends)
     # no node made it: the engine summed this many finite gradients of the node's value's
     # uses into an infinity before the node ran (see replay.summed_grads)
     summed: int = 0
@@ -292,7 +298,6 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
         handles.extend([node.register_hook(hook), node.register_prehook(pre)])
 
     custom: list[bool] = []
-
     labels = NodeLabels(on_node)
     # Loss nodes are created after the root's forward hook: label them at backward time.
     run = runner.run(instrument=False, forward_ctx=lambda: _watched(watch, guards, below, folded),
@@ -302,6 +307,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     for h in handles:
         h.remove()
     found.params = run.bad_grads
+    at_forward_node(found, labels.names)  # (a derivative's node: where the fix goes)
     if watch.hit is not None:
         _from_hook(found, watch.hit, labels.names)
     if custom and custom[0]:
@@ -320,6 +326,8 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     """Node ``node`` (labelled ``name``) made the first non-finite gradient from finite ones."""
     returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
     found.node, found.module, found.source = node.name(), name, node_source(node)
+    if derived(node):  # (kept until the labels are known; then its forward node's name)
+        found.derivative_of, found.source = node, node_source(forward_node(node)) or found.source
     bad = next(g for g in returned if not finite(g))
     found.made, found.dtype = kind_of(bad), bad.dtype
     found.samples = batch_rows(node, list(grad_inputs), where) \

@@ -18,6 +18,7 @@ from .backward_calls import backward_call_note, run_to_call, user_backward
 from .buffer_divisor import buffer_divisor_hint
 from .caller_picks import CallerPicks
 from .cause import Cause, classify
+from .dropped_branch import dropped_branch_hint
 from .errors import StopRun
 from .exp_overflow import exp_overflow_hint
 from .findings import finish, origin_fields
@@ -142,7 +143,8 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
     hint = masked_row_product_hint(hint, finder, hit)  # (then multiplied by a mask's 0)
     hint = singular_inverse_hint(runner, hint, cause.name, hit)  # (made of a singular's inverse)
     # (an exp's overflow inside a softplus by hand, or of a chunk's exp(-cumsum))
-    return exp_overflow_hint(runner, hint, cause.name, hit)
+    hint = exp_overflow_hint(runner, hint, cause.name, hit)
+    return dropped_branch_hint(hint, hit, finder.first_nan)  # (then in the forces' backward)
 
 
 def _node_of(runner: Runner, o, hit) -> tuple[str, str | None, str] | None:

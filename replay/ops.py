@@ -136,7 +136,7 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
     """``hit``, the first op that made NaN of NaN-free values, with where it ran and its rows;
     with its evidence too when :meth:`OpFinder.blamed` may blame it (made of finite values
     after an exact infinity that an op took back to finite ones)."""
-    hit.within, hit.rows = f.where, f.batch_rows(outs)
+    hit.within, hit.rows, hit.node = f.where, f.batch_rows(outs), running_node()
     if not in_finite:  # (infinities it passed on: the rows it made NaN in are the samples)
         hit.rows = nan_rows(f.batch_rows, outs, hit.rows)
     empty_rows.mark(hit, f.first is None and bool(f.intentional), ins, outs[0])

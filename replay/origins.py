@@ -62,6 +62,7 @@ from .rerun import Runner
 from .run_result import Run
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
+from .twice_differentiated import twice_hint
 from .weight_readers import bad_row_fields, first_reader, rows_text
 from .written_forward import report_forward_wrote
 from .zero_head import zero_head_hint
@@ -378,8 +379,18 @@ def report_loss_backward(report, step: Step, runner: Runner) -> dict[str, Any] |
     return report
 
 
+def backward_origin(runner: Runner):
+    """:func:`find_backward_origin` with the samples of the micro-batch its node ran in: a
+    later one's rows are its own (a graph batch's batch vector, other atom counts than the
+    first's), found again with them when the first micro-batch's named none."""
+    b = find_backward_origin(runner, samples(runner.step))
+    if b.micro_batch and not b.samples and b.hook is None:
+        b = find_backward_origin(runner, samples(runner.step, b.micro_batch))
+    return b
+
+
 def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
-    b = b or find_backward_origin(runner, samples(runner.step))
+    b = b or backward_origin(runner)
     origin = _backward_fields(b)
     reproduced = runner.step.event.get("phase") == "backward"
     if b.saved is not None and batch_non_finite(runner.step, ("batch/", "loss_in/")):
@@ -420,6 +431,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause.hint = exp_factor_hint(b, cause)
     cause.hint = fractional_power_hint(b, cause)
     cause = steep_power_cause(b, cause)
+    cause.hint = twice_hint(b, cause.hint)
     if b.hook is not None:
         cause.hint = hook_hint(b, cause.hint)
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):

@@ -6,6 +6,11 @@ coordinate dropout zeroed in both parts is a pole of either; the tail's node run
 backward and is named, its samples alone, and dropping them leaves the head's NaN (``--try
 auto``'s ``drop`` came back NaN). The model's nodes are watched in one more re-run; the others
 are named (``origin["also"]``: node, source line, samples), and ``drop`` drops them too.
+
+A node that saved a NaN for its backward made nothing: it passes on a NaN an earlier pass
+made (PaiNN's forces, ``autograd.grad(create_graph=True)`` in the forward, whose graph holds
+the sqrt's 0/0 gradient at a zero vector: the loss's backward through it returns NaN from
+finite gradients at every node that saved that value), so it is not named.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from recorder.capture import tensor_leaves
 from recorder.finite import finite
 from recorder.samples import Samples
 
-from .backward import batch_rows
+from .backward import batch_rows, saved_facts
 from .node_labels import grad_fns
 from .rerun import Runner
 from .source import node_source, node_tracebacks
+from .twice_differentiated import forward_node
 
 __all__ = ["add_others", "drop_with_others", "other_makers"]
 
@@ -41,8 +47,10 @@ def other_makers(runner: Runner, where: Samples, node: str | None, source: str |
         def hook(grad_inputs, grad_outputs):
             incoming = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
             returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
-            if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
-                key = (fn.name(), node_source(fn))
+            if all(finite(g) for g in incoming) and not all(finite(g) for g in returned) \
+                    and saved_facts(fn)[0] != "nan":
+                # (a derivative's node at its forward op's line, as the origin is named)
+                key = (fn.name(), node_source(forward_node(fn)) or node_source(fn))
                 rows = batch_rows(fn, list(grad_inputs), where)
                 hits[key] = sorted(set(hits.get(key, [])) | set(rows))
         handles.append(fn.register_hook(hook))

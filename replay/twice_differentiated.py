@@ -1,0 +1,69 @@
+"""A backward event of a step whose forward differentiated itself with ``create_graph=True``
+(an interatomic potential's forces ``-autograd.grad(E, pos)``, a gradient penalty), so the
+loss's backward differentiates the forward's ops twice. The node that made the value may be
+one of that first derivative's (``DivBackward0`` of the norm's gradient, made at the
+``autograd.grad`` line): it is named at the forward op whose derivative made it (its module
+and line, where the fix goes). And at a sqrt's or a norm's 0, ``torch.linalg.vector_norm``
+is no fix: its gradient, masked to 0 at a zero vector, is 0/0 to differentiate again."""
+
+from __future__ import annotations
+
+import torch
+
+from .cause_text import DO
+
+__all__ = ["at_forward_node", "derived", "forward_node", "twice_hint"]
+
+TWICE = ("; this step differentiates the forward again (its autograd.grad with "
+         "create_graph=True: forces -dE/dpos, a gradient penalty), so the op needs a finite "
+         "second derivative there: torch.linalg.vector_norm's gradient, masked to 0 at a zero "
+         "vector, is 0/0 to differentiate again; take sqrt(x + eps) (PaiNN's 1e-8) or keep "
+         "the zero vectors out of the op's input")
+
+
+def forward_node(node):
+    """The forward node whose derivative made ``node`` (anomaly mode's ``parent_``, followed
+    up to a node made in the forward); ``node`` itself when it was made there."""
+    while (parent := _parent(node)) is not None:
+        node = parent
+    return node
+
+
+def derived(node) -> bool:
+    """Whether a backward with ``create_graph=True`` made ``node`` (under anomaly mode)."""
+    return _parent(node) is not None
+
+
+def _parent(node):
+    """The node whose backward made ``node``; None for a custom Function's (reentrant
+    checkpointing re-runs its block's forward there: forward nodes, not a derivative's)."""
+    try:
+        parent = (getattr(node, "metadata", None) or {}).get("parent_")
+    except RuntimeError:  # (a node that cannot hold metadata)
+        return None
+    return None if isinstance(parent, torch.autograd.function.BackwardCFunction) else parent
+
+
+def at_forward_node(b, names: dict) -> None:
+    """After the run that found backward origin ``b``, whose nodes ``names`` labels by
+    module: whether the graph held a derivative's nodes, and ``b``'s module and
+    ``derivative_of`` (the node itself until then) from the forward node that made it."""
+    b.twice = any(derived(node) for node in names)
+    if b.derivative_of is not None:
+        fwd = forward_node(b.derivative_of)
+        b.module, b.derivative_of = names.get(fwd, b.module), fwd.name()
+
+
+def twice_hint(b, hint: str) -> str:
+    """``hint`` of backward origin ``b`` when its step differentiated the forward twice:
+    whose derivative made the node, and the sqrt advice that holds for a second derivative
+    (``DO["sqrt_pole"]``'s vector_norm does not)."""
+    if not b.twice:
+        return hint
+    if b.derivative_of is not None:
+        hint = (f"{b.node} is a node of the derivative the forward took of its "
+                f"{b.derivative_of} (at {b.source}); {hint}")
+    sqrt_like = any(w in (b.derivative_of or b.node or "").lower() for w in ("sqrt", "norm"))
+    if not sqrt_like:
+        return hint
+    return hint.replace(DO["sqrt_pole"], "") + TWICE
