@@ -350,7 +350,7 @@ def report_dropped_nan(report, runner: Runner) -> dict[str, Any]:
     anomaly mode, gives every parameter a finite gradient: a later node dropped the NaN (a
     clamp's or a where's backward zeroes it). The node is named; a NaN it made at its
     derivative's pole (an input exactly 0) is ``invalid``, as exact arithmetic makes it."""
-    b = find_backward_origin(runner, samples(runner.step))
+    b = backward_origin(runner)
     origin = _backward_fields(b)
     at_pole = b.node is not None and b.saved_zero == "0"
     report = finish(report, origin, "invalid" if at_pole else None, reproduced=b.node is not None,
@@ -369,7 +369,7 @@ def report_loss_backward(report, step: Step, runner: Runner) -> dict[str, Any] |
     output (sqrt or a norm at 0 where a mask then multiplies by 0), which the model's backward
     dropped (a masked_fill): that loss node is the origin. None when no loss node made one (the
     value came from loss terms outside loss_fn: see replay.outside)."""
-    b = find_backward_origin(runner, samples(step))
+    b = backward_origin(runner)
     if b.node is None or b.module != "<loss>":
         return None
     report = report_backward(report, runner, b)
