@@ -20,16 +20,21 @@ import torch
 _NEGATIVE = 1e-3
 
 
-def indefinite_hint(op: str, a64: torch.Tensor) -> str | None:
+def indefinite_hint(op: str, a64: torch.Tensor, elements: list[int] | None = None
+                    ) -> str | None:
     """The hint for a float64 matrix (or batch of them) of which one has an eigenvalue below
-    ``-_NEGATIVE`` times its own largest; None for a matrix singular up to rounding."""
+    ``-_NEGATIVE`` times its own largest; None for a matrix singular up to rounding.
+    ``elements``: the batch elements ``a64``'s matrices are (the failing samples' picked out of
+    a batch), None for one matrix given alone."""
     vals = torch.linalg.eigvalsh((a64 + a64.mT) / 2).reshape(-1, a64.shape[-1])
     scale = vals.abs().amax(-1).clamp_min(1e-300)
     rel = vals.amin(-1) / scale
     k = int(rel.argmin())
     if float(rel[k]) >= -_NEGATIVE:
         return None
-    where = f" of batch element {k}" if vals.shape[0] > 1 else ""
+    if elements is None and vals.shape[0] > 1:
+        elements = list(range(vals.shape[0]))
+    where = f" of batch element {elements[k]}" if elements else ""
     return (f"aten.{op}: the matrix is indefinite in exact arithmetic too (float64 re-run"
             f"{where}: smallest eigenvalue {float(vals[k].min()):.3g}, largest magnitude "
             f"{float(scale[k]):.3g}), not singular: it has negative curvature, as a Hessian of a "

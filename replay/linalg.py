@@ -218,7 +218,11 @@ def judge(op: str, m32: torch.Tensor, exact: Failed, of_data: bool = False,
     the float64 re-run's matrix ``exact`` (the matrices of the failing samples ``rows`` in a
     batch of them); ``of_data``: the batch alone made the matrices, of which only some
     samples' failed (see :mod:`replay.learned`)."""
-    a = failed_matrices(exact.matrix.detach().to(torch.float64), list(rows))
+    whole = exact.matrix.detach().to(torch.float64)
+    a = failed_matrices(whole, list(rows))
+    # (the batch elements a's matrices are: the failing samples' when picked out of a batch)
+    elements = list(rows) if a is not whole else None if whole.dim() < 3 else \
+        list(range(whole.shape[:-2].numel()))
     zero = not of_data and all_zero_hint(op, a, list(rows))
     if zero:
         return "invalid", zero
@@ -229,7 +233,7 @@ def judge(op: str, m32: torch.Tensor, exact: Failed, of_data: bool = False,
     tol = n * torch.finfo(torch.float64).eps * max(hi, 1e-300)
     what = "eigenvalue" if spd else "singular value"
     said = f"smallest {what} {lo:.3g}, largest {hi:.3g}"
-    if spd and lo < 0 and (negative := indefinite_hint(op, a)) is not None:
+    if spd and lo < 0 and (negative := indefinite_hint(op, a, elements)) is not None:
         return "invalid", negative
     if exact.raised or lo <= tol:
         kind = "not positive-definite" if spd else "rank-deficient" \
