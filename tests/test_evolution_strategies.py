@@ -133,3 +133,61 @@ def test_nan_goal_in_one_episode_is_named_as_input(tmp_path):
     rep = nanreplay_json(bundle)
     assert rep["cause"] == "input" and rep["origin"]["samples"] == [5]
     assert rep["origin"]["phase"] == "input" and "check the data pipeline" in rep["hint"]
+
+
+def train_tempered(out_dir, steps: int = 4, outer_lr: float = 100.0, floor: float | None = None,
+                   record: bool = True):
+    """A hybrid: the policy trained by backprop on behaviour cloning (MSELoss, AdamW,
+    clip_grad_norm_), its log-temperature (an extra forward argument, one per episode) tuned
+    by an OpenAI-ES outer loop every third step; ``floor``: the loop bounds it from below."""
+    policy = M.make_tempered_policy()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    crit = torch.nn.MSELoss()
+    g = torch.Generator().manual_seed(0)
+    log_tau = 0.0
+    rec = FlightRecorder(policy, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="evolution_strategies_models:make_tempered_policy") \
+        if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            start, goal = M.episodes(g)
+            obs, target = M.first_obs(start, goal), M.expert(start, goal)
+            if step % 3 == 2:
+                log_tau = M.outer_es(policy, log_tau, obs, target, g, lr=outer_lr)
+                log_tau = log_tau if floor is None else max(log_tau, floor)
+            loss = loss_fn(policy(obs, torch.full((obs.shape[0],), log_tau)), target)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+    return policy
+
+
+def test_log_temperature_tuned_by_es_underflows_to_zero(tmp_path):
+    """The outer ES step at step 2 moves the log-temperature to about -212: its exp is 0 in
+    float32, so every head output over it is ±inf, tanh saturates, and the division's
+    backward is 0 * inf = NaN. The temperature is an extra forward argument no gradient
+    reaches (off the autograd graph): the replay still finds that the divisor came from exp,
+    so the cause is the underflow (finite in float64), not rounding onto the pole."""
+    with pytest.raises(NonFiniteError) as info:
+        train_tempered(tmp_path)
+    event = info.value.event
+    assert (event["step"], event["phase"], event["kind"]) == (2, "backward", "nan")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert rep["reproduced"] is True
+    assert (o["phase"], o["op"], o["module"]) == ("backward", "DivBackward0", "")
+    assert o["source"] == source_line(MODELS, "torch.tanh(self.head(self.body(obs)) / tau)")
+    assert o["samples"] == list(range(8))
+    assert rep["cause"] == "underflow"
+    assert "underflowed to 0" in rep["hint"] and "clamp the value away from 0" in rep["hint"]
+
+
+def test_log_temperature_with_a_floor_trains_bit_identically(tmp_path):
+    """The same outer loop bounding the log-temperature at -20: no event, and the recorder
+    leaves training bit-identical."""
+    recorded = train_tempered(tmp_path, floor=-20.0).state_dict()
+    bare = train_tempered(tmp_path, floor=-20.0, record=False).state_dict()
+    assert all(torch.equal(recorded[k], bare[k]) for k in bare)
+    assert not list(tmp_path.glob("*.nan"))
