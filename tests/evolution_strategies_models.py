@@ -6,9 +6,12 @@
   Gaussian noise (``parameters_to_vector`` / ``vector_to_parameters``), scores each
   perturbation by an episode under ``no_grad``, shapes the fitness by ``(f - mean) / std`` or
   by centred ranks, writes the estimate into ``p.grad`` and lets Adam apply it.
-- ``SurrogatePolicy``: a hybrid: the same policy trained by backprop through a differentiable
-  surrogate loss, with a learned per-parameter ``log_sigma`` (separable NES) the ES outer loop
-  adapts by its own natural-gradient update.
+- ``NormalisedPolicy``: OpenAI-ES's observation normaliser (sums kept as buffers, refit by
+  the loop), with or without its clip of the std.
+- ``TemperedPolicy``: a hybrid: the policy trained by backprop on a behaviour-cloning
+  surrogate, its log-temperature (an extra forward argument) tuned by an ES outer loop.
+- ``cma_step``: CMA-ES-style sampling through the Cholesky factor of a covariance adapted by
+  a rank-mu update (active CMA's negative weights optional).
 """
 
 from __future__ import annotations
@@ -187,3 +190,29 @@ def outer_es(policy, log_tau: float, obs, target, g: torch.Generator, pop: int =
                            - target).pow(2).mean() for e in noise])
     w = (f - f.mean()) / (f.std() + 1e-8)
     return log_tau + lr * float(w @ noise) / (pop * sigma)
+
+
+def cma_step(policy, C, fitness_of, g: torch.Generator, pop: int = 8, sigma: float = 0.05,
+             c_mu: float = 0.9, active: bool = True):
+    """A CMA-ES-style generation on the flattened parameters: samples theta + sigma L z with
+    L = cholesky(C), the mean moved by the rank-weighted steps (written into p.grad for Adam),
+    C adapted by a rank-mu update; ``active``: the worst half's steps enter with negative
+    weights (active CMA) without the bound that keeps C positive definite. Returns C."""
+    params = list(policy.parameters())
+    theta = parameters_to_vector(params).detach()
+    L = torch.linalg.cholesky(C)  # fails once C has lost positive definiteness
+    y = torch.randn(pop, theta.numel(), generator=g) @ L.T
+    with torch.no_grad():
+        f = []
+        for yi in y:
+            vector_to_parameters(theta + sigma * yi, params)
+            f.append(fitness_of(policy))
+        vector_to_parameters(theta, params)
+    w = centred_ranks(torch.stack(f)) * 2  # in [-1, 1]: the worst half negative
+    grad = -(w @ y) / pop
+    offset = 0
+    for p in params:
+        p.grad = grad[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    w_c = w if active else w.clamp_min(0)
+    return (1 - c_mu) * C + c_mu * (y.T * w_c) @ y

@@ -191,3 +191,37 @@ def test_log_temperature_with_a_floor_trains_bit_identically(tmp_path):
     bare = train_tempered(tmp_path, floor=-20.0, record=False).state_dict()
     assert all(torch.equal(recorded[k], bare[k]) for k in bare)
     assert not list(tmp_path.glob("*.nan"))
+
+
+def train_cma(out_dir, active: bool, steps: int = 3, record: bool = True):
+    """CMA-ES-style generations (Cholesky of C, rank-mu update) with Adam on the mean."""
+    policy = M.make_policy()
+    opt = torch.optim.Adam(policy.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    C = torch.eye(sum(p.numel() for p in policy.parameters()))
+    rec = FlightRecorder(policy, opt, out_dir=out_dir,
+                         factory="evolution_strategies_models:make_policy") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        for _ in range(steps):
+            start, goal = M.episodes(g)
+            opt.zero_grad()
+            C = M.cma_step(policy, C, lambda pol, s=start, t=goal: M.rollout(pol, s, t).mean(),
+                           g, active=active)
+            opt.step()
+    return policy, C
+
+
+def test_active_cma_covariance_losing_definiteness_reaches_the_loop_unchanged(tmp_path):
+    """Active CMA's negative rank-mu weights, unbounded, leave C indefinite after the first
+    generation: the loop's own cholesky (outside the model and the loss: nothing to replay)
+    raises LinAlgError, which reaches the loop as torch raised it, with no bundle written;
+    without the negative weights the run is healthy and bit-identical under the recorder."""
+    with pytest.raises(torch.linalg.LinAlgError, match="not positive-definite"):
+        train_cma(tmp_path, active=True)
+    assert not list(tmp_path.glob("*.nan"))
+    recorded, c_rec = train_cma(tmp_path, active=False)
+    bare, c_bare = train_cma(tmp_path, active=False, record=False)
+    assert torch.equal(c_rec, c_bare) and all(
+        torch.equal(a, b) for a, b in zip(recorded.state_dict().values(),
+                                          bare.state_dict().values()))
+    assert not list(tmp_path.glob("*.nan"))
