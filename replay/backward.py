@@ -34,6 +34,7 @@ from .grad_hooks import HOOK, MODULE_HOOK, MODULE_HOOK_NODE, HookHit, HookWatch,
 from .lost_eps import GuardNodes
 from .masked_grad import zero_where_nan
 from .node_labels import NodeLabels, loss_labeller
+from .off_graph_positive import OffGraphPositive
 from .ops import OpFinder
 from .pole_hints import zero_divisor
 from .pooled import pooled_size
@@ -265,13 +266,12 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
     samples, to name those of its gradient; ``probe(model)``: hooks of the caller's that run
     backward passes of their own during the forward (after the nodes are labelled)."""
     found = BackwardOrigin()
-    handles: list = []
-    # (folded: rows of a batch the forward folded, x.reshape(N * M, ...))
-    guards, below, folded = GuardNodes(), BelowOneNodes(), FoldedGrads(where or Samples())
+    # (sums: finite gradients whose sum the engine made non-finite; folded: rows of a batch the
+    # forward folded, x.reshape(N * M, ...); off: the exp of a tensor no gradient reaches)
+    handles, sums, off = [], SummedGrads(), OffGraphPositive()
+    guards, below, folded = GuardNodes(), BelowOneNodes([off.seen]), FoldedGrads(where or Samples())
     watch = HookWatch(where or Samples(), lambda: found.node is not None,
                       lambda: (runner.micro_batch, runner.in_loss))
-
-    sums = SummedGrads()  # (finite gradients whose sum the engine made non-finite)
 
     def on_node(node, name):
         def hook(grad_inputs, grad_outputs):
@@ -285,6 +285,7 @@ def find_backward_origin(runner: Runner, where: Samples | None = None,
             if all(finite(g) for g in incoming) and not all(finite(g) for g in returned):
                 _record(found, node, name, grad_inputs, grad_outputs, where or Samples(), folded)
                 found.micro_batch, found.in_loss = runner.micro_batch, runner.in_loss
+                found.positive_input = found.positive_input or off.divisor(node)
                 found.lost_eps, found.complement = guards.of(node), below.complement_at(node)
                 found.copied = copied_row(node) if found.saved_zero == "0" else None
                 custom.append(isinstance(node, torch.autograd.function.BackwardCFunction))

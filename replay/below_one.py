@@ -24,13 +24,18 @@ class BelowOneNodes(TorchFunctionMode):
     """Inside the block, the autograd nodes of softmaxes whose every slice held two or more
     entries above -inf and no NaN or +inf: below 1 in exact arithmetic everywhere."""
 
-    def __init__(self) -> None:
+    def __init__(self, watchers=()) -> None:
         super().__init__()
         self.nodes: list = []  # (strong references, for the block's one re-run)
+        # other watchers of the same ops (replay.off_graph_positive): one mode only, as a
+        # second one's frames between torch's would hide the user's line (replay.source)
+        self.watchers = list(watchers)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        for watcher in self.watchers:
+            watcher(func, args, kwargs, out)
         if getattr(func, "__name__", "") == "softmax" and args \
                 and isinstance(out, torch.Tensor) and out.grad_fn is not None:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")

@@ -465,9 +465,10 @@ def no_float64(e: Exception) -> str:
 
 
 # a backward event of a step with no micro-batch: an update the recorder made a step of its own
-NO_FORWARD = ("the step ran no forward of the recorded model: the loop wrote the gradients of "
-              "this update itself, from a copy of the model it trained (Reptile) or other "
-              "code the replay cannot re-run")
+NO_FORWARD = ("the step ran no forward of the recorded model with gradients on (one under "
+              "torch.no_grad, an evolution strategy's evaluation of perturbed weights, is not "
+              "kept with the step): the loop wrote the gradients of this update itself, from "
+              "a copy of the model it trained (Reptile) or other code the replay cannot re-run")
 
 # the forward ops whose derivative exp(x - result) is 0/0 where every term is -inf: which text
 LSE_ALL_INF = {"logsumexp": "lse_all_inf", "logcumsumexp": "lse_all_inf",

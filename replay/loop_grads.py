@@ -12,6 +12,7 @@ from .findings import finish, origin_fields
 from .kept_terms import kept_terms_text
 from .load import Step
 from .nan_skips import nan_skips_text
+from .shared_factor import shared_factor_text
 from .zero_grad import normalised_zero_gradient
 from .zero_rows import empty_batch_text, zero_gradient_rows, zero_rows_text
 from .zero_tasks import zero_outputs_text
@@ -62,7 +63,8 @@ def gradients_from_the_loop(report, step: Step, reached: bool = False,
         "computed in loss_fn instead, given the model, loss_fn(out, y, model), it is re-run "
         "and its op named), a difference of weights "
         "(Reptile's p - fast_p from a copy the loop trained); check that code at this "
-        "step, e.g. a division by a norm that is 0" + zero_rows_text(zero)
+        "step, e.g. a division by a norm that is 0" + shared_factor_text(step, params)
+        + zero_rows_text(zero)
         + empty_batch_text(step) + zero_outputs_text(step, runner)
         + nan_skips_text(step))
     if reached and runner is not None and (kept := kept_terms_text(runner)):
