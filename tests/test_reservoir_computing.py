@@ -1,0 +1,132 @@
+"""End to end on hand-written reservoir computing (``reservoir_computing_models``): an echo
+state network whose trainable recurrent matrix is rescaled to a spectral radius from
+``torch.linalg.eigvals`` in every forward, a fixed reservoir with a closed-form ridge readout
+(``torch.linalg.solve`` of the normal equations over the batch's states), next-generation
+reservoir computing's polynomial features of delayed inputs over a Lorenz ``Dataset``, and
+FORCE learning's recursive-least-squares readout updated under ``no_grad`` inside the forward
+while Adam trains the input weights by BPTT. Each planted bug of the domain fires under the
+recorder and is replayed with the CLI; the healthy versions raise no event and train
+bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import reservoir_computing_models as M
+import torch
+from bundles import nanreplay_json, source_line
+from torch.utils.data import DataLoader
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("reservoir_computing_models.py", text)
+
+
+def batches(kind: str, steps: int, unmasked: tuple[int, ...] = ()):
+    """(model args, target) of each step."""
+    if kind == "ngrc":
+        loader = DataLoader(M.LorenzWindows(n=8 * steps, unmasked=unmasked), batch_size=8)
+        return [((x,), y) for x, y in loader]
+    if kind == "force":
+        return [((x, y), y) for x, y in M.sine_chunks(steps)]
+    pairs = list(M.mackey_glass_batches(steps))
+    if kind == "ridge":
+        return [((x, y[:, 5:]), y[:, 5:]) for x, y in pairs]
+    return [((x,), y[:, 5:]) for x, y in pairs]
+
+
+def train(kind: str, make: str, out_dir, steps: int = 4, unmasked: tuple[int, ...] = (),
+          record: bool = True):
+    """Adam with a step schedule and gradient clipping, as ReservoirPy/EchoTorch users train
+    the trainable parts. Returns the model."""
+    torch.manual_seed(0)  # (the nn.Linear initialisations)
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    crit = torch.nn.MSELoss()
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"reservoir_computing_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for args, target in batches(kind, steps, unmasked):
+            opt.zero_grad()
+            loss = loss_fn(model(*args), target)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def bundle_of(out_dir) -> str:
+    (path,) = out_dir.glob("*.nan")
+    return str(path)
+
+
+def test_delay_line_reservoir_rescaled_by_its_zero_spectral_radius(tmp_path):
+    """Rodan & Tino's delay line reservoir is nilpotent: every eigenvalue is 0, so rescaling it
+    to a spectral radius divides by 0 in the first forward. The recorder writes the forward
+    event; eigvals' backward then fails at the repeated eigenvalues (LinAlgError), which ends
+    the step in training. The replay covers the step up to that failing derivative (not a
+    failed replay), names the reciprocal of the radius on its line, every sample, the pole
+    of parameters alone, and says the backward's derivative (no code of the user's) raised."""
+    with pytest.raises(torch.linalg.LinAlgError):
+        train("esn", "make_esn_delay_line", tmp_path)
+    rep = nanreplay_json(bundle_of(tmp_path))
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], o["module"], o["op"], o["made"]) == (
+        0, True, "reservoir", "aten.reciprocal", "+inf"), rep
+    assert o["source"] == line_of("return self.weight * (self.rho / radius)"), o
+    assert o["samples"] == list(range(8)), o
+    assert rep["cause"] == "invalid" and "parameters and buffers alone" in rep["hint"], rep
+    note = " ".join(rep["problems"])
+    assert "derivative in the step's backward" in note and "LinAlgError" in note, rep
+
+
+def test_ngrc_cubic_features_of_a_netcdf_fill_value_name_the_record(tmp_path):
+    """A missing x reading read back from netCDF without its mask is the fill value 9.97e36:
+    NG-RC's quadratic monomials of it overflow. The replay names the product in ``features``,
+    its line, the one record, overflow of out-of-scale data, and dropping it fixes the step."""
+    with pytest.raises(NonFiniteError) as info:
+        train("ngrc", "make_ngrc", tmp_path, unmasked=(29,))
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["samples"], ev["kind"]) == (3, "features", [5], "+inf")
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == ("features", "aten.mul", [5]), o
+    assert o["source"] == line_of("quad = lin[:, self.quad[:, 0]] * lin[:, self.quad[:, 1]]")
+    assert rep["cause"] == "overflow" and "out of scale" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_force_rls_with_a_forgetting_factor_overflows_its_inverse_correlation(tmp_path):
+    """FORCE's RLS with a forgetting factor of 0.7: ``P`` is divided by it at every time step
+    and grows in the directions the reservoir does not excite until the update
+    ``(P - k k^T / den) / lam`` overflows at step 3. The replay names that line in the root's
+    own loop, the time step, the one trajectory and overflow."""
+    with pytest.raises(NonFiniteError) as info:
+        train("force", "make_force_forgetting", tmp_path, steps=8)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [0]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["made"], o["samples"], rep["cause"]) == ("", "+inf", [0], "overflow")
+    assert o["source"] == line_of("P = (P - torch.outer(k, k) / den) / self.lam"), o
+
+
+@pytest.mark.parametrize("kind,make", [("esn", "make_esn"), ("ridge", "make_ridge_esn"),
+                                       ("ngrc", "make_ngrc"), ("force", "make_force")])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
+    """The trainable ESN (eigvals and its backward in every step), the ridge readout's solve,
+    NG-RC's monomials and FORCE's RLS buffers replaced in every forward: no event, and
+    bit-identical weights and buffers with and without the recorder."""
+    recorded = train(kind, make, tmp_path, steps=3)
+    plain = train(kind, make, tmp_path, steps=3, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
