@@ -108,7 +108,8 @@ def test_force_rls_with_a_forgetting_factor_overflows_its_inverse_correlation(tm
     """FORCE's RLS with a forgetting factor of 0.7: ``P`` is divided by it at every time step
     and grows in the directions the reservoir does not excite until the update
     ``(P - k k^T / den) / lam`` overflows at step 3. The replay names that line in the root's
-    own loop, the time step, the one trajectory and overflow."""
+    own loop, the one trajectory and overflow, and sends the user to the buffer ``P`` that grew
+across steps, not to the learning rate (the weights barely moved)."""
     with pytest.raises(NonFiniteError) as info:
         train("force", "make_force_forgetting", tmp_path, steps=8)
     ev = info.value.event
@@ -117,6 +118,11 @@ def test_force_rls_with_a_forgetting_factor_overflows_its_inverse_correlation(tm
     o = rep["origin"]
     assert (o["module"], o["made"], o["samples"], rep["cause"]) == ("", "+inf", [0], "overflow")
     assert o["source"] == line_of("P = (P - torch.outer(k, k) / den) / self.lam"), o
+    # (was: the loss's jump read as a learning rate too high, "lower the learning rate or
+    # clip the gradients", which the clipped Adam at 1e-3 on the input weights never was)
+    hint = rep["hint"]
+    assert "the buffer P held values up to" in hint and "forgetting factor" in hint, hint
+    assert "lower the learning rate" not in hint, hint
 
 
 @pytest.mark.parametrize("kind,make", [("esn", "make_esn"), ("ridge", "make_ridge_esn"),
