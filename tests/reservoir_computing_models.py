@@ -8,8 +8,11 @@ for ``test_reservoir_computing``.
   line reservoir (a sub-diagonal shift matrix, nilpotent: every eigenvalue is 0).
 - ``RidgeESN``: a fixed random reservoir and a ridge readout solved in closed form per batch
   (``torch.linalg.solve`` of the normal equations over the collected states), the input
-  weights trained through it; ``make_ridge_esn_saturated``: a spectral radius of 8 and no
-  ridge term.
+  weights trained through it; by Cholesky in ``make_ridge_esn_cholesky``;
+  ``make_ridge_esn_wide``: more units than states after washout, and no ridge term.
+- ``FORCE``: FORCE learning's RLS readout updated under ``no_grad`` in the forward (the
+  buffers ``P`` and ``w_out`` replaced at every call), input weights trained by BPTT;
+  ``make_force_forgetting``: a forgetting factor of 0.7.
 - ``NGRC``: next-generation reservoir computing (Gauthier et al.): linear features of ``k``
   delayed inputs, their unique quadratic and cubic monomials, a trained readout.
 - ``mackey_glass`` and ``LorenzWindows``: the chaotic series, the latter a ``Dataset``.
@@ -143,26 +146,30 @@ def mackey_glass_batches(steps: int, batch: int = 8, window: int = 20):
 class RidgeReadout(nn.Module):
     """``W = (S^T S + beta I)^-1 S^T Y`` over the batch's states after washout, then ``S W``."""
 
-    def __init__(self, beta: float):
+    def __init__(self, beta: float, cholesky: bool = False):
         super().__init__()
-        self.beta = beta
+        self.beta, self.cholesky = beta, cholesky
 
     def forward(self, states, targets):  # (B, T, N), (B, T, d)
         s = torch.cat([states, states.new_ones(*states.shape[:2], 1)], -1).flatten(0, 1)
         y = targets.flatten(0, 1)
         gram = s.T @ s + self.beta * torch.eye(s.shape[1])
-        w = torch.linalg.solve(gram, s.T @ y)
+        if self.cholesky:  # (the normal equations are symmetric positive definite: half the work)
+            w = torch.cholesky_solve(s.T @ y, torch.linalg.cholesky(gram))
+        else:
+            w = torch.linalg.solve(gram, s.T @ y)
         return (s @ w).view_as(targets)
 
 
 class RidgeESN(nn.Module):
-    def __init__(self, rho: float = 0.9, beta: float = 1e-2, n: int = 24, washout: int = 5):
+    def __init__(self, rho: float = 0.9, beta: float = 1e-2, n: int = 24, washout: int = 5,
+                 cholesky: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(1)
         w = sparse_uniform(n, 0.8, g)
         self.register_buffer("w", w * (rho / torch.linalg.eigvals(w).abs().max()))
         self.w_in = nn.Linear(1, n)  # the input weights, trained through the solve
-        self.readout = RidgeReadout(beta)
+        self.readout = RidgeReadout(beta, cholesky)
         self.washout = washout
 
     def forward(self, x, targets):
@@ -177,8 +184,13 @@ def make_ridge_esn():
     return RidgeESN()
 
 
-def make_ridge_esn_saturated():
-    return RidgeESN(rho=8.0, beta=0.0)
+def make_ridge_esn_cholesky():
+    return RidgeESN(cholesky=True)
+
+
+def make_ridge_esn_wide():
+    """More units than the batch has states after washout, and no ridge term."""
+    return RidgeESN(beta=0.0, n=160, cholesky=True)
 
 
 # ---------------------------------------------------------------------------------------------

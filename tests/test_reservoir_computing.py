@@ -125,8 +125,26 @@ across steps, not to the learning rate (the weights barely moved)."""
     assert "lower the learning rate" not in hint, hint
 
 
-@pytest.mark.parametrize("kind,make", [("esn", "make_esn"), ("ridge", "make_ridge_esn"),
-                                       ("ngrc", "make_ngrc"), ("force", "make_force")])
+def test_ridge_readout_of_more_units_than_states_without_a_ridge_term(tmp_path):
+    """160 reservoir units, 8 windows of 15 states after washout and no ridge term: the
+    normal equations' Gram matrix has rank at most 120, and its Cholesky factorisation fails
+    in the first forward. The replay names the factorisation in ``readout``, its line, the
+    matrix singular in exact arithmetic too, and the fix: a ridge on the diagonal."""
+    with pytest.raises(torch.linalg.LinAlgError):
+        train("ridge", "make_ridge_esn_wide", tmp_path, steps=2)
+    rep = nanreplay_json(bundle_of(tmp_path))
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"]) == (
+        0, "readout", "aten.linalg_cholesky_ex"), o
+    assert o["source"] == line_of("torch.cholesky_solve(s.T @ y, torch.linalg.cholesky(gram))")
+    hint = rep["hint"]
+    assert rep["cause"] == "invalid" and "exact arithmetic too" in hint, hint
+    assert "fewer samples than features" in hint and "ridge" in hint, hint
+
+
+@pytest.mark.parametrize("kind,make", [
+    ("esn", "make_esn"), ("ridge", "make_ridge_esn"), ("ridge", "make_ridge_esn_cholesky"),
+    ("ngrc", "make_ngrc"), ("force", "make_force")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """The trainable ESN (eigvals and its backward in every step), the ridge readout's solve,
     NG-RC's monomials and FORCE's RLS buffers replaced in every forward: no event, and
