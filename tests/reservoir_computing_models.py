@@ -56,15 +56,17 @@ def lorenz(n: int, start, dt: float = 0.01) -> torch.Tensor:
 class LorenzWindows(Dataset):
     """Windows of one Lorenz trajectory: ``(window, 3)`` inputs, the next state as target.
     ``unmasked`` holds the windows whose last x reading is missing, read from the netCDF file
-    without its mask (the variable's fill value in its place)."""
+    without its mask (the variable's fill value in its place; ``fill=nan``: read masked, as
+    xarray does)."""
 
-    def __init__(self, n: int = 32, window: int = 4, unmasked: tuple[int, ...] = ()):
+    def __init__(self, n: int = 32, window: int = 4, unmasked: tuple[int, ...] = (),
+                 fill: float | None = None):
         traj = lorenz(n * 3 + window + 1, [1.0, 1.0, 1.0])
         self.items = []
         for i in range(n):
             w = traj[i * 3: i * 3 + window + 1].clone()
             if i in unmasked:
-                w[-2, 0] = NC_FILL
+                w[-2, 0] = NC_FILL if fill is None else fill
             self.items.append((w[:-1], w[-1]))
 
     def __len__(self):

@@ -27,10 +27,11 @@ def line_of(text: str) -> str:
     return source_line("reservoir_computing_models.py", text)
 
 
-def batches(kind: str, steps: int, unmasked: tuple[int, ...] = ()):
+def batches(kind: str, steps: int, unmasked: tuple[int, ...] = (), fill=None):
     """(model args, target) of each step."""
     if kind == "ngrc":
-        loader = DataLoader(M.LorenzWindows(n=8 * steps, unmasked=unmasked), batch_size=8)
+        data = M.LorenzWindows(n=8 * steps, unmasked=unmasked, fill=fill)
+        loader = DataLoader(data, batch_size=8)
         return [((x,), y) for x, y in loader]
     if kind == "force":
         return [((x, y), y) for x, y in M.sine_chunks(steps)]
@@ -41,7 +42,7 @@ def batches(kind: str, steps: int, unmasked: tuple[int, ...] = ()):
 
 
 def train(kind: str, make: str, out_dir, steps: int = 4, unmasked: tuple[int, ...] = (),
-          record: bool = True):
+          record: bool = True, fill=None):
     """Adam with a step schedule and gradient clipping, as ReservoirPy/EchoTorch users train
     the trainable parts. Returns the model."""
     torch.manual_seed(0)  # (the nn.Linear initialisations)
@@ -53,7 +54,7 @@ def train(kind: str, make: str, out_dir, steps: int = 4, unmasked: tuple[int, ..
                          factory=f"reservoir_computing_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
-        for args, target in batches(kind, steps, unmasked):
+        for args, target in batches(kind, steps, unmasked, fill):
             opt.zero_grad()
             loss = loss_fn(model(*args), target)
             loss.backward()
@@ -102,6 +103,19 @@ def test_ngrc_cubic_features_of_a_netcdf_fill_value_name_the_record(tmp_path):
     assert o["source"] == line_of("quad = lin[:, self.quad[:, 0]] * lin[:, self.quad[:, 1]]")
     assert rep["cause"] == "overflow" and "out of scale" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_ngrc_missing_reading_read_masked_as_nan_is_an_input_event(tmp_path):
+    """The same missing reading read with its mask (xarray's NaN): an input event before any
+    op, on the one record, cause ``input``; dropping the record fixes the step."""
+    with pytest.raises(NonFiniteError) as info:
+        train("ngrc", "make_ngrc", tmp_path, unmasked=(29,), fill=float("nan"))
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (3, "input", [5]), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=5")
+    assert (rep["origin"]["phase"], rep["origin"]["samples"], rep["cause"]) == (
+        "input", [5], "input"), rep
+    assert "data pipeline" in rep["hint"] and rep["what_if"][0]["finite"] is True, rep
 
 
 def test_force_rls_with_a_forgetting_factor_overflows_its_inverse_correlation(tmp_path):
