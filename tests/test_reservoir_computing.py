@@ -118,11 +118,31 @@ def test_ngrc_missing_reading_read_masked_as_nan_is_an_input_event(tmp_path):
     assert "data pipeline" in rep["hint"] and rep["what_if"][0]["finite"] is True, rep
 
 
+def first_overflowing_time_step(steps: int) -> int:
+    """The time step of the event step's chunk at which FORCE's ``outer(k, k)`` first
+    overflows, found on an unrecorded copy of the run by the RLS update written out again
+    (the replay's claim, checked independently)."""
+    model = train("force", "make_force_forgetting", None, steps=steps, record=False)
+    (x, y), _ = batches("force", steps + 1)[steps]
+    with torch.no_grad():
+        u, h, P, w_out = model.w_in(x)[0], torch.zeros(48), model.P, model.w_out
+        for t in range(x.shape[1]):
+            h = torch.tanh(model.w @ h + u[t])
+            k = P @ h
+            if not torch.isfinite(torch.outer(k, k)).all():
+                return t
+            den = model.lam + h @ k
+            P = (P - torch.outer(k, k) / den) / model.lam
+            w_out = w_out - (h @ w_out - y[0, t, 0]) * k / den
+    raise AssertionError("no overflow")
+
+
 def test_force_rls_with_a_forgetting_factor_overflows_its_inverse_correlation(tmp_path):
     """FORCE's RLS with a forgetting factor of 0.7: ``P`` is divided by it at every time step
     and grows in the directions the reservoir does not excite until the update
     ``(P - k k^T / den) / lam`` overflows at step 3. The replay names that line in the root's
-    own loop, the one trajectory and overflow, and sends the user to the buffer ``P`` that grew
+    own loop, the time step (the run of that line a re-implementation finds), the one
+trajectory and overflow, and sends the user to the buffer ``P`` that grew
 across steps, not to the learning rate (the weights barely moved)."""
     with pytest.raises(NonFiniteError) as info:
         train("force", "make_force_forgetting", tmp_path, steps=8)
@@ -132,6 +152,7 @@ across steps, not to the learning rate (the weights barely moved)."""
     o = rep["origin"]
     assert (o["module"], o["made"], o["samples"], rep["cause"]) == ("", "+inf", [0], "overflow")
     assert o["source"] == line_of("P = (P - torch.outer(k, k) / den) / self.lam"), o
+    assert o["line_run"] == first_overflowing_time_step(3) + 1 == 38, o
     # (was: the loss's jump read as a learning rate too high, "lower the learning rate or
     # clip the gradients", which the clipped Adam at 1e-3 on the input weights never was)
     hint = rep["hint"]
