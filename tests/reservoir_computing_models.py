@@ -165,10 +165,10 @@ class RidgeReadout(nn.Module):
 
 class RidgeESN(nn.Module):
     def __init__(self, rho: float = 0.9, beta: float = 1e-2, n: int = 24, washout: int = 5,
-                 cholesky: bool = False):
+                 cholesky: bool = False, sparsity: float = 0.8):
         super().__init__()
         g = torch.Generator().manual_seed(1)
-        w = sparse_uniform(n, 0.8, g)
+        w = sparse_uniform(n, sparsity, g)
         self.register_buffer("w", w * (rho / torch.linalg.eigvals(w).abs().max()))
         self.w_in = nn.Linear(1, n)  # the input weights, trained through the solve
         self.readout = RidgeReadout(beta, cholesky)
@@ -188,6 +188,11 @@ def make_ridge_esn():
 
 def make_ridge_esn_cholesky():
     return RidgeESN(cholesky=True)
+
+
+def make_ridge_esn_empty():
+    """A connectivity of 0 typed as a sparsity of 1.0: no connection is kept."""
+    return RidgeESN(sparsity=1.0)
 
 
 def make_ridge_esn_wide():

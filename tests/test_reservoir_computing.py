@@ -160,6 +160,22 @@ across steps, not to the learning rate (the weights barely moved)."""
     assert "lower the learning rate" not in hint, hint
 
 
+def test_fixed_reservoir_of_sparsity_one_is_built_nan(tmp_path):
+    """A connectivity of 0 typed as a sparsity of 1.0: the fixed reservoir is all zeros, its
+    spectral radius 0, and the rescaling ``w * (rho / 0)`` builds the buffer NaN. The first
+    forward's NaN is blamed on that buffer, as the factory builds it (not an update), read by
+    the recurrence's matmul on its line, every sample."""
+    with pytest.raises(NonFiniteError) as info:
+        train("ridge", "make_ridge_esn_empty", tmp_path, steps=2)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["phase"], o["tensor"], o["param"], o["op"]) == (
+        0, "weights", "buffer", "w", "aten.mm"), o
+    assert o["source"] == line_of("h = torch.tanh(u[:, t] + h @ self.w.T)"), o
+    assert o["all_samples"] and rep["cause"] == "weights", rep
+    assert "the factory builds buffer w non-finite" in rep["hint"], rep["hint"]
+
+
 def test_ridge_readout_of_more_units_than_states_without_a_ridge_term(tmp_path):
     """160 reservoir units, 8 windows of 15 states after washout and no ridge term: the
     normal equations' Gram matrix has rank at most 120, and its Cholesky factorisation fails
