@@ -87,6 +87,7 @@ def test_delay_line_reservoir_rescaled_by_its_zero_spectral_radius(tmp_path):
     assert o["source"] == line_of("return self.weight * (self.rho / radius)"), o
     assert o["samples"] == list(range(8)), o
     assert rep["cause"] == "invalid" and "parameters and buffers alone" in rep["hint"], rep
+    assert "divided by its spectral radius or norm, which is 0" in rep["hint"], rep["hint"]
     note = " ".join(rep["problems"])
     assert "derivative in the step's backward" in note and "LinAlgError" in note, rep
 
