@@ -6,6 +6,9 @@ for ``test_reservoir_computing``.
   ``torch.linalg.eigvals`` (EchoTorch's trainable reservoirs keep the echo state property
   this way); a washout, then a linear readout. ``make_esn_delay_line``: Rodan & Tino's delay
   line reservoir (a sub-diagonal shift matrix, nilpotent: every eigenvalue is 0).
+- ``AttentionESN``: the same reservoir read out by attention pooling over time, the washout's
+  scores masked with ``-inf``; ``make_attention_esn_long_washout``: a washout as long as the
+  window.
 - ``RidgeESN``: a fixed random reservoir and a ridge readout solved in closed form per batch
   (``torch.linalg.solve`` of the normal equations over the collected states), the input
   weights trained through it; by Cholesky in ``make_ridge_esn_cholesky``;
@@ -121,6 +124,30 @@ class ESN(nn.Module):
 
     def forward(self, x):
         return self.readout(self.reservoir(x)[:, self.washout:])
+
+
+class AttentionESN(nn.Module):
+    """A trainable reservoir read out by attention pooling over time, the washout's states
+    masked out of the softmax with ``-inf`` (they never reach the output)."""
+
+    def __init__(self, w: torch.Tensor, washout: int = 5):
+        super().__init__()
+        self.reservoir = Reservoir(w, 1)
+        self.query = nn.Linear(w.shape[0], 1)
+        self.readout = nn.Linear(w.shape[0], 1)
+        self.washout = washout
+
+    def forward(self, x):
+        states = self.reservoir(x)
+        scores = self.query(states).squeeze(-1)
+        washout = torch.arange(x.shape[1]) < self.washout
+        scores = scores.masked_fill(washout, float("-inf"))
+        pooled = (scores.softmax(-1)[..., None] * states).sum(1)
+        return self.readout(pooled)
+
+
+def make_attention_esn():
+    return AttentionESN(sparse_uniform(32, 0.9, torch.Generator().manual_seed(0)))
 
 
 def make_esn():
@@ -293,3 +320,8 @@ def sine_chunks(steps: int, chunk: int = 50):
     s = torch.sin(t) + 0.5 * torch.sin(0.3 * t)
     for k in range(steps):
         yield s[k * chunk: (k + 1) * chunk, None][None], s[k * chunk + 1: (k + 1) * chunk + 1, None][None]
+
+
+def make_attention_esn_long_washout():
+    """A washout of 20 steps, set for long series, on windows of 20: every state is masked."""
+    return AttentionESN(sparse_uniform(32, 0.9, torch.Generator().manual_seed(0)), washout=20)

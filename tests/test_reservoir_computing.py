@@ -36,6 +36,8 @@ def batches(kind: str, steps: int, unmasked: tuple[int, ...] = (), fill=None):
     if kind == "force":
         return [((x, y), y) for x, y in M.sine_chunks(steps)]
     pairs = list(M.mackey_glass_batches(steps))
+    if kind == "attention":  # (the next value after the window)
+        return [((x,), y[:, -1]) for x, y in pairs]
     if kind == "ridge":
         return [((x, y[:, 5:]), y[:, 5:]) for x, y in pairs]
     return [((x,), y[:, 5:]) for x, y in pairs]
@@ -179,6 +181,23 @@ def test_fixed_reservoir_of_sparsity_one_is_built_nan(tmp_path):
     assert "the factory builds buffer w non-finite" in rep["hint"], rep["hint"]
 
 
+def test_attention_readout_whose_washout_masks_every_state(tmp_path):
+    """A washout set for long series (20 steps) on windows of 20: every score is masked with
+    ``-inf`` and the attention pooling's softmax is 0/0 in every row at the first step. The
+    replay names the softmax on its line, the intended fill before it, every sample, and
+    the fully masked row's advice: keep at least one key per row."""
+    with pytest.raises(NonFiniteError) as info:
+        train("attention", "make_attention_esn_long_washout", tmp_path, steps=2)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["event"]["step"], o["module"], o["op"], o["all_samples"]) == (
+        0, "", "aten._softmax", True), o
+    assert o["source"] == line_of("pooled = (scores.softmax(-1)[..., None] * states).sum(1)")
+    assert o["chain"][0]["op"] == "aten.masked_fill" and o["chain"][0]["intentional"], o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+
+
 def test_ridge_readout_of_more_units_than_states_without_a_ridge_term(tmp_path):
     """160 reservoir units, 8 windows of 15 states after washout and no ridge term: the
     normal equations' Gram matrix has rank at most 120, and its Cholesky factorisation fails
@@ -197,10 +216,11 @@ def test_ridge_readout_of_more_units_than_states_without_a_ridge_term(tmp_path):
 
 
 @pytest.mark.parametrize("kind,make", [
-    ("esn", "make_esn"), ("ridge", "make_ridge_esn"), ("ridge", "make_ridge_esn_cholesky"),
+    ("esn", "make_esn"), ("attention", "make_attention_esn"), ("ridge", "make_ridge_esn"), ("ridge", "make_ridge_esn_cholesky"),
     ("ngrc", "make_ngrc"), ("force", "make_force")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
-    """The trainable ESN (eigvals and its backward in every step), the ridge readout's solve,
+    """The trainable ESN (eigvals and its backward in every step), its attention readout whose
+    softmax the washout's ``-inf`` scores stay inside, the ridge readout's solve,
     NG-RC's monomials and FORCE's RLS buffers replaced in every forward: no event, and
     bit-identical weights and buffers with and without the recorder."""
     recorded = train(kind, make, tmp_path, steps=3)
