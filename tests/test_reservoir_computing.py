@@ -80,8 +80,10 @@ def test_delay_line_reservoir_rescaled_by_its_zero_spectral_radius(tmp_path):
     the step in training. The replay covers the step up to that failing derivative (not a
     failed replay), names the reciprocal of the radius on its line, every sample, the pole
     of parameters alone, and says the backward's derivative (no code of the user's) raised."""
-    with pytest.raises(torch.linalg.LinAlgError):
+    with pytest.raises(torch.linalg.LinAlgError) as info:
         train("esn", "make_esn_delay_line", tmp_path)
+    # (the forward event's summary rides on the backward's error, with the bundle's path)
+    assert bundle_of(tmp_path) in " ".join(getattr(info.value, "__notes__", [])), info.value
     rep = nanreplay_json(bundle_of(tmp_path))
     o = rep["origin"]
     assert (rep["event"]["step"], rep["reproduced"], o["module"], o["op"], o["made"]) == (
