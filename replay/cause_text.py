@@ -206,7 +206,9 @@ DO = {
     "of_weights": "its inputs were made from the model's parameters and buffers alone (no "
                   "sample's data reaches it, so every sample hits it): a parametrisation "
                   "reached the op's pole or left its domain (a rate -relu(a) at 0, a scale "
-                  "trained to 0), or a buffer the model was built with holds such a value (two "
+                  "trained to 0, a matrix divided by its spectral radius or norm, which is 0 "
+                  "for an all-zero or nilpotent one: a delay line, a sparsity of 1), or a "
+                  "buffer the model was built with holds such a value (two "
                   "mesh nodes at one position: an edge of length 0); keep it away "
                   "(a.clamp_min(eps), or -exp(a_log) as S4 and Mamba parametrise A), fix the "
                   "code that builds the buffer, or add an eps",

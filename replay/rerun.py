@@ -43,6 +43,7 @@ from .loopscale import loss_factor
 from .loss_params import trained_loss_params
 from .module_state import ModuleState
 from .precision import precision_hooks
+from .raised_note import IN_BACKWARD
 from .refit_in_forward import trained_copies, written_note, written_since
 from .run_result import Run, dropped_non_finite
 from .source import OP_ERROR, raised_by_model
@@ -213,7 +214,7 @@ class Runner:
                         loss = self._loss(i, outs, result)
                     if backward and mb.get("grad_enabled", True):
                         with _enter(backward_ctx):
-                            self._backward(i, outs, loss)
+                            self._linalg_backward(i, outs, loss)
         except StopRun:
             pass
         except Exception as e:  # the model's code raising (an assert on NaN, an op refusing
@@ -266,6 +267,16 @@ class Runner:
         result.loss_finite.append(all(finite(t) for t in vals))
         result.loss_values.append(";".join(repr(t.detach().double().sum().item()) for t in vals))
         return loss
+
+    def _linalg_backward(self, i: int, outs, loss) -> None:
+        """A derivative that fails in the step's graph (eigvals' backward at repeated
+        eigenvalues, a nilpotent matrix's zeros) ends the re-run as it ended the step."""
+        try:
+            self._backward(i, outs, loss)
+        except torch.linalg.LinAlgError as e:
+            setattr(e, OP_ERROR, True)
+            setattr(e, IN_BACKWARD, True)
+            raise
 
     def _backward(self, i: int, outs, loss) -> None:
         fed = self.out_grads is not None

@@ -20,6 +20,7 @@ from recorder.inner_optim import clear_state, put_state, state_items
 
 from .cause_text import DO
 from .compat import FOREACH_MUL_, TorchDispatchMode
+from .grown_state import grown_state_advice
 from .source import user_source
 
 aten = torch.ops.aten
@@ -118,11 +119,13 @@ def probed_scale(step) -> dict[str, Any] | None:
 
 
 def diverging_advice(step, windowed: bool) -> str:
-    """The growth hint's remedy: a weight-multiplying update's (probed without a window),
-    else the learning rate's and clipping's."""
+    """The growth hint's remedy: a weight-multiplying update's (probed without a window), a
+    buffer's the model carries across steps that grew (``replay.grown_state``), else the
+    learning rate's and clipping's."""
     found = None if windowed else probed_scale(step)
-    return scale_text(found, probed=True) if found else \
-        DO["diverging_window" if windowed else "diverging"]
+    if found:
+        return scale_text(found, probed=True)
+    return grown_state_advice(step) or DO["diverging_window" if windowed else "diverging"]
 
 
 def scale_text(found: dict[str, Any], probed: bool = False) -> str:
