@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from . import lost_eps
 from .cause import Cause
 from .compat import saved_value
 from .positive import node_op
+from .rounded_bound import RoundedBound
 
 # ops that leave a parameter's entries as they are (up to sign): |w| is still the weights
 _AS_IS = {"Abs", "Neg", "View", "Reshape", "Alias", "T", "Transpose", "Permute", "Expand",
@@ -63,6 +65,10 @@ def fractional_power_hint(b, cause: Cause) -> str:
         return (said + " that rounding made, positive in float64 (1 - p of a probability "
                 "rounded to 1: a focal loss's (1 - p) ** gamma with gamma < 1): floor the base "
                 "before the power, x.clamp_min(eps) ** p or (x + eps) ** p")
+    eps = b.lost_eps
+    if not weights and eps is not None and b.dtype is not None \
+            and not isinstance(eps, RoundedBound):  # ("take (x + eps) ** p" to code that does:
+        return said + lost_eps.said(eps, b.dtype)   # its eps is 0, or rounded to 0)
     if not weights:
         return said + ": take (x + eps) ** p, or leave the zeros out before the power"
     return (said + ", entries of a parameter: weights at exactly 0, which pruning or a "
