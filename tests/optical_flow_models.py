@@ -197,7 +197,7 @@ def sequence_loss(flow_preds, flow_gt, valid, gamma=0.8, max_flow=MAX_FLOW):
 
 
 def kitti_batch(g: torch.Generator, n: int = 4, h: int = 32, w: int = 32,
-                invalid: str = "zero", bad: int | None = None):
+                invalid: str = "zero", bad: int | None = None, density: float = 0.35):
     """Frame pairs in [0, 255], sparse flow and its validity channel (about a third of the
     pixels had a LiDAR return). ``invalid``: what the reader writes where ``valid`` is 0 in
     sample ``bad`` (all samples when ``bad`` is None): 0, ``1e9`` (Middlebury's unknown flow)
@@ -207,12 +207,69 @@ def kitti_batch(g: torch.Generator, n: int = 4, h: int = 32, w: int = 32,
     flow = torch.empty(n, 2, h, w)
     flow[:, 0], flow[:, 1] = 2.0, 1.0
     flow += 0.5 * torch.randn(n, 2, h, w, generator=g)
-    valid = (torch.rand(n, h, w, generator=g) < 0.35).float()
+    valid = (torch.rand(n, h, w, generator=g) < density).float()
     fill = {"zero": 0.0, "huge": 1e9, "nan": float("nan")}[invalid]
     rows = range(n) if bad is None else [bad]
     for r in rows:
         flow[r][:, valid[r] == 0] = fill
     return img1.clamp(0, 255), img2.clamp(0, 255), flow, valid
+
+
+def downsample_sparse(flow, valid, factor: int):
+    """Sparse ground truth to a coarser level, as multi-scale KITTI fine-tuning code does:
+    each cell's mean flow over its valid pixels, and the cells that had one."""
+    v = valid[:, None]
+    flow_down = F.avg_pool2d(flow * v, factor) / F.avg_pool2d(v, factor)
+    return flow_down, F.max_pool2d(v, factor)[:, 0]
+
+
+def multiscale_epe(flow_preds, flow_gt, valid, factors=(1, 4, 8), weights=(1.0, 0.5, 0.25)):
+    """PWC-Net's multi-scale end-point error on the final prediction: at each level, the
+    prediction pooled and the sparse ground truth downsampled, EPE over the valid cells."""
+    pred, loss = flow_preds[-1], 0.0
+    for factor, w in zip(factors, weights):
+        gt, v = (flow_gt, valid) if factor == 1 else downsample_sparse(flow_gt, valid, factor)
+        p = pred if factor == 1 else F.avg_pool2d(pred, factor) / factor
+        gt = gt / factor
+        epe = torch.sum((p - gt) ** 2, dim=1).sqrt()
+        loss = loss + w * (epe * v).sum() / v.sum().clamp_min(1.0)
+    return loss
+
+
+def warm_start(prev_flow, hole: int | None = None):
+    """RAFT's warm start for video: the previous pair's flow forward-splatted to this frame
+    (``forward_interpolate``); the pixels no flow landed on are NaN, as ``griddata`` with
+    ``method="linear"`` leaves them outside the convex hull, in sample ``hole``."""
+    init = 0.5 * prev_flow.clone()
+    if hole is not None:
+        init[hole, :, :2, :] = float("nan")
+    return init
+
+
+class GlobalMatch(nn.Module):
+    """GMFlow's matching: a softmax over the all-pairs correlation, restricted to the
+    displacements within ``max_disp`` by a ``-inf`` fill, its expected coordinates minus the
+    grid as the flow, upsampled to full resolution."""
+
+    def __init__(self, dim: int = 16, max_disp: float = 3.0):
+        super().__init__()
+        self.fnet, self.max_disp = encoder(dim, True), max_disp
+
+    def forward(self, image1, image2):
+        f1 = self.fnet(2 * (image1 / 255.0) - 1)
+        f2 = self.fnet(2 * (image2 / 255.0) - 1)
+        b, d, h, w = f1.shape
+        corr = torch.matmul(f1.flatten(2).transpose(1, 2), f2.flatten(2)) / d ** 0.5
+        grid = coords_grid(1, h, w).to(f1).flatten(2)[0].t()  # (h * w, 2)
+        far = torch.cdist(grid, grid) > self.max_disp
+        prob = torch.softmax(corr.masked_fill(far, float("-inf")), dim=-1)
+        flow = (prob @ grid - grid).transpose(1, 2).reshape(b, 2, h, w)
+        return [4 * F.interpolate(flow, scale_factor=4, mode="bilinear", align_corners=True)]
+
+
+def make_global_match() -> nn.Module:
+    torch.manual_seed(0)
+    return GlobalMatch()
 
 
 # ---------------------------------------------------------------------------------------------

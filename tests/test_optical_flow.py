@@ -163,6 +163,89 @@ def test_generalised_charbonnier_with_eps_0_says_the_eps_is_0_at_the_power_s_bac
     assert "the eps added to that input is exactly 0" in rep["hint"], rep["hint"]
 
 
+def test_sparse_ground_truth_downsampled_over_a_crop_without_lidar_names_its_image(out_dir):
+    """PWC-Net's multi-scale EPE on KITTI: the sparse ground truth averaged over each coarse
+    cell's valid pixels, ``avg_pool(flow * v) / avg_pool(v)``, then weighted by the cells that
+    had one. A crop of image 3 whose top rows lie in the sky (no LiDAR returns) has cells
+    with none: 0/0, which the mask's 0 keeps as NaN. The report names the division in the
+    downsampling, image 3, and says the masked NaN is to be made safe, not dropped."""
+    model = M.make_raft()
+    opt = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=1e-5)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.multiscale_epe, out_dir=out_dir,
+                            factory="optical_flow_models:make_raft") as rec:
+            for step in range(3):
+                img1, img2, flow, valid = M.kitti_batch(g, density=0.6)
+                if step == 2:
+                    valid[3, :12] = 0
+                opt.zero_grad()
+                rec.loss_fn(model(img1, img2, iters=3), flow, valid).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], rep["cause"]) == \
+        ("aten.div", "nan", [3], "invalid"), rep
+    assert o["source"] == line_of("flow_down = F.avg_pool2d(flow * v, factor) / F.avg_pool2d(")
+    hint = rep["hint"]
+    assert "0 by 0" in hint and "NaN * 0 is NaN" in hint, hint
+    assert line_of("loss = loss + w * (epe * v).sum()").split()[0] in hint, hint
+    assert "torch.where(valid, t, 1)" in hint, hint
+
+
+def _train_raft_video(make: str, out_dir, steps: int = 3, record: bool = True,
+                      hole: int | None = None):
+    """RAFT trained on consecutive pairs of a video, each warm-started from the previous
+    pair's flow (``flow_init``, an extra forward argument); sample ``hole``'s warm start in
+    the last step has NaN where no flow landed."""
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=1e-5)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=M.sequence_loss, out_dir=out_dir,
+                         factory=f"optical_flow_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.sequence_loss
+        prev = None
+        for step in range(steps):
+            img1, img2, flow, valid = M.kitti_batch(g)
+            kw = {}
+            if prev is not None:  # (GMFlow-style models take no warm start)
+                init = M.warm_start(prev, hole=hole if step == steps - 1 else None)
+                kw = {"flow_init": init}
+            opt.zero_grad()
+            preds = model(img1, img2, **kw)
+            loss_fn(preds, flow, valid).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if make == "make_raft":
+                prev = preds[-1].detach()[:, :, ::4, ::4] / 4
+    return model
+
+
+def test_a_warm_start_with_nan_holes_is_named_as_the_flow_init_argument(out_dir):
+    """The previous pair's flow splatted forward leaves NaN where nothing landed (griddata's
+    linear fill outside the hull); passed as ``flow_init``, the recorder stops at the model's
+    input, and the report names that keyword argument and sample 1, not an op."""
+    ev, bundle = fire(_train_raft_video, "make_raft", out_dir, hole=1)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == \
+        (2, "input", 'kwargs["flow_init"]', [1]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["tensor"], o["samples"], o["op"], rep["cause"]) == \
+        ("input", 'kwargs["flow_init"]', [1], None, "input"), rep
+    assert "data pipeline" in rep["hint"], rep["hint"]
+
+
+def test_gmflow_s_windowed_softmax_with_minus_inf_trains_bit_identically(out_dir):
+    """GMFlow's matching softmax with displacements beyond the window filled with -inf:
+    every row keeps its own position, the -inf never leaves the softmax; no event."""
+    recorded = _train_raft_video("make_global_match", out_dir)
+    assert not list(out_dir.glob("*.nan"))
+    assert _same(recorded, _train_raft_video("make_global_match", out_dir, record=False))
+
+
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
