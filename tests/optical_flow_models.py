@@ -166,6 +166,16 @@ def make_raft() -> nn.Module:
     return RAFT()
 
 
+def make_raft_zero_head() -> nn.Module:
+    """RAFT whose flow head's last conv starts at 0 (the first updates leave the flow at its
+    initialisation, as flow refiners that zero-init their residual heads do)."""
+    torch.manual_seed(0)
+    model = RAFT()
+    nn.init.zeros_(model.update_block.flow_head[-1].weight)
+    nn.init.zeros_(model.update_block.flow_head[-1].bias)
+    return model
+
+
 def make_raft_half_corr() -> nn.Module:
     """RAFT without the encoders' instance norm, its correlation volume built under the
     training loop's float16 autocast."""

@@ -195,6 +195,32 @@ def test_sparse_ground_truth_downsampled_over_a_crop_without_lidar_names_its_ima
     assert "torch.where(valid, t, 1)" in hint, hint
 
 
+def test_a_hand_written_epe_at_a_zero_residual_is_sqrt_s_pole_under_the_mask(out_dir):
+    """A zero-initialised flow head predicts exactly 0 at step 0, and the sparse ground truth
+    holds 0 where it has no return: ``sum((p - gt) ** 2).sqrt()`` is sqrt(0) at those pixels,
+    and the mask's 0 gradient times sqrt's infinite derivative is NaN in every image. The
+    report names the EPE line's sqrt in the loss and the norm that has a gradient at 0."""
+    model = M.make_raft_zero_head()
+    opt = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=1e-5)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=M.multiscale_epe, out_dir=out_dir,
+                            factory="optical_flow_models:make_raft_zero_head") as rec:
+            for _ in range(2):
+                img1, img2, flow, valid = M.kitti_batch(g, density=0.6)
+                opt.zero_grad()
+                rec.loss_fn(model(img1, img2, iters=3), flow, valid).backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (0, "backward"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "SqrtBackward0", [0, 1, 2, 3], "invalid"), rep
+    assert o["source"] == line_of("epe = torch.sum((p - gt) ** 2, dim=1).sqrt()")
+    assert "torch.linalg.vector_norm(d, dim=-1)" in rep["hint"], rep["hint"]
+
+
 def _train_raft_video(make: str, out_dir, steps: int = 3, record: bool = True,
                       hole: int | None = None):
     """RAFT trained on consecutive pairs of a video, each warm-started from the previous
