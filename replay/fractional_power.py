@@ -61,14 +61,14 @@ def fractional_power_hint(b, cause: Cause) -> str:
     p, zeros, weights = b.fractional_power
     said = (f"{b.node}: x ** {p:g} has an infinite derivative at x = 0, and its base holds "
             f"{zeros} exact 0(s)")
+    eps = b.lost_eps  # ("take (x + eps) ** p" to code that adds one: it is 0, or float16's 0)
+    if not weights and eps is not None and b.dtype is not None \
+            and not isinstance(eps, RoundedBound):
+        return said + lost_eps.said(eps, b.dtype)
     if cause.name == "precision":  # the generic rounding advice (torch.var, logsigmoid) misleads
         return (said + " that rounding made, positive in float64 (1 - p of a probability "
                 "rounded to 1: a focal loss's (1 - p) ** gamma with gamma < 1): floor the base "
                 "before the power, x.clamp_min(eps) ** p or (x + eps) ** p")
-    eps = b.lost_eps
-    if not weights and eps is not None and b.dtype is not None \
-            and not isinstance(eps, RoundedBound):  # ("take (x + eps) ** p" to code that does:
-        return said + lost_eps.said(eps, b.dtype)   # its eps is 0, or rounded to 0)
     if not weights:
         return said + ": take (x + eps) ** p, or leave the zeros out before the power"
     return (said + ", entries of a parameter: weights at exactly 0, which pruning or a "

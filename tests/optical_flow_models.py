@@ -367,3 +367,9 @@ class UnsupFlow(nn.Module):
 def make_unsup() -> nn.Module:
     torch.manual_seed(0)
     return UnsupFlow()
+
+
+def make_unsup_half() -> nn.Module:
+    """The same net in float16 throughout (``model.half()``), as pure half-precision training
+    runs it."""
+    return make_unsup().half()

@@ -221,6 +221,37 @@ def test_a_hand_written_epe_at_a_zero_residual_is_sqrt_s_pole_under_the_mask(out
     assert "torch.linalg.vector_norm(d, dim=-1)" in rep["hint"], rep["hint"]
 
 
+def test_generalised_charbonnier_in_float16_says_its_eps_squared_is_lost(out_dir):
+    """The same loss with ``eps = 1e-4`` on a net trained in float16 throughout: ``eps ** 2``
+    = 1e-8 is below float16's smallest subnormal, so ``d ** 2 + 1e-8`` is 0 over the
+    over-exposed patch. The cause is precision; the hint said "1 - p of a probability rounded
+    to 1" and to add an eps; it names the eps float16 rounded to 0 and the fix."""
+    model = M.make_unsup_half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    crit = M.UnFlowLoss(alpha=0.45, eps=1e-4)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                            factory="optical_flow_models:make_unsup_half") as rec:
+            for step in range(3):
+                img1, img2, _, _ = M.kitti_batch(g, n=2)
+                if step == 2:
+                    img1[1, :, 8:20, 10:22] = img2[1, :, 8:20, 10:22] = 255
+                img1, img2 = img1.half(), img2.half()
+                opt.zero_grad()
+                rec.loss_fn(model(img1, img2), img1, img2).backward()
+                opt.step()
+    assert (info.value.event["step"], info.value.event["phase"]) == (2, "backward")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], rep["cause"]) == \
+        ("<loss>", "PowBackward0", [1], "precision"), rep
+    assert o["source"] == line_of("return (x ** 2 + eps ** 2) ** alpha")
+    hint = rep["hint"]
+    assert "the eps 1e-08 added to that input is 0 in float16" in hint, hint
+    assert "compute this in float32" in hint and "probability" not in hint, hint
+
+
 def _train_raft_video(make: str, out_dir, steps: int = 3, record: bool = True,
                       hole: int | None = None):
     """RAFT trained on consecutive pairs of a video, each warm-started from the previous
