@@ -8,11 +8,16 @@
   ports that drop RAFT's ``fmap1.float()`` do.
 - ``sequence_loss``: RAFT's own, word for word: ``gamma^(N-i-1)`` weights, the valid map
   from the ground truth's validity channel and a magnitude filter, ``(valid * |err|).mean()``.
+- ``multiscale_epe``: PWC-Net's multi-scale end-point error (a hand-written ``sqrt`` of the
+  squared residual), the sparse ground truth downsampled by ``avg_pool(flow * v) / avg_pool(v)``.
 - ``kitti_batch``: KITTI-like sparse ground truth (a validity channel); ``invalid`` says how
-  the reader stores flow where there is none: 0, Middlebury's ``1e9`` or NaN.
+  the reader stores flow where there is none: 0, Middlebury's ``1e9`` or NaN. ``warm_start``:
+  a video's previous flow as ``flow_init``, NaN where nothing was splatted.
+- ``GlobalMatch``: GMFlow's softmax matching over the correlation, windowed by a ``-inf`` fill.
 - ``UnsupFlow``: a two-level flow net run both ways (forward and backward flow), trained by
   UnFlow's photometric loss: the census transform, forward-backward occlusion masks, the
-  generalised Charbonnier ``(x^2 + eps^2)^alpha`` normalised by the non-occluded pixels.
+  generalised Charbonnier ``(x^2 + eps^2)^alpha`` normalised by the non-occluded pixels
+  (``make_unsup_half``: the net in float16 throughout).
 """
 
 from __future__ import annotations
