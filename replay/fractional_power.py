@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from . import lost_eps
 from .cause import Cause
 from .compat import saved_value
 from .positive import node_op
+from .rounded_bound import RoundedBound
 
 # ops that leave a parameter's entries as they are (up to sign): |w| is still the weights
 _AS_IS = {"Abs", "Neg", "View", "Reshape", "Alias", "T", "Transpose", "Permute", "Expand",
@@ -59,6 +61,10 @@ def fractional_power_hint(b, cause: Cause) -> str:
     p, zeros, weights = b.fractional_power
     said = (f"{b.node}: x ** {p:g} has an infinite derivative at x = 0, and its base holds "
             f"{zeros} exact 0(s)")
+    eps = b.lost_eps  # ("take (x + eps) ** p" to code that adds one: it is 0, or float16's 0)
+    if not weights and eps is not None and b.dtype is not None \
+            and not isinstance(eps, RoundedBound):
+        return said + lost_eps.said(eps, b.dtype)
     if cause.name == "precision":  # the generic rounding advice (torch.var, logsigmoid) misleads
         return (said + " that rounding made, positive in float64 (1 - p of a probability "
                 "rounded to 1: a focal loss's (1 - p) ** gamma with gamma < 1): floor the base "
