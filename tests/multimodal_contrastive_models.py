@@ -1,0 +1,210 @@
+"""Image-text contrastive models as OpenCLIP, SigLIP and ALIGN code writes them, for
+``test_multimodal_contrastive``.
+
+- ``CLIP``: a small ViT image tower (patch conv, class token, pre-norm residual attention
+  blocks) or a bias-free CNN tower, and a text transformer whose eager attention combines the
+  causal mask with the captions' padding mask (Hugging Face's ``CLIPTextModel`` layout) and
+  pools at the EOS token found by ``argmax`` of the token ids (EOS is the largest id). The
+  embeddings are L2-normalised by hand and the learned temperature ``logit_scale = exp(t)``
+  comes out of ``forward`` as OpenCLIP's does; the training loop clamps ``t`` to log(100)
+  after each update, or (the bug) does not.
+- ``ClipLoss``: OpenCLIP's symmetric cross-entropy over the batch, optionally masking the
+  captions duplicated in the batch out of the negatives with ``-inf`` (the positive stays).
+- ``SigLipLoss``: SigLIP's pairwise sigmoid loss with a learned bias and labels
+  ``2 * eye - 1``, written with ``log(sigmoid(.))`` by hand or with ``logsigmoid``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PAD, BOS, VOCAB, CTX = 0, 1, 64, 8
+EOS = VOCAB - 1  # the largest id: CLIP pools at text.argmax(-1)
+CLASSES = 8
+
+
+class Attention(nn.Module):
+    """Eager multi-head self-attention over an additive-free boolean ``allowed`` mask."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x, allowed=None):
+        b, n, w = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(w // self.heads)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        attn = scores.softmax(dim=-1)
+        return self.out((attn @ v).transpose(1, 2).reshape(b, n, w))
+
+
+class Block(nn.Module):
+    """OpenCLIP's ``ResidualAttentionBlock``: pre-norm attention and a GELU MLP."""
+
+    def __init__(self, width: int, heads: int = 2):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(width), Attention(width, heads)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+
+    def forward(self, x, allowed=None):
+        x = x + self.attn(self.ln_1(x), allowed)
+        return x + self.mlp(self.ln_2(x))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, width: int = 32, embed: int = 16, patch: int = 4, image: int = 8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, patch, stride=patch, bias=False)
+        self.class_embedding = nn.Parameter(torch.randn(width) * width ** -0.5)
+        self.positional_embedding = nn.Parameter(
+            torch.randn((image // patch) ** 2 + 1, width) * 0.01)
+        self.ln_pre, self.ln_post = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
+        self.proj = nn.Parameter(torch.randn(width, embed) * width ** -0.5)
+
+    def forward(self, images):
+        x = self.conv1(images).flatten(2).transpose(1, 2)
+        cls = self.class_embedding.expand(x.shape[0], 1, -1)
+        x = self.ln_pre(torch.cat([cls, x], dim=1) + self.positional_embedding)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_post(x[:, 0]) @ self.proj
+
+
+class ConvTower(nn.Module):
+    """A bias-free CNN (convs feeding BatchNorm-less ReLUs, a linear projection)."""
+
+    def __init__(self, width: int = 16, embed: int = 16):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.ReLU(),
+                                  nn.Conv2d(width, width, 3, padding=1, bias=False), nn.ReLU())
+        self.proj = nn.Linear(width, embed, bias=False)
+
+    def forward(self, images):
+        return self.proj(self.stem(images).mean(dim=(2, 3)))
+
+
+class TextTransformer(nn.Module):
+    def __init__(self, width: int = 32, embed: int = 16):
+        super().__init__()
+        self.token_embedding = nn.Embedding(VOCAB, width)
+        self.positional_embedding = nn.Parameter(torch.randn(CTX, width) * 0.01)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
+        self.ln_final = nn.LayerNorm(width)
+        self.text_projection = nn.Parameter(torch.randn(width, embed) * width ** -0.5)
+        self.register_buffer("causal", torch.ones(CTX, CTX, dtype=torch.bool).tril(),
+                             persistent=False)
+
+    def forward(self, text):
+        x = self.token_embedding(text) + self.positional_embedding
+        # a query attends the earlier tokens that are not padding (CLIPTextModel's masks)
+        allowed = self.causal & (text != PAD)[:, None, :]
+        for block in self.blocks:
+            x = block(x, allowed)
+        x = self.ln_final(x)
+        pooled = x[torch.arange(x.shape[0]), text.argmax(dim=-1)]  # the EOS token
+        return pooled @ self.text_projection
+
+
+class CLIP(nn.Module):
+    def __init__(self, visual: nn.Module, bias: bool = False):
+        super().__init__()
+        self.visual, self.transformer = visual, TextTransformer()
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.logit_bias = nn.Parameter(torch.tensor(-10.0)) if bias else None
+
+    def encode_image(self, images):
+        x = self.visual(images)
+        return x / x.norm(dim=-1, keepdim=True)
+
+    def encode_text(self, text):
+        x = self.transformer(text)
+        return x / x.norm(dim=-1, keepdim=True)
+
+    def forward(self, images, text):
+        out = (self.encode_image(images), self.encode_text(text), self.logit_scale.exp())
+        return out if self.logit_bias is None else (*out, self.logit_bias)
+
+
+def make_clip() -> CLIP:
+    torch.manual_seed(0)
+    return CLIP(VisionTransformer())
+
+
+def make_clip_cnn() -> CLIP:
+    torch.manual_seed(0)
+    return CLIP(ConvTower())
+
+
+def make_siglip() -> CLIP:
+    torch.manual_seed(0)
+    return CLIP(VisionTransformer(), bias=True)
+
+
+class ClipLoss(nn.Module):
+    """OpenCLIP's loss; with ``mask_duplicates`` the other pairs of a caption repeated in the
+    batch are not its negatives (their logits ``-inf``; the diagonal stays)."""
+
+    def __init__(self, mask_duplicates: bool = False):
+        super().__init__()
+        self.mask_duplicates = mask_duplicates
+
+    def forward(self, image_features, text_features, logit_scale, caption_ids):
+        logits_per_image = logit_scale * image_features @ text_features.T
+        if self.mask_duplicates:
+            eye = torch.eye(len(caption_ids), dtype=torch.bool)
+            dup = (caption_ids[:, None] == caption_ids[None, :]) & ~eye
+            logits_per_image = logits_per_image.masked_fill(dup, float("-inf"))
+        labels = torch.arange(len(caption_ids))
+        return (F.cross_entropy(logits_per_image, labels)
+                + F.cross_entropy(logits_per_image.T, labels)) / 2
+
+
+class SigLipLoss(nn.Module):
+    """SigLIP's pairwise sigmoid loss; ``stable=False`` writes ``log(sigmoid(.))`` by hand."""
+
+    def __init__(self, stable: bool = True):
+        super().__init__()
+        self.stable = stable
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias, caption_ids):
+        logits = logit_scale * image_features @ text_features.T + logit_bias
+        labels = 2 * torch.eye(len(caption_ids)) - 1
+        if self.stable:
+            return -F.logsigmoid(labels * logits).sum() / len(caption_ids)
+        return -torch.log(torch.sigmoid(labels * logits)).sum() / len(caption_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# data: each class one image pattern and one caption; pad right, BOS ... EOS
+
+
+PATTERNS = torch.Generator().manual_seed(123)
+IMAGE_PROTOS = torch.randn(CLASSES, 3, 8, 8, generator=PATTERNS)
+WORDS = torch.randint(2, EOS, (CLASSES, CTX - 2), generator=PATTERNS)
+
+
+def caption(c: int, length: int) -> torch.Tensor:
+    ids = torch.full((CTX,), PAD)
+    ids[0], ids[1:1 + length], ids[1 + length] = BOS, WORDS[c, :length], EOS
+    return ids
+
+
+def pairs(g: torch.Generator, n: int = 8, distinct: bool = True):
+    """(images, captions, caption ids): ``distinct`` draws each class once per batch."""
+    cls = torch.randperm(CLASSES, generator=g)[:n] if distinct else torch.randint(
+        0, CLASSES, (n,), generator=g)
+    images = IMAGE_PROTOS[cls] + 0.3 * torch.randn(n, 3, 8, 8, generator=g)
+    lengths = torch.randint(1, CTX - 2, (n,), generator=g)
+    text = torch.stack([caption(int(c), int(k)) for c, k in zip(cls, lengths)])
+    return images, text, cls

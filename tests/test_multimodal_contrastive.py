@@ -1,0 +1,146 @@
+"""End to end on image-text contrastive training (``multimodal_contrastive_models``): a ViT or
+CNN image tower and a masked text transformer pooled at EOS, OpenCLIP's symmetric
+cross-entropy (with duplicate captions masked out of the negatives by ``-inf``) and SigLIP's
+sigmoid loss with a learned bias, trained by AdamW with OpenCLIP's parameter groups, a warmup
+and cosine schedule, gradient clipping and ``logit_scale`` clamped to log(100). Each planted
+failure of the domain fires under the recorder and is replayed with the CLI; the healthy runs
+raise no event and train bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import multimodal_contrastive_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("multimodal_contrastive_models.py", text)
+
+
+def warmup_cosine(warmup: int, total: int):
+    """OpenCLIP's ``cosine_lr``: linear warmup, then a cosine decay to 0."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    return factor
+
+
+def optimizer(model):
+    """OpenCLIP's groups: no weight decay on gains, biases and the temperature."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.2},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=3e-3, betas=(0.9, 0.98), eps=1e-6)
+
+
+def train(make: str, loss, out_dir, plant=None, steps: int = 3, record: bool = True,
+          distinct: bool = True):
+    """``plant(images, text)`` edits the last step's batch in place. Returns the model."""
+    model = getattr(M, make)()
+    opt = optimizer(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, steps))
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
+                         factory=f"multimodal_contrastive_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else loss
+        for step in range(steps):
+            images, text, ids = M.pairs(g, distinct=distinct)
+            if plant is not None and step == steps - 1:
+                plant(images, text)
+            out = model(images, text)
+            total = loss_fn(*out, ids)
+            opt.zero_grad()
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            with torch.no_grad():
+                model.logit_scale.clamp_(0, math.log(100))
+    return model
+
+
+def fire(make: str, loss, tmp_path, plant):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, loss, tmp_path, plant)
+    return info.value.event, info.value.bundle_path
+
+
+def empty_caption(row: int):
+    def plant(images, text):
+        text[row] = M.PAD  # a caption the tokenizer dropped, collated as padding only
+    return plant
+
+
+def black_image(row: int):
+    def plant(images, text):
+        images[row] = 0.0  # a decode failure the loader replaced with zeros
+    return plant
+
+
+def test_empty_caption_names_the_fully_masked_attention_softmax_and_its_record(tmp_path):
+    """A caption the tokenizer dropped, collated as padding only: the padding mask combined
+    with the causal one leaves its every query without a key, the eager attention's softmax
+    over ``-inf`` only is 0/0, and EOS pooling (``argmax`` of all-0 ids) takes position 0's
+    NaN into the text embedding. The event and the replay name the first block's attention,
+    the softmax on its line, step 2 and record 5 only, and say to keep a key per row;
+    dropping the record makes the step finite."""
+    ev, bundle = fire("make_clip", M.ClipLoss(), tmp_path, empty_caption(5))
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        2, "forward", "transformer.blocks.0.attn", [5], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        True, "transformer.blocks.0.attn", "aten._softmax", [5]), o
+    assert o["source"] == line_of("attn = scores.softmax(dim=-1)"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.masked_fill", "aten._softmax"], o["chain"]
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_black_image_names_the_hand_written_normalisation_without_its_matrix_advice(tmp_path):
+    """A decode failure the loader replaced with a black image: the bias-free conv tower
+    (ReLU, mean pool, linear projection without bias) maps it to an all-0 embedding, and
+    ``x / x.norm()`` written without eps is 0/0 on that record. The replay names the division
+    in the root's ``encode_image``, record 3, invalid with the eps advice, and not a
+    'transition matrix estimated from counts' (the 0 row is the projection's input, the
+    sample's own activations)."""
+    ev, bundle = fire("make_clip_cnn", M.ClipLoss(), tmp_path, black_image(3))
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        2, "forward", "", [3], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        True, "", "aten.div", [3]), o
+    assert o["source"] == line_of("return x / x.norm(dim=-1, keepdim=True)"), o  # (image's)
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
+    assert "matrix" not in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_duplicate_captions_masked_out_of_the_negatives_raise_nothing_and_train_the_same(
+        tmp_path):
+    """Classes drawn with repeats, so captions repeat within a batch: their other pairs are
+    masked out of each row's negatives with ``-inf`` (the positive stays finite, so no row is
+    fully masked), in both directions of the loss. No event, and the weights are
+    bit-identical with and without the recorder."""
+    _, _, ids = M.pairs(torch.Generator().manual_seed(0), distinct=False)
+    assert len(set(ids.tolist())) < len(ids), ids  # (the first batch repeats a caption)
+    loss = M.ClipLoss(mask_duplicates=True)
+    recorded = train("make_clip", loss, tmp_path, distinct=False)
+    plain = train("make_clip", loss, tmp_path, distinct=False, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
