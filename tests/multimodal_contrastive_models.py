@@ -12,6 +12,7 @@
   captions duplicated in the batch out of the negatives with ``-inf`` (the positive stays).
 - ``SigLipLoss``: SigLIP's pairwise sigmoid loss with a learned bias and labels
   ``2 * eye - 1``, written with ``log(sigmoid(.))`` by hand or with ``logsigmoid``.
+- ``InfoNCE``: the same symmetric loss written out with ``exp`` and sums, run in fp16.
 """
 
 from __future__ import annotations
@@ -146,6 +147,14 @@ def make_clip_cnn() -> CLIP:
     return CLIP(ConvTower())
 
 
+def make_clip_finetune() -> CLIP:
+    """Fine-tuning from a checkpoint whose temperature reached OpenCLIP's clamp, 100."""
+    model = make_clip()
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(100))
+    return model
+
+
 def make_siglip() -> CLIP:
     torch.manual_seed(0)
     return CLIP(VisionTransformer(), bias=True)
@@ -168,6 +177,25 @@ class ClipLoss(nn.Module):
         labels = torch.arange(len(caption_ids))
         return (F.cross_entropy(logits_per_image, labels)
                 + F.cross_entropy(logits_per_image.T, labels)) / 2
+
+
+class InfoNCE(nn.Module):
+    """The symmetric InfoNCE written out by hand, ``exp(s_ii) / sum_j exp(s_ij)``; under fp16
+    autocast its logits (a matmul's) are half, so exp overflows past 11.09; ``stable`` takes
+    the max out first (softmax's own shift)."""
+
+    def __init__(self, stable: bool = False):
+        super().__init__()
+        self.stable = stable
+
+    def forward(self, image_features, text_features, logit_scale, caption_ids):
+        logits = logit_scale * image_features @ text_features.T
+        if self.stable:
+            logits = logits - logits.max().detach()
+        sim = torch.exp(logits)
+        i2t = -torch.log(sim.diagonal() / sim.sum(dim=1))
+        t2i = -torch.log(sim.diagonal() / sim.sum(dim=0))
+        return (i2t.mean() + t2i.mean()) / 2
 
 
 class SigLipLoss(nn.Module):

@@ -1,8 +1,9 @@
 """End to end on image-text contrastive training (``multimodal_contrastive_models``): a ViT or
 CNN image tower and a masked text transformer pooled at EOS, OpenCLIP's symmetric
 cross-entropy (with duplicate captions masked out of the negatives by ``-inf``) and SigLIP's
-sigmoid loss with a learned bias, trained by AdamW with OpenCLIP's parameter groups, a warmup
-and cosine schedule, gradient clipping and ``logit_scale`` clamped to log(100). Each planted
+sigmoid loss with a learned bias, a hand-written InfoNCE under fp16 autocast and a GradScaler,
+trained by AdamW with OpenCLIP's parameter groups, its warmup and cosine schedule, gradient
+clipping and ``logit_scale`` clamped to log(100). Each planted
 failure of the domain fires under the recorder and is replayed with the CLI; the healthy runs
 raise no event and train bit-identically with and without the recorder."""
 
@@ -25,13 +26,17 @@ def line_of(text: str) -> str:
     return source_line("multimodal_contrastive_models.py", text)
 
 
-def warmup_cosine(warmup: int, total: int):
-    """OpenCLIP's ``cosine_lr``: linear warmup, then a cosine decay to 0."""
-    def factor(step: int) -> float:
+def cosine_lr(opt, base_lr: float, warmup: int, total: int):
+    """OpenCLIP's ``cosine_lr``: called with the step before each update, it sets every
+    group's lr (linear warmup, then a cosine decay to 0)."""
+    def adjust(step: int) -> None:
         if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-    return factor
+            lr = base_lr * (step + 1) / warmup
+        else:
+            lr = 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))) * base_lr
+        for group in opt.param_groups:
+            group["lr"] = lr
+    return adjust
 
 
 def optimizer(model):
@@ -44,13 +49,15 @@ def optimizer(model):
 
 
 def train(make: str, loss, out_dir, plant=None, steps: int = 3, record: bool = True,
-          distinct: bool = True):
-    """``plant(images, text)`` edits the last step's batch in place. Returns the model."""
+          distinct: bool = True, amp: torch.dtype | None = None):
+    """``plant(images, text)`` edits the last step's batch in place; ``amp``: autocast to that
+    dtype, with a GradScaler for float16. Returns the model."""
     model = getattr(M, make)()
     opt = optimizer(model)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, steps))
+    scheduler = cosine_lr(opt, 3e-3, 2, steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp == torch.float16)
     g = torch.Generator().manual_seed(0)
-    rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
+    rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir, scaler=scaler,
                          factory=f"multimodal_contrastive_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
@@ -58,13 +65,16 @@ def train(make: str, loss, out_dir, plant=None, steps: int = 3, record: bool = T
             images, text, ids = M.pairs(g, distinct=distinct)
             if plant is not None and step == steps - 1:
                 plant(images, text)
-            out = model(images, text)
-            total = loss_fn(*out, ids)
+            scheduler(step)
+            with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+                out = model(images, text)
+                total = loss_fn(*out, ids)
             opt.zero_grad()
-            total.backward()
+            scaler.scale(total).backward()
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
+            scaler.step(opt)
+            scaler.update()
             with torch.no_grad():
                 model.logit_scale.clamp_(0, math.log(100))
     return model
@@ -141,6 +151,50 @@ def test_duplicate_captions_masked_out_of_the_negatives_raise_nothing_and_train_
     loss = M.ClipLoss(mask_duplicates=True)
     recorded = train("make_clip", loss, tmp_path, distinct=False)
     plain = train("make_clip", loss, tmp_path, distinct=False, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_fp16_hand_written_infonce_names_the_exp_of_half_logits_at_scale_100(tmp_path):
+    """Fine-tuning from a checkpoint whose temperature sits at the clamp (100) with a
+    hand-written InfoNCE, ``exp(logits)`` over the rows, under fp16 autocast: the logits are a
+    matmul's, so half, and ``exp`` of anything past 11.09 (a cosine above 0.11) overflows; the
+    loss is inf / inf. A loss event at step 0; the replay names the exp on its line in float16
+    and says to compute it in float32 or rescale (the exact result is finite)."""
+    with pytest.raises(NonFiniteError) as info:
+        train("make_clip_finetune", M.InfoNCE(), tmp_path, amp=torch.float16)
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["op"], o["made"], o["dtype"]) == (
+        True, "loss", "aten.exp", "+inf", "float16"), o
+    assert o["source"] == line_of("sim = torch.exp(logits)"), o
+    assert rep["cause"] == "overflow" and "beyond float16's largest value" in rep["hint"], rep
+    assert "compute this op in float32" in rep["hint"], rep["hint"]
+
+
+def test_fp16_infonce_shifted_by_its_max_raises_nothing_and_trains_the_same(tmp_path):
+    """The same fine-tuning with the logits' max taken out before ``exp`` (softmax's shift):
+    no event, though the GradScaler skips its first step (its initial scale overflows the
+    half gradients), and bit-identical weights with and without the recorder."""
+    recorded = train("make_clip_finetune", M.InfoNCE(stable=True), tmp_path, amp=torch.float16)
+    plain = train("make_clip_finetune", M.InfoNCE(stable=True), tmp_path, amp=torch.float16,
+                  record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("make,loss", [("make_siglip", M.SigLipLoss()),
+                                       ("make_clip_cnn", M.ClipLoss(mask_duplicates=True))])
+def test_bf16_siglip_and_clip_raise_nothing_and_train_the_same(tmp_path, make, loss):
+    """SigLIP's sigmoid loss (learned bias at -10, labels ``2 * eye - 1``) and the CNN CLIP
+    with duplicate captions masked by ``-inf``, both under bf16 autocast: no event, and
+    bit-identical weights with and without the recorder."""
+    recorded = train(make, loss, tmp_path, distinct=False, amp=torch.bfloat16)
+    plain = train(make, loss, tmp_path, distinct=False, amp=torch.bfloat16, record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
