@@ -49,10 +49,14 @@ def optimizer(model):
 
 
 def train(make: str, loss, out_dir, plant=None, steps: int = 3, record: bool = True,
-          distinct: bool = True, amp: torch.dtype | None = None):
+          distinct: bool = True, amp: torch.dtype | None = None, resume: float | None = None):
     """``plant(images, text)`` edits the last step's batch in place; ``amp``: autocast to that
-    dtype, with a GradScaler for float16. Returns the model."""
+    dtype, with a GradScaler for float16; ``resume``: the checkpoint's ``logit_scale``, from a
+    run that never clamped it (nor does this one then). Returns the model."""
     model = getattr(M, make)()
+    if resume is not None:
+        with torch.no_grad():
+            model.logit_scale.fill_(resume)
     opt = optimizer(model)
     scheduler = cosine_lr(opt, 3e-3, 2, steps)
     scaler = torch.amp.GradScaler("cpu", enabled=amp == torch.float16)
@@ -75,8 +79,9 @@ def train(make: str, loss, out_dir, plant=None, steps: int = 3, record: bool = T
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
             scaler.update()
-            with torch.no_grad():
-                model.logit_scale.clamp_(0, math.log(100))
+            if resume is None:
+                with torch.no_grad():
+                    model.logit_scale.clamp_(0, math.log(100))
     return model
 
 
@@ -198,3 +203,23 @@ def test_bf16_siglip_and_clip_raise_nothing_and_train_the_same(tmp_path, make, l
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_resumed_unclamped_logit_scale_names_the_exp_and_the_parameter_to_bound(tmp_path):
+    """Resuming a run that never clamped the temperature, whose ``logit_scale`` had drifted
+    to 89: OpenCLIP's forward returns ``logit_scale.exp()``, e^89 is past float32's largest
+    value, and the model's output holds +inf (every logit then inf or NaN). A forward event
+    at step 0 in the root; the replay names the exp on its line, overflow, and the parameter
+    with the bound to put on it."""
+    with pytest.raises(NonFiniteError) as info:
+        train("make_clip", M.ClipLoss(), tmp_path, resume=89.0)
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["input_range"]) == (
+        True, "", "aten.exp", [89.0, 89.0]), o
+    assert o["source"] == line_of("self.logit_scale.exp())"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "the parameter logit_scale (89)" in rep["hint"], rep["hint"]
+    assert "logit_scale.clamp(max=...)" in rep["hint"], rep["hint"]
