@@ -62,6 +62,25 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class TorchBlock(nn.Module):
+    """OpenCLIP's block over ``nn.MultiheadAttention`` (``need_weights=False``: PyTorch's
+    scaled-dot-product kernel), the padding passed as ``key_padding_mask``."""
+
+    def __init__(self, width: int, heads: int = 2):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+
+    def forward(self, x, allowed):
+        causal, keys = allowed  # (T, T) and (B, T), True where attended
+        y = self.ln_1(x)
+        x = x + self.attn(y, y, y, need_weights=False, attn_mask=~causal,
+                          key_padding_mask=~keys)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
 class VisionTransformer(nn.Module):
     def __init__(self, width: int = 32, embed: int = 16, patch: int = 4, image: int = 8):
         super().__init__()
@@ -96,11 +115,13 @@ class ConvTower(nn.Module):
 
 
 class TextTransformer(nn.Module):
-    def __init__(self, width: int = 32, embed: int = 16):
+    def __init__(self, width: int = 32, embed: int = 16, torch_attention: bool = False):
         super().__init__()
         self.token_embedding = nn.Embedding(VOCAB, width)
         self.positional_embedding = nn.Parameter(torch.randn(CTX, width) * 0.01)
-        self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
+        self.torch_attention = torch_attention
+        self.blocks = nn.ModuleList([(TorchBlock if torch_attention else Block)(width)
+                                     for _ in range(2)])
         self.ln_final = nn.LayerNorm(width)
         self.text_projection = nn.Parameter(torch.randn(width, embed) * width ** -0.5)
         self.register_buffer("causal", torch.ones(CTX, CTX, dtype=torch.bool).tril(),
@@ -110,6 +131,8 @@ class TextTransformer(nn.Module):
         x = self.token_embedding(text) + self.positional_embedding
         # a query attends the earlier tokens that are not padding (CLIPTextModel's masks)
         allowed = self.causal & (text != PAD)[:, None, :]
+        if self.torch_attention:
+            allowed = (self.causal, text != PAD)
         for block in self.blocks:
             x = block(x, allowed)
         x = self.ln_final(x)
@@ -118,9 +141,9 @@ class TextTransformer(nn.Module):
 
 
 class CLIP(nn.Module):
-    def __init__(self, visual: nn.Module, bias: bool = False):
+    def __init__(self, visual: nn.Module, bias: bool = False, text: nn.Module | None = None):
         super().__init__()
-        self.visual, self.transformer = visual, TextTransformer()
+        self.visual, self.transformer = visual, text or TextTransformer()
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
         self.logit_bias = nn.Parameter(torch.tensor(-10.0)) if bias else None
 
@@ -140,6 +163,11 @@ class CLIP(nn.Module):
 def make_clip() -> CLIP:
     torch.manual_seed(0)
     return CLIP(VisionTransformer())
+
+
+def make_clip_mha() -> CLIP:
+    torch.manual_seed(0)
+    return CLIP(VisionTransformer(), text=TextTransformer(torch_attention=True))
 
 
 def make_clip_cnn() -> CLIP:

@@ -223,3 +223,15 @@ def test_resumed_unclamped_logit_scale_names_the_exp_and_the_parameter_to_bound(
     assert rep["cause"] == "overflow", rep["cause"]
     assert "the parameter logit_scale (89)" in rep["hint"], rep["hint"]
     assert "logit_scale.clamp(max=...)" in rep["hint"], rep["hint"]
+
+
+def test_empty_caption_through_torch_attention_raises_nothing_and_trains_the_same(tmp_path):
+    """The same empty caption through ``nn.MultiheadAttention`` (``need_weights=False``,
+    ``key_padding_mask``): PyTorch's scaled-dot-product kernel gives a query without keys 0,
+    not NaN, so the run stays finite (checked without the recorder too): no event, and
+    bit-identical weights with and without the recorder."""
+    recorded = train("make_clip_mha", M.ClipLoss(), tmp_path, empty_caption(2))
+    plain = train("make_clip_mha", M.ClipLoss(), tmp_path, empty_caption(2), record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.isfinite(b).all() and torch.equal(a, b), name
