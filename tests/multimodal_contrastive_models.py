@@ -226,6 +226,29 @@ class InfoNCE(nn.Module):
         return (i2t.mean() + t2i.mean()) / 2
 
 
+class NegClipLoss(nn.Module):
+    """NegCLIP's loss: the text batch is the B captions then B hard-negative captions (the
+    caption with its words swapped), so the image side scores ``(B, 2B)`` and the text side
+    only the true captions' ``(B, B)``."""
+
+    def forward(self, image_features, text_features, logit_scale, caption_ids):
+        b = len(caption_ids)
+        logits = logit_scale * image_features @ text_features.T  # (B, 2B)
+        labels = torch.arange(b)
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :b].T, labels)) / 2
+
+
+def hard_negatives(text: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Each caption with two of its words swapped (NegCLIP's order perturbation)."""
+    neg = text.clone()
+    for row in neg:
+        n = int((row != PAD).sum()) - 2  # the words between BOS and EOS
+        if n >= 2:
+            i, j = torch.randperm(n, generator=g)[:2] + 1
+            row[i], row[j] = row[j].clone(), row[i].clone()
+    return neg
+
+
 class SigLipLoss(nn.Module):
     """SigLIP's pairwise sigmoid loss; ``stable=False`` writes ``log(sigmoid(.))`` by hand."""
 

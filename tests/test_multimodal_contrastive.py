@@ -235,3 +235,35 @@ def test_empty_caption_through_torch_attention_raises_nothing_and_trains_the_sam
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.isfinite(b).all() and torch.equal(a, b), name
+
+
+def test_negclip_empty_hard_negative_caption_names_its_row_of_the_text_input(tmp_path):
+    """NegCLIP: each step's text batch is the 8 captions then their 8 word-swapped hard
+    negatives, 16 rows beside 8 images. One hard negative collated empty (row 11) makes its
+    attention rows 0/0; the NaN is in no image's row, so no sample is named, and the replay
+    names row 11 of the text input (``args[1]``) as where it comes from, with the softmax on
+    its line and the fully masked row's advice."""
+    model, loss = M.make_clip(), M.NegClipLoss()
+    opt = optimizer(model)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=loss, out_dir=tmp_path,
+                            factory="multimodal_contrastive_models:make_clip") as rec:
+            for step in range(3):
+                images, text, ids = M.pairs(g)
+                text = torch.cat([text, M.hard_negatives(text, g)])
+                if step == 2:
+                    text[11] = M.PAD
+                opt.zero_grad()
+                rec.loss_fn(*model(images, text), ids).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["samples"]) == (2, "transformer.blocks.0.attn", []), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], o["input_rows"]) == (
+        "transformer.blocks.0.attn", "aten._softmax", [], {"tensor": "args[1]", "rows": [11]}), o
+    assert o["source"] == line_of("attn = scores.softmax(dim=-1)"), o
+    assert any("rows [11] of args[1] are where it comes from" in p for p in rep["problems"])
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
