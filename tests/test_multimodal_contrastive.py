@@ -267,3 +267,25 @@ def test_negclip_empty_hard_negative_caption_names_its_row_of_the_text_input(tmp
     assert o["source"] == line_of("attn = scores.softmax(dim=-1)"), o
     assert any("rows [11] of args[1] are where it comes from" in p for p in rep["problems"])
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+
+
+def left_padded(images, text):
+    for row in text:  # a decoder LM's tokenizer (padding_side="left") fed to the text tower
+        n = int((row != M.PAD).sum())
+        row[:] = torch.cat([row[n:], row[:n]])
+
+
+def test_left_padded_captions_under_a_causal_padding_mask_name_every_padded_record(tmp_path):
+    """Captions padded on the left under the causal mask combined with the padding one: each
+    pad query attends only earlier pads, none allowed, so its softmax row is 0/0 in every
+    caption shorter than the context (all 8 here), though EOS pooling reads a real token. The
+    replay names the softmax in the first block, every record, and the fully masked row."""
+    ev, bundle = fire("make_clip", M.ClipLoss(), tmp_path, left_padded)
+    assert (ev["step"], ev["module"], ev["samples"]) == (
+        2, "transformer.blocks.0.attn", list(range(8))), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["all_samples"], o["batch_size"]) == (
+        "transformer.blocks.0.attn", "aten._softmax", True, 8), o
+    assert o["source"] == line_of("attn = scores.softmax(dim=-1)"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
