@@ -209,17 +209,18 @@ class ClipLoss(nn.Module):
 
 class InfoNCE(nn.Module):
     """The symmetric InfoNCE written out by hand, ``exp(s_ii) / sum_j exp(s_ij)``; under fp16
-    autocast its logits (a matmul's) are half, so exp overflows past 11.09; ``stable`` takes
-    the max out first (softmax's own shift)."""
+    autocast its logits (a matmul's) are half, so exp overflows past 11.09; ``fp32`` computes
+    the loss in float32 from the logits on (a half loss times the GradScaler's 65536
+    overflows too)."""
 
-    def __init__(self, stable: bool = False):
+    def __init__(self, fp32: bool = False):
         super().__init__()
-        self.stable = stable
+        self.fp32 = fp32
 
     def forward(self, image_features, text_features, logit_scale, caption_ids):
         logits = logit_scale * image_features @ text_features.T
-        if self.stable:
-            logits = logits - logits.max().detach()
+        if self.fp32:
+            logits = logits.float()
         sim = torch.exp(logits)
         i2t = -torch.log(sim.diagonal() / sim.sum(dim=1))
         t2i = -torch.log(sim.diagonal() / sim.sum(dim=0))

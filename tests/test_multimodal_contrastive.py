@@ -59,7 +59,7 @@ def train(make: str, loss, out_dir, plant=None, steps: int = 3, record: bool = T
             model.logit_scale.fill_(resume)
     opt = optimizer(model)
     scheduler = cosine_lr(opt, 3e-3, 2, steps)
-    scaler = torch.amp.GradScaler("cpu", enabled=amp == torch.float16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 13, enabled=amp == torch.float16)
     g = torch.Generator().manual_seed(0)
     rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir, scaler=scaler,
                          factory=f"multimodal_contrastive_models:{make}") if record else None
@@ -180,16 +180,19 @@ def test_fp16_hand_written_infonce_names_the_exp_of_half_logits_at_scale_100(tmp
     assert "compute this op in float32" in rep["hint"], rep["hint"]
 
 
-def test_fp16_infonce_shifted_by_its_max_raises_nothing_and_trains_the_same(tmp_path):
-    """The same fine-tuning with the logits' max taken out before ``exp`` (softmax's shift):
-    no event, though the GradScaler skips its first step (its initial scale overflows the
-    half gradients), and bit-identical weights with and without the recorder."""
-    recorded = train("make_clip_finetune", M.InfoNCE(stable=True), tmp_path, amp=torch.float16)
-    plain = train("make_clip_finetune", M.InfoNCE(stable=True), tmp_path, amp=torch.float16,
+def test_fp16_infonce_computed_in_float32_raises_nothing_and_trains_the_same(tmp_path):
+    """The hint's fix: the same fine-tuning with the logits cast to float32 before ``exp``.
+    No event, though the GradScaler skips the first and last steps (their scaled half
+    gradients overflow) and updates the second; bit-identical weights with and without the
+    recorder, and not those of the checkpoint."""
+    recorded = train("make_clip_finetune", M.InfoNCE(fp32=True), tmp_path, amp=torch.float16)
+    plain = train("make_clip_finetune", M.InfoNCE(fp32=True), tmp_path, amp=torch.float16,
                   record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+    start = M.make_clip_finetune().transformer.text_projection
+    assert not torch.equal(plain.transformer.text_projection, start)
 
 
 @pytest.mark.parametrize("make,loss", [("make_siglip", M.SigLipLoss()),
