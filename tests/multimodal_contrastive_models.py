@@ -13,6 +13,8 @@
 - ``SigLipLoss``: SigLIP's pairwise sigmoid loss with a learned bias and labels
   ``2 * eye - 1``, written with ``log(sigmoid(.))`` by hand or with ``logsigmoid``.
 - ``InfoNCE``: the same symmetric loss written out with ``exp`` and sums, run in fp16.
+- ``NegClipLoss``: NegCLIP's, over 2B captions (the true ones, then ``hard_negatives``'
+  word-swapped ones) beside B images.
 """
 
 from __future__ import annotations
