@@ -45,6 +45,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .capture import tensor_leaves
 from .finite import bad_rows
+from .padded_ids import padded_ids
 from .time_major import carried_batch
 
 # the modules whose ``batch_first=False`` puts the batch in dim 1
@@ -227,7 +228,7 @@ def broadcast_fields(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                    and tuple(u.shape[-k:]) == tuple(t.shape)
                    and tuple(u.shape[:k]) != tuple(t.shape) for u in tensors)
     return [t for t in tensors if t.dim() >= 2 and not t.is_nested and not t.is_sparse
-            and field(t)]
+            and field(t) and not padded_ids(t)]
 
 
 @dataclass(frozen=True)

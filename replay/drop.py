@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from recorder.capture import tree_refs
+from recorder.padded_ids import padded_ids
 from recorder.samples import Bags, Segments, bag_offsets, broadcast_fields, packed_in
 
 from .load import micro_batch_inputs
@@ -149,7 +150,7 @@ def _pairwise(x: torch.Tensor, inputs: list) -> bool:
     has as many clips as frames: all True when no clip is padded, so symmetric), nor one beside
     a per-sample ``(B, B, F)`` input, whose dim 1 holds each sample's items (a CVRP batch of as
     many instances as customers: the demands ``(B, N)`` beside the cities ``(B, N, 2)``)."""
-    if x.dim() != 2 or x.shape[0] != x.shape[1] or _length_mask(x):
+    if x.dim() != 2 or x.shape[0] != x.shape[1] or _length_mask(x) or padded_ids(x):
         return False
     if torch.equal(x, x.T):
         return True

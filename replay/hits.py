@@ -34,6 +34,9 @@ class OpHit:
     seq: int = 0  # how many ops of any kind came before it in the watched code
     from_mask: bool = False  # made NaN when only intended infinities (a mask) had been made
     row_masked: bool = False  # and an operand's whole row was -inf there (replay.empty_rows)
+    # (its output's dim 0 size, the non-finite indices there) when it named no sample: an
+    # input of its own size beside the batch (replay.other_rows)
+    lead_rows: tuple[int, list[int]] | None = None
 
     def as_json(self) -> dict[str, Any]:
         # (its dtype: the type an overflow of its output beat, which can be another than the

@@ -43,6 +43,7 @@ from .moved import Moved
 from .nan_rows import nan_rows
 from .op_evidence import made_beside, op_evidence
 from .op_inputs import input_ends as _input_ends
+from .other_rows import lead_rows
 from .param_names import ParamNames
 from .picked_fill import note_pick
 from .pooled import Pooled
@@ -139,6 +140,7 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
     hit.within, hit.rows, hit.node = f.where, f.batch_rows(outs), running_node()
     if not in_finite:  # (infinities it passed on: the rows it made NaN in are the samples)
         hit.rows = nan_rows(f.batch_rows, outs, hit.rows)
+    hit.lead_rows = None if hit.rows else lead_rows(outs[0])
     empty_rows.mark(hit, f.first is None and bool(f.intentional), ins, outs[0])
     mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit)  # (inf * mask's 0)
     if in_finite and f.absorbed and f.first is not None and exact_pole(f.first):

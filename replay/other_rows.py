@@ -4,11 +4,15 @@ and compares every query with every support sample or class prototype, ``(querie
 one blank support image makes its column 0/0 for every query, so every sample of the batch is
 non-finite, and naming them all says nothing. When the op's non-finite values fill every
 sample's row at a few indices of its dim 1 only, and a floating root input has as many rows as
-that dim (and the batch another size), those rows of that input are named."""
+that dim (and the batch another size), those rows of that input are named. So are the rows of
+the op's own dim 0 when no sample was named and only one root input has that many rows (a
+NegCLIP batch: B images beside 2B captions, the B hard negatives after the B true ones)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from recorder.capture import batch_path
 
@@ -36,9 +40,53 @@ def other_input_rows(step: Step, hit, mb: int) -> tuple[str, list[int]] | None:
     return None
 
 
+def lead_rows(t) -> tuple[int, list[int]] | None:
+    """(dim 0's size, its indices holding a non-finite value) of an op's output (one host
+    read, at the blamed op only)."""
+    if not isinstance(t, torch.Tensor) or not t.dim() or not t.is_floating_point():
+        return None
+    with torch.no_grad():
+        return _rows(~torch.isfinite(t.detach()))
+
+
+def _rows(bad: torch.Tensor) -> tuple[int, list[int]] | None:
+    if not bad.dim():
+        return None
+    return bad.shape[0], bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist()
+
+
+def own_rows(step: Step, hit, mb: int) -> tuple[str, list[int]] | None:
+    """(the input's readable name, its rows) when the op's non-finite values lie in a few rows
+    of its dim 0, which has the size of one root input's dim 0 only, not the batch's."""
+    size = samples(step, mb).size
+    ev = hit.evidence if hit is not None else None
+    lead = _rows(ev.bad.cpu()) if ev is not None else hit.lead_rows if hit else None
+    if lead is None or not size or lead[0] == size:
+        return None
+    n, rows = lead
+    entry = step.micro_batches[mb]
+    paths = entry.get("paths") or {}
+    found = [raw for key, raw in paths.items() if (t := step.tensors.get(key)) is not None
+             and t.dim() and t.shape[0] == n]
+    if not rows or len(rows) == n or len(found) != 1:
+        return None
+    return batch_path(found[0], n_args(entry.get("inputs"))), rows
+
+
 def note_other_rows(report: dict[str, Any], step: Step, hit, origin: dict[str, Any]) -> None:
     """Name those rows in ``origin["input_rows"]`` and in a note, when there are some."""
-    found = other_input_rows(step, hit, origin.get("micro_batch") or 0)
+    mb = origin.get("micro_batch") or 0
+    found = other_input_rows(step, hit, mb)
+    if found is None and not origin.get("samples"):
+        if (own := own_rows(step, hit, mb)) is not None:
+            name, rows = own
+            origin["input_rows"] = {"tensor": name, "rows": rows}
+            report["problems"].append(
+                f"the {hit.made} of {hit.op} is in rows {rows} of its dim 0, which has as many "
+                f"entries as {name} has rows (the batch is the other size): rows {rows} of "
+                f"{name} are where it comes from (a second input beside the batch: extra "
+                "candidates, hard negatives)")
+        return
     if found is None:
         return
     name, rows = found

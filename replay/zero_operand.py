@@ -6,7 +6,10 @@ for that class is 0, so every sample's corrected probability is exactly 0 there 
 model predicts, and the log is -inf. The generic advice (clamp the log's input) hides a wrong
 matrix and leaves that class untrainable; the column is the bug. The op finder's watch keeps,
 per ``mm``/``bmm`` result while it lives unmodified, which of its lines an all-0 operand
-line zeroed (no host read: only a blamed op's inputs are looked at).
+line zeroed (no host read: only a blamed op's inputs are looked at). Only an operand the
+backward does not differentiate is such a matrix: one that requires grad is the model's own
+activations, whose all-0 row is a sample's (a blank image through a bias-free tower), not an
+estimate's.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ class ZeroOperand:
         a, b = args[0], args[1]
         if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in (a, b)):
             return
-        with torch.no_grad():
-            cols = (b == 0).all(-2)  # (..., n): column j of b all 0
-            rows = (a == 0).all(-1)  # (..., m): row i of a all 0
+        with torch.no_grad():  # (an operand that requires grad: activations, no estimate)
+            cols = (b == 0).all(-2) & (not b.requires_grad)  # (..., n): column j of b all 0
+            rows = (a == 0).all(-1) & (not a.requires_grad)  # (..., m): row i of a all 0
         # kept whether or not any line is 0: a host read per product to tell would cost a
         # sync per matmul of the re-run on CUDA; these are only read when an op is blamed
         self._lines.put(out, (cols, rows, tuple(b.shape), tuple(a.shape)))
