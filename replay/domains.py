@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .hits import Evidence
+from .m_matrix import m_matrix_exit, z_matrix
 from .scaled_log import BESSEL
 from .singular_values import singular_divisor
 
@@ -283,6 +284,8 @@ def _log_determinant(op: str, x: torch.Tensor | None) -> tuple[str, str]:
         sign, logabs = torch.linalg.slogdet(x)
         if bool((sign < 0).any()):
             det = -float(logabs[sign < 0].min().exp())
+            if z_matrix(x[sign < 0]):  # (DAGMA's s I - W * W: an M-matrix no longer)
+                return m_matrix_exit(op, g(det))
             return (f"{op} of a matrix whose determinant is negative ({g(det)}): the log of "
                     "a negative number", "log_det")
     return f"{op} of a singular matrix (determinant 0, whose log is -inf)", "singular"

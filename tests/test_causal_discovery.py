@@ -8,6 +8,7 @@ event and train bit-identically with and without the recorder."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import causal_discovery_models as M
 import pytest
@@ -61,17 +62,20 @@ def dagma_loss(recon, h, l1, x, mu: float = 1.0, lambda1: float = 0.02):
     return mu * (score + lambda1 * l1) + h
 
 
-LOSSES = {"make_dagma": dagma_loss, "make_golem": M.golem_nv_loss,
-          "make_enco": torch.nn.MSELoss()}
+# each run's own loss (DAGMA's mu is the loop's to lower)
+LOSSES = {"make_dagma": lambda: functools.partial(dagma_loss, mu=1.0),
+          "make_golem": lambda: M.golem_nv_loss, "make_enco": torch.nn.MSELoss}
 
 
 def train(make: str, out_dir, steps: int = 8, lr: float = 1e-2, record: bool = True,
-          data: dict | None = None, clip: float | None = None):
+          data: dict | None = None, clip: float | None = None, s_at: dict | None = None):
     """One Adam step per batch of a shuffled DataLoader, as DAGMA, GOLEM and ENCO's torch
     ports fit; ENCO's MLPs regress each node on its sampled parents (the targets are the
-    batch itself). Returns the model."""
+    batch itself). ``s_at``: DAGMA's outer loop, the log-det's ``s`` lowered at those steps
+    (with ``mu`` divided by 10), without the reference code's check that ``W`` is still inside
+    the M-matrix domain of the new ``s``. Returns the model."""
     model = getattr(M, make)()
-    crit = LOSSES[make]
+    crit = LOSSES[make]()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     loader = torch.utils.data.DataLoader(M.SEMData(**(data or {})), batch_size=32, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
@@ -83,6 +87,8 @@ def train(make: str, out_dir, steps: int = 8, lr: float = 1e-2, record: bool = T
         loss_fn = rec.loss_fn if rec is not None else crit
         while step < steps:
             for x in loader:
+                if s_at and step in s_at:
+                    model.s, crit.keywords["mu"] = s_at[step], crit.keywords["mu"] / 10
                 out = model(x)
                 targets = () if make == "make_golem" else (x,)  # (GOLEM's terms are all W's)
                 loss = loss_fn(*out, *targets) if isinstance(out, tuple) else loss_fn(out, x)
@@ -163,3 +169,32 @@ def test_enco_minus_inf_diagonal_raises_nothing_and_trains_the_same(tmp_path):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_dagma_s_lowered_below_the_spectral_radius_names_the_logdet_and_the_domain(tmp_path):
+    """DAGMA's outer loop lowers ``s`` to 0.2 at step 160 without checking that ``W`` is
+    still inside the new domain: ``0.2 I - W * W`` is no longer an M-matrix, its determinant is
+    negative and ``torch.logdet`` is NaN in the model's acyclicity. The replay names the logdet
+    on its line, the recorded ``s``, and advises DAGMA's check on the iterate, not slogdet's
+    log-absolute value (which would train on a meaningless h)."""
+    ev, bundle = fire(train, "make_dagma", tmp_path, lr=0.05, steps=200, s_at={160: 0.2})
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["kind"]) == (
+        160, "forward", "", 0, "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.logdet", "nan", []), o
+    assert o["source"] == line_of("return -torch.logdet(m) + d * math.log(self.s)"), o
+    assert rep["cause"] == "invalid", rep
+    assert "no longer an M-matrix" in rep["hint"] and "restore the last W" in rep["hint"], rep
+    assert any("<root>.s = 0.2" in p for p in rep["problems"]), rep["problems"]
+
+
+def test_dagma_s_kept_inside_raises_nothing_and_trains_the_same(tmp_path):
+    """The same schedule lowering ``s`` only to 0.9 (DAGMA's default first steps): the
+    iterate stays an M-matrix, no event, bit-identical weights with and without the recorder."""
+    kw = {"lr": 0.05, "steps": 200, "s_at": {160: 0.9}}
+    recorded = train("make_dagma", tmp_path, **kw)
+    plain = train("make_dagma", tmp_path, record=False, **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    assert torch.equal(recorded.W, plain.W)
