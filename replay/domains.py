@@ -22,7 +22,8 @@ _NO_POLE = {"exp", "exp2", "expm1", "mul", "add", "sub", "sum", "mean", "mm", "b
             "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot", "linear", "convolution",
             "_convolution", "cumsum", "prod", "cumprod", "sinh", "cosh", "square", "einsum",
             "_to_copy", "copy_", "linalg_vector_norm", "norm", "ldexp", "addcmul", "lerp",
-            "_softmax", "_log_softmax", "logsumexp", "mul_", "add_", "sub_", "exp_"} | BESSEL
+            "_softmax", "_log_softmax", "logsumexp", "mul_", "add_", "sub_", "exp_",
+            "linalg_matrix_exp", "matrix_exp"} | BESSEL  # (NOTEARS' tr(exp(W * W)))
 
 
 # Ops whose derivative has a pole (a backward node's lower-cased name, ``SqrtBackward0``:

@@ -27,10 +27,13 @@ from torch import nn
 class SEMData(torch.utils.data.Dataset):
     """``n`` observations of a linear Gaussian SEM over a random DAG on ``d`` nodes;
     ``constant`` names a node the sensor logged as a constant, ``copy`` a pair ``(j, k)``
-    whose column j was written over by column k (a duplicated variable)."""
+    whose column j was written over by column k (a duplicated variable), ``scale`` columns
+    logged in other units (``{j: 1000.0}``: millimetres among metres); ``standardise`` divides
+    each column by its std, as the GOLEM and DAG-GNN scripts do before fitting."""
 
     def __init__(self, n: int = 128, d: int = 5, seed: int = 0, constant: int | None = None,
-                 copy: tuple[int, int] | None = None):
+                 copy: tuple[int, int] | None = None, scale: dict | None = None,
+                 standardise: bool = False):
         g = torch.Generator().manual_seed(seed)
         order = torch.randperm(d, generator=g)
         b = (torch.rand(d, d, generator=g) < 0.5).float().triu(1)
@@ -44,7 +47,10 @@ class SEMData(torch.utils.data.Dataset):
             x[:, constant] = 3.0
         if copy is not None:
             x[:, copy[0]] = x[:, copy[1]]
-        self.x = x - x.mean(0)  # centred, as every NOTEARS script does before fitting
+        for j, c in (scale or {}).items():
+            x[:, j] = x[:, j] * c
+        x = x - x.mean(0)  # centred, as every NOTEARS script does before fitting
+        self.x = x / x.std(0) if standardise else x  # (the bug: a constant column's std is 0)
 
     def __len__(self):
         return len(self.x)

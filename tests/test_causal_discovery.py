@@ -25,13 +25,14 @@ def line_of(text: str) -> str:
 
 
 def train_notears(make: str, out_dir, steps: int = 60, rho_max: float = float("inf"),
-                  record: bool = True, data: dict | None = None):
+                  record: bool = True, data: dict | None = None, sgd: float | None = None):
     """NOTEARS' augmented Lagrangian with Adam as the inner solver (one epoch over a
     DataLoader per outer iteration): ``rho *= 10`` while ``h`` has not dropped below a quarter
     of its last value, up to ``rho_max``, then ``alpha += rho * h``."""
     model = getattr(M, make)()
     crit = M.AugLagLoss()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=sgd) if sgd else \
+        torch.optim.Adam(model.parameters(), lr=1e-2)
     loader = torch.utils.data.DataLoader(M.SEMData(**(data or {})), batch_size=64, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
@@ -198,3 +199,35 @@ def test_dagma_s_kept_inside_raises_nothing_and_trains_the_same(tmp_path):
     plain = train("make_dagma", tmp_path, record=False, **kw)
     assert not list(tmp_path.glob("*.nan"))
     assert torch.equal(recorded.W, plain.W)
+
+
+def test_standardised_constant_node_names_the_column_of_the_data(tmp_path):
+    """The dataset standardises each centred column by its std, and a node logged as a
+    constant has std 0: 0/0 in every row of that column before the model sees it. An input
+    event on the batch; the replay names every sample and column 2, the per-feature step of the
+    pipeline (a zero std), not a bad record."""
+    data = {"constant": 2, "standardise": True}
+    ev, bundle = fire(train_notears, "make_notears", tmp_path, steps=10, data=data)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "input", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["cause"], o["all_samples"], o["batch_size"]) == ("input", True, 64), rep
+    assert "column(s) 2" in rep["hint"] and "zero std" in rep["hint"], rep["hint"]
+
+
+def test_matrix_exp_of_a_diverged_w_is_an_overflow_of_the_diverging_run(tmp_path):
+    """A node logged in millimetres among metres (x1000) and plain SGD: the first update throws
+    ``W`` to ~1e3, ``W * W`` to ~1e6, and NOTEARS' ``matrix_exp`` overflows at step 1. The
+    replay names the matrix exponential on its line, an overflow (no pole: it was reported as
+    invalid math at a pole before), and the weights' jump in the update before."""
+    ev, bundle = fire(train_notears, "make_notears", tmp_path, steps=40, sgd=1e-3,
+                      data={"scale": {1: 1000.0}})
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (1, "forward", "", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["made"], o["samples"]) == (
+        True, "aten.linalg_matrix_exp", "+inf", []), o
+    assert o["source"] == line_of("torch.trace(torch.linalg.matrix_exp(self.W * self.W)) - d"), o
+    assert rep["cause"] == "overflow", rep
+    assert "too large for float32 and for float64" in rep["hint"], rep["hint"]
+    assert "weights had jumped in the update before step 1" in rep["hint"], rep["hint"]
