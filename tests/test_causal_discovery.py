@@ -219,7 +219,8 @@ def test_matrix_exp_of_a_diverged_w_is_an_overflow_of_the_diverging_run(tmp_path
     """A node logged in millimetres among metres (x1000) and plain SGD: the first update throws
     ``W`` to ~1e3, ``W * W`` to ~1e6, and NOTEARS' ``matrix_exp`` overflows at step 1. The
     replay names the matrix exponential on its line, an overflow (no pole: it was reported as
-    invalid math at a pole before), and the weights' jump in the update before."""
+    invalid math at a pole before), the weights' jump in the update before, and the batch's
+    column 1 at 1000x the others' scale, to standardise (not only a lower learning rate)."""
     ev, bundle = fire(train_notears, "make_notears", tmp_path, steps=40, sgd=1e-3,
                       data={"scale": {1: 1000.0}})
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (1, "forward", "", "+inf"), ev
@@ -231,3 +232,4 @@ def test_matrix_exp_of_a_diverged_w_is_an_overflow_of_the_diverging_run(tmp_path
     assert rep["cause"] == "overflow", rep
     assert "too large for float32 and for float64" in rep["hint"], rep["hint"]
     assert "weights had jumped in the update before step 1" in rep["hint"], rep["hint"]
+    assert "column(s) 1 of batch reach" in rep["hint"] and "standardise" in rep["hint"], rep
