@@ -1,7 +1,8 @@
 """End to end on differentiable causal discovery (``causal_discovery_models``): NOTEARS'
 augmented Lagrangian (``matrix_exp`` acyclicity, ``rho`` and ``alpha`` on the loss module, the
-outer loop between DataLoader epochs), GOLEM-NV's per-node log-likelihood from the empty
-graph, and ENCO's Gumbel-sigmoid edge masks with a ``-inf`` diagonal. Each planted failure of
+outer loop between DataLoader epochs), DAGMA's log-det acyclicity with its ``s`` lowered by the
+loop, GOLEM-NV's per-node log-likelihood from the empty graph, and ENCO's Gumbel-sigmoid edge
+masks with a ``-inf`` diagonal and an annealed temperature. Each planted failure of
 the domain fires under the recorder and is replayed with the CLI; the healthy versions raise no
 event and train bit-identically with and without the recorder."""
 
@@ -69,12 +70,14 @@ LOSSES = {"make_dagma": lambda: functools.partial(dagma_loss, mu=1.0),
 
 
 def train(make: str, out_dir, steps: int = 8, lr: float = 1e-2, record: bool = True,
-          data: dict | None = None, clip: float | None = None, s_at: dict | None = None):
+          data: dict | None = None, clip: float | None = None, s_at: dict | None = None,
+          tau_at: dict | None = None):
     """One Adam step per batch of a shuffled DataLoader, as DAGMA, GOLEM and ENCO's torch
     ports fit; ENCO's MLPs regress each node on its sampled parents (the targets are the
     batch itself). ``s_at``: DAGMA's outer loop, the log-det's ``s`` lowered at those steps
     (with ``mu`` divided by 10), without the reference code's check that ``W`` is still inside
-    the M-matrix domain of the new ``s``. Returns the model."""
+    the M-matrix domain of the new ``s``; ``tau_at``: ENCO's Gumbel-sigmoid temperature
+    annealed at those steps. Returns the model."""
     model = getattr(M, make)()
     crit = LOSSES[make]()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -90,6 +93,8 @@ def train(make: str, out_dir, steps: int = 8, lr: float = 1e-2, record: bool = T
             for x in loader:
                 if s_at and step in s_at:
                     model.s, crit.keywords["mu"] = s_at[step], crit.keywords["mu"] / 10
+                if tau_at and step in tau_at:
+                    model.tau = tau_at[step]
                 out = model(x)
                 targets = () if make == "make_golem" else (x,)  # (GOLEM's terms are all W's)
                 loss = loss_fn(*out, *targets) if isinstance(out, tuple) else loss_fn(out, x)
@@ -233,3 +238,21 @@ def test_matrix_exp_of_a_diverged_w_is_an_overflow_of_the_diverging_run(tmp_path
     assert "too large for float32 and for float64" in rep["hint"], rep["hint"]
     assert "weights had jumped in the update before step 1" in rep["hint"], rep["hint"]
     assert "column(s) 1 of batch reach" in rep["hint"] and "standardise" in rep["hint"], rep
+
+
+def test_enco_temperature_annealed_to_zero_names_the_division_backward(tmp_path):
+    """ENCO's Gumbel-sigmoid temperature annealed to 0 (``tau`` 0.5 at step 4, 0 at 6): the
+    forward's ``sigmoid(+-inf)`` is a hard 0/1 mask and stays finite, but the division's
+    backward is ``inf * 0``: NaN gradients of ``gamma`` in every sample. The replay names
+    ``DivBackward0`` on the mask's line, ``gamma``, the recorded ``tau = 0.0``, and a scalar
+    set to 0 as the cause."""
+    ev, bundle = fire(train, "make_enco", tmp_path, clip=1.0, tau_at={4: 0.5, 6: 0.0})
+    assert (ev["step"], ev["phase"], ev["kind"]) == (6, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["param"], o["all_samples"]) == (
+        True, "DivBackward0", "gamma", True), o
+    assert o["source"] == line_of("mask = torch.sigmoid((gamma + logistic) / self.tau)"), o
+    assert rep["cause"] == "invalid" and "temperature" in rep["hint"], rep["hint"]
+    assert "constant exactly 0" in rep["hint"], rep["hint"]
+    assert any("<root>.tau = 0.0" in p for p in rep["problems"]), rep["problems"]
