@@ -8,18 +8,22 @@ entries a mask's 0 then met (``replay.masked_overflow``); an overflow of an op
 that took the loss's data alone (``replay.data_overflow``); the samples a loss argument of a
 value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite by a
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
-(``replay.empty_records``)."""
+(``replay.empty_records``); a number attribute the loop grew past the step's type
+(``replay.grown_number``); an overflow of a batch whose columns are in other units
+(``replay.column_scale``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .chunk_rows import chunk_note
+from .column_scale import column_scale_hint
 from .data_overflow import data_overflow_hint
 from .data_scale import data_scale_hint
 from .edge_probability import edge_probability_hint
 from .empty_records import empty_records_hint
 from .grouped_arg import grouped_arg_hint
+from .grown_number import grown_number_hint
 from .inf_normalised import inf_normalised_hint
 from .load import Step
 from .masked_after import masked_after_hint
@@ -40,3 +44,5 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     grouped_arg_hint(report, step)  # (a preference pair's NaN rating gap: the pair's rows)
     single_sample_hint(report, step)  # (InfoLOOB's negatives of a last batch of one)
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
+    grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)
+    column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .hits import Evidence
+from .m_matrix import m_matrix_exit, z_matrix
 from .scaled_log import BESSEL
 from .singular_values import singular_divisor
 
@@ -21,7 +22,8 @@ _NO_POLE = {"exp", "exp2", "expm1", "mul", "add", "sub", "sum", "mean", "mm", "b
             "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot", "linear", "convolution",
             "_convolution", "cumsum", "prod", "cumprod", "sinh", "cosh", "square", "einsum",
             "_to_copy", "copy_", "linalg_vector_norm", "norm", "ldexp", "addcmul", "lerp",
-            "_softmax", "_log_softmax", "logsumexp", "mul_", "add_", "sub_", "exp_"} | BESSEL
+            "_softmax", "_log_softmax", "logsumexp", "mul_", "add_", "sub_", "exp_",
+            "linalg_matrix_exp", "matrix_exp"} | BESSEL  # (NOTEARS' tr(exp(W * W)))
 
 
 # Ops whose derivative has a pole (a backward node's lower-cased name, ``SqrtBackward0``:
@@ -283,6 +285,8 @@ def _log_determinant(op: str, x: torch.Tensor | None) -> tuple[str, str]:
         sign, logabs = torch.linalg.slogdet(x)
         if bool((sign < 0).any()):
             det = -float(logabs[sign < 0].min().exp())
+            if z_matrix(x[sign < 0]):  # (DAGMA's s I - W * W: an M-matrix no longer)
+                return m_matrix_exit(op, g(det))
             return (f"{op} of a matrix whose determinant is negative ({g(det)}): the log of "
                     "a negative number", "log_det")
     return f"{op} of a singular matrix (determinant 0, whose log is -inf)", "singular"

@@ -1,0 +1,59 @@
+"""An overflow of a run fed features in different units: one column of a ``(B, F)`` batch at a
+scale far from the others'.
+
+Tabular and causal-discovery data (a linear SEM's variables, NOTEARS' ``X``) has one variable
+per column; a column logged in millimetres among metres is 1000x the others, the least-squares
+gradient of the weights that multiply it is 1000x to 1e6x larger, and one plain SGD step throws
+them out (``matrix_exp(W * W)`` then overflows). No row stands out (:mod:`replay.data_scale`
+looks for records), every sample holds the column; the precursors see the weights jump and say
+to lower the learning rate, which only slows the divergence the scale causes. The hint names
+the columns and says to standardise them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from recorder.capture import batch_path
+
+from .domains import g
+from .load import Step
+from .recorded import n_args
+
+_RATIO = 100.0  # a column this many times the median column's absmax is in another unit
+
+
+def _wide_columns(t: torch.Tensor) -> tuple[list[int], float, float] | None:
+    """(columns, their absmax, the median column's absmax) of a 2-D float batch."""
+    if t.dim() != 2 or not t.is_floating_point() or t.shape[1] < 3 or t.shape[0] < 2:
+        return None
+    amax = t.detach().abs().amax(0).double()
+    if not bool(torch.isfinite(amax).all()):
+        return None
+    med = float(amax.median())
+    cols = [j for j, a in enumerate(amax.tolist()) if med > 0 and a >= _RATIO * med]
+    return (cols, float(amax[cols].max()), med) if cols else None
+
+
+def column_scale_hint(report: dict[str, Any], step: Step) -> None:
+    """Append to an overflow's hint the batch columns far above the others' scale."""
+    o = report.get("origin") or {}
+    if report.get("cause") != "overflow" or not report.get("hint"):
+        return
+    i = o.get("micro_batch") or 0
+    mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
+    for key, raw in (mb.get("paths") or {}).items():
+        t = step.tensors.get(key)
+        if isinstance(t, torch.Tensor) and (found := _wide_columns(t)) is not None:
+            cols, big, med = found
+            path = batch_path(raw, n_args(mb.get("inputs")))
+            report["hint"] = (
+                f"{report['hint']}. But column(s) {', '.join(map(str, cols))} of "
+                f"{path} reach {g(big)} where the median column reaches {g(med)}: "
+                "variables in other units (millimetres among metres) make the gradients of "
+                "the weights that multiply them as much larger, so the updates throw those "
+                "weights out; standardise the columns before fitting ((x - mean) / std, "
+                "dropping constant ones), rather than only lowering the learning rate")
+            return
