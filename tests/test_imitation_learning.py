@@ -125,3 +125,112 @@ def test_clipped_inverse_trains_past_the_bound_and_the_same_as_unrecorded(tmp_pa
     want = train_bc(tmp_path, plant=plant, clip=1e-6, epochs=2, record=False)
     assert same_weights(got, want)
     assert not list(tmp_path.glob("*.nan"))
+
+
+def pairs(g: torch.Generator, n: int = 16):
+    """Expert state-action pairs (the expert acts ``tanh`` of its first state dims) and the
+    learner's rollout pairs (uniform actions)."""
+    eo = torch.randn(n, M.OBS, generator=g)
+    po = torch.randn(n, M.OBS, generator=g)
+    pa = torch.rand(n, M.ACT, generator=g) * 2 - 1
+    return eo, torch.tanh(eo[:, :M.ACT]), po, pa
+
+
+def train_gail(out_dir, naive: bool, record: bool = True, raw_row: int | None = 4,
+               steps: int = 5):
+    """GAIL's discriminator updates; at step 2 expert state ``raw_row`` holds an unnormalised
+    feature (a raw timestep, 1000) that drives ``D`` to a logit past 17, where float32's
+    sigmoid is exactly 1."""
+    disc = M.make_discriminator()
+    opt = torch.optim.Adam(disc.parameters(), lr=3e-4)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(disc, opt, loss_fn=M.gail_bce, out_dir=out_dir,
+                         factory="imitation_learning_models:make_discriminator") if record else None
+    loss_fn = rec.attach().loss_fn if rec else M.gail_bce
+    y = torch.cat([torch.ones(16), torch.zeros(16)])
+    try:
+        for step in range(steps):
+            eo, ea, po, pa = pairs(g)
+            if step == 2 and raw_row is not None:
+                eo[raw_row, 4] = 1000.0
+            loss = loss_fn(disc(torch.cat([eo, po]), torch.cat([ea, pa])), y, naive=naive)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        if rec:
+            rec.detach()
+    return disc
+
+
+def test_gail_bce_written_with_sigmoid_names_log_of_1_minus_d_and_the_expert_row(tmp_path):
+    """``-(y log D + (1 - y) log(1 - D))`` with D = sigmoid rounded to 1: log(0) = -inf in the
+    expert row 4, times its label's 0 = NaN. The report names the log, row 4, precision (1 - y
+    of a sigmoid), and sends the user to logsigmoid / BCE with logits."""
+    err = raised(train_gail, tmp_path, naive=True)
+    assert (err.event["step"], err.event["phase"], err.event["kind"]) == (2, "loss", "nan")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["samples"], o["made"]) == (
+        "precision", "aten.log", "<loss>", [4], "-inf"), rep
+    assert o["source"] == source_line(MODELS, "torch.log(1 - d)).mean()  # the bug")
+    assert "logsigmoid(−z)" in rep["hint"], rep["hint"]
+    assert o["chain"][-1]["op"] == "aten.mul", o["chain"]
+
+
+def test_gail_bce_with_logits_trains_through_the_saturated_row_as_unrecorded(tmp_path):
+    """``binary_cross_entropy_with_logits`` on the same pairs: no event, same weights."""
+    got = train_gail(tmp_path, naive=False)
+    assert same_weights(got, train_gail(tmp_path, naive=False, record=False))
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def train_gmm(out_dir, make: str, record: bool = True, steps: int = 4):
+    """robomimic's GMM BC; at step 2 state 6 is a depth reading in millimetres (5000 times
+    the others' scale), which drives one mode's softplus scale to a subnormal 2e-43."""
+    policy = getattr(M, make)()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(policy, opt, loss_fn=M.gmm_nll, out_dir=out_dir,
+                         factory=f"imitation_learning_models:{make}") if record else None
+    loss_fn = rec.attach().loss_fn if rec else M.gmm_nll
+    try:
+        for step in range(steps):
+            obs, act, _, _ = pairs(g)
+            if step == 2:
+                obs[6] *= 5000.0
+            loss = loss_fn(policy(obs), act)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+    finally:
+        if rec:
+            rec.detach()
+    return policy
+
+
+def test_gmm_with_min_std_0_names_the_division_by_the_underflowed_softplus_and_its_floor(
+        tmp_path):
+    """With ``min_std`` 0, row 6's scale ``softplus(s) + 0`` underflows to 0 (1.9e-71 in
+    float64) and ``(a - mean) / scale`` is +inf. The report names the division, row 6,
+    underflow, and sends the user to the floor added after softplus (not to a log-space form
+    the scale does not need), and to the out-of-scale state that drove it there."""
+    err = raised(train_gmm, tmp_path, "make_gmm_no_floor")
+    assert (err.event["step"], err.event["phase"]) == (2, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["samples"], o["made"]) == (
+        "underflow", "aten.div", "<loss>", [6], "+inf"), rep
+    assert o["source"] == source_line(MODELS, "z = (a - means) / scales")
+    hint = rep["hint"]
+    assert "softplus's result plus a number (a floor: softplus(s) + min_std)" in hint, hint
+    assert "not of an exponential" not in hint, hint
+    assert "sample(s) 6 of batch" in hint and "--try drop=6" in hint, hint
+
+
+def test_gmm_with_min_std_trains_through_the_same_state_as_unrecorded(tmp_path):
+    """robomimic's ``min_std`` floor keeps the scale off 0: no event, same weights."""
+    got = train_gmm(tmp_path, "make_gmm")
+    assert same_weights(got, train_gmm(tmp_path, "make_gmm", record=False))
+    assert not list(tmp_path.glob("*.nan"))
