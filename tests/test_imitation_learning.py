@@ -90,6 +90,7 @@ def test_expert_action_at_the_bound_names_atanh_and_its_demo(tmp_path):
         True, "invalid", "aten.atanh", "<loss>", [3]), rep
     assert o["source"] == source_line(MODELS, "u = torch.atanh(actions)")
     assert "clamp its input inside (-1, 1)" in rep["hint"], rep["hint"]
+    assert "clamp the actions first, as SB3's TanhBijector.inverse does" in rep["hint"]
 
 
 def padded_gripper(obs, act, mask):
