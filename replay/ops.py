@@ -31,6 +31,7 @@ from .compat import TorchDispatchMode, running_node, tree_leaves, writes_argumen
 from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
 from .earlier_nan import earlier_nan
+from .exp_param import ExpOfParam
 from .folds import folded_inputs, folds
 from .fresh import POINTWISE
 from .hits import Evidence, OpHit, exact_pole
@@ -183,6 +184,7 @@ class OpFinder:
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self.exps = TensorSet()  # exp's own results (a log of one: replay.underflow_advice)
         self.shifted = TensorMarks()  # softplus(s) + min_std's maker (replay.shifted_positive)
+        self.exp_param = ExpOfParam()  # exp of a parameter (a policy's log_std.exp())
         self.partly = Partly()  # and those it keeps > 0 at some positions (a bool mask each)
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self.cancellation = Cancellation()  # and E[x²] - E[x]², which it can make < 0
@@ -238,6 +240,7 @@ class OpFinder:
             self.exps.add(t)
         if op := shifted_maker(t, fn=fn):
             self.shifted.put(t, op)
+        self.exp_param.mark(fn, t, self.names)
         if made_unit(fn):
             self.saturation.mark_unit(t)
 
@@ -276,6 +279,7 @@ class OpFinder:
         if positive_result(name, ins, leaves, self.positive):
             for t in outs:
                 self._positive.add(t)
+        self.exp_param.track(name, ins, outs, leaves)
         self.saturation.track(name, ins, outs, leaves)
         self.cancellation.track(name, ins, outs, leaves)
 

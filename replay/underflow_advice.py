@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .cause_text import DO
 from .chain_product import CHAIN, LEAST
+from .exp_param import exp_param_advice
 from .positive import node_op
 from .shifted_positive import ADVICE as SHIFTED
 
@@ -52,6 +53,8 @@ def made_by_exp(t, depth: int = 6, fn=None) -> bool:
 def underflow_advice(name: str, ev, i: int) -> str:
     """``DO["log_space"]`` unless input ``i`` of op ``name`` is a divisor no exponential made
     or (first) a log's input that exp itself made."""
+    if name in _DIVISIONS and (name != "div" or i == 1) and (p := exp_param_advice(ev, i)):
+        return p
     if name in _DIVISIONS and not ev.exp_made[i] and (name != "div" or i == 1):
         op = ev.shifted[i] if i < len(ev.shifted) else None
         return SHIFTED.format(op=op) if op else FLOOR

@@ -35,12 +35,15 @@ def demo_set(n_batches: int = 5):
 
 
 def train_bc(out_dir, make: str = "make_policy", record: bool = True, plant=None,
-             clip: float | None = None, epochs: int = 1):
-    """BC over ``demo_set``; ``plant(obs, act, mask)`` edits the dataset before training."""
+             clip: float | None = None, epochs: int = 1, resume: dict | None = None):
+    """BC over ``demo_set``; ``plant(obs, act, mask)`` edits the dataset before training;
+    ``resume``: the policy's checkpoint to go on from."""
     obs, act, mask = demo_set()
     if plant is not None:
         plant(obs, act, mask)
     policy = getattr(M, make)()
+    if resume is not None:
+        policy.load_state_dict(resume)
     opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
     loader = DataLoader(TensorDataset(obs, act, mask), batch_size=B, shuffle=False)
@@ -234,4 +237,36 @@ def test_gmm_with_min_std_trains_through_the_same_state_as_unrecorded(tmp_path):
     """robomimic's ``min_std`` floor keeps the scale off 0: no event, same weights."""
     got = train_gmm(tmp_path, "make_gmm")
     assert same_weights(got, train_gmm(tmp_path, "make_gmm", record=False))
+    assert not list(tmp_path.glob("*.nan"))
+
+
+def collapsed_checkpoint(make: str) -> dict:
+    """A BC checkpoint whose ``log_std`` of action dim 1 drifted to -60: a long run on an
+    expert whose second action never varies (its NLL keeps rewarding a narrower Gaussian)."""
+    state = getattr(M, make)().state_dict()
+    state["log_std"][1] = -60.0
+    return state
+
+
+def test_unclamped_log_std_that_drifted_names_the_division_and_the_parameter(tmp_path):
+    """SB3's state-independent ``log_std`` without the clamp: ``exp(-60) ** 2`` is 0 in
+    float32, ``(x - mu) ** 2 / (2 * std ** 2)`` is -inf for every demo. The report names the
+    division, every row, underflow, and the parameter with its value and the clamp to add."""
+    err = raised(train_bc, tmp_path, "make_policy_unclamped", clip=1e-6,
+                 resume=collapsed_checkpoint("make_policy_unclamped"))
+    assert (err.event["step"], err.event["phase"]) == (0, "loss"), err.event
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["all_samples"]) == (
+        "underflow", "aten.div", "<loss>", True), rep
+    assert o["source"] == source_line(MODELS, "/ (2 * std ** 2)")
+    assert "the exp of the parameter log_std (as low as -60)" in rep["hint"], rep["hint"]
+    assert "log_std.clamp(min=-20)" in rep["hint"], rep["hint"]
+
+
+def test_clamped_log_std_trains_from_the_same_checkpoint_as_unrecorded(tmp_path):
+    """The clamp to [-20, 2] keeps ``std ** 2`` at 4e-18: no event, same weights."""
+    ckpt = collapsed_checkpoint("make_policy")
+    got = train_bc(tmp_path, clip=1e-6, resume=ckpt)
+    assert same_weights(got, train_bc(tmp_path, clip=1e-6, resume=ckpt, record=False))
     assert not list(tmp_path.glob("*.nan"))
