@@ -9,6 +9,9 @@
 - ``GMMPolicy``: robomimic's ``GMMActorNetwork``: per-mode means, ``softplus`` stds plus a
   ``min_std`` floor, mixture logits, the log-likelihood of a ``MixtureSameFamily`` written
   with ``logsumexp``.
+- ``TransformerPolicy``: robomimic's BC-Transformer: the demo's frames embedded with a
+  learned position, a causal ``nn.TransformerEncoder`` given the padding as
+  ``src_key_padding_mask``, a Gaussian head at every step.
 - ``Discriminator``: GAIL / AIRL's discriminator ``D(s, a)`` trained with BCE on expert
   against policy pairs, and the reward ``-log(1 - D)`` written with ``sigmoid``.
 """
@@ -117,6 +120,30 @@ def gmm_nll(out, actions):
     z = (a - means) / scales  # the bug without min_std: a scale underflowed to 0
     comp = (-0.5 * z ** 2 - scales.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
     return -torch.logsumexp(comp + logits.log_softmax(-1), -1).mean()
+
+
+class TransformerPolicy(nn.Module):
+    """BC-Transformer over ``(B, T, OBS)`` frames; ``pad`` (B, T) True at padded steps."""
+
+    def __init__(self, max_len: int = 8, d: int = 32):
+        super().__init__()
+        self.embed = nn.Linear(OBS, d)
+        self.pos = nn.Parameter(torch.randn(max_len, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.mu = nn.Linear(d, ACT)
+        self.log_std = nn.Linear(d, ACT)
+
+    def forward(self, obs, pad):
+        t = obs.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool).triu(1)  # (True: not attended)
+        h = self.encoder(self.embed(obs) + self.pos[:t], mask=causal, src_key_padding_mask=pad)
+        return self.mu(h), self.log_std(h).clamp(-20.0, 2.0)
+
+
+def make_transformer() -> TransformerPolicy:
+    torch.manual_seed(0)
+    return TransformerPolicy()
 
 
 class Discriminator(nn.Module):

@@ -270,3 +270,47 @@ def test_clamped_log_std_trains_from_the_same_checkpoint_as_unrecorded(tmp_path)
     got = train_bc(tmp_path, clip=1e-6, resume=ckpt)
     assert same_weights(got, train_bc(tmp_path, clip=1e-6, resume=ckpt, record=False))
     assert not list(tmp_path.glob("*.nan"))
+
+
+def left_padded(obs, act, mask):
+    """The demos moved to the end of their window (a sequence dataset that pads in front):
+    a padded step's query then sees only padded keys, causal and padding masks together."""
+    for b in range(len(mask)):
+        k = T - int(mask[b].sum())
+        obs[b], act[b], mask[b] = obs[b].roll(k, 0), act[b].roll(k, 0), mask[b].roll(k, 0)
+
+
+def train_transformer(out_dir, left: bool, record: bool = True, steps: int = 4):
+    """BC-Transformer with AdamW and a warmup, one batch of demos a step."""
+    obs, act, mask = demo_set()
+    if left:
+        left_padded(obs, act, mask)
+    policy = M.make_transformer()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
+    rec = FlightRecorder(policy, opt, loss_fn=M.squashed_nll, out_dir=out_dir,
+                         factory="imitation_learning_models:make_transformer") if record else None
+    loss_fn = rec.attach().loss_fn if rec else M.squashed_nll
+    try:
+        for step in range(steps):
+            s = slice(step * B, (step + 1) * B)
+            loss = loss_fn(policy(obs[s], ~mask[s]), act[s], mask[s], clip=1e-6)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+            sched.step()
+    finally:
+        if rec:
+            rec.detach()
+    return policy
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_transformer_over_padded_demos_raises_nothing_and_trains_as_unrecorded(tmp_path, left):
+    """The causal and key-padding masks' -inf stay inside attention (a left-padded step's
+    query sees no valid key; PyTorch's attention keeps that row finite): no false alarm, and
+    the recorder changes nothing training computes."""
+    got = train_transformer(tmp_path, left)
+    assert same_weights(got, train_transformer(tmp_path, left, record=False))
+    assert not list(tmp_path.glob("*.nan"))
