@@ -171,6 +171,24 @@ def gail_bce(logits, is_expert, naive: bool = False):
     return -(is_expert * torch.log(d) + (1 - is_expert) * torch.log(1 - d)).mean()  # the bug
 
 
-def gail_reward(logits):
-    """The policy's reward ``-log(1 - D)``, stable: ``softplus(logit)``."""
-    return F.softplus(logits)
+def airl_reward(logits, naive: bool = False):
+    """AIRL's reward ``log D - log(1 - D)``, the logit itself; ``naive`` writes it with
+    ``sigmoid`` (D rounded to 1: ``-log(0)`` is +inf)."""
+    if not naive:
+        return logits
+    d = torch.sigmoid(logits)
+    return torch.log(d) - torch.log(1 - d)  # the bug: D saturates to 1 in float32
+
+
+def pg_loss(out, actions, rewards):
+    """The learner's policy-gradient step on the discriminator's rewards: advantages
+    normalised over the batch, the squashed Gaussian's log-likelihood of its own actions."""
+    adv = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
+    logp = -squashed_nll_rows(out, actions)
+    return -(adv * logp).mean()
+
+
+def squashed_nll_rows(out, actions, eps: float = 1e-6):
+    mu, log_std = out
+    u = torch.atanh(actions.clamp(-1 + eps, 1 - eps))
+    return -(gaussian_logp(mu, log_std, u) - torch.log(1 - torch.tanh(u) ** 2 + eps).sum(-1))

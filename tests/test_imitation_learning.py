@@ -314,3 +314,54 @@ def test_transformer_over_padded_demos_raises_nothing_and_trains_as_unrecorded(t
     got = train_transformer(tmp_path, left)
     assert same_weights(got, train_transformer(tmp_path, left, record=False))
     assert not list(tmp_path.glob("*.nan"))
+
+
+def train_airl_policy(out_dir, naive: bool, steps: int = 4):
+    """The learner's policy-gradient steps on AIRL's rewards ``log D - log(1 - D)`` from a
+    fixed discriminator (computed under no_grad, outside the recorded model); at step 2 state
+    5 holds a raw timestep (1000) that drives D's logit past float32's sigmoid range."""
+    policy, disc = M.make_policy(), M.make_discriminator()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(policy, opt, loss_fn=M.pg_loss, out_dir=out_dir,
+                         factory="imitation_learning_models:make_policy")
+    loss_fn = rec.attach().loss_fn
+    try:
+        for step in range(steps):
+            obs = torch.randn(16, M.OBS, generator=g)
+            if step == 2:
+                obs[5, 4] = 1000.0
+            with torch.no_grad():
+                mu, log_std = policy(obs)
+                act = torch.tanh(mu + log_std.exp() * torch.randn(mu.shape, generator=g))
+                rewards = M.airl_reward(disc(obs, act), naive=naive)
+            loss = loss_fn(policy(obs), act, rewards)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        rec.detach()
+    return policy
+
+
+def test_airl_reward_written_with_sigmoid_names_the_rewards_argument_and_its_row(tmp_path):
+    """``-log(1 - D)`` of D rounded to 1 is a +inf reward in row 5; the loss's advantage
+    normalisation makes NaN of it (inf - inf). The report names the rewards argument, row 5,
+    cause input, and says to make the reward finite where the loop computed it, from the
+    logit, not to clamp a "log-probability" (no KLDivLoss here: no log_target)."""
+    err = raised(train_airl_policy, tmp_path, naive=True)
+    ev = err.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        2, "input", "loss_args[2]", [5]), ev
+    rep = nanreplay_json(err.bundle_path)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [5]), rep
+    hint = rep["hint"]
+    assert hint.startswith("loss_args[2] (rewards) holds +inf and no NaN"), hint
+    assert "a finite ceiling (1e4)" in hint and "log_target" not in hint, hint
+    assert "the logit itself for log D - log(1 - D)" in hint, hint
+
+
+def test_airl_reward_as_the_logit_trains_through_the_same_state(tmp_path):
+    """The reward as D's logit (``log D - log(1 - D)`` exactly): no event."""
+    train_airl_policy(tmp_path, naive=False)
+    assert not list(tmp_path.glob("*.nan"))
