@@ -6,6 +6,8 @@ against policy pairs."""
 
 from __future__ import annotations
 
+import json
+
 import imitation_learning_models as M
 import pytest
 import torch
@@ -35,9 +37,11 @@ def demo_set(n_batches: int = 5):
 
 
 def train_bc(out_dir, make: str = "make_policy", record: bool = True, plant=None,
-             clip: float | None = None, epochs: int = 1, resume: dict | None = None):
+             clip: float | None = None, epochs: int = 1, resume: dict | None = None,
+             accum: int = 1, bf16: bool = False):
     """BC over ``demo_set``; ``plant(obs, act, mask)`` edits the dataset before training;
-    ``resume``: the policy's checkpoint to go on from."""
+    ``resume``: the policy's checkpoint to go on from; ``accum`` micro-batches a step, the
+    forward under bf16 autocast with ``bf16``."""
     obs, act, mask = demo_set()
     if plant is not None:
         plant(obs, act, mask)
@@ -53,9 +57,12 @@ def train_bc(out_dir, make: str = "make_policy", record: bool = True, plant=None
     try:
         for _ in range(epochs):
             for o, a, m in loader:
-                loss = loss_fn(policy(o), a, m, clip=clip)
                 opt.zero_grad()
-                loss.backward()
+                for oc, ac, mc in zip(o.chunk(accum), a.chunk(accum), m.chunk(accum)):
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        out = policy(oc)
+                    loss = loss_fn(tuple(t.float() for t in out), ac, mc, clip=clip) / accum
+                    loss.backward()
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
                 opt.step()
                 sched.step()
@@ -94,6 +101,22 @@ def test_expert_action_at_the_bound_names_atanh_and_its_demo(tmp_path):
     assert o["source"] == source_line(MODELS, "u = torch.atanh(actions)")
     assert "clamp its input inside (-1, 1)" in rep["hint"], rep["hint"]
     assert "clamp the actions first, as SB3's TanhBijector.inverse does" in rep["hint"]
+
+
+def test_bf16_micro_batches_name_the_micro_batch_and_its_row(tmp_path):
+    """Under bf16 autocast, two micro-batches of 4 a step, demo 6 of batch 2 opens the gripper
+    at exactly -1: row 2 of micro-batch 1. The report names atanh there, and says which row of
+    the loop's batch that is (the loop chunked it)."""
+    def opened(obs, act, mask):
+        act[2 * B + 6, 0, 1] = -1.0
+
+    err = raised(train_bc, tmp_path, plant=opened, accum=2, bf16=True)
+    assert (err.event["step"], err.event["phase"], err.event["micro_batch"]) == (2, "loss", 1)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["made"], o["micro_batch"], o["samples"]) == (
+        "invalid", "aten.atanh", "-inf", 1, [2]), rep
+    assert "samples [2] are rows [6] there" in json.dumps(rep), rep
 
 
 def padded_gripper(obs, act, mask):
