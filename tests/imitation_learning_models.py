@@ -12,6 +12,9 @@
 - ``TransformerPolicy``: robomimic's BC-Transformer: the demo's frames embedded with a
   learned position, a causal ``nn.TransformerEncoder`` given the padding as
   ``src_key_padding_mask``, a Gaussian head at every step.
+- ``NoisePredictor``: Diffusion Policy's noise-prediction head over (state, noisy action,
+  timestep) with a DDPM schedule rescaled to zero terminal SNR (Lin et al.'s
+  ``rescale_zero_terminal_snr``) and the min-SNR-gamma loss weight.
 - ``Discriminator``: GAIL / AIRL's discriminator ``D(s, a)`` trained with BCE on expert
   against policy pairs, and the reward ``-log(1 - D)`` written with ``sigmoid``.
 """
@@ -144,6 +147,49 @@ class TransformerPolicy(nn.Module):
 def make_transformer() -> TransformerPolicy:
     torch.manual_seed(0)
     return TransformerPolicy()
+
+
+STEPS = 20  # diffusion timesteps
+
+
+class NoisePredictor(nn.Module):
+    """``eps(s, a_t, t)``: an MLP on the state, the noisy action and a sinusoidal embedding."""
+
+    def __init__(self, emb: int = 8):
+        super().__init__()
+        self.emb = emb
+        self.net = mlp(OBS + ACT + emb, ACT)
+
+    def forward(self, obs, noisy, t):
+        freqs = torch.exp(-math.log(1000.0) * torch.arange(self.emb // 2) / (self.emb // 2))
+        ang = t[:, None].float() * freqs
+        return self.net(torch.cat([obs, noisy, ang.sin(), ang.cos()], -1))
+
+
+def make_noise_predictor() -> NoisePredictor:
+    torch.manual_seed(0)
+    return NoisePredictor()
+
+
+def alphas_cumprod(zero_terminal_snr: bool) -> torch.Tensor:
+    """The ``squaredcos_cap_v2`` schedule; rescaled (diffusers' ``rescale_zero_terminal_snr``)
+    its last ``alpha_bar`` is exactly 0."""
+    t = torch.arange(STEPS + 1, dtype=torch.float64) / STEPS
+    f = torch.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+    betas = (1 - f[1:] / f[:-1]).clamp(max=0.999)
+    sqrt_ab = torch.cumprod(1 - betas, 0).sqrt()
+    if zero_terminal_snr:
+        first, last = sqrt_ab[0].clone(), sqrt_ab[-1].clone()
+        sqrt_ab = (sqrt_ab - last) * first / (first - last)
+    return (sqrt_ab ** 2).float()
+
+
+def min_snr_loss(pred, noise, t, alphas_cumprod, gamma: float = 5.0):
+    """Epsilon-prediction MSE weighted by min-SNR-gamma: ``min(snr, gamma) / snr``."""
+    ab = alphas_cumprod[t]
+    snr = ab / (1 - ab)
+    w = snr.clamp(max=gamma) / snr  # the bug at zero terminal SNR: 0 / 0 where t = T - 1
+    return (w * ((pred - noise) ** 2).mean(-1)).mean()
 
 
 class Discriminator(nn.Module):

@@ -409,3 +409,62 @@ def test_airl_reward_as_the_logit_trains_through_the_same_state(tmp_path):
     """The reward as D's logit (``log D - log(1 - D)`` exactly): no event."""
     train_airl_policy(tmp_path, naive=False)
     assert not list(tmp_path.glob("*.nan"))
+
+
+def train_diffusion(out_dir, zero_snr: bool, record: bool = True, steps: int = 6):
+    """Diffusion Policy's training step: a timestep per sample, the expert action noised to
+    it, the noise predicted; AdamW, an EMA-free loop."""
+    net = M.make_noise_predictor()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=1e-6)
+    ab = M.alphas_cumprod(zero_snr)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(net, opt, loss_fn=M.min_snr_loss, out_dir=out_dir,
+                         factory="imitation_learning_models:make_noise_predictor") if record \
+        else None
+    loss_fn = rec.attach().loss_fn if rec else M.min_snr_loss
+    seen = []
+    try:
+        for _ in range(steps):
+            obs, act, _, _ = pairs(g, 8)
+            t = torch.randint(0, M.STEPS, (8,), generator=g)
+            seen.append(t)
+            noise = torch.randn(act.shape, generator=g)
+            a = ab[t][:, None]
+            noisy = a.sqrt() * act + (1 - a).sqrt() * noise
+            loss = loss_fn(net(obs, noisy, t), noise, t, ab)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+    finally:
+        if rec:
+            rec.detach()
+    return net, seen
+
+
+def test_min_snr_weight_at_zero_terminal_snr_names_the_division_and_the_last_timestep_rows(
+        tmp_path):
+    """Rescaled to zero terminal SNR, the schedule's last ``alpha_bar`` is 0, so the min-SNR
+    weight ``min(snr, 5) / snr`` is 0/0 for every sample drawn at t = T - 1 (step 0 draws
+    one). The report names the division in the loss and exactly those rows."""
+    with pytest.raises(NonFiniteError) as info:
+        train_diffusion(tmp_path, zero_snr=True)
+    err = info.value
+    assert (err.event["step"], err.event["phase"], err.event["kind"]) == (0, "loss", "nan")
+    g = torch.Generator().manual_seed(0)
+    pairs(g, 8)
+    last = torch.randint(0, M.STEPS, (8,), generator=g).eq(M.STEPS - 1).nonzero().flatten()
+    assert last.tolist(), "step 0 drew no last timestep"
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["samples"]) == (
+        "invalid", "aten.div", "<loss>", last.tolist()), rep
+    assert o["source"] == source_line(MODELS, "w = snr.clamp(max=gamma) / snr")
+
+
+def test_diffusion_policy_without_zero_terminal_snr_trains_as_unrecorded(tmp_path):
+    """The capped cosine schedule keeps every ``alpha_bar`` > 0: no event, same weights."""
+    got, _ = train_diffusion(tmp_path, zero_snr=False)
+    want, _ = train_diffusion(tmp_path, zero_snr=False, record=False)
+    assert same_weights(got, want)
+    assert not list(tmp_path.glob("*.nan"))
