@@ -406,11 +406,11 @@ DO = {
               "arithmetic) is at that edge: clamp p first, p.clamp(1e-6, 1 - 1e-6) in float32 "
               "(MACER clamps to [0.02, 0.98]), or take the quantile of a probability kept in "
               "log space",
-    "atanh": "clamp its input inside (-1, 1) with an eps the type resolves "
-             "(x.clamp(-1 + 1e-5, 1 - 1e-5) in float32, where 1 - 1e-8 and 1 - 1e-15 are 1), or "
-             "compute in float64; a hyperbolic log map's artanh(sqrt(c) |x|) reaches 1 where a "
-             "point sits on the ball's boundary: project the points to a norm of at most "
-             "1 - eps, an eps the type resolves",
+    "atanh": "clamp its input inside (-1, 1) with an eps the type resolves (x.clamp(-1 + 1e-5, "
+             "1 - 1e-5) in float32, where 1 - 1e-8 and 1 - 1e-15 are 1), or compute in float64; "
+             "a tanh-squashed policy's atanh(a) of an expert action at its bound (+-1): clamp "
+             "the actions first, as SB3's TanhBijector.inverse does; a hyperbolic log map's "
+             "artanh(sqrt(c) |x|) of a point on the ball's boundary: project to a norm 1 - eps",
     "stable": "use a numerically stable formula (torch.var / torch.std or centring before "
               "squaring for a variance; logsigmoid or binary_cross_entropy_with_logits for "
               "log(1 - sigmoid(z)); log1p, expm1) or clamp to the domain before the op",

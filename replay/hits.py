@@ -90,6 +90,10 @@ class Evidence:
     own_zero_after: str | None = None
     # a matrix product's square inputs' spectral radii (replay.operator_power)
     radii: list = field(default_factory=list)
+    # a positive op's result plus a number, per input (replay.shifted_positive)
+    shifted: list[str | None] = field(default_factory=list)
+    # exp of a model parameter (name, lowest value) per input (replay.exp_param)
+    exp_param: list = field(default_factory=list)
     # a pole's 0 that a matrix product's all-0 column or row made (replay.zero_operand)
     zero_operand: str | None = None
 

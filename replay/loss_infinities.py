@@ -18,7 +18,7 @@ from recorder.finite import finite
 
 from .loss_arg_name import with_param_name
 
-__all__ = ["LossCall", "others_text"]
+__all__ = ["LossCall", "infinity_advice", "others_text"]
 
 
 class LossCall:
@@ -55,3 +55,19 @@ def others_text(call: LossCall, tensor: str, loss_fn) -> str:
 def _holds(top: str, tensor: str) -> bool:
     """Whether ``tensor`` is the top-level argument ``top`` or an element of it."""
     return tensor == top or tensor.startswith((top + "[", top + "."))
+
+
+def infinity_advice(made: str, loss_fn) -> str:
+    """What to do about a loss argument's ``made`` (``"+inf"``, ``"-inf"``) that the loss
+    made NaN of: bounded by a number of its sign; ``log_target`` only for a loss that has it
+    (``KLDivLoss``, or one held by the loss); and where the loop made it (a reward another network's saturated
+    ``log(1 - sigmoid)`` gave: GAIL's and AIRL's discriminators)."""
+    bound = "a finite floor (-1e4)" if made == "-inf" else "a finite ceiling (1e4)"
+    mods = loss_fn.modules() if isinstance(loss_fn, torch.nn.Module) else [loss_fn]
+    kl = (" or give the loss probabilities (log_target=False)"
+          if any(hasattr(m, "log_target") for m in mods) else "")
+    return (f"A {made} made on purpose (a log-probability of exactly 0, a masked class) must "
+            f"not reach that op: clamp it to {bound}{kl}. One the loop computed (a reward or "
+            "log-ratio from another network: log(1 - D) of a discriminator's sigmoid rounded "
+            "to 1) is better made finite there, from the logit (logsigmoid(-z), the logit "
+            "itself for log D - log(1 - D)); else check the data pipeline for these samples")

@@ -17,6 +17,7 @@ from .fresh import fresh_positions, inputs_there, made_there
 from .hits import Evidence, OpHit
 from .op_inputs import values_at
 from .operator_power import radii
+from .shifted_positive import shifted_maker
 from .source import user_source
 from .underflow_advice import made_by_exp
 
@@ -77,6 +78,8 @@ def op_evidence(func, given, outs: list[torch.Tensor], f,
                     squared=[f.partly.squared(t) for t in ins],
                     of_exp=[t in f.exps or made_by_exp(t) for t in ins],
                     chained=[chain_length(t) for t in ins],
+                    shifted=[f.shifted.get(t) or shifted_maker(t) for t in ins],
+                    exp_param=[f.exp_param.of(t) for t in ins],
                     local64=local,
                     complement=[f.saturation.complement(t) for t in ins],
                     power=[f.saturation.power(t) for t in ins],

@@ -31,6 +31,7 @@ from .compat import TorchDispatchMode, running_node, tree_leaves, writes_argumen
 from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
 from .earlier_nan import earlier_nan
+from .exp_param import ExpOfParam
 from .folds import folded_inputs, folds
 from .fresh import POINTWISE
 from .hits import Evidence, OpHit, exact_pole
@@ -38,7 +39,7 @@ from .lineage import Lineage, pole_inputs
 from .literal_fill import literals
 from .lost_eps import LostEps
 from .masked_product import mask_after_pole, nan_times_zero
-from .memo import TensorSet
+from .memo import TensorMarks, TensorSet
 from .moved import Moved
 from .nan_rows import nan_rows
 from .op_evidence import made_beside, op_evidence
@@ -52,6 +53,7 @@ from .read_numbers import ReadNumbers
 from .recurring import widen_rows
 from .reordered import Reordered
 from .saturation import Saturation, made_unit
+from .shifted_positive import shifted_maker
 from .source import user_source
 from .storages import storage_of
 from .underflow_advice import made_by_exp
@@ -183,6 +185,8 @@ class OpFinder:
         self.sizes: dict[str, list[float]] = {}  # each op's finite calls' largest magnitude
         self._positive = TensorSet()  # tensors exact arithmetic keeps > 0
         self.exps = TensorSet()  # exp's own results (a log of one: replay.underflow_advice)
+        self.shifted = TensorMarks()  # softplus(s) + min_std's maker (replay.shifted_positive)
+        self.exp_param = ExpOfParam()  # exp of a parameter (a policy's log_std.exp())
         self.partly = Partly()  # and those it keeps > 0 at some positions (a bool mask each)
         self.saturation = Saturation()  # and 1 - tanh(u)², which rounding can make 0
         self.cancellation = Cancellation()  # and E[x²] - E[x]², which it can make < 0
@@ -236,6 +240,9 @@ class OpFinder:
         self.partly.mark_filled(fn, t)  # (a softmax over a fill: positive where non-zero)
         if made_by_exp(t, fn=fn):
             self.exps.add(t)
+        if op := shifted_maker(t, fn=fn):
+            self.shifted.put(t, op)
+        self.exp_param.mark(fn, t, self.names)
         if made_unit(fn):
             self.saturation.mark_unit(t)
 
@@ -274,6 +281,7 @@ class OpFinder:
         if positive_result(name, ins, leaves, self.positive):
             for t in outs:
                 self._positive.add(t)
+        self.exp_param.track(name, ins, outs, leaves)
         self.saturation.track(name, ins, outs, leaves)
         self.cancellation.track(name, ins, outs, leaves)
 

@@ -38,7 +38,7 @@ from .loss_arg_name import with_param_name
 from .loss_args import loss_args, loss_samples
 from .loss_factor import infinite_factor_hint
 from .loss_grad import node_in_loss, probed_report
-from .loss_infinities import LossCall, others_text
+from .loss_infinities import LossCall, infinity_advice, others_text
 from .loss_maker import loss_op_finder, made_in_loss
 from .losses import held_state_cause, non_finite_loss_state
 from .masked_pole import with_masked_pole
@@ -212,10 +212,8 @@ def infinity_the_loss_took(step: Step, origin: dict[str, Any]) -> str | None:
     others = others_text(call, tensor, step.loss_fn)
     of = "of infinities" if others else "of it"
     return (f"{with_param_name(tensor, step.loss_fn)} holds {made} and no NaN{others}, and "
-            f"the loss made NaN {of}: {hit.op}{at} computed {what}. A {made} made on purpose (a log-probability of exactly 0, a "
-            "masked class) must not reach that op: clamp it to a finite floor (-1e4) or give "
-            "the loss probabilities (log_target=False); else check the data pipeline for "
-            "these samples")
+            f"the loss made NaN {of}: {hit.op}{at} computed {what}. "
+            + infinity_advice(made, step.loss_fn))
 
 
 def report_loss_not_in_bundle(report, step: Step) -> dict[str, Any]:

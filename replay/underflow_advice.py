@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from .cause_text import DO
 from .chain_product import CHAIN, LEAST
+from .exp_param import exp_param_advice
 from .positive import node_op
+from .shifted_positive import ADVICE as SHIFTED
 
 _DIVISIONS = {"div", "div_", "reciprocal", "reciprocal_", "rsqrt", "rsqrt_"}
 _LOGS = {"log", "log_", "log2", "log10"}
@@ -51,8 +53,11 @@ def made_by_exp(t, depth: int = 6, fn=None) -> bool:
 def underflow_advice(name: str, ev, i: int) -> str:
     """``DO["log_space"]`` unless input ``i`` of op ``name`` is a divisor no exponential made
     or (first) a log's input that exp itself made."""
+    if name in _DIVISIONS and (name != "div" or i == 1) and (p := exp_param_advice(ev, i)):
+        return p
     if name in _DIVISIONS and not ev.exp_made[i] and (name != "div" or i == 1):
-        return FLOOR
+        op = ev.shifted[i] if i < len(ev.shifted) else None
+        return SHIFTED.format(op=op) if op else FLOOR
     if (name in _LOGS or name in _DIVISIONS) and i < len(ev.chained) \
             and ev.chained[i] >= LEAST:  # (before FLOOR: a chain's 0 has a log-space form)
         return CHAIN.format(n=ev.chained[i])
