@@ -1,0 +1,246 @@
+"""Boltzmann generators written as Noé et al. (2019) and bgflow write them, for
+``test_boltzmann_generators``.
+
+- ``RealNVP``: affine coupling layers over a particle configuration flattened to
+  ``(B, n * dim)``, alternating binary masks, an MLP conditioner giving the log-scale ``s``
+  and shift ``t``; ``forward(z)`` samples (latent to configuration) and returns ``(x,
+  log|det J|)``, ``forward(x, inverse=True)`` maps MD frames back to the latent for maximum
+  likelihood. ``make_flow`` keeps ``s`` unbounded (``exp(s)``), ``make_flow_tanh`` bounds it
+  with ``scale * tanh(s)`` as bgflow's ``AffineTransformer`` and nflows do.
+- Energies in torch: ``LennardJones`` (bgflow's ``LennardJonesPotential``: ``4 eps ((s/r)^12
+  - (s/r)^6)`` over pairs plus a harmonic oscillator keeping the cluster centred), with the
+  pair distances taken three ways (``torch.cdist`` with the diagonal masked by a product, a
+  hand-written ``sqrt`` over the upper triangle, ``torch.cdist`` over the upper triangle);
+  ``BoltzmannGenerator`` holds the flow and the energy, as bgflow's does;
+  ``DoubleWell`` (the paper's ``1/4 a x1^4 - 1/2 b x1^2 + c x1 + 1/2 d x2^2``).
+- Losses: ``ReverseKL`` (energy of the sample minus ``log|det J|``, energies above a cutoff
+  regularised log-linearly as bgflow's ``linlogcut``, or taken raw with ``cut=False``), ``MaxLikelihood`` (the standard
+  normal's log-density of the latent plus ``log|det J|``), ``ReweightedKL`` (self-normalised
+  importance weights ``exp(-beta u(x) - log q(x))`` of the flow's samples at an annealed
+  inverse temperature, reweighting ``-log q``; ``log_space=True`` normalises them with a
+  softmax of the log-weights).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+N_PARTICLES, DIM = 4, 2
+
+
+class Conditioner(nn.Module):
+    """The coupling's MLP: the kept coordinates to ``(s, t)`` of the transformed ones."""
+
+    def __init__(self, features: int, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.SiLU(),
+                                 nn.Linear(hidden, hidden), nn.SiLU(),
+                                 nn.Linear(hidden, 2 * features))
+
+    def forward(self, x):
+        s, t = self.net(x).chunk(2, dim=-1)
+        return s, t
+
+
+class AffineCoupling(nn.Module):
+    """RealNVP's coupling: ``y = x * m + (1 - m) * (x * exp(s) + t)``, ``s, t = f(x * m)``."""
+
+    def __init__(self, mask: torch.Tensor, bounded: bool):
+        super().__init__()
+        self.register_buffer("mask", mask)
+        self.cond = Conditioner(mask.numel())
+        self.bounded = bounded
+        self.log_scale_max = nn.Parameter(torch.ones(mask.numel()))
+
+    def scale(self, s):
+        if self.bounded:  # bgflow / nflows: a bounded log-scale
+            return self.log_scale_max * torch.tanh(s)
+        return s
+
+    def forward(self, x, inverse: bool = False):
+        m = self.mask
+        s, t = self.cond(x * m)
+        s = self.scale(s) * (1 - m)
+        t = t * (1 - m)
+        if inverse:
+            y = x * m + (1 - m) * (x - t) * torch.exp(-s)
+            return y, -s.sum(-1)
+        y = x * m + (1 - m) * (x * torch.exp(s) + t)
+        return y, s.sum(-1)
+
+
+class RealNVP(nn.Module):
+    def __init__(self, features: int = N_PARTICLES * DIM, layers: int = 4,
+                 bounded: bool = False):
+        super().__init__()
+        masks = [(torch.arange(features) + i) % 2 for i in range(layers)]
+        self.layers = nn.ModuleList(AffineCoupling(m.float(), bounded) for m in masks)
+
+    def forward(self, v, inverse: bool = False):
+        logdet = torch.zeros(v.shape[0])
+        for layer in (reversed(self.layers) if inverse else self.layers):
+            v, ld = layer(v, inverse=inverse)
+            logdet = logdet + ld
+        return v, logdet
+
+
+def make_flow():
+    torch.manual_seed(0)
+    return RealNVP()
+
+
+def make_flow_tanh():
+    torch.manual_seed(0)
+    return RealNVP(bounded=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# energies
+
+
+def linlogcut(u, high: float = 1e3, maximum: float = 1e9):
+    """bgflow's regulariser: linear below ``high``, logarithmic above, capped at ``maximum``.
+    The log branch is NaN for every energy below ``high - 1``, the where never picks it."""
+    u = torch.where(u < high, u, high + torch.log(u - high + 1))
+    return torch.where(u < maximum, u, torch.full_like(u, maximum))
+
+
+class LennardJones(nn.Module):
+    """bgflow's LennardJonesPotential over ``n`` particles in ``dim`` dimensions, with its
+    harmonic oscillator; ``distances`` picks how the pair distances are taken."""
+
+    def __init__(self, distances: str = "cdist_triu", eps: float = 1.0, sigma: float = 1.0,
+                 oscillator: float = 0.5):
+        super().__init__()
+        self.distances, self.eps, self.sigma, self.oscillator = distances, eps, sigma, oscillator
+
+    def pair_energy(self, r):
+        return 4 * self.eps * ((self.sigma / r) ** 12 - (self.sigma / r) ** 6)
+
+    def forward(self, x):
+        pos = x.view(x.shape[0], N_PARTICLES, DIM)
+        iu = torch.triu_indices(N_PARTICLES, N_PARTICLES, offset=1)
+        if self.distances == "cdist_masked":
+            r = torch.cdist(pos, pos)
+            mask = 1 - torch.eye(N_PARTICLES)  # the bug: the diagonal's 1/0 is inf, inf * 0 NaN
+            lj = 0.5 * (self.pair_energy(r) * mask).sum((-1, -2))
+        elif self.distances == "sqrt_triu":
+            diff = pos[:, :, None, :] - pos[:, None, :, :]
+            r = (diff ** 2).sum(-1).sqrt()  # the bug: sqrt of the diagonal's 0, then picked out
+            lj = self.pair_energy(r[:, iu[0], iu[1]]).sum(-1)
+        else:
+            r = torch.cdist(pos, pos)[:, iu[0], iu[1]]
+            lj = self.pair_energy(r).sum(-1)
+        centred = pos - pos.mean(1, keepdim=True)
+        return lj + 0.5 * self.oscillator * (centred ** 2).sum((-1, -2))
+
+
+class DoubleWell(nn.Module):
+    """The Boltzmann generator paper's double well (in 2-D; the other coordinates are
+    harmonic)."""
+
+    def __init__(self, a: float = 1.0, b: float = 6.0, c: float = 1.0, d: float = 1.0):
+        super().__init__()
+        self.a, self.b, self.c, self.d = a, b, c, d
+
+    def forward(self, x):
+        x1, rest = x[:, 0], x[:, 1:]
+        return (0.25 * self.a * x1 ** 4 - 0.5 * self.b * x1 ** 2 + self.c * x1
+                + 0.5 * self.d * (rest ** 2).sum(-1))
+
+
+class BoltzmannGenerator(nn.Module):
+    """bgflow's ``BoltzmannGenerator``: the flow and the target energy in one module, whose
+    forward samples and returns ``(x, log|det J|, u(x))``."""
+
+    def __init__(self, distances: str):
+        super().__init__()
+        self.flow, self.energy = RealNVP(), LennardJones(distances)
+
+    def forward(self, z):
+        x, logdet = self.flow(z)
+        return x, logdet, self.energy(x)
+
+
+def make_bg_masked():
+    torch.manual_seed(0)
+    return BoltzmannGenerator("cdist_masked")
+
+
+# ---------------------------------------------------------------------------------------------
+# losses
+
+
+def normal_log_prob(z):
+    return -0.5 * (z ** 2).sum(-1) - 0.5 * z.shape[-1] * math.log(2 * math.pi)
+
+
+class ReverseKL(nn.Module):
+    """KL(q || p) up to a constant: ``E_z[u(x) - log|det J|]`` with bgflow's linlogcut."""
+
+    def __init__(self, distances: str = "cdist_triu", cut: bool = True):
+        super().__init__()
+        self.energy, self.cut = LennardJones(distances), cut
+
+    def forward(self, x, logdet):
+        u = self.energy(x)
+        return ((linlogcut(u) if self.cut else u) - logdet).mean()
+
+
+class EnergyKL(nn.Module):
+    """Reverse KL of the energies the generator computed itself."""
+
+    def forward(self, x, logdet, u):
+        return (linlogcut(u) - logdet).mean()
+
+
+class MaxLikelihood(nn.Module):
+    """Negative log-likelihood of MD frames: ``-log N(z) - log|det J|`` of ``x -> z``."""
+
+    def forward(self, z, logdet):
+        return -(normal_log_prob(z) + logdet).mean()
+
+
+class ReweightedKL(nn.Module):
+    """Forward KL by self-normalised importance sampling of the flow's own samples, at the
+    annealed inverse temperature ``beta`` the loop sets each step (``-sum w log q``)."""
+
+    def __init__(self, log_space: bool = False):
+        super().__init__()
+        self.energy = DoubleWell()
+        self.beta, self.log_space = 1.0, log_space
+
+    def forward(self, x, logdet, z):
+        logq = normal_log_prob(z) - logdet
+        logw = (-self.beta * self.energy(x) - logq).detach()
+        if self.log_space:
+            w = torch.softmax(logw, 0)
+        else:
+            w = torch.exp(logw)  # the bug: exp of a log-weight past 88 overflows
+            w = w / w.sum()
+        return -(w * logq).sum()
+
+
+def effective_sample_size(w):
+    return w.sum() ** 2 / (w ** 2).sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+def latent_batch(g: torch.Generator, size: int = 16):
+    return torch.randn(size, N_PARTICLES * DIM, generator=g)
+
+
+def md_frames(g: torch.Generator, bad: int | None, size: int = 16):
+    """Frames of an LJ cluster around a square lattice (nm); frame ``bad`` was written in
+    the trajectory's raw unwrapped coordinates (a particle thousands of box lengths away)."""
+    lattice = torch.tensor([[0.0, 0.0], [1.1, 0.0], [0.0, 1.1], [1.1, 1.1]]) - 0.55
+    x = lattice.flatten() + 0.05 * torch.randn(size, N_PARTICLES * DIM, generator=g)
+    if bad is not None:
+        x[bad, 3] = 4.0e3
+    return x

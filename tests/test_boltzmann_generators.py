@@ -1,0 +1,212 @@
+"""End to end on Boltzmann generators (``boltzmann_generators_models``): a RealNVP flow
+trained by reverse KL against a Lennard-Jones cluster's energy (bgflow's linlogcut), by
+maximum likelihood on MD frames, and by self-normalised importance weights at an annealed
+temperature on the paper's double well. Each planted bug of the domain fires under the
+recorder and is replayed with the CLI; the healthy versions raise no event and train
+bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import boltzmann_generators_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("boltzmann_generators_models.py", text)
+
+
+def make_loss(kind: str, variant: str):
+    if kind == "bg":
+        return M.EnergyKL()
+    if kind == "kl":
+        return M.ReverseKL(variant.removesuffix("_raw"), cut=not variant.endswith("_raw"))
+    if kind == "ml":
+        return M.MaxLikelihood()
+    return M.ReweightedKL(log_space=variant == "log_space")
+
+
+BETAS = [1.0, 4.0, 12.0, 30.0]  # the annealing schedule of the reweighted runs
+
+
+def train(kind: str, make: str, out_dir, variant: str = "", bad: int | None = None,
+          steps: int = 4, record: bool = True):
+    """Adam with an exponential schedule and gradient clipping, as bgflow's examples train;
+    ``bad`` is planted in the last step's MD frames. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    crit = make_loss(kind, variant)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"boltzmann_generators_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            if kind == "ml":
+                x = M.md_frames(g, bad if step == steps - 1 else None)
+                z, logdet = model(x, inverse=True)
+                loss = loss_fn(z, logdet)
+            elif kind == "bg":
+                x, logdet, u = model(M.latent_batch(g))
+                loss = loss_fn(x, logdet, u)
+            else:
+                z = M.latent_batch(g)
+                x, logdet = model(z)
+                if kind == "reweighted":
+                    crit.beta = BETAS[step]
+                    loss = loss_fn(x, logdet, z)
+                else:
+                    loss = loss_fn(x, logdet)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(kind: str, make: str, tmp_path, variant: str = "", bad: int | None = None):
+    with pytest.raises(NonFiniteError) as info:
+        train(kind, make, tmp_path, variant, bad)
+    return info.value.event, info.value.bundle_path
+
+
+def test_lj_diagonal_masked_by_a_product_names_the_division_by_a_self_distance(tmp_path):
+    """The pair energy over ``torch.cdist(pos, pos)`` with the diagonal 'masked' by a product
+    with ``1 - eye``: ``sigma / r`` is +inf at r = 0, ``inf - inf`` NaN, and ``NaN * 0`` NaN
+    in every configuration's energy; bgflow's linlogcut then caps the NaN at its maximum (a
+    where), so the loss is finite and the NaN arrives in the backward of linlogcut's log.
+    The replay used to stop at that LogBackward0 ('the op ran outside its domain in a branch
+    masked before the output'), sending the user to linlogcut; it now names the loss op that
+    made the value the node saved: the reciprocal of the diagonal's 0, on every row, with the
+    advice to make the divisor safe before the op."""
+    ev, bundle = fire("kl", "make_flow", tmp_path, "cdist_masked")
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["all_samples"]) == (
+        True, "<loss>", "LogBackward0", True), o
+    assert o["source"] == line_of("u = torch.where(u < high, u, high + torch.log(u - high"), o
+    first = o["chain"][0]
+    assert (first["op"], first["made"], first["input_min"]) == ("aten.reciprocal", "+inf", 0), o
+    assert first["source"] == line_of("return 4 * self.eps * ((self.sigma / r) ** 12"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "made by aten.reciprocal" in rep["hint"] and "1/0" in rep["hint"], rep["hint"]
+    assert "diagonal of a square pairwise matrix" in rep["hint"], rep["hint"]
+    assert "torch.triu_indices(n, n, 1)" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kind,make,variant", [("kl", "make_flow", "cdist_masked_raw"),
+                                               ("bg", "make_bg_masked", "")])
+def test_lj_self_distance_without_the_cut_names_the_reciprocal_and_the_diagonal(
+        tmp_path, kind, make, variant):
+    """The same pair energy taken raw by the loss (no linlogcut: a loss event) or inside
+    bgflow's BoltzmannGenerator module (a forward event in its ``energy``): the replay names
+    the reciprocal of the diagonal's 0 on its line, every row, ``invalid``, and says the 0s
+    are each particle's distance to itself, to leave out before the division rather than
+    pad with an eps (the generic advice for 1/0)."""
+    ev, bundle = fire(kind, make, tmp_path, variant)
+    phase, module = ("loss", "<loss>") if kind == "kl" else ("forward", "energy")
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, phase, module), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["all_samples"]) == (
+        phase, module, "aten.reciprocal", "+inf", True), o
+    assert o["source"] == line_of("return 4 * self.eps * ((self.sigma / r) ** 12"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.reciprocal", "aten.sub"], o["chain"]
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "each point paired with itself" in rep["hint"], rep["hint"]
+    assert "torch.triu_indices(n, n, 1)" in rep["hint"], rep["hint"]
+
+
+def test_hand_written_distance_sqrt_of_the_diagonal_names_sqrt_backward(tmp_path):
+    """Pair distances written as ``sqrt(sum(diff ** 2))`` over the whole matrix, the upper
+    triangle picked afterwards: the forward is finite, but SqrtBackward0 divides the
+    diagonal's 0 incoming gradient by ``2 sqrt(0)`` (NaN) in every configuration. The replay
+    names the node, the sqrt's line, every row, and the norm that has a gradient at 0."""
+    ev, bundle = fire("kl", "make_flow", tmp_path, "sqrt_triu")
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["all_samples"]) == ("<loss>", "SqrtBackward0", True), o
+    assert o["source"] == line_of("r = (diff ** 2).sum(-1).sqrt()"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "torch.linalg.vector_norm(d, dim=-1)" in rep["hint"], rep["hint"]
+
+
+def test_unwrapped_md_frame_overflows_the_unbounded_coupling_scale(tmp_path):
+    """Maximum likelihood on MD frames, one written in the trajectory's raw unwrapped
+    coordinates (4000 nm): the conditioner's unbounded log-scale for it is in the hundreds,
+    and the inverse coupling's ``exp(-s)`` overflows. The recorder stops at that coupling's
+    call, the replay names the exp, its line, the frame, overflow with the out-of-scale data
+    and the tanh-bounded scale in the hint; dropping the frame makes the step finite."""
+    ev, bundle = fire("ml", "make_flow", tmp_path, bad=5)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        3, "forward", "layers.1", [5], "+inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["samples"]) == ("layers.1", 0, "aten.exp", [5]), o
+    assert o["source"] == line_of("y = x * m + (1 - m) * (x - t) * torch.exp(-s)"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "out of scale" in rep["hint"] and "drop=5" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def overflowing_log_weights() -> list[int]:
+    """The rows whose log-weight exceeds float32's largest exponent in the last step of an
+    unrecorded reweighted run (the replay's claim, checked independently)."""
+    model = train("reweighted", "make_flow", None, steps=3, record=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        z = M.latent_batch(g)
+    with torch.no_grad():
+        x, logdet = model(z)
+        logq = M.normal_log_prob(z) - logdet
+        logw = -BETAS[3] * M.DoubleWell()(x) - logq
+    return torch.nonzero(logw > math.log(torch.finfo(torch.float32).max)).flatten().tolist()
+
+
+def test_importance_weights_exponentiated_before_normalising_overflow_when_cooled(tmp_path):
+    """Self-normalised importance weights ``exp(logw) / sum`` at an annealed inverse
+    temperature: cooled to beta = 30, a sample deep in the double well's left well has a
+    log-weight past 88 and ``exp`` overflows, ``inf / inf`` is NaN. A loss event at the last
+    step; the replay names the exp, its line, the overflowing rows (the same an unrecorded
+    run computes), overflow, and subtracting the max (normalising in log space)."""
+    rows = overflowing_log_weights()
+    assert rows, rows
+    ev, bundle = fire("reweighted", "make_flow", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "loss", "<loss>", "aten.exp", "+inf", rows), o
+    assert o["source"] == line_of("w = torch.exp(logw)"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "subtract the row max before exp" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kind,make,variant", [
+    ("kl", "make_flow", "cdist_triu"), ("ml", "make_flow_tanh", ""),
+    ("reweighted", "make_flow", "log_space")])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, variant):
+    """The pair energy over cdist's upper triangle with linlogcut (whose log branch is NaN
+    for every energy below the cutoff, never picked: a NaN that stays inside the where), the
+    tanh-bounded coupling on the same frames with the unwrapped one, and the importance
+    weights normalised by a softmax of the log-weights at beta = 30: no event, and
+    bit-identical weights with and without the recorder."""
+    bad = 5 if kind == "ml" else None
+    recorded = train(kind, make, tmp_path, variant, bad)
+    plain = train(kind, make, tmp_path, variant, bad, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+        assert torch.isfinite(a).all(), name
