@@ -7,6 +7,9 @@
   log|det J|)``, ``forward(x, inverse=True)`` maps MD frames back to the latent for maximum
   likelihood. ``make_flow`` keeps ``s`` unbounded (``exp(s)``), ``make_flow_tanh`` bounds it
   with ``scale * tanh(s)`` as bgflow's ``AffineTransformer`` and nflows do.
+- ``NeuralSplineFlow``: rational-quadratic spline couplings (Durkan et al.) sampled by the
+  root of the spline's quadratic, identity tails outside ``[-3, 3]`` chosen by a where;
+  ``make_spline_flow_safe`` replaces the tails' values before the spline, as nflows does.
 - Energies in torch: ``LennardJones`` (bgflow's ``LennardJonesPotential``: ``4 eps ((s/r)^12
   - (s/r)^6)`` over pairs plus a harmonic oscillator keeping the cluster centred), with the
   pair distances taken three ways (``torch.cdist`` with the diagonal masked by a product, a
@@ -95,6 +98,84 @@ def make_flow():
 def make_flow_tanh():
     torch.manual_seed(0)
     return RealNVP(bounded=True)
+
+
+def rq_spline_inverse(y, uw, uh, ud, bound: float = 3.0, min_d: float = 1e-3,
+                      safe: bool = False):
+    """Durkan et al.'s rational-quadratic spline on ``[-bound, bound]``, inverted by the root
+    of its quadratic (the sampling direction); identity tails outside the interval. ``safe``:
+    the tails' values replaced by 0 before the spline (nflows runs it on the inside only)."""
+    k_bins = uw.shape[-1]
+    inside = (y > -bound) & (y < bound)
+    y_tails = y
+    if safe:
+        y = torch.where(inside, y, torch.zeros_like(y))
+    w = 2 * bound * torch.softmax(uw, -1)
+    h = 2 * bound * torch.softmax(uh, -1)
+    d = nn.functional.pad(nn.functional.softplus(ud) + min_d, (1, 1), value=1.0)
+    cw = nn.functional.pad(torch.cumsum(w, -1), (1, 0)) - bound
+    ch = nn.functional.pad(torch.cumsum(h, -1), (1, 0)) - bound
+    k = torch.searchsorted(ch[..., 1:-1].contiguous(), y[..., None]).clamp(max=k_bins - 1)
+    xk, yk = cw.gather(-1, k)[..., 0], ch.gather(-1, k)[..., 0]
+    wk, hk = w.gather(-1, k)[..., 0], h.gather(-1, k)[..., 0]
+    dk, dk1 = d.gather(-1, k)[..., 0], d.gather(-1, k + 1)[..., 0]
+    s = hk / wk
+    a = (y - yk) * (dk + dk1 - 2 * s) + hk * (s - dk)
+    b = hk * dk - (y - yk) * (dk + dk1 - 2 * s)
+    c = -s * (y - yk)
+    theta = 2 * c / (-b - torch.sqrt(b ** 2 - 4 * a * c))  # the bug: run on the tails too
+    t1 = theta * (1 - theta)
+    den = s + (dk + dk1 - 2 * s) * t1
+    dnum = s ** 2 * (dk1 * theta ** 2 + 2 * s * t1 + dk * (1 - theta) ** 2)
+    logdet = 2 * torch.log(den) - torch.log(dnum)
+    # identity tails by a where, where nflows computes the spline on the inside values only
+    return torch.where(inside, theta * wk + xk, y_tails), torch.where(inside, logdet, 0.0)
+
+
+class SplineCoupling(nn.Module):
+    """A neural spline flow's coupling: the conditioner gives each transformed coordinate's
+    bin widths, heights and inner derivatives."""
+
+    def __init__(self, mask: torch.Tensor, safe: bool, bins: int = 8, hidden: int = 32):
+        super().__init__()
+        self.register_buffer("mask", mask.bool())
+        self.safe = safe
+        n_in, n_out = int(self.mask.sum()), int((~self.mask).sum())
+        self.bins = bins
+        self.net = nn.Sequential(nn.Linear(n_in, hidden), nn.SiLU(),
+                                 nn.Linear(hidden, n_out * (3 * bins - 1)))
+
+    def forward(self, z):
+        params = self.net(z[:, self.mask]).view(z.shape[0], -1, 3 * self.bins - 1)
+        uw, uh, ud = params.split([self.bins, self.bins, self.bins - 1], -1)
+        y, logdet = rq_spline_inverse(z[:, ~self.mask], uw, uh, ud, safe=self.safe)
+        x = z.clone()
+        x[:, ~self.mask] = y
+        return x, logdet.sum(-1)
+
+
+class NeuralSplineFlow(nn.Module):
+    def __init__(self, features: int = N_PARTICLES * DIM, layers: int = 4, safe: bool = False):
+        super().__init__()
+        masks = [(torch.arange(features) + i) % 2 for i in range(layers)]
+        self.layers = nn.ModuleList(SplineCoupling(m, safe) for m in masks)
+
+    def forward(self, z):
+        logdet = torch.zeros(z.shape[0])
+        for layer in self.layers:
+            z, ld = layer(z)
+            logdet = logdet + ld
+        return z, logdet
+
+
+def make_spline_flow():
+    torch.manual_seed(0)
+    return NeuralSplineFlow()
+
+
+def make_spline_flow_safe():
+    torch.manual_seed(0)
+    return NeuralSplineFlow(safe=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +276,17 @@ class EnergyKL(nn.Module):
 
     def forward(self, x, logdet, u):
         return (linlogcut(u) - logdet).mean()
+
+
+class DoubleWellKL(nn.Module):
+    """Reverse KL against the double well: ``E_z[u(x) - log|det J|]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.energy = DoubleWell()
+
+    def forward(self, x, logdet):
+        return (self.energy(x) - logdet).mean()
 
 
 class MaxLikelihood(nn.Module):

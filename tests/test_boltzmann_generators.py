@@ -27,6 +27,8 @@ def line_of(text: str) -> str:
 def make_loss(kind: str, variant: str):
     if kind == "bg":
         return M.EnergyKL()
+    if kind == "spline":
+        return M.DoubleWellKL()
     if kind == "kl":
         return M.ReverseKL(variant.removesuffix("_raw"), cut=not variant.endswith("_raw"))
     if kind == "ml":
@@ -58,6 +60,9 @@ def train(kind: str, make: str, out_dir, variant: str = "", bad: int | None = No
             elif kind == "bg":
                 x, logdet, u = model(M.latent_batch(g))
                 loss = loss_fn(x, logdet, u)
+            elif kind == "spline":
+                x, logdet = model(M.latent_batch(g))
+                loss = loss_fn(x, logdet)
             else:
                 z = M.latent_batch(g)
                 x, logdet = model(z)
@@ -194,13 +199,48 @@ def test_importance_weights_exponentiated_before_normalising_overflow_when_coole
     assert "subtract the row max before exp" in rep["hint"], rep["hint"]
 
 
+def first_latent_in_a_tail() -> tuple[int, list[int]]:
+    """The first spline coupling given a value outside the spline's interval in the first
+    step, and those rows (counted by hooks on an unrecorded model)."""
+    model = M.make_spline_flow()
+    seen: list[tuple[int, torch.Tensor]] = []
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(
+            lambda m, a, i=i: seen.append((i, (a[0][:, ~m.mask].abs() >= 3).any(1))))
+    model(M.latent_batch(torch.Generator().manual_seed(0)))
+    i, rows = next((i, rows) for i, rows in seen if rows.any())
+    return i, torch.nonzero(rows).flatten().tolist()
+
+
+def test_spline_root_on_the_tails_names_the_sqrt_the_where_dropped(tmp_path):
+    """A neural spline flow sampled by the root of its quadratic, the identity tails chosen
+    by ``torch.where(inside, spline, y)`` after running the spline on every value: a latent
+    beyond 3 (one in 370 per coordinate of a standard normal) has a negative discriminant,
+    ``sqrt`` makes NaN, the where drops it, and its backward multiplies it by 0. A backward
+    event at step 0; the replay names the node in the first coupling given a tail value, the
+    sqrt that made the NaN on its line, that sample, and the safe input before the op."""
+    layer, rows = first_latent_in_a_tail()
+    ev, bundle = fire("spline", "make_spline_flow", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == (f"layers.{layer}", "MulBackward0", rows), o
+    assert o["source"] == line_of("return torch.where(inside, theta * wk + xk, y_tails)"), o
+    assert (o["chain"][0]["op"], o["chain"][0]["made"]) == ("aten.sqrt", "nan"), o["chain"]
+    assert o["chain"][0]["source"] == line_of("theta = 2 * c / (-b - torch.sqrt("), o
+    assert rep["cause"] == "invalid" and "sqrt of a negative" in rep["hint"], rep["hint"]
+    assert "make the op's input safe before the op" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make,variant", [
     ("kl", "make_flow", "cdist_triu"), ("ml", "make_flow_tanh", ""),
+    ("spline", "make_spline_flow_safe", ""),
     ("reweighted", "make_flow", "log_space")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, variant):
     """The pair energy over cdist's upper triangle with linlogcut (whose log branch is NaN
     for every energy below the cutoff, never picked: a NaN that stays inside the where), the
-    tanh-bounded coupling on the same frames with the unwrapped one, and the importance
+    tanh-bounded coupling on the same frames with the unwrapped one, the spline flow whose
+    tails are replaced before the spline (NaN nowhere), and the importance
     weights normalised by a softmax of the log-weights at beta = 30: no event, and
     bit-identical weights with and without the recorder."""
     bad = 5 if kind == "ml" else None
