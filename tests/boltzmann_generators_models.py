@@ -21,7 +21,8 @@
   normal's log-density of the latent plus ``log|det J|``), ``ReweightedKL`` (self-normalised
   importance weights ``exp(-beta u(x) - log q(x))`` of the flow's samples at an annealed
   inverse temperature, reweighting ``-log q``; ``log_space=True`` normalises them with a
-  softmax of the log-weights).
+  softmax of the log-weights); ``ReweightedML`` (MD frames simulated warmer, reweighted to
+  the target temperature by a softmax of their energies).
 """
 
 from __future__ import annotations
@@ -316,6 +317,21 @@ class ReweightedKL(nn.Module):
         return -(w * logq).sum()
 
 
+class ReweightedML(nn.Module):
+    """Maximum likelihood of MD frames simulated at ``beta_md``, reweighted to the target's
+    ``beta`` by ``softmax(-(beta - beta_md) u(x))`` (normalised in log space)."""
+
+    def __init__(self, beta_md: float = 0.8, beta: float = 1.0):
+        super().__init__()
+        self.energy = LennardJones()
+        self.beta_md, self.beta = beta_md, beta
+
+    def forward(self, z, logdet, x):
+        logw = -(self.beta - self.beta_md) * self.energy(x)
+        w = torch.softmax(logw, 0)
+        return -(w * (normal_log_prob(z) + logdet)).sum()
+
+
 def effective_sample_size(w):
     return w.sum() ** 2 / (w ** 2).sum()
 
@@ -328,11 +344,14 @@ def latent_batch(g: torch.Generator, size: int = 16):
     return torch.randn(size, N_PARTICLES * DIM, generator=g)
 
 
-def md_frames(g: torch.Generator, bad: int | None, size: int = 16):
+def md_frames(g: torch.Generator, bad: int | None, size: int = 16, duplicate: bool = False):
     """Frames of an LJ cluster around a square lattice (nm); frame ``bad`` was written in
-    the trajectory's raw unwrapped coordinates (a particle thousands of box lengths away)."""
+    the trajectory's raw unwrapped coordinates (a particle thousands of box lengths away),
+    or (``duplicate``) with particle 0's record written again as particle 1."""
     lattice = torch.tensor([[0.0, 0.0], [1.1, 0.0], [0.0, 1.1], [1.1, 1.1]]) - 0.55
     x = lattice.flatten() + 0.05 * torch.randn(size, N_PARTICLES * DIM, generator=g)
-    if bad is not None:
+    if bad is not None and duplicate:
+        x[bad, 2:4] = x[bad, 0:2]
+    elif bad is not None:
         x[bad, 3] = 4.0e3
     return x

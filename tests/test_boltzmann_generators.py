@@ -33,6 +33,8 @@ def make_loss(kind: str, variant: str):
         return M.ReverseKL(variant.removesuffix("_raw"), cut=not variant.endswith("_raw"))
     if kind == "ml":
         return M.MaxLikelihood()
+    if kind == "reweighted_ml":
+        return M.ReweightedML()
     return M.ReweightedKL(log_space=variant == "log_space")
 
 
@@ -53,10 +55,11 @@ def train(kind: str, make: str, out_dir, variant: str = "", bad: int | None = No
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for step in range(steps):
-            if kind == "ml":
-                x = M.md_frames(g, bad if step == steps - 1 else None)
+            if kind in ("ml", "reweighted_ml"):
+                x = M.md_frames(g, bad if step == steps - 1 else None,
+                                duplicate=kind == "reweighted_ml")
                 z, logdet = model(x, inverse=True)
-                loss = loss_fn(z, logdet)
+                loss = loss_fn(z, logdet, *([x] if kind == "reweighted_ml" else []))
             elif kind == "bg":
                 x, logdet, u = model(M.latent_batch(g))
                 loss = loss_fn(x, logdet, u)
@@ -166,6 +169,26 @@ def test_unwrapped_md_frame_overflows_the_unbounded_coupling_scale(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_md_frame_with_a_duplicated_particle_names_the_frame_not_the_diagonal(tmp_path):
+    """MD frames simulated warmer, reweighted to the target temperature by a softmax of their
+    energies (in log space, as it should be); one frame holds particle 0's record twice, so
+    a pair distance off the diagonal is exactly 0, ``sigma / r`` is +inf, ``inf - inf`` NaN,
+    and the softmax spreads it to every weight: a loss event. The replay names the
+    reciprocal, its line, that frame alone, a degenerate record of the data to repair or
+    drop (not the self-pairs' diagonal: this 0 is a pair of two particles); dropping the
+    frame makes the step finite."""
+    ev, bundle = fire("reweighted_ml", "make_flow_tanh", tmp_path, bad=9)
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=9")
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"]) == (
+        "loss", "aten.reciprocal", "+inf", [9]), o
+    assert o["source"] == line_of("return 4 * self.eps * ((self.sigma / r) ** 12"), o
+    assert rep["cause"] == "invalid" and "repair such records" in rep["hint"], rep["hint"]
+    assert "paired with itself" not in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 def overflowing_log_weights() -> list[int]:
     """The rows whose log-weight exceeds float32's largest exponent in the last step of an
     unrecorded reweighted run (the replay's claim, checked independently)."""
@@ -234,16 +257,17 @@ def test_spline_root_on_the_tails_names_the_sqrt_the_where_dropped(tmp_path):
 
 @pytest.mark.parametrize("kind,make,variant", [
     ("kl", "make_flow", "cdist_triu"), ("ml", "make_flow_tanh", ""),
-    ("spline", "make_spline_flow_safe", ""),
+    ("spline", "make_spline_flow_safe", ""), ("reweighted_ml", "make_flow_tanh", ""),
     ("reweighted", "make_flow", "log_space")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, variant):
     """The pair energy over cdist's upper triangle with linlogcut (whose log branch is NaN
     for every energy below the cutoff, never picked: a NaN that stays inside the where), the
     tanh-bounded coupling on the same frames with the unwrapped one, the spline flow whose
     tails are replaced before the spline (NaN nowhere), and the importance
-    weights normalised by a softmax of the log-weights at beta = 30: no event, and
+    weights normalised by a softmax of the log-weights at beta = 30, MD frames reweighted by
+    a softmax of their energies: no event, and
     bit-identical weights with and without the recorder."""
-    bad = 5 if kind == "ml" else None
+    bad = 5 if kind == "ml" else None  # (the reweighted frames: no duplicated particle)
     recorded = train(kind, make, tmp_path, variant, bad)
     plain = train(kind, make, tmp_path, variant, bad, record=False)
     assert not list(tmp_path.glob("*.nan"))
