@@ -15,6 +15,7 @@
   pair distances taken three ways (``torch.cdist`` with the diagonal masked by a product, a
   hand-written ``sqrt`` over the upper triangle, ``torch.cdist`` over the upper triangle);
   ``BoltzmannGenerator`` holds the flow and the energy, as bgflow's does;
+  ``Phi4Action`` (Albergo et al.'s lattice field, with ``make_phi4_flow`` over 4 x 4 sites);
   ``DoubleWell`` (the paper's ``1/4 a x1^4 - 1/2 b x1^2 + c x1 + 1/2 d x2^2``).
 - Losses: ``ReverseKL`` (energy of the sample minus ``log|det J|``, energies above a cutoff
   regularised log-linearly as bgflow's ``linlogcut``, or taken raw with ``cut=False``), ``MaxLikelihood`` (the standard
@@ -315,6 +316,27 @@ class ReweightedKL(nn.Module):
             w = torch.exp(logw)  # the bug: exp of a log-weight past 88 overflows
             w = w / w.sum()
         return -(w * logq).sum()
+
+
+class Phi4Action(nn.Module):
+    """Albergo et al.'s lattice phi^4 action on an ``L x L`` periodic lattice, as the reverse
+    KL ``E_z[S(phi) - log|det J|]`` of flow-based sampling for lattice field theory."""
+
+    def __init__(self, size: int = 4, kappa: float = 0.3, lam: float = 0.02):
+        super().__init__()
+        self.size, self.kappa, self.lam = size, kappa, lam
+
+    def forward(self, phi, logdet):
+        phi = phi.view(-1, self.size, self.size)
+        hop = sum(phi * torch.roll(phi, 1, d) for d in (1, 2))
+        action = (-2 * self.kappa * hop + (1 - 2 * self.lam) * phi ** 2
+                  + self.lam * phi ** 4).sum((1, 2))
+        return (action - logdet).mean()
+
+
+def make_phi4_flow():
+    torch.manual_seed(0)
+    return RealNVP(features=16)
 
 
 class ReweightedML(nn.Module):

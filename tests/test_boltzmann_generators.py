@@ -274,3 +274,41 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, var
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
         assert torch.isfinite(a).all(), name
+
+
+def train_phi4(out_dir, lr: float, steps: int) -> None:
+    """Flow-based sampling of the lattice phi^4 field by reverse KL with plain Adam, the
+    RealNVP's log-scale unbounded."""
+    model = M.make_phi4_flow()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    crit = M.Phi4Action()
+    g = torch.Generator().manual_seed(0)
+    with FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                        factory="boltzmann_generators_models:make_phi4_flow") as rec:
+        for _ in range(steps):
+            x, logdet = model(torch.randn(32, 16, generator=g))
+            loss = rec.loss_fn(x, logdet)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def test_phi4_flow_trained_too_fast_overflows_its_unbounded_scale(tmp_path):
+    """Reverse KL on the phi^4 lattice at a learning rate of 0.05: the loss falls for 50
+    steps, then the couplings' unbounded log-scales run away and ``x * exp(s)`` goes -inf in
+    the last coupling at step 52. The replay names the exp on its line (exponents in the
+    ten thousands), its sample, overflow, and the gradient norm's jump 30 steps before: a
+    diverging run, for a lower learning rate or clipping."""
+    with pytest.raises(NonFiniteError) as info:
+        train_phi4(tmp_path, 0.05, 80)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        52, "forward", "layers.3", [15]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["made"], o["samples"]) == (
+        "layers.3", 0, "aten.exp", "+inf", [15]), o
+    assert o["source"] == line_of("y = x * m + (1 - m) * (x * torch.exp(s) + t)"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "the run was diverging" in rep["hint"] and "clip the gradients" in rep["hint"], \
+        rep["hint"]
