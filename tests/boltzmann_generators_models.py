@@ -354,10 +354,6 @@ class ReweightedML(nn.Module):
         return -(w * (normal_log_prob(z) + logdet)).sum()
 
 
-def effective_sample_size(w):
-    return w.sum() ** 2 / (w ** 2).sum()
-
-
 # ---------------------------------------------------------------------------------------------
 # data
 

@@ -312,3 +312,36 @@ def test_phi4_flow_trained_too_fast_overflows_its_unbounded_scale(tmp_path):
     assert rep["cause"] == "overflow", rep["cause"]
     assert "the run was diverging" in rep["hint"] and "clip the gradients" in rep["hint"], \
         rep["hint"]
+
+
+def test_unwrapped_frame_in_an_accumulated_dataloader_step_names_its_micro_batch(tmp_path):
+    """Maximum likelihood from a DataLoader of MD frames, two batches of 8 accumulated per
+    update: the unwrapped frame 13 of the fourth step's frames is sample 5 of micro-batch 1.
+    The recorder and the replay name that micro-batch and row, the exp and the out-of-scale
+    data; dropping the row makes the step finite."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = M.make_flow()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    frames = torch.cat([M.md_frames(g, None) for _ in range(3)] + [M.md_frames(g, 13)])
+    loader = DataLoader(TensorDataset(frames), batch_size=8, shuffle=False)
+    with pytest.raises(NonFiniteError) as info, FlightRecorder(
+            model, opt, loss_fn=M.MaxLikelihood(), out_dir=tmp_path,
+            factory="boltzmann_generators_models:make_flow") as rec:
+        for i, (x,) in enumerate(loader):
+            z, logdet = model(x, inverse=True)
+            (rec.loss_fn(z, logdet) / 2).backward()
+            if i % 2 == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+                opt.step()
+                opt.zero_grad()
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["micro_batch"], ev["samples"]) == (
+        3, "layers.1", 1, [5]), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["micro_batch"], o["samples"]) == (
+        "layers.1", "aten.exp", 1, [5]), o
+    assert rep["cause"] == "overflow" and "out of scale" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
