@@ -44,6 +44,7 @@ from .recurrence import add_line_note
 from .rerun import Runner
 from .returned_fill import returned_fill
 from .run_result import Run
+from .self_pairs import self_pair_hint
 from .signed_weights import signed_weights_hint
 from .singular_inverse import singular_inverse_hint
 from .source import is_torch_file, node_tracebacks, user_source
@@ -137,6 +138,7 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
     hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
+    hint = self_pair_hint(hint, cause.name, hit)  # (a distance matrix's diagonal)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
     # (a padding mask True at every key of the NaN samples: key_padding_mask)
     hint = masked_whole_hint(runner, o, hint, origin.get("samples")) or hint

@@ -60,6 +60,7 @@ from .raw_pole import raw_pole_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
 from .run_result import Run
+from .self_pairs import self_pair_hint
 from .swapped_in import swapped_in_hint
 from .term_args import report_term_arg
 from .twice_differentiated import twice_hint
@@ -117,17 +118,25 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
     node's own op (exp's overflow, 1/0 in a masked branch), which the node's cause describes."""
     finder = find_op_in_call(runner, "", 0, mb)
     hit = finder.origin()
-    if hit is None and saved != "nan" and in_loss:  # (a loss op's -inf, masked in the loss)
-        return made_in_loss(runner, mb)
+    if hit is None and in_loss:  # (a loss op's -inf, masked in the loss; a NaN it capped:
+        found = made_in_loss(runner, mb)  # a pair energy's inf - inf under a where)
+        if found is None or (saved == "nan" and _own(node, found[0])):
+            return None
+        found[1].hint = self_pair_hint(found[1].hint, found[1].name, found[0])
+        return found
     if hit is None or hit.intentional or not hit.inputs_finite \
-            or (hit.made == "nan" and saved != "nan"):
-        return None
-    own = re.fullmatch(r"(\w+?)Backward\d*", node or "")
-    if own and own.group(1).lower() == hit.op.rpartition(".")[2].strip("_").lower():
+            or (hit.made == "nan" and saved != "nan") or _own(node, hit):
         return None
     cause = classify(runner, "forward", ("", 0, mb), hit=hit)
-    cause.hint = raw_pole_hint(finder.lineage and finder.lineage.raw, cause.name, hit) or cause.hint
+    cause.hint = raw_pole_hint(finder.lineage and finder.lineage.raw, cause.name, hit) or \
+        self_pair_hint(cause.hint, cause.name, hit)
     return hit, cause
+
+
+def _own(node: str | None, hit) -> bool:
+    """Whether ``hit`` is backward ``node``'s own op (its cause describes it)."""
+    own = re.fullmatch(r"(\w+?)Backward\d*", node or "")
+    return bool(own) and own.group(1).lower() == hit.op.rpartition(".")[2].strip("_").lower()
 
 
 def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
@@ -186,7 +195,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     bufs = loss_buffers(step.loss_fn)  # (<loss>.p_model; <loss>.counts a 0 of the ids picked)
     hint = held_divisor_hint(hint, cause.name, finder, hit, bufs) or hint
     hint = (cause.name == "invalid" and looked_up_hint(hint, bufs, finder, hit)) or hint
-    hint = zero_head_hint(runner, mb, hit, cause.name, hint)  # (normals of a constant field)
+    hint = self_pair_hint(zero_head_hint(runner, mb, hit, cause.name, hint), cause.name, hit)
     return finish(report, origin, cause.name, reproduced=step.event.get("phase") == "loss",
                   hint=with_node(origin, with_param_advice(hint, cause.name, hit),
                                  cause.name, node))
