@@ -38,6 +38,12 @@ class OffGraphPositive:
         self.kept: list[torch.Tensor] = []  # (strong references: no storage reused meanwhile)
 
     def seen(self, func, args, kwargs, out) -> None:
+        try:
+            self._see(func, args, kwargs, out)
+        except Exception:  # (never the user's run: a vmap's batched tensor refuses the
+            pass  # finiteness read, ``functorch.jacrev`` of a contractive penalty)
+
+    def _see(self, func, args, kwargs, out) -> None:
         if not isinstance(out, torch.Tensor) or out.grad_fn is not None \
                 or not out.is_floating_point() or out.requires_grad:
             return

@@ -421,7 +421,7 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
         hint = (f"{b.node} multiplied a {label(b.saved)} it saved in the forward, made by "
                 f"{hit.op} at {hit.source} and carried without a non-finite output "
                 f"(saturated, masked or dropped); there: {cause.hint}")
-        hint = with_masked_pole(hint, hit.op, hit.made, cause.name)
+        hint = with_masked_pole(hint, hit.op, hit.made, cause.name, b.node or "")
         return finish(report, origin, cause.name, reproduced=reproduced, hint=hint)
     if b.saved == "nan" and allowed_nan_held(runner.step):
         # no op made it: a missing value of an allow_nan input, masked after it was used
