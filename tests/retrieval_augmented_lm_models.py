@@ -143,3 +143,39 @@ def marginal_nll(log_p_doc, log_p_y, target):
     """-log sum_doc p(doc | q) p(y | doc, q), over the retrieved chunks."""
     ll = log_p_y.gather(-1, target[:, None, None].expand(-1, log_p_y.shape[1], 1))[..., 0]
     return -torch.logsumexp(log_p_doc + ll, dim=-1).mean()
+
+
+NDOC = 16
+
+
+class BankRetriever(nn.Module):
+    """A dense retriever scoring queries against a bank of EMA-refreshed document embeddings
+    (a buffer: REALM's stale index, a memory bank) with cosine similarity over every document;
+    the bank starts at 0 and a document's row is written the first time a batch holds it."""
+
+    def __init__(self, momentum: float = 0.9):
+        super().__init__()
+        self.q_enc = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM))
+        self.d_enc = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM))
+        self.momentum = momentum
+        self.register_buffer("bank", torch.zeros(NDOC, DIM))
+
+    def forward(self, q_ids, doc_ids):
+        q = self.q_enc(q_ids).mean(1)
+        d = self.d_enc(doc_ids).mean(1)  # the batch's positive documents
+        q = q / q.norm(dim=-1, keepdim=True)
+        bank = self.bank / self.bank.norm(dim=-1, keepdim=True)  # 0/0 for an unseen doc
+        return q @ bank.t() / 0.05, d
+
+    @torch.no_grad()
+    def refresh(self, doc_idx, d):
+        self.bank[doc_idx] = self.momentum * self.bank[doc_idx] + (1 - self.momentum) * d
+
+
+def make_bank_retriever() -> nn.Module:
+    torch.manual_seed(0)
+    return BankRetriever()
+
+
+def bank_loss(scores, d, doc_idx):
+    return F.cross_entropy(scores, doc_idx)

@@ -179,3 +179,53 @@ def test_healthy_knnlm_and_retriever_train_unchanged_by_the_recorder(tmp_path):
     recorded = train_retriever(tmp_path, 3, allow_inf=[""])
     assert same_weights(recorded, train_retriever(tmp_path, 3, record=False))
     assert not list(tmp_path.glob("*.nan"))
+
+
+def train_bank(out_dir, steps: int, indexed: int, record: bool = True):
+    """A dense retriever over a bank of EMA-refreshed document embeddings: the index was built
+    for the first ``indexed`` of the NDOC documents (the rest start at the bank's zeros), each
+    batch's positives refresh their rows after the update."""
+    model = M.make_bank_retriever()
+    g = torch.Generator().manual_seed(0)
+    docs = torch.randint(0, M.VOCAB, (M.NDOC, 6), generator=g)
+    with torch.no_grad():
+        model.bank[:indexed] = model.d_enc(docs[:indexed]).mean(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = FlightRecorder(model, opt, loss_fn=M.bank_loss, out_dir=out_dir,
+                         factory="retrieval_augmented_lm_models:make_bank_retriever"
+                         ) if record else None
+    loss_fn = rec.attach().loss_fn if rec else M.bank_loss
+    try:
+        for _ in range(steps):
+            idx = torch.randperm(min(indexed, 12), generator=g)[:4]
+            scores, d = model(docs[idx][:, :3], docs[idx])
+            loss_fn(scores, d, idx).backward()
+            opt.step()
+            opt.zero_grad()
+            model.refresh(idx, d.detach())
+    finally:
+        if rec:
+            rec.detach()
+    return model
+
+
+def test_bank_rows_never_encoded_are_named_as_the_buffer_s_zero_rows(tmp_path):
+    """The index holds 12 of 16 documents; the others' rows of the bank are still the zeros
+    it started at, and the cosine scores' ``bank / bank.norm(...)`` is 0/0 there. The report
+    named no row of the bank: it now names the buffer and its rows 12-15, and the fix."""
+    err = raised(train_bank, tmp_path, 3, indexed=12)
+    assert (err.event["step"], err.event["phase"]) == (0, "forward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["samples"]) == (
+        "invalid", "aten.div", "", [0, 1, 2, 3]), rep
+    assert o["source"] == source_line(MODELS, "bank = self.bank / self.bank.norm(")
+    assert rep["hint"].startswith("aten.div of 0 by 0 (0/0) exactly where the buffer bank is 0 "
+                                  "in whole slices along dim 0 (12, 13, 14, 15)"), rep["hint"]
+    assert "encode every document once" in rep["hint"]
+
+
+def test_bank_fully_indexed_trains_unchanged_by_the_recorder(tmp_path):
+    recorded = train_bank(tmp_path, 3, indexed=M.NDOC)
+    assert same_weights(recorded, train_bank(tmp_path, 3, indexed=M.NDOC, record=False))
+    assert not list(tmp_path.glob("*.nan"))
