@@ -25,7 +25,7 @@ def corpus(g: torch.Generator, n: int) -> torch.Tensor:
 
 
 def train_knnlm(out_dir, factory: str, steps: int, record: bool = True, from_store=None,
-                **rec_kw):
+                bf16: bool = False, **rec_kw):
     """The datastore is rebuilt from the current LM at each step (REALM's index refresh);
     ``from_store = (step, micro_batch)``: that micro-batch's row 2 is a sequence of the
     datastore's own corpus (built from the training set), so its queries equal keys."""
@@ -45,7 +45,9 @@ def train_knnlm(out_dir, factory: str, steps: int, record: bool = True, from_sto
                 ids = corpus(g, B)
                 if from_store == (step, k):
                     ids[2] = store[1]
-                (loss_fn(model(ids), ids) / ACCUM).backward()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    logp = model(ids)
+                (loss_fn(logp.float(), ids) / ACCUM).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
@@ -117,6 +119,18 @@ def test_knnlm_only_log_of_a_target_no_neighbour_holds_is_log_0(tmp_path):
     assert "clamp the op's input away from the pole" in rep["hint"], rep["hint"]
 
 
+def test_knnlm_only_in_log_space_names_the_log_of_p_knn_s_zeros(tmp_path):
+    """The logsumexp form with ``lam = 1``: ``log(1 - lam)`` drops the LM's term, and the
+    log of ``p_knn``'s zeros is then the output's -inf at every token no neighbour holds."""
+    err = raised(train_knnlm, tmp_path, "make_knnlm_lse_only", 2)
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["made"], o["samples"]) == (
+        "invalid", "aten.log", "", "-inf", list(range(B))), rep
+    assert o["source"] == source_line(MODELS, "stacked = torch.stack([p_knn.log()")
+    assert o["input_range"][0] == 0.0
+
+
 def test_knnlm_sqrt_of_a_query_s_own_squared_distance_rounded_below_0(tmp_path):
     """A training sequence that is in the datastore: its queries equal their own keys, and
     ``|q|^2 - 2 q.k + |k|^2`` rounds to -7.6e-06 in one of them; the root of the top-K
@@ -173,9 +187,9 @@ def test_retriever_query_with_no_retrieved_chunk_is_a_fully_masked_row(tmp_path)
 def test_healthy_knnlm_and_retriever_train_unchanged_by_the_recorder(tmp_path):
     """An interpolated kNN-LM (both forms) and a retriever with padded chunks (allowed):
     no event, and the weights are those of the runs without the recorder."""
-    for factory in ("make_knnlm", "make_knnlm_lse"):
-        recorded = train_knnlm(tmp_path, factory, 3)
-        assert same_weights(recorded, train_knnlm(tmp_path, factory, 3, record=False))
+    for factory, bf16 in (("make_knnlm", False), ("make_knnlm_lse", False), ("make_knnlm", True)):
+        recorded = train_knnlm(tmp_path, factory, 3, bf16=bf16)
+        assert same_weights(recorded, train_knnlm(tmp_path, factory, 3, record=False, bf16=bf16))
     recorded = train_retriever(tmp_path, 3, allow_inf=[""])
     assert same_weights(recorded, train_retriever(tmp_path, 3, record=False))
     assert not list(tmp_path.glob("*.nan"))
