@@ -155,8 +155,8 @@ def test_knnlm_temperature_0_divides_a_zero_distance_by_the_number_0(tmp_path):
     assert (err.event["step"], err.event["phase"]) == (0, "forward")
     rep = nanreplay_json(err.bundle_path)
     o = rep["origin"]
-    assert (rep["cause"], o["op"], o["module"], o["made"]) == (
-        "invalid", "aten.div", "", "nan"), rep
+    assert (rep["cause"], o["op"], o["module"], o["made"], o["samples"]) == (
+        "invalid", "aten.div", "", "nan", list(range(B))), rep  # (the others' -x/0: -inf)
     assert o["source"] == source_line(MODELS, "F.softmax(-top / self.temp")
     assert "a temperature or scale annealed to 0" in rep["hint"], rep["hint"]
 
