@@ -118,8 +118,9 @@ class Retriever(nn.Module):
     scoring the target given each retrieved chunk; the loss is the marginal likelihood over the
     chunks, ``chunk_mask`` padding a variable number of them (RETRO's missing neighbours)."""
 
-    def __init__(self):
+    def __init__(self, guard_empty: bool = False):
         super().__init__()
+        self.guard_empty = guard_empty
         self.q_enc = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM))
         self.d_enc = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM))
         self.reader = nn.Bilinear(DIM, DIM, VOCAB)
@@ -130,6 +131,8 @@ class Retriever(nn.Module):
         scores = torch.einsum("bd,bnd->bn", q, d) / DIM ** 0.5
         scores = scores.masked_fill(~chunk_mask, float("-inf"))
         log_p_doc = F.log_softmax(scores, dim=-1)  # (B, N): p(doc | q)
+        if self.guard_empty:  # a query that retrieved nothing: no document, not NaN
+            log_p_doc = torch.where(chunk_mask, log_p_doc, float("-inf"))
         reader = self.reader(q[:, None].expand_as(d).contiguous(), d)
         return log_p_doc, F.log_softmax(reader, dim=-1)  # (B, N, V): p(y | doc, q)
 
@@ -139,10 +142,18 @@ def make_retriever() -> nn.Module:
     return Retriever()
 
 
+def make_guarded_retriever() -> nn.Module:
+    torch.manual_seed(0)
+    return Retriever(guard_empty=True)
+
+
 def marginal_nll(log_p_doc, log_p_y, target):
-    """-log sum_doc p(doc | q) p(y | doc, q), over the retrieved chunks."""
+    """-log sum_doc p(doc | q) p(y | doc, q), over the retrieved chunks; a query with none
+    (every term -inf) is left out of the mean."""
     ll = log_p_y.gather(-1, target[:, None, None].expand(-1, log_p_y.shape[1], 1))[..., 0]
-    return -torch.logsumexp(log_p_doc + ll, dim=-1).mean()
+    lse = torch.logsumexp(log_p_doc + ll, dim=-1)
+    found = lse.isfinite()
+    return -torch.where(found, lse, 0.0).sum() / found.sum().clamp_min(1)
 
 
 NDOC = 16

@@ -70,13 +70,14 @@ def retrieval_batches(g: torch.Generator, n: int, empty=None):
     return TensorDataset(q, docs, torch.arange(4) < count[:, None], y)
 
 
-def train_retriever(out_dir, steps: int, record: bool = True, empty=None, **rec_kw):
+def train_retriever(out_dir, steps: int, record: bool = True, empty=None,
+                    factory: str = "make_retriever", **rec_kw):
     """``empty = (step, row)``: that batch row retrieved no chunk."""
-    model = M.make_retriever()
+    model = getattr(M, factory)()
     g = torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rec = FlightRecorder(model, opt, loss_fn=M.marginal_nll, out_dir=out_dir,
-                         factory="retrieval_augmented_lm_models:make_retriever",
+                         factory=f"retrieval_augmented_lm_models:{factory}",
                          **rec_kw) if record else None
     loss_fn = rec.attach().loss_fn if rec else M.marginal_nll
     try:
@@ -182,6 +183,21 @@ def test_retriever_query_with_no_retrieved_chunk_is_a_fully_masked_row(tmp_path)
         "invalid", "aten._log_softmax", "", [3]), rep
     assert o["source"] == source_line(MODELS, "log_p_doc = F.log_softmax(scores")
     assert "keep at least one key per row" in rep["hint"], rep["hint"]
+
+
+def test_retriever_guarding_an_empty_retrieval_in_the_forward_is_nan_in_its_backward(tmp_path):
+    """The same empty retrieval, guarded: its ``log p(doc | q)`` set to -inf and its row left
+    out of the loss with ``torch.where``; the forward is finite, but logsumexp's derivative
+    over that all -inf row is NaN, so the first NaN is a gradient, in row 3."""
+    err = raised(train_retriever, tmp_path, 4, empty=(2, 3), allow_inf=[""],
+                 factory="make_guarded_retriever")
+    assert (err.event["step"], err.event["phase"]) == (2, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["samples"]) == (
+        "invalid", "LogsumexpBackward0", "<loss>", [3]), rep
+    assert o["source"] == source_line(MODELS, "lse = torch.logsumexp(log_p_doc + ll")
+    assert "keep one finite term in every slice" in rep["hint"], rep["hint"]
 
 
 def test_healthy_knnlm_and_retriever_train_unchanged_by_the_recorder(tmp_path):
