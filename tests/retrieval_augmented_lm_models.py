@@ -190,3 +190,26 @@ def make_bank_retriever() -> nn.Module:
 
 def bank_loss(scores, d, doc_idx):
     return F.cross_entropy(scores, doc_idx)
+
+
+class L2Retriever(nn.Module):
+    """A Siamese dense retriever (one encoder for queries and documents) scoring by negative
+    L2 distance, trained with in-batch negatives (document i is query i's positive)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, DIM))
+
+    def forward(self, q_ids, doc_ids):
+        q, d = self.enc(q_ids).mean(1), self.enc(doc_ids).mean(1)
+        dist = (q[:, None] - d[None]).pow(2).sum(-1).sqrt()  # (B, B); 0 for a query = its doc
+        return -dist / 0.1
+
+
+def make_l2_retriever() -> nn.Module:
+    torch.manual_seed(0)
+    return L2Retriever()
+
+
+def in_batch_loss(scores):
+    return F.cross_entropy(scores, torch.arange(len(scores)))

@@ -259,3 +259,39 @@ def test_bank_fully_indexed_trains_unchanged_by_the_recorder(tmp_path):
     recorded = train_bank(tmp_path, 3, indexed=M.NDOC)
     assert same_weights(recorded, train_bank(tmp_path, 3, indexed=M.NDOC, record=False))
     assert not list(tmp_path.glob("*.nan"))
+
+
+def train_l2(out_dir, steps: int, duplicate=None):
+    """A Siamese L2 retriever with in-batch negatives; ``duplicate = (step, row)``: that row's
+    positive document is its query's own text (a FAQ whose answer repeats the question)."""
+    model = M.make_l2_retriever()
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = FlightRecorder(model, opt, loss_fn=M.in_batch_loss, out_dir=out_dir,
+                         factory="retrieval_augmented_lm_models:make_l2_retriever")
+    loss_fn = rec.attach().loss_fn
+    try:
+        for step in range(steps):
+            q = torch.randint(0, M.VOCAB, (6, 5), generator=g)
+            d = torch.randint(0, M.VOCAB, (6, 5), generator=g)
+            if duplicate and duplicate[0] == step:
+                d[duplicate[1]] = q[duplicate[1]]
+            loss_fn(model(q, d)).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        rec.detach()
+
+
+def test_l2_retriever_query_equal_to_its_document_is_sqrt_s_pole_in_backward(tmp_path):
+    """A query whose positive is its own text: distance exactly 0, finite in the forward, and
+    sqrt's derivative there is the pole; the report names sqrt's backward in that row (4)
+    and the norm that has a gradient of 0 there."""
+    err = raised(train_l2, tmp_path, 4, duplicate=(2, 4))
+    assert (err.event["step"], err.event["phase"]) == (2, "backward")
+    rep = nanreplay_json(err.bundle_path)
+    o = rep["origin"]
+    assert (rep["cause"], o["op"], o["module"], o["samples"]) == (
+        "invalid", "SqrtBackward0", "", [4]), rep
+    assert o["source"] == source_line(MODELS, "dist = (q[:, None] - d[None]).pow(2)")
+    assert "torch.linalg.vector_norm(d, dim=-1)" in rep["hint"], rep["hint"]
