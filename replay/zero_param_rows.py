@@ -3,7 +3,9 @@ normalisation (``W_dec / W_dec.norm(dim=-1, keepdim=True)``, a cosine classifier
 ``w / w.norm(dim=1)``) of a row no update made 0 but code wrote so (a sparse autoencoder's
 dead latents resampled from an input of zeros, a reset of dead units, a mask). The generic
 advice for weights (keep a parametrisation off its pole) does not say which rows, nor that
-they were written; structured pruning's mask is :mod:`replay.pruned`'s.
+they were written; structured pruning's mask is :mod:`replay.pruned`'s. Also a buffer's rows
+the code has not written yet: a retriever's bank of EMA-refreshed document embeddings started
+at zeros, ``bank / bank.norm(dim=-1, keepdim=True)`` before every document was encoded once.
 """
 
 from __future__ import annotations
@@ -27,23 +29,40 @@ def zero_param_rows_hint(model: torch.nn.Module, module: str | None, hit) -> str
         sub = model.get_submodule(module)
     except AttributeError:
         return None
-    for name, p in sub.named_parameters():
+    held = [(n, b, _says_buffer) for n, b in sub.named_buffers() if b.is_floating_point()]
+    for name, p, says in [(n, p, _says) for n, p in sub.named_parameters()] + held:
         if p.dim() < 2 or tuple(p.shape) != tuple(ev.bad.shape):
             continue
         for d in range(p.dim()):
             zero = (p.detach().movedim(d, 0).reshape(p.shape[d], -1) == 0).all(1)
             bad = ev.bad.movedim(d, 0).reshape(p.shape[d], -1).any(1)
             if bool(zero.any()) and not bool(zero.all()) and torch.equal(bad, zero):
-                return _says(hit.op, f"{module}.{name}" if module else name, d,
-                             zero.nonzero().flatten().tolist())
+                return says(hit.op, f"{module}.{name}" if module else name, d,
+                            zero.nonzero().flatten().tolist())
     return None
 
 
+def _shown(rows: list[int]) -> str:
+    return ", ".join(map(str, rows[:SHOWN])) + (f", ... ({len(rows)} in all)"
+                                                if len(rows) > SHOWN else "")
+
+
+def _says_buffer(op: str, name: str, dim: int, rows: list[int]) -> str:
+    # (no optimizer writes a buffer: the code that fills it has not reached these slices)
+    return (f"{op} of 0 by 0 (0/0) exactly where the buffer {name} is 0 in whole slices "
+            f"along dim {dim} ({_shown(rows)}), as this step began, and the forward divides "
+            "by their norm (or sum); every sample meets them, no record is to blame. A buffer "
+            "the code fills as it trains (a bank or index of EMA-refreshed embeddings, a "
+            "queue, a codebook) is 0 where it started at zeros and no update has written yet: "
+            "fill every slice before training (encode every document once, as REALM builds "
+            "its index; random unit vectors, as MoCo's queue), skip the slices not written "
+            "yet, or clamp the divisor (x.norm(dim, keepdim=True).clamp_min(eps), "
+            "F.normalize)")
+
+
 def _says(op: str, name: str, dim: int, rows: list[int]) -> str:
-    shown = ", ".join(map(str, rows[:SHOWN])) + (f", ... ({len(rows)} in all)"
-                                                 if len(rows) > SHOWN else "")
     return (f"{op} of 0 by 0 (0/0) exactly where the parameter {name} is 0 in whole slices "
-            f"along dim {dim} ({shown}), as this step began: a norm, sum or std over such a "
+            f"along dim {dim} ({_shown(rows)}), as this step began: a norm, sum or std over such a "
             "slice is 0 and the forward divides by it (weight normalisation: "
             "w / w.norm(dim, keepdim=True)). No gradient step zeroes a whole slice exactly: "
             "code wrote it (a resampling or re-initialisation of dead units from an input of "
