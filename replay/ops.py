@@ -106,7 +106,7 @@ class _Watch(TorchDispatchMode):
             return out
         if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
             return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
-        intentional = literal_inf is not None or f.in_allowed_module() or filled
+        intentional = literal_inf is not None or filled or f.allows(made, in_finite)
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins, name), within=f.where,
@@ -322,6 +322,11 @@ class OpFinder:
 
     def in_allowed_module(self) -> bool:
         return self.allowed_depth > 0
+
+    def allows(self, made: str | None, in_finite: bool) -> bool:
+        """allow_inf allows infinities, not a NaN an allowed module makes of finite values
+        (log of a rounded negative in the root's own code): that NaN is blamed, with evidence."""
+        return self.in_allowed_module() and not (made == "nan" and in_finite)
 
     def follow(self, name: str, args, leaves: list, out) -> None:
         """Where the op's outputs came from, when a lineage is kept (integer and bool values
