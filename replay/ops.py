@@ -112,7 +112,7 @@ class _Watch(TorchDispatchMode):
                         rows=f.batch_rows(outs), param=f.param_among(ins, name), within=f.where,
                         node=running_node(), seq=seq)
             if intentional:
-                if f.intentional is None:
+                if f.intentional is None or f.taken_back():
                     f.intentional = hit
             else:
                 given = before if before is not None else (args, kwargs)
@@ -322,6 +322,11 @@ class OpFinder:
 
     def in_allowed_module(self) -> bool:
         return self.allowed_depth > 0
+
+    def taken_back(self) -> bool:
+        """An op took the infinities so far back to finite values (a padding mask's -inf under
+        softmax) before any NaN: a later fill (SUBS's -inf logit) is the one still live."""
+        return self.absorbed and self.first_nan is None
 
     def allows(self, made: str | None, in_finite: bool) -> bool:
         """allow_inf allows infinities, not a NaN an allowed module makes of finite values

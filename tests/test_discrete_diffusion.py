@@ -151,16 +151,20 @@ def test_sedd_time_zero_names_the_reciprocal_of_expm1(tmp_path):
 
 def test_subs_minus_inf_without_allow_inf_says_to_allow_the_root(tmp_path):
     """Without ``allow_inf`` SUBS's ``logits[..., MASK] = -inf`` reaching the output is an
-    event at the first step: the replay names a literal -inf fill as intended (no op
-    overflowed), and its note gives the pattern that lets the root output hold it,
-    ``allow_inf=['']``, or says to mask with ``finfo.min`` (MDLM's own code adds -1e6)."""
+    event at the first step: the replay names that fill in the root as intended (no op
+    overflowed), on every sample, not the -inf padding mask the encoder layer fills first
+    (its softmax takes it back to finite values), and its note gives the pattern that lets the
+    root output hold it, ``allow_inf=['']``, or says to mask with ``finfo.min`` (MDLM's own
+    code adds -1e6)."""
     with pytest.raises(NonFiniteError) as info:
         train("mdlm", "make_mdlm", tmp_path, allow_inf=())
     ev, bundle = info.value.event, info.value.bundle_path
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "-inf"), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
-    assert (o["op"], o["chain"][0]["intentional"]) == ("aten.masked_fill_", True), o
+    assert (o["module"], o["op"], o["chain"][0]["intentional"]) == ("", "aten.fill_", True), o
+    assert o["source"] == line_of('logits[..., MASK] = float("-inf")'), o
+    assert o["samples"] == list(range(8)), o
     assert rep["cause"] == "invalid" and "finfo(dtype).min" in rep["hint"], rep["hint"]
     assert any("allow_inf=['']" in p for p in rep["problems"]), rep["problems"]
 
