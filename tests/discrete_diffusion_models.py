@@ -9,7 +9,8 @@
   their cumulative products ``Q_bar_t``; the loss is the KL between the true posterior
   ``q(x_{t-1} | x_t, x_0)`` (a normalised product of one-hot rows) and the model's.
 - ``SEDD``: score entropy with the log-linear noise ``sigma(t) = -log(1 - (1 - eps) t)``; the
-  absorbing transition's weight ``dsigma / expm1(sigma)``.
+  absorbing transition's weight ``dsigma / expm1(sigma)``; ``score_entropy_logspace`` takes
+  the ratio in log space with a ``log1mexp`` helper.
 """
 
 from __future__ import annotations
@@ -165,6 +166,22 @@ def score_entropy(log_score, masked, dsigma, esigm1, x0):
     neg = ratio * log_score.gather(-1, x0[..., None]).squeeze(-1)
     const = ratio * (ratio.log() - 1)
     loss = (pos - neg + const) * masked
+    return (dsigma[:, None] * loss).sum() / masked.sum().clamp_min(1)
+
+
+def log1mexp(x):
+    """log(1 - exp(-x)), as log-space diffusion code writes it (no guard at x = 0)."""
+    return torch.log(-torch.expm1(-x))
+
+
+def score_entropy_logspace(log_score, masked, dsigma, esigm1, x0):
+    """The same loss with the ratio exp(-sigma) / (1 - exp(-sigma)) taken in log space."""
+    sigma = torch.log1p(esigm1)
+    log_ratio = (-sigma - log1mexp(sigma))[:, None]
+    ratio = log_ratio.exp()
+    pos = log_score[..., :MASK].exp().sum(-1)
+    neg = ratio * log_score.gather(-1, x0[..., None]).squeeze(-1)
+    loss = (pos - neg + ratio * (log_ratio - 1)) * masked
     return (dsigma[:, None] * loss).sum() / masked.sum().clamp_min(1)
 
 

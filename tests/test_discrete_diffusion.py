@@ -1,9 +1,10 @@
 """End to end on discrete diffusion written as MDLM, D3PM and SEDD write it
 (``discrete_diffusion_models``): per-sample diffusion times, padded token sequences, the SUBS
 ``-inf`` on the [MASK] logit, the masked ELBO weight ``alpha' / (1 - alpha)``, D3PM's
-posterior as a normalised product of ``Q_t`` and ``Q_bar_{t-1}`` rows, SEDD's score entropy.
-Each planted bug of the domain fires under the recorder and is replayed with the CLI; the
-healthy runs raise no event and train bit-identically with and without the recorder."""
+posterior as a normalised product of ``Q_t`` and ``Q_bar_{t-1}`` rows, SEDD's score entropy
+(also in log space, with a ``log(1 - exp(-x))`` helper). Each planted bug of the domain
+fires under the recorder and is replayed with the CLI; the healthy runs raise no event and
+train bit-identically with and without the recorder."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def batch(kind: str, g: torch.Generator, plant: str | None, bad: int):
 
 
 LOSSES = {"mdlm": M.mdlm_loss, "cosine": M.mdlm_loss, "d3pm": M.d3pm_loss,
-          "sedd": M.score_entropy}
+          "sedd": M.score_entropy, "sedd_log": M.score_entropy_logspace}
 
 
 def train(kind: str, make: str, out_dir, plant: str | None = None, bad: int = 3,
@@ -149,6 +150,21 @@ def test_sedd_time_zero_names_the_reciprocal_of_expm1(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_log1mexp_at_zero_names_the_log_in_the_log_space_score_entropy(tmp_path):
+    """The log-space score entropy's ``log(1 - exp(-sigma))`` helper without a guard: at
+    t = 0, sigma = 0 and it is log(0). The replay names that log (not the exp or the mask's
+    product after it) on sample 3, a pole, and says to clamp its input away from 0."""
+    ev, bundle = fire("sedd_log", "make_sedd", tmp_path, "t0")
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.log", "-inf", [3]), o
+    assert o["source"] == line_of("return torch.log(-torch.expm1(-x))"), o
+    assert rep["cause"] == "invalid" and "pole at 0" in rep["hint"], rep["hint"]
+    assert "clamp" in rep["hint"] and rep["what_if"][0]["finite"] is True, rep
+
+
 def test_subs_minus_inf_without_allow_inf_says_to_allow_the_root(tmp_path):
     """Without ``allow_inf`` SUBS's ``logits[..., MASK] = -inf`` reaching the output is an
     event at the first step: the replay names that fill in the root as intended (no op
@@ -170,7 +186,8 @@ def test_subs_minus_inf_without_allow_inf_says_to_allow_the_root(tmp_path):
 
 
 @pytest.mark.parametrize("kind,make", [("mdlm", "make_mdlm"), ("d3pm", "make_d3pm"),
-                                       ("sedd", "make_sedd"), ("cosine", "make_mdlm_cosine")])
+                                       ("sedd", "make_sedd"), ("sedd_log", "make_sedd"),
+                                       ("cosine", "make_mdlm_cosine")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """SUBS's -inf [MASK] log-probability under ``allow_inf=[""]`` (gathered only at real
     tokens), the padding masks, the masking draws inside forward, D3PM's posterior with its
