@@ -106,13 +106,13 @@ class _Watch(TorchDispatchMode):
             return out
         if made == "nan" and (calling := f.composites.nan_constant(ins, leaves, seq)):
             return f.composite(calling, occurrence, out)  # (torch.logdet's own NaN constant)
-        intentional = literal_inf is not None or f.in_allowed_module() or filled
+        intentional = literal_inf is not None or filled or f.allows(made, in_finite)
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins, name), within=f.where,
                         node=running_node(), seq=seq)
             if intentional:
-                if f.intentional is None:
+                if f.intentional is None or f.taken_back():
                     f.intentional = hit
             else:
                 given = before if before is not None else (args, kwargs)
@@ -322,6 +322,16 @@ class OpFinder:
 
     def in_allowed_module(self) -> bool:
         return self.allowed_depth > 0
+
+    def taken_back(self) -> bool:
+        """An op took the infinities so far back to finite values (a padding mask's -inf under
+        softmax) before any NaN: a later fill (SUBS's -inf logit) is the one still live."""
+        return self.absorbed and self.first_nan is None
+
+    def allows(self, made: str | None, in_finite: bool) -> bool:
+        """allow_inf allows infinities, not a NaN an allowed module makes of finite values
+        (log of a rounded negative in the root's own code): that NaN is blamed, with evidence."""
+        return self.in_allowed_module() and not (made == "nan" and in_finite)
 
     def follow(self, name: str, args, leaves: list, out) -> None:
         """Where the op's outputs came from, when a lineage is kept (integer and bool values
