@@ -1,0 +1,134 @@
+"""End to end on a small LLM pretraining loop with the stability tricks of the domain
+(``llm_stability_models``): tied embeddings, QK-norm, RoPE or ALiBi, a final-logit soft-cap,
+z-loss, packed documents under a block-diagonal causal mask, AdamW with a warmup-stable-decay
+schedule, global-norm clipping, gradient accumulation and fp16 autocast with a GradScaler.
+Each planted bug fires under the recorder and is replayed with the CLI; the healthy runs raise
+no event and train bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import llm_stability_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+STEPS = 4
+
+
+def wsd(step: int, warmup: int = 2, stable: int = 1, decay: int = 2) -> float:
+    """Warmup-stable-decay (MiniCPM, OLMo 2): linear warmup, flat, linear decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < warmup + stable:
+        return 1.0
+    return max(0.1, 1.0 - 0.9 * (step - warmup - stable + 1) / decay)
+
+
+def train(make: str, out_dir, short_row: int | None = None, fp16: bool = False,
+          record: bool = True, accum: int = 2):
+    """nanoGPT's loop: ``accum`` micro-batches per step, fp16 autocast with a GradScaler when
+    asked, unscale then clip the global norm at 1.0, AdamW with weight decay only on matrices.
+    ``short_row`` plants a short, padded row in the last step's last micro-batch."""
+    model = getattr(M, make)()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, wsd)
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=M.lm_loss, out_dir=out_dir, scaler=scaler,
+                        lr_scheduler=sched,
+                         factory=f"llm_stability_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.lm_loss
+        for step in range(STEPS):
+            for micro in range(accum):
+                last = step == STEPS - 1 and micro == accum - 1
+                tokens, doc_ids, targets = M.packed_batch(g, short_row=short_row if last else None)
+                with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                    logits = model(tokens, doc_ids)
+                    loss = loss_fn(logits, targets) / accum
+                scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+    return model
+
+
+def fire(make: str, tmp_path, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, tmp_path, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def line_of(text: str) -> str:
+    return source_line("llm_stability_models.py", text)
+
+
+def test_padded_query_without_a_key_is_an_all_masked_softmax_row(tmp_path):
+    """The key-padding mask without the diagonal: the epoch's last, short pack (row 2 of the
+    last micro-batch) has padding queries with no key left; their softmax row is all -inf."""
+    event, bundle = fire("make_key_padding_mask", tmp_path, short_row=2)
+    assert (event["step"], event["phase"], event["module"]) == (3, "forward", "blocks.0.attn")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["op"], origin["module"], origin["micro_batch"]) == ("aten._softmax",
+                                                                      "blocks.0.attn", 1)
+    assert origin["samples"] == [2]
+    assert origin["source"] == line_of("att = F.softmax(scores, dim=-1)")
+    assert report["cause"] == "invalid"
+    assert "fully masked row" in report["hint"] and "at least one key per row" in report["hint"]
+    # the mask's own -inf is the intended fill, not the origin
+    assert origin["chain"][0]["intentional"] is True
+
+
+def test_soft_cap_of_zero_names_the_division_by_the_cap(tmp_path):
+    """``final_logit_softcapping = 0.0`` meant as "off": the forward hides it (0 * tanh(+-inf)
+    is 0, the loss is log V), the backward divides by 0 at the soft-cap's line."""
+    event, bundle = fire("make_softcap_zero", tmp_path)
+    assert (event["step"], event["phase"]) == (0, "backward")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["phase"], origin["op"]) == ("backward", "DivBackward0")
+    assert origin["source"] == line_of("logits = cap * torch.tanh(logits / cap)")
+    assert report["cause"] == "invalid"
+    assert "soft-cap" in report["hint"] and "if cap:" in report["hint"]
+
+
+# the scaler skips the step with inf gradients, so the scheduler steps before any update
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
+def test_z_loss_squared_logsumexp_overflows_float16(tmp_path):
+    """muP's output multiplier inverted, no soft-cap, fp16 autocast: the logits reach hundreds,
+    the z-loss's ``logsumexp ** 2`` passes 65504 in float16 while the model's output is finite."""
+    event, bundle = fire("make_mup_fp16", tmp_path, fp16=True)
+    assert (event["step"], event["phase"], event["module"]) == (0, "loss", "<loss>")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["op"], origin["dtype"], origin["made"]) == ("aten.pow", "float16", "+inf")
+    assert origin["source"] == line_of("return ce + z_weight * z.pow(2).mean()")
+    assert report["cause"] == "overflow"
+    assert "float32" in report["hint"] and "autocast" in report["hint"]
+
+
+@pytest.mark.parametrize(("make", "fp16"), [("make_gpt", False), ("make_gpt", True),
+                                            ("make_alibi", False)])
+def test_healthy_runs_with_short_packs_are_not_stopped_and_train_identically(tmp_path, make,
+                                                                            fp16):
+    """-inf fills of the block-diagonal causal mask stay inside the softmax; a short pack whose
+    padding attends itself is finite; the recorder changes nothing the loop computes."""
+    recorded = train(make, tmp_path, short_row=1, fp16=fp16)
+    bare = train(make, tmp_path, short_row=1, fp16=fp16, record=False)
+    for (name, a), b in zip(recorded.state_dict().items(), bare.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not list(tmp_path.glob("*.nan"))
