@@ -116,6 +116,8 @@ def test_z_loss_squared_logsumexp_overflows_float16(tmp_path):
     report = nanreplay_json(bundle)
     origin = report["origin"]
     assert (origin["op"], origin["dtype"], origin["made"]) == ("aten.pow", "float16", "+inf")
+    # every sample's tokens overflow (the multiplier's bug), read through flat[valid]
+    assert origin["samples"] == [0, 1, 2, 3] and origin["all_samples"] is True
     assert origin["source"] == line_of("return ce + z_weight * z.pow(2).mean()")
     assert report["cause"] == "overflow"
     assert "float32" in report["hint"] and "autocast" in report["hint"]
@@ -132,3 +134,35 @@ def test_healthy_runs_with_short_packs_are_not_stopped_and_train_identically(tmp
     for (name, a), b in zip(recorded.state_dict().items(), bare.state_dict().values()):
         assert torch.equal(a, b), name
     assert not list(tmp_path.glob("*.nan"))
+
+
+def test_tokens_a_mask_picked_from_flattened_logits_are_named_by_their_sample():
+    """``logits.reshape(-1, V)[targets.view(-1) != -100]``: row r of the flat logits is sample
+    r // T, and the mask's picks keep that (one sample's token overflows the z-loss)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from replay.reordered import Reordered
+
+    class Watch(TorchDispatchMode):
+        def __init__(self, tracker):
+            super().__init__()
+            self.tracker = tracker
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.tracker.track(func.overloadpacket.__name__, args,
+                               tree_leaves((args, kwargs)), out)
+            return out
+
+    B, T, V = 3, 4, 5
+    logits = torch.zeros(B, T, V, dtype=torch.float16)
+    logits[2, 1] = 300.0  # logsumexp 300, its square past float16's 65504
+    targets = torch.ones(B, T, dtype=torch.long)
+    targets[0, :2] = -100  # padding: the picked rows are not the flat rows
+    tracker = Reordered(B)
+    with Watch(tracker):
+        flat = logits.reshape(-1, V)
+        z = torch.logsumexp(flat[targets.reshape(-1) != -100], dim=-1).pow(2)
+    assert z.isinf().nonzero().flatten().tolist() == [7]  # (flat row 9)
+    assert tracker.picked_rows([z]) == [2]
