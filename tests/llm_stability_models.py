@@ -166,6 +166,13 @@ def make_key_padding_mask():
     return GPT(self_attend=False)
 
 
+def make_rope_theta_unset():
+    """``rope_theta`` read from a config that lacks it with a default of 0: ``1 / 0 ** (i/d)``
+    is inf past the first frequency, so cos/sin of the angles are NaN from construction."""
+    torch.manual_seed(0)
+    return GPT(rope_base=0.0)
+
+
 def make_alibi():
     torch.manual_seed(0)
     return GPT(alibi=True)
@@ -178,7 +185,8 @@ def make_mup_fp16():
     return GPT(output_mult=4096.0, softcap=None)
 
 
-def packed_batch(g: torch.Generator, batch: int = 4, short_row: int | None = None):
+def packed_batch(g: torch.Generator, batch: int = 4, short_row: int | None = None,
+                 all_padding: bool = False):
     """Rows of 3 documents packed end to end over the whole context. ``short_row``: that row
     is the epoch's last pack, one document and padding after it (doc id -1, target -100)."""
     tokens = torch.randint(1, VOCAB, (batch, SEQ + 1), generator=g)
@@ -191,6 +199,8 @@ def packed_batch(g: torch.Generator, batch: int = 4, short_row: int | None = Non
             continue
         doc_ids[b, :cuts[0]], doc_ids[b, cuts[0]:cuts[1]] = 0, 1
         doc_ids[b, cuts[1]:] = 2
+    if all_padding:  # (an accumulation step's last micro-batch past the epoch's end)
+        tokens[:], doc_ids[:] = 0, -1
     targets = tokens[:, 1:].clone()
     # no target across a document boundary, none from or into padding
     targets[(doc_ids[:, 1:] != doc_ids[:, :-1]) | (doc_ids[:, 1:] < 0)] = -100

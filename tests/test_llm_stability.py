@@ -31,7 +31,7 @@ def wsd(step: int, warmup: int = 2, stable: int = 1, decay: int = 2) -> float:
 
 
 def train(make: str, out_dir, short_row: int | None = None, fp16: bool = False,
-          record: bool = True, accum: int = 2):
+          record: bool = True, accum: int = 2, all_padding: bool = False):
     """nanoGPT's loop: ``accum`` micro-batches per step, fp16 autocast with a GradScaler when
     asked, unscale then clip the global norm at 1.0, AdamW with weight decay only on matrices.
     ``short_row`` plants a short, padded row in the last step's last micro-batch."""
@@ -52,7 +52,8 @@ def train(make: str, out_dir, short_row: int | None = None, fp16: bool = False,
         for step in range(STEPS):
             for micro in range(accum):
                 last = step == STEPS - 1 and micro == accum - 1
-                tokens, doc_ids, targets = M.packed_batch(g, short_row=short_row if last else None)
+                tokens, doc_ids, targets = M.packed_batch(g, short_row=short_row if last else None,
+                                                           all_padding=all_padding and last)
                 with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
                     logits = model(tokens, doc_ids)
                     loss = loss_fn(logits, targets) / accum
@@ -166,3 +167,30 @@ def test_tokens_a_mask_picked_from_flattened_logits_are_named_by_their_sample():
         z = torch.logsumexp(flat[targets.reshape(-1) != -100], dim=-1).pow(2)
     assert z.isinf().nonzero().flatten().tolist() == [7]  # (flat row 9)
     assert tracker.picked_rows([z]) == [2]
+
+
+def test_rope_theta_of_zero_is_a_buffer_the_factory_builds_nan(tmp_path):
+    """``rope_theta`` defaulting to 0: the cos/sin tables are NaN from ``__init__``; the
+    report blames the buffers as the factory builds them, not the data or the update."""
+    event, bundle = fire("make_rope_theta_unset", tmp_path)
+    assert (event["step"], event["phase"], event["module"]) == (0, "forward", "blocks.0.attn")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert origin["phase"] == "weights" and origin["param"] == "blocks.0.attn.cos"
+    assert origin["op"] == "aten.mul"
+    assert origin["source"] == line_of("return torch.stack((x1 * cos - x2 * sin")
+    assert report["cause"] == "weights"
+    assert "the factory builds" in report["hint"] and "when the model is built" in report["hint"]
+
+
+def test_all_padding_micro_batch_is_cross_entropy_over_no_target(tmp_path):
+    """Gradient accumulation's last micro-batch past the epoch's end, every target -100: the
+    model's output is finite, the mean cross-entropy is 0/0."""
+    event, bundle = fire("make_gpt", tmp_path, all_padding=True)
+    assert (event["step"], event["phase"], event["micro_batch"]) == (3, "loss", 1)
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["op"], origin["made"]) == ("aten.nll_loss_forward", "nan")
+    assert origin["source"] == line_of("ce = F.cross_entropy(flat, targets.reshape(-1)")
+    assert report["cause"] == "invalid"
+    assert "ignore_index" in report["hint"] and "max(count, 1)" in report["hint"]
