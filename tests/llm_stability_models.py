@@ -173,6 +173,16 @@ def make_rope_theta_unset():
     return GPT(rope_base=0.0)
 
 
+def make_no_qknorm_grown():
+    """No QK-layernorm, resumed where the first block's pre-attention RMSNorm gain has grown
+    to 300 (attention logit growth, Dehghani et al. 2023): q @ k^T passes 65504 in fp16."""
+    torch.manual_seed(0)
+    model = GPT(qk_norm=False)
+    with torch.no_grad():
+        model.blocks[0].ln1.weight.fill_(300.0)
+    return model
+
+
 def make_alibi():
     torch.manual_seed(0)
     return GPT(alibi=True)

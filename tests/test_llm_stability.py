@@ -194,3 +194,18 @@ def test_all_padding_micro_batch_is_cross_entropy_over_no_target(tmp_path):
     assert origin["source"] == line_of("ce = F.cross_entropy(flat, targets.reshape(-1)")
     assert report["cause"] == "invalid"
     assert "ignore_index" in report["hint"] and "max(count, 1)" in report["hint"]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
+def test_attention_logits_without_qk_norm_overflow_float16(tmp_path):
+    """No QK-layernorm and a grown pre-attention gain under fp16 autocast: ``q @ k^T``
+    overflows, then the softmax of +inf makes the NaN the recorder sees."""
+    event, bundle = fire("make_no_qknorm_grown", tmp_path, fp16=True)
+    assert (event["step"], event["phase"], event["module"]) == (0, "forward", "blocks.0.attn")
+    report = nanreplay_json(bundle)
+    origin = report["origin"]
+    assert (origin["op"], origin["made"], origin["dtype"]) == ("aten.bmm", "+inf", "float16")
+    assert origin["source"] == line_of("scores = (q @ k.transpose(-2, -1)) * scale")
+    assert [c["op"] for c in origin["chain"]] == ["aten.bmm", "aten._softmax"]
+    assert report["cause"] == "overflow"
+    assert "float32" in report["hint"] and "rescale its inputs" in report["hint"]
