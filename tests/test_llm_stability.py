@@ -31,7 +31,8 @@ def wsd(step: int, warmup: int = 2, stable: int = 1, decay: int = 2) -> float:
 
 
 def train(make: str, out_dir, short_row: int | None = None, fp16: bool = False,
-          record: bool = True, accum: int = 2, all_padding: bool = False):
+          record: bool = True, accum: int = 2, all_padding: bool = False,
+          init_scale: float = 2.0 ** 16):
     """nanoGPT's loop: ``accum`` micro-batches per step, fp16 autocast with a GradScaler when
     asked, unscale then clip the global norm at 1.0, AdamW with weight decay only on matrices.
     ``short_row`` plants a short, padded row in the last step's last micro-batch."""
@@ -42,7 +43,7 @@ def train(make: str, out_dir, short_row: int | None = None, fp16: bool = False,
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=3e-3, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, wsd)
-    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=fp16)
     g = torch.Generator().manual_seed(0)
     rec = FlightRecorder(model, opt, loss_fn=M.lm_loss, out_dir=out_dir, scaler=scaler,
                         lr_scheduler=sched,
@@ -209,3 +210,17 @@ def test_attention_logits_without_qk_norm_overflow_float16(tmp_path):
     assert [c["op"] for c in origin["chain"]] == ["aten.bmm", "aten._softmax"]
     assert report["cause"] == "overflow"
     assert "float32" in report["hint"] and "rescale its inputs" in report["hint"]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
+def test_steps_the_grad_scaler_skips_after_clipping_inf_are_not_events(tmp_path):
+    """A too-large initial loss scale: every step's fp16 gradients overflow, ``unscale_`` then
+    ``clip_grad_norm_`` turn them into NaN (an inf total norm), and the scaler skips the update.
+    Not an event; nothing trains, with or without the recorder."""
+    recorded = train("make_gpt", tmp_path, fp16=True, init_scale=2.0 ** 60)
+    bare = train("make_gpt", tmp_path, fp16=True, init_scale=2.0 ** 60, record=False)
+    start = M.make_gpt()
+    for (name, a), b, c in zip(recorded.state_dict().items(), bare.state_dict().values(),
+                               start.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+    assert not list(tmp_path.glob("*.nan"))
