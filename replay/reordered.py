@@ -13,11 +13,15 @@ back into samples.
 A boolean mask over the samples' leading dimensions picks values out of them the same way
 (a depth loss's ``log(pred[valid])``, a segmentation loss's ``loss[labels != 255]``): row
 ``r`` of the picked values belongs to the sample of the mask's ``r``-th true element. Those
-rows are followed too, and named as their samples (:meth:`Reordered.picked_rows`).
+rows are followed too, and named as their samples (:meth:`Reordered.picked_rows`), also
+where the mask picks among the tokens of a value flattened with its samples' rows first (an
+LM loss's ``logits.reshape(-1, V)[targets.view(-1) != -100]``): row ``r`` of that view holds
+sample ``r // T``.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -89,6 +93,8 @@ class Reordered:
         n = len(before)
         if (picked := self._picked(name, args, x, n)) is not None:
             return [(outs[0], before[picked])]
+        if (g := _merged_rows(name, x, outs[0], n)) is not None:
+            return [(outs[0], before.repeat_interleave(g))]
         if x.dim() == 0 or x.shape[0] != n or not isinstance(outs[0], torch.Tensor) \
                 or outs[0].is_nested or outs[0].dim() == 0 or outs[0].shape[0] != n:
             return None
@@ -151,6 +157,20 @@ def _mask(name: str, args: Sequence[Any], x: torch.Tensor, rows: int) -> torch.T
             or tuple(m.shape) != tuple(x.shape[:m.dim()]):
         return None
     return m
+
+
+def _merged_rows(name: str, x: torch.Tensor, out: Any, n: int) -> int | None:
+    """How many rows of a view of ``x`` each of its ``n`` rows became, when the view merged
+    dim 0 with the dims after it (an LM loss's ``logits.reshape(-1, V)`` before its
+    ``flat[valid]`` over the tokens), else None."""
+    if name not in ("view", "reshape", "_unsafe_view") or not isinstance(out, torch.Tensor) \
+            or out.is_nested or x.dim() < 2 or out.dim() == 0 or x.shape[0] != n:
+        return None
+    for j in range(1, x.dim()):
+        g = math.prod(x.shape[1:j + 1])
+        if g > 1 and out.shape[0] == n * g:
+            return g
+    return None
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
