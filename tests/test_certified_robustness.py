@@ -110,3 +110,52 @@ def test_crown_slope_guard_rounded_away_is_precision_and_shows_the_eps(tmp_path)
         True, "precision", "aten.div", list(range(M.N))), rep
     assert o["source"] == source_line("certified_robustness_models.py", SLOPE), o
     assert "by 0 (x/0, a pole) (float64 has 1e-08 there)" in rep["hint"], rep["hint"]
+
+
+def train_deep(out_dir, eps_max: float, steps: int = 3, record: bool = True):
+    """Gowal et al.'s IBP on a 14-layer MLP under float16 autocast (as on a GPU with AMP),
+    eps ramped over 4 steps; Adam. Returns the model."""
+    model = M.make_deep_ibp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=M.deep_ibp_loss, out_dir=out_dir,
+                         factory="certified_robustness_models:make_deep_ibp") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.deep_ibp_loss
+        for step in range(steps):
+            x, y = M.batch(g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits, lo, hi = model(x, M.eps_schedule(step, 0, 4, eps_max))
+                loss = loss_fn(logits, lo, hi, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model
+
+
+def test_deep_ibp_bounds_overflowing_float16_name_the_interval_and_float32(tmp_path):
+    """At eps 0.25 the 14 layers' interval radii ``|W| r`` grow past float16's 65504 in the
+    12th layer; ``mu - r`` is -inf there and ``mu + r`` then ``inf - inf``. The replay names
+    the subtraction, its line, that run of it, and an overflow of float16 that float32
+    holds: compute the bounds outside autocast."""
+    with pytest.raises(NonFiniteError) as info:
+        train_deep(tmp_path, 1.0)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", "")
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["op"], o["made"], o["line_run"]) == (
+        True, "overflow", "aten.sub", "-inf", 12), rep
+    assert o["source"] == source_line("certified_robustness_models.py", "return mu - r, mu + r")
+    assert "beyond float16's largest value" in rep["hint"], rep["hint"]
+    assert "compute this op in float32 (outside autocast" in rep["hint"], rep["hint"]
+
+
+def test_deep_ibp_at_a_small_epsilon_raises_nothing_and_trains_identically(tmp_path):
+    """At eps_max 0.01 the float16 bounds stay finite: no event, and the same weights as an
+    unrecorded run."""
+    seen = train_deep(tmp_path, 0.01)
+    bare = train_deep(tmp_path, 0.01, record=False)
+    for (name, a), b in zip(seen.state_dict().items(), bare.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not list(tmp_path.glob("*.nan"))
