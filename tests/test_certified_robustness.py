@@ -137,7 +137,10 @@ def test_deep_ibp_bounds_overflowing_float16_name_the_interval_and_float32(tmp_p
     """At eps 0.25 the 14 layers' interval radii ``|W| r`` grow past float16's 65504 in the
     12th layer; ``mu - r`` is -inf there and ``mu + r`` then ``inf - inf``. The replay names
     the subtraction, its line, that run of it, and an overflow of float16 that float32
-    holds: compute the bounds outside autocast."""
+    holds: compute the bounds outside autocast. The line runs once per layer, its values
+    growing run after run; the report called that a diverging loop "which a wider type only
+    postpones" (a Newton-Schulz or fixed-point iteration's advice), but each run took its own
+    layer's weights: growth through depth, which float32 holds."""
     with pytest.raises(NonFiniteError) as info:
         train_deep(tmp_path, 1.0)
     ev = info.value.event
@@ -149,6 +152,8 @@ def test_deep_ibp_bounds_overflowing_float16_name_the_interval_and_float32(tmp_p
     assert o["source"] == source_line("certified_robustness_models.py", "return mu - r, mu + r")
     assert "beyond float16's largest value" in rep["hint"], rep["hint"]
     assert "compute this op in float32 (outside autocast" in rep["hint"], rep["hint"]
+    assert "diverging" not in rep["hint"] and "postpones" not in rep["hint"], rep["hint"]
+    assert not any("run after run" in p for p in rep["problems"]), rep["problems"]
 
 
 def test_deep_ibp_at_a_small_epsilon_raises_nothing_and_trains_identically(tmp_path):
