@@ -142,3 +142,34 @@ def deep_ibp_loss(logits, lo, hi, y, kappa: float = 0.5):
     onehot = F.one_hot(y, K).bool()
     worst = torch.where(onehot, lo, hi)
     return kappa * F.cross_entropy(logits, y) + (1 - kappa) * F.cross_entropy(worst, y)
+
+
+class NoiseClassifier(nn.Module):
+    """Cohen et al.'s base classifier for randomized smoothing: ``forward(x, m)`` classifies
+    ``m`` Gaussian-noised copies of each input (sample-major), noise of ``sigma``."""
+
+    def __init__(self, sigma: float = 0.25):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU(),
+                                 nn.Linear(H, K))
+        self.sigma = sigma
+
+    def forward(self, x, m: int = 4):
+        noisy = x.repeat_interleave(m, 0)
+        return self.net(noisy + torch.randn_like(noisy) * self.sigma)
+
+
+def make_smoothing() -> nn.Module:
+    torch.manual_seed(0)
+    return NoiseClassifier()
+
+
+def radius_loss(logits, y, m: int = 4, sigma: float = 0.25, gamma: float = 2.0,
+                lam: float = 1.0):
+    """CE plus a hinge on the soft certified radius ``sigma * Φ⁻¹(p_A)`` of the smoothed
+    classifier (``torch.special.ndtri``); p_A clamped to (1e-8, 1 - 1e-8) as the code means
+    to keep Φ⁻¹ finite (the bug: float32 rounds 1 - 1e-8 to 1)."""
+    p = F.softmax(logits, 1).view(len(y), m, -1).mean(1)
+    p_a = p.gather(1, y[:, None]).squeeze(1).clamp(1e-8, 1 - 1e-8)
+    radius = sigma * torch.special.ndtri(p_a)
+    return F.nll_loss(torch.log(p + 1e-10), y) + lam * F.relu(gamma - radius).mean()

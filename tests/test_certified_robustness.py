@@ -164,3 +164,43 @@ def test_deep_ibp_at_a_small_epsilon_raises_nothing_and_trains_identically(tmp_p
     for (name, a), b in zip(seen.state_dict().items(), bare.state_dict().values()):
         assert torch.equal(a, b), name
     assert not list(tmp_path.glob("*.nan"))
+
+
+def train_smoothing(out_dir, steps: int = 30):
+    """Gaussian-noise training of a smoothed classifier with a certified-radius hinge
+    (``radius_loss``), SGD with momentum, on separable data: as the base classifier grows
+    confident, a soft p_A rounds to 1."""
+    model = M.make_smoothing()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)  # (the noise of randn_like)
+    with FlightRecorder(model, opt, loss_fn=M.radius_loss, out_dir=out_dir,
+                        factory="certified_robustness_models:make_smoothing") as rec:
+        for _ in range(steps):
+            x, y = M.batch(g)
+            x = x + 3 * torch.nn.functional.one_hot(y, M.D).float()
+            loss = rec.loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def test_smoothing_radius_of_p_a_clamped_to_a_bound_float32_rounds_to_one(tmp_path):
+    """``p_a.clamp(1e-8, 1 - 1e-8)`` then ``ndtri``: 1 - 1e-8 is 1.0 in float32, so a
+    confident sample's p_A is clamped onto 1, ndtri is +inf, the hinge ``relu(gamma - r)``
+    keeps it out of the loss, and ndtri's backward multiplies the saved +inf by 0. The replay
+    names ndtri's backward node, its line, the sample, precision, and says the code's clamp
+    bound is 1 in float32 with the eps float32 resolves (it said "clamp to the domain before
+    the op", which the code already does)."""
+    with pytest.raises(NonFiniteError) as info:
+        train_smoothing(tmp_path)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (19, "backward"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["cause"], o["module"], o["op"], o["samples"]) == (
+        True, "precision", "<loss>", "SpecialNdtriBackward0", [11]), rep
+    assert o["source"] == source_line("certified_robustness_models.py", "torch.special.ndtri(p_a)")
+    hint = rep["hint"]
+    assert "the code clamps already, but its bound 0.99999999 is 1 in float32" in hint, hint
+    assert "eps of at least 5.96e-08" in hint and "compute what is clamped" not in hint, hint
