@@ -289,10 +289,11 @@ def _float64_op_finite(capture: OpAt | None, ev: Evidence) -> bool | None:
 def _moved(capture: OpAt | None, ev: Evidence):
     """How the float64 re-run's inputs differ where the op went non-finite: ("underflow", i,
     value) for an input 0 in its type and below the type's smallest normal in float64, else
-    ("precision", i, value) for the first input that differs; None when unknown."""
+    ("precision", i, value) for the first input that differs, one 0 in its type first (the
+    divisor at a quotient's pole: CROWN's ``u - l`` whose eps rounding lost); None when unknown."""
     if capture is None or capture.inputs is None or len(capture.inputs) != len(ev.inputs):
         return None
-    first = None
+    first = pole = None
     for i, (v, t64) in enumerate(zip(ev.inputs, capture.inputs)):
         if not ev.elementwise[i]:
             continue
@@ -304,10 +305,12 @@ def _moved(capture: OpAt | None, ev: Evidence):
         under = (v == 0) & (w != 0) & (w.abs() < tiny)
         if bool(under.any()):
             return "underflow", i, float(w[under][0])
-        differs = v != w
+        differs, at_pole = v != w, (v != w) & (v == 0)
         if first is None and bool(differs.any()):
             first = ("precision", i, float(w[differs][0]))
-    return first
+        if pole is None and bool(at_pole.any()):
+            pole = ("precision", i, float(w[at_pole][0]))
+    return pole or first
 
 
 # ops over a row that make NaN or -inf of a row whose entries are all -inf (a mask)

@@ -103,11 +103,11 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     counted = _counted_in(finder, hit, o)
+    # (which run of its line, a loop over time steps running it once a step; its values there)
+    origin["line_run"], vals, counted = _line_run(runner, o, counted)
     cause = classify(runner, "forward", until=(o.module, o.call, o.micro_batch), hit=counted)
     if flipped or picked:
         cause = Cause("invalid", picked_hint(hit) if picked else negated_hint(hit.op))
-    # (which run of its line, a loop over time steps running it once a step; its values there)
-    origin["line_run"], vals = line_run(runner, o.module, o.call, o.micro_batch, counted)
     # (the recorder names the chain's start as module statistics show it, ``recorded``, or the
     # event's call: older ones did when a call enclosing it made the infinity its inputs held)
     reproduced = _matches(step, origin) or _matches(step, {"module": recorded.module}) \
@@ -340,6 +340,15 @@ def _innermost(run: Run, o, hit):
     name, k = hit.within
     return next((c for c in run.calls
                  if (c.module, c.call, c.micro_batch) == (name, k, o.micro_batch)), o)
+
+
+def _line_run(runner: Runner, o, hit):
+    """:func:`line_run`, and ``hit`` without its op's earlier calls' sizes when each run of
+    its line took parameters of its own: a stack of layers, whose calls are no iterates."""
+    run, vals, stack = line_run(runner, o.module, o.call, o.micro_batch, hit)
+    if stack and hit.evidence is not None:
+        hit = dataclasses.replace(hit, evidence=dataclasses.replace(hit.evidence, sizes=[]))
+    return run, vals, hit
 
 
 def _counted_in(finder: OpFinder, hit, o):

@@ -31,13 +31,19 @@ class _LineRuns(TorchDispatchMode):
         self.name, self.occurrence, self.source = op.removeprefix("aten."), occurrence, source
         self.seen = self.runs = 0
         self.sizes: list[Any] = []  # each earlier run's largest magnitude, on the device
+        self.took: list[frozenset[int]] = []  # the parameters each run's ops took since the last
+        self._since: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = run_op(func, args, kwargs or {})
+        self._since.update(id(a) for a in args if isinstance(a, torch.nn.Parameter))
         if func.overloadpacket.__name__ == self.name and self.seen <= self.occurrence:
             self.seen += 1
             here = user_source() == self.source
             self.runs += here
+            if here:
+                self.took.append(frozenset(self._since))
+                self._since = set()
             if here and self.seen <= self.occurrence and isinstance(out, torch.Tensor) \
                     and out.is_floating_point() and out.numel():
                 self.sizes.append(out.detach().abs().amax().float())
@@ -45,13 +51,14 @@ class _LineRuns(TorchDispatchMode):
 
 
 def line_run(runner, module: str, call: int, mb: int, hit: Any
-             ) -> tuple[int | None, list[float]]:
+             ) -> tuple[int | None, list[float], bool]:
     """The 1-based run of ``hit``'s op at ``hit.source`` in call ``call`` of ``module``
     (``hit.occurrence`` counted from that call's start); None when it cannot be told. With it,
     the largest magnitude of the op's output at each earlier run of the line (a loop in the
-    module's own code growing run after run: :mod:`replay.recurrence`)."""
+    module's own code growing run after run: :mod:`replay.recurrence`); and whether each run
+    took parameters of its own (:func:`layer_stack`: then no sizes)."""
     if hit is None or not hit.source or hit.occurrence > MOST or hit.node is not None:
-        return None, []
+        return None, [], False
     counter = _LineRuns(hit.op, hit.occurrence, hit.source)
     state = {"count": 0, "active": False}
 
@@ -76,11 +83,21 @@ def line_run(runner, module: str, call: int, mb: int, hit: Any
     try:
         runner.run(backward=False, instrument=False, hooks=hooks)
     except Exception:  # (no count then; the origin stands as found)
-        return None, []
+        return None, [], False
     finally:
         if state["active"]:
             counter.__exit__(None, None, None)
     if counter.seen != hit.occurrence + 1 or not counter.runs:
-        return None, []
+        return None, [], False
+    if layer_stack(counter.took):  # (growth through depth, not iterates: no diverging loop)
+        return counter.runs, [], True
     sizes = torch.stack(counter.sizes).tolist() if counter.sizes else []  # (one host read)
-    return counter.runs, sizes
+    return counter.runs, sizes, False
+
+
+def layer_stack(took: list[frozenset[int]]) -> bool:
+    """Each run of the line followed ops on parameters of its own (IBP's interval bounds
+    through ``for layer in self.layers``, each layer's ``|W| r``): its values grew through
+    the depth of a stack of layers, which a wider type holds, not by iterating one map (an
+    unrolled recurrence, a fixed-point loop: the same weights, or none, every run)."""
+    return len(took) > 1 and all(took) and len(set(took)) == len(took)

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .rounded_bound import moved_bound, rounded_bound
+from .rounded_bound import RoundedBound, moved_bound, rounded_bound
+from .rounded_bound import said as said_bound
 
 # ops that take a guard as a number: t + eps, t.clamp_min(eps), t.clamp(min=eps)
 _GUARDS = {"add", "add_", "clamp", "clamp_", "clamp_min", "clamp_min_"}
@@ -67,6 +68,9 @@ class LostEps:
             self._of[id(out)] = (weakref.ref(out), carried)
             return
         if name not in _GUARDS or len(args) < 2:
+            return
+        if name.startswith("clamp") and (bound := rounded_bound(args, {}, out)) is not None:
+            self._of[id(out)] = (weakref.ref(out), bound)  # (onto ndtri's edge: p.clamp(max=1 - 1e-8))
             return
         eps = args[1]
         if _lost(eps, out) or name in _ADDS and _zero(eps, out):
@@ -183,7 +187,8 @@ def _first(ev) -> tuple[float, torch.dtype] | None:
     quotient's divisor: ``(2 * inter + smooth) / (card + smooth + 1e-8)`` with smooth 0 in
     float16 lost the 1e-8)."""
     hits = [(eps, ev.input_dtypes[i]) for i, eps in enumerate(ev.lost_eps)
-            if eps is not None and ev.elementwise[i] and bool((ev.inputs[i] == 0).any())]
+            if eps is not None and ev.elementwise[i] and bool((ev.inputs[i] == (
+                eps.kept if isinstance(eps, RoundedBound) else 0)).any())]
     return next((h for h in hits if h[0] != 0), hits[-1] if hits else None)
 
 
@@ -200,6 +205,8 @@ def rounded_guard(ev, i: int, w: float) -> bool:
 def said(eps: float, dt: torch.dtype) -> str:
     """The hint's addition for an ``eps`` that ``dt`` rounded to 0, or one exactly 0."""
     name, tiny = str(dt).removeprefix("torch."), torch.finfo(dt).tiny
+    if isinstance(eps, RoundedBound):  # (a clamp's bound on the edge: the input at it)
+        return said_bound(eps)
     if isinstance(eps, Floor):
         return ("; the floor that input is clamped to is exactly 0 (an eps option set to 0, "
                 "or 0 meant as 'off'), and it has no negative entry, so the clamp guarded "

@@ -49,8 +49,10 @@ def said(bound: RoundedBound) -> str:
     return (f"; the code clamps already, but its bound {bound!r} is {bound.kept:g} in {name} "
             f"(whose spacing below 1 is {step:.3g}), so the clamp put the input on the edge "
             f"instead of keeping it off: use an eps {name} resolves (1 - eps with eps of at "
-            f"least {step:.3g}) or compute what is clamped in float32 (outside autocast, "
-            "or .float() before it: a cosine's product of unit vectors, a norm)")
+            f"least {step:.3g})" + ("" if torch.finfo(bound.dtype).bits >= 32 else
+                                    " or compute what is clamped in float32 (outside "
+                                    "autocast, or .float() before it: a cosine's product of "
+                                    "unit vectors, a norm)"))
 
 
 # backward nodes of ops whose output values are their input's (moved, picked, copied): a
