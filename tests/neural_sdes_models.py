@@ -197,3 +197,50 @@ def two_moons(g: torch.Generator, n: int = 32, eps: float = 1e-5):
     x = torch.stack([torch.cos(theta) + side, torch.sin(theta) * (1 - 2 * side) + side * 0.5], 1)
     t = eps + (1 - eps) * torch.rand(n, generator=g)
     return x, t, torch.randn(n, 2, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Euler-Maruyama over each record's own times, a double-well drift
+
+
+class DoubleWellSDE(nn.Module):
+    """dX = (net(X) + a X - b X^3) dt + sigma dW, rolled out by Euler-Maruyama from each
+    record's first observation over its own observation times."""
+
+    def __init__(self, dim: int = 2, hidden: int = 16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, dim))
+        self.a, self.b = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
+        self.log_sigma = nn.Parameter(torch.full((dim,), -2.0))
+
+    def forward(self, x0, ts, noise):
+        """x0 (B, dim), ts (B, T), noise (B, T - 1, dim): the path at the times, (B, T, dim)."""
+        x, xs = x0, [x0]
+        for k in range(ts.shape[1] - 1):
+            dt = (ts[:, k + 1] - ts[:, k])[:, None]
+            drift = self.net(x) + self.a * x - self.b * x ** 3  # the cubic blows up for a big dt
+            x = x + drift * dt + self.log_sigma.exp() * dt.sqrt() * noise[:, k]
+            xs.append(x)
+        return torch.stack(xs, 1)
+
+
+def make_double_well() -> DoubleWellSDE:
+    torch.manual_seed(0)
+    return DoubleWellSDE()
+
+
+def well_batch(g: torch.Generator, n: int = 16, steps: int = 8, minutes: int | None = None):
+    """Paths observed at sorted times in hours over [0, 1]; ``minutes``: that record's times
+    logged in minutes (60 times larger), its values the same."""
+    ts = torch.sort(torch.rand(n, steps, generator=g), dim=1).values
+    ts[:, 0] = 0.0
+    x0 = torch.randn(n, 2, generator=g).sign()
+    target = x0[:, None] + 0.1 * torch.randn(n, steps, 2, generator=g)
+    noise = torch.randn(n, steps - 1, 2, generator=g)
+    if minutes is not None:
+        ts[minutes] = ts[minutes] * 60
+    return (x0, ts, noise), target
+
+
+def path_mse(path, target):
+    return F.mse_loss(path, target)

@@ -31,11 +31,15 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     if kind == "irregular":
         xs, ts, mask = M.irregular_batch(g, duplicate=bad)
         return (xs, ts), (mask,)
+    if kind == "well":
+        args, target = M.well_batch(g, minutes=bad)
+        return args, (target,)
     x, t, z = M.two_moons(g)
     return (x, t, z), (z,)
 
 
-LOSSES = {"latent": M.latent_loss, "irregular": M.increment_nll, "score": M.dsm_loss}
+LOSSES = {"latent": M.latent_loss, "irregular": M.increment_nll, "score": M.dsm_loss,
+          "well": M.path_mse}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -54,7 +58,7 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
         for step in range(steps):
             args, targets = batch(kind, g, bad if step == steps - 1 else None)
             out = model(*args)
-            loss = loss_fn(*out, *targets)
+            loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -120,9 +124,27 @@ def test_variance_exploding_schedule_with_sigma_min_zero_names_the_buffer(tmp_pa
     assert "the buffer sigma_range as the code keeps it, 0 at entry 0" in rep["hint"], rep
 
 
+def test_times_in_minutes_overflow_the_double_well_drift_and_name_the_record(tmp_path):
+    """One record's observation times logged in minutes among hours: its Euler-Maruyama steps
+    are 60 times too long, the double well's ``-b x^3`` overshoots further each step, and
+    ``x ** 3`` overflows at a later run of its line in that record only. The replay names the
+    pow on its line, sample 9, overflow, and the times (``args[1]``) out of scale in that
+    record, a wrong unit; dropping it makes the step finite."""
+    ev, bundle = fire("well", "make_double_well", tmp_path, bad=9)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [9]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=9")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.pow", "+inf", [9]), o
+    assert o["source"] == line_of("drift = self.net(x) + self.a * x - self.b * x ** 3"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "sample(s) 9 of args[1]" in rep["hint"] and "wrong unit" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 @pytest.mark.parametrize("kind,make", [("latent", "make_latent"),
                                        ("irregular", "make_irregular"),
-                                       ("score", "make_score")])
+                                       ("score", "make_score"),
+                                       ("well", "make_double_well")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """The softplus latent SDE (a GRU encoder, 9 Euler-Maruyama steps with the loop's noise),
     the sigmoid-diffusion SDE on irregular times without duplicates and the VE score model
