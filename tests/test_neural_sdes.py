@@ -94,8 +94,9 @@ def test_relu_diffusion_zero_in_the_path_kl_names_the_division_and_the_cut(tmp_p
 def test_duplicated_timestamp_names_the_normalised_increment_and_the_record(tmp_path):
     """One record's third observation logged twice: ``dt = 0`` between them, and the
     normalised increment ``(dx - f dt) / (g sqrt(dt))`` is x/0 in that record only. The event
-    and the replay name the division on its line and sample 5; dropping it makes the step
-    finite."""
+    and the replay name the division on its line and sample 5, and say the divisor's 0 is its
+    data factor's (dt), a degenerate record to repair where the data is made, not an eps to
+    add (which would weight the transition by 1/eps); dropping it makes the step finite."""
     ev, bundle = fire("irregular", "make_irregular", tmp_path, bad=5)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
         3, "forward", "", [5], "+inf"), ev
@@ -103,7 +104,9 @@ def test_duplicated_timestamp_names_the_normalised_increment_and_the_record(tmp_
     o = rep["origin"]
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "+inf", [5]), o
     assert o["source"] == line_of("eps = (xs[:, 1:] - x - f * dt) / (g * dt.sqrt())"), o
-    assert rep["cause"] == "invalid" and "skip the rows where it is 0" in rep["hint"], rep
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "a factor no gradient reaches" in rep["hint"], rep["hint"]
+    assert "duplicated timestamp's dt = 0" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
