@@ -244,3 +244,38 @@ def well_batch(g: torch.Generator, n: int = 16, steps: int = 8, minutes: int | N
 
 def path_mse(path, target):
     return F.mse_loss(path, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# score-based model, variance-preserving SDE on discrete times
+
+
+class VPScoreNet(nn.Module):
+    """Song et al.'s VP SDE (beta(t) linear in [0.1, 20]): the marginal std
+    ``sqrt(1 - exp(-int beta))``, and the network's output over it as the score."""
+
+    def __init__(self, dim: int = 2, hidden: int = 32, beta_min: float = 0.1,
+                 beta_max: float = 20.0):
+        super().__init__()
+        self.beta_min, self.beta_max = beta_min, beta_max
+        self.net = nn.Sequential(nn.Linear(dim + 1, hidden), nn.SiLU(),
+                                 nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, dim))
+
+    def forward(self, x, t, z):
+        log_mean = -0.25 * t ** 2 * (self.beta_max - self.beta_min) - 0.5 * t * self.beta_min
+        std = (1.0 - torch.exp(2.0 * log_mean)).sqrt()[:, None]  # 0 at t = 0
+        x_t = torch.exp(log_mean)[:, None] * x + std * z
+        score = self.net(torch.cat([x_t, t[:, None]], 1)) / std
+        return score, std
+
+
+def make_vp() -> VPScoreNet:
+    torch.manual_seed(0)
+    return VPScoreNet()
+
+
+def discrete_moons(g: torch.Generator, n: int = 32, steps: int = 1000):
+    """Two moons at DDPM-style discrete times ``randint(0, N) / N``: t = 0 can be drawn."""
+    x, _, z = two_moons(g, n)
+    t = torch.randint(0, steps, (n,), generator=g) / steps
+    return x, t, z

@@ -34,11 +34,14 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     if kind == "well":
         args, target = M.well_batch(g, minutes=bad)
         return args, (target,)
+    if kind == "vp":
+        x, t, z = M.discrete_moons(g)
+        return (x, t, z), (z,)
     x, t, z = M.two_moons(g)
     return (x, t, z), (z,)
 
 
-LOSSES = {"latent": M.latent_loss, "irregular": M.increment_nll, "score": M.dsm_loss,
+LOSSES = {"latent": M.latent_loss, "irregular": M.increment_nll, "score": M.dsm_loss, "vp": M.dsm_loss,
           "well": M.path_mse}
 
 
@@ -107,7 +110,7 @@ def test_duplicated_timestamp_names_the_normalised_increment_and_the_record(tmp_
     assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "+inf", [5]), o
     assert o["source"] == line_of("eps = (xs[:, 1:] - x - f * dt) / (g * dt.sqrt())"), o
     assert rep["cause"] == "invalid", rep["cause"]
-    assert "a factor no gradient reaches" in rep["hint"], rep["hint"]
+    assert "or a factor of it, is a value no gradient reaches" in rep["hint"], rep["hint"]
     assert "duplicated timestamp's dt = 0" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
@@ -144,6 +147,35 @@ def test_times_in_minutes_overflow_the_double_well_drift_and_name_the_record(tmp
     assert rep["cause"] == "overflow", rep["cause"]
     assert "sample(s) 9 of args[1]" in rep["hint"] and "wrong unit" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def zero_time_rows(steps: int) -> tuple[int, list[int]]:
+    """The first step whose batch of discrete times draws t = 0, and its rows."""
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        (_, t, _), _ = batch("vp", g, None)
+        if bool((t == 0).any()):
+            return step, torch.nonzero(t == 0).flatten().tolist()
+    raise AssertionError("no t = 0 drawn")
+
+
+def test_vp_score_at_a_discrete_time_zero_names_the_division_and_the_record(tmp_path):
+    """A VP SDE's score model trained at DDPM-style discrete times ``randint(0, N) / N``:
+    the first batch that draws t = 0 has a marginal std of exactly 0 there, and the score
+    ``net(x_t, t) / std`` is x/0 in that record. The event and the replay name the division,
+    its line, that step and that record, and say the divisor is a value of the data 0 in
+    those records (sample t from [eps, 1]), not an eps to add."""
+    step, rows = zero_time_rows(60)
+    ev, bundle = fire("vp", "make_vp", tmp_path, steps=60)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        step, "forward", "", rows, "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "+inf", rows), o
+    assert o["source"] == line_of("score = self.net(torch.cat([x_t, t[:, None]], 1)) / std"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "a value no gradient reaches" in rep["hint"], rep["hint"]
+    assert "sample t from [eps, 1]" in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("kind,make", [("latent", "make_latent"),
