@@ -25,7 +25,7 @@ import torch
 from recorder.finite import ends, finite, kind_of, pair_kind, pair_ok
 from recorder.samples import Samples
 
-from . import data_divisor, empty_rows
+from . import clamped_divisor, data_divisor, data_factor, empty_rows
 from .cancellation import Cancellation
 from .compat import TorchDispatchMode, running_node, tree_leaves, writes_arguments
 from .composite import Composites, composite_hit
@@ -358,6 +358,9 @@ class OpFinder:
             and len(rows) < self.samples.size
         ev.data_divisor = not ev.of_data and data_divisor.marked(  # (x_hat / x.norm() of 0)
             self.lineage, op, ins, rows, self.samples.size if self.samples else 0)
+        ev.cut_divisor = clamped_divisor.cut_in_forward(op, ins)  # (a relu diffusion's 0)
+        ev.data_factor = data_factor.marked(  # (g * dt.sqrt() of a dt of 0)
+            op, ins, rows, self.samples.size if self.samples else 0)
         ev.of_weights = bool(self.state) and self._of_weights_only(
             [t for t in (ins if leaves is None else leaves) if isinstance(t, torch.Tensor)
              and (t.is_floating_point() or t.is_complex())])

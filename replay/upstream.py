@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from . import data_divisor, lost_eps, xlogx
+from . import clamped_divisor, data_divisor, data_factor, lost_eps, xlogx
 from .cause_text import DO, MASK_AFTER_POLE
 from .hits import Evidence
 
@@ -46,6 +46,10 @@ def context(cause: str | None, ev: Evidence | None, cast: torch.dtype | None) ->
         return masked
     if cause == "invalid" and ev.data_divisor:
         return data_divisor.ADVICE
+    if cause == "invalid" and ev.data_factor:
+        return data_factor.ADVICE
+    if cause == "invalid" and ev.cut_divisor:
+        return clamped_divisor.ADVICE
     if cause == "invalid" and (own := xlogx.context(ev)):
         return own
     if cause == "invalid" and ev.zero_operand:
