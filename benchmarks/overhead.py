@@ -554,7 +554,9 @@ def _quartiles(xs):
 
 
 def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_steps: int,
-            device: torch.device, compiled: bool = False) -> dict:
+            device: torch.device, compiled: bool = False, run: int = 1) -> dict:
+    """Each round, every copy takes ``run`` steps in a row, timed together (per step); the
+    copies take turns, whoever goes first rotating."""
     spec = SPECS[model]
     g = torch.Generator().manual_seed(SEED)
     batches = [spec.make_batch(g, device) for _ in range(8)]
@@ -571,21 +573,22 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
         started = time.perf_counter()
         total = warmup + rounds
         for r in range(total):
-            x, y = batches[r % len(batches)]
             for k in range(n):
                 t = trainers[(r + k) % n]  # rotate who goes first
                 _sync(device)
                 f0, c0 = _minor_faults(), time.thread_time()
                 t0 = time.perf_counter()
-                t.step(x, y)
+                for j in range(run):
+                    x, y = batches[(r * run + j) % len(batches)]
+                    t.step(x, y)
                 _sync(device)
-                dt = time.perf_counter() - t0
+                dt = (time.perf_counter() - t0) / run
                 c1, f1 = time.thread_time(), _minor_faults()
                 if r >= warmup:
                     times[t.name].append(dt)
-                    cpu[t.name].append(c1 - c0)
+                    cpu[t.name].append((c1 - c0) / run)
                     if f0 is not None and f1 is not None:
-                        faults[t.name].append(f1 - f0)
+                        faults[t.name].append((f1 - f0) / run)
             if (r + 1) % max(1, total // 10) == 0 or r + 1 == total:
                 el = time.perf_counter() - started
                 print(f"  {model}: round {r + 1}/{total} ({'warm-up' if r < warmup else 'timed'}"
@@ -637,7 +640,7 @@ def measure(model: str, detectors: list[str], rounds: int, warmup: int, count_st
                 rows[name]["cpu_minus_floor_q1"], rows[name]["cpu_minus_floor_q3"] = \
                     _quartiles(cpu_gaps)
     return {"model": model, "description": spec.describe, "rounds": rounds, "warmup": warmup,
-            "compiled": compiled, "detectors": rows}
+            "compiled": compiled, "run": run, "detectors": rows}
 
 
 def measure_in_processes(model: str, detectors: list[str], rounds: int, warmup: int,
@@ -652,7 +655,8 @@ def measure_in_processes(model: str, detectors: list[str], rounds: int, warmup: 
             out = os.path.join(tmp, f"{i}.json")
             cmd = [sys.executable, str(Path(__file__).resolve()), "--models", model,
                    "--detectors", ",".join(detectors), "--rounds", str(rounds),
-                   "--warmup", str(warmup), "--device", args.device, "--json", out]
+                   "--warmup", str(warmup), "--device", args.device, "--json", out,
+                   "--run", str(args.run)]
             if args.threads is not None:
                 cmd += ["--threads", str(args.threads)]
             if args.baseline:
@@ -862,12 +866,20 @@ def main(argv=None) -> int:
                     help="also time the recorder of another checkout (DIR holds its recorder/ "
                     "package, e.g. a worktree of main) as detector recorder_base, interleaved "
                     "with the others: a before/after comparison within one run")
+    ap.add_argument("--run", type=int, default=1, metavar="K",
+                    help="steps each copy takes in a row per round, timed together (default 1). "
+                    "With 1, every step follows the other copies' steps, which evict its model's "
+                    "state and the detector's own objects from the caches (each copy's weights "
+                    "and Adam state are 15 MB for the MLP); a training loop's steps follow its "
+                    "own. K > 1 measures that, the round's first, cold step included")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every copy's model (inductor) and compare the recorder "
                     "with the compiled bare model; the other detectors do not run")
     args = ap.parse_args(argv)
     if args.processes < 1:
         ap.error("--processes must be at least 1")
+    if args.run < 1:
+        ap.error("--run must be at least 1")
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in models if m not in SPECS]
@@ -908,10 +920,10 @@ def main(argv=None) -> int:
         rounds = args.rounds if args.rounds is not None else (
             3 if args.quick else DEFAULT_ROUNDS[m])
         print(f"{m}: {SPECS[m].describe}; {len(detectors)} copies, {warmup} warm-up + "
-              f"{rounds} timed rounds", file=sys.stderr, flush=True)
+              f"{rounds} timed rounds of {args.run} step(s) a copy", file=sys.stderr, flush=True)
         if args.processes == 1:
             results.append(measure(m, detectors, rounds, warmup, count_steps, device,
-                                   args.compile))
+                                   args.compile, args.run))
         else:
             results.append(measure_in_processes(m, detectors, rounds, warmup, args))
         print(render(results[-1:], device), file=sys.stderr, flush=True)
