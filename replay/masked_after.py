@@ -32,12 +32,14 @@ _OF_DATA = DO["of_data"]
 _ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
 
 
-class _MaskAfter(TorchDispatchMode):
-    """The first op that made NaN of NaN-free values, then the first product that multiplied
-    the NaN it met by 0 everywhere, each as (op, source)."""
+class FirstThenMasked(TorchDispatchMode):
+    """The first op that made a ``bad`` value (``bad(leaves)``: a NaN, a non-finite value) of
+    inputs that held none, then the first product that ``masks(name, args)`` says multiplied
+    what it met by a mask's 0, each as (op, source)."""
 
-    def __init__(self):
+    def __init__(self, bad, masks):
         super().__init__()
+        self.bad, self.masks = bad, masks
         self.first: tuple[str, str | None] | None = None
         self.masked: tuple[str, str | None] | None = None
 
@@ -46,17 +48,32 @@ class _MaskAfter(TorchDispatchMode):
         out = run_op(func, args, kwargs)
         if self.masked is None:
             name = func.overloadpacket.__name__
-            if self.first is None and _nan(tree_leaves(out)) and not _nan(
+            if self.first is None and self.bad(tree_leaves(out)) and not self.bad(
                     tree_leaves((args, kwargs))):
                 self.first = (f"aten.{name}", user_source())
-            elif self.first is not None and nan_times_zero(name, args):
+            elif self.first is not None and self.masks(name, args):
                 self.masked = (f"aten.{name}", user_source())
         return out
 
 
-def _nan(leaves) -> bool:
+def has_nan(leaves) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_floating_point()
                and bool(torch.isnan(t).any()) for t in leaves)
+
+
+def masked_in_loss(step: Step, mb: int, bad, masks) -> FirstThenMasked | None:
+    """Micro-batch ``mb``'s loss re-run on the re-computed outputs, watched by
+    :class:`FirstThenMasked`; None when it could not run (the caller's advice stands)."""
+    watch = FirstThenMasked(bad, masks)
+    try:
+        run = Runner(step).run(backward=False, instrument=False)
+        args, kwargs = loss_args(step, run, mb)
+        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
+                                                   loss=True), watch:
+            step.loss_fn(*args, **kwargs)
+    except Exception:
+        return None
+    return watch
 
 
 def masked_after_hint(report: dict[str, Any], step: Step) -> None:
@@ -68,17 +85,9 @@ def masked_after_hint(report: dict[str, Any], step: Step) -> None:
             or o.get("module") != "<loss>" or step.model is None or step.loss_fn is None \
             or (_OF_DATA not in hint and _ZERO_BY_ZERO not in hint):
         return  # (other advice, an eps lost to the type, stands)
-    mb, watch = o.get("micro_batch") or 0, _MaskAfter()
-    try:
-        run = Runner(step).run(backward=False, instrument=False)
-        args, kwargs = loss_args(step, run, mb)
-        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
-                                                   loss=True), watch:
-            step.loss_fn(*args, **kwargs)
-    except Exception:  # (the hint adds what it saw; without it the origin's advice stands)
-        return
+    watch = masked_in_loss(step, o.get("micro_batch") or 0, has_nan, nan_times_zero)
     # (the origin's own NaN: a mask that met another op's NaN says nothing of it)
-    if watch.masked is None or watch.first != (o.get("op"), o.get("source")):
+    if watch is None or watch.masked is None or watch.first != (o.get("op"), o.get("source")):
         return
     # (a 0/0 of the model's values, a cosine of off-surface points whose target normal is 0:
     # its eps advice stands, the mask's is added)

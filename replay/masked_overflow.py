@@ -15,38 +15,12 @@ from typing import Any
 
 import torch
 
-from .compat import TorchDispatchMode, tree_leaves
-from .dispatch import run_op
-from .load import Step, autocast_as_recorded
-from .loss_args import loss_args
+from .load import Step
+from .masked_after import masked_in_loss
 from .masked_product import mask_dropped
-from .rerun import Runner
-from .source import user_source
 
 
-class _DroppedAfter(TorchDispatchMode):
-    """The first op that made a non-finite value of finite ones, then the first product that
-    multiplied every non-finite value it met by a mask's 0, each as (op, source)."""
-
-    def __init__(self):
-        super().__init__()
-        self.first: tuple[str, str | None] | None = None
-        self.masked: tuple[str, str | None] | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = run_op(func, args, kwargs)
-        if self.masked is None:
-            name = func.overloadpacket.__name__
-            if self.first is None and _bad(tree_leaves(out)) and not _bad(
-                    tree_leaves((args, kwargs))):
-                self.first = (f"aten.{name}", user_source())
-            elif self.first is not None and mask_dropped(name, args):
-                self.masked = (f"aten.{name}", user_source())
-        return out
-
-
-def _bad(leaves) -> bool:
+def _non_finite(leaves) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_floating_point()
                and not bool(torch.isfinite(t).all()) for t in leaves)
 
@@ -58,16 +32,8 @@ def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
             or o.get("module") != "<loss>" or o.get("made") not in ("+inf", "-inf") \
             or step.model is None or step.loss_fn is None or not report.get("hint"):
         return
-    mb, watch = o.get("micro_batch") or 0, _DroppedAfter()
-    try:
-        run = Runner(step).run(backward=False, instrument=False)
-        args, kwargs = loss_args(step, run, mb)
-        with torch.no_grad(), autocast_as_recorded(step.micro_batches[mb], step.device,
-                                                   loss=True), watch:
-            step.loss_fn(*args, **kwargs)
-    except Exception:  # (the hint adds what it saw; without it the origin's advice stands)
-        return
-    if watch.masked is None or watch.first != (o.get("op"), o.get("source")):
+    watch = masked_in_loss(step, o.get("micro_batch") or 0, _non_finite, mask_dropped)
+    if watch is None or watch.masked is None or watch.first != (o.get("op"), o.get("source")):
         return
     op, source = watch.masked
     at = f" ({source})" if source else ""

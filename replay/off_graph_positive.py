@@ -11,8 +11,8 @@ import torch
 
 from recorder.finite import finite
 
-from .compat import saved_value
-from .positive import PASS_ON, POSITIVE, REDUCTIONS, SUMS, node_op, positive_result
+from .pole_hints import zero_divisor_off_graph
+from .positive import PASS_ON, POSITIVE, REDUCTIONS, SUMS, positive_result
 
 # Python-level names of the ops replay.positive's aten rule knows
 _ALIASES = {"__getitem__": "select", "__truediv__": "div", "__mul__": "mul", "__rmul__": "mul",
@@ -63,11 +63,5 @@ class OffGraphPositive:
 
     def divisor(self, node) -> bool:
         """Quotient node ``node``'s divisor is off the graph, holds a 0, and is such a value."""
-        try:
-            if node_op(node) != "Div" or node.next_functions[1][0] is not None:
-                return False
-            other = saved_value(node, "other")
-        except Exception:  # (a scalar divisor, a freed node: unknown)
-            return False
-        return isinstance(other, torch.Tensor) and bool((other == 0).any()) \
-            and self.positive(other)
+        other = zero_divisor_off_graph(node)
+        return other is not None and self.positive(other)

@@ -60,16 +60,23 @@ CLAMPED_DIVISOR = (
     "softplus(x) + eps) instead of ending it with a ReLU")
 
 
+def zero_divisor_off_graph(node) -> torch.Tensor | None:
+    """The divisor of quotient node ``node`` when it needs no gradient and holds an exact 0
+    (the pole of the quotient's derivative), else None."""
+    try:
+        if node_op(node) != "Div" or node.next_functions[1][0] is not None:
+            return None
+        other = saved_value(node, "other")
+    except Exception:  # (a scalar divisor, a freed node: unknown)
+        return None
+    return other if isinstance(other, torch.Tensor) and bool((other == 0).any()) else None
+
+
 def divisor_of_data(node) -> bool:
     """``node`` is a quotient's backward whose divisor needs no gradient (nothing the model
     learns reaches it) and holds an exact 0: the pole of the quotient's derivative."""
-    try:
-        if node_op(node) != "Div" or node.next_functions[1][0] is not None:
-            return False
-        other = saved_value(node, "other")
-    except Exception:  # (a scalar divisor, a freed node: unknown)
-        return False
-    return isinstance(other, torch.Tensor) and other.dim() > 0 and bool((other == 0).any())
+    other = zero_divisor_off_graph(node)
+    return other is not None and other.dim() > 0
 
 
 def constant_zero_divisor(node) -> bool:
