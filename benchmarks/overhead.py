@@ -869,9 +869,9 @@ def main(argv=None) -> int:
     ap.add_argument("--run", type=int, default=1, metavar="K",
                     help="steps each copy takes in a row per round, timed together (default 1). "
                     "With 1, every step follows the other copies' steps, which evict its model's "
-                    "state and the detector's own objects from the caches (each copy's weights "
-                    "and Adam state are 15 MB for the MLP); a training loop's steps follow its "
-                    "own. K > 1 measures that, the round's first, cold step included")
+                    "state and the detector's own objects from the caches (an MLP copy's weights, "
+                    "gradients and Adam state are about 17 MB); a training loop's steps follow "
+                    "its own. K > 1 measures that, the round's first, cold step included")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile every copy's model (inductor) and compare the recorder "
                     "with the compiled bare model; the other detectors do not run")
