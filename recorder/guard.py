@@ -170,10 +170,12 @@ class OptimizerGuard:
             # (a loop that trains a copy: Reptile's deepcopy, a functional copy without the
             # recorder's hooks; its forwards are not recorded, which the user should know)
             log.warning("nanreplay: optimizer.step() ran with no forward of the recorded model "
-                        "since the last step (a copy of it ran instead, as Reptile's fast "
-                        "weights, or the loop wrote the gradients itself): each such update is "
-                        "a step of its own, its gradients and update checked, but no forward "
-                        "is recorded, so nanreplay cannot re-run one")
+                        "with gradients on since the last step (a copy of it ran instead, as "
+                        "Reptile's fast weights; it ran under torch.no_grad() only, as an "
+                        "evolution strategy's evaluations; or the loop wrote the gradients "
+                        "itself): each such update is a step of its own, its gradients and "
+                        "update checked, but no forward is recorded, so nanreplay cannot re-run "
+                        "one")
         return tape
 
     def _only_transformed(self) -> None:
