@@ -1,0 +1,143 @@
+"""Graph transformers written by hand, as Graphormer and GraphGPS write them in torch, for
+``test_graph_transformers``.
+
+- Dense batched graphs: node features ``x`` (B, N, F), adjacency ``adj`` (B, N, N) and a node
+  mask (B, N), padded to the batch's largest node count (``collate``).
+- ``GraphTransformer``: Graphormer's degree (centrality) embedding, a shortest-path-distance
+  attention bias per head (unreachable pairs get the sentinel ``MAX_DIST``), key-padding masks
+  of ``-inf``, GraphGPS's random-walk structural encoding (diagonals of powers of ``D^-1 A``)
+  and a GCN message-passing branch (``D^-1/2 A D^-1/2``) mixed with global attention, a
+  virtual node, and the graph-level readout by masked mean.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MAX_DIST = 8
+
+
+def shortest_paths(adj: torch.Tensor) -> torch.Tensor:
+    """Hop distances by repeated boolean matmul (Floyd-style BFS), ``MAX_DIST`` if unreachable."""
+    n = adj.shape[-1]
+    dist = torch.full(adj.shape, MAX_DIST, dtype=torch.long)
+    reach = torch.eye(n, dtype=torch.bool).expand_as(adj).clone()
+    dist[reach] = 0
+    step = adj > 0
+    frontier = reach
+    for d in range(1, MAX_DIST):
+        frontier = (frontier.float() @ step.float()) > 0
+        new = frontier & ~reach
+        dist[new] = d
+        reach = reach | new
+    return dist
+
+
+def random_graph(g: torch.Generator, n: int, feat: int = 8, isolated: bool = False):
+    """A ring plus random chords; ``isolated`` cuts node 0 off (a molecule's lone ion)."""
+    adj = torch.zeros(n, n)
+    idx = torch.arange(n)
+    adj[idx, (idx + 1) % n] = 1
+    chords = torch.randint(0, n, (n // 2, 2), generator=g)
+    adj[chords[:, 0], chords[:, 1]] = 1
+    adj = ((adj + adj.T) > 0).float()
+    adj.fill_diagonal_(0)
+    if isolated:
+        adj[0, :] = 0
+        adj[:, 0] = 0
+    return torch.randn(n, feat, generator=g), adj
+
+
+def collate(graphs, targets):
+    """Pads a list of (x, adj) to the largest node count: (x, adj, mask, spd, y)."""
+    n = max(x.shape[0] for x, _ in graphs) if graphs else 1
+    b, feat = len(graphs), graphs[0][0].shape[1]
+    x, adj = torch.zeros(b, n, feat), torch.zeros(b, n, n)
+    mask = torch.zeros(b, n, dtype=torch.bool)
+    for i, (xi, ai) in enumerate(graphs):
+        k = xi.shape[0]
+        x[i, :k], adj[i, :k, :k], mask[i, :k] = xi, ai, True
+    return x, adj, mask, shortest_paths(adj), torch.stack(targets)
+
+
+class GraphLayer(nn.Module):
+    """One GraphGPS layer: GCN message passing plus Graphormer-biased global attention."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.spd_bias = nn.Embedding(MAX_DIST + 1, heads)
+        self.gcn = nn.Linear(dim, dim)
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, h, a_norm, spd, mask):
+        b, n, _ = h.shape
+        bias = self.spd_bias(spd).permute(0, 3, 1, 2)  # (B, heads, N, N)
+        bias = bias.masked_fill(~mask[:, None, None, :], float("-inf"))
+        bias = bias.reshape(b * self.heads, n, n)
+        att, _ = self.attn(h, h, h, attn_mask=bias, need_weights=False)
+        local = self.gcn(a_norm @ h)
+        h = self.norm1(h + att + local)
+        return self.norm2(h + self.ffn(h))
+
+
+class GraphTransformer(nn.Module):
+    """Degree embedding + RWSE + virtual node, two GPS layers, masked-mean readout."""
+
+    def __init__(self, feat: int = 8, dim: int = 32, heads: int = 4, walk: int = 4,
+                 guard_degree: bool = False, guard_empty: bool = False):
+        super().__init__()
+        self.walk, self.guard_degree, self.guard_empty = walk, guard_degree, guard_empty
+        self.embed = nn.Linear(feat, dim)
+        self.degree = nn.Embedding(16, dim)
+        self.rwse = nn.Linear(walk, dim)
+        self.virtual = nn.Parameter(torch.zeros(dim))
+        self.layers = nn.ModuleList(GraphLayer(dim, heads) for _ in range(2))
+        self.head = nn.Linear(dim, 1)
+
+    def encodings(self, adj):
+        """GraphGPS's RWSE: diag((D^-1 A)^k), k = 1..walk, and the GCN's D^-1/2 A D^-1/2."""
+        deg = adj.sum(-1)
+        if self.guard_degree:  # PyG's gcn_norm: an isolated node's 1/deg is set to 0
+            inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg))
+        else:
+            inv = 1.0 / deg  # the bug: deg 0 for an isolated node
+        walk = inv[..., None] * adj
+        inv_sqrt = inv.sqrt()
+        a_norm = inv_sqrt[..., None] * adj * inv_sqrt[..., None, :]
+        p, diags = walk, []
+        for _ in range(self.walk):
+            diags.append(torch.diagonal(p, dim1=-2, dim2=-1))
+            p = p @ walk
+        return torch.stack(diags, -1), a_norm, deg
+
+    def forward(self, x, adj, mask, spd):
+        rw, a_norm, deg = self.encodings(adj)
+        h = self.embed(x) + self.degree(deg.long().clamp(max=15)) + self.rwse(rw)
+        h = h + self.virtual  # the virtual node's state broadcast to every node
+        for layer in self.layers:
+            h = layer(h, a_norm, spd, mask)
+        m = mask[..., None].to(h.dtype)
+        count = m.sum(1)
+        if self.guard_empty:
+            count = count.clamp(min=1)
+        pooled = (h * m).sum(1) / count  # masked mean over real nodes
+        return self.head(pooled).squeeze(-1)
+
+
+def make_gt() -> GraphTransformer:
+    torch.manual_seed(0)
+    return GraphTransformer()
+
+
+def make_gt_guarded() -> GraphTransformer:
+    torch.manual_seed(0)
+    return GraphTransformer(guard_degree=True, guard_empty=True)
+
+
+def make_gt_guard_degree() -> GraphTransformer:
+    torch.manual_seed(0)
+    return GraphTransformer(guard_degree=True)
