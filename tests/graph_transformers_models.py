@@ -88,8 +88,12 @@ class GraphTransformer(nn.Module):
     """Degree embedding + RWSE + virtual node, two GPS layers, masked-mean readout."""
 
     def __init__(self, feat: int = 8, dim: int = 32, heads: int = 4, walk: int = 4,
-                 guard_degree: bool = False, guard_empty: bool = False):
+                 guard_degree: bool = False, guard_empty: bool = False, lap_pe: int = 0):
         super().__init__()
+        self.lap_pe = lap_pe
+        if lap_pe:
+            self.edge_gate = nn.Linear(feat, 1)  # learned edge weights (graph structure learning)
+            self.lap = nn.Linear(lap_pe, dim)
         self.walk, self.guard_degree, self.guard_empty = walk, guard_degree, guard_empty
         self.embed = nn.Linear(feat, dim)
         self.degree = nn.Embedding(16, dim)
@@ -114,9 +118,26 @@ class GraphTransformer(nn.Module):
             p = p @ walk
         return torch.stack(diags, -1), a_norm, deg
 
+    def laplacian_pe(self, x, adj):
+        """SAN/GraphGPS's LapPE: eigenvectors of I - D^-1/2 W D^-1/2 with learned edge weights
+        W, a random sign flip per eigenvector while training."""
+        gate = torch.sigmoid(self.edge_gate(x))
+        w = adj * gate * gate.transpose(-1, -2)
+        deg = w.sum(-1)
+        inv_sqrt = torch.where(deg > 0, deg.clamp(min=1e-6).rsqrt(), torch.zeros_like(deg))
+        eye = torch.eye(adj.shape[-1]).expand_as(adj)
+        lap = eye - inv_sqrt[..., None] * w * inv_sqrt[..., None, :]
+        _, vecs = torch.linalg.eigh(lap)
+        pe = vecs[..., : self.lap_pe]
+        if self.training:
+            pe = pe * (torch.randint(0, 2, (pe.shape[0], 1, self.lap_pe)) * 2 - 1)
+        return self.lap(pe)
+
     def forward(self, x, adj, mask, spd):
         rw, a_norm, deg = self.encodings(adj)
         h = self.embed(x) + self.degree(deg.long().clamp(max=15)) + self.rwse(rw)
+        if self.lap_pe:
+            h = h + self.laplacian_pe(x, adj)
         h = h + self.virtual  # the virtual node's state broadcast to every node
         for layer in self.layers:
             h = layer(h, a_norm, spd, mask)
@@ -141,3 +162,8 @@ def make_gt_guarded() -> GraphTransformer:
 def make_gt_guard_degree() -> GraphTransformer:
     torch.manual_seed(0)
     return GraphTransformer(guard_degree=True)
+
+
+def make_gt_lap() -> GraphTransformer:
+    torch.manual_seed(0)
+    return GraphTransformer(guard_degree=True, guard_empty=True, lap_pe=3)

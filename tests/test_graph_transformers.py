@@ -115,3 +115,22 @@ def test_guarded_graph_transformer_raises_nothing_and_trains_the_same(tmp_path, 
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_learned_laplacian_pe_through_eigh_of_padded_graphs_names_eighs_backward(tmp_path):
+    """SAN/GraphGPS's Laplacian PE on learned edge weights: ``eigh`` of the normalised
+    Laplacian of a padded graph (each padded node isolated, eigenvalue 1 repeated) has an
+    infinite vector derivative, so the backward of the first step turns the edge gate's gradient
+    NaN (and clip_grad_norm_ then every gradient). The replay names eigh's backward, its line,
+    the edge gate's parameters, the padded graphs 1 to 4, and says the graph's isolated or padded
+    nodes make the repeated eigenvalues and detaching the matrix removes the term."""
+    ev, bundle = fire("make_gt_lap", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["params"], o["samples"]) == (
+        True, "LinalgEighBackward0", ["edge_gate.weight", "edge_gate.bias"], [1, 2, 3, 4]), o
+    assert o["source"] == line_of("_, vecs = torch.linalg.eigh(lap)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "graph Laplacian with isolated or padded nodes" in rep["hint"], rep["hint"]
+    assert "detach the matrix" in rep["hint"], rep["hint"]
