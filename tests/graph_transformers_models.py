@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MAX_DIST = 8
@@ -64,21 +65,35 @@ def collate(graphs, targets):
 class GraphLayer(nn.Module):
     """One GraphGPS layer: GCN message passing plus Graphormer-biased global attention."""
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, unreachable_inf: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.unreachable_inf = heads, unreachable_inf
         self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
         self.spd_bias = nn.Embedding(MAX_DIST + 1, heads)
         self.gcn = nn.Linear(dim, dim)
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.ffn = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
+    def graphormer_attention(self, h, bias, mask):
+        """Graphormer's own attention: scores plus the SPD bias, key padding, softmax."""
+        b, n, d = h.shape
+        q, k, v = F.linear(h, self.attn.in_proj_weight, self.attn.in_proj_bias).chunk(3, -1)
+        q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5 + bias
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        out = torch.softmax(scores, -1) @ v
+        return self.attn.out_proj(out.transpose(1, 2).reshape(b, n, d))
+
     def forward(self, h, a_norm, spd, mask):
         b, n, _ = h.shape
         bias = self.spd_bias(spd).permute(0, 3, 1, 2)  # (B, heads, N, N)
-        bias = bias.masked_fill(~mask[:, None, None, :], float("-inf"))
-        bias = bias.reshape(b * self.heads, n, n)
-        att, _ = self.attn(h, h, h, attn_mask=bias, need_weights=False)
+        if self.unreachable_inf:  # the bug: a padded node reaches nothing, its row all -inf
+            bias = bias.masked_fill((spd == MAX_DIST)[:, None], float("-inf"))
+            att = self.graphormer_attention(h, bias, mask)
+        else:
+            bias = bias.masked_fill(~mask[:, None, None, :], float("-inf"))
+            bias = bias.reshape(b * self.heads, n, n)
+            att, _ = self.attn(h, h, h, attn_mask=bias, need_weights=False)
         local = self.gcn(a_norm @ h)
         h = self.norm1(h + att + local)
         return self.norm2(h + self.ffn(h))
@@ -88,7 +103,8 @@ class GraphTransformer(nn.Module):
     """Degree embedding + RWSE + virtual node, two GPS layers, masked-mean readout."""
 
     def __init__(self, feat: int = 8, dim: int = 32, heads: int = 4, walk: int = 4,
-                 guard_degree: bool = False, guard_empty: bool = False, lap_pe: int = 0):
+                 guard_degree: bool = False, guard_empty: bool = False, lap_pe: int = 0,
+                 unreachable_inf: bool = False):
         super().__init__()
         self.lap_pe = lap_pe
         if lap_pe:
@@ -99,7 +115,7 @@ class GraphTransformer(nn.Module):
         self.degree = nn.Embedding(16, dim)
         self.rwse = nn.Linear(walk, dim)
         self.virtual = nn.Parameter(torch.zeros(dim))
-        self.layers = nn.ModuleList(GraphLayer(dim, heads) for _ in range(2))
+        self.layers = nn.ModuleList(GraphLayer(dim, heads, unreachable_inf) for _ in range(2))
         self.head = nn.Linear(dim, 1)
 
     def encodings(self, adj):
@@ -167,3 +183,8 @@ def make_gt_guard_degree() -> GraphTransformer:
 def make_gt_lap() -> GraphTransformer:
     torch.manual_seed(0)
     return GraphTransformer(guard_degree=True, guard_empty=True, lap_pe=3)
+
+
+def make_gt_unreachable() -> GraphTransformer:
+    torch.manual_seed(0)
+    return GraphTransformer(guard_degree=True, guard_empty=True, unreachable_inf=True)

@@ -134,3 +134,22 @@ def test_learned_laplacian_pe_through_eigh_of_padded_graphs_names_eighs_backward
     assert rep["cause"] == "invalid", rep["cause"]
     assert "graph Laplacian with isolated or padded nodes" in rep["hint"], rep["hint"]
     assert "detach the matrix" in rep["hint"], rep["hint"]
+
+
+def test_unreachable_pairs_biased_minus_inf_fill_a_padded_row_names_the_softmax(tmp_path):
+    """Graphormer's own attention with unreachable pairs biased ``-inf``: a padded node reaches
+    no node and its own key is padding, so its score row is all ``-inf`` and the softmax is NaN
+    in the first layer at step 0 (the masked mean then carries it, 0 * NaN). The replay names
+    layers.0's softmax, the padded graphs, the SPD fill that put the -inf in, and the advice to
+    keep a key per row or mask with a finite number."""
+    ev, bundle = fire("make_gt_unreachable", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (
+        0, "forward", "layers.0", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["made"], o["samples"]) == (
+        True, "aten._softmax", "nan", [1, 2, 3, 4]), o
+    assert o["source"] == line_of("out = torch.softmax(scores, -1) @ v"), o
+    assert o["chain"][0]["source"] == line_of('(spd == MAX_DIST)[:, None], float("-inf")'), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "large finite negative number" in rep["hint"], rep["hint"]
