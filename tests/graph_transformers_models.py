@@ -103,7 +103,7 @@ class GraphTransformer(nn.Module):
     """Degree embedding + RWSE + virtual node, two GPS layers, masked-mean readout."""
 
     def __init__(self, feat: int = 8, dim: int = 32, heads: int = 4, walk: int = 4,
-                 guard_degree: bool = False, guard_empty: bool = False, lap_pe: int = 0,
+                 guard_degree: bool | str = False, guard_empty: bool = False, lap_pe: int = 0,
                  unreachable_inf: bool = False):
         super().__init__()
         self.lap_pe = lap_pe
@@ -118,10 +118,12 @@ class GraphTransformer(nn.Module):
         self.layers = nn.ModuleList(GraphLayer(dim, heads, unreachable_inf) for _ in range(2))
         self.head = nn.Linear(dim, 1)
 
-    def encodings(self, adj):
+    def encodings(self, adj, mask):
         """GraphGPS's RWSE: diag((D^-1 A)^k), k = 1..walk, and the GCN's D^-1/2 A D^-1/2."""
         deg = adj.sum(-1)
-        if self.guard_degree:  # PyG's gcn_norm: an isolated node's 1/deg is set to 0
+        if self.guard_degree == "padding":  # padded nodes get degree 1, a real lone node 0
+            deg = deg.masked_fill(~mask, 1.0)
+        if self.guard_degree is True:  # PyG's gcn_norm: an isolated node's 1/deg is set to 0
             inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg))
         else:
             inv = 1.0 / deg  # the bug: deg 0 for an isolated node
@@ -150,7 +152,7 @@ class GraphTransformer(nn.Module):
         return self.lap(pe)
 
     def forward(self, x, adj, mask, spd):
-        rw, a_norm, deg = self.encodings(adj)
+        rw, a_norm, deg = self.encodings(adj, mask)
         h = self.embed(x) + self.degree(deg.long().clamp(max=15)) + self.rwse(rw)
         if self.lap_pe:
             h = h + self.laplacian_pe(x, adj)
@@ -188,3 +190,8 @@ def make_gt_lap() -> GraphTransformer:
 def make_gt_unreachable() -> GraphTransformer:
     torch.manual_seed(0)
     return GraphTransformer(guard_degree=True, guard_empty=True, unreachable_inf=True)
+
+
+def make_gt_pad_degree() -> GraphTransformer:
+    torch.manual_seed(0)
+    return GraphTransformer(guard_degree="padding", guard_empty=True)

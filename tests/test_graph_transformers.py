@@ -153,3 +153,19 @@ def test_unreachable_pairs_biased_minus_inf_fill_a_padded_row_names_the_softmax(
     assert o["chain"][0]["source"] == line_of('(spd == MAX_DIST)[:, None], float("-inf")'), o
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
     assert "large finite negative number" in rep["hint"], rep["hint"]
+
+
+def test_isolated_real_node_after_a_padding_only_guard_names_its_graph(tmp_path):
+    """A degree guard that only covers padding (``deg.masked_fill(~mask, 1)``) trains three
+    steps, then a graph with a lone ion (node 0 of graph 3 has no bond) makes ``1 / deg``
+    +inf. The event and the replay name step 3, the reciprocal and graph 3 only; without that
+    graph the step is finite."""
+    ev, bundle = fire("make_gt_pad_degree", tmp_path, "isolated", bad=3)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [3]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["made"], o["samples"]) == (
+        True, "aten.reciprocal", "+inf", [3]), o
+    assert o["source"] == line_of("inv = 1.0 / deg  # the bug"), o
+    assert rep["cause"] == "invalid" and "pole" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
