@@ -169,3 +169,70 @@ def test_isolated_real_node_after_a_padding_only_guard_names_its_graph(tmp_path)
     assert o["source"] == line_of("inv = 1.0 / deg  # the bug"), o
     assert rep["cause"] == "invalid" and "pole" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+class GraphSet(torch.utils.data.Dataset):
+    """Twelve random graphs with regression targets; ``bad`` is planted as ``kind``."""
+
+    def __init__(self, kind: str = "", bad: int | None = None):
+        g = torch.Generator().manual_seed(2)
+        self.items = []
+        for i in range(12):
+            n = int(torch.randint(4, 9, (1,), generator=g))
+            x, adj = M.random_graph(g, n, isolated=kind == "isolated" and i == bad)
+            self.items.append(((x, adj), torch.randn((), generator=g)))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def train_amp(make: str, out_dir, record: bool = True, kind: str = "", bad: int | None = None):
+    """bf16 autocast, a DataLoader with the padding collate_fn and two micro-batches per
+    optimizer step (gradient accumulation), as GraphGPS's configs train on CPU/bf16."""
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(
+        GraphSet(kind, bad), batch_size=3, shuffle=False,
+        collate_fn=lambda items: M.collate([a for a, _ in items], [y for _, y in items]))
+    rec = FlightRecorder(model, opt, loss_fn=torch.nn.L1Loss(), out_dir=out_dir,
+                         factory=f"graph_transformers_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else torch.nn.L1Loss()
+        for i, (x, adj, mask, spd, y) in enumerate(loader):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x, adj, mask, spd)
+            (loss_fn(out.float(), y) / 2).backward()
+            if i % 2 == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                opt.step()
+                opt.zero_grad()
+    return model
+
+
+def test_bf16_accumulated_dataloader_training_is_unchanged_by_the_recorder(tmp_path):
+    """The guarded model under bf16 autocast with accumulation over a DataLoader, with an
+    isolated node in graph 4: no event and bit-identical weights with and without the
+    recorder."""
+    recorded = train_amp("make_gt_guarded", tmp_path, kind="isolated", bad=4)
+    plain = train_amp("make_gt_guarded", tmp_path, record=False, kind="isolated", bad=4)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_bf16_accumulated_isolated_node_names_the_reciprocal_and_its_graph(tmp_path):
+    """The padding-only degree guard under the same loop: graph 4 (the second micro-batch's
+    graph 1) has a lone node; the replay names the reciprocal and that record."""
+    with pytest.raises(NonFiniteError) as info:
+        train_amp("make_gt_pad_degree", tmp_path, kind="isolated", bad=4)
+    ev = info.value.event
+    assert (ev["step"], ev["micro_batch"], ev["phase"], ev["samples"]) == (
+        0, 1, "forward", [1]), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["made"], o["samples"]) == (
+        True, "aten.reciprocal", "+inf", [1]), o
+    assert o["source"] == line_of("inv = 1.0 / deg  # the bug"), o
