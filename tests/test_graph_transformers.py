@@ -100,7 +100,8 @@ def test_empty_graph_masked_mean_names_the_division_and_the_empty_sample(tmp_pat
         True, "aten.div", "nan", [3]), o
     assert o["source"] == line_of("pooled = (h * m).sum(1) / count"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
-    assert "empty records" in rep["hint"] and "count.clamp_min(1)" in rep["hint"], rep["hint"]
+    assert "empty records: args[1] and args[2] (0/1 data) have no entry" in rep["hint"], rep["hint"]
+    assert "count.clamp_min(1)" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
