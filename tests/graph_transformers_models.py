@@ -106,7 +106,7 @@ class GraphTransformer(nn.Module):
                  guard_degree: bool | str = False, guard_empty: bool = False, lap_pe: int = 0,
                  unreachable_inf: bool = False):
         super().__init__()
-        self.lap_pe = lap_pe
+        self.lap_pe, self.lap_pe_unguarded = lap_pe, False
         if lap_pe:
             self.edge_gate = nn.Linear(feat, 1)  # learned edge weights (graph structure learning)
             self.lap = nn.Linear(lap_pe, dim)
@@ -142,7 +142,10 @@ class GraphTransformer(nn.Module):
         gate = torch.sigmoid(self.edge_gate(x))
         w = adj * gate * gate.transpose(-1, -2)
         deg = w.sum(-1)
-        inv_sqrt = torch.where(deg > 0, deg.clamp(min=1e-6).rsqrt(), torch.zeros_like(deg))
+        if self.lap_pe_unguarded:  # the bug: a padded or isolated node's deg^-1/2 is inf
+            inv_sqrt = deg.rsqrt()
+        else:
+            inv_sqrt = torch.where(deg > 0, deg.clamp(min=1e-6).rsqrt(), torch.zeros_like(deg))
         eye = torch.eye(adj.shape[-1]).expand_as(adj)
         lap = eye - inv_sqrt[..., None] * w * inv_sqrt[..., None, :]
         _, vecs = torch.linalg.eigh(lap)
@@ -195,3 +198,9 @@ def make_gt_unreachable() -> GraphTransformer:
 def make_gt_pad_degree() -> GraphTransformer:
     torch.manual_seed(0)
     return GraphTransformer(guard_degree="padding", guard_empty=True)
+
+
+def make_gt_lap_unguarded() -> GraphTransformer:
+    model = make_gt_lap()
+    model.lap_pe_unguarded = True
+    return model

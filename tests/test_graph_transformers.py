@@ -237,3 +237,20 @@ def test_bf16_accumulated_isolated_node_names_the_reciprocal_and_its_graph(tmp_p
     assert (rep["reproduced"], o["op"], o["made"], o["samples"]) == (
         True, "aten.reciprocal", "+inf", [1]), o
     assert o["source"] == line_of("inv = 1.0 / deg  # the bug"), o
+
+
+def test_unguarded_lap_pe_degree_pole_makes_eigh_raise_and_names_the_rsqrt(tmp_path):
+    """``deg.rsqrt()`` for D^-1/2 is +inf at padded nodes, the Laplacian NaN there (0 * inf),
+    and ``torch.linalg.eigh`` raises ``LinAlgError`` instead of returning NaN. The recorder
+    still leaves a bundle of step 0, and the replay names the rsqrt (not eigh), its line, the
+    padded graphs 1 to 4 and the eigh error."""
+    with pytest.raises(torch.linalg.LinAlgError):
+        train("make_gt_lap_unguarded", tmp_path)
+    [bundle] = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["event"]["step"], rep["reproduced"], o["phase"], o["op"], o["made"],
+            o["samples"]) == (0, True, "forward", "aten.rsqrt", "+inf", [1, 2, 3, 4]), o
+    assert o["source"] == line_of("inv_sqrt = deg.rsqrt()"), o
+    assert "linalg.eigh" in o["error"], o
+    assert rep["cause"] == "invalid" and "pole" in rep["hint"], rep["hint"]
