@@ -7,7 +7,10 @@
   attention bias per head (unreachable pairs get the sentinel ``MAX_DIST``), key-padding masks
   of ``-inf``, GraphGPS's random-walk structural encoding (diagonals of powers of ``D^-1 A``)
   and a GCN message-passing branch (``D^-1/2 A D^-1/2``) mixed with global attention, a
-  virtual node, and the graph-level readout by masked mean.
+  virtual node, and the graph-level readout by masked mean; options: Graphormer's own
+  attention with unreachable pairs biased ``-inf`` (``make_gt_unreachable``), SAN's Laplacian
+  eigenvector PE from ``torch.linalg.eigh`` of learned edge weights with random sign flips
+  (``make_gt_lap``), degree guards on padding only or none.
 """
 
 from __future__ import annotations
