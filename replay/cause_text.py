@@ -255,12 +255,13 @@ DO = {
                "perturbation or drop the dependent column), or make the orthonormal basis "
                "without QR's backward (torch.nn.utils.parametrizations.orthogonal)",
     "value_gap": "differentiate only what has no such term (torch.linalg.eigvalsh, svdvals, "
-                 "a matrix norm), compute the matrix function without the decomposition (a "
-                 "Newton-Schulz iteration for an inverse square root or a whitening), or skip "
-                 "degenerate inputs (a batch of identical samples); initialise a learned "
+                 "a matrix norm; detach the matrix when its vectors are features, e.g. "
+                 "positional encodings), compute the matrix function without the decomposition "
+                 "(a Newton-Schulz iteration for an inverse square root or a whitening), or "
+                 "skip degenerate inputs (a batch of identical samples); initialise a learned "
                  "matrix without ties (orthogonal, or the identity plus small noise, for a "
-                 "Koopman operator or a recurrent weight); adding eps * I does not help, it "
-                 "shifts every value alike",
+                 "Koopman operator or a recurrent weight); eps * I does not help, it shifts "
+                 "every value alike",
     "inf_literal": "put the infinity in with masked_fill(mask, float('-inf')) or "
                    "torch.where(mask, float('-inf'), 0.0) rather than multiplying by it, or mask "
                    "with a large finite negative number (torch.finfo(dtype).min)",

@@ -54,7 +54,8 @@ def value_gap(name: str) -> tuple[str, str] | None:
     return (f"the gradient of {op}'s vectors divides by the differences between its {values}, "
             f"infinite where two are equal (repeated {values}: a matrix with a symmetry, "
             "identical rows or samples, a rank-deficient or scaled-identity input, a learned "
-            "matrix initialised to the identity)", "value_gap")
+            "matrix initialised to the identity, a graph Laplacian with isolated or padded "
+            "nodes or several connected components)", "value_gap")
 
 
 def g(x: float) -> str:

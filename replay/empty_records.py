@@ -44,7 +44,7 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
 
 
 def _data(step: Step, mb: int):
-    """(readable name, tensor, sample dim) of the micro-batch's floating model inputs, then
+    """(readable name, tensor, sample dim) of the micro-batch's real-valued model inputs, then
     its loss arguments that are data (not made of the model output)."""
     if mb >= len(step.micro_batches):
         return
@@ -55,7 +55,8 @@ def _data(step: Step, mb: int):
               if k not in made]
     for key, name in named:
         t = step.tensors.get(key)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() \
+        # a bool or integer mask too (to_dense_batch's, a tokenizer's attention_mask)
+        if isinstance(t, torch.Tensor) and not t.is_complex() and t.numel() \
                 and (d := where.dim(t)) is not None and t.numel() > t.shape[d]:
             yield name, t, d
 
