@@ -37,7 +37,7 @@ from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint
 from .picked_fill import picked_hint, picked_origin
-from .pruned import pruned_rows_hint
+from .pruned import empty_mask_hint, pruned_rows_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
 from .recurrence import add_line_note
@@ -176,6 +176,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return own
     if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):
         return rows  # (structured pruning's zero rows, normalised by the forward)
+    if cause == "invalid" and (empty := empty_mask_hint(step, o.module, hit and hit.op)):
+        return empty  # (a hand-written mask at 100 % sparsity, the kept weights renormalised)
     if cause == "invalid" and (rows := zero_param_rows_hint(runner.model, o.module, hit)):
         return rows  # (a weight's rows the loop wrote 0, normalised by the forward)
     if cause == "invalid" and (zero := zero_state_hint(runner, o, hit, finder.samples)):

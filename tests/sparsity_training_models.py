@@ -1,0 +1,114 @@
+"""Sparse training written by hand, as L0-regularisation (Louizos et al.), gradual magnitude
+pruning (Zhu & Gupta) and STR code write it, for ``test_sparsity_training``.
+
+- ``PrunedMLP``: linear layers with a magnitude mask buffer recomputed every k steps from
+  ``torch.topk`` of ``|w|`` at a cubic schedule's sparsity, the kept weights renormalised to the
+  dense norm (``w * mask * ||w|| / ||w * mask||``), then a LayerNorm. ``make_pruned`` is healthy;
+  a schedule whose final sparsity is 1.0 prunes a layer empty: ``||w * mask|| = 0``.
+- ``L0MLP``: hard-concrete gates on the hidden units, ``u ~ U(0, 1)`` from the module's own
+  ``torch.Generator``, a temperature ``beta`` the loop anneals, the expected-L0 penalty
+  returned next to the logits. ``make_l0`` is healthy; annealed to 0 the gate divides by 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def cubic_sparsity(step: int, final: float, begin: int = 0, end: int = 4) -> float:
+    """Zhu & Gupta's gradual schedule: s_f + (s_i - s_f) (1 - t / n)^3, from s_i = 0."""
+    t = min(max(step - begin, 0), end - begin)
+    return final * (1 - (1 - t / (end - begin)) ** 3)
+
+
+class MaskedLinear(nn.Linear):
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__(n_in, n_out)
+        self.register_buffer("mask", torch.ones_like(self.weight))
+
+    @torch.no_grad()
+    def prune(self, sparsity: float):
+        k = round(sparsity * self.weight.numel())  # weights to drop
+        self.mask.fill_(1.0)
+        if k > 0:
+            idx = torch.topk(self.weight.abs().flatten(), k, largest=False).indices
+            self.mask.view(-1)[idx] = 0.0
+
+    def forward(self, x):
+        w = self.weight * self.mask
+        w = w * (self.weight.norm() / w.norm())  # the bug: 0/0 scale once every weight is pruned
+        return F.linear(x, w, self.bias)
+
+
+class PrunedMLP(nn.Module):
+    def __init__(self, final_sparsity: float = 0.8):
+        super().__init__()
+        self.fc1, self.fc2 = MaskedLinear(16, 32), MaskedLinear(32, 32)
+        self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 4)
+        self.final_sparsity = final_sparsity
+
+    def update_masks(self, step: int):
+        for layer in (self.fc1, self.fc2):
+            layer.prune(cubic_sparsity(step, self.final_sparsity))
+
+    def forward(self, x):
+        return self.head(self.norm(F.relu(self.fc2(F.relu(self.fc1(x))))))
+
+
+def make_pruned():
+    torch.manual_seed(0)
+    return PrunedMLP()
+
+
+def make_pruned_full():
+    torch.manual_seed(0)
+    return PrunedMLP(final_sparsity=1.0)
+
+
+class HardConcrete(nn.Module):
+    """Louizos et al.'s hard-concrete gate over ``n`` units."""
+
+    def __init__(self, n: int, beta: float = 2 / 3, gamma: float = -0.1, zeta: float = 1.1):
+        super().__init__()
+        self.log_alpha = nn.Parameter(torch.full((n,), 2.0))
+        self.beta, self.gamma, self.zeta = beta, gamma, zeta
+        self.gen = torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        if self.training:
+            u = torch.rand(x.shape, generator=self.gen).clamp(1e-6, 1 - 1e-6)
+            s = torch.sigmoid((u.log() - (1 - u).log() + self.log_alpha) / self.beta)
+        else:
+            s = torch.sigmoid(self.log_alpha).expand_as(x)
+        s = (s * (self.zeta - self.gamma) + self.gamma).clamp(0.0, 1.0)
+        return x * s
+
+    def penalty(self):
+        return torch.sigmoid(self.log_alpha
+                             - self.beta * math.log(-self.gamma / self.zeta)).sum()
+
+
+class L0MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.gate, self.head = nn.Linear(16, 32), HardConcrete(32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.gate(F.relu(self.fc1(x)))), self.gate.penalty()
+
+
+def make_l0():
+    torch.manual_seed(0)
+    return L0MLP()
+
+
+def l0_loss(out, penalty, y):
+    return F.cross_entropy(out, y) + 1e-3 * penalty
+
+
+def batch(g: torch.Generator, n: int = 8):
+    return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
