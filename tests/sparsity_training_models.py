@@ -5,6 +5,9 @@ pruning (Zhu & Gupta) and STR code write it, for ``test_sparsity_training``.
   ``torch.topk`` of ``|w|`` at a cubic schedule's sparsity, the kept weights renormalised to the
   dense norm (``w * mask * ||w|| / ||w * mask||``), then a LayerNorm. ``make_pruned`` is healthy;
   a schedule whose final sparsity is 1.0 prunes a layer empty: ``||w * mask|| = 0``.
+- ``GlobalPrunedMLP``: global magnitude pruning (one ``kthvalue`` threshold of ``|w|`` over all
+  layers) with each neuron's kept weights renormalised to its row's dense norm: a global
+  threshold empties whole rows of the layer with the smallest weights.
 - ``L0MLP``: hard-concrete gates on the hidden units, ``u ~ U(0, 1)`` from the module's own
   ``torch.Generator``, a temperature ``beta`` the loop anneals, the expected-L0 penalty
   returned next to the logits. ``make_l0`` is healthy; annealed to 0 the gate divides by 0.
@@ -112,3 +115,42 @@ def l0_loss(out, penalty, y):
 
 def batch(g: torch.Generator, n: int = 8):
     return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+class RowNormLinear(MaskedLinear):
+    """Each output row's kept weights rescaled to that row's dense norm (a per-neuron
+    renormalisation); the mask comes from a global threshold over every layer."""
+
+    def forward(self, x):
+        w = self.weight * self.mask
+        scale = self.weight.norm(dim=1, keepdim=True) / w.norm(dim=1, keepdim=True)
+        return F.linear(x, w * scale, self.bias)  # the bug: a row pruned empty is 0 * inf
+
+
+class GlobalPrunedMLP(nn.Module):
+    """Global magnitude pruning: one ``kthvalue`` threshold of ``|w|`` over all layers."""
+
+    def __init__(self, final_sparsity: float = 0.9):
+        super().__init__()
+        self.fc1, self.fc2 = RowNormLinear(16, 32), RowNormLinear(32, 32)
+        self.head = nn.Linear(32, 4)
+        self.final_sparsity = final_sparsity
+
+    @torch.no_grad()
+    def update_masks(self, step: int):
+        layers = (self.fc1, self.fc2)
+        scores = torch.cat([m.weight.abs().flatten() for m in layers])
+        k = round(cubic_sparsity(step, self.final_sparsity) * scores.numel())
+        if k == 0:
+            return
+        threshold = scores.kthvalue(k).values
+        for m in layers:
+            m.mask.copy_((m.weight.abs() > threshold).float())
+
+    def forward(self, x):
+        return self.head(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def make_global():
+    torch.manual_seed(0)
+    return GlobalPrunedMLP()

@@ -96,6 +96,27 @@ def test_gate_temperature_annealed_to_zero_names_the_division(tmp_path):
     assert any("gate.beta = 0.0" in n for n in report["problems"])
 
 
+def test_global_threshold_emptying_a_neuron_names_its_mask_rows(tmp_path):
+    """A global kthvalue threshold over all layers prunes every weight of some of fc2's
+    neurons; their per-row renormalisation is 0 * inf. The rows named are checked against an
+    unrecorded copy of the run's masks at that step."""
+    with pytest.raises(NonFiniteError) as info:
+        train_pruned("make_global", tmp_path)
+    assert info.value.event["step"] == 2
+    report = nanreplay_json(info.value.bundle_path)
+    o = report["origin"]
+    assert (report["reproduced"], o["phase"], o["module"], o["op"]) == (
+        True, "forward", "fc2", "aten.div")
+    assert o["source"] == line_of("scale = self.weight.norm(dim=1, keepdim=True)")
+    plain = train_pruned("make_global", None, steps=2, record=False)
+    plain.update_masks(2)
+    rows = (plain.fc2.mask == 0).all(1).nonzero().flatten().tolist()
+    assert rows and (plain.fc1.mask != 0).any(1).all()  # (fc1 keeps a weight in every row)
+    assert report["cause"] == "invalid"
+    assert f"buffer fc2.mask, a 0/1 mask of fc2.weight's shape, is 0 in whole rows {rows}" \
+        in report["hint"] and "per layer or row" in report["hint"]
+
+
 @pytest.mark.parametrize("run", ["pruned", "l0"])
 def test_healthy_sparse_training_is_not_stopped_nor_changed(tmp_path, run):
     def trained(record: bool):
