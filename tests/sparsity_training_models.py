@@ -75,15 +75,21 @@ def make_pruned_full():
 class HardConcrete(nn.Module):
     """Louizos et al.'s hard-concrete gate over ``n`` units."""
 
-    def __init__(self, n: int, beta: float = 2 / 3, gamma: float = -0.1, zeta: float = 1.1):
+    def __init__(self, n: int, beta: float = 2 / 3, gamma: float = -0.1, zeta: float = 1.1,
+                 noise_dtype: torch.dtype | None = None):
         super().__init__()
         self.log_alpha = nn.Parameter(torch.full((n,), 2.0))
         self.beta, self.gamma, self.zeta = beta, gamma, zeta
         self.gen = torch.Generator().manual_seed(7)
+        self.noise_dtype = noise_dtype  # (bf16 noise, unclamped: u is exactly 0 at times)
 
     def forward(self, x):
         if self.training:
-            u = torch.rand(x.shape, generator=self.gen).clamp(1e-6, 1 - 1e-6)
+            if self.noise_dtype is not None:
+                # u = 0 makes log(u) = -inf inside: sigmoid(-inf) = 0, a closed gate, finite
+                u = torch.rand(x.shape, generator=self.gen, dtype=self.noise_dtype).float()
+            else:
+                u = torch.rand(x.shape, generator=self.gen).clamp(1e-6, 1 - 1e-6)
             s = torch.sigmoid((u.log() - (1 - u).log() + self.log_alpha) / self.beta)
         else:
             s = torch.sigmoid(self.log_alpha).expand_as(x)
@@ -96,9 +102,10 @@ class HardConcrete(nn.Module):
 
 
 class L0MLP(nn.Module):
-    def __init__(self):
+    def __init__(self, noise_dtype: torch.dtype | None = None):
         super().__init__()
-        self.fc1, self.gate, self.head = nn.Linear(16, 32), HardConcrete(32), nn.Linear(32, 4)
+        self.fc1, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.gate = HardConcrete(32, noise_dtype=noise_dtype)
 
     def forward(self, x):
         return self.head(self.gate(F.relu(self.fc1(x)))), self.gate.penalty()
@@ -107,6 +114,11 @@ class L0MLP(nn.Module):
 def make_l0():
     torch.manual_seed(0)
     return L0MLP()
+
+
+def make_l0_bf16_noise():
+    torch.manual_seed(0)
+    return L0MLP(noise_dtype=torch.bfloat16)
 
 
 def l0_loss(out, penalty, y):

@@ -46,13 +46,14 @@ def train_pruned(make: str, out_dir, steps: int = 5, record: bool = True):
     return model
 
 
-def train_l0(out_dir, beta_end: float, steps: int = 4, record: bool = True):
+def train_l0(out_dir, beta_end: float, steps: int = 4, record: bool = True,
+             make: str = "make_l0"):
     """Adam; the gate's temperature annealed linearly from 2/3 to ``beta_end``."""
-    model = M.make_l0()
+    model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     rec = FlightRecorder(model, opt, loss_fn=M.l0_loss, out_dir=out_dir,
-                         factory="sparsity_training_models:make_l0") if record else None
+                         factory=f"sparsity_training_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else M.l0_loss
         for step in range(steps):
@@ -117,14 +118,24 @@ def test_global_threshold_emptying_a_neuron_names_its_mask_rows(tmp_path):
         in report["hint"] and "per layer or row" in report["hint"]
 
 
-@pytest.mark.parametrize("run", ["pruned", "l0"])
+@pytest.mark.parametrize("run", ["pruned", "l0", "l0_bf16_noise"])
 def test_healthy_sparse_training_is_not_stopped_nor_changed(tmp_path, run):
+    """Including hard-concrete noise drawn in bf16 and not clamped: some u are exactly 0, so
+    log(u) is -inf inside the gate, which closes it (sigmoid(-inf) = 0) with finite outputs
+    and gradients: no event."""
     def trained(record: bool):
         if run == "pruned":
             return train_pruned("make_pruned", tmp_path / str(record), record=record)
-        return train_l0(tmp_path / str(record), beta_end=0.1, record=record)
+        return train_l0(tmp_path / str(record), beta_end=0.1, record=record,
+                        make=f"make_{run}")
 
     on, off = trained(True), trained(False)
     assert not list(tmp_path.rglob("*.nan"))
     for (name, a), (_, b) in zip(on.state_dict().items(), off.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_bf16_gate_noise_does_draw_exact_zeros():
+    """(The healthy bf16 run above does meet log(0): its gate's generator draws u = 0.)"""
+    gate = M.make_l0_bf16_noise().gate
+    assert (torch.rand((8, 32), generator=gate.gen, dtype=torch.bfloat16) == 0).any()
