@@ -26,6 +26,7 @@ from .forward_grad import derivative_words, with_node
 from .held_divisor import held_divisor_hint
 from .iteration import line_run
 from .lineage import Lineage
+from .literal_fill import nan_given
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
 from .looked_up import looked_up_hint
@@ -190,7 +191,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
 def with_param_advice(hint: str | None, cause: str, hit) -> str | None:
     """``hint`` with what to do about the parameter ``hit``'s op took as is (or an element
     of), if it did: the model's, or one of the loss's the optimizer trains (``<loss>.NAME``)."""
-    if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE:
+    if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE \
+            or nan_given(hit):  # (a NaN number beside it: the parameter is not to blame)
         return hint
     if (own := divisor_hint(hint, cause, hit)) is not None:  # (a division by it)
         return own

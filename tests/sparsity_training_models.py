@@ -15,8 +15,7 @@ pruning (Zhu & Gupta) and STR code write it, for ``test_sparsity_training``.
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,8 +96,9 @@ class HardConcrete(nn.Module):
         return x * s
 
     def penalty(self):
+        # (np.log, as many L0 repositories write it: a log of a negative is NaN, no error)
         return torch.sigmoid(self.log_alpha
-                             - self.beta * math.log(-self.gamma / self.zeta)).sum()
+                             - self.beta * np.log(-self.gamma / self.zeta)).sum()
 
 
 class L0MLP(nn.Module):
@@ -119,6 +119,14 @@ def make_l0():
 def make_l0_bf16_noise():
     torch.manual_seed(0)
     return L0MLP(noise_dtype=torch.bfloat16)
+
+
+def make_l0_positive_gamma():
+    """gamma typed as the stretch interval's width (0.1), not its left end (-0.1)."""
+    torch.manual_seed(0)
+    model = L0MLP()
+    model.gate.gamma = 0.1
+    return model
 
 
 def l0_loss(out, penalty, y):

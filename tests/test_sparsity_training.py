@@ -118,6 +118,25 @@ def test_global_threshold_emptying_a_neuron_names_its_mask_rows(tmp_path):
         in report["hint"] and "per layer or row" in report["hint"]
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in log")
+def test_l0_penalty_with_a_positive_gamma_names_the_numpy_nan(tmp_path):
+    """gamma typed as 0.1: the expected-L0 penalty's np.log(-gamma / zeta) is a numpy NaN
+    (a warning, no error) that aten.sub takes as a number beside finite tensors; the report
+    names that number, not an overflow of log_alpha."""
+    with pytest.raises(NonFiniteError) as info:
+        train_l0(tmp_path, beta_end=2 / 3, make="make_l0_positive_gamma")
+    assert info.value.event["step"] == 0
+    report = nanreplay_json(info.value.bundle_path)
+    o = report["origin"]
+    assert (report["reproduced"], o["phase"], o["module"], o["op"], o["made"]) == (
+        True, "forward", "", "aten.sub", "nan")
+    assert o["source"] == line_of("return torch.sigmoid(self.log_alpha")
+    assert report["cause"] == "invalid"
+    hint = report["hint"]
+    assert hint.startswith("aten.sub was given NaN as a number") and "np.log" in hint
+    assert "gate.log_alpha" not in hint  # (the parameter beside it is not to blame)
+
+
 @pytest.mark.parametrize("run", ["pruned", "l0", "l0_bf16_noise"])
 def test_healthy_sparse_training_is_not_stopped_nor_changed(tmp_path, run):
     """Including hard-concrete noise drawn in bf16 and not clamped: some u are exactly 0, so
