@@ -10,7 +10,10 @@ pruning (Zhu & Gupta) and STR code write it, for ``test_sparsity_training``.
   threshold empties whole rows of the layer with the smallest weights.
 - ``L0MLP``: hard-concrete gates on the hidden units, ``u ~ U(0, 1)`` from the module's own
   ``torch.Generator``, a temperature ``beta`` the loop anneals, the expected-L0 penalty
-  returned next to the logits. ``make_l0`` is healthy; annealed to 0 the gate divides by 0.
+  returned next to the logits. ``make_l0`` is healthy; annealed to 0 the gate divides by 0;
+  ``make_l0_positive_gamma`` types gamma as 0.1, and the penalty's ``np.log(-gamma / zeta)``
+  is a numpy NaN (a warning, no error); ``make_l0_bf16_noise`` draws u in bf16, unclamped, so
+  some u are exactly 0 and log(u) is -inf inside the gate (healthy: the gate closes).
 """
 
 from __future__ import annotations
