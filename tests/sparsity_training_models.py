@@ -8,6 +8,9 @@ pruning (Zhu & Gupta) and STR code write it, for ``test_sparsity_training``.
 - ``GlobalPrunedMLP``: global magnitude pruning (one ``kthvalue`` threshold of ``|w|`` over all
   layers) with each neuron's kept weights renormalised to its row's dense norm: a global
   threshold empties whole rows of the layer with the smallest weights.
+- ``MovementMLP``: movement pruning's learned scores through a straight-through ``topk``
+  binarizer (a custom autograd Function); scores outside a fixed block layout are -inf inside
+  the forward, before the topk (healthy, also under bf16 autocast).
 - ``L0MLP``: hard-concrete gates on the hidden units, ``u ~ U(0, 1)`` from the module's own
   ``torch.Generator``, a temperature ``beta`` the loop anneals, the expected-L0 penalty
   returned next to the logits. ``make_l0`` is healthy; annealed to 0 the gate divides by 0;
@@ -177,3 +180,55 @@ class GlobalPrunedMLP(nn.Module):
 def make_global():
     torch.manual_seed(0)
     return GlobalPrunedMLP()
+
+
+class TopKBinarizer(torch.autograd.Function):
+    """Movement pruning's binary mask of the top ``keep`` fraction of scores, with the
+    straight-through gradient (Sanh et al.)."""
+
+    @staticmethod
+    def forward(ctx, scores, keep: float):
+        k = max(1, int(keep * scores.numel()))
+        mask = torch.zeros_like(scores)
+        mask.view(-1)[scores.flatten().topk(k).indices] = 1.0
+        return mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class MovementLinear(nn.Linear):
+    """Learned movement scores; the entries of a fixed block-diagonal layout (``allowed``)
+    never compete: their scores are -inf before the topk, inside the forward."""
+
+    def __init__(self, n_in: int, n_out: int, keep: float = 0.5):
+        super().__init__(n_in, n_out)
+        self.scores = nn.Parameter(torch.zeros_like(self.weight).uniform_(-0.01, 0.01))
+        blocks = torch.block_diag(*[torch.ones(n_out // 4, n_in // 4)] * 4).bool()
+        self.register_buffer("allowed", blocks)
+        self.keep = keep
+
+    def forward(self, x):
+        scores = self.scores.masked_fill(~self.allowed, float("-inf"))
+        mask = TopKBinarizer.apply(scores, self.keep * self.allowed.float().mean().item())
+        return F.linear(x, self.weight * mask, self.bias)
+
+
+class MovementMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = MovementLinear(16, 32), MovementLinear(32, 32)
+        self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 4)
+
+    def update_masks(self, step: int):
+        for m in (self.fc1, self.fc2):
+            m.keep = 1 - cubic_sparsity(step, 0.5)
+
+    def forward(self, x):
+        return self.head(self.norm(F.relu(self.fc2(F.relu(self.fc1(x))))))
+
+
+def make_movement():
+    torch.manual_seed(0)
+    return MovementMLP()

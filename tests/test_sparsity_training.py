@@ -23,9 +23,10 @@ def line_of(text: str) -> str:
     return source_line("sparsity_training_models.py", text)
 
 
-def train_pruned(make: str, out_dir, steps: int = 5, record: bool = True):
+def train_pruned(make: str, out_dir, steps: int = 5, record: bool = True, bf16: bool = False):
     """SGD with momentum and clipping; the masks recomputed every 2 steps on the cubic
-    schedule (which reaches its final sparsity at step 4). Returns the model."""
+    schedule (which reaches its final sparsity at step 4); the forward under bf16 autocast
+    with ``bf16``. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     crit = torch.nn.CrossEntropyLoss()
@@ -38,7 +39,8 @@ def train_pruned(make: str, out_dir, steps: int = 5, record: bool = True):
             if step % 2 == 0:
                 model.update_masks(step)
             x, y = M.batch(g)
-            loss = loss_fn(model(x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(model(x), y)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -137,14 +139,18 @@ def test_l0_penalty_with_a_positive_gamma_names_the_numpy_nan(tmp_path):
     assert "gate.log_alpha" not in hint  # (the parameter beside it is not to blame)
 
 
-@pytest.mark.parametrize("run", ["pruned", "l0", "l0_bf16_noise"])
+@pytest.mark.parametrize("run", ["pruned", "movement_bf16", "l0", "l0_bf16_noise"])
 def test_healthy_sparse_training_is_not_stopped_nor_changed(tmp_path, run):
-    """Including hard-concrete noise drawn in bf16 and not clamped: some u are exactly 0, so
+    """Including movement pruning under bf16 autocast, whose scores outside a fixed block
+    layout are -inf inside the forward (before the topk), and hard-concrete noise drawn in bf16 and not clamped: some u are exactly 0, so
     log(u) is -inf inside the gate, which closes it (sigmoid(-inf) = 0) with finite outputs
     and gradients: no event."""
     def trained(record: bool):
         if run == "pruned":
             return train_pruned("make_pruned", tmp_path / str(record), record=record)
+        if run == "movement_bf16":
+            return train_pruned("make_movement", tmp_path / str(record), record=record,
+                                bf16=True)
         return train_l0(tmp_path / str(record), beta_end=0.1, record=record,
                         make=f"make_{run}")
 
