@@ -62,6 +62,7 @@ from .domains import g as _g
 from .float8_cast import float8_cast_advice
 from .float64_step import float64_still
 from .forbidden_target import forbidden_target_hint
+from .literal_fill import nan_number_hint
 from .literal_range import literal_hint, unheld_literal
 from .operator_power import operator_power_advice
 from .ops import Evidence, OpHit
@@ -348,6 +349,8 @@ def _from_infinities(hit: OpHit) -> Cause:
 def _from_literal(hit: OpHit) -> Cause:
     """The op made NaN from finite tensors and an infinity written as a number: a mask built by
     arithmetic (``(1 - keep) * float("-inf")`` is ``0 * -inf`` where ``keep`` is 1)."""
+    if math.isnan(hit.literal):  # (a NaN number: Python's or numpy's, not the op's)
+        return Cause("invalid", nan_number_hint(hit.op))
     what = inf_arith(hit.op, "NaN from the infinity")
     return Cause("invalid", f"{hit.op} computed {what} with the literal {hit.literal:+} it "
                  "was given as a number, NaN in exact arithmetic too: " + DO["inf_literal"])

@@ -26,6 +26,7 @@ from .forward_grad import derivative_words, with_node
 from .held_divisor import held_divisor_hint
 from .iteration import line_run
 from .lineage import Lineage
+from .literal_fill import nan_given
 from .load import Step
 from .log_sum_exp import with_log_sum_exp
 from .looked_up import looked_up_hint
@@ -37,7 +38,7 @@ from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint
 from .picked_fill import picked_hint, picked_origin
-from .pruned import pruned_rows_hint
+from .pruned import empty_mask_hint, pruned_rows_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
 from .recurrence import add_line_note
@@ -176,6 +177,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return own
     if cause == "invalid" and (rows := pruned_rows_hint(step, o.module, hit and hit.op)):
         return rows  # (structured pruning's zero rows, normalised by the forward)
+    if cause == "invalid" and (empty := empty_mask_hint(step, o.module, hit and hit.op)):
+        return empty  # (a hand-written mask at 100 % sparsity, the kept weights renormalised)
     if cause == "invalid" and (rows := zero_param_rows_hint(runner.model, o.module, hit)):
         return rows  # (a weight's rows the loop wrote 0, normalised by the forward)
     if cause == "invalid" and (zero := zero_state_hint(runner, o, hit, finder.samples)):
@@ -188,7 +191,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
 def with_param_advice(hint: str | None, cause: str, hit) -> str | None:
     """``hint`` with what to do about the parameter ``hit``'s op took as is (or an element
     of), if it did: the model's, or one of the loss's the optimizer trains (``<loss>.NAME``)."""
-    if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE:
+    if hint is None or hit is None or hit.param is None or cause not in PARAM_ADVICE \
+            or nan_given(hit):  # (a NaN number beside it: the parameter is not to blame)
         return hint
     if (own := divisor_hint(hint, cause, hit)) is not None:  # (a division by it)
         return own

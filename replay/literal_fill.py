@@ -16,7 +16,7 @@ import math
 
 import torch
 
-__all__ = ["literals"]
+__all__ = ["literals", "nan_given", "nan_number", "nan_number_hint"]
 
 # Ops whose literal NaN argument is the value they write: padding marked for nanmean/nansum
 # (``x.masked_fill(~mask, nan).nanmean(1)``), meant as a -inf mask is
@@ -45,3 +45,26 @@ def literals(name: str, leaves: list, ins: list) -> tuple[float | None, bool, li
     filled = name in _FILLS and any(math.isnan(v) for _, v in values)
     lifted = [a for a, v in values if isinstance(a, torch.Tensor) and not math.isfinite(v)]
     return inf, filled, [t for t in ins if not any(t is a for a in lifted)]
+
+
+def nan_number(name: str, leaves: list) -> float | None:
+    """NaN given to an op that does not fill with it as a plain number (a Python float, a
+    numpy scalar: ``w - beta * np.log(-gamma / zeta)`` with ``gamma > 0``): made by Python or
+    numpy code before the op, where no tensor op saw it; else None."""
+    if name in _FILLS:
+        return None
+    return next((a for a in leaves if isinstance(a, float) and math.isnan(a)), None)
+
+
+def nan_number_hint(op: str) -> str:
+    return (f"{op} was given NaN as a number (a Python float or numpy scalar, not a tensor), "
+            "so its tensor inputs were finite: the NaN was made before it by Python or numpy "
+            "arithmetic on the source line (np.log or np.sqrt of a negative constant, which "
+            "warns instead of raising as math.log does; 0/0 of numpy scalars; a "
+            "float('nan') default). Check the constants that number is computed from (a "
+            "sign or a range of a hyperparameter) and compute it with math, which raises")
+
+
+def nan_given(hit) -> bool:
+    """Was the op blamed (an ``OpHit``) given NaN as a number (see :func:`nan_number`)?"""
+    return hit.literal is not None and math.isnan(hit.literal)

@@ -36,7 +36,7 @@ from .folds import folded_inputs, folds
 from .fresh import POINTWISE
 from .hits import Evidence, OpHit, exact_pole
 from .lineage import Lineage, pole_inputs
-from .literal_fill import literals
+from .literal_fill import literals, nan_number
 from .lost_eps import LostEps
 from .masked_product import mask_after_pole, nan_times_zero
 from .memo import TensorMarks, TensorSet
@@ -110,7 +110,7 @@ class _Watch(TorchDispatchMode):
         if in_finite and f.first is None:
             hit = OpHit(op, made, user_source(), lo, hi, intentional, occurrence, True,
                         rows=f.batch_rows(outs), param=f.param_among(ins, name), within=f.where,
-                        node=running_node(), seq=seq)
+                        node=running_node(), seq=seq, literal=nan_number(name, leaves))
             if intentional:
                 if f.intentional is None or f.taken_back():
                     f.intentional = hit
