@@ -1,0 +1,111 @@
+"""End to end on a hand-written FermiNet (``neural_wavefunctions_models``): Metropolis walkers
+from a ``torch.Generator``, ``log|psi|`` by ``slogdet`` and a signed logsumexp over
+determinants, the local energy's Laplacian by double backward, VMC's loss with the local
+energy clipped around its median, Adam with gradient clipping. Each planted bug of the domain
+fires under the recorder and is replayed with the CLI; the healthy run raises no event and
+trains bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import neural_wavefunctions_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("neural_wavefunctions_models.py", text)
+
+
+def walkers(model, r, g, plant: str | None):
+    """One step's walkers: Metropolis moves, then the outlier reset; ``plant`` "far" sends
+    walker 5 past the cutoff, "same" makes every walker a copy of walker 0."""
+    r = M.metropolis(model, r, g)
+    if plant == "far":
+        r = r.clone()
+        r[5] *= 100
+    if plant == "same":
+        r = r[:1].expand_as(r).clone()
+    return M.reset_outliers(r, model.nuclei)
+
+
+def train(loss: str, out_dir, plant: str | None = None, steps: int = 4, record: bool = True):
+    """VMC with Adam and gradient clipping; ``plant`` applies to the last step's walkers."""
+    model = M.make_ferminet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    crit = getattr(M, loss)
+    g = torch.Generator().manual_seed(0)
+    r = M.init_walkers(g)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="neural_wavefunctions_models:make_ferminet") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            r = walkers(model, r, g, plant if step == steps - 1 else None)
+            e_loc = M.local_energy(model, r)
+            value = loss_fn(model(r), e_loc)
+            opt.zero_grad()
+            value.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return model
+
+
+def test_tanh_clipping_of_equal_local_energies_names_the_zero_window(tmp_path):
+    """Every walker a copy of one (a broadcast where a copy was meant): every local energy is
+    equal, the mean absolute deviation 0, and DeepErwin's ``tanh((E - med) / width)`` is 0/0
+    in every row. The replay names the division, its line, all rows, and the batch statistic
+    that is 0; ``width *`` multiplying the NaN back by that same 0 is not a mask."""
+    with pytest.raises(NonFiniteError) as info:
+        train("vmc_loss_tanh", tmp_path, plant="same")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["made"], o["all_samples"]) == (
+        True, "aten.div", "nan", True), o
+    assert o["source"] == line_of("e = med + width * torch.tanh((e_loc - med) / width)"), o
+    assert rep["cause"] == "invalid", rep
+    assert "every value equal" in rep["hint"] and "add an eps to a statistic" in rep["hint"]
+    assert "mask" not in rep["hint"].split("every element masked")[1], rep["hint"]
+
+
+def test_outlier_reset_onto_the_nucleus_names_slogdet_of_the_walker(tmp_path):
+    """A walker past the cutoff is put back with every electron exactly on the nucleus: the two
+    spin-up electrons' orbital rows are equal, slogdet's log|det| is -inf, the signed
+    logsumexp's ``logabs - top`` is -inf - (-inf) = NaN, and slogdet's backward (the local
+    energy's first autograd.grad) raises LinAlgError. The recorder still writes the bundle of
+    the forward's NaN; the replay names slogdet, its line, walker 5, the chain to the
+    subtraction, repeated rows as the fix, and dropping walker 5 makes the step finite."""
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        train("vmc_loss", tmp_path, plant="far")
+    note = info.value.__notes__[0]
+    assert "step 3, phase forward" in note and "'<root>'" in note, note
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["call"], o["op"], o["made"],
+            o["samples"]) == (True, "forward", "", 0, "aten._linalg_slogdet", "-inf", [5]), o
+    assert o["source"] == line_of("s_up, ld_up = torch.linalg.slogdet(up)"), o
+    assert [c["source"] for c in o["chain"]] == [o["source"], line_of(
+        "return top[:, 0] + torch.log((sign * torch.exp(logabs - top))")], o["chain"]
+    assert rep["cause"] == "invalid" and "singular matrix" in rep["hint"], rep["hint"]
+    assert "without repeated rows" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+@pytest.mark.parametrize("loss", ["vmc_loss", "vmc_loss_tanh"])
+def test_healthy_vmc_raises_nothing_and_trains_the_same(tmp_path, loss):
+    """The same run without a plant: no event, bit-identical weights with and without the
+    recorder (the local energy's double backward and the no_grad Metropolis calls included)."""
+    recorded = train(loss, tmp_path)
+    plain = train(loss, tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
