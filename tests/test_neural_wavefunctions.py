@@ -30,6 +30,9 @@ def walkers(model, r, g, plant: str | None):
     if plant == "far":
         r = r.clone()
         r[5] *= 100
+    if plant == "nucleus":
+        r = r.clone()
+        r[5, M.N_UP] = 0.0
     if plant == "same":
         r = r[:1].expand_as(r).clone()
     return M.reset_outliers(r, model.nuclei)
@@ -106,6 +109,38 @@ def test_healthy_vmc_raises_nothing_and_trains_the_same(tmp_path, loss):
     recorder (the local energy's double backward and the no_grad Metropolis calls included)."""
     recorded = train(loss, tmp_path)
     plain = train(loss, tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_electron_on_the_nucleus_names_the_local_energy_argument_and_the_walker(tmp_path):
+    """Walker 5's spin-down electron exactly on the nucleus: the model's forward is finite
+    (the hand-written distance is sqrt(0) = 0), but the Laplacian's double backward through
+    that sqrt and the potential's -Z/0 make walker 5's local energy NaN in the loop. The hard
+    clamp cannot help (the MAD window is NaN too). The event is the loss's argument e_loc,
+    not the model (its calls were finite), on walker 5, and the hint sends the user to the
+    loop's code that computed it."""
+    with pytest.raises(NonFiniteError) as info:
+        train("vmc_loss", tmp_path, plant="nucleus")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"], ev["kind"]) == (
+        3, "input", "loss_args[1]", [5], "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["samples"]) == (True, "input", [5]), o
+    assert rep["cause"] == "input", rep
+    assert "(e_loc) is an argument of the loss" in rep["hint"], rep["hint"]
+    assert "the loop computes it" in rep["hint"], rep["hint"]
+
+
+def test_hard_clamp_of_equal_local_energies_is_not_an_event(tmp_path):
+    """Every walker a copy of one under FermiNet's hard clamp: the window is 0 wide, the
+    clamp gives every walker the median, the centred energies are all 0 and so is the
+    gradient: a wasted step, not a non-finite one; the recorder does not stop it and trains
+    as the unrecorded run does."""
+    recorded = train("vmc_loss", tmp_path, plant="same")
+    plain = train("vmc_loss", tmp_path, plant="same", record=False)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
