@@ -26,6 +26,8 @@ def line_of(text: str) -> str:
 def walkers(model, r, g, plant: str | None):
     """One step's walkers: Metropolis moves, then the outlier reset; ``plant`` "far" sends
     walker 5 past the cutoff, "same" makes every walker a copy of walker 0."""
+    if plant == "far_before":  # a reset at the start of the MCMC step, before its moves
+        r = M.reset_outliers(torch.cat([r[:5], 100 * r[5:6], r[6:]]), model.nuclei)
     r = M.metropolis(model, r, g)
     if plant == "far":
         r = r.clone()
@@ -144,3 +146,22 @@ def test_hard_clamp_of_equal_local_energies_is_not_an_event(tmp_path):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_reset_before_the_mcmc_moves_names_its_no_grad_call(tmp_path):
+    """The same reset at the start of the MCMC step: the Metropolis sampler's first
+    ``no_grad`` call of the model gets walker 5 with every electron on the nucleus, its
+    log|psi| is NaN (and its acceptance ratio NaN - NaN would reject every move, a walker
+    stuck for good). The event is that evaluation call, before the training forward; the
+    replay names slogdet, its line and walker 5."""
+    with pytest.raises(NonFiniteError) as info:
+        train("vmc_loss", tmp_path, plant="far_before")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["samples"],
+            ev.get("evaluation")) == (3, "forward", "", 0, [5], True), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["made"], o["samples"]) == (
+        True, "aten._linalg_slogdet", "-inf", [5]), o
+    assert o["source"] == line_of("s_up, ld_up = torch.linalg.slogdet(up)"), o
+    assert rep["cause"] == "invalid" and "without repeated rows" in rep["hint"], rep["hint"]
