@@ -35,6 +35,9 @@ def walkers(model, r, g, plant: str | None):
     if plant == "nucleus":
         r = r.clone()
         r[5, M.N_UP] = 0.0
+    if plant == "pair":  # the spin-down electron on a spin-up one
+        r = r.clone()
+        r[5, M.N_UP] = r[5, 0]
     if plant == "same":
         r = r[:1].expand_as(r).clone()
     return M.reset_outliers(r, model.nuclei)
@@ -167,3 +170,20 @@ def test_reset_before_the_mcmc_moves_names_its_no_grad_call(tmp_path):
     assert o["source"] == line_of("s_up, ld_up = torch.linalg.slogdet(up)"), o
     assert rep["cause"] == "invalid", rep
     assert "two equal rows or columns (0 and 1)" in rep["hint"], rep["hint"]
+
+
+def test_two_electrons_of_opposite_spin_at_one_point_names_the_centring_of_the_energies(
+        tmp_path):
+    """Walker 5's spin-down electron on a spin-up one: no determinant vanishes (they are in
+    different ones), but the Coulomb 1/r_ee makes its local energy +inf. The MAD window is
+    +inf too, so the clamp keeps it, and ``e - e.mean()`` is inf - inf. The event is the loss
+    argument e_loc on walker 5; the replay names the subtraction and its line."""
+    with pytest.raises(NonFiniteError) as info:
+        train("vmc_loss", tmp_path, plant="pair")
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"], ev["kind"]) == (
+        3, "input", "loss_args[1]", [5], "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["reproduced"], rep["origin"]["samples"], rep["cause"]) == (True, [5], "input")
+    at = line_of("return 2 * ((e - e.mean()).detach() * logpsi).mean()")
+    assert f"aten.sub ({at}) computed inf - inf" in rep["hint"], rep["hint"]
