@@ -80,7 +80,7 @@ def local_energy(model, r):
     logpsi = model(r)
     (grad,) = torch.autograd.grad(logpsi.sum(), r, create_graph=True)
     flat = grad.reshape(r.shape[0], -1)
-    lap = torch.zeros(r.shape[0])
+    lap = torch.zeros(r.shape[0], dtype=r.dtype)
     for i in range(flat.shape[1]):
         (g2,) = torch.autograd.grad(flat[:, i].sum(), r, retain_graph=True)
         lap = lap + g2.reshape(r.shape[0], -1)[:, i]
@@ -128,3 +128,8 @@ def vmc_loss_tanh(logpsi, e_loc):
     med, width = clip_window(e_loc)
     e = med + width * torch.tanh((e_loc - med) / width)
     return 2 * ((e - e.mean()).detach() * logpsi).mean()
+
+
+def make_ferminet64() -> FermiNet:
+    """In float64, as most VMC codes train (the local energy's variance needs it)."""
+    return make_ferminet().double()

@@ -43,15 +43,16 @@ def walkers(model, r, g, plant: str | None):
     return M.reset_outliers(r, model.nuclei)
 
 
-def train(loss: str, out_dir, plant: str | None = None, steps: int = 4, record: bool = True):
+def train(loss: str, out_dir, plant: str | None = None, steps: int = 4, record: bool = True,
+          make: str = "make_ferminet"):
     """VMC with Adam and gradient clipping; ``plant`` applies to the last step's walkers."""
-    model = M.make_ferminet()
+    model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     crit = getattr(M, loss)
     g = torch.Generator().manual_seed(0)
-    r = M.init_walkers(g)
+    r = M.init_walkers(g).to(model.sigma.dtype)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                         factory="neural_wavefunctions_models:make_ferminet") if record else None
+                         factory=f"neural_wavefunctions_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
         for step in range(steps):
@@ -109,12 +110,14 @@ def test_outlier_reset_onto_the_nucleus_names_slogdet_of_the_walker(tmp_path):
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-@pytest.mark.parametrize("loss", ["vmc_loss", "vmc_loss_tanh"])
-def test_healthy_vmc_raises_nothing_and_trains_the_same(tmp_path, loss):
+@pytest.mark.parametrize("loss, make", [("vmc_loss", "make_ferminet"),
+                                        ("vmc_loss_tanh", "make_ferminet"),
+                                        ("vmc_loss", "make_ferminet64")])
+def test_healthy_vmc_raises_nothing_and_trains_the_same(tmp_path, loss, make):
     """The same run without a plant: no event, bit-identical weights with and without the
     recorder (the local energy's double backward and the no_grad Metropolis calls included)."""
-    recorded = train(loss, tmp_path)
-    plain = train(loss, tmp_path, record=False)
+    recorded = train(loss, tmp_path, make=make)
+    plain = train(loss, tmp_path, record=False, make=make)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
@@ -152,14 +155,16 @@ def test_hard_clamp_of_equal_local_energies_is_not_an_event(tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_reset_before_the_mcmc_moves_names_its_no_grad_call(tmp_path):
+@pytest.mark.parametrize("make", ["make_ferminet", "make_ferminet64"])
+def test_reset_before_the_mcmc_moves_names_its_no_grad_call(tmp_path, make):
     """The same reset at the start of the MCMC step: the Metropolis sampler's first
     ``no_grad`` call of the model gets walker 5 with every electron on the nucleus, its
     log|psi| is NaN (and its acceptance ratio NaN - NaN would reject every move, a walker
     stuck for good). The event is that evaluation call, before the training forward; the
-    replay names slogdet, its line and walker 5."""
+    replay names slogdet, its line and walker 5, in float32 and in float64 (as most VMC codes
+    train)."""
     with pytest.raises(NonFiniteError) as info:
-        train("vmc_loss", tmp_path, plant="far_before")
+        train("vmc_loss", tmp_path, plant="far_before", make=make)
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["samples"],
             ev.get("evaluation")) == (3, "forward", "", 0, [5], True), ev
