@@ -21,12 +21,14 @@ ADVICE = ("two of its rows (or columns) are equal, so it is singular whatever th
 
 
 def equal_pair(x: torch.Tensor) -> tuple[int, int] | None:
-    """Two row indices of the first singular matrix in the batch ``x`` (``(..., n, n)``) whose
-    rows, or else columns, are exactly equal; None when no such pair exists."""
-    for m in (x, x.transpose(-1, -2)):
-        same = (m[..., :, None, :] == m[..., None, :, :]).all(-1)  # (..., n, n)
+    """Two row indices of the first matrix in the batch ``x`` (``(..., n, n)``, the singular
+    ones) whose rows, or else columns, are exactly equal; None when no such pair exists."""
+    first = x.reshape(-1, *x.shape[-2:])[:1]  # (one matrix: n x n distances, not n^3)
+    for m in (first, first.transpose(-1, -2)):
+        # (exact differences: the matmul form's rounding may leave equal rows apart)
+        same = torch.cdist(m, m, compute_mode="donot_use_mm_for_euclid_dist")[0] == 0
         same = same & ~torch.eye(m.shape[-1], dtype=torch.bool, device=m.device)
-        hits = same.reshape(-1, *same.shape[-2:]).any(0).nonzero()
+        hits = same.nonzero()
         if len(hits):
             i, j = hits[0].tolist()
             return i, j
