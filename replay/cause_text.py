@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from recorder.errors import first_line
 
+from .equal_rows import ADVICE as EQUAL_ROWS
 from .log_domain import ADVICE as LOG_DOMAIN
 from .m_matrix import ADVICE as M_MATRIX
 from .singular_values import ADVICE as SINGULAR_VALUES
@@ -312,6 +313,7 @@ DO = {
                  "Broyden, or penalise ‖J‖ (a Jacobian regulariser); a descent x - lr * grad on "
                  "an energy in the forward (a Hopfield retrieval): lr below 2 / its curvature), "
                  "or bound the steps of an unrolled solver or recurrence",
+    "equal_rows": EQUAL_ROWS,
     "singular": "keep the matrix full-rank: a covariance or kernel matrix with jitter on its "
                 "diagonal (K + eps * I, as gpytorch's psd_safe_cholesky does) and without "
                 "repeated rows; a learned invertible map (a flow's 1x1 convolution) "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .equal_rows import equal_rows_text
 from .hits import Evidence
 from .m_matrix import m_matrix_exit, z_matrix
 from .scaled_log import BESSEL
@@ -259,7 +260,11 @@ def _of_matrix(op: str, base: str, ev: Evidence) -> tuple[str, str] | None:
     value of 0 (see :mod:`replay.factors`): what it was given, and the advice; else None."""
     if base in ("logdet", "_linalg_slogdet", "linalg_slogdet", "slogdet"):
         # (in the type it ran in: float64 may give a matrix float32 made indefinite a sign > 0)
-        return _log_determinant(op, ev.inputs[0].to(ev.input_dtypes[0]) if ev.inputs else None)
+        det = _log_determinant(op, ev.inputs[0].to(ev.input_dtypes[0]) if ev.inputs else None)
+        # (a determinant of 0, not one rounding made negative: are two rows the same?)
+        rows = equal_rows_text(op, ev.inputs[0], ev.bad) if det[1] == "singular" and ev.inputs \
+            else None
+        return rows or det
     # (the one at or below 0: a condition number s[0] / s[-1] has singular values on both sides)
     made = [(v, f) for v, e, f in zip(ev.inputs, ev.elementwise, ev.factor)
             if e and f and bool((v <= 0).any())]

@@ -35,13 +35,16 @@ _ZERO_BY_ZERO = "of 0 by 0 (0/0)"  # (a division's, replay.cause_text)
 class FirstThenMasked(TorchDispatchMode):
     """The first op that made a ``bad`` value (``bad(leaves)``: a NaN, a non-finite value) of
     inputs that held none, then the first product that ``masks(name, args)`` says multiplied
-    what it met by a mask's 0, each as (op, source)."""
+    what it met by a mask's 0, each as (op, source). A product whose factor is one of the
+    first op's own all-zero inputs is not a mask: a 0/0 by a batch statistic that is 0
+    (``width * tanh((x - m) / width)``, every value equal) multiplied back by that same 0."""
 
     def __init__(self, bad, masks):
         super().__init__()
         self.bad, self.masks = bad, masks
         self.first: tuple[str, str | None] | None = None
         self.masked: tuple[str, str | None] | None = None
+        self.zeros: list[torch.Tensor] = []  # the first op's all-zero inputs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -51,9 +54,18 @@ class FirstThenMasked(TorchDispatchMode):
             if self.first is None and self.bad(tree_leaves(out)) and not self.bad(
                     tree_leaves((args, kwargs))):
                 self.first = (f"aten.{name}", user_source())
-            elif self.first is not None and self.masks(name, args):
+                self.zeros = [t for t in tree_leaves((args, kwargs))
+                              if isinstance(t, torch.Tensor) and not bool(t.any())]
+            elif self.first is not None and self.masks(name, args) \
+                    and not any(_same(a, z) for a in args[:2] for z in self.zeros):
                 self.masked = (f"aten.{name}", user_source())
         return out
+
+
+def _same(a, b: torch.Tensor) -> bool:
+    """Whether ``a`` is tensor ``b`` (or a view of the same memory and shape)."""
+    return a is b or (isinstance(a, torch.Tensor) and a.device == b.device
+                      and a.data_ptr() == b.data_ptr() and a.shape == b.shape)
 
 
 def has_nan(leaves) -> bool:
