@@ -1,0 +1,117 @@
+"""End to end on differentiable filters (``differentiable_filters_models``): a Kalman filter
+unrolled over a sequence with a learned transition, a learned heteroscedastic R and the
+innovations' Gaussian log-likelihood through a Cholesky factor; a differentiable particle
+filter with a learned observation likelihood, logsumexp-normalised log-weights and soft
+resampling. Each planted bug of the domain fires under the recorder and is replayed with the
+CLI; the healthy versions raise no event and train bit-identically with and without it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import differentiable_filters_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("differentiable_filters_models.py", text)
+
+
+def batch(kind: str, g: torch.Generator, bad: int | None):
+    """(model args, loss args after the model's outputs) of one step."""
+    if kind == "kalman":
+        y, ctx, truth = M.tracks(g, bad)
+        return (y, ctx), (truth,)
+    z, truth = M.walks(g, bad)
+    return (z,), (truth,)
+
+
+def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
+          record: bool = True):
+    """Adam with a step schedule and gradient clipping, as the filters' papers train them; the
+    sample ``bad`` is planted in the last step's batch. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    crit = M.kalman_loss if kind == "kalman" else torch.nn.MSELoss()
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)  # (the particles and their resampling)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"differentiable_filters_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            args, targets = batch(kind, g, bad if step == steps - 1 else None)
+            out = model(*args)
+            loss = loss_fn(*(out if isinstance(out, tuple) else (out,)), *targets)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(kind: str, make: str, tmp_path, bad: int, exc=NonFiniteError):
+    with pytest.raises(exc) as info:
+        train(kind, make, tmp_path, bad)
+    return info.value
+
+
+def test_kalman_r_softplus_of_an_out_of_scale_record_names_cholesky_and_the_record(tmp_path):
+    """A record's signal strength logged in mW among W: ``r_net`` gives -2000, its softplus is
+    0 even in float64, and with two sensors reading the same position ``S = H P H^T + R`` is
+    singular for that sample alone, so ``torch.linalg.cholesky`` raises. The replay names the
+    Cholesky, its line and sample 5, ``invalid`` (singular in float64 too), and says that
+    sample's data is out of scale, not that a ridge is missing."""
+    fire("kalman", "make_kalman", tmp_path, bad=5, exc=torch.linalg.LinAlgError)
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], rep["event"]["step"], o["module"], o["op"], o["made"],
+            o["samples"]) == (True, 3, "", "aten.linalg_cholesky_ex", "LinAlgError", [5]), o
+    assert o["source"] == line_of("L = torch.linalg.cholesky(S)"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "sample(s) 5 of args[1] reach" in rep["hint"], rep["hint"]
+    assert "out of scale" in rep["hint"] and "a ridge would hide" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_particle_filter_log_of_an_underflowed_likelihood_names_the_log_and_the_outlier(
+        tmp_path):
+    """An outlier observation 50 units off: ``exp(-d^2 / 2 sigma^2)`` underflows to 0 for every
+    particle of that record, its log is -inf, ``logsumexp`` of all -inf is -inf and
+    ``logw - lse`` is NaN. The event is the root's forward on sample 5; the replay names the
+    ``log``, its line, sample 5, ``underflow`` with the log-space advice, and the outlier."""
+    ev = fire("particle", "make_particle", tmp_path, bad=5).event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"], ev["samples"]) == (
+        3, "forward", "", "nan", [5]), ev
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.log", "-inf", [5]), o
+    assert o["source"] == line_of("return torch.log(torch.exp(-0.5 * d2 / sigma2))"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.log", "aten.sub"], o["chain"]
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "compute in log space" in rep["hint"] and "logsumexp" in rep["hint"], rep["hint"]
+    assert "sample(s) 5 of" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kind,make,bad", [("kalman", "make_kalman", None),
+                                           ("particle", "make_particle_stable", 5)])
+def test_healthy_filters_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
+    """The Kalman filter on in-scale records, and the particle filter whose log-likelihood
+    stays in log space (the outlier's log-weights are about -1e4, finite, and logsumexp
+    normalises them): no event, and bit-identical weights with and without the recorder."""
+    recorded = train(kind, make, tmp_path, bad=bad)
+    plain = train(kind, make, tmp_path, bad=bad, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
