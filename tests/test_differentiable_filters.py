@@ -25,6 +25,9 @@ def line_of(text: str) -> str:
 
 def batch(kind: str, g: torch.Generator, bad: int | None):
     """(model args, loss args after the model's outputs) of one step."""
+    if kind.startswith("gaps"):  # "gaps_nan": the missing readings stored as NaN
+        y, ctx, seen, truth = M.with_gaps(g, bad, filled=kind == "gaps_filled")
+        return (y, ctx, seen), (truth,)
     if kind == "kalman":
         y, ctx, truth = M.tracks(g, bad)
         return (y, ctx), (truth,)
@@ -39,7 +42,7 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    crit = M.kalman_loss if kind == "kalman" else torch.nn.MSELoss()
+    crit = torch.nn.MSELoss() if kind == "particle" else M.kalman_loss
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)  # (the particles and their resampling)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
@@ -104,10 +107,40 @@ def test_particle_filter_log_of_an_underflowed_likelihood_names_the_log_and_the_
     assert "sample(s) 5 of" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
 
 
+def test_missing_readings_stored_as_nan_and_masked_after_the_update_say_fill_them(tmp_path):
+    """Readings missing from the log are NaN beside a ``seen`` mask, and the filter keeps the
+    prediction with ``torch.where(seen, updated, predicted)``: the forward is finite, but the
+    where's backward turns 0 * NaN into NaN gradients (unrecorded, the weights turn NaN and
+    the next step's Cholesky raises). The recorder stops at the first step on the input; the
+    replay says the NaN lie only where ``args[2]`` marks readings missing, and to fill them
+    before the model, not to add an eps to a std."""
+    ev = fire("gaps_nan", "make_kalman", tmp_path, bad=None).event
+    y, _, seen, _ = M.with_gaps(torch.Generator().manual_seed(0), None, filled=False)
+    rows = torch.nonzero(~seen.all(1)).flatten().tolist()
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"]) == (
+        0, "input", "args[0]", rows), ev
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    assert (rep["cause"], rep["origin"]["tensor"], rep["origin"]["samples"]) == (
+        "input", "args[0]", rows), rep["origin"]
+    assert "only where args[2] marks a value missing" in rep["hint"], rep["hint"]
+    assert "nan_to_num" in rep["hint"] and "eps to the std" not in rep["hint"], rep["hint"]
+
+
+def test_unrecorded_nan_gaps_break_the_weights_and_the_next_cholesky(tmp_path):
+    """Without the recorder the same run's weights turn NaN after the first update, and the
+    second step dies in ``torch.linalg.cholesky`` far from the data's fault: the event above
+    is the bug, not a false alarm."""
+    with pytest.raises(torch.linalg.LinAlgError):
+        train("gaps_nan", "make_kalman", tmp_path, record=False)
+
+
 @pytest.mark.parametrize("kind,make,bad", [("kalman", "make_kalman", None),
+                                           ("gaps_filled", "make_kalman", 5),
                                            ("particle", "make_particle_stable", 5)])
 def test_healthy_filters_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
-    """The Kalman filter on in-scale records, and the particle filter whose log-likelihood
+    """The Kalman filter on in-scale records, and on records whose gaps the loader filled with
+    0 (the mask alone says they are missing), and the particle filter whose log-likelihood
     stays in log space (the outlier's log-weights are about -1e4, finite, and logsumexp
     normalises them): no event, and bit-identical weights with and without the recorder."""
     recorded = train(kind, make, tmp_path, bad=bad)
