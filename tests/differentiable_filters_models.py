@@ -12,6 +12,8 @@ differentiable particle filters, Karkus's soft resampling), for ``test_different
   an observation likelihood written as ``log(exp(-d^2 / 2 sigma^2))`` by a learned network,
   log-weights normalised with ``logsumexp``, Karkus's soft resampling (mixing with a uniform
   distribution, importance weights ``w / (a w + (1 - a) / N)``), the mean's MSE as the loss.
+  ``make_particle_gated``: validation gating, a log-likelihood of -inf past a distance.
+- ``with_gaps``: tracks with readings missing from the log, as NaN beside a ``seen`` mask.
 """
 
 from __future__ import annotations
@@ -133,16 +135,18 @@ def systematic(q):
 class ParticleFilter(nn.Module):
     """The weighted particle mean of a 2-D position after each observation."""
 
-    def __init__(self, alpha: float = 0.5, stable: bool = False):
+    def __init__(self, alpha: float = 0.5, stable: bool = False, gate: float | None = None):
         super().__init__()
         self.motion = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2))
         self.obs = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2))
         self.log_sigma = nn.Parameter(torch.tensor(-1.0))
-        self.alpha, self.stable = alpha, stable
+        self.alpha, self.stable, self.gate = alpha, stable, gate
 
     def log_likelihood(self, particles, z):
         d2 = (self.obs(particles) - z[:, None]).pow(2).sum(-1)
         sigma2 = self.log_sigma.exp() ** 2
+        if self.gate is not None:  # validation gating: a particle this far off is impossible
+            return (-0.5 * d2 / sigma2).masked_fill(d2 > self.gate, float("-inf"))
         if self.stable:
             return -0.5 * d2 / sigma2
         return torch.log(torch.exp(-0.5 * d2 / sigma2))  # the bug: exp underflows to 0
@@ -177,6 +181,11 @@ def make_particle():
 def make_particle_stable():
     torch.manual_seed(0)
     return ParticleFilter(stable=True)
+
+
+def make_particle_gated():
+    torch.manual_seed(0)
+    return ParticleFilter(gate=100.0)
 
 
 def walks(g: torch.Generator, bad: int | None, B: int = 8, T: int = 6):

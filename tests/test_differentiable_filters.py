@@ -148,3 +148,24 @@ def test_healthy_filters_raise_nothing_and_train_the_same(tmp_path, kind, make, 
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_gated_particle_filter_whose_every_particle_is_gated_names_the_logsumexp(tmp_path):
+    """Validation gating sets a particle's log-likelihood to -inf past a distance: for the
+    outlier observation every particle of sample 5 is gated, ``logsumexp`` of the all -inf row
+    is -inf and the normalisation ``logw - lse`` is NaN. The replay names the normalising
+    ``logsumexp`` (not the intended ``masked_fill``, kept in the chain as intentional), sample
+    5, ``invalid``, and says to keep one entry per row or use a large finite negative."""
+    ev = fire("particle", "make_particle_gated", tmp_path, bad=5).event
+    assert (ev["step"], ev["phase"], ev["samples"]) == (3, "forward", [5]), ev
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.logsumexp", "-inf", [5]), o
+    assert o["source"] == line_of("logw = logw - torch.logsumexp(logw, dim=1, keepdim=True)")
+    assert [(c["op"], c["intentional"]) for c in o["chain"]] == [
+        ("aten.masked_fill", True), ("aten.logsumexp", False)], o["chain"]
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "every entry is -inf" in rep["hint"], rep["hint"]
+    assert "large finite negative" in rep["hint"], rep["hint"]
