@@ -13,6 +13,7 @@ differentiable particle filters, Karkus's soft resampling), for ``test_different
   log-weights normalised with ``logsumexp``, Karkus's soft resampling (mixing with a uniform
   distribution, importance weights ``w / (a w + (1 - a) / N)``), the mean's MSE as the loss.
   ``make_particle_gated``: validation gating, a log-likelihood of -inf past a distance.
+- ``RangeEKF``: an EKF with a range sensor, its Jacobian ``x / |x|`` written by hand.
 - ``with_gaps``: tracks with readings missing from the log, as NaN beside a ``seen`` mask.
 """
 
@@ -196,3 +197,52 @@ def walks(g: torch.Generator, bad: int | None, B: int = 8, T: int = 6):
     if bad is not None:
         z[bad, 3] += 50.0
     return z, truth
+
+
+# ---------------------------------------------------------------------------------------------
+# Extended Kalman filter with a range sensor
+
+
+class RangeEKF(nn.Module):
+    """An EKF over a 2-D position under a learned drift, read by a range sensor at the origin:
+    ``h(x) = |x|``, whose Jacobian ``x / |x|`` the filter writes by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.drift = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.log_q = nn.Parameter(torch.tensor(-4.0))
+        self.log_r = nn.Parameter(torch.tensor(-2.0))
+
+    def forward(self, x0, ranges):
+        """x0: (B, 2) each track's initial fix; ranges: (B, T). Returns the (B, T, 2) means."""
+        B, T = ranges.shape
+        x, P = x0, 0.1 * torch.eye(2).expand(B, 2, 2)
+        eye, means = torch.eye(2), []
+        for t in range(T):  # update with the range at t, then predict t + 1
+            r = x.norm(dim=-1, keepdim=True)
+            H = (x / r)[:, None, :]  # the bug: a fix at the sensor itself, 0/0
+            S = H @ P @ H.mT + self.log_r.exp()
+            K = P @ H.mT / S
+            x = x + (K * (ranges[:, t, None] - r)[:, None])[..., 0]
+            P = (eye - K @ H) @ P
+            means.append(x)
+            x = x + 0.1 * self.drift(x)
+            P = P + self.log_q.exp() * eye
+        return torch.stack(means, 1)
+
+
+def make_ekf():
+    torch.manual_seed(0)
+    return RangeEKF()
+
+
+def ranged(g: torch.Generator, bad: int | None, B: int = 8, T: int = 10):
+    """Tracks moving away from a range sensor; ``bad``: one whose initial fix was taken at the
+    sensor's own position (0, 0)."""
+    x0 = torch.rand(B, 2, generator=g) + 0.5
+    vel = 0.1 * torch.randn(B, 1, 2, generator=g)
+    truth = x0[:, None] + vel * torch.arange(1, T + 1, dtype=torch.float32)[:, None]
+    ranges = truth.norm(dim=-1) + 0.01 * torch.randn(B, T, generator=g)
+    if bad is not None:
+        x0[bad] = 0.0
+    return x0, ranges, truth

@@ -25,6 +25,9 @@ def line_of(text: str) -> str:
 
 def batch(kind: str, g: torch.Generator, bad: int | None):
     """(model args, loss args after the model's outputs) of one step."""
+    if kind == "ekf":
+        x0, ranges, truth = M.ranged(g, bad)
+        return (x0, ranges), (truth,)
     if kind.startswith("gaps"):  # "gaps_nan": the missing readings stored as NaN
         y, ctx, seen, truth = M.with_gaps(g, bad, filled=kind == "gaps_filled")
         return (y, ctx, seen), (truth,)
@@ -42,7 +45,7 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    crit = torch.nn.MSELoss() if kind == "particle" else M.kalman_loss
+    crit = torch.nn.MSELoss() if kind in ("particle", "ekf") else M.kalman_loss
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)  # (the particles and their resampling)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
@@ -137,10 +140,12 @@ def test_unrecorded_nan_gaps_break_the_weights_and_the_next_cholesky(tmp_path):
 
 @pytest.mark.parametrize("kind,make,bad", [("kalman", "make_kalman", None),
                                            ("gaps_filled", "make_kalman", 5),
+                                           ("ekf", "make_ekf", None),
                                            ("particle", "make_particle_stable", 5)])
 def test_healthy_filters_raise_nothing_and_train_the_same(tmp_path, kind, make, bad):
     """The Kalman filter on in-scale records, and on records whose gaps the loader filled with
-    0 (the mask alone says they are missing), and the particle filter whose log-likelihood
+    0 (the mask alone says they are missing), the range EKF on fixes off the sensor, and the
+    particle filter whose log-likelihood
     stays in log space (the outlier's log-weights are about -1e4, finite, and logsumexp
     normalises them): no event, and bit-identical weights with and without the recorder."""
     recorded = train(kind, make, tmp_path, bad=bad)
@@ -169,3 +174,22 @@ def test_gated_particle_filter_whose_every_particle_is_gated_names_the_logsumexp
     assert rep["cause"] == "invalid", rep["cause"]
     assert "every entry is -inf" in rep["hint"], rep["hint"]
     assert "large finite negative" in rep["hint"], rep["hint"]
+
+
+def test_ekf_range_jacobian_of_a_fix_at_the_sensor_names_the_division_and_the_record(
+        tmp_path):
+    """A range sensor's hand-written Jacobian ``x / |x|`` is 0/0 for a track whose initial fix
+    is the sensor's own position (0, 0). The replay names that division, its line, sample 5,
+    ``invalid``, and the record of zeros to drop or repair."""
+    ev = fire("ekf", "make_ekf", tmp_path, bad=5).event
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [5]), ev
+    (bundle,) = tmp_path.glob("*.nan")
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.div", "nan", [5]), o
+    assert o["source"] == line_of("H = (x / r)[:, None, :]"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "norm of the batch's own records" in rep["hint"], rep["hint"]
+    assert "drop or repair them" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
