@@ -236,7 +236,7 @@ def make_ekf():
     return RangeEKF()
 
 
-def ranged(g: torch.Generator, bad: int | None, B: int = 8, T: int = 10):
+def ranged(g: torch.Generator, bad: int | None, B: int = 8, T: int = 8):
     """Tracks moving away from a range sensor; ``bad``: one whose initial fix was taken at the
     sensor's own position (0, 0)."""
     x0 = torch.rand(B, 2, generator=g) + 0.5

@@ -180,7 +180,9 @@ def test_ekf_range_jacobian_of_a_fix_at_the_sensor_names_the_division_and_the_re
         tmp_path):
     """A range sensor's hand-written Jacobian ``x / |x|`` is 0/0 for a track whose initial fix
     is the sensor's own position (0, 0). The replay names that division, its line, sample 5,
-    ``invalid``, and the record of zeros to drop or repair."""
+    ``invalid``, and the record of zeros to drop or repair. The batch has as many tracks as
+    range readings each (8): ``--try drop=5`` cuts the ranges ``(B, T)`` by row only (a
+    non-negative square matrix, but beside the loss's track ``(B, T, 2)``: no pairwise one)."""
     ev = fire("ekf", "make_ekf", tmp_path, bad=5).event
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [5]), ev
     (bundle,) = tmp_path.glob("*.nan")
