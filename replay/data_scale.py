@@ -8,7 +8,9 @@ at the event's own step from the first layer that takes the batch, with no learn
 gradient or weight jump before it (the precursor :data:`replay.precursors.INPUT_JUMP`): the
 step was fed other data. An underflow's samples may stand 10x below every other row instead
 (a record in volts among microvolts, whose squares float16 rounds to 0). Either way the op's own remedies (clamp it, a wider type, a lower
-learning rate) would hide the data's fault: the hint says so.
+learning rate) would hide the data's fault: the hint says so. So would a ridge for a
+decomposition singular on those samples' matrices alone (a learned noise whose softplus of
+such a record is 0).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
     """Append to an overflow's (or underflow's: exp of a huge negative score) hint that its
     data is out of scale, when the bundle shows it."""
     o = report["origin"]
+    if _singular_of_outliers(report, step):
+        return
     if report.get("cause") not in ("overflow", "underflow") or not report.get("hint"):
         return
     found = out_of_scale(step, o)
@@ -51,6 +55,24 @@ def data_scale_hint(report: dict[str, Any], step: Step) -> None:
             "(a wrong unit, a condition or task descriptor not normalised as in the other "
             "steps, a corrupt batch), which neither a lower learning rate nor a wider type "
             "fixes; check what the loop passed to the model at this step")
+
+
+def _singular_of_outliers(report: dict[str, Any], step: Step) -> bool:
+    """A decomposition singular in float64 too on some samples' matrices only, whose data is
+    out of scale (a Kalman filter's R = softplus(w * c) of a signal logged in mW: 0 there):
+    the records, not a missing ridge, made those matrices singular. True when said."""
+    o = report["origin"]
+    if o.get("made") != "LinAlgError" or report.get("cause") != "invalid" \
+            or not o.get("samples") or o.get("all_samples") or not report.get("hint"):
+        return False
+    found = out_of_scale(step, o)
+    if found is None:
+        return False
+    droppable = undroppable(step, o.get("micro_batch") or 0) is None
+    report["hint"] = (f"{report['hint']}. But only these samples' matrices failed, and "
+                      f"{outlier_hint(found[1], found[0], droppable)}; a ridge would hide "
+                      "them as well")
+    return True
 
 
 def _input_jump(report: dict[str, Any]) -> str | None:

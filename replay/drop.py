@@ -121,7 +121,7 @@ def drop_rows(tensors: dict[str, torch.Tensor], mbs, rows: list[int], model,
                 and id(x) not in shared else None
             if d is not None:
                 tensors[k] = x.index_select(d, keep)
-                if d == 0 and _pairwise(x, inputs):
+                if d == 0 and _pairwise(x, inputs, given):
                     tensors[k] = tensors[k].index_select(1, keep)
             elif k in mb.get("loss_paths", {}) and isinstance(x, torch.Tensor):
                 tensors[k] = _drop_flat(x, where, keep)
@@ -141,7 +141,7 @@ def _node_edges(given: list[torch.Tensor], n: int) -> list[torch.Tensor]:
             and any(t.shape[1] != m and 0 <= int(t.min()) and int(t.max()) < m for m in nodes)]
 
 
-def _pairwise(x: torch.Tensor, inputs: list) -> bool:
+def _pairwise(x: torch.Tensor, inputs: list, given: list = ()) -> bool:
     """Whether a square ``(B, B)`` tensor over the samples is pairwise (a graph's dense
     adjacency, a distance matrix: its columns are the samples too) rather than ``B`` features
     per sample that happen to number ``B`` (an MLP's ``(16, 16)`` batch): symmetric, or
@@ -149,13 +149,14 @@ def _pairwise(x: torch.Tensor, inputs: list) -> bool:
     length mask, whose every row is valid then padded (a ``(B, T)`` frame mask where the batch
     has as many clips as frames: all True when no clip is padded, so symmetric), nor one beside
     a per-sample ``(B, B, F)`` input, whose dim 1 holds each sample's items (a CVRP batch of as
-    many instances as customers: the demands ``(B, N)`` beside the cities ``(B, N, 2)``)."""
+    many instances as customers: the demands ``(B, N)`` beside the cities ``(B, N, 2)``; a
+    filter's ranges ``(B, T)`` beside its loss's true track ``(B, T, 2)``, in ``given``)."""
     if x.dim() != 2 or x.shape[0] != x.shape[1] or _length_mask(x) or padded_ids(x):
         return False
     if torch.equal(x, x.T):
         return True
     if any(isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[:2] == x.shape
-           for t in inputs):
+           for t in [*inputs, *given]):
         return False  # (B values per sample beside (B, B, F): CVRP's demands beside its cities)
     beside = any(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == x.shape[0]
                  and t.shape[1] != x.shape[0] for t in inputs)

@@ -36,6 +36,7 @@ from .cause_text import (
 from .findings import origin_fields
 from .load import Step, micro_batch_inputs
 from .loss_arg_name import with_param_name
+from .masked_gaps import masked_gaps
 from .shared_loss_arg import shared_loss_arg_hint
 from .whole_slices import WHOLE_SLICES, whole_slices
 
@@ -221,6 +222,8 @@ def input_hint(origin: dict[str, Any], step: Step) -> str | None:
         return WHOLE_TENSOR.format(tensor=tensor, kind=whole, evaluating=evaluating)
     if cols := _whole_columns(step, origin, key):
         return WHOLE_COLUMNS.format(tensor=tensor, cols=cols)
+    if key and (gaps := masked_gaps(step.tensors.get(key), tensor, _named_batch(step, origin))):
+        return gaps
     if key and (where := whole_slices(step.tensors.get(key), _sample_dim(step, origin, key))):
         return WHOLE_SLICES.format(tensor=tensor, where=where)
     if tensor.startswith("loss_") and not batch_non_finite(step, ("batch/",)):
@@ -262,6 +265,14 @@ def origin_key(step: Step, origin: dict[str, Any]) -> tuple[str, str]:
         if batch_path(raw, n_args) == origin.get("tensor"):
             return key, raw
     return "", ""
+
+
+def _named_batch(step: Step, origin: dict[str, Any]) -> dict[str, Any]:
+    """The micro-batch's tensors by the names the report gives them (``args[2]``)."""
+    i = origin.get("micro_batch") or 0
+    mb = step.micro_batches[i] if step.micro_batches else {}
+    n = len(micro_batch_inputs(step, i)[0]) if "inputs" in mb else 1
+    return {batch_path(raw, n): step.tensors.get(key) for key, raw in mb.get("paths", {}).items()}
 
 
 def _whole_tensor(step: Step, origin: dict[str, Any], key: str) -> str:
