@@ -41,9 +41,13 @@ class ZeroOperand:
         a, b = args[0], args[1]
         if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in (a, b)):
             return
-        with torch.no_grad():  # (an operand that requires grad: activations, no estimate)
-            cols = (b == 0).all(-2) & (not b.requires_grad)  # (..., n): column j of b all 0
-            rows = (a == 0).all(-1) & (not a.requires_grad)  # (..., m): row i of a all 0
+        # (an operand that requires grad is activations or weights, no estimate: not scanned,
+        # so a training re-run's matmuls, both operands on the graph, cost nothing here)
+        if a.requires_grad and b.requires_grad:
+            return
+        with torch.no_grad():
+            cols = None if b.requires_grad else (b == 0).all(-2)  # (..., n): column j all 0
+            rows = None if a.requires_grad else (a == 0).all(-1)  # (..., m): row i all 0
         # kept whether or not any line is 0: a host read per product to tell would cost a
         # sync per matmul of the re-run on CUDA; these are only read when an op is blamed
         self._lines.put(out, (cols, rows, tuple(b.shape), tuple(a.shape)))
@@ -60,9 +64,11 @@ class ZeroOperand:
             with torch.no_grad():
                 if not bool((t.detach()[bad] == 0).all()):
                     continue
-                if bool(cols.any()) and not bool((bad & ~cols.unsqueeze(-2)).any()):
+                if cols is not None and bool(cols.any()) \
+                        and not bool((bad & ~cols.unsqueeze(-2)).any()):
                     return _said("column(s)", cols, "right", b_shape)
-                if bool(rows.any()) and not bool((bad & ~rows.unsqueeze(-1)).any()):
+                if rows is not None and bool(rows.any()) \
+                        and not bool((bad & ~rows.unsqueeze(-1)).any()):
                     return _said("row(s)", rows, "left", a_shape)
         return None
 
