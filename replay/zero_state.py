@@ -23,6 +23,7 @@ import torch
 from recorder.compat import is_norm_layer
 from recorder.finite import finite
 
+from .equal_spread import equal_spread_hint
 from .errors import StopRun
 from .rerun import Runner
 from .zero_statistic import zero_statistic_hint
@@ -71,6 +72,10 @@ def zero_state_hint(runner: Runner, origin, hit, samples=None) -> str | None:
                 return stat
             if t.numel() == 1:  # (a scalar state: a running statistic, not a vector)
                 return ZERO_SCALAR_STATE.format(op=hit.op, what=what)
+            # (a std of gaps from a zero timestamp state: equal, not zero, values are the pole)
+            if spread := equal_spread_hint(hit.op, what, lambda t=t: _finite_with(
+                    runner, origin, module, t, torch.ones_like(t))):
+                return spread
             return (f"{hit.op}'s divisor comes from {what}, all 0 as the step began: with "
                     "random values in its place the call is finite. A state vector started at "
                     "zeros (a power iteration's u, which every iteration keeps at 0, normalised "
