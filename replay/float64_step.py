@@ -52,8 +52,13 @@ def float64_still(runner: Runner, phase: str, until, capture: OpAt | None, mb: i
             return not all(finite(o) for o in capture.outputs)  # validate_args check)
         raise run.error  # float64 made the model raise before the origin: no answer
     if phase == "forward":  # the origin's own outputs (an earlier -inf mask stays in float64)
-        return any(not c.outputs_finite for c in run.calls
-                   if until is None or (c.module, c.call, c.micro_batch) == until)
+        bad = any(not c.outputs_finite for c in run.calls
+                  if until is None or (c.module, c.call, c.micro_batch) == until)
+        if not bad and capture is not None and capture.outputs is not None:
+            # (the op's NaN, masked before the call's output, that a backward node saved: a
+            # softmax of a fully masked row zeroed after; finite outputs say nothing of it)
+            return not all(finite(o) for o in capture.outputs)
+        return bad
     if phase == "loss":
         return not all(run.loss_finite)
     # a loss node's NaN that the model's backward drops (a masked_fill) leaves every

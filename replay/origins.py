@@ -124,7 +124,7 @@ def _saved_value_maker(runner: Runner, mb: int, node: str | None, saved: str,
             return None
         found[1].hint = self_pair_hint(found[1].hint, found[1].name, found[0])
         return found
-    if hit is None or hit.intentional or not hit.inputs_finite \
+    if hit is None or hit.intentional or not (hit.inputs_finite or hit.from_mask) \
             or (hit.made == "nan" and saved != "nan") or _own(node, hit):
         return None
     cause = classify(runner, "forward", ("", 0, mb), hit=hit)
