@@ -44,11 +44,12 @@ class TemporalAttention(nn.Module):
     """TGAT's attention of a node (its memory and phi(0)) over its temporal neighbours (their
     memory, edge feature and phi(t - t_j)); padding scores are ``-inf``. ``fix_empty``: TGN's
     own guard: a node with no neighbours yet unmasks its first (padding) slot, and its
-    attention output is zeroed after."""
+    attention output is zeroed after; ``zero_after``: TGAT's half of it, the output zeroed
+    after only (the softmax's NaN row kept out of the forward, not out of its backward)."""
 
-    def __init__(self, heads: int = 2, fix_empty: bool = True):
+    def __init__(self, heads: int = 2, fix_empty: bool = True, zero_after: bool = False):
         super().__init__()
-        self.heads, self.fix_empty = heads, fix_empty
+        self.heads, self.fix_empty, self.zero_after = heads, fix_empty, zero_after
         q_dim, kv_dim = MEM + TIME, MEM + EDGE + TIME
         self.q, self.k, self.v = nn.Linear(q_dim, MEM), nn.Linear(kv_dim, MEM), nn.Linear(kv_dim, MEM)
         self.out = nn.Linear(MEM + MEM, MEM)
@@ -68,20 +69,43 @@ class TemporalAttention(nn.Module):
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         attn = scores.softmax(-1)  # a node with no neighbours: a row of -inf only
         ctx = (attn @ val).transpose(1, 2).reshape(n, MEM)
-        if self.fix_empty:
+        if self.fix_empty or self.zero_after:
             ctx = ctx.masked_fill(empty, 0.0)
         return self.out(torch.cat([ctx, h], -1))
+
+
+class MultiHeadTemporalAttention(nn.Module):
+    """TGN's own ``TemporalAttentionLayer``: ``nn.MultiheadAttention`` of the node's
+    ``[h, phi(0)]`` over its neighbours' ``[h_j, e_j, phi(t - t_j)]`` with a
+    ``key_padding_mask`` (True: padding), then a merger MLP. ``need_weights`` as TGN calls it
+    (the default, True: the weights are returned, computed by an explicit softmax); False
+    takes the fused kernel."""
+
+    def __init__(self, heads: int = 2, need_weights: bool = True):
+        super().__init__()
+        self.need_weights = need_weights
+        self.mha = nn.MultiheadAttention(MEM + TIME, heads, kdim=MEM + EDGE + TIME,
+                                         vdim=MEM + EDGE + TIME, batch_first=True)
+        self.merger = nn.Sequential(nn.Linear(2 * MEM + TIME, MEM), nn.ReLU(), nn.Linear(MEM, MEM))
+
+    def forward(self, h, t_enc0, nbr_h, nbr_e, nbr_t_enc, mask):
+        query = torch.cat([h, t_enc0], -1).unsqueeze(1)
+        key = torch.cat([nbr_h, nbr_e, nbr_t_enc], -1)
+        out, _ = self.mha(query, key, key, key_padding_mask=~mask, need_weights=self.need_weights)
+        return self.merger(torch.cat([out.squeeze(1), h], -1))
 
 
 class TGN(nn.Module):
     """TGN-attn: GRU memory, JODIE's time-gap normalisation, one graph attention layer, an
     MLP link predictor."""
 
-    def __init__(self, fix_empty: bool = True, std_eps: float = 1e-6, dt_norm: bool = True):
+    def __init__(self, fix_empty: bool = True, std_eps: float = 1e-6, dt_norm: bool = True,
+                 zero_after: bool = False, mha: bool | None = None):
         super().__init__()
         self.time = TimeEncode()
         self.memory_updater = nn.GRUCell(2 * MEM + TIME + EDGE, MEM)
-        self.embedding = TemporalAttention(fix_empty=fix_empty)
+        self.embedding = TemporalAttention(fix_empty=fix_empty, zero_after=zero_after) \
+            if mha is None else MultiHeadTemporalAttention(need_weights=mha)
         self.predictor = nn.Sequential(nn.Linear(2 * MEM, MEM), nn.ReLU(), nn.Linear(MEM, 1))
         self.register_buffer("memory", torch.zeros(NODES, MEM))
         self.register_buffer("last_update", torch.zeros(NODES))
@@ -139,6 +163,25 @@ def make_tgn_unguarded():
     """TGAT's attention without TGN's guard for nodes with no neighbours yet."""
     torch.manual_seed(0)
     return TGN(fix_empty=False)
+
+
+def make_tgn_zero_after():
+    """TGAT's attention whose output is zeroed for nodes with no neighbours, the mask kept."""
+    torch.manual_seed(0)
+    return TGN(fix_empty=False, zero_after=True)
+
+
+def make_tgn_mha():
+    """TGN's attention layer, nn.MultiheadAttention called with its default need_weights=True,
+    without the guard for nodes with no neighbours."""
+    torch.manual_seed(0)
+    return TGN(mha=True)
+
+
+def make_tgn_mha_fused():
+    """The same, need_weights=False: the fused attention's softmax of a fully masked row."""
+    torch.manual_seed(0)
+    return TGN(mha=False)
 
 
 def make_tgn_no_eps():

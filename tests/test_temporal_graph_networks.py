@@ -78,13 +78,16 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module):
         assert torch.equal(x, y), name
 
 
-def test_healthy_tgn_raises_nothing_and_trains_the_same(tmp_path):
-    """TGN's guard on, a new user in the last batch, the first batch a bulk import at one
-    timestamp (std 0, eps kept): the -inf padding scores stay inside softmax, no event, and
-    weights and memory are bit-identical with and without the recorder."""
+@pytest.mark.parametrize("make", ["make_tgn", "make_tgn_mha_fused"])
+def test_healthy_tgn_raises_nothing_and_trains_the_same(tmp_path, make):
+    """A new user in the last batch, the first batch a bulk import at one timestamp (std 0,
+    eps kept): with TGN's guard, and with nn.MultiheadAttention called with
+    need_weights=False (whose fused softmax gives a fully masked row zeros, no NaN), the -inf
+    padding scores stay inside, no event, and weights and memory are bit-identical with and
+    without the recorder."""
     kw = dict(new_node=5, same_time=True)
-    recorded = train("make_tgn", tmp_path, **kw)
-    plain = train("make_tgn", tmp_path, record=False, **kw)
+    recorded = train(make, tmp_path, **kw)
+    plain = train(make, tmp_path, record=False, **kw)
     assert not list(tmp_path.glob("*.nan"))
     same_weights(recorded, plain)
 
@@ -105,6 +108,26 @@ def test_new_node_without_neighbours_names_the_softmax_of_its_all_masked_row(tmp
     assert o["source"] == line_of("attn = scores.softmax(-1)"), o
     assert rep["cause"] == "invalid", rep
     assert "fully masked row" in rep["hint"] and "keep at least one key" in rep["hint"], rep["hint"]
+
+
+def test_multihead_attention_of_a_new_node_names_the_softmax_and_the_padding_mask(tmp_path):
+    """TGN's own attention layer (nn.MultiheadAttention, need_weights left at True as TGN
+    calls it) without its guard: the new user's key_padding_mask is True at every neighbour
+    slot, and the weights' explicit softmax makes NaN. The replay names the softmax inside
+    ``embedding.mha``, the call's line, event 5, invalid, the fully masked row and the
+    key_padding_mask that masks all of sample 5."""
+    ev, bundle = fire("make_tgn_mha", tmp_path, new_node=5)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        3, "forward", "embedding.mha", [5]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "embedding.mha", "aten._softmax", "nan", [5]), o
+    assert o["source"] == line_of("out, _ = self.mha(query, key, key, key_padding_mask=~mask"), o
+    assert rep["cause"] == "invalid", rep
+    hint = rep["hint"]
+    assert "fully masked row" in hint and "keep at least one key" in hint, hint
+    assert "key_padding_mask is True (masked) at every position of samples [5]" in hint, hint
 
 
 def test_bulk_import_at_one_timestamp_names_the_std_division_and_asks_for_an_eps(tmp_path):
@@ -146,3 +169,27 @@ def test_epoch_seconds_in_fp16_autocast_overflow_the_time_encoding(tmp_path):
     assert rep["cause"] == "overflow", rep
     hint = rep["hint"]
     assert "beyond float16's largest value" in hint and "rescale its inputs" in hint, hint
+
+
+def test_new_node_zeroed_after_attention_names_the_softmax_behind_the_backward(tmp_path):
+    """TGAT's half of the guard: the attention output of a node with no neighbours is zeroed
+    after the softmax, its mask left all False. The forward stays finite (masked_fill replaces
+    the NaN row), but the backward of ``attn @ val`` multiplies that saved NaN row by the zero
+    gradient the fill sends: NaN gradients at step 3. The replay names that node on its line,
+    the softmax that made the NaN it saved (the chain's start), invalid (a softmax of an all
+    -inf row is NaN in float64 too, though the forward's outputs are finite), and the fully
+    masked row's fix."""
+    ev, bundle = fire("make_tgn_zero_after", tmp_path, new_node=5)
+    assert (ev["step"], ev["phase"]) == (3, "backward"), ev
+    assert "embedding.q.weight" in ev["params"], ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"]) == (
+        True, "backward", "embedding", "BmmBackward0"), o
+    assert o["source"] == line_of("ctx = (attn @ val).transpose(1, 2)"), o
+    assert [(c["op"], c["source"]) for c in o["chain"]][0] == (
+        "aten._softmax", line_of("attn = scores.softmax(-1)")), o["chain"]
+    assert rep["cause"] == "invalid", rep["hint"]
+    hint = rep["hint"]
+    assert "made by aten._softmax" in hint and "fully masked row" in hint, hint
+    assert "keep at least one key" in hint, hint
