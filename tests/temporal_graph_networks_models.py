@@ -227,10 +227,10 @@ class NeighborFinder:
 
 
 def event_stream(g: torch.Generator, steps: int, start: float = 0.0, same_time: bool = False,
-                 new_node: int | None = None):
+                 new_node: int | None = None, new_as_dst: bool = False):
     """``steps`` batches of ``B`` consecutive events among nodes ``1..NODES-2`` (node 0 is the
     padding id, ``NODES - 1`` a user who first shows up in the last batch's event
-    ``new_node`` as a source, and sampled as nobody's neighbour before), times in seconds
+    ``new_node`` as a source (a destination: ``new_as_dst``), and sampled as nobody's neighbour before), times in seconds
     from ``start``; ``same_time``: the first batch is one bulk import, all at one timestamp."""
     t = start
     for step in range(steps):
@@ -244,5 +244,5 @@ def event_stream(g: torch.Generator, steps: int, start: float = 0.0, same_time: 
             ts = torch.full((B,), t + 60.0)
         t = float(ts[-1])
         if new_node is not None and step == steps - 1:
-            src[new_node] = NODES - 1
+            (dst if new_as_dst else src)[new_node] = NODES - 1
         yield src, dst, neg, ts, torch.randn(B, EDGE, generator=g)

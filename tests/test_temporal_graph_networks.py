@@ -92,13 +92,16 @@ def test_healthy_tgn_raises_nothing_and_trains_the_same(tmp_path, make):
     same_weights(recorded, plain)
 
 
-def test_new_node_without_neighbours_names_the_softmax_of_its_all_masked_row(tmp_path):
+@pytest.mark.parametrize("new_as_dst", [False, True])
+def test_new_node_without_neighbours_names_the_softmax_of_its_all_masked_row(tmp_path,
+                                                                               new_as_dst):
     """TGAT's attention without TGN's guard: a user who first shows up in the last batch
-    (event 5's source) has no temporal neighbours, their attention row is ``-inf`` only, and
-    softmax makes NaN there. The event and the replay name ``embedding`` at step 3; the replay
-    the softmax on its line, event 5 (row 5 of the ``3B`` nodes ``cat([src, dst, neg])``),
-    invalid, and a fully masked row to keep one key in."""
-    ev, bundle = fire("make_tgn_unguarded", tmp_path, new_node=5)
+    (event 5's source, or its destination) has no temporal neighbours, their attention row is
+    ``-inf`` only, and softmax makes NaN there. The event and the replay name ``embedding`` at
+    step 3; the replay the softmax on its line, event 5 (row 5, or 17, of the ``3B`` nodes
+    ``cat([src, dst, neg])``: sample ``r % B``), invalid, and a fully masked row to keep one
+    key in."""
+    ev, bundle = fire("make_tgn_unguarded", tmp_path, new_node=5, new_as_dst=new_as_dst)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
         3, "forward", "embedding", [5]), ev
     rep = nanreplay_json(bundle)
