@@ -78,14 +78,18 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module):
         assert torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("make", ["make_tgn", "make_tgn_mha_fused"])
-def test_healthy_tgn_raises_nothing_and_trains_the_same(tmp_path, make):
+NEW_USER = dict(new_node=5, same_time=True)
+
+
+@pytest.mark.parametrize("make,kw", [("make_tgn", NEW_USER), ("make_tgn_mha_fused", NEW_USER),
+                                     ("make_tgn_unguarded", dict(steps=6))])
+def test_healthy_tgn_raises_nothing_and_trains_the_same(tmp_path, make, kw):
     """A new user in the last batch, the first batch a bulk import at one timestamp (std 0,
     eps kept): with TGN's guard, and with nn.MultiheadAttention called with
-    need_weights=False (whose fused softmax gives a fully masked row zeros, no NaN), the -inf
-    padding scores stay inside, no event, and weights and memory are bit-identical with and
+    need_weights=False (whose fused softmax gives a fully masked row zeros, no NaN); and the
+    unguarded attention while every node has a neighbour (padding scores -inf in most rows):
+    the -inf scores stay inside, no event, and weights and memory are bit-identical with and
     without the recorder."""
-    kw = dict(new_node=5, same_time=True)
     recorded = train(make, tmp_path, **kw)
     plain = train(make, tmp_path, record=False, **kw)
     assert not list(tmp_path.glob("*.nan"))
@@ -196,3 +200,19 @@ def test_new_node_zeroed_after_attention_names_the_softmax_behind_the_backward(t
     hint = rep["hint"]
     assert "made by aten._softmax" in hint and "fully masked row" in hint, hint
     assert "keep at least one key" in hint, hint
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_neighbour_padding_at_time_zero_overflows_the_fp16_time_encoding(tmp_path):
+    """Gaps normalised, but the neighbour finder pads with time 0 (TGN's padding) while the
+    stream's timestamps are epoch seconds: a padded neighbour's ``t - t_j`` is the timestamp
+    itself, and autocast's fp16 cast of it in the third call of the time encoding (the
+    neighbours', after the memory's and phi(0)) is +inf. The replay names that call, the
+    cast, every event (the first batch's nodes have no neighbours yet) and fp16's range."""
+    ev, bundle = fire("make_tgn", tmp_path, amp=True, warm=False, start=1.7e9)
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"]) == (0, "forward", "time.w", 2), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["made"], o["all_samples"]) == (
+        "time.w", 2, "aten._to_copy", "+inf", True), o
+    assert rep["cause"] == "overflow" and "beyond float16's largest value" in rep["hint"], rep
