@@ -82,14 +82,16 @@ NEW_USER = dict(new_node=5, same_time=True)
 
 
 @pytest.mark.parametrize("make,kw", [("make_tgn", NEW_USER), ("make_tgn_mha_fused", NEW_USER),
-                                     ("make_tgn_unguarded", dict(steps=6))])
+                                     ("make_tgn_unguarded", dict(steps=6)),
+                                     ("make_tgn_mha", dict(amp=True, steps=6))])
 def test_healthy_tgn_raises_nothing_and_trains_the_same(tmp_path, make, kw):
     """A new user in the last batch, the first batch a bulk import at one timestamp (std 0,
     eps kept): with TGN's guard, and with nn.MultiheadAttention called with
     need_weights=False (whose fused softmax gives a fully masked row zeros, no NaN); and the
     unguarded attention while every node has a neighbour (padding scores -inf in most rows):
-    the -inf scores stay inside, no event, and weights and memory are bit-identical with and
-    without the recorder."""
+    the -inf scores stay inside; TGN's own layer under fp16 autocast with a GradScaler, times
+    in seconds since the stream began: no event, and weights and memory are bit-identical with
+    and without the recorder."""
     recorded = train(make, tmp_path, **kw)
     plain = train(make, tmp_path, record=False, **kw)
     assert not list(tmp_path.glob("*.nan"))
