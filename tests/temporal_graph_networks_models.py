@@ -202,6 +202,13 @@ def link_loss(pos, neg):
             + F.binary_cross_entropy_with_logits(neg, torch.zeros_like(neg)))
 
 
+def prob_link_loss(pos, neg):
+    """TGN's reference loss as the repository writes it: BCE of probabilities, the sigmoid
+    taken by hand, the log of the positives' and of the negatives' complements."""
+    p_pos, p_neg = torch.sigmoid(pos), torch.sigmoid(neg)
+    return -(torch.log(p_pos).mean() + torch.log(1 - p_neg).mean())
+
+
 class NeighborFinder:
     """TGN's most-recent neighbour finder: every node's past interactions, newest last; the
     ``k`` most recent before ``t``, padded with node 0, time 0, zero features and a False mask."""
@@ -227,7 +234,8 @@ class NeighborFinder:
 
 
 def event_stream(g: torch.Generator, steps: int, start: float = 0.0, same_time: bool = False,
-                 new_node: int | None = None, new_as_dst: bool = False):
+                 new_node: int | None = None, new_as_dst: bool = False,
+                 amount: tuple[int, int] | None = None):
     """``steps`` batches of ``B`` consecutive events among nodes ``1..NODES-2`` (node 0 is the
     padding id, ``NODES - 1`` a user who first shows up in the last batch's event
     ``new_node`` as a source (a destination: ``new_as_dst``), and sampled as nobody's neighbour before), times in seconds
@@ -245,4 +253,7 @@ def event_stream(g: torch.Generator, steps: int, start: float = 0.0, same_time: 
         t = float(ts[-1])
         if new_node is not None and step == steps - 1:
             (dst if new_as_dst else src)[new_node] = NODES - 1
-        yield src, dst, neg, ts, torch.randn(B, EDGE, generator=g)
+        e = torch.randn(B, EDGE, generator=g)
+        if amount is not None and step == amount[0]:
+            e[amount[1], 0] = 2.5e6  # a transaction amount in cents, not standardised
+        yield src, dst, neg, ts, e

@@ -35,10 +35,11 @@ def history(finder: M.NeighborFinder, g: torch.Generator, events: int = 200) -> 
 
 
 def train(make: str, out_dir, steps: int = 4, record: bool = True, warm: bool = True,
-          amp: bool = False, start: float = 0.0, **stream):
+          amp: bool = False, start: float = 0.0, loss: str = "link_loss", **stream):
     """TGN's loop: Adam, gradient clipping, a step LR schedule; per batch the neighbours of
     ``cat([src, dst, neg])`` before the batch, the forward, the BCE, then the batch's events
-    into the finder. ``amp``: fp16 autocast with a GradScaler. Returns the model."""
+    into the finder. ``amp``: fp16 autocast with a GradScaler; ``loss``: the models' loss
+    function's name. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -47,10 +48,11 @@ def train(make: str, out_dir, steps: int = 4, record: bool = True, warm: bool = 
     finder = M.NeighborFinder()
     if warm:
         start = history(finder, g)
-    rec = FlightRecorder(model, opt, loss_fn=M.link_loss, out_dir=out_dir, scaler=scaler if amp else None,
+    crit = getattr(M, loss)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir, scaler=scaler if amp else None,
                          factory=f"temporal_graph_networks_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
-        loss_fn = rec.loss_fn if rec is not None else M.link_loss
+        loss_fn = rec.loss_fn if rec is not None else crit
         for src, dst, neg, t, e in M.event_stream(g, steps, start=start, **stream):
             nbrs = finder.sample(torch.cat([src, dst, neg]), torch.cat([t, t, t]))
             opt.zero_grad()
@@ -218,3 +220,23 @@ def test_neighbour_padding_at_time_zero_overflows_the_fp16_time_encoding(tmp_pat
     assert (o["module"], o["call"], o["op"], o["made"], o["all_samples"]) == (
         "time.w", 2, "aten._to_copy", "+inf", True), o
     assert rep["cause"] == "overflow" and "beyond float16's largest value" in rep["hint"], rep
+
+
+def test_raw_amount_edge_feature_names_the_log_of_the_saturated_sigmoid(tmp_path):
+    """A transaction amount in cents (2.5e6, not standardised) as event 3's edge feature at
+    step 2; at step 3 it is a temporal neighbour's feature of node 1, the key projection of
+    the attention scales it up, and event 5's positive logit (-1715) saturates the hand-written
+    BCE's sigmoid to 0: the loss's log is -inf there. The replay names the log in the loss,
+    event 5 (the only row an unrecorded run's logits put below the sigmoid's range),
+    underflow with BCEWithLogitsLoss/logsigmoid, and the key projection's absmax jump at
+    this step as the precursor that points at the neighbour features."""
+    ev, bundle = fire("make_tgn", tmp_path, loss="prob_link_loss", amount=(2, 3))
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "loss", "<loss>", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.log", "-inf", [5]), o
+    assert o["source"] == line_of("return -(torch.log(p_pos).mean()"), o
+    assert rep["cause"] == "underflow" and "logsigmoid or BCEWithLogitsLoss" in rep["hint"], rep
+    assert [(p["step"], p["kind"]) for p in rep["precursors"]] == [(3, "absmax_jump")], rep
+    assert rep["precursors"][0]["detail"].startswith("absmax of embedding.k jumped"), rep
