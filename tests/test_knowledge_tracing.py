@@ -1,0 +1,160 @@
+"""End to end on knowledge tracing models (``knowledge_tracing_models``): DKT's LSTM,
+DKT-Forget's time-gap feature, SAKT's hand-written causal attention and AKT's monotonic
+attention with Rasch embeddings, trained on padded student sequences with a masked next-response
+BCE, Adam, a warm-up schedule, gradient clipping and an AUC evaluation under ``no_grad``. Each
+planted bug of the domain fires under the recorder and is replayed with the CLI; the healthy
+versions raise no event and train bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import knowledge_tracing_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("knowledge_tracing_models.py", text)
+
+
+def model_args(kind: str, q, c, r, t):
+    if kind == "akt":
+        return q, c, r
+    if kind == "dkt_forget":
+        return q, r, t
+    return q, r
+
+
+def auc(scores, labels) -> float:
+    """The rank-sum AUC of the evaluation loop (ties ignored: scores are continuous)."""
+    order = scores.argsort()
+    ranks = torch.empty_like(scores).scatter_(0, order, torch.arange(1., len(scores) + 1))
+    pos = labels.bool()
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / max(n_pos * n_neg, 1))
+
+
+def evaluate(model, kind: str, batch) -> float:
+    q, c, r, t, m = batch
+    model.eval()
+    with torch.no_grad():
+        p = torch.sigmoid(model(*model_args(kind, q, c, r, t)))
+    model.train()
+    valid = m[:, 1:]
+    return auc(p[valid], r[:, 1:][valid])
+
+
+def train(kind: str, make: str, out_dir, loss=M.next_response_loss, steps: int = 4,
+          record: bool = True, bf16: bool = False, **bad):
+    """Adam with a linear warm-up, clipping at 1.0 and an AUC check after each step, as pykt
+    trains; the bad student (``short=`` or ``clock=``) is in the last step's batch. Returns
+    the model and its AUCs."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
+    g = torch.Generator().manual_seed(0)
+    held_out = M.student_batch(torch.Generator().manual_seed(9))
+    torch.manual_seed(1)  # dropout
+    rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
+                         factory=f"knowledge_tracing_models:{make}") if record else None
+    aucs = []
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else loss
+        for step in range(steps):
+            q, c, r, t, m = M.student_batch(g, **(bad if step == steps - 1 else {}))
+            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                logits = model(*model_args(kind, q, c, r, t))
+            out = loss_fn(logits.float(), r, m)
+            opt.zero_grad()
+            out.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            aucs.append(evaluate(model, kind, held_out))
+    return model, aucs
+
+
+def fire(kind: str, make: str, tmp_path, **bad):
+    with pytest.raises(NonFiniteError) as info:
+        train(kind, make, tmp_path, **bad)
+    return info.value.event, info.value.bundle_path
+
+
+def test_single_interaction_student_names_the_per_student_mean_and_the_student(tmp_path):
+    """A student who answered one question has no next response to predict: the per-student
+    mean ``(bce * valid).sum(1) / valid.sum(1)`` is 0/0 in that row. A loss event; the replay
+    names the division on its line, the student, and says to add an eps (or skip such rows);
+    dropping the student makes the step finite."""
+    ev, bundle = fire("dkt", "make_dkt", tmp_path, short=3)
+    assert (ev["step"], ev["phase"]) == (3, "loss"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "loss", "<loss>", "aten.div", "nan", [3]), o
+    assert o["source"] == line_of("per_student = (bce * valid).sum(1) / valid.sum(1)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_sakt_mask_excluding_the_current_interaction_names_the_softmax_of_the_empty_row(
+        tmp_path):
+    """SAKT's query at position i is already the next question, so interaction i is in its
+    past; a mask copied from AKT's retriever (``triu(diagonal=0)``, the current item
+    excluded) leaves the first query no key at all, and ``masked_fill(-inf)`` then softmax
+    is NaN in that row of every student, at the first step. The replay names the softmax in
+    ``attn`` after the intended ``-inf`` fill, every sample, and advises keeping a key per
+    row or a finite mask value."""
+    ev, bundle = fire("sakt", "make_sakt_strict", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["kind"]) == (
+        0, "forward", "attn", 0, "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["all_samples"]) == (
+        True, "attn", "aten._softmax", "nan", True), o
+    assert o["source"] == line_of("return torch.softmax(scores, -1) @ self.v(key)"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.masked_fill", "aten._softmax"], o["chain"]
+    assert o["chain"][0]["intentional"] is True, o["chain"]
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+
+
+def test_dkt_forget_timestamp_in_milliseconds_names_the_log_of_the_negative_gap(tmp_path):
+    """DKT-Forget's time-gap feature ``log1p(minutes since the previous interaction)``: one
+    student's log holds a timestamp in milliseconds among seconds, so the gap after it is
+    about -2.8e7 minutes and log1p is NaN there. The replay names the log1p on its line in the
+    root's forward, that student only, an input out of its domain; dropping the student makes
+    the step finite."""
+    ev, bundle = fire("dkt_forget", "make_dkt_forget", tmp_path, clock=5)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [5]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.log1p", "nan", [5]), o
+    assert o["source"] == line_of("gap = torch.log1p(torch.cat("), o
+    assert rep["cause"] == "invalid" and "below -1" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+@pytest.mark.parametrize("kind,make,bf16", [
+    ("dkt", "make_dkt", False), ("dkt_forget", "make_dkt_forget", False),
+    ("sakt", "make_sakt", False), ("akt", "make_akt", False), ("akt", "make_akt", True)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bf16):
+    """A student with a single interaction under the eps-guarded per-student mean; SAKT's
+    ``-inf`` causal mask with the diagonal kept; AKT's ``-1e32`` masks, its monotonic decay and
+    its fully masked first retriever row, zero-padded after the softmax (also under bf16
+    autocast); the AUC evaluation under ``no_grad`` after each step: no event, bit-identical
+    weights and AUCs with and without the recorder."""
+    recorded, aucs = train(kind, make, tmp_path, loss=M.next_response_loss_eps, bf16=bf16,
+                           short=2)
+    plain, plain_aucs = train(kind, make, tmp_path, loss=M.next_response_loss_eps, bf16=bf16,
+                              short=2, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    assert aucs == plain_aucs and 0.0 < aucs[-1] < 1.0, aucs
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
