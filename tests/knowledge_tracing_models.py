@@ -210,3 +210,9 @@ def student_batch(g: torch.Generator, n: int = 8, length: int = 12, short: int |
     if clock is not None:
         t[clock, 3] *= 1000.0
     return q, c * m, r, t, m
+
+
+def selected_loss(logits, r, m):
+    """pykt's loss: BCE with logits over the real next positions picked by the mask."""
+    sm = m[:, 1:]
+    return F.binary_cross_entropy_with_logits(logits[sm], r[:, 1:][sm].float())

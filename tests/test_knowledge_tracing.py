@@ -80,17 +80,18 @@ def train(kind: str, make: str, out_dir, loss=M.next_response_loss, steps: int =
     return model, aucs
 
 
-def fire(kind: str, make: str, tmp_path, **bad):
+def fire(kind: str, make: str, tmp_path, loss=M.next_response_loss, **bad):
     with pytest.raises(NonFiniteError) as info:
-        train(kind, make, tmp_path, **bad)
+        train(kind, make, tmp_path, loss=loss, **bad)
     return info.value.event, info.value.bundle_path
 
 
 def test_single_interaction_student_names_the_per_student_mean_and_the_student(tmp_path):
     """A student who answered one question has no next response to predict: the per-student
     mean ``(bce * valid).sum(1) / valid.sum(1)`` is 0/0 in that row. A loss event; the replay
-    names the division on its line, the student, and says to add an eps (or skip such rows);
-    dropping the student makes the step finite."""
+    names the division on its line, the student, says to add an eps (or skip such rows) and
+    that the student's mask holds one step only (so its next-step mask is empty) and such
+    records are to be filtered; dropping the student makes the step finite."""
     ev, bundle = fire("dkt", "make_dkt", tmp_path, short=3)
     assert (ev["step"], ev["phase"]) == (3, "loss"), ev
     rep = nanreplay_json(bundle, "--try", "drop=3")
@@ -99,6 +100,9 @@ def test_single_interaction_student_names_the_per_student_mean_and_the_student(t
         True, "loss", "<loss>", "aten.div", "nan", [3]), o
     assert o["source"] == line_of("per_student = (bce * valid).sum(1) / valid.sum(1)"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    # (the mask is not empty in that row: its one interaction leaves no next one, m[:, 1:])
+    assert "Sample(s) 3 are records of a single step: loss_args[2]" in rep["hint"], rep["hint"]
+    assert "filter records shorter than 2 steps" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
@@ -158,3 +162,20 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bf1
     assert aucs == plain_aucs and 0.0 < aucs[-1] < 1.0, aucs
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_length_bucket_of_single_interaction_students_names_the_mean_over_no_position(
+        tmp_path):
+    """Batches bucketed by length put every single-interaction student together: pykt's loss
+    picks the real next positions with the mask (``logits[sm]``), none here, and the mean BCE
+    over no element is 0/0. The replay names the BCE op on the loss line, an empty tensor,
+    and says to skip such batches."""
+    ev, bundle = fire("dkt", "make_dkt", tmp_path, loss=M.selected_loss, short=list(range(8)))
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"]) == (
+        True, "<loss>", "aten.binary_cross_entropy_with_logits", "nan"), o
+    assert o["source"] == line_of("return F.binary_cross_entropy_with_logits(logits[sm]"), o
+    assert rep["cause"] == "invalid" and "empty tensor" in rep["hint"], rep["hint"]
+    assert "skip such batches" in rep["hint"], rep["hint"]
