@@ -132,8 +132,9 @@ def test_dkt_forget_timestamp_in_milliseconds_names_the_log_of_the_negative_gap(
     """DKT-Forget's time-gap feature ``log1p(minutes since the previous interaction)``: one
     student's log holds a timestamp in milliseconds among seconds, so the gap after it is
     about -2.8e7 minutes and log1p is NaN there. The replay names the log1p on its line in the
-    root's forward, that student only, an input out of its domain; dropping the student makes
-    the step finite."""
+    root's forward, that student only, an input out of its domain, and the student's
+    timestamps (``t``, the model's third argument) 990x the other students' as the data to fix
+    rather than clamp; dropping the student makes the step finite."""
     ev, bundle = fire("dkt_forget", "make_dkt_forget", tmp_path, clock=5)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [5]), ev
     rep = nanreplay_json(bundle, "--try", "drop=5")
@@ -142,6 +143,9 @@ def test_dkt_forget_timestamp_in_milliseconds_names_the_log_of_the_negative_gap(
         True, "", "aten.log1p", "nan", [5]), o
     assert o["source"] == line_of("gap = torch.log1p(torch.cat("), o
     assert rep["cause"] == "invalid" and "below -1" in rep["hint"], rep["hint"]
+    # (a clamp into log1p's domain would hide the record: the hint names its timestamps)
+    assert "But sample(s) 5 of args[2] reach 1.71e+09" in rep["hint"], rep["hint"]
+    assert "out of scale" in rep["hint"] and "fix or filter them" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
