@@ -216,3 +216,42 @@ def selected_loss(logits, r, m):
     """pykt's loss: BCE with logits over the real next positions picked by the mask."""
     sm = m[:, 1:]
     return F.binary_cross_entropy_with_logits(logits[sm], r[:, 1:][sm].float())
+
+
+class SAKTLeftPadded(nn.Module):
+    """SAKT as arshadshk/SAKT-pytorch writes it: sequences padded at the front,
+    ``nn.MultiheadAttention`` given the causal mask and, added later, a key padding mask of the
+    padded interactions (the bug: a padded query then has no key left)."""
+
+    def __init__(self, d: int = 32, max_len: int = 12, heads: int = 2):
+        super().__init__()
+        self.interaction_emb = nn.Embedding(2 * NUM_Q + 1, d)
+        self.question_emb = nn.Embedding(NUM_Q + 1, d, padding_idx=0)
+        self.pos_emb = nn.Embedding(max_len, d)
+        self.attn = nn.MultiheadAttention(d, heads, dropout=0.1, batch_first=True)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.ffn = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Dropout(0.1), nn.Linear(d, d))
+        self.pred = nn.Linear(d, 1)
+
+    def forward(self, q, r, m):
+        x = self.interaction_emb(interactions(q, r))[:, :-1]
+        x = x + self.pos_emb(torch.arange(x.shape[1]))
+        e = self.question_emb(q[:, 1:])
+        L = x.shape[1]
+        future = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)
+        h, _ = self.attn(e, x, x, attn_mask=future, key_padding_mask=~m[:, :-1])
+        h = self.norm1(e + h)
+        h = self.norm2(h + self.ffn(h))
+        return self.pred(h).squeeze(-1)
+
+
+def make_sakt_left() -> SAKTLeftPadded:
+    torch.manual_seed(0)
+    return SAKTLeftPadded()
+
+
+def left_padded(q, c, r, t, m):
+    """The batch with each student's interactions moved to the end of the row."""
+    shift = (m.shape[1] - m.sum(1)).tolist()
+    rows = [[torch.roll(x[i], s) for i, s in enumerate(shift)] for x in (q, c, r, t, m)]
+    return tuple(torch.stack(x) for x in rows)

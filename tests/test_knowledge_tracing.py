@@ -28,6 +28,8 @@ def model_args(kind: str, q, c, r, t):
         return q, c, r
     if kind == "dkt_forget":
         return q, r, t
+    if kind in ("sakt_left", "sakt_right"):
+        return q, r, q > 0
     return q, r
 
 
@@ -60,6 +62,8 @@ def train(kind: str, make: str, out_dir, loss=M.next_response_loss, steps: int =
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
     g = torch.Generator().manual_seed(0)
     held_out = M.student_batch(torch.Generator().manual_seed(9))
+    if kind == "sakt_left":
+        held_out = M.left_padded(*held_out)
     torch.manual_seed(1)  # dropout
     rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
                          factory=f"knowledge_tracing_models:{make}") if record else None
@@ -68,6 +72,8 @@ def train(kind: str, make: str, out_dir, loss=M.next_response_loss, steps: int =
         loss_fn = rec.loss_fn if rec is not None else loss
         for step in range(steps):
             q, c, r, t, m = M.student_batch(g, **(bad if step == steps - 1 else {}))
+            if kind == "sakt_left":
+                q, c, r, t, m = M.left_padded(q, c, r, t, m)
             with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                 logits = model(*model_args(kind, q, c, r, t))
             out = loss_fn(logits.float(), r, m)
@@ -151,10 +157,12 @@ def test_dkt_forget_timestamp_in_milliseconds_names_the_log_of_the_negative_gap(
 
 @pytest.mark.parametrize("kind,make,bf16", [
     ("dkt", "make_dkt", False), ("dkt_forget", "make_dkt_forget", False),
-    ("sakt", "make_sakt", False), ("akt", "make_akt", False), ("akt", "make_akt", True)])
+    ("sakt", "make_sakt", False), ("sakt_right", "make_sakt_left", False),
+    ("akt", "make_akt", False), ("akt", "make_akt", True)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bf16):
     """A student with a single interaction under the eps-guarded per-student mean; SAKT's
-    ``-inf`` causal mask with the diagonal kept; AKT's ``-1e32`` masks, its monotonic decay and
+    ``-inf`` causal mask with the diagonal kept; ``nn.MultiheadAttention`` given both masks on
+    right-padded students (every query keeps its first interaction); AKT's ``-1e32`` masks, its monotonic decay and
     its fully masked first retriever row, zero-padded after the softmax (also under bf16
     autocast); the AUC evaluation under ``no_grad`` after each step: no event, bit-identical
     weights and AUCs with and without the recorder."""
@@ -183,3 +191,24 @@ def test_length_bucket_of_single_interaction_students_names_the_mean_over_no_pos
     assert o["source"] == line_of("return F.binary_cross_entropy_with_logits(logits[sm]"), o
     assert rep["cause"] == "invalid" and "empty tensor" in rep["hint"], rep["hint"]
     assert "skip such batches" in rep["hint"], rep["hint"]
+
+
+def test_left_padded_sakt_with_both_attention_masks_names_the_padded_queries(tmp_path):
+    """SAKT-pytorch pads at the front; given ``nn.MultiheadAttention`` a key padding mask of
+    the padded interactions besides its causal mask, every padded query of a short student
+    has no key left, and the softmax is NaN in those rows (the loss's mask then meets the NaN:
+    0 * NaN). The replay names the softmax in ``attn``, the short students (not the one of
+    full length), both masks together and the fixes: zero the padded outputs after the
+    attention, a finite mask, or pad on the right (which trains, see the healthy runs)."""
+    ev, bundle = fire("sakt_left", "make_sakt_left", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["kind"]) == (
+        0, "forward", "attn", 0, "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["samples"]) == (
+        True, "attn", "aten._softmax", [1, 2, 3, 4, 5, 6, 7]), o
+    # (torch's own code made the NaN: the user's line is the call giving both masks)
+    assert o["source"] == line_of("h, _ = self.attn(e, x, x, attn_mask=future"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "key_padding_mask and attn_mask together mask every key" in rep["hint"], rep["hint"]
+    assert "is padding itself" in rep["hint"] and "pad on the right" in rep["hint"], rep["hint"]
