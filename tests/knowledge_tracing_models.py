@@ -114,9 +114,10 @@ def make_sakt_strict() -> SAKT:
 class MonotonicAttention(nn.Module):
     """AKT's attention with the context-aware distance decay, as its reference code."""
 
-    def __init__(self, d: int, zero_pad: bool):
+    def __init__(self, d: int, zero_pad: bool, fill: float = -1e32):
         super().__init__()
         self.q, self.v = nn.Linear(d, d), nn.Linear(d, d)  # kq_same: keys share the query map
+        self.fill = fill
         self.gamma = nn.Parameter(torch.zeros(1))
         nn.init.xavier_uniform_(self.gamma[None])
         self.zero_pad = zero_pad
@@ -135,7 +136,7 @@ class MonotonicAttention(nn.Module):
             dist = torch.clamp((total - distcum) * position_effect, min=0.0).sqrt().detach()
         theta = -F.softplus(self.gamma)
         total_effect = torch.clamp((dist * theta).exp(), min=1e-5, max=1e5)
-        scores = (scores * total_effect).masked_fill(mask == 0, -1e32)
+        scores = (scores * total_effect).masked_fill(mask == 0, self.fill)
         attn = F.softmax(scores, -1)
         if self.zero_pad:  # the first row saw nothing: zero it, as AKT does
             attn = torch.cat([torch.zeros_like(attn[:, :1]), attn[:, 1:]], 1)
@@ -143,7 +144,7 @@ class MonotonicAttention(nn.Module):
 
 
 class AKT(nn.Module):
-    def __init__(self, d: int = 32, num_c: int = 5):
+    def __init__(self, d: int = 32, num_c: int = 5, fill: float = -1e32):
         super().__init__()
         self.c_emb = nn.Embedding(num_c + 1, d)
         self.cr_emb = nn.Embedding(2 * num_c + 2, d)
@@ -153,7 +154,7 @@ class AKT(nn.Module):
         nn.init.constant_(self.difficult.weight, 0.0)
         self.num_c = num_c
         self.encoder = MonotonicAttention(d, zero_pad=False)
-        self.retriever = MonotonicAttention(d, zero_pad=True)
+        self.retriever = MonotonicAttention(d, zero_pad=True, fill=fill)
         self.norm = nn.LayerNorm(d)
         self.out = nn.Sequential(nn.Linear(2 * d, d), nn.ReLU(), nn.Dropout(0.1), nn.Linear(d, 1))
 
@@ -174,6 +175,13 @@ class AKT(nn.Module):
 def make_akt() -> AKT:
     torch.manual_seed(0)
     return AKT()
+
+
+def make_akt_inf() -> AKT:
+    """AKT with the retriever's ``-1e32`` turned into ``-inf``: its first row's softmax is
+    NaN, which the zero padding then replaces (and masked_fill's backward zeroes)."""
+    torch.manual_seed(0)
+    return AKT(fill=float("-inf"))
 
 
 def next_response_loss(logits, r, m):

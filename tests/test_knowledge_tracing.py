@@ -53,10 +53,10 @@ def evaluate(model, kind: str, batch) -> float:
 
 
 def train(kind: str, make: str, out_dir, loss=M.next_response_loss, steps: int = 4,
-          record: bool = True, bf16: bool = False, **bad):
+          record: bool = True, bf16: bool = False, accum: int = 1, **bad):
     """Adam with a linear warm-up, clipping at 1.0 and an AUC check after each step, as pykt
-    trains; the bad student (``short=`` or ``clock=``) is in the last step's batch. Returns
-    the model and its AUCs."""
+    trains, over ``accum`` micro-batches a step; the bad student (``short=`` or ``clock=``) is
+    in the last micro-batch of the last step. Returns the model and its AUCs."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
@@ -71,14 +71,15 @@ def train(kind: str, make: str, out_dir, loss=M.next_response_loss, steps: int =
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
         for step in range(steps):
-            q, c, r, t, m = M.student_batch(g, **(bad if step == steps - 1 else {}))
-            if kind == "sakt_left":
-                q, c, r, t, m = M.left_padded(q, c, r, t, m)
-            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-                logits = model(*model_args(kind, q, c, r, t))
-            out = loss_fn(logits.float(), r, m)
             opt.zero_grad()
-            out.backward()
+            for k in range(accum):
+                last = step == steps - 1 and k == accum - 1
+                q, c, r, t, m = M.student_batch(g, **(bad if last else {}))
+                if kind == "sakt_left":
+                    q, c, r, t, m = M.left_padded(q, c, r, t, m)
+                with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                    logits = model(*model_args(kind, q, c, r, t))
+                (loss_fn(logits.float(), r, m) / accum).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
@@ -86,9 +87,9 @@ def train(kind: str, make: str, out_dir, loss=M.next_response_loss, steps: int =
     return model, aucs
 
 
-def fire(kind: str, make: str, tmp_path, loss=M.next_response_loss, **bad):
+def fire(kind: str, make: str, tmp_path, loss=M.next_response_loss, accum: int = 1, **bad):
     with pytest.raises(NonFiniteError) as info:
-        train(kind, make, tmp_path, loss=loss, **bad)
+        train(kind, make, tmp_path, loss=loss, accum=accum, **bad)
     return info.value.event, info.value.bundle_path
 
 
@@ -158,13 +159,14 @@ def test_dkt_forget_timestamp_in_milliseconds_names_the_log_of_the_negative_gap(
 @pytest.mark.parametrize("kind,make,bf16", [
     ("dkt", "make_dkt", False), ("dkt_forget", "make_dkt_forget", False),
     ("sakt", "make_sakt", False), ("sakt_right", "make_sakt_left", False),
-    ("akt", "make_akt", False), ("akt", "make_akt", True)])
+    ("akt", "make_akt", False), ("akt", "make_akt", True), ("akt", "make_akt_inf", False)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bf16):
     """A student with a single interaction under the eps-guarded per-student mean; SAKT's
     ``-inf`` causal mask with the diagonal kept; ``nn.MultiheadAttention`` given both masks on
     right-padded students (every query keeps its first interaction); AKT's ``-1e32`` masks, its monotonic decay and
     its fully masked first retriever row, zero-padded after the softmax (also under bf16
-    autocast); the AUC evaluation under ``no_grad`` after each step: no event, bit-identical
+    autocast, and with ``-inf`` for ``-1e32``: that row's NaN is replaced by the padding and
+    masked_fill's backward zeroes its gradient, no weight goes non-finite); the AUC evaluation under ``no_grad`` after each step: no event, bit-identical
     weights and AUCs with and without the recorder."""
     recorded, aucs = train(kind, make, tmp_path, loss=M.next_response_loss_eps, bf16=bf16,
                            short=2)
@@ -178,16 +180,18 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bf1
 
 def test_length_bucket_of_single_interaction_students_names_the_mean_over_no_position(
         tmp_path):
-    """Batches bucketed by length put every single-interaction student together: pykt's loss
+    """Batches bucketed by length put every single-interaction student together (here the
+    third of three accumulated micro-batches, which the event and the replay name): pykt's loss
     picks the real next positions with the mask (``logits[sm]``), none here, and the mean BCE
     over no element is 0/0. The replay names the BCE op on the loss line, an empty tensor,
     and says to skip such batches."""
-    ev, bundle = fire("dkt", "make_dkt", tmp_path, loss=M.selected_loss, short=list(range(8)))
-    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    ev, bundle = fire("dkt", "make_dkt", tmp_path, loss=M.selected_loss, accum=3,
+                      short=list(range(8)))
+    assert (ev["step"], ev["phase"], ev["kind"], ev["micro_batch"]) == (3, "loss", "nan", 2), ev
     rep = nanreplay_json(bundle)
     o = rep["origin"]
-    assert (rep["reproduced"], o["module"], o["op"], o["made"]) == (
-        True, "<loss>", "aten.binary_cross_entropy_with_logits", "nan"), o
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["micro_batch"]) == (
+        True, "<loss>", "aten.binary_cross_entropy_with_logits", "nan", 2), o
     assert o["source"] == line_of("return F.binary_cross_entropy_with_logits(logits[sm]"), o
     assert rep["cause"] == "invalid" and "empty tensor" in rep["hint"], rep["hint"]
     assert "skip such batches" in rep["hint"], rep["hint"]
