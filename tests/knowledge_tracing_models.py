@@ -29,8 +29,9 @@ NUM_Q = 20
 
 
 def interactions(q, r):
-    """pykt's interaction id ``q + Q r`` (padding's -1 response clamped to 0 first)."""
-    return q + NUM_Q * r.clamp_min(0)
+    """pykt's interaction id ``q + Q r`` (padding's -1 response as wrong; a partial credit
+    as correct from one half)."""
+    return q + NUM_Q * (r >= 0.5).long()
 
 
 class DKT(nn.Module):
@@ -159,7 +160,7 @@ class AKT(nn.Module):
         self.out = nn.Sequential(nn.Linear(2 * d, d), nn.ReLU(), nn.Dropout(0.1), nn.Linear(d, 1))
 
     def forward(self, q, c, r):
-        target = r.clamp_min(0)
+        target = (r >= 0.5).long()
         mu = self.difficult(q)
         ce = self.c_emb(c) + mu * self.c_var(c)
         cre = self.cr_emb(c + self.num_c * target) + mu * (
@@ -200,10 +201,12 @@ def next_response_loss_eps(logits, r, m):
 
 
 def student_batch(g: torch.Generator, n: int = 8, length: int = 12, short: int | None = None,
-                  clock: int | None = None):
+                  clock: int | None = None, ungraded: int | None = None):
     """Padded sequences of 4..length interactions; ``short``: that student answered one
     question only; ``clock``: that student's log has one timestamp recorded in milliseconds
-    among seconds (a device with a different clock), so a later gap is negative."""
+    among seconds (a device with a different clock), so a later gap is negative;
+    ``ungraded``: responses are partial credits, points / max points, and that student's
+    fourth answer was to an open question nobody graded (0 of 0 points)."""
     lengths = torch.randint(4, length + 1, (n,), generator=g)
     if short is not None:
         lengths[short] = 1
@@ -217,6 +220,10 @@ def student_batch(g: torch.Generator, n: int = 8, length: int = 12, short: int |
     t = 1.7e6 + gaps.cumsum(1)  # seconds since the course opened (padding keeps counting)
     if clock is not None:
         t[clock, 3] *= 1000.0
+    if ungraded is not None:
+        points, most = r.float(), torch.ones(n, length)
+        points[ungraded, 3] = most[ungraded, 3] = 0.0
+        r = torch.where(m, points / most, -1.0)
     return q, c * m, r, t, m
 
 

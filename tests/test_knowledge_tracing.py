@@ -216,3 +216,20 @@ def test_left_padded_sakt_with_both_attention_masks_names_the_padded_queries(tmp
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
     assert "key_padding_mask and attn_mask together mask every key" in rep["hint"], rep["hint"]
     assert "is padding itself" in rep["hint"] and "pad on the right" in rep["hint"], rep["hint"]
+
+
+def test_partial_credit_of_an_ungraded_answer_is_an_input_event_on_the_student(tmp_path):
+    """Responses as partial credit, points / max points: an open question nobody graded is
+    0 of 0, NaN in the responses the model takes (and the loss's targets). The recorder stops
+    at the model's input before any op, and the replay names ``args[1]`` (the responses), the
+    student, and the data pipeline's division as the place to look; dropping the student
+    makes the step finite."""
+    ev, bundle = fire("dkt", "make_dkt", tmp_path, ungraded=6)
+    assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (3, "input", "nan", [6]), ev
+    assert ev["detail"] == "non-finite value in the model's input args[1]", ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["tensor"], o["samples"]) == (
+        True, "input", "args[1]", [6]), o
+    assert rep["cause"] == "input" and "division by zero" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
