@@ -115,26 +115,36 @@ def make_sakt_strict() -> SAKT:
 class MonotonicAttention(nn.Module):
     """AKT's attention with the context-aware distance decay, as its reference code."""
 
-    def __init__(self, d: int, zero_pad: bool, fill: float = -1e32):
+    def __init__(self, d: int, zero_pad: bool, fill: float = -1e32,
+                 learn_distance: bool = False):
         super().__init__()
         self.q, self.v = nn.Linear(d, d), nn.Linear(d, d)  # kq_same: keys share the query map
-        self.fill = fill
+        self.fill, self.learn_distance = fill, learn_distance
         self.gamma = nn.Parameter(torch.zeros(1))
         nn.init.xavier_uniform_(self.gamma[None])
         self.zero_pad = zero_pad
+
+    @staticmethod
+    def distance(scores, mask):
+        """AKT's context-aware distance: the attention mass between two items times how far
+        apart they are, square-rooted."""
+        L = scores.shape[-1]
+        s = F.softmax(scores.masked_fill(mask == 0, -1e32), -1) * mask.float()
+        distcum = torch.cumsum(s, -1)
+        total = s.sum(-1, keepdim=True)
+        pos = torch.arange(L)
+        position_effect = (pos[None, :] - pos[:, None]).abs().float()[None]
+        return torch.clamp((total - distcum) * position_effect, min=0.0).sqrt()
 
     def forward(self, query, key, values, mask):
         d = query.shape[-1]
         qh, kh, vh = self.q(query), self.q(key), self.v(values)
         scores = qh @ kh.transpose(1, 2) / math.sqrt(d)
-        L = scores.shape[-1]
-        with torch.no_grad():
-            s = F.softmax(scores.masked_fill(mask == 0, -1e32), -1) * mask.float()
-            distcum = torch.cumsum(s, -1)
-            total = s.sum(-1, keepdim=True)
-            pos = torch.arange(L)
-            position_effect = (pos[None, :] - pos[:, None]).abs().float()[None]
-            dist = torch.clamp((total - distcum) * position_effect, min=0.0).sqrt().detach()
+        if self.learn_distance:  # the bug: the distance's sqrt is differentiated at 0
+            dist = self.distance(scores, mask)
+        else:
+            with torch.no_grad():
+                dist = self.distance(scores, mask).detach()
         theta = -F.softplus(self.gamma)
         total_effect = torch.clamp((dist * theta).exp(), min=1e-5, max=1e5)
         scores = (scores * total_effect).masked_fill(mask == 0, self.fill)
@@ -145,7 +155,8 @@ class MonotonicAttention(nn.Module):
 
 
 class AKT(nn.Module):
-    def __init__(self, d: int = 32, num_c: int = 5, fill: float = -1e32):
+    def __init__(self, d: int = 32, num_c: int = 5, fill: float = -1e32,
+                 learn_distance: bool = False):
         super().__init__()
         self.c_emb = nn.Embedding(num_c + 1, d)
         self.cr_emb = nn.Embedding(2 * num_c + 2, d)
@@ -154,7 +165,7 @@ class AKT(nn.Module):
         self.cr_var = nn.Embedding(2 * num_c + 2, d)
         nn.init.constant_(self.difficult.weight, 0.0)
         self.num_c = num_c
-        self.encoder = MonotonicAttention(d, zero_pad=False)
+        self.encoder = MonotonicAttention(d, zero_pad=False, learn_distance=learn_distance)
         self.retriever = MonotonicAttention(d, zero_pad=True, fill=fill)
         self.norm = nn.LayerNorm(d)
         self.out = nn.Sequential(nn.Linear(2 * d, d), nn.ReLU(), nn.Dropout(0.1), nn.Linear(d, 1))
@@ -176,6 +187,12 @@ class AKT(nn.Module):
 def make_akt() -> AKT:
     torch.manual_seed(0)
     return AKT()
+
+
+def make_akt_learned_distance() -> AKT:
+    """AKT with its distance computed outside ``no_grad`` (to learn through it)."""
+    torch.manual_seed(0)
+    return AKT(learn_distance=True)
 
 
 def make_akt_inf() -> AKT:

@@ -233,3 +233,21 @@ def test_partial_credit_of_an_ungraded_answer_is_an_input_event_on_the_student(t
         True, "input", "args[1]", [6]), o
     assert rep["cause"] == "input" and "division by zero" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_akt_distance_differentiated_names_the_sqrt_backward_in_the_encoder(tmp_path):
+    """AKT computes its context-aware distance under ``no_grad``; taken out of it (to learn
+    through the distance), the backward differentiates ``sqrt`` at the 0s every row has
+    (an item's distance to itself, the clamped masked ones): a NaN gradient at the first
+    step. The replay names ``SqrtBackward0`` in the encoder (the retriever keeps no_grad), on
+    the sqrt's line, every student, and the derivative's pole at 0."""
+    ev, bundle = fire("akt", "make_akt_learned_distance", tmp_path)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["all_samples"]) == (
+        True, "backward", "encoder", "SqrtBackward0", True), o
+    assert o["source"] == line_of("return torch.clamp((total - distcum) * position_effect"), o
+    assert rep["cause"] == "invalid" and "derivative of sqrt has a pole" in rep["hint"], \
+        rep["hint"]
+    assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
