@@ -23,14 +23,15 @@ def line_of(text: str) -> str:
     return source_line("knowledge_tracing_models.py", text)
 
 
-def model_args(kind: str, q, c, r, t):
+def model_args(kind: str, q, c, r, t) -> tuple[tuple, dict]:
+    """The model's positional and keyword arguments (DKT-Forget's timestamps by name)."""
     if kind == "akt":
-        return q, c, r
+        return (q, c, r), {}
     if kind == "dkt_forget":
-        return q, r, t
+        return (q, r), {"t": t}
     if kind in ("sakt_left", "sakt_right"):
-        return q, r, q > 0
-    return q, r
+        return (q, r, q > 0), {}
+    return (q, r), {}
 
 
 def auc(scores, labels) -> float:
@@ -46,7 +47,8 @@ def evaluate(model, kind: str, batch) -> float:
     q, c, r, t, m = batch
     model.eval()
     with torch.no_grad():
-        p = torch.sigmoid(model(*model_args(kind, q, c, r, t)))
+        args, kwargs = model_args(kind, q, c, r, t)
+        p = torch.sigmoid(model(*args, **kwargs))
     model.train()
     valid = m[:, 1:]
     return auc(p[valid], r[:, 1:][valid])
@@ -78,7 +80,8 @@ def train(kind: str, make: str, out_dir, loss=M.next_response_loss, steps: int =
                 if kind == "sakt_left":
                     q, c, r, t, m = M.left_padded(q, c, r, t, m)
                 with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-                    logits = model(*model_args(kind, q, c, r, t))
+                    args, kwargs = model_args(kind, q, c, r, t)
+                    logits = model(*args, **kwargs)
                 (loss_fn(logits.float(), r, m) / accum).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -140,7 +143,7 @@ def test_dkt_forget_timestamp_in_milliseconds_names_the_log_of_the_negative_gap(
     student's log holds a timestamp in milliseconds among seconds, so the gap after it is
     about -2.8e7 minutes and log1p is NaN there. The replay names the log1p on its line in the
     root's forward, that student only, an input out of its domain, and the student's
-    timestamps (``t``, the model's third argument) 990x the other students' as the data to fix
+    timestamps (``t``, given to the model by name) 990x the other students' as the data to fix
     rather than clamp; dropping the student makes the step finite."""
     ev, bundle = fire("dkt_forget", "make_dkt_forget", tmp_path, clock=5)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [5]), ev
@@ -151,7 +154,7 @@ def test_dkt_forget_timestamp_in_milliseconds_names_the_log_of_the_negative_gap(
     assert o["source"] == line_of("gap = torch.log1p(torch.cat("), o
     assert rep["cause"] == "invalid" and "below -1" in rep["hint"], rep["hint"]
     # (a clamp into log1p's domain would hide the record: the hint names its timestamps)
-    assert "But sample(s) 5 of args[2] reach 1.71e+09" in rep["hint"], rep["hint"]
+    assert 'But sample(s) 5 of kwargs["t"] reach 1.71e+09' in rep["hint"], rep["hint"]
     assert "out of scale" in rep["hint"] and "fix or filter them" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
