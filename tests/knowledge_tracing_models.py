@@ -287,3 +287,29 @@ def left_padded(q, c, r, t, m):
     shift = (m.shape[1] - m.sum(1)).tolist()
     rows = [[torch.roll(x[i], s) for i, s in enumerate(shift)] for x in (q, c, r, t, m)]
     return tuple(torch.stack(x) for x in rows)
+
+
+class StudentLogs(torch.utils.data.Dataset):
+    """Each student's own sequence of (question, response), of its own length; ``short``:
+    that student answered one question only."""
+
+    def __init__(self, n: int = 32, seed: int = 0, short: int | None = None):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(2, 13, (n,), generator=g)
+        if short is not None:
+            lengths[short] = 1
+        self.logs = [(torch.randint(1, NUM_Q + 1, (int(k),), generator=g),
+                      torch.randint(0, 2, (int(k),), generator=g)) for k in lengths]
+
+    def __len__(self):
+        return len(self.logs)
+
+    def __getitem__(self, i):
+        return self.logs[i]
+
+
+def collate(batch):
+    """pykt-style padding: questions with 0, responses with -1, the mask of real ones."""
+    q = nn.utils.rnn.pad_sequence([b[0] for b in batch], batch_first=True, padding_value=0)
+    r = nn.utils.rnn.pad_sequence([b[1] for b in batch], batch_first=True, padding_value=-1)
+    return q, r, r >= 0

@@ -254,3 +254,43 @@ def test_akt_distance_differentiated_names_the_sqrt_backward_in_the_encoder(tmp_
     assert rep["cause"] == "invalid" and "derivative of sqrt has a pole" in rep["hint"], \
         rep["hint"]
     assert "sqrt(x + eps)" in rep["hint"], rep["hint"]
+
+
+def train_epoch(out_dir, short: int | None, record: bool = True):
+    """One epoch of DKT over a shuffled DataLoader of variable-length students padded by the
+    collate_fn; returns the batches seen (the last one the event's, when one fires)."""
+    model = M.make_dkt()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(M.StudentLogs(short=short), batch_size=8, shuffle=True,
+                                         collate_fn=M.collate,
+                                         generator=torch.Generator().manual_seed(3))
+    rec = FlightRecorder(model, opt, loss_fn=M.next_response_loss, out_dir=out_dir,
+                         factory="knowledge_tracing_models:make_dkt") if record else None
+    seen = []
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.next_response_loss
+        for q, r, m in loader:
+            seen.append(m)
+            opt.zero_grad()
+            loss_fn(model(q, r), r, m).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return seen
+
+
+def test_dataloader_student_of_one_interaction_is_named_where_the_shuffle_put_it(tmp_path):
+    """The same 0/0 with the students in a shuffled DataLoader whose collate_fn pads them:
+    the event is at the batch that drew the single-interaction student, and the replay names
+    the row the shuffle put it in (found here from the unrecorded epoch's masks)."""
+    seen = train_epoch(None, short=13, record=False)
+    step = next(i for i, m in enumerate(seen) if (m.sum(1) == 1).any())
+    row = torch.nonzero(seen[step].sum(1) == 1).flatten().tolist()
+    with pytest.raises(NonFiniteError) as info:
+        train_epoch(tmp_path, short=13)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"]) == (step, "loss"), (ev, step)
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["op"], o["samples"], rep["cause"]) == (
+        True, "aten.div", row, "invalid"), (o, row)
+    assert f"Sample(s) {row[0]} are records of a single step" in rep["hint"], rep["hint"]
