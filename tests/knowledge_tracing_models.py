@@ -8,7 +8,8 @@ and a mask ``m`` of real interactions. Each model predicts the response to quest
 positions only.
 
 - ``DKT``: Piech et al.'s LSTM over one-hot-like interaction embeddings ``q + Q r``;
-  ``DKTForget`` adds DKT-Forget's repeated time-gap feature ``log1p(gap in minutes)``.
+  ``make_dkt_forget`` adds DKT-Forget's repeated time-gap feature ``log1p(gap in minutes)``,
+  ``make_dkt_retention`` an Ebbinghaus retention ``exp(-gap / S)`` with a learned strength.
 - ``SAKT``: Pandey & Karypis's self-attentive KT, hand-written causal attention (queries the
   next questions, keys/values the past interactions) with a ``-inf`` mask.
 - ``AKT``: Ghosh et al.'s monotonic attention: Rasch embeddings (a difficulty scalar times a
@@ -35,20 +36,25 @@ def interactions(q, r):
 
 
 class DKT(nn.Module):
-    def __init__(self, emb: int = 16, hidden: int = 32, gap_feature: bool = False):
+    def __init__(self, emb: int = 16, hidden: int = 32, gap_feature: str | None = None):
         super().__init__()
         self.interaction_emb = nn.Embedding(2 * NUM_Q + 1, emb, padding_idx=0)
         self.gap_feature = gap_feature
-        self.lstm = nn.LSTM(emb + int(gap_feature), hidden, batch_first=True)
+        self.log_strength = nn.Parameter(torch.zeros(()))  # the memory strength S, in hours
+        self.lstm = nn.LSTM(emb + int(gap_feature is not None), hidden, batch_first=True)
         self.dropout = nn.Dropout(0.1)
         self.out = nn.Linear(hidden, NUM_Q + 1)
 
     def forward(self, q, r, t=None):
         x = self.interaction_emb(interactions(q, r))
-        if self.gap_feature:  # DKT-Forget: log of the minutes since the previous interaction
+        if self.gap_feature == "log":  # DKT-Forget: log of the minutes since the last one
             gap = (t[:, 1:] - t[:, :-1]) / 60.0
             gap = torch.log1p(torch.cat([torch.zeros_like(gap[:, :1]), gap], 1))
             x = torch.cat([x, gap.unsqueeze(-1)], -1)
+        elif self.gap_feature == "retention":  # an Ebbinghaus curve exp(-gap / S), S learned
+            gap = torch.cat([torch.zeros_like(t[:, :1]), t[:, 1:] - t[:, :-1]], 1) / 3600.0
+            retention = torch.exp(-gap / F.softplus(self.log_strength))
+            x = torch.cat([x, retention.unsqueeze(-1)], -1)
         h, _ = self.lstm(x)
         logits = self.out(self.dropout(h))[:, :-1]  # position i predicts interaction i + 1
         return logits.gather(-1, q[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -61,7 +67,12 @@ def make_dkt() -> DKT:
 
 def make_dkt_forget() -> DKT:
     torch.manual_seed(0)
-    return DKT(gap_feature=True)
+    return DKT(gap_feature="log")
+
+
+def make_dkt_retention() -> DKT:
+    torch.manual_seed(0)
+    return DKT(gap_feature="retention")
 
 
 class CausalAttention(nn.Module):

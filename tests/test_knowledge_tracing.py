@@ -27,7 +27,7 @@ def model_args(kind: str, q, c, r, t) -> tuple[tuple, dict]:
     """The model's positional and keyword arguments (DKT-Forget's timestamps by name)."""
     if kind == "akt":
         return (q, c, r), {}
-    if kind == "dkt_forget":
+    if kind in ("dkt_forget", "dkt_retention"):
         return (q, r), {"t": t}
     if kind in ("sakt_left", "sakt_right"):
         return (q, r, q > 0), {}
@@ -161,6 +161,7 @@ def test_dkt_forget_timestamp_in_milliseconds_names_the_log_of_the_negative_gap(
 
 @pytest.mark.parametrize("kind,make,bf16", [
     ("dkt", "make_dkt", False), ("dkt_forget", "make_dkt_forget", False),
+    ("dkt_retention", "make_dkt_retention", False),
     ("sakt", "make_sakt", False), ("sakt_right", "make_sakt_left", False),
     ("akt", "make_akt", False), ("akt", "make_akt", True), ("akt", "make_akt_inf", False)])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, bf16):
@@ -294,3 +295,26 @@ def test_dataloader_student_of_one_interaction_is_named_where_the_shuffle_put_it
     assert (rep["reproduced"], o["op"], o["samples"], rep["cause"]) == (
         True, "aten.div", row, "invalid"), (o, row)
     assert f"Sample(s) {row[0]} are records of a single step" in rep["hint"], rep["hint"]
+
+
+def test_retention_of_a_negative_gap_names_the_exp_the_lstm_saved_and_the_student(tmp_path):
+    """An Ebbinghaus retention ``exp(-gap / S)`` after a timestamp in milliseconds among
+    seconds: the gap after it is about -4.7e5 hours and exp overflows in that student's row.
+    The LSTM's gates saturate on the +inf, so the forward stays finite and the backward of the
+    LSTM makes the NaN. The replay names that backward in ``lstm`` with the exp (its line,
+    +inf) as the maker, the student, an overflow, and the student's timestamps as the data
+    out of scale; not a column of ``t`` in other units (one record's value, in a sequence
+    of time steps); dropping the student makes the step finite."""
+    ev, bundle = fire("dkt_retention", "make_dkt_retention", tmp_path, clock=5)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["samples"]) == (
+        True, "backward", "lstm", [5]), o
+    assert o["op"].endswith("Backward0") and o["source"] == line_of("h, _ = self.lstm(x)"), o
+    assert (o["chain"][0]["op"], o["chain"][0]["made"], o["chain"][0]["source"]) == (
+        "aten.exp", "+inf", line_of("retention = torch.exp(-gap / F.softplus(")), o["chain"]
+    assert rep["cause"] == "overflow", rep
+    assert 'sample(s) 5 of kwargs["t"] reach 1.71e+09' in rep["hint"], rep["hint"]
+    assert "column(s)" not in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
