@@ -318,3 +318,45 @@ def test_retention_of_a_negative_gap_names_the_exp_the_lstm_saved_and_the_studen
     assert 'sample(s) 5 of kwargs["t"] reach 1.71e+09' in rep["hint"], rep["hint"]
     assert "column(s)" not in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def train_amp(out_dir, record: bool = True, steps: int = 6):
+    """SAKT under float16 autocast with a GradScaler whose first scales overflow the
+    gradients (skipped updates, the scale halved), as a mixed-precision KT run starts;
+    returns the model and whether each step was skipped."""
+    model = M.make_sakt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22)
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    rec = FlightRecorder(model, opt, loss_fn=M.next_response_loss_eps, out_dir=out_dir,
+                         scaler=scaler,
+                         factory="knowledge_tracing_models:make_sakt") if record else None
+    skipped = []
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.next_response_loss_eps
+        for _ in range(steps):
+            q, _, r, _, m = M.student_batch(g, short=1)
+            with torch.autocast("cpu", torch.float16):
+                logits = model(q, r)
+            opt.zero_grad()
+            scaler.scale(loss_fn(logits.float(), r, m)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < before)
+    return model, skipped
+
+
+def test_float16_sakt_with_grad_scaler_skips_are_no_events_and_train_the_same(tmp_path):
+    """Hand-written ``-inf`` causal attention under float16 autocast and a GradScaler that
+    starts too high: the overflowing scaled gradients skip updates, as they should, and are
+    no event; the weights are bit-identical with and without the recorder."""
+    recorded, skipped = train_amp(tmp_path)
+    plain, plain_skipped = train_amp(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    assert skipped == plain_skipped and any(skipped) and not all(skipped), skipped
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
