@@ -29,11 +29,17 @@ def _wide_columns(t: torch.Tensor) -> tuple[list[int], float, float] | None:
     """(columns, their absmax, the median column's absmax) of a 2-D float batch."""
     if t.dim() != 2 or not t.is_floating_point() or t.shape[1] < 3 or t.shape[0] < 2:
         return None
-    amax = t.detach().abs().amax(0).double()
+    a = t.detach().abs().double()
+    amax = a.amax(0)
     if not bool(torch.isfinite(amax).all()):
         return None
     med = float(amax.median())
-    cols = [j for j, a in enumerate(amax.tolist()) if med > 0 and a >= _RATIO * med]
+    # (and wide in its typical row: a column large in one record only, a timestamp in ms
+    # among seconds in a (B, T) sequence, is that record's fault, not the column's unit)
+    typical = a.median(0).values
+    usual = float(typical.median())
+    cols = [j for j, x in enumerate(amax.tolist()) if med > 0 and x >= _RATIO * med
+            and (usual == 0 or float(typical[j]) >= _RATIO * usual)]
     return (cols, float(amax[cols].max()), med) if cols else None
 
 

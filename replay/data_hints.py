@@ -1,6 +1,7 @@
 """What the data did, said once the report is made: the rows of the loop's batch a chunk's
 samples are (``replay.chunk_rows``); values far outside the batch's scale
-(``replay.data_scale``); a propensity of 0 or 1 given as data (``replay.edge_probability``);
+(``replay.data_scale``), also where they drove an op out of its domain
+(``replay.domain_outliers``); a propensity of 0 or 1 given as data (``replay.edge_probability``);
 a target distribution the loop built with no mass in a row (``replay.massless_rows``);
 a loss argument normalised by an infinite total (``replay.inf_normalised``);
 a NaN the loss made that a mask's 0 then met (``replay.masked_after``); an overflow in
@@ -20,6 +21,7 @@ from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
 from .data_overflow import data_overflow_hint
 from .data_scale import data_scale_hint
+from .domain_outliers import domain_outlier_hint
 from .edge_probability import edge_probability_hint
 from .empty_records import empty_records_hint
 from .grouped_arg import grouped_arg_hint
@@ -35,6 +37,7 @@ from .single_sample import single_sample_hint
 def data_hints(report: dict[str, Any], step: Step) -> None:
     chunk_note(step, report)  # (a chunk of the loop's batch: its rows there)
     data_scale_hint(report, step)
+    domain_outlier_hint(report, step)  # (log1p of a gap after a timestamp in ms)
     edge_probability_hint(report, step)  # (a propensity of 0 or 1 given as data)
     massless_rows_hint(report, step)  # (a projected target that lost its mass: C51)
     inf_normalised_hint(report, step)  # (NaN beside 0s: w / w.max() of an infinite w)

@@ -41,6 +41,19 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             "character), so a count or a sum over them is the 0 divided here; filter such "
             "records where the data is made (the dataset, the collate_fn) or floor the "
             f"count (count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
+        return
+    names = [name for name, t, d in _data(step, mb) if _empty_in(t, d, rows, least=2)]
+    if names:  # (a sequence of one step: its next-step targets, mask[:, 1:], are none)
+        which = ",".join(str(r) for r in rows)
+        report["hint"] = (
+            f"{report['hint']}. Sample(s) {which} are records of a single step: "
+            f"{' and '.join(names)} (0/1 data) {'has' if len(names) == 1 else 'have'} one "
+            "entry set in their rows and two or more in every other sample's (a student "
+            "with one interaction, a track of one point), so a count over the steps that "
+            "have a next one (a next-step target's mask[:, 1:], consecutive pairs) is the 0 "
+            "divided here; filter records shorter than 2 steps where the data is made (the "
+            "dataset, the collate_fn) or floor the count (count.clamp_min(1)) "
+            f"(--try drop={which} re-runs the step without them)")
 
 
 def _data(step: Step, mb: int):
@@ -61,11 +74,12 @@ def _data(step: Step, mb: int):
             yield name, t, d
 
 
-def _empty_in(t: torch.Tensor, d: int, rows: list[int]) -> bool:
-    """``t`` holds only 0s and 1s, none set in ``rows``, some in every other row."""
+def _empty_in(t: torch.Tensor, d: int, rows: list[int], least: int = 1) -> bool:
+    """``t`` holds only 0s and 1s, fewer than ``least`` set in each of ``rows``, at least
+    ``least`` in every other row."""
     if max(rows) >= t.shape[d] or len(rows) >= t.shape[d] or not bool(((t == 0) | (t == 1)).all()):
         return False
-    kept = t.detach().movedim(d, 0).reshape(t.shape[d], -1).ne(0).any(1)
+    kept = t.detach().movedim(d, 0).reshape(t.shape[d], -1).ne(0).sum(1) >= least
     named = torch.zeros_like(kept)
     named[rows] = True
     return not bool(kept[named].any()) and bool(kept[~named].all())
