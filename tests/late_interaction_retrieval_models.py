@@ -20,7 +20,10 @@ query ``i``'s label is passage ``i`` (in-batch negatives plus hard negatives).
   when the teacher's softmax underflows to an exact 0) or with ``F.kl_div``.
 - ``Splade``: the MLM head's ``log(1 + relu(logits))`` max-pooled over tokens into term
   weights, dot-product scores, the FLOPS regulariser (sum of squared mean weights), under
-  bfloat16 autocast.
+  bfloat16 autocast; ``make_splade_mlm``: BERT's vocabulary and a pretrained MLM head's
+  logit scale, whose dense term weights overflow the scores' matmul under float16 autocast.
+- ``kl_distill_loss``: the teacher's log-distribution given to ``F.kl_div`` with
+  ``log_target=True``, -inf where it scored no passage.
 """
 
 from __future__ import annotations
@@ -137,11 +140,11 @@ def stable_distill_loss(scores, labels, teacher_scores):
 
 
 class Splade(nn.Module):
-    def __init__(self):
+    def __init__(self, vocab: int = VOCAB):
         super().__init__()
         self.bert = TinyBert()
         self.transform = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN))
-        self.decoder = nn.Linear(HIDDEN, VOCAB)  # the MLM head's vocabulary logits
+        self.decoder = nn.Linear(HIDDEN, vocab)  # the MLM head's vocabulary logits
 
     def encode(self, ids):
         am = ids != PAD
@@ -182,6 +185,17 @@ def make_dense_eps() -> DenseRetriever:
 def make_splade() -> Splade:
     torch.manual_seed(0)
     return Splade()
+
+
+def make_splade_mlm() -> Splade:
+    """BERT's vocabulary (30522 terms) and an MLM head's logits of a pretrained scale (about
+    8 at the start of fine-tuning): every term weight about log(9), dense, as SPLADE starts
+    before the FLOPS regulariser sparsifies it."""
+    torch.manual_seed(0)
+    model = Splade(vocab=30522)
+    with torch.no_grad():
+        model.decoder.bias.fill_(8.0)
+    return model
 
 
 def batch(g: torch.Generator, n: int = 4, blank: int | None = None, blank_kind: str = "punct",

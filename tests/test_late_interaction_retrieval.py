@@ -24,7 +24,8 @@ def line_of(text: str) -> str:
 
 
 def train(make: str, loss, out_dir, steps: int = 4, record: bool = True, accum: int = 1,
-          plant: dict | None = None, bf16: bool = False, teacher: bool = False, **rec_kw):
+          plant: dict | None = None, teacher: bool = False,
+          amp: torch.dtype | None = None, **rec_kw):
     """AdamW with a linear warmup, clip_grad_norm_ and ``accum`` micro-batches a step, as
     ColBERT's and sentence-transformers' trainers run; ``plant`` (``batch`` keywords) goes into
     the last micro-batch of the last step. Returns the model."""
@@ -42,8 +43,7 @@ def train(make: str, loss, out_dir, steps: int = 4, record: bool = True, accum: 
             for mb in range(accum):
                 last = step == steps - 1 and mb == accum - 1
                 q, d, labels, t = M.batch(g, **(plant if last and plant else {}))
-                with (torch.autocast("cpu", torch.bfloat16) if bf16
-                      else contextlib.nullcontext()):
+                with (torch.autocast("cpu", amp) if amp else contextlib.nullcontext()):
                     out = model(q, d)
                 out = out if isinstance(out, tuple) else (out,)
                 extra = (t,) if teacher else ()
@@ -184,12 +184,29 @@ def test_kl_in_log_space_over_an_unscored_passage_names_the_teacher_scores_row(t
     assert "finite floor" in rep["hint"], rep["hint"]
 
 
+def test_splade_dense_term_weights_under_float16_autocast_overflow_the_score_matmul(tmp_path):
+    """SPLADE starting from a pretrained MLM head (logits about 8 over BERT's 30522 terms):
+    every term weight is about log(9) before the FLOPS regulariser sparsifies them, and the
+    dot product over the vocabulary, about 1.6e5, is past float16's range under float16
+    autocast. The replay names the score matmul on its line, float16, and overflow with the
+    advice to compute it in float32."""
+    ev, bundle = fire("make_splade_mlm", M.splade_loss, tmp_path, amp=torch.float16)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["dtype"], o["samples"]) == (
+        "", "aten.mm", "+inf", "float16", [0, 1, 2, 3]), o
+    assert o["source"] == line_of("return q @ d.T, q, d"), o
+    assert rep["cause"] == "overflow" and "float16's largest value" in rep["hint"], rep["hint"]
+    assert "compute this op in float32" in rep["hint"], rep["hint"]
+
+
 HEALTHY = {
     "colbert_accumulated": ("make_colbert", M.colbert_loss, {"accum": 2}),
     "dense_eps_blank": ("make_dense_eps", M.contrastive_loss, {"plant": {"blank": 5}}),
     "distill_kl_div": ("make_colbert", M.stable_distill_loss,
                        {"teacher": True, "plant": {"teacher_scale": 3.0}}),
-    "splade_bf16": ("make_splade", M.splade_loss, {"bf16": True, "plant": {"blank": 3}}),
+    "splade_bf16": ("make_splade", M.splade_loss, {"amp": torch.bfloat16, "plant": {"blank": 3}}),
 }
 
 
