@@ -90,19 +90,24 @@ def test_colbert_blank_positive_passage_names_maxsim_and_the_passage_row(tmp_pat
     assert any("rows [2] of args[1] are where it comes from" in p for p in rep["problems"])
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
     assert "keep at least one key per row" in rep["hint"], rep["hint"]
+    assert not any("allow_inf" in p for p in rep["problems"]), rep["problems"]  # (loss +inf)
 
 
 def test_colbert_empty_hard_negative_is_named_and_allow_inf_on_the_root_trains_the_same(
         tmp_path):
     """An empty hard negative (row 6: ``[CLS] [D] [SEP]``) scores -inf, which cross-entropy
     turns into a probability of 0: the loss and gradients stay finite, but the -inf reaches
-    the root's output, an event by default that names row 6 of the passages. Allowing the
-    root's infinities (``allow_inf=[""]``) lets it train, bit-identical to the plain run."""
+    the root's output, an event by default that names row 6 of the passages and, since the
+    loss re-ran finite with it, the ``allow_inf`` pattern that allows it. Allowing the root's
+    infinities (``allow_inf=[""]``) lets it train, bit-identical to the plain run."""
     plant = {"blank": 6, "blank_kind": "empty"}
     ev, bundle = fire("make_colbert", M.colbert_loss, tmp_path, plant=plant)
     assert (ev["step"], ev["module"], ev["kind"]) == (3, "", "-inf"), ev
-    o = nanreplay_json(bundle)["origin"]
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
     assert (o["op"], o["input_rows"]) == ("aten.max", {"tensor": "args[1]", "rows": [6]}), o
+    assert any("the loss of micro-batch 0 re-ran finite" in p
+               and "allow_inf=['']" in p for p in rep["problems"]), rep["problems"]
     allowed = train("make_colbert", M.colbert_loss, tmp_path / "allowed", plant=plant,
                     allow_inf=[""])
     plain = train("make_colbert", M.colbert_loss, tmp_path, plant=plant, record=False)
