@@ -89,7 +89,7 @@ def colbert_loss(scores, labels, temperature: float = 1.0):
 
 
 class DenseRetriever(nn.Module):
-    def __init__(self, eps: bool = False):
+    def __init__(self, eps: bool | str = False):
         super().__init__()
         self.q_encoder, self.d_encoder = TinyBert(), TinyBert()
         self.register_buffer("skip", torch.tensor(SKIPLIST), persistent=False)
@@ -99,6 +99,8 @@ class DenseRetriever(nn.Module):
         h = encoder(ids, ids != PAD)
         mask = content_mask(ids, self.skip)[..., None].float()
         pooled = (h * mask).sum(1) / torch.clamp(mask.sum(1), min=1e-9)
+        if self.eps == "outside":  # the bug: finite forward, sqrt's slope at 0 in backward
+            return pooled / (pooled.pow(2).sum(-1, keepdim=True).sqrt() + 1e-6)
         if self.eps:
             return F.normalize(pooled, p=2, dim=-1)
         return pooled / pooled.norm(dim=-1, keepdim=True)  # the bug: 0/0 for a blank passage
@@ -175,6 +177,11 @@ def make_colbert_additive() -> ColBERT:
 def make_dense() -> DenseRetriever:
     torch.manual_seed(0)
     return DenseRetriever()
+
+
+def make_dense_eps_outside() -> DenseRetriever:
+    torch.manual_seed(0)
+    return DenseRetriever(eps="outside")
 
 
 def make_dense_eps() -> DenseRetriever:

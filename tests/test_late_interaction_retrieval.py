@@ -149,6 +149,25 @@ def test_dense_blank_passage_normalised_without_eps_names_the_division_and_the_p
     assert "add an eps to the denominator" in rep["hint"], rep["hint"]
 
 
+def test_eps_outside_a_hand_written_norm_names_the_sqrt_backward_and_the_passage_encoder(
+        tmp_path):
+    """The same blank passage, normalised by ``x / (sqrt(sum(x ** 2)) + 1e-6)``: the forward is
+    finite (0 / 1e-6), but sqrt's slope at 0 is inf, times the zero vector's 0 in backward:
+    NaN gradients, which clip_grad_norm_ spreads to every parameter of both encoders. The
+    replay names SqrtBackward0 on that line, the passage encoder's parameters only, and
+    vector_norm or an eps under the sqrt as the fix."""
+    ev, bundle = fire("make_dense_eps_outside", M.contrastive_loss, tmp_path,
+                      plant={"blank": 5})
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan"), ev
+    assert any(p.startswith("q_encoder.") for p in ev["params"]), ev["params"]  # (clipping)
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"]) == ("backward", "SqrtBackward0", "nan"), o
+    assert o["params"] and all(p.startswith("d_encoder.") for p in o["params"]), o["params"]
+    assert o["source"] == line_of("pooled.pow(2).sum(-1, keepdim=True).sqrt() + 1e-6"), o
+    assert rep["cause"] == "invalid" and "torch.linalg.vector_norm" in rep["hint"], rep["hint"]
+
+
 def test_distillation_from_an_underflowing_teacher_names_the_log_and_its_queries(tmp_path):
     """KL from a cross-encoder written out as ``p * (log p - log q)``: at step 3 the teacher's
     scores come in three times their spread, and its softmax at temperature 0.05 underflows
