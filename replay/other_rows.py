@@ -13,6 +13,7 @@ NegCLIP batch: B images beside 2B captions, the B hard negatives after the B tru
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -117,3 +118,22 @@ def note_other_rows(report: dict[str, Any], step: Step, hit, origin: dict[str, A
         f"which has as many entries as {name} has rows (the batch is the other size): rows "
         f"{rows} of {name} are where it comes from (a support set's samples, a retriever's "
         "passages, compared with every query: a blank record, a class with none)")
+
+
+def note_grad_rows(report: dict[str, Any], step: Step, found, origin: dict[str, Any]) -> None:
+    """A backward origin's: the node's non-finite gradient, naming no sample, in a few rows of
+    its dim 0 that has the size of one root input's (a dual encoder's passage tower, ``2B``
+    rows beside ``B`` queries: the zero vector of a blank passage under a hand-written norm)."""
+    if origin.get("samples") or found.lead_rows is None:
+        return
+    mb = origin.get("micro_batch") or 0
+    own = own_rows(step, SimpleNamespace(evidence=None, lead_rows=found.lead_rows), mb)
+    if own is None:
+        return
+    name, rows = own
+    origin["input_rows"] = {"tensor": name, "rows": rows}
+    report["problems"].append(
+        f"the {found.made} gradient {found.node} returned is in rows {rows} of its dim 0, "
+        f"which has as many entries as {name} has rows (the batch is the other size): rows "
+        f"{rows} of {name} are where it comes from (a second input beside the batch: extra "
+        "candidates, hard negatives)")
