@@ -154,8 +154,9 @@ def test_eps_outside_a_hand_written_norm_names_the_sqrt_backward_and_the_passage
     """The same blank passage, normalised by ``x / (sqrt(sum(x ** 2)) + 1e-6)``: the forward is
     finite (0 / 1e-6), but sqrt's slope at 0 is inf, times the zero vector's 0 in backward:
     NaN gradients, which clip_grad_norm_ spreads to every parameter of both encoders. The
-    replay names SqrtBackward0 on that line, the passage encoder's parameters only, and
-    vector_norm or an eps under the sqrt as the fix."""
+    replay names SqrtBackward0 on that line, the passage encoder's parameters only, row 5 of
+    the passages (its gradient's rows are passages, not queries), and vector_norm or an eps
+    under the sqrt as the fix."""
     ev, bundle = fire("make_dense_eps_outside", M.contrastive_loss, tmp_path,
                       plant={"blank": 5})
     assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan"), ev
@@ -165,6 +166,8 @@ def test_eps_outside_a_hand_written_norm_names_the_sqrt_backward_and_the_passage
     assert (o["phase"], o["op"], o["made"]) == ("backward", "SqrtBackward0", "nan"), o
     assert o["params"] and all(p.startswith("d_encoder.") for p in o["params"]), o["params"]
     assert o["source"] == line_of("pooled.pow(2).sum(-1, keepdim=True).sqrt() + 1e-6"), o
+    assert (o["samples"], o["input_rows"]) == ([], {"tensor": "args[1]", "rows": [5]}), o
+    assert any("rows [5] of args[1] are where it comes from" in p for p in rep["problems"])
     assert rep["cause"] == "invalid" and "torch.linalg.vector_norm" in rep["hint"], rep["hint"]
 
 
