@@ -36,6 +36,7 @@ from .masked_grad import zero_where_nan
 from .node_labels import NodeLabels, loss_labeller
 from .off_graph_positive import OffGraphPositive
 from .ops import OpFinder
+from .other_rows import lead_rows
 from .pole_hints import zero_divisor
 from .pooled import pooled_size
 from .positive import exp_of_parameter, made_positive, node_op
@@ -58,6 +59,8 @@ class BackwardOrigin:
     anomaly_node: str | None = None  # what detect_anomaly raised on (NaN only)
     params: list[str] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)  # batch rows of its non-finite gradient
+    # (dim 0's size, its non-finite indices) when no sample was named (replay.other_rows)
+    lead_rows: tuple[int, list[int]] | None = None
     micro_batch: int | None = None
     in_loss: bool = False  # it ran inside the loss (an autograd.grad of the model output)
     # the kind of the first non-finite tensor the node saved in the forward ("+inf": a value
@@ -333,6 +336,7 @@ def _record(found: BackwardOrigin, node, name: str, grad_inputs, grad_outputs,
     found.made, found.dtype = kind_of(bad), bad.dtype
     found.samples = batch_rows(node, list(grad_inputs), where) \
         or folded.rows(node, list(grad_inputs))
+    found.lead_rows = None if found.samples else lead_rows(bad)
     found.saved, found.saved_zero = saved_facts(node, grad_inputs, grad_outputs)
     found.positive_input = from_positive(node)
     found.exp_of = _exp_of(node)

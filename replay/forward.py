@@ -50,6 +50,7 @@ from .signed_weights import signed_weights_hint
 from .singular_inverse import singular_inverse_hint
 from .source import is_torch_file, node_tracebacks, user_source
 from .storages import mask_buffers, state_of
+from .taken_fill import note_taken_fill
 from .transforms import outside_transforms
 from .zero_param_rows import zero_param_rows_hint
 from .zero_state import zero_state_hint
@@ -62,8 +63,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
     nan_only = not run.strict_inf and o.nan and o.inputs_nan_free and trigger is o
     if not o.in_backward:  # (a call the backward made: no forward-only probe reaches it)
         report["bisection"] = _bisect(runner, run, o, nan_only)
-    recorded = o
-    finder = find_op_in_call(runner, o.module, o.call, o.micro_batch)
+    recorded, finder = o, find_op_in_call(runner, o.module, o.call, o.micro_batch)
     # (blamed: a reduction that folded the intended fill into -inf, the NaN's source, over
     # that NaN; an index op that picked a fill's infinity over a NaN the output never held)
     (hit, picked), flipped = picked_origin(finder, finder.blamed(), o.kind), False
@@ -102,6 +102,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
+    note_taken_fill(report, run, origin)  # (a loss that read a masked -inf score as meant)
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     counted = _counted_in(finder, hit, o)
     # (which run of its line, a loop over time steps running it once a step; its values there)

@@ -37,6 +37,9 @@ class OpHit:
     # (its output's dim 0 size, the non-finite indices there) when it named no sample: an
     # input of its own size beside the batch (replay.other_rows)
     lead_rows: tuple[int, list[int]] | None = None
+    # a reduction's non-finite places over its output's first two dims (it has no evidence):
+    # a MaxSim's (queries, passages) of passages with no token left (replay.other_rows)
+    grid: Any = None
 
     def as_json(self) -> dict[str, Any]:
         # (its dtype: the type an overflow of its output beat, which can be another than the

@@ -44,7 +44,7 @@ from .moved import Moved
 from .nan_rows import nan_rows
 from .op_evidence import made_beside, op_evidence
 from .op_inputs import input_ends as _input_ends
-from .other_rows import lead_rows
+from .other_rows import bad_grid, lead_rows
 from .param_names import ParamNames
 from .picked_fill import note_pick
 from .pooled import Pooled
@@ -77,8 +77,7 @@ class _Watch(TorchDispatchMode):
         kwargs, f = kwargs or {}, self.finder
         if f.first is not None and f.first_nan is not None:  # (the rows its call made next)
             return widen_rows(f, func, args, kwargs, run_op(func, args, kwargs), early=True)
-        name = func.overloadpacket.__name__
-        occurrence, seq = f.count(name)
+        occurrence, seq = f.count(name := func.overloadpacket.__name__)
         ins = float_leaves(leaves := tree_leaves((args, kwargs)))
         literal_inf, filled, ins = literals(name, leaves, ins)
         pairs, lo, hi, in_finite, in_nan_free = _input_ends(ins)
@@ -127,7 +126,8 @@ class _Watch(TorchDispatchMode):
         if not in_finite and in_nan_free and made != "nan" and f.first_reduced is None \
                 and folds(func, outs[0], pairs, ins):
             f.first_reduced = OpHit(op, made, user_source(), lo, hi, occurrence=occurrence,
-                                    rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq)
+                                    rows=f.folded_rows(outs, func, args, ins, pairs), seq=seq,
+                                    grid=bad_grid(outs[0]))
         if made == "nan" and in_nan_free and f.first_nan is None:
             f.first_nan = _nan_hit(f, func, before or (args, kwargs), ins, outs, in_finite,
                                    OpHit(op, "nan", user_source(), lo, hi, filled, occurrence,

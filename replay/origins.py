@@ -47,6 +47,7 @@ from .nan_factor import nan_factor_text
 from .negative_output import negative_output_hint
 from .object_outputs import came_inside_objects, report_forward_behind_objects
 from .other_makers import add_others
+from .other_rows import note_grad_rows
 from .param_writes import (
     built_non_finite_hint,
     forward_made,
@@ -439,10 +440,10 @@ def report_backward(report, runner: Runner, b=None) -> dict[str, Any]:
     cause.hint = fractional_power_hint(b, cause)
     cause = steep_power_cause(b, cause)
     cause.hint = twice_hint(b, cause.hint)
-    if b.hook is not None:
-        cause.hint = hook_hint(b, cause.hint)
+    cause.hint = hook_hint(b, cause.hint) if b.hook is not None else cause.hint
     if cause.name == "underflow" and (said := _exp_parameter(runner.model, b.exp_of)):
         cause.hint = f"{cause.hint}; {said}"
+    note_grad_rows(report, runner.step, b, origin)  # (a passage encoder's, beside the queries)
     report = finish(report, origin, cause.name, reproduced=reproduced, hint=cause.hint)
     if b.hook is None and not b.summed:  # (the same pole elsewhere: the head's and the tail's)
         add_others(report, runner, samples(runner.step), b.node, b.source)
