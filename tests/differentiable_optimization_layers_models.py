@@ -16,6 +16,10 @@ cvxpylayers or Theseus, for ``test_differentiable_optimization_layers``.
 - ``SparsemaxAttention``: a pointer/attention head over padded candidate sets whose weights are
   sparsemax (Martins & Astudillo 2016), the Euclidean projection onto the simplex by sorting;
   padding is ``-inf`` in the scores.
+- ``PGDDecision``: decision-focused learning (predict-then-optimise): predicted item costs, a
+  decision ``argmin c^T z + gamma/2 |z|^2`` over the simplex by unrolled projected gradient
+  descent (the projection by sorting), trained on the regret of that decision under the true
+  costs (``regret``, ``masked_regret`` pricing unavailable items out).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import math
 import torch
 from torch import nn
 
-N_VAR, N_FEAT = 4, 6
+N_VAR, N_FEAT, N_ITEMS = 4, 6, 10
 
 
 def box_budget_constraints(n: int) -> torch.Tensor:
@@ -224,3 +228,69 @@ def candidate_batch(g: torch.Generator, n: int = 8, sets: int = 6):
     mask = torch.arange(sets)[None] < lengths[:, None]
     y = torch.randn(n, generator=g)
     return query, cands, mask, y
+
+
+# ---------------------------------------------------------------------------------------------
+# decision-focused learning: predicted costs -> a smoothed argmin over the simplex by unrolled
+# projected gradient descent -> the regret of that decision under the true costs
+
+
+def project_simplex(v: torch.Tensor) -> torch.Tensor:
+    """Euclidean projection of each row onto the probability simplex (by sorting)."""
+    return sparsemax(v)
+
+
+class PGDDecision(nn.Module):
+    """Features -> predicted item costs c; z = argmin c^T z + gamma/2 |z|^2 over the simplex,
+    by ``iters`` projected gradient steps of 1 / gamma (unrolled: autograd through them)."""
+
+    def __init__(self, n: int = N_ITEMS, feats: int = N_FEAT, gamma: float = 1.0,
+                 iters: int = 20):
+        super().__init__()
+        self.cost = nn.Sequential(nn.Linear(feats, 32), nn.ReLU(), nn.Linear(32, n))
+        self.gamma, self.iters = gamma, iters
+
+    def forward(self, feats):
+        c = self.cost(feats)
+        z = torch.full_like(c, 1.0 / c.shape[1])
+        for _ in range(self.iters):
+            z = project_simplex(z - 0.5 / self.gamma * (c + self.gamma * z))
+        return z
+
+
+def make_pgd() -> PGDDecision:
+    torch.manual_seed(0)
+    return PGDDecision()
+
+
+def regret(z, true_cost, best):
+    """Decision-focused loss: the true cost of the decision taken minus the best one's."""
+    return ((true_cost * z).sum(1) - best).mean()
+
+
+def decision_batch(g: torch.Generator, n: int = 8, out_of_stock: int | None = None):
+    """Features, true item costs and the best decision's cost. ``out_of_stock``: a record whose
+    unavailable item is priced ``inf`` so that no decision takes it (its best is still finite)."""
+    feats = torch.randn(n, N_FEAT, generator=g)
+    true_cost = feats[:, :1].abs() + torch.rand(n, N_ITEMS, generator=g)
+    if out_of_stock is not None:
+        true_cost[out_of_stock, 2] = float("inf")
+    best = true_cost.min(1).values
+    return feats, true_cost, best
+
+
+def masked_regret(z, true_cost, available, best):
+    """The regret with unavailable items priced out (``inf``: no decision should take one)."""
+    cost = true_cost.masked_fill(~available, float("inf"))
+    return ((cost * z).sum(1) - best).mean()
+
+
+def availability_batch(g: torch.Generator, n: int = 8, out_of_stock: int | None = None):
+    """Features, true costs, which items are in stock, and the best in-stock decision's cost;
+    ``out_of_stock``: a record with one item unavailable."""
+    feats, true_cost, _ = decision_batch(g, n)
+    available = torch.ones(n, N_ITEMS, dtype=torch.bool)
+    if out_of_stock is not None:
+        available[out_of_stock, 2] = False
+    best = true_cost.masked_fill(~available, float("inf")).min(1).values
+    return feats, true_cost, available, best

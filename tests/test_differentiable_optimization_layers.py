@@ -32,11 +32,18 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     if kind == "kkt":
         feats, A, b, target = M.kkt_batch(g, duplicate=bad)
         return (feats, A, b), (target,)
+    if kind == "dfl":
+        feats, cost, best = M.decision_batch(g, out_of_stock=bad)
+        return (feats,), (cost, best)
+    if kind == "stock":
+        feats, cost, available, best = M.availability_batch(g, out_of_stock=bad)
+        return (feats,), (cost, available, best)
     query, cands, mask, y = M.candidate_batch(g)
     return (query, cands, mask), (y,)
 
 
-LOSSES = {"qp": M.qp_loss, "sparsemax": M.sparse_loss}
+LOSSES = {"qp": M.qp_loss, "sparsemax": M.sparse_loss, "dfl": M.regret,
+          "stock": M.masked_regret}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 4,
@@ -129,13 +136,51 @@ def test_duality_gap_below_float32_names_the_slack_pole_as_precision(tmp_path):
     assert rep["cause"] == "precision" and "float64 has" in rep["hint"], rep["hint"]
 
 
+def test_infinite_cost_of_an_unavailable_item_is_named_as_the_records_loss_input(tmp_path):
+    """Decision-focused learning: an out-of-stock item priced ``inf`` in the true costs so
+    that no decision takes it. The regret ``(cost * z).sum(1)`` would be inf * 0 = NaN or
+    +inf; the recorder stops at the loss's input already, names that argument and record 6,
+    and the replay says it is the loss's data, not the model's; dropping it is finite."""
+    ev, bundle = fire("dfl", "make_pgd", tmp_path, bad=6)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["kind"], ev["samples"]) == (
+        3, "input", "loss_args[1]", "+inf", [6]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [6]), rep["origin"]
+    assert "loss_args[1] (true_cost)" in rep["hint"] and "data pipeline" in rep["hint"], \
+        rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_priced_out_item_the_decision_takes_names_the_regret_sum_and_the_mask(tmp_path):
+    """The same regret pricing unavailable items out inside the loss
+    (``masked_fill(~available, inf)``) while the unrolled projected-gradient decision, which
+    never sees availability, puts weight on record 6's missing item: +inf regret. The replay
+    names the sum on the regret's line, the intentional fill before it in the chain, record
+    6, and advises zero weight on masked entries or a large finite value instead of inf."""
+    ev, bundle = fire("stock", "make_pgd", tmp_path, bad=6)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=6")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == (
+        "loss", "<loss>", "aten.sum", [6]), o
+    assert o["source"] == line_of("return ((cost * z).sum(1) - best).mean()"), o
+    assert [(c["op"], c["intentional"]) for c in o["chain"]] == [
+        ("aten.masked_fill", True), ("aten.sum", False)], o["chain"]
+    assert rep["cause"] == "invalid" and "zero weight" in rep["hint"] \
+        and "large finite" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 @pytest.mark.parametrize("kind,make", [("qp", "make_qp"), ("kkt", "make_kkt"),
-                                       ("sparsemax", "make_sparsemax")])
+                                       ("sparsemax", "make_sparsemax"), ("dfl", "make_pgd"),
+                                       ("stock", "make_pgd")])
 def test_healthy_layers_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """The barrier QP (autograd through 28 unrolled Newton steps, a +inf ratio filled where a
     step moves away from a constraint), the implicit KKT backward on deduplicated constraints,
-    and sparsemax over -inf padding (the sort and cumsum carry -inf inside, the clamp takes
-    the padding to 0): no event, bit-identical weights with and without the recorder."""
+    sparsemax over -inf padding (the sort and cumsum carry -inf inside, the clamp takes the
+    padding to 0), and decision-focused learning through 20 unrolled projected-gradient steps
+    onto the simplex (its regret, plain and with an availability mask that masks nothing):
+    no event, bit-identical weights with and without the recorder."""
     recorded = train(kind, make, tmp_path)
     plain = train(kind, make, tmp_path, record=False)
     assert not list(tmp_path.glob("*.nan"))
