@@ -20,6 +20,8 @@ cvxpylayers or Theseus, for ``test_differentiable_optimization_layers``.
   decision ``argmin c^T z + gamma/2 |z|^2`` over the simplex by unrolled projected gradient
   descent (the projection by sorting), trained on the regret of that decision under the true
   costs (``regret``, ``masked_regret`` pricing unavailable items out).
+- ``LowRankQP``: an unconstrained QP with a learned factor-model ``Q = L L^T + eps I`` (``L``
+  of low rank) solved by ``cholesky`` and ``cholesky_solve``.
 """
 
 from __future__ import annotations
@@ -294,3 +296,42 @@ def availability_batch(g: torch.Generator, n: int = 8, out_of_stock: int | None 
         available[out_of_stock, 2] = False
     best = true_cost.masked_fill(~available, float("inf")).min(1).values
     return feats, true_cost, available, best
+
+
+# ---------------------------------------------------------------------------------------------
+# a learned low-rank-plus-ridge Q: the unconstrained QP's argmin by Cholesky
+
+
+class LowRankQP(nn.Module):
+    """Features -> cost p; z = argmin 1/2 z^T Q z + p^T z = -Q^-1 p with a learned
+    ``Q = L L^T + eps I``, ``L`` of rank ``rank`` (a factor-model covariance, as in
+    Markowitz layers), solved by ``cholesky`` and ``cholesky_solve``."""
+
+    def __init__(self, n: int = N_VAR * 2, feats: int = N_FEAT, rank: int = 3,
+                 eps: float = 1e-2):
+        super().__init__()
+        self.cost = nn.Sequential(nn.Linear(feats, 32), nn.ReLU(), nn.Linear(32, n))
+        self.L = nn.Parameter(torch.randn(n, rank) / rank ** 0.5)
+        self.eps = eps
+
+    def forward(self, feats):
+        p = self.cost(feats)
+        Q = self.L @ self.L.T + self.eps * torch.eye(self.L.shape[0])
+        C = torch.linalg.cholesky(Q)
+        return -torch.cholesky_solve(p.T, C).T
+
+
+def make_lowrank() -> LowRankQP:
+    torch.manual_seed(0)
+    return LowRankQP()
+
+
+def make_lowrank_no_ridge() -> LowRankQP:
+    """The ridge dropped ('Q is L L^T, positive-definite by construction')."""
+    torch.manual_seed(0)
+    return LowRankQP(eps=0.0)
+
+
+def allocation_batch(g: torch.Generator, n: int = 8):
+    feats = torch.randn(n, N_FEAT, generator=g)
+    return feats, torch.randn(n, N_VAR * 2, generator=g) * 0.1

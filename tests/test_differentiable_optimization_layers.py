@@ -35,6 +35,9 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     if kind == "dfl":
         feats, cost, best = M.decision_batch(g, out_of_stock=bad)
         return (feats,), (cost, best)
+    if kind == "lowrank":
+        feats, target = M.allocation_batch(g)
+        return (feats,), (target,)
     if kind == "stock":
         feats, cost, available, best = M.availability_batch(g, out_of_stock=bad)
         return (feats,), (cost, available, best)
@@ -101,6 +104,26 @@ def test_kkt_backward_of_a_duplicated_constraint_names_the_solve_and_the_record(
     assert o["source"] == line_of("d = torch.linalg.solve(K, rhs)"), o
     assert rep["cause"] == "invalid" and "duplicated row" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_learned_low_rank_q_without_ridge_names_the_cholesky_as_singular(tmp_path):
+    """``Q = L L^T`` with a rank-3 factor of an 8x8 problem and the ridge dropped: singular
+    from the first step (float32's rounding leaves a pivot <= 0). The recorder writes the
+    bundle of step 0 and lets the LinAlgError through; the replay names the cholesky in the
+    root's forward, not positive-definite in exact arithmetic too (invalid), a ridge the fix."""
+    with pytest.raises(torch.linalg.LinAlgError) as info:
+        train("lowrank", "make_lowrank_no_ridge", tmp_path)
+    bundles = sorted(tmp_path.glob("*.nan"))
+    assert len(bundles) == 1 and bundles[0].name.startswith("step00000000"), bundles
+    assert any("a matrix decomposition failed at step 0" in n
+               for n in getattr(info.value, "__notes__", [])), info.value
+    rep = nanreplay_json(bundles[0])
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["module"], o["op"]) == (
+        True, "forward", "", "aten.linalg_cholesky_ex"), o
+    assert o["source"] == line_of("C = torch.linalg.cholesky(Q)"), o
+    assert rep["cause"] == "invalid" and "not positive-definite in exact arithmetic" \
+        in rep["hint"] and "add a ridge to the diagonal" in rep["hint"], rep["hint"]
 
 
 def test_infeasible_barrier_start_names_the_slack_reciprocal_and_the_record(tmp_path):
@@ -173,14 +196,14 @@ def test_priced_out_item_the_decision_takes_names_the_regret_sum_and_the_mask(tm
 
 @pytest.mark.parametrize("kind,make", [("qp", "make_qp"), ("kkt", "make_kkt"),
                                        ("sparsemax", "make_sparsemax"), ("dfl", "make_pgd"),
-                                       ("stock", "make_pgd")])
+                                       ("stock", "make_pgd"), ("lowrank", "make_lowrank")])
 def test_healthy_layers_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """The barrier QP (autograd through 28 unrolled Newton steps, a +inf ratio filled where a
     step moves away from a constraint), the implicit KKT backward on deduplicated constraints,
     sparsemax over -inf padding (the sort and cumsum carry -inf inside, the clamp takes the
     padding to 0), and decision-focused learning through 20 unrolled projected-gradient steps
-    onto the simplex (its regret, plain and with an availability mask that masks nothing):
-    no event, bit-identical weights with and without the recorder."""
+    onto the simplex (its regret, plain and with an availability mask that masks nothing),
+    and the low-rank Q with its ridge: no event, bit-identical weights with and without the recorder."""
     recorded = train(kind, make, tmp_path)
     plain = train(kind, make, tmp_path, record=False)
     assert not list(tmp_path.glob("*.nan"))
