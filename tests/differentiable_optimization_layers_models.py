@@ -335,3 +335,14 @@ def make_lowrank_no_ridge() -> LowRankQP:
 def allocation_batch(g: torch.Generator, n: int = 8):
     feats = torch.randn(n, N_FEAT, generator=g)
     return feats, torch.randn(n, N_VAR * 2, generator=g) * 0.1
+
+
+def roomy_batch(g: torch.Generator, n: int = 8):
+    """Boxes and budgets far from the decisions (no constraint active at the optimum: the
+    slacks stay of order 1 however large t grows)."""
+    feats = torch.randn(n, N_FEAT, generator=g)
+    lo = -5 - torch.rand(n, N_VAR, generator=g)
+    hi = 5 + torch.rand(n, N_VAR, generator=g)
+    budget = 50 + torch.rand(n, generator=g)
+    target = 0.3 * torch.randn(n, N_VAR, generator=g)
+    return feats, lo, hi, budget, target

@@ -29,6 +29,9 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     if kind == "qp":
         feats, lo, hi, budget, target = M.qp_batch(g, tight=bad)
         return (feats, lo, hi, budget), (target,)
+    if kind == "roomy":
+        feats, lo, hi, budget, target = M.roomy_batch(g)
+        return (feats, lo, hi, budget), (target,)
     if kind == "kkt":
         feats, A, b, target = M.kkt_batch(g, duplicate=bad)
         return (feats, A, b), (target,)
@@ -45,7 +48,7 @@ def batch(kind: str, g: torch.Generator, bad: int | None):
     return (query, cands, mask), (y,)
 
 
-LOSSES = {"qp": M.qp_loss, "sparsemax": M.sparse_loss, "dfl": M.regret,
+LOSSES = {"qp": M.qp_loss, "roomy": M.qp_loss, "sparsemax": M.sparse_loss, "dfl": M.regret,
           "stock": M.masked_regret}
 
 
@@ -194,7 +197,27 @@ def test_priced_out_item_the_decision_takes_names_the_regret_sum_and_the_mask(tm
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-@pytest.mark.parametrize("kind,make", [("qp", "make_qp"), ("kkt", "make_kkt"),
+def test_barrier_parameter_past_float32_names_the_product_with_t_not_the_clamped_step(tmp_path):
+    """The same tiny duality gap on roomy boxes, where no constraint is active and the slacks
+    stay of order 1: t *= 10 for 41 rounds reaches 1e39, beyond float32, and ``t * (z @ Q +
+    p)`` is inf * 0 = NaN where the gradient is 0. Rounds before that the fraction-to-the-
+    boundary ratio ``s / Gdz`` overflowed as the Newton steps shrank, and the clamp took it
+    back to a step of 1 every time, as exact arithmetic does: the replay names the mul with
+    t on the Newton line, not that clamped division, overflow of the number 1e39, and says to
+    cap t or stop at a gap float32 resolves."""
+    ev, bundle = fire("roomy", "make_qp_tight_gap", tmp_path, bad=None)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", ""), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == (
+        "", "aten.mul", "nan", True), o
+    assert o["source"] == line_of("grad = t * (z @ Q + p) + (1 / s) @ self.G"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.mul"], o["chain"]
+    assert rep["cause"] == "overflow" and "given the number 1e+39" in rep["hint"] \
+        and "t *= mu" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kind,make", [("qp", "make_qp"), ("roomy", "make_qp"), ("kkt", "make_kkt"),
                                        ("sparsemax", "make_sparsemax"), ("dfl", "make_pgd"),
                                        ("stock", "make_pgd"), ("lowrank", "make_lowrank")])
 def test_healthy_layers_raise_nothing_and_train_the_same(tmp_path, kind, make):
