@@ -48,8 +48,13 @@ def raised_inside(exc: BaseException, modules) -> bool:
     ids = {id(m) for m in modules if m is not None}
     tb = exc.__traceback__
     while tb is not None:
-        obj = tb.tb_frame.f_locals.get("self")
+        local = tb.tb_frame.f_locals
+        obj = local.get("self")
         if isinstance(obj, nn.Module) and (id(obj) in ids or getattr(obj, "recorded_loss", 0)):
+            return True
+        # the backward of a custom autograd Function the step's graph holds (OptNet's solve of
+        # the KKT system), which the engine runs outside any module call
+        if isinstance(local.get("ctx"), torch.autograd.function.BackwardCFunction):
             return True
         tb = tb.tb_next
     return False

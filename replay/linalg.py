@@ -28,7 +28,7 @@ from recorder.linalg import linalg_reason
 
 from .buffer_divisor import buffer_divisor_hint
 from .cause import classify
-from .compat import TorchDispatchMode, tree_leaves
+from .compat import TorchDispatchMode, running_node, tree_leaves
 from .dispatch import float_leaves, run_op
 from .errors import StopRun
 from .failed_samples import all_zero_hint, failed_matrices
@@ -39,6 +39,7 @@ from .forward import find_op_in_call
 from .indefinite import indefinite_hint
 from .learned import Learned
 from .load import Step
+from .node_labels import NodeLabels, loss_labeller
 from .recorded import batch_size
 from .rerun import Runner
 from .source import user_source
@@ -61,6 +62,7 @@ class Failed:
     error: str = ""
     raised: bool = True  # (the float64 run's: the op failed there too)
     learned: bool = True  # the model's parameters or buffers went into the matrix
+    in_backward: bool = False  # raised by a derivative (a custom Function's KKT solve)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class ModuleCalls:
     runner: Runner
     stack: list[tuple[str, int, int]] = field(default_factory=list)
     counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    labels: NodeLabels | None = None  # (the backward's re-run: which module made each node)
 
     def hooks(self, model):
         hs = []
@@ -93,7 +96,14 @@ class ModuleCalls:
     def running(self) -> tuple[str, int, int] | None:
         if self.stack:
             return self.stack[-1]
-        return ("<loss>", 0, self.runner.micro_batch) if self.runner.in_loss else None
+        mb = self.runner.micro_batch
+        if self.runner.in_loss:
+            return ("<loss>", 0, mb)
+        node = running_node() if self.labels is not None else None
+        if node is None or (name := self.labels.names.get(node)) is None:
+            return None
+        # the backward of a node that module's forward made: its last call's, as it ran last
+        return (name, max(self.counts.get((name, mb), 1) - 1, 0), mb)
 
 
 class _Failing(TorchDispatchMode):
@@ -129,7 +139,8 @@ class _Failing(TorchDispatchMode):
                 op, occ, mats, _ = last
                 self.failed = Failed(op, occ, mats[0].detach().clone() if mats else None,
                                      user_source(), self.calls.running(), str(e).split("\n")[0],
-                                     learned=not mats or mats[0] in self.learned)
+                                     learned=not mats or mats[0] in self.learned,
+                                     in_backward=running_node() is not None)
             elif self.failed is not None and self.target is not None:
                 self.failed.raised = True
                 raise StopRun from e
@@ -151,7 +162,16 @@ def failing_op(runner: Runner) -> Failed | None:
     calls = ModuleCalls(runner)
     mode = _Failing(calls)
     with mode:
-        runner.run(backward=False, instrument=False, hooks=calls.hooks)
+        run = runner.run(backward=False, instrument=False, hooks=calls.hooks)
+    if mode.failed is not None or run.error is not None:
+        return mode.failed
+    # forward went through: a derivative raised (OptNet's backward solving a singular KKT
+    # system), named by the module whose forward made its node
+    calls = ModuleCalls(runner, labels=(labels := NodeLabels(lambda node, name: None)))
+    mode = _Failing(calls)
+    with mode:
+        runner.run(instrument=False, hooks=lambda m: calls.hooks(m) + labels.hooks(m),
+                   backward_ctx=loss_labeller(runner, labels.label))
     return mode.failed
 
 
@@ -160,7 +180,7 @@ def float64_matrix(runner: Runner, failed: Failed) -> Failed | None:
     calls = ModuleCalls(runner)
     mode = _Failing(calls, target=(failed.op, failed.occurrence))
     with in_float64(runner), mode:
-        run = runner.run(backward=False, instrument=False, hooks=calls.hooks)
+        run = runner.run(backward=failed.in_backward, instrument=False, hooks=calls.hooks)
     if mode.failed is None and run.error is not None:
         return None
     return mode.failed
@@ -174,7 +194,8 @@ def report_linalg(report, step: Step, runner: Runner, run) -> dict[str, Any] | N
     if failed is None or failed.within is None:
         return None
     module, call, mb = failed.within
-    origin = origin_fields(phase="loss" if module == "<loss>" else "forward", module=module,
+    phase = "backward" if failed.in_backward else "loss" if module == "<loss>" else "forward"
+    origin = origin_fields(phase=phase, module=module,
                            call=call, micro_batch=mb, op=f"aten.{failed.op}", made="LinAlgError",
                            source=failed.source, error=failed.error,
                            inputs_finite=failed.matrix is None or finite(failed.matrix),

@@ -3,7 +3,8 @@ written for float32 masks with a large finite number (``scores + (1 - mask) * -1
 ``-1e10``): under float16 autocast that constant is beyond the type's largest value, 6.55e4,
 so the product is ``-inf``, and a row whose every slot is masked (a story with no sentence)
 is a softmax of ``-inf`` only, NaN, where float32 gave a uniform row. The fix is the constant,
-taken from the type (``torch.finfo(scores.dtype).min``), not the op's precision.
+taken from the type (``torch.finfo(scores.dtype).min``), not the op's precision. In float32
+or wider such a number was grown by the code (an interior-point method's ``t *= mu``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ def unheld_literal(ev) -> float | None:
 def literal_hint(op: str, value: float, dtype: torch.dtype) -> str:
     dt = str(dtype).removeprefix("torch.")
     end = "min" if value < 0 else "max"
+    if torch.finfo(dtype).bits >= 32:  # (no autocast's half type: a number the code grew)
+        return (f"{op} was given the number {g(value)}, which {dt} cannot hold (its largest "
+                f"value is {g(torch.finfo(dtype).max)}), so it is {'-' if value < 0 else '+'}"
+                "inf there: a Python number the code grew past the type (a barrier "
+                "parameter raised each round, t *= mu; a scale or temperature annealed "
+                "geometrically): cap it, stop raising it once its target is met (a duality "
+                f"gap {dt} can resolve), or compute that part in float64")
     return (f"{op} was given the constant {g(value)}, which {dt} cannot hold (its largest "
             f"value is {g(torch.finfo(dtype).max)}), so it is {'-' if value < 0 else '+'}inf "
             f"there: a value written for float32 (a mask's -1e9) does not survive {dt} "

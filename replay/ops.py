@@ -34,7 +34,7 @@ from .earlier_nan import earlier_nan
 from .exp_param import ExpOfParam
 from .folds import folded_inputs, folds
 from .fresh import POINTWISE
-from .hits import Evidence, OpHit, exact_pole
+from .hits import Evidence, OpHit
 from .lineage import Lineage, pole_inputs
 from .literal_fill import literals, nan_number
 from .lost_eps import LostEps
@@ -52,6 +52,7 @@ from .positive import Partly, made_sign, positive_result
 from .read_numbers import ReadNumbers
 from .recurring import widen_rows
 from .reordered import Reordered
+from .saturated import taken_back_exactly, took_back
 from .saturation import Saturation, made_unit
 from .shifted_positive import shifted_maker
 from .source import user_source
@@ -92,7 +93,7 @@ class _Watch(TorchDispatchMode):
         f.track(name, ins, outs, in_finite, leaves, (args, kwargs), func, out)
         if (out_ends := f.ends_of(name, outs)) is None:
             # an infinity taken back to finite values (exp(-inf) = 0) before any NaN
-            f.absorbed |= not in_finite and in_nan_free and f.first_nan is None
+            took_back(f, name, not in_finite and in_nan_free and f.first_nan is None)
             return out
         # the first output's kind, NaN before +Inf before -Inf within it
         made = next((k for k in (pair_kind(a, b) for a, b in out_ends) if k), None)
@@ -145,7 +146,7 @@ def _nan_hit(f: OpFinder, func, given, ins, outs, in_finite: bool, hit: OpHit) -
     hit.lead_rows = None if hit.rows else lead_rows(outs[0])
     empty_rows.mark(hit, f.first is None and bool(f.intentional), ins, outs[0])
     mask_after_pole(f.first, func.overloadpacket.__name__, given[0], hit)  # (inf * mask's 0)
-    if in_finite and f.absorbed and f.first is not None and exact_pole(f.first):
+    if in_finite and taken_back_exactly(f):
         try:
             hit.evidence = f.of_records(op_evidence(func, given, outs, f), ins, hit.rows)
         except Exception:  # (evidence helps the cause; the op is named without it)
@@ -168,6 +169,7 @@ class OpFinder:
         self.first_nan: OpHit | None = None
         self.picked: OpHit | None = None  # an index op that took a fill's +-inf (picked_fill)
         self.absorbed = False  # an op made finite values of infinities before the first NaN
+        self.unsaturated = False  # one not a clamp's, a min's or a where's (replay.saturated)
         # the first product of a NaN by 0 (a 0/1 mask multiplied into missing values)
         self.masked_nan: OpHit | None = None
         self.intentional: OpHit | None = None
@@ -433,8 +435,7 @@ class OpFinder:
         if (earlier := earlier_nan(self.first, self.first_nan, made)) is not None:
             return earlier
         n = self.first_nan
-        if n is not None and n.inputs_finite and self.absorbed and self.first is not None \
-                and exact_pole(self.first):
+        if n is not None and n.inputs_finite and taken_back_exactly(self):
             # log(0) of a weight of 0 (a padded point's, in log-domain OT), which exp took
             # back to an exact 0: the NaN was made later of finite values (0 / 0)
             return n
