@@ -1,0 +1,184 @@
+"""End to end on click-through-rate models (``click_through_rate_models``): DeepFM over hashed
+fields and log1p'd, batch-normalised counts; DIN's target attention over a 0-padded behaviour
+sequence; DCN-v2's cross layers under float16 autocast; BCE with logits weighted ``1 / rate``
+for negative downsampling; a DataLoader over a TensorDataset; Adam (SparseAdam beside it for
+sparse tables), an exponential schedule and gradient clipping. Each planted bug of the domain
+fires under the recorder and is replayed with the CLI; the healthy runs raise no event and
+train bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import click_through_rate_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+STEPS = 4
+LAST = (STEPS - 1) * M.B  # the first row of the last step's batch
+MAX_DWELL = 500.0  # the training log's largest count, DCN's min-max scale
+
+
+def line_of(text: str) -> str:
+    return source_line("click_through_rate_models.py", text)
+
+
+def optimizers(model, make: str):
+    """Adam over the dense part; a sparse model's tables get SparseAdam (DeepCTR's split)."""
+    if "sparse" not in make:
+        return torch.optim.Adam(model.parameters(), lr=1e-2), None
+    tables = {id(model.emb.weight), id(model.first.weight)}
+    dense = [p for p in model.parameters() if id(p) not in tables]
+    sparse = torch.optim.SparseAdam([model.emb.weight, model.first.weight], lr=1e-2)
+    return torch.optim.Adam(dense, lr=1e-2), sparse
+
+
+def train(make: str, out_dir, plant=None, record: bool = True, amp: bool = False):
+    """Four batches of 16 impressions; ``plant(tensors, LAST)`` edits the last batch's rows
+    before the DataLoader reads them. DIN takes (fields, candidate, history); DeepFM takes
+    the raw counts (it log1p's them itself), DCN the counts min-max scaled by the log's
+    largest. Returns the model."""
+    model = getattr(M, make)()
+    data = M.impressions(STEPS * M.B)
+    if plant is not None:
+        plant(data.tensors, LAST)
+    opt, sparse = optimizers(model, make)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
+    rec = FlightRecorder(model, opt, loss_fn=M.weighted_bce, out_dir=out_dir,
+                         factory=f"click_through_rate_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.weighted_bce
+        for cat, num, item, hist, click, rate in M.loader(data):
+            args = (cat, item, hist) if "din" in make else (
+                cat, num / MAX_DWELL if "dcn" in make else num)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                logits = model(*args)
+            loss = loss_fn(logits.float(), click, 1.0 / rate)
+            opt.zero_grad()
+            if sparse is not None:
+                sparse.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 5.0)
+            opt.step()
+            if sparse is not None:
+                sparse.step()
+            sched.step()
+    return model
+
+
+def fire(make: str, tmp_path, plant, amp: bool = False):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, tmp_path, plant, amp=amp)
+    return info.value.event, info.value.bundle_path
+
+
+def missing_count(tensors, first):
+    tensors[1][first + 5, 1] = -1.0  # BUG: the join's fillna(-1) for a user with no clicks
+
+
+def test_missing_count_of_minus_one_names_log1p_not_the_batch_norm_that_spread_it(tmp_path):
+    """A count joined as -1 for "missing" is log1p'd to -inf in forward; BatchNorm's batch
+    mean then spreads NaN to every row. The event sees NaN in all 16 rows of the root's
+    output; the replay names the log1p on record 5 alone, the -1 at its pole, and dropping the
+    record makes the step finite."""
+    ev, bundle = fire("make_deepfm", tmp_path, missing_count)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "", "nan"), ev
+    assert ev["samples"] == list(range(M.B)), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.log1p", "-inf", [5]), o
+    assert o["source"] == line_of("dense = self.num_bn(torch.log1p(num))"), o
+    assert rep["cause"] == "invalid" and "log1p of -1" in rep["hint"], rep["hint"]
+    assert "keep the input above -1" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def empty_history(tensors, first):
+    tensors[3][first + 7] = 0  # a new user: every behaviour slot is padding
+
+
+def test_din_softmax_over_an_empty_history_names_the_fully_masked_row(tmp_path):
+    """A cold-start user's history is all padding, so the -inf-padded softmax of the target
+    attention has no valid position: NaN in that user's row only. The replay names the
+    softmax in ``att`` on its line, sample 7, the fully masked row (and the padding
+    embedding's 0 that the weighted sum multiplied the NaN by)."""
+    ev, bundle = fire("make_din", tmp_path, empty_history)
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["samples"]) == (
+        3, "forward", "att", 0, [7]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=7")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "att", "aten._softmax", "nan", [7]), o
+    assert o["source"] == line_of('w = torch.softmax(scores.masked_fill(~mask, float("-inf"))'), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def zero_rate(tensors, first):
+    tensors[5][first + 2] = 0.0  # BUG: a sampling rate logged as 0 for a dropped-traffic slice
+
+
+def test_downsampling_rate_of_0_names_the_sample_weight_argument_and_its_row(tmp_path):
+    """A negative logged with a sampling rate of 0 gets the weight ``1 / 0 = inf``: an input
+    event on the loss's weight argument, on record 2, not blamed on the model; the loss
+    re-run names the product that turned it into NaN."""
+    ev, bundle = fire("make_deepfm", tmp_path, zero_rate)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["kind"], ev["samples"]) == (
+        3, "input", "loss_args[2]", "+inf", [2]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["phase"], o["tensor"], o["samples"]) == (
+        True, "input", "loss_args[2]", [2]), o
+    assert rep["cause"] == "input", rep
+    assert rep["hint"].startswith("loss_args[2] (weights) holds +inf"), rep["hint"]
+    assert line_of("return (bce * weights).sum() / weights.sum()") in rep["hint"], rep["hint"]
+    assert "check the data pipeline for these samples" in rep["hint"], rep["hint"]
+
+
+def long_session(tensors, first):
+    tensors[1][first + 4, 2] = 5e6  # dwell of an idle tab: 10^4 times the log's largest
+
+
+def test_dcn_cross_layers_under_fp16_autocast_overflow_on_an_out_of_scale_record(tmp_path):
+    """Min-max scaling by the training log's largest dwell leaves an idle session at 10^4;
+    the first cross layer multiplies by x0 again, and autocast's cast of its output into
+    the second layer's float16 matmul overflows. The replay names that cast in ``cross.w.1``
+    on record 4 alone (one run of the loop's line: autocast's three casts in one Linear call
+    are not three iterations), overflow, float32 as the fix and the record as out of scale."""
+    ev, bundle = fire("make_dcn", tmp_path, long_session, amp=True)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        3, "forward", "cross.w.1", [4]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=4")
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["made"], o["samples"]) == (
+        "cross.w.1", 0, "aten._to_copy", "+inf", [4]), o
+    assert o["line_run"] == 1, o
+    assert o["source"] == line_of("x = x0 * lin(x) + x"), o
+    assert rep["cause"] == "overflow" and "float16" in rep["hint"], rep["hint"]
+    assert "float32" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+@pytest.mark.parametrize("make,plant,amp", [
+    ("make_deepfm", None, False),
+    ("make_sparse_deepfm", None, False),
+    ("make_din", None, False),
+    ("make_din_unnormalised", empty_history, False),
+    ("make_dcn", None, True)])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, plant, amp):
+    """DeepFM (dense and with sparse tables under SparseAdam), DIN with -inf padding that
+    stays inside its softmax, DIN's own unnormalised attention over a cold-start user's empty
+    history (all weights 0: finite), DCN-v2 under float16 autocast: no event, bit-identical
+    weights with and without the recorder."""
+    recorded = train(make, tmp_path, plant, amp=amp)
+    plain = train(make, tmp_path, plant, record=False, amp=amp)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
