@@ -84,8 +84,9 @@ def missing_count(tensors, first):
 def test_missing_count_of_minus_one_names_log1p_not_the_batch_norm_that_spread_it(tmp_path):
     """A count joined as -1 for "missing" is log1p'd to -inf in forward; BatchNorm's batch
     mean then spreads NaN to every row. The event sees NaN in all 16 rows of the root's
-    output; the replay names the log1p on record 5 alone, the -1 at its pole, and dropping the
-    record makes the step finite."""
+    output; the replay names the log1p on record 5 alone, the -1 at its pole, that the batch
+    itself holds that -1 (a missing-value code to impute, not a value to clamp), and dropping
+    the record makes the step finite."""
     ev, bundle = fire("make_deepfm", tmp_path, missing_count)
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "", "nan"), ev
     assert ev["samples"] == list(range(M.B)), ev
@@ -96,6 +97,8 @@ def test_missing_count_of_minus_one_names_log1p_not_the_batch_norm_that_spread_i
     assert o["source"] == line_of("dense = self.num_bn(torch.log1p(num))"), o
     assert rep["cause"] == "invalid" and "log1p of -1" in rep["hint"], rep["hint"]
     assert "keep the input above -1" in rep["hint"], rep["hint"]
+    assert "args[1] holds -1 at sample(s) 5 (column 1) as the batch gave it" in rep["hint"]
+    assert "missing value" in rep["hint"] and "impute" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
