@@ -83,19 +83,24 @@ class DCNv2(nn.Module):
 class TargetAttention(nn.Module):
     """DIN's activation unit: an MLP over ``[q, k, q - k, q * k]`` scores each behaviour
     against the candidate; ``softmax=True`` normalises the scores over the valid positions
-    with ``-inf`` padding (as many re-implementations do), else DIN's own unnormalised
-    ``scores * mask``."""
+    with ``-inf`` padding (as many re-implementations do), ``"manual"`` divides the masked
+    exp by its sum, else DIN's own unnormalised ``scores * mask``."""
 
-    def __init__(self, softmax: bool):
+    def __init__(self, softmax: bool | str, nan_to_num: bool = False):
         super().__init__()
-        self.softmax = softmax
+        self.softmax, self.nan_to_num = softmax, nan_to_num
         self.unit = nn.Sequential(nn.Linear(4 * D, 16), nn.Sigmoid(), nn.Linear(16, 1))
 
     def forward(self, q, keys, mask):
         q = q.unsqueeze(1).expand_as(keys)
         scores = self.unit(torch.cat([q, keys, q - keys, q * keys], -1)).squeeze(-1)
-        if self.softmax:
+        if self.softmax == "manual":  # exp over the valid positions, divided by their sum
+            e = torch.exp(scores - scores.amax(-1, keepdim=True)) * mask
+            w = e / e.sum(-1, keepdim=True)
+        elif self.softmax:
             w = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+            if self.nan_to_num:  # the forum's fix for an empty history: forward only
+                w = torch.nan_to_num(w)
         else:
             w = scores * mask
         return (w.unsqueeze(-1) * keys).sum(1)
@@ -105,12 +110,12 @@ class DIN(nn.Module):
     """Deep Interest Network: the user's clicked items (0-padded, ``HIST`` long) attended by
     the candidate item, beside the context fields."""
 
-    def __init__(self, softmax: bool = True):
+    def __init__(self, softmax: bool | str = True, nan_to_num: bool = False):
         super().__init__()
         self.items = nn.Embedding(ITEMS, D, padding_idx=0)
         self.ctx = nn.Embedding(sum(FIELDS), D)
         self.offsets = torch.tensor((0, *FIELDS[:-1])).cumsum(0)
-        self.att = TargetAttention(softmax)
+        self.att = TargetAttention(softmax, nan_to_num)
         self.dnn = mlp((D * (2 + len(FIELDS)), 32, 1))
 
     def forward(self, cat, item, hist):
@@ -138,6 +143,16 @@ def make_dcn() -> nn.Module:
 def make_din() -> nn.Module:
     torch.manual_seed(0)
     return DIN()
+
+
+def make_din_nan_to_num() -> nn.Module:
+    torch.manual_seed(0)
+    return DIN(nan_to_num=True)
+
+
+def make_din_manual() -> nn.Module:
+    torch.manual_seed(0)
+    return DIN(softmax="manual")
 
 
 def make_din_unnormalised() -> nn.Module:
@@ -168,5 +183,5 @@ def impressions(n: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(cat, num, item, hist, click, rate)
 
 
-def loader(data: TensorDataset) -> DataLoader:
-    return DataLoader(data, batch_size=B, shuffle=False)
+def loader(data: TensorDataset, batch_size: int = B) -> DataLoader:
+    return DataLoader(data, batch_size=batch_size, shuffle=False)

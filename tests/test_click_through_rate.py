@@ -38,11 +38,13 @@ def optimizers(model, make: str):
     return torch.optim.Adam(dense, lr=1e-2), sparse
 
 
-def train(make: str, out_dir, plant=None, record: bool = True, amp: bool = False):
+def train(make: str, out_dir, plant=None, record: bool = True, amp: bool = False,
+          accum: int = 1):
     """Four batches of 16 impressions; ``plant(tensors, LAST)`` edits the last batch's rows
     before the DataLoader reads them. DIN takes (fields, candidate, history); DeepFM takes
     the raw counts (it log1p's them itself), DCN the counts min-max scaled by the log's
-    largest. Returns the model."""
+    largest. With ``accum``, each batch is that many micro-batches (DataLoader batches of
+    ``16 / accum``), the loss divided by it, one update per batch. Returns the model."""
     model = getattr(M, make)()
     data = M.impressions(STEPS * M.B)
     if plant is not None:
@@ -53,27 +55,28 @@ def train(make: str, out_dir, plant=None, record: bool = True, amp: bool = False
                          factory=f"click_through_rate_models:{make}") if record else None
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else M.weighted_bce
-        for cat, num, item, hist, click, rate in M.loader(data):
+        for k, (cat, num, item, hist, click, rate) in enumerate(M.loader(data, M.B // accum)):
             args = (cat, item, hist) if "din" in make else (
                 cat, num / MAX_DWELL if "dcn" in make else num)
             with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
                 logits = model(*args)
-            loss = loss_fn(logits.float(), click, 1.0 / rate)
-            opt.zero_grad()
-            if sparse is not None:
-                sparse.zero_grad()
+            loss = loss_fn(logits.float(), click, 1.0 / rate) / accum
             loss.backward()
+            if (k + 1) % accum:
+                continue
             torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 5.0)
             opt.step()
+            opt.zero_grad()
             if sparse is not None:
                 sparse.step()
+                sparse.zero_grad()
             sched.step()
     return model
 
 
-def fire(make: str, tmp_path, plant, amp: bool = False):
+def fire(make: str, tmp_path, plant, amp: bool = False, accum: int = 1):
     with pytest.raises(NonFiniteError) as info:
-        train(make, tmp_path, plant, amp=amp)
+        train(make, tmp_path, plant, amp=amp, accum=accum)
     return info.value.event, info.value.bundle_path
 
 
@@ -121,6 +124,40 @@ def test_din_softmax_over_an_empty_history_names_the_fully_masked_row(tmp_path):
     assert o["source"] == line_of('w = torch.softmax(scores.masked_fill(~mask, float("-inf"))'), o
     assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
     assert "keep at least one key per row" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def late_empty_history(tensors, first):
+    tensors[3][first + M.B // 2 + 3] = 0  # the cold-start user in the second micro-batch
+
+
+def test_din_empty_history_under_accumulation_names_the_micro_batch_and_its_row(tmp_path):
+    """Two micro-batches of 8 per update: the cold-start user is row 3 of the second one.
+    The event and the replay name micro-batch 1 and its row 3 (not row 11 of the update)."""
+    ev, bundle = fire("make_din", tmp_path, late_empty_history, accum=2)
+    assert (ev["step"], ev["module"], ev["micro_batch"], ev["samples"]) == (3, "att", 1, [3]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=3")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["micro_batch"], o["samples"]) == (
+        "att", "aten._softmax", 1, [3]), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_din_manual_softmax_of_an_empty_history_is_0_by_0_not_an_underflow(tmp_path):
+    """The same cold-start user under a hand-written masked softmax, ``e = exp(s - max) *
+    mask; e / e.sum()``: the row's sum is 0 because the bool mask zeroed every term, exactly,
+    not because exp underflowed. The replay names the division, sample 7, and ``invalid``
+    0/0 (it had said ``underflow`` and sent the user to log space: the bool factor was not
+    read as one that can be 0)."""
+    ev, bundle = fire("make_din_manual", tmp_path, empty_history)
+    assert (ev["step"], ev["module"], ev["samples"]) == (3, "att", [7]), ev
+    rep = nanreplay_json(bundle, "--try", "drop=7")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("att", "aten.div", "nan", [7]), o
+    assert o["source"] == line_of("w = e / e.sum(-1, keepdim=True)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "skip the rows where it is 0" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
@@ -174,14 +211,19 @@ def test_dcn_cross_layers_under_fp16_autocast_overflow_on_an_out_of_scale_record
     ("make_sparse_deepfm", None, False),
     ("make_din", None, False),
     ("make_din_unnormalised", empty_history, False),
+    ("make_din_nan_to_num", empty_history, False),
     ("make_dcn", None, True)])
-def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, plant, amp):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, plant, amp, accum):
     """DeepFM (dense and with sparse tables under SparseAdam), DIN with -inf padding that
     stays inside its softmax, DIN's own unnormalised attention over a cold-start user's empty
-    history (all weights 0: finite), DCN-v2 under float16 autocast: no event, bit-identical
-    weights with and without the recorder."""
-    recorded = train(make, tmp_path, plant, amp=amp)
-    plain = train(make, tmp_path, plant, record=False, amp=amp)
+    history (all weights 0: finite), the -inf-padded softmax's NaN row of that user taken back
+    by ``nan_to_num`` (masked_fill's backward gives the filled scores no gradient, so none of
+    it reaches the weights), DCN-v2 under float16 autocast, each with and without two
+    accumulated micro-batches: no event, bit-identical weights with and without the
+    recorder."""
+    recorded = train(make, tmp_path, plant, amp=amp, accum=accum)
+    plain = train(make, tmp_path, plant, record=False, amp=amp, accum=accum)
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
