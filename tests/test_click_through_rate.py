@@ -161,25 +161,31 @@ def test_din_manual_softmax_of_an_empty_history_is_0_by_0_not_an_underflow(tmp_p
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
-def zero_rate(tensors, first):
-    tensors[5][first + 2] = 0.0  # BUG: a sampling rate logged as 0 for a dropped-traffic slice
+def zero_rate(row: int):
+    def plant(tensors, first):
+        tensors[5][first + row] = 0.0  # BUG: a rate logged as 0 for a dropped-traffic slice
+    return plant
 
 
-def test_downsampling_rate_of_0_names_the_sample_weight_argument_and_its_row(tmp_path):
+@pytest.mark.parametrize("row,what", [(2, "aten.mul"), (0, "aten.div")])
+def test_downsampling_rate_of_0_names_the_sample_weight_argument_and_its_row(tmp_path, row, what):
     """A negative logged with a sampling rate of 0 gets the weight ``1 / 0 = inf``: an input
-    event on the loss's weight argument, on record 2, not blamed on the model; the loss
-    re-run names the product that turned it into NaN."""
-    ev, bundle = fire("make_deepfm", tmp_path, zero_rate)
+    event on the loss's weight argument, on that record, not blamed on the model; the loss
+    re-run names the op that turned it into NaN: ``0 * inf`` where the record's BCE is
+    exactly 0 in float32 (a logit of -22, row 2), else the normalisation's ``inf / inf``."""
+    ev, bundle = fire("make_deepfm", tmp_path, zero_rate(row))
     assert (ev["step"], ev["phase"], ev["tensor"], ev["kind"], ev["samples"]) == (
-        3, "input", "loss_args[2]", "+inf", [2]), ev
-    rep = nanreplay_json(bundle)
+        3, "input", "loss_args[2]", "+inf", [row]), ev
+    rep = nanreplay_json(bundle, "--try", f"drop={row}")
     o = rep["origin"]
     assert (rep["reproduced"], o["phase"], o["tensor"], o["samples"]) == (
-        True, "input", "loss_args[2]", [2]), o
+        True, "input", "loss_args[2]", [row]), o
     assert rep["cause"] == "input", rep
     assert rep["hint"].startswith("loss_args[2] (weights) holds +inf"), rep["hint"]
-    assert line_of("return (bce * weights).sum() / weights.sum()") in rep["hint"], rep["hint"]
+    line = line_of("return (bce * weights).sum() / weights.sum()")
+    assert f"{what} ({line}) computed" in rep["hint"], rep["hint"]
     assert "check the data pipeline for these samples" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
 def long_session(tensors, first):
