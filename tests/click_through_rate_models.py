@@ -84,7 +84,7 @@ class TargetAttention(nn.Module):
     """DIN's activation unit: an MLP over ``[q, k, q - k, q * k]`` scores each behaviour
     against the candidate; ``softmax=True`` normalises the scores over the valid positions
     with ``-inf`` padding (as many re-implementations do), ``"manual"`` divides the masked
-    exp by its sum, else DIN's own unnormalised ``scores * mask``."""
+    exp by its sum, ``"mean"`` averages the valid positions' embeddings, else DIN's own unnormalised ``scores * mask``."""
 
     def __init__(self, softmax: bool | str, nan_to_num: bool = False):
         super().__init__()
@@ -94,6 +94,8 @@ class TargetAttention(nn.Module):
     def forward(self, q, keys, mask):
         q = q.unsqueeze(1).expand_as(keys)
         scores = self.unit(torch.cat([q, keys, q - keys, q * keys], -1)).squeeze(-1)
+        if self.softmax == "mean":  # YouTube-DNN's average of the watched items, no attention
+            return keys.sum(1) / mask.sum(-1, keepdim=True)
         if self.softmax == "manual":  # exp over the valid positions, divided by their sum
             e = torch.exp(scores - scores.amax(-1, keepdim=True)) * mask
             w = e / e.sum(-1, keepdim=True)
@@ -153,6 +155,11 @@ def make_din_nan_to_num() -> nn.Module:
 def make_din_manual() -> nn.Module:
     torch.manual_seed(0)
     return DIN(softmax="manual")
+
+
+def make_din_mean() -> nn.Module:
+    torch.manual_seed(0)
+    return DIN(softmax="mean")
 
 
 def make_din_unnormalised() -> nn.Module:

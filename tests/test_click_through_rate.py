@@ -161,6 +161,21 @@ def test_din_manual_softmax_of_an_empty_history_is_0_by_0_not_an_underflow(tmp_p
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_mean_pooled_history_of_a_cold_start_user_names_the_0_by_0_average(tmp_path):
+    """YouTube-DNN's average of the watched items' embeddings, divided by the count of valid
+    positions: 0/0 for the user with none (the padding row's embedding is 0 too). The replay
+    names the division in ``att``, sample 7, 0/0 and a floor on the count or skipping the row."""
+    ev, bundle = fire("make_din_mean", tmp_path, empty_history)
+    assert (ev["step"], ev["module"], ev["samples"], ev["kind"]) == (3, "att", [7], "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=7")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == ("att", "aten.div", [7]), o
+    assert o["source"] == line_of("return keys.sum(1) / mask.sum(-1, keepdim=True)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "clamp_min(eps)" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 def zero_rate(row: int):
     def plant(tensors, first):
         tensors[5][first + row] = 0.0  # BUG: a rate logged as 0 for a dropped-traffic slice
