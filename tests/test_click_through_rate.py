@@ -80,27 +80,37 @@ def fire(make: str, tmp_path, plant, amp: bool = False, accum: int = 1):
     return info.value.event, info.value.bundle_path
 
 
-def missing_count(tensors, first):
-    tensors[1][first + 5, 1] = -1.0  # BUG: the join's fillna(-1) for a user with no clicks
+def missing_count(code: float = -1.0):
+    def plant(tensors, first):
+        tensors[1][first + 5, 1] = code  # BUG: the join's fillna(-1) for a user with no clicks
+    return plant
 
 
-def test_missing_count_of_minus_one_names_log1p_not_the_batch_norm_that_spread_it(tmp_path):
+POLE = "log1p of -1 (a pole: -inf)"
+BELOW = "log1p of a number below -1 (as low as -2)"
+
+
+@pytest.mark.parametrize("make,code,made,said", [("make_deepfm", -1.0, "-inf", POLE),
+                                                 ("make_sparse_deepfm", -1.0, "-inf", POLE),
+                                                 ("make_deepfm", -2.0, "nan", BELOW)])
+def test_missing_count_code_names_log1p_not_the_batch_norm_that_spread_it(
+        tmp_path, make, code, made, said):
     """A count joined as -1 for "missing" is log1p'd to -inf in forward; BatchNorm's batch
     mean then spreads NaN to every row. The event sees NaN in all 16 rows of the root's
-    output; the replay names the log1p on record 5 alone, the -1 at its pole, that the batch
-    itself holds that -1 (a missing-value code to impute, not a value to clamp), and dropping
-    the record makes the step finite."""
-    ev, bundle = fire("make_deepfm", tmp_path, missing_count)
+    output; the replay names the log1p on record 5 alone, the -1 at its pole (-2: below its
+    domain, NaN), that the batch itself holds that code (a missing value to impute, not a
+    value to clamp), and dropping the record makes the step finite; the same with the
+    tables sparse under SparseAdam beside the recorded Adam."""
+    ev, bundle = fire(make, tmp_path, missing_count(code))
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "", "nan"), ev
     assert ev["samples"] == list(range(M.B)), ev
     rep = nanreplay_json(bundle, "--try", "drop=5")
     o = rep["origin"]
     assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
-        True, "", "aten.log1p", "-inf", [5]), o
+        True, "", "aten.log1p", made, [5]), o
     assert o["source"] == line_of("dense = self.num_bn(torch.log1p(num))"), o
-    assert rep["cause"] == "invalid" and "log1p of -1" in rep["hint"], rep["hint"]
-    assert "keep the input above -1" in rep["hint"], rep["hint"]
-    assert "args[1] holds -1 at sample(s) 5 (column 1) as the batch gave it" in rep["hint"]
+    assert rep["cause"] == "invalid" and said in rep["hint"], rep["hint"]
+    assert f"args[1] holds {code:g} at sample(s) 5 (column 1) as the batch gave it" in rep["hint"]
     assert "missing value" in rep["hint"] and "impute" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
