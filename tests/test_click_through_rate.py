@@ -38,7 +38,7 @@ def optimizers(model, make: str):
     return torch.optim.Adam(dense, lr=1e-2), sparse
 
 
-def train(make: str, out_dir, plant=None, record: bool = True, amp: bool = False,
+def train(make: str, out_dir, plant=None, record: bool = True, amp=None,
           accum: int = 1):
     """Four batches of 16 impressions; ``plant(tensors, LAST)`` edits the last batch's rows
     before the DataLoader reads them. DIN takes (fields, candidate, history); DeepFM takes
@@ -58,7 +58,7 @@ def train(make: str, out_dir, plant=None, record: bool = True, amp: bool = False
         for k, (cat, num, item, hist, click, rate) in enumerate(M.loader(data, M.B // accum)):
             args = (cat, item, hist) if "din" in make else (
                 cat, num / MAX_DWELL if "dcn" in make else num)
-            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            with torch.autocast("cpu", dtype=amp or torch.float16, enabled=amp is not None):
                 logits = model(*args)
             loss = loss_fn(logits.float(), click, 1.0 / rate) / accum
             loss.backward()
@@ -74,7 +74,7 @@ def train(make: str, out_dir, plant=None, record: bool = True, amp: bool = False
     return model
 
 
-def fire(make: str, tmp_path, plant, amp: bool = False, accum: int = 1):
+def fire(make: str, tmp_path, plant, amp=None, accum: int = 1):
     with pytest.raises(NonFiniteError) as info:
         train(make, tmp_path, plant, amp=amp, accum=accum)
     return info.value.event, info.value.bundle_path
@@ -223,7 +223,7 @@ def test_dcn_cross_layers_under_fp16_autocast_overflow_on_an_out_of_scale_record
     the second layer's float16 matmul overflows. The replay names that cast in ``cross.w.1``
     on record 4 alone (one run of the loop's line: autocast's three casts in one Linear call
     are not three iterations), overflow, float32 as the fix and the record as out of scale."""
-    ev, bundle = fire("make_dcn", tmp_path, long_session, amp=True)
+    ev, bundle = fire("make_dcn", tmp_path, long_session, amp=torch.float16)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
         3, "forward", "cross.w.1", [4]), ev
     rep = nanreplay_json(bundle, "--try", "drop=4")
@@ -238,19 +238,21 @@ def test_dcn_cross_layers_under_fp16_autocast_overflow_on_an_out_of_scale_record
 
 
 @pytest.mark.parametrize("make,plant,amp", [
-    ("make_deepfm", None, False),
-    ("make_sparse_deepfm", None, False),
-    ("make_din", None, False),
-    ("make_din_unnormalised", empty_history, False),
-    ("make_din_nan_to_num", empty_history, False),
-    ("make_dcn", None, True)])
+    ("make_deepfm", None, None),
+    ("make_sparse_deepfm", None, None),
+    ("make_din", None, None),
+    ("make_din_unnormalised", empty_history, None),
+    ("make_din_nan_to_num", empty_history, None),
+    ("make_dcn", None, torch.float16),
+    ("make_dcn", long_session, torch.bfloat16)])
 @pytest.mark.parametrize("accum", [1, 2])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make, plant, amp, accum):
     """DeepFM (dense and with sparse tables under SparseAdam), DIN with -inf padding that
     stays inside its softmax, DIN's own unnormalised attention over a cold-start user's empty
     history (all weights 0: finite), the -inf-padded softmax's NaN row of that user taken back
     by ``nan_to_num`` (masked_fill's backward gives the filled scores no gradient, so none of
-    it reaches the weights), DCN-v2 under float16 autocast, each with and without two
+    it reaches the weights), DCN-v2 under float16 autocast, and under bfloat16 with the idle
+    session's 10^4 (within bfloat16's range, which float16's is not), each with and without two
     accumulated micro-batches: no event, bit-identical weights with and without the
     recorder."""
     recorded = train(make, tmp_path, plant, amp=amp, accum=accum)
