@@ -110,6 +110,7 @@ def test_missing_count_code_names_log1p_not_the_batch_norm_that_spread_it(
         True, "", "aten.log1p", made, [5]), o
     assert o["source"] == line_of("dense = self.num_bn(torch.log1p(num))"), o
     assert rep["cause"] == "invalid" and said in rep["hint"], rep["hint"]
+    assert "keep the input above -1 (x.clamp_min(-1 + eps))" in rep["hint"], rep["hint"]
     assert f"args[1] holds {code:g} at sample(s) 5 (column 1) as the batch gave it" in rep["hint"]
     assert "missing value" in rep["hint"] and "impute" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
