@@ -223,7 +223,8 @@ def test_dcn_cross_layers_under_fp16_autocast_overflow_on_an_out_of_scale_record
     the first cross layer multiplies by x0 again, and autocast's cast of its output into
     the second layer's float16 matmul overflows. The replay names that cast in ``cross.w.1``
     on record 4 alone (one run of the loop's line: autocast's three casts in one Linear call
-    are not three iterations), overflow, float32 as the fix and the record as out of scale."""
+    are not three iterations), overflow, float32 as the fix and the record as out of scale
+    (not its column as one in other units)."""
     ev, bundle = fire("make_dcn", tmp_path, long_session, amp=torch.float16)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
         3, "forward", "cross.w.1", [4]), ev
@@ -235,6 +236,8 @@ def test_dcn_cross_layers_under_fp16_autocast_overflow_on_an_out_of_scale_record
     assert o["source"] == line_of("x = x0 * lin(x) + x"), o
     assert rep["cause"] == "overflow" and "float16" in rep["hint"], rep["hint"]
     assert "float32" in rep["hint"] and "out of scale" in rep["hint"], rep["hint"]
+    # (the record, not the column's unit: every other row's dwell is in range)
+    assert "standardise the columns" not in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
