@@ -7,7 +7,8 @@ gradient of the weights that multiply it is 1000x to 1e6x larger, and one plain 
 them out (``matrix_exp(W * W)`` then overflows). No row stands out (:mod:`replay.data_scale`
 looks for records), every sample holds the column; the precursors see the weights jump and say
 to lower the learning rate, which only slows the divergence the scale causes. The hint names
-the columns and says to standardise them.
+the columns and says to standardise them; not when a few records stand out from every other
+row (:mod:`replay.data_scale` names them: one idle session's dwell makes its column wide too).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from recorder.capture import batch_path
 
 from .domains import g
 from .load import Step
+from .outliers import out_of_scale
 from .recorded import n_args
 
 _RATIO = 100.0  # a column this many times the median column's absmax is in another unit
@@ -48,6 +50,8 @@ def column_scale_hint(report: dict[str, Any], step: Step) -> None:
     o = report.get("origin") or {}
     if report.get("cause") != "overflow" or not report.get("hint"):
         return
+    if out_of_scale(step, o) is not None:  # (records that stand out made the column wide:
+        return  # theirs is the fault, said by replay.data_scale; the column's unit is fine)
     i = o.get("micro_batch") or 0
     mb = step.micro_batches[i] if i < len(step.micro_batches) else {}
     for key, raw in (mb.get("paths") or {}).items():

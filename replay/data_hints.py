@@ -11,7 +11,8 @@ value per pair or group reaches (``replay.grouped_arg``); a loss made non-finite
 micro-batch of one sample (``replay.single_sample``); a 0/0 over records with nothing in them
 (``replay.empty_records``); a number attribute the loop grew past the step's type
 (``replay.grown_number``); an overflow of a batch whose columns are in other units
-(``replay.column_scale``)."""
+(``replay.column_scale``); a log's
+argument outside its domain that the batch holds as given (``replay.data_pole``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 from .chunk_rows import chunk_note
 from .column_scale import column_scale_hint
 from .data_overflow import data_overflow_hint
+from .data_pole import data_pole_hint
 from .data_scale import data_scale_hint
 from .domain_outliers import domain_outlier_hint
 from .edge_probability import edge_probability_hint
@@ -49,3 +51,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     empty_records_hint(report, step)  # (a per-line mean over an empty stroke file's mask)
     grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)
     column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)
+    data_pole_hint(report, step)  # (log1p of a count filled with -1 for missing)

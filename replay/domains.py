@@ -169,8 +169,8 @@ def describe(name: str, ev: Evidence) -> tuple[str, str]:
         if neg:
             return f"{op} of a negative number (as low as {g(float(x.min()))})", "log_domain"
         return f"{op} of 0 (log has a pole at 0: -inf)", "pole"
-    if base == "log1p":
-        return ((f"{op} of a number below -1 (as low as {low})", "domain") if bool(
+    if base == "log1p":  # (its bound is -1, below too: the generic clamp_min(eps) is not it)
+        return ((f"{op} of a number below -1 (as low as {low})", "log1p_pole") if bool(
             (x < -1).any()) else (f"{op} of -1 (a pole: -inf)", "log1p_pole"))
     if base == "logit" and x.numel():
         return _logit(op, x)

@@ -4,7 +4,9 @@ A recurrence written as a loop over time steps (an sLSTM's or mLSTM's ``for t in
 a WKV kernel's running max) runs the op's line once a step: the line alone does not say
 whether the first NaN came at the first step (a bad initial state) or after a hundred (a
 state growing until it overflowed, the first padded position). One more forward-only re-run
-counts the op's calls made at that line in the call, up to the blamed one.
+counts the op's calls made at that line in the call, up to the blamed one. An op of a
+library module (``nn.Linear`` under autocast: a cast of its bias, input and weight) has its
+caller's line as its source, which one module call runs once, whatever the op's calls there.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def line_run(runner, module: str, call: int, mb: int, hit: Any
             if runner.micro_batch == mb:
                 if state["count"] == call:
                     state["active"] = True
+                    state["caller"] = user_source()  # (the line that called the module)
                     counter.__enter__()
                 state["count"] += 1
 
@@ -89,6 +92,8 @@ def line_run(runner, module: str, call: int, mb: int, hit: Any
             counter.__exit__(None, None, None)
     if counter.seen != hit.occurrence + 1 or not counter.runs:
         return None, [], False
+    if state.get("caller") == hit.source:  # (a library module's casts and matmul at its
+        return 1, [], False  # caller's line: one run of that line, however many op calls)
     if layer_stack(counter.took):  # (growth through depth, not iterates: no diverging loop)
         return counter.runs, [], True
     sizes = torch.stack(counter.sizes).tolist() if counter.sizes else []  # (one host read)

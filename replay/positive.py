@@ -63,6 +63,8 @@ def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) 
     if name in REDUCTIONS and ins and positive(ins[0]):
         return True
     numbers = [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if (name in SUMS or name == "mul") and not _integral_positive(leaves):
+        return False  # (``exp(s) * mask`` of a bool mask: its 0s are the mask's, exact)
     if name in SUMS and ins and any(positive(t) for t in ins):
         # every term positive: the other factors' values all > 0 (v = ones, b / (K^T u));
         # the inputs are finite here, so ``> 0`` reads their values (add's alpha too)
@@ -71,6 +73,13 @@ def positive_result(name: str, ins: list[torch.Tensor], leaves: list, positive) 
     # a product of positive tensors and positive numbers (2 * var)
     return name == "mul" and bool(ins) and all(positive(t) for t in ins) and all(
         v > 0 for v in numbers)
+
+
+def _integral_positive(leaves: list) -> bool:
+    """Every bool or integer tensor among an op's arguments (which ``ins``, the float ones,
+    leaves out) is > 0: a factor or term that cannot make the result 0."""
+    return all(bool((v > 0).all()) for v in leaves if isinstance(v, torch.Tensor)
+               and not v.is_floating_point() and not v.is_complex())
 
 
 def first_inputs(fn, depth: int = 8):
