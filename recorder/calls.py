@@ -15,16 +15,23 @@ from functools import partial
 import torch
 from torch import nn
 
-from .capture import as_called, data_arguments, output_leaves, tensor_leaves
-from .compat import func_transform, in_backward, version, version_of, view_base
+from .capture import as_called, data_arguments, output_leaves
+from .compat import (
+    any_autocast_enabled,
+    func_transform,
+    in_backward,
+    version,
+    version_of,
+)
 from .compiled import disabled
 from .cycle import StepCycle
 from .errors import NonFiniteError
 from .finite import ANY, checkable, real_view, stored
 from .hooks import Health, Hook
 from .out_grads import keep_grad, keep_out_grad
+from .refs import input_refs, leaves, named_leaves, output_ref, output_refs, produced
 from .shards import local
-from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT, flat_view
+from .slots import FLOAT32, GRAD, LOOSE, NAN_ONLY, RELU_OF, STRICT
 from .tape import MicroBatch, Tape
 from .target import Target, autocast_state
 
@@ -106,12 +113,15 @@ class CallHooks:
             # model.eval(), RL rollouts, swa_utils.update_bn), unless an input requires grad
             # (a root run under a reentrant checkpoint, whose backward runs it again)
             tape = cycle.tape_for_forward(not torch.is_grad_enabled() and not (
-                training and any(t.requires_grad for t in _leaves(args, kwargs))))
-            mb = MicroBatch(*as_called(args, kwargs), grad_enabled=torch.is_grad_enabled(),
-                            training=training,
-                            autocast=autocast_state(self.target.root_autocast(root)))
+                training and any(t.requires_grad for t in leaves(args, kwargs))))
+            inner = self.target.root_autocast(root)
+            mb = MicroBatch(*(as_called(args, kwargs) if kwargs or len(args) != 1
+                              or type(args[0]) is not torch.Tensor else (args, kwargs)),
+                            grad_enabled=torch.is_grad_enabled(), training=training,
+                            autocast=autocast_state(inner) if inner or any_autocast_enabled()
+                            else {})  # (no autocast: no call, the usual case)
             if tape.micro_batches and not self.copy_inputs \
-                    and tape.micro_batches[-1].written_since(_leaves(args, kwargs)):
+                    and tape.micro_batches[-1].written_since(leaves(args, kwargs)):
                 # the loop wrote into the last micro-batch's inputs since (one buffer reused for
                 # every micro-batch, static_x.copy_(x)), or may have: keep copies from here on
                 self.copy_inputs = True
@@ -136,9 +146,11 @@ class CallHooks:
         ``args[i]`` or a keyword, or an allowed buffer), else an infinity that comes in (a float
         mask) is an event only where it leads. Cached for the first layers that take it;
         ``versions`` gets (input, version). An ``allow_nan`` input is kept, never checked."""
-        refs = []
+        refs, target = [], self.target
         one = not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor  # the usual batch
-        for name, t in (("args[0]", args[0]),) if one else _named_leaves(args, kwargs):
+        # no allow_nan or allow_inf names, no buffers: nothing to look up (the usual case)
+        named = bool(target.settings.allow_nan or target.settings.allow_inf)
+        for name, t in (("args[0]", args[0]),) if one else named_leaves(args, kwargs):
             view = None
             if not t.is_floating_point() or t.numel() == 0:
                 if not t.is_complex() or t.numel() == 0:
@@ -146,12 +158,13 @@ class CallHooks:
                         versions.append((t, version_of(t)))
                     continue
                 view = real_view(t)  # (a complex batch, k-space or a spectrum: both parts)
-            nan_ok = self.target.nan_allowed(name)
-            hit = _produced(tape, t) if tape.cache else None  # (none at a step's start)
+            nan_ok = named and target.nan_allowed(name)
+            hit = produced(tape, t) if tape.cache else None  # (none at a step's start)
             if hit is not None:  # (checked as it was)
                 refs.append((hit[1], hit[2], ANY if nan_ok else hit[1][0] % RELU_OF == NAN_ONLY))
                 continue
-            intended = self.target.allowed_buffer(t) or self.target.is_allowed(name)
+            intended = bool(target.allowed_buffers and target.allowed_buffer(t)
+                            or named and target.is_allowed(name))
             soft = not self.strict_inf or intended
             a, b = tape.slots.minmax(t.detach() if view is None else view,
                                      LOOSE if nan_ok else NAN_ONLY if soft else STRICT)
@@ -164,7 +177,7 @@ class CallHooks:
 
     def _end_micro_batch(self, tape: Tape, output) -> None:
         """Keep the root output, and the gradient backward brings to each of its tensors."""
-        mb = tape.micro_batches[tape.micro_batch]
+        mb = tape.micro_batches[tape.last if tape.by_thread is None else tape.micro_batch]
         mb.outputs = output
         if self.cycle.traced:  # its calls ran in a compiled caller's graph: one region
             self.cycle.traced = False
@@ -193,18 +206,18 @@ class CallHooks:
         if tape is None or not self.health.active or func_transform() is not None:
             return self._outside(idx, tape)
         try:
-            mb = tape.micro_batch
+            mb = tape.last if tape.by_thread is None else tape.micro_batch  # (its usual case)
             if idx == 0:
                 ins = tape.micro_batches[mb].input_refs
             elif len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and \
-                    (hit := _produced(tape, args[0], output)) is not None:
+                    (hit := produced(tape, args[0], output)) is not None:
                 ins = (hit[1:4],)  # one tensor in, an earlier call's output: the usual chain
             else:
-                ins = self._input_refs(tape, args, kwargs, made_here=output)
+                ins = input_refs(tape, self.target, args, kwargs, made_here=output)
             if type(output) is torch.Tensor and not self.param_norms:  # the usual case
-                outs, stats = _output_ref(tape, output, allowed, intended, reuse=True), None
+                outs, stats = output_ref(tape, output, allowed, intended, reuse=True), None
             else:
-                outs, stats = self._output_refs(tape, output, allowed, intended)
+                outs, stats = output_refs(tape, output, allowed, intended, self.param_norms)
             tape.calls.append((idx, mb, len(tape.calls), outs, stats, ins))
             if idx == 0:
                 self._end_micro_batch(tape, output)
@@ -259,7 +272,7 @@ class CallHooks:
             hit = cache.get(id(a))  # (``_produced`` inlined, its usual case)
             if hit is None or hit[0]() is not a or (a is not output and (
                     hit[4] is None or hit[4] != version(a))):
-                hit = _produced(tape, a, output)
+                hit = produced(tape, a, output)
             if hit is not None:
                 ins = (hit[1:4],)
                 lo, hi = hit[1], hit[2]
@@ -285,43 +298,6 @@ class CallHooks:
             self.cycle.traced = True
         elif func_transform() is None:
             self.cycle.outside_step(idx, tape)
-
-    def _input_refs(self, tape: Tape, args, kwargs, made_here=None) -> tuple:
-        """(min, max, allowed) refs of each floating input of an inner call (kept, never
-        checked); an input that an earlier call produced reuses that call's statistics, so a
-        chain of modules costs nothing here.
-
-        Inputs are seen after the call: one changed in place since it was produced is
-        measured again, unless this call returned it (an in-place module: the produced
-        statistics are its input's)."""
-        refs = []
-        for t in _leaves(args, kwargs):
-            if not t.is_floating_point() or t.numel() == 0:
-                if not (t.is_complex() and t.numel()):
-                    continue
-                t = real_view(t)  # (complex: its real view; float32 refuses a complex sum)
-            hit = _produced(tape, t, made_here)
-            if hit is not None:
-                refs.append(hit[1:4])
-                continue
-            # Only "were they finite" matters for an inner call's inputs: a sum says it in
-            # half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
-            ref = tape.slots.total(t.detach(), LOOSE)
-            refs.append((ref, ref, self.target.allowed_buffer(t)))
-        return tuple(refs)
-
-    def _output_refs(self, tape: Tape, output, allowed: bool, intended: bool):
-        """((min, max) refs per floating output tensor, (sum, 2-norm, numel) refs of the first
-        with ``stats="full"``)."""
-        full = self.param_norms
-        outs, stats, inf_ok = [], None, set()  # (a distribution's logits may be -inf)
-        for t in (output,) if type(output) is torch.Tensor else output_leaves(output, inf_ok):
-            ref = _output_ref(tape, t, allowed or id(t) in inf_ok, intended, reuse=not full)
-            if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
-                d = real_view(t.detach())  # (a complex output: its real view)
-                stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
-            outs += ref
-        return tuple(outs), stats
 
     # ------------------------------------------------------------------------------------------
     # the loss and the gradients
@@ -353,11 +329,12 @@ class CallHooks:
     def record_loss_call(self, tape: Tape, args, kwargs, output) -> None:
         """The loss call's arguments (the targets, kept by reference) on the micro-batch, and
         the (min, max) of each floating output among the step's must-be-finite statistics."""
-        mb = tape.micro_batches[tape.micro_batch]
+        mb = tape.micro_batches[tape.last if tape.by_thread is None else tape.micro_batch]
         if output is None:  # it raised (always_call: validate_args refusing a NaN target)
             output = data_arguments((args, kwargs), mb.outputs)  # (checked in its place)
         mb.keep_loss_call(args, kwargs, tape.cache, self.cycle.copy_targets,  # (autocast_state:
-                          first=len(tape.loss), autocast=autocast_state([]))  # no device read)
+                          first=len(tape.loss),  # no device read)
+                          autocast=autocast_state([]) if any_autocast_enabled() else {})
         tape.loss_stats(output)
 
     def grad_hook(self, i: int, p: torch.Tensor) -> None:
@@ -385,52 +362,6 @@ class CallHooks:
 # helpers
 
 
-def _produced(tape: Tape, t: torch.Tensor, made_here=None) -> tuple | None:
-    """The cache entry of the output (or root input) ``t`` is, or is a whole view of, if it is
-    unchanged since (or changed in place by the call that returned it)."""
-    hit = tape.cache.get(id(t))
-    # (a recorded version None: an inference-mode tensor, whose changes are unknown)
-    if hit is not None and hit[0]() is t and (
-            t is made_here or (hit[4] is not None and hit[4] == version(t))):
-        return hit
-    # a flatten, view or permutation of an output, covering exactly its elements (ConvNeXt's
-    # x.permute(0, 3, 1, 2) back to NCHW: measured again by a sum, large finite values
-    # overflowed it, and the call that made the first +-Inf had "non-finite inputs")
-    base = view_base(t)
-    if base is None:
-        return None
-    hit = tape.cache.get(id(base))
-    if hit is not None and hit[0]() is base and hit[4] is not None \
-            and hit[4] == version(base) \
-            and t.numel() == base.numel() and t.storage_offset() == base.storage_offset() \
-            and _dense(t) and _dense(base):
-        return hit
-    return None
-
-
-def _output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reuse: bool
-                ) -> tuple:
-    """``((min ref, max ref),)`` of one output tensor, or ``()`` if it is not floating.
-    ``reuse``: an output passed through unchanged (a Sequential's) keeps the statistics of the
-    call that made it, when they sit in the region this call's are checked in."""
-    if not t.is_floating_point() or t.numel() == 0:  # (complex, RotatE's r / r.abs(): its real
-        return _output_ref(tape, real_view(t), allowed, intended, reuse) \
-            if t.is_complex() and t.numel() else ()  # view's, for the call that made a NaN)
-    code = NAN_ONLY if allowed else STRICT
-    hit = tape.cache.get(id(t))
-    if reuse and hit is not None and hit[0]() is t and hit[4] is not None \
-            and hit[4] == version(t):
-        if hit[1][0] % RELU_OF == code and hit[3] == intended:  # (a ReLU of its checked slots)
-            return (hit[1:3],)
-        # checked as another region is (the root's output, made by an inner call allowed to
-        # hold +-Inf): its min and max are moved over, not computed again (an LM's logits)
-        a, b = tape.slots.copy_pair(hit[1], hit[2], code)
-    else:
-        a, b = tape.slots.minmax(t.detach(), code)
-    tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version_of(t))
-    return ((a, b),)
-
-
 def _grads_dropped(earlier: list[MicroBatch], params) -> bool:
     """A backward ran through a micro-batch since the last drop (its output's gradient
     came), and yet no parameter holds a gradient: the loop's ``zero_grad`` dropped them, so
@@ -439,29 +370,3 @@ def _grads_dropped(earlier: list[MicroBatch], params) -> bool:
                   if earlier[i].grads_dropped), 0)
     return any(m.out_grads for m in earlier[since:]) and \
         all(p.grad is None for _, p in params)
-
-
-def _named_leaves(args, kwargs):
-    """(top-level name, tensor) of every tensor in a call's arguments: ``args[i]`` or the
-    keyword, for tensors nested inside one too."""
-    for i, a in enumerate(args):
-        for t in tensor_leaves(a):
-            yield f"args[{i}]", t
-    for k, v in (kwargs or {}).items():
-        for t in tensor_leaves(v):
-            yield str(k), t
-
-
-def _leaves(args, kwargs):
-    for a in args:
-        if type(a) is torch.Tensor or isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple, dict)):
-            yield from tensor_leaves(a)
-    if kwargs:
-        yield from tensor_leaves(kwargs)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Its elements fill one block of memory (contiguous, channels-last, any permutation)."""
-    return t.is_contiguous() or flat_view(t, copy=False) is not None

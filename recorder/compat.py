@@ -131,9 +131,9 @@ def in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
-def any_autocast_enabled() -> bool:
-    """Autocast is on for some device type (one call instead of one per device type)."""
-    return torch._C._is_any_autocast_enabled()
+# autocast is on for some device type: one C call (instead of one per device type)
+any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")))
 
 
 def forward_autocasts(fn: Any) -> list[tuple[str, torch.dtype, bool]]:

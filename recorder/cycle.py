@@ -33,6 +33,7 @@ from .foreign import ForeignUpdates
 from .grads import output_grad_norms, reread_changed_grads, weight_step_norms
 from .hooks import Health
 from .linalg import linalg_reason, note_error, raised_inside
+from .probe import Probe
 from .rewind import Rewind
 from .ring import RingBuffer, StepLayout
 from .rng import RngCapture
@@ -78,9 +79,7 @@ class StepCycle:
         self.capture_rng = RngCapture()  # (also as each later micro-batch begins)
         # the last update's evidence, read with the next step's one host read
         self.pending_update: UpdateEvidence | None = None
-        self._probe: torch.Tensor | None = None  # [strict check, NaN-only check, 0, scale]
-        self._probe_views: tuple = ()
-        self._probe_nan_only = False  # its min/max hold this step's NaN-only entries
+        self.probe = Probe()  # the step's one host read
         self.copy_targets = False  # the loop wrote into the loss's targets: see Tape.targets_moved
 
     def release(self) -> None:
@@ -122,9 +121,10 @@ class StepCycle:
                 and tape.scaler_token != scaler_token(self.target.scaler()))
 
     def _open_tape(self, evaluation: bool = False) -> Tape:
-        token = scaler_token(self.target.scaler()) if self.target.has_scaler else None
-        slots = self.slots
-        device = self.target.device()
+        target = self.target
+        token = scaler_token(target.scaler()) if target.has_scaler else None
+        slots, params = self.slots, target.params
+        device = params[0][1].device if params else target.device()  # (its usual case inlined)
         if slots is None or slots.device != device:  # first step, or the model moved
             slots = self.slots = Slots(device)
         slots.start_step()
@@ -133,21 +133,22 @@ class StepCycle:
         tape.params_from_update = self.updated
         if not evaluation:  # the next training step's weights still come from that update
             self.updated = False
-            self.target.follow_optimizer()
-        self.foreign.opened(tape, self.target.watched)
-        if not self.ever_updated and self.target.has_optimizer and not evaluation:
+            target.follow_optimizer()
+        if target.watched is not None:  # (see ForeignUpdates.moved)
+            tape.held_version = version_of(target.watched)
+        if not self.ever_updated and target.has_optimizer and not evaluation:
             # only until the first update (usually one step): the steps' own code may write
             # weights then (a data-dependent init), and no update leaves evidence of them
-            tape.finite_at_open = self.target.finite_flags()
-        if self.target.unowned:  # (none, the usual case: the optimizer holds every one)
-            tape.unowned_versions = [version_of(p) for _, p in self.target.unowned]
-        self.buffers.snapshot(training=not evaluation)
-        self.target.attributes.step_started()
+            tape.finite_at_open = target.finite_flags()
+        if target.unowned:  # (none, the usual case: the optimizer holds every one)
+            tape.unowned_versions = [version_of(p) for _, p in target.unowned]
+        if not self.buffers.idle:  # (a model without buffers: no call)
+            self.buffers.snapshot(training=not evaluation)
+        target.attributes.step_started()
         if self.rewind is not None and not evaluation:
             # the copy of step s: before its forward, after the last update and scheduler step
-            t = self.target
-            self.rewind.opened(self.step, t.params, t.buffers, t.optimizer(), t.scheduler(),
-                               t.scaler())
+            self.rewind.opened(self.step, params, target.buffers, target.optimizer(),
+                               target.scheduler(), target.scaler())
         self.tape = tape
         self.unrooted_call = None
         return tape
@@ -194,18 +195,22 @@ class StepCycle:
             self.tape = None
             if not tape.evaluation:
                 self.step += 1
+        target = self.target
         try:
-            skipped = not tape.evaluation and (skipped_by_loop or self.skipped_by_scaler(tape))
+            skipped = not tape.evaluation and (skipped_by_loop or (
+                target.has_scaler and self.skipped_by_scaler(tape)))
             layout, row, probe, scale = self.build_row(tape, skipped)
         except Exception as e:
             self.health.internal_error(e)
             if at != "exception":
                 self.leave_ranks()  # (in place of this step's exchange)
             return
-        # (ranks agree on training steps, run in lockstep; one may evaluate alone)
-        ok, read_scale = self._read(probe, agree=at not in ("exception", "evaluation"))
-        if self.peers_stopped():
-            return
+        if target.ranks is None:  # (one process: the read, and no call more)
+            ok, read_scale, _ = _read_probe(probe)
+        else:  # (ranks agree on training steps, run in lockstep; one may evaluate alone)
+            ok, read_scale = self._read(probe, agree=at not in ("exception", "evaluation"))
+            if self.peers_stopped():
+                return
         if scale:
             layout.scale = read_scale
         if tape.evaluation:  # the ring is the training steps' history: its row is not kept
@@ -258,12 +263,14 @@ class StepCycle:
 
     def build_row(self, tape: Tape, skipped: bool):
         """Copy the step's statistics into the next ring row and compute, still on the device,
-        a probe (see :func:`_read_probe`): three device ops, as this runs every step. Returns
+        a probe (see :mod:`recorder.probe`): three device ops, as this runs every step. Returns
         (layout, row, probe, scale): ``row`` is the whole step's (the ring keeps it cut when it
         is wider), ``scale`` whether the probe carries the GradScaler's scale (same read)."""
+        target = self.target
         if not tape.evaluation:  # (an evaluation's gradients are the last step's)
             output_grad_norms(tape)
-            weight_step_norms(tape, self.target, self.settings.param_norms)
+            if target.small or target.unowned or tape.finite_at_open is not None:
+                weight_step_norms(tape, target, self.settings.param_norms)  # (else none)
         layout, pieces, shift, starts, ends = self._layout(tape, skipped)
         total = shift + ends[LOOSE]
         # (a whole-vector row: the slots' length, which the ring follows when they grow)
@@ -278,19 +285,19 @@ class StepCycle:
         # (and cleared, so that a later step that writes fewer does not find them)
         if skipped:
             tape.slots.zero(GRAD)
-        probe, scale = self._fill_probe(full, row, tape.slots.device,
-                                        shift + ends[STRICT if skipped else GRAD],
-                                        shift + starts[NAN_ONLY],
-                                        ends[NAN_ONLY] - starts[NAN_ONLY])
-        return layout, full, probe, scale
+        probe = self.probe.fill(self.ring, full, row, tape.slots.device,
+                                shift + ends[STRICT if skipped else GRAD],
+                                shift + starts[NAN_ONLY], ends[NAN_ONLY] - starts[NAN_ONLY],
+                                scaler_scale(target.scaler()) if target.has_scaler else None)
+        return layout, full, probe, self.probe.scaled
 
     def _layout(self, tape: Tape, skipped: bool):
         """The step's layout, the row's pieces in order, and where the step's regions lie in
         the row: behind the last update's evidence (``shift`` entries), from ``starts`` to
         ``ends`` (see :meth:`Slots.row_pieces`)."""
-        opt = self.target.optimizer()
-        lrs = [lr if type(lr := g["lr"]) is float else _host_float(lr)
-               for g in opt.param_groups] if opt is not None else []
+        opt, lrs = self.target.optimizer(), []
+        for g in opt.param_groups if opt is not None else ():  # (a loop: no frame of its own)
+            lrs.append(lr if type(lr := g["lr"]) is float else _host_float(lr))
         layout = StepLayout(step=tape.step, lrs=lrs, skipped=skipped,
                             grads_scaled=self.target.has_scaler and not tape.grads_reread)
         slots = tape.slots
@@ -316,34 +323,6 @@ class StepCycle:
                       tuple(sorted(tape.param_norms.items())), (shift, starts, ends),
                       tuple(updates), tuple(tape.out_grad_norms))
         return layout, pieces, shift, starts, ends
-
-    def _fill_probe(self, full: torch.Tensor, row: torch.Tensor, device: torch.device,
-                    checked: int, start: int, n: int) -> tuple[torch.Tensor, bool]:
-        """The probe of a row on ``device`` whose first ``checked`` entries must be finite and
-        whose ``n`` entries from ``start`` must not be NaN; whether it carries the scale."""
-        probe = self._probe
-        if probe is None or self._probe_views[0] is not device:  # (new slots: the model moved)
-            probe = self._probe = torch.zeros(4, dtype=torch.float32, device=device)
-            self._probe_views = (device, *probe.unbind(0))  # (``probe.device`` makes an object)
-            self._probe_nan_only = False
-        _, finite, lo, _, scale_out = self._probe_views
-        if full is row and checked:
-            self.ring.probe_finite(checked, out=finite)
-        else:
-            finite.copy_(full[:checked].mul(0).sum())
-        if n:  # entries that may hold +-Inf: only NaN counts. Their sum of squares is NaN
-            # exactly when one is NaN (+-Inf and overflow square to +Inf), and a dot is the
-            # kernel the gradient norms just ran (on CPU an idle kernel's first call after
-            # a training step costs tens of us in cache misses)
-            part = self.ring.part(start, n) if full is row else full[start: start + n]
-            torch.dot(part, part, out=lo)
-        elif self._probe_nan_only:  # the last step had such entries, this one has none
-            lo.zero_()
-        self._probe_nan_only = bool(n)
-        scale = scaler_scale(self.target.scaler()) if self.target.has_scaler else None
-        if scale is not None:
-            scale_out.copy_(scale.reshape(()))
-        return probe, scale is not None
 
     # ------------------------------------------------------------------------------------------
     # the other closings: an evaluation's loss, an exception, the last update at exit
@@ -422,10 +401,8 @@ def _forced(tape: Tape, exc: BaseException, target: Target) -> str | None:
 
 
 def _read_probe(probe: torch.Tensor) -> tuple[bool, float, list[float]]:
-    """The step's one host read: ``probe`` is [0 if every must-be-finite entry is finite else
-    NaN, the sum of squares of the entries where only NaN counts (NaN if one is), 0, the
-    GradScaler's scale], the ranks' flags after it under torch.distributed. Returns (all
-    checks pass, scale, what was read)."""
+    """The step's one host read: ``probe`` (see :mod:`recorder.probe`), the ranks' flags after
+    it under torch.distributed. Returns (all checks pass, scale, what was read)."""
     values = probe.tolist()
     finite, nan_only, _, scale = values[:4]
     return finite == 0.0 and not math.isnan(nan_only), scale, values

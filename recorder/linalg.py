@@ -63,7 +63,7 @@ def raised_inside(exc: BaseException, modules) -> bool:
 def linalg_detail(tape: Tape) -> str:
     """The detail of a step cut short by a failed decomposition (its statistics so far are
     finite): the error, as :func:`note_error` kept it; the replay finds the module and op."""
-    error = getattr(tape, "linalg_error", None) or "a torch.linalg function raised"
+    error = tape.linalg_error or "a torch.linalg function raised"
     return f"{error}; the step's statistics up to there were finite"
 
 

@@ -218,14 +218,22 @@ class RingBuffer:
         self._zeros_view = self._zeros
         self._probe = torch.zeros((), dtype=torch.float32, device=device)
 
-    def part(self, start: int, n: int) -> torch.Tensor:
-        """Entries ``start`` to ``start + n`` of the reserved row (a view made again only when
-        they move)."""
-        view, at = self._parts[self._next]
-        if at != (start, n):
-            view = self._slots[self._next].narrow(0, start, n)
-            self._parts[self._next] = (view, (start, n))
-        return view
+    def check_row(self, checked: int, start: int, n: int, finite: torch.Tensor,
+                  nan_sq: torch.Tensor) -> None:
+        """Both checks of the reserved row, into two 0-d tensors: ``finite`` is 0 when its
+        first ``checked`` entries are finite, else NaN (:meth:`probe_finite`); ``nan_sq`` (when
+        ``n``) is the sum of squares of its ``n`` entries from ``start``, NaN exactly when one
+        is NaN (+-Inf squares to +Inf). The part's view is made again only when it moves."""
+        if checked:
+            self.probe_finite(checked, out=finite)
+        else:
+            finite.zero_()
+        if n:  # (a dot: the kernel the gradient norms just ran, warm)
+            view, at = self._parts[self._next]
+            if at != (start, n):
+                view = self._slots[self._next].narrow(0, start, n)
+                self._parts[self._next] = (view, (start, n))
+            torch.dot(view, view, out=nan_sq)
 
     def probe_finite(self, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """A 0-d tensor that is 0 when the first ``s`` entries of the reserved row are all

@@ -147,12 +147,9 @@ def _fast_key(parts: tuple) -> tuple:
                 np.random.get_state, _NP_WORDS(nw), gauss[0][0], gauss[1][0]))
 
 
-def _never() -> bool:
-    return False
-
-
-# whether CUDA's generators are to be captured too (see RngCapture.__call__)
-_cuda_initialized = torch.cuda.is_initialized if torch.backends.cuda.is_built() else _never
+# whether CUDA's generators are to be captured too (see RngCapture.__call__); in a build
+# without CUDA never (``bool()`` is False: a C call, where a function would cost a frame)
+_cuda_initialized = torch.cuda.is_initialized if torch.backends.cuda.is_built() else bool
 
 
 class _Fingerprinted:

@@ -198,15 +198,6 @@ class Slots:
         k = r.take()
         return k if k < r.size else None
 
-    @staticmethod
-    def _two(r: _Region) -> tuple[int, int] | None:
-        k, k2 = r.take(), r.take()
-        if k2 < r.size:
-            return k, k2
-        if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
-            r.views[k].zero_()
-        return None
-
     # ------------------------------------------------------------------------------------------
     # reductions: ``t`` is detached by the caller; each returns refs. They run a dozen to a few
     # hundred times a step, so the usual case (float32, on this device, room left) comes first.
@@ -217,7 +208,7 @@ class Slots:
                 and not t.is_nested:
             r = self._regions[code]
             take = r.take
-            k, k2 = take(), take()  # (``_two`` inlined: this runs for every call's output)
+            k, k2 = take(), take()  # (two slots: this runs for every call's output)
             if k2 < r.size:
                 views = r.views
                 try:  # (``split_extrema`` inlined)
@@ -280,7 +271,8 @@ class Slots:
         (dense float32 tensors on this device) is told by C loops (see :meth:`sq_norm_flat`)."""
         if type(tensors) is not list:
             tensors = list(tensors)
-        if _F32.issuperset(map(_DTYPE, tensors)) and self._here(tensors) \
+        if _F32.issuperset(map(_DTYPE, tensors)) and (
+                all(map(_IS_CPU, tensors)) if self._cpu else self._here(tensors)) \
                 and all(map(_CONTIGUOUS, tensors)):
             return self.sq_norm_flat(list(map(_FLAT, tensors)), code)
         r = self._regions[code]
@@ -350,34 +342,43 @@ class Slots:
         src = lo[0] % RELU_OF
         if lo[0] == hi[0] and (src == STRICT or src == code):
             return (src + RELU_OF, lo[1]), (src + RELU_OF, hi[1])
-        return self._pair_op(lo, hi, code, _relu_into)
+        return self._pair_op(lo, hi, code, relu=True)
 
     def copy_pair(self, lo: tuple[int, int], hi: tuple[int, int], code: int):
         """A (min, max) pair copied into region ``code`` (checked as that region is)."""
-        return self._pair_op(lo, hi, code, _copy_into)
+        return self._pair_op(lo, hi, code)
 
-    def _pair_op(self, lo: tuple[int, int], hi: tuple[int, int], code: int, op):
-        """``op(src, out=dst)`` from a (min, max) pair into two new slots of region ``code``:
+    def _pair_op(self, lo: tuple[int, int], hi: tuple[int, int], code: int, relu: bool = False):
+        """A (min, max) pair copied (or its ReLU taken) into two new slots of region ``code``:
         one op when both pairs sit in adjacent slots (the usual case), else two. Every value
-        lives on this device (``_put`` moves what it keeps)."""
+        lives on this device (``_put`` moves what it keeps). (The ops are written out: it
+        runs at every step, where a helper's frame costs more than its op.)"""
         if lo[0] >= RELU_OF:  # the ReLU of slots: ReLU'd into place (ReLU of a ReLU is one)
-            op = _relu_into
+            relu = True
             lo, hi = (lo[0] - RELU_OF, lo[1]), (hi[0] - RELU_OF, hi[1])
         r = self._regions[code]
-        pair = self._two(r)
-        if pair is not None:
-            k, k2 = pair
+        k, k2 = r.take(), r.take()
+        if k2 < r.size:
             i = lo[1]
             src = self._regions[lo[0]]
             if k2 == k + 1 and hi[1] == i + 1 and hi[0] == lo[0] and i + 1 < src.size:
-                op(src.pairs[i], r.pairs[k])
+                pairs = ((src.pairs[i], r.pairs[k]),)
             else:
-                op(self.value(lo), r.views[k])
-                op(self.value(hi), r.views[k2])
+                pairs = ((self.value(lo), r.views[k]), (self.value(hi), r.views[k2]))
+            for a, out in pairs:
+                if relu:
+                    torch.clamp_min(a, 0.0, out=out)
+                else:
+                    out.copy_(a)
             return (code, k), (code, k2)
+        if k < r.size:  # a lone last slot: part of the row, so zeroed (it may be checked)
+            r.views[k].zero_()
         values = torch.empty(2, dtype=FLOAT32, device=self.device).unbind(0)
-        op(self.value(lo), values[0])
-        op(self.value(hi), values[1])
+        for a, out in zip((self.value(lo), self.value(hi)), values):
+            if relu:
+                torch.clamp_min(a, 0.0, out=out)
+            else:
+                out.copy_(a)
         lo, hi = self._put(code, values)
         return lo, hi
 
@@ -424,14 +425,6 @@ def _sparse_minmax(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
     else:
         lo.zero_()
         hi.zero_()
-
-
-def _relu_into(src: torch.Tensor, out: torch.Tensor) -> None:
-    torch.clamp_min(src, 0.0, out=out)
-
-
-def _copy_into(src: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(src)
 
 
 def flat_view(t: torch.Tensor, copy: bool = True) -> torch.Tensor | None:

@@ -70,7 +70,10 @@ class MicroBatch:
 
     def inputs_moved(self) -> bool:
         """An input was written in place since this micro-batch's forward began."""
-        return any(version_of(t) != v for t, v in self.input_versions)
+        for t, v in self.input_versions:  # (a loop: a generator is a frame of its own)
+            if version_of(t) != v:
+                return True
+        return False
 
     def written_since(self, leaves) -> bool:
         """Whether the loop wrote into this micro-batch's inputs since (:meth:`inputs_moved`),
@@ -113,8 +116,10 @@ class MicroBatch:
         else:  # (the usual ``crit(out, y)``: tensors only, looked at without a walk)
             leaves = args if not kwargs and _TENSOR.issuperset(map(type, args)) \
                 else tensor_leaves((args, kwargs))
-            self.loss_versions = [(t, version_of(t)) for t in leaves
-                                  if not t.requires_grad and id(t) not in cache]
+            self.loss_versions = versions = []
+            for t in leaves:  # (a loop: a comprehension is a frame of its own, cold each step)
+                if not t.requires_grad and id(t) not in cache:
+                    versions.append((t, version_of(t)))
         self.loss_args, self.loss_kwargs = args, kwargs
         self.loss_first, self.loss_autocast = first, autocast
 
@@ -169,6 +174,13 @@ def _copy_target(cache: dict, t: torch.Tensor) -> torch.Tensor:
 class Tape:
     """Everything recorded during one step (all micro-batches)."""
 
+    # (slots: one compact object, made at every step and read by every hook)
+    __slots__ = ("step", "slots", "rng", "scaler_token", "calls", "micro_batches", "last", "loss",
+                 "given_loss", "cache", "lock", "params_from_update", "finite_at_open",
+                 "grad_norms", "param_norms", "grad_seen", "out_grad_norms", "grads_reread",
+                 "evaluation", "cut_short", "unowned_versions", "held_version",
+                 "updated_elsewhere", "by_thread", "_first_thread", "linalg_error", "refused")
+
     def __init__(self, step: int, rng: dict[str, Any], scaler_token: int | None, slots: Slots):
         self.step = step
         self.slots = slots  # where this step's statistics are computed
@@ -209,6 +221,10 @@ class Tape:
         # in the step (a hook's micro-batch is then its thread's, not the last one begun)
         self.by_thread: dict[int, int] | None = None
         self._first_thread: int | None = None
+        # what an exception that closed the step said: a decomposition's error (see
+        # recorder.linalg), a distribution's refused value (recorder.constraints)
+        self.linalg_error: str | None = None
+        self.refused: str | None = None
 
     def targets_moved(self) -> bool:
         """The loop wrote into a loss's targets after the loss took them (seen as the next
@@ -224,10 +240,11 @@ class Tape:
     def loss_stats(self, output) -> None:
         """The (min, max) of each floating tensor of a loss call's ``output`` among the step's
         must-be-finite statistics."""
-        for t in tensor_leaves(output):
+        for t in (output,) if type(output) is torch.Tensor else tensor_leaves(output):
             if t.is_floating_point() and t.numel():
                 lo, hi = self.slots.minmax(t.detach(), STRICT)
-                self.loss.append((self.micro_batch, lo, hi))
+                self.loss.append((self.last if self.by_thread is None else self.micro_batch,
+                                  lo, hi))
 
     def add_micro_batch(self, mb: MicroBatch, watched: torch.Tensor | None = None) -> None:
         """Begin the calling thread's next micro-batch (under the step cycle's lock);

@@ -30,7 +30,7 @@ from .compiled import HookSite, eager_name, hook_sites, unwrap
 from .constants import inf_constants
 from .finite import matches
 from .ranks import Agreement
-from .replaced import bad_kinds, group_heads, heads_moved, swapped
+from .replaced import bad_kinds, group_heads, swapped
 from .rng import module_generators
 from .samples import recurrent, seq_first
 from .settings import Settings
@@ -52,6 +52,15 @@ def _ref(obj):
 
 def _deref(ref):
     return ref() if ref is not None else None
+
+
+_NONE = type(None)  # called, returns None: the "weak reference" to no object
+
+
+def _getter(obj):
+    """A weak reference to ``obj``, or for None a callable returning None: called as the
+    object's getter on every step, a C call either way (no Python frame)."""
+    return weakref.ref(obj) if obj is not None else _NONE
 
 
 LOSS_PREFIX = "<loss>."  # how the parameters of the loss module are named among the model's
@@ -80,8 +89,10 @@ class Target:
         # wrote them, so their norms are re-read before the update (see recorder.grads).
         model, wrapper, self.ddp = unwrap(model)
         self._model, self._wrapper = weakref.ref(model), _ref(wrapper)
-        self._optimizer, self._scaler = _ref(optimizer), _ref(scaler)
-        self._scheduler = _ref(lr_scheduler)
+        # the model and the objects that train it, or None: each a getter called as a method
+        # is (weak references: the recorder keeps none of them alive)
+        self.model, self.optimizer = self._model, _getter(optimizer)
+        self.scaler, self.scheduler = _getter(scaler), _getter(lr_scheduler)
         self._loss_fn = _ref(loss_fn if isinstance(loss_fn, nn.Module) else None)
         self.has_optimizer = optimizer is not None
         self.has_scaler = scaler is not None
@@ -100,9 +111,6 @@ class Target:
         self.recurrent = False
         self.grad_hooks = True
         self.release()
-
-    def model(self) -> nn.Module | None:
-        return self._model()
 
     def loss_module(self) -> nn.Module | None:
         """The loss module the recorder was given (None for none, or a plain function)."""
@@ -138,15 +146,6 @@ class Target:
         if model is not None and id(model.__dict__.get("forward")) != self._forward_id:
             self._read_forward_autocast(model)
         return self.forward_autocast
-
-    def optimizer(self):
-        return _deref(self._optimizer)
-
-    def scaler(self):
-        return _deref(self._scaler)
-
-    def scheduler(self):
-        return _deref(self._scheduler)
 
     def bind(self) -> list[HookSite]:
         """Fix the names and index lists (at attach); returns the hook sites, root first."""
@@ -306,13 +305,15 @@ class Target:
         opt = self.optimizer()
         if opt is None:
             return
-        if len(opt.param_groups) != self.groups:
+        groups = opt.param_groups
+        moved = len(groups) != self.groups
+        for g, head in zip(groups, self.group_heads):  # (a loop here: it runs every step)
+            ps = g["params"]
+            if moved or (ps[0] if ps else None) is not head:
+                moved = True
+                break
+        if moved:
             model = self._model()  # (new groups may hold parameters swapped in by name)
-            if model is not None and self.has_optimizer:
-                self.follow_model(model)
-            self._partition()
-        elif heads_moved(opt, self.group_heads):  # (densification swapped in parameters)
-            model = self._model()
             if model is not None:
                 self.follow_model(model)
             self._partition()

@@ -1,0 +1,127 @@
+"""A module call's statistics as refs into the step's slots: an input an earlier call
+produced (or a whole view of one) reuses that call's, so a chain of modules costs one
+reduction per call; an output is measured once, or moved to the region it is checked in.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .capture import output_leaves, tensor_leaves
+from .compat import version, version_of, view_base
+from .finite import real_view
+from .slots import LOOSE, NAN_ONLY, RELU_OF, STRICT, flat_view
+from .tape import Tape
+from .target import Target
+
+
+def produced(tape: Tape, t: torch.Tensor, made_here=None) -> tuple | None:
+    """The cache entry of the output (or root input) ``t`` is, or is a whole view of, if it is
+    unchanged since (or changed in place by the call that returned it)."""
+    hit = tape.cache.get(id(t))
+    # (a recorded version None: an inference-mode tensor, whose changes are unknown)
+    if hit is not None and hit[0]() is t and (
+            t is made_here or (hit[4] is not None and hit[4] == version(t))):
+        return hit
+    # a flatten, view or permutation of an output, covering exactly its elements (ConvNeXt's
+    # x.permute(0, 3, 1, 2) back to NCHW: measured again by a sum, large finite values
+    # overflowed it, and the call that made the first +-Inf had "non-finite inputs")
+    base = view_base(t)
+    if base is None:
+        return None
+    hit = tape.cache.get(id(base))
+    if hit is not None and hit[0]() is base and hit[4] is not None \
+            and hit[4] == version(base) \
+            and t.numel() == base.numel() and t.storage_offset() == base.storage_offset() \
+            and dense(t) and dense(base):
+        return hit
+    return None
+
+
+def output_ref(tape: Tape, t: torch.Tensor, allowed: bool, intended: bool, reuse: bool
+                ) -> tuple:
+    """``((min ref, max ref),)`` of one output tensor, or ``()`` if it is not floating.
+    ``reuse``: an output passed through unchanged (a Sequential's) keeps the statistics of the
+    call that made it, when they sit in the region this call's are checked in."""
+    if not t.is_floating_point() or t.numel() == 0:  # (complex, RotatE's r / r.abs(): its real
+        return output_ref(tape, real_view(t), allowed, intended, reuse) \
+            if t.is_complex() and t.numel() else ()  # view's, for the call that made a NaN)
+    code = NAN_ONLY if allowed else STRICT
+    hit = tape.cache.get(id(t))
+    if reuse and hit is not None and hit[0]() is t and hit[4] is not None \
+            and hit[4] == version(t):
+        if hit[1][0] % RELU_OF == code and hit[3] == intended:  # (a ReLU of its checked slots)
+            return (hit[1:3],)
+        # checked as another region is (the root's output, made by an inner call allowed to
+        # hold +-Inf): its min and max are moved over, not computed again (an LM's logits)
+        a, b = tape.slots.copy_pair(hit[1], hit[2], code)
+    else:
+        a, b = tape.slots.minmax(t.detach(), code)
+    tape.cache[id(t)] = (weakref.ref(t), a, b, intended, version_of(t))
+    return ((a, b),)
+
+
+def input_refs(tape: Tape, target: Target, args, kwargs, made_here=None) -> tuple:
+    """(min, max, allowed) refs of each floating input of an inner call (kept, never
+    checked); an input that an earlier call produced reuses that call's statistics, so a
+    chain of modules costs nothing here.
+
+    Inputs are seen after the call: one changed in place since it was produced is
+    measured again, unless this call returned it (an in-place module: the produced
+    statistics are its input's)."""
+    refs = []
+    for t in leaves(args, kwargs):
+        if not t.is_floating_point() or t.numel() == 0:
+            if not (t.is_complex() and t.numel()):
+                continue
+            t = real_view(t)  # (complex: its real view; float32 refuses a complex sum)
+        hit = produced(tape, t, made_here)
+        if hit is not None:
+            refs.append(hit[1:4])
+            continue
+        # Only "were they finite" matters for an inner call's inputs: a sum says it in
+        # half an aminmax's time (NaN/Inf survive a sum; float32 accumulation)
+        ref = tape.slots.total(t.detach(), LOOSE)
+        refs.append((ref, ref, target.allowed_buffer(t)))
+    return tuple(refs)
+
+
+def output_refs(tape: Tape, output, allowed: bool, intended: bool, full: bool) -> tuple:
+    """((min, max) refs per floating output tensor, (sum, 2-norm, numel) refs of the first
+    with ``stats="full"``, ``full``)."""
+    outs, stats, inf_ok = [], None, set()  # (a distribution's logits may be -inf)
+    for t in (output,) if type(output) is torch.Tensor else output_leaves(output, inf_ok):
+        ref = output_ref(tape, t, allowed or id(t) in inf_ok, intended, reuse=not full)
+        if ref and full and stats is None:  # sum and 2-norm: far cheaper than std_mean
+            d = real_view(t.detach())  # (a complex output: its real view)
+            stats = (tape.slots.total(d, LOOSE), tape.slots.norm(d, LOOSE), t.numel())
+        outs += ref
+    return tuple(outs), stats
+
+
+def named_leaves(args, kwargs):
+    """(top-level name, tensor) of every tensor in a call's arguments: ``args[i]`` or the
+    keyword, for tensors nested inside one too."""
+    for i, a in enumerate(args):
+        for t in tensor_leaves(a):
+            yield f"args[{i}]", t
+    for k, v in (kwargs or {}).items():
+        for t in tensor_leaves(v):
+            yield str(k), t
+
+
+def leaves(args, kwargs):
+    for a in args:
+        if type(a) is torch.Tensor or isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple, dict)):
+            yield from tensor_leaves(a)
+    if kwargs:
+        yield from tensor_leaves(kwargs)
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Its elements fill one block of memory (contiguous, channels-last, any permutation)."""
+    return t.is_contiguous() or flat_view(t, copy=False) is not None
