@@ -14,7 +14,7 @@ from .drop import undroppable
 from .load import Step
 from .outliers import outlier_input
 
-_DOMAIN_ADVICE = (DO["domain"], DO["log_domain"], DO["power_domain"])
+_DOMAIN_ADVICE = (DO["domain"], DO["log_domain"], DO["log1p_pole"], DO["power_domain"])
 
 
 def domain_outlier_hint(report: dict[str, Any], step: Step) -> None:
