@@ -163,7 +163,8 @@ def find_event(ev: StepEvidence, reason: str) -> Event | None:
             "torch.autograd's anomaly mode stopped backward at a NaN gradient, before any "
             "reached a parameter"))
     if reason == "linalg":  # (the module and op are the replay's: no hook saw the raise)
-        return Event(ev.tape.step, reason, phase="forward", detail=linalg_detail(ev.tape))
+        return Event(ev.tape.step, reason, phase=ev.tape.linalg_phase,
+                     detail=linalg_detail(ev.tape))
     if reason == "constraint":  # (likewise: recorder.constraints)
         return Event(ev.tape.step, reason, phase="forward", detail=ev.tape.refused)
     if reason in ("scale_collapse", "scale_skipping"):

@@ -52,12 +52,16 @@ def raised_inside(exc: BaseException, modules) -> bool:
         obj = local.get("self")
         if isinstance(obj, nn.Module) and (id(obj) in ids or getattr(obj, "recorded_loss", 0)):
             return True
-        # the backward of a custom autograd Function the step's graph holds (OptNet's solve of
-        # the KKT system), which the engine runs outside any module call
-        if isinstance(local.get("ctx"), torch.autograd.function.BackwardCFunction):
+        if _function_backward(local):
             return True
         tb = tb.tb_next
     return False
+
+
+def _function_backward(local: dict) -> bool:
+    """A frame of the backward of a custom autograd Function the step's graph holds (OptNet's
+    solve of the KKT system), which the engine runs outside any module call."""
+    return isinstance(local.get("ctx"), torch.autograd.function.BackwardCFunction)
 
 
 def linalg_detail(tape: Tape) -> str:
@@ -75,6 +79,10 @@ def note_error(tape: Tape, exc: BaseException) -> None:
     if text and (illegal := _ILLEGAL.search(text[0])):  # (not the "internal assert" around it)
         text = [f"torch.{illegal.group(0)} (LAPACK's refusal of a NaN or Inf in the matrix)"]
     tape.linalg_error = f"{name}: {text[0].rstrip('.') if text else ''}".rstrip(": ")
+    tb = exc.__traceback__  # (raised by a Function's backward: a backward event)
+    while tb is not None and not _function_backward(tb.tb_frame.f_locals):
+        tb = tb.tb_next
+    tape.linalg_phase = "forward" if tb is None else "backward"
 
 
 def linalg_summary(event: dict, path) -> str:

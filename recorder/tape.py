@@ -179,7 +179,8 @@ class Tape:
                  "given_loss", "cache", "lock", "params_from_update", "finite_at_open",
                  "grad_norms", "param_norms", "grad_seen", "out_grad_norms", "grads_reread",
                  "evaluation", "cut_short", "unowned_versions", "held_version",
-                 "updated_elsewhere", "by_thread", "_first_thread", "linalg_error", "refused")
+                 "updated_elsewhere", "by_thread", "_first_thread", "linalg_error", "linalg_phase",
+                 "refused")
 
     def __init__(self, step: int, rng: dict[str, Any], scaler_token: int | None, slots: Slots):
         self.step = step
@@ -224,6 +225,7 @@ class Tape:
         # what an exception that closed the step said: a decomposition's error (see
         # recorder.linalg), a distribution's refused value (recorder.constraints)
         self.linalg_error: str | None = None
+        self.linalg_phase = "forward"  # (or "backward": raised by a derivative)
         self.refused: str | None = None
 
     def targets_moved(self) -> bool:

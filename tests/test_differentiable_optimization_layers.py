@@ -101,6 +101,8 @@ def test_kkt_backward_of_a_duplicated_constraint_names_the_solve_and_the_record(
     assert any(n.startswith("nanreplay: a matrix decomposition failed at step 3 ")
                for n in notes), notes
     rep = nanreplay_json(bundles[0], "--try", "drop=3")
+    # (the recorder's event, in the bundle's header: raised by the Function's backward)
+    assert (rep["event"]["step"], rep["event"]["phase"]) == (3, "backward"), rep["event"]
     o = rep["origin"]
     assert (rep["reproduced"], o["phase"], o["module"], o["op"], o["samples"]) == (
         True, "backward", "", "aten._linalg_solve_ex", [3]), o
