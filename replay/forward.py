@@ -16,6 +16,7 @@ from recorder.finite import inf_read_finite
 from .absorbed_log import absorbed_hint
 from .backward_calls import backward_call_note, run_to_call, user_backward
 from .buffer_divisor import buffer_divisor_hint
+from .called_at import note_called_at
 from .caller_picks import CallerPicks
 from .cause import Cause, classify
 from .dropped_branch import dropped_branch_hint
@@ -90,8 +91,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
             + (" ('' names the root; '*' would allow every module)" if not o.module else "")
             if not flipped else f"{hit.op} fills a literal {hit.made} that reaches the output "
             f"of '{o.module or '<root>'}' as {o.kind}: its sign was flipped after the fill")
-    node = _node_of(runner, o, hit)
-    o = _innermost(run, o, hit)
+    node, o = _node_of(runner, o, hit), _innermost(run, o, hit)
     rows = origin_rows(step, run, o, hit)
     # made: what the blamed op made (the chain's first entry), not what the call returned
     origin = origin_fields(
@@ -102,6 +102,7 @@ def report_forward(report, step: Step, runner: Runner, run: Run, o) -> dict[str,
         chain=finder.chain(), input_range=[hit.input_min, hit.input_max] if hit else None,
         dtype=str(hit.evidence.dtype).removeprefix("torch.") if hit and hit.evidence else None)
     note_other_rows(report, step, hit, origin)  # (a support set's, beside the query batch)
+    note_called_at(run, origin)  # (a module called from several lines: this call's)
     note_taken_fill(report, run, origin)  # (a loss that read a masked -inf score as meant)
     backward_call_note(report, finder, o.module, o.call)  # (an adjoint's reverse solve)
     counted = _counted_in(finder, hit, o)

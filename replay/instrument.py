@@ -8,6 +8,7 @@ unless it was modified in place since (:class:`~replay.memo.TensorMemo`).
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -20,6 +21,7 @@ from .compat import in_buffers, running_node
 from .memo import TensorMemo, TensorSet
 from .recorded import samples
 from .run_result import Call, Run
+from .source import caller_source
 from .transforms import outside_transforms
 
 
@@ -34,6 +36,7 @@ class CallRecorder:
         self.counts: dict[tuple[str, int], int] = {}  # (module, micro-batch) -> calls so far
         self.pending: dict[int, tuple] = {}  # call id -> (input flags, enclosing call ids)
         self.started = 0
+        self.called_at: dict[int, str | None] = {}  # call id -> the user's line that called it
         self.produced_allowed = TensorSet()  # outputs of modules allowed to hold +-Inf
         self.checked = TensorMemo()  # tensor -> its (min, max) on the host
 
@@ -71,6 +74,8 @@ class CallRecorder:
             call_id = self.started
             self.started += 1
             self.pending[call_id] = (self._inputs_ok(args, kwargs), tuple(self.stack))
+            # (a module called from several lines: its call's own, for the report)
+            self.called_at[call_id] = caller_source(inspect.currentframe())
             # until it returns: a call the model raises in (a validate_args check) never does
             self.result.open[call_id] = (name, self.runner.micro_batch, self.pending[call_id])
             self.stack.append(call_id)
@@ -116,7 +121,8 @@ class CallRecorder:
         nan = any(math.isnan(lo) or math.isnan(hi) for lo, hi in pairs)
         self.result.calls.append(Call(len(self.result.calls), name, k, mb, ok_in, ok_out, kind,
                                       mm, parents, call_id, rows, nan, every_in, nan_free_in,
-                                      running_node() is not None))
+                                      running_node() is not None,
+                                      self.called_at.pop(call_id, None)))
 
 
 def _output_rows(outs: list[torch.Tensor], where: Samples, packed: dict) -> list[int]:

@@ -45,6 +45,7 @@ def _where(o: dict[str, Any]) -> str:
     mod = o.get("module")
     name = module_label(mod)
     call = f", call {o['call']}" if o.get("call") is not None else ""
+    call += f" (called at {o['called_at']})" if o.get("called_at") else ""
     mb = f", micro-batch {o['micro_batch']}" if o.get("micro_batch") else ""
     return f"{name}{call}{mb}"
 

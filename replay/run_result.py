@@ -37,6 +37,7 @@ class Call:
     # run inside backward (activation checkpointing's recomputation), which a forward-only
     # re-run (the bisection's probes) does not make
     in_backward: bool = False
+    called_at: str | None = None  # the user's line that called the module (its caller's)
 
 
 @dataclass

@@ -41,6 +41,16 @@ def user_source(stack=None) -> str | None:
     return _first_user((fr.filename, fr.lineno) for fr in reversed(frames))
 
 
+def caller_source(frame) -> str | None:
+    """``file:line`` of the user's code that called into torch from ``frame`` outwards (a
+    module hook's frame: the line that called the module), read off the live frames."""
+    def outward(f):
+        while f is not None:
+            yield f.f_code.co_filename, f.f_lineno
+            f = f.f_back
+    return _first_user(outward(frame))
+
+
 def traceback_source(text: str) -> str | None:
     """``file:line`` of the innermost user frame in a formatted traceback (an autograd node's
     forward traceback, as anomaly mode keeps it)."""

@@ -1,0 +1,25 @@
+"""The line that called the origin's module, when the step calls that module from more than one
+line: one encoder for the queries and the passages, one time encoder for three inputs, a weight-
+tied layer applied twice. "call 2" alone leaves the user to count the module's calls in the
+forward; the caller's line says which one it was. (A module called again and again from one
+line, a loop over time steps, gains nothing from it: its call number says which.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .run_result import Run
+
+
+def note_called_at(run: Run, origin: dict[str, Any]) -> None:
+    """Set ``origin["called_at"]`` (``file:line``) for a forward origin's module call."""
+    mod, call, mb = origin.get("module"), origin.get("call"), origin.get("micro_batch") or 0
+    if mod is None or call is None:
+        return
+    calls = [c for c in run.calls if c.module == mod and c.micro_batch == mb
+             and not c.in_backward]
+    if len({c.called_at for c in calls}) < 2:
+        return
+    hit = next((c for c in calls if c.call == call), None)
+    if hit is not None and hit.called_at is not None:
+        origin["called_at"] = hit.called_at
