@@ -48,16 +48,22 @@ def mel_filterbank(n_mels: int, n_fft: int, sr: int, fmin: float, fmax: float,
 
 class LogMel(nn.Module):
     def __init__(self, fmax: float = SR / 2, area_norm: bool = False, eps: float = 1e-6,
-                 db: bool = False, amin: float = 1e-10):
+                 db: bool = False, amin: float = 1e-10, learned: bool = False):
         super().__init__()
         self.register_buffer("window", torch.hann_window(N_FFT), persistent=False)
-        self.register_buffer("fb", mel_filterbank(N_MELS, N_FFT, SR, 30.0, fmax, area_norm))
-        self.eps, self.db, self.amin = eps, db, amin
+        fb = mel_filterbank(N_MELS, N_FFT, SR, 30.0, fmax, area_norm)
+        if learned:  # a trainable filterbank initialised at mel, on magnitudes (LEAF-like)
+            self.fb = nn.Parameter(fb)
+        else:
+            self.register_buffer("fb", fb)
+        self.eps, self.db, self.amin, self.learned = eps, db, amin, learned
 
     def forward(self, audio):  # (B, N) -> (B, T, n_mels)
         spec = torch.stft(audio, N_FFT, HOP, window=self.window, center=False,
                           return_complex=True)
         mel = torch.matmul(self.fb, spec.abs() ** 2)
+        if self.learned:
+            mel = mel.sqrt()  # magnitudes: sqrt's slope at 0 is +inf
         if self.db:  # torchaudio's AmplitudeToDB(stype="power", top_db=None)
             return (10.0 * torch.log10(torch.clamp(mel, min=self.amin))).transpose(1, 2)
         return torch.log(mel + self.eps).transpose(1, 2)
@@ -158,6 +164,40 @@ def make_fmax_above_nyquist() -> OnsetsAndFrames:
     """fmax = 16 kHz (the 32 kHz recipe's value) on 8 kHz audio, area-normalised filters."""
     torch.manual_seed(0)
     return OnsetsAndFrames(LogMel(fmax=16000.0, area_norm=True))
+
+
+def make_learned_fb() -> OnsetsAndFrames:
+    torch.manual_seed(0)
+    return OnsetsAndFrames(LogMel(learned=True))
+
+
+def make_amp() -> OnsetsAndFrames:
+    """librosa's amin 1e-10 as the eps, trained under fp16 autocast."""
+    torch.manual_seed(0)
+    return OnsetsAndFrames(LogMel(eps=1e-10))
+
+
+class FrameTransformer(nn.Module):
+    """MT3-like encoder over frames: the padded frames masked out of self-attention."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.frontend, self.proj = LogMel(), nn.Linear(N_MELS, d)
+        layer = nn.TransformerEncoderLayer(d, 4, 64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.onset_head, self.frame_head = nn.Linear(d, KEYS), nn.Linear(d, KEYS)
+        self.velocity_head = nn.Linear(d, KEYS)
+
+    def forward(self, audio, lengths):
+        mel = self.frontend(audio)
+        mask = frame_mask(lengths, mel.shape[1])
+        x = self.encoder(self.proj(mel), src_key_padding_mask=mask == 0)
+        return self.onset_head(x), self.frame_head(x), self.velocity_head(x), mask
+
+
+def make_transformer() -> FrameTransformer:
+    torch.manual_seed(0)
+    return FrameTransformer()
 
 
 def transcription_loss(onset_logits, frame_logits, velocity, mask, onsets, frames, velocities,

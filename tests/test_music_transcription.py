@@ -32,35 +32,43 @@ def loader(step: int, bad: dict, crop: int | None):
 
 
 def train(make: str, out_dir, bad: dict | None = None, steps: int = 3, record: bool = True,
-          loss=M.transcription_loss, crop: int | None = None):
-    """Onsets and Frames' recipe: Adam, StepLR, clip_grad_norm_(3); ``bad`` plants a clip in
-    the last step's batch. Returns the model and the notes decoded at each step."""
+          loss=M.transcription_loss, crop: int | None = None, amp: bool = False,
+          accum: int = 1):
+    """Onsets and Frames' recipe: Adam, StepLR, clip_grad_norm_(3) (of the unscaled gradients
+    under fp16 autocast and a GradScaler), the batch in ``accum`` micro-batches; ``bad``
+    plants a clip in the last step's batch. Returns the model and the notes decoded."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=6e-4)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.98)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
     torch.manual_seed(1)  # (dropout)
-    rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
+    rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir, scaler=scaler if amp else None,
                          factory=f"music_transcription_models:{make}") if record else None
     notes = []
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
         for step in range(steps):
-            for audio, lengths, onsets, frames, vel in loader(
-                    step, bad if bad and step == steps - 1 else {}, crop):
-                onset_logits, frame_logits, velocity, mask = model(audio, lengths)
-                total = loss_fn(onset_logits, frame_logits, velocity, mask, onsets, frames, vel)
+            for batch in loader(step, bad if bad and step == steps - 1 else {}, crop):
                 opt.zero_grad()
-                total.backward()
+                for audio, lengths, onsets, frames, vel in zip(*(t.chunk(accum) for t in batch)):
+                    with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                        onset_logits, frame_logits, velocity, mask = model(audio, lengths)
+                        total = loss_fn(onset_logits, frame_logits, velocity, mask, onsets,
+                                        frames, vel)
+                    scaler.scale(total / accum).backward()
+                    notes.append(M.decode_notes(onset_logits, frame_logits))
+                scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 3.0)
-                opt.step()
+                scaler.step(opt)
+                scaler.update()
                 sched.step()
-                notes.append(M.decode_notes(onset_logits, frame_logits))
     return model, notes
 
 
-def fire(make: str, tmp_path, bad: dict, loss=M.transcription_loss, crop: int | None = None):
+def fire(make: str, tmp_path, bad: dict, loss=M.transcription_loss, crop: int | None = None,
+         amp: bool = False, accum: int = 1):
     with pytest.raises(NonFiniteError) as info:
-        train(make, tmp_path, bad, loss=loss, crop=crop)
+        train(make, tmp_path, bad, loss=loss, crop=crop, amp=amp, accum=accum)
     return info.value.event, info.value.bundle_path
 
 
@@ -80,6 +88,18 @@ def test_velocity_loss_of_a_silent_excerpt_names_the_division_by_its_onset_count
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
     assert "clamp_min(1)" in rep["hint"] and "empty records" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_silent_excerpt_in_the_second_micro_batch_names_its_row_in_the_loader_batch(tmp_path):
+    """Gradient accumulation over two micro-batches of 3 clips: the silent clip, 4th of the
+    loader's batch, is row 1 of micro-batch 1; the replay says so and maps it back to row 4."""
+    ev, bundle = fire("make_model", tmp_path, {"silent": 4}, accum=2)
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (2, "loss", 1), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["micro_batch"], o["samples"], o["batch_rows"]) == (
+        "aten.div", 1, [1], [4]), o
+    assert rep["cause"] == "invalid" and "clamp_min(1)" in rep["hint"], rep["hint"]
 
 
 def test_log_mel_without_eps_of_zero_padding_names_the_log_and_the_padded_clips(tmp_path):
@@ -163,20 +183,93 @@ def test_unrecorded_silent_excerpt_turns_the_weights_nan(tmp_path):
     assert not torch.isfinite(model.velocity_stack[1].weight).all()
 
 
-@pytest.mark.parametrize("make,crop", [("make_model", None), ("make_db", None),
-                                       ("make_model", 12)])
-def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, make, crop):
+@pytest.mark.parametrize("make,crop,accum", [("make_model", None, 1), ("make_db", None, 1),
+                                             ("make_model", 12, 2)])
+def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, make, crop, accum):
     """The guarded recipe (eps 1e-6 or amin 1e-10, the frame count and the onset count floored
     at 1) on batches holding a silent clip and a clip shorter than the window, padded or
     cropped: no event, though the padding's log-mel is a large negative constant and one clip
     has no valid frame; weights and decoded notes are bit-identical with and without the
-    recorder."""
+    recorder (the cropped run in two accumulated micro-batches)."""
     bad = {"silent": 1, "short": 4} if crop is None else {"silent": 1}
-    recorded, notes = train(make, tmp_path, bad, loss=M.guarded_loss, crop=crop)
+    recorded, notes = train(make, tmp_path, bad, loss=M.guarded_loss, crop=crop, accum=accum)
     plain, plain_notes = train(make, tmp_path, bad, loss=M.guarded_loss, crop=crop,
-                               record=False)
+                               accum=accum, record=False)
     assert not list(tmp_path.glob("*.nan"))
     assert notes == plain_notes
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
     assert all(torch.isfinite(p).all() for p in recorded.parameters())
+
+
+def test_eps_of_1e_10_under_fp16_autocast_names_the_log_as_underflow(tmp_path):
+    """librosa's amin 1e-10 used as the log's eps, trained under fp16 autocast: the filterbank
+    matmul runs in half, the eps rounds to 0 there, and the silent crop's log is -inf. The
+    replay says underflow (not invalid math), names the clip, and asks for an eps float16
+    keeps or float32."""
+    ev, bundle = fire("make_amp", tmp_path, {"silent": 3}, loss=M.guarded_loss, crop=12,
+                      amp=True)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (2, "forward", "frontend",
+                                                                  "-inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "frontend", "aten.log", "-inf", [3]), o
+    assert rep["cause"] == "underflow", rep
+    assert "the eps 1e-10 added to that input is 0 in float16" in rep["hint"], rep["hint"]
+    assert "compute this in float32" in rep["hint"], rep["hint"]
+
+
+def test_learned_filterbank_stepped_negative_names_the_parameter_not_a_clamp(tmp_path):
+    """A trainable filterbank initialised at mel (mostly exact zeros) applied to the power
+    spectrum, then a sqrt for magnitudes: Adam's first update steps the zeros to -lr, the
+    weighted sum goes negative and sqrt is NaN at step 1 on every clip. The hint names
+    ``frontend.fb`` and says to keep it non-negative by construction (the spectrum is data
+    the graph does not keep: only the weights can take the sum below 0)."""
+    ev, bundle = fire("make_learned_fb", tmp_path, {}, loss=M.guarded_loss, crop=12)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (1, "forward", "frontend",
+                                                                  "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "frontend", "aten.sqrt", "nan", list(range(6))), o
+    assert o["source"] == line_of("mel = mel.sqrt()"), o
+    assert rep["cause"] == "invalid", rep
+    assert "frontend.fb (min -0.0006) holds negative entries" in rep["hint"], rep["hint"]
+    assert "non-negative by construction" in rep["hint"], rep["hint"]
+
+
+def test_learned_front_end_on_a_silent_crop_names_the_std_s_sqrt_backward(tmp_path):
+    """With a trainable filterbank the per-clip standardisation is on the graph: a crop of
+    digital silence has a constant log-mel, a variance of exactly 0, and ``var.sqrt() + 1e-5``
+    adds its eps after the sqrt, whose slope at 0 is +inf, so the gradient into the filterbank
+    is NaN at the first step (a backward event; the forward is finite). The replay names
+    SqrtBackward0 in the root's own code, that line (not the front end's magnitude sqrt, whose
+    NaN comes later in backward order), the silent clip, and the advice to take
+    sqrt(x + eps)."""
+    with pytest.raises(NonFiniteError) as info:
+        train("make_learned_fb", tmp_path, {"silent": 3}, steps=1, loss=M.guarded_loss,
+              crop=12)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    assert ev["detail"].endswith("first frontend.fb"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == (
+        "backward", "", "SqrtBackward0", [3]), o
+    assert o["source"] == line_of("return (mel - mean) / (var.sqrt() + 1e-5) * m"), o
+    assert rep["cause"] == "invalid" and "sqrt(x + eps)" in rep["hint"], rep["hint"]
+
+
+def test_frame_transformer_with_padding_masked_raises_nothing_and_trains_the_same(tmp_path):
+    """MT3-like: self-attention over frames with the padded frames as ``-inf`` in the key
+    padding mask, one clip shorter than the window (every key masked) and a silent clip,
+    under fp16 autocast with a GradScaler: no event, bit-identical weights and notes."""
+    bad = {"silent": 1, "short": 4}
+    recorded, notes = train("make_transformer", tmp_path, bad, loss=M.guarded_loss, amp=True)
+    plain, plain_notes = train("make_transformer", tmp_path, bad, loss=M.guarded_loss,
+                               amp=True, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    assert notes == plain_notes
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
