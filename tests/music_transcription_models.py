@@ -48,7 +48,8 @@ def mel_filterbank(n_mels: int, n_fft: int, sr: int, fmin: float, fmax: float,
 
 class LogMel(nn.Module):
     def __init__(self, fmax: float = SR / 2, area_norm: bool = False, eps: float = 1e-6,
-                 db: bool = False, amin: float = 1e-10, learned: bool = False):
+                 db: bool = False, amin: float = 1e-10, learned: bool = False,
+                 top_db: float | None = None):
         super().__init__()
         self.register_buffer("window", torch.hann_window(N_FFT), persistent=False)
         fb = mel_filterbank(N_MELS, N_FFT, SR, 30.0, fmax, area_norm)
@@ -57,6 +58,7 @@ class LogMel(nn.Module):
         else:
             self.register_buffer("fb", fb)
         self.eps, self.db, self.amin, self.learned = eps, db, amin, learned
+        self.top_db = top_db
 
     def forward(self, audio):  # (B, N) -> (B, T, n_mels)
         spec = torch.stft(audio, N_FFT, HOP, window=self.window, center=False,
@@ -64,8 +66,11 @@ class LogMel(nn.Module):
         mel = torch.matmul(self.fb, spec.abs() ** 2)
         if self.learned:
             mel = mel.sqrt()  # magnitudes: sqrt's slope at 0 is +inf
-        if self.db:  # torchaudio's AmplitudeToDB(stype="power", top_db=None)
-            return (10.0 * torch.log10(torch.clamp(mel, min=self.amin))).transpose(1, 2)
+        if self.db:  # torchaudio's AmplitudeToDB(stype="power", top_db)
+            x_db = 10.0 * torch.log10(torch.clamp(mel, min=self.amin))
+            if self.top_db is not None:  # each clip floored top_db below its own peak
+                x_db = torch.maximum(x_db, x_db.amax(dim=(1, 2), keepdim=True) - self.top_db)
+            return x_db.transpose(1, 2)
         return torch.log(mel + self.eps).transpose(1, 2)
 
 
@@ -147,6 +152,13 @@ def make_db_amin0() -> OnsetsAndFrames:
     """torchaudio's AmplitudeToDB written by hand with ``amin=0``."""
     torch.manual_seed(0)
     return OnsetsAndFrames(LogMel(db=True, amin=0.0))
+
+
+def make_db_top() -> OnsetsAndFrames:
+    """amin = 0 with top_db = 80: the floor below each clip's peak takes a padded frame's -inf
+    back, but not a silent clip's (its peak is -inf too)."""
+    torch.manual_seed(0)
+    return OnsetsAndFrames(LogMel(db=True, amin=0.0, top_db=80.0))
 
 
 def make_db() -> OnsetsAndFrames:

@@ -273,3 +273,31 @@ def test_frame_transformer_with_padding_masked_raises_nothing_and_trains_the_sam
     assert notes == plain_notes
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_top_db_floor_takes_back_padding_but_not_a_silent_clip(tmp_path):
+    """AmplitudeToDB with amin = 0 and top_db = 80 over padded batches: log10 makes -inf in
+    every frame wholly in the padding, which the floor 80 dB below each clip's peak takes back
+    (no event at steps 0 and 1, whose batches are padded), but a silent clip's peak is -inf
+    too. The replay names log10 on the silent clip alone, not the padded clip 5 whose -inf the
+    floor took back, and the floor of 0 the clamp applied."""
+    ev, bundle = fire("make_db_top", tmp_path, {"silent": 3}, loss=M.guarded_loss)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (2, "forward", "frontend",
+                                                                  "-inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "frontend", "aten.log10", "-inf", [3]), o
+    assert rep["cause"] == "invalid" and "clamped to is exactly 0" in rep["hint"], rep["hint"]
+
+
+def test_top_db_floor_over_padding_raises_nothing_and_trains_the_same(tmp_path):
+    """The same front end without a silent clip: the padded frames' -inf stays inside the
+    front end (taken back by the top_db floor), no event, bit-identical weights."""
+    recorded, notes = train("make_db_top", tmp_path, {"short": 2}, loss=M.guarded_loss)
+    plain, plain_notes = train("make_db_top", tmp_path, {"short": 2}, loss=M.guarded_loss,
+                               record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    assert notes == plain_notes
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
