@@ -229,6 +229,30 @@ def transcription_loss(onset_logits, frame_logits, velocity, mask, onsets, frame
     return onset_loss + frame_loss + velocity_loss.mean()
 
 
+def per_clip_loss(onset_logits, frame_logits, velocity, mask, onsets, frames, velocities):
+    """Each clip's BCE averaged over its own valid frames, then over clips (every clip weighs
+    the same, however long), the velocity term floored."""
+    m = mask[..., None].expand_as(onsets)
+    bce = F.binary_cross_entropy_with_logits(onset_logits, onsets, reduction="none") \
+        + F.binary_cross_entropy_with_logits(frame_logits, frames, reduction="none")
+    per_clip = (bce * m).sum((1, 2)) / m.sum((1, 2))  # the bug: 0/0 for a clip with no frame
+    velocity_loss = (onsets * (torch.sigmoid(velocity) - velocities) ** 2).sum((1, 2)) \
+        / onsets.sum((1, 2)).clamp_min(1)
+    return (per_clip + velocity_loss).mean()
+
+
+def balanced_loss(onset_logits, frame_logits, velocity, mask, onsets, frames, velocities):
+    """Frame BCE weighted per key by the batch's negatives over positives (a key is on in
+    ~1% of frames), the rest as ``guarded_loss``."""
+    m = mask[..., None].expand_as(frames)
+    pos = (frames * m).sum((0, 1))
+    pos_weight = (m.sum((0, 1)) - pos) / pos  # the bug: +inf for a key no clip plays
+    frame_loss = (F.binary_cross_entropy_with_logits(frame_logits, frames, reduction="none",
+                                                     pos_weight=pos_weight) * m).sum() / m.sum()
+    return frame_loss + transcription_loss(onset_logits, frame_logits, velocity, mask, onsets,
+                                           frames, velocities, guard=True)
+
+
 def guarded_loss(*args):
     return transcription_loss(*args, guard=True)
 

@@ -301,3 +301,35 @@ def test_top_db_floor_over_padding_raises_nothing_and_trains_the_same(tmp_path):
     assert notes == plain_notes
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_per_clip_loss_over_no_valid_frame_names_the_loss_division_and_the_clip(tmp_path):
+    """Each clip's BCE averaged over its own valid frames: the fragment shorter than n_fft has
+    none, its mean is 0/0 in the loss (the model's standardisation is guarded). The replay names
+    that division, the clip, and the advice to floor the count or filter the empty record."""
+    ev, bundle = fire("make_model", tmp_path, {"short": 2}, loss=M.per_clip_loss)
+    assert (ev["step"], ev["phase"], ev["module"]) == (2, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.div", "nan", [2]), o
+    assert o["source"] == line_of("per_clip = (bce * m).sum((1, 2)) / m.sum((1, 2))"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "clamp_min(1)" in rep["hint"] and "empty records" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_pos_weight_of_a_key_no_clip_plays_names_the_division_and_the_bce_after_it(tmp_path):
+    """Class-balanced frame BCE with ``pos_weight`` per key from the batch's counts: most of
+    the 88 keys are silent in a batch of 6 clips, their weight is n/0 = +inf, and the BCE
+    multiplies it by their 0 targets. A loss event at step 0 on no sample in particular; the
+    replay names the +inf division (a pole, not 0/0) and the chain to the BCE's NaN."""
+    ev, bundle = fire("make_model", tmp_path, {}, loss=M.balanced_loss)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"], o["all_samples"]) == (
+        "aten.div", "+inf", [], False), o
+    assert o["source"] == line_of("pos_weight = (m.sum((0, 1)) - pos) / pos"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.div",
+                                             "aten.binary_cross_entropy_with_logits"], o
+    assert rep["cause"] == "invalid" and "by 0 (x/0, a pole)" in rep["hint"], rep["hint"]
