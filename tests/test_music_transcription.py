@@ -161,7 +161,8 @@ def test_mel_filterbank_above_nyquist_names_the_buffer_the_factory_built(tmp_pat
     """fmax = 16 kHz on 8 kHz audio: the top filters cover no FFT bin, and dividing each filter
     by its area makes those rows 0/0 when the model is built. Step 0's front end is NaN on every
     clip; the replay blames the buffer ``frontend.fb`` as the factory built it, names its rows
-    and sends the user to the code that computes it."""
+    and the division of the factory's code that made them (the hint named no line for a
+    buffer, only for a parameter)."""
     fb = M.make_fmax_above_nyquist().frontend.fb
     bad_rows = torch.nonzero(~torch.isfinite(fb).all(1)).flatten().tolist()
     ev, bundle = fire("make_fmax_above_nyquist", tmp_path, {}, loss=M.guarded_loss)
@@ -172,7 +173,8 @@ def test_mel_filterbank_above_nyquist_names_the_buffer_the_factory_built(tmp_pat
     assert (o["phase"], o["module"]) == ("weights", "frontend"), o
     assert o["source"] == line_of("mel = torch.matmul(self.fb, spec.abs() ** 2)"), o
     assert rep["cause"] == "weights", rep
-    assert "the factory builds buffer frontend.fb non-finite" in rep["hint"], rep["hint"]
+    made = f"aten.div of 0 made nan at {line_of('fb = fb / fb.sum(1, keepdim=True)')}"
+    assert f"the factory builds buffer frontend.fb non-finite: {made}" in rep["hint"], rep["hint"]
     assert f"row(s) {bad_rows[0]}, {bad_rows[1]}" in rep["hint"], (bad_rows, rep["hint"])
 
 
