@@ -33,14 +33,14 @@ def loader(step: int, bad: dict, crop: int | None):
 
 def train(make: str, out_dir, bad: dict | None = None, steps: int = 3, record: bool = True,
           loss=M.transcription_loss, crop: int | None = None, amp: bool = False,
-          accum: int = 1):
+          accum: int = 1, init_scale: float = 2.0 ** 16):
     """Onsets and Frames' recipe: Adam, StepLR, clip_grad_norm_(3) (of the unscaled gradients
     under fp16 autocast and a GradScaler), the batch in ``accum`` micro-batches; ``bad``
     plants a clip in the last step's batch. Returns the model and the notes decoded."""
     model = getattr(M, make)()
     opt = torch.optim.Adam(model.parameters(), lr=6e-4)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.98)
-    scaler = torch.amp.GradScaler("cpu", enabled=amp)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=amp)
     torch.manual_seed(1)  # (dropout)
     rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir, scaler=scaler if amp else None,
                          factory=f"music_transcription_models:{make}") if record else None
@@ -60,9 +60,11 @@ def train(make: str, out_dir, bad: dict | None = None, steps: int = 3, record: b
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 3.0)
                 scaler.step(opt)
+                scale = scaler.get_scale()
                 scaler.update()
-                sched.step()
-    return model, notes
+                if scaler.get_scale() >= scale:  # (no schedule step where the update was skipped)
+                    sched.step()
+    return model, notes, scaler.get_scale()
 
 
 def fire(make: str, tmp_path, bad: dict, loss=M.transcription_loss, crop: int | None = None,
@@ -181,7 +183,7 @@ def test_mel_filterbank_above_nyquist_names_the_buffer_the_factory_built(tmp_pat
 def test_unrecorded_silent_excerpt_turns_the_weights_nan(tmp_path):
     """Without the recorder the velocity loss's 0/0 reaches every weight the velocity head
     trains (clipping a NaN norm keeps NaN): the event above is the bug, not a false alarm."""
-    model, _ = train("make_model", tmp_path, {"silent": 3}, steps=3, record=False)
+    model, *_ = train("make_model", tmp_path, {"silent": 3}, steps=3, record=False)
     assert not torch.isfinite(model.velocity_stack[1].weight).all()
 
 
@@ -194,8 +196,8 @@ def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, make, crop, acc
     has no valid frame; weights and decoded notes are bit-identical with and without the
     recorder (the cropped run in two accumulated micro-batches)."""
     bad = {"silent": 1, "short": 4} if crop is None else {"silent": 1}
-    recorded, notes = train(make, tmp_path, bad, loss=M.guarded_loss, crop=crop, accum=accum)
-    plain, plain_notes = train(make, tmp_path, bad, loss=M.guarded_loss, crop=crop,
+    recorded, notes, _ = train(make, tmp_path, bad, loss=M.guarded_loss, crop=crop, accum=accum)
+    plain, plain_notes, _ = train(make, tmp_path, bad, loss=M.guarded_loss, crop=crop,
                                accum=accum, record=False)
     assert not list(tmp_path.glob("*.nan"))
     assert notes == plain_notes
@@ -268,8 +270,8 @@ def test_frame_transformer_with_padding_masked_raises_nothing_and_trains_the_sam
     padding mask, one clip shorter than the window (every key masked) and a silent clip,
     under fp16 autocast with a GradScaler: no event, bit-identical weights and notes."""
     bad = {"silent": 1, "short": 4}
-    recorded, notes = train("make_transformer", tmp_path, bad, loss=M.guarded_loss, amp=True)
-    plain, plain_notes = train("make_transformer", tmp_path, bad, loss=M.guarded_loss,
+    recorded, notes, _ = train("make_transformer", tmp_path, bad, loss=M.guarded_loss, amp=True)
+    plain, plain_notes, _ = train("make_transformer", tmp_path, bad, loss=M.guarded_loss,
                                amp=True, record=False)
     assert not list(tmp_path.glob("*.nan"))
     assert notes == plain_notes
@@ -296,8 +298,8 @@ def test_top_db_floor_takes_back_padding_but_not_a_silent_clip(tmp_path):
 def test_top_db_floor_over_padding_raises_nothing_and_trains_the_same(tmp_path):
     """The same front end without a silent clip: the padded frames' -inf stays inside the
     front end (taken back by the top_db floor), no event, bit-identical weights."""
-    recorded, notes = train("make_db_top", tmp_path, {"short": 2}, loss=M.guarded_loss)
-    plain, plain_notes = train("make_db_top", tmp_path, {"short": 2}, loss=M.guarded_loss,
+    recorded, notes, _ = train("make_db_top", tmp_path, {"short": 2}, loss=M.guarded_loss)
+    plain, plain_notes, _ = train("make_db_top", tmp_path, {"short": 2}, loss=M.guarded_loss,
                                record=False)
     assert not list(tmp_path.glob("*.nan"))
     assert notes == plain_notes
@@ -335,3 +337,20 @@ def test_pos_weight_of_a_key_no_clip_plays_names_the_division_and_the_bce_after_
     assert [c["op"] for c in o["chain"]] == ["aten.div",
                                              "aten.binary_cross_entropy_with_logits"], o
     assert rep["cause"] == "invalid" and "by 0 (x/0, a pole)" in rep["hint"], rep["hint"]
+
+
+def test_fp16_steps_the_grad_scaler_skips_raise_nothing_and_train_the_same(tmp_path):
+    """A loss scale of 2^40 overflows the fp16 backward: the GradScaler skips those steps
+    (the scale halves each time, to 2^37 after three) and the recorder takes them for skips,
+    not events; weights and notes are bit-identical with and without the recorder."""
+    bad = {"silent": 1}
+    recorded, notes, scale = train("make_transformer", tmp_path, bad, loss=M.guarded_loss,
+                                   amp=True, init_scale=2.0 ** 40)
+    plain, plain_notes, plain_scale = train("make_transformer", tmp_path, bad,
+                                            loss=M.guarded_loss, amp=True,
+                                            init_scale=2.0 ** 40, record=False)
+    assert scale == plain_scale == 2.0 ** 37
+    assert not list(tmp_path.glob("*.nan"))
+    assert notes == plain_notes
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
