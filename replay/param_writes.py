@@ -306,12 +306,13 @@ def built_non_finite_hint(step: Step, bad: list[str]) -> str | None:
         return set_before_hint(names)  # (a buffer no update writes: the loop set it so)
     if not all(not finite(built[n].detach()) for n in bad):
         return None
-    if all(n in buffers for n in bad):
-        return (f"the factory builds buffer {names} non-finite: the model starts so, no update "
-                "or write of the loop made it. Fix the code that computes it when the model "
-                "is built (statistics of the data: a log of a value <= 0, a 0/0 of a constant "
-                "channel, a NaN record among those it averages)")
     kinds = {kind_of(built[n]) for n in bad}
+    if all(n in buffers for n in bad):  # (the op and line that made it, where one did)
+        return built_by_text(made.found, f"buffer {names}", kinds) or (
+            f"the factory builds buffer {names} non-finite: the model starts so, no update "
+            "or write of the loop made it. Fix the code that computes it when the model is "
+            "built (statistics of the data: a log of a value <= 0, a 0/0 of a constant "
+            "channel, a NaN record among those it averages)")
     if (text := built_by_text(made.found, names, kinds)) is not None:
         return text
     return (f"the factory builds {names} non-finite: the model starts so, no update or write "

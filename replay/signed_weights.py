@@ -7,6 +7,9 @@ Adam steps entries of ``gamma`` below 0, the norm goes negative where ``x`` is l
 ``sqrt(norm)`` is NaN. The generic hint (clamp the op's input into its domain) would hide
 the negative weights, not fix them: :func:`signed_weights_hint` names them and says to keep
 them non-negative. Read on the autograd graph of the origin's module call, re-run once.
+A learned filterbank ``fb @ spec.abs() ** 2`` is the same sum with the weight on the left and
+the data off the graph (a spectrum of audio that needs no gradient): ``matmul``'s mm and the
+views after it are read both ways.
 """
 
 from __future__ import annotations
@@ -92,8 +95,8 @@ def _weights_under(out: torch.Tensor, domain: str, limit: int = 64) -> list[torc
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        if node_op(fn) == domain:
-            return _negative_weights(fn.next_functions[0][0])
+        if node_op(fn) == domain:  # (past the views matmul's 2-D @ 3-D leaves after its mm)
+            return _negative_weights(_through_views(fn.next_functions[0][0]))
         todo.extend(f for f, _ in fn.next_functions)
     return []
 
@@ -101,13 +104,26 @@ def _weights_under(out: torch.Tensor, domain: str, limit: int = 64) -> list[torc
 def _negative_weights(fn) -> list[torch.Tensor]:
     if fn is None or (spec := _PRODUCTS.get(node_op(fn))) is None:
         return []
+    if spec[0] == "self":  # a product is x @ W or W @ x (a filterbank applied to a spectrum)
+        return _weighted(fn, spec) or _weighted(fn, ("mat2", 1, (0,)))
+    return _weighted(fn, spec)
+
+
+def _weighted(fn, spec) -> list[torch.Tensor]:
+    """The parameters with negative entries among ``fn``'s weight inputs, where its data
+    input ``spec`` names is >= 0 and made by an op non-negative by its math, or off the graph
+    into a product without a bias (a fixed power spectrum through a learned filterbank)."""
     try:
         data = getattr(fn, f"_saved_{spec[0]}")
     except AttributeError:
         return []
     made = _through_views(fn.next_functions[spec[1]][0])
-    if not isinstance(data, torch.Tensor) or not bool((data >= 0).all()) or made is None \
-            or node_op(made) not in _NON_NEGATIVE:
+    if not isinstance(data, torch.Tensor) or not bool((data >= 0).all()):
+        return []
+    # (data the graph does not keep, through a plain matrix product: only the weights can
+    # take the sum below 0)
+    off_graph = made is None and node_op(fn) in ("Mm", "Bmm")
+    if not off_graph and (made is None or node_op(made) not in _NON_NEGATIVE):
         return []
     params = [_param(fn.next_functions[i][0]) for i in spec[2] if i < len(fn.next_functions)]
     return [p for p in params if p is not None and bool((p < 0).any())]
