@@ -1,0 +1,149 @@
+"""End to end on epidemic forecasting models (``epidemic_forecasting_models``): an SEIR model
+integrated by explicit Euler in the forward with beta(t) from a mobility network, a renewal
+model (a truncated, renormalised generation interval, a random-walk log R_t, a reporting-delay
+``conv1d``), both fitted by a masked negative binomial likelihood, and a GRU forecaster of log
+incidence. Each planted failure of the domain fires under the recorder and is replayed with
+the CLI; the healthy versions raise no event and train bit-identically with and without the
+recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import epidemic_forecasting_models as M
+import pytest
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+BATCHES = {"seir": M.seir_batch, "renewal": M.renewal_batch, "log": M.log_incidence_batch}
+LOSSES = {"seir": M.seir_loss, "renewal": M.renewal_loss}
+
+
+def line_of(text: str) -> str:
+    return source_line("epidemic_forecasting_models.py", text)
+
+
+def train(kind: str, make: str, out_dir, bad: dict | None = None, steps: int = 4,
+          record: bool = True, **data):
+    """Adam with a step schedule and gradient clipping over rolling windows of regions; the
+    data condition ``bad`` (a keyword of the batch maker) is planted in the last step's
+    batch. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    crit = LOSSES.get(kind, torch.nn.MSELoss())
+    g = torch.Generator().manual_seed(0)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"epidemic_forecasting_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            args, targets = BATCHES[kind](g, **(bad if bad and step == steps - 1 else {}),
+                                          **data)
+            loss = loss_fn(model(*args), *targets)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(kind: str, make: str, tmp_path, steps: int = 4, **bad):
+    with pytest.raises(NonFiniteError) as info:
+        train(kind, make, tmp_path, bad, steps=steps)
+    return info.value.event, info.value.bundle_path
+
+
+def test_padded_region_of_population_zero_names_the_force_of_infection(tmp_path):
+    """Regions padded to a fixed batch with population 0 (mask 0 in the loss): the force of
+    infection ``beta * S * I / N`` is 0/0 there. The replay names the division, its line, the
+    padded slot, and the divisor as the batch's own data, exactly 0: repair or mask it, no
+    eps."""
+    ev, bundle = fire("seir", "make_seir", tmp_path, padded=6)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"], ev["kind"]) == (
+        3, "forward", "", [6], "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "", "aten.div", "nan", [6]), o
+    assert o["source"] == line_of("force = beta[:, t] * s * i / pop"), o
+    assert rep["cause"] == "invalid" and "batch's own data" in rep["hint"], rep["hint"]
+    assert "mask the sample" in rep["hint"], rep["hint"]
+
+
+def test_daily_euler_step_past_the_susceptibles_names_the_nb_log_and_the_region(tmp_path):
+    """One Euler step a day and a region whose mobility index came in percent: beta is ~100x,
+    the step ``dt * beta * S * I / N`` takes more than S, S goes negative and the expected
+    incidence with it, and the negative binomial's ``log(mu / (phi + mu))`` is NaN: a loss
+    event. The replay names that log, the region, and its out-of-scale covariates."""
+    ev, bundle = fire("seir", "make_seir_daily", tmp_path, hot=2)
+    assert (ev["step"], ev["phase"]) == (3, "loss"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == ("loss", "<loss>", "aten.log",
+                                                                 [2]), o
+    assert o["source"] == line_of("+ phi * torch.log(phi / (phi + mu))"), o
+    assert rep["cause"] == "invalid" and "negative" in rep["hint"], rep["hint"]
+    assert "sample(s) 2 of args[0]" in rep["hint"] and "out of scale" in rep["hint"], rep
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_generation_interval_truncated_where_it_has_no_mass_names_the_renormalisation(
+        tmp_path):
+    """A region's serial interval taken from a table in hours (mean ~125 'days'): truncated at
+    14 days, the lognormal's CDF differences are all 0 in float32 (``1 + erf`` of a very
+    negative z), and the renormalisation ``w / w.sum()`` is 0/0 in that region's row."""
+    ev, bundle = fire("renewal", "make_renewal", tmp_path, hours=3)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [3]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "nan", [3]), o
+    assert o["source"] == line_of("return w / w.sum(-1, keepdim=True)"), o
+    assert rep["cause"] == "precision" and "0 by 0" in rep["hint"], rep["hint"]
+
+
+def test_random_walk_r_t_over_a_year_overflows_in_the_renewal_loop(tmp_path):
+    """R_t starting at R0 = 2.5 over a 365-day horizon: infections grow by 2.5 a generation
+    and overflow float32 inside the renewal loop at step 0. The replay names the product with
+    R_t on its line and says overflow."""
+    with pytest.raises(NonFiniteError) as info:
+        train("renewal", "make_renewal_long", tmp_path, steps=1, horizon=365)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"]) == ("", "aten.mul", "+inf"), o
+    assert o["source"] == line_of("infections.append(rt[:, t] * (past * w).sum(1))"), o
+    assert rep["cause"] == "overflow", rep["hint"]
+
+
+def test_region_reporting_no_case_makes_a_log_target_of_minus_inf(tmp_path):
+    """A region whose reporting froze for the whole window: ``log(cases)`` is -inf in its
+    history and its targets. The GRU's saturating gates keep the forecast finite, so the
+    event is the loss target's -inf on that region; the replay names the input, the region,
+    and log(0) of a count."""
+    ev, bundle = fire("log", "make_forecaster", tmp_path, silent=4)
+    assert (ev["step"], ev["phase"], ev["tensor"], ev["samples"], ev["kind"]) == (
+        3, "input", "loss_args[1]", [4], "-inf"), ev
+    rep = nanreplay_json(bundle)
+    assert (rep["origin"]["phase"], rep["origin"]["samples"], rep["cause"]) == (
+        "input", [4], "input"), rep
+    assert "log of a count" in rep["hint"], rep["hint"]
+
+
+@pytest.mark.parametrize("kind,make,data", [("seir", "make_seir", {}),
+                                            ("renewal", "make_renewal", {}),
+                                            ("log", "make_forecaster", {"log1p": True})])
+def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, data):
+    """Sub-daily Euler SEIR, the renewal model and the GRU on log1p targets: no event, and
+    bit-identical weights with and without the recorder."""
+    recorded = train(kind, make, tmp_path, steps=3, **data)
+    plain = train(kind, make, tmp_path, steps=3, record=False, **data)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
