@@ -47,15 +47,18 @@ class SEIR(nn.Module):
     """Explicit Euler, ``substeps`` steps a day, of S -> E -> I -> R per region."""
 
     def __init__(self, substeps: int = 4, incubation: float = 5.2, infectious: float = 3.0,
-                 hidden: int = 16):
+                 hidden: int = 16, region_dispersion: bool = False):
         super().__init__()
         self.beta_net = nn.Sequential(nn.Linear(COVARIATES, hidden), nn.ReLU(),
                                       nn.Linear(hidden, 1))
         self.seed = nn.Parameter(torch.tensor(-6.0))  # logit of the initially infected share
         self.log_phi = nn.Parameter(torch.tensor(1.0))  # NB dispersion
+        # (region_dispersion) NB2's overdispersion alpha per region, exp of a linear map of
+        # its static features; the dispersion is phi = 1 / alpha
+        self.disp = nn.Linear(2, 1) if region_dispersion else None
         self.substeps, self.sigma, self.gamma = substeps, 1 / incubation, 1 / infectious
 
-    def forward(self, mobility, pop):
+    def forward(self, mobility, pop, features=None):
         beta = F.softplus(self.beta_net(mobility)).squeeze(-1)  # (B, T)
         dt = 1.0 / self.substeps
         e = i = pop * torch.sigmoid(self.seed)
@@ -69,7 +72,10 @@ class SEIR(nn.Module):
                 s, e, i = s - s_to_e, e + s_to_e - e_to_i, i + e_to_i - i_to_r
                 new = new + e_to_i
             incidence.append(new)
-        return torch.stack(incidence, 1), self.log_phi.exp()
+        if self.disp is None:
+            return torch.stack(incidence, 1), self.log_phi.exp()
+        alpha = torch.exp(self.disp(features))  # (B, 1)
+        return torch.stack(incidence, 1), 1 / alpha
 
 
 def make_seir() -> SEIR:
@@ -83,7 +89,13 @@ def make_seir_daily() -> SEIR:
     return SEIR(substeps=1)
 
 
-def seir_batch(g: torch.Generator, padded: int | None = None, hot: int | None = None):
+def make_seir_regional() -> SEIR:
+    torch.manual_seed(0)
+    return SEIR(region_dispersion=True)
+
+
+def seir_batch(g: torch.Generator, padded: int | None = None, hot: int | None = None,
+               features: bool = False, raw: int | None = None):
     """(mobility, pop), cases, mask of REGIONS regions. ``padded``: that slot is a padding
     region (population 0, no cases, mask 0); ``hot``: that region's mobility index comes in
     percent (0-100) rather than as a fraction."""
@@ -97,7 +109,14 @@ def seir_batch(g: torch.Generator, padded: int | None = None, hot: int | None = 
         pop[padded], cases[padded], mask[padded] = 0.0, 0.0, 0.0
     if hot is not None:
         mobility[hot] = mobility[hot] * 100
-    return (mobility, pop), (cases, mask)
+    if not features:
+        return (mobility, pop), (cases, mask)
+    # static features: log population (standardised) and the share of people over 65;
+    # ``raw``: that region's row joined from a table with the population unlogged
+    density = torch.stack([(pop.log() - 11) / 2, 0.1 + 0.2 * torch.rand(REGIONS, generator=g)], 1)
+    if raw is not None:
+        density[raw, 0] = pop[raw]
+    return (mobility, pop, density), (cases, mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,6 +93,27 @@ def test_daily_euler_step_past_the_susceptibles_names_the_nb_log_and_the_region(
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_raw_population_feature_overflows_nb2_alpha_and_lgamma_names_the_record(tmp_path):
+    """NB2's overdispersion ``alpha = exp(w . features)`` per region, phi = 1 / alpha: a
+    region's static features joined with the population unlogged (1e5 among standardised
+    values) overflow alpha, phi is exactly 0, and the likelihood's ``lgamma(phi)`` is at its
+    pole: a loss event. The replay names the lgamma, the region, and (as for a domain) its
+    out-of-scale features rather than only an eps: a clamp on phi would train on the record
+    (it said "clamp ... or add an eps" alone); dropping the region makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train("seir", "make_seir_regional", tmp_path, {"raw": 5}, features=True)
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["phase"]) == (3, "loss"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.lgamma", "+inf",
+                                                                [5]), o
+    assert o["source"] == line_of("ll = (torch.lgamma(cases + phi) - torch.lgamma(phi)"), o
+    assert rep["cause"] == "invalid" and "pole" in rep["hint"], rep["hint"]
+    assert "sample(s) 5 of args[2]" in rep["hint"] and "to its pole" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
 def test_generation_interval_truncated_where_it_has_no_mass_names_the_renormalisation(
         tmp_path):
     """A region's serial interval taken from a table in hours (mean ~125 'days'): truncated at
