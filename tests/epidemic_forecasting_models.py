@@ -39,6 +39,21 @@ def seir_loss(out, cases, mask):
     return nb_nll(mu, phi, cases, mask)
 
 
+def where_masked_loss(out, cases, mask):
+    """The likelihood with the padded regions' terms replaced by 0 (``torch.where``)."""
+    mu, phi = out
+    ll = (torch.lgamma(cases + phi) - torch.lgamma(phi) - torch.lgamma(cases + 1)
+          + phi * torch.log(phi / (phi + mu)) + cases * torch.log(mu / (phi + mu)))
+    return -torch.where(mask > 0, ll, torch.zeros_like(ll)).sum() / mask.sum()
+
+
+def observed_loss(out, cases, mask):
+    """The likelihood of the observed entries only, picked before any op."""
+    mu, phi = out
+    keep = mask > 0
+    return nb_nll(mu[keep], phi, cases[keep], torch.ones_like(cases[keep]))
+
+
 # ---------------------------------------------------------------------------------------------
 # SEIR with a learned transmission rate
 
@@ -76,6 +91,43 @@ class SEIR(nn.Module):
             return torch.stack(incidence, 1), self.log_phi.exp()
         alpha = torch.exp(self.disp(features))  # (B, 1)
         return torch.stack(incidence, 1), 1 / alpha
+
+
+class MetapopSEIR(SEIR):
+    """A metapopulation SEIR: each region's force of infection mixes the prevalence of the
+    batch's regions by a contact matrix, the softmax of learned affinities of their mean
+    mobility over the present regions only (padding masked with -inf); a padding region's
+    population is taken as 1, its compartments stay 0 and so does its incidence."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key = nn.Linear(COVARIATES, 8), nn.Linear(COVARIATES, 8)
+
+    def forward(self, mobility, pop):
+        present = pop > 0
+        n = torch.where(present, pop, torch.ones_like(pop))
+        m = mobility.mean(1)
+        scores = self.query(m) @ self.key(m).T / 8 ** 0.5
+        contact = torch.softmax(scores.masked_fill(~present[None, :], float("-inf")), -1)
+        beta = F.softplus(self.beta_net(mobility)).squeeze(-1)  # (B, T)
+        dt = 1.0 / self.substeps
+        e = i = pop * torch.sigmoid(self.seed)
+        s = pop - e - i
+        incidence = []
+        for t in range(beta.shape[1]):
+            new = torch.zeros_like(pop)
+            for _ in range(self.substeps):
+                force = beta[:, t] * s * (contact @ (i / n))
+                s_to_e, e_to_i, i_to_r = dt * force, dt * self.sigma * e, dt * self.gamma * i
+                s, e, i = s - s_to_e, e + s_to_e - e_to_i, i + e_to_i - i_to_r
+                new = new + e_to_i
+            incidence.append(new)
+        return torch.stack(incidence, 1), self.log_phi.exp()
+
+
+def make_metapop() -> MetapopSEIR:
+    torch.manual_seed(0)
+    return MetapopSEIR()
 
 
 def make_seir() -> SEIR:

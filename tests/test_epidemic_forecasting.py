@@ -19,8 +19,10 @@ from recorder import FlightRecorder, NonFiniteError
 
 pytestmark = pytest.mark.usefixtures("in_tests_dir")
 
-BATCHES = {"seir": M.seir_batch, "renewal": M.renewal_batch, "log": M.log_incidence_batch}
-LOSSES = {"seir": M.seir_loss, "renewal": M.renewal_loss}
+BATCHES = {"seir": M.seir_batch, "renewal": M.renewal_batch, "log": M.log_incidence_batch,
+           "metapop": M.seir_batch, "where": M.seir_batch, "observed": M.seir_batch}
+LOSSES = {"seir": M.seir_loss, "renewal": M.renewal_loss, "metapop": M.seir_loss,
+          "where": M.where_masked_loss, "observed": M.observed_loss}
 
 
 def line_of(text: str) -> str:
@@ -74,6 +76,38 @@ def test_padded_region_of_population_zero_names_the_force_of_infection(tmp_path)
     assert o["source"] == line_of("force = beta[:, t] * s * i / pop"), o
     assert rep["cause"] == "invalid" and "batch's own data" in rep["hint"], rep["hint"]
     assert "mask the sample" in rep["hint"], rep["hint"]
+
+
+def test_padded_region_masked_by_a_product_names_the_log_and_the_mask(tmp_path):
+    """A metapopulation SEIR that guards its padding (population taken as 1, contacts masked
+    with -inf): the padded region's expected cases are exactly 0, the likelihood's
+    ``log(mu / (phi + mu))`` is -inf there, ``cases * log`` 0 * -inf, and ``ll * mask`` keeps
+    the NaN. The replay names the log, the padded slot, and the mask's product, with the
+    where-before-the-op / select-first advice (it said the 0 was a constant the model wrote,
+    with a pointer-generator's vocabulary slots as the example)."""
+    ev, bundle = fire("metapop", "make_metapop", tmp_path, padded=6)
+    assert (ev["step"], ev["phase"]) == (3, "loss"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.log", "-inf",
+                                                                [6]), o
+    assert o["source"] == line_of("+ phi * torch.log(phi / (phi + mu))"), o
+    mask_line = line_of("return -(ll * mask).sum() / mask.sum()")
+    assert rep["cause"] == "invalid", rep
+    assert f"multiplied by a mask's 0 in aten.mul ({mask_line})" in rep["hint"], rep["hint"]
+    assert "x[mask.bool()]" in rep["hint"] and "vocabulary" not in rep["hint"], rep["hint"]
+
+
+def test_padded_region_masked_by_where_names_the_log_backward(tmp_path):
+    """The same likelihood with ``torch.where(mask > 0, ll, 0)``: the loss is finite, but the
+    where's zero gradient meets log's derivative at mu = 0 (0 / 0): a backward event, named
+    at LogBackward0 on the padded slot, with the where-before-the-op advice."""
+    ev, bundle = fire("where", "make_metapop", tmp_path, padded=6)
+    assert (ev["step"], ev["phase"]) == (3, "backward"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["samples"]) == ("backward", "LogBackward0", [6]), o
+    assert rep["cause"] == "invalid" and "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
 
 
 def test_daily_euler_step_past_the_susceptibles_names_the_nb_log_and_the_region(tmp_path):
@@ -158,11 +192,14 @@ def test_region_reporting_no_case_makes_a_log_target_of_minus_inf(tmp_path):
 
 
 @pytest.mark.parametrize("kind,make,data", [("seir", "make_seir", {}),
+                                            ("observed", "make_metapop", {"padded": 6}),
                                             ("renewal", "make_renewal", {}),
                                             ("log", "make_forecaster", {"log1p": True})])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, data):
-    """Sub-daily Euler SEIR, the renewal model and the GRU on log1p targets: no event, and
-    bit-identical weights with and without the recorder."""
+    """Sub-daily Euler SEIR, the metapopulation SEIR with a padded region in every batch (its
+    -inf contact mask stays inside the softmax; the likelihood takes the observed entries
+    only), the renewal model and the GRU on log1p targets: no event, and bit-identical
+    weights with and without the recorder."""
     recorded = train(kind, make, tmp_path, steps=3, **data)
     plain = train(kind, make, tmp_path, steps=3, record=False, **data)
     assert not list(tmp_path.glob("*.nan"))
