@@ -205,3 +205,58 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, dat
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def window_loader(silent: int | None, steps: int):
+    """A DataLoader over the rolling windows of 16 regions a step (two batches of 8),
+    log-transformed; ``silent``: the window, counted over the whole set, of a region whose
+    reporting froze."""
+    g = torch.Generator().manual_seed(0)
+    parts = [M.log_incidence_batch(g) for _ in range(2 * steps)]
+    history = torch.cat([args[0] for args, _ in parts])
+    target = torch.cat([t[0] for _, t in parts])
+    if silent is not None:
+        history[silent], target[silent] = float("-inf"), float("-inf")  # log(0) of every day
+    data = torch.utils.data.TensorDataset(history, target)
+    return torch.utils.data.DataLoader(data, batch_size=M.REGIONS, shuffle=False)
+
+
+def train_accumulated(out_dir, silent: int | None = None, steps: int = 3, record: bool = True):
+    """Two batches accumulated per update (``loss / 2``), clipping, Adam."""
+    model = M.make_forecaster()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    crit = torch.nn.MSELoss()
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="epidemic_forecasting_models:make_forecaster") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for k, (history, target) in enumerate(window_loader(silent, steps)):
+            (loss_fn(model(history), target) / 2).backward()
+            if k % 2 == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                opt.step()
+                opt.zero_grad()
+    return model
+
+
+def test_zero_case_window_in_an_accumulated_batch_names_its_micro_batch_and_row(tmp_path):
+    """Window 44 of the loader (the last step's second batch, row 4) is a region with no
+    case: its log target is -inf. The event and the replay name micro-batch 1 and row 4."""
+    with pytest.raises(NonFiniteError) as info:
+        train_accumulated(tmp_path, silent=2 * 2 * M.REGIONS + M.REGIONS + 4)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["samples"], ev["kind"]) == (
+        2, "input", 1, [4], "-inf"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["micro_batch"], o["samples"], rep["cause"]) == ("input", 1, [4],
+                                                                          "input"), rep
+    assert "log of a count" in rep["hint"], rep["hint"]
+
+
+def test_accumulated_healthy_run_trains_the_same(tmp_path):
+    recorded = train_accumulated(tmp_path)
+    plain = train_accumulated(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
