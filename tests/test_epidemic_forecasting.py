@@ -162,19 +162,43 @@ def test_generation_interval_truncated_where_it_has_no_mass_names_the_renormalis
     assert rep["cause"] == "precision" and "0 by 0" in rep["hint"], rep["hint"]
 
 
+def overflowing_regions() -> tuple[int, list[int], list[int]]:
+    """In an unrecorded step 0 of the year-long model: the day the renewal loop's infections
+    first overflow, the regions they overflow in that day, and every region they overflow in
+    by the year's end (each region's recursion is its own: no row feeds another)."""
+    model = M.make_renewal_long()
+    (region, seed, logmean, logsd), _ = M.renewal_batch(torch.Generator().manual_seed(0),
+                                                        horizon=365)
+    with torch.no_grad():
+        w = model.generation_interval(logmean, logsd)
+        rt = torch.exp(model.log_r0[region, None] + torch.cumsum(model.walk[region], 1))
+        infections, first = [seed] * model.max_gi, None
+        for t in range(rt.shape[1]):
+            new = rt[:, t] * (torch.stack(infections[::-1][:model.max_gi], 1) * w).sum(1)
+            if first is None and not torch.isfinite(new).all():
+                first = t, torch.nonzero(~torch.isfinite(new)).flatten().tolist()
+            infections.append(new)
+    ever = ~torch.isfinite(torch.stack(infections, 1)).all(1)
+    return *first, torch.nonzero(ever).flatten().tolist()
+
+
 def test_random_walk_r_t_over_a_year_overflows_in_the_renewal_loop(tmp_path):
     """R_t starting at R0 = 2.5 over a 365-day horizon: infections grow by 2.5 a generation
-    and overflow float32 inside the renewal loop at step 0. The replay names the product with
-    R_t on its line and says overflow."""
+    and overflow float32 inside the renewal loop at step 0, late in the year and first in the
+    regions an unrecorded run finds. The replay names the product with R_t on its line, every
+    region whose own recursion overflows within the loop (the first day's and a later
+    day's), overflow, and the loop diverging run after run."""
+    day, first, rows = overflowing_regions()
+    assert day > 300 and first == [3] and rows == [1, 3], (day, first, rows)
     with pytest.raises(NonFiniteError) as info:
         train("renewal", "make_renewal_long", tmp_path, steps=1, horizon=365)
     ev = info.value.event
     assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "+inf"), ev
     rep = nanreplay_json(info.value.bundle_path)
     o = rep["origin"]
-    assert (o["module"], o["op"], o["made"]) == ("", "aten.mul", "+inf"), o
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.mul", "+inf", rows), o
     assert o["source"] == line_of("infections.append(rt[:, t] * (past * w).sum(1))"), o
-    assert rep["cause"] == "overflow", rep["hint"]
+    assert rep["cause"] == "overflow" and "diverging" in rep["hint"], rep["hint"]
 
 
 def test_region_reporting_no_case_makes_a_log_target_of_minus_inf(tmp_path):
