@@ -13,7 +13,7 @@ import contextlib
 import epidemic_forecasting_models as M
 import pytest
 import torch
-from bundles import nanreplay_json, source_line
+from bundles import line_number, nanreplay_json, source_line
 
 from recorder import FlightRecorder, NonFiniteError
 
@@ -107,6 +107,9 @@ def test_padded_region_masked_by_where_names_the_log_backward(tmp_path):
     rep = nanreplay_json(bundle)
     o = rep["origin"]
     assert (o["phase"], o["op"], o["samples"]) == ("backward", "LogBackward0", [6]), o
+    # (the log line of where_masked_loss's own likelihood, 4 lines below its def)
+    at = line_number("epidemic_forecasting_models.py", "def where_masked_loss") + 4
+    assert o["source"] == f"epidemic_forecasting_models.py:{at}", o
     assert rep["cause"] == "invalid" and "torch.where(mask, x, 1)" in rep["hint"], rep["hint"]
 
 
