@@ -1,6 +1,8 @@
-"""An op run outside its domain (log1p below -1, log or sqrt of a negative) on a few samples
-whose recorded data is out of scale with the rest of the batch: a timestamp in milliseconds
-among seconds makes the gap after it hugely negative, and ``log1p(gap)`` NaN. The op's advice
+"""An op run outside its domain (log1p below -1, log or sqrt of a negative) or at its pole on a
+few samples whose recorded data is out of scale with the rest of the batch: a timestamp in
+milliseconds among seconds makes the gap after it hugely negative, and ``log1p(gap)`` NaN; a
+raw population among standardised features overflows NB2's ``alpha = exp(...)``, and
+``lgamma(1 / alpha)`` is at its pole 0. The op's advice
 (clamp its input into the domain) would hide the corrupt record as a finite, wrong feature;
 the hint names the record, as an overflow's does (:mod:`replay.data_scale`)."""
 
@@ -15,6 +17,7 @@ from .load import Step
 from .outliers import outlier_input
 
 _DOMAIN_ADVICE = (DO["domain"], DO["log_domain"], DO["log1p_pole"], DO["power_domain"])
+_POLE_ADVICE = (DO["pole"],)  # (a pole: "out of its domain" would misname it)
 
 
 def domain_outlier_hint(report: dict[str, Any], step: Step) -> None:
@@ -22,7 +25,7 @@ def domain_outlier_hint(report: dict[str, Any], step: Step) -> None:
     o, hint = report["origin"], report.get("hint") or ""
     rows, mb = o.get("samples") or [], o.get("micro_batch") or 0
     if report.get("cause") != "invalid" or not rows or o.get("all_samples") \
-            or not any(advice in hint for advice in _DOMAIN_ADVICE):
+            or not any(advice in hint for advice in _DOMAIN_ADVICE + _POLE_ADVICE):
         return
     found = outlier_input(step, mb, rows)
     if found is None:
@@ -32,8 +35,10 @@ def domain_outlier_hint(report: dict[str, Any], step: Step) -> None:
              f"{g(found['others'])}" if found["others"] > 0 else ", the other rows being 0")
     how = (f" (--try drop={which} re-runs the step without them)"
            if undroppable(step, mb) is None else "")
+    edge = ("out of its domain" if any(advice in hint for advice in _DOMAIN_ADVICE)
+            else "to its pole")
     report["hint"] = (
         f"{hint}. But sample(s) {which} of {found['tensor']} reach {g(found['value'])}{ratio}: "
         "the data of these samples is out of scale (a wrong unit, as a timestamp in "
-        "milliseconds among seconds; a corrupt record), which drove the op out of its domain "
+        f"milliseconds among seconds; a corrupt record), which drove the op {edge} "
         f"and which a clamp would only hide as a wrong value; fix or filter them{how}")

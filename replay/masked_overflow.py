@@ -7,6 +7,10 @@ mask's 0, which is NaN. The op's own remedies (rescale, float64) miss the point:
 are padding the loss never meant to use. The loss is re-run under a small dispatch mode that
 goes on past the first non-finite value; when the op it first made is the origin and a
 product then multiplied every non-finite value it met by a 0/1 mask's 0, the hint says so.
+So for an infinity an op made at its pole (``invalid``): a negative binomial's ``log(mu)``
+at a padded region whose expected cases are 0 (its population is 0), ``cases * log(mu)``
+then 0 * -inf, and ``(ll * mask)`` NaN; the op's advice (an eps, or a constant the model wrote
+as 0) is about entries the loss never meant to use.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from .load import Step
 from .masked_after import masked_in_loss
 from .masked_product import mask_dropped
+from .unfilled import UNFILLED
 
 
 def _non_finite(leaves) -> bool:
@@ -28,7 +33,8 @@ def _non_finite(leaves) -> bool:
 def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
     """Append to a loss's overflow the product that then masked it (see the docstring)."""
     o = report["origin"]
-    if report.get("cause") != "overflow" or o.get("phase") != "loss" \
+    if report.get("cause") not in ("overflow", "invalid") or o.get("phase") != "loss" \
+            or (report.get("cause") == "invalid" and "mask's 0" in (report.get("hint") or "")) \
             or o.get("module") != "<loss>" or o.get("made") not in ("+inf", "-inf") \
             or step.model is None or step.loss_fn is None or not report.get("hint"):
         return
@@ -37,6 +43,16 @@ def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
         return
     op, source = watch.masked
     at = f" ({source})" if source else ""
+    if report["cause"] == "invalid":  # (an op at its pole; a mask's product already said)
+        # (the masked entries' 0 is no unfilled slot to look for: that advice is replaced)
+        hint = _lead(report["hint"]) if UNFILLED in report["hint"] else report["hint"]
+        report["hint"] = (
+            f"{hint}. But every non-finite value it led to was then multiplied by a mask's 0 "
+            f"in {op}{at}: the pole is hit in entries the loss leaves out (a padded "
+            "region or sequence, an ignored target), and inf * 0 is NaN; make the op's input "
+            "safe where the mask is 0 (torch.where(mask, x, 1) before it) or select the kept "
+            "entries before the op (x[mask.bool()])")
+        return
     report["hint"] = (
         f"{report['hint']}. But every non-finite value it led to was then multiplied by a "
         f"mask's 0 in {op}{at}: the overflow is in entries the loss leaves out (padded steps, "
@@ -44,3 +60,14 @@ def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
         "torch.empty or a sentinel pad value leaves huge values there): pad with 0 "
         "(torch.zeros, pad_sequence), or keep the masked entries out of the op "
         "(torch.where(mask, x, 0) before it, or x[mask.bool()])")
+
+
+def _lead(hint: str) -> str:
+    """What the hint says the op did (``aten.log of 0 (log has a pole at 0: -inf)``): its text
+    up to the first colon or ", which" outside parentheses, where its advice begins."""
+    depth = 0
+    for i, c in enumerate(hint):
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and (c == ":" or hint.startswith(", which", i)):
+            return hint[:i]
+    return hint

@@ -20,7 +20,9 @@ from .domains import describe
 from .rerun import Runner
 from .source import user_source
 
-__all__ = ["unfilled_hint"]
+__all__ = ["UNFILLED", "unfilled_hint"]
+
+UNFILLED = "those 0s are constants the model wrote"  # (replay.masked_overflow replaces it)
 
 MARK = 2.0 ** -60  # positive, finite where a log or a division takes it, and rare
 _POLES = {"aten.log", "aten.log2", "aten.log10", "aten.div", "aten.reciprocal"}
@@ -91,7 +93,7 @@ def unfilled_hint(runner: Runner, mb: int, hit, cause: str, hint: str | None) ->
         return hint
     where = f"the zeros made at {line}" if line else "zeros the model's forward made"
     what = describe(hit.op.removeprefix("aten."), hit.evidence)[0] if hit.evidence else hit.op
-    return (f"{what}: those 0s are constants the model wrote, not values that rounded to 0: "
+    return (f"{what}: {UNFILLED}, not values that rounded to 0: "
             f"{where} reached {hit.op} unchanged (entries only zeros were added to since: an "
             "extended vocabulary's slots of OOVs a sample's article lacks, or of words at "
             "positions its attention masks); with them set to a tiny positive value the loss "
