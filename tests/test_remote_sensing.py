@@ -1,0 +1,218 @@
+"""End to end on remote sensing training (``remote_sensing_models``): a land-cover U-Net on
+Sentinel-2 DN tiles (scaled to reflectance, NDVI/NDWI inside the model, per-band
+normalisation), a cloud-masked per-pixel cross entropy, inverse-frequency class weights, a
+Sentinel-1 flood mapper on dB backscatter and a Siamese change detector, trained with AdamW, a
+cosine schedule, gradient clipping and random crops and flips. Each planted failure of the
+domain fires under the recorder and is replayed with the CLI; the healthy versions raise no
+event and train bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import remote_sensing_models as M
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+N = 6  # tiles per batch
+
+
+def line_of(text: str) -> str:
+    return source_line("remote_sensing_models.py", text)
+
+
+def s2_batch(g, plant: str | None, bad: int):
+    dn, labels, clear = M.s2_tile(g, N)
+    if plant == "swath":
+        M.outside_swath(dn, clear, bad)
+    elif plant == "cloud":
+        clear[bad] = 0  # QA60 says opaque cloud over the whole tile
+    dn, labels, clear = M.random_flip_crop(g, dn, labels, clear)
+    return (dn,), (labels, clear)
+
+
+def reflectance_batch(g, plant: str | None, bad: int):
+    """The dataset scales DN to reflectance; with ``unscaled`` tile ``bad`` comes from the
+    tile cache, written before the scale was applied, and stays in DN (x 1e4)."""
+    (dn,), targets = s2_batch(g, None, bad)
+    refl = dn * 1e-4
+    if plant == "unscaled":
+        refl[bad] = dn[bad]
+    return (refl,), targets
+
+
+def s1_batch(g, plant: str | None, bad: int):
+    sigma0, water = M.s1_tile(g, N)
+    if plant == "zero":
+        sigma0[bad, :, 3:5, 3:5] = 0.0  # border-noise removal zeroed these pixels
+    sigma0, water = M.random_flip_crop(g, sigma0, water)
+    return (sigma0,), (water,)
+
+
+def change_batch(g, plant: str | None, bad: int):
+    dn1, _, _ = M.s2_tile(g, N)
+    dn2, _, _ = M.s2_tile(g, N)
+    change = (dn1[:, 3] - dn2[:, 3]).abs().gt(1500).long()
+    dn1, dn2, change = M.random_flip_crop(g, dn1, dn2, change)
+    return (dn1, dn2), (change,)
+
+
+KINDS = {"s2": s2_batch, "refl": reflectance_batch, "s1": s1_batch, "change": change_batch}
+
+
+def make_loss(loss: str):
+    if loss == "masked":
+        return M.masked_ce
+    if loss == "masked_guarded":
+        return M.masked_ce_guarded
+    if loss == "weighted":
+        g = torch.Generator().manual_seed(5)
+        labels = torch.cat([M.s2_tile(g, 8)[1] for _ in range(4)])  # the training set's maps
+        return M.CloudMaskedCE(M.inverse_frequency_weights(labels))
+    return torch.nn.CrossEntropyLoss()
+
+
+def train(kind: str, make: str, loss: str, out_dir, plant: str | None = None, bad: int = 2,
+          steps: int = 4, record: bool = True, amp: bool = False):
+    """AdamW with a cosine schedule and gradient clipping (the torchgeo trainers' recipe);
+    ``plant`` is applied to tile ``bad`` of the last step's batch. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    crit = make_loss(loss)
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"remote_sensing_models:{make}") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for step in range(steps):
+            args, targets = KINDS[kind](g, plant if step == steps - 1 else None, bad)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                out = model(*args)
+            loss_v = loss_fn(out.float(), *targets)
+            opt.zero_grad()
+            loss_v.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def fire(*args, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(*args, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def test_ndvi_over_nodata_pixels_names_the_division_and_the_tile(tmp_path):
+    """A tile crossing the swath edge holds DN 0 in every band there: NDVI's
+    ``(nir - red) / (nir + red)`` is 0/0 on those pixels. BatchNorm spreads the NaN to every
+    tile's output, but the replay names the indices module's division, its line, tile 2
+    alone, invalid math, and an eps or a skip of those values."""
+    ev, bundle = fire("s2", "make_landcover", "masked_guarded", tmp_path, plant="swath")
+    assert (ev["step"], ev["phase"], ev["module"], ev["call"], ev["kind"]) == (
+        3, "forward", "indices", 0, "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "indices", "aten.div", "nan", [2]), o
+    assert o["source"] == line_of("ndvi = (nir - red) / (nir + red)"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "eps to the denominator" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_fully_clouded_tile_names_the_masked_mean_and_the_empty_mask(tmp_path):
+    """QA60 flags a whole tile as cloud: its masked mean over valid pixels divides 0 by 0 in
+    the loss. The replay names the division on its line, tile 2, and the cloud mask (the
+    loss's third argument) as a mask with no valid position, to filter or floor."""
+    ev, bundle = fire("s2", "make_landcover_guarded", "masked", tmp_path, plant="cloud")
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"]) == ("loss", "aten.div", "nan", [2]), o
+    assert o["source"] == line_of("per_tile = (ce * valid).sum((1, 2)) / valid.sum((1, 2))"), o
+    assert rep["cause"] == "invalid", rep
+    assert "loss_args[2]" in rep["hint"] and "no valid position" in rep["hint"], rep["hint"]
+    assert "count.clamp_min(1)" in rep["hint"], rep["hint"]
+
+
+def test_unrecorded_clouded_tile_makes_every_weight_nan(tmp_path):
+    """Without the recorder the same step's NaN loss goes through clip_grad_norm_ into every
+    weight: the event above is the bug, not a false alarm."""
+    model = train("s2", "make_landcover_guarded", "masked", tmp_path, plant="cloud",
+                  record=False)
+    assert not any(torch.isfinite(p).any() for p in model.unet.head.parameters())
+
+
+def test_inverse_frequency_weight_of_an_absent_class_names_the_loss_weight(tmp_path):
+    """Built-up pixels are absent from the AOI: 1/0 = inf, and normalising the weights to sum
+    to n_classes makes them 0 for the present classes and inf/inf = NaN for the absent one.
+    The first step's loss is NaN; the replay blames the loss's ``ce.weight`` (index 3), made
+    before the step, with the class-count fix."""
+    ev, bundle = fire("s2", "make_landcover_guarded", "weighted", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"]) == ("loss", "aten.nll_loss2d_forward", "nan"), o
+    assert rep["cause"] == "weights", rep
+    assert "'ce.weight' holding nan at index 3" in rep["hint"], rep["hint"]
+    assert "class absent" in rep["hint"] and "count.clamp_min(1)" in rep["hint"], rep["hint"]
+
+
+def test_zero_backscatter_names_the_log10_and_the_nodata_record(tmp_path):
+    """Border-noise removal zeroed four pixels of one Sentinel-1 tile: ``10 * log10(0)`` is
+    -inf dB and the per-tile standardisation turns it into NaN (-inf - -inf). The replay
+    names the log10 (not the subtraction after it) on its line, tile 2, the batch's own 0,
+    and masking the nodata entries rather than an eps."""
+    ev, bundle = fire("s1", "make_sar", "ce", tmp_path, plant="zero")
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log10", "-inf", [2]), o
+    assert o["source"] == line_of("db = 10 * torch.log10(sigma0)"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.log10", "aten.sub"], o["chain"]
+    assert rep["cause"] == "invalid" and "the batch's own data" in rep["hint"], rep["hint"]
+    assert "nodata" in rep["hint"] and "mask its nodata entries" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_unscaled_tile_under_fp16_autocast_names_the_cast_and_the_out_of_scale_tile(tmp_path):
+    """One tile comes from a cache written before the 1e-4 scale: normalised by the
+    reflectance mean/std it reaches 1e5, past float16's 65504, where autocast casts the
+    first conv's input. The replay names that cast in ``unet.enc1.0``, tile 2, overflow, and
+    the tile as out of scale (a wrong unit) rather than float32 alone."""
+    ev, bundle = fire("refl", "make_landcover_reflectance", "masked_guarded", tmp_path,
+                      plant="unscaled", amp=True)
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", "unet.enc1.0"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "unet.enc1.0", "aten._to_copy", "+inf", [2]), o
+    assert rep["cause"] == "overflow" and "float16" in rep["hint"], rep["hint"]
+    assert "out of scale" in rep["hint"] and "sample(s) 2" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+@pytest.mark.parametrize("kind,make,loss,plant,amp", [
+    ("s2", "make_landcover_guarded", "masked_guarded", "swath", False),
+    ("s2", "make_landcover_guarded", "masked_guarded", "cloud", True),
+    ("s1", "make_sar_guarded", "ce", "zero", False),
+    ("change", "make_change", "ce", None, False),
+    ("refl", "make_landcover_reflectance", "masked_guarded", None, True)])
+def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, loss, plant, amp):
+    """The guarded code on the same data conditions (floored NDVI denominators over nodata,
+    a count floored at 1 for a clouded tile, backscatter clamped at the noise floor), the
+    Siamese change detector and fp16 autocast on reflectances: no event, and bit-identical
+    weights and BatchNorm statistics with and without the recorder."""
+    recorded = train(kind, make, loss, tmp_path, plant=plant, amp=amp)
+    plain = train(kind, make, loss, tmp_path, plant=plant, amp=amp, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
