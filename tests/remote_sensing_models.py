@@ -146,6 +146,67 @@ def make_change() -> nn.Module:
     return SiameseChange()
 
 
+class CloudAwareScene(nn.Module):
+    """Scene classification with attention pooling over the clear pixels only: scores of
+    cloudy pixels are -inf before the spatial softmax (attention-MIL over pixels). A
+    ``floor`` of clear pixels (the guarded version) keeps one score finite per tile."""
+
+    def __init__(self, n_classes: int = N_CLASSES, base: int = 8, guarded: bool = False):
+        super().__init__()
+        self.guarded = guarded
+        self.register_buffer("mean", S2_MEAN[:4].view(1, -1, 1, 1))
+        self.register_buffer("std", S2_STD[:4].view(1, -1, 1, 1))
+        self.encoder = block(4, base)
+        self.score = nn.Conv2d(base, 1, 1)
+        self.head = nn.Linear(base, n_classes)
+
+    def forward(self, dn, clear):
+        f = self.encoder((dn * 1e-4 - self.mean) / self.std)
+        s = self.score(f).flatten(1).masked_fill(clear.flatten(1) == 0, float("-inf"))
+        if self.guarded:  # a fully clouded tile attends uniformly instead
+            s = torch.where(torch.isinf(s).all(1, keepdim=True), torch.zeros_like(s), s)
+        a = s.softmax(1)
+        return self.head(torch.einsum("bn,bcn->bc", a, f.flatten(2)))
+
+
+def make_scene() -> nn.Module:
+    torch.manual_seed(0)
+    return CloudAwareScene()
+
+
+def make_scene_guarded() -> nn.Module:
+    torch.manual_seed(0)
+    return CloudAwareScene(guarded=True)
+
+
+class BandStatsNet(LandCoverNet):
+    """The U-Net normalised by per-band statistics computed from the dataset's tiles."""
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor):
+        super().__init__(safe=True)
+        self.indices = nn.Identity()
+        self.mean, self.std = mean.view(1, -1, 1, 1), std.view(1, -1, 1, 1)
+        self.unet = UNet(mean.numel())
+
+
+def band_stats(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-band mean and std of reflectance over a sample of the training tiles."""
+    refl = tiles * 1e-4
+    return refl.mean((0, 2, 3)), refl.std((0, 2, 3))
+
+
+def with_cirrus(dn: torch.Tensor) -> torch.Tensor:
+    """The 5-band layout of the model trained on L1C: B10 (cirrus) appended. L2A products
+    drop B10, so the reader pads it with zeros."""
+    return torch.cat([dn, torch.zeros_like(dn[:, :1])], 1)
+
+
+def make_band_stats() -> nn.Module:
+    torch.manual_seed(0)
+    tiles = with_cirrus(s2_tile(torch.Generator().manual_seed(7), 16)[0])
+    return BandStatsNet(*band_stats(tiles))
+
+
 # --- losses -------------------------------------------------------------------------------
 
 def masked_ce(logits, target, valid):

@@ -62,7 +62,18 @@ def change_batch(g, plant: str | None, bad: int):
     return (dn1, dn2), (change,)
 
 
-KINDS = {"s2": s2_batch, "refl": reflectance_batch, "s1": s1_batch, "change": change_batch}
+def scene_batch(g, plant: str | None, bad: int):
+    """Tiles, their cloud masks (a forward argument) and one land-cover label per scene."""
+    (dn,), (labels, clear) = s2_batch(g, plant, bad)
+    return (dn, clear), (labels.flatten(1).mode(1).values,)
+
+
+def cirrus_batch(g, plant: str | None, bad: int):
+    (dn,), targets = s2_batch(g, plant, bad)
+    return (M.with_cirrus(dn),), targets
+
+
+KINDS = {"scene": scene_batch, "cirrus": cirrus_batch, "s2": s2_batch, "refl": reflectance_batch, "s1": s1_batch, "change": change_batch}
 
 
 def make_loss(loss: str):
@@ -200,7 +211,40 @@ def test_unscaled_tile_under_fp16_autocast_names_the_cast_and_the_out_of_scale_t
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_fully_clouded_scene_names_the_softmax_over_a_fully_masked_row(tmp_path):
+    """Attention pooling over clear pixels: cloudy pixels' scores are -inf, which the softmax
+    keeps inside for partly clouded tiles; for the fully clouded tile 2 every score is -inf
+    and the softmax is NaN. The event and the replay name the softmax on its line, tile 2
+    alone, and keeping one key per row or a finite mask value."""
+    ev, bundle = fire("scene", "make_scene", "ce", tmp_path, plant="cloud")
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (3, "forward", "", [2]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten._softmax", "nan", [2]), o
+    assert o["source"] == line_of("a = s.softmax(1)"), o
+    assert rep["cause"] == "invalid" and "every entry is -inf" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+
+
+def test_zero_padded_cirrus_band_names_the_band_std_buffer(tmp_path):
+    """B10 (cirrus) is missing from L2A and padded with zeros, so its std over the dataset
+    is 0 and every tile's normalisation divides 0 by 0 from the first step. The replay names
+    the division, every sample (no record to drop), and the ``std`` buffer's band 4 as a
+    statistic of the data to floor or a feature to drop."""
+    ev, bundle = fire("cirrus", "make_band_stats", "masked_guarded", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "forward", ""), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == ("", "aten.div", "nan", True), o
+    assert o["source"] == line_of("x = (self.indices(refl) - self.mean) / self.std"), o
+    assert rep["cause"] == "invalid", rep
+    assert "the buffer std" in rep["hint"] and "(0, 4, 0, 0)" in rep["hint"], rep["hint"]
+    assert "no rows to drop" in rep["hint"] and "std.clamp_min(eps)" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make,loss,plant,amp", [
+    ("scene", "make_scene", "ce", None, False),
+    ("scene", "make_scene_guarded", "ce", "cloud", False),
     ("s2", "make_landcover_guarded", "masked_guarded", "swath", False),
     ("s2", "make_landcover_guarded", "masked_guarded", "cloud", True),
     ("s1", "make_sar_guarded", "ce", "zero", False),
@@ -208,8 +252,9 @@ def test_unscaled_tile_under_fp16_autocast_names_the_cast_and_the_out_of_scale_t
     ("refl", "make_landcover_reflectance", "masked_guarded", None, True)])
 def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, loss, plant, amp):
     """The guarded code on the same data conditions (floored NDVI denominators over nodata,
-    a count floored at 1 for a clouded tile, backscatter clamped at the noise floor), the
-    Siamese change detector and fp16 autocast on reflectances: no event, and bit-identical
+    a count floored at 1 for a clouded tile, backscatter clamped at the noise floor, uniform
+    attention for a fully clouded scene), -inf scores of cloudy pixels that the spatial
+    softmax keeps inside, the Siamese change detector and fp16 autocast on reflectances: no event, and bit-identical
     weights and BatchNorm statistics with and without the recorder."""
     recorded = train(kind, make, loss, tmp_path, plant=plant, amp=amp)
     plain = train(kind, make, loss, tmp_path, plant=plant, amp=amp, record=False)
