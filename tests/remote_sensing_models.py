@@ -125,6 +125,47 @@ def make_sar_guarded() -> nn.Module:
     return SARNet(floor=1e-5)  # about -50 dB, below the sensor's noise floor
 
 
+class LeeFilter(nn.Module):
+    """Enhanced Lee speckle filter on linear backscatter (3x3 windows): local mean and
+    variance by box filters, the coefficient of variation ``ci = std / mean``, and a weight
+    that keeps edges (ci above the speckle's ``cu``) and smooths homogeneous areas."""
+
+    def __init__(self, looks: float = 4.0, floor: bool = False):
+        super().__init__()
+        self.cu = looks ** -0.5
+        self.floor = floor
+
+    def forward(self, x):
+        mean = F.avg_pool2d(x, 3, 1, 1, count_include_pad=False)
+        var = F.avg_pool2d(x * x, 3, 1, 1, count_include_pad=False) - mean ** 2
+        if self.floor:
+            var = var.clamp_min(0)
+        ci = var.sqrt() / mean
+        w = 1 - (self.cu / ci.clamp_min(self.cu)) ** 2
+        return mean + w * (x - mean)
+
+
+class FilteredSARNet(SARNet):
+    """The flood mapper with the speckle filter before the dB conversion."""
+
+    def __init__(self, floor: bool = False):
+        super().__init__(floor=1e-5)
+        self.lee = LeeFilter(floor=floor)
+
+    def forward(self, sigma0):
+        return super().forward(self.lee(sigma0))
+
+
+def make_lee() -> nn.Module:
+    torch.manual_seed(0)
+    return FilteredSARNet()
+
+
+def make_lee_guarded() -> nn.Module:
+    torch.manual_seed(0)
+    return FilteredSARNet(floor=True)
+
+
 class SiameseChange(nn.Module):
     """FC-Siam-diff: one encoder for both dates, |f1 - f2| decoded to change logits."""
 

@@ -50,6 +50,8 @@ def s1_batch(g, plant: str | None, bad: int):
     sigma0, water = M.s1_tile(g, N)
     if plant == "zero":
         sigma0[bad, :, 3:5, 3:5] = 0.0  # border-noise removal zeroed these pixels
+    elif plant == "fill":
+        sigma0[bad, :, 4:10, 4:10] = 0.1  # the terrain correction's layover fill, a constant
     sigma0, water = M.random_flip_crop(g, sigma0, water)
     return (sigma0,), (water,)
 
@@ -242,7 +244,23 @@ def test_zero_padded_cirrus_band_names_the_band_std_buffer(tmp_path):
     assert "no rows to drop" in rep["hint"] and "std.clamp_min(eps)" in rep["hint"], rep["hint"]
 
 
+def test_lee_filter_variance_cancellation_names_the_sqrt_as_precision(tmp_path):
+    """A constant patch (the terrain correction's layover fill) makes the Lee filter's local
+    variance ``E[x^2] - E[x]^2`` round to -9.3e-10 in float32: its sqrt is NaN. The replay
+    names the sqrt in ``lee``, tile 2, the cause as precision (float64 has 0 there), and a
+    stable variance or a clamp to the domain."""
+    ev, bundle = fire("s1", "make_lee", "ce", tmp_path, plant="fill")
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "forward", "lee", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("lee", "aten.sqrt", "nan", [2]), o
+    assert o["source"] == line_of("ci = var.sqrt() / mean"), o
+    assert rep["cause"] == "precision" and "catastrophic cancellation" in rep["hint"], rep
+    assert "float64 has 0 there" in rep["hint"] and "clamp" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make,loss,plant,amp", [
+    ("s1", "make_lee_guarded", "ce", "fill", False),
     ("scene", "make_scene", "ce", None, False),
     ("scene", "make_scene_guarded", "ce", "cloud", False),
     ("s2", "make_landcover_guarded", "masked_guarded", "swath", False),
@@ -252,7 +270,8 @@ def test_zero_padded_cirrus_band_names_the_band_std_buffer(tmp_path):
     ("refl", "make_landcover_reflectance", "masked_guarded", None, True)])
 def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, loss, plant, amp):
     """The guarded code on the same data conditions (floored NDVI denominators over nodata,
-    a count floored at 1 for a clouded tile, backscatter clamped at the noise floor, uniform
+    a count floored at 1 for a clouded tile, backscatter clamped at the noise floor,
+    the Lee filter's variance clamped at 0, uniform
     attention for a fully clouded scene), -inf scores of cloudy pixels that the spatial
     softmax keeps inside, the Siamese change detector and fp16 autocast on reflectances: no event, and bit-identical
     weights and BatchNorm statistics with and without the recorder."""
