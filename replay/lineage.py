@@ -42,7 +42,8 @@ _POLE_INPUT = {"xlogy": -1, "special_xlog1py": -1}
 _REORDERS = {"sort": 1, "topk": 2, "kthvalue": 2, "cumsum": 1, "cumprod": 1, "cummax": 1,
              "cummin": 1, "logcumsumexp": 1}
 # elementwise ops a loss may apply to the estimate and the target alike before comparing them
-_TRANSFORMS = {"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "pow"}
+# (div: a ratio of two of their channels, a spectral index's (nir - red) / (nir + red))
+_TRANSFORMS = {"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "pow", "div"}
 
 
 def pole_inputs(op: str, ins: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -141,6 +142,16 @@ class Lineage:
         if of:
             for t in outs:
                 self._put(t, of | self.of(t))  # (an in-place op's output is its input)
+
+    def compare(self, name: str, leaves: list, out: Any) -> None:
+        """Only the comparison of :meth:`track` (after a NaN origin: ``compared_after``)."""
+        ins = [t for t in leaves if isinstance(t, torch.Tensor)]
+        outs = [out] if isinstance(out, torch.Tensor) else list(tensor_leaves(out))
+        if ins and outs:
+            learned = any(self._learned(t) for t in ins)
+            for t in outs if learned else ():
+                self.learned.add(t)
+            self._compare(name.rstrip("_"), ins, outs, learned)
 
     def _compare(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                  learned: bool) -> None:
