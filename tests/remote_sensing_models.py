@@ -248,6 +248,36 @@ def make_band_stats() -> nn.Module:
     return BandStatsNet(*band_stats(tiles))
 
 
+class CloudRemoval(nn.Module):
+    """SEN12MS-CR style: a cloudy Sentinel-2 tile (DN) and its Sentinel-1 pair (linear)
+    -> the cloud-free reflectances, through a sigmoid (reflectance in [0, 1])."""
+
+    def __init__(self, base: int = 8):
+        super().__init__()
+        self.unet = UNet(6, n_classes=4, base=base)
+
+    def forward(self, dn, sigma0):
+        db = 10 * torch.log10(sigma0.clamp_min(1e-5))
+        x = torch.cat([dn * 1e-4, (db + 15) / 5], 1)
+        return torch.sigmoid(self.unet(x))
+
+
+def make_cloud_removal() -> nn.Module:
+    torch.manual_seed(0)
+    return CloudRemoval()
+
+
+def ndvi(refl):
+    red, nir = refl[:, 2], refl[:, 3]
+    return (nir - red) / (nir + red)
+
+
+def cloud_removal_loss(pred, target_dn):
+    """L1 on reflectance plus an NDVI consistency term (vegetation indices preserved)."""
+    target = target_dn * 1e-4
+    return F.l1_loss(pred, target) + 0.1 * F.l1_loss(ndvi(pred), ndvi(target))
+
+
 # --- losses -------------------------------------------------------------------------------
 
 def masked_ce(logits, target, valid):

@@ -75,7 +75,19 @@ def cirrus_batch(g, plant: str | None, bad: int):
     return (M.with_cirrus(dn),), targets
 
 
-KINDS = {"scene": scene_batch, "cirrus": cirrus_batch, "s2": s2_batch, "refl": reflectance_batch, "s1": s1_batch, "change": change_batch}
+def removal_batch(g, plant: str | None, bad: int):
+    """Cloudy tiles and their SAR pairs; the target is the clear acquisition of the same
+    place, which with ``swath`` lies partly outside its own swath (DN 0)."""
+    dn, _, clear = M.s2_tile(g, N)
+    target, _, _ = M.s2_tile(g, N)
+    sigma0, _ = M.s1_tile(g, N)
+    if plant == "swath":
+        M.outside_swath(target, clear, bad)
+    dn, sigma0, target = M.random_flip_crop(g, dn, sigma0, target)
+    return (dn, sigma0), (target,)
+
+
+KINDS = {"removal": removal_batch, "scene": scene_batch, "cirrus": cirrus_batch, "s2": s2_batch, "refl": reflectance_batch, "s1": s1_batch, "change": change_batch}
 
 
 def make_loss(loss: str):
@@ -83,6 +95,8 @@ def make_loss(loss: str):
         return M.masked_ce
     if loss == "masked_guarded":
         return M.masked_ce_guarded
+    if loss == "removal":
+        return M.cloud_removal_loss
     if loss == "weighted":
         g = torch.Generator().manual_seed(5)
         labels = torch.cat([M.s2_tile(g, 8)[1] for _ in range(4)])  # the training set's maps
@@ -91,9 +105,10 @@ def make_loss(loss: str):
 
 
 def train(kind: str, make: str, loss: str, out_dir, plant: str | None = None, bad: int = 2,
-          steps: int = 4, record: bool = True, amp: bool = False):
-    """AdamW with a cosine schedule and gradient clipping (the torchgeo trainers' recipe);
-    ``plant`` is applied to tile ``bad`` of the last step's batch. Returns the model."""
+          steps: int = 4, record: bool = True, amp=False, accum: int = 1):
+    """AdamW with a cosine schedule and gradient clipping (the torchgeo trainers' recipe),
+    ``accum`` micro-batches a step, autocast to ``amp``'s dtype (True: float16); ``plant`` is
+    applied to tile ``bad`` of the last step's batch. Returns the model."""
     model = getattr(M, make)()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
@@ -106,11 +121,14 @@ def train(kind: str, make: str, loss: str, out_dir, plant: str | None = None, ba
         loss_fn = rec.loss_fn if rec is not None else crit
         for step in range(steps):
             args, targets = KINDS[kind](g, plant if step == steps - 1 else None, bad)
-            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-                out = model(*args)
-            loss_v = loss_fn(out.float(), *targets)
             opt.zero_grad()
-            loss_v.backward()
+            for k in range(accum):  # (gradient accumulation over equal chunks of tiles)
+                part = slice(k * N // accum, (k + 1) * N // accum)
+                with torch.autocast("cpu", dtype=torch.float16 if amp is True else amp) \
+                        if amp else contextlib.nullcontext():
+                    out = model(*(a[part] for a in args))
+                loss_v = loss_fn(out.float(), *(t[part] for t in targets)) / accum
+                loss_v.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
@@ -259,7 +277,39 @@ def test_lee_filter_variance_cancellation_names_the_sqrt_as_precision(tmp_path):
     assert "float64 has 0 there" in rep["hint"] and "clamp" in rep["hint"], rep["hint"]
 
 
+def test_ndvi_consistency_over_a_nodata_target_says_mask_it_out_of_the_loss(tmp_path):
+    """Cloud removal with an NDVI consistency term, ``l1(ndvi(pred), ndvi(target))``: the
+    clear reference acquisition of tile 2 is partly outside its swath, so the target's NDVI
+    is 0/0 there. The replay names the division on the target in the loss, tile 2, and,
+    since the loss compares it with the same ratio of the model's output, says to leave the
+    nodata pixels out of the loss with a mask, not to drop the record as degenerate."""
+    ev, bundle = fire("removal", "make_cloud_removal", "removal", tmp_path, plant="swath")
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"]) == ("loss", "aten.div", "nan", [2]), o
+    assert o["source"] == line_of("return (nir - red) / (nir + red)"), o
+    assert rep["cause"] == "invalid" and "same op of the model's output" in rep["hint"], rep
+    assert "nodata pixels" in rep["hint"] and "with a mask" in rep["hint"], rep["hint"]
+    assert "degenerate" not in rep["hint"] and "made-up" not in rep["hint"], rep["hint"]
+
+
+def test_clouded_tile_in_the_second_micro_batch_under_bf16_names_its_row(tmp_path):
+    """Gradient accumulation over two micro-batches of three tiles under bfloat16 autocast:
+    the fully clouded tile 4 is row 1 of micro-batch 1, which the event and the replay
+    name, with the empty cloud mask."""
+    ev, bundle = fire("s2", "make_landcover_guarded", "masked", tmp_path, plant="cloud", bad=4,
+                      accum=2, amp=torch.bfloat16)
+    assert (ev["step"], ev["phase"], ev["micro_batch"]) == (3, "loss", 1), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["micro_batch"], o["samples"], rep["cause"]) == (
+        "aten.div", 1, [1], "invalid"), o
+    assert "loss_args[2]" in rep["hint"] and "count.clamp_min(1)" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make,loss,plant,amp", [
+    ("removal", "make_cloud_removal", "removal", None, torch.bfloat16),
     ("s1", "make_lee_guarded", "ce", "fill", False),
     ("scene", "make_scene", "ce", None, False),
     ("scene", "make_scene_guarded", "ce", "cloud", False),
@@ -270,11 +320,11 @@ def test_lee_filter_variance_cancellation_names_the_sqrt_as_precision(tmp_path):
     ("refl", "make_landcover_reflectance", "masked_guarded", None, True)])
 def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, kind, make, loss, plant, amp):
     """The guarded code on the same data conditions (floored NDVI denominators over nodata,
-    a count floored at 1 for a clouded tile, backscatter clamped at the noise floor,
-    the Lee filter's variance clamped at 0, uniform
-    attention for a fully clouded scene), -inf scores of cloudy pixels that the spatial
-    softmax keeps inside, the Siamese change detector and fp16 autocast on reflectances: no event, and bit-identical
-    weights and BatchNorm statistics with and without the recorder."""
+    a count floored at 1 for a clouded tile, backscatter clamped at the noise floor, the Lee
+    filter's variance clamped at 0, uniform attention for a fully clouded scene), -inf
+    scores of cloudy pixels that the spatial softmax keeps inside, the Siamese change
+    detector, cloud removal under bfloat16 and fp16 autocast on reflectances: no event, and
+    bit-identical weights and BatchNorm statistics with and without the recorder."""
     recorded = train(kind, make, loss, tmp_path, plant=plant, amp=amp)
     plain = train(kind, make, loss, tmp_path, plant=plant, amp=amp, record=False)
     assert not list(tmp_path.glob("*.nan"))
