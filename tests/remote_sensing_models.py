@@ -166,6 +166,23 @@ def make_lee_guarded() -> nn.Module:
     return FilteredSARNet(floor=True)
 
 
+class LogRatioChange(nn.Module):
+    """SAR change detection on the log-ratio image log(sigma0_t2 / sigma0_t1), the standard
+    change indicator of two co-registered acquisitions (speckle is multiplicative)."""
+
+    def __init__(self, base: int = 8):
+        super().__init__()
+        self.unet = UNet(2, n_classes=2, base=base)
+
+    def forward(self, s1_t1, s1_t2):
+        return self.unet(torch.log(s1_t2 / s1_t1))
+
+
+def make_log_ratio() -> nn.Module:
+    torch.manual_seed(0)
+    return LogRatioChange()
+
+
 class SiameseChange(nn.Module):
     """FC-Siam-diff: one encoder for both dates, |f1 - f2| decoded to change logits."""
 
@@ -303,6 +320,15 @@ class CloudMaskedCE(nn.Module):
 
     def forward(self, logits, target, clear):
         return self.ce(logits, target.masked_fill(clear == 0, self.ce.ignore_index))
+
+
+def batch_balanced_ce(logits, target, clear):
+    """Cross entropy over the clear pixels, weighted by the inverse class frequency of the
+    batch's own clear pixels (normalised to sum to 1): a class absent from the batch counts
+    0."""
+    counts = torch.bincount(target[clear > 0], minlength=logits.shape[1]).float()
+    w = 1.0 / counts
+    return F.cross_entropy(logits, target.masked_fill(clear == 0, -100), weight=w / w.sum())
 
 
 def inverse_frequency_weights(label_maps: torch.Tensor, n_classes: int = N_CLASSES):

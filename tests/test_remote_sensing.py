@@ -87,7 +87,18 @@ def removal_batch(g, plant: str | None, bad: int):
     return (dn, sigma0), (target,)
 
 
-KINDS = {"removal": removal_batch, "scene": scene_batch, "cirrus": cirrus_batch, "s2": s2_batch, "refl": reflectance_batch, "s1": s1_batch, "change": change_batch}
+def sar_change_batch(g, plant: str | None, bad: int):
+    """Two co-registered dates of Sentinel-1 cropped alike; with ``zero`` the first date's
+    tile ``bad`` has pixels that border-noise removal zeroed. Change: |log-ratio| > 1."""
+    t1, t2 = M.s1_tile(g, N)[0], M.s1_tile(g, N)[0]
+    change = (t2 / t1).log().abs().gt(1).long()
+    if plant == "zero":
+        t1[bad, :, 3:5, 3:5] = 0.0
+    t1, t2, change = M.random_flip_crop(g, t1, t2, change[:, 0])
+    return (t1, t2), (change,)
+
+
+KINDS = {"sar_change": sar_change_batch, "removal": removal_batch, "scene": scene_batch, "cirrus": cirrus_batch, "s2": s2_batch, "refl": reflectance_batch, "s1": s1_batch, "change": change_batch}
 
 
 def make_loss(loss: str):
@@ -97,6 +108,8 @@ def make_loss(loss: str):
         return M.masked_ce_guarded
     if loss == "removal":
         return M.cloud_removal_loss
+    if loss == "balanced":
+        return M.batch_balanced_ce
     if loss == "weighted":
         g = torch.Generator().manual_seed(5)
         labels = torch.cat([M.s2_tile(g, 8)[1] for _ in range(4)])  # the training set's maps
@@ -308,7 +321,41 @@ def test_clouded_tile_in_the_second_micro_batch_under_bf16_names_its_row(tmp_pat
     assert "loss_args[2]" in rep["hint"] and "count.clamp_min(1)" in rep["hint"], rep["hint"]
 
 
+def test_log_ratio_over_zeroed_backscatter_names_the_ratio_and_the_nodata_entries(tmp_path):
+    """SAR change detection's log-ratio ``log(t2 / t1)`` where border-noise removal zeroed
+    pixels of the first date: t2 / 0 = +inf before the log. The replay names the division
+    in the root's forward, tile 2, the batch's own 0 in the divisor, and masking the nodata
+    entries, not an eps."""
+    ev, bundle = fire("sar_change", "make_log_ratio", "ce", tmp_path, plant="zero")
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", ""), ev
+    rep = nanreplay_json(bundle, "--try", "drop=2")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "+inf", [2]), o
+    assert o["source"] == line_of("return self.unet(torch.log(s1_t2 / s1_t1))"), o
+    assert rep["cause"] == "invalid" and "its divisor is the batch's own data" in rep["hint"]
+    assert "mask its nodata entries" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_batch_inverse_frequency_of_an_absent_class_names_the_reciprocal(tmp_path):
+    """Class weights from the batch's own clear pixels: built-up is absent, its count is 0,
+    ``1 / counts`` is +inf and the normalisation inf/inf. A loss event at the first step,
+    named at the reciprocal on its line (no sample: the counts are per class), a pole, with
+    an eps or a skip of the zero counts."""
+    ev, bundle = fire("s2", "make_landcover_guarded", "balanced", tmp_path)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["made"], o["samples"]) == (
+        "loss", "aten.reciprocal", "+inf", []), o
+    assert o["source"] == line_of("w = 1.0 / counts"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.reciprocal", "aten.div"], o["chain"]
+    assert rep["cause"] == "invalid" and "1/0" in rep["hint"], rep["hint"]
+    assert "clamp_min(eps)" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make,loss,plant,amp", [
+    ("sar_change", "make_log_ratio", "ce", None, False),
     ("removal", "make_cloud_removal", "removal", None, torch.bfloat16),
     ("s1", "make_lee_guarded", "ce", "fill", False),
     ("scene", "make_scene", "ce", None, False),
