@@ -29,6 +29,7 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.samples import Samples
 
+from .class_counts import ClassCounts
 from .log_sum_exp import LogSumExp
 from .memo import TensorSet
 from .raw_pole import RawPole
@@ -61,6 +62,7 @@ class Lineage:
         self.learned = TensorSet()
         self.raw: RawPole | None = None  # a pole op on the batch's own values (forward only)
         self.log_sum_exp = LogSumExp()  # a log of a sum of exps, written out
+        self.counts = ClassCounts()  # a pole op on a per-class count (1 / bincount(target))
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -119,6 +121,7 @@ class Lineage:
         if self.raw is not None:
             self.raw.track(name, args, out)
         self.log_sum_exp.track(name, args, out)
+        self.counts.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
         if not ins or not outs:

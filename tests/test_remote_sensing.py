@@ -340,8 +340,9 @@ def test_log_ratio_over_zeroed_backscatter_names_the_ratio_and_the_nodata_entrie
 def test_batch_inverse_frequency_of_an_absent_class_names_the_reciprocal(tmp_path):
     """Class weights from the batch's own clear pixels: built-up is absent, its count is 0,
     ``1 / counts`` is +inf and the normalisation inf/inf. A loss event at the first step,
-    named at the reciprocal on its line (no sample: the counts are per class), a pole, with
-    an eps or a skip of the zero counts."""
+    named at the reciprocal on its line (no sample: the counts are per class). The hint
+    named a pole to skip rows of; it now names the per-class count of the batch's labels
+    and weights counted over the training set, smoothed or floored."""
     ev, bundle = fire("s2", "make_landcover_guarded", "balanced", tmp_path)
     assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
     rep = nanreplay_json(bundle)
@@ -350,8 +351,10 @@ def test_batch_inverse_frequency_of_an_absent_class_names_the_reciprocal(tmp_pat
         "loss", "aten.reciprocal", "+inf", []), o
     assert o["source"] == line_of("w = 1.0 / counts"), o
     assert [c["op"] for c in o["chain"]] == ["aten.reciprocal", "aten.div"], o["chain"]
-    assert rep["cause"] == "invalid" and "1/0" in rep["hint"], rep["hint"]
-    assert "clamp_min(eps)" in rep["hint"], rep["hint"]
+    assert rep["cause"] == "invalid", rep
+    assert "a count per class (or bin) of the batch's labels" in rep["hint"], rep["hint"]
+    assert "over the training set" in rep["hint"] and "counts.clamp_min(1)" in rep["hint"]
+    assert "skip the rows" not in rep["hint"], rep["hint"]
 
 
 @pytest.mark.parametrize("kind,make,loss,plant,amp", [
