@@ -197,12 +197,13 @@ DO = {
     # such an op whose result on the model's output the loss compares with it (lineage)
     "compared": "what it took there was computed from the batch's data alone (a target), and "
                 "the loss compares the result with the same op of the model's output (a "
-                "log-magnitude or log-power spectrum, a log-scaled target), where a sound record "
+                "log-magnitude or log-power spectrum, a log-scaled target, a ratio of two "
+                "channels: NDVI's (nir - red) / (nir + red)), where a sound record "
                 "hits the pole too: a target of 0 there is either a value the op has no floor "
                 "for (silence in a spectrum: floor both sides alike before the op, "
                 "x.clamp_min(eps), as parallel_wavegan's STFT magnitude clamps the power at "
                 "1e-7) or a position that holds no target (zero padding, a depth map's "
-                "hole): leave those out of the loss with a mask (from the lengths, or "
+                "hole, an image's nodata pixels): leave those out of the loss with a mask (from the lengths, or "
                 "target > 0)",
     # an op that took only the weights and values made of them alone (no sample's data)
     "of_weights": "its inputs were made from the model's parameters and buffers alone (no "

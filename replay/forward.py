@@ -19,6 +19,7 @@ from .buffer_divisor import buffer_divisor_hint
 from .called_at import note_called_at
 from .caller_picks import CallerPicks
 from .cause import Cause, classify
+from .class_counts import class_counts_hint
 from .dropped_branch import dropped_branch_hint
 from .errors import StopRun
 from .exp_overflow import exp_overflow_hint
@@ -139,7 +140,8 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
     hit, node = found
     lineage = finder.lineage
     hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
-    hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or with_log_sum_exp(
+    hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or class_counts_hint(
+        lineage and lineage.counts, cause.name, hit) or with_log_sum_exp(
         hint, cause.name, hit, lineage and lineage.log_sum_exp)
     hint = self_pair_hint(hint, cause.name, hit)  # (a distance matrix's diagonal)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)

@@ -29,6 +29,7 @@ import torch
 from recorder.capture import tensor_leaves
 from recorder.samples import Samples
 
+from .class_counts import ClassCounts
 from .log_sum_exp import LogSumExp
 from .memo import TensorSet
 from .raw_pole import RawPole
@@ -42,7 +43,8 @@ _POLE_INPUT = {"xlogy": -1, "special_xlog1py": -1}
 _REORDERS = {"sort": 1, "topk": 2, "kthvalue": 2, "cumsum": 1, "cumprod": 1, "cummax": 1,
              "cummin": 1, "logcumsumexp": 1}
 # elementwise ops a loss may apply to the estimate and the target alike before comparing them
-_TRANSFORMS = {"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "pow"}
+# (div: a ratio of two of their channels, a spectral index's (nir - red) / (nir + red))
+_TRANSFORMS = {"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "pow", "div"}
 
 
 def pole_inputs(op: str, ins: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -60,6 +62,7 @@ class Lineage:
         self.learned = TensorSet()
         self.raw: RawPole | None = None  # a pole op on the batch's own values (forward only)
         self.log_sum_exp = LogSumExp()  # a log of a sum of exps, written out
+        self.counts = ClassCounts()  # a pole op on a per-class count (1 / bincount(target))
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -118,6 +121,7 @@ class Lineage:
         if self.raw is not None:
             self.raw.track(name, args, out)
         self.log_sum_exp.track(name, args, out)
+        self.counts.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
         if not ins or not outs:
@@ -141,6 +145,16 @@ class Lineage:
         if of:
             for t in outs:
                 self._put(t, of | self.of(t))  # (an in-place op's output is its input)
+
+    def compare(self, name: str, leaves: list, out: Any) -> None:
+        """Only the comparison of :meth:`track` (after a NaN origin: ``compared_after``)."""
+        ins = [t for t in leaves if isinstance(t, torch.Tensor)]
+        outs = [out] if isinstance(out, torch.Tensor) else list(tensor_leaves(out))
+        if ins and outs:
+            learned = any(self._learned(t) for t in ins)
+            for t in outs if learned else ():
+                self.learned.add(t)
+            self._compare(name.rstrip("_"), ins, outs, learned)
 
     def _compare(self, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor],
                  learned: bool) -> None:

@@ -27,6 +27,7 @@ from recorder.samples import Samples
 
 from . import clamped_divisor, data_divisor, data_factor, empty_rows
 from .cancellation import Cancellation
+from .compared_after import after_origin
 from .compat import TorchDispatchMode, running_node, tree_leaves, writes_arguments
 from .composite import Composites, composite_hit
 from .dispatch import clone_args, float_leaves, run_op
@@ -77,7 +78,7 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs, f = kwargs or {}, self.finder
         if f.first is not None and f.first_nan is not None:  # (the rows its call made next)
-            return widen_rows(f, func, args, kwargs, run_op(func, args, kwargs), early=True)
+            return after_origin(f, func, args, kwargs)
         occurrence, seq = f.count(name := func.overloadpacket.__name__)
         ins = float_leaves(leaves := tree_leaves((args, kwargs)))
         literal_inf, filled, ins = literals(name, leaves, ins)

@@ -18,6 +18,7 @@ from .backward import find_backward_origin
 from .cached_grads import cached_hint, cached_note, gradient_cached
 from .cause import classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, inf_arith
+from .class_counts import counts_or_log_sum_exp
 from .copied_rows import recause
 from .coupled import coupled_rows
 from .derived_args import derived_arg_report
@@ -30,7 +31,6 @@ from .fractional_power import fractional_power_hint
 from .grad_hooks import hook_fields, hook_hint
 from .held_divisor import held_divisor_hint, loss_buffers
 from .load import Step, autocast_as_recorded
-from .log_sum_exp import with_log_sum_exp
 from .logged_output import logged_output_cause
 from .looked_up import looked_up_hint
 from .loop_term import loop_differentiated, loop_term_report, spread_by_term
@@ -191,7 +191,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     if hit is not None and hit.from_mask:  # (or the loop's log of an output: q.log())
         cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
-    hint = with_log_sum_exp(cause.hint, cause.name, hit, finder.lineage.log_sum_exp)
+    hint = counts_or_log_sum_exp(finder.lineage, cause, hit)
     hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (below 0; a slot left 0)
     bufs = loss_buffers(step.loss_fn)  # (<loss>.p_model; <loss>.counts a 0 of the ids picked)
     hint = held_divisor_hint(hint, cause.name, finder, hit, bufs) or hint

@@ -91,13 +91,13 @@ def raw_pole_hint(watch: RawPole | None, cause: str | None, hit) -> str | None:
                 "elsewhere it makes a huge finite ratio the model trains on")
     return (f"{hit.op} {what} is the batch's own data (the model's input as given, or its "
             "ratio or product with other data), exactly 0 in the samples named: a 0 where the "
-            "data should hold none (a price, volume or count of 0: a missing value filled with 0, a "
-            "forward fill from a leading 0, an instrument not yet listed) is a bad record; "
-            "repair it where the data is made (fill from the last valid value, drop or mask "
-            "the sample), or, if 0 is a valid value there, do not take the op at it "
-            "(torch.where(x != 0, ...); log1p for a log of counts). An eps on it would turn "
-            "the record into a huge "
-            "finite value the model trains on")
+            "data should hold none (a missing value filled with 0: a price, volume or count of "
+            "0, a forward fill from a leading 0, an instrument not yet listed; a sensor's "
+            "nodata fill, a pixel outside the swath) is a bad record; repair it where the data "
+            "is made (fill from the last valid value, drop or mask the sample, or mask its "
+            "nodata entries out of the op and the loss), or, if 0 is a valid value there, do "
+            "not take the op at it (torch.where(x != 0, ...); log1p for a log of counts). An "
+            "eps on it would turn the record into a huge finite value the model trains on")
 
 
 def _strided_float(t) -> bool:
