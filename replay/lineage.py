@@ -31,6 +31,7 @@ from recorder.samples import Samples
 
 from .log_sum_exp import LogSumExp
 from .memo import TensorSet
+from .product_underflow import ProductUnderflow
 from .raw_pole import RawPole
 
 # ops that put their inputs side by side, each input's values in rows of their own
@@ -60,6 +61,7 @@ class Lineage:
         self.learned = TensorSet()
         self.raw: RawPole | None = None  # a pole op on the batch's own values (forward only)
         self.log_sum_exp = LogSumExp()  # a log of a sum of exps, written out
+        self.product = ProductUnderflow()  # a log of a product that underflowed
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value
         self._made: dict[int, tuple[weakref.ref, str, bool]] = {}
         self.compared: set[str] = set()  # the _TRANSFORMS whose two such outputs one op took
@@ -118,6 +120,7 @@ class Lineage:
         if self.raw is not None:
             self.raw.track(name, args, out)
         self.log_sum_exp.track(name, args, out)
+        self.product.track(name, args, out)
         ins = [t for t in leaves if isinstance(t, torch.Tensor)]
         outs = [t for t in tensor_leaves(out)] if not isinstance(out, torch.Tensor) else [out]
         if not ins or not outs:
