@@ -1,0 +1,230 @@
+"""End to end on species distribution models (``species_distribution_models``): presence-only
+data as an inhomogeneous Poisson point process with background-point quadrature (and as
+down-weighted Poisson regression), occupancy models with imperfect detection over camera-trap
+visits from a DataLoader of sites, and a hierarchical multi-species model with a spatial
+random effect fitted by LBFGS. Each planted bug of the domain (a NoData covariate, a zero
+quadrature weight, a constant covariate's std of 0, a detection history's product underflowing
+over many visits, ``log(1 - psi)`` of a saturated sigmoid) fires under the recorder and is
+replayed with the CLI; the stable versions raise no event and train bit-identically with and
+without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import species_distribution_models as M
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+
+def line_of(text: str) -> str:
+    return source_line("species_distribution_models.py", text)
+
+
+def recording(model, opt, loss, make: str, out_dir, record: bool):
+    if not record:
+        return contextlib.nullcontext(), loss
+    rec = FlightRecorder(model, opt, loss_fn=loss, out_dir=out_dir,
+                         factory=f"species_distribution_models:{make}")
+    return rec, rec.loss_fn
+
+
+def train_ppp(make: str, loss: str, out_dir, bad: int | None = None, steps: int = 4,
+              record: bool = True, **data):
+    """Adam with a step schedule and gradient clipping over batches of presences and
+    background points; ``bad`` planted in the last step's batch. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    g = torch.Generator().manual_seed(0)
+    ctx, loss_fn = recording(model, opt, getattr(M, loss), make, out_dir, record)
+    with ctx:
+        for step in range(steps):
+            x, y, w = M.presence_background(g, bad=bad if step == steps - 1 else None, **data)
+            nll = loss_fn(model(x), y, w)
+            opt.zero_grad()
+            nll.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            sched.step()
+    return model
+
+
+def sites(bad: int | None, batches: int = 4, **survey) -> torch.utils.data.TensorDataset:
+    """A survey of ``batches`` x 32 sites; ``bad`` planted at that row of the last 32."""
+    g = torch.Generator().manual_seed(0)
+    parts = [M.camera_survey(g, bad=bad if i == batches - 1 else None, **survey)
+             for i in range(batches)]
+    return torch.utils.data.TensorDataset(*(torch.cat(p) for p in zip(*parts)))
+
+
+def train_occupancy(make: str, loss: str, out_dir, bad: int | None = None,
+                    record: bool = True, **survey):
+    """Adam over a DataLoader of sites (32 a batch, in survey order), gradient clipping."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(sites(bad, **survey), batch_size=32)
+    ctx, loss_fn = recording(model, opt, getattr(M, loss), make, out_dir, record)
+    with ctx:
+        for site_x, visit_x, y in loader:
+            nll = loss_fn(*model(site_x, visit_x), y)
+            opt.zero_grad()
+            nll.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+    return model
+
+
+def fire(train, *args, **kw):
+    with pytest.raises(NonFiniteError) as info:
+        train(*args, **kw)
+    return info.value.event, info.value.bundle_path
+
+
+def event_of(ev) -> tuple:
+    return ev["step"], ev["phase"], ev["module"], ev["kind"]
+
+
+def test_log_of_an_intensity_underflowed_at_a_nodata_covariate_says_log_exp_is_eta(tmp_path):
+    """A presence whose temperature is the raster's NoData -9999: its log-intensity is about
+    -800, ``exp`` underflows to 0 and the naive ``log(lam[presence])`` is -inf. The replay
+    names the log, its line and sample 3, an underflow, and (the log takes a pick of exp's
+    result) that log(exp(x)) is x: use the log-intensity itself."""
+    ev, bundle = fire(train_ppp, "make_ppp", "ppp_loss_naive", tmp_path, bad=3, nodata=True)
+    assert event_of(ev) == (3, "loss", "<loss>", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.log", "-inf", [3]), o
+    assert o["source"] == line_of("return -torch.log(lam[pres]).sum()"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "log(exp(x)) is x" in rep["hint"], rep["hint"]
+
+
+def test_dwpr_presence_with_zero_weight_is_a_degenerate_record_of_its_sample(tmp_path):
+    """Down-weighted Poisson regression's pseudo response ``z = y / w`` for a presence whose
+    quadrature weight is 0 is +inf, and ``w * z`` is 0 * inf: the replay names the division
+    and sample 3, computed from the data alone (no eps: repair the record's weight)."""
+    ev, bundle = fire(train_ppp, "make_ppp", "dwpr_loss", tmp_path, bad=3)
+    assert event_of(ev) == (3, "loss", "<loss>", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "+inf",
+                                                                [3]), o
+    assert o["source"] == line_of("z = y / w  # the bug"), o
+    assert [c["op"] for c in o["chain"]] == ["aten.div", "aten.mul"], o["chain"]
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "data alone" in rep["hint"] and "drop or repair such records" in rep["hint"], rep
+
+
+def test_covariate_constant_over_the_region_divides_every_site_by_its_zero_std(tmp_path):
+    """A land-cover class absent from the whole study region: its column is 0 everywhere, the
+    training set's std of it is 0 and standardisation is 0/0 for every point at the first
+    step. The replay names the buffer ``scale.std`` at entry 4, no record to drop, and the
+    floor of a zero scale."""
+    ev, bundle = fire(train_ppp, "make_ppp_constant_cover", "ppp_loss", tmp_path, constant=4)
+    assert event_of(ev) == (0, "forward", "scale", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["call"], o["op"], o["made"], o["all_samples"]) == (
+        "scale", 0, "aten.div", "nan", True), o
+    assert o["source"] == line_of("return (x - self.mean) / self.std"), o
+    assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "scale.std" in rep["hint"] and "entry 4" in rep["hint"], rep["hint"]
+    assert "std.clamp_min(eps)" in rep["hint"], rep["hint"]
+
+
+def test_detection_history_product_over_sixty_visits_underflows_before_the_log(tmp_path):
+    """A camera at a feeding station detects the species on 30 of 60 nights while detection
+    is still rare (p ~ 0.02): ``prod p^y (1-p)^(1-y)`` is ~1e-52, 0 in float32, and the
+    marginal likelihood's log is -inf for that site only. The replay names the log, site 5,
+    an underflow, and that the 0 is the 60 visits' product: sum the logs, logaddexp."""
+    ev, bundle = fire(train_occupancy, "make_occupancy_rare", "occupancy_nll_product",
+                      tmp_path, bad=5, visits=60, busy=30, rate=0.05)
+    assert event_of(ev) == (3, "loss", "<loss>", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.log", "-inf",
+                                                                [5]), o
+    assert o["source"] == line_of("return -torch.log(psi * hist"), o
+    assert rep["cause"] == "underflow", rep["cause"]
+    assert "product of 60 nonzero factors" in rep["hint"], rep["hint"]
+    assert "logaddexp(log a + sum log p, log b)" in rep["hint"], rep["hint"]
+
+
+def test_log_one_minus_saturated_psi_is_nan_in_backward_at_its_site(tmp_path):
+    """A site whose covariates came in raw units (forest cover in %, elevation in metres) and
+    was never detected: its occupancy logit is ~400, ``sigmoid`` rounds to 1, ``log(1 - psi)``
+    is -inf, which ``logaddexp`` absorbs in the forward, but its backward is 0 * inf. The
+    event is a backward one; the replay names ``LogBackward0`` at the line, site 5 only, and
+    the stable complement logsigmoid(-z)."""
+    ev, bundle = fire(train_occupancy, "make_occupancy", "occupancy_nll_log1m", tmp_path,
+                      bad=5, extreme=True)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "backward", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["made"], o["samples"]) == (
+        "backward", "<loss>", "LogBackward0", "nan", [5]), o
+    assert o["source"] == line_of("absent = torch.log(1 - psi)"), o
+    assert rep["cause"] == "precision", rep["cause"]
+    assert "log(1 − sigmoid(z)) = logsigmoid(−z)" in rep["hint"], rep["hint"]
+
+
+def test_unrecorded_saturated_psi_run_breaks_the_weights_silently(tmp_path):
+    """The same run without the recorder: the loss is finite and the occupancy network's
+    weights turn NaN, so the event above is the bug, not a false alarm."""
+    model = train_occupancy("make_occupancy", "occupancy_nll_log1m", tmp_path, bad=5,
+                            extreme=True, record=False)
+    assert not torch.isfinite(model.occ[0].weight).all()
+
+
+@pytest.mark.parametrize("train, make, loss, kw", [
+    (train_ppp, "make_ppp", "ppp_loss", {"bad": 3, "nodata": True}),
+    (train_occupancy, "make_occupancy", "occupancy_nll", {"bad": 5, "extreme": True}),
+    (train_occupancy, "make_occupancy_rare", "occupancy_nll",
+     {"bad": 5, "visits": 60, "busy": 30, "rate": 0.05}),
+], ids=["ppp-eta-as-is", "occupancy-logsumexp", "occupancy-logsumexp-many-visits"])
+def test_stable_likelihoods_raise_nothing_and_train_the_same(tmp_path, train, make, loss, kw):
+    """The fixed likelihoods on the same planted data: the intensity ``exp(-800)`` is 0 only
+    in the background term (finite), the occupancy's unoccupied branch is ``-inf`` for every
+    site with detections (a mask that stays inside logsumexp). No event, no bundle, and the
+    weights are bit-identical with and without the recorder."""
+    recorded = train(make, loss, tmp_path, **kw)
+    plain = train(make, loss, tmp_path, record=False, **kw)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+def fit_multispecies(out_dir, record: bool = True, steps: int = 4):
+    """LBFGS with a strong-Wolfe line search over the whole survey, the closure re-running
+    the model and the loss (several forwards and backwards per step)."""
+    model = M.make_multispecies()
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=10,
+                            line_search_fn="strong_wolfe")
+    x, cell, y = M.survey(torch.Generator().manual_seed(0))
+    ctx, loss_fn = recording(model, opt, M.joint_nll, "make_multispecies", out_dir, record)
+    losses = []
+    with ctx:
+        for _ in range(steps):
+            def closure():
+                opt.zero_grad()
+                nll = loss_fn(*model(x, cell), y)
+                nll.backward()
+                return nll
+            losses.append(float(opt.step(closure).detach()))
+    return model, losses
+
+
+def test_lbfgs_hierarchical_model_raises_nothing_and_fits_the_same(tmp_path):
+    recorded, seen = fit_multispecies(tmp_path)
+    plain, expected = fit_multispecies(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    assert seen == expected and seen[-1] < seen[0], (seen, expected)
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
