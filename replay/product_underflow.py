@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .empty_groups import with_empty_groups
 from .log_sum_exp import with_log_sum_exp
 from .memo import TensorSet
 
@@ -65,8 +66,9 @@ def with_product_underflow(hint: str | None, cause: str | None, hit,
             "torch.logsumexp (log(a * prod p + b) = logaddexp(log a + sum log p, log b))")
 
 
-def log_hints(hint: str | None, cause: str | None, hit, lineage) -> str | None:
-    """``hint`` with what a log took, as the lineage of the ops saw it: a log-sum-exp written
-    out, a product that underflowed."""
+def lineage_hints(hint: str | None, cause: str | None, hit, lineage) -> str | None:
+    """``hint`` with what the op took, as the lineage of the ops saw it: a log-sum-exp written
+    out, a product that underflowed, a count per group with empty groups."""
     hint = with_log_sum_exp(hint, cause, hit, lineage.log_sum_exp)
+    hint = with_empty_groups(hint, cause, hit, lineage.empty_groups)
     return with_product_underflow(hint, cause, hit, lineage.product)

@@ -244,3 +244,29 @@ def survey(g: torch.Generator, n: int = 64, n_species: int = 6, grid: int = 4):
 
 def joint_nll(logits, log_prior, y):
     return F.binary_cross_entropy_with_logits(logits, y, reduction="sum") - log_prior
+
+
+# ---------------------------------------------------------------------------------------------
+# several regions, each integral the region's area times the mean intensity at its background
+
+
+def regional_ppp_loss(eta, y, region, area):
+    """The point process over ``len(area)`` regions (a spatial-block design): each region's
+    integral is its area times the mean intensity at its own background points."""
+    bg = y == 0
+    lam = eta.exp()
+    total = torch.zeros_like(area).index_add(0, region[bg], lam[bg])
+    count = torch.zeros_like(area).index_add(0, region[bg], torch.ones_like(lam[bg]))
+    integral = area * total / count  # the bug: a region with no background point in the batch
+    return -eta[~bg].sum() + integral.sum()
+
+
+def regional_points(g: torch.Generator, n: int = 64, regions: int = 4, empty: int | None = None):
+    """Points of ``regions`` regions, a quarter of them presences; ``empty``: that region's
+    points are all presences (its background layer was clipped away by a coastline mask)."""
+    x = landscape(g, n)
+    y = (torch.rand(n, generator=g) < 0.25).float()
+    region = torch.randint(0, regions, (n,), generator=g)
+    if empty is not None:
+        y[region == empty] = 1.0
+    return x, y, region, torch.full((regions,), 25.0)

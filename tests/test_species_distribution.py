@@ -55,6 +55,24 @@ def train_ppp(make: str, loss: str, out_dir, bad: int | None = None, steps: int 
     return model
 
 
+def train_regional(out_dir, empty: int | None = None, steps: int = 4, record: bool = True):
+    """The point process over four regions (each integral the region's mean intensity at its
+    background points times its area); region ``empty`` has no background point in the last
+    step's batch."""
+    model = M.make_ppp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    ctx, loss_fn = recording(model, opt, M.regional_ppp_loss, "make_ppp", out_dir, record)
+    with ctx:
+        for step in range(steps):
+            x, y, region, area = M.regional_points(g, empty=empty if step == steps - 1 else None)
+            nll = loss_fn(model(x), y, region, area)
+            opt.zero_grad()
+            nll.backward()
+            opt.step()
+    return model
+
+
 def sites(bad: int | None, batches: int = 4, **survey) -> torch.utils.data.TensorDataset:
     """A survey of ``batches`` x 32 sites; ``bad`` planted at that row of the last 32."""
     g = torch.Generator().manual_seed(0)
@@ -120,6 +138,31 @@ def test_dwpr_presence_with_zero_weight_is_a_degenerate_record_of_its_sample(tmp
     assert [c["op"] for c in o["chain"]] == ["aten.div", "aten.mul"], o["chain"]
     assert rep["cause"] == "invalid", rep["cause"]
     assert "data alone" in rep["hint"] and "drop or repair such records" in rep["hint"], rep
+
+
+def test_region_without_background_points_is_an_empty_group_not_a_record(tmp_path):
+    """A region whose background points a coastline mask clipped away: its count of
+    background points in the batch is 0 and its mean intensity ``total / count`` is 0/0. The
+    replay names the division and no sample (no record is to blame), and says the divisor is
+    a per-group count by index_add, 0 at region 2: leave empty groups out, not an eps."""
+    ev, bundle = fire(train_regional, tmp_path, empty=2)
+    assert event_of(ev) == (3, "loss", "<loss>", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("<loss>", "aten.div", "nan",
+                                                                []), o
+    assert o["source"] == line_of("integral = area * total / count"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "accumulated per group by index_add" in rep["hint"], rep["hint"]
+    assert "0 at group(s) [2]" in rep["hint"] and "leave the empty groups out" in rep["hint"]
+
+
+def test_regions_each_with_background_points_raise_nothing_and_train_the_same(tmp_path):
+    recorded = train_regional(tmp_path)
+    plain = train_regional(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_covariate_constant_over_the_region_divides_every_site_by_its_zero_std(tmp_path):
