@@ -159,15 +159,18 @@ def make_occupancy_rare() -> Occupancy:
 
 
 def camera_survey(g: torch.Generator, n: int = 32, visits: int = 8, bad: int | None = None,
-                  busy: int = 0, extreme: bool = False, rate: float = 0.3):
+                  busy: int = 0, extreme: bool = False, rate: float = 0.3,
+                  habitat: float = 0.0):
     """Site covariates, visit covariates, detection histories (n, visits), each visit a detection with probability ``rate`` at
-    an occupied site. ``busy``: that many
+    an occupied site; ``habitat``: how strongly the first covariate decides occupancy (0: 60%
+    of sites occupied at random). ``busy``: that many
     detections at site ``bad`` (a camera at a feeding station); ``extreme``: site ``bad``'s
     covariates in raw units (forest cover in %, elevation in metres: unstandardised), undetected there."""
     site_x = torch.randn(n, 3, generator=g)
     visit_x = torch.randn(n, visits, 2, generator=g)
     y = (torch.rand(n, visits, generator=g) < rate).float()
-    y[torch.rand(n, generator=g) < 0.4] = 0.0  # unoccupied sites
+    occupied = torch.sigmoid(habitat * site_x[:, 0]) if habitat else torch.full((n,), 0.6)
+    y[torch.rand(n, generator=g) < 1 - occupied] = 0.0  # unoccupied sites
     if bad is not None and busy:
         y[bad] = 0.0
         y[bad, :busy] = 1.0
@@ -191,7 +194,7 @@ def occupancy_nll_log1m(occ_logit, det_logit, y):
     log_hist = (y * F.logsigmoid(det_logit) + (1 - y) * F.logsigmoid(-det_logit)).sum(1)
     never = y.sum(1) == 0
     occupied = torch.log(psi) + log_hist
-    absent = torch.log(1 - psi)  # the bug: psi rounds to 1 in float32
+    absent = torch.log(1 - psi)  # the bug: psi rounds to 1 (float32; bf16 far sooner)
     ll = torch.where(never, torch.logaddexp(occupied, absent), occupied)
     return -ll.sum()
 

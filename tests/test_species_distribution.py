@@ -82,20 +82,27 @@ def sites(bad: int | None, batches: int = 4, **survey) -> torch.utils.data.Tenso
 
 
 def train_occupancy(make: str, loss: str, out_dir, bad: int | None = None,
-                    record: bool = True, **survey):
-    """Adam over a DataLoader of sites (32 a batch, in survey order), gradient clipping."""
+                    record: bool = True, bf16: bool = False, lr: float = 1e-2, **survey):
+    """Adam over a DataLoader of sites (32 a batch, in survey order), gradient clipping;
+    ``bf16``: the model's forward under CPU autocast to bfloat16, the loss outside it."""
     model = getattr(M, make)()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     loader = torch.utils.data.DataLoader(sites(bad, **survey), batch_size=32)
     ctx, loss_fn = recording(model, opt, getattr(M, loss), make, out_dir, record)
     with ctx:
         for site_x, visit_x, y in loader:
-            nll = loss_fn(*model(site_x, visit_x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(site_x, visit_x)
+            nll = loss_fn(*logits, y)
             opt.zero_grad()
             nll.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
     return model
+
+
+# bf16 autocast, and occupancy that follows the habitat covariate closely enough to saturate
+BF16 = {"bf16": True, "lr": 0.05, "batches": 16, "habitat": 6.0}
 
 
 def fire(train, *args, **kw):
@@ -218,6 +225,29 @@ def test_log_one_minus_saturated_psi_is_nan_in_backward_at_its_site(tmp_path):
     assert "log(1 − sigmoid(z)) = logsigmoid(−z)" in rep["hint"], rep["hint"]
 
 
+def test_bf16_occupancy_psi_rounding_to_1_at_sites_with_detections_names_those_sites(tmp_path):
+    """Under bf16 autocast ``sigmoid`` rounds to 1 from a logit of about 5.5: as occupancy
+    tracks the habitat covariate, sites with good habitat reach it, ``log(1 - psi)`` is -inf
+    there, and ``torch.where`` keeps only the occupied branch for sites with detections, so
+    the forward is finite and the backward 0 * inf. The replay names the bf16 rounding, the
+    stable form and the where, at the sites an unrecorded run shows rounded with detections."""
+    ev, bundle = fire(train_occupancy, "make_occupancy", "occupancy_nll_log1m", tmp_path,
+                      **BF16)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (15, "backward", "nan"), ev
+    model = train_occupancy("make_occupancy", "occupancy_nll_log1m", None, record=False,
+                            **{**BF16, "batches": 15})
+    site_x, visit_x, y = sites(None, batches=16, habitat=6.0)[15 * 32:]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        psi = torch.sigmoid(model(site_x, visit_x)[0])
+    expected = torch.nonzero((psi == 1) & (y.sum(1) > 0)).flatten().tolist()
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == ("<loss>", "LogBackward0", expected), o
+    assert expected and o["source"] == line_of("absent = torch.log(1 - psi)"), o
+    assert rep["cause"] == "precision" and "in bfloat16" in rep["hint"], rep["hint"]
+    assert "logsigmoid" in rep["hint"] and "torch.where(mask, safe, x)" in rep["hint"], rep
+
+
 def test_unrecorded_saturated_psi_run_breaks_the_weights_silently(tmp_path):
     """The same run without the recorder: the loss is finite and the occupancy network's
     weights turn NaN, so the event above is the bug, not a false alarm."""
@@ -231,7 +261,9 @@ def test_unrecorded_saturated_psi_run_breaks_the_weights_silently(tmp_path):
     (train_occupancy, "make_occupancy", "occupancy_nll", {"bad": 5, "extreme": True}),
     (train_occupancy, "make_occupancy_rare", "occupancy_nll",
      {"bad": 5, "visits": 60, "busy": 30, "rate": 0.05}),
-], ids=["ppp-eta-as-is", "occupancy-logsumexp", "occupancy-logsumexp-many-visits"])
+    (train_occupancy, "make_occupancy", "occupancy_nll", BF16),
+], ids=["ppp-eta-as-is", "occupancy-logsumexp", "occupancy-logsumexp-many-visits",
+        "occupancy-logsumexp-bf16"])
 def test_stable_likelihoods_raise_nothing_and_train_the_same(tmp_path, train, make, loss, kw):
     """The fixed likelihoods on the same planted data: the intensity ``exp(-800)`` is 0 only
     in the background term (finite), the occupancy's unoccupied branch is ``-inf`` for every
