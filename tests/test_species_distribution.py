@@ -303,3 +303,46 @@ def test_lbfgs_hierarchical_model_raises_nothing_and_fits_the_same(tmp_path):
     assert seen == expected and seen[-1] < seen[0], (seen, expected)
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def fit_ppp_lbfgs(out_dir, record: bool = True, etas: list | None = None):
+    """The point process as a GLM is fitted in R: LBFGS at lr=1 over the whole data set, here
+    without a line search (torch's default); ``etas``: each closure call's log-intensity."""
+    model = M.make_ppp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=20, history_size=10)
+    x, y, w = M.presence_background(torch.Generator().manual_seed(0), n_bg=200)
+    ctx, loss_fn = recording(model, opt, M.ppp_loss, "make_ppp", out_dir, record)
+    with ctx:
+        for _ in range(6):
+            def closure():
+                opt.zero_grad()
+                eta = model(x)
+                if etas is not None:
+                    etas.append(eta.detach())
+                nll = loss_fn(eta, y, w)
+                nll.backward()
+                return nll
+            opt.step(closure)
+    return model
+
+
+def test_lbfgs_without_line_search_overflows_exp_and_the_hint_says_strong_wolfe(tmp_path):
+    """LBFGS's quasi-Newton steps at full length overshoot until a background point's
+    ``exp(eta)`` overflows. The recorder counts closure calls as steps; the replay names the
+    exp at the points an unrecorded run's same closure call has past float32's exp range,
+    a diverging run, and the line search (not clipping, which LBFGS does not do; nor the
+    standardisation of the rainfall column in mm, which the model's buffers already do)."""
+    ev, bundle = fire(fit_ppp_lbfgs, tmp_path)
+    assert (ev["phase"], ev["module"], ev["kind"]) == ("loss", "<loss>", "+inf"), ev
+    etas: list = []
+    fit_ppp_lbfgs(None, record=False, etas=etas)  # (unrecorded it goes on, silently)
+    eta = etas[ev["step"]]
+    y = M.presence_background(torch.Generator().manual_seed(0), n_bg=200)[1]
+    expected = torch.nonzero((eta > 88.72) & (y == 0)).flatten().tolist()
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.exp", "+inf", expected), o
+    assert expected and o["source"] == line_of("(w[~pres] * eta[~pres].exp()).sum()"), o
+    assert rep["cause"] == "overflow" and "the run was diverging" in rep["hint"], rep["hint"]
+    assert 'line_search_fn="strong_wolfe"' in rep["hint"], rep["hint"]
+    assert "standardise the columns" not in rep["hint"], rep["hint"]
