@@ -160,10 +160,11 @@ def make_occupancy_rare() -> Occupancy:
 
 def camera_survey(g: torch.Generator, n: int = 32, visits: int = 8, bad: int | None = None,
                   busy: int = 0, extreme: bool = False, rate: float = 0.3,
-                  habitat: float = 0.0):
+                  habitat: float = 0.0, missed: int = 0):
     """Site covariates, visit covariates, detection histories (n, visits), each visit a detection with probability ``rate`` at
     an occupied site; ``habitat``: how strongly the first covariate decides occupancy (0: 60%
-    of sites occupied at random). ``busy``: that many
+    of sites occupied at random); ``missed``: site ``bad``'s last that many visits were not
+    made (NaN, an unbalanced design). ``busy``: that many
     detections at site ``bad`` (a camera at a feeding station); ``extreme``: site ``bad``'s
     covariates in raw units (forest cover in %, elevation in metres: unstandardised), undetected there."""
     site_x = torch.randn(n, 3, generator=g)
@@ -174,6 +175,8 @@ def camera_survey(g: torch.Generator, n: int = 32, visits: int = 8, bad: int | N
     if bad is not None and busy:
         y[bad] = 0.0
         y[bad, :busy] = 1.0
+    if bad is not None and missed:
+        y[bad, -missed:] = float("nan")
     if bad is not None and extreme:
         site_x[bad] = torch.tensor([95.0, 2400.0, 60.0])
         y[bad] = 0.0
@@ -273,3 +276,15 @@ def regional_points(g: torch.Generator, n: int = 64, regions: int = 4, empty: in
     if empty is not None:
         y[region == empty] = 1.0
     return x, y, region, torch.full((regions,), 25.0)
+
+
+def occupancy_nll_missing(occ_logit, det_logit, y):
+    """The stable likelihood over an unbalanced design: visits not made are NaN in ``y`` (as
+    unmarked stores them) and masked out of the detection history."""
+    done = ~torch.isnan(y)
+    per_visit = y * F.logsigmoid(det_logit) + (1 - y) * F.logsigmoid(-det_logit)
+    log_hist = (per_visit * done).sum(1)  # the bug: NaN * 0 is NaN, the mask does not drop it
+    never = torch.nansum(y, 1) == 0
+    absent = F.logsigmoid(-occ_logit).masked_fill(~never, float("-inf"))
+    branches = torch.stack([F.logsigmoid(occ_logit) + log_hist, absent], -1)
+    return -torch.logsumexp(branches, -1).sum()

@@ -248,6 +248,22 @@ def test_bf16_occupancy_psi_rounding_to_1_at_sites_with_detections_names_those_s
     assert "logsigmoid" in rep["hint"] and "torch.where(mask, safe, x)" in rep["hint"], rep
 
 
+def test_visits_not_made_as_nan_masked_by_multiplication_name_the_mask_and_the_site(tmp_path):
+    """An unbalanced design: site 5's last 3 visits were not made and are NaN in the history
+    (as unmarked stores them); the likelihood multiplies the per-visit terms by the visits'
+    mask, and NaN * 0 is NaN. The recorder stops at the loss's target (an input event); the
+    replay names the multiplication's line, site 5 and the fill before the first read."""
+    ev, bundle = fire(train_occupancy, "make_occupancy", "occupancy_nll_missing", tmp_path,
+                      bad=5, missed=3)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (3, "input", "<loss>",
+                                                                   "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (rep["cause"], o["samples"]) == ("input", [5]), (rep["cause"], o)
+    assert o["source"] == line_of("log_hist = (per_visit * done).sum(1)"), o
+    assert "NaN * 0 is NaN" in rep["hint"] and "torch.nan_to_num(x)" in rep["hint"], rep
+
+
 def test_unrecorded_saturated_psi_run_breaks_the_weights_silently(tmp_path):
     """The same run without the recorder: the loss is finite and the occupancy network's
     weights turn NaN, so the event above is the bug, not a false alarm."""
