@@ -5,7 +5,8 @@ zeros(G).index_add(0, group, ones)`` (or ``scatter_add``, ``bincount``), then ``
 A group the batch holds no element of (a region whose background points a mask clipped away,
 a class absent from the batch) has a count of 0 and a mean of 0/0. No sample is to blame and
 an eps silently makes that group's term 0 (a region's integral of 0 lets its intensity grow
-without bound); the fix is to leave empty groups out or to give every group members.
+without bound); the fix is to leave empty groups out or to give every group members. The
+same for the row sums of a 0/1 matrix (an adjacency's degrees, an island cell's 0).
 :class:`EmptyGroups` watches the ops (fed by :class:`~replay.lineage.Lineage`) for a division
 by such an accumulated value at an entry it holds 0; :func:`with_empty_groups` then says so.
 """
@@ -37,7 +38,9 @@ class EmptyGroups:
     def track(self, name: str, args, out) -> None:
         if self.found is not None or not args or not isinstance(out, torch.Tensor):
             return
-        if name in _ACCUMULATE and (not name.startswith("index_put")
+        if name == "sum" and len(args) > 1 and _zero_one(args[0]):
+            self._made.put(out, "sum")  # (the row counts of a 0/1 matrix: a node's degree)
+        elif name in _ACCUMULATE and (not name.startswith("index_put")
                                     or len(args) > 3 and args[3] is True):  # (accumulate=True)
             self._made.put(out, name.rstrip("_"))
         elif name in _CARRY and (op := self._op(args[0])) is not None:
@@ -48,6 +51,13 @@ class EmptyGroups:
                 self.found = op, torch.nonzero(d == 0).flatten().tolist()
 
 
+def _zero_one(x) -> bool:
+    """``x`` is a 0/1 matrix (an adjacency, a membership or mask matrix): its row sums are
+    counts."""
+    return isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_floating_point() \
+        and x.shape[0] > 1 and bool(((x == 0) | (x == 1)).all())
+
+
 def with_empty_groups(hint: str | None, cause: str | None, hit,
                       watch: EmptyGroups | None) -> str | None:
     """``hint``, for a division by a per-group accumulation that is 0 at some groups."""
@@ -55,6 +65,13 @@ def with_empty_groups(hint: str | None, cause: str | None, hit,
             or hit is None or hit.op.removeprefix("aten.") not in _DIVISIONS:
         return hint
     op, groups = watch.found
+    if op == "sum":
+        return (f"{hint}; but here the divisor is the row sums of a 0/1 matrix (an adjacency's "
+                f"degrees, a membership count), 0 at row(s) {groups[:8]}: those rows have no "
+                "entry (an isolated node, a grid cell whose neighbours are all masked out: an "
+                "island). No record is to blame, and an eps would drop those rows' terms in "
+                "silence: give them a neighbour or leave them out (deg > 0), or divide by "
+                "deg.clamp(min=1) where 0 is the right mean of no neighbours")
     return (f"{hint}; but here the divisor was accumulated per group by {op} (a count or total "
             f"per group, a mean written by hand), and it is 0 at group(s) {groups[:8]}: no "
             "element of the batch fell in them (a region with no background point, a class "

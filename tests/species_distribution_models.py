@@ -220,8 +220,11 @@ class MultiSpeciesGrid(nn.Module):
     """Per-species slopes around a community mean, a random effect per grid cell; returns the
     Bernoulli logits (sites, species) and the prior's log-density."""
 
-    def __init__(self, n_species: int = 6, n_cov: int = 3, grid: int = 4):
+    def __init__(self, n_species: int = 6, n_cov: int = 3, grid: int = 4,
+                 land: torch.Tensor | None = None):
         super().__init__()
+        land = torch.ones(grid, grid, dtype=torch.bool) if land is None else land
+        self.register_buffer("adjacency", rook_adjacency(land))
         self.mu = nn.Parameter(torch.zeros(n_cov))
         self.log_sigma = nn.Parameter(torch.zeros(()))
         self.beta = nn.Parameter(0.1 * torch.randn(n_species, n_cov))
@@ -232,12 +235,40 @@ class MultiSpeciesGrid(nn.Module):
         logits = x @ self.beta.T + self.alpha + self.cell[cell][:, None]
         sigma = self.log_sigma.exp()
         prior = (-0.5 * ((self.beta - self.mu) / sigma) ** 2 - self.log_sigma).sum()
-        return logits, prior - 0.5 * (self.cell ** 2).sum()
+        return logits, prior + self.car_prior()
+
+    def car_prior(self):
+        """An intrinsic CAR prior on the cells: each cell's effect around the mean of its
+        land neighbours, weighted by their number."""
+        deg = self.adjacency.sum(1)
+        mean = self.adjacency @ self.cell / deg  # the bug: an island cell has no neighbour
+        return -0.5 * (deg * (self.cell - mean) ** 2).sum() - 0.5e-3 * self.cell.sum() ** 2
+
+
+def rook_adjacency(land: torch.Tensor) -> torch.Tensor:
+    """The rook (4-neighbour) adjacency of a grid's cells, between land cells only."""
+    g = land.shape[0]
+    a = torch.zeros(g * g, g * g)
+    for i in range(g):
+        for j in range(g):
+            for di, dj in ((0, 1), (1, 0), (0, -1), (-1, 0)):
+                k, m = i + di, j + dj
+                if 0 <= k < g and 0 <= m < g and land[i, j] and land[k, m]:
+                    a[i * g + j, k * g + m] = 1.0
+    return a
 
 
 def make_multispecies() -> MultiSpeciesGrid:
     torch.manual_seed(0)
     return MultiSpeciesGrid()
+
+
+def make_multispecies_island() -> MultiSpeciesGrid:
+    """A coastline grid: cell (0, 3) is land whose every neighbour is sea (an island)."""
+    torch.manual_seed(0)
+    land = torch.ones(4, 4, dtype=torch.bool)
+    land[0, 2] = land[1, 3] = False
+    return MultiSpeciesGrid(land=land)
 
 
 def survey(g: torch.Generator, n: int = 64, n_species: int = 6, grid: int = 4):

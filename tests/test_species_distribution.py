@@ -292,14 +292,15 @@ def test_stable_likelihoods_raise_nothing_and_train_the_same(tmp_path, train, ma
         assert torch.isfinite(a).all() and torch.equal(a, b), name
 
 
-def fit_multispecies(out_dir, record: bool = True, steps: int = 4):
+def fit_multispecies(out_dir, record: bool = True, steps: int = 4,
+                     make: str = "make_multispecies"):
     """LBFGS with a strong-Wolfe line search over the whole survey, the closure re-running
     the model and the loss (several forwards and backwards per step)."""
-    model = M.make_multispecies()
+    model = getattr(M, make)()
     opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=10,
                             line_search_fn="strong_wolfe")
     x, cell, y = M.survey(torch.Generator().manual_seed(0))
-    ctx, loss_fn = recording(model, opt, M.joint_nll, "make_multispecies", out_dir, record)
+    ctx, loss_fn = recording(model, opt, M.joint_nll, make, out_dir, record)
     losses = []
     with ctx:
         for _ in range(steps):
@@ -362,3 +363,20 @@ def test_lbfgs_without_line_search_overflows_exp_and_the_hint_says_strong_wolfe(
     assert rep["cause"] == "overflow" and "the run was diverging" in rep["hint"], rep["hint"]
     assert 'line_search_fn="strong_wolfe"' in rep["hint"], rep["hint"]
     assert "standardise the columns" not in rep["hint"], rep["hint"]
+
+
+def test_grid_cell_without_land_neighbours_names_the_adjacency_rows_of_degree_0(tmp_path):
+    """The CAR prior's neighbour mean ``adjacency @ cell / deg`` over a coastline grid: the
+    sea cells and the island between them have no land neighbour, a degree of 0 and a mean
+    of 0/0 at the first step, in the model's own forward (no sample's data reaches it). The
+    replay names the division, no sample, and the adjacency's rows of degree 0."""
+    ev, bundle = fire(fit_multispecies, tmp_path, make="make_multispecies_island")
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "nan"), ev
+    deg = M.make_multispecies_island().adjacency.sum(1)
+    isolated = torch.nonzero(deg == 0).flatten().tolist()
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "nan", []), o
+    assert o["source"] == line_of("mean = self.adjacency @ self.cell / deg"), o
+    assert rep["cause"] == "invalid" and "row sums of a 0/1 matrix" in rep["hint"], rep
+    assert isolated == [2, 3, 7] and f"0 at row(s) {isolated}" in rep["hint"], rep["hint"]
