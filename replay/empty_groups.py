@@ -47,8 +47,10 @@ class EmptyGroups:
             self._made.put(out, op)
         elif name in _DIVISIONS and out.is_floating_point() and not bool(out.isfinite().all()):
             d = args[0] if name.startswith("reciprocal") else args[1] if len(args) > 1 else None
-            if (op := self._op(d)) is not None and d.dim() == 1 and bool((d == 0).any()):
-                self.found = op, torch.nonzero(d == 0).flatten().tolist()
+            if (op := self._op(d)) is not None and d.dim() >= 1 and bool((d == 0).any()):
+                # (the groups along the first dim: ``count[:, None]`` broadcast over features)
+                empty = (d == 0).reshape(d.shape[0], -1).any(1)
+                self.found = op, torch.nonzero(empty).flatten().tolist()
 
 
 def _zero_one(x) -> bool:
