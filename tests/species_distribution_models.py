@@ -319,3 +319,16 @@ def occupancy_nll_missing(occ_logit, det_logit, y):
     absent = F.logsigmoid(-occ_logit).masked_fill(~never, float("-inf"))
     branches = torch.stack([F.logsigmoid(occ_logit) + log_hist, absent], -1)
     return -torch.logsumexp(branches, -1).sum()
+
+
+def standardise_batch(items):
+    """A collate_fn standardising each batch's covariates with the batch's own statistics
+    (the bug: a covariate one value in the whole batch has a std of 0)."""
+    x, y, w = (torch.stack(t) for t in zip(*items))
+    return (x - x.mean(0)) / x.std(0), y, w
+
+
+def make_ppp_unscaled() -> PoissonSDM:
+    """The point process whose inputs come standardised from the data pipeline."""
+    torch.manual_seed(0)
+    return PoissonSDM(torch.zeros(N_COV), torch.ones(N_COV))

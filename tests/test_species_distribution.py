@@ -172,6 +172,31 @@ def test_regions_each_with_background_points_raise_nothing_and_train_the_same(tm
         assert torch.equal(a, b), name
 
 
+def test_batch_standardised_in_the_collate_fn_with_a_constant_column_is_the_pipelines(tmp_path):
+    """A collate_fn standardising each batch with its own statistics; the last batch's 32
+    cells share one land-cover value (a block of the same habitat): NaN in column 3 of every
+    row of the model's input. The replay calls it the pipeline's per-feature step (a zero
+    std), not a bad record."""
+    model = M.make_ppp_unscaled()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y, w = M.presence_background(torch.Generator().manual_seed(0), n_pres=64, n_bg=64)
+    x[96:, 3] = 0.3
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, w),
+                                         batch_size=32, collate_fn=M.standardise_batch)
+    rec = FlightRecorder(model, opt, loss_fn=M.ppp_loss, out_dir=tmp_path,
+                         factory="species_distribution_models:make_ppp_unscaled")
+    with pytest.raises(NonFiniteError) as info, rec:
+        for xb, yb, wb in loader:
+            nll = rec.loss_fn(model(xb), yb, wb)
+            opt.zero_grad()
+            nll.backward()
+            opt.step()
+    assert event_of(info.value.event) == (3, "input", "", "nan"), info.value.event
+    rep = nanreplay_json(info.value.bundle_path)
+    assert (rep["cause"], rep["origin"]["all_samples"]) == ("input", True), rep["origin"]
+    assert "column(s) 3" in rep["hint"] and "zero std" in rep["hint"], rep["hint"]
+
+
 def test_covariate_constant_over_the_region_divides_every_site_by_its_zero_std(tmp_path):
     """A land-cover class absent from the whole study region: its column is 0 everywhere, the
     training set's std of it is 0 and standardisation is 0/0 for every point at the first
