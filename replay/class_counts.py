@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from .log_sum_exp import with_log_sum_exp
 from .memo import TensorSet
 
 # ops that count the values of integer data by class or bin
@@ -62,9 +61,3 @@ def class_counts_hint(watch: ClassCounts | None, cause: str | None, hit) -> str 
             "infinite there whenever a class is missing; count over the training set once "
             "(fixed class weights), smooth the counts (counts + 1) or floor them "
             "(counts.clamp_min(1))")
-
-
-def counts_or_log_sum_exp(lineage, cause, hit) -> str | None:
-    """A loss origin's hint: a per-class count's, else the cause's with a log-sum-exp's."""
-    return class_counts_hint(lineage.counts, cause.name, hit) or with_log_sum_exp(
-        cause.hint, cause.name, hit, lineage.log_sum_exp)

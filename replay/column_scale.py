@@ -8,7 +8,8 @@ them out (``matrix_exp(W * W)`` then overflows). No row stands out (:mod:`replay
 looks for records), every sample holds the column; the precursors see the weights jump and say
 to lower the learning rate, which only slows the divergence the scale causes. The hint names
 the columns and says to standardise them; not when a few records stand out from every other
-row (:mod:`replay.data_scale` names them: one idle session's dwell makes its column wide too).
+row (:mod:`replay.data_scale` names them: one idle session's dwell makes its column wide too),
+nor when the model keeps a statistic per column as wide there (a standardiser's std buffer).
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def _wide_columns(t: torch.Tensor) -> tuple[list[int], float, float] | None:
     return (cols, float(amax[cols].max()), med) if cols else None
 
 
+def _kept_per_feature(step: Step, cols: list[int], n: int) -> bool:
+    """A buffer of the model holds one statistic per column, as wide at ``cols`` (a
+    standardiser's mean and std from the training set, a BatchNorm1d's running variance):
+    the model rescales the columns itself before any weight multiplies them."""
+    for key, b in step.tensors.items():
+        if key.startswith("buffers/") and b.shape == (n,) and b.is_floating_point():
+            a = b.detach().abs().double()
+            med = float(a.median())
+            if all(float(a[j]) >= 10 * med for j in cols):
+                return True
+    return False
+
+
 def column_scale_hint(report: dict[str, Any], step: Step) -> None:
     """Append to an overflow's hint the batch columns far above the others' scale."""
     o = report.get("origin") or {}
@@ -58,6 +72,8 @@ def column_scale_hint(report: dict[str, Any], step: Step) -> None:
         t = step.tensors.get(key)
         if isinstance(t, torch.Tensor) and (found := _wide_columns(t)) is not None:
             cols, big, med = found
+            if _kept_per_feature(step, cols, t.shape[1]):
+                return  # (the model standardises the columns itself: their unit is no fault)
             path = batch_path(raw, n_args(mb.get("inputs")))
             report["hint"] = (
                 f"{report['hint']}. But column(s) {', '.join(map(str, cols))} of "

@@ -30,7 +30,6 @@ from .iteration import line_run
 from .lineage import Lineage
 from .literal_fill import nan_given
 from .load import Step
-from .log_sum_exp import with_log_sum_exp
 from .looked_up import looked_up_hint
 from .masked_product import masked_row_product_hint
 from .masked_whole import masked_whole_hint
@@ -40,6 +39,7 @@ from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
 from .parametrized import parametrization_hint
 from .picked_fill import picked_hint, picked_origin
+from .product_underflow import lineage_hints
 from .pruned import empty_mask_hint, pruned_rows_hint
 from .raw_pole import RawPole, raw_pole_hint
 from .recorded import samples
@@ -141,8 +141,8 @@ def _hint(step: Step, runner: Runner, finder: OpFinder, o, cause, found, origin)
     lineage = finder.lineage
     hint = with_node(origin, _with_param(step, runner, finder, o, cause, hit), cause.name, node)
     hint = raw_pole_hint(lineage and lineage.raw, cause.name, hit) or class_counts_hint(
-        lineage and lineage.counts, cause.name, hit) or with_log_sum_exp(
-        hint, cause.name, hit, lineage and lineage.log_sum_exp)
+        lineage and lineage.counts, cause.name, hit) or (
+        lineage_hints(hint, cause.name, hit, lineage) if lineage else hint)
     hint = self_pair_hint(hint, cause.name, hit)  # (a distance matrix's diagonal)
     hint = absorbed_hint(runner, hint, cause.name, hit)  # (log(1 + x) rounded to 0 before)
     # (a padding mask True at every key of the NaN samples: key_padding_mask)

@@ -58,7 +58,7 @@ from .saturation import Saturation, made_unit
 from .shifted_positive import shifted_maker
 from .source import user_source
 from .storages import storage_of
-from .underflow_advice import made_by_exp
+from .underflow_advice import PICKS, made_by_exp
 from .zero_operand import ZeroOperand
 
 _UNINITIALISED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
@@ -262,7 +262,7 @@ class OpFinder:
             self._positive.add(outs[0])
         self.made_in.update(t.dtype for t in outs)
         self.names.track(name, ins, outs)
-        if name in ("exp", "exp_"):
+        if name in ("exp", "exp_") or name in PICKS and ins and ins[0] in self.exps:
             self.exps.add(outs[0])
         weights_only = bool(self.state) and self._of_weights_only(leaves)
         if weights_only:  # (and a complex result itself, which ``outs`` holds as a real view)

@@ -15,9 +15,11 @@ from .positive import node_op
 from .shifted_positive import ADVICE as SHIFTED
 
 _DIVISIONS = {"div", "div_", "reciprocal", "reciprocal_", "rsqrt", "rsqrt_"}
+PICKS = {"index", "index_select", "gather", "masked_select", "take"}  # (aten names of those)
 _LOGS = {"log", "log_", "log2", "log10"}
+# views, and picks of entries (a point process's ``lam[presence]``): exp's values all the same
 _VIEWS = {"View", "UnsafeView", "Reshape", "ReshapeAlias", "Squeeze", "Unsqueeze", "Select",
-          "Slice", "Expand", "Clone", "Alias"}
+          "Slice", "Expand", "Clone", "Alias", "Index", "IndexSelect", "Gather", "MaskedSelect"}
 
 LOG_OF_EXP = ("its input is an exp's result (log(exp(x)) is x): take the exponent itself "
               "instead of the log of its exp (a Gaussian NLL's 0.5 * log_var, with "
@@ -32,7 +34,7 @@ FLOOR = ("it is made of small finite numbers (products, differences), not of an 
 
 
 def made_by_exp(t, depth: int = 6, fn=None) -> bool:
-    """Whether tensor ``t`` is (a view of) ``exp``'s result, on the autograd graph (so only
+    """Whether tensor ``t`` is (a view or a pick of) ``exp``'s result, on the autograd graph (so only
     when the forward recorded gradients; ``fn``: the node that made a detached copy ``t``)."""
     try:
         fn = fn or t.grad_fn

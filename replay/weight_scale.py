@@ -21,6 +21,7 @@ from recorder.inner_optim import clear_state, put_state, state_items
 from .cause_text import DO
 from .compat import FOREACH_MUL_, TorchDispatchMode
 from .grown_state import grown_state_advice
+from .line_search import no_line_search_advice
 from .source import user_source
 
 aten = torch.ops.aten
@@ -125,7 +126,8 @@ def diverging_advice(step, windowed: bool) -> str:
     found = None if windowed else probed_scale(step)
     if found:
         return scale_text(found, probed=True)
-    return grown_state_advice(step) or DO["diverging_window" if windowed else "diverging"]
+    return grown_state_advice(step) or no_line_search_advice(step) \
+        or DO["diverging_window" if windowed else "diverging"]
 
 
 def scale_text(found: dict[str, Any], probed: bool = False) -> str:

@@ -1,0 +1,74 @@
+"""A log of a product over a dimension that underflowed: ``log(psi * p.prod(1) + ...)``.
+
+An occupancy model's detection history ``prod_j p^y (1 - p)^(1 - y)`` over many visits, an
+independent-Bernoulli likelihood, a naive-Bayes score: each factor is a fine probability but
+their product over dozens of them falls below float32's smallest number and rounds to 0, and
+the log then takes -inf. The general log-space list (log_softmax, logsumexp) does not say
+where the 0 was made; the fix is to sum the factors' logs instead of taking the log of their
+product. :class:`ProductUnderflow` watches the ops (fed by :class:`~replay.lineage.Lineage`)
+for a ``prod`` whose 0 is made of nonzero factors, followed through elementwise arithmetic
+and views to a log; :func:`with_product_underflow` then says so in the hint.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .empty_groups import with_empty_groups
+from .log_sum_exp import with_log_sum_exp
+from .memo import TensorSet
+
+# ops a product's 0 passes through to the log unchanged in kind (a mixture's psi * hist + ...)
+_CARRY = {"mul", "add", "sub", "rsub", "view", "reshape", "_unsafe_view", "squeeze",
+          "unsqueeze", "clone", "index", "select", "slice", "expand", "t", "transpose"}
+_LOGS = {"log", "log2", "log10"}
+
+
+class ProductUnderflow:
+    """Whether a log took a value made of a ``prod`` that underflowed to 0 (``found``: how
+    many factors that product had)."""
+
+    def __init__(self):
+        self._made = TensorSet()
+        self._n = 0
+        self.found: int | None = None
+
+    def track(self, name: str, args, out) -> None:
+        if self.found is not None or not args or not isinstance(x := args[0], torch.Tensor) \
+                or not isinstance(out, torch.Tensor):
+            return
+        if name == "prod" and x.is_floating_point() and x.numel() > 1:
+            dim = args[1] if len(args) > 1 and isinstance(args[1], int) else None
+            nonzero = (x != 0).all() if dim is None else (x != 0).all(dim)
+            if dim is not None and out.dim() != nonzero.dim():  # (keepdim=True)
+                nonzero = nonzero.unsqueeze(dim)
+            if bool(((out == 0) & nonzero).any()):  # (0 of nonzero factors: an underflow)
+                self._made.add(out)
+                self._n = x.numel() if dim is None else x.shape[dim]
+        elif name in _CARRY and any(isinstance(a, torch.Tensor) and a in self._made
+                                    for a in args):
+            self._made.add(out)
+        elif name in _LOGS and x in self._made:
+            self.found = self._n
+
+
+def with_product_underflow(hint: str | None, cause: str | None, hit,
+                           watch: ProductUnderflow | None) -> str | None:
+    """``hint``, for a log's underflow whose 0 a product over a dimension made, with the fix."""
+    if hint is None or watch is None or watch.found is None or cause != "underflow" \
+            or hit is None or hit.op.removeprefix("aten.") not in _LOGS:
+        return hint
+    return (f"{hint}; but here the 0 is a product of {watch.found} nonzero factors (prod over "
+            "a dimension: a detection history's p^y (1 - p)^(1 - y) over many visits, "
+            "independent likelihoods) that underflowed before the log: sum the factors' logs "
+            "instead (log prod p = sum log p; logsigmoid(z) and logsigmoid(-z) for sigmoid "
+            "probabilities) and join what the product was added to with torch.logaddexp or "
+            "torch.logsumexp (log(a * prod p + b) = logaddexp(log a + sum log p, log b))")
+
+
+def lineage_hints(hint: str | None, cause: str | None, hit, lineage) -> str | None:
+    """``hint`` with what the op took, as the lineage of the ops saw it: a log-sum-exp written
+    out, a product that underflowed, a count per group with empty groups."""
+    hint = with_log_sum_exp(hint, cause, hit, lineage.log_sum_exp)
+    hint = with_empty_groups(hint, cause, hit, lineage.empty_groups)
+    return with_product_underflow(hint, cause, hit, lineage.product)
