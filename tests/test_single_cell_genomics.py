@@ -1,0 +1,154 @@
+"""End to end on scVI-style single-cell VAEs written in plain torch
+(``single_cell_genomics_models``): an encoder over ``log1p`` counts with batch one-hots, the
+observed library ``log(x.sum(1))``, a softmax over genes times the library as the negative
+binomial's mean, gene-wise dispersion ``theta = exp(px_r)``, the ZINB log-likelihood written
+out, KL warm-up, Adam with weight decay (scVI's ``eps=0.01``), gradient clipping, and
+minibatches densified from a sparse count matrix by a DataLoader's collate. Each planted bug
+of the domain fires under the recorder and is replayed with the CLI; the healthy versions
+raise no event and train bit-identically with and without the recorder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import single_cell_genomics_models as M
+import torch
+from bundles import nanreplay_json, source_line
+
+from recorder import FlightRecorder, NonFiniteError
+
+pytestmark = pytest.mark.usefixtures("in_tests_dir")
+
+LOG_MU = "x * (torch.log(mu + eps) - log_theta_mu_eps)"
+
+
+def line_of(text: str) -> str:
+    return source_line("single_cell_genomics_models.py", text)
+
+
+def train(make: str, out_dir, data: dict, eps: float = 1e-8, epochs: int = 1,
+          record: bool = True):
+    """scVI's training plan: Adam (weight decay 1e-6, eps 0.01), the KL weight warmed up
+    over 6 steps, gradients clipped at 50; 64 cells in minibatches of 16 from the sparse
+    matrix, so dataset cell 48 + r is row r of the fourth step's batch. Returns the model."""
+    model = getattr(M, make)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-6, eps=0.01)
+    crit = M.ELBO(eps)
+    torch.manual_seed(1)  # (the reparameterisation's randn_like, dropout)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory=f"single_cell_genomics_models:{make}") if record else None
+    step = 0
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for _ in range(epochs):
+            for x, batch_index in M.loader(*M.counts(**data)):
+                crit.kl_weight = min(1.0, step / 6)
+                loss = loss_fn(*model(x, batch_index), x)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 50.0)
+                opt.step()
+                step += 1
+    return model
+
+
+def fire(make: str, tmp_path, data: dict, eps: float = 1e-8):
+    with pytest.raises(NonFiniteError) as info:
+        train(make, tmp_path, data, eps)
+    return info.value.event, info.value.bundle_path
+
+
+def test_empty_cell_under_a_likelihood_without_eps_names_the_log_of_mu_and_the_cell(tmp_path):
+    """A cell with no UMIs (an empty droplet that passed QC) at row 5 of the fourth batch:
+    its observed library ``log(0)`` is -inf, its mean ``exp(library) * px_scale`` is 0 in
+    every gene, and a ZINB written without scVI's eps takes ``log(mu)`` = -inf, times its 0
+    counts: NaN. A loss event; the replay names that log, its line, the cell, the eps of 0,
+    and that the cell holds no counts (filter it); dropping it makes the step finite."""
+    ev, bundle = fire("make_scvi", tmp_path, {"zero_cell": 53}, eps=0.0)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["made"], o["samples"]) == (
+        True, "<loss>", "aten.log", "-inf", [5]), o
+    assert o["source"] == line_of(LOG_MU), o
+    assert [c["op"] for c in o["chain"]] == ["aten.log", "aten.mul"], o["chain"]
+    assert rep["cause"] == "invalid" and "exactly 0" in rep["hint"], rep["hint"]
+    assert "Sample(s) 5 hold no counts: args[0] is 0 in every entry" in rep["hint"], rep["hint"]
+    assert "min_counts" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_unrecorded_likelihood_without_eps_goes_nan(tmp_path):
+    """Without the recorder the same run's weights turn NaN: the event is the bug."""
+    model = train("make_scvi", tmp_path, {"zero_cell": 53}, eps=0.0, record=False)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("make,data", [
+    ("make_scvi", {"zero_cell": 53}),
+    ("make_scvi_panel", {"panel": True, "zero_cell": 53})])
+def test_scvi_eps_keeps_an_empty_cell_and_a_masked_panel_finite_without_alarm(
+        tmp_path, make, data):
+    """With scVI's eps the same empty cell trains: its library -inf goes into the decoder
+    (a module's input), ``exp(-inf) = 0``, and ``log(0 + eps)`` stays finite; a targeted
+    panel's unmeasured genes filled with -inf before the softmax give mu exactly 0 there.
+    Neither is an event, and two epochs train bit-identically with and without the
+    recorder."""
+    recorded = train(make, tmp_path, data, epochs=2)
+    plain = train(make, tmp_path, data, epochs=2, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+def test_minus_one_sentinel_of_a_failed_merge_names_log1p_and_the_cell(tmp_path):
+    """A cell reindexed onto the reference genes with ``fill_value=-1`` for the 20 genes its
+    matrix lacked: the encoder's ``log1p`` is -inf there, and BatchNorm spreads the NaN to the
+    whole batch's output. The replay names log1p in the root's forward, only that cell, and
+    the -1 the batch gave (a missing-value code: impute or drop, not clamp)."""
+    ev, bundle = fire("make_scvi", tmp_path, {"sentinel_cell": 53})
+    assert (ev["step"], ev["phase"], ev["module"]) == (3, "forward", ""), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.log1p", "-inf", [5]), o
+    assert o["source"] == line_of("x_ = torch.log1p(x) if self.log_variational else x"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "args[0] holds -1 at sample(s) 5" in rep["hint"], rep["hint"]
+    assert "a code for a missing value" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_gene_standardised_over_a_batch_no_cell_expresses_names_the_gene(tmp_path):
+    """Genes standardised over the minibatch, ``(x - mean(0)) / std(0)``, with gene 7
+    expressed by no cell: 0/0 in column 7 of every row at step 0. The replay blames no cell
+    and says the data holds that column constant (a gene no cell expresses), not a model unit
+    that stopped varying: drop such genes or add the eps."""
+    ev, bundle = fire("make_scvi_scaled", tmp_path, {"silent_gene": 7})
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == ("", "aten.div", "nan", True), o
+    assert o["source"] == line_of("x_ = (x_ - x_.mean(0)) / x_.std(0)"), o
+    assert rep["cause"] == "invalid" and "column(s) [7]" in rep["hint"], rep["hint"]
+    assert "The data is why: column(s) 7 of args[0] hold 0 in every row" in rep["hint"], rep
+    assert "genes expressed in no cell" in rep["hint"], rep["hint"]
+
+
+def test_dispersion_warm_start_copied_without_its_log_names_px_r_and_its_init(tmp_path):
+    """``px_r`` warm-started from the data's method-of-moments dispersion, theta itself
+    copied where its log belongs: a Poisson-like ambient gene's theta of 1000 makes
+    ``exp(px_r)`` +inf before any update (step 0). The replay names the exp, its line, the
+    parameter and its range, and says no update has touched it (fix the initialisation, not
+    the learning rate); the ZINB's ``log(theta + eps)`` of that exp is no hand-written
+    softplus, ``log(1 + exp(z))``, and the hint does not say so."""
+    ev, bundle = fire("make_scvi_moment_init", tmp_path, {})
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (0, "forward", "", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == ("", "aten.exp", "+inf", True), o
+    assert o["source"] == line_of("theta = torch.exp(px_r)"), o
+    assert rep["cause"] == "overflow", rep["cause"]
+    assert "the parameter px_r (in [1.118, 1000])" in rep["hint"], rep["hint"]
+    assert "has not updated px_r yet" in rep["hint"], rep["hint"]
+    assert "learning rate" not in rep["hint"] and "softplus" not in rep["hint"], rep["hint"]
