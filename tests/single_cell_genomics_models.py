@@ -221,3 +221,61 @@ def make_scvi_moment_init() -> SCVI:
     with torch.no_grad():
         model.px_r.copy_(moment_dispersion(counts()[0].to_dense()))
     return model
+
+
+def make_scvi_moment_log() -> SCVI:
+    """The same warm start with the log taken, but without the floor: a gene whose variance
+    is below its mean (Poisson-like, under-dispersed by chance) has a negative moment
+    estimate, whose log is NaN."""
+    torch.manual_seed(0)
+    model = SCVI()
+    x = counts()[0].to_dense()
+    m, v = x.mean(0), x.var(0)
+    with torch.no_grad():
+        model.px_r.copy_(torch.log(m.pow(2) / (v - m)))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# scANVI: a classifier of cell types on z, trained on the labelled (reference) cells
+
+
+class SCANVI(SCVI):
+    def __init__(self, n_labels: int = 4):
+        super().__init__()
+        self.classifier = nn.Sequential(nn.Linear(N_LATENT, 16), nn.ReLU(), nn.Linear(16, n_labels))
+
+    def forward(self, x, batch_index):
+        cat = F.one_hot(batch_index, N_BATCHES).float()
+        library = torch.log(x.sum(1)).unsqueeze(1)
+        qz_m, qz_v, z = self.z_encoder(torch.log1p(x), cat)
+        _, _, px_rate, px_dropout = self.decoder(z, library, cat)
+        theta = torch.exp(self.px_r).expand_as(px_rate)
+        kl_z = 0.5 * (qz_v + qz_m.pow(2) - 1 - torch.log(qz_v)).sum(1)
+        return px_rate, theta, px_dropout, kl_z, self.classifier(qz_m)
+
+
+class SCANVIELBO(ELBO):
+    """The ELBO plus ``classification_ratio`` times the cross-entropy of the labelled cells
+    (label -1: unlabelled, a query cell)."""
+
+    def __init__(self, classification_ratio: float = 50.0):
+        super().__init__()
+        self.classification_ratio = classification_ratio
+
+    def forward(self, px_rate, theta, px_dropout, kl_z, logits, x, y):
+        labelled = y >= 0
+        ce = F.cross_entropy(logits[labelled], y[labelled])
+        return super().forward(px_rate, theta, px_dropout, kl_z, x) + self.classification_ratio * ce
+
+
+def make_scanvi() -> SCANVI:
+    torch.manual_seed(0)
+    return SCANVI()
+
+
+def cell_types(n_cells: int = 64, n_query: int = 16, n_labels: int = 4) -> torch.Tensor:
+    """Reference cells' types, then ``n_query`` query cells appended unlabelled (-1)."""
+    y = torch.arange(n_cells) % n_labels
+    y[n_cells - n_query:] = -1
+    return y

@@ -152,3 +152,48 @@ def test_dispersion_warm_start_copied_without_its_log_names_px_r_and_its_init(tm
     assert "the parameter px_r (in [1.118, 1000])" in rep["hint"], rep["hint"]
     assert "has not updated px_r yet" in rep["hint"], rep["hint"]
     assert "learning rate" not in rep["hint"] and "softplus" not in rep["hint"], rep["hint"]
+
+
+def test_dispersion_warm_start_of_an_under_dispersed_gene_is_the_factorys_nan(tmp_path):
+    """The warm start with the log taken but no floor: an ambient gene's variance below its
+    mean gives a negative moment estimate, whose log is NaN in ``px_r`` before training: a
+    weights event at step 0, which the replay traces to the factory's log and its line (fix
+    the initialisation), not to an update."""
+    ev, bundle = fire("make_scvi_moment_log", tmp_path, {})
+    assert (ev["step"], ev["phase"], ev["params"]) == (0, "weights", ["px_r"]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["param"]) == ("weights", "px_r"), o
+    assert rep["cause"] == "weights", rep["cause"]
+    assert "the factory builds px_r non-finite: aten.log" in rep["hint"], rep["hint"]
+    assert line_of("model.px_r.copy_(torch.log(m.pow(2) / (v - m)))") in rep["hint"], rep
+
+
+def test_scanvi_batch_of_query_cells_only_names_the_empty_cross_entropy(tmp_path):
+    """scANVI's classifier loss over the labelled cells, ``cross_entropy(logits[labelled],
+    y[labelled])``, with the unlabelled query cells (-1) appended after the reference and the
+    loader not shuffled: the fourth batch holds no labelled cell, and the mean over none is
+    NaN. A loss event; the replay names the cross-entropy over an empty selection, no cell,
+    and says to skip such batches."""
+    model, y = M.make_scanvi(), M.cell_types()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-6, eps=0.01)
+    crit = M.SCANVIELBO()
+    torch.manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="single_cell_genomics_models:make_scanvi") as rec:
+            for i, (x, batch_index) in enumerate(M.loader(*M.counts())):
+                crit.kl_weight = min(1.0, i / 6)
+                loss = rec.loss_fn(*model(x, batch_index), x, y[16 * i:16 * (i + 1)])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == (
+        "<loss>", "aten.nll_loss_forward", "nan", []), o
+    assert o["source"] == line_of("ce = F.cross_entropy(logits[labelled], y[labelled])"), o
+    assert rep["cause"] == "invalid" and "empty tensor" in rep["hint"], rep["hint"]
+    assert "skip such batches" in rep["hint"], rep["hint"]
