@@ -197,3 +197,39 @@ def test_scanvi_batch_of_query_cells_only_names_the_empty_cross_entropy(tmp_path
     assert o["source"] == line_of("ce = F.cross_entropy(logits[labelled], y[labelled])"), o
     assert rep["cause"] == "invalid" and "empty tensor" in rep["hint"], rep["hint"]
     assert "skip such batches" in rep["hint"], rep["hint"]
+
+
+def train_bf16(out_dir, record: bool):
+    """scvi-tools' mixed precision: the forward under bf16 autocast, the ZINB in float32,
+    AdamW, gradients accumulated over 2 minibatches, ReduceLROnPlateau on the epoch's loss;
+    the empty cell in every epoch."""
+    model = M.make_scvi()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.6, patience=1)
+    crit = M.ELBO()
+    torch.manual_seed(1)
+    rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
+                         factory="single_cell_genomics_models:make_scvi") if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else crit
+        for _ in range(3):
+            for i, (x, batch_index) in enumerate(M.loader(*M.counts(zero_cell=53))):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x, batch_index)
+                loss = loss_fn(*[t.float() for t in out], x) / 2
+                loss.backward()
+                if i % 2 == 1:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 50.0)
+                    opt.step()
+                    opt.zero_grad()
+            sched.step(loss.item())
+    return model
+
+
+def test_bf16_accumulated_run_with_an_empty_cell_raises_nothing_and_trains_the_same(tmp_path):
+    """The empty cell's -inf library under bf16 autocast, accumulation and a plateau
+    scheduler: no event, finite and bit-identical weights with and without the recorder."""
+    recorded, plain = train_bf16(tmp_path, True), train_bf16(tmp_path, False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
