@@ -166,7 +166,8 @@ def make_scvi_panel() -> SCVI:
 
 def counts(n_cells: int = 64, seed: int = 0, zero_cell: int | None = None,
            sentinel_cell: int | None = None, silent_gene: int | None = None,
-           huge_cell: int | None = None, panel: bool = False):
+           huge_cell: int | None = None, panel: bool = False,
+           nan_cell: int | None = None):
     """A sparse (COO) cells x genes UMI matrix (negative binomial draws) and batch labels.
 
     ``zero_cell``: a cell with no counts (an empty droplet that passed QC);
@@ -174,7 +175,8 @@ def counts(n_cells: int = 64, seed: int = 0, zero_cell: int | None = None,
     failed merge's sentinel) in the genes it lacked; ``silent_gene``: a gene no cell expresses;
     ``huge_cell``: a cell whose counts were multiplied by 1e4 (a doublet of an unfiltered
     ambient-RNA-corrected matrix, stored as CPM-like numbers); ``panel``: zeros in the genes
-    outside the panel."""
+    outside the panel; ``nan_cell``: a cell whose counts of 3 genes are NaN (a
+    ``scanpy.pp.normalize_total`` of an all-zero row, written back into ``.X``)."""
     g = torch.Generator().manual_seed(seed)
     rate = torch.rand(N_GENES, generator=g) * 3 + 0.05
     lib = torch.randint(200, 2000, (n_cells, 1), generator=g).float()
@@ -192,6 +194,8 @@ def counts(n_cells: int = 64, seed: int = 0, zero_cell: int | None = None,
         x[huge_cell] = x[huge_cell] * 1e4
     if sentinel_cell is not None:
         x[sentinel_cell, N_GENES // 2:] = -1
+    if nan_cell is not None:
+        x[nan_cell, 3:6] = float("nan")
     batch = torch.arange(n_cells) % N_BATCHES
     return x.to_sparse(), batch
 

@@ -233,3 +233,15 @@ def test_bf16_accumulated_run_with_an_empty_cell_raises_nothing_and_trains_the_s
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+def test_nan_counts_of_a_cell_in_the_sparse_matrix_are_an_input_event_on_that_cell(tmp_path):
+    """A cell whose stored values hold NaN (``normalize_total`` of an all-zero row written
+    back into ``.X``), densified by the collate: an input event on ``args[0]``, row 5, before
+    the model runs; the replay says the batch holds it and points to the data pipeline."""
+    ev, bundle = fire("make_scvi", tmp_path, {"nan_cell": 53})
+    assert (ev["step"], ev["phase"], ev["kind"], ev["samples"]) == (3, "input", "nan", [5]), ev
+    assert ev["detail"] == "non-finite value in the model's input args[0]", ev
+    rep = nanreplay_json(bundle)
+    assert (rep["cause"], rep["origin"]["samples"]) == ("input", [5]), rep["origin"]
+    assert "division by zero in normalisation" in rep["hint"], rep["hint"]
