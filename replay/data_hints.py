@@ -13,7 +13,8 @@ micro-batch of one sample (``replay.single_sample``); a 0/0 over records with no
 (``replay.empty_counts``); a 0/0 of a feature the batch holds constant
 (``replay.constant_columns``); a number attribute the loop grew past the step's type
 (``replay.grown_number``); an overflow of a batch whose columns are in other units
-(``replay.column_scale``); a log's
+(``replay.column_scale``); the attribute holding a NaN number an op was given
+(``replay.nan_attribute``); a log's
 argument outside its domain that the batch holds as given (``replay.data_pole``)."""
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .load import Step
 from .masked_after import masked_after_hint
 from .masked_overflow import masked_overflow_hint
 from .massless_rows import massless_rows_hint
+from .nan_attribute import nan_attribute_hint
 from .single_sample import single_sample_hint
 
 
@@ -58,3 +60,4 @@ def data_hints(report: dict[str, Any], step: Step) -> None:
     grown_number_hint(report, step)  # (an augmented Lagrangian's rho past float32's range)
     column_scale_hint(report, step)  # (a variable in millimetres among metres: NOTEARS' X)
     data_pole_hint(report, step)  # (log1p of a count filled with -1 for missing)
+    nan_attribute_hint(report, step)  # (a KL warm-up weight of 0/0 the loop set on the loss)

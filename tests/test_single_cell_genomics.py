@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import single_cell_genomics_models as M
 import torch
@@ -245,3 +246,35 @@ def test_nan_counts_of_a_cell_in_the_sparse_matrix_are_an_input_event_on_that_ce
     rep = nanreplay_json(bundle)
     assert (rep["cause"], rep["origin"]["samples"]) == ("input", [5]), rep["origin"]
     assert "division by zero in normalisation" in rep["hint"], rep["hint"]
+
+
+def test_kl_warmup_over_zero_epochs_names_the_nan_weight_the_loop_set_on_the_loss(tmp_path):
+    """The KL warm-up ``min(1, epoch / n_warmup)`` in numpy scalars with ``n_warmup =
+    int(0.1 * n_epochs) = 0`` for a short run: 0/0 is NaN with a warning, set on the loss as
+    its ``kl_weight`` at step 0. The replay rebuilds the loss with that NaN attribute (it
+    failed on the bundle's spelling 'nan' before), names the product with the NaN number on
+    the ELBO's line, in every row, and the attribute that holds it."""
+    model = M.make_scvi()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-6, eps=0.01)
+    crit, n_epochs = M.ELBO(), 5
+    n_warmup = int(0.1 * n_epochs)
+    torch.manual_seed(1)
+    with pytest.raises(NonFiniteError) as info, np.errstate(invalid="ignore"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="single_cell_genomics_models:make_scvi") as rec:
+            for epoch in range(n_epochs):
+                crit.kl_weight = float(np.minimum(1.0, np.float64(epoch) / n_warmup))
+                for x, batch_index in M.loader(*M.counts()):
+                    loss = rec.loss_fn(*model(x, batch_index), x)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (rep["reproduced"], o["module"], o["op"], o["all_samples"]) == (
+        True, "<loss>", "aten.mul", True), o
+    assert o["source"] == line_of("return (rec + self.kl_weight * kl_z).mean()"), o
+    assert rep["cause"] == "invalid" and "given NaN as a number" in rep["hint"], rep["hint"]
+    assert "At this step the loss's kl_weight is NaN, as the loop set it" in rep["hint"], rep
