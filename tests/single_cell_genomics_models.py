@@ -82,16 +82,17 @@ class SCVI(nn.Module):
     the observed library size)."""
 
     def __init__(self, dispersion: str = "gene", log_variational: bool = True,
-                 scale_genes: bool = False, gene_mask: torch.Tensor | None = None):
+                 scale_genes: bool = False, gene_mask: torch.Tensor | None = None,
+                 n_batches: int = N_BATCHES):
         super().__init__()
         self.dispersion, self.log_variational = dispersion, log_variational
-        self.scale_genes = scale_genes
+        self.scale_genes, self.n_batches = scale_genes, n_batches
         self.px_r = nn.Parameter(torch.randn(N_GENES))
-        self.z_encoder = Encoder(N_GENES, N_LATENT, N_BATCHES)
-        self.decoder = DecoderSCVI(N_LATENT, N_GENES, N_BATCHES, gene_mask=gene_mask)
+        self.z_encoder = Encoder(N_GENES, N_LATENT, n_batches)
+        self.decoder = DecoderSCVI(N_LATENT, N_GENES, n_batches, gene_mask=gene_mask)
 
     def forward(self, x, batch_index):
-        cat = F.one_hot(batch_index, N_BATCHES).float()
+        cat = F.one_hot(batch_index, self.n_batches).float()
         library = torch.log(x.sum(1)).unsqueeze(1)  # use_observed_lib_size
         x_ = torch.log1p(x) if self.log_variational else x
         if self.scale_genes:  # standardise each gene over the minibatch
@@ -167,7 +168,7 @@ def make_scvi_panel() -> SCVI:
 def counts(n_cells: int = 64, seed: int = 0, zero_cell: int | None = None,
            sentinel_cell: int | None = None, silent_gene: int | None = None,
            huge_cell: int | None = None, panel: bool = False,
-           nan_cell: int | None = None):
+           nan_cell: int | None = None, singleton_batch: int | None = None):
     """A sparse (COO) cells x genes UMI matrix (negative binomial draws) and batch labels.
 
     ``zero_cell``: a cell with no counts (an empty droplet that passed QC);
@@ -197,6 +198,8 @@ def counts(n_cells: int = 64, seed: int = 0, zero_cell: int | None = None,
     if nan_cell is not None:
         x[nan_cell, 3:6] = float("nan")
     batch = torch.arange(n_cells) % N_BATCHES
+    if singleton_batch is not None:
+        batch[singleton_batch] = N_BATCHES
     return x.to_sparse(), batch
 
 
@@ -283,3 +286,49 @@ def cell_types(n_cells: int = 64, n_query: int = 16, n_labels: int = 4) -> torch
     y = torch.arange(n_cells) % n_labels
     y[n_cells - n_query:] = -1
     return y
+
+
+# ---------------------------------------------------------------------------------------------
+# scVI with a latent library size: q(l | x) against a per-batch prior from the data
+
+
+class SCVILatentLibrary(SCVI):
+    """``use_observed_lib_size=False``: the library is a latent ``l ~ q(l | x, s)``, its KL
+    taken against ``Normal(library_log_means[s], library_log_vars[s].sqrt())``, the mean and
+    variance of the log library over each batch's cells (scVI's ``_init_library_size``)."""
+
+    def __init__(self, library_log_means: torch.Tensor, library_log_vars: torch.Tensor):
+        super().__init__(n_batches=library_log_means.shape[0])
+        self.l_encoder = Encoder(N_GENES, 1, self.n_batches)
+        self.register_buffer("library_log_means", library_log_means[:, None])
+        self.register_buffer("library_log_vars", library_log_vars[:, None])
+
+    def forward(self, x, batch_index):
+        cat = F.one_hot(batch_index, self.n_batches).float()
+        x_ = torch.log1p(x)
+        qz_m, qz_v, z = self.z_encoder(x_, cat)
+        ql_m, ql_v, library = self.l_encoder(x_, cat)
+        _, _, px_rate, px_dropout = self.decoder(z, library, cat)
+        theta = torch.exp(self.px_r).expand_as(px_rate)
+        kl_z = 0.5 * (qz_v + qz_m.pow(2) - 1 - torch.log(qz_v)).sum(1)
+        prior = torch.distributions.Normal(self.library_log_means[batch_index],
+                                           self.library_log_vars[batch_index].sqrt())
+        kl_l = torch.distributions.kl_divergence(
+            torch.distributions.Normal(ql_m, ql_v.sqrt()), prior).sum(1)
+        return px_rate, theta, px_dropout, kl_z + kl_l
+
+
+def library_prior(x: torch.Tensor, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each batch's mean and (population) variance of the log library, as numpy's defaults
+    compute them in scVI's setup."""
+    log_lib = torch.log(x.sum(1))
+    n = int(batch.max()) + 1
+    means = torch.stack([log_lib[batch == b].mean() for b in range(n)])
+    return means, torch.stack([log_lib[batch == b].var(correction=0) for b in range(n)])
+
+
+def make_scvi_latent_library() -> SCVILatentLibrary:
+    """The priors of the training data: dataset cell 53 alone in its batch."""
+    x, batch = counts(singleton_batch=53)
+    torch.manual_seed(0)
+    return SCVILatentLibrary(*library_prior(x.to_dense(), batch))

@@ -278,3 +278,36 @@ def test_kl_warmup_over_zero_epochs_names_the_nan_weight_the_loop_set_on_the_los
     assert o["source"] == line_of("return (rec + self.kl_weight * kl_z).mean()"), o
     assert rep["cause"] == "invalid" and "given NaN as a number" in rep["hint"], rep["hint"]
     assert "At this step the loss's kl_weight is NaN, as the loop set it" in rep["hint"], rep
+
+
+def test_library_prior_of_a_single_cell_batch_names_the_buffer_entry_normal_refused(tmp_path):
+    """scVI's latent library: the KL of ``q(l | x)`` against ``Normal(library_log_means[s],
+    library_log_vars[s].sqrt())``, the per-batch statistics computed once from the data,
+    where dataset cell 53 is alone in batch 2: its variance is exactly 0, and Normal refuses
+    the scale of that cell (row 5 of the fourth step): the recorder writes the step's bundle
+    and lets the ValueError through. The replay names the lookup on its
+    line, the cell, and the buffer's zero entry (fix the table: a group of one cell), not a
+    softplus for a value the network makes."""
+    model = M.make_scvi_latent_library()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-6, eps=0.01)
+    crit = M.ELBO()
+    torch.manual_seed(1)
+    with pytest.raises(ValueError, match="GreaterThan"):
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="single_cell_genomics_models:make_scvi_latent_library"
+                            ) as rec:
+            for x, batch_index in M.loader(*M.counts(singleton_batch=53)):
+                loss = rec.loss_fn(*model(x, batch_index), x)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    [bundle] = tmp_path.glob("*.nan")
+    assert bundle.name == "step00000003-rank0.nan", bundle
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.index", "0", [5]), o
+    assert o["source"] == line_of("self.library_log_vars[batch_index].sqrt())"), o
+    assert rep["cause"] == "invalid", rep["cause"]
+    assert "the buffer library_log_vars" in rep["hint"], rep["hint"]
+    assert "exactly 0 at 1 of its 3 entries (2)" in rep["hint"], rep["hint"]
+    assert "softplus" not in rep["hint"], rep["hint"]
