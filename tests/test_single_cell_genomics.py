@@ -311,3 +311,19 @@ def test_library_prior_of_a_single_cell_batch_names_the_buffer_entry_normal_refu
     assert "the buffer library_log_vars" in rep["hint"], rep["hint"]
     assert "exactly 0 at 1 of its 3 entries (2)" in rep["hint"], rep["hint"]
     assert "softplus" not in rep["hint"], rep["hint"]
+
+
+def test_masked_panel_under_a_likelihood_without_eps_blames_the_eps_not_a_cell(tmp_path):
+    """The targeted panel (its unmeasured genes' logits filled with -inf before the softmax,
+    so mu is exactly 0 there in every cell) under the ZINB written without eps: ``log(mu)``
+    is -inf, times those genes' 0 counts NaN, at step 0. The replay names the log on its line
+    in every row, no cell as empty, and the eps of 0 that guarded nothing."""
+    ev, bundle = fire("make_scvi_panel", tmp_path, {"panel": True}, eps=0.0)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "loss", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["all_samples"]) == (
+        "<loss>", "aten.log", "-inf", True), o
+    assert o["source"] == line_of(LOG_MU), o
+    assert rep["cause"] == "invalid" and "exactly 0" in rep["hint"], rep["hint"]
+    assert "hold no counts" not in rep["hint"], rep["hint"]
