@@ -88,13 +88,15 @@ def test_unrecorded_likelihood_without_eps_goes_nan(tmp_path):
 
 @pytest.mark.parametrize("make,data", [
     ("make_scvi", {"zero_cell": 53}),
-    ("make_scvi_panel", {"panel": True, "zero_cell": 53})])
+    ("make_scvi_panel", {"panel": True, "zero_cell": 53}),
+    ("make_scvi_latent_library", {"zero_cell": 53})])
 def test_scvi_eps_keeps_an_empty_cell_and_a_masked_panel_finite_without_alarm(
         tmp_path, make, data):
     """With scVI's eps the same empty cell trains: its library -inf goes into the decoder
     (a module's input), ``exp(-inf) = 0``, and ``log(0 + eps)`` stays finite; a targeted
     panel's unmeasured genes filled with -inf before the softmax give mu exactly 0 there.
-    Neither is an event, and two epochs train bit-identically with and without the
+    The latent library (its KL against a per-batch ``Normal`` prior) over the same cell.
+    None is an event, and two epochs train bit-identically with and without the
     recorder."""
     recorded = train(make, tmp_path, data, epochs=2)
     plain = train(make, tmp_path, data, epochs=2, record=False)
