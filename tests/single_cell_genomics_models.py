@@ -9,6 +9,9 @@
   logits; the ZINB log-likelihood written out (``log_zinb_positive``), with or without scVI's
   ``eps``.
 - ``zinb_elbo`` / ``ELBO``: the negative ELBO with the KL warm-up weight the loop anneals.
+- ``SCANVI`` / ``SCANVIELBO``: a cell-type classifier on z trained on the labelled cells;
+  ``SCVILatentLibrary``: the library as a latent against a per-batch ``Normal`` prior;
+  ``NBWhereELBO``: a negative binomial ELBO guarding ``x log mu`` with ``torch.where``.
 - ``counts``: a sparse UMI matrix (torch COO) and a DataLoader over its cells whose collate
   densifies each minibatch, as AnnData-backed loaders do.
 """
@@ -332,3 +335,16 @@ def make_scvi_latent_library() -> SCVILatentLibrary:
     x, batch = counts(singleton_batch=53)
     torch.manual_seed(0)
     return SCVILatentLibrary(*library_prior(x.to_dense(), batch))
+
+
+class NBWhereELBO(ELBO):
+    """A negative binomial ELBO (no zero-inflation) whose ``x log mu`` term is "made safe" for
+    genes with mu = 0 by ``torch.where(x > 0, x * log(mu), 0)``: finite forward, but the
+    backward of the dropped branch is ``x / mu = 0 / 0`` there."""
+
+    def forward(self, px_rate, theta, px_dropout, kl_z, x):
+        x_log_mu = torch.where(x > 0, x * torch.log(px_rate), torch.zeros_like(px_rate))
+        ll = (theta * (torch.log(theta) - torch.log(theta + px_rate)) + x_log_mu
+              - x * torch.log(theta + px_rate) + torch.lgamma(x + theta) - torch.lgamma(theta)
+              - torch.lgamma(x + 1))
+        return (-ll.sum(-1) + self.kl_weight * kl_z).mean()

@@ -329,3 +329,32 @@ def test_masked_panel_under_a_likelihood_without_eps_blames_the_eps_not_a_cell(t
     assert o["source"] == line_of(LOG_MU), o
     assert rep["cause"] == "invalid" and "exactly 0" in rep["hint"], rep["hint"]
     assert "hold no counts" not in rep["hint"], rep["hint"]
+
+
+def test_where_guarded_x_log_mu_of_masked_genes_names_log_backward(tmp_path):
+    """A negative binomial ELBO "made safe" for the panel's unmeasured genes (mu exactly 0)
+    by ``torch.where(x > 0, x * log(mu), 0)``: the forward is finite, but ``LogBackward0``
+    divides the dropped branch's 0 gradient by mu = 0. A backward event at step 0; the
+    replay names that node in the loss, its line, and says the where still sends the
+    gradient through the masked branch (make the input safe before the log)."""
+    model = M.make_scvi_panel()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-6, eps=0.01)
+    crit = M.NBWhereELBO()
+    torch.manual_seed(1)
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="single_cell_genomics_models:make_scvi_panel") as rec:
+            for x, batch_index in M.loader(*M.counts(panel=True)):
+                loss = rec.loss_fn(*model(x, batch_index), x)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (0, "backward", "nan"), ev
+    rep = nanreplay_json(info.value.bundle_path)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["all_samples"]) == (
+        "backward", "<loss>", "LogBackward0", True), o
+    assert o["source"] == line_of("x_log_mu = torch.where(x > 0, x * torch.log(px_rate)"), o
+    assert rep["cause"] == "invalid" and "torch.where" in rep["hint"], rep["hint"]
+    assert "make the op's input safe before the op" in rep["hint"], rep["hint"]
