@@ -18,7 +18,7 @@ from torch import nn
 from recorder.attributes import PLAIN, trained_tensors
 
 _SHOWN = 6  # restored attributes named in the note
-_SPELT = ("nan", "inf", "-inf")  # the bundle's non-finite floats (recorder.bundle.jsonable)
+SPELT = ("nan", "inf", "-inf")  # the bundle's non-finite floats (recorder.bundle.jsonable)
 
 
 def restore_attributes(meta: dict[str, Any], model: nn.Module) -> list[str]:
@@ -50,7 +50,7 @@ def set_step_attributes(meta: dict[str, Any], model: nn.Module, attrs: dict | No
             continue
         for k in {*(later or ()), *now}:
             v, built = now.get(k, at_attach.get(k)), vars(m).get(k)
-            v = _as_built(v, built)
+            v = as_built(v, built)
             if k != "training" and type(v) in PLAIN and type(built) is type(v):
                 setattr(m, k, v)
 
@@ -105,17 +105,17 @@ def _differing(meta: dict[str, Any], model: nn.Module, key: str):
             continue
         for k, v in attrs.items():
             built = vars(m).get(k)
-            v = _as_built(v, built)
+            v = as_built(v, built)
             if type(v) in PLAIN and type(built) is type(v) and built != v \
                     and not (built != built and v != v):  # (NaN both: the same)
                 yield info["name"] or "<root>", m, k, v, built
 
 
-def _as_built(v, built):
+def as_built(v, built):
     """``v`` as a float where the factory builds a float: a non-finite one the bundle spells
     ('nan', recorder.bundle.jsonable), or an int the loop set it to (a temperature from a
     schedule of ints, ``beta = betas[step]``: the same number); the type stays the factory's."""
-    if type(built) is float and (v in _SPELT or (type(v) is int and abs(v) < 2 ** 53)):
+    if type(built) is float and (v in SPELT or (type(v) is int and abs(v) < 2 ** 53)):
         return float(v)
     return v
 

@@ -34,6 +34,7 @@ from .looked_up import looked_up_hint
 from .masked_product import masked_row_product_hint
 from .masked_whole import masked_whole_hint
 from .negated_fill import negated, negated_hint
+from .never_updated import initial_value_hint
 from .ops import OpFinder
 from .other_rows import note_other_rows
 from .param_divisor import divisor_hint
@@ -189,7 +190,7 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return zero
     if cause == "invalid" and (signed := signed_weights_hint(runner, o, hit)):
         return signed  # (GDN's gamma learned without its reparameterization)
-    return with_param_advice(hint, cause, hit)
+    return initial_value_hint(step, with_param_advice(hint, cause, hit), cause, hit)
 
 
 def with_param_advice(hint: str | None, cause: str, hit) -> str | None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from recorder.validate import import_object
 
+from .attributes import SPELT, as_built
 from .compat import remove_member
 from .loss_network import network_hint
 from .trust import defined_in, installed_roots, module_origin, trusted_path
@@ -182,7 +183,7 @@ def _module(node: dict[str, Any], tensors, device, *, top: bool = False,
                      for k, v in node.get("config", {}).items()})
     m = into if into is not None and type(into) is cls else _instance(cls, config)
     for k, v in config.items():
-        _set_plain(m, k, v)
+        _set_plain(m, k, _as_recorded(m, k, v))
     for k, key in node.get("tensors", {}).items():
         _set_plain(m, k, _tensor(tensors, key, device, name))
     for k, key in node.get("arrays", {}).items():  # NumPy arrays, as the loss held them
@@ -256,6 +257,15 @@ def _plain(config: dict[str, Any]) -> dict[str, Any]:
     return {k: {key: x for key, x in v["$dict"]}
             if isinstance(v, dict) and isinstance(v.get("$dict"), list) else v
             for k, v in config.items()}
+
+
+def _as_recorded(m: nn.Module, k: str, v):
+    """A recorded attribute's value: a non-finite float the loop set (a KL weight of 0/0),
+    which the bundle spells 'nan', as a float again."""
+    built = vars(m).get(k)
+    if built is not None:
+        return as_built(v, built)
+    return float(v) if isinstance(v, str) and v in SPELT else v
 
 
 def _clear(m: nn.Module, k: str) -> None:

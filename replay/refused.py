@@ -31,6 +31,7 @@ from .float64_step import in_float64
 from .forward import find_op_in_call
 from .linalg import ModuleCalls, report_linalg
 from .load import Step
+from .looked_up_refusal import looked_up_refusal_hint
 from .passed_zeros import zeros_maker
 from .recorded import batch_size
 from .refused_matrix import cholesky_diagonal, is_matrix_refusal, matrix_judge
@@ -185,6 +186,9 @@ def _judge(runner: Runner, refused: str, bad, data: bool, matrix=None,
     if again.error is not None and refusal(again.error) is not None and zeros \
             and (said := positive_underflow(refused, seen, op)):
         return said
+    if again.error is not None and refusal(again.error) is not None and zeros \
+            and (table := looked_up_refusal_hint(refused, seen, op, runner.model)):
+        return "invalid", table  # (a 0 picked out of a buffer: scVI's library_log_vars[s])
     if again.error is not None and refusal(again.error) is not None:
         return "invalid", (f"{refused}: {seen}, in float64 too: the code gives it values its "
                            "constraint excludes; make the value satisfy it by construction "

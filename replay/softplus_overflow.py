@@ -22,7 +22,7 @@ _LOGS = {"log", "log2", "log10"}
 
 
 class SoftplusFollowed:
-    """Marks the +inf outputs of the exp at ``at`` (op, line), then ``1 + `` them; ``found``:
+    """Marks the +inf outputs of the exp at ``at`` (op, line), then ``1 +`` them; ``found``:
     the line of the first log given such a sum (or log1p given such an exp)."""
 
     def __init__(self, at: tuple[str, str | None]):
@@ -35,7 +35,9 @@ class SoftplusFollowed:
             if bool(torch.isposinf(out.detach()).any()):
                 self.exps.add(out)
         elif name == "add" and first in self.exps and len(args) == 2 \
-                and isinstance(args[1], (int, float)) and args[1] > 0:
+                and isinstance(args[1], (int, float)) and args[1] == 1:
+            # (1 only: log(exp(z) + eps), scVI's log(theta + 1e-8) of theta = exp(px_r), is a
+            # log of an exp guarded at 0, no softplus, and its fix is not F.softplus)
             self.sums.add(out)
         elif name in _LOGS and first in self.sums or name == "log1p" and first in self.exps:
             self.found = user_source()
