@@ -18,7 +18,6 @@ from .backward import find_backward_origin
 from .cached_grads import cached_hint, cached_note, gradient_cached
 from .cause import classify
 from .cause_text import ALLOWED_NAN_SAVED, DO, HINTS, inf_arith
-from .class_counts import class_counts_hint
 from .copied_rows import recause
 from .coupled import coupled_rows
 from .derived_args import derived_arg_report
@@ -57,7 +56,7 @@ from .param_writes import (
 )
 from .pole_hints import pole_hint
 from .power_grad import steep_power_cause
-from .product_underflow import lineage_hints
+from .product_underflow import loss_lineage_hint
 from .raw_pole import raw_pole_hint
 from .recorded import allowed_nan_held, batch_non_finite, input_origin, samples
 from .rerun import Runner
@@ -192,8 +191,7 @@ def report_loss(report, step: Step, runner: Runner, run: Run) -> dict[str, Any]:
     if hit is not None and hit.from_mask:  # (or the loop's log of an output: q.log())
         cause = logged_output_cause(cause, step, mb, run.outputs[mb], hit.op)
     node = derivative_words(hit, hit, "the loss's") if hit and hit.node is not None else None
-    hint = class_counts_hint(finder.lineage.counts, cause.name, hit) or lineage_hints(
-        cause.hint, cause.name, hit, finder.lineage)  # (a log-sum-exp by hand, empty groups)
+    hint = loss_lineage_hint(finder.lineage, cause, hit)  # (a log-sum-exp by hand, a count)
     hint = negative_output_hint(runner, mb, hit, cause.name, hint)  # (below 0; a slot left 0)
     bufs = loss_buffers(step.loss_fn)  # (<loss>.p_model; <loss>.counts a 0 of the ids picked)
     hint = held_divisor_hint(hint, cause.name, finder, hit, bufs) or hint
