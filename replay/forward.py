@@ -55,6 +55,7 @@ from .source import is_torch_file, node_tracebacks, user_source
 from .storages import mask_buffers, state_of
 from .taken_fill import note_taken_fill
 from .transforms import outside_transforms
+from .zero_id_rows import zero_id_rows_hint
 from .zero_param_rows import zero_param_rows_hint
 from .zero_state import zero_state_hint
 
@@ -186,6 +187,8 @@ def _with_param(step: Step, runner: Runner, finder: OpFinder, o, found, hit) -> 
         return empty  # (a hand-written mask at 100 % sparsity, the kept weights renormalised)
     if cause == "invalid" and (rows := zero_param_rows_hint(runner.model, o.module, hit)):
         return rows  # (a weight's rows the loop wrote 0, normalised by the forward)
+    if cause == "invalid" and (ids := zero_id_rows_hint(step, runner.model, o, hit)):
+        return ids  # (a zero padding row looked up by an id, normalised by the forward)
     if cause == "invalid" and (zero := zero_state_hint(runner, o, hit, finder.samples)):
         return zero
     if cause == "invalid" and (signed := signed_weights_hint(runner, o, hit)):

@@ -113,7 +113,7 @@ class SelfAttention(nn.Module):
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = self.rot(q * self.hd ** -0.5, k)
         scores = q @ k.transpose(-1, -2)
-        scores = scores.masked_fill(pad_mask[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(pad_mask[:, None], float("-inf"))
         attn = scores.softmax(-1)
         out = (attn @ v).transpose(1, 2).reshape(b, n, -1)
         return self.out_proj(out), attn
@@ -133,10 +133,14 @@ class Layer(nn.Module):
 
 
 class ESM(nn.Module):
-    """A small ESM-2: token embedding (pad row 0), rotary layers, a tied LM head."""
+    """A small ESM-2: token embedding (pad row 0), rotary layers, a tied LM head.
+    ``pairwise_mask``: the padding mask as a pair mask (query or key padded), as code ported
+    from a pair-representation model writes it: a padded query's row is all ``-inf``."""
 
-    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2):
+    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2,
+                 pairwise_mask: bool = False):
         super().__init__()
+        self.pairwise_mask = pairwise_mask
         self.embed_tokens = nn.Embedding(VOCAB, dim, padding_idx=PAD)
         self.layers = nn.ModuleList(Layer(dim, heads) for _ in range(layers))
         self.final_ln = nn.LayerNorm(dim)
@@ -147,8 +151,11 @@ class ESM(nn.Module):
         x = self.embed_tokens(tokens)
         x = x * (~pad_mask)[..., None]
         attns = []
+        mask = pad_mask[:, None, :]
+        if self.pairwise_mask:  # the bug: a padded query then has no key at all
+            mask = mask | pad_mask[:, :, None]
         for layer in self.layers:
-            x, a = layer(x, pad_mask)
+            x, a = layer(x, mask)
             attns.append(a)
         return self.final_ln(x), torch.stack(attns, 1)
 
@@ -160,6 +167,11 @@ class ESM(nn.Module):
 def make_esm() -> ESM:
     torch.manual_seed(0)
     return ESM()
+
+
+def make_esm_pairwise() -> ESM:
+    torch.manual_seed(0)
+    return ESM(pairwise_mask=True)
 
 
 def mlm_loss(logits, targets):

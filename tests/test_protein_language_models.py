@@ -154,7 +154,9 @@ def test_apc_of_an_empty_attention_map_names_the_in_place_division_and_the_recor
 
 def test_unknown_letter_mapped_to_the_zeroed_pad_row_names_the_embedding_norm(tmp_path):
     """Fixed-length crops never pad, until a 'J' the tokenizer maps to ``<pad>``: the pad row
-    the embedding zeroed is normalised, 0/0 at that residue of sample 3."""
+    the embedding zeroed is normalised, 0/0 at that residue of sample 3. The hint names the
+    id and its place in the batch and sends the user to the tokenizer (an id of its own for
+    unknown letters), not only to an eps."""
     ev, bundle = fire("cosine", "make_cosine", tmp_path, bad=3)
     assert (ev["step"], ev["module"], ev["samples"]) == (2, "embed_tokens", [3]), ev
     rep = nanreplay_json(bundle)
@@ -162,6 +164,30 @@ def test_unknown_letter_mapped_to_the_zeroed_pad_row_names_the_embedding_norm(tm
     assert (o["module"], o["op"], o["samples"]) == ("embed_tokens", "aten.div", [3]), o
     assert o["source"] == line_of("return e / e.norm(dim=-1, keepdim=True)  # the bug"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "batch holds the id 1 (sample 3 position 8)" in rep["hint"], rep["hint"]
+    assert "tokenizer" in rep["hint"] and "<unk>" in rep["hint"], rep["hint"]
+
+
+def test_pairwise_padding_mask_names_the_softmax_of_fully_masked_rows(tmp_path):
+    """A pair mask (query or key padded) leaves each padded query's score row all ``-inf``:
+    softmax makes NaN there from the first step. The loss ignores those positions and stays
+    finite, and unrecorded the weights turn NaN through the backward. The recorder stops in
+    the first layer's attention; the replay names its softmax, the samples with padding (an
+    independent count of the first micro-batch), and the fully masked row's fix."""
+    g = torch.Generator().manual_seed(0)
+    padded = (M.tokenize(M.random_seqs(g, 4)) == M.PAD).any(1).nonzero().flatten().tolist()
+    assert 0 < len(padded) < 4, padded
+    ev, bundle = fire("mlm", "make_esm_pairwise", tmp_path, bad=None)
+    assert (ev["step"], ev["module"], ev["samples"]) == (0, "layers.0.attn", padded), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"], o["micro_batch"]) == (
+        "layers.0.attn", "aten._softmax", padded, 0), o
+    assert o["source"] == line_of("attn = scores.softmax(-1)"), o
+    assert rep["cause"] == "invalid" and "fully masked row" in rep["hint"], rep["hint"]
+    assert "keep at least one key per row" in rep["hint"], rep["hint"]
+    model = train("mlm", "make_esm_pairwise", tmp_path, record=False)
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("kind,make", [("mlm", "make_esm"), ("regress", "make_regressor_safe"),
