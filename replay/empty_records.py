@@ -6,7 +6,9 @@ attention normalised by its sum over the record's kept positions (``phi * char_m
 stroke file left empty by filtering, a transcription none of whose characters is in the
 alphabet. The op's advice (an eps) is one fix; the hint adds which data the named samples
 lack, a 0/1 tensor of the batch (a mask, a one-hot sequence) with no entry set in their rows
-while every other sample has one, so the user can filter such records where they are made.
+while every other sample has one, or token ids holding in their rows nothing but the ids every
+sample holds (``<cls>``, ``<eos>``) and their padding, so the user can filter such records
+where they are made.
 """
 
 from __future__ import annotations
@@ -54,6 +56,19 @@ def empty_records_hint(report: dict[str, Any], step: Step) -> None:
             "divided here; filter records shorter than 2 steps where the data is made (the "
             "dataset, the collate_fn) or floor the count (count.clamp_min(1)) "
             f"(--try drop={which} re-runs the step without them)")
+        return
+    names = [name for name, t, d in _data(step, mb) if _special_only(t, d, rows)]
+    if names:  # (token ids: a crop or a cleaning left <cls> <eos> and padding)
+        which = ",".join(str(r) for r in rows)
+        report["hint"] = (
+            f"{report['hint']}. Sample(s) {which} are empty records: {' and '.join(names)} "
+            f"(token ids) {'holds' if len(names) == 1 else 'hold'} in their rows only ids "
+            "every sample holds (special tokens: "
+            "<cls>, <eos>) and the padding their rows end with, while every other sample "
+            "holds more (a sequence cropped to nothing, a text with no token left), so a "
+            "count of their real tokens is the 0 divided here; filter such records where the "
+            "data is made (the dataset, the crop, the collate_fn) or floor the count "
+            f"(count.clamp_min(1)) (--try drop={which} re-runs the step without them)")
 
 
 def _data(step: Step, mb: int):
@@ -83,3 +98,22 @@ def _empty_in(t: torch.Tensor, d: int, rows: list[int], least: int = 1) -> bool:
     named = torch.zeros_like(kept)
     named[rows] = True
     return not bool(kept[named].any()) and bool(kept[~named].all())
+
+
+def _special_only(t: torch.Tensor, d: int, rows: list[int]) -> bool:
+    """``t`` holds integer ids, and each of ``rows``, once the run of one id it ends with
+    (its padding) is left out, holds only ids that every other row holds, while every other
+    row holds an id outside those and its padding."""
+    if t.is_floating_point() or t.dtype == torch.bool or t.dim() != 2 \
+            or max(rows) >= t.shape[d] or len(rows) >= t.shape[d]:
+        return False
+    ids = t.detach().movedim(d, 0).tolist()
+    others = [row for r, row in enumerate(ids) if r not in rows]
+    shared = set.intersection(*(set(row) for row in others))
+    for r in rows:
+        row, pad = list(ids[r]), ids[r][-1]
+        while row and row[-1] == pad:
+            row.pop()
+        if not set(row) <= shared or any(set(o) <= set(row) | {pad} for o in others):
+            return False
+    return True

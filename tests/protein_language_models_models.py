@@ -10,6 +10,7 @@ write them in torch, for ``test_protein_language_models``.
   special tokens and padding excluded), LoRA adapters on the frozen backbone's q and v.
 - ``ContactHead``: ESM's contact prediction from the attention maps: symmetrised, then the
   average product correction ``a_ij - a_i. a_.j / a..``, then a logistic regression.
+- ``ResidueHead``: a per-residue pLDDT-like regression head, its MSE over resolved residues.
 - ``NormEmbedding``: an embedding whose rows are normalised to unit length (a cosine
   vocabulary), with the pad row zeroed as ``padding_idx`` does.
 """
@@ -300,3 +301,43 @@ class CosineESM(ESM):
 def make_cosine() -> CosineESM:
     torch.manual_seed(0)
     return CosineESM()
+
+
+class ResidueHead(nn.Module):
+    """A per-residue regression head (pLDDT-like: each residue's lDDT in [0, 1]) on a frozen
+    ESM with LoRA."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = ESMRegressorSafe()
+        self.plddt = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1))
+
+    def forward(self, tokens):
+        x, _ = self.backbone.esm.encode(tokens)
+        return torch.sigmoid(self.plddt(x)).squeeze(-1)
+
+
+def make_residue_head() -> ResidueHead:
+    torch.manual_seed(0)
+    return ResidueHead()
+
+
+def residue_loss(pred, target, resolved):
+    """MSE over the residues resolved in the structure (the others' lDDT is missing)."""
+    return ((pred - target) ** 2 * resolved).sum() / resolved.sum()
+
+
+class ESMStandardAA(ESM):
+    """Predictions restricted to the 20 standard amino acids: the other tokens' logits are
+    filled with ``-inf`` before the loss (their probability is exactly 0)."""
+
+    def forward(self, tokens):
+        logits = super().forward(tokens)
+        allowed = torch.zeros(VOCAB, dtype=torch.bool)
+        allowed[4:24] = True
+        return logits.masked_fill(~allowed, float("-inf"))
+
+
+def make_esm_standard() -> ESMStandardAA:
+    torch.manual_seed(0)
+    return ESMStandardAA()

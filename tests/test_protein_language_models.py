@@ -47,17 +47,27 @@ def micro_batches(kind: str, g: torch.Generator, bad: int | None):
             assert (targets == -100).all()
             out.append(((inputs,), (targets,)))
             continue
-        if kind in ("mlm", "cosine"):
-            tokens = crop_batch(g, b) if kind == "cosine" else M.tokenize(M.random_seqs(g, 4))
+        if kind in ("mlm", "cosine", "standard"):
+            seqs = M.random_seqs(g, 4)
+            if kind == "standard" and b is not None:  # a UniProt entry with unknown residues
+                seqs[b] = "XXXXXXXXXX" + seqs[b][10:]
+            tokens = crop_batch(g, b) if kind == "cosine" else M.tokenize(seqs)
             inputs, targets = M.mlm_mask(tokens, g)
             out.append(((inputs,), (targets,)))
             continue
         seqs = M.random_seqs(g, 4)
         if b is not None:
-            seqs[b] = ""  # cropping a window past the sequence's end leaves <cls><eos>
+            seqs[b] = "" if kind != "residue" else seqs[b]  # cropping a window past the sequence's end leaves <cls><eos>
         tokens = M.tokenize(seqs)
         if kind == "regress":
             out.append(((tokens,), (torch.randn(4, generator=g),)))
+            continue
+        if kind == "residue":
+            target = torch.rand(tokens.shape, generator=g)
+            resolved = M.residue_mask(tokens).float()
+            if b is not None:  # residues 3-6 unresolved: mmCIF's missing lDDT read as NaN
+                target[b, 3:7], resolved[b, 3:7] = float("nan"), 0.0
+            out.append(((tokens,), (target, resolved)))
             continue
         n = tokens.shape[1]
         contacts = (torch.rand(4, n, n, generator=g) < 0.1).float()
@@ -68,8 +78,8 @@ def micro_batches(kind: str, g: torch.Generator, bad: int | None):
     return out
 
 
-LOSSES = {"mlm": M.mlm_loss, "cosine": M.mlm_loss, "regress": torch.nn.MSELoss(),
-          "contacts": M.contact_loss}
+LOSSES = {"mlm": M.mlm_loss, "standard": M.mlm_loss, "cosine": M.mlm_loss, "regress": torch.nn.MSELoss(),
+          "contacts": M.contact_loss, "residue": M.residue_loss}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 3,
@@ -83,8 +93,10 @@ def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 3,
     crit = LOSSES[kind]
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(1)
+    # (the restricted head's -inf logits of non-standard tokens are intended)
     rec = FlightRecorder(model, opt, loss_fn=crit, out_dir=out_dir,
-                         factory=f"protein_language_models_models:{make}") if record else None
+                         factory=f"protein_language_models_models:{make}",
+                         allow_inf=[""] if kind == "standard" else []) if record else None
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "regress")
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else crit
@@ -126,7 +138,8 @@ def test_masking_that_drew_no_residue_names_the_cross_entropy_and_the_fix(tmp_pa
 def test_sequence_of_only_special_tokens_names_the_masked_mean_pool(tmp_path):
     """A crop left one sequence as ``<cls><eos>``: the masked mean pool over real residues
     divides 0 by 0 in its row, under bf16 autocast with LoRA on a frozen backbone. The
-    recorder stops at the root's output; the replay names the pool's division, sample 2."""
+    recorder stops at the root's output; the replay names the pool's division, sample 2, and
+    says its token ids hold nothing but the ids every sample holds and padding."""
     ev, bundle = fire("regress", "make_regressor", tmp_path, bad=2)
     assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (2, "forward", "", [2]), ev
     rep = nanreplay_json(bundle, "--try", "drop=2")
@@ -134,6 +147,8 @@ def test_sequence_of_only_special_tokens_names_the_masked_mean_pool(tmp_path):
     assert (o["module"], o["op"], o["samples"], o["micro_batch"]) == ("", "aten.div", [2], 1), o
     assert o["source"] == line_of("pooled = (x * real).sum(1) / real.sum(1)  # the bug"), o
     assert rep["cause"] == "invalid" and "0 by 0" in rep["hint"], rep["hint"]
+    assert "Sample(s) 2 are empty records: batch (token ids) holds" in rep["hint"], rep["hint"]
+    assert "count.clamp_min(1)" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
@@ -190,11 +205,47 @@ def test_pairwise_padding_mask_names_the_softmax_of_fully_masked_rows(tmp_path):
     assert not all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_unresolved_residues_read_as_nan_name_the_mask_product_in_the_loss(tmp_path):
+    """A structure's unresolved residues have no lDDT: the data loader reads them as NaN and
+    masks them with ``resolved`` 0, but the loss multiplies by the mask, and NaN * 0 is NaN.
+    An input event on the loss target's sample 1; the replay names the product's line and
+    says to fill or select the missing values before the first op that reads them."""
+    ev, bundle = fire("residue", "make_residue_head", tmp_path, bad=1)
+    assert (ev["step"], ev["phase"], ev["module"], ev["samples"]) == (
+        2, "input", "<loss>", [1]), ev
+    assert "loss_args[1]" in ev["detail"], ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["samples"], o["micro_batch"]) == ("input", [1], 1), o
+    assert o["source"] == line_of("return ((pred - target) ** 2 * resolved).sum()"), o
+    assert rep["cause"] == "input" and "NaN * 0 is NaN" in rep["hint"], rep["hint"]
+    assert "torch.where(observed, x, 0)" in rep["hint"], rep["hint"]
+
+
+def test_masked_unknown_residue_under_a_standard_amino_acid_head_names_the_forbidden_target(
+        tmp_path):
+    """The head fills the logits of every non-standard token with ``-inf`` (allowed by
+    ``allow_inf``), but a UniProt entry with a run of 'X' residues gets some of them masked
+    as MLM targets: cross-entropy's log-probability of such a target is -inf. A loss event;
+    the replay names ``nll_loss_forward`` on sample 2 and says the mask forbids the target."""
+    ev, bundle = fire("standard", "make_esm_standard", tmp_path, bad=2)
+    assert (ev["step"], ev["phase"], ev["kind"]) == (2, "loss", "+inf"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["samples"], o["micro_batch"]) == (
+        "loss", "aten.nll_loss_forward", [2], 1), o
+    assert o["source"] == line_of("return F.cross_entropy(logits.reshape(-1, VOCAB)"), o
+    assert rep["cause"] == "invalid" and "target on a masked class" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make", [("mlm", "make_esm"), ("regress", "make_regressor_safe"),
-                                       ("contacts", "make_contacts"), ("cosine", "make_cosine")])
+                                       ("contacts", "make_contacts"), ("cosine", "make_cosine"),
+                                       ("residue", "make_residue_head"),
+                                       ("standard", "make_esm_standard")])
 def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, kind, make):
     """Key padding masks filled with ``-inf`` before the softmax (rows of padding queries
-    stay finite: every row keeps its ``<cls>`` key), bf16 autocast with LoRA, the contact
+    stay finite: every row keeps its ``<cls>`` key), a head's ``-inf`` logits of the
+    non-standard tokens that reach the loss (allowed), bf16 autocast with LoRA, the contact
     head's APC over real sequences, the unit-norm embedding over crops: no event, and the
     weights are bit-identical with and without the recorder."""
     recorded = train(kind, make, tmp_path)
