@@ -2,9 +2,11 @@
 0 in some entries: a statistic of the data (a training set's per-feature std, ``(x -
 self.mean) / self.std``, 0 for a feature constant there: an EEG reference electrode) or a
 running one (ReMixMatch's distribution alignment, ``p * p_target / self.p_model``, 0 for a
-class no row predicted yet). Every sample divides by the same entries, so the generic advice
-(an eps in the data, skip the rows, a feature constant over the batch) points away from the
-fix, which is where the buffer is computed, starts and is updated.
+class no row predicted yet), or a scalar setting stored as a buffer (a LoRA rank in
+``alpha / self.ranknum``, 0 for a layer the rank pattern left out). Every sample divides by
+the same entries, so the generic advice (an eps in the data, skip the rows, a feature
+constant over the batch) points away from the fix, which is where the buffer is computed,
+starts and is updated.
 """
 
 from __future__ import annotations
@@ -39,12 +41,19 @@ def held_divisor_hint(hint: str | None, cause: str, finder, hit,
     buf = dict(buffers).get(name)
     if buf is None or not bool((buf == 0).any()):
         return None
-    at = (buf.detach() == 0).nonzero()
-    where = ", ".join(str(tuple(i)) if len(i) > 1 else str(i[0]) for i in at[:SHOWN].tolist()) \
-        + (f", ... ({len(at)} in all)" if len(at) > SHOWN else "")
     what = "0 by 0 (0/0)" if bool(((ev.inputs[0] == 0) & (ev.inputs[1] == 0)).any()) \
         else "x by 0 (x/0)"
     short = name.rpartition(".")[2]
+    if buf.dim() == 0:  # (no entries to name: a setting or count the code stored)
+        return (f"{hit.op} of {what}: the divisor is the buffer {name}, a scalar the code "
+                "keeps, and it is 0; every sample divides by it, no record is to blame. A "
+                "setting or count stored as a buffer (a LoRA rank r in alpha / r, a number "
+                "of steps, a temperature) is 0 where the configuration built it so: check it "
+                "where the module is built (r > 0, or leave out the layers given 0), or "
+                f"divide by self.{short}.clamp_min(eps)")
+    at = (buf.detach() == 0).nonzero()
+    where = ", ".join(str(tuple(i)) if len(i) > 1 else str(i[0]) for i in at[:SHOWN].tolist()) \
+        + (f", ... ({len(at)} in all)" if len(at) > SHOWN else "")
     return (f"{hit.op} of {what}: the divisor is the buffer {name} as the code keeps it, 0 at "
             f"entr{'ies' if len(at) > 1 else 'y'} {where} of its shape {tuple(buf.shape)}; "
             "every sample divides by the same entries, so no record is to blame, there are no "

@@ -157,8 +157,8 @@ def filled_mask(t: torch.Tensor, fn=None) -> torch.Tensor | None:
 
 
 def _sign_of(t) -> int:
-    if not isinstance(t, torch.Tensor):
-        return 0
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return 0  # (an empty tensor is all > 0 vacuously, of no sign)
     return 1 if bool((t > 0).all()) else -1 if bool((t < 0).all()) else 0
 
 
@@ -170,6 +170,8 @@ def _product_sign(fn, depth: int, names=("self", "other"), saved: bool = False) 
     iterations made it). A matrix product's terms add up: its factors must be positive."""
     nexts = [f for f, _ in fn.next_functions]
     values = [saved_value(fn, n) for n in names]
+    if saved and any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in values):
+        return 0  # (a product over an empty inner dim, rank 0's LoRA: a sum of no terms)
     sign = 1
     for i, f in enumerate(nexts[:2]):
         # (values[i]: factor i's value, saved for the other factor's gradient)

@@ -18,6 +18,7 @@ write them in torch, for ``test_protein_language_models``.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -341,3 +342,33 @@ class ESMStandardAA(ESM):
 def make_esm_standard() -> ESMStandardAA:
     torch.manual_seed(0)
     return ESMStandardAA()
+
+
+class RankedLoRALinear(LoRALinear):
+    """AdaLoRA's layout without its eps: the rank kept as a buffer, the update scaled by
+    ``alpha / ranknum`` in forward; a layer the rank pattern gave r = 0 has an empty A and B
+    (their product is 0) and a scale of alpha / 0 = inf."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float = 8.0):
+        super().__init__(base, r, alpha) if r else nn.Module.__init__(self)
+        if not r:
+            self.base = base
+            with warnings.catch_warnings():  # ("Initializing zero-element tensors is a no-op")
+                warnings.simplefilter("ignore")
+                self.lora_a = nn.Linear(base.in_features, 0, bias=False)
+                self.lora_b = nn.Linear(0, base.out_features, bias=False)
+        self.alpha = alpha
+        self.register_buffer("ranknum", torch.tensor(float(r)))
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(x)) * self.alpha / self.ranknum
+
+
+def make_rank_pattern() -> ESMRegressorSafe:
+    """LoRA on q and v with PEFT's ``rank_pattern``: the last layer's v projection r = 0."""
+    torch.manual_seed(0)
+    model = ESMRegressorSafe()
+    for i, layer in enumerate(model.esm.layers):
+        r = 0 if i == len(model.esm.layers) - 1 else 4
+        layer.attn.v_proj = RankedLoRALinear(layer.attn.v_proj.base, r)
+    return model

@@ -238,6 +238,27 @@ def test_masked_unknown_residue_under_a_standard_amino_acid_head_names_the_forbi
     assert rep["cause"] == "invalid" and "target on a masked class" in rep["hint"], rep["hint"]
 
 
+def test_lora_rank_zero_names_the_scale_buffer_not_an_underflow(tmp_path):
+    """A rank pattern gives the last layer's v projection r = 0: its A and B are empty, their
+    product an exact 0 (a sum of no terms), and ``alpha / ranknum`` divides it by 0 under
+    bf16 autocast. The replay names the division in that LoRA layer, every sample, and the
+    scalar buffer ``ranknum`` at 0 as the divisor: ``invalid``, not an underflow of a
+    positive product (an empty product was taken for one), and no crash on a 0-d buffer."""
+    with pytest.raises(NonFiniteError) as info:
+        train("regress", "make_rank_pattern", tmp_path)
+    ev, bundle = info.value.event, info.value.bundle_path
+    assert (ev["step"], ev["module"], ev["samples"]) == (
+        0, "esm.layers.1.attn.v_proj", [0, 1, 2, 3]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["all_samples"]) == (
+        "esm.layers.1.attn.v_proj", "aten.div", True), o
+    assert o["source"] == line_of("self.lora_b(self.lora_a(x)) * self.alpha / self.ranknum"), o
+    assert rep["cause"] == "invalid", rep
+    assert "buffer esm.layers.1.attn.v_proj.ranknum, a scalar" in rep["hint"], rep["hint"]
+    assert "LoRA rank" in rep["hint"], rep["hint"]
+
+
 @pytest.mark.parametrize("kind,make", [("mlm", "make_esm"), ("regress", "make_regressor_safe"),
                                        ("contacts", "make_contacts"), ("cosine", "make_cosine"),
                                        ("residue", "make_residue_head"),
