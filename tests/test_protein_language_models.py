@@ -56,7 +56,9 @@ def micro_batches(kind: str, g: torch.Generator, bad: int | None):
             out.append(((inputs,), (targets,)))
             continue
         seqs = M.random_seqs(g, 4)
-        if b is not None:
+        if kind == "peptides" and b is not None:  # a batch of peptides of 5 residues
+            seqs = [s[:5] for s in seqs]
+        elif b is not None:
             seqs[b] = "" if kind != "residue" else seqs[b]  # cropping a window past the sequence's end leaves <cls><eos>
         tokens = M.tokenize(seqs)
         if kind == "regress":
@@ -79,7 +81,7 @@ def micro_batches(kind: str, g: torch.Generator, bad: int | None):
 
 
 LOSSES = {"mlm": M.mlm_loss, "standard": M.mlm_loss, "cosine": M.mlm_loss, "regress": torch.nn.MSELoss(),
-          "contacts": M.contact_loss, "residue": M.residue_loss}
+          "contacts": M.contact_loss, "peptides": M.contact_loss, "residue": M.residue_loss}
 
 
 def train(kind: str, make: str, out_dir, bad: int | None = None, steps: int = 3,
@@ -165,6 +167,21 @@ def test_apc_of_an_empty_attention_map_names_the_in_place_division_and_the_recor
     assert o["source"] == line_of("avg.div_(a12)"), o
     assert rep["cause"] == "invalid" and "empty records" in rep["hint"], rep["hint"]
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_batch_of_peptides_with_no_contact_pair_names_the_loss_mean_over_nothing(tmp_path):
+    """A micro-batch of 5-residue peptides has no residue pair at separation >= 6, so the
+    contact loss's mean over valid pairs divides 0 by 0 for the whole batch: a loss event,
+    the loss's division, no sample to blame, and the advice to floor the count."""
+    ev, bundle = fire("peptides", "make_contacts", tmp_path, bad=0)
+    assert (ev["step"], ev["phase"], ev["samples"]) == (2, "loss", []), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["op"], o["samples"], o["micro_batch"]) == (
+        "loss", "aten.div", [], 1), o
+    assert o["source"] == line_of("return (loss * valid).sum() / valid.sum()"), o
+    assert rep["cause"] == "invalid" and "no row is to blame" in rep["hint"], rep["hint"]
+    assert "count.clamp_min(1)" in rep["hint"], rep["hint"]
 
 
 def test_unknown_letter_mapped_to_the_zeroed_pad_row_names_the_embedding_norm(tmp_path):
