@@ -56,7 +56,8 @@ def stack_labels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def make_waveforms(n: int, seed: int, dead: int | None = None, gap: int | None = None,
                    noise_only: int | None = None, clipped: int | None = None,
-                   outage: int | None = None, stacked: int | None = None):
+                   outage: int | None = None, stacked: int | None = None,
+                   unlabelled: int | None = None):
     """(n, 3, T) waveforms (counts) and (n, 3, T) labels; each keyword plants one window."""
     g = torch.Generator().manual_seed(seed)
     x = 0.05 * torch.randn(n, 3, T, generator=g)
@@ -64,6 +65,8 @@ def make_waveforms(n: int, seed: int, dead: int | None = None, gap: int | None =
     for i in range(n):
         if i == noise_only:  # a window cut from the noise data set: no pick
             y[i] = gaussian_labels(None, None)
+            continue
+        if i == unlabelled:  # a noise window whose label builder never ran: all zeros
             continue
         p = int(torch.randint(40, 110, (1,), generator=g))
         s = p + int(torch.randint(40, 90, (1,), generator=g))
@@ -144,7 +147,7 @@ class PhaseNet(nn.Module):
     """SeisBench's PhaseNet, shrunk: depth 3, strides of 4, skips concatenated on the way up."""
 
     def __init__(self, norm: str | None = "std", eps: float = 1e-6, bandpass: bool = True,
-                 bn: bool = True, attn: bool = False):
+                 bn: bool = True, attn: bool = False, detect: bool = False):
         super().__init__()
         self.bandpass = FFTBandpass() if bandpass else nn.Identity()
         self.norm = TraceNorm(norm, eps) if norm else nn.Identity()
@@ -157,6 +160,7 @@ class PhaseNet(nn.Module):
         self.out = nn.Conv1d(8, 3, 1)
         # EQTransformer's attention at the bottleneck, the gaps' samples masked out as keys
         self.attn = nn.MultiheadAttention(16, 2, batch_first=True) if attn else None
+        self.detector = nn.Conv1d(8, 1, 1) if detect else None  # EQTransformer's detection
 
     def forward(self, x, gaps=None):
         x = self.norm(self.bandpass(x))
@@ -170,6 +174,8 @@ class PhaseNet(nn.Module):
             e2 = e2 + self.attn(h, h, h, key_padding_mask=masked)[0].transpose(1, 2)
         d1 = self.dec2(torch.cat([self.up2(e2), e1], 1))
         d0 = self.dec1(torch.cat([self.up1(d1), e0], 1))
+        if self.detector is not None:
+            return self.out(d0), self.detector(d0).squeeze(1)
         return self.out(d0)  # (B, 3, T) logits for P, S, noise
 
 
@@ -207,6 +213,26 @@ def make_attention() -> PhaseNet:
     return PhaseNet(attn=True)
 
 
+def make_detector_raw() -> PhaseNet:
+    """EQTransformer-like picker and detector, no normalisation (as ``make_raw_no_bn``)."""
+    torch.manual_seed(0)
+    return PhaseNet(norm=None, bn=False, detect=True)
+
+
+def make_detector() -> PhaseNet:
+    torch.manual_seed(0)
+    return PhaseNet(detect=True)
+
+
+def eqt_loss(out, y):
+    """The picks' cross-entropy plus the detection's BCE on ``sigmoid`` written by hand, the
+    detection target what the noise class leaves."""
+    logits, det_logit = out
+    det, d = torch.sigmoid(det_logit), 1 - y[:, 2]
+    bce = -(d * torch.log(det) + (1 - d) * torch.log(1 - det)).mean()
+    return phasenet_loss(logits, y) + bce
+
+
 def phasenet_loss(logits, y):
     """PhaseNet's class-weighted cross-entropy against the soft labels."""
     logp = F.log_softmax(logits, 1)
@@ -224,6 +250,13 @@ def hand_log_loss(logits, y):
 def kl_loss(logits, y):
     """The soft labels as a distribution: KL(y || softmax) (SeisBench's users' ``KLDivLoss``)."""
     return F.kl_div(F.log_softmax(logits, 1), y, reduction="batchmean")
+
+
+def normalised_label_loss(logits, y):
+    """The labels renormalised to sum to 1 per sample before the cross-entropy (a window of the
+    noise data set comes with all-zero labels: the builder never ran)."""
+    y = y / y.sum(1, keepdim=True)
+    return -(y * F.log_softmax(logits, 1)).sum(1).mean()
 
 
 def pick_focused_loss(logits, y):

@@ -153,6 +153,38 @@ def test_stacked_events_labels_without_clamp_make_kl_div_nan_on_that_window(tmp_
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_noise_window_with_all_zero_labels_names_the_renormalisation_of_its_target(tmp_path):
+    """A window of the noise data set whose label builder never ran (all zeros, not noise = 1),
+    renormalised in the loss to sum to 1 per sample: 0/0 made of the labels alone. The replay
+    names that division on the window, says the target holds no mass there, and sends the user
+    to the code that built the target, not to an eps."""
+    ev, bundle = fire("make_model", tmp_path, {"unlabelled": 5}, loss=M.normalised_label_loss)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (2, "loss", "<loss>", "nan"), ev
+    rep = nanreplay_json(bundle, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.div", "nan", [5]), o
+    assert o["source"] == line_of("y = y / y.sum(1, keepdim=True)"), o
+    h = rep["hint"]
+    assert rep["cause"] == "invalid" and "computed from the batch's data alone" in h, h
+    assert "holds no mass at sample(s) 5" in h and "check the code that built that target" in h
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_hand_written_bce_of_the_detection_head_names_log_of_one_minus_sigmoid(tmp_path):
+    """EQTransformer's detection head with its BCE written by hand on ``sigmoid``, fed raw
+    counts with no normalisation: the detection logits are so large that ``sigmoid`` rounds to
+    1 and ``log(1 - det)`` is -inf on every window. The replay calls it precision, not data,
+    and gives the stable complement (logsigmoid(-z))."""
+    ev, bundle = fire("make_detector_raw", tmp_path, {}, loss=M.eqt_loss)
+    assert (ev["step"], ev["phase"], ev["module"]) == (0, "loss", "<loss>"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["samples"]) == ("aten.log", "-inf", list(range(8))), o
+    assert o["source"] == line_of("bce = -(d * torch.log(det) + (1 - d) * torch.log(1 - det))")
+    assert rep["cause"] == "precision", rep
+    assert "log(1 − sigmoid(z)) = logsigmoid(−z)" in rep["hint"], rep["hint"]
+
+
 def test_hand_written_log_of_softmax_underflows_on_raw_counts(tmp_path):
     """A model without any normalisation (no BatchNorm, no trace normalisation) fed raw counts:
     the logits are in the thousands and the softmax of the losing classes underflows to 0, so
@@ -216,6 +248,7 @@ def test_unrecorded_dead_component_turns_the_weights_nan(tmp_path):
     ("make_raw", {"dead": 3, "noise_only": 1}, {"how": "peak", "accum": 2}),
     ("make_model", {"dead": 1, "clipped": 6}, {"amp": torch.bfloat16}),
     ("make_attention", {"gap": 5, "noise_only": 0}, {"masked": True}),
+    ("make_detector", {"dead": 2, "unlabelled": 7}, {"loss": M.eqt_loss}),
 ])
 def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, make, bad, kw):
     """The guarded recipes (eps on the std or the peak, the pick mass floored, gaps filled and
