@@ -55,7 +55,7 @@ def stack_labels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def make_waveforms(n: int, seed: int, dead: int | None = None, gap: int | None = None,
-                   noise_only: int | None = None, clipped: int | None = None,
+                   noise_only: int | tuple = (), clipped: int | None = None,
                    outage: int | None = None, stacked: int | None = None,
                    unlabelled: int | None = None):
     """(n, 3, T) waveforms (counts) and (n, 3, T) labels; each keyword plants one window."""
@@ -63,7 +63,8 @@ def make_waveforms(n: int, seed: int, dead: int | None = None, gap: int | None =
     x = 0.05 * torch.randn(n, 3, T, generator=g)
     y = torch.zeros(n, 3, T)
     for i in range(n):
-        if i == noise_only:  # a window cut from the noise data set: no pick
+        if i in (noise_only if isinstance(noise_only, tuple) else (noise_only,)):
+            # a window cut from the noise data set: no pick
             y[i] = gaussian_labels(None, None)
             continue
         if i == unlabelled:  # a noise window whose label builder never ran: all zeros
@@ -257,6 +258,14 @@ def normalised_label_loss(logits, y):
     noise data set comes with all-zero labels: the builder never ran)."""
     y = y / y.sum(1, keepdim=True)
     return -(y * F.log_softmax(logits, 1)).sum(1).mean()
+
+
+def balanced_loss(logits, y):
+    """Class weights from the batch's own label mass, inverse frequency (``n / (3 * mass)``):
+    a batch of noise windows only has no P or S mass."""
+    mass = y.sum((0, 2))
+    w = (mass.sum() / (3 * mass))[None, :, None]
+    return -(w * y * F.log_softmax(logits, 1)).sum(1).mean()
 
 
 def pick_focused_loss(logits, y):

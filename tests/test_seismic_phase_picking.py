@@ -185,6 +185,26 @@ def test_hand_written_bce_of_the_detection_head_names_log_of_one_minus_sigmoid(t
     assert "log(1 − sigmoid(z)) = logsigmoid(−z)" in rep["hint"], rep["hint"]
 
 
+def test_batch_class_weights_of_a_micro_batch_without_picks_name_the_class_mass(tmp_path):
+    """Inverse-frequency class weights from each micro-batch's own soft-label mass, the batch
+    in four micro-batches of 2: micro-batch 2 holds two noise windows, no P or S mass, so the
+    weights of P and S are 1/0 and the labels' 0 times them NaN. No window is to blame: the
+    replay names the division by a count per class of the batch's labels, no sample, and the
+    fix (count over the training set, smooth or floor). It said "add an eps or skip the rows
+    where it is 0", then blamed "a mask's 0" (the absent class's labels)."""
+    ev, bundle = fire("make_model", tmp_path, {"noise_only": (4, 5)}, loss=M.balanced_loss,
+                      accum=4)
+    assert (ev["step"], ev["phase"], ev["micro_batch"], ev["kind"]) == (2, "loss", 2, "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["op"], o["made"], o["micro_batch"], o["samples"]) == ("aten.div", "+inf", 2, []), o
+    assert o["source"] == line_of("w = (mass.sum() / (3 * mass))[None, :, None]"), o
+    h = rep["hint"]
+    assert rep["cause"] == "invalid" and "of a count per class (or bin) of the batch's labels" in h
+    assert "one-hot or soft labels summed over the batch" in h and "no sample is to blame" in h, h
+    assert "count over the training set once" in h and "mask's 0" not in h, h
+
+
 def test_hand_written_log_of_softmax_underflows_on_raw_counts(tmp_path):
     """A model without any normalisation (no BatchNorm, no trace normalisation) fed raw counts:
     the logits are in the thousands and the softmax of the losing classes underflows to 0, so
