@@ -99,14 +99,21 @@ def normalize(x: torch.Tensor, how: str = "peak", eps: float = 1e-10) -> torch.T
 
 
 def dataset(n: int, seed: int, bad: dict | None = None, how: str | None = "peak",
-            eps: float = 1e-10, masked: bool = False):
+            eps: float = 1e-10, masked: bool = False, noise: bool = False):
     """``masked``: gaps filled with 0 and returned as a (n, T) mask (True: missing)."""
-    x, y = make_waveforms(n, seed, **(bad or {}))
+    bad = dict(bad or {})
+    noise_dead = bad.pop("noise_dead", None)
+    x, y = make_waveforms(n, seed, **bad)
     gaps = torch.isnan(x).any(1)
     if masked:
         x = x.nan_to_num(0.0)
     if how is not None:
         x = normalize(x, how, eps)
+    if noise:  # noise windows to add, drawn from the noise data set
+        z = 0.05 * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 99))
+        if noise_dead is not None:  # a noise window from a station with a dead component
+            z[noise_dead, 2] = 0.0
+        return torch.utils.data.TensorDataset(x, z, y)
     return torch.utils.data.TensorDataset(x, gaps, y) if masked else \
         torch.utils.data.TensorDataset(x, y)
 
@@ -163,7 +170,10 @@ class PhaseNet(nn.Module):
         self.attn = nn.MultiheadAttention(16, 2, batch_first=True) if attn else None
         self.detector = nn.Conv1d(8, 1, 1) if detect else None  # EQTransformer's detection
 
-    def forward(self, x, gaps=None):
+    def forward(self, x, gaps=None, noise=None, snr_db: float = 10.0):
+        if noise is not None and self.training:  # noise windows added at a target SNR
+            scale = x.std(-1, keepdim=True) / (noise.std(-1, keepdim=True) * 10 ** (snr_db / 20))
+            x = x + scale * noise
         x = self.norm(self.bandpass(x))
         e0 = self.inc(x)
         e1 = self.down1(e0)

@@ -26,7 +26,8 @@ def line_of(text: str) -> str:
 
 def train(make: str, out_dir, bad: dict | None = None, steps: int = 3, record: bool = True,
           loss=M.phasenet_loss, how: str | None = None, eps: float = 1e-10,
-          amp: torch.dtype | None = None, accum: int = 1, masked: bool = False):
+          amp: torch.dtype | None = None, accum: int = 1, masked: bool = False,
+          noise: bool = False):
     """PhaseNet's recipe: Adam, ReduceLROnPlateau on the step loss, clip_grad_norm_(1), batches
     of 8 windows from a DataLoader, ``accum`` micro-batches each; ``bad`` plants a window in the
     last step's batch; ``how`` normalises in the data pipeline. Returns the model and losses."""
@@ -39,13 +40,15 @@ def train(make: str, out_dir, bad: dict | None = None, steps: int = 3, record: b
     with rec if rec is not None else contextlib.nullcontext():
         loss_fn = rec.loss_fn if rec is not None else loss
         for step in range(steps):
-            data = M.dataset(8, step, bad if step == steps - 1 else None, how, eps, masked)
+            data = M.dataset(8, step, bad if step == steps - 1 else None, how, eps, masked,
+                             noise)
             for *x, y in torch.utils.data.DataLoader(data, batch_size=8):
                 opt.zero_grad()
                 total = 0.0
                 for *xb, yb in zip(*(t.chunk(accum) for t in x), y.chunk(accum)):
+                    kw = {"noise": xb.pop()} if noise else {}  # (an extra keyword of forward)
                     with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
-                        out = loss_fn(model(*xb), yb) / accum
+                        out = loss_fn(model(*xb, **kw), yb) / accum
                     out.backward()
                     total += out.item()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -205,6 +208,22 @@ def test_batch_class_weights_of_a_micro_batch_without_picks_name_the_class_mass(
     assert "count over the training set once" in h and "mask's 0" not in h, h
 
 
+def test_noise_window_with_a_dead_component_at_a_target_snr_names_the_scale(tmp_path):
+    """Augmentation by adding noise windows, passed to ``forward`` as a keyword, scaled to a
+    target SNR by the ratio of the stds: a noise window from a station with a dead component
+    has a std of 0 there, so the scale is x/0 = +inf (then inf * 0 = NaN). The replay names
+    that division in the root module's forward on that window and the eps it lacks."""
+    ev, bundle = fire("make_model", tmp_path, {"noise_dead": 3}, noise=True)
+    assert (ev["step"], ev["phase"], ev["module"], ev["kind"]) == (2, "forward", "", "nan"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.div", "+inf", [3]), o
+    assert o["source"] == line_of(
+        "scale = x.std(-1, keepdim=True) / (noise.std(-1, keepdim=True) * 10 ** (snr_db / 20))")
+    assert rep["cause"] == "invalid" and "by 0 (x/0, a pole)" in rep["hint"], rep["hint"]
+    assert "add an eps to the denominator" in rep["hint"], rep["hint"]
+
+
 def test_hand_written_log_of_softmax_underflows_on_raw_counts(tmp_path):
     """A model without any normalisation (no BatchNorm, no trace normalisation) fed raw counts:
     the logits are in the thousands and the softmax of the losing classes underflows to 0, so
@@ -269,6 +288,7 @@ def test_unrecorded_dead_component_turns_the_weights_nan(tmp_path):
     ("make_model", {"dead": 1, "clipped": 6}, {"amp": torch.bfloat16}),
     ("make_attention", {"gap": 5, "noise_only": 0}, {"masked": True}),
     ("make_detector", {"dead": 2, "unlabelled": 7}, {"loss": M.eqt_loss}),
+    ("make_model", {"dead": 4}, {"noise": True, "accum": 2}),
 ])
 def test_guarded_runs_raise_nothing_and_train_the_same(tmp_path, make, bad, kw):
     """The guarded recipes (eps on the std or the peak, the pick mass floored, gaps filled and
