@@ -11,10 +11,13 @@
   divided by its peak amplitude or its std (``eps`` added, or not).
 - ``PhaseNet``: an FFT band-pass (1-45 Hz by masking ``rfft`` bins), per-channel
   normalisation inside the model (std or peak), a 1-D U-Net (strided convs down, transposed
-  convs up, skips), logits for P, S and noise.
+  convs up, skips), logits for P, S and noise; optionally EQTransformer's attention at the
+  bottleneck (the gaps, filled with 0, masked as keys: ``forward(x, gaps)``), its detection
+  head, and noise windows added at a target SNR (``forward(x, noise=...)``).
 - Losses: PhaseNet's class-weighted cross-entropy against the soft labels (``log_softmax``, or
-  ``log(softmax)`` written by hand), and a pick-focused variant averaged over each window's
-  own pick label mass.
+  ``log(softmax)`` written by hand), ``kl_div``, the labels renormalised per sample, class
+  weights from the batch's own label mass, a pick-focused variant averaged over each window's
+  own pick label mass, and EQTransformer's detection BCE written by hand.
 """
 
 from __future__ import annotations
