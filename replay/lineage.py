@@ -64,7 +64,7 @@ class Lineage:
         self.learned = TensorSet()
         self.raw: RawPole | None = None  # a pole op on the batch's own values (forward only)
         self.log_sum_exp = LogSumExp()  # a log of a sum of exps, written out
-        self.counts = ClassCounts()  # a pole op on a per-class count (1 / bincount(target))
+        self.counts = ClassCounts(self._learned)  # a pole op on a count per class (1 / bincount)
         self.product = ProductUnderflow()  # a log of a product that underflowed
         self.empty_groups = EmptyGroups()  # a division by a per-group count, 0 at a group
         # the outputs of _TRANSFORMS, with the op's name and whether it took a learned value

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .class_counts import PER_CLASS
 from .load import Step
 from .masked_after import masked_in_loss
 from .masked_product import mask_dropped
@@ -35,6 +36,7 @@ def masked_overflow_hint(report: dict[str, Any], step: Step) -> None:
     o = report["origin"]
     if report.get("cause") not in ("overflow", "invalid") or o.get("phase") != "loss" \
             or (report.get("cause") == "invalid" and "mask's 0" in (report.get("hint") or "")) \
+            or PER_CLASS in (report.get("hint") or "") \
             or o.get("module") != "<loss>" or o.get("made") not in ("+inf", "-inf") \
             or step.model is None or step.loss_fn is None or not report.get("hint"):
         return
