@@ -166,6 +166,24 @@ def make_vae_pose_refine() -> CryoVAE:
     return CryoVAE(n_particles=32)
 
 
+class RefineCTF(CryoVAE):
+    """Per-particle CTF refinement: each particle's log defocus (Å) an embedding row the
+    optimizer refines, initialised from the STAR file's values."""
+
+    def __init__(self, star_log_df):
+        super().__init__(log_defocus=False)
+        self.log_df = nn.Embedding.from_pretrained(star_log_df, freeze=False)
+
+    def forward(self, img, quat, defocus, idx):
+        return super().forward(img, quat, torch.exp(self.log_df(idx)), idx)
+
+
+def make_refine_ctf() -> RefineCTF:
+    """The STAR file's row 29 holds its defocus in Å, not log(Å)."""
+    torch.manual_seed(0)
+    return RefineCTF(particles(raw_defocus=29).tensors[2].clone())
+
+
 class CTFNet(nn.Module):
     """A learned CTF estimator: the log power spectrum of a counting-mode patch (integer
     electron counts, mean subtracted) to its log defocus."""

@@ -119,6 +119,24 @@ def test_defocus_in_angstrom_where_log_was_expected_overflows_exp_on_that_partic
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_refined_defocus_row_loaded_in_angstrom_names_the_untouched_embedding_row(tmp_path):
+    """Per-particle defocus refinement: an embedding of log(Å) loaded from the STAR file,
+    whose row 29 holds 15000 (Å). No batch looks that row up before step 3, so Adam never
+    moved it; then exp overflows on that particle. The hint names the parameter and its row,
+    says its optimizer state is still 0 (the loaded value), and sends the user to the
+    initialisation, not to the learning rate."""
+    ev, bundle = fire("make_refine_ctf", tmp_path)
+    assert (ev["step"], ev["module"], ev["samples"]) == (3, "", [5]), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["made"], o["samples"]) == ("", "aten.exp", "+inf", [5]), o
+    assert o["source"] == line_of("torch.exp(self.log_df(idx))"), o
+    h = rep["hint"]
+    assert rep["cause"] == "overflow" and "parameter log_df.weight" in h, h
+    assert "row(s) 29 of log_df.weight" in h and "fix that initialisation" in h, h
+    assert "lower the learning rate" not in h and "lower its learning rate" not in h, h
+
+
 def test_zero_initialised_axis_angle_pose_correction_names_sqrt_backward(tmp_path):
     """Per-particle pose corrections start at the identity (axis-angle 0). Rodrigues' formula
     with ``theta = sqrt(sum v^2)`` and an eps only in the division is finite forward, but
