@@ -7,7 +7,12 @@ Fourier features of 3-D coordinates, an MLP) evaluated on the central slice rota
 particle's pose, a quaternion from the pose search normalised into a rotation matrix (the
 Fourier slice theorem); the slice times the particle's CTF (defocus from the STAR file as
 ``log`` of Å, spherical aberration, amplitude contrast) is compared with the image's
-symmetrised Hartley transform (``fft2`` + ``fftshift``, ``real - imag``).
+symmetrised Hartley transform (``fft2`` + ``fftshift``, ``real - imag``); optionally
+per-particle axis-angle pose corrections (Rodrigues' formula, an embedding started at 0).
+``RefineCTF``: per-particle defocus refinement, an embedding of log(Å) loaded from the STAR
+file. ``CTFNet``: a learned CTF estimator over the log power spectrum of counting-mode patches.
+``PoseMarginal``: local refinement marginalising over candidate poses, those outside the
+particle's search window masked to -inf before the loss's logsumexp.
 """
 
 from __future__ import annotations
@@ -246,3 +251,53 @@ def particles(n: int = 32, blank: int | None = None, zero_quat: int | None = Non
     if raw_defocus is not None:
         log_df[raw_defocus] = 15000.0
     return torch.utils.data.TensorDataset(img, quat, log_df[:, None], torch.arange(n))
+
+
+class PoseMarginal(nn.Module):
+    """Local pose marginalisation (RELION / cryoSPARC local refinement): the decoder's slice
+    at each of K candidate poses, each candidate's log-likelihood of the image, candidates
+    outside the angular window around the particle's prior pose masked to -inf."""
+
+    def __init__(self, k: int = 6, window: float = 0.95, sigma: float = 1.0):
+        super().__init__()
+        self.vae = CryoVAE()
+        g = torch.Generator().manual_seed(1)
+        self.register_buffer("grid", F.normalize(torch.randn(k, 4, generator=g), dim=-1))
+        self.window, self.sigma = window, sigma
+
+    def forward(self, img, prior, defocus):
+        img = normalise_particles(img, 1e-6)
+        target, defocus = hartley(img), torch.exp(defocus)
+        z = self.vae.encoder(self.vae.wiener(img, defocus))[0]
+        ctf = ctf_2d(self.vae.freqs, defocus)
+        rot = quat_to_rot(self.grid, 1e-6)  # (K, 3, 3)
+        coords = (self.vae.lattice @ rot).flatten(0, 1)[None].expand(len(img), -1, -1)
+        slices = self.vae.decoder(coords, z).view(len(img), len(rot), D, D)
+        err = ((slices * ctf[:, None] - target[:, None]) ** 2).mean((-2, -1))
+        logits = -err / (2 * self.sigma ** 2)
+        near = (prior @ self.grid.T).abs() > self.window  # within the local search window
+        return logits.masked_fill(~near, float("-inf"))
+
+
+def marginal_nll(logits):
+    return -torch.logsumexp(logits, -1).mean()
+
+
+def make_pose_marginal() -> PoseMarginal:
+    torch.manual_seed(0)
+    return PoseMarginal()
+
+
+def local_priors(n: int = 32, off_grid: int | None = None, seed: int = 0):
+    """Particles whose prior pose is a grid pose jittered a little; ``off_grid``: a particle
+    whose prior came from another consensus refinement, outside every candidate's window."""
+    data = particles(n, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    grid = make_pose_marginal().grid
+    prior = grid[torch.arange(n) % len(grid)] + 0.02 * torch.randn(n, 4, generator=g)
+    if off_grid is not None:
+        far = torch.randn(4, generator=g)
+        prior[off_grid] = far - (grid.T @ torch.linalg.lstsq(grid.T, far[:, None]).solution)[:, 0]
+    prior = F.normalize(prior, dim=-1)
+    img, _, log_df, _ = data.tensors
+    return torch.utils.data.TensorDataset(img, prior, log_df)

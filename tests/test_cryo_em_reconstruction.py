@@ -226,3 +226,52 @@ def test_unrecorded_blank_crop_turns_the_weights_nan(tmp_path):
     event above is the bug, not a false alarm."""
     model = train("make_vae_no_eps", tmp_path, record=False, blank=29)
     assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def train_local(out_dir, off_grid: int | None = None, record: bool = True):
+    """Local refinement by pose marginalisation: the model's -inf outside each particle's
+    search window is intended (``allow_inf``), the loss's logsumexp reads the rest."""
+    model = M.make_pose_marginal()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(M.local_priors(off_grid=off_grid), batch_size=8)
+    rec = FlightRecorder(model, opt, loss_fn=M.marginal_nll, out_dir=out_dir, allow_inf=[""],
+                         factory="cryo_em_reconstruction_models:make_pose_marginal"
+                         ) if record else None
+    with rec if rec is not None else contextlib.nullcontext():
+        loss_fn = rec.loss_fn if rec is not None else M.marginal_nll
+        for batch in loader:
+            loss = loss_fn(model(*batch))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    return model
+
+
+def test_local_search_window_with_no_candidate_names_the_logsumexp_and_the_particle(tmp_path):
+    """A particle whose prior pose came from another refinement lies outside every
+    candidate's window: its row of masked log-likelihoods is all -inf, the marginal's
+    logsumexp is -inf and the loss +inf. The replay names the logsumexp in the loss, that
+    particle, the fully masked row, and dropping the particle makes the step finite."""
+    with pytest.raises(NonFiniteError) as info:
+        train_local(tmp_path, off_grid=29)
+    ev = info.value.event
+    assert (ev["step"], ev["phase"], ev["kind"]) == (3, "loss", "+inf"), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["op"], o["samples"]) == (
+        "loss", "<loss>", "aten.logsumexp", [5]), o
+    assert o["source"] == line_of("return -torch.logsumexp(logits, -1).mean()"), o
+    assert rep["cause"] == "invalid" and "every entry is -inf" in rep["hint"], rep["hint"]
+    assert "keep at least one" in rep["hint"], rep["hint"]
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
+
+
+def test_local_search_windows_masked_to_minus_inf_train_the_same(tmp_path):
+    """Every particle with candidates in its window: the -inf of the others stays inside
+    the marginal, no event, bit-identical weights with and without the recorder."""
+    recorded = train_local(tmp_path)
+    plain = train_local(tmp_path, record=False)
+    assert not list(tmp_path.glob("*.nan"))
+    for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
