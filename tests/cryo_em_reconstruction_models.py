@@ -10,7 +10,8 @@ Fourier slice theorem); the slice times the particle's CTF (defocus from the STA
 symmetrised Hartley transform (``fft2`` + ``fftshift``, ``real - imag``); optionally
 per-particle axis-angle pose corrections (Rodrigues' formula, an embedding started at 0).
 ``RefineCTF``: per-particle defocus refinement, an embedding of log(Å) loaded from the STAR
-file. ``CTFNet``: a learned CTF estimator over the log power spectrum of counting-mode patches.
+file. ``CTFNet``: a learned CTF estimator over the log power (or amplitude) spectrum of
+counting-mode patches.
 ``PoseMarginal``: local refinement marginalising over candidate poses, those outside the
 particle's search window masked to -inf before the loss's logsumexp.
 """
@@ -207,6 +208,8 @@ class CTFNet(nn.Module):
             dc = torch.zeros_like(ps, dtype=torch.bool)
             dc[..., 0, 0] = True
             return self.net(torch.where(dc, 0.0, logps).flatten(1))
+        if self.mask == "amplitude":  # the amplitude spectrum, not its log
+            return self.net(torch.fft.rfft2(counts).abs().flatten(1))
         if self.mask == "zeros":  # every exact zero's -inf dropped: healthy
             return self.net(torch.where(ps > 0, torch.log(ps), 0.0).flatten(1))
         return self.net(torch.log(ps + self.eps).flatten(1))  # the bug at eps=0: DC is exactly 0
@@ -227,10 +230,19 @@ def make_ctfnet_masked() -> CTFNet:
     return CTFNet(mask="zeros")
 
 
-def counting_patches(n: int = 32, seed: int = 0):
-    """Poisson electron counts (integer valued) and each patch's log defocus, centred."""
+def make_ctfnet_amplitude() -> CTFNet:
+    torch.manual_seed(0)
+    return CTFNet(mask="amplitude")
+
+
+def counting_patches(n: int = 32, seed: int = 0, adu: int | None = None):
+    """Poisson electron counts (integer valued) and each patch's log defocus, centred;
+    ``adu``: a patch from an integrating camera's micrograph, in ADU (about 1000 per
+    electron), merged into the counting-mode data set without conversion."""
     g = torch.Generator().manual_seed(seed)
     counts = torch.poisson(torch.full((n, D, D), 3.0), generator=g)
+    if adu is not None:
+        counts[adu] *= 1000.0
     return torch.utils.data.TensorDataset(counts, torch.randn(n, 1, generator=g))
 
 

@@ -275,3 +275,34 @@ def test_local_search_windows_masked_to_minus_inf_train_the_same(tmp_path):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_fp16_autocast_of_an_adu_patch_amplitude_names_the_cast_and_the_patch(tmp_path):
+    """The CTF estimator over amplitude spectra under float16 autocast: the FFT runs in
+    complex64, but the first Linear casts its input to float16, where the DC amplitude of a
+    patch in ADU (1000x counts) overflows. The replay names the cast in that Linear, the
+    patch, float16's range, and the patch's out-of-scale data."""
+    model = M.make_ctfnet_amplitude()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(M.counting_patches(adu=29), batch_size=8)
+    crit = torch.nn.MSELoss()
+    with pytest.raises(NonFiniteError) as info:
+        with FlightRecorder(model, opt, loss_fn=crit, out_dir=tmp_path,
+                            factory="cryo_em_reconstruction_models:make_ctfnet_amplitude") as rec:
+            for x, y in loader:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x)
+                loss = rec.loss_fn(out.float(), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    ev = info.value.event
+    assert (ev["step"], ev["module"], ev["kind"], ev["samples"]) == (3, "net.0", "+inf", [5]), ev
+    rep = nanreplay_json(info.value.bundle_path, "--try", "drop=5")
+    o = rep["origin"]
+    assert (o["module"], o["op"], o["samples"]) == ("net.0", "aten._to_copy", [5]), o
+    assert o["source"] == line_of("return self.net(torch.fft.rfft2(counts).abs().flatten(1))"), o
+    h = rep["hint"]
+    assert rep["cause"] == "overflow" and "float16's largest value" in h, h
+    assert "out of scale" in h and "--try drop=5" in h, h
+    assert rep["what_if"][0]["finite"] is True, rep["what_if"]
