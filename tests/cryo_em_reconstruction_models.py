@@ -247,11 +247,12 @@ def counting_patches(n: int = 32, seed: int = 0, adu: int | None = None):
 
 
 def particles(n: int = 32, blank: int | None = None, zero_quat: int | None = None,
-              raw_defocus: int | None = None, seed: int = 0):
+              raw_defocus: int | None = None, nan_pixel: int | None = None, seed: int = 0):
     """Noisy projections, pose-search quaternions and log-defocus (Å) of ``n`` particles;
     ``blank``: a crop at the micrograph's edge, all zeros; ``zero_quat``: a particle the pose
     initialiser left at (0, 0, 0, 0); ``raw_defocus``: a STAR row whose defocus was written in Å,
-    not log(Å)."""
+    not log(Å); ``nan_pixel``: a particle whose MRC crop holds a NaN pixel (a hot pixel a
+    failed gain correction divided by 0)."""
     g = torch.Generator().manual_seed(seed)
     img = torch.randn(n, D, D, generator=g) + 2.0
     quat = torch.randn(n, 4, generator=g)
@@ -262,6 +263,8 @@ def particles(n: int = 32, blank: int | None = None, zero_quat: int | None = Non
         quat[zero_quat] = 0.0
     if raw_defocus is not None:
         log_df[raw_defocus] = 15000.0
+    if nan_pixel is not None:
+        img[nan_pixel, 3, 3] = float("nan")
     return torch.utils.data.TensorDataset(img, quat, log_df[:, None], torch.arange(n))
 
 

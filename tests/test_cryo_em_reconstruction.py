@@ -78,6 +78,17 @@ def test_blank_crop_normalised_by_its_std_names_the_division_and_the_particle(tm
     assert rep["what_if"][0]["finite"] is True, rep["what_if"]
 
 
+def test_nan_pixel_in_a_particle_stack_is_an_input_event_on_that_particle(tmp_path):
+    """A NaN pixel in one particle's crop (the stack as read from the MRC file): an input
+    event on that particle, before the model ran, with the data pipeline to check."""
+    ev, bundle = fire("make_vae", tmp_path, nan_pixel=29)
+    assert (ev["step"], ev["phase"], ev["samples"]) == (3, "input", [5]), ev
+    rep = nanreplay_json(bundle)
+    assert (rep["origin"]["phase"], rep["origin"]["samples"], rep["cause"]) == (
+        "input", [5], "input"), rep
+    assert "the batch itself holds NaN/Inf" in rep["hint"], rep["hint"]
+
+
 def test_zero_quaternion_from_the_pose_initialiser_names_its_normalisation(tmp_path):
     """The pose search left one particle at quaternion (0, 0, 0, 0); normalising it by its
     norm without eps is 0/0 in that row."""
