@@ -6,12 +6,16 @@ the recorded optimizer holds no state for it yet (Adam's moments and step are ma
 first update; Adagrad's step is still 0), no update has touched it: the value is the one the
 model was built or loaded with, and the fix is that initialisation (a warm start that copied
 scVI's dispersion ``theta`` into ``px_r``, which the model exponentiates), not the learning
-rate.
+rate. So is a row of an embedding the optimizer updates but no batch has looked up yet (a
+per-particle defocus table loaded from a STAR file, one row in Å where its log belongs): its
+optimizer state is still exactly 0 there.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 # torch.optim classes whose per-parameter state exists once they have updated it
 _LAZY = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta", "Rprop", "ASGD",
@@ -36,10 +40,20 @@ def never_updated(step, name: str) -> bool:
 
 def initial_value_hint(step, hint: str | None, cause: str, hit) -> str | None:
     """``hint`` whose advice for the overflowing parameter ``hit.param`` speaks of its
-    initial value instead of its learning rate when no update has touched it."""
+    initial value instead of its learning rate when no update has touched it, or none has
+    touched the rows holding the op's largest input (:func:`untouched_rows`)."""
     if hint is None or hit is None or hit.param is None or cause != "overflow" \
-            or not hint.endswith(_LR_ADVICE) or not never_updated(step, hit.param):
+            or not hint.endswith(_LR_ADVICE):
         return hint
+    if not never_updated(step, hit.param):
+        rows = untouched_rows(step, hit.param, hit.input_max)
+        return hint if not rows else (
+            hint.replace(_GENERIC_LR, "", 1).removesuffix(_LR_ADVICE)
+            + f"; row(s) {', '.join(map(str, rows[:8]))} of {hit.param}, which hold the "
+            f"largest input {hit.input_max:.4g}, have never had a gradient (the "
+            "optimizer's state is exactly 0 there: no batch looked them up before), so they "
+            "still hold the values the model was built or loaded with: fix that "
+            "initialisation (a value copied where its log belongs), not the learning rate")
     if not any(k.startswith("optim/") for k in step.tensors) \
             and not (step.meta.get("optimizer") or {}).get("state_scalars"):
         hint = hint.replace(_GENERIC_LR, "", 1)  # (no update has run at all)
@@ -47,3 +61,20 @@ def initial_value_hint(step, hint: str | None, cause: str, hit) -> str | None:
             + f"; the optimizer has not updated {hit.param} yet, so that is its initial value, "
               "as the model was built or loaded: fix that initialisation (a value copied where "
               "its log belongs, for a parameter the model exponentiates)")
+
+
+def untouched_rows(step, name: str, value: float | None) -> list[int]:
+    """The rows of the parameter ``name`` holding ``value`` whose optimizer state is exactly 0
+    in every state tensor of the parameter's shape, when others' is not (rows no gradient
+    has reached: an embedding's ids no batch held yet); else []."""
+    w = step.tensors.get(f"weights/{name}")
+    if w is None or value is None or w.dim() < 1 or len(w) < 2:
+        return []
+    states = [t.reshape(len(w), -1) for k, t in step.tensors.items()
+              if k.startswith(f"optim/{name}/") and t.shape == w.shape]
+    held = (w == value).reshape(len(w), -1).any(1)
+    zero = [(t == 0).all(1) for t in states]
+    if not states or not bool(held.any()) or all(bool(z.all()) for z in zero):
+        return []
+    untouched = held & torch.stack(zero).all(0)
+    return untouched.nonzero().flatten().tolist() if bool(untouched.eq(held).all()) else []

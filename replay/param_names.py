@@ -1,5 +1,6 @@
 """Which of the model's parameters an op took as its input: the parameter itself, a view of
-it (an element, ``log(self.sigma[i])``), or a copy of its values an op made without changing
+it (an element, ``log(self.sigma[i])``), the rows an embedding lookup took
+(``exp(self.log_df(idx))``), or a copy of its values an op made without changing
 them (``torch.diagonal(torch.tril(self.chol))``: an SVGP's Cholesky factor, whose diagonal
 an update stepped to 0), so that the hint names the parameter to keep in the op's domain; a
 division's divisor also when an op made it of one parameter alone (RMTPP's ``w.clamp(min=0)``,
@@ -15,7 +16,8 @@ import torch
 
 # ops whose output holds some of their one floating input's values, unchanged
 _COPIES = {"tril", "triu", "clone", "_to_copy", "contiguous", "diagonal_copy", "index",
-           "index_select", "gather", "take_along_dim", "masked_select", "repeat", "expand_copy"}
+           "index_select", "gather", "take_along_dim", "masked_select", "repeat", "expand_copy",
+           "embedding"}
 # divisions: their divisor alone decides the pole every quotient shares
 _DIVISIONS = {"div", "true_divide"}
 
