@@ -151,3 +151,30 @@ def test_healthy_runs_raise_nothing_and_train_the_same(tmp_path, make):
     assert not list(tmp_path.glob("*.nan"))
     for (name, a), b in zip(recorded.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_fresh_cell_fade_rate_pole_saturated_by_the_lstm_names_the_pow(tmp_path):
+    """A fresh cell at cycle 0: the square-root law's fade rate ``a z N^(z-1)`` is +inf (a
+    pole of 0 to the power -0.5); the LSTM's gates saturate it to a finite output, and its
+    weight gradient is inf * 0 = NaN: a backward event. The replay follows the +inf the LSTM
+    saved to the pow that made it, in cell 3, though a 0/0 of ``dI/dt`` in the padded steps
+    (dropped by the packing) was made before it; the hint asks for a safe base."""
+    ev, bundle = fire("make_cell_fade_rate", tmp_path, "fresh")
+    assert (ev["step"], ev["phase"]) == (3, "backward"), ev
+    rep = nanreplay_json(bundle)
+    o = rep["origin"]
+    assert (o["phase"], o["module"], o["samples"], rep["cause"]) == (
+        "backward", "residual.lstm", [3], "invalid"), rep
+    made = o["chain"][0]
+    assert (made["op"], made["made"], made["source"]) == (
+        "aten.pow", "+inf", line_of("cycles.pow(self.z - 1)")), o
+    assert "0 to a negative power" in rep["hint"] and "clamp(min=1)" in rep["hint"], rep["hint"]
+
+
+def test_unrecorded_fresh_cell_turns_the_weights_nan(tmp_path):
+    """Without the recorder the fresh cell's step leaves every trained weight NaN (clipping
+    scales the NaN gradient by a NaN norm): the backward event above is the bug, not a false
+    alarm. (``k_nernst`` is unused without the Nernst term: no gradient.)"""
+    model = train("make_cell_fade_rate", tmp_path, "fresh", record=False)
+    finite = [n for n, p in model.named_parameters() if torch.isfinite(p).all()]
+    assert finite == ["k_nernst"], finite
